@@ -1,0 +1,50 @@
+# The two commands of the README: `make run` and `make test`. Everything they need is installed here.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.lmq-installed
+DATA   ?= ./data
+PORT   ?= 8081
+
+.PHONY: run test lint types imports unit e2e operator-suite reclaim-suite chart-suite proto proto-check testenv bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m lmq_broker serve --data-dir $(DATA) --port $(PORT)
+
+# Lint, types, import layers, then every suite. The official RocketMQ client ships its own copy of the
+# apache.rocketmq.v2 descriptors, so suites that import it run in their own interpreter (tests/e2e).
+test: $(STAMP) lint types imports proto-check testenv
+	$(BIN)/python -m pytest tests --ignore=tests/e2e
+	$(BIN)/python -m pytest tests/e2e
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+types: $(STAMP)
+	$(BIN)/mypy broker operator tests bench
+
+imports: $(STAMP)
+	$(BIN)/lint-imports
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+proto-check: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py --check
+
+# Real kube-apiserver + etcd for the operator suite, built from Go modules and cached outside the repo.
+testenv:
+	bash scripts/testenv-build.sh
+
+bench: $(STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

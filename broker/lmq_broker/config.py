@@ -1,0 +1,58 @@
+"""Broker configuration: one pydantic model, filled from flags and ``LMQ_*`` environment variables.
+
+Defaults follow RocketMQ 5.5.0 where it has one (proxy port 8081, 4 MiB bodies, 20 s long polling,
+2000 subscriptions per client, 100 ready events per client, 64-byte lite topic names).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Final
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_PREFIX: Final = "LMQ_"
+
+
+class FlushMode(enum.StrEnum):
+    SYNC = "sync"  # an append returns only after fsync: an acknowledged message is never lost
+    ASYNC = "async"  # fsync every flush_interval_ms
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data_dir: Path = Path("./data")
+    flush_mode: FlushMode = FlushMode.SYNC
+    flush_interval_ms: int = Field(default=200, ge=1)
+    segment_max_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
+    max_record_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    retention_max_age_ms: int = Field(default=72 * 3600 * 1000, ge=-1)  # -1 keeps forever
+    retention_max_bytes: int = Field(default=-1, ge=-1)  # -1 unlimited
+    index_cache_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
+
+
+class BrokerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    store: StoreConfig = StoreConfig()
+    host: str = "0.0.0.0"
+    port: int = Field(default=8081, ge=0, le=65535)
+    advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
+    metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
+    broker_name: str = "broker-0"
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    long_polling_timeout_ms: int = Field(default=20_000, ge=1000)
+    receive_batch_size: int = Field(default=32, ge=1, le=1024)
+    max_lite_topic_size: int = Field(default=64, ge=1, le=64)
+    default_client_quota: int = Field(default=2000, ge=1)
+    default_ready_capacity: int = Field(default=100, ge=10)
+    max_subscriptions_per_broker: int = Field(default=100_000, ge=1)  # maxLiteSubscriptionCount
+    max_lite_topics_per_broker: int = Field(default=-1, ge=-1)
+    client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
+    bootstrap: bool = True  # create AGENT_TASK_NS + executor-group on first start
+    access_key: str = ""
+    secret_key: str = ""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None

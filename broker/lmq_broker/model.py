@@ -1,0 +1,181 @@
+"""Values shared by every layer of the broker.
+
+Names follow RocketMQ: a *parent topic* is a normal topic whose message type is LITE; a *lite topic* is a
+runtime string under it, stored as the Light Message Queue ``%LMQ%$<parent>$<lite>`` (always queue 0).
+Everything here is a frozen value; behaviour lives in the layers above.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Final, NewType
+
+LMQ_PREFIX: Final = "%LMQ%"
+LMQ_SEPARATOR: Final = "$"
+MAX_LITE_TOPIC_BYTES: Final = 64  # RocketMQ proxy maxLiteTopicSize
+MAX_RESOURCE_NAME_BYTES: Final = 127
+DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # RocketMQ proxy maxMessageSize
+
+ClientId = NewType("ClientId", str)
+GroupName = NewType("GroupName", str)
+
+_LITE_TOPIC_RE: Final = re.compile(r"^[A-Za-z0-9_-]+$")
+_RESOURCE_RE: Final = re.compile(r"^[%A-Za-z0-9_-]+$")
+
+
+class MessageType(enum.IntEnum):
+    """Same numbers as ``apache.rocketmq.v2.MessageType``."""
+
+    NORMAL = 1
+    FIFO = 2
+    DELAY = 3
+    TRANSACTION = 4
+    LITE = 5
+    PRIORITY = 6
+
+
+class SubscriptionModel(enum.StrEnum):
+    SHARED = "Shared"
+    EXCLUSIVE = "Exclusive"
+
+
+def is_valid_lite_topic(name: str) -> bool:
+    return bool(name) and len(name.encode()) <= MAX_LITE_TOPIC_BYTES and bool(_LITE_TOPIC_RE.match(name))
+
+
+def is_valid_resource_name(name: str) -> bool:
+    return (
+        bool(name)
+        and len(name.encode()) <= MAX_RESOURCE_NAME_BYTES
+        and bool(_RESOURCE_RE.match(name))
+        and LMQ_SEPARATOR not in name
+    )
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class QueueId:
+    """A queue of the store: ``(topic, queue id)``. An LMQ is queue 0 of its ``%LMQ%$parent$lite`` name."""
+
+    topic: str
+    queue: int = 0
+
+    @staticmethod
+    def lmq(parent: str, lite: str) -> QueueId:
+        return QueueId(f"{LMQ_PREFIX}{LMQ_SEPARATOR}{parent}{LMQ_SEPARATOR}{lite}", 0)
+
+    @property
+    def is_lmq(self) -> bool:
+        return self.topic.startswith(LMQ_PREFIX + LMQ_SEPARATOR)
+
+    def lite_parts(self) -> tuple[str, str]:
+        """(parent, lite) of an LMQ name; ValueError otherwise."""
+        parts = self.topic.split(LMQ_SEPARATOR)
+        if len(parts) != 3 or parts[0] != LMQ_PREFIX:
+            raise ValueError(f"not an LMQ name: {self.topic!r}")
+        return parts[1], parts[2]
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    """A message as accepted at the edge, before it is stored.
+
+    ``queues`` are the queues the record is indexed into (multi-dispatch): for a LITE message the parent's
+    queue and the LMQ; each extra queue costs one index entry, never a second copy of the body.
+    """
+
+    message_id: str
+    topic: str
+    body: bytes
+    queues: tuple[QueueId, ...]
+    lite_topic: str | None = None
+    message_type: MessageType = MessageType.NORMAL
+    born_timestamp_ms: int = 0
+    born_host: str = ""
+    tag: str | None = None
+    keys: tuple[str, ...] = ()
+    message_group: str | None = None
+    user_properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """A message read back from one queue, at one offset of that queue."""
+
+    queue: QueueId
+    offset: int
+    message_id: str
+    topic: str
+    body: bytes
+    store_timestamp_ms: int
+    born_timestamp_ms: int
+    lite_topic: str | None = None
+    message_type: MessageType = MessageType.NORMAL
+    born_host: str = ""
+    tag: str | None = None
+    keys: tuple[str, ...] = ()
+    message_group: str | None = None
+    user_properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Where one appended message landed: its offset in each queue it was dispatched to."""
+
+    message_id: str
+    offsets: dict[QueueId, int]
+    store_timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiteTopicMeta:
+    """Per lite topic bookkeeping, kept in the index (never all in memory)."""
+
+    parent: str
+    lite: str
+    created_ms: int
+    last_store_ms: int
+    last_consume_ms: int
+    min_offset: int
+    max_offset: int  # next offset to be written; the queue is empty when min_offset == max_offset
+
+
+@dataclass(frozen=True, slots=True)
+class ParentTopic:
+    name: str
+    message_type: MessageType = MessageType.LITE
+    expiration_minutes: int = -1  # -1 never; RocketMQ range -1..43200
+    max_lite_topics: int = -1  # -1 unlimited
+    queue_count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 17  # RocketMQ retryMaxTimes 16 + 1
+    backoff_ms: tuple[int, ...] = (
+        1000, 5000, 10000, 30000, 60000, 120000, 180000, 240000, 300000,
+        360000, 420000, 480000, 540000, 600000, 1200000, 1800000, 3600000, 7200000,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LiteGroup:
+    name: str
+    bind_topic: str
+    model: SubscriptionModel = SubscriptionModel.SHARED
+    client_quota: int = 2000  # lite.sub.client.quota
+    ready_capacity: int = 100  # maxClientEventCount
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    fifo: bool = True
+    consume_enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Limits for a scope: ``parent:<topic>``, ``namespace:<ns>`` or ``broker``. -1 means unlimited."""
+
+    scope: str
+    max_lite_topics: int = -1
+    max_subscriptions_per_client: int = -1
+    max_send_rate: int = -1  # messages per second

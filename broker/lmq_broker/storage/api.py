@@ -1,0 +1,97 @@
+"""The store's contract. ``LmqStore`` (segments + RocksDB) and ``MemoryStore`` (the in-memory twin)
+both implement it, and one contract suite (tests/storage/test_contract.py) runs against both.
+
+All methods are thread-safe and blocking. Callers on an event loop run them in an executor; in ``sync``
+flush mode ``append`` returns only after the records are fsynced, and concurrent appends share one fsync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from lmq_broker import model
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionReport:
+    segments_deleted: int
+    bytes_deleted: int
+    queues_advanced: int
+
+
+class Store(Protocol):
+    # --- messages -------------------------------------------------------------------------------------
+    def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        """Store every message once and index it into each of its queues, atomically per call.
+
+        Raises InvalidArgument subclasses (nothing written) for empty bodies, oversized records or invalid
+        queue names. Creating an LMQ's first entry creates its lite-topic metadata.
+        """
+        ...
+
+    def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
+        """Up to ``max_count`` messages of ``queue`` from ``offset`` (clamped up to the queue's min)."""
+        ...
+
+    def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
+        """(min, max) of a queue; max is the next offset to be written; (0, 0) for an unknown queue."""
+        ...
+
+    # --- consumer offsets -----------------------------------------------------------------------------
+    def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
+        """Persist the group's next offset to consume; for an LMQ also records the lite topic's last consume time."""
+        ...
+
+    def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...
+
+    # --- lite topics ----------------------------------------------------------------------------------
+    def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None: ...
+
+    def lite_topic_count(self, parent: str | None = None) -> int:
+        """Lite topics of one parent, or of the whole broker when ``parent`` is None (a stored counter, O(1))."""
+        ...
+
+    def scan_lite_topics(
+        self, parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000
+    ) -> list[model.LiteTopicMeta]:
+        """Lite topics in key order (parent, then lite name); ``start_after``/``end_before`` are lite names
+        within ``parent`` (or ``parent$lite`` keys when ``parent`` is None)."""
+        ...
+
+    def delete_lite_topic(
+        self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None
+    ) -> bool:
+        """Delete a lite topic's index entries, offsets and metadata in one batch.
+
+        With ``expected``, delete only if the topic is unchanged since it was read (same max offset, last
+        store and last consume time): compare-and-delete for the reclaimer. Returns False when nothing
+        was deleted (absent, or changed). Idempotent.
+        """
+        ...
+
+    # --- control-plane metadata -----------------------------------------------------------------------
+    def put_parent_topic(self, topic: model.ParentTopic) -> None: ...
+    def get_parent_topic(self, name: str) -> model.ParentTopic | None: ...
+    def delete_parent_topic(self, name: str) -> bool: ...
+    def list_parent_topics(self) -> list[model.ParentTopic]: ...
+
+    def put_group(self, group: model.LiteGroup) -> None: ...
+    def get_group(self, name: str) -> model.LiteGroup | None: ...
+    def delete_group(self, name: str) -> bool: ...
+    def list_groups(self) -> list[model.LiteGroup]: ...
+
+    def put_quota(self, quota: model.Quota) -> None: ...
+    def get_quota(self, scope: str) -> model.Quota | None: ...
+    def delete_quota(self, scope: str) -> bool: ...
+    def list_quotas(self) -> list[model.Quota]: ...
+
+    # --- maintenance ----------------------------------------------------------------------------------
+    def apply_retention(self) -> RetentionReport:
+        """Drop whole segments older/larger than the retention limits and advance affected queues' min offsets."""
+        ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...

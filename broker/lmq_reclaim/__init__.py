@@ -1,0 +1,1 @@
+"""Reclaims expired lite topics across all brokers, as a PySpark job."""

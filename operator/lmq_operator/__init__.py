@@ -1,0 +1,1 @@
+"""kopf operator reconciling ParentTopic, LiteGroup and LiteQuota into every broker pod."""
