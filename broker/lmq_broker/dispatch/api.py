@@ -1,0 +1,80 @@
+"""What the admin service may see of the dispatcher's live (in-memory) state.
+
+The dispatcher implements ``LiveView``; the admin service depends only on this Protocol, and its tests
+use ``StaticLiveView``, the in-memory twin below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lmq_broker import model
+
+
+@dataclass(frozen=True, slots=True)
+class ClientView:
+    client_id: str
+    group: str
+    topic: str
+    client_type: int  # apache.rocketmq.v2.ClientType number
+    subscription_count: int
+    last_seen_ms: int
+    ready_events: int
+
+
+class LiveView(Protocol):
+    def subscribers(self, lmq: model.QueueId) -> list[str]:
+        """Client ids subscribed to an LMQ (any group)."""
+        ...
+
+    def subscriber_count(self, lmq: model.QueueId) -> int: ...
+
+    def clients(self, group: str | None = None) -> list[ClientView]: ...
+
+    def subscription_count(self) -> int:
+        """Active (client, lite topic) pairs on this broker."""
+        ...
+
+    def client_count(self) -> int: ...
+
+    def forget_lite_topic(self, lmq: model.QueueId) -> None:
+        """Drop subscriptions, ready events and leases of a deleted lite topic (clients are not notified,
+        as in RocketMQ; a client that re-sends re-creates it)."""
+        ...
+
+    def metadata_changed(self) -> None:
+        """Parent topics, groups or quotas changed in the store: drop cached copies."""
+        ...
+
+
+@dataclass
+class StaticLiveView:
+    """In-memory twin of LiveView for tests of the layers above dispatch."""
+
+    subs: dict[model.QueueId, list[str]] = field(default_factory=dict)
+    client_views: list[ClientView] = field(default_factory=list)
+    forgotten: list[model.QueueId] = field(default_factory=list)
+    metadata_changes: int = 0
+
+    def subscribers(self, lmq: model.QueueId) -> list[str]:
+        return list(self.subs.get(lmq, []))
+
+    def subscriber_count(self, lmq: model.QueueId) -> int:
+        return len(self.subs.get(lmq, []))
+
+    def clients(self, group: str | None = None) -> list[ClientView]:
+        return [c for c in self.client_views if group is None or c.group == group]
+
+    def subscription_count(self) -> int:
+        return sum(len(v) for v in self.subs.values())
+
+    def client_count(self) -> int:
+        return len(self.client_views)
+
+    def forget_lite_topic(self, lmq: model.QueueId) -> None:
+        self.forgotten.append(lmq)
+        self.subs.pop(lmq, None)
+
+    def metadata_changed(self) -> None:
+        self.metadata_changes += 1
