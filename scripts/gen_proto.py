@@ -1,7 +1,7 @@
 """Generate Python stubs from proto/ into broker/lmq_broker/protocol/gen (one source, drift-checked).
 
-    python scripts/gen_proto.py          # regenerate
-    python scripts/gen_proto.py --check  # fail if the committed stubs differ from what proto/ generates
+python scripts/gen_proto.py          # regenerate
+python scripts/gen_proto.py --check  # fail if the committed stubs differ from what proto/ generates
 """
 
 from __future__ import annotations
