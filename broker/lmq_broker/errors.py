@@ -75,6 +75,10 @@ class Unauthorized(LmqError):
     pass
 
 
+class BrokerUnavailable(LmqError):
+    """A broker could not be reached or did not answer in time (raised by clients; worth a retry)."""
+
+
 class StorageError(LmqError):
     """The store cannot serve (I/O failure, corrupted data beyond repair)."""
 
