@@ -888,6 +888,7 @@ class ScanLiteTopicsRequest(_message.Message):
     END_BEFORE_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     WITH_SUBSCRIBERS_FIELD_NUMBER: _builtins.int
+    WITH_FULLY_CONSUMED_FIELD_NUMBER: _builtins.int
     parent: _builtins.str
     """empty: every parent"""
     start_after: _builtins.str
@@ -897,6 +898,8 @@ class ScanLiteTopicsRequest(_message.Message):
     batch_size: _builtins.int
     """rows per response; default 10000"""
     with_subscribers: _builtins.bool
+    with_fully_consumed: _builtins.bool
+    """Fill fully_consumed (costs one offset read per row and bound group)."""
     def __init__(
         self,
         *,
@@ -905,10 +908,11 @@ class ScanLiteTopicsRequest(_message.Message):
         end_before: _builtins.str = ...,
         batch_size: _builtins.int = ...,
         with_subscribers: _builtins.bool = ...,
+        with_fully_consumed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "end_before", b"end_before", "parent", b"parent", "start_after", b"start_after", "with_subscribers", b"with_subscribers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "end_before", b"end_before", "parent", b"parent", "start_after", b"start_after", "with_fully_consumed", b"with_fully_consumed", "with_subscribers", b"with_subscribers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -945,7 +949,10 @@ class ScanLiteTopicsResponse(_message.Message):
     def subscriber_count(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def fully_consumed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """Min over all groups of the parent of (max_offset - committed offset) == 0 per row: fully consumed."""
+        """Per row: the queue is empty (min == max) or every group bound to the parent has committed up to
+        max_offset. A non-empty topic of a parent with no bound group is not fully consumed.
+        Columns not asked for (subscriber_count, fully_consumed) are left empty.
+        """
 
     def __init__(
         self,
@@ -1038,12 +1045,17 @@ Global___CompareAndDeleteResponse: _TypeAlias = CompareAndDeleteResponse  # noqa
 class GetBrokerInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    SKIP_UNDRAINED_FIELD_NUMBER: _builtins.int
+    skip_undrained: _builtins.bool
+    """Skip undrained_messages (it walks every lite topic of the broker); it is then reported as -1."""
     def __init__(
         self,
+        *,
+        skip_undrained: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_undrained", b"skip_undrained"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
