@@ -1,0 +1,175 @@
+{{/*
+Names and labels shared by every template. Component names are "<fullname>-<component>" with the
+fullname cut to 40 characters: the longest suffix ("-broker-headless") then still fits a 63-character
+DNS label, and the StatefulSet name stays short enough for its pods' controller-revision-hash label.
+*/}}
+
+{{- define "lmq.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "lmq.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "lmq.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "lmq.operator.fullname" -}}
+{{- printf "%s-operator" (include "lmq.fullname" .) }}
+{{- end }}
+
+{{- define "lmq.broker.fullname" -}}
+{{- printf "%s-broker" (include "lmq.fullname" .) }}
+{{- end }}
+
+{{- define "lmq.broker.headlessName" -}}
+{{- printf "%s-broker-headless" (include "lmq.fullname" .) }}
+{{- end }}
+
+{{- define "lmq.reclaim.fullname" -}}
+{{- printf "%s-reclaim" (include "lmq.fullname" .) }}
+{{- end }}
+
+{{/* ServiceAccount names: the configured one, else the component's full name when the chart creates it. */}}
+{{- define "lmq.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "lmq.operator.fullname" .) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- required "operator.serviceAccount.name is required when operator.serviceAccount.create is false" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "lmq.broker.serviceAccountName" -}}
+{{- if .Values.broker.serviceAccount.create }}
+{{- default (include "lmq.broker.fullname" .) .Values.broker.serviceAccount.name }}
+{{- else }}
+{{- required "broker.serviceAccount.name is required when broker.serviceAccount.create is false" .Values.broker.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "lmq.reclaim.serviceAccountName" -}}
+{{- if .Values.reclaim.serviceAccount.create }}
+{{- default (include "lmq.reclaim.fullname" .) .Values.reclaim.serviceAccount.name }}
+{{- else }}
+{{- required "reclaim.serviceAccount.name is required when reclaim.serviceAccount.create is false" .Values.reclaim.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Selector labels of one component; call with (dict "root" $ "component" "broker"). Selectors are
+immutable on StatefulSets and Deployments, so nothing that changes between releases goes in here.
+*/}}
+{{- define "lmq.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "lmq.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Labels of pod templates: the selector labels and part-of, but not the chart or app version, so a chart
+release that does not change a component's spec does not restart its pods.
+*/}}
+{{- define "lmq.podLabels" -}}
+{{ include "lmq.selectorLabels" . }}
+app.kubernetes.io/part-of: lmq
+{{- end }}
+
+{{/* Labels of every object; call with (dict "root" $ "component" "<name>"). */}}
+{{- define "lmq.labels" -}}
+helm.sh/chart: {{ include "lmq.chart" .root }}
+{{ include "lmq.podLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The image reference; a digest pins the image regardless of the tag. */}}
+{{- define "lmq.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The image runs `python -m <module>` (Dockerfile ENTRYPOINT ["python", "-m"]); the chart spells the full
+command so `kubectl describe` shows exactly what runs. Call with the module name.
+*/}}
+{{- define "lmq.command" -}}
+- python
+- -m
+- {{ . }}
+{{- end }}
+
+{{/* Pod-level securityContext shared by all components: non-root, RuntimeDefault seccomp. */}}
+{{- define "lmq.podSecurityContext" -}}
+runAsNonRoot: true
+{{- with .Values.podSecurity.runAsUser }}
+runAsUser: {{ . }}
+{{- end }}
+{{- with .Values.podSecurity.runAsGroup }}
+runAsGroup: {{ . }}
+{{- end }}
+{{- with .Values.podSecurity.fsGroup }}
+fsGroup: {{ . }}
+fsGroupChangePolicy: OnRootMismatch
+{{- end }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/*
+Container-level securityContext: nothing in the image needs to write outside its volumes (Python runs
+with PYTHONDONTWRITEBYTECODE and every writer gets an emptyDir or the data volume), so the root
+filesystem is read-only and every capability is dropped.
+*/}}
+{{- define "lmq.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop:
+    - ALL
+{{- end }}
+
+{{/* Stable per-pod DNS names of the brokers, comma separated, each with the gRPC port. */}}
+{{- define "lmq.broker.addresses" -}}
+{{- $sts := include "lmq.broker.fullname" . }}
+{{- $svc := include "lmq.broker.headlessName" . }}
+{{- $addresses := list }}
+{{- range $i := until (int .Values.broker.replicas) }}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc.%s:8081" $sts $i $svc $.Release.Namespace $.Values.clusterDomain) }}
+{{- end }}
+{{- join "," $addresses }}
+{{- end }}
+
+{{/*
+What the operator does with its own resources, in the namespaces it watches: read and follow them, write
+finalizers and kopf's progress annotations (patch/update), write status, and post events about them.
+It never creates or deletes them: the operator is one-way.
+*/}}
+{{- define "lmq.operator.resourceRules" -}}
+- apiGroups: ["lmq.io"]
+  resources: ["parenttopics", "litegroups", "litequotas"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["lmq.io"]
+  resources: ["parenttopics/status", "litegroups/status", "litequotas/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
