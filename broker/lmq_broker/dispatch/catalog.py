@@ -1,0 +1,140 @@
+"""A snapshot of the control-plane metadata (parent topics, groups, quotas) and the limits derived from it.
+
+Parent topics, groups and quotas are few and change rarely (the operator writes them through the admin
+service, which then calls ``LiveView.metadata_changed``), while every send and receive needs them. So the
+dispatcher keeps one immutable snapshot, read from the store in one go, and swaps it when told that
+metadata changed. Every limit is resolved here, in one place, from the snapshot and the broker config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmq_broker import errors, model
+from lmq_broker.config import BrokerConfig
+from lmq_broker.storage.api import Store
+
+UNLIMITED = -1
+NORMAL_GROUP_RETRY = model.RetryPolicy()
+
+
+def _tightest(*limits: int) -> int:
+    real = [x for x in limits if x >= 0]
+    return min(real) if real else UNLIMITED
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    config: BrokerConfig
+    parents: dict[str, model.ParentTopic] = field(default_factory=dict)
+    groups: dict[str, model.LiteGroup] = field(default_factory=dict)
+    quotas: dict[str, model.Quota] = field(default_factory=dict)
+
+    @staticmethod
+    def load(store: Store, config: BrokerConfig) -> Snapshot:
+        """Blocking: run in an executor."""
+        return Snapshot(
+            config,
+            {t.name: t for t in store.list_parent_topics()},
+            {g.name: g for g in store.list_groups()},
+            {q.scope: q for q in store.list_quotas()},
+        )
+
+    # --- lookups that raise the domain error the edge maps to a status code -----------------------------
+    def topic(self, name: str) -> model.ParentTopic:
+        topic = self.parents.get(name)
+        if topic is None:
+            raise errors.TopicNotFound(f"topic {name} does not exist", topic=name)
+        return topic
+
+    def lite_parent(self, name: str) -> model.ParentTopic:
+        topic = self.topic(name)
+        if topic.message_type != model.MessageType.LITE:
+            raise errors.Conflict(f"topic {name} is not a LITE parent topic", kind="topic", topic=name)
+        return topic
+
+    def lite_group(self, name: str, parent: str) -> model.LiteGroup:
+        """The lite group ``name``, which must be bound to ``parent``."""
+        self.lite_parent(parent)
+        group = self.groups.get(name)
+        if group is None:
+            raise errors.GroupNotFound(f"consumer group {name} does not exist", group=name)
+        if group.bind_topic != parent:
+            raise errors.Conflict(
+                f"group {name} is bound to {group.bind_topic or 'no topic'}, not {parent}", kind="group", group=name
+            )
+        return group
+
+    def normal_group(self, name: str, topic: str) -> model.LiteGroup:
+        """Groups consuming NORMAL topics need no declaration (RocketMQ auto-creates them); a lite group
+        may not consume in normal mode."""
+        self.topic(topic)
+        group = self.groups.get(name)
+        if group is None:
+            return model.LiteGroup(name=name, bind_topic="", fifo=False, retry=NORMAL_GROUP_RETRY)
+        bound = self.parents.get(group.bind_topic)
+        if bound is not None and bound.message_type == model.MessageType.LITE:
+            raise errors.Conflict(f"group {name} is a lite group of {group.bind_topic}", kind="group", group=name)
+        return group
+
+    # --- limits ---------------------------------------------------------------------------------------
+    def _quota(self, scope: str) -> model.Quota | None:
+        return self.quotas.get(scope)
+
+    def _scopes(self, parent: str, namespace: str) -> list[model.Quota]:
+        scopes = [f"parent:{parent}", "broker"]
+        if namespace:
+            scopes.append(f"namespace:{namespace}")
+        return [q for q in (self._quota(s) for s in scopes) if q is not None]
+
+    def client_quota(self, group: model.LiteGroup, parent: str, namespace: str = "") -> int:
+        """Lite subscriptions one client may hold (UNLIMITED = -1)."""
+        return _tightest(
+            group.client_quota,
+            *(q.max_subscriptions_per_client for q in self._scopes(parent, namespace)),
+        )
+
+    def advertised_client_quota(self, group: model.LiteGroup, parent: str, namespace: str = "") -> int:
+        """What the settings frame tells the client: clients treat 0 or -1 as 'nothing allowed', so an
+        unlimited quota is sent as the broker-wide subscription limit."""
+        quota = self.client_quota(group, parent, namespace)
+        return quota if quota != UNLIMITED else self.config.max_subscriptions_per_broker
+
+    def lite_topic_limits(self, parent: model.ParentTopic) -> tuple[int, int]:
+        """(max lite topics under ``parent``, max lite topics on the broker); UNLIMITED = -1."""
+        parent_quota = self._quota(f"parent:{parent.name}")
+        broker_quota = self._quota("broker")
+        return (
+            _tightest(parent.max_lite_topics, parent_quota.max_lite_topics if parent_quota else UNLIMITED),
+            _tightest(
+                self.config.max_lite_topics_per_broker, broker_quota.max_lite_topics if broker_quota else UNLIMITED
+            ),
+        )
+
+    def send_rates(self, parent: str) -> list[tuple[str, int]]:
+        """(scope, messages per second) limits that apply to sends into ``parent``."""
+        return [(q.scope, q.max_send_rate) for q in self._scopes(parent, "") if q.max_send_rate >= 0]
+
+    def ready_capacity(self, group: str) -> int:
+        found = self.groups.get(group)
+        if found is not None and found.ready_capacity > 0:
+            return found.ready_capacity
+        return self.config.default_ready_capacity
+
+
+class TokenBucket:
+    """Messages-per-second limiter; time comes from the caller (ms)."""
+
+    def __init__(self, rate: int, now_ms: int) -> None:
+        self.rate = rate
+        self.tokens = float(rate)
+        self.at_ms = now_ms
+
+    def take(self, n: int, now_ms: int) -> bool:
+        elapsed = max(0, now_ms - self.at_ms)
+        self.tokens = min(float(self.rate), self.tokens + elapsed * self.rate / 1000.0)
+        self.at_ms = now_ms
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False

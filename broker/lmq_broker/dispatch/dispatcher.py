@@ -1,0 +1,827 @@
+"""The read side of the broker: subscriptions in, leased messages out, driven by events, never by scans.
+
+Work reaches a consumer through three doors, each naming one lite topic: a message arrived (coalesced per
+loop tick), an ack left more behind, a lease expired. The topic is offered to one subscribed client per
+group (shared mode) through that client's ready queue, and the client's long poll wakes. A receive
+drains its ready queue, reads from the group's committed offset and leases. Nothing walks all lite
+topics: arrival is a dict lookup, idle topics cost no CPU and no memory beyond their subscription entry.
+A catch-up pass over one client's own subscriptions runs only when its ready queue overflowed (or right
+after it subscribed to topics that already hold messages).
+
+Runs on one asyncio loop; the store is blocking, so every store call goes through ``run`` (a thread
+pool). State shared with those threads is never mutated from them: threads only read the store.
+Time is injected (``clock``, monotonic milliseconds); ``tick`` does whatever is due and is what the
+timer calls, so tests drive expiry with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+import logging
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, ParamSpec, TypeVar
+
+from lmq_broker import errors, model
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import api, catalog, leases, readyset, registry
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+HOUSEKEEPING_INTERVAL_MS: Final = 10_000
+CATCHUP_CHUNK: Final = 512
+DEFAULT_LEASE_MS: Final = 30_000  # auto-renew receives: RocketMQ renews; we lease once, long enough
+DLQ_PREFIX: Final = "%DLQ%"
+NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
+
+
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def lmq_name(parent: str, lite: str) -> str:
+    return model.QueueId.lmq(parent, lite).topic
+
+
+def dlq_topic(group: str) -> str:
+    return f"{DLQ_PREFIX}{group}"
+
+
+class OffsetPolicy(enum.Enum):
+    LAST = "last"  # keep the group's offset
+    MIN = "min"
+    MAX = "max"
+    OFFSET = "offset"
+    TAIL_N = "tail_n"
+    TIMESTAMP = "timestamp"  # accepted and ignored, as RocketMQ 5.5.0 does
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetReset:
+    policy: OffsetPolicy
+    value: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    message: model.StoredMessage
+    attempt: int
+    receipt_handle: str
+    invisible_ms: int
+
+
+Key = leases.Key
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        store: Store,
+        config: BrokerConfig,
+        *,
+        clock: Callable[[], int] = monotonic_ms,
+        executor: concurrent.futures.Executor | None = None,
+        incarnation: str | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self._own_executor = executor is None
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="lmq-store")
+        self.registry = registry.Registry(config.max_subscriptions_per_broker)
+        self.ready = readyset.ReadySet()
+        self.leases = leases.LeaseTable(incarnation or secrets.token_hex(6), NORMAL_WINDOW)
+        self._rng = rng or random.Random()
+        self._snap = catalog.Snapshot(config)
+        self._snap_stale = True
+        self._snap_reload: asyncio.Task[catalog.Snapshot] | None = None
+        self._client_events: dict[str, asyncio.Event] = {}
+        self._topic_events: dict[str, asyncio.Event] = {}
+        self._arrived: dict[str, None] = {}
+        self._flush_scheduled = False
+        self._busy: set[Key] = set()
+        self._commit_locks: dict[Key, tuple[asyncio.Lock, list[int]]] = {}
+        self._catchup_cursor: dict[str, list[str]] = {}
+        self._catchup_running: set[str] = set()
+        self._buckets: dict[str, catalog.TokenBucket] = {}
+        self._rr = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0
+        self._next_housekeeping = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.metadata()
+        self._next_housekeeping = self.clock() + HOUSEKEEPING_INTERVAL_MS
+        self._arm(self._next_housekeeping)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for event in [*self._client_events.values(), *self._topic_events.values()]:
+            event.set()
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a blocking store call on the thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def wrapper() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background dispatch task failed")
+
+        task = asyncio.get_running_loop().create_task(wrapper())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- metadata ---------------------------------------------------------------------------------------
+    async def metadata(self) -> catalog.Snapshot:
+        """The current metadata snapshot, reloaded first if metadata changed since it was taken."""
+        if not self._snap_stale:
+            return self._snap
+        if self._snap_reload is None:
+            self._snap_stale = False  # a change during the reload marks it stale again
+            self._snap_reload = asyncio.get_running_loop().create_task(
+                self.run(catalog.Snapshot.load, self.store, self.config)
+            )
+        reload = self._snap_reload
+        try:
+            snap = await asyncio.shield(reload)
+        except BaseException:
+            self._snap_stale = True
+            raise
+        finally:
+            if self._snap_reload is reload and reload.done():
+                self._snap_reload = None
+        self._snap = snap
+        return snap
+
+    def metadata_changed(self) -> None:
+        self._snap_stale = True
+
+    # --- clients ----------------------------------------------------------------------------------------
+    def client_seen(
+        self,
+        client_id: str,
+        *,
+        client_type: int | None = None,
+        group: str | None = None,
+        bind_topic: str | None = None,
+        topics: Iterable[str] | None = None,
+        language: str = "",
+        version: str = "",
+    ) -> registry.ClientState:
+        state = self.registry.touch(
+            client_id, self.clock(), client_type=client_type, group=group, bind_topic=bind_topic, topics=topics
+        )
+        if language:
+            state.language = language
+        if version:
+            state.version = version
+        return state
+
+    def stream_opened(self, client_id: str) -> None:
+        self.registry.touch(client_id, self.clock()).streams += 1
+
+    def stream_closed(self, client_id: str) -> None:
+        state = self.registry.get(client_id)
+        if state is None:
+            return
+        state.streams -= 1
+        if state.streams <= 0:
+            self.client_gone(client_id)
+
+    def client_gone(self, client_id: str) -> None:
+        """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
+        state = self.registry.drop(client_id)
+        pending = self.ready.drop_client(client_id)
+        self._catchup_cursor.pop(client_id, None)
+        event = self._client_events.pop(client_id, None)
+        if event is not None:
+            event.set()
+        if state is not None and state.group:
+            for lmq in pending:
+                self._dispatch(lmq, only_group=state.group)
+
+    # --- lite subscriptions -----------------------------------------------------------------------------
+    async def add_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        *,
+        namespace: str = "",
+        offset: OffsetReset | None = None,
+    ) -> list[str]:
+        snap = await self.metadata()
+        found = snap.lite_group(group, parent)
+        quota = snap.client_quota(found, parent, namespace)
+        now = self.clock()
+        self.registry.touch(client_id, now, group=group, bind_topic=parent)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        added = self.registry.add(client_id, lmqs, quota, now)
+        if offset is not None and offset.policy not in (OffsetPolicy.LAST, OffsetPolicy.TIMESTAMP):
+            await self._reset_offsets(lmqs, group, offset)
+        if found.model == model.SubscriptionModel.EXCLUSIVE:
+            self._evict_others(client_id, group, lmqs)
+        await self._register_pending(client_id, group, lmqs if offset is not None else added)
+        return added
+
+    async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
+        snap = await self.metadata()
+        snap.lite_group(group, parent)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        removed = self.registry.remove(client_id, lmqs, self.clock())
+        self.ready.discard_many(client_id, removed)
+        return removed
+
+    async def replace_lite(
+        self, client_id: str, group: str, parent: str, lites: Sequence[str], *, namespace: str = ""
+    ) -> tuple[list[str], list[str]]:
+        snap = await self.metadata()
+        found = snap.lite_group(group, parent)
+        quota = snap.client_quota(found, parent, namespace)
+        now = self.clock()
+        self.registry.touch(client_id, now, group=group, bind_topic=parent)
+        added, removed = self.registry.replace(client_id, [lmq_name(parent, lite) for lite in lites], quota, now)
+        self.ready.discard_many(client_id, removed)
+        if found.model == model.SubscriptionModel.EXCLUSIVE:
+            self._evict_others(client_id, group, added)
+        await self._register_pending(client_id, group, added)
+        return added, removed
+
+    async def remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
+        snap = await self.metadata()
+        snap.lite_group(group, parent)
+        state = self.registry.get(client_id)
+        if state is not None:
+            removed = self.registry.remove(client_id, list(state.lite_topics), self.clock())
+            self.ready.discard_many(client_id, removed)
+
+    def _evict_others(self, client_id: str, group: str, lmqs: Iterable[str]) -> None:
+        """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers."""
+        now = self.clock()
+        for lmq in lmqs:
+            for other in self.registry.subscribers(lmq):
+                state = self.registry.get(other)
+                if other != client_id and state is not None and state.group == group:
+                    self.registry.remove(other, [lmq], now)
+                    self.ready.discard_many(other, [lmq])
+
+    async def _reset_offsets(self, lmqs: list[str], group: str, offset: OffsetReset) -> None:
+        def reset() -> None:
+            for lmq in lmqs:
+                queue = model.QueueId(lmq)
+                lo, hi = self.store.queue_offsets(queue)
+                current = self.store.get_offset(queue, group)
+                if offset.policy is OffsetPolicy.MIN:
+                    target = lo
+                elif offset.policy is OffsetPolicy.MAX:
+                    target = hi
+                elif offset.policy is OffsetPolicy.OFFSET:
+                    target = offset.value
+                elif current is None:  # TAIL_N only moves an existing offset (RocketMQ)
+                    continue
+                else:
+                    target = hi - offset.value
+                self.store.commit_offset(queue, group, min(max(target, lo), hi))
+
+        busy = [lmq for lmq in lmqs if (lmq, 0, group) in self._busy]
+        if busy:
+            raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now", lmq=busy[0])
+        for lmq in lmqs:  # in-flight state and its cached commit point are superseded by the reset
+            self.leases.forget((lmq, 0, group))
+        if offset.policy is OffsetPolicy.OFFSET and offset.value < 0:
+            raise errors.InvalidArgument("offset must be >= 0", kind="offset")
+        if offset.policy is OffsetPolicy.TAIL_N and offset.value < 0:
+            raise errors.InvalidArgument("tail_n must be >= 0", kind="offset")
+        await self.run(reset)
+
+    async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
+        """Newly subscribed topics that already hold undelivered messages go straight to this client."""
+        for start in range(0, len(lmqs), CATCHUP_CHUNK):
+            found = await self._pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+            for lmq in found:
+                if not self._offer(client_id, lmq, group):
+                    return  # full: the catch-up pass it scheduled walks the rest
+
+    async def _pending_among(self, lmqs: list[str], group: str) -> list[str]:
+        """Which of ``lmqs`` have work for ``group`` (store reads on the pool, decision on the loop)."""
+
+        def probe() -> list[tuple[str, int, int, int | None]]:
+            rows = []
+            for lmq in lmqs:
+                queue = model.QueueId(lmq)
+                lo, hi = self.store.queue_offsets(queue)
+                if hi > lo:
+                    rows.append((lmq, lo, hi, self.store.get_offset(queue, group)))
+            return rows
+
+        now = self.clock()
+        pending = []
+        for lmq, lo, hi, committed in await self.run(probe):
+            state = self.leases.get((lmq, 0, group))
+            if state is not None:
+                if state.has_ready(now, hi):
+                    pending.append(lmq)
+            elif hi > max(lo, committed if committed is not None else lo):
+                pending.append(lmq)
+        return pending
+
+    # --- arrivals ---------------------------------------------------------------------------------------
+    def notify_appended(self, results: Iterable[model.AppendResult]) -> None:
+        """Called after an append: offer the touched lite topics, wake normal-topic receivers (coalesced)."""
+        for result in results:
+            for queue in result.offsets:
+                self._arrived[queue.topic] = None
+        if not self._flush_scheduled and self._arrived:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_arrivals)
+
+    def _flush_arrivals(self) -> None:
+        self._flush_scheduled = False
+        arrived, self._arrived = self._arrived, {}
+        for topic in arrived:
+            if topic.startswith(model.LMQ_PREFIX):
+                self._dispatch(topic)
+            else:
+                self._wake_topic(topic)
+
+    def _dispatch(self, lmq: str, *, only_group: str | None = None, prefer: str | None = None) -> None:
+        """Offer ``lmq`` to one subscriber per group (the ``prefer``red one first, else a random start)."""
+        subscribers = self.registry.subscribers(lmq)
+        if not subscribers:
+            return
+        by_group: dict[str, list[str]] = {}
+        for cid in subscribers:
+            state = self.registry.get(cid)
+            if state is not None and state.group and (only_group is None or state.group == only_group):
+                by_group.setdefault(state.group, []).append(cid)
+        now = self.clock()
+        for group, cids in by_group.items():
+            in_flight = self.leases.get((lmq, 0, group))
+            if in_flight is not None and in_flight.blocked(now):
+                continue  # its ack or lease expiry dispatches again
+            if prefer in cids:
+                order = [prefer, *(c for c in cids if c != prefer)]
+            else:
+                start = self._rng.randrange(len(cids))
+                order = cids[start:] + cids[:start]
+            for cid in order:
+                if self._offer(cid, lmq, group):
+                    break
+
+    def _offer(self, client_id: str, lmq: str, group: str) -> bool:
+        outcome = self.ready.offer(client_id, lmq, self._snap.ready_capacity(group), self.clock())
+        if outcome is readyset.Offer.ADDED:
+            self._wake(client_id)
+        elif outcome is readyset.Offer.FULL:
+            next_at = self.ready.next_catchup_ms()
+            if next_at is not None:
+                self._arm(next_at)
+        return outcome is not readyset.Offer.FULL
+
+    def _wake(self, client_id: str) -> None:
+        event = self._client_events.pop(client_id, None)
+        if event is not None:
+            event.set()
+
+    def _wake_topic(self, topic: str) -> None:
+        event = self._topic_events.pop(topic, None)
+        if event is not None:
+            event.set()
+
+    # --- sending ----------------------------------------------------------------------------------------
+    async def send(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        """Enforce send quotas, append (one store call, so the batch shares one fsync), then signal."""
+        snap = await self.metadata()
+        self._check_rates(snap, messages)
+        await self._check_lite_topic_quota(snap, messages)
+        results = await self.run(self.store.append, messages)
+        self.notify_appended(results)
+        return results
+
+    def _check_rates(self, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]) -> None:
+        per_parent: dict[str, int] = {}
+        for message in messages:
+            per_parent[message.topic] = per_parent.get(message.topic, 0) + 1
+        now = self.clock()
+        for parent, count in per_parent.items():
+            for scope, rate in snap.send_rates(parent):
+                bucket = self._buckets.get(scope)
+                if bucket is None or bucket.rate != rate:
+                    bucket = self._buckets[scope] = catalog.TokenBucket(rate, now)
+                if not bucket.take(count, now):
+                    raise errors.TooManyRequests(f"send rate of {scope} is limited to {rate}/s", scope=scope)
+
+    async def _check_lite_topic_quota(self, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]) -> None:
+        lites_by_parent: dict[str, set[str]] = {}
+        for message in messages:
+            if message.lite_topic is not None:
+                lites_by_parent.setdefault(message.topic, set()).add(message.lite_topic)
+        if not lites_by_parent:
+            return
+        limits = {parent: snap.lite_topic_limits(snap.topic(parent)) for parent in lites_by_parent}
+        if all(per_parent < 0 and per_broker < 0 for per_parent, per_broker in limits.values()):
+            return
+
+        def check() -> None:
+            broker_new = 0
+            broker_limit = -1
+            broker_count = 0
+            for parent, lites in lites_by_parent.items():
+                per_parent, per_broker = limits[parent]
+                count = self.store.lite_topic_count(parent)
+                if per_broker >= 0:
+                    broker_limit = per_broker
+                    broker_count = self.store.lite_topic_count(None)
+                # Only when a batch could cross a limit is it worth asking which of its topics are new.
+                crosses_parent = per_parent >= 0 and count + len(lites) > per_parent
+                crosses_broker = per_broker >= 0 and broker_count + len(lites) > per_broker
+                if not (crosses_parent or crosses_broker):
+                    continue
+                new = sum(1 for lite in lites if self.store.lite_topic(parent, lite) is None)
+                broker_new += new
+                if per_parent >= 0 and count + new > per_parent:
+                    raise errors.LiteTopicQuotaExceeded(
+                        f"parent topic {parent} holds {count} lite topics, limit is {per_parent}",
+                        topic=parent,
+                        limit=per_parent,
+                    )
+            if broker_limit >= 0 and broker_count + broker_new > broker_limit:
+                raise errors.LiteTopicQuotaExceeded(
+                    f"broker holds {broker_count} lite topics, limit is {broker_limit}", limit=broker_limit
+                )
+
+        await self.run(check)
+
+    # --- receiving --------------------------------------------------------------------------------------
+    async def receive_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        *,
+        batch: int,
+        invisible_ms: int,
+        poll_ms: int,
+    ) -> list[Delivery]:
+        snap = await self.metadata()
+        found = snap.lite_group(group, parent)
+        deadline = self.clock() + poll_ms
+        self.registry.touch(client_id, self.clock(), group=group, bind_topic=parent)
+        while not self._closed:
+            event = self._client_events.get(client_id)
+            if event is None:
+                event = self._client_events[client_id] = asyncio.Event()
+            out: list[Delivery] = []
+            while len(out) < batch:
+                popped = self.ready.pop(client_id, 1)
+                if not popped:
+                    break
+                out += await self._deliver((popped[0], 0, group), batch - len(out), invisible_ms, client_id, found)
+            if out:
+                return out
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return []
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining / 1000)
+            self.registry.touch(client_id, self.clock())
+        return []
+
+    async def receive_normal(
+        self,
+        client_id: str,
+        group: str,
+        topic: str,
+        *,
+        batch: int,
+        invisible_ms: int,
+        poll_ms: int,
+    ) -> list[Delivery]:
+        snap = await self.metadata()
+        found = snap.normal_group(group, topic)
+        queues = max(1, snap.topic(topic).queue_count)
+        deadline = self.clock() + poll_ms
+        self.registry.touch(client_id, self.clock(), group=group)
+        while not self._closed:
+            event = self._topic_events.get(topic)
+            if event is None:
+                event = self._topic_events[topic] = asyncio.Event()
+            out: list[Delivery] = []
+            self._rr += 1
+            for i in range(queues):
+                key = (topic, (self._rr + i) % queues, group)
+                out += await self._deliver(key, batch - len(out), invisible_ms, client_id, found, ordered=False)
+                if len(out) >= batch:
+                    self._wake_topic(topic)  # there may be more: let other receivers look too
+                    break
+            if out:
+                return out
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return []
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining / 1000)
+        return []
+
+    async def _deliver(
+        self,
+        key: Key,
+        limit: int,
+        invisible_ms: int,
+        holder: str,
+        group: model.LiteGroup,
+        *,
+        ordered: bool = True,
+    ) -> list[Delivery]:
+        if limit <= 0 or key in self._busy:
+            return []  # whoever holds it delivers; later events come from its acks and expiries
+        self._busy.add(key)
+        try:
+            queue = model.QueueId(key[0], key[1])
+            state = self.leases.get(key)
+            if state is None:
+                lo, _, committed = await self.run(self._offsets, queue, key[2])
+                state = self.leases.open(key, max(lo, committed if committed is not None else lo), ordered)
+            picks = state.picks(self.clock(), limit)
+            if not picks:
+                return []
+            first = picks[0].offset
+            messages = await self.run(self.store.read, queue, first, picks[-1].offset - first + 1)
+            if not messages or messages[0].offset > first:
+                lo, _, _ = await self.run(self._offsets, queue, key[2])
+                if lo > state.committed:  # retention dropped what we were about to deliver
+                    state.skip_to(lo)
+            by_offset = {m.offset: m for m in messages}
+            now = self.clock()
+            out: list[Delivery] = []
+            dead: list[tuple[leases.Pick, model.StoredMessage]] = []
+            for pick in picks:
+                message = by_offset.get(pick.offset)
+                if message is None or pick.offset < state.committed:
+                    continue
+                if pick.attempt > group.retry.max_attempts:
+                    dead.append((pick, message))
+                    continue
+                lease_id = self.leases.new_lease_id()
+                state.lease(pick, now, invisible_ms, lease_id, holder)
+                out.append(
+                    Delivery(message, pick.attempt, self.leases.receipt(key, pick.offset, lease_id), invisible_ms)
+                )
+            if out:
+                self.leases.watch(key, now + invisible_ms)
+                self._arm(now + invisible_ms)
+            if dead:
+                await self._dead_letter(key, [m for _, m in dead], state, dead)
+            return out
+        finally:
+            self._busy.discard(key)
+            self._release(key)
+
+    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None]:
+        lo, hi = self.store.queue_offsets(queue)
+        return lo, hi, self.store.get_offset(queue, group)
+
+    async def _dead_letter(
+        self,
+        key: Key,
+        messages: list[model.StoredMessage],
+        state: leases.QueueLeases,
+        picks: list[tuple[leases.Pick, model.StoredMessage]],
+    ) -> None:
+        await self.run(self.store.append, [self._dlq_message(key[2], m) for m in messages])
+        now = self.clock()
+        for pick, _ in picks:
+            state.lease(pick, now, 0, self.leases.new_lease_id(), "")
+        for pick, _ in picks:
+            state.ack(pick.offset)
+        await self._commit(key, state)
+
+    @staticmethod
+    def _dlq_message(group: str, message: model.StoredMessage) -> model.NewMessage:
+        topic = dlq_topic(group)
+        properties = dict(message.user_properties)
+        properties.setdefault("__ORIGIN_TOPIC", message.topic)
+        if message.lite_topic:
+            properties.setdefault("__ORIGIN_LITE_TOPIC", message.lite_topic)
+        return model.NewMessage(
+            message_id=message.message_id,
+            topic=topic,
+            body=message.body,
+            queues=(model.QueueId(topic, 0),),
+            message_type=model.MessageType.NORMAL,
+            born_timestamp_ms=message.born_timestamp_ms,
+            born_host=message.born_host,
+            tag=message.tag,
+            keys=message.keys,
+            user_properties=properties,
+        )
+
+    # --- ack / nack / dead letter -----------------------------------------------------------------------
+    async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
+        receipt, key = self.leases.resolve(receipt_handle, group)
+        state = self.leases.get(key)
+        if self.leases.ack(key, receipt) is None or state is None:
+            return
+        hi = await self._commit(key, state)
+        if state.has_ready(self.clock(), hi):
+            self._redispatch(key, prefer=client_id)
+        self._release(key)
+
+    def _release(self, key: Key) -> None:
+        """Drop an idle key's in-flight state, unless a delivery or an offset write is still using it (a
+        fresh state would re-read a commit point that is not persisted yet)."""
+        if key not in self._busy and key not in self._commit_locks:
+            self.leases.release_if_idle(key)
+
+    async def change_invisible(
+        self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
+    ) -> str:
+        receipt, key = self.leases.resolve(receipt_handle, group)
+        new_receipt, lease = self.leases.change(key, receipt, self.clock(), invisible_ms, suspend)
+        self._arm(lease.visible_at_ms)
+        return new_receipt.encode()
+
+    async def dead_letter(self, group: str, receipt_handle: str) -> None:
+        """The client gave up on a message (ForwardMessageToDeadLetterQueue): store it in ``%DLQ%<group>``."""
+        receipt, key = self.leases.resolve(receipt_handle, group)
+        state = self.leases.get(key)
+        lease = state.entries.get(receipt.offset) if state is not None else None
+        if state is None or lease is None or lease.acked:
+            if state is None or receipt.offset < state.committed:
+                return  # already settled
+            raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
+        messages = await self.run(self.store.read, model.QueueId(key[0], key[1]), receipt.offset, 1)
+        if messages and messages[0].offset == receipt.offset:
+            await self.run(self.store.append, [self._dlq_message(group, messages[0])])
+        await self.ack(group, receipt_handle)
+
+    async def _commit(self, key: Key, state: leases.QueueLeases) -> int:
+        """Persist the commit point; writes for one key are serialised so offsets never go backwards.
+        Returns the queue's max offset (read in the same pool call)."""
+        entry = self._commit_locks.get(key)
+        if entry is None:
+            entry = self._commit_locks[key] = (asyncio.Lock(), [0, -1])  # [users, last persisted]
+        lock, counters = entry
+        counters[0] += 1
+        try:
+            async with lock:
+                target = state.committed
+                queue = model.QueueId(key[0], key[1])
+                if target > counters[1]:
+                    hi = await self.run(self._commit_and_max, queue, key[2], target)
+                    counters[1] = target
+                else:
+                    hi = (await self.run(self.store.queue_offsets, queue))[1]
+                return hi
+        finally:
+            counters[0] -= 1
+            if counters[0] == 0:
+                del self._commit_locks[key]
+
+    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int) -> int:
+        self.store.commit_offset(queue, group, offset)
+        return self.store.queue_offsets(queue)[1]
+
+    def _redispatch(self, key: Key, *, prefer: str = "") -> None:
+        topic, _, group = key
+        if topic.startswith(model.LMQ_PREFIX):
+            self._dispatch(topic, only_group=group, prefer=prefer or None)
+        else:
+            self._wake_topic(topic)
+
+    # --- timers -----------------------------------------------------------------------------------------
+    def _arm(self, at_ms: int) -> None:
+        if self._loop is None or self._closed:
+            return
+        if self._timer is not None and self._timer_at <= at_ms:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at_ms
+        self._timer = self._loop.call_later(max(0, at_ms - self.clock()) / 1000, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.tick()
+
+    def tick(self) -> None:
+        """Do everything that is due: redeliveries, catch-up passes, client expiry. Re-arms the timer."""
+        now = self.clock()
+        for key in self.leases.due(now):
+            self._redispatch(key)
+        for client_id in self.ready.due_catchups(now):
+            self._start_catchup(client_id)
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_MS
+            for client_id in self.registry.idle_since(now - self.config.client_expiry_ms):
+                log.info("client %s expired (no heartbeat or sync for %d ms)", client_id, self.config.client_expiry_ms)
+                self.client_gone(client_id)
+        candidates = [
+            t for t in (self.leases.next_expiry_ms(), self.ready.next_catchup_ms(), self._next_housekeeping) if t
+        ]
+        if candidates:
+            self._arm(min(candidates))
+
+    def _start_catchup(self, client_id: str) -> None:
+        if client_id in self._catchup_running or self._loop is None:
+            return
+        self._catchup_running.add(client_id)
+        self._spawn(self._catchup(client_id))
+
+    async def _catchup(self, client_id: str) -> None:
+        """Walk this client's own subscriptions (resuming where the last pass stopped) for pending work."""
+        try:
+            state = self.registry.get(client_id)
+            if state is None or not state.group:
+                return
+            todo = self._catchup_cursor.pop(client_id, None) or list(state.lite_topics)
+            while todo:
+                chunk, todo = todo[:CATCHUP_CHUNK], todo[CATCHUP_CHUNK:]
+                current = [lmq for lmq in chunk if lmq in state.lite_topics]
+                for i, lmq in enumerate(await self._pending_among(current, state.group)):
+                    if not self._offer(client_id, lmq, state.group):
+                        self._catchup_cursor[client_id] = current[i:] + todo
+                        return
+                if self.registry.get(client_id) is not state:
+                    return
+        finally:
+            self._catchup_running.discard(client_id)
+
+    # --- LiveView ---------------------------------------------------------------------------------------
+    def subscribers(self, lmq: model.QueueId) -> list[str]:
+        return list(self.registry.subscribers(lmq.topic))
+
+    def subscriber_count(self, lmq: model.QueueId) -> int:
+        return self.registry.subscriber_count(lmq.topic)
+
+    def clients(self, group: str | None = None) -> list[api.ClientView]:
+        now = self.clock()
+        wall_now = int(time.time() * 1000)
+        return [
+            api.ClientView(
+                client_id=st.client_id,
+                group=st.group,
+                topic=st.bind_topic or next(iter(sorted(st.topics)), ""),
+                client_type=st.client_type,
+                subscription_count=len(st.lite_topics),
+                last_seen_ms=wall_now - (now - st.last_seen_ms),
+                ready_events=self.ready.size(st.client_id),
+            )
+            for st in self.registry.clients()
+            if group is None or st.group == group
+        ]
+
+    def subscription_count(self) -> int:
+        return self.registry.pair_count()
+
+    def client_count(self) -> int:
+        return self.registry.client_count()
+
+    def forget_lite_topic(self, lmq: model.QueueId) -> None:
+        holders = self.registry.forget_lmq(lmq.topic)
+        self.ready.discard(lmq.topic, holders)
+        self.leases.drop_topic(lmq.topic)
+
+    # --- introspection for metrics ----------------------------------------------------------------------
+    def ready_events(self) -> int:
+        return self.ready.total()
+
+    def in_flight(self) -> int:
+        return self.leases.in_flight()
+
+
+def _check_live_view(d: Dispatcher) -> api.LiveView:
+    return d  # mypy proves Dispatcher satisfies the LiveView seam

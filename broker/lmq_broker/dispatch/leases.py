@@ -1,0 +1,261 @@
+"""In-flight messages per (queue, group): leases, acks, redelivery and the commit point.
+
+For every (queue, group) with messages out, ``QueueLeases`` remembers the committed offset (next offset
+not yet acknowledged in order), the hand-out mark (one past the highest offset ever leased) and one
+``Lease`` per offset in between. Consumption of a lite topic is *ordered*: walking from the commit point,
+delivery stops at the first message that is leased and still invisible, so no message is handed out while
+an earlier one of the same lite topic is out. Normal topics are unordered: leased messages are skipped
+and the window of in-flight messages is capped instead.
+
+Acks move the commit point over every acknowledged prefix; the dispatcher persists it. Nothing here is
+persisted: after a restart consumption resumes from the committed offset (as RocketMQ's order info).
+
+Receipt handles are opaque strings minted here and echoed back by clients:
+``<incarnation> <queue topic> <queue id> <offset> <lease id>`` (space is never valid in a queue name). The
+incarnation is random per broker process, so handles from before a restart are recognisably stale.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Final
+
+from lmq_broker import errors
+
+RECEIPT_VERSION: Final = "r1"
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    incarnation: str
+    topic: str
+    queue: int
+    offset: int
+    lease_id: int
+
+    def encode(self) -> str:
+        return f"{RECEIPT_VERSION} {self.incarnation} {self.topic} {self.queue} {self.offset} {self.lease_id}"
+
+    @staticmethod
+    def decode(handle: str) -> Receipt:
+        parts = handle.split(" ")
+        if len(parts) != 6 or parts[0] != RECEIPT_VERSION:
+            raise errors.InvalidReceiptHandle("malformed receipt handle")
+        try:
+            queue, offset, lease_id = int(parts[3]), int(parts[4]), int(parts[5])
+        except ValueError:
+            raise errors.InvalidReceiptHandle("malformed receipt handle") from None
+        if not parts[1] or not parts[2] or queue < 0 or offset < 0 or lease_id < 0:
+            raise errors.InvalidReceiptHandle("malformed receipt handle")
+        return Receipt(parts[1], parts[2], queue, offset, lease_id)
+
+
+@dataclass(slots=True)
+class Lease:
+    attempt: int  # delivery attempt of the latest hand-out, 1-based
+    visible_at_ms: int
+    lease_id: int
+    holder: str = ""
+    acked: bool = False
+    keep_attempt: bool = False  # set by a suspend: the next hand-out repeats the attempt number
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    offset: int
+    attempt: int
+    redelivery: bool
+
+
+@dataclass(slots=True)
+class QueueLeases:
+    committed: int
+    ordered: bool
+    window: int  # max in-flight offsets (unordered queues)
+    handed: int = -1
+    entries: dict[int, Lease] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.handed = max(self.handed, self.committed)
+
+    def picks(self, now_ms: int, limit: int) -> list[Pick]:
+        """What to hand out next, up to ``limit``: redeliveries first (in offset order), then new offsets.
+
+        New offsets may lie beyond the end of the queue; the caller leases only what the store returns.
+        """
+        out: list[Pick] = []
+        for offset in range(self.committed, self.handed):
+            lease = self.entries.get(offset)
+            if lease is None or lease.acked:
+                continue
+            if lease.visible_at_ms > now_ms:
+                if self.ordered:
+                    return out
+                continue
+            out.append(Pick(offset, lease.attempt if lease.keep_attempt else lease.attempt + 1, True))
+            if len(out) >= limit:
+                return out
+        room = limit - len(out)
+        if not self.ordered:
+            room = min(room, self.window - (self.handed - self.committed))
+        out.extend(Pick(offset, 1, False) for offset in range(self.handed, self.handed + max(room, 0)))
+        return out
+
+    def lease(self, pick: Pick, now_ms: int, invisible_ms: int, lease_id: int, holder: str) -> Lease:
+        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder)
+        self.entries[pick.offset] = lease
+        if pick.offset >= self.handed:
+            self.handed = pick.offset + 1
+        return lease
+
+    def skip_to(self, offset: int) -> None:
+        """The store no longer has offsets below ``offset`` (retention): forget them."""
+        if offset <= self.committed:
+            return
+        for o in [o for o in self.entries if o < offset]:
+            del self.entries[o]
+        self.committed = offset
+        self.handed = max(self.handed, offset)
+
+    def ack(self, offset: int) -> bool:
+        """Mark acknowledged; True when the commit point moved."""
+        lease = self.entries.get(offset)
+        if lease is None:
+            return False
+        lease.acked = True
+        before = self.committed
+        while self.committed < self.handed:
+            head = self.entries.get(self.committed)
+            if head is None or not head.acked:
+                break
+            del self.entries[self.committed]
+            self.committed += 1
+        return self.committed != before
+
+    def has_ready(self, now_ms: int, max_offset: int) -> bool:
+        """Would ``picks`` hand something out now (given the queue ends at ``max_offset``)?"""
+        for offset in range(self.committed, self.handed):
+            lease = self.entries.get(offset)
+            if lease is None or lease.acked:
+                continue
+            if lease.visible_at_ms <= now_ms:
+                return True
+            if self.ordered:
+                return False
+        if not self.ordered and self.handed - self.committed >= self.window:
+            return False
+        return max_offset > self.handed
+
+    def blocked(self, now_ms: int) -> bool:
+        """Ordered queue with its head out and still invisible: a new arrival cannot be handed out yet."""
+        if not self.ordered:
+            return False
+        for offset in range(self.committed, self.handed):
+            lease = self.entries.get(offset)
+            if lease is None or lease.acked:
+                continue
+            return lease.visible_at_ms > now_ms
+        return False
+
+    @property
+    def idle(self) -> bool:
+        return self.committed >= self.handed
+
+
+Key = tuple[str, int, str]  # (queue topic, queue id, group)
+
+
+class LeaseTable:
+    def __init__(self, incarnation: str, window: int = 1024) -> None:
+        self.incarnation = incarnation
+        self.window = window
+        self._states: dict[Key, QueueLeases] = {}
+        self._expiries: list[tuple[int, int, Key]] = []
+        self._seq = 0
+        self._next_lease_id = 1
+
+    def get(self, key: Key) -> QueueLeases | None:
+        return self._states.get(key)
+
+    def open(self, key: Key, committed: int, ordered: bool) -> QueueLeases:
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = QueueLeases(committed, ordered, self.window)
+        return state
+
+    def release_if_idle(self, key: Key) -> None:
+        state = self._states.get(key)
+        if state is not None and state.idle:
+            del self._states[key]
+
+    def forget(self, key: Key) -> None:
+        self._states.pop(key, None)
+
+    def drop_topic(self, topic: str) -> None:
+        for key in [k for k in self._states if k[0] == topic]:
+            del self._states[key]
+
+    def in_flight(self) -> int:
+        return sum(len(s.entries) for s in self._states.values())
+
+    def new_lease_id(self) -> int:
+        lease_id = self._next_lease_id
+        self._next_lease_id += 1
+        return lease_id
+
+    def receipt(self, key: Key, offset: int, lease_id: int) -> str:
+        return Receipt(self.incarnation, key[0], key[1], offset, lease_id).encode()
+
+    def resolve(self, handle: str, group: str) -> tuple[Receipt, Key]:
+        receipt = Receipt.decode(handle)
+        if receipt.incarnation != self.incarnation:
+            raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
+        return receipt, (receipt.topic, receipt.queue, group)
+
+    def ack(self, key: Key, receipt: Receipt) -> int | None:
+        """Acknowledge; returns the new commit point when it moved. Acking twice, or acking a message that
+        was re-leased since (the late consumer did process it), is accepted."""
+        state = self._states.get(key)
+        if state is None or receipt.offset < state.committed:
+            return None
+        if receipt.offset >= state.handed:
+            raise errors.InvalidReceiptHandle("receipt handle names a message that was never delivered")
+        return state.committed if state.ack(receipt.offset) else None
+
+    def change(
+        self, key: Key, receipt: Receipt, now_ms: int, invisible_ms: int, suspend: bool
+    ) -> tuple[Receipt, Lease]:
+        """Re-lease a message for ``invisible_ms`` (a nack when short). Only the current lease may do it."""
+        state = self._states.get(key)
+        lease = state.entries.get(receipt.offset) if state is not None else None
+        if state is None or lease is None or lease.acked or lease.lease_id != receipt.lease_id:
+            raise errors.InvalidReceiptHandle("receipt handle is no longer the current lease of the message")
+        lease.lease_id = self.new_lease_id()
+        lease.visible_at_ms = now_ms + invisible_ms
+        lease.keep_attempt = suspend
+        self.watch(key, lease.visible_at_ms)
+        return Receipt(self.incarnation, key[0], key[1], receipt.offset, lease.lease_id), lease
+
+    # --- expiry -----------------------------------------------------------------------------------------
+    def watch(self, key: Key, visible_at_ms: int) -> None:
+        """Report ``key`` from ``due`` once ``visible_at_ms`` has passed (one entry per lease batch)."""
+        self._seq += 1
+        heapq.heappush(self._expiries, (visible_at_ms, self._seq, key))
+
+    def due(self, now_ms: int) -> list[Key]:
+        """Keys whose leases have expired with something still unacknowledged, each once."""
+        keys: dict[Key, None] = {}
+        while self._expiries and self._expiries[0][0] <= now_ms:
+            _, _, key = heapq.heappop(self._expiries)
+            state = self._states.get(key)
+            if state is not None and key not in keys and _has_expired(state, now_ms):
+                keys[key] = None
+        return list(keys)
+
+    def next_expiry_ms(self) -> int | None:
+        return self._expiries[0][0] if self._expiries else None
+
+
+def _has_expired(state: QueueLeases, now_ms: int) -> bool:
+    return any(not lease.acked and lease.visible_at_ms <= now_ms for lease in state.entries.values())

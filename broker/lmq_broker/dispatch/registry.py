@@ -1,0 +1,202 @@
+"""Who is subscribed to what, owned by client id (``x-mq-client-id``), never by group.
+
+Both directions are kept so that both questions are one dict lookup: "which lite topics does this
+client hold" (quota, catch-up, cleanup) and "who listens on this LMQ" (dispatch on arrival). The reverse
+side stores a bare client id for the common single-subscriber case and only grows a set for the second
+subscriber: with a million subscribed lite topics that is the difference between ~100 MB and ~300 MB.
+
+LMQs are identified by their store name (``%LMQ%$parent$lite``) as plain strings; the same string object
+is shared by both directions. Time is passed in (milliseconds, any monotonic origin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from lmq_broker import errors
+
+UNLIMITED = -1
+
+
+@dataclass(slots=True)
+class ClientState:
+    client_id: str
+    client_type: int = 0
+    group: str = ""
+    bind_topic: str = ""
+    lite_topics: set[str] = field(default_factory=set)
+    topics: frozenset[str] = frozenset()  # normal topics from the client's telemetry settings
+    last_seen_ms: int = 0
+    streams: int = 0  # open telemetry streams; the client is gone when the last one closes
+    language: str = ""
+    version: str = ""
+
+
+class Registry:
+    def __init__(self, max_pairs: int = UNLIMITED) -> None:
+        self._clients: dict[str, ClientState] = {}
+        self._by_lmq: dict[str, str | set[str]] = {}
+        self._pairs = 0
+        self.max_pairs = max_pairs
+
+    # --- clients ----------------------------------------------------------------------------------------
+    def get(self, client_id: str) -> ClientState | None:
+        return self._clients.get(client_id)
+
+    def touch(
+        self,
+        client_id: str,
+        now_ms: int,
+        *,
+        client_type: int | None = None,
+        group: str | None = None,
+        bind_topic: str | None = None,
+        topics: Iterable[str] | None = None,
+    ) -> ClientState:
+        """Create or refresh a client; a client keeps the group it first named (RocketMQ clients never switch)."""
+        state = self._clients.get(client_id)
+        if state is None:
+            state = self._clients[client_id] = ClientState(client_id)
+        if group:
+            if state.group and state.group != group:
+                raise errors.Conflict(
+                    f"client {client_id} already belongs to group {state.group}",
+                    kind="group",
+                    group=group,
+                )
+            state.group = group
+        if bind_topic:
+            if state.bind_topic and state.bind_topic != bind_topic and state.lite_topics:
+                raise errors.Conflict(
+                    f"client {client_id} already subscribes lite topics of {state.bind_topic}",
+                    kind="topic",
+                    topic=bind_topic,
+                )
+            state.bind_topic = bind_topic
+        if client_type:
+            state.client_type = client_type
+        if topics is not None:
+            state.topics = frozenset(topics)
+        state.last_seen_ms = max(state.last_seen_ms, now_ms)
+        return state
+
+    def drop(self, client_id: str) -> ClientState | None:
+        """Forget a client and every subscription it holds."""
+        state = self._clients.pop(client_id, None)
+        if state is not None:
+            for lmq in state.lite_topics:
+                self._unlink(lmq, client_id)
+            self._pairs -= len(state.lite_topics)
+        return state
+
+    def idle_since(self, cutoff_ms: int) -> list[str]:
+        """Clients not seen since ``cutoff_ms`` (a walk over clients, never over lite topics)."""
+        return [cid for cid, st in self._clients.items() if st.last_seen_ms < cutoff_ms]
+
+    def clients(self) -> Iterator[ClientState]:
+        return iter(self._clients.values())
+
+    def client_count(self) -> int:
+        return len(self._clients)
+
+    # --- subscriptions ----------------------------------------------------------------------------------
+    def add(self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int) -> list[str]:
+        """Subscribe; all or nothing. Returns the LMQs that were not subscribed before."""
+        state = self.touch(client_id, now_ms)
+        new = [lmq for lmq in dict.fromkeys(lmqs) if lmq not in state.lite_topics]
+        self._check_quota(state, len(state.lite_topics) + len(new), len(new), quota)
+        for lmq in new:
+            state.lite_topics.add(lmq)
+            self._link(lmq, client_id)
+        self._pairs += len(new)
+        return new
+
+    def remove(self, client_id: str, lmqs: Iterable[str], now_ms: int) -> list[str]:
+        state = self.touch(client_id, now_ms)
+        gone = [lmq for lmq in dict.fromkeys(lmqs) if lmq in state.lite_topics]
+        for lmq in gone:
+            state.lite_topics.discard(lmq)
+            self._unlink(lmq, client_id)
+        self._pairs -= len(gone)
+        return gone
+
+    def replace(self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int) -> tuple[list[str], list[str]]:
+        """Make the client's set exactly ``lmqs``; returns (added, removed)."""
+        state = self.touch(client_id, now_ms)
+        wanted = dict.fromkeys(lmqs)
+        added = [lmq for lmq in wanted if lmq not in state.lite_topics]
+        removed = [lmq for lmq in state.lite_topics if lmq not in wanted]
+        self._check_quota(state, len(wanted), len(added) - len(removed), quota)
+        self.remove(client_id, removed, now_ms)
+        for lmq in added:
+            state.lite_topics.add(lmq)
+            self._link(lmq, client_id)
+        self._pairs += len(added)
+        return added, removed
+
+    def forget_lmq(self, lmq: str) -> list[str]:
+        """Drop every subscription to a deleted lite topic; returns the clients that held it."""
+        holders = self.subscribers(lmq)
+        for cid in holders:
+            state = self._clients.get(cid)
+            if state is not None and lmq in state.lite_topics:
+                state.lite_topics.discard(lmq)
+                self._pairs -= 1
+        self._by_lmq.pop(lmq, None)
+        return list(holders)
+
+    def subscribers(self, lmq: str) -> tuple[str, ...]:
+        holders = self._by_lmq.get(lmq)
+        if holders is None:
+            return ()
+        if isinstance(holders, str):
+            return (holders,)
+        return tuple(holders)
+
+    def subscriber_count(self, lmq: str) -> int:
+        holders = self._by_lmq.get(lmq)
+        if holders is None:
+            return 0
+        return 1 if isinstance(holders, str) else len(holders)
+
+    def pair_count(self) -> int:
+        return self._pairs
+
+    # --- internals --------------------------------------------------------------------------------------
+    def _check_quota(self, state: ClientState, size_after: int, growth: int, quota: int) -> None:
+        if quota != UNLIMITED and size_after > quota:
+            raise errors.SubscriptionQuotaExceeded(
+                f"client {state.client_id} would hold {size_after} lite subscriptions, quota is {quota}",
+                client_id=state.client_id,
+                quota=quota,
+            )
+        if self.max_pairs != UNLIMITED and growth > 0 and self._pairs + growth > self.max_pairs:
+            raise errors.SubscriptionQuotaExceeded(
+                f"broker holds {self._pairs} lite subscriptions, limit is {self.max_pairs}",
+                limit=self.max_pairs,
+            )
+
+    def _link(self, lmq: str, client_id: str) -> None:
+        holders = self._by_lmq.get(lmq)
+        if holders is None:
+            self._by_lmq[lmq] = client_id
+        elif isinstance(holders, str):
+            if holders != client_id:
+                self._by_lmq[lmq] = {holders, client_id}
+        else:
+            holders.add(client_id)
+
+    def _unlink(self, lmq: str, client_id: str) -> None:
+        holders = self._by_lmq.get(lmq)
+        if holders is None:
+            return
+        if isinstance(holders, str):
+            if holders == client_id:
+                del self._by_lmq[lmq]
+            return
+        holders.discard(client_id)
+        if len(holders) == 1:
+            self._by_lmq[lmq] = next(iter(holders))
+        elif not holders:
+            del self._by_lmq[lmq]
