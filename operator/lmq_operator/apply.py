@@ -1,0 +1,407 @@
+"""The operator's only I/O: admin calls to brokers and the Kubernetes reads that find them.
+
+Everything here turns failures into values (``diff.Unreachable``, ``model.BrokerSync`` with a ``Failure``)
+so that one bad broker never aborts the work on the others, and a handler never has to catch gRPC errors.
+Admin calls use grpc.aio on kopf's own loop: a hundred resources created at once are a hundred concurrent
+calls, not a queue in front of a small thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import grpc.aio
+import kubernetes
+
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as pb_grpc
+from lmq_operator import diff, model, settings
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+_ORDINAL = re.compile(r"-(\d+)$")
+_MODEL_TO_PB = {"Shared": pb.SHARED, "Exclusive": pb.EXCLUSIVE}
+_PB_TO_MODEL: dict[int, Any] = {pb.SHARED: "Shared", pb.EXCLUSIVE: "Exclusive"}
+
+
+class AdminError(Exception):
+    def __init__(self, failure: model.Failure, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.message = message
+
+
+class BrokerAdmin(Protocol):
+    """The admin calls the operator makes on one broker; the gRPC twin is ``GrpcAdmin``."""
+
+    async def get(self, kind: model.Kind, key: str) -> model.Observed | None: ...
+    async def put(self, config: model.Config) -> bool: ...
+    async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool: ...
+    async def undrained_messages(self) -> int: ...
+    async def close(self) -> None: ...
+
+
+# ---- gRPC ---------------------------------------------------------------------------------------------
+
+
+def _to_pb_topic(c: model.TopicConfig) -> pb.ParentTopic:
+    return pb.ParentTopic(
+        name=c.name,
+        message_type=c.message_type,
+        expiration_minutes=c.expiration_minutes,
+        max_lite_topics=c.max_lite_topics,
+    )
+
+
+def _to_pb_group(c: model.GroupConfig) -> pb.LiteGroup:
+    return pb.LiteGroup(
+        name=c.name,
+        bind_topic=c.bind_topic,
+        model=_MODEL_TO_PB[c.model],
+        client_quota=c.client_quota,
+        ready_capacity=c.ready_capacity,
+        retry=pb.RetryPolicy(max_attempts=c.max_attempts, backoff_ms=list(c.backoff_ms)),
+        fifo=c.fifo,
+        consume_enabled=c.consume_enabled,
+    )
+
+
+def _to_pb_quota(c: model.QuotaConfig) -> pb.Quota:
+    return pb.Quota(
+        scope=c.scope,
+        max_lite_topics=c.max_lite_topics,
+        max_subscriptions_per_client=c.max_subscriptions_per_client,
+        max_send_rate=c.max_send_rate,
+    )
+
+
+def _from_pb_topic(t: pb.ParentTopic) -> model.TopicConfig:
+    return model.TopicConfig(
+        name=t.name,
+        expiration_minutes=t.expiration_minutes,
+        max_lite_topics=t.max_lite_topics,
+        message_type=t.message_type,
+    )
+
+
+def _from_pb_group(g: pb.LiteGroup) -> model.GroupConfig:
+    return model.GroupConfig(
+        name=g.name,
+        bind_topic=g.bind_topic,
+        model=_PB_TO_MODEL.get(g.model, "Shared"),
+        client_quota=g.client_quota,
+        ready_capacity=g.ready_capacity,
+        max_attempts=g.retry.max_attempts,
+        backoff_ms=tuple(g.retry.backoff_ms),
+        fifo=g.fifo,
+        consume_enabled=g.consume_enabled,
+    )
+
+
+def _from_pb_quota(q: pb.Quota) -> model.QuotaConfig:
+    return model.QuotaConfig(
+        scope=q.scope,
+        max_lite_topics=q.max_lite_topics,
+        max_subscriptions_per_client=q.max_subscriptions_per_client,
+        max_send_rate=q.max_send_rate,
+    )
+
+
+class GrpcAdmin:
+    """``BrokerAdmin`` over the broker's LmqAdmin service (proto/lmq/admin/v1/admin.proto)."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(endpoint)
+        self._stub = pb_grpc.LmqAdminStub(self._channel)
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            failure = model.Failure.UNAVAILABLE if exc.code() in _RETRYABLE else model.Failure.REJECTED
+            detail = exc.details() or exc.code().name
+            raise AdminError(failure, f"{exc.code().name}: {detail}") from None
+
+    async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
+        try:
+            if kind is model.Kind.PARENT_TOPIC:
+                t = await self._call(self._stub.GetParentTopic, pb.GetParentTopicRequest(name=key))
+                return model.Observed(_from_pb_topic(t.topic), (("liteTopicCount", t.lite_topic_count),))
+            if kind is model.Kind.LITE_GROUP:
+                g = await self._call(self._stub.GetLiteGroup, pb.GetLiteGroupRequest(name=key))
+                figures = (
+                    ("subscriptionCount", g.subscription_count),
+                    ("clientCount", g.client_count),
+                    ("lag", g.lag),
+                )
+                return model.Observed(_from_pb_group(g.group), figures)
+        except AdminError as exc:
+            if exc.message.startswith(grpc.StatusCode.NOT_FOUND.name):
+                return None
+            raise
+        quotas = await self._call(self._stub.ListQuotas, pb.ListQuotasRequest())
+        found = next((q for q in quotas.quotas if q.scope == key), None)
+        return None if found is None else model.Observed(_from_pb_quota(found))
+
+    async def put(self, config: model.Config) -> bool:
+        if isinstance(config, model.TopicConfig):
+            r = await self._call(self._stub.PutParentTopic, pb.PutParentTopicRequest(topic=_to_pb_topic(config)))
+        elif isinstance(config, model.GroupConfig):
+            r = await self._call(self._stub.PutLiteGroup, pb.PutLiteGroupRequest(group=_to_pb_group(config)))
+        else:
+            r = await self._call(self._stub.PutQuota, pb.PutQuotaRequest(quota=_to_pb_quota(config)))
+        return bool(r.created)
+
+    async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool:
+        try:
+            if kind is model.Kind.PARENT_TOPIC:
+                req = pb.DeleteParentTopicRequest(name=key, purge_lite_topics=purge)
+                return bool((await self._call(self._stub.DeleteParentTopic, req)).deleted)
+            if kind is model.Kind.LITE_GROUP:
+                req_g = pb.DeleteLiteGroupRequest(name=key)
+                return bool((await self._call(self._stub.DeleteLiteGroup, req_g)).deleted)
+            req_q = pb.DeleteQuotaRequest(scope=key)
+            return bool((await self._call(self._stub.DeleteQuota, req_q)).deleted)
+        except AdminError as exc:
+            if exc.message.startswith(grpc.StatusCode.NOT_FOUND.name):
+                return False  # already gone: deleting is idempotent
+            raise
+
+    async def undrained_messages(self) -> int:
+        info = await self._call(self._stub.GetBrokerInfo, pb.GetBrokerInfoRequest())
+        return int(info.undrained_messages)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+AdminFactory = Callable[[str], BrokerAdmin]
+
+
+@dataclass
+class AdminPool:
+    """One admin connection per broker endpoint, closed when the broker leaves the fleet."""
+
+    factory: AdminFactory
+    _open: dict[str, BrokerAdmin] = field(default_factory=dict)
+
+    def __call__(self, broker: model.Broker) -> BrokerAdmin:
+        admin = self._open.get(broker.endpoint)
+        if admin is None:
+            admin = self._open[broker.endpoint] = self.factory(broker.endpoint)
+        return admin
+
+    async def prune(self, keep: Iterable[model.Broker]) -> None:
+        endpoints = {b.endpoint for b in keep}
+        for endpoint in [e for e in self._open if e not in endpoints]:
+            await self._open.pop(endpoint).close()
+
+    async def close(self) -> None:
+        await self.prune(())
+
+
+# ---- reconcile I/O ------------------------------------------------------------------------------------
+
+
+async def observe(
+    pool: AdminPool, kind: model.Kind, key: str, brokers: Iterable[model.Broker]
+) -> dict[model.Broker, diff.Observation]:
+    async def one(broker: model.Broker) -> diff.Observation:
+        try:
+            return await pool(broker).get(kind, key)
+        except AdminError as exc:
+            return diff.Unreachable(exc.message)
+
+    targets = list(brokers)
+    seen = await asyncio.gather(*(one(b) for b in targets))
+    return dict(zip(targets, seen, strict=True))
+
+
+async def execute(
+    pool: AdminPool, plan: diff.Plan, observed: Mapping[model.Broker, diff.Observation]
+) -> list[model.BrokerSync]:
+    async def one(step: diff.Step) -> model.BrokerSync:
+        seen = observed.get(step.broker)
+        figures = seen.figures if isinstance(seen, model.Observed) else ()
+        if step.change is diff.Change.NONE:
+            return model.BrokerSync(step.broker, True, step.change.value, figures=figures)
+        try:
+            await pool(step.broker).put(step.config)
+        except AdminError as exc:
+            return model.BrokerSync(step.broker, False, step.change.value, exc.failure, exc.message)
+        return model.BrokerSync(step.broker, True, step.change.value, figures=figures)
+
+    done = list(await asyncio.gather(*(one(s) for s in plan.steps)))
+    for broker, message in plan.unreachable:
+        done.append(model.BrokerSync(broker, False, "", model.Failure.UNAVAILABLE, message))
+    return done
+
+
+async def sync(
+    pool: AdminPool, wanted: model.Config, kind: model.Kind, brokers: Iterable[model.Broker]
+) -> tuple[diff.Plan, list[model.BrokerSync]]:
+    observed = await observe(pool, kind, wanted.key, brokers)
+    planned = diff.plan(wanted, observed)
+    return planned, await execute(pool, planned, observed)
+
+
+async def delete(
+    pool: AdminPool, kind: model.Kind, key: str, brokers: Iterable[model.Broker], purge: bool
+) -> list[tuple[model.Broker, str | None]]:
+    """Delete ``key`` from every broker; returns each broker's error text (None: deleted or absent)."""
+
+    async def one(broker: model.Broker, name: str) -> tuple[model.Broker, str | None]:
+        try:
+            await pool(broker).delete(kind, name, purge)
+        except AdminError as exc:
+            return broker, exc.message
+        return broker, None
+
+    return list(await asyncio.gather(*(one(b, k) for b, k in diff.plan_delete(list(brokers), key))))
+
+
+# ---- finding brokers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """The brokers to apply to, and the leaving ones (ordinal >= replicas) that still hold data."""
+
+    targets: tuple[model.Broker, ...]
+    leaving: tuple[model.Leaving, ...] = ()
+    error: str | None = None  # discovery failed; targets are the last known good ones
+
+
+def _ordinal(pod: str | None) -> int | None:
+    match = _ORDINAL.search(pod or "")
+    return int(match.group(1)) if match else None
+
+
+def brokers_from_slices(slices: Iterable[Mapping[str, Any]], default_port: int) -> list[tuple[model.Broker, bool]]:
+    """(broker, ready) for every endpoint of the Service's EndpointSlices, deduplicated by pod."""
+    found: dict[str, tuple[model.Broker, bool]] = {}
+    for s in slices:
+        ports = s.get("ports") or []
+        port = next((p.get("port") for p in ports if p.get("name") in ("grpc", "admin")), None)
+        if port is None and ports:
+            port = ports[0].get("port")
+        port = port or default_port
+        for ep in s.get("endpoints") or []:
+            addresses = ep.get("addresses") or []
+            if not addresses:
+                continue
+            pod = (ep.get("targetRef") or {}).get("name") or ep.get("hostname") or addresses[0]
+            ready = (ep.get("conditions") or {}).get("ready")
+            broker = model.Broker(model.BrokerName(pod), f"{addresses[0]}:{port}", _ordinal(pod))
+            found[pod] = (broker, ready is not False)
+    return sorted(found.values())
+
+
+class Fleet:
+    """Discovers brokers, at most once per ``discovery_ttl_s``; concurrent callers share one refresh."""
+
+    def __init__(
+        self,
+        conf: settings.Settings,
+        pool: AdminPool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._conf = conf
+        self._pool = pool
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._view: FleetView | None = None
+        self._at = 0.0
+        self._kube: Any = None
+
+    async def view(self) -> FleetView:
+        async with self._lock:
+            if self._view is None or self._clock() - self._at >= self._conf.discovery_ttl_s:
+                self._view = await self._discover(self._view)
+                self._at = self._clock()
+                await self._pool.prune([*self._view.targets, *(x.broker for x in self._view.leaving)])
+            return self._view
+
+    async def _discover(self, last: FleetView | None) -> FleetView:
+        try:
+            replicas = await self._replicas()
+            if self._conf.brokers:
+                known = [(model.Broker(model.BrokerName(ep), ep, i), True) for i, ep in enumerate(self._conf.brokers)]
+            else:
+                known = brokers_from_slices(await self._slices(), self._conf.admin_port)
+        except Exception as exc:  # any API failure: keep serving the last good view
+            log.warning("broker discovery failed: %s", exc)
+            return FleetView(last.targets if last else (), last.leaving if last else (), error=str(exc))
+        targets, leaving_candidates = [], []
+        for broker, ready in known:
+            if replicas is not None and broker.ordinal is not None and broker.ordinal >= replicas:
+                leaving_candidates.append(broker)
+            elif ready:
+                targets.append(broker)
+        leaving = []
+        for broker in leaving_candidates:
+            try:
+                undrained = await self._pool(broker).undrained_messages()
+            except AdminError as exc:
+                log.info("leaving broker %s did not answer: %s", broker.name, exc.message)
+                continue
+            if undrained > 0 and replicas is not None:
+                leaving.append(model.Leaving(broker, replicas, undrained))
+        return FleetView(tuple(targets), tuple(leaving))
+
+    def _client(self) -> Any:
+        if self._kube is None:
+            try:
+                kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+            self._kube = kubernetes.client.ApiClient()
+        return self._kube
+
+    async def _replicas(self) -> int | None:
+        name, ns = self._conf.broker_statefulset, self._conf.broker_namespace
+        if name is None or ns is None:
+            return None
+
+        def read() -> Any:
+            return kubernetes.client.AppsV1Api(self._client()).read_namespaced_stateful_set(name, ns)
+
+        sts = await asyncio.to_thread(read)
+        return int(sts.spec.replicas if sts.spec.replicas is not None else 1)
+
+    async def _slices(self) -> list[Mapping[str, Any]]:
+        svc, ns = self._conf.broker_service, self._conf.broker_namespace or "default"
+
+        def read() -> Any:
+            api = kubernetes.client.DiscoveryV1Api(self._client())
+            found = api.list_namespaced_endpoint_slice(ns, label_selector=f"kubernetes.io/service-name={svc}")
+            return self._client().sanitize_for_serialization(found)
+
+        listing = await asyncio.to_thread(read)
+        return list(listing.get("items") or [])
+
+    async def close(self) -> None:
+        if self._kube is not None:
+            with contextlib.suppress(Exception):
+                self._kube.close()
+        await self._pool.close()

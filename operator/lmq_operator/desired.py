@@ -1,0 +1,109 @@
+"""From a custom resource to the config every broker should hold.
+
+Pure: nothing here knows kopf or a broker. A spec that does not parse becomes an ``InvalidSpec`` value (the
+handler reports it as ``Ready=False, Invalid``); it never raises into kopf, which would retry it forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+from lmq_operator import model
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidSpec:
+    message: str
+
+
+def mode(annotations: Mapping[str, str]) -> model.Mode:
+    """Unmanaged wins over paused: an unmanaged resource has nothing left to pause."""
+    if annotations.get(model.ANNOTATION_MANAGED, "").strip().lower() == "false":
+        return model.Mode.UNMANAGED
+    if annotations.get(model.ANNOTATION_PAUSED, "").strip().lower() == "true":
+        return model.Mode.PAUSED
+    return model.Mode.MANAGED
+
+
+def parse(kind: model.Kind, spec: Mapping[str, Any]) -> model.Spec | InvalidSpec:
+    cls: type[model.ParentTopicSpec] | type[model.LiteGroupSpec] | type[model.LiteQuotaSpec]
+    cls = {
+        model.Kind.PARENT_TOPIC: model.ParentTopicSpec,
+        model.Kind.LITE_GROUP: model.LiteGroupSpec,
+        model.Kind.LITE_QUOTA: model.LiteQuotaSpec,
+    }[kind]
+    try:
+        return cls.model_validate(dict(spec))
+    except pydantic.ValidationError as exc:
+        return InvalidSpec(_readable(exc))
+
+
+def _readable(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"])
+        msg = str(error["msg"]).removeprefix("Value error, ")
+        parts.append(f"spec.{where}: {msg}" if where else msg)
+    return "; ".join(parts)
+
+
+def config(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> model.Config | InvalidSpec:
+    """The config a broker should hold for the resource ``name`` (its metadata.name)."""
+    parsed = parse(kind, spec)
+    if isinstance(parsed, InvalidSpec):
+        return parsed
+    if isinstance(parsed, model.ParentTopicSpec):
+        topic = parsed.topic_name or name
+        if not model.NAME_RE.match(topic):
+            return InvalidSpec(f"metadata.name {name!r} is not a valid broker topic name: set spec.topicName")
+        return model.TopicConfig(
+            name=topic,
+            expiration_minutes=parsed.lite_topic_expiration_minutes,
+            max_lite_topics=parsed.max_lite_topics,
+        )
+    if isinstance(parsed, model.LiteGroupSpec):
+        group = parsed.group_name or name
+        if not model.NAME_RE.match(group):
+            return InvalidSpec(f"metadata.name {name!r} is not a valid broker group name: set spec.groupName")
+        return model.GroupConfig(
+            name=group,
+            bind_topic=parsed.parent_topic,
+            model=parsed.subscription_model,
+            client_quota=parsed.client_subscription_quota,
+            ready_capacity=parsed.ready_set_capacity,
+            max_attempts=parsed.retry_policy.max_attempts,
+            backoff_ms=tuple(model.duration_ms(d) for d in parsed.retry_policy.backoff),
+            fifo=parsed.fifo,
+            consume_enabled=parsed.consume_enabled,
+        )
+    return model.QuotaConfig(
+        scope=quota_scope(parsed),
+        max_lite_topics=parsed.max_lite_topics,
+        max_subscriptions_per_client=parsed.max_subscriptions_per_client,
+        max_send_rate=parsed.max_send_rate,
+    )
+
+
+def quota_scope(spec: model.LiteQuotaSpec) -> str:
+    return f"namespace:{spec.namespace}" if spec.namespace is not None else f"parent:{spec.parent_topic}"
+
+
+def broker_key(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> str | None:
+    """The broker-side name a resource claims, or None when its spec is invalid (it claims nothing)."""
+    wanted = config(kind, name, spec)
+    return None if isinstance(wanted, InvalidSpec) else wanted.key
+
+
+def owner(claimants: Iterable[model.Claimant]) -> model.Claimant | None:
+    """The oldest claimant owns a broker-side name; ties (same second) break on namespace/name, then uid."""
+    return min(claimants, key=lambda c: (c.created, c.namespace, c.name, c.uid), default=None)
+
+
+def conflicting_owner(uid: str, claimants: Iterable[model.Claimant]) -> model.Claimant | None:
+    """The resource that owns the name instead of ``uid``; None when ``uid`` owns it or nobody else claims it."""
+    first = owner(claimants)
+    return None if first is None or first.uid == uid else first

@@ -1,0 +1,104 @@
+"""Operator settings, read once from the environment (the chart sets them; tests set them too).
+
+Two ways to find brokers, because tests run brokers as local processes while a cluster runs a StatefulSet:
+a static ``host:port`` list, or the EndpointSlices of the brokers' headless Service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+DEFAULT_ADMIN_PORT: Final = 8081
+DEFAULT_METRICS_PORT: Final = 9101
+DEFAULT_LIVENESS: Final = "http://0.0.0.0:8080/healthz"
+DEFAULT_RESYNC_S: Final = 60.0
+DEFAULT_DISCOVERY_TTL_S: Final = 5.0
+DEFAULT_ADMIN_TIMEOUT_S: Final = 5.0
+DEFAULT_RETRY_DELAY_S: Final = 5.0
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    namespace: str | None = None  # None: every namespace
+    brokers: tuple[str, ...] = ()  # static host:port list; wins over the Service when both are set
+    broker_service: str | None = None
+    broker_namespace: str | None = None
+    broker_statefulset: str | None = None
+    admin_port: int = DEFAULT_ADMIN_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT  # -1: no metrics server
+    liveness_endpoint: str | None = DEFAULT_LIVENESS
+    resync_s: float = DEFAULT_RESYNC_S
+    discovery_ttl_s: float = DEFAULT_DISCOVERY_TTL_S
+    admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S
+    retry_delay_s: float = DEFAULT_RETRY_DELAY_S
+
+    @property
+    def needs_kubernetes_client(self) -> bool:
+        return self.broker_service is not None or self.broker_statefulset is not None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise SettingsError(f"{name} must be positive, got {raw}")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+
+
+def _endpoint(item: str) -> str:
+    host, sep, port = item.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise SettingsError(f"LMQ_OPERATOR_BROKERS entry {item!r} is not host:port")
+    return item
+
+
+def from_env(env: Mapping[str, str]) -> Settings:
+    brokers = tuple(_endpoint(b.strip()) for b in env.get("LMQ_OPERATOR_BROKERS", "").split(",") if b.strip())
+    service = env.get("LMQ_OPERATOR_BROKER_SERVICE", "").strip() or None
+    statefulset = env.get("LMQ_OPERATOR_BROKER_STATEFULSET", "").strip() or None
+    broker_ns = env.get("LMQ_OPERATOR_BROKER_NAMESPACE", "").strip() or None
+    if not brokers and service is None:
+        raise SettingsError("set LMQ_OPERATOR_BROKERS (host:port,...) or LMQ_OPERATOR_BROKER_SERVICE")
+    if (service or statefulset) and broker_ns is None:
+        raise SettingsError("LMQ_OPERATOR_BROKER_NAMESPACE is required with a broker Service or StatefulSet")
+    liveness = env.get("LMQ_OPERATOR_LIVENESS_ENDPOINT", DEFAULT_LIVENESS).strip() or None
+    return Settings(
+        namespace=env.get("LMQ_OPERATOR_NAMESPACE", "").strip() or None,
+        brokers=brokers,
+        broker_service=service,
+        broker_namespace=broker_ns,
+        broker_statefulset=statefulset,
+        admin_port=_int(env, "LMQ_OPERATOR_BROKER_PORT", DEFAULT_ADMIN_PORT),
+        metrics_port=_int(env, "LMQ_OPERATOR_METRICS_PORT", DEFAULT_METRICS_PORT),
+        liveness_endpoint=liveness,
+        resync_s=_float(env, "LMQ_OPERATOR_RESYNC_SECONDS", DEFAULT_RESYNC_S),
+        discovery_ttl_s=_float(env, "LMQ_OPERATOR_DISCOVERY_SECONDS", DEFAULT_DISCOVERY_TTL_S),
+        admin_timeout_s=_float(env, "LMQ_OPERATOR_ADMIN_TIMEOUT_SECONDS", DEFAULT_ADMIN_TIMEOUT_S),
+        retry_delay_s=_float(env, "LMQ_OPERATOR_RETRY_SECONDS", DEFAULT_RETRY_DELAY_S),
+    )
+
+
+def resync_seconds(env: Mapping[str, str]) -> float:
+    """Read apart from ``from_env`` because kopf needs the timer interval when handlers are registered."""
+    return _float(env, "LMQ_OPERATOR_RESYNC_SECONDS", DEFAULT_RESYNC_S)

@@ -1,0 +1,206 @@
+"""Status as GitOps tools read it: ``observedGeneration`` plus a ``Ready`` condition with one CamelCase reason.
+
+Every reason the operator can give is in ``Reason``; this is the one place an outcome becomes a condition.
+``lastTransitionTime`` only moves when a condition's status flips, so a resync that changes nothing writes
+nothing (kopf skips empty patches) and watchers are not woken for no news.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from lmq_operator import model
+
+READY: Final = "Ready"
+DRAINED: Final = "BrokersDrained"
+
+
+class Reason(enum.StrEnum):
+    APPLIED = "Applied"
+    BROKER_UNAVAILABLE = "BrokerUnavailable"
+    BROKER_REJECTED = "BrokerRejected"
+    NO_BROKERS = "NoBrokers"
+    RESOURCE_CONFLICT = "ResourceConflict"
+    INVALID = "Invalid"
+    RECONCILIATION_PAUSED = "ReconciliationPaused"
+    UNMANAGED = "Unmanaged"
+    DRAINED = "Drained"
+    UNDRAINED_BROKER_LEAVING = "UndrainedBrokerLeaving"
+
+
+KEY_FIELD: Final = {
+    model.Kind.PARENT_TOPIC: "topicName",
+    model.Kind.LITE_GROUP: "groupName",
+    model.Kind.LITE_QUOTA: "scope",
+}
+
+# Live figures a broker reports, as status field names; summed over brokers.
+FIGURES: Final[Mapping[model.Kind, tuple[str, ...]]] = {
+    model.Kind.PARENT_TOPIC: ("liteTopicCount",),
+    model.Kind.LITE_GROUP: ("subscriptionCount", "clientCount", "lag"),
+    model.Kind.LITE_QUOTA: (),
+}
+
+
+def timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(
+    type_: str,
+    status: bool | None,
+    reason: Reason,
+    message: str,
+    *,
+    generation: int | None,
+    now: datetime,
+    previous: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    text = "Unknown" if status is None else str(status)
+    old = next((c for c in previous if c.get("type") == type_), None)
+    moved = old is None or old.get("status") != text or "lastTransitionTime" not in old
+    cond: dict[str, Any] = {
+        "type": type_,
+        "status": text,
+        "reason": reason.value,
+        "message": message,
+        "lastTransitionTime": timestamp(now) if moved else old["lastTransitionTime"],  # type: ignore[index]
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def _merge(previous: Sequence[Mapping[str, Any]], *new: dict[str, Any]) -> list[dict[str, Any]]:
+    replaced = {c["type"] for c in new}
+    kept = [dict(c) for c in previous if c.get("type") not in replaced]
+    return [*new, *kept]
+
+
+def _brokers(syncs: Sequence[model.BrokerSync]) -> list[dict[str, Any]]:
+    rows = []
+    for s in sorted(syncs, key=lambda s: s.broker):
+        row: dict[str, Any] = {"name": s.broker.name, "endpoint": s.broker.endpoint, "synced": s.synced}
+        if s.message:
+            row["message"] = s.message
+        row.update(dict(s.figures))
+        rows.append(row)
+    return rows
+
+
+def applied(
+    kind: model.Kind,
+    key: str,
+    *,
+    generation: int,
+    syncs: Sequence[model.BrokerSync],
+    previous: Mapping[str, Any],
+    now: datetime,
+) -> dict[str, Any]:
+    """Status after a reconcile reached (or tried to reach) every broker."""
+    conditions = previous.get("conditions") or []
+    ok = [s for s in syncs if s.synced]
+    failed = [s for s in syncs if not s.synced]
+    if not syncs:
+        ready = condition(
+            READY,
+            False,
+            Reason.NO_BROKERS,
+            "no broker pod is discovered",
+            generation=generation,
+            now=now,
+            previous=conditions,
+        )
+    elif failed:
+        rejected = [s for s in failed if s.failure is model.Failure.REJECTED]
+        reason = Reason.BROKER_REJECTED if rejected else Reason.BROKER_UNAVAILABLE
+        detail = "; ".join(f"{s.broker.name}: {s.message}" for s in (rejected or failed))
+        message = f"{len(ok)}/{len(syncs)} brokers in sync; {detail}"
+        ready = condition(READY, False, reason, message, generation=generation, now=now, previous=conditions)
+    else:
+        message = f"applied to {len(syncs)}/{len(syncs)} brokers"
+        ready = condition(READY, True, Reason.APPLIED, message, generation=generation, now=now, previous=conditions)
+    out: dict[str, Any] = {
+        "observedGeneration": generation,
+        KEY_FIELD[kind]: key,
+        "brokersReady": f"{len(ok)}/{len(syncs)}",
+        "brokers": _brokers(syncs),
+        "conditions": _merge(conditions, ready),
+    }
+    for figure in FIGURES[kind]:
+        out[figure] = sum(dict(s.figures).get(figure, 0) for s in ok)
+    return out
+
+
+def blocked(
+    reason: Reason,
+    message: str,
+    *,
+    generation: int,
+    previous: Mapping[str, Any],
+    now: datetime,
+    key: tuple[model.Kind, str] | None = None,
+) -> dict[str, Any]:
+    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged).
+
+    A paused resource keeps its old ``observedGeneration``: its current generation is not applied, and a
+    GitOps tool must not believe otherwise.
+    """
+    conditions = previous.get("conditions") or []
+    state = {
+        Reason.UNMANAGED: True,
+        Reason.RECONCILIATION_PAUSED: None,
+    }.get(reason, False)
+    observed = None if reason is Reason.RECONCILIATION_PAUSED else generation
+    ready = condition(READY, state, reason, message, generation=observed, now=now, previous=conditions)
+    out: dict[str, Any] = {"conditions": _merge(conditions, ready)}
+    if observed is not None:
+        out["observedGeneration"] = observed
+    if key is not None:
+        out[KEY_FIELD[key[0]]] = key[1]
+    return out
+
+
+def drained(leaving: Sequence[model.Leaving], previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
+    """The scale-down condition; shown on ParentTopics because that is where the undrained data lives."""
+    conditions = previous.get("conditions") or []
+    if not leaving:
+        text = "no leaving broker holds undrained messages"
+        cond = condition(DRAINED, True, Reason.DRAINED, text, generation=None, now=now, previous=conditions)
+    else:
+        parts = [
+            f"{x.broker.name} (ordinal {x.broker.ordinal} >= replicas {x.replicas}) still holds "
+            f"{x.undrained_messages} undrained messages"
+            for x in sorted(leaving, key=lambda x: x.broker)
+        ]
+        cond = condition(
+            DRAINED,
+            False,
+            Reason.UNDRAINED_BROKER_LEAVING,
+            "; ".join(parts),
+            generation=None,
+            now=now,
+            previous=conditions,
+        )
+    return cond
+
+
+def with_condition(status: dict[str, Any], cond: dict[str, Any]) -> dict[str, Any]:
+    status["conditions"] = _merge(status.get("conditions") or [], cond)
+    return status
+
+
+def ready_of(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(status, reason) of the Ready condition, for deciding whether an Event is news."""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == READY:
+            return str(cond.get("status")), str(cond.get("reason"))
+    return None
+
+
+def changes(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the top-level status fields that differ: the merge patch to send (empty: send nothing)."""
+    return {k: v for k, v in new.items() if previous.get(k) != v}
