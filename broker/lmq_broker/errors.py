@@ -75,6 +75,10 @@ class Unauthorized(LmqError):
     pass
 
 
+class Unsupported(LmqError):
+    """A valid request for a feature this broker does not implement (e.g. transactional messages)."""
+
+
 class BrokerUnavailable(LmqError):
     """A broker could not be reached or did not answer in time (raised by clients; worth a retry)."""
 
