@@ -96,12 +96,19 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The image reference; a digest pins the image regardless of the tag. */}}
+{{/*
+The image reference. A digest pins the image whatever the tag says: "repo:tag@digest" when both are set
+(the tag is then only a readable hint), "repo@digest" with a digest alone, else "repo:tag" where the tag
+defaults to the chart's appVersion.
+*/}}
 {{- define "lmq.image" -}}
-{{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- $image := .Values.image }}
+{{- if and $image.digest $image.tag }}
+{{- printf "%s:%s@%s" $image.repository $image.tag $image.digest }}
+{{- else if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- end }}
 {{- end }}
 

@@ -1,0 +1,116 @@
+"""Fixtures for the chart and image suites: the chart rendered offline, the way `helm install` would.
+
+helm-python-sdk binds Helm's own Go SDK (bundled as a shared library in the wheel), so rendering, schema
+validation and lint run the real Helm code without a helm binary, a cluster or the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "charts" / "lmq"
+RELEASE = "demo"
+NAMESPACE = "mq"
+# A current Kubernetes minor: the schemas of kubernetes-validate and helm lint's checks are pinned to it.
+KUBE_VERSION = "1.34"
+
+Manifest = dict[str, Any]
+Render = Callable[..., list[Manifest]]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def kube_version() -> str:
+    return KUBE_VERSION
+
+
+@pytest.fixture(scope="session")
+def release() -> str:
+    return RELEASE
+
+
+@pytest.fixture(scope="session")
+def namespace() -> str:
+    return NAMESPACE
+
+
+@pytest.fixture(scope="session")
+def chart_dir() -> Path:
+    return CHART_DIR
+
+
+@pytest.fixture(scope="session")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+def documents(text: str) -> list[Manifest]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+@pytest.fixture(scope="session")
+def render(chart: helm.Chart) -> Render:
+    """render(values=None, *, name=RELEASE, namespace=NAMESPACE) -> every rendered object, in file order.
+
+    NOTES.txt is not an object and is left out; `render_notes` returns it.
+    """
+
+    def _render(
+        values: dict[str, Any] | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE
+    ) -> list[Manifest]:
+        rendered = chart.render(values or {}, name=name, namespace=namespace, is_install=True)
+        objects: list[Manifest] = []
+        for path in sorted(rendered):
+            if not path.endswith(".txt"):
+                objects.extend(documents(rendered[path]))
+        return objects
+
+    return _render
+
+
+@pytest.fixture(scope="session")
+def render_notes(chart: helm.Chart) -> Callable[..., str]:
+    def _notes(values: dict[str, Any] | None = None) -> str:
+        rendered = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        return rendered["lmq/templates/NOTES.txt"]
+
+    return _notes
+
+
+def find(objects: list[Manifest], kind: str, name: str | None = None) -> list[Manifest]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+@pytest.fixture(scope="session")
+def one() -> Callable[..., Manifest]:
+    """one(objects, kind, name=None): the single object of that kind (and name); fails otherwise."""
+
+    def _one(objects: list[Manifest], kind: str, name: str | None = None) -> Manifest:
+        found = find(objects, kind, name)
+        assert len(found) == 1, f"expected one {kind} {name or ''}, got {[o['metadata']['name'] for o in found]}"
+        return found[0]
+
+    return _one
+
+
+@pytest.fixture(scope="session")
+def crds(repo_root: Path) -> dict[str, Manifest]:
+    """The CRDs of crds/ (the single source), by kind."""
+    by_kind: dict[str, Manifest] = {}
+    for path in sorted((repo_root / "crds").glob("*.yaml")):
+        for doc in documents(path.read_text()):
+            by_kind[doc["spec"]["names"]["kind"]] = doc
+    assert by_kind, "no CRDs in crds/"
+    return by_kind
