@@ -1,0 +1,129 @@
+"""Parent topics, lite groups and quotas: validated, idempotent upserts over the store.
+
+Blocking; the service runs each call in a worker thread. Writes take one lock so that check-then-write
+rules (a group's bind topic must exist and never changes) hold against concurrent admin calls. Callers
+learn whether anything changed, so the dispatcher's caches are dropped only when they are stale.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from lmq_broker import errors, model
+from lmq_broker.admin import validation
+from lmq_broker.config import BrokerConfig
+from lmq_broker.storage.api import Store
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Upsert(Generic[T]):
+    value: T  # what is stored now
+    created: bool
+    changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ParentDeletion:
+    deleted: bool  # the topic existed and is gone
+    purge_needed: bool  # lite topics remain that the caller asked to purge
+
+
+class Catalog:
+    def __init__(self, store: Store, config: BrokerConfig) -> None:
+        self._store = store
+        self._config = config
+        self._lock = threading.Lock()
+
+    # --- parent topics ----------------------------------------------------------------------------------
+    def put_parent_topic(self, topic: model.ParentTopic) -> Upsert[model.ParentTopic]:
+        topic = validation.parent_topic(topic)
+        with self._lock:
+            existing = self._store.get_parent_topic(topic.name)
+            if existing == topic:
+                return Upsert(topic, created=False, changed=False)
+            self._store.put_parent_topic(topic)
+            return Upsert(topic, created=existing is None, changed=True)
+
+    def get_parent_topic(self, name: str) -> tuple[model.ParentTopic, int]:
+        topic = self._store.get_parent_topic(validation.name("name", name))
+        if topic is None:
+            raise errors.TopicNotFound(f"parent topic {name!r} not found", topic=name)
+        return topic, self._store.lite_topic_count(name)
+
+    def list_parent_topics(self) -> list[tuple[model.ParentTopic, int]]:
+        return [(t, self._store.lite_topic_count(t.name)) for t in self._store.list_parent_topics()]
+
+    def delete_parent_topic(self, name: str, *, purge: bool) -> ParentDeletion:
+        """Without ``purge``, a parent that still has lite topics is kept (delete-only-if-empty)."""
+        validation.name("name", name)
+        with self._lock:
+            remaining = self._store.lite_topic_count(name)
+            exists = self._store.get_parent_topic(name) is not None
+            if exists and remaining and not purge:
+                raise errors.Conflict(
+                    f"parent topic {name!r} still has {remaining} lite topics; delete them or set purge_lite_topics",
+                    topic=name,
+                    lite_topics=remaining,
+                )
+            deleted = self._store.delete_parent_topic(name) if exists else False
+            # A purge is also re-run for an already deleted parent: an interrupted purge completes.
+            return ParentDeletion(deleted=deleted, purge_needed=purge and remaining > 0)
+
+    # --- lite groups ------------------------------------------------------------------------------------
+    def put_group(self, group: model.LiteGroup) -> Upsert[model.LiteGroup]:
+        group = validation.lite_group(group, self._config)
+        with self._lock:
+            bind = self._store.get_parent_topic(group.bind_topic)
+            if bind is None:
+                raise errors.TopicNotFound(
+                    f"group.bind_topic: parent topic {group.bind_topic!r} not found", topic=group.bind_topic
+                )
+            if bind.message_type is not model.MessageType.LITE:
+                raise errors.Conflict(
+                    f"group.bind_topic: topic {bind.name!r} is {bind.message_type.name}, not LITE", topic=bind.name
+                )
+            existing = self._store.get_group(group.name)
+            if existing is not None and existing.bind_topic != group.bind_topic:
+                raise errors.Conflict(
+                    f"group.bind_topic is immutable: group {group.name!r} is bound to {existing.bind_topic!r}",
+                    group=group.name,
+                    bind_topic=existing.bind_topic,
+                )
+            if existing == group:
+                return Upsert(group, created=False, changed=False)
+            self._store.put_group(group)
+            return Upsert(group, created=existing is None, changed=True)
+
+    def get_group(self, name: str) -> model.LiteGroup:
+        group = self._store.get_group(validation.name("name", name))
+        if group is None:
+            raise errors.GroupNotFound(f"lite group {name!r} not found", group=name)
+        return group
+
+    def list_groups(self) -> list[model.LiteGroup]:
+        return self._store.list_groups()
+
+    def delete_group(self, name: str) -> bool:
+        with self._lock:
+            return self._store.delete_group(validation.name("name", name))
+
+    # --- quotas -----------------------------------------------------------------------------------------
+    def put_quota(self, quota: model.Quota) -> Upsert[model.Quota]:
+        quota = validation.quota(quota)
+        with self._lock:
+            existing = self._store.get_quota(quota.scope)
+            if existing == quota:
+                return Upsert(quota, created=False, changed=False)
+            self._store.put_quota(quota)
+            return Upsert(quota, created=existing is None, changed=True)
+
+    def delete_quota(self, scope: str) -> bool:
+        with self._lock:
+            return self._store.delete_quota(validation.scope(scope))
+
+    def list_quotas(self) -> list[model.Quota]:
+        return self._store.list_quotas()

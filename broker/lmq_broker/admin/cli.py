@@ -1,0 +1,270 @@
+"""``lmq-admin``: the admin service from a shell, one subcommand per resource and verb.
+
+A thin layer over ``AdminClient``: parse, call, print. Exit codes: 0 done, 1 the broker refused or
+failed (its message on stderr), 2 bad usage. ``put`` sends the whole object, so options left out take
+their defaults rather than keeping what the broker had (the same upsert the operator does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TextIO
+
+from lmq_broker import errors, model
+from lmq_broker.admin.client import AdminClient
+
+DEFAULT_ENDPOINT: Final = "localhost:8081"
+ENDPOINT_ENV: Final = "LMQ_ADMIN_ENDPOINT"
+ACCESS_KEY_ENV: Final = "LMQ_ACCESS_KEY"
+SECRET_KEY_ENV: Final = "LMQ_SECRET_KEY"
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+_WRAPPERS: Final = frozenset({"topic", "group", "meta", "value"})  # nested values printed as their fields
+
+
+def plain(value: Any) -> Any:
+    """JSON-ready: dataclasses → dicts, enums → names, tuples → lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """One table row: wrapper objects (topic, group, meta, value) give their own fields, others get dotted names."""
+    row: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict) and value and (key in _WRAPPERS and not prefix):
+            row.update(flatten(value))
+        elif isinstance(value, dict) and value and key not in ("group_offsets",):
+            row.update(flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, dict):
+            row[prefix + key] = ",".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, list):
+            row[prefix + key] = ",".join(str(v) for v in value)
+        else:
+            row[prefix + key] = value
+    return row
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], out: TextIO, header: bool = True) -> None:
+    if not rows:
+        if header:
+            print("(none)", file=out)
+        return
+    names = list(rows[0])
+    widths = [max(len(name), *(len(str(r.get(name, ""))) for r in rows)) for name in names]
+    lines = [[str(r.get(name, "")) for name in names] for r in rows]
+    if header:
+        lines.insert(0, [name.upper() for name in names])
+    for line in lines:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip(), file=out)
+
+
+def emit(result: object, output: str, out: TextIO) -> None:
+    data = plain(result)
+    if output == "json":
+        json.dump(data, out, indent=2, sort_keys=False)
+        out.write("\n")
+        return
+    records = data if isinstance(data, list) else [data]
+    print_table([flatten(r) if isinstance(r, dict) else {"result": r} for r in records], out)
+
+
+# --- commands --------------------------------------------------------------------------------------------
+def _put_parent(admin: AdminClient, a: argparse.Namespace) -> object:
+    return admin.put_parent_topic(
+        model.ParentTopic(a.name, expiration_minutes=a.expiration_minutes, max_lite_topics=a.max_lite_topics)
+    )
+
+
+def _put_group(admin: AdminClient, a: argparse.Namespace) -> object:
+    # Zeros and an empty backoff ask the broker for its configured defaults.
+    return admin.put_group(
+        model.LiteGroup(
+            a.name,
+            a.bind_topic,
+            model=model.SubscriptionModel(a.model.capitalize()),
+            client_quota=a.client_quota,
+            ready_capacity=a.ready_capacity,
+            retry=model.RetryPolicy(max_attempts=a.max_attempts, backoff_ms=()),
+            fifo=a.fifo,
+            consume_enabled=a.consume_enabled,
+        )
+    )
+
+
+def _put_quota(admin: AdminClient, a: argparse.Namespace) -> object:
+    return admin.put_quota(
+        model.Quota(
+            a.scope,
+            max_lite_topics=a.max_lite_topics,
+            max_subscriptions_per_client=a.max_subscriptions_per_client,
+            max_send_rate=a.max_send_rate,
+        )
+    )
+
+
+def _scan(admin: AdminClient, a: argparse.Namespace, out: TextIO) -> None:
+    first = True
+    for columns in admin.scan_lite_topics_columns(
+        a.parent,
+        start_after=a.start_after,
+        end_before=a.end_before,
+        batch_size=a.batch_size,
+        with_subscribers=a.with_subscribers,
+        with_fully_consumed=a.with_fully_consumed,
+    ):
+        names = list(columns)
+        rows = [dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+        if a.output == "json":  # JSON Lines: a scan may not fit in memory, so no enclosing array
+            for row in rows:
+                out.write(json.dumps(row) + "\n")
+        else:
+            print_table(rows, out, header=first)
+        first = False
+    if first and a.output != "json":
+        print("(none)", file=out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmq-admin", description="Administer one lmq broker.")
+    parser.add_argument(
+        "--endpoint",
+        default=os.environ.get(ENDPOINT_ENV, DEFAULT_ENDPOINT),
+        help=f"broker admin address host:port (env {ENDPOINT_ENV}, default {DEFAULT_ENDPOINT})",
+    )
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    parser.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    parser.add_argument("--access-key", default=os.environ.get(ACCESS_KEY_ENV, ""), help=f"env {ACCESS_KEY_ENV}")
+    parser.add_argument("--secret-key", default=os.environ.get(SECRET_KEY_ENV, ""), help=f"env {SECRET_KEY_ENV}")
+    resources = parser.add_subparsers(dest="resource", required=True, metavar="RESOURCE")
+
+    def verb(
+        verbs: argparse._SubParsersAction[argparse.ArgumentParser],
+        name: str,
+        run: Callable[[AdminClient, argparse.Namespace], object] | None,
+        help: str,
+    ) -> argparse.ArgumentParser:
+        sub = verbs.add_parser(name, help=help)
+        sub.set_defaults(run=run)
+        return sub
+
+    topics = resources.add_parser("parent-topic", help="parent topics of lite topics").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    put = verb(topics, "put", _put_parent, "create or update")
+    put.add_argument("name")
+    put.add_argument("--expiration-minutes", type=int, default=-1, help="idle minutes before reclaim; -1 never")
+    put.add_argument("--max-lite-topics", type=int, default=-1, help="-1 unlimited")
+    verb(topics, "get", lambda c, a: c.get_parent_topic(a.name), "show one").add_argument("name")
+    delete = verb(
+        topics, "delete", lambda c, a: c.delete_parent_topic(a.name, purge_lite_topics=a.purge_lite_topics), "delete"
+    )
+    delete.add_argument("name")
+    delete.add_argument("--purge-lite-topics", action="store_true", help="also delete its lite topics")
+    verb(topics, "list", lambda c, a: c.list_parent_topics(), "list all")
+
+    groups = resources.add_parser("group", help="lite consumer groups").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    put = verb(groups, "put", _put_group, "create or update")
+    put.add_argument("name")
+    put.add_argument("--bind-topic", required=True, help="the parent topic (immutable once set)")
+    put.add_argument("--model", choices=("shared", "exclusive"), default="shared")
+    put.add_argument("--client-quota", type=int, default=0, help="lite subscriptions per client")
+    put.add_argument("--ready-capacity", type=int, default=0, help="ready events per client (>= 10)")
+    put.add_argument("--max-attempts", type=int, default=0, help="deliveries before the DLQ")
+    put.add_argument("--fifo", action=argparse.BooleanOptionalAction, default=True)
+    put.add_argument("--consume-enabled", action=argparse.BooleanOptionalAction, default=True)
+    verb(groups, "get", lambda c, a: c.get_group(a.name), "show one, with lag").add_argument("name")
+    verb(groups, "delete", lambda c, a: c.delete_group(a.name), "delete").add_argument("name")
+    verb(groups, "list", lambda c, a: c.list_groups(), "list all")
+
+    quotas = resources.add_parser("quota", help="limits per broker, parent or namespace").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    put = verb(quotas, "put", _put_quota, "create or update")
+    put.add_argument("scope", help="broker | parent:<topic> | namespace:<ns>")
+    put.add_argument("--max-lite-topics", type=int, default=-1)
+    put.add_argument("--max-subscriptions-per-client", type=int, default=-1)
+    put.add_argument("--max-send-rate", type=int, default=-1, help="messages per second")
+    verb(quotas, "delete", lambda c, a: c.delete_quota(a.scope), "delete").add_argument("scope")
+    verb(quotas, "list", lambda c, a: c.list_quotas(), "list all")
+
+    lites = resources.add_parser("lite-topic", help="lite topics").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    describe = verb(lites, "describe", lambda c, a: c.describe_lite_topic(a.parent, a.lite), "show one")
+    describe.add_argument("parent")
+    describe.add_argument("lite")
+    page = verb(
+        lites,
+        "list",
+        lambda c, a: c.list_lite_topics(a.parent, start_after=a.start_after, limit=a.limit),
+        "one page (NEXT_START_AFTER continues)",
+    )
+    page.add_argument("parent", nargs="?", default="")
+    page.add_argument("--start-after", default="")
+    page.add_argument("--limit", type=int, default=100)
+    scan = verb(lites, "scan", None, "stream every lite topic in a key range")
+    scan.set_defaults(scan=True)
+    scan.add_argument("parent", nargs="?", default="")
+    scan.add_argument("--start-after", default="")
+    scan.add_argument("--end-before", default="")
+    scan.add_argument("--batch-size", type=int, default=10_000)
+    scan.add_argument("--with-subscribers", action="store_true")
+    scan.add_argument("--with-fully-consumed", action="store_true")
+
+    clients = resources.add_parser("clients", help="connected clients").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    verb(clients, "list", lambda c, a: c.list_clients(a.group), "list").add_argument("--group")
+
+    broker = resources.add_parser("broker", help="the broker itself").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    info = verb(broker, "info", lambda c, a: c.broker_info(with_undrained=not a.skip_undrained), "counts and sizes")
+    info.add_argument("--skip-undrained", action="store_true", help="skip the walk over every lite topic")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse exits on --help (0) and on bad usage (2)
+        return int(exit_.code or 0)
+    client = AdminClient(
+        args.endpoint, args.timeout, access_key=args.access_key, secret_key=args.secret_key, long_timeout_s=3600.0
+    )
+    try:
+        if getattr(args, "scan", False):
+            _scan(client, args, out)
+        else:
+            emit(args.run(client, args), args.output, out)
+    except errors.LmqError as exc:
+        print(f"error: {type(exc).__name__}: {exc.message}", file=err)
+        return EXIT_FAILED
+    except BrokenPipeError:  # `lmq-admin ... | head`
+        return EXIT_OK
+    finally:
+        client.close()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Model values ↔ lmq.admin.v1 messages; shared by the service and the client, so both read one mapping.
+
+Decoding is exact except where proto3 cannot tell "unset" from zero: an unset message type means LITE
+and an unset subscription model means SHARED. Other zeros (quotas, capacities) are given their defaults
+by ``validation`` on the server, which knows the broker's configuration.
+
+Lite-topic rows travel as columns (one repeated field per attribute): ``LITE_TOPIC_COLUMNS`` names them
+for both ends, so a scanned batch can be handed back to CompareAndDelete as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+from lmq_broker import errors, model
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+
+LITE_TOPIC_COLUMNS: Final = (
+    "parent",
+    "lite",
+    "created_ms",
+    "last_store_ms",
+    "last_consume_ms",
+    "min_offset",
+    "max_offset",
+)
+SUBSCRIBERS_COLUMN: Final = "subscriber_count"
+FULLY_CONSUMED_COLUMN: Final = "fully_consumed"
+# What CompareAndDelete needs of each row, by the same names as a scan's columns.
+COMPARE_COLUMNS: Final = ("parent", "lite", "max_offset", "last_store_ms", "last_consume_ms")
+
+_MODELS: Final = {
+    pb.SHARED: model.SubscriptionModel.SHARED,
+    pb.EXCLUSIVE: model.SubscriptionModel.EXCLUSIVE,
+}
+
+
+def parent_topic_to_pb(topic: model.ParentTopic) -> pb.ParentTopic:
+    return pb.ParentTopic(
+        name=topic.name,
+        message_type=int(topic.message_type),
+        expiration_minutes=topic.expiration_minutes,
+        max_lite_topics=topic.max_lite_topics,
+    )
+
+
+def parent_topic_from_pb(message: pb.ParentTopic) -> model.ParentTopic:
+    number = message.message_type or int(model.MessageType.LITE)
+    try:
+        message_type = model.MessageType(number)
+    except ValueError:
+        raise errors.InvalidArgument(
+            f"topic.message_type: unknown message type {number}", field="topic.message_type"
+        ) from None
+    return model.ParentTopic(
+        name=message.name,
+        message_type=message_type,
+        expiration_minutes=message.expiration_minutes,
+        max_lite_topics=message.max_lite_topics,
+    )
+
+
+def lite_group_to_pb(group: model.LiteGroup) -> pb.LiteGroup:
+    return pb.LiteGroup(
+        name=group.name,
+        bind_topic=group.bind_topic,
+        model=pb.EXCLUSIVE if group.model is model.SubscriptionModel.EXCLUSIVE else pb.SHARED,
+        client_quota=group.client_quota,
+        ready_capacity=group.ready_capacity,
+        retry=pb.RetryPolicy(max_attempts=group.retry.max_attempts, backoff_ms=group.retry.backoff_ms),
+        fifo=group.fifo,
+        consume_enabled=group.consume_enabled,
+    )
+
+
+def lite_group_from_pb(message: pb.LiteGroup) -> model.LiteGroup:
+    if message.model not in (pb.SUBSCRIPTION_MODEL_UNSPECIFIED, *_MODELS):
+        raise errors.InvalidArgument(f"group.model: unknown subscription model {message.model}", field="group.model")
+    return model.LiteGroup(
+        name=message.name,
+        bind_topic=message.bind_topic,
+        model=_MODELS.get(message.model, model.SubscriptionModel.SHARED),
+        client_quota=message.client_quota,
+        ready_capacity=message.ready_capacity,
+        retry=model.RetryPolicy(max_attempts=message.retry.max_attempts, backoff_ms=tuple(message.retry.backoff_ms)),
+        fifo=message.fifo,
+        consume_enabled=message.consume_enabled,
+    )
+
+
+def quota_to_pb(quota: model.Quota) -> pb.Quota:
+    return pb.Quota(
+        scope=quota.scope,
+        max_lite_topics=quota.max_lite_topics,
+        max_subscriptions_per_client=quota.max_subscriptions_per_client,
+        max_send_rate=quota.max_send_rate,
+    )
+
+
+def quota_from_pb(message: pb.Quota) -> model.Quota:
+    return model.Quota(
+        scope=message.scope,
+        max_lite_topics=message.max_lite_topics,
+        max_subscriptions_per_client=message.max_subscriptions_per_client,
+        max_send_rate=message.max_send_rate,
+    )
+
+
+def lite_topic_to_pb(meta: model.LiteTopicMeta, subscriber_count: int = 0) -> pb.LiteTopicInfo:
+    return pb.LiteTopicInfo(
+        parent=meta.parent,
+        lite=meta.lite,
+        created_ms=meta.created_ms,
+        last_store_ms=meta.last_store_ms,
+        last_consume_ms=meta.last_consume_ms,
+        min_offset=meta.min_offset,
+        max_offset=meta.max_offset,
+        subscriber_count=subscriber_count,
+    )
+
+
+def lite_topic_from_pb(message: pb.LiteTopicInfo) -> model.LiteTopicMeta:
+    return model.LiteTopicMeta(
+        parent=message.parent,
+        lite=message.lite,
+        created_ms=message.created_ms,
+        last_store_ms=message.last_store_ms,
+        last_consume_ms=message.last_consume_ms,
+        min_offset=message.min_offset,
+        max_offset=message.max_offset,
+    )
+
+
+def scan_batch_to_pb(metas: Sequence[model.LiteTopicMeta]) -> pb.ScanLiteTopicsResponse:
+    batch = pb.ScanLiteTopicsResponse()
+    batch.parent.extend([m.parent for m in metas])
+    batch.lite.extend([m.lite for m in metas])
+    batch.created_ms.extend([m.created_ms for m in metas])
+    batch.last_store_ms.extend([m.last_store_ms for m in metas])
+    batch.last_consume_ms.extend([m.last_consume_ms for m in metas])
+    batch.min_offset.extend([m.min_offset for m in metas])
+    batch.max_offset.extend([m.max_offset for m in metas])
+    return batch
+
+
+def scan_batch_columns(
+    batch: pb.ScanLiteTopicsResponse, *, with_subscribers: bool, with_fully_consumed: bool
+) -> dict[str, list[Any]]:
+    columns: dict[str, list[Any]] = {name: list(getattr(batch, name)) for name in LITE_TOPIC_COLUMNS}
+    if with_subscribers:
+        columns[SUBSCRIBERS_COLUMN] = list(batch.subscriber_count)
+    if with_fully_consumed:
+        columns[FULLY_CONSUMED_COLUMN] = list(batch.fully_consumed)
+    return columns
+
+
+def compare_request(
+    columns: Mapping[str, Sequence[Any]], start: int, stop: int, *, require_no_subscribers: bool, dry_run: bool
+) -> pb.CompareAndDeleteRequest:
+    """Rows ``start:stop`` of ``columns`` (keyed by ``COMPARE_COLUMNS``; extra columns are ignored)."""
+    return pb.CompareAndDeleteRequest(
+        parent=columns["parent"][start:stop],
+        lite=columns["lite"][start:stop],
+        expected_max_offset=columns["max_offset"][start:stop],
+        expected_last_store_ms=columns["last_store_ms"][start:stop],
+        expected_last_consume_ms=columns["last_consume_ms"][start:stop],
+        require_no_subscribers=require_no_subscribers,
+        dry_run=dry_run,
+    )
+
+
+def row_count(columns: Mapping[str, Sequence[Any]], names: Iterable[str]) -> int:
+    """The common length of ``names`` in ``columns``; InvalidArgument when one is missing or they differ."""
+    lengths: dict[str, int] = {}
+    for name in names:
+        if name not in columns:
+            raise errors.InvalidArgument(f"column {name!r} is missing", field=name)
+        lengths[name] = len(columns[name])
+    if len(set(lengths.values())) > 1:
+        raise errors.InvalidArgument(f"columns differ in length: {lengths}")
+    return next(iter(lengths.values()), 0)

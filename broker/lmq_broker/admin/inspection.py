@@ -1,0 +1,203 @@
+"""Read-only views of lite topics, groups and the broker: what an operator or a human asks "how is it?".
+
+Store reads run in worker threads, one page at a time; ``LiveView`` lookups stay on the event loop, which
+owns the dispatcher's state. Nothing here walks every lite topic of the broker except ``undrained`` (and
+only when asked):
+
+* group lag walks the lite topics of the group's bind topic — O(lite topics of that parent) point reads,
+  one offset read per (lite topic, group of that parent) — because neither the store nor the live view
+  can list "the topics of a group". A topic counts for a group when the group has committed an offset
+  on it or one of its clients subscribes to it; groups bound to the same parent share one walk.
+* undrained messages walk every lite topic of the broker: a non-empty topic costs one offset read per
+  group of its parent, an empty one costs nothing. A message counts while some group bound to its
+  parent has not consumed it, and every message of a parent without groups counts: conservative, as the
+  figure guards scale-down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Final
+
+import lmq_broker
+from lmq_broker import errors, model
+from lmq_broker.admin import convert, validation
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.api import LiveView
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.storage.api import Store
+
+WALK_BATCH: Final = 1000  # lite topics read per worker-thread call when walking a parent or the broker
+PAGE_DEFAULT: Final = 100
+PAGE_MAX: Final = 10_000
+
+
+def backlog(meta: model.LiteTopicMeta, committed: int | None) -> int:
+    """Messages of a lite topic a group has still to consume; no commit yet means all that are stored."""
+    start = meta.min_offset if committed is None else max(committed, meta.min_offset)
+    return max(0, meta.max_offset - start)
+
+
+def scan_key(meta: model.LiteTopicMeta, parent: str) -> str:
+    """The key a next page starts after: the lite name within a parent, ``parent$lite`` across parents."""
+    return meta.lite if parent else f"{meta.parent}{model.LMQ_SEPARATOR}{meta.lite}"
+
+
+def groups_by_parent(groups: Iterable[model.LiteGroup]) -> dict[str, list[str]]:
+    bound: defaultdict[str, list[str]] = defaultdict(list)
+    for group in groups:
+        bound[group.bind_topic].append(group.name)
+    return dict(bound)
+
+
+# --- one lite topic, pages of lite topics ---------------------------------------------------------------
+async def describe(store: Store, live: LiveView, parent: str, lite: str) -> pb.DescribeLiteTopicResponse:
+    validation.name("parent", parent)
+    validation.lite_topic("lite", lite)
+
+    def read() -> tuple[model.LiteTopicMeta, dict[str, int]]:
+        meta = store.lite_topic(parent, lite)
+        if meta is None:
+            raise errors.NotFound(f"lite topic {lite!r} of {parent!r} not found", parent=parent, lite=lite)
+        queue = model.QueueId.lmq(parent, lite)
+        offsets = {}
+        for group in groups_by_parent(store.list_groups()).get(parent, []):
+            offset = store.get_offset(queue, group)
+            if offset is not None:
+                offsets[group] = offset
+        return meta, offsets
+
+    meta, offsets = await asyncio.to_thread(read)
+    clients = live.subscribers(model.QueueId.lmq(parent, lite))
+    return pb.DescribeLiteTopicResponse(
+        topic=convert.lite_topic_to_pb(meta, len(clients)), group_offsets=offsets, subscribed_clients=clients
+    )
+
+
+async def list_page(
+    store: Store, live: LiveView, parent: str, start_after: str, limit: int
+) -> pb.ListLiteTopicsResponse:
+    if parent:
+        validation.name("parent", parent)
+    limit = validation.limit("limit", limit, default=PAGE_DEFAULT, maximum=PAGE_MAX)
+    # One row more than asked tells whether another page exists.
+    metas = await asyncio.to_thread(store.scan_lite_topics, parent or None, start_after, "", limit + 1)
+    page, more = metas[:limit], len(metas) > limit
+    return pb.ListLiteTopicsResponse(
+        topics=[convert.lite_topic_to_pb(m, live.subscriber_count(model.QueueId.lmq(m.parent, m.lite))) for m in page],
+        next_start_after=scan_key(page[-1], parent) if more else "",
+    )
+
+
+# --- groups -----------------------------------------------------------------------------------------------
+async def group_views(store: Store, live: LiveView, groups: Sequence[model.LiteGroup]) -> list[pb.GetLiteGroupResponse]:
+    lags = await group_lags(store, live, groups)
+    views = []
+    for group in groups:
+        clients = live.clients(group.name)
+        views.append(
+            pb.GetLiteGroupResponse(
+                group=convert.lite_group_to_pb(group),
+                subscription_count=sum(c.subscription_count for c in clients),
+                client_count=len(clients),
+                lag=lags[group.name],
+            )
+        )
+    return views
+
+
+async def group_lags(store: Store, live: LiveView, groups: Sequence[model.LiteGroup]) -> dict[str, int]:
+    lags = dict.fromkeys((g.name for g in groups), 0)
+    group_of_client = {c.client_id: c.group for c in live.clients()}
+    for parent, names in groups_by_parent(groups).items():
+
+        def page(
+            start_after: str, parent: str = parent, names: list[str] = names
+        ) -> list[tuple[model.LiteTopicMeta, list[int | None]]]:
+            metas = store.scan_lite_topics(parent, start_after, "", WALK_BATCH)
+            return [(m, [store.get_offset(model.QueueId.lmq(m.parent, m.lite), n) for n in names]) for m in metas]
+
+        cursor = ""
+        while True:
+            rows = await asyncio.to_thread(page, cursor)
+            for meta, committed in rows:
+                subscribed: set[str] | None = None
+                for name, offset in zip(names, committed, strict=True):
+                    if offset is None:
+                        if subscribed is None:
+                            lmq = model.QueueId.lmq(meta.parent, meta.lite)
+                            subscribed = {group_of_client.get(c, "") for c in live.subscribers(lmq)}
+                        if name not in subscribed:
+                            continue  # never consumed nor subscribed by this group: not its topic
+                    lags[name] += backlog(meta, offset)
+            if len(rows) < WALK_BATCH:
+                break
+            cursor = rows[-1][0].lite
+    return lags
+
+
+# --- the broker -------------------------------------------------------------------------------------------
+async def broker_info(
+    store: Store, live: LiveView, config: BrokerConfig, *, skip_undrained: bool
+) -> pb.GetBrokerInfoResponse:
+    def counts() -> tuple[int, int, int, int]:
+        return (
+            store.lite_topic_count(None),
+            len(store.list_parent_topics()),
+            len(store.list_groups()),
+            disk_usage(config.store.data_dir),
+        )
+
+    lite_topics, parents, groups, stored_bytes = await asyncio.to_thread(counts)
+    return pb.GetBrokerInfoResponse(
+        broker_name=config.broker_name,
+        version=lmq_broker.__version__,
+        lite_topic_count=lite_topics,
+        subscription_count=live.subscription_count(),
+        client_count=live.client_count(),
+        stored_bytes=stored_bytes,
+        undrained_messages=-1 if skip_undrained else await undrained(store),
+        parent_topic_count=parents,
+        group_count=groups,
+    )
+
+
+async def undrained(store: Store) -> int:
+    bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
+
+    def page(start_after: str) -> tuple[int, str | None]:
+        metas = store.scan_lite_topics(None, start_after, "", WALK_BATCH)
+        total = 0
+        for meta in metas:
+            if meta.max_offset <= meta.min_offset:
+                continue
+            names = bound.get(meta.parent)
+            if not names:
+                total += meta.max_offset - meta.min_offset
+                continue
+            queue = model.QueueId.lmq(meta.parent, meta.lite)
+            total += max(backlog(meta, store.get_offset(queue, name)) for name in names)
+        return total, scan_key(metas[-1], "") if len(metas) == WALK_BATCH else None
+
+    total = 0
+    cursor: str | None = ""
+    while cursor is not None:
+        count, cursor = await asyncio.to_thread(page, cursor)
+        total += count
+    return total
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes of every file under ``root`` (segments and index); files vanishing meanwhile are skipped."""
+    total = 0
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name), follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+    return total

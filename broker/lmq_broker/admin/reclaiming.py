@@ -1,0 +1,227 @@
+"""Bulk reads and deletes of lite topics for the reclaim job and parent purges.
+
+The store is read and written in worker threads, one batch per call, so the broker's event loop serves
+clients between batches; the live view (the dispatcher's, owned by the loop) is only touched on the loop.
+
+A delete is compare-and-delete: the expected (max offset, last store, last consume) come from the scan,
+so a topic that received a message or a consume since then is kept. Deletions are told to the live view
+from a done-callback of the worker's future, so they are forgotten even if the RPC is cancelled while the
+worker runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from lmq_broker import errors, model
+from lmq_broker.admin import convert, validation
+from lmq_broker.admin.inspection import groups_by_parent, scan_key
+from lmq_broker.dispatch.api import LiveView
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.storage.api import Store
+
+SCAN_BATCH_DEFAULT: Final = 10_000
+SCAN_BATCH_MAX: Final = 100_000
+DELETE_BATCH: Final = 500  # rows per worker-thread call; bounds what a cancelled RPC leaves in flight
+DELETE_ROWS_MAX: Final = 100_000  # rows per CompareAndDelete request
+LOOP_SLICE: Final = 2_000  # live-view lookups between two yields to the event loop
+
+
+class Outcome(enum.IntEnum):
+    """Same numbers as ``lmq.admin.v1.DeleteOutcome``."""
+
+    DELETED = pb.DELETED
+    KEPT_CHANGED = pb.KEPT_CHANGED
+    KEPT_SUBSCRIBED = pb.KEPT_SUBSCRIBED
+    NOT_FOUND = pb.NOT_FOUND
+    WOULD_DELETE = pb.WOULD_DELETE
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    parent: str
+    lite: str
+    max_offset: int
+    last_store_ms: int
+    last_consume_ms: int
+
+
+@dataclass(slots=True)
+class _Done:
+    outcomes: list[Outcome] = field(default_factory=list)
+    deleted: list[model.QueueId] = field(default_factory=list)
+    error: errors.LmqError | None = None
+    cursor: str | None = None  # where a walk resumes; None when it is finished
+
+
+# --- scan ---------------------------------------------------------------------------------------------------
+async def scan(
+    store: Store, live: LiveView, request: pb.ScanLiteTopicsRequest
+) -> AsyncIterator[pb.ScanLiteTopicsResponse]:
+    parent = validation.name("parent", request.parent) if request.parent else ""
+    batch_size = validation.limit("batch_size", request.batch_size, default=SCAN_BATCH_DEFAULT, maximum=SCAN_BATCH_MAX)
+    bound: dict[str, list[str]] | None = None
+    if request.with_fully_consumed:
+        bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
+
+    def read(start_after: str) -> tuple[list[model.LiteTopicMeta], pb.ScanLiteTopicsResponse]:
+        metas = store.scan_lite_topics(parent or None, start_after, request.end_before, batch_size)
+        batch = convert.scan_batch_to_pb(metas)
+        if bound is not None:
+            batch.fully_consumed.extend([_fully_consumed(store, m, bound.get(m.parent, ())) for m in metas])
+        return metas, batch
+
+    cursor = request.start_after
+    while True:
+        metas, batch = await asyncio.to_thread(read, cursor)
+        if not metas:
+            return
+        if request.with_subscribers:
+            for start in range(0, len(metas), LOOP_SLICE):
+                batch.subscriber_count.extend(
+                    [
+                        live.subscriber_count(model.QueueId.lmq(m.parent, m.lite))
+                        for m in metas[start : start + LOOP_SLICE]
+                    ]
+                )
+                await asyncio.sleep(0)
+        yield batch
+        if len(metas) < batch_size:
+            return
+        cursor = scan_key(metas[-1], parent)
+
+
+def _fully_consumed(store: Store, meta: model.LiteTopicMeta, groups: Sequence[str]) -> bool:
+    if meta.max_offset <= meta.min_offset:
+        return True
+    if not groups:
+        return False
+    queue = model.QueueId.lmq(meta.parent, meta.lite)
+    for group in groups:
+        committed = store.get_offset(queue, group)
+        if committed is None or committed < meta.max_offset:
+            return False
+    return True
+
+
+# --- compare-and-delete -------------------------------------------------------------------------------------
+def rows_of(request: pb.CompareAndDeleteRequest) -> list[Row]:
+    columns: dict[str, Sequence[Any]] = {
+        "parent": request.parent,
+        "lite": request.lite,
+        "expected_max_offset": request.expected_max_offset,
+        "expected_last_store_ms": request.expected_last_store_ms,
+        "expected_last_consume_ms": request.expected_last_consume_ms,
+    }
+    count = convert.row_count(columns, columns)
+    if count > DELETE_ROWS_MAX:
+        raise errors.InvalidArgument(f"at most {DELETE_ROWS_MAX} rows per request, got {count}", rows=count)
+    rows = []
+    for i in range(count):
+        validation.name(f"parent[{i}]", request.parent[i])
+        validation.lite_topic(f"lite[{i}]", request.lite[i])
+        rows.append(
+            Row(
+                request.parent[i],
+                request.lite[i],
+                request.expected_max_offset[i],
+                request.expected_last_store_ms[i],
+                request.expected_last_consume_ms[i],
+            )
+        )
+    return rows
+
+
+async def compare_and_delete(
+    store: Store, live: LiveView, rows: Sequence[Row], *, require_no_subscribers: bool, dry_run: bool
+) -> list[Outcome]:
+    outcomes: list[Outcome | None] = [None] * len(rows)
+    if require_no_subscribers:
+        for start in range(0, len(rows), LOOP_SLICE):
+            for i in range(start, min(start + LOOP_SLICE, len(rows))):
+                if live.subscriber_count(model.QueueId.lmq(rows[i].parent, rows[i].lite)) > 0:
+                    outcomes[i] = Outcome.KEPT_SUBSCRIBED
+            await asyncio.sleep(0)
+    todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+    for start in range(0, len(todo), DELETE_BATCH):
+        chunk = todo[start : start + DELETE_BATCH]
+        done = await _in_worker(live, functools.partial(_compare_rows, store, [rows[i] for i in chunk], dry_run))
+        for i, outcome in zip(chunk, done.outcomes, strict=False):
+            outcomes[i] = outcome
+        if done.error is not None:
+            raise done.error
+    return [outcome if outcome is not None else Outcome.KEPT_CHANGED for outcome in outcomes]
+
+
+def _compare_rows(store: Store, rows: Sequence[Row], dry_run: bool) -> _Done:
+    done = _Done()
+    try:
+        for row in rows:
+            done.outcomes.append(_compare_row(store, row, dry_run, done.deleted))
+    except errors.LmqError as exc:
+        done.error = exc
+    return done
+
+
+def _compare_row(store: Store, row: Row, dry_run: bool, deleted: list[model.QueueId]) -> Outcome:
+    current = store.lite_topic(row.parent, row.lite)
+    if current is None:
+        return Outcome.NOT_FOUND
+    expected = dataclasses.replace(
+        current, max_offset=row.max_offset, last_store_ms=row.last_store_ms, last_consume_ms=row.last_consume_ms
+    )
+    if expected != current:
+        return Outcome.KEPT_CHANGED
+    if dry_run:
+        return Outcome.WOULD_DELETE
+    if store.delete_lite_topic(row.parent, row.lite, expected=expected):
+        deleted.append(model.QueueId.lmq(row.parent, row.lite))
+        return Outcome.DELETED
+    # Changed or removed by someone else between our read and the delete.
+    return Outcome.NOT_FOUND if store.lite_topic(row.parent, row.lite) is None else Outcome.KEPT_CHANGED
+
+
+# --- purge --------------------------------------------------------------------------------------------------
+async def purge(store: Store, live: LiveView, parent: str) -> int:
+    """Delete every lite topic of ``parent`` unconditionally, a batch per worker call; returns how many."""
+
+    def batch(start_after: str) -> _Done:
+        done = _Done()
+        metas = store.scan_lite_topics(parent, start_after, "", DELETE_BATCH)
+        done.cursor = metas[-1].lite if len(metas) == DELETE_BATCH else None
+        try:
+            for meta in metas:
+                if store.delete_lite_topic(parent, meta.lite):
+                    done.deleted.append(model.QueueId.lmq(parent, meta.lite))
+        except errors.LmqError as exc:
+            done.error = exc
+        return done
+
+    total = 0
+    cursor: str | None = ""
+    while cursor is not None:
+        done = await _in_worker(live, functools.partial(batch, cursor))
+        total += len(done.deleted)
+        if done.error is not None:
+            raise done.error
+        cursor = done.cursor
+    return total
+
+
+async def _in_worker(live: LiveView, work: Callable[[], _Done]) -> _Done:
+    """Run ``work`` in a thread; tell ``live`` what it deleted as soon as it ends, even if we are cancelled."""
+    future = asyncio.ensure_future(asyncio.to_thread(work))
+
+    def forget(finished: asyncio.Future[_Done]) -> None:
+        if not finished.cancelled() and finished.exception() is None:
+            for queue in finished.result().deleted:
+                live.forget_lite_topic(queue)
+
+    future.add_done_callback(forget)
+    return await asyncio.shield(future)

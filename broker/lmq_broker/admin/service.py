@@ -1,0 +1,222 @@
+"""The lmq.admin.v1 servicer: decode, call catalog/inspection/reclaiming, encode; errors leave as status codes.
+
+Served by the broker's own grpc.aio server (same port as the v2 service) through ``register``. Handlers
+run on the broker's event loop; every store access goes to a worker thread and every change of parent
+topics, groups or quotas is announced with ``live.metadata_changed()`` so the dispatcher drops its cached
+copies. Errors are mapped in one place (``codes``), by the ``_edge`` wrapper below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+
+import grpc
+from typing_extensions import override
+
+from lmq_broker import errors
+from lmq_broker.admin import catalog, codes, convert, inspection, reclaiming
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.api import LiveView
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # generic only in grpc's type stubs
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+S = TypeVar("S", bound="AdminServicer")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def register(server: grpc.aio.Server, store: Store, live: LiveView, config: BrokerConfig) -> None:
+    """Add the LmqAdmin service to the broker's server (before it starts)."""
+    admin_pb2_grpc.add_LmqAdminServicer_to_server(AdminServicer(store, live, config), server)
+
+
+async def _abort(context: Context, exc: BaseException) -> None:
+    if isinstance(exc, errors.LmqError):
+        await context.abort(codes.status_for(exc), exc.message, trailing_metadata=codes.trailers(exc))
+    log.exception("admin call failed unexpectedly", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _edge(method: Callable[[S, Req, Context], Awaitable[Resp]]) -> Callable[[S, Req, Context], Awaitable[Resp]]:
+    @functools.wraps(method)
+    async def wrapper(self: S, request: Req, context: Context) -> Resp:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # the edge: every failure becomes a status
+            await _abort(context, exc)
+            raise AssertionError("unreachable: abort raises") from exc
+
+    return wrapper
+
+
+class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
+    def __init__(self, store: Store, live: LiveView, config: BrokerConfig) -> None:
+        self._store = store
+        self._live = live
+        self._config = config
+        self._catalog = catalog.Catalog(store, config)
+
+    def _changed(self, changed: bool) -> None:
+        if changed:
+            self._live.metadata_changed()
+
+    # --- parent topics ----------------------------------------------------------------------------------
+    @override
+    @_edge
+    async def PutParentTopic(self, request: pb.PutParentTopicRequest, context: Context) -> pb.PutParentTopicResponse:
+        topic = convert.parent_topic_from_pb(request.topic)
+        put = await asyncio.to_thread(self._catalog.put_parent_topic, topic)
+        self._changed(put.changed)
+        return pb.PutParentTopicResponse(topic=convert.parent_topic_to_pb(put.value), created=put.created)
+
+    @override
+    @_edge
+    async def GetParentTopic(self, request: pb.GetParentTopicRequest, context: Context) -> pb.GetParentTopicResponse:
+        topic, count = await asyncio.to_thread(self._catalog.get_parent_topic, request.name)
+        return pb.GetParentTopicResponse(topic=convert.parent_topic_to_pb(topic), lite_topic_count=count)
+
+    @override
+    @_edge
+    async def DeleteParentTopic(
+        self, request: pb.DeleteParentTopicRequest, context: Context
+    ) -> pb.DeleteParentTopicResponse:
+        deletion = await asyncio.to_thread(
+            functools.partial(self._catalog.delete_parent_topic, request.name, purge=request.purge_lite_topics)
+        )
+        self._changed(deletion.deleted)
+        purged = await reclaiming.purge(self._store, self._live, request.name) if deletion.purge_needed else 0
+        return pb.DeleteParentTopicResponse(deleted=deletion.deleted, lite_topics_deleted=purged)
+
+    @override
+    @_edge
+    async def ListParentTopics(
+        self, request: pb.ListParentTopicsRequest, context: Context
+    ) -> pb.ListParentTopicsResponse:
+        topics = await asyncio.to_thread(self._catalog.list_parent_topics)
+        return pb.ListParentTopicsResponse(
+            topics=[
+                pb.GetParentTopicResponse(topic=convert.parent_topic_to_pb(t), lite_topic_count=n) for t, n in topics
+            ]
+        )
+
+    # --- lite groups ------------------------------------------------------------------------------------
+    @override
+    @_edge
+    async def PutLiteGroup(self, request: pb.PutLiteGroupRequest, context: Context) -> pb.PutLiteGroupResponse:
+        group = convert.lite_group_from_pb(request.group)
+        put = await asyncio.to_thread(self._catalog.put_group, group)
+        self._changed(put.changed)
+        return pb.PutLiteGroupResponse(group=convert.lite_group_to_pb(put.value), created=put.created)
+
+    @override
+    @_edge
+    async def GetLiteGroup(self, request: pb.GetLiteGroupRequest, context: Context) -> pb.GetLiteGroupResponse:
+        group = await asyncio.to_thread(self._catalog.get_group, request.name)
+        (view,) = await inspection.group_views(self._store, self._live, [group])
+        return view
+
+    @override
+    @_edge
+    async def DeleteLiteGroup(self, request: pb.DeleteLiteGroupRequest, context: Context) -> pb.DeleteLiteGroupResponse:
+        deleted = await asyncio.to_thread(self._catalog.delete_group, request.name)
+        self._changed(deleted)
+        return pb.DeleteLiteGroupResponse(deleted=deleted)
+
+    @override
+    @_edge
+    async def ListLiteGroups(self, request: pb.ListLiteGroupsRequest, context: Context) -> pb.ListLiteGroupsResponse:
+        groups = await asyncio.to_thread(self._catalog.list_groups)
+        return pb.ListLiteGroupsResponse(groups=await inspection.group_views(self._store, self._live, groups))
+
+    # --- quotas -----------------------------------------------------------------------------------------
+    @override
+    @_edge
+    async def PutQuota(self, request: pb.PutQuotaRequest, context: Context) -> pb.PutQuotaResponse:
+        put = await asyncio.to_thread(self._catalog.put_quota, convert.quota_from_pb(request.quota))
+        self._changed(put.changed)
+        return pb.PutQuotaResponse(quota=convert.quota_to_pb(put.value), created=put.created)
+
+    @override
+    @_edge
+    async def DeleteQuota(self, request: pb.DeleteQuotaRequest, context: Context) -> pb.DeleteQuotaResponse:
+        deleted = await asyncio.to_thread(self._catalog.delete_quota, request.scope)
+        self._changed(deleted)
+        return pb.DeleteQuotaResponse(deleted=deleted)
+
+    @override
+    @_edge
+    async def ListQuotas(self, request: pb.ListQuotasRequest, context: Context) -> pb.ListQuotasResponse:
+        quotas = await asyncio.to_thread(self._catalog.list_quotas)
+        return pb.ListQuotasResponse(quotas=[convert.quota_to_pb(q) for q in quotas])
+
+    # --- lite topics and clients ------------------------------------------------------------------------
+    @override
+    @_edge
+    async def DescribeLiteTopic(
+        self, request: pb.DescribeLiteTopicRequest, context: Context
+    ) -> pb.DescribeLiteTopicResponse:
+        return await inspection.describe(self._store, self._live, request.parent, request.lite)
+
+    @override
+    @_edge
+    async def ListLiteTopics(self, request: pb.ListLiteTopicsRequest, context: Context) -> pb.ListLiteTopicsResponse:
+        return await inspection.list_page(self._store, self._live, request.parent, request.start_after, request.limit)
+
+    @override
+    @_edge
+    async def ListClients(self, request: pb.ListClientsRequest, context: Context) -> pb.ListClientsResponse:
+        return pb.ListClientsResponse(
+            clients=[
+                pb.ClientInfo(
+                    client_id=c.client_id,
+                    group=c.group,
+                    topic=c.topic,
+                    client_type=c.client_type,
+                    subscription_count=c.subscription_count,
+                    last_seen_ms=c.last_seen_ms,
+                    ready_events=c.ready_events,
+                )
+                for c in self._live.clients(request.group or None)
+            ]
+        )
+
+    @override
+    async def ScanLiteTopics(  # an async generator, which grpc.aio accepts for server streams
+        self, request: pb.ScanLiteTopicsRequest, context: Context
+    ) -> AsyncIterator[pb.ScanLiteTopicsResponse]:
+        try:
+            async for batch in reclaiming.scan(self._store, self._live, request):
+                yield batch
+        except Exception as exc:  # the edge
+            await _abort(context, exc)
+
+    @override
+    @_edge
+    async def CompareAndDeleteLiteTopics(
+        self, request: pb.CompareAndDeleteRequest, context: Context
+    ) -> pb.CompareAndDeleteResponse:
+        outcomes = await reclaiming.compare_and_delete(
+            self._store,
+            self._live,
+            reclaiming.rows_of(request),
+            require_no_subscribers=request.require_no_subscribers,
+            dry_run=request.dry_run,
+        )
+        return pb.CompareAndDeleteResponse(outcome=[pb.DeleteOutcome.ValueType(o) for o in outcomes])
+
+    # --- the broker -------------------------------------------------------------------------------------
+    @override
+    @_edge
+    async def GetBrokerInfo(self, request: pb.GetBrokerInfoRequest, context: Context) -> pb.GetBrokerInfoResponse:
+        return await inspection.broker_info(
+            self._store, self._live, self._config, skip_undrained=request.skip_undrained
+        )

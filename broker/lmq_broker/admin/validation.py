@@ -1,0 +1,108 @@
+"""Checks on what the admin plane is asked to store, with messages that name the offending field.
+
+Each check returns the value to store: zeros that proto3 cannot tell from "unset" become the broker's
+defaults here (client quota, ready-set capacity, retry policy), so a Put always reports what was stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+from lmq_broker import errors, model
+from lmq_broker.config import BrokerConfig
+
+EXPIRATION_MINUTES_MIN: Final = -1  # never expire
+EXPIRATION_MINUTES_MAX: Final = 43_200  # 30 days: RocketMQ's upper bound
+READY_CAPACITY_MIN: Final = 10
+SCOPE_BROKER: Final = "broker"
+SCOPE_KINDS: Final = ("parent", "namespace")
+_NAME_RULE: Final = f"1..{model.MAX_RESOURCE_NAME_BYTES} bytes of [%A-Za-z0-9_-]"
+_LITE_RULE: Final = f"1..{model.MAX_LITE_TOPIC_BYTES} bytes of [A-Za-z0-9_-]"
+
+
+def _invalid(field: str, problem: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"{field}: {problem}", field=field)
+
+
+def name(field: str, value: str) -> str:
+    if not model.is_valid_resource_name(value):
+        raise errors.InvalidName(f"{field}: {value!r} is not a valid name ({_NAME_RULE})", field=field)
+    return value
+
+
+def lite_topic(field: str, value: str) -> str:
+    if not model.is_valid_lite_topic(value):
+        raise errors.InvalidLiteTopic(f"{field}: {value!r} is not a valid lite topic ({_LITE_RULE})", field=field)
+    return value
+
+
+def _at_least(field: str, value: int, minimum: int) -> int:
+    if value < minimum:
+        raise _invalid(field, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def parent_topic(topic: model.ParentTopic) -> model.ParentTopic:
+    name("topic.name", topic.name)
+    if topic.message_type is not model.MessageType.LITE:
+        raise _invalid(
+            "topic.message_type", f"must be LITE ({int(model.MessageType.LITE)}), got {topic.message_type.name}"
+        )
+    if not EXPIRATION_MINUTES_MIN <= topic.expiration_minutes <= EXPIRATION_MINUTES_MAX:
+        raise _invalid(
+            "topic.expiration_minutes",
+            f"must be in {EXPIRATION_MINUTES_MIN}..{EXPIRATION_MINUTES_MAX}, got {topic.expiration_minutes}",
+        )
+    _at_least("topic.max_lite_topics", topic.max_lite_topics, -1)
+    return topic
+
+
+def lite_group(group: model.LiteGroup, config: BrokerConfig) -> model.LiteGroup:
+    name("group.name", group.name)
+    name("group.bind_topic", group.bind_topic)
+    defaults = model.RetryPolicy()
+    retry = dataclasses.replace(
+        group.retry,
+        max_attempts=group.retry.max_attempts or defaults.max_attempts,
+        backoff_ms=group.retry.backoff_ms or defaults.backoff_ms,
+    )
+    group = dataclasses.replace(
+        group,
+        client_quota=group.client_quota or config.default_client_quota,
+        ready_capacity=group.ready_capacity or config.default_ready_capacity,
+        retry=retry,
+    )
+    _at_least("group.client_quota", group.client_quota, 1)
+    _at_least("group.ready_capacity", group.ready_capacity, READY_CAPACITY_MIN)
+    _at_least("group.retry.max_attempts", group.retry.max_attempts, 1)
+    for index, delay in enumerate(group.retry.backoff_ms):
+        _at_least(f"group.retry.backoff_ms[{index}]", delay, 1)
+    return group
+
+
+def scope(value: str) -> str:
+    if value == SCOPE_BROKER:
+        return value
+    kind, sep, target = value.partition(":")
+    if not sep or kind not in SCOPE_KINDS:
+        raise _invalid("quota.scope", f"{value!r} must be 'broker', 'parent:<topic>' or 'namespace:<namespace>'")
+    name("quota.scope", target)
+    return value
+
+
+def quota(value: model.Quota) -> model.Quota:
+    scope(value.scope)
+    _at_least("quota.max_lite_topics", value.max_lite_topics, -1)
+    _at_least("quota.max_subscriptions_per_client", value.max_subscriptions_per_client, -1)
+    _at_least("quota.max_send_rate", value.max_send_rate, -1)
+    return value
+
+
+def limit(field: str, value: int, *, default: int, maximum: int) -> int:
+    """A page or batch size: 0 means ``default``; more than ``maximum`` is refused, not clamped."""
+    if value == 0:
+        return default
+    if not 1 <= value <= maximum:
+        raise _invalid(field, f"must be in 1..{maximum} (0 for {default}), got {value}")
+    return value
