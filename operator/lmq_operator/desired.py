@@ -30,14 +30,12 @@ def mode(annotations: Mapping[str, str]) -> model.Mode:
 
 
 def parse(kind: model.Kind, spec: Mapping[str, Any]) -> model.Spec | InvalidSpec:
-    cls: type[model.ParentTopicSpec] | type[model.LiteGroupSpec] | type[model.LiteQuotaSpec]
-    cls = {
-        model.Kind.PARENT_TOPIC: model.ParentTopicSpec,
-        model.Kind.LITE_GROUP: model.LiteGroupSpec,
-        model.Kind.LITE_QUOTA: model.LiteQuotaSpec,
-    }[kind]
     try:
-        return cls.model_validate(dict(spec))
+        if kind is model.Kind.PARENT_TOPIC:
+            return model.ParentTopicSpec.model_validate(dict(spec))
+        if kind is model.Kind.LITE_GROUP:
+            return model.LiteGroupSpec.model_validate(dict(spec))
+        return model.LiteQuotaSpec.model_validate(dict(spec))
     except pydantic.ValidationError as exc:
         return InvalidSpec(_readable(exc))
 

@@ -115,9 +115,9 @@ class LiteGroupSpec(_Spec):
     parent_topic: str = Field(alias="parentTopic")
     subscription_model: Literal["Shared", "Exclusive"] = Field("Shared", alias="subscriptionModel")
     client_subscription_quota: int = Field(2000, alias="clientSubscriptionQuota", ge=1, le=1_000_000)
-    ready_set_capacity: int = Field(1024, alias="readySetCapacity", ge=1, le=1_000_000)
-    retry_policy: RetryPolicySpec = Field(RetryPolicySpec(), alias="retryPolicy")
-    fifo: bool = False
+    ready_set_capacity: int = Field(100, alias="readySetCapacity", ge=10, le=1_000_000)
+    retry_policy: RetryPolicySpec = Field(RetryPolicySpec.model_validate({}), alias="retryPolicy")
+    fifo: bool = True
     consume_enabled: bool = Field(True, alias="consumeEnabled")
 
     @field_validator("group_name")
@@ -133,7 +133,7 @@ class LiteGroupSpec(_Spec):
 
 
 class LiteQuotaSpec(_Spec):
-    namespace: str | None = None
+    namespace: str | None = Field(None, alias="rocketmqNamespace")
     parent_topic: str | None = Field(None, alias="parentTopic")
     max_lite_topics: int = Field(UNLIMITED, alias="maxLiteTopics", ge=UNLIMITED)
     max_subscriptions_per_client: int = Field(UNLIMITED, alias="maxSubscriptionsPerClient", ge=UNLIMITED)
@@ -148,13 +148,13 @@ class LiteQuotaSpec(_Spec):
     @classmethod
     def _namespace(cls, value: str | None) -> str | None:
         if value is not None and not NAMESPACE_RE.match(value):
-            raise ValueError(f"spec.namespace {value!r} may only contain letters, digits, %, ., _ and -")
+            raise ValueError(f"spec.rocketmqNamespace {value!r} may only contain letters, digits, %, ., _ and -")
         return value
 
     @model_validator(mode="after")
     def _one_scope(self) -> LiteQuotaSpec:
         if (self.namespace is None) == (self.parent_topic is None):
-            raise ValueError("exactly one of spec.namespace and spec.parentTopic must be set")
+            raise ValueError("exactly one of spec.rocketmqNamespace and spec.parentTopic must be set")
         return self
 
 

@@ -1,0 +1,368 @@
+"""A real kube-apiserver + etcd on loopback, and the operator as a real process, for tests and benchmarks.
+
+envtest-style: no kubelet, no controllers; enough for CRDs, CEL, status, finalizers, watches and the Table
+API. The binaries are built once by ``make testenv`` (scripts/testenv-build.sh) and cached outside the repo;
+a missing binary is an error naming that command, never a reason to skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import yaml
+
+REPO: Final = Path(__file__).resolve().parents[2]
+CRD_DIR: Final = REPO / "crds"
+START_TIMEOUT_S: Final = 60.0
+T = TypeVar("T")
+
+
+class TestenvMissing(RuntimeError):
+    pass
+
+
+def bin_dir() -> Path:
+    root = os.environ.get("LMQ_TESTENV_DIR") or str(Path.home() / ".cache" / "lmq-testenv")
+    return Path(root) / "bin"
+
+
+def binaries() -> tuple[Path, Path]:
+    etcd, apiserver = bin_dir() / "etcd", bin_dir() / "kube-apiserver"
+    missing = [str(p) for p in (etcd, apiserver) if not os.access(p, os.X_OK)]
+    if missing:
+        raise TestenvMissing(f"missing {', '.join(missing)}: run `make testenv` to build kube-apiserver and etcd")
+    return etcd, apiserver
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as exc:  # polled conditions may fail until they hold
+            last_error = exc
+        if time.monotonic() > deadline:
+            suffix = f" (last error: {last_error!r})" if last_error else ""
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}{suffix}")
+        time.sleep(interval_s)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certs(d: Path) -> None:
+    """A CA, a serving cert for 127.0.0.1/localhost signed by it, and the service-account key pair."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=lmq-testenv-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+    (d / "serving.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
+    )
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "serving.key",
+             "-out", "serving.csr", cwd=d)  # fmt: skip
+    _openssl("x509", "-req", "-in", "serving.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "2", "-extfile", "serving.ext", "-out", "serving.crt", cwd=d)  # fmt: skip
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        message = body.get("message") if isinstance(body, dict) else str(body)
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.body = body
+        self.message = str(message)
+
+
+@dataclass
+class KubeAPI:
+    """A tiny JSON client for the test apiserver (the tests need raw access: Table API, status, patches)."""
+
+    server: str
+    token: str
+    ca_file: Path
+    kubeconfig: Path
+
+    def __post_init__(self) -> None:
+        self._ssl = ssl.create_default_context(cafile=str(self.ca_file))
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        accept: str = "application/json",
+        timeout_s: float = 30.0,
+        parse: bool = True,
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": accept}
+        if data is not None:
+            headers["Content-Type"] = content_type
+        req = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, context=self._ssl, timeout=timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                parsed = raw.decode(errors="replace")
+            raise ApiError(exc.code, parsed) from None
+        if not parse:
+            return raw.decode(errors="replace")
+        return json.loads(raw) if raw else None
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body: Any) -> Any:
+        return self.request("POST", path, body)
+
+    def merge_patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.get(path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def ensure_namespace(self, name: str) -> None:
+        with contextlib.suppress(ApiError):
+            self.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+    def apply_crds(self, crd_dir: Path = CRD_DIR, timeout_s: float = 30.0) -> list[str]:
+        names = []
+        for path in sorted(crd_dir.glob("*.yaml")):
+            crd = yaml.safe_load(path.read_text())
+            name = crd["metadata"]["name"]
+            names.append(name)
+            url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
+            self.request(
+                "PATCH",
+                url + "?fieldManager=lmq-tests&force=true",
+                crd,
+                content_type="application/apply-patch+yaml",
+            )
+        for name in names:
+            url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
+
+            def established(url: str = url) -> bool:
+                conds = self.get(url).get("status", {}).get("conditions", [])
+                return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+
+            wait_for(established, timeout_s, f"CRD {name} Established")
+        return names
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def testenv(workdir: Path) -> Iterator[KubeAPI]:
+    """etcd + kube-apiserver with RBAC, a static admin token (system:masters) and generated certs."""
+    etcd_bin, apiserver_bin = binaries()
+    workdir.mkdir(parents=True, exist_ok=True)
+    make_certs(workdir)
+    token = uuid.uuid4().hex
+    (workdir / "tokens.csv").write_text(f'{token},lmq-admin,lmq-admin-uid,"system:masters"\n')
+    etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+    etcd_log, api_log = workdir / "etcd.log", workdir / "kube-apiserver.log"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with etcd_log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(etcd_bin),
+                        "--data-dir",
+                        str(workdir / "etcd"),
+                        "--name",
+                        "default",
+                        "--listen-client-urls",
+                        f"http://127.0.0.1:{etcd_port}",
+                        "--advertise-client-urls",
+                        f"http://127.0.0.1:{etcd_port}",
+                        "--listen-peer-urls",
+                        f"http://127.0.0.1:{peer_port}",
+                        "--initial-advertise-peer-urls",
+                        f"http://127.0.0.1:{peer_port}",
+                        "--initial-cluster",
+                        f"default=http://127.0.0.1:{peer_port}",
+                        "--unsafe-no-fsync",
+                        "--log-level",
+                        "warn",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
+        wait_for(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=1).status == 200,
+            START_TIMEOUT_S,
+            f"etcd health; log tail:\n{_tail(etcd_log)}",
+        )
+        with api_log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(apiserver_bin),
+                        f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                        "--bind-address=127.0.0.1",
+                        "--advertise-address=127.0.0.1",
+                        f"--secure-port={api_port}",
+                        f"--cert-dir={workdir}",
+                        f"--tls-cert-file={workdir / 'serving.crt'}",
+                        f"--tls-private-key-file={workdir / 'serving.key'}",
+                        f"--client-ca-file={workdir / 'ca.crt'}",
+                        f"--token-auth-file={workdir / 'tokens.csv'}",
+                        "--authorization-mode=RBAC",
+                        "--disable-admission-plugins=ServiceAccount",
+                        "--service-account-issuer=https://kubernetes.default.svc",
+                        f"--service-account-key-file={workdir / 'sa.pub'}",
+                        f"--service-account-signing-key-file={workdir / 'sa.key'}",
+                        "--service-cluster-ip-range=10.0.0.0/24",
+                        "--allow-privileged=true",
+                        "--profiling=false",
+                        "--v=0",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
+        api = KubeAPI(f"https://127.0.0.1:{api_port}", token, workdir / "ca.crt", workdir / "kubeconfig")
+        _write_kubeconfig(api)
+
+        def ready() -> bool:
+            if procs[-1].poll() is not None:
+                raise RuntimeError(f"kube-apiserver exited with {procs[-1].returncode}:\n{_tail(api_log)}")
+            return bool(api.request("GET", "/readyz", accept="*/*", timeout_s=2, parse=False).strip() == "ok")
+
+        wait_for(ready, START_TIMEOUT_S, "kube-apiserver /readyz")
+        wait_for(lambda: api.exists("/api/v1/namespaces/default"), START_TIMEOUT_S, "namespace default")
+        yield api
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def _write_kubeconfig(api: KubeAPI) -> None:
+    ca = base64.b64encode(api.ca_file.read_bytes()).decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "testenv", "cluster": {"server": api.server, "certificate-authority-data": ca}}],
+        "users": [{"name": "lmq-admin", "user": {"token": api.token}}],
+        "contexts": [{"name": "testenv", "context": {"cluster": "testenv", "user": "lmq-admin"}}],
+        "current-context": "testenv",
+    }
+    api.kubeconfig.write_text(yaml.safe_dump(config))
+
+
+@dataclass
+class OperatorProcess:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    metrics_port: int
+    liveness_port: int
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        _stop(self.proc, timeout_s=15.0)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def healthz(self) -> Any:
+        url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return json.loads(resp.read() or b"null")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as resp:
+            return str(resp.read().decode())
+
+
+def start_operator(api: KubeAPI, log: Path, env: Mapping[str, str]) -> OperatorProcess:
+    """``python -m lmq_operator`` against the test apiserver; waits until its liveness endpoint answers."""
+    metrics_port, liveness_port = free_port(), free_port()
+    full_env = {
+        **os.environ,
+        "KUBECONFIG": str(api.kubeconfig),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "broker")]),
+        "LMQ_OPERATOR_METRICS_PORT": str(metrics_port),
+        "LMQ_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{liveness_port}/healthz",
+        **env,
+    }
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmq_operator"], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    handle = OperatorProcess(proc, log, metrics_port, liveness_port)
+
+    def live() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"operator exited with {proc.returncode}:\n{_tail(log)}")
+        handle.healthz()
+        return True
+
+    try:
+        wait_for(live, START_TIMEOUT_S, "operator liveness endpoint")
+    except Exception:
+        handle.stop()
+        raise
+    return handle
