@@ -1,0 +1,144 @@
+"""The job's command line, parsed into one frozen value that the rest of the job reads.
+
+Defaults are the CronJob's: local[2], 15 minutes minimum age (RocketMQ ``minLiteTTl``), a bounded delete
+rate per broker. ``--now-ms`` pins the clock so a run can be replayed exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+DEFAULT_MASTER: Final = "local[2]"
+DEFAULT_BROKER_PORT: Final = 8081
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    brokers: tuple[str, ...] = ()
+    broker_service: str = ""
+    namespace: str = ""
+    broker_port: int = DEFAULT_BROKER_PORT
+    cluster_domain: str = "cluster.local"
+    discovery: str = "dns"  # dns | endpointslices
+    master: str = DEFAULT_MASTER
+    local_dir: Path | None = None
+    driver_memory: str = "1g"
+    spark_conf: tuple[tuple[str, str], ...] = ()
+    min_age_minutes: int = 15
+    only_fully_consumed: bool = False
+    no_live_subscribers: bool = False
+    dry_run: bool = False
+    max_deletes_per_second: float = 2000.0
+    delete_batch_size: int = 1000
+    scan_batch_size: int = 10_000
+    rows_per_task: int = 250_000
+    max_ranges_per_parent: int = 64
+    audit_path: str = ""
+    audit_format: str = "parquet"  # parquet | jsonl
+    now_ms: int | None = None
+    timeout_s: float = 30.0
+    scan_timeout_s: float = 3600.0
+    log_level: str = "INFO"
+
+
+def _conf_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmq-reclaim",
+        description="Reclaim expired lite topics on every broker (PySpark). Scans lite-topic metadata through "
+        "the admin service, applies each ParentTopic's expiration, and deletes with compare-and-delete.",
+    )
+    where = p.add_argument_group("brokers (one of --brokers or --broker-service)")
+    where.add_argument("--brokers", default="", help="comma-separated admin endpoints host:port")
+    where.add_argument("--broker-service", default="", help="headless Service of the broker StatefulSet")
+    where.add_argument("--namespace", default="", help="namespace of --broker-service")
+    where.add_argument("--broker-port", type=int, default=DEFAULT_BROKER_PORT, help="admin port (default 8081)")
+    where.add_argument("--cluster-domain", default="cluster.local", help="DNS suffix (default cluster.local)")
+    where.add_argument(
+        "--discovery",
+        choices=("dns", "endpointslices"),
+        default="dns",
+        help="resolve the Service through DNS A records (no RBAC needed) or the EndpointSlices API",
+    )
+    spark = p.add_argument_group("spark")
+    spark.add_argument("--master", default=DEFAULT_MASTER, help="Spark master (default local[2])")
+    spark.add_argument("--local-dir", type=Path, default=None, help="spark.local.dir (scratch space)")
+    spark.add_argument("--driver-memory", default="1g", help="spark.driver.memory (default 1g)")
+    spark.add_argument("--conf", action="append", type=_conf_pair, default=[], help="extra Spark KEY=VALUE")
+    rules = p.add_argument_group("policy")
+    rules.add_argument("--min-age-minutes", type=int, default=15, help="never reclaim a topic idle less (15)")
+    rules.add_argument("--only-fully-consumed", action="store_true", help="keep topics with unconsumed messages")
+    rules.add_argument("--no-live-subscribers", action="store_true", help="keep topics with a live subscriber")
+    rules.add_argument("--now-ms", type=int, default=None, help="evaluate as of this epoch-millis time")
+    act = p.add_argument_group("deleting")
+    act.add_argument("--dry-run", action="store_true", help="decide and report, delete nothing")
+    act.add_argument(
+        "--max-deletes-per-second", type=float, default=2000.0, help="per broker, token bucket; 0 = unlimited"
+    )
+    act.add_argument("--delete-batch-size", type=_positive_int, default=1000, help="rows per delete call")
+    act.add_argument("--scan-batch-size", type=_positive_int, default=10_000, help="rows per scan response")
+    act.add_argument("--rows-per-task", type=_positive_int, default=250_000, help="target rows per scan task")
+    act.add_argument("--max-ranges-per-parent", type=_positive_int, default=64, help="key ranges per parent cap")
+    act.add_argument("--timeout-s", type=float, default=30.0, help="deadline of unary admin calls")
+    act.add_argument("--scan-timeout-s", type=float, default=3600.0, help="deadline of one range's scan stream")
+    out = p.add_argument_group("report")
+    out.add_argument("--audit-path", default="", help="write the audit here ('{now}' becomes the run's time)")
+    out.add_argument("--audit-format", choices=("parquet", "jsonl"), default="parquet")
+    out.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def parse(argv: Sequence[str] | None = None) -> Options:
+    p = parser()
+    ns = p.parse_args(argv)
+    brokers = tuple(b.strip() for b in ns.brokers.split(",") if b.strip())
+    if bool(brokers) == bool(ns.broker_service):
+        p.error("give exactly one of --brokers or --broker-service")
+    if ns.broker_service and not ns.namespace and "." not in ns.broker_service:
+        p.error("--broker-service needs --namespace (or a fully qualified name)")
+    if ns.min_age_minutes < 0:
+        p.error("--min-age-minutes must be >= 0")
+    return Options(
+        brokers=brokers,
+        broker_service=ns.broker_service,
+        namespace=ns.namespace,
+        broker_port=ns.broker_port,
+        cluster_domain=ns.cluster_domain,
+        discovery=ns.discovery,
+        master=ns.master,
+        local_dir=ns.local_dir,
+        driver_memory=ns.driver_memory,
+        spark_conf=tuple(ns.conf),
+        min_age_minutes=ns.min_age_minutes,
+        only_fully_consumed=ns.only_fully_consumed,
+        no_live_subscribers=ns.no_live_subscribers,
+        dry_run=ns.dry_run,
+        max_deletes_per_second=ns.max_deletes_per_second,
+        delete_batch_size=ns.delete_batch_size,
+        scan_batch_size=ns.scan_batch_size,
+        rows_per_task=ns.rows_per_task,
+        max_ranges_per_parent=ns.max_ranges_per_parent,
+        audit_path=ns.audit_path,
+        audit_format=ns.audit_format,
+        now_ms=ns.now_ms,
+        timeout_s=ns.timeout_s,
+        scan_timeout_s=ns.scan_timeout_s,
+        log_level=ns.log_level,
+    )

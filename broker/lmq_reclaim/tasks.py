@@ -1,0 +1,218 @@
+"""What runs inside Spark tasks: the scan of one (broker, parent, key range) and the deletes of one broker.
+
+Both are ``mapInArrow`` functions built by closures over small picklable values, so they ship to executors
+as they are. Rows only ever move as Arrow batches. A broker that fails is recorded as an error value in
+the stats accumulator (and, for deletes, as ERROR rows) instead of failing the Spark job: one bad broker
+must not stop the others from being reclaimed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.accumulators import Accumulator, AccumulatorParam
+
+from lmq_broker import errors
+from lmq_reclaim import brokers
+from lmq_reclaim import columns as c
+from lmq_reclaim.columns import Outcome
+from lmq_reclaim.keyspace import KeyRange
+from lmq_reclaim.ratelimit import TokenBucket
+
+MAX_ERROR_MESSAGES: Final = 50
+PROGRESS_EVERY_ROWS: Final = 100_000
+
+ArrowMap = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+
+
+class StatsParam(AccumulatorParam[dict[str, float]]):
+    """Sums numbers per key; ``"errors:<broker>"`` keys count failures, ``"error_text"`` is never used as
+    a number (messages travel in ``MessagesParam``)."""
+
+    def zero(self, value: dict[str, float]) -> dict[str, float]:
+        return {}
+
+    def addInPlace(self, value1: dict[str, float], value2: dict[str, float]) -> dict[str, float]:  # noqa: N802
+        for key, v in value2.items():
+            value1[key] = value1.get(key, 0.0) + v
+        return value1
+
+
+class MessagesParam(AccumulatorParam[list[str]]):
+    def zero(self, value: list[str]) -> list[str]:
+        return []
+
+    def addInPlace(self, value1: list[str], value2: list[str]) -> list[str]:  # noqa: N802
+        room = MAX_ERROR_MESSAGES - len(value1)
+        if room > 0:
+            value1.extend(value2[:room])
+        return value1
+
+
+@dataclass(frozen=True, slots=True)
+class ScanTask:
+    broker: str
+    endpoint: str
+    parent: str
+    key_range: KeyRange
+
+
+@dataclass(frozen=True, slots=True)
+class ScanSettings:
+    batch_size: int
+    with_fully_consumed: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteSettings:
+    endpoints: dict[str, str]  # broker -> admin endpoint
+    max_deletes_per_second: float  # per broker; <= 0 unlimited
+    batch_size: int
+    dry_run: bool
+    timeout_s: float
+
+
+def scan_fn(
+    tasks: Sequence[ScanTask],
+    settings: ScanSettings,
+    stats: Accumulator[dict[str, float]],
+    messages: Accumulator[list[str]],
+) -> ArrowMap:
+    """Input: batches of ``id`` (task indexes, one task per partition); output: ``columns.SCANNED``."""
+
+    def run(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for id_batch in ids:
+            for task_id in id_batch.column(0).to_pylist():
+                yield from _scan_one(tasks[task_id], settings, stats, messages)
+
+    return run
+
+
+def _scan_one(
+    task: ScanTask,
+    settings: ScanSettings,
+    stats: Accumulator[dict[str, float]],
+    messages: Accumulator[list[str]],
+) -> Iterator[pa.RecordBatch]:
+    rows = 0
+    busy = 0.0
+    started = time.perf_counter()
+    try:
+        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s) as admin:
+            batches = admin.scan(
+                broker=task.broker,
+                parent=task.parent,
+                key_range=task.key_range,
+                batch_size=settings.batch_size,
+                with_fully_consumed=settings.with_fully_consumed,
+                timeout_s=settings.timeout_s,
+            )
+            while True:
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                busy += time.perf_counter() - t0
+                if batch is None:
+                    break
+                rows += batch.num_rows
+                yield batch
+    except errors.LmqError as exc:
+        stats.add({f"errors:{task.broker}": 1.0})
+        messages.add([f"scan {task.broker} {task.parent} {task.key_range}: {exc.message}"])
+    finally:
+        # busy = time waiting on the broker and building Arrow arrays; the rest of the task's wall time is
+        # Spark consuming our batches (the decide step runs in the same pipeline).
+        stats.add({f"scan_rows:{task.broker}": float(rows), f"scan_busy_s:{task.broker}": busy})
+        stats.add({f"scan_wall_s:{task.broker}": time.perf_counter() - started})
+
+
+def delete_fn(
+    settings: DeleteSettings,
+    stats: Accumulator[dict[str, float]],
+    messages: Accumulator[list[str]],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ArrowMap:
+    """Input: candidate rows (``columns.CANDIDATE_COLUMNS``), every row of a broker in one partition;
+    output: ``columns.OUTCOMES``. One token bucket per broker bounds that broker's delete rate."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        buckets: dict[str, TokenBucket] = {}
+        admins: dict[str, brokers.BrokerAdmin] = {}
+        done: dict[str, int] = {}
+        try:
+            for batch in batches:
+                for broker in pc.unique(batch.column(c.BROKER)).to_pylist():
+                    mine = batch.filter(pc.equal(batch.column(c.BROKER), broker))
+                    if broker not in admins:
+                        admins[broker] = brokers.BrokerAdmin(settings.endpoints[broker], settings.timeout_s)
+                        rate = settings.max_deletes_per_second
+                        buckets[broker] = TokenBucket(rate, burst=max(1.0, rate), clock=clock, sleep=sleep)
+                    yield from _delete_rows(
+                        broker=broker,
+                        rows=mine,
+                        admin=admins[broker],
+                        bucket=buckets[broker],
+                        settings=settings,
+                        stats=stats,
+                        messages=messages,
+                    )
+                    before = done.get(broker, 0)
+                    done[broker] = before + mine.num_rows
+                    if done[broker] // PROGRESS_EVERY_ROWS > before // PROGRESS_EVERY_ROWS:
+                        _progress(f"delete {broker}: {done[broker]} candidates processed")
+        finally:
+            for broker, admin in admins.items():
+                admin.close()
+                stats.add({f"delete_throttled_s:{broker}": buckets[broker].waited_s})
+
+    return run
+
+
+def _delete_rows(
+    *,
+    broker: str,
+    rows: pa.RecordBatch,
+    admin: brokers.BrokerAdmin,
+    bucket: TokenBucket,
+    settings: DeleteSettings,
+    stats: Accumulator[dict[str, float]],
+    messages: Accumulator[list[str]],
+) -> Iterator[pa.RecordBatch]:
+    # A topic scanned without subscribers must still have none at delete time (a subscription that
+    # arrived after the scan keeps it); one that had subscribers already was judged with them.
+    unsubscribed = pc.equal(rows.column(c.SUBSCRIBER_COUNT), 0)
+    for require_none, part in ((True, rows.filter(unsubscribed)), (False, rows.filter(pc.invert(unsubscribed)))):
+        for start in range(0, part.num_rows, settings.batch_size):
+            chunk = part.slice(start, settings.batch_size)
+            bucket.acquire(chunk.num_rows)
+            t0 = time.perf_counter()
+            error: str | None = None
+            try:
+                outcome = admin.compare_and_delete(chunk, require_none, settings.dry_run)
+            except errors.LmqError as exc:
+                error = exc.message
+                outcome = pa.array([Outcome.ERROR.value] * chunk.num_rows, pa.string())
+                stats.add({f"errors:{broker}": 1.0})
+                messages.add([f"delete {broker}: {error}"])
+            stats.add({f"delete_busy_s:{broker}": time.perf_counter() - t0})
+            yield _outcome_batch(chunk, outcome, error)
+
+
+def _outcome_batch(chunk: pa.RecordBatch, outcome: pa.Array, error: str | None) -> pa.RecordBatch:
+    arrays = [chunk.column(name) for name in c.CANDIDATE_COLUMNS]
+    arrays.append(outcome)
+    arrays.append(pa.array([error] * chunk.num_rows, pa.string()) if error else pa.nulls(chunk.num_rows, pa.string()))
+    return pa.RecordBatch.from_arrays(arrays, schema=c.OUTCOMES)
+
+
+def _progress(line: str) -> None:
+    # Executors log to their own stderr (the job's, in local mode); the driver logs phase totals.
+    sys.stderr.write(f"lmq-reclaim: {line}\n")
+    sys.stderr.flush()
