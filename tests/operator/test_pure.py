@@ -1,0 +1,317 @@
+"""The pure half of the operator: specs to configs, plans, conditions, settings, EndpointSlice parsing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from lmq_operator import apply, desired, diff, model, settings, status
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+B0 = model.Broker(model.BrokerName("b0"), "10.0.0.1:8081", 0)
+B1 = model.Broker(model.BrokerName("b1"), "10.0.0.2:8081", 1)
+
+
+# ---- desired -------------------------------------------------------------------------------------------
+
+
+def test_parent_topic_defaults_to_metadata_name() -> None:
+    cfg = desired.config(model.Kind.PARENT_TOPIC, "orders", {})
+    assert cfg == model.TopicConfig(name="orders", expiration_minutes=-1, max_lite_topics=-1, message_type=5)
+
+
+def test_parent_topic_spec_name_wins_and_fields_map() -> None:
+    spec = {"topicName": "Orders_v2", "liteTopicExpirationMinutes": 60, "maxLiteTopics": 10}
+    cfg = desired.config(model.Kind.PARENT_TOPIC, "orders.v2", spec)
+    assert cfg == model.TopicConfig(name="Orders_v2", expiration_minutes=60, max_lite_topics=10)
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ({"liteTopicExpirationMinutes": 0}, "liteTopicExpirationMinutes"),
+        ({"liteTopicExpirationMinutes": 43201}, "liteTopicExpirationMinutes"),
+        ({"maxLiteTopics": 0}, "maxLiteTopics"),
+        ({"messageType": "NORMAL"}, "messageType"),
+        ({"topicName": "a$b"}, "topicName"),
+        ({"deletionPolicy": "orphan"}, "deletionPolicy"),
+    ],
+)
+def test_invalid_parent_topic_specs_become_values(spec: dict[str, object], needle: str) -> None:
+    cfg = desired.config(model.Kind.PARENT_TOPIC, "t", spec)
+    assert isinstance(cfg, desired.InvalidSpec)
+    assert needle in cfg.message
+
+
+def test_metadata_name_with_dots_needs_a_topic_name() -> None:
+    cfg = desired.config(model.Kind.PARENT_TOPIC, "orders.eu", {})
+    assert isinstance(cfg, desired.InvalidSpec)
+    assert "set spec.topicName" in cfg.message
+
+
+def test_lite_group_config_parses_backoff_durations() -> None:
+    spec = {
+        "parentTopic": "orders",
+        "subscriptionModel": "Exclusive",
+        "retryPolicy": {"maxAttempts": 3, "backoff": ["500ms", "2s", "1m", "1h"]},
+        "fifo": False,
+    }
+    cfg = desired.config(model.Kind.LITE_GROUP, "workers", spec)
+    assert isinstance(cfg, model.GroupConfig)
+    assert (cfg.name, cfg.bind_topic, cfg.model, cfg.fifo) == ("workers", "orders", "Exclusive", False)
+    assert cfg.max_attempts == 3
+    assert cfg.backoff_ms == (500, 2_000, 60_000, 3_600_000)
+    assert cfg.client_quota == 2000 and cfg.ready_capacity == 100 and cfg.consume_enabled
+
+
+def test_lite_group_default_backoff_is_rocketmqs() -> None:
+    cfg = desired.config(model.Kind.LITE_GROUP, "g", {"parentTopic": "t"})
+    assert isinstance(cfg, model.GroupConfig)
+    assert cfg.max_attempts == 17
+    assert cfg.backoff_ms[:4] == (1_000, 5_000, 10_000, 30_000) and cfg.backoff_ms[-1] == 7_200_000
+    assert len(cfg.backoff_ms) == 18
+
+
+def test_lite_group_rejects_bad_backoff_and_missing_parent() -> None:
+    bad = desired.config(model.Kind.LITE_GROUP, "g", {"parentTopic": "t", "retryPolicy": {"backoff": ["5 sec"]}})
+    assert isinstance(bad, desired.InvalidSpec) and "5 sec" in bad.message
+    missing = desired.config(model.Kind.LITE_GROUP, "g", {})
+    assert isinstance(missing, desired.InvalidSpec) and "parentTopic" in missing.message
+
+
+def test_quota_scope_is_exactly_one_of_namespace_and_parent() -> None:
+    ns = desired.config(model.Kind.LITE_QUOTA, "q", {"rocketmqNamespace": "prod", "maxLiteTopics": 5})
+    assert ns == model.QuotaConfig("namespace:prod", 5, -1, -1)
+    parent = desired.config(model.Kind.LITE_QUOTA, "q", {"parentTopic": "orders", "maxSendRate": 100})
+    assert parent == model.QuotaConfig("parent:orders", -1, -1, 100)
+    both = desired.config(model.Kind.LITE_QUOTA, "q", {"rocketmqNamespace": "a", "parentTopic": "b"})
+    neither = desired.config(model.Kind.LITE_QUOTA, "q", {})
+    assert isinstance(both, desired.InvalidSpec) and "exactly one" in both.message
+    assert isinstance(neither, desired.InvalidSpec) and "exactly one" in neither.message
+
+
+@pytest.mark.parametrize(
+    ("annotations", "mode"),
+    [
+        ({}, model.Mode.MANAGED),
+        ({"lmq.io/managed": "false"}, model.Mode.UNMANAGED),
+        ({"lmq.io/managed": "true"}, model.Mode.MANAGED),
+        ({"lmq.io/pause-reconciliation": "true"}, model.Mode.PAUSED),
+        ({"lmq.io/pause-reconciliation": "false"}, model.Mode.MANAGED),
+        ({"lmq.io/pause-reconciliation": "true", "lmq.io/managed": "false"}, model.Mode.UNMANAGED),
+    ],
+)
+def test_mode_from_annotations(annotations: dict[str, str], mode: model.Mode) -> None:
+    assert desired.mode(annotations) is mode
+
+
+def test_oldest_claimant_owns_the_name() -> None:
+    old = model.Claimant("a", "x", "uid-old", "2026-01-01T00:00:00Z")
+    young = model.Claimant("a", "y", "uid-young", "2026-01-01T00:00:01Z")
+    assert desired.owner([young, old]) == old
+    assert desired.conflicting_owner("uid-young", [young, old]) == old
+    assert desired.conflicting_owner("uid-old", [young, old]) is None
+    assert desired.conflicting_owner("uid-new", []) is None
+
+
+def test_claimants_created_in_the_same_second_break_ties_deterministically() -> None:
+    a = model.Claimant("ns", "a", "u2", "2026-01-01T00:00:00Z")
+    b = model.Claimant("ns", "b", "u1", "2026-01-01T00:00:00Z")
+    assert desired.owner([b, a]) == a == desired.owner([a, b])
+
+
+# ---- diff ----------------------------------------------------------------------------------------------
+
+TOPIC = model.TopicConfig("orders", 60, -1)
+
+
+def test_plan_creates_missing_overwrites_different_and_keeps_equal() -> None:
+    other = model.TopicConfig("orders", 30, -1)
+    b2 = model.Broker(model.BrokerName("b2"), "10.0.0.3:8081", 2)
+    planned = diff.plan(
+        TOPIC,
+        {B0: None, B1: model.Observed(other), b2: model.Observed(TOPIC, (("liteTopicCount", 3),))},
+    )
+    assert [(s.broker, s.change) for s in planned.steps] == [
+        (B0, diff.Change.MISSING),
+        (B1, diff.Change.DIFFERS),
+        (b2, diff.Change.NONE),
+    ]
+    assert [s.broker for s in planned.writes] == [B0, B1]
+    assert planned.unreachable == ()
+
+
+def test_unreachable_broker_is_reported_not_planned() -> None:
+    planned = diff.plan(TOPIC, {B0: diff.Unreachable("UNAVAILABLE: down"), B1: None})
+    assert [s.broker for s in planned.steps] == [B1]
+    assert planned.unreachable == ((B0, "UNAVAILABLE: down"),)
+
+
+def test_delete_asks_every_broker() -> None:
+    assert diff.plan_delete([B1, B0], "orders") == ((B0, "orders"), (B1, "orders"))
+
+
+# ---- status --------------------------------------------------------------------------------------------
+
+
+def _ready(st: dict[str, object]) -> dict[str, object]:
+    conds = st["conditions"]
+    assert isinstance(conds, list)
+    found: dict[str, object] = next(c for c in conds if c["type"] == "Ready")
+    return found
+
+
+def test_applied_everywhere_is_ready_with_figures_summed() -> None:
+    syncs = [
+        model.BrokerSync(B0, True, "missing", figures=(("liteTopicCount", 2),)),
+        model.BrokerSync(B1, True, "none", figures=(("liteTopicCount", 5),)),
+    ]
+    st = status.applied(model.Kind.PARENT_TOPIC, "orders", generation=3, syncs=syncs, previous={}, now=NOW)
+    assert st["observedGeneration"] == 3 and st["topicName"] == "orders"
+    assert st["brokersReady"] == "2/2" and st["liteTopicCount"] == 7
+    assert _ready(st) | {} == {
+        "type": "Ready",
+        "status": "True",
+        "reason": "Applied",
+        "message": "applied to 2/2 brokers",
+        "lastTransitionTime": "2026-01-02T03:04:05Z",
+        "observedGeneration": 3,
+    }
+    assert st["brokers"] == [
+        {"name": "b0", "endpoint": "10.0.0.1:8081", "synced": True, "liteTopicCount": 2},
+        {"name": "b1", "endpoint": "10.0.0.2:8081", "synced": True, "liteTopicCount": 5},
+    ]
+
+
+def test_one_unavailable_broker_makes_it_not_ready_with_the_reason() -> None:
+    syncs = [
+        model.BrokerSync(B0, True, "none"),
+        model.BrokerSync(B1, False, "", model.Failure.UNAVAILABLE, "UNAVAILABLE: connection refused"),
+    ]
+    st = status.applied(model.Kind.LITE_GROUP, "g", generation=1, syncs=syncs, previous={}, now=NOW)
+    ready = _ready(st)
+    assert (ready["status"], ready["reason"]) == ("False", "BrokerUnavailable")
+    assert "1/2 brokers in sync" in str(ready["message"]) and "b1: UNAVAILABLE" in str(ready["message"])
+    assert st["brokersReady"] == "1/2"
+    assert st["subscriptionCount"] == 0 and st["lag"] == 0
+
+
+def test_rejection_wins_over_unavailability_in_the_reason() -> None:
+    syncs = [
+        model.BrokerSync(B0, False, "", model.Failure.REJECTED, "FAILED_PRECONDITION: no such topic"),
+        model.BrokerSync(B1, False, "", model.Failure.UNAVAILABLE, "UNAVAILABLE"),
+    ]
+    st = status.applied(model.Kind.LITE_GROUP, "g", generation=1, syncs=syncs, previous={}, now=NOW)
+    assert _ready(st)["reason"] == "BrokerRejected"
+
+
+def test_no_brokers_is_not_ready() -> None:
+    st = status.applied(model.Kind.LITE_QUOTA, "parent:x", generation=1, syncs=[], previous={}, now=NOW)
+    assert (_ready(st)["status"], _ready(st)["reason"]) == ("False", "NoBrokers")
+
+
+def test_transition_time_only_moves_when_the_status_flips() -> None:
+    ok = [model.BrokerSync(B0, True, "none")]
+    first = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous={}, now=NOW)
+    later = NOW + timedelta(minutes=5)
+    again = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous=first, now=later)
+    assert status.changes(first, again) == {}
+    bad = [model.BrokerSync(B0, False, "", model.Failure.UNAVAILABLE, "down")]
+    flipped = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=bad, previous=again, now=later)
+    assert _ready(flipped)["lastTransitionTime"] == "2026-01-02T03:09:05Z"
+    assert set(status.changes(again, flipped)) == {"brokersReady", "brokers", "conditions"}
+
+
+def test_paused_keeps_the_old_observed_generation() -> None:
+    ok = [model.BrokerSync(B0, True, "none")]
+    applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous={}, now=NOW)
+    paused = status.blocked(
+        status.Reason.RECONCILIATION_PAUSED, "paused", generation=2, previous=applied, now=NOW
+    )
+    assert "observedGeneration" not in paused
+    assert (_ready(paused)["status"], _ready(paused)["reason"]) == ("Unknown", "ReconciliationPaused")
+    assert "observedGeneration" not in _ready(paused)
+
+
+@pytest.mark.parametrize(
+    ("reason", "state"),
+    [
+        (status.Reason.UNMANAGED, "True"),
+        (status.Reason.INVALID, "False"),
+        (status.Reason.RESOURCE_CONFLICT, "False"),
+    ],
+)
+def test_blocked_reasons_observe_the_generation(reason: status.Reason, state: str) -> None:
+    st = status.blocked(reason, "why", generation=4, previous={}, now=NOW)
+    assert st["observedGeneration"] == 4
+    assert (_ready(st)["status"], _ready(st)["reason"], _ready(st)["message"]) == (state, reason.value, "why")
+
+
+def test_drained_condition_names_the_leaving_broker() -> None:
+    leaving = [model.Leaving(B1, replicas=1, undrained_messages=12)]
+    cond = status.drained(leaving, {}, NOW)
+    assert (cond["type"], cond["status"], cond["reason"]) == ("BrokersDrained", "False", "UndrainedBrokerLeaving")
+    assert cond["message"] == "b1 (ordinal 1 >= replicas 1) still holds 12 undrained messages"
+    assert status.drained([], {}, NOW)["status"] == "True"
+
+
+def test_other_conditions_survive_a_ready_update() -> None:
+    drained = status.drained([], {}, NOW)
+    prev = {"conditions": [drained]}
+    st = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=[], previous=prev, now=NOW)
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "BrokersDrained"}
+
+
+# ---- settings ------------------------------------------------------------------------------------------
+
+
+def test_settings_static_brokers() -> None:
+    conf = settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1, b:2", "LMQ_OPERATOR_RESYNC_SECONDS": "2.5"})
+    assert conf.brokers == ("a:1", "b:2") and conf.resync_s == 2.5 and conf.namespace is None
+    assert conf.metrics_port == 9101 and conf.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+
+
+def test_settings_service_discovery_needs_a_namespace() -> None:
+    with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_BROKER_NAMESPACE"):
+        settings.from_env({"LMQ_OPERATOR_BROKER_SERVICE": "lmq-broker"})
+    conf = settings.from_env(
+        {
+            "LMQ_OPERATOR_BROKER_SERVICE": "lmq-broker",
+            "LMQ_OPERATOR_BROKER_NAMESPACE": "lmq",
+            "LMQ_OPERATOR_BROKER_STATEFULSET": "lmq-broker",
+            "LMQ_OPERATOR_NAMESPACE": "apps",
+        }
+    )
+    assert (conf.broker_service, conf.broker_statefulset, conf.namespace) == ("lmq-broker", "lmq-broker", "apps")
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"LMQ_OPERATOR_BROKERS": "nohost"}, {"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_RESYNC_SECONDS": "-1"}],
+)
+def test_settings_errors_are_readable(env: dict[str, str]) -> None:
+    with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_"):
+        settings.from_env(env)
+
+
+# ---- EndpointSlices ------------------------------------------------------------------------------------
+
+
+def test_brokers_from_endpoint_slices() -> None:
+    slices = [
+        {
+            "ports": [{"name": "grpc", "port": 8081}, {"name": "metrics", "port": 9100}],
+            "endpoints": [
+                {"addresses": ["10.1.0.5"], "conditions": {"ready": True}, "targetRef": {"name": "lmq-broker-0"}},
+                {"addresses": ["10.1.0.6"], "conditions": {"ready": False}, "targetRef": {"name": "lmq-broker-1"}},
+                {"addresses": [], "targetRef": {"name": "lmq-broker-9"}},
+            ],
+        },
+        {"ports": [], "endpoints": [{"addresses": ["10.1.0.7"], "targetRef": {"name": "lmq-broker-2"}}]},
+    ]
+    found = apply.brokers_from_slices(slices, default_port=8081)
+    assert found == [
+        (model.Broker(model.BrokerName("lmq-broker-0"), "10.1.0.5:8081", 0), True),
+        (model.Broker(model.BrokerName("lmq-broker-1"), "10.1.0.6:8081", 1), False),
+        (model.Broker(model.BrokerName("lmq-broker-2"), "10.1.0.7:8081", 2), True),
+    ]
