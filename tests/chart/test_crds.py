@@ -1,0 +1,193 @@
+"""The chart ships crds/ unchanged (drift-checked by scripts/sync_chart_crds.py), the CRDs are valid
+apiextensions/v1 objects, and the example resources in charts/lmq/examples/ fit their CRD's schema.
+
+Kubernetes validates custom resources against the CRD's openAPIV3Schema and (with kubectl's default
+strict field validation) refuses unknown fields, so the examples are checked against the schema with
+every described object closed. CEL rules (x-kubernetes-validations) need an API server; they are not
+evaluated here.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+Manifest = dict[str, Any]
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+def run_sync(repo_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "sync_chart_crds.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_chart_crds_match_the_sources(repo_root: Path) -> None:
+    result = run_sync(repo_root, "--check")
+    assert result.returncode == 0, result.stderr
+    assert "in sync" in result.stdout
+
+
+def test_drift_is_reported_and_repaired(repo_root: Path, tmp_path: Path) -> None:
+    shutil.copytree(repo_root / "crds", tmp_path / "crds")
+    chart_crds = tmp_path / "charts" / "lmq" / "crds"
+    shutil.copytree(repo_root / "charts" / "lmq" / "crds", chart_crds)
+    first, second, *_ = sorted(p.name for p in chart_crds.glob("*.yaml"))
+    (chart_crds / first).write_text((chart_crds / first).read_text() + "# edited in the chart\n")
+    (chart_crds / second).unlink()
+    (chart_crds / "old.lmq.io.yaml").write_text("kind: CustomResourceDefinition\n")
+
+    drifted = run_sync(repo_root, "--check", "--root", str(tmp_path))
+    assert drifted.returncode == 1
+    assert f"differs from crds/{first}" in drifted.stderr
+    assert f"missing in chart: {second}" in drifted.stderr
+    assert "stale in chart (not in crds/): old.lmq.io.yaml" in drifted.stderr
+
+    repaired = run_sync(repo_root, "--root", str(tmp_path))
+    assert repaired.returncode == 0, repaired.stderr
+    assert run_sync(repo_root, "--check", "--root", str(tmp_path)).returncode == 0
+    sources = {p.name: p.read_bytes() for p in (tmp_path / "crds").glob("*.yaml")}
+    assert {p.name: p.read_bytes() for p in chart_crds.glob("*.yaml")} == sources
+
+
+def test_check_fails_without_sources(repo_root: Path, tmp_path: Path) -> None:
+    result = run_sync(repo_root, "--check", "--root", str(tmp_path))
+    assert result.returncode == 2
+    assert "no CRDs found" in result.stderr
+
+
+def test_helm_installs_exactly_the_source_crds(chart: helm.Chart, repo_root: Path) -> None:
+    shipped = {Path(c["filename"]).name: c["data"] for c in chart.crds}
+    sources = {p.name: p.read_text() for p in (repo_root / "crds").glob("*.yaml")}
+    assert shipped.keys() == sources.keys()
+    for name, text in sources.items():
+        assert yaml.safe_load(shipped[name]) == yaml.safe_load(text)
+
+
+def test_crds_are_valid_and_name_the_agreed_resources(crds: dict[str, Manifest], kube_version: str) -> None:
+    assert set(crds) == {"ParentTopic", "LiteGroup", "LiteQuota"}
+    for kind, crd in crds.items():
+        kubernetes_validate.validate(crd, kube_version, strict=True)
+        spec = crd["spec"]
+        assert spec["group"] == "lmq.io"
+        assert crd["metadata"]["name"] == f"{spec['names']['plural']}.lmq.io"
+        assert spec["names"]["kind"] == kind
+        (version,) = spec["versions"]
+        assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+        assert version["subresources"] == {"status": {}}  # status writes never bump generation
+
+
+def test_every_kind_has_an_example(crds: dict[str, Manifest], examples: list[tuple[str, Manifest]]) -> None:
+    assert {doc["kind"] for _, doc in examples} == set(crds)
+
+
+def closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with every described object closed, like the API server's strict field validation.
+
+    metadata is left open (the API server validates it on its own) and so is anything that declares
+    x-kubernetes-preserve-unknown-fields.
+    """
+    schema = copy.deepcopy(schema)
+
+    def close(node: dict[str, Any], key: str) -> None:
+        if "properties" in node and key != "metadata" and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node.setdefault("additionalProperties", False)
+        for child_key, child in node.get("properties", {}).items():
+            close(child, child_key)
+        if isinstance(node.get("items"), dict):
+            close(node["items"], "items")
+
+    close(schema, "")
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validators(crds: dict[str, Manifest]) -> dict[str, jsonschema.protocols.Validator]:
+    built: dict[str, jsonschema.protocols.Validator] = {}
+    for kind, crd in crds.items():
+        schema = closed(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+        validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+        validator_class.check_schema(schema)
+        built[kind] = validator_class(schema, format_checker=validator_class.FORMAT_CHECKER)
+    return built
+
+
+@pytest.fixture(scope="module")
+def examples(chart_dir: Path) -> list[tuple[str, Manifest]]:
+    found = [
+        (f"{path.name}#{index}", doc)
+        for path in sorted((chart_dir / "examples").glob("*.yaml"))
+        for index, doc in enumerate(yaml.safe_load_all(path.read_text()))
+        if doc
+    ]
+    assert found, "no examples in charts/lmq/examples/"
+    return found
+
+
+def test_examples_fit_their_crd(
+    examples: list[tuple[str, Manifest]],
+    crds: dict[str, Manifest],
+    validators: dict[str, jsonschema.protocols.Validator],
+) -> None:
+    for where, doc in examples:
+        assert doc["apiVersion"] == "lmq.io/v1alpha1", where
+        crd = crds[doc["kind"]]
+        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validators[doc["kind"]].iter_errors(doc)]
+        assert errors == [], where
+        assert jsonschema.Draft7Validator({"pattern": DNS_SUBDOMAIN, "maxLength": 253}).is_valid(
+            doc["metadata"]["name"]
+        ), where
+        assert crd["spec"]["scope"] == "Namespaced" and "namespace" not in doc["metadata"], (
+            f"{where}: examples are applied with -n <namespace>"
+        )
+
+
+def test_examples_agree_with_each_other(examples: list[tuple[str, Manifest]]) -> None:
+    # The NOTES quick start applies them together: the group and the quota name the example parent topic.
+    parents = {doc["spec"].get("topicName", doc["metadata"]["name"]) for _, doc in examples if doc["kind"] == "ParentTopic"}
+    for where, doc in examples:
+        if doc["kind"] == "LiteGroup" or (doc["kind"] == "LiteQuota" and "parentTopic" in doc["spec"]):
+            assert doc["spec"]["parentTopic"] in parents, where
+
+
+BROKEN: list[tuple[str, Callable[[Manifest], None]]] = [
+    ("ParentTopic", lambda d: d["spec"].update(messageType="NORMAL")),
+    ("ParentTopic", lambda d: d["spec"].update(liteTopicExpirationMinutes="1d")),
+    ("ParentTopic", lambda d: d["spec"].update(expirationMinutes=60)),
+    ("ParentTopic", lambda d: d["spec"].update(deletionPolicy="Orphan")),
+    ("LiteGroup", lambda d: d["spec"].pop("parentTopic")),
+    ("LiteGroup", lambda d: d["spec"].update(subscriptionModel="shared")),
+    ("LiteGroup", lambda d: d["spec"].update(clientSubscriptionQuota=0)),
+    ("LiteGroup", lambda d: d["spec"]["retryPolicy"].update(maxAttempts="5")),
+    ("LiteGroup", lambda d: d["spec"]["retryPolicy"].update(backof=["1s"])),
+    ("LiteQuota", lambda d: d["spec"].update(maxSendRate="fast")),
+    ("LiteQuota", lambda d: d.pop("spec")),
+]
+
+
+@pytest.mark.parametrize(("kind", "breaks"), BROKEN, ids=[f"{k}-{i}" for i, (k, _) in enumerate(BROKEN)])
+def test_a_broken_example_is_refused(
+    examples: list[tuple[str, Manifest]],
+    validators: dict[str, jsonschema.protocols.Validator],
+    kind: str,
+    breaks: Callable[[Manifest], None],
+) -> None:
+    doc = copy.deepcopy(next(doc for _, doc in examples if doc["kind"] == kind))
+    assert validators[kind].is_valid(doc)
+    breaks(doc)
+    assert not validators[kind].is_valid(doc)

@@ -1,0 +1,456 @@
+"""What the rendered objects say, field by field: the parts an operator of the cluster relies on (probes,
+security, RBAC, storage, wiring between objects) and what each switch in values.yaml turns on or off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import helm_python as helm
+import pytest
+
+Manifest = dict[str, Any]
+Render = Callable[..., list[Manifest]]
+One = Callable[..., Manifest]
+
+CRD_RESOURCES = ("parenttopics", "litegroups", "litequotas")
+BROKER = "demo-lmq-broker"
+HEADLESS = "demo-lmq-broker-headless"
+OPERATOR = "demo-lmq-operator"
+
+
+def pod_spec(obj: Manifest) -> dict[str, Any]:
+    if obj["kind"] == "CronJob":
+        spec: dict[str, Any] = obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        return spec
+    spec = obj["spec"]["template"]["spec"]
+    return spec
+
+
+def container(obj: Manifest) -> dict[str, Any]:
+    containers = pod_spec(obj)["containers"]
+    assert len(containers) == 1
+    only: dict[str, Any] = containers[0]
+    return only
+
+
+def env(obj: Manifest) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(obj).get("env", [])}
+
+
+def rules(role: Manifest) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples a Role or ClusterRole grants."""
+    granted = set()
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, f"unexpected rule fields {rule}"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    granted.add((group, resource, verb))
+    return granted
+
+
+def resource_rules() -> set[tuple[str, str, str]]:
+    expected = set()
+    for resource in CRD_RESOURCES:
+        expected |= {("lmq.io", resource, v) for v in ("get", "list", "watch", "patch", "update")}
+        expected |= {("lmq.io", f"{resource}/status", v) for v in ("get", "patch", "update")}
+    expected |= {("", "events", "create"), ("", "events", "patch")}
+    return expected
+
+
+CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
+NAMESPACES = {("", "namespaces", "list"), ("", "namespaces", "watch")}
+BROKER_READ = {("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")} | {
+    ("apps", "statefulsets", v) for v in ("get", "list", "watch")
+}
+
+
+# -- the broker StatefulSet
+
+
+def test_broker_statefulset_shape(render: Render, one: One) -> None:
+    sts = one(render(), "StatefulSet", BROKER)
+    spec = sts["spec"]
+    assert spec["replicas"] == 3
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert spec["serviceName"] == HEADLESS
+    assert spec["updateStrategy"] == {"type": "RollingUpdate"}
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    assert spec["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "lmq",
+        "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "broker",
+    }
+    # The selector picks the pods, and pod labels carry nothing that changes with the chart version.
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert "app.kubernetes.io/version" not in labels and "helm.sh/chart" not in labels
+
+
+def test_broker_runs_serve_with_its_stable_identity(render: Render, one: One) -> None:
+    broker = container(one(render(), "StatefulSet", BROKER))
+    assert broker["command"] == ["python", "-m", "lmq_broker"]
+    assert broker["args"] == [
+        "serve",
+        "--data-dir",
+        "/data",
+        "--port",
+        "8081",
+        "--metrics-port",
+        "9100",
+        "--broker-name",
+        "$(POD_NAME)",
+        "--advertised-host",
+        f"$(POD_NAME).{HEADLESS}.mq.svc.cluster.local",
+    ]
+    assert broker["env"][0] == {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    assert {(p["name"], p["containerPort"]) for p in broker["ports"]} == {("grpc", 8081), ("metrics", 9100)}
+
+
+def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one: One) -> None:
+    broker = container(
+        one(
+            render(
+                {
+                    "clusterDomain": "corp.local",
+                    "broker": {
+                        "extraArgs": ["--flush-mode", "async"],
+                        "extraEnv": [{"name": "LMQ_MAX_BODY_BYTES", "value": "1024"}],
+                    },
+                }
+            ),
+            "StatefulSet",
+            BROKER,
+        )
+    )
+    assert broker["args"][-3:] == [f"$(POD_NAME).{HEADLESS}.mq.svc.corp.local", "--flush-mode", "async"]
+    assert [e["name"] for e in broker["env"]] == ["POD_NAME", "LMQ_MAX_BODY_BYTES"]
+
+
+def test_broker_probes(render: Render, one: One) -> None:
+    broker = container(one(render(), "StatefulSet", BROKER))
+    assert broker["startupProbe"] == {
+        "httpGet": {"path": "/healthz", "port": "metrics"},
+        "initialDelaySeconds": 0,
+        "periodSeconds": 5,
+        "timeoutSeconds": 3,
+        "failureThreshold": 120,
+    }
+    assert broker["livenessProbe"] == {
+        "httpGet": {"path": "/healthz", "port": "metrics"},
+        "initialDelaySeconds": 0,
+        "periodSeconds": 10,
+        "timeoutSeconds": 3,
+        "failureThreshold": 3,
+    }
+    assert broker["readinessProbe"] == {
+        "httpGet": {"path": "/readyz", "port": "metrics"},
+        "initialDelaySeconds": 0,
+        "periodSeconds": 5,
+        "timeoutSeconds": 3,
+        "failureThreshold": 2,
+    }
+    tuned = container(
+        one(render({"broker": {"readinessProbe": {"periodSeconds": 2}}}), "StatefulSet", BROKER)
+    )
+    assert tuned["readinessProbe"]["periodSeconds"] == 2
+    assert tuned["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+def test_broker_volume_claim_template(render: Render, one: One) -> None:
+    sts = one(render(), "StatefulSet", BROKER)
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}
+    mounts = {m["name"]: m["mountPath"] for m in container(sts)["volumeMounts"]}
+    assert mounts == {"data": "/data", "tmp": "/tmp"}
+    assert [v["name"] for v in pod_spec(sts)["volumes"]] == ["tmp"]  # data comes from the claim
+
+    sized = one(
+        render({"broker": {"persistence": {"storageClassName": "fast", "size": "1Ti", "annotations": {"a": "b"}}}}),
+        "StatefulSet",
+    )
+    (claim,) = sized["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Ti"
+    assert claim["metadata"]["annotations"] == {"a": "b"}
+
+
+def test_broker_without_persistence_uses_an_empty_dir(render: Render, one: One) -> None:
+    sts = one(render({"broker": {"persistence": {"enabled": False}}}), "StatefulSet", BROKER)
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert "persistentVolumeClaimRetentionPolicy" not in sts["spec"]
+    volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+    assert volumes["data"] == {"name": "data", "emptyDir": {}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "values"),
+    [
+        ("StatefulSet", BROKER, {}),
+        ("Deployment", OPERATOR, {}),
+        ("CronJob", "demo-lmq-reclaim", {"reclaim": {"enabled": True}}),
+    ],
+)
+def test_every_pod_runs_non_root_read_only_without_capabilities(
+    render: Render, one: One, kind: str, name: str, values: dict[str, Any]
+) -> None:
+    obj = one(render(values), kind, name)
+    assert pod_spec(obj)["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert container(obj)["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # With a read-only root, every component gets a writable /tmp.
+    assert "/tmp" in {m["mountPath"] for m in container(obj)["volumeMounts"]}
+
+
+def test_platform_assigned_ids_leave_run_as_non_root(render: Render, one: One) -> None:
+    values = {"podSecurity": {"runAsUser": None, "runAsGroup": None, "fsGroup": None}}
+    context = pod_spec(one(render(values), "StatefulSet", BROKER))["securityContext"]
+    assert context == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_only_the_operator_mounts_an_api_token(render: Render, one: One) -> None:
+    objects = render({"reclaim": {"enabled": True}})
+    assert pod_spec(one(objects, "StatefulSet", BROKER))["automountServiceAccountToken"] is False
+    assert pod_spec(one(objects, "CronJob"))["automountServiceAccountToken"] is False
+    assert pod_spec(one(objects, "Deployment", OPERATOR))["automountServiceAccountToken"] is True
+    for account in [o for o in objects if o["kind"] == "ServiceAccount"]:
+        expected = None if account["metadata"]["name"] == OPERATOR else False
+        assert account.get("automountServiceAccountToken") is expected, account["metadata"]["name"]
+
+
+# -- Services and the disruption budget
+
+
+def test_services(render: Render, one: One) -> None:
+    objects = render()
+    pod_labels = one(objects, "StatefulSet", BROKER)["spec"]["template"]["metadata"]["labels"]
+    operator_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+
+    headless = one(objects, "Service", HEADLESS)["spec"]
+    assert headless["clusterIP"] == "None"
+    assert headless["publishNotReadyAddresses"] is True
+    assert {(p["name"], p["port"], p["targetPort"]) for p in headless["ports"]} == {
+        ("grpc", 8081, "grpc"),
+        ("metrics", 9100, "metrics"),
+    }
+
+    client = one(objects, "Service", BROKER)["spec"]
+    assert client["type"] == "ClusterIP"
+    assert "clusterIP" not in client and "publishNotReadyAddresses" not in client
+    assert [(p["name"], p["port"], p["targetPort"], p["appProtocol"]) for p in client["ports"]] == [
+        ("grpc", 8081, "grpc", "grpc")
+    ]
+    for spec in (headless, client):
+        assert spec["selector"].items() <= pod_labels.items()
+        assert not spec["selector"].items() <= operator_labels.items()
+
+
+def test_pod_disruption_budget(render: Render, one: One) -> None:
+    objects = render()
+    pdb = one(objects, "PodDisruptionBudget", BROKER)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == one(objects, "StatefulSet")["spec"]["selector"]
+    assert render({"broker": {"podDisruptionBudget": {"enabled": False}}}) == [
+        o for o in objects if o["kind"] != "PodDisruptionBudget"
+    ]
+
+
+# -- the operator and its RBAC
+
+
+def test_operator_deployment(render: Render, one: One) -> None:
+    deployment = one(render(), "Deployment", OPERATOR)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    operator = container(deployment)
+    assert operator["command"] == ["python", "-m", "lmq_operator"]
+    assert "args" not in operator
+    assert env(deployment) == {
+        "LMQ_OPERATOR_BROKER_SERVICE": HEADLESS,
+        "LMQ_OPERATOR_BROKER_NAMESPACE": "mq",
+        "LMQ_OPERATOR_BROKER_STATEFULSET": BROKER,
+        "LMQ_OPERATOR_METRICS_PORT": "9101",
+    }
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {(p["name"], p["containerPort"]) for p in operator["ports"]} == {("metrics", 9101), ("health", 8080)}
+    assert pod_spec(deployment)["serviceAccountName"] == OPERATOR
+
+
+def test_operator_watching_one_namespace_is_told_so(render: Render, one: One) -> None:
+    deployment = one(render({"operator": {"watchNamespace": "apps"}}), "Deployment")
+    assert env(deployment)["LMQ_OPERATOR_NAMESPACE"] == "apps"
+
+
+def test_cluster_wide_rbac_is_least_privilege(render: Render, one: One) -> None:
+    objects = render()
+    cluster_role = one(objects, "ClusterRole", OPERATOR)
+    assert rules(cluster_role) == CRD_READ | NAMESPACES | resource_rules()
+    broker_role = one(objects, "Role", f"{OPERATOR}-brokers")
+    assert broker_role["metadata"]["namespace"] == "mq"
+    assert rules(broker_role) == BROKER_READ
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Role"] == [f"{OPERATOR}-brokers"]
+
+    binding = one(objects, "ClusterRoleBinding", OPERATOR)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPERATOR, "namespace": "mq"}]
+    broker_binding = one(objects, "RoleBinding", f"{OPERATOR}-brokers")
+    assert broker_binding["roleRef"]["name"] == f"{OPERATOR}-brokers"
+    assert broker_binding["subjects"] == binding["subjects"]
+
+
+def test_single_namespace_rbac_grants_resources_in_that_namespace_only(render: Render, one: One) -> None:
+    objects = render({"operator": {"watchNamespace": "apps"}})
+    assert rules(one(objects, "ClusterRole", OPERATOR)) == CRD_READ  # CRDs are cluster-scoped
+    resources_role = one(objects, "Role", OPERATOR)
+    assert resources_role["metadata"]["namespace"] == "apps"
+    assert rules(resources_role) == resource_rules()
+    assert rules(one(objects, "Role", f"{OPERATOR}-brokers")) == BROKER_READ
+    binding = one(objects, "RoleBinding", OPERATOR)
+    assert binding["metadata"]["namespace"] == "apps"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": OPERATOR}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPERATOR, "namespace": "mq"}]
+
+
+def test_no_rule_uses_wildcards_or_creates_or_deletes_custom_resources(render: Render) -> None:
+    for values in ({}, {"operator": {"watchNamespace": "apps"}}):
+        for role in [o for o in render(values) if o["kind"] in ("Role", "ClusterRole")]:
+            for group, resource, verb in rules(role):
+                assert "*" not in (group, resource, verb)
+                assert verb in ("get", "list", "watch", "patch", "update", "create")
+                assert verb != "create" or resource == "events"
+
+
+def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, one: One) -> None:
+    objects = render({"operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}}})
+    kinds = {o["kind"] for o in objects}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == [BROKER]
+    assert pod_spec(one(objects, "Deployment"))["serviceAccountName"] == "ops"
+
+    with pytest.raises(helm.HelmRenderError, match=r"broker\.serviceAccount\.name is required"):
+        render({"broker": {"serviceAccount": {"create": False}}})
+    with pytest.raises(helm.HelmRenderError, match=r"operator\.serviceAccount\.name is required"):
+        render({"operator": {"serviceAccount": {"create": False}}})
+
+
+def test_operator_can_be_left_out(render: Render) -> None:
+    objects = render({"operator": {"enabled": False}})
+    components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects}
+    assert components == {"broker"}
+
+
+# -- the reclaim CronJob
+
+
+def test_reclaim_cronjob_is_absent_by_default(render: Render) -> None:
+    components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in render()}
+    assert components == {"broker", "operator"}
+
+
+def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
+    objects = render({"reclaim": {"enabled": True}})
+    cronjob = one(objects, "CronJob", "demo-lmq-reclaim")
+    spec = cronjob["spec"]
+    assert spec["schedule"] == "17 * * * *"
+    assert "timeZone" not in spec
+    assert spec["concurrencyPolicy"] == "Forbid"
+    assert spec["suspend"] is False
+    assert spec["startingDeadlineSeconds"] == 600
+    assert (spec["successfulJobsHistoryLimit"], spec["failedJobsHistoryLimit"]) == (3, 3)
+    job = spec["jobTemplate"]["spec"]
+    assert (job["backoffLimit"], job["activeDeadlineSeconds"], job["ttlSecondsAfterFinished"]) == (1, 3600, 86400)
+    assert pod_spec(cronjob)["restartPolicy"] == "Never"
+    assert pod_spec(cronjob)["serviceAccountName"] == "demo-lmq-reclaim"
+    reclaim = container(cronjob)
+    assert reclaim["command"] == ["python", "-m", "lmq_reclaim"]
+    assert "args" not in reclaim  # the reclaim job's own issue decides its arguments
+    assert reclaim["workingDir"] == "/tmp"
+    variables = env(cronjob)
+    assert variables["LMQ_RECLAIM_BROKERS"] == ",".join(
+        f"{BROKER}-{i}.{HEADLESS}.mq.svc.cluster.local:8081" for i in range(3)
+    )
+    assert (variables["HOME"], variables["SPARK_LOCAL_DIRS"]) == ("/tmp", "/tmp/spark")
+    volumes = {v["name"]: v for v in pod_spec(cronjob)["volumes"]}
+    assert volumes["scratch"]["emptyDir"] == {"sizeLimit": "4Gi"}
+    assert one(objects, "ServiceAccount", "demo-lmq-reclaim")["automountServiceAccountToken"] is False
+
+
+def test_reclaim_schedule_values(render: Render, one: One) -> None:
+    cronjob = one(
+        render(
+            {
+                "broker": {"replicas": 1},
+                "reclaim": {
+                    "enabled": True,
+                    "timeZone": "Etc/UTC",
+                    "extraArgs": ["--dry-run"],
+                    "schedule": "0 3 * * *",
+                },
+            }
+        ),
+        "CronJob",
+    )
+    assert cronjob["spec"]["timeZone"] == "Etc/UTC"
+    assert cronjob["spec"]["schedule"] == "0 3 * * *"
+    assert container(cronjob)["args"] == ["--dry-run"]
+    assert env(cronjob)["LMQ_RECLAIM_BROKERS"] == f"{BROKER}-0.{HEADLESS}.mq.svc.cluster.local:8081"
+
+
+# -- names, labels and the image
+
+
+def test_every_object_carries_the_recommended_labels(render: Render) -> None:
+    for obj in render({"reclaim": {"enabled": True}, "commonLabels": {"team": "mq"}}):
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "lmq"
+        assert labels["app.kubernetes.io/instance"] == "demo"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["app.kubernetes.io/part-of"] == "lmq"
+        assert labels["app.kubernetes.io/version"] == "0.1.0"
+        assert labels["helm.sh/chart"] == "lmq-0.1.0"
+        assert labels["app.kubernetes.io/component"] in ("broker", "operator", "reclaim")
+        assert labels["team"] == "mq"
+
+
+def test_names_follow_the_release(render: Render) -> None:
+    def names(objects: list[Manifest]) -> set[str]:
+        return {o["metadata"]["name"] for o in objects}
+
+    assert names(render(name="lmq")) == {"lmq-broker", "lmq-broker-headless", "lmq-operator", "lmq-operator-brokers"}
+    assert names(render({"fullnameOverride": "mq"})) == {
+        "mq-broker",
+        "mq-broker-headless",
+        "mq-operator",
+        "mq-operator-brokers",
+    }
+
+
+@pytest.mark.parametrize(
+    ("image", "reference"),
+    [
+        ({}, "lmq:0.1.0"),
+        ({"tag": "1.2.3"}, "lmq:1.2.3"),
+        ({"digest": "sha256:" + "a" * 64}, "lmq@sha256:" + "a" * 64),
+        ({"tag": "1.2.3", "digest": "sha256:" + "a" * 64}, "lmq:1.2.3@sha256:" + "a" * 64),
+        ({"repository": "registry.example.org/mq/lmq"}, "registry.example.org/mq/lmq:0.1.0"),
+    ],
+)
+def test_image_reference(render: Render, image: dict[str, str], reference: str) -> None:
+    objects = render({"image": image, "reclaim": {"enabled": True}})
+    images = {c["image"] for o in objects if o["kind"] in ("StatefulSet", "Deployment", "CronJob")
+              for c in pod_spec(o)["containers"]}
+    assert images == {reference}
