@@ -65,7 +65,7 @@ export GOFLAGS="-mod=mod -buildvcs=false"
 export GO111MODULE=on
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/lmq-testenv.XXXXXX")"
-cleanup() { rm -rf "$WORK"; rm -f "$BIN"/.*.tmp.* 2>/dev/null || true; }
+cleanup() { rm -rf "$WORK"; rm -f "$BIN/.etcd.tmp.$$" "$BIN/.kube-apiserver.tmp.$$"; }
 trap cleanup EXIT
 
 log "using $(go version), GOPATH=$(go env GOPATH), GOCACHE=$(go env GOCACHE)"
@@ -125,10 +125,10 @@ build_kube() {
     # Same language version / godebug defaults as upstream's main module.
     local gov
     gov="$(sed -nE 's/^go[[:space:]]+([0-9.]+)[[:space:]]*$/\1/p' "$kmod" | head -1)"
-    [[ -n "$gov" ]] && go mod edit -go="$gov"
+    if [[ -n "$gov" ]]; then go mod edit -go="$gov"; fi
     local gd
     while read -r gd; do
-      [[ -n "$gd" ]] && go mod edit -godebug="$gd"
+      if [[ -n "$gd" ]]; then go mod edit -godebug="$gd"; fi
     done < <(sed -nE 's/^godebug[[:space:]]+([^(].*)$/\1/p' "$kmod")
 
     local pkgv="k8s.io/component-base/version" cgv="k8s.io/client-go/pkg/version"
