@@ -33,6 +33,12 @@ START_TIMEOUT_S: Final = 60.0
 T = TypeVar("T")
 
 
+def cr_path(plural: str, namespace: str, name: str = "") -> str:
+    """REST path of lmq.io custom resources (a collection, or one object when ``name`` is given)."""
+    base = f"/apis/lmq.io/v1alpha1/namespaces/{namespace}/{plural}"
+    return f"{base}/{name}" if name else base
+
+
 class TestenvMissing(RuntimeError):
     pass
 

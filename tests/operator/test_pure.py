@@ -225,9 +225,7 @@ def test_transition_time_only_moves_when_the_status_flips() -> None:
 def test_paused_keeps_the_old_observed_generation() -> None:
     ok = [model.BrokerSync(B0, True, "none")]
     applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous={}, now=NOW)
-    paused = status.blocked(
-        status.Reason.RECONCILIATION_PAUSED, "paused", generation=2, previous=applied, now=NOW
-    )
+    paused = status.blocked(status.Reason.RECONCILIATION_PAUSED, "paused", generation=2, previous=applied, now=NOW)
     assert "observedGeneration" not in paused
     assert (_ready(paused)["status"], _ready(paused)["reason"]) == ("Unknown", "ReconciliationPaused")
     assert "observedGeneration" not in _ready(paused)
