@@ -252,7 +252,7 @@ def testenv(workdir: Path) -> Iterator[KubeAPI]:
                     ],
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                )  # fmt: skip
+                )
             )
         wait_for(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=1).status == 200,
@@ -285,7 +285,7 @@ def testenv(workdir: Path) -> Iterator[KubeAPI]:
                     ],
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                )  # fmt: skip
+                )
             )
         api = KubeAPI(f"https://127.0.0.1:{api_port}", token, workdir / "ca.crt", workdir / "kubeconfig")
         _write_kubeconfig(api)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from lmq_operator import testing
 
 _counter = itertools.count()

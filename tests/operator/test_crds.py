@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+
 from lmq_operator import model, status, testing
 
 TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+
 from lmq_operator import apply, desired, diff, model, settings, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
