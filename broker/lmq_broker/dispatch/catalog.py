@@ -9,12 +9,14 @@ metadata changed. Every limit is resolved here, in one place, from the snapshot 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
 from lmq_broker.storage.api import Store
 
 UNLIMITED = -1
+DLQ_PREFIX: Final = "%DLQ%"  # dead letters of group G go to the normal topic %DLQ%G (queue 0), read-only
 NORMAL_GROUP_RETRY = model.RetryPolicy()
 
 
@@ -44,6 +46,8 @@ class Snapshot:
     def topic(self, name: str) -> model.ParentTopic:
         topic = self.parents.get(name)
         if topic is None:
+            if name.startswith(DLQ_PREFIX) and len(name) > len(DLQ_PREFIX):
+                return model.ParentTopic(name, model.MessageType.NORMAL, queue_count=1)
             raise errors.TopicNotFound(f"topic {name} does not exist", topic=name)
         return topic
 

@@ -41,12 +41,16 @@ T = TypeVar("T")
 HOUSEKEEPING_INTERVAL_MS: Final = 10_000
 CATCHUP_CHUNK: Final = 512
 DEFAULT_LEASE_MS: Final = 30_000  # auto-renew receives: RocketMQ renews; we lease once, long enough
-DLQ_PREFIX: Final = "%DLQ%"
+DLQ_PREFIX: Final = catalog.DLQ_PREFIX
 NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
 
 
 def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+def epoch_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def lmq_name(parent: str, lite: str) -> str:
@@ -90,6 +94,7 @@ class Dispatcher:
         config: BrokerConfig,
         *,
         clock: Callable[[], int] = monotonic_ms,
+        wall_clock: Callable[[], int] = epoch_ms,
         executor: concurrent.futures.Executor | None = None,
         incarnation: str | None = None,
         rng: random.Random | None = None,
@@ -97,6 +102,7 @@ class Dispatcher:
         self.store = store
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self._own_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="lmq-store")
         self.registry = registry.Registry(config.max_subscriptions_per_broker)
@@ -162,6 +168,10 @@ class Dispatcher:
         task = asyncio.get_running_loop().create_task(wrapper())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def next_round_robin(self) -> int:
+        self._rr += 1
+        return self._rr
 
     # --- metadata ---------------------------------------------------------------------------------------
     async def metadata(self) -> catalog.Snapshot:
@@ -789,7 +799,7 @@ class Dispatcher:
 
     def clients(self, group: str | None = None) -> list[api.ClientView]:
         now = self.clock()
-        wall_now = int(time.time() * 1000)
+        wall_now = self.wall_clock()
         return [
             api.ClientView(
                 client_id=st.client_id,

@@ -1,0 +1,162 @@
+"""``python -m lmq_broker serve``: flags and ``LMQ_*`` variables become one BrokerConfig, then the broker runs
+until SIGTERM/SIGINT, when it drains calls and flushes the store.
+
+Every field of BrokerConfig and StoreConfig is a flag (``data_dir`` -> ``--data-dir``) and an environment
+variable (``LMQ_DATA_DIR``); a flag wins over the variable, the variable over the default. The flags are
+generated from the config models so none can be forgotten. Once listening, the process prints one line
+``lmq-broker ready grpc=<host:port> metrics=<port>`` on stdout (port 0 picks free ports; tools and tests
+read that line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import enum
+import logging
+import os
+import signal
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import pydantic
+
+from lmq_broker import app
+from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
+
+READY_LINE: Final = "lmq-broker ready"
+
+HELP: Final[dict[str, str]] = {
+    "data_dir": "directory of the commit log and index (created if missing)",
+    "flush_mode": "sync: a send is answered after fsync; async: fsync every --flush-interval-ms",
+    "host": "address to listen on (gRPC and metrics)",
+    "port": "gRPC port of the v2 MessagingService and the lmq admin service (0: any free port)",
+    "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
+    "broker_name": "broker name put in routes",
+    "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
+    "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",
+    "access_key": "require every call to be signed with this access key (MQv2-HMAC-SHA1)",
+    "secret_key": "secret key matching --access-key",
+    "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
+}
+
+
+def _env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _parser_of(annotation: Any) -> Callable[[str], Any]:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if annotation is bool:
+        return _boolean
+    if annotation is int:
+        return int
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation
+    if annotation is Path:
+        return Path
+    return str
+
+
+def _boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _fields() -> list[tuple[str, pydantic.fields.FieldInfo, bool]]:
+    """(name, field, belongs to StoreConfig) for every configurable field."""
+    out = [(name, f, False) for name, f in BrokerConfig.model_fields.items() if name != "store"]
+    out += [(name, f, True) for name, f in StoreConfig.model_fields.items()]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lmq_broker", description="lmq broker (RocketMQ v2 LiteTopics)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run a broker",
+        description="Run a broker. Every flag can also be set as an environment variable LMQ_<FLAG> "
+        "(e.g. LMQ_DATA_DIR, LMQ_PORT, LMQ_BOOTSTRAP=false); a flag wins over its variable.",
+    )
+    for name, field, _ in _fields():
+        flag = "--" + name.replace("_", "-")
+        text = f"{HELP.get(name, name.replace('_', ' '))} [env {_env_name(name)}]"
+        default = field.default
+        if field.annotation is bool:
+            serve.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{text} (default: {default})",
+            )
+        else:
+            shown = default.value if isinstance(default, enum.Enum) else default
+            serve.add_argument(
+                flag, dest=name, type=_parser_of(field.annotation), default=None, help=f"{text} (default: {shown})"
+            )
+    serve.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="log level")
+    return parser
+
+
+def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> BrokerConfig:
+    broker: dict[str, Any] = {}
+    store: dict[str, Any] = {}
+    for name, field, in_store in _fields():
+        value = getattr(args, name, None)
+        if value is None and _env_name(name) in environ:
+            raw = environ[_env_name(name)]
+            try:
+                value = _parser_of(field.annotation)(raw)
+            except ValueError as exc:
+                raise SystemExit(f"{_env_name(name)}={raw!r}: {exc}") from None
+        if value is not None:
+            (store if in_store else broker)[name] = value
+    try:
+        return BrokerConfig(store=StoreConfig(**store), **broker)
+    except pydantic.ValidationError as exc:
+        raise SystemExit(f"invalid configuration:\n{exc}") from None
+
+
+async def serve(config: BrokerConfig) -> None:
+    broker = app.Broker(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await broker.start()
+    print(f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port}", flush=True)
+    await stop.wait()
+    logging.getLogger("lmq_broker").info("shutting down")
+    await broker.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from(args, os.environ)
+    logging.basicConfig(
+        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if config.access_key and not config.secret_key:
+        raise SystemExit("--access-key needs --secret-key")
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""One broker process: store + dispatcher + the gRPC server (v2 + admin) + the metrics/probe HTTP server.
+
+Start order is the order of dependence (store, bootstrap, dispatcher, gRPC, HTTP) and stop is the
+reverse, so that a SIGTERM never loses an acknowledged write: the gRPC server stops taking calls and
+drains, then the dispatcher stops, then the store flushes and closes.
+
+The probe server is a few lines of asyncio rather than a web framework: three fixed paths.
+``/healthz`` answers while the process runs; ``/readyz`` only once the gRPC port accepts calls and
+until shutdown begins; ``/metrics`` is the Prometheus text format of this broker's registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Final
+
+import grpc
+import prometheus_client
+
+from lmq_broker import model
+from lmq_broker.admin import service as admin_service
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol import server as grpc_server
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.metrics import Metrics
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_TOPIC: Final = "AGENT_TASK_NS"  # RocketMQ 5.5.0 LiteTopic quick start names
+BOOTSTRAP_GROUP: Final = "executor-group"
+SHUTDOWN_GRACE_S: Final = 5.0
+HTTP_READ_TIMEOUT_S: Final = 5.0
+
+
+def bootstrap(store: Store) -> bool:
+    """On a fresh store (no parent topic, no group), create the quick-start parent topic and lite group so
+    a first-time user can send and consume at once. Blocking. Returns whether it created anything."""
+    if store.list_parent_topics() or store.list_groups():
+        return False
+    store.put_parent_topic(model.ParentTopic(BOOTSTRAP_TOPIC, model.MessageType.LITE))
+    store.put_group(model.LiteGroup(BOOTSTRAP_GROUP, BOOTSTRAP_TOPIC))
+    return True
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig, *, store: Store | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.dispatcher: Dispatcher | None = None
+        self.metrics = Metrics()
+        self.port = 0
+        self.metrics_port = 0
+        self.ready = False
+        self._server: grpc.aio.Server | None = None
+        self._http: asyncio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def endpoint(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        config = self.config
+        if self.store is None:
+            self.store = await asyncio.to_thread(lmq_store.open_store, config.store)
+        if config.bootstrap and await asyncio.to_thread(bootstrap, self.store):
+            log.info("bootstrap: created parent topic %s and lite group %s", BOOTSTRAP_TOPIC, BOOTSTRAP_GROUP)
+        self.dispatcher = Dispatcher(self.store, config)
+        await self.dispatcher.start()
+        self.metrics.watch(self.dispatcher)
+        edge = Edge(self.dispatcher, config, metrics=self.metrics)
+        server = self._server = grpc_server.create(config)
+        grpc_server.add_messaging_service(server, edge)
+        admin_service.register(server, self.store, self.dispatcher, config)
+        self.port = edge.port = grpc_server.bind(server, config)
+        await server.start()
+        if config.metrics_port >= 0:
+            self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
+            self.metrics_port = self._http.sockets[0].getsockname()[1]
+        self.ready = True
+
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Graceful: stop taking calls, let running ones finish (long polls are cut at ``grace_s``), flush."""
+        self.ready = False
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        if self.store is not None:
+            store = self.store
+            await asyncio.to_thread(store.flush)
+            await asyncio.to_thread(store.close)
+        if self._http is not None:
+            self._http.close()
+            with contextlib.suppress(Exception):
+                await self._http.wait_closed()
+            self._http = None
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # --- probes and metrics over HTTP -------------------------------------------------------------------
+    async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_READ_TIMEOUT_S)
+            parts = request.split(b"\r\n", 1)[0].split()
+            path = parts[1].split(b"?", 1)[0].decode() if len(parts) >= 2 else ""
+            code, content_type, body = self._http_answer(path)
+            head = (
+                f"HTTP/1.1 {code}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _http_answer(self, path: str) -> tuple[str, str, bytes]:
+        if path == "/metrics":
+            return (
+                "200 OK",
+                prometheus_client.CONTENT_TYPE_LATEST,
+                prometheus_client.generate_latest(self.metrics.registry),
+            )
+        if path == "/healthz":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            if self.ready:
+                return "200 OK", "text/plain", b"ready\n"
+            return "503 Service Unavailable", "text/plain", b"not ready\n"
+        return "404 Not Found", "text/plain", b"not found\n"

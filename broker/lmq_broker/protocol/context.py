@@ -1,0 +1,49 @@
+"""Who is calling: the ``x-mq-*`` headers every official client sends, read once per call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from lmq_broker import errors
+
+CLIENT_ID: Final = "x-mq-client-id"
+LANGUAGE: Final = "x-mq-language"
+CLIENT_VERSION: Final = "x-mq-client-version"
+NAMESPACE: Final = "x-mq-namespace"
+MAX_CLIENT_ID_CHARS: Final = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    client_id: str = ""
+    language: str = ""
+    version: str = ""
+    namespace: str = ""
+
+    @staticmethod
+    def of(metadata: Iterable[tuple[str, str | bytes]] | None) -> Caller:
+        headers: dict[str, str] = {}
+        for key, value in metadata or ():
+            if isinstance(value, str):
+                headers[key.lower()] = value
+        return Caller(
+            client_id=headers.get(CLIENT_ID, ""),
+            language=headers.get(LANGUAGE, ""),
+            version=headers.get(CLIENT_VERSION, ""),
+            namespace=headers.get(NAMESPACE, ""),
+        )
+
+    def require_client_id(self) -> str:
+        if not self.client_id:
+            raise errors.InvalidArgument(f"header {CLIENT_ID} is required", kind="client_id")
+        if len(self.client_id) > MAX_CLIENT_ID_CHARS:
+            raise errors.InvalidArgument(f"header {CLIENT_ID} is too long", kind="client_id")
+        return self.client_id
+
+    @property
+    def splits_lite_topics(self) -> bool:
+        """rocketmq-python-client 5.1.2 sends ``subscribe_lite("ab")`` as the set ``{"a", "b"}`` (it extends a
+        repeated field with the string itself). Only that exact client gets the workaround."""
+        return self.language == "PYTHON" and self.version == "5.1.2"

@@ -1,0 +1,290 @@
+"""Wire values to domain values and back, validating at the edge.
+
+Every check a request must pass before anything is stored happens here or in the handler that calls it;
+failures are ``lmq_broker.errors`` values whose ``kind`` selects the v2 code in ``status``. Limits are
+RocketMQ's where it has one (proxy ``maxUserPropertySize`` 16 KiB, 128-char message ids).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from lmq_broker import errors, model
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import catalog, dispatcher
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+
+MAX_MESSAGE_ID_CHARS: Final = 128
+MAX_TAG_CHARS: Final = 256
+MAX_KEY_CHARS: Final = 256
+MAX_KEYS: Final = 64
+MAX_PROPERTIES_BYTES: Final = 16 * 1024
+MAX_INVISIBLE_MS: Final = 12 * 3600 * 1000  # proxy maxInvisibleTimeMills
+MIN_RECEIVE_INVISIBLE_MS: Final = 1000  # RocketMQ asks 10 s; shorter is harmless and keeps tests quick
+NORMAL_ACCEPTS: Final = (pb.NORMAL, pb.FIFO, pb.DELAY, pb.TRANSACTION)
+_KNOWN_TYPES: Final = frozenset(int(t) for t in model.MessageType)
+_VALID_CLIENT_TYPES: Final = frozenset(
+    (pb.PRODUCER, pb.PUSH_CONSUMER, pb.SIMPLE_CONSUMER, pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
+)
+
+
+# --- names --------------------------------------------------------------------------------------------------
+def topic_name(resource: pb.Resource) -> str:
+    name = resource.name
+    if not model.is_valid_resource_name(name):
+        raise errors.InvalidName(f"illegal topic name {name[:160]!r}", kind="topic")
+    return name
+
+
+def group_name(resource: pb.Resource) -> str:
+    name = resource.name
+    if not model.is_valid_resource_name(name):
+        raise errors.InvalidName(f"illegal consumer group name {name[:160]!r}", kind="group")
+    return name
+
+
+def lite_topic(name: str, max_chars: int) -> str:
+    if not model.is_valid_lite_topic(name) or len(name) > max_chars:
+        raise errors.InvalidLiteTopic(
+            f"illegal lite topic {name[:160]!r}: 1..{max_chars} characters of [A-Za-z0-9_-]", lite_topic=name[:160]
+        )
+    return name
+
+
+def client_type(value: int) -> int:
+    if value not in _VALID_CLIENT_TYPES:
+        if value == pb.PULL_CONSUMER:
+            raise errors.Unsupported("pull consumers are not supported")
+        raise errors.InvalidArgument(f"unrecognised client type {value}", kind="client_type")
+    return value
+
+
+# --- time -----------------------------------------------------------------------------------------------------
+def duration_ms(duration: duration_pb2.Duration) -> int:
+    return duration.seconds * 1000 + duration.nanos // 1_000_000
+
+
+def duration_of(ms: int) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+
+
+def timestamp_of(ms: int) -> timestamp_pb2.Timestamp:
+    return timestamp_pb2.Timestamp(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+
+
+def timestamp_ms(ts: timestamp_pb2.Timestamp) -> int:
+    return ts.seconds * 1000 + ts.nanos // 1_000_000
+
+
+def invisible_ms(duration: duration_pb2.Duration, minimum: int = 0) -> int:
+    ms = duration_ms(duration)
+    if duration.seconds < 0 or duration.nanos < 0 or ms < minimum or ms > MAX_INVISIBLE_MS:
+        raise errors.InvalidArgument(
+            f"invisible duration must be within [{minimum} ms, {MAX_INVISIBLE_MS} ms]", kind="invisible_time"
+        )
+    return ms
+
+
+# --- incoming messages ----------------------------------------------------------------------------------------
+class MessageReader:
+    """Turns ``pb.Message`` into ``model.NewMessage``; one per SendMessage call (round-robin state)."""
+
+    def __init__(self, snap: catalog.Snapshot, config: BrokerConfig, now_ms: int, rr: int) -> None:
+        self.snap = snap
+        self.config = config
+        self.now_ms = now_ms
+        self.rr = rr
+
+    def read(self, msg: pb.Message) -> model.NewMessage:
+        topic = topic_name(msg.topic)
+        parent = self.snap.topic(topic)
+        if topic.startswith(dispatcher.DLQ_PREFIX):
+            raise errors.InvalidArgument(f"{topic} is a dead-letter topic and is read-only", kind="permission")
+        sp = msg.system_properties
+        body = self._body(msg.body, sp.body_encoding)
+        message_id = sp.message_id
+        if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
+            raise errors.InvalidArgument("message id must be 1..128 printable characters", kind="message_id")
+        kind = sp.message_type
+        if kind not in _KNOWN_TYPES and kind != pb.MESSAGE_TYPE_UNSPECIFIED:
+            raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
+        lite = sp.lite_topic if sp.HasField("lite_topic") else None
+        if kind == pb.MESSAGE_TYPE_UNSPECIFIED:
+            kind = pb.LITE if lite is not None else pb.NORMAL
+        tag = self._tag(sp.tag) if sp.HasField("tag") else None
+        keys = self._keys(sp.keys)
+        properties = self._properties(msg.user_properties)
+        group = sp.message_group if sp.HasField("message_group") else None
+        if parent.message_type == model.MessageType.LITE:
+            if kind != pb.LITE:
+                raise errors.InvalidArgument(
+                    f"topic {topic} accepts LITE messages only, got {pb.MessageType.Name(kind)}", kind="message_type"
+                )
+            if lite is None:
+                raise errors.InvalidLiteTopic("a LITE message needs system_properties.lite_topic")
+            lite_topic(lite, self.config.max_lite_topic_size)
+            if group is not None or sp.HasField("delivery_timestamp") or sp.HasField("priority"):
+                raise errors.InvalidArgument(
+                    "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
+                )
+            queues: tuple[model.QueueId, ...] = (model.QueueId(topic, 0), model.QueueId.lmq(topic, lite))
+        else:
+            if kind == pb.LITE or lite is not None:
+                raise errors.InvalidArgument(f"topic {topic} is not a LITE parent topic", kind="message_type")
+            if kind in (pb.DELAY, pb.TRANSACTION, pb.PRIORITY):
+                raise errors.Unsupported(f"{pb.MessageType.Name(kind)} messages are not supported by this broker")
+            if kind == pb.FIFO and not group:
+                raise errors.InvalidArgument("a FIFO message needs a message_group", kind="message_group")
+            count = max(1, parent.queue_count)
+            self.rr += 1
+            index = zlib.crc32(group.encode()) % count if group else self.rr % count
+            queues = (model.QueueId(topic, index),)
+        return model.NewMessage(
+            message_id=message_id,
+            topic=topic,
+            body=body,
+            queues=queues,
+            lite_topic=lite,
+            message_type=model.MessageType(kind),
+            born_timestamp_ms=timestamp_ms(sp.born_timestamp) if sp.HasField("born_timestamp") else self.now_ms,
+            born_host=sp.born_host[:256],
+            tag=tag,
+            keys=keys,
+            message_group=group,
+            user_properties=properties,
+        )
+
+    def _body(self, body: bytes, encoding: int) -> bytes:
+        limit = self.config.max_body_bytes
+        if encoding == pb.GZIP:
+            try:
+                inflater = zlib.decompressobj(wbits=31)
+                body = inflater.decompress(body, limit + 1)
+            except zlib.error:
+                raise errors.InvalidArgument("body is not valid gzip") from None
+        elif encoding not in (pb.IDENTITY, pb.ENCODING_UNSPECIFIED):
+            raise errors.InvalidArgument(f"unknown body encoding {encoding}")
+        if not body:
+            raise errors.BodyEmpty("message body is empty")
+        if len(body) > limit:
+            raise errors.BodyTooLarge(f"message body exceeds {limit} bytes", limit=limit)
+        return body
+
+    @staticmethod
+    def _tag(tag: str) -> str:
+        if not tag.strip() or "|" in tag or len(tag) > MAX_TAG_CHARS:
+            raise errors.InvalidArgument("tag must be non-blank, without '|', at most 256 characters", kind="tag")
+        return tag
+
+    @staticmethod
+    def _keys(keys: Iterable[str]) -> tuple[str, ...]:
+        out = tuple(keys)
+        if len(out) > MAX_KEYS or any(not k.strip() or len(k) > MAX_KEY_CHARS for k in out):
+            raise errors.InvalidArgument("message keys must be non-blank, at most 256 characters", kind="key")
+        return out
+
+    @staticmethod
+    def _properties(props: Mapping[str, str]) -> dict[str, str]:
+        items = dict(props)
+        if not items:
+            return {}
+        size = 0
+        for key, value in items.items():
+            if not key or not key.strip():
+                raise errors.InvalidArgument("user property keys must be non-blank", kind="property")
+            size += len(key) + len(value)
+        if size > MAX_PROPERTIES_BYTES:
+            raise errors.InvalidArgument(f"user properties exceed {MAX_PROPERTIES_BYTES} bytes", kind="properties")
+        return items
+
+
+# --- outgoing messages ----------------------------------------------------------------------------------------
+def message_to_pb(delivery: dispatcher.Delivery, store_host: str, namespace: str = "", queue_id: int = 0) -> pb.Message:
+    m = delivery.message
+    sp = pb.SystemProperties(
+        keys=m.keys,
+        message_id=m.message_id,
+        body_digest=pb.Digest(type=pb.CRC32, checksum=f"{zlib.crc32(m.body):08X}"),
+        body_encoding=pb.IDENTITY,
+        message_type=int(m.message_type),  # type: ignore[arg-type]
+        born_timestamp=timestamp_of(m.born_timestamp_ms),
+        born_host=m.born_host,
+        store_timestamp=timestamp_of(m.store_timestamp_ms),
+        store_host=store_host,
+        receipt_handle=delivery.receipt_handle,
+        queue_id=m.queue.queue if not m.queue.is_lmq else queue_id,
+        queue_offset=m.offset,
+        invisible_duration=duration_of(delivery.invisible_ms),
+        delivery_attempt=delivery.attempt,
+    )
+    if m.tag is not None:
+        sp.tag = m.tag
+    if m.lite_topic is not None:
+        sp.lite_topic = m.lite_topic
+    if m.message_group is not None:
+        sp.message_group = m.message_group
+    return pb.Message(
+        topic=pb.Resource(resource_namespace=namespace, name=m.topic),
+        user_properties=m.user_properties,
+        system_properties=sp,
+        body=m.body,
+    )
+
+
+# --- routes ---------------------------------------------------------------------------------------------------
+def endpoints_of(host: str, port: int) -> pb.Endpoints:
+    scheme = pb.IPv4 if _is_ipv4(host) else pb.IPv6 if ":" in host else pb.DOMAIN_NAME
+    return pb.Endpoints(scheme=scheme, addresses=[pb.Address(host=host, port=port)])
+
+
+def _is_ipv4(host: str) -> bool:
+    parts = host.split(".")
+    return len(parts) == 4 and all(p.isdigit() and 0 <= int(p) <= 255 for p in parts)
+
+
+def queues_of(
+    topic: model.ParentTopic, broker: pb.Broker, namespace: str, permission: int = pb.READ_WRITE
+) -> list[pb.MessageQueue]:
+    if topic.message_type == model.MessageType.LITE:
+        accepts: tuple[int, ...] = (pb.LITE,)
+        count = 1
+    else:
+        accepts = NORMAL_ACCEPTS
+        count = max(1, topic.queue_count)
+    return [
+        pb.MessageQueue(
+            topic=pb.Resource(resource_namespace=namespace, name=topic.name),
+            id=i,
+            permission=permission,  # type: ignore[arg-type]
+            broker=broker,
+            accept_message_types=accepts,  # type: ignore[arg-type]
+        )
+        for i in range(count)
+    ]
+
+
+# --- subscriptions --------------------------------------------------------------------------------------------
+def offset_reset(option: pb.OffsetOption) -> dispatcher.OffsetReset:
+    which = option.WhichOneof("offset_type")
+    if which is None or which == "policy":
+        policy = option.policy
+        if policy == pb.OffsetOption.LAST:
+            return dispatcher.OffsetReset(dispatcher.OffsetPolicy.LAST)
+        if policy == pb.OffsetOption.MIN:
+            return dispatcher.OffsetReset(dispatcher.OffsetPolicy.MIN)
+        if policy == pb.OffsetOption.MAX:
+            return dispatcher.OffsetReset(dispatcher.OffsetPolicy.MAX)
+        raise errors.InvalidArgument(f"unknown offset policy {policy}", kind="offset")
+    if which == "offset":
+        if option.offset < 0:
+            raise errors.InvalidArgument("offset must be >= 0", kind="offset")
+        return dispatcher.OffsetReset(dispatcher.OffsetPolicy.OFFSET, option.offset)
+    if which == "tail_n":
+        if option.tail_n < 0:
+            raise errors.InvalidArgument("tail_n must be >= 0", kind="offset")
+        return dispatcher.OffsetReset(dispatcher.OffsetPolicy.TAIL_N, option.tail_n)
+    return dispatcher.OffsetReset(dispatcher.OffsetPolicy.TIMESTAMP, option.timestamp)

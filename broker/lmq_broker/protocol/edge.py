@@ -1,0 +1,41 @@
+"""What every handler needs: the dispatcher, the config, this broker's advertised endpoint, metrics."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol import convert
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.metrics import Metrics
+
+
+@dataclass
+class Edge:
+    dispatcher: Dispatcher
+    config: BrokerConfig
+    port: int = 0  # the bound port, set once the server listens
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def endpoints(self, requested: pb.Endpoints | None = None) -> pb.Endpoints:
+        """Where clients should call this broker: the configured advertised host, else the address the
+        client itself used to reach us (one broker answers its own route), else this host's name."""
+        if self.config.advertised_host:
+            return convert.endpoints_of(self.config.advertised_host, self.port)
+        if (
+            requested is not None
+            and requested.scheme != pb.ADDRESS_SCHEME_UNSPECIFIED
+            and requested.addresses
+            and (requested.scheme != pb.DOMAIN_NAME or len(requested.addresses) == 1)
+        ):
+            return requested
+        return convert.endpoints_of(socket.gethostname(), self.port)
+
+    def broker(self, requested: pb.Endpoints | None = None) -> pb.Broker:
+        return pb.Broker(name=self.config.broker_name, id=0, endpoints=self.endpoints(requested))
+
+    @property
+    def store_host(self) -> str:
+        return self.config.advertised_host or socket.gethostname()

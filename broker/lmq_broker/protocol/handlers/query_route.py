@@ -1,0 +1,19 @@
+"""QueryRoute: one broker (id 0, this one) holding the topic's queues, READ_WRITE (dead-letter topics READ)."""
+
+from __future__ import annotations
+
+from lmq_broker.dispatch import catalog
+from lmq_broker.protocol import convert, status
+from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+
+
+async def handle(edge: Edge, request: spb.QueryRouteRequest, caller: Caller) -> spb.QueryRouteResponse:
+    name = convert.topic_name(request.topic)
+    topic = (await edge.dispatcher.metadata()).topic(name)
+    permission = pb.READ if name.startswith(catalog.DLQ_PREFIX) else pb.READ_WRITE
+    broker = edge.broker(request.endpoints if request.HasField("endpoints") else None)
+    queues = convert.queues_of(topic, broker, request.topic.resource_namespace, permission)
+    return spb.QueryRouteResponse(status=status.ok(), message_queues=queues)

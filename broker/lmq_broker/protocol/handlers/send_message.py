@@ -1,0 +1,37 @@
+"""SendMessage: validate every message, append the whole request in one store call, answer per message.
+
+A request is all or nothing: one invalid message rejects the request and nothing is stored (the status
+carries that message's code). Several messages per request share one append and so one fsync.
+"""
+
+from __future__ import annotations
+
+from lmq_broker import errors
+from lmq_broker.protocol import convert, status
+from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+
+MAX_MESSAGES_PER_REQUEST = 10_000
+
+
+async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) -> spb.SendMessageResponse:
+    if not request.messages:
+        raise errors.InvalidArgument("no messages to send")
+    if len(request.messages) > MAX_MESSAGES_PER_REQUEST:
+        raise errors.InvalidArgument(f"at most {MAX_MESSAGES_PER_REQUEST} messages per request")
+    dispatcher = edge.dispatcher
+    snap = await dispatcher.metadata()
+    reader = convert.MessageReader(snap, edge.config, dispatcher.wall_clock(), dispatcher.next_round_robin())
+    messages = [reader.read(m) for m in request.messages]
+    results = await dispatcher.send(messages)
+    counts: dict[str, int] = {}
+    entries = []
+    for message, result in zip(messages, results, strict=True):
+        kind = message.message_type.name
+        counts[kind] = counts.get(kind, 0) + 1
+        offset = result.offsets.get(message.queues[-1], 0)
+        entries.append(spb.SendResultEntry(status=status.ok(), message_id=result.message_id, offset=offset))
+    for kind, n in counts.items():
+        edge.metrics.messages_in.labels(kind).inc(n)
+    return spb.SendMessageResponse(status=status.ok(), entries=entries)

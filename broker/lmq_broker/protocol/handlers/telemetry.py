@@ -1,0 +1,108 @@
+"""Telemetry: the client's settings in, the server's settings out; the stream's life is the client's.
+
+Python clients ignore a settings reply without ``status.code == OK``, and copy some fields
+unconditionally (a missing ``lite_subscription_quota`` or ``max_body_size`` reads as 0 and makes every
+subscribe or send fail locally), so the reply always carries every field the client type reads. When the
+last stream of a client closes, the client is removed with all its subscriptions (the proxy does the
+same with COMPLETE_REMOVE).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Final
+
+from lmq_broker import errors, model
+from lmq_broker.protocol import convert, status
+from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+
+log = logging.getLogger(__name__)
+
+PRODUCER_MAX_ATTEMPTS: Final = 3  # proxy grpcClientProducerMaxAttempts, backoff 10 ms -> 1 s x2
+PRODUCER_BACKOFF_INITIAL_MS: Final = 10
+PRODUCER_BACKOFF_MAX_MS: Final = 1000
+LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
+
+
+async def handle(
+    edge: Edge, requests: AsyncIterator[spb.TelemetryCommand], caller: Caller
+) -> AsyncIterator[spb.TelemetryCommand]:
+    client_id = caller.require_client_id()
+    edge.dispatcher.stream_opened(client_id)
+    try:
+        async for command in requests:
+            if command.WhichOneof("command") == "settings":
+                yield await settings_reply(edge, command.settings, caller)
+            # thread_stack_trace / verify_message_result answer commands we never send: ignored.
+    finally:
+        edge.dispatcher.stream_closed(client_id)
+
+
+async def settings_reply(edge: Edge, settings: pb.Settings, caller: Caller) -> spb.TelemetryCommand:
+    try:
+        merged = await _merge(edge, settings, caller)
+    except errors.LmqError as exc:
+        log.info("settings of client %s refused: %s", caller.client_id, exc.message)
+        return spb.TelemetryCommand(status=status.status_of(exc))
+    return spb.TelemetryCommand(status=status.ok(), settings=merged)
+
+
+async def _merge(edge: Edge, settings: pb.Settings, caller: Caller) -> pb.Settings:
+    kind = convert.client_type(settings.client_type)
+    config = edge.config
+    reply = pb.Settings()
+    reply.CopyFrom(settings)
+    dispatcher = edge.dispatcher
+    if kind == pb.PRODUCER:
+        if settings.WhichOneof("pub_sub") == "subscription":
+            raise errors.InvalidArgument("a producer sends publishing settings", kind="client_type")
+        reply.publishing.max_body_size = config.max_body_bytes
+        reply.publishing.validate_message_type = True
+        policy = reply.backoff_policy
+        policy.max_attempts = PRODUCER_MAX_ATTEMPTS
+        policy.exponential_backoff.initial.CopyFrom(convert.duration_of(PRODUCER_BACKOFF_INITIAL_MS))
+        policy.exponential_backoff.max.CopyFrom(convert.duration_of(PRODUCER_BACKOFF_MAX_MS))
+        policy.exponential_backoff.multiplier = 2.0
+        dispatcher.client_seen(caller.client_id, client_type=kind, language=caller.language, version=caller.version)
+        return reply
+    if settings.WhichOneof("pub_sub") != "subscription":
+        raise errors.InvalidArgument("a consumer sends subscription settings", kind="client_type")
+    sub = settings.subscription
+    group = convert.group_name(sub.group)
+    topics = [convert.topic_name(entry.topic) for entry in sub.subscriptions]
+    snap = await dispatcher.metadata()
+    if kind in LITE_TYPES:
+        if len(topics) != 1:
+            raise errors.InvalidArgument("a lite consumer subscribes exactly one bind topic", kind="topic")
+        found = snap.lite_group(group, topics[0])
+        quota = snap.advertised_client_quota(found, topics[0], caller.namespace)
+        dispatcher.client_seen(
+            caller.client_id, client_type=kind, group=group, bind_topic=topics[0],
+            language=caller.language, version=caller.version,
+        )  # fmt: skip
+    else:
+        found = model.LiteGroup(name=group, bind_topic="", fifo=False)
+        for topic in topics:
+            found = snap.normal_group(group, topic)
+        quota = 0
+        dispatcher.client_seen(
+            caller.client_id, client_type=kind, group=group, topics=topics,
+            language=caller.language, version=caller.version,
+        )  # fmt: skip
+    rs = reply.subscription
+    rs.fifo = found.fifo
+    rs.receive_batch_size = config.receive_batch_size
+    if kind not in (pb.SIMPLE_CONSUMER, pb.LITE_SIMPLE_CONSUMER) or not sub.HasField("long_polling_timeout"):
+        rs.long_polling_timeout.CopyFrom(convert.duration_of(config.long_polling_timeout_ms))
+    if kind in LITE_TYPES:
+        rs.lite_subscription_quota = quota
+        rs.max_lite_topic_size = config.max_lite_topic_size
+    policy = reply.backoff_policy
+    policy.Clear()
+    policy.max_attempts = found.retry.max_attempts
+    policy.customized_backoff.next.extend(convert.duration_of(ms) for ms in found.retry.backoff_ms)
+    return reply

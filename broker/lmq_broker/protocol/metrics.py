@@ -1,0 +1,46 @@
+"""Prometheus metrics of the data plane (prefix ``lmq_``), on a registry owned by one broker instance so
+that several brokers in one test process never collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lmq_broker.dispatch.dispatcher import Dispatcher
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.rpcs = Counter(
+            "lmq_rpc", "apache.rocketmq.v2 calls served, by method and v2 status code", ["method", "code"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.rpc_seconds = Histogram(
+            "lmq_rpc_duration_seconds", "Time to answer a v2 call (long polls included)", ["method"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30),
+        )  # fmt: skip
+        self.messages_in = Counter(
+            "lmq_messages_in", "Messages stored, by message type", ["type"], registry=self.registry
+        )
+        self.messages_out = Counter(
+            "lmq_messages_out", "Messages handed to consumers (redeliveries included)", registry=self.registry
+        )
+        self.redeliveries = Counter(
+            "lmq_redeliveries", "Messages handed out again after a nack or lease expiry", registry=self.registry
+        )
+        self.acks = Counter("lmq_acks", "Messages acknowledged", registry=self.registry)
+        self.dead_letters = Counter(
+            "lmq_dead_letters", "Messages forwarded to a %DLQ% topic on request", registry=self.registry
+        )
+
+    def watch(self, dispatcher: Dispatcher) -> None:
+        """Gauges read from the dispatcher at scrape time."""
+        gauges = (
+            ("lmq_clients", "Connected clients known to the registry", dispatcher.client_count),
+            ("lmq_lite_subscriptions", "Active (client, lite topic) subscriptions", dispatcher.subscription_count),
+            ("lmq_ready_events", "Lite topics queued in clients' ready sets", dispatcher.ready_events),
+            ("lmq_in_flight_messages", "Leased, unacknowledged messages", dispatcher.in_flight),
+        )
+        for name, doc, read in gauges:
+            Gauge(name, doc, registry=self.registry).set_function(read)

@@ -1,0 +1,216 @@
+"""The apache.rocketmq.v2 MessagingService: routing each call to its handler, errors to status codes.
+
+This wrapper is the edge: a handler raises ``lmq_broker.errors`` values; whatever escapes becomes the
+response's ``status`` through ``status.code_of`` (unexpected exceptions: INTERNAL_ERROR, logged), so no
+request can crash the server or leave the client without a status. RPCs this broker does not serve
+answer NOT_IMPLEMENTED in their status.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
+
+import grpc
+from google.protobuf import message as pb_message
+from typing_extensions import override
+
+from lmq_broker.protocol import status
+from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.protocol.handlers import (
+    ack_message,
+    change_invisible_duration,
+    forward_to_dead_letter_queue,
+    heartbeat,
+    notify_client_termination,
+    query_assignment,
+    query_route,
+    receive_message,
+    send_message,
+    sync_lite_subscription,
+    telemetry,
+)
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # generic only in grpc's type stubs
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+
+class _Reply(Protocol):
+    @property
+    def status(self) -> pb.Status: ...
+
+
+Req = TypeVar("Req", bound=pb_message.Message)
+Resp = TypeVar("Resp", bound=pb_message.Message)
+
+
+class MessagingService(service_pb2_grpc.MessagingServiceServicer):
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    async def _unary(
+        self,
+        method: str,
+        handler: Callable[[Edge, Req, Caller], Awaitable[Resp]],
+        request: Req,
+        context: Context,
+        response: type[Resp],
+    ) -> Resp:
+        started = time.perf_counter()
+        try:
+            reply = await handler(self.edge, request, Caller.of(context.invocation_metadata()))
+        except Exception as exc:
+            if status.code_of(exc) == pb.INTERNAL_ERROR:
+                log.exception("%s failed", method)
+            reply = response(status=status.status_of(exc))
+        metrics = self.edge.metrics
+        metrics.rpcs.labels(method, str(cast("_Reply", reply).status.code)).inc()
+        metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+        return reply
+
+    async def _not_implemented(self, method: str, response: type[Resp]) -> Resp:
+        self.edge.metrics.rpcs.labels(method, str(pb.NOT_IMPLEMENTED)).inc()
+        return response(status=pb.Status(code=pb.NOT_IMPLEMENTED, message=f"{method} is not implemented by lmq"))
+
+    # --- served -----------------------------------------------------------------------------------------
+    @override
+    async def QueryRoute(self, request: spb.QueryRouteRequest, context: Context) -> spb.QueryRouteResponse:
+        return await self._unary("QueryRoute", query_route.handle, request, context, spb.QueryRouteResponse)
+
+    @override
+    async def Heartbeat(self, request: spb.HeartbeatRequest, context: Context) -> spb.HeartbeatResponse:
+        return await self._unary("Heartbeat", heartbeat.handle, request, context, spb.HeartbeatResponse)
+
+    @override
+    async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
+        return await self._unary("SendMessage", send_message.handle, request, context, spb.SendMessageResponse)
+
+    @override
+    async def QueryAssignment(
+        self, request: spb.QueryAssignmentRequest, context: Context
+    ) -> spb.QueryAssignmentResponse:
+        return await self._unary(
+            "QueryAssignment", query_assignment.handle, request, context, spb.QueryAssignmentResponse
+        )
+
+    @override
+    async def ReceiveMessage(
+        self, request: spb.ReceiveMessageRequest, context: Context
+    ) -> AsyncIterator[spb.ReceiveMessageResponse]:
+        started = time.perf_counter()
+        code: int = pb.OK
+        try:
+            caller = Caller.of(context.invocation_metadata())
+            frames = receive_message.handle(self.edge, request, caller, context.time_remaining())
+            async for frame in frames:
+                if frame.HasField("status"):
+                    code = frame.status.code
+                yield frame
+        except Exception as exc:
+            code = status.code_of(exc)
+            if code == pb.INTERNAL_ERROR:
+                log.exception("ReceiveMessage failed")
+            yield spb.ReceiveMessageResponse(status=status.status_of(exc))
+        finally:
+            self.edge.metrics.rpcs.labels("ReceiveMessage", str(code)).inc()
+            self.edge.metrics.rpc_seconds.labels("ReceiveMessage").observe(time.perf_counter() - started)
+
+    @override
+    async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:
+        return await self._unary("AckMessage", ack_message.handle, request, context, spb.AckMessageResponse)
+
+    @override
+    async def ForwardMessageToDeadLetterQueue(
+        self, request: spb.ForwardMessageToDeadLetterQueueRequest, context: Context
+    ) -> spb.ForwardMessageToDeadLetterQueueResponse:
+        return await self._unary(
+            "ForwardMessageToDeadLetterQueue",
+            forward_to_dead_letter_queue.handle,
+            request,
+            context,
+            spb.ForwardMessageToDeadLetterQueueResponse,
+        )
+
+    @override
+    async def Telemetry(
+        self, request_iterator: AsyncIterator[spb.TelemetryCommand], context: Context
+    ) -> AsyncIterator[spb.TelemetryCommand]:
+        caller = Caller.of(context.invocation_metadata())
+        try:
+            async for frame in telemetry.handle(self.edge, request_iterator, caller):
+                yield frame
+        except Exception as exc:
+            if status.code_of(exc) == pb.INTERNAL_ERROR:
+                log.exception("Telemetry failed")
+            yield spb.TelemetryCommand(status=status.status_of(exc))
+
+    @override
+    async def NotifyClientTermination(
+        self, request: spb.NotifyClientTerminationRequest, context: Context
+    ) -> spb.NotifyClientTerminationResponse:
+        return await self._unary(
+            "NotifyClientTermination",
+            notify_client_termination.handle,
+            request,
+            context,
+            spb.NotifyClientTerminationResponse,
+        )
+
+    @override
+    async def ChangeInvisibleDuration(
+        self, request: spb.ChangeInvisibleDurationRequest, context: Context
+    ) -> spb.ChangeInvisibleDurationResponse:
+        return await self._unary(
+            "ChangeInvisibleDuration",
+            change_invisible_duration.handle,
+            request,
+            context,
+            spb.ChangeInvisibleDurationResponse,
+        )
+
+    @override
+    async def SyncLiteSubscription(
+        self, request: spb.SyncLiteSubscriptionRequest, context: Context
+    ) -> spb.SyncLiteSubscriptionResponse:
+        return await self._unary(
+            "SyncLiteSubscription",
+            sync_lite_subscription.handle,
+            request,
+            context,
+            spb.SyncLiteSubscriptionResponse,
+        )
+
+    # --- not served -------------------------------------------------------------------------------------
+    @override
+    async def PullMessage(
+        self, request: spb.PullMessageRequest, context: Context
+    ) -> AsyncIterator[spb.PullMessageResponse]:
+        yield await self._not_implemented("PullMessage", spb.PullMessageResponse)
+
+    @override
+    async def UpdateOffset(self, request: spb.UpdateOffsetRequest, context: Context) -> spb.UpdateOffsetResponse:
+        return await self._not_implemented("UpdateOffset", spb.UpdateOffsetResponse)
+
+    @override
+    async def GetOffset(self, request: spb.GetOffsetRequest, context: Context) -> spb.GetOffsetResponse:
+        return await self._not_implemented("GetOffset", spb.GetOffsetResponse)
+
+    @override
+    async def QueryOffset(self, request: spb.QueryOffsetRequest, context: Context) -> spb.QueryOffsetResponse:
+        return await self._not_implemented("QueryOffset", spb.QueryOffsetResponse)
+
+    @override
+    async def EndTransaction(self, request: spb.EndTransactionRequest, context: Context) -> spb.EndTransactionResponse:
+        return await self._not_implemented("EndTransaction", spb.EndTransactionResponse)
+
+    @override
+    async def RecallMessage(self, request: spb.RecallMessageRequest, context: Context) -> spb.RecallMessageResponse:
+        return await self._not_implemented("RecallMessage", spb.RecallMessageResponse)

@@ -1,0 +1,176 @@
+"""Start a real broker as a subprocess, for tests and benchmarks of every component.
+
+Stable API (the operator, reclaim and e2e suites rely on it)::
+
+    broker = start_broker(tmp_path / "data")              # port 0: a free port is picked
+    broker.endpoint        # "127.0.0.1:<port>": the v2 MessagingService (official clients)
+    broker.admin_endpoint  # same port: the lmq.admin.v1 service
+    broker.metrics_url     # "http://127.0.0.1:<port>" (/metrics, /healthz, /readyz)
+    broker.stop()          # SIGTERM: graceful (drains, flushes), waits for exit
+    broker.kill()          # SIGKILL: crash
+    broker = broker.restart()  # same data dir, same port, same arguments
+
+A subprocess, not a thread: the official client ships its own copy of the apache.rocketmq.v2 protobuf
+descriptors, which cannot share an interpreter with ours. This module therefore imports nothing from the
+broker. ``start_broker`` returns once the broker printed its ready line (it listens by then); stdout and
+stderr go to ``<data_dir>/../broker-<port>.log`` style files named in ``log_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+READY_RE: Final = re.compile(r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)")
+START_TIMEOUT_S: Final = 60.0
+STOP_TIMEOUT_S: Final = 30.0
+
+
+class BrokerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class BrokerProcess:
+    data_dir: Path
+    port: int
+    metrics_port: int
+    process: subprocess.Popen[str]
+    log_path: Path
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    _reader: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin_endpoint(self) -> str:
+        return self.endpoint
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Graceful stop (SIGTERM); returns the exit code. Kills if it does not exit within ``timeout``."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._join()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """Crash (SIGKILL): nothing is flushed that the store had not made durable."""
+        if self.alive():
+            self.process.kill()
+            self.process.wait()
+        self._join()
+
+    def restart(self, timeout: float = START_TIMEOUT_S) -> BrokerProcess:
+        """Stop if running, then start again on the same data dir, port and arguments."""
+        self.stop()
+        return start_broker(self.data_dir, port=self.port, extra_args=self.args, env=self.env, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def _join(self) -> None:
+        if self._reader is not None:
+            self._reader.join(5)
+            self._reader = None
+
+    def __enter__(self) -> BrokerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_broker(
+    data_dir: Path | str,
+    port: int = 0,
+    extra_args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = START_TIMEOUT_S,
+    python: str = sys.executable,
+) -> BrokerProcess:
+    """Run ``python -m lmq_broker serve`` on 127.0.0.1 and wait until it is ready.
+
+    ``extra_args`` are more ``serve`` flags (e.g. ``["--no-bootstrap", "--flush-mode", "async"]``); the metrics
+    port defaults to a free one (pass ``--metrics-port`` to choose). ``env`` is added to the environment.
+    """
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = tuple(extra_args)
+    command = [python, "-m", "lmq_broker", "serve", "--data-dir", str(data_dir), "--port", str(port)]
+    command += ["--host", "127.0.0.1"]
+    if "--metrics-port" not in args:
+        command += ["--metrics-port", "0"]
+    command += list(args)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    src = str(Path(__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (src, full_env.get("PYTHONPATH", "")) if p)
+    log_path = data_dir.parent / f"{data_dir.name}.broker.log"
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, bufsize=1
+    )
+    found: dict[str, int] = {}
+    ready = threading.Event()
+
+    def pump() -> None:
+        # Copies the output to the log file for the whole life of the process, so the pipe never fills.
+        assert process.stdout is not None
+        with log_path.open("a") as sink:
+            for line in process.stdout:
+                sink.write(line)
+                sink.flush()
+                match = READY_RE.search(line)
+                if match and not ready.is_set():
+                    found["port"] = int(match["port"])
+                    found["metrics"] = int(match["metrics"])
+                    ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=pump, name=f"broker-log-{process.pid}", daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.05):
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise BrokerStartError(f"broker not ready after {timeout}s; log {log_path}:\n{_tail(log_path)}")
+    if "port" not in found:
+        process.wait()
+        raise BrokerStartError(f"broker exited with {process.returncode}; log {log_path}:\n{_tail(log_path)}")
+    return BrokerProcess(
+        data_dir, found["port"], found["metrics"], process, log_path, args, dict(env or {}), _reader=reader
+    )
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
