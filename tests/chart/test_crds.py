@@ -147,7 +147,9 @@ def test_examples_fit_their_crd(
     for where, doc in examples:
         assert doc["apiVersion"] == "lmq.io/v1alpha1", where
         crd = crds[doc["kind"]]
-        errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validators[doc["kind"]].iter_errors(doc)]
+        errors = [
+            f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validators[doc["kind"]].iter_errors(doc)
+        ]
         assert errors == [], where
         assert jsonschema.Draft7Validator({"pattern": DNS_SUBDOMAIN, "maxLength": 253}).is_valid(
             doc["metadata"]["name"]
@@ -159,7 +161,9 @@ def test_examples_fit_their_crd(
 
 def test_examples_agree_with_each_other(examples: list[tuple[str, Manifest]]) -> None:
     # The NOTES quick start applies them together: the group and the quota name the example parent topic.
-    parents = {doc["spec"].get("topicName", doc["metadata"]["name"]) for _, doc in examples if doc["kind"] == "ParentTopic"}
+    parents = {
+        doc["spec"].get("topicName", doc["metadata"]["name"]) for _, doc in examples if doc["kind"] == "ParentTopic"
+    }
     for where, doc in examples:
         if doc["kind"] == "LiteGroup" or (doc["kind"] == "LiteQuota" and "parentTopic" in doc["spec"]):
             assert doc["spec"]["parentTopic"] in parents, where

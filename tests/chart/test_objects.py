@@ -10,6 +10,8 @@ from typing import Any
 import helm_python as helm
 import pytest
 
+from lmq_reclaim import options
+
 Manifest = dict[str, Any]
 Render = Callable[..., list[Manifest]]
 One = Callable[..., Manifest]
@@ -152,9 +154,7 @@ def test_broker_probes(render: Render, one: One) -> None:
         "timeoutSeconds": 3,
         "failureThreshold": 2,
     }
-    tuned = container(
-        one(render({"broker": {"readinessProbe": {"periodSeconds": 2}}}), "StatefulSet", BROKER)
-    )
+    tuned = container(one(render({"broker": {"readinessProbe": {"periodSeconds": 2}}}), "StatefulSet", BROKER))
     assert tuned["readinessProbe"]["periodSeconds"] == 2
     assert tuned["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
@@ -377,13 +377,25 @@ def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
     assert pod_spec(cronjob)["serviceAccountName"] == "demo-lmq-reclaim"
     reclaim = container(cronjob)
     assert reclaim["command"] == ["python", "-m", "lmq_reclaim"]
-    assert "args" not in reclaim  # the reclaim job's own issue decides its arguments
+    assert reclaim["args"] == [
+        "--broker-service",
+        HEADLESS,
+        "--namespace",
+        "mq",
+        "--cluster-domain",
+        "cluster.local",
+        "--broker-port",
+        "8081",
+        "--master",
+        "local[2]",
+        "--driver-memory",
+        "1g",
+        "--local-dir",
+        "/tmp/spark",
+    ]
     assert reclaim["workingDir"] == "/tmp"
-    variables = env(cronjob)
-    assert variables["LMQ_RECLAIM_BROKERS"] == ",".join(
-        f"{BROKER}-{i}.{HEADLESS}.mq.svc.cluster.local:8081" for i in range(3)
-    )
-    assert (variables["HOME"], variables["SPARK_LOCAL_DIRS"]) == ("/tmp", "/tmp/spark")
+    assert env(cronjob) == {"HOME": "/tmp"}
+    assert {m["mountPath"]: m["name"] for m in reclaim["volumeMounts"]} == {"/tmp": "scratch"}
     volumes = {v["name"]: v for v in pod_spec(cronjob)["volumes"]}
     assert volumes["scratch"]["emptyDir"] == {"sizeLimit": "4Gi"}
     assert one(objects, "ServiceAccount", "demo-lmq-reclaim")["automountServiceAccountToken"] is False
@@ -393,11 +405,12 @@ def test_reclaim_schedule_values(render: Render, one: One) -> None:
     cronjob = one(
         render(
             {
-                "broker": {"replicas": 1},
+                "clusterDomain": "corp.local",
                 "reclaim": {
                     "enabled": True,
                     "timeZone": "Etc/UTC",
-                    "extraArgs": ["--dry-run"],
+                    "sparkMaster": "local[*]",
+                    "extraArgs": ["--dry-run", "--min-age-minutes", "60"],
                     "schedule": "0 3 * * *",
                 },
             }
@@ -406,8 +419,21 @@ def test_reclaim_schedule_values(render: Render, one: One) -> None:
     )
     assert cronjob["spec"]["timeZone"] == "Etc/UTC"
     assert cronjob["spec"]["schedule"] == "0 3 * * *"
-    assert container(cronjob)["args"] == ["--dry-run"]
-    assert env(cronjob)["LMQ_RECLAIM_BROKERS"] == f"{BROKER}-0.{HEADLESS}.mq.svc.cluster.local:8081"
+    args = container(cronjob)["args"]
+    assert args[args.index("--cluster-domain") + 1] == "corp.local"
+    assert args[args.index("--master") + 1] == "local[*]"
+    assert args[-3:] == ["--dry-run", "--min-age-minutes", "60"]
+
+
+def test_reclaim_arguments_are_understood_by_the_job(render: Render, one: One) -> None:
+    """The chart's arguments parse with the job's own command line (no Spark is started)."""
+    args = container(one(render({"reclaim": {"enabled": True, "extraArgs": ["--dry-run"]}}), "CronJob"))["args"]
+    parsed = options.parse(args)
+    assert parsed.broker_service == HEADLESS
+    assert parsed.namespace == "mq"
+    assert parsed.master == "local[2]"
+    assert str(parsed.local_dir) == "/tmp/spark"
+    assert parsed.dry_run is True
 
 
 # -- names, labels and the image
@@ -451,6 +477,10 @@ def test_names_follow_the_release(render: Render) -> None:
 )
 def test_image_reference(render: Render, image: dict[str, str], reference: str) -> None:
     objects = render({"image": image, "reclaim": {"enabled": True}})
-    images = {c["image"] for o in objects if o["kind"] in ("StatefulSet", "Deployment", "CronJob")
-              for c in pod_spec(o)["containers"]}
+    images = {
+        c["image"]
+        for o in objects
+        if o["kind"] in ("StatefulSet", "Deployment", "CronJob")
+        for c in pod_spec(o)["containers"]
+    }
     assert images == {reference}

@@ -131,8 +131,10 @@ FULL: dict[str, Any] = {
         "backoffLimit": 3,
         "activeDeadlineSeconds": 1800,
         "ttlSecondsAfterFinished": 3600,
+        "sparkMaster": "local[4]",
+        "driverMemory": "3g",
         "extraArgs": ["--dry-run"],
-        "extraEnv": [{"name": "LMQ_RECLAIM_AUDIT", "value": "/tmp/audit"}],
+        "extraEnv": [{"name": "TZ", "value": "UTC"}],
         "scratchSizeLimit": "20Gi",
         "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "6Gi"}},
         "serviceAccount": {"create": True, "name": "mq-reclaim-sa", "annotations": {"iam": "reclaim"}},
@@ -296,9 +298,7 @@ def test_strict_validation_catches_an_unknown_field(render: Render, kube_version
         kubernetes_validate.validate(statefulset, kube_version, strict=True)
 
 
-def test_the_longest_release_name_still_gives_valid_names(
-    render: Render, kube_version: str, namespace: str
-) -> None:
+def test_the_longest_release_name_still_gives_valid_names(render: Render, kube_version: str, namespace: str) -> None:
     name = "a" * 53  # Helm's limit for release names
     helm.validate_release_name(name)
     objects = render({"reclaim": {"enabled": True}}, name=name)

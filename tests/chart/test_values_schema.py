@@ -87,9 +87,7 @@ def test_the_schema_closes_every_object(schema: dict[str, Any]) -> None:
     assert open_objects == []
 
 
-def test_the_schema_describes_exactly_the_keys_of_values_yaml(
-    schema: dict[str, Any], chart: helm.Chart
-) -> None:
+def test_the_schema_describes_exactly_the_keys_of_values_yaml(schema: dict[str, Any], chart: helm.Chart) -> None:
     def compare(values: dict[str, Any], node: dict[str, Any], path: str) -> Iterator[str]:
         optional_keys = node.get("$ref") in KUBERNETES_TYPES
         node = resolve(schema, node)
@@ -128,7 +126,9 @@ def test_every_key_of_values_yaml_is_documented(chart_dir: Path, schema: dict[st
                 undocumented.append(key)
             walk(value_node, properties.get(key_node.value, {}), key + ".")
 
-    walk(yaml.compose(text), schema, "")
+    root = yaml.compose(text)
+    assert root is not None
+    walk(root, schema, "")
     assert len(checked) > 100
     assert "broker.persistence.retentionPolicy.whenScaled" in checked
     assert undocumented == []
@@ -214,6 +214,8 @@ WRONG = [
     ("reclaim.timeZone", "not a zone"),
     ("reclaim.startingDeadlineSeconds", 5),
     ("reclaim.scratchSizeLimit", 10),
+    ("reclaim.sparkMaster", ""),
+    ("reclaim.driverMemory", "1 GB"),
 ]
 
 

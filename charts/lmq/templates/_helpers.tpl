@@ -153,17 +153,6 @@ capabilities:
     - ALL
 {{- end }}
 
-{{/* Stable per-pod DNS names of the brokers, comma separated, each with the gRPC port. */}}
-{{- define "lmq.broker.addresses" -}}
-{{- $sts := include "lmq.broker.fullname" . }}
-{{- $svc := include "lmq.broker.headlessName" . }}
-{{- $addresses := list }}
-{{- range $i := until (int .Values.broker.replicas) }}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc.%s:8081" $sts $i $svc $.Release.Namespace $.Values.clusterDomain) }}
-{{- end }}
-{{- join "," $addresses }}
-{{- end }}
-
 {{/*
 What the operator does with its own resources, in the namespaces it watches: read and follow them, write
 finalizers and kopf's progress annotations (patch/update), write status, and post events about them.
