@@ -21,7 +21,7 @@ from typing import Final
 HIGH: Final = "\U0010ffff"
 MAX_PROBES_PER_PARENT: Final = 600
 PREFIXES_PER_RANGE: Final = 4  # refine until each range can take several prefixes, for balance
-MAX_PREFIX_DEPTH: Final = 8
+MAX_PREFIX_LEVELS: Final = 64  # lite names are at most 64 bytes: deeper levels cannot exist
 
 # First key strictly greater than the argument, or None when there is none.
 Probe = Callable[[str], "str | None"]
@@ -70,14 +70,15 @@ def split(n: int, probe: Probe, max_probes: int = MAX_PROBES_PER_PARENT) -> list
         return [FULL_RANGE]
     budget = [max_probes]
     prefixes = [""]
-    for _ in range(MAX_PREFIX_DEPTH):
+    for _ in range(MAX_PREFIX_LEVELS):
         if len(prefixes) >= n * PREFIXES_PER_RANGE:
             break
         refined: list[str] = []
         for p in prefixes:
             children = occupied_children(p, probe, budget) if budget[0] > 0 else []
             refined.extend(children or [p])
-        if refined == prefixes:
+        if refined == prefixes or budget[0] <= 0:
+            prefixes = refined
             break
         prefixes = refined
     return _group(prefixes, n)

@@ -1,0 +1,103 @@
+"""Summary table, exit code, command line and broker discovery (no Spark, no broker)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+
+import pytest
+
+from lmq_broker import errors
+from lmq_reclaim import discovery, options, report
+from lmq_reclaim.columns import Outcome
+
+
+def test_summary_counts_outcomes_and_totals() -> None:
+    r = report.Report(now_ms=0, dry_run=False)
+    b0 = r.brokers["broker-0"] = report.BrokerSummary("broker-0", "10.0.0.1:8081", scanned=10, expired=4)
+    b1 = r.brokers["broker-1"] = report.BrokerSummary("broker-1", "10.0.0.2:8081", scanned=5, expired=1)
+    b0.add_outcome(Outcome.DELETED, 2)
+    b0.add_outcome(Outcome.KEPT_CHANGED, 1)
+    b0.add_outcome(Outcome.KEPT_SUBSCRIBED, 1)
+    b1.add_outcome(Outcome.NOT_FOUND, 1)
+    assert (r.total.scanned, r.total.expired, r.total.reclaimed, r.total.not_found) == (15, 5, 2, 1)
+    assert r.exit_code == 0
+    table = report.render_table(r).splitlines()
+    assert table[0].split() == ["broker", "endpoint", *report.COUNTERS]
+    assert table[2].split() == ["broker-0", "10.0.0.1:8081", "10", "4", "2", "1", "1", "0", "0"]
+    assert table[-1].split() == ["TOTAL", "15", "5", "2", "1", "1", "1", "0"]
+    b1.errors = 1
+    assert r.exit_code == 1
+
+
+def test_command_line_defaults_and_validation() -> None:
+    opts = options.parse(["--brokers", "a:1, b:2"])
+    assert opts.brokers == ("a:1", "b:2")
+    assert (opts.master, opts.min_age_minutes, opts.dry_run) == ("local[2]", 15, False)
+    opts = options.parse(["--broker-service", "lmq-broker", "--namespace", "mq", "--conf", "spark.x=1", "--dry-run"])
+    assert opts.spark_conf == (("spark.x", "1"),) and opts.dry_run
+    for bad in (
+        [],
+        ["--brokers", "a:1", "--broker-service", "s", "--namespace", "n"],
+        ["--broker-service", "s"],
+        ["--brokers", "a:1", "--conf", "novalue"],
+        ["--brokers", "a:1", "--delete-batch-size", "0"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            options.parse(bad)
+        assert exc.value.code == 2
+
+
+def test_dns_discovery_resolves_a_real_name() -> None:
+    # The headless Service's name resolves to one address per pod; localhost stands in for it here.
+    found = discovery.from_dns("localhost", 8081)
+    assert found
+    assert all(e.endswith(":8081") for e in found)
+    assert "127.0.0.1:8081" in found or "[::1]:8081" in found
+
+
+def test_dns_discovery_builds_the_service_name_and_brackets_ipv6() -> None:
+    asked: list[str] = []
+
+    def resolver(host: str, port: int) -> Iterable[str]:
+        asked.append(host)
+        return ["10.1.0.7", "fd00::7", "10.1.0.7"]
+
+    opts = options.parse(["--broker-service", "lmq-broker", "--namespace", "mq", "--broker-port", "9000"])
+    assert discovery.discover(opts, resolve=resolver) == ["10.1.0.7:9000", "[fd00::7]:9000"]
+    assert asked == ["lmq-broker.mq.svc.cluster.local"]
+
+
+def test_dns_failure_is_an_error_value() -> None:
+    def resolver(host: str, port: int) -> Iterable[str]:
+        raise socket.gaierror("no such host")
+
+    with pytest.raises(errors.BrokerUnavailable):
+        discovery.from_dns("nowhere.invalid", 1, resolver)
+
+
+def test_endpointslices_give_the_ready_pods() -> None:
+    slices = [
+        {
+            "ports": [{"name": "grpc", "port": 8081}],
+            "endpoints": [
+                {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+                {"addresses": ["10.0.0.3"], "conditions": {}},
+            ],
+        },
+        {"ports": None, "endpoints": [{"addresses": ["10.0.0.4"]}]},
+    ]
+    opts = options.parse(
+        ["--broker-service", "lmq-broker", "--namespace", "mq", "--discovery", "endpointslices"]
+    )
+    calls: list[tuple[str, str]] = []
+
+    def lister(service: str, namespace: str) -> list[dict[str, object]]:
+        calls.append((service, namespace))
+        return slices  # type: ignore[return-value]
+
+    assert discovery.discover(opts, list_slices=lister) == ["10.0.0.1:8081", "10.0.0.3:8081", "10.0.0.4:8081"]
+    assert calls == [("lmq-broker", "mq")]
+    with pytest.raises(errors.BrokerUnavailable):
+        discovery.discover(opts, list_slices=lambda s, n: [])

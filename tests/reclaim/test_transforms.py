@@ -1,0 +1,144 @@
+"""The decision, as pure DataFrame functions on tiny frames (real SparkSession, local[1])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql import DataFrame, Observation, SparkSession
+
+from lmq_reclaim import columns as c
+from lmq_reclaim import transforms
+from lmq_reclaim.columns import Outcome, Verdict
+
+MIN = transforms.MS_PER_MINUTE
+NOW = 1_000_000 * MIN
+
+
+def scanned_row(
+    lite: str,
+    *,
+    broker: str = "b0",
+    parent: str = "P",
+    idle_min: float = 0,
+    created_min_ago: float | None = None,
+    consume_min_ago: float | None = None,
+    subscribers: int = 0,
+    fully: bool | None = None,
+) -> tuple[Any, ...]:
+    store = NOW - int(idle_min * MIN)
+    created = NOW - int((created_min_ago if created_min_ago is not None else idle_min + 1) * MIN)
+    consume = NOW - int(consume_min_ago * MIN) if consume_min_ago is not None else 0
+    return (broker, parent, lite, created, store, consume, 0, 1, subscribers, fully)
+
+
+def frame(spark: SparkSession, rows: list[tuple[Any, ...]]) -> DataFrame:
+    return spark.createDataFrame(rows, c.SCANNED_DDL)
+
+
+def policy(spark: SparkSession, rows: list[tuple[str, str, int]]) -> DataFrame:
+    return spark.createDataFrame(rows, c.POLICY_DDL)
+
+
+def verdicts(spark: SparkSession, rows: list[tuple[Any, ...]], rules: transforms.Rules, pol: list[Any]) -> dict[str, str]:
+    decided = transforms.decide(transforms.attach_policy(frame(spark, rows), policy(spark, pol)), rules)
+    return {r[c.LITE]: r[c.VERDICT] for r in decided.collect()}
+
+
+def test_idle_longer_than_expiration_and_min_age_expires(spark: SparkSession) -> None:
+    rows = [
+        scanned_row("old", idle_min=61),
+        scanned_row("edge", idle_min=60),  # exactly the expiration: not yet (RocketMQ expires on ">")
+        scanned_row("fresh", idle_min=5),
+    ]
+    got = verdicts(spark, rows, transforms.Rules(now_ms=NOW, min_age_ms=15 * MIN), [("b0", "P", 60)])
+    assert got == {"old": Verdict.EXPIRED, "edge": Verdict.FRESH, "fresh": Verdict.FRESH}
+
+
+def test_min_age_holds_back_short_expirations(spark: SparkSession) -> None:
+    rows = [scanned_row("ten", idle_min=10), scanned_row("twenty", idle_min=20)]
+    got = verdicts(spark, rows, transforms.Rules(now_ms=NOW, min_age_ms=15 * MIN), [("b0", "P", 0)])
+    assert got == {"ten": Verdict.BELOW_MIN_AGE, "twenty": Verdict.EXPIRED}
+
+
+def test_never_expires_and_unknown_parent_are_kept(spark: SparkSession) -> None:
+    rows = [
+        scanned_row("a", parent="Never", idle_min=10**5),
+        scanned_row("b", parent="Unknown", idle_min=10**5),
+        scanned_row("c", parent="P", broker="b1", idle_min=10**5),  # P is known on b0 only
+    ]
+    pol = [("b0", "Never", -1), ("b0", "P", 1)]
+    got = verdicts(spark, rows, transforms.Rules(now_ms=NOW), pol)
+    assert got == {"a": Verdict.NEVER, "b": Verdict.NO_POLICY, "c": Verdict.NO_POLICY}
+
+
+def test_recent_consume_or_creation_counts_as_activity(spark: SparkSession) -> None:
+    rows = [
+        scanned_row("consumed", idle_min=500, consume_min_ago=3),
+        scanned_row("created", idle_min=500, created_min_ago=3),
+        scanned_row("idle", idle_min=500, consume_min_ago=400),
+    ]
+    got = verdicts(spark, rows, transforms.Rules(now_ms=NOW), [("b0", "P", 60)])
+    assert got == {"consumed": Verdict.FRESH, "created": Verdict.FRESH, "idle": Verdict.EXPIRED}
+
+
+def test_optional_rules_keep_unconsumed_and_subscribed_topics(spark: SparkSession) -> None:
+    rows = [
+        scanned_row("unconsumed", idle_min=500, fully=False),
+        scanned_row("unknown", idle_min=500, fully=None),
+        scanned_row("subscribed", idle_min=500, fully=True, subscribers=2),
+        scanned_row("done", idle_min=500, fully=True),
+    ]
+    pol = [("b0", "P", 60)]
+    strict = transforms.Rules(now_ms=NOW, only_fully_consumed=True, no_live_subscribers=True)
+    assert verdicts(spark, rows, strict, pol) == {
+        "unconsumed": Verdict.NOT_FULLY_CONSUMED,
+        "unknown": Verdict.NOT_FULLY_CONSUMED,
+        "subscribed": Verdict.SUBSCRIBED,
+        "done": Verdict.EXPIRED,
+    }
+    lenient = transforms.Rules(now_ms=NOW)
+    assert set(verdicts(spark, rows, lenient, pol).values()) == {Verdict.EXPIRED}
+
+
+def test_candidates_carry_the_reason_and_only_expired_rows(spark: SparkSession) -> None:
+    rows = [scanned_row("old", idle_min=125), scanned_row("fresh", idle_min=1)]
+    rules = transforms.Rules(now_ms=NOW, no_live_subscribers=True)
+    decided = transforms.decide(transforms.attach_policy(frame(spark, rows), policy(spark, [("b0", "P", 60)])), rules)
+    got = transforms.candidates(decided).collect()
+    assert [r[c.LITE] for r in got] == ["old"]
+    assert tuple(got[0].asDict()) == c.CANDIDATE_COLUMNS
+    assert got[0][c.IDLE_MS] == 125 * MIN
+    assert got[0][c.REASON] == "idle 125 min > expiration 60 min; min age 15 min; no live subscribers"
+
+
+def test_verdict_metrics_count_per_broker_in_the_same_pass(spark: SparkSession) -> None:
+    rows = [
+        scanned_row("x", broker="b0", idle_min=500),
+        scanned_row("y", broker="b0", idle_min=1),
+        scanned_row("z", broker="b1", idle_min=500),
+    ]
+    pol = [("b0", "P", 60), ("b1", "P", 60)]
+    decided = transforms.decide(transforms.attach_policy(frame(spark, rows), policy(spark, pol)), transforms.Rules(NOW))
+    obs = Observation("t")
+    kept = transforms.candidates(decided.observe(obs, *transforms.verdict_metrics(["b0", "b1", "b2"]))).count()
+    assert kept == 2
+    assert obs.get == {
+        "scanned_0": 2, "expired_0": 1, "scanned_1": 1, "expired_1": 1, "scanned_2": 0, "expired_2": 0,
+    }  # fmt: skip
+
+
+def test_audit_lists_reclaimed_rows_and_counts_group_outcomes(spark: SparkSession) -> None:
+    outcome_rows = [
+        ("b0", "P", "a", 1, 0, 1, 0, 100, 60, "why", Outcome.DELETED.value, None),
+        ("b0", "P", "b", 1, 0, 1, 0, 100, 60, "why", Outcome.KEPT_CHANGED.value, None),
+        ("b1", "P", "c", 1, 0, 1, 0, 100, 60, "why", Outcome.DELETED.value, None),
+        ("b1", "P", "d", 1, 0, 1, 0, 100, 60, "why", Outcome.WOULD_DELETE.value, None),
+    ]
+    outcomes = spark.createDataFrame(outcome_rows, c.OUTCOMES_DDL)
+    audit = transforms.audit(outcomes, now_ms=7, dry_run=False).collect()
+    assert sorted(r[c.LITE] for r in audit) == ["a", "c"]
+    assert {(r["run_now_ms"], r["dry_run"], r[c.REASON]) for r in audit} == {(7, False, "why")}
+    dry = transforms.audit(outcomes, now_ms=7, dry_run=True).collect()
+    assert [r[c.LITE] for r in dry] == ["d"]
+    counts = {(r[c.BROKER], r[c.OUTCOME]): r["count"] for r in transforms.outcome_counts(outcomes).collect()}
+    assert counts == {("b0", "DELETED"): 1, ("b0", "KEPT_CHANGED"): 1, ("b1", "DELETED"): 1, ("b1", "WOULD_DELETE"): 1}
