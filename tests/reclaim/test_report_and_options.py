@@ -88,9 +88,7 @@ def test_endpointslices_give_the_ready_pods() -> None:
         },
         {"ports": None, "endpoints": [{"addresses": ["10.0.0.4"]}]},
     ]
-    opts = options.parse(
-        ["--broker-service", "lmq-broker", "--namespace", "mq", "--discovery", "endpointslices"]
-    )
+    opts = options.parse(["--broker-service", "lmq-broker", "--namespace", "mq", "--discovery", "endpointslices"])
     calls: list[tuple[str, str]] = []
 
     def lister(service: str, namespace: str) -> list[dict[str, object]]:

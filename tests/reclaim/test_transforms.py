@@ -39,7 +39,9 @@ def policy(spark: SparkSession, rows: list[tuple[str, str, int]]) -> DataFrame:
     return spark.createDataFrame(rows, c.POLICY_DDL)
 
 
-def verdicts(spark: SparkSession, rows: list[tuple[Any, ...]], rules: transforms.Rules, pol: list[Any]) -> dict[str, str]:
+def verdicts(
+    spark: SparkSession, rows: list[tuple[Any, ...]], rules: transforms.Rules, pol: list[Any]
+) -> dict[str, str]:
     decided = transforms.decide(transforms.attach_policy(frame(spark, rows), policy(spark, pol)), rules)
     return {r[c.LITE]: r[c.VERDICT] for r in decided.collect()}
 
