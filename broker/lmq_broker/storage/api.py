@@ -60,9 +60,7 @@ class Store(Protocol):
         within ``parent`` (or ``parent$lite`` keys when ``parent`` is None)."""
         ...
 
-    def delete_lite_topic(
-        self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None
-    ) -> bool:
+    def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         """Delete a lite topic's index entries, offsets and metadata in one batch.
 
         With ``expected``, delete only if the topic is unchanged since it was read (same max offset, last

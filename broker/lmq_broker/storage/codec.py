@@ -1,0 +1,382 @@
+"""Commit-log record codec: pure functions from values to bytes and back; no I/O.
+
+Record format, version 1 (integers little-endian)::
+
+    off  size  field
+    0    4     length        bytes after this field: 4 (crc) + 36 (header) + the variable part
+    4    4     crc           CRC32C of every byte after this field (header + variable part)
+    8    1     version       1; anything else is UnsupportedVersion
+    9    1     kind          0 message, 1 queue tombstone (a lite topic deleted at the listed offset)
+    10   1     message type  model.MessageType
+    11   1     n             number of queues, 1..255
+    12   8     store_ms
+    20   8     born_ms
+    28   2     message id length
+    30   2     topic length
+    32   4     queue names length
+    36   4     properties length
+    40   4     body length
+    44   8n    u64 offset of the record in each queue, in queue order (RocketMQ's INNER_MULTI_QUEUE_OFFSET)
+    ..         queue names: n x (u8 length | topic | u16 queue id)
+    ..         message id | topic | properties | body
+
+    properties: a sequence of (u8 tag | u32 length | value); tags 1 lite topic, 2 born host, 3 tag,
+    4 key (repeated), 5 message group, 6 user property (u16 key length | key | value). Unknown tags are
+    skipped so that version 1 can grow optional fields.
+
+A record is stored once whatever the number of queues: an extra queue costs 8 bytes of offset plus its
+name here, and one index entry. The queue offsets live in the record so that the index can be rebuilt
+from the log with the same offsets. A record never spans two segment files.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final, NamedTuple
+
+import crc32c as _crc32c
+
+from lmq_broker import errors, model
+from lmq_broker.storage import keys
+
+VERSION: Final = 1
+KIND_MESSAGE: Final = 0
+KIND_TOMBSTONE: Final = 1
+MAX_QUEUES_PER_RECORD: Final = 255
+MAX_MESSAGE_ID_BYTES: Final = 128
+
+PREFIX: Final = struct.Struct("<II")  # length, crc
+HEADER: Final = struct.Struct("<BBBBQQHHIII")
+LEAD: Final = struct.Struct("<BBBBQQ")  # the part of HEADER known only when the record is stored
+LENGTHS: Final = struct.Struct("<HHIII")  # the rest, known when the message is prepared
+FIXED_BYTES: Final = PREFIX.size + HEADER.size  # 44
+PROPERTY: Final = struct.Struct("<BI")
+USER_KEY: Final = struct.Struct("<H")
+OFFSETS: Final = tuple(struct.Struct(f"<{n}Q") for n in range(MAX_QUEUES_PER_RECORD + 1))
+QUEUE_NAME_TAIL: Final = struct.Struct("<H")
+
+TAG_LITE_TOPIC: Final = 1
+TAG_BORN_HOST: Final = 2
+TAG_TAG: Final = 3
+TAG_KEY: Final = 4
+TAG_MESSAGE_GROUP: Final = 5
+TAG_USER_PROPERTY: Final = 6
+
+
+def _crc(data: bytes | memoryview, value: int = 0) -> int:
+    return int(_crc32c.crc32c(data, value))
+
+
+class Prepared(NamedTuple):
+    """A message validated and encoded except for its offsets and store time (a tuple: cheap to build)."""
+
+    message: model.NewMessage
+    queues: tuple[keys.QueueName, ...]
+    lengths: bytes  # the header's length fields, packed
+    tail: bytes  # queue names | message id | topic | properties
+    size: int  # the whole framed record
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decoded record (the read path builds StoredMessage directly; this is for tools and tests)."""
+
+    kind: int
+    message_type: model.MessageType
+    store_ms: int
+    born_ms: int
+    queues: tuple[tuple[str, int], ...]
+    offsets: tuple[int, ...]
+    message_id: str
+    topic: str
+    body: bytes
+    lite_topic: str | None = None
+    born_host: str = ""
+    tag: str | None = None
+    keys: tuple[str, ...] = ()
+    message_group: str | None = None
+    user_properties: dict[str, str] = field(default_factory=dict)
+
+
+class Frame(NamedTuple):
+    """What the recovery scan needs of a record: where it is and which queue offsets it holds."""
+
+    position: int
+    size: int
+    kind: int
+    store_ms: int
+    queues: tuple[tuple[str, int], ...]
+    offsets: tuple[int, ...]
+
+
+# --- encoding ----------------------------------------------------------------------------------------
+
+
+def record_size(*, n_queues: int, names: int, message_id: int, topic: int, properties: int, body: int) -> int:
+    return FIXED_BYTES + 8 * n_queues + names + message_id + topic + properties + body
+
+
+def _prop(tag: int, value: bytes) -> bytes:
+    return PROPERTY.pack(tag, len(value)) + value
+
+
+def encode_properties(m: model.NewMessage) -> bytes:
+    parts: list[bytes] = []
+    if m.lite_topic is not None:
+        parts.append(_prop(TAG_LITE_TOPIC, m.lite_topic.encode()))
+    if m.born_host:
+        parts.append(_prop(TAG_BORN_HOST, m.born_host.encode()))
+    if m.tag is not None:
+        parts.append(_prop(TAG_TAG, m.tag.encode()))
+    for k in m.keys:
+        parts.append(_prop(TAG_KEY, k.encode()))
+    if m.message_group is not None:
+        parts.append(_prop(TAG_MESSAGE_GROUP, m.message_group.encode()))
+    for k, v in m.user_properties.items():
+        kb = k.encode()
+        parts.append(_prop(TAG_USER_PROPERTY, USER_KEY.pack(len(kb)) + kb + v.encode()))
+    return b"".join(parts)
+
+
+def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -> Prepared:
+    """Validate one message and encode what does not depend on offsets. Raises InvalidArgument subclasses.
+
+    Both stores call this, so both refuse exactly the same input; it runs once per message on the hot path.
+    """
+    body = m.body
+    if not body:
+        raise errors.BodyEmpty("message body is empty", message_id=m.message_id)
+    queues = m.queues
+    n = len(queues)
+    if n == 0 or n > MAX_QUEUES_PER_RECORD:
+        raise errors.InvalidArgument(
+            f"a message needs 1..{MAX_QUEUES_PER_RECORD} queues, got {n}", message_id=m.message_id
+        )
+    resolve = names.queue
+    qnames = tuple([resolve(q.topic, q.queue) for q in queues])
+    if n > 1 and len({qn.qkey for qn in qnames}) != n:
+        raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
+    mid = m.message_id.encode()
+    if not mid or len(mid) > MAX_MESSAGE_ID_BYTES:
+        raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
+    topic = names.topic(m.topic)
+    lite = m.lite_topic
+    if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties:
+        props = encode_properties(m)
+    elif lite is not None:
+        raw = lite.encode()
+        props = PROPERTY.pack(TAG_LITE_TOPIC, len(raw)) + raw
+    else:
+        props = b""
+    if lite is not None and not any(qn.lite == lite for qn in qnames) and not model.is_valid_lite_topic(lite):
+        raise errors.InvalidLiteTopic(f"invalid lite topic {lite!r}", lite_topic=lite)
+    queue_names = qnames[0].record if n == 1 else b"".join([qn.record for qn in qnames])
+    size = FIXED_BYTES + 8 * n + len(queue_names) + len(mid) + len(topic) + len(props) + len(body)
+    if size > max_record_bytes:
+        raise errors.RecordTooLarge(
+            f"record of {size} bytes exceeds {max_record_bytes}", message_id=m.message_id, size=size
+        )
+    return Prepared(
+        m,
+        qnames,
+        LENGTHS.pack(len(mid), len(topic), len(queue_names), len(props), len(body)),
+        queue_names + mid + topic + props,
+        size,
+    )
+
+
+def frame(p: Prepared, store_ms: int, offsets: list[int]) -> tuple[bytes, bytes]:
+    """(length | crc, header | offsets | tail) of a prepared message; the body follows them on disk."""
+    m = p.message
+    body = m.body
+    head = (
+        LEAD.pack(VERSION, KIND_MESSAGE, m.message_type, len(offsets), store_ms, m.born_timestamp_ms)
+        + p.lengths
+        + OFFSETS[len(offsets)].pack(*offsets)
+        + p.tail
+    )
+    return PREFIX.pack(p.size - 4, _crc32c.crc32c(body, _crc32c.crc32c(head))), head
+
+
+def encode(
+    *,
+    kind: int,
+    message_type: int,
+    store_ms: int,
+    born_ms: int,
+    offsets: list[int],
+    names: bytes,
+    message_id: bytes,
+    topic: bytes,
+    properties: bytes,
+    body: bytes,
+) -> bytes:
+    """One whole framed record from its parts (tombstones, tests and tools; messages go through ``frame``)."""
+    n = len(offsets)
+    head = (
+        LEAD.pack(VERSION, kind, message_type, n, store_ms, born_ms)
+        + LENGTHS.pack(len(message_id), len(topic), len(names), len(properties), len(body))
+        + OFFSETS[n].pack(*offsets)
+        + names
+        + message_id
+        + topic
+        + properties
+    )
+    crc = _crc(body, _crc(head))
+    return PREFIX.pack(4 + len(head) + len(body), crc) + head + body
+
+
+def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int) -> bytes:
+    """A record that deletes a queue (a lite topic): replayed by a rebuild so deleted topics stay deleted."""
+    return encode(
+        kind=KIND_TOMBSTONE,
+        message_type=0,
+        store_ms=store_ms,
+        born_ms=store_ms,
+        offsets=[offset],
+        names=queue.record,
+        message_id=b"",
+        topic=b"",
+        properties=b"",
+        body=b"",
+    )
+
+
+# --- decoding ----------------------------------------------------------------------------------------
+
+
+def _check(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, tuple[int, ...]]:
+    """Validate the frame at ``pos``; return (size, header fields). CorruptRecord / UnsupportedVersion."""
+    if end - pos < FIXED_BYTES:
+        raise errors.CorruptRecord("truncated record header", position=pos)
+    length, crc = PREFIX.unpack_from(buf, pos)
+    size = 4 + length
+    if length < 4 + HEADER.size or pos + size > end:
+        raise errors.CorruptRecord("record length out of bounds", position=pos, length=length)
+    if _crc(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
+        raise errors.CorruptRecord("record CRC mismatch", position=pos)
+    header = HEADER.unpack_from(buf, pos + PREFIX.size)
+    if header[0] != VERSION:
+        raise errors.UnsupportedVersion(f"record version {header[0]} not supported", position=pos, version=header[0])
+    n, mid_len, topic_len, names_len, props_len, body_len = header[3], *header[6:]
+    expected = record_size(
+        n_queues=n, names=names_len, message_id=mid_len, topic=topic_len, properties=props_len, body=body_len
+    )
+    if expected != size or n == 0:
+        raise errors.CorruptRecord("record field lengths do not add up", position=pos)
+    return size, header
+
+
+def _queues(buf: bytes | memoryview, at: int, n: int) -> tuple[tuple[tuple[str, int], ...], int]:
+    out = []
+    for _ in range(n):
+        ln = buf[at]
+        name = bytes(buf[at + 1 : at + 1 + ln]).decode()
+        (qid,) = QUEUE_NAME_TAIL.unpack_from(buf, at + 1 + ln)
+        out.append((name, qid))
+        at += 3 + ln
+    return tuple(out), at
+
+
+def scan(buf: bytes | memoryview, pos: int, end: int) -> Iterator[Frame]:
+    """Frames from ``pos`` up to ``end``; raises CorruptRecord (with ``position``) at the first bad one."""
+    while pos < end:
+        size, header = _check(buf, pos, end)
+        n = header[3]
+        at = pos + FIXED_BYTES
+        offsets = OFFSETS[n].unpack_from(buf, at)
+        queues, _ = _queues(buf, at + 8 * n, n)
+        yield Frame(pos, size, header[1], header[4], queues, offsets)
+        pos += size
+
+
+def _properties(raw: bytes) -> dict[str, object]:
+    out: dict[str, object] = {}
+    keys_: list[str] = []
+    user: dict[str, str] = {}
+    at = 0
+    while at < len(raw):
+        tag, ln = PROPERTY.unpack_from(raw, at)
+        at += PROPERTY.size
+        value = raw[at : at + ln]
+        at += ln
+        if tag == TAG_LITE_TOPIC:
+            out["lite_topic"] = value.decode()
+        elif tag == TAG_BORN_HOST:
+            out["born_host"] = value.decode()
+        elif tag == TAG_TAG:
+            out["tag"] = value.decode()
+        elif tag == TAG_KEY:
+            keys_.append(value.decode())
+        elif tag == TAG_MESSAGE_GROUP:
+            out["message_group"] = value.decode()
+        elif tag == TAG_USER_PROPERTY:
+            (kl,) = USER_KEY.unpack_from(value)
+            user[value[2 : 2 + kl].decode()] = value[2 + kl :].decode()
+    if keys_:
+        out["keys"] = tuple(keys_)
+    if user:
+        out["user_properties"] = user
+    return out
+
+
+def _message_type(value: int, pos: int) -> model.MessageType:
+    try:
+        return model.MessageType(value)
+    except ValueError:
+        raise errors.CorruptRecord(f"unknown message type {value}", position=pos) from None
+
+
+def decode(buf: bytes) -> Record:
+    _, header = _check(buf, 0, len(buf))
+    _, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, _, props_len, body_len = header
+    at = FIXED_BYTES
+    offsets = OFFSETS[n].unpack_from(buf, at)
+    queues, at = _queues(buf, at + 8 * n, n)
+    mid = buf[at : at + mid_len].decode()
+    at += mid_len
+    topic = buf[at : at + topic_len].decode()
+    at += topic_len
+    props = _properties(buf[at : at + props_len])
+    at += props_len
+    body = buf[at : at + body_len]
+    return Record(
+        kind,
+        _message_type(mtype, 0) if kind == KIND_MESSAGE else model.MessageType.NORMAL,
+        store_ms,
+        born_ms,
+        queues,
+        offsets,
+        mid,
+        topic,
+        body,
+        **props,  # type: ignore[arg-type]
+    )
+
+
+def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.StoredMessage:
+    """The read path: one record as the message stored at ``offset`` of ``queue``."""
+    _, header = _check(buf, 0, len(buf))
+    _, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, names_len, props_len, body_len = header
+    if kind != KIND_MESSAGE:
+        raise errors.CorruptRecord("index points at a tombstone", offset=offset)
+    at = FIXED_BYTES + 8 * n + names_len
+    mid = buf[at : at + mid_len].decode()
+    at += mid_len
+    topic = buf[at : at + topic_len].decode()
+    at += topic_len
+    props = _properties(buf[at : at + props_len]) if props_len else {}
+    at += props_len
+    return model.StoredMessage(
+        queue,
+        offset,
+        mid,
+        topic,
+        buf[at : at + body_len],
+        store_ms,
+        born_ms,
+        message_type=_message_type(mtype, 0),
+        **props,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,152 @@
+"""The commit log: numbered segment files of bounded size, appended only at the end of the last one.
+
+The log is the truth; the index is a cache of it. The store lays records out (it knows each record's
+size before writing, so it decides where a segment ends) and calls ``append`` once per segment touched by
+a batch, then ``sync`` once per group commit. ``written``/``synced`` are byte counters since open: a
+group-commit leader snapshots ``written``, fsyncs, and everything up to that snapshot is durable. A roll
+fsyncs the segment it leaves, so only the active segment ever holds unsynced bytes.
+
+Dropped segments (retention) are unlinked at once but their descriptors are closed one retention pass
+later, so a reader that looked up an index entry just before the drop still preads valid bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from lmq_broker import errors
+from lmq_broker.storage import codec
+from lmq_broker.storage import segment as seg_mod
+
+
+class CommitLog:
+    def __init__(self, directory: Path, segment_max_bytes: int) -> None:
+        if segment_max_bytes >= 1 << 32:
+            raise errors.StorageError("segment_max_bytes must be below 4 GiB (u32 positions)")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.segment_max_bytes = segment_max_bytes
+        seqs = sorted(s for s in (seg_mod.parse_name(n) for n in os.listdir(directory)) if s is not None)
+        self._segments: dict[int, seg_mod.Segment] = {s: seg_mod.Segment.open(directory, s) for s in seqs}
+        if not self._segments:
+            self._segments[0] = seg_mod.Segment.create(directory, 0)
+        self.active = self._segments[max(self._segments)]
+        self.written = 0
+        self.synced = 0
+        self.fsyncs = 0
+        self._sync_lock = threading.Lock()
+        self._graveyard: list[seg_mod.Segment] = []
+
+    # --- layout --------------------------------------------------------------------------------------
+
+    def seqs(self) -> list[int]:
+        return sorted(self._segments)
+
+    def size_of(self, seq: int) -> int:
+        s = self._segments.get(seq)
+        return -1 if s is None else s.size
+
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self._segments.values())
+
+    # --- writing -------------------------------------------------------------------------------------
+
+    def append(self, data: bytes) -> int:
+        pos = self.active.append(data)
+        self.written += len(data)
+        return pos
+
+    def roll(self) -> None:
+        """Start the next segment; the one left behind is fsynced first (it will never be written again)."""
+        self.active.sync()
+        self.fsyncs += 1
+        nxt = seg_mod.Segment.create(self.directory, self.active.seq + 1)
+        self._segments[nxt.seq] = nxt
+        self.active = nxt
+
+    def sync(self) -> None:
+        """fsync every byte written so far (group commit: concurrent callers share one fdatasync)."""
+        with self._sync_lock:
+            mark = self.written
+            if mark <= self.synced:
+                return
+            self.active.sync()
+            self.fsyncs += 1
+            self.synced = mark
+
+    def rollback(self, seq: int, position: int) -> None:
+        """Undo a failed append: cut the log back to (seq, position), removing segments created after it."""
+        for s in [s for s in self._segments if s > seq]:
+            dead = self._segments.pop(s)
+            dead.close()
+            os.unlink(dead.path)
+        target = self._segments[seq]
+        target.truncate(position)
+        self.active = target
+        seg_mod.fsync_dir(self.directory)
+
+    # --- reading -------------------------------------------------------------------------------------
+
+    def read(self, seq: int, position: int, size: int) -> bytes | None:
+        """A record's bytes, or None when its segment was dropped by retention."""
+        s = self._segments.get(seq)
+        return None if s is None else s.read(position, size)
+
+    def scan(self, seq: int, position: int) -> Iterator[tuple[int, codec.Frame]]:
+        """(segment, frame) for every record from (seq, position) to the end of the log.
+
+        Raises CorruptRecord with ``segment`` and ``position`` fields at the first record that does not
+        check; UnsupportedVersion for a well-formed record of a version this build does not know.
+        """
+        for s in self.seqs():
+            if s < seq:
+                continue
+            start = position if s == seq else 0
+            yield from ((s, f) for f in self._scan_segment(s, start))
+
+    def scan_segment(self, seq: int) -> Iterator[codec.Frame]:
+        """Every record of one segment (retention reads which queues a segment holds)."""
+        return self._scan_segment(seq, 0)
+
+    def _scan_segment(self, seq: int, start: int) -> Iterator[codec.Frame]:
+        s = self._segments[seq]
+        if s.size <= start:
+            return
+        mm = mmap.mmap(s.fd, s.size, access=mmap.ACCESS_READ)
+        view = memoryview(mm)
+        try:
+            try:
+                yield from codec.scan(view, start, s.size)
+            except errors.CorruptRecord as e:
+                raise errors.CorruptRecord(e.message, segment=seq, **e.fields) from None
+            except errors.UnsupportedVersion as e:
+                raise errors.UnsupportedVersion(e.message, segment=seq, **e.fields) from None
+        finally:
+            view.release()
+            mm.close()
+
+    # --- retention -----------------------------------------------------------------------------------
+
+    def drop(self, seq: int) -> int:
+        """Unlink a non-active segment; returns its size. Its descriptor stays open until ``reap``."""
+        if seq == self.active.seq:
+            raise errors.StorageError("cannot drop the active segment", segment=seq)
+        s = self._segments.pop(seq)
+        os.unlink(s.path)
+        self._graveyard.append(s)
+        return s.size
+
+    def reap(self) -> None:
+        for s in self._graveyard:
+            s.close()
+        self._graveyard.clear()
+
+    def close(self) -> None:
+        self.reap()
+        for s in self._segments.values():
+            s.close()
+        self._segments.clear()

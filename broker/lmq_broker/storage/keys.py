@@ -1,0 +1,323 @@
+"""Index key layout: every RocksDB key and value the store writes, and nothing else.
+
+One keyspace (the default column family); the first byte of a key says what it is. Integers inside keys
+are big-endian so byte order is numeric order; values are little-endian. Names are UTF-8 and never hold
+0x00, so ``0x00`` ends a name and no key of one queue is a prefix of another queue's.
+
+    qkey = topic | 0x00 | u16be queue id          (an LMQ is queue 0 of "%LMQ%$<parent>$<lite>")
+
+    prefix key                              value
+    E      E qkey u64be(first_offset)       a *run* of consecutive offsets stored by one append:
+                                            u32 segment | u64 store_ms | n x (u32 position | u32 size)
+    S      S qkey                           u64 min | u64 next                  (queues that are not LMQs)
+    L      L parent 0x00 lite               u64 created_ms | u64 last_store_ms | u64 last_consume_ms |
+                                            u64 min | u64 next                  (lite topic = LMQ state)
+    O      O qkey group                     u64 next offset to consume          (consumer offsets)
+    N      N parent                         u64 lite topics of the parent; ``N`` alone is the broker total
+    T      T name                           JSON ParentTopic
+    G      G name                           JSON LiteGroup
+    U      U scope                          JSON Quota
+    B      B u32be segment                  u64 first_store_ms | u64 last_store_ms   (segment table)
+    X      X "checkpoint"                   u32 segment | u64 position: the log is indexed up to here
+    X      X "layout"                       u32 layout version (LAYOUT_VERSION)
+
+Why runs: one append of a batch puts one key per queue, not one per message, and an extra queue of a
+message (multi-dispatch) adds 8 bytes to a run. Offsets of a queue are dense from its min to its next, so
+``offset -> run`` is ``seek_for_prev(E qkey offset)``. ``E``, ``S``, ``L``, ``N``, ``B`` and the
+checkpoint derive from the log (a rebuild recreates them); ``O``, ``T``, ``G``, ``U`` do not.
+``L`` sorts by (parent, lite) because 0x00 sorts below every name character, exactly like the string
+``parent$lite`` does ('$' sorts below every character a name may hold).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from lmq_broker import errors, model
+
+LAYOUT_VERSION: Final = 1
+MAX_QUEUE_NAME_BYTES: Final = 255  # a queue name is length-prefixed by one byte in the record
+MAX_QUEUE_ID: Final = 0xFFFF
+
+ENTRY: Final = b"E"
+STATE: Final = b"S"
+LITE: Final = b"L"
+OFFSET: Final = b"O"
+COUNT: Final = b"N"
+PARENT: Final = b"T"
+GROUP: Final = b"G"
+QUOTA: Final = b"U"
+SEGMENT: Final = b"B"
+SYSTEM: Final = b"X"
+CHECKPOINT_KEY: Final = b"Xcheckpoint"
+LAYOUT_KEY: Final = b"Xlayout"
+TOTAL_COUNT_KEY: Final = COUNT
+
+# Prefixes whose keys are derived from the log: a rebuild deletes and recreates exactly these.
+DERIVED_PREFIXES: Final = (ENTRY, STATE, LITE, COUNT, SEGMENT)
+
+U16BE: Final = struct.Struct(">H")
+U32BE: Final = struct.Struct(">I")
+U64BE: Final = struct.Struct(">Q")
+U32: Final = struct.Struct("<I")
+U64: Final = struct.Struct("<Q")
+RUN_HEAD: Final = struct.Struct("<IQ")  # segment, store_ms
+RUN_ENTRY: Final = struct.Struct("<II")  # position, size
+STATE_VALUE: Final = struct.Struct("<QQ")  # min, next
+LITE_VALUE: Final = struct.Struct("<QQQQQ")  # created, last_store, last_consume, min, next
+SEGMENT_VALUE: Final = struct.Struct("<QQ")  # first_store_ms, last_store_ms
+CHECKPOINT_VALUE: Final = struct.Struct("<IQ")  # segment, position
+
+
+@dataclass(frozen=True, slots=True)
+class QueueName:
+    """A validated queue with its encodings precomputed once (the store caches these, bounded)."""
+
+    topic: str
+    queue: int
+    qkey: bytes  # topic | 0x00 | u16be queue
+    record: bytes  # how the record names it: u8 len | topic | u16 queue (little-endian)
+    parent: str | None  # set for an LMQ
+    lite: str | None
+
+    @property
+    def is_lmq(self) -> bool:
+        return self.parent is not None
+
+    @property
+    def state_key(self) -> bytes:
+        """Where min/next live: the lite-topic record for an LMQ, ``S qkey`` otherwise."""
+        if self.parent is not None and self.lite is not None:
+            return lite_key(self.parent, self.lite)
+        return STATE + self.qkey
+
+    @property
+    def entry_prefix(self) -> bytes:
+        return ENTRY + self.qkey
+
+    @property
+    def offset_prefix(self) -> bytes:
+        return OFFSET + self.qkey
+
+
+def parse_queue(topic: str, queue: int) -> QueueName:
+    """Validate a queue and precompute its keys. InvalidName / InvalidLiteTopic on a bad name."""
+    if topic.startswith(model.LMQ_PREFIX + model.LMQ_SEPARATOR):
+        parts = topic.split(model.LMQ_SEPARATOR)
+        if len(parts) != 3 or parts[0] != model.LMQ_PREFIX:
+            raise errors.InvalidName(f"malformed LMQ name {topic!r}", topic=topic)
+        parent, lite = parts[1], parts[2]
+        if not model.is_valid_resource_name(parent):
+            raise errors.InvalidName(f"invalid parent topic in LMQ name {topic!r}", topic=topic)
+        if not model.is_valid_lite_topic(lite):
+            raise errors.InvalidLiteTopic(f"invalid lite topic in LMQ name {topic!r}", topic=topic)
+        if queue != 0:
+            raise errors.InvalidName(f"an LMQ has only queue 0, not {queue}", topic=topic, queue=queue)
+        lmq_parent: str | None = parent
+        lmq_lite: str | None = lite
+    else:
+        if not model.is_valid_resource_name(topic):
+            raise errors.InvalidName(f"invalid topic name {topic!r}", topic=topic)
+        if not 0 <= queue <= MAX_QUEUE_ID:
+            raise errors.InvalidName(f"queue id {queue} out of range", topic=topic, queue=queue)
+        lmq_parent = lmq_lite = None
+    raw = topic.encode()
+    if len(raw) > MAX_QUEUE_NAME_BYTES:
+        raise errors.InvalidName(f"queue name longer than {MAX_QUEUE_NAME_BYTES} bytes", topic=topic)
+    return QueueName(
+        topic=topic,
+        queue=queue,
+        qkey=raw + b"\x00" + U16BE.pack(queue),
+        record=bytes((len(raw),)) + raw + struct.pack("<H", queue),
+        parent=lmq_parent,
+        lite=lmq_lite,
+    )
+
+
+class NameCache:
+    """Validated queue names and topic encodings, memoized. Bounded: cleared when full (names are cheap
+    to re-validate; what matters is that a 1M-topic broker never holds 1M of them)."""
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        self._capacity = capacity
+        self._queues: dict[tuple[str, int], QueueName] = {}
+        self._topics: dict[str, bytes] = {}
+
+    def queue(self, topic: str, queue: int) -> QueueName:
+        key = (topic, queue)
+        name = self._queues.get(key)
+        if name is None:
+            name = parse_queue(topic, queue)
+            if len(self._queues) >= self._capacity:
+                self._queues.clear()
+            self._queues[key] = name
+        return name
+
+    def topic(self, topic: str) -> bytes:
+        raw = self._topics.get(topic)
+        if raw is None:
+            if not model.is_valid_resource_name(topic):
+                raise errors.InvalidName(f"invalid topic name {topic!r}", topic=topic)
+            raw = topic.encode()
+            if len(self._topics) >= self._capacity:
+                self._topics.clear()
+            self._topics[topic] = raw
+        return raw
+
+    def clear(self) -> None:
+        self._queues.clear()
+        self._topics.clear()
+
+
+def lmq_topic(parent: str, lite: str) -> str:
+    return f"{model.LMQ_PREFIX}{model.LMQ_SEPARATOR}{parent}{model.LMQ_SEPARATOR}{lite}"
+
+
+# --- keys --------------------------------------------------------------------------------------------
+
+
+def entry_key(qkey: bytes, first_offset: int) -> bytes:
+    return ENTRY + qkey + U64BE.pack(first_offset)
+
+
+def lite_key(parent: str, lite: str) -> bytes:
+    return LITE + parent.encode() + b"\x00" + lite.encode()
+
+
+def lite_prefix(parent: str | None) -> bytes:
+    return LITE if parent is None else LITE + parent.encode() + b"\x00"
+
+
+def split_lite_key(key: bytes) -> tuple[str, str]:
+    parent, _, lite = key[1:].partition(b"\x00")
+    return parent.decode(), lite.decode()
+
+
+def offset_key(qkey: bytes, group: str) -> bytes:
+    return OFFSET + qkey + group.encode()
+
+
+def count_key(parent: str | None) -> bytes:
+    return TOTAL_COUNT_KEY if parent is None else COUNT + parent.encode()
+
+
+def segment_key(segment: int) -> bytes:
+    return SEGMENT + U32BE.pack(segment)
+
+
+def name_key(prefix: bytes, name: str) -> bytes:
+    return prefix + name.encode()
+
+
+def successor(prefix: bytes) -> bytes:
+    """The smallest key greater than every key that starts with ``prefix``."""
+    trimmed = prefix.rstrip(b"\xff")
+    if not trimmed:
+        raise ValueError("no successor of an all-0xff prefix")
+    return trimmed[:-1] + bytes((trimmed[-1] + 1,))
+
+
+# --- values ------------------------------------------------------------------------------------------
+
+
+def encode_run(segment: int, store_ms: int, entries: list[bytes]) -> bytes:
+    return RUN_HEAD.pack(segment, store_ms) + b"".join(entries)
+
+
+def decode_run(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
+    """(segment, store_ms, [(position, size), ...])."""
+    segment, store_ms = RUN_HEAD.unpack_from(value)
+    entries = [RUN_ENTRY.unpack_from(value, off) for off in range(RUN_HEAD.size, len(value), RUN_ENTRY.size)]
+    return segment, store_ms, entries
+
+
+def run_length(value: bytes) -> int:
+    return (len(value) - RUN_HEAD.size) // RUN_ENTRY.size
+
+
+def encode_lite(meta: model.LiteTopicMeta) -> bytes:
+    return LITE_VALUE.pack(meta.created_ms, meta.last_store_ms, meta.last_consume_ms, meta.min_offset, meta.max_offset)
+
+
+def decode_lite(parent: str, lite: str, value: bytes) -> model.LiteTopicMeta:
+    created, last_store, last_consume, min_offset, max_offset = LITE_VALUE.unpack(value)
+    return model.LiteTopicMeta(parent, lite, created, last_store, last_consume, min_offset, max_offset)
+
+
+def encode_parent_topic(topic: model.ParentTopic) -> bytes:
+    return json.dumps(
+        {
+            "name": topic.name,
+            "message_type": int(topic.message_type),
+            "expiration_minutes": topic.expiration_minutes,
+            "max_lite_topics": topic.max_lite_topics,
+            "queue_count": topic.queue_count,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def decode_parent_topic(value: bytes) -> model.ParentTopic:
+    d = json.loads(value)
+    return model.ParentTopic(
+        name=d["name"],
+        message_type=model.MessageType(d["message_type"]),
+        expiration_minutes=d["expiration_minutes"],
+        max_lite_topics=d["max_lite_topics"],
+        queue_count=d["queue_count"],
+    )
+
+
+def encode_group(group: model.LiteGroup) -> bytes:
+    return json.dumps(
+        {
+            "name": group.name,
+            "bind_topic": group.bind_topic,
+            "model": str(group.model),
+            "client_quota": group.client_quota,
+            "ready_capacity": group.ready_capacity,
+            "retry": {"max_attempts": group.retry.max_attempts, "backoff_ms": list(group.retry.backoff_ms)},
+            "fifo": group.fifo,
+            "consume_enabled": group.consume_enabled,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def decode_group(value: bytes) -> model.LiteGroup:
+    d = json.loads(value)
+    return model.LiteGroup(
+        name=d["name"],
+        bind_topic=d["bind_topic"],
+        model=model.SubscriptionModel(d["model"]),
+        client_quota=d["client_quota"],
+        ready_capacity=d["ready_capacity"],
+        retry=model.RetryPolicy(max_attempts=d["retry"]["max_attempts"], backoff_ms=tuple(d["retry"]["backoff_ms"])),
+        fifo=d["fifo"],
+        consume_enabled=d["consume_enabled"],
+    )
+
+
+def encode_quota(quota: model.Quota) -> bytes:
+    return json.dumps(
+        {
+            "scope": quota.scope,
+            "max_lite_topics": quota.max_lite_topics,
+            "max_subscriptions_per_client": quota.max_subscriptions_per_client,
+            "max_send_rate": quota.max_send_rate,
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def decode_quota(value: bytes) -> model.Quota:
+    d = json.loads(value)
+    return model.Quota(
+        scope=d["scope"],
+        max_lite_topics=d["max_lite_topics"],
+        max_subscriptions_per_client=d["max_subscriptions_per_client"],
+        max_send_rate=d["max_send_rate"],
+    )

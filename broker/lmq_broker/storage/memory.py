@@ -1,0 +1,314 @@
+"""MemoryStore: the in-memory twin of LmqStore behind the same ``api.Store`` contract.
+
+For the layers above in tests (fast, no files) and as the executable statement of the contract: the same
+suite (tests/storage/test_contract.py) runs against both. Validation is shared (``codec.prepare``) so
+both refuse exactly the same input. Retention drops whole records where LmqStore drops whole segments;
+the contract only promises that min offsets advance past expired messages and never past live ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lmq_broker import config, errors, model
+from lmq_broker.storage import api, codec, keys
+from lmq_broker.storage.store import Clock, wall_clock_ms
+
+
+class ManualClock:
+    """A ``Clock`` (milliseconds) that moves only when told: deterministic time for tests of any layer."""
+
+    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    def advance(self, ms: int) -> None:
+        self.now_ms += ms
+
+
+@dataclass(slots=True, eq=False)
+class _Queue:
+    name: keys.QueueName
+    created: int
+    last_store: int = 0
+    last_consume: int = 0
+    min: int = 0
+    next: int = 0
+    messages: dict[int, model.StoredMessage] = field(default_factory=dict)
+
+    def meta(self) -> model.LiteTopicMeta:
+        assert self.name.parent is not None and self.name.lite is not None
+        return model.LiteTopicMeta(
+            self.name.parent, self.name.lite, self.created, self.last_store, self.last_consume, self.min, self.next
+        )
+
+
+@dataclass(slots=True)
+class _Record:
+    store_ms: int
+    size: int
+    placed: list[tuple[_Queue, int]]
+
+
+class MemoryStore:
+    def __init__(self, cfg: config.StoreConfig | None = None, clock: Clock = wall_clock_ms) -> None:
+        self._cfg = cfg or config.StoreConfig()
+        self._clock = clock
+        self._max_record = min(self._cfg.max_record_bytes, self._cfg.segment_max_bytes)
+        self._lock = threading.RLock()
+        self._queues: dict[bytes, _Queue] = {}
+        self._offsets: dict[bytes, dict[str, int]] = {}
+        self._counts: dict[str, int] = {}
+        self._parents: dict[str, model.ParentTopic] = {}
+        self._groups: dict[str, model.LiteGroup] = {}
+        self._quotas: dict[str, model.Quota] = {}
+        self._records: deque[_Record] = deque()
+        self._bytes = 0
+        self._names = keys.NameCache()
+        self._closed = False
+
+    # --- messages ------------------------------------------------------------------------------------
+
+    def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        self._check_open()
+        prepared = [codec.prepare(m, self._names, self._max_record) for m in messages]
+        with self._lock:
+            now = self._clock()
+            results: list[model.AppendResult] = []
+            for p in prepared:
+                m = p.message
+                offsets: dict[model.QueueId, int] = {}
+                placed: list[tuple[_Queue, int]] = []
+                for qid, name in zip(m.queues, p.queues, strict=True):
+                    q = self._queues.get(name.qkey)
+                    if q is None:
+                        q = self._queues[name.qkey] = _Queue(name, created=now)
+                        if name.parent is not None:
+                            self._counts[name.parent] = self._counts.get(name.parent, 0) + 1
+                    off = q.next
+                    q.next += 1
+                    q.last_store = now
+                    q.messages[off] = model.StoredMessage(
+                        queue=qid,
+                        offset=off,
+                        message_id=m.message_id,
+                        topic=m.topic,
+                        body=m.body,
+                        store_timestamp_ms=now,
+                        born_timestamp_ms=m.born_timestamp_ms,
+                        lite_topic=m.lite_topic,
+                        message_type=m.message_type,
+                        born_host=m.born_host,
+                        tag=m.tag,
+                        keys=m.keys,
+                        message_group=m.message_group,
+                        user_properties=dict(m.user_properties),
+                    )
+                    offsets[qid] = off
+                    placed.append((q, off))
+                self._records.append(_Record(now, p.size, placed))
+                self._bytes += p.size
+                results.append(model.AppendResult(m.message_id, offsets, now))
+            return results
+
+    def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            q = self._queues.get(name.qkey)
+            if q is None or max_count <= 0:
+                return []
+            start = max(offset, q.min)
+            return [q.messages[o] for o in range(start, min(q.next, start + max_count)) if o in q.messages]
+
+    def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            q = self._queues.get(name.qkey)
+            return (0, 0) if q is None else (q.min, q.next)
+
+    # --- consumer offsets ----------------------------------------------------------------------------
+
+    def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        if not model.is_valid_resource_name(group):
+            raise errors.InvalidName(f"invalid group name {group!r}", group=group)
+        if offset < 0:
+            raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        with self._lock:
+            if name.is_lmq:
+                q = self._queues.get(name.qkey)
+                if q is None:
+                    return
+                q.last_consume = self._clock()
+            self._offsets.setdefault(name.qkey, {})[group] = offset
+
+    def get_offset(self, queue: model.QueueId, group: str) -> int | None:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            return self._offsets.get(name.qkey, {}).get(group)
+
+    # --- lite topics ---------------------------------------------------------------------------------
+
+    def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None:
+        self._check_open()
+        name = keys.parse_queue(keys.lmq_topic(parent, lite), 0)
+        with self._lock:
+            q = self._queues.get(name.qkey)
+            return None if q is None else q.meta()
+
+    def lite_topic_count(self, parent: str | None = None) -> int:
+        self._check_open()
+        with self._lock:
+            return sum(self._counts.values()) if parent is None else self._counts.get(parent, 0)
+
+    def scan_lite_topics(
+        self, parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000
+    ) -> list[model.LiteTopicMeta]:
+        self._check_open()
+        with self._lock:
+            metas = [q.meta() for q in self._queues.values() if q.name.is_lmq]
+        sep = model.LMQ_SEPARATOR
+        if parent is not None:
+            rows = sorted(((m.lite, m) for m in metas if m.parent == parent), key=lambda r: r[0])
+        else:
+            rows = sorted(((f"{m.parent}{sep}{m.lite}", m) for m in metas), key=lambda r: r[0])
+        out = [m for k, m in rows if k > start_after and (not end_before or k < end_before)]
+        return out[: max(0, limit)]
+
+    def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
+        self._check_open()
+        name = keys.parse_queue(keys.lmq_topic(parent, lite), 0)
+        with self._lock:
+            q = self._queues.get(name.qkey)
+            if q is None:
+                return False
+            if expected is not None and (expected.max_offset, expected.last_store_ms, expected.last_consume_ms) != (
+                q.next,
+                q.last_store,
+                q.last_consume,
+            ):
+                return False
+            del self._queues[name.qkey]
+            self._offsets.pop(name.qkey, None)
+            self._counts[parent] = self._counts.get(parent, 1) - 1
+            if not self._counts[parent]:
+                del self._counts[parent]
+            return True
+
+    # --- control-plane metadata ----------------------------------------------------------------------
+
+    def put_parent_topic(self, topic: model.ParentTopic) -> None:
+        self._check_open()
+        _check_resource(topic.name)
+        with self._lock:
+            self._parents[topic.name] = topic
+
+    def get_parent_topic(self, name: str) -> model.ParentTopic | None:
+        self._check_open()
+        with self._lock:
+            return self._parents.get(name)
+
+    def delete_parent_topic(self, name: str) -> bool:
+        self._check_open()
+        with self._lock:
+            return self._parents.pop(name, None) is not None
+
+    def list_parent_topics(self) -> list[model.ParentTopic]:
+        self._check_open()
+        with self._lock:
+            return [self._parents[k] for k in sorted(self._parents)]
+
+    def put_group(self, group: model.LiteGroup) -> None:
+        self._check_open()
+        _check_resource(group.name)
+        _check_resource(group.bind_topic)
+        with self._lock:
+            self._groups[group.name] = group
+
+    def get_group(self, name: str) -> model.LiteGroup | None:
+        self._check_open()
+        with self._lock:
+            return self._groups.get(name)
+
+    def delete_group(self, name: str) -> bool:
+        self._check_open()
+        with self._lock:
+            return self._groups.pop(name, None) is not None
+
+    def list_groups(self) -> list[model.LiteGroup]:
+        self._check_open()
+        with self._lock:
+            return [self._groups[k] for k in sorted(self._groups)]
+
+    def put_quota(self, quota: model.Quota) -> None:
+        self._check_open()
+        if not quota.scope or len(quota.scope.encode()) > model.MAX_RESOURCE_NAME_BYTES * 2 or "\x00" in quota.scope:
+            raise errors.InvalidName(f"invalid quota scope {quota.scope!r}", scope=quota.scope)
+        with self._lock:
+            self._quotas[quota.scope] = quota
+
+    def get_quota(self, scope: str) -> model.Quota | None:
+        self._check_open()
+        with self._lock:
+            return self._quotas.get(scope)
+
+    def delete_quota(self, scope: str) -> bool:
+        self._check_open()
+        with self._lock:
+            return self._quotas.pop(scope, None) is not None
+
+    def list_quotas(self) -> list[model.Quota]:
+        self._check_open()
+        with self._lock:
+            return [self._quotas[k] for k in sorted(self._quotas)]
+
+    # --- maintenance ---------------------------------------------------------------------------------
+
+    def apply_retention(self) -> api.RetentionReport:
+        self._check_open()
+        max_age = self._cfg.retention_max_age_ms
+        max_bytes = self._cfg.retention_max_bytes
+        with self._lock:
+            now = self._clock()
+            dropped = deleted = 0
+            advanced: set[int] = set()
+            while len(self._records) > 1:  # like LmqStore's active segment, the newest record stays
+                head = self._records[0]
+                too_old = max_age >= 0 and head.store_ms + max_age < now
+                too_big = max_bytes >= 0 and self._bytes > max_bytes
+                if not (too_old or too_big):
+                    break
+                self._records.popleft()
+                self._bytes -= head.size
+                dropped += 1
+                deleted += head.size
+                for q, off in head.placed:
+                    q.messages.pop(off, None)
+                    if q.min <= off and self._queues.get(q.name.qkey) is q:
+                        q.min = off + 1
+                        advanced.add(id(q))
+            return api.RetentionReport(dropped, deleted, len(advanced))
+
+    def flush(self) -> None:
+        self._check_open()
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.StorageError("store is closed")
+
+
+def _check_resource(name: str) -> None:
+    if not model.is_valid_resource_name(name):
+        raise errors.InvalidName(f"invalid name {name!r}", name=name)

@@ -1,0 +1,819 @@
+"""LmqStore: the commit log (truth) + the RocksDB index (cache), behind ``api.Store``.
+
+Write path, one *round* at a time under the write lock: callers queue their request and whoever gets the
+lock first takes every queued request (leader/follower group commit), validates each (a bad request fails
+alone, nothing of it written), assigns offsets, encodes, writes each touched segment with one write,
+fsyncs once (``sync`` mode), then writes one WriteBatch with every index run, queue state, lite-topic
+record, counter, segment-table row and the checkpoint. Followers find their request done when they get
+the lock. Index after fsync means the index never points past the durable log in ``sync`` mode.
+
+Per-queue state (min/next and lite-topic times) lives in the index; a bounded LRU keeps the hot ones.
+Only the write path fills the LRU (under the lock), so a reader can never put a stale state in it.
+
+Recovery: scan the log from the checkpoint, re-index what follows it (offsets come from the records),
+truncate a torn tail in the last segment; a bad record before the last segment is real corruption and
+open fails. A missing index or a checkpoint past the log's end rebuilds every derived key from the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import rocksdict
+
+from lmq_broker import config, errors, model
+from lmq_broker.storage import api, codec, commitlog, keys
+from lmq_broker.storage import index as index_mod
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], int]
+
+STATE_CACHE_ENTRIES: Final = 65_536
+NAME_CACHE_ENTRIES: Final = 65_536
+REPLAY_BATCH_RECORDS: Final = 4096
+RETENTION_BATCH_QUEUES: Final = 10_000
+SCAN_LIMIT_MAX: Final = 100_000
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    rebuilt: bool  # the whole derived index was recreated from the log
+    records_reindexed: int
+    truncated_bytes: int  # torn tail cut from the last segment
+    duration_ms: float
+
+
+class _Request:
+    __slots__ = ("done", "error", "messages", "prepared", "results")
+
+    def __init__(self, messages: Sequence[model.NewMessage]) -> None:
+        self.messages = messages
+        self.prepared: list[codec.Prepared] = []
+        self.results: list[model.AppendResult] = []
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class _Pending:
+    """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
+
+    __slots__ = ("created", "ents", "last_store", "min", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
+
+    def __init__(self, st: index_mod.QueueState, new: bool, seg: int, ms: int) -> None:
+        self.st = st
+        self.new = new
+        self.next = st.next
+        self.min = st.min
+        self.created = st.created
+        self.last_store = st.last_store
+        self.run_seg = seg
+        self.run_ms = ms
+        self.run_first = st.next
+        self.ents: list[bytes] = []
+        self.runs: list[tuple[int, int, int, list[bytes]]] = []
+
+    def cut(self, seg: int, ms: int) -> None:
+        """Close the current run (a run lives in one segment and has one store time); start the next."""
+        if self.ents:
+            self.runs.append((self.run_seg, self.run_ms, self.run_first, self.ents))
+            self.ents = []
+        self.run_first = self.next
+        self.run_seg = seg
+        self.run_ms = ms
+
+    def replay(self, offset: int, seg: int, ms: int, entry: bytes) -> None:
+        if offset < self.next:
+            log.warning("replay: %s offset %d below next %d, skipped", self.st.name.topic, offset, self.next)
+            return
+        if offset != self.next or seg != self.run_seg or ms != self.run_ms:
+            self.cut(seg, ms)
+            self.run_first = offset
+        self.next = offset + 1
+        self.ents.append(entry)
+        self.last_store = ms
+
+
+class LmqStore:
+    """The store of one broker: see the module docstring; implements ``api.Store``."""
+
+    def __init__(
+        self, cfg: config.StoreConfig, clock: Clock = wall_clock_ms, state_cache_entries: int = STATE_CACHE_ENTRIES
+    ) -> None:
+        self._cfg = cfg
+        self._clock = clock
+        self._sync = cfg.flush_mode == config.FlushMode.SYNC
+        self._max_record = min(cfg.max_record_bytes, cfg.segment_max_bytes)
+        self._cache_cap = max(1, state_cache_entries)
+        self._states: OrderedDict[bytes, index_mod.QueueState] = OrderedDict()
+        self._names = keys.NameCache(NAME_CACHE_ENTRIES)
+        self._resolve = self._names.queue
+        self._write_lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Request] = []
+        self._closed = False
+        self._failed: str | None = None
+        started = time.perf_counter()
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log = commitlog.CommitLog(cfg.data_dir / "commitlog", cfg.segment_max_bytes)
+        try:
+            self._index = index_mod.Index(cfg.data_dir / "index", cfg.index_cache_bytes)
+        except BaseException:
+            self._log.close()
+            raise
+        try:
+            self._segtab = self._index.segment_table()
+            rebuilt, reindexed, truncated = self._recover()
+        except BaseException:
+            self._index.close()
+            self._log.close()
+            raise
+        self.recovery = RecoveryReport(rebuilt, reindexed, truncated, (time.perf_counter() - started) * 1000)
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if not self._sync:
+            self._flusher = threading.Thread(target=self._flush_loop, name="lmq-store-flusher", daemon=True)
+            self._flusher.start()
+
+    # --- introspection (tests, benchmarks) -----------------------------------------------------------
+
+    @property
+    def fsync_count(self) -> int:
+        return self._log.fsyncs
+
+    @property
+    def cached_states(self) -> int:
+        return len(self._states)
+
+    def drop_caches(self) -> None:
+        """Forget every cached queue state and name (they are reloaded from the index on demand)."""
+        with self._write_lock:
+            self._states.clear()
+            self._names.clear()
+
+    # --- messages ------------------------------------------------------------------------------------
+
+    def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        self._check_open()
+        if not messages:
+            return []
+        req = _Request(messages)
+        with self._queue_lock:
+            self._queue.append(req)
+        with self._write_lock:
+            if not req.done:
+                with self._queue_lock:
+                    reqs, self._queue = self._queue, []
+                self._round(reqs)
+        if req.error is not None:
+            raise req.error
+        return req.results
+
+    def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
+        self._check_open()
+        name = self._resolve(queue.topic, queue.queue)
+        if max_count <= 0:
+            return []
+        st = self._state(name)
+        if st is None:
+            return []
+        start = max(offset, st.min)
+        end = min(st.next, start + max_count)
+        if start >= end:
+            return []
+        out: list[model.StoredMessage] = []
+        for off, seg, pos, size, _ in self._index.entries(name, start, end - start):
+            buf = self._log.read(seg, pos, size)
+            if buf is not None:  # None: the segment was dropped by retention after the lookup
+                out.append(codec.decode_message(buf, queue, off))
+        return out
+
+    def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
+        self._check_open()
+        st = self._state(self._resolve(queue.topic, queue.queue))
+        return (0, 0) if st is None else (st.min, st.next)
+
+    # --- consumer offsets ----------------------------------------------------------------------------
+
+    def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
+        self._check_open()
+        name = self._resolve(queue.topic, queue.queue)
+        _check_group(group)
+        if offset < 0:
+            raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        with self._write_lock:
+            self._check_writable()
+            wb = self._index.batch()
+            st: index_mod.QueueState | None = None
+            now = 0
+            if name.is_lmq:
+                st = self._state(name)
+                if st is None:
+                    return  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
+                now = self._clock()
+                wb.put(name.state_key, _value(st, last_consume=now))
+            wb.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
+            self._index.write(wb)
+            if st is not None:
+                st.last_consume = now
+
+    def get_offset(self, queue: model.QueueId, group: str) -> int | None:
+        self._check_open()
+        name = self._resolve(queue.topic, queue.queue)
+        return self._index.get_u64(keys.offset_key(name.qkey, group))
+
+    # --- lite topics ---------------------------------------------------------------------------------
+
+    def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None:
+        self._check_open()
+        st = self._state(self._resolve(keys.lmq_topic(parent, lite), 0))
+        return None if st is None else st.meta()
+
+    def lite_topic_count(self, parent: str | None = None) -> int:
+        self._check_open()
+        return self._index.get_u64(keys.count_key(parent)) or 0
+
+    def scan_lite_topics(
+        self, parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000
+    ) -> list[model.LiteTopicMeta]:
+        self._check_open()
+        prefix = keys.lite_prefix(parent)
+        lo = prefix + _scan_bound(start_after, parent)
+        hi = prefix + _scan_bound(end_before, parent) if end_before else keys.successor(prefix)
+        out: list[model.LiteTopicMeta] = []
+        limit = max(0, min(limit, SCAN_LIMIT_MAX))
+        for key, value in self._index.items(lo, hi):
+            if len(out) >= limit:
+                break
+            if key == lo:
+                continue  # start_after is exclusive
+            p, lt = keys.split_lite_key(key)
+            out.append(keys.decode_lite(p, lt, value))
+        return out
+
+    def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
+        self._check_open()
+        name = self._resolve(keys.lmq_topic(parent, lite), 0)
+        with self._write_lock:
+            self._check_writable()
+            st = self._state(name)
+            if st is None:
+                return False
+            if expected is not None and (
+                expected.max_offset,
+                expected.last_store_ms,
+                expected.last_consume_ms,
+            ) != (st.next, st.last_store, st.last_consume):
+                return False
+            now = self._clock()
+            record = codec.encode_tombstone(name, st.next, now)
+            seg, end = self._write_record(record)
+            wb = self._index.batch()
+            _delete_queue(wb, name)
+            self._put_counters(wb, {parent: -1})
+            self._touch_segment(wb, seg, now)
+            wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(seg, end))
+            self._write_index(wb)
+            self._states.pop(name.qkey, None)
+        return True
+
+    # --- control-plane metadata ----------------------------------------------------------------------
+
+    def put_parent_topic(self, topic: model.ParentTopic) -> None:
+        _check_resource(topic.name)
+        self._put_meta(keys.name_key(keys.PARENT, topic.name), keys.encode_parent_topic(topic))
+
+    def get_parent_topic(self, name: str) -> model.ParentTopic | None:
+        value = self._get_meta(keys.name_key(keys.PARENT, name))
+        return None if value is None else keys.decode_parent_topic(value)
+
+    def delete_parent_topic(self, name: str) -> bool:
+        return self._delete_meta(keys.name_key(keys.PARENT, name))
+
+    def list_parent_topics(self) -> list[model.ParentTopic]:
+        return [keys.decode_parent_topic(v) for v in self._list_meta(keys.PARENT)]
+
+    def put_group(self, group: model.LiteGroup) -> None:
+        _check_resource(group.name)
+        _check_resource(group.bind_topic)
+        self._put_meta(keys.name_key(keys.GROUP, group.name), keys.encode_group(group))
+
+    def get_group(self, name: str) -> model.LiteGroup | None:
+        value = self._get_meta(keys.name_key(keys.GROUP, name))
+        return None if value is None else keys.decode_group(value)
+
+    def delete_group(self, name: str) -> bool:
+        return self._delete_meta(keys.name_key(keys.GROUP, name))
+
+    def list_groups(self) -> list[model.LiteGroup]:
+        return [keys.decode_group(v) for v in self._list_meta(keys.GROUP)]
+
+    def put_quota(self, quota: model.Quota) -> None:
+        _check_scope(quota.scope)
+        self._put_meta(keys.name_key(keys.QUOTA, quota.scope), keys.encode_quota(quota))
+
+    def get_quota(self, scope: str) -> model.Quota | None:
+        value = self._get_meta(keys.name_key(keys.QUOTA, scope))
+        return None if value is None else keys.decode_quota(value)
+
+    def delete_quota(self, scope: str) -> bool:
+        return self._delete_meta(keys.name_key(keys.QUOTA, scope))
+
+    def list_quotas(self) -> list[model.Quota]:
+        return [keys.decode_quota(v) for v in self._list_meta(keys.QUOTA)]
+
+    # --- maintenance ---------------------------------------------------------------------------------
+
+    def apply_retention(self) -> api.RetentionReport:
+        self._check_open()
+        with self._write_lock:
+            self._check_writable()
+            self._log.reap()  # descriptors of segments dropped by the previous pass
+            victims = self._retention_victims(self._clock())
+        segments = deleted = 0
+        advanced: set[bytes] = set()
+        for seq in victims:
+            advanced |= self._drop_segment(seq)
+            with self._write_lock:
+                wb = self._index.batch()
+                wb.delete(keys.segment_key(seq))
+                self._write_index(wb)
+                self._segtab.pop(seq, None)
+                deleted += self._log.drop(seq)
+            segments += 1
+        return api.RetentionReport(segments, deleted, len(advanced))
+
+    def flush(self) -> None:
+        self._check_open()
+        self._log.sync()
+        self._index.flush()
+
+    def close(self) -> None:
+        with self._write_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join()
+        with self._write_lock:
+            with contextlib.suppress(OSError):
+                self._log.sync()
+            self._index.close()
+            self._log.close()
+            self._states.clear()
+
+    # --- write path internals ------------------------------------------------------------------------
+
+    def _round(self, reqs: list[_Request]) -> None:
+        try:
+            self._check_writable()
+            live: list[_Request] = []
+            for r in reqs:
+                try:
+                    r.prepared = [codec.prepare(m, self._names, self._max_record) for m in r.messages]
+                    live.append(r)
+                except errors.LmqError as e:
+                    r.error = e
+            if live:
+                self._append_locked(live)
+        except Exception as e:
+            for r in reqs:
+                if r.error is None:
+                    r.error = e
+                    r.results = []
+        finally:
+            for r in reqs:
+                r.done = True
+
+    def _append_locked(self, reqs: list[_Request]) -> None:
+        store_ms = self._clock()
+        lg = self._log
+        seg = lg.active.seq
+        pos = lg.active.size
+        start = (seg, pos)
+        seg_max = lg.segment_max_bytes
+        pend: dict[bytes, _Pending] = {}
+        chunks: list[tuple[int, list[bytes]]] = []
+        parts: list[bytes] = []
+        frame = codec.frame
+        pack_entry = keys.RUN_ENTRY.pack
+        append_result = model.AppendResult
+        for r in reqs:
+            results: list[model.AppendResult] = []
+            for p in r.prepared:
+                size = p.size
+                if pos + size > seg_max:
+                    chunks.append((seg, parts))
+                    parts = []
+                    seg += 1
+                    pos = 0
+                    for pd in pend.values():
+                        pd.cut(seg, store_ms)
+                entry = pack_entry(pos, size)
+                offsets: list[int] = []
+                for name in p.queues:
+                    q = pend.get(name.qkey)
+                    if q is None:
+                        q = pend[name.qkey] = self._pending(name, seg, store_ms)
+                    off = q.next
+                    q.next = off + 1
+                    offsets.append(off)
+                    q.ents.append(entry)
+                m = p.message
+                prefix, head = frame(p, store_ms, offsets)
+                parts.append(prefix)
+                parts.append(head)
+                parts.append(m.body)
+                pos += size
+                results.append(append_result(m.message_id, dict(zip(m.queues, offsets, strict=True)), store_ms))
+            r.results = results
+        chunks.append((seg, parts))
+        self._write_chunks(chunks, start)
+        if self._sync:
+            lg.sync()
+        wb = self._index.batch()
+        created: dict[str, int] = {}
+        for pd in pend.values():
+            pd.last_store = store_ms
+            self._put_pending(wb, pd, created)
+        if created:
+            self._put_counters(wb, created)
+        for s in range(start[0], seg + 1):
+            self._touch_segment(wb, s, store_ms)
+        wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(lg.active.seq, lg.active.size))
+        self._write_index(wb)
+        self._commit(pend)
+
+    def _pending(self, name: keys.QueueName, seg: int, ms: int) -> _Pending:
+        st = self._states.get(name.qkey)
+        if st is not None:
+            self._states.move_to_end(name.qkey)
+            return _Pending(st, False, seg, ms)
+        st = self._index.load_state(name)
+        if st is not None:
+            return _Pending(st, False, seg, ms)
+        fresh = index_mod.QueueState(name, created=ms, last_store=ms, last_consume=0, min_=0, next_=0)
+        return _Pending(fresh, True, seg, ms)
+
+    def _put_pending(self, wb: rocksdict.WriteBatch, pd: _Pending, created: dict[str, int]) -> None:
+        pd.cut(pd.run_seg, pd.run_ms)
+        name = pd.st.name
+        for seg, ms, first, ents in pd.runs:
+            wb.put(keys.entry_key(name.qkey, first), keys.encode_run(seg, ms, ents))
+        if name.is_lmq:
+            wb.put(
+                name.state_key,
+                keys.LITE_VALUE.pack(pd.created, pd.last_store, pd.st.last_consume, pd.min, pd.next),
+            )
+            if pd.new:
+                assert name.parent is not None
+                created[name.parent] = created.get(name.parent, 0) + 1
+        else:
+            wb.put(name.state_key, keys.STATE_VALUE.pack(pd.min, pd.next))
+
+    def _commit(self, pend: dict[bytes, _Pending]) -> None:
+        states = self._states
+        for qkey, pd in pend.items():
+            st = pd.st
+            st.next = pd.next
+            st.min = pd.min
+            st.created = pd.created
+            st.last_store = pd.last_store
+            if pd.new or qkey not in states:
+                states[qkey] = st
+        while len(states) > self._cache_cap:
+            states.popitem(last=False)
+
+    def _put_counters(self, wb: rocksdict.WriteBatch, deltas: dict[str, int]) -> None:
+        total = 0
+        for parent, delta in deltas.items():
+            key = keys.count_key(parent)
+            wb.put(key, keys.U64.pack(max(0, (self._index.get_u64(key) or 0) + delta)))
+            total += delta
+        current = self._index.get_u64(keys.TOTAL_COUNT_KEY) or 0
+        wb.put(keys.TOTAL_COUNT_KEY, keys.U64.pack(max(0, current + total)))
+
+    def _touch_segment(self, wb: rocksdict.WriteBatch, seg: int, ms: int) -> None:
+        row = self._segtab.get(seg)
+        if row is None:
+            row = self._segtab[seg] = [ms, ms]
+        row[1] = max(row[1], ms)
+        wb.put(keys.segment_key(seg), keys.SEGMENT_VALUE.pack(row[0], row[1]))
+
+    def _write_chunks(self, chunks: list[tuple[int, list[bytes]]], start: tuple[int, int]) -> None:
+        lg = self._log
+        try:
+            for seg, parts in chunks:
+                if seg != lg.active.seq:
+                    lg.roll()
+                if parts:
+                    lg.append(b"".join(parts))
+        except OSError as e:
+            try:
+                lg.rollback(*start)
+            except OSError as again:
+                self._failed = f"commit log rollback failed: {again}"
+            raise errors.StorageError(f"commit log write failed: {e}", errno=e.errno) from e
+
+    def _write_record(self, record: bytes) -> tuple[int, int]:
+        """Append one control record (its own round, under the write lock); (segment, end position)."""
+        lg = self._log
+        start = (lg.active.seq, lg.active.size)
+        seg = start[0] + 1 if start[1] + len(record) > lg.segment_max_bytes else start[0]
+        self._write_chunks([(seg, [record])], start)
+        if self._sync:
+            lg.sync()
+        return lg.active.seq, lg.active.size
+
+    def _write_index(self, wb: rocksdict.WriteBatch) -> None:
+        try:
+            self._index.write(wb)
+        except Exception as e:
+            # The log holds records the index lacks; offsets handed out from now on could collide. Stop
+            # writing: a restart re-indexes from the checkpoint.
+            self._failed = f"index write failed: {e}"
+            raise errors.StorageError(f"index write failed: {e}") from e
+
+    def _flush_loop(self) -> None:
+        interval = self._cfg.flush_interval_ms / 1000
+        while not self._stop.wait(interval):
+            try:
+                self._log.sync()
+            except OSError:
+                log.exception("background fsync failed")
+
+    # --- read helpers --------------------------------------------------------------------------------
+
+    def _state(self, name: keys.QueueName) -> index_mod.QueueState | None:
+        st = self._states.get(name.qkey)
+        return st if st is not None else self._index.load_state(name)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.StorageError("store is closed")
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise errors.StorageError("store is closed")
+        if self._failed is not None:
+            raise errors.StorageError(f"store stopped accepting writes: {self._failed}")
+
+    # --- control metadata ----------------------------------------------------------------------------
+
+    def _put_meta(self, key: bytes, value: bytes) -> None:
+        self._check_open()
+        with self._write_lock:
+            wb = self._index.batch()
+            wb.put(key, value)
+            self._index.write(wb)
+
+    def _get_meta(self, key: bytes) -> bytes | None:
+        self._check_open()
+        return self._index.get(key)
+
+    def _delete_meta(self, key: bytes) -> bool:
+        self._check_open()
+        with self._write_lock:
+            if self._index.get(key) is None:
+                return False
+            wb = self._index.batch()
+            wb.delete(key)
+            self._index.write(wb)
+            return True
+
+    def _list_meta(self, prefix: bytes) -> list[bytes]:
+        self._check_open()
+        return [v for _, v in self._index.prefix_items(prefix)]
+
+    # --- retention -----------------------------------------------------------------------------------
+
+    def _retention_victims(self, now: int) -> list[int]:
+        """Oldest closed segments past the age or size limit; always a prefix of the log, never the active one."""
+        max_age = self._cfg.retention_max_age_ms
+        max_bytes = self._cfg.retention_max_bytes
+        total = self._log.total_bytes()
+        victims: list[int] = []
+        for seq in self._log.seqs():
+            if seq == self._log.active.seq:
+                break
+            last_store = self._segtab.get(seq, [0, 0])[1]
+            too_old = max_age >= 0 and last_store + max_age < now
+            too_big = max_bytes >= 0 and total > max_bytes
+            if not (too_old or too_big):
+                break
+            victims.append(seq)
+            total -= self._log.size_of(seq)
+        return victims
+
+    def _drop_segment(self, seq: int) -> set[bytes]:
+        """Advance the min offset of every queue with entries in ``seq``; returns those that advanced."""
+        queues: set[tuple[str, int]] = set()
+        try:
+            for frame in self._log.scan_segment(seq):
+                if frame.kind == codec.KIND_MESSAGE:
+                    queues.update(frame.queues)
+        except errors.CorruptRecord:
+            log.exception("retention: corrupt record in segment %d; queues after it keep stale entries", seq)
+        advanced: set[bytes] = set()
+        todo = sorted(queues)
+        for i in range(0, len(todo), RETENTION_BATCH_QUEUES):
+            with self._write_lock:
+                self._check_writable()
+                wb = self._index.batch()
+                updates: list[tuple[index_mod.QueueState, int]] = []
+                for topic, qid in todo[i : i + RETENTION_BATCH_QUEUES]:
+                    try:
+                        name = self._resolve(topic, qid)
+                    except errors.InvalidArgument:
+                        continue
+                    st = self._state(name)
+                    if st is None:
+                        continue  # deleted since (a reclaimed lite topic)
+                    new_min = st.next
+                    for first, rseg, _ in self._index.runs(name):
+                        if rseg > seq:
+                            new_min = first
+                            break
+                    new_min = max(new_min, st.min)
+                    wb.delete_range(keys.entry_key(name.qkey, 0), keys.entry_key(name.qkey, new_min))
+                    if new_min > st.min:
+                        wb.put(name.state_key, _value(st, min_=new_min))
+                        updates.append((st, new_min))
+                self._write_index(wb)
+                for st, new_min in updates:
+                    st.min = new_min
+                    advanced.add(st.name.qkey)
+        return advanced
+
+    # --- recovery ------------------------------------------------------------------------------------
+
+    def _recover(self) -> tuple[bool, int, int]:
+        """Bring the index up to the log. Returns (rebuilt, records re-indexed, torn bytes truncated)."""
+        seqs = self._log.seqs()
+        cp = self._index.checkpoint()
+        rebuild = cp is None or cp[0] not in seqs or cp[1] > self._log.size_of(cp[0])
+        if rebuild:
+            if cp is not None:
+                log.warning("index checkpoint %s is past the commit log; rebuilding the index", cp)
+            self._index.clear_derived()
+            self._segtab = {}
+            start = (seqs[0], 0)
+        else:
+            assert cp is not None
+            start = cp
+        count, truncated = self._replay(start, seqs[-1])
+        return rebuild, count, truncated
+
+    def _replay(self, start: tuple[int, int], last_seq: int) -> tuple[int, int]:
+        pend: dict[bytes, _Pending] = {}
+        touched: set[int] = set()
+        end = start
+        count = 0
+        batched = 0
+        pack_entry = keys.RUN_ENTRY.pack
+
+        def flush() -> None:
+            nonlocal pend, touched, batched
+            wb = self._index.batch()
+            created: dict[str, int] = {}
+            for pd in pend.values():
+                self._put_pending(wb, pd, created)
+            if created:
+                self._put_counters(wb, created)
+            for s in touched:
+                row = self._segtab[s]
+                wb.put(keys.segment_key(s), keys.SEGMENT_VALUE.pack(row[0], row[1]))
+            wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(*end))
+            self._write_index(wb)
+            self._commit(pend)
+            pend, touched, batched = {}, set(), 0
+
+        try:
+            for seq, f in self._log.scan(*start):
+                row = self._segtab.setdefault(seq, [f.store_ms, f.store_ms])
+                row[1] = max(row[1], f.store_ms)
+                touched.add(seq)
+                if f.kind == codec.KIND_TOMBSTONE:
+                    flush()
+                    self._replay_tombstone(f, seq)
+                else:
+                    entry = pack_entry(f.position, f.size)
+                    for (topic, qid), off in zip(f.queues, f.offsets, strict=True):
+                        try:
+                            name = self._resolve(topic, qid)
+                        except errors.InvalidArgument as e:
+                            raise errors.CorruptRecord(
+                                f"record names an invalid queue: {e.message}", segment=seq, position=f.position
+                            ) from e
+                        pd = pend.get(name.qkey)
+                        if pd is None:
+                            pd = pend[name.qkey] = self._pending_replay(name, seq, f.store_ms, off)
+                        pd.replay(off, seq, f.store_ms, entry)
+                end = (seq, f.position + f.size)
+                count += 1
+                batched += 1
+                if batched >= REPLAY_BATCH_RECORDS:
+                    flush()
+        except errors.CorruptRecord as e:
+            bad_seq, bad_pos = e.fields.get("segment"), e.fields.get("position")
+            if bad_seq != last_seq or not isinstance(bad_seq, int) or not isinstance(bad_pos, int):
+                raise
+            flush()
+            truncated = self._log.size_of(bad_seq) - bad_pos
+            log.warning("recovery: torn record at segment %d position %d, %d bytes cut", bad_seq, bad_pos, truncated)
+            self._log.rollback(bad_seq, bad_pos)
+            wb = self._index.batch()
+            wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(bad_seq, bad_pos))
+            self._write_index(wb)
+            return count, truncated
+        flush()
+        return count, 0
+
+    def _pending_replay(self, name: keys.QueueName, seg: int, ms: int, offset: int) -> _Pending:
+        st = self._state(name)
+        if st is not None:
+            return _Pending(st, False, seg, ms)
+        pd = _Pending(
+            index_mod.QueueState(name, created=ms, last_store=ms, last_consume=0, min_=offset, next_=offset),
+            True,
+            seg,
+            ms,
+        )
+        return pd
+
+    def _replay_tombstone(self, f: codec.Frame, seq: int) -> None:
+        topic, qid = f.queues[0]
+        name = self._resolve(topic, qid)
+        wb = self._index.batch()
+        if self._state(name) is not None:
+            _delete_queue(wb, name)
+            if name.parent is not None:
+                self._put_counters(wb, {name.parent: -1})
+        wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(seq, f.position + f.size))
+        self._write_index(wb)
+        self._states.pop(name.qkey, None)
+
+
+def open_store(cfg: config.StoreConfig, clock: Clock = wall_clock_ms) -> LmqStore:
+    """Open (creating, recovering or rebuilding as needed) the store under ``cfg.data_dir``."""
+    return LmqStore(cfg, clock)
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def _value(st: index_mod.QueueState, *, min_: int | None = None, last_consume: int | None = None) -> bytes:
+    return st.value(
+        min_=st.min if min_ is None else min_,
+        next_=st.next,
+        created=st.created,
+        last_store=st.last_store,
+        last_consume=st.last_consume if last_consume is None else last_consume,
+    )
+
+
+def _delete_queue(wb: rocksdict.WriteBatch, name: keys.QueueName) -> None:
+    wb.delete_range(name.entry_prefix, keys.successor(name.entry_prefix))
+    wb.delete_range(name.offset_prefix, keys.successor(name.offset_prefix))
+    wb.delete(name.state_key)
+
+
+def _scan_bound(bound: str, parent: str | None) -> bytes:
+    """A scan bound as key bytes: a lite name within ``parent``, or ``parent$lite`` across parents."""
+    return bound.encode() if parent is not None else bound.replace(model.LMQ_SEPARATOR, "\x00").encode()
+
+
+def _check_group(group: str) -> None:
+    if not model.is_valid_resource_name(group):
+        raise errors.InvalidName(f"invalid group name {group!r}", group=group)
+
+
+def _check_resource(name: str) -> None:
+    if not model.is_valid_resource_name(name):
+        raise errors.InvalidName(f"invalid name {name!r}", name=name)
+
+
+def _check_scope(scope: str) -> None:
+    if not scope or len(scope.encode()) > model.MAX_RESOURCE_NAME_BYTES * 2 or "\x00" in scope:
+        raise errors.InvalidName(f"invalid quota scope {scope!r}", scope=scope)
+
+
+def iter_records(cfg: config.StoreConfig) -> Iterator[tuple[int, codec.Frame]]:
+    """Every record header of the log under ``cfg.data_dir`` (a debugging aid; the store must be closed)."""
+    lg = commitlog.CommitLog(cfg.data_dir / "commitlog", cfg.segment_max_bytes)
+    try:
+        yield from lg.scan(lg.seqs()[0], 0)
+    finally:
+        lg.close()

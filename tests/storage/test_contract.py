@@ -1,0 +1,420 @@
+"""The api.Store contract, run against LmqStore and MemoryStore alike (the ``make_store`` fixture)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from lmq_broker import errors, model
+from lmq_broker.storage import api
+from lmq_broker.storage.memory import ManualClock
+
+Msg = Callable[..., model.NewMessage]
+LMQ_A = model.QueueId.lmq("P", "a")
+PARENT_Q = model.QueueId("P", 0)
+
+
+# --- append and read ---------------------------------------------------------------------------------
+
+
+def test_append_assigns_consecutive_offsets_per_queue(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    results = store.append([msg(lite="a"), msg(lite="b"), msg(lite="a")])
+    assert [r.offsets for r in results] == [
+        {PARENT_Q: 0, LMQ_A: 0},
+        {PARENT_Q: 1, model.QueueId.lmq("P", "b"): 0},
+        {PARENT_Q: 2, LMQ_A: 1},
+    ]
+    assert {r.store_timestamp_ms for r in results} == {clock()}
+    assert store.queue_offsets(PARENT_Q) == (0, 3)
+    assert store.queue_offsets(LMQ_A) == (0, 2)
+
+
+def test_empty_append_is_a_no_op(store: api.Store) -> None:
+    assert store.append([]) == []
+
+
+def test_read_round_trips_every_field(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    m = msg(
+        body=b"\x00\xffpayload",
+        born_timestamp_ms=123,
+        born_host="10.0.0.1",
+        tag="TagA",
+        keys=("k1", "k2"),
+        message_group="g1",
+        user_properties={"x": "1", "ünï": "cödé"},
+    )
+    store.append([m])
+    for queue in (PARENT_Q, LMQ_A):
+        (got,) = store.read(queue, 0, 10)
+        assert got == model.StoredMessage(
+            queue=queue,
+            offset=0,
+            message_id=m.message_id,
+            topic="P",
+            body=b"\x00\xffpayload",
+            store_timestamp_ms=clock(),
+            born_timestamp_ms=123,
+            lite_topic="a",
+            message_type=model.MessageType.LITE,
+            born_host="10.0.0.1",
+            tag="TagA",
+            keys=("k1", "k2"),
+            message_group="g1",
+            user_properties={"x": "1", "ünï": "cödé"},
+        )
+
+
+def test_read_by_batch_from_an_offset(store: api.Store, msg: Msg) -> None:
+    store.append([msg(body=f"b{i}".encode()) for i in range(10)])
+    assert [m.offset for m in store.read(LMQ_A, 3, 4)] == [3, 4, 5, 6]
+    assert [m.body for m in store.read(LMQ_A, 8, 32)] == [b"b8", b"b9"]
+    assert store.read(LMQ_A, 10, 32) == []
+    assert store.read(LMQ_A, 0, 0) == []
+
+
+def test_read_sees_only_its_own_queue(store: api.Store, msg: Msg) -> None:
+    store.append([msg(lite="a", body=b"A"), msg(lite="b", body=b"B"), msg(lite="a", body=b"A2")])
+    assert [m.body for m in store.read(LMQ_A, 0, 10)] == [b"A", b"A2"]
+    assert [m.body for m in store.read(model.QueueId.lmq("P", "b"), 0, 10)] == [b"B"]
+    assert [m.body for m in store.read(PARENT_Q, 0, 10)] == [b"A", b"B", b"A2"]
+    assert store.read(model.QueueId.lmq("P", "zzz"), 0, 10) == []
+    assert store.queue_offsets(model.QueueId("Other", 3)) == (0, 0)
+
+
+def test_multi_dispatch_indexes_one_message_into_every_queue(store: api.Store, msg: Msg) -> None:
+    extra = tuple(model.QueueId.lmq("P", f"fan{i}") for i in range(20))
+    (res,) = store.append([msg(queues=(PARENT_Q, *extra), body=b"once")])
+    assert res.offsets == {q: 0 for q in (PARENT_Q, *extra)}
+    for q in extra:
+        (got,) = store.read(q, 0, 5)
+        assert (got.queue, got.offset, got.body) == (q, 0, b"once")
+    assert store.lite_topic_count("P") == 20
+
+
+def test_appends_from_many_threads_get_unique_dense_offsets(store: api.Store, msg: Msg) -> None:
+    n_threads, n_batches, batch = 4, 10, 5
+    results: list[model.AppendResult] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        for _ in range(n_batches):
+            got = store.append([msg() for _ in range(batch)])
+            with lock:
+                results.extend(got)
+
+    threads = [threading.Thread(target=work) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = n_threads * n_batches * batch
+    assert sorted(r.offsets[LMQ_A] for r in results) == list(range(total))
+    by_offset = {r.offsets[LMQ_A]: r.message_id for r in results}
+    assert [m.message_id for m in store.read(LMQ_A, 0, total)] == [by_offset[i] for i in range(total)]
+
+
+# --- bad input: a typed error and nothing written ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        ({"body": b""}, errors.BodyEmpty),
+        ({"body": b"x" * 70_000}, errors.RecordTooLarge),
+        ({"queues": ()}, errors.InvalidArgument),
+        ({"queues": (PARENT_Q, PARENT_Q)}, errors.InvalidArgument),
+        ({"message_id": ""}, errors.InvalidArgument),
+        ({"topic": "bad topic"}, errors.InvalidName),
+        ({"lite_topic": "bad lite!"}, errors.InvalidLiteTopic),
+        ({"queues": (model.QueueId("%LMQ%$P", 0),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("%LMQ%$P$a$b", 0),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("%LMQ%$P$bad lite", 0),)}, errors.InvalidLiteTopic),
+        ({"queues": (model.QueueId("%LMQ%$P$" + "x" * 65, 0),)}, errors.InvalidLiteTopic),
+        ({"queues": (model.QueueId("%LMQ%$P$a", 1),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("%LMQ%$$a", 0),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("", 0),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("has space", 0),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("P", 70_000),)}, errors.InvalidName),
+        ({"queues": (model.QueueId("P", -1),)}, errors.InvalidName),
+    ],
+)
+def test_bad_message_is_refused_and_nothing_is_written(
+    make_store: Callable[..., api.Store], msg: Msg, overrides: dict[str, object], error: type[Exception]
+) -> None:
+    store = make_store(max_record_bytes=64 * 1024)
+    good = msg()
+    with pytest.raises(error):
+        store.append([good, msg(**overrides)])
+    assert store.queue_offsets(PARENT_Q) == (0, 0)
+    assert store.queue_offsets(LMQ_A) == (0, 0)
+    assert store.lite_topic_count() == 0
+    assert store.append([good])[0].offsets == {PARENT_Q: 0, LMQ_A: 0}
+
+
+def test_a_bad_call_does_not_fail_a_concurrent_good_one(store: api.Store, msg: Msg) -> None:
+    errors_seen: list[BaseException] = []
+
+    def bad() -> None:
+        for _ in range(20):
+            try:
+                store.append([msg(body=b"")])
+            except errors.BodyEmpty as e:
+                errors_seen.append(e)
+
+    t = threading.Thread(target=bad)
+    t.start()
+    for _ in range(20):
+        store.append([msg()])
+    t.join()
+    assert len(errors_seen) == 20
+    assert store.queue_offsets(LMQ_A) == (0, 20)
+
+
+# --- consumer offsets --------------------------------------------------------------------------------
+
+
+def test_consumer_offsets_per_queue_and_group(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    store.append([msg(), msg(lite="b")])
+    assert store.get_offset(LMQ_A, "g1") is None
+    store.commit_offset(LMQ_A, "g1", 1)
+    store.commit_offset(LMQ_A, "g2", 0)
+    store.commit_offset(PARENT_Q, "g1", 2)
+    store.commit_offset(LMQ_A, "g1", 2)
+    assert store.get_offset(LMQ_A, "g1") == 2
+    assert store.get_offset(LMQ_A, "g2") == 0
+    assert store.get_offset(PARENT_Q, "g1") == 2
+    assert store.get_offset(model.QueueId.lmq("P", "b"), "g1") is None
+
+
+def test_commit_on_an_lmq_records_last_consume_time(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    store.append([msg()])
+    clock.advance(5000)
+    store.commit_offset(LMQ_A, "g", 1)
+    meta = store.lite_topic("P", "a")
+    assert meta is not None
+    assert meta.last_consume_ms == clock()
+    assert meta.last_store_ms == clock() - 5000
+
+
+def test_commit_on_a_missing_lite_topic_is_ignored(store: api.Store) -> None:
+    store.commit_offset(LMQ_A, "g", 3)
+    assert store.get_offset(LMQ_A, "g") is None
+    assert store.lite_topic("P", "a") is None
+
+
+@pytest.mark.parametrize(
+    ("group", "offset", "error"), [("bad group", 0, errors.InvalidName), ("g", -1, errors.InvalidArgument)]
+)
+def test_commit_offset_refuses_bad_input(store: api.Store, group: str, offset: int, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        store.commit_offset(PARENT_Q, group, offset)
+
+
+# --- lite topics -------------------------------------------------------------------------------------
+
+
+def test_lite_topic_metadata_follows_appends(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    created = clock()
+    store.append([msg()])
+    clock.advance(1000)
+    store.append([msg(), msg()])
+    assert store.lite_topic("P", "a") == model.LiteTopicMeta("P", "a", created, created + 1000, 0, 0, 3)
+    assert store.lite_topic("P", "nope") is None
+
+
+def test_lite_topic_counts_are_per_parent_and_total(store: api.Store, msg: Msg) -> None:
+    store.append([msg("P", "a"), msg("P", "b"), msg("Q", "a"), msg("P", "a")])
+    assert store.lite_topic_count("P") == 2
+    assert store.lite_topic_count("Q") == 1
+    assert store.lite_topic_count("R") == 0
+    assert store.lite_topic_count() == 3
+    store.delete_lite_topic("P", "a")
+    assert (store.lite_topic_count("P"), store.lite_topic_count()) == (1, 2)
+
+
+def test_scan_lite_topics_in_key_order_with_bounds(store: api.Store, msg: Msg) -> None:
+    for parent, lite in [("P", "b"), ("P", "a"), ("P-x", "a"), ("Q", "c"), ("P", "a-1"), ("P", "c")]:
+        store.append([msg(parent, lite)])
+
+    def names(metas: list[model.LiteTopicMeta]) -> list[str]:
+        return [f"{m.parent}${m.lite}" for m in metas]
+
+    assert names(store.scan_lite_topics()) == ["P$a", "P$a-1", "P$b", "P$c", "P-x$a", "Q$c"]
+    assert names(store.scan_lite_topics("P")) == ["P$a", "P$a-1", "P$b", "P$c"]
+    assert names(store.scan_lite_topics("P", start_after="a")) == ["P$a-1", "P$b", "P$c"]
+    assert names(store.scan_lite_topics("P", start_after="a", end_before="c")) == ["P$a-1", "P$b"]
+    assert names(store.scan_lite_topics("P", limit=2)) == ["P$a", "P$a-1"]
+    assert names(store.scan_lite_topics(None, start_after="P$c")) == ["P-x$a", "Q$c"]
+    assert names(store.scan_lite_topics(None, start_after="P", end_before="Q")) == [
+        "P$a",
+        "P$a-1",
+        "P$b",
+        "P$c",
+        "P-x$a",
+    ]
+    assert store.scan_lite_topics("Nope") == []
+
+
+def test_delete_lite_topic_removes_entries_offsets_and_metadata(store: api.Store, msg: Msg) -> None:
+    store.append([msg(), msg(lite="b"), msg()])
+    store.commit_offset(LMQ_A, "g", 1)
+    assert store.delete_lite_topic("P", "a") is True
+    assert store.lite_topic("P", "a") is None
+    assert store.read(LMQ_A, 0, 10) == []
+    assert store.queue_offsets(LMQ_A) == (0, 0)
+    assert store.get_offset(LMQ_A, "g") is None
+    assert store.delete_lite_topic("P", "a") is False  # idempotent
+    assert [m.offset for m in store.read(PARENT_Q, 0, 10)] == [0, 1, 2]  # the parent's queue is not touched
+    assert store.lite_topic("P", "b") is not None
+
+
+def test_a_deleted_lite_topic_starts_again_at_offset_zero(store: api.Store, msg: Msg) -> None:
+    store.append([msg(body=b"old"), msg(body=b"old")])
+    store.delete_lite_topic("P", "a")
+    (res,) = store.append([msg(body=b"new")])
+    assert res.offsets[LMQ_A] == 0
+    assert [m.body for m in store.read(LMQ_A, 0, 10)] == [b"new"]
+
+
+def test_compare_and_delete_keeps_a_topic_changed_since_the_scan(
+    store: api.Store, msg: Msg, clock: ManualClock
+) -> None:
+    store.append([msg()])
+    seen = store.lite_topic("P", "a")
+    assert seen is not None
+    clock.advance(10)
+    store.append([msg()])  # a message arrived after the reclaimer's scan
+    assert store.delete_lite_topic("P", "a", expected=seen) is False
+    seen = store.lite_topic("P", "a")
+    assert seen is not None
+    clock.advance(10)
+    store.commit_offset(LMQ_A, "g", 1)  # consumed after the scan
+    assert store.delete_lite_topic("P", "a", expected=seen) is False
+    seen = store.lite_topic("P", "a")
+    assert seen is not None
+    assert store.delete_lite_topic("P", "a", expected=seen) is True
+    assert store.delete_lite_topic("P", "a", expected=seen) is False
+
+
+def test_lite_topic_lookups_refuse_invalid_names(store: api.Store) -> None:
+    with pytest.raises(errors.InvalidLiteTopic):
+        store.lite_topic("P", "bad name")
+    with pytest.raises(errors.InvalidName):
+        store.delete_lite_topic("bad parent", "a")
+
+
+# --- control-plane metadata --------------------------------------------------------------------------
+
+
+def test_parent_topics_groups_and_quotas_round_trip(store: api.Store) -> None:
+    pt = model.ParentTopic("P", expiration_minutes=30, max_lite_topics=1000)
+    grp = model.LiteGroup(
+        "G",
+        bind_topic="P",
+        model=model.SubscriptionModel.EXCLUSIVE,
+        client_quota=5,
+        retry=model.RetryPolicy(3, (10, 20)),
+        fifo=False,
+    )
+    quota = model.Quota("parent:P", max_lite_topics=10, max_send_rate=100)
+    store.put_parent_topic(pt)
+    store.put_parent_topic(model.ParentTopic("A"))
+    store.put_group(grp)
+    store.put_quota(quota)
+    assert store.get_parent_topic("P") == pt
+    assert [t.name for t in store.list_parent_topics()] == ["A", "P"]
+    assert store.get_group("G") == grp
+    assert store.list_groups() == [grp]
+    assert store.get_quota("parent:P") == quota
+    assert store.list_quotas() == [quota]
+    store.put_parent_topic(model.ParentTopic("P", expiration_minutes=60))
+    assert store.get_parent_topic("P") == model.ParentTopic("P", expiration_minutes=60)
+    assert store.delete_parent_topic("P") is True
+    assert store.delete_parent_topic("P") is False
+    assert store.delete_group("G") is True
+    assert store.delete_quota("parent:P") is True
+    assert (store.get_parent_topic("P"), store.get_group("G"), store.get_quota("parent:P")) == (None, None, None)
+    assert store.list_groups() == [] and store.list_quotas() == []
+
+
+def test_control_metadata_refuses_invalid_names(store: api.Store) -> None:
+    with pytest.raises(errors.InvalidName):
+        store.put_parent_topic(model.ParentTopic("bad$name"))
+    with pytest.raises(errors.InvalidName):
+        store.put_group(model.LiteGroup("G", bind_topic="bad topic"))
+    with pytest.raises(errors.InvalidName):
+        store.put_quota(model.Quota(""))
+
+
+# --- retention ---------------------------------------------------------------------------------------
+
+
+def test_retention_by_age_advances_min_offsets_past_expired_messages_only(
+    make_store: Callable[..., api.Store], msg: Msg, clock: ManualClock
+) -> None:
+    store = make_store(segment_max_bytes=4096, retention_max_age_ms=60_000)
+    store.append([msg(body=b"x" * 1000)])
+    for _ in range(11):
+        store.append([msg(body=b"x" * 1000)])  # old: 12 messages, several segments
+    clock.advance(120_000)
+    (fresh,) = store.append([msg(body=b"fresh")])
+    first_fresh = fresh.offsets[LMQ_A]
+    report = store.apply_retention()
+    assert report.segments_deleted > 0 and report.bytes_deleted > 0 and report.queues_advanced == 2
+    lo, hi = store.queue_offsets(LMQ_A)
+    assert 0 < lo <= first_fresh and hi == first_fresh + 1
+    assert store.queue_offsets(PARENT_Q)[0] == lo
+    meta = store.lite_topic("P", "a")
+    assert meta is not None and meta.min_offset == lo
+    got = store.read(LMQ_A, 0, 100)
+    assert got[0].offset == lo and got[-1].body == b"fresh"
+    assert store.apply_retention().segments_deleted == 0  # idempotent
+
+
+def test_retention_by_size_keeps_the_newest_messages(make_store: Callable[..., api.Store], msg: Msg) -> None:
+    store = make_store(segment_max_bytes=4096, retention_max_bytes=5000, retention_max_age_ms=-1)
+    for i in range(20):
+        store.append([msg(body=bytes([i]) * 1000)])
+    report = store.apply_retention()
+    assert report.segments_deleted > 0
+    lo, hi = store.queue_offsets(LMQ_A)
+    assert lo > 10 and hi == 20
+    assert [m.body[0] for m in store.read(LMQ_A, 0, 100)] == list(range(lo, 20))
+
+
+def test_nothing_expires_before_its_time(make_store: Callable[..., api.Store], msg: Msg, clock: ManualClock) -> None:
+    store = make_store(segment_max_bytes=4096, retention_max_age_ms=60_000)
+    for _ in range(10):
+        store.append([msg(body=b"x" * 1000)])
+    clock.advance(30_000)
+    assert store.apply_retention() == api.RetentionReport(0, 0, 0)
+    assert store.queue_offsets(LMQ_A) == (0, 10)
+
+
+def test_retention_skips_lite_topics_deleted_meanwhile(
+    make_store: Callable[..., api.Store], msg: Msg, clock: ManualClock
+) -> None:
+    store = make_store(segment_max_bytes=4096, retention_max_age_ms=1000)
+    for _ in range(8):
+        store.append([msg(lite="gone", body=b"x" * 1000, parent_queue=False)])
+    store.delete_lite_topic("P", "gone")
+    store.append([msg(lite="gone", body=b"x" * 1000, parent_queue=False)])  # recreated, offsets from 0
+    clock.advance(5000)
+    store.append([msg(lite="other", body=b"y", parent_queue=False)])
+    store.apply_retention()
+    assert store.lite_topic("P", "gone") is not None
+    assert store.queue_offsets(model.QueueId.lmq("P", "gone"))[1] == 1
+
+
+# --- lifecycle ---------------------------------------------------------------------------------------
+
+
+def test_a_closed_store_refuses_calls(store: api.Store, msg: Msg) -> None:
+    store.close()
+    with pytest.raises(errors.StorageError):
+        store.append([msg()])
+    with pytest.raises(errors.StorageError):
+        store.read(LMQ_A, 0, 1)
+    store.close()  # idempotent
