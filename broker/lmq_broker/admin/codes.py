@@ -30,6 +30,7 @@ _TABLE: Final[tuple[tuple[type[errors.LmqError], grpc.StatusCode], ...]] = (
     (errors.Unauthorized, _C.PERMISSION_DENIED),
     (errors.BrokerUnavailable, _C.UNAVAILABLE),
     (errors.BrokerUnavailable, _C.DEADLINE_EXCEEDED),
+    (errors.LmqError, _C.INTERNAL),  # any other failure of ours, or a bug
     (errors.StorageError, _C.INTERNAL),
     (errors.Unsupported, _C.UNIMPLEMENTED),
 )
@@ -40,7 +41,7 @@ _CLASSES: Final = {
 
 
 def status_for(error: errors.LmqError) -> grpc.StatusCode:
-    """The status a server replies with; UNKNOWN for an error family the table does not know."""
+    """The status a server replies with for one of our errors."""
     for cls in type(error).__mro__:
         for row_cls, code in _TABLE:
             if row_cls is cls:

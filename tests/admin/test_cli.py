@@ -1,0 +1,185 @@
+"""lmq-admin against a real server: output in both formats, and exit codes 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmq_broker import model
+from lmq_broker.admin import cli
+from lmq_broker.admin.testing import Broker
+
+
+def run(broker: Broker, *args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["--endpoint", broker.endpoint, *args], out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_json(broker: Broker, *args: str) -> Any:
+    code, out, err = run(broker, "--output", "json", *args)
+    assert (code, err) == (0, "")
+    return json.loads(out)
+
+
+def test_parent_topic_put_get_list_delete(broker: Broker) -> None:
+    code, out, _ = run(broker, "parent-topic", "put", "orders", "--expiration-minutes", "60")
+    assert code == 0
+    assert out.splitlines()[0].split() == [
+        "NAME",
+        "MESSAGE_TYPE",
+        "EXPIRATION_MINUTES",
+        "MAX_LITE_TOPICS",
+        "QUEUE_COUNT",
+        "CREATED",
+    ]
+    assert out.splitlines()[1].split() == ["orders", "LITE", "60", "-1", "1", "True"]
+
+    got = run_json(broker, "parent-topic", "get", "orders")
+    assert got == {
+        "topic": {
+            "name": "orders",
+            "message_type": "LITE",
+            "expiration_minutes": 60,
+            "max_lite_topics": -1,
+            "queue_count": 1,
+        },
+        "lite_topic_count": 0,
+    }
+    assert [t["topic"]["name"] for t in run_json(broker, "parent-topic", "list")] == ["orders"]
+    assert run_json(broker, "parent-topic", "delete", "orders") == {"deleted": True, "lite_topics_deleted": 0}
+    code, out, _ = run(broker, "parent-topic", "list")
+    assert (code, out.strip()) == (0, "(none)")
+
+
+def test_group_commands(broker: Broker) -> None:
+    broker.client().put_parent_topic(model.ParentTopic("orders"))
+
+    put = run_json(broker, "group", "put", "g", "--bind-topic", "orders", "--model", "exclusive", "--no-fifo")
+    assert put["created"] is True
+    assert put["value"]["model"] == "EXCLUSIVE"
+    assert put["value"]["fifo"] is False
+    assert put["value"]["client_quota"] == broker.config.default_client_quota  # left to the broker
+
+    _, out, _ = run(broker, "group", "get", "g")
+    header, row = out.splitlines()
+    assert header.split()[:3] == ["NAME", "BIND_TOPIC", "MODEL"]
+    assert "RETRY.MAX_ATTEMPTS" in header.split()
+    assert "LAG" in header.split()
+    assert row.split()[:3] == ["g", "orders", "EXCLUSIVE"]
+    assert [g["group"]["name"] for g in run_json(broker, "group", "list")] == ["g"]
+    assert run_json(broker, "group", "delete", "g") is True
+
+
+def test_quota_commands(broker: Broker) -> None:
+    assert run_json(broker, "quota", "put", "parent:orders", "--max-lite-topics", "5")["created"] is True
+    assert run_json(broker, "quota", "list") == [
+        {"scope": "parent:orders", "max_lite_topics": 5, "max_subscriptions_per_client": -1, "max_send_rate": -1}
+    ]
+    code, out, _ = run(broker, "quota", "delete", "parent:orders")
+    assert (code, out.split()) == (0, ["RESULT", "True"])
+
+
+def test_lite_topic_describe_list_and_scan(broker: Broker) -> None:
+    for lite in ("s1", "s2", "s3"):
+        broker.send("orders", lite, count=2)
+    broker.subscribe("orders", "s2", "client-1")
+
+    described = run_json(broker, "lite-topic", "describe", "orders", "s2")
+    assert described["meta"]["max_offset"] == 2
+    assert described["subscribed_clients"] == ["client-1"]
+
+    page = run_json(broker, "lite-topic", "list", "orders", "--limit", "2")
+    assert [t["meta"]["lite"] for t in page["topics"]] == ["s1", "s2"]
+    assert page["next_start_after"] == "s2"
+
+    code, out, _ = run(broker, "lite-topic", "scan", "orders", "--batch-size", "2", "--with-subscribers")
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].split()[:2] == ["PARENT", "LITE"]
+    assert lines[0].split()[-1] == "SUBSCRIBER_COUNT"
+    assert [line.split()[1] for line in lines[1:]] == ["s1", "s2", "s3"]  # one header across batches
+
+    code, out, _ = run(broker, "-o", "json", "lite-topic", "scan", "orders", "--start-after", "s1")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0
+    assert [(r["lite"], r["max_offset"]) for r in rows] == [("s2", 2), ("s3", 2)]
+
+
+def test_clients_and_broker_info(broker: Broker) -> None:
+    broker.connect("c1", "g", "orders", subscriptions=2)
+    assert [c["client_id"] for c in run_json(broker, "clients", "list")] == ["c1"]
+    assert run_json(broker, "clients", "list", "--group", "other") == []
+
+    info = run_json(broker, "broker", "info", "--skip-undrained")
+    assert info["broker_name"] == "broker-test"
+    assert info["client_count"] == 1
+    assert info["undrained_messages"] == -1
+
+
+def test_server_errors_exit_1_with_the_status_message(broker: Broker) -> None:
+    code, out, err = run(broker, "parent-topic", "get", "missing")
+    assert (code, out) == (1, "")
+    assert err == "error: TopicNotFound: parent topic 'missing' not found\n"
+
+    code, _, err = run(broker, "parent-topic", "put", "orders", "--expiration-minutes", "99999")
+    assert code == 1
+    assert err.startswith("error: InvalidArgument: topic.expiration_minutes: must be in -1..43200")
+
+
+def test_usage_errors_exit_2(broker: Broker, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert cli.main(["parent-topic"]) == 2
+    assert cli.main(["group", "put", "g"]) == 2  # --bind-topic is required
+    assert cli.main(["--output", "yaml", "broker", "info"]) == 2
+    assert "usage: lmq-admin" in capsys.readouterr().err
+    assert broker.client().list_groups() == []
+
+
+def test_unreachable_broker_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert cli.main(["--endpoint", f"127.0.0.1:{port}", "--timeout", "2", "broker", "info"]) == 1
+    assert capsys.readouterr().err.startswith("error: BrokerUnavailable: GetBrokerInfo on 127.0.0.1:")
+
+
+def test_endpoint_comes_from_the_environment(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.ENDPOINT_ENV, broker.endpoint)
+    out = io.StringIO()
+    assert cli.main(["-o", "json", "broker", "info", "--skip-undrained"], out=out) == 0
+    assert json.loads(out.getvalue())["broker_name"] == "broker-test"
+
+
+def test_the_console_script_runs_as_a_process(broker: Broker) -> None:
+    script = Path(sys.executable).with_name("lmq-admin")
+    env = {**os.environ, cli.ENDPOINT_ENV: broker.endpoint}
+    done = subprocess.run(
+        [str(script), "-o", "json", "parent-topic", "put", "orders"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["created"] is True
+
+    module = subprocess.run(
+        [sys.executable, "-m", "lmq_broker.admin.cli", "parent-topic", "get", "nope"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert module.returncode == 1
+    assert "TopicNotFound" in module.stderr
