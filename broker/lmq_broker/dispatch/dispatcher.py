@@ -514,6 +514,8 @@ class Dispatcher:
             event = self._client_events.get(client_id)
             if event is None:
                 event = self._client_events[client_id] = asyncio.Event()
+            if self._arrived:
+                self._flush_arrivals()  # do not let the per-tick coalescing hide an arrival from this poll
             out: list[Delivery] = []
             while len(out) < batch:
                 popped = self.ready.pop(client_id, 1)

@@ -1,0 +1,69 @@
+"""Test harness for the dispatch layer: a dispatcher on a manual clock over any store, with a LITE parent
+``P`` and a lite group ``G``, and helpers to send and receive. Used by the broker test suite and benches."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lmq_broker import model
+from lmq_broker.config import BrokerConfig, FlushMode, StoreConfig
+from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher
+from lmq_broker.storage.api import Store
+from lmq_broker.storage.memory import ManualClock
+
+PARENT = "P"
+GROUP = "G"
+
+
+def config_for(data_dir: Path, **overrides: object) -> BrokerConfig:
+    """A broker config with an async-flushed store in ``data_dir`` (tests need no fsync per message)."""
+    store = StoreConfig(data_dir=data_dir, flush_mode=FlushMode.ASYNC)
+    return BrokerConfig.model_validate({"store": store, **overrides})
+
+
+def lite_message(lite: str, body: bytes = b"x", *, parent: str = PARENT, message_id: str = "m") -> model.NewMessage:
+    return model.NewMessage(
+        message_id=message_id,
+        topic=parent,
+        body=body,
+        queues=(model.QueueId(parent, 0), model.QueueId.lmq(parent, lite)),
+        lite_topic=lite,
+        message_type=model.MessageType.LITE,
+    )
+
+
+@dataclass
+class Lite:
+    dispatcher: Dispatcher
+    store: Store
+    clock: ManualClock
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    @staticmethod
+    async def start(store: Store, clock: ManualClock, config: BrokerConfig) -> Lite:
+        store.put_parent_topic(model.ParentTopic(PARENT))
+        store.put_group(model.LiteGroup(GROUP, PARENT, retry=model.RetryPolicy(max_attempts=3, backoff_ms=(1000,))))
+        dispatcher = Dispatcher(store, config, clock=clock)
+        await dispatcher.start()
+        return Lite(dispatcher, store, clock)
+
+    async def send(self, lite: str, body: bytes = b"x", parent: str = PARENT) -> model.AppendResult:
+        message = lite_message(lite, body, parent=parent, message_id=f"id-{next(self.ids)}")
+        (result,) = await self.dispatcher.send([message])
+        return result
+
+    async def receive(
+        self, client: str, batch: int = 32, invisible_ms: int = 10_000, poll_ms: int = 0
+    ) -> list[Delivery]:
+        return await self.dispatcher.receive_lite(
+            client, GROUP, PARENT, batch=batch, invisible_ms=invisible_ms, poll_ms=poll_ms
+        )
+
+    def committed(self, lite: str, group: str = GROUP) -> int | None:
+        return self.store.get_offset(model.QueueId.lmq(PARENT, lite), group)
+
+    def put_group(self, group: model.LiteGroup) -> None:
+        self.store.put_group(group)
+        self.dispatcher.metadata_changed()

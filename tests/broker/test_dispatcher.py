@@ -1,0 +1,370 @@
+"""The dispatcher on a fake clock, over both stores: ordering, leases, redelivery, DLQ, catch-up, expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch.dispatcher import Dispatcher, OffsetPolicy, OffsetReset, lmq_name
+from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
+from lmq_broker.storage import memory
+from lmq_broker.storage.api import Store
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_subscribed_client_receives_and_ack_commits(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"hello")
+    (got,) = await lite.receive("c1")
+    assert got.message.body == b"hello" and got.attempt == 1 and got.message.lite_topic == "t1"
+    await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    assert lite.committed("t1") == 1
+
+
+async def test_nothing_is_handed_out_while_an_earlier_message_of_the_topic_is_leased(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (first,) = await lite.receive("c1")
+    await lite.send("t1", b"b")
+    assert await lite.receive("c1") == []
+    await lite.dispatcher.ack(GROUP, first.receipt_handle)  # the ack re-offers the topic
+    (second,) = await lite.receive("c1")
+    assert second.message.body == b"b"
+
+
+async def test_one_receive_takes_consecutive_messages_of_several_topics(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1", "t2"])
+    for body in (b"1", b"2", b"3"):
+        await lite.send("t1", body)
+    await lite.send("t2", b"x")
+    got = await lite.receive("c1", batch=32)
+    assert sorted((d.message.lite_topic, d.message.body) for d in got) == [
+        ("t1", b"1"), ("t1", b"2"), ("t1", b"3"), ("t2", b"x"),
+    ]  # fmt: skip
+
+
+async def test_a_waiting_receive_wakes_on_arrival(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    started = time.monotonic()
+    waiting = asyncio.create_task(lite.receive("c1", poll_ms=10_000))
+    await asyncio.sleep(0)  # let the receive park on its event
+    assert not waiting.done()
+    await lite.send("t1")
+    got = await asyncio.wait_for(waiting, 5)
+    assert len(got) == 1 and time.monotonic() - started < 5
+
+
+async def test_expired_lease_is_redelivered_with_the_next_attempt(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=5_000)
+    lite.clock.advance(4_999)
+    lite.dispatcher.tick()
+    assert await lite.receive("c1") == []
+    lite.clock.advance(1)
+    lite.dispatcher.tick()
+    (again,) = await lite.receive("c1")
+    assert again.message.message_id == first.message.message_id and again.attempt == 2
+    await lite.dispatcher.ack(GROUP, first.receipt_handle)  # late ack of the first lease still settles it
+    assert lite.committed("t1") == 1
+
+
+async def test_nack_redelivers_with_attempt_plus_one_and_suspend_does_not_count(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (d1,) = await lite.receive("c1", invisible_ms=60_000)
+    await lite.dispatcher.change_invisible(GROUP, d1.receipt_handle, 1_000)
+    lite.clock.advance(1_000)
+    lite.dispatcher.tick()
+    (d2,) = await lite.receive("c1")
+    assert d2.attempt == 2
+    await lite.dispatcher.change_invisible(GROUP, d2.receipt_handle, 200, suspend=True)
+    lite.clock.advance(200)
+    lite.dispatcher.tick()
+    (d3,) = await lite.receive("c1")
+    assert d3.attempt == 2
+
+
+async def test_stale_receipt_cannot_change_visibility(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (d1,) = await lite.receive("c1")
+    await lite.dispatcher.change_invisible(GROUP, d1.receipt_handle, 0)
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.change_invisible(GROUP, d1.receipt_handle, 0)
+
+
+async def test_past_max_attempts_the_message_goes_to_the_dlq_and_is_committed(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"poison")
+    for attempt in (1, 2, 3):  # group G allows 3 attempts
+        (d,) = await lite.receive("c1", invisible_ms=1_000)
+        assert d.attempt == attempt
+        lite.clock.advance(1_000)
+        lite.dispatcher.tick()
+    assert await lite.receive("c1") == []
+    assert lite.committed("t1") == 1
+    (dead,) = lite.store.read(model.QueueId(f"%DLQ%{GROUP}", 0), 0, 10)
+    assert dead.body == b"poison" and dead.user_properties["__ORIGIN_LITE_TOPIC"] == "t1"
+
+
+async def test_forward_to_dead_letter_queue_on_request(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"give-up")
+    await lite.send("t1", b"next")
+    (d,) = await lite.receive("c1", batch=1)
+    await lite.dispatcher.dead_letter(GROUP, d.receipt_handle)
+    assert lite.committed("t1") == 1
+    assert [m.body for m in lite.store.read(model.QueueId(f"%DLQ%{GROUP}", 0), 0, 10)] == [b"give-up"]
+    (n,) = await lite.receive("c1")
+    assert n.message.body == b"next"
+
+
+async def test_subscribing_to_a_topic_with_backlog_offers_it_at_once(lite: Lite) -> None:
+    await lite.send("t1", b"before")
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    (d,) = await lite.receive("c1")
+    assert d.message.body == b"before"
+
+
+async def test_unsubscribed_topics_are_not_delivered(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.dispatcher.remove_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    assert await lite.receive("c1") == []
+
+
+async def test_overflow_schedules_a_catchup_that_finds_the_rest(lite: Lite) -> None:
+    lite.put_group(model.LiteGroup(GROUP, PARENT, ready_capacity=2))
+    topics = [f"t{i}" for i in range(6)]
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, topics)
+    for t in topics:
+        await lite.send(t)
+    assert lite.dispatcher.ready.size("c1") == 2
+    assert lite.dispatcher.ready.catchup_pending("c1")
+    seen: set[str] = set()
+    for _ in range(10):
+        for d in await lite.receive("c1"):
+            assert d.message.lite_topic is not None
+            seen.add(d.message.lite_topic)
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)
+        if seen == set(topics):
+            break
+        lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)
+        lite.dispatcher.tick()
+        await drain_background(lite.dispatcher)
+    assert seen == set(topics)
+
+
+async def drain_background(dispatcher: Dispatcher) -> None:
+    deadline = time.monotonic() + 5
+    while dispatcher._tasks and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+
+
+async def test_shared_group_offers_each_arrival_to_one_client(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    await asyncio.sleep(0)  # the coalesced arrival flush runs on the next loop iteration
+    sizes = sorted([lite.dispatcher.ready.size("c1"), lite.dispatcher.ready.size("c2")])
+    assert sizes == [0, 1]
+
+
+async def test_a_gone_client_hands_its_pending_topics_to_its_peers(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    await asyncio.sleep(0)
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    holder = "c1" if lite.dispatcher.ready.size("c1") else "c2"
+    other = "c2" if holder == "c1" else "c1"
+    lite.dispatcher.client_gone(holder)
+    assert lite.dispatcher.registry.get(holder) is None
+    (d,) = await lite.receive(other)
+    assert d.message.lite_topic == "t1"
+
+
+async def test_silent_clients_expire_with_their_subscriptions(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1", "t2"])
+    assert lite.dispatcher.subscription_count() == 2
+    lite.clock.advance(lite.dispatcher.config.client_expiry_ms + 10_001)
+    lite.dispatcher.tick()
+    assert lite.dispatcher.client_count() == 0
+    assert lite.dispatcher.subscription_count() == 0
+
+
+async def test_subscription_quota_of_the_group(lite: Lite) -> None:
+    lite.put_group(model.LiteGroup(GROUP, PARENT, client_quota=2))
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["a", "b"])
+    with pytest.raises(errors.SubscriptionQuotaExceeded):
+        await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["c"])
+    lite.store.put_quota(model.Quota("broker", max_subscriptions_per_client=1))
+    lite.dispatcher.metadata_changed()
+    with pytest.raises(errors.SubscriptionQuotaExceeded):
+        await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["a", "b"])
+
+
+async def test_lite_topic_quota_per_parent_counts_only_new_topics(lite: Lite) -> None:
+    lite.store.put_parent_topic(model.ParentTopic(PARENT, max_lite_topics=2))
+    lite.dispatcher.metadata_changed()
+    await lite.send("a")
+    await lite.send("b")
+    with pytest.raises(errors.LiteTopicQuotaExceeded):
+        await lite.send("c")
+    await lite.send("a")  # existing topics still take messages
+    assert lite.store.lite_topic(PARENT, "c") is None
+
+
+async def test_lite_topic_quota_per_broker(lite: Lite) -> None:
+    lite.store.put_quota(model.Quota("broker", max_lite_topics=1))
+    lite.dispatcher.metadata_changed()
+    await lite.send("a")
+    with pytest.raises(errors.LiteTopicQuotaExceeded):
+        await lite.send("b")
+
+
+async def test_send_rate_quota(lite: Lite) -> None:
+    lite.store.put_quota(model.Quota(f"parent:{PARENT}", max_send_rate=2))
+    lite.dispatcher.metadata_changed()
+    await lite.send("a")
+    await lite.send("a")
+    with pytest.raises(errors.TooManyRequests):
+        await lite.send("a")
+    lite.clock.advance(1000)
+    await lite.send("a")
+
+
+async def test_unknown_group_or_wrong_binding_is_refused(lite: Lite) -> None:
+    with pytest.raises(errors.GroupNotFound):
+        await lite.dispatcher.add_lite("c1", "nope", PARENT, ["t"])
+    lite.store.put_parent_topic(model.ParentTopic("Q"))
+    lite.dispatcher.metadata_changed()
+    with pytest.raises(errors.Conflict):
+        await lite.dispatcher.add_lite("c1", GROUP, "Q", ["t"])
+    with pytest.raises(errors.TopicNotFound):
+        await lite.dispatcher.add_lite("c1", GROUP, "missing", ["t"])
+
+
+@pytest.mark.parametrize(
+    ("reset", "expected"),
+    [
+        (OffsetReset(OffsetPolicy.MIN), b"0"),
+        (OffsetReset(OffsetPolicy.MAX), None),
+        (OffsetReset(OffsetPolicy.OFFSET, 2), b"2"),
+        (OffsetReset(OffsetPolicy.TIMESTAMP, 1), b"0"),
+    ],
+)
+async def test_offset_option_on_subscribe(lite: Lite, reset: OffsetReset, expected: bytes | None) -> None:
+    for i in range(3):
+        await lite.send("t1", str(i).encode())
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"], offset=reset)
+    got = await lite.receive("c1", batch=1)
+    assert (got[0].message.body if got else None) == expected
+
+
+async def test_tail_n_moves_an_existing_offset_back(lite: Lite) -> None:
+    for i in range(5):
+        await lite.send("t1", str(i).encode())
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"], offset=OffsetReset(OffsetPolicy.MAX))
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"], offset=OffsetReset(OffsetPolicy.TAIL_N, 2))
+    got = await lite.receive("c1")
+    assert [d.message.body for d in got] == [b"3", b"4"]
+
+
+async def test_forget_lite_topic_drops_subscriptions_and_events(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    await asyncio.sleep(0)
+    lmq = model.QueueId.lmq(PARENT, "t1")
+    assert lite.dispatcher.subscribers(lmq) == ["c1"]
+    lite.dispatcher.forget_lite_topic(lmq)
+    assert lite.dispatcher.subscriber_count(lmq) == 0
+    assert lite.dispatcher.ready.size("c1") == 0
+
+
+async def test_client_views_for_the_admin_service(lite: Lite) -> None:
+    lite.dispatcher.client_seen("c1", client_type=5, group=GROUP, bind_topic=PARENT)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["a", "b"])
+    (view,) = lite.dispatcher.clients(GROUP)
+    assert (view.client_id, view.topic, view.subscription_count, view.client_type) == ("c1", PARENT, 2, 5)
+    assert lite.dispatcher.clients("other") == []
+
+
+class CountingStore:
+    """Counts calls into a store, to prove arrivals never walk subscriptions or topics."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if not callable(target):
+            return target
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return target(*args, **kwargs)
+
+        return counted
+
+
+async def test_arrival_costs_the_same_with_10k_idle_subscriptions(tmp_path: Path, clock: memory.ManualClock) -> None:
+    inner = memory.MemoryStore()
+    inner.put_parent_topic(model.ParentTopic(PARENT))
+    inner.put_group(model.LiteGroup(GROUP, PARENT, client_quota=-1))
+    counting = CountingStore(inner)
+    dispatcher = Dispatcher(counting, config_for(tmp_path), clock=clock)
+    await dispatcher.start()
+    try:
+        await dispatcher.add_lite("c1", GROUP, PARENT, [f"idle-{i}" for i in range(10_000)] + ["hot"])
+        counting.calls.clear()
+        await dispatcher.send([lite_message("hot")])
+        (d,) = await dispatcher.receive_lite("c1", GROUP, PARENT, batch=32, invisible_ms=1000, poll_ms=0)
+        await dispatcher.ack(GROUP, d.receipt_handle)
+        assert sum(counting.calls.values()) <= 8, counting.calls
+        assert lmq_name(PARENT, "hot") == d.message.queue.topic
+    finally:
+        await dispatcher.close()
+
+
+async def test_restart_resumes_after_the_last_ack(tmp_path: Path, clock: memory.ManualClock) -> None:
+    from lmq_broker.storage import store as lmq_store  # noqa: PLC0415 (real store reopened below)
+
+    cfg = config_for(tmp_path / "data")
+
+    async def session(body: Callable[[Dispatcher], Any]) -> Any:
+        store = lmq_store.open_store(cfg.store)
+        d = Dispatcher(store, cfg, clock=clock)
+        await d.start()
+        try:
+            return await body(d)
+        finally:
+            await d.close()
+            store.close()
+
+    async def first(d: Dispatcher) -> None:
+        d.store.put_parent_topic(model.ParentTopic(PARENT))
+        d.store.put_group(model.LiteGroup(GROUP, PARENT))
+        d.metadata_changed()
+        await d.add_lite("c1", GROUP, PARENT, ["t1"])
+        for i in range(4):
+            await d.send([lite_message("t1", str(i).encode(), message_id=f"m{i}")])
+        got = await d.receive_lite("c1", GROUP, PARENT, batch=2, invisible_ms=1000, poll_ms=0)
+        for delivery in got:
+            await d.ack(GROUP, delivery.receipt_handle)
+
+    async def second(d: Dispatcher) -> list[bytes]:
+        await d.add_lite("c2", GROUP, PARENT, ["t1"])
+        got = await d.receive_lite("c2", GROUP, PARENT, batch=32, invisible_ms=1000, poll_ms=0)
+        return [x.message.body for x in got]
+
+    await session(first)
+    assert await session(second) == [b"2", b"3"]

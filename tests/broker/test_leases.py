@@ -1,0 +1,113 @@
+"""Leases with injected time: ordered hand-out, acks moving the commit point, redelivery and suspend."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmq_broker import errors
+from lmq_broker.dispatch.leases import LeaseTable, Pick, QueueLeases, Receipt
+
+KEY = ("%LMQ%$p$t", 0, "g")
+
+
+def lease_all(table: LeaseTable, state: QueueLeases, picks: list[Pick], now: int, invisible: int) -> list[Receipt]:
+    receipts = []
+    for pick in picks:
+        lease_id = table.new_lease_id()
+        state.lease(pick, now, invisible, lease_id, "c")
+        receipts.append(Receipt(table.incarnation, KEY[0], KEY[1], pick.offset, lease_id))
+    table.watch(KEY, now + invisible)
+    return receipts
+
+
+def test_ordered_queue_hands_out_nothing_while_its_head_is_leased() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    picks = state.picks(now_ms=0, limit=2)
+    assert picks == [Pick(0, 1, False), Pick(1, 1, False)]
+    lease_all(table, state, picks, 0, 1000)
+    assert state.picks(now_ms=10, limit=5) == []
+    assert state.blocked(10)
+    assert not state.has_ready(10, max_offset=5)
+
+
+def test_acks_move_the_commit_point_over_the_acknowledged_prefix() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    r0, r1, r2 = lease_all(table, state, state.picks(0, 3), 0, 1000)
+    assert table.ack(KEY, r1) is None  # out of order: 0 still out
+    assert table.ack(KEY, r0) == 2
+    assert table.ack(KEY, r2) == 3
+    assert state.idle
+    assert state.picks(5, 1) == [Pick(3, 1, False)]
+    assert table.ack(KEY, r2) is None  # twice: accepted, nothing moves
+
+
+def test_expired_lease_is_redelivered_first_with_the_next_attempt() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    lease_all(table, state, state.picks(0, 1), now=0, invisible=1000)
+    assert state.picks(999, 5) == []
+    assert table.due(999) == []
+    assert table.due(1000) == [KEY]
+    assert state.picks(1000, 3) == [Pick(0, 2, True), Pick(1, 1, False), Pick(2, 1, False)]
+
+
+def test_change_invisible_counts_an_attempt_unless_suspended() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    (r0,) = lease_all(table, state, state.picks(0, 1), 0, 60_000)
+    nacked, lease = table.change(KEY, r0, now_ms=100, invisible_ms=500, suspend=False)
+    assert lease.visible_at_ms == 600
+    assert state.picks(600, 1) == [Pick(0, 2, True)]
+    with pytest.raises(errors.InvalidReceiptHandle):
+        table.change(KEY, r0, 100, 500, suspend=True)  # superseded handle
+    _, lease = table.change(KEY, nacked, now_ms=200, invisible_ms=300, suspend=True)
+    assert state.picks(500, 1) == [Pick(0, 1, True)]  # suspended: same attempt again
+
+
+def test_unordered_queue_skips_leased_messages_within_a_window() -> None:
+    table = LeaseTable("inc", window=3)
+    state = table.open(KEY, committed=0, ordered=False)
+    (r0,) = lease_all(table, state, state.picks(0, 1), 0, 1000)
+    picks = state.picks(10, 10)
+    assert [p.offset for p in picks] == [1, 2]  # window of 3 in flight
+    lease_all(table, state, picks, 10, 1000)
+    assert state.picks(20, 10) == []
+    assert not state.blocked(20)
+    table.ack(KEY, r0)
+    assert [p.offset for p in state.picks(30, 10)] == [3]
+
+
+def test_skip_to_forgets_offsets_retention_removed() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    lease_all(table, state, state.picks(0, 2), 0, 10)
+    state.skip_to(5)
+    assert state.committed == 5 and state.entries == {}
+    assert state.picks(100, 1) == [Pick(5, 1, False)]
+
+
+def test_receipt_handles_round_trip_and_reject_garbage() -> None:
+    receipt = Receipt("abc", "%LMQ%$p$t", 0, 42, 7)
+    assert Receipt.decode(receipt.encode()) == receipt
+    for bad in ["", "r1", "r1 abc t 0 x 7", "r2 abc t 0 1 7", "r1 abc t -1 1 7", "r1  t 0 1 7"]:
+        with pytest.raises(errors.InvalidReceiptHandle):
+            Receipt.decode(bad)
+
+
+def test_handles_of_another_incarnation_are_rejected() -> None:
+    table = LeaseTable("now")
+    old = Receipt("before", KEY[0], 0, 0, 1).encode()
+    with pytest.raises(errors.InvalidReceiptHandle):
+        table.resolve(old, "g")
+    receipt, key = table.resolve(Receipt("now", KEY[0], 0, 0, 1).encode(), "g")
+    assert key == KEY and receipt.offset == 0
+
+
+def test_ack_of_a_never_delivered_offset_is_invalid() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    lease_all(table, state, state.picks(0, 1), 0, 1000)
+    with pytest.raises(errors.InvalidReceiptHandle):
+        table.ack(KEY, Receipt("inc", KEY[0], 0, 9, 1))
