@@ -10,8 +10,6 @@ from typing import Any
 import helm_python as helm
 import pytest
 
-from lmq_reclaim import options
-
 Manifest = dict[str, Any]
 Render = Callable[..., list[Manifest]]
 One = Callable[..., Manifest]
@@ -283,7 +281,9 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_SERVICE": HEADLESS,
         "LMQ_OPERATOR_BROKER_NAMESPACE": "mq",
         "LMQ_OPERATOR_BROKER_STATEFULSET": BROKER,
+        "LMQ_OPERATOR_BROKER_PORT": "8081",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
+        "LMQ_OPERATOR_LIVENESS_ENDPOINT": "http://0.0.0.0:8080/healthz",
     }
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {(p["name"], p["containerPort"]) for p in operator["ports"]} == {("metrics", 9101), ("health", 8080)}
@@ -423,17 +423,6 @@ def test_reclaim_schedule_values(render: Render, one: One) -> None:
     assert args[args.index("--cluster-domain") + 1] == "corp.local"
     assert args[args.index("--master") + 1] == "local[*]"
     assert args[-3:] == ["--dry-run", "--min-age-minutes", "60"]
-
-
-def test_reclaim_arguments_are_understood_by_the_job(render: Render, one: One) -> None:
-    """The chart's arguments parse with the job's own command line (no Spark is started)."""
-    args = container(one(render({"reclaim": {"enabled": True, "extraArgs": ["--dry-run"]}}), "CronJob"))["args"]
-    parsed = options.parse(args)
-    assert parsed.broker_service == HEADLESS
-    assert parsed.namespace == "mq"
-    assert parsed.master == "local[2]"
-    assert str(parsed.local_dir) == "/tmp/spark"
-    assert parsed.dry_run is True
 
 
 # -- names, labels and the image

@@ -1,0 +1,473 @@
+"""The Dockerfile, checked without a Docker engine: parsed here, its build context reproduced from
+.dockerignore, the project built from exactly that context, and its entrypoints run from the source.
+
+The parser covers the Dockerfile syntax we use (continuation lines, comments inside them, exec and shell
+forms, instruction flags, ARG substitution); a heredoc or an unknown instruction fails the parse rather
+than being misread. The .dockerignore matcher follows BuildKit's rules: patterns are Go filepath.Match
+globs plus "**", a path is excluded when it or one of its parent directories matches, "!" re-includes,
+and the last matching pattern wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+
+Manifest = dict[str, Any]
+Render = Callable[..., list[Manifest]]
+
+ENTRYPOINT_MODULES = ("lmq_broker", "lmq_operator", "lmq_reclaim")
+KNOWN_INSTRUCTIONS = {
+    "ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
+    "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR",
+}  # fmt: skip
+
+
+# -- a Dockerfile parser
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    flags: dict[str, str]
+    value: str
+    line: int
+
+    def exec_form(self) -> list[str] | None:
+        """The JSON array of an exec-form instruction, or None for the shell form."""
+        if not self.value.startswith("["):
+            return None
+        parsed = json.loads(self.value)
+        assert isinstance(parsed, list) and all(isinstance(p, str) for p in parsed), self
+        return parsed
+
+    def words(self) -> list[str]:
+        return self.exec_form() or shlex.split(self.value)
+
+
+@dataclass(frozen=True)
+class Stage:
+    base: str
+    name: str | None
+    instructions: tuple[Instruction, ...]
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+    def last(self, keyword: str) -> Instruction:
+        found = self.all(keyword)
+        assert found, f"no {keyword} in stage {self.name or self.base}"
+        return found[-1]
+
+
+@dataclass(frozen=True)
+class Dockerfile:
+    args: dict[str, str]  # ARGs declared before the first FROM, with their defaults
+    stages: tuple[Stage, ...]
+
+    @property
+    def final(self) -> Stage:
+        return self.stages[-1]
+
+
+_VARIABLE = re.compile(r"\$(?:\{(?P<braced>\w+)(?::-(?P<default>[^}]*))?\}|(?P<bare>\w+))")
+
+
+def substitute(text: str, variables: dict[str, str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("braced") or match.group("bare")
+        value = variables.get(name, "")
+        return value or (match.group("default") or "")
+
+    return _VARIABLE.sub(replace, text)
+
+
+def logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """Join continuation lines; comment lines (even inside a continuation) are dropped, as Docker does."""
+    buffer: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if stripped.startswith("#") or not stripped:  # a blank line does not end a continuation either
+            continue
+        if not buffer:
+            start = number
+        if stripped.endswith("\\"):
+            buffer.append(stripped[:-1].strip())
+            continue
+        buffer.append(stripped)
+        yield start, " ".join(part for part in buffer if part)
+        buffer = []
+    assert not buffer, "the Dockerfile ends inside a continuation line"
+
+
+def parse_dockerfile(text: str) -> Dockerfile:
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    current: list[Instruction] = []
+    header: tuple[str, str | None] | None = None
+    for line, content in logical_lines(text):
+        keyword, _, rest = content.partition(" ")
+        keyword = keyword.upper()
+        assert keyword in KNOWN_INSTRUCTIONS, f"line {line}: unknown instruction {keyword}"
+        assert "<<" not in rest or keyword != "RUN" or not re.search(r"<<-?\s*['\"]?\w+['\"]?\s*$", rest), (
+            f"line {line}: heredocs are not supported by this parser"
+        )
+        flags: dict[str, str] = {}
+        rest = rest.strip()
+        while rest.startswith("--"):
+            flag, _, rest = rest.partition(" ")
+            name, _, value = flag[2:].partition("=")
+            flags[name] = value
+            rest = rest.strip()
+        instruction = Instruction(keyword, flags, rest, line)
+        if keyword == "FROM":
+            if header is not None:
+                stages.append(Stage(header[0], header[1], tuple(current)))
+            words = rest.split()
+            base = substitute(words[0], global_args)
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            assert len(words) in (1, 3), f"line {line}: FROM {rest}"
+            header, current = (base, name), []
+        elif header is None:
+            assert keyword == "ARG", f"line {line}: only ARG may come before the first FROM"
+            arg_name, _, default = rest.partition("=")
+            global_args[arg_name] = default
+        else:
+            current.append(instruction)
+    assert header is not None, "no FROM"
+    stages.append(Stage(header[0], header[1], tuple(current)))
+    return Dockerfile(global_args, tuple(stages))
+
+
+def test_parser_reads_our_syntax() -> None:
+    parsed = parse_dockerfile(
+        "# syntax=docker/dockerfile:1\n"
+        "ARG BASE=python:3.11-slim\n"
+        "FROM ${BASE} AS build\n"
+        "RUN apt-get update \\\n"
+        "    # a comment inside the continuation\n"
+        "    && apt-get install -y x \\\n"
+        "\n"
+        "    && true\n"
+        "COPY --from=build --chown=1:1 /a /b\n"
+        "FROM $BASE\n"
+        'ENTRYPOINT ["python", "-m"]\n'
+        "CMD lmq_broker serve\n"
+    )
+    assert parsed.args == {"BASE": "python:3.11-slim"}
+    assert [(s.base, s.name) for s in parsed.stages] == [("python:3.11-slim", "build"), ("python:3.11-slim", None)]
+    run, copy = parsed.stages[0].instructions
+    assert run.value == "apt-get update && apt-get install -y x && true"
+    assert (copy.flags, copy.words()) == ({"from": "build", "chown": "1:1"}, ["/a", "/b"])
+    assert parsed.final.last("ENTRYPOINT").exec_form() == ["python", "-m"]
+    assert parsed.final.last("CMD").exec_form() is None
+    assert parsed.final.last("CMD").words() == ["lmq_broker", "serve"]
+    with pytest.raises(AssertionError, match="unknown instruction"):
+        parse_dockerfile("FROM x\nRUNN true\n")
+    with pytest.raises(AssertionError, match="heredocs"):
+        parse_dockerfile("FROM x\nRUN <<EOF\ntrue\nEOF\n")
+
+
+# -- a .dockerignore matcher
+
+
+@dataclass(frozen=True)
+class IgnorePattern:
+    regex: re.Pattern[str]
+    exclusion: bool  # a "!" pattern: re-includes what it matches
+
+
+def _glob_to_regex(pattern: str) -> re.Pattern[str]:
+    out, i = "", 0
+    while i < len(pattern):
+        char = pattern[i]
+        if pattern.startswith("**", i):
+            i += 2
+            if pattern.startswith("/", i):
+                i += 1
+                out += "(?:.*/)?" if i < len(pattern) else ".*"
+            else:
+                out += ".*"
+            continue
+        if char == "*":
+            out += "[^/]*"
+        elif char == "?":
+            out += "[^/]"
+        elif char == "[":
+            end = pattern.index("]", i + 1)
+            body = pattern[i + 1 : end]
+            out += "[" + ("^" + body[1:] if body.startswith("^") else body) + "]"
+            i = end
+        elif char == "\\":
+            i += 1
+            out += re.escape(pattern[i])
+        else:
+            out += re.escape(char)
+        i += 1
+    return re.compile(f"^{out}$")
+
+
+class DockerIgnore:
+    def __init__(self, text: str) -> None:
+        self.patterns: list[IgnorePattern] = []
+        for raw in text.splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            exclusion = line.startswith("!")
+            line = os.path.normpath(line.removeprefix("!").strip()).lstrip("/")
+            self.patterns.append(IgnorePattern(_glob_to_regex(line), exclusion))
+
+    def excluded(self, path: str) -> bool:
+        parts = path.strip("/").split("/")
+        candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]  # parents first, then the path
+        excluded = False
+        for pattern in self.patterns:
+            if any(pattern.regex.match(candidate) for candidate in candidates):
+                excluded = not pattern.exclusion
+        return excluded
+
+
+def test_dockerignore_matcher_follows_buildkit_rules() -> None:
+    ignore = DockerIgnore("# comment\n*\n!src/\n**/__pycache__\n!src/keep/__pycache__\n/docs/*.md\n!README*\n")
+    assert ignore.excluded("tests/test_x.py")  # "*" matches the top-level directory
+    assert not ignore.excluded("src/pkg/mod.py")  # "!src" re-includes the directory and its files
+    assert ignore.excluded("src/pkg/__pycache__/mod.pyc")  # a matching parent directory excludes
+    assert not ignore.excluded("src/keep/__pycache__/x.pyc")  # the last matching pattern wins
+    assert ignore.excluded("docs/a.md")
+    assert not ignore.excluded("README.md")
+    assert _glob_to_regex("a/**/b").match("a/b") and _glob_to_regex("a/**/b").match("a/x/y/b")
+    assert not _glob_to_regex("a/*/b").match("a/x/y/b")
+    assert _glob_to_regex("file[0-9].txt").match("file7.txt")
+    assert not _glob_to_regex("file[^0-9].txt").match("file7.txt")
+
+
+# -- fixtures
+
+
+@pytest.fixture(scope="module")
+def dockerfile(repo_root: Path) -> Dockerfile:
+    return parse_dockerfile((repo_root / "Dockerfile").read_text())
+
+
+@pytest.fixture(scope="module")
+def dockerignore(repo_root: Path) -> DockerIgnore:
+    return DockerIgnore((repo_root / ".dockerignore").read_text())
+
+
+@pytest.fixture(scope="module")
+def context_files(repo_root: Path, dockerignore: DockerIgnore) -> set[str]:
+    """The files `docker build .` would send: every file of the checkout not excluded by .dockerignore."""
+    files = set()
+    for directory, subdirectories, names in os.walk(repo_root):
+        relative = Path(directory).relative_to(repo_root).as_posix()
+        if relative == ".":
+            subdirectories[:] = [d for d in subdirectories if d != ".git"]
+            relative = ""
+        for name in names:
+            path = f"{relative}/{name}".lstrip("/")
+            if not dockerignore.excluded(path):
+                files.add(path)
+    return files
+
+
+@pytest.fixture(scope="module")
+def tracked_files(repo_root: Path) -> list[str]:
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [line for line in listed.stdout.splitlines() if (repo_root / line).is_file()]
+
+
+# -- the image
+
+
+def test_two_stages_on_the_same_python_base(dockerfile: Dockerfile) -> None:
+    builder, runtime = dockerfile.stages
+    assert builder.name == "builder"
+    assert runtime.base == builder.base  # the venv's interpreter path must exist in the runtime stage
+    assert re.fullmatch(r"python:3\.11-slim(-bookworm)?", runtime.base), runtime.base
+    # OpenJDK 17 is packaged in Debian bookworm; an unpinned slim tag may move to a release without it.
+    assert runtime.base.endswith("-bookworm")
+
+
+def test_runtime_has_java_17_for_pyspark(dockerfile: Dockerfile) -> None:
+    installs = [i.value for i in dockerfile.final.all("RUN") if "apt-get install" in i.value]
+    assert len(installs) == 1
+    assert "openjdk-17-jre-headless" in installs[0].split()
+    assert "--no-install-recommends" in installs[0]
+    assert "rm -rf /var/lib/apt/lists/*" in installs[0]
+
+
+def test_runs_as_a_numeric_non_root_user(dockerfile: Dockerfile, chart: helm.Chart) -> None:
+    user = dockerfile.final.last("USER").value
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and gid.isdigit(), f"USER {user}: Kubernetes can only verify runAsNonRoot for numbers"
+    assert int(uid) != 0 and int(gid) != 0
+    # The user exists in /etc/passwd (the JVM and Hadoop look it up) ...
+    created = " ".join(i.value for i in dockerfile.final.all("RUN"))
+    assert f"useradd --uid {uid} --gid {gid}" in created
+    # ... and the chart runs the pods as that same user.
+    security = chart.values["podSecurity"]
+    assert (security["runAsUser"], security["runAsGroup"], security["fsGroup"]) == (int(uid), int(gid), int(gid))
+    # USER is the last word on the runtime stage: nothing after it runs as root.
+    keywords = [i.keyword for i in dockerfile.final.instructions]
+    assert not {"RUN", "COPY", "ADD"} & set(keywords[keywords.index("USER") :])
+
+
+def test_entrypoint_cmd_and_ports(dockerfile: Dockerfile) -> None:
+    assert dockerfile.final.last("ENTRYPOINT").exec_form() == ["python", "-m"]
+    assert dockerfile.final.last("CMD").exec_form() == ["lmq_broker", "serve", "--data-dir", "/data"]
+    exposed = {port for i in dockerfile.final.all("EXPOSE") for port in i.words()}
+    assert exposed == {"8081", "9100"}
+    env = " ".join(i.value for i in dockerfile.final.all("ENV"))
+    assert "PATH=/opt/lmq/bin:$PATH" in env  # "python" is the virtualenv's
+    assert "PYTHONDONTWRITEBYTECODE=1" in env  # the root filesystem is read-only in the pods
+
+
+def test_copy_sources_exist_and_are_in_the_build_context(
+    dockerfile: Dockerfile, repo_root: Path, dockerignore: DockerIgnore
+) -> None:
+    stage_names = [s.name for s in dockerfile.stages]
+    copies = [(index, i) for index, stage in enumerate(dockerfile.stages) for i in stage.all("COPY")]
+    assert copies
+    for index, copy in copies:
+        *sources, _destination = copy.words()
+        assert "ADD" not in {i.keyword for s in dockerfile.stages for i in s.instructions}
+        if "from" in copy.flags:
+            assert copy.flags["from"] in stage_names[:index], f"line {copy.line}: unknown stage"
+            continue
+        for source in sources:
+            assert (repo_root / source).exists(), f"line {copy.line}: {source} is not in the repository"
+            assert not dockerignore.excluded(source), f"line {copy.line}: .dockerignore excludes {source}"
+
+
+def test_build_context_holds_the_sources_and_nothing_else(context_files: set[str], tracked_files: list[str]) -> None:
+    sources = {f for f in tracked_files if f.startswith(("broker/", "operator/"))}
+    assert {f for f in sources if f.endswith(".py")}, "no sources found"
+    assert sources <= context_files, sorted(sources - context_files)
+    top_level = {f.split("/")[0] for f in context_files}
+    assert top_level == {"pyproject.toml", "README.md", "broker", "operator"}
+    assert not [f for f in context_files if "__pycache__" in f or f.endswith(".pyc") or ".egg-info" in f]
+
+
+def test_the_project_builds_from_exactly_the_build_context(
+    dockerfile: Dockerfile, repo_root: Path, context_files: set[str], tmp_path: Path
+) -> None:
+    """What the builder stage does, on a copy of the context: list the dependencies, build the wheel."""
+    context = tmp_path / "context"
+    for name in context_files:
+        (context / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo_root / name, context / name)
+
+    # The RUN line that turns pyproject.toml into a requirements list.
+    (listing,) = [i for i in dockerfile.stages[0].all("RUN") if "tomllib" in i.value]
+    words = shlex.split(listing.value)
+    script = words[words.index("-c") + 1]
+    listed = subprocess.run(
+        [sys.executable, "-c", script], cwd=context, capture_output=True, text=True, check=True, timeout=60
+    )
+    dependencies = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert listed.stdout.splitlines() == dependencies
+
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q",
+         "-w", str(tmp_path / "dist"), str(context)],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("lmq-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ENTRYPOINT_MODULES:
+        assert f"{module}/__init__.py" in names
+        assert f"{module}/py.typed" in names
+    assert "lmq_broker/protocol/gen/apache/rocketmq/v2/service_pb2.py" in names
+    packaged = {n for n in names if n.endswith(".py")}
+    expected = {
+        f.split("/", 1)[1] for f in context_files if f.endswith(".py") and f.startswith(("broker/", "operator/"))
+    }
+    assert expected <= packaged, sorted(expected - packaged)
+
+
+def test_entrypoint_modules_start(repo_root: Path) -> None:
+    """`python -m <module> --help` works for every module the image and the chart run."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "broker"), str(repo_root / "operator")])}
+    # An operator that ignored --help would start kopf: make that fail fast instead of reaching a cluster.
+    env["KUBECONFIG"] = os.devnull
+    processes = {
+        module: subprocess.Popen(
+            [sys.executable, "-m", module, "--help"],
+            cwd=repo_root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for module in ENTRYPOINT_MODULES
+    }
+    failures = {}
+    for module, process in processes.items():
+        try:
+            out, err = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        if process.returncode != 0 or "usage" not in out.lower():
+            failures[module] = f"exit {process.returncode}: {(err or out).strip()[-400:]}"
+    assert failures == {}, failures
+
+
+def chart_containers(objects: list[Manifest]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for obj in objects:
+        if obj["kind"] == "CronJob":
+            spec = obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        elif obj["kind"] in ("Deployment", "StatefulSet"):
+            spec = obj["spec"]["template"]["spec"]
+        else:
+            continue
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            yield obj["metadata"]["labels"]["app.kubernetes.io/component"], container
+
+
+def test_chart_runs_the_image_the_way_the_dockerfile_says(
+    dockerfile: Dockerfile, render: Render, chart: helm.Chart, repo_root: Path
+) -> None:
+    entrypoint = dockerfile.final.last("ENTRYPOINT").exec_form()
+    cmd = dockerfile.final.last("CMD").exec_form()
+    assert entrypoint is not None and cmd is not None
+    project_version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
+    assert chart.metadata["appVersion"] == project_version  # the default image tag is the package version
+
+    containers = dict(chart_containers(render({"reclaim": {"enabled": True}})))
+    assert set(containers) == {"broker", "operator", "reclaim"}
+    for component, container in containers.items():
+        assert container["image"] == f"lmq:{project_version}"
+        assert container["command"] == [*entrypoint, f"lmq_{component}"]
+    broker = containers["broker"]
+    # The chart's broker is the image's default command, with flags added after it.
+    assert [*broker["command"][2:], *broker["args"]][: len(cmd)] == cmd
+    assert {str(p["containerPort"]) for p in broker["ports"]} == {
+        p for i in dockerfile.final.all("EXPOSE") for p in i.words()
+    }
+    data_dir = cmd[cmd.index("--data-dir") + 1]
+    assert data_dir in {m["mountPath"] for m in broker["volumeMounts"]}
+    assert data_dir in {v for i in dockerfile.final.all("VOLUME") for v in i.words()}
