@@ -140,9 +140,9 @@ def parse_dockerfile(text: str) -> Dockerfile:
                 stages.append(Stage(header[0], header[1], tuple(current)))
             words = rest.split()
             base = substitute(words[0], global_args)
-            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            stage_name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
             assert len(words) in (1, 3), f"line {line}: FROM {rest}"
-            header, current = (base, name), []
+            header, current = (base, stage_name), []
         elif header is None:
             assert keyword == "ARG", f"line {line}: only ARG may come before the first FROM"
             arg_name, _, default = rest.partition("=")
