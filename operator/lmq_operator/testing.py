@@ -39,6 +39,16 @@ def cr_path(plural: str, namespace: str, name: str = "") -> str:
     return f"{base}/{name}" if name else base
 
 
+def host_ip() -> str:
+    """A non-loopback address of this machine (EndpointSlices refuse 127.0.0.0/8); no packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 1))
+        ip = str(s.getsockname()[0])
+    if ip.startswith("127."):
+        raise RuntimeError("this machine has no non-loopback IPv4 address for EndpointSlice tests")
+    return ip
+
+
 class TestenvMissing(RuntimeError):
     pass
 

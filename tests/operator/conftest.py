@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from lmq_broker import testing as broker_testing
+from lmq_broker.admin.client import AdminClient
 from lmq_operator import testing
 
 _counter = itertools.count()
@@ -69,3 +71,79 @@ def create(kube: testing.KubeAPI) -> Callable[..., Any]:
 @pytest.fixture
 def tmp_log(tmp_path: Path) -> Path:
     return tmp_path / "operator.log"
+
+
+def stop_broker(broker: broker_testing.BrokerProcess) -> None:
+    broker.stop()
+    if broker.process.stdout is not None:  # the reader thread is done with the pipe; close it
+        broker.process.stdout.close()
+
+
+@pytest.fixture(scope="session")
+def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[broker_testing.BrokerProcess]]:
+    """Two real brokers shared by the suite (tests use unique broker-side names)."""
+    root = tmp_path_factory.mktemp("brokers")
+    started: list[broker_testing.BrokerProcess] = []
+    try:
+        for i in range(2):
+            started.append(broker_testing.start_broker(root / f"b{i}", extra_args=["--no-bootstrap"]))
+        yield started
+    finally:
+        for b in started:
+            stop_broker(b)
+
+
+@pytest.fixture
+def start_broker(tmp_path: Path) -> Iterator[Callable[..., broker_testing.BrokerProcess]]:
+    """A broker of one test; stopped (and its pipe closed) at teardown, including every restart."""
+    started: list[broker_testing.BrokerProcess] = []
+
+    def start(name: str, port: int = 0, extra: tuple[str, ...] = ()) -> broker_testing.BrokerProcess:
+        broker = broker_testing.start_broker(tmp_path / name, port=port, extra_args=["--no-bootstrap", *extra])
+        started.append(broker)
+        return broker
+
+    yield start
+    for b in started:
+        stop_broker(b)
+
+
+@pytest.fixture
+def admin_of() -> Iterator[Callable[[str], AdminClient]]:
+    """A real admin client per endpoint, to look at what the operator did on each broker."""
+    opened: dict[str, AdminClient] = {}
+
+    def get(endpoint: str) -> AdminClient:
+        if endpoint not in opened:
+            opened[endpoint] = AdminClient(endpoint, timeout_s=5.0)
+        return opened[endpoint]
+
+    yield get
+    for client in opened.values():
+        client.close()
+
+
+OPERATOR_ENV: dict[str, str] = {
+    "LMQ_OPERATOR_RESYNC_SECONDS": "1.5",
+    "LMQ_OPERATOR_DISCOVERY_SECONDS": "0.3",
+    "LMQ_OPERATOR_RETRY_SECONDS": "0.5",
+    "LMQ_OPERATOR_ADMIN_TIMEOUT_SECONDS": "2",
+}
+
+
+@pytest.fixture
+def run_operator(kube: testing.KubeAPI, tmp_path: Path) -> Iterator[Callable[..., testing.OperatorProcess]]:
+    """Start ``python -m lmq_operator`` (fast resync for tests); every one started is stopped afterwards."""
+    started: list[testing.OperatorProcess] = []
+
+    def run(namespace: str, brokers: list[str] | None = None, **env: str) -> testing.OperatorProcess:
+        full = {**OPERATOR_ENV, "LMQ_OPERATOR_NAMESPACE": namespace, **env}
+        if brokers is not None:
+            full["LMQ_OPERATOR_BROKERS"] = ",".join(brokers)
+        handle = testing.start_operator(kube, tmp_path / f"operator-{len(started)}.log", full)
+        started.append(handle)
+        return handle
+
+    yield run
+    for handle in started:
+        handle.stop()

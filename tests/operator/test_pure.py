@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -297,7 +298,7 @@ def test_settings_errors_are_readable(env: dict[str, str]) -> None:
 
 
 def test_brokers_from_endpoint_slices() -> None:
-    slices = [
+    slices: list[dict[str, Any]] = [
         {
             "ports": [{"name": "grpc", "port": 8081}, {"name": "metrics", "port": 9100}],
             "endpoints": [

@@ -1,0 +1,445 @@
+"""The operator as a process against a real apiserver and real brokers: every admin call here is real.
+
+Each test runs its own operator restricted to its own namespace; the two brokers are shared, so broker-side
+names carry a unique suffix.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from lmq_broker import errors
+from lmq_broker import model as broker_model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2, service_pb2_grpc
+from lmq_operator import testing
+
+Create = Callable[..., Any]
+AdminOf = Callable[[str], AdminClient]
+TIMEOUT_S = 30.0
+
+
+def ready(obj: Any) -> dict[str, Any] | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond["type"] == "Ready":
+            found: dict[str, Any] = cond
+            return found
+    return None
+
+
+def wait_condition(
+    kube: testing.KubeAPI, path: str, status: str, reason: str, *, current: bool = True, timeout_s: float = TIMEOUT_S
+) -> Any:
+    """Wait for Ready=<status>/<reason>; with ``current``, also for observedGeneration == generation."""
+
+    def check() -> Any:
+        obj = kube.get(path)
+        cond = ready(obj)
+        if cond is None or (cond["status"], cond["reason"]) != (status, reason):
+            return None
+        if current and obj["status"].get("observedGeneration") != obj["metadata"]["generation"]:
+            return None
+        return obj
+
+    try:
+        return testing.wait_for(check, timeout_s, f"{path} Ready={status}/{reason}")
+    except TimeoutError:
+        raise AssertionError(f"{path} never reached Ready={status}/{reason}: {kube.get(path).get('status')}") from None
+
+
+def event_reasons(kube: testing.KubeAPI, namespace: str, name: str) -> set[str]:
+    items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+    return {e["reason"] for e in items if e["involvedObject"]["name"] == name}
+
+
+def has_topic(admin: AdminClient, name: str) -> bool:
+    try:
+        admin.get_parent_topic(name)
+    except errors.NotFound:
+        return False
+    return True
+
+
+def test_parent_topic_reaches_every_broker_and_reports_status(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    op = run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic = unique("orders")
+    create("ParentTopic", namespace, "orders", {"topicName": topic, "liteTopicExpirationMinutes": 30})
+    path = testing.cr_path("parenttopics", namespace, "orders")
+    obj = wait_condition(kube, path, "True", "Applied")
+    st = obj["status"]
+    assert obj["metadata"]["finalizers"] == ["lmq.io/finalizer"]
+    assert (st["topicName"], st["brokersReady"], st["liteTopicCount"]) == (topic, "2/2", 0)
+    assert sorted(b["endpoint"] for b in st["brokers"]) == sorted(b.admin_endpoint for b in brokers)
+    assert all(b["synced"] for b in st["brokers"])
+    for b in brokers:
+        info = admin_of(b.admin_endpoint).get_parent_topic(topic)
+        assert (info.topic.expiration_minutes, info.topic.max_lite_topics) == (30, -1)
+    testing.wait_for(lambda: "Created" in event_reasons(kube, namespace, "orders"), TIMEOUT_S, "Created event")
+
+    kube.merge_patch(path, {"spec": {"liteTopicExpirationMinutes": 90, "maxLiteTopics": 1000}})
+    obj = wait_condition(kube, path, "True", "Applied")
+    assert obj["metadata"]["generation"] == 2 == obj["status"]["observedGeneration"]
+    for b in brokers:
+        info = admin_of(b.admin_endpoint).get_parent_topic(topic)
+        assert (info.topic.expiration_minutes, info.topic.max_lite_topics) == (90, 1000)
+    testing.wait_for(lambda: "Updated" in event_reasons(kube, namespace, "orders"), TIMEOUT_S, "Updated event")
+
+    table = kube.get(testing.cr_path("parenttopics", namespace), accept="application/json;as=Table;v=v1;g=meta.k8s.io")
+    assert table["rows"][0]["cells"][:8] == ["orders", topic, "LITE", 90, 0, "2/2", "True", "Applied"]
+
+    metrics = op.metrics()
+    assert 'lmq_operator_reconciliations_total{kind="ParentTopic",trigger="create"}' in metrics
+    assert "lmq_operator_reconcile_duration_seconds_bucket" in metrics
+    assert "lmq_operator_brokers 2.0" in metrics
+
+
+def test_lite_group_and_quota_are_applied(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group = unique("events"), unique("workers")
+    # the group is created first: the brokers refuse it until its parent exists, and the operator retries
+    create(
+        "LiteGroup",
+        namespace,
+        "workers",
+        {
+            "groupName": group,
+            "parentTopic": topic,
+            "subscriptionModel": "Exclusive",
+            "retryPolicy": {"maxAttempts": 4, "backoff": ["1s", "10s"]},
+            "fifo": False,
+        },
+    )
+    lg_path = testing.cr_path("litegroups", namespace, "workers")
+    rejected = wait_condition(kube, lg_path, "False", "BrokerRejected")
+    assert "not found" in ready(rejected)["message"]  # type: ignore[index]
+    create("ParentTopic", namespace, "events", {"topicName": topic})
+    create("LiteQuota", namespace, "events-quota", {"parentTopic": topic, "maxLiteTopics": 500, "maxSendRate": 50})
+    lg = wait_condition(kube, lg_path, "True", "Applied")
+    assert (lg["status"]["groupName"], lg["status"]["subscriptionCount"], lg["status"]["lag"]) == (group, 0, 0)
+    lq = wait_condition(kube, testing.cr_path("litequotas", namespace, "events-quota"), "True", "Applied")
+    assert lq["status"]["scope"] == f"parent:{topic}"
+    for b in brokers:
+        admin = admin_of(b.admin_endpoint)
+        stored = admin.get_group(group).group
+        assert (stored.bind_topic, stored.model, stored.fifo) == (
+            topic,
+            broker_model.SubscriptionModel.EXCLUSIVE,
+            False,
+        )
+        assert (stored.retry.max_attempts, stored.retry.backoff_ms) == (4, (1_000, 10_000))
+        quota = next(q for q in admin.list_quotas() if q.scope == f"parent:{topic}")
+        assert (quota.max_lite_topics, quota.max_send_rate, quota.max_subscriptions_per_client) == (500, 50, -1)
+
+
+def test_delete_cleans_brokers_and_retain_keeps_them(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    gone, kept = unique("gone"), unique("kept")
+    create("ParentTopic", namespace, "gone", {"topicName": gone})
+    create("ParentTopic", namespace, "kept", {"topicName": kept, "deletionPolicy": "retain"})
+    for name in ("gone", "kept"):
+        wait_condition(kube, testing.cr_path("parenttopics", namespace, name), "True", "Applied")
+    for name in ("gone", "kept"):
+        kube.delete(testing.cr_path("parenttopics", namespace, name))
+    for name in ("gone", "kept"):
+        path = testing.cr_path("parenttopics", namespace, name)
+        testing.wait_for(lambda path=path: not kube.exists(path), TIMEOUT_S, f"{path} deleted")  # type: ignore[misc]
+    for b in brokers:
+        assert not has_topic(admin_of(b.admin_endpoint), gone)
+        assert has_topic(admin_of(b.admin_endpoint), kept)
+    reasons = event_reasons(kube, namespace, "gone") | event_reasons(kube, namespace, "kept")
+    assert {"Deleted", "Retained"} <= reasons
+
+
+def test_unmanaged_and_paused_resources_leave_brokers_alone(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    paused, free = unique("paused"), unique("free")
+    create("ParentTopic", namespace, "paused", {"topicName": paused, "liteTopicExpirationMinutes": 10})
+    create("ParentTopic", namespace, "free", {"topicName": free})
+    p_path = testing.cr_path("parenttopics", namespace, "paused")
+    f_path = testing.cr_path("parenttopics", namespace, "free")
+    wait_condition(kube, p_path, "True", "Applied")
+    wait_condition(kube, f_path, "True", "Applied")
+    admin0 = admin_of(brokers[0].admin_endpoint)
+
+    kube.merge_patch(p_path, {"metadata": {"annotations": {"lmq.io/pause-reconciliation": "true"}}})
+    wait_condition(kube, p_path, "Unknown", "ReconciliationPaused")
+    obj = kube.merge_patch(p_path, {"spec": {"liteTopicExpirationMinutes": 20}})
+    paused_obj = wait_condition(kube, p_path, "Unknown", "ReconciliationPaused", current=False)
+    assert paused_obj["status"]["observedGeneration"] == 1 < obj["metadata"]["generation"]
+    admin0.delete_parent_topic(paused)  # drift while paused is not repaired either
+    assert not has_topic(admin0, paused)
+    kube.merge_patch(p_path, {"metadata": {"annotations": {"lmq.io/pause-reconciliation": None}}})
+    wait_condition(kube, p_path, "True", "Applied")
+    assert admin0.get_parent_topic(paused).topic.expiration_minutes == 20
+
+    kube.merge_patch(f_path, {"metadata": {"annotations": {"lmq.io/managed": "false"}}})
+    wait_condition(kube, f_path, "True", "Unmanaged")
+    kube.merge_patch(f_path, {"spec": {"liteTopicExpirationMinutes": 5}})
+    wait_condition(kube, f_path, "True", "Unmanaged")
+    kube.delete(f_path)
+    testing.wait_for(lambda: not kube.exists(f_path), TIMEOUT_S, "unmanaged resource deleted")
+    for b in brokers:
+        assert admin_of(b.admin_endpoint).get_parent_topic(free).topic.expiration_minutes == -1
+
+
+def test_younger_claim_of_a_topic_is_a_conflict(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic = unique("shared")
+    create("ParentTopic", namespace, "first", {"topicName": topic, "liteTopicExpirationMinutes": 10})
+    first = testing.cr_path("parenttopics", namespace, "first")
+    wait_condition(kube, first, "True", "Applied")
+    create("ParentTopic", namespace, "second", {"topicName": topic, "liteTopicExpirationMinutes": 99})
+    second = testing.cr_path("parenttopics", namespace, "second")
+    obj = wait_condition(kube, second, "False", "ResourceConflict")
+    assert f"{namespace}/first already manages topicName" in ready(obj)["message"]  # type: ignore[index]
+    assert "ResourceConflict" in event_reasons(kube, namespace, "second")
+    for b in brokers:
+        assert admin_of(b.admin_endpoint).get_parent_topic(topic).topic.expiration_minutes == 10
+
+    # the owner goes (retaining the topic); the younger one takes over on its next resync
+    kube.merge_patch(first, {"spec": {"deletionPolicy": "retain"}})
+    wait_condition(kube, first, "True", "Applied")
+    kube.delete(first)
+    wait_condition(kube, second, "True", "Applied")
+    for b in brokers:
+        assert admin_of(b.admin_endpoint).get_parent_topic(topic).topic.expiration_minutes == 99
+
+
+def test_drift_on_a_broker_is_repaired(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    op = run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group = unique("drift"), unique("drift-g")
+    create("ParentTopic", namespace, "drift", {"topicName": topic, "liteTopicExpirationMinutes": 15})
+    create("LiteGroup", namespace, "drift-g", {"groupName": group, "parentTopic": topic})
+    wait_condition(kube, testing.cr_path("parenttopics", namespace, "drift"), "True", "Applied")
+    wait_condition(kube, testing.cr_path("litegroups", namespace, "drift-g"), "True", "Applied")
+    a0, a1 = admin_of(brokers[0].admin_endpoint), admin_of(brokers[1].admin_endpoint)
+    a0.put_parent_topic(broker_model.ParentTopic(topic, expiration_minutes=1))  # changed by hand
+    a1.delete_group(group)  # removed by hand
+
+    testing.wait_for(
+        lambda: a0.get_parent_topic(topic).topic.expiration_minutes == 15, TIMEOUT_S, "topic drift repaired"
+    )
+    testing.wait_for(lambda: a1.get_group(group).group.bind_topic == topic, TIMEOUT_S, "group re-created")
+    testing.wait_for(lambda: "DriftRepaired" in event_reasons(kube, namespace, "drift"), TIMEOUT_S, "event")
+    assert 'lmq_operator_drift_repaired_total{kind="LiteGroup"}' in op.metrics()
+
+
+def test_broker_that_appears_later_and_empty_disk_get_everything(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+    start_broker: Callable[..., Any],
+) -> None:
+    late_port = testing.free_port()
+    late_endpoint = f"127.0.0.1:{late_port}"
+    run_operator(namespace, [brokers[0].admin_endpoint, late_endpoint])
+    topic = unique("late")
+    create("ParentTopic", namespace, "late", {"topicName": topic})
+    path = testing.cr_path("parenttopics", namespace, "late")
+    obj = wait_condition(kube, path, "False", "BrokerUnavailable")
+    assert obj["status"]["brokersReady"] == "1/2"
+    assert ready(obj)["message"].startswith("1/2 brokers in sync")  # type: ignore[index]
+
+    late = start_broker("late", port=late_port)
+    obj = wait_condition(kube, path, "True", "Applied")
+    assert obj["status"]["brokersReady"] == "2/2"
+    assert has_topic(admin_of(late_endpoint), topic)
+
+    # the pod restarts with an empty disk: the next resync puts everything back
+    late.stop()
+    shutil.rmtree(late.data_dir)
+    start_broker("late", port=late_port)
+    with AdminClient(late_endpoint, timeout_s=5.0) as fresh:
+        testing.wait_for(lambda: has_topic(fresh, topic), TIMEOUT_S, "topic re-created on an empty broker")
+
+
+def test_operator_restart_mid_reconcile_converges(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    endpoints = [b.admin_endpoint for b in brokers]
+    op = run_operator(namespace, endpoints)
+    names = [unique(f"r{i}") for i in range(20)]
+    for i, topic in enumerate(names):
+        create("ParentTopic", namespace, f"r{i}", {"topicName": topic})
+    op.kill()  # SIGKILL while the creations are being handled
+    run_operator(namespace, endpoints)
+    for i in range(len(names)):
+        wait_condition(kube, testing.cr_path("parenttopics", namespace, f"r{i}"), "True", "Applied")
+    for b in brokers:
+        listed = {t.topic.name for t in admin_of(b.admin_endpoint).list_parent_topics()}
+        assert set(names) <= listed
+
+
+def _send_lite_message(endpoint: str, topic: str, lite: str) -> None:
+    """One LITE message over the real v2 wire, so a broker holds something no group has consumed."""
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+        props = v2.SystemProperties(
+            message_id=uuid.uuid4().hex.upper(),
+            message_type=v2.LITE,
+            lite_topic=lite,
+            body_encoding=v2.IDENTITY,
+            born_host="tests",
+        )
+        props.born_timestamp.GetCurrentTime()
+        message = v2.Message(topic=v2.Resource(name=topic), body=b"undrained", system_properties=props)
+        reply = stub.SendMessage(
+            service_pb2.SendMessageRequest(messages=[message]), metadata=(("x-mq-client-id", "tests"),), timeout=5
+        )
+        assert reply.status.code == v2.OK, reply.status
+
+
+def test_endpoint_slice_discovery_and_undrained_scale_down(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+    start_broker: Callable[..., Any],
+) -> None:
+    """Brokers found through the headless Service's EndpointSlices, as in a cluster; then a scale-down."""
+    ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
+    pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
+    kube.post(
+        f"/apis/apps/v1/namespaces/{namespace}/statefulsets",
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "lmq-broker"},
+            "spec": {
+                "replicas": 2,
+                "serviceName": "lmq-broker",
+                "selector": {"matchLabels": {"app": "lmq-broker"}},
+                "template": {
+                    "metadata": {"labels": {"app": "lmq-broker"}},
+                    "spec": {"containers": [{"name": "broker", "image": "lmq:test"}]},
+                },
+            },
+        },
+    )
+    for i, pod in enumerate(pods):
+        kube.post(
+            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {"name": f"lmq-broker-{i}", "labels": {"kubernetes.io/service-name": "lmq-broker"}},
+                "addressType": "IPv4",
+                "ports": [{"name": "grpc", "port": pod.port, "protocol": "TCP"}],
+                "endpoints": [
+                    {
+                        "addresses": [ip],
+                        "conditions": {"ready": True},
+                        "targetRef": {"kind": "Pod", "name": f"lmq-broker-{i}", "namespace": namespace},
+                    }
+                ],
+            },
+        )
+    run_operator(
+        namespace,
+        None,
+        LMQ_OPERATOR_BROKER_SERVICE="lmq-broker",
+        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
+        LMQ_OPERATOR_BROKER_STATEFULSET="lmq-broker",
+    )
+    topic, group = unique("sliced"), unique("sliced-g")
+    create("ParentTopic", namespace, "sliced", {"topicName": topic})
+    create("LiteGroup", namespace, "sliced-g", {"groupName": group, "parentTopic": topic})
+    path = testing.cr_path("parenttopics", namespace, "sliced")
+    obj = wait_condition(kube, path, "True", "Applied")
+    wait_condition(kube, testing.cr_path("litegroups", namespace, "sliced-g"), "True", "Applied")
+    assert [(b["name"], b["endpoint"]) for b in obj["status"]["brokers"]] == [
+        (f"lmq-broker-{i}", f"{ip}:{pod.port}") for i, pod in enumerate(pods)
+    ]
+    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    assert drained["status"] == "True"
+
+    _send_lite_message(pods[1].endpoint, topic, "session-1")
+    assert admin_of(pods[1].admin_endpoint).broker_info().undrained_messages == 1
+    kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/lmq-broker", {"spec": {"replicas": 1}})
+
+    def reported() -> Any:
+        got = kube.get(path)
+        cond = next(c for c in got["status"]["conditions"] if c["type"] == "BrokersDrained")
+        return got if cond["status"] == "False" else None
+
+    obj = testing.wait_for(reported, TIMEOUT_S, "BrokersDrained=False after the scale-down")
+    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    assert drained["reason"] == "UndrainedBrokerLeaving"
+    assert drained["message"] == "lmq-broker-1 (ordinal 1 >= replicas 1) still holds 1 undrained messages"
+    assert obj["status"]["brokersReady"] == "1/1"
+    assert [b["name"] for b in obj["status"]["brokers"]] == ["lmq-broker-0"]
