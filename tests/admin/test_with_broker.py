@@ -1,0 +1,113 @@
+"""The admin plane as the broker process serves it: wired into ``lmq-broker serve`` beside the v2 service,
+with the real dispatcher as its live view and auth switched on by ``LMQ_ACCESS_KEY``/``LMQ_SECRET_KEY``."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lmq_broker import errors, model
+from lmq_broker.admin import cli
+from lmq_broker.admin.client import AdminClient, DeleteOutcome
+from lmq_broker.protocol import auth
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as v2s
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as v2_grpc
+from lmq_broker.testing import BrokerProcess, start_broker
+
+AK, SK = "ops-ak", "ops-secret"
+
+
+@pytest.fixture
+def broker_process(tmp_path: Path) -> Iterator[BrokerProcess]:
+    process = start_broker(
+        tmp_path / "data",
+        extra_args=["--no-bootstrap", "--flush-mode", "async", "--broker-name", "broker-7"],
+        env={"LMQ_ACCESS_KEY": AK, "LMQ_SECRET_KEY": SK},
+    )
+    yield process
+    process.stop()
+    if process.process.stdout is not None:  # start_broker leaves its log pipe open (a ResourceWarning)
+        process.process.stdout.close()
+
+
+def _send(endpoint: str, parent: str, lite: str, count: int) -> None:
+    metadata = (*auth.sign_metadata(AK, SK, datetime.now()), ("x-mq-client-id", "admin-test@1@0@x"))
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = v2_grpc.MessagingServiceStub(channel)
+        for i in range(count):
+            message = v2.Message(topic=v2.Resource(name=parent), body=f"m{i}".encode())
+            props = message.system_properties
+            props.message_id = uuid.uuid4().hex.upper()
+            props.lite_topic = lite
+            props.message_type = v2.LITE
+            props.body_encoding = v2.IDENTITY
+            props.born_host = "test"
+            props.born_timestamp.FromMilliseconds(int(time.time() * 1000))
+            reply = stub.SendMessage(v2s.SendMessageRequest(messages=[message]), metadata=metadata, timeout=10)
+            assert reply.status.code == v2.OK, reply.status.message
+
+
+def test_admin_calls_against_the_broker_process(broker_process: BrokerProcess) -> None:
+    with AdminClient(broker_process.admin_endpoint, 10.0, access_key=AK, secret_key=SK) as admin:
+        assert admin.put_parent_topic(model.ParentTopic("orders", expiration_minutes=5)).created
+        assert admin.put_group(model.LiteGroup("g", bind_topic="orders")).created
+        _send(broker_process.endpoint, "orders", "session-1", 3)
+        _send(broker_process.endpoint, "orders", "session-2", 1)
+
+        described = admin.describe_lite_topic("orders", "session-1")
+        info = admin.broker_info()
+        scanned: dict[str, list[object]] = {}
+        for batch in admin.scan_lite_topics_columns("orders", batch_size=1, with_subscribers=True):
+            for name, values in batch.items():
+                scanned.setdefault(name, []).extend(values)
+
+        assert described.meta.max_offset == 3
+        assert (info.broker_name, info.parent_topic_count, info.group_count) == ("broker-7", 1, 1)
+        assert info.lite_topic_count == 2
+        assert info.undrained_messages == 4  # g has consumed nothing yet
+        assert info.stored_bytes > 0
+        assert admin.get_group("g").lag == 0  # no offset and no subscriber: none of g's topics yet
+        assert scanned["lite"] == ["session-1", "session-2"]
+        assert scanned["subscriber_count"] == [0, 0]
+
+        _send(broker_process.endpoint, "orders", "session-2", 1)  # session-2 changes after the scan
+        assert admin.compare_and_delete(scanned, dry_run=True) == [
+            DeleteOutcome.WOULD_DELETE,
+            DeleteOutcome.KEPT_CHANGED,
+        ]
+        assert admin.compare_and_delete(scanned) == [DeleteOutcome.DELETED, DeleteOutcome.KEPT_CHANGED]
+        with pytest.raises(errors.NotFound):
+            admin.describe_lite_topic("orders", "session-1")
+        assert admin.describe_lite_topic("orders", "session-2").meta.max_offset == 2
+
+
+def test_auth_guards_the_admin_service_of_the_broker_process(
+    broker_process: BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (
+        AdminClient(broker_process.admin_endpoint, 10.0) as anonymous,
+        pytest.raises(errors.Unauthorized, match="missing authorization header"),
+    ):
+        anonymous.put_parent_topic(model.ParentTopic("orders"))
+
+    monkeypatch.setenv(cli.ENDPOINT_ENV, broker_process.admin_endpoint)
+    monkeypatch.delenv(cli.ACCESS_KEY_ENV, raising=False)
+    monkeypatch.delenv(cli.SECRET_KEY_ENV, raising=False)
+    err = io.StringIO()
+    assert cli.main(["parent-topic", "list"], err=err) == 1
+    assert err.getvalue().startswith("error: Unauthorized: unauthorized: missing authorization header")
+
+    monkeypatch.setenv(cli.ACCESS_KEY_ENV, AK)  # as on a broker pod, where the broker reads the same variables
+    monkeypatch.setenv(cli.SECRET_KEY_ENV, SK)
+    out = io.StringIO()
+    assert cli.main(["-o", "json", "parent-topic", "list"], out=out) == 0
+    assert json.loads(out.getvalue()) == []
