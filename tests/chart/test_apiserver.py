@@ -1,0 +1,243 @@
+"""The chart against a real kube-apiserver (the testenv of lmq_operator.testing: apiserver + etcd on
+loopback, no kubelet): everything `helm install` would send is accepted with strict field validation,
+the CRDs install and re-apply the way the chart's README says, the examples pass the CRDs' CEL rules,
+and the operator's RBAC grants exactly what it needs, checked by the API server's own authorizer.
+
+What the offline suites cannot see is checked here: the API server's semantic validation (names, ports,
+selectors, label syntax), its admission chain, and RBAC evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lmq_operator import testing
+
+Manifest = dict[str, Any]
+Render = Callable[..., list[Manifest]]
+
+# Where each kind the chart renders lives in the API: (path prefix, plural, namespaced).
+API_PATHS = {
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "Service": ("/api/v1", "services", True),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+    "CronJob": ("/apis/batch/v1", "cronjobs", True),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "ParentTopic": ("/apis/lmq.io/v1alpha1", "parenttopics", True),
+    "LiteGroup": ("/apis/lmq.io/v1alpha1", "litegroups", True),
+    "LiteQuota": ("/apis/lmq.io/v1alpha1", "litequotas", True),
+}
+NAMESPACES = ("mq", "apps", "team")
+
+
+def object_path(obj: Manifest, namespace: str | None = None) -> str:
+    prefix, plural, namespaced = API_PATHS[obj["kind"]]
+    name = obj["metadata"]["name"]
+    if not namespaced:
+        return f"{prefix}/{plural}/{name}"
+    ns = obj["metadata"].get("namespace", namespace)
+    assert ns, f"{obj['kind']} {name} has no namespace"
+    return f"{prefix}/namespaces/{ns}/{plural}/{name}"
+
+
+def apply(api: testing.KubeAPI, obj: Manifest, *, namespace: str | None = None, dry_run: bool = False) -> Any:
+    """Server-side apply with strict field validation: an unknown or duplicated field is an error."""
+    query = "?fieldManager=lmq-chart-tests&force=true&fieldValidation=Strict"
+    if dry_run:
+        query += "&dryRun=All"
+    return api.request("PATCH", object_path(obj, namespace) + query, obj, content_type="application/apply-patch+yaml")
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testing.KubeAPI]:
+    try:
+        env = testing.testenv(tmp_path_factory.mktemp("chart-testenv"))
+        api = env.__enter__()
+    except testing.TestenvMissing as missing:
+        pytest.fail(str(missing), pytrace=False)
+    try:
+        for namespace in NAMESPACES:
+            api.ensure_namespace(namespace)
+        yield api
+    finally:
+        env.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def installed_crds(kube: testing.KubeAPI, chart_dir: Path) -> list[str]:
+    # The README's upgrade step, `kubectl apply --server-side -f crds/`, is a server-side apply like this.
+    return kube.apply_crds(chart_dir / "crds")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"reclaim": {"enabled": True}, "operator": {"watchNamespace": "apps"}},
+        {"broker": {"persistence": {"enabled": False}, "replicas": 1}, "operator": {"enabled": False}},
+    ],
+    ids=["defaults", "reclaim-single-namespace", "no-persistence-no-operator"],
+)
+def test_the_api_server_accepts_every_rendered_object(
+    kube: testing.KubeAPI, render: Render, values: dict[str, Any]
+) -> None:
+    objects = render(values)
+    assert {o["kind"] for o in objects} <= API_PATHS.keys()
+    refused = {}
+    for obj in objects:
+        try:
+            apply(kube, obj, dry_run=True)
+        except testing.ApiError as error:
+            refused[f"{obj['kind']}/{obj['metadata']['name']}"] = error.message
+    assert refused == {}
+
+
+def test_the_api_server_refuses_what_the_chart_must_never_render(kube: testing.KubeAPI, render: Render) -> None:
+    """Guards the test above: strict validation and semantic checks are really on."""
+    statefulset = next(o for o in render() if o["kind"] == "StatefulSet")
+    statefulset["spec"]["template"]["spec"]["containers"][0]["ports"][0]["name"] = "name-longer-than-15"
+    with pytest.raises(testing.ApiError) as invalid:
+        apply(kube, statefulset, dry_run=True)
+    assert invalid.value.status == 422
+    statefulset = next(o for o in render() if o["kind"] == "StatefulSet")
+    statefulset["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(testing.ApiError, match="not declared in schema"):
+        apply(kube, statefulset, dry_run=True)
+
+
+def test_examples_pass_the_crds_including_their_cel_rules(
+    kube: testing.KubeAPI, installed_crds: list[str], chart_dir: Path
+) -> None:
+    assert sorted(installed_crds) == ["litegroups.lmq.io", "litequotas.lmq.io", "parenttopics.lmq.io"]
+    examples = [
+        doc
+        for path in sorted((chart_dir / "examples").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+    for doc in examples:
+        stored = apply(kube, doc, namespace="team")
+        assert stored["spec"].items() >= doc["spec"].items()  # nothing pruned, only defaults added
+
+    # Re-applying the CRDs (the upgrade step) keeps every custom resource.
+    kube.apply_crds(chart_dir / "crds")
+    for doc in examples:
+        assert kube.exists(object_path(doc, "team"))
+
+
+def test_examples_break_only_where_a_cel_rule_says_so(kube: testing.KubeAPI, installed_crds: list[str]) -> None:
+    quota = {
+        "apiVersion": "lmq.io/v1alpha1",
+        "kind": "LiteQuota",
+        "metadata": {"name": "both-scopes"},
+        "spec": {"parentTopic": "agent-replies", "rocketmqNamespace": "tenant-a"},
+    }
+    with pytest.raises(testing.ApiError) as refused:
+        apply(kube, quota, namespace="team", dry_run=True)
+    assert refused.value.status == 422
+    assert "exactly one of" in refused.value.message
+
+
+# -- RBAC, decided by the API server's authorizer
+
+
+@pytest.fixture(scope="module")
+def releases(kube: testing.KubeAPI, render: Render) -> dict[str, str]:
+    """Two installs of the chart's RBAC (for real): cluster-wide and watching namespace "apps"."""
+    accounts = {}
+    for release, values in (("wide", {}), ("narrow", {"operator": {"watchNamespace": "apps"}})):
+        for obj in render(values, name=release):
+            if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+                apply(kube, obj)
+        accounts[release] = f"system:serviceaccount:mq:{release}-lmq-operator"
+    return accounts
+
+
+Action = tuple[str, str, str]  # (verb, resource[/subresource], API group)
+
+
+def can(kube: testing.KubeAPI, user: str, action: Action, namespace: str = "") -> bool:
+    verb, resource, group = action
+    resource, _, subresource = resource.partition("/")
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": user,
+            "groups": ["system:serviceaccounts", "system:serviceaccounts:mq", "system:authenticated"],
+            "resourceAttributes": {
+                "verb": verb,
+                "group": group,
+                "resource": resource,
+                "subresource": subresource,
+                "namespace": namespace,
+            },
+        },
+    }
+    answer = kube.post("/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
+    return bool(answer["status"].get("allowed", False))
+
+
+# What kopf and the operator do: follow and patch their resources, write status and events, read the CRDs,
+# follow namespaces when cluster-wide, and read the brokers' EndpointSlices and StatefulSet.
+NEEDED_EVERYWHERE: list[Action] = [
+    ("watch", "parenttopics", "lmq.io"),
+    ("list", "litegroups", "lmq.io"),
+    ("patch", "litequotas", "lmq.io"),
+    ("update", "parenttopics", "lmq.io"),
+    ("patch", "litegroups/status", "lmq.io"),
+    ("create", "events", ""),
+]
+NEEDED_FOR_BROKERS: list[Action] = [
+    ("list", "endpointslices", "discovery.k8s.io"),
+    ("watch", "endpointslices", "discovery.k8s.io"),
+    ("get", "statefulsets", "apps"),
+]
+NEVER: list[Action] = [
+    ("create", "parenttopics", "lmq.io"),
+    ("delete", "litegroups", "lmq.io"),
+    ("deletecollection", "litequotas", "lmq.io"),
+    ("list", "secrets", ""),
+    ("get", "configmaps", ""),
+    ("create", "pods", ""),
+    ("update", "statefulsets", "apps"),
+    ("create", "customresourcedefinitions", "apiextensions.k8s.io"),
+]
+
+
+def test_cluster_wide_operator_may_do_its_job_and_nothing_more(kube: testing.KubeAPI, releases: dict[str, str]) -> None:
+    user = releases["wide"]
+    for action in NEEDED_EVERYWHERE:
+        for namespace in ("team", "apps"):
+            assert can(kube, user, action, namespace), (action, namespace)
+    for action in NEEDED_FOR_BROKERS:
+        assert can(kube, user, action, "mq"), action
+        assert not can(kube, user, action, "team"), (action, "outside the brokers' namespace")
+    assert can(kube, user, ("list", "customresourcedefinitions", "apiextensions.k8s.io"))
+    assert can(kube, user, ("watch", "namespaces", ""))
+    for action in NEVER:
+        for namespace in ("mq", "team"):
+            assert not can(kube, user, action, namespace), (action, namespace)
+
+
+def test_single_namespace_operator_is_confined_to_it(kube: testing.KubeAPI, releases: dict[str, str]) -> None:
+    user = releases["narrow"]
+    for action in NEEDED_EVERYWHERE:
+        assert can(kube, user, action, "apps"), action
+        assert not can(kube, user, action, "team"), (action, "outside its namespace")
+    for action in NEEDED_FOR_BROKERS:
+        assert can(kube, user, action, "mq"), action
+    assert can(kube, user, ("watch", "customresourcedefinitions", "apiextensions.k8s.io"))
+    assert not can(kube, user, ("list", "namespaces", ""))
+    for action in NEVER:
+        assert not can(kube, user, action, "apps"), action
