@@ -115,6 +115,40 @@ def test_the_api_server_refuses_what_the_chart_must_never_render(kube: testing.K
         apply(kube, statefulset, dry_run=True)
 
 
+def test_every_pod_meets_the_restricted_pod_security_standard(kube: testing.KubeAPI, render: Render) -> None:
+    """The pods the workloads would create, admitted by PodSecurity in a namespace enforcing `restricted`."""
+    kube.post(
+        "/api/v1/namespaces",
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": "restricted", "labels": {"pod-security.kubernetes.io/enforce": "restricted"}},
+        },
+    )
+    templates = {}
+    for obj in render({"reclaim": {"enabled": True}}):
+        if obj["kind"] == "CronJob":
+            templates[obj["kind"]] = obj["spec"]["jobTemplate"]["spec"]["template"]
+        elif obj["kind"] in ("Deployment", "StatefulSet"):
+            templates[obj["kind"]] = obj["spec"]["template"]
+    assert set(templates) == {"CronJob", "Deployment", "StatefulSet"}
+    for kind, template in templates.items():
+        spec = dict(template["spec"])
+        if kind == "StatefulSet":  # the claim template becomes a volume of the pod
+            spec["volumes"] = [*spec["volumes"], {"name": "data", "persistentVolumeClaim": {"claimName": "data-0"}}]
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": kind.lower()}, "spec": spec}
+        kube.post("/api/v1/namespaces/restricted/pods?dryRun=All&fieldValidation=Strict", pod)
+
+    # Guard: the same namespace refuses a pod that may escalate.
+    spec = dict(templates["Deployment"]["spec"])
+    spec["containers"] = [{**spec["containers"][0], "securityContext": {"allowPrivilegeEscalation": True}}]
+    with pytest.raises(testing.ApiError, match="restricted"):
+        kube.post(
+            "/api/v1/namespaces/restricted/pods?dryRun=All",
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "escalating"}, "spec": spec},
+        )
+
+
 def test_examples_pass_the_crds_including_their_cel_rules(
     kube: testing.KubeAPI, installed_crds: list[str], chart_dir: Path
 ) -> None:

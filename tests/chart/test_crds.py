@@ -195,3 +195,11 @@ def test_a_broken_example_is_refused(
     assert validators[kind].is_valid(doc)
     breaks(doc)
     assert not validators[kind].is_valid(doc)
+
+
+def test_the_readme_tells_the_crd_upgrade_story(chart_dir: Path) -> None:
+    readme = (chart_dir / "README.md").read_text()
+    apply_at = readme.index("kubectl apply --server-side -f charts/lmq/crds/")
+    assert apply_at < readme.index("helm upgrade mq charts/lmq")  # CRDs first, then the release
+    assert "never upgrades or deletes them" in readme
+    assert "Never `kubectl replace --force`" in readme
