@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import Final
 
 import grpc
@@ -22,6 +23,7 @@ import prometheus_client
 from lmq_broker import model
 from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import snapshot
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.edge import Edge
@@ -61,6 +63,10 @@ class Broker:
         self._stopped = asyncio.Event()
 
     @property
+    def _snapshot_path(self) -> Path:
+        return self.config.store.data_dir / snapshot.FILE_NAME
+
+    @property
     def endpoint(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
         return f"{host}:{self.port}"
@@ -73,6 +79,10 @@ class Broker:
             log.info("bootstrap: created parent topic %s and lite group %s", BOOTSTRAP_TOPIC, BOOTSTRAP_GROUP)
         self.dispatcher = Dispatcher(self.store, config)
         await self.dispatcher.start()
+        saved = await asyncio.to_thread(snapshot.take, self._snapshot_path)
+        self.dispatcher.restore_subscriptions(saved)
+        if saved:
+            log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
         server = self._server = grpc_server.create(config)
@@ -88,10 +98,14 @@ class Broker:
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful: stop taking calls, let running ones finish (long polls are cut at ``grace_s``), flush."""
         self.ready = False
+        if self.dispatcher is not None:
+            self.dispatcher.draining = True
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
         if self.dispatcher is not None:
+            records = self.dispatcher.export_subscriptions()
+            await asyncio.to_thread(snapshot.save, records, self._snapshot_path)
             await self.dispatcher.close()
         if self.store is not None:
             store = self.store

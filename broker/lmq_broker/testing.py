@@ -10,6 +10,9 @@ Stable API (the operator, reclaim and e2e suites rely on it)::
     broker.kill()          # SIGKILL: crash
     broker = broker.restart()  # same data dir, same port, same arguments
 
+``Inbox`` is a MessageListener (by duck typing) for the official client's push consumers that records
+what it consumed and lets a test wait for a condition with a deadline.
+
 A subprocess, not a thread: the official client ships its own copy of the apache.rocketmq.v2 protobuf
 descriptors, which cannot share an interpreter with ours. This module therefore imports nothing from the
 broker. ``start_broker`` returns once the broker printed its ready line (it listens by then); stdout and
@@ -25,10 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 READY_RE: Final = re.compile(r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)")
 START_TIMEOUT_S: Final = 60.0
@@ -143,7 +146,7 @@ def start_broker(
     def pump() -> None:
         # Copies the output to the log file for the whole life of the process, so the pipe never fills.
         assert process.stdout is not None
-        with log_path.open("a") as sink:
+        with log_path.open("a") as sink, process.stdout:
             for line in process.stdout:
                 sink.write(line)
                 sink.flush()
@@ -174,3 +177,36 @@ def _tail(path: Path, lines: int = 60) -> str:
     if not path.exists():
         return ""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Inbox:
+    """Records messages consumed by an official-client push consumer (pass it as the listener).
+
+    ``accept(message) -> bool`` decides the consume result (default: always SUCCESS); every call is
+    recorded in ``seen`` (failures included), accepted ones in ``accepted``.
+    """
+
+    def __init__(self, accept: Callable[[Any], bool] | None = None) -> None:
+        self._accept = accept or (lambda _message: True)
+        self._changed = threading.Condition()
+        self.seen: list[Any] = []
+        self.accepted: list[Any] = []
+
+    def consume(self, message: Any) -> Any:
+        from rocketmq import ConsumeResult  # noqa: PLC0415 - only e2e interpreters load the official client
+
+        ok = self._accept(message)
+        with self._changed:
+            self.seen.append(message)
+            if ok:
+                self.accepted.append(message)
+            self._changed.notify_all()
+        return ConsumeResult.SUCCESS if ok else ConsumeResult.FAILURE
+
+    def wait_for(self, condition: Callable[[Inbox], bool], timeout: float = 20.0) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: condition(self), timeout)
+
+    def bodies(self) -> list[bytes]:
+        with self._changed:
+            return [m.body for m in self.accepted]

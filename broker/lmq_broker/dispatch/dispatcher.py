@@ -30,7 +30,7 @@ from typing import Final, ParamSpec, TypeVar
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import api, catalog, leases, readyset, registry
+from lmq_broker.dispatch import api, catalog, leases, readyset, registry, snapshot
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class Dispatcher:
         self._next_housekeeping = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.draining = False  # shutting down: closing streams must not forget their clients
 
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -227,7 +228,7 @@ class Dispatcher:
         if state is None:
             return
         state.streams -= 1
-        if state.streams <= 0:
+        if state.streams <= 0 and not self.draining:
             self.client_gone(client_id)
 
     def client_gone(self, client_id: str) -> None:
@@ -241,6 +242,23 @@ class Dispatcher:
         if state is not None and state.group:
             for lmq in pending:
                 self._dispatch(lmq, only_group=state.group)
+
+    def export_subscriptions(self) -> list[snapshot.ClientRecord]:
+        return [
+            snapshot.ClientRecord(st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics))
+            for st in self.registry.clients()
+            if st.lite_topics and st.group
+        ]
+
+    def restore_subscriptions(self, records: list[snapshot.ClientRecord]) -> None:
+        """Re-register clients saved at the last graceful shutdown; a catch-up pass then offers whatever
+        their topics hold. Quotas were checked when the subscriptions were made."""
+        now = self.clock()
+        for r in records:
+            self.registry.touch(r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic)
+            self.registry.add(r.client_id, r.lmqs, registry.UNLIMITED, now)
+            self.ready.request_catchup(r.client_id, now)
+        self._arm(now)
 
     # --- lite subscriptions -----------------------------------------------------------------------------
     async def add_lite(

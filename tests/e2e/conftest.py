@@ -1,0 +1,67 @@
+"""Fixtures of the e2e suite: the official rocketmq-python-client 5.1.2 against a broker subprocess.
+
+This suite runs in its own interpreter (the official client carries its own apache.rocketmq.v2
+descriptors), so it reaches the broker only over the wire: v2 through the client, admin through
+``AdminClient`` (which loads no v2 descriptors).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.testing import BrokerProcess, start_broker
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path_factory.mktemp("e2e") / "data")
+    yield process
+    assert process.stop() == 0, process.log()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def admin(broker: BrokerProcess) -> Iterator[AdminClient]:
+    with AdminClient(broker.admin_endpoint, timeout_s=10) as client:
+        yield client
+
+
+@pytest.fixture
+def unique() -> Callable[[str], str]:
+    """Fresh resource names, so tests can share a module's broker."""
+    return lambda prefix: f"{prefix}-{next(_names)}"
+
+
+@pytest.fixture
+def lite_group(admin: AdminClient, unique: Callable[[str], str]) -> Callable[..., tuple[str, str]]:
+    """Create a LITE parent topic and a lite group bound to it; returns (topic, group)."""
+
+    def create(**group_fields: Any) -> tuple[str, str]:
+        topic, group = unique("T"), unique("G")
+        admin.put_parent_topic(model.ParentTopic(topic, model.MessageType.LITE))
+        admin.put_group(model.LiteGroup(group, topic, **group_fields))
+        return topic, group
+
+    return create
+
+
+@pytest.fixture
+def clients() -> Iterator[list[Any]]:
+    """Started official clients to shut down at the end of the test (producers, consumers)."""
+    started: list[Any] = []
+    yield started
+    for client in reversed(started):
+        client.shutdown()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]

@@ -1,0 +1,210 @@
+"""LitePushConsumer and Producer (official client 5.1.2) against a real broker process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
+from rocketmq.v5.exception import (
+    BadRequestException,
+    LiteSubscriptionQuotaExceededException,
+    LiteTopicQuotaExceededException,
+)
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.testing import BrokerProcess, Inbox, start_broker
+
+
+def config(broker: BrokerProcess) -> Any:
+    return ClientConfiguration(broker.endpoint, Credentials(), request_timeout=5)
+
+
+def producer(broker: BrokerProcess, clients: list[Any], *topics: str) -> Any:
+    p = Producer(config(broker), topics)
+    p.startup()
+    clients.append(p)
+    return p
+
+
+def consumer(broker: BrokerProcess, clients: list[Any], group: str, topic: str, inbox: Inbox) -> Any:
+    c = LitePushConsumer(config(broker), group, topic, inbox)
+    c.startup()
+    clients.append(c)
+    return c
+
+
+def send(p: Any, topic: str, lite: str, body: bytes) -> Any:
+    m = Message()
+    m.topic = topic
+    m.lite_topic = lite
+    m.body = body
+    return p.send(m)
+
+
+def test_many_lite_topics_all_received_once_and_acked(
+    broker: BrokerProcess, admin: AdminClient, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    inbox = Inbox()
+    c = consumer(broker, clients, group, topic, inbox)
+    lites = [f"session-{i}" for i in range(40)]
+    for lite in lites:
+        c.subscribe_lite(lite)
+    p = producer(broker, clients, topic)
+    sent = {(lite, f"{lite}/{n}".encode()) for lite in lites for n in range(3)}
+    for lite, body in sorted(sent):
+        send(p, topic, lite, body)
+    assert inbox.wait_for(lambda i: len(i.accepted) >= len(sent), 30), f"got {len(inbox.accepted)} of {len(sent)}"
+    got = [(m.lite_topic, m.body) for m in inbox.accepted]
+    assert sorted(got) == sorted(sent)  # every message, none twice
+    per_topic: dict[str, list[bytes]] = {}
+    for lite, body in got:
+        per_topic.setdefault(lite, []).append(body)
+    assert all(bodies == sorted(bodies) for bodies in per_topic.values())  # in order per lite topic
+    assert {m.delivery_attempt for m in inbox.accepted} == {1}
+    deadline = time.monotonic() + 10
+    while admin.describe_lite_topic(topic, lites[-1]).group_offsets.get(group) != 3:
+        assert time.monotonic() < deadline, "acks were not committed"
+        time.sleep(0.05)
+
+
+def test_subscribe_lite_takes_effect_at_once(
+    broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """Python 5.1.2 sends subscribe_lite("session-1") as single characters; the broker joins them, so the
+    message flows now rather than after the client's next full sync 30 s later."""
+    topic, group = lite_group()
+    inbox = Inbox()
+    c = consumer(broker, clients, group, topic, inbox)
+    started = time.monotonic()
+    c.subscribe_lite("session-1")
+    send(producer(broker, clients, topic), topic, "session-1", b"now")
+    assert inbox.wait_for(lambda i: i.bodies() == [b"now"], 10)
+    assert time.monotonic() - started < 10
+
+
+def test_nack_is_redelivered_with_attempt_two(
+    broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group(fifo=False, retry=model.RetryPolicy(max_attempts=5, backoff_ms=(1000, 1000)))
+    inbox = Inbox(accept=lambda m: m.delivery_attempt >= 2)
+    c = consumer(broker, clients, group, topic, inbox)
+    c.subscribe_lite("retry-me")
+    send(producer(broker, clients, topic), topic, "retry-me", b"again")
+    assert inbox.wait_for(lambda i: len(i.accepted) == 1, 20)
+    assert [m.delivery_attempt for m in inbox.seen] == [1, 2]
+    assert inbox.accepted[0].body == b"again"
+
+
+def test_unsubscribe_stops_delivery(
+    broker: BrokerProcess, admin: AdminClient, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    inbox = Inbox()
+    c = consumer(broker, clients, group, topic, inbox)
+    c.subscribe_lite("kept")
+    c.subscribe_lite("dropped")
+    c.unsubscribe_lite("dropped")
+    p = producer(broker, clients, topic)
+    send(p, topic, "dropped", b"not for me")
+    send(p, topic, "kept", b"for me")
+    assert inbox.wait_for(lambda i: i.bodies() == [b"for me"], 15)
+    dropped = admin.describe_lite_topic(topic, "dropped")
+    assert list(dropped.subscribed_clients) == [] and group not in dropped.group_offsets
+    assert dropped.meta.max_offset == 1  # stored, never delivered
+    assert inbox.bodies() == [b"for me"]
+
+
+def test_invalid_lite_topic_names_are_rejected(
+    broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    c = consumer(broker, clients, group, topic, Inbox())
+    with pytest.raises(BadRequestException) as raised:
+        c.subscribe_lite("no spaces allowed")
+    assert raised.value.code == 40020  # ILLEGAL_LITE_TOPIC
+    p = producer(broker, clients, topic)
+    with pytest.raises(BadRequestException):
+        send(p, topic, "bad/name", b"x")
+
+
+def test_lite_topic_quota_reaches_the_producer(
+    broker: BrokerProcess, admin: AdminClient, clients: list[Any], unique: Callable[[str], str]
+) -> None:
+    topic = unique("Q")
+    admin.put_parent_topic(model.ParentTopic(topic, model.MessageType.LITE, max_lite_topics=1))
+    p = producer(broker, clients, topic)
+    send(p, topic, "first", b"x")
+    with pytest.raises(LiteTopicQuotaExceededException):
+        send(p, topic, "second", b"x")
+    send(p, topic, "first", b"still fine")
+
+
+def test_subscription_quota_reaches_the_consumer(tmp_path: Any, clients: list[Any]) -> None:
+    """The client checks its group quota itself; the broker-wide limit is only known to the broker."""
+    with start_broker(tmp_path / "data", extra_args=["--max-subscriptions-per-broker", "2"]) as small:
+        c = consumer(small, clients, "executor-group", "AGENT_TASK_NS", Inbox())
+        c.subscribe_lite("a")
+        c.subscribe_lite("b")
+        with pytest.raises(LiteSubscriptionQuotaExceededException):
+            c.subscribe_lite("c")
+        for client in clients:
+            client.shutdown()
+        clients.clear()
+
+
+def test_lite_simple_consumer_receives_and_acks(
+    broker: BrokerProcess, admin: AdminClient, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    c = LiteSimpleConsumer(topic, config(broker), group, await_duration=5)
+    c.startup()
+    clients.append(c)
+    deadline = time.monotonic() + 10
+    while c.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
+        assert time.monotonic() < deadline, "no settings from the broker"
+        time.sleep(0.05)  # lite-simple does not wait for settings at startup; its quota is 0 until then
+    c.subscribe_lite("simple-1")
+    send(producer(broker, clients, topic), topic, "simple-1", b"pull me")
+    received: list[Any] = []
+    while not received and time.monotonic() < deadline + 10:
+        received = c.receive(16, 15)
+    (message,) = received
+    assert (message.lite_topic, message.body, message.delivery_attempt) == ("simple-1", b"pull me", 1)
+    c.ack(message)
+    assert admin.describe_lite_topic(topic, "simple-1").group_offsets[group] == 1
+
+
+def test_restart_resumes_without_loss_or_redelivery(tmp_path: Any, clients: list[Any]) -> None:
+    """Graceful broker restart under a running consumer: what was acked is never seen again, what was sent
+    while it was down arrives."""
+    broker = start_broker(tmp_path / "data")
+    try:
+        inbox = Inbox()
+        c = consumer(broker, clients, "executor-group", "AGENT_TASK_NS", inbox)
+        c.subscribe_lite("durable")
+        p = producer(broker, clients, "AGENT_TASK_NS")
+        for n in range(5):
+            send(p, "AGENT_TASK_NS", "durable", f"before-{n}".encode())
+        assert inbox.wait_for(lambda i: len(i.accepted) == 5, 20)
+        time.sleep(0)  # acks are sent by the consumer after consume() returns
+        admin = AdminClient(broker.admin_endpoint, timeout_s=5)
+        deadline = time.monotonic() + 10
+        while admin.describe_lite_topic("AGENT_TASK_NS", "durable").group_offsets.get("executor-group") != 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        admin.close()
+        broker = broker.restart()
+        for n in range(5):
+            send(p, "AGENT_TASK_NS", "durable", f"after-{n}".encode())
+        assert inbox.wait_for(lambda i: len(i.accepted) >= 10, 30), inbox.bodies()
+        assert inbox.bodies() == [f"before-{n}".encode() for n in range(5)] + [f"after-{n}".encode() for n in range(5)]
+    finally:
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()
+        broker.stop()
