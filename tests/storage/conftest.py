@@ -34,8 +34,8 @@ def open_lmq(
     """Open an LmqStore on the test's data dir (config overrides as keywords); closed at teardown."""
     opened: list[store_mod.LmqStore] = []
 
-    def make(**overrides: object) -> store_mod.LmqStore:
-        s = store_mod.LmqStore(store_config(**overrides), clock)
+    def make(state_cache_entries: int = store_mod.STATE_CACHE_ENTRIES, **overrides: object) -> store_mod.LmqStore:
+        s = store_mod.LmqStore(store_config(**overrides), clock, state_cache_entries=state_cache_entries)
         opened.append(s)
         return s
 

@@ -65,7 +65,7 @@ TAG_MESSAGE_GROUP: Final = 5
 TAG_USER_PROPERTY: Final = 6
 
 
-def _crc(data: bytes | memoryview, value: int = 0) -> int:
+def crc32c_of(data: bytes | memoryview, value: int = 0) -> int:
     return int(_crc32c.crc32c(data, value))
 
 
@@ -224,7 +224,7 @@ def encode(
         + topic
         + properties
     )
-    crc = _crc(body, _crc(head))
+    crc = crc32c_of(body, crc32c_of(head))
     return PREFIX.pack(4 + len(head) + len(body), crc) + head + body
 
 
@@ -255,7 +255,7 @@ def _check(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, tuple[int,
     size = 4 + length
     if length < 4 + HEADER.size or pos + size > end:
         raise errors.CorruptRecord("record length out of bounds", position=pos, length=length)
-    if _crc(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
+    if crc32c_of(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
         raise errors.CorruptRecord("record CRC mismatch", position=pos)
     header = HEADER.unpack_from(buf, pos + PREFIX.size)
     if header[0] != VERSION:

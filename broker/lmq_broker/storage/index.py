@@ -82,7 +82,10 @@ class Index:
         table.set_pin_l0_filter_and_index_blocks_in_cache(True)
         opts.set_block_based_table_factory(table)
         self.path = path
-        self._db = rocksdict.Rdict(str(path), opts)
+        try:
+            self._db = rocksdict.Rdict(str(path), opts)
+        except Exception as e:  # rocksdict raises bare Exception (a held LOCK, a damaged MANIFEST, ...)
+            raise errors.StorageError(f"cannot open the index at {path}: {e}", path=str(path)) from e
         self._write_opts = rocksdict.WriteOptions()
         self._write_opts.sync = False
         layout = self._db.get(keys.LAYOUT_KEY)

@@ -450,8 +450,9 @@ class LmqStore:
             self._put_pending(wb, pd, created)
         if created:
             self._put_counters(wb, created)
-        for s in range(start[0], seg + 1):
-            self._touch_segment(wb, s, store_ms)
+        for s, written in chunks:
+            if written:
+                self._touch_segment(wb, s, store_ms)
         wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(lg.active.seq, lg.active.size))
         self._write_index(wb)
         self._commit(pend)

@@ -1,0 +1,265 @@
+"""LmqStore recovery: restart, re-index after the checkpoint, torn tails, corruption, full rebuild from the log."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lmq_broker import config, errors, model
+from lmq_broker.storage import codec, keys
+from lmq_broker.storage import index as index_mod
+from lmq_broker.storage import segment as segment_mod
+from lmq_broker.storage import store as store_mod
+from lmq_broker.storage.memory import ManualClock
+
+Msg = Callable[..., model.NewMessage]
+OpenLmq = Callable[..., store_mod.LmqStore]
+LMQ_A = model.QueueId.lmq("P", "a")
+PARENT_Q = model.QueueId("P", 0)
+
+
+def segment_files(cfg: config.StoreConfig) -> list[Path]:
+    return sorted((cfg.data_dir / "commitlog").glob("*.log"))
+
+
+def frame_of(cfg: config.StoreConfig, queue: model.QueueId, offset: int) -> tuple[Path, codec.Frame]:
+    for seq, frame in store_mod.iter_records(cfg):
+        q = (queue.topic, queue.queue)
+        if q in frame.queues and frame.offsets[frame.queues.index(q)] == offset:
+            return cfg.data_dir / "commitlog" / segment_mod.file_name(seq), frame
+    raise AssertionError(f"no record for {queue} @ {offset}")
+
+
+def flip_byte(path: Path, position: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(position)
+        b = f.read(1)
+        f.seek(position)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def raw_record(queues: list[tuple[model.QueueId, int]], body: bytes, store_ms: int, message_id: str = "raw") -> bytes:
+    """A record as the store writes it, for simulating 'written to the log, never indexed'."""
+    names = b"".join(keys.parse_queue(q.topic, q.queue).record for q, _ in queues)
+    return codec.encode(
+        kind=codec.KIND_MESSAGE,
+        message_type=int(model.MessageType.LITE),
+        store_ms=store_ms,
+        born_ms=0,
+        offsets=[o for _, o in queues],
+        names=names,
+        message_id=message_id.encode(),
+        topic=b"P",
+        properties=b"",
+        body=body,
+    )
+
+
+def snapshot(store: store_mod.LmqStore, queues: list[model.QueueId], created: bool = True) -> dict[str, object]:
+    """Everything the log can restore (consumer offsets and last consume times excluded)."""
+    return {
+        "messages": {q.topic: [(m.offset, m.message_id, m.body) for m in store.read(q, 0, 10_000)] for q in queues},
+        "offsets": {q.topic: store.queue_offsets(q) for q in queues},
+        "lites": [
+            (m.parent, m.lite, m.created_ms if created else 0, m.last_store_ms, m.min_offset, m.max_offset)
+            for m in store.scan_lite_topics()
+        ],
+        "counts": (store.lite_topic_count(), store.lite_topic_count("P"), store.lite_topic_count("Q")),
+    }
+
+
+def test_restart_keeps_messages_offsets_and_metadata(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq()
+    s.append([msg(), msg(lite="b"), msg()])
+    s.commit_offset(LMQ_A, "g", 1)
+    s.put_parent_topic(model.ParentTopic("P", expiration_minutes=5))
+    before = snapshot(s, [LMQ_A, PARENT_Q])
+    s.close()
+    s = open_lmq()
+    assert s.recovery.rebuilt is False and s.recovery.records_reindexed == 0
+    assert snapshot(s, [LMQ_A, PARENT_Q]) == before
+    assert s.get_offset(LMQ_A, "g") == 1
+    assert s.get_parent_topic("P") == model.ParentTopic("P", expiration_minutes=5)
+    assert s.append([msg()])[0].offsets == {PARENT_Q: 3, LMQ_A: 2}
+
+
+def test_deleting_the_index_rebuilds_it_from_the_log(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
+) -> None:
+    opts = {"segment_max_bytes": 8192, "retention_max_age_ms": 50_000}
+    s = open_lmq(**opts)
+    queues = [PARENT_Q, model.QueueId("Q", 0), *(model.QueueId.lmq(p, f"t{i}") for p in "PQ" for i in range(6))]
+    for i in range(60):
+        lite = f"t{i % 6}"
+        fan = (model.QueueId.lmq("Q", lite),) if i % 3 == 0 else ()
+        s.append([msg("P", lite, body=bytes([i]) * 700, queues=(PARENT_Q, model.QueueId.lmq("P", lite), *fan))])
+        clock.advance(1000)
+    s.delete_lite_topic("P", "t1")
+    s.append([msg("P", "t1", body=b"reborn")])
+    assert s.apply_retention().segments_deleted > 0
+    before = snapshot(s, queues, created=False)
+    s.close()
+    shutil.rmtree(store_config().data_dir / "index")
+    s = open_lmq(**opts)
+    assert s.recovery.rebuilt is True and s.recovery.records_reindexed > 0
+    assert snapshot(s, queues, created=False) == before
+    # created_ms comes back as the store time of the oldest record that survived retention
+    t1 = s.lite_topic("P", "t1")
+    assert t1 is not None and t1.created_ms == clock()
+    t0 = s.lite_topic("P", "t0")
+    assert t0 is not None and t0.created_ms == s.read(model.QueueId.lmq("P", "t0"), 0, 1)[0].store_timestamp_ms
+    assert [m.body for m in s.read(model.QueueId.lmq("P", "t1"), 0, 10)] == [b"reborn"]
+    (res,) = s.append([msg("P", "t0")])
+    assert res.offsets[model.QueueId.lmq("P", "t0")] == before["offsets"]["%LMQ%$P$t0"][1]  # type: ignore[index]
+
+
+def test_records_written_but_not_indexed_are_reindexed(
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = open_lmq()
+    s.append([msg(), msg()])
+    real_write = index_mod.Index.write
+    with monkeypatch.context() as m:
+
+        def crash(self: index_mod.Index, wb: object) -> None:
+            raise OSError("simulated crash between the log write and the index write")
+
+        m.setattr(index_mod.Index, "write", crash)
+        with pytest.raises(errors.StorageError):
+            s.append([msg(body=b"logged, not indexed")])
+    assert index_mod.Index.write is real_write
+    with pytest.raises(errors.StorageError):
+        s.append([msg()])  # the store stops writing: offsets would collide with the unindexed record
+    s.close()
+    s = open_lmq()
+    assert s.recovery.records_reindexed == 1
+    assert [m.body for m in s.read(LMQ_A, 2, 10)] == [b"logged, not indexed"]
+    assert s.append([msg()])[0].offsets[LMQ_A] == 3
+
+
+@pytest.mark.parametrize("cut", [1, 10, 44, 60])
+def test_a_torn_tail_is_truncated_at_recovery(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock, cut: int
+) -> None:
+    s = open_lmq()
+    s.append([msg(), msg()])
+    s.close()
+    (seg,) = segment_files(store_config())
+    good_size = seg.stat().st_size
+    torn = raw_record([(PARENT_Q, 2), (LMQ_A, 2)], b"torn" * 20, clock())
+    with seg.open("ab") as f:
+        f.write(torn[:cut])  # a crash in the middle of a write
+    s = open_lmq()
+    assert s.recovery.truncated_bytes == cut
+    assert seg.stat().st_size == good_size
+    assert s.queue_offsets(LMQ_A) == (0, 2)
+    (res,) = s.append([msg(body=b"after")])
+    assert res.offsets[LMQ_A] == 2
+    s.close()
+    s = open_lmq()
+    assert [m.body for m in s.read(LMQ_A, 0, 10)][-1] == b"after"
+
+
+def test_a_flipped_byte_in_the_unindexed_tail_truncates_from_that_record(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
+) -> None:
+    s = open_lmq()
+    s.append([msg()])
+    s.close()
+    (seg,) = segment_files(store_config())
+    ok = raw_record([(PARENT_Q, 1), (LMQ_A, 1)], b"ok", clock(), "ok")
+    bad = raw_record([(PARENT_Q, 2), (LMQ_A, 2)], b"bad body", clock(), "bad")
+    start_bad = seg.stat().st_size + len(ok)
+    with seg.open("ab") as f:
+        f.write(ok + bad)
+    flip_byte(seg, start_bad + len(bad) - 2)
+    s = open_lmq()
+    assert (s.recovery.records_reindexed, s.recovery.truncated_bytes) == (1, len(bad))
+    assert [m.message_id for m in s.read(LMQ_A, 0, 10)][1:] == ["ok"]
+
+
+def test_a_flipped_byte_in_an_indexed_record_is_reported_on_read(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
+) -> None:
+    s = open_lmq()
+    s.append([msg(body=b"first"), msg(body=b"second"), msg(body=b"third")])
+    s.close()
+    path, frame = frame_of(store_config(), LMQ_A, 1)
+    flip_byte(path, frame.position + frame.size - 3)
+    s = open_lmq()  # indexed records are not rescanned at open: no truncation of acknowledged data
+    assert s.recovery.truncated_bytes == 0
+    with pytest.raises(errors.CorruptRecord):
+        s.read(LMQ_A, 0, 10)
+    assert [m.body for m in s.read(LMQ_A, 2, 10)] == [b"third"]
+    assert [m.body for m in s.read(LMQ_A, 0, 1)] == [b"first"]
+
+
+def test_corruption_before_the_last_segment_fails_the_rebuild(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
+) -> None:
+    s = open_lmq(segment_max_bytes=4096)
+    for _ in range(10):
+        s.append([msg(body=b"x" * 1000)])
+    s.close()
+    first = segment_files(store_config())[0]
+    flip_byte(first, 100)
+    shutil.rmtree(store_config().data_dir / "index")
+    with pytest.raises(errors.CorruptRecord) as e:
+        open_lmq(segment_max_bytes=4096)
+    assert e.value.fields["segment"] == 0
+    assert first.stat().st_size > 100  # never truncated: fail-stop rather than silently drop acknowledged data
+
+
+def test_an_unknown_record_version_fails_open_and_touches_nothing(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
+) -> None:
+    s = open_lmq()
+    s.append([msg()])
+    s.close()
+    (seg,) = segment_files(store_config())
+    future = bytearray(raw_record([(LMQ_A, 1)], b"from a newer broker", clock()))
+    future[8] = 2  # version
+    future[4:8] = codec.crc32c_of(bytes(future[8:])).to_bytes(4, "little")
+    with seg.open("ab") as f:
+        f.write(future)
+    size = seg.stat().st_size
+    with pytest.raises(errors.UnsupportedVersion):
+        open_lmq()
+    assert seg.stat().st_size == size
+
+
+def test_an_index_ahead_of_the_log_is_rebuilt_keeping_offsets_and_control_metadata(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
+) -> None:
+    s = open_lmq(flush_mode="async")
+    s.append([msg(body=b"kept")])
+    s.append([msg(body=b"lost in a power cut")])
+    s.commit_offset(LMQ_A, "g", 1)
+    s.put_group(model.LiteGroup("G", bind_topic="P"))
+    s.close()
+    path, frame = frame_of(store_config(), LMQ_A, 1)
+    os.truncate(path, frame.position)  # the unsynced tail never reached the disk, the index did
+    s = open_lmq(flush_mode="async")
+    assert s.recovery.rebuilt is True
+    assert [m.body for m in s.read(LMQ_A, 0, 10)] == [b"kept"]
+    assert s.queue_offsets(LMQ_A) == (0, 1)
+    assert s.get_offset(LMQ_A, "g") == 1
+    assert s.get_group("G") == model.LiteGroup("G", bind_topic="P")
+
+
+def test_an_index_of_an_unknown_layout_is_refused(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig]
+) -> None:
+    s = open_lmq()
+    s.close()
+    idx = index_mod.Index(store_config().data_dir / "index", 0)
+    wb = idx.batch()
+    wb.put(keys.LAYOUT_KEY, keys.U32.pack(99))
+    idx.write(wb)
+    idx.close()
+    with pytest.raises(errors.UnsupportedVersion):
+        open_lmq()

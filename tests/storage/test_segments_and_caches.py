@@ -1,0 +1,92 @@
+"""LmqStore specifics: bounded segment files, bounded in-memory caches, reads that touch one queue only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from lmq_broker import errors, model
+from lmq_broker.storage import commitlog, keys
+from lmq_broker.storage import index as index_mod
+from lmq_broker.storage import segment as segment_mod
+from lmq_broker.storage import store as store_mod
+from lmq_broker.storage.memory import ManualClock
+
+Msg = Callable[..., model.NewMessage]
+OpenLmq = Callable[..., store_mod.LmqStore]
+LMQ_A = model.QueueId.lmq("P", "a")
+
+
+def test_segments_never_exceed_their_bound_and_records_never_span_two(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq(segment_max_bytes=8192)
+    for i in range(30):
+        s.append([msg(body=bytes([i]) * (500 + 37 * i % 700)) for _ in range(3)])
+    sizes = [s._log.size_of(seq) for seq in s._log.seqs()]
+    assert len(sizes) > 5 and max(sizes) <= 8192
+    assert [m.body[0] for m in s.read(LMQ_A, 0, 1000)] == [i for i in range(30) for _ in range(3)]
+
+
+def test_segment_file_names() -> None:
+    assert segment_mod.file_name(12) == "0000000012.log"
+    assert segment_mod.parse_name("0000000012.log") == 12
+    assert segment_mod.parse_name("12.log") is None
+    assert segment_mod.parse_name("0000000012.tmp") is None
+
+
+def test_a_record_larger_than_a_segment_is_refused(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq(segment_max_bytes=4096, max_record_bytes=1 << 20)
+    with pytest.raises(errors.RecordTooLarge):
+        s.append([msg(body=b"x" * 4096)])
+
+
+def test_queue_state_cache_is_bounded_and_evictions_reload_from_the_index(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq(state_cache_entries=50)
+    for i in range(10):
+        s.append([msg(lite=f"t{j}", parent_queue=False) for j in range(i * 100, (i + 1) * 100)])
+    assert s.cached_states <= 50
+    assert s.lite_topic_count() == 1000
+    # t0 was evicted long ago: its next offset comes back from the index
+    assert s.append([msg(lite="t0", parent_queue=False)])[0].offsets == {model.QueueId.lmq("P", "t0"): 1}
+    assert [m.offset for m in s.read(model.QueueId.lmq("P", "t0"), 0, 10)] == [0, 1]
+
+
+def test_reads_seek_into_one_queue_only(open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = open_lmq()
+    for i in range(50):
+        s.append([msg(lite=f"t{j}", body=f"{i}".encode()) for j in range(20)])
+    seen: list[bytes] = []
+    real_entries = index_mod.Index.entries
+
+    def spy(self: index_mod.Index, name: keys.QueueName, start: int, count: int) -> list[index_mod.Entry]:
+        seen.append(name.qkey)
+        return real_entries(self, name, start, count)
+
+    monkeypatch.setattr(index_mod.Index, "entries", spy)
+    read = s.read(model.QueueId.lmq("P", "t7"), 10, 32)
+    assert [m.body for m in read] == [f"{i}".encode() for i in range(10, 42)]
+    assert seen == [keys.parse_queue("%LMQ%$P$t7", 0).qkey]
+
+
+def test_entries_are_runs_one_key_per_queue_per_append(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq()
+    s.append([msg() for _ in range(100)])
+    s.append([msg() for _ in range(100)])
+    runs = list(s._index.runs(keys.parse_queue(LMQ_A.topic, 0)))
+    assert [(first, n) for first, _, n in runs] == [(0, 100), (100, 100)]
+    assert [m.offset for m in s.read(LMQ_A, 95, 10)] == list(range(95, 105))
+
+
+def test_dropped_segment_descriptors_close_one_retention_pass_later(
+    open_lmq: OpenLmq, msg: Msg, clock: ManualClock
+) -> None:
+    s = open_lmq(segment_max_bytes=4096, retention_max_age_ms=10)
+    for _ in range(10):
+        s.append([msg(body=b"x" * 1000)])
+    clock.advance(100)
+    s.append([msg()])
+    log: commitlog.CommitLog = s._log
+    assert s.apply_retention().segments_deleted > 0
+    assert log._graveyard  # still open for a reader that looked its entry up just before the drop
+    s.apply_retention()
+    assert not log._graveyard
