@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
 from rocketmq import ClientConfiguration, Credentials, FilterExpression, Message, Producer, PushConsumer, SimpleConsumer
 from rocketmq_a2a.common import rocketmq_util
 from rocketmq_a2a.server.echo_executor import DefaultEchoAgentExecutor
