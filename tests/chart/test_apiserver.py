@@ -9,6 +9,8 @@ selectors, label syntax), its admission chain, and RBAC evaluation.
 
 from __future__ import annotations
 
+import base64
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from lmq_broker import testing as broker_testing
 from lmq_operator import testing
 
 Manifest = dict[str, Any]
@@ -38,6 +41,7 @@ API_PATHS = {
     "LiteQuota": ("/apis/lmq.io/v1alpha1", "litequotas", True),
 }
 NAMESPACES = ("mq", "apps", "team")
+RECONCILE_DEADLINE_S = 90.0
 
 
 def object_path(obj: Manifest, namespace: str | None = None) -> str:
@@ -222,25 +226,25 @@ def can(kube: testing.KubeAPI, user: str, action: Action, namespace: str = "") -
     return bool(answer["status"].get("allowed", False))
 
 
-# What kopf and the operator do: follow and patch their resources, write status and events, read the CRDs,
-# follow namespaces when cluster-wide, and read the brokers' EndpointSlices and StatefulSet.
+# What kopf and the operator do (docs/operator.md): follow and patch their resources, patch status, post
+# events, follow the CRDs, and read the brokers' EndpointSlices and StatefulSet.
 NEEDED_EVERYWHERE: list[Action] = [
-    ("watch", "parenttopics", "lmq.io"),
-    ("list", "litegroups", "lmq.io"),
+    ("list", "parenttopics", "lmq.io"),
+    ("watch", "litegroups", "lmq.io"),
     ("patch", "litequotas", "lmq.io"),
-    ("update", "parenttopics", "lmq.io"),
     ("patch", "litegroups/status", "lmq.io"),
     ("create", "events", ""),
 ]
 NEEDED_FOR_BROKERS: list[Action] = [
     ("list", "endpointslices", "discovery.k8s.io"),
-    ("watch", "endpointslices", "discovery.k8s.io"),
     ("get", "statefulsets", "apps"),
 ]
 NEVER: list[Action] = [
     ("create", "parenttopics", "lmq.io"),
+    ("update", "parenttopics", "lmq.io"),
     ("delete", "litegroups", "lmq.io"),
     ("deletecollection", "litequotas", "lmq.io"),
+    ("update", "litequotas/status", "lmq.io"),
     ("list", "secrets", ""),
     ("get", "configmaps", ""),
     ("create", "pods", ""),
@@ -258,7 +262,7 @@ def test_cluster_wide_operator_may_do_its_job_and_nothing_more(kube: testing.Kub
         assert can(kube, user, action, "mq"), action
         assert not can(kube, user, action, "team"), (action, "outside the brokers' namespace")
     assert can(kube, user, ("list", "customresourcedefinitions", "apiextensions.k8s.io"))
-    assert can(kube, user, ("watch", "namespaces", ""))
+    assert not can(kube, user, ("list", "namespaces", ""))  # kopf watches cluster-wide without them
     for action in NEVER:
         for namespace in ("mq", "team"):
             assert not can(kube, user, action, namespace), (action, namespace)
@@ -275,3 +279,112 @@ def test_single_namespace_operator_is_confined_to_it(kube: testing.KubeAPI, rele
     assert not can(kube, user, ("list", "namespaces", ""))
     for action in NEVER:
         assert not can(kube, user, action, "apps"), action
+
+
+# -- the operator itself, running with nothing but the chart's ServiceAccount and RBAC
+
+
+def service_account_kubeconfig(kube: testing.KubeAPI, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig holding a token of the ServiceAccount (what the pod's mounted token would be)."""
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
+    token = kube.post(f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token", request)["status"]["token"]
+    ca = base64.b64encode(kube.ca_file.read_bytes()).decode()
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": kube.server, "certificate-authority-data": ca}}],
+                "users": [{"name": account, "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": account}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return path
+
+
+def publish_broker_pod(kube: testing.KubeAPI, headless: Manifest, pod: str, address: tuple[str, int]) -> None:
+    """The EndpointSlice the cluster's controller would derive from the chart's headless Service."""
+    (grpc,) = [p for p in headless["spec"]["ports"] if p["targetPort"] == "grpc"]
+    namespace = headless["metadata"]["namespace"]
+    kube.post(
+        f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{headless['metadata']['name']}-x1",
+                "labels": {"kubernetes.io/service-name": headless["metadata"]["name"]},
+            },
+            "addressType": "IPv4",
+            # The slice names the port after the Service port; on the pod it is the container port.
+            "ports": [{"name": grpc["name"], "port": address[1], "protocol": "TCP"}],
+            "endpoints": [
+                {
+                    "addresses": [address[0]],
+                    "hostname": pod,
+                    "conditions": {"ready": True},
+                    "targetRef": {"kind": "Pod", "name": pod, "namespace": namespace},
+                }
+            ],
+        },
+    )
+
+
+def test_the_operator_reconciles_with_only_the_charts_rbac(
+    kube: testing.KubeAPI, installed_crds: list[str], render: Render, chart_dir: Path, tmp_path: Path
+) -> None:
+    objects = render(name="live")
+    by_kind = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    for obj in objects:  # the release, for real (no kubelet: nothing runs, the objects exist)
+        apply(kube, obj)
+    # EndpointSlices refuse loopback addresses: the broker listens on every interface, and the slice names
+    # this machine's own address.
+    broker = broker_testing.start_broker(tmp_path / "data", extra_args=["--host", "0.0.0.0"])
+    operator = None
+    try:
+        address = (testing.host_ip(), broker.port)
+        publish_broker_pod(kube, by_kind["Service", "live-lmq-broker-headless"], "live-lmq-broker-0", address)
+
+        deployment = by_kind["Deployment", "live-lmq-operator"]
+        pod_spec = deployment["spec"]["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        chart_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        # Ports: the pod has its own network; start_operator picks free ones on this shared machine.
+        for local in ("LMQ_OPERATOR_METRICS_PORT", "LMQ_OPERATOR_LIVENESS_ENDPOINT"):
+            chart_env.pop(local)
+        kubeconfig = service_account_kubeconfig(kube, "mq", pod_spec["serviceAccountName"], tmp_path / "sa.yaml")
+        operator = testing.start_operator(kube, tmp_path / "operator.log", {**chart_env, "KUBECONFIG": str(kubeconfig)})
+
+        (topic,) = [
+            doc
+            for doc in yaml.safe_load_all((chart_dir / "examples" / "parenttopic.yaml").read_text())
+            if doc and doc["kind"] == "ParentTopic"
+        ]
+        topic["metadata"]["name"] = "rbac-check"
+        apply(kube, topic, namespace="team")
+        path = object_path(topic, "team")
+
+        def ready() -> dict[str, Any] | None:
+            status = kube.get(path).get("status", {})
+            conditions = {c["type"]: c for c in status.get("conditions", [])}
+            return status if conditions.get("Ready", {}).get("status") == "True" else None
+
+        deadline = time.monotonic() + RECONCILE_DEADLINE_S
+        status = ready()
+        while status is None:
+            assert time.monotonic() < deadline, (
+                f"not Ready: {kube.get(path).get('status')}\n{operator.output()[-3000:]}"
+            )
+            assert operator.proc.poll() is None, operator.output()[-3000:]
+            time.sleep(0.1)
+            status = ready()
+        assert status["brokersReady"] == "1/1"
+        assert "forbidden" not in operator.output().lower(), operator.output()[-3000:]
+    finally:
+        if operator is not None:
+            operator.stop()
+        broker.stop()
+        if broker.process.stdout is not None:  # start_broker leaves its pipe to the garbage collector
+            broker.process.stdout.close()

@@ -154,18 +154,19 @@ capabilities:
 {{- end }}
 
 {{/*
-What the operator does with its own resources, in the namespaces it watches: read and follow them, write
-finalizers and kopf's progress annotations (patch/update), write status, and post events about them.
-It never creates or deletes them: the operator is one-way.
+What the operator does with its own resources, in the namespaces it watches (docs/operator.md lists the same
+rules, and its test suite runs the operator with nothing more): follow them, patch in the finalizer and
+kopf's progress annotations, patch status, and post events about them. It never creates, updates or deletes
+them: the operator is one-way.
 */}}
 {{- define "lmq.operator.resourceRules" -}}
 - apiGroups: ["lmq.io"]
   resources: ["parenttopics", "litegroups", "litequotas"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: ["lmq.io"]
   resources: ["parenttopics/status", "litegroups/status", "litequotas/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end }}
