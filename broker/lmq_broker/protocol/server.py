@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 import grpc
 
 from lmq_broker.config import BrokerConfig
-from lmq_broker.protocol import auth
+from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.protocol.service import MessagingService
@@ -41,9 +41,9 @@ def options(config: BrokerConfig) -> list[tuple[str, Any]]:
 
 
 def create(config: BrokerConfig) -> grpc.aio.Server:
-    interceptors: Sequence[Interceptor] = ()
-    if config.access_key:
-        interceptors = (auth.AuthInterceptor(config.access_key, config.secret_key),)
+    interceptors: Sequence[Interceptor] = (guard.DecodeGuard(),)
+    if config.access_key:  # first: an unauthorized call reaches nothing, not even the decoder
+        interceptors = (auth.AuthInterceptor(config.access_key, config.secret_key), *interceptors)
     return grpc.aio.server(interceptors=interceptors, options=options(config))
 
 

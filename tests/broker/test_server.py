@@ -1,0 +1,354 @@
+"""The v2 endpoint on a real grpc.aio server (port 0) over LmqStore, driven with our own stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from lmq_broker import app, model
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.testing import Client
+
+pytestmark = pytest.mark.asyncio
+
+PARENT = "AGENT_TASK_NS"
+GROUP = "executor-group"
+H = Client.headers
+
+
+def resource(name: str) -> pb.Resource:
+    return pb.Resource(name=name)
+
+
+def lite_message(lite: str, body: bytes = b"hello", message_id: str = "0102AA", **sp: Any) -> pb.Message:
+    props = pb.SystemProperties(message_id=message_id, message_type=pb.LITE, lite_topic=lite, body_encoding=pb.IDENTITY)
+    for key, value in sp.items():
+        setattr(props, key, value)
+    return pb.Message(topic=resource(PARENT), body=body, system_properties=props)
+
+
+async def receive(client: Client, client_id: str = "c1", **fields: Any) -> list[spb.ReceiveMessageResponse]:
+    request = spb.ReceiveMessageRequest(
+        group=resource(fields.pop("group", GROUP)),
+        message_queue=pb.MessageQueue(topic=resource(fields.pop("topic", PARENT))),
+        batch_size=fields.pop("batch_size", 32),
+        auto_renew=True,
+        long_polling_timeout=fields.pop("long_polling_timeout", None),
+        **fields,
+    )
+    return [frame async for frame in client.stub.ReceiveMessage(request, metadata=H(client_id), timeout=10)]
+
+
+async def subscribe(
+    client: Client, *lites: str, client_id: str = "c1", **headers: str
+) -> spb.SyncLiteSubscriptionResponse:
+    request = spb.SyncLiteSubscriptionRequest(
+        action=pb.PARTIAL_ADD, topic=resource(PARENT), group=resource(GROUP), lite_topic_set=list(lites)
+    )
+    return await client.stub.SyncLiteSubscription(request, metadata=H(client_id, **headers))
+
+
+async def test_query_route_of_a_lite_parent(client: Client) -> None:
+    asked = pb.Endpoints(scheme=pb.IPv4, addresses=[pb.Address(host="127.0.0.1", port=1234)])
+    reply = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource(PARENT), endpoints=asked), metadata=H())
+    assert reply.status.code == pb.OK
+    (queue,) = reply.message_queues
+    assert queue.permission == pb.READ_WRITE and list(queue.accept_message_types) == [pb.LITE]
+    assert queue.broker.id == 0 and queue.broker.endpoints == asked
+
+
+async def test_query_route_of_normal_and_missing_topics(client: Client, broker: app.Broker) -> None:
+    client.store.put_parent_topic(model.ParentTopic("orders", model.MessageType.NORMAL, queue_count=2))
+    assert broker.dispatcher is not None
+    broker.dispatcher.metadata_changed()
+    reply = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("orders")), metadata=H())
+    assert [q.id for q in reply.message_queues] == [0, 1]
+    assert set(reply.message_queues[0].accept_message_types) == {pb.NORMAL, pb.FIFO, pb.DELAY, pb.TRANSACTION}
+    assert reply.message_queues[0].broker.endpoints.addresses[0].port == broker.port
+    missing = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("nope")), metadata=H())
+    assert missing.status.code == pb.TOPIC_NOT_FOUND
+    illegal = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("a$b")), metadata=H())
+    assert illegal.status.code == pb.ILLEGAL_TOPIC
+    dlq = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("%DLQ%g")), metadata=H())
+    assert dlq.message_queues[0].permission == pb.READ
+
+
+async def telemetry(client: Client, settings: pb.Settings, client_id: str = "c1") -> spb.TelemetryCommand:
+    async def commands() -> AsyncIterator[spb.TelemetryCommand]:
+        yield spb.TelemetryCommand(settings=settings)
+
+    call = client.stub.Telemetry(commands(), metadata=H(client_id))
+    reply = await call.read()
+    call.cancel()
+    assert isinstance(reply, spb.TelemetryCommand)
+    return reply
+
+
+async def test_telemetry_answers_lite_consumers_with_every_setting_they_read(client: Client) -> None:
+    settings = pb.Settings(
+        client_type=pb.LITE_PUSH_CONSUMER,
+        subscription=pb.Subscription(
+            group=resource(GROUP), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+        ),
+    )
+    reply = await telemetry(client, settings)
+    assert reply.status.code == pb.OK
+    sub = reply.settings.subscription
+    assert sub.lite_subscription_quota == 2000 and sub.max_lite_topic_size == 64
+    assert sub.long_polling_timeout.seconds == 20 and sub.receive_batch_size == 32 and sub.fifo
+    policy = reply.settings.backoff_policy
+    assert policy.max_attempts == 17 and policy.customized_backoff.next[0].seconds == 1
+
+
+async def test_telemetry_answers_producers_with_body_limit_and_backoff(client: Client) -> None:
+    reply = await telemetry(client, pb.Settings(client_type=pb.PRODUCER, publishing=pb.Publishing()))
+    assert reply.status.code == pb.OK
+    assert reply.settings.publishing.max_body_size == 4 * 1024 * 1024
+    assert reply.settings.backoff_policy.max_attempts == 3
+    assert reply.settings.backoff_policy.WhichOneof("strategy") == "exponential_backoff"
+
+
+async def test_telemetry_refuses_an_unknown_group(client: Client) -> None:
+    settings = pb.Settings(
+        client_type=pb.LITE_PUSH_CONSUMER,
+        subscription=pb.Subscription(
+            group=resource("ghost"), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+        ),
+    )
+    reply = await telemetry(client, settings)
+    assert reply.status.code == pb.CONSUMER_GROUP_NOT_FOUND and not reply.HasField("settings")
+
+
+async def test_closing_the_telemetry_stream_removes_the_client(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    await subscribe(client, "t1", client_id="gone")
+    assert broker.dispatcher.subscription_count() == 1
+    settings = pb.Settings(
+        client_type=pb.LITE_PUSH_CONSUMER,
+        subscription=pb.Subscription(
+            group=resource(GROUP), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+        ),
+    )
+    await telemetry(client, settings, client_id="gone")
+    await wait_for(lambda: broker.dispatcher is not None and broker.dispatcher.subscription_count() == 0)
+
+
+async def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_send_receive_ack_round_trip(client: Client) -> None:
+    assert (await subscribe(client, "t1")).status.code == pb.OK
+    sent = await client.stub.SendMessage(spb.SendMessageRequest(messages=[lite_message("t1")]), metadata=H("p"))
+    assert sent.status.code == pb.OK and sent.entries[0].message_id == "0102AA" and sent.entries[0].offset == 0
+    frames = await receive(client)
+    assert frames[0].status.code == pb.OK
+    (message,) = [f.message for f in frames if f.HasField("message")]
+    assert frames[-1].HasField("delivery_timestamp")
+    sp = message.system_properties
+    assert (message.body, sp.lite_topic, sp.message_type, sp.delivery_attempt) == (b"hello", "t1", pb.LITE, 1)
+    assert sp.body_encoding == pb.IDENTITY and sp.body_digest.type == pb.CRC32
+    ack = await client.stub.AckMessage(
+        spb.AckMessageRequest(
+            group=resource(GROUP), topic=resource(PARENT),
+            entries=[spb.AckMessageEntry(message_id=sp.message_id, receipt_handle=sp.receipt_handle, lite_topic="t1")],
+        ),
+        metadata=H(),
+    )  # fmt: skip
+    assert ack.status.code == pb.OK
+    assert client.store.get_offset(model.QueueId.lmq(PARENT, "t1"), GROUP) == 1
+    empty = await receive(client, long_polling_timeout=duration(0))
+    assert [f.status.code for f in empty] == [pb.MESSAGE_NOT_FOUND]
+
+
+def duration(ms: int) -> Any:
+    from google.protobuf import duration_pb2  # noqa: PLC0415
+
+    return duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+
+
+async def test_change_invisible_duration_returns_a_new_handle(client: Client) -> None:
+    await subscribe(client, "t1")
+    await client.stub.SendMessage(spb.SendMessageRequest(messages=[lite_message("t1")]), metadata=H("p"))
+    (message,) = [f.message for f in await receive(client) if f.HasField("message")]
+    reply = await client.stub.ChangeInvisibleDuration(
+        spb.ChangeInvisibleDurationRequest(
+            group=resource(GROUP), topic=resource(PARENT), receipt_handle=message.system_properties.receipt_handle,
+            invisible_duration=duration(100), lite_topic="t1", suspend=True,
+        ),
+        metadata=H(),
+    )  # fmt: skip
+    assert reply.status.code == pb.OK and reply.receipt_handle != message.system_properties.receipt_handle
+    frames = await receive(client, long_polling_timeout=duration(3000))
+    (again,) = [f.message for f in frames if f.HasField("message")]
+    assert again.system_properties.delivery_attempt == 1  # suspended: not counted
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        (lite_message("t1", body=b""), pb.MESSAGE_BODY_EMPTY),
+        (lite_message("t1", body=b"x" * (4 * 1024 * 1024 + 1)), pb.MESSAGE_BODY_TOO_LARGE),
+        (lite_message("bad topic!"), pb.ILLEGAL_LITE_TOPIC),
+        (lite_message("x" * 65), pb.ILLEGAL_LITE_TOPIC),
+        (lite_message("t1", message_id=""), pb.ILLEGAL_MESSAGE_ID),
+        (lite_message("t1", message_type=pb.NORMAL), pb.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
+        (lite_message("t1", message_type=99), pb.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
+        (lite_message("t1", message_group="g"), pb.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
+        (lite_message("t1", tag="a|b"), pb.ILLEGAL_MESSAGE_TAG),
+        (lite_message("t1", body_encoding=pb.GZIP), pb.BAD_REQUEST),
+        (pb.Message(topic=resource("nope"), body=b"x"), pb.TOPIC_NOT_FOUND),
+        (pb.Message(topic=resource(""), body=b"x"), pb.ILLEGAL_TOPIC),
+    ],
+)
+async def test_invalid_messages_get_their_code_and_nothing_is_stored(
+    client: Client, message: pb.Message, code: int
+) -> None:
+    reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=H("p"))
+    assert reply.status.code == code, reply.status.message
+    assert client.store.lite_topic_count(PARENT) == 0
+    assert client.store.queue_offsets(model.QueueId(PARENT, 0)) == (0, 0)
+
+
+async def test_one_bad_message_rejects_the_whole_batch(client: Client) -> None:
+    batch = [lite_message("t1", message_id="a"), lite_message("t2", body=b"")]
+    reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=batch), metadata=H("p"))
+    assert reply.status.code == pb.MESSAGE_BODY_EMPTY
+    assert client.store.lite_topic_count(PARENT) == 0
+
+
+async def test_gzip_bodies_are_stored_inflated(client: Client) -> None:
+    import gzip  # noqa: PLC0415
+
+    await subscribe(client, "t1")
+    packed = lite_message("t1", body=gzip.compress(b"inflated"), body_encoding=pb.GZIP)
+    assert (
+        await client.stub.SendMessage(spb.SendMessageRequest(messages=[packed]), metadata=H("p"))
+    ).status.code == pb.OK
+    (message,) = [f.message for f in await receive(client) if f.HasField("message")]
+    assert message.body == b"inflated"
+
+
+async def test_batched_send_answers_one_entry_per_message(client: Client) -> None:
+    batch = [lite_message(f"t{i % 3}", message_id=f"m{i}") for i in range(9)]
+    reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=batch), metadata=H("p"))
+    assert reply.status.code == pb.OK
+    assert [e.message_id for e in reply.entries] == [f"m{i}" for i in range(9)]
+    assert [e.offset for e in reply.entries] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"language": "PYTHON", "version": "5.1.2"}, {"session-1"}),
+        ({"language": "PYTHON", "version": "5.1.3"}, set("session-1")),
+        ({"language": "JAVA", "version": "5.1.2"}, set("session-1")),
+    ],
+)
+async def test_python_5_1_2_character_split_subscription_is_joined(
+    client: Client, broker: app.Broker, headers: dict[str, str], expected: set[str]
+) -> None:
+    assert broker.dispatcher is not None
+    reply = await subscribe(client, *"session-1", client_id="py", **headers)
+    assert reply.status.code == pb.OK
+    state = broker.dispatcher.registry.get("py")
+    assert state is not None
+    assert {name.rsplit("$", 1)[1] for name in state.lite_topics} == expected
+
+
+async def test_subscription_errors(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    client.store.put_group(model.LiteGroup(GROUP, PARENT, client_quota=2))
+    broker.dispatcher.metadata_changed()
+    assert (await subscribe(client, "a", "b")).status.code == pb.OK
+    assert (await subscribe(client, "c")).status.code == pb.LITE_SUBSCRIPTION_QUOTA_EXCEEDED
+    assert (await subscribe(client, "no spaces")).status.code == pb.ILLEGAL_LITE_TOPIC
+    no_client = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=resource(PARENT), group=resource(GROUP))
+    assert (await client.stub.SyncLiteSubscription(no_client)).status.code == pb.CLIENT_ID_REQUIRED
+    bad_action = spb.SyncLiteSubscriptionRequest(action=17, topic=resource(PARENT), group=resource(GROUP))  # type: ignore[arg-type]
+    assert (await client.stub.SyncLiteSubscription(bad_action, metadata=H())).status.code == pb.BAD_REQUEST
+    ghost = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=resource(PARENT), group=resource("ghost"))
+    assert (await client.stub.SyncLiteSubscription(ghost, metadata=H())).status.code == pb.CONSUMER_GROUP_NOT_FOUND
+
+
+async def test_lite_topic_quota_on_send(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    client.store.put_parent_topic(model.ParentTopic(PARENT, max_lite_topics=1))
+    broker.dispatcher.metadata_changed()
+    ok = await client.stub.SendMessage(spb.SendMessageRequest(messages=[lite_message("a")]), metadata=H("p"))
+    assert ok.status.code == pb.OK
+    over = await client.stub.SendMessage(spb.SendMessageRequest(messages=[lite_message("b")]), metadata=H("p"))
+    assert over.status.code == pb.LITE_TOPIC_QUOTA_EXCEEDED
+
+
+async def test_receive_validation(client: Client) -> None:
+    frames = [f async for f in client.stub.ReceiveMessage(spb.ReceiveMessageRequest(group=resource(GROUP)))]
+    assert [f.status.code for f in frames] == [pb.CLIENT_ID_REQUIRED]
+    assert [f.status.code for f in await receive(client, batch_size=0)] == [pb.BAD_REQUEST]
+    sql = pb.FilterExpression(type=pb.SQL, expression="a > 1")
+    assert [f.status.code for f in await receive(client, filter_expression=sql)] == [pb.UNSUPPORTED]
+    assert [f.status.code for f in await receive(client, group="ghost")] == [pb.CONSUMER_GROUP_NOT_FOUND]
+
+
+async def test_ack_with_a_foreign_handle_is_invalid(client: Client) -> None:
+    ack = await client.stub.AckMessage(
+        spb.AckMessageRequest(
+            group=resource(GROUP), topic=resource(PARENT),
+            entries=[spb.AckMessageEntry(message_id="x", receipt_handle="r1 old %LMQ%$a$b 0 0 1")],
+        ),
+        metadata=H(),
+    )  # fmt: skip
+    assert ack.status.code == pb.INVALID_RECEIPT_HANDLE
+    assert ack.entries[0].status.code == pb.INVALID_RECEIPT_HANDLE
+
+
+async def test_unserved_rpcs_answer_not_implemented(client: Client) -> None:
+    codes = [
+        (await client.stub.EndTransaction(spb.EndTransactionRequest(), metadata=H())).status.code,
+        (await client.stub.RecallMessage(spb.RecallMessageRequest(), metadata=H())).status.code,
+        (await client.stub.QueryOffset(spb.QueryOffsetRequest(), metadata=H())).status.code,
+        (await client.stub.GetOffset(spb.GetOffsetRequest(), metadata=H())).status.code,
+        (await client.stub.UpdateOffset(spb.UpdateOffsetRequest(), metadata=H())).status.code,
+    ]
+    assert set(codes) == {pb.NOT_IMPLEMENTED}
+    pulled = [f async for f in client.stub.PullMessage(spb.PullMessageRequest(), metadata=H())]
+    assert [f.status.code for f in pulled] == [pb.NOT_IMPLEMENTED]
+
+
+async def test_heartbeat_and_termination(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    beat = spb.HeartbeatRequest(client_type=pb.LITE_PUSH_CONSUMER, group=resource(GROUP))
+    assert (await client.stub.Heartbeat(beat, metadata=H("hb"))).status.code == pb.OK
+    assert broker.dispatcher.registry.get("hb") is not None
+    bad = spb.HeartbeatRequest(client_type=42)  # type: ignore[arg-type]
+    assert (await client.stub.Heartbeat(bad, metadata=H("hb"))).status.code == pb.UNRECOGNIZED_CLIENT_TYPE
+    bye = spb.NotifyClientTerminationRequest(group=resource(GROUP))
+    assert (await client.stub.NotifyClientTermination(bye, metadata=H("hb"))).status.code == pb.OK
+    assert broker.dispatcher.registry.get("hb") is None
+
+
+async def test_metrics_and_probes_over_http(client: Client, broker: app.Broker) -> None:
+    await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource(PARENT)), metadata=H())
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{broker.metrics_port}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, ""
+
+    status, text = await asyncio.to_thread(get, "/metrics")
+    assert status == 200 and 'lmq_rpc_total{code="20000",method="QueryRoute"} 1.0' in text
+    assert "lmq_lite_subscriptions 0.0" in text
+    assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+    assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
+    assert (await asyncio.to_thread(get, "/nope"))[0] == 404
