@@ -16,8 +16,16 @@ import prometheus_client
 from lmq_operator import handlers, settings
 
 
+def _quiet_resync(record: logging.LogRecord) -> bool:
+    """Drop the per-tick success lines of resync timers (one per resource per interval); keep the rest."""
+    return not (
+        record.levelno <= logging.INFO and str(record.msg).startswith("Timer ") and "succeeded" in str(record.msg)
+    )
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf.objects").addFilter(_quiet_resync)
     try:
         conf = settings.from_env(os.environ)
     except settings.SettingsError as exc:

@@ -30,6 +30,7 @@ import yaml
 REPO: Final = Path(__file__).resolve().parents[2]
 CRD_DIR: Final = REPO / "crds"
 START_TIMEOUT_S: Final = 60.0
+OPERATOR_USER: Final = "lmq-operator"
 T = TypeVar("T")
 
 
@@ -125,6 +126,7 @@ class KubeAPI:
     token: str
     ca_file: Path
     kubeconfig: Path
+    operator_token: str = ""  # user "lmq-operator": authenticated, no groups, no permissions until bound
 
     def __post_init__(self) -> None:
         self._ssl = ssl.create_default_context(cafile=str(self.ca_file))
@@ -231,8 +233,10 @@ def testenv(workdir: Path) -> Iterator[KubeAPI]:
     etcd_bin, apiserver_bin = binaries()
     workdir.mkdir(parents=True, exist_ok=True)
     make_certs(workdir)
-    token = uuid.uuid4().hex
-    (workdir / "tokens.csv").write_text(f'{token},lmq-admin,lmq-admin-uid,"system:masters"\n')
+    token, operator_token = uuid.uuid4().hex, uuid.uuid4().hex
+    (workdir / "tokens.csv").write_text(
+        f'{token},lmq-admin,lmq-admin-uid,"system:masters"\n{operator_token},{OPERATOR_USER},lmq-operator-uid\n'
+    )
     etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
     etcd_log, api_log = workdir / "etcd.log", workdir / "kube-apiserver.log"
     procs: list[subprocess.Popen[bytes]] = []
@@ -297,8 +301,10 @@ def testenv(workdir: Path) -> Iterator[KubeAPI]:
                     stderr=subprocess.STDOUT,
                 )
             )
-        api = KubeAPI(f"https://127.0.0.1:{api_port}", token, workdir / "ca.crt", workdir / "kubeconfig")
-        _write_kubeconfig(api)
+        api = KubeAPI(
+            f"https://127.0.0.1:{api_port}", token, workdir / "ca.crt", workdir / "kubeconfig", operator_token
+        )
+        write_kubeconfig(api, api.token, api.kubeconfig)
 
         def ready() -> bool:
             if procs[-1].poll() is not None:
@@ -313,17 +319,18 @@ def testenv(workdir: Path) -> Iterator[KubeAPI]:
             _stop(proc)
 
 
-def _write_kubeconfig(api: KubeAPI) -> None:
+def write_kubeconfig(api: KubeAPI, token: str, path: Path) -> Path:
     ca = base64.b64encode(api.ca_file.read_bytes()).decode()
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "testenv", "cluster": {"server": api.server, "certificate-authority-data": ca}}],
-        "users": [{"name": "lmq-admin", "user": {"token": api.token}}],
+        "users": [{"name": "lmq-admin", "user": {"token": token}}],
         "contexts": [{"name": "testenv", "context": {"cluster": "testenv", "user": "lmq-admin"}}],
         "current-context": "testenv",
     }
-    api.kubeconfig.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 @dataclass
@@ -353,12 +360,12 @@ class OperatorProcess:
             return str(resp.read().decode())
 
 
-def start_operator(api: KubeAPI, log: Path, env: Mapping[str, str]) -> OperatorProcess:
+def start_operator(api: KubeAPI, log: Path, env: Mapping[str, str], kubeconfig: Path | None = None) -> OperatorProcess:
     """``python -m lmq_operator`` against the test apiserver; waits until its liveness endpoint answers."""
     metrics_port, liveness_port = free_port(), free_port()
     full_env = {
         **os.environ,
-        "KUBECONFIG": str(api.kubeconfig),
+        "KUBECONFIG": str(kubeconfig or api.kubeconfig),
         "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "broker")]),
         "LMQ_OPERATOR_METRICS_PORT": str(metrics_port),
         "LMQ_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{liveness_port}/healthz",
@@ -382,3 +389,44 @@ def start_operator(api: KubeAPI, log: Path, env: Mapping[str, str]) -> OperatorP
         handle.stop()
         raise
     return handle
+
+
+def publish_brokers(api: KubeAPI, namespace: str, name: str, endpoints: list[tuple[str, int]], replicas: int) -> None:
+    """What the chart's StatefulSet + headless Service look like to the operator: the StatefulSet object (no
+    controller runs it here) and one EndpointSlice per pod ``<name>-<ordinal>`` pointing at real brokers."""
+    labels = {"app": name}
+    api.post(
+        f"/apis/apps/v1/namespaces/{namespace}/statefulsets",
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas,
+                "serviceName": name,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "broker", "image": "lmq:test"}]},
+                },
+            },
+        },
+    )
+    for ordinal, (ip, port) in enumerate(endpoints):
+        api.post(
+            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {"name": f"{name}-{ordinal}", "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4",
+                "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}],
+                "endpoints": [
+                    {
+                        "addresses": [ip],
+                        "conditions": {"ready": True},
+                        "targetRef": {"kind": "Pod", "name": f"{name}-{ordinal}", "namespace": namespace},
+                    }
+                ],
+            },
+        )

@@ -136,11 +136,13 @@ def run_operator(kube: testing.KubeAPI, tmp_path: Path) -> Iterator[Callable[...
     """Start ``python -m lmq_operator`` (fast resync for tests); every one started is stopped afterwards."""
     started: list[testing.OperatorProcess] = []
 
-    def run(namespace: str, brokers: list[str] | None = None, **env: str) -> testing.OperatorProcess:
+    def run(
+        namespace: str, brokers: list[str] | None = None, kubeconfig: Path | None = None, **env: str
+    ) -> testing.OperatorProcess:
         full = {**OPERATOR_ENV, "LMQ_OPERATOR_NAMESPACE": namespace, **env}
         if brokers is not None:
             full["LMQ_OPERATOR_BROKERS"] = ",".join(brokers)
-        handle = testing.start_operator(kube, tmp_path / f"operator-{len(started)}.log", full)
+        handle = testing.start_operator(kube, tmp_path / f"operator-{len(started)}.log", full, kubeconfig)
         started.append(handle)
         return handle
 

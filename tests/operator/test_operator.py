@@ -374,41 +374,7 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     """Brokers found through the headless Service's EndpointSlices, as in a cluster; then a scale-down."""
     ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
     pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
-    kube.post(
-        f"/apis/apps/v1/namespaces/{namespace}/statefulsets",
-        {
-            "apiVersion": "apps/v1",
-            "kind": "StatefulSet",
-            "metadata": {"name": "lmq-broker"},
-            "spec": {
-                "replicas": 2,
-                "serviceName": "lmq-broker",
-                "selector": {"matchLabels": {"app": "lmq-broker"}},
-                "template": {
-                    "metadata": {"labels": {"app": "lmq-broker"}},
-                    "spec": {"containers": [{"name": "broker", "image": "lmq:test"}]},
-                },
-            },
-        },
-    )
-    for i, pod in enumerate(pods):
-        kube.post(
-            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            {
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {"name": f"lmq-broker-{i}", "labels": {"kubernetes.io/service-name": "lmq-broker"}},
-                "addressType": "IPv4",
-                "ports": [{"name": "grpc", "port": pod.port, "protocol": "TCP"}],
-                "endpoints": [
-                    {
-                        "addresses": [ip],
-                        "conditions": {"ready": True},
-                        "targetRef": {"kind": "Pod", "name": f"lmq-broker-{i}", "namespace": namespace},
-                    }
-                ],
-            },
-        )
+    testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pod.port) for pod in pods], replicas=2)
     run_operator(
         namespace,
         None,
