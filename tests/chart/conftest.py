@@ -57,7 +57,7 @@ def chart() -> Iterator[helm.Chart]:
 
 
 def documents(text: str) -> list[Manifest]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
+    return [doc for doc in yaml.load_all(text, Loader=yaml.CSafeLoader) if doc]
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +76,16 @@ def render(chart: helm.Chart) -> Render:
             if not path.endswith(".txt"):
                 objects.extend(documents(rendered[path]))
         return objects
+
+    return _render
+
+
+@pytest.fixture(scope="session")
+def render_text(chart: helm.Chart) -> Callable[..., dict[str, str]]:
+    """render_text(values=None): template path -> rendered text, unparsed (for cheap comparisons)."""
+
+    def _render(values: dict[str, Any] | None = None) -> dict[str, str]:
+        return chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
 
     return _render
 

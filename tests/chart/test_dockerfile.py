@@ -188,6 +188,7 @@ def test_parser_reads_our_syntax() -> None:
 
 @dataclass(frozen=True)
 class IgnorePattern:
+    text: str
     regex: re.Pattern[str]
     exclusion: bool  # a "!" pattern: re-includes what it matches
 
@@ -231,7 +232,7 @@ class DockerIgnore:
                 continue
             exclusion = line.startswith("!")
             line = os.path.normpath(line.removeprefix("!").strip()).lstrip("/")
-            self.patterns.append(IgnorePattern(_glob_to_regex(line), exclusion))
+            self.patterns.append(IgnorePattern(line, _glob_to_regex(line), exclusion))
 
     def excluded(self, path: str) -> bool:
         parts = path.strip("/").split("/")
@@ -241,6 +242,17 @@ class DockerIgnore:
             if any(pattern.regex.match(candidate) for candidate in candidates):
                 excluded = not pattern.exclusion
         return excluded
+
+    def prunable(self, directory: str) -> bool:
+        """True when nothing under an excluded directory can be re-included (BuildKit skips it too)."""
+        if not self.excluded(directory):
+            return False
+        top = directory.split("/", maxsplit=1)[0]
+        for pattern in self.patterns:
+            first = pattern.text.split("/")[0]
+            if pattern.exclusion and (first == top or any(c in first for c in "*?[\\")):
+                return False
+        return True
 
 
 def test_dockerignore_matcher_follows_buildkit_rules() -> None:
@@ -255,6 +267,11 @@ def test_dockerignore_matcher_follows_buildkit_rules() -> None:
     assert not _glob_to_regex("a/*/b").match("a/x/y/b")
     assert _glob_to_regex("file[0-9].txt").match("file7.txt")
     assert not _glob_to_regex("file[^0-9].txt").match("file7.txt")
+    # Pruning is conservative: a wildcard exception ("!README*") keeps every excluded directory walked.
+    assert not ignore.prunable("tests") and not ignore.prunable("src")
+    allow_list = DockerIgnore("*\n!src/\n**/__pycache__\n")
+    assert allow_list.prunable("tests") and allow_list.prunable(".venv")
+    assert not allow_list.prunable("src") and not allow_list.prunable("src/pkg")
 
 
 # -- fixtures
@@ -279,6 +296,7 @@ def context_files(repo_root: Path, dockerignore: DockerIgnore) -> set[str]:
         if relative == ".":
             subdirectories[:] = [d for d in subdirectories if d != ".git"]
             relative = ""
+        subdirectories[:] = [d for d in subdirectories if not dockerignore.prunable(f"{relative}/{d}".lstrip("/"))]
         for name in names:
             path = f"{relative}/{name}".lstrip("/")
             if not dockerignore.excluded(path):
