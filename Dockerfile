@@ -50,6 +50,8 @@ WORKDIR /home/lmq
 VOLUME ["/data"]
 # 8081: gRPC (apache.rocketmq.v2.MessagingService + lmq.admin.v1.LmqAdmin); 9100: /healthz /readyz /metrics.
 EXPOSE 8081 9100
+# No HEALTHCHECK: one image runs three programs with different endpoints, and Kubernetes ignores it anyway;
+# the chart declares each component's probes.
 # Numeric, so Kubernetes can verify runAsNonRoot without looking inside the image.
 USER 10001:10001
 ENTRYPOINT ["python", "-m"]

@@ -343,3 +343,13 @@ def test_notes_give_the_quick_start_and_the_crd_upgrade_rule(
     assert "replace --force" in notes
     assert "persistence is OFF" not in notes
     assert "persistence is OFF" in render_notes({"broker": {"persistence": {"enabled": False}}})
+
+
+def test_the_packaged_chart_carries_crds_schema_and_examples(chart_dir: Path, tmp_path: Path) -> None:
+    archive = helm.package(chart_dir, destination=tmp_path)
+    with helm.Chart.load(archive) as packaged:
+        assert packaged.metadata["name"] == "lmq"
+        assert len(packaged.crds) == len(list((chart_dir / "crds").glob("*.yaml")))
+        assert packaged.schema is not None and packaged.schema["additionalProperties"] is False
+        names = {f["name"] for f in packaged.files}
+        assert {"README.md", "examples/parenttopic.yaml", "examples/litegroup.yaml"} <= names
