@@ -90,66 +90,103 @@ def invisible_ms(duration: duration_pb2.Duration, minimum: int = 0) -> int:
 
 
 # --- incoming messages ----------------------------------------------------------------------------------------
+_MESSAGE_TYPES: Final = {int(t): t for t in model.MessageType}
+_LMQ_CACHE_SIZE: Final = 65_536
+# Validated lite topic names -> their LMQ queue (per parent): the send path validates and builds each
+# queue id once per hot topic instead of once per message. Bounded; cleared wholesale when full.
+_lmq_cache: dict[tuple[str, str], model.QueueId] = {}
+
+
+def _lmq_of(parent: str, lite: str, max_chars: int) -> model.QueueId:
+    key = (parent, lite)
+    queue = _lmq_cache.get(key)
+    if queue is None:
+        lite_topic(lite, max_chars)
+        if len(_lmq_cache) >= _LMQ_CACHE_SIZE:
+            _lmq_cache.clear()
+        queue = _lmq_cache[key] = model.QueueId.lmq(parent, lite)
+    elif len(lite) > max_chars:
+        lite_topic(lite, max_chars)
+    return queue
+
+
 class MessageReader:
-    """Turns ``pb.Message`` into ``model.NewMessage``; one per SendMessage call (round-robin state)."""
+    """Turns ``pb.Message`` into ``model.NewMessage``; one per SendMessage call (it caches per topic)."""
 
     def __init__(self, snap: catalog.Snapshot, config: BrokerConfig, now_ms: int, rr: int) -> None:
         self.snap = snap
         self.config = config
         self.now_ms = now_ms
         self.rr = rr
+        self._topics: dict[str, tuple[model.ParentTopic, model.QueueId]] = {}
+
+    def _topic(self, name: str) -> tuple[model.ParentTopic, model.QueueId]:
+        found = self._topics.get(name)
+        if found is None:
+            if not model.is_valid_resource_name(name):
+                raise errors.InvalidName(f"illegal topic name {name[:160]!r}", kind="topic")
+            parent = self.snap.topic(name)
+            if name.startswith(catalog.DLQ_PREFIX):
+                raise errors.InvalidArgument(f"{name} is a dead-letter topic and is read-only", kind="permission")
+            found = self._topics[name] = (parent, model.QueueId(name, 0))
+        return found
 
     def read(self, msg: pb.Message) -> model.NewMessage:
-        topic = topic_name(msg.topic)
-        parent = self.snap.topic(topic)
-        if topic.startswith(dispatcher.DLQ_PREFIX):
-            raise errors.InvalidArgument(f"{topic} is a dead-letter topic and is read-only", kind="permission")
+        topic = msg.topic.name
+        parent, parent_queue = self._topic(topic)
         sp = msg.system_properties
-        body = self._body(msg.body, sp.body_encoding)
+        encoding = sp.body_encoding
+        body = msg.body
+        if encoding != pb.IDENTITY or not body or len(body) > self.config.max_body_bytes:
+            body = self._body(body, encoding)
         message_id = sp.message_id
         if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
             raise errors.InvalidArgument("message id must be 1..128 printable characters", kind="message_id")
         kind = sp.message_type
-        if kind not in _KNOWN_TYPES and kind != pb.MESSAGE_TYPE_UNSPECIFIED:
-            raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
         lite = sp.lite_topic if sp.HasField("lite_topic") else None
         if kind == pb.MESSAGE_TYPE_UNSPECIFIED:
             kind = pb.LITE if lite is not None else pb.NORMAL
+        message_type = _MESSAGE_TYPES.get(kind)
+        if message_type is None:
+            raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
         tag = self._tag(sp.tag) if sp.HasField("tag") else None
-        keys = self._keys(sp.keys)
-        properties = self._properties(msg.user_properties)
+        keys = self._keys(sp.keys) if sp.keys else ()
+        props = msg.user_properties
+        properties = self._properties(props) if len(props) else {}
         group = sp.message_group if sp.HasField("message_group") else None
         if parent.message_type == model.MessageType.LITE:
             if kind != pb.LITE:
                 raise errors.InvalidArgument(
-                    f"topic {topic} accepts LITE messages only, got {pb.MessageType.Name(kind)}", kind="message_type"
+                    f"topic {topic} accepts LITE messages only, got {message_type.name}", kind="message_type"
                 )
             if lite is None:
                 raise errors.InvalidLiteTopic("a LITE message needs system_properties.lite_topic")
-            lite_topic(lite, self.config.max_lite_topic_size)
             if group is not None or sp.HasField("delivery_timestamp") or sp.HasField("priority"):
                 raise errors.InvalidArgument(
                     "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
                 )
-            queues: tuple[model.QueueId, ...] = (model.QueueId(topic, 0), model.QueueId.lmq(topic, lite))
+            queues: tuple[model.QueueId, ...] = (
+                parent_queue,
+                _lmq_of(topic, lite, self.config.max_lite_topic_size),
+            )
         else:
             if kind == pb.LITE or lite is not None:
                 raise errors.InvalidArgument(f"topic {topic} is not a LITE parent topic", kind="message_type")
             if kind in (pb.DELAY, pb.TRANSACTION, pb.PRIORITY):
-                raise errors.Unsupported(f"{pb.MessageType.Name(kind)} messages are not supported by this broker")
+                raise errors.Unsupported(f"{message_type.name} messages are not supported by this broker")
             if kind == pb.FIFO and not group:
                 raise errors.InvalidArgument("a FIFO message needs a message_group", kind="message_group")
             count = max(1, parent.queue_count)
             self.rr += 1
             index = zlib.crc32(group.encode()) % count if group else self.rr % count
-            queues = (model.QueueId(topic, index),)
+            queues = (parent_queue if index == 0 else model.QueueId(topic, index),)
         return model.NewMessage(
             message_id=message_id,
             topic=topic,
             body=body,
             queues=queues,
             lite_topic=lite,
-            message_type=model.MessageType(kind),
+            message_type=message_type,
             born_timestamp_ms=timestamp_ms(sp.born_timestamp) if sp.HasField("born_timestamp") else self.now_ms,
             born_host=sp.born_host[:256],
             tag=tag,
@@ -190,8 +227,6 @@ class MessageReader:
     @staticmethod
     def _properties(props: Mapping[str, str]) -> dict[str, str]:
         items = dict(props)
-        if not items:
-            return {}
         size = 0
         for key, value in items.items():
             if not key or not key.strip():

@@ -6,7 +6,7 @@ carries that message's code). Several messages per request share one append and 
 
 from __future__ import annotations
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -25,13 +25,13 @@ async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) ->
     reader = convert.MessageReader(snap, edge.config, dispatcher.wall_clock(), dispatcher.next_round_robin())
     messages = [reader.read(m) for m in request.messages]
     results = await dispatcher.send(messages)
-    counts: dict[str, int] = {}
-    entries = []
+    ok = status.ok()
+    reply = spb.SendMessageResponse(status=ok)
+    add = reply.entries.add  # adding in place is ~3x cheaper than building entries and copying them in
+    counts: dict[model.MessageType, int] = {}
     for message, result in zip(messages, results, strict=True):
-        kind = message.message_type.name
-        counts[kind] = counts.get(kind, 0) + 1
-        offset = result.offsets.get(message.queues[-1], 0)
-        entries.append(spb.SendResultEntry(status=status.ok(), message_id=result.message_id, offset=offset))
+        counts[message.message_type] = counts.get(message.message_type, 0) + 1
+        add(status=ok, message_id=result.message_id, offset=result.offsets.get(message.queues[-1], 0))
     for kind, n in counts.items():
-        edge.metrics.messages_in.labels(kind).inc(n)
-    return spb.SendMessageResponse(status=status.ok(), entries=entries)
+        edge.metrics.messages_in.labels(kind.name).inc(n)
+    return reply
