@@ -8,9 +8,10 @@ import sys
 from lmq_operator import testing
 
 FIGURES = (
-    "ready_latency_p50_s ",
-    "ready_latency_p99_s ",
-    "ready_latency_max_s ",
+    "ready_latency_burst_p50_s ",
+    "ready_latency_burst_p99_s ",
+    "ready_latency_paced_p50_s ",
+    "ready_latency_paced_p99_s ",
     "ready_all_s ",
     "operator_cpu_core_share ",
     "operator_rss_mib ",
