@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from types import TracebackType
 from typing import Final, Self, cast
 
@@ -19,6 +20,7 @@ import grpc
 import pyarrow as pa
 
 from lmq_broker import errors
+from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_reclaim import columns as c
 from lmq_reclaim.columns import Outcome
@@ -38,6 +40,14 @@ _OUTCOME_NAMES: Final = {
     admin_pb2.NOT_FOUND: Outcome.NOT_FOUND.value,
     admin_pb2.WOULD_DELETE: Outcome.WOULD_DELETE.value,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """Keys of brokers that require signed calls (the v2 HMAC scheme guards the admin service too)."""
+
+    access_key: str
+    secret_key: str = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +71,12 @@ def _translate(endpoint: str, exc: grpc.RpcError) -> errors.LmqError:
 class BrokerAdmin:
     """A connection to one broker's admin service. Use as a context manager; not shared across threads."""
 
-    def __init__(self, endpoint: str, timeout_s: float = UNARY_TIMEOUT_S) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = UNARY_TIMEOUT_S, credentials: Credentials | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self._credentials = credentials
         self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         self._stub = admin_pb2_grpc.LmqAdminStub(self._channel)
 
@@ -78,11 +91,16 @@ class BrokerAdmin:
     def close(self) -> None:
         self._channel.close()
 
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        if self._credentials is None:
+            return ()
+        return auth.sign_metadata(self._credentials.access_key, self._credentials.secret_key, datetime.now())
+
     # --- driver side: small unary calls ----------------------------------------------------------------
     def broker_name(self) -> str:
         try:
             reply = self._stub.GetBrokerInfo(
-                admin_pb2.GetBrokerInfoRequest(skip_undrained=True), timeout=self.timeout_s
+                admin_pb2.GetBrokerInfoRequest(skip_undrained=True), timeout=self.timeout_s, metadata=self._metadata()
             )
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
@@ -90,7 +108,9 @@ class BrokerAdmin:
 
     def parents(self) -> list[ParentPolicy]:
         try:
-            reply = self._stub.ListParentTopics(admin_pb2.ListParentTopicsRequest(), timeout=self.timeout_s)
+            reply = self._stub.ListParentTopics(
+                admin_pb2.ListParentTopicsRequest(), timeout=self.timeout_s, metadata=self._metadata()
+            )
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
         return [ParentPolicy(t.topic.name, t.topic.expiration_minutes, t.lite_topic_count) for t in reply.topics]
@@ -99,7 +119,9 @@ class BrokerAdmin:
         """The smallest lite name of ``parent`` greater than ``after`` (a key-space probe)."""
         try:
             reply = self._stub.ListLiteTopics(
-                admin_pb2.ListLiteTopicsRequest(parent=parent, start_after=after, limit=1), timeout=self.timeout_s
+                admin_pb2.ListLiteTopicsRequest(parent=parent, start_after=after, limit=1),
+                timeout=self.timeout_s,
+                metadata=self._metadata(),
             )
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
@@ -126,14 +148,16 @@ class BrokerAdmin:
             with_fully_consumed=with_fully_consumed,
         )
         try:
-            for reply in self._stub.ScanLiteTopics(request, timeout=timeout_s):
+            for reply in self._stub.ScanLiteTopics(request, timeout=timeout_s, metadata=self._metadata()):
                 n = len(reply.lite)
                 if n:
                     yield _scan_batch(broker, reply, n)
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
 
-    def compare_and_delete(self, rows: pa.RecordBatch, require_no_subscribers: bool, dry_run: bool) -> pa.Array:
+    def compare_and_delete(
+        self, rows: pa.RecordBatch, *, require_no_subscribers: bool, dry_run: bool, timeout_s: float
+    ) -> pa.Array:
         """Outcome names (``columns.Outcome``) for each row of ``rows`` (parent, lite, expected columns)."""
         request = admin_pb2.CompareAndDeleteRequest(
             parent=rows.column(c.PARENT).to_pylist(),
@@ -145,7 +169,7 @@ class BrokerAdmin:
             dry_run=dry_run,
         )
         try:
-            reply = self._stub.CompareAndDeleteLiteTopics(request, timeout=self.timeout_s)
+            reply = self._stub.CompareAndDeleteLiteTopics(request, timeout=timeout_s, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
         if len(reply.outcome) != rows.num_rows:

@@ -59,7 +59,7 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
     for ep in endpoints:
         name = ep
         try:
-            with brokers.BrokerAdmin(ep, opts.timeout_s) as admin:
+            with brokers.BrokerAdmin(ep, opts.timeout_s, _credentials(opts)) as admin:
                 name = admin.broker_name() or ep
                 if name in out.brokers:  # two endpoints, one broker name: keep both apart
                     name = f"{name}@{ep}"
@@ -81,6 +81,10 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
             out.error_messages.append(f"plan {name}: {exc.message}")
             log.error("broker %s skipped: %s", name, exc.message)
     return result
+
+
+def _credentials(opts: options.Options) -> brokers.Credentials | None:
+    return brokers.Credentials(opts.access_key, opts.secret_key) if opts.access_key else None
 
 
 def _prober(admin: brokers.BrokerAdmin, parent: str) -> keyspace.Probe:
@@ -140,7 +144,9 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
 
     t0 = time.perf_counter()
     n_tasks = len(the_plan.scan_tasks)
-    scan_settings = tasks.ScanSettings(opts.scan_batch_size, opts.only_fully_consumed, opts.scan_timeout_s)
+    scan_settings = tasks.ScanSettings(
+        opts.scan_batch_size, opts.only_fully_consumed, opts.scan_timeout_s, _credentials(opts)
+    )
     scanned = spark.range(0, n_tasks, 1, n_tasks).mapInArrow(
         tasks.scan_fn(the_plan.scan_tasks, scan_settings, stats, messages), c.SCANNED_DDL
     )
@@ -171,7 +177,8 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
         max_deletes_per_second=opts.max_deletes_per_second,
         batch_size=opts.delete_batch_size,
         dry_run=opts.dry_run,
-        timeout_s=opts.timeout_s,
+        timeout_s=opts.delete_timeout_s,
+        credentials=_credentials(opts),
     )
     outcomes = (
         _one_partition_per_broker(spark, candidates, names)

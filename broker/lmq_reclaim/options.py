@@ -7,8 +7,9 @@ rate per broker. ``--now-ms`` pins the clock so a run can be replayed exactly.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -33,7 +34,7 @@ class Options:
     no_live_subscribers: bool = False
     dry_run: bool = False
     max_deletes_per_second: float = 2000.0
-    delete_batch_size: int = 1000
+    delete_batch_size: int = 500
     scan_batch_size: int = 10_000
     rows_per_task: int = 250_000
     max_ranges_per_parent: int = 64
@@ -42,6 +43,9 @@ class Options:
     now_ms: int | None = None
     timeout_s: float = 30.0
     scan_timeout_s: float = 3600.0
+    delete_timeout_s: float = 300.0
+    access_key: str = ""
+    secret_key: str = field(default="", repr=False)
     log_level: str = "INFO"
 
 
@@ -92,12 +96,23 @@ def parser() -> argparse.ArgumentParser:
     act.add_argument(
         "--max-deletes-per-second", type=float, default=2000.0, help="per broker, token bucket; 0 = unlimited"
     )
-    act.add_argument("--delete-batch-size", type=_positive_int, default=1000, help="rows per delete call")
+    act.add_argument("--delete-batch-size", type=_positive_int, default=500, help="rows per delete call")
     act.add_argument("--scan-batch-size", type=_positive_int, default=10_000, help="rows per scan response")
     act.add_argument("--rows-per-task", type=_positive_int, default=250_000, help="target rows per scan task")
     act.add_argument("--max-ranges-per-parent", type=_positive_int, default=64, help="key ranges per parent cap")
     act.add_argument("--timeout-s", type=float, default=30.0, help="deadline of unary admin calls")
     act.add_argument("--scan-timeout-s", type=float, default=3600.0, help="deadline of one range's scan stream")
+    act.add_argument("--delete-timeout-s", type=float, default=300.0, help="deadline of one delete call")
+    where.add_argument(
+        "--access-key",
+        default=os.environ.get("LMQ_RECLAIM_ACCESS_KEY", ""),
+        help="sign admin calls (brokers with auth); env LMQ_RECLAIM_ACCESS_KEY",
+    )
+    where.add_argument(
+        "--secret-key",
+        default=os.environ.get("LMQ_RECLAIM_SECRET_KEY", ""),
+        help="secret of --access-key; prefer env LMQ_RECLAIM_SECRET_KEY (kept out of the process list)",
+    )
     out = p.add_argument_group("report")
     out.add_argument("--audit-path", default="", help="write the audit here ('{now}' becomes the run's time)")
     out.add_argument("--audit-format", choices=("parquet", "jsonl"), default="parquet")
@@ -140,5 +155,8 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         now_ms=ns.now_ms,
         timeout_s=ns.timeout_s,
         scan_timeout_s=ns.scan_timeout_s,
+        delete_timeout_s=ns.delete_timeout_s,
+        access_key=ns.access_key,
+        secret_key=ns.secret_key,
         log_level=ns.log_level,
     )

@@ -35,8 +35,8 @@ class BrokerSummary:
             self.kept_subscribed += count
         elif outcome == Outcome.NOT_FOUND:
             self.not_found += count
-        else:
-            self.errors += count
+        # ERROR rows are not counted here: ``errors`` counts failed calls (a scan range or a delete batch),
+        # reported by the tasks themselves, so a scan failure (no rows at all) and a delete failure weigh alike.
 
 
 @dataclass(slots=True)

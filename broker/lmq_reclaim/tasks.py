@@ -68,6 +68,7 @@ class ScanSettings:
     batch_size: int
     with_fully_consumed: bool
     timeout_s: float
+    credentials: brokers.Credentials | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class DeleteSettings:
     batch_size: int
     dry_run: bool
     timeout_s: float
+    credentials: brokers.Credentials | None = None
 
 
 def scan_fn(
@@ -105,7 +107,7 @@ def _scan_one(
     busy = 0.0
     started = time.perf_counter()
     try:
-        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s) as admin:
+        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s, settings.credentials) as admin:
             batches = admin.scan(
                 broker=task.broker,
                 parent=task.parent,
@@ -151,7 +153,9 @@ def delete_fn(
                 for broker in pc.unique(batch.column(c.BROKER)).to_pylist():
                     mine = batch.filter(pc.equal(batch.column(c.BROKER), broker))
                     if broker not in admins:
-                        admins[broker] = brokers.BrokerAdmin(settings.endpoints[broker], settings.timeout_s)
+                        admins[broker] = brokers.BrokerAdmin(
+                            settings.endpoints[broker], settings.timeout_s, settings.credentials
+                        )
                         rate = settings.max_deletes_per_second
                         buckets[broker] = TokenBucket(rate, burst=max(1.0, rate), clock=clock, sleep=sleep)
                     yield from _delete_rows(
@@ -195,7 +199,9 @@ def _delete_rows(
             t0 = time.perf_counter()
             error: str | None = None
             try:
-                outcome = admin.compare_and_delete(chunk, require_none, settings.dry_run)
+                outcome = admin.compare_and_delete(
+                    chunk, require_no_subscribers=require_none, dry_run=settings.dry_run, timeout_s=settings.timeout_s
+                )
             except errors.LmqError as exc:
                 error = exc.message
                 outcome = pa.array([Outcome.ERROR.value] * chunk.num_rows, pa.string())
