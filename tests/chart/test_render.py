@@ -353,3 +353,16 @@ def test_the_packaged_chart_carries_crds_schema_and_examples(chart_dir: Path, tm
         assert packaged.schema is not None and packaged.schema["additionalProperties"] is False
         names = {f["name"] for f in packaged.files}
         assert {"README.md", "examples/parenttopic.yaml", "examples/litegroup.yaml"} <= names
+
+
+def test_the_oldest_supported_kubernetes_accepts_the_objects(
+    chart: helm.Chart, chart_dir: Path, render: Render
+) -> None:
+    match = re.fullmatch(r">=\s*(\d+\.\d+)\.0-0", chart.metadata["kubeVersion"])
+    assert match, chart.metadata["kubeVersion"]
+    oldest = match.group(1)
+    for values in (VALUE_SETS["full"], VALUE_SETS["minimal"]):
+        for obj in render(values):
+            assert kubernetes_validate.validate(obj, oldest, strict=True) == oldest
+        report = helm.lint(chart_dir, values, strict=True, kube_version=f"v{oldest}.0")
+        assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
