@@ -1,0 +1,29 @@
+"""Every broker/e2e benchmark runs with --quick, exits 0 and prints its figure lines (figures are not
+asserted: they are measurements, read by people, not pass/fail tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+EXPECTED = {
+    "bench_broker_batch.py": ["FIGURE batched send rate:"],
+    "bench_broker_send.py": ["FIGURE send rate broker/echo:"],
+    "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
+    "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_bench_runs_quick_and_prints_its_figures(script: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for prefix in EXPECTED[script]:
+        assert any(line.startswith(prefix) for line in result.stdout.splitlines()), result.stdout
