@@ -118,6 +118,9 @@ def record_size(*, n_queues: int, names: int, message_id: int, topic: int, prope
     return FIXED_BYTES + 8 * n_queues + names + message_id + topic + properties + body
 
 
+_new_prepared = tuple.__new__  # NamedTuple's own __new__ is a Python-level function: skip it on the hot path
+
+
 def _prop(tag: int, value: bytes) -> bytes:
     return PROPERTY.pack(tag, len(value)) + value
 
@@ -154,8 +157,14 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         raise errors.InvalidArgument(
             f"a message needs 1..{MAX_QUEUES_PER_RECORD} queues, got {n}", message_id=m.message_id
         )
-    resolve = names.queue
-    qnames = tuple([resolve(q.topic, q.queue) for q in queues])
+    cached = names.by_topic.get
+    qlist = []
+    for q in queues:
+        qn = cached(q.topic)
+        if qn is None or qn.queue != q.queue:
+            qn = names.queue(q.topic, q.queue)
+        qlist.append(qn)
+    qnames = tuple(qlist)
     if n > 1 and len({qn.qkey for qn in qnames}) != n:
         raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
     mid = m.message_id.encode()
@@ -178,12 +187,15 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         raise errors.RecordTooLarge(
             f"record of {size} bytes exceeds {max_record_bytes}", message_id=m.message_id, size=size
         )
-    return Prepared(
-        m,
-        qnames,
-        LENGTHS.pack(len(mid), len(topic), len(queue_names), len(props), len(body)),
-        queue_names + mid + topic + props,
-        size,
+    return _new_prepared(
+        Prepared,
+        (
+            m,
+            qnames,
+            LENGTHS.pack(len(mid), len(topic), len(queue_names), len(props), len(body)),
+            queue_names + mid + topic + props,
+            size,
+        ),
     )
 
 
@@ -260,11 +272,8 @@ def _check(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, tuple[int,
     header = HEADER.unpack_from(buf, pos + PREFIX.size)
     if header[0] != VERSION:
         raise errors.UnsupportedVersion(f"record version {header[0]} not supported", position=pos, version=header[0])
-    n, mid_len, topic_len, names_len, props_len, body_len = header[3], *header[6:]
-    expected = record_size(
-        n_queues=n, names=names_len, message_id=mid_len, topic=topic_len, properties=props_len, body=body_len
-    )
-    if expected != size or n == 0:
+    n = header[3]
+    if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0:  # the lengths must add up to the frame
         raise errors.CorruptRecord("record field lengths do not add up", position=pos)
     return size, header
 
@@ -322,11 +331,14 @@ def _properties(raw: bytes) -> dict[str, object]:
     return out
 
 
+_MESSAGE_TYPES: Final = {int(t): t for t in model.MessageType}
+
+
 def _message_type(value: int, pos: int) -> model.MessageType:
-    try:
-        return model.MessageType(value)
-    except ValueError:
-        raise errors.CorruptRecord(f"unknown message type {value}", position=pos) from None
+    mtype = _MESSAGE_TYPES.get(value)
+    if mtype is None:
+        raise errors.CorruptRecord(f"unknown message type {value}", position=pos)
+    return mtype
 
 
 def decode(buf: bytes) -> Record:
@@ -356,27 +368,51 @@ def decode(buf: bytes) -> Record:
     )
 
 
+_new_object = object.__new__
+_S = {name: vars(model.StoredMessage)[name].__set__ for name in model.StoredMessage.__slots__}
+_set_queue, _set_offset, _set_id, _set_topic, _set_body = (
+    _S["queue"], _S["offset"], _S["message_id"], _S["topic"], _S["body"]
+)  # fmt: skip
+_set_store, _set_born, _set_lite, _set_type, _set_host = (
+    _S["store_timestamp_ms"], _S["born_timestamp_ms"], _S["lite_topic"], _S["message_type"], _S["born_host"]
+)  # fmt: skip
+_set_tag, _set_keys, _set_group, _set_user = _S["tag"], _S["keys"], _S["message_group"], _S["user_properties"]
+
+
 def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.StoredMessage:
-    """The read path: one record as the message stored at ``offset`` of ``queue``."""
+    """The read path: one record as the message stored at ``offset`` of ``queue``.
+
+    The StoredMessage is filled through its slot descriptors rather than the frozen dataclass ``__init__``
+    (14 ``object.__setattr__`` calls): the same object, a few microseconds less per message read."""
     _, header = _check(buf, 0, len(buf))
     _, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, names_len, props_len, body_len = header
     if kind != KIND_MESSAGE:
         raise errors.CorruptRecord("index points at a tombstone", offset=offset)
+    msg: model.StoredMessage = _new_object(model.StoredMessage)
     at = FIXED_BYTES + 8 * n + names_len
-    mid = buf[at : at + mid_len].decode()
+    _set_queue(msg, queue)
+    _set_offset(msg, offset)
+    _set_id(msg, buf[at : at + mid_len].decode())
     at += mid_len
-    topic = buf[at : at + topic_len].decode()
+    _set_topic(msg, buf[at : at + topic_len].decode())
     at += topic_len
-    props = _properties(buf[at : at + props_len]) if props_len else {}
-    at += props_len
-    return model.StoredMessage(
-        queue,
-        offset,
-        mid,
-        topic,
-        buf[at : at + body_len],
-        store_ms,
-        born_ms,
-        message_type=_message_type(mtype, 0),
-        **props,  # type: ignore[arg-type]
-    )
+    props: dict[str, object] = {}
+    lite = None
+    if props_len:
+        tag, ln = PROPERTY.unpack_from(buf, at)
+        if tag == TAG_LITE_TOPIC and ln + PROPERTY.size == props_len:  # the common case: a lite topic only
+            lite = buf[at + PROPERTY.size : at + props_len].decode()
+        else:
+            props = _properties(buf[at : at + props_len])
+        at += props_len
+    _set_body(msg, buf[at : at + body_len])
+    _set_store(msg, store_ms)
+    _set_born(msg, born_ms)
+    _set_type(msg, _message_type(mtype, 0))
+    _set_lite(msg, props.get("lite_topic", lite))
+    _set_host(msg, props.get("born_host", ""))
+    _set_tag(msg, props.get("tag"))
+    _set_keys(msg, props.get("keys", ()))
+    _set_group(msg, props.get("message_group"))
+    _set_user(msg, props.get("user_properties", {}))
+    return msg

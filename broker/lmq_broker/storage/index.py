@@ -18,7 +18,7 @@ from lmq_broker import errors, model
 from lmq_broker.storage import keys
 
 WRITE_BUFFER_BYTES: Final = 16 * 1024 * 1024
-MAX_WRITE_BUFFERS: Final = 3
+MAX_WRITE_BUFFERS: Final = 2
 BLOOM_BITS_PER_KEY: Final = 10
 
 
@@ -154,27 +154,30 @@ class Index:
         prefix = name.entry_prefix
         ro = rocksdict.ReadOptions()
         ro.set_iterate_upper_bound(keys.successor(prefix))
+        seek = prefix + keys.U64BE.pack(start)
         it = self._db.iter(ro)
-        it.seek_for_prev(prefix + keys.U64BE.pack(start))
-        if not it.valid() or not bytes(it.key()).startswith(prefix):
-            it.seek(prefix + keys.U64BE.pack(start))
+        it.seek_for_prev(seek)  # the run holding ``start`` begins at or before it
+        if it.valid():
+            found = it.key()
+            if found.startswith(prefix):
+                seek = found
         end = start + count
         out: list[Entry] = []
+        unpack_first = keys.U64BE.unpack_from
+        unpack_head = keys.RUN_HEAD.unpack_from
         unpack_entry = keys.RUN_ENTRY.unpack_from
-        head = keys.RUN_HEAD.size
-        step = keys.RUN_ENTRY.size
-        while it.valid():
-            key = it.key()
-            first = keys.U64BE.unpack_from(key, len(key) - 8)[0]
+        head, step, tail = keys.RUN_HEAD.size, keys.RUN_ENTRY.size, len(prefix)
+        for key, value in self._db.items(from_key=seek, read_opt=ro):
+            first = unpack_first(key, tail)[0]  # type: ignore[arg-type]  # raw mode: keys are bytes
             if first >= end:
                 break
-            value = it.value()
-            seg, store_ms = keys.RUN_HEAD.unpack_from(value)
+            seg, store_ms = unpack_head(value)
             n = (len(value) - head) // step
             for i in range(max(0, start - first), min(n, end - first)):
                 pos, size = unpack_entry(value, head + i * step)
                 out.append((first + i, seg, pos, size, store_ms))
-            it.next()
+            if first + n >= end:
+                break
         return out
 
     def runs(self, name: keys.QueueName) -> Iterator[tuple[int, int, int]]:

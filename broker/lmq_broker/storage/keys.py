@@ -31,6 +31,7 @@ checkpoint derive from the log (a rebuild recreates them); ``O``, ``T``, ``G``, 
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -103,6 +104,11 @@ class QueueName:
         return OFFSET + self.qkey
 
 
+@functools.lru_cache(maxsize=1024)
+def _valid_parent(name: str) -> bool:
+    return model.is_valid_resource_name(name)  # parents are few; a million LMQ names share them
+
+
 def parse_queue(topic: str, queue: int) -> QueueName:
     """Validate a queue and precompute its keys. InvalidName / InvalidLiteTopic on a bad name."""
     if topic.startswith(model.LMQ_PREFIX + model.LMQ_SEPARATOR):
@@ -110,7 +116,7 @@ def parse_queue(topic: str, queue: int) -> QueueName:
         if len(parts) != 3 or parts[0] != model.LMQ_PREFIX:
             raise errors.InvalidName(f"malformed LMQ name {topic!r}", topic=topic)
         parent, lite = parts[1], parts[2]
-        if not model.is_valid_resource_name(parent):
+        if not _valid_parent(parent):
             raise errors.InvalidName(f"invalid parent topic in LMQ name {topic!r}", topic=topic)
         if not model.is_valid_lite_topic(lite):
             raise errors.InvalidLiteTopic(f"invalid lite topic in LMQ name {topic!r}", topic=topic)
@@ -139,14 +145,21 @@ def parse_queue(topic: str, queue: int) -> QueueName:
 
 class NameCache:
     """Validated queue names and topic encodings, memoized. Bounded: cleared when full (names are cheap
-    to re-validate; what matters is that a 1M-topic broker never holds 1M of them)."""
+    to re-validate; what matters is that a 1M-topic broker never holds 1M of them).
+
+    ``by_topic`` maps a topic to the queue of it resolved last: a lookup keyed by the string alone (its hash
+    is cached in the str) is the hot path; (topic, queue id) pairs go through ``queue``."""
 
     def __init__(self, capacity: int = 65_536) -> None:
         self._capacity = capacity
+        self.by_topic: dict[str, QueueName] = {}
         self._queues: dict[tuple[str, int], QueueName] = {}
         self._topics: dict[str, bytes] = {}
 
     def queue(self, topic: str, queue: int) -> QueueName:
+        name = self.by_topic.get(topic)
+        if name is not None and name.queue == queue:
+            return name
         key = (topic, queue)
         name = self._queues.get(key)
         if name is None:
@@ -154,6 +167,9 @@ class NameCache:
             if len(self._queues) >= self._capacity:
                 self._queues.clear()
             self._queues[key] = name
+        if len(self.by_topic) >= self._capacity:
+            self.by_topic.clear()
+        self.by_topic[topic] = name
         return name
 
     def topic(self, topic: str) -> bytes:
@@ -168,6 +184,7 @@ class NameCache:
         return raw
 
     def clear(self) -> None:
+        self.by_topic.clear()
         self._queues.clear()
         self._topics.clear()
 

@@ -1,0 +1,204 @@
+"""One million lite topics with one message each: memory, restart time, and reads of one lite topic among them.
+
+Figures (each printed beside its target):
+- RSS growth per lite topic at steady state: RSS after the first 10% of the topics (every bounded cache and
+  memtable already full) versus after all of them, divided by the topics added in between. The absolute RSS
+  and the growth from an empty store are printed too.
+- Restart to ready: ``open_store`` + the first read, after a clean close, and after SIGKILL of a writer
+  process in the middle of its appends (WAL replay + re-index of the log tail).
+- Read of the next 32 messages of one lite topic: p99 over random (topic, offset) pairs among 1,000 topics
+  that hold 64 messages each, with warm caches and after dropping every cache.
+
+    python bench/bench_store_lite.py [--quick] [--topics N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from lmq_broker import config, model
+from lmq_broker.storage import store as store_mod
+
+PARENT = "LiteBench"
+PARENT_Q = model.QueueId(PARENT, 0)
+BODY = b"b" * 128
+BATCH = 1000
+HOT_TOPICS = 1000
+HOT_DEPTH = 64
+
+WRITER = """
+import sys
+from pathlib import Path
+from lmq_broker import config, model
+from lmq_broker.storage import store as store_mod
+s = store_mod.open_store(config.StoreConfig(data_dir=Path(sys.argv[1])))
+parent = model.QueueId("LiteBench", 0)
+i = 0
+while True:
+    batch = []
+    for _ in range(200):
+        lite = f"crash{i}"
+        batch.append(model.NewMessage(f"c{i}", "LiteBench", b"c" * 128, (parent, model.QueueId.lmq("LiteBench", lite)),
+                                      lite_topic=lite, message_type=model.MessageType.LITE))
+        i += 1
+    s.append(batch)
+    print(i, flush=True)
+"""
+
+
+def figure(name: str, value: float, unit: str, *, op: str, target: float, extra: str = "") -> None:
+    ok = value >= target if op == ">=" else value <= target
+    verdict = "PASS" if ok else "BELOW TARGET"
+    print(f"FIGURE {name}: {value:,.3f} {unit} (target {op} {target:,.3f} {unit}) {verdict}{extra}", flush=True)
+
+
+def rss() -> int:
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, as a long-running broker would
+    return int(psutil.Process().memory_info().rss)
+
+
+def lite_message(i: int, lite: str) -> model.NewMessage:
+    return model.NewMessage(
+        f"m{i}",
+        PARENT,
+        BODY,
+        (PARENT_Q, model.QueueId.lmq(PARENT, lite)),
+        lite_topic=lite,
+        message_type=model.MessageType.LITE,
+    )
+
+
+def fill(store: store_mod.LmqStore, start: int, end: int) -> None:
+    for b in range(start, end, BATCH):
+        store.append([lite_message(i, f"lt{i}") for i in range(b, min(end, b + BATCH))])
+
+
+def timed_open(cfg: config.StoreConfig) -> tuple[float, store_mod.LmqStore]:
+    t = time.perf_counter()
+    store = store_mod.open_store(cfg)
+    store.read(model.QueueId.lmq(PARENT, "lt0"), 0, 1)
+    return time.perf_counter() - t, store
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100)[98]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small smoke run (20k topics)")
+    parser.add_argument("--topics", type=int, default=None)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    topics = args.topics or (20_000 if args.quick else 1_000_000)
+    reads = 2_000 if args.quick else 20_000
+    root = Path(tempfile.mkdtemp(prefix="lmq-bench-lite-", dir=args.dir))
+    cfg = config.StoreConfig(data_dir=root / "data")
+    try:
+        rss_empty = rss()
+        store = store_mod.open_store(cfg)
+        rss_open = rss()
+        warm = topics // 10
+        t = time.perf_counter()
+        fill(store, 0, warm)
+        rss_warm = rss()
+        fill(store, warm, topics)
+        elapsed = time.perf_counter() - t
+        rss_full = rss()
+        print(
+            f"# {topics:,} lite topics, one {len(BODY)} B message each, appended in {elapsed:.1f} s "
+            f"({topics / elapsed:,.0f} msg/s, sync mode, batches of {BATCH})"
+        )
+        print(
+            f"# RSS: {rss_empty / 2**20:.0f} MiB before open, {rss_open / 2**20:.0f} MiB open, "
+            f"{rss_warm / 2**20:.0f} MiB after {warm:,} topics, {rss_full / 2**20:.0f} MiB after {topics:,}; "
+            f"state cache {store.cached_states:,} entries (bounded)"
+        )
+        assert store.lite_topic_count(PARENT) == topics
+        figure(
+            "lite_rss_growth_per_topic_steady_state",
+            (rss_full - rss_warm) / (topics - warm),
+            "B",
+            op="<=",
+            target=100,
+            extra=f"  [from an empty store, caches incl.: {(rss_full - rss_open) / topics:.1f} B per topic]",
+        )
+
+        # hot topics for the read figure: 1,000 topics among the million get 63 more messages each
+        hot = random.Random(1).sample(range(topics), min(HOT_TOPICS, topics))
+        seq = topics
+        for _ in range(HOT_DEPTH - 1):
+            store.append([lite_message(seq + j, f"lt{h}") for j, h in enumerate(hot)])
+            seq += len(hot)
+        store.close()
+
+        restart_clean, store = timed_open(cfg)
+        assert store.lite_topic_count(PARENT) == topics
+        rng = random.Random(2)
+
+        def sample_reads(n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                q = model.QueueId.lmq(PARENT, f"lt{rng.choice(hot)}")
+                off = rng.randrange(HOT_DEPTH - 32 + 1)
+                t = time.perf_counter()
+                got = store.read(q, off, 32)
+                out.append((time.perf_counter() - t) * 1000)
+                assert len(got) == 32 and got[0].offset == off
+            return out
+
+        sample_reads(reads // 10)  # warm the block cache and the state cache
+        warm_reads = sample_reads(reads)
+        store.drop_caches()
+        cold_reads = sample_reads(reads)
+        figure(
+            "lite_read_next32_p99",
+            p99(warm_reads),
+            "ms",
+            op="<=",
+            target=1.0,
+            extra=f"  [p50 {statistics.median(warm_reads):.3f} ms; after drop_caches p99 {p99(cold_reads):.3f} ms]",
+        )
+        store.close()
+        figure("lite_restart_clean_to_ready", restart_clean, "s", op="<=", target=5.0)
+
+        # crash restart: a writer appends to the same store and is SIGKILLed mid-stream
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(cfg.data_dir)], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        for _ in range(10):
+            proc.stdout.readline()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        restart_crash, store = timed_open(cfg)
+        rec = store.recovery
+        store.close()
+        figure(
+            "lite_restart_after_sigkill_to_ready",
+            restart_crash,
+            "s",
+            op="<=",
+            target=5.0,
+            extra=f"  [re-indexed {rec.records_reindexed} tail records, rebuilt={rec.rebuilt}]",
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
