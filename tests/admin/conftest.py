@@ -13,6 +13,8 @@ import pytest
 
 from lmq_broker.admin.testing import Broker, LoopThread, serve_admin
 from lmq_broker.config import BrokerConfig, FlushMode, StoreConfig
+from lmq_broker.storage import memory
+from lmq_broker.storage import store as storage_store
 from lmq_broker.storage.api import Store
 
 
@@ -36,9 +38,7 @@ def broker_config(tmp_path: Path) -> BrokerConfig:
 
 @pytest.fixture
 def lmq_store(broker_config: BrokerConfig) -> Iterator[Store]:
-    from lmq_broker.storage import store as lmq_store_module  # noqa: PLC0415 - the module under a fixture
-
-    store = lmq_store_module.open_store(broker_config.store)
+    store = storage_store.open_store(broker_config.store)
     yield store
     store.close()
 
@@ -52,8 +52,6 @@ def broker(loop_thread: LoopThread, lmq_store: Store, broker_config: BrokerConfi
 
 @pytest.fixture
 def memory_broker(loop_thread: LoopThread, broker_config: BrokerConfig) -> Iterator[Broker]:
-    from lmq_broker.storage import memory  # noqa: PLC0415
-
     served = serve_admin(loop_thread, memory.MemoryStore(), broker_config)
     yield served
     served.close()

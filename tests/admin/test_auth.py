@@ -30,6 +30,7 @@ from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as v2s
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as v2_grpc
+from lmq_broker.storage import memory
 from lmq_broker.storage.api import Store
 
 AK, SK = "lmq-ak", "lmq-secret"
@@ -89,8 +90,6 @@ class Guarded:
 
 @pytest.fixture
 def guarded(loop_thread: LoopThread, tmp_path: Path) -> Iterator[Guarded]:
-    from lmq_broker.storage import memory  # noqa: PLC0415
-
     store = memory.MemoryStore()
     live = StaticLiveView()
     recording = RecordingService(store)  # type: ignore[abstract]  # abstract only in the generated stubs

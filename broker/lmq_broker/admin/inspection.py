@@ -114,16 +114,9 @@ async def group_lags(store: Store, live: LiveView, groups: Sequence[model.LiteGr
     lags = dict.fromkeys((g.name for g in groups), 0)
     group_of_client = {c.client_id: c.group for c in live.clients()}
     for parent, names in groups_by_parent(groups).items():
-
-        def page(
-            start_after: str, parent: str = parent, names: list[str] = names
-        ) -> list[tuple[model.LiteTopicMeta, list[int | None]]]:
-            metas = store.scan_lite_topics(parent, start_after, "", WALK_BATCH)
-            return [(m, [store.get_offset(model.QueueId.lmq(m.parent, m.lite), n) for n in names]) for m in metas]
-
         cursor = ""
         while True:
-            rows = await asyncio.to_thread(page, cursor)
+            rows = await asyncio.to_thread(_offsets_page, store, parent, names, cursor)
             for meta, committed in rows:
                 subscribed: set[str] | None = None
                 for name, offset in zip(names, committed, strict=True):
@@ -138,6 +131,14 @@ async def group_lags(store: Store, live: LiveView, groups: Sequence[model.LiteGr
                 break
             cursor = rows[-1][0].lite
     return lags
+
+
+def _offsets_page(
+    store: Store, parent: str, groups: Sequence[str], start_after: str
+) -> list[tuple[model.LiteTopicMeta, list[int | None]]]:
+    """A page of ``parent``'s lite topics, each with the committed offset of every group in ``groups``."""
+    metas = store.scan_lite_topics(parent, start_after, "", WALK_BATCH)
+    return [(m, [store.get_offset(model.QueueId.lmq(m.parent, m.lite), g) for g in groups]) for m in metas]
 
 
 # --- the broker -------------------------------------------------------------------------------------------

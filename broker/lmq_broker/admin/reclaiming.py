@@ -156,7 +156,9 @@ async def compare_and_delete(
             outcomes[i] = outcome
         if done.error is not None:
             raise done.error
-    return [outcome if outcome is not None else Outcome.KEPT_CHANGED for outcome in outcomes]
+    decided = [outcome for outcome in outcomes if outcome is not None]
+    assert len(decided) == len(rows), "every row gets an outcome or the request fails"
+    return decided
 
 
 def _compare_rows(store: Store, rows: Sequence[Row], dry_run: bool) -> _Done:
