@@ -1,0 +1,169 @@
+"""The real job in local mode against real broker processes: expired, fresh, never-expiring, consumed,
+subscribed and racing lite topics; dry run, reclaim with races between scan and delete, re-run.
+
+Ages are written through the store API with an injected clock before the brokers start, and the job
+runs with ``now_ms`` pinned to the same instant, so every verdict is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+
+from lmq_broker import config, errors, model, testing
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.storage.store import open_store
+from lmq_reclaim import columns as c
+from lmq_reclaim import job, options
+
+PARENTS = [
+    model.ParentTopic("Agent", expiration_minutes=60),
+    model.ParentTopic("Forever", expiration_minutes=-1),
+    model.ParentTopic("Short", expiration_minutes=0),
+]
+GROUPS = [model.LiteGroup("G", bind_topic="Agent")]
+BROKER_0 = [
+    ("Agent", "old-a", 180, None),
+    ("Agent", "old-b", 180, None),
+    ("Agent", "fresh", 30, None),
+    ("Agent", "consumed-late", 180, 10),
+    ("Agent", "done", 180, 170),
+    ("Agent", "race-msg", 180, None),
+    ("Agent", "race-sub", 180, None),
+    ("Agent", "gone", 180, None),
+    ("Forever", "ancient", 100_000, None),
+    ("Short", "ten", 10, None),  # expiration 0 but younger than the 15 min minimum age
+    ("Short", "twenty", 20, None),
+]
+BROKER_1 = [
+    ("Agent", "b1-old-1", 180, None),
+    ("Agent", "b1-old-2", 180, None),
+    ("Agent", "b1-old-3", 180, None),
+    ("Agent", "b1-subscribed", 180, None),
+    ("Agent", "b1-done", 180, 170),
+]
+DELETED = {
+    ("broker-0", "Agent", "old-a"),
+    ("broker-0", "Agent", "old-b"),
+    ("broker-0", "Agent", "done"),
+    ("broker-0", "Short", "twenty"),
+    ("broker-1", "Agent", "b1-old-1"),
+    ("broker-1", "Agent", "b1-old-2"),
+    ("broker-1", "Agent", "b1-old-3"),
+    ("broker-1", "Agent", "b1-subscribed"),  # subscribed before the scan: the default rules still reclaim it
+    ("broker-1", "Agent", "b1-done"),
+}
+RACES = {("broker-0", "Agent", "race-msg"), ("broker-0", "Agent", "race-sub"), ("broker-0", "Agent", "gone")}
+
+
+def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_scan(
+    tmp_path: Path,
+    spark: SparkSession,
+    seeder: Callable[..., None],
+    v2_client: Callable[[str], Any],
+    start_brokers: Callable[[int], list[testing.BrokerProcess]],
+) -> None:
+    now_ms = int(time.time() * 1000)
+    seeder(tmp_path / "broker-0", now_ms, PARENTS, GROUPS, BROKER_0)
+    seeder(tmp_path / "broker-1", now_ms, PARENTS[:1], GROUPS, BROKER_1)
+    b0, b1 = start_brokers(2)
+    v2_b0, v2_b1 = v2_client(b0.endpoint), v2_client(b1.endpoint)
+    admins = {"broker-0": AdminClient(b0.admin_endpoint), "broker-1": AdminClient(b1.admin_endpoint)}
+    try:
+        v2_b1.subscribe("Agent", "G", "b1-subscribed")
+        base = ["--brokers", f"{b0.admin_endpoint},{b1.admin_endpoint}", "--now-ms", str(now_ms)]
+
+        # 1. Dry run with both optional rules: only fully consumed, unsubscribed topics qualify; nothing goes.
+        dry_audit = tmp_path / "audit-dry"
+        dry = job.run(
+            options.parse(
+                [
+                    *base,
+                    *("--dry-run", "--only-fully-consumed", "--no-live-subscribers"),
+                    *("--audit-path", str(dry_audit), "--audit-format", "jsonl"),
+                ]
+            ),
+            spark=spark,
+        )
+        lines = [json.loads(line) for f in sorted(dry_audit.glob("part-*.json")) for line in f.read_text().splitlines()]
+        assert {(r["broker"], r["parent"], r["lite"]) for r in lines} == {
+            ("broker-0", "Agent", "done"),
+            ("broker-1", "Agent", "b1-done"),
+        }
+        assert {r["outcome"] for r in lines} == {"WOULD_DELETE"} and all(r["dry_run"] for r in lines)
+        assert (dry.total.reclaimed, dry.total.errors, dry.exit_code) == (2, 0, 0)
+        for broker, parent, lite in DELETED | RACES:
+            assert admins[broker].describe_lite_topic(parent, lite).meta.lite == lite
+
+        # 2. The real run; between scan and delete one candidate gets a message, one a subscriber, one is
+        #    deleted by someone else.
+        seen: list[set[tuple[str, str, str]]] = []
+
+        def meddle(candidates: DataFrame) -> None:
+            seen.append({(r[c.BROKER], r[c.PARENT], r[c.LITE]) for r in candidates.collect()})
+            v2_b0.send("Agent", "race-msg")
+            v2_b0.subscribe("Agent", "G", "race-sub")
+            gone = admins["broker-0"].describe_lite_topic("Agent", "gone").meta
+            row: dict[str, list[Any]] = {
+                "parent": ["Agent"], "lite": ["gone"], "max_offset": [gone.max_offset],
+                "last_store_ms": [gone.last_store_ms], "last_consume_ms": [gone.last_consume_ms],
+            }  # fmt: skip
+            assert [o.name for o in admins["broker-0"].compare_and_delete(row)] == ["DELETED"]
+
+        audit_path = tmp_path / "audit-{now}"
+        result = job.run(
+            options.parse([*base, "--audit-path", str(audit_path)]), spark=spark, hooks=job.Hooks(before_delete=meddle)
+        )
+        assert seen == [DELETED | RACES]
+        s0, s1 = result.brokers["broker-0"], result.brokers["broker-1"]
+        # Parents that never expire are not even scanned.
+        assert (s0.scanned, s0.expired, s0.reclaimed) == (10, 7, 4)
+        assert (s0.kept_changed, s0.kept_subscribed, s0.not_found, s0.errors) == (1, 1, 1, 0)
+        assert (s1.scanned, s1.expired, s1.reclaimed, s1.errors) == (5, 5, 5, 0)
+        assert result.exit_code == 0
+        audit = pq.read_table(str(tmp_path / f"audit-{now_ms}")).to_pylist()
+        assert {(r["broker"], r["parent"], r["lite"]) for r in audit} == DELETED
+        assert {r["outcome"] for r in audit} == {"DELETED"}
+        old_a = next(r for r in audit if r["lite"] == "old-a")
+        assert old_a["reason"] == "idle 180 min > expiration 60 min; min age 15 min"
+        assert old_a["idle_ms"] == 180 * 60_000 and old_a["run_now_ms"] == now_ms
+        for broker, parent, lite in DELETED | {("broker-0", "Agent", "gone")}:
+            with pytest.raises(errors.NotFound):
+                admins[broker].describe_lite_topic(parent, lite)
+        kept = ["fresh", "consumed-late", "race-msg", "race-sub"]
+        assert all(admins["broker-0"].describe_lite_topic("Agent", k).meta.lite == k for k in kept)
+        assert admins["broker-0"].describe_lite_topic("Forever", "ancient").meta.lite == "ancient"
+        assert admins["broker-0"].describe_lite_topic("Short", "ten").meta.lite == "ten"
+
+        # 3. A second run (a CronJob may fire twice) finds nothing more to reclaim.
+        again = job.run(options.parse([*base, "--no-live-subscribers"]), spark=spark)
+        assert (again.total.expired, again.total.reclaimed, again.total.errors) == (0, 0, 0)
+        # Left on broker-0: fresh, consumed-late, race-msg, race-sub (Agent) and ten (Short).
+        assert (again.brokers["broker-0"].scanned, again.brokers["broker-1"].scanned) == (5, 0)
+    finally:
+        for a in admins.values():
+            a.close()
+
+    # 4. Offsets and index entries are gone from the store itself, not only from the admin view.
+    b0.stop()
+    store = open_store(config.StoreConfig(data_dir=b0.data_dir))
+    try:
+        for broker, parent, lite in DELETED | {("broker-0", "Agent", "gone")}:
+            if broker != "broker-0":
+                continue
+            queue = model.QueueId.lmq(parent, lite)
+            assert store.lite_topic(parent, lite) is None
+            assert store.queue_offsets(queue) == (0, 0)
+            assert store.get_offset(queue, "G") is None
+            assert store.read(queue, 0, 10) == []
+        assert store.get_offset(model.QueueId.lmq("Agent", "consumed-late"), "G") == 1
+        assert store.read(model.QueueId.lmq("Agent", "race-msg"), 0, 10)[-1].body == b"late"
+    finally:
+        store.close()
