@@ -99,7 +99,7 @@ class Broker:
         """Graceful: stop taking calls, let running ones finish (long polls are cut at ``grace_s``), flush."""
         self.ready = False
         if self.dispatcher is not None:
-            self.dispatcher.draining = True
+            self.dispatcher.begin_drain()
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

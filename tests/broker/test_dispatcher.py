@@ -368,3 +368,24 @@ async def test_restart_resumes_after_the_last_ack(tmp_path: Path, clock: memory.
 
     await session(first)
     assert await session(second) == [b"2", b"3"]
+
+
+async def test_broker_lite_topic_quota_counts_new_topics_across_parents(lite: Lite) -> None:
+    lite.store.put_parent_topic(model.ParentTopic("Q"))
+    lite.store.put_quota(model.Quota("broker", max_lite_topics=3))
+    lite.dispatcher.metadata_changed()
+    await lite.send("a")
+    batch = [lite_message("b", message_id="x1"), lite_message("c", parent="Q", message_id="x2")]
+    await lite.dispatcher.send(batch)  # 3 topics: at the limit
+    over = [lite_message("a", message_id="x3"), lite_message("d", parent="Q", message_id="x4")]
+    with pytest.raises(errors.LiteTopicQuotaExceeded):
+        await lite.dispatcher.send(over)
+    assert lite.store.lite_topic_count(None) == 3
+
+
+async def test_a_drain_ends_waiting_polls_at_once(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    waiting = asyncio.create_task(lite.receive("c1", poll_ms=60_000))
+    await asyncio.sleep(0)
+    lite.dispatcher.begin_drain()
+    assert await asyncio.wait_for(waiting, 5) == []

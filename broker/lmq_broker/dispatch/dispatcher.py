@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import enum
 import logging
 import random
 import secrets
@@ -30,7 +29,7 @@ from typing import Final, ParamSpec, TypeVar
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import api, catalog, leases, readyset, registry, snapshot
+from lmq_broker.dispatch import api, catalog, leases, offsets, quotas, readyset, registry, snapshot
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -57,23 +56,9 @@ def lmq_name(parent: str, lite: str) -> str:
     return model.QueueId.lmq(parent, lite).topic
 
 
-def dlq_topic(group: str) -> str:
-    return f"{DLQ_PREFIX}{group}"
-
-
-class OffsetPolicy(enum.Enum):
-    LAST = "last"  # keep the group's offset
-    MIN = "min"
-    MAX = "max"
-    OFFSET = "offset"
-    TAIL_N = "tail_n"
-    TIMESTAMP = "timestamp"  # accepted and ignored, as RocketMQ 5.5.0 does
-
-
-@dataclass(frozen=True, slots=True)
-class OffsetReset:
-    policy: OffsetPolicy
-    value: int = 0
+OffsetPolicy = offsets.OffsetPolicy
+OffsetReset = offsets.OffsetReset
+dlq_topic = offsets.dlq_topic
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +121,12 @@ class Dispatcher:
         await self.metadata()
         self._next_housekeeping = self.clock() + HOUSEKEEPING_INTERVAL_MS
         self._arm(self._next_housekeeping)
+
+    def begin_drain(self) -> None:
+        """Shutdown begins: end every long poll now (empty), and keep clients whose streams close."""
+        self.draining = True
+        for event in [*self._client_events.values(), *self._topic_events.values()]:
+            event.set()
 
     async def close(self) -> None:
         self._closed = True
@@ -278,7 +269,7 @@ class Dispatcher:
         self.registry.touch(client_id, now, group=group, bind_topic=parent)
         lmqs = [lmq_name(parent, lite) for lite in lites]
         added = self.registry.add(client_id, lmqs, quota, now)
-        if offset is not None and offset.policy not in (OffsetPolicy.LAST, OffsetPolicy.TIMESTAMP):
+        if offset is not None and offset.moves:
             await self._reset_offsets(lmqs, group, offset)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
             self._evict_others(client_id, group, lmqs)
@@ -326,34 +317,12 @@ class Dispatcher:
                     self.registry.remove(other, [lmq], now)
                     self.ready.discard_many(other, [lmq])
 
-    async def _reset_offsets(self, lmqs: list[str], group: str, offset: OffsetReset) -> None:
-        def reset() -> None:
-            for lmq in lmqs:
-                queue = model.QueueId(lmq)
-                lo, hi = self.store.queue_offsets(queue)
-                current = self.store.get_offset(queue, group)
-                if offset.policy is OffsetPolicy.MIN:
-                    target = lo
-                elif offset.policy is OffsetPolicy.MAX:
-                    target = hi
-                elif offset.policy is OffsetPolicy.OFFSET:
-                    target = offset.value
-                elif current is None:  # TAIL_N only moves an existing offset (RocketMQ)
-                    continue
-                else:
-                    target = hi - offset.value
-                self.store.commit_offset(queue, group, min(max(target, lo), hi))
-
-        busy = [lmq for lmq in lmqs if (lmq, 0, group) in self._busy]
-        if busy:
-            raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now", lmq=busy[0])
+    async def _reset_offsets(self, lmqs: list[str], group: str, option: OffsetReset) -> None:
+        if any((lmq, 0, group) in self._busy for lmq in lmqs):
+            raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now")
         for lmq in lmqs:  # in-flight state and its cached commit point are superseded by the reset
             self.leases.forget((lmq, 0, group))
-        if offset.policy is OffsetPolicy.OFFSET and offset.value < 0:
-            raise errors.InvalidArgument("offset must be >= 0", kind="offset")
-        if offset.policy is OffsetPolicy.TAIL_N and offset.value < 0:
-            raise errors.InvalidArgument("tail_n must be >= 0", kind="offset")
-        await self.run(reset)
+        await self.run(offsets.reset, self.store, lmqs, group, option)
 
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
         """Newly subscribed topics that already hold undelivered messages go straight to this client."""
@@ -453,65 +422,13 @@ class Dispatcher:
     async def send(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         """Enforce send quotas, append (one store call, so the batch shares one fsync), then signal."""
         snap = await self.metadata()
-        self._check_rates(snap, messages)
-        await self._check_lite_topic_quota(snap, messages)
+        quotas.check_send_rates(snap, self._buckets, messages, self.clock())
+        check = quotas.lite_topic_check(self.store, snap, messages)
+        if check is not None:
+            await self.run(check)
         results = await self.run(self.store.append, messages)
         self.notify_appended(results)
         return results
-
-    def _check_rates(self, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]) -> None:
-        per_parent: dict[str, int] = {}
-        for message in messages:
-            per_parent[message.topic] = per_parent.get(message.topic, 0) + 1
-        now = self.clock()
-        for parent, count in per_parent.items():
-            for scope, rate in snap.send_rates(parent):
-                bucket = self._buckets.get(scope)
-                if bucket is None or bucket.rate != rate:
-                    bucket = self._buckets[scope] = catalog.TokenBucket(rate, now)
-                if not bucket.take(count, now):
-                    raise errors.TooManyRequests(f"send rate of {scope} is limited to {rate}/s", scope=scope)
-
-    async def _check_lite_topic_quota(self, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]) -> None:
-        lites_by_parent: dict[str, set[str]] = {}
-        for message in messages:
-            if message.lite_topic is not None:
-                lites_by_parent.setdefault(message.topic, set()).add(message.lite_topic)
-        if not lites_by_parent:
-            return
-        limits = {parent: snap.lite_topic_limits(snap.topic(parent)) for parent in lites_by_parent}
-        if all(per_parent < 0 and per_broker < 0 for per_parent, per_broker in limits.values()):
-            return
-
-        def check() -> None:
-            broker_new = 0
-            broker_limit = -1
-            broker_count = 0
-            for parent, lites in lites_by_parent.items():
-                per_parent, per_broker = limits[parent]
-                count = self.store.lite_topic_count(parent)
-                if per_broker >= 0:
-                    broker_limit = per_broker
-                    broker_count = self.store.lite_topic_count(None)
-                # Only when a batch could cross a limit is it worth asking which of its topics are new.
-                crosses_parent = per_parent >= 0 and count + len(lites) > per_parent
-                crosses_broker = per_broker >= 0 and broker_count + len(lites) > per_broker
-                if not (crosses_parent or crosses_broker):
-                    continue
-                new = sum(1 for lite in lites if self.store.lite_topic(parent, lite) is None)
-                broker_new += new
-                if per_parent >= 0 and count + new > per_parent:
-                    raise errors.LiteTopicQuotaExceeded(
-                        f"parent topic {parent} holds {count} lite topics, limit is {per_parent}",
-                        topic=parent,
-                        limit=per_parent,
-                    )
-            if broker_limit >= 0 and broker_count + broker_new > broker_limit:
-                raise errors.LiteTopicQuotaExceeded(
-                    f"broker holds {broker_count} lite topics, limit is {broker_limit}", limit=broker_limit
-                )
-
-        await self.run(check)
 
     # --- receiving --------------------------------------------------------------------------------------
     async def receive_lite(
@@ -528,7 +445,7 @@ class Dispatcher:
         found = snap.lite_group(group, parent)
         deadline = self.clock() + poll_ms
         self.registry.touch(client_id, self.clock(), group=group, bind_topic=parent)
-        while not self._closed:
+        while not self._closed and not self.draining:
             event = self._client_events.get(client_id)
             if event is None:
                 event = self._client_events[client_id] = asyncio.Event()
@@ -565,7 +482,7 @@ class Dispatcher:
         queues = max(1, snap.topic(topic).queue_count)
         deadline = self.clock() + poll_ms
         self.registry.touch(client_id, self.clock(), group=group)
-        while not self._closed:
+        while not self._closed and not self.draining:
             event = self._topic_events.get(topic)
             if event is None:
                 event = self._topic_events[topic] = asyncio.Event()
@@ -651,33 +568,13 @@ class Dispatcher:
         state: leases.QueueLeases,
         picks: list[tuple[leases.Pick, model.StoredMessage]],
     ) -> None:
-        await self.run(self.store.append, [self._dlq_message(key[2], m) for m in messages])
+        await self.run(self.store.append, [offsets.dead_letter(key[2], m) for m in messages])
         now = self.clock()
         for pick, _ in picks:
             state.lease(pick, now, 0, self.leases.new_lease_id(), "")
         for pick, _ in picks:
             state.ack(pick.offset)
         await self._commit(key, state)
-
-    @staticmethod
-    def _dlq_message(group: str, message: model.StoredMessage) -> model.NewMessage:
-        topic = dlq_topic(group)
-        properties = dict(message.user_properties)
-        properties.setdefault("__ORIGIN_TOPIC", message.topic)
-        if message.lite_topic:
-            properties.setdefault("__ORIGIN_LITE_TOPIC", message.lite_topic)
-        return model.NewMessage(
-            message_id=message.message_id,
-            topic=topic,
-            body=message.body,
-            queues=(model.QueueId(topic, 0),),
-            message_type=model.MessageType.NORMAL,
-            born_timestamp_ms=message.born_timestamp_ms,
-            born_host=message.born_host,
-            tag=message.tag,
-            keys=message.keys,
-            user_properties=properties,
-        )
 
     # --- ack / nack / dead letter -----------------------------------------------------------------------
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
@@ -715,7 +612,7 @@ class Dispatcher:
             raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
         messages = await self.run(self.store.read, model.QueueId(key[0], key[1]), receipt.offset, 1)
         if messages and messages[0].offset == receipt.offset:
-            await self.run(self.store.append, [self._dlq_message(group, messages[0])])
+            await self.run(self.store.append, [offsets.dead_letter(group, messages[0])])
         await self.ack(group, receipt_handle)
 
     async def _commit(self, key: Key, state: leases.QueueLeases) -> int:
