@@ -1,0 +1,153 @@
+"""Fast handler flows: kopf in-process against KMock (an in-memory Kubernetes API) with in-memory brokers.
+
+KMock has no schema, CEL, generation or finalizer semantics, so these tests check the operator's own flow
+(reconcile → status patch → broker calls) quickly; tests/operator/test_operator.py proves the same on a real
+apiserver with real brokers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import kopf
+import pytest
+import pytest_asyncio
+
+from lmq_operator import apply, handlers, model
+
+NS = "flows"
+PT = "lmq.io/v1alpha1/parenttopics"
+TIMEOUT_S = 15.0
+
+assert handlers.configure is not None  # importing registers the handlers in kopf's default registry
+_SERVER: list[str] = []  # the running KMock's URL, for the login handler below
+
+
+@kopf.on.login()
+def _login_to_kmock(**_: Any) -> kopf.ConnectionInfo:
+    """Only in this test process: kopf's built-in logins read a kubeconfig chosen at import time."""
+    return kopf.ConnectionInfo(server=_SERVER[-1], token="kmock")
+
+
+async def eventually(check: Callable[[], Any], what: str) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT_S
+    while True:
+        with contextlib.suppress(KeyError, TypeError, StopIteration):
+            result = check()
+            if result:
+                return result
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)  # yield to the operator running in this loop
+
+
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+def _declare(server: Any) -> None:
+    # The two workarounds kopf needs on KMock: namespaces and CRDs exist as resources.
+    server.resources["v1/namespaces"] = {"kind": "Namespace", "namespaced": False, "verbs": VERBS}
+    server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = {
+        "kind": "CustomResourceDefinition",
+        "namespaced": False,
+        "verbs": VERBS,
+    }
+    server.resources["v1/events"] = {"kind": "Event", "namespaced": True, "verbs": VERBS}
+    for kind in model.Kind:
+        server.resources[f"lmq.io/v1alpha1/{kind.plural}"] = {
+            "kind": kind.value,
+            "namespaced": True,
+            "subresources": {"status"},
+            "verbs": VERBS,
+        }
+
+
+def _object(name: str, spec: dict[str, Any], uid: str, created: str, **annotations: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "lmq.io/v1alpha1",
+        "kind": "ParentTopic",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": uid,
+            "resourceVersion": "1",  # kopf's JSON patches need one
+            "generation": 1,
+            "creationTimestamp": created,
+            "annotations": annotations,
+        },
+        "spec": spec,
+    }
+
+
+@pytest.fixture
+def brokers() -> dict[str, apply.MemoryAdmin]:
+    return {ep: apply.MemoryAdmin(ep) for ep in ("b0:8081", "b1:8081")}
+
+
+@pytest_asyncio.fixture
+async def operator(
+    kmock: Any, brokers: dict[str, apply.MemoryAdmin], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Any]:
+    _declare(kmock)
+    _SERVER.append(str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("LMQ_OPERATOR_BROKERS", ",".join(brokers))
+    monkeypatch.setenv("LMQ_OPERATOR_RETRY_SECONDS", "0.1")
+    memo = kopf.Memo(admin_factory=brokers.__getitem__)
+    options = kopf.OperatorSettings()
+    options.posting.enabled = False  # KMock has no generateName: every Event after the first would be a 409
+    task = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True, memo=memo, settings=options))
+    try:
+        yield kmock
+    finally:
+        # Cancelling (rather than raising the stop flag) makes kopf cancel its leftover tasks at once instead
+        # of granting them 5 s: it counts every task born after its start as its own, KMock's included.
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert task.done()
+
+
+def _ready(server: Any, name: str) -> dict[str, Any]:
+    conds = server.objects[PT, NS, name]["status"]["conditions"]
+    found: dict[str, Any] = next(c for c in conds if c["type"] == "Ready")
+    return found
+
+
+@pytest.mark.asyncio
+async def test_create_applies_to_every_broker_and_writes_status(
+    operator: Any, brokers: dict[str, apply.MemoryAdmin]
+) -> None:
+    operator.objects[PT, NS, "orders"] = _object(
+        "orders", {"liteTopicExpirationMinutes": 30}, "u1", "2026-01-01T00:00:00Z"
+    )
+    await eventually(lambda: _ready(operator, "orders")["status"] == "True", "Ready=True")
+    status = operator.objects[PT, NS, "orders"]["status"]
+    assert (status["topicName"], status["brokersReady"], status["observedGeneration"]) == ("orders", "2/2", 1)
+    for admin in brokers.values():
+        assert admin.objects[model.Kind.PARENT_TOPIC]["orders"] == model.TopicConfig("orders", 30, -1)
+
+
+@pytest.mark.asyncio
+async def test_a_down_broker_is_reported_and_caught_up(operator: Any, brokers: dict[str, apply.MemoryAdmin]) -> None:
+    brokers["b1:8081"].down = True
+    operator.objects[PT, NS, "late"] = _object("late", {}, "u2", "2026-01-01T00:00:00Z")
+    cond = await eventually(
+        lambda: (c := _ready(operator, "late"))["reason"] == "BrokerUnavailable" and c, "BrokerUnavailable"
+    )
+    assert cond["status"] == "False" and "b1:8081: UNAVAILABLE" in cond["message"]
+    brokers["b1:8081"].down = False  # the change handler retries (LMQ_OPERATOR_RETRY_SECONDS) until in sync
+    await eventually(lambda: _ready(operator, "late")["status"] == "True", "Ready=True after the broker is back")
+    assert "late" in brokers["b1:8081"].objects[model.Kind.PARENT_TOPIC]
+
+
+@pytest.mark.asyncio
+async def test_paused_resource_touches_no_broker(operator: Any, brokers: dict[str, apply.MemoryAdmin]) -> None:
+    paused = _object("quiet", {}, "u3", "2026-01-01T00:00:00Z", **{"lmq.io/pause-reconciliation": "true"})
+    operator.objects[PT, NS, "quiet"] = paused
+    cond = await eventually(lambda: _ready(operator, "quiet"), "a Ready condition")
+    assert (cond["status"], cond["reason"]) == ("Unknown", "ReconciliationPaused")
+    assert all(not admin.calls for admin in brokers.values())
