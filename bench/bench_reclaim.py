@@ -1,0 +1,154 @@
+"""Reclaim at scale: N lite topics over 2 real brokers, 10% of them expired; the job in local[2].
+
+Setup (timed and printed, but not part of the figure): each broker's data dir is filled through the store
+API before the broker starts, one tiny message per lite topic, appended in large batches with an injected
+clock so every tenth block is two hours old (expiration 60 min). Names are uuid4-shaped, as
+rocketmq-a2a makes them. Brokers then start as real processes (``--flush-mode async``: see below).
+
+Figure: the job's wall time from ``run()`` to summary, Spark start included (goal <= 60 s for 10M
+topics), and how it splits: plan (driver probes), Spark start, scan+decide (one pipelined Spark pass;
+``scan task-s`` is the time scan tasks spent waiting on brokers and building Arrow batches, summed over
+tasks), delete, audit. Deletes run unthrottled (``--max-deletes-per-second 0``) so the figure shows the
+brokers' capacity, not the bucket.
+
+Brokers run with async flush: compare-and-delete writes a tombstone per row, and with ``sync`` every row
+is an fsync (tens per second), which would measure the disk rather than the job.
+
+    python bench/bench_reclaim.py [--quick] [--topics N] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from lmq_broker import config, model, testing
+from lmq_broker.storage import store as store_mod
+from lmq_reclaim import job, options, report
+
+PARENT = "Agent"
+EXPIRATION_MIN = 60
+BLOCK = 1_000  # topics per append call (and per clock value)
+OLD_EVERY = 10  # one block in ten is old: 10% of the topics expire
+T0_MS = 1_750_000_000_000
+NOW_MS = T0_MS + 120 * 60_000
+GOAL_S = 60.0
+
+
+def generate(data_dir: Path, topics: int, seed: int) -> tuple[int, float]:
+    """Fill one broker's store; returns (expired topics written, seconds)."""
+    started = time.perf_counter()
+    rng = random.Random(seed)
+    clock = [T0_MS]
+    cfg = config.StoreConfig(data_dir=data_dir, flush_mode=config.FlushMode.ASYNC)
+    store = store_mod.open_store(cfg, clock=lambda: clock[0])
+    expired = 0
+    try:
+        store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=EXPIRATION_MIN))
+        parent_q = model.QueueId(PARENT, 0)
+        pending: list[model.NewMessage] = []
+        for b, start in enumerate(range(0, topics, BLOCK)):
+            n = min(BLOCK, topics - start)
+            old = b % OLD_EVERY == 0
+            expired += n if old else 0
+            for i in range(n):
+                lite = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+                pending.append(
+                    model.NewMessage(
+                        message_id=f"{seed}-{start + i}",
+                        topic=PARENT,
+                        body=b"x",
+                        queues=(parent_q, model.QueueId.lmq(PARENT, lite)),
+                        lite_topic=lite,
+                        message_type=model.MessageType.LITE,
+                    )
+                )
+            # The clock is read per append call: one call per block keeps old and fresh blocks apart.
+            clock[0] = T0_MS if old else NOW_MS - 5 * 60_000
+            store.append(pending)
+            pending.clear()
+        store.flush()
+    finally:
+        store.close()
+    return expired, time.perf_counter() - started
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topics", type=int, default=10_000_000, help="lite topics over all brokers (10M)")
+    ap.add_argument("--quick", action="store_true", help="100k topics")
+    ap.add_argument("--brokers", type=int, default=2)
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--keep", type=Path, default=None, help="work in this dir and keep it")
+    args = ap.parse_args()
+    topics = 100_000 if args.quick else args.topics
+    work = args.keep or Path(tempfile.mkdtemp(prefix="bench-reclaim-"))
+    work.mkdir(parents=True, exist_ok=True)
+    per_broker = [topics // args.brokers + (1 if i < topics % args.brokers else 0) for i in range(args.brokers)]
+    print(f"setup: {topics} lite topics over {args.brokers} brokers, 1 in {OLD_EVERY} expired; work dir {work}")
+
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.brokers) as pool:
+        results = list(
+            pool.map(generate, [work / f"broker-{i}" for i in range(args.brokers)], per_broker, range(args.brokers))
+        )
+    gen_s = time.perf_counter() - started
+    expired = sum(r[0] for r in results)
+    print(f"generation: {gen_s:.1f} s ({topics / gen_s:,.0f} topics/s over {args.brokers} processes; not counted)")
+
+    brokers: list[testing.BrokerProcess] = []
+    try:
+        for i in range(args.brokers):
+            extra = ["--no-bootstrap", "--broker-name", f"broker-{i}", "--flush-mode", "async"]
+            brokers.append(testing.start_broker(work / f"broker-{i}", extra_args=extra, timeout=600))
+        opts = options.parse(
+            [
+                *("--brokers", ",".join(b.admin_endpoint for b in brokers)),
+                *("--now-ms", str(NOW_MS), "--master", args.master, "--local-dir", str(work / "spark")),
+                *("--max-deletes-per-second", "0", "--driver-memory", "2g"),
+                *("--audit-path", str(work / "audit"), "--log-level", "WARNING"),
+            ]
+        )
+        t0 = time.perf_counter()
+        result = job.run(opts)
+        wall = time.perf_counter() - t0
+    finally:
+        for b in brokers:
+            b.stop()
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+    total = result.total
+    t = result.timings_s
+    print(report.render_table(result))
+    print(f"topics scanned: {total.scanned} (expected {topics}); expired: {total.expired} (expected {expired})")
+    print(f"reclaimed: {total.reclaimed}; errors: {total.errors}")
+    print(
+        f"reclaim wall (scan + reclaim, Spark start included): {wall:.1f} s  goal <= {GOAL_S:.0f} s  "
+        f"ratio {wall / GOAL_S:.2f}x of goal"
+    )
+    print(
+        f"split: plan {t.get('plan', 0):.1f} s | spark start {t.get('spark_start', 0):.1f} s | "
+        f"scan+decide {t.get('scan+decide', 0):.1f} s (scan task-s {t.get('scan_busy_s', 0):.1f}) | "
+        f"delete {t.get('delete', 0):.1f} s (delete call task-s {t.get('delete_busy_s', 0):.1f}) | "
+        f"audit {t.get('audit', 0):.1f} s"
+    )
+    scan_s = t.get("scan+decide", 0) or 1e-9
+    delete_s = t.get("delete", 0) or 1e-9
+    print(
+        f"rates: scan+decide {total.scanned / scan_s:,.0f} topics/s | delete {total.reclaimed / delete_s:,.0f} topics/s"
+    )
+    ok = total.scanned == topics and total.expired == expired and total.reclaimed == expired and total.errors == 0
+    print("result: " + ("OK" if ok else "MISMATCH"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
