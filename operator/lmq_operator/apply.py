@@ -15,12 +15,14 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 import grpc
 import grpc.aio
 import kubernetes
 
+from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as pb_grpc
 from lmq_operator import diff, model, settings
@@ -128,15 +130,24 @@ def _from_pb_quota(q: pb.Quota) -> model.QuotaConfig:
 class GrpcAdmin:
     """``BrokerAdmin`` over the broker's LmqAdmin service (proto/lmq/admin/v1/admin.proto)."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float,
+        keys: tuple[str, str] | None = None,
+        clock: Callable[[], datetime] = datetime.now,
+    ) -> None:
         self.endpoint = endpoint
         self._timeout_s = timeout_s
+        self._keys = keys  # (access key, secret key): brokers that check MQv2-HMAC-SHA1 guard admin calls too
+        self._clock = clock
         self._channel = grpc.aio.insecure_channel(endpoint)
         self._stub = pb_grpc.LmqAdminStub(self._channel)
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self._timeout_s)
+            metadata = auth.sign_metadata(*self._keys, self._clock()) if self._keys else None
+            return await method(request, timeout=self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             failure = model.Failure.UNAVAILABLE if exc.code() in _RETRYABLE else model.Failure.REJECTED
             detail = exc.details() or exc.code().name

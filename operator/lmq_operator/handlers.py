@@ -65,7 +65,7 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     else:
 
         def factory(endpoint: str) -> apply.BrokerAdmin:
-            return apply.GrpcAdmin(endpoint, conf.admin_timeout_s)
+            return apply.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys)
 
     pool = apply.AdminPool(factory)
     memo.lmq = Context(conf, pool, apply.Fleet(conf, pool))

@@ -37,6 +37,7 @@ class Settings:
     discovery_ttl_s: float = DEFAULT_DISCOVERY_TTL_S
     admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S
     retry_delay_s: float = DEFAULT_RETRY_DELAY_S
+    admin_keys: tuple[str, str] | None = None  # signs admin calls for brokers started with access keys
 
     @property
     def needs_kubernetes_client(self) -> bool:
@@ -83,6 +84,10 @@ def from_env(env: Mapping[str, str]) -> Settings:
     if (service or statefulset) and broker_ns is None:
         raise SettingsError("LMQ_OPERATOR_BROKER_NAMESPACE is required with a broker Service or StatefulSet")
     liveness = env.get("LMQ_OPERATOR_LIVENESS_ENDPOINT", DEFAULT_LIVENESS).strip() or None
+    access_key = env.get("LMQ_OPERATOR_ACCESS_KEY", "").strip()
+    secret_key = env.get("LMQ_OPERATOR_SECRET_KEY", "").strip()
+    if bool(access_key) != bool(secret_key):
+        raise SettingsError("set both LMQ_OPERATOR_ACCESS_KEY and LMQ_OPERATOR_SECRET_KEY, or neither")
     return Settings(
         namespace=env.get("LMQ_OPERATOR_NAMESPACE", "").strip() or None,
         brokers=brokers,
@@ -96,6 +101,7 @@ def from_env(env: Mapping[str, str]) -> Settings:
         discovery_ttl_s=_float(env, "LMQ_OPERATOR_DISCOVERY_SECONDS", DEFAULT_DISCOVERY_TTL_S),
         admin_timeout_s=_float(env, "LMQ_OPERATOR_ADMIN_TIMEOUT_SECONDS", DEFAULT_ADMIN_TIMEOUT_S),
         retry_delay_s=_float(env, "LMQ_OPERATOR_RETRY_SECONDS", DEFAULT_RETRY_DELAY_S),
+        admin_keys=(access_key, secret_key) if access_key else None,
     )
 
 

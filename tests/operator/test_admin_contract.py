@@ -98,3 +98,24 @@ def test_unreachable_broker_is_unavailable() -> None:
             await grpc_admin.close()
 
     run(scenario())
+
+
+def test_signed_admin_calls_reach_a_broker_that_checks_keys(start_broker: Callable[..., Any]) -> None:
+    broker = start_broker("secured", extra=("--access-key", "ak", "--secret-key", "sk"))
+
+    async def scenario() -> None:
+        signed = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "sk"))
+        unsigned = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)
+        wrong = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "nope"))
+        try:
+            assert await signed.put(TOPIC) is True
+            for admin in (unsigned, wrong):
+                with pytest.raises(apply.AdminError) as info:
+                    await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key)
+                assert info.value.failure is model.Failure.REJECTED
+                assert info.value.message.startswith("UNAUTHENTICATED")
+        finally:
+            for admin in (signed, unsigned, wrong):
+                await admin.close()
+
+    run(scenario())

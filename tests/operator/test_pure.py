@@ -285,9 +285,22 @@ def test_settings_service_discovery_needs_a_namespace() -> None:
     assert (conf.broker_service, conf.broker_statefulset, conf.namespace) == ("lmq-broker", "lmq-broker", "apps")
 
 
+def test_settings_admin_keys_come_in_pairs() -> None:
+    conf = settings.from_env(
+        {"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_ACCESS_KEY": "ak", "LMQ_OPERATOR_SECRET_KEY": "sk"}
+    )
+    assert conf.admin_keys == ("ak", "sk")
+    assert settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1"}).admin_keys is None
+
+
 @pytest.mark.parametrize(
     "env",
-    [{}, {"LMQ_OPERATOR_BROKERS": "nohost"}, {"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_RESYNC_SECONDS": "-1"}],
+    [
+        {},
+        {"LMQ_OPERATOR_BROKERS": "nohost"},
+        {"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_RESYNC_SECONDS": "-1"},
+        {"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_ACCESS_KEY": "ak"},
+    ],
 )
 def test_settings_errors_are_readable(env: dict[str, str]) -> None:
     with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_"):
