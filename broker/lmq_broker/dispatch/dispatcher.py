@@ -29,7 +29,7 @@ from typing import Final, ParamSpec, TypeVar
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import api, catalog, leases, offsets, quotas, readyset, registry, snapshot
+from lmq_broker.dispatch import api, appender, catalog, leases, offsets, quotas, readyset, registry, snapshot
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class Dispatcher:
         self._buckets: dict[str, catalog.TokenBucket] = {}
         self._rr = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._appender: appender.Appender | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._next_housekeeping = 0
@@ -118,6 +119,7 @@ class Dispatcher:
     # --- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._appender = appender.Appender(self.store, self._loop)
         await self.metadata()
         self._next_housekeeping = self.clock() + HOUSEKEEPING_INTERVAL_MS
         self._arm(self._next_housekeeping)
@@ -140,6 +142,8 @@ class Dispatcher:
                 await task
         for event in [*self._client_events.values(), *self._topic_events.values()]:
             event.set()
+        if self._appender is not None:
+            await asyncio.to_thread(self._appender.close)
         if self._own_executor:
             self._executor.shutdown(wait=True)
 
@@ -426,7 +430,8 @@ class Dispatcher:
         check = quotas.lite_topic_check(self.store, snap, messages)
         if check is not None:
             await self.run(check)
-        results = await self.run(self.store.append, messages)
+        assert self._appender is not None, "Dispatcher.start() was not awaited"
+        results = await self._appender.append(messages)
         self.notify_appended(results)
         return results
 
