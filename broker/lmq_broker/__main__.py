@@ -29,6 +29,7 @@ from lmq_broker import app
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
 
 READY_LINE: Final = "lmq-broker ready"
+SWITCH_INTERVAL_S: Final = 0.0005
 
 HELP: Final[dict[str, str]] = {
     "data_dir": "directory of the commit log and index (created if missing)",
@@ -132,9 +133,9 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> BrokerC
 
 
 async def serve(config: BrokerConfig) -> None:
-    # Store calls run on worker threads; with the default 5 ms GIL switch interval every hand-back to the
-    # event loop can wait up to 5 ms behind a busy thread, which dominated send latency.
-    sys.setswitchinterval(float(os.environ.get("LMQ_SWITCH_INTERVAL_S", "0.0005")))
+    # Store calls run on worker threads; with the default 5 ms GIL switch interval a hand-back to the
+    # event loop can wait up to 5 ms behind a busy thread.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     broker = app.Broker(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
