@@ -96,6 +96,24 @@ class CommitLog:
         s = self._segments.get(seq)
         return None if s is None else s.read(position, size)
 
+    def read_entries(self, entries: list[tuple[int, int, int, int, int]]) -> list[bytes | None]:
+        """The records of index entries ``(offset, segment, position, size, store_ms)``: one pread each."""
+        segments = self._segments
+        pread = os.pread
+        out: list[bytes | None] = []
+        for _, seq, position, size, _ in entries:
+            s = segments.get(seq)
+            if s is None:
+                out.append(None)
+                continue
+            data = pread(s.fd, size, position)
+            if len(data) != size:
+                raise errors.CorruptRecord(
+                    "short read: record beyond the end of its segment", segment=seq, position=position
+                )
+            out.append(data)
+        return out
+
     def scan(self, seq: int, position: int) -> Iterator[tuple[int, codec.Frame]]:
         """(segment, frame) for every record from (seq, position) to the end of the log.
 

@@ -167,10 +167,17 @@ class Index:
         unpack_head = keys.RUN_HEAD.unpack_from
         unpack_entry = keys.RUN_ENTRY.unpack_from
         head, step, tail = keys.RUN_HEAD.size, keys.RUN_ENTRY.size, len(prefix)
+        single = head + step
+        unpack_single = keys.RUN_SINGLE.unpack
         for key, value in self._db.items(from_key=seek, read_opt=ro):
             first = unpack_first(key, tail)[0]  # type: ignore[arg-type]  # raw mode: keys are bytes
             if first >= end:
                 break
+            if len(value) == single:  # a run of one entry: the common case of a lite topic
+                seg, store_ms, pos, size = unpack_single(value)
+                if first >= start:
+                    out.append((first, seg, pos, size, store_ms))
+                continue
             seg, store_ms = unpack_head(value)
             n = (len(value) - head) // step
             for i in range(max(0, start - first), min(n, end - first)):

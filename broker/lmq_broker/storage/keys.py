@@ -67,6 +67,7 @@ U32: Final = struct.Struct("<I")
 U64: Final = struct.Struct("<Q")
 RUN_HEAD: Final = struct.Struct("<IQ")  # segment, store_ms
 RUN_ENTRY: Final = struct.Struct("<II")  # position, size
+RUN_SINGLE: Final = struct.Struct("<IQII")  # a run of one entry, unpacked in one call
 STATE_VALUE: Final = struct.Struct("<QQ")  # min, next
 LITE_VALUE: Final = struct.Struct("<QQQQQ")  # created, last_store, last_consume, min, next
 SEGMENT_VALUE: Final = struct.Struct("<QQ")  # first_store_ms, last_store_ms
@@ -83,25 +84,13 @@ class QueueName:
     record: bytes  # how the record names it: u8 len | topic | u16 queue (little-endian)
     parent: str | None  # set for an LMQ
     lite: str | None
+    state_key: bytes  # where min/next live: the lite-topic record for an LMQ, ``S qkey`` otherwise
+    entry_prefix: bytes  # E qkey
+    offset_prefix: bytes  # O qkey
 
     @property
     def is_lmq(self) -> bool:
         return self.parent is not None
-
-    @property
-    def state_key(self) -> bytes:
-        """Where min/next live: the lite-topic record for an LMQ, ``S qkey`` otherwise."""
-        if self.parent is not None and self.lite is not None:
-            return lite_key(self.parent, self.lite)
-        return STATE + self.qkey
-
-    @property
-    def entry_prefix(self) -> bytes:
-        return ENTRY + self.qkey
-
-    @property
-    def offset_prefix(self) -> bytes:
-        return OFFSET + self.qkey
 
 
 @functools.lru_cache(maxsize=1024)
@@ -133,13 +122,17 @@ def parse_queue(topic: str, queue: int) -> QueueName:
     raw = topic.encode()
     if len(raw) > MAX_QUEUE_NAME_BYTES:
         raise errors.InvalidName(f"queue name longer than {MAX_QUEUE_NAME_BYTES} bytes", topic=topic)
+    qkey = raw + b"\x00" + U16BE.pack(queue)
     return QueueName(
         topic=topic,
         queue=queue,
-        qkey=raw + b"\x00" + U16BE.pack(queue),
+        qkey=qkey,
         record=bytes((len(raw),)) + raw + struct.pack("<H", queue),
         parent=lmq_parent,
         lite=lmq_lite,
+        state_key=STATE + qkey if lmq_parent is None or lmq_lite is None else lite_key(lmq_parent, lmq_lite),
+        entry_prefix=ENTRY + qkey,
+        offset_prefix=OFFSET + qkey,
     )
 
 

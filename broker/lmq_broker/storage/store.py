@@ -137,6 +137,7 @@ class LmqStore:
         self._resolve = self._names.queue
         self._write_lock = threading.Lock()
         self._queue_lock = threading.Lock()
+        self._retention_lock = threading.Lock()  # one retention pass at a time (it runs mostly unlocked)
         self._queue: list[_Request] = []
         self._closed = False
         self._failed: str | None = None
@@ -208,12 +209,13 @@ class LmqStore:
         end = min(st.next, start + max_count)
         if start >= end:
             return []
-        out: list[model.StoredMessage] = []
-        for off, seg, pos, size, _ in self._index.entries(name, start, end - start):
-            buf = self._log.read(seg, pos, size)
-            if buf is not None:  # None: the segment was dropped by retention after the lookup
-                out.append(codec.decode_message(buf, queue, off))
-        return out
+        entries = self._index.entries(name, start, end - start)
+        decode = codec.decode_message
+        return [
+            decode(buf, queue, entry[0])
+            for entry, buf in zip(entries, self._log.read_entries(entries), strict=True)
+            if buf is not None  # None: the segment was dropped by retention after the lookup
+        ]
 
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
         self._check_open()
@@ -353,6 +355,10 @@ class LmqStore:
 
     def apply_retention(self) -> api.RetentionReport:
         self._check_open()
+        with self._retention_lock:
+            return self._apply_retention()
+
+    def _apply_retention(self) -> api.RetentionReport:
         with self._write_lock:
             self._check_writable()
             self._log.reap()  # descriptors of segments dropped by the previous pass
