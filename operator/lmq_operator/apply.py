@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -25,7 +25,8 @@ import kubernetes
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as pb_grpc
-from lmq_operator import diff, model, settings
+from lmq_operator import desired, diff, model, settings, status
+from lmq_operator.admins import AdminError, BrokerAdmin
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +43,6 @@ _RETRYABLE = frozenset(
 _ORDINAL = re.compile(r"-(\d+)$")
 _MODEL_TO_PB = {"Shared": pb.SHARED, "Exclusive": pb.EXCLUSIVE}
 _PB_TO_MODEL: dict[int, Any] = {pb.SHARED: "Shared", pb.EXCLUSIVE: "Exclusive"}
-
-
-class AdminError(Exception):
-    def __init__(self, failure: model.Failure, message: str) -> None:
-        super().__init__(message)
-        self.failure = failure
-        self.message = message
-
-
-class BrokerAdmin(Protocol):
-    """The admin calls the operator makes on one broker; the gRPC twin is ``GrpcAdmin``."""
-
-    async def get(self, kind: model.Kind, key: str) -> model.Observed | None: ...
-    async def put(self, config: model.Config) -> bool: ...
-    async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool: ...
-    async def undrained_messages(self) -> int: ...
-    async def close(self) -> None: ...
 
 
 # ---- gRPC ---------------------------------------------------------------------------------------------
@@ -291,6 +275,106 @@ async def delete(
     return list(await asyncio.gather(*(one(b, k) for b, k in diff.plan_delete(list(brokers), key))))
 
 
+# ---- one resource, end to end -------------------------------------------------------------------------
+
+_WRITE_EVENT = {
+    ("create", "missing"): "Created",
+    ("create", "differs"): "Adopted",
+    ("update", "missing"): "Updated",
+    ("update", "differs"): "Updated",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # "Normal" | "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a reconcile decided: the new status, Events to post, and whether a retry can fix what is left."""
+
+    status: dict[str, Any]
+    events: tuple[Event, ...] = ()
+    retry: bool = False
+    repaired: int = 0  # broker copies a resync re-created or overwrote
+    brokers: int | None = None
+
+
+async def reconcile(
+    pool: AdminPool,
+    fleet: Fleet,
+    kind: model.Kind,
+    *,
+    trigger: str,
+    body: Mapping[str, Any],
+    claims: Mapping[str, Iterable[model.Claimant]],
+    now: datetime,
+) -> Outcome:
+    meta = body["metadata"]
+    previous: Mapping[str, Any] = dict(body.get("status") or {})
+    generation = int(meta.get("generation") or 0)
+    wanted = desired.gate(kind, meta, body.get("spec") or {}, claims)
+    if isinstance(wanted, desired.Blocked):
+        key = (kind, wanted.key) if wanted.key is not None else None
+        new = status.blocked(wanted.reason, wanted.message, generation=generation, previous=previous, now=now, key=key)
+        return Outcome(new, _transition_events(previous, new))
+    view = await fleet.view()
+    _, syncs = await sync(pool, wanted, kind, view.targets)
+    new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
+    if kind is model.Kind.PARENT_TOPIC:
+        status.with_condition(new, status.drained(view.leaving, previous, now))
+    events = list(_transition_events(previous, new))
+    writes = [s for s in syncs if s.synced and s.change != "none"]
+    reason = _WRITE_EVENT.get((trigger, writes[0].change), "DriftRepaired") if writes else ""
+    if writes:
+        names = ", ".join(f"{s.broker.name} ({s.change})" for s in writes)
+        events.insert(0, Event("Normal", reason, f"{kind.value} {wanted.key!r} applied on {names}"))
+    retry = not syncs or any(not s.synced for s in syncs)
+    repaired = len(writes) if reason == "DriftRepaired" else 0
+    return Outcome(new, tuple(events), retry, repaired, len(view.targets))
+
+
+def _transition_events(previous: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[Event, ...]:
+    before, after = status.ready_of(previous), status.ready_of(new)
+    if after is None or after == before:
+        return ()
+    cond = next(c for c in new["conditions"] if c["type"] == status.READY)
+    return (Event("Warning" if after[0] == "False" else "Normal", after[1], str(cond["message"])),)
+
+
+async def remove(
+    pool: AdminPool,
+    fleet: Fleet,
+    kind: model.Kind,
+    body: Mapping[str, Any],
+    claims: Mapping[str, Iterable[model.Claimant]],
+) -> Outcome:
+    """Delete the broker copies unless the resource says to keep them; ``retry`` keeps the finalizer."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    wanted = desired.gate(kind, meta, spec, claims)
+    if isinstance(wanted, desired.Blocked):
+        if wanted.reason is status.Reason.INVALID:
+            return Outcome({})  # it never reached a broker
+        what = wanted.key or desired.broker_key(kind, str(meta["name"]), spec)
+        return Outcome({}, (Event("Normal", "Retained", f"{kind.value} {what!r} left on brokers: {wanted.message}"),))
+    if isinstance(wanted, model.TopicConfig) and spec.get("deletionPolicy") == "retain":
+        text = f"{kind.value} {wanted.key!r} left on brokers (deletionPolicy: retain)"
+        return Outcome({}, (Event("Normal", "Retained", text),))
+    view = await fleet.view()
+    if view.error is not None:
+        return Outcome({}, (), retry=True, brokers=len(view.targets))
+    failed = [(b, e) for b, e in await delete(pool, kind, wanted.key, view.targets, True) if e]
+    if failed:
+        detail = "; ".join(f"{b.name}: {e}" for b, e in failed)
+        text = f"{kind.value} {wanted.key!r} not deleted on {detail}"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text),), retry=True)
+    text = f"{kind.value} {wanted.key!r} deleted on {len(view.targets)} brokers"
+    return Outcome({}, (Event("Normal", "Deleted", text),), brokers=len(view.targets))
+
+
 # ---- finding brokers ----------------------------------------------------------------------------------
 
 
@@ -416,60 +500,3 @@ class Fleet:
             with contextlib.suppress(Exception):
                 self._kube.close()
         await self._pool.close()
-
-
-class MemoryAdmin:
-    """``BrokerAdmin``'s in-memory twin: one dict per kind, figures always zero. For handler-flow tests
-    without a broker process; the contract suite runs the same checks against ``GrpcAdmin`` and a real broker.
-    ``down`` makes every call fail as an unreachable broker would."""
-
-    def __init__(self, endpoint: str = "memory") -> None:
-        self.endpoint = endpoint
-        self.objects: dict[model.Kind, dict[str, model.Config]] = {k: {} for k in model.Kind}
-        self.undrained = 0
-        self.down = False
-        self.calls: list[tuple[str, str]] = []
-
-    def _check(self, verb: str, key: str) -> None:
-        self.calls.append((verb, key))
-        if self.down:
-            raise AdminError(model.Failure.UNAVAILABLE, f"UNAVAILABLE: {self.endpoint} is down")
-
-    async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
-        self._check("get", key)
-        found = self.objects[kind].get(key)
-        if found is None:
-            return None
-        figures = {
-            model.Kind.PARENT_TOPIC: (("liteTopicCount", 0),),
-            model.Kind.LITE_GROUP: (("subscriptionCount", 0), ("clientCount", 0), ("lag", 0)),
-            model.Kind.LITE_QUOTA: (),
-        }[kind]
-        return model.Observed(found, figures)
-
-    async def put(self, config: model.Config) -> bool:
-        self._check("put", config.key)
-        kind = _KIND_OF[type(config)]
-        if isinstance(config, model.GroupConfig) and config.bind_topic not in self.objects[model.Kind.PARENT_TOPIC]:
-            raise AdminError(model.Failure.REJECTED, f"NOT_FOUND: parent topic {config.bind_topic!r} not found")
-        created = config.key not in self.objects[kind]
-        self.objects[kind][config.key] = config
-        return created
-
-    async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool:
-        self._check("delete", key)
-        return self.objects[kind].pop(key, None) is not None
-
-    async def undrained_messages(self) -> int:
-        self._check("info", "")
-        return self.undrained
-
-    async def close(self) -> None:
-        return None
-
-
-_KIND_OF: dict[type, model.Kind] = {
-    model.TopicConfig: model.Kind.PARENT_TOPIC,
-    model.GroupConfig: model.Kind.LITE_GROUP,
-    model.QuotaConfig: model.Kind.LITE_QUOTA,
-}

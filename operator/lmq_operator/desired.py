@@ -12,7 +12,7 @@ from typing import Any
 
 import pydantic
 
-from lmq_operator import model
+from lmq_operator import model, status
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +105,37 @@ def conflicting_owner(uid: str, claimants: Iterable[model.Claimant]) -> model.Cl
     """The resource that owns the name instead of ``uid``; None when ``uid`` owns it or nobody else claims it."""
     first = owner(claimants)
     return None if first is None or first.uid == uid else first
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """The operator must not touch brokers for this resource; ``key`` is the broker-side name when known."""
+
+    reason: status.Reason
+    message: str
+    key: str | None = None
+
+
+def gate(
+    kind: model.Kind,
+    meta: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    claims: Mapping[str, Iterable[model.Claimant]],
+) -> model.Config | Blocked:
+    """What to apply, or why nothing may be applied: annotations first, then validity, then ownership."""
+    current = mode(meta.get("annotations") or {})
+    if current is model.Mode.UNMANAGED:
+        return Blocked(
+            status.Reason.UNMANAGED, f"{model.ANNOTATION_MANAGED}=false: brokers are neither changed nor cleaned up"
+        )
+    if current is model.Mode.PAUSED:
+        text = f"{model.ANNOTATION_PAUSED}=true: changes are not applied until the annotation is removed"
+        return Blocked(status.Reason.RECONCILIATION_PAUSED, text)
+    wanted = config(kind, str(meta["name"]), spec)
+    if isinstance(wanted, InvalidSpec):
+        return Blocked(status.Reason.INVALID, wanted.message)
+    owner_ = conflicting_owner(str(meta["uid"]), claims.get(wanted.key, ()))
+    if owner_ is not None:
+        text = f"{kind.value} {owner_.ref} already manages {status.KEY_FIELD[kind]} {wanted.key!r}"
+        return Blocked(status.Reason.RESOURCE_CONFLICT, text, wanted.key)
+    return wanted

@@ -13,14 +13,13 @@ import logging
 import os
 import random
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
-from lmq_operator import apply, desired, metrics, model, settings, status
+from lmq_operator import admins, apply, desired, metrics, model, settings, status
 
 _RESYNC_S = settings.resync_seconds(os.environ)
 
@@ -64,7 +63,7 @@ async def configure(memo: Any, **kwargs: Any) -> None:
         factory: apply.AdminFactory = memo.admin_factory
     else:
 
-        def factory(endpoint: str) -> apply.BrokerAdmin:
+        def factory(endpoint: str) -> admins.BrokerAdmin:
             return apply.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys)
 
     pool = apply.AdminPool(factory)
@@ -110,95 +109,34 @@ def litequotas_claims(name: str, namespace: str | None, spec: Any, meta: Any, ui
 
 # ---- reconcile ----------------------------------------------------------------------------------------
 
-_WRITE_EVENT = {
-    ("create", "missing"): "Created",
-    ("create", "differs"): "Adopted",
-    ("update", "missing"): "Updated",
-    ("update", "differs"): "Updated",
-}
 
-
-def _write_event(trigger: str, change: str) -> str:
-    return _WRITE_EVENT.get((trigger, change), "DriftRepaired")
+def _post(body: Any, events: tuple[apply.Event, ...]) -> None:
+    for event in events:
+        post = kopf.warn if event.type == "Warning" else kopf.info
+        post(body, reason=event.reason, message=event.message)
 
 
 async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, memo: Any, claims: Any) -> None:
     ctx = _ctx(memo)
-    meta = body["metadata"]
-    async with ctx.lock(meta["uid"]):
+    async with ctx.lock(body["metadata"]["uid"]):
         started = time.monotonic()
         metrics.RECONCILIATIONS.labels(kind.value, trigger).inc()
-        previous: Mapping[str, Any] = dict(body.get("status") or {})
-        generation = int(meta.get("generation") or 0)
-        new, retry = await _outcome(
-            ctx, kind, trigger, body=body, previous=previous, generation=generation, claims=claims
+        previous = dict(body.get("status") or {})
+        outcome = await apply.reconcile(
+            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=claims, now=_now()
         )
-        delta = status.changes(previous, new)
-        for key, value in delta.items():
+        for key, value in status.changes(previous, outcome.status).items():
             patch.status[key] = value
-        before, after = status.ready_of(previous), status.ready_of(new)
-        if after is not None and after != before:
-            cond = next(c for c in new["conditions"] if c["type"] == status.READY)
-            post = kopf.info if after[0] != "False" else kopf.warn
-            post(body, reason=after[1], message=cond["message"])
+        _post(body, outcome.events)
+        if outcome.brokers is not None:
+            metrics.BROKERS.set(outcome.brokers)
+        if outcome.repaired:
+            metrics.DRIFT_REPAIRED.labels(kind.value).inc(outcome.repaired)
         metrics.DURATION.labels(kind.value).observe(time.monotonic() - started)
-    if retry:
+    if outcome.retry:
         metrics.RECONCILIATIONS_FAILED.labels(kind.value, trigger).inc()
         if trigger != "timer":  # the timer retries by itself; change handlers retry sooner than a resync
             raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
-
-
-async def _outcome(
-    ctx: Context,
-    kind: model.Kind,
-    trigger: str,
-    *,
-    body: Any,
-    previous: Mapping[str, Any],
-    generation: int,
-    claims: Any,
-) -> tuple[dict[str, Any], bool]:
-    """The new status, and whether the work is incomplete in a way a retry can fix."""
-    meta, now = body["metadata"], _now()
-    mode = desired.mode(meta.get("annotations") or {})
-    wanted = desired.config(kind, meta["name"], body.get("spec") or {})
-    if mode is model.Mode.UNMANAGED:
-        message = f"{model.ANNOTATION_MANAGED}=false: brokers are neither changed nor cleaned up"
-        return status.blocked(
-            status.Reason.UNMANAGED, message, generation=generation, previous=previous, now=now
-        ), False
-    if mode is model.Mode.PAUSED:
-        message = f"{model.ANNOTATION_PAUSED}=true: changes are not applied until the annotation is removed"
-        return status.blocked(
-            status.Reason.RECONCILIATION_PAUSED, message, generation=generation, previous=previous, now=now
-        ), False
-    if isinstance(wanted, desired.InvalidSpec):
-        return status.blocked(
-            status.Reason.INVALID, wanted.message, generation=generation, previous=previous, now=now
-        ), False
-    owner = desired.conflicting_owner(meta["uid"], claims.get(wanted.key, ()))
-    if owner is not None:
-        message = f"{kind.value} {owner.ref} already manages {status.KEY_FIELD[kind]} {wanted.key!r}"
-        blocked = status.blocked(
-            status.Reason.RESOURCE_CONFLICT, message, generation=generation, previous=previous, now=now
-        )
-        blocked[status.KEY_FIELD[kind]] = wanted.key
-        return blocked, False
-    view = await ctx.fleet.view()
-    metrics.BROKERS.set(len(view.targets))
-    _, syncs = await apply.sync(ctx.pool, wanted, kind, view.targets)
-    new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
-    if kind is model.Kind.PARENT_TOPIC:
-        status.with_condition(new, status.drained(view.leaving, previous, now))
-    writes = [s for s in syncs if s.synced and s.change != "none"]
-    if writes:
-        reason = _write_event(trigger, writes[0].change)
-        if reason == "DriftRepaired":
-            metrics.DRIFT_REPAIRED.labels(kind.value).inc(len(writes))
-        names = ", ".join(f"{s.broker.name} ({s.change})" for s in writes)
-        kopf.info(body, reason=reason, message=f"{kind.value} {wanted.key!r} applied on {names}")
-    retry = not syncs or any(not s.synced and s.failure is model.Failure.UNAVAILABLE for s in syncs)
-    return new, retry
 
 
 def _register(kind: model.Kind) -> None:
@@ -235,36 +173,15 @@ def _register(kind: model.Kind) -> None:
 
 async def _delete(kind: model.Kind, body: Any, memo: Any, claims: Any) -> None:
     ctx = _ctx(memo)
-    meta = body["metadata"]
+    uid = body["metadata"]["uid"]
     metrics.RECONCILIATIONS.labels(kind.value, "delete").inc()
-    mode = desired.mode(meta.get("annotations") or {})
-    wanted = desired.config(kind, meta["name"], body.get("spec") or {})
-    if isinstance(wanted, desired.InvalidSpec):
-        ctx.locks.pop(meta["uid"], None)
-        return  # it never reached a broker
-    keep = None
-    if mode is not model.Mode.MANAGED:
-        keep = f"left on brokers ({mode.value})"
-    elif desired.conflicting_owner(meta["uid"], claims.get(wanted.key, ())) is not None:
-        keep = "left on brokers: it belongs to another resource"
-    elif isinstance(wanted, model.TopicConfig) and (body.get("spec") or {}).get("deletionPolicy") == "retain":
-        keep = "left on brokers (deletionPolicy: retain)"
-    if keep is not None:
-        kopf.info(body, reason="Retained", message=f"{kind.value} {wanted.key!r} {keep}")
-        ctx.locks.pop(meta["uid"], None)
-        return
-    async with ctx.lock(meta["uid"]):
-        view = await ctx.fleet.view()
-        if view.error is not None:
-            raise kopf.TemporaryError(f"broker discovery failed: {view.error}", delay=ctx.conf.retry_delay_s)
-        failed = [(b, e) for b, e in await apply.delete(ctx.pool, kind, wanted.key, view.targets, True) if e]
-    if failed:
+    async with ctx.lock(uid):
+        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, claims)
+    _post(body, outcome.events)
+    if outcome.retry:
         metrics.RECONCILIATIONS_FAILED.labels(kind.value, "delete").inc()
-        detail = "; ".join(f"{b.name}: {e}" for b, e in failed)
-        kopf.warn(body, reason="DeleteFailed", message=f"{kind.value} {wanted.key!r} not deleted on {detail}")
-        raise kopf.TemporaryError(f"delete failed on {detail}", delay=ctx.conf.retry_delay_s)
-    kopf.info(body, reason="Deleted", message=f"{kind.value} {wanted.key!r} deleted on {len(view.targets)} brokers")
-    ctx.locks.pop(meta["uid"], None)
+        raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
+    ctx.locks.pop(uid, None)
 
 
 for _kind in model.Kind:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lmq_operator import apply, desired, model
+from lmq_operator import admins, apply, desired, model
 
 TOPIC = model.TopicConfig("contract-topic", 30, 100)
 
@@ -25,9 +25,9 @@ QUOTA = model.QuotaConfig("parent:contract-topic", 10, 5, -1)
 
 
 @pytest.fixture(params=["grpc", "memory"])
-def admin_factory(request: pytest.FixtureRequest, start_broker: Callable[..., Any]) -> Callable[[], apply.BrokerAdmin]:
+def admin_factory(request: pytest.FixtureRequest, start_broker: Callable[..., Any]) -> Callable[[], admins.BrokerAdmin]:
     if request.param == "memory":
-        return apply.MemoryAdmin
+        return admins.MemoryAdmin
     broker = start_broker("contract")
     return lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)
 
@@ -36,7 +36,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_put_get_delete_round_trip(admin_factory: Callable[[], apply.BrokerAdmin]) -> None:
+def test_put_get_delete_round_trip(admin_factory: Callable[[], admins.BrokerAdmin]) -> None:
     async def scenario() -> None:
         admin = admin_factory()
         try:
@@ -69,11 +69,11 @@ def test_put_get_delete_round_trip(admin_factory: Callable[[], apply.BrokerAdmin
     run(scenario())
 
 
-def test_group_without_its_parent_is_rejected(admin_factory: Callable[[], apply.BrokerAdmin]) -> None:
+def test_group_without_its_parent_is_rejected(admin_factory: Callable[[], admins.BrokerAdmin]) -> None:
     async def scenario() -> None:
         admin = admin_factory()
         try:
-            with pytest.raises(apply.AdminError) as info:
+            with pytest.raises(admins.AdminError) as info:
                 await admin.put(_group("no-such-parent"))
             assert info.value.failure is model.Failure.REJECTED
             assert "not found" in info.value.message
@@ -86,11 +86,11 @@ def test_group_without_its_parent_is_rejected(admin_factory: Callable[[], apply.
 def test_unreachable_broker_is_unavailable() -> None:
     async def scenario() -> None:
         grpc_admin = apply.GrpcAdmin("127.0.0.1:1", timeout_s=1.0)
-        memory = apply.MemoryAdmin()
+        memory = admins.MemoryAdmin()
         memory.down = True
         try:
             for admin in (grpc_admin, memory):
-                with pytest.raises(apply.AdminError) as info:
+                with pytest.raises(admins.AdminError) as info:
                     await admin.get(model.Kind.PARENT_TOPIC, "x")
                 assert info.value.failure is model.Failure.UNAVAILABLE
                 assert info.value.message.startswith("UNAVAILABLE")
@@ -110,7 +110,7 @@ def test_signed_admin_calls_reach_a_broker_that_checks_keys(start_broker: Callab
         try:
             assert await signed.put(TOPIC) is True
             for admin in (unsigned, wrong):
-                with pytest.raises(apply.AdminError) as info:
+                with pytest.raises(admins.AdminError) as info:
                     await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key)
                 assert info.value.failure is model.Failure.REJECTED
                 assert info.value.message.startswith("UNAUTHENTICATED")

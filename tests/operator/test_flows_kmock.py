@@ -16,7 +16,7 @@ import kopf
 import pytest
 import pytest_asyncio
 
-from lmq_operator import apply, handlers, model
+from lmq_operator import admins, handlers, model
 
 NS = "flows"
 PT = "lmq.io/v1alpha1/parenttopics"
@@ -84,13 +84,13 @@ def _object(name: str, spec: dict[str, Any], uid: str, created: str, **annotatio
 
 
 @pytest.fixture
-def brokers() -> dict[str, apply.MemoryAdmin]:
-    return {ep: apply.MemoryAdmin(ep) for ep in ("b0:8081", "b1:8081")}
+def brokers() -> dict[str, admins.MemoryAdmin]:
+    return {ep: admins.MemoryAdmin(ep) for ep in ("b0:8081", "b1:8081")}
 
 
 @pytest_asyncio.fixture
 async def operator(
-    kmock: Any, brokers: dict[str, apply.MemoryAdmin], monkeypatch: pytest.MonkeyPatch
+    kmock: Any, brokers: dict[str, admins.MemoryAdmin], monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Any]:
     _declare(kmock)
     _SERVER.append(str(kmock.url).rstrip("/"))
@@ -119,7 +119,7 @@ def _ready(server: Any, name: str) -> dict[str, Any]:
 
 @pytest.mark.asyncio
 async def test_create_applies_to_every_broker_and_writes_status(
-    operator: Any, brokers: dict[str, apply.MemoryAdmin]
+    operator: Any, brokers: dict[str, admins.MemoryAdmin]
 ) -> None:
     operator.objects[PT, NS, "orders"] = _object(
         "orders", {"liteTopicExpirationMinutes": 30}, "u1", "2026-01-01T00:00:00Z"
@@ -132,7 +132,7 @@ async def test_create_applies_to_every_broker_and_writes_status(
 
 
 @pytest.mark.asyncio
-async def test_a_down_broker_is_reported_and_caught_up(operator: Any, brokers: dict[str, apply.MemoryAdmin]) -> None:
+async def test_a_down_broker_is_reported_and_caught_up(operator: Any, brokers: dict[str, admins.MemoryAdmin]) -> None:
     brokers["b1:8081"].down = True
     operator.objects[PT, NS, "late"] = _object("late", {}, "u2", "2026-01-01T00:00:00Z")
     cond = await eventually(
@@ -145,7 +145,7 @@ async def test_a_down_broker_is_reported_and_caught_up(operator: Any, brokers: d
 
 
 @pytest.mark.asyncio
-async def test_paused_resource_touches_no_broker(operator: Any, brokers: dict[str, apply.MemoryAdmin]) -> None:
+async def test_paused_resource_touches_no_broker(operator: Any, brokers: dict[str, admins.MemoryAdmin]) -> None:
     paused = _object("quiet", {}, "u3", "2026-01-01T00:00:00Z", **{"lmq.io/pause-reconciliation": "true"})
     operator.objects[PT, NS, "quiet"] = paused
     cond = await eventually(lambda: _ready(operator, "quiet"), "a Ready condition")
