@@ -23,13 +23,25 @@ import logging
 import random
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, ParamSpec, TypeVar
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import api, appender, catalog, leases, offsets, quotas, readyset, registry, snapshot
+from lmq_broker.dispatch import (
+    api,
+    appender,
+    catalog,
+    leases,
+    offsets,
+    quotas,
+    readyset,
+    recent,
+    registry,
+    snapshot,
+)
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -38,6 +50,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 HOUSEKEEPING_INTERVAL_MS: Final = 10_000
+COMMITTED_CACHE_SIZE: Final = 100_000
 CATCHUP_CHUNK: Final = 512
 DEFAULT_LEASE_MS: Final = 30_000  # auto-renew receives: RocketMQ renews; we lease once, long enough
 DLQ_PREFIX: Final = catalog.DLQ_PREFIX
@@ -109,6 +122,10 @@ class Dispatcher:
         self._rr = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._appender: appender.Appender | None = None
+        self.recent = recent.RecentMessages()
+        # Commit points of (queue, group) pairs with nothing in flight (their lease state is dropped when
+        # idle), so the next delivery need not read it back: this broker is the only writer of offsets.
+        self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._next_housekeeping = 0
@@ -326,6 +343,7 @@ class Dispatcher:
             raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now")
         for lmq in lmqs:  # in-flight state and its cached commit point are superseded by the reset
             self.leases.forget((lmq, 0, group))
+            self._committed.get(lmq, {}).pop((0, group), None)
         await self.run(offsets.reset, self.store, lmqs, group, option)
 
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
@@ -432,6 +450,7 @@ class Dispatcher:
             await self.run(check)
         assert self._appender is not None, "Dispatcher.start() was not awaited"
         results = await self._appender.append(messages)
+        self.recent.add(messages, results)
         self.notify_appended(results)
         return results
 
@@ -525,17 +544,25 @@ class Dispatcher:
             queue = model.QueueId(key[0], key[1])
             state = self.leases.get(key)
             if state is None:
-                lo, _, committed = await self.run(self._offsets, queue, key[2])
-                state = self.leases.open(key, max(lo, committed if committed is not None else lo), ordered)
+                committed = self._committed.get(key[0], {}).get((key[1], key[2]))
+                if committed is None:
+                    lo, _, stored = await self.run(self._offsets, queue, key[2])
+                    committed = max(lo, stored if stored is not None else lo)
+                state = self.leases.open(key, committed, ordered)
             picks = state.picks(self.clock(), limit)
+            end = self.recent.end((key[0], key[1]))
+            if end is not None:
+                picks = [p for p in picks if p.offset < end]
             if not picks:
                 return []
             first = picks[0].offset
-            messages = await self.run(self.store.read, queue, first, picks[-1].offset - first + 1)
-            if not messages or messages[0].offset > first:
-                lo, _, _ = await self.run(self._offsets, queue, key[2])
-                if lo > state.committed:  # retention dropped what we were about to deliver
-                    state.skip_to(lo)
+            messages = self.recent.window((key[0], key[1]), first, picks[-1].offset)
+            if messages is None:
+                messages = await self.run(self.store.read, queue, first, picks[-1].offset - first + 1)
+                if not messages or messages[0].offset > first:
+                    lo, _, _ = await self.run(self._offsets, queue, key[2])
+                    if lo > state.committed:  # retention dropped what we were about to deliver
+                        state.skip_to(lo)
             by_offset = {m.offset: m for m in messages}
             now = self.clock()
             out: list[Delivery] = []
@@ -635,6 +662,7 @@ class Dispatcher:
                 if target > counters[1]:
                     hi = await self.run(self._commit_and_max, queue, key[2], target)
                     counters[1] = target
+                    self._remember_commit(key, target)
                 else:
                     hi = (await self.run(self.store.queue_offsets, queue))[1]
                 return hi
@@ -642,6 +670,16 @@ class Dispatcher:
             counters[0] -= 1
             if counters[0] == 0:
                 del self._commit_locks[key]
+
+    def _remember_commit(self, key: Key, offset: int) -> None:
+        per_topic = self._committed.get(key[0])
+        if per_topic is None:
+            per_topic = self._committed[key[0]] = {}
+        else:
+            self._committed.move_to_end(key[0])
+        per_topic[(key[1], key[2])] = offset
+        if len(self._committed) > COMMITTED_CACHE_SIZE:
+            self._committed.popitem(last=False)
 
     def _commit_and_max(self, queue: model.QueueId, group: str, offset: int) -> int:
         self.store.commit_offset(queue, group, offset)
@@ -746,6 +784,8 @@ class Dispatcher:
         holders = self.registry.forget_lmq(lmq.topic)
         self.ready.discard(lmq.topic, holders)
         self.leases.drop_topic(lmq.topic)
+        self.recent.forget((lmq.topic, lmq.queue))
+        self._committed.pop(lmq.topic, None)
 
     # --- introspection for metrics ----------------------------------------------------------------------
     def ready_events(self) -> int:

@@ -1,0 +1,92 @@
+"""Messages appended lately, so that handing out a message right after it arrived needs no store read.
+
+Every append of this broker goes through the dispatcher, so it knows, for each queue it appended to, the
+next offset and the messages themselves. A delivery whose picks are all covered here skips the thread-pool
+hop and the store read (the common case: a consumer parked in a long poll gets the message that just
+woke it). The store stays the truth: anything not covered is read from it. Bounded by body bytes and by
+the number of queues tracked; entries are the sent values plus their offset, turned into
+``StoredMessage`` only when delivered.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Final
+
+from lmq_broker import model
+
+DEFAULT_MAX_BYTES: Final = 32 * 1024 * 1024
+DEFAULT_MAX_QUEUES: Final = 100_000
+
+QueueKey = tuple[str, int]
+_Entry = tuple[model.NewMessage, model.QueueId, int]  # message, queue, store timestamp
+
+
+class RecentMessages:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_queues: int = DEFAULT_MAX_QUEUES) -> None:
+        self.max_bytes = max_bytes
+        self.max_queues = max_queues
+        self._messages: OrderedDict[tuple[str, int, int], _Entry] = OrderedDict()
+        self._ends: OrderedDict[QueueKey, int] = OrderedDict()
+        self._bytes = 0
+
+    def add(self, messages: Sequence[model.NewMessage], results: Sequence[model.AppendResult]) -> None:
+        for message, result in zip(messages, results, strict=True):
+            for queue, offset in result.offsets.items():
+                if message.lite_topic is not None and not queue.is_lmq:
+                    continue  # a lite message's parent-queue entry is never consumed
+                qkey = (queue.topic, queue.queue)
+                self._ends[qkey] = offset + 1
+                self._ends.move_to_end(qkey)
+                key = (queue.topic, queue.queue, offset)
+                replaced = self._messages.pop(key, None)  # a deleted-and-recreated queue reuses offsets
+                if replaced is not None:
+                    self._bytes -= len(replaced[0].body)
+                self._messages[key] = (message, queue, result.store_timestamp_ms)
+                self._bytes += len(message.body)
+        while self._bytes > self.max_bytes and self._messages:
+            _, (message, _, _) = self._messages.popitem(last=False)
+            self._bytes -= len(message.body)
+        while len(self._ends) > self.max_queues:
+            self._ends.popitem(last=False)
+
+    def end(self, queue: QueueKey) -> int | None:
+        """The queue's next offset if this broker appended to it lately (None: ask the store)."""
+        return self._ends.get(queue)
+
+    def window(self, queue: QueueKey, first: int, last: int) -> list[model.StoredMessage] | None:
+        """Messages ``first..last`` that exist (the queue may end sooner), or None if any is not cached."""
+        end = self._ends.get(queue)
+        if end is None:
+            return None
+        out = []
+        for offset in range(first, min(last + 1, end)):
+            entry = self._messages.get((queue[0], queue[1], offset))
+            if entry is None:
+                return None
+            message, qid, stored_ms = entry
+            out.append(
+                model.StoredMessage(
+                    queue=qid,
+                    offset=offset,
+                    message_id=message.message_id,
+                    topic=message.topic,
+                    body=message.body,
+                    store_timestamp_ms=stored_ms,
+                    born_timestamp_ms=message.born_timestamp_ms,
+                    lite_topic=message.lite_topic,
+                    message_type=message.message_type,
+                    born_host=message.born_host,
+                    tag=message.tag,
+                    keys=message.keys,
+                    message_group=message.message_group,
+                    user_properties=message.user_properties,
+                )
+            )
+        return out
+
+    def forget(self, queue: QueueKey) -> None:
+        """The queue was deleted. Without its end, ``window`` answers None for it; its cached messages age
+        out, and any offset appended again overwrites the old entry before the new end covers it."""
+        self._ends.pop(queue, None)

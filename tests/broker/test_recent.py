@@ -1,0 +1,57 @@
+"""Recently appended messages: a window is served only when every offset in it is known."""
+
+from __future__ import annotations
+
+from lmq_broker import model
+from lmq_broker.dispatch.recent import RecentMessages
+from lmq_broker.dispatch.testing import lite_message
+
+LMQ = model.QueueId.lmq("P", "t")
+KEY = (LMQ.topic, 0)
+
+
+def appended(recent: RecentMessages, offsets: range, body: bytes = b"x") -> None:
+    messages = [lite_message("t", body, message_id=f"m{o}") for o in offsets]
+    results = [model.AppendResult(f"m{o}", {model.QueueId("P", 0): o, LMQ: o}, 1000 + o) for o in offsets]
+    recent.add(messages, results)
+
+
+def test_window_is_served_from_memory_up_to_the_queue_end() -> None:
+    recent = RecentMessages()
+    appended(recent, range(3))
+    assert recent.end(KEY) == 3
+    window = recent.window(KEY, 1, 10)
+    assert window is not None
+    assert [(m.offset, m.message_id, m.store_timestamp_ms, m.queue) for m in window] == [
+        (1, "m1", 1001, LMQ),
+        (2, "m2", 1002, LMQ),
+    ]
+    assert recent.end(("P", 0)) is None  # a lite message's parent-queue entry is not kept
+
+
+def test_unknown_queue_or_evicted_offset_means_ask_the_store() -> None:
+    recent = RecentMessages(max_bytes=10)
+    assert recent.window(KEY, 0, 1) is None
+    appended(recent, range(4), body=b"abcd")  # 16 bytes > 10: the oldest are evicted
+    assert recent.window(KEY, 0, 3) is None
+    tail = recent.window(KEY, 2, 3)
+    assert tail is not None and [m.offset for m in tail] == [2, 3]
+
+
+def test_forgotten_queue_is_not_served_until_appended_again() -> None:
+    recent = RecentMessages()
+    appended(recent, range(2))
+    recent.forget(KEY)
+    assert recent.window(KEY, 0, 1) is None
+    appended(recent, range(1), body=b"new")  # re-created: offsets restart
+    window = recent.window(KEY, 0, 5)
+    assert window is not None and [m.body for m in window] == [b"new"]
+
+
+def test_queue_count_is_bounded() -> None:
+    recent = RecentMessages(max_queues=2)
+    for name in ("a", "b", "c"):
+        q = model.QueueId.lmq("P", name)
+        recent.add([lite_message(name)], [model.AppendResult("m", {q: 0}, 1)])
+    assert recent.end((model.QueueId.lmq("P", "a").topic, 0)) is None
+    assert recent.end((model.QueueId.lmq("P", "c").topic, 0)) == 1
