@@ -10,6 +10,7 @@ are noisy: every figure is the median of several timed runs (the best run is pri
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -34,8 +35,8 @@ def messages(n: int, start: int) -> list[model.NewMessage]:
     return [model.NewMessage(f"m{start + i}", "Bench", BODY, (PARENT,)) for i in range(n)]
 
 
-def run_once(root: Path, mode: config.FlushMode, total: int, batch: int, threads: int) -> tuple[float, int]:
-    """Messages per second of ``total`` messages appended in batches by ``threads`` threads; and fsyncs."""
+def run_once(root: Path, mode: config.FlushMode, total: int, batch: int, threads: int) -> tuple[float, int, float]:
+    """Messages per second of ``total`` messages appended in batches by ``threads`` threads; fsyncs; CPU us/msg."""
     data = root / f"{mode}-{time.monotonic_ns()}"
     store = store_mod.open_store(config.StoreConfig(data_dir=data, flush_mode=mode))
     per_thread = total // threads
@@ -48,21 +49,22 @@ def run_once(root: Path, mode: config.FlushMode, total: int, batch: int, threads
             store.append(b)
 
     workers = [threading.Thread(target=work) for _ in range(threads)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     store.flush()  # async: the data is durable at the end of the measured interval too
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     fsyncs = store.fsync_count - fsyncs
     store.close()
     shutil.rmtree(data)
-    return len(batches) * batch * threads / elapsed, fsyncs
+    n = len(batches) * batch * threads
+    return n / elapsed, fsyncs, cpu / n * 1e6
 
 
 def measure(root: Path, mode: config.FlushMode, total: int, batch: int, *, threads: int, runs: int) -> None:
-    rates, fsyncs = zip(*(run_once(root, mode, total, batch, threads) for _ in range(runs)), strict=True)
+    rates, fsyncs, cpus = zip(*(run_once(root, mode, total, batch, threads) for _ in range(runs)), strict=True)
     target = 50_000 if mode == config.FlushMode.SYNC else 100_000
     per_fsync = total / max(1, statistics.median(fsyncs))
     figure(
@@ -71,7 +73,8 @@ def measure(root: Path, mode: config.FlushMode, total: int, batch: int, *, threa
         "msg/s",
         op=">=",
         target=target,
-        extra=f"  [best {max(rates):,.0f} msg/s over {runs} runs; ~{per_fsync:,.0f} msgs per fsync]",
+        extra=f"  [best {max(rates):,.0f} msg/s of {runs} runs; ~{per_fsync:,.0f} msgs per fsync; "
+        f"{statistics.median(cpus):.1f} us CPU per message]",
     )
 
 
@@ -84,10 +87,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="lmq-bench-append-", dir=args.dir))
     try:
         print(f"# {total:,} messages of {len(BODY)} B per run, {runs} runs per figure, data in {root}")
+        print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
         measure(root, config.FlushMode.SYNC, total, 512, threads=1, runs=runs)
         measure(root, config.FlushMode.ASYNC, total, 512, threads=1, runs=runs)
         # group commit: 4 producers with smaller batches share fsyncs
         measure(root, config.FlushMode.SYNC, total, 64, threads=4, runs=runs)
+        print(f"# load average at end: {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import os
 import random
 import shutil
 import signal
@@ -108,6 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     topics = args.topics or (20_000 if args.quick else 1_000_000)
     reads = 2_000 if args.quick else 20_000
+    print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     root = Path(tempfile.mkdtemp(prefix="lmq-bench-lite-", dir=args.dir))
     cfg = config.StoreConfig(data_dir=root / "data")
     try:
@@ -198,6 +200,7 @@ def main() -> None:
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        print(f"# load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

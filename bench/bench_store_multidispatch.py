@@ -14,6 +14,7 @@ store computes; robust to a shared machine's noise) are printed; the target is j
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
     batch, batches, rounds = (256, 4, 1) if args.quick else (512, 20, 5)
+    print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     root = Path(tempfile.mkdtemp(prefix="lmq-bench-md-", dir=args.dir))
     try:
         run(root, config.FlushMode.SYNC, batch, batches, rounds)
@@ -119,6 +121,7 @@ def main() -> None:
         single_append_baseline(root, 16)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        print(f"# load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from lmq_broker import errors, model
 
@@ -74,9 +73,11 @@ SEGMENT_VALUE: Final = struct.Struct("<QQ")  # first_store_ms, last_store_ms
 CHECKPOINT_VALUE: Final = struct.Struct("<IQ")  # segment, position
 
 
-@dataclass(frozen=True, slots=True)
-class QueueName:
-    """A validated queue with its encodings precomputed once (the store caches these, bounded)."""
+class QueueName(NamedTuple):
+    """A validated queue with its encodings precomputed once (the store caches these, bounded).
+
+    A tuple of strings, bytes and ints: cheap to build, and untracked by the cyclic GC once it has looked at it,
+    so thousands of cached names cost the collector nothing."""
 
     topic: str
     queue: int
