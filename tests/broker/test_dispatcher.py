@@ -390,3 +390,23 @@ async def test_a_drain_ends_waiting_polls_at_once(lite: Lite) -> None:
     await asyncio.sleep(0)
     lite.dispatcher.begin_drain()
     assert await asyncio.wait_for(waiting, 5) == []
+
+
+async def test_exclusive_group_gives_a_topic_to_its_newest_subscriber(lite: Lite) -> None:
+    lite.put_group(model.LiteGroup(GROUP, PARENT, model=model.SubscriptionModel.EXCLUSIVE))
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1", "t2"])
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    assert lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "t1")) == ["c2"]
+    assert lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "t2")) == ["c1"]
+    await lite.send("t1")
+    assert await lite.receive("c1") == []
+    assert len(await lite.receive("c2")) == 1
+
+
+async def test_a_group_with_consumption_disabled_refuses_subscribe_and_receive(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    lite.put_group(model.LiteGroup(GROUP, PARENT, consume_enabled=False))
+    with pytest.raises(errors.Conflict):
+        await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t2"])
+    with pytest.raises(errors.Conflict):
+        await lite.receive("c1")

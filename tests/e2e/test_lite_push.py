@@ -208,3 +208,40 @@ def test_restart_resumes_without_loss_or_redelivery(tmp_path: Any, clients: list
             client.shutdown()
         clients.clear()
         broker.stop()
+
+
+def test_after_a_crash_the_group_resumes_after_its_last_ack(tmp_path: Any, clients: list[Any]) -> None:
+    """SIGKILL: no subscription snapshot, no flush; committed offsets and stored messages survive, and a
+    consumer of the group gets exactly what was not acknowledged."""
+    broker = start_broker(tmp_path / "data")
+    try:
+        inbox = Inbox()
+        c = consumer(broker, clients, "executor-group", "AGENT_TASK_NS", inbox)
+        c.subscribe_lite("crash")
+        p = producer(broker, clients, "AGENT_TASK_NS")
+        for n in range(3):
+            send(p, "AGENT_TASK_NS", "crash", f"acked-{n}".encode())
+        assert inbox.wait_for(lambda i: len(i.accepted) == 3, 20)
+        with AdminClient(broker.admin_endpoint, timeout_s=5) as admin:
+            deadline = time.monotonic() + 10
+            while admin.describe_lite_topic("AGENT_TASK_NS", "crash").group_offsets.get("executor-group") != 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        c.unsubscribe_lite("crash")
+        for n in range(2):
+            send(p, "AGENT_TASK_NS", "crash", f"pending-{n}".encode())  # acknowledged by the broker (stored)
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()
+        broker.kill()
+        broker = start_broker(tmp_path / "data", port=broker.port)
+        after = Inbox()
+        fresh = consumer(broker, clients, "executor-group", "AGENT_TASK_NS", after)
+        fresh.subscribe_lite("crash")
+        assert after.wait_for(lambda i: len(i.accepted) >= 2, 20), after.bodies()
+        assert after.bodies() == [b"pending-0", b"pending-1"]
+    finally:
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()
+        broker.stop()

@@ -69,6 +69,13 @@ class Snapshot:
             )
         return group
 
+    def consuming_lite_group(self, name: str, parent: str) -> model.LiteGroup:
+        """As ``lite_group``, for subscribing and receiving, which a group with consumption off refuses."""
+        group = self.lite_group(name, parent)
+        if not group.consume_enabled:
+            raise errors.Conflict(f"consumption of group {name} is disabled", kind="permission", group=name)
+        return group
+
     def normal_group(self, name: str, topic: str) -> model.LiteGroup:
         """Groups consuming NORMAL topics need no declaration (RocketMQ auto-creates them); a lite group
         may not consume in normal mode."""

@@ -284,7 +284,7 @@ class Dispatcher:
         offset: OffsetReset | None = None,
     ) -> list[str]:
         snap = await self.metadata()
-        found = snap.lite_group(group, parent)
+        found = snap.consuming_lite_group(group, parent)
         quota = snap.client_quota(found, parent, namespace)
         now = self.clock()
         self.registry.touch(client_id, now, group=group, bind_topic=parent)
@@ -309,7 +309,7 @@ class Dispatcher:
         self, client_id: str, group: str, parent: str, lites: Sequence[str], *, namespace: str = ""
     ) -> tuple[list[str], list[str]]:
         snap = await self.metadata()
-        found = snap.lite_group(group, parent)
+        found = snap.consuming_lite_group(group, parent)
         quota = snap.client_quota(found, parent, namespace)
         now = self.clock()
         self.registry.touch(client_id, now, group=group, bind_topic=parent)
@@ -466,7 +466,7 @@ class Dispatcher:
         poll_ms: int,
     ) -> list[Delivery]:
         snap = await self.metadata()
-        found = snap.lite_group(group, parent)
+        found = snap.consuming_lite_group(group, parent)
         deadline = self.clock() + poll_ms
         self.registry.touch(client_id, self.clock(), group=group, bind_topic=parent)
         while not self._closed and not self.draining:
