@@ -4,10 +4,17 @@ Writes use ``sync=False`` with the WAL on: the commit log is the truth and carri
 whatever the index loses in a crash is re-indexed from the checkpoint (kept in the same batch as the
 entries it covers). Memory is bounded: one block cache of ``index_cache_bytes`` that also holds index and
 filter blocks, and small memtables; nothing here keeps per-topic state in Python.
+
+``Batch`` is one WriteBatch as the store builds it (under its write lock): new offsets of each touched queue
+grouped into runs, the queues' new states, counters, the segment table and the checkpoint. Queue states are
+published to the bounded ``StateCache`` only after the batch is written, so what a reader finds in the cache
+is always in the index too.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
@@ -16,6 +23,8 @@ import rocksdict
 
 from lmq_broker import errors, model
 from lmq_broker.storage import keys
+
+log = logging.getLogger(__name__)
 
 WRITE_BUFFER_BYTES: Final = 16 * 1024 * 1024
 MAX_WRITE_BUFFERS: Final = 2
@@ -216,3 +225,185 @@ class Index:
             first, last = keys.SEGMENT_VALUE.unpack(value)
             out[keys.U32BE.unpack_from(key, 1)[0]] = [first, last]
         return out
+
+
+class StateCache:
+    """Bounded LRU of queue states over the index. Only the write path inserts (under the store's write
+    lock), after the index write; readers look up without inserting, so a stale state never gets in."""
+
+    def __init__(self, index: Index, capacity: int) -> None:
+        self._index = index
+        self._capacity = max(1, capacity)
+        self._states: OrderedDict[bytes, QueueState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, name: keys.QueueName) -> QueueState | None:
+        st = self._states.get(name.qkey)
+        return st if st is not None else self._index.load_state(name)
+
+    def get_for_write(self, name: keys.QueueName) -> QueueState | None:
+        st = self._states.get(name.qkey)
+        if st is not None:
+            self._states.move_to_end(name.qkey)
+            return st
+        return self._index.load_state(name)
+
+    def publish(self, states: list[QueueState]) -> None:
+        cached = self._states
+        for st in states:
+            if st.name.qkey not in cached:
+                cached[st.name.qkey] = st
+        while len(cached) > self._capacity:
+            cached.popitem(last=False)
+
+    def drop(self, name: keys.QueueName) -> None:
+        self._states.pop(name.qkey, None)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+
+class Pending:
+    """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
+
+    __slots__ = ("created", "ents", "last_store", "min", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
+
+    def __init__(self, st: QueueState, new: bool, seg: int, ms: int) -> None:
+        self.st = st
+        self.new = new
+        self.next = st.next
+        self.min = st.min
+        self.created = st.created
+        self.last_store = st.last_store
+        self.run_seg = seg
+        self.run_ms = ms
+        self.run_first = st.next
+        self.ents: list[bytes] = []
+        self.runs: list[tuple[int, int, int, list[bytes]]] = []
+
+    def cut(self, seg: int, ms: int) -> None:
+        """Close the current run (a run lives in one segment and has one store time); start the next."""
+        if self.ents:
+            self.runs.append((self.run_seg, self.run_ms, self.run_first, self.ents))
+            self.ents = []
+        self.run_first = self.next
+        self.run_seg = seg
+        self.run_ms = ms
+
+    def replay(self, offset: int, seg: int, ms: int, entry: bytes) -> None:
+        """Index a record found in the log at ``offset`` (recovery: the offset comes from the record)."""
+        if offset < self.next:
+            log.warning("replay: %s offset %d below next %d, skipped", self.st.name.topic, offset, self.next)
+            return
+        if offset != self.next or seg != self.run_seg or ms != self.run_ms:
+            self.cut(seg, ms)
+            self.run_first = offset
+        self.next = offset + 1
+        self.ents.append(entry)
+        self.last_store = ms
+
+
+class Batch:
+    """One index WriteBatch of the store, built under its write lock; ``write`` then ``publish``."""
+
+    def __init__(self, index: Index, cache: StateCache, segments: dict[int, list[int]]) -> None:
+        self._index = index
+        self._cache = cache
+        self._segments = segments  # the store's segment table: seq -> [first_store_ms, last_store_ms]
+        self.wb = index.batch()
+        self.pending: dict[bytes, Pending] = {}
+        self._counts: dict[str, int] = {}
+        self._touched: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def queue(self, name: keys.QueueName, seg: int, ms: int) -> Pending:
+        """The pending state of a queue that gets new offsets from its current next (the append path)."""
+        st = self._cache.get_for_write(name)
+        if st is not None:
+            pd = Pending(st, False, seg, ms)
+        else:
+            pd = Pending(QueueState(name, created=ms, last_store=ms, last_consume=0, min_=0, next_=0), True, seg, ms)
+        self.pending[name.qkey] = pd
+        return pd
+
+    def replayed(self, name: keys.QueueName, seg: int, ms: int, offset: int) -> Pending:
+        """The pending state of a queue re-indexed from the log: a new queue starts at the record's offset."""
+        pd = self.pending.get(name.qkey)
+        if pd is not None:
+            return pd
+        st = self._cache.get_for_write(name)
+        if st is not None:
+            pd = Pending(st, False, seg, ms)
+        else:
+            fresh = QueueState(name, created=ms, last_store=ms, last_consume=0, min_=offset, next_=offset)
+            pd = Pending(fresh, True, seg, ms)
+        self.pending[name.qkey] = pd
+        return pd
+
+    def cut(self, seg: int, ms: int) -> None:
+        for pd in self.pending.values():
+            pd.cut(seg, ms)
+
+    def touch_segment(self, seg: int, ms: int) -> None:
+        row = self._segments.get(seg)
+        if row is None:
+            row = self._segments[seg] = [ms, ms]
+        row[1] = max(row[1], ms)
+        self._touched.add(seg)
+
+    def count(self, parent: str, delta: int) -> None:
+        self._counts[parent] = self._counts.get(parent, 0) + delta
+
+    def delete_queue(self, name: keys.QueueName) -> None:
+        """Every index key of a queue: its runs, its consumer offsets, its state (an LMQ's lite-topic record)."""
+        wb = self.wb
+        wb.delete_range(name.entry_prefix, keys.successor(name.entry_prefix))
+        wb.delete_range(name.offset_prefix, keys.successor(name.offset_prefix))
+        wb.delete(name.state_key)
+        self._cache.drop(name)
+
+    def write(self, checkpoint: tuple[int, int]) -> None:
+        """Put everything into the WriteBatch, the checkpoint last, and write it (one atomic RocksDB write)."""
+        wb = self.wb
+        entry_key, encode_run = keys.entry_key, keys.encode_run
+        for pd in self.pending.values():
+            pd.cut(pd.run_seg, pd.run_ms)
+            name = pd.st.name
+            for seg, ms, first, ents in pd.runs:
+                wb.put(entry_key(name.qkey, first), encode_run(seg, ms, ents))
+            if name.parent is not None:
+                value = keys.LITE_VALUE.pack(pd.created, pd.last_store, pd.st.last_consume, pd.min, pd.next)
+                wb.put(name.state_key, value)
+                if pd.new:
+                    self.count(name.parent, 1)
+            else:
+                wb.put(name.state_key, keys.STATE_VALUE.pack(pd.min, pd.next))
+        if self._counts:
+            total = 0
+            for parent, delta in self._counts.items():
+                key = keys.count_key(parent)
+                wb.put(key, keys.U64.pack(max(0, (self._index.get_u64(key) or 0) + delta)))
+                total += delta
+            current = self._index.get_u64(keys.TOTAL_COUNT_KEY) or 0
+            wb.put(keys.TOTAL_COUNT_KEY, keys.U64.pack(max(0, current + total)))
+        for seg in self._touched:
+            first, last = self._segments[seg]
+            wb.put(keys.segment_key(seg), keys.SEGMENT_VALUE.pack(first, last))
+        wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(*checkpoint))
+        self._index.write(wb)
+
+    def publish(self) -> None:
+        """After a successful write: the new queue states become what readers and the next batch see."""
+        states = []
+        for pd in self.pending.values():
+            st = pd.st
+            st.next = pd.next
+            st.min = pd.min
+            st.created = pd.created
+            st.last_store = pd.last_store
+            states.append(st)
+        self._cache.publish(states)

@@ -21,12 +21,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
-
-import rocksdict
 
 from lmq_broker import config, errors, model
 from lmq_broker.storage import api, codec, commitlog, keys
@@ -82,45 +79,6 @@ class _Request:
         self.done = False
 
 
-class _Pending:
-    """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
-
-    __slots__ = ("created", "ents", "last_store", "min", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
-
-    def __init__(self, st: index_mod.QueueState, new: bool, seg: int, ms: int) -> None:
-        self.st = st
-        self.new = new
-        self.next = st.next
-        self.min = st.min
-        self.created = st.created
-        self.last_store = st.last_store
-        self.run_seg = seg
-        self.run_ms = ms
-        self.run_first = st.next
-        self.ents: list[bytes] = []
-        self.runs: list[tuple[int, int, int, list[bytes]]] = []
-
-    def cut(self, seg: int, ms: int) -> None:
-        """Close the current run (a run lives in one segment and has one store time); start the next."""
-        if self.ents:
-            self.runs.append((self.run_seg, self.run_ms, self.run_first, self.ents))
-            self.ents = []
-        self.run_first = self.next
-        self.run_seg = seg
-        self.run_ms = ms
-
-    def replay(self, offset: int, seg: int, ms: int, entry: bytes) -> None:
-        if offset < self.next:
-            log.warning("replay: %s offset %d below next %d, skipped", self.st.name.topic, offset, self.next)
-            return
-        if offset != self.next or seg != self.run_seg or ms != self.run_ms:
-            self.cut(seg, ms)
-            self.run_first = offset
-        self.next = offset + 1
-        self.ents.append(entry)
-        self.last_store = ms
-
-
 class LmqStore:
     """The store of one broker: see the module docstring; implements ``api.Store``."""
 
@@ -131,8 +89,6 @@ class LmqStore:
         self._clock = clock
         self._sync = cfg.flush_mode == config.FlushMode.SYNC
         self._max_record = min(cfg.max_record_bytes, cfg.segment_max_bytes)
-        self._cache_cap = max(1, state_cache_entries)
-        self._states: OrderedDict[bytes, index_mod.QueueState] = OrderedDict()
         self._names = keys.NameCache(NAME_CACHE_ENTRIES)
         self._resolve = self._names.queue
         self._write_lock = threading.Lock()
@@ -149,6 +105,7 @@ class LmqStore:
         except BaseException:
             self._log.close()
             raise
+        self._states = index_mod.StateCache(self._index, state_cache_entries)
         try:
             self._segtab = self._index.segment_table()
             rebuilt, reindexed, truncated = self._recover()
@@ -297,13 +254,11 @@ class LmqStore:
             now = self._clock()
             record = codec.encode_tombstone(name, st.next, now)
             seg, end = self._write_record(record)
-            wb = self._index.batch()
-            _delete_queue(wb, name)
-            self._put_counters(wb, {parent: -1})
-            self._touch_segment(wb, seg, now)
-            wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(seg, end))
-            self._write_index(wb)
-            self._states.pop(name.qkey, None)
+            batch = self._batch()
+            batch.delete_queue(name)
+            batch.count(parent, -1)
+            batch.touch_segment(seg, now)
+            self._write_batch(batch, (seg, end))
         return True
 
     # --- control-plane metadata ----------------------------------------------------------------------
@@ -370,7 +325,7 @@ class LmqStore:
             with self._write_lock:
                 wb = self._index.batch()
                 wb.delete(keys.segment_key(seq))
-                self._write_index(wb)
+                self._write_index(lambda: self._index.write(wb))  # noqa: B023 - called at once
                 self._segtab.pop(seq, None)
                 deleted += self._log.drop(seq)
             segments += 1
@@ -426,7 +381,8 @@ class LmqStore:
         pos = lg.active.size
         start = (seg, pos)
         seg_max = lg.segment_max_bytes
-        pend: dict[bytes, _Pending] = {}
+        batch = self._batch()
+        pend = batch.pending
         chunks: list[tuple[int, list[bytes]]] = []
         parts: list[bytes] = []
         frame = codec.frame
@@ -436,19 +392,18 @@ class LmqStore:
             results: list[model.AppendResult] = []
             for p in r.prepared:
                 size = p.size
-                if pos + size > seg_max:
+                if pos + size > seg_max:  # the record goes to the next segment: runs cannot span two
                     chunks.append((seg, parts))
                     parts = []
                     seg += 1
                     pos = 0
-                    for pd in pend.values():
-                        pd.cut(seg, store_ms)
+                    batch.cut(seg, store_ms)
                 entry = pack_entry(pos, size)
                 offsets: list[int] = []
                 for name in p.queues:
                     q = pend.get(name.qkey)
                     if q is None:
-                        q = pend[name.qkey] = self._pending(name, seg, store_ms)
+                        q = batch.queue(name, seg, store_ms)
                     off = q.next
                     q.next = off + 1
                     offsets.append(off)
@@ -469,75 +424,15 @@ class LmqStore:
         self._write_chunks(chunks, start)
         if self._sync:
             lg.sync()
-        wb = self._index.batch()
-        created: dict[str, int] = {}
         for pd in pend.values():
             pd.last_store = store_ms
-            self._put_pending(wb, pd, created)
-        if created:
-            self._put_counters(wb, created)
         for s, written in chunks:
             if written:
-                self._touch_segment(wb, s, store_ms)
-        wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(lg.active.seq, lg.active.size))
-        self._write_index(wb)
-        self._commit(pend)
+                batch.touch_segment(s, store_ms)
+        self._write_batch(batch, (lg.active.seq, lg.active.size))
 
-    def _pending(self, name: keys.QueueName, seg: int, ms: int) -> _Pending:
-        st = self._states.get(name.qkey)
-        if st is not None:
-            self._states.move_to_end(name.qkey)
-            return _Pending(st, False, seg, ms)
-        st = self._index.load_state(name)
-        if st is not None:
-            return _Pending(st, False, seg, ms)
-        fresh = index_mod.QueueState(name, created=ms, last_store=ms, last_consume=0, min_=0, next_=0)
-        return _Pending(fresh, True, seg, ms)
-
-    def _put_pending(self, wb: rocksdict.WriteBatch, pd: _Pending, created: dict[str, int]) -> None:
-        pd.cut(pd.run_seg, pd.run_ms)
-        name = pd.st.name
-        for seg, ms, first, ents in pd.runs:
-            wb.put(keys.entry_key(name.qkey, first), keys.encode_run(seg, ms, ents))
-        if name.is_lmq:
-            wb.put(
-                name.state_key,
-                keys.LITE_VALUE.pack(pd.created, pd.last_store, pd.st.last_consume, pd.min, pd.next),
-            )
-            if pd.new:
-                assert name.parent is not None
-                created[name.parent] = created.get(name.parent, 0) + 1
-        else:
-            wb.put(name.state_key, keys.STATE_VALUE.pack(pd.min, pd.next))
-
-    def _commit(self, pend: dict[bytes, _Pending]) -> None:
-        states = self._states
-        for qkey, pd in pend.items():
-            st = pd.st
-            st.next = pd.next
-            st.min = pd.min
-            st.created = pd.created
-            st.last_store = pd.last_store
-            if pd.new or qkey not in states:
-                states[qkey] = st
-        while len(states) > self._cache_cap:
-            states.popitem(last=False)
-
-    def _put_counters(self, wb: rocksdict.WriteBatch, deltas: dict[str, int]) -> None:
-        total = 0
-        for parent, delta in deltas.items():
-            key = keys.count_key(parent)
-            wb.put(key, keys.U64.pack(max(0, (self._index.get_u64(key) or 0) + delta)))
-            total += delta
-        current = self._index.get_u64(keys.TOTAL_COUNT_KEY) or 0
-        wb.put(keys.TOTAL_COUNT_KEY, keys.U64.pack(max(0, current + total)))
-
-    def _touch_segment(self, wb: rocksdict.WriteBatch, seg: int, ms: int) -> None:
-        row = self._segtab.get(seg)
-        if row is None:
-            row = self._segtab[seg] = [ms, ms]
-        row[1] = max(row[1], ms)
-        wb.put(keys.segment_key(seg), keys.SEGMENT_VALUE.pack(row[0], row[1]))
+    def _batch(self) -> index_mod.Batch:
+        return index_mod.Batch(self._index, self._states, self._segtab)
 
     def _write_chunks(self, chunks: list[tuple[int, list[bytes]]], start: tuple[int, int]) -> None:
         lg = self._log
@@ -564,9 +459,13 @@ class LmqStore:
             lg.sync()
         return lg.active.seq, lg.active.size
 
-    def _write_index(self, wb: rocksdict.WriteBatch) -> None:
+    def _write_batch(self, batch: index_mod.Batch, checkpoint: tuple[int, int]) -> None:
+        self._write_index(lambda: batch.write(checkpoint))
+        batch.publish()
+
+    def _write_index(self, write: Callable[[], None]) -> None:
         try:
-            self._index.write(wb)
+            write()
         except Exception as e:
             # The log holds records the index lacks; offsets handed out from now on could collide. Stop
             # writing: a restart re-indexes from the checkpoint.
@@ -584,8 +483,7 @@ class LmqStore:
     # --- read helpers --------------------------------------------------------------------------------
 
     def _state(self, name: keys.QueueName) -> index_mod.QueueState | None:
-        st = self._states.get(name.qkey)
-        return st if st is not None else self._index.load_state(name)
+        return self._states.get(name)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -678,7 +576,7 @@ class LmqStore:
                     if new_min > st.min:
                         wb.put(name.state_key, _value(st, min_=new_min))
                         updates.append((st, new_min))
-                self._write_index(wb)
+                self._write_index(lambda: self._index.write(wb))  # noqa: B023 - called at once
                 for st, new_min in updates:
                     st.min = new_min
                     advanced.add(st.name.qkey)
@@ -704,37 +602,17 @@ class LmqStore:
         return rebuild, count, truncated
 
     def _replay(self, start: tuple[int, int], last_seq: int) -> tuple[int, int]:
-        pend: dict[bytes, _Pending] = {}
-        touched: set[int] = set()
+        """Re-index every record from ``start``; batches of REPLAY_BATCH_RECORDS, each with its checkpoint."""
+        batch = self._batch()
         end = start
         count = 0
-        batched = 0
         pack_entry = keys.RUN_ENTRY.pack
-
-        def flush() -> None:
-            nonlocal pend, touched, batched
-            wb = self._index.batch()
-            created: dict[str, int] = {}
-            for pd in pend.values():
-                self._put_pending(wb, pd, created)
-            if created:
-                self._put_counters(wb, created)
-            for s in touched:
-                row = self._segtab[s]
-                wb.put(keys.segment_key(s), keys.SEGMENT_VALUE.pack(row[0], row[1]))
-            wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(*end))
-            self._write_index(wb)
-            self._commit(pend)
-            pend, touched, batched = {}, set(), 0
-
         try:
             for seq, f in self._log.scan(*start):
-                row = self._segtab.setdefault(seq, [f.store_ms, f.store_ms])
-                row[1] = max(row[1], f.store_ms)
-                touched.add(seq)
                 if f.kind == codec.KIND_TOMBSTONE:
-                    flush()
-                    self._replay_tombstone(f, seq)
+                    self._write_batch(batch, end)  # what precedes the deletion, then the deletion alone
+                    batch = self._batch()
+                    self._replay_tombstone(batch, f, seq)
                 else:
                     entry = pack_entry(f.position, f.size)
                     for (topic, qid), off in zip(f.queues, f.offsets, strict=True):
@@ -744,53 +622,34 @@ class LmqStore:
                             raise errors.CorruptRecord(
                                 f"record names an invalid queue: {e.message}", segment=seq, position=f.position
                             ) from e
-                        pd = pend.get(name.qkey)
-                        if pd is None:
-                            pd = pend[name.qkey] = self._pending_replay(name, seq, f.store_ms, off)
-                        pd.replay(off, seq, f.store_ms, entry)
+                        batch.replayed(name, seq, f.store_ms, off).replay(off, seq, f.store_ms, entry)
+                batch.touch_segment(seq, f.store_ms)
                 end = (seq, f.position + f.size)
                 count += 1
-                batched += 1
-                if batched >= REPLAY_BATCH_RECORDS:
-                    flush()
+                if count % REPLAY_BATCH_RECORDS == 0 or f.kind == codec.KIND_TOMBSTONE:
+                    self._write_batch(batch, end)
+                    batch = self._batch()
         except errors.CorruptRecord as e:
             bad_seq, bad_pos = e.fields.get("segment"), e.fields.get("position")
             if bad_seq != last_seq or not isinstance(bad_seq, int) or not isinstance(bad_pos, int):
                 raise
-            flush()
+            self._write_batch(batch, end)
             truncated = self._log.size_of(bad_seq) - bad_pos
             log.warning("recovery: torn record at segment %d position %d, %d bytes cut", bad_seq, bad_pos, truncated)
             self._log.rollback(bad_seq, bad_pos)
-            wb = self._index.batch()
-            wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(bad_seq, bad_pos))
-            self._write_index(wb)
+            batch = self._batch()
+            self._write_batch(batch, (bad_seq, bad_pos))
             return count, truncated
-        flush()
+        self._write_batch(batch, end)
         return count, 0
 
-    def _pending_replay(self, name: keys.QueueName, seg: int, ms: int, offset: int) -> _Pending:
-        st = self._state(name)
-        if st is not None:
-            return _Pending(st, False, seg, ms)
-        pd = _Pending(
-            index_mod.QueueState(name, created=ms, last_store=ms, last_consume=0, min_=offset, next_=offset),
-            True,
-            seg,
-            ms,
-        )
-        return pd
-
-    def _replay_tombstone(self, f: codec.Frame, seq: int) -> None:
+    def _replay_tombstone(self, batch: index_mod.Batch, f: codec.Frame, seq: int) -> None:
         topic, qid = f.queues[0]
         name = self._resolve(topic, qid)
-        wb = self._index.batch()
         if self._state(name) is not None:
-            _delete_queue(wb, name)
+            batch.delete_queue(name)
             if name.parent is not None:
-                self._put_counters(wb, {name.parent: -1})
-        wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(seq, f.position + f.size))
-        self._write_index(wb)
-        self._states.pop(name.qkey, None)
+                batch.count(name.parent, -1)
 
 
 def open_store(cfg: config.StoreConfig, clock: Clock = wall_clock_ms) -> LmqStore:
@@ -809,12 +668,6 @@ def _value(st: index_mod.QueueState, *, min_: int | None = None, last_consume: i
         last_store=st.last_store,
         last_consume=st.last_consume if last_consume is None else last_consume,
     )
-
-
-def _delete_queue(wb: rocksdict.WriteBatch, name: keys.QueueName) -> None:
-    wb.delete_range(name.entry_prefix, keys.successor(name.entry_prefix))
-    wb.delete_range(name.offset_prefix, keys.successor(name.offset_prefix))
-    wb.delete(name.state_key)
 
 
 def _scan_bound(bound: str, parent: str | None) -> bytes:
