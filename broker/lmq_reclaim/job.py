@@ -241,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=opts.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # its gateway chatter is not our progress
     result = run(opts)
     print(report.render_table(result))
     print(f"timings: {report.render_timings(result.timings_s)}")

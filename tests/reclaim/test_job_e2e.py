@@ -63,6 +63,7 @@ DELETED = {
 RACES = {("broker-0", "Agent", "race-msg"), ("broker-0", "Agent", "race-sub"), ("broker-0", "Agent", "gone")}
 
 
+@pytest.mark.slow
 def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_scan(
     tmp_path: Path,
     spark: SparkSession,

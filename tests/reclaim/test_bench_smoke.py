@@ -1,0 +1,25 @@
+"""bench/bench_reclaim.py --quick runs to the end and prints its figure lines (the figures themselves are
+measured by running the benchmark, not here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_reclaim.py"
+
+
+@pytest.mark.slow
+def test_quick_benchmark_prints_its_figures() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    for figure in ("generation:", "reclaim wall (scan + reclaim, Spark start included):", "split: plan", "rates:"):
+        assert figure in out, out
+    assert "topics scanned: 100000 (expected 100000); expired: 10000 (expected 10000)" in out
+    assert "result: OK" in out
