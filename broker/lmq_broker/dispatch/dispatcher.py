@@ -162,7 +162,7 @@ class Dispatcher:
         if self._appender is not None:
             await asyncio.to_thread(self._appender.close)
         if self._own_executor:
-            self._executor.shutdown(wait=True)
+            await asyncio.to_thread(self._executor.shutdown, True)
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a blocking store call on the thread pool."""
@@ -450,9 +450,13 @@ class Dispatcher:
             await self.run(check)
         assert self._appender is not None, "Dispatcher.start() was not awaited"
         results = await self._appender.append(messages)
-        self.recent.add(messages, results)
+        self.recent.add(messages, results, self._has_readers)
         self.notify_appended(results)
         return results
+
+    def _has_readers(self, topic: str) -> bool:
+        """Someone may read this queue soon: an LMQ with subscribers, or any normal topic's queue."""
+        return not topic.startswith(model.LMQ_PREFIX) or self.registry.subscriber_count(topic) > 0
 
     # --- receiving --------------------------------------------------------------------------------------
     async def receive_lite(

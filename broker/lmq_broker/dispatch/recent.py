@@ -11,7 +11,7 @@ the number of queues tracked; entries are the sent values plus their offset, tur
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from lmq_broker import model
@@ -31,11 +31,20 @@ class RecentMessages:
         self._ends: OrderedDict[QueueKey, int] = OrderedDict()
         self._bytes = 0
 
-    def add(self, messages: Sequence[model.NewMessage], results: Sequence[model.AppendResult]) -> None:
+    def add(
+        self,
+        messages: Sequence[model.NewMessage],
+        results: Sequence[model.AppendResult],
+        wanted: Callable[[str], bool] = lambda _topic: True,
+    ) -> None:
+        """Remember appended messages of the queues ``wanted`` says someone may read soon."""
         for message, result in zip(messages, results, strict=True):
             for queue, offset in result.offsets.items():
                 if message.lite_topic is not None and not queue.is_lmq:
                     continue  # a lite message's parent-queue entry is never consumed
+                if not wanted(queue.topic):
+                    self._ends.pop((queue.topic, queue.queue), None)  # its end is no longer known
+                    continue
                 qkey = (queue.topic, queue.queue)
                 self._ends[qkey] = offset + 1
                 self._ends.move_to_end(qkey)

@@ -143,17 +143,21 @@ class MessageReader:
         if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
             raise errors.InvalidArgument("message id must be 1..128 printable characters", kind="message_id")
         kind = sp.message_type
-        lite = sp.lite_topic if sp.HasField("lite_topic") else None
+        # Empty strings read as absent: an empty lite topic, tag or group would be refused or meaningless
+        # anyway, and reading the value is cheaper than asking HasField first (this runs per message).
+        lite = sp.lite_topic or None
         if kind == pb.MESSAGE_TYPE_UNSPECIFIED:
             kind = pb.LITE if lite is not None else pb.NORMAL
         message_type = _MESSAGE_TYPES.get(kind)
         if message_type is None:
             raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
-        tag = self._tag(sp.tag) if sp.HasField("tag") else None
+        tag = sp.tag
+        if tag:
+            self._tag(tag)
         keys = self._keys(sp.keys) if sp.keys else ()
         props = msg.user_properties
         properties = self._properties(props) if len(props) else {}
-        group = sp.message_group if sp.HasField("message_group") else None
+        group = sp.message_group or None
         if parent.message_type == model.MessageType.LITE:
             if kind != pb.LITE:
                 raise errors.InvalidArgument(
@@ -187,9 +191,9 @@ class MessageReader:
             queues=queues,
             lite_topic=lite,
             message_type=message_type,
-            born_timestamp_ms=timestamp_ms(sp.born_timestamp) if sp.HasField("born_timestamp") else self.now_ms,
+            born_timestamp_ms=timestamp_ms(sp.born_timestamp) or self.now_ms,
             born_host=sp.born_host[:256],
-            tag=tag,
+            tag=tag or None,
             keys=keys,
             message_group=group,
             user_properties=properties,
