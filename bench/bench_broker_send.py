@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -147,7 +148,9 @@ def main() -> None:
     parser.add_argument("--topics", type=int, default=100, help="lite topics")
     parser.add_argument("--seconds", type=float, default=6.0, help="length of each timed run")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per server")
-    parser.add_argument("--flush-mode", default="sync", choices=["sync", "async"], help="the broker's flush mode")
+    parser.add_argument(
+        "--flush-modes", default="sync,async", help="broker flush modes to measure (sync is the default config)"
+    )
     args = parser.parse_args()
     if args.echo_server:
         serve_echo()
@@ -155,28 +158,33 @@ def main() -> None:
     seconds = 2.0 if args.quick else args.seconds
     runs = 1 if args.quick else args.runs
     body = b"x" * args.body
+    modes = [m for m in args.flush_modes.split(",") if m]
     echo_rates: list[float] = []
-    broker_rates: list[float] = []
+    broker_rates: dict[str, list[float]] = {mode: [] for mode in modes}
     echo, echo_endpoint = start_echo()
     try:
-        with (
-            tempfile.TemporaryDirectory() as tmp,
-            start_broker(Path(tmp) / "data", extra_args=["--flush-mode", args.flush_mode]) as broker,
-        ):
-            for _ in range(runs):  # alternate, so drifting machine load hits both alike
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            brokers = {
+                mode: stack.enter_context(start_broker(Path(tmp) / mode, extra_args=["--flush-mode", mode]))
+                for mode in modes
+            }
+            for _ in range(runs):  # alternate, so drifting machine load hits every server alike
                 echo_rates.append(send_rate(echo_endpoint, seconds, args.threads, body, args.topics))
-                broker_rates.append(send_rate(broker.endpoint, seconds, args.threads, body, args.topics))
+                for mode, broker in brokers.items():
+                    broker_rates[mode].append(send_rate(broker.endpoint, seconds, args.threads, body, args.topics))
     finally:
         echo.kill()
         echo.wait()
-    echo_rate, broker_rate = statistics.median(echo_rates), statistics.median(broker_rates)
+    echo_rate = statistics.median(echo_rates)
     print(
         f"official client 5.1.2 Producer, {args.threads} threads, {args.body} B LITE messages, {args.topics} lite "
-        f"topics, {seconds:.0f} s x {runs} runs per server, broker flush mode {args.flush_mode}"
+        f"topics, {seconds:.0f} s x {runs} runs per server"
     )
     print(f"echo server: {echo_rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in echo_rates)})")
-    print(f"lmq broker:  {broker_rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in broker_rates)})")
-    figure("send rate broker/echo", broker_rate / echo_rate, "x", op=">=", target=0.7)
+    for mode, rates in broker_rates.items():
+        rate = statistics.median(rates)
+        print(f"lmq broker, {mode} flush: {rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in rates)})")
+        figure(f"send rate broker({mode} flush)/echo", rate / echo_rate, "x", op=">=", target=0.7)
 
 
 if __name__ == "__main__":

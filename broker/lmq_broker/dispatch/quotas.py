@@ -33,16 +33,17 @@ def lite_topic_check(
     store: Store, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]
 ) -> Callable[[], None] | None:
     """The blocking check to run before appending ``messages`` (None when no limit applies)."""
+    parents = {m.topic for m in messages if m.lite_topic is not None}
+    if not parents:
+        return None
+    limits = {parent: snap.lite_topic_limits(snap.topic(parent)) for parent in parents}
+    broker_limit = min((b for _, b in limits.values() if b >= 0), default=catalog.UNLIMITED)
+    if broker_limit < 0 and all(p < 0 for p, _ in limits.values()):
+        return None  # the common case, decided without looking at each message's lite topic
     lites_by_parent: dict[str, set[str]] = {}
     for message in messages:
         if message.lite_topic is not None:
             lites_by_parent.setdefault(message.topic, set()).add(message.lite_topic)
-    if not lites_by_parent:
-        return None
-    limits = {parent: snap.lite_topic_limits(snap.topic(parent)) for parent in lites_by_parent}
-    broker_limit = min((b for _, b in limits.values() if b >= 0), default=catalog.UNLIMITED)
-    if broker_limit < 0 and all(p < 0 for p, _ in limits.values()):
-        return None
 
     def check() -> None:
         candidates = sum(len(lites) for lites in lites_by_parent.values())

@@ -13,6 +13,7 @@ LANGUAGE: Final = "x-mq-language"
 CLIENT_VERSION: Final = "x-mq-client-version"
 NAMESPACE: Final = "x-mq-namespace"
 MAX_CLIENT_ID_CHARS: Final = 512
+_WANTED: Final = frozenset((CLIENT_ID, LANGUAGE, CLIENT_VERSION, NAMESPACE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +27,8 @@ class Caller:
     def of(metadata: Iterable[tuple[str, str | bytes]] | None) -> Caller:
         headers: dict[str, str] = {}
         for key, value in metadata or ():
-            if isinstance(value, str):
-                headers[key.lower()] = value
+            if key in _WANTED and isinstance(value, str):  # gRPC metadata keys arrive lower-cased
+                headers[key] = value
         return Caller(
             client_id=headers.get(CLIENT_ID, ""),
             language=headers.get(LANGUAGE, ""),

@@ -3,6 +3,8 @@ that several brokers in one test process never collide."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lmq_broker.dispatch.dispatcher import Dispatcher
@@ -33,6 +35,27 @@ class Metrics:
         self.dead_letters = Counter(
             "lmq_dead_letters", "Messages forwarded to a %DLQ% topic on request", registry=self.registry
         )
+
+        self._calls: dict[tuple[str, int], Any] = {}
+        self._seconds: dict[str, Any] = {}
+        self._in: dict[str, Any] = {}
+
+    def observe(self, method: str, code: int, seconds: float) -> None:
+        """Count one answered call (label children are looked up once, then kept: this runs per RPC)."""
+        calls = self._calls.get((method, code))
+        if calls is None:
+            calls = self._calls[(method, code)] = self.rpcs.labels(method, str(code))
+        calls.inc()
+        timer = self._seconds.get(method)
+        if timer is None:
+            timer = self._seconds[method] = self.rpc_seconds.labels(method)
+        timer.observe(seconds)
+
+    def stored(self, kind: str, count: int) -> None:
+        counter = self._in.get(kind)
+        if counter is None:
+            counter = self._in[kind] = self.messages_in.labels(kind)
+        counter.inc(count)
 
     def watch(self, dispatcher: Dispatcher) -> None:
         """Gauges read from the dispatcher at scrape time."""

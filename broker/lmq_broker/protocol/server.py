@@ -15,7 +15,6 @@ import grpc
 from lmq_broker.config import BrokerConfig
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.edge import Edge
-from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.protocol.service import MessagingService
 
 if TYPE_CHECKING:
@@ -41,15 +40,15 @@ def options(config: BrokerConfig) -> list[tuple[str, Any]]:
 
 
 def create(config: BrokerConfig) -> grpc.aio.Server:
-    interceptors: Sequence[Interceptor] = (guard.DecodeGuard(),)
-    if config.access_key:  # first: an unauthorized call reaches nothing, not even the decoder
-        interceptors = (auth.AuthInterceptor(config.access_key, config.secret_key), *interceptors)
+    interceptors: Sequence[Interceptor] = ()
+    if config.access_key:
+        interceptors = (auth.AuthInterceptor(config.access_key, config.secret_key),)
     return grpc.aio.server(interceptors=interceptors, options=options(config))
 
 
 def add_messaging_service(server: grpc.aio.Server, edge: Edge) -> MessagingService:
     service = MessagingService(edge)
-    service_pb2_grpc.add_MessagingServiceServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((guard.generic_handler(service),))
     return service
 
 

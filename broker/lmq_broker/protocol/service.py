@@ -71,13 +71,11 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             if status.code_of(exc) == pb.INTERNAL_ERROR:
                 log.exception("%s failed", method)
             reply = response(status=status.status_of(exc))
-        metrics = self.edge.metrics
-        metrics.rpcs.labels(method, str(cast("_Reply", reply).status.code)).inc()
-        metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+        self.edge.metrics.observe(method, cast("_Reply", reply).status.code, time.perf_counter() - started)
         return reply
 
     async def _not_implemented(self, method: str, response: type[Resp]) -> Resp:
-        self.edge.metrics.rpcs.labels(method, str(pb.NOT_IMPLEMENTED)).inc()
+        self.edge.metrics.observe(method, pb.NOT_IMPLEMENTED, 0.0)
         return response(status=pb.Status(code=pb.NOT_IMPLEMENTED, message=f"{method} is not implemented by lmq"))
 
     # --- served -----------------------------------------------------------------------------------------
@@ -120,8 +118,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
                 log.exception("ReceiveMessage failed")
             yield spb.ReceiveMessageResponse(status=status.status_of(exc))
         finally:
-            self.edge.metrics.rpcs.labels("ReceiveMessage", str(code)).inc()
-            self.edge.metrics.rpc_seconds.labels("ReceiveMessage").observe(time.perf_counter() - started)
+            self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
 
     @override
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:

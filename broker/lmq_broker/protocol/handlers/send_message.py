@@ -33,5 +33,5 @@ async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) ->
         counts[message.message_type] = counts.get(message.message_type, 0) + 1
         add(status=ok, message_id=result.message_id, offset=result.offsets.get(message.queues[-1], 0))
     for kind, n in counts.items():
-        edge.metrics.messages_in.labels(kind.name).inc(n)
+        edge.metrics.stored(kind.name, n)
     return reply
