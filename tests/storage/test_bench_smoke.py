@@ -28,6 +28,7 @@ EXPECTED = {
         "lite_read_next32_p99",
         "lite_restart_clean_to_ready",
         "lite_restart_after_sigkill_to_ready",
+        "lite_restart_reindexing_a_tail_to_ready",
     },
 }
 
