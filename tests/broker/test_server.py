@@ -352,3 +352,33 @@ async def test_metrics_and_probes_over_http(client: Client, broker: app.Broker) 
     assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
     assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
     assert (await asyncio.to_thread(get, "/nope"))[0] == 404
+
+
+async def test_exclusive_eviction_is_told_over_telemetry(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    client.store.put_group(model.LiteGroup(GROUP, PARENT, model=model.SubscriptionModel.EXCLUSIVE))
+    broker.dispatcher.metadata_changed()
+    commands: asyncio.Queue[spb.TelemetryCommand] = asyncio.Queue()
+    settings = pb.Settings(
+        client_type=pb.LITE_PUSH_CONSUMER,
+        subscription=pb.Subscription(
+            group=resource(GROUP), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+        ),
+    )
+    await commands.put(spb.TelemetryCommand(settings=settings))
+
+    async def outgoing() -> AsyncIterator[spb.TelemetryCommand]:
+        while True:
+            yield await commands.get()
+
+    call = client.stub.Telemetry(outgoing(), metadata=H("first"))
+    try:
+        first = await call.read()
+        assert isinstance(first, spb.TelemetryCommand) and first.status.code == pb.OK
+        await subscribe(client, "shared", client_id="first")
+        await subscribe(client, "shared", client_id="second")
+        notice = await asyncio.wait_for(call.read(), 5)
+        assert isinstance(notice, spb.TelemetryCommand)
+        assert notice.notify_unsubscribe_lite_command.lite_topic == "shared"
+    finally:
+        call.cancel()

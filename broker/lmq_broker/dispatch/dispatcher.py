@@ -51,6 +51,7 @@ T = TypeVar("T")
 
 HOUSEKEEPING_INTERVAL_MS: Final = 10_000
 COMMITTED_CACHE_SIZE: Final = 100_000
+NOTICES_PER_CLIENT: Final = 1024
 CATCHUP_CHUNK: Final = 512
 DEFAULT_LEASE_MS: Final = 30_000  # auto-renew receives: RocketMQ renews; we lease once, long enough
 DLQ_PREFIX: Final = catalog.DLQ_PREFIX
@@ -111,6 +112,7 @@ class Dispatcher:
         self._snap_stale = True
         self._snap_reload: asyncio.Task[catalog.Snapshot] | None = None
         self._client_events: dict[str, asyncio.Event] = {}
+        self._notices: dict[str, asyncio.Queue[str]] = {}
         self._topic_events: dict[str, asyncio.Event] = {}
         self._arrived: dict[str, None] = {}
         self._flush_scheduled = False
@@ -232,16 +234,24 @@ class Dispatcher:
             state.version = version
         return state
 
-    def stream_opened(self, client_id: str) -> None:
+    def stream_opened(self, client_id: str) -> asyncio.Queue[str]:
+        """A telemetry stream opened; returns the client's notices (lite topics taken from it) to relay."""
         self.registry.touch(client_id, self.clock()).streams += 1
+        notices = self._notices.get(client_id)
+        if notices is None:
+            notices = self._notices[client_id] = asyncio.Queue(maxsize=NOTICES_PER_CLIENT)
+        return notices
 
     def stream_closed(self, client_id: str) -> None:
         state = self.registry.get(client_id)
         if state is None:
+            self._notices.pop(client_id, None)
             return
         state.streams -= 1
-        if state.streams <= 0 and not self.draining:
-            self.client_gone(client_id)
+        if state.streams <= 0:
+            self._notices.pop(client_id, None)
+            if not self.draining:
+                self.client_gone(client_id)
 
     def client_gone(self, client_id: str) -> None:
         """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
@@ -337,6 +347,9 @@ class Dispatcher:
                 if other != client_id and state is not None and state.group == group:
                     self.registry.remove(other, [lmq], now)
                     self.ready.discard_many(other, [lmq])
+                    notices = self._notices.get(other)
+                    if notices is not None and not notices.full():  # full: the client is not reading anyway
+                        notices.put_nowait(model.QueueId(lmq).lite_parts()[1])
 
     async def _reset_offsets(self, lmqs: list[str], group: str, option: OffsetReset) -> None:
         if any((lmq, 0, group) in self._busy for lmq in lmqs):

@@ -1,4 +1,4 @@
-"""Telemetry: the client's settings in, the server's settings out; the stream's life is the client's.
+"""Telemetry: the client's settings in, the server's settings and notices out; the stream's life is the client's.
 
 Python clients ignore a settings reply without ``status.code == OK``, and copy some fields
 unconditionally (a missing ``lite_subscription_quota`` or ``max_body_size`` reads as 0 and makes every
@@ -9,6 +9,7 @@ same with COMPLETE_REMOVE).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Final
@@ -31,14 +32,38 @@ LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
 async def handle(
     edge: Edge, requests: AsyncIterator[spb.TelemetryCommand], caller: Caller
 ) -> AsyncIterator[spb.TelemetryCommand]:
+    """Two sources feed the stream: replies to the client's commands, and server notices (a lite topic an
+    exclusive group gave to another client: NotifyUnsubscribeLiteCommand)."""
     client_id = caller.require_client_id()
-    edge.dispatcher.stream_opened(client_id)
+    notices = edge.dispatcher.stream_opened(client_id)
+    out: asyncio.Queue[spb.TelemetryCommand | None] = asyncio.Queue()
+
+    async def answer() -> None:
+        try:
+            async for command in requests:
+                if command.WhichOneof("command") == "settings":
+                    await out.put(await settings_reply(edge, command.settings, caller))
+                # thread_stack_trace / verify_message_result answer commands we never send: ignored.
+        finally:
+            await out.put(None)
+
+    async def relay() -> None:
+        while True:
+            lite = await notices.get()
+            await out.put(
+                spb.TelemetryCommand(notify_unsubscribe_lite_command=spb.NotifyUnsubscribeLiteCommand(lite_topic=lite))
+            )
+
+    answering = asyncio.create_task(answer())
+    relaying = asyncio.create_task(relay())
     try:
-        async for command in requests:
-            if command.WhichOneof("command") == "settings":
-                yield await settings_reply(edge, command.settings, caller)
-            # thread_stack_trace / verify_message_result answer commands we never send: ignored.
+        while (frame := await out.get()) is not None:
+            yield frame
+        await answering  # re-raise what ended the client's side, if anything did
     finally:
+        for task in (answering, relaying):
+            task.cancel()
+        await asyncio.gather(answering, relaying, return_exceptions=True)
         edge.dispatcher.stream_closed(client_id)
 
 
