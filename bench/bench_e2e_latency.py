@@ -96,14 +96,19 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=50.0, help="messages per second")
     parser.add_argument("--topics", type=int, default=10, help="lite topics")
+    parser.add_argument("--flush-mode", default="sync", choices=["sync", "async"], help="the broker's flush mode")
     args = parser.parse_args()
     count = 60 if args.quick else args.count
-    with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "data") as broker:
+    flags = ["--flush-mode", args.flush_mode]
+    with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "data", extra_args=flags) as broker:
         latencies = measure(broker.endpoint, count, args.rate, args.topics)
     if len(latencies) < count:
         raise SystemExit(f"only {len(latencies)} of {count} messages arrived")
     ms = [x * 1000 for x in latencies]
-    print(f"send -> LitePushConsumer, {count} messages at {args.rate:.0f}/s over {args.topics} lite topics, sync flush")
+    print(
+        f"send -> LitePushConsumer, {count} messages at {args.rate:.0f}/s over {args.topics} lite topics, "
+        f"{args.flush_mode} flush"
+    )
     print(f"latency p50 {statistics.median(ms):.2f} ms, p90 {percentile(ms, 90):.2f} ms, max {max(ms):.2f} ms")
     figure("send->consume latency p50", statistics.median(ms), "ms", op="<=", target=10)
     figure("send->consume latency p99", percentile(ms, 99), "ms", op="<=", target=10)
