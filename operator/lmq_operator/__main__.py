@@ -6,6 +6,7 @@ second replica would add nothing but a stall.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -23,7 +24,28 @@ def _quiet_resync(record: logging.LogRecord) -> bool:
     )
 
 
-def main() -> int:
+_ENVIRONMENT = """\
+environment (all optional unless noted):
+  LMQ_OPERATOR_BROKERS              static broker admin endpoints host:port,... (or the next three)
+  LMQ_OPERATOR_BROKER_SERVICE       headless Service of the broker StatefulSet (EndpointSlice discovery)
+  LMQ_OPERATOR_BROKER_NAMESPACE     namespace of that Service/StatefulSet (required with it)
+  LMQ_OPERATOR_BROKER_STATEFULSET   broker StatefulSet, to detect scale-down of brokers holding data
+  LMQ_OPERATOR_BROKER_PORT          admin port of discovered brokers (default 8081)
+  LMQ_OPERATOR_NAMESPACE            watch one namespace instead of the whole cluster
+  LMQ_OPERATOR_METRICS_PORT         Prometheus /metrics port (default 9101, -1 disables)
+  LMQ_OPERATOR_LIVENESS_ENDPOINT    kopf liveness endpoint (default http://0.0.0.0:8080/healthz)
+  LMQ_OPERATOR_ACCESS_KEY / _SECRET_KEY  sign admin calls when brokers require auth
+  LMQ_OPERATOR_RESYNC_SECONDS, _DISCOVERY_SECONDS, _ADMIN_TIMEOUT_SECONDS, _RETRY_SECONDS  timings
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m lmq_operator",
+        description="Reconciles ParentTopic, LiteGroup and LiteQuota resources into every lmq broker.",
+        epilog=_ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf.objects").addFilter(_quiet_resync)
     try:
