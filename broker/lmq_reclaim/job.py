@@ -181,7 +181,7 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
         credentials=_credentials(opts),
     )
     outcomes = (
-        _one_partition_per_broker(spark, candidates, names)
+        one_partition_per_broker(spark, candidates, names)
         .mapInArrow(tasks.delete_fn(delete_settings, stats, messages), c.OUTCOMES_DDL)
         .localCheckpoint(eager=True)
     )
@@ -218,7 +218,7 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
     out.error_messages.extend(messages.value)
 
 
-def _one_partition_per_broker(spark: SparkSession, frame: DataFrame, names: Sequence[str]) -> DataFrame:
+def one_partition_per_broker(spark: SparkSession, frame: DataFrame, names: Sequence[str]) -> DataFrame:
     """Hash-partition by a per-broker key chosen so that broker i lands in partition i.
 
     Spark's hash partitioning is ``pmod(murmur3(key, 42), n)``, the same function as SQL ``hash``; we ask

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import functions as sf
 
 from lmq_reclaim import columns as c
-from lmq_reclaim import transforms
+from lmq_reclaim import job, transforms
 from lmq_reclaim.columns import Outcome, Verdict
 
 MIN = transforms.MS_PER_MINUTE
@@ -144,3 +145,22 @@ def test_audit_lists_reclaimed_rows_and_counts_group_outcomes(spark: SparkSessio
     assert [r[c.LITE] for r in dry] == ["d"]
     counts = {(r[c.BROKER], r[c.OUTCOME]): r["count"] for r in transforms.outcome_counts(outcomes).collect()}
     assert counts == {("b0", "DELETED"): 1, ("b0", "KEPT_CHANGED"): 1, ("b1", "DELETED"): 1, ("b1", "WOULD_DELETE"): 1}
+
+
+def test_session_is_headless_and_quiet(spark: SparkSession) -> None:
+    conf = spark.sparkContext.getConf()
+    assert conf.get("spark.ui.enabled") == "false"
+    assert conf.get("spark.ui.showConsoleProgress") == "false"
+    assert conf.get("spark.local.dir", "").endswith("spark0")  # the fixture's tmp dir, not /tmp
+    assert "log4j2.configurationFile" in (conf.get("spark.driver.extraJavaOptions") or "")
+
+
+def test_every_broker_gets_a_partition_of_its_own(spark: SparkSession) -> None:
+    # The delete step relies on this: one token bucket per broker sees all of that broker's deletes.
+    names = [f"broker-{i}" for i in range(5)]
+    rows = [scanned_row(f"t{j}", broker=names[j % 5]) for j in range(200)]
+    spread = job.one_partition_per_broker(spark, frame(spark, rows), names)
+    placed = spread.select(c.BROKER, sf.spark_partition_id().alias("p")).distinct().collect()
+    by_broker = {r[c.BROKER]: r["p"] for r in placed}
+    assert len(placed) == 5
+    assert sorted(by_broker.values()) == [0, 1, 2, 3, 4]
