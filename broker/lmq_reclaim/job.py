@@ -80,7 +80,18 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
             summary.errors += 1
             out.error_messages.append(f"plan {name}: {exc.message}")
             log.error("broker %s skipped: %s", name, exc.message)
+    result.scan_tasks = interleave(result.scan_tasks)
     return result
+
+
+def interleave(scan_tasks: Sequence[tasks.ScanTask]) -> list[tasks.ScanTask]:
+    """Round-robin over brokers: Spark starts partitions in order, so neighbours should hit different
+    brokers rather than all cores queueing on the first one."""
+    by_broker: dict[str, list[tasks.ScanTask]] = {}
+    for t in scan_tasks:
+        by_broker.setdefault(t.broker, []).append(t)
+    queues = list(by_broker.values())
+    return [q[i] for i in range(max((len(q) for q in queues), default=0)) for q in queues if i < len(q)]
 
 
 def _credentials(opts: options.Options) -> brokers.Credentials | None:

@@ -9,7 +9,7 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmq_reclaim import keyspace
+from lmq_reclaim import job, keyspace, tasks
 
 NAME_CHARS = string.ascii_letters + string.digits + "_-"
 
@@ -96,3 +96,12 @@ def test_ranges_for_scales_with_count_and_caps() -> None:
     assert keyspace.ranges_for(1000, 1000, 64) == 1
     assert keyspace.ranges_for(1001, 1000, 64) == 2
     assert keyspace.ranges_for(10**9, 1000, 64) == 64
+
+
+def test_scan_tasks_alternate_between_brokers() -> None:
+    def task(broker: str, i: int) -> tasks.ScanTask:
+        return tasks.ScanTask(broker, f"{broker}:1", "P", keyspace.KeyRange(str(i), ""))
+
+    planned = [task("a", 0), task("a", 1), task("a", 2), task("b", 0), task("c", 0), task("c", 1)]
+    order = [(t.broker, t.key_range.start_after) for t in job.interleave(planned)]
+    assert order == [("a", "0"), ("b", "0"), ("c", "0"), ("a", "1"), ("c", "1"), ("a", "2")]
