@@ -52,6 +52,7 @@ class BrokerConfig(BaseModel):
     max_lite_topics_per_broker: int = Field(default=-1, ge=-1)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
     bootstrap: bool = True  # create AGENT_TASK_NS + executor-group on first start
+    index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""
     secret_key: str = ""
     tls_cert: Path | None = None

@@ -169,10 +169,10 @@ class MessageReader:
                 raise errors.InvalidArgument(
                     "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
                 )
-            queues: tuple[model.QueueId, ...] = (
-                parent_queue,
-                _lmq_of(topic, lite, self.config.max_lite_topic_size),
-            )
+            lmq = _lmq_of(topic, lite, self.config.max_lite_topic_size)
+            # The LMQ entry is what consumers read; a parent-queue entry has no reader here and costs as
+            # much again in the index, so it is written only when configured (RocketMQ's multi-dispatch).
+            queues: tuple[model.QueueId, ...] = (parent_queue, lmq) if self.config.index_parent_queue else (lmq,)
         else:
             if kind == pb.LITE or lite is not None:
                 raise errors.InvalidArgument(f"topic {topic} is not a LITE parent topic", kind="message_type")
