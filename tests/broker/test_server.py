@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from lmq_broker import app, model
+from lmq_broker.dispatch.testing import config_for
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.protocol.testing import Client
 
 pytestmark = pytest.mark.asyncio
@@ -382,3 +386,22 @@ async def test_exclusive_eviction_is_told_over_telemetry(client: Client, broker:
         assert notice.notify_unsubscribe_lite_command.lite_topic == "shared"
     finally:
         call.cancel()
+
+
+@pytest.mark.parametrize("index_parent", [False, True])
+async def test_lite_messages_are_indexed_in_the_parent_queue_only_when_configured(
+    tmp_path: Path, index_parent: bool
+) -> None:
+    config = config_for(tmp_path / "data", host="127.0.0.1", port=0, metrics_port=-1, index_parent_queue=index_parent)
+    broker = app.Broker(config)
+    await broker.start()
+    try:
+        assert broker.store is not None
+        async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+            stub = service_pb2_grpc.MessagingServiceStub(channel)
+            reply = await stub.SendMessage(spb.SendMessageRequest(messages=[lite_message("t1")]), metadata=H("p"))
+        assert reply.status.code == pb.OK
+        assert broker.store.queue_offsets(model.QueueId.lmq(PARENT, "t1")) == (0, 1)
+        assert broker.store.queue_offsets(model.QueueId(PARENT, 0)) == ((0, 1) if index_parent else (0, 0))
+    finally:
+        await broker.stop(0.2)
