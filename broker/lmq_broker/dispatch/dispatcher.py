@@ -277,8 +277,12 @@ class Dispatcher:
         their topics hold. Quotas were checked when the subscriptions were made."""
         now = self.clock()
         for r in records:
-            self.registry.touch(r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic)
-            self.registry.add(r.client_id, r.lmqs, registry.UNLIMITED, now)
+            try:
+                self.registry.touch(r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic)
+                self.registry.add(r.client_id, r.lmqs, registry.UNLIMITED, now)
+            except errors.LmqError as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
+                log.warning("subscriptions of client %s not restored: %s", r.client_id, exc.message)
+                continue
             self.ready.request_catchup(r.client_id, now)
         self._arm(now)
 
