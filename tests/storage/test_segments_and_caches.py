@@ -90,3 +90,18 @@ def test_dropped_segment_descriptors_close_one_retention_pass_later(
     assert log._graveyard  # still open for a reader that looked its entry up just before the drop
     s.apply_retention()
     assert not log._graveyard
+
+
+def test_index_tables_have_partitioned_index_and_filter_blocks(open_lmq: OpenLmq, msg: Msg) -> None:
+    """A million topics make multi-megabyte index/filter blocks; whole, they would not fit a block-cache shard
+    and every lookup would re-read them. The tables must be written partitioned (small, cacheable blocks)."""
+    s = open_lmq()
+    s.append([msg(lite=f"t{i}") for i in range(2000)])
+    s.close()  # flushes the memtable into a table file
+    idx = index_mod.Index(s._cfg.data_dir / "index", 1 << 20)
+    try:
+        props = idx._db.property_value("rocksdb.aggregated-table-properties") or ""
+    finally:
+        idx.close()
+    assert "# index partitions=" in props
+    assert "filter block size=0;" not in props
