@@ -2,7 +2,8 @@
 
 Auth, when an access key is configured, covers every service: the official clients sign every call, and
 so does our admin client (``protocol.auth.sign_metadata``), so one key pair guards the whole port and no
-unauthenticated caller can administer the broker. Only gRPC health checks are exempt (kubelet probes).
+unauthenticated caller can administer the broker. The probes are HTTP (``/healthz``, ``/readyz``), off this
+port, so they need no credentials.
 """
 
 from __future__ import annotations
