@@ -83,21 +83,24 @@ def run(root: Path, mode: config.FlushMode, batch: int, batches: int, rounds: in
     )
 
 
-def single_append_baseline(root: Path, k: int) -> None:
-    """The other reading of 'a single append': one message per call in sync mode (fsync each time)."""
+def single_append_baseline(root: Path, k: int, rounds: int) -> None:
+    """The other reading of 'a single append': one message per call in sync mode (an fsync each time).
+
+    fsync latency is noisy, so calls with 0 and with ``k`` extra queues alternate and medians are compared."""
     store = store_mod.open_store(config.StoreConfig(data_dir=root / "single", flush_mode=config.FlushMode.SYNC))
-    msgs0, msgsk = batch_for(0, 200, 0), batch_for(k, 200, 10_000)
+    msgs0, msgsk = batch_for(0, rounds, 0), batch_for(k, rounds, 10_000)
     store.append(msgsk[:1])
-    t = time.perf_counter()
-    for m in msgs0:
-        store.append([m])
-    t0 = (time.perf_counter() - t) / len(msgs0) * 1e6
-    t = time.perf_counter()
-    for m in msgsk:
-        store.append([m])
-    tk = (time.perf_counter() - t) / len(msgsk) * 1e6
+    t0s, tks = [], []
+    for m0, mk in zip(msgs0, msgsk, strict=True):
+        t = time.perf_counter()
+        store.append([m0])
+        t0s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        store.append([mk])
+        tks.append(time.perf_counter() - t)
     store.close()
-    print(f"# unbatched sync append: {t0:.1f} us with 0 extra queues, {tk:.1f} us with {k}")
+    t0, tk = statistics.median(t0s) * 1e6, statistics.median(tks) * 1e6
+    print(f"# unbatched sync append (median of {rounds}): {t0:.1f} us with 0 extra queues, {tk:.1f} us with {k}")
     figure(
         "multidispatch_unbatched_sync_extra_queue_cost",
         100 * (tk - t0) / k / t0,
@@ -118,7 +121,7 @@ def main() -> None:
     try:
         run(root, config.FlushMode.SYNC, batch, batches, rounds)
         run(root, config.FlushMode.ASYNC, batch, batches, rounds)
-        single_append_baseline(root, 16)
+        single_append_baseline(root, 16, 50 if args.quick else 500)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         print(f"# load average at end: {os.getloadavg()[0]:.2f}")

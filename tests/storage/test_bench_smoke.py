@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-FIGURE = re.compile(r"^FIGURE (\w+): [\d,.]+ .*\(target (<=|>=) [\d,.]+ .*\) (PASS|BELOW TARGET)", re.MULTILINE)
+FIGURE = re.compile(r"^FIGURE (\w+): -?[\d,.]+ .*\(target (<=|>=) [\d,.]+ .*\) (PASS|BELOW TARGET)", re.MULTILINE)
 
 EXPECTED = {
     "bench_store_append.py": {

@@ -165,7 +165,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
             qn = names.queue(q.topic, q.queue)
         qlist.append(qn)
     qnames = tuple(qlist)
-    if n > 1 and len({qn.qkey for qn in qnames}) != n:
+    if (qnames[0].qkey == qnames[1].qkey) if n == 2 else (n > 2 and len({qn.qkey for qn in qnames}) != n):
         raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
     mid = m.message_id.encode()
     if not mid or len(mid) > MAX_MESSAGE_ID_BYTES:
@@ -181,7 +181,12 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         props = b""
     if lite is not None and not any(qn.lite == lite for qn in qnames) and not model.is_valid_lite_topic(lite):
         raise errors.InvalidLiteTopic(f"invalid lite topic {lite!r}", lite_topic=lite)
-    queue_names = qnames[0].record if n == 1 else b"".join([qn.record for qn in qnames])
+    if n == 1:
+        queue_names = qnames[0].record
+    elif n == 2:
+        queue_names = qnames[0].record + qnames[1].record
+    else:
+        queue_names = b"".join([qn.record for qn in qnames])
     size = FIXED_BYTES + 8 * n + len(queue_names) + len(mid) + len(topic) + len(props) + len(body)
     if size > max_record_bytes:
         raise errors.RecordTooLarge(

@@ -417,6 +417,9 @@ class LmqStore:
                 queues = m.queues
                 if len(queues) == 1:
                     results.append(append_result(m.message_id, {queues[0]: offsets[0]}, store_ms))
+                elif len(queues) == 2:
+                    result = {queues[0]: offsets[0], queues[1]: offsets[1]}
+                    results.append(append_result(m.message_id, result, store_ms))
                 else:
                     results.append(append_result(m.message_id, dict(zip(queues, offsets, strict=True)), store_ms))
             r.results = results
