@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 types: $(STAMP)
-	$(BIN)/mypy broker operator tests bench
+	$(BIN)/mypy broker operator tests bench scripts
 
 imports: $(STAMP)
 	$(BIN)/lint-imports
