@@ -80,6 +80,11 @@ def generate(data_dir: Path, topics: int, seed: int) -> tuple[int, float]:
     return expired, time.perf_counter() - started
 
 
+def expired_of(topics: int) -> int:
+    """How many of ``topics`` the generator makes old (same block rule as ``generate``)."""
+    return sum(min(BLOCK, topics - start) for b, start in enumerate(range(0, topics, BLOCK)) if b % OLD_EVERY == 0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topics", type=int, default=10_000_000, help="lite topics over all brokers (10M)")
@@ -87,21 +92,33 @@ def main() -> int:
     ap.add_argument("--brokers", type=int, default=2)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--keep", type=Path, default=None, help="work in this dir and keep it")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the job with --dry-run: brokers still compare every candidate (WOULD_DELETE) but delete nothing",
+    )
     args = ap.parse_args()
     topics = 100_000 if args.quick else args.topics
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-reclaim-"))
     work.mkdir(parents=True, exist_ok=True)
+    existing = all((work / f"broker-{i}" / "index").exists() for i in range(args.brokers))
     per_broker = [topics // args.brokers + (1 if i < topics % args.brokers else 0) for i in range(args.brokers)]
     print(f"setup: {topics} lite topics over {args.brokers} brokers, 1 in {OLD_EVERY} expired; work dir {work}")
+    if args.dry_run:
+        print("mode: --dry-run (candidates are compared on the brokers, nothing is deleted)")
 
     started = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.brokers) as pool:
-        results = list(
-            pool.map(generate, [work / f"broker-{i}" for i in range(args.brokers)], per_broker, range(args.brokers))
-        )
-    gen_s = time.perf_counter() - started
-    expired = sum(r[0] for r in results)
-    print(f"generation: {gen_s:.1f} s ({topics / gen_s:,.0f} topics/s over {args.brokers} processes; not counted)")
+    if existing and args.keep is not None:
+        # A kept dir from an earlier --dry-run holds the same topics (the generator is seeded).
+        expired = sum(expired_of(n) for n in per_broker)
+        print("generation: reused the kept data dirs (not counted)")
+    else:
+        with ProcessPoolExecutor(max_workers=args.brokers) as pool:
+            dirs = [work / f"broker-{i}" for i in range(args.brokers)]
+            results = list(pool.map(generate, dirs, per_broker, range(args.brokers)))
+        gen_s = time.perf_counter() - started
+        expired = sum(r[0] for r in results)
+        print(f"generation: {gen_s:.1f} s ({topics / gen_s:,.0f} topics/s over {args.brokers} processes; not counted)")
 
     brokers: list[testing.BrokerProcess] = []
     try:
@@ -114,6 +131,7 @@ def main() -> int:
                 *("--now-ms", str(NOW_MS), "--master", args.master, "--local-dir", str(work / "spark")),
                 *("--max-deletes-per-second", "0", "--driver-memory", "2g"),
                 *("--audit-path", str(work / "audit"), "--log-level", "WARNING"),
+                *(["--dry-run"] if args.dry_run else []),
             ]
         )
         t0 = time.perf_counter()
