@@ -32,8 +32,8 @@ ArrowMap = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 
 
 class StatsParam(AccumulatorParam[dict[str, float]]):
-    """Sums numbers per key; ``"errors:<broker>"`` keys count failures, ``"error_text"`` is never used as
-    a number (messages travel in ``MessagesParam``)."""
+    """Sums numbers per ``"<metric>:<broker>"`` key: rows and seconds of scans and deletes, and
+    ``errors:<broker>``, the failed calls. Messages of the failures travel in ``MessagesParam``."""
 
     def zero(self, value: dict[str, float]) -> dict[str, float]:
         return {}
@@ -45,6 +45,8 @@ class StatsParam(AccumulatorParam[dict[str, float]]):
 
 
 class MessagesParam(AccumulatorParam[list[str]]):
+    """The first ``MAX_ERROR_MESSAGES`` failure messages: enough to diagnose, bounded if a broker is down."""
+
     def zero(self, value: list[str]) -> list[str]:
         return []
 
