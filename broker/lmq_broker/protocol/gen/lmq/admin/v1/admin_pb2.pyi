@@ -77,13 +77,18 @@ class ParentTopic(_message.Message):
     MESSAGE_TYPE_FIELD_NUMBER: _builtins.int
     EXPIRATION_MINUTES_FIELD_NUMBER: _builtins.int
     MAX_LITE_TOPICS_FIELD_NUMBER: _builtins.int
+    QUEUE_COUNT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     message_type: _builtins.int
-    """apache.rocketmq.v2.MessageType number; parent topics of lite topics use LITE (5)."""
+    """apache.rocketmq.v2.MessageType number: LITE (5) for parents of lite topics, or NORMAL (1); 0 means LITE.
+    Immutable once the topic exists.
+    """
     expiration_minutes: _builtins.int
     """Minutes a lite topic may stay idle before it is reclaimed; -1 never."""
     max_lite_topics: _builtins.int
     """-1 unlimited."""
+    queue_count: _builtins.int
+    """Queues of a NORMAL topic; LITE parents use 1; 0 means the default, 1."""
     def __init__(
         self,
         *,
@@ -91,10 +96,11 @@ class ParentTopic(_message.Message):
         message_type: _builtins.int = ...,
         expiration_minutes: _builtins.int = ...,
         max_lite_topics: _builtins.int = ...,
+        queue_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expiration_minutes", b"expiration_minutes", "max_lite_topics", b"max_lite_topics", "message_type", b"message_type", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expiration_minutes", b"expiration_minutes", "max_lite_topics", b"max_lite_topics", "message_type", b"message_type", "name", b"name", "queue_count", b"queue_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
