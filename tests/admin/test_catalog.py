@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.admin import reclaiming
+from lmq_broker.admin import convert, reclaiming
 from lmq_broker.admin.testing import Broker
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
 
 
 # --- parent topics ------------------------------------------------------------------------------------------
@@ -34,7 +37,13 @@ def test_put_parent_topic_is_an_idempotent_upsert(broker: Broker) -> None:
         (model.ParentTopic("has space"), "topic.name"),
         (model.ParentTopic("a$b"), "topic.name"),
         (model.ParentTopic(""), "topic.name"),
-        (model.ParentTopic("t", message_type=model.MessageType.NORMAL), "topic.message_type"),
+        (model.ParentTopic("t", message_type=model.MessageType.FIFO), "topic.message_type"),
+        (model.ParentTopic("t", message_type=model.MessageType.TRANSACTION), "topic.message_type"),
+        (model.ParentTopic("t", queue_count=2), "topic.queue_count"),  # a LITE parent has one queue
+        (model.ParentTopic("t", model.MessageType.NORMAL, queue_count=65), "topic.queue_count"),
+        (model.ParentTopic("t", model.MessageType.NORMAL, queue_count=-1), "topic.queue_count"),
+        (model.ParentTopic("t", model.MessageType.NORMAL, expiration_minutes=60), "topic.expiration_minutes"),
+        (model.ParentTopic("t", model.MessageType.NORMAL, max_lite_topics=10), "topic.max_lite_topics"),
         (model.ParentTopic("t", expiration_minutes=43_201), "topic.expiration_minutes"),
         (model.ParentTopic("t", expiration_minutes=-2), "topic.expiration_minutes"),
         (model.ParentTopic("t", max_lite_topics=-2), "topic.max_lite_topics"),
@@ -50,6 +59,83 @@ def test_invalid_parent_topic_is_refused_naming_the_field(
     assert raised.value.fields["code"] == "INVALID_ARGUMENT"
     assert admin.list_parent_topics() == []
     assert memory_broker.live.metadata_changes == 0
+
+
+def test_unsupported_message_type_names_the_supported_ones(memory_broker: Broker) -> None:
+    with pytest.raises(errors.InvalidArgument) as raised:
+        memory_broker.client().put_parent_topic(model.ParentTopic("t", model.MessageType.DELAY))
+    assert raised.value.message == "topic.message_type: DELAY is not supported; use LITE (5) or NORMAL (1)"
+
+
+def test_normal_topic_is_stored_with_its_queue_count(broker: Broker) -> None:
+    admin = broker.client()
+    topic = model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=4)
+
+    put = admin.put_parent_topic(topic)
+
+    assert (put.value, put.created) == (topic, True)
+    assert admin.get_parent_topic("jobs").topic == topic
+    assert broker.store.get_parent_topic("jobs") == topic
+    assert broker.live.metadata_changes == 1
+    assert admin.put_parent_topic(model.ParentTopic("one", model.MessageType.NORMAL, queue_count=1)).created
+    assert admin.put_parent_topic(model.ParentTopic("max", model.MessageType.NORMAL, queue_count=64)).created
+    assert {t.topic.name: t.topic.queue_count for t in admin.list_parent_topics()} == {"jobs": 4, "one": 1, "max": 64}
+
+
+def test_unset_queue_count_and_message_type_mean_one_lite_queue(memory_broker: Broker) -> None:
+    with grpc.insecure_channel(memory_broker.endpoint) as channel:  # a caller that leaves the fields unset
+        stub = admin_pb2_grpc.LmqAdminStub(channel)
+        lite = stub.PutParentTopic(pb.PutParentTopicRequest(topic=pb.ParentTopic(name="orders")), timeout=10)
+        normal = pb.ParentTopic(
+            name="jobs", message_type=int(model.MessageType.NORMAL), expiration_minutes=-1, max_lite_topics=-1
+        )
+        plain = stub.PutParentTopic(pb.PutParentTopicRequest(topic=normal), timeout=10)
+
+    assert (lite.topic.message_type, lite.topic.queue_count) == (int(model.MessageType.LITE), 1)
+    assert (plain.topic.message_type, plain.topic.queue_count) == (int(model.MessageType.NORMAL), 1)
+    assert memory_broker.store.get_parent_topic("jobs") == model.ParentTopic("jobs", model.MessageType.NORMAL)
+
+
+def test_queue_count_and_message_type_survive_the_wire_both_ways() -> None:
+    topic = model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=7)
+    assert convert.parent_topic_from_pb(convert.parent_topic_to_pb(topic)) == topic
+    assert convert.parent_topic_to_pb(topic).queue_count == 7
+
+
+def test_normal_topic_queues_may_grow_but_not_shrink(broker: Broker) -> None:
+    admin = broker.client()
+    admin.put_parent_topic(model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=2))
+
+    grown = admin.put_parent_topic(model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=8))
+    assert (grown.created, grown.value.queue_count) == (False, 8)
+    changes = broker.live.metadata_changes
+    with pytest.raises(errors.Conflict, match=r"topic\.queue_count can only grow") as raised:
+        admin.put_parent_topic(model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=3))
+
+    assert raised.value.fields["code"] == "FAILED_PRECONDITION"
+    assert admin.get_parent_topic("jobs").topic.queue_count == 8
+    assert broker.live.metadata_changes == changes
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [(model.MessageType.LITE, model.MessageType.NORMAL), (model.MessageType.NORMAL, model.MessageType.LITE)],
+)
+def test_message_type_of_an_existing_topic_is_immutable(
+    broker: Broker, first: model.MessageType, then: model.MessageType
+) -> None:
+    admin = broker.client()
+    admin.put_parent_topic(model.ParentTopic("t", first))
+
+    with pytest.raises(errors.Conflict, match=r"topic\.message_type is immutable") as raised:
+        admin.put_parent_topic(model.ParentTopic("t", then))
+
+    assert raised.value.fields["code"] == "FAILED_PRECONDITION"
+    assert f"is {first.name}, not {then.name}" in raised.value.message
+    assert admin.get_parent_topic("t").topic.message_type is first
+    assert broker.live.metadata_changes == 1
+    admin.delete_parent_topic("t")  # deleting and re-creating is the way to change it
+    assert admin.put_parent_topic(model.ParentTopic("t", then)).created
 
 
 def test_expiration_bounds_are_accepted(memory_broker: Broker) -> None:
@@ -135,6 +221,17 @@ def test_group_needs_an_existing_lite_bind_topic(broker: Broker) -> None:
 
     assert (put.value, put.created) == (group, True)
     assert not admin.put_group(group).created
+
+
+def test_group_cannot_bind_a_normal_topic(broker: Broker) -> None:
+    admin = broker.client()
+    admin.put_parent_topic(model.ParentTopic("jobs", model.MessageType.NORMAL))
+
+    with pytest.raises(errors.Conflict, match="topic 'jobs' is NORMAL, not LITE") as raised:
+        admin.put_group(model.LiteGroup("g", bind_topic="jobs"))
+
+    assert raised.value.fields["code"] == "FAILED_PRECONDITION"
+    assert admin.list_groups() == []
 
 
 def test_group_bind_topic_is_immutable(broker: Broker) -> None:

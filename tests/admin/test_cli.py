@@ -60,6 +60,46 @@ def test_parent_topic_put_get_list_delete(broker: Broker) -> None:
     assert (code, out.strip()) == (0, "(none)")
 
 
+def test_parent_topic_put_of_a_normal_topic_with_queues(broker: Broker) -> None:
+    code, out, err = run(broker, "parent-topic", "put", "jobs", "--message-type", "NORMAL", "--queues", "4")
+    assert (code, err) == (0, "")
+    header, row = out.splitlines()
+    assert dict(zip(header.split(), row.split(), strict=True)) == {
+        "NAME": "jobs",
+        "MESSAGE_TYPE": "NORMAL",
+        "EXPIRATION_MINUTES": "-1",
+        "MAX_LITE_TOPICS": "-1",
+        "QUEUE_COUNT": "4",
+        "CREATED": "True",
+    }
+    assert broker.store.get_parent_topic("jobs") == model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=4)
+    got = run_json(broker, "parent-topic", "get", "jobs")["topic"]
+    assert (got["message_type"], got["queue_count"]) == ("NORMAL", 4)
+
+    code, _, err = run(broker, "parent-topic", "put", "jobs", "--queues", "4")  # LITE by default
+    assert code == 1
+    assert err.startswith("error: InvalidArgument: topic.queue_count: must be 1 for a LITE topic")
+    code, _, err = run(broker, "parent-topic", "put", "jobs", "--message-type", "NORMAL", "--queues", "65")
+    assert code == 1
+    assert err.startswith("error: InvalidArgument: topic.queue_count: must be in 1..64")
+    code, _, err = run(broker, "parent-topic", "put", "jobs", "--message-type", "NORMAL", "--expiration-minutes", "5")
+    assert code == 1
+    assert err.startswith("error: InvalidArgument: topic.expiration_minutes: applies to LITE topics only")
+    code, _, err = run(broker, "parent-topic", "put", "orders", "--message-type", "NORMAL", "--queues", "2")
+    assert code == 0
+    code, _, err = run(broker, "parent-topic", "put", "orders")
+    assert code == 1
+    assert err.startswith("error: Conflict: topic.message_type is immutable: topic 'orders' is NORMAL, not LITE")
+
+
+def test_parent_topic_put_refuses_other_message_types_as_usage(
+    broker: Broker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["--endpoint", broker.endpoint, "parent-topic", "put", "t", "--message-type", "FIFO"]) == 2
+    assert "invalid choice: 'FIFO'" in capsys.readouterr().err
+    assert broker.client().list_parent_topics() == []
+
+
 def test_group_commands(broker: Broker) -> None:
     broker.client().put_parent_topic(model.ParentTopic("orders"))
 

@@ -1,7 +1,8 @@
 """Parent topics, lite groups and quotas: validated, idempotent upserts over the store.
 
 Blocking; the service runs each call in a worker thread. Writes take one lock so that check-then-write
-rules (a group's bind topic must exist and never changes) hold against concurrent admin calls. Callers
+rules (a group's bind topic must exist and never changes; a topic's message type never changes and its
+queue count never shrinks) hold against concurrent admin calls. Callers
 learn whether anything changed, so the dispatcher's caches are dropped only when they are stale.
 """
 
@@ -43,6 +44,22 @@ class Catalog:
         topic = validation.parent_topic(topic)
         with self._lock:
             existing = self._store.get_parent_topic(topic.name)
+            if existing is not None and existing.message_type is not topic.message_type:
+                # As RocketMQ's message.type: stored messages and bound groups were made for the old type.
+                raise errors.Conflict(
+                    f"topic.message_type is immutable: topic {topic.name!r} is {existing.message_type.name}, "
+                    f"not {topic.message_type.name}; delete it first",
+                    topic=topic.name,
+                    message_type=existing.message_type.name,
+                )
+            if existing is not None and topic.queue_count < existing.queue_count:
+                # Receivers only read queues below the count, so messages in the dropped queues would be stranded.
+                raise errors.Conflict(
+                    f"topic.queue_count can only grow: topic {topic.name!r} has {existing.queue_count} queues, "
+                    f"asked for {topic.queue_count}",
+                    topic=topic.name,
+                    queue_count=existing.queue_count,
+                )
             if existing == topic:
                 return Upsert(topic, created=False, changed=False)
             self._store.put_parent_topic(topic)

@@ -86,7 +86,13 @@ def emit(result: object, output: str, out: TextIO) -> None:
 # --- commands --------------------------------------------------------------------------------------------
 def _put_parent(admin: AdminClient, a: argparse.Namespace) -> object:
     return admin.put_parent_topic(
-        model.ParentTopic(a.name, expiration_minutes=a.expiration_minutes, max_lite_topics=a.max_lite_topics)
+        model.ParentTopic(
+            a.name,
+            model.MessageType[a.message_type],
+            expiration_minutes=a.expiration_minutes,
+            max_lite_topics=a.max_lite_topics,
+            queue_count=a.queues,
+        )
     )
 
 
@@ -162,13 +168,22 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    topics = resources.add_parser("parent-topic", help="parent topics of lite topics").add_subparsers(
-        dest="verb", required=True, metavar="VERB"
-    )
+    topics = resources.add_parser(
+        "parent-topic", help="topics: LITE parents of lite topics, or NORMAL topics"
+    ).add_subparsers(dest="verb", required=True, metavar="VERB")
     put = verb(topics, "put", _put_parent, "create or update")
     put.add_argument("name")
-    put.add_argument("--expiration-minutes", type=int, default=-1, help="idle minutes before reclaim; -1 never")
-    put.add_argument("--max-lite-topics", type=int, default=-1, help="-1 unlimited")
+    put.add_argument(
+        "--message-type",
+        choices=("LITE", "NORMAL"),
+        default="LITE",
+        help="LITE (default): parent of lite topics; NORMAL: for PushConsumer/SimpleConsumer. Immutable once set",
+    )
+    put.add_argument("--queues", type=int, default=1, help="queues of a NORMAL topic, 1..64 (LITE: 1); never shrinks")
+    put.add_argument(
+        "--expiration-minutes", type=int, default=-1, help="LITE only: idle minutes before reclaim; -1 never"
+    )
+    put.add_argument("--max-lite-topics", type=int, default=-1, help="LITE only: -1 unlimited")
     verb(topics, "get", lambda c, a: c.get_parent_topic(a.name), "show one").add_argument("name")
     delete = verb(
         topics, "delete", lambda c, a: c.delete_parent_topic(a.name, purge_lite_topics=a.purge_lite_topics), "delete"

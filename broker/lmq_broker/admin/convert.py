@@ -1,8 +1,9 @@
 """Model values ↔ lmq.admin.v1 messages; shared by the service and the client, so both read one mapping.
 
-Decoding is exact except where proto3 cannot tell "unset" from zero: an unset message type means LITE
-and an unset subscription model means SHARED. Other zeros (quotas, capacities) are given their defaults
-by ``validation`` on the server, which knows the broker's configuration.
+Decoding is exact except where proto3 cannot tell "unset" from zero: an unset message type means LITE,
+an unset queue count means 1 and an unset subscription model means SHARED. Other zeros (quotas,
+capacities) are given their defaults by ``validation`` on the server, which knows the broker's
+configuration.
 
 Lite-topic rows travel as columns (one repeated field per attribute): ``LITE_TOPIC_COLUMNS`` names them
 for both ends, so a scanned batch can be handed back to CompareAndDelete as it is.
@@ -42,6 +43,7 @@ def parent_topic_to_pb(topic: model.ParentTopic) -> pb.ParentTopic:
         message_type=int(topic.message_type),
         expiration_minutes=topic.expiration_minutes,
         max_lite_topics=topic.max_lite_topics,
+        queue_count=topic.queue_count,
     )
 
 
@@ -58,6 +60,7 @@ def parent_topic_from_pb(message: pb.ParentTopic) -> model.ParentTopic:
         message_type=message_type,
         expiration_minutes=message.expiration_minutes,
         max_lite_topics=message.max_lite_topics,
+        queue_count=message.queue_count or 1,
     )
 
 

@@ -15,6 +15,10 @@ from lmq_broker.config import BrokerConfig
 EXPIRATION_MINUTES_MIN: Final = -1  # never expire
 EXPIRATION_MINUTES_MAX: Final = 43_200  # 30 days: RocketMQ's upper bound
 READY_CAPACITY_MIN: Final = 10
+QUEUE_COUNT_MIN: Final = 1
+QUEUE_COUNT_MAX: Final = 64
+# Parent topics of lite topics, and plain topics for PushConsumer/SimpleConsumer (and rocketmq-a2a requests).
+PARENT_MESSAGE_TYPES: Final = (model.MessageType.LITE, model.MessageType.NORMAL)
 SCOPE_BROKER: Final = "broker"
 SCOPE_KINDS: Final = ("parent", "namespace")
 _NAME_RULE: Final = f"1..{model.MAX_RESOURCE_NAME_BYTES} bytes of [%A-Za-z0-9_-]"
@@ -45,10 +49,24 @@ def _at_least(field: str, value: int, minimum: int) -> int:
 
 def parent_topic(topic: model.ParentTopic) -> model.ParentTopic:
     name("topic.name", topic.name)
-    if topic.message_type is not model.MessageType.LITE:
-        raise _invalid(
-            "topic.message_type", f"must be LITE ({int(model.MessageType.LITE)}), got {topic.message_type.name}"
-        )
+    if topic.message_type not in PARENT_MESSAGE_TYPES:
+        supported = " or ".join(f"{t.name} ({int(t)})" for t in PARENT_MESSAGE_TYPES)
+        raise _invalid("topic.message_type", f"{topic.message_type.name} is not supported; use {supported}")
+    if not QUEUE_COUNT_MIN <= topic.queue_count <= QUEUE_COUNT_MAX:
+        raise _invalid("topic.queue_count", f"must be in {QUEUE_COUNT_MIN}..{QUEUE_COUNT_MAX}, got {topic.queue_count}")
+    if topic.message_type is model.MessageType.LITE:
+        # A lite topic is one queue of its own; the parent's queues are never read.
+        if topic.queue_count != 1:
+            raise _invalid("topic.queue_count", f"must be 1 for a LITE topic, got {topic.queue_count}")
+    else:
+        # Refused rather than silently ignored: a NORMAL topic has no lite topics to expire or count.
+        defaults = model.ParentTopic(topic.name)
+        for field in ("expiration_minutes", "max_lite_topics"):
+            value, default = getattr(topic, field), getattr(defaults, field)
+            if value != default:
+                raise _invalid(
+                    f"topic.{field}", f"applies to LITE topics only; must be {default} for a NORMAL topic, got {value}"
+                )
     if not EXPIRATION_MINUTES_MIN <= topic.expiration_minutes <= EXPIRATION_MINUTES_MAX:
         raise _invalid(
             "topic.expiration_minutes",
