@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,26 +18,22 @@ from rocketmq_a2a.server.rocketmq_agent_server import AgentServerConfig, RocketM
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.config import StoreConfig
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.testing import BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import BrokerProcess, Inbox
 
-# The admin service only creates LITE parent topics, so NORMAL topics are written into the data directory
-# before this module's broker starts (the broker serves whatever its store holds).
 NAMESPACE = "a2a"  # rocketmq-a2a needs one; lmq keeps one name space and echoes the namespace field
-NORMAL_TOPICS = {"orders": 2, "jobs": 1, "WeatherAgentTask": 1}
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    data = tmp_path_factory.mktemp("normal") / "data"
-    store = lmq_store.open_store(StoreConfig(data_dir=data))
-    for name, queues in NORMAL_TOPICS.items():
-        store.put_parent_topic(model.ParentTopic(name, model.MessageType.NORMAL, queue_count=queues))
-    store.close()
-    process = start_broker(data)
-    yield process
-    assert process.stop() == 0, process.log()[-4000:]
+@pytest.fixture
+def normal_topic(admin: AdminClient, unique: Callable[[str], str]) -> Callable[[str, int], str]:
+    """Create a NORMAL topic through the admin service of the running broker; returns its name."""
+
+    def create(prefix: str, queues: int) -> str:
+        name = unique(prefix)
+        put = admin.put_parent_topic(model.ParentTopic(name, model.MessageType.NORMAL, queue_count=queues))
+        assert put.created and put.value.queue_count == queues
+        return name
+
+    return create
 
 
 def config(broker: BrokerProcess) -> Any:
@@ -45,9 +41,12 @@ def config(broker: BrokerProcess) -> Any:
 
 
 def test_push_consumer_on_a_normal_topic(
-    broker: BrokerProcess, admin: AdminClient, clients: list[Any], unique: Callable[[str], str]
+    broker: BrokerProcess,
+    normal_topic: Callable[[str, int], str],
+    clients: list[Any],
+    unique: Callable[[str], str],
 ) -> None:
-    topic = "orders"
+    topic = normal_topic("orders", 2)  # two queues: the consumer must read both
     inbox = Inbox()
     consumer = PushConsumer(config(broker), unique("order-readers"), inbox, {topic: FilterExpression()})
     consumer.startup()
@@ -67,9 +66,12 @@ def test_push_consumer_on_a_normal_topic(
 
 
 def test_simple_consumer_on_a_normal_topic(
-    broker: BrokerProcess, admin: AdminClient, clients: list[Any], unique: Callable[[str], str]
+    broker: BrokerProcess,
+    normal_topic: Callable[[str, int], str],
+    clients: list[Any],
+    unique: Callable[[str], str],
 ) -> None:
-    topic = "jobs"
+    topic = normal_topic("jobs", 1)
     consumer = SimpleConsumer(config(broker), unique("job-takers"), {topic: FilterExpression()}, await_duration=5)
     consumer.startup()
     clients.append(consumer)
@@ -90,8 +92,13 @@ def test_simple_consumer_on_a_normal_topic(
     assert consumer.receive(8, 15) == []
 
 
-def test_a2a_request_reply_round_trip(broker: BrokerProcess, admin: AdminClient, unique: Callable[[str], str]) -> None:
-    biz_topic = "WeatherAgentTask"
+def test_a2a_request_reply_round_trip(
+    broker: BrokerProcess,
+    admin: AdminClient,
+    normal_topic: Callable[[str, int], str],
+    unique: Callable[[str], str],
+) -> None:
+    biz_topic = normal_topic("WeatherAgentTask", 1)
     reply_topic, reply_group = unique("WorkerAgentResponse"), unique("CID_HOST_AGENT_LITE")
     server_topic, server_group = unique("WorkerAgentResponseServer"), unique("CID_HOST_AGENT_LITE_SERVER")
     for topic, group in ((reply_topic, reply_group), (server_topic, server_group)):
