@@ -385,39 +385,57 @@ _set_tag, _set_keys, _set_group, _set_user = _S["tag"], _S["keys"], _S["message_
 
 
 def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.StoredMessage:
-    """The read path: one record as the message stored at ``offset`` of ``queue``.
+    """The read path: one record (exactly ``buf``) as the message stored at ``offset`` of ``queue``.
 
-    The StoredMessage is filled through its slot descriptors rather than the frozen dataclass ``__init__``
-    (14 ``object.__setattr__`` calls): the same object, a few microseconds less per message read."""
-    _, header = _check(buf, 0, len(buf))
-    _, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, names_len, props_len, body_len = header
-    if kind != KIND_MESSAGE:
-        raise errors.CorruptRecord("index points at a tombstone", offset=offset)
-    msg: model.StoredMessage = _new_object(model.StoredMessage)
+    Same checks as ``decode``, specialised for one whole buffer. The StoredMessage is filled through its slot
+    descriptors rather than the frozen dataclass ``__init__`` (14 ``object.__setattr__`` calls): the same
+    object, a few microseconds less per message read."""
+    if len(buf) < FIXED_BYTES:
+        raise errors.CorruptRecord("truncated record header", offset=offset)
+    length, crc = PREFIX.unpack_from(buf)
+    if length + 4 != len(buf):
+        raise errors.CorruptRecord("record length does not match its index entry", offset=offset)
+    if _crc32c.crc32c(buf[8:]) != crc:
+        raise errors.CorruptRecord("record CRC mismatch", offset=offset)
+    version, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, names_len, props_len, body_len = HEADER.unpack_from(
+        buf, 8
+    )
+    if version != VERSION:
+        raise errors.UnsupportedVersion(f"record version {version} not supported", offset=offset, version=version)
+    if kind != KIND_MESSAGE or n == 0:
+        raise errors.CorruptRecord("index points at a record that is not a message", offset=offset)
     at = FIXED_BYTES + 8 * n + names_len
+    if at + mid_len + topic_len + props_len + body_len != len(buf):
+        raise errors.CorruptRecord("record field lengths do not add up", offset=offset)
+    msg: model.StoredMessage = _new_object(model.StoredMessage)
     _set_queue(msg, queue)
     _set_offset(msg, offset)
     _set_id(msg, buf[at : at + mid_len].decode())
     at += mid_len
     _set_topic(msg, buf[at : at + topic_len].decode())
     at += topic_len
-    props: dict[str, object] = {}
-    lite = None
-    if props_len:
-        tag, ln = PROPERTY.unpack_from(buf, at)
-        if tag == TAG_LITE_TOPIC and ln + PROPERTY.size == props_len:  # the common case: a lite topic only
-            lite = buf[at + PROPERTY.size : at + props_len].decode()
-        else:
-            props = _properties(buf[at : at + props_len])
-        at += props_len
-    _set_body(msg, buf[at : at + body_len])
+    _set_type(msg, _message_type(mtype, 0))
     _set_store(msg, store_ms)
     _set_born(msg, born_ms)
-    _set_type(msg, _message_type(mtype, 0))
-    _set_lite(msg, props.get("lite_topic", lite))
-    _set_host(msg, props.get("born_host", ""))
-    _set_tag(msg, props.get("tag"))
-    _set_keys(msg, props.get("keys", ()))
-    _set_group(msg, props.get("message_group"))
-    _set_user(msg, props.get("user_properties", {}))
+    tag = ln = 0
+    if props_len:
+        tag, ln = PROPERTY.unpack_from(buf, at)
+    if not props_len or (tag == TAG_LITE_TOPIC and ln + PROPERTY.size == props_len):
+        # the common case: no property but (maybe) the lite topic
+        _set_lite(msg, buf[at + PROPERTY.size : at + props_len].decode() if props_len else None)
+        _set_host(msg, "")
+        _set_tag(msg, None)
+        _set_keys(msg, ())
+        _set_group(msg, None)
+        _set_user(msg, {})
+    else:
+        props = _properties(buf[at : at + props_len])
+        _set_lite(msg, props.get("lite_topic"))
+        _set_host(msg, props.get("born_host", ""))
+        _set_tag(msg, props.get("tag"))
+        _set_keys(msg, props.get("keys", ()))
+        _set_group(msg, props.get("message_group"))
+        _set_user(msg, props.get("user_properties", {}))
+    at += props_len
+    _set_body(msg, buf[at : at + body_len])
     return msg
