@@ -116,6 +116,29 @@ def test_appends_from_many_threads_get_unique_dense_offsets(store: api.Store, ms
     assert [m.message_id for m in store.read(LMQ_A, 0, total)] == [by_offset[i] for i in range(total)]
 
 
+def test_readers_never_see_a_queue_ahead_of_its_messages(store: api.Store, msg: Msg) -> None:
+    """While a writer appends, every (min, max) a reader sees is readable in full, in order."""
+    done = threading.Event()
+    problems: list[str] = []
+
+    def read_loop() -> None:
+        while not done.is_set():
+            lo, hi = store.queue_offsets(LMQ_A)
+            got = [m.offset for m in store.read(LMQ_A, lo, hi - lo)]
+            if got != list(range(lo, hi)):
+                problems.append(f"queue at ({lo}, {hi}) read back {got[:3]}...")
+
+    reader = threading.Thread(target=read_loop)
+    reader.start()
+    try:
+        for _ in range(100):
+            store.append([msg() for _ in range(5)])
+    finally:
+        done.set()
+        reader.join()
+    assert problems == []
+
+
 # --- bad input: a typed error and nothing written ---------------------------------------------------
 
 
