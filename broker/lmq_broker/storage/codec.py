@@ -74,6 +74,7 @@ class Prepared(NamedTuple):
 
     message: model.NewMessage
     queues: tuple[keys.QueueName, ...]
+    qkeys: tuple[bytes, ...]  # the queues' index keys, in order
     lengths: bytes  # the header's length fields, packed
     tail: bytes  # queue names | message id | topic | properties
     size: int  # the whole framed record
@@ -165,7 +166,8 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
             qn = names.queue(q.topic, q.queue)
         qlist.append(qn)
     qnames = tuple(qlist)
-    if (qnames[0].qkey == qnames[1].qkey) if n == 2 else (n > 2 and len({qn.qkey for qn in qnames}) != n):
+    qkeys = tuple([qn.qkey for qn in qlist])
+    if (qkeys[0] == qkeys[1]) if n == 2 else (n > 2 and len(set(qkeys)) != n):
         raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
     mid = m.message_id.encode()
     if not mid or len(mid) > MAX_MESSAGE_ID_BYTES:
@@ -197,6 +199,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         (
             m,
             qnames,
+            qkeys,
             LENGTHS.pack(len(mid), len(topic), len(queue_names), len(props), len(body)),
             queue_names + mid + topic + props,
             size,
