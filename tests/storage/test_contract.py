@@ -94,6 +94,16 @@ def test_multi_dispatch_indexes_one_message_into_every_queue(store: api.Store, m
     assert store.lite_topic_count("P") == 20
 
 
+def test_fan_out_to_queues_of_the_same_topic(store: api.Store, msg: Msg) -> None:
+    p1, p2, q0 = model.QueueId("P", 1), model.QueueId("P", 2), model.QueueId("Q", 0)
+    store.append([msg()])  # P queue 0 resolved (and cached) first
+    (res,) = store.append([msg(queues=(PARENT_Q, p1, LMQ_A, p2, q0), body=b"fan")])
+    assert res.offsets == {PARENT_Q: 1, p1: 0, LMQ_A: 1, p2: 0, q0: 0}
+    (res,) = store.append([msg(queues=(p2, p1, q0, PARENT_Q), body=b"again")])
+    assert res.offsets == {p2: 1, p1: 1, q0: 1, PARENT_Q: 2}
+    assert [m.body for m in store.read(p1, 0, 10)] == [b"fan", b"again"]
+
+
 def test_appends_from_many_threads_get_unique_dense_offsets(store: api.Store, msg: Msg) -> None:
     n_threads, n_batches, batch = 4, 10, 5
     results: list[model.AppendResult] = []
@@ -149,6 +159,9 @@ def test_readers_never_see_a_queue_ahead_of_its_messages(store: api.Store, msg: 
         ({"body": b"x" * 70_000}, errors.RecordTooLarge),
         ({"queues": ()}, errors.InvalidArgument),
         ({"queues": (PARENT_Q, PARENT_Q)}, errors.InvalidArgument),
+        ({"queues": (PARENT_Q, LMQ_A, model.QueueId("P", 1), LMQ_A)}, errors.InvalidArgument),
+        ({"queues": (PARENT_Q, LMQ_A, model.QueueId("bad name", 0))}, errors.InvalidName),
+        ({"queues": (PARENT_Q, LMQ_A, model.QueueId("%LMQ%$P$a", 1))}, errors.InvalidName),
         ({"message_id": ""}, errors.InvalidArgument),
         ({"topic": "bad topic"}, errors.InvalidName),
         ({"lite_topic": "bad lite!"}, errors.InvalidLiteTopic),
