@@ -31,11 +31,10 @@ from the log with the same offsets. A record never spans two segment files.
 
 from __future__ import annotations
 
-import operator
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple, cast
+from typing import Final, NamedTuple
 
 import crc32c as _crc32c
 
@@ -75,7 +74,6 @@ class Prepared(NamedTuple):
 
     message: model.NewMessage
     queues: tuple[keys.QueueName, ...]
-    qkeys: tuple[bytes, ...]  # the queues' index keys, in order
     lengths: bytes  # the header's length fields, packed
     tail: bytes  # queue names | message id | topic | properties
     size: int  # the whole framed record
@@ -120,10 +118,6 @@ def record_size(*, n_queues: int, names: int, message_id: int, topic: int, prope
     return FIXED_BYTES + 8 * n_queues + names + message_id + topic + properties + body
 
 
-_topic_of = operator.attrgetter("topic")
-_queue_of = operator.attrgetter("queue")
-_qkey_of = operator.attrgetter("qkey")
-_record_of = operator.attrgetter("record")
 _new_prepared = tuple.__new__  # NamedTuple's own __new__ is a Python-level function: skip it on the hot path
 
 
@@ -164,26 +158,15 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
             f"a message needs 1..{MAX_QUEUES_PER_RECORD} queues, got {n}", message_id=m.message_id
         )
     cached = names.by_topic.get
-    if n > 2:  # a fan-out: resolve through C-level loops (a hit needs the same topic and queue id)
-        found = tuple(map(cached, map(_topic_of, queues)))
-        if None in found or list(map(_queue_of, found)) != list(map(_queue_of, queues)):
-            qnames: tuple[keys.QueueName, ...] = tuple([names.queue(q.topic, q.queue) for q in queues])
-        else:
-            qnames = cast(tuple[keys.QueueName, ...], found)
-        qkeys = tuple(map(_qkey_of, qnames))
-        if len(set(qkeys)) != n:
-            raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
-    else:
-        qlist = []
-        for q in queues:
-            qn = cached(q.topic)
-            if qn is None or qn.queue != q.queue:
-                qn = names.queue(q.topic, q.queue)
-            qlist.append(qn)
-        qnames = tuple(qlist)
-        qkeys = tuple([qn.qkey for qn in qlist])
-        if n == 2 and qkeys[0] == qkeys[1]:
-            raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
+    qlist = []
+    for q in queues:
+        qn = cached(q.topic)
+        if qn is None or qn.queue != q.queue:
+            qn = names.queue(q.topic, q.queue)
+        qlist.append(qn)
+    qnames = tuple(qlist)
+    if (qnames[0].qkey == qnames[1].qkey) if n == 2 else (n > 2 and len({qn.qkey for qn in qnames}) != n):
+        raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
     mid = m.message_id.encode()
     if not mid or len(mid) > MAX_MESSAGE_ID_BYTES:
         raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
@@ -203,7 +186,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
     elif n == 2:
         queue_names = qnames[0].record + qnames[1].record
     else:
-        queue_names = b"".join(map(_record_of, qnames))
+        queue_names = b"".join([qn.record for qn in qnames])
     size = FIXED_BYTES + 8 * n + len(queue_names) + len(mid) + len(topic) + len(props) + len(body)
     if size > max_record_bytes:
         raise errors.RecordTooLarge(
@@ -214,7 +197,6 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         (
             m,
             qnames,
-            qkeys,
             LENGTHS.pack(len(mid), len(topic), len(queue_names), len(props), len(body)),
             queue_names + mid + topic + props,
             size,

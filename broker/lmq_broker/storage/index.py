@@ -13,7 +13,6 @@ is always in the index too.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -274,51 +273,41 @@ class StateCache:
 
 
 class Pending:
-    """What one batch does to one queue: new offsets grouped into runs, and the queue's new state.
+    """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
 
-    The next offset is ``run_first + len(ents)``: the append path takes offsets from ``counter`` and appends
-    entries to ``ents`` (both C-level calls, so a fan-out to many queues stays cheap); recovery goes through
-    ``replay``."""
-
-    __slots__ = (
-        "counter", "created", "ents", "last_store", "min", "new", "run_first", "run_ms", "run_seg", "runs", "st"
-    )  # fmt: skip
+    __slots__ = ("created", "ents", "last_store", "min", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
 
     def __init__(self, st: QueueState, new: bool, seg: int, ms: int) -> None:
         self.st = st
         self.new = new
+        self.next = st.next
         self.min = st.min
         self.created = st.created
         self.last_store = st.last_store
         self.run_seg = seg
         self.run_ms = ms
         self.run_first = st.next
-        self.counter = itertools.count(st.next)
         self.ents: list[bytes] = []
         self.runs: list[tuple[int, int, int, list[bytes]]] = []
-
-    @property
-    def next(self) -> int:
-        return self.run_first + len(self.ents)
 
     def cut(self, seg: int, ms: int) -> None:
         """Close the current run (a run lives in one segment and has one store time); start the next."""
         if self.ents:
             self.runs.append((self.run_seg, self.run_ms, self.run_first, self.ents))
-            self.run_first += len(self.ents)
             self.ents = []
+        self.run_first = self.next
         self.run_seg = seg
         self.run_ms = ms
 
     def replay(self, offset: int, seg: int, ms: int, entry: bytes) -> None:
         """Index a record found in the log at ``offset`` (recovery: the offset comes from the record)."""
-        nxt = self.next
-        if offset < nxt:
-            log.warning("replay: %s offset %d below next %d, skipped", self.st.name.topic, offset, nxt)
+        if offset < self.next:
+            log.warning("replay: %s offset %d below next %d, skipped", self.st.name.topic, offset, self.next)
             return
-        if offset != nxt or seg != self.run_seg or ms != self.run_ms:
+        if offset != self.next or seg != self.run_seg or ms != self.run_ms:
             self.cut(seg, ms)
             self.run_first = offset
+        self.next = offset + 1
         self.ents.append(entry)
         self.last_store = ms
 
@@ -332,9 +321,6 @@ class Batch:
         self._segments = segments  # the store's segment table: seq -> [first_store_ms, last_store_ms]
         self.wb = index.batch()
         self.pending: dict[bytes, Pending] = {}
-        # the append path's view of ``pending``: per queue key, its offset counter and its current run's list
-        self.counters: dict[bytes, Iterator[int]] = {}
-        self.ents: dict[bytes, list[bytes]] = {}
         self._counts: dict[str, int] = {}
         self._touched: set[int] = set()
 
@@ -349,8 +335,6 @@ class Batch:
         else:
             pd = Pending(QueueState(name, created=ms, last_store=ms, last_consume=0, min_=0, next_=0), True, seg, ms)
         self.pending[name.qkey] = pd
-        self.counters[name.qkey] = pd.counter
-        self.ents[name.qkey] = pd.ents
         return pd
 
     def replayed(self, name: keys.QueueName, seg: int, ms: int, offset: int) -> Pending:
@@ -368,9 +352,8 @@ class Batch:
         return pd
 
     def cut(self, seg: int, ms: int) -> None:
-        for qkey, pd in self.pending.items():
+        for pd in self.pending.values():
             pd.cut(seg, ms)
-            self.ents[qkey] = pd.ents
 
     def touch_segment(self, seg: int, ms: int) -> None:
         row = self._segments.get(seg)

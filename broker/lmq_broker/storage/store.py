@@ -18,11 +18,9 @@ open fails. A missing index or a checkpoint past the log's end rebuilds every de
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -385,7 +383,6 @@ class LmqStore:
         seg_max = lg.segment_max_bytes
         batch = self._batch()
         pend = batch.pending
-        counters, counter_of, ents = batch.counters, batch.counters.__getitem__, batch.ents
         chunks: list[tuple[int, list[bytes]]] = []
         parts: list[bytes] = []
         frame = codec.frame
@@ -402,22 +399,15 @@ class LmqStore:
                     pos = 0
                     batch.cut(seg, store_ms)
                 entry = pack_entry(pos, size)
-                qkeys = p.qkeys
-                if len(qkeys) <= 2:
-                    offsets: list[int] = []
-                    for name in p.queues:
-                        counter = counters.get(name.qkey)
-                        if counter is None:
-                            counter = batch.queue(name, seg, store_ms).counter
-                        offsets.append(next(counter))
-                        ents[name.qkey].append(entry)
-                else:  # a fan-out: offsets and run entries through C-level loops, ~0.1 us per extra queue
-                    if not all(map(counters.__contains__, qkeys)):
-                        for name in p.queues:
-                            if name.qkey not in pend:
-                                batch.queue(name, seg, store_ms)
-                    offsets = list(map(next, map(counter_of, qkeys)))
-                    deque(map(list.append, map(ents.__getitem__, qkeys), itertools.repeat(entry)), 0)
+                offsets: list[int] = []
+                for name in p.queues:
+                    q = pend.get(name.qkey)
+                    if q is None:
+                        q = batch.queue(name, seg, store_ms)
+                    off = q.next
+                    q.next = off + 1
+                    offsets.append(off)
+                    q.ents.append(entry)
                 m = p.message
                 prefix, head = frame(p, store_ms, offsets)
                 parts.append(prefix)
