@@ -367,9 +367,13 @@ class Batch:
 
     def delete_queue(self, name: keys.QueueName) -> None:
         """Every index key of a queue: its runs, its consumer offsets, its state (an LMQ's lite-topic record)."""
+        # Point deletes of the keys that exist, not delete_range: every range tombstone stays in the
+        # memtable/SSTs and is consulted by later reads, so a reclaim of many topics made each further
+        # delete slower (0.7 ms -> 12 ms per delete after 20k). A lite topic has a handful of keys.
         wb = self.wb
-        wb.delete_range(name.entry_prefix, keys.successor(name.entry_prefix))
-        wb.delete_range(name.offset_prefix, keys.successor(name.offset_prefix))
+        for prefix in (name.entry_prefix, name.offset_prefix):
+            for key, _ in self._index.prefix_items(prefix):
+                wb.delete(key)
         wb.delete(name.state_key)
         self._cache.drop(name)
 
