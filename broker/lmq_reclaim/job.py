@@ -191,11 +191,14 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
         timeout_s=opts.delete_timeout_s,
         credentials=_credentials(opts),
     )
-    outcomes = (
-        one_partition_per_broker(spark, candidates, names)
-        .mapInArrow(tasks.delete_fn(delete_settings, stats, messages), c.OUTCOMES_DDL)
-        .localCheckpoint(eager=True)
-    )
+    if expired:
+        outcomes = (
+            one_partition_per_broker(spark, candidates, names)
+            .mapInArrow(tasks.delete_fn(delete_settings, stats, messages), c.OUTCOMES_DDL)
+            .localCheckpoint(eager=True)
+        )
+    else:  # nothing to delete: skip the shuffle, still write an (empty) audit for this run
+        outcomes = spark.createDataFrame([], c.OUTCOMES_DDL)
     for row in transforms.outcome_counts(outcomes).collect():
         out.brokers[row[c.BROKER]].add_outcome(row[c.OUTCOME], int(row["count"]))
     out.timings_s["delete"] = time.perf_counter() - t0
