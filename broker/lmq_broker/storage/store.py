@@ -574,8 +574,9 @@ class LmqStore:
                         if rseg > seq:
                             new_min = first
                             break
+                        # point deletes, not a range: range tombstones pile up and slow every later read
+                        wb.delete(keys.entry_key(name.qkey, first))
                     new_min = max(new_min, st.min)
-                    wb.delete_range(keys.entry_key(name.qkey, 0), keys.entry_key(name.qkey, new_min))
                     if new_min > st.min:
                         wb.put(name.state_key, _value(st, min_=new_min))
                         updates.append((st, new_min))
