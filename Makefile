@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.lmq-installed
 DATA   ?= ./data
 PORT   ?= 8081
 
-.PHONY: run test lint types imports unit e2e operator-suite reclaim-suite chart-suite proto proto-check testenv bench clean
+.PHONY: run test lint types imports proto proto-check testenv bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
