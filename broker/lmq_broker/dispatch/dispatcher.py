@@ -397,10 +397,11 @@ class Dispatcher:
     # --- arrivals ---------------------------------------------------------------------------------------
     def notify_appended(self, results: Iterable[model.AppendResult]) -> None:
         """Called after an append: offer the touched lite topics, wake normal-topic receivers (coalesced)."""
+        arrived = self._arrived
         for result in results:
             for queue in result.offsets:
-                self._arrived[queue.topic] = None
-        if not self._flush_scheduled and self._arrived:
+                arrived[queue.topic] = None
+        if not self._flush_scheduled and arrived:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_arrivals)
 

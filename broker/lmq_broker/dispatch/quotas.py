@@ -7,20 +7,23 @@ over the last free slots may both pass: a limit can be overshot by what concurre
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import catalog
 from lmq_broker.storage.api import Store
 
+_topic_of = attrgetter("topic")
+
 
 def check_send_rates(
     snap: catalog.Snapshot, buckets: dict[str, catalog.TokenBucket], messages: Sequence[model.NewMessage], now_ms: int
 ) -> None:
-    per_parent: dict[str, int] = {}
-    for message in messages:
-        per_parent[message.topic] = per_parent.get(message.topic, 0) + 1
-    for parent, count in per_parent.items():
+    if not snap.quotas:
+        return  # the common case: no quota configured, nothing to count
+    for parent, count in Counter(map(_topic_of, messages)).items():
         for scope, rate in snap.send_rates(parent):
             bucket = buckets.get(scope)
             if bucket is None or bucket.rate != rate:

@@ -20,6 +20,7 @@ DEFAULT_MAX_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_MAX_QUEUES: Final = 100_000
 
 QueueKey = tuple[str, int]
+_LMQ_NAME_PREFIX: Final = model.LMQ_PREFIX + model.LMQ_SEPARATOR  # what QueueId.is_lmq tests
 _Entry = tuple[model.NewMessage, model.QueueId, int]  # message, queue, store timestamp
 
 
@@ -38,22 +39,29 @@ class RecentMessages:
         wanted: Callable[[str], bool] = lambda _topic: True,
     ) -> None:
         """Remember appended messages of the queues ``wanted`` says someone may read soon."""
+        # Locals and a plain prefix test instead of attribute and property lookups: this runs per message sent.
+        ends = self._ends
+        cached = self._messages
+        added = 0
         for message, result in zip(messages, results, strict=True):
+            lite = message.lite_topic is not None
             for queue, offset in result.offsets.items():
-                if message.lite_topic is not None and not queue.is_lmq:
+                topic = queue.topic
+                if lite and not topic.startswith(_LMQ_NAME_PREFIX):
                     continue  # a lite message's parent-queue entry is never consumed
-                if not wanted(queue.topic):
-                    self._ends.pop((queue.topic, queue.queue), None)  # its end is no longer known
+                qkey = (topic, queue.queue)
+                if not wanted(topic):
+                    ends.pop(qkey, None)  # its end is no longer known
                     continue
-                qkey = (queue.topic, queue.queue)
-                self._ends[qkey] = offset + 1
-                self._ends.move_to_end(qkey)
-                key = (queue.topic, queue.queue, offset)
-                replaced = self._messages.pop(key, None)  # a deleted-and-recreated queue reuses offsets
+                ends[qkey] = offset + 1
+                ends.move_to_end(qkey)
+                key = (topic, queue.queue, offset)
+                replaced = cached.pop(key, None)  # a deleted-and-recreated queue reuses offsets
                 if replaced is not None:
-                    self._bytes -= len(replaced[0].body)
-                self._messages[key] = (message, queue, result.store_timestamp_ms)
-                self._bytes += len(message.body)
+                    added -= len(replaced[0].body)
+                cached[key] = (message, queue, result.store_timestamp_ms)
+                added += len(message.body)
+        self._bytes += added
         while self._bytes > self.max_bytes and self._messages:
             _, (message, _, _) = self._messages.popitem(last=False)
             self._bytes -= len(message.body)

@@ -6,13 +6,17 @@ carries that message's code). Several messages per request share one append and 
 
 from __future__ import annotations
 
-from lmq_broker import errors, model
+from collections import Counter
+from operator import attrgetter
+
+from lmq_broker import errors
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 
 MAX_MESSAGES_PER_REQUEST = 10_000
+_type_of = attrgetter("message_type")
 
 
 async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) -> spb.SendMessageResponse:
@@ -28,10 +32,8 @@ async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) ->
     ok = status.ok()
     reply = spb.SendMessageResponse(status=ok)
     add = reply.entries.add  # adding in place is ~3x cheaper than building entries and copying them in
-    counts: dict[model.MessageType, int] = {}
     for message, result in zip(messages, results, strict=True):
-        counts[message.message_type] = counts.get(message.message_type, 0) + 1
         add(status=ok, message_id=result.message_id, offset=result.offsets.get(message.queues[-1], 0))
-    for kind, n in counts.items():
+    for kind, n in Counter(map(_type_of, messages)).items():  # counted in C, not per message in Python
         edge.metrics.stored(kind.name, n)
     return reply
