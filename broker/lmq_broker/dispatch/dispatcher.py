@@ -408,9 +408,11 @@ class Dispatcher:
     def _flush_arrivals(self) -> None:
         self._flush_scheduled = False
         arrived, self._arrived = self._arrived, {}
+        subscriber_count = self.registry.subscriber_count
         for topic in arrived:
             if topic.startswith(model.LMQ_PREFIX):
-                self._dispatch(topic)
+                if subscriber_count(topic):  # most LMQs written have no subscriber on this broker
+                    self._dispatch(topic)
             else:
                 self._wake_topic(topic)
 

@@ -147,7 +147,8 @@ class MessageReader:
 
     def read(self, msg: pb.Message) -> model.NewMessage:
         topic = msg.topic.name
-        parent, parent_queue = self._topic(topic)
+        found = self._topics.get(topic)  # the cache hit inline: this runs per message
+        parent, parent_queue = found if found is not None else self._topic(topic)
         sp = msg.system_properties
         encoding = sp.body_encoding
         body = msg.body
@@ -183,7 +184,9 @@ class MessageReader:
                 raise errors.InvalidArgument(
                     "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
                 )
-            lmq = _lmq_of(topic, lite, self._max_lite)
+            lmq = _lmq_cache.get((topic, lite))  # validated before it was cached; only the length limit may differ
+            if lmq is None or len(lite) > self._max_lite:
+                lmq = _lmq_of(topic, lite, self._max_lite)
             # The LMQ entry is what consumers read; a parent-queue entry has no reader here and costs as
             # much again in the index, so it is written only when configured (RocketMQ's multi-dispatch).
             queues: tuple[model.QueueId, ...] = (parent_queue, lmq) if self._index_parent else (lmq,)
