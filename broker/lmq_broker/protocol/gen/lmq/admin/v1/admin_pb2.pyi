@@ -895,6 +895,7 @@ class ScanLiteTopicsRequest(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     WITH_SUBSCRIBERS_FIELD_NUMBER: _builtins.int
     WITH_FULLY_CONSUMED_FIELD_NUMBER: _builtins.int
+    IDLE_SINCE_BEFORE_MS_FIELD_NUMBER: _builtins.int
     parent: _builtins.str
     """empty: every parent"""
     start_after: _builtins.str
@@ -906,6 +907,11 @@ class ScanLiteTopicsRequest(_message.Message):
     with_subscribers: _builtins.bool
     with_fully_consumed: _builtins.bool
     """Fill fully_consumed (costs one offset read per row and bound group)."""
+    idle_since_before_ms: _builtins.int
+    """Predicate pushdown: when > 0, only rows whose last activity max(created, last_store, last_consume)
+    is < this value (epoch ms) are returned; the others are skipped before any column is built.
+    batch_size then counts returned rows. 0: no filter.
+    """
     def __init__(
         self,
         *,
@@ -915,10 +921,11 @@ class ScanLiteTopicsRequest(_message.Message):
         batch_size: _builtins.int = ...,
         with_subscribers: _builtins.bool = ...,
         with_fully_consumed: _builtins.bool = ...,
+        idle_since_before_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "end_before", b"end_before", "parent", b"parent", "start_after", b"start_after", "with_fully_consumed", b"with_fully_consumed", "with_subscribers", b"with_subscribers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "end_before", b"end_before", "idle_since_before_ms", b"idle_since_before_ms", "parent", b"parent", "start_after", b"start_after", "with_fully_consumed", b"with_fully_consumed", "with_subscribers", b"with_subscribers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
