@@ -335,6 +335,72 @@ def test_compare_and_delete_keeps_a_topic_changed_since_the_scan(
     assert store.delete_lite_topic("P", "a", expected=seen) is False
 
 
+def test_scan_with_an_idle_filter_returns_only_topics_idle_since_before_it(
+    store: api.Store, msg: Msg, clock: ManualClock
+) -> None:
+    for lite in ("a", "b", "c", "d", "e"):
+        store.append([msg(lite=lite)])
+    clock.advance(100)
+    store.append([msg(lite="b")])  # stored after the cut
+    store.commit_offset(model.QueueId.lmq("P", "d"), "g", 1)  # consumed after the cut
+    clock.advance(100)
+    store.append([msg(lite="f")])  # created after the cut
+    cut = clock() - 150
+
+    def lites(metas: list[model.LiteTopicMeta]) -> list[str]:
+        return [m.lite for m in metas]
+
+    assert lites(store.scan_lite_topics("P", idle_since_before_ms=cut)) == ["a", "c", "e"]
+    assert lites(store.scan_lite_topics(None, idle_since_before_ms=cut)) == ["a", "c", "e"]
+    # limit counts matches, so the last row returned is the next page's cursor
+    assert lites(store.scan_lite_topics("P", limit=1, idle_since_before_ms=cut)) == ["a"]
+    assert lites(store.scan_lite_topics("P", start_after="a", limit=1, idle_since_before_ms=cut)) == ["c"]
+    assert lites(store.scan_lite_topics("P", start_after="c", end_before="e", idle_since_before_ms=cut)) == []
+    # strictly before: a topic last active exactly at the cut is not idle since before it
+    first = store.lite_topic("P", "a")
+    assert first is not None
+    assert lites(store.scan_lite_topics("P", idle_since_before_ms=first.created_ms)) == []
+    assert lites(store.scan_lite_topics("P", idle_since_before_ms=0)) == ["a", "b", "c", "d", "e", "f"]
+    (row,) = store.scan_lite_topics("P", limit=1, idle_since_before_ms=cut)
+    assert row == store.lite_topic("P", "a")  # every field decoded as in an unfiltered read
+
+
+def test_batch_delete_compares_each_row_like_a_single_delete(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    for lite in ("a", "b", "c", "d"):
+        store.append([msg(lite=lite)])
+    store.commit_offset(model.QueueId.lmq("P", "a"), "g", 1)
+    seen = {m.lite: m for m in store.scan_lite_topics("P")}
+    clock.advance(10)
+    store.append([msg(lite="b")])  # changed since the scan
+    assert store.delete_lite_topic("P", "c") is True  # absent by the time of the batch
+    done = store.delete_lite_topics(
+        [
+            ("P", "a", seen["a"]),
+            ("P", "b", seen["b"]),
+            ("P", "c", seen["c"]),
+            ("P", "d", None),  # unconditional
+            ("P", "a", seen["a"]),  # the same topic twice: only the first row deletes it
+            ("P", "never", None),
+        ]
+    )
+    assert done == [True, False, False, True, False, False]
+    assert [m.lite for m in store.scan_lite_topics("P")] == ["b"]
+    assert store.lite_topic_count("P") == 1 and store.lite_topic_count() == 1
+    assert store.get_offset(model.QueueId.lmq("P", "a"), "g") is None
+    assert store.read(model.QueueId.lmq("P", "d"), 0, 10) == []
+    assert [m.offset for m in store.read(PARENT_Q, 0, 10)] == [0, 1, 2, 3, 4]  # the parent queue is kept
+    assert store.delete_lite_topics([]) == []
+    (res,) = store.append([msg(lite="a")])
+    assert res.offsets[model.QueueId.lmq("P", "a")] == 0  # a deleted topic starts again at zero
+
+
+def test_batch_delete_with_an_invalid_name_deletes_nothing(store: api.Store, msg: Msg) -> None:
+    store.append([msg(lite="a")])
+    with pytest.raises(errors.InvalidLiteTopic):
+        store.delete_lite_topics([("P", "a", None), ("P", "bad name", None)])
+    assert store.lite_topic("P", "a") is not None
+
+
 def test_lite_topic_lookups_refuse_invalid_names(store: api.Store) -> None:
     with pytest.raises(errors.InvalidLiteTopic):
         store.lite_topic("P", "bad name")

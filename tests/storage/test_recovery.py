@@ -263,3 +263,45 @@ def test_an_index_of_an_unknown_layout_is_refused(
     idx.close()
     with pytest.raises(errors.UnsupportedVersion):
         open_lmq()
+
+
+def test_a_batch_delete_is_one_fsync_and_its_tombstones_survive_a_rebuild(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
+) -> None:
+    s = open_lmq(flush_mode="sync", segment_max_bytes=4096)
+    lites = [f"t{i}" for i in range(40)]
+    for lite in lites:
+        s.append([msg(lite=lite, body=b"x" * 50)])
+    fsyncs = s.fsync_count
+    done = s.delete_lite_topics([("P", lite, None) for lite in lites[:30]])
+    assert done == [True] * 30
+    assert s.fsync_count == fsyncs + 1
+    kept = snapshot(s, [PARENT_Q])
+    assert [m[1] for m in kept["lites"]] == lites[30:]  # type: ignore[index]
+    s.close()
+    shutil.rmtree(store_config().data_dir / "index")
+    s = open_lmq(flush_mode="sync", segment_max_bytes=4096)
+    assert s.recovery.rebuilt is True
+    assert snapshot(s, [PARENT_Q]) == kept
+    assert s.lite_topic_count("P") == 10
+
+
+def test_a_batch_delete_logged_but_not_indexed_is_replayed(
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = open_lmq()
+    for lite in ("a", "b", "c"):
+        s.append([msg(lite=lite)])
+    with monkeypatch.context() as m:
+
+        def crash(self: index_mod.Index, wb: object) -> None:
+            raise OSError("simulated crash between the log write and the index write")
+
+        m.setattr(index_mod.Index, "write", crash)
+        with pytest.raises(errors.StorageError):
+            s.delete_lite_topics([("P", "a", None), ("P", "c", None)])
+    s.close()
+    s = open_lmq()
+    assert s.recovery.records_reindexed == 2
+    assert [m.lite for m in s.scan_lite_topics("P")] == ["b"]
+    assert s.lite_topic_count("P") == 1

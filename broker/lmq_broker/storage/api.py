@@ -54,10 +54,20 @@ class Store(Protocol):
         ...
 
     def scan_lite_topics(
-        self, parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000
+        self,
+        parent: str | None = None,
+        start_after: str = "",
+        end_before: str = "",
+        limit: int = 1000,
+        idle_since_before_ms: int = 0,
     ) -> list[model.LiteTopicMeta]:
         """Lite topics in key order (parent, then lite name); ``start_after``/``end_before`` are lite names
-        within ``parent`` (or ``parent$lite`` keys when ``parent`` is None)."""
+        within ``parent`` (or ``parent$lite`` keys when ``parent`` is None).
+
+        With ``idle_since_before_ms`` > 0, only topics whose last activity (max of created, last store,
+        last consume) is before it; the walk goes on past skipped topics until ``limit`` topics match, so
+        the last one returned is still the cursor of the next page.
+        """
         ...
 
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
@@ -66,6 +76,14 @@ class Store(Protocol):
         With ``expected``, delete only if the topic is unchanged since it was read (same max offset, last
         store and last consume time): compare-and-delete for the reclaimer. Returns False when nothing
         was deleted (absent, or changed). Idempotent.
+        """
+        ...
+
+    def delete_lite_topics(self, rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]]) -> list[bool]:
+        """``delete_lite_topic`` for many (parent, lite, expected) rows at once, same per-row semantics.
+
+        One durable write for the whole call (one log write of every tombstone, one fsync in ``sync``
+        mode, one index batch): the reclaimer's delete rate is bound by that, not by per-topic fsyncs.
         """
         ...
 

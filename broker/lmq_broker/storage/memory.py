@@ -171,11 +171,19 @@ class MemoryStore:
             return sum(self._counts.values()) if parent is None else self._counts.get(parent, 0)
 
     def scan_lite_topics(
-        self, parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000
+        self,
+        parent: str | None = None,
+        start_after: str = "",
+        end_before: str = "",
+        limit: int = 1000,
+        idle_since_before_ms: int = 0,
     ) -> list[model.LiteTopicMeta]:
         self._check_open()
+        before = idle_since_before_ms
         with self._lock:
             metas = [q.meta() for q in self._queues.values() if q.name.is_lmq]
+        if before > 0:
+            metas = [m for m in metas if max(m.created_ms, m.last_store_ms, m.last_consume_ms) < before]
         sep = model.LMQ_SEPARATOR
         if parent is not None:
             rows = sorted(((m.lite, m) for m in metas if m.parent == parent), key=lambda r: r[0])
@@ -185,24 +193,32 @@ class MemoryStore:
         return out[: max(0, limit)]
 
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
-        self._check_open()
+        return self.delete_lite_topics([(parent, lite, expected)])[0]
+
+    def _delete_locked(self, parent: str, lite: str, expected: model.LiteTopicMeta | None) -> bool:
         name = keys.parse_queue(keys.lmq_topic(parent, lite), 0)
-        with self._lock:
-            q = self._queues.get(name.qkey)
-            if q is None:
-                return False
-            if expected is not None and (expected.max_offset, expected.last_store_ms, expected.last_consume_ms) != (
-                q.next,
-                q.last_store,
-                q.last_consume,
-            ):
-                return False
-            del self._queues[name.qkey]
-            self._offsets.pop(name.qkey, None)
-            self._counts[parent] = self._counts.get(parent, 1) - 1
-            if not self._counts[parent]:
-                del self._counts[parent]
-            return True
+        q = self._queues.get(name.qkey)
+        if q is None:
+            return False
+        if expected is not None and (expected.max_offset, expected.last_store_ms, expected.last_consume_ms) != (
+            q.next,
+            q.last_store,
+            q.last_consume,
+        ):
+            return False
+        del self._queues[name.qkey]
+        self._offsets.pop(name.qkey, None)
+        self._counts[parent] = self._counts.get(parent, 1) - 1
+        if not self._counts[parent]:
+            del self._counts[parent]
+        return True
+
+    def delete_lite_topics(self, rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]]) -> list[bool]:
+        self._check_open()
+        for parent, lite, _ in rows:
+            keys.parse_queue(keys.lmq_topic(parent, lite), 0)  # every name valid before anything is deleted
+        with self._lock:  # the whole call under the lock: readers see all of the batch or none of it
+            return [self._delete_locked(parent, lite, expected) for parent, lite, expected in rows]
 
     # --- control-plane metadata ----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from lmq_broker import config, errors, model
 from lmq_broker.storage import api, codec, commitlog, keys
@@ -220,7 +220,12 @@ class LmqStore:
         return self._index.get_u64(keys.count_key(parent)) or 0
 
     def scan_lite_topics(
-        self, parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000
+        self,
+        parent: str | None = None,
+        start_after: str = "",
+        end_before: str = "",
+        limit: int = 1000,
+        idle_since_before_ms: int = 0,
     ) -> list[model.LiteTopicMeta]:
         self._check_open()
         prefix = keys.lite_prefix(parent)
@@ -228,38 +233,74 @@ class LmqStore:
         hi = prefix + _scan_bound(end_before, parent) if end_before else keys.successor(prefix)
         out: list[model.LiteTopicMeta] = []
         limit = max(0, min(limit, SCAN_LIMIT_MAX))
-        for key, value in self._index.items(lo, hi):
+        if limit == 0:
+            return out
+        it = self._index.raw_iter(lo, hi)
+        # The reclaim scan walks millions of rows of which most are skipped: bound methods in locals, the
+        # value unpacked once and tested before the key is split or decoded or any object is built.
+        valid, advance = it.valid, it.next
+        key_of = cast("Callable[[], bytes]", it.key)  # raw mode: keys and values are bytes
+        value_of = cast("Callable[[], bytes]", it.value)
+        if valid() and key_of() == lo:
+            advance()  # start_after is exclusive
+        unpack = keys.LITE_VALUE.unpack
+        meta = model.LiteTopicMeta
+        append = out.append
+        before = idle_since_before_ms
+        while valid():
+            created, last_store, last_consume, min_offset, max_offset = unpack(value_of())
+            if before > 0 and (created >= before or last_store >= before or last_consume >= before):
+                advance()
+                continue
+            p, _, lt = key_of()[1:].partition(b"\x00")
+            append(meta(p.decode(), lt.decode(), created, last_store, last_consume, min_offset, max_offset))
             if len(out) >= limit:
                 break
-            if key == lo:
-                continue  # start_after is exclusive
-            p, lt = keys.split_lite_key(key)
-            out.append(keys.decode_lite(p, lt, value))
+            advance()
         return out
 
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
+        return self.delete_lite_topics([(parent, lite, expected)])[0]
+
+    def delete_lite_topics(self, rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]]) -> list[bool]:
         self._check_open()
-        name = self._resolve(keys.lmq_topic(parent, lite), 0)
+        names = [self._resolve(keys.lmq_topic(parent, lite), 0) for parent, lite, _ in rows]  # raise before writing
+        done = [False] * len(rows)
+        if not rows:
+            return done
         with self._write_lock:
             self._check_writable()
-            st = self._state(name)
-            if st is None:
-                return False
-            if expected is not None and (
-                expected.max_offset,
-                expected.last_store_ms,
-                expected.last_consume_ms,
-            ) != (st.next, st.last_store, st.last_consume):
-                return False
             now = self._clock()
-            record = codec.encode_tombstone(name, st.next, now)
-            seg, end = self._write_record(record)
+            victims: list[tuple[int, keys.QueueName, str]] = []
+            records: list[bytes] = []
+            seen: set[bytes] = set()
+            for i, (name, (parent, _, expected)) in enumerate(zip(names, rows, strict=True)):
+                if name.qkey in seen:
+                    continue  # the same topic twice in one call: the first row deletes it
+                st = self._state(name)
+                if st is None:
+                    continue
+                if expected is not None and (
+                    expected.max_offset,
+                    expected.last_store_ms,
+                    expected.last_consume_ms,
+                ) != (st.next, st.last_store, st.last_consume):
+                    continue
+                seen.add(name.qkey)
+                victims.append((i, name, parent))
+                records.append(codec.encode_tombstone(name, st.next, now))
+            if not victims:
+                return done
+            segments = self._write_records(records)
             batch = self._batch()
-            batch.delete_queue(name)
-            batch.count(parent, -1)
-            batch.touch_segment(seg, now)
-            self._write_batch(batch, (seg, end))
-        return True
+            for i, name, parent in victims:
+                batch.delete_queue(name)
+                batch.count(parent, -1)
+                done[i] = True
+            for seg in segments:
+                batch.touch_segment(seg, now)
+            self._write_batch(batch, (self._log.active.seq, self._log.active.size))
+        return done
 
     # --- control-plane metadata ----------------------------------------------------------------------
 
@@ -461,6 +502,29 @@ class LmqStore:
         if self._sync:
             lg.sync()
         return lg.active.seq, lg.active.size
+
+    def _write_records(self, records: Sequence[bytes]) -> list[int]:
+        """Append control records in one log write per touched segment and one fsync (``sync`` mode), under
+        the write lock; returns the segments written to."""
+        lg = self._log
+        start = (lg.active.seq, lg.active.size)
+        seg, pos = start
+        seg_max = lg.segment_max_bytes
+        chunks: list[tuple[int, list[bytes]]] = []
+        parts: list[bytes] = []
+        for record in records:
+            if pos + len(record) > seg_max:
+                chunks.append((seg, parts))
+                parts = []
+                seg += 1
+                pos = 0
+            parts.append(record)
+            pos += len(record)
+        chunks.append((seg, parts))
+        self._write_chunks(chunks, start)
+        if self._sync:
+            lg.sync()
+        return [s for s, written in chunks if written]
 
     def _write_batch(self, batch: index_mod.Batch, checkpoint: tuple[int, int]) -> None:
         self._write_index(lambda: batch.write(checkpoint))
