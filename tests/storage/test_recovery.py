@@ -277,7 +277,7 @@ def test_a_batch_delete_is_one_fsync_and_its_tombstones_survive_a_rebuild(
     assert done == [True] * 30
     assert s.fsync_count == fsyncs + 1
     kept = snapshot(s, [PARENT_Q])
-    assert [m[1] for m in kept["lites"]] == lites[30:]  # type: ignore[index]
+    assert [m.lite for m in s.scan_lite_topics()] == lites[30:]
     s.close()
     shutil.rmtree(store_config().data_dir / "index")
     s = open_lmq(flush_mode="sync", segment_max_bytes=4096)
