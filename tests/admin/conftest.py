@@ -55,3 +55,18 @@ def memory_broker(loop_thread: LoopThread, broker_config: BrokerConfig) -> Itera
     served = serve_admin(loop_thread, memory.MemoryStore(), broker_config)
     yield served
     served.close()
+
+
+@pytest.fixture
+def clock() -> memory.ManualClock:
+    return memory.ManualClock()
+
+
+@pytest.fixture
+def clocked_broker(loop_thread: LoopThread, broker_config: BrokerConfig, clock: memory.ManualClock) -> Iterator[Broker]:
+    """The admin service over an LmqStore whose store and consume times come from ``clock``."""
+    store = storage_store.open_store(broker_config.store, clock)
+    served = serve_admin(loop_thread, store, broker_config)
+    yield served
+    served.close()
+    store.close()

@@ -13,6 +13,7 @@ from lmq_broker.admin.client import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS, DeleteO
 from lmq_broker.admin.testing import Broker
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
+from lmq_broker.storage.memory import ManualClock
 
 
 def _concat(batches: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
@@ -107,6 +108,39 @@ def test_scan_adds_subscriber_counts_and_fully_consumed_when_asked(broker: Broke
 def test_scan_refuses_a_batch_size_out_of_range(memory_broker: Broker) -> None:
     with pytest.raises(errors.InvalidArgument, match="batch_size"):
         list(memory_broker.client().scan_lite_topics_columns(batch_size=-1))
+
+
+def test_scan_pushes_the_idle_filter_down_and_pages_over_skipped_rows(
+    clocked_broker: Broker, clock: ManualClock
+) -> None:
+    broker = clocked_broker
+    for i in range(30):
+        broker.send("p", f"l{i:02d}")
+        clock.advance(1)
+    cut = clock()
+    clock.advance(1)
+    fresh = {f"l{i:02d}" for i in range(30) if i % 3}  # two thirds become active after the cut
+    for lite in sorted(fresh):
+        if lite < "l15":
+            broker.send("p", lite)
+        else:
+            broker.consume("p", lite, "g", 1)
+    admin = broker.client()
+
+    batches = list(admin.scan_lite_topics_columns("p", batch_size=4, idle_since_before_ms=cut, with_subscribers=True))
+
+    rows = _concat(batches)
+    assert rows["lite"] == [f"l{i:02d}" for i in range(0, 30, 3)]
+    assert [len(b["lite"]) for b in batches] == [4, 4, 2]  # batch_size counts returned rows
+    assert all(len(values) == 10 for values in rows.values())
+    assert max(rows["last_store_ms"]) < cut
+    everything = _concat(list(admin.scan_lite_topics_columns("p")))
+    assert len(everything["lite"]) == 30  # 0: no filter
+
+
+def test_scan_refuses_a_negative_idle_filter(memory_broker: Broker) -> None:
+    with pytest.raises(errors.InvalidArgument, match="idle_since_before_ms"):
+        list(memory_broker.client().scan_lite_topics_columns(idle_since_before_ms=-1))
 
 
 def test_a_scan_can_be_abandoned_midway(broker: Broker) -> None:

@@ -305,12 +305,14 @@ class AdminClient:
         batch_size: int = 10_000,
         with_subscribers: bool = False,
         with_fully_consumed: bool = False,
+        idle_since_before_ms: int = 0,
     ) -> Generator[dict[str, list[Any]], None, None]:
         """Lite-topic metadata in key order, a batch of up to ``batch_size`` rows at a time.
 
         Keys are exclusive bounds: lite names within ``parent``, ``parent$lite`` across parents (``parent=""``).
         Each batch maps ``LITE_TOPIC_COLUMNS`` (plus ``subscriber_count`` / ``fully_consumed`` when asked)
         to equal-length lists. The stream is read lazily; close the iterator to stop early.
+        ``idle_since_before_ms`` > 0: only topics whose last activity is before it (filtered by the broker).
         """
         request = pb.ScanLiteTopicsRequest(
             parent=parent,
@@ -319,6 +321,7 @@ class AdminClient:
             batch_size=batch_size,
             with_subscribers=with_subscribers,
             with_fully_consumed=with_fully_consumed,
+            idle_since_before_ms=idle_since_before_ms,
         )
         stream = self._stub.ScanLiteTopics(request, timeout=self.long_timeout_s, metadata=self._metadata())
         try:

@@ -65,13 +65,16 @@ async def scan(
     store: Store, live: LiveView, request: pb.ScanLiteTopicsRequest
 ) -> AsyncIterator[pb.ScanLiteTopicsResponse]:
     parent = validation.name("parent", request.parent) if request.parent else ""
+    idle_since_before = request.idle_since_before_ms
+    if idle_since_before < 0:
+        raise errors.InvalidArgument("idle_since_before_ms must be >= 0 (0: no filter)", value=idle_since_before)
     batch_size = validation.limit("batch_size", request.batch_size, default=SCAN_BATCH_DEFAULT, maximum=SCAN_BATCH_MAX)
     bound: dict[str, list[str]] | None = None
     if request.with_fully_consumed:
         bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
 
     def read(start_after: str) -> tuple[list[model.LiteTopicMeta], pb.ScanLiteTopicsResponse]:
-        metas = store.scan_lite_topics(parent or None, start_after, request.end_before, batch_size)
+        metas = store.scan_lite_topics(parent or None, start_after, request.end_before, batch_size, idle_since_before)
         batch = convert.scan_batch_to_pb(metas)
         if bound is not None:
             batch.fully_consumed.extend([_fully_consumed(store, m, bound.get(m.parent, ())) for m in metas])
@@ -164,29 +167,36 @@ async def compare_and_delete(
 def _compare_rows(store: Store, rows: Sequence[Row], dry_run: bool) -> _Done:
     done = _Done()
     try:
-        for row in rows:
-            done.outcomes.append(_compare_row(store, row, dry_run, done.deleted))
+        if dry_run:
+            done.outcomes = [_dry_run_row(store, row) for row in rows]
+            return done
+        # One store call for the chunk: one commit-log write, one fsync and one index batch, not one per row.
+        deleted = store.delete_lite_topics([(row.parent, row.lite, _expected(row)) for row in rows])
+        for row, ok in zip(rows, deleted, strict=True):
+            if ok:
+                done.deleted.append(model.QueueId.lmq(row.parent, row.lite))
+                done.outcomes.append(Outcome.DELETED)
+            else:  # changed since the scan, or already gone (deleted by someone else, or twice in this request)
+                gone = store.lite_topic(row.parent, row.lite) is None
+                done.outcomes.append(Outcome.NOT_FOUND if gone else Outcome.KEPT_CHANGED)
     except errors.LmqError as exc:
         done.error = exc
     return done
 
 
-def _compare_row(store: Store, row: Row, dry_run: bool, deleted: list[model.QueueId]) -> Outcome:
+def _expected(row: Row) -> model.LiteTopicMeta:
+    """What the store compares: max offset, last store and last consume (the other fields are not looked at)."""
+    return model.LiteTopicMeta(row.parent, row.lite, 0, row.last_store_ms, row.last_consume_ms, 0, row.max_offset)
+
+
+def _dry_run_row(store: Store, row: Row) -> Outcome:
     current = store.lite_topic(row.parent, row.lite)
     if current is None:
         return Outcome.NOT_FOUND
     expected = dataclasses.replace(
         current, max_offset=row.max_offset, last_store_ms=row.last_store_ms, last_consume_ms=row.last_consume_ms
     )
-    if expected != current:
-        return Outcome.KEPT_CHANGED
-    if dry_run:
-        return Outcome.WOULD_DELETE
-    if store.delete_lite_topic(row.parent, row.lite, expected=expected):
-        deleted.append(model.QueueId.lmq(row.parent, row.lite))
-        return Outcome.DELETED
-    # Changed or removed by someone else between our read and the delete.
-    return Outcome.NOT_FOUND if store.lite_topic(row.parent, row.lite) is None else Outcome.KEPT_CHANGED
+    return Outcome.KEPT_CHANGED if expected != current else Outcome.WOULD_DELETE
 
 
 # --- purge --------------------------------------------------------------------------------------------------
@@ -198,9 +208,8 @@ async def purge(store: Store, live: LiveView, parent: str) -> int:
         metas = store.scan_lite_topics(parent, start_after, "", DELETE_BATCH)
         done.cursor = metas[-1].lite if len(metas) == DELETE_BATCH else None
         try:
-            for meta in metas:
-                if store.delete_lite_topic(parent, meta.lite):
-                    done.deleted.append(model.QueueId.lmq(parent, meta.lite))
+            deleted = store.delete_lite_topics([(parent, meta.lite, None) for meta in metas])
+            done.deleted.extend(model.QueueId.lmq(parent, m.lite) for m, ok in zip(metas, deleted, strict=True) if ok)
         except errors.LmqError as exc:
             done.error = exc
         return done
