@@ -137,6 +137,7 @@ class BrokerAdmin:
         batch_size: int,
         with_fully_consumed: bool,
         timeout_s: float,
+        idle_since_before_ms: int = 0,
     ) -> Iterator[pa.RecordBatch]:
         """The rows of one key range of one parent, as Arrow batches in the ``columns.SCANNED`` schema."""
         request = admin_pb2.ScanLiteTopicsRequest(
@@ -146,6 +147,7 @@ class BrokerAdmin:
             batch_size=batch_size,
             with_subscribers=True,
             with_fully_consumed=with_fully_consumed,
+            idle_since_before_ms=idle_since_before_ms,
         )
         try:
             for reply in self._stub.ScanLiteTopics(request, timeout=timeout_s, metadata=self._metadata()):

@@ -9,6 +9,7 @@ endpoints ``host:port``; naming them is the driver's business (it asks each brok
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -76,7 +77,8 @@ def list_slices_from_api(service: str, namespace: str) -> Sequence[Mapping[str, 
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
+        # KUBECONFIG is read now, not at import: the client's module-level default is fixed when first imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
     api = client.DiscoveryV1Api()
     reply = api.list_namespaced_endpoint_slice(namespace, label_selector=f"kubernetes.io/service-name={service}")
     items = client.ApiClient().sanitize_for_serialization(reply).get("items", [])  # type: ignore[no-untyped-call]

@@ -73,7 +73,8 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
                     if n == 0:
                         continue
                     ranges = keyspace.split(n, _prober(admin, p.name))
-                    result.scan_tasks.extend(tasks.ScanTask(name, ep, p.name, r) for r in ranges)
+                    cutoff = idle_cutoff_ms(out.now_ms, opts, p.expiration_minutes)
+                    result.scan_tasks.extend(tasks.ScanTask(name, ep, p.name, r, cutoff) for r in ranges)
             result.targets.append(Target(name, ep))
         except errors.LmqError as exc:
             summary = out.brokers.setdefault(name, report.BrokerSummary(name, ep))
@@ -82,6 +83,19 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
             log.error("broker %s skipped: %s", name, exc.message)
     result.scan_tasks = interleave(result.scan_tasks)
     return result
+
+
+def idle_cutoff_ms(now_ms: int, opts: options.Options, expiration_minutes: int) -> int:
+    """The scan filter of one parent: a row last active at or after it cannot expire in this run.
+
+    ``decide`` expires a row when idle > expiration and idle >= min age (idle = now - last activity), so
+    every expirable row has last activity <= now - max(expiration, min age), i.e. < this cutoff. The filter
+    is only a pre-selection: ``decide`` still applies the full rule to what comes back.
+    """
+    if not opts.pushdown:
+        return 0
+    horizon = max(expiration_minutes * transforms.MS_PER_MINUTE, opts.min_age_minutes * transforms.MS_PER_MINUTE)
+    return max(0, now_ms - horizon + 1)
 
 
 def interleave(scan_tasks: Sequence[tasks.ScanTask]) -> list[tasks.ScanTask]:

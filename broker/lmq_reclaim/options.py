@@ -38,6 +38,7 @@ class Options:
     scan_batch_size: int = 10_000
     rows_per_task: int = 250_000
     max_ranges_per_parent: int = 64
+    pushdown: bool = True  # brokers return only rows idle long enough to possibly expire
     audit_path: str = ""
     audit_format: str = "parquet"  # parquet | jsonl
     now_ms: int | None = None
@@ -99,6 +100,12 @@ def parser() -> argparse.ArgumentParser:
     act.add_argument("--delete-batch-size", type=_positive_int, default=500, help="rows per delete call")
     act.add_argument("--scan-batch-size", type=_positive_int, default=10_000, help="rows per scan response")
     act.add_argument("--rows-per-task", type=_positive_int, default=250_000, help="target rows per scan task")
+    act.add_argument(
+        "--no-pushdown",
+        dest="pushdown",
+        action="store_false",
+        help="scan every row, fresh ones too (the report then counts every topic; slower)",
+    )
     act.add_argument("--max-ranges-per-parent", type=_positive_int, default=64, help="key ranges per parent cap")
     act.add_argument("--timeout-s", type=float, default=30.0, help="deadline of unary admin calls")
     act.add_argument("--scan-timeout-s", type=float, default=3600.0, help="deadline of one range's scan stream")
@@ -150,6 +157,7 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         scan_batch_size=ns.scan_batch_size,
         rows_per_task=ns.rows_per_task,
         max_ranges_per_parent=ns.max_ranges_per_parent,
+        pushdown=ns.pushdown,
         audit_path=ns.audit_path,
         audit_format=ns.audit_format,
         now_ms=ns.now_ms,

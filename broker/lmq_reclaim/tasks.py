@@ -63,6 +63,8 @@ class ScanTask:
     endpoint: str
     parent: str
     key_range: KeyRange
+    # Pushed down to the broker: only rows last active before this (epoch ms) come back; 0: every row.
+    idle_since_before_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,7 @@ def _scan_one(
                 batch_size=settings.batch_size,
                 with_fully_consumed=settings.with_fully_consumed,
                 timeout_s=settings.timeout_s,
+                idle_since_before_ms=task.idle_since_before_ms,
             )
             while True:
                 t0 = time.perf_counter()

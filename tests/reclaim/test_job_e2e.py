@@ -124,8 +124,9 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         )
         assert seen == [DELETED | RACES]
         s0, s1 = result.brokers["broker-0"], result.brokers["broker-1"]
-        # Parents that never expire are not even scanned.
-        assert (s0.scanned, s0.expired, s0.reclaimed) == (10, 7, 4)
+        # Parents that never expire are not even scanned, and the brokers return only rows idle longer than
+        # max(expiration, min age): fresh, consumed-late (Agent) and ten (Short) stay on the broker.
+        assert (s0.scanned, s0.expired, s0.reclaimed) == (7, 7, 4)
         assert (s0.kept_changed, s0.kept_subscribed, s0.not_found, s0.errors) == (1, 1, 1, 0)
         assert (s1.scanned, s1.expired, s1.reclaimed, s1.errors) == (5, 5, 5, 0)
         assert result.exit_code == 0
@@ -146,8 +147,13 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         # 3. A second run (a CronJob may fire twice) finds nothing more to reclaim.
         again = job.run(options.parse([*base, "--no-live-subscribers"]), spark=spark)
         assert (again.total.expired, again.total.reclaimed, again.total.errors) == (0, 0, 0)
-        # Left on broker-0: fresh, consumed-late, race-msg, race-sub (Agent) and ten (Short).
-        assert (again.brokers["broker-0"].scanned, again.brokers["broker-1"].scanned) == (5, 0)
+        # Left on broker-0: fresh, consumed-late, race-msg, race-sub (Agent) and ten (Short); only race-sub
+        # (idle, but subscribed) passes the brokers' filter, and decide keeps it.
+        assert (again.brokers["broker-0"].scanned, again.brokers["broker-1"].scanned) == (1, 0)
+        # Without the pushdown every remaining row is scanned and decided in Spark, with the same outcome.
+        full = job.run(options.parse([*base, "--no-live-subscribers", "--no-pushdown"]), spark=spark)
+        assert (full.total.expired, full.total.reclaimed, full.total.errors) == (0, 0, 0)
+        assert (full.brokers["broker-0"].scanned, full.brokers["broker-1"].scanned) == (5, 0)
     finally:
         for a in admins.values():
             a.close()

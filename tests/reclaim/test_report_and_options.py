@@ -36,6 +36,7 @@ def test_command_line_defaults_and_validation() -> None:
     assert (opts.master, opts.min_age_minutes, opts.dry_run) == ("local[2]", 15, False)
     opts = options.parse(["--broker-service", "lmq-broker", "--namespace", "mq", "--conf", "spark.x=1", "--dry-run"])
     assert opts.spark_conf == (("spark.x", "1"),) and opts.dry_run
+    assert opts.pushdown and not options.parse(["--brokers", "a:1", "--no-pushdown"]).pushdown
     for bad in (
         [],
         ["--brokers", "a:1", "--broker-service", "s", "--namespace", "n"],

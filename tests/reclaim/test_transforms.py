@@ -9,7 +9,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
 from lmq_reclaim import columns as c
-from lmq_reclaim import job, transforms
+from lmq_reclaim import job, options, transforms
 from lmq_reclaim.columns import Outcome, Verdict
 
 MIN = transforms.MS_PER_MINUTE
@@ -56,6 +56,22 @@ def test_idle_longer_than_expiration_and_min_age_expires(spark: SparkSession) ->
     ]
     got = verdicts(spark, rows, transforms.Rules(now_ms=NOW, min_age_ms=15 * MIN), [("b0", "P", 60)])
     assert got == {"old": Verdict.EXPIRED, "edge": Verdict.FRESH, "fresh": Verdict.FRESH}
+
+
+def test_the_pushed_down_cutoff_never_hides_a_row_that_decide_expires(spark: SparkSession) -> None:
+    opts = options.Options(min_age_minutes=15)
+    for expiration in (0, 10, 15, 60):
+        cutoff = job.idle_cutoff_ms(NOW, opts, expiration)
+        horizon = max(expiration, 15)
+        rows = [
+            scanned_row(f"idle{ms}", idle_min=ms / MIN, created_min_ago=10**4)
+            for ms in (horizon * MIN - 1, horizon * MIN, horizon * MIN + 1, 10**4 * MIN)
+        ]
+        got = verdicts(spark, rows, transforms.Rules(now_ms=NOW, min_age_ms=15 * MIN), [("b0", "P", expiration)])
+        passes = {row[2] for row in rows if max(row[3], row[4], row[5]) < cutoff}
+        assert {lite for lite, v in got.items() if v == Verdict.EXPIRED} <= passes, expiration
+        assert f"idle{horizon * MIN - 1}" not in passes  # the filter does skip what cannot expire
+    assert job.idle_cutoff_ms(NOW, options.Options(pushdown=False), 60) == 0
 
 
 def test_min_age_holds_back_short_expirations(spark: SparkSession) -> None:
