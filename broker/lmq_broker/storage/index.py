@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import rocksdict
 
@@ -332,6 +332,7 @@ class Batch:
         self.pending: dict[bytes, Pending] = {}
         self._counts: dict[str, int] = {}
         self._touched: set[int] = set()
+        self._iter: rocksdict.RdictIter | None = None  # made by the first delete_queue (snapshot of the index)
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -379,10 +380,21 @@ class Batch:
         # Point deletes of the keys that exist, not delete_range: every range tombstone stays in the
         # memtable/SSTs and is consulted by later reads, so a reclaim of many topics made each further
         # delete slower (0.7 ms -> 12 ms per delete after 20k). A lite topic has a handful of keys.
+        # One iterator per batch, re-seeked per prefix: a batch delete of thousands of topics would otherwise
+        # build two iterators (and their read options) per topic, a third of its cost.
         wb = self.wb
+        it = self._iter
+        if it is None:
+            it = self._iter = self._index.raw_iter(b"", b"\xff" * 8)
+        key_of = cast("Callable[[], bytes]", it.key)
         for prefix in (name.entry_prefix, name.offset_prefix):
-            for key, _ in self._index.prefix_items(prefix):
+            it.seek(prefix)
+            while it.valid():
+                key = key_of()
+                if not key.startswith(prefix):
+                    break
                 wb.delete(key)
+                it.next()
         wb.delete(name.state_key)
         self._cache.drop(name)
 
