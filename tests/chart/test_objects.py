@@ -74,7 +74,7 @@ BROKER_READ = {("discovery.k8s.io", "endpointslices", "list"), ("apps", "statefu
 def test_broker_statefulset_shape(render: Render, one: One) -> None:
     sts = one(render(), "StatefulSet", BROKER)
     spec = sts["spec"]
-    assert spec["replicas"] == 3
+    assert spec["replicas"] == 1
     assert spec["podManagementPolicy"] == "Parallel"
     assert spec["serviceName"] == HEADLESS
     assert spec["updateStrategy"] == {"type": "RollingUpdate"}
