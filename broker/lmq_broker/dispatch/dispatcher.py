@@ -507,11 +507,8 @@ class Dispatcher:
                 out += await self._deliver((popped[0], 0, group), batch - len(out), invisible_ms, client_id, found)
             if out:
                 return out
-            remaining = deadline - self.clock()
-            if remaining <= 0:
+            if not await self._wait(event, deadline):
                 return []
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), remaining / 1000)
             self.registry.touch(client_id, self.clock())
         return []
 
@@ -544,12 +541,18 @@ class Dispatcher:
                     break
             if out:
                 return out
-            remaining = deadline - self.clock()
-            if remaining <= 0:
+            if not await self._wait(event, deadline):
                 return []
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), remaining / 1000)
         return []
+
+    async def _wait(self, event: asyncio.Event, deadline: int) -> bool:
+        """One long-poll wait: until ``event`` is set or ``deadline`` (ms); False once the deadline has passed."""
+        remaining = deadline - self.clock()
+        if remaining <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining / 1000)
+        return True
 
     async def _deliver(
         self,
