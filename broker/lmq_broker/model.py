@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Final, NewType
+from typing import Final, NamedTuple, NewType
 
 LMQ_PREFIX: Final = "%LMQ%"
 LMQ_SEPARATOR: Final = "$"
@@ -54,9 +54,12 @@ def is_valid_resource_name(name: str) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class QueueId:
-    """A queue of the store: ``(topic, queue id)``. An LMQ is queue 0 of its ``%LMQ%$parent$lite`` name."""
+class QueueId(NamedTuple):
+    """A queue of the store: ``(topic, queue id)``. An LMQ is queue 0 of its ``%LMQ%$parent$lite`` name.
+
+    A named tuple rather than a dataclass: queue ids key the dicts of every append result and of the
+    dispatcher, and a tuple hashes and compares in C (a dataclass ``__hash__`` is a Python call per lookup).
+    """
 
     topic: str
     queue: int = 0
@@ -121,11 +124,17 @@ class StoredMessage:
 
 @dataclass(frozen=True, slots=True)
 class AppendResult:
-    """Where one appended message landed: its offset in each queue it was dispatched to."""
+    """Where one appended message landed: its offset in each queue it was dispatched to, in the order of the
+    message's ``queues`` (two tuples rather than a dict: a fan-out to many queues pays no hashing for it)."""
 
     message_id: str
-    offsets: dict[QueueId, int]
+    queues: tuple[QueueId, ...]
+    queue_offsets: tuple[int, ...]
     store_timestamp_ms: int
+
+    @property
+    def offsets(self) -> dict[QueueId, int]:
+        return dict(zip(self.queues, self.queue_offsets, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ KEY = (LMQ.topic, 0)
 
 def appended(recent: RecentMessages, offsets: range, body: bytes = b"x") -> None:
     messages = [lite_message("t", body, message_id=f"m{o}") for o in offsets]
-    results = [model.AppendResult(f"m{o}", {model.QueueId("P", 0): o, LMQ: o}, 1000 + o) for o in offsets]
+    results = [model.AppendResult(f"m{o}", (model.QueueId("P", 0), LMQ), (o, o), 1000 + o) for o in offsets]
     recent.add(messages, results)
 
 
@@ -52,6 +52,6 @@ def test_queue_count_is_bounded() -> None:
     recent = RecentMessages(max_queues=2)
     for name in ("a", "b", "c"):
         q = model.QueueId.lmq("P", name)
-        recent.add([lite_message(name)], [model.AppendResult("m", {q: 0}, 1)])
+        recent.add([lite_message(name)], [model.AppendResult("m", (q,), (0,), 1)])
     assert recent.end((model.QueueId.lmq("P", "a").topic, 0)) is None
     assert recent.end((model.QueueId.lmq("P", "c").topic, 0)) == 1

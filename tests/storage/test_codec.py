@@ -27,8 +27,8 @@ def prepared(**kw: object) -> codec.Prepared:
     return codec.prepare(model.NewMessage(**fields), keys.NameCache(), 1 << 20)  # type: ignore[arg-type]
 
 
-def framed(p: codec.Prepared, store_ms: int = 1000, offsets: list[int] | None = None) -> bytes:
-    prefix, head = codec.frame(p, store_ms, offsets if offsets is not None else [5, 0])
+def framed(p: codec.Prepared, store_ms: int = 1000, offsets: tuple[int, ...] | None = None) -> bytes:
+    prefix, head = codec.frame(p, store_ms, offsets if offsets is not None else (5, 0))
     return prefix + head + p.message.body
 
 
@@ -62,7 +62,7 @@ def test_round_trip_of_every_field() -> None:
         user_properties={"a": "1", "long": "v" * 300},
         body=bytes(range(256)),
     )
-    rec = codec.decode(framed(p, 99, [1, 2]))
+    rec = codec.decode(framed(p, 99, (1, 2)))
     assert rec == codec.Record(
         kind=codec.KIND_MESSAGE,
         message_type=model.MessageType.LITE,
@@ -80,7 +80,7 @@ def test_round_trip_of_every_field() -> None:
         message_group="grp",
         user_properties={"a": "1", "long": "v" * 300},
     )
-    stored = codec.decode_message(framed(p, 99, [1, 2]), LMQ, 2)
+    stored = codec.decode_message(framed(p, 99, (1, 2)), LMQ, 2)
     assert (stored.queue, stored.offset, stored.keys, stored.store_timestamp_ms) == (LMQ, 2, ("k1", "k2"), 99)
 
 
@@ -134,7 +134,7 @@ def test_bad_frames_are_refused(data: bytes, error: type[Exception]) -> None:
 
 
 def test_scan_yields_frames_and_stops_at_the_first_bad_one_with_its_position() -> None:
-    a, b = framed(prepared(), 1, [0, 0]), framed(prepared(message_id="id-2"), 2, [1, 1])
+    a, b = framed(prepared(), 1, (0, 0)), framed(prepared(message_id="id-2"), 2, (1, 1))
     frames = list(codec.scan(a + b, 0, len(a + b)))
     assert [(f.position, f.size, f.store_ms, f.offsets) for f in frames] == [
         (0, len(a), 1, (0, 0)),

@@ -27,7 +27,7 @@ def test_append_assigns_consecutive_offsets_per_queue(store: api.Store, msg: Msg
         {PARENT_Q: 2, LMQ_A: 1},
     ]
     assert {r.store_timestamp_ms for r in results} == {clock()}
-    assert results[0] == model.AppendResult(results[0].message_id, {PARENT_Q: 0, LMQ_A: 0}, clock())
+    assert results[0] == model.AppendResult(results[0].message_id, (PARENT_Q, LMQ_A), (0, 0), clock())
     assert store.queue_offsets(PARENT_Q) == (0, 3)
     assert store.queue_offsets(LMQ_A) == (0, 2)
 

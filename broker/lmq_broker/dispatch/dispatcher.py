@@ -399,7 +399,7 @@ class Dispatcher:
         """Called after an append: offer the touched lite topics, wake normal-topic receivers (coalesced)."""
         arrived = self._arrived
         for result in results:
-            for queue in result.offsets:
+            for queue in result.queues:
                 arrived[queue.topic] = None
         if not self._flush_scheduled and arrived:
             self._flush_scheduled = True

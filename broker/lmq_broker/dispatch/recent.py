@@ -45,7 +45,7 @@ class RecentMessages:
         added = 0
         for message, result in zip(messages, results, strict=True):
             lite = message.lite_topic is not None
-            for queue, offset in result.offsets.items():
+            for queue, offset in zip(result.queues, result.queue_offsets, strict=True):
                 topic = queue.topic
                 if lite and not topic.startswith(_LMQ_NAME_PREFIX):
                     continue  # a lite message's parent-queue entry is never consumed

@@ -157,16 +157,27 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         raise errors.InvalidArgument(
             f"a message needs 1..{MAX_QUEUES_PER_RECORD} queues, got {n}", message_id=m.message_id
         )
-    cached = names.by_topic.get
-    qlist = []
-    for q in queues:
-        qn = cached(q.topic)
-        if qn is None or qn.queue != q.queue:
-            qn = names.queue(q.topic, q.queue)
-        qlist.append(qn)
-    qnames = tuple(qlist)
-    if (qnames[0].qkey == qnames[1].qkey) if n == 2 else (n > 2 and len({qn.qkey for qn in qnames}) != n):
-        raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
+    if n > 2:
+        fanout = names.fanout(queues)
+        if fanout is None:
+            raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
+        qnames, queue_names = fanout
+    else:
+        cached = names.by_topic.get
+        qn = cached(queues[0].topic)
+        if qn is None or qn.queue != queues[0].queue:
+            qn = names.queue(queues[0].topic, queues[0].queue)
+        if n == 1:
+            qnames = (qn,)
+            queue_names = qn.record
+        else:
+            qn2 = cached(queues[1].topic)
+            if qn2 is None or qn2.queue != queues[1].queue:
+                qn2 = names.queue(queues[1].topic, queues[1].queue)
+            if qn.qkey == qn2.qkey:
+                raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
+            qnames = (qn, qn2)
+            queue_names = qn.record + qn2.record
     mid = m.message_id.encode()
     if not mid or len(mid) > MAX_MESSAGE_ID_BYTES:
         raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
@@ -181,12 +192,6 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         props = b""
     if lite is not None and not any(qn.lite == lite for qn in qnames) and not model.is_valid_lite_topic(lite):
         raise errors.InvalidLiteTopic(f"invalid lite topic {lite!r}", lite_topic=lite)
-    if n == 1:
-        queue_names = qnames[0].record
-    elif n == 2:
-        queue_names = qnames[0].record + qnames[1].record
-    else:
-        queue_names = b"".join([qn.record for qn in qnames])
     size = FIXED_BYTES + 8 * n + len(queue_names) + len(mid) + len(topic) + len(props) + len(body)
     if size > max_record_bytes:
         raise errors.RecordTooLarge(
@@ -204,7 +209,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
     )
 
 
-def frame(p: Prepared, store_ms: int, offsets: list[int]) -> tuple[bytes, bytes]:
+def frame(p: Prepared, store_ms: int, offsets: tuple[int, ...]) -> tuple[bytes, bytes]:
     """(length | crc, header | offsets | tail) of a prepared message; the body follows them on disk."""
     m = p.message
     body = m.body

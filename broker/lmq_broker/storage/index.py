@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from itertools import repeat
+from operator import add as _add
 from pathlib import Path
 from typing import Final, cast
 
@@ -281,10 +283,71 @@ class StateCache:
         self._states.clear()
 
 
+class Fan:
+    """Messages of one fan-out queue list (3+ queues) within one batch of appends.
+
+    While a fan is open it owns its queues: each message takes the next offset of every queue at once
+    (one C-level map over base offsets) and adds its index entry once, to the fan's own run. ``close``
+    spreads the count and the run onto the queues' pending states: one ``extend`` per queue per batch
+    instead of an append per queue per message. Anything else that touches one of the queues (a message
+    with another queue list, a segment cut, the end of the batch) closes the fan first, so offsets stay
+    dense and in order.
+    """
+
+    __slots__ = ("base", "count", "ents", "is_open", "pendings")
+
+    def __init__(self, pendings: list[Pending]) -> None:
+        self.pendings = pendings
+        self.base: tuple[int, ...] = ()
+        self.count = 0
+        self.ents: list[bytes] = []
+        self.is_open = False
+
+    def open(self) -> None:
+        for pd in self.pendings:
+            if pd.fan is not None:
+                pd.fan.close()
+            pd.fan = self
+        self.base = tuple([pd.next for pd in self.pendings])
+        self.count = 0
+        self.ents = []
+        self.is_open = True
+
+    def take(self, entry: bytes) -> tuple[int, ...]:
+        """The offsets of the next message in every queue of the list; its entry goes to the fan's run."""
+        count = self.count
+        self.count = count + 1
+        self.ents.append(entry)
+        return tuple(map(_add, self.base, repeat(count)))
+
+    def close(self) -> None:
+        if not self.is_open:
+            return
+        self.is_open = False
+        count, ents = self.count, self.ents
+        for pd in self.pendings:
+            pd.next += count
+            pd.ents.extend(ents)
+            pd.fan = None
+
+
 class Pending:
     """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
 
-    __slots__ = ("created", "ents", "last_store", "min", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
+    __slots__ = (
+        "created",
+        "ents",
+        "fan",
+        "last_store",
+        "min",
+        "new",
+        "next",
+        "run_first",
+        "run_ms",
+        "run_seg",
+        "runs",
+        "st",
+    )
 
     def __init__(self, st: QueueState, new: bool, seg: int, ms: int) -> None:
         self.st = st
@@ -298,6 +361,7 @@ class Pending:
         self.run_first = st.next
         self.ents: list[bytes] = []
         self.runs: list[tuple[int, int, int, list[bytes]]] = []
+        self.fan: Fan | None = None  # the fan-out that holds this queue's newest offsets and entries, if any
 
     def cut(self, seg: int, ms: int) -> None:
         """Close the current run (a run lives in one segment and has one store time); start the next."""
@@ -330,6 +394,7 @@ class Batch:
         self._segments = segments  # the store's segment table: seq -> [first_store_ms, last_store_ms]
         self.wb = index.batch()
         self.pending: dict[bytes, Pending] = {}
+        self.fans: dict[int, Fan] = {}  # by id() of a fan-out's queue-name tuple (prepare shares it)
         self._counts: dict[str, int] = {}
         self._touched: set[int] = set()
         self._iter: rocksdict.RdictIter | None = None  # made by the first delete_queue (snapshot of the index)
@@ -361,7 +426,23 @@ class Batch:
         self.pending[name.qkey] = pd
         return pd
 
+    def fan(self, names: tuple[keys.QueueName, ...], seg: int, ms: int) -> Fan:
+        """The open fan of a queue list (the tuple must stay alive for the batch: its id is the key)."""
+        fan = self.fans.get(id(names))
+        if fan is None:
+            pend = self.pending
+            pendings = [pend.get(n.qkey) or self.queue(n, seg, ms) for n in names]
+            fan = self.fans[id(names)] = Fan(pendings)
+        if not fan.is_open:
+            fan.open()
+        return fan
+
+    def close_fans(self) -> None:
+        for fan in self.fans.values():
+            fan.close()
+
     def cut(self, seg: int, ms: int) -> None:
+        self.close_fans()
         for pd in self.pending.values():
             pd.cut(seg, ms)
 
@@ -400,6 +481,7 @@ class Batch:
 
     def write(self, checkpoint: tuple[int, int]) -> None:
         """Put everything into the WriteBatch, the checkpoint last, and write it (one atomic RocksDB write)."""
+        self.close_fans()
         wb = self.wb
         entry_key, encode_run = keys.entry_key, keys.encode_run
         for pd in self.pending.values():

@@ -149,6 +149,10 @@ class NameCache:
         self.by_topic: dict[str, QueueName] = {}
         self._queues: dict[tuple[str, int], QueueName] = {}
         self._topics: dict[str, bytes] = {}
+        # Fan-out (multi-dispatch to 3+ queues): the same queue list arrives again and again (an MQTT-style
+        # fan-out), so the whole list is resolved once. The cached tuple is shared by every message that
+        # names that list: the append path groups messages by its identity.
+        self.fanouts: dict[tuple[model.QueueId, ...], tuple[tuple[QueueName, ...], bytes]] = {}
 
     def queue(self, topic: str, queue: int) -> QueueName:
         name = self.by_topic.get(topic)
@@ -177,10 +181,24 @@ class NameCache:
             self._topics[topic] = raw
         return raw
 
+    def fanout(self, queues: tuple[model.QueueId, ...]) -> tuple[tuple[QueueName, ...], bytes] | None:
+        """The names of a list of 3+ queues and how a record lists them; None when a queue is listed twice
+        (InvalidName & co on a bad name)."""
+        found = self.fanouts.get(queues)
+        if found is None:
+            names = tuple([self.queue(q.topic, q.queue) for q in queues])
+            if len({qn.qkey for qn in names}) != len(names):
+                return None
+            if len(self.fanouts) >= self._capacity // 64:  # a fan-out list holds up to 255 names
+                self.fanouts.clear()
+            found = self.fanouts[queues] = (names, b"".join([qn.record for qn in names]))
+        return found
+
     def clear(self) -> None:
         self.by_topic.clear()
         self._queues.clear()
         self._topics.clear()
+        self.fanouts.clear()
 
 
 def lmq_topic(parent: str, lite: str) -> str:

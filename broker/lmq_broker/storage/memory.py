@@ -82,7 +82,7 @@ class MemoryStore:
             results: list[model.AppendResult] = []
             for p in prepared:
                 m = p.message
-                offsets: dict[model.QueueId, int] = {}
+                offsets: list[int] = []
                 placed: list[tuple[_Queue, int]] = []
                 for qid, name in zip(m.queues, p.queues, strict=True):
                     q = self._queues.get(name.qkey)
@@ -109,11 +109,11 @@ class MemoryStore:
                         message_group=m.message_group,
                         user_properties=dict(m.user_properties),
                     )
-                    offsets[qid] = off
+                    offsets.append(off)
                     placed.append((q, off))
                 self._records.append(_Record(now, p.size, placed))
                 self._bytes += p.size
-                results.append(model.AppendResult(m.message_id, offsets, now))
+                results.append(model.AppendResult(m.message_id, m.queues, tuple(offsets), now))
             return results
 
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
