@@ -122,10 +122,10 @@ class StoredMessage:
     user_properties: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class AppendResult:
+class AppendResult(NamedTuple):
     """Where one appended message landed: its offset in each queue it was dispatched to, in the order of the
-    message's ``queues`` (two tuples rather than a dict: a fan-out to many queues pays no hashing for it)."""
+    message's ``queues`` (two tuples rather than a dict: a fan-out to many queues pays no hashing for it). A
+    named tuple: the store builds one per message, and a tuple is the cheapest object to build."""
 
     message_id: str
     queues: tuple[QueueId, ...]

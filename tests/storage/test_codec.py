@@ -13,7 +13,7 @@ Q = model.QueueId("P", 0)
 LMQ = model.QueueId.lmq("P", "a")
 
 
-def prepared(**kw: object) -> codec.Prepared:
+def prepared(*, store_ms: int = 1000, **kw: object) -> codec.Prepared:
     fields: dict[str, object] = {
         "message_id": "id-1",
         "topic": "P",
@@ -24,11 +24,11 @@ def prepared(**kw: object) -> codec.Prepared:
         "born_timestamp_ms": 7,
     }
     fields.update(kw)
-    return codec.prepare(model.NewMessage(**fields), keys.NameCache(), 1 << 20)  # type: ignore[arg-type]
+    return codec.prepare(model.NewMessage(**fields), keys.NameCache(), 1 << 20, store_ms)  # type: ignore[arg-type]
 
 
-def framed(p: codec.Prepared, store_ms: int = 1000, offsets: tuple[int, ...] | None = None) -> bytes:
-    prefix, head = codec.frame(p, store_ms, offsets if offsets is not None else (5, 0))
+def framed(p: codec.Prepared, offsets: tuple[int, ...] = (5, 0)) -> bytes:
+    prefix, head = codec.frame(p, offsets)
     return prefix + head + p.message.body
 
 
@@ -55,6 +55,7 @@ def test_fixed_layout_is_as_documented() -> None:
 
 def test_round_trip_of_every_field() -> None:
     p = prepared(
+        store_ms=99,
         born_host="h:1",
         tag="t",
         keys=("k1", "k2"),
@@ -62,7 +63,7 @@ def test_round_trip_of_every_field() -> None:
         user_properties={"a": "1", "long": "v" * 300},
         body=bytes(range(256)),
     )
-    rec = codec.decode(framed(p, 99, (1, 2)))
+    rec = codec.decode(framed(p, (1, 2)))
     assert rec == codec.Record(
         kind=codec.KIND_MESSAGE,
         message_type=model.MessageType.LITE,
@@ -80,7 +81,7 @@ def test_round_trip_of_every_field() -> None:
         message_group="grp",
         user_properties={"a": "1", "long": "v" * 300},
     )
-    stored = codec.decode_message(framed(p, 99, (1, 2)), LMQ, 2)
+    stored = codec.decode_message(framed(p, (1, 2)), LMQ, 2)
     assert (stored.queue, stored.offset, stored.keys, stored.store_timestamp_ms) == (LMQ, 2, ("k1", "k2"), 99)
 
 
@@ -134,7 +135,7 @@ def test_bad_frames_are_refused(data: bytes, error: type[Exception]) -> None:
 
 
 def test_scan_yields_frames_and_stops_at_the_first_bad_one_with_its_position() -> None:
-    a, b = framed(prepared(), 1, (0, 0)), framed(prepared(message_id="id-2"), 2, (1, 1))
+    a, b = framed(prepared(store_ms=1), (0, 0)), framed(prepared(store_ms=2, message_id="id-2"), (1, 1))
     frames = list(codec.scan(a + b, 0, len(a + b)))
     assert [(f.position, f.size, f.store_ms, f.offsets) for f in frames] == [
         (0, len(a), 1, (0, 0)),
@@ -153,6 +154,6 @@ def test_prepare_sizes_exactly_and_limits_the_whole_record() -> None:
     assert p.size == len(framed(p))
     limit = p.size
     msg = p.message
-    assert codec.prepare(msg, keys.NameCache(), limit).size == limit
+    assert codec.prepare(msg, keys.NameCache(), limit, 0).size == limit
     with pytest.raises(errors.RecordTooLarge):
-        codec.prepare(msg, keys.NameCache(), limit - 1)
+        codec.prepare(msg, keys.NameCache(), limit - 1, 0)

@@ -121,10 +121,13 @@ def test_valid_queue_names() -> None:
 
 def test_name_cache_is_bounded() -> None:
     cache = keys.NameCache(capacity=10)
+    pool = [model.QueueId(f"F{j}", 0) for j in range(20)]
     for i in range(100):
         cache.queue(f"T{i}", 0)
         cache.topic(f"T{i}")
-    assert len(cache._queues) <= 10 and len(cache._topics) <= 10
+        cache.fanout((pool[i % 20], pool[(i + 1) % 20], pool[(i + 2) % 20]))
+    assert len(cache._queues) <= 10 and len(cache.topics) <= 10 and len(cache.by_topic) <= 10
+    assert 0 < len(cache.fanouts) <= 10
     with pytest.raises(errors.InvalidName):
         cache.topic("bad topic")
 

@@ -49,8 +49,6 @@ MAX_MESSAGE_ID_BYTES: Final = 128
 
 PREFIX: Final = struct.Struct("<II")  # length, crc
 HEADER: Final = struct.Struct("<BBBBQQHHIII")
-LEAD: Final = struct.Struct("<BBBBQQ")  # the part of HEADER known only when the record is stored
-LENGTHS: Final = struct.Struct("<HHIII")  # the rest, known when the message is prepared
 FIXED_BYTES: Final = PREFIX.size + HEADER.size  # 44
 PROPERTY: Final = struct.Struct("<BI")
 USER_KEY: Final = struct.Struct("<H")
@@ -74,7 +72,7 @@ class Prepared(NamedTuple):
 
     message: model.NewMessage
     queues: tuple[keys.QueueName, ...]
-    lengths: bytes  # the header's length fields, packed
+    header: bytes  # the fixed header, packed (store time included: the store reads its clock first)
     tail: bytes  # queue names | message id | topic | properties
     size: int  # the whole framed record
 
@@ -143,8 +141,8 @@ def encode_properties(m: model.NewMessage) -> bytes:
     return b"".join(parts)
 
 
-def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -> Prepared:
-    """Validate one message and encode what does not depend on offsets. Raises InvalidArgument subclasses.
+def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, store_ms: int) -> Prepared:
+    """Validate one message and encode all but its offsets. Raises InvalidArgument subclasses.
 
     Both stores call this, so both refuse exactly the same input; it runs once per message on the hot path.
     """
@@ -179,20 +177,33 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
             qnames = (qn, qn2)
             queue_names = qn.record + qn2.record
     mid = m.message_id.encode()
-    if not mid or len(mid) > MAX_MESSAGE_ID_BYTES:
+    if not 0 < len(mid) <= MAX_MESSAGE_ID_BYTES:
         raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
-    topic = names.topic(m.topic)
+    topic = names.topics.get(m.topic) or names.topic(m.topic)
     lite = m.lite_topic
     if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties:
         props = encode_properties(m)
     elif lite is not None:
-        raw = lite.encode()
-        props = PROPERTY.pack(TAG_LITE_TOPIC, len(raw)) + raw
+        found = names.lite_properties.get(lite)
+        if found is None:
+            raw = lite.encode()
+            found = PROPERTY.pack(TAG_LITE_TOPIC, len(raw)) + raw
+            if len(names.lite_properties) >= names.capacity:
+                names.lite_properties.clear()
+            names.lite_properties[lite] = found
+        props = found
     else:
         props = b""
-    if lite is not None and not any(qn.lite == lite for qn in qnames) and not model.is_valid_lite_topic(lite):
+    # A LITE message's LMQ is its last queue and already validated: that test settles it without a scan.
+    if (
+        lite is not None
+        and qnames[-1].lite != lite
+        and not any(qn.lite == lite for qn in qnames)
+        and not model.is_valid_lite_topic(lite)
+    ):
         raise errors.InvalidLiteTopic(f"invalid lite topic {lite!r}", lite_topic=lite)
-    size = FIXED_BYTES + 8 * n + len(queue_names) + len(mid) + len(topic) + len(props) + len(body)
+    n_mid, n_topic, n_names, n_props, n_body = len(mid), len(topic), len(queue_names), len(props), len(body)
+    size = FIXED_BYTES + 8 * n + n_names + n_mid + n_topic + n_props + n_body
     if size > max_record_bytes:
         raise errors.RecordTooLarge(
             f"record of {size} bytes exceeds {max_record_bytes}", message_id=m.message_id, size=size
@@ -202,24 +213,29 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int) -
         (
             m,
             qnames,
-            LENGTHS.pack(len(mid), len(topic), len(queue_names), len(props), len(body)),
+            HEADER.pack(
+                VERSION,
+                KIND_MESSAGE,
+                m.message_type,
+                n,
+                store_ms,
+                m.born_timestamp_ms,
+                n_mid,
+                n_topic,
+                n_names,
+                n_props,
+                n_body,
+            ),
             queue_names + mid + topic + props,
             size,
         ),
     )
 
 
-def frame(p: Prepared, store_ms: int, offsets: tuple[int, ...]) -> tuple[bytes, bytes]:
+def frame(p: Prepared, offsets: tuple[int, ...]) -> tuple[bytes, bytes]:
     """(length | crc, header | offsets | tail) of a prepared message; the body follows them on disk."""
-    m = p.message
-    body = m.body
-    head = (
-        LEAD.pack(VERSION, KIND_MESSAGE, m.message_type, len(offsets), store_ms, m.born_timestamp_ms)
-        + p.lengths
-        + OFFSETS[len(offsets)].pack(*offsets)
-        + p.tail
-    )
-    return PREFIX.pack(p.size - 4, _crc32c.crc32c(body, _crc32c.crc32c(head))), head
+    head = p.header + OFFSETS[len(offsets)].pack(*offsets) + p.tail
+    return PREFIX.pack(p.size - 4, _crc32c.crc32c(p.message.body, _crc32c.crc32c(head))), head
 
 
 def encode(
@@ -238,8 +254,19 @@ def encode(
     """One whole framed record from its parts (tombstones, tests and tools; messages go through ``frame``)."""
     n = len(offsets)
     head = (
-        LEAD.pack(VERSION, kind, message_type, n, store_ms, born_ms)
-        + LENGTHS.pack(len(message_id), len(topic), len(names), len(properties), len(body))
+        HEADER.pack(
+            VERSION,
+            kind,
+            message_type,
+            n,
+            store_ms,
+            born_ms,
+            len(message_id),
+            len(topic),
+            len(names),
+            len(properties),
+            len(body),
+        )
         + OFFSETS[n].pack(*offsets)
         + names
         + message_id

@@ -334,31 +334,16 @@ class Fan:
 class Pending:
     """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
 
-    __slots__ = (
-        "created",
-        "ents",
-        "fan",
-        "last_store",
-        "min",
-        "new",
-        "next",
-        "run_first",
-        "run_ms",
-        "run_seg",
-        "runs",
-        "st",
-    )
+    # min and created are the state's own (a batch of appends never changes them): read from ``st``.
+    __slots__ = ("ents", "fan", "last_store", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
 
-    def __init__(self, st: QueueState, new: bool, seg: int, ms: int) -> None:
+    def __init__(self, st: QueueState, new: bool, seg: int, ms: int, last_store: int) -> None:
         self.st = st
         self.new = new
-        self.next = st.next
-        self.min = st.min
-        self.created = st.created
-        self.last_store = st.last_store
+        self.next = self.run_first = st.next
+        self.last_store = last_store
         self.run_seg = seg
         self.run_ms = ms
-        self.run_first = st.next
         self.ents: list[bytes] = []
         self.runs: list[tuple[int, int, int, list[bytes]]] = []
         self.fan: Fan | None = None  # the fan-out that holds this queue's newest offsets and entries, if any
@@ -403,12 +388,14 @@ class Batch:
         return len(self.pending)
 
     def queue(self, name: keys.QueueName, seg: int, ms: int) -> Pending:
-        """The pending state of a queue that gets new offsets from its current next (the append path)."""
+        """The pending state of a queue that gets new offsets from its current next (the append path: the
+        queue's last store time becomes the batch's ``ms``)."""
         st = self._cache.get_for_write(name)
         if st is not None:
-            pd = Pending(st, False, seg, ms)
+            pd = Pending(st, False, seg, ms, ms)
         else:
-            pd = Pending(QueueState(name, created=ms, last_store=ms, last_consume=0, min_=0, next_=0), True, seg, ms)
+            fresh = QueueState(name, created=ms, last_store=ms, last_consume=0, min_=0, next_=0)
+            pd = Pending(fresh, True, seg, ms, ms)
         self.pending[name.qkey] = pd
         return pd
 
@@ -419,10 +406,10 @@ class Batch:
             return pd
         st = self._cache.get_for_write(name)
         if st is not None:
-            pd = Pending(st, False, seg, ms)
+            pd = Pending(st, False, seg, ms, st.last_store)
         else:
             fresh = QueueState(name, created=ms, last_store=ms, last_consume=0, min_=offset, next_=offset)
-            pd = Pending(fresh, True, seg, ms)
+            pd = Pending(fresh, True, seg, ms, ms)
         self.pending[name.qkey] = pd
         return pd
 
@@ -483,19 +470,24 @@ class Batch:
         """Put everything into the WriteBatch, the checkpoint last, and write it (one atomic RocksDB write)."""
         self.close_fans()
         wb = self.wb
+        put = wb.put
         entry_key, encode_run = keys.entry_key, keys.encode_run
+        pack_lite, pack_state = keys.LITE_VALUE.pack, keys.STATE_VALUE.pack
         for pd in self.pending.values():
-            pd.cut(pd.run_seg, pd.run_ms)
-            name = pd.st.name
-            for seg, ms, first, ents in pd.runs:
-                wb.put(entry_key(name.qkey, first), encode_run(seg, ms, ents))
+            st = pd.st
+            name = st.name
+            if pd.runs:
+                pd.cut(pd.run_seg, pd.run_ms)
+                for seg, ms, first, ents in pd.runs:
+                    put(entry_key(name.qkey, first), encode_run(seg, ms, ents))
+            elif pd.ents:  # one run (the usual case): no run list
+                put(entry_key(name.qkey, pd.run_first), encode_run(pd.run_seg, pd.run_ms, pd.ents))
             if name.parent is not None:
-                value = keys.LITE_VALUE.pack(pd.created, pd.last_store, pd.st.last_consume, pd.min, pd.next)
-                wb.put(name.state_key, value)
+                put(name.state_key, pack_lite(st.created, pd.last_store, st.last_consume, st.min, pd.next))
                 if pd.new:
                     self.count(name.parent, 1)
             else:
-                wb.put(name.state_key, keys.STATE_VALUE.pack(pd.min, pd.next))
+                put(name.state_key, pack_state(st.min, pd.next))
         if self._counts:
             total = 0
             for parent, delta in self._counts.items():
@@ -516,8 +508,6 @@ class Batch:
         for pd in self.pending.values():
             st = pd.st
             st.next = pd.next
-            st.min = pd.min
-            st.created = pd.created
             st.last_store = pd.last_store
             states.append(st)
         self._cache.publish(states)

@@ -145,10 +145,11 @@ class NameCache:
     is cached in the str) is the hot path; (topic, queue id) pairs go through ``queue``."""
 
     def __init__(self, capacity: int = 65_536) -> None:
-        self._capacity = capacity
+        self.capacity = capacity
         self.by_topic: dict[str, QueueName] = {}
         self._queues: dict[tuple[str, int], QueueName] = {}
-        self._topics: dict[str, bytes] = {}
+        self.topics: dict[str, bytes] = {}  # topic -> its encoding, once validated
+        self.lite_properties: dict[str, bytes] = {}  # lite topic -> its encoded record property (codec's)
         # Fan-out (multi-dispatch to 3+ queues): the same queue list arrives again and again (an MQTT-style
         # fan-out), so the whole list is resolved once. The cached tuple is shared by every message that
         # names that list: the append path groups messages by its identity.
@@ -162,23 +163,23 @@ class NameCache:
         name = self._queues.get(key)
         if name is None:
             name = parse_queue(topic, queue)
-            if len(self._queues) >= self._capacity:
+            if len(self._queues) >= self.capacity:
                 self._queues.clear()
             self._queues[key] = name
-        if len(self.by_topic) >= self._capacity:
+        if len(self.by_topic) >= self.capacity:
             self.by_topic.clear()
         self.by_topic[topic] = name
         return name
 
     def topic(self, topic: str) -> bytes:
-        raw = self._topics.get(topic)
+        raw = self.topics.get(topic)
         if raw is None:
             if not model.is_valid_resource_name(topic):
                 raise errors.InvalidName(f"invalid topic name {topic!r}", topic=topic)
             raw = topic.encode()
-            if len(self._topics) >= self._capacity:
-                self._topics.clear()
-            self._topics[topic] = raw
+            if len(self.topics) >= self.capacity:
+                self.topics.clear()
+            self.topics[topic] = raw
         return raw
 
     def fanout(self, queues: tuple[model.QueueId, ...]) -> tuple[tuple[QueueName, ...], bytes] | None:
@@ -189,7 +190,7 @@ class NameCache:
             names = tuple([self.queue(q.topic, q.queue) for q in queues])
             if len({qn.qkey for qn in names}) != len(names):
                 return None
-            if len(self.fanouts) >= self._capacity // 64:  # a fan-out list holds up to 255 names
+            if len(self.fanouts) >= self.capacity // 64:  # a fan-out list holds up to 255 names
                 self.fanouts.clear()
             found = self.fanouts[queues] = (names, b"".join([qn.record for qn in names]))
         return found
@@ -197,7 +198,8 @@ class NameCache:
     def clear(self) -> None:
         self.by_topic.clear()
         self._queues.clear()
-        self._topics.clear()
+        self.topics.clear()
+        self.lite_properties.clear()
         self.fanouts.clear()
 
 

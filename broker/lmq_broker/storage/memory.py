@@ -76,9 +76,9 @@ class MemoryStore:
 
     def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         self._check_open()
-        prepared = [codec.prepare(m, self._names, self._max_record) for m in messages]
+        now = self._clock()
+        prepared = [codec.prepare(m, self._names, self._max_record, now) for m in messages]
         with self._lock:
-            now = self._clock()
             results: list[model.AppendResult] = []
             for p in prepared:
                 m = p.message
