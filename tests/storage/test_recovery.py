@@ -292,6 +292,7 @@ def test_a_batch_delete_logged_but_not_indexed_is_replayed(
     s = open_lmq()
     for lite in ("a", "b", "c"):
         s.append([msg(lite=lite)])
+    s.commit_offset(LMQ_A, "g", 1)
     with monkeypatch.context() as m:
 
         def crash(self: index_mod.Index, wb: object) -> None:
@@ -304,4 +305,59 @@ def test_a_batch_delete_logged_but_not_indexed_is_replayed(
     s = open_lmq()
     assert s.recovery.records_reindexed == 2
     assert [m.lite for m in s.scan_lite_topics("P")] == ["b"]
+    assert s.get_offset(LMQ_A, "g") is None
     assert s.lite_topic_count("P") == 1
+
+
+def test_deleting_the_index_keeps_offsets_control_metadata_and_consume_times(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
+) -> None:
+    lmq_b = model.QueueId.lmq("P", "b")
+    s = open_lmq()
+    s.append([msg(lite="a"), msg(lite="a"), msg(lite="b")])
+    s.put_parent_topic(model.ParentTopic("P", expiration_minutes=5))
+    s.put_group(model.LiteGroup("G", bind_topic="P"))
+    s.put_quota(model.Quota("parent:P", max_lite_topics=10))
+    clock.advance(5000)
+    s.commit_offset(LMQ_A, "g", 2)
+    consumed_a = clock()
+    s.commit_offset(lmq_b, "g", 1)
+    assert s.delete_lite_topic("P", "b") is True
+    s.append([msg(lite="b", body=b"reborn")])
+    s.commit_offset(lmq_b, "g2", 1)  # a group of the re-created topic
+    s.close()
+    shutil.rmtree(store_config().data_dir / "index")
+    s = open_lmq()
+    assert s.recovery.rebuilt is True
+    assert s.get_offset(LMQ_A, "g") == 2
+    assert s.get_offset(lmq_b, "g") is None  # belonged to the deleted incarnation
+    assert s.get_offset(lmq_b, "g2") == 1  # replaying the old tombstone leaves the new topic's offsets alone
+    a = s.lite_topic("P", "a")
+    assert a is not None and a.last_consume_ms == consumed_a
+    assert s.get_parent_topic("P") == model.ParentTopic("P", expiration_minutes=5)
+    assert s.get_group("G") == model.LiteGroup("G", bind_topic="P")
+    assert s.get_quota("parent:P") == model.Quota("parent:P", max_lite_topics=10)
+
+
+def test_offsets_and_metadata_in_an_index_from_before_the_meta_store_are_moved(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
+) -> None:
+    s = open_lmq()
+    s.append([msg(lite="a")])
+    s.close()
+    idx = index_mod.Index(store_config().data_dir / "index", 0)
+    wb = idx.batch()
+    name = keys.parse_queue(LMQ_A.topic, 0)
+    wb.put(keys.offset_key(name.qkey, "g"), keys.U64.pack(1))
+    wb.put(keys.name_key(keys.PARENT, "P"), keys.encode_parent_topic(model.ParentTopic("P", expiration_minutes=7)))
+    idx.write(wb)
+    idx.close()
+    s = open_lmq()
+    assert s.get_offset(LMQ_A, "g") == 1
+    assert s.get_parent_topic("P") == model.ParentTopic("P", expiration_minutes=7)
+    s.close()
+    idx = index_mod.Index(store_config().data_dir / "index", 0)
+    try:
+        assert [list(idx.prefix_items(p)) for p in keys.PRIMARY_PREFIXES] == [[]] * len(keys.PRIMARY_PREFIXES)
+    finally:
+        idx.close()

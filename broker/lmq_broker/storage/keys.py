@@ -1,6 +1,8 @@
-"""Index key layout: every RocksDB key and value the store writes, and nothing else.
+"""Key layout: every RocksDB key and value the store writes, and nothing else.
 
-One keyspace (the default column family); the first byte of a key says what it is. Integers inside keys
+Two RocksDB instances under the data dir: ``index`` holds what the commit log can recreate (E S L N B X);
+``meta`` holds what no log holds (O C T G U), so deleting ``index`` loses nothing. In each, one keyspace (the
+default column family); the first byte of a key says what it is. Integers inside keys
 are big-endian so byte order is numeric order; values are little-endian. Names are UTF-8 and never hold
 0x00, so ``0x00`` ends a name and no key of one queue is a prefix of another queue's.
 
@@ -12,11 +14,12 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     S      S qkey                           u64 min | u64 next                  (queues that are not LMQs)
     L      L parent 0x00 lite               u64 created_ms | u64 last_store_ms | u64 last_consume_ms |
                                             u64 min | u64 next                  (lite topic = LMQ state)
-    O      O qkey group                     u64 next offset to consume          (consumer offsets)
+    O      O qkey group                     u64 next offset to consume          (consumer offsets; meta)
+    C      C qkey                           u64 last_consume_ms of an LMQ       (copied into L on a rebuild; meta)
     N      N parent                         u64 lite topics of the parent; ``N`` alone is the broker total
-    T      T name                           JSON ParentTopic
-    G      G name                           JSON LiteGroup
-    U      U scope                          JSON Quota
+    T      T name                           JSON ParentTopic                    (meta)
+    G      G name                           JSON LiteGroup                      (meta)
+    U      U scope                          JSON Quota                          (meta)
     B      B u32be segment                  u64 first_store_ms | u64 last_store_ms   (segment table)
     X      X "checkpoint"                   u32 segment | u64 position: the log is indexed up to here
     X      X "layout"                       u32 layout version (LAYOUT_VERSION)
@@ -24,7 +27,7 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
 Why runs: one append of a batch puts one key per queue, not one per message, and an extra queue of a
 message (multi-dispatch) adds 8 bytes to a run. Offsets of a queue are dense from its min to its next, so
 ``offset -> run`` is ``seek_for_prev(E qkey offset)``. ``E``, ``S``, ``L``, ``N``, ``B`` and the
-checkpoint derive from the log (a rebuild recreates them); ``O``, ``T``, ``G``, ``U`` do not.
+checkpoint derive from the log (a rebuild recreates them); ``O``, ``C``, ``T``, ``G``, ``U`` do not.
 ``L`` sorts by (parent, lite) because 0x00 sorts below every name character, exactly like the string
 ``parent$lite`` does ('$' sorts below every character a name may hold).
 """
@@ -56,8 +59,12 @@ CHECKPOINT_KEY: Final = b"Xcheckpoint"
 LAYOUT_KEY: Final = b"Xlayout"
 TOTAL_COUNT_KEY: Final = COUNT
 
+CONSUMED: Final = b"C"
+
 # Prefixes whose keys are derived from the log: a rebuild deletes and recreates exactly these.
 DERIVED_PREFIXES: Final = (ENTRY, STATE, LITE, COUNT, SEGMENT)
+# Prefixes of the meta store: what no log holds.
+PRIMARY_PREFIXES: Final = (OFFSET, CONSUMED, PARENT, GROUP, QUOTA)
 
 U16BE: Final = struct.Struct(">H")
 U32BE: Final = struct.Struct(">I")
@@ -229,6 +236,15 @@ def split_lite_key(key: bytes) -> tuple[str, str]:
 
 def offset_key(qkey: bytes, group: str) -> bytes:
     return OFFSET + qkey + group.encode()
+
+
+def consumed_key(qkey: bytes) -> bytes:
+    return CONSUMED + qkey
+
+
+def split_qkey(qkey: bytes) -> tuple[str, int]:
+    """(topic, queue id) of a qkey."""
+    return qkey[:-3].decode(), U16BE.unpack_from(qkey, len(qkey) - 2)[0]
 
 
 def count_key(parent: str | None) -> bytes:

@@ -40,6 +40,7 @@ NAME_CACHE_ENTRIES: Final = 16_384  # ~600 B each: a miss re-validates a name (a
 REPLAY_BATCH_RECORDS: Final = 4096
 RETENTION_BATCH_QUEUES: Final = 10_000
 SCAN_LIMIT_MAX: Final = 100_000
+META_CACHE_BYTES: Final = 8 * 1024 * 1024  # offsets are read on a consumer's first receive, then cached above
 
 
 def wall_clock_ms() -> int:
@@ -90,16 +91,25 @@ class LmqStore:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = commitlog.CommitLog(cfg.data_dir / "commitlog", cfg.segment_max_bytes)
         try:
-            self._index = index_mod.Index(cfg.data_dir / "index", cfg.index_cache_bytes)
+            # Two RocksDB instances: ``index`` holds only what the log can recreate (a cache: delete it and it is
+            # rebuilt); ``meta`` holds what only the broker knows (consumer offsets, topics, groups, quotas).
+            self._meta = index_mod.Index(cfg.data_dir / "meta", META_CACHE_BYTES)
+            try:
+                self._index = index_mod.Index(cfg.data_dir / "index", cfg.index_cache_bytes)
+            except BaseException:
+                self._meta.close()
+                raise
         except BaseException:
             self._log.close()
             raise
         self._states = index_mod.StateCache(self._index, state_cache_entries)
         try:
+            self._move_primary_keys()
             self._segtab = self._index.segment_table()
             rebuilt, reindexed, truncated = self._recover()
         except BaseException:
             self._index.close()
+            self._meta.close()
             self._log.close()
             raise
         self.recovery = RecoveryReport(rebuilt, reindexed, truncated, (time.perf_counter() - started) * 1000)
@@ -178,24 +188,26 @@ class LmqStore:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
         with self._write_lock:
             self._check_writable()
+            meta = self._meta.batch()
+            meta.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
+            if not name.is_lmq:
+                self._meta.write(meta)
+                return
+            st = self._state(name)
+            if st is None:
+                return  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
+            now = self._clock()
+            meta.put(keys.consumed_key(name.qkey), keys.U64.pack(now))  # survives a rebuilt index
+            self._meta.write(meta)
             wb = self._index.batch()
-            st: index_mod.QueueState | None = None
-            now = 0
-            if name.is_lmq:
-                st = self._state(name)
-                if st is None:
-                    return  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
-                now = self._clock()
-                wb.put(name.state_key, _value(st, last_consume=now))
-            wb.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
+            wb.put(name.state_key, _value(st, last_consume=now))
             self._index.write(wb)
-            if st is not None:
-                st.last_consume = now
+            st.last_consume = now
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None:
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
-        return self._index.get_u64(keys.offset_key(name.qkey, group))
+        return self._meta.get_u64(keys.offset_key(name.qkey, group))
 
     # --- lite topics ---------------------------------------------------------------------------------
 
@@ -224,7 +236,8 @@ class LmqStore:
         limit = max(0, min(limit, SCAN_LIMIT_MAX))
         if limit == 0:
             return out
-        it = self._index.raw_iter(lo, hi)
+        cursor = self._index.raw_iter(lo, hi)
+        it = cursor.it
         # The reclaim scan walks millions of rows of which most are skipped: bound methods in locals, the
         # value unpacked once and tested before the key is split or decoded or any object is built.
         valid, advance = it.valid, it.next
@@ -281,6 +294,7 @@ class LmqStore:
             if not victims:
                 return done
             segments = self._write_records(records)
+            self._drop_consumer_state([name for _, name, _ in victims])
             batch = self._batch()
             for i, name, parent in victims:
                 batch.delete_queue(name)
@@ -378,6 +392,7 @@ class LmqStore:
             with contextlib.suppress(OSError):
                 self._log.sync()
             self._index.close()
+            self._meta.close()
             self._log.close()
             self._states.clear()
 
@@ -572,27 +587,62 @@ class LmqStore:
     def _put_meta(self, key: bytes, value: bytes) -> None:
         self._check_open()
         with self._write_lock:
-            wb = self._index.batch()
+            wb = self._meta.batch()
             wb.put(key, value)
-            self._index.write(wb)
+            self._meta.write(wb)
 
     def _get_meta(self, key: bytes) -> bytes | None:
         self._check_open()
-        return self._index.get(key)
+        return self._meta.get(key)
 
     def _delete_meta(self, key: bytes) -> bool:
         self._check_open()
         with self._write_lock:
-            if self._index.get(key) is None:
+            if self._meta.get(key) is None:
                 return False
-            wb = self._index.batch()
+            wb = self._meta.batch()
             wb.delete(key)
-            self._index.write(wb)
+            self._meta.write(wb)
             return True
 
     def _list_meta(self, prefix: bytes) -> list[bytes]:
         self._check_open()
-        return [v for _, v in self._index.prefix_items(prefix)]
+        return [v for _, v in self._meta.prefix_items(prefix)]
+
+    def _drop_consumer_state(self, names: Sequence[keys.QueueName]) -> None:
+        """Delete the offsets and consume times of deleted queues, before the index forgets the queues: a crash
+        in between replays the tombstone, which drops them again (idempotent)."""
+        wb = self._meta.batch()
+        cursor = self._meta.raw_iter(keys.OFFSET, keys.successor(keys.OFFSET))
+        it = cursor.it
+        key_of = cast("Callable[[], bytes]", it.key)
+        for name in names:
+            prefix = name.offset_prefix
+            it.seek(prefix)
+            while it.valid():
+                key = key_of()
+                if not key.startswith(prefix):
+                    break
+                wb.delete(key)
+                it.next()
+            wb.delete(keys.consumed_key(name.qkey))
+        self._write_index(lambda: self._meta.write(wb))
+
+    def _move_primary_keys(self) -> None:
+        """An index written before ``meta`` existed holds offsets and control metadata: move them, once."""
+        moved = 0
+        for prefix in keys.PRIMARY_PREFIXES:
+            wb = self._meta.batch()
+            for key, value in self._index.prefix_items(prefix):
+                wb.put(key, value)
+                moved += 1
+            if len(wb):
+                self._meta.write(wb)
+                gone = self._index.batch()
+                gone.delete_range(prefix, keys.successor(prefix))
+                self._index.write(gone)
+        if moved:
+            log.info("moved %d offset and metadata keys from the index to the meta store", moved)
 
     # --- retention -----------------------------------------------------------------------------------
 
@@ -671,10 +721,12 @@ class LmqStore:
         else:
             assert cp is not None
             start = cp
-        count, truncated = self._replay(start, seqs[-1])
+        count, truncated = self._replay(start, seqs[-1], rebuild)
+        if rebuild:
+            self._restore_consume_times()
         return rebuild, count, truncated
 
-    def _replay(self, start: tuple[int, int], last_seq: int) -> tuple[int, int]:
+    def _replay(self, start: tuple[int, int], last_seq: int, rebuilding: bool) -> tuple[int, int]:
         """Re-index every record from ``start``; batches of REPLAY_BATCH_RECORDS, each with its checkpoint."""
         batch = self._batch()
         end = start
@@ -685,7 +737,7 @@ class LmqStore:
                 if f.kind == codec.KIND_TOMBSTONE:
                     self._write_batch(batch, end)  # what precedes the deletion, then the deletion alone
                     batch = self._batch()
-                    self._replay_tombstone(batch, f, seq)
+                    self._replay_tombstone(batch, f, seq, rebuilding)
                 else:
                     entry = pack_entry(f.position, f.size)
                     for (topic, qid), off in zip(f.queues, f.offsets, strict=True):
@@ -716,13 +768,37 @@ class LmqStore:
         self._write_batch(batch, end)
         return count, 0
 
-    def _replay_tombstone(self, batch: index_mod.Batch, f: codec.Frame, seq: int) -> None:
+    def _replay_tombstone(self, batch: index_mod.Batch, f: codec.Frame, seq: int, rebuilding: bool) -> None:
         topic, qid = f.queues[0]
         name = self._resolve(topic, qid)
         if self._state(name) is not None:
+            if not rebuilding:
+                # A crash came between the tombstone and the index batch. In a rebuild, the meta store already
+                # saw the deletion, and offsets of a later topic of the same name must stay.
+                self._drop_consumer_state([name])
             batch.delete_queue(name)
             if name.parent is not None:
                 batch.count(name.parent, -1)
+
+    def _restore_consume_times(self) -> None:
+        """After a rebuild: the lite topics' last consume times come back from the meta store."""
+        wb = self._index.batch()
+        lo = keys.CONSUMED
+        for key, value in self._meta.items(lo, keys.successor(lo)):
+            topic, qid = keys.split_qkey(key[len(lo) :])
+            try:
+                name = self._resolve(topic, qid)
+            except errors.InvalidArgument:
+                continue
+            st = self._state(name)
+            if st is None or name.parent is None:
+                continue
+            st.last_consume = keys.U64.unpack(value)[0]
+            wb.put(name.state_key, _value(st))
+            if len(wb) >= REPLAY_BATCH_RECORDS:
+                self._index.write(wb)
+                wb = self._index.batch()
+        self._index.write(wb)
 
 
 def open_store(cfg: config.StoreConfig, clock: Clock = wall_clock_ms) -> LmqStore:
