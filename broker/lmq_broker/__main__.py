@@ -142,6 +142,7 @@ async def serve(config: BrokerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await broker.start()
+    app.tune_gc()
     print(f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port}", flush=True)
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")

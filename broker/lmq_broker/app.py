@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from pathlib import Path
 from typing import Final
@@ -37,6 +38,11 @@ BOOTSTRAP_TOPIC: Final = "AGENT_TASK_NS"  # RocketMQ 5.5.0 LiteTopic quick start
 BOOTSTRAP_GROUP: Final = "executor-group"
 SHUTDOWN_GRACE_S: Final = 5.0
 HTTP_READ_TIMEOUT_S: Final = 5.0
+# A batched send allocates ~10 tracked objects per message that live until its reply (a few ms); with
+# Python's default threshold of 700 they are traversed by several young collections and promoted, which cost
+# 4-5 us of CPU per message sent (about a sixth of the broker's total). Cycles are still collected, in
+# batches of up to this many new objects.
+GC_GEN0_THRESHOLD: Final = 10_000
 
 
 def bootstrap(store: Store) -> bool:
@@ -47,6 +53,16 @@ def bootstrap(store: Store) -> bool:
     store.put_parent_topic(model.ParentTopic(BOOTSTRAP_TOPIC, model.MessageType.LITE))
     store.put_group(model.LiteGroup(BOOTSTRAP_GROUP, BOOTSTRAP_TOPIC))
     return True
+
+
+def tune_gc() -> None:
+    """For a broker process (not for a process that merely hosts one, e.g. tests): collect young objects in
+    bigger batches, and leave everything alive at startup (modules, descriptors, metadata) out of every
+    later collection."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, older, oldest)
 
 
 class Broker:

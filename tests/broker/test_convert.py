@@ -1,10 +1,15 @@
-"""MessageReader builds NewMessage through slot descriptors (a fast path): it must equal the dataclass value."""
+"""MessageReader builds NewMessage through slot descriptors (a fast path): it must equal the dataclass value.
+``read_all`` reads a whole request column-wise: it must equal ``read`` on each message, errors included."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import catalog
@@ -91,3 +96,139 @@ def test_the_body_limit_is_the_configured_one(tmp_path: Path) -> None:
     )
     with pytest.raises(errors.BodyTooLarge):
         reader(tmp_path, max_body_bytes=10).read(msg)
+
+
+# --- a whole request at once: read_all must equal read on each message, values and first error alike -------
+def outcome(read: Callable[[], object]) -> object:
+    try:
+        return read()
+    except errors.LmqError as exc:
+        return (type(exc), exc.message)
+
+
+def _set(field: str, value: Any) -> Callable[[pb.Message], None]:
+    def bend(msg: pb.Message) -> None:
+        sp = msg.system_properties
+        if field == "topic":
+            msg.topic.name = value
+        elif field == "body":
+            msg.body = value
+        elif field == "keys":
+            sp.keys.extend(value)
+        elif field in ("born_timestamp", "delivery_timestamp"):
+            getattr(sp, field).CopyFrom(convert.timestamp_of(value))
+        else:
+            setattr(sp, field, value)
+
+    bend.__name__ = f"{field}={value!r}"[:40]
+    return bend
+
+
+def _drop_lite(msg: pb.Message) -> None:
+    msg.system_properties.ClearField("lite_topic")
+
+
+def _add_property(key: str, value: str) -> Callable[[pb.Message], None]:
+    def bend(msg: pb.Message) -> None:
+        msg.user_properties[key] = value
+
+    bend.__name__ = f"property {key!r}"
+    return bend
+
+
+# One odd thing each (some still valid: the column reader must hand exactly those on and refuse the rest).
+BENDS = [
+    *(_set("message_id", v) for v in ("", "z" * 129, "a\u2028b", "\u00e9")),
+    *(_set("message_type", v) for v in (pb.NORMAL, pb.MESSAGE_TYPE_UNSPECIFIED, 42)),
+    _set("body_encoding", pb.GZIP),
+    *(_set("lite_topic", v) for v in ("", "a b", "y" * 65, "x" * 9)),
+    _drop_lite,
+    *(_set("tag", v) for v in ("a|b", "  ", "")),
+    *(_set("keys", v) for v in ([" "], ["k"] * 65)),
+    *(_set("message_group", v) for v in ("g", "")),
+    _set("priority", 0),
+    _set("delivery_timestamp", 0),
+    *(_set("body", v) for v in (b"", b"x" * 11)),
+    _add_property(" ", "v"),
+    _add_property("big", "v" * 20_000),
+    *(_set("topic", v) for v in ("NORMAL_P", "NOPE", "a$b", "%DLQ%G")),
+]
+
+
+@st.composite
+def lite_requests(draw: st.DrawFn) -> list[pb.Message]:
+    """Plain LITE requests in all their valid variety, some with one to three messages bent out of shape."""
+    out = []
+    for i in range(draw(st.integers(1, 6))):
+        sp = pb.SystemProperties(
+            message_id=f"ID{i}",
+            message_type=pb.LITE,
+            lite_topic=draw(st.sampled_from(["t0", "t1", "x" * 8, "chat-9"])),
+            body_encoding=draw(st.sampled_from([pb.IDENTITY, pb.ENCODING_UNSPECIFIED])),
+            born_host=draw(st.sampled_from(["", "10.0.0.1", "h" * 300])),
+            keys=draw(st.sampled_from([[], ["k1", "k2"]])),
+        )
+        tag = draw(st.sampled_from([None, "TagA"]))
+        if tag is not None:
+            sp.tag = tag
+        born = draw(st.sampled_from([None, 0, 1_690_000_000_005]))
+        if born is not None:
+            sp.born_timestamp.CopyFrom(convert.timestamp_of(born))
+        props = draw(st.sampled_from([{}, {"k": "v"}]))
+        out.append(
+            pb.Message(topic=pb.Resource(name="LITE_P"), body=b"payload", system_properties=sp, user_properties=props)
+        )
+    for index, bend in draw(st.lists(st.tuples(st.integers(0, len(out) - 1), st.sampled_from(BENDS)), max_size=3)):
+        bend(out[index])
+    return out
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=lite_requests(), index_parent=st.booleans(), max_lite=st.sampled_from([64, 8]))
+def test_read_all_equals_read_message_by_message(
+    tmp_path: Path, request: list[pb.Message], index_parent: bool, max_lite: int
+) -> None:
+    overrides = {"index_parent_queue": index_parent, "max_lite_topic_size": max_lite, "max_body_bytes": 10}
+    one_by_one = reader(tmp_path, **overrides)
+    expected = outcome(lambda: [one_by_one.read(m) for m in request])
+    assert outcome(lambda: reader(tmp_path, **overrides).read_all(request)) == expected
+
+
+@pytest.mark.parametrize("bend", BENDS, ids=lambda bend: bend.__name__)
+def test_each_odd_value_reads_as_message_by_message(tmp_path: Path, bend: Callable[[pb.Message], None]) -> None:
+    request = [
+        pb.Message(
+            topic=pb.Resource(name="LITE_P"),
+            body=b"payload",
+            system_properties=pb.SystemProperties(message_id=f"ID{i}", message_type=pb.LITE, lite_topic=f"t{i}"),
+        )
+        for i in range(3)
+    ]
+    bend(request[1])
+    overrides = {"max_lite_topic_size": 8, "max_body_bytes": 10}
+    one_by_one = reader(tmp_path, **overrides)
+    expected = outcome(lambda: [one_by_one.read(m) for m in request])
+    assert outcome(lambda: reader(tmp_path, **overrides).read_all(request)) == expected
+
+
+def test_a_plain_lite_request_is_read_column_wise(tmp_path: Path) -> None:
+    request = [
+        pb.Message(
+            topic=pb.Resource(name="LITE_P"),
+            body=b"b",
+            user_properties={"k": "v"} if i == 1 else {},
+            system_properties=pb.SystemProperties(
+                message_id=f"ID{i}",
+                message_type=pb.LITE,
+                lite_topic=f"t{i % 2}",
+                tag="T" if i == 2 else None,
+                body_encoding=pb.IDENTITY if i else pb.ENCODING_UNSPECIFIED,
+            ),
+        )
+        for i in range(4)
+    ]
+    columns = reader(tmp_path)._read_lite_columns(request)
+    assert columns is not None  # the fast path took it: no per-message fallback
+    assert columns == [reader(tmp_path).read(m) for m in request]
+    assert columns[0].queues is columns[2].queues  # one tuple per lite topic, shared
+    assert columns[0].user_properties is not columns[2].user_properties  # never one dict shared by all

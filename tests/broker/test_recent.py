@@ -55,3 +55,26 @@ def test_queue_count_is_bounded() -> None:
         recent.add([lite_message(name)], [model.AppendResult("m", (q,), (0,), 1)])
     assert recent.end((model.QueueId.lmq("P", "a").topic, 0)) is None
     assert recent.end((model.QueueId.lmq("P", "c").topic, 0)) == 1
+
+
+def test_only_the_queues_of_topics_with_readers_are_kept_and_others_forget_their_end() -> None:
+    recent = RecentMessages()
+    other = model.QueueId.lmq("P", "other")
+    appended(recent, range(2))
+    results = [
+        model.AppendResult("a", (model.QueueId("P", 0), LMQ), (0, 2), 1),
+        model.AppendResult("b", (model.QueueId("P", 0), other), (1, 0), 1),
+    ]
+    recent.add([lite_message("t"), lite_message("other")], results, readers={other.topic})
+    assert recent.end(KEY) is None  # nobody reads it any more: its end is not tracked from here on
+    assert recent.window(KEY, 0, 2) is None
+    kept = recent.window((other.topic, 0), 0, 0)
+    assert kept is not None and [m.message_id for m in kept] == ["m"]
+
+
+def test_no_readers_keeps_nothing() -> None:
+    recent = RecentMessages()
+    messages = [lite_message("t", message_id=f"m{o}") for o in range(3)]
+    results = [model.AppendResult(f"m{o}", (LMQ,), (o,), 1) for o in range(3)]
+    recent.add(messages, results, readers=set())
+    assert recent.end(KEY) is None and recent.window(KEY, 0, 2) is None

@@ -26,6 +26,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain, filterfalse
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Final, ParamSpec, TypeVar
 
 from lmq_broker import errors, model
@@ -56,6 +58,11 @@ CATCHUP_CHUNK: Final = 512
 DEFAULT_LEASE_MS: Final = 30_000  # auto-renew receives: RocketMQ renews; we lease once, long enough
 DLQ_PREFIX: Final = catalog.DLQ_PREFIX
 NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
+
+
+_queues_of = attrgetter("queues")
+_topic_of = itemgetter(0)  # of a QueueId
+_is_lmq_topic = methodcaller("startswith", model.LMQ_PREFIX)
 
 
 def monotonic_ms() -> int:
@@ -395,26 +402,28 @@ class Dispatcher:
         return pending
 
     # --- arrivals ---------------------------------------------------------------------------------------
-    def notify_appended(self, results: Iterable[model.AppendResult]) -> None:
-        """Called after an append: offer the touched lite topics, wake normal-topic receivers (coalesced)."""
-        arrived = self._arrived
-        for result in results:
-            for queue in result.queues:
-                arrived[queue.topic] = None
-        if not self._flush_scheduled and arrived:
+    def notify_appended(self, topics: dict[str, None]) -> None:
+        """Called after an append with the topics it touched, in order: offer the lite topics, wake
+        normal-topic receivers. Coalesced: one flush per loop tick, and it owns ``topics`` from here on."""
+        if self._arrived:
+            self._arrived.update(topics)
+        else:
+            self._arrived = topics
+        if not self._flush_scheduled and self._arrived:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_arrivals)
 
     def _flush_arrivals(self) -> None:
         self._flush_scheduled = False
         arrived, self._arrived = self._arrived, {}
-        subscriber_count = self.registry.subscriber_count
-        for topic in arrived:
-            if topic.startswith(model.LMQ_PREFIX):
-                if subscriber_count(topic):  # most LMQs written have no subscriber on this broker
-                    self._dispatch(topic)
-            else:
-                self._wake_topic(topic)
+        # Most LMQs written have no subscriber on this broker: ``&`` finds the others in C (walking the smaller
+        # side), and the topics are then offered in arrival order.
+        subscribed = self.registry.subscribed() & arrived.keys()
+        if subscribed:
+            for lmq in filter(subscribed.__contains__, arrived):
+                self._dispatch(lmq)
+        for topic in filterfalse(_is_lmq_topic, arrived):
+            self._wake_topic(topic)
 
     def _dispatch(self, lmq: str, *, only_group: str | None = None, prefer: str | None = None) -> None:
         """Offer ``lmq`` to one subscriber per group (the ``prefer``red one first, else a random start)."""
@@ -470,13 +479,12 @@ class Dispatcher:
             await self.run(check)
         assert self._appender is not None, "Dispatcher.start() was not awaited"
         results = await self._appender.append(messages)
-        self.recent.add(messages, results, self._has_readers)
-        self.notify_appended(results)
+        topics = dict.fromkeys(map(_topic_of, chain.from_iterable(map(_queues_of, results))))  # in C, in order
+        # Kept for quick delivery: messages of normal topics, and of the LMQs someone here subscribes to.
+        readers = {*(self.registry.subscribed() & topics.keys()), *filterfalse(_is_lmq_topic, topics)}
+        self.recent.add(messages, results, readers)
+        self.notify_appended(topics)
         return results
-
-    def _has_readers(self, topic: str) -> bool:
-        """Someone may read this queue soon: an LMQ with subscribers, or any normal topic's queue."""
-        return not topic.startswith(model.LMQ_PREFIX) or self.registry.subscriber_count(topic) > 0
 
     # --- receiving --------------------------------------------------------------------------------------
     async def receive_lite(

@@ -11,7 +11,10 @@ the number of queues tracked; entries are the sent values plus their offset, tur
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from itertools import chain
+from operator import attrgetter
 from typing import Final
 
 from lmq_broker import model
@@ -22,6 +25,7 @@ DEFAULT_MAX_QUEUES: Final = 100_000
 QueueKey = tuple[str, int]
 _LMQ_NAME_PREFIX: Final = model.LMQ_PREFIX + model.LMQ_SEPARATOR  # what QueueId.is_lmq tests
 _Entry = tuple[model.NewMessage, model.QueueId, int]  # message, queue, store timestamp
+_queues_of = attrgetter("queues")
 
 
 class RecentMessages:
@@ -36,11 +40,16 @@ class RecentMessages:
         self,
         messages: Sequence[model.NewMessage],
         results: Sequence[model.AppendResult],
-        wanted: Callable[[str], bool] = lambda _topic: True,
+        readers: AbstractSet[str] | None = None,
     ) -> None:
-        """Remember appended messages of the queues ``wanted`` says someone may read soon."""
-        # Locals and a plain prefix test instead of attribute and property lookups: this runs per message sent.
+        """Remember appended messages of the queues someone may read soon: those of the topics in ``readers``
+        (None: of every topic). The end of any other queue appended to is forgotten."""
         ends = self._ends
+        if (readers is not None and not readers) and (
+            not ends or ends.keys().isdisjoint(chain.from_iterable(map(_queues_of, results)))
+        ):
+            return  # the common case of a busy producer: nobody here reads these topics, nothing to forget
+        # Locals and a plain prefix test instead of attribute and property lookups: this runs per message sent.
         cached = self._messages
         added = 0
         for message, result in zip(messages, results, strict=True):
@@ -50,7 +59,7 @@ class RecentMessages:
                 if lite and not topic.startswith(_LMQ_NAME_PREFIX):
                     continue  # a lite message's parent-queue entry is never consumed
                 qkey = (topic, queue.queue)
-                if not wanted(topic):
+                if readers is not None and topic not in readers:
                     ends.pop(qkey, None)  # its end is no longer known
                     continue
                 ends[qkey] = offset + 1

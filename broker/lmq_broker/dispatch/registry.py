@@ -11,7 +11,7 @@ is shared by both directions. Time is passed in (milliseconds, any monotonic ori
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
 
 from lmq_broker import errors
@@ -153,6 +153,10 @@ class Registry:
         if isinstance(holders, str):
             return (holders,)
         return tuple(holders)
+
+    def subscribed(self) -> KeysView[str]:
+        """The LMQs with at least one subscriber: a live view, for set operations done in C."""
+        return self._by_lmq.keys()
 
     def subscriber_count(self, lmq: str) -> int:
         holders = self._by_lmq.get(lmq)

@@ -2,14 +2,20 @@
 
 A request is all or nothing: one invalid message rejects the request and nothing is stored (the status
 carries that message's code). Several messages per request share one append and so one fsync.
+
+The reply of an n-message request is parsed from a template of n OK entries (bytes repeated in C) and then
+filled a column at a time: building each entry with ``entries.add(status=...)`` copies the status message
+through a serialize/parse per entry and cost three times as much.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from operator import attrgetter
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from itertools import repeat
+from operator import attrgetter, itemgetter
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -17,6 +23,12 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 
 MAX_MESSAGES_PER_REQUEST = 10_000
 _type_of = attrgetter("message_type")
+_message_id_of = attrgetter("message_id")
+_offsets_of = attrgetter("queue_offsets")
+_last = itemgetter(-1)
+_drain: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
+_REPLY_HEAD = spb.SendMessageResponse(status=status.ok()).SerializeToString()
+_OK_ENTRY = spb.SendMessageResponse(entries=[spb.SendResultEntry(status=status.ok())]).SerializeToString()
 
 
 async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) -> spb.SendMessageResponse:
@@ -27,13 +39,17 @@ async def handle(edge: Edge, request: spb.SendMessageRequest, caller: Caller) ->
     dispatcher = edge.dispatcher
     snap = await dispatcher.metadata()
     reader = convert.MessageReader(snap, edge.config, dispatcher.wall_clock(), dispatcher.next_round_robin())
-    messages = [reader.read(m) for m in request.messages]
+    messages = reader.read_all(request.messages)
     results = await dispatcher.send(messages)
-    ok = status.ok()
-    reply = spb.SendMessageResponse(status=ok)
-    add = reply.entries.add  # adding in place is ~3x cheaper than building entries and copying them in
-    for result in results:
-        add(status=ok, message_id=result.message_id, offset=result.queue_offsets[-1])
     for kind, n in Counter(map(_type_of, messages)).items():  # counted in C, not per message in Python
         edge.metrics.stored(kind.name, n)
-    return reply
+    return reply(results)
+
+
+def reply(results: list[model.AppendResult]) -> spb.SendMessageResponse:
+    """OK, and per message: OK, its id and its offset (in its last queue: the LMQ of a LITE message)."""
+    out = spb.SendMessageResponse.FromString(_REPLY_HEAD + _OK_ENTRY * len(results))
+    entries = list(out.entries)
+    _drain(map(setattr, entries, repeat("message_id"), map(_message_id_of, results)))
+    _drain(map(setattr, entries, repeat("offset"), map(_last, map(_offsets_of, results))))
+    return out
