@@ -159,7 +159,10 @@ BENDS = [
 def lite_requests(draw: st.DrawFn) -> list[pb.Message]:
     """Plain LITE requests in all their valid variety, some with one to three messages bent out of shape."""
     out = []
-    for i in range(draw(st.integers(1, 6))):
+    size = draw(
+        st.one_of(st.integers(1, 3), st.integers(convert.COLUMNS_FROM_MESSAGES, convert.COLUMNS_FROM_MESSAGES + 8))
+    )
+    for i in range(size):
         sp = pb.SystemProperties(
             message_id=f"ID{i}",
             message_type=pb.LITE,
@@ -202,7 +205,7 @@ def test_each_odd_value_reads_as_message_by_message(tmp_path: Path, bend: Callab
             body=b"payload",
             system_properties=pb.SystemProperties(message_id=f"ID{i}", message_type=pb.LITE, lite_topic=f"t{i}"),
         )
-        for i in range(3)
+        for i in range(convert.COLUMNS_FROM_MESSAGES)
     ]
     bend(request[1])
     overrides = {"max_lite_topic_size": 8, "max_body_bytes": 10}
@@ -232,3 +235,17 @@ def test_a_plain_lite_request_is_read_column_wise(tmp_path: Path) -> None:
     assert columns == [reader(tmp_path).read(m) for m in request]
     assert columns[0].queues is columns[2].queues  # one tuple per lite topic, shared
     assert columns[0].user_properties is not columns[2].user_properties  # never one dict shared by all
+
+
+def test_a_topic_deleted_since_an_earlier_request_is_not_found(tmp_path: Path) -> None:
+    msg = pb.Message(
+        topic=pb.Resource(name="LITE_P"),
+        body=b"b",
+        system_properties=pb.SystemProperties(message_id="ID1", message_type=pb.LITE, lite_topic="t"),
+    )
+    config = config_for(tmp_path)
+    before = catalog.Snapshot(config, {"LITE_P": model.ParentTopic("LITE_P", model.MessageType.LITE)})
+    assert convert.MessageReader(before, config, NOW_MS, 0).read(msg).topic == "LITE_P"
+    after = catalog.Snapshot(config, {})  # metadata changed: the parent topic is gone
+    with pytest.raises(errors.TopicNotFound):
+        convert.MessageReader(after, config, NOW_MS, 0).read(msg)

@@ -12,7 +12,7 @@ from lmq_broker.protocol.handlers import send_message
 LMQ = model.QueueId.lmq("P", "t")
 
 
-@pytest.mark.parametrize("count", [1, 3, 1000])
+@pytest.mark.parametrize("count", [1, 3, 15, 16, 1000])
 def test_reply_equals_the_entry_by_entry_reply(count: int) -> None:
     offsets = [0, 1, 2**40, 127, 128][:count] + list(range(5, count))[: max(0, count - 5)]
     results = [

@@ -31,6 +31,17 @@ class Snapshot:
     parents: dict[str, model.ParentTopic] = field(default_factory=dict)
     groups: dict[str, model.LiteGroup] = field(default_factory=dict)
     quotas: dict[str, model.Quota] = field(default_factory=dict)
+    # Whether any lite-topic count limit exists at all: when none does (the usual case) a send needs no
+    # look at its lite topics. Derived once per snapshot.
+    limits_lite_topics: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        limited = (
+            self.config.max_lite_topics_per_broker >= 0
+            or any(p.max_lite_topics >= 0 for p in self.parents.values())
+            or any(q.max_lite_topics >= 0 for q in self.quotas.values())
+        )
+        object.__setattr__(self, "limits_lite_topics", limited)
 
     @staticmethod
     def load(store: Store, config: BrokerConfig) -> Snapshot:

@@ -411,7 +411,7 @@ class Dispatcher:
             self._arrived = topics
         if not self._flush_scheduled and self._arrived:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_arrivals)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._flush_arrivals)
 
     def _flush_arrivals(self) -> None:
         self._flush_scheduled = False

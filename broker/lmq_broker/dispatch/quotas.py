@@ -36,6 +36,8 @@ def lite_topic_check(
     store: Store, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]
 ) -> Callable[[], None] | None:
     """The blocking check to run before appending ``messages`` (None when no limit applies)."""
+    if not snap.limits_lite_topics:
+        return None  # the common case, decided once per metadata snapshot
     parents = {m.topic for m in messages if m.lite_topic is not None}
     if not parents:
         return None

@@ -7,12 +7,13 @@ RocketMQ's where it has one (proxy ``maxUserPropertySize`` 16 KiB, 128-char mess
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from operator import add, attrgetter, floordiv, methodcaller, mul
-from typing import Final
+from typing import ClassVar, Final
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -27,6 +28,8 @@ MAX_KEY_CHARS: Final = 256
 MAX_KEYS: Final = 64
 MAX_PROPERTIES_BYTES: Final = 16 * 1024
 MAX_BORN_HOST_CHARS: Final = 256  # longer born hosts are cut, not refused
+# Reading column-wise costs ~15 us per request more and ~40 % less per message: it pays from about here.
+COLUMNS_FROM_MESSAGES: Final = 16
 MAX_INVISIBLE_MS: Final = 12 * 3600 * 1000  # proxy maxInvisibleTimeMills
 MIN_RECEIVE_INVISIBLE_MS: Final = 1000  # RocketMQ asks 10 s; shorter is harmless and keeps tests quick
 NORMAL_ACCEPTS: Final = (pb.NORMAL, pb.FIFO, pb.DELAY, pb.TRANSACTION)
@@ -152,7 +155,14 @@ _queues_cache: dict[tuple[str, bool], dict[str, tuple[model.QueueId, ...]]] = {}
 
 
 class MessageReader:
-    """Turns ``pb.Message`` into ``model.NewMessage``; one per SendMessage call (it caches per topic)."""
+    """Turns ``pb.Message`` into ``model.NewMessage``; one per SendMessage call.
+
+    Parent topics found valid are remembered for as long as the metadata snapshot they were checked against
+    is the current one (shared by the readers of that snapshot): most requests then skip the name check.
+    """
+
+    _snap_of_topics: ClassVar[catalog.Snapshot | None] = None
+    _topics_of_snap: ClassVar[dict[str, tuple[model.ParentTopic, model.QueueId]]] = {}
 
     def __init__(self, snap: catalog.Snapshot, config: BrokerConfig, now_ms: int, rr: int) -> None:
         self.snap = snap
@@ -162,7 +172,10 @@ class MessageReader:
         self._max_body = config.max_body_bytes
         self._max_lite = config.max_lite_topic_size
         self._index_parent = config.index_parent_queue
-        self._topics: dict[str, tuple[model.ParentTopic, model.QueueId]] = {}
+        if MessageReader._snap_of_topics is not snap:
+            MessageReader._snap_of_topics = snap
+            MessageReader._topics_of_snap = {}
+        self._topics = MessageReader._topics_of_snap
 
     def _topic(self, name: str) -> tuple[model.ParentTopic, model.QueueId]:
         found = self._topics.get(name)
@@ -250,10 +263,11 @@ class MessageReader:
     def read_all(self, messages: Sequence[pb.Message]) -> list[model.NewMessage]:
         """``read`` of every message, in order: the same values, and the first invalid message's error."""
         listed = list(messages)  # keeps the wrappers alive: every column below reuses them instead of rebuilding
-        try:
-            fast = self._read_lite_columns(listed)
-        except errors.LmqError:
-            fast = None  # invalid somewhere: ``read`` finds the first offender and raises its error
+        fast = None
+        if len(listed) >= COLUMNS_FROM_MESSAGES:
+            # Invalid somewhere (an error, or None): ``read`` finds the first offender and raises its error.
+            with contextlib.suppress(errors.LmqError):
+                fast = self._read_lite_columns(listed)
         return fast if fast is not None else [self.read(m) for m in listed]
 
     def _read_lite_columns(self, msgs: list[pb.Message]) -> list[model.NewMessage] | None:

@@ -64,9 +64,13 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         context: Context,
         response: type[Resp],
     ) -> Resp:
+        caller = Caller.of(context.invocation_metadata())
+        return await self._answer(method, handler(self.edge, request, caller), response)
+
+    async def _answer(self, method: str, answering: Awaitable[Resp], response: type[Resp]) -> Resp:
         started = time.perf_counter()
         try:
-            reply = await handler(self.edge, request, Caller.of(context.invocation_metadata()))
+            reply = await answering
         except Exception as exc:
             if status.code_of(exc) == pb.INTERNAL_ERROR:
                 log.exception("%s failed", method)
@@ -89,7 +93,9 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
-        return await self._unary("SendMessage", send_message.handle, request, context, spb.SendMessageResponse)
+        # Who sends does not matter to a send (auth, when configured, has checked the signature already), so
+        # the call's headers are not parsed: this is the one RPC where that saves a measurable share.
+        return await self._answer("SendMessage", send_message.handle(self.edge, request), spb.SendMessageResponse)
 
     @override
     async def QueryAssignment(
