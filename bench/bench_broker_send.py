@@ -4,7 +4,8 @@ Both servers run as their own processes on this machine, in the same run: the ec
 QueryRoute, Telemetry and Heartbeat with the minimum the client needs and SendMessage with an immediate
 OK (no validation, no storage); the broker runs with its defaults (sync flush, group commit). The same
 rocketmq-python-client 5.1.2 Producer, with the same ``--threads`` sending LITE messages of ``--body``
-bytes over ``--topics`` lite topics, is timed against each. Prints ``FIGURE`` lines.
+bytes over ``--topics`` lite topics, is timed against each. Prints ``FIGURE`` lines, and each server's CPU
+per message: client and servers share this machine's cores, so server CPU is client throughput lost.
 
     python bench/bench_broker_send.py           # ~40 s
     python bench/bench_broker_send.py --quick   # smoke run
@@ -24,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from lmq_broker.testing import start_broker
 
@@ -106,7 +109,15 @@ def start_echo() -> tuple[subprocess.Popen[str], str]:
 
 
 # --- the client side (official client) -------------------------------------------------------------------
-def send_rate(endpoint: str, seconds: float, threads: int, body: bytes, topics: int) -> float:
+def cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def send_rate(
+    endpoint: str, seconds: float, threads: int, body: bytes, topics: int, *, pid: int
+) -> tuple[float, float]:
+    """(messages per second, server CPU microseconds per message) of one timed run."""
     from rocketmq import ClientConfiguration, Credentials, Message, Producer  # noqa: PLC0415
 
     producer = Producer(ClientConfiguration(endpoint, Credentials()), ("AGENT_TASK_NS",))
@@ -129,12 +140,14 @@ def send_rate(endpoint: str, seconds: float, threads: int, body: bytes, topics: 
             counts[index] = n
 
         workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        cpu_before = cpu_s(pid)
         started = time.monotonic()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
-        return sum(counts) / (time.monotonic() - started)
+        sent = sum(counts)
+        return sent / (time.monotonic() - started), (cpu_s(pid) - cpu_before) * 1e6 / max(1, sent)
     finally:
         producer.shutdown()
 
@@ -160,7 +173,9 @@ def main() -> None:
     body = b"x" * args.body
     modes = [m for m in args.flush_modes.split(",") if m]
     echo_rates: list[float] = []
+    echo_cpu: list[float] = []
     broker_rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    broker_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     echo, echo_endpoint = start_echo()
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -169,9 +184,13 @@ def main() -> None:
                 for mode in modes
             }
             for _ in range(runs):  # alternate, so drifting machine load hits every server alike
-                echo_rates.append(send_rate(echo_endpoint, seconds, args.threads, body, args.topics))
+                rate, cpu = send_rate(echo_endpoint, seconds, args.threads, body, args.topics, pid=echo.pid)
+                echo_rates.append(rate)
+                echo_cpu.append(cpu)
                 for mode, broker in brokers.items():
-                    broker_rates[mode].append(send_rate(broker.endpoint, seconds, args.threads, body, args.topics))
+                    rate, cpu = send_rate(broker.endpoint, seconds, args.threads, body, args.topics, pid=broker.pid)
+                    broker_rates[mode].append(rate)
+                    broker_cpu[mode].append(cpu)
     finally:
         echo.kill()
         echo.wait()
@@ -180,10 +199,16 @@ def main() -> None:
         f"official client 5.1.2 Producer, {args.threads} threads, {args.body} B LITE messages, {args.topics} lite "
         f"topics, {seconds:.0f} s x {runs} runs per server"
     )
-    print(f"echo server: {echo_rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in echo_rates)})")
+    print(
+        f"echo server: {echo_rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in echo_rates)}), "
+        f"{statistics.median(echo_cpu):,.0f} us CPU/message; load average {os.getloadavg()[0]:.1f}"
+    )
     for mode, rates in broker_rates.items():
         rate = statistics.median(rates)
-        print(f"lmq broker, {mode} flush: {rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in rates)})")
+        print(
+            f"lmq broker, {mode} flush: {rate:,.0f} msg/s (runs: {', '.join(f'{r:,.0f}' for r in rates)}), "
+            f"{statistics.median(broker_cpu[mode]):,.0f} us CPU/message"
+        )
         figure(f"send rate broker({mode} flush)/echo", rate / echo_rate, "x", op=">=", target=0.7)
 
 
