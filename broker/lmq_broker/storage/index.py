@@ -333,10 +333,10 @@ class Fan:
         if not self.is_open:
             return
         self.is_open = False
-        count, ents = self.count, self.ents
+        count, run = self.count, b"".join(self.ents)  # joined once: every queue of the list gets the same run
         for pd in self.pendings:
             pd.next += count
-            pd.ents.extend(ents)
+            pd.ents.append(run)
             pd.fan = None
 
 

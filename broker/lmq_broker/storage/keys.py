@@ -161,6 +161,7 @@ class NameCache:
         # fan-out), so the whole list is resolved once. The cached tuple is shared by every message that
         # names that list: the append path groups messages by its identity.
         self.fanouts: dict[tuple[model.QueueId, ...], tuple[tuple[QueueName, ...], bytes]] = {}
+        self._last_fanout: tuple[object, tuple[tuple[QueueName, ...], bytes] | None] = (None, None)
 
     def queue(self, topic: str, queue: int) -> QueueName:
         name = self.by_topic.get(topic)
@@ -192,6 +193,8 @@ class NameCache:
     def fanout(self, queues: tuple[model.QueueId, ...]) -> tuple[tuple[QueueName, ...], bytes] | None:
         """The names of a list of 3+ queues and how a record lists them; None when a queue is listed twice
         (InvalidName & co on a bad name)."""
+        if queues is self._last_fanout[0]:  # a producer fanning out to one list reuses its tuple: no hashing
+            return self._last_fanout[1]
         found = self.fanouts.get(queues)
         if found is None:
             names = tuple([self.queue(q.topic, q.queue) for q in queues])
@@ -200,6 +203,7 @@ class NameCache:
             if len(self.fanouts) >= self.capacity // 64:  # a fan-out list holds up to 255 names
                 self.fanouts.clear()
             found = self.fanouts[queues] = (names, b"".join([qn.record for qn in names]))
+        self._last_fanout = (queues, found)
         return found
 
     def clear(self) -> None:
@@ -208,6 +212,7 @@ class NameCache:
         self.topics.clear()
         self.lite_properties.clear()
         self.fanouts.clear()
+        self._last_fanout = (None, None)
 
 
 def lmq_topic(parent: str, lite: str) -> str:
