@@ -17,16 +17,25 @@ scans every row (the baseline of that change).
 Brokers run with async flush, as in production defaults; a delete call is one tombstone write and one
 index batch per chunk of rows either way (with ``sync``, one fsync per chunk).
 
-    python bench/bench_reclaim.py [--quick] [--topics N] [--dry-run] [--no-pushdown] [--keep DIR]
+``--fixture DIR`` generates the stores into DIR once (kept, never served) and gives each run a fresh copy
+(immutable RocksDB tables and sealed log segments hard-linked, the rest copied), so a 10M run can be
+repeated without regenerating.
+
+    python bench/bench_reclaim.py [--quick] [--topics N] [--dry-run] [--no-pushdown] [--keep DIR] [--fixture DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,6 +47,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as sf
 
 from lmq_broker import config, model, testing
+from lmq_broker.storage import keys
 from lmq_broker.storage import store as store_mod
 from lmq_reclaim import columns as c
 from lmq_reclaim import job, options, report, session, transforms
@@ -125,6 +135,163 @@ def expired_of(topics: int) -> int:
     return sum(min(BLOCK, topics - start) for b, start in enumerate(range(0, topics, BLOCK)) if b % OLD_EVERY == 0)
 
 
+def copy_store(source: Path, target: Path) -> None:
+    """A fresh, writable copy of a generated store. RocksDB never rewrites a table file and the log only
+    appends to its last segment, so those can be shared by hard links; everything else is copied."""
+    segments = sorted((source / "commitlog").glob("*.log"))
+    shared = set(segments[:-1])
+    for path in sorted(source.rglob("*")):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        elif path.suffix == ".sst" or path in shared:
+            os.link(path, dest)
+        elif path.name != "LOCK":
+            shutil.copy2(path, dest)
+
+
+def fixture_stores(fixture: Path, work: Path, per_broker: list[int]) -> int:
+    """Generate into ``fixture`` unless it already holds this shape; copy it into ``work``; returns expired."""
+    marker = fixture / "fixture.json"
+    # Delete the fixture by hand after a change of the store's files that keeps LAYOUT_VERSION.
+    shape = {"per_broker": per_broker, "block": BLOCK, "old_every": OLD_EVERY, "layout": keys.LAYOUT_VERSION}
+    if not marker.exists() or json.loads(marker.read_text()) != shape:
+        shutil.rmtree(fixture, ignore_errors=True)
+        fixture.mkdir(parents=True)
+        started = time.perf_counter()
+        with ProcessPoolExecutor(max_workers=len(per_broker)) as pool:
+            dirs = [fixture / f"broker-{i}" for i in range(len(per_broker))]
+            list(pool.map(generate, dirs, per_broker, range(len(per_broker))))
+        gen_s = time.perf_counter() - started
+        marker.write_text(json.dumps(shape))
+        print(f"generation: {gen_s:.1f} s ({sum(per_broker) / gen_s:,.0f} topics/s; into fixture {fixture})")
+    else:
+        print(f"generation: reused fixture {fixture} (not counted)")
+    t0 = time.perf_counter()
+    for i in range(len(per_broker)):
+        shutil.rmtree(work / f"broker-{i}", ignore_errors=True)
+        copy_store(fixture / f"broker-{i}", work / f"broker-{i}")
+    print(f"fixture copied in {time.perf_counter() - t0:.1f} s")
+    return sum(expired_of(n) for n in per_broker)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, command name, CPU seconds) of every process we can read."""
+    table: dict[int, tuple[int, str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        head, rest = raw.rsplit(")", 1)
+        fields = rest.split()
+        # utime + stime + cutime + cstime: a reaped child's time moves into its parent, so forked Python workers
+        # that exit stay counted.
+        cpu = sum(int(f) for f in fields[11:15]) / tick
+        table[int(entry.name)] = (int(fields[1]), head.split("(", 1)[1], cpu)
+    return table
+
+
+def jvm_threads() -> dict[str, float]:
+    """CPU seconds of Spark's JVM by thread kind (JIT compilers, GC, task threads, the rest), from /proc."""
+    table = _proc_table()
+    me = os.getpid()
+    kinds: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid, (ppid, comm, _) in table.items():
+        if comm != "java" or ppid != me:
+            continue
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                head, rest = (task / "stat").read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            name = head.split("(", 1)[1]
+            fields = rest.split()
+            kind = next(
+                (k for k, prefix in _JVM_KINDS if name.startswith(prefix)),
+                "other",
+            )
+            kinds[kind] = kinds.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return kinds
+
+
+_JVM_KINDS = (
+    ("jit", "C1 Compiler"),
+    ("jit", "C2 Compiler"),
+    ("gc", "GC Thread"),
+    ("gc", "G1 "),
+    ("gc", "VM Thread"),
+    ("tasks", "Executor task"),
+    ("python-io", "stdout writer"),
+    ("python-io", "stdin writer"),
+    ("python-io", "Thread-"),
+)
+
+
+class CpuSampler:
+    """CPU seconds by role over time: the brokers, Spark's JVM, its Python workers, and this driver.
+    Sampled from /proc every ``interval_s`` so each phase of the job gets its share (where the cores went)."""
+
+    def __init__(self, broker_pids: list[int], interval_s: float = 0.25) -> None:
+        self.broker_pids = set(broker_pids)
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def roles(self) -> dict[str, float]:
+        table = _proc_table()
+        me = os.getpid()
+        out = {"brokers": 0.0, "jvm": 0.0, "py-workers": 0.0, "driver": 0.0}
+        for pid, (_ppid, comm, cpu) in table.items():
+            chain = [pid]
+            while chain[-1] in table and table[chain[-1]][0] not in (0, 1) and len(chain) < 10:
+                chain.append(table[chain[-1]][0])
+            if pid in self.broker_pids:
+                out["brokers"] += cpu
+            elif pid == me:
+                out["driver"] += cpu
+            elif me in chain and comm == "java":
+                out["jvm"] += cpu
+            elif me in chain and any(table.get(p, (0, "", 0.0))[1] == "java" for p in chain[1:]):
+                out["py-workers"] += cpu
+        # Everything else the machine ran meanwhile (other people's work on a shared box): busy time of all
+        # cores from /proc/stat minus ours.
+        busy = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        total_busy = (sum(busy) - busy[3] - busy[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+        out["others"] = total_busy - sum(out.values())
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), self.roles()))
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter(), self.roles()))
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds per role from the last sample at or before t0 to the first at or after t1."""
+        before = max((s for s in self.samples if s[0] <= t0), key=lambda s: s[0], default=self.samples[0])
+        after = min((s for s in self.samples if s[0] >= t1), key=lambda s: s[0], default=self.samples[-1])
+        return {k: after[1][k] - before[1].get(k, 0.0) for k in after[1]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topics", type=int, default=10_000_000, help="lite topics over all brokers (10M)")
@@ -132,6 +299,11 @@ def main() -> int:
     ap.add_argument("--brokers", type=int, default=2)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--keep", type=Path, default=None, help="work in this dir and keep it")
+    ap.add_argument(
+        "--fixture", type=Path, default=None, help="generate the stores here once and copy them for each run"
+    )
+    ap.add_argument("--job-arg", action="append", default=[], help="extra job argument (repeatable), e.g. --conf=K=V")
+    ap.add_argument("--py-spy", type=Path, default=None, help="record the brokers with py-spy into this dir")
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -142,6 +314,8 @@ def main() -> int:
     topics = 100_000 if args.quick else args.topics
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-reclaim-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.py_spy is not None:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
     existing = all((work / f"broker-{i}" / "index").exists() for i in range(args.brokers))
     per_broker = [topics // args.brokers + (1 if i < topics % args.brokers else 0) for i in range(args.brokers)]
     print(f"setup: {topics} lite topics over {args.brokers} brokers, 1 in {OLD_EVERY} expired; work dir {work}")
@@ -149,7 +323,9 @@ def main() -> int:
         print("mode: --dry-run (candidates are compared on the brokers, nothing is deleted)")
 
     started = time.perf_counter()
-    if existing and args.keep is not None:
+    if args.fixture is not None:
+        expired = fixture_stores(args.fixture, work, per_broker)
+    elif existing and args.keep is not None:
         # A kept dir from an earlier --dry-run holds the same topics (the generator is seeded).
         expired = sum(expired_of(n) for n in per_broker)
         print("generation: reused the kept data dirs (not counted)")
@@ -174,8 +350,11 @@ def main() -> int:
                 *("--audit-path", str(work / "audit"), "--log-level", "WARNING"),
                 *(["--dry-run"] if args.dry_run else []),
                 *(["--no-pushdown"] if args.no_pushdown else []),
+                *args.job_arg,
             ]
         )
+        sampler = CpuSampler([b.pid for b in brokers])
+        sampler.start()
         t0 = time.perf_counter()
         spark = session.build(opts)
         spark_start = time.perf_counter() - t0
@@ -185,12 +364,33 @@ def main() -> int:
             # worker; done here on its own so the scan+decide figure is the pass itself, not the warm-up.
             spark.range(0, 2, 1, 2).mapInArrow(_identity, "id long").count()
             warm_up = time.perf_counter() - t1
+            cpu_before = [cpu_s(b.pid) for b in brokers]
+            spies = [
+                subprocess.Popen(
+                    [
+                        *(str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(b.pid)),
+                        *("-f", "raw", "-r", "50", "-o", str(args.py_spy / f"broker-{i}.txt")),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                for i, b in enumerate(brokers)
+                if args.py_spy is not None
+            ]
+            job_t0 = time.perf_counter()
             result = job.run(opts, spark=spark)
+            job_t1 = time.perf_counter()
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
+            broker_cpu = sum(cpu_s(b.pid) for b in brokers) - sum(cpu_before)
             wall = time.perf_counter() - t0
             decided_rows = topics if args.no_pushdown else expired  # what reaches decide
+            sampler.stop()
+            jvm_kinds = jvm_threads()
             decide_s = decide_alone(spark, decided_rows)
         finally:
-            spark.stop()
+            session.stop(spark)
     finally:
         for b in brokers:
             b.stop()
@@ -217,6 +417,22 @@ def main() -> int:
         f"delete {t.get('delete', 0):.1f} s (delete call task-s {t.get('delete_busy_s', 0):.1f}) | "
         f"audit {t.get('audit', 0):.1f} s"
     )
+    print(
+        f"broker CPU during the job: {broker_cpu:.1f} s over {args.brokers} brokers "
+        f"({broker_cpu * 1e6 / max(1, total.reclaimed):.0f} us per reclaimed topic, scan included); "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    edges = [("spark start + warm-up", t0, job_t0)]
+    at = job_t0
+    for phase in ("plan", "scan+decide", "delete", "audit"):
+        edges.append((phase, at, at + t.get(phase, 0.0)))
+        at += t.get(phase, 0.0)
+    edges.append(("job rest", at, job_t1))
+    for phase, lo, hi in edges:
+        used = sampler.between(lo, hi)
+        shares = " ".join(f"{k} {v:.1f}" for k, v in used.items())
+        print(f"cpu-s {phase} ({hi - lo:.1f} s wall, {2 * (hi - lo):.1f} core-s on 2 cores): {shares}")
+    print("cpu-s JVM by thread kind (whole run): " + " ".join(f"{k} {v:.1f}" for k, v in sorted(jvm_kinds.items())))
     scan_s = t.get("scan+decide", 0) or 1e-9
     delete_s = t.get("delete", 0) or 1e-9
     print(

@@ -161,6 +161,14 @@ class BrokerAdmin:
         self, rows: pa.RecordBatch, *, require_no_subscribers: bool, dry_run: bool, timeout_s: float
     ) -> pa.Array:
         """Outcome names (``columns.Outcome``) for each row of ``rows`` (parent, lite, expected columns)."""
+        return self.start_compare_and_delete(
+            rows, require_no_subscribers=require_no_subscribers, dry_run=dry_run, timeout_s=timeout_s
+        ).result()
+
+    def start_compare_and_delete(
+        self, rows: pa.RecordBatch, *, require_no_subscribers: bool, dry_run: bool, timeout_s: float
+    ) -> PendingDelete:
+        """Send the call and return at once: the caller prepares its next call while the broker works."""
         request = admin_pb2.CompareAndDeleteRequest(
             parent=rows.column(c.PARENT).to_pylist(),
             lite=rows.column(c.LITE).to_pylist(),
@@ -171,12 +179,28 @@ class BrokerAdmin:
             dry_run=dry_run,
         )
         try:
-            reply = self._stub.CompareAndDeleteLiteTopics(request, timeout=timeout_s, metadata=self._metadata())
+            call = self._stub.CompareAndDeleteLiteTopics.future(request, timeout=timeout_s, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
-        if len(reply.outcome) != rows.num_rows:
+        return PendingDelete(self.endpoint, rows.num_rows, call)
+
+
+class PendingDelete:
+    """A compare-and-delete call in flight; ``result`` waits for its outcome names."""
+
+    def __init__(self, endpoint: str, rows: int, call: grpc.Future[admin_pb2.CompareAndDeleteResponse]) -> None:
+        self._endpoint = endpoint
+        self._rows = rows
+        self._call = call
+
+    def result(self) -> pa.Array:
+        try:
+            reply = self._call.result()
+        except grpc.RpcError as exc:
+            raise _translate(self._endpoint, exc) from exc
+        if len(reply.outcome) != self._rows:
             raise errors.LmqError(
-                f"{self.endpoint}: {len(reply.outcome)} outcomes for {rows.num_rows} rows", endpoint=self.endpoint
+                f"{self._endpoint}: {len(reply.outcome)} outcomes for {self._rows} rows", endpoint=self._endpoint
             )
         names = [_OUTCOME_NAMES.get(o, Outcome.ERROR.value) for o in reply.outcome]
         return pa.array(names, pa.string())

@@ -53,7 +53,8 @@ SCANNED_DDL: Final = (
 
 POLICY_DDL: Final = f"{BROKER} string, {PARENT} string, {EXPIRATION_MINUTES} int"
 
-# What the delete step needs per row, and what it reports back (the audit is a projection of this).
+# What the delete step needs per row, and what it reports back (the audit is a projection of this, plus the
+# reason, derived again from idle time and expiration).
 CANDIDATE_COLUMNS: Final = (
     BROKER,
     PARENT,
@@ -64,7 +65,6 @@ CANDIDATE_COLUMNS: Final = (
     SUBSCRIBER_COUNT,
     IDLE_MS,
     EXPIRATION_MINUTES,
-    REASON,
 )
 OUTCOMES: Final = pa.schema(
     [
@@ -77,7 +77,6 @@ OUTCOMES: Final = pa.schema(
         pa.field(SUBSCRIBER_COUNT, pa.int32()),
         pa.field(IDLE_MS, pa.int64()),
         pa.field(EXPIRATION_MINUTES, pa.int32()),
-        pa.field(REASON, pa.string()),
         pa.field(OUTCOME, pa.string()),
         pa.field(ERROR, pa.string()),
     ]
@@ -85,7 +84,7 @@ OUTCOMES: Final = pa.schema(
 OUTCOMES_DDL: Final = (
     f"{BROKER} string, {PARENT} string, {LITE} string, {LAST_STORE_MS} long, {LAST_CONSUME_MS} long, "
     f"{MAX_OFFSET} long, {SUBSCRIBER_COUNT} int, {IDLE_MS} long, {EXPIRATION_MINUTES} int, "
-    f"{REASON} string, {OUTCOME} string, {ERROR} string"
+    f"{OUTCOME} string, {ERROR} string"
 )
 
 

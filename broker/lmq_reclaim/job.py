@@ -20,17 +20,23 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
 from lmq_broker import errors
 from lmq_reclaim import brokers, discovery, keyspace, options, report, session, tasks, transforms
 from lmq_reclaim import columns as c
+from lmq_reclaim.columns import Outcome
 
 log = logging.getLogger("lmq_reclaim")
 
 _PARTITION_COLUMN = "_broker_partition"
+# Checkpoints keep their rows serialized (memory, spilling to disk): deserialized blocks make Spark estimate
+# the size of every cached row object as it stores them, which cost more than the serializing.
+CHECKPOINT_LEVEL: Final = StorageLevel.MEMORY_AND_DISK
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +156,7 @@ def run(
         _execute(active, opts, the_plan, out, hooks or Hooks())
     finally:
         if own:
-            active.stop()
+            session.stop(active)
     out.timings_s["total"] = time.perf_counter() - started
     return out
 
@@ -179,7 +185,7 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
     decided = transforms.decide(transforms.attach_policy(scanned, policy), rules)
     observation = Observation("lmq-reclaim")
     decided = decided.observe(observation, *transforms.verdict_metrics(names))
-    candidates = transforms.candidates(decided).localCheckpoint(eager=True)
+    candidates = transforms.candidates(decided).localCheckpoint(eager=True, storageLevel=CHECKPOINT_LEVEL)
     metrics = observation.get
     for i, name in enumerate(names):
         out.brokers[name].scanned = int(metrics[f"scanned_{i}"])
@@ -206,15 +212,19 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
         credentials=_credentials(opts),
     )
     if expired:
+        counted = Observation("lmq-reclaim-outcomes")
         outcomes = (
             one_partition_per_broker(spark, candidates, names)
             .mapInArrow(tasks.delete_fn(delete_settings, stats, messages), c.OUTCOMES_DDL)
-            .localCheckpoint(eager=True)
+            .observe(counted, *transforms.outcome_metrics(names))
+            .localCheckpoint(eager=True, storageLevel=CHECKPOINT_LEVEL)
         )
+        counts = counted.get
+        for i, name in enumerate(names):
+            for outcome in Outcome:
+                out.brokers[name].add_outcome(outcome, int(counts[f"{outcome}_{i}"]))
     else:  # nothing to delete: skip the shuffle, still write an (empty) audit for this run
         outcomes = spark.createDataFrame([], c.OUTCOMES_DDL)
-    for row in transforms.outcome_counts(outcomes).collect():
-        out.brokers[row[c.BROKER]].add_outcome(row[c.OUTCOME], int(row["count"]))
     out.timings_s["delete"] = time.perf_counter() - t0
     total = out.total
     log.info(
@@ -230,7 +240,8 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
     if opts.audit_path:
         t0 = time.perf_counter()
         out.audit_path = opts.audit_path.replace("{now}", str(out.now_ms))
-        audit = transforms.audit(outcomes, out.now_ms, opts.dry_run).coalesce(1).write.mode("overwrite")
+        # One file per broker (the outcomes' partitions), written in parallel: no coalescing into one task.
+        audit = transforms.audit(outcomes, rules, opts.dry_run).write.mode("overwrite")
         if opts.audit_format == "parquet":
             audit.parquet(out.audit_path)
         else:

@@ -15,6 +15,10 @@ from typing import Final
 
 DEFAULT_MASTER: Final = "local[2]"
 DEFAULT_BROKER_PORT: Final = 8081
+# C1 only: a run lasts a minute or two on a few cores, and C2's compiler threads cost more CPU than its faster
+# code gives back in that time (measured: JIT threads 20 CPU-s -> 2.5 for a 1M-topic run, the job's phases
+# no slower).
+DEFAULT_JVM_OPTIONS: Final = "-XX:TieredStopAtLevel=1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,8 @@ class Options:
     local_dir: Path | None = None
     driver_memory: str = "1g"
     spark_conf: tuple[tuple[str, str], ...] = ()
+    jvm_options: str = DEFAULT_JVM_OPTIONS
+    class_archive: Path | None = None
     min_age_minutes: int = 15
     only_fully_consumed: bool = False
     no_live_subscribers: bool = False
@@ -87,6 +93,19 @@ def parser() -> argparse.ArgumentParser:
     spark.add_argument("--local-dir", type=Path, default=None, help="spark.local.dir (scratch space)")
     spark.add_argument("--driver-memory", default="1g", help="spark.driver.memory (default 1g)")
     spark.add_argument("--conf", action="append", type=_conf_pair, default=[], help="extra Spark KEY=VALUE")
+    spark.add_argument(
+        "--jvm-options",
+        default=DEFAULT_JVM_OPTIONS,
+        help=f"options of the driver and executor JVMs, as --jvm-options='...' (default {DEFAULT_JVM_OPTIONS!r}: "
+        "no C2 JIT)",
+    )
+    spark.add_argument(
+        "--class-archive",
+        type=Path,
+        default=Path(os.environ["LMQ_RECLAIM_CLASS_ARCHIVE"]) if os.environ.get("LMQ_RECLAIM_CLASS_ARCHIVE") else None,
+        help="a JVM class-data-sharing archive of Spark's classes: loaded when the file exists (the JVM starts "
+        "in about half the CPU), written when the run ends when it does not; env LMQ_RECLAIM_CLASS_ARCHIVE",
+    )
     rules = p.add_argument_group("policy")
     rules.add_argument("--min-age-minutes", type=int, default=15, help="never reclaim a topic idle less (15)")
     rules.add_argument("--only-fully-consumed", action="store_true", help="keep topics with unconsumed messages")
@@ -148,6 +167,8 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         local_dir=ns.local_dir,
         driver_memory=ns.driver_memory,
         spark_conf=tuple(ns.conf),
+        jvm_options=ns.jvm_options,
+        class_archive=ns.class_archive,
         min_age_minutes=ns.min_age_minutes,
         only_fully_consumed=ns.only_fully_consumed,
         no_live_subscribers=ns.no_live_subscribers,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -27,6 +28,9 @@ from lmq_reclaim.ratelimit import TokenBucket
 
 MAX_ERROR_MESSAGES: Final = 50
 PROGRESS_EVERY_ROWS: Final = 100_000
+# Delete calls in flight per broker: while the broker works on one, the next is built and on its way, so the
+# broker does not sit idle between calls (two are enough: the broker runs them one after the other anyway).
+DELETES_IN_FLIGHT: Final = 2
 
 ArrowMap = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 
@@ -197,23 +201,47 @@ def _delete_rows(
     # A topic scanned without subscribers must still have none at delete time (a subscription that
     # arrived after the scan keeps it); one that had subscribers already was judged with them.
     unsubscribed = pc.equal(rows.column(c.SUBSCRIBER_COUNT), 0)
+    in_flight: deque[tuple[pa.RecordBatch, float, brokers.PendingDelete | errors.LmqError]] = deque()
     for require_none, part in ((True, rows.filter(unsubscribed)), (False, rows.filter(pc.invert(unsubscribed)))):
         for start in range(0, part.num_rows, settings.batch_size):
             chunk = part.slice(start, settings.batch_size)
-            bucket.acquire(chunk.num_rows)
-            t0 = time.perf_counter()
-            error: str | None = None
+            bucket.acquire(chunk.num_rows)  # before sending: the bucket bounds what the broker is asked to do
+            sent = time.perf_counter()
             try:
-                outcome = admin.compare_and_delete(
+                call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
                     chunk, require_no_subscribers=require_none, dry_run=settings.dry_run, timeout_s=settings.timeout_s
                 )
             except errors.LmqError as exc:
-                error = exc.message
-                outcome = pa.array([Outcome.ERROR.value] * chunk.num_rows, pa.string())
-                stats.add({f"errors:{broker}": 1.0})
-                messages.add([f"delete {broker}: {error}"])
-            stats.add({f"delete_busy_s:{broker}": time.perf_counter() - t0})
-            yield _outcome_batch(chunk, outcome, error)
+                call = exc
+            in_flight.append((chunk, sent, call))
+            if len(in_flight) >= DELETES_IN_FLIGHT:
+                yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
+    while in_flight:
+        yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
+
+
+def _finish(
+    broker: str,
+    chunk: pa.RecordBatch,
+    sent: float,
+    call: brokers.PendingDelete | errors.LmqError,
+    *,
+    stats: Accumulator[dict[str, float]],
+    messages: Accumulator[list[str]],
+) -> pa.RecordBatch:
+    """The outcome batch of one delete call (ERROR rows when the call failed)."""
+    error: str | None = None
+    try:
+        if isinstance(call, errors.LmqError):
+            raise call
+        outcome = call.result()
+    except errors.LmqError as exc:
+        error = exc.message
+        outcome = pa.array([Outcome.ERROR.value] * chunk.num_rows, pa.string())
+        stats.add({f"errors:{broker}": 1.0})
+        messages.add([f"delete {broker}: {error}"])
+    stats.add({f"delete_busy_s:{broker}": time.perf_counter() - sent})
+    return _outcome_batch(chunk, outcome, error)
 
 
 def _outcome_batch(chunk: pa.RecordBatch, outcome: pa.Array, error: str | None) -> pa.RecordBatch:

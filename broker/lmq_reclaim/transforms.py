@@ -61,25 +61,38 @@ def decide(with_policy: DataFrame, rules: Rules) -> DataFrame:
         verdict = verdict.when(sf.col(c.SUBSCRIBER_COUNT) > 0, sf.lit(Verdict.SUBSCRIBED.value))
     verdict = verdict.otherwise(sf.lit(Verdict.EXPIRED.value))
 
+    return (
+        with_policy.withColumn(c.IDLE_MS, idle_ms(rules.now_ms))
+        .withColumn(c.VERDICT, verdict)
+        .withColumn(c.REASON, sf.when(sf.col(c.VERDICT) == Verdict.EXPIRED.value, reason(rules)))
+    )
+
+
+def reason(rules: Rules) -> Column:
+    """The audit's text for an expired row, from its ``idle_ms`` and ``expiration_minutes`` and the rules."""
     notes = [sf.lit(f"min age {rules.min_age_ms // MS_PER_MINUTE} min")]
     if rules.only_fully_consumed:
         notes.append(sf.lit("fully consumed"))
     if rules.no_live_subscribers:
         notes.append(sf.lit("no live subscribers"))
-    reason = sf.concat_ws(
+    # Plain concatenation, not format_string: Java's Formatter parses its pattern again for every row.
+    return sf.concat_ws(
         "; ",
-        sf.format_string("idle %d min > expiration %d min", sf.floor(idle / MS_PER_MINUTE), expiration),
+        sf.concat(
+            sf.lit("idle "),
+            sf.floor(sf.col(c.IDLE_MS) / MS_PER_MINUTE).cast("string"),
+            sf.lit(" min > expiration "),
+            sf.col(c.EXPIRATION_MINUTES).cast("string"),
+            sf.lit(" min"),
+        ),
         *notes,
-    )
-    return (
-        with_policy.withColumn(c.IDLE_MS, idle_ms(rules.now_ms))
-        .withColumn(c.VERDICT, verdict)
-        .withColumn(c.REASON, sf.when(sf.col(c.VERDICT) == Verdict.EXPIRED.value, reason))
     )
 
 
 def candidates(decided: DataFrame) -> DataFrame:
-    """Only the expired rows, with exactly the columns the delete step needs."""
+    """Only the expired rows, with exactly the columns the delete step and the audit need. The reason is not
+    among them: the audit derives it again from idle time and expiration, rather than carrying ~50 bytes of
+    text per row through the checkpoint, the shuffle and both Arrow hops of the delete step."""
     return decided.where(sf.col(c.VERDICT) == Verdict.EXPIRED.value).select(*c.CANDIDATE_COLUMNS)
 
 
@@ -94,22 +107,28 @@ def verdict_metrics(brokers: Sequence[str]) -> list[Column]:
     return metrics
 
 
-def outcome_counts(outcomes: DataFrame) -> DataFrame:
-    """(broker, outcome, count): the delete half of the summary table."""
-    return outcomes.groupBy(c.BROKER, c.OUTCOME).count()
+def outcome_metrics(brokers: Sequence[str]) -> list[Column]:
+    """Aggregates for ``DataFrame.observe``: rows per (broker, outcome), named ``<outcome>_<broker index>``,
+    gathered while the outcomes are checkpointed (no second pass over them for the summary table)."""
+    metrics: list[Column] = []
+    for i, broker in enumerate(brokers):
+        mine = sf.col(c.BROKER) == broker
+        for outcome in Outcome:
+            metrics.append(sf.count(sf.when(mine & (sf.col(c.OUTCOME) == outcome.value), 1)).alias(f"{outcome}_{i}"))
+    return metrics
 
 
-def audit(outcomes: DataFrame, now_ms: int, dry_run: bool) -> DataFrame:
+def audit(outcomes: DataFrame, rules: Rules, dry_run: bool) -> DataFrame:
     """One row per reclaimed topic (or, in a dry run, per topic that would have been) with its reason."""
     reclaimed = Outcome.WOULD_DELETE if dry_run else Outcome.DELETED
     return outcomes.where(sf.col(c.OUTCOME) == reclaimed.value).select(
-        sf.lit(now_ms).alias("run_now_ms"),
+        sf.lit(rules.now_ms).alias("run_now_ms"),
         sf.lit(dry_run).alias("dry_run"),
         c.BROKER,
         c.PARENT,
         c.LITE,
         c.OUTCOME,
-        c.REASON,
+        reason(rules).alias(c.REASON),
         c.IDLE_MS,
         c.EXPIRATION_MINUTES,
         c.LAST_STORE_MS,

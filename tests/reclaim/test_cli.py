@@ -71,3 +71,46 @@ def test_module_entry_point_reclaims_a_live_broker_and_reports_a_dead_one(
     assert sorted(r["lite"] for r in lines) == ["old-0", "old-1", "old-2"]
     # Quiet: Spark's own INFO chatter stays out of the job's output.
     assert " INFO " not in done.stderr.replace("INFO lmq_reclaim", "")
+
+
+@pytest.mark.slow
+def test_class_archive_is_written_by_one_run_and_mapped_by_the_next(
+    tmp_path: Path,
+    seeder: Callable[..., None],
+    start_brokers: Callable[[int], list[testing.BrokerProcess]],
+) -> None:
+    now_ms = int(time.time() * 1000)
+    seeder(
+        tmp_path / "broker-0",
+        now_ms,
+        [model.ParentTopic("Agent", expiration_minutes=60)],
+        [],
+        [("Agent", "old", 120, None)],
+    )
+    (broker,) = start_brokers(1)
+    archive = tmp_path / "classes.jsa"
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                *(sys.executable, "-m", "lmq_reclaim", "--dry-run", "--class-archive", str(archive)),
+                *("--brokers", broker.admin_endpoint, "--now-ms", str(now_ms), "--local-dir", str(tmp_path / "spark")),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    first = run()
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert archive.stat().st_size > 0
+    assert not list(tmp_path.glob("classes.jsa.*"))  # written aside, then moved into place
+    assert "[cds]" not in first.stdout + first.stderr  # the dump's warnings about skipped classes are muted
+    # -Xshare:on makes the JVM refuse to start unless it maps the archive.
+    second = run("--jvm-options=-XX:TieredStopAtLevel=1 -Xshare:on")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "TOTAL" in second.stdout
+    rows = {line.split()[0]: line.split() for line in second.stdout.splitlines() if line.strip()}
+    assert rows["broker-0"][2:5] == ["1", "1", "1"]  # scanned, expired, would delete

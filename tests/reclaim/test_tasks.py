@@ -52,7 +52,6 @@ def candidates(broker: str, metas: list[model.LiteTopicMeta]) -> pa.RecordBatch:
             c.SUBSCRIBER_COUNT: pa.array([0] * n, pa.int32()),
             c.IDLE_MS: [1] * n,
             c.EXPIRATION_MINUTES: pa.array([0] * n, pa.int32()),
-            c.REASON: ["test"] * n,
         }
     )
 

@@ -120,15 +120,20 @@ def test_optional_rules_keep_unconsumed_and_subscribed_topics(spark: SparkSessio
     assert set(verdicts(spark, rows, lenient, pol).values()) == {Verdict.EXPIRED}
 
 
-def test_candidates_carry_the_reason_and_only_expired_rows(spark: SparkSession) -> None:
+def test_candidates_are_the_expired_rows_and_the_audit_gives_their_reason(spark: SparkSession) -> None:
     rows = [scanned_row("old", idle_min=125), scanned_row("fresh", idle_min=1)]
     rules = transforms.Rules(now_ms=NOW, no_live_subscribers=True)
     decided = transforms.decide(transforms.attach_policy(frame(spark, rows), policy(spark, [("b0", "P", 60)])), rules)
+    why = "idle 125 min > expiration 60 min; min age 15 min; no live subscribers"
+    assert {r[c.LITE]: r[c.REASON] for r in decided.collect()} == {"old": why, "fresh": None}
     got = transforms.candidates(decided).collect()
     assert [r[c.LITE] for r in got] == ["old"]
     assert tuple(got[0].asDict()) == c.CANDIDATE_COLUMNS
     assert got[0][c.IDLE_MS] == 125 * MIN
-    assert got[0][c.REASON] == "idle 125 min > expiration 60 min; min age 15 min; no live subscribers"
+    outcomes = transforms.candidates(decided).select(
+        "*", sf.lit(Outcome.DELETED.value).alias(c.OUTCOME), sf.lit(None).cast("string").alias(c.ERROR)
+    )
+    assert [r[c.REASON] for r in transforms.audit(outcomes, rules, dry_run=False).collect()] == [why]
 
 
 def test_verdict_metrics_count_per_broker_in_the_same_pass(spark: SparkSession) -> None:
@@ -149,19 +154,24 @@ def test_verdict_metrics_count_per_broker_in_the_same_pass(spark: SparkSession) 
 
 def test_audit_lists_reclaimed_rows_and_counts_group_outcomes(spark: SparkSession) -> None:
     outcome_rows = [
-        ("b0", "P", "a", 1, 0, 1, 0, 100, 60, "why", Outcome.DELETED.value, None),
-        ("b0", "P", "b", 1, 0, 1, 0, 100, 60, "why", Outcome.KEPT_CHANGED.value, None),
-        ("b1", "P", "c", 1, 0, 1, 0, 100, 60, "why", Outcome.DELETED.value, None),
-        ("b1", "P", "d", 1, 0, 1, 0, 100, 60, "why", Outcome.WOULD_DELETE.value, None),
+        ("b0", "P", "a", 1, 0, 1, 0, 90 * MIN, 60, Outcome.DELETED.value, None),
+        ("b0", "P", "b", 1, 0, 1, 0, 90 * MIN, 60, Outcome.KEPT_CHANGED.value, None),
+        ("b1", "P", "c", 1, 0, 1, 0, 90 * MIN, 60, Outcome.DELETED.value, None),
+        ("b1", "P", "d", 1, 0, 1, 0, 90 * MIN, 60, Outcome.WOULD_DELETE.value, None),
     ]
     outcomes = spark.createDataFrame(outcome_rows, c.OUTCOMES_DDL)
-    audit = transforms.audit(outcomes, now_ms=7, dry_run=False).collect()
+    rules = transforms.Rules(now_ms=7, min_age_ms=30 * MIN, only_fully_consumed=True)
+    audit = transforms.audit(outcomes, rules, dry_run=False).collect()
     assert sorted(r[c.LITE] for r in audit) == ["a", "c"]
-    assert {(r["run_now_ms"], r["dry_run"], r[c.REASON]) for r in audit} == {(7, False, "why")}
-    dry = transforms.audit(outcomes, now_ms=7, dry_run=True).collect()
+    why = "idle 90 min > expiration 60 min; min age 30 min; fully consumed"
+    assert {(r["run_now_ms"], r["dry_run"], r[c.REASON]) for r in audit} == {(7, False, why)}
+    dry = transforms.audit(outcomes, rules, dry_run=True).collect()
     assert [r[c.LITE] for r in dry] == ["d"]
-    counts = {(r[c.BROKER], r[c.OUTCOME]): r["count"] for r in transforms.outcome_counts(outcomes).collect()}
-    assert counts == {("b0", "DELETED"): 1, ("b0", "KEPT_CHANGED"): 1, ("b1", "DELETED"): 1, ("b1", "WOULD_DELETE"): 1}
+    obs = Observation("outcomes")
+    assert outcomes.observe(obs, *transforms.outcome_metrics(["b0", "b1"])).count() == 4
+    counts = {name: n for name, n in obs.get.items() if n}
+    assert counts == {"DELETED_0": 1, "KEPT_CHANGED_0": 1, "DELETED_1": 1, "WOULD_DELETE_1": 1}
+    assert len(obs.get) == 2 * len(Outcome)  # every (broker, outcome), zeros included
 
 
 def test_session_is_headless_and_quiet(spark: SparkSession) -> None:
