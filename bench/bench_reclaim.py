@@ -21,7 +21,13 @@ index batch per chunk of rows either way (with ``sync``, one fsync per chunk).
 (immutable RocksDB tables and sealed log segments hard-linked, the rest copied), so a 10M run can be
 repeated without regenerating.
 
+Where the cores went: the machine has 2, shared by the brokers, Spark's JVM, its Python workers and this
+driver, so the wall time of each phase follows from CPU seconds; ``cpu-s`` lines give them per role and
+phase (``others``: whatever else ran on the machine meantime), plus the JVM's by thread kind (JIT, GC,
+tasks, the py4j threads that plan queries).
+
     python bench/bench_reclaim.py [--quick] [--topics N] [--dry-run] [--no-pushdown] [--keep DIR] [--fixture DIR]
+                                  [--class-archive FILE] [--py-spy DIR] [--job-arg=--conf=K=V ...]
 """
 
 from __future__ import annotations
@@ -303,6 +309,12 @@ def main() -> int:
         "--fixture", type=Path, default=None, help="generate the stores here once and copy them for each run"
     )
     ap.add_argument("--job-arg", action="append", default=[], help="extra job argument (repeatable), e.g. --conf=K=V")
+    ap.add_argument(
+        "--class-archive",
+        type=Path,
+        default=None,
+        help="the job's --class-archive: written at exit by a run without the file (after the figures), then mapped",
+    )
     ap.add_argument("--py-spy", type=Path, default=None, help="record the brokers with py-spy into this dir")
     ap.add_argument(
         "--dry-run",
@@ -350,11 +362,15 @@ def main() -> int:
                 *("--audit-path", str(work / "audit"), "--log-level", "WARNING"),
                 *(["--dry-run"] if args.dry_run else []),
                 *(["--no-pushdown"] if args.no_pushdown else []),
+                *(["--class-archive", str(args.class_archive)] if args.class_archive else []),
                 *args.job_arg,
             ]
         )
         sampler = CpuSampler([b.pid for b in brokers])
         sampler.start()
+        archive = "none"
+        if opts.class_archive is not None:
+            archive = f"{opts.class_archive} ({'mapped' if opts.class_archive.exists() else 'written at exit'})"
         t0 = time.perf_counter()
         spark = session.build(opts)
         spark_start = time.perf_counter() - t0
@@ -410,6 +426,7 @@ def main() -> int:
         f"reclaim wall (scan + reclaim, Spark start included): {wall:.1f} s  goal <= {GOAL_S:.0f} s  "
         f"ratio {wall / GOAL_S:.2f}x of goal"
     )
+    print(f"JVM: {opts.jvm_options or '(defaults)'}; class archive: {archive}")
     print(
         f"split: plan {t.get('plan', 0):.1f} s | spark start {spark_start:.1f} s | "
         f"python workers warm-up {warm_up:.1f} s | "
