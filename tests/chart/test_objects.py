@@ -405,6 +405,8 @@ def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
         "local[2]",
         "--driver-memory",
         "1g",
+        "--class-archive",
+        "/opt/lmq/reclaim-classes.jsa",
         "--local-dir",
         "/tmp/spark",
     ]

@@ -20,7 +20,7 @@ Manifest = dict[str, Any]
 Render = Callable[..., list[Manifest]]
 One = Callable[..., Manifest]
 CRONJOB = "demo-lmq-reclaim"
-CHART_ARGS = 14  # broker discovery, Spark master, driver memory, local dir: see test_objects.py
+CHART_ARGS = 16  # broker discovery, Spark master, driver memory, class archive, local dir: see test_objects.py
 
 
 def reclaim_container(cronjob: Manifest) -> Manifest:

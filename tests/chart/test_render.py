@@ -133,6 +133,7 @@ FULL: dict[str, Any] = {
         "ttlSecondsAfterFinished": 3600,
         "sparkMaster": "local[4]",
         "driverMemory": "3g",
+        "classArchive": "/opt/custom/spark.jsa",
         "minAgeMinutes": 30,
         "onlyFullyConsumed": True,
         "noLiveSubscribers": True,

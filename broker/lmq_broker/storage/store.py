@@ -282,7 +282,7 @@ class LmqStore:
             records: list[bytes] = []
             seen: set[bytes] = set()
             # States come from the index through one iterator, not a get per topic (in key order a seek costs
-            # about half a get on a large index). Under the write lock the index holds every published state.
+            # less than a get on a large index). Under the write lock the index holds every published state.
             cursor = self._index.raw_iter(keys.LITE, keys.successor(keys.LITE))
             it = cursor.it
             unpack = keys.LITE_VALUE.unpack
