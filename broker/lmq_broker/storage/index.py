@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from itertools import repeat
-from operator import add as _add
 from pathlib import Path
 from typing import Final, NamedTuple, cast
 
@@ -78,6 +76,19 @@ class Cursor(NamedTuple):
 
     it: rocksdict.RdictIter
     keep: tuple[object, ...]
+
+    def delete_prefixed(self, wb: rocksdict.WriteBatch, prefix: bytes) -> None:
+        """Add a point delete of every key starting with ``prefix`` to ``wb`` (re-seeks this cursor). Point
+        deletes, not delete_range: range tombstones pile up and slow every later read (see delete_queue)."""
+        it = self.it
+        key_of = cast("Callable[[], bytes]", it.key)  # raw mode: keys are bytes
+        it.seek(prefix)
+        while it.valid():
+            key = key_of()
+            if not key.startswith(prefix):
+                break
+            wb.delete(key)
+            it.next()
 
 
 class Index:
@@ -322,13 +333,6 @@ class Fan:
         self.ents = []
         self.is_open = True
 
-    def take(self, entry: bytes) -> tuple[int, ...]:
-        """The offsets of the next message in every queue of the list; its entry goes to the fan's run."""
-        count = self.count
-        self.count = count + 1
-        self.ents.append(entry)
-        return tuple(map(_add, self.base, repeat(count)))
-
     def close(self) -> None:
         if not self.is_open:
             return
@@ -463,16 +467,7 @@ class Batch:
         wb = self.wb
         if self._cursor is None:
             self._cursor = self._index.raw_iter(b"", b"\xff" * 8)
-        it = self._cursor.it
-        key_of = cast("Callable[[], bytes]", it.key)
-        prefix = name.entry_prefix
-        it.seek(prefix)
-        while it.valid():
-            key = key_of()
-            if not key.startswith(prefix):
-                break
-            wb.delete(key)
-            it.next()
+        self._cursor.delete_prefixed(wb, name.entry_prefix)
         wb.delete(name.state_key)
         self._cache.drop(name)
 

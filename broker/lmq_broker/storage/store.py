@@ -467,11 +467,11 @@ class LmqStore:
                     fan = fans.get(id(names))
                     if fan is None or not fan.is_open:
                         fan = batch.fan(names, seg, store_ms)
-                    count = fan.count  # Fan.take, inlined: this runs per fan-out message
+                    count = fan.count  # the fan's next offsets and its shared run (see index.Fan)
                     fan.count = count + 1
                     fan.ents.append(entry)
                     offsets = tuple(map(add, fan.base, repeat(count)))
-                else:
+                else:  # one or two queues, unrolled: the path of nearly every message
                     q = pend.get(names[0].qkey)
                     if q is None:
                         q = batch.queue(names[0], seg, store_ms)
@@ -628,17 +628,8 @@ class LmqStore:
         in between replays the tombstone, which drops them again (idempotent)."""
         wb = self._meta.batch()
         cursor = self._meta.raw_iter(keys.OFFSET, keys.successor(keys.OFFSET))
-        it = cursor.it
-        key_of = cast("Callable[[], bytes]", it.key)
         for name in names:
-            prefix = name.offset_prefix
-            it.seek(prefix)
-            while it.valid():
-                key = key_of()
-                if not key.startswith(prefix):
-                    break
-                wb.delete(key)
-                it.next()
+            cursor.delete_prefixed(wb, name.offset_prefix)
             wb.delete(keys.consumed_key(name.qkey))
         self._write_index(lambda: self._meta.write(wb))
 
