@@ -34,6 +34,19 @@ def test_append_assigns_consecutive_offsets_per_queue(store: api.Store, msg: Msg
 
 def test_empty_append_is_a_no_op(store: api.Store) -> None:
     assert store.append([]) == []
+    assert store.try_append([]) == []
+
+
+def test_try_append_with_no_other_writer_is_an_append(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    store.append([msg(lite="a")])
+    results = store.try_append([msg(lite="a"), msg(lite="b")])
+    assert results is not None
+    assert [r.offsets for r in results] == [{PARENT_Q: 1, LMQ_A: 1}, {PARENT_Q: 2, model.QueueId.lmq("P", "b"): 0}]
+    assert [m.message_id for m in store.read(LMQ_A, 1, 10)] == [results[0].message_id]
+    assert store.queue_offsets(LMQ_A) == (0, 2)
+    with pytest.raises(errors.BodyEmpty):
+        store.try_append([msg(lite="c", body=b"")])
+    assert store.lite_topic("P", "c") is None
 
 
 def test_read_round_trips_every_field(store: api.Store, msg: Msg, clock: ManualClock) -> None:
@@ -449,6 +462,26 @@ def test_control_metadata_refuses_invalid_names(store: api.Store) -> None:
         store.put_group(model.LiteGroup("G", bind_topic="bad topic"))
     with pytest.raises(errors.InvalidName):
         store.put_quota(model.Quota(""))
+    with pytest.raises(errors.InvalidName):
+        store.put_reclaim_run(model.ReclaimRun("bad$name", "run", 0, 0))
+
+
+def test_reclaim_runs_are_one_record_per_parent(store: api.Store) -> None:
+    first = model.ReclaimRun("P", "run-1", 1_000, 5_000, scanned=10, expired=4, reclaimed=3, kept_changed=1)
+    other = model.ReclaimRun("A", "run-1", 1_000, 5_000, kept_subscribed=2, not_found=1, errors=1, dry_run=True)
+    assert store.get_reclaim_run("P") is None and store.list_reclaim_runs() == []
+    store.put_reclaim_run(first)
+    store.put_reclaim_run(other)
+    assert store.get_reclaim_run("P") == first
+    assert store.list_reclaim_runs() == [other, first]  # parent-name order
+    second = model.ReclaimRun("P", "run-2", 9_000, 9_500, scanned=1)
+    store.put_reclaim_run(second)  # the store keeps what it is given; ordering rules are the catalog's
+    assert store.get_reclaim_run("P") == second
+    # Records are independent of the parent topics themselves.
+    assert store.get_parent_topic("P") is None and store.list_parent_topics() == []
+    assert store.delete_reclaim_run("P") is True
+    assert store.delete_reclaim_run("P") is False
+    assert store.get_reclaim_run("P") is None and store.list_reclaim_runs() == [other]
 
 
 # --- retention ---------------------------------------------------------------------------------------

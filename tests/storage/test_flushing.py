@@ -97,3 +97,35 @@ def test_a_failed_log_write_is_rolled_back_and_reported(
     assert s._log.active.size == size_before and len(s._log.seqs()) == 1
     assert s.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 1)
     assert s.append([msg()])[0].offsets[model.QueueId.lmq("P", "a")] == 1
+
+
+def test_try_append_refuses_at_once_while_another_writer_syncs(
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = open_lmq(flush_mode="sync")
+    in_sync = threading.Event()
+    release = threading.Event()
+    real_sync = commitlog.CommitLog.sync
+
+    def held_sync(self: commitlog.CommitLog) -> None:
+        if not release.is_set():
+            in_sync.set()
+            release.wait(10)
+        real_sync(self)
+
+    monkeypatch.setattr(commitlog.CommitLog, "sync", held_sync)
+    writer = threading.Thread(target=s.append, args=([msg(message_id="first")],))
+    writer.start()
+    try:
+        assert in_sync.wait(10)
+        started = time.monotonic()
+        assert s.try_append([msg(message_id="refused")]) is None
+        assert time.monotonic() - started < 1.0  # refused at once, not after the other writer's fsync
+    finally:
+        release.set()
+        writer.join()
+    assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["first"]  # nothing of it written
+    results = s.try_append([msg(message_id="second")])
+    assert results is not None
+    assert results[0].offsets == {model.QueueId("P", 0): 1, model.QueueId.lmq("P", "a"): 1}
+    assert s._log.synced == s._log.written  # sync mode: a try_append returns once fsynced too

@@ -1,8 +1,9 @@
 """The store's contract. ``LmqStore`` (segments + RocksDB) and ``MemoryStore`` (the in-memory twin)
 both implement it, and one contract suite (tests/storage/test_contract.py) runs against both.
 
-All methods are thread-safe and blocking. Callers on an event loop run them in an executor; in ``sync``
-flush mode ``append`` returns only after the records are fsynced, and concurrent appends share one fsync.
+All methods are thread-safe and blocking. Callers on an event loop run them in an executor (``try_append``
+is the exception: it never waits for another writer); in ``sync`` flush mode ``append`` returns only after
+the records are fsynced, and concurrent appends share one fsync.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class Store(Protocol):
 
         Raises InvalidArgument subclasses (nothing written) for empty bodies, oversized records or invalid
         queue names. Creating an LMQ's first entry creates its lite-topic metadata.
+        """
+        ...
+
+    def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+        """``append``, unless another writer holds the write path right now: then None, and nothing written.
+
+        For a caller that must not wait behind a long write (an event loop): it tries, and hands the
+        messages to a thread when the answer is None.
         """
         ...
 
@@ -102,6 +111,15 @@ class Store(Protocol):
     def get_quota(self, scope: str) -> model.Quota | None: ...
     def delete_quota(self, scope: str) -> bool: ...
     def list_quotas(self) -> list[model.Quota]: ...
+
+    # The newest reclaim run's summary per parent. Plain records: the store neither checks that the parent
+    # exists nor drops the record with it; the admin catalog keeps those rules, under its lock.
+    def put_reclaim_run(self, run: model.ReclaimRun) -> None: ...
+    def get_reclaim_run(self, parent: str) -> model.ReclaimRun | None: ...
+    def delete_reclaim_run(self, parent: str) -> bool: ...
+    def list_reclaim_runs(self) -> list[model.ReclaimRun]:
+        """Every record, in parent-name order."""
+        ...
 
     # --- maintenance ----------------------------------------------------------------------------------
     def apply_retention(self) -> RetentionReport:

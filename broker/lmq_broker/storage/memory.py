@@ -67,12 +67,16 @@ class MemoryStore:
         self._parents: dict[str, model.ParentTopic] = {}
         self._groups: dict[str, model.LiteGroup] = {}
         self._quotas: dict[str, model.Quota] = {}
+        self._reclaims: dict[str, model.ReclaimRun] = {}
         self._records: deque[_Record] = deque()
         self._bytes = 0
         self._names = keys.NameCache()
         self._closed = False
 
     # --- messages ------------------------------------------------------------------------------------
+
+    def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+        return self.append(messages)  # its lock is held for microseconds: never worth refusing
 
     def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         self._check_open()
@@ -286,6 +290,27 @@ class MemoryStore:
         self._check_open()
         with self._lock:
             return [self._quotas[k] for k in sorted(self._quotas)]
+
+    def put_reclaim_run(self, run: model.ReclaimRun) -> None:
+        self._check_open()
+        _check_resource(run.parent)
+        with self._lock:
+            self._reclaims[run.parent] = run
+
+    def get_reclaim_run(self, parent: str) -> model.ReclaimRun | None:
+        self._check_open()
+        with self._lock:
+            return self._reclaims.get(parent)
+
+    def delete_reclaim_run(self, parent: str) -> bool:
+        self._check_open()
+        with self._lock:
+            return self._reclaims.pop(parent, None) is not None
+
+    def list_reclaim_runs(self) -> list[model.ReclaimRun]:
+        self._check_open()
+        with self._lock:
+            return [self._reclaims[k] for k in sorted(self._reclaims)]
 
     # --- maintenance ---------------------------------------------------------------------------------
 

@@ -153,6 +153,26 @@ class LmqStore:
             raise req.error
         return req.results
 
+    def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+        self._check_open()
+        if not messages:
+            return []
+        # Take the lock first, queue second: a request queued and then withdrawn could already have been
+        # taken by another leader, and would be stored twice when the caller hands it to its thread.
+        if not self._write_lock.acquire(blocking=False):
+            return None
+        req = _Request(messages)
+        try:
+            with self._queue_lock:
+                reqs, self._queue = self._queue, []
+            reqs.append(req)  # followers queued behind the last round ride along
+            self._round(reqs)
+        finally:
+            self._write_lock.release()
+        if req.error is not None:
+            raise req.error
+        return req.results
+
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
@@ -363,6 +383,20 @@ class LmqStore:
 
     def list_quotas(self) -> list[model.Quota]:
         return [keys.decode_quota(v) for v in self._list_meta(keys.QUOTA)]
+
+    def put_reclaim_run(self, run: model.ReclaimRun) -> None:
+        _check_resource(run.parent)
+        self._put_meta(keys.name_key(keys.RECLAIM, run.parent), keys.encode_reclaim_run(run))
+
+    def get_reclaim_run(self, parent: str) -> model.ReclaimRun | None:
+        value = self._get_meta(keys.name_key(keys.RECLAIM, parent))
+        return None if value is None else keys.decode_reclaim_run(value)
+
+    def delete_reclaim_run(self, parent: str) -> bool:
+        return self._delete_meta(keys.name_key(keys.RECLAIM, parent))
+
+    def list_reclaim_runs(self) -> list[model.ReclaimRun]:
+        return [keys.decode_reclaim_run(v) for v in self._list_meta(keys.RECLAIM)]
 
     # --- maintenance ---------------------------------------------------------------------------------
 
