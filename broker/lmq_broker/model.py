@@ -160,6 +160,25 @@ class ParentTopic:
 
 
 @dataclass(frozen=True, slots=True)
+class ReclaimRun:
+    """What one reclaim run did to one parent's lite topics on this broker (this broker's share, not the
+    run's total). The broker keeps the newest per parent, for the operator to show on ParentTopic status."""
+
+    parent: str
+    run_id: str
+    start_ms: int
+    finish_ms: int
+    scanned: int = 0
+    expired: int = 0
+    reclaimed: int = 0  # deleted, or would have been in a dry run
+    kept_changed: int = 0
+    kept_subscribed: int = 0
+    not_found: int = 0
+    errors: int = 0
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RetryPolicy:
     max_attempts: int = 17  # RocketMQ retryMaxTimes 16 + 1
     backoff_ms: tuple[int, ...] = (

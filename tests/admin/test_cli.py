@@ -53,7 +53,11 @@ def test_parent_topic_put_get_list_delete(broker: Broker) -> None:
             "queue_count": 1,
         },
         "lite_topic_count": 0,
+        "last_reclaim": None,
     }
+    broker.client().record_reclaim_runs([model.ReclaimRun("orders", "run-1", 1_000, 2_000, scanned=4, reclaimed=3)])
+    last = run_json(broker, "parent-topic", "get", "orders")["last_reclaim"]
+    assert (last["run_id"], last["scanned"], last["reclaimed"], last["dry_run"]) == ("run-1", 4, 3, False)
     assert [t["topic"]["name"] for t in run_json(broker, "parent-topic", "list")] == ["orders"]
     assert run_json(broker, "parent-topic", "delete", "orders") == {"deleted": True, "lite_topics_deleted": 0}
     code, out, _ = run(broker, "parent-topic", "list")

@@ -28,6 +28,7 @@ LMQ = keys.parse_queue("%LMQ%$P$a", 0)
         (keys.name_key(keys.PARENT, "P"), b"TP"),
         (keys.name_key(keys.GROUP, "G"), b"GG"),
         (keys.name_key(keys.QUOTA, "parent:P"), b"Uparent:P"),
+        (keys.name_key(keys.RECLAIM, "P"), b"RP"),
         (keys.segment_key(3), b"B\x00\x00\x00\x03"),
         (keys.CHECKPOINT_KEY, b"Xcheckpoint"),
         (keys.LAYOUT_KEY, b"Xlayout"),
@@ -139,3 +140,5 @@ def test_control_metadata_json_round_trips() -> None:
     assert keys.decode_parent_topic(keys.encode_parent_topic(pt)) == pt
     assert keys.decode_group(keys.encode_group(grp)) == grp
     assert keys.decode_quota(keys.encode_quota(quota)) == quota
+    run = model.ReclaimRun("P", "job-7", 10, 20, 9, 8, 5, 1, 1, 1, 2, dry_run=True)
+    assert keys.decode_reclaim_run(keys.encode_reclaim_run(run)) == run

@@ -4,11 +4,17 @@ Blocking; the service runs each call in a worker thread. Writes take one lock so
 rules (a group's bind topic must exist and never changes; a topic's message type never changes and its
 queue count never shrinks) hold against concurrent admin calls. Callers
 learn whether anything changed, so the dispatcher's caches are dropped only when they are stale.
+
+Reclaim-run records follow their parent under the same lock: one is kept only while the parent exists
+(deleting the parent drops it first, so a crash in between leaves a parent without a record, never a
+record without a parent), and a record never gives way to a run that started earlier — a slow run that
+finishes late must not hide a newer one.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -31,6 +37,22 @@ class Upsert(Generic[T]):
 class ParentDeletion:
     deleted: bool  # the topic existed and is gone
     purge_needed: bool  # lite topics remain that the caller asked to purge
+
+
+@dataclass(frozen=True, slots=True)
+class ParentInfo:
+    topic: model.ParentTopic
+    lite_topic_count: int
+    last_reclaim: model.ReclaimRun | None
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """Where each run of a RecordReclaimRuns call went, by parent name."""
+
+    recorded: tuple[str, ...]
+    unknown_parents: tuple[str, ...]  # no such parent topic here: nothing stored
+    superseded: tuple[str, ...]  # the record of a run that started later is kept
 
 
 class Catalog:
@@ -65,14 +87,18 @@ class Catalog:
             self._store.put_parent_topic(topic)
             return Upsert(topic, created=existing is None, changed=True)
 
-    def get_parent_topic(self, name: str) -> tuple[model.ParentTopic, int]:
+    def get_parent_topic(self, name: str) -> ParentInfo:
         topic = self._store.get_parent_topic(validation.name("name", name))
         if topic is None:
             raise errors.TopicNotFound(f"parent topic {name!r} not found", topic=name)
-        return topic, self._store.lite_topic_count(name)
+        return ParentInfo(topic, self._store.lite_topic_count(name), self._store.get_reclaim_run(name))
 
-    def list_parent_topics(self) -> list[tuple[model.ParentTopic, int]]:
-        return [(t, self._store.lite_topic_count(t.name)) for t in self._store.list_parent_topics()]
+    def list_parent_topics(self) -> list[ParentInfo]:
+        runs = {r.parent: r for r in self._store.list_reclaim_runs()}  # one prefix read, not one get per topic
+        return [
+            ParentInfo(t, self._store.lite_topic_count(t.name), runs.get(t.name))
+            for t in self._store.list_parent_topics()
+        ]
 
     def delete_parent_topic(self, name: str, *, purge: bool) -> ParentDeletion:
         """Without ``purge``, a parent that still has lite topics is kept (delete-only-if-empty)."""
@@ -86,9 +112,34 @@ class Catalog:
                     topic=name,
                     lite_topics=remaining,
                 )
+            self._store.delete_reclaim_run(name)
             deleted = self._store.delete_parent_topic(name) if exists else False
             # A purge is also re-run for an already deleted parent: an interrupted purge completes.
             return ParentDeletion(deleted=deleted, purge_needed=purge and remaining > 0)
+
+    # --- reclaim runs -----------------------------------------------------------------------------------
+    def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> Recording:
+        """Store each run as its parent's record, unless the parent is unknown or holds a later run's."""
+        checked = [validation.reclaim_run(f"runs[{i}]", run) for i, run in enumerate(runs)]
+        parents = [run.parent for run in checked]
+        twice = sorted({p for p in parents if parents.count(p) > 1})
+        if twice:
+            raise errors.InvalidArgument(f"runs: parent {twice[0]!r} is listed more than once", field="runs")
+        recorded: list[str] = []
+        unknown: list[str] = []
+        superseded: list[str] = []
+        with self._lock:
+            for run in checked:
+                if self._store.get_parent_topic(run.parent) is None:
+                    unknown.append(run.parent)
+                    continue
+                kept = self._store.get_reclaim_run(run.parent)
+                if kept is not None and kept.start_ms > run.start_ms:
+                    superseded.append(run.parent)
+                    continue
+                self._store.put_reclaim_run(run)
+                recorded.append(run.parent)
+        return Recording(tuple(recorded), tuple(unknown), tuple(superseded))
 
     # --- lite groups ------------------------------------------------------------------------------------
     def put_group(self, group: model.LiteGroup) -> Upsert[model.LiteGroup]:

@@ -2,7 +2,7 @@
 
     with AdminClient("broker-0.lmq:8081", timeout_s=5.0) as admin:
         admin.put_parent_topic(ParentTopic("orders", expiration_minutes=60))   # -> Applied(value, created)
-        admin.get_parent_topic("orders")                                        # -> ParentTopicInfo
+        admin.get_parent_topic("orders")                                        # -> ParentTopicInfo (+ last_reclaim)
         admin.delete_parent_topic("orders", purge_lite_topics=True)             # -> ParentTopicDeletion
         admin.list_parent_topics()                                              # -> list[ParentTopicInfo]
         admin.put_group(LiteGroup("g", bind_topic="orders"))                    # -> Applied[LiteGroup]
@@ -14,6 +14,7 @@
         admin.list_lite_topics("orders", start_after="", limit=100)             # -> LiteTopicPage
         admin.list_clients(group=None)                                          # -> list[ClientInfo]
         admin.broker_info(with_undrained=True)                                  # -> BrokerInfo
+        admin.record_reclaim_runs([ReclaimRun("orders", "run-1", start, finish, reclaimed=5)])  # -> ReclaimRecording
         for columns in admin.scan_lite_topics_columns("orders", batch_size=10_000):
             ...  # dict: column name -> list, one entry per row (LITE_TOPIC_COLUMNS [+ optional ones])
         admin.compare_and_delete(columns, require_no_subscribers=True, dry_run=False)  # -> list[DeleteOutcome]
@@ -69,6 +70,7 @@ __all__ = [
     "LiteTopicPage",
     "ParentTopicDeletion",
     "ParentTopicInfo",
+    "ReclaimRecording",
 ]
 
 DELETE_ROWS_PER_CALL: Final = 5_000  # ~0.5 MB per request: well under gRPC's default 4 MiB receive limit
@@ -97,12 +99,22 @@ class Applied(Generic[T]):
 class ParentTopicInfo:
     topic: model.ParentTopic
     lite_topic_count: int
+    last_reclaim: model.ReclaimRun | None = None  # the newest reclaim run recorded on this broker, if any
 
 
 @dataclass(frozen=True, slots=True)
 class ParentTopicDeletion:
     deleted: bool  # False: there was no such parent topic
     lite_topics_deleted: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimRecording:
+    """Where each run of ``record_reclaim_runs`` went, by parent name."""
+
+    recorded: tuple[str, ...]
+    unknown_parents: tuple[str, ...]  # the broker holds no such parent topic
+    superseded: tuple[str, ...]  # the broker keeps the record of a run that started later
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +175,9 @@ def _group_info(message: pb.GetLiteGroupResponse) -> GroupInfo:
 
 
 def _parent_info(message: pb.GetParentTopicResponse) -> ParentTopicInfo:
-    return ParentTopicInfo(convert.parent_topic_from_pb(message.topic), message.lite_topic_count)
+    return ParentTopicInfo(
+        convert.parent_topic_from_pb(message.topic), message.lite_topic_count, convert.last_reclaim_from_pb(message)
+    )
 
 
 def _lite_info(message: pb.LiteTopicInfo) -> LiteTopicInfo:
@@ -352,6 +366,12 @@ class AdminClient:
             outcomes.extend(DeleteOutcome(o) for o in reply.outcome)
         return outcomes
 
+    def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:
+        """Record each run as its parent's newest reclaim summary on this broker (one run per parent)."""
+        request = pb.RecordReclaimRunsRequest(runs=[convert.reclaim_run_to_pb(r) for r in runs])
+        reply = self._unary("RecordReclaimRuns", request)
+        return ReclaimRecording(tuple(reply.recorded), tuple(reply.unknown_parents), tuple(reply.superseded))
+
     # --- the broker -------------------------------------------------------------------------------------
     def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
         """``with_undrained`` walks every lite topic of the broker (see the service); it uses ``long_timeout_s``."""
@@ -443,6 +463,9 @@ class AsyncAdminClient:
         return await asyncio.to_thread(
             self.sync.compare_and_delete, columns, require_no_subscribers=require_no_subscribers, dry_run=dry_run
         )
+
+    async def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:
+        return await asyncio.to_thread(self.sync.record_reclaim_runs, runs)
 
     async def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
         return await asyncio.to_thread(self.sync.broker_info, with_undrained=with_undrained)

@@ -110,6 +110,53 @@ def quota_from_pb(message: pb.Quota) -> model.Quota:
     )
 
 
+def reclaim_run_to_pb(run: model.ReclaimRun) -> pb.ReclaimRun:
+    return pb.ReclaimRun(
+        parent=run.parent,
+        run_id=run.run_id,
+        start_ms=run.start_ms,
+        finish_ms=run.finish_ms,
+        scanned=run.scanned,
+        expired=run.expired,
+        reclaimed=run.reclaimed,
+        kept_changed=run.kept_changed,
+        kept_subscribed=run.kept_subscribed,
+        not_found=run.not_found,
+        errors=run.errors,
+        dry_run=run.dry_run,
+    )
+
+
+def reclaim_run_from_pb(message: pb.ReclaimRun) -> model.ReclaimRun:
+    return model.ReclaimRun(
+        parent=message.parent,
+        run_id=message.run_id,
+        start_ms=message.start_ms,
+        finish_ms=message.finish_ms,
+        scanned=message.scanned,
+        expired=message.expired,
+        reclaimed=message.reclaimed,
+        kept_changed=message.kept_changed,
+        kept_subscribed=message.kept_subscribed,
+        not_found=message.not_found,
+        errors=message.errors,
+        dry_run=message.dry_run,
+    )
+
+
+def parent_info_to_pb(
+    topic: model.ParentTopic, lite_topic_count: int, last_reclaim: model.ReclaimRun | None
+) -> pb.GetParentTopicResponse:
+    reply = pb.GetParentTopicResponse(topic=parent_topic_to_pb(topic), lite_topic_count=lite_topic_count)
+    if last_reclaim is not None:
+        reply.last_reclaim.CopyFrom(reclaim_run_to_pb(last_reclaim))
+    return reply
+
+
+def last_reclaim_from_pb(message: pb.GetParentTopicResponse) -> model.ReclaimRun | None:
+    return reclaim_run_from_pb(message.last_reclaim) if message.HasField("last_reclaim") else None
+
+
 def lite_topic_to_pb(meta: model.LiteTopicMeta, subscriber_count: int = 0) -> pb.LiteTopicInfo:
     return pb.LiteTopicInfo(
         parent=meta.parent,

@@ -81,8 +81,8 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @override
     @_edge
     async def GetParentTopic(self, request: pb.GetParentTopicRequest, context: Context) -> pb.GetParentTopicResponse:
-        topic, count = await asyncio.to_thread(self._catalog.get_parent_topic, request.name)
-        return pb.GetParentTopicResponse(topic=convert.parent_topic_to_pb(topic), lite_topic_count=count)
+        info = await asyncio.to_thread(self._catalog.get_parent_topic, request.name)
+        return convert.parent_info_to_pb(info.topic, info.lite_topic_count, info.last_reclaim)
 
     @override
     @_edge
@@ -103,9 +103,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     ) -> pb.ListParentTopicsResponse:
         topics = await asyncio.to_thread(self._catalog.list_parent_topics)
         return pb.ListParentTopicsResponse(
-            topics=[
-                pb.GetParentTopicResponse(topic=convert.parent_topic_to_pb(t), lite_topic_count=n) for t, n in topics
-            ]
+            topics=[convert.parent_info_to_pb(i.topic, i.lite_topic_count, i.last_reclaim) for i in topics]
         )
 
     # --- lite groups ------------------------------------------------------------------------------------
@@ -212,6 +210,18 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
             dry_run=request.dry_run,
         )
         return pb.CompareAndDeleteResponse(outcome=[pb.DeleteOutcome.ValueType(o) for o in outcomes])
+
+    @override
+    @_edge
+    async def RecordReclaimRuns(
+        self, request: pb.RecordReclaimRunsRequest, context: Context
+    ) -> pb.RecordReclaimRunsResponse:
+        runs = [convert.reclaim_run_from_pb(r) for r in request.runs]
+        done = await asyncio.to_thread(self._catalog.record_reclaim_runs, runs)
+        # Not a metadata change: the dispatcher never reads these records, so its caches stay valid.
+        return pb.RecordReclaimRunsResponse(
+            recorded=done.recorded, unknown_parents=done.unknown_parents, superseded=done.superseded
+        )
 
     # --- the broker -------------------------------------------------------------------------------------
     @override

@@ -117,6 +117,21 @@ def quota(value: model.Quota) -> model.Quota:
     return value
 
 
+RUN_ID_MAX_BYTES: Final = 253  # a Kubernetes object name (the reclaim Job's) always fits
+RECLAIM_COUNTS: Final = ("scanned", "expired", "reclaimed", "kept_changed", "kept_subscribed", "not_found", "errors")
+
+
+def reclaim_run(field: str, run: model.ReclaimRun) -> model.ReclaimRun:
+    name(f"{field}.parent", run.parent)
+    if not run.run_id or len(run.run_id.encode()) > RUN_ID_MAX_BYTES or not run.run_id.isprintable():
+        raise _invalid(f"{field}.run_id", f"must be 1..{RUN_ID_MAX_BYTES} bytes of printable text, got {run.run_id!r}")
+    _at_least(f"{field}.start_ms", run.start_ms, 0)
+    _at_least(f"{field}.finish_ms", run.finish_ms, run.start_ms)
+    for count in RECLAIM_COUNTS:
+        _at_least(f"{field}.{count}", getattr(run, count), 0)
+    return run
+
+
 def limit(field: str, value: int, *, default: int, maximum: int) -> int:
     """A page or batch size: 0 means ``default``; more than ``maximum`` is refused, not clamped."""
     if value == 0:

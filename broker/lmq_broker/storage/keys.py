@@ -1,7 +1,7 @@
 """Key layout: every RocksDB key and value the store writes, and nothing else.
 
 Two RocksDB instances under the data dir: ``index`` holds what the commit log can recreate (E S L N B X);
-``meta`` holds what no log holds (O C T G U), so deleting ``index`` loses nothing. In each, one keyspace (the
+``meta`` holds what no log holds (O C T G U R), so deleting ``index`` loses nothing. In each, one keyspace (the
 default column family); the first byte of a key says what it is. Integers inside keys
 are big-endian so byte order is numeric order; values are little-endian. Names are UTF-8 and never hold
 0x00, so ``0x00`` ends a name and no key of one queue is a prefix of another queue's.
@@ -20,6 +20,7 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     T      T name                           JSON ParentTopic                    (meta)
     G      G name                           JSON LiteGroup                      (meta)
     U      U scope                          JSON Quota                          (meta)
+    R      R parent                         JSON ReclaimRun: the newest reclaim run's summary (meta)
     B      B u32be segment                  u64 first_store_ms | u64 last_store_ms   (segment table)
     X      X "checkpoint"                   u32 segment | u64 position: the log is indexed up to here
     X      X "layout"                       u32 layout version (LAYOUT_VERSION)
@@ -27,7 +28,7 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
 Why runs: one append of a batch puts one key per queue, not one per message, and an extra queue of a
 message (multi-dispatch) adds 8 bytes to a run. Offsets of a queue are dense from its min to its next, so
 ``offset -> run`` is ``seek_for_prev(E qkey offset)``. ``E``, ``S``, ``L``, ``N``, ``B`` and the
-checkpoint derive from the log (a rebuild recreates them); ``O``, ``C``, ``T``, ``G``, ``U`` do not.
+checkpoint derive from the log (a rebuild recreates them); ``O``, ``C``, ``T``, ``G``, ``U``, ``R`` do not.
 ``L`` sorts by (parent, lite) because 0x00 sorts below every name character, exactly like the string
 ``parent$lite`` does ('$' sorts below every character a name may hold).
 """
@@ -53,6 +54,7 @@ COUNT: Final = b"N"
 PARENT: Final = b"T"
 GROUP: Final = b"G"
 QUOTA: Final = b"U"
+RECLAIM: Final = b"R"
 SEGMENT: Final = b"B"
 SYSTEM: Final = b"X"
 CHECKPOINT_KEY: Final = b"Xcheckpoint"
@@ -64,7 +66,7 @@ CONSUMED: Final = b"C"
 # Prefixes whose keys are derived from the log: a rebuild deletes and recreates exactly these.
 DERIVED_PREFIXES: Final = (ENTRY, STATE, LITE, COUNT, SEGMENT)
 # Prefixes of the meta store: what no log holds.
-PRIMARY_PREFIXES: Final = (OFFSET, CONSUMED, PARENT, GROUP, QUOTA)
+PRIMARY_PREFIXES: Final = (OFFSET, CONSUMED, PARENT, GROUP, QUOTA, RECLAIM)
 
 U16BE: Final = struct.Struct(">H")
 U32BE: Final = struct.Struct(">I")
@@ -372,4 +374,39 @@ def decode_quota(value: bytes) -> model.Quota:
         max_lite_topics=d["max_lite_topics"],
         max_subscriptions_per_client=d["max_subscriptions_per_client"],
         max_send_rate=d["max_send_rate"],
+    )
+
+
+_RECLAIM_COUNTS: Final = (
+    "scanned",
+    "expired",
+    "reclaimed",
+    "kept_changed",
+    "kept_subscribed",
+    "not_found",
+    "errors",
+)
+
+
+def encode_reclaim_run(run: model.ReclaimRun) -> bytes:
+    fields: dict[str, object] = {
+        "parent": run.parent,
+        "run_id": run.run_id,
+        "start_ms": run.start_ms,
+        "finish_ms": run.finish_ms,
+        "dry_run": run.dry_run,
+    }
+    fields.update({name: getattr(run, name) for name in _RECLAIM_COUNTS})
+    return json.dumps(fields, sort_keys=True).encode()
+
+
+def decode_reclaim_run(value: bytes) -> model.ReclaimRun:
+    d = json.loads(value)
+    return model.ReclaimRun(
+        parent=d["parent"],
+        run_id=d["run_id"],
+        start_ms=d["start_ms"],
+        finish_ms=d["finish_ms"],
+        dry_run=d["dry_run"],
+        **{name: d[name] for name in _RECLAIM_COUNTS},
     )

@@ -267,18 +267,26 @@ class GetParentTopicResponse(_message.Message):
 
     TOPIC_FIELD_NUMBER: _builtins.int
     LITE_TOPIC_COUNT_FIELD_NUMBER: _builtins.int
+    LAST_RECLAIM_FIELD_NUMBER: _builtins.int
     lite_topic_count: _builtins.int
     @_builtins.property
     def topic(self) -> Global___ParentTopic: ...
+    @_builtins.property
+    def last_reclaim(self) -> Global___ReclaimRun:
+        """What the newest reclaim run recorded on this broker for this parent (RecordReclaimRuns); unset when no
+        run has recorded one since the parent was created.
+        """
+
     def __init__(
         self,
         *,
         topic: Global___ParentTopic | None = ...,
         lite_topic_count: _builtins.int = ...,
+        last_reclaim: Global___ReclaimRun | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["topic", b"topic"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_reclaim", b"last_reclaim", "topic", b"topic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lite_topic_count", b"lite_topic_count", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_reclaim", b"last_reclaim", "lite_topic_count", b"lite_topic_count", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1053,6 +1061,128 @@ class CompareAndDeleteResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompareAndDeleteResponse: _TypeAlias = CompareAndDeleteResponse  # noqa: Y015
+
+@_typing.final
+class ReclaimRun(_message.Message):
+    """One reclaim run's summary for one parent topic on the broker that receives it: the counts are this
+    broker's share of the run, not the run's total (the operator adds up the brokers that report a run).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    START_MS_FIELD_NUMBER: _builtins.int
+    FINISH_MS_FIELD_NUMBER: _builtins.int
+    SCANNED_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
+    RECLAIMED_FIELD_NUMBER: _builtins.int
+    KEPT_CHANGED_FIELD_NUMBER: _builtins.int
+    KEPT_SUBSCRIBED_FIELD_NUMBER: _builtins.int
+    NOT_FOUND_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    run_id: _builtins.str
+    """Names the run: the reclaim Job's name under the chart, else the run's start in epoch ms."""
+    start_ms: _builtins.int
+    finish_ms: _builtins.int
+    scanned: _builtins.int
+    """rows the scan returned (with the idle pushdown, only possibly expired ones)"""
+    expired: _builtins.int
+    """rows the rules expired: candidates of the delete step"""
+    reclaimed: _builtins.int
+    """DELETED, or WOULD_DELETE in a dry run"""
+    kept_changed: _builtins.int
+    """KEPT_CHANGED: a message or a consume arrived after the scan"""
+    kept_subscribed: _builtins.int
+    """KEPT_SUBSCRIBED: a subscriber arrived after the scan"""
+    not_found: _builtins.int
+    """NOT_FOUND: deleted by someone else between scan and delete"""
+    errors: _builtins.int
+    """failed scan or delete calls that concerned this parent"""
+    dry_run: _builtins.bool
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        start_ms: _builtins.int = ...,
+        finish_ms: _builtins.int = ...,
+        scanned: _builtins.int = ...,
+        expired: _builtins.int = ...,
+        reclaimed: _builtins.int = ...,
+        kept_changed: _builtins.int = ...,
+        kept_subscribed: _builtins.int = ...,
+        not_found: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "errors", b"errors", "expired", b"expired", "finish_ms", b"finish_ms", "kept_changed", b"kept_changed", "kept_subscribed", b"kept_subscribed", "not_found", b"not_found", "parent", b"parent", "reclaimed", b"reclaimed", "run_id", b"run_id", "scanned", b"scanned", "start_ms", b"start_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReclaimRun: _TypeAlias = ReclaimRun  # noqa: Y015
+
+@_typing.final
+class RecordReclaimRunsRequest(_message.Message):
+    """Keep, per parent, the newest run's summary. A run never replaces the record of a run that started later;
+    a parent the broker does not hold (deleted meanwhile) is skipped, not an error.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReclaimRun]: ...
+    def __init__(
+        self,
+        *,
+        runs: _abc.Iterable[Global___ReclaimRun] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordReclaimRunsRequest: _TypeAlias = RecordReclaimRunsRequest  # noqa: Y015
+
+@_typing.final
+class RecordReclaimRunsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDED_FIELD_NUMBER: _builtins.int
+    UNKNOWN_PARENTS_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def recorded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """parents whose record is now this run's"""
+
+    @_builtins.property
+    def unknown_parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """no such parent topic on this broker"""
+
+    @_builtins.property
+    def superseded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """kept the record of a run that started later"""
+
+    def __init__(
+        self,
+        *,
+        recorded: _abc.Iterable[_builtins.str] | None = ...,
+        unknown_parents: _abc.Iterable[_builtins.str] | None = ...,
+        superseded: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recorded", b"recorded", "superseded", b"superseded", "unknown_parents", b"unknown_parents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordReclaimRunsResponse: _TypeAlias = RecordReclaimRunsResponse  # noqa: Y015
 
 @_typing.final
 class GetBrokerInfoRequest(_message.Message):

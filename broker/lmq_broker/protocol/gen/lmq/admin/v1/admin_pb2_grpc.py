@@ -119,6 +119,11 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetBrokerInfoRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetBrokerInfoResponse.FromString,
                 _registered_method=True)
+        self.RecordReclaimRuns = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/RecordReclaimRuns',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -226,6 +231,12 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordReclaimRuns(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -313,6 +324,11 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.GetBrokerInfo,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetBrokerInfoRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetBrokerInfoResponse.SerializeToString,
+            ),
+            'RecordReclaimRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordReclaimRuns,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -774,6 +790,33 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/GetBrokerInfo',
             lmq_dot_admin_dot_v1_dot_admin__pb2.GetBrokerInfoRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.GetBrokerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordReclaimRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/RecordReclaimRuns',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,7 @@ class LmqAdminStub:
     ScanLiteTopics: _grpc.UnaryStreamMultiCallable[_admin_pb2.ScanLiteTopicsRequest, _admin_pb2.ScanLiteTopicsResponse]
     CompareAndDeleteLiteTopics: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CompareAndDeleteRequest, _admin_pb2.CompareAndDeleteResponse]
     GetBrokerInfo: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetBrokerInfoRequest, _admin_pb2.GetBrokerInfoResponse]
+    RecordReclaimRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -71,6 +72,7 @@ class LmqAdminAsyncStub(LmqAdminStub):
     ScanLiteTopics: _aio.UnaryStreamMultiCallable[_admin_pb2.ScanLiteTopicsRequest, _admin_pb2.ScanLiteTopicsResponse]  # type: ignore[assignment]
     CompareAndDeleteLiteTopics: _aio.UnaryUnaryMultiCallable[_admin_pb2.CompareAndDeleteRequest, _admin_pb2.CompareAndDeleteResponse]  # type: ignore[assignment]
     GetBrokerInfo: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetBrokerInfoRequest, _admin_pb2.GetBrokerInfoResponse]  # type: ignore[assignment]
+    RecordReclaimRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -191,5 +193,12 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.GetBrokerInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.GetBrokerInfoResponse, _abc.Awaitable[_admin_pb2.GetBrokerInfoResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RecordReclaimRuns(
+        self,
+        request: _admin_pb2.RecordReclaimRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.RecordReclaimRunsResponse, _abc.Awaitable[_admin_pb2.RecordReclaimRunsResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
