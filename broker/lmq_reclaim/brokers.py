@@ -10,7 +10,7 @@ carry on.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
@@ -23,6 +23,7 @@ from lmq_broker import errors
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_reclaim import columns as c
+from lmq_reclaim import report
 from lmq_reclaim.columns import Outcome
 from lmq_reclaim.keyspace import KeyRange
 
@@ -48,6 +49,15 @@ class Credentials:
 
     access_key: str
     secret_key: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What a broker did with a run's records, by parent name (see RecordReclaimRunsResponse)."""
+
+    recorded: tuple[str, ...]
+    unknown_parents: tuple[str, ...]
+    superseded: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +136,33 @@ class BrokerAdmin:
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
         return reply.topics[0].lite if reply.topics else None
+
+    def record_run(self, out: report.Report, parents: Mapping[str, report.ParentSummary]) -> Recorded:
+        """Leave ``out``'s summary of each of ``parents`` (this broker's share) as that parent's last run."""
+        runs = [
+            admin_pb2.ReclaimRun(
+                parent=parent,
+                run_id=out.run_id,
+                start_ms=out.now_ms,
+                finish_ms=out.finish_ms,
+                scanned=counts.scanned,
+                expired=counts.expired,
+                reclaimed=counts.reclaimed,
+                kept_changed=counts.kept_changed,
+                kept_subscribed=counts.kept_subscribed,
+                not_found=counts.not_found,
+                errors=counts.errors,
+                dry_run=out.dry_run,
+            )
+            for parent, counts in parents.items()
+        ]
+        try:
+            reply = self._stub.RecordReclaimRuns(
+                admin_pb2.RecordReclaimRunsRequest(runs=runs), timeout=self.timeout_s, metadata=self._metadata()
+            )
+        except grpc.RpcError as exc:
+            raise _translate(self.endpoint, exc) from exc
+        return Recorded(tuple(reply.recorded), tuple(reply.unknown_parents), tuple(reply.superseded))
 
     # --- executor side: the columnar hot paths ---------------------------------------------------------
     def scan(

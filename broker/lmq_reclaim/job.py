@@ -10,6 +10,8 @@ Shape of a run (why it is cut where it is):
 3. Deletes, after a shuffle that puts every row of a broker in one partition, so one token bucket bounds
    that broker's delete rate. Compare-and-delete keeps whatever changed after the scan. Outcomes are
    checkpointed once and feed both the summary and the audit.
+4. Record: each planned broker keeps its share of the run, per parent, as that parent's last run (the
+   operator's ParentTopic ``status.lastReclaim``); see ``recording``.
 A CronJob may run this twice or concurrently with nothing: every step is safe to repeat.
 """
 
@@ -27,7 +29,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
 from lmq_broker import errors
-from lmq_reclaim import brokers, discovery, keyspace, options, report, session, tasks, transforms
+from lmq_reclaim import brokers, discovery, keyspace, options, recording, report, session, tasks, transforms
 from lmq_reclaim import columns as c
 from lmq_reclaim.columns import Outcome
 
@@ -82,6 +84,8 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
                     cutoff = idle_cutoff_ms(out.now_ms, opts, p.expiration_minutes)
                     result.scan_tasks.extend(tasks.ScanTask(name, ep, p.name, r, cutoff) for r in ranges)
             result.targets.append(Target(name, ep))
+            for p in parents:  # every parent gets a summary, zeros when it was not scanned
+                out.parents[(name, p.name)] = report.ParentSummary()
         except errors.LmqError as exc:
             summary = out.brokers.setdefault(name, report.BrokerSummary(name, ep))
             summary.errors += 1
@@ -133,7 +137,7 @@ def run(
 ) -> report.Report:
     """One reclaim run. Uses ``spark`` when given (and leaves it running), else builds and stops its own."""
     now_ms = opts.now_ms if opts.now_ms is not None else int(time.time() * 1000)
-    out = report.Report(now_ms=now_ms, dry_run=opts.dry_run)
+    out = report.Report(now_ms=now_ms, dry_run=opts.dry_run, run_id=opts.run_id or str(now_ms))
     started = time.perf_counter()
     try:
         endpoints = discover(opts)
@@ -147,6 +151,7 @@ def run(
     out.timings_s["plan"] = time.perf_counter() - started
     log.info("planned %d scan task(s) over %d broker(s)", len(the_plan.scan_tasks), len(the_plan.targets))
     if not the_plan.scan_tasks:
+        _record(the_plan, opts, out, started)
         return out
     t0 = time.perf_counter()
     own = spark is None
@@ -154,11 +159,22 @@ def run(
     out.timings_s["spark_start"] = time.perf_counter() - t0
     try:
         _execute(active, opts, the_plan, out, hooks or Hooks())
+        _record(the_plan, opts, out, started)  # before Spark stops, which can take seconds (class archive)
     finally:
         if own:
             session.stop(active)
     out.timings_s["total"] = time.perf_counter() - started
     return out
+
+
+def _record(the_plan: Plan, opts: options.Options, out: report.Report, started: float) -> None:
+    """The run ends here: its finish time is the start plus what the monotonic clock measured."""
+    out.finish_ms = out.now_ms + int((time.perf_counter() - started) * 1000)
+    if not opts.record:
+        return
+    t0 = time.perf_counter()
+    recording.record([(t.name, t.endpoint) for t in the_plan.targets], out, opts.timeout_s, _credentials(opts))
+    out.timings_s["record"] = time.perf_counter() - t0
 
 
 def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: report.Report, hooks: Hooks) -> None:
@@ -252,6 +268,18 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
     values = stats.value
     for name in names:
         out.brokers[name].errors += int(values.get(f"errors:{name}", 0))
+    for key, value in values.items():
+        split = tasks.split_parent_stat(key)
+        if split is None:
+            continue
+        metric, broker, parent = split
+        share = out.parents.setdefault((broker, parent), report.ParentSummary())
+        if metric == "scanned":
+            share.scanned += int(value)
+        elif metric == "errors":
+            share.errors += int(value)
+        else:  # an outcome of one of the parent's candidates
+            share.add_outcome(metric, int(value))
     for key in ("scan_busy_s", "delete_busy_s", "delete_throttled_s"):
         out.timings_s[key] = sum(v for k, v in values.items() if k.startswith(f"{key}:"))
     out.error_messages.extend(messages.value)
@@ -286,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"timings: {report.render_timings(result.timings_s)}")
     if result.audit_path:
         print(f"audit: {result.audit_path}")
+    if opts.record and result.brokers:
+        print(f"recorded: run {result.run_id} on {len(result.recorded_on)} broker(s)")
     for message in result.error_messages:
         print(f"error: {message}", file=sys.stderr)
     return result.exit_code

@@ -1,8 +1,10 @@
 """The run's result as a value, and its rendering as the summary table printed at the end.
 
 Counts per broker come from three places gathered by the job: the scan tasks' accumulator (rows read,
-errors), the observation on the decide step (expired), and the delete outcomes. Keeping the value apart
-from the table lets tests assert on numbers, not on text.
+errors), the observation on the decide step (expired), and the delete outcomes. Counts per (broker,
+parent), which each broker keeps as the parent's last run, come from the tasks' accumulator alone: a scan
+task covers one parent, and a delete call counts its outcomes per parent as it returns. Keeping the value
+apart from the table lets tests assert on numbers, not on text.
 """
 
 from __future__ import annotations
@@ -12,6 +14,19 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from lmq_reclaim.columns import Outcome
+
+
+def _count(summary: BrokerSummary | ParentSummary, outcome: str, count: int) -> None:
+    if outcome in (Outcome.DELETED, Outcome.WOULD_DELETE):
+        summary.reclaimed += count
+    elif outcome == Outcome.KEPT_CHANGED:
+        summary.kept_changed += count
+    elif outcome == Outcome.KEPT_SUBSCRIBED:
+        summary.kept_subscribed += count
+    elif outcome == Outcome.NOT_FOUND:
+        summary.not_found += count
+    # ERROR rows are not counted here: ``errors`` counts failed calls (a scan range or a delete batch),
+    # reported by the tasks themselves, so a scan failure (no rows at all) and a delete failure weigh alike.
 
 
 @dataclass(slots=True)
@@ -27,16 +42,24 @@ class BrokerSummary:
     errors: int = 0
 
     def add_outcome(self, outcome: str, count: int) -> None:
-        if outcome in (Outcome.DELETED, Outcome.WOULD_DELETE):
-            self.reclaimed += count
-        elif outcome == Outcome.KEPT_CHANGED:
-            self.kept_changed += count
-        elif outcome == Outcome.KEPT_SUBSCRIBED:
-            self.kept_subscribed += count
-        elif outcome == Outcome.NOT_FOUND:
-            self.not_found += count
-        # ERROR rows are not counted here: ``errors`` counts failed calls (a scan range or a delete batch),
-        # reported by the tasks themselves, so a scan failure (no rows at all) and a delete failure weigh alike.
+        _count(self, outcome, count)
+
+
+@dataclass(slots=True)
+class ParentSummary:
+    """One broker's share of the run for one parent: what that broker records as the parent's last run."""
+
+    scanned: int = 0
+    expired: int = 0  # candidates: every one has exactly one outcome, ERROR included
+    reclaimed: int = 0
+    kept_changed: int = 0
+    kept_subscribed: int = 0
+    not_found: int = 0
+    errors: int = 0  # failed scan or delete calls that concerned this parent
+
+    def add_outcome(self, outcome: str, count: int) -> None:
+        self.expired += count
+        _count(self, outcome, count)
 
 
 @dataclass(slots=True)
@@ -48,6 +71,12 @@ class Report:
     error_messages: list[str] = field(default_factory=list)
     audit_path: str = ""
     scan_tasks: int = 0
+    run_id: str = ""
+    finish_ms: int = 0
+    # (broker, parent) -> counts, for every parent of every planned broker (zeros when nothing was scanned).
+    parents: dict[tuple[str, str], ParentSummary] = field(default_factory=dict)
+    recorded_on: list[str] = field(default_factory=list)  # brokers that now hold this run's records
+    record_failures: int = 0  # brokers the records could not be sent to (logged; not in the exit code)
 
     @property
     def total(self) -> BrokerSummary:

@@ -33,11 +33,27 @@ PROGRESS_EVERY_ROWS: Final = 100_000
 DELETES_IN_FLIGHT: Final = 2
 
 ArrowMap = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+_PARENT_STAT: Final = "parent"
+
+
+def parent_stat(metric: str, broker: str, parent: str) -> str:
+    """The accumulator key of a count per (broker, parent): ``scanned``, ``errors`` or an outcome name.
+    NUL separates the parts because no broker or topic name can hold one."""
+    return f"{_PARENT_STAT}\x00{metric}\x00{broker}\x00{parent}"
+
+
+def split_parent_stat(key: str) -> tuple[str, str, str] | None:
+    """(metric, broker, parent) of a ``parent_stat`` key; None for the other keys."""
+    parts = key.split("\x00")
+    if len(parts) != 4 or parts[0] != _PARENT_STAT:
+        return None
+    return parts[1], parts[2], parts[3]
 
 
 class StatsParam(AccumulatorParam[dict[str, float]]):
     """Sums numbers per ``"<metric>:<broker>"`` key: rows and seconds of scans and deletes, and
-    ``errors:<broker>``, the failed calls. Messages of the failures travel in ``MessagesParam``."""
+    ``errors:<broker>``, the failed calls; and per ``parent_stat`` key, the same counts per (broker, parent).
+    Messages of the failures travel in ``MessagesParam``."""
 
     def zero(self, value: dict[str, float]) -> dict[str, float]:
         return {}
@@ -134,12 +150,13 @@ def _scan_one(
                 rows += batch.num_rows
                 yield batch
     except errors.LmqError as exc:
-        stats.add({f"errors:{task.broker}": 1.0})
+        stats.add({f"errors:{task.broker}": 1.0, parent_stat("errors", task.broker, task.parent): 1.0})
         messages.add([f"scan {task.broker} {task.parent} {task.key_range}: {exc.message}"])
     finally:
         # busy = time waiting on the broker and building Arrow arrays; the rest of the task's wall time is
         # Spark consuming our batches (the decide step runs in the same pipeline).
         stats.add({f"scan_rows:{task.broker}": float(rows), f"scan_busy_s:{task.broker}": busy})
+        stats.add({parent_stat("scanned", task.broker, task.parent): float(rows)})
         stats.add({f"scan_wall_s:{task.broker}": time.perf_counter() - started})
 
 
@@ -238,10 +255,19 @@ def _finish(
     except errors.LmqError as exc:
         error = exc.message
         outcome = pa.array([Outcome.ERROR.value] * chunk.num_rows, pa.string())
-        stats.add({f"errors:{broker}": 1.0})
+        failed = {parent_stat("errors", broker, p): 1.0 for p in pc.unique(chunk.column(c.PARENT)).to_pylist()}
+        stats.add({f"errors:{broker}": 1.0, **failed})
         messages.add([f"delete {broker}: {error}"])
-    stats.add({f"delete_busy_s:{broker}": time.perf_counter() - sent})
+    stats.add({f"delete_busy_s:{broker}": time.perf_counter() - sent, **_outcomes_by_parent(broker, chunk, outcome)})
     return _outcome_batch(chunk, outcome, error)
+
+
+def _outcomes_by_parent(broker: str, chunk: pa.RecordBatch, outcome: pa.Array) -> dict[str, float]:
+    """Outcome counts of one call per parent (Arrow's group-by: no Python object per row)."""
+    counted = pa.table({"parent": chunk.column(c.PARENT), "outcome": outcome}).group_by(["parent", "outcome"])
+    table = counted.aggregate([([], "count_all")])
+    parents, outcomes, counts = (table.column(name).to_pylist() for name in ("parent", "outcome", "count_all"))
+    return {parent_stat(o, broker, p): float(n) for p, o, n in zip(parents, outcomes, counts, strict=True)}
 
 
 def _outcome_batch(chunk: pa.RecordBatch, outcome: pa.Array, error: str | None) -> pa.RecordBatch:

@@ -33,6 +33,7 @@ class SyntheticBroker(admin_pb2_grpc.LmqAdminServicer):
 
     def __init__(self) -> None:
         self.lites = [f"lite-{i:06d}" for i in range(TOPICS)]  # sorted, as a broker's keys are
+        self.recorded: list[admin_pb2.ReclaimRun] = []
 
     def GetBrokerInfo(  # noqa: N802 - generated servicer's name
         self, request: admin_pb2.GetBrokerInfoRequest, context: grpc.ServicerContext
@@ -80,6 +81,12 @@ class SyntheticBroker(admin_pb2_grpc.LmqAdminServicer):
     ) -> admin_pb2.CompareAndDeleteResponse:
         outcome = admin_pb2.WOULD_DELETE if request.dry_run else admin_pb2.DELETED
         return admin_pb2.CompareAndDeleteResponse(outcome=[outcome] * len(request.lite))
+
+    def RecordReclaimRuns(  # noqa: N802
+        self, request: admin_pb2.RecordReclaimRunsRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.RecordReclaimRunsResponse:
+        self.recorded = list(request.runs)
+        return admin_pb2.RecordReclaimRunsResponse(recorded=[r.parent for r in request.runs])
 
 
 def write_archive(archive: Path, extra_args: Sequence[str] = ()) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from lmq_broker import model, testing
+from lmq_broker.admin.client import AdminClient
 
 REPO = Path(__file__).resolve().parents[2]
 SPARK_SUBMIT = Path(sys.executable).parent / "spark-submit"
@@ -60,6 +61,7 @@ def test_module_entry_point_reclaims_a_live_broker_and_reports_a_dead_one(
         text=True,
         timeout=300,
         check=False,
+        env={**os.environ, "LMQ_RECLAIM_RUN_ID": "lmq-reclaim-29000000"},  # as the chart sets it: the Job's name
     )
     assert done.returncode == 1, done.stdout + done.stderr  # partial: one endpoint could not be planned
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
@@ -67,6 +69,12 @@ def test_module_entry_point_reclaims_a_live_broker_and_reports_a_dead_one(
     assert rows["127.0.0.1:1"][1:] == ["127.0.0.1:1", "0", "0", "0", "0", "0", "0", "1"]
     assert rows["TOTAL"][1:] == ["3", "3", "3", "0", "0", "0", "1"]
     assert "error: plan 127.0.0.1:1" in done.stderr
+    # The live broker keeps the run's summary under the Job's name; the dead endpoint was never planned.
+    assert "recorded: run lmq-reclaim-29000000 on 1 broker(s)" in done.stdout
+    with AdminClient(broker.admin_endpoint) as admin:
+        last = admin.get_parent_topic("Agent").last_reclaim
+    assert last is not None
+    assert (last.run_id, last.start_ms, last.scanned, last.reclaimed) == ("lmq-reclaim-29000000", now_ms, 3, 3)
     lines = [json.loads(x) for f in sorted(audit.glob("part-*.json")) for x in f.read_text().splitlines()]
     assert sorted(r["lite"] for r in lines) == ["old-0", "old-1", "old-2"]
     # Quiet: Spark's own INFO chatter stays out of the job's output.

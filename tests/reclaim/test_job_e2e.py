@@ -1,5 +1,6 @@
 """The real job in local mode against real broker processes: expired, fresh, never-expiring, consumed,
-subscribed and racing lite topics; dry run, reclaim with races between scan and delete, re-run.
+subscribed and racing lite topics; dry run, reclaim with races between scan and delete, re-run; and the
+per-parent summary each broker keeps of the last run (what the operator shows as status.lastReclaim).
 
 Ages are written through the store API with an injected clock before the brokers start, and the job
 runs with ``now_ms`` pinned to the same instant, so every verdict is exact.
@@ -63,6 +64,16 @@ DELETED = {
 RACES = {("broker-0", "Agent", "race-msg"), ("broker-0", "Agent", "race-sub"), ("broker-0", "Agent", "gone")}
 
 
+def counts(admin: AdminClient, parent: str) -> tuple[object, ...]:
+    """The parent's last run as the broker recorded it: run id, dry run, then the counts in table order."""
+    run = admin.get_parent_topic(parent).last_reclaim
+    assert run is not None, f"no reclaim run recorded for {parent}"
+    return (
+        run.run_id, run.dry_run, run.scanned, run.expired, run.reclaimed,
+        run.kept_changed, run.kept_subscribed, run.not_found, run.errors,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_scan(
     tmp_path: Path,
@@ -87,7 +98,7 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
             options.parse(
                 [
                     *base,
-                    *("--dry-run", "--only-fully-consumed", "--no-live-subscribers"),
+                    *("--dry-run", "--only-fully-consumed", "--no-live-subscribers", "--run-id", "dry-1"),
                     *("--audit-path", str(dry_audit), "--audit-format", "jsonl"),
                 ]
             ),
@@ -102,6 +113,10 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         assert (dry.total.reclaimed, dry.total.errors, dry.exit_code) == (2, 0, 0)
         for broker, parent, lite in DELETED | RACES:
             assert admins[broker].describe_lite_topic(parent, lite).meta.lite == lite
+        # A dry run records too, flagged: only "done" would go of the six Agent rows broker-0 returned.
+        assert counts(admins["broker-0"], "Agent") == ("dry-1", True, 6, 1, 1, 0, 0, 0, 0)
+        assert counts(admins["broker-0"], "Short") == ("dry-1", True, 1, 0, 0, 0, 0, 0, 0)  # no group: not consumed
+        assert counts(admins["broker-1"], "Agent") == ("dry-1", True, 5, 1, 1, 0, 0, 0, 0)
 
         # 2. The real run; between scan and delete one candidate gets a message, one a subscriber, one is
         #    deleted by someone else.
@@ -120,7 +135,9 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
 
         audit_path = tmp_path / "audit-{now}"
         result = job.run(
-            options.parse([*base, "--audit-path", str(audit_path)]), spark=spark, hooks=job.Hooks(before_delete=meddle)
+            options.parse([*base, "--audit-path", str(audit_path), "--run-id", "run-2"]),
+            spark=spark,
+            hooks=job.Hooks(before_delete=meddle),
         )
         assert seen == [DELETED | RACES]
         s0, s1 = result.brokers["broker-0"], result.brokers["broker-1"]
@@ -130,6 +147,20 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         assert (s0.kept_changed, s0.kept_subscribed, s0.not_found, s0.errors) == (1, 1, 1, 0)
         assert (s1.scanned, s1.expired, s1.reclaimed, s1.errors) == (5, 5, 5, 0)
         assert result.exit_code == 0
+        # Each broker now holds its own share of this run, per parent, as the parent's last run; the shares
+        # add up to the broker's row of the summary table.
+        assert (result.recorded_on, result.record_failures) == (["broker-0", "broker-1"], 0)
+        assert counts(admins["broker-0"], "Agent") == ("run-2", False, 6, 6, 3, 1, 1, 1, 0)
+        assert counts(admins["broker-0"], "Short") == ("run-2", False, 1, 1, 1, 0, 0, 0, 0)
+        assert counts(admins["broker-0"], "Forever") == ("run-2", False, 0, 0, 0, 0, 0, 0, 0)  # not even scanned
+        assert counts(admins["broker-1"], "Agent") == ("run-2", False, 5, 5, 5, 0, 0, 0, 0)
+        last = admins["broker-0"].get_parent_topic("Agent").last_reclaim
+        assert last is not None and last.start_ms == now_ms <= last.finish_ms <= now_ms + 600_000
+        for name, summary in result.brokers.items():
+            shares = [v for (b, _), v in result.parents.items() if b == name]
+            assert summary.scanned == sum(v.scanned for v in shares)
+            assert summary.expired == sum(v.expired for v in shares)
+            assert summary.reclaimed == sum(v.reclaimed for v in shares)
         audit = pq.read_table(str(tmp_path / f"audit-{now_ms}")).to_pylist()
         assert {(r["broker"], r["parent"], r["lite"]) for r in audit} == DELETED
         assert {r["outcome"] for r in audit} == {"DELETED"}

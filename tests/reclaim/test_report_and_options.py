@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import pytest
 
 from lmq_broker import errors
-from lmq_reclaim import discovery, options, report
+from lmq_reclaim import discovery, options, recording, report
 from lmq_reclaim.columns import Outcome
 
 
@@ -30,6 +30,35 @@ def test_summary_counts_outcomes_and_totals() -> None:
     assert r.exit_code == 1
 
 
+def test_a_parent_share_counts_every_outcome_as_expired() -> None:
+    share = report.ParentSummary(scanned=9)
+    for outcome, n in ((Outcome.DELETED, 3), (Outcome.KEPT_CHANGED, 1), (Outcome.NOT_FOUND, 1), (Outcome.ERROR, 2)):
+        share.add_outcome(outcome, n)
+    assert share == report.ParentSummary(scanned=9, expired=7, reclaimed=3, kept_changed=1, not_found=1)
+    dry = report.ParentSummary()
+    dry.add_outcome(Outcome.WOULD_DELETE, 4)
+    assert (dry.expired, dry.reclaimed) == (4, 4)
+
+
+def test_a_brokers_shares_are_its_own_parents_in_name_order() -> None:
+    r = report.Report(now_ms=0, dry_run=False)
+    r.parents[("broker-1", "orders")] = report.ParentSummary(scanned=1)
+    r.parents[("broker-0", "orders")] = report.ParentSummary(scanned=2)
+    r.parents[("broker-0", "jobs")] = report.ParentSummary()
+    assert recording.shares(r, "broker-0") == {"jobs": report.ParentSummary(), "orders": report.ParentSummary(2)}
+    assert list(recording.shares(r, "broker-0")) == ["jobs", "orders"]
+    assert recording.shares(r, "broker-9") == {}
+
+
+def test_recording_failures_are_counted_but_leave_the_exit_code_alone() -> None:
+    r = report.Report(now_ms=1_000, dry_run=False, run_id="run-1", finish_ms=2_000)
+    r.brokers["broker-0"] = report.BrokerSummary("broker-0", "127.0.0.1:1")
+    r.parents[("broker-0", "orders")] = report.ParentSummary()
+    recording.record([("broker-0", "127.0.0.1:1")], r, timeout_s=5.0)  # nothing listens there
+    assert (r.recorded_on, r.record_failures, r.exit_code) == ([], 1, 0)
+    assert r.error_messages[0].startswith("record broker-0: 127.0.0.1:1: UNAVAILABLE")
+
+
 def test_command_line_defaults_and_validation() -> None:
     opts = options.parse(["--brokers", "a:1, b:2"])
     assert opts.brokers == ("a:1", "b:2")
@@ -37,12 +66,17 @@ def test_command_line_defaults_and_validation() -> None:
     opts = options.parse(["--broker-service", "lmq-broker", "--namespace", "mq", "--conf", "spark.x=1", "--dry-run"])
     assert opts.spark_conf == (("spark.x", "1"),) and opts.dry_run
     assert opts.pushdown and not options.parse(["--brokers", "a:1", "--no-pushdown"]).pushdown
+    assert (opts.run_id, opts.record) == ("", True)
+    named = options.parse(["--brokers", "a:1", "--run-id", "lmq-reclaim-29000000", "--no-record"])
+    assert (named.run_id, named.record) == ("lmq-reclaim-29000000", False)
     for bad in (
         [],
         ["--brokers", "a:1", "--broker-service", "s", "--namespace", "n"],
         ["--broker-service", "s"],
         ["--brokers", "a:1", "--conf", "novalue"],
         ["--brokers", "a:1", "--delete-batch-size", "0"],
+        ["--brokers", "a:1", "--run-id", "x" * 254],
+        ["--brokers", "a:1", "--run-id", "two\nlines"],
     ):
         with pytest.raises(SystemExit) as exc:
             options.parse(bad)

@@ -85,6 +85,7 @@ def test_deletes_of_one_broker_respect_the_rate(
     # 10 tokens of burst, then 20 more at 10/s: at least 2 s of (fake) waiting, and not much more.
     assert 2.0 <= fake.now <= 2.5
     assert stats.value["delete_throttled_s:broker-0"] == fake.now
+    assert stats.value[tasks.parent_stat(Outcome.DELETED.value, "broker-0", "Agent")] == 30.0  # summed over calls
     assert messages.value == []
 
 
@@ -101,6 +102,7 @@ def test_a_dead_broker_is_an_error_value_not_a_failed_task() -> None:
     assert list(scan(ids)) == []
     assert stats.value["errors:broker-x"] == 1.0
     assert stats.value["scan_rows:broker-x"] == 0.0
+    assert stats.value[tasks.parent_stat("errors", "broker-x", "Agent")] == 1.0
     assert messages.value and "UNAVAILABLE" in messages.value[0]
 
     settings = tasks.DeleteSettings({"broker-x": "127.0.0.1:1"}, 0, 100, False, 10)
@@ -110,3 +112,13 @@ def test_a_dead_broker_is_an_error_value_not_a_failed_task() -> None:
     assert out.column(c.OUTCOME).to_pylist() == [Outcome.ERROR.value]
     assert "UNAVAILABLE" in out.column(c.ERROR)[0].as_py()
     assert stats.value["errors:broker-x"] == 2.0
+    # Per parent: one failed scan and one failed delete call; the failed row still counts as an outcome.
+    assert stats.value[tasks.parent_stat("errors", "broker-x", "Agent")] == 2.0
+    assert stats.value[tasks.parent_stat(Outcome.ERROR.value, "broker-x", "Agent")] == 1.0
+
+
+def test_parent_stat_keys_split_back_and_other_keys_do_not() -> None:
+    key = tasks.parent_stat("KEPT_CHANGED", "broker-0@10.0.0.1:8081", "orders")
+    assert tasks.split_parent_stat(key) == ("KEPT_CHANGED", "broker-0@10.0.0.1:8081", "orders")
+    assert tasks.split_parent_stat("errors:broker-0") is None
+    assert tasks.split_parent_stat("scan_rows:a\x00b") is None
