@@ -31,12 +31,14 @@ class BrokerAdmin(Protocol):
 class MemoryAdmin:
     """``BrokerAdmin``'s in-memory twin: one dict per kind, figures always zero. For handler-flow tests
     without a broker process; the contract suite runs the same checks against ``GrpcAdmin`` and a real broker.
-    ``down`` makes every call fail as an unreachable broker would."""
+    ``down`` makes every call fail as an unreachable broker would. ``reclaims`` stands for the reclaim job's
+    records (parent topic -> last run); deleting a parent topic drops its record, as a broker does."""
 
     def __init__(self, endpoint: str = "memory") -> None:
         self.endpoint = endpoint
         self.objects: dict[model.Kind, dict[str, model.Config]] = {k: {} for k in model.Kind}
         self.undrained = 0
+        self.reclaims: dict[str, model.ReclaimRun] = {}
         self.down = False
         self.calls: list[tuple[str, str]] = []
 
@@ -55,7 +57,8 @@ class MemoryAdmin:
             model.Kind.LITE_GROUP: (("subscriptionCount", 0), ("clientCount", 0), ("lag", 0)),
             model.Kind.LITE_QUOTA: (),
         }[kind]
-        return model.Observed(found, figures)
+        reclaim = self.reclaims.get(key) if kind is model.Kind.PARENT_TOPIC else None
+        return model.Observed(found, figures, reclaim)
 
     async def put(self, config: model.Config) -> bool:
         self._check("put", config.key)
@@ -68,6 +71,8 @@ class MemoryAdmin:
 
     async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool:
         self._check("delete", key)
+        if kind is model.Kind.PARENT_TOPIC:
+            self.reclaims.pop(key, None)
         return self.objects[kind].pop(key, None) is not None
 
     async def undrained_messages(self) -> int:

@@ -88,6 +88,25 @@ def _from_pb_topic(t: pb.ParentTopic) -> model.TopicConfig:
     )
 
 
+def _from_pb_reclaim(t: pb.GetParentTopicResponse) -> model.ReclaimRun | None:
+    if not t.HasField("last_reclaim"):
+        return None
+    r = t.last_reclaim
+    return model.ReclaimRun(
+        run_id=r.run_id,
+        start_ms=r.start_ms,
+        finish_ms=r.finish_ms,
+        scanned=r.scanned,
+        expired=r.expired,
+        reclaimed=r.reclaimed,
+        kept_changed=r.kept_changed,
+        kept_subscribed=r.kept_subscribed,
+        not_found=r.not_found,
+        errors=r.errors,
+        dry_run=r.dry_run,
+    )
+
+
 def _from_pb_group(g: pb.LiteGroup) -> model.GroupConfig:
     return model.GroupConfig(
         name=g.name,
@@ -141,7 +160,8 @@ class GrpcAdmin:
         try:
             if kind is model.Kind.PARENT_TOPIC:
                 t = await self._call(self._stub.GetParentTopic, pb.GetParentTopicRequest(name=key))
-                return model.Observed(_from_pb_topic(t.topic), (("liteTopicCount", t.lite_topic_count),))
+                count = (("liteTopicCount", t.lite_topic_count),)
+                return model.Observed(_from_pb_topic(t.topic), count, _from_pb_reclaim(t))
             if kind is model.Kind.LITE_GROUP:
                 g = await self._call(self._stub.GetLiteGroup, pb.GetLiteGroupRequest(name=key))
                 figures = (
@@ -238,13 +258,15 @@ async def execute(
     async def one(step: diff.Step) -> model.BrokerSync:
         seen = observed.get(step.broker)
         figures = seen.figures if isinstance(seen, model.Observed) else ()
+        reclaim = seen.reclaim if isinstance(seen, model.Observed) else None
         if step.change is diff.Change.NONE:
-            return model.BrokerSync(step.broker, True, step.change.value, figures=figures)
+            return model.BrokerSync(step.broker, True, step.change.value, figures=figures, reclaim=reclaim)
         try:
             await pool(step.broker).put(step.config)
         except AdminError as exc:
-            return model.BrokerSync(step.broker, False, step.change.value, exc.failure, exc.message)
-        return model.BrokerSync(step.broker, True, step.change.value, figures=figures)
+            # The put failed, but the record was read all the same: it still counts for status.lastReclaim.
+            return model.BrokerSync(step.broker, False, step.change.value, exc.failure, exc.message, reclaim=reclaim)
+        return model.BrokerSync(step.broker, True, step.change.value, figures=figures, reclaim=reclaim)
 
     done = list(await asyncio.gather(*(one(s) for s in plan.steps)))
     for broker, message in plan.unreachable:

@@ -209,11 +209,30 @@ Config = TopicConfig | GroupConfig | QuotaConfig
 
 
 @dataclass(frozen=True, slots=True)
+class ReclaimRun:
+    """What one broker recorded of the newest reclaim run for a parent topic: its own share of the counts."""
+
+    run_id: str
+    start_ms: int
+    finish_ms: int
+    scanned: int = 0
+    expired: int = 0
+    reclaimed: int = 0
+    kept_changed: int = 0
+    kept_subscribed: int = 0
+    not_found: int = 0
+    errors: int = 0
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Observed:
-    """One broker's copy of a config plus the live figures it reports beside it."""
+    """One broker's copy of a config plus the live figures it reports beside it (and, for a parent topic,
+    the last reclaim run it recorded)."""
 
     config: Config
     figures: tuple[tuple[str, int], ...] = ()
+    reclaim: ReclaimRun | None = None
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -263,3 +282,4 @@ class BrokerSync:
     failure: Failure | None = None
     message: str = ""
     figures: tuple[tuple[str, int], ...] = ()
+    reclaim: ReclaimRun | None = None  # as observed before any write

@@ -3,6 +3,10 @@
 Every reason the operator can give is in ``Reason``; this is the one place an outcome becomes a condition.
 ``lastTransitionTime`` only moves when a condition's status flips, so a resync that changes nothing writes
 nothing (kopf skips empty patches) and watchers are not woken for no news.
+
+A ParentTopic's ``lastReclaim`` is the newest reclaim run its brokers recorded, their shares added up. It
+only moves forward: a broker that is unreachable, or lost its records with its disk, must not take the
+status back to an older run or to a smaller share of the same one (and back again on the next resync).
 """
 
 from __future__ import annotations
@@ -47,6 +51,49 @@ FIGURES: Final[Mapping[model.Kind, tuple[str, ...]]] = {
 
 def timestamp(now: datetime) -> str:
     return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def timestamp_ms(epoch_ms: int) -> str:
+    """RFC 3339 with milliseconds, fixed width: such strings sort as their instants do."""
+    seconds, millis = divmod(epoch_ms, 1000)
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{millis:03d}Z"
+
+
+# status.lastReclaim count -> the ReclaimRun fields it adds up (kept by a race: changed or subscribed since the scan)
+RECLAIM_COUNTS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
+    ("scanned", ("scanned",)),
+    ("expired", ("expired",)),
+    ("reclaimed", ("reclaimed",)),
+    ("keptByRace", ("kept_changed", "kept_subscribed")),
+    ("notFound", ("not_found",)),
+    ("errors", ("errors",)),
+)
+
+
+def last_reclaim(runs: Sequence[model.ReclaimRun], previous: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``status.lastReclaim``: the newest run among ``runs`` (one record per broker that answered), counts
+    summed over the brokers that recorded that run; ``previous`` when it shows a newer run, or more brokers
+    of the same one; None when there is nothing to show."""
+    kept = dict(previous) if previous else None
+    if not runs:
+        return kept
+    newest = max(runs, key=lambda r: (r.start_ms, r.run_id))
+    same = [r for r in runs if r.run_id == newest.run_id]
+    out: dict[str, Any] = {
+        "runId": newest.run_id,
+        "startTime": timestamp_ms(newest.start_ms),
+        "finishTime": timestamp_ms(max(r.finish_ms for r in same)),
+        "dryRun": any(r.dry_run for r in same),  # one run is dry on every broker; any() is deterministic
+        "brokers": len(same),
+    }
+    for name, fields in RECLAIM_COUNTS:
+        out[name] = sum(getattr(r, f) for r in same for f in fields)
+    if kept is not None:
+        shown = (str(kept.get("startTime", "")), str(kept.get("runId", "")))
+        found = (out["startTime"], out["runId"])
+        if shown > found or (shown == found and int(kept.get("brokers") or 0) > out["brokers"]):
+            return kept
+    return out
 
 
 def condition(
@@ -132,6 +179,10 @@ def applied(
     }
     for figure in FIGURES[kind]:
         out[figure] = sum(dict(s.figures).get(figure, 0) for s in ok)
+    if kind is model.Kind.PARENT_TOPIC:
+        reclaim = last_reclaim([s.reclaim for s in syncs if s.reclaim is not None], previous.get("lastReclaim"))
+        if reclaim is not None:
+            out["lastReclaim"] = reclaim
     return out
 
 

@@ -153,6 +153,23 @@ def test_every_pod_meets_the_restricted_pod_security_standard(kube: testing.Kube
         )
 
 
+def test_a_reclaim_job_gets_the_label_its_run_id_is_read_from(kube: testing.KubeAPI, render: Render) -> None:
+    """The CronJob's pods take LMQ_RECLAIM_RUN_ID from a label of their own: the API server must put it on the
+    pod template of every Job made from the jobTemplate (as the CronJob controller makes them)."""
+    cronjob = next(o for o in render({"reclaim": {"enabled": True}}) if o["kind"] == "CronJob")
+    (container,) = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    field_path = next(e for e in container["env"] if e["name"] == "LMQ_RECLAIM_RUN_ID")["valueFrom"]["fieldRef"]
+    label = field_path["fieldPath"].removeprefix("metadata.labels['").removesuffix("']")
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "demo-lmq-reclaim-29000000"},
+        "spec": cronjob["spec"]["jobTemplate"]["spec"],
+    }
+    stored = kube.post("/apis/batch/v1/namespaces/mq/jobs?dryRun=All&fieldValidation=Strict", job)
+    assert stored["spec"]["template"]["metadata"]["labels"][label] == "demo-lmq-reclaim-29000000"
+
+
 def test_examples_pass_the_crds_including_their_cel_rules(
     kube: testing.KubeAPI, installed_crds: list[str], chart_dir: Path
 ) -> None:

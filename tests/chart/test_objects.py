@@ -411,7 +411,11 @@ def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
         "/tmp/spark",
     ]
     assert reclaim["workingDir"] == "/tmp"
-    assert env(cronjob) == {"HOME": "/tmp"}
+    assert env(cronjob) == {
+        "HOME": "/tmp",
+        # The run id of the records the job leaves on brokers is the Job's name (a label the Job controller sets).
+        "LMQ_RECLAIM_RUN_ID": {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/job-name']"}},
+    }
     assert {m["mountPath"]: m["name"] for m in reclaim["volumeMounts"]} == {"/tmp": "scratch"}
     volumes = {v["name"]: v for v in pod_spec(cronjob)["volumes"]}
     assert volumes["scratch"]["emptyDir"] == {"sizeLimit": "4Gi"}

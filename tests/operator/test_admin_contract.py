@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from lmq_broker import model as broker_model
+from lmq_broker.admin.client import AdminClient
 from lmq_operator import admins, apply, desired, model
 
 TOPIC = model.TopicConfig("contract-topic", 30, 100)
@@ -63,6 +65,57 @@ def test_put_get_delete_round_trip(admin_factory: Callable[[], admins.BrokerAdmi
             assert await admin.delete(model.Kind.PARENT_TOPIC, TOPIC.key, True) is True
             assert await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key) is None
             assert await admin.undrained_messages() == 0
+        finally:
+            await admin.close()
+
+    run(scenario())
+
+
+Record = Callable[[admins.BrokerAdmin, str, model.ReclaimRun], None]
+
+
+@pytest.fixture(params=["grpc", "memory"])
+def with_records(
+    request: pytest.FixtureRequest, start_broker: Callable[..., Any]
+) -> Iterator[tuple[Callable[[], admins.BrokerAdmin], Record]]:
+    """An admin, and a way to leave a reclaim run's record as the job does (RecordReclaimRuns on a broker)."""
+    if request.param == "memory":
+
+        def keep(admin: admins.BrokerAdmin, parent: str, run: model.ReclaimRun) -> None:
+            assert isinstance(admin, admins.MemoryAdmin)
+            admin.reclaims[parent] = run
+
+        yield admins.MemoryAdmin, keep
+        return
+    broker = start_broker("contract-reclaim")
+    with AdminClient(broker.admin_endpoint) as client:
+
+        def record(admin: admins.BrokerAdmin, parent: str, run: model.ReclaimRun) -> None:
+            fields = {f: getattr(run, f) for f in model.ReclaimRun.__dataclass_fields__}
+            assert client.record_reclaim_runs([broker_model.ReclaimRun(parent=parent, **fields)]).recorded == (parent,)
+
+        yield (lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)), record
+
+
+def test_a_reclaim_record_is_observed_with_its_parent_and_goes_with_it(
+    with_records: tuple[Callable[[], admins.BrokerAdmin], Record],
+) -> None:
+    factory, record = with_records
+    last = model.ReclaimRun("job-1", 1_000, 2_000, 9, 5, 3, 1, 0, 1, 0, dry_run=True)
+
+    async def scenario() -> None:
+        admin = factory()
+        try:
+            await admin.put(TOPIC)
+            seen = await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key)
+            assert seen is not None and seen.reclaim is None
+            record(admin, TOPIC.name, last)
+            seen = await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key)
+            assert seen is not None and seen.reclaim == last and seen.config == TOPIC  # every field, both ways
+            await admin.delete(model.Kind.PARENT_TOPIC, TOPIC.key, True)
+            await admin.put(TOPIC)
+            again = await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key)
+            assert again is not None and again.reclaim is None  # a re-created topic has no run yet
         finally:
             await admin.close()
 

@@ -4,6 +4,7 @@ columns through the Table API. No operator runs here: this is what the schema al
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -132,14 +133,18 @@ def test_status_the_operator_writes_is_not_pruned(
     for (kind, plural, name, k), spec in cases.items():
         create(kind, namespace, name, spec)
         figures = tuple((f, 3) for f in status.FIGURES[k])
+        run = model.ReclaimRun("lmq-reclaim-29000000", 1_767_225_600_000, 1_767_225_690_123, 5, 4, 2, 1, 0, 1, 0)
         syncs = [
-            model.BrokerSync(b0, True, "missing", figures=figures),
+            model.BrokerSync(b0, True, "missing", figures=figures, reclaim=run),
             model.BrokerSync(b1, False, "", model.Failure.UNAVAILABLE, "UNAVAILABLE: down"),
         ]
         st = status.applied(k, name, generation=1, syncs=syncs, previous={}, now=now)
         if k is model.Kind.PARENT_TOPIC:
             leaving = [model.Leaving(b1, 1, 5)]
             status.with_condition(st, status.drained(leaving, {}, now))
+            assert set(st["lastReclaim"]) == {name for name, _ in status.RECLAIM_COUNTS} | {
+                "runId", "startTime", "finishTime", "dryRun", "brokers",
+            }  # fmt: skip
         back = kube.merge_patch(testing.cr_path(plural, namespace, name) + "/status", {"status": st})
         assert back["status"] == st, kind
 
@@ -147,15 +152,23 @@ def test_status_the_operator_writes_is_not_pruned(
 def test_printer_columns_via_the_table_api(kube: testing.KubeAPI, namespace: str, create: Callable[..., Any]) -> None:
     create("ParentTopic", namespace, "orders", {"liteTopicExpirationMinutes": 30})
     now = datetime(2026, 1, 1, tzinfo=UTC)
-    syncs = [model.BrokerSync(model.Broker(model.BrokerName("b0"), "h:1", 0), True, figures=(("liteTopicCount", 4),))]
+    run = model.ReclaimRun("job-1", 1_767_225_600_000, 1_767_225_660_000, reclaimed=12)
+    broker = model.Broker(model.BrokerName("b0"), "h:1", 0)
+    syncs = [model.BrokerSync(broker, True, figures=(("liteTopicCount", 4),), reclaim=run)]
     st = status.applied(model.Kind.PARENT_TOPIC, "orders", generation=1, syncs=syncs, previous={}, now=now)
     kube.merge_patch(testing.cr_path("parenttopics", namespace, "orders") + "/status", {"status": st})
     table = kube.get(testing.cr_path("parenttopics", namespace), accept=TABLE)
     assert table["kind"] == "Table"
     columns = [c["name"] for c in table["columnDefinitions"]]
-    assert columns == ["Name", "Topic", "Type", "Expiration", "Lite-Topics", "Brokers", "Ready", "Reason", "Age"]
+    assert columns == [
+        "Name", "Topic", "Type", "Expiration", "Lite-Topics", "Brokers", "Ready", "Reason",
+        "Reclaimed", "Last-Reclaim", "Age",
+    ]  # fmt: skip
+    # The reclaim columns are for `kubectl get -o wide` only.
+    assert [c["priority"] for c in table["columnDefinitions"]][8:10] == [1, 1]
     cells = table["rows"][0]["cells"]
-    assert cells[:8] == ["orders", "orders", "LITE", 30, 4, "1/1", "True", "Applied"]
+    assert cells[:9] == ["orders", "orders", "LITE", 30, 4, "1/1", "True", "Applied", 12]
+    assert re.fullmatch(r"\d+[smhdy]\w*", cells[9]), cells[9]  # a date column shows the age of finishTime
 
     create("LiteGroup", namespace, "workers", {"parentTopic": "orders"})
     lg_columns = [

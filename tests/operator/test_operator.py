@@ -101,6 +101,32 @@ def test_parent_topic_reaches_every_broker_and_reports_status(
 
     table = kube.get(testing.cr_path("parenttopics", namespace), accept="application/json;as=Table;v=v1;g=meta.k8s.io")
     assert table["rows"][0]["cells"][:8] == ["orders", topic, "LITE", 90, 0, "2/2", "True", "Applied"]
+    assert "lastReclaim" not in kube.get(path)["status"]  # no run has recorded anything yet
+
+    # A reclaim run leaves each broker's share on the topic; the next resync shows their sum.
+    start_ms = 1_767_225_600_000
+    for i, b in enumerate(brokers):
+        finish_ms = start_ms + 60_000 + i
+        share = broker_model.ReclaimRun(topic, "lmq-reclaim-1", start_ms, finish_ms, 5, 3, 2 + i, kept_changed=1)
+        assert admin_of(b.admin_endpoint).record_reclaim_runs([share]).recorded == (topic,)
+
+    def both_shares() -> Any:
+        last = kube.get(path)["status"].get("lastReclaim")
+        return last if last and last["brokers"] == 2 else None
+
+    assert testing.wait_for(both_shares, TIMEOUT_S, "status.lastReclaim of both brokers") == {
+        "runId": "lmq-reclaim-1",
+        "startTime": "2026-01-01T00:00:00.000Z",
+        "finishTime": "2026-01-01T00:01:00.001Z",
+        "dryRun": False,
+        "brokers": 2,
+        "scanned": 10,
+        "expired": 6,
+        "reclaimed": 5,
+        "keptByRace": 2,
+        "notFound": 0,
+        "errors": 0,
+    }
 
     metrics = op.metrics()
     assert 'lmq_operator_reconciliations_total{kind="ParentTopic",trigger="create"}' in metrics

@@ -224,6 +224,87 @@ def test_transition_time_only_moves_when_the_status_flips() -> None:
     assert set(status.changes(again, flipped)) == {"brokersReady", "brokers", "conditions"}
 
 
+# ---- status.lastReclaim ----------------------------------------------------------------------------------
+
+B2 = model.Broker(model.BrokerName("b2"), "10.0.0.3:8081", 2)
+T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z in epoch ms
+
+
+def _run(run_id: str, start_ms: int, **counts: Any) -> model.ReclaimRun:
+    return model.ReclaimRun(run_id, start_ms, start_ms + 90_500, **counts)
+
+
+def _reclaim(syncs: list[model.BrokerSync], previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    prior = {} if previous is None else {"lastReclaim": previous}
+    return status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=syncs, previous=prior, now=NOW)
+
+
+def test_last_reclaim_is_the_newest_run_summed_over_the_brokers_that_recorded_it() -> None:
+    new_b0 = _run("job-2", T0 + 60_000, scanned=10, expired=6, reclaimed=3, kept_changed=1, kept_subscribed=1)
+    new_b1 = model.ReclaimRun("job-2", T0 + 60_000, T0 + 200_000, 4, 4, 2, 0, 0, not_found=1, errors=1)
+    old_b2 = _run("job-1", T0, scanned=99, reclaimed=99)  # a broker the newer run could not plan
+    syncs = [
+        model.BrokerSync(B0, True, "none", reclaim=new_b0),
+        model.BrokerSync(B1, False, "differs", model.Failure.UNAVAILABLE, "put failed", reclaim=new_b1),
+        model.BrokerSync(B2, True, "none", reclaim=old_b2),
+    ]
+    assert _reclaim(syncs)["lastReclaim"] == {
+        "runId": "job-2",
+        "startTime": "2026-01-01T00:01:00.000Z",
+        "finishTime": "2026-01-01T00:03:20.000Z",  # the later of the two brokers' finish times
+        "dryRun": False,
+        "brokers": 2,
+        "scanned": 14,
+        "expired": 10,
+        "reclaimed": 5,
+        "keptByRace": 2,
+        "notFound": 1,
+        "errors": 1,
+    }
+
+
+def test_no_recorded_run_means_no_last_reclaim() -> None:
+    st = _reclaim([model.BrokerSync(B0, True, "none")])
+    assert "lastReclaim" not in st
+    group = status.applied(model.Kind.LITE_GROUP, "g", generation=1, syncs=[], previous={}, now=NOW)
+    assert "lastReclaim" not in group
+
+
+def test_last_reclaim_never_goes_back_and_a_resync_that_sees_the_same_run_writes_nothing() -> None:
+    both = [
+        model.BrokerSync(B0, True, "none", reclaim=_run("job-2", T0, reclaimed=3)),
+        model.BrokerSync(B1, True, "none", reclaim=_run("job-2", T0, reclaimed=4, dry_run=True)),
+    ]
+    first = _reclaim(both)
+    shown = first["lastReclaim"]
+    assert (shown["brokers"], shown["reclaimed"], shown["dryRun"]) == (2, 7, True)
+    again = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=both, previous=first, now=NOW)
+    assert status.changes(first, again) == {}
+
+    # b1 unreachable: only one broker's share of the same run is visible; b0 then shows an older run.
+    unreachable = model.BrokerSync(B1, False, "", model.Failure.UNAVAILABLE, "down")
+    fewer = [model.BrokerSync(B0, True, "none", reclaim=_run("job-2", T0, reclaimed=3)), unreachable]
+    assert _reclaim(fewer, shown)["lastReclaim"] == shown
+    older = [model.BrokerSync(B0, True, "none", reclaim=_run("job-1", T0 - 3_600_000)), unreachable]
+    assert _reclaim(older, shown)["lastReclaim"] == shown
+    assert _reclaim([unreachable], shown)["lastReclaim"] == shown  # nothing observed: what was shown stays
+
+    # A newer run replaces it even before every broker has recorded it.
+    newer = [model.BrokerSync(B0, True, "none", reclaim=_run("job-3", T0 + 3_600_000, expired=1)), unreachable]
+    moved = _reclaim(newer, shown)["lastReclaim"]
+    assert (moved["runId"], moved["brokers"], moved["expired"]) == ("job-3", 1, 1)
+    # And more brokers of the run shown replace their smaller sum.
+    grown = [*both, model.BrokerSync(B2, True, "none", reclaim=_run("job-2", T0, reclaimed=1))]
+    assert _reclaim(grown, shown)["lastReclaim"]["reclaimed"] == 8
+
+
+def test_reclaim_timestamps_keep_milliseconds_and_sort_as_instants() -> None:
+    assert status.timestamp_ms(T0 + 1_234) == "2026-01-01T00:00:01.234Z"
+    assert status.timestamp_ms(0) == "1970-01-01T00:00:00.000Z"
+    stamps = [T0 + 999, T0 + 1_000, T0 - 1, T0 + 86_400_000]
+    assert sorted(stamps) == sorted(stamps, key=status.timestamp_ms)
+
+
 def test_paused_keeps_the_old_observed_generation() -> None:
     ok = [model.BrokerSync(B0, True, "none")]
     applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous={}, now=NOW)
