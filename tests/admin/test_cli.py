@@ -55,9 +55,17 @@ def test_parent_topic_put_get_list_delete(broker: Broker) -> None:
         "lite_topic_count": 0,
         "last_reclaim": None,
     }
-    broker.client().record_reclaim_runs([model.ReclaimRun("orders", "run-1", 1_000, 2_000, scanned=4, reclaimed=3)])
+    run(broker, "parent-topic", "put", "jobs")
+    broker.client().record_reclaim_runs([model.ReclaimRun("orders", "run-1", 1_000, 2_000, 4, 4, 3)])
     last = run_json(broker, "parent-topic", "get", "orders")["last_reclaim"]
     assert (last["run_id"], last["scanned"], last["reclaimed"], last["dry_run"]) == ("run-1", 4, 3, False)
+    code, out, _ = run(broker, "parent-topic", "list")  # one cell per topic, with or without a run
+    assert [line.split(maxsplit=6)[6] for line in out.splitlines()] == [
+        "LAST_RECLAIM",
+        "-",
+        "run-1: reclaimed 3 of 4",
+    ]
+    assert run_json(broker, "parent-topic", "delete", "jobs") == {"deleted": True, "lite_topics_deleted": 0}
     assert [t["topic"]["name"] for t in run_json(broker, "parent-topic", "list")] == ["orders"]
     assert run_json(broker, "parent-topic", "delete", "orders") == {"deleted": True, "lite_topics_deleted": 0}
     code, out, _ = run(broker, "parent-topic", "list")

@@ -29,6 +29,18 @@ EXIT_USAGE: Final = 2
 _WRAPPERS: Final = frozenset({"topic", "group", "meta", "value"})  # nested values printed as their fields
 
 
+def _reclaim_cell(run: Mapping[str, Any] | None) -> str:
+    """A parent's last reclaim run in one table cell (``-o json`` keeps every field). One cell, not a column
+    per field: a list mixes parents with and without a run, and a table has one header."""
+    if not run:
+        return "-"
+    dry = " (dry run)" if run["dry_run"] else ""
+    return f"{run['run_id']}: reclaimed {run['reclaimed']} of {run['expired']}{dry}"
+
+
+_CELLS: Final[Mapping[str, Callable[[Any], str]]] = {"last_reclaim": _reclaim_cell}
+
+
 def plain(value: Any) -> Any:
     """JSON-ready: dataclasses → dicts, enums → names, tuples → lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -46,7 +58,9 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """One table row: wrapper objects (topic, group, meta, value) give their own fields, others get dotted names."""
     row: dict[str, Any] = {}
     for key, value in record.items():
-        if isinstance(value, dict) and value and (key in _WRAPPERS and not prefix):
+        if key in _CELLS and not prefix:
+            row[key] = _CELLS[key](value)
+        elif isinstance(value, dict) and value and (key in _WRAPPERS and not prefix):
             row.update(flatten(value))
         elif isinstance(value, dict) and value and key not in ("group_offsets",):
             row.update(flatten(value, f"{prefix}{key}."))
