@@ -7,7 +7,7 @@ rocketmq-python-client 5.1.2 Producer, with the same ``--threads`` sending LITE 
 bytes over ``--topics`` lite topics, is timed against each. Prints ``FIGURE`` lines, and each server's CPU
 per message: client and servers share this machine's cores, so server CPU is client throughput lost.
 
-    python bench/bench_broker_send.py           # ~40 s
+    python bench/bench_broker_send.py           # ~90 s
     python bench/bench_broker_send.py --quick   # smoke run
 """
 
@@ -159,8 +159,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4, help="sending threads of the one producer")
     parser.add_argument("--body", type=int, default=1024, help="body bytes")
     parser.add_argument("--topics", type=int, default=100, help="lite topics")
-    parser.add_argument("--seconds", type=float, default=6.0, help="length of each timed run")
-    parser.add_argument("--runs", type=int, default=3, help="alternating runs per server")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each timed run")
+    parser.add_argument("--runs", type=int, default=5, help="alternating runs per server (runs spread widely)")
     parser.add_argument(
         "--flush-modes", default="sync,async", help="broker flush modes to measure (sync is the default config)"
     )
