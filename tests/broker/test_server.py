@@ -353,6 +353,14 @@ async def test_metrics_and_probes_over_http(client: Client, broker: app.Broker) 
     status, text = await asyncio.to_thread(get, "/metrics")
     assert status == 200 and 'lmq_rpc_total{code="20000",method="QueryRoute"} 1.0' in text
     assert "lmq_lite_subscriptions 0.0" in text
+    assert 'lmq_append_commits_total{path="loop"} 0.0' in text
+    send = spb.SendMessageRequest(messages=[lite_message("metrics-a")])
+    assert (await client.stub.SendMessage(send, metadata=H())).status.code == pb.OK
+    status, text = await asyncio.to_thread(get, "/metrics")
+    assert 'lmq_append_commits_total{path="loop"} 1.0' in text  # one small send: appended on the event loop
+    assert 'lmq_append_commits_total{path="thread"} 0.0' in text
+    [average] = [float(line.split()[1]) for line in text.splitlines() if line.startswith("lmq_append_seconds_average ")]
+    assert 0.0 < average < 1.0
     assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
     assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
     assert (await asyncio.to_thread(get, "/nope"))[0] == 404

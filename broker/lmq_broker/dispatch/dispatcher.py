@@ -829,6 +829,11 @@ class Dispatcher:
     def in_flight(self) -> int:
         return self.leases.in_flight()
 
+    def append_stats(self) -> tuple[int, int, float]:
+        """(appends committed on the event loop, on the appender thread, moving average of an append's seconds)."""
+        a = self._appender
+        return (0, 0, 0.0) if a is None else (a.inline_commits, a.thread_commits, a.append_s)
+
 
 def _check_live_view(d: Dispatcher) -> api.LiveView:
     return d  # mypy proves Dispatcher satisfies the LiveView seam
