@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from lmq_broker.admin import validation
+
 DEFAULT_MASTER: Final = "local[2]"
 DEFAULT_BROKER_PORT: Final = 8081
 # C1 only: a run lasts a minute or two on a few cores, and C2's compiler threads cost more CPU than its faster
 # code gives back in that time (measured: JIT threads 20 CPU-s -> 2.5 for a 1M-topic run, the job's phases
 # no slower).
 DEFAULT_JVM_OPTIONS: Final = "-XX:TieredStopAtLevel=1"
-RUN_ID_MAX_BYTES: Final = 253  # what brokers accept: any Kubernetes object name fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +174,8 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         p.error("--broker-service needs --namespace (or a fully qualified name)")
     if ns.min_age_minutes < 0:
         p.error("--min-age-minutes must be >= 0")
-    if len(ns.run_id.encode()) > RUN_ID_MAX_BYTES or not ns.run_id.isprintable():
-        p.error(f"--run-id must be at most {RUN_ID_MAX_BYTES} bytes of printable text")
+    if len(ns.run_id.encode()) > validation.RUN_ID_MAX_BYTES or not ns.run_id.isprintable():
+        p.error(f"--run-id must be at most {validation.RUN_ID_MAX_BYTES} bytes of printable text")
     return Options(
         brokers=brokers,
         broker_service=ns.broker_service,

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent import futures
+from typing import Final
 
 from lmq_broker import errors
 from lmq_reclaim import brokers, report
 
 log = logging.getLogger("lmq_reclaim")
 
-MAX_PARALLEL_BROKERS = 16
+MAX_PARALLEL_BROKERS: Final = 16
 
 
 def shares(out: report.Report, broker: str) -> dict[str, report.ParentSummary]:

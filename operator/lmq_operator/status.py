@@ -78,7 +78,9 @@ def last_reclaim(runs: Sequence[model.ReclaimRun], previous: Mapping[str, Any] |
     if not runs:
         return kept
     newest = max(runs, key=lambda r: (r.start_ms, r.run_id))
-    same = [r for r in runs if r.run_id == newest.run_id]
+    # One run = one id AND one start: a retried Job keeps its name (the run id) and starts again later, and a
+    # broker the retry could not reach still holds the first attempt's share, which must not be added in.
+    same = [r for r in runs if (r.run_id, r.start_ms) == (newest.run_id, newest.start_ms)]
     out: dict[str, Any] = {
         "runId": newest.run_id,
         "startTime": timestamp_ms(newest.start_ms),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -61,38 +60,63 @@ async def test_queued_requests_share_one_append_and_errors_stay_with_their_reque
         assert store.queue_offsets(model.QueueId.lmq("P", "e")) == (0, 1)
     finally:
         gated.gate.set()
-        await asyncio.to_thread(appender.close)
+        await appender.aclose()
+
+
+class FakeTimer:
+    """A perf_counter that only moves when a store call says so: "slow disk" costs no real time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class RecordingStore:
-    """Passes appends through, recording (path, thread, size) of each; can refuse or slow them down."""
+    """Passes appends through, recording (path, thread, message ids) of each; can refuse them, or make each
+    take ``cost_s`` on a fake timer (a slow disk's fsync)."""
 
-    def __init__(self, inner: Store) -> None:
+    def __init__(self, inner: Store, timer: FakeTimer | None = None) -> None:
         self.inner = inner
-        self.calls: list[tuple[str, int, int]] = []
+        self.timer = timer or FakeTimer()
+        self.calls: list[tuple[str, int, list[str]]] = []
         self.refuse = 0  # refuse this many try_append calls (another writer holds the store)
-        self.delay_s = 0.0  # each append takes at least this long (a slow disk's fsync)
+        self.cost_s = 0.0
+        self.gate = threading.Event()  # the thread path waits for it: lets a test fill the queue first
+        self.gate.set()
 
     def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
-        self.calls.append(("thread", threading.get_ident(), len(messages)))
-        time.sleep(self.delay_s)
+        self.gate.wait(10)
+        self.calls.append(("thread", threading.get_ident(), [m.message_id for m in messages]))
+        self.timer.now += self.cost_s
         return self.inner.append(messages)
 
     def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
         if self.refuse:
             self.refuse -= 1
             return None
-        self.calls.append(("inline", threading.get_ident(), len(messages)))
-        time.sleep(self.delay_s)
+        self.calls.append(("inline", threading.get_ident(), [m.message_id for m in messages]))
+        self.timer.now += self.cost_s
         return self.inner.try_append(messages)
 
+    def paths(self) -> list[tuple[str, bool, list[str]]]:
+        """(path, ran on the caller's thread, message ids) of each call."""
+        me = threading.get_ident()
+        return [(path, thread == me, ids) for path, thread, ids in self.calls]
 
-def burst(appender: Appender, lites: str, first_id: int = 0) -> list[asyncio.Future[list[model.AppendResult]]]:
-    """One request per lite topic, all started in the same loop pass."""
-    return [
-        asyncio.ensure_future(appender.append([lite_message(lite, message_id=str(first_id + i))]))
-        for i, lite in enumerate(lites)
-    ]
+
+def start(appender: Appender, *requests: list[model.NewMessage]) -> list[asyncio.Future[list[model.AppendResult]]]:
+    """Start the requests in this order, all in the same loop pass."""
+    return [asyncio.ensure_future(appender.append(r)) for r in requests]
+
+
+def one(lite: str, message_id: str) -> list[model.NewMessage]:
+    return [lite_message(lite, message_id=message_id)]
+
+
+def ids(results: list[model.AppendResult]) -> list[str]:
+    return [r.message_id for r in results]
 
 
 async def test_small_requests_of_one_loop_pass_are_one_append_on_the_loop(store: Store) -> None:
@@ -100,56 +124,119 @@ async def test_small_requests_of_one_loop_pass_are_one_append_on_the_loop(store:
     recording = RecordingStore(store)
     appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
     try:
-        requests = burst(appender, "abc")
+        good = start(appender, one("a", "0"), one("b", "1"), one("c", "2"))
         bad = asyncio.ensure_future(appender.append([lite_message("d", b"", message_id="bad")]))
-        assert [[r.message_id for r in await f] for f in requests] == [["0"], ["1"], ["2"]]
+        assert [ids(await f) for f in good] == [["0"], ["1"], ["2"]]
         with pytest.raises(errors.BodyEmpty):
             await bad
-        loop_thread = threading.get_ident()
         # one combined try (it failed on the empty body), then each request alone: all on the loop's thread
-        assert recording.calls == [("inline", loop_thread, 4)] + [("inline", loop_thread, 1)] * 4
-        assert (appender.inline_commits, appender.thread_commits) == (1, 0)
+        combined = ("inline", True, ["0", "1", "2", "bad"])
+        assert recording.paths() == [combined] + [("inline", True, [i]) for i in ["0", "1", "2", "bad"]]
+        assert appender.stats[:2] == (1, 0)
         assert store.queue_offsets(model.QueueId.lmq("P", "c")) == (0, 1)
         assert store.lite_topic("P", "d") is None
     finally:
-        await asyncio.to_thread(appender.close)
+        await appender.aclose()
 
 
-async def test_large_requests_and_refused_groups_go_to_the_thread(store: Store) -> None:
+async def test_a_large_request_goes_to_the_thread_and_takes_the_earlier_small_ones_along(store: Store) -> None:
     store.put_parent_topic(model.ParentTopic("P"))
     recording = RecordingStore(store)
     appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
     try:
-        large = [lite_message("big", message_id=f"L{i}") for i in range(appender_mod.INLINE_MAX_MESSAGES + 1)]
-        assert len(await appender.append(large)) == len(large)
+        large = [lite_message("a", message_id=f"L{i}") for i in range(appender_mod.INLINE_MAX_MESSAGES + 1)]
+        small, big, after = start(appender, one("a", "s1"), large, one("a", "s2"))
+        assert ids(await small) == ["s1"] and len(await big) == len(large) and ids(await after) == ["s2"]
+        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 100)]
+        assert stored == ["s1", *(m.message_id for m in large), "s2"]  # the order they reached append
+        assert all(path == "thread" and not on_loop for path, on_loop, _ in recording.paths())
+        assert appender.stats[:2] == (0, len(recording.calls))
+    finally:
+        await appender.aclose()
+
+
+async def test_a_refused_group_goes_to_the_thread_and_later_sends_queue_behind_it(store: Store) -> None:
+    store.put_parent_topic(model.ParentTopic("P"))
+    recording = RecordingStore(store)
+    appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
+    try:
         recording.refuse = 1
-        assert [[r.message_id for r in await f] for f in burst(appender, "ab")] == [["0"], ["1"]]
-        loop_thread = threading.get_ident()
-        paths = [(path, thread == loop_thread, n) for path, thread, n in recording.calls]
-        assert paths == [("thread", False, len(large)), ("thread", False, 2)]  # refused inline: one thread append
-        assert (appender.inline_commits, appender.thread_commits) == (0, 2)
+        recording.gate.clear()  # the thread waits: what comes next must queue behind the refused group
+        first = start(appender, one("a", "0"), one("a", "1"))
+        for _ in range(10):  # a few loop passes: the tasks queue their requests, then the inline commit runs
+            await asyncio.sleep(0)
+        assert recording.refuse == 0  # refused: the group is on the thread's queue, the thread held at the gate
+        later = start(appender, one("a", "2"))
+        await asyncio.sleep(0)
+        recording.gate.set()
+        assert [ids(await f) for f in [*first, *later]] == [["0"], ["1"], ["2"]]
+        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 10)]
+        assert stored == ["0", "1", "2"]
+        assert all(path == "thread" and not on_loop for path, on_loop, _ in recording.paths())
+        assert appender.stats.loop_commits == 0
     finally:
-        await asyncio.to_thread(appender.close)
+        await appender.aclose()
 
 
-async def test_slow_appends_keep_small_requests_off_the_loop_until_the_store_is_fast_again(store: Store) -> None:
+async def test_an_inline_group_is_bounded_by_moving_it_to_the_thread(store: Store) -> None:
     store.put_parent_topic(model.ParentTopic("P"))
     recording = RecordingStore(store)
     appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
     try:
-        recording.delay_s = appender_mod.INLINE_MAX_BLOCK_S * 5
-        sent = 0
-        while appender.thread_commits == 0:  # each slow inline append raises the average until the thread takes over
-            assert sent < 50, "slow appends never moved off the loop"
-            await appender.append([lite_message("a", message_id=str(sent))])
-            sent += 1
-        assert appender.append_s > appender_mod.INLINE_MAX_BLOCK_S
-        recording.delay_s = 0.0
-        inline_before = appender.inline_commits
-        while appender.inline_commits == inline_before:  # fast appends on the thread bring the average down
-            assert sent < 200, "fast appends never came back to the loop"
-            await appender.append([lite_message("a", message_id=str(sent))])
-            sent += 1
-        assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, sent)
+        per_request = appender_mod.INLINE_MAX_MESSAGES
+        n = appender_mod.INLINE_GROUP_MAX_MESSAGES // per_request + 1
+        requests = [[lite_message("a", message_id=f"{r}-{i}") for i in range(per_request)] for r in range(n)]
+        for f in start(appender, *requests):
+            assert len(await f) == per_request
+        # The request that would overflow the group goes to the thread and takes the group along (order).
+        assert {path for path, _, _ in recording.paths()} == {"thread"}
+        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, n * per_request)]
+        assert stored == [m.message_id for r in requests for m in r]
+        assert appender.stats.loop_commits == 0
     finally:
-        await asyncio.to_thread(appender.close)
+        await appender.aclose()
+
+
+async def test_slow_appends_move_small_requests_to_the_thread_and_a_quick_probe_brings_them_back(
+    store: Store,
+) -> None:
+    store.put_parent_topic(model.ParentTopic("P"))
+    timer = FakeTimer()
+    recording = RecordingStore(store, timer)
+    appender = Appender(recording, asyncio.get_running_loop(), timer=timer)  # type: ignore[arg-type]
+    try:
+        recording.cost_s = appender_mod.INLINE_MAX_BLOCK_S * 5  # every append now takes 10 ms
+        sent = 0
+        while appender.stats.thread_commits == 0:  # slow inline appends raise the average until the thread takes over
+            assert sent < 50, "slow appends never moved off the loop"
+            await appender.append(one("a", str(sent)))
+            sent += 1
+        assert appender.stats.inline_seconds > appender_mod.INLINE_MAX_BLOCK_S
+        recording.cost_s = 0.0  # the disk is quick again
+        loop_commits = appender.stats.loop_commits
+        for _ in range(3):  # no probe yet: the thread keeps them
+            await appender.append(one("a", str(sent)))
+            sent += 1
+        assert appender.stats.loop_commits == loop_commits
+        timer.now += appender_mod.PROBE_INTERVAL_S
+        for _ in range(3):  # the first is a probe, quick: the slow spell is over
+            await appender.append(one("a", str(sent)))
+            sent += 1
+        assert appender.stats.loop_commits == loop_commits + 3
+        assert appender.stats.inline_seconds <= appender_mod.INLINE_MAX_BLOCK_S
+        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 100)]
+        assert stored == [str(i) for i in range(sent)]
+    finally:
+        await appender.aclose()
+
+
+async def test_appends_after_close_still_complete_on_the_loop(store: Store) -> None:
+    store.put_parent_topic(model.ParentTopic("P"))
+    recording = RecordingStore(store)
+    appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
+    await appender.aclose()
+    large = [lite_message("a", message_id=f"L{i}") for i in range(appender_mod.INLINE_MAX_MESSAGES + 1)]
+    recording.refuse = 1  # even a busy store: at shutdown the loop waits for it
+    small, big = start(appender, one("a", "s"), large)
+    assert ids(await small) == ["s"] and len(await big) == len(large)
+    assert [path for path, on_loop, _ in recording.paths() if on_loop] == ["thread"]  # store.append, on the loop

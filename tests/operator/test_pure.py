@@ -263,6 +263,18 @@ def test_last_reclaim_is_the_newest_run_summed_over_the_brokers_that_recorded_it
     }
 
 
+def test_a_retried_job_keeps_its_run_id_but_only_the_latest_attempt_counts() -> None:
+    retry_b0 = _run("job-3", T0 + 90_000, scanned=5, reclaimed=5)
+    first_b1 = _run("job-3", T0, scanned=50, reclaimed=40)  # the first attempt: the retry never reached b1
+    syncs = [
+        model.BrokerSync(B0, True, "none", reclaim=retry_b0),
+        model.BrokerSync(B1, True, "none", reclaim=first_b1),
+    ]
+    shown = _reclaim(syncs)["lastReclaim"]
+    assert (shown["runId"], shown["startTime"], shown["brokers"]) == ("job-3", "2026-01-01T00:01:30.000Z", 1)
+    assert (shown["scanned"], shown["reclaimed"]) == (5, 5)
+
+
 def test_no_recorded_run_means_no_last_reclaim() -> None:
     st = _reclaim([model.BrokerSync(B0, True, "none")])
     assert "lastReclaim" not in st

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from lmq_broker import errors, model
+from lmq_broker import config, errors, model
 from lmq_broker.storage import api
-from lmq_broker.storage.memory import ManualClock
+from lmq_broker.storage.memory import ManualClock, MemoryStore
 
 Msg = Callable[..., model.NewMessage]
 LMQ_A = model.QueueId.lmq("P", "a")
@@ -47,6 +47,30 @@ def test_try_append_with_no_other_writer_is_an_append(store: api.Store, msg: Msg
     with pytest.raises(errors.BodyEmpty):
         store.try_append([msg(lite="c", body=b"")])
     assert store.lite_topic("P", "c") is None
+
+
+def test_the_memory_twin_refuses_try_append_too_while_its_lock_is_held(
+    store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
+) -> None:
+    store = MemoryStore(store_config(), clock)
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_writer() -> None:
+        with store._lock:
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=other_writer)
+    holder.start()
+    try:
+        assert inside.wait(10)
+        assert store.try_append([msg()]) is None
+    finally:
+        leave.set()
+        holder.join()
+    assert store.queue_offsets(LMQ_A) == (0, 0)
+    assert store.try_append([msg()]) is not None
+    assert store.queue_offsets(LMQ_A) == (0, 1)
 
 
 def test_read_round_trips_every_field(store: api.Store, msg: Msg, clock: ManualClock) -> None:

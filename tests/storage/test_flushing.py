@@ -129,3 +129,34 @@ def test_try_append_refuses_at_once_while_another_writer_syncs(
     assert results is not None
     assert results[0].offsets == {model.QueueId("P", 0): 1, model.QueueId.lmq("P", "a"): 1}
     assert s._log.synced == s._log.written  # sync mode: a try_append returns once fsynced too
+
+
+def test_try_append_leaves_the_requests_queued_by_other_writers_to_them(
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = open_lmq(flush_mode="sync")
+    rounds: list[tuple[int, list[str]]] = []  # (thread, message ids) of every write round
+    real_round = store_mod.LmqStore._round
+
+    def recording_round(self: store_mod.LmqStore, reqs: list[store_mod._Request]) -> None:
+        rounds.append((threading.get_ident(), [m.message_id for r in reqs for m in r.messages]))
+        real_round(self, reqs)
+
+    monkeypatch.setattr(store_mod.LmqStore, "_round", recording_round)
+    big = [msg(message_id=f"big-{i}") for i in range(100)]
+    s._write_lock.acquire()  # another writer holds the store while a thread queues a large append behind it
+    waiter = threading.Thread(target=s.append, args=(big,))
+    waiter.start()
+    try:
+        wait_until(lambda: len(s._queue) == 1)
+    finally:
+        s._write_lock.release()
+    mine: list[model.AppendResult] | None = None
+    while mine is None:  # whoever gets the lock first: the caller's own request only, never the queued one
+        mine = s.try_append([msg(message_id="mine")])
+    waiter.join()
+    me = threading.get_ident()
+    assert [ids for thread, ids in rounds if thread == me] == [["mine"]]
+    assert [ids for thread, ids in rounds if thread != me] == [[m.message_id for m in big]]
+    stored = [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 200)]
+    assert sorted(stored) == sorted(["mine", *(m.message_id for m in big)])  # each stored once

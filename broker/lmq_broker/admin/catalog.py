@@ -14,6 +14,7 @@ finishes late must not hide a newer one.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -122,7 +123,7 @@ class Catalog:
         """Store each run as its parent's record, unless the parent is unknown or holds a later run's."""
         checked = [validation.reclaim_run(f"runs[{i}]", run) for i, run in enumerate(runs)]
         parents = [run.parent for run in checked]
-        twice = sorted({p for p in parents if parents.count(p) > 1})
+        twice = sorted(p for p, n in Counter(parents).items() if n > 1)
         if twice:
             raise errors.InvalidArgument(f"runs: parent {twice[0]!r} is listed more than once", field="runs")
         recorded: list[str] = []

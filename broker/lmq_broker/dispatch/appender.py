@@ -1,16 +1,18 @@
-"""Feeds appends to the store: small ones on the event loop itself, large ones (and all of them while the
-disk is slow) on one thread; either way, whatever queued up together goes to the store as ONE append.
+"""Feeds SendMessage appends to the store: small ones on the event loop, the rest on one thread.
 
-A hop to a thread and back costs two thread wake-ups and a loop wake-up: on a 2-core VM each is a context
-switch of tens of microseconds, more than a small append itself (~40 us of CPU, plus the fsync in ``sync``
-mode, which releases the GIL). So a request of a few messages is queued on the loop and committed by one
-callback at the end of the loop's current pass, together with every other small request of that pass: a
-group commit with no thread in it. The loop is blocked for that append, fsync included, which is cheap on
-a local disk and not on a slow one: the appender keeps a moving average of how long each append holds the
-store (measured on whichever path ran it) and sends everything to the thread while that average is above
-``INLINE_MAX_BLOCK_S``, so receives and acks keep flowing while a slow disk syncs. The loop also never waits
-for another writer (retention, a reclaim batch): ``try_append`` refuses at once and the group goes to the
-thread instead.
+A hop to a thread and back costs two thread wake-ups and a loop wake-up, more CPU on a small VM than
+appending one message, and its latency lands on every send. So while the thread has nothing pending, a
+request of a few messages is queued on the loop and every such request of one loop pass is appended by
+one callback at the end of the pass (one group commit, no thread). That blocks the loop for the append,
+fsync included in ``sync`` mode, so it is only done while those appends are quick: the appender averages
+how long its inline appends held the loop and, above ``INLINE_MAX_BLOCK_S`` (a slow disk), uses the
+thread, letting one small request through inline at most once per ``PROBE_INTERVAL_S`` to notice when the
+disk is quick again. The loop never waits for another writer either: ``try_append`` refuses at once and
+the group goes to the thread.
+
+Order: requests are stored in the order they reached ``append``. Nothing is appended inline while
+anything is pending on the thread, and a request bound for the thread takes the pending inline group
+along ahead of it.
 
 On the thread, every request waiting when it comes round goes into one ``store.append`` (one fsync), and
 all their callers are resumed with one loop wake-up. A combined append is atomic in the store; if it fails,
@@ -24,14 +26,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 from lmq_broker import model
 from lmq_broker.storage.api import Store
 
-INLINE_MAX_MESSAGES: Final = 32  # a request this small is appended on the loop (when the disk is fast)
-INLINE_GROUP_MAX_MESSAGES: Final = 256  # bounds one inline group: ~5 ms of loop time at most
-INLINE_MAX_BLOCK_S: Final = 0.002  # appends slower than this (a slow disk's fsync) go to the thread
+INLINE_MAX_MESSAGES: Final = 32  # a request this small is appended on the loop
+INLINE_GROUP_MAX_MESSAGES: Final = 256  # bounds one inline group (a few ms of loop time)
+INLINE_MAX_BLOCK_S: Final = 0.002  # inline appends slower than this on average (a slow disk): use the thread
+PROBE_INTERVAL_S: Final = 1.0  # while on the thread for slowness, one inline append this often to re-measure
 _EWMA_WEIGHT: Final = 0.2
 
 _Future = asyncio.Future[list[model.AppendResult]]
@@ -40,72 +43,108 @@ _Outcome = tuple[_Future, list[model.AppendResult] | BaseException]
 _STOP = None
 
 
+class AppendStats(NamedTuple):
+    loop_commits: int  # group commits run on the event loop
+    thread_commits: int  # group commits run on the appender thread
+    inline_seconds: float  # moving average of how long an inline commit held the loop
+
+
 class Appender:
     def __init__(
-        self, store: Store, loop: asyncio.AbstractEventLoop, *, inline_max_messages: int = INLINE_MAX_MESSAGES
+        self,
+        store: Store,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        inline_max_messages: int = INLINE_MAX_MESSAGES,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._store = store
         self._loop = loop
+        self._timer = timer
         self._inline_max = inline_max_messages
         self._inline: list[_Item] = []
         self._inline_count = 0
         self._inline_armed = False
+        self._on_thread = 0  # requests handed to the thread and not settled yet
         self._stopping = False
-        self.append_s = 0.0  # moving average of how long one append holds the store
-        self.inline_commits = 0
+        self._probe_at = 0.0
+        self.inline_s = 0.0
+        self.loop_commits = 0
         self.thread_commits = 0
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lmq-appender", daemon=True)
         self._thread.start()
 
+    @property
+    def stats(self) -> AppendStats:
+        return AppendStats(self.loop_commits, self.thread_commits, self.inline_s)
+
     async def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         future: _Future = self._loop.create_future()
-        n = len(messages)
-        if self._stopping or (
-            n <= self._inline_max
-            and self._inline_count + n <= INLINE_GROUP_MAX_MESSAGES
-            and self.append_s <= INLINE_MAX_BLOCK_S
-        ):
+        if self._stopping or self._goes_inline(len(messages)):
             self._inline.append((messages, future))
-            self._inline_count += n
+            self._inline_count += len(messages)
             if not self._inline_armed:
                 self._inline_armed = True
                 self._loop.call_soon(self._commit_inline)  # after every handler ready in this pass
         else:
-            self._queue.put((messages, future))
+            self._to_thread([*self._take_inline(), (messages, future)])
         return await future
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the thread (blocking; any thread). Appends after this run on the
-        loop, blocking it: only the last few of a shutdown."""
-        self._stopping = True
+    async def aclose(self) -> None:
+        """Finish what is queued and stop the thread. From here on, appends run on the loop (blocking it:
+        only the last few of a shutdown)."""
+        self._stopping = True  # set on the loop: no append can be put on the queue after the stop below
         self._queue.put(_STOP)
-        self._thread.join()
+        await asyncio.to_thread(self._thread.join)
 
     # --- on the loop ----------------------------------------------------------------------------------------
-    def _commit_inline(self) -> None:
+    def _goes_inline(self, n: int) -> bool:
+        if n > self._inline_max or self._on_thread or self._inline_count + n > INLINE_GROUP_MAX_MESSAGES:
+            return False
+        if self.inline_s <= INLINE_MAX_BLOCK_S:
+            return True
+        now = self._timer()
+        if now < self._probe_at or self._inline:
+            return False
+        self._probe_at = now + PROBE_INTERVAL_S  # a probe: this one request measures the store again
+        return True
+
+    def _take_inline(self) -> list[_Item]:
         group, self._inline = self._inline, []
         self._inline_count = 0
+        return group
+
+    def _to_thread(self, items: list[_Item]) -> None:
+        self._on_thread += len(items)
+        for item in items:
+            self._queue.put(item)
+
+    def _commit_inline(self) -> None:
         self._inline_armed = False
-        started = time.perf_counter()
+        group = self._take_inline()
+        if not group:
+            return  # a request bound for the thread took the group along
+        started = self._timer()
         outcomes, busy = _commit(group, self._store.try_append)
         if outcomes:
-            self.inline_commits += 1
-            self._observe(time.perf_counter() - started)
+            self.loop_commits += 1
+            held = self._timer() - started
+            if self.inline_s > INLINE_MAX_BLOCK_S and held <= INLINE_MAX_BLOCK_S:
+                self.inline_s = held  # a quick probe after slow appends ends the slow spell at once
+            else:
+                self.inline_s += (held - self.inline_s) * _EWMA_WEIGHT  # single spikes are smoothed out
             _settle(outcomes)
         if busy and self._stopping:  # the thread is gone or going: wait for the other writer here after all
             outcomes, busy = _commit(busy, self._store.append)
             _settle(outcomes)
-        for item in busy:  # another writer holds the store: do not wait for it here
-            self._queue.put(item)
+        if busy:  # another writer holds the store: do not wait for it here
+            self._to_thread(busy)
 
-    def _settle_thread(self, outcomes: list[_Outcome], held_s: float) -> None:
+    def _settle_thread(self, outcomes: list[_Outcome]) -> None:
         self.thread_commits += 1
-        self._observe(held_s)
+        self._on_thread -= len(outcomes)
         _settle(outcomes)
-
-    def _observe(self, held_s: float) -> None:
-        self.append_s += (held_s - self.append_s) * _EWMA_WEIGHT
 
     # --- on the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -127,9 +166,8 @@ class Appender:
                 else:
                     batch.append(item)
             if batch:
-                started = time.perf_counter()
                 outcomes, _ = _commit(batch, self._store.append)
-                self._loop.call_soon_threadsafe(self._settle_thread, outcomes, time.perf_counter() - started)
+                self._loop.call_soon_threadsafe(self._settle_thread, outcomes)
 
 
 def _commit(
@@ -150,12 +188,12 @@ def _commit(
         results = append(combined)
     except Exception:
         outcomes: list[_Outcome] = []
-        busy: list[_Item] = []
-        for single in batch:  # retried alone: the error stays with the request that caused it
+        for i, single in enumerate(batch):  # retried alone: the error stays with the request that caused it
             done, refused = _commit([single], append)
             outcomes += done
-            busy += refused
-        return outcomes, busy
+            if refused:  # busy now: this one and the rest go on together, in order
+                return outcomes, batch[i:]
+        return outcomes, []
     if results is None:
         return [], batch
     out: list[_Outcome] = []

@@ -169,7 +169,7 @@ class Dispatcher:
         for event in [*self._client_events.values(), *self._topic_events.values()]:
             event.set()
         if self._appender is not None:
-            await asyncio.to_thread(self._appender.close)
+            await self._appender.aclose()
         if self._own_executor:
             await asyncio.to_thread(self._executor.shutdown, True)
 
@@ -829,10 +829,8 @@ class Dispatcher:
     def in_flight(self) -> int:
         return self.leases.in_flight()
 
-    def append_stats(self) -> tuple[int, int, float]:
-        """(appends committed on the event loop, on the appender thread, moving average of an append's seconds)."""
-        a = self._appender
-        return (0, 0, 0.0) if a is None else (a.inline_commits, a.thread_commits, a.append_s)
+    def append_stats(self) -> appender.AppendStats:
+        return appender.AppendStats(0, 0, 0.0) if self._appender is None else self._appender.stats
 
 
 def _check_live_view(d: Dispatcher) -> api.LiveView:

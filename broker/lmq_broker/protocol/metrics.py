@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lmq_broker.dispatch.appender import AppendStats
 from lmq_broker.dispatch.dispatcher import Dispatcher
 
 
@@ -77,23 +78,23 @@ class _AppendCollector(Collector):
     """Where SendMessage appends run, read at scrape time: the appender keeps plain ints (it counts on the
     event loop, where a Prometheus counter's lock would cost every send)."""
 
-    def __init__(self, read: Callable[[], tuple[int, int, float]]) -> None:
+    def __init__(self, read: Callable[[], AppendStats]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        loop, thread, seconds = self._read()
+        stats = self._read()
         commits = CounterMetricFamily(
             "lmq_append_commits",
-            "Store appends of SendMessage requests (each one group commit), by where they ran: on the event loop, "
-            "or on the appender thread (large requests, a busy store, or a slow disk)",
+            "Group commits of SendMessage appends, by where they ran: on the event loop (small requests), or on "
+            "the appender thread (large requests, a busy store, or a slow disk)",
             labels=["path"],
         )
-        commits.add_metric(["loop"], loop)
-        commits.add_metric(["thread"], thread)
+        commits.add_metric(["loop"], stats.loop_commits)
+        commits.add_metric(["thread"], stats.thread_commits)
         yield commits
         yield GaugeMetricFamily(
-            "lmq_append_seconds_average",
-            "Moving average of how long one append holds the store (fsync included in sync mode); above 2 ms, "
-            "small requests are appended on the thread instead of the loop",
-            value=seconds,
+            "lmq_append_inline_seconds_average",
+            "Moving average of how long an append on the event loop held it (fsync included in sync mode); "
+            "above 2 ms, small requests go to the appender thread",
+            value=stats.inline_seconds,
         )

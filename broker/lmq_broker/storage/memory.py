@@ -76,49 +76,61 @@ class MemoryStore:
     # --- messages ------------------------------------------------------------------------------------
 
     def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
-        return self.append(messages)  # its lock is held for microseconds: never worth refusing
+        self._check_open()
+        now = self._clock()
+        prepared = [codec.prepare(m, self._names, self._max_record, now) for m in messages]
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._place(prepared, now)
+        finally:
+            self._lock.release()
 
     def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         self._check_open()
         now = self._clock()
         prepared = [codec.prepare(m, self._names, self._max_record, now) for m in messages]
         with self._lock:
-            results: list[model.AppendResult] = []
-            for p in prepared:
-                m = p.message
-                offsets: list[int] = []
-                placed: list[tuple[_Queue, int]] = []
-                for qid, name in zip(m.queues, p.queues, strict=True):
-                    q = self._queues.get(name.qkey)
-                    if q is None:
-                        q = self._queues[name.qkey] = _Queue(name, created=now)
-                        if name.parent is not None:
-                            self._counts[name.parent] = self._counts.get(name.parent, 0) + 1
-                    off = q.next
-                    q.next += 1
-                    q.last_store = now
-                    q.messages[off] = model.StoredMessage(
-                        queue=qid,
-                        offset=off,
-                        message_id=m.message_id,
-                        topic=m.topic,
-                        body=m.body,
-                        store_timestamp_ms=now,
-                        born_timestamp_ms=m.born_timestamp_ms,
-                        lite_topic=m.lite_topic,
-                        message_type=m.message_type,
-                        born_host=m.born_host,
-                        tag=m.tag,
-                        keys=m.keys,
-                        message_group=m.message_group,
-                        user_properties=dict(m.user_properties),
-                    )
-                    offsets.append(off)
-                    placed.append((q, off))
-                self._records.append(_Record(now, p.size, placed))
-                self._bytes += p.size
-                results.append(model.AppendResult(m.message_id, m.queues, tuple(offsets), now))
-            return results
+            return self._place(prepared, now)
+
+    def _place(self, prepared: list[codec.Prepared], now: int) -> list[model.AppendResult]:
+        """Give each prepared message its offsets and keep it (the caller holds the lock)."""
+        results: list[model.AppendResult] = []
+        for p in prepared:
+            m = p.message
+            offsets: list[int] = []
+            placed: list[tuple[_Queue, int]] = []
+            for qid, name in zip(m.queues, p.queues, strict=True):
+                q = self._queues.get(name.qkey)
+                if q is None:
+                    q = self._queues[name.qkey] = _Queue(name, created=now)
+                    if name.parent is not None:
+                        self._counts[name.parent] = self._counts.get(name.parent, 0) + 1
+                off = q.next
+                q.next += 1
+                q.last_store = now
+                q.messages[off] = model.StoredMessage(
+                    queue=qid,
+                    offset=off,
+                    message_id=m.message_id,
+                    topic=m.topic,
+                    body=m.body,
+                    store_timestamp_ms=now,
+                    born_timestamp_ms=m.born_timestamp_ms,
+                    lite_topic=m.lite_topic,
+                    message_type=m.message_type,
+                    born_host=m.born_host,
+                    tag=m.tag,
+                    keys=m.keys,
+                    message_group=m.message_group,
+                    user_properties=dict(m.user_properties),
+                )
+                offsets.append(off)
+                placed.append((q, off))
+            self._records.append(_Record(now, p.size, placed))
+            self._bytes += p.size
+            results.append(model.AppendResult(m.message_id, m.queues, tuple(offsets), now))
+        return results
 
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
         self._check_open()

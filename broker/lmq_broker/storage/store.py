@@ -157,16 +157,15 @@ class LmqStore:
         self._check_open()
         if not messages:
             return []
-        # Take the lock first, queue second: a request queued and then withdrawn could already have been
-        # taken by another leader, and would be stored twice when the caller hands it to its thread.
+        # Never queued: a request queued and then withdrawn could already have been taken by another leader,
+        # and would be stored twice when the caller hands it to its thread. Nor does it take the queued
+        # requests of others along (as a leader would): one may be a large batch its thread is waiting to
+        # write, which must not run on the caller's event loop. Each waiter writes its own once it has the lock.
         if not self._write_lock.acquire(blocking=False):
             return None
         req = _Request(messages)
         try:
-            with self._queue_lock:
-                reqs, self._queue = self._queue, []
-            reqs.append(req)  # followers queued behind the last round ride along
-            self._round(reqs)
+            self._round([req])
         finally:
             self._write_lock.release()
         if req.error is not None:
