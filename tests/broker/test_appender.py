@@ -155,25 +155,22 @@ async def test_a_large_request_goes_to_the_thread_and_takes_the_earlier_small_on
         await appender.aclose()
 
 
-async def test_a_refused_group_goes_to_the_thread_and_later_sends_queue_behind_it(store: Store) -> None:
+async def test_a_refused_group_goes_to_the_thread_in_its_order(store: Store) -> None:
     store.put_parent_topic(model.ParentTopic("P"))
     recording = RecordingStore(store)
     appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
     try:
         recording.refuse = 1
-        recording.gate.clear()  # the thread waits: what comes next must queue behind the refused group
-        first = start(appender, one("a", "0"), one("a", "1"))
+        recording.gate.clear()  # the thread waits until the whole refused group is on its queue
+        requests = start(appender, one("a", "0"), one("a", "1"), one("a", "2"))
         for _ in range(10):  # a few loop passes: the tasks queue their requests, then the inline commit runs
             await asyncio.sleep(0)
-        assert recording.refuse == 0  # refused: the group is on the thread's queue, the thread held at the gate
-        later = start(appender, one("a", "2"))
-        await asyncio.sleep(0)
+        assert recording.refuse == 0  # refused at once, nothing written on the loop
         recording.gate.set()
-        assert [ids(await f) for f in [*first, *later]] == [["0"], ["1"], ["2"]]
-        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 10)]
-        assert stored == ["0", "1", "2"]
-        assert all(path == "thread" and not on_loop for path, on_loop, _ in recording.paths())
-        assert appender.stats.loop_commits == 0
+        assert [ids(await f) for f in requests] == [["0"], ["1"], ["2"]]
+        assert [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["0", "1", "2"]
+        assert recording.paths() == [("thread", False, ["0", "1", "2"])]  # one append on the thread
+        assert appender.stats[:2] == (0, 1)
     finally:
         await appender.aclose()
 

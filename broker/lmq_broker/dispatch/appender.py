@@ -10,9 +10,13 @@ thread, letting one small request through inline at most once per ``PROBE_INTERV
 disk is quick again. The loop never waits for another writer either: ``try_append`` refuses at once and
 the group goes to the thread.
 
-Order: requests are stored in the order they reached ``append``. Nothing is appended inline while
-anything is pending on the thread, and a request bound for the thread takes the pending inline group
-along ahead of it.
+Order: a request bound for the thread takes the small requests of the same pass along, ahead of it, and
+the rest of the pass follows it there, so requests of one pass are stored in the order they reached
+``append``. Requests that overlap in time
+across passes (a small one inline while an earlier one waits on the thread) may be stored in either
+order, as RocketMQ allows for sends whose replies are not awaited; a producer that waits for each reply,
+as FIFO producers do, is stored in its order. Holding later sends back until the thread is idle would
+keep a busy broker on the thread path for good.
 
 On the thread, every request waiting when it comes round goes into one ``store.append`` (one fsync), and
 all their callers are resumed with one loop wake-up. A combined append is atomic in the store; if it fails,
@@ -35,7 +39,7 @@ INLINE_MAX_MESSAGES: Final = 32  # a request this small is appended on the loop
 INLINE_GROUP_MAX_MESSAGES: Final = 256  # bounds one inline group (a few ms of loop time)
 INLINE_MAX_BLOCK_S: Final = 0.002  # inline appends slower than this on average (a slow disk): use the thread
 PROBE_INTERVAL_S: Final = 1.0  # while on the thread for slowness, one inline append this often to re-measure
-_EWMA_WEIGHT: Final = 0.2
+_EWMA_WEIGHT: Final = 0.05  # ~20 appends: a slow disk is slow every time, a stall of this VM's disk is a spike
 
 _Future = asyncio.Future[list[model.AppendResult]]
 _Item = tuple[Sequence[model.NewMessage], _Future]
@@ -65,7 +69,7 @@ class Appender:
         self._inline: list[_Item] = []
         self._inline_count = 0
         self._inline_armed = False
-        self._on_thread = 0  # requests handed to the thread and not settled yet
+        self._thread_pass = False  # a request of this loop pass went to the thread: the rest of the pass follows
         self._stopping = False
         self._probe_at = 0.0
         self.inline_s = 0.0
@@ -89,6 +93,9 @@ class Appender:
                 self._loop.call_soon(self._commit_inline)  # after every handler ready in this pass
         else:
             self._to_thread([*self._take_inline(), (messages, future)])
+            if not self._thread_pass:
+                self._thread_pass = True
+                self._loop.call_soon(self._end_thread_pass)
         return await future
 
     async def aclose(self) -> None:
@@ -100,7 +107,7 @@ class Appender:
 
     # --- on the loop ----------------------------------------------------------------------------------------
     def _goes_inline(self, n: int) -> bool:
-        if n > self._inline_max or self._on_thread or self._inline_count + n > INLINE_GROUP_MAX_MESSAGES:
+        if n > self._inline_max or self._thread_pass or self._inline_count + n > INLINE_GROUP_MAX_MESSAGES:
             return False
         if self.inline_s <= INLINE_MAX_BLOCK_S:
             return True
@@ -110,13 +117,15 @@ class Appender:
         self._probe_at = now + PROBE_INTERVAL_S  # a probe: this one request measures the store again
         return True
 
+    def _end_thread_pass(self) -> None:
+        self._thread_pass = False
+
     def _take_inline(self) -> list[_Item]:
         group, self._inline = self._inline, []
         self._inline_count = 0
         return group
 
     def _to_thread(self, items: list[_Item]) -> None:
-        self._on_thread += len(items)
         for item in items:
             self._queue.put(item)
 
@@ -143,7 +152,6 @@ class Appender:
 
     def _settle_thread(self, outcomes: list[_Outcome]) -> None:
         self.thread_commits += 1
-        self._on_thread -= len(outcomes)
         _settle(outcomes)
 
     # --- on the thread --------------------------------------------------------------------------------------
