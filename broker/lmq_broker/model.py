@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Final, NamedTuple, NewType
 
 LMQ_PREFIX: Final = "%LMQ%"
@@ -176,6 +176,10 @@ class ReclaimRun:
     not_found: int = 0
     errors: int = 0
     dry_run: bool = False
+
+
+RECLAIM_COUNTS: Final = ("scanned", "expired", "reclaimed", "kept_changed", "kept_subscribed", "not_found", "errors")
+RECLAIM_RUN_FIELDS: Final = tuple(f.name for f in fields(ReclaimRun))  # also the admin proto's and meta JSON's names
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -91,20 +91,8 @@ def _from_pb_topic(t: pb.ParentTopic) -> model.TopicConfig:
 def _from_pb_reclaim(t: pb.GetParentTopicResponse) -> model.ReclaimRun | None:
     if not t.HasField("last_reclaim"):
         return None
-    r = t.last_reclaim
-    return model.ReclaimRun(
-        run_id=r.run_id,
-        start_ms=r.start_ms,
-        finish_ms=r.finish_ms,
-        scanned=r.scanned,
-        expired=r.expired,
-        reclaimed=r.reclaimed,
-        kept_changed=r.kept_changed,
-        kept_subscribed=r.kept_subscribed,
-        not_found=r.not_found,
-        errors=r.errors,
-        dry_run=r.dry_run,
-    )
+    r = t.last_reclaim  # the proto's field names are the model's (less the parent, which the caller knows)
+    return model.ReclaimRun(**{f.name: getattr(r, f.name) for f in fields(model.ReclaimRun)})
 
 
 def _from_pb_group(g: pb.LiteGroup) -> model.GroupConfig:

@@ -111,37 +111,11 @@ def quota_from_pb(message: pb.Quota) -> model.Quota:
 
 
 def reclaim_run_to_pb(run: model.ReclaimRun) -> pb.ReclaimRun:
-    return pb.ReclaimRun(
-        parent=run.parent,
-        run_id=run.run_id,
-        start_ms=run.start_ms,
-        finish_ms=run.finish_ms,
-        scanned=run.scanned,
-        expired=run.expired,
-        reclaimed=run.reclaimed,
-        kept_changed=run.kept_changed,
-        kept_subscribed=run.kept_subscribed,
-        not_found=run.not_found,
-        errors=run.errors,
-        dry_run=run.dry_run,
-    )
+    return pb.ReclaimRun(**{name: getattr(run, name) for name in model.RECLAIM_RUN_FIELDS})
 
 
 def reclaim_run_from_pb(message: pb.ReclaimRun) -> model.ReclaimRun:
-    return model.ReclaimRun(
-        parent=message.parent,
-        run_id=message.run_id,
-        start_ms=message.start_ms,
-        finish_ms=message.finish_ms,
-        scanned=message.scanned,
-        expired=message.expired,
-        reclaimed=message.reclaimed,
-        kept_changed=message.kept_changed,
-        kept_subscribed=message.kept_subscribed,
-        not_found=message.not_found,
-        errors=message.errors,
-        dry_run=message.dry_run,
-    )
+    return model.ReclaimRun(**{name: getattr(message, name) for name in model.RECLAIM_RUN_FIELDS})
 
 
 def parent_info_to_pb(

@@ -118,7 +118,6 @@ def quota(value: model.Quota) -> model.Quota:
 
 
 RUN_ID_MAX_BYTES: Final = 253  # a Kubernetes object name (the reclaim Job's) always fits
-RECLAIM_COUNTS: Final = ("scanned", "expired", "reclaimed", "kept_changed", "kept_subscribed", "not_found", "errors")
 
 
 def reclaim_run(field: str, run: model.ReclaimRun) -> model.ReclaimRun:
@@ -127,7 +126,7 @@ def reclaim_run(field: str, run: model.ReclaimRun) -> model.ReclaimRun:
         raise _invalid(f"{field}.run_id", f"must be 1..{RUN_ID_MAX_BYTES} bytes of printable text, got {run.run_id!r}")
     _at_least(f"{field}.start_ms", run.start_ms, 0)
     _at_least(f"{field}.finish_ms", run.finish_ms, run.start_ms)
-    for count in RECLAIM_COUNTS:
+    for count in model.RECLAIM_COUNTS:
         _at_least(f"{field}.{count}", getattr(run, count), 0)
     return run
 

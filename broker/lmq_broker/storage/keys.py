@@ -377,36 +377,10 @@ def decode_quota(value: bytes) -> model.Quota:
     )
 
 
-_RECLAIM_COUNTS: Final = (
-    "scanned",
-    "expired",
-    "reclaimed",
-    "kept_changed",
-    "kept_subscribed",
-    "not_found",
-    "errors",
-)
-
-
 def encode_reclaim_run(run: model.ReclaimRun) -> bytes:
-    fields: dict[str, object] = {
-        "parent": run.parent,
-        "run_id": run.run_id,
-        "start_ms": run.start_ms,
-        "finish_ms": run.finish_ms,
-        "dry_run": run.dry_run,
-    }
-    fields.update({name: getattr(run, name) for name in _RECLAIM_COUNTS})
-    return json.dumps(fields, sort_keys=True).encode()
+    return json.dumps({name: getattr(run, name) for name in model.RECLAIM_RUN_FIELDS}, sort_keys=True).encode()
 
 
 def decode_reclaim_run(value: bytes) -> model.ReclaimRun:
     d = json.loads(value)
-    return model.ReclaimRun(
-        parent=d["parent"],
-        run_id=d["run_id"],
-        start_ms=d["start_ms"],
-        finish_ms=d["finish_ms"],
-        dry_run=d["dry_run"],
-        **{name: d[name] for name in _RECLAIM_COUNTS},
-    )
+    return model.ReclaimRun(**{name: d[name] for name in model.RECLAIM_RUN_FIELDS})
