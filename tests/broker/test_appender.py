@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import pytest
+import pytest_asyncio
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import appender as appender_mod
@@ -106,6 +108,27 @@ class RecordingStore:
         return [(path, thread == me, ids) for path, thread, ids in self.calls]
 
 
+@dataclass
+class Rig:
+    store: Store
+    recording: RecordingStore
+    appender: Appender
+    timer: FakeTimer
+
+
+@pytest_asyncio.fixture
+async def rig(store: Store) -> AsyncIterator[Rig]:
+    """An appender on a recording store (fake timer) over either store, parent topic P in place."""
+    store.put_parent_topic(model.ParentTopic("P"))
+    timer = FakeTimer()
+    recording = RecordingStore(store, timer)
+    appender = Appender(recording, asyncio.get_running_loop(), timer=timer)  # type: ignore[arg-type]
+    try:
+        yield Rig(store, recording, appender, timer)
+    finally:
+        await appender.aclose()
+
+
 def start(appender: Appender, *requests: list[model.NewMessage]) -> list[asyncio.Future[list[model.AppendResult]]]:
     """Start the requests in this order, all in the same loop pass."""
     return [asyncio.ensure_future(appender.append(r)) for r in requests]
@@ -119,112 +142,84 @@ def ids(results: list[model.AppendResult]) -> list[str]:
     return [r.message_id for r in results]
 
 
-async def test_small_requests_of_one_loop_pass_are_one_append_on_the_loop(store: Store) -> None:
-    store.put_parent_topic(model.ParentTopic("P"))
-    recording = RecordingStore(store)
-    appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
-    try:
-        good = start(appender, one("a", "0"), one("b", "1"), one("c", "2"))
-        bad = asyncio.ensure_future(appender.append([lite_message("d", b"", message_id="bad")]))
-        assert [ids(await f) for f in good] == [["0"], ["1"], ["2"]]
-        with pytest.raises(errors.BodyEmpty):
-            await bad
-        # one combined try (it failed on the empty body), then each request alone: all on the loop's thread
-        combined = ("inline", True, ["0", "1", "2", "bad"])
-        assert recording.paths() == [combined] + [("inline", True, [i]) for i in ["0", "1", "2", "bad"]]
-        assert appender.stats[:2] == (1, 0)
-        assert store.queue_offsets(model.QueueId.lmq("P", "c")) == (0, 1)
-        assert store.lite_topic("P", "d") is None
-    finally:
-        await appender.aclose()
+async def test_small_requests_of_one_loop_pass_are_one_append_on_the_loop(rig: Rig) -> None:
+    store, recording, appender = rig.store, rig.recording, rig.appender
+    good = start(appender, one("a", "0"), one("b", "1"), one("c", "2"))
+    bad = asyncio.ensure_future(appender.append([lite_message("d", b"", message_id="bad")]))
+    assert [ids(await f) for f in good] == [["0"], ["1"], ["2"]]
+    with pytest.raises(errors.BodyEmpty):
+        await bad
+    # one combined try (it failed on the empty body), then each request alone: all on the loop's thread
+    combined = ("inline", True, ["0", "1", "2", "bad"])
+    assert recording.paths() == [combined] + [("inline", True, [i]) for i in ["0", "1", "2", "bad"]]
+    assert appender.stats[:2] == (1, 0)
+    assert store.queue_offsets(model.QueueId.lmq("P", "c")) == (0, 1)
+    assert store.lite_topic("P", "d") is None
 
 
-async def test_a_large_request_goes_to_the_thread_and_takes_the_earlier_small_ones_along(store: Store) -> None:
-    store.put_parent_topic(model.ParentTopic("P"))
-    recording = RecordingStore(store)
-    appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
-    try:
-        large = [lite_message("a", message_id=f"L{i}") for i in range(appender_mod.INLINE_MAX_MESSAGES + 1)]
-        small, big, after = start(appender, one("a", "s1"), large, one("a", "s2"))
-        assert ids(await small) == ["s1"] and len(await big) == len(large) and ids(await after) == ["s2"]
-        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 100)]
-        assert stored == ["s1", *(m.message_id for m in large), "s2"]  # the order they reached append
-        assert all(path == "thread" and not on_loop for path, on_loop, _ in recording.paths())
-        assert appender.stats[:2] == (0, len(recording.calls))
-    finally:
-        await appender.aclose()
+async def test_a_large_request_goes_to_the_thread_and_takes_the_earlier_small_ones_along(rig: Rig) -> None:
+    store, recording, appender = rig.store, rig.recording, rig.appender
+    large = [lite_message("a", message_id=f"L{i}") for i in range(appender_mod.INLINE_MAX_MESSAGES + 1)]
+    small, big, after = start(appender, one("a", "s1"), large, one("a", "s2"))
+    assert ids(await small) == ["s1"] and len(await big) == len(large) and ids(await after) == ["s2"]
+    stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 100)]
+    assert stored == ["s1", *(m.message_id for m in large), "s2"]  # the order they reached append
+    assert all(path == "thread" and not on_loop for path, on_loop, _ in recording.paths())
+    assert appender.stats[:2] == (0, len(recording.calls))
 
 
-async def test_a_refused_group_goes_to_the_thread_in_its_order(store: Store) -> None:
-    store.put_parent_topic(model.ParentTopic("P"))
-    recording = RecordingStore(store)
-    appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
-    try:
-        recording.refuse = 1
-        recording.gate.clear()  # the thread waits until the whole refused group is on its queue
-        requests = start(appender, one("a", "0"), one("a", "1"), one("a", "2"))
-        for _ in range(10):  # a few loop passes: the tasks queue their requests, then the inline commit runs
-            await asyncio.sleep(0)
-        assert recording.refuse == 0  # refused at once, nothing written on the loop
-        recording.gate.set()
-        assert [ids(await f) for f in requests] == [["0"], ["1"], ["2"]]
-        assert [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["0", "1", "2"]
-        assert recording.paths() == [("thread", False, ["0", "1", "2"])]  # one append on the thread
-        assert appender.stats[:2] == (0, 1)
-    finally:
-        await appender.aclose()
+async def test_a_refused_group_goes_to_the_thread_in_its_order(rig: Rig) -> None:
+    store, recording, appender = rig.store, rig.recording, rig.appender
+    recording.refuse = 1
+    recording.gate.clear()  # the thread waits until the whole refused group is on its queue
+    requests = start(appender, one("a", "0"), one("a", "1"), one("a", "2"))
+    for _ in range(10):  # a few loop passes: the tasks queue their requests, then the inline commit runs
+        await asyncio.sleep(0)
+    assert recording.refuse == 0  # refused at once, nothing written on the loop
+    recording.gate.set()
+    assert [ids(await f) for f in requests] == [["0"], ["1"], ["2"]]
+    assert [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["0", "1", "2"]
+    assert recording.paths() == [("thread", False, ["0", "1", "2"])]  # one append on the thread
+    assert appender.stats[:2] == (0, 1)
 
 
-async def test_an_inline_group_is_bounded_by_moving_it_to_the_thread(store: Store) -> None:
-    store.put_parent_topic(model.ParentTopic("P"))
-    recording = RecordingStore(store)
-    appender = Appender(recording, asyncio.get_running_loop())  # type: ignore[arg-type]
-    try:
-        per_request = appender_mod.INLINE_MAX_MESSAGES
-        n = appender_mod.INLINE_GROUP_MAX_MESSAGES // per_request + 1
-        requests = [[lite_message("a", message_id=f"{r}-{i}") for i in range(per_request)] for r in range(n)]
-        for f in start(appender, *requests):
-            assert len(await f) == per_request
-        # The request that would overflow the group goes to the thread and takes the group along (order).
-        assert {path for path, _, _ in recording.paths()} == {"thread"}
-        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, n * per_request)]
-        assert stored == [m.message_id for r in requests for m in r]
-        assert appender.stats.loop_commits == 0
-    finally:
-        await appender.aclose()
+async def test_an_inline_group_is_bounded_by_moving_it_to_the_thread(rig: Rig) -> None:
+    store, recording, appender = rig.store, rig.recording, rig.appender
+    per_request = appender_mod.INLINE_MAX_MESSAGES
+    n = appender_mod.INLINE_GROUP_MAX_MESSAGES // per_request + 1
+    requests = [[lite_message("a", message_id=f"{r}-{i}") for i in range(per_request)] for r in range(n)]
+    for f in start(appender, *requests):
+        assert len(await f) == per_request
+    # The request that would overflow the group goes to the thread and takes the group along (order).
+    assert {path for path, _, _ in recording.paths()} == {"thread"}
+    stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, n * per_request)]
+    assert stored == [m.message_id for r in requests for m in r]
+    assert appender.stats.loop_commits == 0
 
 
-async def test_slow_appends_move_small_requests_to_the_thread_and_a_quick_probe_brings_them_back(
-    store: Store,
-) -> None:
-    store.put_parent_topic(model.ParentTopic("P"))
-    timer = FakeTimer()
-    recording = RecordingStore(store, timer)
-    appender = Appender(recording, asyncio.get_running_loop(), timer=timer)  # type: ignore[arg-type]
-    try:
-        recording.cost_s = appender_mod.INLINE_MAX_BLOCK_S * 5  # every append now takes 10 ms
-        sent = 0
-        while appender.stats.thread_commits == 0:  # slow inline appends raise the average until the thread takes over
-            assert sent < 50, "slow appends never moved off the loop"
-            await appender.append(one("a", str(sent)))
-            sent += 1
-        assert appender.stats.inline_seconds > appender_mod.INLINE_MAX_BLOCK_S
-        recording.cost_s = 0.0  # the disk is quick again
-        loop_commits = appender.stats.loop_commits
-        for _ in range(3):  # no probe yet: the thread keeps them
-            await appender.append(one("a", str(sent)))
-            sent += 1
-        assert appender.stats.loop_commits == loop_commits
-        timer.now += appender_mod.PROBE_INTERVAL_S
-        for _ in range(3):  # the first is a probe, quick: the slow spell is over
-            await appender.append(one("a", str(sent)))
-            sent += 1
-        assert appender.stats.loop_commits == loop_commits + 3
-        assert appender.stats.inline_seconds <= appender_mod.INLINE_MAX_BLOCK_S
-        stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 100)]
-        assert stored == [str(i) for i in range(sent)]
-    finally:
-        await appender.aclose()
+async def test_slow_appends_move_small_requests_to_the_thread_and_a_quick_probe_brings_them_back(rig: Rig) -> None:
+    store, recording, appender, timer = rig.store, rig.recording, rig.appender, rig.timer
+    recording.cost_s = appender_mod.INLINE_MAX_BLOCK_S * 5  # every append now takes 10 ms
+    sent = 0
+    while appender.stats.thread_commits == 0:  # slow inline appends raise the average until the thread takes over
+        assert sent < 50, "slow appends never moved off the loop"
+        await appender.append(one("a", str(sent)))
+        sent += 1
+    assert appender.stats.inline_seconds > appender_mod.INLINE_MAX_BLOCK_S
+    recording.cost_s = 0.0  # the disk is quick again
+    loop_commits = appender.stats.loop_commits
+    for _ in range(3):  # no probe yet: the thread keeps them
+        await appender.append(one("a", str(sent)))
+        sent += 1
+    assert appender.stats.loop_commits == loop_commits
+    timer.now += appender_mod.PROBE_INTERVAL_S
+    for _ in range(3):  # the first is a probe, quick: the slow spell is over
+        await appender.append(one("a", str(sent)))
+        sent += 1
+    assert appender.stats.loop_commits == loop_commits + 3
+    assert appender.stats.inline_seconds <= appender_mod.INLINE_MAX_BLOCK_S
+    stored = [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 100)]
+    assert stored == [str(i) for i in range(sent)]
 
 
 async def test_appends_after_close_still_complete_on_the_loop(store: Store) -> None:
