@@ -34,22 +34,22 @@ def test_append_assigns_consecutive_offsets_per_queue(store: api.Store, msg: Msg
 
 def test_empty_append_is_a_no_op(store: api.Store) -> None:
     assert store.append([]) == []
-    assert store.try_append([]) == []
+    assert api.append_if_free(store, []) == []
 
 
-def test_try_append_with_no_other_writer_is_an_append(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+def test_append_if_free_with_no_other_writer_is_an_append(store: api.Store, msg: Msg, clock: ManualClock) -> None:
     store.append([msg(lite="a")])
-    results = store.try_append([msg(lite="a"), msg(lite="b")])
+    results = api.append_if_free(store, [msg(lite="a"), msg(lite="b")])
     assert results is not None
     assert [r.offsets for r in results] == [{PARENT_Q: 1, LMQ_A: 1}, {PARENT_Q: 2, model.QueueId.lmq("P", "b"): 0}]
     assert [m.message_id for m in store.read(LMQ_A, 1, 10)] == [results[0].message_id]
     assert store.queue_offsets(LMQ_A) == (0, 2)
     with pytest.raises(errors.BodyEmpty):
-        store.try_append([msg(lite="c", body=b"")])
+        api.append_if_free(store, [msg(lite="c", body=b"")])
     assert store.lite_topic("P", "c") is None
 
 
-def test_the_memory_twin_refuses_try_append_too_while_its_lock_is_held(
+def test_the_memory_twin_refuses_try_begin_too_while_its_lock_is_held(
     store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
 ) -> None:
     store = MemoryStore(store_config(), clock)
@@ -64,12 +64,12 @@ def test_the_memory_twin_refuses_try_append_too_while_its_lock_is_held(
     holder.start()
     try:
         assert inside.wait(10)
-        assert store.try_append([msg()]) is None
+        assert api.append_if_free(store, [msg()]) is None
     finally:
         leave.set()
         holder.join()
     assert store.queue_offsets(LMQ_A) == (0, 0)
-    assert store.try_append([msg()]) is not None
+    assert api.append_if_free(store, [msg()]) is not None
     assert store.queue_offsets(LMQ_A) == (0, 1)
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.storage import commitlog
+from lmq_broker.storage import api, commitlog
 from lmq_broker.storage import store as store_mod
 
 Msg = Callable[..., model.NewMessage]
@@ -99,7 +99,7 @@ def test_a_failed_log_write_is_rolled_back_and_reported(
     assert s.append([msg()])[0].offsets[model.QueueId.lmq("P", "a")] == 1
 
 
-def test_try_append_refuses_at_once_while_another_writer_syncs(
+def test_append_if_free_refuses_at_once_while_another_writer_syncs(
     open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = open_lmq(flush_mode="sync")
@@ -119,30 +119,30 @@ def test_try_append_refuses_at_once_while_another_writer_syncs(
     try:
         assert in_sync.wait(10)
         started = time.monotonic()
-        assert s.try_append([msg(message_id="refused")]) is None
+        assert api.append_if_free(s, [msg(message_id="refused")]) is None
         assert time.monotonic() - started < 1.0  # refused at once, not after the other writer's fsync
     finally:
         release.set()
         writer.join()
     assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["first"]  # nothing of it written
-    results = s.try_append([msg(message_id="second")])
+    results = api.append_if_free(s, [msg(message_id="second")])
     assert results is not None
     assert results[0].offsets == {model.QueueId("P", 0): 1, model.QueueId.lmq("P", "a"): 1}
-    assert s._log.synced == s._log.written  # sync mode: a try_append returns once fsynced too
+    assert s._log.synced == s._log.written  # sync mode: it returns once fsynced too
 
 
-def test_try_append_leaves_the_requests_queued_by_other_writers_to_them(
+def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
     open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = open_lmq(flush_mode="sync")
     rounds: list[tuple[int, list[str]]] = []  # (thread, message ids) of every write round
-    real_round = store_mod.LmqStore._round
+    real_stage = store_mod.LmqStore._stage
 
-    def recording_round(self: store_mod.LmqStore, reqs: list[store_mod._Request]) -> None:
+    def recording_stage(self: store_mod.LmqStore, reqs: list[store_mod._Request]) -> store_mod._Staged | None:
         rounds.append((threading.get_ident(), [m.message_id for r in reqs for m in r.messages]))
-        real_round(self, reqs)
+        return real_stage(self, reqs)
 
-    monkeypatch.setattr(store_mod.LmqStore, "_round", recording_round)
+    monkeypatch.setattr(store_mod.LmqStore, "_stage", recording_stage)
     big = [msg(message_id=f"big-{i}") for i in range(100)]
     s._write_lock.acquire()  # another writer holds the store while a thread queues a large append behind it
     waiter = threading.Thread(target=s.append, args=(big,))
@@ -153,10 +153,57 @@ def test_try_append_leaves_the_requests_queued_by_other_writers_to_them(
         s._write_lock.release()
     mine: list[model.AppendResult] | None = None
     while mine is None:  # whoever gets the lock first: the caller's own request only, never the queued one
-        mine = s.try_append([msg(message_id="mine")])
+        mine = api.append_if_free(s, [msg(message_id="mine")])
     waiter.join()
     me = threading.get_ident()
     assert [ids for thread, ids in rounds if thread == me] == [["mine"]]
     assert [ids for thread, ids in rounds if thread != me] == [[m.message_id for m in big]]
     stored = [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 200)]
     assert sorted(stored) == sorted(["mine", *(m.message_id for m in big)])  # each stored once
+
+
+def test_try_begin_writes_without_showing_anything_until_finish_and_holds_the_write_path(
+    open_lmq: OpenLmq, msg: Msg
+) -> None:
+    s = open_lmq(flush_mode="sync")
+    pending = s.try_begin([[msg(message_id="1"), msg(message_id="2")], [msg(message_id="bad", body=b"")]])
+    assert pending is not None and pending.needs_sync
+    assert s._log.written > s._log.synced  # on the log, not yet fsynced
+    assert s.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)  # nor indexed: nobody reads it yet
+    other = threading.Thread(target=s.append, args=([msg(message_id="3")],))
+    other.start()
+    time.sleep(0.2)
+    assert other.is_alive()  # another writer waits for the pending append
+    assert api.append_if_free(s, [msg(message_id="refused")]) is None
+    pending.sync()
+    assert s._log.synced == s._log.written
+    good, bad = pending.finish()
+    other.join(10)
+    assert not other.is_alive()
+    assert isinstance(good, list) and [r.message_id for r in good] == ["1", "2"]
+    assert isinstance(bad, errors.BodyEmpty)  # fails alone: nothing of it written
+    assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["1", "2", "3"]
+    with pytest.raises(RuntimeError):
+        pending.finish()
+
+
+def test_try_begin_in_async_mode_needs_no_sync(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq(flush_mode="async")
+    pending = s.try_begin([[msg(message_id="1")]])
+    assert pending is not None and not pending.needs_sync
+    (results,) = pending.finish()
+    assert isinstance(results, list) and results[0].message_id == "1"
+
+
+def test_a_failed_fsync_fails_its_appends_and_stops_writes(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq(flush_mode="sync")
+    s.append([msg(message_id="before")])
+    pending = s.try_begin([[msg(message_id="lost")]])
+    assert pending is not None
+    (outcome,) = pending.finish(OSError(5, "Input/output error"))
+    assert isinstance(outcome, errors.StorageError) and "fsync failed" in str(outcome)
+    assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["before"]  # never indexed
+    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
+        s.append([msg(message_id="after")])
+    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
+        api.append_if_free(s, [msg(message_id="after")])

@@ -1,9 +1,10 @@
 """The store's contract. ``LmqStore`` (segments + RocksDB) and ``MemoryStore`` (the in-memory twin)
 both implement it, and one contract suite (tests/storage/test_contract.py) runs against both.
 
-All methods are thread-safe and blocking. Callers on an event loop run them in an executor (``try_append``
-is the exception: it never waits for another writer); in ``sync`` flush mode ``append`` returns only after
-the records are fsynced, and concurrent appends share one fsync.
+All methods are thread-safe and blocking. Callers on an event loop run them in an executor (``try_begin``
+is the exception: it never waits for another writer, and leaves the fsync to a thread of the caller's
+choosing); in ``sync`` flush mode ``append`` returns only after the records are fsynced, and concurrent
+appends share one fsync.
 """
 
 from __future__ import annotations
@@ -22,6 +23,25 @@ class RetentionReport:
     queues_advanced: int
 
 
+class PendingAppend(Protocol):
+    """Appends written to the log by ``Store.try_begin``, not yet durable nor visible; the write path stays
+    taken until ``finish``, which must be called exactly once."""
+
+    @property
+    def needs_sync(self) -> bool:
+        """True in ``sync`` flush mode when something was written: call ``sync`` before ``finish``."""
+        ...
+
+    def sync(self) -> None:
+        """fsync the log (blocking; call it on a thread, never on an event loop). Raises OSError."""
+        ...
+
+    def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
+        """Index what was written and make it visible (``sync_error``: the fsync failed, so nothing is, and the
+        store stops taking writes); frees the write path. One outcome per request: its results or its error."""
+        ...
+
+
 class Store(Protocol):
     # --- messages -------------------------------------------------------------------------------------
     def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
@@ -32,11 +52,14 @@ class Store(Protocol):
         """
         ...
 
-    def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
-        """``append``, unless another writer holds the write path right now: then None, and nothing written.
+    def try_begin(self, requests: Sequence[Sequence[model.NewMessage]]) -> PendingAppend | None:
+        """Start appending ``requests`` (each atomic on its own, in order), unless another writer holds the
+        write path right now: then None, and nothing written.
 
-        For a caller that must not wait behind a long write (an event loop): it tries, and hands the
-        messages to a thread when the answer is None.
+        For a caller that must not wait on a writer or on the disk (an event loop): the records are validated
+        and written, but neither fsynced nor indexed (so nobody can read them yet), and the store's write path
+        stays taken until the caller calls ``finish`` on what it gets back, after ``sync`` on a thread when
+        ``needs_sync``. A request that fails validation fails alone (its outcome is the error).
         """
         ...
 
@@ -129,3 +152,21 @@ class Store(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+    """``store.append(messages)`` unless another writer holds the write path (then None, nothing written):
+    ``try_begin`` carried through on the calling thread, fsync included."""
+    pending = store.try_begin([messages])
+    if pending is None:
+        return None
+    error: OSError | None = None
+    if pending.needs_sync:
+        try:
+            pending.sync()
+        except OSError as e:
+            error = e
+    (outcome,) = pending.finish(error)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome

@@ -55,6 +55,23 @@ class _Record:
     placed: list[tuple[_Queue, int]]
 
 
+class _Done:
+    """``MemoryStore.try_begin``'s answer: the appends are done already (memory needs no fsync)."""
+
+    def __init__(self, outcomes: list[list[model.AppendResult] | BaseException]) -> None:
+        self._outcomes = outcomes
+
+    @property
+    def needs_sync(self) -> bool:
+        return False
+
+    def sync(self) -> None:
+        return None
+
+    def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
+        return self._outcomes
+
+
 class MemoryStore:
     def __init__(self, cfg: config.StoreConfig | None = None, clock: Clock = wall_clock_ms) -> None:
         self._cfg = cfg or config.StoreConfig()
@@ -75,14 +92,19 @@ class MemoryStore:
 
     # --- messages ------------------------------------------------------------------------------------
 
-    def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+    def try_begin(self, requests: Sequence[Sequence[model.NewMessage]]) -> api.PendingAppend | None:
         self._check_open()
         now = self._clock()
-        prepared = [codec.prepare(m, self._names, self._max_record, now) for m in messages]
+        prepared: list[list[codec.Prepared] | BaseException] = []
+        for messages in requests:
+            try:
+                prepared.append([codec.prepare(m, self._names, self._max_record, now) for m in messages])
+            except errors.LmqError as e:
+                prepared.append(e)
         if not self._lock.acquire(blocking=False):
             return None
-        try:
-            return self._place(prepared, now)
+        try:  # nothing to fsync: everything is done here, and ``finish`` hands it over
+            return _Done([p if isinstance(p, BaseException) else self._place(p, now) for p in prepared])
         finally:
             self._lock.release()
 

@@ -6,6 +6,8 @@ alone, nothing of it written), assigns offsets, encodes, writes each touched seg
 fsyncs once (``sync`` mode), then writes one WriteBatch with every index run, queue state, lite-topic
 record, counter, segment-table row and the checkpoint. Followers find their request done when they get
 the lock. Index after fsync means the index never points past the durable log in ``sync`` mode.
+``try_begin`` runs the same round in two halves for an event loop: validate and write (on the loop, lock
+taken without waiting), then the caller's fsync on a thread, then index and publish (``finish``, lock freed).
 
 Per-queue state (min/next and lite-topic times) lives in the index; a bounded LRU keeps the hot ones.
 Only the write path fills the LRU (under the lock), so a reader can never put a stale state in it.
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 
 from lmq_broker import config, errors, model
 from lmq_broker.storage import api, codec, commitlog, keys
@@ -67,6 +69,47 @@ class _Request:
         self.results: list[model.AppendResult] = []
         self.error: BaseException | None = None
         self.done = False
+
+
+class _Staged(NamedTuple):
+    """Requests of one round written to the log, neither fsynced nor indexed yet (under the write lock)."""
+
+    live: list[_Request]
+    batch: index_mod.Batch
+    chunks: list[tuple[int, list[bytes]]]
+    store_ms: int
+
+
+class _Pending:
+    """``LmqStore.try_begin``'s answer: holds the store's write lock from ``try_begin`` until ``finish``."""
+
+    __slots__ = ("_finished", "_reqs", "_staged", "_store")
+
+    def __init__(self, store: LmqStore, reqs: list[_Request], staged: _Staged | None) -> None:
+        self._store = store
+        self._reqs = reqs
+        self._staged = staged
+        self._finished = False
+
+    @property
+    def needs_sync(self) -> bool:
+        return self._staged is not None and self._store._sync
+
+    def sync(self) -> None:
+        self._store._log.sync()
+
+    def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
+        if self._finished:
+            raise RuntimeError("a pending append is finished once")
+        self._finished = True
+        try:
+            if self._staged is not None:
+                self._store._index_staged(self._staged, sync_error)
+        finally:
+            for r in self._reqs:
+                r.done = True
+            self._store._write_lock.release()
+        return [r.results if r.error is None else r.error for r in self._reqs]
 
 
 class LmqStore:
@@ -153,24 +196,21 @@ class LmqStore:
             raise req.error
         return req.results
 
-    def try_append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+    def try_begin(self, requests: Sequence[Sequence[model.NewMessage]]) -> api.PendingAppend | None:
         self._check_open()
-        if not messages:
-            return []
         # Never queued: a request queued and then withdrawn could already have been taken by another leader,
         # and would be stored twice when the caller hands it to its thread. Nor does it take the queued
         # requests of others along (as a leader would): one may be a large batch its thread is waiting to
         # write, which must not run on the caller's event loop. Each waiter writes its own once it has the lock.
         if not self._write_lock.acquire(blocking=False):
             return None
-        req = _Request(messages)
+        reqs = [_Request(messages) for messages in requests]
         try:
-            self._round([req])
-        finally:
+            staged = self._stage(reqs)
+        except BaseException:
             self._write_lock.release()
-        if req.error is not None:
-            raise req.error
-        return req.results
+            raise
+        return _Pending(self, reqs, staged)
 
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
         self._check_open()
@@ -447,6 +487,24 @@ class LmqStore:
 
     def _round(self, reqs: list[_Request]) -> None:
         try:
+            staged = self._stage(reqs)
+            if staged is not None:
+                error: OSError | None = None
+                if self._sync:
+                    try:
+                        self._log.sync()
+                    except OSError as e:
+                        error = e
+                self._index_staged(staged, error)
+        finally:
+            for r in reqs:
+                r.done = True
+
+    def _stage(self, reqs: list[_Request]) -> _Staged | None:
+        """Validate the requests and write the valid ones to the log, neither fsynced nor indexed yet (the
+        caller holds the write lock until ``_index_staged``). A failure lands on its requests; None when
+        nothing was written."""
+        try:
             self._check_writable()
             store_ms = self._clock()
             prepare, names, max_record = codec.prepare, self._names, self._max_record
@@ -457,18 +515,36 @@ class LmqStore:
                     live.append(r)
                 except errors.LmqError as e:
                     r.error = e
-            if live:
-                self._append_locked(live, store_ms)
+            return self._write_log(live, store_ms) if live else None
         except Exception as e:
             for r in reqs:
                 if r.error is None:
                     r.error = e
                     r.results = []
-        finally:
-            for r in reqs:
-                r.done = True
+            return None
 
-    def _append_locked(self, reqs: list[_Request], store_ms: int) -> None:
+    def _index_staged(self, staged: _Staged, sync_error: BaseException | None) -> None:
+        """After the fsync (``sync`` mode): index the staged records and publish their queues' new states."""
+        try:
+            if sync_error is not None:
+                # Which of the written bytes reached the disk is unknown, and a retried fsync may report
+                # success for pages the kernel dropped: take no more writes; a restart re-validates the log.
+                self._failed = f"commit log fsync failed: {sync_error}"
+                raise errors.StorageError(
+                    f"commit log fsync failed: {sync_error}", errno=getattr(sync_error, "errno", None)
+                ) from sync_error
+            batch = staged.batch
+            for s, written in staged.chunks:
+                if written:
+                    batch.touch_segment(s, staged.store_ms)
+            lg = self._log
+            self._write_batch(batch, (lg.active.seq, lg.active.size))
+        except Exception as e:
+            for r in staged.live:
+                r.error = e
+                r.results = []
+
+    def _write_log(self, reqs: list[_Request], store_ms: int) -> _Staged:
         lg = self._log
         seg = lg.active.seq
         pos = lg.active.size
@@ -535,12 +611,7 @@ class LmqStore:
             r.results = results
         chunks.append((seg, parts))
         self._write_chunks(chunks, start)
-        if self._sync:
-            lg.sync()
-        for s, written in chunks:
-            if written:
-                batch.touch_segment(s, store_ms)
-        self._write_batch(batch, (lg.active.seq, lg.active.size))
+        return _Staged(reqs, batch, chunks, store_ms)
 
     def _batch(self) -> index_mod.Batch:
         return index_mod.Batch(self._index, self._states, self._segtab)
