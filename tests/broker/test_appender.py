@@ -87,11 +87,9 @@ class RecordingStore:
         self.timer = timer or FakeTimer()
         self.calls: list[tuple[str, int, list[str]]] = []
         self.refuse = 0  # refuse this many try_begin calls (another writer holds the store)
-        self.sync_gate = threading.Event()  # an inline group's fsync waits for it
-        self.sync_gate.set()
-        self.syncing = threading.Event()  # an inline group's fsync has started
         self.sync_threads: list[int] = []
         self.sync_error: OSError | None = None  # the next inline fsync fails with it
+        self.finish_error: Exception | None = None  # the next finish raises it (a bug in the store)
         self.cost_s = 0.0
         self.gate = threading.Event()  # the thread path waits for it: lets a test fill the queue first
         self.gate.set()
@@ -131,15 +129,17 @@ class HeldSync:
     def sync(self) -> None:
         rec = self.recording
         rec.sync_threads.append(threading.get_ident())
-        rec.syncing.set()
-        rec.sync_gate.wait(10)
         if rec.sync_error is not None:
             error, rec.sync_error = rec.sync_error, None
             raise error
         self.inner.sync()
 
     def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
-        return self.inner.finish(sync_error)
+        outcomes = self.inner.finish(sync_error)
+        if self.recording.finish_error is not None:
+            error, self.recording.finish_error = self.recording.finish_error, None
+            raise error
+        return outcomes
 
 
 @dataclass
@@ -269,7 +269,7 @@ async def test_appends_after_close_still_complete_on_the_loop(store: Store) -> N
 
 @pytest_asyncio.fixture
 async def sync_rig(tmp_path: Path) -> AsyncIterator[Rig]:
-    """``rig`` over an LmqStore in ``sync`` flush mode: inline groups have an fsync to run off the loop."""
+    """``rig`` over an LmqStore in ``sync`` flush mode: inline groups have an fsync to run."""
     store = lmq_store.open_store(StoreConfig(data_dir=tmp_path / "data", flush_mode=FlushMode.SYNC))
     store.put_parent_topic(model.ParentTopic("P"))
     timer = FakeTimer()
@@ -278,52 +278,12 @@ async def sync_rig(tmp_path: Path) -> AsyncIterator[Rig]:
     try:
         yield Rig(store, recording, appender, timer)
     finally:
-        recording.sync_gate.set()
         await appender.aclose()
         store.close()
 
 
-async def test_after_a_quiet_spell_the_fsync_runs_on_the_loop(sync_rig: Rig) -> None:
-    recording, appender, timer = sync_rig.recording, sync_rig.appender, sync_rig.timer
-    assert ids(await appender.append(one("a", "0"))) == ["0"]  # the first group: nothing came before it
-    timer.now += 10 * appender_mod.PIPELINE_GAP_S  # quiet since
-    assert ids(await appender.append(one("a", "1"))) == ["1"]
-    assert recording.sync_threads == [threading.get_ident()] * 2  # no hand-off to the fsync thread
-    assert appender.stats[:2] == (2, 0) and appender.stats.fsync_handoffs == 0
-
-
-async def busy(rig: Rig) -> None:
-    """One append just now (the fake timer stands still): the next group starts within PIPELINE_GAP_S."""
-    await rig.appender.append(one("z", "warm"))
-    rig.recording.calls.clear()
-    rig.recording.sync_threads.clear()
-    rig.recording.syncing.clear()
-
-
-async def test_under_load_the_fsync_runs_off_the_loop_and_the_next_group_gathers_behind_it(sync_rig: Rig) -> None:
-    store, recording, appender = sync_rig.store, sync_rig.recording, sync_rig.appender
-    await busy(sync_rig)
-    recording.sync_gate.clear()
-    (first,) = start(appender, one("a", "0"))
-    assert await asyncio.to_thread(recording.syncing.wait, 10)  # the loop went on: this await returns
-    later = start(appender, one("a", "1"), one("b", "2"))
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert not first.done() and not any(f.done() for f in later)  # no reply before the fsync
-    assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)  # written, not yet readable
-    assert len(recording.calls) == 1  # the next group waits for the fsync in flight
-    recording.sync_gate.set()
-    assert ids(await first) == ["0"]
-    assert [ids(await f) for f in later] == [["1"], ["2"]]
-    assert recording.paths() == [("inline", True, ["0"]), ("inline", True, ["1", "2"])]
-    assert threading.get_ident() not in recording.sync_threads and len(recording.sync_threads) == 2
-    assert [m.message_id for m in store.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["0", "1"]
-    assert appender.stats[:2] == (3, 0) and appender.stats.fsync_handoffs == 2
-
-
 async def test_a_failed_inline_fsync_fails_its_group_and_the_store_takes_no_more(sync_rig: Rig) -> None:
     store, recording, appender = sync_rig.store, sync_rig.recording, sync_rig.appender
-    await busy(sync_rig)
     recording.sync_error = OSError(5, "Input/output error")
     failed = start(appender, one("a", "0"), one("b", "1"))
     for f in failed:
@@ -334,18 +294,19 @@ async def test_a_failed_inline_fsync_fails_its_group_and_the_store_takes_no_more
     assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)
 
 
-async def test_close_waits_for_the_inline_fsync_in_flight(sync_rig: Rig) -> None:
+async def test_a_store_bug_in_finish_still_answers_every_caller(sync_rig: Rig) -> None:
     recording, appender = sync_rig.recording, sync_rig.appender
-    await busy(sync_rig)
-    recording.sync_gate.clear()
-    (sent,) = start(appender, one("a", "0"))
-    assert await asyncio.to_thread(recording.syncing.wait, 10)
-    closing = asyncio.ensure_future(appender.aclose())
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert not closing.done() and not sent.done()
-    recording.sync_gate.set()
-    await closing
-    assert ids(await sent) == ["0"]
-    late = await appender.append(one("a", "1"))  # after close: on the loop, fsync included
-    assert ids(late) == ["1"] and recording.sync_threads[-1] == threading.get_ident()
+    recording.finish_error = RuntimeError("bug")
+    for f in start(appender, one("a", "0"), one("b", "1")):
+        with pytest.raises(RuntimeError, match="bug"):
+            await f
+    assert ids(await appender.append(one("a", "2"))) == ["2"]  # the next group goes through
+
+
+async def test_an_inline_group_is_fsynced_on_the_loop_before_its_callers_hear_of_it(sync_rig: Rig) -> None:
+    store, recording, appender = sync_rig.store, sync_rig.recording, sync_rig.appender
+    results = [ids(await f) for f in start(appender, one("a", "0"), one("b", "1"))]
+    assert results == [["0"], ["1"]]
+    assert recording.sync_threads == [threading.get_ident()]  # one fsync for the group, on the loop's thread
+    assert recording.paths() == [("inline", True, ["0", "1"])]
+    assert store.queue_offsets(model.QueueId.lmq("P", "b")) == (0, 1)

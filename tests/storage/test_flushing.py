@@ -207,3 +207,12 @@ def test_a_failed_fsync_fails_its_appends_and_stops_writes(open_lmq: OpenLmq, ms
         s.append([msg(message_id="after")])
     with pytest.raises(errors.StorageError, match="stopped accepting writes"):
         api.append_if_free(s, [msg(message_id="after")])
+
+
+def test_try_begin_of_empty_requests_writes_nothing(open_lmq: OpenLmq) -> None:
+    s = open_lmq(flush_mode="sync")
+    written = s._log.written
+    pending = s.try_begin([[], []])
+    assert pending is not None and not pending.needs_sync
+    assert pending.finish() == [[], []]
+    assert s._log.written == written

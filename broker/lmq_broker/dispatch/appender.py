@@ -1,20 +1,15 @@
-"""Feeds SendMessage appends to the store: small ones from the event loop, the rest on one thread.
+"""Feeds SendMessage appends to the store: small ones on the event loop, the rest on one thread.
 
 A hop to a thread and back costs two thread wake-ups and a loop wake-up, more CPU on a small VM than
 appending one message, and its latency lands on every send. So while the thread has nothing pending, a
 request of a few messages is queued on the loop and every such request of one loop pass is appended by
-one callback at the end of the pass (one group commit): ``try_begin`` validates and writes the records,
-the fsync follows (``sync`` mode), then ``finish`` indexes them and the callers get their replies.
-
-Where the fsync runs depends on the load. When sends keep coming (a group starts within
-``PIPELINE_GAP_S`` of the previous one's end), a thread of its own runs it while the loop goes on serving;
-requests that arrive meanwhile gather for the next group, which starts as soon as the fsync is done (one
-fsync in flight, the next group forming behind it), so the loop never idles on the disk while there is
-work. After a quiet spell the fsync runs on the loop: nothing else is waiting, and the two thread wake-ups
-of the hand-off would only add to that send's latency. Should the loop's part become slow
-(``INLINE_MAX_BLOCK_S`` on average: a slow disk), requests go to the appender thread instead, and one small
-request goes inline at most once per ``PROBE_INTERVAL_S`` to notice when the disk is quick again. The loop
-never waits for another writer either: ``try_begin`` refuses at once and the group goes to the thread.
+one callback at the end of the pass (one group commit, no thread). That blocks the loop for the append,
+fsync included in ``sync`` mode, so it is only done while those appends are quick: the appender averages
+how long its inline appends held the loop and, above ``INLINE_MAX_BLOCK_S`` (a slow disk), uses the
+thread, letting one small request through inline at most once per ``PROBE_INTERVAL_S`` to notice when the
+disk is quick again. The loop never waits for another writer either: ``try_begin`` refuses at once and the
+group goes to the thread. An inline group is one ``try_begin`` (the store keeps its requests apart: an invalid one fails
+alone), its fsync and its ``finish``, all on the loop.
 
 Order: a request bound for the thread takes the small requests of the same pass along, ahead of it, and
 the rest of the pass follows it there, so requests of one pass are stored in the order they reached
@@ -26,8 +21,11 @@ keep a busy broker on the thread path for good.
 
 On the thread, every request waiting when it comes round goes into one ``store.append`` (one fsync), and
 all their callers are resumed with one loop wake-up. A combined append is atomic in the store; if it fails,
-each request is retried alone so the error reaches only the request that caused it (inline, ``try_begin``
-keeps the requests of a group apart itself).
+each request is retried alone so the error reaches only the request that caused it.
+
+Running the fsync on a thread while the loop goes on (and the next group gathers) was tried and measured:
+with the official client, neither the send rate nor the round trip of other calls improved, and the two
+thread wake-ups per group cost appends on the loop about 15 % of their rate.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final, NamedTuple
 
 from lmq_broker import model
@@ -46,7 +43,6 @@ from lmq_broker.storage.api import PendingAppend, Store
 INLINE_MAX_MESSAGES: Final = 32  # a request this small is appended on the loop
 INLINE_GROUP_MAX_MESSAGES: Final = 256  # bounds one inline group (a few ms of loop time)
 INLINE_MAX_BLOCK_S: Final = 0.002  # inline appends slower than this on average (a slow disk): use the thread
-PIPELINE_GAP_S: Final = 0.002  # a group this soon after the previous one: its fsync goes to the fsync thread
 PROBE_INTERVAL_S: Final = 1.0  # while on the thread for slowness, one inline append this often to re-measure
 _EWMA_WEIGHT: Final = 0.05  # ~20 appends: a slow disk is slow every time, a stall of this VM's disk is a spike
 
@@ -60,7 +56,6 @@ class AppendStats(NamedTuple):
     loop_commits: int  # group commits run on the event loop
     thread_commits: int  # group commits run on the appender thread
     inline_seconds: float  # moving average of how long an inline commit held the loop
-    fsync_handoffs: int = 0  # loop commits whose fsync ran on the fsync thread (sends kept coming)
 
 
 class Appender:
@@ -79,32 +74,26 @@ class Appender:
         self._inline: list[_Item] = []
         self._inline_count = 0
         self._inline_armed = False
-        self._in_flight = False  # an inline group holds the store while its fsync runs on ``_syncer``
-        self._last_end = -PIPELINE_GAP_S  # when the last inline group was finished (``timer``)
-        self._idle = asyncio.Event()  # no inline group in flight
-        self._idle.set()
-        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="lmq-fsync")
         self._thread_pass = False  # a request of this loop pass went to the thread: the rest of the pass follows
         self._stopping = False
         self._probe_at = 0.0
         self.inline_s = 0.0
         self.loop_commits = 0
         self.thread_commits = 0
-        self.fsync_handoffs = 0
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lmq-appender", daemon=True)
         self._thread.start()
 
     @property
     def stats(self) -> AppendStats:
-        return AppendStats(self.loop_commits, self.thread_commits, self.inline_s, self.fsync_handoffs)
+        return AppendStats(self.loop_commits, self.thread_commits, self.inline_s)
 
     async def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         future: _Future = self._loop.create_future()
         if self._stopping or self._goes_inline(len(messages)):
             self._inline.append((messages, future))
             self._inline_count += len(messages)
-            if not self._inline_armed and not self._in_flight:  # in flight: its end starts the next group
+            if not self._inline_armed:
                 self._inline_armed = True
                 self._loop.call_soon(self._commit_inline)  # after every handler ready in this pass
         else:
@@ -115,13 +104,11 @@ class Appender:
         return await future
 
     async def aclose(self) -> None:
-        """Finish what is queued and stop the threads. From here on, appends run on the loop (blocking it:
+        """Finish what is queued and stop the thread. From here on, appends run on the loop (blocking it:
         only the last few of a shutdown)."""
         self._stopping = True  # set on the loop: no append can be put on the queue after the stop below
         self._queue.put(_STOP)
         await asyncio.to_thread(self._thread.join)
-        await self._idle.wait()
-        self._syncer.shutdown(wait=False)
 
     # --- on the loop ----------------------------------------------------------------------------------------
     def _goes_inline(self, n: int) -> bool:
@@ -149,8 +136,6 @@ class Appender:
 
     def _commit_inline(self) -> None:
         self._inline_armed = False
-        if self._in_flight:
-            return  # the group in flight starts this one when its fsync is done
         group = self._take_inline()
         if not group:
             return  # a request bound for the thread took the group along
@@ -162,45 +147,13 @@ class Appender:
             return
         if pending is None:  # another writer holds the store: do not wait for it here
             if self._stopping:  # the thread is gone or going: wait for the other writer here after all
-                outcomes, _ = _commit(group, self._store.append)
-                _settle(outcomes)
+                _settle(_commit(group, self._store.append)[0])
             else:
                 self._to_thread(group)
             return
-        held = self._timer() - started
-        busy = started - self._last_end < PIPELINE_GAP_S
-        if pending.needs_sync and busy and not self._stopping:
-            self._in_flight = True
-            self._idle.clear()
-            self.fsync_handoffs += 1
-            synced = self._loop.run_in_executor(self._syncer, pending.sync)
-            synced.add_done_callback(lambda done: self._synced(pending, group, done, held))
-            return
-        error: BaseException | None = None
-        if pending.needs_sync:  # quiet (or stopping): the fsync runs here, and counts as loop time
-            try:
-                pending.sync()
-            except Exception as e:
-                error = e
-            held = self._timer() - started
-        self._finish(pending, group, error, held)
-
-    def _synced(self, pending: PendingAppend, group: list[_Item], done: asyncio.Future[None], held: float) -> None:
-        self._in_flight = False
-        self._finish(pending, group, None if done.cancelled() else done.exception(), held)
-        if self._inline and not self._inline_armed:
-            self._commit_inline()  # what gathered during the fsync: the next group, at once
-        if not self._in_flight:
-            self._idle.set()
-
-    def _finish(
-        self, pending: PendingAppend, group: list[_Item], sync_error: BaseException | None, held: float
-    ) -> None:
-        started = self._timer()
-        outcomes = pending.finish(sync_error)
-        self._last_end = self._timer()
-        held += self._last_end - started
+        outcomes = _finish(pending, len(group))
         self.loop_commits += 1
+        held = self._timer() - started
         if self.inline_s > INLINE_MAX_BLOCK_S and held <= INLINE_MAX_BLOCK_S:
             self.inline_s = held  # a quick probe after slow appends ends the slow spell at once
         else:
@@ -267,6 +220,20 @@ def _commit(
         out.append((future, results[start : start + len(messages)]))
         start += len(messages)
     return out, []
+
+
+def _finish(pending: PendingAppend, n: int) -> list[list[model.AppendResult] | BaseException]:
+    """fsync (when the store needs it) and finish a pending append of ``n`` requests: one outcome each."""
+    error: Exception | None = None
+    if pending.needs_sync:
+        try:
+            pending.sync()
+        except Exception as e:  # ``finish`` must run whatever it is: it frees the store's write path
+            error = e
+    try:
+        return pending.finish(error)
+    except Exception as e:  # a bug, not a store error (those are outcomes): still, every caller hears it
+        return [e] * n
 
 
 def _settle(outcomes: list[_Outcome]) -> None:

@@ -92,15 +92,9 @@ class _AppendCollector(Collector):
         commits.add_metric(["loop"], stats.loop_commits)
         commits.add_metric(["thread"], stats.thread_commits)
         yield commits
-        yield CounterMetricFamily(
-            "lmq_append_fsync_handoffs",
-            "Group commits on the event loop whose fsync ran on the fsync thread while the loop went on (sends "
-            "kept coming); the others fsync on the loop",
-            value=stats.fsync_handoffs,
-        )
         yield GaugeMetricFamily(
             "lmq_append_inline_seconds_average",
-            "Moving average of how long an append on the event loop held it (its fsync included unless handed "
-            "off); above 2 ms, small requests go to the appender thread",
+            "Moving average of how long an append on the event loop held it (fsync included in sync mode); "
+            "above 2 ms, small requests go to the appender thread",
             value=stats.inline_seconds,
         )

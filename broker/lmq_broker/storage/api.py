@@ -2,9 +2,9 @@
 both implement it, and one contract suite (tests/storage/test_contract.py) runs against both.
 
 All methods are thread-safe and blocking. Callers on an event loop run them in an executor (``try_begin``
-is the exception: it never waits for another writer, and leaves the fsync to a thread of the caller's
-choosing); in ``sync`` flush mode ``append`` returns only after the records are fsynced, and concurrent
-appends share one fsync.
+is the exception: it never waits for another writer, and leaves the fsync and the rest to the caller); in
+``sync`` flush mode ``append`` returns only after the records are fsynced, and concurrent appends share one
+fsync.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PendingAppend(Protocol):
         ...
 
     def sync(self) -> None:
-        """fsync the log (blocking; call it on a thread, never on an event loop). Raises OSError."""
+        """fsync the log (blocking: a few hundred microseconds on a quick disk, more on a slow one)."""
         ...
 
     def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
@@ -56,10 +56,14 @@ class Store(Protocol):
         """Start appending ``requests`` (each atomic on its own, in order), unless another writer holds the
         write path right now: then None, and nothing written.
 
-        For a caller that must not wait on a writer or on the disk (an event loop): the records are validated
+        For a caller that must not wait for another writer (an event loop): the records are validated
         and written, but neither fsynced nor indexed (so nobody can read them yet), and the store's write path
-        stays taken until the caller calls ``finish`` on what it gets back, after ``sync`` on a thread when
+        stays taken until the caller calls ``finish`` on what it gets back, after ``sync`` when
         ``needs_sync``. A request that fails validation fails alone (its outcome is the error).
+
+        Never take the write path blocking (``append``, offsets, metadata) on the thread that holds a pending
+        append: ``finish`` would never run. An event loop that uses ``try_begin`` runs every other write in an
+        executor.
         """
         ...
 
@@ -160,11 +164,11 @@ def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[m
     pending = store.try_begin([messages])
     if pending is None:
         return None
-    error: OSError | None = None
+    error: Exception | None = None
     if pending.needs_sync:
         try:
             pending.sync()
-        except OSError as e:
+        except Exception as e:  # whatever it is, ``finish`` must run: it frees the write path
             error = e
     (outcome,) = pending.finish(error)
     if isinstance(outcome, BaseException):

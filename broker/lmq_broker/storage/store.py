@@ -489,11 +489,11 @@ class LmqStore:
         try:
             staged = self._stage(reqs)
             if staged is not None:
-                error: OSError | None = None
+                error: Exception | None = None
                 if self._sync:
                     try:
                         self._log.sync()
-                    except OSError as e:
+                    except Exception as e:
                         error = e
                 self._index_staged(staged, error)
         finally:
@@ -515,7 +515,9 @@ class LmqStore:
                     live.append(r)
                 except errors.LmqError as e:
                     r.error = e
-            return self._write_log(live, store_ms) if live else None
+            if not any(r.prepared for r in live):  # nothing valid to write (or only empty requests)
+                return None
+            return self._write_log(live, store_ms)
         except Exception as e:
             for r in reqs:
                 if r.error is None:
@@ -527,12 +529,7 @@ class LmqStore:
         """After the fsync (``sync`` mode): index the staged records and publish their queues' new states."""
         try:
             if sync_error is not None:
-                # Which of the written bytes reached the disk is unknown, and a retried fsync may report
-                # success for pages the kernel dropped: take no more writes; a restart re-validates the log.
-                self._failed = f"commit log fsync failed: {sync_error}"
-                raise errors.StorageError(
-                    f"commit log fsync failed: {sync_error}", errno=getattr(sync_error, "errno", None)
-                ) from sync_error
+                raise self._fsync_failed(sync_error)
             batch = staged.batch
             for s, written in staged.chunks:
                 if written:
@@ -631,14 +628,28 @@ class LmqStore:
                 self._failed = f"commit log rollback failed: {again}"
             raise errors.StorageError(f"commit log write failed: {e}", errno=e.errno) from e
 
+    def _fsync_failed(self, error: BaseException) -> errors.StorageError:
+        """Stop taking writes after a failed fsync: which written bytes reached the disk is unknown, and a
+        retried fsync may report success for pages the kernel dropped. A restart re-validates the log (the
+        records of the failed round may survive it: their senders were told of a failure, and resend)."""
+        self._failed = f"commit log fsync failed: {error}"
+        return errors.StorageError(f"commit log fsync failed: {error}", errno=getattr(error, "errno", None))
+
+    def _sync_log(self) -> None:
+        """fsync the log (``sync`` mode), under the write lock; a failure stops the store taking writes."""
+        if self._sync:
+            try:
+                self._log.sync()
+            except OSError as e:
+                raise self._fsync_failed(e) from e
+
     def _write_record(self, record: bytes) -> tuple[int, int]:
         """Append one control record (its own round, under the write lock); (segment, end position)."""
         lg = self._log
         start = (lg.active.seq, lg.active.size)
         seg = start[0] + 1 if start[1] + len(record) > lg.segment_max_bytes else start[0]
         self._write_chunks([(seg, [record])], start)
-        if self._sync:
-            lg.sync()
+        self._sync_log()
         return lg.active.seq, lg.active.size
 
     def _write_records(self, records: Sequence[bytes]) -> list[int]:
@@ -660,8 +671,7 @@ class LmqStore:
             pos += len(record)
         chunks.append((seg, parts))
         self._write_chunks(chunks, start)
-        if self._sync:
-            lg.sync()
+        self._sync_log()
         return [s for s, written in chunks if written]
 
     def _write_batch(self, batch: index_mod.Batch, checkpoint: tuple[int, int]) -> None:
