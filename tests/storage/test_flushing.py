@@ -216,3 +216,21 @@ def test_try_begin_of_empty_requests_writes_nothing(open_lmq: OpenLmq) -> None:
     assert pending is not None and not pending.needs_sync
     assert pending.finish() == [[], []]
     assert s._log.written == written
+
+
+def test_a_failed_fsync_of_tombstones_stops_writes_too(
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = open_lmq(flush_mode="sync")
+    s.append([msg(message_id="1")])
+
+    def failing_sync(self: commitlog.CommitLog) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(commitlog.CommitLog, "sync", failing_sync)
+    with pytest.raises(errors.StorageError, match="fsync failed"):
+        s.delete_lite_topics([("P", "a", None)])
+    monkeypatch.undo()
+    assert s.lite_topic("P", "a") is not None  # not deleted: the index was never told
+    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
+        s.append([msg(message_id="2")])
