@@ -5,6 +5,7 @@ busy go to the store as one append; a failing request fails alone on either path
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -150,9 +151,9 @@ class Rig:
     timer: FakeTimer
 
 
-@pytest_asyncio.fixture
-async def rig(store: Store) -> AsyncIterator[Rig]:
-    """An appender on a recording store (fake timer) over either store, parent topic P in place."""
+@contextlib.asynccontextmanager
+async def rigged(store: Store) -> AsyncIterator[Rig]:
+    """An appender on a recording store (fake timer) over ``store``, parent topic P in place."""
     store.put_parent_topic(model.ParentTopic("P"))
     timer = FakeTimer()
     recording = RecordingStore(store, timer)
@@ -161,6 +162,13 @@ async def rig(store: Store) -> AsyncIterator[Rig]:
         yield Rig(store, recording, appender, timer)
     finally:
         await appender.aclose()
+
+
+@pytest_asyncio.fixture
+async def rig(store: Store) -> AsyncIterator[Rig]:
+    """``rigged`` over either store."""
+    async with rigged(store) as made:
+        yield made
 
 
 def start(appender: Appender, *requests: list[model.NewMessage]) -> list[asyncio.Future[list[model.AppendResult]]]:
@@ -271,14 +279,10 @@ async def test_appends_after_close_still_complete_on_the_loop(store: Store) -> N
 async def sync_rig(tmp_path: Path) -> AsyncIterator[Rig]:
     """``rig`` over an LmqStore in ``sync`` flush mode: inline groups have an fsync to run."""
     store = lmq_store.open_store(StoreConfig(data_dir=tmp_path / "data", flush_mode=FlushMode.SYNC))
-    store.put_parent_topic(model.ParentTopic("P"))
-    timer = FakeTimer()
-    recording = RecordingStore(store, timer)
-    appender = Appender(recording, asyncio.get_running_loop(), timer=timer)  # type: ignore[arg-type]
     try:
-        yield Rig(store, recording, appender, timer)
+        async with rigged(store) as made:
+            yield made
     finally:
-        await appender.aclose()
         store.close()
 
 
