@@ -8,8 +8,8 @@ fsync included in ``sync`` mode, so it is only done while those appends are quic
 how long its inline appends held the loop and, above ``INLINE_MAX_BLOCK_S`` (a slow disk), uses the
 thread, letting one small request through inline at most once per ``PROBE_INTERVAL_S`` to notice when the
 disk is quick again. The loop never waits for another writer either: ``try_begin`` refuses at once and the
-group goes to the thread. An inline group is one ``try_begin`` (the store keeps its requests apart: an invalid one fails
-alone), its fsync and its ``finish``, all on the loop.
+group goes to the thread. An inline group is one ``try_begin`` (the store keeps its requests apart: an
+invalid one fails alone), its fsync and its ``finish``, all on the loop.
 
 Order: a request bound for the thread takes the small requests of the same pass along, ahead of it, and
 the rest of the pass follows it there, so requests of one pass are stored in the order they reached
@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple
 
 from lmq_broker import model
-from lmq_broker.storage.api import PendingAppend, Store
+from lmq_broker.storage.api import PendingAppend, Store, complete
 
 INLINE_MAX_MESSAGES: Final = 32  # a request this small is appended on the loop
 INLINE_GROUP_MAX_MESSAGES: Final = 256  # bounds one inline group (a few ms of loop time)
@@ -224,14 +224,8 @@ def _commit(
 
 def _finish(pending: PendingAppend, n: int) -> list[list[model.AppendResult] | BaseException]:
     """fsync (when the store needs it) and finish a pending append of ``n`` requests: one outcome each."""
-    error: Exception | None = None
-    if pending.needs_sync:
-        try:
-            pending.sync()
-        except Exception as e:  # ``finish`` must run whatever it is: it frees the store's write path
-            error = e
     try:
-        return pending.finish(error)
+        return complete(pending)
     except Exception as e:  # a bug, not a store error (those are outcomes): still, every caller hears it
         return [e] * n
 

@@ -158,19 +158,24 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
-    """``store.append(messages)`` unless another writer holds the write path (then None, nothing written):
-    ``try_begin`` carried through on the calling thread, fsync included."""
-    pending = store.try_begin([messages])
-    if pending is None:
-        return None
+def complete(pending: PendingAppend) -> list[list[model.AppendResult] | BaseException]:
+    """Carry a pending append through on the calling thread: its fsync (when needed), then ``finish``."""
     error: Exception | None = None
     if pending.needs_sync:
         try:
             pending.sync()
         except Exception as e:  # whatever it is, ``finish`` must run: it frees the write path
             error = e
-    (outcome,) = pending.finish(error)
+    return pending.finish(error)
+
+
+def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+    """``store.append(messages)`` unless another writer holds the write path (then None, nothing written):
+    ``try_begin`` carried through on the calling thread, fsync included."""
+    pending = store.try_begin([messages])
+    if pending is None:
+        return None
+    (outcome,) = complete(pending)
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome

@@ -6,8 +6,8 @@ alone, nothing of it written), assigns offsets, encodes, writes each touched seg
 fsyncs once (``sync`` mode), then writes one WriteBatch with every index run, queue state, lite-topic
 record, counter, segment-table row and the checkpoint. Followers find their request done when they get
 the lock. Index after fsync means the index never points past the durable log in ``sync`` mode.
-``try_begin`` runs the same round in two halves for an event loop: validate and write (on the loop, lock
-taken without waiting), then the caller's fsync on a thread, then index and publish (``finish``, lock freed).
+``try_begin`` runs the same round in steps for an event loop: validate and write (lock taken without
+waiting), then the caller's ``sync``, then index and publish (``finish``, lock freed).
 
 Per-queue state (min/next and lite-topic times) lives in the index; a bounded LRU keeps the hot ones.
 Only the write path fills the LRU (under the lock), so a reader can never put a stale state in it.
