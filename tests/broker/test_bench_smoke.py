@@ -12,6 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 EXPECTED = {
     "bench_broker_batch.py": ["FIGURE batched send rate:"],
+    "bench_broker_consume.py": ["FIGURE one-lite-topic drain rate:", "FIGURE drain calls/s ÷ echo calls/s:"],
     "bench_broker_send.py": ["FIGURE send rate broker(sync flush)/echo:", "FIGURE send rate broker(async flush)/echo:"],
     "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
     "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],

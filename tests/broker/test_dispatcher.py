@@ -15,6 +15,7 @@ from lmq_broker.dispatch.dispatcher import Dispatcher, OffsetPolicy, OffsetReset
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
 from lmq_broker.storage import memory
 from lmq_broker.storage.api import Store
+from lmq_broker.storage.testing import another_writer
 
 pytestmark = pytest.mark.asyncio
 
@@ -26,6 +27,38 @@ async def test_subscribed_client_receives_and_ack_commits(lite: Lite) -> None:
     assert got.message.body == b"hello" and got.attempt == 1 and got.message.lite_topic == "t1"
     await lite.dispatcher.ack(GROUP, got.receipt_handle)
     assert lite.committed("t1") == 1
+
+
+async def test_an_ack_commits_on_the_loop_when_no_writer_holds_the_store(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    first, second = await lite.receive("c1", batch=32)
+
+    async def no_pool(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"went to the thread pool: {args}")
+
+    monkeypatch.setattr(lite.dispatcher, "run", no_pool)
+    await lite.dispatcher.ack(GROUP, first.receipt_handle)
+    assert lite.committed("t1") == 1
+    await lite.dispatcher.ack(GROUP, second.receipt_handle)
+    assert lite.committed("t1") == 2
+
+
+async def test_an_ack_while_another_writer_holds_the_store_commits_once_it_is_free(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    first, second = await lite.receive("c1", batch=32)
+    with another_writer(lite.store):
+        acking = asyncio.create_task(lite.dispatcher.ack(GROUP, first.receipt_handle))
+        later = asyncio.create_task(lite.dispatcher.ack(GROUP, second.receipt_handle))
+        await asyncio.sleep(0.2)
+        assert not acking.done() and not later.done()  # the commits wait on the pool; the loop runs on
+    await asyncio.wait_for(asyncio.gather(acking, later), 10)
+    assert lite.committed("t1") == 2
 
 
 async def test_nothing_is_handed_out_while_an_earlier_message_of_the_topic_is_leased(lite: Lite) -> None:

@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from lmq_broker import config, errors, model
+from lmq_broker import errors, model
 from lmq_broker.storage import api
-from lmq_broker.storage.memory import ManualClock, MemoryStore
+from lmq_broker.storage.memory import ManualClock
+from lmq_broker.storage.testing import another_writer
 
 Msg = Callable[..., model.NewMessage]
 LMQ_A = model.QueueId.lmq("P", "a")
@@ -49,25 +50,9 @@ def test_append_if_free_with_no_other_writer_is_an_append(store: api.Store, msg:
     assert store.lite_topic("P", "c") is None
 
 
-def test_the_memory_twin_refuses_try_begin_too_while_its_lock_is_held(
-    store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
-) -> None:
-    store = MemoryStore(store_config(), clock)
-    inside, leave = threading.Event(), threading.Event()
-
-    def other_writer() -> None:
-        with store._lock:
-            inside.set()
-            leave.wait(10)
-
-    holder = threading.Thread(target=other_writer)
-    holder.start()
-    try:
-        assert inside.wait(10)
+def test_append_if_free_writes_nothing_while_another_writer_holds_the_path(store: api.Store, msg: Msg) -> None:
+    with another_writer(store):
         assert api.append_if_free(store, [msg()]) is None
-    finally:
-        leave.set()
-        holder.join()
     assert store.queue_offsets(LMQ_A) == (0, 0)
     assert api.append_if_free(store, [msg()]) is not None
     assert store.queue_offsets(LMQ_A) == (0, 1)
@@ -276,6 +261,42 @@ def test_commit_on_a_missing_lite_topic_is_ignored(store: api.Store) -> None:
     store.commit_offset(LMQ_A, "g", 3)
     assert store.get_offset(LMQ_A, "g") is None
     assert store.lite_topic("P", "a") is None
+
+
+def test_try_commit_offset_with_no_other_writer_is_a_commit(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    store.append([msg(), msg()])
+    clock.advance(7000)
+    assert store.try_commit_offset(LMQ_A, "g", 2)
+    assert store.try_commit_offset(PARENT_Q, "g", 1)
+    assert store.get_offset(LMQ_A, "g") == 2 and store.get_offset(PARENT_Q, "g") == 1
+    meta = store.lite_topic("P", "a")
+    assert meta is not None and meta.last_consume_ms == clock()
+    assert store.try_commit_offset(model.QueueId.lmq("P", "gone"), "g", 1)  # a missing lite topic: ignored
+    assert store.get_offset(model.QueueId.lmq("P", "gone"), "g") is None
+
+
+def test_try_commit_offset_writes_nothing_while_another_writer_holds_the_path(
+    store: api.Store, msg: Msg, clock: ManualClock
+) -> None:
+    store.append([msg()])
+    store.commit_offset(LMQ_A, "g", 0)
+    clock.advance(7000)
+    with another_writer(store):
+        assert not store.try_commit_offset(LMQ_A, "g", 1)
+    assert store.get_offset(LMQ_A, "g") == 0
+    meta = store.lite_topic("P", "a")
+    assert meta is not None and meta.last_consume_ms == clock() - 7000
+    assert store.try_commit_offset(LMQ_A, "g", 1)
+    assert store.get_offset(LMQ_A, "g") == 1
+
+
+@pytest.mark.parametrize(
+    ("group", "offset", "error"), [("bad group", 0, errors.InvalidName), ("g", -1, errors.InvalidArgument)]
+)
+def test_try_commit_offset_refuses_bad_input(store: api.Store, group: str, offset: int, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        store.try_commit_offset(PARENT_Q, group, offset)
+    assert store.get_offset(PARENT_Q, "g") is None
 
 
 @pytest.mark.parametrize(

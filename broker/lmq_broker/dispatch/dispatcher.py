@@ -684,7 +684,7 @@ class Dispatcher:
 
     async def _commit(self, key: Key, state: leases.QueueLeases) -> int:
         """Persist the commit point; writes for one key are serialised so offsets never go backwards.
-        Returns the queue's max offset (read in the same pool call)."""
+        Returns the queue's max offset."""
         entry = self._commit_locks.get(key)
         if entry is None:
             entry = self._commit_locks[key] = (asyncio.Lock(), [0, -1])  # [users, last persisted]
@@ -695,11 +695,16 @@ class Dispatcher:
                 target = state.committed
                 queue = model.QueueId(key[0], key[1])
                 if target > counters[1]:
-                    hi = await self.run(self._commit_and_max, queue, key[2], target)
+                    # On the loop when no writer holds the store (two small index writes cost less than the
+                    # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
+                    if self.store.try_commit_offset(queue, key[2], target):
+                        hi = self.store.queue_offsets(queue)[1]
+                    else:
+                        hi = await self.run(self._commit_and_max, queue, key[2], target)
                     counters[1] = target
                     self._remember_commit(key, target)
                 else:
-                    hi = (await self.run(self.store.queue_offsets, queue))[1]
+                    hi = self.store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
                 return hi
         finally:
             counters[0] -= 1

@@ -80,6 +80,11 @@ class Store(Protocol):
         """Persist the group's next offset to consume; for an LMQ also records the lite topic's last consume time."""
         ...
 
+    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
+        """``commit_offset`` unless another writer holds the write path right now: then False, nothing written.
+        For an event loop, like ``try_begin``: a commit is two small index writes, cheaper than a thread hop."""
+        ...
+
     def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...
 
     # --- lite topics ----------------------------------------------------------------------------------

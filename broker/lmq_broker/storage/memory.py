@@ -174,19 +174,37 @@ class MemoryStore:
     # --- consumer offsets ----------------------------------------------------------------------------
 
     def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
+        name = self._offset_target(queue, group, offset)
+        with self._lock:
+            self._commit(name, group, offset)
+
+    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
+        name = self._offset_target(queue, group, offset)
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._commit(name, group, offset)
+        finally:
+            self._lock.release()
+        return True
+
+    def _offset_target(self, queue: model.QueueId, group: str, offset: int) -> keys.QueueName:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
         if not model.is_valid_resource_name(group):
             raise errors.InvalidName(f"invalid group name {group!r}", group=group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
-        with self._lock:
-            if name.is_lmq:
-                q = self._queues.get(name.qkey)
-                if q is None:
-                    return
-                q.last_consume = self._clock()
-            self._offsets.setdefault(name.qkey, {})[group] = offset
+        return name
+
+    def _commit(self, name: keys.QueueName, group: str, offset: int) -> None:
+        """The caller holds the lock."""
+        if name.is_lmq:
+            q = self._queues.get(name.qkey)
+            if q is None:
+                return
+            q.last_consume = self._clock()
+        self._offsets.setdefault(name.qkey, {})[group] = offset
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None:
         self._check_open()
