@@ -8,8 +8,9 @@ topics: arrival is a dict lookup, idle topics cost no CPU and no memory beyond t
 A catch-up pass over one client's own subscriptions runs only when its ready queue overflowed (or right
 after it subscribed to topics that already hold messages).
 
-Runs on one asyncio loop; the store is blocking, so every store call goes through ``run`` (a thread
-pool). State shared with those threads is never mutated from them: threads only read the store.
+Runs on one asyncio loop; the store is blocking, so store calls go through ``run`` (a thread pool), except
+those that never wait for another writer: an ack's offset commit (``try_commit_offset``, on the pool only
+when refused) and the max offset read after it. Dispatcher state is never touched from the pool's threads.
 Time is injected (``clock``, monotonic milliseconds); ``tick`` does whatever is due and is what the
 timer calls, so tests drive expiry with a fake clock.
 """
