@@ -279,7 +279,23 @@ def _wait_ready(api: KubeAPI, proc: subprocess.Popen[bytes], log: Path, timeout_
             raise RuntimeError(f"kube-apiserver exited with {proc.returncode}:\n{_tail(log)}")
         return bool(api.request("GET", "/readyz", accept="*/*", timeout_s=5, parse=False).strip() == "ok")
 
-    wait_for(ready, timeout_s, "kube-apiserver /readyz", detail=lambda: f"kube-apiserver log tail:\n{_tail(log)}")
+    def detail() -> str:
+        return f"{_machine_state(proc.pid)}\nkube-apiserver log tail:\n{_tail(log)}"
+
+    wait_for(ready, timeout_s, "kube-apiserver /readyz", detail=detail)
+
+
+def _machine_state(pid: int) -> str:
+    """What a stalled start looked like from outside: the process's scheduler state (R running, S sleeping,
+    D waiting on the disk), its CPU seconds, and the machine's load and free memory."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, cpu_s = fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        available = next(line for line in Path("/proc/meminfo").read_text().splitlines() if "MemAvailable" in line)
+    except (OSError, IndexError, ValueError, StopIteration) as exc:
+        return f"process {pid}: state unknown ({exc!r})"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"process {pid}: state {state}, {cpu_s:.1f} s CPU; load average {load}; {' '.join(available.split())}"
 
 
 @contextlib.contextmanager

@@ -71,11 +71,13 @@ def test_a_stalled_apiserver_start_is_retried_on_a_fresh_process(
     assert not any("still running" in m for m in messages)
 
 
-def test_a_second_stalled_start_fails_with_its_log_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_stalled_start_fails_with_its_state_and_log_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     stand_in(tmp_path, monkeypatch, stalls=2, ignore_sigterm=False)
-    failed = pytest.raises(
-        TimeoutError, match=r"kube-apiserver /readyz.*\nkube-apiserver log tail:\n.*stalled on purpose"
-    )
+    state = r"process \d+: state [RS], [\d.]+ s CPU; load average [\d. ]+; MemAvailable: \d+ kB"
+    tail = r"kube-apiserver log tail:\n.*stalled on purpose"
+    failed = pytest.raises(TimeoutError, match=rf"kube-apiserver /readyz.*\n{state}\n{tail}")
     with failed, testing.testenv(tmp_path / "env", start_timeout_s=3.0):
         pytest.fail("a testenv whose apiserver never answered was handed out")
     assert (tmp_path / "starts").read_text().count("start") == 2
