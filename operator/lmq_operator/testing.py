@@ -233,7 +233,8 @@ def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                logger.warning("pid %d (%.80r) still running %.0fs after SIGKILL", proc.pid, proc.args, timeout_s)
+                state = _machine_state(proc.pid)
+                logger.warning("%.80r still running %.0fs after SIGKILL: %s", proc.args, timeout_s, state)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
