@@ -121,6 +121,32 @@ class StoredMessage:
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
 
+    @staticmethod
+    def of(
+        message: NewMessage,
+        queue: QueueId,
+        offset: int,
+        store_ms: int,
+        user_properties: dict[str, str] | None = None,
+    ) -> StoredMessage:
+        """``message`` as stored at ``offset`` of ``queue`` (its user properties, unless given others)."""
+        return StoredMessage(
+            queue=queue,
+            offset=offset,
+            message_id=message.message_id,
+            topic=message.topic,
+            body=message.body,
+            store_timestamp_ms=store_ms,
+            born_timestamp_ms=message.born_timestamp_ms,
+            lite_topic=message.lite_topic,
+            message_type=message.message_type,
+            born_host=message.born_host,
+            tag=message.tag,
+            keys=message.keys,
+            message_group=message.message_group,
+            user_properties=message.user_properties if user_properties is None else user_properties,
+        )
+
 
 class AppendResult(NamedTuple):
     """Where one appended message landed: its offset in each queue it was dispatched to, in the order of the

@@ -92,24 +92,7 @@ class RecentMessages:
             if entry is None:
                 return None
             message, qid, stored_ms = entry
-            out.append(
-                model.StoredMessage(
-                    queue=qid,
-                    offset=offset,
-                    message_id=message.message_id,
-                    topic=message.topic,
-                    body=message.body,
-                    store_timestamp_ms=stored_ms,
-                    born_timestamp_ms=message.born_timestamp_ms,
-                    lite_topic=message.lite_topic,
-                    message_type=message.message_type,
-                    born_host=message.born_host,
-                    tag=message.tag,
-                    keys=message.keys,
-                    message_group=message.message_group,
-                    user_properties=message.user_properties,
-                )
-            )
+            out.append(model.StoredMessage.of(message, qid, offset, stored_ms))
         return out
 
     def forget(self, queue: QueueKey) -> None:

@@ -131,22 +131,7 @@ class MemoryStore:
                 off = q.next
                 q.next += 1
                 q.last_store = now
-                q.messages[off] = model.StoredMessage(
-                    queue=qid,
-                    offset=off,
-                    message_id=m.message_id,
-                    topic=m.topic,
-                    body=m.body,
-                    store_timestamp_ms=now,
-                    born_timestamp_ms=m.born_timestamp_ms,
-                    lite_topic=m.lite_topic,
-                    message_type=m.message_type,
-                    born_host=m.born_host,
-                    tag=m.tag,
-                    keys=m.keys,
-                    message_group=m.message_group,
-                    user_properties=dict(m.user_properties),
-                )
+                q.messages[off] = model.StoredMessage.of(m, qid, off, now, dict(m.user_properties))
                 offsets.append(off)
                 placed.append((q, off))
             self._records.append(_Record(now, p.size, placed))
@@ -174,37 +159,30 @@ class MemoryStore:
     # --- consumer offsets ----------------------------------------------------------------------------
 
     def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
-        name = self._offset_target(queue, group, offset)
-        with self._lock:
-            self._commit(name, group, offset)
+        self._commit_offset(queue, group, offset, wait=True)
 
     def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
-        name = self._offset_target(queue, group, offset)
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            self._commit(name, group, offset)
-        finally:
-            self._lock.release()
-        return True
+        return self._commit_offset(queue, group, offset, wait=False)
 
-    def _offset_target(self, queue: model.QueueId, group: str, offset: int) -> keys.QueueName:
+    def _commit_offset(self, queue: model.QueueId, group: str, offset: int, *, wait: bool) -> bool:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
         if not model.is_valid_resource_name(group):
             raise errors.InvalidName(f"invalid group name {group!r}", group=group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
-        return name
-
-    def _commit(self, name: keys.QueueName, group: str, offset: int) -> None:
-        """The caller holds the lock."""
-        if name.is_lmq:
-            q = self._queues.get(name.qkey)
-            if q is None:
-                return
-            q.last_consume = self._clock()
-        self._offsets.setdefault(name.qkey, {})[group] = offset
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            if name.is_lmq:
+                q = self._queues.get(name.qkey)
+                if q is None:
+                    return True
+                q.last_consume = self._clock()
+            self._offsets.setdefault(name.qkey, {})[group] = offset
+            return True
+        finally:
+            self._lock.release()
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None:
         self._check_open()

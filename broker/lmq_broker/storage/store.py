@@ -240,46 +240,40 @@ class LmqStore:
     # --- consumer offsets ----------------------------------------------------------------------------
 
     def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
-        name = self._offset_target(queue, group, offset)
-        with self._write_lock:
-            self._commit(name, group, offset)
+        self._commit_offset(queue, group, offset, wait=True)
 
     def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
-        name = self._offset_target(queue, group, offset)
-        if not self._write_lock.acquire(blocking=False):
-            return False
-        try:
-            self._commit(name, group, offset)
-        finally:
-            self._write_lock.release()
-        return True
+        return self._commit_offset(queue, group, offset, wait=False)
 
-    def _offset_target(self, queue: model.QueueId, group: str, offset: int) -> keys.QueueName:
+    def _commit_offset(self, queue: model.QueueId, group: str, offset: int, *, wait: bool) -> bool:
+        """False (nothing written) only when ``wait`` is False and another writer holds the write lock."""
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
         _check_group(group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
-        return name
-
-    def _commit(self, name: keys.QueueName, group: str, offset: int) -> None:
-        """The caller holds the write lock."""
-        self._check_writable()
-        meta = self._meta.batch()
-        meta.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
-        if not name.is_lmq:
+        if not self._write_lock.acquire(blocking=wait):
+            return False
+        try:
+            self._check_writable()
+            meta = self._meta.batch()
+            meta.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
+            if not name.is_lmq:
+                self._meta.write(meta)
+                return True
+            st = self._state(name)
+            if st is None:
+                return True  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
+            now = self._clock()
+            meta.put(keys.consumed_key(name.qkey), keys.U64.pack(now))  # survives a rebuilt index
             self._meta.write(meta)
-            return
-        st = self._state(name)
-        if st is None:
-            return  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
-        now = self._clock()
-        meta.put(keys.consumed_key(name.qkey), keys.U64.pack(now))  # survives a rebuilt index
-        self._meta.write(meta)
-        wb = self._index.batch()
-        wb.put(name.state_key, _value(st, last_consume=now))
-        self._index.write(wb)
-        st.last_consume = now
+            wb = self._index.batch()
+            wb.put(name.state_key, _value(st, last_consume=now))
+            self._index.write(wb)
+            st.last_consume = now
+            return True
+        finally:
+            self._write_lock.release()
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None:
         self._check_open()
