@@ -45,6 +45,8 @@ HELP: Final[dict[str, str]] = {
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
+    "lease_renew_slice_ms": "push consumers (auto_renew): lease length, renewed while the client lives",
+    "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
 }
 
 

@@ -51,6 +51,9 @@ class BrokerConfig(BaseModel):
     max_subscriptions_per_broker: int = Field(default=100_000, ge=1)  # maxLiteSubscriptionCount
     max_lite_topics_per_broker: int = Field(default=-1, ge=-1)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
+    # Auto-renew receives (push consumers): leased a slice at a time, renewed while the client lives
+    lease_renew_slice_ms: int = Field(default=30_000, ge=1000)
+    lease_renew_max_ms: int = Field(default=3 * 3600 * 1000, ge=0)  # 0: never renewed (one slice)
     bootstrap: bool = True  # create AGENT_TASK_NS + executor-group on first start
     index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""

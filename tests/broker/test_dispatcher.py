@@ -109,6 +109,72 @@ async def test_expired_lease_is_redelivered_with_the_next_attempt(lite: Lite) ->
     assert lite.committed("t1") == 1
 
 
+async def test_an_auto_renew_lease_is_renewed_while_its_client_lives(lite: Lite) -> None:
+    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    for _ in range(5):  # a listener that runs for five slices: no redelivery meanwhile
+        lite.clock.advance(slice_ms // 2)
+        lite.dispatcher.tick()
+        lite.dispatcher.registry.touch("c1", lite.clock())  # the client heartbeats
+        assert await lite.receive("c2") == [] and await lite.receive("c1") == []
+    await lite.dispatcher.ack(GROUP, first.receipt_handle)  # the handle of the first delivery still acks
+    assert lite.committed("t1") == 1
+
+
+async def test_an_auto_renew_lease_of_a_client_that_is_gone_expires_after_its_slice(lite: Lite) -> None:
+    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    lite.dispatcher.client_gone("c1")
+    lite.clock.advance(slice_ms - 1)
+    lite.dispatcher.tick()
+    assert await lite.receive("c2") == []
+    lite.clock.advance(1)
+    lite.dispatcher.tick()
+    (again,) = await lite.receive("c2")
+    assert again.message.message_id == first.message.message_id and again.attempt == 2
+
+
+async def test_an_auto_renew_lease_is_renewed_up_to_its_limit_only(
+    store: Store, clock: memory.ManualClock, tmp_path: Path
+) -> None:
+    slice_ms, max_ms = 2_000, 7_000
+    cfg = config_for(tmp_path / "unused", lease_renew_slice_ms=slice_ms, lease_renew_max_ms=max_ms)
+    lite = await Lite.start(store, clock, cfg)
+    try:
+        await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+        await lite.send("t1")
+        (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+        step = 500
+        for _ in range(max_ms // step - 1):
+            lite.clock.advance(step)
+            lite.dispatcher.tick()
+            lite.dispatcher.registry.touch("c1", lite.clock())
+            assert await lite.receive("c1") == []
+        lite.clock.advance(step)  # max_ms after the delivery: renewed no further
+        lite.dispatcher.tick()
+        (again,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+        assert again.message.message_id == first.message.message_id and again.attempt == 2
+    finally:
+        await lite.dispatcher.close()
+
+
+async def test_a_nack_ends_auto_renewal(lite: Lite) -> None:
+    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    await lite.dispatcher.change_invisible(GROUP, first.receipt_handle, 1_000)
+    lite.clock.advance(1_000)
+    lite.dispatcher.tick()
+    (again,) = await lite.receive("c1")
+    assert again.attempt == 2
+
+
 async def test_nack_redelivers_with_attempt_plus_one_and_suspend_does_not_count(lite: Lite) -> None:
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmq_broker import errors
-from lmq_broker.dispatch.leases import LeaseTable, Pick, QueueLeases, Receipt
+from lmq_broker.dispatch.leases import LeaseTable, Pick, QueueLeases, Receipt, Renewal
 
 KEY = ("%LMQ%$p$t", 0, "g")
 
@@ -111,3 +111,35 @@ def test_ack_of_a_never_delivered_offset_is_invalid() -> None:
     lease_all(table, state, state.picks(0, 1), 0, 1000)
     with pytest.raises(errors.InvalidReceiptHandle):
         table.ack(KEY, Receipt("inc", KEY[0], 0, 9, 1))
+
+
+def test_renewal_extends_each_auto_renew_lease_ahead_of_its_own_expiry() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=False)
+    renewal = Renewal(slice_ms=1000, ahead_ms=200, alive=lambda holder: holder == "alive")
+    early, late, gone = state.picks(now_ms=0, limit=3)
+    a = state.lease(early, 0, 1000, table.new_lease_id(), "alive", renew_until_ms=10_000)
+    b = state.lease(late, 500, 1000, table.new_lease_id(), "alive", renew_until_ms=10_000)
+    c = state.lease(gone, 0, 1000, table.new_lease_id(), "dead", renew_until_ms=10_000)
+    table.watch(KEY, LeaseTable.watch_at(a, renewal.ahead_ms))
+    table.watch(KEY, LeaseTable.watch_at(b, renewal.ahead_ms))
+    assert table.due(800, renewal) == []
+    assert (a.visible_at_ms, b.visible_at_ms, c.visible_at_ms) == (1800, 1500, 1000)  # b is not due yet
+    assert table.due(1000, renewal) == [KEY]  # the dead holder's lease expires on time
+    table.due(1300, renewal)
+    assert (a.visible_at_ms, b.visible_at_ms, c.visible_at_ms) == (1800, 2300, 1000)
+    picks = state.picks(now_ms=1300, limit=5)
+    assert picks[0] == Pick(gone.offset, 2, True) and not {early.offset, late.offset} & {p.offset for p in picks}
+
+
+def test_renewal_stops_at_the_lease_deadline() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    renewal = Renewal(slice_ms=1000, ahead_ms=200, alive=lambda holder: True)
+    (pick,) = state.picks(now_ms=0, limit=1)
+    lease = state.lease(pick, 0, 1000, table.new_lease_id(), "c", renew_until_ms=1500)
+    table.watch(KEY, LeaseTable.watch_at(lease, renewal.ahead_ms))
+    assert table.due(800, renewal) == [] and lease.visible_at_ms == 1500
+    assert table.due(1499, renewal) == []
+    assert table.due(1500, renewal) == [KEY]
+    assert state.picks(now_ms=1500, limit=1) == [Pick(0, 2, True)]

@@ -100,6 +100,23 @@ def test_nack_is_redelivered_with_attempt_two(
     assert inbox.accepted[0].body == b"again"
 
 
+def test_a_listener_slower_than_the_lease_gets_its_message_once(tmp_path: Any, clients: list[Any]) -> None:
+    """The push consumer never renews a lease itself (auto_renew): the broker renews it while it is alive."""
+    slice_s = 2
+    args = ["--lease-renew-slice-ms", str(slice_s * 1000)]
+    with start_broker(tmp_path / "data", extra_args=args) as quick:
+        inbox = Inbox(accept=lambda m: time.sleep(3 * slice_s) is None)
+        c = consumer(quick, clients, "executor-group", "AGENT_TASK_NS", inbox)
+        c.subscribe_lite("slow")
+        send(producer(quick, clients, "AGENT_TASK_NS"), "AGENT_TASK_NS", "slow", b"take your time")
+        assert inbox.wait_for(lambda i: len(i.accepted) == 1, 20)
+        time.sleep(2 * slice_s)  # a redelivery of an expired lease would arrive within a slice
+        assert [(m.body, m.delivery_attempt) for m in inbox.seen] == [(b"take your time", 1)]
+        for client in clients:
+            client.shutdown()
+        clients.clear()
+
+
 def test_unsubscribe_stops_delivery(
     broker: BrokerProcess, admin: AdminClient, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
 ) -> None:

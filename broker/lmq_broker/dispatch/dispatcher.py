@@ -56,7 +56,7 @@ HOUSEKEEPING_INTERVAL_MS: Final = 10_000
 COMMITTED_CACHE_SIZE: Final = 100_000
 NOTICES_PER_CLIENT: Final = 1024
 CATCHUP_CHUNK: Final = 512
-DEFAULT_LEASE_MS: Final = 30_000  # auto-renew receives: RocketMQ renews; we lease once, long enough
+RENEW_AHEAD_MS: Final = 5_000  # an auto-renew lease is renewed this long before it would expire
 DLQ_PREFIX: Final = catalog.DLQ_PREFIX
 NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
 
@@ -133,6 +133,9 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._appender: appender.Appender | None = None
         self.recent = recent.RecentMessages()
+        self._renewal = leases.Renewal(
+            config.lease_renew_slice_ms, min(RENEW_AHEAD_MS, config.lease_renew_slice_ms // 2), self._alive
+        )
         # Commit points of (queue, group) pairs with nothing in flight (their lease state is dropped when
         # idle), so the next delivery need not read it back: this broker is the only writer of offsets.
         self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
@@ -260,6 +263,10 @@ class Dispatcher:
             self._notices.pop(client_id, None)
             if not self.draining:
                 self.client_gone(client_id)
+
+    def _alive(self, client_id: str) -> bool:
+        """Does the client still count (its leases are renewed): registered, not terminated or expired."""
+        return self.registry.get(client_id) is not None
 
     def client_gone(self, client_id: str) -> None:
         """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
@@ -497,7 +504,10 @@ class Dispatcher:
         batch: int,
         invisible_ms: int,
         poll_ms: int,
+        auto_renew: bool = False,
     ) -> list[Delivery]:
+        """Long-poll this client's ready lite topics. ``auto_renew``: ``invisible_ms`` is a slice, renewed
+        while the client lives (up to ``lease_renew_max_ms``)."""
         snap = await self.metadata()
         found = snap.consuming_lite_group(group, parent)
         deadline = self.clock() + poll_ms
@@ -513,7 +523,9 @@ class Dispatcher:
                 popped = self.ready.pop(client_id, 1)
                 if not popped:
                     break
-                out += await self._deliver((popped[0], 0, group), batch - len(out), invisible_ms, client_id, found)
+                out += await self._deliver(
+                    (popped[0], 0, group), batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew
+                )
             if out:
                 return out
             if not await self._wait(event, deadline):
@@ -530,6 +542,7 @@ class Dispatcher:
         batch: int,
         invisible_ms: int,
         poll_ms: int,
+        auto_renew: bool = False,
     ) -> list[Delivery]:
         snap = await self.metadata()
         found = snap.normal_group(group, topic)
@@ -544,7 +557,9 @@ class Dispatcher:
             self._rr += 1
             for i in range(queues):
                 key = (topic, (self._rr + i) % queues, group)
-                out += await self._deliver(key, batch - len(out), invisible_ms, client_id, found, ordered=False)
+                out += await self._deliver(
+                    key, batch - len(out), invisible_ms, client_id, found, ordered=False, auto_renew=auto_renew
+                )
                 if len(out) >= batch:
                     self._wake_topic(topic)  # there may be more: let other receivers look too
                     break
@@ -572,6 +587,7 @@ class Dispatcher:
         group: model.LiteGroup,
         *,
         ordered: bool = True,
+        auto_renew: bool = False,
     ) -> list[Delivery]:
         if limit <= 0 or key in self._busy:
             return []  # whoever holds it delivers; later events come from its acks and expiries
@@ -601,6 +617,8 @@ class Dispatcher:
                         state.skip_to(lo)
             by_offset = {m.offset: m for m in messages}
             now = self.clock()
+            renew_max = self.config.lease_renew_max_ms
+            renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
             out: list[Delivery] = []
             dead: list[tuple[leases.Pick, model.StoredMessage]] = []
             for pick in picks:
@@ -611,13 +629,14 @@ class Dispatcher:
                     dead.append((pick, message))
                     continue
                 lease_id = self.leases.new_lease_id()
-                state.lease(pick, now, invisible_ms, lease_id, holder)
+                lease = state.lease(pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until)
                 out.append(
                     Delivery(message, pick.attempt, self.leases.receipt(key, pick.offset, lease_id), invisible_ms)
                 )
             if out:
-                self.leases.watch(key, now + invisible_ms)
-                self._arm(now + invisible_ms)
+                at = self.leases.watch_at(lease, self._renewal.ahead_ms)  # the batch's leases are alike
+                self.leases.watch(key, at)
+                self._arm(at)
             if dead:
                 await self._dead_letter(key, [m for _, m in dead], state, dead)
             return out
@@ -751,7 +770,7 @@ class Dispatcher:
     def tick(self) -> None:
         """Do everything that is due: redeliveries, catch-up passes, client expiry. Re-arms the timer."""
         now = self.clock()
-        for key in self.leases.due(now):
+        for key in self.leases.due(now, self._renewal):
             self._redispatch(key)
         for client_id in self.ready.due_catchups(now):
             self._start_catchup(client_id)

@@ -10,6 +10,11 @@ and the window of in-flight messages is capped instead.
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it. Nothing here is
 persisted: after a restart consumption resumes from the committed offset (as RocketMQ's order info).
 
+Auto-renew leases (push consumers: the client never extends a lease itself) carry a renewal deadline: while
+their holder is alive, ``due`` extends them a slice at a time, shortly before they expire, up to that
+deadline, keeping their receipt handle. A lease whose holder is gone, or that reached its deadline, expires
+as any other.
+
 Receipt handles are opaque strings minted here and echoed back by clients:
 ``<incarnation> <queue topic> <queue id> <offset> <lease id>`` (space is never valid in a queue name). The
 incarnation is random per broker process, so handles from before a restart are recognisably stale.
@@ -18,6 +23,7 @@ incarnation is random per broker process, so handles from before a restart are r
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -59,6 +65,7 @@ class Lease:
     holder: str = ""
     acked: bool = False
     keep_attempt: bool = False  # set by a suspend: the next hand-out repeats the attempt number
+    renew_until_ms: int = 0  # an auto-renew lease is extended while its holder lives, up to this; 0: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +109,10 @@ class QueueLeases:
         out.extend(Pick(offset, 1, False) for offset in range(self.handed, self.handed + max(room, 0)))
         return out
 
-    def lease(self, pick: Pick, now_ms: int, invisible_ms: int, lease_id: int, holder: str) -> Lease:
-        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder)
+    def lease(
+        self, pick: Pick, now_ms: int, invisible_ms: int, lease_id: int, holder: str, *, renew_until_ms: int = 0
+    ) -> Lease:
+        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms)
         self.entries[pick.offset] = lease
         if pick.offset >= self.handed:
             self.handed = pick.offset + 1
@@ -164,6 +173,16 @@ class QueueLeases:
 
 
 Key = tuple[str, int, str]  # (queue topic, queue id, group)
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """How ``LeaseTable.due`` renews auto-renew leases: ``ahead_ms`` before one expires, if ``alive(holder)``,
+    it is extended to ``slice_ms`` from now (never past its renewal deadline)."""
+
+    slice_ms: int
+    ahead_ms: int
+    alive: Callable[[str], bool]
 
 
 class LeaseTable:
@@ -234,6 +253,7 @@ class LeaseTable:
         lease.lease_id = self.new_lease_id()
         lease.visible_at_ms = now_ms + invisible_ms
         lease.keep_attempt = suspend
+        lease.renew_until_ms = 0  # the client chose the invisible time: no longer renewed for it
         self.watch(key, lease.visible_at_ms)
         return Receipt(self.incarnation, key[0], key[1], receipt.offset, lease.lease_id), lease
 
@@ -243,15 +263,43 @@ class LeaseTable:
         self._seq += 1
         heapq.heappush(self._expiries, (visible_at_ms, self._seq, key))
 
-    def due(self, now_ms: int) -> list[Key]:
-        """Keys whose leases have expired with something still unacknowledged, each once."""
+    def due(self, now_ms: int, renewal: Renewal | None = None) -> list[Key]:
+        """Keys whose leases have expired with something still unacknowledged, each once. With ``renewal``,
+        auto-renew leases about to expire whose holder is alive are extended first (see ``Renewal``)."""
         keys: dict[Key, None] = {}
+        seen: set[Key] = set()
         while self._expiries and self._expiries[0][0] <= now_ms:
             _, _, key = heapq.heappop(self._expiries)
+            if key in seen:
+                continue
+            seen.add(key)
             state = self._states.get(key)
-            if state is not None and key not in keys and _has_expired(state, now_ms):
+            if state is None:
+                continue
+            if renewal is not None:
+                self._renew(key, state, now_ms, renewal)
+            if _has_expired(state, now_ms):
                 keys[key] = None
         return list(keys)
+
+    def _renew(self, key: Key, state: QueueLeases, now_ms: int, renewal: Renewal) -> None:
+        for lease in state.entries.values():
+            if lease.acked or lease.renew_until_ms <= lease.visible_at_ms:
+                continue  # not renewable, or renewed up to its deadline already: it expires when it is due
+            if lease.visible_at_ms - renewal.ahead_ms > now_ms:
+                continue  # another lease of the key brought us here early; its own watch comes later
+            if not renewal.alive(lease.holder):
+                self.watch(key, lease.visible_at_ms)  # the holder is gone: let it expire on time
+                continue
+            lease.visible_at_ms = max(lease.visible_at_ms, min(now_ms + renewal.slice_ms, lease.renew_until_ms))
+            self.watch(key, self.watch_at(lease, renewal.ahead_ms))
+
+    @staticmethod
+    def watch_at(lease: Lease, ahead_ms: int) -> int:
+        """When to look at a lease again: ahead of its expiry while it can still be renewed, else at it."""
+        if lease.renew_until_ms > lease.visible_at_ms:
+            return lease.visible_at_ms - ahead_ms
+        return lease.visible_at_ms
 
     def next_expiry_ms(self) -> int | None:
         return self._expiries[0][0] if self._expiries else None

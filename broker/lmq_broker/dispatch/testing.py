@@ -55,10 +55,10 @@ class Lite:
         return result
 
     async def receive(
-        self, client: str, batch: int = 32, invisible_ms: int = 10_000, poll_ms: int = 0
+        self, client: str, batch: int = 32, invisible_ms: int = 10_000, poll_ms: int = 0, *, auto_renew: bool = False
     ) -> list[Delivery]:
         return await self.dispatcher.receive_lite(
-            client, GROUP, PARENT, batch=batch, invisible_ms=invisible_ms, poll_ms=poll_ms
+            client, GROUP, PARENT, batch=batch, invisible_ms=invisible_ms, poll_ms=poll_ms, auto_renew=auto_renew
         )
 
     def committed(self, lite: str, group: str = GROUP) -> int | None:

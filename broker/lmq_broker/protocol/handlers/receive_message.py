@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import dispatcher as dispatching
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -31,8 +30,8 @@ async def handle(
         raise errors.InvalidArgument(f"batch_size must be within 1..{MAX_BATCH}")
     batch = min(request.batch_size, edge.config.receive_batch_size)
     _check_filter(request.filter_expression) if request.HasField("filter_expression") else None
-    if request.auto_renew and not request.HasField("invisible_duration"):
-        invisible = dispatching.DEFAULT_LEASE_MS
+    if request.auto_renew:  # the broker renews the lease while the client lives (invisible_duration unused)
+        invisible = edge.config.lease_renew_slice_ms
     elif request.HasField("invisible_duration"):
         invisible = convert.invisible_ms(request.invisible_duration, convert.MIN_RECEIVE_INVISIBLE_MS)
     else:
@@ -49,11 +48,11 @@ async def handle(
     topic = snap.topic(name)
     if topic.message_type == model.MessageType.LITE:
         deliveries = await edge.dispatcher.receive_lite(
-            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll
+            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll, auto_renew=request.auto_renew
         )
     else:
         deliveries = await edge.dispatcher.receive_normal(
-            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll
+            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll, auto_renew=request.auto_renew
         )
     if not deliveries:
         yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
