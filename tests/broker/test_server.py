@@ -72,7 +72,7 @@ async def test_query_route_of_normal_and_missing_topics(client: Client, broker: 
     broker.dispatcher.metadata_changed()
     reply = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("orders")), metadata=H())
     assert [q.id for q in reply.message_queues] == [0, 1]
-    assert set(reply.message_queues[0].accept_message_types) == {pb.NORMAL, pb.FIFO, pb.DELAY, pb.TRANSACTION}
+    assert set(reply.message_queues[0].accept_message_types) == {pb.NORMAL, pb.FIFO}
     assert reply.message_queues[0].broker.endpoints.addresses[0].port == broker.port
     missing = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("nope")), metadata=H())
     assert missing.status.code == pb.TOPIC_NOT_FOUND
@@ -80,6 +80,35 @@ async def test_query_route_of_normal_and_missing_topics(client: Client, broker: 
     assert illegal.status.code == pb.ILLEGAL_TOPIC
     dlq = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("%DLQ%g")), metadata=H())
     assert dlq.message_queues[0].permission == pb.READ
+
+
+async def test_normal_routes_advertise_exactly_the_message_types_send_accepts(
+    client: Client, broker: app.Broker
+) -> None:
+    client.store.put_parent_topic(model.ParentTopic("orders", model.MessageType.NORMAL))
+    assert broker.dispatcher is not None
+    broker.dispatcher.metadata_changed()
+    route = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("orders")), metadata=H())
+    advertised = set(route.message_queues[0].accept_message_types)
+    accepted = set()
+    for kind in pb.MessageType.values():
+        if kind == pb.MESSAGE_TYPE_UNSPECIFIED:
+            continue
+        props = pb.SystemProperties(message_id=f"m{kind}", message_type=kind)
+        props.message_group = "g" if kind == pb.FIFO else ""
+        if kind == pb.DELAY:
+            props.delivery_timestamp.FromMilliseconds(4_000_000_000_000)
+        if kind == pb.PRIORITY:
+            props.priority = 1
+        if kind == pb.LITE:
+            props.lite_topic = "t1"
+        message = pb.Message(topic=resource("orders"), body=b"x", system_properties=props)
+        reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=H("p"))
+        if reply.status.code == pb.OK:
+            accepted.add(kind)
+        elif kind in (pb.DELAY, pb.TRANSACTION, pb.PRIORITY):
+            assert reply.status.code == pb.UNSUPPORTED, (kind, reply.status)
+    assert advertised == accepted == {pb.NORMAL, pb.FIFO}
 
 
 async def telemetry(client: Client, settings: pb.Settings, client_id: str = "c1") -> spb.TelemetryCommand:
