@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -88,9 +89,12 @@ def test_parent_topic_put_of_a_normal_topic_with_queues(broker: Broker) -> None:
     got = run_json(broker, "parent-topic", "get", "jobs")["topic"]
     assert (got["message_type"], got["queue_count"]) == ("NORMAL", 4)
 
-    code, _, err = run(broker, "parent-topic", "put", "jobs", "--queues", "4")  # LITE by default
+    code, _, err = run(broker, "parent-topic", "put", "new-jobs", "--queues", "4")  # a new topic is LITE by default
     assert code == 1
     assert err.startswith("error: InvalidArgument: topic.queue_count: must be 1 for a LITE topic")
+    code, _, err = run(broker, "parent-topic", "put", "jobs", "--queues", "6")  # an existing one keeps its type
+    assert (code, err) == (0, "")
+    assert broker.store.get_parent_topic("jobs") == model.ParentTopic("jobs", model.MessageType.NORMAL, queue_count=6)
     code, _, err = run(broker, "parent-topic", "put", "jobs", "--message-type", "NORMAL", "--queues", "65")
     assert code == 1
     assert err.startswith("error: InvalidArgument: topic.queue_count: must be in 1..64")
@@ -99,7 +103,7 @@ def test_parent_topic_put_of_a_normal_topic_with_queues(broker: Broker) -> None:
     assert err.startswith("error: InvalidArgument: topic.expiration_minutes: applies to LITE topics only")
     code, _, err = run(broker, "parent-topic", "put", "orders", "--message-type", "NORMAL", "--queues", "2")
     assert code == 0
-    code, _, err = run(broker, "parent-topic", "put", "orders")
+    code, _, err = run(broker, "parent-topic", "put", "orders", "--message-type", "LITE", "--queues", "1")
     assert code == 1
     assert err.startswith("error: Conflict: topic.message_type is immutable: topic 'orders' is NORMAL, not LITE")
 
@@ -129,6 +133,59 @@ def test_group_commands(broker: Broker) -> None:
     assert row.split()[:3] == ["g", "orders", "EXCLUSIVE"]
     assert [g["group"]["name"] for g in run_json(broker, "group", "list")] == ["g"]
     assert run_json(broker, "group", "delete", "g") is True
+
+
+def test_parent_topic_put_keeps_the_fields_whose_options_are_not_given(broker: Broker) -> None:
+    run_json(broker, "parent-topic", "put", "orders", "--expiration-minutes", "60", "--max-lite-topics", "10")
+    put = run_json(broker, "parent-topic", "put", "orders", "--max-lite-topics", "5")
+    assert put["created"] is False
+    assert broker.store.get_parent_topic("orders") == model.ParentTopic(
+        "orders", expiration_minutes=60, max_lite_topics=5
+    )
+    run_json(broker, "parent-topic", "put", "orders", "--expiration-minutes", "-1")
+    assert broker.store.get_parent_topic("orders") == model.ParentTopic("orders", max_lite_topics=5)
+
+
+def test_group_put_sets_a_backoff_and_keeps_the_fields_whose_options_are_not_given(broker: Broker) -> None:
+    broker.client().put_parent_topic(model.ParentTopic("orders"))
+    created = run_json(
+        broker, "group", "put", "g", "--bind-topic", "orders", "--model", "exclusive", "--client-quota", "7",
+        "--max-attempts", "5", "--backoff-ms", "1000,2500,60000", "--no-fifo", "--no-consume-enabled",
+    )  # fmt: skip
+    assert created["created"] is True
+    expected = model.LiteGroup(
+        "g", "orders", model=model.SubscriptionModel.EXCLUSIVE, client_quota=7,
+        ready_capacity=broker.config.default_ready_capacity,
+        retry=model.RetryPolicy(max_attempts=5, backoff_ms=(1000, 2500, 60000)), fifo=False, consume_enabled=False,
+    )  # fmt: skip
+    assert broker.store.get_group("g") == expected
+
+    updated = run_json(broker, "group", "put", "g", "--bind-topic", "orders", "--ready-capacity", "20")
+    assert updated["created"] is False
+    assert broker.store.get_group("g") == dataclasses.replace(expected, ready_capacity=20)
+
+    run_json(broker, "group", "put", "g", "--bind-topic", "orders", "--backoff-ms", "500", "--fifo")
+    after = broker.store.get_group("g")
+    assert after == dataclasses.replace(expected, ready_capacity=20, retry=model.RetryPolicy(5, (500,)), fifo=True)
+
+    run_json(broker, "group", "put", "g", "--bind-topic", "orders", "--backoff-ms", "")  # the broker's default
+    assert broker.store.get_group("g") == dataclasses.replace(after, retry=model.RetryPolicy(5))
+
+    code, _, err = run(broker, "group", "put", "g", "--bind-topic", "orders", "--backoff-ms", "0")
+    assert code == 1
+    assert err.startswith("error: InvalidArgument: group.retry.backoff_ms[0]")
+    broker.client().put_parent_topic(model.ParentTopic("other"))
+    code, _, err = run(broker, "group", "put", "g", "--bind-topic", "other")
+    assert code == 1
+    assert err.startswith("error: Conflict: group.bind_topic is immutable")
+
+
+def test_group_put_refuses_a_malformed_backoff_as_usage(broker: Broker, capsys: pytest.CaptureFixture[str]) -> None:
+    broker.client().put_parent_topic(model.ParentTopic("orders"))
+    argv = ["--endpoint", broker.endpoint, "group", "put", "g", "--bind-topic", "orders", "--backoff-ms", "1000,1s"]
+    assert cli.main(argv) == 2
+    assert "expected comma-separated milliseconds, got '1000,1s'" in capsys.readouterr().err
+    assert broker.client().list_groups() == []
 
 
 def test_quota_commands(broker: Broker) -> None:

@@ -1,10 +1,15 @@
 """Malformed requests against a real broker process: every answer is a known v2 status, never an internal
 error, and the broker keeps serving. Property-based (hypothesis): arbitrary names, sizes, enum numbers,
-missing fields, and raw bytes that are not protobuf at all."""
+missing fields, and raw bytes that are not protobuf at all.
+
+The second half pins the exact code where the protocol has one (docs/protocol.md, "Validation and status
+codes"): unknown enum values, oversized bodies (alone or within a batch, plain or gzip) and each required
+field left out, against a parent topic of their own whose lite topics must stay empty."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gzip
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,8 @@ from google.protobuf import duration_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
@@ -217,6 +224,206 @@ def test_bytes_that_are_not_protobuf(broker: BrokerProcess, raw: bytes, method: 
         )
         answer = call(raw, timeout=10)
     check(answer.status)  # parseable bytes: handled like any request; the rest: BAD_REQUEST
+
+
+# --- exact codes --------------------------------------------------------------------------------------------
+STRICT_PARENT, STRICT_GROUP = "FUZZ_STRICT", "fuzz-strict-group"
+CLIENT = (("x-mq-client-id", "strict"),)
+MAX_BODY = 4 * 1024 * 1024  # the broker's default --max-body-bytes
+STRICT = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+valid_lites = st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True)
+
+
+def unknown(enum: Any) -> st.SearchStrategy[Any]:
+    """int32 values that are not a member of ``enum``."""
+    known = frozenset(enum.values())
+    return st.integers(-(2**31), 2**31 - 1).filter(lambda value: value not in known)
+
+
+@pytest.fixture(scope="module")
+def admin(broker: BrokerProcess) -> Iterator[AdminClient]:
+    with AdminClient(broker.admin_endpoint, timeout_s=10) as client:
+        client.put_parent_topic(model.ParentTopic(STRICT_PARENT))
+        client.put_group(model.LiteGroup(STRICT_GROUP, STRICT_PARENT))
+        yield client
+
+
+def nothing_stored(admin: AdminClient) -> None:
+    """None of the refused requests stored a message or left a subscription behind."""
+    assert admin.get_parent_topic(STRICT_PARENT).lite_topic_count == 0
+    assert admin.get_group(STRICT_GROUP).subscription_count == 0
+
+
+def strict_message(lite: str, body: bytes = b"x", **sp: Any) -> pb.Message:  # sp: system properties
+    props = pb.SystemProperties(**{"message_id": f"id-{lite}", "message_type": pb.LITE, "lite_topic": lite, **sp})
+    return pb.Message(topic=pb.Resource(name=STRICT_PARENT), body=body, system_properties=props)
+
+
+def call(stub: service_pb2_grpc.MessagingServiceStub, rpc: str, request: Any, metadata: Any = CLIENT) -> int:
+    """The status code of a unary call, or of the single status frame of ReceiveMessage."""
+    if rpc == "ReceiveMessage":
+        frames = list(stub.ReceiveMessage(request, metadata=metadata, timeout=10))
+        (status,) = [f.status for f in frames if f.HasField("status")]
+        return int(status.code)
+    return int(getattr(stub, rpc)(request, metadata=metadata, timeout=10).status.code)
+
+
+@STRICT
+@given(data=st.data(), lite=valid_lites)
+@pytest.mark.parametrize(
+    ("rpc", "field", "expected"),
+    [
+        ("SyncLiteSubscription", "action", pb.BAD_REQUEST),
+        ("SyncLiteSubscription", "offset_policy", pb.ILLEGAL_OFFSET),
+        ("Heartbeat", "client_type", pb.UNRECOGNIZED_CLIENT_TYPE),
+        ("SendMessage", "message_type", pb.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
+        ("SendMessage", "body_encoding", pb.BAD_REQUEST),
+        ("ReceiveMessage", "filter_type", pb.ILLEGAL_FILTER_EXPRESSION),
+    ],
+)
+def test_unknown_enum_values_get_their_code(
+    stub: service_pb2_grpc.MessagingServiceStub,
+    admin: AdminClient,
+    *,
+    rpc: str,
+    field: str,
+    expected: int,
+    data: st.DataObject,
+    lite: str,
+) -> None:
+    parent, group = pb.Resource(name=STRICT_PARENT), pb.Resource(name=STRICT_GROUP)
+    request: Any
+    if rpc == "SyncLiteSubscription":
+        action = data.draw(unknown(pb.LiteSubscriptionAction)) if field == "action" else pb.PARTIAL_ADD
+        request = spb.SyncLiteSubscriptionRequest(action=action, topic=parent, group=group, lite_topic_set=[lite])
+        if field == "offset_policy":
+            request.offset_option.policy = data.draw(unknown(pb.OffsetOption.Policy))
+    elif rpc == "Heartbeat":
+        request = spb.HeartbeatRequest(client_type=data.draw(unknown(pb.ClientType)), group=group)
+    elif rpc == "SendMessage":
+        value = data.draw(unknown(pb.MessageType if field == "message_type" else pb.Encoding))
+        request = spb.SendMessageRequest(messages=[strict_message(lite, **{field: value})])
+    else:
+        request = spb.ReceiveMessageRequest(
+            group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=1, auto_renew=True,
+            long_polling_timeout=duration_pb2.Duration(seconds=0),
+            filter_expression=pb.FilterExpression(type=data.draw(unknown(pb.FilterType)), expression="*"),
+        )  # fmt: skip
+    assert call(stub, rpc, request) == expected
+    nothing_stored(admin)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    extra=st.integers(1, 64 * 1024),
+    packed=st.booleans(),
+    valid_before=st.integers(0, 2),
+    valid_after=st.integers(0, 2),
+    lite=valid_lites,
+)
+def test_an_oversized_body_rejects_its_request(
+    stub: service_pb2_grpc.MessagingServiceStub,
+    admin: AdminClient,
+    *,
+    extra: int,
+    packed: bool,
+    valid_before: int,
+    valid_after: int,
+    lite: str,
+) -> None:
+    """Over the limit as sent, or only once inflated (gzip): MESSAGE_BODY_TOO_LARGE, and none of the
+    request's messages is stored."""
+    body = b"x" * (MAX_BODY + extra)
+    big = strict_message(lite, gzip.compress(body), body_encoding=pb.GZIP) if packed else strict_message(lite, body)
+    batch = [strict_message(f"ok-{i}") for i in range(valid_before)] + [big]
+    batch += [strict_message(f"ok-{i}") for i in range(valid_before, valid_before + valid_after)]
+    assert call(stub, "SendMessage", spb.SendMessageRequest(messages=batch)) == pb.MESSAGE_BODY_TOO_LARGE
+    nothing_stored(admin)
+
+
+MISSING = [
+    ("SendMessage", "messages", pb.BAD_REQUEST),
+    ("SendMessage", "topic", pb.ILLEGAL_TOPIC),
+    ("SendMessage", "body", pb.MESSAGE_BODY_EMPTY),
+    ("SendMessage", "message_id", pb.ILLEGAL_MESSAGE_ID),
+    ("SendMessage", "lite_topic", pb.ILLEGAL_LITE_TOPIC),
+    ("SyncLiteSubscription", "client_id", pb.CLIENT_ID_REQUIRED),
+    ("SyncLiteSubscription", "topic", pb.ILLEGAL_TOPIC),
+    ("SyncLiteSubscription", "group", pb.ILLEGAL_CONSUMER_GROUP),
+    ("ReceiveMessage", "client_id", pb.CLIENT_ID_REQUIRED),
+    ("ReceiveMessage", "group", pb.ILLEGAL_CONSUMER_GROUP),
+    ("ReceiveMessage", "topic", pb.ILLEGAL_TOPIC),
+    ("ReceiveMessage", "invisible_duration", pb.ILLEGAL_INVISIBLE_TIME),
+    ("AckMessage", "group", pb.ILLEGAL_CONSUMER_GROUP),
+    ("AckMessage", "topic", pb.ILLEGAL_TOPIC),
+    ("AckMessage", "entries", pb.BAD_REQUEST),
+    ("AckMessage", "receipt_handle", pb.INVALID_RECEIPT_HANDLE),
+    ("ChangeInvisibleDuration", "group", pb.ILLEGAL_CONSUMER_GROUP),
+    ("ChangeInvisibleDuration", "topic", pb.ILLEGAL_TOPIC),
+    ("ChangeInvisibleDuration", "receipt_handle", pb.INVALID_RECEIPT_HANDLE),
+    ("ForwardMessageToDeadLetterQueue", "group", pb.ILLEGAL_CONSUMER_GROUP),
+    ("ForwardMessageToDeadLetterQueue", "topic", pb.ILLEGAL_TOPIC),
+    ("ForwardMessageToDeadLetterQueue", "receipt_handle", pb.INVALID_RECEIPT_HANDLE),
+    ("Heartbeat", "client_id", pb.CLIENT_ID_REQUIRED),
+    ("Heartbeat", "client_type", pb.UNRECOGNIZED_CLIENT_TYPE),
+]
+
+
+def complete_request(rpc: str, lite: str, handle: str) -> Any:
+    """A request of ``rpc`` with every field it needs (it may still fail later, e.g. on an unknown handle)."""
+    parent, group = pb.Resource(name=STRICT_PARENT), pb.Resource(name=STRICT_GROUP)
+    invisible = duration_pb2.Duration(seconds=30)
+    builders: dict[str, Callable[[], Any]] = {
+        "SendMessage": lambda: spb.SendMessageRequest(messages=[strict_message(lite)]),
+        "SyncLiteSubscription": lambda: spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite]
+        ),
+        "ReceiveMessage": lambda: spb.ReceiveMessageRequest(
+            group=group,
+            message_queue=pb.MessageQueue(topic=parent),
+            batch_size=1,
+            auto_renew=False,
+            invisible_duration=invisible,
+            long_polling_timeout=duration_pb2.Duration(seconds=0),
+        ),
+        "AckMessage": lambda: spb.AckMessageRequest(
+            group=group, topic=parent, entries=[spb.AckMessageEntry(message_id="m", receipt_handle=handle)]
+        ),
+        "ChangeInvisibleDuration": lambda: spb.ChangeInvisibleDurationRequest(
+            group=group, topic=parent, receipt_handle=handle, invisible_duration=invisible, lite_topic=lite
+        ),
+        "ForwardMessageToDeadLetterQueue": lambda: spb.ForwardMessageToDeadLetterQueueRequest(
+            group=group, topic=parent, receipt_handle=handle, lite_topic=lite
+        ),
+        "Heartbeat": lambda: spb.HeartbeatRequest(client_type=pb.LITE_PUSH_CONSUMER, group=group),
+    }
+    return builders[rpc]()
+
+
+@STRICT
+@given(case=st.sampled_from(MISSING), lite=valid_lites, handle=st.text(min_size=1, max_size=80))
+def test_a_missing_required_field_gets_its_code(
+    stub: service_pb2_grpc.MessagingServiceStub,
+    admin: AdminClient,
+    case: tuple[str, str, int],
+    lite: str,
+    handle: str,
+) -> None:
+    rpc, field, expected = case
+    request = complete_request(rpc, lite, handle)
+    if field == "client_id":
+        assert call(stub, rpc, request, metadata=()) == expected
+        return nothing_stored(admin)
+    holder = request
+    if rpc == "SendMessage" and field != "messages":
+        holder = request.messages[0] if field in ("topic", "body") else request.messages[0].system_properties
+    elif rpc == "ReceiveMessage" and field == "topic":
+        holder = request.message_queue
+    elif rpc == "AckMessage" and field == "receipt_handle":
+        holder = request.entries[0]
+    holder.ClearField(field)
+    assert call(stub, rpc, request) == expected
+    nothing_stored(admin)
 
 
 def test_broker_still_serves_after_fuzzing(stub: service_pb2_grpc.MessagingServiceStub, broker: BrokerProcess) -> None:

@@ -72,7 +72,7 @@ async def test_query_route_of_normal_and_missing_topics(client: Client, broker: 
     broker.dispatcher.metadata_changed()
     reply = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("orders")), metadata=H())
     assert [q.id for q in reply.message_queues] == [0, 1]
-    assert set(reply.message_queues[0].accept_message_types) == {pb.NORMAL, pb.FIFO, pb.DELAY, pb.TRANSACTION}
+    assert set(reply.message_queues[0].accept_message_types) == {pb.NORMAL, pb.FIFO}
     assert reply.message_queues[0].broker.endpoints.addresses[0].port == broker.port
     missing = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("nope")), metadata=H())
     assert missing.status.code == pb.TOPIC_NOT_FOUND
@@ -80,6 +80,35 @@ async def test_query_route_of_normal_and_missing_topics(client: Client, broker: 
     assert illegal.status.code == pb.ILLEGAL_TOPIC
     dlq = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("%DLQ%g")), metadata=H())
     assert dlq.message_queues[0].permission == pb.READ
+
+
+async def test_normal_routes_advertise_exactly_the_message_types_send_accepts(
+    client: Client, broker: app.Broker
+) -> None:
+    client.store.put_parent_topic(model.ParentTopic("orders", model.MessageType.NORMAL))
+    assert broker.dispatcher is not None
+    broker.dispatcher.metadata_changed()
+    route = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=resource("orders")), metadata=H())
+    advertised = set(route.message_queues[0].accept_message_types)
+    accepted = set()
+    for kind in pb.MessageType.values():
+        if kind == pb.MESSAGE_TYPE_UNSPECIFIED:
+            continue
+        props = pb.SystemProperties(message_id=f"m{kind}", message_type=kind)
+        props.message_group = "g" if kind == pb.FIFO else ""
+        if kind == pb.DELAY:
+            props.delivery_timestamp.FromMilliseconds(4_000_000_000_000)
+        if kind == pb.PRIORITY:
+            props.priority = 1
+        if kind == pb.LITE:
+            props.lite_topic = "t1"
+        message = pb.Message(topic=resource("orders"), body=b"x", system_properties=props)
+        reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=H("p"))
+        if reply.status.code == pb.OK:
+            accepted.add(kind)
+        elif kind in (pb.DELAY, pb.TRANSACTION, pb.PRIORITY):
+            assert reply.status.code == pb.UNSUPPORTED, (kind, reply.status)
+    assert advertised == accepted == {pb.NORMAL, pb.FIFO}
 
 
 async def telemetry(client: Client, settings: pb.Settings, client_id: str = "c1") -> spb.TelemetryCommand:
@@ -269,6 +298,139 @@ async def test_python_5_1_2_character_split_subscription_is_joined(
     assert {name.rsplit("$", 1)[1] for name in state.lite_topics} == expected
 
 
+def subscribed(broker: app.Broker, client_id: str) -> set[str]:
+    """The lite topics the registry holds for ``client_id``."""
+    assert broker.dispatcher is not None
+    state = broker.dispatcher.registry.get(client_id)
+    return set() if state is None else {name.rsplit("$", 1)[1] for name in state.lite_topics}
+
+
+async def sync(
+    client: Client, action: Any, *lites: str, client_id: str = "c1", **headers: str
+) -> spb.SyncLiteSubscriptionResponse:
+    request = spb.SyncLiteSubscriptionRequest(
+        action=action, topic=resource(PARENT), group=resource(GROUP), lite_topic_set=list(lites)
+    )
+    return await client.stub.SyncLiteSubscription(request, metadata=H(client_id, **headers))
+
+
+async def send_lite(
+    client: Client, lite: str, body: bytes, user_properties: dict[str, str] | None = None, **sp: Any
+) -> None:
+    message = lite_message(lite, body=body, message_id=f"{lite}-{body.decode()}")
+    message.system_properties.MergeFrom(pb.SystemProperties(**sp))
+    message.user_properties.update(user_properties or {})
+    reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=H("p"))
+    assert reply.status.code == pb.OK, reply.status.message
+
+
+async def bodies(client: Client, client_id: str = "c1", poll_ms: int = 1000) -> list[tuple[str, bytes]]:
+    frames = await receive(client, client_id, long_polling_timeout=duration(poll_ms))
+    return sorted((f.message.system_properties.lite_topic, f.message.body) for f in frames if f.HasField("message"))
+
+
+async def test_an_empty_complete_add_is_accepted_and_leaves_no_subscription(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    assert (await sync(client, pb.COMPLETE_ADD, client_id="fresh")).status.code == pb.OK  # a client with none yet
+    assert subscribed(broker, "fresh") == set()
+    assert (await subscribe(client, "a", "b")).status.code == pb.OK
+    assert broker.dispatcher.subscription_count() == 2
+    assert (await sync(client, pb.COMPLETE_ADD)).status.code == pb.OK  # the client unsubscribed everything
+    assert subscribed(broker, "c1") == set() and broker.dispatcher.subscription_count() == 0
+    await send_lite(client, "a", b"1")
+    assert await bodies(client) == []
+
+
+async def test_a_complete_add_replaces_the_set(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    assert (await subscribe(client, "a", "b")).status.code == pb.OK
+    # Python 5.1.2 headers: a COMPLETE_ADD of one-character names is taken literally (only PARTIAL_ADD is joined).
+    reply = await sync(client, pb.COMPLETE_ADD, "b", "c", language="PYTHON", version="5.1.2")
+    assert reply.status.code == pb.OK
+    assert subscribed(broker, "c1") == {"b", "c"}
+    assert broker.dispatcher.subscription_count() == 2
+    for lite in ("a", "b", "c"):
+        await send_lite(client, lite, b"1")
+    assert await bodies(client) == [("b", b"1"), ("c", b"1")]  # "a" was dropped
+    assert (await sync(client, pb.COMPLETE_ADD, "no spaces")).status.code == pb.ILLEGAL_LITE_TOPIC
+    assert subscribed(broker, "c1") == {"b", "c"}  # a refused COMPLETE_ADD changes nothing
+
+
+async def test_complete_remove_drops_every_subscription_of_the_client(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    assert (await subscribe(client, "a", "b")).status.code == pb.OK
+    assert (await subscribe(client, "a", client_id="other")).status.code == pb.OK
+    assert broker.dispatcher.subscription_count() == 3
+    assert (await sync(client, pb.COMPLETE_REMOVE)).status.code == pb.OK
+    assert subscribed(broker, "c1") == set()
+    assert subscribed(broker, "other") == {"a"}
+    assert broker.dispatcher.subscription_count() == 1
+    await send_lite(client, "b", b"1")
+    assert await bodies(client) == []
+    assert (await sync(client, pb.COMPLETE_REMOVE)).status.code == pb.OK  # again: nothing left, still OK
+
+
+async def test_a_duplicate_partial_add_is_accepted_once(client: Client, broker: app.Broker) -> None:
+    assert broker.dispatcher is not None
+    assert (await subscribe(client, "a")).status.code == pb.OK
+    assert (await subscribe(client, "a")).status.code == pb.OK
+    assert (await subscribe(client, "a", "a")).status.code == pb.OK
+    assert subscribed(broker, "c1") == {"a"}
+    assert broker.dispatcher.subscription_count() == 1
+    await send_lite(client, "a", b"1")
+    assert await bodies(client) == [("a", b"1")]  # delivered once
+    assert await bodies(client, poll_ms=200) == []
+
+
+async def test_forward_to_the_dead_letter_queue_stores_the_message_for_any_reader(client: Client) -> None:
+    assert (await subscribe(client, "t1")).status.code == pb.OK
+    await send_lite(client, "t1", b"poison", tag="urgent", keys=["k1"], user_properties={"trace": "42"})
+    (message,) = [f.message for f in await receive(client) if f.HasField("message")]
+    sp = message.system_properties
+    forward = spb.ForwardMessageToDeadLetterQueueRequest(
+        group=resource(GROUP), topic=resource(PARENT), receipt_handle=sp.receipt_handle, message_id=sp.message_id,
+        delivery_attempt=2, max_delivery_attempts=2, lite_topic="t1",
+    )  # fmt: skip
+    assert (await client.stub.ForwardMessageToDeadLetterQueue(forward, metadata=H())).status.code == pb.OK
+    assert client.store.get_offset(model.QueueId.lmq(PARENT, "t1"), GROUP) == 1  # settled
+    assert await bodies(client, poll_ms=200) == []
+    # Forwarding again (the client retries until OK) stores no second copy.
+    assert (await client.stub.ForwardMessageToDeadLetterQueue(forward, metadata=H())).status.code == pb.OK
+
+    dlq = f"%DLQ%{GROUP}"
+    frames = await receive(client, "reader", group="dlq-reader", topic=dlq, long_polling_timeout=duration(1000))
+    assert frames[0].status.code == pb.OK
+    (dead,) = [f.message for f in frames if f.HasField("message")]
+    dsp = dead.system_properties
+    assert (dead.topic.name, dead.body, dsp.message_id) == (dlq, b"poison", "t1-poison")
+    assert (dsp.message_type, dsp.tag, list(dsp.keys), dsp.HasField("lite_topic")) == (
+        pb.NORMAL,
+        "urgent",
+        ["k1"],
+        False,
+    )
+    assert dict(dead.user_properties) == {"trace": "42", "__ORIGIN_TOPIC": PARENT, "__ORIGIN_LITE_TOPIC": "t1"}
+    assert dsp.delivery_attempt == 1
+    assert client.store.queue_offsets(model.QueueId(dlq, 0)) == (0, 1)
+
+
+async def test_a_quiet_long_poll_is_answered_before_the_call_deadline(client: Client) -> None:
+    """The client's deadline is its polling time + request timeout; the broker answers MESSAGE_NOT_FOUND
+    0.5 s before it rather than letting the call run into DEADLINE_EXCEEDED."""
+    assert (await subscribe(client, "quiet")).status.code == pb.OK
+    request = spb.ReceiveMessageRequest(
+        group=resource(GROUP), message_queue=pb.MessageQueue(topic=resource(PARENT)), batch_size=32,
+        auto_renew=True, long_polling_timeout=duration(20_000),  # longer than the call may last
+    )  # fmt: skip
+    loop = asyncio.get_running_loop()
+    for deadline_s, at_least_s in ((2.0, 1.2), (0.4, 0.0)):  # shorter than the margin: answered at once
+        started = loop.time()
+        frames = [f async for f in client.stub.ReceiveMessage(request, metadata=H(), timeout=deadline_s)]
+        elapsed = loop.time() - started
+        assert [f.status.code for f in frames] == [pb.MESSAGE_NOT_FOUND]
+        assert at_least_s <= elapsed < deadline_s, (deadline_s, elapsed)
+
+
 async def test_subscription_errors(client: Client, broker: app.Broker) -> None:
     assert broker.dispatcher is not None
     client.store.put_group(model.LiteGroup(GROUP, PARENT, client_quota=2))
@@ -335,9 +497,14 @@ async def test_heartbeat_and_termination(client: Client, broker: app.Broker) -> 
     assert broker.dispatcher.registry.get("hb") is not None
     bad = spb.HeartbeatRequest(client_type=42)  # type: ignore[arg-type]
     assert (await client.stub.Heartbeat(bad, metadata=H("hb"))).status.code == pb.UNRECOGNIZED_CLIENT_TYPE
+    assert (await subscribe(client, "t1", "t2", client_id="hb")).status.code == pb.OK
+    assert (await subscribe(client, "t1", client_id="stays")).status.code == pb.OK
+    assert broker.dispatcher.subscription_count() == 3
     bye = spb.NotifyClientTerminationRequest(group=resource(GROUP))
     assert (await client.stub.NotifyClientTermination(bye, metadata=H("hb"))).status.code == pb.OK
     assert broker.dispatcher.registry.get("hb") is None
+    assert broker.dispatcher.subscription_count() == 1  # all of hb's subscriptions, none of the other client's
+    assert subscribed(broker, "stays") == {"t1"}
 
 
 async def test_metrics_and_probes_over_http(client: Client, broker: app.Broker) -> None:

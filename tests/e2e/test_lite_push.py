@@ -7,7 +7,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
+from rocketmq import (
+    ClientConfiguration,
+    Credentials,
+    FilterExpression,
+    LitePushConsumer,
+    LiteSimpleConsumer,
+    Message,
+    Producer,
+    SimpleConsumer,
+)
 from rocketmq.v5.exception import (
     BadRequestException,
     LiteSubscriptionQuotaExceededException,
@@ -117,6 +126,42 @@ def test_a_listener_slower_than_the_lease_gets_its_message_once(tmp_path: Any, c
         clients.clear()
 
 
+def test_fifo_group_retries_locally_then_forwards_to_the_dead_letter_queue(
+    broker: BrokerProcess,
+    admin: AdminClient,
+    clients: list[Any],
+    lite_group: Callable[..., tuple[str, str]],
+    unique: Callable[[str], str],
+) -> None:
+    """The default lite path (fifo group): the client retries a failing message itself up to max_attempts,
+    then calls ForwardMessageToDeadLetterQueue; the copy is readable from %DLQ%<group> with any consumer."""
+    topic, group = lite_group(retry=model.RetryPolicy(max_attempts=2, backoff_ms=(100, 100)))
+    assert admin.get_group(group).group.fifo
+    inbox = Inbox(accept=lambda m: False)
+    c = consumer(broker, clients, group, topic, inbox)
+    c.subscribe_lite("poison")
+    sent = send(producer(broker, clients, topic), topic, "poison", b"never consumed")
+    assert inbox.wait_for(lambda i: len(i.seen) >= 2, 20)
+
+    dlq = f"%DLQ%{group}"
+    reader = SimpleConsumer(config(broker), unique("dlq-reader"), {dlq: FilterExpression()}, await_duration=5)
+    reader.startup()
+    clients.append(reader)
+    received: list[Any] = []
+    deadline = time.monotonic() + 20
+    while not received and time.monotonic() < deadline:
+        received = reader.receive(16, 15)
+    (dead,) = received
+    assert (dead.topic, dead.body, dead.message_id) == (dlq, b"never consumed", sent.message_id)
+    assert dead.properties["__ORIGIN_TOPIC"] == topic
+    assert dead.properties["__ORIGIN_LITE_TOPIC"] == "poison"
+    reader.ack(dead)
+    assert [m.body for m in inbox.seen] == [b"never consumed"] * 2  # max_attempts consumptions, then the DLQ
+    while admin.describe_lite_topic(topic, "poison").group_offsets.get(group) != 1:
+        assert time.monotonic() < deadline, "the forwarded message was not settled"
+        time.sleep(0.05)
+
+
 def test_unsubscribe_stops_delivery(
     broker: BrokerProcess, admin: AdminClient, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
 ) -> None:
@@ -145,8 +190,9 @@ def test_invalid_lite_topic_names_are_rejected(
         c.subscribe_lite("no spaces allowed")
     assert raised.value.code == 40020  # ILLEGAL_LITE_TOPIC
     p = producer(broker, clients, topic)
-    with pytest.raises(BadRequestException):
+    with pytest.raises(BadRequestException) as refused:
         send(p, topic, "bad/name", b"x")
+    assert refused.value.code == 40020  # ILLEGAL_LITE_TOPIC, from the broker (5.1.2 checks no charset itself)
 
 
 def test_lite_topic_quota_reaches_the_producer(

@@ -20,7 +20,7 @@ def quick_start_snippet(readme: Path) -> str:
 
 def test_readme_quick_start_runs_against_a_fresh_broker(tmp_path: Path, repo_root: Path) -> None:
     snippet = quick_start_snippet(repo_root / "README.md")
-    assert 12 <= len(snippet.strip().splitlines()) <= 30
+    assert len(snippet.strip().splitlines()) <= 15  # the issue asks for a 15-line example
     script = tmp_path / "quickstart.py"
     script.write_text(snippet)
     with start_broker(tmp_path / "data") as broker:  # bootstrap: AGENT_TASK_NS + executor-group

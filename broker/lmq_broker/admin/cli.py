@@ -1,8 +1,10 @@
 """``lmq-admin``: the admin service from a shell, one subcommand per resource and verb.
 
 A thin layer over ``AdminClient``: parse, call, print. Exit codes: 0 done, 1 the broker refused or
-failed (its message on stderr), 2 bad usage. ``put`` sends the whole object, so options left out take
-their defaults rather than keeping what the broker had (the same upsert the operator does).
+failed (its message on stderr), 2 bad usage. The service's ``Put*`` replaces the whole object, so
+``parent-topic put`` and ``group put`` of an object that exists read it first and change only the fields
+whose options were given (read, merge, put: a concurrent writer between the read and the put loses its
+change). ``quota put`` sends the whole quota.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, TextIO
+from typing import Any, Final, TextIO, TypeVar
 
 from lmq_broker import errors, model
 from lmq_broker.admin.client import AdminClient
@@ -27,6 +29,7 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 _WRAPPERS: Final = frozenset({"topic", "group", "meta", "value"})  # nested values printed as their fields
+T = TypeVar("T")
 
 
 def _reclaim_cell(run: Mapping[str, Any] | None) -> str:
@@ -98,32 +101,58 @@ def emit(result: object, output: str, out: TextIO) -> None:
 
 
 # --- commands --------------------------------------------------------------------------------------------
+def _given(value: T | None, kept: T) -> T:
+    """An option's value, or what the object had when the option was left out (its default is None)."""
+    return kept if value is None else value
+
+
 def _put_parent(admin: AdminClient, a: argparse.Namespace) -> object:
+    try:
+        kept = admin.get_parent_topic(a.name).topic
+    except errors.TopicNotFound:
+        kept = model.ParentTopic(a.name)
+    message_type = model.MessageType[a.message_type] if a.message_type is not None else kept.message_type
     return admin.put_parent_topic(
         model.ParentTopic(
             a.name,
-            model.MessageType[a.message_type],
-            expiration_minutes=a.expiration_minutes,
-            max_lite_topics=a.max_lite_topics,
-            queue_count=a.queues,
+            message_type,
+            expiration_minutes=_given(a.expiration_minutes, kept.expiration_minutes),
+            max_lite_topics=_given(a.max_lite_topics, kept.max_lite_topics),
+            queue_count=_given(a.queues, kept.queue_count),
         )
     )
 
 
 def _put_group(admin: AdminClient, a: argparse.Namespace) -> object:
-    # Zeros and an empty backoff ask the broker for its configured defaults.
+    try:
+        kept = admin.get_group(a.name).group
+    except errors.GroupNotFound:
+        # Zeros and an empty backoff ask the broker for its configured defaults.
+        kept = model.LiteGroup(a.name, a.bind_topic, client_quota=0, ready_capacity=0, retry=model.RetryPolicy(0, ()))
     return admin.put_group(
         model.LiteGroup(
             a.name,
-            a.bind_topic,
-            model=model.SubscriptionModel(a.model.capitalize()),
-            client_quota=a.client_quota,
-            ready_capacity=a.ready_capacity,
-            retry=model.RetryPolicy(max_attempts=a.max_attempts, backoff_ms=()),
-            fifo=a.fifo,
-            consume_enabled=a.consume_enabled,
+            a.bind_topic,  # immutable: a different one is refused by the broker (Conflict)
+            model=model.SubscriptionModel(a.model.capitalize()) if a.model is not None else kept.model,
+            client_quota=_given(a.client_quota, kept.client_quota),
+            ready_capacity=_given(a.ready_capacity, kept.ready_capacity),
+            retry=model.RetryPolicy(
+                max_attempts=_given(a.max_attempts, kept.retry.max_attempts),
+                backoff_ms=_given(a.backoff_ms, kept.retry.backoff_ms),
+            ),
+            fifo=_given(a.fifo, kept.fifo),
+            consume_enabled=_given(a.consume_enabled, kept.consume_enabled),
         )
     )
+
+
+def _milliseconds(text: str) -> tuple[int, ...]:
+    """``--backoff-ms 1000,5000,60000``: the delay before each redelivery, in ms; an empty value asks the
+    broker for its default backoff."""
+    try:
+        return tuple(int(part) for part in text.split(",")) if text.strip() else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
 
 
 def _put_quota(admin: AdminClient, a: argparse.Namespace) -> object:
@@ -190,14 +219,13 @@ def _parser() -> argparse.ArgumentParser:
     put.add_argument(
         "--message-type",
         choices=("LITE", "NORMAL"),
-        default="LITE",
         help="LITE (default): parent of lite topics; NORMAL: for PushConsumer/SimpleConsumer. Immutable once set",
     )
-    put.add_argument("--queues", type=int, default=1, help="queues of a NORMAL topic, 1..64 (LITE: 1); never shrinks")
+    put.add_argument("--queues", type=int, help="queues of a NORMAL topic, 1..64 (default 1; LITE: 1); never shrinks")
     put.add_argument(
-        "--expiration-minutes", type=int, default=-1, help="LITE only: idle minutes before reclaim; -1 never"
+        "--expiration-minutes", type=int, help="LITE only: idle minutes before reclaim, -1 never (default)"
     )
-    put.add_argument("--max-lite-topics", type=int, default=-1, help="LITE only: -1 unlimited")
+    put.add_argument("--max-lite-topics", type=int, help="LITE only: -1 (default) unlimited")
     verb(topics, "get", lambda c, a: c.get_parent_topic(a.name), "show one").add_argument("name")
     delete = verb(
         topics, "delete", lambda c, a: c.delete_parent_topic(a.name, purge_lite_topics=a.purge_lite_topics), "delete"
@@ -212,12 +240,17 @@ def _parser() -> argparse.ArgumentParser:
     put = verb(groups, "put", _put_group, "create or update")
     put.add_argument("name")
     put.add_argument("--bind-topic", required=True, help="the parent topic (immutable once set)")
-    put.add_argument("--model", choices=("shared", "exclusive"), default="shared")
-    put.add_argument("--client-quota", type=int, default=0, help="lite subscriptions per client")
-    put.add_argument("--ready-capacity", type=int, default=0, help="ready events per client (>= 10)")
-    put.add_argument("--max-attempts", type=int, default=0, help="deliveries before the DLQ")
-    put.add_argument("--fifo", action=argparse.BooleanOptionalAction, default=True)
-    put.add_argument("--consume-enabled", action=argparse.BooleanOptionalAction, default=True)
+    put.add_argument("--model", choices=("shared", "exclusive"), help="default shared")
+    put.add_argument("--client-quota", type=int, help="lite subscriptions per client (0: the broker's default)")
+    put.add_argument("--ready-capacity", type=int, help="ready events per client, >= 10 (0: the broker's default)")
+    put.add_argument("--max-attempts", type=int, help="deliveries before the DLQ (0: the broker's default, 17)")
+    put.add_argument(
+        "--backoff-ms",
+        type=_milliseconds,
+        help="comma-separated delays before each redelivery in ms, e.g. 1000,5000,30000 ('': the broker's default)",
+    )
+    put.add_argument("--fifo", action=argparse.BooleanOptionalAction, help="default --fifo")
+    put.add_argument("--consume-enabled", action=argparse.BooleanOptionalAction, help="default --consume-enabled")
     verb(groups, "get", lambda c, a: c.get_group(a.name), "show one, with lag").add_argument("name")
     verb(groups, "delete", lambda c, a: c.delete_group(a.name), "delete").add_argument("name")
     verb(groups, "list", lambda c, a: c.list_groups(), "list all")

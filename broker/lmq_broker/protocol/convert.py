@@ -32,7 +32,7 @@ MAX_BORN_HOST_CHARS: Final = 256  # longer born hosts are cut, not refused
 COLUMNS_FROM_MESSAGES: Final = 16
 MAX_INVISIBLE_MS: Final = 12 * 3600 * 1000  # proxy maxInvisibleTimeMills
 MIN_RECEIVE_INVISIBLE_MS: Final = 1000  # RocketMQ asks 10 s; shorter is harmless and keeps tests quick
-NORMAL_ACCEPTS: Final = (pb.NORMAL, pb.FIFO, pb.DELAY, pb.TRANSACTION)
+NORMAL_ACCEPTS: Final = (pb.NORMAL, pb.FIFO)  # what SendMessage accepts; DELAY and TRANSACTION are UNSUPPORTED
 _KNOWN_TYPES: Final = frozenset(int(t) for t in model.MessageType)
 _VALID_CLIENT_TYPES: Final = frozenset(
     (pb.PRODUCER, pb.PUSH_CONSUMER, pb.SIMPLE_CONSUMER, pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
