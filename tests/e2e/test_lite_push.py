@@ -114,7 +114,12 @@ def test_a_listener_slower_than_the_lease_gets_its_message_once(tmp_path: Any, c
     slice_s = 2
     args = ["--lease-renew-slice-ms", str(slice_s * 1000)]
     with start_broker(tmp_path / "data", extra_args=args) as quick:
-        inbox = Inbox(accept=lambda m: time.sleep(3 * slice_s) is None)
+
+        def slow(_message: Any) -> bool:
+            time.sleep(3 * slice_s)  # three slices: the lease must be renewed twice meanwhile
+            return True
+
+        inbox = Inbox(accept=slow)
         c = consumer(quick, clients, "executor-group", "AGENT_TASK_NS", inbox)
         c.subscribe_lite("slow")
         send(producer(quick, clients, "AGENT_TASK_NS"), "AGENT_TASK_NS", "slow", b"take your time")
