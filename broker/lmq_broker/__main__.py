@@ -45,6 +45,9 @@ HELP: Final[dict[str, str]] = {
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
+    "retention_max_age_ms": "drop closed log segments whose newest message is older than this (-1: keep)",
+    "retention_max_bytes": "drop the oldest closed log segments while the log is larger than this (-1: no limit)",
+    "retention_interval_ms": "how often the broker applies --retention-max-age-ms and --retention-max-bytes",
     "lease_renew_slice_ms": "push consumers (auto_renew): lease length, renewed while the client lives",
     "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
 }

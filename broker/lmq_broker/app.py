@@ -77,6 +77,8 @@ class Broker:
         self._server: grpc.aio.Server | None = None
         self._http: asyncio.Server | None = None
         self._stopped = asyncio.Event()
+        self._retention: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     @property
     def _snapshot_path(self) -> Path:
@@ -109,6 +111,8 @@ class Broker:
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
             self.metrics_port = self._http.sockets[0].getsockname()[1]
+        if config.store.retention_max_age_ms >= 0 or config.store.retention_max_bytes >= 0:
+            self._retention = asyncio.create_task(self._apply_retention_periodically(self.store))
         self.ready = True
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
@@ -116,6 +120,10 @@ class Broker:
         self.ready = False
         if self.dispatcher is not None:
             self.dispatcher.begin_drain()
+        self._stopping.set()
+        if self._retention is not None:
+            await self._retention  # a pass already running on its thread finishes before the store closes
+            self._retention = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -133,6 +141,29 @@ class Broker:
                 await self._http.wait_closed()
             self._http = None
         self._stopped.set()
+
+    async def _apply_retention_periodically(self, store: Store) -> None:
+        """Every ``retention_interval_ms``: drop the closed segments past the retention limits (on a thread;
+        the store serialises it with appends). A failed pass is logged and tried again next time."""
+        interval_s = self.config.store.retention_interval_ms / 1000
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval_s)
+                return
+            try:
+                report = await asyncio.to_thread(store.apply_retention)
+            except Exception:
+                log.exception("retention pass failed; next attempt in %.1f s", interval_s)
+                continue
+            if report.segments_deleted:
+                self.metrics.retention_segments.inc(report.segments_deleted)
+                self.metrics.retention_bytes.inc(report.bytes_deleted)
+                log.info(
+                    "retention: dropped %d segments (%d bytes); %d queues advanced their first offset",
+                    report.segments_deleted,
+                    report.bytes_deleted,
+                    report.queues_advanced,
+                )
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

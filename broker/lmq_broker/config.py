@@ -30,6 +30,7 @@ class StoreConfig(BaseModel):
     max_record_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     retention_max_age_ms: int = Field(default=72 * 3600 * 1000, ge=-1)  # -1 keeps forever
     retention_max_bytes: int = Field(default=-1, ge=-1)  # -1 unlimited
+    retention_interval_ms: int = Field(default=60_000, ge=100)  # how often a serving broker applies retention
     index_cache_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
 
 

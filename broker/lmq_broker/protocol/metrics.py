@@ -39,6 +39,12 @@ class Metrics:
         self.dead_letters = Counter(
             "lmq_dead_letters", "Messages forwarded to a %DLQ% topic on request", registry=self.registry
         )
+        self.retention_segments = Counter(
+            "lmq_retention_segments_deleted", "Commit-log segments dropped by retention", registry=self.registry
+        )
+        self.retention_bytes = Counter(
+            "lmq_retention_bytes_deleted", "Commit-log bytes dropped by retention", registry=self.registry
+        )
 
         self._calls: dict[tuple[str, int], Any] = {}
         self._seconds: dict[str, Any] = {}
