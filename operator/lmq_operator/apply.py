@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import grpc.aio
@@ -355,6 +355,13 @@ def _transition_events(previous: Mapping[str, Any], new: Mapping[str, Any]) -> t
     return (Event("Warning" if after[0] == "False" else "Normal", after[1], str(cond["message"])),)
 
 
+# Why a resource stays Terminating, and the way out for brokers that are gone for good.
+_KEEP: Final = (
+    f"; {model.FINALIZER} stays and deletion is retried until every broker is reached"
+    f' (annotate {model.ANNOTATION_MANAGED}: "false" to leave the broker copies instead)'
+)
+
+
 async def remove(
     pool: AdminPool,
     fleet: Fleet,
@@ -373,15 +380,22 @@ async def remove(
     if isinstance(wanted, model.TopicConfig) and spec.get("deletionPolicy") == "retain":
         text = f"{kind.value} {wanted.key!r} left on brokers (deletionPolicy: retain)"
         return Outcome({}, (Event("Normal", "Retained", text),))
+    # Releasing the finalizer is only safe once every broker said the copy is gone: with no broker to ask
+    # (discovery failed, or found none, e.g. all pods restarting) the copies would be orphaned for good.
     view = await fleet.view()
+    what = f"{kind.value} {wanted.key!r}"
     if view.error is not None:
-        return Outcome({}, (), retry=True, brokers=len(view.targets))
+        text = f"{what} not deleted: broker discovery failed: {view.error}"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+    if not view.targets:
+        text = f"{what} not deleted: no broker pod is discovered"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=0)
     failed = [(b, e) for b, e in await delete(pool, kind, wanted.key, view.targets, True) if e]
     if failed:
         detail = "; ".join(f"{b.name}: {e}" for b, e in failed)
-        text = f"{kind.value} {wanted.key!r} not deleted on {detail}"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text),), retry=True)
-    text = f"{kind.value} {wanted.key!r} deleted on {len(view.targets)} brokers"
+        text = f"{what} not deleted on {detail}"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+    text = f"{what} deleted on {len(view.targets)} brokers"
     return Outcome({}, (Event("Normal", "Deleted", text),), brokers=len(view.targets))
 
 

@@ -477,12 +477,21 @@ def publish_brokers(api: KubeAPI, namespace: str, name: str, endpoints: list[tup
                 "metadata": {"name": f"{name}-{ordinal}", "labels": {"kubernetes.io/service-name": name}},
                 "addressType": "IPv4",
                 "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}],
-                "endpoints": [
-                    {
-                        "addresses": [ip],
-                        "conditions": {"ready": True},
-                        "targetRef": {"kind": "Pod", "name": f"{name}-{ordinal}", "namespace": namespace},
-                    }
-                ],
+                "endpoints": _pod_endpoint(namespace, name, ordinal, ip),
             },
         )
+
+
+def _pod_endpoint(namespace: str, name: str, ordinal: int, ip: str | None) -> list[dict[str, Any]]:
+    if ip is None:
+        return []
+    target = {"kind": "Pod", "name": f"{name}-{ordinal}", "namespace": namespace}
+    return [{"addresses": [ip], "conditions": {"ready": True}, "targetRef": target}]
+
+
+def set_broker_endpoint(api: KubeAPI, namespace: str, name: str, ordinal: int, ip: str | None) -> None:
+    """What the EndpointSlice controller does when pod ``<name>-<ordinal>`` goes (``ip`` None) or comes back:
+    the slice ``publish_brokers`` made for it loses or regains its endpoint."""
+    path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices/{name}-{ordinal}"
+    api.merge_patch(path, {"endpoints": _pod_endpoint(namespace, name, ordinal, ip)})
+

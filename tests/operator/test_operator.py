@@ -435,3 +435,68 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     assert drained["message"] == "lmq-broker-1 (ordinal 1 >= replicas 1) still holds 1 undrained messages"
     assert obj["status"]["brokersReady"] == "1/1"
     assert [b["name"] for b in obj["status"]["brokers"]] == ["lmq-broker-0"]
+
+
+def _counter(metrics: str, sample: str) -> float:
+    """The value of one sample line of the Prometheus text format (0 when absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+    start_broker: Callable[..., Any],
+) -> None:
+    """No broker discovered (every pod gone) or a broker that does not answer: the topic is not known to be
+    deleted, so the resource stays Terminating until a broker confirms it."""
+    ip = testing.host_ip()
+    pod = start_broker("pod0", extra=["--host", "0.0.0.0"])
+    testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pod.port)], replicas=1)
+    op = run_operator(
+        namespace, None, LMQ_OPERATOR_BROKER_SERVICE="lmq-broker", LMQ_OPERATOR_BROKER_NAMESPACE=namespace
+    )
+    topic = unique("orphan")
+    create("ParentTopic", namespace, "orphan", {"topicName": topic})
+    path = testing.cr_path("parenttopics", namespace, "orphan")
+    wait_condition(kube, path, "True", "Applied")
+
+    testing.set_broker_endpoint(kube, namespace, "lmq-broker", 0, None)  # the pod is gone
+    wait_condition(kube, path, "False", "NoBrokers")
+    kube.delete(path)
+
+    def delete_failed(needle: str) -> Any:
+        items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        found = [
+            e["message"]
+            for e in items
+            if e["involvedObject"]["name"] == "orphan" and e["reason"] == "DeleteFailed" and needle in e["message"]
+        ]
+        return found[0] if found else None
+
+    text = testing.wait_for(lambda: delete_failed("no broker pod is discovered"), TIMEOUT_S, "DeleteFailed (none)")
+    assert "lmq.io/finalizer stays" in text
+    sample = 'lmq_operator_reconciliations_failed_total{kind="ParentTopic",trigger="delete"}'
+    testing.wait_for(lambda: _counter(op.metrics(), sample) >= 2, TIMEOUT_S, "failed deletes counted")
+    obj = kube.get(path)
+    assert obj["metadata"]["deletionTimestamp"] and obj["metadata"]["finalizers"] == ["lmq.io/finalizer"]
+    assert has_topic(admin_of(pod.admin_endpoint), topic)
+
+    # The pod is listed again but its broker does not answer: still not deleted.
+    pod.stop()
+    testing.set_broker_endpoint(kube, namespace, "lmq-broker", 0, ip)
+    testing.wait_for(lambda: delete_failed("not deleted on lmq-broker-0"), TIMEOUT_S, "DeleteFailed (down)")
+    assert kube.exists(path)
+
+    back = start_broker("pod0", port=pod.port, extra=["--host", "0.0.0.0"])  # same disk: it still holds the topic
+    testing.wait_for(lambda: not kube.exists(path), TIMEOUT_S, f"{path} deleted once the broker answers")
+    with AdminClient(back.admin_endpoint, timeout_s=5.0) as admin:
+        assert not has_topic(admin, topic)
+    assert "Deleted" in event_reasons(kube, namespace, "orphan")
