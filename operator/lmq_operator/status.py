@@ -197,7 +197,8 @@ def blocked(
     now: datetime,
     key: tuple[model.Kind, str] | None = None,
 ) -> dict[str, Any]:
-    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged).
+    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged):
+    no per-broker fields, since none were asked; ``lastReclaim`` is kept.
 
     A paused resource keeps its old ``observedGeneration``: its current generation is not applied, and a
     GitOps tool must not believe otherwise.
@@ -212,8 +213,12 @@ def blocked(
     out: dict[str, Any] = {"conditions": _merge(conditions, ready)}
     if observed is not None:
         out["observedGeneration"] = observed
+    elif "observedGeneration" in previous:
+        out["observedGeneration"] = previous["observedGeneration"]
     if key is not None:
         out[KEY_FIELD[key[0]]] = key[1]
+    if previous.get("lastReclaim"):  # a record of what happened, still true; it only ever moves forward
+        out["lastReclaim"] = dict(previous["lastReclaim"])
     return out
 
 
@@ -255,5 +260,9 @@ def ready_of(status: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def changes(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the top-level status fields that differ: the merge patch to send (empty: send nothing)."""
-    return {k: v for k, v in new.items() if previous.get(k) != v}
+    """Only the top-level status fields that differ: the merge patch to send (empty: send nothing).
+
+    ``new`` is the whole status: a field it no longer has is removed (None in a JSON merge patch), so a
+    resource that goes from Applied to paused or conflicting does not keep showing the brokers it had."""
+    gone = {k: None for k in previous if k not in new}
+    return gone | {k: v for k, v in new.items() if previous.get(k) != v}

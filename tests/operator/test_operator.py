@@ -230,7 +230,9 @@ def test_unmanaged_and_paused_resources_leave_brokers_alone(
     admin0 = admin_of(brokers[0].admin_endpoint)
 
     kube.merge_patch(p_path, {"metadata": {"annotations": {"lmq.io/pause-reconciliation": "true"}}})
-    wait_condition(kube, p_path, "Unknown", "ReconciliationPaused")
+    paused_status = wait_condition(kube, p_path, "Unknown", "ReconciliationPaused")["status"]
+    assert not {"brokersReady", "brokers", "liteTopicCount"} & set(paused_status)  # no stale "2/2" beside Unknown
+    assert (paused_status["topicName"], paused_status["observedGeneration"]) == (paused, 1)
     obj = kube.merge_patch(p_path, {"spec": {"liteTopicExpirationMinutes": 20}})
     paused_obj = wait_condition(kube, p_path, "Unknown", "ReconciliationPaused", current=False)
     assert paused_obj["status"]["observedGeneration"] == 1 < obj["metadata"]["generation"]

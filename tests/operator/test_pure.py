@@ -321,7 +321,8 @@ def test_paused_keeps_the_old_observed_generation() -> None:
     ok = [model.BrokerSync(B0, True, "none")]
     applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous={}, now=NOW)
     paused = status.blocked(status.Reason.RECONCILIATION_PAUSED, "paused", generation=2, previous=applied, now=NOW)
-    assert "observedGeneration" not in paused
+    assert paused["observedGeneration"] == 1
+    assert "observedGeneration" not in status.changes(applied, paused)
     assert (_ready(paused)["status"], _ready(paused)["reason"]) == ("Unknown", "ReconciliationPaused")
     assert "observedGeneration" not in _ready(paused)
 
@@ -338,6 +339,32 @@ def test_blocked_reasons_observe_the_generation(reason: status.Reason, state: st
     st = status.blocked(reason, "why", generation=4, previous={}, now=NOW)
     assert st["observedGeneration"] == 4
     assert (_ready(st)["status"], _ready(st)["reason"], _ready(st)["message"]) == (state, reason.value, "why")
+
+
+@pytest.mark.parametrize(
+    ("reason", "kept"),
+    [
+        (status.Reason.RECONCILIATION_PAUSED, {"observedGeneration", "topicName", "lastReclaim"}),
+        (status.Reason.UNMANAGED, {"observedGeneration", "topicName", "lastReclaim"}),
+        (status.Reason.RESOURCE_CONFLICT, {"observedGeneration", "topicName", "lastReclaim"}),
+        (status.Reason.INVALID, {"observedGeneration", "lastReclaim"}),
+    ],
+)
+def test_fields_a_blocked_status_drops_are_removed_by_the_patch(reason: status.Reason, kept: set[str]) -> None:
+    syncs = [model.BrokerSync(B0, True, "none", figures=(("liteTopicCount", 3),), reclaim=_run("job-1", T0))]
+    applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=syncs, previous={}, now=NOW)
+    status.with_condition(applied, status.drained([], applied, NOW))
+    key = None if reason is status.Reason.INVALID else (model.Kind.PARENT_TOPIC, "t")
+    new = status.blocked(reason, "why", generation=1, previous=applied, now=NOW, key=key)
+    patch = status.changes(applied, new)
+    # brokersReady ("1/1" beside Ready=Unknown in `kubectl get`), brokers[] and the figures go; nothing else
+    removed = {k for k, v in patch.items() if v is None}
+    assert removed == set(applied) - kept - {"conditions"}
+    assert {"brokersReady", "brokers", "liteTopicCount"} <= removed
+    assert {c["type"] for c in patch["conditions"]} == {"Ready", "BrokersDrained"}
+    assert new["lastReclaim"] == applied["lastReclaim"]
+    # and a status that drops nothing patches nothing it does not change
+    assert status.changes(new, new) == {}
 
 
 def test_drained_condition_names_the_leaving_broker() -> None:
