@@ -13,7 +13,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Final
@@ -287,13 +287,6 @@ async def delete(
 
 # ---- one resource, end to end -------------------------------------------------------------------------
 
-_WRITE_EVENT = {
-    ("create", "missing"): "Created",
-    ("create", "differs"): "Adopted",
-    ("update", "missing"): "Updated",
-    ("update", "differs"): "Updated",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -336,15 +329,36 @@ async def reconcile(
     new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
     if kind is model.Kind.PARENT_TOPIC:
         status.with_condition(new, status.drained(view.leaving, previous, now))
-    events = list(_transition_events(previous, new))
-    writes = [s for s in syncs if s.synced and s.change != "none"]
-    reason = _WRITE_EVENT.get((trigger, writes[0].change), "DriftRepaired") if writes else ""
-    if writes:
-        names = ", ".join(f"{s.broker.name} ({s.change})" for s in writes)
-        events.insert(0, Event("Normal", reason, f"{kind.value} {wanted.key!r} applied on {names}"))
+    news = _write_events(trigger, syncs, previous)
     retry = not syncs or any(not s.synced for s in syncs)
-    repaired = len(writes) if reason == "DriftRepaired" else 0
-    return Outcome(new, tuple(events), retry, repaired, len(view.targets))
+    repaired = sum(len(names) for reason, names in news.items() if reason == "DriftRepaired")
+    writes = tuple(
+        Event("Normal", r, f"{kind.value} {wanted.key!r} {_VERB[r]} on {', '.join(n)}") for r, n in news.items()
+    )
+    return Outcome(new, writes + _transition_events(previous, new), retry, repaired, len(view.targets))
+
+
+_VERB: Final = {"Created": "created", "Adopted": "adopted", "Updated": "applied", "DriftRepaired": "repaired"}
+_CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritten", "none": "already identical"}
+
+
+def _write_events(trigger: str, syncs: Sequence[model.BrokerSync], previous: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Event reason -> "broker (what it held)" entries. A create that finds the object already on a broker,
+    equal or not, adopts it there. A broker the previous status lists as synced got its copy from an earlier
+    attempt of this same create (a retry, a restart): finding it there again is no news."""
+    ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")}
+    found: dict[str, list[str]] = {}
+    for s in sorted(syncs, key=lambda s: s.broker):
+        if not s.synced:
+            continue
+        if trigger == "create" and s.broker.name not in ours:
+            reason = "Created" if s.change == diff.Change.MISSING.value else "Adopted"
+        elif s.change == diff.Change.NONE.value:
+            continue
+        else:
+            reason = "Updated" if trigger == "update" else "DriftRepaired"
+        found.setdefault(reason, []).append(f"{s.broker.name} ({_CHANGE_TEXT[s.change]})")
+    return found
 
 
 def _transition_events(previous: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[Event, ...]:

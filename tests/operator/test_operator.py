@@ -58,6 +58,11 @@ def event_reasons(kube: testing.KubeAPI, namespace: str, name: str) -> set[str]:
     return {e["reason"] for e in items if e["involvedObject"]["name"] == name}
 
 
+def event_messages(kube: testing.KubeAPI, namespace: str, name: str, reason: str) -> list[str]:
+    items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+    return [e["message"] for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
 def has_topic(admin: AdminClient, name: str) -> bool:
     try:
         admin.get_parent_topic(name)
@@ -209,6 +214,42 @@ def test_delete_cleans_brokers_and_retain_keeps_them(
     assert {"Deleted", "Retained"} <= reasons
 
 
+def test_create_adopts_what_brokers_already_hold_identical_or_not(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    b0, b1 = (b.admin_endpoint for b in brokers)
+    same, mixed = unique("same"), unique("mixed")
+    for endpoint in (b0, b1):  # already there, exactly as the spec below wants it
+        admin_of(endpoint).put_parent_topic(broker_model.ParentTopic(same))
+    admin_of(b0).put_parent_topic(broker_model.ParentTopic(mixed, expiration_minutes=5))  # different; b1 lacks it
+    run_operator(namespace, [b0, b1])
+    create("ParentTopic", namespace, "same", {"topicName": same})
+    create("ParentTopic", namespace, "mixed", {"topicName": mixed})
+    for name in ("same", "mixed"):
+        wait_condition(kube, testing.cr_path("parenttopics", namespace, name), "True", "Applied")
+
+    def posted(name: str, reason: str) -> str | None:
+        found = event_messages(kube, namespace, name, reason)
+        return found[0] if found else None
+
+    adopted = testing.wait_for(lambda: posted("same", "Adopted"), TIMEOUT_S, "Adopted on identical copies")
+    first, second = sorted((b0, b1))  # brokers are listed in order; here their names are their endpoints
+    assert adopted == f"ParentTopic {same!r} adopted on {first} (already identical), {second} (already identical)"
+    adopted = testing.wait_for(lambda: posted("mixed", "Adopted"), TIMEOUT_S, "Adopted on a different copy")
+    assert adopted == f"ParentTopic {mixed!r} adopted on {b0} (differed, overwritten)"
+    assert posted("mixed", "Created") == f"ParentTopic {mixed!r} created on {b1} (was missing)"
+    assert admin_of(b0).get_parent_topic(mixed).topic.expiration_minutes == -1
+    # a resync later finds the adopted copies identical: nothing was created, nothing drifted
+    assert not {"Created", "DriftRepaired"} & event_reasons(kube, namespace, "same")
+
+
 def test_unmanaged_and_paused_resources_leave_brokers_alone(
     *,
     kube: testing.KubeAPI,
@@ -337,6 +378,8 @@ def test_broker_that_appears_later_and_empty_disk_get_everything(
     obj = wait_condition(kube, path, "True", "Applied")
     assert obj["status"]["brokersReady"] == "2/2"
     assert has_topic(admin_of(late_endpoint), topic)
+    # the retries found the first broker's copy again: it was put there by this create, not adopted
+    assert "Adopted" not in event_reasons(kube, namespace, "late")
 
     # the pod restarts with an empty disk: the next resync puts everything back
     late.stop()
