@@ -41,6 +41,8 @@ _RETRYABLE = frozenset(
     }
 )
 _ORDINAL = re.compile(r"-(\d+)$")
+# The broker StatefulSet's volumeClaimTemplates name (charts/lmq): pod <sts>-<N> keeps its data in claim data-<sts>-<N>.
+CLAIM_TEMPLATE: Final = "data"
 _MODEL_TO_PB = {"Shared": pb.SHARED, "Exclusive": pb.EXCLUSIVE}
 _PB_TO_MODEL: dict[int, Any] = {pb.SHARED: "Shared", pb.EXCLUSIVE: "Exclusive"}
 
@@ -478,6 +480,7 @@ class Fleet:
     async def _discover(self, last: FleetView | None) -> FleetView:
         try:
             replicas = await self._replicas()
+            claims = await self._claims(replicas) if replicas is not None else {}
             if self._conf.brokers:
                 known = [(model.Broker(model.BrokerName(ep), ep, i), True) for i, ep in enumerate(self._conf.brokers)]
             else:
@@ -485,21 +488,29 @@ class Fleet:
         except Exception as exc:  # any API failure: keep serving the last good view
             log.warning("broker discovery failed: %s", exc)
             return FleetView(last.targets if last else (), last.leaving if last else (), error=str(exc))
-        targets, leaving_candidates = [], []
+        if replicas is None:
+            return FleetView(tuple(b for b, ready in known if ready))
+        targets, leaving = [], []
+        asked: set[int] = set()
         for broker, ready in known:
-            if replicas is not None and broker.ordinal is not None and broker.ordinal >= replicas:
-                leaving_candidates.append(broker)
-            elif ready:
-                targets.append(broker)
-        leaving = []
-        for broker in leaving_candidates:
+            if broker.ordinal is None or broker.ordinal < replicas:
+                if ready:
+                    targets.append(broker)
+                continue
+            asked.add(broker.ordinal)
+            claim = claims.get(broker.ordinal)
             try:
-                undrained = await self._pool(broker).undrained_messages()
+                undrained: int | None = await self._pool(broker).undrained_messages()
             except AdminError as exc:
                 log.info("leaving broker %s did not answer: %s", broker.name, exc.message)
-                continue
-            if undrained > 0 and replicas is not None:
-                leaving.append(model.Leaving(broker, replicas, undrained))
+                undrained = None
+            if undrained or (undrained is None and claim is not None):
+                leaving.append(model.Leaving(broker, replicas, undrained, claim))
+        # In a cluster a leaving pod and its endpoint are gone at once; its claim, and the data, stay.
+        for ordinal, claim in sorted(claims.items()):
+            if ordinal not in asked:
+                name = model.BrokerName(f"{self._conf.broker_statefulset}-{ordinal}")
+                leaving.append(model.Leaving(model.Broker(name, "", ordinal), replicas, None, claim))
         return FleetView(tuple(targets), tuple(leaving))
 
     def _client(self) -> Any:
@@ -521,6 +532,21 @@ class Fleet:
 
         sts = await asyncio.to_thread(read)
         return int(sts.spec.replicas if sts.spec.replicas is not None else 1)
+
+    async def _claims(self, replicas: int) -> dict[int, str]:
+        """Ordinal -> name of the broker volume claims ``data-<statefulset>-<ordinal>`` at or above ``replicas``."""
+        sts, ns = self._conf.broker_statefulset, self._conf.broker_namespace or "default"
+        pattern = re.compile(rf"^{CLAIM_TEMPLATE}-{re.escape(str(sts))}-(\d+)$")
+
+        def read() -> Any:
+            return kubernetes.client.CoreV1Api(self._client()).list_namespaced_persistent_volume_claim(ns)
+
+        found = {}
+        for pvc in (await asyncio.to_thread(read)).items or []:
+            match = pattern.match(pvc.metadata.name or "")
+            if match and int(match.group(1)) >= replicas:
+                found[int(match.group(1))] = str(pvc.metadata.name)
+        return found
 
     async def _slices(self) -> list[Mapping[str, Any]]:
         svc, ns = self._conf.broker_service, self._conf.broker_namespace or "default"

@@ -33,6 +33,7 @@ class Reason(enum.StrEnum):
     UNMANAGED = "Unmanaged"
     DRAINED = "Drained"
     UNDRAINED_BROKER_LEAVING = "UndrainedBrokerLeaving"
+    LEAVING_BROKER_UNREACHABLE = "LeavingBrokerUnreachable"
 
 
 KEY_FIELD: Final = {
@@ -223,27 +224,24 @@ def blocked(
 
 
 def drained(leaving: Sequence[model.Leaving], previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
-    """The scale-down condition; shown on ParentTopics because that is where the undrained data lives."""
+    """The scale-down condition; shown on ParentTopics because that is where the undrained data lives.
+
+    A leaving broker that cannot be asked is not drained as far as anyone knows while its claim holds its
+    disk: in a cluster its pod (and endpoint) is gone at once on scale-down, the data is not."""
     conditions = previous.get("conditions") or []
     if not leaving:
-        text = "no leaving broker holds undrained messages"
-        cond = condition(DRAINED, True, Reason.DRAINED, text, generation=None, now=now, previous=conditions)
-    else:
-        parts = [
-            f"{x.broker.name} (ordinal {x.broker.ordinal} >= replicas {x.replicas}) still holds "
-            f"{x.undrained_messages} undrained messages"
-            for x in sorted(leaving, key=lambda x: x.broker)
-        ]
-        cond = condition(
-            DRAINED,
-            False,
-            Reason.UNDRAINED_BROKER_LEAVING,
-            "; ".join(parts),
-            generation=None,
-            now=now,
-            previous=conditions,
-        )
-    return cond
+        text = "no leaving broker holds undrained messages or an unchecked volume claim"
+        return condition(DRAINED, True, Reason.DRAINED, text, generation=None, now=now, previous=conditions)
+    parts = []
+    for x in sorted(leaving, key=lambda x: x.broker):
+        where = f"{x.broker.name} (ordinal {x.broker.ordinal} >= replicas {x.replicas})"
+        if x.undrained_messages is not None:
+            parts.append(f"{where} still holds {x.undrained_messages} undrained messages")
+        else:
+            parts.append(f"{where} cannot be asked whether it is drained, and its claim {x.claim} still exists")
+    known = any(x.undrained_messages is not None for x in leaving)
+    reason = Reason.UNDRAINED_BROKER_LEAVING if known else Reason.LEAVING_BROKER_UNREACHABLE
+    return condition(DRAINED, False, reason, "; ".join(parts), generation=None, now=now, previous=conditions)
 
 
 def with_condition(status: dict[str, Any], cond: dict[str, Any]) -> dict[str, Any]:

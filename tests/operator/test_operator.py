@@ -446,6 +446,7 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
     pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
     testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pod.port) for pod in pods], replicas=2)
+    claims = testing.claim_volumes(kube, namespace, "lmq-broker", range(2))
     run_operator(
         namespace,
         None,
@@ -469,17 +470,31 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     assert admin_of(pods[1].admin_endpoint).broker_info().undrained_messages == 1
     kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/lmq-broker", {"spec": {"replicas": 1}})
 
-    def reported() -> Any:
+    def reported(status: str, reason: str) -> Any:
         got = kube.get(path)
         cond = next(c for c in got["status"]["conditions"] if c["type"] == "BrokersDrained")
-        return got if cond["status"] == "False" else None
+        return got if (cond["status"], cond["reason"]) == (status, reason) else None
 
-    obj = testing.wait_for(reported, TIMEOUT_S, "BrokersDrained=False after the scale-down")
+    obj = testing.wait_for(
+        lambda: reported("False", "UndrainedBrokerLeaving"), TIMEOUT_S, "BrokersDrained=False after the scale-down"
+    )
     drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
-    assert drained["reason"] == "UndrainedBrokerLeaving"
     assert drained["message"] == "lmq-broker-1 (ordinal 1 >= replicas 1) still holds 1 undrained messages"
     assert obj["status"]["brokersReady"] == "1/1"
     assert [b["name"] for b in obj["status"]["brokers"]] == ["lmq-broker-0"]
+
+    # As in a cluster, the pod is deleted at once and leaves the EndpointSlice; its claim and data stay.
+    testing.set_broker_endpoint(kube, namespace, "lmq-broker", 1, None)
+    obj = testing.wait_for(
+        lambda: reported("False", "LeavingBrokerUnreachable"), TIMEOUT_S, "BrokersDrained=False without the pod"
+    )
+    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    assert drained["message"] == (
+        "lmq-broker-1 (ordinal 1 >= replicas 1) cannot be asked whether it is drained, "
+        f"and its claim {claims[1]} still exists"
+    )
+    kube.delete(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claims[1]}")  # the data is let go
+    testing.wait_for(lambda: reported("True", "Drained"), TIMEOUT_S, "BrokersDrained=True once the claim is gone")
 
 
 def _counter(metrics: str, sample: str) -> float:
