@@ -13,10 +13,10 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import grpc.aio
@@ -41,6 +41,8 @@ _RETRYABLE = frozenset(
     }
 )
 _ORDINAL = re.compile(r"-(\d+)$")
+# The broker StatefulSet's volumeClaimTemplates name (charts/lmq): pod <sts>-<N> keeps its data in claim data-<sts>-<N>.
+CLAIM_TEMPLATE: Final = "data"
 _MODEL_TO_PB = {"Shared": pb.SHARED, "Exclusive": pb.EXCLUSIVE}
 _PB_TO_MODEL: dict[int, Any] = {pb.SHARED: "Shared", pb.EXCLUSIVE: "Exclusive"}
 
@@ -287,13 +289,6 @@ async def delete(
 
 # ---- one resource, end to end -------------------------------------------------------------------------
 
-_WRITE_EVENT = {
-    ("create", "missing"): "Created",
-    ("create", "differs"): "Adopted",
-    ("update", "missing"): "Updated",
-    ("update", "differs"): "Updated",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -336,15 +331,36 @@ async def reconcile(
     new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
     if kind is model.Kind.PARENT_TOPIC:
         status.with_condition(new, status.drained(view.leaving, previous, now))
-    events = list(_transition_events(previous, new))
-    writes = [s for s in syncs if s.synced and s.change != "none"]
-    reason = _WRITE_EVENT.get((trigger, writes[0].change), "DriftRepaired") if writes else ""
-    if writes:
-        names = ", ".join(f"{s.broker.name} ({s.change})" for s in writes)
-        events.insert(0, Event("Normal", reason, f"{kind.value} {wanted.key!r} applied on {names}"))
+    news = _write_events(trigger, syncs, previous)
     retry = not syncs or any(not s.synced for s in syncs)
-    repaired = len(writes) if reason == "DriftRepaired" else 0
-    return Outcome(new, tuple(events), retry, repaired, len(view.targets))
+    repaired = sum(len(names) for reason, names in news.items() if reason == "DriftRepaired")
+    writes = tuple(
+        Event("Normal", r, f"{kind.value} {wanted.key!r} {_VERB[r]} on {', '.join(n)}") for r, n in news.items()
+    )
+    return Outcome(new, writes + _transition_events(previous, new), retry, repaired, len(view.targets))
+
+
+_VERB: Final = {"Created": "created", "Adopted": "adopted", "Updated": "applied", "DriftRepaired": "repaired"}
+_CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritten", "none": "already identical"}
+
+
+def _write_events(trigger: str, syncs: Sequence[model.BrokerSync], previous: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Event reason -> "broker (what it held)" entries. A create that finds the object already on a broker,
+    equal or not, adopts it there. A broker the previous status lists as synced got its copy from an earlier
+    attempt of this same create (a retry, a restart): finding it there again is no news."""
+    ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")}
+    found: dict[str, list[str]] = {}
+    for s in sorted(syncs, key=lambda s: s.broker):
+        if not s.synced:
+            continue
+        if trigger == "create" and s.broker.name not in ours:
+            reason = "Created" if s.change == diff.Change.MISSING.value else "Adopted"
+        elif s.change == diff.Change.NONE.value:
+            continue
+        else:
+            reason = "Updated" if trigger == "update" else "DriftRepaired"
+        found.setdefault(reason, []).append(f"{s.broker.name} ({_CHANGE_TEXT[s.change]})")
+    return found
 
 
 def _transition_events(previous: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[Event, ...]:
@@ -353,6 +369,13 @@ def _transition_events(previous: Mapping[str, Any], new: Mapping[str, Any]) -> t
         return ()
     cond = next(c for c in new["conditions"] if c["type"] == status.READY)
     return (Event("Warning" if after[0] == "False" else "Normal", after[1], str(cond["message"])),)
+
+
+# Why a resource stays Terminating, and the way out for brokers that are gone for good.
+_KEEP: Final = (
+    f"; {model.FINALIZER} stays and deletion is retried until every broker is reached"
+    f' (annotate {model.ANNOTATION_MANAGED}: "false" to leave the broker copies instead)'
+)
 
 
 async def remove(
@@ -373,15 +396,22 @@ async def remove(
     if isinstance(wanted, model.TopicConfig) and spec.get("deletionPolicy") == "retain":
         text = f"{kind.value} {wanted.key!r} left on brokers (deletionPolicy: retain)"
         return Outcome({}, (Event("Normal", "Retained", text),))
+    # Releasing the finalizer is only safe once every broker said the copy is gone: with no broker to ask
+    # (discovery failed, or found none, e.g. all pods restarting) the copies would be orphaned for good.
     view = await fleet.view()
+    what = f"{kind.value} {wanted.key!r}"
     if view.error is not None:
-        return Outcome({}, (), retry=True, brokers=len(view.targets))
+        text = f"{what} not deleted: broker discovery failed: {view.error}"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+    if not view.targets:
+        text = f"{what} not deleted: no broker pod is discovered"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=0)
     failed = [(b, e) for b, e in await delete(pool, kind, wanted.key, view.targets, True) if e]
     if failed:
         detail = "; ".join(f"{b.name}: {e}" for b, e in failed)
-        text = f"{kind.value} {wanted.key!r} not deleted on {detail}"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text),), retry=True)
-    text = f"{kind.value} {wanted.key!r} deleted on {len(view.targets)} brokers"
+        text = f"{what} not deleted on {detail}"
+        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+    text = f"{what} deleted on {len(view.targets)} brokers"
     return Outcome({}, (Event("Normal", "Deleted", text),), brokers=len(view.targets))
 
 
@@ -450,6 +480,7 @@ class Fleet:
     async def _discover(self, last: FleetView | None) -> FleetView:
         try:
             replicas = await self._replicas()
+            claims = await self._claims(replicas) if replicas is not None else {}
             if self._conf.brokers:
                 known = [(model.Broker(model.BrokerName(ep), ep, i), True) for i, ep in enumerate(self._conf.brokers)]
             else:
@@ -457,21 +488,29 @@ class Fleet:
         except Exception as exc:  # any API failure: keep serving the last good view
             log.warning("broker discovery failed: %s", exc)
             return FleetView(last.targets if last else (), last.leaving if last else (), error=str(exc))
-        targets, leaving_candidates = [], []
+        if replicas is None:
+            return FleetView(tuple(b for b, ready in known if ready))
+        targets, leaving = [], []
+        asked: set[int] = set()
         for broker, ready in known:
-            if replicas is not None and broker.ordinal is not None and broker.ordinal >= replicas:
-                leaving_candidates.append(broker)
-            elif ready:
-                targets.append(broker)
-        leaving = []
-        for broker in leaving_candidates:
+            if broker.ordinal is None or broker.ordinal < replicas:
+                if ready:
+                    targets.append(broker)
+                continue
+            asked.add(broker.ordinal)
+            claim = claims.get(broker.ordinal)
             try:
-                undrained = await self._pool(broker).undrained_messages()
+                undrained: int | None = await self._pool(broker).undrained_messages()
             except AdminError as exc:
                 log.info("leaving broker %s did not answer: %s", broker.name, exc.message)
-                continue
-            if undrained > 0 and replicas is not None:
-                leaving.append(model.Leaving(broker, replicas, undrained))
+                undrained = None
+            if undrained or (undrained is None and claim is not None):
+                leaving.append(model.Leaving(broker, replicas, undrained, claim))
+        # In a cluster a leaving pod and its endpoint are gone at once; its claim, and the data, stay.
+        for ordinal, claim in sorted(claims.items()):
+            if ordinal not in asked:
+                name = model.BrokerName(f"{self._conf.broker_statefulset}-{ordinal}")
+                leaving.append(model.Leaving(model.Broker(name, "", ordinal), replicas, None, claim))
         return FleetView(tuple(targets), tuple(leaving))
 
     def _client(self) -> Any:
@@ -493,6 +532,21 @@ class Fleet:
 
         sts = await asyncio.to_thread(read)
         return int(sts.spec.replicas if sts.spec.replicas is not None else 1)
+
+    async def _claims(self, replicas: int) -> dict[int, str]:
+        """Ordinal -> name of the broker volume claims ``data-<statefulset>-<ordinal>`` at or above ``replicas``."""
+        sts, ns = self._conf.broker_statefulset, self._conf.broker_namespace or "default"
+        pattern = re.compile(rf"^{CLAIM_TEMPLATE}-{re.escape(str(sts))}-(\d+)$")
+
+        def read() -> Any:
+            return kubernetes.client.CoreV1Api(self._client()).list_namespaced_persistent_volume_claim(ns)
+
+        found = {}
+        for pvc in (await asyncio.to_thread(read)).items or []:
+            match = pattern.match(pvc.metadata.name or "")
+            if match and int(match.group(1)) >= replicas:
+                found[int(match.group(1))] = str(pvc.metadata.name)
+        return found
 
     async def _slices(self) -> list[Mapping[str, Any]]:
         svc, ns = self._conf.broker_service, self._conf.broker_namespace or "default"

@@ -124,13 +124,13 @@ def gate(
 ) -> model.Config | Blocked:
     """What to apply, or why nothing may be applied: annotations first, then validity, then ownership."""
     current = mode(meta.get("annotations") or {})
+    key = broker_key(kind, str(meta["name"]), spec)  # still shown in status: the name is immutable
     if current is model.Mode.UNMANAGED:
-        return Blocked(
-            status.Reason.UNMANAGED, f"{model.ANNOTATION_MANAGED}=false: brokers are neither changed nor cleaned up"
-        )
+        text = f"{model.ANNOTATION_MANAGED}=false: brokers are neither changed nor cleaned up"
+        return Blocked(status.Reason.UNMANAGED, text, key)
     if current is model.Mode.PAUSED:
         text = f"{model.ANNOTATION_PAUSED}=true: changes are not applied until the annotation is removed"
-        return Blocked(status.Reason.RECONCILIATION_PAUSED, text)
+        return Blocked(status.Reason.RECONCILIATION_PAUSED, text, key)
     wanted = config(kind, str(meta["name"]), spec)
     if isinstance(wanted, InvalidSpec):
         return Blocked(status.Reason.INVALID, wanted.message)

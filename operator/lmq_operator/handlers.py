@@ -9,10 +9,12 @@ body under it, so a resync can never re-apply a spec older than the one an updat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -118,9 +120,7 @@ def _post(body: Any, events: tuple[apply.Event, ...]) -> None:
 
 async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, memo: Any, claims: Any) -> None:
     ctx = _ctx(memo)
-    async with ctx.lock(body["metadata"]["uid"]):
-        started = time.monotonic()
-        metrics.RECONCILIATIONS.labels(kind.value, trigger).inc()
+    async with ctx.lock(body["metadata"]["uid"]), _measured(kind, trigger) as run:
         previous = dict(body.get("status") or {})
         outcome = await apply.reconcile(
             ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=claims, now=_now()
@@ -132,11 +132,29 @@ async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, m
             metrics.BROKERS.set(outcome.brokers)
         if outcome.repaired:
             metrics.DRIFT_REPAIRED.labels(kind.value).inc(outcome.repaired)
+        run.failed = outcome.retry
+    if outcome.retry and trigger != "timer":  # the timer retries by itself; change handlers retry sooner
+        raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
+
+
+@dataclass
+class _Run:
+    failed: bool = True  # until the reconcile says otherwise: an exception counts as a failure
+
+
+@contextlib.asynccontextmanager
+async def _measured(kind: model.Kind, trigger: str) -> AsyncIterator[_Run]:
+    """Count one reconciliation, its duration and, unless it cleared ``failed``, its failure. An exception
+    (a bug, an API error kopf retries) is a failed reconciliation too, not one that never happened."""
+    started = time.monotonic()
+    metrics.RECONCILIATIONS.labels(kind.value, trigger).inc()
+    run = _Run()
+    try:
+        yield run
+    finally:
         metrics.DURATION.labels(kind.value).observe(time.monotonic() - started)
-    if outcome.retry:
-        metrics.RECONCILIATIONS_FAILED.labels(kind.value, trigger).inc()
-        if trigger != "timer":  # the timer retries by itself; change handlers retry sooner than a resync
-            raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
+        if run.failed:
+            metrics.RECONCILIATIONS_FAILED.labels(kind.value, trigger).inc()
 
 
 def _register(kind: model.Kind) -> None:
@@ -174,12 +192,11 @@ def _register(kind: model.Kind) -> None:
 async def _delete(kind: model.Kind, body: Any, memo: Any, claims: Any) -> None:
     ctx = _ctx(memo)
     uid = body["metadata"]["uid"]
-    metrics.RECONCILIATIONS.labels(kind.value, "delete").inc()
-    async with ctx.lock(uid):
+    async with ctx.lock(uid), _measured(kind, "delete") as run:
         outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, claims)
-    _post(body, outcome.events)
+        _post(body, outcome.events)
+        run.failed = outcome.retry
     if outcome.retry:
-        metrics.RECONCILIATIONS_FAILED.labels(kind.value, "delete").inc()
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)
 

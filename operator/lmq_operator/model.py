@@ -260,11 +260,14 @@ class Claimant:
 
 @dataclass(frozen=True, slots=True)
 class Leaving:
-    """A broker with an ordinal at or above the StatefulSet's replicas that still holds undrained messages."""
+    """A broker with an ordinal at or above the StatefulSet's replicas that may still hold data: it reported
+    undrained messages, or it cannot be asked (no endpoint, no answer) while its PersistentVolumeClaim
+    (``claim``) still exists. ``undrained_messages`` is None when it could not be asked."""
 
     broker: Broker
     replicas: int
-    undrained_messages: int
+    undrained_messages: int | None
+    claim: str | None = None
 
 
 class Failure(enum.StrEnum):

@@ -33,6 +33,7 @@ class Reason(enum.StrEnum):
     UNMANAGED = "Unmanaged"
     DRAINED = "Drained"
     UNDRAINED_BROKER_LEAVING = "UndrainedBrokerLeaving"
+    LEAVING_BROKER_UNREACHABLE = "LeavingBrokerUnreachable"
 
 
 KEY_FIELD: Final = {
@@ -197,7 +198,8 @@ def blocked(
     now: datetime,
     key: tuple[model.Kind, str] | None = None,
 ) -> dict[str, Any]:
-    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged).
+    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged):
+    no per-broker fields, since none were asked; ``lastReclaim`` is kept.
 
     A paused resource keeps its old ``observedGeneration``: its current generation is not applied, and a
     GitOps tool must not believe otherwise.
@@ -212,33 +214,34 @@ def blocked(
     out: dict[str, Any] = {"conditions": _merge(conditions, ready)}
     if observed is not None:
         out["observedGeneration"] = observed
+    elif "observedGeneration" in previous:
+        out["observedGeneration"] = previous["observedGeneration"]
     if key is not None:
         out[KEY_FIELD[key[0]]] = key[1]
+    if previous.get("lastReclaim"):  # a record of what happened, still true; it only ever moves forward
+        out["lastReclaim"] = dict(previous["lastReclaim"])
     return out
 
 
 def drained(leaving: Sequence[model.Leaving], previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
-    """The scale-down condition; shown on ParentTopics because that is where the undrained data lives."""
+    """The scale-down condition; shown on ParentTopics because that is where the undrained data lives.
+
+    A leaving broker that cannot be asked is not drained as far as anyone knows while its claim holds its
+    disk: in a cluster its pod (and endpoint) is gone at once on scale-down, the data is not."""
     conditions = previous.get("conditions") or []
     if not leaving:
-        text = "no leaving broker holds undrained messages"
-        cond = condition(DRAINED, True, Reason.DRAINED, text, generation=None, now=now, previous=conditions)
-    else:
-        parts = [
-            f"{x.broker.name} (ordinal {x.broker.ordinal} >= replicas {x.replicas}) still holds "
-            f"{x.undrained_messages} undrained messages"
-            for x in sorted(leaving, key=lambda x: x.broker)
-        ]
-        cond = condition(
-            DRAINED,
-            False,
-            Reason.UNDRAINED_BROKER_LEAVING,
-            "; ".join(parts),
-            generation=None,
-            now=now,
-            previous=conditions,
-        )
-    return cond
+        text = "no leaving broker holds undrained messages or an unchecked volume claim"
+        return condition(DRAINED, True, Reason.DRAINED, text, generation=None, now=now, previous=conditions)
+    parts = []
+    for x in sorted(leaving, key=lambda x: x.broker):
+        where = f"{x.broker.name} (ordinal {x.broker.ordinal} >= replicas {x.replicas})"
+        if x.undrained_messages is not None:
+            parts.append(f"{where} still holds {x.undrained_messages} undrained messages")
+        else:
+            parts.append(f"{where} cannot be asked whether it is drained, and its claim {x.claim} still exists")
+    known = any(x.undrained_messages is not None for x in leaving)
+    reason = Reason.UNDRAINED_BROKER_LEAVING if known else Reason.LEAVING_BROKER_UNREACHABLE
+    return condition(DRAINED, False, reason, "; ".join(parts), generation=None, now=now, previous=conditions)
 
 
 def with_condition(status: dict[str, Any], cond: dict[str, Any]) -> dict[str, Any]:
@@ -255,5 +258,9 @@ def ready_of(status: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def changes(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the top-level status fields that differ: the merge patch to send (empty: send nothing)."""
-    return {k: v for k, v in new.items() if previous.get(k) != v}
+    """Only the top-level status fields that differ: the merge patch to send (empty: send nothing).
+
+    ``new`` is the whole status: a field it no longer has is removed (None in a JSON merge patch), so a
+    resource that goes from Applied to paused or conflicting does not keep showing the brokers it had."""
+    gone = {k: None for k in previous if k not in new}
+    return gone | {k: v for k, v in new.items() if previous.get(k) != v}

@@ -477,12 +477,43 @@ def publish_brokers(api: KubeAPI, namespace: str, name: str, endpoints: list[tup
                 "metadata": {"name": f"{name}-{ordinal}", "labels": {"kubernetes.io/service-name": name}},
                 "addressType": "IPv4",
                 "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}],
-                "endpoints": [
-                    {
-                        "addresses": [ip],
-                        "conditions": {"ready": True},
-                        "targetRef": {"kind": "Pod", "name": f"{name}-{ordinal}", "namespace": namespace},
-                    }
-                ],
+                "endpoints": _pod_endpoint(namespace, name, ordinal, ip),
             },
         )
+
+
+def _pod_endpoint(namespace: str, name: str, ordinal: int, ip: str | None) -> list[dict[str, Any]]:
+    if ip is None:
+        return []
+    target = {"kind": "Pod", "name": f"{name}-{ordinal}", "namespace": namespace}
+    return [{"addresses": [ip], "conditions": {"ready": True}, "targetRef": target}]
+
+
+def set_broker_endpoint(api: KubeAPI, namespace: str, name: str, ordinal: int, ip: str | None) -> None:
+    """What the EndpointSlice controller does when pod ``<name>-<ordinal>`` goes (``ip`` None) or comes back:
+    the slice ``publish_brokers`` made for it loses or regains its endpoint."""
+    path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices/{name}-{ordinal}"
+    api.merge_patch(path, {"endpoints": _pod_endpoint(namespace, name, ordinal, ip)})
+
+
+def claim_volumes(api: KubeAPI, namespace: str, name: str, ordinals: range) -> list[str]:
+    """The PersistentVolumeClaims ``data-<name>-<ordinal>`` the chart's StatefulSet leaves behind (no controller
+    binds them here). Created without the pvc-protection finalizer, which only a controller would remove, so a
+    delete takes them away at once, as it does in a cluster once no pod mounts them."""
+    names = []
+    for ordinal in ordinals:
+        claim = f"data-{name}-{ordinal}"
+        api.post(
+            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims",
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim, "labels": {"app": name}},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+            },
+        )
+        api.merge_patch(
+            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}", {"metadata": {"finalizers": None}}
+        )
+        names.append(claim)
+    return names

@@ -244,7 +244,7 @@ def can(kube: testing.KubeAPI, user: str, action: Action, namespace: str = "") -
 
 
 # What kopf and the operator do (docs/operator.md): follow and patch their resources, patch status, post
-# events, follow the CRDs, and read the brokers' EndpointSlices and StatefulSet.
+# events, follow the CRDs, and read the brokers' EndpointSlices, StatefulSet and volume claims.
 NEEDED_EVERYWHERE: list[Action] = [
     ("list", "parenttopics", "lmq.io"),
     ("watch", "litegroups", "lmq.io"),
@@ -255,6 +255,7 @@ NEEDED_EVERYWHERE: list[Action] = [
 NEEDED_FOR_BROKERS: list[Action] = [
     ("list", "endpointslices", "discovery.k8s.io"),
     ("get", "statefulsets", "apps"),
+    ("list", "persistentvolumeclaims", ""),
 ]
 NEVER: list[Action] = [
     ("create", "parenttopics", "lmq.io"),
@@ -266,6 +267,8 @@ NEVER: list[Action] = [
     ("get", "configmaps", ""),
     ("create", "pods", ""),
     ("update", "statefulsets", "apps"),
+    ("delete", "persistentvolumeclaims", ""),
+    ("watch", "persistentvolumeclaims", ""),
     ("create", "customresourcedefinitions", "apiextensions.k8s.io"),
 ]
 

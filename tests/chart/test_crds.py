@@ -203,3 +203,11 @@ def test_the_readme_tells_the_crd_upgrade_story(chart_dir: Path) -> None:
     assert apply_at < readme.index("helm upgrade mq charts/lmq")  # CRDs first, then the release
     assert "never upgrades or deletes them" in readme
     assert "Never `kubectl replace --force`" in readme
+
+
+def test_the_readme_deletes_the_resources_before_the_operator_and_the_crds(chart_dir: Path) -> None:
+    """Resources keep lmq.io/finalizer until the running operator has deleted their broker copies."""
+    readme = (chart_dir / "README.md").read_text()
+    delete_at = readme.index("kubectl delete parenttopics,litegroups,litequotas --all -A")
+    assert delete_at < readme.index("helm uninstall mq -n mq") < readme.index("kubectl delete crd parenttopics.lmq.io")
+    assert "lmq.io/finalizer" in readme and "Terminating" in readme

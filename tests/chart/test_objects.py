@@ -65,7 +65,11 @@ def resource_rules() -> set[tuple[str, str, str]]:
 
 CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 NAMESPACES = {("", "namespaces", "list"), ("", "namespaces", "watch")}
-BROKER_READ = {("discovery.k8s.io", "endpointslices", "list"), ("apps", "statefulsets", "get")}
+BROKER_READ = {
+    ("discovery.k8s.io", "endpointslices", "list"),
+    ("apps", "statefulsets", "get"),
+    ("", "persistentvolumeclaims", "list"),
+}
 
 
 # -- the broker StatefulSet

@@ -78,10 +78,14 @@ def test_topic_name_is_immutable(kube: testing.KubeAPI, namespace: str, create: 
     create("ParentTopic", namespace, "a", {"topicName": "alpha"})
     create("ParentTopic", namespace, "b", {})
     path_a, path_b = testing.cr_path("parenttopics", namespace, "a"), testing.cr_path("parenttopics", namespace, "b")
-    needle = "spec.topicName is immutable"
-    assert needle in _rejected(lambda: kube.merge_patch(path_a, {"spec": {"topicName": "beta"}}))
-    assert needle in _rejected(lambda: kube.merge_patch(path_a, {"spec": {"topicName": None}}))
-    assert needle in _rejected(lambda: kube.merge_patch(path_b, {"spec": {"topicName": "b"}}))
+    needle = "spec.topicName is immutable: it cannot be added, changed or removed after creation"
+    assert f"{needle} (was alpha, now beta)" in _rejected(
+        lambda: kube.merge_patch(path_a, {"spec": {"topicName": "beta"}})
+    )
+    assert f"{needle} (was alpha, now unset)" in _rejected(
+        lambda: kube.merge_patch(path_a, {"spec": {"topicName": None}})
+    )
+    assert f"{needle} (was unset, now b)" in _rejected(lambda: kube.merge_patch(path_b, {"spec": {"topicName": "b"}}))
     # other fields stay mutable
     patched = kube.merge_patch(path_a, {"spec": {"liteTopicExpirationMinutes": 5}})
     assert patched["spec"]["liteTopicExpirationMinutes"] == 5 and patched["metadata"]["generation"] == 2
@@ -97,10 +101,12 @@ def test_lite_group_rejections(kube: testing.KubeAPI, namespace: str, create: Ca
     assert "spec.parentTopic: Required value" in _rejected(lambda: create("LiteGroup", namespace, "g3", {}))
     create("LiteGroup", namespace, "g4", {"parentTopic": "t"})
     path = testing.cr_path("litegroups", namespace, "g4")
-    assert "spec.parentTopic is immutable" in _rejected(
-        lambda: kube.merge_patch(path, {"spec": {"parentTopic": "other"}})
+    assert "spec.parentTopic is immutable: a lite group stays bound to its parent topic (was t, now other)" in (
+        _rejected(lambda: kube.merge_patch(path, {"spec": {"parentTopic": "other"}}))
     )
-    assert "spec.groupName is immutable" in _rejected(lambda: kube.merge_patch(path, {"spec": {"groupName": "x"}}))
+    assert "spec.groupName is immutable: it cannot be added, changed or removed after creation (was unset, now x)" in (
+        _rejected(lambda: kube.merge_patch(path, {"spec": {"groupName": "x"}}))
+    )
 
 
 def test_lite_quota_rejections(kube: testing.KubeAPI, namespace: str, create: Callable[..., Any]) -> None:
@@ -113,8 +119,12 @@ def test_lite_quota_rejections(kube: testing.KubeAPI, namespace: str, create: Ca
     )
     create("LiteQuota", namespace, "q4", {"rocketmqNamespace": "prod"})
     path = testing.cr_path("litequotas", namespace, "q4")
-    assert "scope (spec.rocketmqNamespace / spec.parentTopic) is immutable" in _rejected(
+    scope = "scope (spec.rocketmqNamespace / spec.parentTopic) is immutable: create another LiteQuota instead"
+    assert f"{scope} (was rocketmqNamespace prod, now rocketmqNamespace dev)" in _rejected(
         lambda: kube.merge_patch(path, {"spec": {"rocketmqNamespace": "dev"}})
+    )
+    assert f"{scope} (was rocketmqNamespace prod, now parentTopic orders)" in _rejected(
+        lambda: kube.merge_patch(path, {"spec": {"rocketmqNamespace": None, "parentTopic": "orders"}})
     )
 
 

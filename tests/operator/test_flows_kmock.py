@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import kopf
+import prometheus_client
 import pytest
 import pytest_asyncio
 
@@ -151,3 +152,27 @@ async def test_paused_resource_touches_no_broker(operator: Any, brokers: dict[st
     cond = await eventually(lambda: _ready(operator, "quiet"), "a Ready condition")
     assert (cond["status"], cond["reason"]) == ("Unknown", "ReconciliationPaused")
     assert all(not admin.calls for admin in brokers.values())
+
+
+class _Broken(admins.MemoryAdmin):
+    """A broker seam that fails the way a bug does: not with an ``AdminError`` the reconcile turns into status."""
+
+    async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
+        raise RuntimeError("not an AdminError")
+
+
+def _sample(name: str, **labels: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_reconcile_that_raises_is_counted_as_failed_and_timed(
+    operator: Any, brokers: dict[str, admins.MemoryAdmin]
+) -> None:
+    brokers["b1:8081"] = _Broken("b1:8081")  # the admin factory looks it up on first use, which is below
+    failed = ("lmq_operator_reconciliations_failed_total", {"kind": "ParentTopic", "trigger": "create"})
+    timed = ("lmq_operator_reconcile_duration_seconds_count", {"kind": "ParentTopic"})
+    before = _sample(failed[0], **failed[1]), _sample(timed[0], **timed[1])
+    operator.objects[PT, NS, "buggy"] = _object("buggy", {}, "u4", "2026-01-01T00:00:00Z")
+    await eventually(lambda: _sample(failed[0], **failed[1]) > before[0], "the failed reconciliation counted")
+    assert _sample(timed[0], **timed[1]) > before[1]

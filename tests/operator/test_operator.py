@@ -58,6 +58,11 @@ def event_reasons(kube: testing.KubeAPI, namespace: str, name: str) -> set[str]:
     return {e["reason"] for e in items if e["involvedObject"]["name"] == name}
 
 
+def event_messages(kube: testing.KubeAPI, namespace: str, name: str, reason: str) -> list[str]:
+    items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+    return [e["message"] for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
 def has_topic(admin: AdminClient, name: str) -> bool:
     try:
         admin.get_parent_topic(name)
@@ -209,6 +214,42 @@ def test_delete_cleans_brokers_and_retain_keeps_them(
     assert {"Deleted", "Retained"} <= reasons
 
 
+def test_create_adopts_what_brokers_already_hold_identical_or_not(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    b0, b1 = (b.admin_endpoint for b in brokers)
+    same, mixed = unique("same"), unique("mixed")
+    for endpoint in (b0, b1):  # already there, exactly as the spec below wants it
+        admin_of(endpoint).put_parent_topic(broker_model.ParentTopic(same))
+    admin_of(b0).put_parent_topic(broker_model.ParentTopic(mixed, expiration_minutes=5))  # different; b1 lacks it
+    run_operator(namespace, [b0, b1])
+    create("ParentTopic", namespace, "same", {"topicName": same})
+    create("ParentTopic", namespace, "mixed", {"topicName": mixed})
+    for name in ("same", "mixed"):
+        wait_condition(kube, testing.cr_path("parenttopics", namespace, name), "True", "Applied")
+
+    def posted(name: str, reason: str) -> str | None:
+        found = event_messages(kube, namespace, name, reason)
+        return found[0] if found else None
+
+    adopted = testing.wait_for(lambda: posted("same", "Adopted"), TIMEOUT_S, "Adopted on identical copies")
+    first, second = sorted((b0, b1))  # brokers are listed in order; here their names are their endpoints
+    assert adopted == f"ParentTopic {same!r} adopted on {first} (already identical), {second} (already identical)"
+    adopted = testing.wait_for(lambda: posted("mixed", "Adopted"), TIMEOUT_S, "Adopted on a different copy")
+    assert adopted == f"ParentTopic {mixed!r} adopted on {b0} (differed, overwritten)"
+    assert posted("mixed", "Created") == f"ParentTopic {mixed!r} created on {b1} (was missing)"
+    assert admin_of(b0).get_parent_topic(mixed).topic.expiration_minutes == -1
+    # a resync later finds the adopted copies identical: nothing was created, nothing drifted
+    assert not {"Created", "DriftRepaired"} & event_reasons(kube, namespace, "same")
+
+
 def test_unmanaged_and_paused_resources_leave_brokers_alone(
     *,
     kube: testing.KubeAPI,
@@ -230,7 +271,9 @@ def test_unmanaged_and_paused_resources_leave_brokers_alone(
     admin0 = admin_of(brokers[0].admin_endpoint)
 
     kube.merge_patch(p_path, {"metadata": {"annotations": {"lmq.io/pause-reconciliation": "true"}}})
-    wait_condition(kube, p_path, "Unknown", "ReconciliationPaused")
+    paused_status = wait_condition(kube, p_path, "Unknown", "ReconciliationPaused")["status"]
+    assert not {"brokersReady", "brokers", "liteTopicCount"} & set(paused_status)  # no stale "2/2" beside Unknown
+    assert (paused_status["topicName"], paused_status["observedGeneration"]) == (paused, 1)
     obj = kube.merge_patch(p_path, {"spec": {"liteTopicExpirationMinutes": 20}})
     paused_obj = wait_condition(kube, p_path, "Unknown", "ReconciliationPaused", current=False)
     assert paused_obj["status"]["observedGeneration"] == 1 < obj["metadata"]["generation"]
@@ -335,6 +378,8 @@ def test_broker_that_appears_later_and_empty_disk_get_everything(
     obj = wait_condition(kube, path, "True", "Applied")
     assert obj["status"]["brokersReady"] == "2/2"
     assert has_topic(admin_of(late_endpoint), topic)
+    # the retries found the first broker's copy again: it was put there by this create, not adopted
+    assert "Adopted" not in event_reasons(kube, namespace, "late")
 
     # the pod restarts with an empty disk: the next resync puts everything back
     late.stop()
@@ -401,6 +446,7 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
     pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
     testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pod.port) for pod in pods], replicas=2)
+    claims = testing.claim_volumes(kube, namespace, "lmq-broker", range(2))
     run_operator(
         namespace,
         None,
@@ -424,14 +470,93 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     assert admin_of(pods[1].admin_endpoint).broker_info().undrained_messages == 1
     kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/lmq-broker", {"spec": {"replicas": 1}})
 
-    def reported() -> Any:
+    def reported(status: str, reason: str) -> Any:
         got = kube.get(path)
         cond = next(c for c in got["status"]["conditions"] if c["type"] == "BrokersDrained")
-        return got if cond["status"] == "False" else None
+        return got if (cond["status"], cond["reason"]) == (status, reason) else None
 
-    obj = testing.wait_for(reported, TIMEOUT_S, "BrokersDrained=False after the scale-down")
+    obj = testing.wait_for(
+        lambda: reported("False", "UndrainedBrokerLeaving"), TIMEOUT_S, "BrokersDrained=False after the scale-down"
+    )
     drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
-    assert drained["reason"] == "UndrainedBrokerLeaving"
     assert drained["message"] == "lmq-broker-1 (ordinal 1 >= replicas 1) still holds 1 undrained messages"
     assert obj["status"]["brokersReady"] == "1/1"
     assert [b["name"] for b in obj["status"]["brokers"]] == ["lmq-broker-0"]
+
+    # As in a cluster, the pod is deleted at once and leaves the EndpointSlice; its claim and data stay.
+    testing.set_broker_endpoint(kube, namespace, "lmq-broker", 1, None)
+    obj = testing.wait_for(
+        lambda: reported("False", "LeavingBrokerUnreachable"), TIMEOUT_S, "BrokersDrained=False without the pod"
+    )
+    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    assert drained["message"] == (
+        "lmq-broker-1 (ordinal 1 >= replicas 1) cannot be asked whether it is drained, "
+        f"and its claim {claims[1]} still exists"
+    )
+    kube.delete(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claims[1]}")  # the data is let go
+    testing.wait_for(lambda: reported("True", "Drained"), TIMEOUT_S, "BrokersDrained=True once the claim is gone")
+
+
+def _counter(metrics: str, sample: str) -> float:
+    """The value of one sample line of the Prometheus text format (0 when absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+    start_broker: Callable[..., Any],
+) -> None:
+    """No broker discovered (every pod gone) or a broker that does not answer: the topic is not known to be
+    deleted, so the resource stays Terminating until a broker confirms it."""
+    ip = testing.host_ip()
+    pod = start_broker("pod0", extra=["--host", "0.0.0.0"])
+    testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pod.port)], replicas=1)
+    op = run_operator(
+        namespace, None, LMQ_OPERATOR_BROKER_SERVICE="lmq-broker", LMQ_OPERATOR_BROKER_NAMESPACE=namespace
+    )
+    topic = unique("orphan")
+    create("ParentTopic", namespace, "orphan", {"topicName": topic})
+    path = testing.cr_path("parenttopics", namespace, "orphan")
+    wait_condition(kube, path, "True", "Applied")
+
+    testing.set_broker_endpoint(kube, namespace, "lmq-broker", 0, None)  # the pod is gone
+    wait_condition(kube, path, "False", "NoBrokers")
+    kube.delete(path)
+
+    def delete_failed(needle: str) -> Any:
+        items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        found = [
+            e["message"]
+            for e in items
+            if e["involvedObject"]["name"] == "orphan" and e["reason"] == "DeleteFailed" and needle in e["message"]
+        ]
+        return found[0] if found else None
+
+    text = testing.wait_for(lambda: delete_failed("no broker pod is discovered"), TIMEOUT_S, "DeleteFailed (none)")
+    assert "lmq.io/finalizer stays" in text
+    sample = 'lmq_operator_reconciliations_failed_total{kind="ParentTopic",trigger="delete"}'
+    testing.wait_for(lambda: _counter(op.metrics(), sample) >= 2, TIMEOUT_S, "failed deletes counted")
+    obj = kube.get(path)
+    assert obj["metadata"]["deletionTimestamp"] and obj["metadata"]["finalizers"] == ["lmq.io/finalizer"]
+    assert has_topic(admin_of(pod.admin_endpoint), topic)
+
+    # The pod is listed again but its broker does not answer: still not deleted.
+    pod.stop()
+    testing.set_broker_endpoint(kube, namespace, "lmq-broker", 0, ip)
+    testing.wait_for(lambda: delete_failed("not deleted on lmq-broker-0"), TIMEOUT_S, "DeleteFailed (down)")
+    assert kube.exists(path)
+
+    back = start_broker("pod0", port=pod.port, extra=["--host", "0.0.0.0"])  # same disk: it still holds the topic
+    testing.wait_for(lambda: not kube.exists(path), TIMEOUT_S, f"{path} deleted once the broker answers")
+    with AdminClient(back.admin_endpoint, timeout_s=5.0) as admin:
+        assert not has_topic(admin, topic)
+    assert "Deleted" in event_reasons(kube, namespace, "orphan")

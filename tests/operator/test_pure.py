@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lmq_operator import apply, desired, diff, model, settings, status
+from lmq_operator import admins, apply, desired, diff, model, settings, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 B0 = model.Broker(model.BrokerName("b0"), "10.0.0.1:8081", 0)
@@ -321,7 +321,8 @@ def test_paused_keeps_the_old_observed_generation() -> None:
     ok = [model.BrokerSync(B0, True, "none")]
     applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=ok, previous={}, now=NOW)
     paused = status.blocked(status.Reason.RECONCILIATION_PAUSED, "paused", generation=2, previous=applied, now=NOW)
-    assert "observedGeneration" not in paused
+    assert paused["observedGeneration"] == 1
+    assert "observedGeneration" not in status.changes(applied, paused)
     assert (_ready(paused)["status"], _ready(paused)["reason"]) == ("Unknown", "ReconciliationPaused")
     assert "observedGeneration" not in _ready(paused)
 
@@ -340,12 +341,104 @@ def test_blocked_reasons_observe_the_generation(reason: status.Reason, state: st
     assert (_ready(st)["status"], _ready(st)["reason"], _ready(st)["message"]) == (state, reason.value, "why")
 
 
+@pytest.mark.parametrize(
+    ("reason", "kept"),
+    [
+        (status.Reason.RECONCILIATION_PAUSED, {"observedGeneration", "topicName", "lastReclaim"}),
+        (status.Reason.UNMANAGED, {"observedGeneration", "topicName", "lastReclaim"}),
+        (status.Reason.RESOURCE_CONFLICT, {"observedGeneration", "topicName", "lastReclaim"}),
+        (status.Reason.INVALID, {"observedGeneration", "lastReclaim"}),
+    ],
+)
+def test_fields_a_blocked_status_drops_are_removed_by_the_patch(reason: status.Reason, kept: set[str]) -> None:
+    syncs = [model.BrokerSync(B0, True, "none", figures=(("liteTopicCount", 3),), reclaim=_run("job-1", T0))]
+    applied = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=syncs, previous={}, now=NOW)
+    status.with_condition(applied, status.drained([], applied, NOW))
+    key = None if reason is status.Reason.INVALID else (model.Kind.PARENT_TOPIC, "t")
+    new = status.blocked(reason, "why", generation=1, previous=applied, now=NOW, key=key)
+    patch = status.changes(applied, new)
+    # brokersReady ("1/1" beside Ready=Unknown in `kubectl get`), brokers[] and the figures go; nothing else
+    removed = {k for k, v in patch.items() if v is None}
+    assert removed == set(applied) - kept - {"conditions"}
+    assert {"brokersReady", "brokers", "liteTopicCount"} <= removed
+    assert {c["type"] for c in patch["conditions"]} == {"Ready", "BrokersDrained"}
+    assert new["lastReclaim"] == applied["lastReclaim"]
+    # and a status that drops nothing patches nothing it does not change
+    assert status.changes(new, new) == {}
+
+
 def test_drained_condition_names_the_leaving_broker() -> None:
     leaving = [model.Leaving(B1, replicas=1, undrained_messages=12)]
     cond = status.drained(leaving, {}, NOW)
     assert (cond["type"], cond["status"], cond["reason"]) == ("BrokersDrained", "False", "UndrainedBrokerLeaving")
     assert cond["message"] == "b1 (ordinal 1 >= replicas 1) still holds 12 undrained messages"
     assert status.drained([], {}, NOW)["status"] == "True"
+
+
+def test_a_leaving_broker_that_cannot_be_asked_is_not_drained_while_its_claim_exists() -> None:
+    gone = model.Broker(model.BrokerName("lmq-broker-2"), "", 2)
+    leaving = [model.Leaving(gone, replicas=2, undrained_messages=None, claim="data-lmq-broker-2")]
+    cond = status.drained(leaving, {}, NOW)
+    assert (cond["status"], cond["reason"]) == ("False", "LeavingBrokerUnreachable")
+    assert cond["message"] == (
+        "lmq-broker-2 (ordinal 2 >= replicas 2) cannot be asked whether it is drained, "
+        "and its claim data-lmq-broker-2 still exists"
+    )
+    # a known undrained broker is the stronger statement; both are listed
+    both = status.drained([*leaving, model.Leaving(B1, 1, 3)], {}, NOW)
+    assert both["reason"] == "UndrainedBrokerLeaving" and "data-lmq-broker-2" in both["message"]
+
+
+class _StubFleet(apply.Fleet):
+    """``Fleet`` with its Kubernetes reads replaced: a StatefulSet of ``replicas``, these slices and claims."""
+
+    def __init__(self, admins: dict[str, Any], replicas: int, pods: dict[int, str], claims: dict[int, str]) -> None:
+        conf = settings.Settings(broker_service="b", broker_namespace="ns", broker_statefulset="lmq-broker")
+        super().__init__(conf, apply.AdminPool(admins.__getitem__))
+        self.replicas, self.pods, self.claims_ = replicas, pods, claims
+
+    async def _replicas(self) -> int | None:
+        return self.replicas
+
+    async def _claims(self, replicas: int) -> dict[int, str]:
+        return {n: c for n, c in self.claims_.items() if n >= replicas}
+
+    async def _slices(self) -> list[Any]:
+        return [
+            {
+                "ports": [{"name": "grpc", "port": 8081}],
+                "endpoints": [{"addresses": [ip], "targetRef": {"name": f"lmq-broker-{n}"}}],
+            }
+            for n, ip in self.pods.items()
+        ]
+
+
+@pytest.mark.asyncio
+async def test_fleet_reports_leaving_ordinals_from_claims_as_well_as_endpoints() -> None:
+    b0, b1 = admins.MemoryAdmin("10.0.0.1:8081"), admins.MemoryAdmin("10.0.0.2:8081")
+    fleet = _StubFleet({b0.endpoint: b0, b1.endpoint: b1}, 1, {0: "10.0.0.1", 1: "10.0.0.2"}, {})
+    fleet.claims_ = {0: "data-lmq-broker-0", 1: "data-lmq-broker-1"}
+    view = await fleet._discover(None)
+    assert [b.name for b in view.targets] == ["lmq-broker-0"]
+    assert view.leaving == ()  # reachable and drained: its claim alone is no reason to worry
+
+    b1.undrained = 4
+    (x,) = (await fleet._discover(None)).leaving
+    assert (x.broker.name, x.undrained_messages, x.claim) == ("lmq-broker-1", 4, "data-lmq-broker-1")
+
+    b1.down = True  # listed but not answering, claim still there
+    (x,) = (await fleet._discover(None)).leaving
+    assert (x.undrained_messages, x.claim) == (None, "data-lmq-broker-1")
+
+    del fleet.pods[1]  # the pod (and its endpoint) is gone, the claim stays
+    (x,) = (await fleet._discover(None)).leaving
+    assert (x.broker.name, x.broker.ordinal, x.undrained_messages, x.claim) == (
+        "lmq-broker-1", 1, None, "data-lmq-broker-1"
+    )  # fmt: skip
+
+    del fleet.claims_[1]  # the claim is deleted: nothing is left behind
+    assert (await fleet._discover(None)).leaving == ()
+    await fleet.close()
 
 
 def test_other_conditions_survive_a_ready_update() -> None:
