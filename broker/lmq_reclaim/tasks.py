@@ -215,24 +215,22 @@ def _delete_rows(
     stats: Accumulator[dict[str, float]],
     messages: Accumulator[list[str]],
 ) -> Iterator[pa.RecordBatch]:
-    # A topic scanned without subscribers must still have none at delete time (a subscription that
-    # arrived after the scan keeps it); one that had subscribers already was judged with them.
-    unsubscribed = pc.equal(rows.column(c.SUBSCRIBER_COUNT), 0)
+    # Each row carries the subscribers its scan saw: a topic that gained one since (or gains one while the
+    # broker deletes it) is kept; the subscribers it already had were judged by the rules.
     in_flight: deque[tuple[pa.RecordBatch, float, brokers.PendingDelete | errors.LmqError]] = deque()
-    for require_none, part in ((True, rows.filter(unsubscribed)), (False, rows.filter(pc.invert(unsubscribed)))):
-        for start in range(0, part.num_rows, settings.batch_size):
-            chunk = part.slice(start, settings.batch_size)
-            bucket.acquire(chunk.num_rows)  # before sending: the bucket bounds what the broker is asked to do
-            sent = time.perf_counter()
-            try:
-                call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
-                    chunk, require_no_subscribers=require_none, dry_run=settings.dry_run, timeout_s=settings.timeout_s
-                )
-            except errors.LmqError as exc:
-                call = exc
-            in_flight.append((chunk, sent, call))
-            if len(in_flight) >= DELETES_IN_FLIGHT:
-                yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
+    for start in range(0, rows.num_rows, settings.batch_size):
+        chunk = rows.slice(start, settings.batch_size)
+        bucket.acquire(chunk.num_rows)  # before sending: the bucket bounds what the broker is asked to do
+        sent = time.perf_counter()
+        try:
+            call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
+                chunk, dry_run=settings.dry_run, timeout_s=settings.timeout_s
+            )
+        except errors.LmqError as exc:
+            call = exc
+        in_flight.append((chunk, sent, call))
+        if len(in_flight) >= DELETES_IN_FLIGHT:
+            yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
     while in_flight:
         yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
 
