@@ -194,17 +194,12 @@ class BrokerAdmin:
         except grpc.RpcError as exc:
             raise _translate(self.endpoint, exc) from exc
 
-    def compare_and_delete(
-        self, rows: pa.RecordBatch, *, require_no_subscribers: bool, dry_run: bool, timeout_s: float
-    ) -> pa.Array:
-        """Outcome names (``columns.Outcome``) for each row of ``rows`` (parent, lite, expected columns)."""
-        return self.start_compare_and_delete(
-            rows, require_no_subscribers=require_no_subscribers, dry_run=dry_run, timeout_s=timeout_s
-        ).result()
+    def compare_and_delete(self, rows: pa.RecordBatch, *, dry_run: bool, timeout_s: float) -> pa.Array:
+        """Outcome names (``columns.Outcome``) for each row of ``rows`` (parent, lite, expected columns and
+        the subscriber count the scan saw: a subscriber beyond it keeps the row)."""
+        return self.start_compare_and_delete(rows, dry_run=dry_run, timeout_s=timeout_s).result()
 
-    def start_compare_and_delete(
-        self, rows: pa.RecordBatch, *, require_no_subscribers: bool, dry_run: bool, timeout_s: float
-    ) -> PendingDelete:
+    def start_compare_and_delete(self, rows: pa.RecordBatch, *, dry_run: bool, timeout_s: float) -> PendingDelete:
         """Send the call and return at once: the caller prepares its next call while the broker works."""
         request = admin_pb2.CompareAndDeleteRequest(
             parent=rows.column(c.PARENT).to_pylist(),
@@ -212,8 +207,9 @@ class BrokerAdmin:
             expected_max_offset=rows.column(c.MAX_OFFSET).to_pylist(),
             expected_last_store_ms=rows.column(c.LAST_STORE_MS).to_pylist(),
             expected_last_consume_ms=rows.column(c.LAST_CONSUME_MS).to_pylist(),
-            require_no_subscribers=require_no_subscribers,
+            require_no_subscribers=True,
             dry_run=dry_run,
+            expected_subscriber_count=rows.column(c.SUBSCRIBER_COUNT).to_pylist(),
         )
         try:
             call = self._stub.CompareAndDeleteLiteTopics.future(request, timeout=timeout_s, metadata=self._metadata())

@@ -8,6 +8,7 @@ the records it leaves on brokers; the chart passes the Job's name (``LMQ_RECLAIM
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _deletes_per_second(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:  # a negative rate used to pass and mean "unlimited"
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0: unlimited), got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmq-reclaim",
@@ -119,7 +127,10 @@ def parser() -> argparse.ArgumentParser:
     act = p.add_argument_group("deleting")
     act.add_argument("--dry-run", action="store_true", help="decide and report, delete nothing")
     act.add_argument(
-        "--max-deletes-per-second", type=float, default=2000.0, help="per broker, token bucket; 0 = unlimited"
+        "--max-deletes-per-second",
+        type=_deletes_per_second,
+        default=2000.0,
+        help="per broker, token bucket; 0 = unlimited (must be >= 0)",
     )
     act.add_argument("--delete-batch-size", type=_positive_int, default=500, help="rows per delete call")
     act.add_argument("--scan-batch-size", type=_positive_int, default=10_000, help="rows per scan response")

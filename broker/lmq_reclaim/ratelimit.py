@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenBucket:
-    rate: float  # tokens per second; <= 0 means unlimited
+    rate: float  # tokens per second; 0 means unlimited
     burst: float
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
@@ -24,12 +24,14 @@ class TokenBucket:
     waited_s: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
+        if not self.rate >= 0:  # NaN too: a negative rate is a mistake, not another way to say unlimited
+            raise ValueError(f"rate must be >= 0 (0: unlimited), got {self.rate}")
         self._tokens = self.burst
         self._last = self.clock()
 
     def acquire(self, n: int) -> float:
         """Take ``n`` tokens, sleeping as long as needed; returns the seconds slept."""
-        if self.rate <= 0 or n <= 0:
+        if self.rate == 0 or n <= 0:
             return 0.0
         now = self.clock()
         self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)

@@ -116,7 +116,7 @@ def scan_fn(
     def run(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for id_batch in ids:
             for task_id in id_batch.column(0).to_pylist():
-                yield from _scan_one(tasks[task_id], settings, stats, messages)
+                yield from _scan_one(tasks[task_id], settings, stats, messages, f"{task_id + 1}/{len(tasks)}")
 
     return run
 
@@ -126,10 +126,12 @@ def _scan_one(
     settings: ScanSettings,
     stats: Accumulator[dict[str, float]],
     messages: Accumulator[list[str]],
+    label: str = "",
 ) -> Iterator[pa.RecordBatch]:
     rows = 0
     busy = 0.0
     started = time.perf_counter()
+    failed = False
     try:
         with brokers.BrokerAdmin(task.endpoint, settings.timeout_s, settings.credentials) as admin:
             batches = admin.scan(
@@ -150,6 +152,7 @@ def _scan_one(
                 rows += batch.num_rows
                 yield batch
     except errors.LmqError as exc:
+        failed = True
         stats.add({f"errors:{task.broker}": 1.0, parent_stat("errors", task.broker, task.parent): 1.0})
         messages.add([f"scan {task.broker} {task.parent} {task.key_range}: {exc.message}"])
     finally:
@@ -157,7 +160,11 @@ def _scan_one(
         # Spark consuming our batches (the decide step runs in the same pipeline).
         stats.add({f"scan_rows:{task.broker}": float(rows), f"scan_busy_s:{task.broker}": busy})
         stats.add({parent_stat("scanned", task.broker, task.parent): float(rows)})
-        stats.add({f"scan_wall_s:{task.broker}": time.perf_counter() - started})
+        wall = time.perf_counter() - started
+        stats.add({f"scan_wall_s:{task.broker}": wall})
+        # One line per finished task: a long scan shows how far it got (the driver logs the total at the end).
+        outcome = "failed" if failed else "done"
+        _progress(f"scan task {label} {outcome}: {task.broker} {task.parent}: {rows} row(s) in {wall:.1f}s")
 
 
 def delete_fn(
@@ -197,6 +204,8 @@ def delete_fn(
                     done[broker] = before + mine.num_rows
                     if done[broker] // PROGRESS_EVERY_ROWS > before // PROGRESS_EVERY_ROWS:
                         _progress(f"delete {broker}: {done[broker]} candidates processed")
+            for broker, count in done.items():  # a broker's rows are all in this partition: it is finished
+                _progress(f"delete {broker} done: {count} candidates processed")
         finally:
             for broker, admin in admins.items():
                 admin.close()
@@ -215,24 +224,22 @@ def _delete_rows(
     stats: Accumulator[dict[str, float]],
     messages: Accumulator[list[str]],
 ) -> Iterator[pa.RecordBatch]:
-    # A topic scanned without subscribers must still have none at delete time (a subscription that
-    # arrived after the scan keeps it); one that had subscribers already was judged with them.
-    unsubscribed = pc.equal(rows.column(c.SUBSCRIBER_COUNT), 0)
+    # Each row carries the subscribers its scan saw: a topic that gained one since (or gains one while the
+    # broker deletes it) is kept; the subscribers it already had were judged by the rules.
     in_flight: deque[tuple[pa.RecordBatch, float, brokers.PendingDelete | errors.LmqError]] = deque()
-    for require_none, part in ((True, rows.filter(unsubscribed)), (False, rows.filter(pc.invert(unsubscribed)))):
-        for start in range(0, part.num_rows, settings.batch_size):
-            chunk = part.slice(start, settings.batch_size)
-            bucket.acquire(chunk.num_rows)  # before sending: the bucket bounds what the broker is asked to do
-            sent = time.perf_counter()
-            try:
-                call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
-                    chunk, require_no_subscribers=require_none, dry_run=settings.dry_run, timeout_s=settings.timeout_s
-                )
-            except errors.LmqError as exc:
-                call = exc
-            in_flight.append((chunk, sent, call))
-            if len(in_flight) >= DELETES_IN_FLIGHT:
-                yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
+    for start in range(0, rows.num_rows, settings.batch_size):
+        chunk = rows.slice(start, settings.batch_size)
+        bucket.acquire(chunk.num_rows)  # before sending: the bucket bounds what the broker is asked to do
+        sent = time.perf_counter()
+        try:
+            call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
+                chunk, dry_run=settings.dry_run, timeout_s=settings.timeout_s
+            )
+        except errors.LmqError as exc:
+            call = exc
+        in_flight.append((chunk, sent, call))
+        if len(in_flight) >= DELETES_IN_FLIGHT:
+            yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
     while in_flight:
         yield _finish(broker, *in_flight.popleft(), stats=stats, messages=messages)
 

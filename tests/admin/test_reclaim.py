@@ -236,6 +236,48 @@ def test_subscribers_do_not_protect_a_topic_unless_asked(broker: Broker) -> None
     assert broker.live.subscribers(model.QueueId.lmq("orders", "s1")) == []
 
 
+def test_only_subscribers_beyond_those_the_scan_saw_keep_a_topic(broker: Broker) -> None:
+    for lite in ("seen", "grew", "none"):
+        broker.send("orders", lite)
+    broker.subscribe("orders", "seen", "client-1")
+    broker.subscribe("orders", "grew", "client-1")
+    admin = broker.client()
+    scanned = _concat(list(admin.scan_lite_topics_columns("orders", with_subscribers=True)))
+    broker.subscribe("orders", "grew", "client-2")  # after the scan
+
+    outcomes = admin.compare_and_delete(scanned, subscribers_seen=True)
+
+    assert dict(zip(scanned["lite"], outcomes, strict=True)) == {
+        "grew": DeleteOutcome.KEPT_SUBSCRIBED,
+        "none": DeleteOutcome.DELETED,
+        "seen": DeleteOutcome.DELETED,
+    }
+    assert broker.store.lite_topic("orders", "grew") is not None
+
+
+def test_expected_subscriber_counts_must_be_one_per_row_and_not_negative(broker: Broker) -> None:
+    broker.send("orders", "s1")
+    meta = broker.store.lite_topic("orders", "s1")
+    assert meta is not None
+    row = {
+        "parent": ["orders"],
+        "lite": ["s1"],
+        "expected_max_offset": [meta.max_offset],
+        "expected_last_store_ms": [meta.last_store_ms],
+        "expected_last_consume_ms": [meta.last_consume_ms],
+        "require_no_subscribers": True,
+    }
+    with grpc.insecure_channel(broker.endpoint) as channel:
+        stub = admin_pb2_grpc.LmqAdminStub(channel)
+        for counts, message in (([0, 0], "differ in length"), ([-1], "expected_subscriber_count")):
+            with pytest.raises(grpc.RpcError) as raised:
+                request = pb.CompareAndDeleteRequest(**row, expected_subscriber_count=counts)  # type: ignore[arg-type]
+                stub.CompareAndDeleteLiteTopics(request, timeout=10)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in (raised.value.details() or "")
+    assert broker.store.lite_topic("orders", "s1") is not None
+
+
 def test_only_the_compare_columns_are_needed_and_calls_are_chunked(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 import pytest
 
 from lmq_broker import errors, model
+from lmq_broker.admin import reclaiming
+from lmq_broker.dispatch import reclaims
 from lmq_broker.dispatch.dispatcher import Dispatcher, OffsetPolicy, OffsetReset, lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
 from lmq_broker.storage import memory
@@ -509,3 +512,107 @@ async def test_a_group_with_consumption_disabled_refuses_subscribe_and_receive(l
         await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t2"])
     with pytest.raises(errors.Conflict):
         await lite.receive("c1")
+
+
+# --- a compare-and-delete against subscriptions made meanwhile ---------------------------------------------------
+def _scanned(store: Store, lites: list[str], subscribers: list[int] | None = None) -> reclaiming.Rows:
+    """The reclaimer's rows for ``lites`` as a scan sees them now."""
+    metas = [store.lite_topic(PARENT, lite) for lite in lites]
+    assert all(m is not None for m in metas)
+    return reclaiming.Rows(
+        [PARENT] * len(lites),
+        list(lites),
+        [m.max_offset for m in metas if m is not None],
+        [m.last_store_ms for m in metas if m is not None],
+        [m.last_consume_ms for m in metas if m is not None],
+        subscribers or [],
+    )
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never became true"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_subscription_made_while_the_delete_waits_for_the_store_keeps_the_topic(lite: Lite) -> None:
+    await lite.send("t1")
+    await lite.send("t2")
+    rows = _scanned(lite.store, ["t1", "t2"])
+    t1 = model.QueueId.lmq(PARENT, "t1")
+    with another_writer(lite.store):  # the delete is sent to a store thread and waits there for the write lock
+        deleting = asyncio.create_task(
+            reclaiming.compare_and_delete(lite.store, lite.dispatcher, rows, require_no_subscribers=True, dry_run=False)
+        )
+        await asyncio.sleep(0)  # its first step: the subscriber check and the marks, then off to the store thread
+        assert lite.dispatcher.reclaims_in_flight() == 2
+        subscribing = asyncio.create_task(lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"]))
+        await _until(lambda: lite.dispatcher.subscriber_count(t1) == 1)  # registered during the delete call
+        assert not deleting.done()
+    outcomes = await asyncio.wait_for(deleting, 10)
+    await asyncio.wait_for(subscribing, 10)
+
+    assert outcomes == [reclaiming.Outcome.KEPT_SUBSCRIBED, reclaiming.Outcome.DELETED]
+    assert lite.store.lite_topic(PARENT, "t1") is not None
+    assert lite.store.lite_topic(PARENT, "t2") is None
+    assert lite.dispatcher.subscribers(t1) == ["c1"]
+    assert lite.dispatcher.reclaims_in_flight() == 0
+    (got,) = await lite.receive("c1")  # the subscription is live: the message stored before the scan comes
+    assert got.message.lite_topic == "t1"
+
+
+@pytest.mark.parametrize("require_no_subscribers", [True, False])
+async def test_a_subscription_made_once_the_delete_is_under_way_waits_for_it_and_survives(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch, require_no_subscribers: bool
+) -> None:
+    await lite.send("t1")
+    rows = _scanned(lite.store, ["t1"])
+    t1 = model.QueueId.lmq(PARENT, "t1")
+    closed, go_on = threading.Event(), threading.Event()
+    close = reclaims.Mark.close
+
+    def close_and_hold(mark: reclaims.Mark) -> frozenset[str]:  # runs under the store's write lock
+        kept = close(mark)
+        closed.set()
+        go_on.wait(10)
+        return kept
+
+    monkeypatch.setattr(reclaims.Mark, "close", close_and_hold)
+    deleting = asyncio.create_task(
+        reclaiming.compare_and_delete(
+            lite.store, lite.dispatcher, rows, require_no_subscribers=require_no_subscribers, dry_run=False
+        )
+    )
+    assert await asyncio.to_thread(closed.wait, 10)
+    subscribing = asyncio.create_task(lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"]))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not subscribing.done() and lite.dispatcher.subscriber_count(t1) == 0  # waiting for the delete
+    go_on.set()
+
+    assert await asyncio.wait_for(deleting, 10) == [reclaiming.Outcome.DELETED]
+    assert await asyncio.wait_for(subscribing, 10) == [lmq_name(PARENT, "t1")]
+    assert lite.store.lite_topic(PARENT, "t1") is None
+    assert lite.dispatcher.subscribers(t1) == ["c1"]  # registered after the delete, not dropped by it
+    await lite.send("t1", b"again")  # a producer re-creates the topic: the subscriber gets it
+    (got,) = await lite.receive("c1")
+    assert got.message.body == b"again"
+
+
+async def test_only_subscribers_beyond_those_the_scan_saw_keep_a_topic(lite: Lite) -> None:
+    for lite_topic in ("seen", "grew", "none", "new"):
+        await lite.send(lite_topic)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["seen", "grew"])
+    rows = _scanned(lite.store, ["seen", "grew", "none", "new"], subscribers=[1, 1, 0, 0])
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["grew", "new"])  # after the scan
+
+    outcomes = await reclaiming.compare_and_delete(
+        lite.store, lite.dispatcher, rows, require_no_subscribers=True, dry_run=False
+    )
+
+    kept, deleted = reclaiming.Outcome.KEPT_SUBSCRIBED, reclaiming.Outcome.DELETED
+    assert outcomes == [deleted, kept, deleted, kept]
+    assert sorted(lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "grew"))) == ["c1", "c2"]
+    assert lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "seen")) == []  # deleted as the scan judged it
+    assert lite.dispatcher.reclaims_in_flight() == 0

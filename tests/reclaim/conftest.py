@@ -116,11 +116,11 @@ def seeder() -> Seeder:
 
 
 @pytest.fixture
-def v2_client() -> Iterator[Callable[[str], V2Client]]:
+def v2_client() -> Iterator[Callable[..., V2Client]]:
     made: list[V2Client] = []
 
-    def make(endpoint: str) -> V2Client:
-        made.append(V2Client(endpoint))
+    def make(endpoint: str, client_id: str = "reclaim-test-client") -> V2Client:
+        made.append(V2Client(endpoint, client_id))
         return made[-1]
 
     yield make

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +70,10 @@ def test_module_entry_point_reclaims_a_live_broker_and_reports_a_dead_one(
     assert rows["127.0.0.1:1"][1:] == ["127.0.0.1:1", "0", "0", "0", "0", "0", "0", "1"]
     assert rows["TOTAL"][1:] == ["3", "3", "3", "0", "0", "0", "1"]
     assert "error: plan 127.0.0.1:1" in done.stderr
+    # Progress on stderr: each finished scan task with its rows, each broker's deletes when they are done.
+    assert re.search(r"^lmq-reclaim: scan task 1/1 done: broker-0 Agent: 3 row\(s\) in \d+\.\ds$", done.stderr, re.M)
+    assert re.search(r"^lmq-reclaim: delete broker-0 done: 3 candidates processed$", done.stderr, re.M)
+    assert re.search(r"INFO lmq_reclaim: scanned 3 lite topic\(s\), 3 expired", done.stderr)
     # The live broker keeps the run's summary under the Job's name; the dead endpoint was never planned.
     assert "recorded: run lmq-reclaim-29000000 on 1 broker(s)" in done.stdout
     with AdminClient(broker.admin_endpoint) as admin:

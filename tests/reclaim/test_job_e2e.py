@@ -48,6 +48,7 @@ BROKER_1 = [
     ("Agent", "b1-old-2", 180, None),
     ("Agent", "b1-old-3", 180, None),
     ("Agent", "b1-subscribed", 180, None),
+    ("Agent", "b1-sub-grew", 180, None),
     ("Agent", "b1-done", 180, 170),
 ]
 DELETED = {
@@ -61,7 +62,12 @@ DELETED = {
     ("broker-1", "Agent", "b1-subscribed"),  # subscribed before the scan: the default rules still reclaim it
     ("broker-1", "Agent", "b1-done"),
 }
-RACES = {("broker-0", "Agent", "race-msg"), ("broker-0", "Agent", "race-sub"), ("broker-0", "Agent", "gone")}
+RACES = {
+    ("broker-0", "Agent", "race-msg"),
+    ("broker-0", "Agent", "race-sub"),
+    ("broker-0", "Agent", "gone"),
+    ("broker-1", "Agent", "b1-sub-grew"),  # subscribed before the scan, and by another client after it
+}
 
 
 def counts(admin: AdminClient, parent: str) -> tuple[object, ...]:
@@ -79,7 +85,7 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
     tmp_path: Path,
     spark: SparkSession,
     seeder: Callable[..., None],
-    v2_client: Callable[[str], Any],
+    v2_client: Callable[..., Any],
     start_brokers: Callable[[int], list[testing.BrokerProcess]],
 ) -> None:
     now_ms = int(time.time() * 1000)
@@ -90,6 +96,7 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
     admins = {"broker-0": AdminClient(b0.admin_endpoint), "broker-1": AdminClient(b1.admin_endpoint)}
     try:
         v2_b1.subscribe("Agent", "G", "b1-subscribed")
+        v2_b1.subscribe("Agent", "G", "b1-sub-grew")
         base = ["--brokers", f"{b0.admin_endpoint},{b1.admin_endpoint}", "--now-ms", str(now_ms)]
 
         # 1. Dry run with both optional rules: only fully consumed, unsubscribed topics qualify; nothing goes.
@@ -116,16 +123,17 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         # A dry run records too, flagged: only "done" would go of the six Agent rows broker-0 returned.
         assert counts(admins["broker-0"], "Agent") == ("dry-1", True, 6, 1, 1, 0, 0, 0, 0)
         assert counts(admins["broker-0"], "Short") == ("dry-1", True, 1, 0, 0, 0, 0, 0, 0)  # no group: not consumed
-        assert counts(admins["broker-1"], "Agent") == ("dry-1", True, 5, 1, 1, 0, 0, 0, 0)
+        assert counts(admins["broker-1"], "Agent") == ("dry-1", True, 6, 1, 1, 0, 0, 0, 0)
 
         # 2. The real run; between scan and delete one candidate gets a message, one a subscriber, one is
-        #    deleted by someone else.
+        #    deleted by someone else, and one that had a subscriber at the scan gets a second one.
         seen: list[set[tuple[str, str, str]]] = []
 
         def meddle(candidates: DataFrame) -> None:
             seen.append({(r[c.BROKER], r[c.PARENT], r[c.LITE]) for r in candidates.collect()})
             v2_b0.send("Agent", "race-msg")
             v2_b0.subscribe("Agent", "G", "race-sub")
+            v2_client(b1.endpoint, "second-client").subscribe("Agent", "G", "b1-sub-grew")
             gone = admins["broker-0"].describe_lite_topic("Agent", "gone").meta
             row: dict[str, list[Any]] = {
                 "parent": ["Agent"], "lite": ["gone"], "max_offset": [gone.max_offset],
@@ -145,7 +153,7 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         # max(expiration, min age): fresh, consumed-late (Agent) and ten (Short) stay on the broker.
         assert (s0.scanned, s0.expired, s0.reclaimed) == (7, 7, 4)
         assert (s0.kept_changed, s0.kept_subscribed, s0.not_found, s0.errors) == (1, 1, 1, 0)
-        assert (s1.scanned, s1.expired, s1.reclaimed, s1.errors) == (5, 5, 5, 0)
+        assert (s1.scanned, s1.expired, s1.reclaimed, s1.kept_subscribed, s1.errors) == (6, 6, 5, 1, 0)
         assert result.exit_code == 0
         # Each broker now holds its own share of this run, per parent, as the parent's last run; the shares
         # add up to the broker's row of the summary table.
@@ -153,7 +161,7 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         assert counts(admins["broker-0"], "Agent") == ("run-2", False, 6, 6, 3, 1, 1, 1, 0)
         assert counts(admins["broker-0"], "Short") == ("run-2", False, 1, 1, 1, 0, 0, 0, 0)
         assert counts(admins["broker-0"], "Forever") == ("run-2", False, 0, 0, 0, 0, 0, 0, 0)  # not even scanned
-        assert counts(admins["broker-1"], "Agent") == ("run-2", False, 5, 5, 5, 0, 0, 0, 0)
+        assert counts(admins["broker-1"], "Agent") == ("run-2", False, 6, 6, 5, 0, 1, 0, 0)
         last = admins["broker-0"].get_parent_topic("Agent").last_reclaim
         assert last is not None and last.start_ms == now_ms <= last.finish_ms <= now_ms + 600_000
         for name, summary in result.brokers.items():
@@ -173,18 +181,20 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
         kept = ["fresh", "consumed-late", "race-msg", "race-sub"]
         assert all(admins["broker-0"].describe_lite_topic("Agent", k).meta.lite == k for k in kept)
         assert admins["broker-0"].describe_lite_topic("Forever", "ancient").meta.lite == "ancient"
+        grew = admins["broker-1"].describe_lite_topic("Agent", "b1-sub-grew")
+        assert sorted(grew.subscribed_clients) == ["reclaim-test-client", "second-client"]
         assert admins["broker-0"].describe_lite_topic("Short", "ten").meta.lite == "ten"
 
         # 3. A second run (a CronJob may fire twice) finds nothing more to reclaim.
         again = job.run(options.parse([*base, "--no-live-subscribers"]), spark=spark)
         assert (again.total.expired, again.total.reclaimed, again.total.errors) == (0, 0, 0)
         # Left on broker-0: fresh, consumed-late, race-msg, race-sub (Agent) and ten (Short); only race-sub
-        # (idle, but subscribed) passes the brokers' filter, and decide keeps it.
-        assert (again.brokers["broker-0"].scanned, again.brokers["broker-1"].scanned) == (1, 0)
+        # (idle, but subscribed) passes the brokers' filter, and decide keeps it; on broker-1, b1-sub-grew.
+        assert (again.brokers["broker-0"].scanned, again.brokers["broker-1"].scanned) == (1, 1)
         # Without the pushdown every remaining row is scanned and decided in Spark, with the same outcome.
         full = job.run(options.parse([*base, "--no-live-subscribers", "--no-pushdown"]), spark=spark)
         assert (full.total.expired, full.total.reclaimed, full.total.errors) == (0, 0, 0)
-        assert (full.brokers["broker-0"].scanned, full.brokers["broker-1"].scanned) == (5, 0)
+        assert (full.brokers["broker-0"].scanned, full.brokers["broker-1"].scanned) == (5, 1)
     finally:
         for a in admins.values():
             a.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lmq_reclaim.ratelimit import TokenBucket
 
 
@@ -55,3 +57,8 @@ def test_zero_rate_is_unlimited() -> None:
     for _ in range(100):
         assert bucket.acquire(10_000) == 0.0
     assert t.slept == []
+
+
+def test_a_negative_rate_is_refused_rather_than_unlimited() -> None:
+    with pytest.raises(ValueError, match="rate must be >= 0"):
+        TokenBucket(-1.0, burst=1.0)

@@ -83,6 +83,19 @@ def test_command_line_defaults_and_validation() -> None:
         assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("rate", ["-1", "-0.5", "nan", "inf"])
+def test_a_negative_or_non_finite_delete_rate_is_refused(rate: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        options.parse(["--brokers", "a:1", f"--max-deletes-per-second={rate}"])
+    assert exc.value.code == 2
+    assert f"--max-deletes-per-second: must be a number >= 0 (0: unlimited), got {rate}" in capsys.readouterr().err
+
+
+def test_zero_delete_rate_still_means_unlimited() -> None:
+    assert options.parse(["--brokers", "a:1", "--max-deletes-per-second", "0"]).max_deletes_per_second == 0
+    assert options.parse(["--brokers", "a:1"]).max_deletes_per_second == 2000
+
+
 def test_dns_discovery_resolves_a_real_name() -> None:
     # The headless Service's name resolves to one address per pod; localhost stands in for it here.
     found = discovery.from_dns("localhost", 8081)

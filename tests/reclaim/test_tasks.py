@@ -3,12 +3,14 @@ rate bound and the error-as-value paths are checked directly, with a fake clock,
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pyarrow as pa
+import pytest
 
 from lmq_broker import model, testing
 from lmq_broker.admin.client import AdminClient
@@ -60,6 +62,7 @@ def test_deletes_of_one_broker_respect_the_rate(
     tmp_path: Path,
     seeder: Callable[..., None],
     start_brokers: Callable[[int], list[testing.BrokerProcess]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     seeds = [("Agent", f"t{i:02d}", 120, None) for i in range(30)]
     parents = [model.ParentTopic("Agent", expiration_minutes=60)]
@@ -87,9 +90,10 @@ def test_deletes_of_one_broker_respect_the_rate(
     assert stats.value["delete_throttled_s:broker-0"] == fake.now
     assert stats.value[tasks.parent_stat(Outcome.DELETED.value, "broker-0", "Agent")] == 30.0  # summed over calls
     assert messages.value == []
+    assert capsys.readouterr().err.splitlines() == ["lmq-reclaim: delete broker-0 done: 30 candidates processed"]
 
 
-def test_a_dead_broker_is_an_error_value_not_a_failed_task() -> None:
+def test_a_dead_broker_is_an_error_value_not_a_failed_task(capsys: pytest.CaptureFixture[str]) -> None:
     stats = Collect(tasks.StatsParam(), {})
     messages = Collect(tasks.MessagesParam(), [])
     scan = tasks.scan_fn(
@@ -104,6 +108,9 @@ def test_a_dead_broker_is_an_error_value_not_a_failed_task() -> None:
     assert stats.value["scan_rows:broker-x"] == 0.0
     assert stats.value[tasks.parent_stat("errors", "broker-x", "Agent")] == 1.0
     assert messages.value and "UNAVAILABLE" in messages.value[0]
+    assert re.fullmatch(
+        r"lmq-reclaim: scan task 1/1 failed: broker-x Agent: 0 row\(s\) in \d+\.\ds\n", capsys.readouterr().err
+    )
 
     settings = tasks.DeleteSettings({"broker-x": "127.0.0.1:1"}, 0, 100, False, 10)
     delete = tasks.delete_fn(settings, cast(Any, stats), cast(Any, messages))

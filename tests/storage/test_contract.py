@@ -393,6 +393,23 @@ def test_compare_and_delete_keeps_a_topic_changed_since_the_scan(
     assert store.delete_lite_topic("P", "a", expected=seen) is False
 
 
+def test_delete_lite_topics_leaves_the_topics_keep_names_at_the_last_moment(store: api.Store, msg: Msg) -> None:
+    for lite in ("a", "b", "c"):
+        store.append([msg(lite=lite)])
+    rows = [("P", lite, store.lite_topic("P", lite)) for lite in ("a", "b", "c")]
+    calls: list[str] = []
+
+    def keep() -> set[str]:
+        calls.append("keep")
+        return {model.QueueId.lmq("P", "b").topic}
+
+    assert store.delete_lite_topics(rows, keep=keep) == [True, False, True]
+    assert calls == ["keep"]  # once per call, not once per row
+    assert store.lite_topic("P", "b") is not None
+    assert store.lite_topic("P", "a") is None and store.lite_topic("P", "c") is None
+    assert store.lite_topic_count("P") == 1
+
+
 def test_scan_with_an_idle_filter_returns_only_topics_idle_since_before_it(
     store: api.Store, msg: Msg, clock: ManualClock
 ) -> None:

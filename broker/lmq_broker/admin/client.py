@@ -28,7 +28,9 @@ cannot be reached or does not answer within the timeout.
 Lite topics move in columns, never one object per row: a scan yields ``dict[str, list]`` batches that
 ``pyarrow.RecordBatch.from_pydict`` or Spark take as they are, and ``compare_and_delete`` takes the same
 columns back (``COMPARE_COLUMNS`` are required, others ignored), split into requests of
-``DELETE_ROWS_PER_CALL`` rows, and returns one ``DeleteOutcome`` per row in input order.
+``DELETE_ROWS_PER_CALL`` rows, and returns one ``DeleteOutcome`` per row in input order. With
+``subscribers_seen=True`` the ``subscriber_count`` column (a scan ``with_subscribers``) is sent too: only
+subscribers beyond those the scan saw then keep a row.
 
 Unary calls use ``timeout_s``; a scan stream and each compare-and-delete request use ``long_timeout_s``.
 With ``access_key``/``secret_key`` every call is signed as the v2 clients sign (the broker's
@@ -84,7 +86,7 @@ class DeleteOutcome(enum.IntEnum):
 
     DELETED = pb.DELETED
     KEPT_CHANGED = pb.KEPT_CHANGED  # received a message or a consume after the scan
-    KEPT_SUBSCRIBED = pb.KEPT_SUBSCRIBED  # has a live subscriber and require_no_subscribers was set
+    KEPT_SUBSCRIBED = pb.KEPT_SUBSCRIBED  # require_no_subscribers, and a subscriber beyond those expected
     NOT_FOUND = pb.NOT_FOUND  # already gone (an idempotent re-run)
     WOULD_DELETE = pb.WOULD_DELETE  # dry run
 
@@ -349,10 +351,16 @@ class AdminClient:
             stream.cancel()  # type: ignore[no-untyped-call]  # untyped in grpc-stubs
 
     def compare_and_delete(
-        self, columns: Mapping[str, Sequence[Any]], *, require_no_subscribers: bool = True, dry_run: bool = False
+        self,
+        columns: Mapping[str, Sequence[Any]],
+        *,
+        require_no_subscribers: bool = True,
+        dry_run: bool = False,
+        subscribers_seen: bool = False,
     ) -> list[DeleteOutcome]:
         """Delete each row's lite topic if unchanged since it was scanned; one outcome per row, in order."""
-        rows = convert.row_count(columns, COMPARE_COLUMNS)
+        names = (*COMPARE_COLUMNS, convert.SUBSCRIBERS_COLUMN) if subscribers_seen else COMPARE_COLUMNS
+        rows = convert.row_count(columns, names)
         outcomes: list[DeleteOutcome] = []
         for start in range(0, rows, DELETE_ROWS_PER_CALL):
             request = convert.compare_request(
@@ -361,6 +369,7 @@ class AdminClient:
                 min(start + DELETE_ROWS_PER_CALL, rows),
                 require_no_subscribers=require_no_subscribers,
                 dry_run=dry_run,
+                subscribers_seen=subscribers_seen,
             )
             reply = self._unary("CompareAndDeleteLiteTopics", request, self.long_timeout_s)
             outcomes.extend(DeleteOutcome(o) for o in reply.outcome)
@@ -458,10 +467,19 @@ class AsyncAdminClient:
             batches.close()
 
     async def compare_and_delete(
-        self, columns: Mapping[str, Sequence[Any]], *, require_no_subscribers: bool = True, dry_run: bool = False
+        self,
+        columns: Mapping[str, Sequence[Any]],
+        *,
+        require_no_subscribers: bool = True,
+        dry_run: bool = False,
+        subscribers_seen: bool = False,
     ) -> list[DeleteOutcome]:
         return await asyncio.to_thread(
-            self.sync.compare_and_delete, columns, require_no_subscribers=require_no_subscribers, dry_run=dry_run
+            self.sync.compare_and_delete,
+            columns,
+            require_no_subscribers=require_no_subscribers,
+            dry_run=dry_run,
+            subscribers_seen=subscribers_seen,
         )
 
     async def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:

@@ -180,9 +180,16 @@ def scan_batch_columns(
 
 
 def compare_request(
-    columns: Mapping[str, Sequence[Any]], start: int, stop: int, *, require_no_subscribers: bool, dry_run: bool
+    columns: Mapping[str, Sequence[Any]],
+    start: int,
+    stop: int,
+    *,
+    require_no_subscribers: bool,
+    dry_run: bool,
+    subscribers_seen: bool = False,
 ) -> pb.CompareAndDeleteRequest:
-    """Rows ``start:stop`` of ``columns`` (keyed by ``COMPARE_COLUMNS``; extra columns are ignored)."""
+    """Rows ``start:stop`` of ``columns`` (keyed by ``COMPARE_COLUMNS``, and ``SUBSCRIBERS_COLUMN`` with
+    ``subscribers_seen``; other columns are ignored)."""
     return pb.CompareAndDeleteRequest(
         parent=columns["parent"][start:stop],
         lite=columns["lite"][start:stop],
@@ -191,6 +198,7 @@ def compare_request(
         expected_last_consume_ms=columns["last_consume_ms"][start:stop],
         require_no_subscribers=require_no_subscribers,
         dry_run=dry_run,
+        expected_subscriber_count=columns[SUBSCRIBERS_COLUMN][start:stop] if subscribers_seen else (),
     )
 
 

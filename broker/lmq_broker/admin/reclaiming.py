@@ -4,9 +4,12 @@ The store is read and written in worker threads, one batch per call, so the brok
 clients between batches; the live view (the dispatcher's, owned by the loop) is only touched on the loop.
 
 A delete is compare-and-delete: the expected (max offset, last store, last consume) come from the scan,
-so a topic that received a message or a consume since then is kept. Deletions are told to the live view
-from a done-callback of the worker's future, so they are forgotten even if the RPC is cancelled while the
-worker runs.
+so a topic that received a message or a consume since then is kept. The subscriber check is made on the
+loop in the same step that marks the batch's topics as being deleted (``LiveView.begin_reclaim``); a
+subscription to a marked topic keeps it until the delete holds the store's write lock (the store asks
+``Mark.close`` then), and waits for the delete after that. The mark is cleared and the deletions are told
+to the live view from a done-callback of the worker's future, so they are forgotten even if the RPC is
+cancelled while the worker runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Final
 from lmq_broker import errors, model
 from lmq_broker.admin import convert, validation
 from lmq_broker.admin.inspection import groups_by_parent, scan_key
+from lmq_broker.dispatch import reclaims
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.storage.api import Store
@@ -124,6 +128,7 @@ class Rows:
     max_offset: list[int]
     last_store_ms: list[int]
     last_consume_ms: list[int]
+    subscribers: list[int] = field(default_factory=list)  # seen by the scan; empty: 0 for every row
 
     def __len__(self) -> int:
         return len(self.lite)
@@ -135,6 +140,7 @@ class Rows:
             self.max_offset[start:stop],
             self.last_store_ms[start:stop],
             self.last_consume_ms[start:stop],
+            self.subscribers[start:stop],
         )
 
     def pick(self, indexes: Sequence[int]) -> Rows:
@@ -144,7 +150,11 @@ class Rows:
             [self.max_offset[i] for i in indexes],
             [self.last_store_ms[i] for i in indexes],
             [self.last_consume_ms[i] for i in indexes],
+            [self.subscribers[i] for i in indexes] if self.subscribers else [],
         )
+
+    def allowed_subscribers(self) -> list[int]:
+        return self.subscribers or [0] * len(self)
 
     def compared(self) -> list[tuple[str, str, model.LiteTopicMeta]]:
         """The rows as ``Store.delete_lite_topics`` takes them."""
@@ -169,12 +179,18 @@ def rows_of(request: pb.CompareAndDeleteRequest) -> Rows:
     count = convert.row_count(columns, columns)
     if count > DELETE_ROWS_MAX:
         raise errors.InvalidArgument(f"at most {DELETE_ROWS_MAX} rows per request, got {count}", rows=count)
+    if request.expected_subscriber_count:  # optional: empty, or one per row
+        columns["expected_subscriber_count"] = request.expected_subscriber_count
+        convert.row_count(columns, columns)
+        if min(request.expected_subscriber_count) < 0:
+            raise errors.InvalidArgument("expected_subscriber_count must be >= 0", field="expected_subscriber_count")
     rows = Rows(
         list(request.parent),
         list(request.lite),
         list(request.expected_max_offset),
         list(request.expected_last_store_ms),
         list(request.expected_last_consume_ms),
+        list(request.expected_subscriber_count),
     )
     # A request names few parents (the job sends one broker's rows of one scan): check each distinct one once.
     bad_parents = {p for p in set(rows.parent) if not model.is_valid_resource_name(p)}
@@ -189,45 +205,54 @@ def rows_of(request: pb.CompareAndDeleteRequest) -> Rows:
 async def compare_and_delete(
     store: Store, live: LiveView, rows: Rows, *, require_no_subscribers: bool, dry_run: bool
 ) -> list[Outcome]:
-    outcomes: list[Outcome | None] = [None] * len(rows)
-    if require_no_subscribers:
-        count = live.subscriber_count
-        lmq = model.QueueId.lmq
-        for start in range(0, len(rows), LOOP_SLICE):
-            stop = min(start + LOOP_SLICE, len(rows))
-            counts = list(map(count, map(lmq, rows.parent[start:stop], rows.lite[start:stop])))
-            for i, n in enumerate(counts, start):
-                if n > 0:
-                    outcomes[i] = Outcome.KEPT_SUBSCRIBED
-            await asyncio.sleep(0)
-    todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-    whole = len(todo) == len(rows)
-    for start in range(0, len(todo), DELETE_BATCH):
-        chunk = todo[start : start + DELETE_BATCH]
-        part = rows.take(chunk[0], chunk[-1] + 1) if whole else rows.pick(chunk)
-        done = await _in_worker(live, functools.partial(_compare_rows, store, part, dry_run))
-        for i, outcome in zip(chunk, done.outcomes, strict=False):
-            outcomes[i] = outcome
-        if done.error is not None:
-            raise done.error
-    decided = [outcome for outcome in outcomes if outcome is not None]
-    assert len(decided) == len(rows), "every row gets an outcome or the request fails"
-    return decided
+    outcomes: list[Outcome] = []
+    for start in range(0, len(rows), DELETE_BATCH):
+        part = rows.take(start, start + DELETE_BATCH)
+        outcomes += await _compare_batch(
+            store, live, part, require_no_subscribers=require_no_subscribers, dry_run=dry_run
+        )
+    return outcomes
 
 
-def _compare_rows(store: Store, rows: Rows, dry_run: bool) -> _Done:
+async def _compare_batch(
+    store: Store, live: LiveView, rows: Rows, *, require_no_subscribers: bool, dry_run: bool
+) -> list[Outcome]:
+    lmqs = list(map(model.QueueId.lmq, rows.parent, rows.lite))
+    mark = live.begin_reclaim(lmqs, rows.allowed_subscribers() if require_no_subscribers else None)
+    todo = [i for i, kept in enumerate(mark.kept) if not kept]
+    if not todo:
+        live.end_reclaim(mark, [])
+        return [Outcome.KEPT_SUBSCRIBED] * len(rows)
+    part = rows if len(todo) == len(rows) else rows.pick(todo)
+    done = await _in_worker(
+        functools.partial(_compare_rows, store, part, mark, dry_run), functools.partial(live.end_reclaim, mark)
+    )
+    if done.error is not None:
+        raise done.error
+    outcomes = [Outcome.KEPT_SUBSCRIBED] * len(rows)
+    for i, outcome in zip(todo, done.outcomes, strict=True):
+        outcomes[i] = outcome
+    return outcomes
+
+
+def _compare_rows(store: Store, rows: Rows, mark: reclaims.Mark, dry_run: bool) -> _Done:
     done = _Done()
     try:
         if dry_run:
-            done.outcomes = [_dry_run_row(store, rows, i) for i in range(len(rows))]
+            vetoed = mark.close()
+            done.outcomes = [_dry_run_row(store, rows, i, vetoed) for i in range(len(rows))]
             return done
         # One store call for the chunk: one commit-log write, one fsync and one index batch, not one per row.
-        deleted = store.delete_lite_topics(rows.compared())
+        deleted = store.delete_lite_topics(rows.compared(), keep=mark.close)
+        vetoed = mark.vetoed
         lmq = model.QueueId.lmq
         for i, ok in enumerate(deleted):
+            queue = lmq(rows.parent[i], rows.lite[i])
             if ok:
-                done.deleted.append(lmq(rows.parent[i], rows.lite[i]))
+                done.deleted.append(queue)
                 done.outcomes.append(Outcome.DELETED)
+            elif queue.topic in vetoed:  # a subscriber arrived while it was marked
+                done.outcomes.append(Outcome.KEPT_SUBSCRIBED)
             else:  # changed since the scan, or already gone (deleted by someone else, or twice in this request)
                 gone = store.lite_topic(rows.parent[i], rows.lite[i]) is None
                 done.outcomes.append(Outcome.NOT_FOUND if gone else Outcome.KEPT_CHANGED)
@@ -241,10 +266,12 @@ def _expected(parent: str, lite: str, max_offset: int, last_store_ms: int, last_
     return model.LiteTopicMeta(parent, lite, 0, last_store_ms, last_consume_ms, 0, max_offset)
 
 
-def _dry_run_row(store: Store, rows: Rows, i: int) -> Outcome:
+def _dry_run_row(store: Store, rows: Rows, i: int, vetoed: frozenset[str]) -> Outcome:
     current = store.lite_topic(rows.parent[i], rows.lite[i])
     if current is None:
         return Outcome.NOT_FOUND
+    if model.QueueId.lmq(rows.parent[i], rows.lite[i]).topic in vetoed:
+        return Outcome.KEPT_SUBSCRIBED
     expected = dataclasses.replace(
         current,
         max_offset=rows.max_offset[i],
@@ -272,7 +299,7 @@ async def purge(store: Store, live: LiveView, parent: str) -> int:
     total = 0
     cursor: str | None = ""
     while cursor is not None:
-        done = await _in_worker(live, functools.partial(batch, cursor))
+        done = await _in_worker(functools.partial(batch, cursor), functools.partial(_forget, live))
         total += len(done.deleted)
         if done.error is not None:
             raise done.error
@@ -280,14 +307,19 @@ async def purge(store: Store, live: LiveView, parent: str) -> int:
     return total
 
 
-async def _in_worker(live: LiveView, work: Callable[[], _Done]) -> _Done:
-    """Run ``work`` in a thread; tell ``live`` what it deleted as soon as it ends, even if we are cancelled."""
+def _forget(live: LiveView, deleted: Sequence[model.QueueId]) -> None:
+    for queue in deleted:
+        live.forget_lite_topic(queue)
+
+
+async def _in_worker(work: Callable[[], _Done], settle: Callable[[list[model.QueueId]], None]) -> _Done:
+    """Run ``work`` in a thread; ``settle`` what it deleted on the loop as soon as it ends (with nothing if
+    it failed), even if we are cancelled."""
     future = asyncio.ensure_future(asyncio.to_thread(work))
 
-    def forget(finished: asyncio.Future[_Done]) -> None:
-        if not finished.cancelled() and finished.exception() is None:
-            for queue in finished.result().deleted:
-                live.forget_lite_topic(queue)
+    def finished(result: asyncio.Future[_Done]) -> None:
+        ok = not result.cancelled() and result.exception() is None
+        settle(result.result().deleted if ok else [])
 
-    future.add_done_callback(forget)
+    future.add_done_callback(finished)
     return await asyncio.shield(future)

@@ -6,10 +6,12 @@ use ``StaticLiveView``, the in-memory twin below.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmq_broker import model
+from lmq_broker.dispatch import reclaims
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,15 @@ class LiveView(Protocol):
         """Parent topics, groups or quotas changed in the store: drop cached copies."""
         ...
 
+    def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
+        """In one loop step: keep the rows with more subscribers than allowed (None: no check) and mark the
+        others as being deleted, until ``end_reclaim``; see ``reclaims``."""
+        ...
+
+    def end_reclaim(self, mark: reclaims.Mark, deleted: Sequence[model.QueueId]) -> None:
+        """The delete is over: forget ``deleted`` (as ``forget_lite_topic``) and clear ``mark``."""
+        ...
+
 
 @dataclass
 class StaticLiveView:
@@ -78,3 +89,12 @@ class StaticLiveView:
 
     def metadata_changed(self) -> None:
         self.metadata_changes += 1
+
+    def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
+        counts = [self.subscriber_count(lmq) for lmq in lmqs]
+        return reclaims.check_and_mark([lmq.topic for lmq in lmqs], counts, allowed_subscribers)
+
+    def end_reclaim(self, mark: reclaims.Mark, deleted: Sequence[model.QueueId]) -> None:
+        for lmq in deleted:
+            self.forget_lite_topic(lmq)
+        mark.done.set()

@@ -42,6 +42,7 @@ from lmq_broker.dispatch import (
     quotas,
     readyset,
     recent,
+    reclaims,
     registry,
     snapshot,
 )
@@ -128,6 +129,7 @@ class Dispatcher:
         self._commit_locks: dict[Key, tuple[asyncio.Lock, list[int]]] = {}
         self._catchup_cursor: dict[str, list[str]] = {}
         self._catchup_running: set[str] = set()
+        self._reclaims: dict[str, list[reclaims.Mark]] = {}  # LMQ -> compare-and-deletes deleting it
         self._buckets: dict[str, catalog.TokenBucket] = {}
         self._rr = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -315,9 +317,10 @@ class Dispatcher:
         snap = await self.metadata()
         found = snap.consuming_lite_group(group, parent)
         quota = snap.client_quota(found, parent, namespace)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
         now = self.clock()
         self.registry.touch(client_id, now, group=group, bind_topic=parent)
-        lmqs = [lmq_name(parent, lite) for lite in lites]
         added = self.registry.add(client_id, lmqs, quota, now)
         if offset is not None and offset.moves:
             await self._reset_offsets(lmqs, group, offset)
@@ -340,9 +343,11 @@ class Dispatcher:
         snap = await self.metadata()
         found = snap.consuming_lite_group(group, parent)
         quota = snap.client_quota(found, parent, namespace)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
         now = self.clock()
         self.registry.touch(client_id, now, group=group, bind_topic=parent)
-        added, removed = self.registry.replace(client_id, [lmq_name(parent, lite) for lite in lites], quota, now)
+        added, removed = self.registry.replace(client_id, lmqs, quota, now)
         self.ready.discard_many(client_id, removed)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
             self._evict_others(client_id, group, added)
@@ -846,6 +851,42 @@ class Dispatcher:
         self.leases.drop_topic(lmq.topic)
         self.recent.forget((lmq.topic, lmq.queue))
         self._committed.pop(lmq.topic, None)
+
+    # --- reclaim marks (see ``reclaims``) ---------------------------------------------------------------
+    def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
+        topics = [lmq.topic for lmq in lmqs]
+        count = self.registry.subscriber_count
+        mark = reclaims.check_and_mark(topics, list(map(count, topics)), allowed_subscribers)
+        for topic in mark.topics:
+            self._reclaims.setdefault(topic, []).append(mark)
+        return mark
+
+    def end_reclaim(self, mark: reclaims.Mark, deleted: Sequence[model.QueueId]) -> None:
+        for lmq in deleted:
+            self.forget_lite_topic(lmq)
+        for topic in mark.topics:
+            marks = self._reclaims[topic]
+            marks.remove(mark)
+            if not marks:
+                del self._reclaims[topic]
+        mark.done.set()
+
+    def reclaims_in_flight(self) -> int:
+        """Lite topics marked by a compare-and-delete right now."""
+        return len(self._reclaims)
+
+    async def _reclaims_settled(self, client_id: str, lmqs: Iterable[str]) -> None:
+        """Before ``client_id`` subscribes to ``lmqs``: each topic it does not hold yet that a delete has
+        marked is vetoed (kept), or, where that is too late, waited for. Returns in the loop step of its
+        last veto, so a caller that registers without awaiting first is registered before the delete."""
+        while self._reclaims:
+            state = self.registry.get(client_id)
+            held = state.lite_topics if state is not None else set()
+            marked = [(lmq, self._reclaims.get(lmq, ())) for lmq in lmqs if lmq not in held]
+            busy = next((mark for lmq, marks in marked for mark in marks if not mark.veto(lmq)), None)
+            if busy is None:
+                return
+            await busy.done.wait()
 
     # --- introspection for metrics ----------------------------------------------------------------------
     def ready_events(self) -> int:

@@ -9,7 +9,7 @@ fsync.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,11 +120,19 @@ class Store(Protocol):
         """
         ...
 
-    def delete_lite_topics(self, rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]]) -> list[bool]:
+    def delete_lite_topics(
+        self,
+        rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]],
+        keep: Callable[[], Collection[str]] | None = None,
+    ) -> list[bool]:
         """``delete_lite_topic`` for many (parent, lite, expected) rows at once, same per-row semantics.
 
         One durable write for the whole call (one log write of every tombstone, one fsync in ``sync``
         mode, one index batch): the reclaimer's delete rate is bound by that, not by per-topic fsyncs.
+
+        ``keep`` is called once, under the lock writers take, before any row is compared: the rows whose
+        LMQ topic (``%LMQ%$parent$lite``) it returns are left alone (False). It lets a caller decide at the
+        last moment, in step with the delete (the reclaimer's "did a subscriber arrive meanwhile").
         """
         ...
 

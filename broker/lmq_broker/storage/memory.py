@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from lmq_broker import config, errors, model
@@ -247,12 +247,22 @@ class MemoryStore:
             del self._counts[parent]
         return True
 
-    def delete_lite_topics(self, rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]]) -> list[bool]:
+    def delete_lite_topics(
+        self,
+        rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]],
+        keep: Callable[[], Collection[str]] | None = None,
+    ) -> list[bool]:
         self._check_open()
         for parent, lite, _ in rows:
             keys.parse_queue(keys.lmq_topic(parent, lite), 0)  # every name valid before anything is deleted
+        if not rows:
+            return []
         with self._lock:  # the whole call under the lock: readers see all of the batch or none of it
-            return [self._delete_locked(parent, lite, expected) for parent, lite, expected in rows]
+            kept = keep() if keep is not None else ()
+            return [
+                not (kept and keys.lmq_topic(parent, lite) in kept) and self._delete_locked(parent, lite, expected)
+                for parent, lite, expected in rows
+            ]
 
     # --- control-plane metadata ----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Final, NamedTuple, cast
@@ -335,7 +335,11 @@ class LmqStore:
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]
 
-    def delete_lite_topics(self, rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]]) -> list[bool]:
+    def delete_lite_topics(
+        self,
+        rows: Sequence[tuple[str, str, model.LiteTopicMeta | None]],
+        keep: Callable[[], Collection[str]] | None = None,
+    ) -> list[bool]:
         self._check_open()
         # Parsed without the name cache: a reclaim names each of its (cold) topics once, and caching them would
         # only evict the hot names of live traffic.
@@ -348,6 +352,7 @@ class LmqStore:
         order = sorted(range(len(rows)), key=[name.qkey for name in names].__getitem__)
         with self._write_lock:
             self._check_writable()
+            kept = keep() if keep is not None else ()
             now = self._clock()
             victims: list[tuple[int, keys.QueueName, str]] = []
             records: list[bytes] = []
@@ -359,8 +364,8 @@ class LmqStore:
             unpack = keys.LITE_VALUE.unpack
             for i in order:
                 name = names[i]
-                if name.qkey in seen:
-                    continue  # the same topic twice in one call: the first row deletes it
+                if name.qkey in seen or (kept and name.topic in kept):
+                    continue  # the same topic twice in one call: the first row deletes it; or one to keep
                 it.seek(name.state_key)
                 if not it.valid() or it.key() != name.state_key:
                     continue

@@ -49,7 +49,7 @@ class _DeleteOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeleteO
     KEPT_CHANGED: _DeleteOutcome.ValueType  # 2
     """received a message or a consume after the scan"""
     KEPT_SUBSCRIBED: _DeleteOutcome.ValueType  # 3
-    """has a live subscriber and require_no_subscribers was set"""
+    """require_no_subscribers, and a subscriber beyond those expected"""
     NOT_FOUND: _DeleteOutcome.ValueType  # 4
     """already gone (idempotent re-run)"""
     WOULD_DELETE: _DeleteOutcome.ValueType  # 5
@@ -62,7 +62,7 @@ DELETED: DeleteOutcome.ValueType  # 1
 KEPT_CHANGED: DeleteOutcome.ValueType  # 2
 """received a message or a consume after the scan"""
 KEPT_SUBSCRIBED: DeleteOutcome.ValueType  # 3
-"""has a live subscriber and require_no_subscribers was set"""
+"""require_no_subscribers, and a subscriber beyond those expected"""
 NOT_FOUND: DeleteOutcome.ValueType  # 4
 """already gone (idempotent re-run)"""
 WOULD_DELETE: DeleteOutcome.ValueType  # 5
@@ -999,7 +999,9 @@ Global___ScanLiteTopicsResponse: _TypeAlias = ScanLiteTopicsResponse  # noqa: Y0
 @_typing.final
 class CompareAndDeleteRequest(_message.Message):
     """Compare-and-delete of lite topics: each row is deleted only if it is unchanged since the scan
-    (same max offset, last store and last consume time) and, when asked, has no live subscriber.
+    (same max offset, last store and last consume time) and, when asked, has no subscriber beyond those
+    the scan saw. The subscriber check and the delete are atomic: a subscription made while the delete runs
+    either keeps the topic (KEPT_SUBSCRIBED) or waits for the delete and outlives it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1011,7 +1013,11 @@ class CompareAndDeleteRequest(_message.Message):
     EXPECTED_LAST_CONSUME_MS_FIELD_NUMBER: _builtins.int
     REQUIRE_NO_SUBSCRIBERS_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    EXPECTED_SUBSCRIBER_COUNT_FIELD_NUMBER: _builtins.int
     require_no_subscribers: _builtins.bool
+    """Keep a row that has more live subscribers than expected_subscriber_count (0 when that column is empty:
+    any subscriber keeps it), or that gains a subscriber while it is being deleted.
+    """
     dry_run: _builtins.bool
     @_builtins.property
     def parent(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -1023,6 +1029,10 @@ class CompareAndDeleteRequest(_message.Message):
     def expected_last_store_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def expected_last_consume_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def expected_subscriber_count(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Optional, per row: subscribers the scan saw (ScanLiteTopics subscriber_count). Empty, or one per row."""
+
     def __init__(
         self,
         *,
@@ -1033,10 +1043,11 @@ class CompareAndDeleteRequest(_message.Message):
         expected_last_consume_ms: _abc.Iterable[_builtins.int] | None = ...,
         require_no_subscribers: _builtins.bool = ...,
         dry_run: _builtins.bool = ...,
+        expected_subscriber_count: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "expected_last_consume_ms", b"expected_last_consume_ms", "expected_last_store_ms", b"expected_last_store_ms", "expected_max_offset", b"expected_max_offset", "lite", b"lite", "parent", b"parent", "require_no_subscribers", b"require_no_subscribers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "expected_last_consume_ms", b"expected_last_consume_ms", "expected_last_store_ms", b"expected_last_store_ms", "expected_max_offset", b"expected_max_offset", "expected_subscriber_count", b"expected_subscriber_count", "lite", b"lite", "parent", b"parent", "require_no_subscribers", b"require_no_subscribers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

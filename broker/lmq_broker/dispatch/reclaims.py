@@ -1,0 +1,59 @@
+"""Lite topics a compare-and-delete is deleting, and what a new subscription to one of them does.
+
+The subscriber check runs on the event loop and the delete in a store thread, so without a mark a
+subscription made in between would be registered and then dropped by the delete. A mark is set in the
+loop step that checks the subscribers and cleared, with the deleted topics forgotten, in the loop step
+after the delete. While it is set, a new subscription to a marked topic either *vetoes* its deletion (the
+topic is kept as KEPT_SUBSCRIBED) or, once the delete can no longer be vetoed, waits for it to finish and
+is registered after it. The veto window closes inside the store call, under the store's write lock
+(``Store.delete_lite_topics(keep=...)``), so a veto and the delete never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+
+class Mark:
+    """One compare-and-delete batch. ``kept[i]``: row i was kept at the subscriber check (not marked);
+    ``topics``: the marked LMQ names. ``veto`` runs on the loop, ``close`` in the store's writer thread."""
+
+    def __init__(self, topics: Sequence[str], kept: Sequence[bool], *, vetoable: bool) -> None:
+        self.topics = frozenset(topics)
+        self.kept = list(kept)
+        self.done = asyncio.Event()  # set on the loop once the delete is over and its topics are forgotten
+        self._vetoable = vetoable  # False: subscribers do not protect these topics, they only wait
+        self._lock = threading.Lock()
+        self._closed = False
+        self._vetoed: set[str] = set()
+
+    def veto(self, topic: str) -> bool:
+        """A new subscriber of ``topic``: True when the topic will be kept; False when the caller must wait
+        for ``done`` (the delete is already under way, or subscribers do not protect the topic)."""
+        with self._lock:
+            if self._closed or not self._vetoable:
+                return False
+            self._vetoed.add(topic)
+            return True
+
+    def close(self) -> frozenset[str]:
+        """No more vetoes; the topics to keep. Called once the delete holds the store's write lock."""
+        with self._lock:
+            self._closed = True
+            return frozenset(self._vetoed)
+
+    @property
+    def vetoed(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._vetoed)
+
+
+def check_and_mark(topics: Sequence[str], counts: Sequence[int], allowed: Sequence[int] | None) -> Mark:
+    """The subscriber check: with ``allowed`` (subscribers the caller accepts per row), a row whose count is
+    above it is kept; every other row's topic is marked. Without ``allowed`` nothing is kept or vetoable."""
+    if allowed is None:
+        return Mark(topics, [False] * len(topics), vetoable=False)
+    kept = [count > limit for count, limit in zip(counts, allowed, strict=True)]
+    return Mark([t for t, k in zip(topics, kept, strict=True) if not k], kept, vetoable=True)
