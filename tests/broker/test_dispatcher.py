@@ -129,9 +129,9 @@ async def test_an_auto_renew_lease_is_renewed_while_its_client_lives(lite: Lite)
 async def test_an_auto_renew_lease_of_a_client_that_is_gone_expires_after_its_slice(lite: Lite) -> None:
     slice_ms = lite.dispatcher.config.lease_renew_slice_ms
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
-    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
     await lite.send("t1")
     (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])  # after: the first offer goes to c1 alone
     lite.dispatcher.client_gone("c1")
     lite.clock.advance(slice_ms - 1)
     lite.dispatcher.tick()
