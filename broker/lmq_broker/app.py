@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 from pathlib import Path
 from typing import Final
 
@@ -79,6 +80,7 @@ class Broker:
         self._stopped = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._stop_retention = threading.Event()  # read by a retention pass between segments
 
     @property
     def _snapshot_path(self) -> Path:
@@ -121,8 +123,9 @@ class Broker:
         if self.dispatcher is not None:
             self.dispatcher.begin_drain()
         self._stopping.set()
+        self._stop_retention.set()
         if self._retention is not None:
-            await self._retention  # a pass already running on its thread finishes before the store closes
+            await self._retention  # a running pass ends after its current segment, before the store closes
             self._retention = None
         if self._server is not None:
             await self._server.stop(grace_s)
@@ -151,7 +154,7 @@ class Broker:
                 await asyncio.wait_for(self._stopping.wait(), interval_s)
                 return
             try:
-                report = await asyncio.to_thread(store.apply_retention)
+                report = await asyncio.to_thread(store.apply_retention, self._stop_retention.is_set)
             except Exception:
                 log.exception("retention pass failed; next attempt in %.1f s", interval_s)
                 continue

@@ -480,7 +480,7 @@ class Fleet:
     async def _discover(self, last: FleetView | None) -> FleetView:
         try:
             replicas = await self._replicas()
-            claims = await self._claims(replicas) if replicas is not None else {}
+            claims = await self._claims_or_none(replicas) if replicas is not None else {}
             if self._conf.brokers:
                 known = [(model.Broker(model.BrokerName(ep), ep, i), True) for i, ep in enumerate(self._conf.brokers)]
             else:
@@ -532,6 +532,15 @@ class Fleet:
 
         sts = await asyncio.to_thread(read)
         return int(sts.spec.replicas if sts.spec.replicas is not None else 1)
+
+    async def _claims_or_none(self, replicas: int) -> dict[int, str]:
+        """``_claims``, or none when they cannot be listed (e.g. an RBAC role without the rule): the brokers
+        are still found and applied to; only the drain check of leaving brokers loses its claim evidence."""
+        try:
+            return await self._claims(replicas)
+        except Exception as exc:
+            log.warning("cannot list the broker volume claims (drain check without them): %s", exc)
+            return {}
 
     async def _claims(self, replicas: int) -> dict[int, str]:
         """Ordinal -> name of the broker volume claims ``data-<statefulset>-<ordinal>`` at or above ``replicas``."""

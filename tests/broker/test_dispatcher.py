@@ -117,6 +117,7 @@ async def test_an_auto_renew_lease_is_renewed_while_its_client_lives(lite: Lite)
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1")
     (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])  # after: the first offer goes to c1 alone
     for _ in range(5):  # a listener that runs for five slices: no redelivery meanwhile
         lite.clock.advance(slice_ms // 2)
         lite.dispatcher.tick()
@@ -139,6 +140,19 @@ async def test_an_auto_renew_lease_of_a_client_that_is_gone_expires_after_its_sl
     lite.clock.advance(1)
     lite.dispatcher.tick()
     (again,) = await lite.receive("c2")
+    assert again.message.message_id == first.message.message_id and again.attempt == 2
+
+
+async def test_an_auto_renew_lease_is_not_renewed_once_its_client_unsubscribed(lite: Lite) -> None:
+    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    await lite.dispatcher.remove_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    lite.clock.advance(slice_ms)
+    lite.dispatcher.tick()
+    (again,) = await lite.receive("c2")  # the new owner gets it once the old lease ends
     assert again.message.message_id == first.message.message_id and again.attempt == 2
 
 

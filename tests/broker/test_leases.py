@@ -116,7 +116,7 @@ def test_ack_of_a_never_delivered_offset_is_invalid() -> None:
 def test_renewal_extends_each_auto_renew_lease_ahead_of_its_own_expiry() -> None:
     table = LeaseTable("inc")
     state = table.open(KEY, committed=0, ordered=False)
-    renewal = Renewal(slice_ms=1000, ahead_ms=200, alive=lambda holder: holder == "alive")
+    renewal = Renewal(slice_ms=1000, ahead_ms=200, holds=lambda holder, key: holder == "alive")
     early, late, gone = state.picks(now_ms=0, limit=3)
     a = state.lease(early, 0, 1000, table.new_lease_id(), "alive", renew_until_ms=10_000)
     b = state.lease(late, 500, 1000, table.new_lease_id(), "alive", renew_until_ms=10_000)
@@ -135,7 +135,7 @@ def test_renewal_extends_each_auto_renew_lease_ahead_of_its_own_expiry() -> None
 def test_renewal_stops_at_the_lease_deadline() -> None:
     table = LeaseTable("inc")
     state = table.open(KEY, committed=0, ordered=True)
-    renewal = Renewal(slice_ms=1000, ahead_ms=200, alive=lambda holder: True)
+    renewal = Renewal(slice_ms=1000, ahead_ms=200, holds=lambda holder, key: True)
     (pick,) = state.picks(now_ms=0, limit=1)
     lease = state.lease(pick, 0, 1000, table.new_lease_id(), "c", renew_until_ms=1500)
     table.watch(KEY, LeaseTable.watch_at(lease, renewal.ahead_ms))

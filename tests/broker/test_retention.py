@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import prometheus_client
@@ -12,6 +13,7 @@ import pytest
 from lmq_broker import app, model
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.testing import config_for, lite_message
+from lmq_broker.storage import api
 
 pytestmark = pytest.mark.asyncio
 
@@ -60,10 +62,22 @@ async def test_nothing_is_dropped_before_its_age(tmp_path: Path) -> None:
     broker = app.Broker(retention_config(tmp_path / "data", max_age_ms=3_600_000))
     await broker.start()
     try:
-        assert broker.store is not None
+        store = broker.store
+        assert store is not None
+        passes: list[api.RetentionReport] = []
+        apply = store.apply_retention
+
+        def counted(stop: Callable[[], bool] | None = None) -> api.RetentionReport:
+            passes.append(apply(stop))
+            return passes[-1]
+
+        store.apply_retention = counted  # type: ignore[method-assign]
         queue = await fill(broker, 20)
-        await asyncio.sleep(0.5)  # five intervals
-        assert broker.store.queue_offsets(queue) == (0, 20)
-        assert retention_counter(broker) == 0
+        deadline = time.monotonic() + 10
+        while len(passes) < 3:
+            assert time.monotonic() < deadline, "retention never ran"
+            await asyncio.sleep(0.05)
+        assert store.queue_offsets(queue) == (0, 20)
+        assert retention_counter(broker) == 0 and not any(p.segments_deleted for p in passes)
     finally:
         await broker.stop(grace_s=0.2)

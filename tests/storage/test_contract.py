@@ -582,6 +582,19 @@ def test_retention_by_size_keeps_the_newest_messages(make_store: Callable[..., a
     assert [m.body[0] for m in store.read(LMQ_A, 0, 100)] == list(range(lo, 20))
 
 
+def test_a_stopped_retention_pass_ends_between_segments(make_store: Callable[..., api.Store], msg: Msg) -> None:
+    store = make_store(segment_max_bytes=4096, retention_max_bytes=5000, retention_max_age_ms=-1)
+    for i in range(20):
+        store.append([msg(body=bytes([i]) * 1000)])
+    assert store.apply_retention(stop=lambda: True) == api.RetentionReport(0, 0, 0)
+    assert store.queue_offsets(LMQ_A) == (0, 20)
+    asked = iter([False, True])
+    one = store.apply_retention(stop=lambda: next(asked))
+    assert one.segments_deleted == 1
+    rest = store.apply_retention()
+    assert rest.segments_deleted > 0 and store.queue_offsets(LMQ_A)[0] > 10
+
+
 def test_nothing_expires_before_its_time(make_store: Callable[..., api.Store], msg: Msg, clock: ManualClock) -> None:
     store = make_store(segment_max_bytes=4096, retention_max_age_ms=60_000)
     for _ in range(10):

@@ -136,7 +136,7 @@ class Dispatcher:
         self._appender: appender.Appender | None = None
         self.recent = recent.RecentMessages()
         self._renewal = leases.Renewal(
-            config.lease_renew_slice_ms, min(RENEW_AHEAD_MS, config.lease_renew_slice_ms // 2), self._alive
+            config.lease_renew_slice_ms, min(RENEW_AHEAD_MS, config.lease_renew_slice_ms // 2), self._holds
         )
         # Commit points of (queue, group) pairs with nothing in flight (their lease state is dropped when
         # idle), so the next delivery need not read it back: this broker is the only writer of offsets.
@@ -266,9 +266,14 @@ class Dispatcher:
             if not self.draining:
                 self.client_gone(client_id)
 
-    def _alive(self, client_id: str) -> bool:
-        """Does the client still count (its leases are renewed): registered, not terminated or expired."""
-        return self.registry.get(client_id) is not None
+    def _holds(self, client_id: str, key: Key) -> bool:
+        """Are the client's leases of ``key`` still renewed: it is registered (not terminated or expired), in
+        the key's group, and for a lite topic still subscribed to it (not unsubscribed, nor evicted by an
+        Exclusive peer)."""
+        state = self.registry.get(client_id)
+        if state is None or state.group != key[2]:
+            return False
+        return key[0] in state.lite_topics if key[0].startswith(model.LMQ_PREFIX) else True
 
     def client_gone(self, client_id: str) -> None:
         """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""

@@ -10,10 +10,10 @@ and the window of in-flight messages is capped instead.
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it. Nothing here is
 persisted: after a restart consumption resumes from the committed offset (as RocketMQ's order info).
 
-Auto-renew leases (push consumers: the client never extends a lease itself) carry a renewal deadline: while
-their holder is alive, ``due`` extends them a slice at a time, shortly before they expire, up to that
-deadline, keeping their receipt handle. A lease whose holder is gone, or that reached its deadline, expires
-as any other.
+Auto-renew leases (push consumers: the client never extends a lease itself) carry a renewal deadline:
+while their holder still holds the queue (registered, in the group, subscribed to the lite topic), ``due``
+extends them a slice at a time, shortly before they expire, up to that deadline, keeping their receipt
+handle. A lease whose holder is gone or unsubscribed, or that reached its deadline, expires as any other.
 
 Receipt handles are opaque strings minted here and echoed back by clients:
 ``<incarnation> <queue topic> <queue id> <offset> <lease id>`` (space is never valid in a queue name). The
@@ -177,12 +177,12 @@ Key = tuple[str, int, str]  # (queue topic, queue id, group)
 
 @dataclass(frozen=True, slots=True)
 class Renewal:
-    """How ``LeaseTable.due`` renews auto-renew leases: ``ahead_ms`` before one expires, if ``alive(holder)``,
-    it is extended to ``slice_ms`` from now (never past its renewal deadline)."""
+    """How ``LeaseTable.due`` renews auto-renew leases: ``ahead_ms`` before one expires, if ``holds(holder,
+    key)``, it is extended to ``slice_ms`` from now (never past its renewal deadline)."""
 
     slice_ms: int
     ahead_ms: int
-    alive: Callable[[str], bool]
+    holds: Callable[[str, Key], bool]
 
 
 class LeaseTable:
@@ -265,7 +265,7 @@ class LeaseTable:
 
     def due(self, now_ms: int, renewal: Renewal | None = None) -> list[Key]:
         """Keys whose leases have expired with something still unacknowledged, each once. With ``renewal``,
-        auto-renew leases about to expire whose holder is alive are extended first (see ``Renewal``)."""
+        auto-renew leases about to expire whose holder still holds the queue are extended first (see ``Renewal``)."""
         keys: dict[Key, None] = {}
         seen: set[Key] = set()
         while self._expiries and self._expiries[0][0] <= now_ms:
@@ -288,7 +288,7 @@ class LeaseTable:
                 continue  # not renewable, or renewed up to its deadline already: it expires when it is due
             if lease.visible_at_ms - renewal.ahead_ms > now_ms:
                 continue  # another lease of the key brought us here early; its own watch comes later
-            if not renewal.alive(lease.holder):
+            if not renewal.holds(lease.holder, key):
                 self.watch(key, lease.visible_at_ms)  # the holder is gone: let it expire on time
                 continue
             lease.visible_at_ms = max(lease.visible_at_ms, min(now_ms + renewal.slice_ms, lease.renew_until_ms))

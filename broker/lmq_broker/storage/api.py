@@ -162,8 +162,9 @@ class Store(Protocol):
         ...
 
     # --- maintenance ----------------------------------------------------------------------------------
-    def apply_retention(self) -> RetentionReport:
-        """Drop whole segments older/larger than the retention limits and advance affected queues' min offsets."""
+    def apply_retention(self, stop: Callable[[], bool] | None = None) -> RetentionReport:
+        """Drop whole segments older/larger than the retention limits and advance affected queues' min offsets.
+        ``stop`` is asked before each segment: True ends the pass early (what was dropped stays dropped)."""
         ...
 
     def flush(self) -> None: ...

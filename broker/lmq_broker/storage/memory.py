@@ -354,7 +354,7 @@ class MemoryStore:
 
     # --- maintenance ---------------------------------------------------------------------------------
 
-    def apply_retention(self) -> api.RetentionReport:
+    def apply_retention(self, stop: Callable[[], bool] | None = None) -> api.RetentionReport:
         self._check_open()
         max_age = self._cfg.retention_max_age_ms
         max_bytes = self._cfg.retention_max_bytes
@@ -363,6 +363,8 @@ class MemoryStore:
             dropped = deleted = 0
             advanced: set[int] = set()
             while len(self._records) > 1:  # like LmqStore's active segment, the newest record stays
+                if stop is not None and stop():
+                    break
                 head = self._records[0]
                 too_old = max_age >= 0 and head.store_ms + max_age < now
                 too_big = max_bytes >= 0 and self._bytes > max_bytes

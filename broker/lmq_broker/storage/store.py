@@ -456,12 +456,12 @@ class LmqStore:
 
     # --- maintenance ---------------------------------------------------------------------------------
 
-    def apply_retention(self) -> api.RetentionReport:
+    def apply_retention(self, stop: Callable[[], bool] | None = None) -> api.RetentionReport:
         self._check_open()
         with self._retention_lock:
-            return self._apply_retention()
+            return self._apply_retention(stop)
 
-    def _apply_retention(self) -> api.RetentionReport:
+    def _apply_retention(self, stop: Callable[[], bool] | None) -> api.RetentionReport:
         with self._write_lock:
             self._check_writable()
             self._log.reap()  # descriptors of segments dropped by the previous pass
@@ -469,6 +469,8 @@ class LmqStore:
         segments = deleted = 0
         advanced: set[bytes] = set()
         for seq in victims:
+            if stop is not None and stop():
+                break
             advanced |= self._drop_segment(seq)
             with self._write_lock:
                 wb = self._index.batch()
