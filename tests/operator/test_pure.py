@@ -441,6 +441,25 @@ async def test_fleet_reports_leaving_ordinals_from_claims_as_well_as_endpoints()
     await fleet.close()
 
 
+class _NoClaimsFleet(_StubFleet):
+    """A role without the claims rule: listing the volume claims is refused."""
+
+    async def _claims(self, replicas: int) -> dict[int, str]:
+        raise PermissionError("persistentvolumeclaims is forbidden")
+
+
+@pytest.mark.asyncio
+async def test_fleet_finds_its_brokers_when_the_claims_cannot_be_listed() -> None:
+    b0, b1 = admins.MemoryAdmin("10.0.0.1:8081"), admins.MemoryAdmin("10.0.0.2:8081")
+    b1.undrained = 2
+    fleet = _NoClaimsFleet({b0.endpoint: b0, b1.endpoint: b1}, 1, {0: "10.0.0.1", 1: "10.0.0.2"}, {})
+    view = await fleet._discover(None)
+    assert view.error is None and [b.name for b in view.targets] == ["lmq-broker-0"]
+    (x,) = view.leaving  # a listed leaving broker is still asked; only the claim evidence is missing
+    assert (x.broker.name, x.undrained_messages, x.claim) == ("lmq-broker-1", 2, None)
+    await fleet.close()
+
+
 def test_other_conditions_survive_a_ready_update() -> None:
     drained = status.drained([], {}, NOW)
     prev = {"conditions": [drained]}
