@@ -33,7 +33,7 @@ class Options:
     broker_port: int = DEFAULT_BROKER_PORT
     cluster_domain: str = "cluster.local"
     discovery: str = "dns"  # dns | endpointslices
-    master: str = DEFAULT_MASTER
+    master: str | None = None  # None: spark-submit's master when submitted, else DEFAULT_MASTER
     local_dir: Path | None = None
     driver_memory: str = "1g"
     spark_conf: tuple[tuple[str, str], ...] = ()
@@ -102,7 +102,9 @@ def parser() -> argparse.ArgumentParser:
         help="resolve the Service through DNS A records (no RBAC needed) or the EndpointSlices API",
     )
     spark = p.add_argument_group("spark")
-    spark.add_argument("--master", default=DEFAULT_MASTER, help="Spark master (default local[2])")
+    spark.add_argument(
+        "--master", default=None, help=f"Spark master (default: spark-submit's --master, else {DEFAULT_MASTER})"
+    )
     spark.add_argument("--local-dir", type=Path, default=None, help="spark.local.dir (scratch space)")
     spark.add_argument("--driver-memory", default="1g", help="spark.driver.memory (default 1g)")
     spark.add_argument("--conf", action="append", type=_conf_pair, default=[], help="extra Spark KEY=VALUE")

@@ -25,7 +25,7 @@ from typing import Final, cast
 from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
-from lmq_reclaim.options import Options
+from lmq_reclaim.options import DEFAULT_MASTER, Options
 
 log = logging.getLogger("lmq_reclaim")
 
@@ -60,7 +60,8 @@ def build(opts: Options) -> SparkSession:
     # keeps local mode off the network and silences Spark's hostname warning.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if opts.master.startswith("local"):
+    master = effective_master(opts)
+    if master is not None and master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     java_opts = " ".join((f"-Dlog4j2.configurationFile=file:{log4j}", opts.jvm_options)).strip()
     driver_opts = java_opts
@@ -72,9 +73,11 @@ def build(opts: Options) -> SparkSession:
             writing = str(_pending(opts.class_archive))
             # cds=error: the dump warns about every class it skips (signed jars, old class files).
             driver_opts += f" -XX:ArchiveClassesAtExit={writing} -Xlog:cds=error"
+    builder = SparkSession.builder
+    if master is not None:
+        builder = builder.master(master)
     builder = (
-        SparkSession.builder.master(opts.master)
-        .appName(APP_NAME)
+        builder.appName(APP_NAME)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.local.dir", str(scratch))
@@ -93,7 +96,16 @@ def build(opts: Options) -> SparkSession:
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    log.info("spark master %s", spark.sparkContext.master)
     return spark
+
+
+def effective_master(opts: Options) -> str | None:
+    """The job's ``--master`` when given; else, under spark-submit (its launcher hands the driver a running
+    JVM), none of ours, so that spark-submit's ``--master`` holds; else ``DEFAULT_MASTER``."""
+    if opts.master is not None:
+        return opts.master
+    return None if os.environ.get("PYSPARK_GATEWAY_PORT") else DEFAULT_MASTER
 
 
 def stop(spark: SparkSession) -> None:

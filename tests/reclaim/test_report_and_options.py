@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import pytest
 
 from lmq_broker import errors
-from lmq_reclaim import discovery, options, recording, report
+from lmq_reclaim import discovery, options, recording, report, session
 from lmq_reclaim.columns import Outcome
 
 
@@ -62,7 +62,7 @@ def test_recording_failures_are_counted_but_leave_the_exit_code_alone() -> None:
 def test_command_line_defaults_and_validation() -> None:
     opts = options.parse(["--brokers", "a:1, b:2"])
     assert opts.brokers == ("a:1", "b:2")
-    assert (opts.master, opts.min_age_minutes, opts.dry_run) == ("local[2]", 15, False)
+    assert (opts.master, opts.min_age_minutes, opts.dry_run) == (None, 15, False)
     opts = options.parse(["--broker-service", "lmq-broker", "--namespace", "mq", "--conf", "spark.x=1", "--dry-run"])
     assert opts.spark_conf == (("spark.x", "1"),) and opts.dry_run
     assert opts.pushdown and not options.parse(["--brokers", "a:1", "--no-pushdown"]).pushdown
@@ -147,3 +147,12 @@ def test_endpointslices_give_the_ready_pods() -> None:
     assert calls == [("lmq-broker", "mq")]
     with pytest.raises(errors.BrokerUnavailable):
         discovery.discover(opts, list_slices=lambda s, n: [])
+
+
+def test_the_master_is_the_jobs_then_spark_submits_then_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    assert session.effective_master(options.parse(["--brokers", "a:1"])) == "local[2]"
+    assert session.effective_master(options.parse(["--brokers", "a:1", "--master", "local[3]"])) == "local[3]"
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "40000")  # what spark-submit's launcher hands the driver
+    assert session.effective_master(options.parse(["--brokers", "a:1"])) is None
+    assert session.effective_master(options.parse(["--brokers", "a:1", "--master", "local[3]"])) == "local[3]"
