@@ -560,3 +560,74 @@ def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
     with AdminClient(back.admin_endpoint, timeout_s=5.0) as admin:
         assert not has_topic(admin, topic)
     assert "Deleted" in event_reasons(kube, namespace, "orphan")
+
+
+def has_group(admin: AdminClient, name: str) -> bool:
+    try:
+        admin.get_group(name)
+    except errors.NotFound:
+        return False
+    return True
+
+
+def quota_scopes(admin: AdminClient) -> set[str]:
+    return {q.scope for q in admin.list_quotas()}
+
+
+def test_deleted_groups_and_quotas_leave_every_broker(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    """The finalizer of a LiteGroup / LiteQuota deletes it on every broker before the resource goes. Only
+    ParentTopics have a deletionPolicy (the other CRDs prune the field); a group that must outlive its
+    resource is marked unmanaged first."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group, kept, rmq_ns = unique("gq"), unique("gq-g"), unique("gq-kept"), unique("gq-ns")
+    create("ParentTopic", namespace, "gq", {"topicName": topic})
+    create("LiteGroup", namespace, "gq-g", {"groupName": group, "parentTopic": topic})
+    create("LiteGroup", namespace, "gq-kept", {"groupName": kept, "parentTopic": topic})
+    create("LiteQuota", namespace, "gq-parent", {"parentTopic": topic, "maxLiteTopics": 7})
+    create("LiteQuota", namespace, "gq-ns", {"rocketmqNamespace": rmq_ns, "maxSendRate": 9})
+    paths = {
+        "gq": testing.cr_path("parenttopics", namespace, "gq"),
+        "gq-g": testing.cr_path("litegroups", namespace, "gq-g"),
+        "gq-kept": testing.cr_path("litegroups", namespace, "gq-kept"),
+        "gq-parent": testing.cr_path("litequotas", namespace, "gq-parent"),
+        "gq-ns": testing.cr_path("litequotas", namespace, "gq-ns"),
+    }
+    for path in paths.values():
+        assert wait_condition(kube, path, "True", "Applied")["metadata"]["finalizers"] == ["lmq.io/finalizer"]
+    scopes = {f"parent:{topic}", f"namespace:{rmq_ns}"}
+    for b in brokers:
+        admin = admin_of(b.admin_endpoint)
+        assert has_group(admin, group) and has_group(admin, kept)
+        assert scopes <= quota_scopes(admin)
+
+    kube.merge_patch(paths["gq-kept"], {"metadata": {"annotations": {"lmq.io/managed": "false"}}})
+    wait_condition(kube, paths["gq-kept"], "True", "Unmanaged")
+    for name in ("gq-g", "gq-kept", "gq-parent", "gq-ns"):
+        kube.delete(paths[name])
+    for name in ("gq-g", "gq-kept", "gq-parent", "gq-ns"):
+        testing.wait_for(lambda name=name: not kube.exists(paths[name]), TIMEOUT_S, f"{name} deleted")  # type: ignore[misc]
+
+    for b in brokers:
+        admin = admin_of(b.admin_endpoint)
+        assert not has_group(admin, group)
+        assert not scopes & quota_scopes(admin)
+        assert has_group(admin, kept)  # unmanaged: left alone
+        assert has_topic(admin, topic)  # deleting a group or a quota leaves its topic
+    assert event_messages(kube, namespace, "gq-g", "Deleted") == [f"LiteGroup {group!r} deleted on 2 brokers"]
+    assert event_messages(kube, namespace, "gq-parent", "Deleted") == [
+        f"LiteQuota 'parent:{topic}' deleted on 2 brokers"
+    ]
+    assert event_messages(kube, namespace, "gq-ns", "Deleted") == [
+        f"LiteQuota 'namespace:{rmq_ns}' deleted on 2 brokers"
+    ]
+    assert "Deleted" not in event_reasons(kube, namespace, "gq-kept")
+    assert "Retained" in event_reasons(kube, namespace, "gq-kept")
