@@ -631,3 +631,54 @@ def test_deleted_groups_and_quotas_leave_every_broker(
     ]
     assert "Deleted" not in event_reasons(kube, namespace, "gq-kept")
     assert "Retained" in event_reasons(kube, namespace, "gq-kept")
+
+
+def test_a_pod_joining_the_service_gets_existing_topics_within_one_resync(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+    start_broker: Callable[..., Any],
+) -> None:
+    """Scale-out through discovery: the StatefulSet grows and the new pod's endpoint appears in the headless
+    Service's EndpointSlices; the resync timer applies every existing ParentTopic to it within one resync
+    interval plus one discovery refresh (and the time a reconcile takes on a loaded machine)."""
+    resync_s, discovery_s, slack_s = 2.0, 0.3, 6.0
+    ip = testing.host_ip()
+    pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
+    testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pods[0].port)], replicas=1)
+    run_operator(
+        namespace,
+        None,
+        LMQ_OPERATOR_BROKER_SERVICE="lmq-broker",
+        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
+        LMQ_OPERATOR_BROKER_STATEFULSET="lmq-broker",
+        LMQ_OPERATOR_RESYNC_SECONDS=str(resync_s),
+        LMQ_OPERATOR_DISCOVERY_SECONDS=str(discovery_s),
+    )
+    topic = unique("scaled")
+    create("ParentTopic", namespace, "scaled", {"topicName": topic, "liteTopicExpirationMinutes": 45})
+    path = testing.cr_path("parenttopics", namespace, "scaled")
+    obj = wait_condition(kube, path, "True", "Applied")
+    assert (obj["status"]["brokersReady"], [b["name"] for b in obj["status"]["brokers"]]) == ("1/1", ["lmq-broker-0"])
+    new = admin_of(pods[1].admin_endpoint)
+    assert not has_topic(new, topic)
+
+    kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/lmq-broker", {"spec": {"replicas": 2}})
+    testing.add_broker_pod(kube, namespace, "lmq-broker", 1, (ip, pods[1].port))
+
+    def listed() -> Any:
+        st = kube.get(path)["status"]
+        rows = [(b["name"], b["endpoint"], b["synced"]) for b in st["brokers"]]
+        return st if st["brokersReady"] == "2/2" and ("lmq-broker-1", f"{ip}:{pods[1].port}", True) in rows else None
+
+    bound_s = resync_s + discovery_s + slack_s
+    st = testing.wait_for(listed, bound_s, "status listing the new pod in sync", interval_s=0.1)
+    assert [b["name"] for b in st["brokers"]] == ["lmq-broker-0", "lmq-broker-1"]
+    assert new.get_parent_topic(topic).topic.expiration_minutes == 45
+    assert event_messages(kube, namespace, "scaled", "DriftRepaired") == [
+        f"ParentTopic {topic!r} repaired on lmq-broker-1 (was missing)"
+    ]
