@@ -18,7 +18,7 @@ from lmq_broker import model as broker_model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2, service_pb2_grpc
-from lmq_operator import testing
+from lmq_operator import model, testing
 
 Create = Callable[..., Any]
 AdminOf = Callable[[str], AdminClient]
@@ -682,3 +682,61 @@ def test_a_pod_joining_the_service_gets_existing_topics_within_one_resync(
     assert event_messages(kube, namespace, "scaled", "DriftRepaired") == [
         f"ParentTopic {topic!r} repaired on lmq-broker-1 (was missing)"
     ]
+
+
+def test_operator_never_writes_spec(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    """After create, update and a drift-repairing resync, the operator's field managers own only status, its
+    finalizer and its own lmq.io/ progress annotations; every spec is the one the test wrote (plus the CRD's
+    defaults, which the apiserver filled in at create)."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group = unique("spec"), unique("spec-g")
+    wrote = {
+        testing.cr_path("parenttopics", namespace, "spec"): create(
+            "ParentTopic", namespace, "spec", {"topicName": topic, "liteTopicExpirationMinutes": 30}
+        ),
+        testing.cr_path("litegroups", namespace, "spec-g"): create(
+            "LiteGroup", namespace, "spec-g", {"groupName": group, "parentTopic": topic, "readySetCapacity": 50}
+        ),
+        testing.cr_path("litequotas", namespace, "spec-q"): create(
+            "LiteQuota", namespace, "spec-q", {"parentTopic": topic, "maxLiteTopics": 11}
+        ),
+    }
+    for path in wrote:
+        wait_condition(kube, path, "True", "Applied")
+    topic_path = testing.cr_path("parenttopics", namespace, "spec")
+    kube.merge_patch(topic_path, {"spec": {"liteTopicExpirationMinutes": 60}})
+    wait_condition(kube, topic_path, "True", "Applied")
+    admin0 = admin_of(brokers[0].admin_endpoint)
+    admin0.delete_group(group)  # the resync repairs it and writes the group's status again
+    testing.wait_for(lambda: has_group(admin0, group), TIMEOUT_S, "group re-created by the resync")
+    testing.wait_for(lambda: "DriftRepaired" in event_reasons(kube, namespace, "spec-g"), TIMEOUT_S, "event")
+
+    ours = {e["manager"] for obj in wrote.values() for e in obj["metadata"]["managedFields"]}  # the creates'
+    user_annotations = {f"f:{model.ANNOTATION_MANAGED}", f"f:{model.ANNOTATION_PAUSED}"}
+    wrote[topic_path]["spec"]["liteTopicExpirationMinutes"] = 60
+    for path, written in wrote.items():
+        obj = kube.get(path)
+        theirs = [e for e in obj["metadata"]["managedFields"] if e["manager"] not in ours]
+        owned: set[str] = set()
+        for entry in theirs:
+            fields = entry["fieldsV1"]
+            assert set(fields) <= {"f:metadata", "f:status"}, (path, entry)
+            meta = fields.get("f:metadata", {})
+            assert set(meta) <= {"f:finalizers", "f:annotations"}, (path, entry)
+            assert set(meta.get("f:finalizers", {})) <= {".", f'v:"{model.FINALIZER}"'}, (path, entry)
+            annotations = set(meta.get("f:annotations", {})) - {"."}
+            assert all(a.startswith("f:lmq.io/") for a in annotations), (path, entry)
+            assert not annotations & user_annotations, (path, entry)
+            owned |= {f"{k}.{sub}" for k, v in fields.items() for sub in v}
+        # the entries inspected are the operator's: they hold what it is known to write
+        assert {"f:status.f:conditions", "f:metadata.f:finalizers"} <= owned, (path, theirs)
+        assert obj["spec"] == written["spec"], path
