@@ -740,3 +740,55 @@ def test_operator_never_writes_spec(
         # the entries inspected are the operator's: they hold what it is known to write
         assert {"f:status.f:conditions", "f:metadata.f:finalizers"} <= owned, (path, theirs)
         assert obj["spec"] == written["spec"], path
+
+
+def test_events_belong_to_the_resource_they_are_about(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+) -> None:
+    """A ParentTopic and a LiteGroup with the same metadata.name, reconciled side by side with different
+    outcomes: each one's Events point at it (kind, name, uid), and carry only its own reasons."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group, absent = unique("twin"), unique("twin-g"), unique("absent")
+    pt = create("ParentTopic", namespace, "twin", {"topicName": topic})
+    lg = create("LiteGroup", namespace, "twin", {"groupName": group, "parentTopic": absent})  # refused: no parent
+    pt_path, lg_path = (
+        testing.cr_path("parenttopics", namespace, "twin"),
+        testing.cr_path("litegroups", namespace, "twin"),
+    )
+    wait_condition(kube, pt_path, "True", "Applied")
+    wait_condition(kube, lg_path, "False", "BrokerRejected")
+    kube.merge_patch(pt_path, {"spec": {"maxLiteTopics": 10}})
+    wait_condition(kube, pt_path, "True", "Applied")
+
+    def events_of(kind: str) -> list[dict[str, Any]]:
+        items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        return [e for e in items if e["involvedObject"]["kind"] == kind and e["involvedObject"]["name"] == "twin"]
+
+    def reasons_of(kind: str, wanted: set[str]) -> set[str] | None:
+        found = {e["reason"] for e in events_of(kind)}
+        return found if wanted <= found else None
+
+    pt_reasons = testing.wait_for(
+        lambda: reasons_of("ParentTopic", {"Created", "Applied", "Updated"}), TIMEOUT_S, "the topic's Events"
+    )
+    lg_reasons = testing.wait_for(lambda: reasons_of("LiteGroup", {"BrokerRejected"}), TIMEOUT_S, "the group's Events")
+    assert "BrokerRejected" not in pt_reasons
+    assert not {"Created", "Applied", "Updated"} & lg_reasons
+    for kind, obj in (("ParentTopic", pt), ("LiteGroup", lg)):
+        for event in events_of(kind):
+            ref = event["involvedObject"]
+            assert (ref["apiVersion"], ref["namespace"], ref["uid"]) == (
+                "lmq.io/v1alpha1",
+                namespace,
+                obj["metadata"]["uid"],
+            ), event
+    [created] = [e for e in events_of("ParentTopic") if e["reason"] == "Created"]
+    assert (created["type"], created["message"].startswith(f"ParentTopic {topic!r} created on ")) == ("Normal", True)
+    [rejected] = [e for e in events_of("LiteGroup") if e["reason"] == "BrokerRejected"]
+    assert rejected["type"] == "Warning" and absent in rejected["message"], rejected
