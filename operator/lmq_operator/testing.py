@@ -469,17 +469,24 @@ def publish_brokers(api: KubeAPI, namespace: str, name: str, endpoints: list[tup
         },
     )
     for ordinal, (ip, port) in enumerate(endpoints):
-        api.post(
-            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            {
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {"name": f"{name}-{ordinal}", "labels": {"kubernetes.io/service-name": name}},
-                "addressType": "IPv4",
-                "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}],
-                "endpoints": _pod_endpoint(namespace, name, ordinal, ip),
-            },
-        )
+        add_broker_pod(api, namespace, name, ordinal, (ip, port))
+
+
+def add_broker_pod(api: KubeAPI, namespace: str, name: str, ordinal: int, endpoint: tuple[str, int]) -> None:
+    """What the EndpointSlice controller does when a new ready pod ``<name>-<ordinal>`` joins the headless
+    Service (a scale-out): a slice for it appears, labelled with the Service's name."""
+    ip, port = endpoint
+    api.post(
+        f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"name": f"{name}-{ordinal}", "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}],
+            "endpoints": _pod_endpoint(namespace, name, ordinal, ip),
+        },
+    )
 
 
 def _pod_endpoint(namespace: str, name: str, ordinal: int, ip: str | None) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from lmq_broker import model as broker_model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2, service_pb2_grpc
-from lmq_operator import testing
+from lmq_operator import model, testing
 
 Create = Callable[..., Any]
 AdminOf = Callable[[str], AdminClient]
@@ -560,3 +560,235 @@ def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
     with AdminClient(back.admin_endpoint, timeout_s=5.0) as admin:
         assert not has_topic(admin, topic)
     assert "Deleted" in event_reasons(kube, namespace, "orphan")
+
+
+def has_group(admin: AdminClient, name: str) -> bool:
+    try:
+        admin.get_group(name)
+    except errors.NotFound:
+        return False
+    return True
+
+
+def quota_scopes(admin: AdminClient) -> set[str]:
+    return {q.scope for q in admin.list_quotas()}
+
+
+def test_deleted_groups_and_quotas_leave_every_broker(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    """The finalizer of a LiteGroup / LiteQuota deletes it on every broker before the resource goes. Only
+    ParentTopics have a deletionPolicy (the other CRDs prune the field); a group that must outlive its
+    resource is marked unmanaged first."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group, kept, rmq_ns = unique("gq"), unique("gq-g"), unique("gq-kept"), unique("gq-ns")
+    create("ParentTopic", namespace, "gq", {"topicName": topic})
+    create("LiteGroup", namespace, "gq-g", {"groupName": group, "parentTopic": topic})
+    create("LiteGroup", namespace, "gq-kept", {"groupName": kept, "parentTopic": topic})
+    create("LiteQuota", namespace, "gq-parent", {"parentTopic": topic, "maxLiteTopics": 7})
+    create("LiteQuota", namespace, "gq-ns", {"rocketmqNamespace": rmq_ns, "maxSendRate": 9})
+    paths = {
+        "gq": testing.cr_path("parenttopics", namespace, "gq"),
+        "gq-g": testing.cr_path("litegroups", namespace, "gq-g"),
+        "gq-kept": testing.cr_path("litegroups", namespace, "gq-kept"),
+        "gq-parent": testing.cr_path("litequotas", namespace, "gq-parent"),
+        "gq-ns": testing.cr_path("litequotas", namespace, "gq-ns"),
+    }
+    for path in paths.values():
+        assert wait_condition(kube, path, "True", "Applied")["metadata"]["finalizers"] == ["lmq.io/finalizer"]
+    scopes = {f"parent:{topic}", f"namespace:{rmq_ns}"}
+    for b in brokers:
+        admin = admin_of(b.admin_endpoint)
+        assert has_group(admin, group) and has_group(admin, kept)
+        assert scopes <= quota_scopes(admin)
+
+    kube.merge_patch(paths["gq-kept"], {"metadata": {"annotations": {"lmq.io/managed": "false"}}})
+    wait_condition(kube, paths["gq-kept"], "True", "Unmanaged")
+    for name in ("gq-g", "gq-kept", "gq-parent", "gq-ns"):
+        kube.delete(paths[name])
+    for name in ("gq-g", "gq-kept", "gq-parent", "gq-ns"):
+        testing.wait_for(lambda name=name: not kube.exists(paths[name]), TIMEOUT_S, f"{name} deleted")  # type: ignore[misc]
+
+    for b in brokers:
+        admin = admin_of(b.admin_endpoint)
+        assert not has_group(admin, group)
+        assert not scopes & quota_scopes(admin)
+        assert has_group(admin, kept)  # unmanaged: left alone
+        assert has_topic(admin, topic)  # deleting a group or a quota leaves its topic
+    assert event_messages(kube, namespace, "gq-g", "Deleted") == [f"LiteGroup {group!r} deleted on 2 brokers"]
+    assert event_messages(kube, namespace, "gq-parent", "Deleted") == [
+        f"LiteQuota 'parent:{topic}' deleted on 2 brokers"
+    ]
+    assert event_messages(kube, namespace, "gq-ns", "Deleted") == [
+        f"LiteQuota 'namespace:{rmq_ns}' deleted on 2 brokers"
+    ]
+    assert "Deleted" not in event_reasons(kube, namespace, "gq-kept")
+    assert "Retained" in event_reasons(kube, namespace, "gq-kept")
+
+
+def test_a_pod_joining_the_service_gets_existing_topics_within_one_resync(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+    start_broker: Callable[..., Any],
+) -> None:
+    """Scale-out through discovery: the StatefulSet grows and the new pod's endpoint appears in the headless
+    Service's EndpointSlices; the resync timer applies every existing ParentTopic to it within one resync
+    interval plus one discovery refresh (and the time a reconcile takes on a loaded machine)."""
+    resync_s, discovery_s, slack_s = 2.0, 0.3, 6.0
+    ip = testing.host_ip()
+    pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
+    testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pods[0].port)], replicas=1)
+    run_operator(
+        namespace,
+        None,
+        LMQ_OPERATOR_BROKER_SERVICE="lmq-broker",
+        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
+        LMQ_OPERATOR_BROKER_STATEFULSET="lmq-broker",
+        LMQ_OPERATOR_RESYNC_SECONDS=str(resync_s),
+        LMQ_OPERATOR_DISCOVERY_SECONDS=str(discovery_s),
+    )
+    topic = unique("scaled")
+    create("ParentTopic", namespace, "scaled", {"topicName": topic, "liteTopicExpirationMinutes": 45})
+    path = testing.cr_path("parenttopics", namespace, "scaled")
+    obj = wait_condition(kube, path, "True", "Applied")
+    assert (obj["status"]["brokersReady"], [b["name"] for b in obj["status"]["brokers"]]) == ("1/1", ["lmq-broker-0"])
+    new = admin_of(pods[1].admin_endpoint)
+    assert not has_topic(new, topic)
+
+    kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/lmq-broker", {"spec": {"replicas": 2}})
+    testing.add_broker_pod(kube, namespace, "lmq-broker", 1, (ip, pods[1].port))
+
+    def listed() -> Any:
+        st = kube.get(path)["status"]
+        rows = [(b["name"], b["endpoint"], b["synced"]) for b in st["brokers"]]
+        return st if st["brokersReady"] == "2/2" and ("lmq-broker-1", f"{ip}:{pods[1].port}", True) in rows else None
+
+    bound_s = resync_s + discovery_s + slack_s
+    st = testing.wait_for(listed, bound_s, "status listing the new pod in sync", interval_s=0.1)
+    assert [b["name"] for b in st["brokers"]] == ["lmq-broker-0", "lmq-broker-1"]
+    assert new.get_parent_topic(topic).topic.expiration_minutes == 45
+    assert event_messages(kube, namespace, "scaled", "DriftRepaired") == [
+        f"ParentTopic {topic!r} repaired on lmq-broker-1 (was missing)"
+    ]
+
+
+def test_operator_never_writes_spec(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    """After create, update and a drift-repairing resync, the operator's field managers own only status, its
+    finalizer and its own lmq.io/ progress annotations; every spec is the one the test wrote (plus the CRD's
+    defaults, which the apiserver filled in at create)."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group = unique("spec"), unique("spec-g")
+    wrote = {
+        testing.cr_path("parenttopics", namespace, "spec"): create(
+            "ParentTopic", namespace, "spec", {"topicName": topic, "liteTopicExpirationMinutes": 30}
+        ),
+        testing.cr_path("litegroups", namespace, "spec-g"): create(
+            "LiteGroup", namespace, "spec-g", {"groupName": group, "parentTopic": topic, "readySetCapacity": 50}
+        ),
+        testing.cr_path("litequotas", namespace, "spec-q"): create(
+            "LiteQuota", namespace, "spec-q", {"parentTopic": topic, "maxLiteTopics": 11}
+        ),
+    }
+    for path in wrote:
+        wait_condition(kube, path, "True", "Applied")
+    topic_path = testing.cr_path("parenttopics", namespace, "spec")
+    kube.merge_patch(topic_path, {"spec": {"liteTopicExpirationMinutes": 60}})
+    wait_condition(kube, topic_path, "True", "Applied")
+    admin0 = admin_of(brokers[0].admin_endpoint)
+    admin0.delete_group(group)  # the resync repairs it and writes the group's status again
+    testing.wait_for(lambda: has_group(admin0, group), TIMEOUT_S, "group re-created by the resync")
+    testing.wait_for(lambda: "DriftRepaired" in event_reasons(kube, namespace, "spec-g"), TIMEOUT_S, "event")
+
+    ours = {e["manager"] for obj in wrote.values() for e in obj["metadata"]["managedFields"]}  # the creates'
+    user_annotations = {f"f:{model.ANNOTATION_MANAGED}", f"f:{model.ANNOTATION_PAUSED}"}
+    wrote[topic_path]["spec"]["liteTopicExpirationMinutes"] = 60
+    for path, written in wrote.items():
+        obj = kube.get(path)
+        theirs = [e for e in obj["metadata"]["managedFields"] if e["manager"] not in ours]
+        owned: set[str] = set()
+        for entry in theirs:
+            fields = entry["fieldsV1"]
+            assert set(fields) <= {"f:metadata", "f:status"}, (path, entry)
+            meta = fields.get("f:metadata", {})
+            assert set(meta) <= {"f:finalizers", "f:annotations"}, (path, entry)
+            assert set(meta.get("f:finalizers", {})) <= {".", f'v:"{model.FINALIZER}"'}, (path, entry)
+            annotations = set(meta.get("f:annotations", {})) - {"."}
+            assert all(a.startswith("f:lmq.io/") for a in annotations), (path, entry)
+            assert not annotations & user_annotations, (path, entry)
+            owned |= {f"{k}.{sub}" for k, v in fields.items() for sub in v}
+        # the entries inspected are the operator's: they hold what it is known to write
+        assert {"f:status.f:conditions", "f:metadata.f:finalizers"} <= owned, (path, theirs)
+        assert obj["spec"] == written["spec"], path
+
+
+def test_events_belong_to_the_resource_they_are_about(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Create,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+) -> None:
+    """A ParentTopic and a LiteGroup with the same metadata.name, reconciled side by side with different
+    outcomes: each one's Events point at it (kind, name, uid), and carry only its own reasons."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    topic, group, absent = unique("twin"), unique("twin-g"), unique("absent")
+    pt = create("ParentTopic", namespace, "twin", {"topicName": topic})
+    lg = create("LiteGroup", namespace, "twin", {"groupName": group, "parentTopic": absent})  # refused: no parent
+    pt_path, lg_path = (
+        testing.cr_path("parenttopics", namespace, "twin"),
+        testing.cr_path("litegroups", namespace, "twin"),
+    )
+    wait_condition(kube, pt_path, "True", "Applied")
+    wait_condition(kube, lg_path, "False", "BrokerRejected")
+    kube.merge_patch(pt_path, {"spec": {"maxLiteTopics": 10}})
+    wait_condition(kube, pt_path, "True", "Applied")
+
+    def events_of(kind: str) -> list[dict[str, Any]]:
+        items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        return [e for e in items if e["involvedObject"]["kind"] == kind and e["involvedObject"]["name"] == "twin"]
+
+    def reasons_of(kind: str, wanted: set[str]) -> set[str] | None:
+        found = {e["reason"] for e in events_of(kind)}
+        return found if wanted <= found else None
+
+    pt_reasons = testing.wait_for(
+        lambda: reasons_of("ParentTopic", {"Created", "Applied", "Updated"}), TIMEOUT_S, "the topic's Events"
+    )
+    lg_reasons = testing.wait_for(lambda: reasons_of("LiteGroup", {"BrokerRejected"}), TIMEOUT_S, "the group's Events")
+    assert "BrokerRejected" not in pt_reasons
+    assert not {"Created", "Applied", "Updated"} & lg_reasons
+    for kind, obj in (("ParentTopic", pt), ("LiteGroup", lg)):
+        for event in events_of(kind):
+            ref = event["involvedObject"]
+            assert (ref["apiVersion"], ref["namespace"], ref["uid"]) == (
+                "lmq.io/v1alpha1",
+                namespace,
+                obj["metadata"]["uid"],
+            ), event
+    [created] = [e for e in events_of("ParentTopic") if e["reason"] == "Created"]
+    assert (created["type"], created["message"].startswith(f"ParentTopic {topic!r} created on ")) == ("Normal", True)
+    [rejected] = [e for e in events_of("LiteGroup") if e["reason"] == "BrokerRejected"]
+    assert rejected["type"] == "Warning" and absent in rejected["message"], rejected
