@@ -179,6 +179,16 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def receive_some(consumer: Any, max_messages: int, timeout_s: float = 20.0, wait_s: int = 15) -> list[Any]:
+    """Messages from an official-client SimpleConsumer: its receive, repeated until something comes or
+    ``timeout_s`` passes (an empty answer while the broker is still settling is not the end)."""
+    received: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while not received and time.monotonic() < deadline:
+        received = consumer.receive(max_messages, wait_s)
+    return received
+
+
 class Inbox:
     """Records messages consumed by an official-client push consumer (pass it as the listener).
 

@@ -14,7 +14,7 @@ import pytest
 from lmq_broker import errors, model
 from lmq_broker.admin import reclaiming
 from lmq_broker.dispatch import reclaims
-from lmq_broker.dispatch.dispatcher import Dispatcher, OffsetPolicy, OffsetReset, lmq_name
+from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher, OffsetPolicy, OffsetReset, lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
 from lmq_broker.storage import memory
 from lmq_broker.storage.api import Store
@@ -112,11 +112,17 @@ async def test_expired_lease_is_redelivered_with_the_next_attempt(lite: Lite) ->
     assert lite.committed("t1") == 1
 
 
-async def test_an_auto_renew_lease_is_renewed_while_its_client_lives(lite: Lite) -> None:
-    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
+async def auto_renewed(lite: Lite) -> Delivery:
+    """c1 subscribes to t1 and receives its one message as a push consumer does (auto_renew, one slice)."""
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1")
-    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    (first,) = await lite.receive("c1", invisible_ms=lite.dispatcher.config.lease_renew_slice_ms, auto_renew=True)
+    return first
+
+
+async def test_an_auto_renew_lease_is_renewed_while_its_client_lives(lite: Lite) -> None:
+    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
+    first = await auto_renewed(lite)
     await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])  # after: the first offer goes to c1 alone
     for _ in range(5):  # a listener that runs for five slices: no redelivery meanwhile
         lite.clock.advance(slice_ms // 2)
@@ -129,9 +135,7 @@ async def test_an_auto_renew_lease_is_renewed_while_its_client_lives(lite: Lite)
 
 async def test_an_auto_renew_lease_of_a_client_that_is_gone_expires_after_its_slice(lite: Lite) -> None:
     slice_ms = lite.dispatcher.config.lease_renew_slice_ms
-    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
-    await lite.send("t1")
-    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    first = await auto_renewed(lite)
     await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])  # after: the first offer goes to c1 alone
     lite.dispatcher.client_gone("c1")
     lite.clock.advance(slice_ms - 1)
@@ -145,9 +149,7 @@ async def test_an_auto_renew_lease_of_a_client_that_is_gone_expires_after_its_sl
 
 async def test_an_auto_renew_lease_is_not_renewed_once_its_client_unsubscribed(lite: Lite) -> None:
     slice_ms = lite.dispatcher.config.lease_renew_slice_ms
-    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
-    await lite.send("t1")
-    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    first = await auto_renewed(lite)
     await lite.dispatcher.remove_lite("c1", GROUP, PARENT, ["t1"])
     await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
     lite.clock.advance(slice_ms)
@@ -163,9 +165,7 @@ async def test_an_auto_renew_lease_is_renewed_up_to_its_limit_only(
     cfg = config_for(tmp_path / "unused", lease_renew_slice_ms=slice_ms, lease_renew_max_ms=max_ms)
     lite = await Lite.start(store, clock, cfg)
     try:
-        await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
-        await lite.send("t1")
-        (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+        first = await auto_renewed(lite)
         step = 500
         for _ in range(max_ms // step - 1):
             lite.clock.advance(step)
@@ -181,10 +181,7 @@ async def test_an_auto_renew_lease_is_renewed_up_to_its_limit_only(
 
 
 async def test_a_nack_ends_auto_renewal(lite: Lite) -> None:
-    slice_ms = lite.dispatcher.config.lease_renew_slice_ms
-    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
-    await lite.send("t1")
-    (first,) = await lite.receive("c1", invisible_ms=slice_ms, auto_renew=True)
+    first = await auto_renewed(lite)
     await lite.dispatcher.change_invisible(GROUP, first.receipt_handle, 1_000)
     lite.clock.advance(1_000)
     lite.dispatcher.tick()

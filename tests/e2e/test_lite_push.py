@@ -25,7 +25,7 @@ from rocketmq.v5.exception import (
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing import BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import BrokerProcess, Inbox, receive_some, start_broker
 
 
 def config(broker: BrokerProcess) -> Any:
@@ -152,16 +152,13 @@ def test_fifo_group_retries_locally_then_forwards_to_the_dead_letter_queue(
     reader = SimpleConsumer(config(broker), unique("dlq-reader"), {dlq: FilterExpression()}, await_duration=5)
     reader.startup()
     clients.append(reader)
-    received: list[Any] = []
-    deadline = time.monotonic() + 20
-    while not received and time.monotonic() < deadline:
-        received = reader.receive(16, 15)
-    (dead,) = received
+    (dead,) = receive_some(reader, 16)
     assert (dead.topic, dead.body, dead.message_id) == (dlq, b"never consumed", sent.message_id)
     assert dead.properties["__ORIGIN_TOPIC"] == topic
     assert dead.properties["__ORIGIN_LITE_TOPIC"] == "poison"
     reader.ack(dead)
     assert [m.body for m in inbox.seen] == [b"never consumed"] * 2  # max_attempts consumptions, then the DLQ
+    deadline = time.monotonic() + 20
     while admin.describe_lite_topic(topic, "poison").group_offsets.get(group) != 1:
         assert time.monotonic() < deadline, "the forwarded message was not settled"
         time.sleep(0.05)
@@ -238,10 +235,7 @@ def test_lite_simple_consumer_receives_and_acks(
         time.sleep(0.05)  # lite-simple does not wait for settings at startup; its quota is 0 until then
     c.subscribe_lite("simple-1")
     send(producer(broker, clients, topic), topic, "simple-1", b"pull me")
-    received: list[Any] = []
-    while not received and time.monotonic() < deadline + 10:
-        received = c.receive(16, 15)
-    (message,) = received
+    (message,) = receive_some(c, 16)
     assert (message.lite_topic, message.body, message.delivery_attempt) == ("simple-1", b"pull me", 1)
     c.ack(message)
     assert admin.describe_lite_topic(topic, "simple-1").group_offsets[group] == 1

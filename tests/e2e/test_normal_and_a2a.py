@@ -4,7 +4,6 @@ NORMAL messages, replies as LITE messages), all with the official client against
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from rocketmq_a2a.server.rocketmq_agent_server import AgentServerConfig, RocketM
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing import BrokerProcess, Inbox
+from lmq_broker.testing import BrokerProcess, Inbox, receive_some
 
 NAMESPACE = "a2a"  # rocketmq-a2a needs one; lmq keeps one name space and echoes the namespace field
 
@@ -82,11 +81,7 @@ def test_simple_consumer_on_a_normal_topic(
     m.topic = topic
     m.body = b"job"
     producer.send(m)
-    received: list[Any] = []
-    deadline = time.monotonic() + 20
-    while not received and time.monotonic() < deadline:
-        received = consumer.receive(8, 15)
-    (job,) = received
+    (job,) = receive_some(consumer, 8)
     assert job.body == b"job" and job.delivery_attempt == 1
     consumer.ack(job)
     assert consumer.receive(8, 15) == []

@@ -432,6 +432,24 @@ def _send_lite_message(endpoint: str, topic: str, lite: str) -> None:
         assert reply.status.code == v2.OK, reply.status
 
 
+def _run_with_slices(
+    run_operator: Callable[..., testing.OperatorProcess], namespace: str, **env: str
+) -> testing.OperatorProcess:
+    """The operator finding brokers as in a cluster: the headless Service's EndpointSlices and the StatefulSet."""
+    return run_operator(
+        namespace,
+        None,
+        LMQ_OPERATOR_BROKER_SERVICE="lmq-broker",
+        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
+        LMQ_OPERATOR_BROKER_STATEFULSET="lmq-broker",
+        **env,
+    )
+
+
+def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in obj["status"]["conditions"] if c["type"] == kind)
+
+
 def test_endpoint_slice_discovery_and_undrained_scale_down(
     *,
     kube: testing.KubeAPI,
@@ -447,13 +465,7 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
     testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pod.port) for pod in pods], replicas=2)
     claims = testing.claim_volumes(kube, namespace, "lmq-broker", range(2))
-    run_operator(
-        namespace,
-        None,
-        LMQ_OPERATOR_BROKER_SERVICE="lmq-broker",
-        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
-        LMQ_OPERATOR_BROKER_STATEFULSET="lmq-broker",
-    )
+    _run_with_slices(run_operator, namespace)
     topic, group = unique("sliced"), unique("sliced-g")
     create("ParentTopic", namespace, "sliced", {"topicName": topic})
     create("LiteGroup", namespace, "sliced-g", {"groupName": group, "parentTopic": topic})
@@ -463,7 +475,7 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     assert [(b["name"], b["endpoint"]) for b in obj["status"]["brokers"]] == [
         (f"lmq-broker-{i}", f"{ip}:{pod.port}") for i, pod in enumerate(pods)
     ]
-    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    drained = _condition(obj, "BrokersDrained")
     assert drained["status"] == "True"
 
     _send_lite_message(pods[1].endpoint, topic, "session-1")
@@ -472,13 +484,13 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
 
     def reported(status: str, reason: str) -> Any:
         got = kube.get(path)
-        cond = next(c for c in got["status"]["conditions"] if c["type"] == "BrokersDrained")
+        cond = _condition(got, "BrokersDrained")
         return got if (cond["status"], cond["reason"]) == (status, reason) else None
 
     obj = testing.wait_for(
         lambda: reported("False", "UndrainedBrokerLeaving"), TIMEOUT_S, "BrokersDrained=False after the scale-down"
     )
-    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    drained = _condition(obj, "BrokersDrained")
     assert drained["message"] == "lmq-broker-1 (ordinal 1 >= replicas 1) still holds 1 undrained messages"
     assert obj["status"]["brokersReady"] == "1/1"
     assert [b["name"] for b in obj["status"]["brokers"]] == ["lmq-broker-0"]
@@ -488,7 +500,7 @@ def test_endpoint_slice_discovery_and_undrained_scale_down(
     obj = testing.wait_for(
         lambda: reported("False", "LeavingBrokerUnreachable"), TIMEOUT_S, "BrokersDrained=False without the pod"
     )
-    drained = next(c for c in obj["status"]["conditions"] if c["type"] == "BrokersDrained")
+    drained = _condition(obj, "BrokersDrained")
     assert drained["message"] == (
         "lmq-broker-1 (ordinal 1 >= replicas 1) cannot be asked whether it is drained, "
         f"and its claim {claims[1]} still exists"
@@ -650,12 +662,9 @@ def test_a_pod_joining_the_service_gets_existing_topics_within_one_resync(
     ip = testing.host_ip()
     pods = [start_broker(f"pod{i}", extra=["--host", "0.0.0.0"]) for i in range(2)]
     testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, pods[0].port)], replicas=1)
-    run_operator(
+    _run_with_slices(
+        run_operator,
         namespace,
-        None,
-        LMQ_OPERATOR_BROKER_SERVICE="lmq-broker",
-        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
-        LMQ_OPERATOR_BROKER_STATEFULSET="lmq-broker",
         LMQ_OPERATOR_RESYNC_SECONDS=str(resync_s),
         LMQ_OPERATOR_DISCOVERY_SECONDS=str(discovery_s),
     )
