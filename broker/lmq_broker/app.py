@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import threading
 from pathlib import Path
 from typing import Final
 
@@ -79,8 +78,7 @@ class Broker:
         self._http: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
-        self._stopping = asyncio.Event()
-        self._stop_retention = threading.Event()  # read by a retention pass between segments
+        self._stopping = asyncio.Event()  # also read (a flag) by a retention pass between segments
 
     @property
     def _snapshot_path(self) -> Path:
@@ -123,7 +121,6 @@ class Broker:
         if self.dispatcher is not None:
             self.dispatcher.begin_drain()
         self._stopping.set()
-        self._stop_retention.set()
         if self._retention is not None:
             await self._retention  # a running pass ends after its current segment, before the store closes
             self._retention = None
@@ -154,7 +151,7 @@ class Broker:
                 await asyncio.wait_for(self._stopping.wait(), interval_s)
                 return
             try:
-                report = await asyncio.to_thread(store.apply_retention, self._stop_retention.is_set)
+                report = await asyncio.to_thread(store.apply_retention, self._stopping.is_set)
             except Exception:
                 log.exception("retention pass failed; next attempt in %.1f s", interval_s)
                 continue

@@ -65,7 +65,7 @@ class Lease:
     holder: str = ""
     acked: bool = False
     keep_attempt: bool = False  # set by a suspend: the next hand-out repeats the attempt number
-    renew_until_ms: int = 0  # an auto-renew lease is extended while its holder lives, up to this; 0: never
+    renew_until_ms: int = 0  # an auto-renew lease is extended while its holder holds the queue, up to this; 0: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,16 +283,19 @@ class LeaseTable:
         return list(keys)
 
     def _renew(self, key: Key, state: QueueLeases, now_ms: int, renewal: Renewal) -> None:
+        again: set[int] = set()  # one watch per time, not per lease: a receive leases up to a batch at once
         for lease in state.entries.values():
             if lease.acked or lease.renew_until_ms <= lease.visible_at_ms:
                 continue  # not renewable, or renewed up to its deadline already: it expires when it is due
             if lease.visible_at_ms - renewal.ahead_ms > now_ms:
                 continue  # another lease of the key brought us here early; its own watch comes later
             if not renewal.holds(lease.holder, key):
-                self.watch(key, lease.visible_at_ms)  # the holder is gone: let it expire on time
+                again.add(lease.visible_at_ms)  # the holder no longer holds the queue: it expires on time
                 continue
             lease.visible_at_ms = max(lease.visible_at_ms, min(now_ms + renewal.slice_ms, lease.renew_until_ms))
-            self.watch(key, self.watch_at(lease, renewal.ahead_ms))
+            again.add(self.watch_at(lease, renewal.ahead_ms))
+        for at in again:
+            self.watch(key, at)
 
     @staticmethod
     def watch_at(lease: Lease, ahead_ms: int) -> int:
