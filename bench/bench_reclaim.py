@@ -365,6 +365,9 @@ def main() -> int:
     try:
         for i in range(args.brokers):
             extra = ["--no-bootstrap", "--broker-name", f"broker-{i}", "--flush-mode", args.flush]
+            # The generated records carry store times of T0_MS (months ago): a serving broker's retention would
+            # drop their segments in the middle of the measured run.
+            extra += ["--retention-max-age-ms", "-1"]
             brokers.append(testing.start_broker(work / f"broker-{i}", extra_args=extra, timeout=600))
         opts = options.parse(
             [
