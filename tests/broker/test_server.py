@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -189,7 +190,8 @@ async def test_send_receive_ack_round_trip(client: Client) -> None:
     assert frames[-1].HasField("delivery_timestamp")
     sp = message.system_properties
     assert (message.body, sp.lite_topic, sp.message_type, sp.delivery_attempt) == (b"hello", "t1", pb.LITE, 1)
-    assert sp.body_encoding == pb.IDENTITY and sp.body_digest.type == pb.CRC32
+    assert sp.body_encoding == pb.IDENTITY and sp.body_digest.type == pb.MD5
+    assert sp.body_digest.checksum == hashlib.md5(b"hello").hexdigest().upper()
     ack = await client.stub.AckMessage(
         spb.AckMessageRequest(
             group=resource(GROUP), topic=resource(PARENT),

@@ -8,6 +8,7 @@ RocketMQ's where it has one (proxy ``maxUserPropertySize`` 16 KiB, 128-char mess
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -402,12 +403,21 @@ class MessageReader:
 
 
 # --- outgoing messages ----------------------------------------------------------------------------------------
+def body_digest(body: bytes) -> str:
+    """MD5 of the body as uppercase hex, the digest RocketMQ's proxy sends.
+
+    Every official client (Python, Java, Go, Node) verifies an MD5 digest the same way; a CRC32 digest is
+    compared as decimal by Node and as unpadded hex by Java and Go, so it dead-letters valid messages.
+    """
+    return hashlib.md5(body, usedforsecurity=False).hexdigest().upper()
+
+
 def message_to_pb(delivery: dispatcher.Delivery, store_host: str, namespace: str = "", queue_id: int = 0) -> pb.Message:
     m = delivery.message
     sp = pb.SystemProperties(
         keys=m.keys,
         message_id=m.message_id,
-        body_digest=pb.Digest(type=pb.CRC32, checksum=f"{zlib.crc32(m.body):08X}"),
+        body_digest=pb.Digest(type=pb.MD5, checksum=body_digest(m.body)),
         body_encoding=pb.IDENTITY,
         message_type=int(m.message_type),  # type: ignore[arg-type]
         born_timestamp=timestamp_of(m.born_timestamp_ms),
