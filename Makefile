@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.lmq-installed
 DATA   ?= ./data
 PORT   ?= 8081
 
-.PHONY: run test lint types imports proto proto-check testenv bench clean
+.PHONY: run test lint types imports proto proto-check testenv clients bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ run: $(STAMP)
 
 # Lint, types, import layers, then every suite. The official RocketMQ client ships its own copy of the
 # apache.rocketmq.v2 descriptors, so suites that import it run in their own interpreter (tests/e2e).
-test: $(STAMP) lint types imports proto-check testenv
+test: $(STAMP) lint types imports proto-check testenv clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
 
@@ -42,6 +42,10 @@ proto-check: $(STAMP)
 # Real kube-apiserver + etcd for the operator suite, built from Go modules and cached outside the repo.
 testenv:
 	bash scripts/testenv-build.sh
+
+# The official-client drivers (Java, Go, Node) of tests/clients, built once per source hash outside the repo.
+clients: $(STAMP)
+	bash scripts/clients-build.sh
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
