@@ -1,0 +1,324 @@
+"""Every official client, unchanged, against a real broker: the same scenarios for Python, Java, Go and Node.
+
+Each scenario steers the client through its driver (``tests/clients/<lang>``, contract in README.md) and
+checks the broker's side through the admin service. "Lost" means an acknowledged send that no consumer
+received; "dead-lettered" means a copy in ``%DLQ%<group>``, read back with the Python client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Final
+
+import pytest
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.testing_clients import Driver, DriverError, b64, unb64
+
+LITE_MESSAGES: Final = 240
+WAIT_S: Final = 90.0
+# Where a client has no such call, the driver answers "unsupported": the scenario asserts that the
+# client is one we know lacks it, so a client gaining (or losing) it shows up here.
+WITHOUT_LITE_SIMPLE: Final[frozenset[str]] = frozenset({"go", "node"})
+IGNORES_NOTIFY_UNSUBSCRIBE: Final = frozenset({"python"})  # 5.1.2 drops NotifyUnsubscribeLiteCommand
+
+
+# --- bodies ----------------------------------------------------------------------------------------------
+SHAPES: Final[dict[str, Callable[[bytes], bool]]] = {
+    "md5 hex with a leading zero": lambda b: hashlib.md5(b).hexdigest().startswith("0"),
+    "md5 hex with two leading zeros": lambda b: hashlib.md5(b).hexdigest().startswith("00"),
+    "crc32 below 2^28 (padded hex)": lambda b: zlib.crc32(b) < 1 << 28,
+    "crc32 at or above 2^31 (negative as int32)": lambda b: zlib.crc32(b) >= 1 << 31,
+}
+
+
+def shaped(prefix: bytes, shape: Callable[[bytes], bool]) -> bytes:
+    salt = 0
+    while not shape(body := prefix + b"#" + str(salt).encode()):
+        salt += 1
+    return body
+
+
+def lite_bodies(lites: list[str], count: int) -> list[tuple[str, int, bytes]]:
+    """``count`` messages spread over ``lites``: (lite topic, sequence in that topic, body). Bodies start
+    with their topic and sequence and cover every digest shape, binary and UTF-8 bytes and a 256 KiB body."""
+    out = []
+    extras = [b"\x00\xff\x80binary\x00", "übung-量子-🚀".encode(), b"x" * (256 * 1024)]
+    shapes = list(SHAPES.values())
+    for i in range(count):
+        lite = lites[i % len(lites)]
+        seq = i // len(lites)
+        prefix = f"{lite}|{seq:05d}|".encode()
+        if i < len(shapes) * 4:
+            body = shaped(prefix, shapes[i % len(shapes)])
+        elif i - len(shapes) * 4 < len(extras):
+            body = prefix + extras[i - len(shapes) * 4]
+        else:
+            body = prefix + b"payload-%d" % i
+        out.append((lite, seq, body))
+    for name, shape in SHAPES.items():
+        assert any(shape(b) for _, _, b in out), f"no body of shape {name}"
+    return out
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+def subscriptions_of(admin: AdminClient, group: str) -> int:
+    return sum(c.subscription_count for c in admin.list_clients(group))
+
+
+def committed(admin: AdminClient, topic: str, lite: str, group: str) -> int:
+    return admin.describe_lite_topic(topic, lite).group_offsets.get(group, -1)
+
+
+def dead_letters(python: Driver, group: str) -> list[dict[str, Any]]:
+    """What ``%DLQ%<group>`` holds, read with the official Python client."""
+    name = f"dlq-{group}-{time.monotonic_ns()}"
+    python.call("simple", name=name, group=f"dlq-reader-{group}", topic=f"%DLQ%{group}", await_s=1)
+    try:
+        return list(python.call("receive", consumer=name, max=32, invisible_s=30)["messages"])
+    finally:
+        python.call("shutdown", name=name)
+
+
+def delivered(driver: Driver, consumer: str) -> list[dict[str, Any]]:
+    return driver.messages(consumer)
+
+
+def ids_received(driver: Driver, consumer: str) -> set[str]:
+    return {m["message_id"] for m in driver.messages(consumer)}
+
+
+def send_lite(driver: Driver, producer: str, topic: str, lite: str, body: bytes) -> str:
+    message_id: str = driver.call("send", producer=producer, topic=topic, lite_topic=lite, body=b64(body))["message_id"]
+    return message_id
+
+
+def start_lite_consumer(
+    driver: Driver, admin: AdminClient, name: str, topic: str, group: str, *, lites: list[str], **options: Any
+) -> None:
+    """A LitePushConsumer subscribed to ``lites``, once the broker holds every subscription."""
+    before = subscriptions_of(admin, group)
+    driver.call("lite_push", name=name, group=group, topic=topic, **options)
+    for lite in lites:
+        driver.call("subscribe_lite", consumer=name, lite_topic=lite)
+    wait_until(lambda: subscriptions_of(admin, group) >= before + len(lites), 45, f"{len(lites)} subscriptions")
+
+
+# --- scenarios -------------------------------------------------------------------------------------------
+def test_lite_send_to_lite_push_consumer_loses_nothing(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """≥ 200 lite messages over 4 lite topics, every digest shape: each received once, in order per lite
+    topic, byte for byte; nothing dead-lettered."""
+    topic, group = lite_group()
+    client = drivers(lang)
+    lites = [f"session-{i}" for i in range(4)]
+    start_lite_consumer(client, admin, "c", topic, group, lites=lites)
+    client.call("producer", name="p", topics=[topic])
+    sent = {}
+    for lite, seq, body in lite_bodies(lites, LITE_MESSAGES):
+        sent[send_lite(client, "p", topic, lite, body)] = (lite, seq, body)
+
+    client.wait_events(lambda _: set(sent) <= ids_received(client, "c"), WAIT_S, f"{len(sent)} messages")
+    got = delivered(client, "c")
+    assert Counter(m["message_id"] for m in got) == Counter(list(sent)), "duplicates or strangers"
+    for m in got:
+        lite, _, body = sent[m["message_id"]]
+        assert (m["topic"], m["lite_topic"], unb64(m["body"]), m["attempt"]) == (topic, lite, body, 1)
+    for lite in lites:
+        seqs = [sent[m["message_id"]][1] for m in got if m["lite_topic"] == lite]
+        assert seqs == sorted(seqs), f"{lite} out of order"
+    wait_until(
+        lambda: all(committed(admin, topic, lite, group) == LITE_MESSAGES // len(lites) for lite in lites),
+        30,
+        "every ack committed",
+    )
+    assert dead_letters(drivers("python") if lang != "python" else client, group) == []
+
+
+def test_subscribe_unsubscribe_and_resubscribe_keeps_offsets(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    client = drivers(lang)
+    start_lite_consumer(client, admin, "c", topic, group, lites=["a", "b"])
+    client.call("producer", name="p", topics=[topic])
+    first = {send_lite(client, "p", topic, lite, f"{lite}-{i}".encode()) for lite in "ab" for i in range(5)}
+    client.wait_events(lambda _: first <= ids_received(client, "c"), WAIT_S, "the first 10")
+
+    client.call("unsubscribe_lite", consumer="c", lite_topic="a")
+    assert client.call("lite_topics", consumer="c")["lite_topics"] == ["b"]
+    wait_until(lambda: subscriptions_of(admin, group) == 1, 30, "the broker dropping the subscription to a")
+    while_away = {send_lite(client, "p", topic, "a", f"a-late-{i}".encode()) for i in range(5)}
+    still = {send_lite(client, "p", topic, "b", f"b-late-{i}".encode()) for i in range(5)}
+    client.wait_events(lambda _: still <= ids_received(client, "c"), WAIT_S, "b's later messages")
+    time.sleep(2)  # a's messages would have come with b's: same client, same receive loop
+    assert not while_away & ids_received(client, "c"), "delivered after unsubscribe"
+
+    client.call("subscribe_lite", consumer="c", lite_topic="a")
+    client.wait_events(lambda _: while_away <= ids_received(client, "c"), WAIT_S, "a's messages on resubscribe")
+    assert Counter(m["message_id"] for m in delivered(client, "c")) == Counter(first | while_away | still)
+
+
+def test_consumer_restart_resumes_where_it_stopped(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """An agent process stops after its acks were committed; a new process of the same group gets the
+    rest and nothing it had acknowledged."""
+    topic, group = lite_group()
+    first_process = drivers(lang)
+    start_lite_consumer(first_process, admin, "c", topic, group, lites=["agent"])
+    first_process.call("producer", name="p", topics=[topic])
+    before = {send_lite(first_process, "p", topic, "agent", f"before-{i}".encode()) for i in range(30)}
+    first_process.wait_events(lambda _: before <= ids_received(first_process, "c"), WAIT_S, "30 messages")
+    wait_until(lambda: committed(admin, topic, "agent", group) == 30, 30, "30 acks committed")
+    assert first_process.close() == 0
+
+    sender = drivers("python")
+    sender.call("producer", name="p", topics=[topic])
+    after = {send_lite(sender, "p", topic, "agent", f"after-{i}".encode()) for i in range(30)}
+    second_process = drivers(lang)
+    start_lite_consumer(second_process, admin, "c", topic, group, lites=["agent"])
+    second_process.wait_events(lambda _: after <= ids_received(second_process, "c"), WAIT_S, "the 30 later ones")
+    assert not before & ids_received(second_process, "c"), "acknowledged messages delivered again"
+    assert Counter(m["message_id"] for m in delivered(second_process, "c")) == Counter(after)
+
+
+def test_failed_consumption_is_redelivered_not_dead_lettered(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    client = drivers(lang)
+    start_lite_consumer(client, admin, "c", topic, group, lites=["retry"], fail_times=1)
+    client.call("producer", name="p", topics=[topic])
+    sent = {send_lite(client, "p", topic, "retry", f"r-{i}".encode()) for i in range(5)}
+    client.wait_events(
+        lambda _: (
+            all(n >= 2 for n in Counter(m["message_id"] for m in delivered(client, "c")).values())
+            and sent <= ids_received(client, "c")
+        ),
+        WAIT_S,
+        "every message consumed a second time",
+    )
+    wait_until(lambda: committed(admin, topic, "retry", group) == 5, 30, "5 acks committed")
+    assert dead_letters(drivers("python") if lang != "python" else client, group) == []
+
+
+def test_normal_topic_push_and_simple_consumers(
+    lang: str,
+    drivers: Callable[[str], Driver],
+    normal_topic: Callable[[], str],
+    unique: Callable[[str], str],
+) -> None:
+    """Producer → PushConsumer and → SimpleConsumer (two groups) on a 4-queue NORMAL topic."""
+    topic = normal_topic()
+    client = drivers(lang)
+    push_group, simple_group = unique("push"), unique("simple")
+    client.call("push", name="push", group=push_group, topic=topic)
+    client.call("simple", name="simple", group=simple_group, topic=topic, await_s=2)
+    client.call("producer", name="p", topics=[topic])
+    sent = {}
+    for i in range(40):
+        body = f"normal-{i}".encode()
+        reply = client.call(
+            "send", producer="p", topic=topic, body=b64(body), tag=f"tag{i % 2}", keys=[f"k{i}"],
+            properties={"n": str(i)},
+        )  # fmt: skip
+        sent[reply["message_id"]] = (body, f"tag{i % 2}", f"k{i}", str(i))
+
+    client.wait_events(lambda _: set(sent) <= ids_received(client, "push"), WAIT_S, "40 pushed messages")
+    pushed = delivered(client, "push")
+    assert Counter(m["message_id"] for m in pushed) == Counter(list(sent))
+    for m in pushed:
+        assert (unb64(m["body"]), m["tag"], m["keys"], m["properties"].get("n")) == (
+            sent[m["message_id"]][0], sent[m["message_id"]][1], [sent[m["message_id"]][2]], sent[m["message_id"]][3]
+        )  # fmt: skip
+        assert m["lite_topic"] is None
+
+    received: Counter[str] = Counter()
+    deadline = time.monotonic() + WAIT_S
+    while set(received) < set(sent) and time.monotonic() < deadline:
+        for m in client.call("receive", consumer="simple", max=16, invisible_s=30)["messages"]:
+            received[m["message_id"]] += 1
+            client.call("ack", consumer="simple", handle=m["handle"])
+    assert received == Counter(list(sent))
+    assert client.call("receive", consumer="simple", max=16, invisible_s=30)["messages"] == []
+
+
+def test_lite_simple_consumer(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    topic, group = lite_group()
+    client = drivers(lang)
+    started = client.call("lite_simple", name="ls", group=group, topic=topic, await_s=2)
+    if started.get("unsupported"):
+        assert lang in WITHOUT_LITE_SIMPLE, f"{lang} driver says it has no LiteSimpleConsumer"
+        return
+    assert lang not in WITHOUT_LITE_SIMPLE, f"{lang} has a LiteSimpleConsumer now: update WITHOUT_LITE_SIMPLE"
+    client.call("lite_simple_subscribe", consumer="ls", lite_topic="simple-lite")
+    wait_until(lambda: subscriptions_of(admin, group) == 1, 45, "the lite simple subscription")
+    client.call("producer", name="p", topics=[topic])
+    sent = {send_lite(client, "p", topic, "simple-lite", f"s-{i}".encode()) for i in range(10)}
+    received: Counter[str] = Counter()
+    deadline = time.monotonic() + WAIT_S
+    while set(received) < sent and time.monotonic() < deadline:
+        for m in client.call("receive", consumer="ls", max=4, invisible_s=30)["messages"]:
+            assert m["lite_topic"] == "simple-lite"
+            received[m["message_id"]] += 1
+            client.call("ack", consumer="ls", handle=m["handle"])
+    assert received == Counter(sent)
+    wait_until(lambda: committed(admin, topic, "simple-lite", group) == 10, 30, "10 acks committed")
+
+
+def test_exclusive_group_notifies_the_evicted_client(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """In an Exclusive group the newest subscriber takes the lite topic; the broker tells the previous
+    one (NotifyUnsubscribeLiteCommand), which drops it from its local set where the client handles it."""
+    topic, group = lite_group(model=model.SubscriptionModel.EXCLUSIVE)
+    first, second = drivers(lang), drivers(lang)
+    start_lite_consumer(first, admin, "c", topic, group, lites=["owned"])
+    second.call("lite_push", name="c", group=group, topic=topic)
+    second.call("subscribe_lite", consumer="c", lite_topic="owned")
+    wait_until(
+        lambda: sorted(c.subscription_count for c in admin.list_clients(group)) == [0, 1],
+        45,
+        "the first client evicted",
+    )
+    if lang in IGNORES_NOTIFY_UNSUBSCRIBE:
+        assert first.call("lite_topics", consumer="c")["lite_topics"] == ["owned"]
+    else:
+        wait_until(lambda: first.call("lite_topics", consumer="c")["lite_topics"] == [], 30, "the notice applied")
+    second.call("producer", name="p", topics=[topic])
+    sent = {send_lite(second, "p", topic, "owned", f"x-{i}".encode()) for i in range(5)}
+    second.wait_events(lambda _: sent <= ids_received(second, "c"), WAIT_S, "the new owner's messages")
+    assert not ids_received(first, "c")
+
+
+def test_unknown_lite_group_is_reported(
+    lang: str, drivers: Callable[[str], Driver], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """A LitePushConsumer of a group the broker does not know is told so with the broker's reason
+    (CONSUMER_GROUP_NOT_FOUND): at startup where the client can report a failed start, else at its first
+    subscription (docs/clients.md) — never a hang or an unrelated error."""
+    topic, _ = lite_group()
+    client = drivers(lang)
+    started = time.monotonic()
+    with pytest.raises(DriverError) as failure:
+        client.call("lite_push", name="c", group="no-such-group", topic=topic, timeout=40)
+        client.call("subscribe_lite", consumer="c", lite_topic="x", timeout=40)
+    assert time.monotonic() - started < 30
+    text = str(failure.value)
+    assert "40403" in text or "CONSUMER_GROUP_NOT_FOUND" in text, text
