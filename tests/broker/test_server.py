@@ -112,11 +112,13 @@ async def test_normal_routes_advertise_exactly_the_message_types_send_accepts(
     assert advertised == accepted == {pb.NORMAL, pb.FIFO}
 
 
-async def telemetry(client: Client, settings: pb.Settings, client_id: str = "c1") -> spb.TelemetryCommand:
+async def telemetry(
+    client: Client, settings: pb.Settings, client_id: str = "c1", *, language: str = "JAVA", version: str = "5.0.8"
+) -> spb.TelemetryCommand:
     async def commands() -> AsyncIterator[spb.TelemetryCommand]:
         yield spb.TelemetryCommand(settings=settings)
 
-    call = client.stub.Telemetry(commands(), metadata=H(client_id))
+    call = client.stub.Telemetry(commands(), metadata=H(client_id, language, version))
     reply = await call.read()
     call.cancel()
     assert isinstance(reply, spb.TelemetryCommand)
@@ -156,6 +158,28 @@ async def test_telemetry_refuses_an_unknown_group(client: Client) -> None:
     )
     reply = await telemetry(client, settings)
     assert reply.status.code == pb.CONSUMER_GROUP_NOT_FOUND and not reply.HasField("settings")
+
+
+async def test_python_512_learns_of_an_unknown_group_at_its_first_subscription(client: Client) -> None:
+    """That client cannot report a failed start (it hides the cause behind an AttributeError), so its
+    settings are accepted and the subscription call carries CONSUMER_GROUP_NOT_FOUND."""
+    settings = pb.Settings(
+        client_type=pb.LITE_PUSH_CONSUMER,
+        subscription=pb.Subscription(
+            group=resource("ghost"), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+        ),
+    )
+    reply = await telemetry(client, settings, "py", language="PYTHON", version="5.1.2")
+    assert reply.status.code == pb.OK and reply.settings.subscription.lite_subscription_quota > 0
+    sync = await client.stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=resource(PARENT), group=resource("ghost"), lite_topic_set=["t1"]
+        ),
+        metadata=H("py", "PYTHON", "5.1.2"),
+    )
+    assert sync.status.code == pb.CONSUMER_GROUP_NOT_FOUND
+    newer = await telemetry(client, settings, "py2", language="PYTHON", version="5.1.3")
+    assert newer.status.code == pb.CONSUMER_GROUP_NOT_FOUND
 
 
 async def test_closing_the_telemetry_stream_removes_the_client(client: Client, broker: app.Broker) -> None:

@@ -48,3 +48,10 @@ class Caller:
         """rocketmq-python-client 5.1.2 sends ``subscribe_lite("ab")`` as the set ``{"a", "b"}`` (it extends a
         repeated field with the string itself). Only that exact client gets the workaround."""
         return self.language == "PYTHON" and self.version == "5.1.2"
+
+    @property
+    def hides_failed_start(self) -> bool:
+        """rocketmq-python-client 5.1.2 cannot report a push consumer's failed start: when no settings reply
+        is accepted within 10 s, its cleanup raises AttributeError (``None.shutdown()``) and hides the cause.
+        Such a client is better told at its first subscription call, which it reports with the code."""
+        return self.language == "PYTHON" and self.version == "5.1.2"

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 from lmq_broker import errors, model
+from lmq_broker.dispatch import catalog
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -76,6 +77,22 @@ async def settings_reply(edge: Edge, settings: pb.Settings, caller: Caller) -> s
     return spb.TelemetryCommand(status=status.ok(), settings=merged)
 
 
+def _lite_group_of(snap: catalog.Snapshot, group: str, topic: str, caller: Caller) -> model.LiteGroup:
+    """The lite group a consumer's settings name. An unknown group is refused with CONSUMER_GROUP_NOT_FOUND,
+    which fails the start of every client that can report a failed start; a client that cannot
+    (``Caller.hides_failed_start``) gets the default settings instead and the same status from its
+    SyncLiteSubscription, QueryAssignment and ReceiveMessage calls."""
+    try:
+        return snap.lite_group(group, topic)
+    except errors.GroupNotFound:
+        if not caller.hides_failed_start:
+            raise
+        log.info(
+            "lite group %s of client %s does not exist; its first subscription will say so", group, caller.client_id
+        )
+        return model.LiteGroup(group, topic)
+
+
 async def _merge(edge: Edge, settings: pb.Settings, caller: Caller) -> pb.Settings:
     kind = convert.client_type(settings.client_type)
     config = edge.config
@@ -103,7 +120,7 @@ async def _merge(edge: Edge, settings: pb.Settings, caller: Caller) -> pb.Settin
     if kind in LITE_TYPES:
         if len(topics) != 1:
             raise errors.InvalidArgument("a lite consumer subscribes exactly one bind topic", kind="topic")
-        found = snap.lite_group(group, topics[0])
+        found = _lite_group_of(snap, group, topics[0], caller)
         quota = snap.advertised_client_quota(found, topics[0], caller.namespace)
         dispatcher.client_seen(
             caller.client_id, client_type=kind, group=group, bind_topic=topics[0],
