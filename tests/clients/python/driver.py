@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 from collections import Counter
 from typing import Any
@@ -35,6 +36,7 @@ from rocketmq import (
 _out = os.fdopen(os.dup(1), "w", buffering=1)
 sys.stdout = sys.stderr
 _write_lock = threading.Lock()
+SETTINGS_WAIT_S = 10.0
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -151,7 +153,17 @@ class Driver:
         return self.start(name, SimpleConsumer(self.config, group, subscription, await_duration=await_s))
 
     def op_lite_simple(self, name: str, group: str, topic: str, await_s: float = 5) -> dict[str, Any]:
-        return self.start(name, LiteSimpleConsumer(topic, self.config, group, await_duration=await_s))
+        self.start(name, LiteSimpleConsumer(topic, self.config, group, await_duration=await_s))
+        # 5.1.2's LiteSimpleConsumer starts without waiting for the broker's settings, and its subscription
+        # quota reads 0 until they arrive (subscribe_lite fails with 42902 "exceed quota: 0" meanwhile).
+        manager = self.clients[name]._LiteSimpleConsumer__subscription_manager
+        quota = manager._LiteTopicSubscriptionManager__lite_subscription_quota
+        deadline = time.monotonic() + SETTINGS_WAIT_S
+        while quota.get() <= 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no settings for {name} within {SETTINGS_WAIT_S} s")
+            time.sleep(0.05)
+        return {}
 
     def op_lite_simple_subscribe(self, consumer: str, lite_topic: str) -> dict[str, Any]:
         return self.op_subscribe_lite(consumer, lite_topic)
