@@ -141,6 +141,20 @@ async def test_telemetry_answers_lite_consumers_with_every_setting_they_read(cli
     assert policy.max_attempts == 17 and policy.customized_backoff.next[0].seconds == 1
 
 
+async def test_telemetry_gives_node_clients_an_exponential_backoff(client: Client) -> None:
+    """Node 1.0.8 ignores a customized backoff and then dead-letters after one failed consumption."""
+    settings = pb.Settings(
+        client_type=pb.LITE_PUSH_CONSUMER,
+        user_agent=pb.UA(language=pb.NODE_JS, version="1.0.8"),
+        subscription=pb.Subscription(
+            group=resource(GROUP), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+        ),
+    )
+    policy = (await telemetry(client, settings)).settings.backoff_policy
+    assert policy.WhichOneof("strategy") == "exponential_backoff" and policy.max_attempts == 17
+    assert (policy.exponential_backoff.initial.seconds, policy.exponential_backoff.max.seconds) == (1, 7200)
+
+
 async def test_telemetry_answers_producers_with_body_limit_and_backoff(client: Client) -> None:
     reply = await telemetry(client, pb.Settings(client_type=pb.PRODUCER, publishing=pb.Publishing()))
     assert reply.status.code == pb.OK

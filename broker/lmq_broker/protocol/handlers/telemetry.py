@@ -143,8 +143,20 @@ async def _merge(edge: Edge, settings: pb.Settings, caller: Caller) -> pb.Settin
     if kind in LITE_TYPES:
         rs.lite_subscription_quota = quota
         rs.max_lite_topic_size = config.max_lite_topic_size
-    policy = reply.backoff_policy
-    policy.Clear()
-    policy.max_attempts = found.retry.max_attempts
-    policy.customized_backoff.next.extend(convert.duration_of(ms) for ms in found.retry.backoff_ms)
+    _consumer_backoff(reply.backoff_policy, found.retry, settings.user_agent.language)
     return reply
+
+
+def _consumer_backoff(policy: pb.RetryPolicy, retry: model.RetryPolicy, language: int) -> None:
+    """The group's retry schedule as RocketMQ's proxy sends it: a customized backoff (Python reads only
+    that one). The Node client (1.0.8) reads only an exponential backoff and, without one, gives up after
+    the first failed consumption (straight to the DLQ), so it gets the schedule's exponential envelope:
+    its first and last delay, doubling in between."""
+    policy.Clear()
+    policy.max_attempts = retry.max_attempts
+    if language == pb.NODE_JS:
+        policy.exponential_backoff.initial.CopyFrom(convert.duration_of(retry.backoff_ms[0]))
+        policy.exponential_backoff.max.CopyFrom(convert.duration_of(retry.backoff_ms[-1]))
+        policy.exponential_backoff.multiplier = 2.0
+        return
+    policy.customized_backoff.next.extend(convert.duration_of(ms) for ms in retry.backoff_ms)
