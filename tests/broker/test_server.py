@@ -170,11 +170,34 @@ async def test_telemetry_refuses_an_unknown_group(client: Client) -> None:
             group=resource("ghost"), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
         ),
     )
-    reply = await telemetry(client, settings)
+    reply = await telemetry(client, settings, language="HTTP", version="1.0.8")
     assert reply.status.code == pb.CONSUMER_GROUP_NOT_FOUND and not reply.HasField("settings")
 
 
-async def test_python_512_learns_of_an_unknown_group_at_its_first_subscription(client: Client) -> None:
+async def test_a_refused_settings_frame_ends_the_stream_with_an_error_naming_the_code(client: Client) -> None:
+    """A client that ignores a frame without settings still learns that its start failed."""
+
+    async def commands() -> AsyncIterator[spb.TelemetryCommand]:
+        yield spb.TelemetryCommand(
+            settings=pb.Settings(
+                client_type=pb.LITE_PUSH_CONSUMER,
+                subscription=pb.Subscription(
+                    group=resource("ghost"), subscriptions=[pb.SubscriptionEntry(topic=resource(PARENT))]
+                ),
+            )
+        )
+        await asyncio.sleep(30)  # the client keeps its side open; the broker ends the stream
+
+    call = client.stub.Telemetry(commands(), metadata=H("n", "HTTP", "1.0.8"))  # what Node 1.0.8 sends
+    first = await call.read()
+    assert isinstance(first, spb.TelemetryCommand) and first.status.code == pb.CONSUMER_GROUP_NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await call.read()
+    assert ended.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "CONSUMER_GROUP_NOT_FOUND (40403)" in (ended.value.details() or "")
+
+
+async def test_python_512_and_java_learn_of_an_unknown_group_at_their_first_subscription(client: Client) -> None:
     """That client cannot report a failed start (it hides the cause behind an AttributeError), so its
     settings are accepted and the subscription call carries CONSUMER_GROUP_NOT_FOUND."""
     settings = pb.Settings(
@@ -194,6 +217,8 @@ async def test_python_512_learns_of_an_unknown_group_at_its_first_subscription(c
     assert sync.status.code == pb.CONSUMER_GROUP_NOT_FOUND
     newer = await telemetry(client, settings, "py2", language="PYTHON", version="5.1.3")
     assert newer.status.code == pb.CONSUMER_GROUP_NOT_FOUND
+    java = await telemetry(client, settings, "j", language="JAVA", version="5.2.0")
+    assert java.status.code == pb.OK
 
 
 async def test_closing_the_telemetry_stream_removes_the_client(client: Client, broker: app.Broker) -> None:

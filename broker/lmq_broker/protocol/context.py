@@ -51,7 +51,9 @@ class Caller:
 
     @property
     def hides_failed_start(self) -> bool:
-        """rocketmq-python-client 5.1.2 cannot report a push consumer's failed start: when no settings reply
-        is accepted within 10 s, its cleanup raises AttributeError (``None.shutdown()``) and hides the cause.
-        Such a client is better told at its first subscription call, which it reports with the code."""
-        return self.language == "PYTHON" and self.version == "5.1.2"
+        """Clients that cannot say why their start failed when the broker refuses their settings:
+        rocketmq-python-client 5.1.2 (its cleanup raises AttributeError, ``None.shutdown()``, and hides the
+        cause) and the Java client (it retries the route fetch on the ended session and reports "Stream is
+        already completed" or a timeout). Such a client is better told at its first subscription call, which
+        it reports with the code."""
+        return (self.language == "PYTHON" and self.version == "5.1.2") or self.language == "JAVA"

@@ -150,6 +150,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         try:
             async for frame in telemetry.handle(self.edge, request_iterator, caller):
                 yield frame
+        except telemetry.SettingsRefused as refused:
+            await context.abort(status.grpc_status_of(refused.status.code), status.describe(refused.status))
         except Exception as exc:
             if status.code_of(exc) == pb.INTERNAL_ERROR:
                 log.exception("Telemetry failed")

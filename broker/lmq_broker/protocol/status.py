@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Final, TypeAlias
 
+import grpc
+
 from lmq_broker import errors
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 
@@ -80,3 +82,26 @@ def status_of(exc: BaseException) -> pb.Status:
 
 def ok(message: str = "OK") -> pb.Status:
     return pb.Status(code=pb.OK, message=message)
+
+
+def grpc_status_of(code: Code) -> grpc.StatusCode:
+    """The gRPC status that ends a stream refused with v2 ``code`` (by the code's HTTP-like class)."""
+    family = int(code) // 100
+    if family == 404:
+        return grpc.StatusCode.NOT_FOUND
+    if family in (401,):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if family == 403:
+        return grpc.StatusCode.PERMISSION_DENIED
+    if family == 429:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if family in (400, 409, 413, 431):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if family == 501:
+        return grpc.StatusCode.UNIMPLEMENTED
+    return grpc.StatusCode.INTERNAL
+
+
+def describe(status: pb.Status) -> str:
+    """A refusal as text that names the v2 code, for a gRPC status message."""
+    return f"{pb.Code.Name(status.code)} ({status.code}): {status.message}"

@@ -30,6 +30,17 @@ PRODUCER_BACKOFF_MAX_MS: Final = 1000
 LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
 
 
+class SettingsRefused(Exception):
+    """The client's settings were refused (status frame sent); the stream then ends with a gRPC error.
+
+    Clients read a refusal differently: Node reports the status frame; Java ignores a frame without
+    settings but fails its start on a stream error, whose message names the v2 code."""
+
+    def __init__(self, status: pb.Status) -> None:
+        super().__init__(status.message)
+        self.status = status
+
+
 async def handle(
     edge: Edge, requests: AsyncIterator[spb.TelemetryCommand], caller: Caller
 ) -> AsyncIterator[spb.TelemetryCommand]:
@@ -43,7 +54,10 @@ async def handle(
         try:
             async for command in requests:
                 if command.WhichOneof("command") == "settings":
-                    await out.put(await settings_reply(edge, command.settings, caller))
+                    reply = await settings_reply(edge, command.settings, caller)
+                    await out.put(reply)
+                    if reply.status.code != pb.OK:
+                        raise SettingsRefused(reply.status)
                 # thread_stack_trace / verify_message_result answer commands we never send: ignored.
         finally:
             await out.put(None)
