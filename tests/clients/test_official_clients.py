@@ -325,3 +325,18 @@ def test_unknown_lite_group_is_reported(
     text = str(failure.value)
     print(f"{lang} reports: {text}")
     assert "40403" in text or "CONSUMER_GROUP_NOT_FOUND" in text, text
+
+
+def test_normal_push_consumer_gets_what_was_sent_before_it_started(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, unique: Callable[[str], str]
+) -> None:
+    """A one-queue NORMAL topic, five sends, then a new PushConsumer group: all five arrive (issue 13
+    reported 1 of 5 for Go; this is the shape of that report)."""
+    topic = unique("N1")
+    admin.put_parent_topic(model.ParentTopic(topic, model.MessageType.NORMAL))
+    client = drivers(lang)
+    client.call("producer", name="p", topics=[topic])
+    sent = {client.call("send", producer="p", topic=topic, body=b64(b"m%d" % i))["message_id"] for i in range(5)}
+    client.call("push", name="c", group=unique("late"), topic=topic)
+    client.wait_events(lambda _: sent <= ids_received(client, "c"), WAIT_S, "the five earlier messages")
+    assert Counter(m["message_id"] for m in delivered(client, "c")) == Counter(sent)
