@@ -227,6 +227,7 @@ class LiteGroup:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     fifo: bool = True
     consume_enabled: bool = True
+    wildcard: bool = False  # lite.sub.wildcard: the group receives every lite topic of its bind topic
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ def _to_pb_group(c: model.GroupConfig) -> pb.LiteGroup:
         retry=pb.RetryPolicy(max_attempts=c.max_attempts, backoff_ms=list(c.backoff_ms)),
         fifo=c.fifo,
         consume_enabled=c.consume_enabled,
+        wildcard=c.wildcard,
     )
 
 
@@ -108,6 +109,7 @@ def _from_pb_group(g: pb.LiteGroup) -> model.GroupConfig:
         backoff_ms=tuple(g.retry.backoff_ms),
         fifo=g.fifo,
         consume_enabled=g.consume_enabled,
+        wildcard=g.wildcard,
     )
 
 

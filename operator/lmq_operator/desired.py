@@ -77,6 +77,7 @@ def config(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> model.Config
             backoff_ms=tuple(model.duration_ms(d) for d in parsed.retry_policy.backoff),
             fifo=parsed.fifo,
             consume_enabled=parsed.consume_enabled,
+            wildcard=parsed.wildcard,
         )
     return model.QuotaConfig(
         scope=quota_scope(parsed),

@@ -119,6 +119,7 @@ class LiteGroupSpec(_Spec):
     retry_policy: RetryPolicySpec = Field(RetryPolicySpec.model_validate({}), alias="retryPolicy")
     fifo: bool = True
     consume_enabled: bool = Field(True, alias="consumeEnabled")
+    wildcard: bool = False
 
     @field_validator("group_name")
     @classmethod
@@ -187,6 +188,7 @@ class GroupConfig:
     backoff_ms: tuple[int, ...]
     fifo: bool
     consume_enabled: bool
+    wildcard: bool
 
     @property
     def key(self) -> str:

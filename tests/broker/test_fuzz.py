@@ -200,7 +200,13 @@ def test_telemetry_settings(
         settings_.subscription.group.name = group
         settings_.subscription.subscriptions.extend(pb.SubscriptionEntry(topic=pb.Resource(name=t)) for t in topics)
     call = stub.Telemetry(iter([spb.TelemetryCommand(settings=settings_)]), metadata=(("x-mq-client-id", "tf"),))
-    replies = list(call)
+    replies: list[spb.TelemetryCommand] = []
+    try:
+        replies.extend(call)
+    except grpc.RpcError as ended:  # a refusal: its status frame came first, then the stream ends naming it
+        assert len(replies) == 1 and replies[0].status.code != pb.OK
+        assert ended.code() != grpc.StatusCode.UNKNOWN
+        assert f"({replies[0].status.code})" in (ended.details() or "")
     assert len(replies) == 1
     check(replies[0].status)
 

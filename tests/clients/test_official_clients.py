@@ -25,6 +25,9 @@ WAIT_S: Final = 90.0
 # Where a client has no such call, the driver answers "unsupported": the scenario asserts that the
 # client is one we know lacks it, so a client gaining (or losing) it shows up here.
 WITHOUT_LITE_SIMPLE: Final[frozenset[str]] = frozenset({"java", "go", "node"})  # java 5.2.0, node 1.0.8
+# Clients without a public subscribe-all call still register with a wildcard group: their periodic
+# COMPLETE_ADD (Java and Go at start, then every 30 s; Node every 30 s) is what the call sends.
+WITHOUT_SUBSCRIBE_ALL: Final = frozenset({"java", "go", "node"})  # 5.2.0, v5.1.4, 1.0.8
 # Python 5.1.2 drops NotifyUnsubscribeLiteCommand; Node 1.0.8's telemetry session has no case for it (its
 # consumer's handler is never called).
 IGNORES_NOTIFY_UNSUBSCRIBE: Final = frozenset({"python", "node"})
@@ -340,3 +343,24 @@ def test_normal_push_consumer_gets_what_was_sent_before_it_started(
     client.call("push", name="c", group=unique("late"), topic=topic)
     client.wait_events(lambda _: sent <= ids_received(client, "c"), WAIT_S, "the five earlier messages")
     assert Counter(m["message_id"] for m in delivered(client, "c")) == Counter(sent)
+
+
+def test_subscribe_lite_all_receives_every_lite_topic_of_a_wildcard_group(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """A wildcard lite group (RocketMQ lite.sub.wildcard) gets every lite topic of its parent once the client
+    registers (``subscribe_lite_all`` or the client's own periodic full sync); a per-topic subscription to
+    it is refused with ILLEGAL_CONSUMER_GROUP."""
+    topic, group = lite_group(wildcard=True)
+    client = drivers(lang)
+    client.call("lite_push", name="c", group=group, topic=topic)
+    answer = client.call("subscribe_lite_all", consumer="c")
+    assert bool(answer.get("unsupported")) == (lang in WITHOUT_SUBSCRIBE_ALL), answer
+    wait_until(lambda: any(c.group == group for c in admin.list_clients(group)), 45, "the client registered")
+    client.call("producer", name="p", topics=[topic])
+    sent = {send_lite(client, "p", topic, f"any-{i % 3}", f"w-{i}".encode()) for i in range(15)}
+    client.wait_events(lambda _: sent <= ids_received(client, "c"), WAIT_S, "15 messages on 3 new lite topics")
+    assert Counter(m["message_id"] for m in delivered(client, "c")) == Counter(sent)
+    with pytest.raises(DriverError) as refused:
+        client.call("subscribe_lite", consumer="c", lite_topic="one")
+    assert "40003" in str(refused.value) or "ILLEGAL_CONSUMER_GROUP" in str(refused.value), refused.value

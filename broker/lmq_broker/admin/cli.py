@@ -142,6 +142,7 @@ def _put_group(admin: AdminClient, a: argparse.Namespace) -> object:
             ),
             fifo=_given(a.fifo, kept.fifo),
             consume_enabled=_given(a.consume_enabled, kept.consume_enabled),
+            wildcard=_given(a.wildcard, kept.wildcard),
         )
     )
 
@@ -251,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     put.add_argument("--fifo", action=argparse.BooleanOptionalAction, help="default --fifo")
     put.add_argument("--consume-enabled", action=argparse.BooleanOptionalAction, help="default --consume-enabled")
+    put.add_argument(
+        "--wildcard", action=argparse.BooleanOptionalAction, help="every lite topic of the bind topic (default off)"
+    )
     verb(groups, "get", lambda c, a: c.get_group(a.name), "show one, with lag").add_argument("name")
     verb(groups, "delete", lambda c, a: c.delete_group(a.name), "delete").add_argument("name")
     verb(groups, "list", lambda c, a: c.list_groups(), "list all")

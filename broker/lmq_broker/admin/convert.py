@@ -74,6 +74,7 @@ def lite_group_to_pb(group: model.LiteGroup) -> pb.LiteGroup:
         retry=pb.RetryPolicy(max_attempts=group.retry.max_attempts, backoff_ms=group.retry.backoff_ms),
         fifo=group.fifo,
         consume_enabled=group.consume_enabled,
+        wildcard=group.wildcard,
     )
 
 
@@ -89,6 +90,7 @@ def lite_group_from_pb(message: pb.LiteGroup) -> model.LiteGroup:
         retry=model.RetryPolicy(max_attempts=message.retry.max_attempts, backoff_ms=tuple(message.retry.backoff_ms)),
         fifo=message.fifo,
         consume_enabled=message.consume_enabled,
+        wildcard=message.wildcard,
     )
 
 

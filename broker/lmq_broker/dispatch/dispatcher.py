@@ -45,6 +45,7 @@ from lmq_broker.dispatch import (
     reclaims,
     registry,
     snapshot,
+    wildcards,
 )
 from lmq_broker.storage.api import Store
 
@@ -128,6 +129,8 @@ class Dispatcher:
         self._busy: set[Key] = set()
         self._commit_locks: dict[Key, tuple[asyncio.Lock, list[int]]] = {}
         self._catchup_cursor: dict[str, list[str]] = {}
+        self.wildcards = wildcards.Wildcards()
+        self._wildcard_cursor: dict[str, str] = {}  # client -> last lite name its catch-up offered
         self._catchup_running: set[str] = set()
         self._reclaims: dict[str, list[reclaims.Mark]] = {}  # LMQ -> compare-and-deletes deleting it
         self._buckets: dict[str, catalog.TokenBucket] = {}
@@ -273,13 +276,17 @@ class Dispatcher:
         state = self.registry.get(client_id)
         if state is None or state.group != key[2]:
             return False
-        return key[0] in state.lite_topics if key[0].startswith(model.LMQ_PREFIX) else True
+        if not key[0].startswith(model.LMQ_PREFIX):
+            return True
+        return key[0] in state.lite_topics or self.wildcards.holds(client_id, key[0])
 
     def client_gone(self, client_id: str) -> None:
         """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
         state = self.registry.drop(client_id)
         pending = self.ready.drop_client(client_id)
         self._catchup_cursor.pop(client_id, None)
+        self.wildcards.remove(client_id)
+        self._wildcard_cursor.pop(client_id, None)
         event = self._client_events.pop(client_id, None)
         if event is not None:
             event.set()
@@ -321,6 +328,13 @@ class Dispatcher:
     ) -> list[str]:
         snap = await self.metadata()
         found = snap.consuming_lite_group(group, parent)
+        if found.wildcard:
+            raise errors.Conflict(
+                f"group {group} is a wildcard group: it receives every lite topic of {parent}; register with "
+                "subscribeLiteAll (COMPLETE_ADD), not per lite topic",
+                kind="group",
+                group=group,
+            )
         quota = snap.client_quota(found, parent, namespace)
         lmqs = [lmq_name(parent, lite) for lite in lites]
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
@@ -347,6 +361,9 @@ class Dispatcher:
     ) -> tuple[list[str], list[str]]:
         snap = await self.metadata()
         found = snap.consuming_lite_group(group, parent)
+        if found.wildcard:
+            self._register_wildcard(client_id, group, parent)
+            return [], []
         quota = snap.client_quota(found, parent, namespace)
         lmqs = [lmq_name(parent, lite) for lite in lites]
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
@@ -362,10 +379,20 @@ class Dispatcher:
     async def remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
         snap = await self.metadata()
         snap.lite_group(group, parent)
+        if self.wildcards.remove(client_id) is not None:
+            self._wildcard_cursor.pop(client_id, None)
         state = self.registry.get(client_id)
         if state is not None:
             removed = self.registry.remove(client_id, list(state.lite_topics), self.clock())
             self.ready.discard_many(client_id, removed)
+
+    def _register_wildcard(self, client_id: str, group: str, parent: str) -> None:
+        """A client of a wildcard group takes every lite topic of ``parent``; a new registration walks the
+        parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
+        self.registry.touch(client_id, self.clock(), group=group, bind_topic=parent)
+        if self.wildcards.add(client_id, group, parent):
+            self._wildcard_cursor.pop(client_id, None)
+            self._start_catchup(client_id)
 
     def _evict_others(self, client_id: str, group: str, lmqs: Iterable[str]) -> None:
         """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers."""
@@ -437,6 +464,8 @@ class Dispatcher:
         # Most LMQs written have no subscriber on this broker: ``&`` finds the others in C (walking the smaller
         # side), and the topics are then offered in arrival order.
         subscribed = self.registry.subscribed() & arrived.keys()
+        if self.wildcards:
+            subscribed |= {lmq for lmq in filter(_is_lmq_topic, arrived) if self.wildcards.groups_of_lmq(lmq)}
         if subscribed:
             for lmq in filter(subscribed.__contains__, arrived):
                 self._dispatch(lmq)
@@ -446,13 +475,17 @@ class Dispatcher:
     def _dispatch(self, lmq: str, *, only_group: str | None = None, prefer: str | None = None) -> None:
         """Offer ``lmq`` to one subscriber per group (the ``prefer``red one first, else a random start)."""
         subscribers = self.registry.subscribers(lmq)
-        if not subscribers:
+        wild = self.wildcards.groups_of_lmq(lmq)
+        if not subscribers and not wild:
             return
         by_group: dict[str, list[str]] = {}
         for cid in subscribers:
             state = self.registry.get(cid)
             if state is not None and state.group and (only_group is None or state.group == only_group):
                 by_group.setdefault(state.group, []).append(cid)
+        for group, members in wild.items():
+            if only_group is None or group == only_group:
+                by_group.setdefault(group, []).extend(sorted(members))
         now = self.clock()
         for group, cids in by_group.items():
             in_flight = self.leases.get((lmq, 0, group))
@@ -807,6 +840,9 @@ class Dispatcher:
             state = self.registry.get(client_id)
             if state is None or not state.group:
                 return
+            if self.wildcards.registration(client_id) is not None:
+                await self._wildcard_catchup(client_id)
+                return
             todo = self._catchup_cursor.pop(client_id, None) or list(state.lite_topics)
             while todo:
                 chunk, todo = todo[:CATCHUP_CHUNK], todo[CATCHUP_CHUNK:]
@@ -819,6 +855,27 @@ class Dispatcher:
                     return
         finally:
             self._catchup_running.discard(client_id)
+
+    async def _wildcard_catchup(self, client_id: str) -> None:
+        """Page through the wildcard group's parent (by lite name, resuming after the last offer that
+        fitted) and offer the client every topic with work for its group."""
+        where = self.wildcards.registration(client_id)
+        while where is not None:
+            parent, group = where
+            after = self._wildcard_cursor.pop(client_id, "")
+            page = await self.run(self.store.scan_lite_topics, parent, after, "", CATCHUP_CHUNK)
+            if self.wildcards.registration(client_id) != where:
+                return  # unregistered meanwhile
+            lmqs = [lmq_name(parent, meta.lite) for meta in page]
+            for lmq in await self._pending_among(lmqs, group):
+                if not self._offer(client_id, lmq, group):
+                    index = lmqs.index(lmq)  # full: the catch-up it scheduled resumes at this topic
+                    self._wildcard_cursor[client_id] = page[index - 1].lite if index else after
+                    return
+            if len(page) < CATCHUP_CHUNK:
+                return
+            self._wildcard_cursor[client_id] = page[-1].lite
+            where = self.wildcards.registration(client_id)
 
     # --- LiveView ---------------------------------------------------------------------------------------
     def subscribers(self, lmq: model.QueueId) -> list[str]:

@@ -336,6 +336,7 @@ def encode_group(group: model.LiteGroup) -> bytes:
             "retry": {"max_attempts": group.retry.max_attempts, "backoff_ms": list(group.retry.backoff_ms)},
             "fifo": group.fifo,
             "consume_enabled": group.consume_enabled,
+            "wildcard": group.wildcard,
         },
         sort_keys=True,
     ).encode()
@@ -352,6 +353,7 @@ def decode_group(value: bytes) -> model.LiteGroup:
         retry=model.RetryPolicy(max_attempts=d["retry"]["max_attempts"], backoff_ms=tuple(d["retry"]["backoff_ms"])),
         fifo=d["fifo"],
         consume_enabled=d["consume_enabled"],
+        wildcard=d.get("wildcard", False),  # absent in groups stored before wildcard groups existed
     )
 
 

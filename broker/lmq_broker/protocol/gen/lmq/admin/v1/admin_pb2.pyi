@@ -141,6 +141,7 @@ class LiteGroup(_message.Message):
     RETRY_FIELD_NUMBER: _builtins.int
     FIFO_FIELD_NUMBER: _builtins.int
     CONSUME_ENABLED_FIELD_NUMBER: _builtins.int
+    WILDCARD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     bind_topic: _builtins.str
     model: Global___SubscriptionModel.ValueType
@@ -148,6 +149,8 @@ class LiteGroup(_message.Message):
     ready_capacity: _builtins.int
     fifo: _builtins.bool
     consume_enabled: _builtins.bool
+    wildcard: _builtins.bool
+    """Every lite topic of bind_topic, without per-topic subscriptions (RocketMQ lite.sub.wildcard)."""
     @_builtins.property
     def retry(self) -> Global___RetryPolicy: ...
     def __init__(
@@ -161,10 +164,11 @@ class LiteGroup(_message.Message):
         retry: Global___RetryPolicy | None = ...,
         fifo: _builtins.bool = ...,
         consume_enabled: _builtins.bool = ...,
+        wildcard: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retry", b"retry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "client_quota", b"client_quota", "consume_enabled", b"consume_enabled", "fifo", b"fifo", "model", b"model", "name", b"name", "ready_capacity", b"ready_capacity", "retry", b"retry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "client_quota", b"client_quota", "consume_enabled", b"consume_enabled", "fifo", b"fifo", "model", b"model", "name", b"name", "ready_capacity", b"ready_capacity", "retry", b"retry", "wildcard", b"wildcard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
