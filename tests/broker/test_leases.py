@@ -91,18 +91,37 @@ def test_skip_to_forgets_offsets_retention_removed() -> None:
 def test_receipt_handles_round_trip_and_reject_garbage() -> None:
     receipt = Receipt("abc", "%LMQ%$p$t", 0, 42, 7)
     assert Receipt.decode(receipt.encode()) == receipt
-    for bad in ["", "r1", "r1 abc t 0 x 7", "r2 abc t 0 1 7", "r1 abc t -1 1 7", "r1  t 0 1 7"]:
+    for bad in ["", "r2", "r2 abc t 0 x 7", "r1 abc t 0 1 7", "r2 abc t -1 1 7", "r2  t 0 1 7"]:
         with pytest.raises(errors.InvalidReceiptHandle):
             Receipt.decode(bad)
 
 
 def test_handles_of_another_incarnation_are_rejected() -> None:
+    before = LeaseTable("before")
+    old = before.seal(Receipt("before", KEY[0], 0, 0, 1), "g")
     table = LeaseTable("now")
-    old = Receipt("before", KEY[0], 0, 0, 1).encode()
-    with pytest.raises(errors.InvalidReceiptHandle):
+    with pytest.raises(errors.InvalidReceiptHandle, match="earlier broker incarnation"):
         table.resolve(old, "g")
-    receipt, key = table.resolve(Receipt("now", KEY[0], 0, 0, 1).encode(), "g")
+    receipt, key = table.resolve(table.seal(Receipt("now", KEY[0], 0, 0, 1), "g"), "g")
     assert key == KEY and receipt.offset == 0
+
+
+def test_handles_cannot_be_forged_nor_used_by_another_group() -> None:
+    table = LeaseTable("inc")
+    handle = table.receipt(("%LMQ%$p$t", 0, "victim"), 3, 9)
+    assert table.resolve(handle, "victim")[1] == ("%LMQ%$p$t", 0, "victim")
+    body = handle.rpartition(" ")[0]
+    forged = [
+        body,  # no tag
+        f"{body} {'0' * 32}",  # a made-up tag
+        handle.replace(" 3 9 ", " 4 9 "),  # the next offset, with the tag of another
+        table.receipt(("%LMQ%$p$t", 0, "attacker"), 3, 9),  # a real handle of another group
+    ]
+    for bad in forged:
+        with pytest.raises(errors.InvalidReceiptHandle):
+            table.resolve(bad, "victim")
+    with pytest.raises(errors.InvalidReceiptHandle):
+        table.resolve(handle, "attacker")  # the victim's handle, presented as another group's
 
 
 def test_ack_of_a_never_delivered_offset_is_invalid() -> None:

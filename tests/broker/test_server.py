@@ -646,3 +646,31 @@ async def test_lite_messages_are_indexed_in_the_parent_queue_only_when_configure
         assert broker.store.queue_offsets(model.QueueId(PARENT, 0)) == ((0, 1) if index_parent else (0, 0))
     finally:
         await broker.stop(0.2)
+
+
+async def test_a_forged_receipt_handle_acks_nothing(client: Client) -> None:
+    """Offsets and lease ids are sequential: a handle rebuilt from them must not settle the message."""
+    await subscribe(client, "t1")
+    await client.stub.SendMessage(spb.SendMessageRequest(messages=[lite_message("t1")]), metadata=H("p"))
+    (message,) = [f.message for f in await receive(client) if f.HasField("message")]
+    handle = message.system_properties.receipt_handle
+    fields = handle.rpartition(" ")[0]
+    for forged in (fields, f"{fields} {'ab' * 16}"):
+        ack = await client.stub.AckMessage(
+            spb.AckMessageRequest(
+                group=resource(GROUP), topic=resource(PARENT),
+                entries=[spb.AckMessageEntry(message_id=message.system_properties.message_id, receipt_handle=forged)],
+            ),
+            metadata=H(),
+        )  # fmt: skip
+        assert ack.status.code == pb.INVALID_RECEIPT_HANDLE, ack.status
+        assert client.store.get_offset(model.QueueId.lmq(PARENT, "t1"), GROUP) in (None, 0)
+    ack = await client.stub.AckMessage(
+        spb.AckMessageRequest(
+            group=resource(GROUP), topic=resource(PARENT),
+            entries=[spb.AckMessageEntry(message_id=message.system_properties.message_id, receipt_handle=handle)],
+        ),
+        metadata=H(),
+    )  # fmt: skip
+    assert ack.status.code == pb.OK
+    assert client.store.get_offset(model.QueueId.lmq(PARENT, "t1"), GROUP) == 1

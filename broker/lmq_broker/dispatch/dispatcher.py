@@ -729,7 +729,7 @@ class Dispatcher:
         receipt, key = self.leases.resolve(receipt_handle, group)
         new_receipt, lease = self.leases.change(key, receipt, self.clock(), invisible_ms, suspend)
         self._arm(lease.visible_at_ms)
-        return new_receipt.encode()
+        return self.leases.seal(new_receipt, group)
 
     async def dead_letter(self, group: str, receipt_handle: str) -> None:
         """The client gave up on a message (ForwardMessageToDeadLetterQueue): store it in ``%DLQ%<group>``."""

@@ -16,20 +16,29 @@ extends them a slice at a time, shortly before they expire, up to that deadline,
 handle. A lease whose holder is gone or unsubscribed, or that reached its deadline, expires as any other.
 
 Receipt handles are opaque strings minted here and echoed back by clients:
-``<incarnation> <queue topic> <queue id> <offset> <lease id>`` (space is never valid in a queue name). The
-incarnation is random per broker process, so handles from before a restart are recognisably stale.
+``r2 <incarnation> <queue topic> <queue id> <offset> <lease id> <tag>`` (space is never valid in a queue
+name). The tag is an HMAC-SHA256 (128 bits, hex) of the rest and of the consumer group, keyed by a secret
+drawn per broker process: a handle cannot be forged from the sequential offsets and lease ids, nor used
+with another group than the one it was handed to (either is INVALID_RECEIPT_HANDLE). The incarnation is
+random per broker process too, so handles from before a restart are recognisably stale (leases do not
+survive a restart; the message is delivered again from the committed offset).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
 from lmq_broker import errors
 
-RECEIPT_VERSION: Final = "r1"
+RECEIPT_VERSION: Final = "r2"
+RECEIPT_SECRET_BYTES: Final = 32
+RECEIPT_TAG_BYTES: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +195,9 @@ class Renewal:
 
 
 class LeaseTable:
-    def __init__(self, incarnation: str, window: int = 1024) -> None:
+    def __init__(self, incarnation: str, window: int = 1024, secret: bytes | None = None) -> None:
         self.incarnation = incarnation
+        self._secret = secret if secret is not None else secrets.token_bytes(RECEIPT_SECRET_BYTES)
         self.window = window
         self._states: dict[Key, QueueLeases] = {}
         self._expiries: list[tuple[int, int, Key]] = []
@@ -224,10 +234,24 @@ class LeaseTable:
         return lease_id
 
     def receipt(self, key: Key, offset: int, lease_id: int) -> str:
-        return Receipt(self.incarnation, key[0], key[1], offset, lease_id).encode()
+        return self.seal(Receipt(self.incarnation, key[0], key[1], offset, lease_id), key[2])
+
+    def seal(self, receipt: Receipt, group: str) -> str:
+        """The handle of ``receipt`` for ``group``: its fields and their tag."""
+        body = receipt.encode()
+        return f"{body} {self._tag(body, group)}"
+
+    def _tag(self, body: str, group: str) -> str:
+        mac = hmac.digest(self._secret, f"{group}\n{body}".encode(), hashlib.sha256)
+        return mac[:RECEIPT_TAG_BYTES].hex()
 
     def resolve(self, handle: str, group: str) -> tuple[Receipt, Key]:
-        receipt = Receipt.decode(handle)
+        body, _, tag = handle.rpartition(" ")
+        if not body or not hmac.compare_digest(tag.encode(), self._tag(body, group).encode()):
+            if body.startswith(f"{RECEIPT_VERSION} ") and body.split(" ", 2)[1:2] != [self.incarnation]:
+                raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
+            raise errors.InvalidReceiptHandle(f"receipt handle was not handed out to group {group} by this broker")
+        receipt = Receipt.decode(body)
         if receipt.incarnation != self.incarnation:
             raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
         return receipt, (receipt.topic, receipt.queue, group)
