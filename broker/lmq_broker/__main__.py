@@ -41,6 +41,7 @@ HELP: Final[dict[str, str]] = {
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",
     "access_key": "require every call to be signed with this access key (MQv2-HMAC-SHA1)",
+    "auth_max_skew_ms": "signed calls: how far x-mq-date-time may be from the broker's UTC clock (0: unchecked)",
     "secret_key": "secret key matching --access-key",
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",

@@ -59,5 +59,6 @@ class BrokerConfig(BaseModel):
     index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""
     secret_key: str = ""
+    auth_max_skew_ms: int = Field(default=15 * 60 * 1000, ge=0)  # signed x-mq-date-time vs UTC; 0: unchecked
     tls_cert: Path | None = None
     tls_key: Path | None = None

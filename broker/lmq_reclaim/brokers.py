@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from types import TracebackType
 from typing import Final, Self, cast
 
@@ -104,7 +103,7 @@ class BrokerAdmin:
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self._credentials is None:
             return ()
-        return auth.sign_metadata(self._credentials.access_key, self._credentials.secret_key, datetime.now())
+        return auth.sign_metadata(self._credentials.access_key, self._credentials.secret_key, auth.utc_now())
 
     # --- driver side: small unary calls ----------------------------------------------------------------
     def broker_name(self) -> str:

@@ -130,7 +130,7 @@ class GrpcAdmin:
         endpoint: str,
         timeout_s: float,
         keys: tuple[str, str] | None = None,
-        clock: Callable[[], datetime] = datetime.now,
+        clock: Callable[[], datetime] = auth.utc_now,
     ) -> None:
         self.endpoint = endpoint
         self._timeout_s = timeout_s

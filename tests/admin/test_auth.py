@@ -13,7 +13,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +122,8 @@ def _send_request(lite: str = "s1") -> v2s.SendMessageRequest:
     return v2s.SendMessageRequest(messages=[message])
 
 
-def _signed(ak: str = AK, sk: str = SK) -> tuple[tuple[str, str], ...]:
-    return (*auth.sign_metadata(ak, sk, NOW), ("x-mq-client-id", "test@1@0@x"))
+def _signed(ak: str = AK, sk: str = SK, at: datetime | None = None) -> tuple[tuple[str, str], ...]:
+    return (*auth.sign_metadata(ak, sk, at or auth.utc_now()), ("x-mq-client-id", "test@1@0@x"))
 
 
 # --- the check, as a pure function ---------------------------------------------------------------------------
@@ -173,6 +173,24 @@ def test_a_signature_for_another_date_time_does_not_match() -> None:
     headers = dict(auth.sign_metadata(AK, SK, NOW))
     headers["x-mq-date-time"] = "20260102T030406Z"
     assert auth.check(list(headers.items()), AK, SK) == "signature does not match"
+
+
+def test_a_date_time_outside_the_skew_window_is_refused() -> None:
+    """A captured header stops working: the signed date-time must be near the broker's UTC clock."""
+    headers = list(auth.sign_metadata(AK, SK, NOW))
+    for seconds, accepted in ((0, True), (899, True), (-899, True), (901, False), (-901, False), (86400, False)):
+        found = auth.check(headers, AK, SK, now=NOW.replace(tzinfo=UTC) + timedelta(seconds=seconds), max_skew_s=900)
+        assert (found is None) == accepted, (seconds, found)
+        if not accepted:
+            assert found is not None and "from the broker's UTC clock" in found
+    assert auth.check(headers, AK, SK, now=NOW.replace(tzinfo=UTC) + timedelta(days=30)) is None  # 0: unchecked
+
+
+def test_a_replayed_header_is_refused_by_the_server(guarded: Guarded) -> None:
+    stale = _signed(at=auth.utc_now() - timedelta(minutes=20))
+    with grpc.insecure_channel(guarded.endpoint) as channel:
+        reply = v2_grpc.MessagingServiceStub(channel).SendMessage(_send_request(), metadata=stale, timeout=10)
+    assert reply.status.code == 40100 and "UTC clock" in reply.status.message
 
 
 def test_the_interceptor_needs_keys() -> None:
@@ -240,7 +258,7 @@ def test_an_unauthorized_telemetry_stream_is_aborted_unauthenticated(guarded: Gu
 def test_the_admin_service_is_guarded_too(guarded: Guarded) -> None:
     anonymous = AdminClient(guarded.endpoint, 10.0)
     wrong = AdminClient(guarded.endpoint, 10.0, access_key=AK, secret_key="nope")
-    signed = AdminClient(guarded.endpoint, 10.0, access_key=AK, secret_key=SK, clock=lambda: NOW)
+    signed = AdminClient(guarded.endpoint, 10.0, access_key=AK, secret_key=SK)
     try:
         with pytest.raises(errors.Unauthorized, match="missing authorization header"):
             anonymous.put_parent_topic(model.ParentTopic("orders"))

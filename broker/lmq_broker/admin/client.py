@@ -198,7 +198,7 @@ class AdminClient:
         access_key: str = "",
         secret_key: str = "",
         channel_credentials: grpc.ChannelCredentials | None = None,
-        clock: Callable[[], datetime] = datetime.now,
+        clock: Callable[[], datetime] = auth.utc_now,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s

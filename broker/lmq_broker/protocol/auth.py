@@ -15,9 +15,11 @@ How a rejection is delivered, per method kind (read from rocketmq-python-client 
 * everything else (Telemetry, whose client ignores status-only frames, and the lmq admin service) is
   aborted with gRPC ``UNAUTHENTICATED``; our admin client maps that to ``errors.Unauthorized``.
 
-``x-mq-date-time`` is not checked against the clock: the 5.1.2 client stamps *local* time followed by a
-literal ``Z``, so any skew window would reject every client outside UTC. The signature still proves
-possession of the secret key.
+``x-mq-date-time`` must lie within ``max_skew_s`` (``--auth-max-skew-ms``, 15 min by default) of the
+broker's UTC clock, so a captured header stops working after that window (within it, replay is prevented
+only by TLS keeping the header secret; docs/security.md). RocketMQ's clients stamp UTC, except that
+rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``: such a client needs
+``TZ=UTC`` (the default in containers) or a wider window.
 
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
@@ -31,7 +33,7 @@ import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -45,6 +47,12 @@ DATE_TIME_FORMAT: Final = "%Y%m%dT%H%M%SZ"
 V2_SERVICE: Final = "apache.rocketmq.v2.MessagingService"
 UNAUTHORIZED_CODE: Final = 40100  # apache.rocketmq.v2.Code.UNAUTHORIZED
 EXEMPT_PREFIXES: Final = ("/grpc.health.v1.Health/",)
+DEFAULT_MAX_SKEW_S: Final = 15 * 60.0
+
+
+def utc_now() -> datetime:
+    """What signing clients stamp: the broker checks the date-time against its UTC clock."""
+    return datetime.now(UTC)
 
 
 def signature(secret_key: str, date_time: str) -> str:
@@ -60,8 +68,16 @@ def sign_metadata(access_key: str, secret_key: str, now: datetime) -> tuple[tupl
     return ((DATE_TIME, date_time), (AUTHORIZATION, header))
 
 
-def check(metadata: Sequence[tuple[str, str | bytes]] | None, access_key: str, secret_key: str) -> str | None:
-    """None when the call is signed with our key pair; otherwise why not (safe to show the caller)."""
+def check(
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    access_key: str,
+    secret_key: str,
+    *,
+    now: datetime | None = None,
+    max_skew_s: float = 0.0,
+) -> str | None:
+    """None when the call is signed with our key pair; otherwise why not (safe to show the caller).
+    With ``max_skew_s`` > 0 the signed date-time must also lie within that many seconds of ``now``."""
     headers: dict[str, str] = {}
     for key, value in metadata or ():
         if isinstance(value, str):
@@ -89,6 +105,14 @@ def check(metadata: Sequence[tuple[str, str | bytes]] | None, access_key: str, s
         return "unknown access key"
     if not hmac.compare_digest(fields["Signature"].lower().encode(), signature(secret_key, date_time).encode()):
         return "signature does not match"
+    if max_skew_s > 0:
+        try:
+            signed_at = datetime.strptime(date_time, DATE_TIME_FORMAT).replace(tzinfo=UTC)
+        except ValueError:
+            return f"{DATE_TIME} is not a date-time like 20260102T030405Z"
+        skew = abs(((now or datetime.now(UTC)) - signed_at).total_seconds())
+        if skew > max_skew_s:
+            return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {max_skew_s:.0f} s)"
     return None
 
 
@@ -125,11 +149,19 @@ else:
 class AuthInterceptor(_Interceptor):
     """Rejects calls not signed with ``access_key``/``secret_key``; wire it only when auth is configured."""
 
-    def __init__(self, access_key: str, secret_key: str) -> None:
+    def __init__(
+        self,
+        access_key: str,
+        secret_key: str,
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
         if not access_key or not secret_key:
             raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
         self._access_key = access_key
         self._secret_key = secret_key
+        self._max_skew_s = max_skew_s
+        self._clock = clock
         self._replies = _status_replies()
 
     async def intercept_service(
@@ -140,7 +172,13 @@ class AuthInterceptor(_Interceptor):
         method = handler_call_details.method
         if method.startswith(EXEMPT_PREFIXES):
             return await continuation(handler_call_details)
-        problem = check(handler_call_details.invocation_metadata, self._access_key, self._secret_key)
+        problem = check(
+            handler_call_details.invocation_metadata,
+            self._access_key,
+            self._secret_key,
+            now=self._clock(),
+            max_skew_s=self._max_skew_s,
+        )
         handler = await continuation(handler_call_details)
         if problem is None or handler is None:
             return handler

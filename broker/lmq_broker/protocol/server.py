@@ -43,7 +43,9 @@ def options(config: BrokerConfig) -> list[tuple[str, Any]]:
 def create(config: BrokerConfig) -> grpc.aio.Server:
     interceptors: Sequence[Interceptor] = ()
     if config.access_key:
-        interceptors = (auth.AuthInterceptor(config.access_key, config.secret_key),)
+        interceptors = (
+            auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
+        )
     return grpc.aio.server(interceptors=interceptors, options=options(config))
 
 
