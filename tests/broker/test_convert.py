@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import timestamp_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -249,3 +251,44 @@ def test_a_topic_deleted_since_an_earlier_request_is_not_found(tmp_path: Path) -
     after = catalog.Snapshot(config, {})  # metadata changed: the parent topic is gone
     with pytest.raises(errors.TopicNotFound):
         convert.MessageReader(after, config, NOW_MS, 0).read(msg)
+
+
+def lite(body: bytes = b"x", **sp: Any) -> pb.Message:
+    props = pb.SystemProperties(message_id="ID", message_type=pb.LITE, lite_topic="t", **sp)
+    return pb.Message(topic=pb.Resource(name="LITE_P"), body=body, system_properties=props)
+
+
+@pytest.mark.parametrize("seconds", [-1, -(10**9), 253_402_300_800, 2**62])
+def test_a_born_timestamp_outside_1970_to_9999_is_invalid_in_both_readers(tmp_path: Path, seconds: int) -> None:
+    bad = lite(born_timestamp=timestamp_pb2.Timestamp(seconds=seconds))
+    r = reader(tmp_path)
+    with pytest.raises(errors.InvalidArgument, match="born_timestamp"):
+        r.read(bad)
+    with pytest.raises(errors.InvalidArgument, match="born_timestamp"):  # the column reader falls back to ``read``
+        r.read_all([lite()] * convert.COLUMNS_FROM_MESSAGES + [bad])
+
+
+def test_property_limits_count_utf8_bytes(tmp_path: Path) -> None:
+    r = reader(tmp_path)
+    limit = convert.MAX_PROPERTIES_BYTES
+    fits = pb.Message(topic=pb.Resource(name="LITE_P"), body=b"x", user_properties={"k": "é" * ((limit - 1) // 2)})
+    fits.system_properties.CopyFrom(lite().system_properties)
+    assert r.read(fits).user_properties["k"] == "é" * ((limit - 1) // 2)
+    for text in ("é" * (limit // 2 + 1), "🚀" * (limit // 4 + 1)):  # under the limit in characters, over in bytes
+        msg = pb.Message(topic=pb.Resource(name="LITE_P"), body=b"x", user_properties={text[:1]: text})
+        msg.system_properties.CopyFrom(lite().system_properties)
+        with pytest.raises(errors.InvalidArgument, match="exceed"):
+            r.read(msg)
+    huge_key = pb.Message(topic=pb.Resource(name="LITE_P"), body=b"x", user_properties={"🚀" * 16_384: "v"})
+    huge_key.system_properties.CopyFrom(lite().system_properties)  # 65,536 bytes of key, 16,384 characters
+    with pytest.raises(errors.InvalidArgument):
+        r.read(huge_key)
+
+
+def test_a_truncated_gzip_body_is_refused(tmp_path: Path) -> None:
+    packed = gzip.compress(b"hello gzip " * 100)
+    r = reader(tmp_path)
+    assert r.read(lite(packed, body_encoding=pb.GZIP)).body == b"hello gzip " * 100
+    for cut in (len(packed) - 1, len(packed) // 2, 12):
+        with pytest.raises(errors.InvalidArgument, match="gzip"):
+            r.read(lite(packed[:cut], body_encoding=pb.GZIP))

@@ -232,6 +232,22 @@ def test_bytes_that_are_not_protobuf(broker: BrokerProcess, raw: bytes, method: 
     check(answer.status)  # parseable bytes: handled like any request; the rest: BAD_REQUEST
 
 
+@pytest.mark.parametrize("method", ["PutParentTopic", "ListClients", "ScanLiteTopics"])
+def test_undecodable_admin_requests_are_invalid_argument(broker: BrokerProcess, method: str) -> None:
+    with grpc.insecure_channel(broker.endpoint) as channel:
+        path = f"/lmq.admin.v1.LmqAdmin/{method}"
+        if method == "ScanLiteTopics":
+            call: Any = channel.unary_stream(path, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(call(b"\x0a\xff", timeout=10))
+        else:
+            call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as refused:
+                call(b"\x0a\xff", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert f"not a valid {method} message" in (refused.value.details() or "")
+
+
 # --- exact codes --------------------------------------------------------------------------------------------
 STRICT_PARENT, STRICT_GROUP = "FUZZ_STRICT", "fuzz-strict-group"
 CLIENT = (("x-mq-client-id", "strict"),)

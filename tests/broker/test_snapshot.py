@@ -24,6 +24,21 @@ async def test_save_and_take_round_trip_and_skip_damage(tmp_path: Path) -> None:
     assert snapshot.take(path) == []
 
 
+async def test_a_line_that_is_not_utf8_is_skipped_and_the_rest_restored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / snapshot.FILE_NAME
+    first, second = (snapshot.ClientRecord(f"c{i}", 5, GROUP, PARENT, (f"%LMQ%$P$t{i}",)) for i in (1, 2))
+    snapshot.save([first], path)
+    with path.open("ab") as out:
+        out.write(b'{"client": "\xff\xfe"}\n')
+    kept = path.read_bytes()
+    snapshot.save([second], tmp_path / "other")
+    path.write_bytes(kept + (tmp_path / "other").read_bytes())
+    assert snapshot.take(path) == [first, second]
+    assert "1 damaged line(s) skipped" in caplog.text
+
+
 async def test_restored_clients_receive_what_their_topics_hold(lite: Lite) -> None:
     await lite.send("t1", b"waiting")
     lmq = model.QueueId.lmq(PARENT, "t1").topic

@@ -21,6 +21,7 @@ from lmq_broker import errors
 from lmq_broker.admin import catalog, codes, convert, inspection, reclaiming
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
+from lmq_broker.protocol import guard
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
 from lmq_broker.storage.api import Store
@@ -36,7 +37,8 @@ Resp = TypeVar("Resp")
 
 def register(server: grpc.aio.Server, store: Store, live: LiveView, config: BrokerConfig) -> None:
     """Add the LmqAdmin service to the broker's server (before it starts)."""
-    admin_pb2_grpc.add_LmqAdminServicer_to_server(AdminServicer(store, live, config), server)
+    service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
+    server.add_generic_rpc_handlers((guard.strict_generic_handler(service, AdminServicer(store, live, config)),))
 
 
 async def _abort(context: Context, exc: BaseException) -> None:

@@ -11,12 +11,14 @@ if they do not come back. After a crash there is no snapshot and clients re-sync
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 FILE_NAME: Final = "lite-subscriptions.jsonl"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +46,10 @@ def take(path: Path) -> list[ClientRecord]:
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    skipped = 0
+    for raw in path.read_bytes().splitlines():
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode())  # a byte that is not UTF-8 damages its line, not the file
             records.append(
                 ClientRecord(
                     str(row["client"]),
@@ -56,7 +59,9 @@ def take(path: Path) -> list[ClientRecord]:
                     tuple(str(x) for x in row["lmqs"]),
                 )
             )
-        except (ValueError, KeyError, TypeError):
-            continue
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            skipped += 1
+    if skipped:
+        log.warning("%s: %d damaged line(s) skipped; those clients re-subscribe with their next sync", path, skipped)
     path.unlink()
     return records

@@ -29,6 +29,7 @@ MAX_KEY_CHARS: Final = 256
 MAX_KEYS: Final = 64
 MAX_PROPERTIES_BYTES: Final = 16 * 1024
 MAX_BORN_HOST_CHARS: Final = 256  # longer born hosts are cut, not refused
+MAX_BORN_MS: Final = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the store keeps born times as int64 ms
 # Reading column-wise costs ~15 us per request more and ~40 % less per message: it pays from about here.
 COLUMNS_FROM_MESSAGES: Final = 16
 MAX_INVISIBLE_MS: Final = 12 * 3600 * 1000  # proxy maxInvisibleTimeMills
@@ -246,6 +247,9 @@ class MessageReader:
             index = zlib.crc32(group.encode()) % count if group else self.rr % count
             queues = (parent_queue if index == 0 else model.QueueId(topic, index),)
         born = sp.born_timestamp
+        born_ms = born.seconds * 1000 + born.nanos // 1_000_000
+        if not 0 <= born_ms <= MAX_BORN_MS:
+            raise errors.InvalidArgument("born_timestamp must lie between 1970 and 9999", kind="born_timestamp")
         m: model.NewMessage = _new_object(model.NewMessage)
         _set_id(m, message_id)
         _set_topic(m, topic)
@@ -253,7 +257,7 @@ class MessageReader:
         _set_queues(m, queues)
         _set_lite(m, lite)
         _set_type(m, message_type)
-        _set_born(m, born.seconds * 1000 + born.nanos // 1_000_000 or self.now_ms)
+        _set_born(m, born_ms or self.now_ms)
         _set_host(m, sp.born_host[:MAX_BORN_HOST_CHARS])
         _set_tag(m, tag or None)
         _set_keys(m, keys)
@@ -320,6 +324,8 @@ class MessageReader:
         borns = list(map(_born_timestamp_of, sps))
         seconds = map(mul, map(_seconds_of, borns), repeat(1000))
         born_ms = list(map(add, seconds, map(floordiv, map(_nanos_of, borns), repeat(1_000_000))))
+        if min(born_ms) < 0 or max(born_ms) > MAX_BORN_MS:
+            return None
         if 0 in born_ms:
             born_ms = [ms or self.now_ms for ms in born_ms]
         hosts = list(map(_born_host_of, sps))
@@ -368,6 +374,8 @@ class MessageReader:
                 body = inflater.decompress(body, limit + 1)
             except zlib.error:
                 raise errors.InvalidArgument("body is not valid gzip") from None
+            if not inflater.eof and len(body) <= limit:  # over the limit: refused as too large below
+                raise errors.InvalidArgument("gzip body is truncated (no end of stream)")
         elif encoding not in (pb.IDENTITY, pb.ENCODING_UNSPECIFIED):
             raise errors.InvalidArgument(f"unknown body encoding {encoding}")
         if not body:
@@ -396,7 +404,7 @@ class MessageReader:
         for key, value in items.items():
             if not key or not key.strip():
                 raise errors.InvalidArgument("user property keys must be non-blank", kind="property")
-            size += len(key) + len(value)
+            size += len(key.encode()) + len(value.encode())  # UTF-8 bytes, what the store and the wire carry
         if size > MAX_PROPERTIES_BYTES:
             raise errors.InvalidArgument(f"user properties exceed {MAX_PROPERTIES_BYTES} bytes", kind="properties")
         return items

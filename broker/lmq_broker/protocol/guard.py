@@ -108,3 +108,42 @@ def _bidi(behaviour: Any) -> Any:
             yield frame
 
     return bidi
+
+
+def strict_generic_handler(service: Any, servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
+    """Every unary or server-streaming method of ``service`` (a service descriptor) on ``servicer``, where
+    a request that does not decode is refused with gRPC INVALID_ARGUMENT (our own services, such as the
+    admin service, answer errors with gRPC status codes rather than a v2 ``status``)."""
+    handlers: dict[str, Any] = {}
+    for method in service.methods:
+        if method.client_streaming:
+            raise ValueError(f"{service.full_name}.{method.name}: client streaming is not supported here")
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        behaviour = getattr(servicer, method.name)
+        decode = _tolerant(method.name, request.FromString)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        wrap = _strict_streamed if method.server_streaming else _strict_unary
+        handlers[method.name] = make(
+            wrap(behaviour), request_deserializer=decode, response_serializer=response.SerializeToString
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _strict_unary(behaviour: Any) -> Any:
+    async def unary(request: Any, context: Context) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+        return await behaviour(request, context)
+
+    return unary
+
+
+def _strict_streamed(behaviour: Any) -> Any:
+    async def streamed(request: Any, context: Context) -> AsyncIterator[Any]:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+        async for frame in behaviour(request, context):
+            yield frame
+
+    return streamed
