@@ -28,6 +28,9 @@ PRODUCER_MAX_ATTEMPTS: Final = 3  # proxy grpcClientProducerMaxAttempts, backoff
 PRODUCER_BACKOFF_INITIAL_MS: Final = 10
 PRODUCER_BACKOFF_MAX_MS: Final = 1000
 LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
+# Replies not yet written to the client. A client that sends but never reads fills it; the stream then stops
+# reading the client's frames, and HTTP/2 flow control holds the client back: memory stays bounded.
+REPLY_BACKLOG: Final = 8
 
 
 class SettingsRefused(Exception):
@@ -48,7 +51,7 @@ async def handle(
     exclusive group gave to another client: NotifyUnsubscribeLiteCommand)."""
     client_id = caller.require_client_id()
     notices = edge.dispatcher.stream_opened(client_id)
-    out: asyncio.Queue[spb.TelemetryCommand | None] = asyncio.Queue()
+    out: asyncio.Queue[spb.TelemetryCommand | None] = asyncio.Queue(maxsize=REPLY_BACKLOG)
 
     async def answer() -> None:
         try:

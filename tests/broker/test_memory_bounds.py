@@ -1,0 +1,55 @@
+"""Memory a misbehaving client cannot grow without bound, measured on a real broker process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import grpc
+import psutil
+
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.testing import start_broker
+
+MiB: Final = 1024 * 1024
+FRAME_BYTES: Final = 160 * 1024
+FRAMES: Final = 1000  # 160 MiB of settings frames, each answered with a copy of itself
+
+
+def test_a_telemetry_stream_that_never_reads_does_not_grow_the_broker(tmp_path: Path) -> None:
+    sent = 0
+    stop = threading.Event()
+
+    def frames() -> Iterator[spb.TelemetryCommand]:
+        nonlocal sent
+        settings = pb.Settings(
+            client_type=pb.PRODUCER, publishing=pb.Publishing(), user_agent=pb.UA(hostname="h" * FRAME_BYTES)
+        )
+        for _ in range(FRAMES):
+            if stop.is_set():
+                return
+            yield spb.TelemetryCommand(settings=settings)
+            sent += 1
+        stop.wait(60)
+
+    with start_broker(tmp_path / "data") as broker, grpc.insecure_channel(broker.endpoint) as channel:
+        process = psutil.Process(broker.pid)
+        before = process.memory_info().rss
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+        call = stub.Telemetry(frames(), metadata=(("x-mq-client-id", "never-reads"),))  # never iterated
+        deadline = time.monotonic() + 8
+        peak = before
+        while time.monotonic() < deadline:
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(0.1)
+        stop.set()
+        call.cancel()
+        assert broker.alive()
+    growth_mib = (peak - before) / MiB
+    assert growth_mib < 40, f"RSS grew {growth_mib:.0f} MiB while the client pushed {sent} frames"
+    assert sent < FRAMES, "flow control never held the client back"
