@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 from lmq_broker import model
-from lmq_broker.dispatch.recent import RecentMessages
+from lmq_broker.dispatch.recent import ENTRY_OVERHEAD_BYTES, RecentMessages
 from lmq_broker.dispatch.testing import lite_message
 
 LMQ = model.QueueId.lmq("P", "t")
@@ -30,9 +33,9 @@ def test_window_is_served_from_memory_up_to_the_queue_end() -> None:
 
 
 def test_unknown_queue_or_evicted_offset_means_ask_the_store() -> None:
-    recent = RecentMessages(max_bytes=10)
+    recent = RecentMessages(max_bytes=2 * (4 + ENTRY_OVERHEAD_BYTES) + 5)
     assert recent.window(KEY, 0, 1) is None
-    appended(recent, range(4), body=b"abcd")  # 16 bytes > 10: the oldest are evicted
+    appended(recent, range(4), body=b"abcd")  # room for two entries: the oldest are evicted
     assert recent.window(KEY, 0, 3) is None
     tail = recent.window(KEY, 2, 3)
     assert tail is not None and [m.offset for m in tail] == [2, 3]
@@ -78,3 +81,30 @@ def test_no_readers_keeps_nothing() -> None:
     results = [model.AppendResult(f"m{o}", (LMQ,), (o,), 1) for o in range(3)]
     recent.add(messages, results, readers=set())
     assert recent.end(KEY) is None and recent.window(KEY, 0, 2) is None
+
+
+def test_entry_count_is_bounded() -> None:
+    recent = RecentMessages(max_messages=3)
+    appended(recent, range(10))
+    assert recent.window(KEY, 0, 9) is None
+    tail = recent.window(KEY, 7, 9)
+    assert tail is not None and [m.offset for m in tail] == [7, 8, 9]
+
+
+def test_a_flood_of_one_byte_messages_stays_within_the_byte_bound() -> None:
+    """Bodies alone would let 1.5M one-byte messages in (issue 12: +861 MiB); the per-entry charge keeps
+    the cache's real memory, as tracemalloc counts it, near its byte bound."""
+    bound = 2 * 1024 * 1024
+    recent = RecentMessages(max_bytes=bound, max_messages=10**9)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for first in range(0, 100_000, 1000):
+            appended(recent, range(first, first + 1000), body=b"1")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * bound, f"{held / 1024 / 1024:.1f} MiB held for a {bound // 1024 // 1024} MiB bound"
+    assert recent.end(KEY) == 100_000

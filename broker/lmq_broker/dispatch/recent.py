@@ -3,9 +3,10 @@
 Every append of this broker goes through the dispatcher, so it knows, for each queue it appended to, the
 next offset and the messages themselves. A delivery whose picks are all covered here skips the thread-pool
 hop and the store read (the common case: a consumer parked in a long poll gets the message that just
-woke it). The store stays the truth: anything not covered is read from it. Bounded by body bytes and by
-the number of queues tracked; entries are the sent values plus their offset, turned into
-``StoredMessage`` only when delivered.
+woke it). The store stays the truth: anything not covered is read from it. Bounded by bytes (each entry is
+charged its body plus ``ENTRY_OVERHEAD_BYTES`` for the objects that hold it, so a flood of one-byte
+messages is bounded too), by the number of entries, and by the number of queues tracked; entries are the
+sent values plus their offset, turned into ``StoredMessage`` only when delivered.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing import Final
 from lmq_broker import model
 
 DEFAULT_MAX_BYTES: Final = 32 * 1024 * 1024
+DEFAULT_MAX_MESSAGES: Final = 65_536
 DEFAULT_MAX_QUEUES: Final = 100_000
+# What one entry costs besides its body: the NewMessage, its properties dict and tuples, the key tuple and the
+# ordered-dict node (tracemalloc: ~820 B for a small lite message; tests/broker/test_recent.py checks it).
+ENTRY_OVERHEAD_BYTES: Final = 832
 
 QueueKey = tuple[str, int]
 _LMQ_NAME_PREFIX: Final = model.LMQ_PREFIX + model.LMQ_SEPARATOR  # what QueueId.is_lmq tests
@@ -29,8 +34,14 @@ _queues_of = attrgetter("queues")
 
 
 class RecentMessages:
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_queues: int = DEFAULT_MAX_QUEUES) -> None:
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_queues: int = DEFAULT_MAX_QUEUES,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+    ) -> None:
         self.max_bytes = max_bytes
+        self.max_messages = max_messages
         self.max_queues = max_queues
         self._messages: OrderedDict[tuple[str, int, int], _Entry] = OrderedDict()
         self._ends: OrderedDict[QueueKey, int] = OrderedDict()
@@ -67,13 +78,13 @@ class RecentMessages:
                 key = (topic, queue.queue, offset)
                 replaced = cached.pop(key, None)  # a deleted-and-recreated queue reuses offsets
                 if replaced is not None:
-                    added -= len(replaced[0].body)
+                    added -= len(replaced[0].body) + ENTRY_OVERHEAD_BYTES
                 cached[key] = (message, queue, result.store_timestamp_ms)
-                added += len(message.body)
+                added += len(message.body) + ENTRY_OVERHEAD_BYTES
         self._bytes += added
-        while self._bytes > self.max_bytes and self._messages:
+        while (self._bytes > self.max_bytes or len(self._messages) > self.max_messages) and self._messages:
             _, (message, _, _) = self._messages.popitem(last=False)
-            self._bytes -= len(message.body)
+            self._bytes -= len(message.body) + ENTRY_OVERHEAD_BYTES
         while len(self._ends) > self.max_queues:
             self._ends.popitem(last=False)
 
