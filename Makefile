@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.lmq-installed
 DATA   ?= ./data
 PORT   ?= 8081
 
-.PHONY: run test lint types imports proto proto-check testenv clients bench clean
+.PHONY: run test torture lint types imports proto proto-check testenv clients bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ run: $(STAMP)
 test: $(STAMP) lint types imports proto-check testenv clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
+
+# The long fault-injection loop (kill -9 / SIGTERM under load, flipped bytes, torn tails, missing segments,
+# damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary.
+torture: $(STAMP)
+	LMQ_TORTURE_CYCLES=$${LMQ_TORTURE_CYCLES:-110} $(BIN)/python -m pytest -s tests/e2e/test_torture.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

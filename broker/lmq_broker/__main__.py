@@ -25,8 +25,9 @@ from typing import Any, Final
 
 import pydantic
 
-from lmq_broker import app
+from lmq_broker import app, errors
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
+from lmq_broker.storage import store as lmq_store
 
 READY_LINE: Final = "lmq-broker ready"
 SWITCH_INTERVAL_S: Final = 0.0005
@@ -116,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                 flag, dest=name, type=_parser_of(field.annotation), default=None, help=f"{text} (default: {shown})"
             )
     serve.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="log level")
+    repair = commands.add_parser(
+        "repair-meta",
+        help="repair a damaged meta store (the broker stopped)",
+        description="Run RocksDB's repair on <data-dir>/meta (consumer offsets, topics, groups, quotas), keeping "
+        "every key that can still be read. Back the directory up first. The broker refuses to start on a "
+        "damaged meta store and names this command.",
+    )
+    repair.add_argument("--data-dir", type=Path, required=True, help="the broker's data directory")
     return parser
 
 
@@ -157,6 +166,13 @@ async def serve(config: BrokerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "repair-meta":
+        try:
+            lmq_store.repair_meta(args.data_dir)
+        except errors.StorageError as e:
+            raise SystemExit(e.message) from None
+        print(f"repaired {args.data_dir / 'meta'}")
+        return 0
     config = config_from(args, os.environ)
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

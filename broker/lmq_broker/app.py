@@ -6,7 +6,8 @@ drains, then the dispatcher stops, then the store flushes and closes.
 
 The probe server is a few lines of asyncio rather than a web framework: three fixed paths.
 ``/healthz`` answers while the process runs; ``/readyz`` only once the gRPC port accepts calls and
-until shutdown begins; ``/metrics`` is the Prometheus text format of this broker's registry.
+until shutdown begins, and not while the store cannot serve (an index rebuild, a meta store that cannot
+write: the answer says why); ``/metrics`` is the Prometheus text format of this broker's registry.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ BOOTSTRAP_TOPIC: Final = "AGENT_TASK_NS"  # RocketMQ 5.5.0 LiteTopic quick start
 BOOTSTRAP_GROUP: Final = "executor-group"
 SHUTDOWN_GRACE_S: Final = 5.0
 HTTP_READ_TIMEOUT_S: Final = 5.0
+HEALTH_INTERVAL_S: Final = 1.0
 # A batched send allocates ~10 tracked objects per message that live until its reply (a few ms); with
 # Python's default threshold of 700 they are traversed by several young collections and promoted, which cost
 # 4-5 us of CPU per message sent (about a sixth of the broker's total). Cycles are still collected, in
@@ -78,6 +80,7 @@ class Broker:
         self._http: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
+        self._health: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()  # also read (a flag) by a retention pass between segments
 
     @property
@@ -113,6 +116,9 @@ class Broker:
             self.metrics_port = self._http.sockets[0].getsockname()[1]
         if config.store.retention_max_age_ms >= 0 or config.store.retention_max_bytes >= 0:
             self._retention = asyncio.create_task(self._apply_retention_periodically(self.store))
+        self._health = asyncio.create_task(self._watch_store_health(self.store, self.dispatcher))
+        if isinstance(self.store, lmq_store.LmqStore):
+            self.metrics.watch_store(self.store)
         self.ready = True
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
@@ -124,6 +130,9 @@ class Broker:
         if self._retention is not None:
             await self._retention  # a running pass ends after its current segment, before the store closes
             self._retention = None
+        if self._health is not None:
+            await self._health
+            self._health = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -141,6 +150,22 @@ class Broker:
                 await self._http.wait_closed()
             self._http = None
         self._stopped.set()
+
+    async def _watch_store_health(self, store: Store, dispatcher: Dispatcher) -> None:
+        """Log when the store stops or resumes serving (an index rebuild, a full disk under ``meta/``); once
+        it serves again, the dispatcher looks for the work it could not see meanwhile."""
+        trouble: str | None = None
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), HEALTH_INTERVAL_S)
+                return
+            now = await asyncio.to_thread(store.health)
+            if now is not None and trouble is None:
+                log.error("not ready: %s", now)
+            elif now is None and trouble is not None:
+                log.warning("ready again (after: %s)", trouble)
+                dispatcher.resync()
+            trouble = now
 
     async def _apply_retention_periodically(self, store: Store) -> None:
         """Every ``retention_interval_ms``: drop the closed segments past the retention limits (on a thread;
@@ -198,7 +223,10 @@ class Broker:
         if path == "/healthz":
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
-            if self.ready:
-                return "200 OK", "text/plain", b"ready\n"
-            return "503 Service Unavailable", "text/plain", b"not ready\n"
+            if not self.ready:
+                return "503 Service Unavailable", "text/plain", b"not ready\n"
+            trouble = self.store.health() if self.store is not None else None
+            if trouble is not None:
+                return "503 Service Unavailable", "text/plain", f"not ready: {trouble}\n".encode()
+            return "200 OK", "text/plain", b"ready\n"
         return "404 Not Found", "text/plain", b"not found\n"

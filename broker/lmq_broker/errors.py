@@ -91,5 +91,9 @@ class CorruptRecord(StorageError):
     """A record whose CRC or framing does not check."""
 
 
+class IndexCorrupt(StorageError):
+    """RocksDB found a damaged file of the index (a cache of the log: it is rebuilt)."""
+
+
 class UnsupportedVersion(StorageError):
     """A record header version this build does not understand."""

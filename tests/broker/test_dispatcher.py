@@ -484,6 +484,81 @@ async def test_restart_resumes_after_the_last_ack(tmp_path: Path, clock: memory.
     assert await session(second) == [b"2", b"3"]
 
 
+async def test_acks_after_an_unacked_message_are_not_delivered_again_after_a_restart(
+    tmp_path: Path, clock: memory.ManualClock
+) -> None:
+    from lmq_broker.storage import store as lmq_store  # noqa: PLC0415 (real store reopened below)
+
+    cfg = config_for(tmp_path / "data")
+
+    async def session(body: Callable[[Dispatcher], Any]) -> Any:
+        store = lmq_store.open_store(cfg.store)
+        d = Dispatcher(store, cfg, clock=clock)
+        await d.start()
+        try:
+            return await body(d)
+        finally:
+            await d.close()
+            store.close()
+
+    async def first(d: Dispatcher) -> None:
+        d.store.put_parent_topic(model.ParentTopic(PARENT))
+        d.store.put_group(model.LiteGroup(GROUP, PARENT))
+        d.metadata_changed()
+        await d.add_lite("c1", GROUP, PARENT, ["t1"])
+        await d.send([lite_message("t1", str(i).encode(), message_id=f"m{i}") for i in range(10)])
+        got = await d.receive_lite("c1", GROUP, PARENT, batch=32, invisible_ms=60_000, poll_ms=0)
+        assert [x.message.body for x in got] == [str(i).encode() for i in range(10)]
+        for delivery in got[:3] + got[4:]:  # all but the fourth
+            await d.ack(GROUP, delivery.receipt_handle)
+        assert d.store.get_offset(model.QueueId.lmq(PARENT, "t1"), GROUP) == 3
+
+    async def second(d: Dispatcher) -> list[bytes]:
+        await d.add_lite("c2", GROUP, PARENT, ["t1"])
+        got = await d.receive_lite("c2", GROUP, PARENT, batch=32, invisible_ms=1000, poll_ms=0)
+        for delivery in got:
+            await d.ack(GROUP, delivery.receipt_handle)
+        await d.send([lite_message("t1", b"new", message_id="m-new")])
+        got += await d.receive_lite("c2", GROUP, PARENT, batch=32, invisible_ms=1000, poll_ms=0)
+        assert d.store.get_acked(model.QueueId.lmq(PARENT, "t1"), GROUP) == ()
+        return [x.message.body for x in got]
+
+    await session(first)
+    assert await session(second) == [b"3", b"new"]  # the nine acked ones stay settled
+
+
+async def test_a_record_gone_from_the_store_is_passed_over_and_committed(
+    tmp_path: Path, clock: memory.ManualClock
+) -> None:
+    from lmq_broker.storage import codec  # noqa: PLC0415
+    from lmq_broker.storage import store as lmq_store  # noqa: PLC0415
+
+    cfg = config_for(tmp_path / "data")
+    store = lmq_store.open_store(cfg.store)
+    lite = await Lite.start(store, clock, cfg)
+    try:
+        await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+        for i in range(5):
+            await lite.send("t1", b"body-%d" % i)
+        store.flush()
+        segment = next((cfg.store.data_dir / "commitlog").glob("*.log"))
+        records = [f for _, f in lmq_store.iter_records(cfg.store) if f.kind == codec.KIND_MESSAGE]
+        victim = records[1]
+        with segment.open("r+b") as fh:  # the body of offset 1 rots on disk under the running broker
+            fh.seek(victim.position + victim.size - 2)
+            fh.write(b"\xff\xff")
+        lite.dispatcher.recent.forget((lmq_name(PARENT, "t1"), 0))  # make the dispatcher read from disk
+        got = await lite.receive("c1")
+        assert [d.message.body for d in got] == [b"body-0", b"body-2", b"body-3", b"body-4"]
+        for d in got:
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)
+        assert lite.committed("t1") == 5  # the commit point passed the damaged record
+        assert store.damage.total("corrupt_read") == 1
+    finally:
+        await lite.dispatcher.close()
+        store.close()
+
+
 async def test_broker_lite_topic_quota_counts_new_topics_across_parents(lite: Lite) -> None:
     lite.store.put_parent_topic(model.ParentTopic("Q"))
     lite.store.put_quota(model.Quota("broker", max_lite_topics=3))

@@ -35,12 +35,15 @@ def test_acks_move_the_commit_point_over_the_acknowledged_prefix() -> None:
     table = LeaseTable("inc")
     state = table.open(KEY, committed=0, ordered=True)
     r0, r1, r2 = lease_all(table, state, state.picks(0, 3), 0, 1000)
-    assert table.ack(KEY, r1) is None  # out of order: 0 still out
-    assert table.ack(KEY, r0) == 2
-    assert table.ack(KEY, r2) == 3
+    assert table.ack(KEY, r1)  # out of order: 0 still out, 1 is acked above the commit point
+    assert (state.committed, state.acked_above()) == (0, (1,))
+    assert table.ack(KEY, r0)
+    assert (state.committed, state.acked_above()) == (2, ())
+    assert table.ack(KEY, r2)
+    assert state.committed == 3
     assert state.idle
     assert state.picks(5, 1) == [Pick(3, 1, False)]
-    assert table.ack(KEY, r2) is None  # twice: accepted, nothing moves
+    assert not table.ack(KEY, r2)  # twice: accepted, nothing to persist
 
 
 def test_expired_lease_is_redelivered_first_with_the_next_attempt() -> None:
@@ -162,3 +165,29 @@ def test_renewal_stops_at_the_lease_deadline() -> None:
     assert table.due(1499, renewal) == []
     assert table.due(1500, renewal) == [KEY]
     assert state.picks(now_ms=1500, limit=1) == [Pick(0, 2, True)]
+
+
+def test_seeded_acks_stay_settled_and_the_gaps_between_are_handed_out_again() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=3, ordered=False)
+    state.seed((2, 5, 7))  # 2 is below the commit point: ignored
+    assert state.acked_above() == (5, 7) and state.handed == 8
+    picks = state.picks(now_ms=0, limit=10)
+    assert [p.offset for p in picks] == [3, 4, 6, 8, 9, 10, 11, 12, 13, 14]
+    assert all(p.attempt == 1 and not p.redelivery for p in picks)
+    for pick in state.picks(0, 3):
+        state.lease(pick, 0, 1000, 1, "c")
+    assert state.ack(3) is True and state.committed == 4
+    assert state.ack(4) is True and state.committed == 6  # over the seeded 5
+    assert state.ack(6) is True and (state.committed, state.acked_above()) == (8, ())
+
+
+def test_gone_offsets_are_settled_without_skipping_earlier_pending_ones() -> None:
+    state = LeaseTable("inc").open(KEY, committed=0, ordered=True)
+    assert state.settle_gone(2, 4) is False  # 0 and 1 are still to be handed out
+    assert [p.offset for p in state.picks(0, 10)] == [0, 1, 4, 5, 6, 7, 8, 9, 10, 11]
+    for pick in state.picks(0, 2):
+        state.lease(pick, 0, 1000, 1, "c")
+    state.ack(1)
+    assert state.ack(0) is True and state.committed == 4 and state.acked_above() == ()
+    assert state.settle_gone(4, 6) is True and state.committed == 6

@@ -629,3 +629,38 @@ def test_a_closed_store_refuses_calls(store: api.Store, msg: Msg) -> None:
     with pytest.raises(errors.StorageError):
         store.read(LMQ_A, 0, 1)
     store.close()  # idempotent
+
+
+# --- acknowledged offsets above the commit point --------------------------------------------------------
+
+
+def test_acked_offsets_above_the_commit_point_are_kept_and_replaced(store: api.Store, msg: Msg) -> None:
+    store.append([msg() for _ in range(10)])
+    assert store.get_acked(LMQ_A, "g") == ()
+    store.commit_offset(LMQ_A, "g", 2, (4, 7, 9))
+    assert (store.get_offset(LMQ_A, "g"), store.get_acked(LMQ_A, "g")) == (2, (4, 7, 9))
+    assert store.try_commit_offset(LMQ_A, "g", 5, (7,))
+    assert store.get_acked(LMQ_A, "g") == (7,)
+    assert store.get_acked(LMQ_A, "other") == ()
+    store.commit_offset(LMQ_A, "g", 8)  # an in-order commit (or a reset) clears the set
+    assert store.get_acked(LMQ_A, "g") == ()
+    with pytest.raises(errors.InvalidArgument):
+        store.commit_offset(LMQ_A, "g", 8, (8,))
+
+
+def test_a_deleted_lite_topic_forgets_its_acked_offsets(store: api.Store, msg: Msg) -> None:
+    store.append([msg() for _ in range(5)])
+    store.commit_offset(LMQ_A, "g", 1, (3,))
+    assert store.delete_lite_topic("P", "a")
+    store.append([msg() for _ in range(5)])
+    assert store.get_acked(LMQ_A, "g") == ()
+
+
+def test_read_span_covers_what_it_passed_over(store: api.Store, msg: Msg) -> None:
+    store.append([msg(body=b"%d" % i) for i in range(6)])
+    messages, end = store.read_span(LMQ_A, 2, 3)
+    assert ([m.offset for m in messages], end) == ([2, 3, 4], 5)
+    assert store.read_span(LMQ_A, 4, 10)[1] == 6  # up to the queue's end
+    assert store.read_span(LMQ_A, 9, 10) == ([], 9)  # past the end: nothing covered
+    assert store.read_span(model.QueueId.lmq("P", "none"), 0, 10) == ([], 0)
+    assert store.health() is None

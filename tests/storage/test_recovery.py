@@ -182,7 +182,7 @@ def test_a_flipped_byte_in_the_unindexed_tail_truncates_from_that_record(
     assert [m.message_id for m in s.read(LMQ_A, 0, 10)][1:] == ["ok"]
 
 
-def test_a_flipped_byte_in_an_indexed_record_is_reported_on_read(
+def test_a_flipped_byte_in_an_indexed_record_is_skipped_and_reported_on_read(
     open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
 ) -> None:
     s = open_lmq()
@@ -192,26 +192,31 @@ def test_a_flipped_byte_in_an_indexed_record_is_reported_on_read(
     flip_byte(path, frame.position + frame.size - 3)
     s = open_lmq()  # indexed records are not rescanned at open: no truncation of acknowledged data
     assert s.recovery.truncated_bytes == 0
-    with pytest.raises(errors.CorruptRecord):
-        s.read(LMQ_A, 0, 10)
-    assert [m.body for m in s.read(LMQ_A, 2, 10)] == [b"third"]
-    assert [m.body for m in s.read(LMQ_A, 0, 1)] == [b"first"]
+    messages, end = s.read_span(LMQ_A, 0, 10)
+    assert [m.body for m in messages] == [b"first", b"third"]  # the rest of the topic is not held up
+    assert end == 3  # offset 1 lies inside the span read: the reader knows it is gone
+    assert s.damage.total("corrupt_read") == 1
+    assert s.read_span(LMQ_A, 1, 1) == ([], 2)  # the damaged record alone: nothing, and the span past it
 
 
-def test_corruption_before_the_last_segment_fails_the_rebuild(
+def test_corruption_before_the_last_segment_is_quarantined_not_truncated(
     open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
 ) -> None:
     s = open_lmq(segment_max_bytes=4096)
-    for _ in range(10):
-        s.append([msg(body=b"x" * 1000)])
+    for i in range(10):
+        s.append([msg(body=b"%d" % i + b"x" * 1000)])
     s.close()
     first = segment_files(store_config())[0]
-    flip_byte(first, 100)
+    size = first.stat().st_size
+    path, frame = frame_of(store_config(), LMQ_A, 0)
+    assert path == first
+    flip_byte(first, frame.position + 100)
     shutil.rmtree(store_config().data_dir / "index")
-    with pytest.raises(errors.CorruptRecord) as e:
-        open_lmq(segment_max_bytes=4096)
-    assert e.value.fields["segment"] == 0
-    assert first.stat().st_size > 100  # never truncated: fail-stop rather than silently drop acknowledged data
+    s = open_lmq(segment_max_bytes=4096)
+    assert s.recovery.quarantined_records == 1
+    assert first.stat().st_size == size  # never truncated
+    assert [m.body[:1] for m in s.read(LMQ_A, 0, 100)] == [b"%d" % i for i in range(1, 10)]
+    assert (store_config().data_dir / "quarantine" / f"{0:010d}-{frame.position:010d}.bin").exists()
 
 
 def test_an_unknown_record_version_fails_open_and_touches_nothing(

@@ -58,9 +58,9 @@ def test_reads_seek_into_one_queue_only(open_lmq: OpenLmq, msg: Msg, monkeypatch
     seen: list[bytes] = []
     real_entries = index_mod.Index.entries
 
-    def spy(self: index_mod.Index, name: keys.QueueName, start: int, count: int) -> list[index_mod.Entry]:
+    def spy(self: index_mod.Index, name: keys.QueueName, start: int, end: int, limit: int) -> list[index_mod.Entry]:
         seen.append(name.qkey)
-        return real_entries(self, name, start, count)
+        return real_entries(self, name, start, end, limit)
 
     monkeypatch.setattr(index_mod.Index, "entries", spy)
     read = s.read(model.QueueId.lmq("P", "t7"), 10, 32)

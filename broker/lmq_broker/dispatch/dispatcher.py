@@ -144,6 +144,7 @@ class Dispatcher:
         # Commit points of (queue, group) pairs with nothing in flight (their lease state is dropped when
         # idle), so the next delivery need not read it back: this broker is the only writer of offsets.
         self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
+        self._acked_persisted: dict[Key, tuple[int, ...]] = {}  # acks above the commit point, as last persisted
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._next_housekeeping = 0
@@ -413,6 +414,7 @@ class Dispatcher:
         for lmq in lmqs:  # in-flight state and its cached commit point are superseded by the reset
             self.leases.forget((lmq, 0, group))
             self._committed.get(lmq, {}).pop((0, group), None)
+            self._acked_persisted.pop((lmq, 0, group), None)
         await self.run(offsets.reset, self.store, lmqs, group, option)
 
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
@@ -640,10 +642,12 @@ class Dispatcher:
             state = self.leases.get(key)
             if state is None:
                 committed = self._committed.get(key[0], {}).get((key[1], key[2]))
-                if committed is None:
-                    lo, _, stored = await self.run(self._offsets, queue, key[2])
+                acked: tuple[int, ...] = ()
+                if committed is None:  # first use since start: what was committed, and acked above it
+                    lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
                     committed = max(lo, stored if stored is not None else lo)
                 state = self.leases.open(key, committed, ordered)
+                state.seed(acked)
             picks = state.picks(self.clock(), limit)
             end = self.recent.end((key[0], key[1]))
             if end is not None:
@@ -651,13 +655,18 @@ class Dispatcher:
             if not picks:
                 return []
             first = picks[0].offset
-            messages = self.recent.window((key[0], key[1]), first, picks[-1].offset)
-            if messages is None:
-                messages = await self.run(self.store.read, queue, first, picks[-1].offset - first + 1)
+            cached = self.recent.window((key[0], key[1]), first, picks[-1].offset)
+            if cached is not None:
+                messages = cached
+            else:
+                messages, span_end = await self.run(self.store.read_span, queue, first, picks[-1].offset - first + 1)
                 if not messages or messages[0].offset > first:
-                    lo, _, _ = await self.run(self._offsets, queue, key[2])
+                    lo, _, _, _ = await self.run(self._offsets, queue, key[2])
                     if lo > state.committed:  # retention dropped what we were about to deliver
                         state.skip_to(lo)
+                if self._settle_gone(key, state, first, span_end, messages):
+                    await self._commit(key, state)
+                    picks = [p for p in state.picks(self.clock(), limit) if p.offset < span_end]
             by_offset = {m.offset: m for m in messages}
             now = self.clock()
             renew_max = self.config.lease_renew_max_ms
@@ -687,9 +696,30 @@ class Dispatcher:
             self._busy.discard(key)
             self._release(key)
 
-    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None]:
+    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, tuple[int, ...]]:
         lo, hi = self.store.queue_offsets(queue)
-        return lo, hi, self.store.get_offset(queue, group)
+        return lo, hi, self.store.get_offset(queue, group), self.store.get_acked(queue, group)
+
+    def _settle_gone(
+        self, key: Key, state: leases.QueueLeases, first: int, end: int, messages: list[model.StoredMessage]
+    ) -> bool:
+        """Offsets in [first, end) that the store read passed over are gone (a damaged record, a lost
+        segment; the store has reported them): settle them so that the rest of the queue flows and the commit
+        point can pass them. True when anything was settled."""
+        settled = False
+        at = max(first, state.committed)
+        for m in messages:
+            if m.offset > at:
+                state.settle_gone(at, m.offset)
+                settled = True
+            at = max(at, m.offset + 1)
+        if end > at:
+            state.settle_gone(at, end)
+            settled = True
+        if settled:
+            log.warning("%s queue %d group %s: offsets in [%d, %d) are gone from the store; passed over",
+                        key[0], key[1], key[2], first, end)  # fmt: skip
+        return settled
 
     async def _dead_letter(
         self,
@@ -710,7 +740,7 @@ class Dispatcher:
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self.leases.resolve(receipt_handle, group)
         state = self.leases.get(key)
-        if self.leases.ack(key, receipt) is None or state is None:
+        if not self.leases.ack(key, receipt) or state is None:
             return
         hi = await self._commit(key, state)
         if state.has_ready(self.clock(), hi):
@@ -756,15 +786,20 @@ class Dispatcher:
         try:
             async with lock:
                 target = state.committed
+                acked = state.acked_above()
                 queue = model.QueueId(key[0], key[1])
-                if target > counters[1]:
+                if target > counters[1] or acked != self._acked_persisted.get(key, ()):
                     # On the loop when no writer holds the store (two small index writes cost less than the
                     # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
-                    if self.store.try_commit_offset(queue, key[2], target):
+                    if self.store.try_commit_offset(queue, key[2], target, acked):
                         hi = self.store.queue_offsets(queue)[1]
                     else:
-                        hi = await self.run(self._commit_and_max, queue, key[2], target)
+                        hi = await self.run(self._commit_and_max, queue, key[2], target, acked)
                     counters[1] = target
+                    if acked:
+                        self._acked_persisted[key] = acked
+                    else:
+                        self._acked_persisted.pop(key, None)
                     self._remember_commit(key, target)
                 else:
                     hi = self.store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
@@ -784,8 +819,8 @@ class Dispatcher:
         if len(self._committed) > COMMITTED_CACHE_SIZE:
             self._committed.popitem(last=False)
 
-    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int) -> int:
-        self.store.commit_offset(queue, group, offset)
+    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: tuple[int, ...]) -> int:
+        self.store.commit_offset(queue, group, offset, acked)
         return self.store.queue_offsets(queue)[1]
 
     def _redispatch(self, key: Key, *, prefer: str = "") -> None:
@@ -827,6 +862,14 @@ class Dispatcher:
         ]
         if candidates:
             self._arm(min(candidates))
+
+    def resync(self) -> None:
+        """After the store was unable to serve reads for a while (an index rebuild): look again for pending
+        work of every client, and wake every receiver of a normal topic."""
+        for st in self.registry.clients():
+            self._start_catchup(st.client_id)
+            for topic in st.topics:
+                self._wake_topic(topic)
 
     def _start_catchup(self, client_id: str) -> None:
         if client_id in self._catchup_running or self._loop is None:
@@ -913,6 +956,8 @@ class Dispatcher:
         self.leases.drop_topic(lmq.topic)
         self.recent.forget((lmq.topic, lmq.queue))
         self._committed.pop(lmq.topic, None)
+        for key in [k for k in self._acked_persisted if k[0] == lmq.topic]:
+            del self._acked_persisted[key]
 
     # --- reclaim marks (see ``reclaims``) ---------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:

@@ -7,8 +7,9 @@ delivery stops at the first message that is leased and still invisible, so no me
 an earlier one of the same lite topic is out. Normal topics are unordered: leased messages are skipped
 and the window of in-flight messages is capped instead.
 
-Acks move the commit point over every acknowledged prefix; the dispatcher persists it. Nothing here is
-persisted: after a restart consumption resumes from the committed offset (as RocketMQ's order info).
+Acks move the commit point over every acknowledged prefix; the dispatcher persists it together with the
+offsets acknowledged above it (``acked_above``), so that after a restart ``seed`` settles those again and
+only what was not acknowledged is delivered again. Leases themselves are not persisted.
 
 Auto-renew leases (push consumers: the client never extends a lease itself) carry a renewal deadline:
 while their holder still holds the queue (registered, in the group, subscribed to the lite topic), ``due``
@@ -91,9 +92,49 @@ class QueueLeases:
     window: int  # max in-flight offsets (unordered queues)
     handed: int = -1
     entries: dict[int, Lease] = field(default_factory=dict)
+    acked_count: int = 0  # entries acknowledged above the commit point (persisted with it)
 
     def __post_init__(self) -> None:
         self.handed = max(self.handed, self.committed)
+
+    def seed(self, acked: tuple[int, ...]) -> None:
+        """After a restart: the offsets above the commit point that were acknowledged before it. They stay
+        settled; the offsets between them were out (or about to be) and are handed out again at once."""
+        acked = tuple(o for o in acked if o >= self.committed)
+        if not acked:
+            return
+        top = max(acked) + 1
+        for offset in range(self.committed, top):
+            self.entries[offset] = Lease(0, 0, 0)
+        for offset in acked:
+            self.entries[offset].acked = True
+        self.acked_count = len(acked)
+        self.handed = max(self.handed, top)
+
+    def acked_above(self) -> tuple[int, ...]:
+        """The acknowledged offsets above the commit point, ascending (what ``seed`` takes back)."""
+        if not self.acked_count:
+            return ()
+        return tuple(sorted(o for o, lease in self.entries.items() if lease.acked))
+
+    def settle_gone(self, lo: int, hi: int) -> bool:
+        """Offsets [lo, hi) are gone from the store (damaged or lost records): settle them as if acknowledged,
+        without handing them out. True when the commit point moved."""
+        lo = max(lo, self.committed)
+        if lo >= hi:
+            return False
+        for offset in range(self.handed, lo):  # not handed out yet and still there: pending, not skipped
+            self.entries[offset] = Lease(0, 0, 0)
+        for offset in range(lo, hi):
+            lease = self.entries.get(offset)
+            if lease is None:
+                self.entries[offset] = Lease(0, 0, 0, acked=True)
+                self.acked_count += 1
+            elif not lease.acked:
+                lease.acked = True
+                self.acked_count += 1
+        self.handed = max(self.handed, hi)
+        return self._advance()
 
     def picks(self, now_ms: int, limit: int) -> list[Pick]:
         """What to hand out next, up to ``limit``: redeliveries first (in offset order), then new offsets.
@@ -109,7 +150,8 @@ class QueueLeases:
                 if self.ordered:
                     return out
                 continue
-            out.append(Pick(offset, lease.attempt if lease.keep_attempt else lease.attempt + 1, True))
+            attempt = lease.attempt if lease.keep_attempt else lease.attempt + 1
+            out.append(Pick(offset, attempt, lease.attempt > 0))  # attempt 0: pending, never handed out
             if len(out) >= limit:
                 return out
         room = limit - len(out)
@@ -135,13 +177,19 @@ class QueueLeases:
             del self.entries[o]
         self.committed = offset
         self.handed = max(self.handed, offset)
+        self.acked_count = sum(1 for lease in self.entries.values() if lease.acked)
 
     def ack(self, offset: int) -> bool:
         """Mark acknowledged; True when the commit point moved."""
         lease = self.entries.get(offset)
         if lease is None:
             return False
-        lease.acked = True
+        if not lease.acked:
+            lease.acked = True
+            self.acked_count += 1
+        return self._advance()
+
+    def _advance(self) -> bool:
         before = self.committed
         while self.committed < self.handed:
             head = self.entries.get(self.committed)
@@ -149,6 +197,7 @@ class QueueLeases:
                 break
             del self.entries[self.committed]
             self.committed += 1
+            self.acked_count -= 1
         return self.committed != before
 
     def has_ready(self, now_ms: int, max_offset: int) -> bool:
@@ -256,15 +305,20 @@ class LeaseTable:
             raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
         return receipt, (receipt.topic, receipt.queue, group)
 
-    def ack(self, key: Key, receipt: Receipt) -> int | None:
-        """Acknowledge; returns the new commit point when it moved. Acking twice, or acking a message that
-        was re-leased since (the late consumer did process it), is accepted."""
+    def ack(self, key: Key, receipt: Receipt) -> bool:
+        """Acknowledge; True when the ack is news to persist (the commit point or the acknowledged set above it
+        moved). Acking twice, or acking a message that was re-leased since (the late consumer did process
+        it), is accepted."""
         state = self._states.get(key)
         if state is None or receipt.offset < state.committed:
-            return None
+            return False
         if receipt.offset >= state.handed:
             raise errors.InvalidReceiptHandle("receipt handle names a message that was never delivered")
-        return state.committed if state.ack(receipt.offset) else None
+        lease = state.entries.get(receipt.offset)
+        if lease is None or lease.acked:
+            return False
+        state.ack(receipt.offset)
+        return True
 
     def change(
         self, key: Key, receipt: Receipt, now_ms: int, invisible_ms: int, suspend: bool

@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from lmq_broker.dispatch.appender import AppendStats
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.storage.store import LmqStore
 
 
 class Metrics:
@@ -78,6 +79,36 @@ class Metrics:
         for name, doc, read in gauges:
             Gauge(name, doc, registry=self.registry).set_function(read)
         self.registry.register(_AppendCollector(dispatcher.append_stats))
+
+    def watch_store(self, store: LmqStore) -> None:
+        """Damage the store stepped over, and index rebuilds, read at scrape time."""
+        self.registry.register(_DamageCollector(store))
+
+
+class _DamageCollector(Collector):
+    def __init__(self, store: LmqStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        skipped = CounterMetricFamily(
+            "lmq_store_damage_skipped",
+            "Records the store skipped and reported: corrupt_read (failed its CRC when read), quarantined (bad "
+            "record with good ones after it, at recovery; copied to quarantine/), lost (index entries of a "
+            "missing segment)",
+            labels=["kind"],
+        )
+        for kind in ("corrupt_read", "quarantined", "lost"):
+            skipped.add_metric([kind], self._store.damage.total(kind))
+        yield skipped
+        yield CounterMetricFamily(
+            "lmq_store_index_rebuilds",
+            "Index rebuilds from the commit log after damage",
+            value=self._store.index_rebuilds,
+        )
+        yield GaugeMetricFamily(
+            "lmq_store_healthy", "1 while the store serves reads and writes (else /readyz says why)",
+            value=1 if self._store.health() is None else 0,
+        )  # fmt: skip
 
 
 class _AppendCollector(Collector):

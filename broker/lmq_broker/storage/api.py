@@ -68,7 +68,20 @@ class Store(Protocol):
         ...
 
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
-        """Up to ``max_count`` messages of ``queue`` from ``offset`` (clamped up to the queue's min)."""
+        """Up to ``max_count`` messages of ``queue`` from ``offset`` (clamped up to the queue's min): the
+        messages of ``read_span``."""
+        ...
+
+    def read_span(self, queue: model.QueueId, offset: int, max_count: int) -> tuple[list[model.StoredMessage], int]:
+        """Up to ``max_count`` messages of ``queue`` with offsets from ``offset``, and the end of the span they
+        were read from: every offset in [offset, end) without a message among them is gone for good (below
+        the queue's min; or lost with a damaged record or a missing segment, which the store reports). Such
+        holes are passed over, so a damaged record never stops its queue."""
+        ...
+
+    def health(self) -> str | None:
+        """None while the store can serve; else why not (an index rebuild, a disk that cannot take writes):
+        the broker's readiness probe fails meanwhile."""
         ...
 
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
@@ -76,16 +89,21 @@ class Store(Protocol):
         ...
 
     # --- consumer offsets -----------------------------------------------------------------------------
-    def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
-        """Persist the group's next offset to consume; for an LMQ also records the lite topic's last consume time."""
+    def commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> None:
+        """Persist the group's next offset to consume and the offsets above it it has acknowledged already
+        (replacing the previous set); for an LMQ also records the lite topic's last consume time."""
         ...
 
-    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
+    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> bool:
         """``commit_offset`` unless another writer holds the write path right now: then False, nothing written.
         For an event loop, like ``try_begin``: a commit is two small index writes, cheaper than a thread hop."""
         ...
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...
+
+    def get_acked(self, queue: model.QueueId, group: str) -> tuple[int, ...]:
+        """The acknowledged offsets above the group's committed offset, as last committed (ascending)."""
+        ...
 
     # --- lite topics ----------------------------------------------------------------------------------
     def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None: ...

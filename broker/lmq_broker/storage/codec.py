@@ -31,6 +31,7 @@ from the log with the same offsets. A record never spans two segment files.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -296,7 +297,7 @@ def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int) -> bytes
 # --- decoding ----------------------------------------------------------------------------------------
 
 
-def _check(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, tuple[int, ...]]:
+def _check(buf: bytes | memoryview | mmap.mmap, pos: int, end: int) -> tuple[int, tuple[int, ...]]:
     """Validate the frame at ``pos``; return (size, header fields). CorruptRecord / UnsupportedVersion."""
     if end - pos < FIXED_BYTES:
         raise errors.CorruptRecord("truncated record header", position=pos)
@@ -336,6 +337,39 @@ def scan(buf: bytes | memoryview, pos: int, end: int) -> Iterator[Frame]:
         queues, _ = _queues(buf, at + 8 * n, n)
         yield Frame(pos, size, header[1], header[4], queues, offsets)
         pos += size
+
+
+def resync(buf: bytes | mmap.mmap, pos: int, end: int) -> int | None:
+    """The position of the first whole, valid record after the bad one at ``pos``, or None (nothing valid
+    follows: a torn tail). Tries the bad record's own length first (a flipped byte in its body leaves its
+    frame intact), then every position whose version byte could start a header: a candidate must pass the
+    full frame check (lengths adding up, CRC32C), so random bytes are not taken for a record."""
+    if end - pos >= PREFIX.size:
+        (length,) = struct.unpack_from("<I", buf, pos)
+        candidate = pos + 4 + int(length)
+        if pos < candidate < end and _valid_at(buf, candidate, end):
+            return candidate
+    at = pos + 1
+    while at + FIXED_BYTES <= end:
+        found = buf.find(VERSION_BYTE, at + PREFIX.size, end)  # the header's first byte is its version
+        if found < 0:
+            return None
+        found -= PREFIX.size
+        if _valid_at(buf, found, end):
+            return found
+        at = found + 1
+    return None
+
+
+VERSION_BYTE: Final = bytes((VERSION,))
+
+
+def _valid_at(buf: bytes | memoryview | mmap.mmap, pos: int, end: int) -> bool:
+    try:
+        _check(buf, pos, end)
+    except (errors.CorruptRecord, errors.UnsupportedVersion):
+        return False
+    return True
 
 
 def _properties(raw: bytes) -> dict[str, object]:

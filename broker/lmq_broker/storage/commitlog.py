@@ -91,13 +91,28 @@ class CommitLog:
 
     # --- reading -------------------------------------------------------------------------------------
 
-    def read(self, seq: int, position: int, size: int) -> bytes | None:
-        """A record's bytes, or None when its segment was dropped by retention."""
+    def read(self, seq: int, position: int, size: int, *, exact: bool = True) -> bytes | None:
+        """A record's bytes, or None when its segment was dropped by retention; with ``exact`` False, what
+        there is of them (a damaged tail)."""
         s = self._segments.get(seq)
-        return None if s is None else s.read(position, size)
+        if s is None:
+            return None
+        return s.read(position, size) if exact else os.pread(s.fd, size, position)
+
+    def resync(self, seq: int, position: int) -> int | None:
+        """After a bad record at (seq, position): where the next valid record of the segment starts, or None."""
+        s = self._segments[seq]
+        if s.size <= position:
+            return None
+        mm = mmap.mmap(s.fd, s.size, access=mmap.ACCESS_READ)
+        try:
+            return codec.resync(mm, position, s.size)
+        finally:
+            mm.close()
 
     def read_entries(self, entries: list[tuple[int, int, int, int, int]]) -> list[bytes | None]:
-        """The records of index entries ``(offset, segment, position, size, store_ms)``: one pread each."""
+        """The records of index entries ``(offset, segment, position, size, store_ms)``: one pread each; None
+        for a record whose segment is gone."""
         segments = self._segments
         pread = os.pread
         out: list[bytes | None] = []
@@ -107,11 +122,7 @@ class CommitLog:
                 out.append(None)
                 continue
             data = pread(s.fd, size, position)
-            if len(data) != size:
-                raise errors.CorruptRecord(
-                    "short read: record beyond the end of its segment", segment=seq, position=position
-                )
-            out.append(data)
+            out.append(data)  # short (the segment lost its end): the caller's decode finds it truncated
         return out
 
     def scan(self, seq: int, position: int) -> Iterator[tuple[int, codec.Frame]]:

@@ -72,10 +72,20 @@ Entry = tuple[int, int, int, int, int]  # offset, segment, position, size, store
 
 class Cursor(NamedTuple):
     """An iterator with the read options and bound it was made from. The iterator does not keep them alive:
-    with both gone (a helper's locals), seeks found nothing in a store test. Hold the cursor, use ``it``."""
+    with both gone (a helper's locals), seeks found nothing in a store test. Hold the cursor, use ``it``.
+
+    A RocksDB iterator that meets a corrupt block just stops (``valid()`` turns False): whoever walks one to
+    its end calls ``check`` before trusting that the end was the end."""
 
     it: rocksdict.RdictIter
     keep: tuple[object, ...]
+    owner: Index
+
+    def check(self) -> None:
+        try:
+            self.it.status()
+        except Exception as e:  # rocksdict raises bare Exception carrying RocksDB's status text
+            raise self.owner.failed(e) from e
 
     def delete_prefixed(self, wb: rocksdict.WriteBatch, prefix: bytes) -> None:
         """Add a point delete of every key starting with ``prefix`` to ``wb`` (re-seeks this cursor). Point
@@ -89,9 +99,22 @@ class Cursor(NamedTuple):
                 break
             wb.delete(key)
             it.next()
+        self.check()
+
+
+def is_corruption(error: BaseException) -> bool:
+    """Does a RocksDB error say its files are damaged (rather than busy, closed or out of space)? A manifest
+    that CURRENT names but that is gone counts: the database cannot be opened from what is there."""
+    text = str(error)
+    if "Corruption" in text or "checksum mismatch" in text:
+        return True
+    return "No such file" in text and ("MANIFEST" in text or "CURRENT" in text)
 
 
 class Index:
+    """One RocksDB instance. ``on_corruption`` (set by the store) hears of the first read that finds a damaged
+    block; every read error comes out as ``errors.StorageError`` (``errors.IndexCorrupt`` for damage)."""
+
     def __init__(self, path: Path, cache_bytes: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
         opts = rocksdict.Options(raw_mode=True)
@@ -119,13 +142,20 @@ class Index:
         table.set_pin_l0_filter_and_index_blocks_in_cache(True)
         opts.set_block_based_table_factory(table)
         self.path = path
+        self.on_corruption: Callable[[errors.IndexCorrupt], None] | None = None
         try:
             self._db = rocksdict.Rdict(str(path), opts)
         except Exception as e:  # rocksdict raises bare Exception (a held LOCK, a damaged MANIFEST, ...)
-            raise errors.StorageError(f"cannot open the index at {path}: {e}", path=str(path)) from e
+            if is_corruption(e):
+                raise errors.IndexCorrupt(f"cannot open {path}: {e}", path=str(path)) from e
+            raise errors.StorageError(f"cannot open {path}: {e}", path=str(path)) from e
         self._write_opts = rocksdict.WriteOptions()
         self._write_opts.sync = False
-        layout = self._db.get(keys.LAYOUT_KEY)
+        try:
+            layout = self._get(keys.LAYOUT_KEY)  # the first read: a damaged table can show up here
+        except errors.StorageError:
+            self._db.close()  # the LOCK goes with the handle, so the caller can set the directory aside
+            raise
         if layout is None:
             self._db.put(keys.LAYOUT_KEY, keys.U32.pack(keys.LAYOUT_VERSION))
         elif keys.U32.unpack(layout)[0] != keys.LAYOUT_VERSION:
@@ -142,20 +172,39 @@ class Index:
     def write(self, wb: rocksdict.WriteBatch) -> None:
         self._db.write(wb, self._write_opts)
 
+    def failed(self, error: BaseException) -> errors.StorageError:
+        """The error to raise for a failed read (``on_corruption`` hears of damage first)."""
+        if isinstance(error, errors.StorageError):
+            return error
+        if is_corruption(error):
+            corrupt = errors.IndexCorrupt(f"{self.path}: {error}", path=str(self.path))
+            if self.on_corruption is not None:
+                self.on_corruption(corrupt)
+            return corrupt
+        return errors.StorageError(f"{self.path}: {error}", path=str(self.path))
+
+    def _get(self, key: bytes) -> bytes | None:
+        try:
+            return cast("bytes | None", self._db.get(key))
+        except Exception as e:
+            raise self.failed(e) from e
+
     def get(self, key: bytes) -> bytes | None:
-        value = self._db.get(key)
+        value = self._get(key)
         return None if value is None else bytes(value)
 
     def get_u64(self, key: bytes) -> int | None:
-        value = self._db.get(key)
+        value = self._get(key)
         return None if value is None else int(keys.U64.unpack(value)[0])
 
     def flush(self) -> None:
         self._db.flush_wal(True)
 
     def close(self) -> None:
-        self._db.flush(True)  # memtables to SST: the next open replays no WAL
-        self._db.close()
+        try:
+            self._db.flush(True)  # memtables to SST: the next open replays no WAL
+        finally:
+            self._db.close()  # even after a failed flush (a full disk): the LOCK must go with the handle
 
     def items(self, lo: bytes, hi: bytes, limit: int = -1) -> Iterator[tuple[bytes, bytes]]:
         """Keys in [lo, hi) in order."""
@@ -168,6 +217,8 @@ class Index:
             yield bytes(it.key()), bytes(it.value())
             n += 1
             it.next()
+        if n != limit:
+            Cursor(it, (ro, hi), self).check()
 
     def raw_iter(self, lo: bytes, hi: bytes) -> Cursor:
         """A RocksDB iterator positioned at ``lo``, bounded by ``hi``: for hot loops that want to skip rows
@@ -176,7 +227,7 @@ class Index:
         ro.set_iterate_upper_bound(hi)
         it = self._db.iter(ro)
         it.seek(lo)
-        return Cursor(it, (ro, hi))
+        return Cursor(it, (ro, hi), self)
 
     def prefix_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         return self.items(prefix, keys.successor(prefix))
@@ -184,7 +235,7 @@ class Index:
     # --- queues --------------------------------------------------------------------------------------
 
     def load_state(self, name: keys.QueueName) -> QueueState | None:
-        value = self._db.get(name.state_key)
+        value = self._get(name.state_key)
         if value is None:
             return None
         if name.is_lmq:
@@ -195,20 +246,18 @@ class Index:
         min_, next_ = keys.STATE_VALUE.unpack(value)
         return QueueState(name, created=0, last_store=0, last_consume=0, min_=min_, next_=next_)
 
-    def entries(self, name: keys.QueueName, start: int, count: int) -> list[Entry]:
-        """Index entries of one queue for offsets [start, start + count): a seek into this queue's runs only."""
+    def entries(self, name: keys.QueueName, start: int, end: int, limit: int) -> list[Entry]:
+        """Up to ``limit`` index entries of one queue with offsets in [start, end), in offset order: a seek
+        into this queue's runs only. Offsets without an entry (records skipped at recovery, lost with a
+        segment) are passed over, so a hole never stops a reader."""
         prefix = name.entry_prefix
         ro = rocksdict.ReadOptions()
         hi = keys.successor(prefix)  # a local: the bound must outlive the iteration below
         ro.set_iterate_upper_bound(hi)
-        seek = prefix + keys.U64BE.pack(start)
         it = self._db.iter(ro)
-        it.seek_for_prev(seek)  # the run holding ``start`` begins at or before it
-        if it.valid():
-            found = it.key()
-            if found.startswith(prefix):
-                seek = found
-        end = start + count
+        it.seek_for_prev(prefix + keys.U64BE.pack(start))  # the run holding ``start`` begins at or before it
+        if not it.valid() or not bytes(it.key()).startswith(prefix):
+            it.seek(prefix)
         out: list[Entry] = []
         unpack_first = keys.U64BE.unpack_from
         unpack_head = keys.RUN_HEAD.unpack_from
@@ -216,22 +265,29 @@ class Index:
         head, step, tail = keys.RUN_HEAD.size, keys.RUN_ENTRY.size, len(prefix)
         single = head + step
         unpack_single = keys.RUN_SINGLE.unpack
-        for key, value in self._db.items(from_key=seek, read_opt=ro):
-            first = unpack_first(key, tail)[0]  # type: ignore[arg-type]  # raw mode: keys are bytes
+        key_of = cast("Callable[[], bytes]", it.key)  # raw mode: keys and values are bytes
+        value_of = cast("Callable[[], bytes]", it.value)
+        while it.valid():
+            first = unpack_first(key_of(), tail)[0]
             if first >= end:
                 break
+            value = value_of()
             if len(value) == single:  # a run of one entry: the common case of a lite topic
-                seg, store_ms, pos, size = unpack_single(value)
                 if first >= start:
+                    seg, store_ms, pos, size = unpack_single(value)
                     out.append((first, seg, pos, size, store_ms))
-                continue
-            seg, store_ms = unpack_head(value)
-            n = (len(value) - head) // step
-            for i in range(max(0, start - first), min(n, end - first)):
-                pos, size = unpack_entry(value, head + i * step)
-                out.append((first + i, seg, pos, size, store_ms))
-            if first + n >= end:
-                break
+                    if len(out) >= limit:
+                        return out
+            else:
+                seg, store_ms = unpack_head(value)
+                n = (len(value) - head) // step
+                for i in range(max(0, start - first), min(n, end - first)):
+                    pos, size = unpack_entry(value, head + i * step)
+                    out.append((first + i, seg, pos, size, store_ms))
+                    if len(out) >= limit:
+                        return out
+            it.next()
+        Cursor(it, (ro, hi), self).check()
         return out
 
     def runs(self, name: keys.QueueName) -> Iterator[tuple[int, int, int]]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
+from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 from lmq_broker import errors, model
@@ -59,14 +60,16 @@ SEGMENT: Final = b"B"
 SYSTEM: Final = b"X"
 CHECKPOINT_KEY: Final = b"Xcheckpoint"
 LAYOUT_KEY: Final = b"Xlayout"
+META_PROBE_KEY: Final = b"Xprobe"  # written by a readiness probe to learn whether the meta store can write
 TOTAL_COUNT_KEY: Final = COUNT
 
 CONSUMED: Final = b"C"
+ACKED: Final = b"A"  # acknowledged offsets above a group's committed offset (meta store)
 
 # Prefixes whose keys are derived from the log: a rebuild deletes and recreates exactly these.
 DERIVED_PREFIXES: Final = (ENTRY, STATE, LITE, COUNT, SEGMENT)
 # Prefixes of the meta store: what no log holds.
-PRIMARY_PREFIXES: Final = (OFFSET, CONSUMED, PARENT, GROUP, QUOTA, RECLAIM)
+PRIMARY_PREFIXES: Final = (OFFSET, CONSUMED, PARENT, GROUP, QUOTA, RECLAIM, ACKED)
 
 U16BE: Final = struct.Struct(">H")
 U32BE: Final = struct.Struct(">I")
@@ -247,6 +250,33 @@ def offset_key(qkey: bytes, group: str) -> bytes:
 
 def consumed_key(qkey: bytes) -> bytes:
     return CONSUMED + qkey
+
+
+def acked_key(qkey: bytes, group: str) -> bytes:
+    return ACKED + qkey + group.encode()
+
+
+def split_group_key(key: bytes) -> tuple[bytes, str]:
+    """(qkey, group) of an ``offset_key`` or ``acked_key``: the qkey ends two bytes after its NUL."""
+    end = key.index(b"\x00", 1) + 3
+    return key[1:end], key[end:].decode()
+
+
+def encode_acked(committed: int, acked: Sequence[int]) -> bytes:
+    """Acked offsets above ``committed`` as the committed offset and a bitmap (bit i: committed + 1 + i)."""
+    bits = bytearray((max(acked) - committed + 7) // 8)
+    for offset in acked:
+        i = offset - committed - 1
+        bits[i >> 3] |= 1 << (i & 7)
+    return U64.pack(committed) + bytes(bits)
+
+
+def decode_acked(value: bytes) -> tuple[int, tuple[int, ...]]:
+    (committed,) = U64.unpack_from(value)
+    bits = value[U64.size :]
+    return committed, tuple(
+        committed + 1 + (i << 3) + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1
+    )
 
 
 def split_qkey(qkey: bytes) -> tuple[str, int]:

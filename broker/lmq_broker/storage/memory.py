@@ -80,6 +80,7 @@ class MemoryStore:
         self._lock = threading.RLock()
         self._queues: dict[bytes, _Queue] = {}
         self._offsets: dict[bytes, dict[str, int]] = {}
+        self._acked: dict[bytes, dict[str, tuple[int, ...]]] = {}
         self._counts: dict[str, int] = {}
         self._parents: dict[str, model.ParentTopic] = {}
         self._groups: dict[str, model.LiteGroup] = {}
@@ -140,14 +141,26 @@ class MemoryStore:
         return results
 
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
+        return self.read_span(queue, offset, max_count)[0]
+
+    def read_span(self, queue: model.QueueId, offset: int, max_count: int) -> tuple[list[model.StoredMessage], int]:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
         with self._lock:
             q = self._queues.get(name.qkey)
             if q is None or max_count <= 0:
-                return []
-            start = max(offset, q.min)
-            return [q.messages[o] for o in range(start, min(q.next, start + max_count)) if o in q.messages]
+                return [], offset
+            out: list[model.StoredMessage] = []
+            at = max(offset, q.min)
+            while at < q.next and len(out) < max_count:
+                m = q.messages.get(at)
+                if m is not None:
+                    out.append(m)
+                at += 1
+            return out, at
+
+    def health(self) -> str | None:
+        return "store is closed" if self._closed else None
 
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
         self._check_open()
@@ -158,19 +171,23 @@ class MemoryStore:
 
     # --- consumer offsets ----------------------------------------------------------------------------
 
-    def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
-        self._commit_offset(queue, group, offset, wait=True)
+    def commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> None:
+        self._commit_offset(queue, group, offset, acked, wait=True)
 
-    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
-        return self._commit_offset(queue, group, offset, wait=False)
+    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> bool:
+        return self._commit_offset(queue, group, offset, acked, wait=False)
 
-    def _commit_offset(self, queue: model.QueueId, group: str, offset: int, *, wait: bool) -> bool:
+    def _commit_offset(
+        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int], *, wait: bool
+    ) -> bool:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
         if not model.is_valid_resource_name(group):
             raise errors.InvalidName(f"invalid group name {group!r}", group=group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        if acked and min(acked) <= offset:
+            raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
         if not self._lock.acquire(blocking=wait):
             return False
         try:
@@ -180,6 +197,10 @@ class MemoryStore:
                     return True
                 q.last_consume = self._clock()
             self._offsets.setdefault(name.qkey, {})[group] = offset
+            if acked:
+                self._acked.setdefault(name.qkey, {})[group] = tuple(sorted(acked))
+            else:
+                self._acked.get(name.qkey, {}).pop(group, None)
             return True
         finally:
             self._lock.release()
@@ -189,6 +210,12 @@ class MemoryStore:
         name = keys.parse_queue(queue.topic, queue.queue)
         with self._lock:
             return self._offsets.get(name.qkey, {}).get(group)
+
+    def get_acked(self, queue: model.QueueId, group: str) -> tuple[int, ...]:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            return self._acked.get(name.qkey, {}).get(group, ())
 
     # --- lite topics ---------------------------------------------------------------------------------
 
@@ -242,6 +269,7 @@ class MemoryStore:
             return False
         del self._queues[name.qkey]
         self._offsets.pop(name.qkey, None)
+        self._acked.pop(name.qkey, None)
         self._counts[parent] = self._counts.get(parent, 1) - 1
         if not self._counts[parent]:
             del self._counts[parent]

@@ -20,17 +20,23 @@ open fails. A missing index or a checkpoint past the log's end rebuilds every de
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import operator
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from pathlib import Path
 from typing import Final, NamedTuple, cast
 
+import rocksdict
+
 from lmq_broker import config, errors, model
-from lmq_broker.storage import api, codec, commitlog, keys
+from lmq_broker.storage import api, codec, commitlog, damage, keys
 from lmq_broker.storage import index as index_mod
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,9 @@ REPLAY_BATCH_RECORDS: Final = 4096
 RETENTION_BATCH_QUEUES: Final = 10_000
 SCAN_LIMIT_MAX: Final = 100_000
 META_CACHE_BYTES: Final = 8 * 1024 * 1024  # offsets are read on a consumer's first receive, then cached above
+QUARANTINE_COPY_BYTES: Final = 64 * 1024 * 1024
+META_RETRY_S: Final = 1.0  # after a failed meta write, reopen and retry at most this often
+INDEX_RELEASE_S: Final = 30.0  # how long a rebuild waits for readers to let go of the damaged index
 
 
 def wall_clock_ms() -> int:
@@ -58,6 +67,9 @@ class RecoveryReport:
     records_reindexed: int
     truncated_bytes: int  # torn tail cut from the last segment
     duration_ms: float
+    quarantined_records: int = 0  # bad records with good ones after them: skipped, copied to quarantine/
+    lost_entries: int = 0  # index entries whose segment file is missing
+    queues_reconciled: int = 0  # queues whose next offset was raised to a group's committed/acked offsets
 
 
 class _Request:
@@ -130,15 +142,22 @@ class LmqStore:
         self._queue: list[_Request] = []
         self._closed = False
         self._failed: str | None = None
+        self._rebuilding: str | None = None  # why the index is being rebuilt (reads find nothing meanwhile)
+        self._rebuilder: threading.Thread | None = None
+        self._meta_error: str | None = None  # the last meta write failed (a full disk): retried, then reopened
+        self._meta_retry_at = 0.0
+        self._state_cache_entries = state_cache_entries
+        self.damage = damage.Skips()
+        self.index_rebuilds = 0
         started = time.perf_counter()
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = commitlog.CommitLog(cfg.data_dir / "commitlog", cfg.segment_max_bytes)
         try:
             # Two RocksDB instances: ``index`` holds only what the log can recreate (a cache: delete it and it is
             # rebuilt); ``meta`` holds what only the broker knows (consumer offsets, topics, groups, quotas).
-            self._meta = index_mod.Index(cfg.data_dir / "meta", META_CACHE_BYTES)
+            self._meta = _open_meta(cfg.data_dir / "meta")
             try:
-                self._index = index_mod.Index(cfg.data_dir / "index", cfg.index_cache_bytes)
+                self._index = self._open_index()
             except BaseException:
                 self._meta.close()
                 raise
@@ -147,15 +166,34 @@ class LmqStore:
             raise
         self._states = index_mod.StateCache(self._index, state_cache_entries)
         try:
-            self._move_primary_keys()
-            self._segtab = self._index.segment_table()
-            rebuilt, reindexed, truncated = self._recover()
+            self._acked_keys = {key for key, _ in self._meta.prefix_items(keys.ACKED)}
+            damaged = ""
+            try:
+                self._move_primary_keys()
+                self._segtab = self._index.segment_table()
+                rebuilt, reindexed, truncated = self._recover()
+            except errors.IndexCorrupt as e:  # found while recovering: rebuild now, before serving
+                damaged = e.message  # (outside this block: the error's frames hold iterators of the old index)
+            if damaged:
+                log.error("the index is damaged (%s); it is a cache of the commit log: rebuilding it", damaged)
+                self._replace_index()
+                rebuilt, reindexed, truncated = self._recover()
+            self._index.on_corruption = self._index_corrupt
         except BaseException:
-            self._index.close()
+            with contextlib.suppress(Exception):
+                self._index.close()
             self._meta.close()
             self._log.close()
             raise
-        self.recovery = RecoveryReport(rebuilt, reindexed, truncated, (time.perf_counter() - started) * 1000)
+        self.recovery = RecoveryReport(
+            rebuilt,
+            reindexed,
+            truncated,
+            (time.perf_counter() - started) * 1000,
+            self.damage.total("quarantined"),
+            self.damage.total("lost"),
+            self._reconciled,
+        )
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         if not self._sync:
@@ -172,6 +210,27 @@ class LmqStore:
     def cached_states(self) -> int:
         return len(self._states)
 
+    def health(self) -> str | None:
+        """None while the store serves reads and writes; else why not (the broker's readiness probe)."""
+        if self._closed:
+            return "store is closed"
+        if self._rebuilding is not None:
+            return f"index rebuilding from the commit log: {self._rebuilding}"
+        if self._failed is not None:
+            return f"store stopped accepting writes: {self._failed}"
+        if self._meta_error is not None:
+            self._retry_meta()
+            if self._meta_error is not None:
+                return f"meta store cannot write: {self._meta_error}"
+        return None
+
+    def wait_rebuilt(self, timeout: float | None = None) -> bool:
+        """Wait for a running index rebuild (tests); True when none is running."""
+        t = self._rebuilder
+        if t is not None:
+            t.join(timeout)
+        return self._rebuilding is None
+
     def drop_caches(self) -> None:
         """Forget every cached queue state and name (they are reloaded from the index on demand)."""
         with self._write_lock:
@@ -182,6 +241,7 @@ class LmqStore:
 
     def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         self._check_open()
+        self._check_not_rebuilding()
         if not messages:
             return []
         req = _Request(messages)
@@ -213,24 +273,35 @@ class LmqStore:
         return _Pending(self, reqs, staged)
 
     def read(self, queue: model.QueueId, offset: int, max_count: int) -> list[model.StoredMessage]:
+        return self.read_span(queue, offset, max_count)[0]
+
+    def read_span(self, queue: model.QueueId, offset: int, max_count: int) -> tuple[list[model.StoredMessage], int]:
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
-        if max_count <= 0:
-            return []
+        if max_count <= 0 or self._rebuilding is not None:
+            return [], offset
         st = self._state(name)
         if st is None:
-            return []
+            return [], offset
         start = max(offset, st.min)
-        end = min(st.next, start + max_count)
-        if start >= end:
-            return []
-        entries = self._index.entries(name, start, end - start)
+        if start >= st.next:
+            return [], start
+        entries = self._index.entries(name, start, st.next, max_count)
+        end = entries[-1][0] + 1 if len(entries) >= max_count else st.next
         decode = codec.decode_message
-        return [
-            decode(buf, queue, entry[0])
-            for entry, buf in zip(entries, self._log.read_entries(entries), strict=True)
-            if buf is not None  # None: the segment was dropped by retention after the lookup
-        ]
+        out: list[model.StoredMessage] = []
+        for entry, buf in zip(entries, self._log.read_entries(entries), strict=True):
+            if buf is None:  # the segment is gone: dropped by retention after the lookup, or lost
+                continue
+            try:
+                out.append(decode(buf, queue, entry[0]))
+            except errors.StorageError as e:
+                self.damage.report(
+                    "corrupt_read",
+                    f"{queue.topic} queue {queue.queue} offset {entry[0]}: {e.message} "
+                    f"(segment {entry[1]} position {entry[2]}); the message is skipped",
+                )
+        return out, end
 
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
         self._check_open()
@@ -239,34 +310,46 @@ class LmqStore:
 
     # --- consumer offsets ----------------------------------------------------------------------------
 
-    def commit_offset(self, queue: model.QueueId, group: str, offset: int) -> None:
-        self._commit_offset(queue, group, offset, wait=True)
+    def commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> None:
+        self._commit_offset(queue, group, offset, acked, wait=True)
 
-    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int) -> bool:
-        return self._commit_offset(queue, group, offset, wait=False)
+    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> bool:
+        return self._commit_offset(queue, group, offset, acked, wait=False)
 
-    def _commit_offset(self, queue: model.QueueId, group: str, offset: int, *, wait: bool) -> bool:
+    def _commit_offset(
+        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int], *, wait: bool
+    ) -> bool:
         """False (nothing written) only when ``wait`` is False and another writer holds the write lock."""
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
         _check_group(group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        if acked and min(acked) <= offset:
+            raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
+        self._check_not_rebuilding()
         if not self._write_lock.acquire(blocking=wait):
             return False
         try:
             self._check_writable()
             meta = self._meta.batch()
             meta.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
+            akey = keys.acked_key(name.qkey, group)
+            if acked:
+                meta.put(akey, keys.encode_acked(offset, acked))
+            elif akey in self._acked_keys:
+                meta.delete(akey)
             if not name.is_lmq:
-                self._meta.write(meta)
+                self._write_meta(meta)
+                self._note_acked(akey, bool(acked))
                 return True
             st = self._state(name)
             if st is None:
                 return True  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
             now = self._clock()
             meta.put(keys.consumed_key(name.qkey), keys.U64.pack(now))  # survives a rebuilt index
-            self._meta.write(meta)
+            self._write_meta(meta)
+            self._note_acked(akey, bool(acked))
             wb = self._index.batch()
             wb.put(name.state_key, _value(st, last_consume=now))
             self._index.write(wb)
@@ -279,6 +362,20 @@ class LmqStore:
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
         return self._meta.get_u64(keys.offset_key(name.qkey, group))
+
+    def get_acked(self, queue: model.QueueId, group: str) -> tuple[int, ...]:
+        self._check_open()
+        key = keys.acked_key(self._resolve(queue.topic, queue.queue).qkey, group)
+        if key not in self._acked_keys:  # the usual answer, without a RocksDB read
+            return ()
+        value = self._meta.get(key)
+        return () if value is None else keys.decode_acked(value)[1]
+
+    def _note_acked(self, key: bytes, present: bool) -> None:
+        if present:
+            self._acked_keys.add(key)
+        else:
+            self._acked_keys.discard(key)
 
     # --- lite topics ---------------------------------------------------------------------------------
 
@@ -728,6 +825,12 @@ class LmqStore:
             raise errors.StorageError("store is closed")
         if self._failed is not None:
             raise errors.StorageError(f"store stopped accepting writes: {self._failed}")
+        self._check_not_rebuilding()
+
+    def _check_not_rebuilding(self) -> None:
+        """Writes fail fast while the index is rebuilt (the rebuild holds the write lock for its duration)."""
+        if self._rebuilding is not None:
+            raise errors.StorageError(f"index rebuilding from the commit log: {self._rebuilding}")
 
     # --- control metadata ----------------------------------------------------------------------------
 
@@ -736,7 +839,7 @@ class LmqStore:
         with self._write_lock:
             wb = self._meta.batch()
             wb.put(key, value)
-            self._meta.write(wb)
+            self._write_meta(wb)
 
     def _get_meta(self, key: bytes) -> bytes | None:
         self._check_open()
@@ -749,7 +852,7 @@ class LmqStore:
                 return False
             wb = self._meta.batch()
             wb.delete(key)
-            self._meta.write(wb)
+            self._write_meta(wb)
             return True
 
     def _list_meta(self, prefix: bytes) -> list[bytes]:
@@ -764,7 +867,53 @@ class LmqStore:
         for name in names:
             cursor.delete_prefixed(wb, name.offset_prefix)
             wb.delete(keys.consumed_key(name.qkey))
-        self._write_index(lambda: self._meta.write(wb))
+        del cursor  # an open iterator keeps its RocksDB instance (and its LOCK) alive, even past an error
+        if self._acked_keys:
+            for name in names:
+                for key in [k for k in self._acked_keys if k.startswith(keys.ACKED + name.qkey)]:
+                    wb.delete(key)
+                    self._acked_keys.discard(key)
+        self._write_meta(wb)
+
+    def _write_meta(self, wb: rocksdict.WriteBatch) -> None:
+        """Write to the meta store (under the write lock). After a failure (a full disk) ``health`` reports it
+        and writes fail fast; at most once per META_RETRY_S a write (or a readiness probe) reopens the meta
+        store, which RocksDB needs to clear a write error, and tries again: writes resume once space is back."""
+        if self._meta_error is not None:
+            if time.monotonic() < self._meta_retry_at:
+                raise errors.StorageError(f"meta store cannot write: {self._meta_error}")
+            self._meta_retry_at = time.monotonic() + META_RETRY_S
+            with contextlib.suppress(Exception):  # closing flushes, which fails the same way; the handle goes
+                self._meta.close()
+            try:
+                self._meta = _open_meta(self._cfg.data_dir / "meta")
+            except errors.StorageError as e:
+                self._meta_error = e.message
+                raise
+        try:
+            self._meta.write(wb)
+        except Exception as e:  # rocksdict raises bare Exception with RocksDB's status text
+            if self._meta_error is None:
+                log.error("meta store write failed: %s; acks and metadata changes fail until it can write", e)
+            self._meta_error = str(e)
+            self._meta_retry_at = time.monotonic() + META_RETRY_S
+            raise errors.StorageError(f"meta store write failed: {e}") from e
+        if self._meta_error is not None:
+            log.warning("meta store writes again (after: %s)", self._meta_error)
+            self._meta_error = None
+
+    def _retry_meta(self) -> None:
+        if time.monotonic() < self._meta_retry_at or not self._write_lock.acquire(blocking=False):
+            return
+        try:
+            if self._meta_error is not None:
+                wb = self._meta.batch()
+                wb.put(keys.META_PROBE_KEY, keys.U64.pack(self._clock()))
+                self._write_meta(wb)
+        except errors.StorageError:
+            pass
+        finally:
+            self._write_lock.release()
 
     def _move_primary_keys(self) -> None:
         """An index written before ``meta`` existed holds offsets and control metadata: move them, once."""
@@ -843,11 +992,79 @@ class LmqStore:
                     advanced.add(st.name.qkey)
         return advanced
 
+    # --- index damage ------------------------------------------------------------------------------
+
+    def _open_index(self) -> index_mod.Index:
+        """Open the index; a damaged one (CURRENT, MANIFEST, a table file) is set aside and rebuilt."""
+        path = self._cfg.data_dir / "index"
+        try:
+            index = index_mod.Index(path, self._cfg.index_cache_bytes)
+        except errors.IndexCorrupt as e:
+            log.error("the index is damaged (%s); it is a cache of the commit log: rebuilding it", e.message)
+            _set_aside(path)
+            self.index_rebuilds += 1
+            index = index_mod.Index(path, self._cfg.index_cache_bytes)
+        return index
+
+    def _replace_index(self) -> None:
+        """Set the damaged index aside and start an empty one (the caller then replays the log into it)."""
+        with contextlib.suppress(Exception):  # a damaged index may fail its final flush
+            self._index.close()
+        _set_aside(self._index.path)
+        deadline = time.monotonic() + INDEX_RELEASE_S
+        while True:
+            try:
+                self._index = self._open_index()
+                break
+            except errors.StorageError as e:
+                # RocksDB frees the old instance (and the LOCK path it holds in this process) only when the
+                # last iterator of it is gone: a reader that just hit the damage may still hold one.
+                if "lock" not in e.message.lower() or time.monotonic() > deadline:
+                    raise
+                gc.collect()
+                time.sleep(0.05)
+        self.index_rebuilds += 1
+        self._states = index_mod.StateCache(self._index, self._state_cache_entries)
+        self._segtab = {}
+
+    def _index_corrupt(self, error: errors.IndexCorrupt) -> None:
+        """A read found a damaged index block: rebuild the index from the log in the background. Meanwhile
+        reads find nothing, writes are refused and ``health`` (readiness) says why."""
+        with self._queue_lock:
+            if self._rebuilding is not None or self._closed:
+                return
+            self._rebuilding = error.message
+        log.error("index read failed: %s; rebuilding the index from the commit log", error.message)
+        self._rebuilder = threading.Thread(target=self._rebuild_index, name="lmq-index-rebuild", daemon=True)
+        self._rebuilder.start()
+
+    def _rebuild_index(self) -> None:
+        try:
+            with self._write_lock:
+                if self._closed:
+                    return
+                self._replace_index()
+                rebuilt, count, _ = self._recover()
+                self._index.on_corruption = self._index_corrupt
+            log.warning("index rebuilt from the commit log: %d records re-indexed (full: %s)", count, rebuilt)
+        except Exception as e:
+            log.exception("index rebuild failed; the store stops taking writes (restart to retry)")
+            self._failed = f"index rebuild failed: {e}"
+        finally:
+            self._rebuilding = None
+
     # --- recovery ------------------------------------------------------------------------------------
 
     def _recover(self) -> tuple[bool, int, int]:
-        """Bring the index up to the log. Returns (rebuilt, records re-indexed, torn bytes truncated)."""
+        """Bring the index up to the log. Returns (rebuilt, records re-indexed, torn bytes truncated).
+
+        Missing segment files are reported (with the index entries they take with them) and forgotten; a bad
+        record with good ones after it is quarantined; only a bad tail of the last segment is cut. Afterwards,
+        if the log lost anything, queues are reconciled with what groups have committed or acked, so that no
+        offset at or below one of those is ever handed out again."""
         seqs = self._log.seqs()
+        self._reconciled = 0
+        lost = self._check_continuity(seqs)
         cp = self._index.checkpoint()
         rebuild = cp is None or cp[0] not in seqs or cp[1] > self._log.size_of(cp[0])
         if rebuild:
@@ -859,10 +1076,47 @@ class LmqStore:
         else:
             assert cp is not None
             start = cp
+        quarantined = self.damage.total("quarantined")
         count, truncated = self._replay(start, seqs[-1], rebuild)
         if rebuild:
             self._restore_consume_times()
+        if rebuild or truncated or lost or self.damage.total("quarantined") > quarantined:
+            self._reconciled = self._reconcile_offsets()
         return rebuild, count, truncated
+
+    def _check_continuity(self, seqs: list[int]) -> int:
+        """Segments the index knows of (or between the first and the last file) whose file is gone: report
+        the index entries lost with them, drop those entries, return how many. Retention removes a segment
+        from the index before it unlinks it, so a known segment without its file was lost, not retired."""
+        present = set(seqs)
+        missing = sorted((set(range(seqs[0], seqs[-1] + 1)) | set(self._segtab)) - present)
+        if not missing:
+            return 0
+        gone = set(missing)
+        lost: dict[bytes, int] = {}
+        wb = self._index.batch()
+        for key, value in self._index.prefix_items(keys.ENTRY):
+            seg, _ = keys.RUN_HEAD.unpack_from(value)
+            if seg in gone:
+                qkey = key[len(keys.ENTRY) : -8]
+                lost[qkey] = lost.get(qkey, 0) + keys.run_length(value)
+                wb.delete(key)
+        for seg in missing:
+            wb.delete(keys.segment_key(seg))
+            self._segtab.pop(seg, None)
+        self._write_index(lambda: self._index.write(wb))
+        total = sum(lost.values())
+        worst = sorted(lost.items(), key=lambda kv: -kv[1])[:10]
+        log.error(
+            "commit log segment(s) %s missing: %d indexed messages of %d queues are lost (most: %s); the "
+            "rest of each queue is delivered",
+            missing,
+            total,
+            len(lost),
+            ", ".join(f"{keys.split_qkey(q)[0]}={n}" for q, n in worst) or "none indexed",
+        )
+        self.damage.report("lost", f"segments {missing} missing: {total} messages of {len(lost)} queues", total)
+        return total or len(missing)
 
     def _replay(self, start: tuple[int, int], last_seq: int, rebuilding: bool) -> tuple[int, int]:
         """Re-index every record from ``start``; batches of REPLAY_BATCH_RECORDS, each with its checkpoint."""
@@ -870,41 +1124,113 @@ class LmqStore:
         end = start
         count = 0
         pack_entry = keys.RUN_ENTRY.pack
+        at = start
+        while True:
+            try:
+                for seq, f in self._log.scan(*at):
+                    if f.kind == codec.KIND_TOMBSTONE:
+                        self._write_batch(batch, end)  # what precedes the deletion, then the deletion alone
+                        batch = self._batch()
+                        self._replay_tombstone(batch, f, seq, rebuilding)
+                    else:
+                        entry = pack_entry(f.position, f.size)
+                        for (topic, qid), off in zip(f.queues, f.offsets, strict=True):
+                            try:
+                                name = self._resolve(topic, qid)
+                            except errors.InvalidArgument as e:
+                                raise errors.CorruptRecord(
+                                    f"record names an invalid queue: {e.message}", segment=seq, position=f.position
+                                ) from e
+                            batch.replayed(name, seq, f.store_ms, off).replay(off, seq, f.store_ms, entry)
+                    batch.touch_segment(seq, f.store_ms)
+                    end = (seq, f.position + f.size)
+                    count += 1
+                    if count % REPLAY_BATCH_RECORDS == 0 or f.kind == codec.KIND_TOMBSTONE:
+                        self._write_batch(batch, end)
+                        batch = self._batch()
+                self._write_batch(batch, end)
+                return count, 0
+            except errors.CorruptRecord as e:
+                bad_seq, bad_pos = e.fields.get("segment"), e.fields.get("position")
+                if not isinstance(bad_seq, int) or not isinstance(bad_pos, int):
+                    raise
+                self._write_batch(batch, end)
+                batch = self._batch()
+                resume = self._log.resync(bad_seq, bad_pos)
+                if resume is None and bad_seq == last_seq:  # nothing good follows: a torn tail
+                    truncated = self._log.size_of(bad_seq) - bad_pos
+                    self._quarantine(bad_seq, bad_pos, truncated, f"torn tail: {e.message}", kind="")
+                    log.warning(
+                        "recovery: torn record at segment %d position %d, %d bytes cut", bad_seq, bad_pos, truncated
+                    )
+                    self._log.rollback(bad_seq, bad_pos)
+                    self._write_batch(batch, (bad_seq, bad_pos))
+                    return count, truncated
+                stop = self._log.size_of(bad_seq) if resume is None else resume
+                self._quarantine(bad_seq, bad_pos, stop - bad_pos, e.message, kind="quarantined")
+                # Good records follow (or the segment is not the last): skip the bad bytes, keep the rest.
+                if resume is not None:
+                    at = end = (bad_seq, resume)
+                else:  # the rest of a closed segment: go on with the next one (the checkpoint stays before)
+                    at = (bad_seq + 1, 0)
+
+    def _quarantine(self, seq: int, position: int, size: int, why: str, *, kind: str) -> None:
+        """Copy skipped or cut bytes of the log to ``quarantine/`` (at most QUARANTINE_COPY_BYTES each) and,
+        for ``kind``, report them as damage."""
+        directory = self._cfg.data_dir / "quarantine"
+        name = f"{seq:010d}-{position:010d}.bin"
         try:
-            for seq, f in self._log.scan(*start):
-                if f.kind == codec.KIND_TOMBSTONE:
-                    self._write_batch(batch, end)  # what precedes the deletion, then the deletion alone
-                    batch = self._batch()
-                    self._replay_tombstone(batch, f, seq, rebuilding)
+            directory.mkdir(exist_ok=True)
+            data = self._log.read(seq, position, min(size, QUARANTINE_COPY_BYTES), exact=False)
+            (directory / name).write_bytes(data or b"")
+        except OSError as e:
+            log.warning("could not copy %d bytes at segment %d position %d to quarantine: %s", size, seq, position, e)
+        if kind:
+            self.damage.report(
+                kind,
+                f"segment {seq} position {position}: {size} bytes skipped ({why}); a copy is in "
+                f"{directory / name}; the records after it are kept",
+            )
+
+    def _reconcile_offsets(self) -> int:
+        """After the log lost records: raise each queue's next offset above every offset a group committed or
+        acked, so a new message never takes an offset a group has already passed (it would never be
+        delivered). Returns how many queues moved."""
+        need: dict[bytes, int] = {}
+        for prefix in (keys.OFFSET, keys.ACKED):
+            for key, value in self._meta.prefix_items(prefix):
+                qkey, _ = keys.split_group_key(key)
+                if prefix == keys.OFFSET:
+                    floor = keys.U64.unpack(value)[0]
                 else:
-                    entry = pack_entry(f.position, f.size)
-                    for (topic, qid), off in zip(f.queues, f.offsets, strict=True):
-                        try:
-                            name = self._resolve(topic, qid)
-                        except errors.InvalidArgument as e:
-                            raise errors.CorruptRecord(
-                                f"record names an invalid queue: {e.message}", segment=seq, position=f.position
-                            ) from e
-                        batch.replayed(name, seq, f.store_ms, off).replay(off, seq, f.store_ms, entry)
-                batch.touch_segment(seq, f.store_ms)
-                end = (seq, f.position + f.size)
-                count += 1
-                if count % REPLAY_BATCH_RECORDS == 0 or f.kind == codec.KIND_TOMBSTONE:
-                    self._write_batch(batch, end)
-                    batch = self._batch()
-        except errors.CorruptRecord as e:
-            bad_seq, bad_pos = e.fields.get("segment"), e.fields.get("position")
-            if bad_seq != last_seq or not isinstance(bad_seq, int) or not isinstance(bad_pos, int):
-                raise
-            self._write_batch(batch, end)
-            truncated = self._log.size_of(bad_seq) - bad_pos
-            log.warning("recovery: torn record at segment %d position %d, %d bytes cut", bad_seq, bad_pos, truncated)
-            self._log.rollback(bad_seq, bad_pos)
-            batch = self._batch()
-            self._write_batch(batch, (bad_seq, bad_pos))
-            return count, truncated
-        self._write_batch(batch, end)
-        return count, 0
+                    committed, acked = keys.decode_acked(value)
+                    floor = max(acked, default=committed) + 1
+                need[qkey] = max(need.get(qkey, 0), floor)
+        moved = 0
+        batch = self._batch()
+        now = self._clock()
+        for qkey, floor in need.items():
+            try:
+                name = self._resolve(*keys.split_qkey(qkey))
+            except errors.InvalidArgument:
+                continue
+            st = self._state(name)
+            if st is not None and st.next >= floor:
+                continue
+            pd = batch.replayed(name, 0, now, floor)
+            pd.next = max(pd.next, floor)
+            if st is not None and st.min < floor and st.min >= st.next:
+                pd.st.min = floor  # an empty queue stays empty: its min follows its next
+            moved += 1
+            log.warning(
+                "recovery: %s queue %d next offset raised to %d (groups have consumed up to there; the log lost "
+                "the records)", name.topic, name.queue, floor,
+            )  # fmt: skip
+            if len(batch) >= REPLAY_BATCH_RECORDS:
+                self._write_batch(batch, (self._log.active.seq, self._log.active.size))
+                batch = self._batch()
+        self._write_batch(batch, (self._log.active.seq, self._log.active.size))
+        return moved
 
     def _replay_tombstone(self, batch: index_mod.Batch, f: codec.Frame, seq: int, rebuilding: bool) -> None:
         topic, qid = f.queues[0]
@@ -937,6 +1263,40 @@ class LmqStore:
                 self._index.write(wb)
                 wb = self._index.batch()
         self._index.write(wb)
+
+
+def _set_aside(path: Path) -> None:
+    """Move a damaged index to ``index.damaged`` (one copy kept, for a post-mortem) so a new one can start."""
+    aside = path.with_name(path.name + ".damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+    if path.exists():
+        os.rename(path, aside)
+
+
+def _open_meta(path: Path) -> index_mod.Index:
+    """The meta store holds what no log can recreate: damage to it stops the broker with a repair path."""
+    try:
+        return index_mod.Index(path, META_CACHE_BYTES)
+    except errors.IndexCorrupt as e:
+        raise errors.StorageError(
+            f"the meta store (consumer offsets, topics, groups) is damaged: {e.message}. Back up {path}, then "
+            f"run `python -m lmq_broker repair-meta --data-dir {path.parent}` (RocksDB repair: keeps what can "
+            "be read) and start again",
+            path=str(path),
+        ) from e
+
+
+def repair_meta(data_dir: Path) -> None:
+    """RocksDB's repair of ``<data_dir>/meta`` (the broker stopped): rebuilds its manifest from the table and
+    log files, keeping every key that can still be read. The store refuses to open a damaged meta store and
+    names this as the way out."""
+    path = data_dir / "meta"
+    if not path.is_dir():
+        raise errors.StorageError(f"no meta store at {path}", path=str(path))
+    try:
+        rocksdict.Rdict.repair(str(path), rocksdict.Options(raw_mode=True))
+    except Exception as e:  # rocksdict raises bare Exception with RocksDB's status text
+        raise errors.StorageError(f"repair of {path} failed: {e}", path=str(path)) from e
 
 
 def open_store(cfg: config.StoreConfig, clock: Clock = wall_clock_ms) -> LmqStore:
