@@ -46,6 +46,7 @@ HELP: Final[dict[str, str]] = {
     "secret_key": "secret key matching --access-key",
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
+    "max_concurrent_calls": "calls running at once; beyond it a call is answered TOO_MANY_REQUESTS (0: no cap)",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
     "retention_max_age_ms": "drop closed log segments whose newest message is older than this (-1: keep)",
     "retention_max_bytes": "drop the oldest closed log segments while the log is larger than this (-1: no limit)",

@@ -28,6 +28,7 @@ from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import snapshot
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol import server as grpc_server
+from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.metrics import Metrics
 from lmq_broker.storage import store as lmq_store
@@ -77,6 +78,7 @@ class Broker:
         self.metrics_port = 0
         self.ready = False
         self._server: grpc.aio.Server | None = None
+        self._admission: Admission | None = None
         self._http: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
@@ -107,8 +109,9 @@ class Broker:
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
         server = self._server = grpc_server.create(config)
-        grpc_server.add_messaging_service(server, edge)
-        admin_service.register(server, self.store, self.dispatcher, config)
+        admission = self._admission = grpc_server.admission(config, edge)
+        grpc_server.add_messaging_service(server, edge, admission)
+        admin_service.register(server, self.store, self.dispatcher, config, admission)
         self.port = edge.port = grpc_server.bind(server, config)
         await server.start()
         if config.metrics_port >= 0:
@@ -136,6 +139,9 @@ class Broker:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self._admission is not None:
+            self._admission.close()  # the overload summary still owed
+            self._admission = None
         if self.dispatcher is not None:
             records = self.dispatcher.export_subscriptions()
             await asyncio.to_thread(snapshot.save, records, self._snapshot_path)

@@ -51,6 +51,9 @@ class BrokerConfig(BaseModel):
     default_ready_capacity: int = Field(default=100, ge=10)
     max_subscriptions_per_broker: int = Field(default=100_000, ge=1)  # maxLiteSubscriptionCount
     max_lite_topics_per_broker: int = Field(default=-1, ge=-1)
+    # Calls running at once (unary calls and admin streams; long polls and telemetry streams are only
+    # refused at their start, docs/protocol.md); beyond it a call is answered TOO_MANY_REQUESTS. 0: no cap.
+    max_concurrent_calls: int = Field(default=1000, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
     # Auto-renew receives (push consumers): leased a slice at a time, renewed while the client lives
     lease_renew_slice_ms: int = Field(default=30_000, ge=1000)

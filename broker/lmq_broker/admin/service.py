@@ -22,6 +22,7 @@ from lmq_broker.admin import catalog, codes, convert, inspection, reclaiming
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.protocol import guard
+from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
 from lmq_broker.storage.api import Store
@@ -35,10 +36,14 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
-def register(server: grpc.aio.Server, store: Store, live: LiveView, config: BrokerConfig) -> None:
-    """Add the LmqAdmin service to the broker's server (before it starts)."""
+def register(
+    server: grpc.aio.Server, store: Store, live: LiveView, config: BrokerConfig, admission: Admission | None = None
+) -> None:
+    """Add the LmqAdmin service to the broker's server (before it starts); its calls count against
+    ``admission`` (the v2 service's, in a broker)."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
-    server.add_generic_rpc_handlers((guard.strict_generic_handler(service, AdminServicer(store, live, config)),))
+    servicer = AdminServicer(store, live, config)
+    server.add_generic_rpc_handlers((guard.strict_generic_handler(service, servicer, admission),))
 
 
 async def _abort(context: Context, exc: BaseException) -> None:

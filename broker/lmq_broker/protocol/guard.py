@@ -6,6 +6,10 @@ such a request the v2 way: a response whose ``status`` is BAD_REQUEST (unary and
 what the official clients read), or gRPC INVALID_ARGUMENT for the client-streaming Telemetry. This is done
 when the handlers are built, not in an interceptor: an interceptor would run Python code on every call
 before the handler is even found, and the send path is where every microsecond counts.
+
+The same wrappers admit calls (``admission``): a call beyond the broker's cap is answered here, before its
+handler runs, with the v2 status TOO_MANY_REQUESTS where the response has a status, else gRPC
+RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import grpc
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
+from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2
 
@@ -41,8 +46,10 @@ def _tolerant(method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes], 
     return tolerant
 
 
-def generic_handler(servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
-    """Every MessagingService method of ``servicer`` (async methods named as in the proto)."""
+def generic_handler(servicer: object, admission: Admission | None = None) -> grpc.GenericRpcHandler[Any, Any]:
+    """Every MessagingService method of ``servicer`` (async methods named as in the proto), admitted by
+    ``admission`` (none: no cap)."""
+    admission = admission or Admission(0)
     service = service_pb2.DESCRIPTOR.services_by_name["MessagingService"]
     handlers: dict[str, Any] = {}
     for method in service.methods:
@@ -54,17 +61,19 @@ def generic_handler(servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
         has_status = "status" in method.output_type.fields_by_name
         if method.client_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                _bidi(behaviour), request_deserializer=decode, response_serializer=encode
+                _bidi(behaviour, method.name, admission), request_deserializer=decode, response_serializer=encode
             )
         elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streamed(behaviour, response if has_status else None),
+                _streamed(behaviour, response if has_status else None, method.name, admission),
                 request_deserializer=decode,
                 response_serializer=encode,
             )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(behaviour, response), request_deserializer=decode, response_serializer=encode
+                _unary(behaviour, response, method.name, admission),
+                request_deserializer=decode,
+                response_serializer=encode,
             )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -73,17 +82,39 @@ def _bad_request(response: type[pb_message.Message], why: str) -> Any:
     return response(status=pb.Status(code=pb.BAD_REQUEST, message=why))
 
 
-def _unary(behaviour: Any, response: type[pb_message.Message]) -> Any:
+def _too_many_requests(response: type[pb_message.Message], admission: Admission) -> Any:
+    return response(status=pb.Status(code=pb.TOO_MANY_REQUESTS, message=admission.message))
+
+
+def _unary(behaviour: Any, response: type[pb_message.Message], name: str, admission: Admission) -> Any:
+    refusal = _too_many_requests(response, admission)  # built once: only ever serialized
+
     async def unary(request: Any, context: Context) -> Any:
-        if isinstance(request, _Undecodable):
-            return _bad_request(response, request.why)
-        return await behaviour(request, context)
+        if not admission.enter():
+            admission.refuse(name)
+            return refusal
+        try:
+            if isinstance(request, _Undecodable):
+                return _bad_request(response, request.why)
+            return await behaviour(request, context)
+        finally:
+            admission.leave()
 
     return unary
 
 
-def _streamed(behaviour: Any, response: type[pb_message.Message] | None) -> Any:
+def _streamed(behaviour: Any, response: type[pb_message.Message] | None, name: str, admission: Admission) -> Any:
+    # A long poll (ReceiveMessage) is refused when the broker is full but holds no slot while it waits.
+    refusal = None if response is None else _too_many_requests(response, admission)
+
     async def streamed(request: Any, context: Context) -> AsyncIterator[Any]:
+        if admission.full:
+            admission.refuse(name)
+            if refusal is None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
+            else:
+                yield refusal
+            return
         if isinstance(request, _Undecodable):
             if response is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
@@ -96,8 +127,13 @@ def _streamed(behaviour: Any, response: type[pb_message.Message] | None) -> Any:
     return streamed
 
 
-def _bidi(behaviour: Any) -> Any:
+def _bidi(behaviour: Any, name: str, admission: Admission) -> Any:
+    # Telemetry lives as long as its client: refused at its start when the broker is full, then holds no slot.
     async def bidi(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+        if admission.full:
+            admission.refuse(name)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
+
         async def checked() -> AsyncIterator[Any]:
             async for request in requests:
                 if isinstance(request, _Undecodable):
@@ -110,10 +146,14 @@ def _bidi(behaviour: Any) -> Any:
     return bidi
 
 
-def strict_generic_handler(service: Any, servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
+def strict_generic_handler(
+    service: Any, servicer: object, admission: Admission | None = None
+) -> grpc.GenericRpcHandler[Any, Any]:
     """Every unary or server-streaming method of ``service`` (a service descriptor) on ``servicer``, where
     a request that does not decode is refused with gRPC INVALID_ARGUMENT (our own services, such as the
-    admin service, answer errors with gRPC status codes rather than a v2 ``status``)."""
+    admin service, answer errors with gRPC status codes rather than a v2 ``status``), and a call beyond
+    ``admission``'s cap with RESOURCE_EXHAUSTED (every call, streams included, holds a slot while it runs)."""
+    admission = admission or Admission(0)
     handlers: dict[str, Any] = {}
     for method in service.methods:
         if method.client_streaming:
@@ -125,25 +165,39 @@ def strict_generic_handler(service: Any, servicer: object) -> grpc.GenericRpcHan
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         wrap = _strict_streamed if method.server_streaming else _strict_unary
         handlers[method.name] = make(
-            wrap(behaviour), request_deserializer=decode, response_serializer=response.SerializeToString
+            wrap(behaviour, method.name, admission),
+            request_deserializer=decode,
+            response_serializer=response.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def _strict_unary(behaviour: Any) -> Any:
+def _strict_unary(behaviour: Any, name: str, admission: Admission) -> Any:
     async def unary(request: Any, context: Context) -> Any:
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
-        return await behaviour(request, context)
+        if not admission.enter():
+            admission.refuse(name)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
+        try:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            return await behaviour(request, context)
+        finally:
+            admission.leave()
 
     return unary
 
 
-def _strict_streamed(behaviour: Any) -> Any:
+def _strict_streamed(behaviour: Any, name: str, admission: Admission) -> Any:
     async def streamed(request: Any, context: Context) -> AsyncIterator[Any]:
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
-        async for frame in behaviour(request, context):
-            yield frame
+        if not admission.enter():
+            admission.refuse(name)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
+        try:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            async for frame in behaviour(request, context):
+                yield frame
+        finally:
+            admission.leave()
 
     return streamed

@@ -46,10 +46,18 @@ class Metrics:
         self.retention_bytes = Counter(
             "lmq_retention_bytes_deleted", "Commit-log bytes dropped by retention", registry=self.registry
         )
+        self.calls_refused = Counter(
+            "lmq_calls_refused",
+            "Calls answered at once without being run (v2 TOO_MANY_REQUESTS or gRPC RESOURCE_EXHAUSTED), by RPC "
+            "and reason (overload: --max-concurrent-calls were running)",
+            ["rpc", "reason"],
+            registry=self.registry,
+        )
 
         self._calls: dict[tuple[str, int], Any] = {}
         self._seconds: dict[str, Any] = {}
         self._in: dict[str, Any] = {}
+        self._refused: dict[tuple[str, str], Any] = {}
 
     def observe(self, method: str, code: int, seconds: float) -> None:
         """Count one answered call (label children are looked up once, then kept: this runs per RPC)."""
@@ -61,6 +69,12 @@ class Metrics:
         if timer is None:
             timer = self._seconds[method] = self.rpc_seconds.labels(method)
         timer.observe(seconds)
+
+    def refused(self, rpc: str, reason: str) -> None:
+        counter = self._refused.get((rpc, reason))
+        if counter is None:
+            counter = self._refused[(rpc, reason)] = self.calls_refused.labels(rpc, reason)
+        counter.inc()
 
     def stored(self, kind: str, count: int) -> None:
         counter = self._in.get(kind)

@@ -4,6 +4,10 @@ Auth, when an access key is configured, covers every service: the official clien
 so does our admin client (``protocol.auth.sign_metadata``), so one key pair guards the whole port and no
 unauthenticated caller can administer the broker. The probes are HTTP (``/healthz``, ``/readyz``), off this
 port, so they need no credentials.
+
+Every call is admitted by one ``admission.Admission`` shared by both services (``--max-concurrent-calls``).
+For that, grpc core's own backlog limit is raised (``PENDING_CALLS_MAX``): its default refuses calls the
+Python server has not yet taken, past 1,000 of them, as a bare CANCELLED that nothing here sees.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import grpc
 
 from lmq_broker.config import BrokerConfig
 from lmq_broker.protocol import auth, guard
+from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.service import MessagingService
 
@@ -28,6 +33,14 @@ KEEPALIVE_OPTIONS: Final = (
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 )
+# Calls that reached the server but that the Python server has not taken yet (it takes one at a time, on the
+# event loop). grpc core refuses such calls with a bare CANCELLED, at random past its soft limit (default
+# 1,000) and all past its hard limit (3,000), before any of our code sees them. Here the limit is raised so
+# far that a call is refused, if at all, by admission (TOO_MANY_REQUESTS, counted and logged), yet not lifted:
+# a waiting call costs about 15 KiB in core (measured: 20,000 waiting calls of 200 B added ~310 MB RSS), and
+# 20,000 is several seconds of intake, longer than the official clients' 3 s request timeout. Beyond it,
+# grpc core's CANCELLED remains (docs/protocol.md, Limits: overload).
+PENDING_CALLS_MAX: Final = 20_000
 
 
 def options(config: BrokerConfig) -> list[tuple[str, Any]]:
@@ -36,6 +49,8 @@ def options(config: BrokerConfig) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),  # a second broker on the same port must fail, not share it
+        ("grpc.server.max_pending_requests", PENDING_CALLS_MAX),
+        ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_MAX),
         *KEEPALIVE_OPTIONS,
     ]
 
@@ -49,9 +64,14 @@ def create(config: BrokerConfig) -> grpc.aio.Server:
     return grpc.aio.server(interceptors=interceptors, options=options(config))
 
 
-def add_messaging_service(server: grpc.aio.Server, edge: Edge) -> MessagingService:
+def admission(config: BrokerConfig, edge: Edge) -> Admission:
+    """The broker's one admission (both services share it), counting refusals in ``edge.metrics``."""
+    return Admission(config.max_concurrent_calls, edge.metrics.refused)
+
+
+def add_messaging_service(server: grpc.aio.Server, edge: Edge, admitting: Admission | None = None) -> MessagingService:
     service = MessagingService(edge)
-    server.add_generic_rpc_handlers((guard.generic_handler(service),))
+    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting),))
     return service
 
 
