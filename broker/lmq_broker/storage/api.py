@@ -84,6 +84,11 @@ class Store(Protocol):
         the broker's readiness probe fails meanwhile."""
         ...
 
+    def index_generation(self) -> int:
+        """Changes whenever the index was replaced (a rebuild from the log while serving): whatever a reader
+        cached of queue offsets, commit points or delivery state from before may be stale and is dropped."""
+        ...
+
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
         """(min, max) of a queue; max is the next offset to be written; (0, 0) for an unknown queue."""
         ...

@@ -162,6 +162,9 @@ class MemoryStore:
     def health(self) -> str | None:
         return "store is closed" if self._closed else None
 
+    def index_generation(self) -> int:
+        return 0  # nothing to rebuild
+
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)

@@ -210,6 +210,9 @@ class LmqStore:
     def cached_states(self) -> int:
         return len(self._states)
 
+    def index_generation(self) -> int:
+        return self.index_rebuilds
+
     def health(self) -> str | None:
         """None while the store serves reads and writes; else why not (the broker's readiness probe)."""
         if self._closed:
