@@ -27,11 +27,16 @@ Record format, version 1 (integers little-endian)::
 A record is stored once whatever the number of queues: an extra queue costs 8 bytes of offset plus its
 name here, and one index entry. The queue offsets live in the record so that the index can be rebuilt
 from the log with the same offsets. A record never spans two segment files.
+
+Recovery (``resync``) finds the record after a bad one: from the bad record's own frame when its header
+vouches for its extent, else by a scan that accepts a frame only if the records after it check too (a frame
+copied inside a message body is followed by the rest of that body, which does not parse).
 """
 
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,6 +52,9 @@ KIND_MESSAGE: Final = 0
 KIND_TOMBSTONE: Final = 1
 MAX_QUEUES_PER_RECORD: Final = 255
 MAX_MESSAGE_ID_BYTES: Final = 128
+# A frame found by the resync scan is taken only if this many records after it check as well (or all of them
+# up to the segment end, when fewer are left).
+CHAIN_RECORDS: Final = 4
 
 PREFIX: Final = struct.Struct("<II")  # length, crc
 HEADER: Final = struct.Struct("<BBBBQQHHIII")
@@ -298,33 +306,50 @@ def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int) -> bytes
 
 
 def _check(buf: bytes | memoryview | mmap.mmap, pos: int, end: int) -> tuple[int, tuple[int, ...]]:
-    """Validate the frame at ``pos``; return (size, header fields). CorruptRecord / UnsupportedVersion."""
+    """Validate the frame at ``pos``; return (size, header fields). CorruptRecord / UnsupportedVersion.
+
+    The structure (lengths adding up to the frame, a known kind) is checked before the CRC: a few comparisons
+    that spare resync a CRC over random lengths at each candidate position. A record of another version is
+    only judged by its CRC (its layout is not ours): UnsupportedVersion if that checks, else CorruptRecord."""
     if end - pos < FIXED_BYTES:
         raise errors.CorruptRecord("truncated record header", position=pos)
     length, crc = PREFIX.unpack_from(buf, pos)
     size = 4 + length
     if length < 4 + HEADER.size or pos + size > end:
         raise errors.CorruptRecord("record length out of bounds", position=pos, length=length)
+    header = HEADER.unpack_from(buf, pos + PREFIX.size)
+    if header[0] == VERSION:
+        n = header[3]
+        if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0 or header[1] > KIND_TOMBSTONE:
+            if header[1] > KIND_TOMBSTONE:
+                raise errors.CorruptRecord(f"unknown record kind {header[1]}", position=pos)
+            raise errors.CorruptRecord("record field lengths do not add up", position=pos)  # must fill the frame
+        if crc32c_of(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
+            raise errors.CorruptRecord("record CRC mismatch", position=pos)
+        return size, header
     if crc32c_of(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
         raise errors.CorruptRecord("record CRC mismatch", position=pos)
-    header = HEADER.unpack_from(buf, pos + PREFIX.size)
-    if header[0] != VERSION:
-        raise errors.UnsupportedVersion(f"record version {header[0]} not supported", position=pos, version=header[0])
-    n = header[3]
-    if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0:  # the lengths must add up to the frame
-        raise errors.CorruptRecord("record field lengths do not add up", position=pos)
-    return size, header
+    version = header[0]
+    raise errors.UnsupportedVersion(f"record version {version} not supported", position=pos, version=version)
 
 
-def _queues(buf: bytes | memoryview, at: int, n: int) -> tuple[tuple[tuple[str, int], ...], int]:
+def _queues(buf: bytes | memoryview | mmap.mmap, at: int, n: int, stop: int, pos: int) -> tuple[tuple[str, int], ...]:
+    """The queue names section from ``at`` to ``stop``: CorruptRecord (at ``pos``) unless it is exactly ``n``
+    names of UTF-8. A CRC only proves the bytes are as written, and a crafted frame copied in a body may be
+    taken for a record by resync: nothing it holds may escape as another exception."""
     out = []
-    for _ in range(n):
-        ln = buf[at]
-        name = bytes(buf[at + 1 : at + 1 + ln]).decode()
-        (qid,) = QUEUE_NAME_TAIL.unpack_from(buf, at + 1 + ln)
-        out.append((name, qid))
-        at += 3 + ln
-    return tuple(out), at
+    try:
+        for _ in range(n):
+            ln = buf[at]
+            name = bytes(buf[at + 1 : at + 1 + ln]).decode()
+            (qid,) = QUEUE_NAME_TAIL.unpack_from(buf, at + 1 + ln)
+            out.append((name, qid))
+            at += 3 + ln
+    except (ValueError, IndexError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+        raise errors.CorruptRecord(f"record queue names do not decode: {e}", position=pos) from None
+    if at != stop:
+        raise errors.CorruptRecord("record queue names do not fill their section", position=pos)
+    return tuple(out)
 
 
 def scan(buf: bytes | memoryview, pos: int, end: int) -> Iterator[Frame]:
@@ -334,42 +359,77 @@ def scan(buf: bytes | memoryview, pos: int, end: int) -> Iterator[Frame]:
         n = header[3]
         at = pos + FIXED_BYTES
         offsets = OFFSETS[n].unpack_from(buf, at)
-        queues, _ = _queues(buf, at + 8 * n, n)
+        at += 8 * n
+        queues = _queues(buf, at, n, at + header[8], pos)
         yield Frame(pos, size, header[1], header[4], queues, offsets)
         pos += size
 
 
+# Where a header may start: version 1 and kind message, or a tombstone's version, kind, type 0 and one queue.
+_CANDIDATE: Final = re.compile(rb"\x01\x00|\x01\x01\x00\x01")
+
+
 def resync(buf: bytes | mmap.mmap, pos: int, end: int) -> int | None:
-    """The position of the first whole, valid record after the bad one at ``pos``, or None (nothing valid
-    follows: a torn tail). Tries the bad record's own length first (a flipped byte in its body leaves its
-    frame intact), then every position whose version byte could start a header: a candidate must pass the
-    full frame check (lengths adding up, CRC32C), so random bytes are not taken for a record."""
-    if end - pos >= PREFIX.size:
-        (length,) = struct.unpack_from("<I", buf, pos)
-        candidate = pos + 4 + int(length)
-        if pos < candidate < end and _valid_at(buf, candidate, end):
-            return candidate
+    """After the bad record at ``pos``: where to go on, or None (nothing valid follows: a torn tail).
+
+    1. The bad record's own extent, when its frame vouches for it: its length field agrees with its header's
+       lengths (the damage is elsewhere: body, CRC, times), or the header's lengths delimit bytes whose CRC32C
+       checks (the length field itself is the damaged part). The position returned may hold another bad
+       record; the caller resyncs again from there.
+    2. Else the earliest position after ``pos`` where a record starts and the CHAIN_RECORDS records after it
+       (or all of them up to ``end``) check too. A frame embedded in a message body is followed by the rest of
+       that body and is refused; a valid frame is skipped whole (no record starts inside bytes whose CRC
+       checks), so the CRC work stays linear in the segment.
+
+    Never the bad record's length field alone: a damaged length may land on a later record boundary and
+    skip the valid records in between."""
+    extent = _extent(buf, pos, end)
+    if extent is not None:
+        return extent if extent < end else None
     at = pos + 1
     while at + FIXED_BYTES <= end:
-        found = buf.find(VERSION_BYTE, at + PREFIX.size, end)  # the header's first byte is its version
-        if found < 0:
+        found = _CANDIDATE.search(buf, at + PREFIX.size, end)  # the header's first bytes: version, kind
+        if found is None:
             return None
-        found -= PREFIX.size
-        if _valid_at(buf, found, end):
-            return found
-        at = found + 1
+        candidate = found.start() - PREFIX.size
+        broken = _broken_chain(buf, candidate, end)
+        if broken is None:
+            return candidate
+        at = max(candidate + 1, broken)
     return None
 
 
-VERSION_BYTE: Final = bytes((VERSION,))
+def _extent(buf: bytes | mmap.mmap, pos: int, end: int) -> int | None:
+    """Where the bad record at ``pos`` ends, when its frame says so reliably (see ``resync``), else None."""
+    if end - pos < FIXED_BYTES:
+        return None
+    length, crc = PREFIX.unpack_from(buf, pos)
+    header = HEADER.unpack_from(buf, pos + PREFIX.size)
+    n: int = header[3]
+    size: int = FIXED_BYTES + 8 * n + sum(header[6:])
+    if n == 0 or pos + size > end:
+        return None
+    if size == 4 + length or crc32c_of(memoryview(buf)[pos + PREFIX.size : pos + size]) == crc:
+        return pos + size
+    return None
 
 
-def _valid_at(buf: bytes | memoryview | mmap.mmap, pos: int, end: int) -> bool:
-    try:
-        _check(buf, pos, end)
-    except (errors.CorruptRecord, errors.UnsupportedVersion):
-        return False
-    return True
+def _broken_chain(buf: bytes | mmap.mmap, pos: int, end: int) -> int | None:
+    """None if a valid record starts at ``pos`` and the CHAIN_RECORDS after it (or all up to ``end``) are
+    valid; else the position of the first one that is not."""
+    at = pos
+    for _ in range(1 + CHAIN_RECORDS):
+        if at == end:
+            return None
+        try:
+            size, header = _check(buf, at, end)
+            n = header[3]
+            names = at + FIXED_BYTES + 8 * n
+            _queues(buf, names, n, names + header[8], at)
+        except (errors.CorruptRecord, errors.UnsupportedVersion):
+            return at
+        at += size
+    return None
 
 
 def _properties(raw: bytes) -> dict[str, object]:
@@ -414,15 +474,20 @@ def _message_type(value: int, pos: int) -> model.MessageType:
 
 def decode(buf: bytes) -> Record:
     _, header = _check(buf, 0, len(buf))
-    _, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, _, props_len, body_len = header
+    _, kind, mtype, n, store_ms, born_ms, mid_len, topic_len, names_len, props_len, body_len = header
     at = FIXED_BYTES
     offsets = OFFSETS[n].unpack_from(buf, at)
-    queues, at = _queues(buf, at + 8 * n, n)
-    mid = buf[at : at + mid_len].decode()
-    at += mid_len
-    topic = buf[at : at + topic_len].decode()
-    at += topic_len
-    props = _properties(buf[at : at + props_len])
+    at += 8 * n
+    queues = _queues(buf, at, n, at + names_len, 0)
+    at += names_len
+    try:
+        mid = buf[at : at + mid_len].decode()
+        at += mid_len
+        topic = buf[at : at + topic_len].decode()
+        at += topic_len
+        props = _properties(buf[at : at + props_len])
+    except (ValueError, struct.error) as e:  # a CRC-valid frame written by something else than ``encode``
+        raise errors.CorruptRecord(f"record fields do not decode: {e}", position=0) from None
     at += props_len
     body = buf[at : at + body_len]
     return Record(
@@ -476,32 +541,35 @@ def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.Store
     msg: model.StoredMessage = _new_object(model.StoredMessage)
     _set_queue(msg, queue)
     _set_offset(msg, offset)
-    _set_id(msg, buf[at : at + mid_len].decode())
-    at += mid_len
-    _set_topic(msg, buf[at : at + topic_len].decode())
-    at += topic_len
-    _set_type(msg, _message_type(mtype, 0))
-    _set_store(msg, store_ms)
-    _set_born(msg, born_ms)
-    tag = ln = 0
-    if props_len:
-        tag, ln = PROPERTY.unpack_from(buf, at)
-    if not props_len or (tag == TAG_LITE_TOPIC and ln + PROPERTY.size == props_len):
-        # the common case: no property but (maybe) the lite topic
-        _set_lite(msg, buf[at + PROPERTY.size : at + props_len].decode() if props_len else None)
-        _set_host(msg, "")
-        _set_tag(msg, None)
-        _set_keys(msg, ())
-        _set_group(msg, None)
-        _set_user(msg, {})
-    else:
-        props = _properties(buf[at : at + props_len])
-        _set_lite(msg, props.get("lite_topic"))
-        _set_host(msg, props.get("born_host", ""))
-        _set_tag(msg, props.get("tag"))
-        _set_keys(msg, props.get("keys", ()))
-        _set_group(msg, props.get("message_group"))
-        _set_user(msg, props.get("user_properties", {}))
-    at += props_len
-    _set_body(msg, buf[at : at + body_len])
+    try:  # free unless raised: a CRC-valid frame not written by ``prepare`` must not escape as another error
+        _set_id(msg, buf[at : at + mid_len].decode())
+        at += mid_len
+        _set_topic(msg, buf[at : at + topic_len].decode())
+        at += topic_len
+        _set_type(msg, _message_type(mtype, 0))
+        _set_store(msg, store_ms)
+        _set_born(msg, born_ms)
+        tag = ln = 0
+        if props_len:
+            tag, ln = PROPERTY.unpack_from(buf, at)
+        if not props_len or (tag == TAG_LITE_TOPIC and ln + PROPERTY.size == props_len):
+            # the common case: no property but (maybe) the lite topic
+            _set_lite(msg, buf[at + PROPERTY.size : at + props_len].decode() if props_len else None)
+            _set_host(msg, "")
+            _set_tag(msg, None)
+            _set_keys(msg, ())
+            _set_group(msg, None)
+            _set_user(msg, {})
+        else:
+            props = _properties(buf[at : at + props_len])
+            _set_lite(msg, props.get("lite_topic"))
+            _set_host(msg, props.get("born_host", ""))
+            _set_tag(msg, props.get("tag"))
+            _set_keys(msg, props.get("keys", ()))
+            _set_group(msg, props.get("message_group"))
+            _set_user(msg, props.get("user_properties", {}))
+        at += props_len
+        _set_body(msg, buf[at : at + body_len])
+    except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+        raise errors.CorruptRecord(f"record fields do not decode: {e}", offset=offset) from None
     return msg

@@ -1131,19 +1131,19 @@ class LmqStore:
         while True:
             try:
                 for seq, f in self._log.scan(*at):
+                    try:  # every name first: a record is indexed whole or not at all (the except writes the batch)
+                        names = [self._resolve(topic, qid) for topic, qid in f.queues]
+                    except errors.InvalidArgument as e:
+                        raise errors.CorruptRecord(
+                            f"record names an invalid queue: {e.message}", segment=seq, position=f.position
+                        ) from e
                     if f.kind == codec.KIND_TOMBSTONE:
                         self._write_batch(batch, end)  # what precedes the deletion, then the deletion alone
                         batch = self._batch()
                         self._replay_tombstone(batch, f, seq, rebuilding)
                     else:
                         entry = pack_entry(f.position, f.size)
-                        for (topic, qid), off in zip(f.queues, f.offsets, strict=True):
-                            try:
-                                name = self._resolve(topic, qid)
-                            except errors.InvalidArgument as e:
-                                raise errors.CorruptRecord(
-                                    f"record names an invalid queue: {e.message}", segment=seq, position=f.position
-                                ) from e
+                        for name, off in zip(names, f.offsets, strict=True):
                             batch.replayed(name, seq, f.store_ms, off).replay(off, seq, f.store_ms, entry)
                     batch.touch_segment(seq, f.store_ms)
                     end = (seq, f.position + f.size)
