@@ -1,5 +1,5 @@
-"""Every broker/e2e benchmark runs with --quick, exits 0 and prints its figure lines (figures are not
-asserted: they are measurements, read by people, not pass/fail tests)."""
+"""Every broker/e2e benchmark runs with --quick (or its own small settings), exits 0 and prints its figure
+lines (figures are not asserted: they are measurements, read by people, not pass/fail tests)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,20 @@ EXPECTED = {
     "bench_broker_send.py": ["FIGURE send rate broker(sync flush)/echo:", "FIGURE send rate broker(async flush)/echo:"],
     "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
     "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],
+    "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
 }
+ARGS = {"bench_soak_rss.py": ["--minutes", "0.2", "--warmup-minutes", "0.05"]}  # the default is --quick
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_bench_runs_quick_and_prints_its_figures(script: str) -> None:
     result = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True, timeout=240, check=False
+        [sys.executable, str(BENCH / script), *ARGS.get(script, ["--quick"])],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for prefix in EXPECTED[script]:

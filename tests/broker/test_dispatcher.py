@@ -276,6 +276,70 @@ async def test_overflow_schedules_a_catchup_that_finds_the_rest(lite: Lite) -> N
     assert seen == set(topics)
 
 
+async def consume_rounds(lite: Lite, client: str, rounds: int) -> set[str]:
+    """Receive and ack, then let the catch-up delay pass, ``rounds`` times; the lite topics seen."""
+    seen: set[str] = set()
+    for _ in range(rounds):
+        for d in await lite.receive(client):
+            assert d.message.lite_topic is not None
+            seen.add(d.message.lite_topic)
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)
+        lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)
+        lite.dispatcher.tick()
+        await drain_background(lite.dispatcher)
+    return seen
+
+
+def walk_order(lite: Lite, client: str) -> list[str]:
+    """The client's lite topics in the order a catch-up pass walks them."""
+    state = lite.dispatcher.registry.get(client)
+    assert state is not None
+    return [model.QueueId(lmq).lite_parts()[1] for lmq in state.lite_topics]
+
+
+async def test_an_overflow_behind_where_a_catchup_stopped_is_found(lite: Lite) -> None:
+    """A pass stopped by a full ready queue resumes there; a topic it had walked already, which overflowed
+    since, is walked again too (it used to wait for its next message)."""
+    lite.put_group(model.LiteGroup(GROUP, PARENT, ready_capacity=2))
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, [f"t{i}" for i in range(6)])
+    order = walk_order(lite, "c1")
+    for t in order[1:5]:
+        await lite.send(t)  # the first two are queued, the next two overflow
+    await asyncio.sleep(0)
+    lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)
+    lite.dispatcher.tick()
+    await drain_background(lite.dispatcher)  # walks order[0] (nothing yet), stops at order[3] (still full)
+    await lite.send(order[0])  # behind where the pass stopped, and the queue is full
+    await asyncio.sleep(0)
+    assert await consume_rounds(lite, "c1", 6) == set(order[:5])
+
+
+async def test_a_catchup_due_while_one_runs_is_not_dropped(lite: Lite, monkeypatch: pytest.MonkeyPatch) -> None:
+    lite.put_group(model.LiteGroup(GROUP, PARENT, ready_capacity=2))
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, [f"t{i}" for i in range(6)])
+    order = walk_order(lite, "c1")
+    probed, release = asyncio.Event(), asyncio.Event()
+    probe = lite.dispatcher._pending_among
+
+    async def slow_probe(lmqs: list[str], group: str) -> list[str]:
+        found = await probe(lmqs, group)
+        probed.set()
+        await release.wait()  # the pass is still running when the next one comes due
+        return found
+
+    monkeypatch.setattr(lite.dispatcher, "_pending_among", slow_probe)
+    lite.dispatcher.resync()  # a pass over the topics, which are all empty
+    await probed.wait()
+    for t in order[:3]:
+        await lite.send(t)  # the third overflows: a catch-up is asked for
+    await asyncio.sleep(0)
+    lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)
+    lite.dispatcher.tick()  # it is due while the first pass runs
+    release.set()
+    await drain_background(lite.dispatcher)
+    assert await consume_rounds(lite, "c1", 4) == set(order[:3])
+
+
 async def drain_background(dispatcher: Dispatcher) -> None:
     deadline = time.monotonic() + 5
     while dispatcher._tasks and time.monotonic() < deadline:

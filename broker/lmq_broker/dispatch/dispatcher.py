@@ -132,6 +132,7 @@ class Dispatcher:
         self.wildcards = wildcards.Wildcards()
         self._wildcard_cursor: dict[str, str] = {}  # client -> last lite name its catch-up offered
         self._catchup_running: set[str] = set()
+        self._catchup_again: set[str] = set()  # asked for while a pass ran: one more pass when it ends
         self._reclaims: dict[str, list[reclaims.Mark]] = {}  # LMQ -> compare-and-deletes deleting it
         self._buckets: dict[str, catalog.TokenBucket] = {}
         self._rr = 0
@@ -286,6 +287,7 @@ class Dispatcher:
         state = self.registry.drop(client_id)
         pending = self.ready.drop_client(client_id)
         self._catchup_cursor.pop(client_id, None)
+        self._catchup_again.discard(client_id)
         self.wildcards.remove(client_id)
         self._wildcard_cursor.pop(client_id, None)
         event = self._client_events.pop(client_id, None)
@@ -872,13 +874,19 @@ class Dispatcher:
                 self._wake_topic(topic)
 
     def _start_catchup(self, client_id: str) -> None:
-        if client_id in self._catchup_running or self._loop is None:
+        if self._loop is None:
+            return
+        if client_id in self._catchup_running:
+            # The running pass may have walked already what made this one due: it runs again when done.
+            self._catchup_again.add(client_id)
             return
         self._catchup_running.add(client_id)
         self._spawn(self._catchup(client_id))
 
     async def _catchup(self, client_id: str) -> None:
-        """Walk this client's own subscriptions (resuming where the last pass stopped) for pending work."""
+        """Walk this client's own subscriptions for pending work, once round: from where the last pass stopped
+        (a full ready queue stops it), then on over the topics before that point, which may have overflowed
+        since that pass walked them."""
         try:
             state = self.registry.get(client_id)
             if state is None or not state.group:
@@ -886,38 +894,51 @@ class Dispatcher:
             if self.wildcards.registration(client_id) is not None:
                 await self._wildcard_catchup(client_id)
                 return
-            todo = self._catchup_cursor.pop(client_id, None) or list(state.lite_topics)
-            while todo:
-                chunk, todo = todo[:CATCHUP_CHUNK], todo[CATCHUP_CHUNK:]
-                current = [lmq for lmq in chunk if lmq in state.lite_topics]
-                for i, lmq in enumerate(await self._pending_among(current, state.group)):
+            todo = list(state.lite_topics)
+            resume = self._catchup_cursor.pop(client_id, None)
+            if resume:
+                after = set(resume)
+                todo = resume + [lmq for lmq in todo if lmq not in after]
+            for start in range(0, len(todo), CATCHUP_CHUNK):
+                current = [lmq for lmq in todo[start : start + CATCHUP_CHUNK] if lmq in state.lite_topics]
+                for lmq in await self._pending_among(current, state.group):
                     if not self._offer(client_id, lmq, state.group):
-                        self._catchup_cursor[client_id] = current[i:] + todo
+                        self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
                         return
                 if self.registry.get(client_id) is not state:
                     return
         finally:
             self._catchup_running.discard(client_id)
+            if client_id in self._catchup_again:
+                self._catchup_again.discard(client_id)
+                now = self.clock()
+                self.ready.request_catchup(client_id, now)
+                self._arm(now)
 
     async def _wildcard_catchup(self, client_id: str) -> None:
-        """Page through the wildcard group's parent (by lite name, resuming after the last offer that
-        fitted) and offer the client every topic with work for its group."""
+        """Page through the wildcard group's parent by lite name and offer the client every topic with work
+        for its group, once round: from after the last offer that fitted (a full ready queue stops a pass) to
+        the end, then from the start up to there (those topics may have overflowed since they were walked)."""
+        resume = self._wildcard_cursor.pop(client_id, "")
+        after, wrapped = resume, not resume
         where = self.wildcards.registration(client_id)
         while where is not None:
             parent, group = where
-            after = self._wildcard_cursor.pop(client_id, "")
             page = await self.run(self.store.scan_lite_topics, parent, after, "", CATCHUP_CHUNK)
             if self.wildcards.registration(client_id) != where:
                 return  # unregistered meanwhile
+            last = len(page) < CATCHUP_CHUNK
+            if resume and wrapped and page and page[-1].lite > resume:
+                page, last = [meta for meta in page if meta.lite <= resume], True
             lmqs = [lmq_name(parent, meta.lite) for meta in page]
             for lmq in await self._pending_among(lmqs, group):
                 if not self._offer(client_id, lmq, group):
                     index = lmqs.index(lmq)  # full: the catch-up it scheduled resumes at this topic
                     self._wildcard_cursor[client_id] = page[index - 1].lite if index else after
                     return
-            if len(page) < CATCHUP_CHUNK:
+            if last and wrapped:
                 return
-            self._wildcard_cursor[client_id] = page[-1].lite
+            after, wrapped = ("", True) if last else (page[-1].lite, wrapped)
             where = self.wildcards.registration(client_id)
 
     # --- LiveView ---------------------------------------------------------------------------------------
