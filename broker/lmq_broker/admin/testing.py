@@ -2,7 +2,9 @@
 
 The server runs its own event loop in a thread (as the broker does in its process), so tests call it
 with blocking clients, exactly as the operator, the reclaim job and the CLI do. Seeding helpers write
-through the real ``Store`` API; the live view is the in-memory ``StaticLiveView``.
+through the real ``Store`` API; the live view is the in-memory ``StaticLiveView``. ``serve_admin`` adds no
+auth interceptor unless given one (the service itself is what these tests are about): admin auth is tested
+with ``protocol.auth.AuthInterceptor`` in tests/admin/test_auth.py and on the broker process.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``
 
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
+The admin service (``lmq.admin.v1``) has a key pair of its own, checked whether or not the v2 clients have
+one: client credentials are handed to every application, and must not let one tenant delete another's
+topics. The same scheme and date-time window apply; only ``--admin-anonymous`` (development) opens it.
+
 The v2 descriptors are loaded lazily, in ``AuthInterceptor()``: ``sign_metadata`` is also used by the
 admin client, which may share an interpreter with the official client and its own copy of them.
 """
@@ -45,6 +49,12 @@ AUTHORIZATION: Final = "authorization"
 DATE_TIME: Final = "x-mq-date-time"
 DATE_TIME_FORMAT: Final = "%Y%m%dT%H%M%SZ"
 V2_SERVICE: Final = "apache.rocketmq.v2.MessagingService"
+V2_PREFIX: Final = f"/{V2_SERVICE}/"
+ADMIN_HINT: Final = (
+    "admin calls must be signed with the broker's admin key pair (not a client's): its --admin-access-key/"
+    "--admin-secret-key, or admin-credentials.json in its data directory, which lmq-admin reads with --data-dir "
+    "(see docs/security.md)"
+)
 UNAUTHORIZED_CODE: Final = 40100  # apache.rocketmq.v2.Code.UNAUTHORIZED
 EXEMPT_PREFIXES: Final = ("/grpc.health.v1.Health/",)
 DEFAULT_MAX_SKEW_S: Final = 15 * 60.0
@@ -147,22 +157,44 @@ else:
 
 
 class AuthInterceptor(_Interceptor):
-    """Rejects calls not signed with ``access_key``/``secret_key``; wire it only when auth is configured."""
+    """Checks every call against the key pair of its service, before any handler runs.
+
+    * ``apache.rocketmq.v2.MessagingService``: the client pair ``access_key``/``secret_key``; open when empty.
+    * health checks: open.
+    * everything else (``lmq.admin.v1.LmqAdmin``): the admin pair, never the client pair, so a client's
+      credentials cannot administer the broker; open only with ``admin_anonymous`` (development).
+    """
 
     def __init__(
         self,
-        access_key: str,
-        secret_key: str,
+        access_key: str = "",
+        secret_key: str = "",
+        *,
+        admin_access_key: str = "",
+        admin_secret_key: str = "",
+        admin_anonymous: bool = False,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
-        if not access_key or not secret_key:
-            raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
-        self._access_key = access_key
-        self._secret_key = secret_key
+        if bool(access_key) != bool(secret_key):
+            raise ValueError("AuthInterceptor: an access key and its secret key go together")
+        if bool(admin_access_key) != bool(admin_secret_key):
+            raise ValueError("AuthInterceptor: an admin access key and its secret key go together")
+        if not admin_access_key and not admin_anonymous:
+            raise ValueError("AuthInterceptor needs an admin access key and secret key, or admin_anonymous=True")
+        self._client_keys = (access_key, secret_key) if access_key else None
+        self._admin_keys = (admin_access_key, admin_secret_key) if admin_access_key else None
         self._max_skew_s = max_skew_s
         self._clock = clock
         self._replies = _status_replies()
+
+    def _keys_for(self, method: str) -> tuple[tuple[str, str] | None, str]:
+        """The pair a method needs (None: open) and what a refusal adds to its message."""
+        if method.startswith(EXEMPT_PREFIXES):
+            return None, ""
+        if method.startswith(V2_PREFIX):
+            return self._client_keys, ""
+        return self._admin_keys, f"; {ADMIN_HINT}"
 
     async def intercept_service(
         self,
@@ -170,19 +202,19 @@ class AuthInterceptor(_Interceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler:
         method = handler_call_details.method
-        if method.startswith(EXEMPT_PREFIXES):
+        keys, hint = self._keys_for(method)
+        if keys is None:
             return await continuation(handler_call_details)
         problem = check(
             handler_call_details.invocation_metadata,
-            self._access_key,
-            self._secret_key,
+            *keys,
             now=self._clock(),
             max_skew_s=self._max_skew_s,
         )
         handler = await continuation(handler_call_details)
         if problem is None or handler is None:
             return handler
-        return self._rejection(method, handler, f"unauthorized: {problem}")
+        return self._rejection(method, handler, f"unauthorized: {problem}{hint}")
 
     def _rejection(self, method: str, handler: Handler, message: str) -> Handler:
         reply = self._replies.get(method)

@@ -1,9 +1,10 @@
 """The grpc.aio server both services share (v2 MessagingService and lmq admin), on one port.
 
-Auth, when an access key is configured, covers every service: the official clients sign every call, and
-so does our admin client (``protocol.auth.sign_metadata``), so one key pair guards the whole port and no
-unauthenticated caller can administer the broker. The probes are HTTP (``/healthz``, ``/readyz``), off this
-port, so they need no credentials.
+One interceptor guards both services, each with its own key pair: the v2 service with the client pair when
+one is configured (the official clients sign every call), the admin service always with the admin pair
+(our admin client signs the same way, ``protocol.auth.sign_metadata``), unless the broker runs with
+``--admin-anonymous``. So no caller without the admin pair can administer the broker, even with client
+auth off. The probes are HTTP (``/healthz``, ``/readyz``), off this port, so they need no credentials.
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ def options(config: BrokerConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def create(config: BrokerConfig) -> grpc.aio.Server:
-    interceptors: Sequence[Interceptor] = ()
-    if config.access_key:
-        interceptors = (
-            auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
-        )
+def create(config: BrokerConfig, admin_keys: tuple[str, str] | None) -> grpc.aio.Server:
+    """The server, with auth: ``admin_keys`` None means admin is open (``--admin-anonymous`` only)."""
+    admin_access_key, admin_secret_key = admin_keys or ("", "")
+    interceptor = auth.AuthInterceptor(
+        config.access_key,
+        config.secret_key,
+        admin_access_key=admin_access_key,
+        admin_secret_key=admin_secret_key,
+        admin_anonymous=admin_keys is None,
+        max_skew_s=config.auth_max_skew_ms / 1000,
+    )
+    interceptors: Sequence[Interceptor] = (interceptor,)
     return grpc.aio.server(interceptors=interceptors, options=options(config))
 
 
