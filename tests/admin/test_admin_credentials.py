@@ -91,6 +91,11 @@ def test_lmq_admin_reads_the_pair_from_the_data_dir(
     assert len(lines) == 2 and lines[1].startswith("hint: sent unsigned (no data/admin-credentials.json)")
 
 
+def test_admin_client_resolved_finds_the_pair_as_lmq_admin_does(broker: BrokerProcess) -> None:
+    with AdminClient.resolved(broker.admin_endpoint, 10.0, data_dir=broker.data_dir) as admin:
+        assert admin.list_parent_topics() == []
+
+
 def test_explicit_keys_win_over_the_file(broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cli.ENDPOINT_ENV, broker.admin_endpoint)
     monkeypatch.setenv(cli.ACCESS_KEY_ENV, broker.admin_access_key)
