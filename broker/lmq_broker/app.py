@@ -135,9 +135,9 @@ class Broker:
             log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
-        server = self._server = grpc_server.create(config, admin_keys)
+        server = self._server = grpc_server.create(config)
         grpc_server.add_messaging_service(server, edge)
-        admin_service.register(server, self.store, self.dispatcher, config)
+        admin_service.register(server, self.store, self.dispatcher, config, admin_keys=admin_keys)
         self.port = edge.port = grpc_server.bind(server, config)
         await server.start()
         if config.metrics_port >= 0:

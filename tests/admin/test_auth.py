@@ -98,11 +98,10 @@ def guarded(loop_thread: LoopThread, tmp_path: Path) -> Iterator[Guarded]:
 
     def register(server: grpc.aio.Server) -> None:
         v2_grpc.add_MessagingServiceServicer_to_server(recording, server)
-        service.register(server, store, live, config)
+        service.register(server, store, live, config, admin_keys=(ADMIN_AK, ADMIN_SK))
         server.add_generic_rpc_handlers([_fake_health()])
 
-    interceptor = auth.AuthInterceptor(AK, SK, admin_access_key=ADMIN_AK, admin_secret_key=ADMIN_SK)
-    server = start_server(loop_thread, register, [interceptor])
+    server = start_server(loop_thread, register, [auth.AuthInterceptor(AK, SK)])
     yield Guarded(server, store, recording, live)
     server.stop()
 
@@ -195,14 +194,11 @@ def test_a_replayed_header_is_refused_by_the_server(guarded: Guarded) -> None:
     assert reply.status.code == 40100 and "UTC clock" in reply.status.message
 
 
-def test_the_interceptor_needs_whole_pairs_and_an_admin_pair_unless_anonymous() -> None:
+def test_the_interceptor_and_the_admin_guard_need_keys() -> None:
     with pytest.raises(ValueError, match="access key"):
-        auth.AuthInterceptor("", SK, admin_access_key=ADMIN_AK, admin_secret_key=ADMIN_SK)
+        auth.AuthInterceptor("", SK)
     with pytest.raises(ValueError, match="admin access key"):
-        auth.AuthInterceptor(AK, SK, admin_access_key=ADMIN_AK)
-    with pytest.raises(ValueError, match="admin_anonymous"):
-        auth.AuthInterceptor(AK, SK)
-    auth.AuthInterceptor(admin_anonymous=True)  # development: nothing checked
+        auth.AdminGuard(_fake_health(), ADMIN_AK, "")
 
 
 # --- on a real server ----------------------------------------------------------------------------------------
@@ -307,14 +303,10 @@ def test_a_skewed_admin_signature_is_refused(guarded: Guarded) -> None:
         stale.list_parent_topics()
 
 
-def test_an_anonymous_admin_interceptor_lets_unsigned_admin_calls_through(loop_thread: LoopThread) -> None:
+def test_without_admin_keys_the_service_answers_unsigned_calls(loop_thread: LoopThread) -> None:
     store = memory.MemoryStore()
     config = BrokerConfig(admin_anonymous=True)
-    server = start_server(
-        loop_thread,
-        lambda s: service.register(s, store, StaticLiveView(), config),
-        [auth.AuthInterceptor(admin_anonymous=True)],
-    )
+    server = start_server(loop_thread, lambda s: service.register(s, store, StaticLiveView(), config, admin_keys=None))
     try:
         with AdminClient(server.endpoint, 10.0) as anonymous:
             assert anonymous.put_parent_topic(model.ParentTopic("orders")).created

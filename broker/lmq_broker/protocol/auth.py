@@ -23,9 +23,10 @@ rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``
 
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
-The admin service (``lmq.admin.v1``) has a key pair of its own, checked whether or not the v2 clients have
-one: client credentials are handed to every application, and must not let one tenant delete another's
-topics. The same scheme and date-time window apply; only ``--admin-anonymous`` (development) opens it.
+The admin service (``lmq.admin.v1``) has a key pair of its own, checked (``AdminGuard``) whether or not the
+v2 clients have one: client credentials are handed to every application, and must not let one tenant
+delete another's topics. The same scheme and date-time window apply; only ``--admin-anonymous``
+(development) opens it. ``AuthInterceptor`` checks v2 calls only, so the client pair never opens admin.
 
 The v2 descriptors are loaded lazily, in ``AuthInterceptor()``: ``sign_metadata`` is also used by the
 admin client, which may share an interpreter with the official client and its own copy of them.
@@ -151,50 +152,32 @@ def _status_replies() -> Mapping[str, _StatusReply]:
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
     _Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
 else:
     _Interceptor = grpc.aio.ServerInterceptor
+    _GenericHandler = grpc.GenericRpcHandler
 
 
 class AuthInterceptor(_Interceptor):
-    """Checks every call against the key pair of its service, before any handler runs.
-
-    * ``apache.rocketmq.v2.MessagingService``: the client pair ``access_key``/``secret_key``; open when empty.
-    * health checks: open.
-    * everything else (``lmq.admin.v1.LmqAdmin``): the admin pair, never the client pair, so a client's
-      credentials cannot administer the broker; open only with ``admin_anonymous`` (development).
-    """
+    """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``; wire it only when client
+    auth is configured. Other services pass: health checks are open, the admin service has ``AdminGuard``."""
 
     def __init__(
         self,
-        access_key: str = "",
-        secret_key: str = "",
-        *,
-        admin_access_key: str = "",
-        admin_secret_key: str = "",
-        admin_anonymous: bool = False,
+        access_key: str,
+        secret_key: str,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
-        if bool(access_key) != bool(secret_key):
-            raise ValueError("AuthInterceptor: an access key and its secret key go together")
-        if bool(admin_access_key) != bool(admin_secret_key):
-            raise ValueError("AuthInterceptor: an admin access key and its secret key go together")
-        if not admin_access_key and not admin_anonymous:
-            raise ValueError("AuthInterceptor needs an admin access key and secret key, or admin_anonymous=True")
-        self._client_keys = (access_key, secret_key) if access_key else None
-        self._admin_keys = (admin_access_key, admin_secret_key) if admin_access_key else None
+        if not access_key or not secret_key:
+            raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
+        self._access_key = access_key
+        self._secret_key = secret_key
         self._max_skew_s = max_skew_s
         self._clock = clock
         self._replies = _status_replies()
-
-    def _keys_for(self, method: str) -> tuple[tuple[str, str] | None, str]:
-        """The pair a method needs (None: open) and what a refusal adds to its message."""
-        if method.startswith(EXEMPT_PREFIXES):
-            return None, ""
-        if method.startswith(V2_PREFIX):
-            return self._client_keys, ""
-        return self._admin_keys, f"; {ADMIN_HINT}"
 
     async def intercept_service(
         self,
@@ -202,19 +185,19 @@ class AuthInterceptor(_Interceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler:
         method = handler_call_details.method
-        keys, hint = self._keys_for(method)
-        if keys is None:
+        if not method.startswith(V2_PREFIX):
             return await continuation(handler_call_details)
         problem = check(
             handler_call_details.invocation_metadata,
-            *keys,
+            self._access_key,
+            self._secret_key,
             now=self._clock(),
             max_skew_s=self._max_skew_s,
         )
         handler = await continuation(handler_call_details)
         if problem is None or handler is None:
             return handler
-        return self._rejection(method, handler, f"unauthorized: {problem}{hint}")
+        return self._rejection(method, handler, f"unauthorized: {problem}")
 
     def _rejection(self, method: str, handler: Handler, message: str) -> Handler:
         reply = self._replies.get(method)
@@ -232,14 +215,60 @@ class AuthInterceptor(_Interceptor):
                 return response
 
             return grpc.unary_unary_rpc_method_handler(unary_reply, response_serializer=serializer)
+        return _aborting(handler, message)
 
-        async def abort(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(abort, response_serializer=serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort, response_serializer=serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(abort, response_serializer=serializer)
-        return grpc.unary_unary_rpc_method_handler(abort, response_serializer=serializer)
+def _aborting(handler: Handler, message: str) -> Handler:
+    """A handler of the same shape that ends the call with gRPC UNAUTHENTICATED and ``message``."""
+    serializer = handler.response_serializer
+
+    async def abort(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, response_serializer=serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, response_serializer=serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort, response_serializer=serializer)
+    return grpc.unary_unary_rpc_method_handler(abort, response_serializer=serializer)
+
+
+class AdminGuard(_GenericHandler):
+    """The admin service's handler, answering only calls signed with the admin pair.
+
+    A generic handler, not a server interceptor: gRPC asks it only for the methods of the service it wraps,
+    so the v2 calls, the hot path, pay nothing for it (a server-wide interceptor costs every call a
+    coroutine, and made bursts of a few thousand concurrent calls end CANCELLED). The check itself is
+    ``check``, as for clients; a refusal is gRPC UNAUTHENTICATED naming where the admin pair is."""
+
+    def __init__(
+        self,
+        inner: GenericHandler,
+        access_key: str,
+        secret_key: str,
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        if not access_key or not secret_key:
+            raise ValueError("AdminGuard needs a non-empty admin access key and secret key")
+        self._inner = inner
+        self._access_key = access_key
+        self._secret_key = secret_key
+        self._max_skew_s = max_skew_s
+        self._clock = clock
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        problem = check(
+            handler_call_details.invocation_metadata,
+            self._access_key,
+            self._secret_key,
+            now=self._clock(),
+            max_skew_s=self._max_skew_s,
+        )
+        if problem is None:
+            return handler
+        return _aborting(handler, f"unauthorized: {problem}; {ADMIN_HINT}")

@@ -1,10 +1,11 @@
 """The grpc.aio server both services share (v2 MessagingService and lmq admin), on one port.
 
-One interceptor guards both services, each with its own key pair: the v2 service with the client pair when
-one is configured (the official clients sign every call), the admin service always with the admin pair
-(our admin client signs the same way, ``protocol.auth.sign_metadata``), unless the broker runs with
-``--admin-anonymous``. So no caller without the admin pair can administer the broker, even with client
-auth off. The probes are HTTP (``/healthz``, ``/readyz``), off this port, so they need no credentials.
+Each service is guarded with its own key pair: the v2 service by ``auth.AuthInterceptor`` with the client
+pair when one is configured (the official clients sign every call), the admin service always by
+``auth.AdminGuard`` with the admin pair (``admin.service.register``; our admin client signs the same way,
+``protocol.auth.sign_metadata``), unless the broker runs with ``--admin-anonymous``. So no caller without
+the admin pair can administer the broker, even with client auth off. The probes are HTTP (``/healthz``,
+``/readyz``), off this port, so they need no credentials.
 """
 
 from __future__ import annotations
@@ -41,18 +42,12 @@ def options(config: BrokerConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def create(config: BrokerConfig, admin_keys: tuple[str, str] | None) -> grpc.aio.Server:
-    """The server, with auth: ``admin_keys`` None means admin is open (``--admin-anonymous`` only)."""
-    admin_access_key, admin_secret_key = admin_keys or ("", "")
-    interceptor = auth.AuthInterceptor(
-        config.access_key,
-        config.secret_key,
-        admin_access_key=admin_access_key,
-        admin_secret_key=admin_secret_key,
-        admin_anonymous=admin_keys is None,
-        max_skew_s=config.auth_max_skew_ms / 1000,
-    )
-    interceptors: Sequence[Interceptor] = (interceptor,)
+def create(config: BrokerConfig) -> grpc.aio.Server:
+    interceptors: Sequence[Interceptor] = ()
+    if config.access_key:
+        interceptors = (
+            auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
+        )
     return grpc.aio.server(interceptors=interceptors, options=options(config))
 
 
