@@ -161,7 +161,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--max-subscriptions-per-broker", str(2 * large), "--metrics-port", "-1"]
         with start_broker(Path(tmp) / "data", extra_args=flags) as broker:
-            with AdminClient(broker.admin_endpoint, timeout_s=30) as admin:
+            with AdminClient(broker.admin_endpoint, timeout_s=30, **broker.admin_keys) as admin:
                 admin.put_group(model.LiteGroup(GROUP, TOPIC, client_quota=2 * large))
             asyncio.run(run(broker.endpoint, broker.pid, small=small, large=large, samples=samples, idle_s=idle_s))
 

@@ -102,12 +102,16 @@ def run(samples: int, total: int, window_s: float, workdir: Path) -> int:
     with testing.testenv(workdir / "testenv") as api:
         api.apply_crds()
         api.ensure_namespace(NAMESPACE)
-        brokers = [broker_testing.start_broker(workdir / f"b{i}", extra_args=["--no-bootstrap"]) for i in range(2)]
+        shared = broker_testing.SHARED_ADMIN_ENV  # one admin pair for both brokers, as the chart's Secret
+        brokers = [
+            broker_testing.start_broker(workdir / f"b{i}", extra_args=["--no-bootstrap"], env=shared) for i in range(2)
+        ]
         op = None
         try:
             env = {
                 "LMQ_OPERATOR_NAMESPACE": NAMESPACE,
                 "LMQ_OPERATOR_BROKERS": ",".join(b.admin_endpoint for b in brokers),
+                **brokers[0].admin_env("LMQ_OPERATOR"),
             }
             op = testing.start_operator(api, workdir / "operator.log", env)
             watch = ReadyWatch(api)

@@ -368,10 +368,14 @@ def main() -> int:
             # The generated records carry store times of T0_MS (months ago): a serving broker's retention would
             # drop their segments in the middle of the measured run.
             extra += ["--retention-max-age-ms", "-1"]
-            brokers.append(testing.start_broker(work / f"broker-{i}", extra_args=extra, timeout=600))
+            brokers.append(
+                testing.start_broker(work / f"broker-{i}", extra_args=extra, env=testing.SHARED_ADMIN_ENV, timeout=600)
+            )
         opts = options.parse(
             [
                 *("--brokers", ",".join(b.admin_endpoint for b in brokers)),
+                *("--access-key", testing.SHARED_ADMIN_KEYS["access_key"]),
+                *("--secret-key", testing.SHARED_ADMIN_KEYS["secret_key"]),
                 *("--now-ms", str(NOW_MS), "--master", args.master, "--local-dir", str(work / "spark")),
                 *("--max-deletes-per-second", "0", "--driver-memory", "2g"),
                 *("--audit-path", str(work / "audit"), "--log-level", "WARNING"),

@@ -41,7 +41,11 @@ HELP: Final[dict[str, str]] = {
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",
-    "access_key": "require every call to be signed with this access key (MQv2-HMAC-SHA1)",
+    "access_key": "require every v2 client call to be signed with this access key (MQv2-HMAC-SHA1)",
+    "admin_access_key": "access key admin calls (lmq.admin.v1) must be signed with (default: generated into "
+    "<data-dir>/admin-credentials.json on first start)",
+    "admin_secret_key": "secret key matching --admin-access-key",
+    "admin_anonymous": "DEVELOPMENT ONLY: serve admin calls to anyone, unsigned",
     "auth_max_skew_ms": "signed calls: how far x-mq-date-time may be from the broker's UTC clock (0: unchecked)",
     "secret_key": "secret key matching --access-key",
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
@@ -180,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if config.access_key and not config.secret_key:
         raise SystemExit("--access-key needs --secret-key")
+    if bool(config.admin_access_key) != bool(config.admin_secret_key):
+        raise SystemExit("--admin-access-key and --admin-secret-key go together")
+    if config.admin_anonymous and config.admin_access_key:
+        raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
     asyncio.run(serve(config))

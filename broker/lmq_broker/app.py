@@ -22,7 +22,8 @@ from typing import Final
 import grpc
 import prometheus_client
 
-from lmq_broker import model
+from lmq_broker import errors, model
+from lmq_broker.admin import credentials
 from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import snapshot
@@ -56,6 +57,33 @@ def bootstrap(store: Store) -> bool:
     store.put_parent_topic(model.ParentTopic(BOOTSTRAP_TOPIC, model.MessageType.LITE))
     store.put_group(model.LiteGroup(BOOTSTRAP_GROUP, BOOTSTRAP_TOPIC))
     return True
+
+
+def admin_key_pair(config: BrokerConfig) -> tuple[str, str] | None:
+    """The pair admin calls must be signed with: configured, else the data dir's file (generated on first
+    start); None with ``admin_anonymous``. Blocking. Logs where the pair came from, never the secret."""
+    if config.admin_anonymous:
+        log.warning(
+            "admin is open to anonymous callers (--admin-anonymous): anyone who reaches port %d can create and "
+            "delete topics, groups and quotas. For development only.",
+            config.port,
+        )
+        return None
+    if config.admin_access_key:
+        log.info("admin calls need the configured admin key pair (access key %s)", config.admin_access_key)
+        return config.admin_access_key, config.admin_secret_key
+    path = credentials.path_in(config.store.data_dir)
+    try:
+        pair, created = credentials.load_or_create(config.store.data_dir)
+    except errors.InvalidArgument as exc:
+        raise errors.InvalidArgument(f"{exc.message}; fix or delete it (a new pair is then generated)") from None
+    if created:
+        log.info("admin credentials generated in %s (mode 0600): lmq-admin --data-dir reads them", path)
+    else:
+        log.info("admin credentials read from %s", path)
+        if credentials.too_open(path):
+            log.warning("%s is readable by others than its owner: chmod 600 it", path)
+    return pair.access_key, pair.secret_key
 
 
 def tune_gc() -> None:
@@ -96,6 +124,7 @@ class Broker:
 
     async def start(self) -> None:
         config = self.config
+        admin_keys = await asyncio.to_thread(admin_key_pair, config)  # first: a bad file stops us before any I/O
         if self.store is None:
             self.store = await asyncio.to_thread(lmq_store.open_store, config.store)
         if config.bootstrap and await asyncio.to_thread(bootstrap, self.store):
@@ -111,7 +140,7 @@ class Broker:
         server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
-        admin_service.register(server, self.store, self.dispatcher, config, admission)
+        admin_service.register(server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
         self.port = edge.port = grpc_server.bind(server, config)
         await server.start()
         if config.metrics_port >= 0:

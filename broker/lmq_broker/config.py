@@ -62,6 +62,11 @@ class BrokerConfig(BaseModel):
     index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""
     secret_key: str = ""
+    # lmq.admin.v1 has its own key pair, required whether or not client auth is on (docs/security.md). Empty:
+    # generated once into <data_dir>/admin-credentials.json. admin_anonymous opens admin to anyone (development).
+    admin_access_key: str = ""
+    admin_secret_key: str = ""
+    admin_anonymous: bool = False
     auth_max_skew_ms: int = Field(default=15 * 60 * 1000, ge=0)  # signed x-mq-date-time vs UTC; 0: unchecked
     tls_cert: Path | None = None
     tls_key: Path | None = None

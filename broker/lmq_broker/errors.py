@@ -75,6 +75,10 @@ class Unauthorized(LmqError):
     pass
 
 
+class Forbidden(LmqError):
+    """An authenticated caller asked for something that is not its own (another client's termination)."""
+
+
 class Unsupported(LmqError):
     """A valid request for a feature this broker does not implement (e.g. transactional messages)."""
 

@@ -5,10 +5,18 @@ Stable API (the operator, reclaim and e2e suites rely on it)::
     broker = start_broker(tmp_path / "data")              # port 0: a free port is picked
     broker.endpoint        # "127.0.0.1:<port>": the v2 MessagingService (official clients)
     broker.admin_endpoint  # same port: the lmq.admin.v1 service
+    broker.admin_keys      # {"access_key", "secret_key"} the admin service wants: AdminClient(..., **broker.admin_keys)
+    broker.admin_env("LMQ_OPERATOR")  # the same pair as LMQ_OPERATOR_ACCESS_KEY/_SECRET_KEY, for a subprocess
     broker.metrics_url     # "http://127.0.0.1:<port>" (/metrics, /healthz, /readyz)
     broker.stop()          # SIGTERM: graceful (drains, flushes), waits for exit
     broker.kill()          # SIGKILL: crash
     broker = broker.restart()  # same data dir, same port, same arguments
+
+Admin calls need the broker's admin key pair (docs/security.md): the one given in ``extra_args``
+(``--admin-access-key``) or ``env`` (``LMQ_ADMIN_ACCESS_KEY``), else the one the broker generated in
+``<data_dir>/admin-credentials.json``; with ``--admin-anonymous`` both keys are empty (calls go unsigned).
+Suites with several brokers and one admin caller (the operator, the reclaim job) pass a shared pair,
+``SHARED_ADMIN_ENV``, as on Kubernetes where every broker pod gets the chart's one Secret.
 
 ``Inbox`` is a MessageListener (by duck typing) for the official client's push consumers that records
 what it consumed and lets a test wait for a condition with a deadline.
@@ -21,6 +29,7 @@ stderr go to ``<data_dir>/../broker-<port>.log`` style files named in ``log_path
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,11 +40,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 READY_RE: Final = re.compile(r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)")
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
+ADMIN_CREDENTIALS_FILE: Final = "admin-credentials.json"  # lmq_broker.admin.credentials.FILE_NAME
+SHARED_ADMIN_ENV: Final = {"LMQ_ADMIN_ACCESS_KEY": "lmq-test-admin", "LMQ_ADMIN_SECRET_KEY": "lmq-test-admin-secret"}
+
+
+class AdminKeys(TypedDict):
+    """Keyword arguments of ``AdminClient`` (``AdminClient(endpoint, **broker.admin_keys)``)."""
+
+    access_key: str
+    secret_key: str
+
+
+SHARED_ADMIN_KEYS: Final = AdminKeys(
+    access_key=SHARED_ADMIN_ENV["LMQ_ADMIN_ACCESS_KEY"], secret_key=SHARED_ADMIN_ENV["LMQ_ADMIN_SECRET_KEY"]
+)
 
 
 class BrokerStartError(RuntimeError):
@@ -52,6 +75,18 @@ class BrokerProcess:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     _reader: threading.Thread | None = None
+    admin_access_key: str = ""  # empty: the broker serves admin anonymously (--admin-anonymous)
+    admin_secret_key: str = ""
+
+    @property
+    def admin_keys(self) -> AdminKeys:
+        return AdminKeys(access_key=self.admin_access_key, secret_key=self.admin_secret_key)
+
+    def admin_env(self, prefix: str = "LMQ_ADMIN") -> dict[str, str]:
+        """The admin pair as ``<prefix>_ACCESS_KEY``/``<prefix>_SECRET_KEY`` variables (LMQ_OPERATOR, LMQ_RECLAIM)."""
+        if not self.admin_access_key:
+            return {}
+        return {f"{prefix}_ACCESS_KEY": self.admin_access_key, f"{prefix}_SECRET_KEY": self.admin_secret_key}
 
     @property
     def endpoint(self) -> str:
@@ -168,9 +203,42 @@ def start_broker(
     if "port" not in found:
         process.wait()
         raise BrokerStartError(f"broker exited with {process.returncode}; log {log_path}:\n{_tail(log_path)}")
+    admin_access_key, admin_secret_key = _admin_pair(data_dir, args, full_env)
     return BrokerProcess(
-        data_dir, found["port"], found["metrics"], process, log_path, args, dict(env or {}), _reader=reader
+        data_dir,
+        found["port"],
+        found["metrics"],
+        process,
+        log_path,
+        args,
+        dict(env or {}),
+        _reader=reader,
+        admin_access_key=admin_access_key,
+        admin_secret_key=admin_secret_key,
     )
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _admin_pair(data_dir: Path, args: Sequence[str], env: Mapping[str, str]) -> tuple[str, str]:
+    """The admin pair the broker started with, found as it finds it (flag, variable, generated file)."""
+    anonymous = "--admin-anonymous" in args or (
+        "--no-admin-anonymous" not in args and env.get("LMQ_ADMIN_ANONYMOUS", "").lower() in ("1", "true", "yes", "on")
+    )
+    if anonymous:
+        return "", ""
+    access_key = _flag(args, "--admin-access-key") or env.get("LMQ_ADMIN_ACCESS_KEY", "")
+    if access_key:
+        return access_key, _flag(args, "--admin-secret-key") or env.get("LMQ_ADMIN_SECRET_KEY", "")
+    saved = json.loads((data_dir / ADMIN_CREDENTIALS_FILE).read_text())
+    return str(saved["access_key"]), str(saved["secret_key"])
 
 
 def _tail(path: Path, lines: int = 60) -> str:

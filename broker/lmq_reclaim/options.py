@@ -150,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--access-key",
         default=os.environ.get("LMQ_RECLAIM_ACCESS_KEY", ""),
-        help="sign admin calls (brokers with auth); env LMQ_RECLAIM_ACCESS_KEY",
+        help="the brokers' admin access key, to sign admin calls; env LMQ_RECLAIM_ACCESS_KEY",
     )
     where.add_argument(
         "--secret-key",

@@ -34,7 +34,7 @@ environment (all optional unless noted):
   LMQ_OPERATOR_NAMESPACE            watch one namespace instead of the whole cluster
   LMQ_OPERATOR_METRICS_PORT         Prometheus /metrics port (default 9101, -1 disables)
   LMQ_OPERATOR_LIVENESS_ENDPOINT    kopf liveness endpoint (default http://0.0.0.0:8080/healthz)
-  LMQ_OPERATOR_ACCESS_KEY / _SECRET_KEY  sign admin calls when brokers require auth
+  LMQ_OPERATOR_ACCESS_KEY / _SECRET_KEY  the brokers' admin key pair (needed unless they run --admin-anonymous)
   LMQ_OPERATOR_RESYNC_SECONDS, _DISCOVERY_SECONDS, _ADMIN_TIMEOUT_SECONDS, _RETRY_SECONDS  timings
 """
 

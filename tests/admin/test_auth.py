@@ -34,6 +34,7 @@ from lmq_broker.storage import memory
 from lmq_broker.storage.api import Store
 
 AK, SK = "lmq-ak", "lmq-secret"
+ADMIN_AK, ADMIN_SK = "lmq-admin-ak", "lmq-admin-secret"
 NOW = datetime(2026, 1, 2, 3, 4, 5)
 
 
@@ -97,7 +98,7 @@ def guarded(loop_thread: LoopThread, tmp_path: Path) -> Iterator[Guarded]:
 
     def register(server: grpc.aio.Server) -> None:
         v2_grpc.add_MessagingServiceServicer_to_server(recording, server)
-        service.register(server, store, live, config)
+        service.register(server, store, live, config, admin_keys=(ADMIN_AK, ADMIN_SK))
         server.add_generic_rpc_handlers([_fake_health()])
 
     server = start_server(loop_thread, register, [auth.AuthInterceptor(AK, SK)])
@@ -193,9 +194,11 @@ def test_a_replayed_header_is_refused_by_the_server(guarded: Guarded) -> None:
     assert reply.status.code == 40100 and "UTC clock" in reply.status.message
 
 
-def test_the_interceptor_needs_keys() -> None:
+def test_the_interceptor_and_the_admin_guard_need_keys() -> None:
     with pytest.raises(ValueError, match="access key"):
         auth.AuthInterceptor("", SK)
+    with pytest.raises(ValueError, match="admin access key"):
+        auth.AdminGuard(_fake_health(), ADMIN_AK, "")
 
 
 # --- on a real server ----------------------------------------------------------------------------------------
@@ -255,15 +258,19 @@ def test_an_unauthorized_telemetry_stream_is_aborted_unauthenticated(guarded: Gu
     assert guarded.v2.calls == ["Telemetry"]
 
 
-def test_the_admin_service_is_guarded_too(guarded: Guarded) -> None:
+def test_the_admin_service_wants_the_admin_pair_and_never_the_client_pair(guarded: Guarded) -> None:
     anonymous = AdminClient(guarded.endpoint, 10.0)
-    wrong = AdminClient(guarded.endpoint, 10.0, access_key=AK, secret_key="nope")
-    signed = AdminClient(guarded.endpoint, 10.0, access_key=AK, secret_key=SK)
+    wrong = AdminClient(guarded.endpoint, 10.0, access_key=ADMIN_AK, secret_key="nope")
+    client_pair = AdminClient(guarded.endpoint, 10.0, access_key=AK, secret_key=SK)
+    signed = AdminClient(guarded.endpoint, 10.0, access_key=ADMIN_AK, secret_key=ADMIN_SK)
     try:
-        with pytest.raises(errors.Unauthorized, match="missing authorization header"):
+        with pytest.raises(errors.Unauthorized, match="missing authorization header") as refused:
             anonymous.put_parent_topic(model.ParentTopic("orders"))
+        assert auth.ADMIN_HINT in refused.value.message  # says how to get credentials
         with pytest.raises(errors.Unauthorized, match="signature does not match"):
             wrong.put_parent_topic(model.ParentTopic("orders"))
+        with pytest.raises(errors.Unauthorized, match="unknown access key"):
+            client_pair.put_parent_topic(model.ParentTopic("orders"))
         with pytest.raises(errors.Unauthorized):
             list(anonymous.scan_lite_topics_columns())
         assert guarded.store.list_parent_topics() == []
@@ -272,8 +279,39 @@ def test_the_admin_service_is_guarded_too(guarded: Guarded) -> None:
         assert signed.put_parent_topic(model.ParentTopic("orders")).created
         assert [t.topic.name for t in signed.list_parent_topics()] == ["orders"]
     finally:
-        for admin in (anonymous, wrong, signed):
+        for admin in (anonymous, wrong, client_pair, signed):
             admin.close()
+
+
+def test_admin_keys_are_not_client_keys(guarded: Guarded) -> None:
+    with grpc.insecure_channel(guarded.endpoint) as channel:
+        stub = v2_grpc.MessagingServiceStub(channel)
+        reply = stub.SendMessage(_send_request(), metadata=_signed(ADMIN_AK, ADMIN_SK), timeout=10)
+    assert reply.status.code == v2.UNAUTHORIZED
+    assert guarded.v2.calls == []
+
+
+def test_a_skewed_admin_signature_is_refused(guarded: Guarded) -> None:
+    stale = AdminClient(
+        guarded.endpoint,
+        10.0,
+        access_key=ADMIN_AK,
+        secret_key=ADMIN_SK,
+        clock=lambda: auth.utc_now() - timedelta(minutes=20),
+    )
+    with stale, pytest.raises(errors.Unauthorized, match="from the broker's UTC clock"):
+        stale.list_parent_topics()
+
+
+def test_without_admin_keys_the_service_answers_unsigned_calls(loop_thread: LoopThread) -> None:
+    store = memory.MemoryStore()
+    config = BrokerConfig(admin_anonymous=True)
+    server = start_server(loop_thread, lambda s: service.register(s, store, StaticLiveView(), config, admin_keys=None))
+    try:
+        with AdminClient(server.endpoint, 10.0) as anonymous:
+            assert anonymous.put_parent_topic(model.ParentTopic("orders")).created
+    finally:
+        server.stop()
 
 
 def test_health_checks_need_no_credentials(guarded: Guarded) -> None:

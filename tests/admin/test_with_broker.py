@@ -1,5 +1,6 @@
 """The admin plane as the broker process serves it: wired into ``lmq-broker serve`` beside the v2 service,
-with the real dispatcher as its live view and auth switched on by ``LMQ_ACCESS_KEY``/``LMQ_SECRET_KEY``."""
+with the real dispatcher as its live view, client auth switched on by ``LMQ_ACCESS_KEY``/``LMQ_SECRET_KEY`` and
+the admin pair by ``LMQ_ADMIN_ACCESS_KEY``/``LMQ_ADMIN_SECRET_KEY`` (as the chart sets them on broker pods)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as v2_gr
 from lmq_broker.testing import BrokerProcess, start_broker
 
 AK, SK = "ops-ak", "ops-secret"
+ADMIN_AK, ADMIN_SK = "ops-admin-ak", "ops-admin-secret"
 
 
 @pytest.fixture
@@ -31,7 +33,12 @@ def broker_process(tmp_path: Path) -> Iterator[BrokerProcess]:
     process = start_broker(
         tmp_path / "data",
         extra_args=["--no-bootstrap", "--flush-mode", "async", "--broker-name", "broker-7"],
-        env={"LMQ_ACCESS_KEY": AK, "LMQ_SECRET_KEY": SK},
+        env={
+            "LMQ_ACCESS_KEY": AK,
+            "LMQ_SECRET_KEY": SK,
+            "LMQ_ADMIN_ACCESS_KEY": ADMIN_AK,
+            "LMQ_ADMIN_SECRET_KEY": ADMIN_SK,
+        },
     )
     yield process
     process.stop()
@@ -57,7 +64,8 @@ def _send(endpoint: str, parent: str, lite: str, count: int) -> None:
 
 
 def test_admin_calls_against_the_broker_process(broker_process: BrokerProcess) -> None:
-    with AdminClient(broker_process.admin_endpoint, 10.0, access_key=AK, secret_key=SK) as admin:
+    with AdminClient(broker_process.admin_endpoint, 10.0, **broker_process.admin_keys) as admin:
+        assert broker_process.admin_keys == {"access_key": ADMIN_AK, "secret_key": ADMIN_SK}
         assert admin.put_parent_topic(model.ParentTopic("orders", expiration_minutes=5)).created
         assert admin.put_group(model.LiteGroup("g", bind_topic="orders")).created
         _send(broker_process.endpoint, "orders", "session-1", 3)
@@ -102,12 +110,18 @@ def test_auth_guards_the_admin_service_of_the_broker_process(
     monkeypatch.setenv(cli.ENDPOINT_ENV, broker_process.admin_endpoint)
     monkeypatch.delenv(cli.ACCESS_KEY_ENV, raising=False)
     monkeypatch.delenv(cli.SECRET_KEY_ENV, raising=False)
+    monkeypatch.setenv(cli.DATA_DIR_ENV, str(broker_process.data_dir))  # no file there: the pair came from env
     err = io.StringIO()
     assert cli.main(["parent-topic", "list"], err=err) == 1
     assert err.getvalue().startswith("error: Unauthorized: unauthorized: missing authorization header")
+    assert err.getvalue().splitlines()[-1].startswith("hint: sent unsigned")
 
-    monkeypatch.setenv(cli.ACCESS_KEY_ENV, AK)  # as on a broker pod, where the broker reads the same variables
-    monkeypatch.setenv(cli.SECRET_KEY_ENV, SK)
+    err = io.StringIO()
+    assert cli.main(["--access-key", AK, "--secret-key", SK, "parent-topic", "list"], err=err) == 1  # client pair
+    assert "unknown access key" in err.getvalue()
+
+    monkeypatch.setenv(cli.ACCESS_KEY_ENV, ADMIN_AK)  # as on a broker pod, where the broker reads the same variables
+    monkeypatch.setenv(cli.SECRET_KEY_ENV, ADMIN_SK)
     out = io.StringIO()
     assert cli.main(["-o", "json", "parent-topic", "list"], out=out) == 0
     assert json.loads(out.getvalue()) == []

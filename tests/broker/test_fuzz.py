@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
@@ -234,16 +235,17 @@ def test_bytes_that_are_not_protobuf(broker: BrokerProcess, raw: bytes, method: 
 
 @pytest.mark.parametrize("method", ["PutParentTopic", "ListClients", "ScanLiteTopics"])
 def test_undecodable_admin_requests_are_invalid_argument(broker: BrokerProcess, method: str) -> None:
+    signed = auth.sign_metadata(broker.admin_access_key, broker.admin_secret_key, auth.utc_now())  # admin pair first
     with grpc.insecure_channel(broker.endpoint) as channel:
         path = f"/lmq.admin.v1.LmqAdmin/{method}"
         if method == "ScanLiteTopics":
             call: Any = channel.unary_stream(path, request_serializer=None, response_deserializer=None)
             with pytest.raises(grpc.RpcError) as refused:
-                list(call(b"\x0a\xff", timeout=10))
+                list(call(b"\x0a\xff", timeout=10, metadata=signed))
         else:
             call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
             with pytest.raises(grpc.RpcError) as refused:
-                call(b"\x0a\xff", timeout=10)
+                call(b"\x0a\xff", timeout=10, metadata=signed)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
     assert f"not a valid {method} message" in (refused.value.details() or "")
 
@@ -264,7 +266,7 @@ def unknown(enum: Any) -> st.SearchStrategy[Any]:
 
 @pytest.fixture(scope="module")
 def admin(broker: BrokerProcess) -> Iterator[AdminClient]:
-    with AdminClient(broker.admin_endpoint, timeout_s=10) as client:
+    with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as client:
         client.put_parent_topic(model.ParentTopic(STRICT_PARENT))
         client.put_group(model.LiteGroup(STRICT_GROUP, STRICT_PARENT))
         yield client

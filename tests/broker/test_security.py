@@ -1,5 +1,6 @@
 """Optional TLS and request signing, on a real server (the signing itself is protocol.auth's, tested there;
-here: that the broker wires it for every service when an access key is configured, and serves TLS)."""
+here: that the broker wires the client pair for the v2 service, its admin pair for the admin service, and
+serves TLS)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from lmq_broker import app
+from lmq_broker.admin import credentials
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.testing import config_for
 from lmq_broker.protocol import auth
@@ -34,7 +36,16 @@ async def running(config: BrokerConfig) -> app.Broker:
 @pytest_asyncio.fixture
 async def signed_broker(tmp_path: Path) -> AsyncIterator[app.Broker]:
     broker = await running(
-        config_for(tmp_path / "data", host="127.0.0.1", port=0, metrics_port=-1, access_key="ak", secret_key="sk")
+        config_for(
+            tmp_path / "data",
+            host="127.0.0.1",
+            port=0,
+            metrics_port=-1,
+            access_key="ak",
+            secret_key="sk",
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+        )
     )
     yield broker
     await broker.stop(0.2)
@@ -51,16 +62,40 @@ async def test_unsigned_calls_are_unauthorized_and_signed_ones_served(signed_bro
         assert signed.status.code == pb.OK
 
 
-async def test_the_admin_service_needs_the_same_signature(signed_broker: app.Broker) -> None:
+async def test_the_admin_service_needs_the_admin_pair_not_the_client_pair(signed_broker: app.Broker) -> None:
     async with grpc.aio.insecure_channel(signed_broker.endpoint) as channel:
         admin = admin_pb2_grpc.LmqAdminStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest())
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for metadata in ((), auth.sign_metadata("ak", "sk", datetime.now())):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest(), metadata=metadata)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "admin key pair" in (refused.value.details() or "")
         listed = await admin.ListParentTopics(
-            admin_pb2.ListParentTopicsRequest(), metadata=auth.sign_metadata("ak", "sk", datetime.now())
+            admin_pb2.ListParentTopicsRequest(), metadata=auth.sign_metadata("admin-ak", "admin-sk", datetime.now())
         )
         assert [t.topic.name for t in listed.topics] == ["AGENT_TASK_NS"]
+        v2 = service_pb2_grpc.MessagingServiceStub(channel)  # and the admin pair is not a client's
+        route = await v2.QueryRoute(ROUTE, metadata=auth.sign_metadata("admin-ak", "admin-sk", datetime.now()))
+        assert route.status.code == pb.UNAUTHORIZED
+
+
+async def test_with_client_auth_off_admin_still_needs_the_generated_pair(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    broker = await running(config_for(data, host="127.0.0.1", port=0, metrics_port=-1))
+    try:
+        pair = credentials.read(credentials.path_in(data))
+        async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+            route = await service_pb2_grpc.MessagingServiceStub(channel).QueryRoute(ROUTE)
+            assert route.status.code == pb.OK  # v2 clients stay open
+            admin = admin_pb2_grpc.LmqAdminStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest())
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            signed = auth.sign_metadata(pair.access_key, pair.secret_key, datetime.now())
+            listed = await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest(), metadata=signed)
+            assert [t.topic.name for t in listed.topics] == ["AGENT_TASK_NS"]
+    finally:
+        await broker.stop(0.2)
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:

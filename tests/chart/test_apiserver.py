@@ -26,6 +26,7 @@ Render = Callable[..., list[Manifest]]
 
 # Where each kind the chart renders lives in the API: (path prefix, plural, namespaced).
 API_PATHS = {
+    "Secret": ("/api/v1", "secrets", True),
     "ServiceAccount": ("/api/v1", "serviceaccounts", True),
     "Service": ("/api/v1", "services", True),
     "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
@@ -374,7 +375,11 @@ def test_the_operator_reconciles_with_only_the_charts_rbac(
         apply(kube, obj)
     # EndpointSlices refuse loopback addresses: the broker listens on every interface, and the slice names
     # this machine's own address.
-    broker = broker_testing.start_broker(tmp_path / "data", extra_args=["--host", "0.0.0.0"])
+    # The broker pod's admin pair comes from the chart's generated Secret, as the kubelet would pass it.
+    admin_secret = by_kind["Secret", f"{release}-lmq-admin"]
+    pair = {key: base64.b64decode(value).decode() for key, value in admin_secret["data"].items()}
+    admin_env = {"LMQ_ADMIN_ACCESS_KEY": pair["accessKey"], "LMQ_ADMIN_SECRET_KEY": pair["secretKey"]}
+    broker = broker_testing.start_broker(tmp_path / "data", extra_args=["--host", "0.0.0.0"], env=admin_env)
     operator = None
     try:
         address = (testing.host_ip(), broker.port)
@@ -385,6 +390,11 @@ def test_the_operator_reconciles_with_only_the_charts_rbac(
         pod_spec = deployment["spec"]["template"]["spec"]
         (container,) = pod_spec["containers"]
         chart_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        for entry in container["env"]:  # the operator's admin pair: from the same Secret
+            ref = entry.get("valueFrom", {}).get("secretKeyRef")
+            if ref is not None:
+                assert ref["name"] == admin_secret["metadata"]["name"]
+                chart_env[entry["name"]] = pair[ref["key"]]
         # Ports: the pod has its own network; start_operator picks free ones on this shared machine.
         for local in ("LMQ_OPERATOR_METRICS_PORT", "LMQ_OPERATOR_LIVENESS_ENDPOINT"):
             chart_env.pop(local)

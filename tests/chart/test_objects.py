@@ -131,7 +131,8 @@ def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one
         )
     )
     assert broker["args"][-3:] == [f"$(POD_NAME).{HEADLESS}.mq.svc.corp.local", "--flush-mode", "async"]
-    assert [e["name"] for e in broker["env"]] == ["POD_NAME", "LMQ_MAX_BODY_BYTES"]
+    names = ["POD_NAME", "LMQ_ADMIN_ACCESS_KEY", "LMQ_ADMIN_SECRET_KEY", "LMQ_MAX_BODY_BYTES"]
+    assert [e["name"] for e in broker["env"]] == names
 
 
 def test_broker_probes(render: Render, one: One) -> None:
@@ -263,11 +264,12 @@ def test_services(render: Render, one: One) -> None:
 
 
 def test_pod_disruption_budget(render: Render, one: One) -> None:
-    objects = render()
+    given = {"admin": {"existingSecret": "keys"}}  # a generated admin Secret would differ between renders
+    objects = render(given)
     pdb = one(objects, "PodDisruptionBudget", BROKER)
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"] == one(objects, "StatefulSet")["spec"]["selector"]
-    assert render({"broker": {"podDisruptionBudget": {"enabled": False}}}) == [
+    assert render({**given, "broker": {"podDisruptionBudget": {"enabled": False}}}) == [
         o for o in objects if o["kind"] != "PodDisruptionBudget"
     ]
 
@@ -289,6 +291,8 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_PORT": "8081",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
         "LMQ_OPERATOR_LIVENESS_ENDPOINT": "http://0.0.0.0:8080/healthz",
+        "LMQ_OPERATOR_ACCESS_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "accessKey"}},
+        "LMQ_OPERATOR_SECRET_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "secretKey"}},
     }
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {(p["name"], p["containerPort"]) for p in operator["ports"]} == {("metrics", 9101), ("health", 8080)}
@@ -369,7 +373,7 @@ def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, on
 def test_operator_can_be_left_out(render: Render) -> None:
     objects = render({"operator": {"enabled": False}})
     components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects}
-    assert components == {"broker"}
+    assert components == {"admin", "broker"}
 
 
 # -- the reclaim CronJob
@@ -377,7 +381,7 @@ def test_operator_can_be_left_out(render: Render) -> None:
 
 def test_reclaim_cronjob_is_absent_by_default(render: Render) -> None:
     components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in render()}
-    assert components == {"broker", "operator"}
+    assert components == {"admin", "broker", "operator"}
 
 
 def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
@@ -419,6 +423,9 @@ def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
         "HOME": "/tmp",
         # The run id of the records the job leaves on brokers is the Job's name (a label the Job controller sets).
         "LMQ_RECLAIM_RUN_ID": {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/job-name']"}},
+        # The brokers' admin pair: the job's scans and deletes are admin calls.
+        "LMQ_RECLAIM_ACCESS_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "accessKey"}},
+        "LMQ_RECLAIM_SECRET_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "secretKey"}},
     }
     assert {m["mountPath"]: m["name"] for m in reclaim["volumeMounts"]} == {"/tmp": "scratch"}
     volumes = {v["name"]: v for v in pod_spec(cronjob)["volumes"]}
@@ -462,7 +469,7 @@ def test_every_object_carries_the_recommended_labels(render: Render) -> None:
         assert labels["app.kubernetes.io/part-of"] == "lmq"
         assert labels["app.kubernetes.io/version"] == "0.1.0"
         assert labels["helm.sh/chart"] == "lmq-0.1.0"
-        assert labels["app.kubernetes.io/component"] in ("broker", "operator", "reclaim")
+        assert labels["app.kubernetes.io/component"] in ("admin", "broker", "operator", "reclaim")
         assert labels["team"] == "mq"
 
 
@@ -470,8 +477,15 @@ def test_names_follow_the_release(render: Render) -> None:
     def names(objects: list[Manifest]) -> set[str]:
         return {o["metadata"]["name"] for o in objects}
 
-    assert names(render(name="lmq")) == {"lmq-broker", "lmq-broker-headless", "lmq-operator", "lmq-operator-brokers"}
+    assert names(render(name="lmq")) == {
+        "lmq-admin",
+        "lmq-broker",
+        "lmq-broker-headless",
+        "lmq-operator",
+        "lmq-operator-brokers",
+    }
     assert names(render({"fullnameOverride": "mq"})) == {
+        "mq-admin",
         "mq-broker",
         "mq-broker-headless",
         "mq-operator",

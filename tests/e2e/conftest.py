@@ -30,7 +30,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
 
 @pytest.fixture(scope="module")
 def admin(broker: BrokerProcess) -> Iterator[AdminClient]:
-    with AdminClient(broker.admin_endpoint, timeout_s=10) as client:
+    with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as client:
         yield client
 
 

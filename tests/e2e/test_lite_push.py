@@ -254,7 +254,7 @@ def test_restart_resumes_without_loss_or_redelivery(tmp_path: Any, clients: list
             send(p, "AGENT_TASK_NS", "durable", f"before-{n}".encode())
         assert inbox.wait_for(lambda i: len(i.accepted) == 5, 20)
         time.sleep(0)  # acks are sent by the consumer after consume() returns
-        admin = AdminClient(broker.admin_endpoint, timeout_s=5)
+        admin = AdminClient(broker.admin_endpoint, timeout_s=5, **broker.admin_keys)
         deadline = time.monotonic() + 10
         while admin.describe_lite_topic("AGENT_TASK_NS", "durable").group_offsets.get("executor-group") != 5:
             assert time.monotonic() < deadline
@@ -284,7 +284,7 @@ def test_after_a_crash_the_group_resumes_after_its_last_ack(tmp_path: Any, clien
         for n in range(3):
             send(p, "AGENT_TASK_NS", "crash", f"acked-{n}".encode())
         assert inbox.wait_for(lambda i: len(i.accepted) == 3, 20)
-        with AdminClient(broker.admin_endpoint, timeout_s=5) as admin:
+        with AdminClient(broker.admin_endpoint, timeout_s=5, **broker.admin_keys) as admin:
             deadline = time.monotonic() + 10
             while admin.describe_lite_topic("AGENT_TASK_NS", "crash").group_offsets.get("executor-group") != 3:
                 assert time.monotonic() < deadline

@@ -157,7 +157,7 @@ def test_acks_after_an_unacked_message_survive_a_crash(tmp_path: Any, clients: l
 
     broker = start_broker(tmp_path / "data")
     try:
-        with AdminClient(broker.admin_endpoint, timeout_s=10) as admin:
+        with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
             admin.put_parent_topic(model.ParentTopic("ledger", model.MessageType.NORMAL, queue_count=1))
         producer = Producer(config(broker), ("ledger",))
         producer.startup()

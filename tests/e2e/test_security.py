@@ -79,7 +79,7 @@ def test_a_badly_signed_send_is_refused_and_stores_nothing(tmp_path: Path) -> No
         # The same request, rightly signed, is stored: the refusals above were the signature's doing.
         signed = raw_send(broker.endpoint, "signed", (("x-mq-client-id", "raw"), *auth.sign_metadata("ak", "sk", now)))
         assert signed.status.code == definition_pb2.OK, signed.status
-        with AdminClient(broker.admin_endpoint, access_key="ak", secret_key="sk") as admin:
+        with AdminClient(broker.admin_endpoint, **broker.admin_keys) as admin:
             assert admin.describe_lite_topic("AGENT_TASK_NS", "signed").meta.max_offset == 1
             for lite_topic in ("forged", "unsigned"):
                 with pytest.raises(errors.NotFound):

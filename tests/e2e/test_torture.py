@@ -169,7 +169,7 @@ def test_fault_cycles_lose_hide_or_redeliver_nothing_acknowledged(tmp_path: Path
     books = Books()
     args = ["--segment-max-bytes", str(SEGMENT_BYTES), "--long-polling-timeout-ms", "2000"]
     broker = start_broker(data_dir, extra_args=args)
-    with AdminClient(broker.admin_endpoint, timeout_s=10) as admin:
+    with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
         admin.put_parent_topic(model.ParentTopic(QUEUE, model.MessageType.NORMAL, queue_count=1))
     port = broker.port
     started = time.monotonic()

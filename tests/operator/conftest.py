@@ -86,7 +86,11 @@ def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[broker_te
     started: list[broker_testing.BrokerProcess] = []
     try:
         for i in range(2):
-            started.append(broker_testing.start_broker(root / f"b{i}", extra_args=["--no-bootstrap"]))
+            started.append(
+                broker_testing.start_broker(
+                    root / f"b{i}", extra_args=["--no-bootstrap"], env=broker_testing.SHARED_ADMIN_ENV
+                )
+            )
         yield started
     finally:
         for b in started:
@@ -95,11 +99,14 @@ def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[broker_te
 
 @pytest.fixture
 def start_broker(tmp_path: Path) -> Iterator[Callable[..., broker_testing.BrokerProcess]]:
-    """A broker of one test; stopped (and its pipe closed) at teardown, including every restart."""
+    """A broker of one test; stopped (and its pipe closed) at teardown, including every restart. Every broker of
+    the suite takes the shared admin pair, as every pod of a release takes the chart's one Secret."""
     started: list[broker_testing.BrokerProcess] = []
 
     def start(name: str, port: int = 0, extra: tuple[str, ...] = ()) -> broker_testing.BrokerProcess:
-        broker = broker_testing.start_broker(tmp_path / name, port=port, extra_args=["--no-bootstrap", *extra])
+        broker = broker_testing.start_broker(
+            tmp_path / name, port=port, extra_args=["--no-bootstrap", *extra], env=broker_testing.SHARED_ADMIN_ENV
+        )
         started.append(broker)
         return broker
 
@@ -115,7 +122,7 @@ def admin_of() -> Iterator[Callable[[str], AdminClient]]:
 
     def get(endpoint: str) -> AdminClient:
         if endpoint not in opened:
-            opened[endpoint] = AdminClient(endpoint, timeout_s=5.0)
+            opened[endpoint] = AdminClient(endpoint, timeout_s=5.0, **broker_testing.SHARED_ADMIN_KEYS)
         return opened[endpoint]
 
     yield get
@@ -128,6 +135,8 @@ OPERATOR_ENV: dict[str, str] = {
     "LMQ_OPERATOR_DISCOVERY_SECONDS": "0.3",
     "LMQ_OPERATOR_RETRY_SECONDS": "0.5",
     "LMQ_OPERATOR_ADMIN_TIMEOUT_SECONDS": "2",
+    "LMQ_OPERATOR_ACCESS_KEY": broker_testing.SHARED_ADMIN_KEYS["access_key"],  # the brokers' shared admin pair
+    "LMQ_OPERATOR_SECRET_KEY": broker_testing.SHARED_ADMIN_KEYS["secret_key"],
 }
 
 

@@ -31,7 +31,8 @@ def admin_factory(request: pytest.FixtureRequest, start_broker: Callable[..., An
     if request.param == "memory":
         return admins.MemoryAdmin
     broker = start_broker("contract")
-    return lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)
+    keys = (broker.admin_access_key, broker.admin_secret_key)
+    return lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=keys)
 
 
 def run(coro: Any) -> Any:
@@ -88,13 +89,14 @@ def with_records(
         yield admins.MemoryAdmin, keep
         return
     broker = start_broker("contract-reclaim")
-    with AdminClient(broker.admin_endpoint) as client:
+    with AdminClient(broker.admin_endpoint, **broker.admin_keys) as client:
 
         def record(admin: admins.BrokerAdmin, parent: str, run: model.ReclaimRun) -> None:
             fields = {f: getattr(run, f) for f in model.ReclaimRun.__dataclass_fields__}
             assert client.record_reclaim_runs([broker_model.ReclaimRun(parent=parent, **fields)]).recorded == (parent,)
 
-        yield (lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)), record
+        keys = (broker.admin_access_key, broker.admin_secret_key)
+        yield (lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=keys)), record
 
 
 def test_a_reclaim_record_is_observed_with_its_parent_and_goes_with_it(
@@ -153,22 +155,24 @@ def test_unreachable_broker_is_unavailable() -> None:
     run(scenario())
 
 
-def test_signed_admin_calls_reach_a_broker_that_checks_keys(start_broker: Callable[..., Any]) -> None:
+def test_admin_calls_need_the_admin_pair_not_the_client_pair(start_broker: Callable[..., Any]) -> None:
     broker = start_broker("secured", extra=("--access-key", "ak", "--secret-key", "sk"))
+    admin_keys = (broker.admin_access_key, broker.admin_secret_key)
 
     async def scenario() -> None:
-        signed = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "sk"))
+        signed = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=admin_keys)
         unsigned = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)
-        wrong = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "nope"))
+        client_pair = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "sk"))
+        wrong = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=(admin_keys[0], "nope"))
         try:
             assert await signed.put(TOPIC) is True
-            for admin in (unsigned, wrong):
+            for admin in (unsigned, client_pair, wrong):
                 with pytest.raises(admins.AdminError) as info:
                     await admin.get(model.Kind.PARENT_TOPIC, TOPIC.key)
                 assert info.value.failure is model.Failure.REJECTED
                 assert info.value.message.startswith("UNAUTHENTICATED")
         finally:
-            for admin in (signed, unsigned, wrong):
+            for admin in (signed, unsigned, client_pair, wrong):
                 await admin.close()
 
     run(scenario())

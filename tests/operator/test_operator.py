@@ -385,7 +385,7 @@ def test_broker_that_appears_later_and_empty_disk_get_everything(
     late.stop()
     shutil.rmtree(late.data_dir)
     start_broker("late", port=late_port)
-    with AdminClient(late_endpoint, timeout_s=5.0) as fresh:
+    with AdminClient(late_endpoint, timeout_s=5.0, **late.admin_keys) as fresh:
         testing.wait_for(lambda: has_topic(fresh, topic), TIMEOUT_S, "topic re-created on an empty broker")
 
 
@@ -569,7 +569,7 @@ def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
 
     back = start_broker("pod0", port=pod.port, extra=["--host", "0.0.0.0"])  # same disk: it still holds the topic
     testing.wait_for(lambda: not kube.exists(path), TIMEOUT_S, f"{path} deleted once the broker answers")
-    with AdminClient(back.admin_endpoint, timeout_s=5.0) as admin:
+    with AdminClient(back.admin_endpoint, timeout_s=5.0, **back.admin_keys) as admin:
         assert not has_topic(admin, topic)
     assert "Deleted" in event_reasons(kube, namespace, "orphan")
 

@@ -136,7 +136,9 @@ def start_brokers(tmp_path: Path) -> Iterator[Callable[[int], list[testing.Broke
         for i in range(count):
             started.append(
                 testing.start_broker(
-                    tmp_path / f"broker-{i}", extra_args=["--no-bootstrap", "--broker-name", f"broker-{i}"]
+                    tmp_path / f"broker-{i}",
+                    extra_args=["--no-bootstrap", "--broker-name", f"broker-{i}"],
+                    env=testing.SHARED_ADMIN_ENV,
                 )
             )
         return started
@@ -144,3 +146,11 @@ def start_brokers(tmp_path: Path) -> Iterator[Callable[[int], list[testing.Broke
     yield start
     for b in started:
         b.stop()
+
+
+@pytest.fixture(autouse=True)
+def reclaim_admin_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job signs with the brokers' shared admin pair, from the variables the chart sets (options read them
+    when parsing; job subprocesses inherit them)."""
+    monkeypatch.setenv("LMQ_RECLAIM_ACCESS_KEY", testing.SHARED_ADMIN_KEYS["access_key"])
+    monkeypatch.setenv("LMQ_RECLAIM_SECRET_KEY", testing.SHARED_ADMIN_KEYS["secret_key"])

@@ -76,7 +76,7 @@ def test_module_entry_point_reclaims_a_live_broker_and_reports_a_dead_one(
     assert re.search(r"INFO lmq_reclaim: scanned 3 lite topic\(s\), 3 expired", done.stderr)
     # The live broker keeps the run's summary under the Job's name; the dead endpoint was never planned.
     assert "recorded: run lmq-reclaim-29000000 on 1 broker(s)" in done.stdout
-    with AdminClient(broker.admin_endpoint) as admin:
+    with AdminClient(broker.admin_endpoint, **broker.admin_keys) as admin:
         last = admin.get_parent_topic("Agent").last_reclaim
     assert last is not None
     assert (last.run_id, last.start_ms, last.scanned, last.reclaimed) == ("lmq-reclaim-29000000", now_ms, 3, 3)

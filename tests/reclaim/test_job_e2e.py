@@ -93,7 +93,10 @@ def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_sc
     seeder(tmp_path / "broker-1", now_ms, PARENTS[:1], GROUPS, BROKER_1)
     b0, b1 = start_brokers(2)
     v2_b0, v2_b1 = v2_client(b0.endpoint), v2_client(b1.endpoint)
-    admins = {"broker-0": AdminClient(b0.admin_endpoint), "broker-1": AdminClient(b1.admin_endpoint)}
+    admins = {
+        "broker-0": AdminClient(b0.admin_endpoint, **b0.admin_keys),
+        "broker-1": AdminClient(b1.admin_endpoint, **b1.admin_keys),
+    }
     try:
         v2_b1.subscribe("Agent", "G", "b1-subscribed")
         v2_b1.subscribe("Agent", "G", "b1-sub-grew")

@@ -101,7 +101,7 @@ def test_spark_submit_reclaims_the_expired_topics_of_a_live_broker(
     }
 
     # The broker itself: exactly the expired topics are gone, the others are still there.
-    with AdminClient(broker.admin_endpoint) as admin:
+    with AdminClient(broker.admin_endpoint, **broker.admin_keys) as admin:
         for parent, lite in EXPIRED:
             with pytest.raises(errors.NotFound):
                 admin.describe_lite_topic(parent, lite)

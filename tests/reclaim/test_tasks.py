@@ -14,8 +14,8 @@ import pytest
 
 from lmq_broker import model, testing
 from lmq_broker.admin.client import AdminClient
+from lmq_reclaim import brokers, keyspace, tasks
 from lmq_reclaim import columns as c
-from lmq_reclaim import keyspace, tasks
 from lmq_reclaim.columns import Outcome
 
 
@@ -68,7 +68,7 @@ def test_deletes_of_one_broker_respect_the_rate(
     parents = [model.ParentTopic("Agent", expiration_minutes=60)]
     seeder(tmp_path / "broker-0", int(time.time() * 1000), parents, [], seeds)
     (broker,) = start_brokers(1)
-    with AdminClient(broker.admin_endpoint) as admin:
+    with AdminClient(broker.admin_endpoint, **broker.admin_keys) as admin:
         metas = [t.meta for t in admin.list_lite_topics("Agent", limit=100).topics]
     assert len(metas) == 30
     fake = FakeTime()
@@ -80,6 +80,7 @@ def test_deletes_of_one_broker_respect_the_rate(
         batch_size=5,
         dry_run=False,
         timeout_s=30,
+        credentials=brokers.Credentials(broker.admin_access_key, broker.admin_secret_key),
     )
     run = tasks.delete_fn(settings, cast(Any, stats), cast(Any, messages), clock=fake.clock, sleep=fake.sleep)
     out = pa.Table.from_batches(list(run(iter([candidates("broker-0", metas)]))))

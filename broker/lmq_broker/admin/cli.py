@@ -16,15 +16,18 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, TextIO, TypeVar
 
 from lmq_broker import errors, model
+from lmq_broker.admin import credentials
 from lmq_broker.admin.client import AdminClient
 
 DEFAULT_ENDPOINT: Final = "localhost:8081"
 ENDPOINT_ENV: Final = "LMQ_ADMIN_ENDPOINT"
-ACCESS_KEY_ENV: Final = "LMQ_ACCESS_KEY"
-SECRET_KEY_ENV: Final = "LMQ_SECRET_KEY"
+ACCESS_KEY_ENV: Final = credentials.ACCESS_KEY_ENV
+SECRET_KEY_ENV: Final = credentials.SECRET_KEY_ENV
+DATA_DIR_ENV: Final = credentials.DATA_DIR_ENV
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -198,8 +201,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     parser.add_argument("--output", "-o", choices=("table", "json"), default="table")
-    parser.add_argument("--access-key", default=os.environ.get(ACCESS_KEY_ENV, ""), help=f"env {ACCESS_KEY_ENV}")
-    parser.add_argument("--secret-key", default=os.environ.get(SECRET_KEY_ENV, ""), help=f"env {SECRET_KEY_ENV}")
+    parser.add_argument(
+        "--access-key", default="", help=f"the broker's admin access key (else env {ACCESS_KEY_ENV}, else --data-dir)"
+    )
+    parser.add_argument(
+        "--secret-key", default="", help=f"its secret key; prefer env {SECRET_KEY_ENV} (kept out of the process list)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"read the admin key pair from <data-dir>/{credentials.FILE_NAME} when neither flags nor env give one "
+        f"(env {DATA_DIR_ENV}, default {credentials.DEFAULT_DATA_DIR}: where `make run` keeps it)",
+    )
     resources = parser.add_subparsers(dest="resource", required=True, metavar="RESOURCE")
 
     def verb(
@@ -307,6 +321,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _credentials_hint(pair: credentials.KeyPair | None, data_dir: Path | None) -> str:
+    """One line: where lmq-admin looked for the admin key pair and what it found."""
+    where = credentials.path_in(data_dir or Path(os.environ.get(DATA_DIR_ENV, "") or credentials.DEFAULT_DATA_DIR))
+    used = f"signed with access key {pair.access_key}" if pair else f"sent unsigned (no {where})"
+    return (
+        f"{used}; lmq-admin takes the broker's admin pair from --access-key/--secret-key, else "
+        f"{ACCESS_KEY_ENV}/{SECRET_KEY_ENV}, else --data-dir/{credentials.FILE_NAME} (the broker's data directory)"
+    )
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
@@ -314,9 +338,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # argparse exits on --help (0) and on bad usage (2)
         return int(exit_.code or 0)
-    client = AdminClient(
-        args.endpoint, args.timeout, access_key=args.access_key, secret_key=args.secret_key, long_timeout_s=3600.0
-    )
+    try:
+        pair = credentials.resolve(args.access_key, args.secret_key, args.data_dir)
+    except errors.LmqError as exc:
+        print(f"error: {exc.message}", file=err)
+        return EXIT_USAGE
+    client = AdminClient(args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair)
     try:
         if getattr(args, "scan", False):
             _scan(client, args, out)
@@ -324,6 +351,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
             emit(args.run(client, args), args.output, out)
     except errors.LmqError as exc:
         print(f"error: {type(exc).__name__}: {exc.message}", file=err)
+        if isinstance(exc, errors.Unauthorized):
+            print(f"hint: {_credentials_hint(pair, args.data_dir)}", file=err)
         return EXIT_FAILED
     except BrokenPipeError:  # `lmq-admin ... | head`
         return EXIT_OK

@@ -33,9 +33,12 @@ columns back (``COMPARE_COLUMNS`` are required, others ignored), split into requ
 subscribers beyond those the scan saw then keep a row.
 
 Unary calls use ``timeout_s``; a scan stream and each compare-and-delete request use ``long_timeout_s``.
-With ``access_key``/``secret_key`` every call is signed as the v2 clients sign (the broker's
-``AuthInterceptor`` guards the admin service too). ``AsyncAdminClient`` offers the same methods as
-coroutines (each call runs the blocking client in a worker thread), for asyncio callers such as kopf.
+Every call is signed with the broker's *admin* key pair (``access_key``/``secret_key``, or ``keys``) as the
+v2 clients sign theirs; the broker refuses unsigned admin calls unless it runs with ``--admin-anonymous``.
+``AdminClient.resolved`` finds the pair as ``lmq-admin`` does (``admin.credentials.resolve``: the
+``LMQ_ADMIN_ACCESS_KEY``/``LMQ_ADMIN_SECRET_KEY`` variables, else ``<data-dir>/admin-credentials.json``).
+``AsyncAdminClient`` offers the same methods as coroutines (each call runs the blocking client in a worker
+thread), for asyncio callers such as kopf.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ import enum
 from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar, cast
 
 import grpc
 
 from lmq_broker import errors, model
-from lmq_broker.admin import codes, convert
+from lmq_broker.admin import codes, convert, credentials
 from lmq_broker.admin.convert import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
@@ -197,12 +201,15 @@ class AdminClient:
         long_timeout_s: float = 600.0,
         access_key: str = "",
         secret_key: str = "",
+        keys: credentials.KeyPair | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
         clock: Callable[[], datetime] = auth.utc_now,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.long_timeout_s = long_timeout_s
+        if keys is not None:
+            access_key, secret_key = keys.access_key, keys.secret_key
         self._keys = (access_key, secret_key) if access_key else None
         self._clock = clock
         if channel_credentials is None:
@@ -210,6 +217,14 @@ class AdminClient:
         else:
             self._channel = grpc.secure_channel(endpoint, channel_credentials, options=_CHANNEL_OPTIONS)
         self._stub = admin_pb2_grpc.LmqAdminStub(self._channel)
+
+    @classmethod
+    def resolved(
+        cls, endpoint: str, timeout_s: float = 5.0, *, data_dir: Path | None = None, **options: Any
+    ) -> AdminClient:
+        """A client signing with the pair ``lmq-admin`` would find: ``LMQ_ADMIN_ACCESS_KEY``/``_SECRET_KEY``,
+        else ``<data_dir>/admin-credentials.json`` (default ``LMQ_DATA_DIR``, else ``./data``); unsigned if none."""
+        return cls(endpoint, timeout_s, keys=credentials.resolve(data_dir=data_dir), **options)
 
     def close(self) -> None:
         self._channel.close()

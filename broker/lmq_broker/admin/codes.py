@@ -28,6 +28,7 @@ _TABLE: Final[tuple[tuple[type[errors.LmqError], grpc.StatusCode], ...]] = (
     (errors.SubscriptionQuotaExceeded, _C.RESOURCE_EXHAUSTED),
     (errors.Unauthorized, _C.UNAUTHENTICATED),
     (errors.Unauthorized, _C.PERMISSION_DENIED),
+    (errors.Forbidden, _C.PERMISSION_DENIED),
     (errors.BrokerUnavailable, _C.UNAVAILABLE),
     (errors.BrokerUnavailable, _C.DEADLINE_EXCEEDED),
     (errors.LmqError, _C.INTERNAL),  # any other failure of ours, or a bug

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
@@ -21,7 +22,7 @@ from lmq_broker import errors
 from lmq_broker.admin import catalog, codes, convert, inspection, reclaiming
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
-from lmq_broker.protocol import guard
+from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
@@ -37,13 +38,23 @@ Resp = TypeVar("Resp")
 
 
 def register(
-    server: grpc.aio.Server, store: Store, live: LiveView, config: BrokerConfig, admission: Admission | None = None
+    server: grpc.aio.Server,
+    store: Store,
+    live: LiveView,
+    config: BrokerConfig,
+    admission: Admission | None = None,
+    *,
+    admin_keys: tuple[str, str] | None,
+    clock: Callable[[], datetime] = auth.utc_now,
 ) -> None:
-    """Add the LmqAdmin service to the broker's server (before it starts); its calls count against
-    ``admission`` (the v2 service's, in a broker)."""
+    """Add the LmqAdmin service to the broker's server (before it starts), answering only calls signed with
+    ``admin_keys``; None serves anyone (``--admin-anonymous``, and harnesses that test the service itself).
+    Its calls count against ``admission`` (the v2 service's, in a broker)."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
-    servicer = AdminServicer(store, live, config)
-    server.add_generic_rpc_handlers((guard.strict_generic_handler(service, servicer, admission),))
+    handler = guard.strict_generic_handler(service, AdminServicer(store, live, config), admission)
+    if admin_keys is not None:
+        handler = auth.AdminGuard(handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock)
+    server.add_generic_rpc_handlers((handler,))
 
 
 async def _abort(context: Context, exc: BaseException) -> None:

@@ -2,7 +2,9 @@
 
 The server runs its own event loop in a thread (as the broker does in its process), so tests call it
 with blocking clients, exactly as the operator, the reclaim job and the CLI do. Seeding helpers write
-through the real ``Store`` API; the live view is the in-memory ``StaticLiveView``.
+through the real ``Store`` API; the live view is the in-memory ``StaticLiveView``. ``serve_admin`` serves the
+service to anyone unless given ``admin_keys`` (the service itself is what most of these tests are about):
+admin auth is tested with them in tests/admin/test_auth.py and on the broker process.
 """
 
 from __future__ import annotations
@@ -122,8 +124,14 @@ class Broker:
         self.server.stop()
 
 
-def serve_admin(loop: LoopThread, store: Store, config: BrokerConfig, interceptors: Sequence[Any] = ()) -> Broker:
+def serve_admin(
+    loop: LoopThread,
+    store: Store,
+    config: BrokerConfig,
+    interceptors: Sequence[Any] = (),
+    admin_keys: tuple[str, str] | None = None,
+) -> Broker:
     """The admin service over ``store`` on a fresh port; ``Broker.close`` stops it (not the store)."""
     live = StaticLiveView()
-    server = start_server(loop, lambda s: service.register(s, store, live, config), interceptors)
+    server = start_server(loop, lambda s: service.register(s, store, live, config, admin_keys=admin_keys), interceptors)
     return Broker(server, store, live, config)

@@ -23,6 +23,11 @@ rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``
 
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
+The admin service (``lmq.admin.v1``) has a key pair of its own, checked (``AdminGuard``) whether or not the
+v2 clients have one: client credentials are handed to every application, and must not let one tenant
+delete another's topics. The same scheme and date-time window apply; only ``--admin-anonymous``
+(development) opens it. ``AuthInterceptor`` checks v2 calls only, so the client pair never opens admin.
+
 The v2 descriptors are loaded lazily, in ``AuthInterceptor()``: ``sign_metadata`` is also used by the
 admin client, which may share an interpreter with the official client and its own copy of them.
 """
@@ -45,6 +50,12 @@ AUTHORIZATION: Final = "authorization"
 DATE_TIME: Final = "x-mq-date-time"
 DATE_TIME_FORMAT: Final = "%Y%m%dT%H%M%SZ"
 V2_SERVICE: Final = "apache.rocketmq.v2.MessagingService"
+V2_PREFIX: Final = f"/{V2_SERVICE}/"
+ADMIN_HINT: Final = (
+    "admin calls must be signed with the broker's admin key pair (not a client's): its --admin-access-key/"
+    "--admin-secret-key, or admin-credentials.json in its data directory, which lmq-admin reads with --data-dir "
+    "(see docs/security.md)"
+)
 UNAUTHORIZED_CODE: Final = 40100  # apache.rocketmq.v2.Code.UNAUTHORIZED
 EXEMPT_PREFIXES: Final = ("/grpc.health.v1.Health/",)
 DEFAULT_MAX_SKEW_S: Final = 15 * 60.0
@@ -141,13 +152,17 @@ def _status_replies() -> Mapping[str, _StatusReply]:
 
 if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
     _Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
 else:
     _Interceptor = grpc.aio.ServerInterceptor
+    _GenericHandler = grpc.GenericRpcHandler
 
 
 class AuthInterceptor(_Interceptor):
-    """Rejects calls not signed with ``access_key``/``secret_key``; wire it only when auth is configured."""
+    """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``; wire it only when client
+    auth is configured. Other services pass: health checks are open, the admin service has ``AdminGuard``."""
 
     def __init__(
         self,
@@ -170,7 +185,7 @@ class AuthInterceptor(_Interceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler:
         method = handler_call_details.method
-        if method.startswith(EXEMPT_PREFIXES):
+        if not method.startswith(V2_PREFIX):
             return await continuation(handler_call_details)
         problem = check(
             handler_call_details.invocation_metadata,
@@ -200,14 +215,60 @@ class AuthInterceptor(_Interceptor):
                 return response
 
             return grpc.unary_unary_rpc_method_handler(unary_reply, response_serializer=serializer)
+        return _aborting(handler, message)
 
-        async def abort(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(abort, response_serializer=serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort, response_serializer=serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(abort, response_serializer=serializer)
-        return grpc.unary_unary_rpc_method_handler(abort, response_serializer=serializer)
+def _aborting(handler: Handler, message: str) -> Handler:
+    """A handler of the same shape that ends the call with gRPC UNAUTHENTICATED and ``message``."""
+    serializer = handler.response_serializer
+
+    async def abort(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, response_serializer=serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, response_serializer=serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort, response_serializer=serializer)
+    return grpc.unary_unary_rpc_method_handler(abort, response_serializer=serializer)
+
+
+class AdminGuard(_GenericHandler):
+    """The admin service's handler, answering only calls signed with the admin pair.
+
+    A generic handler, not a server interceptor: gRPC asks it only for the methods of the service it wraps,
+    so the v2 calls, the hot path, pay nothing for it (a server-wide interceptor costs every call a
+    coroutine, and made bursts of a few thousand concurrent calls end CANCELLED). The check itself is
+    ``check``, as for clients; a refusal is gRPC UNAUTHENTICATED naming where the admin pair is."""
+
+    def __init__(
+        self,
+        inner: GenericHandler,
+        access_key: str,
+        secret_key: str,
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        if not access_key or not secret_key:
+            raise ValueError("AdminGuard needs a non-empty admin access key and secret key")
+        self._inner = inner
+        self._access_key = access_key
+        self._secret_key = secret_key
+        self._max_skew_s = max_skew_s
+        self._clock = clock
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        problem = check(
+            handler_call_details.invocation_metadata,
+            self._access_key,
+            self._secret_key,
+            now=self._clock(),
+            max_skew_s=self._max_skew_s,
+        )
+        if problem is None:
+            return handler
+        return _aborting(handler, f"unauthorized: {problem}; {ADMIN_HINT}")

@@ -22,9 +22,10 @@ class Caller:
     language: str = ""
     version: str = ""
     namespace: str = ""
+    peer: str = ""  # the connection (context.peer()), read only where it matters: Telemetry, termination
 
     @staticmethod
-    def of(metadata: Iterable[tuple[str, str | bytes]] | None) -> Caller:
+    def of(metadata: Iterable[tuple[str, str | bytes]] | None, peer: str = "") -> Caller:
         headers: dict[str, str] = {}
         for key, value in metadata or ():
             if key in _WANTED and isinstance(value, str):  # gRPC metadata keys arrive lower-cased
@@ -34,6 +35,7 @@ class Caller:
             language=headers.get(LANGUAGE, ""),
             version=headers.get(CLIENT_VERSION, ""),
             namespace=headers.get(NAMESPACE, ""),
+            peer=peer,
         )
 
     def require_client_id(self) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol import convert
+from lmq_broker.protocol.connections import Connections
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.metrics import Metrics
 
@@ -18,6 +19,7 @@ class Edge:
     config: BrokerConfig
     port: int = 0  # the bound port, set once the server listens
     metrics: Metrics = field(default_factory=Metrics)
+    connections: Connections = field(default_factory=Connections)  # whose Telemetry runs on which peer
 
     def endpoints(self, requested: pb.Endpoints | None = None) -> pb.Endpoints:
         """Where clients should call this broker: the configured advertised host, else the address the

@@ -1,9 +1,11 @@
 """The grpc.aio server both services share (v2 MessagingService and lmq admin), on one port.
 
-Auth, when an access key is configured, covers every service: the official clients sign every call, and
-so does our admin client (``protocol.auth.sign_metadata``), so one key pair guards the whole port and no
-unauthenticated caller can administer the broker. The probes are HTTP (``/healthz``, ``/readyz``), off this
-port, so they need no credentials.
+Each service is guarded with its own key pair: the v2 service by ``auth.AuthInterceptor`` with the client
+pair when one is configured (the official clients sign every call), the admin service always by
+``auth.AdminGuard`` with the admin pair (``admin.service.register``; our admin client signs the same way,
+``protocol.auth.sign_metadata``), unless the broker runs with ``--admin-anonymous``. So no caller without
+the admin pair can administer the broker, even with client auth off. The probes are HTTP (``/healthz``,
+``/readyz``), off this port, so they need no credentials.
 
 Every call is admitted by one ``admission.Admission`` shared by both services (``--max-concurrent-calls``).
 For that, grpc core's own backlog limit is raised (``PENDING_CALLS_MAX``): its default refuses calls the

@@ -146,7 +146,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def Telemetry(
         self, request_iterator: AsyncIterator[spb.TelemetryCommand], context: Context
     ) -> AsyncIterator[spb.TelemetryCommand]:
-        caller = Caller.of(context.invocation_metadata())
+        caller = Caller.of(context.invocation_metadata(), context.peer())
         try:
             async for frame in telemetry.handle(self.edge, request_iterator, caller):
                 yield frame
@@ -161,11 +161,10 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def NotifyClientTermination(
         self, request: spb.NotifyClientTerminationRequest, context: Context
     ) -> spb.NotifyClientTerminationResponse:
-        return await self._unary(
+        caller = Caller.of(context.invocation_metadata(), context.peer())  # only the client's own connection
+        return await self._answer(
             "NotifyClientTermination",
-            notify_client_termination.handle,
-            request,
-            context,
+            notify_client_termination.handle(self.edge, request, caller),
             spb.NotifyClientTerminationResponse,
         )
 

@@ -56,6 +56,7 @@ BY_CLASS: Final[tuple[tuple[type[errors.LmqError], Code], ...]] = (
     (errors.TooManyRequests, pb.TOO_MANY_REQUESTS),
     (errors.InvalidReceiptHandle, pb.INVALID_RECEIPT_HANDLE),
     (errors.Unauthorized, pb.UNAUTHORIZED),
+    (errors.Forbidden, pb.FORBIDDEN),
     (errors.Unsupported, pb.UNSUPPORTED),
     (errors.StorageError, pb.INTERNAL_ERROR),
     (errors.BrokerUnavailable, pb.INTERNAL_ERROR),

@@ -41,6 +41,28 @@ DNS label, and the StatefulSet name stays short enough for its pods' controller-
 {{- printf "%s-reclaim" (include "lmq.fullname" .) }}
 {{- end }}
 
+{{/* The Secret with the admin key pair (keys accessKey, secretKey): the user's, else the one the chart makes. */}}
+{{- define "lmq.admin.secretName" -}}
+{{- default (printf "%s-admin" (include "lmq.fullname" .)) .Values.admin.existingSecret }}
+{{- end }}
+
+{{/*
+The admin pair as env entries; call with (dict "root" $ "prefix" "LMQ_ADMIN"). The broker reads
+LMQ_ADMIN_*, the operator LMQ_OPERATOR_*, the reclaim job LMQ_RECLAIM_*; all sign with the same pair.
+*/}}
+{{- define "lmq.admin.env" -}}
+- name: {{ .prefix }}_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "lmq.admin.secretName" .root) .secret }}
+      key: accessKey
+- name: {{ .prefix }}_SECRET_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "lmq.admin.secretName" .root) .secret }}
+      key: secretKey
+{{- end }}
+
 {{/* ServiceAccount names: the configured one, else the component's full name when the chart creates it. */}}
 {{- define "lmq.operator.serviceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create }}

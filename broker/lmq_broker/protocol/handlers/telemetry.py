@@ -51,6 +51,7 @@ async def handle(
     exclusive group gave to another client: NotifyUnsubscribeLiteCommand)."""
     client_id = caller.require_client_id()
     notices = edge.dispatcher.stream_opened(client_id)
+    edge.connections.opened(client_id, caller.peer)
     out: asyncio.Queue[spb.TelemetryCommand | None] = asyncio.Queue(maxsize=REPLY_BACKLOG)
 
     async def answer() -> None:
@@ -82,6 +83,7 @@ async def handle(
         for task in (answering, relaying):
             task.cancel()
         await asyncio.gather(answering, relaying, return_exceptions=True)
+        edge.connections.closed(client_id, caller.peer)
         edge.dispatcher.stream_closed(client_id)
 
 
