@@ -13,6 +13,7 @@ import pytest
 
 from lmq_broker import errors, model
 from lmq_broker.admin import reclaiming
+from lmq_broker.dispatch import dispatcher as dispatcher_module
 from lmq_broker.dispatch import reclaims
 from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher, OffsetPolicy, OffsetReset, lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
@@ -702,3 +703,88 @@ async def test_only_subscribers_beyond_those_the_scan_saw_keep_a_topic(lite: Lit
     assert sorted(lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "grew"))) == ["c1", "c2"]
     assert lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "seen")) == []  # deleted as the scan judged it
     assert lite.dispatcher.reclaims_in_flight() == 0
+
+
+# --- commits that fail: the ack is kept dirty and persisted later, never silently dropped ---------------
+
+
+class _FailingCommits:
+    """Makes the store refuse offset commits (an index rebuild, meta ENOSPC) while ``failing``."""
+
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.failing = True
+        self.refused = 0
+        for name in ("commit_offset", "try_commit_offset"):
+            real = getattr(store, name)
+            monkeypatch.setattr(store, name, self._wrap(real))
+
+    def _wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.failing:
+                self.refused += 1
+                raise errors.StorageError("the index is being rebuilt")
+            return real(*args, **kwargs)
+
+        return call
+
+
+async def _drain(rounds: int = 50) -> None:
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+async def test_an_ack_whose_commit_failed_reports_it_and_its_retry_persists(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"a", b"b", b"c"):
+        await lite.send("t1", body)
+    got = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    for d in got:
+        with pytest.raises(errors.StorageError):
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)  # the client learns it did not stick
+    assert lite.committed("t1") is None
+    failing.failing = False
+    await lite.dispatcher.ack(GROUP, got[0].receipt_handle)  # the client's retry: now it commits
+    assert lite.committed("t1") == 3
+    assert await lite.receive("c1") == []
+
+
+async def test_a_failed_commit_is_retried_by_housekeeping_and_acked_messages_never_come_back(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    got = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    for d in got:
+        with pytest.raises(errors.StorageError):
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert await lite.receive("c1") == []  # the dirty state is kept: nothing acked is handed out again
+    lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
+    lite.dispatcher.tick()
+    await _drain()
+    assert lite.committed("t1") is None and failing.refused > 2  # still refused: still dirty, tried again
+    failing.failing = False
+    lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
+    lite.dispatcher.tick()
+    await _drain()
+    assert lite.committed("t1") == 2
+    assert lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP)) is None  # released once persisted
+    await lite.send("t1", b"c")
+    assert [d.message.body for d in await lite.receive("c1")] == [b"c"]
+
+
+async def test_resync_retries_failed_commits(lite: Lite, monkeypatch: pytest.MonkeyPatch) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (got,) = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    with pytest.raises(errors.StorageError):
+        await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    failing.failing = False
+    lite.dispatcher.resync()  # the store serves again
+    await _drain()
+    assert lite.committed("t1") == 1

@@ -144,7 +144,13 @@ class Dispatcher:
         # Commit points of (queue, group) pairs with nothing in flight (their lease state is dropped when
         # idle), so the next delivery need not read it back: this broker is the only writer of offsets.
         self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
-        self._acked_persisted: dict[Key, tuple[int, ...]] = {}  # acks above the commit point, as last persisted
+        # What the store holds for each key with lease state: (commit point, acked above it), as last persisted
+        # (-1: no commit point stored). A key whose memory differs after a failed write is *dirty*: it keeps its
+        # state (a released state would re-read the stale commit point and hand acked messages out again) and
+        # its commit is retried by the next ack, by housekeeping and by ``resync``.
+        self._persisted: dict[Key, tuple[int, tuple[int, ...]]] = {}
+        self._dirty: set[Key] = set()
+        self._retrying = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._next_housekeeping = 0
@@ -414,7 +420,8 @@ class Dispatcher:
         for lmq in lmqs:  # in-flight state and its cached commit point are superseded by the reset
             self.leases.forget((lmq, 0, group))
             self._committed.get(lmq, {}).pop((0, group), None)
-            self._acked_persisted.pop((lmq, 0, group), None)
+            self._persisted.pop((lmq, 0, group), None)
+            self._dirty.discard((lmq, 0, group))  # the reset supersedes whatever was not persisted
         await self.run(offsets.reset, self.store, lmqs, group, option)
 
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
@@ -643,11 +650,13 @@ class Dispatcher:
             if state is None:
                 committed = self._committed.get(key[0], {}).get((key[1], key[2]))
                 acked: tuple[int, ...] = ()
+                stored: int | None = committed
                 if committed is None:  # first use since start: what was committed, and acked above it
                     lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
                     committed = max(lo, stored if stored is not None else lo)
                 state = self.leases.open(key, committed, ordered)
                 state.seed(acked)
+                self._persisted[key] = (-1 if stored is None else stored, acked)
             picks = state.picks(self.clock(), limit)
             end = self.recent.end((key[0], key[1]))
             if end is not None:
@@ -665,7 +674,8 @@ class Dispatcher:
                     if lo > state.committed:  # retention dropped what we were about to deliver
                         state.skip_to(lo)
                 if self._settle_gone(key, state, first, span_end, messages):
-                    await self._commit(key, state)
+                    with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
+                        await self._commit(key, state)
                     picks = [p for p in state.picks(self.clock(), limit) if p.offset < span_end]
             by_offset = {m.offset: m for m in messages}
             now = self.clock()
@@ -734,15 +744,17 @@ class Dispatcher:
             state.lease(pick, now, 0, self.leases.new_lease_id(), "")
         for pick, _ in picks:
             state.ack(pick.offset)
-        await self._commit(key, state)
+        with contextlib.suppress(errors.StorageError):  # dirty now: retried by housekeeping and ``resync``
+            await self._commit(key, state)
 
     # --- ack / nack / dead letter -----------------------------------------------------------------------
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self.leases.resolve(receipt_handle, group)
+        changed = self.leases.ack(key, receipt)
         state = self.leases.get(key)
-        if not self.leases.ack(key, receipt) or state is None:
-            return
-        hi = await self._commit(key, state)
+        if state is None or not (changed or key in self._dirty):
+            return  # nothing new, and what memory holds is persisted
+        hi = await self._commit(key, state)  # raises when the write failed: the client learns the ack is not in
         if state.has_ready(self.clock(), hi):
             self._redispatch(key, prefer=client_id)
         self._release(key)
@@ -750,8 +762,12 @@ class Dispatcher:
     def _release(self, key: Key) -> None:
         """Drop an idle key's in-flight state, unless a delivery or an offset write is still using it (a
         fresh state would re-read a commit point that is not persisted yet)."""
-        if key not in self._busy and key not in self._commit_locks:
-            self.leases.release_if_idle(key)
+        if key in self._busy or key in self._commit_locks or key in self._dirty:
+            return
+        state = self.leases.get(key)
+        if state is not None and state.idle:
+            self.leases.forget(key)
+            self._persisted.pop(key, None)
 
     async def change_invisible(
         self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
@@ -776,11 +792,12 @@ class Dispatcher:
         await self.ack(group, receipt_handle)
 
     async def _commit(self, key: Key, state: leases.QueueLeases) -> int:
-        """Persist the commit point; writes for one key are serialised so offsets never go backwards.
-        Returns the queue's max offset."""
+        """Persist the commit point and the offsets acked above it, if memory differs from what was last
+        persisted; writes for one key are serialised so offsets never go backwards. Returns the queue's max
+        offset. When the write fails the key stays dirty (see ``_persisted``) and the error propagates."""
         entry = self._commit_locks.get(key)
         if entry is None:
-            entry = self._commit_locks[key] = (asyncio.Lock(), [0, -1])  # [users, last persisted]
+            entry = self._commit_locks[key] = (asyncio.Lock(), [0])  # [users]
         lock, counters = entry
         counters[0] += 1
         try:
@@ -788,18 +805,16 @@ class Dispatcher:
                 target = state.committed
                 acked = state.acked_above()
                 queue = model.QueueId(key[0], key[1])
-                if target > counters[1] or acked != self._acked_persisted.get(key, ()):
+                if (target, acked) != self._persisted.get(key):
+                    self._dirty.add(key)
                     # On the loop when no writer holds the store (two small index writes cost less than the
                     # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
                     if self.store.try_commit_offset(queue, key[2], target, acked):
                         hi = self.store.queue_offsets(queue)[1]
                     else:
                         hi = await self.run(self._commit_and_max, queue, key[2], target, acked)
-                    counters[1] = target
-                    if acked:
-                        self._acked_persisted[key] = acked
-                    else:
-                        self._acked_persisted.pop(key, None)
+                    self._persisted[key] = (target, acked)
+                    self._dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)
                 else:
                     hi = self.store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
@@ -808,6 +823,29 @@ class Dispatcher:
             counters[0] -= 1
             if counters[0] == 0:
                 del self._commit_locks[key]
+
+    async def _retry_commits(self) -> None:
+        """Persist what failed to persist earlier (housekeeping, ``resync``); a key still refused stays dirty."""
+        if self._retrying:
+            return
+        self._retrying = True
+        try:
+            for key in list(self._dirty):
+                state = self.leases.get(key)
+                if state is None:
+                    self._dirty.discard(key)
+                    continue
+                try:
+                    hi = await self._commit(key, state)
+                except errors.LmqError as exc:
+                    log.warning("%s queue %d group %s: commit still refused (%s); retried later",
+                                key[0], key[1], key[2], exc.message)  # fmt: skip
+                    continue
+                if state.has_ready(self.clock(), hi):
+                    self._redispatch(key)
+                self._release(key)
+        finally:
+            self._retrying = False
 
     def _remember_commit(self, key: Key, offset: int) -> None:
         per_topic = self._committed.get(key[0])
@@ -854,6 +892,8 @@ class Dispatcher:
             self._start_catchup(client_id)
         if now >= self._next_housekeeping:
             self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_MS
+            if self._dirty:
+                self._spawn(self._retry_commits())
             for client_id in self.registry.idle_since(now - self.config.client_expiry_ms):
                 log.info("client %s expired (no heartbeat or sync for %d ms)", client_id, self.config.client_expiry_ms)
                 self.client_gone(client_id)
@@ -865,7 +905,9 @@ class Dispatcher:
 
     def resync(self) -> None:
         """After the store was unable to serve reads for a while (an index rebuild): look again for pending
-        work of every client, and wake every receiver of a normal topic."""
+        work of every client, wake every receiver of a normal topic, and persist the commits that failed."""
+        if self._dirty and self._loop is not None:
+            self._spawn(self._retry_commits())
         for st in self.registry.clients():
             self._start_catchup(st.client_id)
             for topic in st.topics:
@@ -956,8 +998,9 @@ class Dispatcher:
         self.leases.drop_topic(lmq.topic)
         self.recent.forget((lmq.topic, lmq.queue))
         self._committed.pop(lmq.topic, None)
-        for key in [k for k in self._acked_persisted if k[0] == lmq.topic]:
-            del self._acked_persisted[key]
+        for key in [k for k in self._persisted if k[0] == lmq.topic]:
+            del self._persisted[key]
+        self._dirty.difference_update([k for k in self._dirty if k[0] == lmq.topic])  # the store drops its offsets
 
     # --- reclaim marks (see ``reclaims``) ---------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
