@@ -17,7 +17,7 @@ from lmq_broker.dispatch import dispatcher as dispatcher_module
 from lmq_broker.dispatch import reclaims
 from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher, OffsetPolicy, OffsetReset, lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
-from lmq_broker.storage import memory
+from lmq_broker.storage import keys, memory
 from lmq_broker.storage.api import Store
 from lmq_broker.storage.testing import another_writer
 
@@ -788,3 +788,41 @@ async def test_resync_retries_failed_commits(lite: Lite, monkeypatch: pytest.Mon
     lite.dispatcher.resync()  # the store serves again
     await _drain()
     assert lite.committed("t1") == 1
+
+
+async def test_a_two_million_offset_hole_is_persisted_as_one_run_and_commits_fast(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (got,) = await lite.receive("c1")
+    key = (lmq_name(PARENT, "t1"), 0, GROUP)
+    state = lite.dispatcher.leases.get(key)
+    assert state is not None
+    assert lite.dispatcher._settle_gone(key, state, 1, 2_000_001, [])  # as a read over a lost segment
+    start = time.perf_counter()
+    await lite.dispatcher._commit(key, state)
+    assert time.perf_counter() - start < 0.05
+    queue = model.QueueId.lmq(PARENT, "t1")
+    acked = lite.store.get_acked(queue, GROUP)
+    assert (lite.committed("t1"), len(acked), acked[0], acked[-1]) == (0, 2_000_000, 1, 2_000_000)
+    await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    assert lite.committed("t1") == 2_000_001 and lite.store.get_acked(queue, GROUP) == ()
+
+
+async def test_acks_beyond_the_persisted_runs_cap_are_refused_until_the_runs_merge(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keys, "ACKED_MAX_RUNS", 1)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"a", b"b", b"c", b"d"):
+        await lite.send("t1", body)
+    d0, d1, d2, d3 = await lite.receive("c1")
+    queue = model.QueueId.lmq(PARENT, "t1")
+    await lite.dispatcher.ack(GROUP, d1.receipt_handle)
+    with pytest.raises(errors.TooManyRequests):
+        await lite.dispatcher.ack(GROUP, d3.receipt_handle)  # a second run: not persisted, so not answered OK
+    assert tuple(lite.store.get_acked(queue, GROUP)) == (1,)
+    await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # 0..1 settled: one run left, persisted
+    assert lite.committed("t1") == 2 and tuple(lite.store.get_acked(queue, GROUP)) == (3,)
+    await lite.dispatcher.ack(GROUP, d3.receipt_handle)  # the client's retry: now it is in
+    await lite.dispatcher.ack(GROUP, d2.receipt_handle)
+    assert lite.committed("t1") == 4

@@ -47,6 +47,7 @@ from lmq_broker.dispatch import (
     snapshot,
     wildcards,
 )
+from lmq_broker.storage import keys, ranges
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class Dispatcher:
         # (-1: no commit point stored). A key whose memory differs after a failed write is *dirty*: it keeps its
         # state (a released state would re-read the stale commit point and hand acked messages out again) and
         # its commit is retried by the next ack, by housekeeping and by ``resync``.
-        self._persisted: dict[Key, tuple[int, tuple[int, ...]]] = {}
+        self._persisted: dict[Key, tuple[int, ranges.OffsetRanges]] = {}
         self._dirty: set[Key] = set()
         self._retrying = False
         self._timer: asyncio.TimerHandle | None = None
@@ -649,14 +650,14 @@ class Dispatcher:
             state = self.leases.get(key)
             if state is None:
                 committed = self._committed.get(key[0], {}).get((key[1], key[2]))
-                acked: tuple[int, ...] = ()
+                acked: Sequence[int] = ()
                 stored: int | None = committed
                 if committed is None:  # first use since start: what was committed, and acked above it
                     lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
                     committed = max(lo, stored if stored is not None else lo)
                 state = self.leases.open(key, committed, ordered)
                 state.seed(acked)
-                self._persisted[key] = (-1 if stored is None else stored, acked)
+                self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked))
             picks = state.picks(self.clock(), limit)
             end = self.recent.end((key[0], key[1]))
             if end is not None:
@@ -706,7 +707,7 @@ class Dispatcher:
             self._busy.discard(key)
             self._release(key)
 
-    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, tuple[int, ...]]:
+    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, Sequence[int]]:
         lo, hi = self.store.queue_offsets(queue)
         return lo, hi, self.store.get_offset(queue, group), self.store.get_acked(queue, group)
 
@@ -719,6 +720,8 @@ class Dispatcher:
         settled = False
         at = max(first, state.committed)
         for m in messages:
+            if m.offset >= end:
+                break  # never settle beyond the span the store vouched for
             if m.offset > at:
                 state.settle_gone(at, m.offset)
                 settled = True
@@ -755,6 +758,11 @@ class Dispatcher:
         if state is None or not (changed or key in self._dirty):
             return  # nothing new, and what memory holds is persisted
         hi = await self._commit(key, state)  # raises when the write failed: the client learns the ack is not in
+        if key in self._dirty and not self._is_persisted(key, receipt.offset):
+            raise errors.TooManyRequests(
+                f"too many acknowledged ranges above the commit point of {key[0]} to persist "
+                f"(at most {keys.ACKED_MAX_RUNS}); the ack is kept in memory, retry it once earlier messages are acked"
+            )
         if state.has_ready(self.clock(), hi):
             self._redispatch(key, prefer=client_id)
         self._release(key)
@@ -782,7 +790,7 @@ class Dispatcher:
         receipt, key = self.leases.resolve(receipt_handle, group)
         state = self.leases.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
-        if state is None or lease is None or lease.acked:
+        if state is None or lease is None:
             if state is None or receipt.offset < state.committed:
                 return  # already settled
             raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
@@ -804,6 +812,10 @@ class Dispatcher:
             async with lock:
                 target = state.committed
                 acked = state.acked_above()
+                complete = len(acked.runs) <= keys.ACKED_MAX_RUNS
+                if not complete:  # over the cap: the oldest runs, the rest stays dirty (see ``ack``)
+                    acked = ranges.OffsetRanges(acked.runs[: keys.ACKED_MAX_RUNS])
+                    self._dirty.add(key)
                 queue = model.QueueId(key[0], key[1])
                 if (target, acked) != self._persisted.get(key):
                     self._dirty.add(key)
@@ -814,7 +826,8 @@ class Dispatcher:
                     else:
                         hi = await self.run(self._commit_and_max, queue, key[2], target, acked)
                     self._persisted[key] = (target, acked)
-                    self._dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
+                    if complete:
+                        self._dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)
                 else:
                     hi = self.store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
@@ -823,6 +836,10 @@ class Dispatcher:
             counters[0] -= 1
             if counters[0] == 0:
                 del self._commit_locks[key]
+
+    def _is_persisted(self, key: Key, offset: int) -> bool:
+        committed, acked = self._persisted.get(key, (-1, ranges.EMPTY))
+        return offset < committed or offset in acked
 
     async def _retry_commits(self) -> None:
         """Persist what failed to persist earlier (housekeeping, ``resync``); a key still refused stays dirty."""
@@ -857,7 +874,7 @@ class Dispatcher:
         if len(self._committed) > COMMITTED_CACHE_SIZE:
             self._committed.popitem(last=False)
 
-    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: tuple[int, ...]) -> int:
+    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> int:
         self.store.commit_offset(queue, group, offset, acked)
         return self.store.queue_offsets(queue)[1]
 
