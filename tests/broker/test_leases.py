@@ -269,7 +269,7 @@ def test_seed_skips_what_lies_below_the_commit_point_and_clip_forgets_above_a_lo
     state.seed(ranges.OffsetRanges(((3, 12), (15, 20))))
     assert state.committed == 12 and state.acked_above().runs == ((15, 20),) and state.handed == 20
     state.lease(Pick(12, 1, False), 0, 1000, 1, "c")
-    state.clip(13)  # a rebuilt index ends the queue at 13: 15..19 will be new messages
+    state.clip(13, 2)  # a rebuilt index ends the queue at 13: 15..19 will be new messages
     assert state.acked_above() == () and state.handed == 13 and list(state.entries) == [12]
 
 

@@ -62,6 +62,7 @@ CATCHUP_CHUNK: Final = 512
 RENEW_AHEAD_MS: Final = 5_000  # an auto-renew lease is renewed this long before it would expire
 DLQ_PREFIX: Final = catalog.DLQ_PREFIX
 NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
+STORE_RETRY_MS: Final = 1_000  # a lite topic whose read the store refused (index rebuild) is looked at again
 
 
 _queues_of = attrgetter("queues")
@@ -152,6 +153,8 @@ class Dispatcher:
         self._persisted: dict[Key, tuple[int, ranges.OffsetRanges]] = {}
         self._dirty: set[Key] = set()
         self._retrying = False
+        self._generation = store.index_generation()  # see ``_check_generation``
+        self._unverified: set[Key] = set()  # lease state kept across an index replacement, not yet clipped
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._next_housekeeping = 0
@@ -428,7 +431,11 @@ class Dispatcher:
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
         """Newly subscribed topics that already hold undelivered messages go straight to this client."""
         for start in range(0, len(lmqs), CATCHUP_CHUNK):
-            found = await self._pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+            try:
+                found = await self._pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+            except errors.StorageError:  # the store rebuilds its index: a catch-up pass looks later
+                self._retry_catchup(client_id)
+                return
             for lmq in found:
                 if not self._offer(client_id, lmq, group):
                     return  # full: the catch-up pass it scheduled walks the rest
@@ -445,9 +452,11 @@ class Dispatcher:
                     rows.append((lmq, lo, hi, self.store.get_offset(queue, group)))
             return rows
 
+        self._check_generation()
+        rows = await self.run(probe)
         now = self.clock()
         pending = []
-        for lmq, lo, hi, committed in await self.run(probe):
+        for lmq, lo, hi, committed in rows:
             state = self.leases.get((lmq, 0, group))
             if state is not None:
                 if state.has_ready(now, hi):
@@ -569,6 +578,7 @@ class Dispatcher:
             event = self._client_events.get(client_id)
             if event is None:
                 event = self._client_events[client_id] = asyncio.Event()
+            self._check_generation()
             if self._arrived:
                 self._flush_arrivals()  # do not let the per-tick coalescing hide an arrival from this poll
             out: list[Delivery] = []
@@ -647,37 +657,36 @@ class Dispatcher:
         self._busy.add(key)
         try:
             queue = model.QueueId(key[0], key[1])
-            state = self.leases.get(key)
-            if state is None:
-                committed = self._committed.get(key[0], {}).get((key[1], key[2]))
-                acked: Sequence[int] = ()
-                stored: int | None = committed
-                if committed is None:  # first use since start: what was committed, and acked above it
-                    lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
-                    committed = max(lo, stored if stored is not None else lo)
-                state = self.leases.open(key, committed, ordered)
-                state.seed(acked)
-                self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked))
-            picks = state.picks(self.clock(), limit)
-            end = self.recent.end((key[0], key[1]))
-            if end is not None:
-                picks = [p for p in picks if p.offset < end]
-            if not picks:
+            generation = self._check_generation()
+            try:
+                state = await self._state_of(key, queue, ordered)
+                picks = state.picks(self.clock(), limit)
+                end = self.recent.end((key[0], key[1]))
+                if end is not None:
+                    picks = [p for p in picks if p.offset < end]
+                if not picks:
+                    return []
+                first = picks[0].offset
+                cached = self.recent.window((key[0], key[1]), first, picks[-1].offset)
+                if cached is not None:
+                    messages, span_end = cached, -1
+                else:
+                    read = await self.run(self.store.read_span, queue, first, picks[-1].offset - first + 1)
+                    messages, span_end = read
+                    if not messages or messages[0].offset > first:
+                        lo, _, _, _ = await self.run(self._offsets, queue, key[2])
+                        if lo > state.committed:  # retention dropped what we were about to deliver
+                            state.skip_to(lo)
+                    if self.store.index_generation() != generation:
+                        # the index was replaced under the read: its holes prove nothing; read again later
+                        raise errors.StorageError("the store's index was replaced during the read")
+            except errors.StorageError as exc:  # an index rebuild (or meta trouble): nothing read, nothing settled
+                self._store_refused(key, holder, exc)
                 return []
-            first = picks[0].offset
-            cached = self.recent.window((key[0], key[1]), first, picks[-1].offset)
-            if cached is not None:
-                messages = cached
-            else:
-                messages, span_end = await self.run(self.store.read_span, queue, first, picks[-1].offset - first + 1)
-                if not messages or messages[0].offset > first:
-                    lo, _, _, _ = await self.run(self._offsets, queue, key[2])
-                    if lo > state.committed:  # retention dropped what we were about to deliver
-                        state.skip_to(lo)
-                if self._settle_gone(key, state, first, span_end, messages):
-                    with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
-                        await self._commit(key, state)
-                    picks = [p for p in state.picks(self.clock(), limit) if p.offset < span_end]
+            if span_end >= 0 and self._settle_gone(key, state, first, span_end, messages):
+                with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
+                    await self._commit(key, state)
+                picks = [p for p in state.picks(self.clock(), limit) if p.offset < span_end]
             by_offset = {m.offset: m for m in messages}
             now = self.clock()
             renew_max = self.config.lease_renew_max_ms
@@ -692,7 +701,9 @@ class Dispatcher:
                     dead.append((pick, message))
                     continue
                 lease_id = self.leases.new_lease_id()
-                lease = state.lease(pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until)
+                lease = state.lease(
+                    pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until, message_id=message.message_id
+                )
                 out.append(
                     Delivery(message, pick.attempt, self.leases.receipt(key, pick.offset, lease_id), invisible_ms)
                 )
@@ -701,11 +712,114 @@ class Dispatcher:
                 self.leases.watch(key, at)
                 self._arm(at)
             if dead:
-                await self._dead_letter(key, [m for _, m in dead], state, dead)
+                try:
+                    await self._dead_letter(key, [m for _, m in dead], state, dead)
+                except errors.StorageError as exc:  # not appended: their leases expire and they come again
+                    self._store_refused(key, holder, exc)
             return out
         finally:
             self._busy.discard(key)
             self._release(key)
+
+    async def _state_of(self, key: Key, queue: model.QueueId, ordered: bool) -> leases.QueueLeases:
+        """The key's lease state: opened from the commit point (cached, else read with the acks above it), or
+        the existing one, clipped to its queue first if the store's index was replaced since (``_verify``)."""
+        state = self.leases.get(key)
+        if state is not None:
+            if key in self._unverified:
+                await self._verify(key, state)
+            return state
+        committed = self._committed.get(key[0], {}).get((key[1], key[2]))
+        acked: Sequence[int] = ()
+        stored: int | None = committed
+        if committed is None:  # first use since start: what was committed, and acked above it
+            lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
+            committed = max(lo, stored if stored is not None else lo)
+        state = self.leases.open(key, committed, ordered)
+        state.seed(acked)
+        self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked))
+        return state
+
+    def _store_refused(self, key: Key, holder: str, exc: errors.StorageError) -> None:
+        """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite
+        topic is looked at again in ``STORE_RETRY_MS`` (a catch-up pass of ``holder``); normal-topic receivers
+        poll again anyway."""
+        log.info("%s queue %d group %s: store not readable (%s); retried", key[0], key[1], key[2], exc.message)
+        if key[0].startswith(model.LMQ_PREFIX):
+            self._retry_catchup(holder)
+
+    def _retry_catchup(self, client_id: str) -> None:
+        at = self.clock() + STORE_RETRY_MS
+        self.ready.request_catchup(client_id, at)
+        self._arm(at)
+
+    # --- the store's index replaced while serving ------------------------------------------------------
+    def _check_generation(self) -> int:
+        """The store's index generation, handling a change first (one int read: called wherever reads happen,
+        so a rebuild that began and ended between two health polls is not missed)."""
+        generation = self.store.index_generation()
+        if generation != self._generation:
+            self._generation = generation
+            self._index_replaced()
+        return generation
+
+    def _index_replaced(self) -> None:
+        """The index was rebuilt from the log while serving: queue ends, commit points and messages cached from
+        before may be wrong, and a queue's end may even be lower (a lost log tail), so that new messages take
+        offsets this dispatcher has seen. Policy: caches are dropped (read again from the store); lease state
+        with no lease out and nothing unpersisted is dropped (re-seeded from the store on next use); lease
+        state with leases out (clients hold their handles) or a dirty commit is kept but *unverified*: before
+        its next hand-out, ack or commit it is clipped to the queue's new end (``QueueLeases.clip``: leases and
+        settled offsets at or above the end are forgotten and their handles refused). Then every client is
+        caught up."""
+        log.warning("the store's index was replaced (generation %d): dispatch caches dropped", self._generation)
+        self._committed.clear()
+        self.recent.clear()
+        for key, state in self.leases.states():
+            if state.entries or key in self._dirty or key in self._busy or key in self._commit_locks:
+                self._unverified.add(key)
+            else:
+                self.leases.forget(key)
+                self._persisted.pop(key, None)
+        self.resync()
+
+    async def _verify(self, key: Key, state: leases.QueueLeases) -> None:
+        """Bring a state kept across an index replacement in line with the store: each lease out must still
+        name the message at its offset (else it is dropped and its handle refused: the offset is handed out
+        again); settlement the store refused (a dirty key: those acks were answered with the error) goes back
+        to what was persisted; nothing may lie at or above the queue's end."""
+        offsets = list(state.entries)
+        lo, hi, ids = await self.run(self._message_ids, model.QueueId(key[0], key[1]), offsets)
+        if key not in self._unverified or self.leases.get(key) is not state:
+            return  # verified meanwhile (or forgotten)
+        self._unverified.discard(key)
+        floor = self.leases.next_lease_id
+        entries = state.entries
+        lost = [o for o in offsets if o in entries and entries[o].message_id != ids.get(o)]
+        state.drop_leases(lost, floor)
+        persisted = self._persisted.get(key)
+        rolled_back = key in self._dirty and persisted is not None and key not in self._commit_locks
+        if rolled_back and persisted is not None:
+            state.rollback(persisted[0] if persisted[0] >= 0 else lo, persisted[1])
+            self._dirty.discard(key)
+        state.clip(hi, floor)
+        if lo > state.committed:
+            state.skip_to(lo)
+        if lost or rolled_back:
+            note = "; refused acks forgotten" if rolled_back else ""
+            log.warning("%s queue %d group %s: %d leases named messages the rebuilt index no longer holds there%s",
+                        key[0], key[1], key[2], len(lost), note)  # fmt: skip
+            if state.has_ready(self.clock(), hi):
+                self._redispatch(key)
+
+    def _message_ids(self, queue: model.QueueId, offsets: list[int]) -> tuple[int, int, dict[int, str]]:
+        lo, hi = self.store.queue_offsets(queue)
+        ids: dict[int, str] = {}
+        for offset in offsets:
+            messages, _ = self.store.read_span(queue, offset, 1)
+            if messages and messages[0].offset == offset:
+                ids[offset] = messages[0].message_id
+        return lo, hi, ids
 
     def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, Sequence[int]]:
         lo, hi = self.store.queue_offsets(queue)
@@ -753,6 +867,10 @@ class Dispatcher:
     # --- ack / nack / dead letter -----------------------------------------------------------------------
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self.leases.resolve(receipt_handle, group)
+        self._check_generation()
+        state = self.leases.get(key)
+        if state is not None and key in self._unverified:
+            await self._verify(key, state)  # raises while the store cannot say: the client retries the ack
         changed = self.leases.ack(key, receipt)
         state = self.leases.get(key)
         if state is None or not (changed or key in self._dirty):
@@ -776,6 +894,7 @@ class Dispatcher:
         if state is not None and state.idle:
             self.leases.forget(key)
             self._persisted.pop(key, None)
+            self._unverified.discard(key)
 
     async def change_invisible(
         self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
@@ -790,7 +909,7 @@ class Dispatcher:
         receipt, key = self.leases.resolve(receipt_handle, group)
         state = self.leases.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
-        if state is None or lease is None:
+        if state is None or lease is None or state.lost(receipt) or key in self._unverified:
             if state is None or receipt.offset < state.committed:
                 return  # already settled
             raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
@@ -853,6 +972,8 @@ class Dispatcher:
                     self._dirty.discard(key)
                     continue
                 try:
+                    if key in self._unverified:
+                        await self._verify(key, state)
                     hi = await self._commit(key, state)
                 except errors.LmqError as exc:
                     log.warning("%s queue %d group %s: commit still refused (%s); retried later",
@@ -939,24 +1060,30 @@ class Dispatcher:
     async def _catchup(self, client_id: str) -> None:
         """Walk this client's own subscriptions (resuming where the last pass stopped) for pending work."""
         try:
-            state = self.registry.get(client_id)
-            if state is None or not state.group:
-                return
-            if self.wildcards.registration(client_id) is not None:
-                await self._wildcard_catchup(client_id)
-                return
-            todo = self._catchup_cursor.pop(client_id, None) or list(state.lite_topics)
-            while todo:
-                chunk, todo = todo[:CATCHUP_CHUNK], todo[CATCHUP_CHUNK:]
-                current = [lmq for lmq in chunk if lmq in state.lite_topics]
-                for i, lmq in enumerate(await self._pending_among(current, state.group)):
-                    if not self._offer(client_id, lmq, state.group):
-                        self._catchup_cursor[client_id] = current[i:] + todo
-                        return
-                if self.registry.get(client_id) is not state:
-                    return
+            await self._catchup_walk(client_id)
+        except errors.StorageError as exc:  # the store rebuilds its index: walk again later
+            log.info("catch-up of client %s deferred: %s", client_id, exc.message)
+            self._retry_catchup(client_id)
         finally:
             self._catchup_running.discard(client_id)
+
+    async def _catchup_walk(self, client_id: str) -> None:
+        state = self.registry.get(client_id)
+        if state is None or not state.group:
+            return
+        if self.wildcards.registration(client_id) is not None:
+            await self._wildcard_catchup(client_id)
+            return
+        todo = self._catchup_cursor.pop(client_id, None) or list(state.lite_topics)
+        while todo:
+            chunk, todo = todo[:CATCHUP_CHUNK], todo[CATCHUP_CHUNK:]
+            current = [lmq for lmq in chunk if lmq in state.lite_topics]
+            for i, lmq in enumerate(await self._pending_among(current, state.group)):
+                if not self._offer(client_id, lmq, state.group):
+                    self._catchup_cursor[client_id] = current[i:] + todo
+                    return
+            if self.registry.get(client_id) is not state:
+                return
 
     async def _wildcard_catchup(self, client_id: str) -> None:
         """Page through the wildcard group's parent (by lite name, resuming after the last offer that

@@ -81,6 +81,7 @@ class Lease:
     holder: str = ""
     keep_attempt: bool = False  # set by a suspend: the next hand-out repeats the attempt number
     renew_until_ms: int = 0  # an auto-renew lease is extended while its holder holds the queue, up to this; 0: never
+    message_id: str = ""  # of the message handed out: after an index rebuild, is its offset still that message?
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,12 @@ class QueueLeases:
     entries: dict[int, Lease] = field(default_factory=dict)  # leases not acknowledged
     _starts: list[int] = field(default_factory=list)  # settled runs [start, end) above the commit point
     _ends: list[int] = field(default_factory=list)
+    # After ``clip``/``drop_leases``: handles issued before lease id ``lost_before_lease`` for offsets at or
+    # above ``lost_from`` or in ``lost_offsets`` name messages a rebuilt index lost; the offsets may hold
+    # other messages now.
+    lost_from: int = -1
+    lost_offsets: set[int] = field(default_factory=set)
+    lost_before_lease: int = 0
 
     def __post_init__(self) -> None:
         self.handed = max(self.handed, self.committed)
@@ -195,9 +202,18 @@ class QueueLeases:
         return out
 
     def lease(
-        self, pick: Pick, now_ms: int, invisible_ms: int, lease_id: int, holder: str, *, renew_until_ms: int = 0
+        self,
+        pick: Pick,
+        now_ms: int,
+        invisible_ms: int,
+        lease_id: int,
+        holder: str,
+        *,
+        renew_until_ms: int = 0,
+        message_id: str = "",
     ) -> Lease:
-        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms)
+        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms,
+                      message_id=message_id)  # fmt: skip
         self.entries[pick.offset] = lease
         if pick.offset >= self.handed:
             self.handed = pick.offset + 1
@@ -218,11 +234,14 @@ class QueueLeases:
         self.handed = max(self.handed, offset)
         self._advance()
 
-    def clip(self, end: int) -> None:
+    def clip(self, end: int, next_lease_id: int) -> None:
         """The queue now ends at ``end`` (a rebuilt index lowered it): offsets from ``end`` on hold no message
-        this state knows of; new messages will take them. Forget their leases and settlement."""
+        this state knows of; new messages will take them. Forget their leases and settlement, and refuse the
+        handles of those leases (``lost``) from now on."""
         if end >= self.handed:
             return
+        self.lost_from = end if self.lost_from < 0 else min(self.lost_from, end)
+        self.lost_before_lease = next_lease_id
         for o in [o for o in self.entries if o >= end]:
             del self.entries[o]
         starts, ends = self._starts, self._ends
@@ -280,6 +299,32 @@ class QueueLeases:
             if i < len(starts):
                 at = ends[i]
 
+    def drop_leases(self, offsets: Sequence[int], next_lease_id: int) -> None:
+        """The leases at ``offsets`` name messages the store no longer holds there (a rebuilt index): they
+        become pending (the offset is handed out again, whatever it holds now) and their handles are refused."""
+        for offset in offsets:
+            if self.entries.pop(offset, None) is not None:
+                self.lost_offsets.add(offset)
+        self.lost_before_lease = next_lease_id
+
+    def rollback(self, committed: int, acked: Sequence[int]) -> None:
+        """Settlement back to what was persisted (``committed`` at or below ours, ``acked`` above it): the
+        acks the store refused (each answered with that error) are forgotten, their offsets pending again."""
+        self.committed = min(self.committed, committed)
+        self._starts.clear()
+        self._ends.clear()
+        for start, end in ranges.OffsetRanges.of(acked).runs:
+            self._settle(max(start, self.committed), end)
+        for offset in [o for o in self.entries if self.settled(o)]:
+            del self.entries[offset]
+        self._advance()
+
+    def lost(self, receipt: Receipt) -> bool:
+        """Does ``receipt`` name a message that a rebuilt index lost (see ``clip``, ``drop_leases``)?"""
+        if receipt.lease_id >= self.lost_before_lease:
+            return False
+        return 0 <= self.lost_from <= receipt.offset or receipt.offset in self.lost_offsets
+
     @property
     def idle(self) -> bool:
         return self.committed >= self.handed
@@ -325,6 +370,13 @@ class LeaseTable:
     def forget(self, key: Key) -> None:
         self._states.pop(key, None)
 
+    def states(self) -> list[tuple[Key, QueueLeases]]:
+        return list(self._states.items())
+
+    @property
+    def next_lease_id(self) -> int:
+        return self._next_lease_id
+
     def drop_topic(self, topic: str) -> None:
         for key in [k for k in self._states if k[0] == topic]:
             del self._states[key]
@@ -369,8 +421,13 @@ class LeaseTable:
             return False
         if receipt.offset >= state.handed:
             raise errors.InvalidReceiptHandle("receipt handle names a message that was never delivered")
+        if state.lost(receipt):
+            raise errors.InvalidReceiptHandle("receipt handle names a message lost when the store rebuilt its index")
         if receipt.offset not in state.entries:
-            return False  # settled already (acked, or gone), or pending again after an index rebuild
+            if state.settled(receipt.offset):
+                return False  # settled already (acked, or gone)
+            # pending again: its ack was refused by the store and forgotten after an index rebuild
+            raise errors.InvalidReceiptHandle("receipt handle names a message that is no longer leased")
         state.ack(receipt.offset)
         return True
 
