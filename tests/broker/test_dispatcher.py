@@ -5,18 +5,20 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from lmq_broker import errors, model
 from lmq_broker.admin import reclaiming
+from lmq_broker.dispatch import dispatcher as dispatcher_module
 from lmq_broker.dispatch import reclaims
 from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher, OffsetPolicy, OffsetReset, lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
-from lmq_broker.storage import memory
+from lmq_broker.storage import keys, memory
 from lmq_broker.storage.api import Store
 from lmq_broker.storage.testing import another_writer
 
@@ -506,7 +508,8 @@ async def test_arrival_costs_the_same_with_10k_idle_subscriptions(tmp_path: Path
         await dispatcher.send([lite_message("hot")])
         (d,) = await dispatcher.receive_lite("c1", GROUP, PARENT, batch=32, invisible_ms=1000, poll_ms=0)
         await dispatcher.ack(GROUP, d.receipt_handle)
-        assert sum(counting.calls.values()) <= 8, counting.calls
+        calls = {name: n for name, n in counting.calls.items() if name != "index_generation"}  # an int read
+        assert sum(calls.values()) <= 8, counting.calls
         assert "read" not in counting.calls  # the message that just arrived is handed out from memory
         assert lmq_name(PARENT, "hot") == d.message.queue.topic
     finally:
@@ -766,3 +769,279 @@ async def test_only_subscribers_beyond_those_the_scan_saw_keep_a_topic(lite: Lit
     assert sorted(lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "grew"))) == ["c1", "c2"]
     assert lite.dispatcher.subscribers(model.QueueId.lmq(PARENT, "seen")) == []  # deleted as the scan judged it
     assert lite.dispatcher.reclaims_in_flight() == 0
+
+
+# --- commits that fail: the ack is kept dirty and persisted later, never silently dropped ---------------
+
+
+class _FailingCommits:
+    """Makes the store refuse offset commits (an index rebuild, meta ENOSPC) while ``failing``."""
+
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.failing = True
+        self.refused = 0
+        for name in ("commit_offset", "try_commit_offset"):
+            real = getattr(store, name)
+            monkeypatch.setattr(store, name, self._wrap(real))
+
+    def _wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.failing:
+                self.refused += 1
+                raise errors.StorageError("the index is being rebuilt")
+            return real(*args, **kwargs)
+
+        return call
+
+
+async def test_an_ack_whose_commit_failed_reports_it_and_its_retry_persists(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"a", b"b", b"c"):
+        await lite.send("t1", body)
+    got = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    for d in got:
+        with pytest.raises(errors.StorageError):
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)  # the client learns it did not stick
+    assert lite.committed("t1") is None
+    failing.failing = False
+    await lite.dispatcher.ack(GROUP, got[0].receipt_handle)  # the client's retry: now it commits
+    assert lite.committed("t1") == 3
+    assert await lite.receive("c1") == []
+
+
+async def test_a_failed_commit_is_retried_by_housekeeping_and_acked_messages_never_come_back(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    got = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    for d in got:
+        with pytest.raises(errors.StorageError):
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert await lite.receive("c1") == []  # the dirty state is kept: nothing acked is handed out again
+    refused = failing.refused
+    lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
+    lite.dispatcher.tick()
+    await _until(lambda: failing.refused > refused and not lite.dispatcher._retrying)
+    assert lite.committed("t1") is None  # still refused: still dirty, tried again later
+    failing.failing = False
+    lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
+    lite.dispatcher.tick()
+    await _until(lambda: lite.committed("t1") == 2 and not lite.dispatcher._retrying)
+    assert lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP)) is None  # released once persisted
+    await lite.send("t1", b"c")
+    assert [d.message.body for d in await lite.receive("c1")] == [b"c"]
+
+
+async def test_resync_retries_failed_commits(lite: Lite, monkeypatch: pytest.MonkeyPatch) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (got,) = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    with pytest.raises(errors.StorageError):
+        await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    failing.failing = False
+    lite.dispatcher.resync()  # the store serves again
+    await _until(lambda: lite.committed("t1") == 1)
+
+
+async def test_a_two_million_offset_hole_is_persisted_as_one_run_and_commits_fast(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (got,) = await lite.receive("c1")
+    key = (lmq_name(PARENT, "t1"), 0, GROUP)
+    state = lite.dispatcher.leases.get(key)
+    assert state is not None
+    assert lite.dispatcher._settle_gone(key, state, 1, 2_000_001, [])  # as a read over a lost segment
+    start = time.perf_counter()
+    await lite.dispatcher._commit(key, state)
+    assert time.perf_counter() - start < 0.05
+    queue = model.QueueId.lmq(PARENT, "t1")
+    acked = lite.store.get_acked(queue, GROUP)
+    assert (lite.committed("t1"), len(acked), acked[0], acked[-1]) == (0, 2_000_000, 1, 2_000_000)
+    await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    assert lite.committed("t1") == 2_000_001 and lite.store.get_acked(queue, GROUP) == ()
+
+
+async def test_acks_beyond_the_persisted_runs_cap_are_refused_until_the_runs_merge(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keys, "ACKED_MAX_RUNS", 1)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"a", b"b", b"c", b"d"):
+        await lite.send("t1", body)
+    d0, d1, d2, d3 = await lite.receive("c1")
+    queue = model.QueueId.lmq(PARENT, "t1")
+    await lite.dispatcher.ack(GROUP, d1.receipt_handle)
+    with pytest.raises(errors.TooManyRequests):
+        await lite.dispatcher.ack(GROUP, d3.receipt_handle)  # a second run: not persisted, so not answered OK
+    assert tuple(lite.store.get_acked(queue, GROUP)) == (1,)
+    await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # 0..1 settled: one run left, persisted
+    assert lite.committed("t1") == 2 and tuple(lite.store.get_acked(queue, GROUP)) == (3,)
+    await lite.dispatcher.ack(GROUP, d3.receipt_handle)  # the client's retry: now it is in
+    await lite.dispatcher.ack(GROUP, d2.receipt_handle)
+    assert lite.committed("t1") == 4
+
+
+# --- the store's index replaced while serving (a background rebuild) -------------------------------------
+
+
+class _Rebuilds:
+    """A memory store whose index 'rebuilds' on demand: the generation moves and the log's tail from
+    ``keep_below`` on is lost, so new messages take those offsets again (what a rebuild after a torn log
+    tail does; the store keeps every queue's end above the persisted commit points)."""
+
+    def __init__(self, store: memory.MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.store = store
+        self.generation = 0
+        monkeypatch.setattr(store, "index_generation", lambda: self.generation)
+
+    def lose_tail(self, lite: str, keep_below: int) -> None:
+        q = self.store._queues[keys.parse_queue(lmq_name(PARENT, lite), 0).qkey]
+        for offset in range(keep_below, q.next):
+            q.messages.pop(offset, None)
+        q.next = keep_below
+        self.generation += 1
+
+
+@pytest_asyncio.fixture
+async def mem_lite(clock: memory.ManualClock, tmp_path: Path) -> AsyncIterator[Lite]:
+    store = memory.MemoryStore(config_for(tmp_path / "data").store)
+    harness = await Lite.start(store, clock, config_for(tmp_path / "unused"))
+    yield harness
+    await harness.dispatcher.close()
+    store.close()
+
+
+async def test_after_a_rebuild_reused_offsets_are_delivered_and_old_handles_cannot_ack_them(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"m0", b"m1", b"m2"):
+        await lite.send("t1", body)
+    d0, d1, d2 = await lite.receive("c1")
+    await lite.dispatcher.ack(GROUP, d0.receipt_handle)
+    assert lite.committed("t1") == 1
+    rebuilds.lose_tail("t1", 1)  # m1 and m2 (delivered, not acked) are gone with the log's tail
+    await lite.send("t1", b"n1")  # offset 1 again
+    await lite.send("t1", b"n2")
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.ack(GROUP, d1.receipt_handle)  # names lost m1, not n1
+    got = await lite.receive("c1")
+    assert [(d.message.offset, d.message.body) for d in got] == [(1, b"n1"), (2, b"n2")]
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.ack(GROUP, d2.receipt_handle)  # n2 is leased now: still not m2's handle
+    for d in got:
+        await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert lite.committed("t1") == 3
+
+
+async def test_after_a_rebuild_cached_commit_points_and_messages_are_read_again(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"m0", b"m1", b"m2"):
+        await lite.send("t1", body)
+    for d in await lite.receive("c1"):
+        await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP)) is None  # idle: only caches remain
+    # the rebuilt store holds the group at offset 1 and lost the tail after it (e.g. meta repaired from a
+    # backup): the dispatcher must believe the store, not its cache of 3
+    lite.store.commit_offset(model.QueueId.lmq(PARENT, "t1"), GROUP, 1)
+    rebuilds.lose_tail("t1", 1)
+    await lite.send("t1", b"n1")
+    got = await lite.receive("c1")
+    assert [(d.message.offset, d.message.body) for d in got] == [(1, b"n1")]
+
+
+async def test_a_rebuild_seen_only_through_the_generation_triggers_a_catch_up(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"m0")
+    caught_up: list[str] = []
+    monkeypatch.setattr(lite.dispatcher, "_start_catchup", caught_up.append)
+    rebuilds.generation += 1  # started and ended between two polls of the health watcher
+    (got,) = await lite.receive("c1")
+    assert got.message.body == b"m0" and caught_up == ["c1"]
+
+
+# --- reads refused while the store rebuilds its index ---------------------------------------------------
+
+
+async def test_a_receive_while_the_store_refuses_reads_returns_empty_settles_nothing_and_retries(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    lite.dispatcher.recent.forget((lmq_name(PARENT, "t1"), 0))  # make it read the store
+    real = lite.store.read_span
+
+    def refusing(*args: Any) -> Any:
+        raise errors.StorageError("the index is being rebuilt")
+
+    monkeypatch.setattr(lite.store, "read_span", refusing)
+    assert await lite.receive("c1") == []  # no INTERNAL_ERROR
+    state = lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP))
+    assert state is None or (state.committed == 0 and state.acked_above() == () and not state.entries)
+    assert lite.committed("t1") is None
+    monkeypatch.setattr(lite.store, "read_span", real)
+    lite.clock.advance(dispatcher_module.STORE_RETRY_MS)
+    lite.dispatcher.tick()  # the retry: a catch-up pass offers the topic again
+    assert [d.message.body for d in await lite.receive("c1", poll_ms=5000)] == [b"a", b"b"]
+
+
+async def test_a_receive_while_the_store_refuses_offset_reads_returns_empty(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+
+    def refusing(*args: Any) -> Any:
+        raise errors.StorageError("the index is being rebuilt")
+
+    monkeypatch.setattr(lite.store, "get_offset", refusing)
+    assert await lite.receive("c1") == []
+    monkeypatch.undo()
+    lite.clock.advance(dispatcher_module.STORE_RETRY_MS)
+    lite.dispatcher.tick()
+    assert [d.message.body for d in await lite.receive("c1", poll_ms=5000)] == [b"a"]
+
+
+async def test_after_a_rebuild_acks_the_store_refused_are_forgotten_and_the_message_comes_again(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"m0")
+    await lite.send("t1", b"m1")
+    d0, d1 = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    with pytest.raises(errors.StorageError):
+        await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # answered with the error: not acked
+    rebuilds.generation += 1  # the index is replaced before the ack could be written
+    failing.failing = False
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # its offset may name another message now
+    (again,) = await lite.receive("c1")
+    assert again.message.body == b"m0"
+    await lite.dispatcher.ack(GROUP, again.receipt_handle)
+    await lite.dispatcher.ack(GROUP, d1.receipt_handle)  # still the message at its offset: accepted
+    assert lite.committed("t1") == 2

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
 
 from lmq_broker import errors
 from lmq_broker.dispatch.leases import LeaseTable, Pick, QueueLeases, Receipt, Renewal
+from lmq_broker.storage import keys, ranges
+
+T = TypeVar("T")
 
 KEY = ("%LMQ%$p$t", 0, "g")
 
@@ -36,9 +44,9 @@ def test_acks_move_the_commit_point_over_the_acknowledged_prefix() -> None:
     state = table.open(KEY, committed=0, ordered=True)
     r0, r1, r2 = lease_all(table, state, state.picks(0, 3), 0, 1000)
     assert table.ack(KEY, r1)  # out of order: 0 still out, 1 is acked above the commit point
-    assert (state.committed, state.acked_above()) == (0, (1,))
+    assert (state.committed, tuple(state.acked_above())) == (0, (1,))
     assert table.ack(KEY, r0)
-    assert (state.committed, state.acked_above()) == (2, ())
+    assert (state.committed, tuple(state.acked_above())) == (2, ())
     assert table.ack(KEY, r2)
     assert state.committed == 3
     assert state.idle
@@ -179,7 +187,7 @@ def test_seeded_acks_stay_settled_and_the_gaps_between_are_handed_out_again() ->
         state.lease(pick, 0, 1000, 1, "c")
     assert state.ack(3) is True and state.committed == 4
     assert state.ack(4) is True and state.committed == 6  # over the seeded 5
-    assert state.ack(6) is True and (state.committed, state.acked_above()) == (8, ())
+    assert state.ack(6) is True and (state.committed, tuple(state.acked_above())) == (8, ())
 
 
 def test_gone_offsets_are_settled_without_skipping_earlier_pending_ones() -> None:
@@ -191,3 +199,97 @@ def test_gone_offsets_are_settled_without_skipping_earlier_pending_ones() -> Non
     state.ack(1)
     assert state.ack(0) is True and state.committed == 4 and state.acked_above() == ()
     assert state.settle_gone(4, 6) is True and state.committed == 6
+
+
+# --- settled offsets are runs: a lost segment of millions of offsets costs one run -----------------------
+
+HOLE = 2_000_000
+FAST_S = 0.05
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def test_a_two_million_offset_hole_settles_commits_and_seeds_as_one_run() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=False)
+    (r0,) = lease_all(table, state, [Pick(0, 1, False)], 0, 30_000)  # in flight at the commit point
+    tracemalloc.start()
+    try:
+        moved, settle_s = _timed(lambda: state.settle_gone(1, HOLE + 1))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not moved and state.committed == 0 and len(state.entries) == 1
+    assert settle_s < FAST_S and peak < 64 * 1024
+    acked, above_s = _timed(state.acked_above)
+    value, encode_s = _timed(lambda: keys.encode_acked(state.committed, acked))
+    assert acked.runs == ((1, HOLE + 1),) and len(acked) == HOLE and len(value) < 32
+    assert above_s < FAST_S and encode_s < FAST_S
+    (committed, restored), decode_s = _timed(lambda: keys.decode_acked(value))
+    fresh = QueueLeases(committed, ordered=False, window=1024)
+    _, seed_s = _timed(lambda: fresh.seed(restored))
+    assert decode_s < FAST_S and seed_s < FAST_S and fresh.acked_above() == acked
+    assert fresh.picks(0, 3) == [Pick(0, 1, False), Pick(HOLE + 1, 1, False), Pick(HOLE + 2, 1, False)]
+    # the window counts leases out, not the span: one lease out leaves room for 1023 more
+    assert len(state.picks(0, 2000)) == 1023 and state.picks(0, 1)[0].offset == HOLE + 1
+    assert table.ack(KEY, r0) and state.committed == HOLE + 1 and state.idle  # one jump over the hole
+    assert state.acked_above() == ()
+
+
+def test_the_commit_point_jumps_a_gone_range_once_the_leases_before_it_are_settled() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    r0, r1 = lease_all(table, state, state.picks(0, 2), 0, 1000)
+    assert not state.settle_gone(5, 1_000_005)  # a hole ahead, 2..4 not handed out yet: pending
+    assert state.picks(0, 10) == []  # ordered: the head is out
+    assert table.ack(KEY, r1) and state.committed == 0
+    assert table.ack(KEY, r0) and state.committed == 2
+    assert state.picks(0, 4) == [Pick(2, 1, False), Pick(3, 1, False), Pick(4, 1, False), Pick(1_000_005, 1, False)]
+    assert state.acked_above().runs == ((5, 1_000_005),)
+
+
+def test_acks_above_a_stuck_head_merge_into_runs() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=False)
+    receipts = lease_all(table, state, state.picks(0, 1000), 0, 1000)
+    for r in receipts[1:]:
+        table.ack(KEY, r)
+    assert state.acked_above().runs == ((1, 1000),) and len(state.entries) == 1
+    assert state.has_ready(0, max_offset=2000)  # 999 settled: room for more
+    table.ack(KEY, receipts[0])
+    assert state.committed == 1000 and state.idle
+
+
+def test_seed_skips_what_lies_below_the_commit_point_and_clip_forgets_above_a_lowered_end() -> None:
+    state = QueueLeases(10, ordered=True, window=1024)
+    state.seed(ranges.OffsetRanges(((3, 12), (15, 20))))
+    assert state.committed == 12 and state.acked_above().runs == ((15, 20),) and state.handed == 20
+    state.lease(Pick(12, 1, False), 0, 1000, 1, "c")
+    state.clip(13, 2)  # a rebuilt index ends the queue at 13: 15..19 will be new messages
+    assert state.acked_above() == () and state.handed == 13 and list(state.entries) == [12]
+
+
+def test_acked_values_encode_runs_and_read_the_former_bitmap() -> None:
+    acked = ranges.OffsetRanges.of([7, 3, 4, 5, 9, 1000, 1001])
+    assert acked.runs == ((3, 6), (7, 8), (9, 10), (1000, 1002))
+    assert list(acked) == [3, 4, 5, 7, 9, 1000, 1001] and acked[3] == 7 and acked[-1] == 1001 and 1000 in acked
+    assert keys.decode_acked(keys.encode_acked(2, acked)) == (2, acked)
+    assert tuple(keys.decode_acked(keys.encode_acked(2, (4, 7, 9)))[1]) == (4, 7, 9)
+    legacy = keys.U64.pack(2) + bytes([0b00100101, 0xFF, 0x01])  # bits 0, 2, 5, 8..16: offsets 3, 5, 8, 11..19
+    committed, decoded = keys.decode_acked(legacy)
+    assert (committed, tuple(decoded)) == (2, (3, 5, 8, *range(11, 20)))
+    with pytest.raises(errors.InvalidArgument):
+        keys.encode_acked(5, (5, 6))
+
+
+def test_an_acked_value_over_the_cap_is_refused_not_cut_short() -> None:
+    many = ranges.OffsetRanges((2 * i + 1, 2 * i + 2) for i in range(keys.ACKED_MAX_RUNS + 1))
+    with pytest.raises(errors.InvalidArgument):
+        keys.encode_acked(0, many)
+    fits = ranges.OffsetRanges(many.runs[: keys.ACKED_MAX_RUNS])
+    value = keys.encode_acked(0, fits)
+    assert len(value) <= keys.ACKED_MAX_BYTES and keys.decode_acked(value) == (0, fits)

@@ -47,6 +47,7 @@ from lmq_broker.dispatch import (
     snapshot,
     wildcards,
 )
+from lmq_broker.storage import keys, ranges
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ CATCHUP_CHUNK: Final = 512
 RENEW_AHEAD_MS: Final = 5_000  # an auto-renew lease is renewed this long before it would expire
 DLQ_PREFIX: Final = catalog.DLQ_PREFIX
 NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
+STORE_RETRY_MS: Final = 1_000  # a lite topic whose read the store refused (index rebuild) is looked at again
 
 
 _queues_of = attrgetter("queues")
@@ -145,7 +147,15 @@ class Dispatcher:
         # Commit points of (queue, group) pairs with nothing in flight (their lease state is dropped when
         # idle), so the next delivery need not read it back: this broker is the only writer of offsets.
         self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
-        self._acked_persisted: dict[Key, tuple[int, ...]] = {}  # acks above the commit point, as last persisted
+        # What the store holds for each key with lease state: (commit point, acked above it), as last persisted
+        # (-1: no commit point stored). A key whose memory differs after a failed write is *dirty*: it keeps its
+        # state (a released state would re-read the stale commit point and hand acked messages out again) and
+        # its commit is retried by the next ack, by housekeeping and by ``resync``.
+        self._persisted: dict[Key, tuple[int, ranges.OffsetRanges]] = {}
+        self._dirty: set[Key] = set()
+        self._retrying = False
+        self._generation = store.index_generation()  # see ``_check_generation``
+        self._unverified: set[Key] = set()  # lease state kept across an index replacement, not yet clipped
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._next_housekeeping = 0
@@ -416,13 +426,18 @@ class Dispatcher:
         for lmq in lmqs:  # in-flight state and its cached commit point are superseded by the reset
             self.leases.forget((lmq, 0, group))
             self._committed.get(lmq, {}).pop((0, group), None)
-            self._acked_persisted.pop((lmq, 0, group), None)
+            self._persisted.pop((lmq, 0, group), None)
+            self._dirty.discard((lmq, 0, group))  # the reset supersedes whatever was not persisted
         await self.run(offsets.reset, self.store, lmqs, group, option)
 
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
         """Newly subscribed topics that already hold undelivered messages go straight to this client."""
         for start in range(0, len(lmqs), CATCHUP_CHUNK):
-            found = await self._pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+            try:
+                found = await self._pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+            except errors.StorageError:  # the store rebuilds its index: a catch-up pass looks later
+                self._retry_catchup(client_id)
+                return
             for lmq in found:
                 if not self._offer(client_id, lmq, group):
                     return  # full: the catch-up pass it scheduled walks the rest
@@ -439,9 +454,11 @@ class Dispatcher:
                     rows.append((lmq, lo, hi, self.store.get_offset(queue, group)))
             return rows
 
+        self._check_generation()
+        rows = await self.run(probe)
         now = self.clock()
         pending = []
-        for lmq, lo, hi, committed in await self.run(probe):
+        for lmq, lo, hi, committed in rows:
             state = self.leases.get((lmq, 0, group))
             if state is not None:
                 if state.has_ready(now, hi):
@@ -563,6 +580,7 @@ class Dispatcher:
             event = self._client_events.get(client_id)
             if event is None:
                 event = self._client_events[client_id] = asyncio.Event()
+            self._check_generation()
             if self._arrived:
                 self._flush_arrivals()  # do not let the per-tick coalescing hide an arrival from this poll
             out: list[Delivery] = []
@@ -641,34 +659,36 @@ class Dispatcher:
         self._busy.add(key)
         try:
             queue = model.QueueId(key[0], key[1])
-            state = self.leases.get(key)
-            if state is None:
-                committed = self._committed.get(key[0], {}).get((key[1], key[2]))
-                acked: tuple[int, ...] = ()
-                if committed is None:  # first use since start: what was committed, and acked above it
-                    lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
-                    committed = max(lo, stored if stored is not None else lo)
-                state = self.leases.open(key, committed, ordered)
-                state.seed(acked)
-            picks = state.picks(self.clock(), limit)
-            end = self.recent.end((key[0], key[1]))
-            if end is not None:
-                picks = [p for p in picks if p.offset < end]
-            if not picks:
+            generation = self._check_generation()
+            try:
+                state = await self._state_of(key, queue, ordered)
+                picks = state.picks(self.clock(), limit)
+                end = self.recent.end((key[0], key[1]))
+                if end is not None:
+                    picks = [p for p in picks if p.offset < end]
+                if not picks:
+                    return []
+                first = picks[0].offset
+                cached = self.recent.window((key[0], key[1]), first, picks[-1].offset)
+                if cached is not None:
+                    messages, span_end = cached, -1
+                else:
+                    read = await self.run(self.store.read_span, queue, first, picks[-1].offset - first + 1)
+                    messages, span_end = read
+                    if not messages or messages[0].offset > first:
+                        lo, _, _, _ = await self.run(self._offsets, queue, key[2])
+                        if lo > state.committed:  # retention dropped what we were about to deliver
+                            state.skip_to(lo)
+                    if self.store.index_generation() != generation:
+                        # the index was replaced under the read: its holes prove nothing; read again later
+                        raise errors.StorageError("the store's index was replaced during the read")
+            except errors.StorageError as exc:  # an index rebuild (or meta trouble): nothing read, nothing settled
+                self._store_refused(key, holder, exc)
                 return []
-            first = picks[0].offset
-            cached = self.recent.window((key[0], key[1]), first, picks[-1].offset)
-            if cached is not None:
-                messages = cached
-            else:
-                messages, span_end = await self.run(self.store.read_span, queue, first, picks[-1].offset - first + 1)
-                if not messages or messages[0].offset > first:
-                    lo, _, _, _ = await self.run(self._offsets, queue, key[2])
-                    if lo > state.committed:  # retention dropped what we were about to deliver
-                        state.skip_to(lo)
-                if self._settle_gone(key, state, first, span_end, messages):
+            if span_end >= 0 and self._settle_gone(key, state, first, span_end, messages):
+                with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
                     await self._commit(key, state)
-                    picks = [p for p in state.picks(self.clock(), limit) if p.offset < span_end]
+                picks = [p for p in state.picks(self.clock(), limit) if p.offset < span_end]
             by_offset = {m.offset: m for m in messages}
             now = self.clock()
             renew_max = self.config.lease_renew_max_ms
@@ -683,7 +703,9 @@ class Dispatcher:
                     dead.append((pick, message))
                     continue
                 lease_id = self.leases.new_lease_id()
-                lease = state.lease(pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until)
+                lease = state.lease(
+                    pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until, message_id=message.message_id
+                )
                 out.append(
                     Delivery(message, pick.attempt, self.leases.receipt(key, pick.offset, lease_id), invisible_ms)
                 )
@@ -692,13 +714,116 @@ class Dispatcher:
                 self.leases.watch(key, at)
                 self._arm(at)
             if dead:
-                await self._dead_letter(key, [m for _, m in dead], state, dead)
+                try:
+                    await self._dead_letter(key, [m for _, m in dead], state, dead)
+                except errors.StorageError as exc:  # not appended: their leases expire and they come again
+                    self._store_refused(key, holder, exc)
             return out
         finally:
             self._busy.discard(key)
             self._release(key)
 
-    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, tuple[int, ...]]:
+    async def _state_of(self, key: Key, queue: model.QueueId, ordered: bool) -> leases.QueueLeases:
+        """The key's lease state: opened from the commit point (cached, else read with the acks above it), or
+        the existing one, clipped to its queue first if the store's index was replaced since (``_verify``)."""
+        state = self.leases.get(key)
+        if state is not None:
+            if key in self._unverified:
+                await self._verify(key, state)
+            return state
+        committed = self._committed.get(key[0], {}).get((key[1], key[2]))
+        acked: Sequence[int] = ()
+        stored: int | None = committed
+        if committed is None:  # first use since start: what was committed, and acked above it
+            lo, _, stored, acked = await self.run(self._offsets, queue, key[2])
+            committed = max(lo, stored if stored is not None else lo)
+        state = self.leases.open(key, committed, ordered)
+        state.seed(acked)
+        self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked))
+        return state
+
+    def _store_refused(self, key: Key, holder: str, exc: errors.StorageError) -> None:
+        """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite
+        topic is looked at again in ``STORE_RETRY_MS`` (a catch-up pass of ``holder``); normal-topic receivers
+        poll again anyway."""
+        log.info("%s queue %d group %s: store not readable (%s); retried", key[0], key[1], key[2], exc.message)
+        if key[0].startswith(model.LMQ_PREFIX):
+            self._retry_catchup(holder)
+
+    def _retry_catchup(self, client_id: str) -> None:
+        at = self.clock() + STORE_RETRY_MS
+        self.ready.request_catchup(client_id, at)
+        self._arm(at)
+
+    # --- the store's index replaced while serving ------------------------------------------------------
+    def _check_generation(self) -> int:
+        """The store's index generation, handling a change first (one int read: called wherever reads happen,
+        so a rebuild that began and ended between two health polls is not missed)."""
+        generation = self.store.index_generation()
+        if generation != self._generation:
+            self._generation = generation
+            self._index_replaced()
+        return generation
+
+    def _index_replaced(self) -> None:
+        """The index was rebuilt from the log while serving: queue ends, commit points and messages cached from
+        before may be wrong, and a queue's end may even be lower (a lost log tail), so that new messages take
+        offsets this dispatcher has seen. Policy: caches are dropped (read again from the store); lease state
+        with no lease out and nothing unpersisted is dropped (re-seeded from the store on next use); lease
+        state with leases out (clients hold their handles) or a dirty commit is kept but *unverified*: before
+        its next hand-out, ack or commit it is clipped to the queue's new end (``QueueLeases.clip``: leases and
+        settled offsets at or above the end are forgotten and their handles refused). Then every client is
+        caught up."""
+        log.warning("the store's index was replaced (generation %d): dispatch caches dropped", self._generation)
+        self._committed.clear()
+        self.recent.clear()
+        for key, state in self.leases.states():
+            if state.entries or key in self._dirty or key in self._busy or key in self._commit_locks:
+                self._unverified.add(key)
+            else:
+                self.leases.forget(key)
+                self._persisted.pop(key, None)
+        self.resync()
+
+    async def _verify(self, key: Key, state: leases.QueueLeases) -> None:
+        """Bring a state kept across an index replacement in line with the store: each lease out must still
+        name the message at its offset (else it is dropped and its handle refused: the offset is handed out
+        again); settlement the store refused (a dirty key: those acks were answered with the error) goes back
+        to what was persisted; nothing may lie at or above the queue's end."""
+        offsets = list(state.entries)
+        lo, hi, ids = await self.run(self._message_ids, model.QueueId(key[0], key[1]), offsets)
+        if key not in self._unverified or self.leases.get(key) is not state:
+            return  # verified meanwhile (or forgotten)
+        self._unverified.discard(key)
+        floor = self.leases.next_lease_id
+        entries = state.entries
+        lost = [o for o in offsets if o in entries and entries[o].message_id != ids.get(o)]
+        state.drop_leases(lost, floor)
+        persisted = self._persisted.get(key)
+        rolled_back = key in self._dirty and persisted is not None and key not in self._commit_locks
+        if rolled_back and persisted is not None:
+            state.rollback(persisted[0] if persisted[0] >= 0 else lo, persisted[1])
+            self._dirty.discard(key)
+        state.clip(hi, floor)
+        if lo > state.committed:
+            state.skip_to(lo)
+        if lost or rolled_back:
+            note = "; refused acks forgotten" if rolled_back else ""
+            log.warning("%s queue %d group %s: %d leases named messages the rebuilt index no longer holds there%s",
+                        key[0], key[1], key[2], len(lost), note)  # fmt: skip
+            if state.has_ready(self.clock(), hi):
+                self._redispatch(key)
+
+    def _message_ids(self, queue: model.QueueId, offsets: list[int]) -> tuple[int, int, dict[int, str]]:
+        lo, hi = self.store.queue_offsets(queue)
+        ids: dict[int, str] = {}
+        for offset in offsets:
+            messages, _ = self.store.read_span(queue, offset, 1)
+            if messages and messages[0].offset == offset:
+                ids[offset] = messages[0].message_id
+        return lo, hi, ids
+
+    def _offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, Sequence[int]]:
         lo, hi = self.store.queue_offsets(queue)
         return lo, hi, self.store.get_offset(queue, group), self.store.get_acked(queue, group)
 
@@ -711,6 +836,8 @@ class Dispatcher:
         settled = False
         at = max(first, state.committed)
         for m in messages:
+            if m.offset >= end:
+                break  # never settle beyond the span the store vouched for
             if m.offset > at:
                 state.settle_gone(at, m.offset)
                 settled = True
@@ -736,15 +863,26 @@ class Dispatcher:
             state.lease(pick, now, 0, self.leases.new_lease_id(), "")
         for pick, _ in picks:
             state.ack(pick.offset)
-        await self._commit(key, state)
+        with contextlib.suppress(errors.StorageError):  # dirty now: retried by housekeeping and ``resync``
+            await self._commit(key, state)
 
     # --- ack / nack / dead letter -----------------------------------------------------------------------
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self.leases.resolve(receipt_handle, group)
+        self._check_generation()
         state = self.leases.get(key)
-        if not self.leases.ack(key, receipt) or state is None:
-            return
-        hi = await self._commit(key, state)
+        if state is not None and key in self._unverified:
+            await self._verify(key, state)  # raises while the store cannot say: the client retries the ack
+        changed = self.leases.ack(key, receipt)
+        state = self.leases.get(key)
+        if state is None or not (changed or key in self._dirty):
+            return  # nothing new, and what memory holds is persisted
+        hi = await self._commit(key, state)  # raises when the write failed: the client learns the ack is not in
+        if key in self._dirty and not self._is_persisted(key, receipt.offset):
+            raise errors.TooManyRequests(
+                f"too many acknowledged ranges above the commit point of {key[0]} to persist "
+                f"(at most {keys.ACKED_MAX_RUNS}); the ack is kept in memory, retry it once earlier messages are acked"
+            )
         if state.has_ready(self.clock(), hi):
             self._redispatch(key, prefer=client_id)
         self._release(key)
@@ -752,8 +890,13 @@ class Dispatcher:
     def _release(self, key: Key) -> None:
         """Drop an idle key's in-flight state, unless a delivery or an offset write is still using it (a
         fresh state would re-read a commit point that is not persisted yet)."""
-        if key not in self._busy and key not in self._commit_locks:
-            self.leases.release_if_idle(key)
+        if key in self._busy or key in self._commit_locks or key in self._dirty:
+            return
+        state = self.leases.get(key)
+        if state is not None and state.idle:
+            self.leases.forget(key)
+            self._persisted.pop(key, None)
+            self._unverified.discard(key)
 
     async def change_invisible(
         self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
@@ -768,7 +911,7 @@ class Dispatcher:
         receipt, key = self.leases.resolve(receipt_handle, group)
         state = self.leases.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
-        if state is None or lease is None or lease.acked:
+        if state is None or lease is None or state.lost(receipt) or key in self._unverified:
             if state is None or receipt.offset < state.committed:
                 return  # already settled
             raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
@@ -778,30 +921,34 @@ class Dispatcher:
         await self.ack(group, receipt_handle)
 
     async def _commit(self, key: Key, state: leases.QueueLeases) -> int:
-        """Persist the commit point; writes for one key are serialised so offsets never go backwards.
-        Returns the queue's max offset."""
+        """Persist the commit point and the offsets acked above it, if memory differs from what was last
+        persisted; writes for one key are serialised so offsets never go backwards. Returns the queue's max
+        offset. When the write fails the key stays dirty (see ``_persisted``) and the error propagates."""
         entry = self._commit_locks.get(key)
         if entry is None:
-            entry = self._commit_locks[key] = (asyncio.Lock(), [0, -1])  # [users, last persisted]
+            entry = self._commit_locks[key] = (asyncio.Lock(), [0])  # [users]
         lock, counters = entry
         counters[0] += 1
         try:
             async with lock:
                 target = state.committed
                 acked = state.acked_above()
+                complete = len(acked.runs) <= keys.ACKED_MAX_RUNS
+                if not complete:  # over the cap: the oldest runs, the rest stays dirty (see ``ack``)
+                    acked = ranges.OffsetRanges(acked.runs[: keys.ACKED_MAX_RUNS])
+                    self._dirty.add(key)
                 queue = model.QueueId(key[0], key[1])
-                if target > counters[1] or acked != self._acked_persisted.get(key, ()):
+                if (target, acked) != self._persisted.get(key):
+                    self._dirty.add(key)
                     # On the loop when no writer holds the store (two small index writes cost less than the
                     # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
                     if self.store.try_commit_offset(queue, key[2], target, acked):
                         hi = self.store.queue_offsets(queue)[1]
                     else:
                         hi = await self.run(self._commit_and_max, queue, key[2], target, acked)
-                    counters[1] = target
-                    if acked:
-                        self._acked_persisted[key] = acked
-                    else:
-                        self._acked_persisted.pop(key, None)
+                    self._persisted[key] = (target, acked)
+                    if complete:
+                        self._dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)
                 else:
                     hi = self.store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
@@ -810,6 +957,35 @@ class Dispatcher:
             counters[0] -= 1
             if counters[0] == 0:
                 del self._commit_locks[key]
+
+    def _is_persisted(self, key: Key, offset: int) -> bool:
+        committed, acked = self._persisted.get(key, (-1, ranges.EMPTY))
+        return offset < committed or offset in acked
+
+    async def _retry_commits(self) -> None:
+        """Persist what failed to persist earlier (housekeeping, ``resync``); a key still refused stays dirty."""
+        if self._retrying:
+            return
+        self._retrying = True
+        try:
+            for key in list(self._dirty):
+                state = self.leases.get(key)
+                if state is None:
+                    self._dirty.discard(key)
+                    continue
+                try:
+                    if key in self._unverified:
+                        await self._verify(key, state)
+                    hi = await self._commit(key, state)
+                except errors.LmqError as exc:
+                    log.warning("%s queue %d group %s: commit still refused (%s); retried later",
+                                key[0], key[1], key[2], exc.message)  # fmt: skip
+                    continue
+                if state.has_ready(self.clock(), hi):
+                    self._redispatch(key)
+                self._release(key)
+        finally:
+            self._retrying = False
 
     def _remember_commit(self, key: Key, offset: int) -> None:
         per_topic = self._committed.get(key[0])
@@ -821,7 +997,7 @@ class Dispatcher:
         if len(self._committed) > COMMITTED_CACHE_SIZE:
             self._committed.popitem(last=False)
 
-    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: tuple[int, ...]) -> int:
+    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> int:
         self.store.commit_offset(queue, group, offset, acked)
         return self.store.queue_offsets(queue)[1]
 
@@ -856,6 +1032,8 @@ class Dispatcher:
             self._start_catchup(client_id)
         if now >= self._next_housekeeping:
             self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_MS
+            if self._dirty:
+                self._spawn(self._retry_commits())
             for client_id in self.registry.idle_since(now - self.config.client_expiry_ms):
                 log.info("client %s expired (no heartbeat or sync for %d ms)", client_id, self.config.client_expiry_ms)
                 self.client_gone(client_id)
@@ -867,7 +1045,9 @@ class Dispatcher:
 
     def resync(self) -> None:
         """After the store was unable to serve reads for a while (an index rebuild): look again for pending
-        work of every client, and wake every receiver of a normal topic."""
+        work of every client, wake every receiver of a normal topic, and persist the commits that failed."""
+        if self._dirty and self._loop is not None:
+            self._spawn(self._retry_commits())
         for st in self.registry.clients():
             self._start_catchup(st.client_id)
             for topic in st.topics:
@@ -888,25 +1068,10 @@ class Dispatcher:
         (a full ready queue stops it), then on over the topics before that point, which may have overflowed
         since that pass walked them."""
         try:
-            state = self.registry.get(client_id)
-            if state is None or not state.group:
-                return
-            if self.wildcards.registration(client_id) is not None:
-                await self._wildcard_catchup(client_id)
-                return
-            todo = list(state.lite_topics)
-            resume = self._catchup_cursor.pop(client_id, None)
-            if resume:
-                after = set(resume)
-                todo = resume + [lmq for lmq in todo if lmq not in after]
-            for start in range(0, len(todo), CATCHUP_CHUNK):
-                current = [lmq for lmq in todo[start : start + CATCHUP_CHUNK] if lmq in state.lite_topics]
-                for lmq in await self._pending_among(current, state.group):
-                    if not self._offer(client_id, lmq, state.group):
-                        self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
-                        return
-                if self.registry.get(client_id) is not state:
-                    return
+            await self._catchup_walk(client_id)
+        except errors.StorageError as exc:  # the store rebuilds its index: walk again later
+            log.info("catch-up of client %s deferred: %s", client_id, exc.message)
+            self._retry_catchup(client_id)
         finally:
             self._catchup_running.discard(client_id)
             if client_id in self._catchup_again:
@@ -914,6 +1079,27 @@ class Dispatcher:
                 now = self.clock()
                 self.ready.request_catchup(client_id, now)
                 self._arm(now)
+
+    async def _catchup_walk(self, client_id: str) -> None:
+        state = self.registry.get(client_id)
+        if state is None or not state.group:
+            return
+        if self.wildcards.registration(client_id) is not None:
+            await self._wildcard_catchup(client_id)
+            return
+        todo = list(state.lite_topics)
+        resume = self._catchup_cursor.pop(client_id, None)
+        if resume:
+            after = set(resume)
+            todo = resume + [lmq for lmq in todo if lmq not in after]
+        for start in range(0, len(todo), CATCHUP_CHUNK):
+            current = [lmq for lmq in todo[start : start + CATCHUP_CHUNK] if lmq in state.lite_topics]
+            for lmq in await self._pending_among(current, state.group):
+                if not self._offer(client_id, lmq, state.group):
+                    self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
+                    return
+            if self.registry.get(client_id) is not state:
+                return
 
     async def _wildcard_catchup(self, client_id: str) -> None:
         """Page through the wildcard group's parent by lite name and offer the client every topic with work
@@ -977,8 +1163,9 @@ class Dispatcher:
         self.leases.drop_topic(lmq.topic)
         self.recent.forget((lmq.topic, lmq.queue))
         self._committed.pop(lmq.topic, None)
-        for key in [k for k in self._acked_persisted if k[0] == lmq.topic]:
-            del self._acked_persisted[key]
+        for key in [k for k in self._persisted if k[0] == lmq.topic]:
+            del self._persisted[key]
+        self._dirty.difference_update([k for k in self._dirty if k[0] == lmq.topic])  # the store drops its offsets
 
     # --- reclaim marks (see ``reclaims``) ---------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:

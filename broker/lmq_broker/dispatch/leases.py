@@ -1,14 +1,18 @@
 """In-flight messages per (queue, group): leases, acks, redelivery and the commit point.
 
 For every (queue, group) with messages out, ``QueueLeases`` remembers the committed offset (next offset
-not yet acknowledged in order), the hand-out mark (one past the highest offset ever leased) and one
-``Lease`` per offset in between. Consumption of a lite topic is *ordered*: walking from the commit point,
+not yet acknowledged in order), the hand-out mark (one past the highest offset ever leased or settled), one
+``Lease`` per message out, and the offsets settled above the commit point (acknowledged, or gone from the
+store) as runs: a lost segment of millions of offsets is one run, never one object per offset, and the
+commit point jumps over it in one step once the leases before it are settled.
+
+Consumption of a lite topic is *ordered*: walking from the commit point,
 delivery stops at the first message that is leased and still invisible, so no message is handed out while
 an earlier one of the same lite topic is out. Normal topics are unordered: leased messages are skipped
 and the window of in-flight messages is capped instead.
 
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it together with the
-offsets acknowledged above it (``acked_above``), so that after a restart ``seed`` settles those again and
+offsets settled above it (``acked_above``, runs), so that after a restart ``seed`` settles those again and
 only what was not acknowledged is delivered again. Leases themselves are not persisted.
 
 Auto-renew leases (push consumers: the client never extends a lease itself) carry a renewal deadline:
@@ -27,15 +31,17 @@ survive a restart; the message is delivered again from the committed offset).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import hmac
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 from lmq_broker import errors
+from lmq_broker.storage import ranges
 
 RECEIPT_VERSION: Final = "r2"
 RECEIPT_SECRET_BYTES: Final = 32
@@ -73,9 +79,9 @@ class Lease:
     visible_at_ms: int
     lease_id: int
     holder: str = ""
-    acked: bool = False
     keep_attempt: bool = False  # set by a suspend: the next hand-out repeats the attempt number
     renew_until_ms: int = 0  # an auto-renew lease is extended while its holder holds the queue, up to this; 0: never
+    message_id: str = ""  # of the message handed out: after an index rebuild, is its offset still that message?
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,83 +93,127 @@ class Pick:
 
 @dataclass(slots=True)
 class QueueLeases:
+    """Offsets in [committed, handed) are each in one of three states: *leased* (an entry in ``entries``),
+    *settled* (acknowledged, or gone from the store: in the runs ``_starts``/``_ends``, never one object per
+    offset), or *pending* (neither: to be handed out again, e.g. out before a restart). Offsets from
+    ``handed`` on were never handed out."""
+
     committed: int
     ordered: bool
-    window: int  # max in-flight offsets (unordered queues)
+    window: int  # max leases out at once (unordered queues)
     handed: int = -1
-    entries: dict[int, Lease] = field(default_factory=dict)
-    acked_count: int = 0  # entries acknowledged above the commit point (persisted with it)
+    entries: dict[int, Lease] = field(default_factory=dict)  # leases not acknowledged
+    _starts: list[int] = field(default_factory=list)  # settled runs [start, end) above the commit point
+    _ends: list[int] = field(default_factory=list)
+    # After ``clip``/``drop_leases``: handles issued before lease id ``lost_before_lease`` for offsets at or
+    # above ``lost_from`` or in ``lost_offsets`` name messages a rebuilt index lost; the offsets may hold
+    # other messages now.
+    lost_from: int = -1
+    lost_offsets: set[int] = field(default_factory=set)
+    lost_before_lease: int = 0
 
     def __post_init__(self) -> None:
         self.handed = max(self.handed, self.committed)
 
-    def seed(self, acked: tuple[int, ...]) -> None:
-        """After a restart: the offsets above the commit point that were acknowledged before it. They stay
-        settled; the offsets between them were out (or about to be) and are handed out again at once."""
-        acked = tuple(o for o in acked if o >= self.committed)
-        if not acked:
-            return
-        top = max(acked) + 1
-        for offset in range(self.committed, top):
-            self.entries[offset] = Lease(0, 0, 0)
-        for offset in acked:
-            self.entries[offset].acked = True
-        self.acked_count = len(acked)
-        self.handed = max(self.handed, top)
+    def seed(self, acked: Sequence[int]) -> None:
+        """After a restart: the offsets above the commit point that were acknowledged (or settled) before it.
+        They stay settled; the offsets between them were out (or about to be) and are handed out again at
+        once. O(runs)."""
+        for start, end in ranges.OffsetRanges.of(acked).runs:
+            self._settle(max(start, self.committed), end)
+        self._advance()
 
-    def acked_above(self) -> tuple[int, ...]:
-        """The acknowledged offsets above the commit point, ascending (what ``seed`` takes back)."""
-        if not self.acked_count:
-            return ()
-        return tuple(sorted(o for o, lease in self.entries.items() if lease.acked))
+    def acked_above(self) -> ranges.OffsetRanges:
+        """The settled offsets above the commit point, as runs (what ``seed`` takes back). O(runs)."""
+        if not self._starts:
+            return ranges.EMPTY
+        return ranges.OffsetRanges(zip(self._starts, self._ends, strict=True))
+
+    def settled(self, offset: int) -> bool:
+        """Is ``offset`` (at or above the commit point) acknowledged or gone?"""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        return i >= 0 and offset < self._ends[i]
 
     def settle_gone(self, lo: int, hi: int) -> bool:
         """Offsets [lo, hi) are gone from the store (damaged or lost records): settle them as if acknowledged,
-        without handing them out. True when the commit point moved."""
+        without handing them out, in O(log runs + leases). Offsets between ``handed`` and ``lo`` were not
+        handed out yet and are still there: they stay pending. True when the commit point moved."""
         lo = max(lo, self.committed)
         if lo >= hi:
             return False
-        for offset in range(self.handed, lo):  # not handed out yet and still there: pending, not skipped
-            self.entries[offset] = Lease(0, 0, 0)
-        for offset in range(lo, hi):
-            lease = self.entries.get(offset)
-            if lease is None:
-                self.entries[offset] = Lease(0, 0, 0, acked=True)
-                self.acked_count += 1
-            elif not lease.acked:
-                lease.acked = True
-                self.acked_count += 1
-        self.handed = max(self.handed, hi)
+        if self.entries:
+            for offset in [o for o in self.entries if lo <= o < hi]:
+                del self.entries[offset]
+        self._settle(lo, hi)
         return self._advance()
 
+    def _settle(self, lo: int, hi: int) -> None:
+        """Add [lo, hi) to the settled runs, merging it with the runs it overlaps or touches."""
+        if lo >= hi:
+            return
+        starts, ends = self._starts, self._ends
+        i = bisect.bisect_left(ends, lo)  # first run ending at or after lo: touches or follows [lo, hi)
+        j = bisect.bisect_right(starts, hi)  # runs before j start at or before hi
+        if i < j:
+            lo = min(lo, starts[i])
+            hi = max(hi, ends[j - 1])
+        starts[i:j] = [lo]
+        ends[i:j] = [hi]
+        self.handed = max(self.handed, hi)
+
     def picks(self, now_ms: int, limit: int) -> list[Pick]:
-        """What to hand out next, up to ``limit``: redeliveries first (in offset order), then new offsets.
+        """What to hand out next, up to ``limit``: redeliveries and pending offsets first (in offset order),
+        then new offsets. Walks leases and pending offsets only, jumping over settled runs.
 
         New offsets may lie beyond the end of the queue; the caller leases only what the store returns.
         """
         out: list[Pick] = []
-        for offset in range(self.committed, self.handed):
-            lease = self.entries.get(offset)
-            if lease is None or lease.acked:
+        if limit <= 0:
+            return out
+        entries, starts, ends = self.entries, self._starts, self._ends
+        runs = len(starts)
+        i = 0
+        at, handed = self.committed, self.handed
+        pending = 0
+        while at < handed:
+            if i < runs and starts[i] <= at:
+                at = ends[i]
+                i += 1
                 continue
-            if lease.visible_at_ms > now_ms:
-                if self.ordered:
+            stop = starts[i] if i < runs else handed
+            while at < stop:
+                lease = entries.get(at)
+                if lease is None:
+                    out.append(Pick(at, 1, False))  # pending: never handed out by this process
+                    pending += 1
+                elif lease.visible_at_ms > now_ms:
+                    if self.ordered:
+                        return out
+                else:
+                    attempt = lease.attempt if lease.keep_attempt else lease.attempt + 1
+                    out.append(Pick(at, attempt, lease.attempt > 0))
+                at += 1
+                if len(out) >= limit:
                     return out
-                continue
-            attempt = lease.attempt if lease.keep_attempt else lease.attempt + 1
-            out.append(Pick(offset, attempt, lease.attempt > 0))  # attempt 0: pending, never handed out
-            if len(out) >= limit:
-                return out
         room = limit - len(out)
-        if not self.ordered:
-            room = min(room, self.window - (self.handed - self.committed))
-        out.extend(Pick(offset, 1, False) for offset in range(self.handed, self.handed + max(room, 0)))
+        if not self.ordered:  # the window counts leases actually out, not the span they lie in
+            room = min(room, self.window - len(entries) - pending)
+        out.extend(Pick(offset, 1, False) for offset in range(handed, handed + max(room, 0)))
         return out
 
     def lease(
-        self, pick: Pick, now_ms: int, invisible_ms: int, lease_id: int, holder: str, *, renew_until_ms: int = 0
+        self,
+        pick: Pick,
+        now_ms: int,
+        invisible_ms: int,
+        lease_id: int,
+        holder: str,
+        *,
+        renew_until_ms: int = 0,
+        message_id: str = "",
     ) -> Lease:
-        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms)
+        lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms,
+                      message_id=message_id)  # fmt: skip
         self.entries[pick.offset] = lease
         if pick.offset >= self.handed:
             self.handed = pick.offset + 1
@@ -175,42 +225,58 @@ class QueueLeases:
             return
         for o in [o for o in self.entries if o < offset]:
             del self.entries[o]
+        starts, ends = self._starts, self._ends
+        i = bisect.bisect_right(ends, offset)  # runs ending at or before offset are wholly below it
+        del starts[:i], ends[:i]
+        if starts and starts[0] < offset:
+            starts[0] = offset
         self.committed = offset
         self.handed = max(self.handed, offset)
-        self.acked_count = sum(1 for lease in self.entries.values() if lease.acked)
+        self._advance()
+
+    def clip(self, end: int, next_lease_id: int) -> None:
+        """The queue now ends at ``end`` (a rebuilt index lowered it): offsets from ``end`` on hold no message
+        this state knows of; new messages will take them. Forget their leases and settlement, and refuse the
+        handles of those leases (``lost``) from now on."""
+        if end >= self.handed:
+            return
+        self.lost_from = end if self.lost_from < 0 else min(self.lost_from, end)
+        self.lost_before_lease = next_lease_id
+        for o in [o for o in self.entries if o >= end]:
+            del self.entries[o]
+        starts, ends = self._starts, self._ends
+        i = bisect.bisect_left(starts, end)  # runs from i start at or after end
+        del starts[i:], ends[i:]
+        if ends and ends[-1] > end:
+            ends[-1] = end
+        self.committed = min(self.committed, end)
+        self.handed = max(end, self.committed)
 
     def ack(self, offset: int) -> bool:
-        """Mark acknowledged; True when the commit point moved."""
-        lease = self.entries.get(offset)
-        if lease is None:
+        """Settle a leased offset; True when the commit point moved."""
+        if self.entries.pop(offset, None) is None:
             return False
-        if not lease.acked:
-            lease.acked = True
-            self.acked_count += 1
+        self._settle(offset, offset + 1)
         return self._advance()
 
     def _advance(self) -> bool:
-        before = self.committed
-        while self.committed < self.handed:
-            head = self.entries.get(self.committed)
-            if head is None or not head.acked:
-                break
-            del self.entries[self.committed]
-            self.committed += 1
-            self.acked_count -= 1
-        return self.committed != before
+        """Move the commit point over the settled run at its head (one jump, however long the run)."""
+        starts = self._starts
+        if not starts or starts[0] > self.committed:
+            return False
+        self.committed = max(self.committed, self._ends[0])
+        del starts[0], self._ends[0]
+        return True
 
     def has_ready(self, now_ms: int, max_offset: int) -> bool:
         """Would ``picks`` hand something out now (given the queue ends at ``max_offset``)?"""
-        for offset in range(self.committed, self.handed):
-            lease = self.entries.get(offset)
-            if lease is None or lease.acked:
-                continue
-            if lease.visible_at_ms <= now_ms:
-                return True
+        for pick in self._open_offsets():
+            lease = self.entries.get(pick)
+            if lease is None or lease.visible_at_ms <= now_ms:
+                return True  # pending, or expired
             if self.ordered:
                 return False
-        if not self.ordered and self.handed - self.committed >= self.window:
+        if not self.ordered and len(self.entries) >= self.window:
             return False
         return max_offset > self.handed
 
@@ -218,12 +284,46 @@ class QueueLeases:
         """Ordered queue with its head out and still invisible: a new arrival cannot be handed out yet."""
         if not self.ordered:
             return False
-        for offset in range(self.committed, self.handed):
+        for offset in self._open_offsets():
             lease = self.entries.get(offset)
-            if lease is None or lease.acked:
-                continue
-            return lease.visible_at_ms > now_ms
+            return lease is not None and lease.visible_at_ms > now_ms
         return False
+
+    def _open_offsets(self) -> Iterator[int]:
+        """Offsets in [committed, handed) that are not settled, ascending (leased or pending)."""
+        starts, ends = self._starts, self._ends
+        at = self.committed
+        for i in range(len(starts) + 1):
+            stop = starts[i] if i < len(starts) else self.handed
+            yield from range(at, stop)
+            if i < len(starts):
+                at = ends[i]
+
+    def drop_leases(self, offsets: Sequence[int], next_lease_id: int) -> None:
+        """The leases at ``offsets`` name messages the store no longer holds there (a rebuilt index): they
+        become pending (the offset is handed out again, whatever it holds now) and their handles are refused."""
+        for offset in offsets:
+            if self.entries.pop(offset, None) is not None:
+                self.lost_offsets.add(offset)
+        self.lost_before_lease = next_lease_id
+
+    def rollback(self, committed: int, acked: Sequence[int]) -> None:
+        """Settlement back to what was persisted (``committed`` at or below ours, ``acked`` above it): the
+        acks the store refused (each answered with that error) are forgotten, their offsets pending again."""
+        self.committed = min(self.committed, committed)
+        self._starts.clear()
+        self._ends.clear()
+        for start, end in ranges.OffsetRanges.of(acked).runs:
+            self._settle(max(start, self.committed), end)
+        for offset in [o for o in self.entries if self.settled(o)]:
+            del self.entries[offset]
+        self._advance()
+
+    def lost(self, receipt: Receipt) -> bool:
+        """Does ``receipt`` name a message that a rebuilt index lost (see ``clip``, ``drop_leases``)?"""
+        if receipt.lease_id >= self.lost_before_lease:
+            return False
+        return 0 <= self.lost_from <= receipt.offset or receipt.offset in self.lost_offsets
 
     @property
     def idle(self) -> bool:
@@ -270,6 +370,13 @@ class LeaseTable:
     def forget(self, key: Key) -> None:
         self._states.pop(key, None)
 
+    def states(self) -> list[tuple[Key, QueueLeases]]:
+        return list(self._states.items())
+
+    @property
+    def next_lease_id(self) -> int:
+        return self._next_lease_id
+
     def drop_topic(self, topic: str) -> None:
         for key in [k for k in self._states if k[0] == topic]:
             del self._states[key]
@@ -314,9 +421,13 @@ class LeaseTable:
             return False
         if receipt.offset >= state.handed:
             raise errors.InvalidReceiptHandle("receipt handle names a message that was never delivered")
-        lease = state.entries.get(receipt.offset)
-        if lease is None or lease.acked:
-            return False
+        if state.lost(receipt):
+            raise errors.InvalidReceiptHandle("receipt handle names a message lost when the store rebuilt its index")
+        if receipt.offset not in state.entries:
+            if state.settled(receipt.offset):
+                return False  # settled already (acked, or gone)
+            # pending again: its ack was refused by the store and forgotten after an index rebuild
+            raise errors.InvalidReceiptHandle("receipt handle names a message that is no longer leased")
         state.ack(receipt.offset)
         return True
 
@@ -326,7 +437,7 @@ class LeaseTable:
         """Re-lease a message for ``invisible_ms`` (a nack when short). Only the current lease may do it."""
         state = self._states.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
-        if state is None or lease is None or lease.acked or lease.lease_id != receipt.lease_id:
+        if state is None or lease is None or lease.lease_id != receipt.lease_id:
             raise errors.InvalidReceiptHandle("receipt handle is no longer the current lease of the message")
         lease.lease_id = self.new_lease_id()
         lease.visible_at_ms = now_ms + invisible_ms
@@ -363,7 +474,7 @@ class LeaseTable:
     def _renew(self, key: Key, state: QueueLeases, now_ms: int, renewal: Renewal) -> None:
         again: set[int] = set()  # one watch per time, not per lease: a receive leases up to a batch at once
         for lease in state.entries.values():
-            if lease.acked or lease.renew_until_ms <= lease.visible_at_ms:
+            if lease.renew_until_ms <= lease.visible_at_ms:
                 continue  # not renewable, or renewed up to its deadline already: it expires when it is due
             if lease.visible_at_ms - renewal.ahead_ms > now_ms:
                 continue  # another lease of the key brought us here early; its own watch comes later
@@ -387,4 +498,4 @@ class LeaseTable:
 
 
 def _has_expired(state: QueueLeases, now_ms: int) -> bool:
-    return any(not lease.acked and lease.visible_at_ms <= now_ms for lease in state.entries.values())
+    return any(lease.visible_at_ms <= now_ms for lease in state.entries.values())

@@ -106,6 +106,12 @@ class RecentMessages:
             out.append(model.StoredMessage.of(message, qid, offset, stored_ms))
         return out
 
+    def clear(self) -> None:
+        """The store's index was replaced: an offset cached here may name another message there now."""
+        self._messages.clear()
+        self._ends.clear()
+        self._bytes = 0
+
     def forget(self, queue: QueueKey) -> None:
         """The queue was deleted. Without its end, ``window`` answers None for it; its cached messages age
         out, and any offset appended again overwrites the old entry before the new end covers it."""

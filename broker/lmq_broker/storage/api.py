@@ -106,8 +106,9 @@ class Store(Protocol):
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...
 
-    def get_acked(self, queue: model.QueueId, group: str) -> tuple[int, ...]:
-        """The acknowledged offsets above the group's committed offset, as last committed (ascending)."""
+    def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
+        """The acknowledged offsets above the group's committed offset, as last committed (ascending; an
+        ``OffsetRanges``: a run of millions of offsets costs one run)."""
         ...
 
     # --- lite topics ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     L      L parent 0x00 lite               u64 created_ms | u64 last_store_ms | u64 last_consume_ms |
                                             u64 min | u64 next                  (lite topic = LMQ state)
     O      O qkey group                     u64 next offset to consume          (consumer offsets; meta)
+    A      A qkey group                     acked offsets above O, as runs (``encode_acked``; meta)
     C      C qkey                           u64 last_consume_ms of an LMQ       (copied into L on a rebuild; meta)
     N      N parent                         u64 lite topics of the parent; ``N`` alone is the broker total
     T      T name                           JSON ParentTopic                    (meta)
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 from lmq_broker import errors, model
+from lmq_broker.storage import ranges
 
 LAYOUT_VERSION: Final = 1
 MAX_QUEUE_NAME_BYTES: Final = 255  # a queue name is length-prefixed by one byte in the record
@@ -262,21 +264,97 @@ def split_group_key(key: bytes) -> tuple[bytes, str]:
     return key[1:end], key[end:].decode()
 
 
+ACKED_RANGES_FLAG: Final = 1 << 63  # set in the u64 of an ``A`` value in the runs format (offsets stay below 2**63)
+ACKED_MAX_RUNS: Final = 4096  # runs an ``A`` value may hold: the dispatcher persists at most this many
+VARINT_MAX_BYTES: Final = 10
+ACKED_MAX_BYTES: Final = 8 + ACKED_MAX_RUNS * 2 * VARINT_MAX_BYTES  # hard cap of an ``A`` value (~80 KiB)
+
+
 def encode_acked(committed: int, acked: Sequence[int]) -> bytes:
-    """Acked offsets above ``committed`` as the committed offset and a bitmap (bit i: committed + 1 + i)."""
-    bits = bytearray((max(acked) - committed + 7) // 8)
-    for offset in acked:
-        i = offset - committed - 1
-        bits[i >> 3] |= 1 << (i & 7)
-    return U64.pack(committed) + bytes(bits)
+    """Acked offsets above ``committed`` (an ``OffsetRanges`` or ascending offsets) as run lengths:
+    ``u64(committed | ACKED_RANGES_FLAG)`` then per run ``uvarint(start - previous end) uvarint(length)``, the
+    first run measured from ``committed``. O(runs): a lost segment of millions of offsets is one run.
+
+    More than ``ACKED_MAX_RUNS`` runs is refused (InvalidArgument), never cut short: a dropped run would be an
+    ack lost at the next restart. The dispatcher persists the oldest ``ACKED_MAX_RUNS`` runs and keeps the
+    rest in memory, refusing the acks it could not persist until the runs merge (see ``dispatcher._commit``)."""
+    runs = ranges.OffsetRanges.of(acked).runs
+    if len(runs) > ACKED_MAX_RUNS:
+        raise errors.InvalidArgument(
+            f"{len(runs)} acknowledged ranges above the commit point; at most {ACKED_MAX_RUNS} are stored",
+            offset=committed,
+        )
+    out = bytearray(U64.pack(committed | ACKED_RANGES_FLAG))
+    previous = committed
+    if runs and runs[0][0] <= committed:
+        raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=committed)
+    for start, end in runs:
+        _put_uvarint(out, start - previous)
+        _put_uvarint(out, end - start)
+        previous = end
+    return bytes(out)
 
 
-def decode_acked(value: bytes) -> tuple[int, tuple[int, ...]]:
-    (committed,) = U64.unpack_from(value)
-    bits = value[U64.size :]
-    return committed, tuple(
-        committed + 1 + (i << 3) + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1
-    )
+def decode_acked(value: bytes) -> tuple[int, ranges.OffsetRanges]:
+    """(committed, acked offsets above it) of an ``A`` value: the runs format, or the bitmap one written
+    before it (``u64 committed`` then bit i of the bitmap: offset committed + 1 + i)."""
+    (head,) = U64.unpack_from(value)
+    if not head & ACKED_RANGES_FLAG:
+        return head, _decode_bitmap(head, value[U64.size :])
+    committed = head & ~ACKED_RANGES_FLAG
+    runs: list[tuple[int, int]] = []
+    at, previous = U64.size, committed
+    while at < len(value):
+        gap, at = _get_uvarint(value, at)
+        length, at = _get_uvarint(value, at)
+        start = previous + gap
+        previous = start + length
+        runs.append((start, previous))
+    return committed, ranges.OffsetRanges(runs)
+
+
+def _decode_bitmap(committed: int, bits: bytes) -> ranges.OffsetRanges:
+    runs: list[tuple[int, int]] = []
+    start = end = -1
+    base = committed + 1
+    for i, byte in enumerate(bits):
+        if byte == 0:
+            continue
+        at = base + (i << 3)
+        if byte == 0xFF and end == at:
+            end = at + 8  # a full byte extends the current run
+            continue
+        for b in range(8):
+            if byte >> b & 1:
+                if at + b == end:
+                    end += 1
+                else:
+                    if end > start:
+                        runs.append((start, end))
+                    start, end = at + b, at + b + 1
+    if end > start:
+        runs.append((start, end))
+    return ranges.OffsetRanges(runs)
+
+
+def _put_uvarint(out: bytearray, value: int) -> None:
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _get_uvarint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift >= 7 * VARINT_MAX_BYTES:
+            raise errors.CorruptRecord("truncated acked-offsets value")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
 
 
 def split_qkey(qkey: bytes) -> tuple[str, int]:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from lmq_broker import config, errors, model
-from lmq_broker.storage import api, codec, keys
+from lmq_broker.storage import api, codec, keys, ranges
 from lmq_broker.storage.store import Clock, wall_clock_ms
 
 
@@ -80,7 +80,7 @@ class MemoryStore:
         self._lock = threading.RLock()
         self._queues: dict[bytes, _Queue] = {}
         self._offsets: dict[bytes, dict[str, int]] = {}
-        self._acked: dict[bytes, dict[str, tuple[int, ...]]] = {}
+        self._acked: dict[bytes, dict[str, ranges.OffsetRanges]] = {}
         self._counts: dict[str, int] = {}
         self._parents: dict[str, model.ParentTopic] = {}
         self._groups: dict[str, model.LiteGroup] = {}
@@ -189,7 +189,8 @@ class MemoryStore:
             raise errors.InvalidName(f"invalid group name {group!r}", group=group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
-        if acked and min(acked) <= offset:
+        acked = ranges.OffsetRanges.of(acked)  # as the store keeps them: runs, whatever their span
+        if acked and acked[0] <= offset:
             raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
         if not self._lock.acquire(blocking=wait):
             return False
@@ -201,7 +202,7 @@ class MemoryStore:
                 q.last_consume = self._clock()
             self._offsets.setdefault(name.qkey, {})[group] = offset
             if acked:
-                self._acked.setdefault(name.qkey, {})[group] = tuple(sorted(acked))
+                self._acked.setdefault(name.qkey, {})[group] = acked
             else:
                 self._acked.get(name.qkey, {}).pop(group, None)
             return True
@@ -214,11 +215,11 @@ class MemoryStore:
         with self._lock:
             return self._offsets.get(name.qkey, {}).get(group)
 
-    def get_acked(self, queue: model.QueueId, group: str) -> tuple[int, ...]:
+    def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
         with self._lock:
-            return self._acked.get(name.qkey, {}).get(group, ())
+            return self._acked.get(name.qkey, {}).get(group, ranges.EMPTY)
 
     # --- lite topics ---------------------------------------------------------------------------------
 

@@ -328,7 +328,7 @@ class LmqStore:
         _check_group(group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
-        if acked and min(acked) <= offset:
+        if acked and acked[0] <= offset:  # ascending (an OffsetRanges: min() would walk every offset)
             raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
         self._check_not_rebuilding()
         if not self._write_lock.acquire(blocking=wait):
@@ -366,7 +366,7 @@ class LmqStore:
         name = self._resolve(queue.topic, queue.queue)
         return self._meta.get_u64(keys.offset_key(name.qkey, group))
 
-    def get_acked(self, queue: model.QueueId, group: str) -> tuple[int, ...]:
+    def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
         self._check_open()
         key = keys.acked_key(self._resolve(queue.topic, queue.queue).qkey, group)
         if key not in self._acked_keys:  # the usual answer, without a RocksDB read
@@ -1207,7 +1207,7 @@ class LmqStore:
                     floor = keys.U64.unpack(value)[0]
                 else:
                     committed, acked = keys.decode_acked(value)
-                    floor = max(acked, default=committed) + 1
+                    floor = (acked[-1] if acked else committed) + 1
                 need[qkey] = max(need.get(qkey, 0), floor)
         moved = 0
         batch = self._batch()
