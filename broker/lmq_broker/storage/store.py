@@ -13,8 +13,11 @@ Per-queue state (min/next and lite-topic times) lives in the index; a bounded LR
 Only the write path fills the LRU (under the lock), so a reader can never put a stale state in it.
 
 Recovery: scan the log from the checkpoint, re-index what follows it (offsets come from the records),
-truncate a torn tail in the last segment; a bad record before the last segment is real corruption and
-open fails. A missing index or a checkpoint past the log's end rebuilds every derived key from the log.
+truncate a torn tail in the last segment, quarantine a bad record with good ones after it. A missing index
+or a checkpoint past the log's end rebuilds every derived key from the log. Unless the last close was clean
+(its marker in meta), queues are reconciled with the groups' committed offsets: in async mode a power cut can
+cut the log cleanly while meta kept later commits. Offsets the log lost are recorded (``H`` ranges): they are
+the only holes a reader is shown; anything else it cannot vouch for is an error (try later), never a hole.
 """
 
 from __future__ import annotations
