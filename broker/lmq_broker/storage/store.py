@@ -327,7 +327,8 @@ class LmqStore:
             if isinstance(e, errors.StorageError):
                 raise
             raise errors.StorageError(f"index read failed: {e}") from e
-        entries = [e for e in entries if e[0] < end]
+        if entries and entries[-1][0] >= end:
+            entries = [e for e in entries if e[0] < end]
         bufs = self._log.read_entries(entries)
         self._check_same_index(generation)
         decode = codec.decode_message
@@ -360,6 +361,9 @@ class LmqStore:
     ) -> int:
         """``end``, or the first offset of [start, end) that has no entry and is not in a known-lost range.
         Raises when that is ``start`` itself (nothing to answer but a hole the store cannot vouch for)."""
+        n = len(entries)
+        if n and entries[0][0] == start and entries[-1][0] == start + n - 1 == end - 1:
+            return end  # the usual answer: dense (entries are in offset order, distinct), no extra read
         expected = start
         gaps: list[tuple[int, int]] = []
         for entry in entries:
