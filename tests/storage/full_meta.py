@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from lmq_broker import app, config, errors, model
+from lmq_broker.storage import store as store_mod
 
 META_FS_BYTES = 16 * 1024 * 1024
 
@@ -56,6 +57,18 @@ async def main(data_dir: Path) -> dict[str, object]:
         out["commit_while_full"] = "ok"
     except errors.StorageError:
         out["commit_while_full"] = "refused"
+    # While the disk stays full the store's retrier closes and reopens meta/ (read-write fails, read-only
+    # serves): reads of offsets and metadata keep working, and readiness answers without doing I/O.
+    time.sleep(2.5 * store_mod.META_RETRY_S)
+    try:
+        out["offset_while_full"] = store.get_offset(queue, "g")
+        out["topics_while_full"] = [t.name for t in store.list_parent_topics()]
+        out["messages_while_full"] = len(store.read(queue, 0, 32))
+    except errors.StorageError as e:
+        out["read_error_while_full"] = e.message
+    started = time.perf_counter()
+    out["ready_still_full"] = broker._http_answer("/readyz")[0]
+    out["readyz_ms"] = (time.perf_counter() - started) * 1000
     filler.unlink()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and broker._http_answer("/readyz")[0] != "200 OK":

@@ -1,5 +1,6 @@
 """ENOSPC under ``meta/`` (issue 12 item 9), on a real tmpfs in a private mount namespace: acks fail while
-the disk is full and readiness says why; once space returns, writes resume without a restart."""
+the disk is full and readiness says why (without I/O); reads keep working meanwhile, even after the store's
+retrier failed to reopen meta/ read-write; once space returns, writes resume without a restart."""
 
 from __future__ import annotations
 
@@ -33,5 +34,11 @@ def test_a_full_meta_disk_fails_readiness_then_recovers_when_space_returns(tmp_p
     assert seen["ready_while_full"] == "503 Service Unavailable"
     assert "meta store cannot write" in seen["ready_body_while_full"]
     assert seen["commit_while_full"] == "refused"
+    assert "read_error_while_full" not in seen, seen
+    assert seen["offset_while_full"] is not None  # reads keep working while meta cannot write
+    assert seen["topics_while_full"] == ["orders"]
+    assert seen["messages_while_full"] == 10
+    assert seen["ready_still_full"] == "503 Service Unavailable"
+    assert seen["readyz_ms"] < 50  # no reopen on the event loop
     assert seen["ready_after_space_returns"] == "200 OK"
     assert seen["offset_after"] == seen["offset_after_restart"] == 9

@@ -76,12 +76,14 @@ class Store(Protocol):
         """Up to ``max_count`` messages of ``queue`` with offsets from ``offset``, and the end of the span they
         were read from: every offset in [offset, end) without a message among them is gone for good (below
         the queue's min; or lost with a damaged record or a missing segment, which the store reports). Such
-        holes are passed over, so a damaged record never stops its queue."""
+        holes are passed over, so a damaged record never stops its queue. Only holes the store can vouch for:
+        when it cannot (an index rebuild under way or done meanwhile, an offset without an entry and without a
+        recorded loss), it raises ``StorageError`` (try later) or ends the span before the doubtful offset."""
         ...
 
     def health(self) -> str | None:
         """None while the store can serve; else why not (an index rebuild, a disk that cannot take writes):
-        the broker's readiness probe fails meanwhile."""
+        the broker's readiness probe fails meanwhile. Cheap and without side effects (an event loop calls it)."""
         ...
 
     def index_generation(self) -> int:

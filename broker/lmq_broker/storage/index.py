@@ -115,7 +115,7 @@ class Index:
     """One RocksDB instance. ``on_corruption`` (set by the store) hears of the first read that finds a damaged
     block; every read error comes out as ``errors.StorageError`` (``errors.IndexCorrupt`` for damage)."""
 
-    def __init__(self, path: Path, cache_bytes: int) -> None:
+    def __init__(self, path: Path, cache_bytes: int, *, read_only: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
         opts = rocksdict.Options(raw_mode=True)
         opts.create_if_missing(True)
@@ -144,7 +144,8 @@ class Index:
         self.path = path
         self.on_corruption: Callable[[errors.IndexCorrupt], None] | None = None
         try:
-            self._db = rocksdict.Rdict(str(path), opts)
+            access = rocksdict.AccessType.read_only() if read_only else rocksdict.AccessType.read_write()
+            self._db = rocksdict.Rdict(str(path), opts, access_type=access)
         except Exception as e:  # rocksdict raises bare Exception (a held LOCK, a damaged MANIFEST, ...)
             if is_corruption(e):
                 raise errors.IndexCorrupt(f"cannot open {path}: {e}", path=str(path)) from e
@@ -157,7 +158,8 @@ class Index:
             self._db.close()  # the LOCK goes with the handle, so the caller can set the directory aside
             raise
         if layout is None:
-            self._db.put(keys.LAYOUT_KEY, keys.U32.pack(keys.LAYOUT_VERSION))
+            if not read_only:
+                self._db.put(keys.LAYOUT_KEY, keys.U32.pack(keys.LAYOUT_VERSION))
         elif keys.U32.unpack(layout)[0] != keys.LAYOUT_VERSION:
             version = keys.U32.unpack(layout)[0]
             self._db.close()
@@ -171,6 +173,12 @@ class Index:
 
     def write(self, wb: rocksdict.WriteBatch) -> None:
         self._db.write(wb, self._write_opts)
+
+    def write_synced(self, wb: rocksdict.WriteBatch) -> None:
+        """A write that is on disk (with every earlier write of this instance) when it returns."""
+        opts = rocksdict.WriteOptions()
+        opts.sync = True
+        self._db.write(wb, opts)
 
     def failed(self, error: BaseException) -> errors.StorageError:
         """The error to raise for a failed read (``on_corruption`` hears of damage first)."""
@@ -290,6 +298,28 @@ class Index:
         Cursor(it, (ro, hi), self).check()
         return out
 
+    def holes(self, name: keys.QueueName, start: int, end: int) -> list[tuple[int, int]]:
+        """The known-lost ranges ``[first, end)`` of a queue (``H`` keys) that overlap [start, end)."""
+        prefix = keys.HOLE + name.qkey
+        ro = rocksdict.ReadOptions()
+        hi = keys.successor(prefix)
+        ro.set_iterate_upper_bound(hi)
+        it = self._db.iter(ro)
+        it.seek_for_prev(prefix + keys.U64BE.pack(start))
+        if not it.valid() or not bytes(it.key()).startswith(prefix):
+            it.seek(prefix)
+        out: list[tuple[int, int]] = []
+        while it.valid():
+            first = keys.U64BE.unpack_from(bytes(it.key()), len(prefix))[0]
+            if first >= end:
+                break
+            last = keys.U64.unpack(bytes(it.value()))[0]
+            if last > start:
+                out.append((first, last))
+            it.next()
+        Cursor(it, (ro, hi), self).check()
+        return out
+
     def runs(self, name: keys.QueueName) -> Iterator[tuple[int, int, int]]:
         """(first offset, segment, length) of every run of a queue, in offset order."""
         for key, value in self.prefix_items(name.entry_prefix):
@@ -299,7 +329,7 @@ class Index:
     # --- recovery ------------------------------------------------------------------------------------
 
     def checkpoint(self) -> tuple[int, int] | None:
-        value = self._db.get(keys.CHECKPOINT_KEY)
+        value = self._get(keys.CHECKPOINT_KEY)
         if value is None:
             return None
         seg, pos = keys.CHECKPOINT_VALUE.unpack(value)
@@ -404,7 +434,9 @@ class Pending:
     """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
 
     # min and created are the state's own (a batch of appends never changes them): read from ``st``.
-    __slots__ = ("ents", "fan", "last_store", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st")
+    __slots__ = (
+        "ents", "fan", "holes", "last_store", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st",
+    )  # fmt: skip
 
     def __init__(self, st: QueueState, new: bool, seg: int, ms: int, last_store: int) -> None:
         self.st = st
@@ -416,6 +448,7 @@ class Pending:
         self.ents: list[bytes] = []
         self.runs: list[tuple[int, int, int, list[bytes]]] = []
         self.fan: Fan | None = None  # the fan-out that holds this queue's newest offsets and entries, if any
+        self.holes: list[tuple[int, int]] = []  # offsets [first, end) the log lost (recovery only)
 
     def cut(self, seg: int, ms: int) -> None:
         """Close the current run (a run lives in one segment and has one store time); start the next."""
@@ -431,6 +464,8 @@ class Pending:
         if offset < self.next:
             log.warning("replay: %s offset %d below next %d, skipped", self.st.name.topic, offset, self.next)
             return
+        if offset > self.next:  # the records between were lost (quarantined, or their segment is missing)
+            self.holes.append((self.next, offset))
         if offset != self.next or seg != self.run_seg or ms != self.run_ms:
             self.cut(seg, ms)
             self.run_first = offset
@@ -524,6 +559,7 @@ class Batch:
         if self._cursor is None:
             self._cursor = self._index.raw_iter(b"", b"\xff" * 8)
         self._cursor.delete_prefixed(wb, name.entry_prefix)
+        self._cursor.delete_prefixed(wb, keys.HOLE + name.qkey)
         wb.delete(name.state_key)
         self._cache.drop(name)
 
@@ -543,6 +579,9 @@ class Batch:
                     put(entry_key(name.qkey, first), encode_run(seg, ms, ents))
             elif pd.ents:  # one run (the usual case): no run list
                 put(entry_key(name.qkey, pd.run_first), encode_run(pd.run_seg, pd.run_ms, pd.ents))
+            if pd.holes:
+                for first, end in pd.holes:
+                    put(keys.hole_key(name.qkey, first), keys.U64.pack(end))
             if name.parent is not None:
                 put(name.state_key, pack_lite(st.created, pd.last_store, st.last_consume, st.min, pd.next))
                 if pd.new:

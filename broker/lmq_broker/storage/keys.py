@@ -25,10 +25,18 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     B      B u32be segment                  u64 first_store_ms | u64 last_store_ms   (segment table)
     X      X "checkpoint"                   u32 segment | u64 position: the log is indexed up to here
     X      X "layout"                       u32 layout version (LAYOUT_VERSION)
+    X      X "clean"                        u64 close time: written (synced) by a clean close, removed at open (meta)
+    H      H qkey u64be(first_offset)       u64 end: offsets [first, end) of the queue the log lost (a
+                                            quarantined record, a missing segment, a reconciled next):
+                                            the only offsets between min and next a reader may skip
+
+Offsets of a queue are dense from its min to its next except inside ``H`` ranges: an offset there has no
+entry because the store knows its record is gone; any other missing entry is an inconsistency, never
+reported to a reader as a hole.
 
 Why runs: one append of a batch puts one key per queue, not one per message, and an extra queue of a
 message (multi-dispatch) adds 8 bytes to a run. Offsets of a queue are dense from its min to its next, so
-``offset -> run`` is ``seek_for_prev(E qkey offset)``. ``E``, ``S``, ``L``, ``N``, ``B`` and the
+``offset -> run`` is ``seek_for_prev(E qkey offset)``. ``E``, ``S``, ``L``, ``N``, ``B``, ``H`` and the
 checkpoint derive from the log (a rebuild recreates them); ``O``, ``C``, ``T``, ``G``, ``U``, ``R`` do not.
 ``L`` sorts by (parent, lite) because 0x00 sorts below every name character, exactly like the string
 ``parent$lite`` does ('$' sorts below every character a name may hold).
@@ -50,6 +58,7 @@ MAX_QUEUE_NAME_BYTES: Final = 255  # a queue name is length-prefixed by one byte
 MAX_QUEUE_ID: Final = 0xFFFF
 
 ENTRY: Final = b"E"
+HOLE: Final = b"H"
 STATE: Final = b"S"
 LITE: Final = b"L"
 OFFSET: Final = b"O"
@@ -62,6 +71,7 @@ SEGMENT: Final = b"B"
 SYSTEM: Final = b"X"
 CHECKPOINT_KEY: Final = b"Xcheckpoint"
 LAYOUT_KEY: Final = b"Xlayout"
+CLEAN_KEY: Final = b"Xclean"  # meta: present only between a clean close and the next open
 META_PROBE_KEY: Final = b"Xprobe"  # written by a readiness probe to learn whether the meta store can write
 TOTAL_COUNT_KEY: Final = COUNT
 
@@ -69,7 +79,7 @@ CONSUMED: Final = b"C"
 ACKED: Final = b"A"  # acknowledged offsets above a group's committed offset (meta store)
 
 # Prefixes whose keys are derived from the log: a rebuild deletes and recreates exactly these.
-DERIVED_PREFIXES: Final = (ENTRY, STATE, LITE, COUNT, SEGMENT)
+DERIVED_PREFIXES: Final = (ENTRY, STATE, LITE, COUNT, SEGMENT, HOLE)
 # Prefixes of the meta store: what no log holds.
 PRIMARY_PREFIXES: Final = (OFFSET, CONSUMED, PARENT, GROUP, QUOTA, RECLAIM, ACKED)
 
@@ -231,6 +241,27 @@ def lmq_topic(parent: str, lite: str) -> str:
 
 def entry_key(qkey: bytes, first_offset: int) -> bytes:
     return ENTRY + qkey + U64BE.pack(first_offset)
+
+
+LMQ_QKEY_PREFIX: Final = (model.LMQ_PREFIX + model.LMQ_SEPARATOR).encode()
+
+
+def state_key_of(qkey: bytes) -> bytes | None:
+    """The state key of a stored qkey without validating its name (a hot loop over stored keys); None for a
+    malformed LMQ name."""
+    if not qkey.startswith(LMQ_QKEY_PREFIX):
+        return STATE + qkey
+    parts = qkey[:-3].split(model.LMQ_SEPARATOR.encode())
+    return LITE + parts[1] + b"\x00" + parts[2] if len(parts) == 3 and qkey[-2:] == b"\x00\x00" else None
+
+
+def next_of_state(state_key: bytes, value: bytes) -> int:
+    """The next offset in a stored ``S`` or ``L`` value."""
+    return int(LITE_VALUE.unpack(value)[4] if state_key[:1] == LITE else STATE_VALUE.unpack(value)[1])
+
+
+def hole_key(qkey: bytes, first_offset: int) -> bytes:
+    return HOLE + qkey + U64BE.pack(first_offset)
 
 
 def lite_key(parent: str, lite: str) -> bytes:

@@ -13,8 +13,11 @@ Per-queue state (min/next and lite-topic times) lives in the index; a bounded LR
 Only the write path fills the LRU (under the lock), so a reader can never put a stale state in it.
 
 Recovery: scan the log from the checkpoint, re-index what follows it (offsets come from the records),
-truncate a torn tail in the last segment; a bad record before the last segment is real corruption and
-open fails. A missing index or a checkpoint past the log's end rebuilds every derived key from the log.
+truncate a torn tail in the last segment, quarantine a bad record with good ones after it. A missing index
+or a checkpoint past the log's end rebuilds every derived key from the log. Unless the last close was clean
+(its marker in meta), queues are reconciled with the groups' committed offsets: in async mode a power cut can
+cut the log cleanly while meta kept later commits. Offsets the log lost are recorded (``H`` ranges): they are
+the only holes a reader is shown; anything else it cannot vouch for is an error (try later), never a hole.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SCAN_LIMIT_MAX: Final = 100_000
 META_CACHE_BYTES: Final = 8 * 1024 * 1024  # offsets are read on a consumer's first receive, then cached above
 QUARANTINE_COPY_BYTES: Final = 64 * 1024 * 1024
 META_RETRY_S: Final = 1.0  # after a failed meta write, reopen and retry at most this often
+INDEX_WRITE_FAILED: Final = "index write failed"
 INDEX_RELEASE_S: Final = 30.0  # how long a rebuild waits for readers to let go of the damaged index
 
 
@@ -144,8 +148,12 @@ class LmqStore:
         self._failed: str | None = None
         self._rebuilding: str | None = None  # why the index is being rebuilt (reads find nothing meanwhile)
         self._rebuilder: threading.Thread | None = None
+        self._unreadable: str | None = None  # a rebuild failed: the index is partial, reads fail until a restart
+        self._meta_lock = threading.Lock()  # meta writes, the meta handle and ``_acked_keys`` (after the write lock)
+        self._meta_retrier: threading.Thread | None = None
+        self._clean_open = False  # the last close was clean (the marker was there): nothing to reconcile
         self._meta_error: str | None = None  # the last meta write failed (a full disk): retried, then reopened
-        self._meta_retry_at = 0.0
+        self._stop = threading.Event()
         self._state_cache_entries = state_cache_entries
         self.damage = damage.Skips()
         self.index_rebuilds = 0
@@ -165,8 +173,10 @@ class LmqStore:
             self._log.close()
             raise
         self._states = index_mod.StateCache(self._index, state_cache_entries)
+        self._reconciled = 0
         try:
             self._acked_keys = {key for key, _ in self._meta.prefix_items(keys.ACKED)}
+            self._clean_open = self._meta.get(keys.CLEAN_KEY) is not None
             damaged = ""
             try:
                 self._move_primary_keys()
@@ -179,6 +189,12 @@ class LmqStore:
                 self._replace_index()
                 rebuilt, reindexed, truncated = self._recover()
             self._index.on_corruption = self._index_corrupt
+            if self._clean_open:
+                # Removed (synced) before anything is written: a crash from here on must reconcile at open.
+                gone = self._meta.batch()
+                gone.delete(keys.CLEAN_KEY)
+                self._meta.write_synced(gone)
+                self._clean_open = False
         except BaseException:
             with contextlib.suppress(Exception):
                 self._index.close()
@@ -194,7 +210,6 @@ class LmqStore:
             self.damage.total("lost"),
             self._reconciled,
         )
-        self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         if not self._sync:
             self._flusher = threading.Thread(target=self._flush_loop, name="lmq-store-flusher", daemon=True)
@@ -214,17 +229,18 @@ class LmqStore:
         return self.index_rebuilds
 
     def health(self) -> str | None:
-        """None while the store serves reads and writes; else why not (the broker's readiness probe)."""
+        """None while the store serves reads and writes; else why not (the broker's readiness probe). Cheap and
+        without side effects: it may be called on an event loop."""
         if self._closed:
             return "store is closed"
         if self._rebuilding is not None:
             return f"index rebuilding from the commit log: {self._rebuilding}"
         if self._failed is not None:
             return f"store stopped accepting writes: {self._failed}"
+        if self._unreadable is not None:
+            return f"index unusable: {self._unreadable}"
         if self._meta_error is not None:
-            self._retry_meta()
-            if self._meta_error is not None:
-                return f"meta store cannot write: {self._meta_error}"
+            return f"meta store cannot write: {self._meta_error}"
         return None
 
     def wait_rebuilt(self, timeout: float | None = None) -> bool:
@@ -279,22 +295,49 @@ class LmqStore:
         return self.read_span(queue, offset, max_count)[0]
 
     def read_span(self, queue: model.QueueId, offset: int, max_count: int) -> tuple[list[model.StoredMessage], int]:
+        """The messages from ``offset`` and the end of the span covered. An offset in the span without a message
+        is one the store can vouch is gone (below the queue's min, a known-lost ``H`` range, a record that
+        fails its CRC, a segment retention dropped): the dispatcher settles it. Anything else raises (the
+        caller tries later) or ends the span before it: never a false hole.
+
+        The index, its states and its generation are taken once: a rebuild that swaps the index meanwhile
+        (the new one partly replayed) makes the answer an error, not a span of holes."""
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
-        if max_count <= 0 or self._rebuilding is not None:
+        generation = self.index_rebuilds
+        self._check_readable()
+        index, states = self._index, self._states
+        if max_count <= 0:
             return [], offset
-        st = self._state(name)
-        if st is None:
-            return [], offset
-        start = max(offset, st.min)
-        if start >= st.next:
-            return [], start
-        entries = self._index.entries(name, start, st.next, max_count)
-        end = entries[-1][0] + 1 if len(entries) >= max_count else st.next
+        try:
+            st = states.get(name)
+            if st is None:
+                self._check_same_index(generation)
+                return [], offset
+            lo, hi = st.min, st.next  # one state, read once (the write path replaces its fields in place)
+            start = max(offset, lo)
+            if start >= hi:
+                self._check_same_index(generation)
+                return [], start
+            entries = index.entries(name, start, hi, max_count)
+            end = entries[-1][0] + 1 if len(entries) >= max_count else hi
+            end = self._vouched_end(index=index, states=states, name=name, start=start, end=end, entries=entries)
+        except Exception as e:
+            self._check_same_index(generation)  # a swapped (closed) index fails its readers: say why
+            if isinstance(e, errors.StorageError):
+                raise
+            raise errors.StorageError(f"index read failed: {e}") from e
+        if entries and entries[-1][0] >= end:
+            entries = [e for e in entries if e[0] < end]
+        bufs = self._log.read_entries(entries)
+        self._check_same_index(generation)
         decode = codec.decode_message
         out: list[model.StoredMessage] = []
-        for entry, buf in zip(entries, self._log.read_entries(entries), strict=True):
-            if buf is None:  # the segment is gone: dropped by retention after the lookup, or lost
+        for entry, buf in zip(entries, bufs, strict=True):
+            if buf is None:  # the segment is gone: dropped by retention after the lookup
+                if self._log.seqs()[0] <= entry[1]:
+                    end = entry[0]  # not a segment retention dropped: do not vouch for the rest
+                    break
                 continue
             try:
                 out.append(decode(buf, queue, entry[0]))
@@ -305,6 +348,63 @@ class LmqStore:
                     f"(segment {entry[1]} position {entry[2]}); the message is skipped",
                 )
         return out, end
+
+    def _vouched_end(
+        self,
+        *,
+        index: index_mod.Index,
+        states: index_mod.StateCache,
+        name: keys.QueueName,
+        start: int,
+        end: int,
+        entries: list[index_mod.Entry],
+    ) -> int:
+        """``end``, or the first offset of [start, end) that has no entry and is not in a known-lost range.
+        Raises when that is ``start`` itself (nothing to answer but a hole the store cannot vouch for)."""
+        n = len(entries)
+        if n and entries[0][0] == start and entries[-1][0] == start + n - 1 == end - 1:
+            return end  # the usual answer: dense (entries are in offset order, distinct), no extra read
+        expected = start
+        gaps: list[tuple[int, int]] = []
+        for entry in entries:
+            if entry[0] > expected:
+                gaps.append((expected, entry[0]))
+            expected = entry[0] + 1
+        if end > expected:
+            gaps.append((expected, end))
+        if not gaps:
+            return end  # the usual answer: dense, no extra read
+        holes = index.holes(name, gaps[0][0], end)
+        now = states.get(name)
+        floor = 0 if now is None else now.min  # retention may have advanced it since (its runs deleted first)
+        for first, last in gaps:
+            at = max(first, floor)
+            for h_first, h_end in holes:
+                if h_first <= at < h_end:
+                    at = h_end
+            if at < last:  # an offset without an entry that no recorded loss explains
+                log.error(
+                    "%s queue %d: no index entry for offset %d and no record of its loss; not reported as gone",
+                    name.topic, name.queue, at,
+                )  # fmt: skip
+                if at == start:
+                    raise errors.StorageError(
+                        f"{name.topic} queue {name.queue}: no index entry for offset {at}", offset=at
+                    )
+                return at
+        return end
+
+    def _check_readable(self) -> None:
+        if self._rebuilding is not None:
+            raise errors.StorageError(f"index rebuilding from the commit log: {self._rebuilding}")
+        if self._unreadable is not None:
+            raise errors.StorageError(f"index unusable: {self._unreadable}")
+
+    def _check_same_index(self, generation: int) -> None:
+        """After a read: the index it used is still the one serving, and no rebuild has begun."""
+        if self.index_rebuilds != generation:
+            raise errors.StorageError("index rebuilding from the commit log: replaced during the read")
+        self._check_readable()
 
     def queue_offsets(self, queue: model.QueueId) -> tuple[int, int]:
         self._check_open()
@@ -330,33 +430,41 @@ class LmqStore:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
         if acked and acked[0] <= offset:  # ascending (an OffsetRanges: min() would walk every offset)
             raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
-        self._check_not_rebuilding()
+        akey = keys.acked_key(name.qkey, group)
+        meta = self._meta.batch()
+        meta.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
+        if acked:
+            meta.put(akey, keys.encode_acked(offset, acked))
+        elif akey in self._acked_keys:
+            meta.delete(akey)
+        if self._rebuilding is not None or self._unreadable is not None:
+            # Only meta/ is written: an ack must not wait for (or fail on) a rebuild of the index, which holds
+            # the write lock for its duration. The lite topic's state cannot be read meanwhile, so its last
+            # consume time goes to meta/ only (the rebuild copies it into the index when it ends).
+            if name.is_lmq:
+                meta.put(keys.consumed_key(name.qkey), keys.U64.pack(self._clock()))
+            return self._write_meta(meta, note=(akey, bool(acked)), wait=wait)
         if not self._write_lock.acquire(blocking=wait):
             return False
         try:
-            self._check_writable()
-            meta = self._meta.batch()
-            meta.put(keys.offset_key(name.qkey, group), keys.U64.pack(offset))
-            akey = keys.acked_key(name.qkey, group)
-            if acked:
-                meta.put(akey, keys.encode_acked(offset, acked))
-            elif akey in self._acked_keys:
-                meta.delete(akey)
+            self._check_open()
             if not name.is_lmq:
-                self._write_meta(meta)
-                self._note_acked(akey, bool(acked))
-                return True
+                return self._write_meta(meta, note=(akey, bool(acked)))
             st = self._state(name)
             if st is None:
                 return True  # the lite topic is gone (reclaimed): a late ack must not resurrect its offsets
             now = self._clock()
             meta.put(keys.consumed_key(name.qkey), keys.U64.pack(now))  # survives a rebuilt index
-            self._write_meta(meta)
-            self._note_acked(akey, bool(acked))
-            wb = self._index.batch()
-            wb.put(name.state_key, _value(st, last_consume=now))
-            self._index.write(wb)
-            st.last_consume = now
+            self._write_meta(meta, note=(akey, bool(acked)))
+            if self._failed is None:
+                wb = self._index.batch()
+                wb.put(name.state_key, _value(st, last_consume=now))
+                try:
+                    self._index.write(wb)
+                except Exception as e:  # the commit is in meta/; a rebuild restores the time from there
+                    log.warning("could not record the last consume time of %s in the index: %s", name.topic, e)
+                    return True
+                st.last_consume = now
             return True
         finally:
             self._write_lock.release()
@@ -364,21 +472,17 @@ class LmqStore:
     def get_offset(self, queue: model.QueueId, group: str) -> int | None:
         self._check_open()
         name = self._resolve(queue.topic, queue.queue)
-        return self._meta.get_u64(keys.offset_key(name.qkey, group))
+        with self._meta_lock:  # the handle may be reopened (after a failed write) by another thread
+            return self._meta.get_u64(keys.offset_key(name.qkey, group))
 
     def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
         self._check_open()
         key = keys.acked_key(self._resolve(queue.topic, queue.queue).qkey, group)
         if key not in self._acked_keys:  # the usual answer, without a RocksDB read
             return ()
-        value = self._meta.get(key)
+        with self._meta_lock:
+            value = self._meta.get(key)
         return () if value is None else keys.decode_acked(value)[1]
-
-    def _note_acked(self, key: bytes, present: bool) -> None:
-        if present:
-            self._acked_keys.add(key)
-        else:
-            self._acked_keys.discard(key)
 
     # --- lite topics ---------------------------------------------------------------------------------
 
@@ -575,7 +679,9 @@ class LmqStore:
             with self._write_lock:
                 wb = self._index.batch()
                 wb.delete(keys.segment_key(seq))
-                self._write_index(lambda: self._index.write(wb))  # noqa: B023 - called at once
+                # Synced: after a power cut between this and the unlink, the index must not still know the
+                # segment (its file gone, it would be reported lost).
+                self._write_index(lambda: self._index.write_synced(wb))  # noqa: B023 - called at once
                 self._segtab.pop(seq, None)
                 deleted += self._log.drop(seq)
             segments += 1
@@ -594,11 +700,29 @@ class LmqStore:
         self._stop.set()
         if self._flusher is not None:
             self._flusher.join()
+        if self._meta_retrier is not None:
+            self._meta_retrier.join()
         with self._write_lock:
-            with contextlib.suppress(OSError):
+            clean = self._failed is None and self._unreadable is None and self._rebuilding is None
+            try:
                 self._log.sync()
-            self._index.close()
-            self._meta.close()
+            except OSError:
+                clean = False
+            try:
+                self._index.close()  # flushes its memtables: what it holds is on disk
+            except Exception:
+                clean = False
+                log.exception("closing the index failed; the next open reconciles offsets")
+            with self._meta_lock:
+                if clean and self._meta_error is None:
+                    try:  # log and index are on disk: the next open has nothing to reconcile
+                        marker = self._meta.batch()
+                        marker.put(keys.CLEAN_KEY, keys.U64.pack(self._clock()))
+                        self._meta.write_synced(marker)
+                    except Exception:
+                        log.exception("could not mark the close as clean; the next open reconciles offsets")
+                with contextlib.suppress(Exception):
+                    self._meta.close()
             self._log.close()
             self._states.clear()
 
@@ -801,9 +925,14 @@ class LmqStore:
         try:
             write()
         except Exception as e:
+            if isinstance(e, errors.IndexCorrupt) or index_mod.is_corruption(e):
+                # Damage (found by a read inside the batch, or by the write): the rebuild that ``failed``
+                # starts re-indexes the whole log, records of this round included. Writes fail meanwhile;
+                # nothing is latched, so they resume when the rebuild is done.
+                raise self._index.failed(e) from e
             # The log holds records the index lacks; offsets handed out from now on could collide. Stop
-            # writing: a restart re-indexes from the checkpoint.
-            self._failed = f"index write failed: {e}"
+            # writing: a restart (or an index rebuild) re-indexes from the checkpoint.
+            self._failed = f"{INDEX_WRITE_FAILED}: {e}"
             raise errors.StorageError(f"index write failed: {e}") from e
 
     def _flush_loop(self) -> None:
@@ -846,12 +975,13 @@ class LmqStore:
 
     def _get_meta(self, key: bytes) -> bytes | None:
         self._check_open()
-        return self._meta.get(key)
+        with self._meta_lock:
+            return self._meta.get(key)
 
     def _delete_meta(self, key: bytes) -> bool:
         self._check_open()
         with self._write_lock:
-            if self._meta.get(key) is None:
+            if self._get_meta(key) is None:
                 return False
             wb = self._meta.batch()
             wb.delete(key)
@@ -860,63 +990,101 @@ class LmqStore:
 
     def _list_meta(self, prefix: bytes) -> list[bytes]:
         self._check_open()
-        return [v for _, v in self._meta.prefix_items(prefix)]
+        with self._meta_lock:
+            return [v for _, v in self._meta.prefix_items(prefix)]
 
     def _drop_consumer_state(self, names: Sequence[keys.QueueName]) -> None:
-        """Delete the offsets and consume times of deleted queues, before the index forgets the queues: a crash
-        in between replays the tombstone, which drops them again (idempotent)."""
+        """Delete the offsets, acked sets and consume times of deleted queues, before the index forgets the
+        queues: a crash in between replays the tombstone, which drops them again (idempotent). The acked-key
+        set changes only once the write has succeeded."""
         wb = self._meta.batch()
-        cursor = self._meta.raw_iter(keys.OFFSET, keys.successor(keys.OFFSET))
-        for name in names:
-            cursor.delete_prefixed(wb, name.offset_prefix)
-            wb.delete(keys.consumed_key(name.qkey))
-        del cursor  # an open iterator keeps its RocksDB instance (and its LOCK) alive, even past an error
-        if self._acked_keys:
+        gone: list[bytes] = []
+        with self._meta_lock:
+            cursor = self._meta.raw_iter(keys.ACKED, keys.successor(keys.OFFSET))  # A < C < O: one iterator
+            it = cursor.it
             for name in names:
-                for key in [k for k in self._acked_keys if k.startswith(keys.ACKED + name.qkey)]:
-                    wb.delete(key)
-                    self._acked_keys.discard(key)
+                cursor.delete_prefixed(wb, name.offset_prefix)
+                wb.delete(keys.consumed_key(name.qkey))
+                if self._acked_keys:
+                    prefix = keys.ACKED + name.qkey
+                    it.seek(prefix)
+                    while it.valid():
+                        key = bytes(it.key())
+                        if not key.startswith(prefix):
+                            break
+                        wb.delete(key)
+                        gone.append(key)
+                        it.next()
+                    cursor.check()
+            del it, cursor  # an open iterator keeps its RocksDB instance (and its LOCK) alive, even past an error
         self._write_meta(wb)
+        with self._meta_lock:
+            self._acked_keys.difference_update(gone)
 
-    def _write_meta(self, wb: rocksdict.WriteBatch) -> None:
-        """Write to the meta store (under the write lock). After a failure (a full disk) ``health`` reports it
-        and writes fail fast; at most once per META_RETRY_S a write (or a readiness probe) reopens the meta
-        store, which RocksDB needs to clear a write error, and tries again: writes resume once space is back."""
-        if self._meta_error is not None:
-            if time.monotonic() < self._meta_retry_at:
-                raise errors.StorageError(f"meta store cannot write: {self._meta_error}")
-            self._meta_retry_at = time.monotonic() + META_RETRY_S
-            with contextlib.suppress(Exception):  # closing flushes, which fails the same way; the handle goes
-                self._meta.close()
-            try:
-                self._meta = _open_meta(self._cfg.data_dir / "meta")
-            except errors.StorageError as e:
-                self._meta_error = e.message
-                raise
-        try:
-            self._meta.write(wb)
-        except Exception as e:  # rocksdict raises bare Exception with RocksDB's status text
-            if self._meta_error is None:
-                log.error("meta store write failed: %s; acks and metadata changes fail until it can write", e)
-            self._meta_error = str(e)
-            self._meta_retry_at = time.monotonic() + META_RETRY_S
-            raise errors.StorageError(f"meta store write failed: {e}") from e
-        if self._meta_error is not None:
-            log.warning("meta store writes again (after: %s)", self._meta_error)
-            self._meta_error = None
-
-    def _retry_meta(self) -> None:
-        if time.monotonic() < self._meta_retry_at or not self._write_lock.acquire(blocking=False):
-            return
+    def _write_meta(
+        self, wb: rocksdict.WriteBatch, *, note: tuple[bytes, bool] | None = None, wait: bool = True
+    ) -> bool:
+        """Write to the meta store; with ``note``, then add or remove that acked key in the set. False only when
+        ``wait`` is False and another thread holds the meta lock. After a failure (a full disk) ``health``
+        reports it and writes fail fast, never blocking on a reopen (a caller may be the event loop): the
+        meta retrier thread reopens the meta store, which RocksDB needs to clear a write error, and probes it
+        every META_RETRY_S; writes resume once space is back."""
+        if not self._meta_lock.acquire(blocking=wait):
+            return False
         try:
             if self._meta_error is not None:
-                wb = self._meta.batch()
-                wb.put(keys.META_PROBE_KEY, keys.U64.pack(self._clock()))
-                self._write_meta(wb)
-        except errors.StorageError:
-            pass
+                raise errors.StorageError(f"meta store cannot write: {self._meta_error}")
+            try:
+                self._meta.write(wb)
+            except Exception as e:  # rocksdict raises bare Exception with RocksDB's status text
+                log.error("meta store write failed: %s; acks and metadata changes fail until it can write", e)
+                self._meta_error = str(e)
+                self._start_meta_retrier()
+                raise errors.StorageError(f"meta store write failed: {e}") from e
+            if note is not None:
+                if note[1]:
+                    self._acked_keys.add(note[0])
+                else:
+                    self._acked_keys.discard(note[0])
+            return True
         finally:
-            self._write_lock.release()
+            self._meta_lock.release()
+
+    def _start_meta_retrier(self) -> None:
+        """(Under the meta lock.) Start the thread that brings the meta store back, unless it runs."""
+        if self._meta_retrier is None or not self._meta_retrier.is_alive():
+            self._meta_retrier = threading.Thread(target=self._retry_meta, name="lmq-meta-retry", daemon=True)
+            self._meta_retrier.start()
+
+    def _retry_meta(self) -> None:
+        """Every META_RETRY_S until the meta store writes again: reopen it (read-write; read-only if that
+        fails, so offsets and metadata stay readable) and write a probe key."""
+        path = self._cfg.data_dir / "meta"
+        while not self._stop.wait(META_RETRY_S):
+            with self._meta_lock:
+                if self._closed:
+                    return
+                with contextlib.suppress(Exception):  # closing flushes, which fails the same way
+                    self._meta.close()
+                try:
+                    self._meta = _open_meta(path)
+                except errors.StorageError as e:
+                    self._meta_error = e.message
+                    try:
+                        self._meta = index_mod.Index(path, META_CACHE_BYTES, read_only=True)
+                    except errors.StorageError:
+                        log.exception("meta store cannot be opened, even read-only")
+                    continue
+                try:
+                    wb = self._meta.batch()
+                    wb.put(keys.META_PROBE_KEY, keys.U64.pack(self._clock()))
+                    self._meta.write(wb)
+                except Exception as e:
+                    self._meta_error = str(e)
+                    continue
+                log.warning("meta store writes again (after: %s)", self._meta_error)
+                self._meta_error = None
+                return
 
     def _move_primary_keys(self) -> None:
         """An index written before ``meta`` existed holds offsets and control metadata: move them, once."""
@@ -1049,10 +1217,13 @@ class LmqStore:
                 self._replace_index()
                 rebuilt, count, _ = self._recover()
                 self._index.on_corruption = self._index_corrupt
+                if self._failed is not None and self._failed.startswith(INDEX_WRITE_FAILED):
+                    self._failed = None  # the whole log is indexed again: offsets cannot collide
             log.warning("index rebuilt from the commit log: %d records re-indexed (full: %s)", count, rebuilt)
         except Exception as e:
             log.exception("index rebuild failed; the store stops taking writes (restart to retry)")
             self._failed = f"index rebuild failed: {e}"
+            self._unreadable = self._failed  # the new index is partial: a read could report live offsets as gone
         finally:
             self._rebuilding = None
 
@@ -1083,7 +1254,11 @@ class LmqStore:
         count, truncated = self._replay(start, seqs[-1], rebuild)
         if rebuild:
             self._restore_consume_times()
-        if rebuild or truncated or lost or self.damage.total("quarantined") > quarantined:
+        # In async mode log, index and meta reach the disk separately: after a power cut meta may hold offsets
+        # past a log that lost its unsynced end at a clean record boundary (nothing torn, nothing to see). Only
+        # a clean close (its marker, synced after the log and the index) vouches that nothing was lost.
+        damaged = truncated or lost or self.damage.total("quarantined") > quarantined
+        if rebuild or damaged or not self._clean_open:
             self._reconciled = self._reconcile_offsets()
         return rebuild, count, truncated
 
@@ -1102,8 +1277,11 @@ class LmqStore:
             seg, _ = keys.RUN_HEAD.unpack_from(value)
             if seg in gone:
                 qkey = key[len(keys.ENTRY) : -8]
-                lost[qkey] = lost.get(qkey, 0) + keys.run_length(value)
+                n = keys.run_length(value)
+                lost[qkey] = lost.get(qkey, 0) + n
                 wb.delete(key)
+                first = keys.U64BE.unpack_from(key, len(key) - 8)[0]
+                wb.put(keys.hole_key(qkey, first), keys.U64.pack(first + n))  # readers pass over these
         for seg in missing:
             wb.delete(keys.segment_key(seg))
             self._segtab.pop(seg, None)
@@ -1174,8 +1352,12 @@ class LmqStore:
                 # Good records follow (or the segment is not the last): skip the bad bytes, keep the rest.
                 if resume is not None:
                     at = end = (bad_seq, resume)
-                else:  # the rest of a closed segment: go on with the next one (the checkpoint stays before)
-                    at = (bad_seq + 1, 0)
+                else:  # the rest of a closed segment: go on with the next one, and checkpoint there, so the
+                    # bad end is not quarantined (and counted) again at every open
+                    later = [s for s in self._log.seqs() if s > bad_seq]
+                    at = (later[0], 0) if later else (bad_seq + 1, 0)
+                    if later:
+                        end = at
 
     def _quarantine(self, seq: int, position: int, size: int, why: str, *, kind: str) -> None:
         """Copy skipped or cut bytes of the log to ``quarantine/`` (at most QUARANTINE_COPY_BYTES each) and,
@@ -1199,32 +1381,37 @@ class LmqStore:
         """After the log lost records: raise each queue's next offset above every offset a group committed or
         acked, so a new message never takes an offset a group has already passed (it would never be
         delivered). Returns how many queues moved."""
-        need: dict[bytes, int] = {}
-        for prefix in (keys.OFFSET, keys.ACKED):
-            for key, value in self._meta.prefix_items(prefix):
-                qkey, _ = keys.split_group_key(key)
-                if prefix == keys.OFFSET:
-                    floor = keys.U64.unpack(value)[0]
-                else:
-                    committed, acked = keys.decode_acked(value)
-                    floor = (acked[-1] if acked else committed) + 1
-                need[qkey] = max(need.get(qkey, 0), floor)
-        moved = 0
+        moved: set[bytes] = set()  # a queue can move in both walks (O, then A)
         batch = self._batch()
         now = self._clock()
-        for qkey, floor in need.items():
+        get = self._index.get
+        for qkey, floor in self._consumed_floors():
+            pd = batch.pending.get(qkey)
+            if pd is None:
+                # The usual case, kept cheap (every queue with a committed offset passes here at an unclean
+                # open): one index get, no name validated or state built. The index is current (a batch is
+                # written before its states are published).
+                state_key = keys.state_key_of(qkey)
+                value = None if state_key is None else get(state_key)
+                if state_key is not None and value is not None and keys.next_of_state(state_key, value) >= floor:
+                    continue
             try:
                 name = self._resolve(*keys.split_qkey(qkey))
             except errors.InvalidArgument:
                 continue
-            st = self._state(name)
-            if st is not None and st.next >= floor:
+            if pd is None:
+                st = self._state(name)
+                if st is not None and st.next >= floor:
+                    continue
+                pd = batch.replayed(name, 0, now, floor)
+            elif pd.next >= floor:
                 continue
-            pd = batch.replayed(name, 0, now, floor)
-            pd.next = max(pd.next, floor)
-            if st is not None and st.min < floor and st.min >= st.next:
+            if pd.st.min >= pd.next:
                 pd.st.min = floor  # an empty queue stays empty: its min follows its next
-            moved += 1
+            else:
+                pd.holes.append((pd.next, floor))  # readers of other groups pass over the lost offsets
+            pd.next = max(pd.next, floor)
+            moved.add(qkey)
             log.warning(
                 "recovery: %s queue %d next offset raised to %d (groups have consumed up to there; the log lost "
                 "the records)", name.topic, name.queue, floor,
@@ -1233,7 +1420,28 @@ class LmqStore:
                 self._write_batch(batch, (self._log.active.seq, self._log.active.size))
                 batch = self._batch()
         self._write_batch(batch, (self._log.active.seq, self._log.active.size))
-        return moved
+        return len(moved)
+
+    def _consumed_floors(self) -> Iterator[tuple[bytes, int]]:
+        """(qkey, the lowest offset no group has passed) per queue with committed or acked offsets: one walk of
+        the ``O`` keys, then of the ``A`` keys (both in qkey order, so nothing per queue is held)."""
+        for prefix in (keys.OFFSET, keys.ACKED):
+            current, floor = b"", 0
+            for key, value in self._meta.prefix_items(prefix):
+                qkey, _ = keys.split_group_key(key)
+                if prefix == keys.OFFSET:
+                    at = keys.U64.unpack_from(value)[0]
+                else:
+                    committed, acked = keys.decode_acked(value)
+                    at = (acked[-1] if acked else committed) + 1  # ascending ranges: no walk
+                if qkey != current:
+                    if current:
+                        yield current, floor
+                    current, floor = qkey, at
+                elif at > floor:
+                    floor = at
+            if current:
+                yield current, floor
 
     def _replay_tombstone(self, batch: index_mod.Batch, f: codec.Frame, seq: int, rebuilding: bool) -> None:
         topic, qid = f.queues[0]
