@@ -11,6 +11,8 @@ import sys
 import textwrap
 from collections.abc import Callable
 
+import pytest
+
 from lmq_broker import config, model
 from lmq_broker.storage import keys
 from lmq_broker.storage import store as store_mod
@@ -32,25 +34,34 @@ CRASHING_SESSION = textwrap.dedent(
     os._exit(0)
     """
 )
+CRASHING_SYNC_SESSION = CRASHING_SESSION.replace("FlushMode.ASYNC", "FlushMode.SYNC")
+
+
+def crash(session: str, cfg: config.StoreConfig) -> None:
+    argv = [sys.executable, "-c", session, str(cfg.data_dir)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
 
 
 def messages(lo: int, hi: int) -> list[model.NewMessage]:
     return [model.NewMessage(message_id=f"m{i}", topic="T", body=b"b", queues=(Q,)) for i in range(lo, hi)]
 
 
+@pytest.mark.parametrize("before", ["async", "sync"])
 def test_a_power_cut_that_loses_the_log_end_cleanly_never_reuses_a_committed_offset(
-    store_config: Callable[..., config.StoreConfig],
+    store_config: Callable[..., config.StoreConfig], before: str
 ) -> None:
+    """The crashing session runs async; the one before it (closed cleanly) either mode: a sync session's
+    marker must not vouch for the async one after it."""
     cfg = store_config(flush_mode="async")
     d = cfg.data_dir
-    s = store_mod.open_store(cfg)
+    s = store_mod.open_store(store_config(flush_mode=before))
     s.append(messages(0, 5))
     s.close()
     [seg] = (d / "commitlog").glob("*.log")
     size5 = seg.stat().st_size
     shutil.copytree(d / "index", d / "index.before")
-    proc = subprocess.run([sys.executable, "-c", CRASHING_SESSION, str(d)], capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
+    crash(CRASHING_SESSION, cfg)
     # The power cut: the log's unsynced last batch and the index's unsynced writes are lost at a record
     # boundary; meta kept its commit.
     shutil.rmtree(d / "index")
@@ -83,5 +94,38 @@ def test_a_clean_close_leaves_a_marker_that_the_next_open_consumes(
     try:
         assert s.recovery.queues_reconciled == 0
         assert s._meta.get(keys.CLEAN_KEY) is None  # removed at open: a crash from now on reconciles
+    finally:
+        s.close()
+
+
+def test_after_a_crash_of_a_sync_session_offsets_are_not_reconciled(
+    store_config: Callable[..., config.StoreConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sync mode indexes (so delivers) a record only after its fsync: no group can have passed the durable
+    log, so an unclean open skips the walk over every committed offset (seconds for a million of them)."""
+    cfg = store_config(flush_mode="sync")
+    s = store_mod.open_store(cfg)
+    s.append(messages(0, 5))
+    s.close()
+    crash(CRASHING_SYNC_SESSION, cfg)
+    walks: list[int] = []
+    real = store_mod.LmqStore._reconcile_offsets
+
+    def counted(self: store_mod.LmqStore) -> int:
+        walks.append(1)
+        return real(self)
+
+    monkeypatch.setattr(store_mod.LmqStore, "_reconcile_offsets", counted)
+    s = store_mod.open_store(cfg)
+    try:
+        assert walks == []
+        assert s.get_offset(Q, "G") == 10 and s.queue_offsets(Q) == (0, 10)
+    finally:
+        s.close()
+    # The same crash with the session in async mode is walked.
+    crash(CRASHING_SESSION, cfg)
+    s = store_mod.open_store(cfg)
+    try:
+        assert walks == [1]
     finally:
         s.close()

@@ -72,6 +72,7 @@ SYSTEM: Final = b"X"
 CHECKPOINT_KEY: Final = b"Xcheckpoint"
 LAYOUT_KEY: Final = b"Xlayout"
 CLEAN_KEY: Final = b"Xclean"  # meta: present only between a clean close and the next open
+SYNC_SESSION_KEY: Final = b"Xsync"  # meta: the session that wrote last ran with sync flush throughout
 META_PROBE_KEY: Final = b"Xprobe"  # written by a readiness probe to learn whether the meta store can write
 TOTAL_COUNT_KEY: Final = COUNT
 

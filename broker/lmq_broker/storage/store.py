@@ -177,6 +177,9 @@ class LmqStore:
         try:
             self._acked_keys = {key for key, _ in self._meta.prefix_items(keys.ACKED)}
             self._clean_open = self._meta.get(keys.CLEAN_KEY) is not None
+            # In sync mode the index never points past the durable log, so no group can have consumed past it:
+            # after a crash of such a session there is nothing to reconcile unless recovery finds damage.
+            self._synced_before = self._meta.get(keys.SYNC_SESSION_KEY) is not None
             damaged = ""
             try:
                 self._move_primary_keys()
@@ -189,12 +192,18 @@ class LmqStore:
                 self._replace_index()
                 rebuilt, reindexed, truncated = self._recover()
             self._index.on_corruption = self._index_corrupt
+            # Before anything is written: the clean marker goes (a crash from here on must be recovered from),
+            # and the sync-session marker says whether this session's crash could leave offsets past the log.
+            marks = self._meta.batch()
             if self._clean_open:
-                # Removed (synced) before anything is written: a crash from here on must reconcile at open.
-                gone = self._meta.batch()
-                gone.delete(keys.CLEAN_KEY)
-                self._meta.write_synced(gone)
-                self._clean_open = False
+                marks.delete(keys.CLEAN_KEY)
+            if self._sync:
+                marks.put(keys.SYNC_SESSION_KEY, b"")
+            elif self._synced_before:
+                marks.delete(keys.SYNC_SESSION_KEY)
+            if self._clean_open or self._sync != self._synced_before:
+                self._meta.write_synced(marks)
+            self._clean_open = False
         except BaseException:
             with contextlib.suppress(Exception):
                 self._index.close()
@@ -1256,9 +1265,10 @@ class LmqStore:
             self._restore_consume_times()
         # In async mode log, index and meta reach the disk separately: after a power cut meta may hold offsets
         # past a log that lost its unsynced end at a clean record boundary (nothing torn, nothing to see). Only
-        # a clean close (its marker, synced after the log and the index) vouches that nothing was lost.
+        # a clean close (its marker, synced after the log and the index) vouches that nothing was lost, or a
+        # session that ran in sync mode throughout (its index, hence every delivery, followed the fsync).
         damaged = truncated or lost or self.damage.total("quarantined") > quarantined
-        if rebuild or damaged or not self._clean_open:
+        if rebuild or damaged or not (self._clean_open or self._synced_before):
             self._reconciled = self._reconcile_offsets()
         return rebuild, count, truncated
 
