@@ -68,6 +68,8 @@ class Outcome:
     sending_s: float
     drain_s: float
     cpu_s: dict[str, float]  # process -> CPU seconds while sending
+    refusals: list[str]  # new lite topics the consumer could not subscribe (why)
+    consumer_lived: bool  # False: the consumer process died before its drain report
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -97,12 +99,13 @@ def topic_name(n: int) -> str:
     return f"session-{n}"
 
 
-def _consume(endpoint: str, initial: int, commands: Connection, ready: Any, received: Any) -> None:
-    """The consumer process: subscribe ``initial`` topics, then obey ``commands`` until told to drain.
+def _consume(endpoint: str, shape: tuple[int, int], commands: Connection, ready: Any, received: Any) -> None:
+    """The consumer process (``shape``: initial lite topics, consumption threads): subscribe, then obey
+    ``commands`` until told to drain.
 
-    Commands: ("sub", topic) -> ("subbed", topic); ("unsub", topic, expected) -> unsubscribed once
-    ``expected`` messages of the topic arrived; ("drain", sent, idle_s) -> ("result", bitmap of keys seen,
-    redeliveries) once ``sent`` distinct messages arrived or none arrived for ``idle_s``.
+    Commands: ("sub", topic) -> ("subbed", topic) or ("refused", topic, why); ("unsub", topic, expected) ->
+    unsubscribed once ``expected`` messages of the topic arrived; ("drain", sent, idle_s) -> ("result", bitmap
+    of keys seen, redeliveries) once ``sent`` distinct messages arrived or none arrived for ``idle_s``.
     """
     from rocketmq import (  # noqa: PLC0415 - the official client stays out of import-time for tooling
         ClientConfiguration,
@@ -132,7 +135,9 @@ def _consume(endpoint: str, initial: int, commands: Connection, ready: Any, rece
                     received.value += 1
             return ConsumeResult.SUCCESS
 
-    consumer = LitePushConsumer(ClientConfiguration(endpoint, Credentials(), request_timeout=10), GROUP, TOPIC, Tally())
+    initial, threads = shape
+    config = ClientConfiguration(endpoint, Credentials(), request_timeout=10)
+    consumer = LitePushConsumer(config, GROUP, TOPIC, Tally(), consumption_thread_count=threads)
     consumer.startup()
     try:
         for n in range(initial):
@@ -150,8 +155,12 @@ def _consume(endpoint: str, initial: int, commands: Connection, ready: Any, rece
                 continue
             command = commands.recv()
             if command[0] == "sub":
-                consumer.subscribe_lite(command[1])
-                commands.send(("subbed", command[1]))
+                try:
+                    consumer.subscribe_lite(command[1])
+                except Exception as exc:  # e.g. the client's subscription quota, while retired topics drain
+                    commands.send(("refused", command[1], str(exc)))
+                else:
+                    commands.send(("subbed", command[1]))
             elif command[0] == "unsub":
                 retiring[command[1]] = command[2]
             elif command[0] == "drain":
@@ -233,7 +242,9 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> Outcome:
     ctx = mp.get_context("spawn")  # gRPC's threads do not survive a fork
     ready, received = ctx.Event(), ctx.Value("q", 0)
     ours, theirs = ctx.Pipe()
-    consumer = ctx.Process(target=_consume, args=(endpoint, args.topics, theirs, ready, received), daemon=True)
+    consumer = ctx.Process(
+        target=_consume, args=(endpoint, (args.topics, args.consumer_threads), theirs, ready, received), daemon=True
+    )
     consumer.start()
     producer = Producer(ClientConfiguration(endpoint, Credentials(), request_timeout=10), (TOPIC,))
     producer.startup()
@@ -245,6 +256,7 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> Outcome:
         next_topic = args.topics
         retired: deque[tuple[str, float]] = deque()  # left the live set, to unsubscribe after the grace period
         samples: list[Sample] = []
+        refusals: list[str] = []
         run_s, every_s = args.minutes * 60, args.sample_s or min(5.0, args.minutes * 60 / 60)
         processes = {
             "broker": psutil.Process(pid),
@@ -266,6 +278,9 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> Outcome:
                 next_churn += args.new_topic_every
             while ours.poll():
                 reply = ours.recv()
+                if reply[0] == "refused":  # the set does not turn over this time
+                    refusals.append(reply[2])
+                    continue
                 live.append(reply[1])
                 retired.append((live.pop(0), now + args.retire_after_s))
             while retired and retired[0][1] <= now and (expected := sender.settled(retired[0][0])) is not None:
@@ -288,13 +303,18 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> Outcome:
         sender.wait_all(60)
         drain_started = time.monotonic()
         ours.send(("drain", sender.sent, args.drain_s))
-        while not ours.poll(1.0):
-            if not consumer.is_alive():
-                raise SystemExit("the consumer process died")
-        reply = ours.recv()
-        while reply[0] != "result":
+        seen, redelivered = b"", 0
+        while consumer.is_alive() or ours.poll():
+            if not ours.poll(1.0):
+                continue
             reply = ours.recv()
-        return Outcome(samples, sender, reply[1], reply[2], sending_s, time.monotonic() - drain_started, cpu_s)
+            if reply[0] == "refused":
+                refusals.append(reply[2])
+            elif reply[0] == "result":
+                seen, redelivered = reply[1], reply[2]
+                break
+        drain_s = time.monotonic() - drain_started
+        return Outcome(samples, sender, seen, redelivered, sending_s, drain_s, cpu_s, refusals, consumer.is_alive())
     finally:
         producer.shutdown()
         consumer.join(60)
@@ -349,6 +369,10 @@ def main() -> None:
     parser.add_argument("--new-topic-every", type=float, default=1.0, help="seconds between new lite topics")
     parser.add_argument("--retire-after-s", type=float, default=30.0, help="unsubscribe a topic this long after")
     parser.add_argument("--body-bytes", type=int, default=512)
+    parser.add_argument(
+        "--consumer-threads", type=int, default=20,
+        help="the push consumer's consumption threads (the client's default); each acks synchronously",
+    )  # fmt: skip
     parser.add_argument("--sample-s", type=float, default=0.0, help="RSS sampling period (0: 5 s, less if short)")
     parser.add_argument("--drain-s", type=float, default=60.0, help="end the drain after this long without arrivals")
     parser.add_argument("--flush-mode", default="sync", choices=["sync", "async"], help="the broker's flush mode")
@@ -378,7 +402,11 @@ def main() -> None:
         f"consumer lag {lags[-1]:,} at the end of sending (max {max(lags):,}), drained in {outcome.drain_s:.0f} s",
         flush=True,
     )
+    if outcome.refusals:
+        print(f"new lite topics the consumer could not subscribe: {len(outcome.refusals):,} ({outcome.refusals[0]})")
     report(args, outcome)
+    if not outcome.seen:
+        raise SystemExit("the consumer process died before its drain report")
     if arrived < sender.sent:
         lost = Counter(sender.topic_of[k] for k, ok in enumerate(sender.ok) if ok and not (k < len(seen) and seen[k]))
         examples = ", ".join(f"{topic} ({n})" for topic, n in lost.most_common(5))
