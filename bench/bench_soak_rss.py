@@ -5,12 +5,16 @@ A rocketmq-python-client 5.1.2 Producer sends LITE messages of the bootstrap par
 ``--rate`` per second for ``--minutes`` to a broker process (sync flush, its own temporary data dir), spread
 over ``--topics`` live lite topics. As agent sessions do, the set turns over: every ``--new-topic-every``
 seconds a new lite topic is subscribed and joins the set, and the oldest leaves it; a topic that left is
-unsubscribed ``--retire-after-s`` later, once everything sent to it was consumed. A LitePushConsumer of
+unsubscribed ``--retire-after-s`` later or, if not everything sent to it has been consumed by then, once it
+has. A LitePushConsumer of
 ``executor-group`` (its own process, so the two clients do not share a GIL) consumes and acks, so messages
 flow through the recent-message cache, leases and offsets. The broker's VmRSS (/proc/<pid>/status) is
 sampled every few seconds; a least-squares line is fitted to the samples after ``--warmup-minutes`` (and,
 separately, to the last half of them: a slope that is levelling off shows there). Then the consumer drains
-and every message sent is checked to have arrived: the exit code is 1 if any did not.
+(for as long as messages keep arriving) and every message sent is checked to have arrived: the exit code is
+1 if any did not. A lite topic is consumed in order, one message out at a time, so a consumer that falls
+behind (the clients share the machine with the broker) falls behind per topic; the consumer's lag and each
+process's CPU are printed to tell that apart from the broker.
 
     python bench/bench_soak_rss.py                                        # 30 min at 300 msg/s
     python bench/bench_soak_rss.py --minutes 0.2 --warmup-minutes 0.05    # smoke run
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import threading
@@ -41,7 +46,6 @@ GROUP: Final = "executor-group"
 GOAL_MIB_PER_MIN: Final = 1.0
 MAX_IN_FLIGHT: Final = 256  # sends awaiting their receipt
 MAX_LAG_S: Final = 1.0  # the pacer forgets a backlog older than this: the achieved rate shows what was held
-UNSUBSCRIBE_WAIT_S: Final = 120.0  # a retired topic whose messages have not all arrived is unsubscribed anyway
 MIB: Final = 2**20
 
 
@@ -53,6 +57,24 @@ class Sample:
     file: int
     sent: int
     received: int
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    samples: list[Sample]
+    sender: Sender
+    seen: bytes  # the consumer's bitmap of keys that arrived
+    redelivered: int
+    sending_s: float
+    drain_s: float
+    cpu_s: dict[str, float]  # process -> CPU seconds while sending
+    refusals: list[str]  # new lite topics the consumer could not subscribe (why)
+    consumer_lived: bool  # False: the consumer process died before its drain report
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
 
 
 def read_rss(pid: int) -> tuple[int, int, int]:
@@ -77,12 +99,13 @@ def topic_name(n: int) -> str:
     return f"session-{n}"
 
 
-def _consume(endpoint: str, initial: int, commands: Connection, ready: Any, received: Any) -> None:
-    """The consumer process: subscribe ``initial`` topics, then obey ``commands`` until told to drain.
+def _consume(endpoint: str, shape: tuple[int, int], commands: Connection, ready: Any, received: Any) -> None:
+    """The consumer process (``shape``: initial lite topics, consumption threads): subscribe, then obey
+    ``commands`` until told to drain.
 
-    Commands: ("sub", topic) -> ("subbed", topic); ("unsub", topic, expected) -> unsubscribed once
-    ``expected`` messages of the topic arrived (or after UNSUBSCRIBE_WAIT_S); ("drain", sent, timeout_s) ->
-    ("result", bitmap of keys seen, redeliveries) once ``sent`` distinct messages arrived or the time is up.
+    Commands: ("sub", topic) -> ("subbed", topic) or ("refused", topic, why); ("unsub", topic, expected) ->
+    unsubscribed once ``expected`` messages of the topic arrived; ("drain", sent, idle_s) -> ("result", bitmap
+    of keys seen, redeliveries) once ``sent`` distinct messages arrived or none arrived for ``idle_s``.
     """
     from rocketmq import (  # noqa: PLC0415 - the official client stays out of import-time for tooling
         ClientConfiguration,
@@ -112,34 +135,40 @@ def _consume(endpoint: str, initial: int, commands: Connection, ready: Any, rece
                     received.value += 1
             return ConsumeResult.SUCCESS
 
-    consumer = LitePushConsumer(ClientConfiguration(endpoint, Credentials(), request_timeout=10), GROUP, TOPIC, Tally())
+    initial, threads = shape
+    config = ClientConfiguration(endpoint, Credentials(), request_timeout=10)
+    consumer = LitePushConsumer(config, GROUP, TOPIC, Tally(), consumption_thread_count=threads)
     consumer.startup()
     try:
         for n in range(initial):
             consumer.subscribe_lite(topic_name(n))
         time.sleep(2.0)  # the push consumer starts its receive loop about 1 s after startup
         ready.set()
-        retiring: dict[str, tuple[int, float]] = {}  # topic -> (messages expected, unsubscribe anyway at)
+        retiring: dict[str, int] = {}  # topic -> messages expected
         while True:
-            now = time.monotonic()
-            for lite, (expected, deadline) in list(retiring.items()):
-                with lock:
-                    done = per_topic.get(lite, 0) >= expected
-                if done or now > deadline:
-                    consumer.unsubscribe_lite(lite)
-                    del retiring[lite]
+            with lock:
+                done = [lite for lite, expected in retiring.items() if per_topic.get(lite, 0) >= expected]
+            for lite in done:
+                consumer.unsubscribe_lite(lite)
+                del retiring[lite]
             if not commands.poll(0.5):
                 continue
             command = commands.recv()
             if command[0] == "sub":
-                consumer.subscribe_lite(command[1])
-                commands.send(("subbed", command[1]))
+                try:
+                    consumer.subscribe_lite(command[1])
+                except Exception as exc:  # e.g. the client's subscription quota, while retired topics drain
+                    commands.send(("refused", command[1], str(exc)))
+                else:
+                    commands.send(("subbed", command[1]))
             elif command[0] == "unsub":
-                retiring[command[1]] = (command[2], now + UNSUBSCRIBE_WAIT_S)
+                retiring[command[1]] = command[2]
             elif command[0] == "drain":
-                deadline = time.monotonic() + command[2]
-                while received.value < command[1] and time.monotonic() < deadline:
+                last, last_at = received.value, time.monotonic()
+                while received.value < command[1] and time.monotonic() - last_at < command[2]:
                     time.sleep(0.2)
+                    if received.value != last:
+                        last, last_at = received.value, time.monotonic()
                 with lock:
                     commands.send(("result", bytes(seen), redelivered))
                 return
@@ -206,14 +235,16 @@ class Sender:
             time.sleep(0.1)
 
 
-def run(args: argparse.Namespace, endpoint: str, pid: int) -> tuple[list[Sample], Sender, bytes, int, float, float]:
-    """Drive the load; returns (samples, sender, consumer's bitmap, redeliveries, sending seconds, broker CPU s)."""
+def run(args: argparse.Namespace, endpoint: str, pid: int) -> Outcome:
+    """Drive the load, drain, and say what arrived."""
     from rocketmq import ClientConfiguration, Credentials, Producer  # noqa: PLC0415
 
     ctx = mp.get_context("spawn")  # gRPC's threads do not survive a fork
     ready, received = ctx.Event(), ctx.Value("q", 0)
     ours, theirs = ctx.Pipe()
-    consumer = ctx.Process(target=_consume, args=(endpoint, args.topics, theirs, ready, received), daemon=True)
+    consumer = ctx.Process(
+        target=_consume, args=(endpoint, (args.topics, args.consumer_threads), theirs, ready, received), daemon=True
+    )
     consumer.start()
     producer = Producer(ClientConfiguration(endpoint, Credentials(), request_timeout=10), (TOPIC,))
     producer.startup()
@@ -225,9 +256,14 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> tuple[list[Sample]
         next_topic = args.topics
         retired: deque[tuple[str, float]] = deque()  # left the live set, to unsubscribe after the grace period
         samples: list[Sample] = []
+        refusals: list[str] = []
         run_s, every_s = args.minutes * 60, args.sample_s or min(5.0, args.minutes * 60 / 60)
-        broker = psutil.Process(pid)
-        cpu_before = sum(broker.cpu_times()[:2])
+        processes = {
+            "broker": psutil.Process(pid),
+            "producer": psutil.Process(),
+            "consumer": psutil.Process(consumer.pid),
+        }
+        cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
         started = time.monotonic()
         interval = 1.0 / args.rate
         next_send = next_sample = next_churn = next_print = started
@@ -242,6 +278,9 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> tuple[list[Sample]
                 next_churn += args.new_topic_every
             while ours.poll():
                 reply = ours.recv()
+                if reply[0] == "refused":  # the set does not turn over this time
+                    refusals.append(reply[2])
+                    continue
                 live.append(reply[1])
                 retired.append((live.pop(0), now + args.retire_after_s))
             while retired and retired[0][1] <= now and (expected := sender.settled(retired[0][0])) is not None:
@@ -250,7 +289,7 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> tuple[list[Sample]
                 next_print += 60
                 s = samples[-1]
                 print(
-                    f"  {s.t_s / 60:5.1f} min: sent {s.sent:,}, received {s.received:,}, "
+                    f"  {s.t_s / 60:5.1f} min: sent {s.sent:,}, received {s.received:,} (lag {s.sent - s.received:,}), "
                     f"broker RSS {s.rss / MIB:,.1f} MiB (anon {s.anon / MIB:,.1f}, file {s.file / MIB:,.1f})",
                     flush=True,
                 )
@@ -260,16 +299,22 @@ def run(args: argparse.Namespace, endpoint: str, pid: int) -> tuple[list[Sample]
             time.sleep(max(0.0, min(next_send, next_sample) - time.monotonic()))
         sending_s = time.monotonic() - started
         samples.append(Sample(sending_s, *read_rss(pid), sender.sent, received.value))
-        cpu_s = sum(broker.cpu_times()[:2]) - cpu_before
+        cpu_s = {name: cpu_seconds(p) - cpu_before[name] for name, p in processes.items()}
         sender.wait_all(60)
+        drain_started = time.monotonic()
         ours.send(("drain", sender.sent, args.drain_s))
-        while not ours.poll(1.0):
-            if not consumer.is_alive():
-                raise SystemExit("the consumer process died")
-        reply = ours.recv()
-        while reply[0] != "result":
+        seen, redelivered = b"", 0
+        while consumer.is_alive() or ours.poll():
+            if not ours.poll(1.0):
+                continue
             reply = ours.recv()
-        return samples, sender, reply[1], reply[2], sending_s, cpu_s
+            if reply[0] == "refused":
+                refusals.append(reply[2])
+            elif reply[0] == "result":
+                seen, redelivered = reply[1], reply[2]
+                break
+        drain_s = time.monotonic() - drain_started
+        return Outcome(samples, sender, seen, redelivered, sending_s, drain_s, cpu_s, refusals, consumer.is_alive())
     finally:
         producer.shutdown()
         consumer.join(60)
@@ -287,7 +332,8 @@ def write_csv(path: str, samples: list[Sample]) -> None:
             )
 
 
-def report(args: argparse.Namespace, samples: list[Sample], sending_s: float, cpu_s: float) -> None:
+def report(args: argparse.Namespace, outcome: Outcome) -> None:
+    samples, sending_s = outcome.samples, outcome.sending_s
     warm_s = args.warmup_minutes * 60
     after = [s for s in samples if s.t_s >= warm_s]
     half = [s for s in after if s.t_s >= (warm_s + sending_s) / 2]
@@ -301,7 +347,9 @@ def report(args: argparse.Namespace, samples: list[Sample], sending_s: float, cp
         f"{len(samples)} samples",
         flush=True,
     )
-    print(f"broker CPU: {100 * cpu_s / sending_s:.0f}% of a core while sending", flush=True)
+    cpu = ", ".join(f"{name} {100 * s / sending_s:.0f}%" for name, s in outcome.cpu_s.items())
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"CPU while sending, of one core: {cpu}; load average at the end {load}", flush=True)
     whole, late = slope_mib_per_min(after), slope_mib_per_min(half)
     verdict = "met" if whole <= GOAL_MIB_PER_MIN else "not met"
     print(
@@ -321,8 +369,12 @@ def main() -> None:
     parser.add_argument("--new-topic-every", type=float, default=1.0, help="seconds between new lite topics")
     parser.add_argument("--retire-after-s", type=float, default=30.0, help="unsubscribe a topic this long after")
     parser.add_argument("--body-bytes", type=int, default=512)
+    parser.add_argument(
+        "--consumer-threads", type=int, default=20,
+        help="the push consumer's consumption threads (the client's default); each acks synchronously",
+    )  # fmt: skip
     parser.add_argument("--sample-s", type=float, default=0.0, help="RSS sampling period (0: 5 s, less if short)")
-    parser.add_argument("--drain-s", type=float, default=120.0, help="how long the consumer may take to catch up")
+    parser.add_argument("--drain-s", type=float, default=60.0, help="end the drain after this long without arrivals")
     parser.add_argument("--flush-mode", default="sync", choices=["sync", "async"], help="the broker's flush mode")
     parser.add_argument("--csv", help="write the RSS samples to this CSV file")
     args = parser.parse_args()
@@ -336,18 +388,25 @@ def main() -> None:
     )
     flags = ["--flush-mode", args.flush_mode]
     with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "data", extra_args=flags) as broker:
-        samples, sender, seen, redelivered, sending_s, cpu_s = run(args, broker.endpoint, broker.pid)
+        outcome = run(args, broker.endpoint, broker.pid)
     if args.csv:
-        write_csv(args.csv, samples)
+        write_csv(args.csv, outcome.samples)
+    sender, seen = outcome.sender, outcome.seen
+    lags = [s.sent - s.received for s in outcome.samples]
     arrived = sum(1 for key, ok in enumerate(sender.ok) if ok and key < len(seen) and seen[key])
     strays = sum(1 for key, got in enumerate(seen) if got and (key >= len(sender.ok) or not sender.ok[key]))
     print(
         f"messages: sent {sender.sent:,} ({sender.failed:,} sends failed), received {arrived:,} of them "
-        f"({redelivered:,} redeliveries, {strays:,} of the failed sends arrived too); "
-        f"achieved {sender.sent / sending_s:,.1f} msg/s of {args.rate:g} over {sending_s / 60:.1f} min",
+        f"({outcome.redelivered:,} redeliveries, {strays:,} of the failed sends arrived too); achieved "
+        f"{sender.sent / outcome.sending_s:,.1f} msg/s of {args.rate:g} over {outcome.sending_s / 60:.1f} min; "
+        f"consumer lag {lags[-1]:,} at the end of sending (max {max(lags):,}), drained in {outcome.drain_s:.0f} s",
         flush=True,
     )
-    report(args, samples, sending_s, cpu_s)
+    if outcome.refusals:
+        print(f"new lite topics the consumer could not subscribe: {len(outcome.refusals):,} ({outcome.refusals[0]})")
+    report(args, outcome)
+    if not outcome.seen:
+        raise SystemExit("the consumer process died before its drain report")
     if arrived < sender.sent:
         lost = Counter(sender.topic_of[k] for k, ok in enumerate(sender.ok) if ok and not (k < len(seen) and seen[k]))
         examples = ", ".join(f"{topic} ({n})" for topic, n in lost.most_common(5))
