@@ -25,12 +25,15 @@ from typing import Any, Final
 
 import pydantic
 
-from lmq_broker import app, errors
+from lmq_broker import app, errors, heap
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
 from lmq_broker.storage import store as lmq_store
 
 READY_LINE: Final = "lmq-broker ready"
 SWITCH_INTERVAL_S: Final = 0.0005
+# glibc's default is 8 per core, one per thread that ever allocated concurrently; a broker's threads (gRPC,
+# store workers, RocksDB) then spread its heap over many arenas that each keep their own free pages.
+MALLOC_ARENAS: Final = 2
 
 HELP: Final[dict[str, str]] = {
     "data_dir": "directory of the commit log and index (created if missing)",
@@ -55,6 +58,7 @@ HELP: Final[dict[str, str]] = {
     "retention_max_age_ms": "drop closed log segments whose newest message is older than this (-1: keep)",
     "retention_max_bytes": "drop the oldest closed log segments while the log is larger than this (-1: no limit)",
     "retention_interval_ms": "how often the broker applies --retention-max-age-ms and --retention-max-bytes",
+    "heap_trim_interval_ms": "how often freed C-heap memory is handed back to the OS (glibc malloc_trim; 0: never)",
     "lease_renew_slice_ms": "push consumers (auto_renew): lease length, renewed while the client lives",
     "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
 }
@@ -190,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
+    heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts
     asyncio.run(serve(config))
     return 0
 

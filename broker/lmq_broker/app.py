@@ -22,7 +22,7 @@ from typing import Final
 import grpc
 import prometheus_client
 
-from lmq_broker import errors, model
+from lmq_broker import errors, heap, model
 from lmq_broker.admin import credentials
 from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
@@ -111,6 +111,7 @@ class Broker:
         self._stopped = asyncio.Event()
         self._retention: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
+        self._heap_trim: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()  # also read (a flag) by a retention pass between segments
 
     @property
@@ -149,6 +150,8 @@ class Broker:
         if config.store.retention_max_age_ms >= 0 or config.store.retention_max_bytes >= 0:
             self._retention = asyncio.create_task(self._apply_retention_periodically(self.store))
         self._health = asyncio.create_task(self._watch_store_health(self.store, self.dispatcher))
+        if config.heap_trim_interval_ms > 0 and heap.supported():
+            self._heap_trim = asyncio.create_task(self._trim_heap_periodically())
         if isinstance(self.store, lmq_store.LmqStore):
             self.metrics.watch_store(self.store)
         self.ready = True
@@ -165,6 +168,9 @@ class Broker:
         if self._health is not None:
             await self._health
             self._health = None
+        if self._heap_trim is not None:
+            await self._heap_trim
+            self._heap_trim = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -201,6 +207,17 @@ class Broker:
                 log.warning("ready again (after: %s)", trouble)
                 dispatcher.resync()
             trouble = now
+
+    async def _trim_heap_periodically(self) -> None:
+        """Every ``heap_trim_interval_ms``: hand the C heap's free pages back to the OS (on a thread)."""
+        interval_s = self.config.heap_trim_interval_ms / 1000
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval_s)
+                return
+            released = await asyncio.to_thread(heap.trim)
+            self.metrics.heap_trims.inc()
+            self.metrics.heap_released_bytes.inc(released)
 
     async def _apply_retention_periodically(self, store: Store) -> None:
         """Every ``retention_interval_ms``: drop the closed segments past the retention limits (on a thread;

@@ -68,5 +68,7 @@ class BrokerConfig(BaseModel):
     admin_secret_key: str = ""
     admin_anonymous: bool = False
     auth_max_skew_ms: int = Field(default=15 * 60 * 1000, ge=0)  # signed x-mq-date-time vs UTC; 0: unchecked
+    # How often freed C-heap memory is handed back to the OS (glibc malloc_trim, lmq_broker.heap); 0: never
+    heap_trim_interval_ms: int = Field(default=60_000, ge=0)
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -46,6 +46,10 @@ class Metrics:
         self.retention_bytes = Counter(
             "lmq_retention_bytes_deleted", "Commit-log bytes dropped by retention", registry=self.registry
         )
+        self.heap_trims = Counter("lmq_heap_trims", "Periodic hand-backs of free C-heap pages", registry=self.registry)
+        self.heap_released_bytes = Counter(
+            "lmq_heap_released_bytes", "Resident bytes released by the periodic C-heap trim", registry=self.registry
+        )
         self.calls_refused = Counter(
             "lmq_calls_refused",
             "Calls answered at once without being run (v2 TOO_MANY_REQUESTS or gRPC RESOURCE_EXHAUSTED), by RPC "
