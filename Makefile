@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.lmq-installed
 DATA   ?= ./data
 PORT   ?= 8081
 
-.PHONY: run test torture lint types imports proto proto-check testenv clients bench clean
+.PHONY: run test check test-fast torture lint types imports proto proto-check testenv clients bench hooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,19 @@ run: $(STAMP)
 test: $(STAMP) lint types imports proto-check testenv clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
+
+# The daily loop. `check`: lint, types, import layers and the unit tier (in-process, no socket, child process or
+# real waiting; tests/conftest.py lists it), in under a minute. `test-fast`: every suite that needs no
+# apiserver, Spark or other client processes (a few minutes). Tiers are markers: -m kube / spark / e2e / slow.
+check: $(STAMP) lint types imports
+	$(BIN)/python -m pytest -q -m "unit and not slow" tests --ignore=tests/e2e
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not (kube or spark or e2e or slow)" tests --ignore=tests/e2e
+
+# git hooks (pre-commit, from .pre-commit-config.yaml): ruff, formatting, mypy and import layers before a commit
+hooks: $(STAMP)
+	$(BIN)/pre-commit install
 
 # The long fault-injection loop (kill -9 / SIGTERM under load, flipped bytes, torn tails, missing segments,
 # damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary.

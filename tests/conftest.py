@@ -1,0 +1,64 @@
+"""Test tiers, as markers given at collection (``make check``, ``make test-fast``; ``make test`` runs all).
+
+A marker says which real part a test needs, read from what the test uses rather than written on each test:
+``kube`` a real kube-apiserver + etcd (the ``kube`` fixture, or a module that starts one itself), ``spark`` a
+real PySpark (the ``spark`` fixture, or a module that drives pyspark/spark-submit itself), ``e2e`` other
+processes speaking to a broker (tests/e2e: the official Python client in its own interpreter; tests/clients:
+the Java, Go and Node drivers).
+``unit`` marks the modules that run in this process on fakes or a tmp_path store, with no socket, child
+process or real waiting: ``make check`` runs them in well under a minute. A module named there that no longer
+exists fails collection, so the list cannot silently shrink.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+TESTS: Final = Path(__file__).resolve().parent
+E2E_DIRS: Final = ("e2e", "clients")
+SPARK_WORDS: Final = ("pyspark", "spark-submit", "spark_submit")
+KUBE_WORDS: Final = ("testenv(", "bench_operator")  # modules that start the real apiserver themselves
+UNIT_MODULES: Final = frozenset(
+    {
+        "broker/test_convert.py",
+        "broker/test_dispatcher.py",
+        "broker/test_leases.py",
+        "broker/test_quotas.py",
+        "broker/test_readyset.py",
+        "broker/test_recent.py",
+        "broker/test_registry.py",
+        "broker/test_snapshot.py",
+        "broker/test_wildcards.py",
+        "reclaim/test_ratelimit.py",
+        "storage/test_codec.py",
+        "storage/test_contract.py",
+        "storage/test_keys.py",
+    }
+)
+
+
+@cache
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = sorted(name for name in UNIT_MODULES if not (TESTS / name).is_file())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py UNIT_MODULES names modules that do not exist: {missing}")
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        relative = path.relative_to(TESTS).as_posix()
+        fixtures = getattr(item, "fixturenames", ())
+        if relative.split("/", 1)[0] in E2E_DIRS:
+            item.add_marker(pytest.mark.e2e)
+        if "kube" in fixtures or any(word in _text(path) for word in KUBE_WORDS):
+            item.add_marker(pytest.mark.kube)
+        if "spark" in fixtures or any(word in _text(path) for word in SPARK_WORDS):
+            item.add_marker(pytest.mark.spark)
+        if relative in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
