@@ -133,8 +133,8 @@ def test_status_the_operator_writes_is_not_pruned(
 ) -> None:
     """Every field status.py produces survives the schema (kopf's patches would silently lose them otherwise)."""
     now = datetime(2026, 1, 1, tzinfo=UTC)
-    b0 = model.Broker(model.BrokerName("b0"), "10.0.0.1:8081", 0)
-    b1 = model.Broker(model.BrokerName("b1"), "10.0.0.2:8081", 1)
+    b0 = model.Broker("b0", "10.0.0.1:8081", 0)
+    b1 = model.Broker("b1", "10.0.0.2:8081", 1)
     cases = {
         ("ParentTopic", "parenttopics", "pt", model.Kind.PARENT_TOPIC): {},
         ("LiteGroup", "litegroups", "lg", model.Kind.LITE_GROUP): {"parentTopic": "pt"},
@@ -163,7 +163,7 @@ def test_printer_columns_via_the_table_api(kube: testing.KubeAPI, namespace: str
     create("ParentTopic", namespace, "orders", {"liteTopicExpirationMinutes": 30})
     now = datetime(2026, 1, 1, tzinfo=UTC)
     run = model.ReclaimRun("job-1", 1_767_225_600_000, 1_767_225_660_000, reclaimed=12)
-    broker = model.Broker(model.BrokerName("b0"), "h:1", 0)
+    broker = model.Broker("b0", "h:1", 0)
     syncs = [model.BrokerSync(broker, True, figures=(("liteTopicCount", 4),), reclaim=run)]
     st = status.applied(model.Kind.PARENT_TOPIC, "orders", generation=1, syncs=syncs, previous={}, now=now)
     kube.merge_patch(testing.cr_path("parenttopics", namespace, "orders") + "/status", {"status": st})
