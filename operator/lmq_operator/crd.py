@@ -248,11 +248,16 @@ RESOURCES: Final = (
 )
 
 
+_API_VERSION: Final = f"The versioned schema of this object: {model.GROUP}/{model.VERSION}."
+_KIND: Final = "The REST resource this object represents."
+_SPEC: Final = "What every broker pod should hold; the operator applies it and never writes it."
+
+
 def manifest(resource: Resource) -> dict[str, Any]:
     """The CustomResourceDefinition of ``resource``, as a plain dict ready to be dumped."""
     root: Schema = {
         "type": "object",
-        "description": schema.text(resource.spec.__doc__),
+        "description": schema.one_line(resource.spec.__doc__),
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string", "description": _API_VERSION},
@@ -260,7 +265,7 @@ def manifest(resource: Resource) -> dict[str, Any]:
             # The apiserver describes metadata itself; the bound lets CEL rules read metadata.name cheaply.
             "metadata": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 253}}},
             "spec": schema.object_schema(resource.spec, "spec", _SPEC),
-            "status": schema.object_schema(resource.status, "status", schema.text(resource.status.__doc__)),
+            "status": schema.object_schema(resource.status, "status", schema.one_line(resource.status.__doc__)),
         },
     }
     if resource.name_field is not None:
@@ -294,11 +299,6 @@ def manifest(resource: Resource) -> dict[str, Any]:
     }
 
 
-_API_VERSION: Final = "The versioned schema of this object: lmq.io/v1alpha1."
-_KIND: Final = "The REST resource this object represents."
-_SPEC: Final = "What every broker pod should hold; the operator applies it and never writes it."
-
-
 @dataclass(frozen=True)
 class FieldRow:
     """One field of a spec, for the reference table of docs/operator.md."""
@@ -324,14 +324,14 @@ def _name_default_rule(resource: Resource) -> dict[str, str]:
     (matches,) = schema.take(metadata, schema.Matches)
     (max_len,) = schema.take(metadata, annotated_types.MaxLen)
     limit = max_len.max_length
-    text = (
+    complaint = (
         f" is not a valid broker {resource.noun} name: it {matches.complaint} and be at most {limit} characters"
         f" long; set spec.{field}"
     )
     return {
         "rule": f"has(self.spec.{field}) || (size(self.metadata.name) <= {limit}"
         f" && self.metadata.name.matches({schema.quoted(f'^{matches.regex}$')}))",
-        "messageExpression": f"'metadata.name ' + self.metadata.name + {schema.quoted(text)}",
+        "messageExpression": f"'metadata.name ' + self.metadata.name + {schema.quoted(complaint)}",
     }
 
 
@@ -375,5 +375,7 @@ def _limits(node: Schema) -> str:
             parts.append("`" + rule["rule"].removeprefix("self.matches('^").removesuffix("$')") + "`")
     if "maxItems" in node:
         parts.append(f"at most {node['maxItems']} entries")
-        parts.extend(f"each {part}" for part in [_limits(node["items"])] if part)
+        each = _limits(node["items"])
+        if each:
+            parts.append(f"each {each}")
     return ", ".join(parts)

@@ -34,6 +34,7 @@ MAX_EXPIRATION_MINUTES: Final = 43_200  # 30 days
 NO_LIMIT: Final = -1  # the admin API's "unlimited" / "never" for limits and expirations
 
 _DURATION: Final = "0*([1-9][0-9]{0,8})(ms|s|m|h)"  # at least 1ms: the broker refuses a zero delay
+_NOT_A_DURATION: Final = "is not a duration like 500ms, 10s, 5m or 2h (at least 1ms)"
 DURATION_RE: Final = re.compile(f"^{_DURATION}$")
 _UNIT_MS: Final = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000}
 # RocketMQ's customized backoff for lite groups
@@ -62,7 +63,7 @@ class Mode(enum.Enum):
 def duration_ms(text: str) -> int:
     match = DURATION_RE.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a duration like 500ms, 10s, 5m or 2h (at least 1ms)")
+        raise ValueError(f"{text!r} {_NOT_A_DURATION}")
     return int(match.group(1)) * _UNIT_MS[match.group(2)]
 
 
@@ -72,9 +73,7 @@ ResourceName = Annotated[
     Field(min_length=1, max_length=MAX_RESOURCE_NAME_BYTES),
     Matches("[%A-Za-z0-9_-]+", "may only contain letters, digits, %, _ and -"),
 ]
-Duration = Annotated[
-    str, Field(max_length=16), Matches(_DURATION, "is not a duration like 500ms, 10s, 5m or 2h (at least 1ms)")
-]
+Duration = Annotated[str, Field(max_length=16), Matches(_DURATION, _NOT_A_DURATION)]
 Int32 = Annotated[int, Bits(32)]
 Int64 = Annotated[int, Bits(64)]
 _RESOURCE_NAME: Final = TypeAdapter(ResourceName)

@@ -108,13 +108,14 @@ class SchemaError(TypeError):
     """A model declares something the CRD cannot say (or forgets a description)."""
 
 
-def text(doc: str | None) -> str:
+def one_line(doc: str | None) -> str:
+    """A docstring or description as the single line a schema description is."""
     return " ".join((doc or "").split())
 
 
-def quoted(text: str) -> str:
-    """``text`` as a CEL string literal."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+def quoted(value: str) -> str:
+    """``value`` as a CEL string literal."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def unwrap(tp: Any) -> tuple[Any, list[Any], bool]:
@@ -221,7 +222,7 @@ def _typed(tp: Any, metadata: list[Any], label: str) -> Schema:
         item_type, item_metadata, _ = unwrap(item)
         node["items"] = _typed(item_type, item_metadata, f"{label} entry")
     elif isinstance(tp, type) and issubclass(tp, BaseModel):
-        node = {**object_schema(tp, label, node.get("description") or text(tp.__doc__)), **node}
+        node = {**object_schema(tp, label, node.get("description") or one_line(tp.__doc__)), **node}
     else:
         raise SchemaError(f"{label}: no CRD schema for {tp!r}")
     if metadata:
@@ -232,6 +233,7 @@ def _typed(tp: Any, metadata: list[Any], label: str) -> Schema:
 
 
 def object_schema(cls: type[BaseModel], label: str, description: str) -> Schema:
+    """The schema of the model ``cls`` at ``label`` (``spec``, ``spec.retryPolicy``, …)."""
     properties: Schema = {}
     required: list[str] = []
     transitions: list[dict[str, str]] = []  # rules on this object about its optional immutable fields
@@ -247,7 +249,7 @@ def object_schema(cls: type[BaseModel], label: str, description: str) -> Schema:
             raise SchemaError(f"{where}: every field needs a description (kubectl explain shows it)")
         node = _typed(tp, metadata, where)
         if info.description:
-            node["description"] = text(info.description)
+            node["description"] = one_line(info.description)
         if immutable:
             node["description"] += " Immutable."
         if info.is_required():
@@ -269,7 +271,7 @@ def object_schema(cls: type[BaseModel], label: str, description: str) -> Schema:
         properties[alias] = ordered(node)
     schema: Schema = {"type": "object"}
     if description:
-        schema["description"] = text(description)
+        schema["description"] = one_line(description)
     if required:
         schema["required"] = required
     schema["properties"] = properties
@@ -285,7 +287,7 @@ def _default(value: Any) -> Any:
     if value is None:
         return None
     if isinstance(value, BaseModel):  # a nested model at its own defaults: the apiserver fills them in
-        if value != type(value)():
+        if value != type(value).model_validate({}):
             raise SchemaError(f"{type(value).__name__}: a nested default must be the model's own defaults")
         return {}
     if isinstance(value, tuple):
@@ -294,26 +296,27 @@ def _default(value: Any) -> Any:
 
 
 def _immutable(where: str, why: str) -> dict[str, str]:
-    text = f"{where} is immutable: {why}"
+    message = f"{where} is immutable: {why}"
     return {
         "rule": "self == oldSelf",
-        "message": text,
-        "messageExpression": f"{quoted(text + ' (was ')} + oldSelf + ', now ' + self + ')'",
+        "message": message,
+        "messageExpression": f"{quoted(message + ' (was ')} + oldSelf + ', now ' + self + ')'",
     }
 
 
 def _immutable_optional(alias: str, where: str, why: str) -> dict[str, str]:
-    text = f"{where} is immutable: {why}"
+    message = f"{where} is immutable: {why}"
     was = f"(has(oldSelf.{alias}) ? oldSelf.{alias} : 'unset')"
     now = f"(has(self.{alias}) ? self.{alias} : 'unset')"
     return {
         "rule": f"has(self.{alias}) == has(oldSelf.{alias}) && (!has(self.{alias}) || self.{alias} == oldSelf.{alias})",
-        "message": text,
-        "messageExpression": f"{quoted(text + ' (was ')} + {was} + ', now ' + {now} + ')'",
+        "message": message,
+        "messageExpression": f"{quoted(message + ' (was ')} + {was} + ', now ' + {now} + ')'",
     }
 
 
 def ordered(node: Schema) -> Schema:
+    """``node`` with its keys in one fixed order, so that the generated YAML reads the same every time."""
     unknown = node.keys() - set(_KEY_ORDER)
     if unknown:
         raise SchemaError(f"schema keys without a place in the output: {sorted(unknown)}")
