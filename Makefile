@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.lmq-installed
 DATA   ?= ./data
 PORT   ?= 8081
 
-.PHONY: run test check test-fast torture lint types imports proto proto-check testenv clients bench hooks clean
+.PHONY: run test check test-fast torture lint types imports proto proto-check crds crds-check testenv clients bench hooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ run: $(STAMP)
 
 # Lint, types, import layers, then every suite. The official RocketMQ client ships its own copy of the
 # apache.rocketmq.v2 descriptors, so suites that import it run in their own interpreter (tests/e2e).
-test: $(STAMP) lint types imports proto-check testenv clients
+test: $(STAMP) lint types imports proto-check crds-check testenv clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
 
@@ -56,6 +56,13 @@ proto: $(STAMP)
 
 proto-check: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check
+
+# The CRDs (crds/, the chart's copy) and the field tables of docs/operator.md, from the operator's models.
+crds: $(STAMP)
+	$(BIN)/python scripts/gen_crds.py
+
+crds-check: $(STAMP)
+	$(BIN)/python scripts/gen_crds.py --check
 
 # Real kube-apiserver + etcd for the operator suite, built from Go modules and cached outside the repo.
 testenv:

@@ -33,6 +33,7 @@ UNIT_MODULES: Final = frozenset(
         "broker/test_registry.py",
         "broker/test_snapshot.py",
         "broker/test_wildcards.py",
+        "operator/test_crd_schema.py",
         "reclaim/test_ratelimit.py",
         "storage/test_codec.py",
         "storage/test_contract.py",

@@ -449,7 +449,7 @@ def brokers_from_slices(slices: Iterable[Mapping[str, Any]], default_port: int) 
                 continue
             pod = (ep.get("targetRef") or {}).get("name") or ep.get("hostname") or addresses[0]
             ready = (ep.get("conditions") or {}).get("ready")
-            broker = model.Broker(model.BrokerName(pod), f"{addresses[0]}:{port}", _ordinal(pod))
+            broker = model.Broker(pod, f"{addresses[0]}:{port}", _ordinal(pod))
             found[pod] = (broker, ready is not False)
     return sorted(found.values())
 
@@ -484,7 +484,7 @@ class Fleet:
             replicas = await self._replicas()
             claims = await self._claims_or_none(replicas) if replicas is not None else {}
             if self._conf.brokers:
-                known = [(model.Broker(model.BrokerName(ep), ep, i), True) for i, ep in enumerate(self._conf.brokers)]
+                known = [(model.Broker(ep, ep, i), True) for i, ep in enumerate(self._conf.brokers)]
             else:
                 known = brokers_from_slices(await self._slices(), self._conf.admin_port)
         except Exception as exc:  # any API failure: keep serving the last good view
@@ -511,7 +511,7 @@ class Fleet:
         # In a cluster a leaving pod and its endpoint are gone at once; its claim, and the data, stay.
         for ordinal, claim in sorted(claims.items()):
             if ordinal not in asked:
-                name = model.BrokerName(f"{self._conf.broker_statefulset}-{ordinal}")
+                name = f"{self._conf.broker_statefulset}-{ordinal}"
                 leaving.append(model.Leaving(model.Broker(name, "", ordinal), replicas, None, claim))
         return FleetView(tuple(targets), tuple(leaving))
 

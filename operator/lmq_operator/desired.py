@@ -31,11 +31,7 @@ def mode(annotations: Mapping[str, str]) -> model.Mode:
 
 def parse(kind: model.Kind, spec: Mapping[str, Any]) -> model.Spec | InvalidSpec:
     try:
-        if kind is model.Kind.PARENT_TOPIC:
-            return model.ParentTopicSpec.model_validate(dict(spec))
-        if kind is model.Kind.LITE_GROUP:
-            return model.LiteGroupSpec.model_validate(dict(spec))
-        return model.LiteQuotaSpec.model_validate(dict(spec))
+        return model.SPECS[kind].model_validate(dict(spec))
     except pydantic.ValidationError as exc:
         return InvalidSpec(_readable(exc))
 
@@ -54,41 +50,10 @@ def config(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> model.Config
     parsed = parse(kind, spec)
     if isinstance(parsed, InvalidSpec):
         return parsed
-    if isinstance(parsed, model.ParentTopicSpec):
-        topic = parsed.topic_name or name
-        if not model.NAME_RE.match(topic):
-            return InvalidSpec(f"metadata.name {name!r} is not a valid broker topic name: set spec.topicName")
-        return model.TopicConfig(
-            name=topic,
-            expiration_minutes=parsed.lite_topic_expiration_minutes,
-            max_lite_topics=parsed.max_lite_topics,
-        )
-    if isinstance(parsed, model.LiteGroupSpec):
-        group = parsed.group_name or name
-        if not model.NAME_RE.match(group):
-            return InvalidSpec(f"metadata.name {name!r} is not a valid broker group name: set spec.groupName")
-        return model.GroupConfig(
-            name=group,
-            bind_topic=parsed.parent_topic,
-            model=parsed.subscription_model,
-            client_quota=parsed.client_subscription_quota,
-            ready_capacity=parsed.ready_set_capacity,
-            max_attempts=parsed.retry_policy.max_attempts,
-            backoff_ms=tuple(model.duration_ms(d) for d in parsed.retry_policy.backoff),
-            fifo=parsed.fifo,
-            consume_enabled=parsed.consume_enabled,
-            wildcard=parsed.wildcard,
-        )
-    return model.QuotaConfig(
-        scope=quota_scope(parsed),
-        max_lite_topics=parsed.max_lite_topics,
-        max_subscriptions_per_client=parsed.max_subscriptions_per_client,
-        max_send_rate=parsed.max_send_rate,
-    )
-
-
-def quota_scope(spec: model.LiteQuotaSpec) -> str:
-    return f"namespace:{spec.namespace}" if spec.namespace is not None else f"parent:{spec.parent_topic}"
+    try:
+        return parsed.config(name)
+    except ValueError as exc:  # metadata.name stands in for an unset broker-side name and is not one
+        return InvalidSpec(str(exc))
 
 
 def broker_key(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> str | None:

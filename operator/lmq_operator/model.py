@@ -2,8 +2,12 @@
 
 Specs are pydantic models because they arrive as untrusted dicts (the CRD schema validates on a real
 apiserver, but a hand-edited object or an older CRD may still carry nonsense): parsing them again here turns
-that into an ``Invalid`` condition instead of a crash. Configs are frozen dataclasses so that "in sync" is
-plain equality between what we want and what a broker reports.
+that into an ``Invalid`` condition instead of a crash. They are also where the CRDs come from: each field's
+name (camelCased), type, bounds, default, description and ``schema`` markers are what
+``lmq_operator.crd`` turns into the OpenAPI schema, so a knob is declared once, here, next to the one place
+it is mapped onto the admin API's names (the specs' ``config`` methods). Configs are frozen dataclasses named
+as the admin API names them, so that "in sync" is plain equality between what we want and what a broker
+reports.
 """
 
 from __future__ import annotations
@@ -11,9 +15,13 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Final, Literal, NewType
+from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from lmq_broker.model import MAX_RESOURCE_NAME_BYTES
+from lmq_operator.schema import Bits, Immutable, Matches, NotZero
 
 GROUP: Final = "lmq.io"
 VERSION: Final = "v1alpha1"
@@ -23,17 +31,15 @@ FINALIZER: Final = "lmq.io/finalizer"
 
 LITE_MESSAGE_TYPE: Final = 5  # apache.rocketmq.v2.MessageType.LITE
 MAX_EXPIRATION_MINUTES: Final = 43_200  # 30 days
-UNLIMITED: Final = -1
+NO_LIMIT: Final = -1  # the admin API's "unlimited" / "never" for limits and expirations
 
-NAME_RE: Final = re.compile(r"^[%A-Za-z0-9_-]{1,127}$")
-NAMESPACE_RE: Final = re.compile(r"^[%A-Za-z0-9_.-]{1,127}$")
-DURATION_RE: Final = re.compile(r"^([0-9]{1,9})(ms|s|m|h)$")
+_DURATION: Final = "0*([1-9][0-9]{0,8})(ms|s|m|h)"  # at least 1ms: the broker refuses a zero delay
+_NOT_A_DURATION: Final = "is not a duration like 500ms, 10s, 5m or 2h (at least 1ms)"
+DURATION_RE: Final = re.compile(f"^{_DURATION}$")
 _UNIT_MS: Final = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000}
 # RocketMQ's customized backoff for lite groups
 DEFAULT_BACKOFF: Final = ("1s", "5s", "10s", "30s", "1m", "2m", "3m", "4m", "5m", "6m", "7m", "8m", "9m", "10m")
 DEFAULT_BACKOFF_TAIL: Final = ("20m", "30m", "1h", "2h")
-
-BrokerName = NewType("BrokerName", str)
 
 
 class Kind(enum.StrEnum):
@@ -57,109 +63,217 @@ class Mode(enum.Enum):
 def duration_ms(text: str) -> int:
     match = DURATION_RE.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a duration like 500ms, 10s, 5m or 2h")
+        raise ValueError(f"{text!r} {_NOT_A_DURATION}")
     return int(match.group(1)) * _UNIT_MS[match.group(2)]
 
 
-def _check_name(value: str | None, field: str) -> str | None:
-    if value is not None and not NAME_RE.match(value):
-        raise ValueError(f"{field} {value!r} may only contain letters, digits, %, _ and - (1-127 chars)")
-    return value
+# Names of broker-side objects (topics, groups, quota scopes), as the broker's admin service accepts them.
+ResourceName = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_RESOURCE_NAME_BYTES),
+    Matches("[%A-Za-z0-9_-]+", "may only contain letters, digits, %, _ and -"),
+]
+Duration = Annotated[str, Field(max_length=16), Matches(_DURATION, _NOT_A_DURATION)]
+Int32 = Annotated[int, Bits(32)]
+Int64 = Annotated[int, Bits(64)]
+_RESOURCE_NAME: Final = TypeAdapter(ResourceName)
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+class CamelModel(BaseModel):
+    """A frozen model whose fields are spelled in camelCase in the custom resource: one name, two casings."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", alias_generator=to_camel, populate_by_name=True)
 
 
-class ParentTopicSpec(_Spec):
-    topic_name: str | None = Field(None, alias="topicName")
-    message_type: Literal["LITE"] = Field("LITE", alias="messageType")
-    lite_topic_expiration_minutes: int = Field(UNLIMITED, alias="liteTopicExpirationMinutes")
-    max_lite_topics: int = Field(UNLIMITED, alias="maxLiteTopics")
-    deletion_policy: Literal["delete", "retain"] = Field("delete", alias="deletionPolicy")
-
-    @field_validator("topic_name")
-    @classmethod
-    def _topic_name(cls, value: str | None) -> str | None:
-        return _check_name(value, "spec.topicName")
-
-    @field_validator("lite_topic_expiration_minutes")
-    @classmethod
-    def _expiration(cls, value: int) -> int:
-        if value != UNLIMITED and not 1 <= value <= MAX_EXPIRATION_MINUTES:
-            raise ValueError(f"must be -1 (never) or between 1 and {MAX_EXPIRATION_MINUTES}, got {value}")
-        return value
-
-    @field_validator("max_lite_topics")
-    @classmethod
-    def _max_lite_topics(cls, value: int) -> int:
-        if value != UNLIMITED and value < 1:
-            raise ValueError(f"must be -1 (unlimited) or at least 1, got {value}")
-        return value
+def _name_or_default(own: str | None, metadata_name: str, noun: str, field: str) -> str:
+    if own is not None:
+        return own
+    try:
+        return _RESOURCE_NAME.validate_python(metadata_name)
+    except ValidationError:
+        raise ValueError(f"metadata.name {metadata_name!r} is not a valid broker {noun} name: set {field}") from None
 
 
-class RetryPolicySpec(_Spec):
-    max_attempts: int = Field(17, alias="maxAttempts", ge=1, le=1000)
-    backoff: tuple[str, ...] = Field(DEFAULT_BACKOFF + DEFAULT_BACKOFF_TAIL, max_length=64)
+class ParentTopicSpec(CamelModel):
+    """A LITE parent topic on every broker pod: lite topics under it are created by producers on first send and
+    reclaimed once idle for liteTopicExpirationMinutes."""
 
-    @field_validator("backoff")
-    @classmethod
-    def _backoff(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for entry in value:
-            duration_ms(entry)
-        return value
+    topic_name: Annotated[ResourceName | None, Immutable("it cannot be added, changed or removed after creation")] = (
+        Field(None, description="Broker-side topic name; defaults to metadata.name.")
+    )
+    message_type: Literal["LITE"] = Field(
+        "LITE", description="Message type of the parent topic; only LITE is supported."
+    )
+    lite_topic_expiration_minutes: Annotated[
+        Int32, NotZero(f"must be -1 (never) or between 1 and {MAX_EXPIRATION_MINUTES} (30 days)")
+    ] = Field(
+        NO_LIMIT,
+        ge=NO_LIMIT,
+        le=MAX_EXPIRATION_MINUTES,
+        description="Minutes a lite topic may stay idle before the reclaim job deletes it; -1 never.",
+    )
+    max_lite_topics: Annotated[Int64, NotZero("must be -1 (unlimited) or at least 1")] = Field(
+        NO_LIMIT,
+        ge=NO_LIMIT,
+        description="Maximum number of lite topics under this parent on each broker; -1 unlimited.",
+    )
+    deletion_policy: Literal["delete", "retain"] = Field(
+        "delete",
+        description="delete removes the topic and its lite topics from every broker when this resource is "
+        "deleted; retain keeps them.",
+    )
+
+    def config(self, name: str) -> TopicConfig:
+        """The topic every broker should hold for the resource ``name`` (its metadata.name)."""
+        return TopicConfig(
+            name=_name_or_default(self.topic_name, name, "topic", "spec.topicName"),
+            expiration_minutes=self.lite_topic_expiration_minutes,
+            max_lite_topics=self.max_lite_topics,
+        )
 
 
-class LiteGroupSpec(_Spec):
-    group_name: str | None = Field(None, alias="groupName")
-    parent_topic: str = Field(alias="parentTopic")
-    subscription_model: Literal["Shared", "Exclusive"] = Field("Shared", alias="subscriptionModel")
-    client_subscription_quota: int = Field(2000, alias="clientSubscriptionQuota", ge=1, le=1_000_000)
-    ready_set_capacity: int = Field(100, alias="readySetCapacity", ge=10, le=1_000_000)
-    retry_policy: RetryPolicySpec = Field(RetryPolicySpec.model_validate({}), alias="retryPolicy")
-    fifo: bool = True
-    consume_enabled: bool = Field(True, alias="consumeEnabled")
-    wildcard: bool = False
+class RetryPolicySpec(CamelModel):
+    """How often and how late a message the group failed to consume is delivered again."""
 
-    @field_validator("group_name")
-    @classmethod
-    def _group_name(cls, value: str | None) -> str | None:
-        return _check_name(value, "spec.groupName")
-
-    @field_validator("parent_topic")
-    @classmethod
-    def _parent_topic(cls, value: str) -> str:
-        _check_name(value, "spec.parentTopic")
-        return value
+    max_attempts: Int32 = Field(
+        17, ge=1, le=1000, description="Delivery attempts before a message goes to the dead-letter queue."
+    )
+    backoff: tuple[Duration, ...] = Field(
+        DEFAULT_BACKOFF + DEFAULT_BACKOFF_TAIL,
+        max_length=64,
+        description="Delay before each redelivery, as durations (ms, s, m, h); the last one repeats.",
+    )
 
 
-class LiteQuotaSpec(_Spec):
-    namespace: str | None = Field(None, alias="rocketmqNamespace")
-    parent_topic: str | None = Field(None, alias="parentTopic")
-    max_lite_topics: int = Field(UNLIMITED, alias="maxLiteTopics", ge=UNLIMITED)
-    max_subscriptions_per_client: int = Field(UNLIMITED, alias="maxSubscriptionsPerClient", ge=UNLIMITED)
-    max_send_rate: int = Field(UNLIMITED, alias="maxSendRate", ge=UNLIMITED)
+class LiteGroupSpec(CamelModel):
+    """A lite consumer group on every broker pod, bound to one parent topic."""
 
-    @field_validator("parent_topic")
-    @classmethod
-    def _parent_topic(cls, value: str | None) -> str | None:
-        return _check_name(value, "spec.parentTopic")
+    group_name: Annotated[ResourceName | None, Immutable("it cannot be added, changed or removed after creation")] = (
+        Field(None, description="Broker-side consumer group name; defaults to metadata.name.")
+    )
+    parent_topic: Annotated[ResourceName, Immutable("a lite group stays bound to its parent topic")] = Field(
+        description="Broker-side name of the bound parent topic (a ParentTopic's status.topicName)."
+    )
+    subscription_model: Literal["Shared", "Exclusive"] = Field(
+        "Shared",
+        description="Shared offers each lite topic to one client of the group at a time; Exclusive binds a lite "
+        "topic to a single client.",
+    )
+    client_subscription_quota: Int32 = Field(
+        2000,
+        ge=1,
+        le=1_000_000,
+        description="Lite topics one client may subscribe to at once (RocketMQ lite.sub.client.quota).",
+    )
+    ready_set_capacity: Int32 = Field(
+        100,
+        ge=10,
+        le=1_000_000,
+        description="Capacity of each client's ready queue; overflow is caught up later instead of growing memory.",
+    )
+    retry_policy: RetryPolicySpec = Field(RetryPolicySpec.model_validate({}), description=RetryPolicySpec.__doc__)
+    fifo: bool = Field(True, description="Deliver each lite topic's messages in order (one in flight per lite topic).")
+    consume_enabled: bool = Field(True, description="false stops deliveries to the group without deleting it.")
+    wildcard: bool = Field(
+        False,
+        description="Receive every lite topic of the parent topic (clients register with subscribeLiteAll; "
+        "per-topic subscriptions are refused).",
+    )
 
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str | None) -> str | None:
-        if value is not None and not NAMESPACE_RE.match(value):
-            raise ValueError(f"spec.rocketmqNamespace {value!r} may only contain letters, digits, %, ., _ and -")
-        return value
+    def config(self, name: str) -> GroupConfig:
+        """The group every broker should hold for the resource ``name`` (its metadata.name)."""
+        return GroupConfig(
+            name=_name_or_default(self.group_name, name, "group", "spec.groupName"),
+            bind_topic=self.parent_topic,
+            model=self.subscription_model,
+            client_quota=self.client_subscription_quota,
+            ready_capacity=self.ready_set_capacity,
+            max_attempts=self.retry_policy.max_attempts,
+            backoff_ms=tuple(duration_ms(d) for d in self.retry_policy.backoff),
+            fifo=self.fifo,
+            consume_enabled=self.consume_enabled,
+            wildcard=self.wildcard,
+        )
+
+
+_SCOPE_IMMUTABLE: Final = (
+    "the scope (spec.rocketmqNamespace / spec.parentTopic) is immutable: create another LiteQuota instead"
+)
+
+
+def _scope_cel(side: str) -> str:
+    return (
+        f"(has({side}.rocketmqNamespace) ? 'rocketmqNamespace ' + {side}.rocketmqNamespace"
+        f" : has({side}.parentTopic) ? 'parentTopic ' + {side}.parentTopic : 'unset')"
+    )
+
+
+class LiteQuotaSpec(CamelModel):
+    """Lite-topic limits for one RocketMQ namespace or one parent topic, on every broker pod; -1 is unlimited."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.rocketmqNamespace) != has(self.parentTopic)",
+                    "message": "exactly one of spec.rocketmqNamespace and spec.parentTopic must be set",
+                },
+                {
+                    "rule": "has(self.rocketmqNamespace) == has(oldSelf.rocketmqNamespace)"
+                    " && (!has(self.rocketmqNamespace) || self.rocketmqNamespace == oldSelf.rocketmqNamespace)"
+                    " && has(self.parentTopic) == has(oldSelf.parentTopic)"
+                    " && (!has(self.parentTopic) || self.parentTopic == oldSelf.parentTopic)",
+                    "message": _SCOPE_IMMUTABLE,
+                    "messageExpression": f"'{_SCOPE_IMMUTABLE} (was ' + {_scope_cel('oldSelf')}"
+                    f" + ', now ' + {_scope_cel('self')} + ')'",
+                },
+            ]
+        }
+    )
+
+    rocketmq_namespace: ResourceName | None = Field(
+        None, description="RocketMQ namespace (the clients' x-mq-namespace) the limits apply to."
+    )
+    parent_topic: ResourceName | None = Field(None, description="Broker-side parent topic name the limits apply to.")
+    max_lite_topics: Int64 = Field(
+        NO_LIMIT, ge=NO_LIMIT, description="Lite topics in scope on each broker; -1 unlimited."
+    )
+    max_subscriptions_per_client: Int32 = Field(
+        NO_LIMIT, ge=NO_LIMIT, description="Lite-topic subscriptions one client may hold in scope; -1 unlimited."
+    )
+    max_send_rate: Int64 = Field(
+        NO_LIMIT, ge=NO_LIMIT, description="Messages per second accepted in scope on each broker; -1 unlimited."
+    )
 
     @model_validator(mode="after")
     def _one_scope(self) -> LiteQuotaSpec:
-        if (self.namespace is None) == (self.parent_topic is None):
+        if (self.rocketmq_namespace is None) == (self.parent_topic is None):
             raise ValueError("exactly one of spec.rocketmqNamespace and spec.parentTopic must be set")
         return self
 
+    @property
+    def scope(self) -> str:
+        """The admin API's quota scope: ``namespace:<ns>`` or ``parent:<topic>``."""
+        if self.rocketmq_namespace is not None:
+            return f"namespace:{self.rocketmq_namespace}"
+        return f"parent:{self.parent_topic}"
+
+    def config(self, name: str) -> QuotaConfig:
+        """The quota every broker should hold (a quota is named by its scope, not by ``name``)."""
+        return QuotaConfig(
+            scope=self.scope,
+            max_lite_topics=self.max_lite_topics,
+            max_subscriptions_per_client=self.max_subscriptions_per_client,
+            max_send_rate=self.max_send_rate,
+        )
+
 
 Spec = ParentTopicSpec | LiteGroupSpec | LiteQuotaSpec
+SPECS: Final[dict[Kind, type[ParentTopicSpec] | type[LiteGroupSpec] | type[LiteQuotaSpec]]] = {
+    Kind.PARENT_TOPIC: ParentTopicSpec,
+    Kind.LITE_GROUP: LiteGroupSpec,
+    Kind.LITE_QUOTA: LiteQuotaSpec,
+}
 
 
 # ---- broker-side configs: what one broker holds, compared field by field ------------------------------
@@ -241,7 +355,7 @@ class Observed:
 class Broker:
     """A broker pod the operator can reach. ``ordinal`` is the StatefulSet ordinal (list index when static)."""
 
-    name: BrokerName
+    name: str  # the pod's name (the static endpoint without discovery)
     endpoint: str
     ordinal: int | None = None
 

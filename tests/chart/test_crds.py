@@ -1,5 +1,6 @@
-"""The chart ships crds/ unchanged (drift-checked by scripts/sync_chart_crds.py), the CRDs are valid
-apiextensions/v1 objects, and the example resources in charts/lmq/examples/ fit their CRD's schema.
+"""The CRDs are generated from the operator's models into crds/ and the chart (drift-checked by
+scripts/gen_crds.py), they are valid apiextensions/v1 objects, and the example resources in
+charts/lmq/examples/ fit their CRD's schema.
 
 Kubernetes validates custom resources against the CRD's openAPIV3Schema and (with kubectl's default
 strict field validation) refuses unknown fields, so the examples are checked against the schema with
@@ -25,11 +26,12 @@ import yaml
 
 Manifest = dict[str, Any]
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+GENERATED = ("crds", "charts/lmq/crds", "docs/operator.md")
 
 
-def run_sync(repo_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_gen(repo_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "sync_chart_crds.py"), *args],
+        [sys.executable, str(repo_root / "scripts" / "gen_crds.py"), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -37,38 +39,53 @@ def run_sync(repo_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_chart_crds_match_the_sources(repo_root: Path) -> None:
-    result = run_sync(repo_root, "--check")
+def test_committed_crds_and_docs_are_what_the_models_generate(repo_root: Path) -> None:
+    result = run_gen(repo_root, "--check")
     assert result.returncode == 0, result.stderr
     assert "in sync" in result.stdout
 
 
 def test_drift_is_reported_and_repaired(repo_root: Path, tmp_path: Path) -> None:
-    shutil.copytree(repo_root / "crds", tmp_path / "crds")
-    chart_crds = tmp_path / "charts" / "lmq" / "crds"
-    shutil.copytree(repo_root / "charts" / "lmq" / "crds", chart_crds)
+    for relative in GENERATED:
+        source, copy_ = repo_root / relative, tmp_path / relative
+        if source.is_dir():
+            shutil.copytree(source, copy_)
+        else:
+            copy_.parent.mkdir(parents=True)
+            shutil.copy(source, copy_)
+    sources, chart_crds = tmp_path / "crds", tmp_path / "charts" / "lmq" / "crds"
     first, second, *_ = sorted(p.name for p in chart_crds.glob("*.yaml"))
     (chart_crds / first).write_text((chart_crds / first).read_text() + "# edited in the chart\n")
     (chart_crds / second).unlink()
     (chart_crds / "old.lmq.io.yaml").write_text("kind: CustomResourceDefinition\n")
+    edited_source = sources / second
+    edited_source.write_text(edited_source.read_text().replace("maxLength: 127", "maxLength: 253"))
+    docs = tmp_path / "docs" / "operator.md"
+    docs.write_text(docs.read_text().replace("| `readySetCapacity` |", "| `readyCapacity` |"))
 
-    drifted = run_sync(repo_root, "--check", "--root", str(tmp_path))
+    drifted = run_gen(repo_root, "--check", "--root", str(tmp_path))
     assert drifted.returncode == 1
-    assert f"differs from crds/{first}" in drifted.stderr
-    assert f"missing in chart: {second}" in drifted.stderr
-    assert "stale in chart (not in crds/): old.lmq.io.yaml" in drifted.stderr
+    assert f"differs from what the models generate: charts/lmq/crds/{first}" in drifted.stderr
+    assert f"missing: charts/lmq/crds/{second}" in drifted.stderr
+    assert "stale (not generated): charts/lmq/crds/old.lmq.io.yaml" in drifted.stderr
+    assert f"differs from what the models generate: crds/{second}" in drifted.stderr
+    assert "differs from what the models generate: docs/operator.md" in drifted.stderr
 
-    repaired = run_sync(repo_root, "--root", str(tmp_path))
+    repaired = run_gen(repo_root, "--root", str(tmp_path))
     assert repaired.returncode == 0, repaired.stderr
-    assert run_sync(repo_root, "--check", "--root", str(tmp_path)).returncode == 0
-    sources = {p.name: p.read_bytes() for p in (tmp_path / "crds").glob("*.yaml")}
-    assert {p.name: p.read_bytes() for p in chart_crds.glob("*.yaml")} == sources
+    assert run_gen(repo_root, "--check", "--root", str(tmp_path)).returncode == 0
+    for relative in GENERATED:
+        if (repo_root / relative).is_dir():
+            committed = {p.name: p.read_bytes() for p in (repo_root / relative).glob("*.yaml")}
+            assert {p.name: p.read_bytes() for p in (tmp_path / relative).glob("*.yaml")} == committed
+        else:
+            assert (tmp_path / relative).read_bytes() == (repo_root / relative).read_bytes()
 
 
-def test_check_fails_without_sources(repo_root: Path, tmp_path: Path) -> None:
-    result = run_sync(repo_root, "--check", "--root", str(tmp_path))
+def test_check_fails_outside_a_checkout(repo_root: Path, tmp_path: Path) -> None:
+    result = run_gen(repo_root, "--check", "--root", str(tmp_path))
     assert result.returncode == 2
-    assert "no CRDs found" in result.stderr
+    assert "no docs/operator.md" in result.stderr
 
 
 def test_helm_installs_exactly_the_source_crds(chart: helm.Chart, repo_root: Path) -> None:

@@ -1,17 +1,18 @@
-"""The CRDs on a real apiserver: defaults, CEL rejections with readable messages, status round trip, printer
-columns through the Table API. No operator runs here: this is what the schema alone guarantees.
+"""The CRDs on a real apiserver: defaults, CEL rejections with readable messages, the broker's name limits at
+admission, status round trip, printer columns through the Table API, descriptions in the served OpenAPI v3.
+No operator runs here: this is what the schema alone guarantees.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from lmq_operator import model, status, testing
+from lmq_operator import crd, desired, model, status, testing
 
 TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"
 
@@ -133,8 +134,8 @@ def test_status_the_operator_writes_is_not_pruned(
 ) -> None:
     """Every field status.py produces survives the schema (kopf's patches would silently lose them otherwise)."""
     now = datetime(2026, 1, 1, tzinfo=UTC)
-    b0 = model.Broker(model.BrokerName("b0"), "10.0.0.1:8081", 0)
-    b1 = model.Broker(model.BrokerName("b1"), "10.0.0.2:8081", 1)
+    b0 = model.Broker("b0", "10.0.0.1:8081", 0)
+    b1 = model.Broker("b1", "10.0.0.2:8081", 1)
     cases = {
         ("ParentTopic", "parenttopics", "pt", model.Kind.PARENT_TOPIC): {},
         ("LiteGroup", "litegroups", "lg", model.Kind.LITE_GROUP): {"parentTopic": "pt"},
@@ -163,7 +164,7 @@ def test_printer_columns_via_the_table_api(kube: testing.KubeAPI, namespace: str
     create("ParentTopic", namespace, "orders", {"liteTopicExpirationMinutes": 30})
     now = datetime(2026, 1, 1, tzinfo=UTC)
     run = model.ReclaimRun("job-1", 1_767_225_600_000, 1_767_225_660_000, reclaimed=12)
-    broker = model.Broker(model.BrokerName("b0"), "h:1", 0)
+    broker = model.Broker("b0", "h:1", 0)
     syncs = [model.BrokerSync(broker, True, figures=(("liteTopicCount", 4),), reclaim=run)]
     st = status.applied(model.Kind.PARENT_TOPIC, "orders", generation=1, syncs=syncs, previous={}, now=now)
     kube.merge_patch(testing.cr_path("parenttopics", namespace, "orders") + "/status", {"status": st})
@@ -206,3 +207,92 @@ def test_printer_columns_via_the_table_api(kube: testing.KubeAPI, namespace: str
         "Send-Rate",
     ]
     assert lq["rows"][0]["cells"][2:5] == [100, -1, -1]
+
+
+LONGEST = "n" * 127  # the broker's MAX_RESOURCE_NAME_BYTES
+TOO_LONG = "n" * 128
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("ParentTopic", "long-topic", {"topicName": TOO_LONG}, "spec.topicName: Too long: may not be more than 127"),
+        ("ParentTopic", TOO_LONG, {}, f"metadata.name {TOO_LONG} is not a valid broker topic name"),
+        ("LiteGroup", "long-group", {"parentTopic": "t", "groupName": TOO_LONG}, "spec.groupName: Too long"),
+        ("LiteGroup", "long-parent", {"parentTopic": TOO_LONG}, "spec.parentTopic: Too long"),
+        ("LiteGroup", TOO_LONG, {"parentTopic": "t"}, f"metadata.name {TOO_LONG} is not a valid broker group name"),
+        ("LiteQuota", "long-ns", {"rocketmqNamespace": TOO_LONG}, "spec.rocketmqNamespace: Too long"),
+        ("LiteQuota", "long-scope", {"parentTopic": TOO_LONG}, "spec.parentTopic: Too long"),
+        ("LiteQuota", "dotted-ns", {"rocketmqNamespace": "team.a"}, "spec.rocketmqNamespace team.a may only contain"),
+        ("LiteQuota", "wide", {"parentTopic": "t", "maxSubscriptionsPerClient": 2**31}, "2147483647"),
+        ("LiteGroup", "zero-delay", {"parentTopic": "t", "retryPolicy": {"backoff": ["0s"]}}, "(at least 1ms)"),
+    ],
+)
+def test_what_a_broker_would_refuse_is_refused_at_admission(
+    namespace: str, create: Callable[..., Any], case: tuple[str, str, dict[str, Any], str]
+) -> None:
+    """Names longer than the broker accepts (127), or with characters it refuses, never reach the operator."""
+    kind, name, spec, needle = case
+    assert needle in _rejected(lambda: create(kind, namespace, name, spec))
+
+
+def test_the_longest_names_the_broker_accepts_are_admitted(namespace: str, create: Callable[..., Any]) -> None:
+    assert create("ParentTopic", namespace, LONGEST, {})["metadata"]["name"] == LONGEST
+    assert create("ParentTopic", namespace, TOO_LONG, {"topicName": LONGEST})["spec"]["topicName"] == LONGEST
+    group = create("LiteGroup", namespace, "g", {"parentTopic": LONGEST, "groupName": LONGEST})
+    assert group["spec"]["groupName"] == LONGEST
+    quota = create("LiteQuota", namespace, "q", {"rocketmqNamespace": LONGEST})
+    assert quota["spec"]["rocketmqNamespace"] == LONGEST
+    for name in (LONGEST, TOO_LONG):  # what the operator parses agrees with what the apiserver admitted
+        assert not isinstance(
+            desired.config(model.Kind.PARENT_TOPIC, name, {"topicName": LONGEST}), desired.InvalidSpec
+        )
+    assert isinstance(desired.config(model.Kind.PARENT_TOPIC, TOO_LONG, {}), desired.InvalidSpec)
+
+
+def _served_schemas(kube: testing.KubeAPI) -> dict[str, Any]:
+    """What `kubectl explain` reads: the apiserver's OpenAPI v3 document of lmq.io/v1alpha1, once it is published
+    for every kind (the apiserver builds it a moment after the CRDs are established)."""
+    wanted = {f"io.lmq.{model.VERSION}.{r.kind.value}" for r in crd.RESOURCES}
+
+    def published() -> dict[str, Any] | None:
+        url = kube.get("/openapi/v3")["paths"][f"apis/{model.GROUP}/{model.VERSION}"]["serverRelativeURL"]
+        schemas: dict[str, Any] = kube.get(url)["components"]["schemas"]
+        return schemas if wanted <= schemas.keys() else None
+
+    return testing.wait_for(published, 30.0, f"/openapi/v3 to describe {sorted(wanted)}")
+
+
+def _described(node: dict[str, Any], path: str) -> Iterator[tuple[str, str]]:
+    """(path, description) of ``node`` and of every field below it, array entries that are objects included
+    (`kubectl explain` describes those; an entry that is a plain string or number has only its array's)."""
+    yield path, node.get("description", "")
+    for name, child in node.get("properties", {}).items():
+        yield from _described(child, f"{path}.{name}")
+    items = node.get("items")
+    if isinstance(items, dict) and items.get("type") == "object":
+        yield from _described(items, f"{path}[]")
+
+
+def test_the_apiserver_serves_a_description_for_every_field(kube: testing.KubeAPI, crds: list[str]) -> None:
+    """`kubectl explain parenttopic.spec.<field>` shows text, never `<empty>`: every spec and status field of
+    every kind has a description in the apiserver's /openapi/v3, and it is the model's."""
+    schemas = _served_schemas(kube)
+    for resource in crd.RESOURCES:
+        served = schemas[f"io.lmq.{model.VERSION}.{resource.kind.value}"]
+        assert (
+            served["description"]
+            == crd.manifest(resource)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"]
+        )
+        fields = [
+            *_described(served["properties"]["spec"], "spec"),
+            *_described(served["properties"]["status"], "status"),
+        ]
+        assert len(fields) > 10, resource.kind
+        assert [path for path, text in fields if not text.strip()] == [], resource.kind
+    lite_group = schemas[f"io.lmq.{model.VERSION}.LiteGroup"]["properties"]["spec"]["properties"]
+    assert (
+        lite_group["readySetCapacity"]["description"]
+        == model.LiteGroupSpec.model_fields["ready_set_capacity"].description
+    )
+    assert lite_group["parentTopic"]["description"].endswith("Immutable.")

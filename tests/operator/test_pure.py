@@ -10,8 +10,8 @@ import pytest
 from lmq_operator import admins, apply, desired, diff, model, settings, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-B0 = model.Broker(model.BrokerName("b0"), "10.0.0.1:8081", 0)
-B1 = model.Broker(model.BrokerName("b1"), "10.0.0.2:8081", 1)
+B0 = model.Broker("b0", "10.0.0.1:8081", 0)
+B1 = model.Broker("b1", "10.0.0.2:8081", 1)
 
 
 # ---- desired -------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ TOPIC = model.TopicConfig("orders", 60, -1)
 
 def test_plan_creates_missing_overwrites_different_and_keeps_equal() -> None:
     other = model.TopicConfig("orders", 30, -1)
-    b2 = model.Broker(model.BrokerName("b2"), "10.0.0.3:8081", 2)
+    b2 = model.Broker("b2", "10.0.0.3:8081", 2)
     planned = diff.plan(
         TOPIC,
         {B0: None, B1: model.Observed(other), b2: model.Observed(TOPIC, (("liteTopicCount", 3),))},
@@ -226,7 +226,7 @@ def test_transition_time_only_moves_when_the_status_flips() -> None:
 
 # ---- status.lastReclaim ----------------------------------------------------------------------------------
 
-B2 = model.Broker(model.BrokerName("b2"), "10.0.0.3:8081", 2)
+B2 = model.Broker("b2", "10.0.0.3:8081", 2)
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z in epoch ms
 
 
@@ -376,7 +376,7 @@ def test_drained_condition_names_the_leaving_broker() -> None:
 
 
 def test_a_leaving_broker_that_cannot_be_asked_is_not_drained_while_its_claim_exists() -> None:
-    gone = model.Broker(model.BrokerName("lmq-broker-2"), "", 2)
+    gone = model.Broker("lmq-broker-2", "", 2)
     leaving = [model.Leaving(gone, replicas=2, undrained_messages=None, claim="data-lmq-broker-2")]
     cond = status.drained(leaving, {}, NOW)
     assert (cond["status"], cond["reason"]) == ("False", "LeavingBrokerUnreachable")
@@ -529,7 +529,7 @@ def test_brokers_from_endpoint_slices() -> None:
     ]
     found = apply.brokers_from_slices(slices, default_port=8081)
     assert found == [
-        (model.Broker(model.BrokerName("lmq-broker-0"), "10.1.0.5:8081", 0), True),
-        (model.Broker(model.BrokerName("lmq-broker-1"), "10.1.0.6:8081", 1), False),
-        (model.Broker(model.BrokerName("lmq-broker-2"), "10.1.0.7:8081", 2), True),
+        (model.Broker("lmq-broker-0", "10.1.0.5:8081", 0), True),
+        (model.Broker("lmq-broker-1", "10.1.0.6:8081", 1), False),
+        (model.Broker("lmq-broker-2", "10.1.0.7:8081", 2), True),
     ]
