@@ -66,7 +66,7 @@ def admin_key_pair(config: BrokerConfig) -> tuple[str, str] | None:
         log.warning(
             "admin is open to anonymous callers (--admin-anonymous): anyone who reaches port %d can create and "
             "delete topics, groups and quotas. For development only.",
-            config.port,
+            config.admin_port if config.admin_port >= 0 else config.port,
         )
         return None
     if config.admin_access_key:
@@ -103,9 +103,11 @@ class Broker:
         self.dispatcher: Dispatcher | None = None
         self.metrics = Metrics()
         self.port = 0
+        self.admin_port = 0  # the port admin calls are served on: ``port`` unless --admin-port
         self.metrics_port = 0
         self.ready = False
         self._server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
         self._admission: Admission | None = None
         self._http: asyncio.Server | None = None
         self._stopped = asyncio.Event()
@@ -120,8 +122,15 @@ class Broker:
 
     @property
     def endpoint(self) -> str:
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
-        return f"{host}:{self.port}"
+        return f"{self._local_host}:{self.port}"
+
+    @property
+    def admin_endpoint(self) -> str:
+        return f"{self._local_host}:{self.admin_port}"
+
+    @property
+    def _local_host(self) -> str:
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
 
     async def start(self) -> None:
         config = self.config
@@ -141,8 +150,15 @@ class Broker:
         server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
-        admin_service.register(server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+        admin_server = server
+        if config.admin_port >= 0:
+            admin_server = self._admin_server = grpc_server.create_admin(config)
+        admin_service.register(admin_server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
         self.port = edge.port = grpc_server.bind(server, config)
+        self.admin_port = self.port
+        if self._admin_server is not None:
+            self.admin_port = grpc_server.bind(self._admin_server, config, config.admin_port)
+            await self._admin_server.start()
         await server.start()
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
@@ -171,9 +187,9 @@ class Broker:
         if self._heap_trim is not None:
             await self._heap_trim
             self._heap_trim = None
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
+        if self._server is not None or self._admin_server is not None:
+            await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._admin_server) if s is not None))
+            self._server = self._admin_server = None
         if self._admission is not None:
             self._admission.close()  # the overload summary still owed
             self._admission = None

@@ -19,6 +19,7 @@ import grpc
 import pyarrow as pa
 
 from lmq_broker import errors
+from lmq_broker.admin.tls import ClientTls
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_reclaim import columns as c
@@ -81,12 +82,20 @@ class BrokerAdmin:
     """A connection to one broker's admin service. Use as a context manager; not shared across threads."""
 
     def __init__(
-        self, endpoint: str, timeout_s: float = UNARY_TIMEOUT_S, credentials: Credentials | None = None
+        self,
+        endpoint: str,
+        timeout_s: float = UNARY_TIMEOUT_S,
+        credentials: Credentials | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._credentials = credentials
-        self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        if tls is None:
+            self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        else:
+            options = [*_CHANNEL_OPTIONS, *tls.options()]
+            self._channel = grpc.secure_channel(endpoint, tls.credentials(), options=options)
         self._stub = admin_pb2_grpc.LmqAdminStub(self._channel)
 
     def __enter__(self) -> Self:

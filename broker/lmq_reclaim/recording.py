@@ -19,6 +19,7 @@ from concurrent import futures
 from typing import Final
 
 from lmq_broker import errors
+from lmq_broker.admin.tls import ClientTls
 from lmq_reclaim import brokers, report
 
 log = logging.getLogger("lmq_reclaim")
@@ -36,6 +37,7 @@ def record(
     out: report.Report,
     timeout_s: float,
     credentials: brokers.Credentials | None = None,
+    tls: ClientTls | None = None,
 ) -> None:
     """Record ``out`` on each (broker name, endpoint) of ``targets``; fills ``out.recorded_on`` and
     ``out.record_failures`` (with a message in ``out.error_messages`` per failure)."""
@@ -45,7 +47,7 @@ def record(
         return
 
     def one(endpoint: str, parents: dict[str, report.ParentSummary]) -> brokers.Recorded:
-        with brokers.BrokerAdmin(endpoint, timeout_s, credentials) as admin:
+        with brokers.BrokerAdmin(endpoint, timeout_s, credentials, tls) as admin:
             return admin.record_run(out, parents)
 
     with futures.ThreadPoolExecutor(min(MAX_PARALLEL_BROKERS, len(work)), "lmq-reclaim-record") as pool:

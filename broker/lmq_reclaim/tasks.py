@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator, AccumulatorParam
 
 from lmq_broker import errors
+from lmq_broker.admin.tls import ClientTls
 from lmq_reclaim import brokers
 from lmq_reclaim import columns as c
 from lmq_reclaim.columns import Outcome
@@ -93,6 +94,7 @@ class ScanSettings:
     with_fully_consumed: bool
     timeout_s: float
     credentials: brokers.Credentials | None = None
+    tls: ClientTls | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,7 @@ class DeleteSettings:
     dry_run: bool
     timeout_s: float
     credentials: brokers.Credentials | None = None
+    tls: ClientTls | None = None
 
 
 def scan_fn(
@@ -133,7 +136,7 @@ def _scan_one(
     started = time.perf_counter()
     failed = False
     try:
-        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s, settings.credentials) as admin:
+        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s, settings.credentials, settings.tls) as admin:
             batches = admin.scan(
                 broker=task.broker,
                 parent=task.parent,
@@ -187,7 +190,7 @@ def delete_fn(
                     mine = batch.filter(pc.equal(batch.column(c.BROKER), broker))
                     if broker not in admins:
                         admins[broker] = brokers.BrokerAdmin(
-                            settings.endpoints[broker], settings.timeout_s, settings.credentials
+                            settings.endpoints[broker], settings.timeout_s, settings.credentials, settings.tls
                         )
                         rate = settings.max_deletes_per_second
                         buckets[broker] = TokenBucket(rate, burst=max(1.0, rate), clock=clock, sleep=sleep)

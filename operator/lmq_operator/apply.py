@@ -22,6 +22,7 @@ import grpc
 import grpc.aio
 import kubernetes
 
+from lmq_broker.admin.tls import ClientTls
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as pb_grpc
@@ -131,12 +132,16 @@ class GrpcAdmin:
         timeout_s: float,
         keys: tuple[str, str] | None = None,
         clock: Callable[[], datetime] = auth.utc_now,
+        tls: ClientTls | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._timeout_s = timeout_s
         self._keys = keys  # (access key, secret key): brokers that check MQv2-HMAC-SHA1 guard admin calls too
         self._clock = clock
-        self._channel = grpc.aio.insecure_channel(endpoint)
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(endpoint)
+        else:
+            self._channel = grpc.aio.secure_channel(endpoint, tls.credentials(), options=tls.options())
         self._stub = pb_grpc.LmqAdminStub(self._channel)
 
     async def _call(self, method: Any, request: Any) -> Any:
@@ -439,7 +444,8 @@ def brokers_from_slices(slices: Iterable[Mapping[str, Any]], default_port: int) 
     found: dict[str, tuple[model.Broker, bool]] = {}
     for s in slices:
         ports = s.get("ports") or []
-        port = next((p.get("port") for p in ports if p.get("name") in ("grpc", "admin")), None)
+        named = {p.get("name"): p.get("port") for p in ports}
+        port = named.get("admin") or named.get("grpc")  # "admin": brokers serving admin on its own port
         if port is None and ports:
             port = ports[0].get("port")
         port = port or default_port

@@ -57,6 +57,7 @@ import grpc
 from lmq_broker import errors, model
 from lmq_broker.admin import codes, convert, credentials
 from lmq_broker.admin.convert import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS
+from lmq_broker.admin.tls import ClientTls
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
@@ -203,6 +204,7 @@ class AdminClient:
         secret_key: str = "",
         keys: credentials.KeyPair | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
         clock: Callable[[], datetime] = auth.utc_now,
     ) -> None:
         self.endpoint = endpoint
@@ -212,10 +214,13 @@ class AdminClient:
             access_key, secret_key = keys.access_key, keys.secret_key
         self._keys = (access_key, secret_key) if access_key else None
         self._clock = clock
+        options: tuple[tuple[str, Any], ...] = _CHANNEL_OPTIONS
+        if tls is not None:  # TLS to brokers (--tls-ca / LMQ_TLS_CA)
+            channel_credentials, options = tls.credentials(), (*options, *tls.options())
         if channel_credentials is None:
-            self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(endpoint, options=options)
         else:
-            self._channel = grpc.secure_channel(endpoint, channel_credentials, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(endpoint, channel_credentials, options=options)
         self._stub = admin_pb2_grpc.LmqAdminStub(self._channel)
 
     @classmethod
