@@ -153,6 +153,7 @@ class Broker:
         admin_server = server
         if config.admin_port >= 0:
             admin_server = self._admin_server = grpc_server.create_admin(config)
+            server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
         admin_service.register(admin_server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
         self.port = edge.port = grpc_server.bind(server, config)
         self.admin_port = self.port

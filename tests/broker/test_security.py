@@ -154,6 +154,7 @@ async def test_an_admin_port_serves_admin_alone_and_the_client_port_no_admin(tmp
                     admin_pb2.ListParentTopicsRequest(), metadata=signed
                 )
             assert absent.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert f"on port {broker.admin_port} (--admin-port)" in (absent.value.details() or "")
         async with grpc.aio.insecure_channel(broker.admin_endpoint) as admin_port:
             admin = admin_pb2_grpc.LmqAdminStub(admin_port)
             listed = await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest(), metadata=signed)

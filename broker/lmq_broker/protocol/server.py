@@ -37,8 +37,11 @@ from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.service import MessagingService
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,28 @@ def create_admin(config: BrokerConfig) -> grpc.aio.Server:
     """The admin listener's own server (``--admin-port``): admin calls are signed with the admin pair
     (``auth.AdminGuard``), so the v2 client-auth interceptor has no business here."""
     return grpc.aio.server(options=options(config))
+
+
+ADMIN_SERVICE: Final = "/lmq.admin.v1.LmqAdmin/"
+
+
+class AdminElsewhere(_GenericHandler):
+    """On the client port of a broker with ``--admin-port``: an admin call is answered UNIMPLEMENTED with the
+    port that serves it, rather than gRPC's bare "Method not found"."""
+
+    def __init__(self, admin_port: Callable[[], int]) -> None:
+        self._admin_port = admin_port
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if not handler_call_details.method.startswith(ADMIN_SERVICE):
+            return None
+        message = f"the admin service is not served on this port: it is on port {self._admin_port()} (--admin-port)"
+
+        async def refuse(_request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+            raise AssertionError("unreachable: abort raises")
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 def bind(server: grpc.aio.Server, config: BrokerConfig, port: int | None = None) -> int:
