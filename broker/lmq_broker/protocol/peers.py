@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 FORWARDED: Final = "x-lmq-forwarded"  # on calls one broker makes to another: apply here, never pass on
 CALL_TIMEOUT_S: Final = 2.0  # RocketMQ's proxy gives its broker calls 2 s
 MAX_BATCH: Final = 10_000  # SendMessage's per-request limit (handlers.send_message)
+# Forward calls to one owner unanswered at once; more messages wait and go together when one is answered (a
+# group commit: at low rates a message goes at once, under load the batches grow by themselves).
+MAX_IN_FLIGHT: Final = 2
 PLACEMENT_CACHE: Final = 262_144  # lite topic -> slot answers kept; cleared wholesale when full
 _SEND: Final = "/apache.rocketmq.v2.MessagingService/SendMessage"
 _SYNC: Final = "/apache.rocketmq.v2.MessagingService/SyncLiteSubscription"
@@ -109,6 +112,7 @@ class Peers:
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._placement: dict[str, int] = {}
         self._batches: dict[int, _Batch] = {}
+        self._in_flight: dict[int, int] = {}  # forward calls per owner not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
         registry = registry or CollectorRegistry()
         self.forwarded_messages = Counter(
@@ -266,7 +270,8 @@ class Peers:
         return out
 
     def _forward(self, slot: int, serialized: bytes, count: int) -> asyncio.Future[spb.SendMessageResponse]:
-        """Queue ``count`` messages (a serialized SendMessageRequest) for ``slot``; sent at the end of this tick."""
+        """Queue ``count`` messages (a serialized SendMessageRequest) for ``slot``: sent at the end of this tick,
+        or, while ``MAX_IN_FLIGHT`` calls to that owner are unanswered, when one of them is answered."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[spb.SendMessageResponse] = loop.create_future()
         batch = self._batches.get(slot)
@@ -274,7 +279,8 @@ class Peers:
             if batch is not None:
                 self._flush(slot)
             batch = self._batches[slot] = _Batch()
-            loop.call_soon(self._flush_if, slot, batch)
+            if self._in_flight.get(slot, 0) < MAX_IN_FLIGHT:
+                loop.call_soon(self._flush_if, slot, batch)
         batch.parts.append(serialized)
         batch.counts.append(count)
         batch.waiters.append(waiter)
@@ -287,11 +293,20 @@ class Peers:
 
     def _flush(self, slot: int) -> None:
         batch = self._batches.pop(slot)
+        self._in_flight[slot] = self._in_flight.get(slot, 0) + 1
         task = asyncio.get_running_loop().create_task(self._send_batch(slot, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _send_batch(self, slot: int, batch: _Batch) -> None:
+        try:
+            await self._answer_batch(slot, batch)
+        finally:
+            self._in_flight[slot] -= 1
+            if slot in self._batches and self._in_flight[slot] < MAX_IN_FLIGHT:
+                self._flush(slot)  # what gathered meanwhile
+
+    async def _answer_batch(self, slot: int, batch: _Batch) -> None:
         reply = await self._call_send(slot, b"".join(batch.parts), batch.size)
         if isinstance(reply, BaseException):
             for waiter in batch.waiters:
