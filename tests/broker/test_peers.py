@@ -40,8 +40,8 @@ class Cluster:
     def lites_of(self, slot: int, count: int, prefix: str = "t") -> list[str]:
         return [f"{prefix}-{i}" for i in range(10_000) if self.owner(f"{prefix}-{i}") == slot][:count]
 
-    def headers(self, client_id: str = "client-1") -> tuple[tuple[str, str], ...]:
-        out = protocol_testing.Client.headers(client_id)
+    def headers(self, client_id: str = "client-1", language: str = "PYTHON") -> tuple[tuple[str, str], ...]:
+        out = protocol_testing.Client.headers(client_id, language, "5.1.2")
         return out + auth.sign_metadata(*KEYS, datetime.now(UTC)) if self.signed else out
 
     def holds(self, slot: int, lite: str) -> bool:
@@ -196,35 +196,53 @@ async def test_a_dead_owner_fails_the_send_and_nothing_is_stored(cluster: Cluste
     assert reply.status.code == pb.OK  # this broker's own topics keep flowing
 
 
+async def sync_on(cluster: Cluster, at: int, action: int, names: list[str], language: str = "PYTHON") -> None:
+    reply = await cluster.clients[at].stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(
+            action=action,  # type: ignore[arg-type]
+            topic=pb.Resource(name=PARENT),
+            group=pb.Resource(name=GROUP),
+            lite_topic_set=names,
+        ),
+        metadata=cluster.headers(language=language),
+    )
+    assert reply.status.code == pb.OK, reply.status
+
+
+def subscribed(cluster: Cluster, slot: int, names: list[str]) -> set[str]:
+    dispatcher = cluster.brokers[slot].dispatcher
+    assert dispatcher is not None
+    return {lite for lite in names if dispatcher.subscribers(model.QueueId.lmq(PARENT, lite))}
+
+
+async def test_subscriptions_sent_to_every_broker_are_applied_once_each(cluster: Cluster) -> None:
+    """Java and Go send SyncLiteSubscription to every route endpoint: each copy is applied only where it lands
+    and only for the topics that broker owns (no fan-out of the fan-out)."""
+    mine, theirs = cluster.lites_of(0, 2), cluster.lites_of(1, 2)
+    everything = mine + theirs
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, everything, "JAVA")
+    assert (subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)) == (set(mine), set())
+    await sync_on(cluster, 1, pb.PARTIAL_ADD, everything, "JAVA")
+    assert subscribed(cluster, 1, everything) == set(theirs)
+    await sync_on(cluster, 0, pb.COMPLETE_ADD, [mine[0], theirs[0]], "GOLANG")
+    assert (subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)) == ({mine[0]}, set(theirs))
+
+
 async def test_subscriptions_are_split_by_owner(cluster: Cluster) -> None:
     mine, theirs = cluster.lites_of(0, 2), cluster.lites_of(1, 2)
-    stub = cluster.clients[0].stub
+    everything = mine + theirs
 
-    async def sync(action: int, names: list[str]) -> None:
-        reply = await stub.SyncLiteSubscription(
-            spb.SyncLiteSubscriptionRequest(
-                action=action,  # type: ignore[arg-type]
-                topic=pb.Resource(name=PARENT),
-                group=pb.Resource(name=GROUP),
-                lite_topic_set=names,
-            ),
-            metadata=cluster.headers(),
-        )
-        assert reply.status.code == pb.OK, reply.status
+    def both() -> tuple[set[str], set[str]]:
+        return subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)
 
-    def subscribed(slot: int) -> set[str]:
-        dispatcher = cluster.brokers[slot].dispatcher
-        assert dispatcher is not None
-        return {lite for lite in mine + theirs if dispatcher.subscribers(model.QueueId.lmq(PARENT, lite))}
-
-    await sync(pb.PARTIAL_ADD, mine + theirs)
-    assert (subscribed(0), subscribed(1)) == (set(mine), set(theirs))
-    await sync(pb.PARTIAL_REMOVE, [theirs[0]])
-    assert subscribed(1) == {theirs[1]}
-    await sync(pb.COMPLETE_ADD, mine[:1])  # a complete set per broker: the other one's becomes empty
-    assert (subscribed(0), subscribed(1)) == ({mine[0]}, set())
-    await sync(pb.COMPLETE_REMOVE, [])
-    assert (subscribed(0), subscribed(1)) == (set(), set())
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, everything)
+    assert both() == (set(mine), set(theirs))
+    await sync_on(cluster, 0, pb.PARTIAL_REMOVE, [theirs[0]])
+    assert both()[1] == {theirs[1]}
+    await sync_on(cluster, 0, pb.COMPLETE_ADD, mine[:1])  # a complete set per broker: the other's becomes empty
+    assert both() == ({mine[0]}, set())
+    await sync_on(cluster, 0, pb.COMPLETE_REMOVE, [])
+    assert both() == (set(), set())
 
 
 async def test_a_topic_created_before_a_scale_up_stays_on_its_broker(tmp_path: Path) -> None:

@@ -55,6 +55,9 @@ _CHANNEL_OPTIONS: Final = (
     ("grpc.enable_retries", 0),
 )
 
+# x-mq-language of the clients that send SyncLiteSubscription to every route endpoint themselves
+SYNCS_EVERY_BROKER: Final = frozenset(("JAVA", "GOLANG"))
+
 LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
 
 
@@ -363,7 +366,9 @@ class Peers:
         caller: context.Caller,
         apply_here: Callable[[spb.SyncLiteSubscriptionRequest], Awaitable[spb.SyncLiteSubscriptionResponse]],
     ) -> spb.SyncLiteSubscriptionResponse:
-        """Each owner gets its part of the subscription change (``names`` already read from the request)."""
+        """Each owner gets its part of the subscription change (``names`` already read from the request). A
+        client that sends the change to every broker itself (Java, Go) has each copy applied once: only this
+        broker's part of it, here."""
         parent = convert.topic_name(request.topic)
         action = request.action
         parts: dict[int, list[str]] = {}
@@ -372,6 +377,12 @@ class Peers:
         if action != pb.COMPLETE_REMOVE and names:
             for name, slot in zip(names, await self.owners(parent, names), strict=True):
                 parts.setdefault(slot, []).append(name)
+        if caller.language in SYNCS_EVERY_BROKER:
+            parts = (
+                {self.me: parts.get(self.me, [])}
+                if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE)
+                else {slot: subset for slot, subset in parts.items() if slot == self.me}
+            )
         calls: list[Awaitable[spb.SyncLiteSubscriptionResponse]] = []
         for slot, subset in sorted(parts.items()):
             part = spb.SyncLiteSubscriptionRequest()
