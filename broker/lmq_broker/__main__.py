@@ -25,8 +25,9 @@ from typing import Any, Final
 
 import pydantic
 
-from lmq_broker import app, errors, heap
+from lmq_broker import app, errors, heap, supervisor
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
+from lmq_broker.protocol import peers
 from lmq_broker.storage import store as lmq_store
 
 READY_LINE: Final = "lmq-broker ready"
@@ -61,6 +62,14 @@ HELP: Final[dict[str, str]] = {
     "heap_trim_interval_ms": "how often freed C-heap memory is handed back to the OS (glibc malloc_trim; 0: never)",
     "lease_renew_slice_ms": "push consumers (auto_renew): lease length, renewed while the client lives",
     "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
+    "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
+    "of every pod (docs/scale-out.md)",
+    "ring_history": "scale-out: earlier ring sizes in slots, oldest first, comma-separated (one per scale-up)",
+    "ordinal": "scale-out: this broker's place in --peers (-1: where --advertised-address is)",
+    "advertised_address": "scale-out: this broker's host:port as written in --peers",
+    "processes": "run this many broker processes (one per core), each a ring slot with its own data dir "
+    "(<data-dir>/p<i>) and port (--port + 1 + i), all sharing --port",
+    "access_port": "also serve on this port, shared with other processes (SO_REUSEPORT; set by --processes)",
 }
 
 
@@ -194,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
+    try:
+        peers.membership_of(config)
+    except errors.InvalidArgument as exc:
+        raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
+    if config.processes > 1:
+        return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)
     heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts
     asyncio.run(serve(config))
     return 0
