@@ -57,7 +57,7 @@ PACKETS = st.one_of(
 )
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(PACKETS, min_size=1, max_size=6), st.data())
 def test_packets_survive_a_round_trip_split_anywhere(packets: list[codec.Packet], data: st.DataObject) -> None:
     wire = b"".join(map(codec.encode, packets))
@@ -70,7 +70,7 @@ def test_packets_survive_a_round_trip_split_anywhere(packets: list[codec.Packet]
     assert decoder.pending_bytes == 0
 
 
-@settings(max_examples=500)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_decode_or_raise_malformed_only(junk: bytes) -> None:
     """Anything else escaping (IndexError, UnicodeDecodeError, ValueError...) fails the test; what does decode
@@ -88,7 +88,7 @@ def assert_decodes_consistently(wire: bytes) -> None:
         assert codec.Decoder().feed(codec.encode(packet)) == [packet]
 
 
-@settings(max_examples=300)
+@settings(max_examples=200, deadline=None)
 @given(publishes(), st.integers(0, 200), st.integers(0, 255))
 def test_a_flipped_byte_never_escapes_as_another_error(packet: codec.Publish, at: int, value: int) -> None:
     wire = bytearray(codec.encode(packet))
