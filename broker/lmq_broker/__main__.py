@@ -4,8 +4,8 @@ until SIGTERM/SIGINT, when it drains calls and flushes the store.
 Every field of BrokerConfig and StoreConfig is a flag (``data_dir`` -> ``--data-dir``) and an environment
 variable (``LMQ_DATA_DIR``); a flag wins over the variable, the variable over the default. The flags are
 generated from the config models so none can be forgotten. Once listening, the process prints one line
-``lmq-broker ready grpc=<host:port> metrics=<port>`` on stdout (port 0 picks free ports; tools and tests
-read that line).
+``lmq-broker ready grpc=<host:port> metrics=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``) on stdout
+(port 0 picks free ports; tools and tests read that line).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ HELP: Final[dict[str, str]] = {
     "host": "address to listen on (gRPC and metrics)",
     "port": "gRPC port of the v2 MessagingService and the lmq admin service (0: any free port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
+    "mqtt_port": "MQTT 3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",
@@ -176,7 +177,8 @@ async def serve(config: BrokerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await broker.start()
     app.tune_gc()
-    print(f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port}", flush=True)
+    mqtt = f" mqtt={broker.mqtt_port}" if config.mqtt_port >= 0 else ""
+    print(f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port}{mqtt}", flush=True)
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")
     await broker.stop()

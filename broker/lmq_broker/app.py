@@ -1,6 +1,7 @@
-"""One broker process: store + dispatcher + the gRPC server (v2 + admin) + the metrics/probe HTTP server.
+"""One broker process: store + dispatcher + the gRPC server (v2 + admin) + the metrics/probe HTTP server, and
+the MQTT listener when ``--mqtt-port`` is given.
 
-Start order is the order of dependence (store, bootstrap, dispatcher, gRPC, HTTP) and stop is the
+Start order is the order of dependence (store, bootstrap, dispatcher, gRPC, MQTT, HTTP) and stop is the
 reverse, so that a SIGTERM never loses an acknowledged write: the gRPC server stops taking calls and
 drains, then the dispatcher stops, then the store flushes and closes.
 
@@ -28,6 +29,7 @@ from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import snapshot
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import cluster_setup
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
@@ -106,6 +108,8 @@ class Broker:
         self.metrics = Metrics()
         self.port = 0
         self.metrics_port = 0
+        self.mqtt_port = 0
+        self.mqtt: MqttServer | None = None
         self.ready = False
         self._server: grpc.aio.Server | None = None
         self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
@@ -156,6 +160,9 @@ class Broker:
             self.access_port = grpc_server.bind(shared, config, config.access_port)
             await shared.start()
         await server.start()
+        if config.mqtt_port >= 0:
+            self.mqtt = MqttServer(self.dispatcher, config)
+            self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
             self.metrics_port = self._http.sockets[0].getsockname()[1]
@@ -186,6 +193,9 @@ class Broker:
         if self._access_server is not None:
             await self._access_server.stop(grace_s)
             self._access_server = None
+        if self.mqtt is not None:  # its connections give their leases back while the dispatcher still runs
+            await self.mqtt.stop()
+            self.mqtt = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

@@ -42,6 +42,7 @@ class BrokerConfig(BaseModel):
     port: int = Field(default=8081, ge=0, le=65535)
     advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
     metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
+    mqtt_port: int = Field(default=-1, ge=-1, le=65535)  # MQTT 3.1.1 listener (docs/mqtt.md); -1: off
     broker_name: str = "broker-0"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)
