@@ -1,7 +1,7 @@
 """A harness to serve the admin service in-process: for tests of the admin plane and of its callers.
 
 The server runs its own event loop in a thread (as the broker does in its process), so tests call it
-with blocking clients, exactly as the operator, the reclaim job and the CLI do. Seeding helpers write
+with the blocking ``AdminClient``, as the CLI and the reclaim job do. Seeding helpers write
 through the real ``Store`` API; the live view is the in-memory ``StaticLiveView``. ``serve_admin`` serves the
 service to anyone unless given ``admin_keys`` (the service itself is what most of these tests are about):
 admin auth is tested with them in tests/admin/test_auth.py and on the broker process.
