@@ -282,14 +282,17 @@ def recording_from_pb(message: pb.RecordReclaimRunsResponse) -> ReclaimRecording
     return ReclaimRecording(tuple(message.recorded), tuple(message.unknown_parents), tuple(message.superseded))
 
 
+_OUTCOMES: Final[Mapping[int, DeleteOutcome]] = {int(o): o for o in DeleteOutcome}
+
+
 def outcomes_from_pb(message: pb.CompareAndDeleteResponse, rows: int, endpoint: str) -> list[DeleteOutcome]:
     """One outcome per row sent, in order; a reply that does not give exactly that is an error for the call."""
     if len(message.outcome) != rows:
         raise errors.LmqError(f"{endpoint}: {len(message.outcome)} outcomes for {rows} rows", endpoint=endpoint)
     try:
-        return [DeleteOutcome(o) for o in message.outcome]
-    except ValueError as exc:  # a broker newer than this client
-        raise errors.LmqError(f"{endpoint}: unknown delete outcome ({exc})", endpoint=endpoint) from None
+        return [_OUTCOMES[o] for o in message.outcome]  # a dict: a reclaim run maps millions of them
+    except KeyError as exc:  # a broker newer than this client
+        raise errors.LmqError(f"{endpoint}: unknown delete outcome {exc}", endpoint=endpoint) from None
 
 
 # ---- failed calls ---------------------------------------------------------------------------------------
