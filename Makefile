@@ -10,7 +10,7 @@ DATA   ?= ./data
 PORT   ?= 8081
 
 .PHONY: run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
-	clients bench hooks clean
+	clients mqtt-clients bench hooks clean
 
 $(STAMP): pyproject.toml requirements/dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ run: $(BROKER_STAMP)
 
 # Lint, types, import layers, then every suite. The official RocketMQ client ships its own copy of the
 # apache.rocketmq.v2 descriptors, so suites that import it run in their own interpreter (tests/e2e).
-test: $(STAMP) lint types imports proto-check crds-check lock-check testenv clients
+test: $(STAMP) lint types imports proto-check crds-check lock-check testenv clients mqtt-clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
 
@@ -90,6 +90,10 @@ testenv:
 # The official-client drivers (Java, Go, Node) of tests/clients, built once per source hash outside the repo.
 clients: $(STAMP)
 	bash scripts/clients-build.sh
+
+# Debian's mosquitto-clients (mosquitto_pub/mosquitto_sub) for the MQTT suites; they fail, never skip, without.
+mqtt-clients:
+	bash scripts/mqtt-clients-install.sh
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

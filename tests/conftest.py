@@ -24,6 +24,7 @@ SPARK_WORDS: Final = ("pyspark", "spark-submit", "spark_submit")
 KUBE_WORDS: Final = ("testenv(", "bench_operator")  # modules that start the real apiserver themselves
 UNIT_MODULES: Final = frozenset(
     {
+        "broker/test_cluster.py",
         "broker/test_convert.py",
         "broker/test_dispatcher.py",
         "broker/test_leases.py",
@@ -32,8 +33,11 @@ UNIT_MODULES: Final = frozenset(
         "broker/test_recent.py",
         "broker/test_registry.py",
         "broker/test_snapshot.py",
+        "broker/test_topic_filters.py",
         "broker/test_wildcards.py",
         "operator/test_crd_schema.py",
+        "mqtt/test_codec.py",
+        "mqtt/test_topics.py",
         "reclaim/test_ratelimit.py",
         "storage/test_codec.py",
         "storage/test_contract.py",

@@ -4,8 +4,8 @@ until SIGTERM/SIGINT, when it drains calls and flushes the store.
 Every field of BrokerConfig and StoreConfig is a flag (``data_dir`` -> ``--data-dir``) and an environment
 variable (``LMQ_DATA_DIR``); a flag wins over the variable, the variable over the default. The flags are
 generated from the config models so none can be forgotten. Once listening, the process prints one line
-``lmq-broker ready grpc=<host:port> metrics=<port> admin=<port>`` on stdout (port 0 picks free ports; tools and tests
-read that line).
+``lmq-broker ready grpc=<host:port> metrics=<port> admin=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``) on
+stdout (port 0 picks free ports; tools and tests read that line).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from typing import Any, Final
 
 import pydantic
 
-from lmq_broker import app, errors, heap
+from lmq_broker import app, errors, heap, supervisor
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
-from lmq_broker.storage import store as lmq_store
+from lmq_broker.protocol import peers
+from lmq_broker.storage import meta as storage_meta
 
 READY_LINE: Final = "lmq-broker ready"
 SWITCH_INTERVAL_S: Final = 0.0005
@@ -42,6 +43,7 @@ HELP: Final[dict[str, str]] = {
     "port": "gRPC port of the v2 MessagingService, and of the lmq admin service unless --admin-port (0: any free port)",
     "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
+    "mqtt_port": "MQTT 3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",
@@ -62,6 +64,14 @@ HELP: Final[dict[str, str]] = {
     "heap_trim_interval_ms": "how often freed C-heap memory is handed back to the OS (glibc malloc_trim; 0: never)",
     "lease_renew_slice_ms": "push consumers (auto_renew): lease length, renewed while the client lives",
     "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
+    "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
+    "of every pod (docs/scale-out.md)",
+    "ring_history": "scale-out: earlier ring sizes in slots, oldest first, comma-separated (one per scale-up)",
+    "ordinal": "scale-out: this broker's place in --peers (-1: where --advertised-address is)",
+    "advertised_address": "scale-out: this broker's host:port as written in --peers",
+    "processes": "run this many broker processes (one per core), each a ring slot with its own data dir "
+    "(<data-dir>/p<i>) and port (--port + 1 + i), all sharing --port",
+    "access_port": "also serve on this port, shared with other processes (SO_REUSEPORT; set by --processes)",
 }
 
 
@@ -168,7 +178,10 @@ async def serve(config: BrokerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await broker.start()
     app.tune_gc()
-    print(f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}", flush=True)
+    mqtt = f" mqtt={broker.mqtt_port}" if config.mqtt_port >= 0 else ""
+    print(
+        f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}", flush=True
+    )
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")
     await broker.stop()
@@ -178,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "repair-meta":
         try:
-            lmq_store.repair_meta(args.data_dir)
+            storage_meta.repair_meta(args.data_dir)
         except errors.StorageError as e:
             raise SystemExit(e.message) from None
         print(f"repaired {args.data_dir / 'meta'}")
@@ -195,8 +208,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
     if config.admin_port > 0 and config.admin_port == config.port:
         raise SystemExit("--admin-port must differ from --port (-1 serves admin on --port)")
+    if config.admin_port >= 0 and config.processes > 1:
+        raise SystemExit("--admin-port does not work with --processes yet: its processes would need one each")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
+    try:
+        peers.membership_of(config)
+    except errors.InvalidArgument as exc:
+        raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
+    if config.processes > 1:
+        return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)
     heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts
     asyncio.run(serve(config))
     return 0

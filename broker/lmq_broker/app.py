@@ -1,6 +1,7 @@
-"""One broker process: store + dispatcher + the gRPC server (v2 + admin) + the metrics/probe HTTP server.
+"""One broker process: store + dispatcher + the gRPC server (v2 + admin) + the metrics/probe HTTP server, and
+the MQTT listener when ``--mqtt-port`` is given.
 
-Start order is the order of dependence (store, bootstrap, dispatcher, gRPC, HTTP) and stop is the
+Start order is the order of dependence (store, bootstrap, dispatcher, gRPC, MQTT, HTTP) and stop is the
 reverse, so that a SIGTERM never loses an acknowledged write: the gRPC server stops taking calls and
 drains, then the dispatcher stops, then the store flushes and closes.
 
@@ -28,10 +29,13 @@ from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import snapshot
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.mqtt.server import MqttServer
+from lmq_broker.protocol import cluster_setup
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.metrics import Metrics
+from lmq_broker.protocol.peers import Peers
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.storage.api import Store
 
@@ -105,9 +109,14 @@ class Broker:
         self.port = 0
         self.admin_port = 0  # the port admin calls are served on: ``port`` unless --admin-port
         self.metrics_port = 0
+        self.mqtt_port = 0
+        self.mqtt: MqttServer | None = None
         self.ready = False
         self._server: grpc.aio.Server | None = None
-        self._admin_server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None  # --admin-port
+        self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
+        self._peers: Peers | None = None
+        self.access_port = -1
         self._admission: Admission | None = None
         self._http: asyncio.Server | None = None
         self._stopped = asyncio.Event()
@@ -147,6 +156,7 @@ class Broker:
             log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
+        edge.peers = self._peers = cluster_setup.peers(config, self.store, self.dispatcher, admin_keys, self.metrics)
         server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
@@ -160,7 +170,19 @@ class Broker:
         if self._admin_server is not None:
             self.admin_port = grpc_server.bind(self._admin_server, config, config.admin_port)
             await self._admin_server.start()
+        if config.access_port >= 0:  # --processes: the pod's one client port, shared by its broker processes
+            shared = self._access_server = grpc_server.create(config, shared_port=True)
+            grpc_server.add_messaging_service(shared, edge, admission)
+            if self._admin_server is None:
+                admin_service.register(shared, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+            else:
+                shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
+            self.access_port = grpc_server.bind(shared, config, config.access_port)
+            await shared.start()
         await server.start()
+        if config.mqtt_port >= 0:
+            self.mqtt = MqttServer(self.dispatcher, config)
+            self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
             self.metrics_port = self._http.sockets[0].getsockname()[1]
@@ -188,9 +210,18 @@ class Broker:
         if self._heap_trim is not None:
             await self._heap_trim
             self._heap_trim = None
+        if self._access_server is not None:
+            await self._access_server.stop(grace_s)
+            self._access_server = None
+        if self.mqtt is not None:  # its connections give their leases back while the dispatcher still runs
+            await self.mqtt.stop()
+            self.mqtt = None
         if self._server is not None or self._admin_server is not None:
             await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._admin_server) if s is not None))
             self._server = self._admin_server = None
+        if self._peers is not None:
+            await self._peers.close()
+            self._peers = None
         if self._admission is not None:
             self._admission.close()  # the overload summary still owed
             self._admission = None

@@ -45,6 +45,7 @@ class BrokerConfig(BaseModel):
     admin_port: int = Field(default=-1, ge=-1, le=65535)
     advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
     metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
+    mqtt_port: int = Field(default=-1, ge=-1, le=65535)  # MQTT 3.1.1 listener (docs/mqtt.md); -1: off
     broker_name: str = "broker-0"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)
@@ -75,3 +76,11 @@ class BrokerConfig(BaseModel):
     heap_trim_interval_ms: int = Field(default=60_000, ge=0)
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Scale-out (docs/scale-out.md): the ring slots of the cluster, in slot order, as host:port each; empty:
+    # this broker alone. With --processes N every peer is a pod and stands for N slots (its port + 1 + i).
+    peers: str = ""
+    ring_history: str = ""  # earlier ring sizes in slots, oldest first (one per scale-up)
+    ordinal: int = Field(default=-1, ge=-1)  # this broker's place in peers; -1: where advertised_address is
+    advertised_address: str = ""  # host:port of this broker in peers
+    processes: int = Field(default=1, ge=1, le=256)  # serve: broker processes in this pod, one ring slot each
+    access_port: int = Field(default=-1, ge=-1, le=65535)  # also listen here, shared (SO_REUSEPORT); -1: no

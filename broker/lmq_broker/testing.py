@@ -8,6 +8,7 @@ Stable API (the operator, reclaim and e2e suites rely on it)::
     broker.admin_keys      # {"access_key", "secret_key"} the admin service wants: AdminClient(..., **broker.admin_keys)
     broker.admin_env("LMQ_OPERATOR")  # the same pair as LMQ_OPERATOR_ACCESS_KEY/_SECRET_KEY, for a subprocess
     broker.metrics_url     # "http://127.0.0.1:<port>" (/metrics, /healthz, /readyz)
+    broker.mqtt_port       # with extra_args ["--mqtt-port", "0"]: the MQTT listener's port (else -1)
     broker.stop()          # SIGTERM: graceful (drains, flushes), waits for exit
     broker.kill()          # SIGKILL: crash
     broker = broker.restart()  # same data dir, same port, same arguments
@@ -47,6 +48,7 @@ from typing import Any, Final, TypedDict
 
 READY_RE: Final = re.compile(
     r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)(?: admin=(?P<admin>\d+))?"
+    r"(?: mqtt=(?P<mqtt>\d+))?"
 )
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
@@ -83,6 +85,7 @@ class BrokerProcess:
     admin_access_key: str = ""  # empty: the broker serves admin anonymously (--admin-anonymous)
     admin_secret_key: str = ""
     admin_port: int = 0  # 0: admin is served on ``port``
+    mqtt_port: int = -1  # the MQTT listener's port (``--mqtt-port``), -1 without one
 
     @property
     def admin_keys(self) -> AdminKeys:
@@ -133,9 +136,12 @@ class BrokerProcess:
         self._join()
 
     def restart(self, timeout: float = START_TIMEOUT_S) -> BrokerProcess:
-        """Stop if running, then start again on the same data dir, port and arguments."""
+        """Stop if running, then start again on the same data dir, ports and arguments."""
         self.stop()
-        return start_broker(self.data_dir, port=self.port, extra_args=self.args, env=self.env, timeout=timeout)
+        args = list(self.args)
+        if self.mqtt_port > 0 and "--mqtt-port" in args:  # the port it got, not "any free one" again
+            args[args.index("--mqtt-port") + 1] = str(self.mqtt_port)
+        return start_broker(self.data_dir, port=self.port, extra_args=args, env=self.env, timeout=timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -196,6 +202,7 @@ def start_broker(
                     found["port"] = int(match["port"])
                     found["metrics"] = int(match["metrics"])
                     found["admin"] = int(match["admin"] or match["port"])
+                    found["mqtt"] = int(match["mqtt"]) if match["mqtt"] else -1
                     ready.set()
         ready.set()
 
@@ -223,6 +230,7 @@ def start_broker(
         admin_access_key=admin_access_key,
         admin_secret_key=admin_secret_key,
         admin_port=found["admin"],
+        mqtt_port=found["mqtt"],
     )
 
 

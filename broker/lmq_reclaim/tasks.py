@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator, AccumulatorParam
 
 from lmq_broker import errors
+from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.admin.tls import ClientTls
 from lmq_reclaim import brokers
 from lmq_reclaim import columns as c
@@ -93,7 +94,7 @@ class ScanSettings:
     batch_size: int
     with_fully_consumed: bool
     timeout_s: float
-    credentials: brokers.Credentials | None = None
+    credentials: KeyPair | None = None
     tls: ClientTls | None = None
 
 
@@ -104,7 +105,7 @@ class DeleteSettings:
     batch_size: int
     dry_run: bool
     timeout_s: float
-    credentials: brokers.Credentials | None = None
+    credentials: KeyPair | None = None
     tls: ClientTls | None = None
 
 
@@ -136,14 +137,13 @@ def _scan_one(
     started = time.perf_counter()
     failed = False
     try:
-        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s, settings.credentials, settings.tls) as admin:
+        with brokers.ArrowAdmin(task.endpoint, settings.timeout_s, settings.credentials, settings.tls) as admin:
             batches = admin.scan(
                 broker=task.broker,
                 parent=task.parent,
                 key_range=task.key_range,
                 batch_size=settings.batch_size,
                 with_fully_consumed=settings.with_fully_consumed,
-                timeout_s=settings.timeout_s,
                 idle_since_before_ms=task.idle_since_before_ms,
             )
             while True:
@@ -182,14 +182,14 @@ def delete_fn(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         buckets: dict[str, TokenBucket] = {}
-        admins: dict[str, brokers.BrokerAdmin] = {}
+        admins: dict[str, brokers.ArrowAdmin] = {}
         done: dict[str, int] = {}
         try:
             for batch in batches:
                 for broker in pc.unique(batch.column(c.BROKER)).to_pylist():
                     mine = batch.filter(pc.equal(batch.column(c.BROKER), broker))
                     if broker not in admins:
-                        admins[broker] = brokers.BrokerAdmin(
+                        admins[broker] = brokers.ArrowAdmin(
                             settings.endpoints[broker], settings.timeout_s, settings.credentials, settings.tls
                         )
                         rate = settings.max_deletes_per_second
@@ -221,7 +221,7 @@ def _delete_rows(
     *,
     broker: str,
     rows: pa.RecordBatch,
-    admin: brokers.BrokerAdmin,
+    admin: brokers.ArrowAdmin,
     bucket: TokenBucket,
     settings: DeleteSettings,
     stats: Accumulator[dict[str, float]],
@@ -236,7 +236,7 @@ def _delete_rows(
         sent = time.perf_counter()
         try:
             call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
-                chunk, dry_run=settings.dry_run, timeout_s=settings.timeout_s
+                chunk, dry_run=settings.dry_run
             )
         except errors.LmqError as exc:
             call = exc

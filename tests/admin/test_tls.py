@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.admin import cli, tls
+from lmq_broker.admin import cli, credentials, tls
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import SHARED_ADMIN_ENV, BrokerProcess, Certificate, issue_certificate, start_broker
 from lmq_operator import apply, settings
@@ -114,13 +114,13 @@ def test_the_operator_over_tls(tls_env: None, broker: BrokerProcess) -> None:
 def test_the_reclaim_job_over_tls(tls_env: None, broker: BrokerProcess) -> None:
     opts = options.parse(["--brokers", broker.admin_endpoint])  # CA and name from the environment
     assert opts.tls is not None and opts.tls.server_name == SERVER_NAME
-    keys = brokers.Credentials(SHARED_ADMIN_ENV["LMQ_ADMIN_ACCESS_KEY"], SHARED_ADMIN_ENV["LMQ_ADMIN_SECRET_KEY"])
+    keys = credentials.KeyPair(SHARED_ADMIN_ENV["LMQ_ADMIN_ACCESS_KEY"], SHARED_ADMIN_ENV["LMQ_ADMIN_SECRET_KEY"])
     with AdminClient(
         broker.admin_endpoint, 5.0, access_key=keys.access_key, secret_key=keys.secret_key, tls=opts.tls
     ) as admin:
         admin.put_parent_topic(model.ParentTopic("reclaim-tls", expiration_minutes=30))
-    with brokers.BrokerAdmin(broker.admin_endpoint, 5.0, keys, opts.tls) as admin:
+    with brokers.ArrowAdmin(broker.admin_endpoint, 5.0, keys, opts.tls) as admin:
         assert admin.broker_name() == "broker-0"
-        assert "reclaim-tls" in [p.name for p in admin.parents()]
-    with brokers.BrokerAdmin(broker.admin_endpoint, 5.0, keys) as plaintext, pytest.raises(errors.BrokerUnavailable):
+        assert "reclaim-tls" in [p.topic.name for p in admin.parents()]
+    with brokers.ArrowAdmin(broker.admin_endpoint, 5.0, keys) as plaintext, pytest.raises(errors.BrokerUnavailable):
         plaintext.broker_name()

@@ -86,9 +86,9 @@ def test_admin_is_reachable_only_from_the_control_plane_of_the_release(render: R
     assert "from" not in by_port[ports["grpc"]] and "from" not in by_port[ports["metrics"]]  # open by default
     admitted = [peer["podSelector"]["matchLabels"] for peer in by_port[ports["admin"]]["from"]]
     assert all(set(peer) == {"podSelector"} for peer in by_port[ports["admin"]]["from"])  # this namespace only
-    for component in ("operator", "reclaim", "test"):
+    for component in ("operator", "reclaim", "test", "broker"):  # brokers: peers of a cluster ask each other
         assert any(selects(peer, pod_labels(pods[component])) for peer in admitted), component
-    assert not any(selects(peer, pod_labels(pods["broker"])) for peer in admitted)
+    assert len(admitted) == 4
     other_release = {**pod_labels(pods["operator"]), "app.kubernetes.io/instance": "other"}
     assert not any(selects(peer, other_release) for peer in admitted)
 
@@ -102,14 +102,14 @@ def test_network_policy_peers_and_switch(render: Render, one: One) -> None:
     ops = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
     apps = {"namespaceSelector": {"matchLabels": {"team": "apps"}}}
     prometheus = {"podSelector": {"matchLabels": {"app": "prometheus"}}}
-    policy = one(
-        render({"networkPolicy": {"adminFrom": [ops], "clientFrom": [apps], "metricsFrom": [prometheus]}}),
-        "NetworkPolicy",
-    )
+    mqtt = {"ports": [{"port": 1883, "protocol": "TCP"}]}
+    values = {"adminFrom": [ops], "clientFrom": [apps], "metricsFrom": [prometheus], "extraIngress": [mqtt]}
+    policy = one(render({"networkPolicy": values}), "NetworkPolicy")
     by_port = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
     assert by_port[8081] == [apps]
-    assert by_port[8082][-1] == ops and len(by_port[8082]) == 4
+    assert by_port[8082][-1] == ops and len(by_port[8082]) == 5
     assert by_port[9100] == [prometheus]
+    assert policy["spec"]["ingress"][-1] == mqtt
     assert [o for o in render({"networkPolicy": {"enabled": False}}) if o["kind"] == "NetworkPolicy"] == []
 
 

@@ -23,6 +23,7 @@ from lmq_broker import __main__ as broker_cli
 from lmq_broker import roundtrip
 from lmq_broker import testing as broker_testing
 from lmq_broker.admin import tls
+from lmq_broker.admin.credentials import KeyPair
 from lmq_operator import apply
 from lmq_operator import model as operator_model
 from lmq_operator import settings as operator_settings
@@ -225,9 +226,9 @@ def test_a_tls_broker_started_like_the_chart_serves_the_charts_callers(
         monkeypatch.setenv(tls.CA_ENV, local_file(pod, reclaim, reclaim_env[tls.CA_ENV]))
         monkeypatch.setenv(tls.SERVER_NAME_ENV, reclaim_env[tls.SERVER_NAME_ENV])
         opts = reclaim_options.parse(reclaim["args"])
-        keys = reclaim_brokers.Credentials(*broker_testing.SHARED_ADMIN_ENV.values())
-        with reclaim_brokers.BrokerAdmin(process.admin_endpoint, 10.0, keys, opts.tls) as admin:
-            assert "chart-tls" in [p.name for p in admin.parents()]
+        keys = KeyPair(*broker_testing.SHARED_ADMIN_ENV.values())
+        with reclaim_brokers.ArrowAdmin(process.admin_endpoint, 10.0, keys, opts.tls) as admin:
+            assert "chart-tls" in [p.topic.name for p in admin.parents()]
     finally:
         process.stop()
         if process.process.stdout is not None:

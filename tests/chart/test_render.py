@@ -50,6 +50,7 @@ FULL: dict[str, Any] = {
             }
         ],
         "metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}],
+        "extraIngress": [{"ports": [{"port": 1883, "protocol": "TCP"}], "from": [{"podSelector": {}}]}],
     },
     "tls": {
         "enabled": True,

@@ -223,6 +223,7 @@ WRONG = [
     ("operator.extraContainers", [{"name": "sidecar"}]),
     ("reclaim.extraVolumeMounts", [{"name": "x", "mountPath": "/x", "readonly": True}]),
     ("networkPolicy.enabled", "yes"),
+    ("networkPolicy.extraIngress", [{"ports": [{"port": 70000}]}]),
     ("networkPolicy.adminFrom", [{"podSelectorr": {}}]),
     ("networkPolicy.clientFrom", [{"ipBlock": {"except": ["10.0.0.0/8"]}}]),
     ("tls.enabled", "true"),

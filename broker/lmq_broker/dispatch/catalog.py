@@ -18,6 +18,12 @@ from lmq_broker.storage.api import Store
 UNLIMITED = -1
 DLQ_PREFIX: Final = "%DLQ%"  # dead letters of group G go to the normal topic %DLQ%G (queue 0), read-only
 NORMAL_GROUP_RETRY = model.RetryPolicy()
+# The group of an MQTT session (docs/mqtt.md): implicit, like a normal topic's group, so that a client id costs
+# no metadata write and no snapshot reload; bound to whichever parent it is used with (its offsets are per LMQ).
+# MQTT never gives up on a QoS 1 message: a client that disconnects without PUBACK gets it again, so the
+# attempts cap (then the DLQ) is far above what a live client reaches.
+MQTT_GROUP_PREFIX: Final = "%MQTT%"
+MQTT_GROUP_RETRY = model.RetryPolicy(max_attempts=10_000, backoff_ms=(0,))
 
 
 def _tightest(*limits: int) -> int:
@@ -73,6 +79,8 @@ class Snapshot:
         self.lite_parent(parent)
         group = self.groups.get(name)
         if group is None:
+            if name.startswith(MQTT_GROUP_PREFIX):
+                return model.LiteGroup(name, parent, retry=MQTT_GROUP_RETRY)
             raise errors.GroupNotFound(f"consumer group {name} does not exist", group=name)
         if group.bind_topic != parent:
             raise errors.Conflict(

@@ -399,13 +399,30 @@ class Dispatcher:
             removed = self.registry.remove(client_id, list(state.lite_topics), self.clock())
             self.ready.discard_many(client_id, removed)
 
-    def _register_wildcard(self, client_id: str, group: str, parent: str) -> None:
-        """A client of a wildcard group takes every lite topic of ``parent``; a new registration walks the
-        parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
+    def _register_wildcard(
+        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter] | None = None
+    ) -> None:
+        """A client of a wildcard group takes every lite topic of ``parent`` (or those ``filters`` match); a new
+        registration walks the parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
         self.registry.touch(client_id, self.clock(), group=group, bind_topic=parent)
-        if self.wildcards.add(client_id, group, parent):
+        if self.wildcards.add(client_id, group, parent, filters):
             self._wildcard_cursor.pop(client_id, None)
             self._start_catchup(client_id)
+
+    async def subscribe_filters(
+        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter]
+    ) -> None:
+        """Take the lite topics of ``parent`` that ``filters`` match (``wildcards``: MQTT subscriptions), now
+        and as they appear, replacing the client's earlier filters; none: the client takes nothing by pattern."""
+        (await self.metadata()).consuming_lite_group(group, parent)
+        if filters:
+            self._register_wildcard(client_id, group, parent, filters)
+        elif self.wildcards.remove(client_id) is not None:
+            self._wildcard_cursor.pop(client_id, None)
+
+    async def reset_offsets(self, group: str, parent: str, lites: Sequence[str], option: OffsetReset) -> None:
+        """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does)."""
+        await self._reset_offsets([lmq_name(parent, lite) for lite in lites], group, option)
 
     def _evict_others(self, client_id: str, group: str, lmqs: Iterable[str]) -> None:
         """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers."""
@@ -1105,17 +1122,20 @@ class Dispatcher:
         """Page through the wildcard group's parent by lite name and offer the client every topic with work
         for its group, once round: from after the last offer that fitted (a full ready queue stops a pass) to
         the end, then from the start up to there (those topics may have overflowed since they were walked)."""
+        first, end = self.wildcards.scan_range(client_id)  # a client with filters: the names they can match
         resume = self._wildcard_cursor.pop(client_id, "")
-        after, wrapped = resume, not resume
+        after, wrapped = max(resume, first), not resume
         where = self.wildcards.registration(client_id)
         while where is not None:
             parent, group = where
-            page = await self.run(self.store.scan_lite_topics, parent, after, "", CATCHUP_CHUNK)
+            page = await self.run(self.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
             if self.wildcards.registration(client_id) != where:
                 return  # unregistered meanwhile
             last = len(page) < CATCHUP_CHUNK
             if resume and wrapped and page and page[-1].lite > resume:
                 page, last = [meta for meta in page if meta.lite <= resume], True
+            page_end = page[-1].lite if page else after
+            page = [meta for meta in page if self.wildcards.takes(client_id, meta.lite)]
             lmqs = [lmq_name(parent, meta.lite) for meta in page]
             for lmq in await self._pending_among(lmqs, group):
                 if not self._offer(client_id, lmq, group):
@@ -1124,7 +1144,7 @@ class Dispatcher:
                     return
             if last and wrapped:
                 return
-            after, wrapped = ("", True) if last else (page[-1].lite, wrapped)
+            after, wrapped = (first, True) if last else (page_end, wrapped)
             where = self.wildcards.registration(client_id)
 
     # --- LiveView ---------------------------------------------------------------------------------------

@@ -1,61 +1,222 @@
-"""Clients of wildcard lite groups: a group with ``wildcard`` receives every lite topic of its bind topic.
+"""Clients that take lite topics by pattern rather than one by one: wildcard lite groups and topic filters.
 
-RocketMQ 5.5.0's ``lite.sub.wildcard``: a client registers with COMPLETE_ADD (the set it sends is ignored;
-the clients' ``subscribe_lite_all()``), holds no per-topic subscriptions and counts against no
-subscription quota. Arrivals are matched by parent topic: one dict lookup per arrived LMQ while any
-wildcard client is registered, nothing otherwise; no walk over all topics happens on the serving path
-(a registering client's backlog is found by the dispatcher's paged catch-up, off the loop).
+RocketMQ 5.5.0's ``lite.sub.wildcard``: a client of a wildcard group registers with COMPLETE_ADD (the set it
+sends is ignored; the clients' ``subscribe_lite_all()``), holds no per-topic subscriptions and counts against
+no subscription quota; it receives every lite topic of its parent. Topic filters generalise that (MQTT
+subscriptions, docs/mqtt.md): a lite name is split into levels at ``_`` and a filter is a tuple of levels
+where ``+`` matches one level and a last ``#`` any remainder, none included (``("a", "#")`` matches ``a`` and
+``a_b_c``); a whole-parent registration is the filter ``("#",)``.
+
+Arrivals are matched, never scanned for: while any registration exists, each arrived LMQ costs one dict
+lookup for its parent and, where the parent has filters, one walk down that parent's filter trie (one branch
+per level, plus the ``+`` and ``#`` branches): the cost grows with the filters that match, not with the
+registered clients or the lite topics. A registering client's backlog is found by the dispatcher's paged
+catch-up, off the loop, over the key range its filters can match (``scan_range``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Final
 
 from lmq_broker import model
+
+LEVEL_SEPARATOR: Final = "_"  # in lite names; MQTT's "/" (docs/mqtt.md)
+ONE_LEVEL: Final = "+"
+ANY_LEVELS: Final = "#"
+WHOLE_PARENT: Final = (ANY_LEVELS,)
+_PAST_NAMES: Final = "\x7f"  # sorts after every character a lite name may hold ([A-Za-z0-9_-])
+
+Filter = tuple[str, ...]
+Members = dict[str, set[str]]  # group -> client ids
+
+
+class _Node:
+    __slots__ = ("any", "children", "here", "one")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node] = {}
+        self.one: _Node | None = None  # the "+" branch
+        self.here: Members = {}  # filters ending at this node
+        self.any: Members = {}  # filters ending with "#" after this node
+
+    def empty(self) -> bool:
+        return not (self.children or self.one or self.here or self.any)
 
 
 class Wildcards:
     def __init__(self) -> None:
-        self._by_parent: dict[str, dict[str, set[str]]] = {}  # parent -> group -> client ids
+        self._by_parent: dict[str, Members] = {}  # whole-parent registrations: parent -> group -> clients
+        self._tries: dict[str, _Node] = {}  # parent -> filter trie of the other registrations
         self._of_client: dict[str, tuple[str, str]] = {}  # client id -> (parent, group)
+        self._filters: dict[str, frozenset[Filter]] = {}  # client id -> its filters (absent: whole parent)
 
     def __bool__(self) -> bool:
         return bool(self._of_client)
 
-    def add(self, client_id: str, group: str, parent: str) -> bool:
-        """Register; True when the client was not registered for this (parent, group) already."""
-        if self._of_client.get(client_id) == (parent, group):
+    def add(self, client_id: str, group: str, parent: str, filters: Iterable[Filter] | None = None) -> bool:
+        """Register (replacing any earlier registration of the client); ``filters`` None is the whole parent.
+        True when this changed what the client takes."""
+        wanted = None if filters is None else frozenset(filters)
+        if wanted is not None and WHOLE_PARENT in wanted:
+            wanted = None
+        if self._of_client.get(client_id) == (parent, group) and self._filters.get(client_id) == wanted:
             return False
         self.remove(client_id)
         self._of_client[client_id] = (parent, group)
-        self._by_parent.setdefault(parent, {}).setdefault(group, set()).add(client_id)
+        if wanted is None:
+            self._by_parent.setdefault(parent, {}).setdefault(group, set()).add(client_id)
+            return True
+        self._filters[client_id] = wanted
+        root = self._tries.setdefault(parent, _Node())
+        for levels in wanted:
+            node = root
+            for level in levels[:-1] if levels[-1] == ANY_LEVELS else levels:
+                if level == ONE_LEVEL:
+                    node.one = node.one or _Node()
+                    node = node.one
+                else:
+                    node = node.children.setdefault(level, _Node())
+            (node.any if levels[-1] == ANY_LEVELS else node.here).setdefault(group, set()).add(client_id)
         return True
 
     def remove(self, client_id: str) -> tuple[str, str] | None:
         where = self._of_client.pop(client_id, None)
-        if where is not None:
-            parent, group = where
-            groups = self._by_parent[parent]
-            groups[group].discard(client_id)
-            if not groups[group]:
-                del groups[group]
-            if not groups:
+        if where is None:
+            return None
+        parent, group = where
+        filters = self._filters.pop(client_id, None)
+        if filters is None:
+            _discard(self._by_parent[parent], group, client_id)
+            if not self._by_parent[parent]:
                 del self._by_parent[parent]
+            return where
+        root = self._tries[parent]
+        for levels in filters:
+            _unregister(root, levels, group, client_id)
+        if root.empty():
+            del self._tries[parent]
         return where
 
     def registration(self, client_id: str) -> tuple[str, str] | None:
-        """(parent, group) of a wildcard client, or None."""
+        """(parent, group) of a registered client, or None."""
         return self._of_client.get(client_id)
 
+    def filters(self, client_id: str) -> frozenset[Filter] | None:
+        """The client's filters; None for a whole-parent registration (or none at all)."""
+        return self._filters.get(client_id)
+
     def groups_of_lmq(self, lmq: str) -> Mapping[str, set[str]]:
-        """Wildcard groups (and their clients) that receive the LMQ ``lmq``."""
-        if not self._by_parent or not lmq.startswith(model.LMQ_PREFIX):
+        """Groups (and their registered clients) that take the LMQ ``lmq``."""
+        if not self._of_client or not lmq.startswith(model.LMQ_PREFIX):
             return {}
-        return self._by_parent.get(parent_of(lmq), {})
+        _, parent, lite = lmq.split(model.LMQ_SEPARATOR, 2)
+        whole = self._by_parent.get(parent, {})
+        root = self._tries.get(parent)
+        if root is None:
+            return whole
+        found: Members = {group: set(clients) for group, clients in whole.items()}
+        _match(root, lite.split(LEVEL_SEPARATOR), 0, found)
+        return found
 
     def holds(self, client_id: str, lmq: str) -> bool:
         where = self._of_client.get(client_id)
-        return where is not None and lmq.startswith(model.LMQ_PREFIX) and parent_of(lmq) == where[0]
+        if where is None or not lmq.startswith(model.LMQ_PREFIX):
+            return False
+        _, parent, lite = lmq.split(model.LMQ_SEPARATOR, 2)
+        return parent == where[0] and self.takes(client_id, lite)
+
+    def takes(self, client_id: str, lite: str) -> bool:
+        """Does the registered client take lite topic ``lite`` of its parent."""
+        filters = self._filters.get(client_id)
+        if filters is None:
+            return client_id in self._of_client
+        levels = lite.split(LEVEL_SEPARATOR)
+        return any(matches(f, levels) for f in filters)
+
+    def scan_range(self, client_id: str) -> tuple[str, str]:
+        """(start after, end before) in lite names of the parent, covering every name the client's filters can
+        match ("" for an open end): a catch-up pass pages through that range only."""
+        return scan_range(self._filters.get(client_id) or ())
+
+
+def scan_range(filters: Iterable[Filter]) -> tuple[str, str]:
+    """(start after, end before) in lite names covering every name one of ``filters`` can match ("": open)."""
+    lows, highs = [], []
+    for f in filters:
+        literal = []
+        for level in f:
+            if level in (ONE_LEVEL, ANY_LEVELS):
+                break
+            literal.append(level)
+        prefix = LEVEL_SEPARATOR.join(literal)
+        if not prefix:
+            return "", ""
+        lows.append(prefix)
+        highs.append(prefix + _PAST_NAMES)  # every name that starts with the prefix sorts before it
+    if not lows:
+        return "", ""
+    return _just_before(min(lows)), max(highs)
+
+
+def matches(f: Filter, levels: list[str]) -> bool:
+    for i, level in enumerate(f):
+        if level == ANY_LEVELS:
+            return True
+        if i >= len(levels) or (level != ONE_LEVEL and level != levels[i]):
+            return False
+    return len(f) == len(levels)
+
+
+def _match(node: _Node, levels: list[str], i: int, found: Members) -> None:
+    if node.any:
+        _merge(found, node.any)
+    if i == len(levels):
+        if node.here:
+            _merge(found, node.here)
+        return
+    child = node.children.get(levels[i])
+    if child is not None:
+        _match(child, levels, i + 1, found)
+    if node.one is not None:
+        _match(node.one, levels, i + 1, found)
+
+
+def _merge(into: Members, members: Members) -> None:
+    for group, clients in members.items():
+        into.setdefault(group, set()).update(clients)
+
+
+def _discard(members: Members, group: str, client_id: str) -> None:
+    clients = members.get(group)
+    if clients is not None:
+        clients.discard(client_id)
+        if not clients:
+            del members[group]
+
+
+def _unregister(root: _Node, levels: Filter, group: str, client_id: str) -> None:
+    path = [root]
+    steps = levels[:-1] if levels[-1] == ANY_LEVELS else levels
+    for level in steps:
+        node = path[-1].one if level == ONE_LEVEL else path[-1].children.get(level)
+        if node is None:
+            return
+        path.append(node)
+    _discard(path[-1].any if levels[-1] == ANY_LEVELS else path[-1].here, group, client_id)
+    for depth in range(len(path) - 1, 0, -1):  # prune the branch back to the first node still in use
+        if not path[depth].empty():
+            break
+        parent, level = path[depth - 1], steps[depth - 1]
+        if level == ONE_LEVEL:
+            parent.one = None
+        else:
+            del parent.children[level]
+
+
+def _just_before(name: str) -> str:
+    """A bound that sorts before ``name`` and after every lite name smaller than it (scan starts are exclusive)."""
+    return name[:-1] + chr(ord(name[-1]) - 1) + _PAST_NAMES
 
 
 def parent_of(lmq: str) -> str:

@@ -11,6 +11,7 @@ from lmq_broker.protocol import convert
 from lmq_broker.protocol.connections import Connections
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.metrics import Metrics
+from lmq_broker.protocol.peers import Peers
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Edge:
     port: int = 0  # the bound port, set once the server listens
     metrics: Metrics = field(default_factory=Metrics)
     connections: Connections = field(default_factory=Connections)  # whose Telemetry runs on which peer
+    peers: Peers | None = None  # the other brokers of a cluster (docs/scale-out.md); None: this broker alone
 
     def endpoints(self, requested: pb.Endpoints | None = None) -> pb.Endpoints:
         """Where clients should call this broker: the configured advertised host, else the address the

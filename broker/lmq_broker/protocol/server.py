@@ -62,25 +62,26 @@ KEEPALIVE_OPTIONS: Final = (
 PENDING_CALLS_MAX: Final = 20_000
 
 
-def options(config: BrokerConfig) -> list[tuple[str, Any]]:
+def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[str, Any]]:
+    """``shared_port``: the access port of ``--processes``, where every broker process of a pod listens at once."""
     limit = max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        ("grpc.so_reuseport", 0),  # a second broker on the same port must fail, not share it
+        ("grpc.so_reuseport", int(shared_port)),  # else a second broker on the same port must fail, not share it
         ("grpc.server.max_pending_requests", PENDING_CALLS_MAX),
         ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_MAX),
         *KEEPALIVE_OPTIONS,
     ]
 
 
-def create(config: BrokerConfig) -> grpc.aio.Server:
+def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Server:
     interceptors: Sequence[Interceptor] = ()
     if config.access_key:
         interceptors = (
             auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
         )
-    return grpc.aio.server(interceptors=interceptors, options=options(config))
+    return grpc.aio.server(interceptors=interceptors, options=options(config, shared_port=shared_port))
 
 
 def admission(config: BrokerConfig, edge: Edge) -> Admission:

@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import message as pb_message
 from typing_extensions import override
 
-from lmq_broker.protocol import status
+from lmq_broker.protocol import cluster_calls, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -95,6 +95,11 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
         # Who sends does not matter to a send (auth, when configured, has checked the signature already), so
         # the call's headers are not parsed: this is the one RPC where that saves a measurable share.
+        peers = self.edge.peers
+        if peers is not None and not cluster_calls.forwarded(context.invocation_metadata()):
+            return await self._answer(
+                "SendMessage", cluster_calls.send(self.edge, peers, request), spb.SendMessageResponse
+            )
         return await self._answer("SendMessage", send_message.handle(self.edge, request), spb.SendMessageResponse)
 
     @override
@@ -184,9 +189,13 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def SyncLiteSubscription(
         self, request: spb.SyncLiteSubscriptionRequest, context: Context
     ) -> spb.SyncLiteSubscriptionResponse:
+        peers = self.edge.peers
+        handler = sync_lite_subscription.handle
+        if peers is not None and not cluster_calls.forwarded(context.invocation_metadata()):
+            handler = cluster_calls.sync_lite_subscription
         return await self._unary(
             "SyncLiteSubscription",
-            sync_lite_subscription.handle,
+            handler,
             request,
             context,
             spb.SyncLiteSubscriptionResponse,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmq_broker.dispatch import catalog
-from lmq_broker.protocol import convert, status
+from lmq_broker.protocol import cluster_calls, convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -14,6 +14,9 @@ async def handle(edge: Edge, request: spb.QueryRouteRequest, caller: Caller) -> 
     name = convert.topic_name(request.topic)
     topic = (await edge.dispatcher.metadata()).topic(name)
     permission = pb.READ if name.startswith(catalog.DLQ_PREFIX) else pb.READ_WRITE
+    if edge.peers is not None:  # several brokers: every one's queues (protocol.cluster_calls)
+        queues = cluster_calls.route(edge.peers, topic, request.topic.resource_namespace)
+        return spb.QueryRouteResponse(status=status.ok(), message_queues=queues)
     broker = edge.broker(request.endpoints if request.HasField("endpoints") else None)
     queues = convert.queues_of(topic, broker, request.topic.resource_namespace, permission)
     return spb.QueryRouteResponse(status=status.ok(), message_queues=queues)

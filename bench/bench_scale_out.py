@@ -1,0 +1,215 @@
+"""Scale-out: msg/s and broker CPU per message with N broker processes in one pod (``serve --processes N``),
+the N ÷ 1 ratio (goal >= 0.8 N where cores allow), and what forwarding a message to its owner costs.
+
+Rates: batched LITE sends into ``--topics`` lite topics of AGENT_TASK_NS (bootstrapped on every process).
+* ``direct``: each request carries only topics of one owner and goes to that process's own port: the
+  scale the ring gives when clients (or the forwarders) already batch per owner.
+* ``access``: requests of mixed topics go to the pod's one access port (a channel per in-flight worker, so the
+  kernel spreads the connections over the processes), so (N-1)/N of the messages take the forward hop.
+Forwarding: two explicit peers; single-message sends to process 0 of topics owned by process 1, one at a time
+(each forward call carries one message) and with 64 in flight (forwards gathered per owner); the figure is
+process 0's CPU per message, beside its CPU per message stored locally the same way.
+
+    python bench/bench_scale_out.py            # a few minutes
+    python bench/bench_scale_out.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import psutil
+
+from lmq_broker.cluster import membership as mb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import BrokerProcess, start_broker
+
+METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
+PARENT = "AGENT_TASK_NS"
+PROCESS_RE = re.compile(r"lmq-broker process (?P<index>\d+) grpc=(?P<grpc>[^ ]+) metrics=")
+OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def message(n: int, lite: str, body: bytes) -> pb.Message:
+    return pb.Message(
+        topic=pb.Resource(name=PARENT),
+        body=body,
+        system_properties=pb.SystemProperties(
+            message_id=f"{n:034X}", message_type=pb.LITE, lite_topic=lite, body_encoding=pb.IDENTITY
+        ),
+    )
+
+
+def owner_of(membership: mb.Membership | None, lite: str) -> int:
+    return 0 if membership is None else mb.owner(membership, f"%LMQ%${PARENT}${lite}")
+
+
+def requests(total: int, batch: int, topics: int, body: bytes, membership: mb.Membership | None) -> list[list[bytes]]:
+    """Serialized requests per owner slot (``membership`` None: one list, mixed topics)."""
+    slots = 1 if membership is None else len(membership.members)
+    pending: list[list[pb.Message]] = [[] for _ in range(slots)]
+    out: list[list[bytes]] = [[] for _ in range(slots)]
+    for n in range(total):
+        lite = f"t{n % topics}"
+        slot = owner_of(membership, lite)
+        pending[slot].append(message(n, lite, body))
+        if len(pending[slot]) == batch:
+            out[slot].append(spb.SendMessageRequest(messages=pending[slot]).SerializeToString())
+            pending[slot] = []
+    for slot, rest in enumerate(pending):
+        if rest:
+            out[slot].append(spb.SendMessageRequest(messages=rest).SerializeToString())
+    return out
+
+
+async def pump(targets: Sequence[tuple[str, list[bytes]]], inflight: int) -> float:
+    """Send each target's payloads with ``inflight`` workers per target, each worker on its own channel."""
+    channels: list[grpc.aio.Channel] = []
+
+    async def worker(endpoint: str, queue: list[bytes]) -> None:
+        channel = grpc.aio.insecure_channel(endpoint, options=[*OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+        channels.append(channel)
+        call = channel.unary_unary(
+            METHOD, request_serializer=None, response_deserializer=spb.SendMessageResponse.FromString
+        )
+        while queue:
+            reply = await call(queue.pop(), timeout=60)
+            if reply.status.code != pb.OK:
+                raise RuntimeError(f"send failed: {reply.status}")
+
+    queues = [(endpoint, list(reversed(payloads))) for endpoint, payloads in targets]
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(e, q) for e, q in queues for _ in range(inflight)))
+    elapsed = time.perf_counter() - started
+    for channel in channels:
+        await channel.close(None)
+    return elapsed
+
+
+def cpu_s(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def process_endpoints(pod: BrokerProcess) -> list[str]:
+    found = {int(m["index"]): m["grpc"] for m in PROCESS_RE.finditer(pod.log())}
+    return [found[i] for i in sorted(found)]
+
+
+def measure_rates(
+    tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes
+) -> dict[str, tuple[float, float]]:
+    """mode -> (msg/s, broker CPU us per message), median of the runs."""
+    extra = ["--processes", str(n)] if n > 1 else []
+    out: dict[str, tuple[float, float]] = {}
+    with start_broker(tmp / f"n{n}", extra_args=extra) as pod:
+        endpoints = process_endpoints(pod) if n > 1 else [pod.endpoint]
+        membership = mb.Membership.parse(",".join(endpoints)) if n > 1 else None
+        pids = [c.pid for c in psutil.Process(pod.pid).children()] if n > 1 else [pod.pid]
+        asyncio.run(pump([(pod.endpoint, requests(200, 50, 50, body, None)[0])], 1))  # warm-up
+        modes = ("direct", "access") if n > 1 else ("direct",)
+        for mode in modes:
+            rates, cpus = [], []
+            for _ in range(args.runs):
+                if mode == "direct":
+                    per_slot = requests(total, args.batch, args.topics, body, membership)
+                    targets = list(zip(endpoints, per_slot, strict=True))
+                else:
+                    targets = [(pod.endpoint, requests(total, args.batch, args.topics, body, None)[0])]
+                    inflight_total = args.inflight * n
+                before = cpu_s(pids)
+                elapsed = asyncio.run(pump(targets, args.inflight if mode == "direct" else inflight_total))
+                rates.append(total / elapsed)
+                cpus.append((cpu_s(pids) - before) * 1e6 / total)
+            out[mode] = (statistics.median(rates), statistics.median(cpus))
+    return out
+
+
+def measure_forwarding(tmp: Path, count: int, body: bytes) -> dict[str, tuple[float, float]]:
+    """(process 0's, both processes') CPU per message (us): stored at process 0 vs forwarded to process 1, one
+    single-message send at a time vs 64 in flight."""
+    ports = free_ports("127.0.0.1", 2)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    membership = mb.Membership.parse(peers)
+    brokers = [
+        start_broker(tmp / f"f{i}", port=ports[i], extra_args=["--peers", peers, "--ordinal", str(i)]) for i in range(2)
+    ]
+    try:
+        lites = {
+            slot: [f"f{i}" for i in range(20_000) if owner_of(membership, f"f{i}") == slot][:500] for slot in (0, 1)
+        }
+        out = {}
+        cases = (("stored here, alone", 0, 1), ("forwarded alone", 1, 1), ("stored here, 64 in flight", 0, 64),
+                 ("forwarded, 64 in flight (gathered per owner)", 1, 64))  # fmt: skip
+        for label, slot, inflight in cases:
+            payloads = [
+                spb.SendMessageRequest(messages=[message(i, lites[slot][i % 500], body)]).SerializeToString()
+                for i in range(count + 50)
+            ]
+            asyncio.run(pump([(brokers[0].endpoint, payloads[:50])], 1))  # warm: channels, placement
+            before = cpu_s([brokers[0].pid]), cpu_s([b.pid for b in brokers])
+            asyncio.run(pump([(brokers[0].endpoint, payloads[50:])], inflight))
+            access = (cpu_s([brokers[0].pid]) - before[0]) * 1e6 / count
+            both = (cpu_s([b.pid for b in brokers]) - before[1]) * 1e6 / count
+            out[label] = (access, both)
+        return out
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--processes", default="1,2", help="process counts to compare, e.g. 1,2,4")
+    parser.add_argument("--batch", type=int, default=500, help="messages per SendMessage")
+    parser.add_argument("--topics", type=int, default=10_000, help="distinct lite topics")
+    parser.add_argument("--inflight", type=int, default=4, help="requests outstanding per process")
+    parser.add_argument("--body", type=int, default=128, help="body bytes")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    if args.quick:
+        args.runs = 1
+    total = 20_000 if args.quick else 200_000
+    body = b"x" * args.body
+    counts = [int(c) for c in args.processes.split(",")]
+    print(
+        f"scale-out: {total:,} messages/run, {args.batch}/request, {args.topics:,} lite topics, {args.body} B bodies, "
+        f"{args.inflight} in flight per process, sync flush, {os.cpu_count()} cores, "
+        f"load average before {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        results = {n: measure_rates(tmp, n, args, total, body) for n in counts}
+        base = results[counts[0]]["direct"][0] * (1 / counts[0])
+        for n, modes in results.items():
+            for mode, (rate, cpu) in modes.items():
+                print(
+                    f"FIGURE scale-out N={n} {mode}: {rate:,.0f} msg/s ({rate / n:,.0f} per process), "
+                    f"ratio to N=1 {rate / base:.2f} (goal >= {0.8 * min(n, os.cpu_count() or 1):.1f}), "
+                    f"broker CPU {cpu:.1f} us/msg",
+                    flush=True,
+                )
+        forwarding = measure_forwarding(tmp, 600 if args.quick else 3000, body)
+        for label, (access, both) in forwarding.items():
+            print(f"FIGURE single-message sends {label}: access broker {access:.0f} us/msg, both {both:.0f} us/msg")
+    print(f"load average after {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

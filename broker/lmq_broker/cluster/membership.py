@@ -1,0 +1,109 @@
+"""The brokers of a cluster and where a lite topic lives, as plain values: the same answer on every broker.
+
+A ``Membership`` is the ordered list of ring slots (slot -> the endpoint clients and peers call) and the
+ring size of every epoch so far, oldest first. RocketMQ never moves data: a topic created while the ring had
+n slots stays on the slot that owned it then, until it is reclaimed. So the owner of a topic is not simply
+its slot in today's ring but the newest epoch's owner *that holds it*; only topics that hold nowhere follow
+today's ring. Jump hashing keeps that search short: a scale-up from n to m slots moves a key only onto one
+of the new slots, so most keys have one candidate and need no look-up at all.
+
+Slots at or past today's ring size are leaving (a scale-down): they stay in routes, read-only, while their
+topics drain; a topic they hold gets new messages on today's owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from lmq_broker import errors
+from lmq_broker.cluster import ring
+
+SEPARATOR: Final = ","
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    members: tuple[str, ...]  # slot -> advertised endpoint "host:port"
+    sizes: tuple[int, ...]  # ring size of every epoch, oldest first; the last is today's ring
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise errors.InvalidArgument("a cluster has at least one member")
+        if len(set(self.members)) != len(self.members):
+            raise errors.InvalidArgument(f"members must differ: {', '.join(self.members)}")
+        if not self.sizes or any(not 1 <= size <= len(self.members) for size in self.sizes):
+            raise errors.InvalidArgument(f"ring sizes {self.sizes} must lie within 1..{len(self.members)}")
+        if max(self.sizes) != len(self.members):
+            raise errors.InvalidArgument(f"{len(self.members)} members but no epoch had that many slots")
+
+    @staticmethod
+    def single(endpoint: str = "") -> Membership:
+        return Membership((endpoint,), (1,))
+
+    @staticmethod
+    def parse(peers: str, history: str = "") -> Membership:
+        """From ``--peers a:1,b:2,c:3`` and ``--ring-history 2`` (earlier ring sizes, oldest first)."""
+        members = tuple(p.strip() for p in peers.split(SEPARATOR) if p.strip())
+        for member in members:
+            host, _, port = member.rpartition(":")
+            if not host or not port.isdigit():
+                raise errors.InvalidArgument(f"peer {member!r} is not host:port")
+        try:
+            earlier = tuple(int(s) for s in history.split(SEPARATOR) if s.strip())
+        except ValueError:
+            raise errors.InvalidArgument(f"ring history {history!r} is not a list of sizes") from None
+        return Membership(members, (*earlier, len(members)))
+
+    @property
+    def size(self) -> int:
+        """Slots of today's ring: the ones new topics are placed on."""
+        return self.sizes[-1]
+
+    @property
+    def epoch(self) -> int:
+        return len(self.sizes)
+
+    def writable(self, slot: int) -> bool:
+        return 0 <= slot < self.size
+
+    def slot_of(self, endpoint: str) -> int:
+        try:
+            return self.members.index(endpoint)
+        except ValueError:
+            raise errors.InvalidArgument(f"{endpoint} is not one of the peers {', '.join(self.members)}") from None
+
+    def grown(self, *endpoints: str) -> Membership:
+        """Scale-up: the new slots appended, a new epoch."""
+        members = self.members + endpoints
+        return Membership(members, (*self.sizes, len(members)))
+
+
+def owner(membership: Membership, lmq: str) -> int:
+    """Today's owner: where a topic that no broker holds yet is created."""
+    return ring.slot_of(lmq, membership.size)
+
+
+def candidates(membership: Membership, lmq: str) -> tuple[int, ...]:
+    """The slots that may hold ``lmq``, newest epoch first, each once; a single one needs no look-up."""
+    if len(membership.sizes) == 1:
+        return (owner(membership, lmq),)
+    key = ring.key_of(lmq)
+    out: list[int] = []
+    for size in reversed(membership.sizes):
+        slot = 0 if size == 1 else ring.jump(key, size)
+        if slot not in out:
+            out.append(slot)
+    return tuple(out)
+
+
+def resolve(membership: Membership, lmq: str, holds: Callable[[int], bool]) -> int:
+    """Where a send to ``lmq`` goes: the newest candidate that holds it if that slot still takes writes,
+    else today's owner. ``holds`` is asked only about candidates other than today's owner, newest first."""
+    found = candidates(membership, lmq)
+    today = found[0]
+    for slot in found[1:]:
+        if holds(slot):
+            return slot if membership.writable(slot) else today
+    return today

@@ -1,0 +1,109 @@
+"""What MQTT keeps beyond the store's messages and offsets: persistent sessions' subscriptions and retained
+messages, in ``<data_dir>/mqtt.sqlite3``.
+
+Both are small, keyed, overwritten in place and read by key or key range, which is not what an append-only
+commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
+whole). SQLite in WAL mode with ``synchronous=FULL`` makes each write durable before it returns, so a PUBACK
+or SUBACK sent after it never promises more than the disk holds. Calls block: the broker runs them on a
+worker thread, serialised by one lock (SQLite connections are not shared across threads otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+FILE_NAME: Final = "mqtt.sqlite3"
+_SCHEMA: Final = (
+    "CREATE TABLE IF NOT EXISTS sessions (client_id TEXT PRIMARY KEY, filters TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS retained (parent TEXT NOT NULL, lite TEXT NOT NULL, payload BLOB NOT NULL,"
+    " qos INTEGER NOT NULL, stored_ms INTEGER NOT NULL, PRIMARY KEY (parent, lite)) WITHOUT ROWID",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    parent: str
+    lite: str
+    payload: bytes
+    qos: int
+    stored_ms: int
+
+
+class Durable:
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(data_dir / FILE_NAME, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        for statement in _SCHEMA:
+            self._db.execute(statement)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # --- sessions: client id -> {MQTT topic filter: granted QoS} --------------------------------------------
+    def load_session(self, client_id: str) -> dict[str, int] | None:
+        with self._lock:
+            row = self._db.execute("SELECT filters FROM sessions WHERE client_id = ?", (client_id,)).fetchone()
+        if row is None:
+            return None
+        filters: dict[str, int] = json.loads(row[0])
+        return filters
+
+    def save_session(self, client_id: str, filters: dict[str, int]) -> None:
+        text = json.dumps(filters, sort_keys=True)
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO sessions (client_id, filters) VALUES (?, ?) "
+                "ON CONFLICT (client_id) DO UPDATE SET filters = excluded.filters",
+                (client_id, text),
+            )
+
+    def drop_session(self, client_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,)).rowcount > 0
+
+    def session_count(self) -> int:
+        with self._lock:
+            count: int = self._db.execute("SELECT count(*) FROM sessions").fetchone()[0]
+        return count
+
+    # --- retained messages: the last one per (parent, lite topic) -------------------------------------------
+    def put_retained(self, changes: Iterable[Retained]) -> None:
+        """In one transaction, in order: an empty payload clears the topic's retained message."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for r in changes:
+                    if r.payload:
+                        self._db.execute(
+                            "INSERT INTO retained (parent, lite, payload, qos, stored_ms) VALUES (?, ?, ?, ?, ?) "
+                            "ON CONFLICT (parent, lite) DO UPDATE SET payload = excluded.payload, qos = excluded.qos,"
+                            " stored_ms = excluded.stored_ms",
+                            (r.parent, r.lite, r.payload, r.qos, r.stored_ms),
+                        )
+                    else:
+                        self._db.execute("DELETE FROM retained WHERE parent = ? AND lite = ?", (r.parent, r.lite))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def retained_between(self, parent: str, start_after: str, end_before: str) -> list[Retained]:
+        """Retained messages of ``parent`` whose lite names lie in (start_after, end_before); "" is open."""
+        query = "SELECT lite, payload, qos, stored_ms FROM retained WHERE parent = ? AND lite > ?"
+        args: tuple[str, ...] = (parent, start_after)
+        if end_before:
+            query += " AND lite < ?"
+            args += (end_before,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY lite", args).fetchall()
+        return [Retained(parent, lite, bytes(payload), qos, stored_ms) for lite, payload, qos, stored_ms in rows]

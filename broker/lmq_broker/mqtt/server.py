@@ -1,0 +1,91 @@
+"""The MQTT listener (``--mqtt-port``, off by default): accepts connections and keeps one per client id.
+
+It shares the broker's dispatcher, so MQTT and the RocketMQ clients meet in the same store, ready set and
+offsets (docs/mqtt.md). With ``--tls-cert`` the listener speaks TLS like the gRPC port. Stopping the broker
+ends every connection without publishing wills: the broker going away is not the client failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from typing import Final
+
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.mqtt import durable
+from lmq_broker.mqtt.connection import Connection
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S: Final = 5.0
+
+
+class MqttServer:
+    def __init__(self, dispatcher: Dispatcher, config: BrokerConfig) -> None:
+        self.dispatcher = dispatcher
+        self.config = config
+        self.durable = durable.Durable(config.store.data_dir)
+        self.port = 0
+        self.stopping = False
+        self._server: asyncio.Server | None = None
+        self._clients: dict[str, Connection] = {}  # client id -> its connection
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        context = None
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        self._server = await asyncio.start_server(self._accept, host, port, ssl=context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("mqtt listening on %s:%d%s", host, self.port, " (TLS)" if context else "")
+        return self.port
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.stopping:
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await Connection(self, reader, writer).run()
+        finally:
+            self._tasks.discard(task)
+
+    async def take_over(self, connection: Connection) -> None:
+        """``connection`` now owns its client id; a connection that held it is ended first (MQTT-3.1.4-2)."""
+        while (other := self._clients.get(connection.client_id)) is not None and other is not connection:
+            log.info("mqtt client %s connected again from %s: ending its older connection", other.client_id,
+                     connection.peer)  # fmt: skip
+            await other.kick()
+        self._clients[connection.client_id] = connection
+
+    def forget(self, connection: Connection) -> None:
+        if self._clients.get(connection.client_id) is connection:
+            del self._clients[connection.client_id]
+
+    def connection_count(self) -> int:
+        return len(self._tasks)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._clients.values()):
+            connection.writer.close()
+        if self._tasks:
+            _, late = await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S)
+            for task in late:
+                task.cancel()
+            for task in late:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+        await asyncio.to_thread(self.durable.close)

@@ -1,0 +1,187 @@
+"""``serve --processes N``: N broker processes in one pod, because one Python process is one core.
+
+Each process is a ring slot of the cluster like a pod would be (``docs/scale-out.md``): its own data directory
+(``<data-dir>/p<i>``), its own port (``--port`` + 1 + i, advertised in routes), and every one of them also
+listens on the pod's client port (``--port``) with SO_REUSEPORT, so the kernel spreads client connections
+over them. A process that dies is started again (its topics are unavailable meanwhile, the others' are not);
+SIGTERM/SIGINT stop them all gracefully.
+
+The processes share one admin key pair (``<data-dir>/admin-credentials.json`` unless configured): a peer asks
+another with it which topics it holds, and an admin client reaches any of them with the same pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from lmq_broker.admin import credentials
+from lmq_broker.cluster import ring
+from lmq_broker.cluster.membership import SEPARATOR, Membership
+from lmq_broker.config import BrokerConfig
+
+log = logging.getLogger(__name__)
+
+READY_RE: Final = re.compile(r"lmq-broker ready grpc=(?P<grpc>[^ ]+) metrics=(?P<metrics>-?\d+)")
+START_TIMEOUT_S: Final = 120.0
+STOP_TIMEOUT_S: Final = 30.0
+RESTART_DELAY_S: Final = 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each process of this pod runs as."""
+
+    access_port: int
+    ports: tuple[int, ...]
+    slots: tuple[int, ...]
+    members: tuple[str, ...]  # every slot of the cluster, in slot order
+    ring_history: str
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """Ports the kernel calls free now (``--port 0``: tests); held together so they differ."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def plan(config: BrokerConfig) -> Plan:
+    """Ports and slots of this pod's processes; with ``peers`` (one host:port per pod), the whole cluster's."""
+    n = config.processes
+    bind_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    if config.port == 0:
+        access, *ports = free_ports(bind_host, n + 1)
+    else:
+        access, ports = config.port, [config.port + 1 + i for i in range(n)]
+    if not config.peers:
+        host = config.advertised_host or bind_host
+        members = tuple(f"{host}:{port}" for port in ports)
+        return Plan(access, tuple(ports), tuple(range(n)), members, config.ring_history)
+    pods = Membership.parse(config.peers).members
+    ordinal = config.ordinal if config.ordinal >= 0 else pods.index(config.advertised_address)
+    slot_members: list[str] = []
+    for pod in pods:
+        pod_host, _, pod_port = pod.rpartition(":")
+        slot_members += [f"{pod_host}:{int(pod_port) + 1 + i}" for i in range(n)]
+    slots = tuple(ring.slot_number(ordinal, i, n) for i in range(n))
+    if config.port == 0:  # tests on one host: the free ports picked stand for this pod's slots
+        for slot, port in zip(slots, ports, strict=True):
+            slot_members[slot] = f"{slot_members[slot].rpartition(':')[0]}:{port}"
+    return Plan(access, tuple(ports), slots, tuple(slot_members), config.ring_history)
+
+
+class Child:
+    def __init__(self, index: int, command: list[str], env: dict[str, str]) -> None:
+        self.index = index
+        self.command = command
+        self.env = env
+        self.process: subprocess.Popen[str] | None = None
+        self.ready = threading.Event()
+        self.line = ""
+
+    def start(self) -> None:
+        self.ready.clear()
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=self.env, bufsize=1)
+        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
+
+    def _pump(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            match = READY_RE.search(line)
+            if match:  # the pod prints one ready line of its own; this one is renamed
+                self.line = f"lmq-broker process {self.index} grpc={match['grpc']} metrics={match['metrics']}"
+                self.ready.set()
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int) -> list[str]:
+    metrics = config.metrics_port if config.metrics_port <= 0 else config.metrics_port + 1 + index
+    overrides = {
+        "--processes": "1",
+        "--port": str(p.ports[index]),
+        "--access-port": str(p.access_port),
+        "--peers": SEPARATOR.join(p.members),
+        "--ordinal": str(p.slots[index]),
+        "--advertised-address": p.members[p.slots[index]],
+        "--data-dir": str(config.store.data_dir / f"p{index}"),
+        "--metrics-port": str(metrics),
+        "--ring-history": p.ring_history,
+        "--broker-name": f"{config.broker_name}-p{index}",
+    }
+    command = [sys.executable, "-m", "lmq_broker", *argv]
+    for flag, value in overrides.items():
+        command += [f"{flag}={value}"]
+    return command
+
+
+def run(argv: Sequence[str], config: BrokerConfig) -> int:
+    """Start the processes, print the pod's ready line, restart any that dies, stop all on SIGTERM."""
+    p = plan(config)
+    env = dict(os.environ)
+    config.store.data_dir.mkdir(parents=True, exist_ok=True)
+    if not config.admin_anonymous and not config.admin_access_key:
+        pair, _ = credentials.load_or_create(config.store.data_dir)
+        env["LMQ_ADMIN_ACCESS_KEY"], env["LMQ_ADMIN_SECRET_KEY"] = pair.access_key, pair.secret_key
+    children = [Child(i, child_command(argv, config, p, i), env) for i in range(config.processes)]
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    for child in children:
+        child.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for child in children:
+        while not child.ready.wait(0.1):
+            assert child.process is not None
+            if stopping.is_set() or child.process.poll() is not None or time.monotonic() > deadline:
+                _stop(children)
+                print(f"broker process {child.index} did not start", file=sys.stderr)
+                return 1
+        print(child.line, flush=True)
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    print(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].line.rsplit('=', 1)[1]}", flush=True)
+    while not stopping.wait(0.2):
+        for child in children:
+            assert child.process is not None
+            code = child.process.poll()
+            if code is not None:
+                log.error("broker process %d exited with %s; starting it again", child.index, code)
+                time.sleep(RESTART_DELAY_S)
+                child.start()
+    _stop(children)
+    return 0
+
+
+def _stop(children: Sequence[Child]) -> None:
+    for child in children:
+        if child.process is not None and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.kill()
+            child.process.wait()

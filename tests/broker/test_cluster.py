@@ -1,0 +1,121 @@
+"""Ring slots, membership and owner resolution (lmq_broker.cluster): pure values, no I/O."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from lmq_broker import errors
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import ring
+
+NAMES = [f"%LMQ%$AGENT_TASK_NS$session-{i}" for i in range(20_000)]
+
+
+def test_jump_is_stable_and_in_range() -> None:
+    for slots in (1, 2, 3, 7, 64):
+        got = [ring.jump(ring.key_of(n), slots) for n in NAMES[:500]]
+        assert all(0 <= s < slots for s in got)
+        assert got == [ring.jump(ring.key_of(n), slots) for n in NAMES[:500]]
+    assert ring.jump(0, 1) == 0
+    with pytest.raises(ValueError):
+        ring.jump(1, 0)
+
+
+def test_known_slots_do_not_drift() -> None:
+    """Pinned answers: every broker (any version, any process) must place a name on the same slot."""
+    pinned = {name: ring.slot_of(name, 5) for name in ("%LMQ%$P$a", "%LMQ%$P$b", "%LMQ%$P$session-1")}
+    again = {name: ring.jump(ring.key_of(name), 5) for name in pinned}
+    assert pinned == again
+    assert ring.key_of("%LMQ%$P$a") != ring.key_of("%LMQ%$P$b")
+
+
+def test_jump_spreads_evenly() -> None:
+    for slots in (2, 3, 4):
+        counts = Counter(ring.slot_of(n, slots) for n in NAMES)
+        expected = len(NAMES) / slots
+        assert set(counts) == set(range(slots))
+        assert all(abs(c - expected) < 0.05 * expected for c in counts.values()), counts
+
+
+def test_growing_the_ring_moves_keys_only_onto_new_slots() -> None:
+    for before, after in ((1, 2), (2, 3), (3, 4), (2, 4), (4, 6)):
+        moved = 0
+        for n in NAMES:
+            old, new = ring.slot_of(n, before), ring.slot_of(n, after)
+            if old != new:
+                assert new >= before, f"{n} moved from {old} to old slot {new}"
+                moved += 1
+        share = moved / len(NAMES)
+        assert abs(share - (after - before) / after) < 0.03
+
+
+def test_slot_numbers_are_pod_major() -> None:
+    assert [ring.slot_number(o, p, 2) for o in range(3) for p in range(2)] == list(range(6))
+    with pytest.raises(ValueError):
+        ring.slot_number(0, 2, 2)
+
+
+def test_membership_parse_and_validation() -> None:
+    m = mb.Membership.parse("a:1, b:2,c:3", "2")
+    assert m.members == ("a:1", "b:2", "c:3")
+    assert m.sizes == (2, 3)
+    assert (m.size, m.epoch) == (3, 2)
+    assert m.slot_of("b:2") == 1
+    with pytest.raises(errors.InvalidArgument):
+        m.slot_of("d:4")
+    for peers, history in (("", ""), ("a:1,a:1", ""), ("a", ""), ("a:1,b:2", "3"), ("a:1,b:2", "x"), ("a:1", "0")):
+        with pytest.raises(errors.InvalidArgument):
+            mb.Membership.parse(peers, history)
+    assert mb.Membership.single("x:1").grown("y:2") == mb.Membership(("x:1", "y:2"), (1, 2))
+
+
+def test_single_member_owns_everything_without_look_up() -> None:
+    m = mb.Membership.single("a:1")
+    asked: list[int] = []
+
+    def holds(slot: int) -> bool:
+        asked.append(slot)
+        return True
+
+    assert all(mb.owner(m, n) == 0 for n in NAMES[:100])
+    assert all(mb.resolve(m, n, holds) == 0 for n in NAMES[:100])
+    assert asked == []
+
+
+def test_candidates_after_scale_up() -> None:
+    m = mb.Membership.parse("a:1,b:2,c:3", "2")
+    unmoved = moved = 0
+    for n in NAMES[:3000]:
+        found = mb.candidates(m, n)
+        assert found[0] == mb.owner(m, n) == ring.slot_of(n, 3)
+        if len(found) == 1:
+            unmoved += 1
+        else:
+            assert found == (2, ring.slot_of(n, 2))  # only keys that moved onto the new slot have a second candidate
+            moved += 1
+    assert moved and unmoved and moved < unmoved
+
+
+def test_a_topic_stays_where_it_was_created() -> None:
+    m = mb.Membership.parse("a:1,b:2,c:3", "2")
+    name = next(n for n in NAMES if len(mb.candidates(m, n)) == 2)
+    old = ring.slot_of(name, 2)
+    asked: list[int] = []
+
+    def held_by_old(slot: int) -> bool:
+        asked.append(slot)
+        return slot == old
+
+    assert mb.resolve(m, name, held_by_old) == old  # created before the scale-up: stays
+    assert asked == [old]
+    assert mb.resolve(m, name, lambda _slot: False) == 2  # new topic: follows today's ring
+
+
+def test_leaving_slot_takes_no_new_writes() -> None:
+    m = mb.Membership(("a:1", "b:2", "c:3"), (3, 2))  # scale-down 3 -> 2: slot 2 drains
+    assert not m.writable(2) and m.writable(1)
+    name = next(n for n in NAMES if ring.slot_of(n, 3) == 2)
+    assert mb.candidates(m, name) == (ring.slot_of(name, 2), 2)
+    assert mb.resolve(m, name, lambda slot: slot == 2) == ring.slot_of(name, 2)

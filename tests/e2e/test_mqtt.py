@@ -1,0 +1,174 @@
+"""MQTT meets RocketMQ on one broker: Debian's mosquitto-clients and paho-mqtt on one side, the official
+rocketmq-python-client 5.1.2 (Producer, LitePushConsumer) on the other, through the same lite topics.
+
+mosquitto_pub/mosquitto_sub come from ``make mqtt-clients`` (scripts/mqtt-clients-install.sh); without them
+this suite fails, it does not skip.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.testing import BrokerProcess, Inbox, start_broker
+from lmq_broker.testing_mqtt import Peer
+
+WAIT_S = 20.0
+
+
+def mosquitto(program: str) -> str:
+    path = shutil.which(program)
+    if path is None:
+        pytest.fail(f"{program} is not installed: run `make mqtt-clients` (Debian's mosquitto-clients)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def mqtt_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path_factory.mktemp("mqtt-e2e") / "data", extra_args=["--mqtt-port", "0"])
+    yield process
+    assert process.stop() == 0, process.log()[-4000:]
+
+
+@pytest.fixture
+def topic(mqtt_broker: BrokerProcess, unique: Callable[[str], str]) -> tuple[str, str]:
+    """A LITE parent topic and a lite group of it, on the MQTT broker."""
+    parent, group = unique("MQ"), unique("MG")
+    with AdminClient(mqtt_broker.admin_endpoint, timeout_s=10, **mqtt_broker.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic(parent, model.MessageType.LITE))
+        admin.put_group(model.LiteGroup(group, parent))
+    return parent, group
+
+
+@pytest.fixture
+def peers() -> Iterator[list[Peer]]:
+    started: list[Peer] = []
+    yield started
+    for peer in started:
+        peer.client.loop_stop()
+        peer.client.disconnect()
+
+
+def config(broker: BrokerProcess) -> Any:
+    return ClientConfiguration(broker.endpoint, Credentials(), request_timeout=5)
+
+
+def test_mosquitto_pub_reaches_mosquitto_sub_through_a_wildcard(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], tmp_path: Path
+) -> None:
+    parent, _ = topic
+    port = str(mqtt_broker.mqtt_port)
+    sub = subprocess.Popen(
+        [mosquitto("mosquitto_sub"), "-h", "127.0.0.1", "-p", port, "-q", "1", "-t", f"{parent}/room/+", "-v",
+         "-C", "3", "-W", "30", "-i", "mosq-sub"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_log(mqtt_broker, "mosq-sub connected")
+        time.sleep(0.3)  # its SUBSCRIBE follows the CONNACK
+        for n, room in enumerate(["a", "b", "a"]):
+            subprocess.run(
+                [mosquitto("mosquitto_pub"), "-h", "127.0.0.1", "-p", port, "-q", "1", "-t", f"{parent}/room/{room}",
+                 "-m", f"hello-{n}"],
+                check=True, timeout=30, capture_output=True,
+            )  # fmt: skip
+        out, err = sub.communicate(timeout=40)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+            sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    assert out.splitlines() == [f"{parent}/room/a hello-0", f"{parent}/room/b hello-1", f"{parent}/room/a hello-2"]
+
+
+def test_a_killed_mosquitto_sub_leaves_its_will_and_retained_messages_reach_it(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], peers: list[Peer]
+) -> None:
+    parent, _ = topic
+    port = mqtt_broker.mqtt_port
+    watcher = Peer(port, "will-watcher")
+    peers.append(watcher)
+    watcher.subscribe((f"{parent}/presence/#", 1))
+    subprocess.run(
+        [mosquitto("mosquitto_pub"), "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-r", "-t", f"{parent}/motd",
+         "-m", "welcome"],
+        check=True, timeout=30, capture_output=True,
+    )  # fmt: skip
+    doomed = subprocess.Popen(
+        [mosquitto("mosquitto_sub"), "-h", "127.0.0.1", "-p", str(port), "-q", "1", "-t", f"{parent}/motd",
+         "-i", "doomed", "--will-topic", f"{parent}/presence/doomed", "--will-payload", "offline", "--will-qos", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert doomed.stdout is not None
+        assert doomed.stdout.readline().strip() == "welcome"  # the retained message, on subscribe
+    finally:
+        doomed.send_signal(signal.SIGKILL)  # no DISCONNECT: the broker sees the socket close
+        doomed.communicate(timeout=10)
+    (will,) = watcher.wait_count(1)
+    assert (will.topic, will.payload) == (f"{parent}/presence/doomed", b"offline")
+
+
+def test_the_rocketmq_producer_reaches_an_mqtt_subscriber(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], clients: list[Any], peers: list[Peer]
+) -> None:
+    parent, _ = topic
+    sub = Peer(mqtt_broker.mqtt_port, "from-rocketmq")
+    peers.append(sub)
+    assert sub.subscribe((f"{parent}/agent/#", 1)) == [1]
+    producer = Producer(config(mqtt_broker), (parent,))
+    producer.startup()
+    clients.append(producer)
+    for n, lite in enumerate(["agent_1", "agent_2_task", "agent_1"]):
+        message = Message()
+        message.topic, message.lite_topic, message.body = parent, lite, f"rocketmq-{n}".encode()
+        producer.send(message)
+    got = sub.wait_count(3)
+    assert [(m.topic, m.payload, m.qos) for m in got] == [
+        (f"{parent}/agent/1", b"rocketmq-0", 1),
+        (f"{parent}/agent/2/task", b"rocketmq-1", 1),
+        (f"{parent}/agent/1", b"rocketmq-2", 1),
+    ]
+
+
+def test_an_mqtt_publish_reaches_a_lite_push_consumer(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], clients: list[Any], peers: list[Peer]
+) -> None:
+    parent, group = topic
+    inbox = Inbox()
+    consumer = LitePushConsumer(config(mqtt_broker), group, parent, inbox)
+    consumer.startup()
+    clients.append(consumer)
+    consumer.subscribe_lite("device-7_telemetry")
+    pub = Peer(mqtt_broker.mqtt_port, "to-rocketmq")
+    peers.append(pub)
+    pub.publish(f"{parent}/device-7/telemetry", b"21.5C", qos=1)
+    pub.publish(f"{parent}/device-7/telemetry", b"21.7C", qos=0)
+    assert inbox.wait_for(lambda i: len(i.accepted) == 2, WAIT_S), inbox.bodies()
+    assert [(m.lite_topic, m.body) for m in inbox.accepted] == [
+        ("device-7_telemetry", b"21.5C"),
+        ("device-7_telemetry", b"21.7C"),
+    ]
+    assert inbox.accepted[1].properties.get("MQTT_QOS") == "0"
+    with AdminClient(mqtt_broker.admin_endpoint, timeout_s=10, **mqtt_broker.admin_keys) as admin:
+        deadline = time.monotonic() + WAIT_S
+        while admin.describe_lite_topic(parent, "device-7_telemetry").group_offsets.get(group) != 2:
+            assert time.monotonic() < deadline, "the consumer's acks were not committed"
+            time.sleep(0.05)
+
+
+def _wait_for_log(broker: BrokerProcess, text: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while text not in broker.log():
+        assert time.monotonic() < deadline, f"{text!r} not in the broker log"
+        time.sleep(0.05)

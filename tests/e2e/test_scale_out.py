@@ -1,0 +1,226 @@
+"""Scale-out (docs/scale-out.md): N brokers behind ONE access endpoint, the official Python client 5.1.2.
+
+Each broker owns a share of the lite topics; a send reaching another broker is forwarded to the owner, a
+subscription is split by owner, every broker answers the same routes and assignments. Checked with real
+processes: ``--processes N`` (one access port shared with SO_REUSEPORT) and explicit ``--peers``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+from rocketmq.grpc_protocol import definition_pb2 as rpb
+from rocketmq.grpc_protocol import service_pb2 as rspb
+from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, start_broker
+
+PROCESS_RE = re.compile(r"lmq-broker process (?P<index>\d+) grpc=(?P<grpc>[^ ]+) metrics=")
+TOPIC, GROUP = "SCALE_NS", "scale-group"
+
+
+def process_endpoints(broker: BrokerProcess) -> list[str]:
+    found = {int(m["index"]): m["grpc"] for m in PROCESS_RE.finditer(broker.log())}
+    return [found[i] for i in sorted(found)]
+
+
+def create_metadata(endpoints: list[str], keys: Any) -> None:
+    """Topics and groups go to every broker (the operator does this on Kubernetes)."""
+    for endpoint in endpoints:
+        with AdminClient(endpoint, timeout_s=10, **keys) as admin:
+            admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
+            admin.put_group(model.LiteGroup(GROUP, TOPIC))
+
+
+def holders(endpoints: list[str], keys: Any) -> dict[str, list[int]]:
+    """lite topic -> the brokers (indexes) whose store holds it."""
+    out: dict[str, list[int]] = {}
+    for i, endpoint in enumerate(endpoints):
+        with AdminClient(endpoint, timeout_s=10, **keys) as admin:
+            start = ""
+            while True:
+                page = admin.list_lite_topics(TOPIC, start_after=start, limit=1000)
+                for info in page.topics:
+                    out.setdefault(info.meta.lite, []).append(i)
+                if not page.next_start_after:
+                    break
+                start = page.next_start_after
+    return out
+
+
+def assignments_of(endpoint: str) -> list[tuple[str, str]]:
+    with grpc.insecure_channel(endpoint) as channel:
+        reply = rgrpc.MessagingServiceStub(channel).QueryAssignment(
+            rspb.QueryAssignmentRequest(
+                topic=rpb.Resource(name=TOPIC), group=rpb.Resource(name=GROUP), endpoints=rpb.Endpoints()
+            ),
+            metadata=(("x-mq-client-id", "scale-test"),),
+            timeout=10,
+        )
+    assert reply.status.code == rpb.Code.OK, reply.status
+    return [
+        (a.message_queue.broker.name, f"{a.message_queue.broker.endpoints.addresses[0].host}:"
+         f"{a.message_queue.broker.endpoints.addresses[0].port}")
+        for a in reply.assignments
+    ]  # fmt: skip
+
+
+def config(endpoint: str) -> Any:
+    return ClientConfiguration(endpoint, Credentials(), request_timeout=5)
+
+
+def send(producer: Any, lite: str, body: bytes) -> Any:
+    message = Message()
+    message.topic = TOPIC
+    message.lite_topic = lite
+    message.body = body
+    return producer.send(message)
+
+
+def exchange(
+    access: str, lites: list[str], per_topic: int, clients: list[Any], inbox: Inbox, *, run: str = "a"
+) -> set[tuple[str, bytes]]:
+    """Subscribe ``lites`` and send ``per_topic`` messages to each, all through ``access``."""
+    consumer = LitePushConsumer(config(access), GROUP, TOPIC, inbox)
+    consumer.startup()
+    clients.append(consumer)
+    for lite in lites:
+        consumer.subscribe_lite(lite)
+    producer = Producer(config(access), (TOPIC,))
+    producer.startup()
+    clients.append(producer)
+    sent: set[tuple[str, bytes]] = set()
+    for n in range(per_topic):
+        for lite in lites:
+            body = f"{lite}/{run}/{n:04d}".encode()
+            send(producer, lite, body)
+            sent.add((lite, body))
+    return sent
+
+
+def check_received(inbox: Inbox, sent: set[tuple[str, bytes]], timeout: float = 60) -> None:
+    assert inbox.wait_for(lambda i: len(i.accepted) >= len(sent), timeout), f"got {len(inbox.accepted)} of {len(sent)}"
+    time.sleep(1)  # a duplicate would arrive within this
+    got = [(m.lite_topic, m.body) for m in inbox.accepted]
+    assert len(got) == len(sent) and set(got) == sent  # every message once
+    per_topic: dict[str, list[bytes]] = {}
+    for lite, body in got:
+        per_topic.setdefault(lite, []).append(body)
+    assert all(bodies == sorted(bodies) for bodies in per_topic.values())  # in order per lite topic
+
+
+@pytest.fixture
+def clients() -> Iterator[list[Any]]:
+    started: list[Any] = []
+    yield started
+    for client in reversed(started):
+        client.shutdown()
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], processes: int) -> None:
+    args = ["--processes", str(processes), "--no-bootstrap"]
+    with start_broker(tmp_path / "data", extra_args=args, env=SHARED_ADMIN_ENV) as pod:
+        endpoints = process_endpoints(pod) if processes > 1 else [pod.endpoint]
+        assert len(endpoints) == processes
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        expected = assignments_of(endpoints[0])
+        assert len(expected) == processes
+        assert all(assignments_of(e) == expected for e in endpoints)  # identical from every broker
+        if processes > 1:
+            assert sorted(address for _, address in expected) == sorted(endpoints)
+        lites = [f"s-{i}" for i in range(24)]
+        inbox = Inbox()
+        sent = exchange(pod.endpoint, lites, 3, clients, inbox)
+        check_received(inbox, sent)
+        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        assert sorted(placed) == sorted(lites)
+        assert all(len(where) == 1 for where in placed.values()), placed  # each topic on exactly one broker
+        if processes > 1:
+            assert len({where[0] for where in placed.values()}) == processes  # and every broker owns some
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()
+
+
+def start_cluster(
+    tmp_path: Path, ports: list[int], history: str = "", only: list[int] | None = None
+) -> list[BrokerProcess]:
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    brokers = []
+    for i in only if only is not None else range(len(ports)):
+        args = ["--peers", peers, "--ordinal", str(i), "--no-bootstrap", "--ring-history", history]
+        brokers.append(start_broker(tmp_path / f"b{i}", port=ports[i], extra_args=args, env=SHARED_ADMIN_ENV))
+    return brokers
+
+
+def test_kill_9_of_one_broker_leaves_the_others_flowing(tmp_path: Path, clients: list[Any]) -> None:
+    ports = free_ports("127.0.0.1", 3)
+    brokers = start_cluster(tmp_path, ports)
+    try:
+        endpoints = [b.endpoint for b in brokers]
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        lites = [f"k-{i}" for i in range(18)]
+        inbox = Inbox()
+        sent = exchange(endpoints[0], lites, 2, clients, inbox)
+        check_received(inbox, sent)
+        placed = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+        assert len(set(placed.values())) == 3
+        brokers[2].kill()
+        survivors = [lite for lite in lites if placed[lite] != 2]
+        lost = [lite for lite in lites if placed[lite] == 2]
+        producer = clients[-1]
+        more = set()
+        for lite in survivors:
+            body = f"{lite}/after".encode()
+            send(producer, lite, body)
+            more.add((lite, body))
+        for lite in lost[:1]:  # the dead owner's topics fail (the client's retries included), nothing stored
+            with pytest.raises(Exception):  # noqa: B017 - the client raises its InternalErrorException
+                send(producer, lite, b"nowhere")
+        check_received(inbox, sent | more)
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[Any]) -> None:
+    ports = free_ports("127.0.0.1", 3)
+    two = start_cluster(tmp_path, ports[:2])
+    endpoints = [b.endpoint for b in two]
+    create_metadata(endpoints, SHARED_ADMIN_KEYS)
+    lites = [f"u-{i}" for i in range(30)]
+    inbox = Inbox()
+    sent = exchange(endpoints[0], lites, 2, clients, inbox)
+    check_received(inbox, sent)
+    before = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+    for client in reversed(clients):
+        client.shutdown()
+    clients.clear()
+    for broker in two:
+        broker.stop()
+    three = start_cluster(tmp_path, ports, history="2")  # the two restart with the new ring; a third joins
+    try:
+        endpoints = [b.endpoint for b in three]
+        create_metadata(endpoints[2:], SHARED_ADMIN_KEYS)
+        new_lites = [f"n-{i}" for i in range(30)]
+        inbox = Inbox()
+        more = exchange(endpoints[1], lites + new_lites, 1, clients, inbox, run="b")
+        check_received(inbox, more)
+        after = holders(endpoints, SHARED_ADMIN_KEYS)
+        assert all(len(where) == 1 for where in after.values()), after  # no topic on two brokers
+        assert {lite: after[lite][0] for lite in lites} == before  # old topics stayed (no data moved)
+        assert any(after[lite][0] == 2 for lite in new_lites)  # new topics use the new broker
+    finally:
+        for broker in three:
+            broker.stop()
