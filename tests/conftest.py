@@ -31,7 +31,7 @@ UNIT_MODULES: Final = frozenset(
         "broker/test_readyset.py",
         "broker/test_recent.py",
         "broker/test_registry.py",
-        "broker/test_snapshot.py",
+        "broker/test_saved_subscriptions.py",
         "broker/test_wildcards.py",
         "reclaim/test_ratelimit.py",
         "storage/test_codec.py",

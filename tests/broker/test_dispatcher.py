@@ -16,7 +16,10 @@ from lmq_broker import errors, model
 from lmq_broker.admin import reclaiming
 from lmq_broker.dispatch import dispatcher as dispatcher_module
 from lmq_broker.dispatch import reclaims
-from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher, OffsetPolicy, OffsetReset, lmq_name
+from lmq_broker.dispatch.delivery import STORE_RETRY_MS
+from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher, OffsetPolicy, OffsetReset
+from lmq_broker.dispatch.leases import LeaseKey
+from lmq_broker.dispatch.subscriptions import lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
 from lmq_broker.storage import keys, memory
 from lmq_broker.storage.api import Store
@@ -45,7 +48,7 @@ async def test_an_ack_commits_on_the_loop_when_no_writer_holds_the_store(
     async def no_pool(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"went to the thread pool: {args}")
 
-    monkeypatch.setattr(lite.dispatcher, "run", no_pool)
+    monkeypatch.setattr(lite.dispatcher.runtime, "run", no_pool)
     await lite.dispatcher.ack(GROUP, first.receipt_handle)
     assert lite.committed("t1") == 1
     await lite.dispatcher.ack(GROUP, second.receipt_handle)
@@ -321,7 +324,7 @@ async def test_a_catchup_due_while_one_runs_is_not_dropped(lite: Lite, monkeypat
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, [f"t{i}" for i in range(6)])
     order = walk_order(lite, "c1")
     probed, release = asyncio.Event(), asyncio.Event()
-    probe = lite.dispatcher._pending_among
+    probe = lite.dispatcher.deliverer.pending_among
 
     async def slow_probe(lmqs: list[str], group: str) -> list[str]:
         found = await probe(lmqs, group)
@@ -329,7 +332,7 @@ async def test_a_catchup_due_while_one_runs_is_not_dropped(lite: Lite, monkeypat
         await release.wait()  # the pass is still running when the next one comes due
         return found
 
-    monkeypatch.setattr(lite.dispatcher, "_pending_among", slow_probe)
+    monkeypatch.setattr(lite.dispatcher.deliverer, "pending_among", slow_probe)
     lite.dispatcher.resync()  # a pass over the topics, which are all empty
     await probed.wait()
     for t in order[:3]:
@@ -344,7 +347,7 @@ async def test_a_catchup_due_while_one_runs_is_not_dropped(lite: Lite, monkeypat
 
 async def drain_background(dispatcher: Dispatcher) -> None:
     deadline = time.monotonic() + 5
-    while dispatcher._tasks and time.monotonic() < deadline:
+    while dispatcher.runtime.tasks and time.monotonic() < deadline:
         await asyncio.sleep(0.001)
 
 
@@ -827,13 +830,13 @@ async def test_a_failed_commit_is_retried_by_housekeeping_and_acked_messages_nev
     refused = failing.refused
     lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
     lite.dispatcher.tick()
-    await _until(lambda: failing.refused > refused and not lite.dispatcher._retrying)
+    await _until(lambda: failing.refused > refused and not lite.dispatcher.settlement.retrying)
     assert lite.committed("t1") is None  # still refused: still dirty, tried again later
     failing.failing = False
     lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
     lite.dispatcher.tick()
-    await _until(lambda: lite.committed("t1") == 2 and not lite.dispatcher._retrying)
-    assert lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP)) is None  # released once persisted
+    await _until(lambda: lite.committed("t1") == 2 and not lite.dispatcher.settlement.retrying)
+    assert lite.dispatcher.leases.get(LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)) is None  # released once persisted
     await lite.send("t1", b"c")
     assert [d.message.body for d in await lite.receive("c1")] == [b"c"]
 
@@ -854,12 +857,12 @@ async def test_a_two_million_offset_hole_is_persisted_as_one_run_and_commits_fas
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1", b"a")
     (got,) = await lite.receive("c1")
-    key = (lmq_name(PARENT, "t1"), 0, GROUP)
+    key = LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)
     state = lite.dispatcher.leases.get(key)
     assert state is not None
-    assert lite.dispatcher._settle_gone(key, state, 1, 2_000_001, [])  # as a read over a lost segment
+    assert lite.dispatcher.settlement.settle_gone(key, state, 1, 2_000_001, [])  # as a read over a lost segment
     start = time.perf_counter()
-    await lite.dispatcher._commit(key, state)
+    await lite.dispatcher.settlement.commit(key, state)
     assert time.perf_counter() - start < 0.05
     queue = model.QueueId.lmq(PARENT, "t1")
     acked = lite.store.get_acked(queue, GROUP)
@@ -955,7 +958,7 @@ async def test_after_a_rebuild_cached_commit_points_and_messages_are_read_again(
         await lite.send("t1", body)
     for d in await lite.receive("c1"):
         await lite.dispatcher.ack(GROUP, d.receipt_handle)
-    assert lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP)) is None  # idle: only caches remain
+    assert lite.dispatcher.leases.get(LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)) is None  # idle: only caches remain
     # the rebuilt store holds the group at offset 1 and lost the tail after it (e.g. meta repaired from a
     # backup): the dispatcher must believe the store, not its cache of 3
     lite.store.commit_offset(model.QueueId.lmq(PARENT, "t1"), GROUP, 1)
@@ -974,7 +977,7 @@ async def test_a_rebuild_seen_only_through_the_generation_triggers_a_catch_up(
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1", b"m0")
     caught_up: list[str] = []
-    monkeypatch.setattr(lite.dispatcher, "_start_catchup", caught_up.append)
+    monkeypatch.setattr(lite.dispatcher.subscriptions, "start_catchup", caught_up.append)
     rebuilds.generation += 1  # started and ended between two polls of the health watcher
     (got,) = await lite.receive("c1")
     assert got.message.body == b"m0" and caught_up == ["c1"]
@@ -997,11 +1000,11 @@ async def test_a_receive_while_the_store_refuses_reads_returns_empty_settles_not
 
     monkeypatch.setattr(lite.store, "read_span", refusing)
     assert await lite.receive("c1") == []  # no INTERNAL_ERROR
-    state = lite.dispatcher.leases.get((lmq_name(PARENT, "t1"), 0, GROUP))
+    state = lite.dispatcher.leases.get(LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP))
     assert state is None or (state.committed == 0 and state.acked_above() == () and not state.entries)
     assert lite.committed("t1") is None
     monkeypatch.setattr(lite.store, "read_span", real)
-    lite.clock.advance(dispatcher_module.STORE_RETRY_MS)
+    lite.clock.advance(STORE_RETRY_MS)
     lite.dispatcher.tick()  # the retry: a catch-up pass offers the topic again
     assert [d.message.body for d in await lite.receive("c1", poll_ms=5000)] == [b"a", b"b"]
 
@@ -1018,7 +1021,7 @@ async def test_a_receive_while_the_store_refuses_offset_reads_returns_empty(
     monkeypatch.setattr(lite.store, "get_offset", refusing)
     assert await lite.receive("c1") == []
     monkeypatch.undo()
-    lite.clock.advance(dispatcher_module.STORE_RETRY_MS)
+    lite.clock.advance(STORE_RETRY_MS)
     lite.dispatcher.tick()
     assert [d.message.body for d in await lite.receive("c1", poll_ms=5000)] == [b"a"]
 

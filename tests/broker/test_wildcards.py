@@ -92,7 +92,7 @@ async def test_an_overflow_behind_where_a_wildcard_catchup_stopped_is_found(lite
 async def settle(lite: Lite) -> None:
     """Let the dispatcher's background tasks (catch-up passes) finish."""
     for _ in range(1000):
-        if not lite.dispatcher._tasks:
+        if not lite.dispatcher.runtime.tasks:
             return
         await asyncio.sleep(0.001)
     raise AssertionError("background tasks still running")
