@@ -14,7 +14,6 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.model import UNLIMITED
 from lmq_broker.storage.api import Store
 
 DLQ_PREFIX: Final = "%DLQ%"  # dead letters of group G go to the normal topic %DLQ%G (queue 0), read-only
@@ -23,7 +22,7 @@ NORMAL_GROUP_RETRY = model.RetryPolicy()
 
 def _tightest(*limits: int) -> int:
     real = [x for x in limits if x >= 0]
-    return min(real) if real else UNLIMITED
+    return min(real) if real else model.UNLIMITED
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,17 +120,16 @@ class Metadata:
         """What the settings frame tells the client: clients treat 0 or -1 as 'nothing allowed', so an
         unlimited quota is sent as the broker-wide subscription limit."""
         quota = self.client_quota(group, parent, namespace)
-        return quota if quota != UNLIMITED else self.config.max_subscriptions_per_broker
+        return quota if quota != model.UNLIMITED else self.config.max_subscriptions_per_broker
 
     def lite_topic_limits(self, parent: model.ParentTopic) -> tuple[int, int]:
         """(max lite topics under ``parent``, max lite topics on the broker); UNLIMITED = -1."""
         parent_quota = self._quota(f"parent:{parent.name}")
         broker_quota = self._quota("broker")
+        unset = model.UNLIMITED
         return (
-            _tightest(parent.max_lite_topics, parent_quota.max_lite_topics if parent_quota else UNLIMITED),
-            _tightest(
-                self.config.max_lite_topics_per_broker, broker_quota.max_lite_topics if broker_quota else UNLIMITED
-            ),
+            _tightest(parent.max_lite_topics, parent_quota.max_lite_topics if parent_quota else unset),
+            _tightest(self.config.max_lite_topics_per_broker, broker_quota.max_lite_topics if broker_quota else unset),
         )
 
     def send_rates(self, parent: str) -> list[tuple[str, int]]:
