@@ -68,21 +68,28 @@ class Ingest:
         check = quotas.lite_topic_check(rt.store, snap, messages)
         if check is not None:
             await rt.run(check)
-        return await self.append(messages)
+        assert self._appender is not None, "Dispatcher.start() was not awaited"
+        results = await self._appender.append(messages)
+        self._appended(messages, results)
+        return results
 
     async def dead_letter(self, group: str, messages: Sequence[model.StoredMessage]) -> None:
         """Store copies of ``messages`` in ``%DLQ%<group>``: no quota applies, and its readers wake."""
         await self.append([offsets.dead_letter(group, m) for m in messages])
 
     async def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        """Append what the broker writes itself: no quota applies."""
         assert self._appender is not None, "Dispatcher.start() was not awaited"
         results = await self._appender.append(messages)
+        self._appended(messages, results)
+        return results
+
+    def _appended(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
         topics = dict.fromkeys(map(_topic_of, chain.from_iterable(map(_queues_of, results))))  # in C, in order
         # Kept for quick delivery: messages of normal topics, and of the LMQs someone here subscribes to.
         readers = {*(self.readers.subscribed() & topics.keys()), *filterfalse(_is_lmq_topic, topics)}
         self.recent.add(messages, results, readers)
         self.notify_appended(topics)
-        return results
 
     def notify_appended(self, topics: dict[str, None]) -> None:
         """Called after an append with the topics it touched, in order. Coalesced: one flush per loop pass,

@@ -178,10 +178,10 @@ class Settlement:
     def release(self, key: LeaseKey) -> None:
         """Drop an idle key's lease state, unless a delivery or an offset write is still using it (a fresh
         state would re-read a commit point that is not persisted yet)."""
-        if key in self._commit_locks or key in self.dirty or self.deliveries.delivering(key):
-            return
         state = self._leases.get(key)
-        if state is not None and state.idle:
+        if state is None or not state.idle:
+            return
+        if key not in self._commit_locks and key not in self.dirty and not self.deliveries.delivering(key):
             self._leases.forget(key)
             self._persisted.pop(key, None)
             self._unverified.discard(key)

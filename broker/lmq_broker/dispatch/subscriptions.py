@@ -52,7 +52,7 @@ class Subscriptions:
         settling: settlement.Settlement,
     ) -> None:
         self._rt = rt
-        self.registry = subscribers
+        self._registry = subscribers
         self._wildcards = wild
         self._ready = ready
         self._deliverer = deliverer
@@ -76,7 +76,7 @@ class Subscriptions:
         language: str = "",
         version: str = "",
     ) -> registry.ClientState:
-        state = self.registry.touch(
+        state = self._registry.touch(
             client_id, self._rt.clock(), client_type=client_type, group=group, bind_topic=bind_topic, topics=topics
         )
         if language:
@@ -87,14 +87,14 @@ class Subscriptions:
 
     def stream_opened(self, client_id: str) -> asyncio.Queue[str]:
         """A telemetry stream opened; returns the client's notices (lite topics taken from it) to relay."""
-        self.registry.touch(client_id, self._rt.clock()).streams += 1
+        self._registry.touch(client_id, self._rt.clock()).streams += 1
         notices = self._notices.get(client_id)
         if notices is None:
             notices = self._notices[client_id] = asyncio.Queue(maxsize=NOTICES_PER_CLIENT)
         return notices
 
     def stream_closed(self, client_id: str) -> None:
-        state = self.registry.get(client_id)
+        state = self._registry.get(client_id)
         if state is None:
             self._notices.pop(client_id, None)
             return
@@ -106,7 +106,7 @@ class Subscriptions:
 
     def client_gone(self, client_id: str) -> None:
         """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
-        state = self.registry.drop(client_id)
+        state = self._registry.drop(client_id)
         pending = self._ready.drop_client(client_id)
         self._catchup_cursor.pop(client_id, None)
         self._catchup_again.discard(client_id)
@@ -119,7 +119,7 @@ class Subscriptions:
 
     def expire_idle(self, now: int) -> None:
         expiry_ms = self._rt.config.client_expiry_ms
-        for client_id in self.registry.idle_since(now - expiry_ms):
+        for client_id in self._registry.idle_since(now - expiry_ms):
             log.info("client %s expired (no heartbeat or sync for %d ms)", client_id, expiry_ms)
             self.client_gone(client_id)
 
@@ -135,7 +135,7 @@ class Subscriptions:
                 last_seen_ms=wall_now - (now - st.last_seen_ms),
                 ready_events=self._ready.size(st.client_id),
             )
-            for st in self.registry.clients()
+            for st in self._registry.clients()
             if group is None or st.group == group
         ]
 
@@ -144,7 +144,7 @@ class Subscriptions:
             saved_subscriptions.ClientRecord(
                 st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics)
             )
-            for st in self.registry.clients()
+            for st in self._registry.clients()
             if st.lite_topics and st.group
         ]
 
@@ -154,8 +154,10 @@ class Subscriptions:
         now = self._rt.clock()
         for r in records:
             try:
-                self.registry.touch(r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic)
-                self.registry.add(r.client_id, r.lmqs, model.UNLIMITED, now)
+                self._registry.touch(
+                    r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic
+                )
+                self._registry.add(r.client_id, r.lmqs, model.UNLIMITED, now)
             except errors.LmqError as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
                 log.warning("subscriptions of client %s not restored: %s", r.client_id, exc.message)
                 continue
@@ -186,8 +188,8 @@ class Subscriptions:
         lmqs = [lmq_name(parent, lite) for lite in lites]
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
         now = self._rt.clock()
-        self.registry.touch(client_id, now, group=group, bind_topic=parent)
-        added = self.registry.add(client_id, lmqs, quota, now)
+        self._registry.touch(client_id, now, group=group, bind_topic=parent)
+        added = self._registry.add(client_id, lmqs, quota, now)
         if offset is not None and offset.moves:
             await self._settlement.reset_offsets(lmqs, group, offset)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
@@ -198,7 +200,7 @@ class Subscriptions:
     async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
         (await self._rt.metadata()).lite_group(group, parent)
         lmqs = [lmq_name(parent, lite) for lite in lites]
-        removed = self.registry.remove(client_id, lmqs, self._rt.clock())
+        removed = self._registry.remove(client_id, lmqs, self._rt.clock())
         self._ready.discard_many(client_id, removed)
         return removed
 
@@ -214,8 +216,8 @@ class Subscriptions:
         lmqs = [lmq_name(parent, lite) for lite in lites]
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
         now = self._rt.clock()
-        self.registry.touch(client_id, now, group=group, bind_topic=parent)
-        added, removed = self.registry.replace(client_id, lmqs, quota, now)
+        self._registry.touch(client_id, now, group=group, bind_topic=parent)
+        added, removed = self._registry.replace(client_id, lmqs, quota, now)
         self._ready.discard_many(client_id, removed)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
             self._evict_others(client_id, group, added)
@@ -226,19 +228,19 @@ class Subscriptions:
         (await self._rt.metadata()).lite_group(group, parent)
         if self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
-        state = self.registry.get(client_id)
+        state = self._registry.get(client_id)
         if state is not None:
-            removed = self.registry.remove(client_id, list(state.lite_topics), self._rt.clock())
+            removed = self._registry.remove(client_id, list(state.lite_topics), self._rt.clock())
             self._ready.discard_many(client_id, removed)
 
     def forget(self, lmq: str) -> None:
         """A deleted lite topic: no one subscribes to it any more, and no ready queue holds it."""
-        self._ready.discard(lmq, self.registry.forget_lmq(lmq))
+        self._ready.discard(lmq, self._registry.forget_lmq(lmq))
 
     def _register_wildcard(self, client_id: str, group: str, parent: str) -> None:
         """A client of a wildcard group takes every lite topic of ``parent``; a new registration walks the
         parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
-        self.registry.touch(client_id, self._rt.clock(), group=group, bind_topic=parent)
+        self._registry.touch(client_id, self._rt.clock(), group=group, bind_topic=parent)
         if self._wildcards.add(client_id, group, parent):
             self._wildcard_cursor.pop(client_id, None)
             self.start_catchup(client_id)
@@ -247,10 +249,10 @@ class Subscriptions:
         """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers."""
         now = self._rt.clock()
         for lmq in lmqs:
-            for other in self.registry.subscribers(lmq):
-                state = self.registry.get(other)
+            for other in self._registry.subscribers(lmq):
+                state = self._registry.get(other)
                 if other != client_id and state is not None and state.group == group:
-                    self.registry.remove(other, [lmq], now)
+                    self._registry.remove(other, [lmq], now)
                     self._ready.discard_many(other, [lmq])
                     notices = self._notices.get(other)
                     if notices is not None and not notices.full():  # full: the client is not reading anyway
@@ -297,7 +299,7 @@ class Subscriptions:
                 self._rt.arm(now)
 
     async def _catchup_walk(self, client_id: str) -> None:
-        state = self.registry.get(client_id)
+        state = self._registry.get(client_id)
         if state is None or not state.group:
             return
         if self._wildcards.registration(client_id) is not None:
@@ -314,7 +316,7 @@ class Subscriptions:
                 if not self._deliverer.offer(client_id, lmq, state.group):
                     self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
                     return
-            if self.registry.get(client_id) is not state:
+            if self._registry.get(client_id) is not state:
                 return
 
     async def _wildcard_catchup(self, client_id: str) -> None:
@@ -346,14 +348,14 @@ class Subscriptions:
     # --- reclaim marks ------------------------------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
         topics = [lmq.topic for lmq in lmqs]
-        return self.marks.begin(topics, list(map(self.registry.subscriber_count, topics)), allowed_subscribers)
+        return self.marks.begin(topics, list(map(self._registry.subscriber_count, topics)), allowed_subscribers)
 
     async def _reclaims_settled(self, client_id: str, lmqs: Iterable[str]) -> None:
         """Before ``client_id`` subscribes to ``lmqs``: each topic it does not hold yet that a delete has
         marked is vetoed (kept), or, where that is too late, waited for. Returns in the loop step of its
         last veto, so a caller that registers without awaiting first is registered before the delete."""
         while self.marks:
-            state = self.registry.get(client_id)
+            state = self._registry.get(client_id)
             held = state.lite_topics if state is not None else set()
             busy = self.marks.blocking(lmq for lmq in lmqs if lmq not in held)
             if busy is None:
