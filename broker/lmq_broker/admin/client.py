@@ -14,6 +14,7 @@
         admin.list_lite_topics("orders", start_after="", limit=100)             # -> LiteTopicPage
         admin.list_clients(group=None)                                          # -> list[ClientInfo]
         admin.broker_info(with_undrained=True)                                  # -> BrokerInfo
+        admin.cluster(with_undrained=False) / admin.set_cluster(members, sizes)  # -> ClusterInfo
         admin.record_reclaim_runs([ReclaimRun("orders", "run-1", start, finish, reclaimed=5)])  # -> ReclaimRecording
         for columns in admin.scan_lite_topics_columns("orders", batch_size=10_000):
             ...  # dict: column name -> list, one entry per row (LITE_TOPIC_COLUMNS [+ optional ones])
@@ -172,6 +173,29 @@ class BrokerInfo:
     undrained_messages: int  # -1 when not computed (with_undrained=False)
     parent_topic_count: int
     group_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    members: tuple[str, ...]  # ring slots' endpoints, in slot order
+    ring_sizes: tuple[int, ...]  # oldest first; the last is today's ring (members past it are leaving)
+    slot: int  # this broker's; -1: no member
+    leaving: bool
+    undrained_messages: int  # -1 when not computed
+    drained: bool
+    source: str  # "flags" or "admin"
+
+
+def _cluster_info(message: pb.GetClusterResponse) -> ClusterInfo:
+    return ClusterInfo(
+        tuple(message.members),
+        tuple(message.ring_sizes),
+        message.slot,
+        message.leaving,
+        message.undrained_messages,
+        message.drained,
+        message.source,
+    )
 
 
 def _group_info(message: pb.GetLiteGroupResponse) -> GroupInfo:
@@ -412,6 +436,19 @@ class AdminClient:
             parent_topic_count=reply.parent_topic_count,
             group_count=reply.group_count,
         )
+
+    # --- the cluster (docs/scale-out.md) -----------------------------------------------------------------
+    def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
+        request = pb.GetClusterRequest(with_undrained=with_undrained)
+        return _cluster_info(self._unary("GetCluster", request, self.long_timeout_s if with_undrained else None))
+
+    def set_cluster(
+        self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
+    ) -> tuple[ClusterInfo, bool]:
+        """This broker's membership; returns it as now applied, and whether it changed."""
+        request = pb.SetClusterRequest(members=members, ring_sizes=ring_sizes, slot=slot, force=force)
+        reply = self._unary("SetCluster", request, self.long_timeout_s)
+        return _cluster_info(reply.cluster), reply.changed
 
 
 class AsyncAdminClient:

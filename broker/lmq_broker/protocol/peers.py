@@ -15,6 +15,12 @@ Receives, acks and assignments need no hop: each broker serves the topics it hol
 
 Which broker holds a topic created before a scale-up is asked once (``DescribeLiteTopic`` over the admin
 service, signed with this broker's admin pair, which every broker of a cluster shares) and remembered.
+
+The membership can change while the broker runs (``apply``, from the admin service): routes, assignments and
+what is remembered about where topics live change in one step of the event loop. A leaving broker (scale-down)
+also routes the sends other brokers forward to it: the topics it holds stay here until drained
+(``protocol.draining``), any other goes on to its owner, a second hop that exists only while brokers leave.
+A broker that is no member at all (removed, still running) forwards everything.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig
-from lmq_broker.protocol import auth, context, convert, status
+from lmq_broker.protocol import auth, context, convert, draining, status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
@@ -100,23 +106,23 @@ class Peers:
         config: BrokerConfig,
         *,
         holds_locally: LocalHolds,
+        drained_locally: draining.Drained,
         admin_keys: tuple[str, str] | None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.membership = membership
-        self.me = me
         self.config = config
         self._holds_locally = holds_locally
         self._admin_keys = admin_keys
-        self.brokers = [
-            pb.Broker(name=f"{config.broker_name.rsplit('-', 1)[0]}-{slot}", id=0, endpoints=endpoints_of(member))
-            for slot, member in enumerate(membership.members)
-        ]
-        self._channels: dict[int, grpc.aio.Channel] = {}
+        self.handoff = draining.Handoff(drained_locally)
+        self._channels: dict[str, grpc.aio.Channel] = {}  # by endpoint: slots keep theirs across a change
         self._placement: dict[str, int] = {}
-        self._batches: dict[int, _Batch] = {}
-        self._in_flight: dict[int, int] = {}  # forward calls per owner not yet answered
+        self._batches: dict[str, _Batch] = {}
+        self._in_flight: dict[str, int] = {}  # forward calls per owner endpoint not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
+        self.membership = membership
+        self.me = me
+        self.brokers: list[pb.Broker] = []
+        self.apply(membership, me)
         registry = registry or CollectorRegistry()
         self.forwarded_messages = Counter(
             "lmq_forwarded_messages", "Messages sent on to the broker owning their lite topic", registry=registry
@@ -125,12 +131,41 @@ class Peers:
             "lmq_forward_calls", "SendMessage calls carrying forwarded messages", registry=registry
         )
 
+    def apply(self, membership: mb.Membership, me: int) -> None:
+        """A new membership, in one step: routes, assignments and remembered placements follow it at once.
+        ``me`` is -1 when this broker is no member (removed, still running: it only forwards)."""
+        name = self.config.broker_name.rsplit("-", 1)[0]
+        self.membership = membership
+        self.me = me
+        self.brokers = [
+            pb.Broker(name=f"{name}-{slot}", id=0, endpoints=endpoints_of(member))
+            for slot, member in enumerate(membership.members)
+        ]
+        self._placement = {}
+        gone = [endpoint for endpoint in self._channels if endpoint not in membership.members]
+        for endpoint in gone:
+            channel = self._channels.pop(endpoint)
+            self._spawn(channel.close(CALL_TIMEOUT_S))  # calls still running on it get their answers
+
+    @property
+    def routes_forwarded(self) -> bool:
+        """Forwarded sends are routed here, not just stored: this broker is leaving, or no member."""
+        return self.me < 0 or self.membership.leaving(self.me)
+
     @property
     def size(self) -> int:
         return len(self.membership.members)
 
     def permission(self, slot: int) -> int:
         return pb.READ_WRITE if self.membership.writable(slot) else pb.READ
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -139,16 +174,15 @@ class Peers:
             await channel.close(None)
         self._channels.clear()
 
-    def _channel(self, slot: int) -> grpc.aio.Channel:
-        channel = self._channels.get(slot)
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
         if channel is None:
-            target = self.membership.members[slot]
             if self.config.tls_cert is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self.config.tls_cert.read_bytes())
                 channel = grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
             else:
                 channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-            self._channels[slot] = channel
+            self._channels[target] = channel
         return channel
 
     def _signed(self, keys: tuple[str, str] | None, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
@@ -160,6 +194,11 @@ class Peers:
     @property
     def _client_keys(self) -> tuple[str, str] | None:
         return (self.config.access_key, self.config.secret_key) if self.config.access_key else None
+
+    def admin(self, endpoint: str) -> tuple[admin_grpc.LmqAdminAsyncStub, tuple[tuple[str, str], ...]]:
+        """A stub of another broker's admin service and the headers to sign a call with (this broker's admin
+        pair, which every broker of a cluster shares)."""
+        return admin_grpc.LmqAdminStub(self._channel(endpoint)), self._signed(self._admin_keys)
 
     # --- where a lite topic lives ---------------------------------------------------------------------------
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:
@@ -191,10 +230,15 @@ class Peers:
         self._placement[lmq] = slot
 
     async def _look_up(self, parent: str, lite: str) -> int:
-        """A topic whose owner changed with a scale-up: does an older owner hold it? Asked once, then kept."""
+        """A topic whose owner changed with a scale-up or down: does an older owner hold it? (And, when that
+        one is leaving, has it handed the topic to today's owner yet?) Asked once, then kept."""
         lmq = model.QueueId.lmq(parent, lite).topic
         found = mb.candidates(self.membership, lmq)
-        held = {slot: await self._holds(slot, parent, lite) for slot in found[1:]}
+        asked = list(found[1:])
+        if any(self.membership.leaving(slot) for slot in asked):
+            asked.append(found[0])
+        answers = await asyncio.gather(*(self._holds(slot, parent, lite) for slot in asked))
+        held = dict(zip(asked, answers, strict=True))
         slot = mb.resolve(self.membership, lmq, held.__getitem__)
         self._remember(lmq, slot)
         return slot
@@ -202,8 +246,8 @@ class Peers:
     async def _holds(self, slot: int, parent: str, lite: str) -> bool:
         if slot == self.me:
             return await self._holds_locally(parent, lite)
-        metadata = self._signed(self._admin_keys)
-        stub = admin_grpc.LmqAdminStub(self._channel(slot))
+        member = self.membership.members[slot]
+        stub, metadata = self.admin(member)
         try:
             await stub.DescribeLiteTopic(
                 admin_pb.DescribeLiteTopicRequest(parent=parent, lite=lite), metadata=metadata, timeout=CALL_TIMEOUT_S
@@ -212,8 +256,7 @@ class Peers:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return False
             raise errors.BrokerUnavailable(
-                f"cannot tell whether broker {self.membership.members[slot]} holds lite topic {lite!r}: "
-                f"{exc.code().name} {exc.details()}"
+                f"cannot tell whether broker {member} holds lite topic {lite!r}: {exc.code().name} {exc.details()}"
             ) from None
         return True
 
@@ -226,6 +269,40 @@ class Peers:
         """Store what this broker owns, forward the rest to the owners; one answer in the request's order."""
         messages = request.messages
         owners = await self._owners_of(messages)
+        kept: list[tuple[str, str]] = []
+        if owners is not None and self.me in owners and self.membership.leaving(self.me):
+            kept = await self._hand_over(messages, owners)
+        try:
+            return await self._send_to(request, owners, store_here)
+        finally:
+            for parent, lite in kept:
+                self.handoff.release(parent, lite)
+
+    async def _hand_over(self, messages: Sequence[pb.Message], owners: list[int]) -> list[tuple[str, str]]:
+        """At a leaving broker: the topics it holds that are drained go to today's owner (``owners`` is changed
+        in place); returns the topics kept here, to be released once stored."""
+        topics: dict[tuple[str, str], list[int]] = {}
+        for i, (message, slot) in enumerate(zip(messages, owners, strict=True)):
+            if slot == self.me and message.system_properties.HasField("lite_topic"):
+                topics.setdefault((message.topic.name, message.system_properties.lite_topic), []).append(i)
+        decisions = await asyncio.gather(*(self.handoff.keep(parent, lite) for parent, lite in topics))
+        kept = []
+        for (parent, lite), keep in zip(topics, decisions, strict=True):
+            if keep:
+                kept.append((parent, lite))
+                continue
+            today = mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic)
+            for i in topics[parent, lite]:
+                owners[i] = today
+        return kept
+
+    async def _send_to(
+        self,
+        request: spb.SendMessageRequest,
+        owners: list[int] | None,
+        store_here: Callable[[spb.SendMessageRequest], Awaitable[spb.SendMessageResponse]],
+    ) -> spb.SendMessageResponse:
+        messages = request.messages
         if owners is None or all(slot == self.me for slot in owners):
             return await store_here(request)
         if len(set(owners)) == 1:
@@ -276,41 +353,42 @@ class Peers:
         """Queue ``count`` messages (a serialized SendMessageRequest) for ``slot``: sent at the end of this tick,
         or, while ``MAX_IN_FLIGHT`` calls to that owner are unanswered, when one of them is answered."""
         loop = asyncio.get_running_loop()
+        target = self.membership.members[slot]
         waiter: asyncio.Future[spb.SendMessageResponse] = loop.create_future()
-        batch = self._batches.get(slot)
+        batch = self._batches.get(target)
         if batch is None or batch.size + count > MAX_BATCH:
             if batch is not None:
-                self._flush(slot)
-            batch = self._batches[slot] = _Batch()
-            if self._in_flight.get(slot, 0) < MAX_IN_FLIGHT:
-                loop.call_soon(self._flush_if, slot, batch)
+                self._flush(target)
+            batch = self._batches[target] = _Batch()
+            if self._in_flight.get(target, 0) < MAX_IN_FLIGHT:
+                loop.call_soon(self._flush_if, target, batch)
         batch.parts.append(serialized)
         batch.counts.append(count)
         batch.waiters.append(waiter)
         batch.size += count
         return waiter
 
-    def _flush_if(self, slot: int, batch: _Batch) -> None:
-        if self._batches.get(slot) is batch:
-            self._flush(slot)
+    def _flush_if(self, target: str, batch: _Batch) -> None:
+        if self._batches.get(target) is batch:
+            self._flush(target)
 
-    def _flush(self, slot: int) -> None:
-        batch = self._batches.pop(slot)
-        self._in_flight[slot] = self._in_flight.get(slot, 0) + 1
-        task = asyncio.get_running_loop().create_task(self._send_batch(slot, batch))
+    def _flush(self, target: str) -> None:
+        batch = self._batches.pop(target)
+        self._in_flight[target] = self._in_flight.get(target, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._send_batch(target, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send_batch(self, slot: int, batch: _Batch) -> None:
+    async def _send_batch(self, target: str, batch: _Batch) -> None:
         try:
-            await self._answer_batch(slot, batch)
+            await self._answer_batch(target, batch)
         finally:
-            self._in_flight[slot] -= 1
-            if slot in self._batches and self._in_flight[slot] < MAX_IN_FLIGHT:
-                self._flush(slot)  # what gathered meanwhile
+            self._in_flight[target] -= 1
+            if target in self._batches and self._in_flight[target] < MAX_IN_FLIGHT:
+                self._flush(target)  # what gathered meanwhile
 
-    async def _answer_batch(self, slot: int, batch: _Batch) -> None:
-        reply = await self._call_send(slot, b"".join(batch.parts), batch.size)
+    async def _answer_batch(self, target: str, batch: _Batch) -> None:
+        reply = await self._call_send(target, b"".join(batch.parts), batch.size)
         if isinstance(reply, BaseException):
             for waiter in batch.waiters:
                 if not waiter.done():
@@ -331,7 +409,7 @@ class Peers:
             return
         # One request of the batch was refused (a send is all or nothing): find which, one call per request.
         answers = await asyncio.gather(
-            *(self._call_send(slot, part, count) for part, count in zip(batch.parts, batch.counts, strict=True))
+            *(self._call_send(target, part, count) for part, count in zip(batch.parts, batch.counts, strict=True))
         )
         for waiter, answer in zip(batch.waiters, answers, strict=True):
             if waiter.done():
@@ -341,8 +419,8 @@ class Peers:
             else:
                 waiter.set_result(answer)
 
-    async def _call_send(self, slot: int, payload: bytes, count: int) -> spb.SendMessageResponse | errors.LmqError:
-        call = self._channel(slot).unary_unary(
+    async def _call_send(self, target: str, payload: bytes, count: int) -> spb.SendMessageResponse | errors.LmqError:
+        call = self._channel(target).unary_unary(
             _SEND, request_serializer=_raw, response_deserializer=spb.SendMessageResponse.FromString
         )
         self.forward_calls.inc()
@@ -353,7 +431,7 @@ class Peers:
             )
         except grpc.aio.AioRpcError as exc:
             return errors.BrokerUnavailable(
-                f"broker {self.membership.members[slot]} owning these lite topics did not answer: "
+                f"broker {target} owning these lite topics did not answer: "
                 f"{exc.code().name}; nothing was stored, try again"
             )
         return reply
@@ -375,8 +453,9 @@ class Peers:
         if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
             parts = {slot: [] for slot in range(self.size)}
         if action != pb.COMPLETE_REMOVE and names:
-            for name, slot in zip(names, await self.owners(parent, names), strict=True):
-                parts.setdefault(slot, []).append(name)
+            for name, owner in zip(names, await self.owners(parent, names), strict=True):
+                for slot in mb.subscribers_at(self.membership, model.QueueId.lmq(parent, name).topic, owner):
+                    parts.setdefault(slot, []).append(name)
         if caller.language in SYNCS_EVERY_BROKER:
             parts = (
                 {self.me: parts.get(self.me, [])}
@@ -401,7 +480,8 @@ class Peers:
     async def _call_sync(
         self, slot: int, request: spb.SyncLiteSubscriptionRequest, caller: context.Caller
     ) -> spb.SyncLiteSubscriptionResponse:
-        call = self._channel(slot).unary_unary(
+        target = self.membership.members[slot]
+        call = self._channel(target).unary_unary(
             _SYNC,
             request_serializer=spb.SyncLiteSubscriptionRequest.SerializeToString,
             response_deserializer=spb.SyncLiteSubscriptionResponse.FromString,
@@ -413,8 +493,7 @@ class Peers:
             reply: spb.SyncLiteSubscriptionResponse = await call(request, metadata=headers, timeout=CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(
-                f"broker {self.membership.members[slot]} owning some of these lite topics did not answer: "
-                f"{exc.code().name}"
+                f"broker {target} owning some of these lite topics did not answer: {exc.code().name}"
             ) from None
         return reply
 

@@ -96,7 +96,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         # Who sends does not matter to a send (auth, when configured, has checked the signature already), so
         # the call's headers are not parsed: this is the one RPC where that saves a measurable share.
         peers = self.edge.peers
-        if peers is not None and not cluster_calls.forwarded(context.invocation_metadata()):
+        if peers is not None and (peers.routes_forwarded or not cluster_calls.forwarded(context.invocation_metadata())):
             return await self._answer(
                 "SendMessage", cluster_calls.send(self.edge, peers, request), spb.SendMessageResponse
             )

@@ -667,6 +667,22 @@ class LmqStore:
     def list_reclaim_runs(self) -> list[model.ReclaimRun]:
         return [keys.decode_reclaim_run(v) for v in self._list_meta(keys.RECLAIM)]
 
+    def put_membership(self, text: str) -> None:
+        self._check_open()
+        with self._write_lock, self._meta_lock:
+            if self._meta_error is not None:
+                raise errors.StorageError(f"meta store cannot write: {self._meta_error}")
+            wb = self._meta.batch()
+            wb.put(keys.MEMBERSHIP_KEY, text.encode())
+            try:
+                self._meta.write_synced(wb)
+            except Exception as e:  # rocksdict raises bare Exception with RocksDB's status text
+                raise errors.StorageError(f"meta store write failed: {e}") from e
+
+    def get_membership(self) -> str | None:
+        value = self._get_meta(keys.MEMBERSHIP_KEY)
+        return None if value is None else bytes(value).decode()
+
     # --- maintenance ---------------------------------------------------------------------------------
 
     def apply_retention(self, stop: Callable[[], bool] | None = None) -> api.RetentionReport:
