@@ -202,7 +202,9 @@ async def test_a_dead_owner_fails_the_send_and_nothing_is_stored(cluster: Cluste
     assert reply.status.code == pb.OK  # this broker's own topics keep flowing
 
 
-async def sync_on(cluster: Cluster, at: int, action: int, names: list[str], language: str = "PYTHON") -> None:
+async def sync_on(
+    cluster: Cluster, at: int, action: int, names: list[str], language: str = "PYTHON", *, client_id: str = "client-1"
+) -> None:
     reply = await cluster.clients[at].stub.SyncLiteSubscription(
         spb.SyncLiteSubscriptionRequest(
             action=action,  # type: ignore[arg-type]
@@ -210,7 +212,7 @@ async def sync_on(cluster: Cluster, at: int, action: int, names: list[str], lang
             group=pb.Resource(name=GROUP),
             lite_topic_set=names,
         ),
-        metadata=cluster.headers(language=language),
+        metadata=cluster.headers(client_id, language),
     )
     assert reply.status.code == pb.OK, reply.status
 
@@ -329,6 +331,8 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         today = {lite: mb.owner(two, model.QueueId.lmq(PARENT, lite).topic) for lite in held + fresh}
         for lite in held:
             await send_via(cluster, 0, lite, 0)
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, held[1:], client_id="before")
+        assert subscribed(cluster, 2, held) == {held[1]} and not subscribed(cluster, today[held[1]], held)
         await set_everywhere(cluster, [2, 0, 1], members, (3, 2))  # the leaving one first
         ports = [b.port for b in cluster.brokers]
         assert await route_of(cluster, 1) == [(ports[0], pb.READ_WRITE), (ports[1], pb.READ_WRITE), (ports[2], pb.READ)]
@@ -337,9 +341,9 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
             assert stored(cluster, 2, lite) == 0 and stored(cluster, today[lite], lite) == 1
         await send_via(cluster, 1, held[0], 1)  # undrained: stays where its first message is (order)
         assert stored(cluster, 2, held[0]) == 2 and stored(cluster, today[held[0]], held[0]) == 0
-        await sync_on(cluster, 0, pb.PARTIAL_ADD, held)
-        for lite in held:  # consumers wait at the new owner too
-            assert subscribed(cluster, 2, [lite]) == {lite} == subscribed(cluster, today[lite], [lite])
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, held[:1])
+        assert subscribed(cluster, 2, held) == set(held)
+        assert subscribed(cluster, today[held[0]], held) == {held[0]}  # consumers wait at the new owner too
         with admin_of(cluster.brokers[0]) as admin, pytest.raises(errors.Conflict, match="undrained"):
             await asyncio.to_thread(admin.set_cluster, members[:2], (3, 2))
         leaving_store = cluster.brokers[2].store
@@ -350,6 +354,8 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
             await send_via(cluster, 0, lite, 5)
             assert stored(cluster, today[lite], lite) == 1
         assert [stored(cluster, 2, lite) for lite in held] == [2, 1]
+        moved = cluster.brokers[today[held[1]]].dispatcher
+        assert moved is not None and moved.subscribers(model.QueueId.lmq(PARENT, held[1])) == ["before"]
         with admin_of(cluster.brokers[2]) as admin:
             info = await asyncio.to_thread(functools.partial(admin.cluster, with_undrained=True))
         assert (info.leaving, info.undrained_messages, info.drained) == (True, 0, True)

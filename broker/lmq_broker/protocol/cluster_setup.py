@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Final
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
@@ -131,6 +131,7 @@ class Cluster:
                 self.config,
                 holds_locally=self._holds_locally,
                 drained_locally=self._drained_locally,
+                subscribers=self._subscribers,
                 admin_keys=self._admin_keys,
                 registry=self._metrics.registry,
             )
@@ -155,6 +156,14 @@ class Cluster:
 
     async def _drained_locally(self, parent: str, lite: str) -> bool:
         return await self._dispatcher.run(draining.drained, self._store, parent, lite)
+
+    def _subscribers(self, parent: str, lite: str) -> list[tuple[str, str]]:
+        out = []
+        for client_id in self._dispatcher.subscribers(model.QueueId.lmq(parent, lite)):
+            state = self._dispatcher.registry.get(client_id)
+            if state is not None and state.group:
+                out.append((client_id, state.group))
+        return out
 
     async def close(self) -> None:
         if self._peers is not None:

@@ -10,8 +10,11 @@ between two messages often, so topics move one by one and the broker ends with n
 The decision and this broker's own stores of a topic exclude each other: while a store of the topic runs
 here the topic is not drained; while the decision runs, sends of that topic wait for it. Handed-over topics
 are remembered in memory: after a restart the first send checks again (the topic is still drained, nothing
-was stored here meanwhile) and moves it again. Consumers of a handed-over topic are already subscribed at
-today's owner: while its holder is leaving, a subscription goes to both (``cluster.membership.subscribers_at``).
+was stored here meanwhile) and moves it again. Consumers of a handed-over topic must be subscribed at today's
+owner before its first message is stored there: subscriptions made while the holder is leaving go to both
+(``cluster.membership.subscribers_at``), and the ones this broker had from before are copied over as the
+topic moves (``move``); a topic whose subscriptions cannot be copied does not move, and the send fails
+(retried by the client).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from lmq_broker import model
 from lmq_broker.storage.api import Store
 
 Drained = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> no unconsumed message here for any group
+Move = Callable[[str, str], Awaitable[None]]  # (parent, lite): copy its subscriptions to today's owner
 MOVED_MEMORY: Final = 1_000_000  # handed-over topics remembered; past it, the oldest are checked again
 
 
@@ -45,8 +49,9 @@ def drained(store: Store, parent: str, lite: str) -> bool:
 
 
 class Handoff:
-    def __init__(self, is_drained: Drained) -> None:
+    def __init__(self, is_drained: Drained, move: Move) -> None:
         self._drained = is_drained
+        self._move = move
         self._moved: dict[str, None] = {}  # LMQ names handed over, oldest first
         self._storing: dict[str, int] = {}  # LMQ name -> stores of it running here
         self._deciding: dict[str, asyncio.Future[None]] = {}
@@ -72,6 +77,7 @@ class Handoff:
         self._deciding[lmq] = decided
         try:
             if await self._drained(parent, lite):
+                await self._move(parent, lite)
                 if len(self._moved) >= MOVED_MEMORY:
                     del self._moved[next(iter(self._moved))]
                 self._moved[lmq] = None

@@ -65,6 +65,7 @@ _CHANNEL_OPTIONS: Final = (
 SYNCS_EVERY_BROKER: Final = frozenset(("JAVA", "GOLANG"))
 
 LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
+Subscribers = Callable[[str, str], list[tuple[str, str]]]  # (parent, lite) -> (client id, group) subscribed here
 
 
 def forwarded(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
@@ -107,13 +108,15 @@ class Peers:
         *,
         holds_locally: LocalHolds,
         drained_locally: draining.Drained,
+        subscribers: Subscribers,
         admin_keys: tuple[str, str] | None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config
         self._holds_locally = holds_locally
         self._admin_keys = admin_keys
-        self.handoff = draining.Handoff(drained_locally)
+        self._subscribers = subscribers
+        self.handoff = draining.Handoff(drained_locally, self._move_subscriptions)
         self._channels: dict[str, grpc.aio.Channel] = {}  # by endpoint: slots keep theirs across a change
         self._placement: dict[str, int] = {}
         self._batches: dict[str, _Batch] = {}
@@ -476,6 +479,26 @@ class Peers:
             if reply.status.code != pb.OK:
                 return reply
         return spb.SyncLiteSubscriptionResponse(status=pb.Status(code=pb.OK, message="OK"))
+
+    async def _move_subscriptions(self, parent: str, lite: str) -> None:
+        """A topic this leaving broker hands over: its consumers subscribed here are subscribed at today's owner
+        too (each client's own subscription, as if it had sent it there)."""
+        today = mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic)
+        calls = []
+        for client_id, group in self._subscribers(parent, lite):
+            request = spb.SyncLiteSubscriptionRequest(
+                action=pb.PARTIAL_ADD,
+                topic=pb.Resource(name=parent),
+                group=pb.Resource(name=group),
+                lite_topic_set=[lite],
+            )
+            calls.append(self._call_sync(today, request, context.Caller(client_id=client_id)))
+        for reply in await asyncio.gather(*calls):
+            if reply.status.code != pb.OK:
+                raise errors.BrokerUnavailable(
+                    f"lite topic {lite!r} cannot move to {self.membership.members[today]} yet: its subscription "
+                    f"there was refused ({reply.status.message}); try again"
+                )
 
     async def _call_sync(
         self, slot: int, request: spb.SyncLiteSubscriptionRequest, caller: context.Caller
