@@ -331,9 +331,16 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         today = {lite: mb.owner(two, model.QueueId.lmq(PARENT, lite).topic) for lite in held + fresh}
         for lite in held:
             await send_via(cluster, 0, lite, 0)
-        await sync_on(cluster, 0, pb.PARTIAL_ADD, held[1:], client_id="before")
-        assert subscribed(cluster, 2, held) == {held[1]} and not subscribed(cluster, today[held[1]], held)
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, [held[1], fresh[0]], client_id="before")
+        assert subscribed(cluster, 2, held + fresh) == {held[1], fresh[0]}
+        assert not subscribed(cluster, today[fresh[0]], fresh)
         await set_everywhere(cluster, [2, 0, 1], members, (3, 2))  # the leaving one first
+        for _ in range(100):  # a subscription to a topic not created yet is made where it will be created
+            if subscribed(cluster, today[fresh[0]], fresh):
+                break
+            await asyncio.sleep(0.05)
+        assert subscribed(cluster, today[fresh[0]], fresh) == {fresh[0]}
+        assert not subscribed(cluster, today[held[1]], held)  # a held one moves with its topic
         ports = [b.port for b in cluster.brokers]
         assert await route_of(cluster, 1) == [(ports[0], pb.READ_WRITE), (ports[1], pb.READ_WRITE), (ports[2], pb.READ)]
         for lite in fresh:  # a new topic never lands on the leaving broker

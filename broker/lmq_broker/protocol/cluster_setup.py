@@ -88,6 +88,7 @@ class Cluster:
         self.place = from_flags(config)
         self._peers: Peers | None = None
         self._changing = asyncio.Lock()
+        self._handing: asyncio.Task[None] | None = None
 
     @property
     def peers(self) -> Peers | None:
@@ -120,6 +121,7 @@ class Cluster:
             return True
 
     def _apply(self, place: Place) -> None:
+        was_leaving = self.slot >= 0 and self.membership.leaving(self.slot) and self._peers is not None
         self.place = place
         membership, me = place.membership, place.slot
         if place.alone:
@@ -139,6 +141,8 @@ class Cluster:
         else:
             self._peers.apply(membership, me)
             self._edge.peers = self._peers
+        if me >= 0 and membership.leaving(me) and not was_leaving and self._handing is None:
+            self._handing = asyncio.get_running_loop().create_task(self._subscribe_at_owners())
         where = f"slot {me}" if me >= 0 else "no member"
         log.info(
             "cluster (%s): %s of %d (ring of %d, epoch %d, %d leaving): %s",
@@ -157,6 +161,37 @@ class Cluster:
     async def _drained_locally(self, parent: str, lite: str) -> bool:
         return await self._dispatcher.run(draining.drained, self._store, parent, lite)
 
+    async def _subscribe_at_owners(self) -> None:
+        """This broker just became a leaving one: subscriptions it has to topics it does not hold (topics not
+        created yet) are made at their owners in today's ring, where those topics will be created; its own
+        topics take theirs along when they move. Failures only delay: the clients sync every subscription
+        periodically (the Python client every 30 s)."""
+        try:
+            wanted: dict[tuple[str, str, str], list[str]] = {}
+            for state in list(self._dispatcher.registry.clients()):
+                for lmq in list(state.lite_topics):
+                    parent, lite = model.QueueId(lmq).lite_parts()
+                    wanted.setdefault((state.client_id, state.group, parent), []).append(lite)
+
+            def not_held() -> list[tuple[str, str, str, list[str]]]:
+                out = []
+                for (client_id, group, parent), lites in wanted.items():
+                    missing = [lite for lite in lites if self._store.lite_topic(parent, lite) is None]
+                    if missing:
+                        out.append((client_id, group, parent, missing))
+                return out
+
+            found = await self._dispatcher.run(not_held)
+            peers = self._peers
+            if found and peers is not None:
+                failed = await peers.subscribe_at_owners(found)
+                if failed:
+                    log.warning("%d subscriptions not copied to new owners: the clients' next sync makes them", failed)
+        except Exception:
+            log.exception("copying subscriptions to the new owners failed: clients' next sync makes them")
+        finally:
+            self._handing = None
+
     def _subscribers(self, parent: str, lite: str) -> list[tuple[str, str]]:
         out = []
         for client_id in self._dispatcher.subscribers(model.QueueId.lmq(parent, lite)):
@@ -166,6 +201,8 @@ class Cluster:
         return out
 
     async def close(self) -> None:
+        if self._handing is not None:
+            await asyncio.gather(self._handing, return_exceptions=True)
         if self._peers is not None:
             await self._peers.close()
             self._peers = None

@@ -480,6 +480,29 @@ class Peers:
                 return reply
         return spb.SyncLiteSubscriptionResponse(status=pb.Status(code=pb.OK, message="OK"))
 
+    async def subscribe_at_owners(self, subscriptions: Sequence[tuple[str, str, str, list[str]]]) -> int:
+        """(client id, group, parent, lite topics) subscribed here: each topic's subscription made at today's
+        owner too. Returns how many could not be (their clients' next full sync makes them)."""
+        calls = []
+        for client_id, group, parent, lites in subscriptions:
+            by_owner: dict[int, list[str]] = {}
+            for lite in lites:
+                by_owner.setdefault(mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic), []).append(lite)
+            for slot, subset in by_owner.items():
+                request = spb.SyncLiteSubscriptionRequest(
+                    action=pb.PARTIAL_ADD,
+                    topic=pb.Resource(name=parent),
+                    group=pb.Resource(name=group),
+                    lite_topic_set=subset,
+                )
+                calls.append((len(subset), self._call_sync(slot, request, context.Caller(client_id=client_id))))
+        replies = await asyncio.gather(*(call for _, call in calls), return_exceptions=True)
+        return sum(
+            count
+            for (count, _), reply in zip(calls, replies, strict=True)
+            if isinstance(reply, BaseException) or reply.status.code != pb.OK
+        )
+
     async def _move_subscriptions(self, parent: str, lite: str) -> None:
         """A topic this leaving broker hands over: its consumers subscribed here are subscribed at today's owner
         too (each client's own subscription, as if it had sent it there)."""
