@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
 
 from lmq_broker import app, errors, model
 from lmq_broker.admin import cli
@@ -432,3 +433,29 @@ async def test_lmq_admin_cluster_get_and_set_everywhere(tmp_path: Path) -> None:
         assert code == 1 and "slot 5" in err
     finally:
         await stop_cluster(cluster)
+
+
+async def test_a_receipt_handle_can_only_send_settlements_to_members(cluster: Cluster) -> None:
+    """Handles of messages gathered from another broker name it ("via <endpoint> <handle>"): a forged one
+    naming any other address is refused, never called."""
+    stub = cluster.clients[0].stub
+    ack = await stub.AckMessage(
+        spb.AckMessageRequest(
+            group=pb.Resource(name=GROUP),
+            topic=pb.Resource(name=PARENT),
+            entries=[spb.AckMessageEntry(message_id="m", receipt_handle="via 10.0.0.1:22 r2 x")],
+        ),
+        metadata=cluster.headers(),
+    )
+    assert ack.status.code == pb.INVALID_RECEIPT_HANDLE
+    member = cluster.membership.members[1]
+    change = await stub.ChangeInvisibleDuration(
+        spb.ChangeInvisibleDurationRequest(
+            group=pb.Resource(name=GROUP),
+            topic=pb.Resource(name=PARENT),
+            receipt_handle=f"via {member} r2 forged",
+            invisible_duration=Duration(seconds=5),
+        ),
+        metadata=cluster.headers(),
+    )
+    assert change.status.code == pb.INVALID_RECEIPT_HANDLE  # the member itself refuses what it never handed out

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
 from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
@@ -321,6 +321,69 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
             after.send(lite)
         assert not after.failures, after.failures[:5]
         check_received(inbox, load.sent | after.sent)
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients: list[Any]) -> None:
+    """The official LiteSimpleConsumer reads only the first route queue (broker 0): broker 0 gathers from the
+    others for it; its acks and invisible-time changes go back, through broker 0, to where each message is."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = start_cluster(tmp_path, ports)
+    try:
+        endpoints = [b.endpoint for b in brokers]
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        access = endpoints[1]  # any broker: the consumer still receives from the first route queue's
+        consumer = LiteSimpleConsumer(TOPIC, config(access), GROUP, await_duration=2)
+        consumer.startup()
+        clients.append(consumer)
+        deadline = time.monotonic() + 10
+        while consumer.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
+            assert time.monotonic() < deadline, "no settings from the broker"
+            time.sleep(0.05)  # lite-simple does not wait for settings at startup
+        lites = [f"q-{i}" for i in range(18)]
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        producer = Producer(config(access), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        sent = set()
+        for n in range(3):
+            for lite in lites:
+                body = f"{lite}/{n:04d}".encode()
+                send(producer, lite, body)
+                sent.add((lite, body))
+        placed = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+        assert set(placed.values()) == {0, 1, 2}
+        got: list[tuple[str, bytes]] = []
+        nacked_topic = ""
+        nacked: set[tuple[str, bytes]] = set()
+        deadline = time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            batch = consumer.receive(16, 10)
+            if not nacked_topic:  # a topic of another broker: what came of it comes back later, in order
+                nacked_topic = next((m.lite_topic for m in batch if placed[m.lite_topic] != 0), "")
+                for message in (m for m in batch if m.lite_topic == nacked_topic):
+                    consumer.change_invisible_duration(message, 1)
+                    nacked.add((message.lite_topic, message.body))
+            for message in batch:
+                key = (message.lite_topic, message.body)
+                if message.lite_topic == nacked_topic and message.delivery_attempt == 1:
+                    assert key in nacked  # nothing of it after the nacked ones came before them
+                    continue
+                assert message.delivery_attempt == (2 if key in nacked else 1)
+                consumer.ack(message)
+                got.append(key)
+        assert len(got) == len(sent) and set(got) == sent, f"got {len(got)} of {len(sent)}"  # each once
+        assert nacked
+        for lite in lites:
+            bodies = [body for name, body in got if name == lite]
+            assert bodies == sorted(bodies)  # in order per lite topic
+        for i, endpoint in enumerate(endpoints):  # every ack reached the broker holding the message
+            with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+                for lite in (lite for lite in lites if placed[lite] == i):
+                    assert admin.describe_lite_topic(TOPIC, lite).group_offsets[GROUP] == 3
     finally:
         for broker in brokers:
             broker.stop()

@@ -188,6 +188,15 @@ class Peers:
             self._channels[target] = channel
         return channel
 
+    def channel(self, target: str) -> grpc.aio.Channel:
+        return self._channel(target)
+
+    def headers_of(self, caller: context.Caller) -> tuple[tuple[str, str], ...]:
+        """Headers of a v2 call made for ``caller`` (its client id and namespace), marked and signed."""
+        return self._signed(
+            self._client_keys, (context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace)
+        )
+
     def _signed(self, keys: tuple[str, str] | None, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
         headers: tuple[tuple[str, str], ...] = ((FORWARDED, "1"), *extra)
         if keys is not None and keys[0]:
@@ -532,11 +541,10 @@ class Peers:
             request_serializer=spb.SyncLiteSubscriptionRequest.SerializeToString,
             response_deserializer=spb.SyncLiteSubscriptionResponse.FromString,
         )
-        headers = self._signed(
-            self._client_keys, (context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace)
-        )
         try:
-            reply: spb.SyncLiteSubscriptionResponse = await call(request, metadata=headers, timeout=CALL_TIMEOUT_S)
+            reply: spb.SyncLiteSubscriptionResponse = await call(
+                request, metadata=self.headers_of(caller), timeout=CALL_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(
                 f"broker {target} owning some of these lite topics did not answer: {exc.code().name}"
