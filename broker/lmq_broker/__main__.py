@@ -28,7 +28,7 @@ import pydantic
 from lmq_broker import app, errors, heap, supervisor
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
 from lmq_broker.protocol import peers
-from lmq_broker.storage import store as lmq_store
+from lmq_broker.storage import meta as storage_meta
 
 READY_LINE: Final = "lmq-broker ready"
 SWITCH_INTERVAL_S: Final = 0.0005
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "repair-meta":
         try:
-            lmq_store.repair_meta(args.data_dir)
+            storage_meta.repair_meta(args.data_dir)
         except errors.StorageError as e:
             raise SystemExit(e.message) from None
         print(f"repaired {args.data_dir / 'meta'}")

@@ -27,7 +27,7 @@ from lmq_broker import errors, heap, model
 from lmq_broker.admin import credentials
 from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import snapshot
+from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import cluster_setup
@@ -124,7 +124,7 @@ class Broker:
 
     @property
     def _snapshot_path(self) -> Path:
-        return self.config.store.data_dir / snapshot.FILE_NAME
+        return self.config.store.data_dir / saved_subscriptions.FILE_NAME
 
     @property
     def endpoint(self) -> str:
@@ -140,7 +140,7 @@ class Broker:
             log.info("bootstrap: created parent topic %s and lite group %s", BOOTSTRAP_TOPIC, BOOTSTRAP_GROUP)
         self.dispatcher = Dispatcher(self.store, config)
         await self.dispatcher.start()
-        saved = await asyncio.to_thread(snapshot.take, self._snapshot_path)
+        saved = await asyncio.to_thread(saved_subscriptions.take, self._snapshot_path)
         self.dispatcher.restore_subscriptions(saved)
         if saved:
             log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
@@ -212,7 +212,7 @@ class Broker:
             self._admission = None
         if self.dispatcher is not None:
             records = self.dispatcher.export_subscriptions()
-            await asyncio.to_thread(snapshot.save, records, self._snapshot_path)
+            await asyncio.to_thread(saved_subscriptions.save, records, self._snapshot_path)
             await self.dispatcher.close()
         if self.store is not None:
             store = self.store

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field, fields
-from typing import Final, NamedTuple, NewType
+from typing import Final, NamedTuple
 
 LMQ_PREFIX: Final = "%LMQ%"
 LMQ_SEPARATOR: Final = "$"
@@ -18,8 +18,7 @@ MAX_LITE_TOPIC_BYTES: Final = 64  # RocketMQ proxy maxLiteTopicSize
 MAX_RESOURCE_NAME_BYTES: Final = 127
 DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # RocketMQ proxy maxMessageSize
 
-ClientId = NewType("ClientId", str)
-GroupName = NewType("GroupName", str)
+UNLIMITED: Final = -1  # a limit or quota that is not set
 
 _LITE_TOPIC_RE: Final = re.compile(r"^[A-Za-z0-9_-]+$")
 _RESOURCE_RE: Final = re.compile(r"^[%A-Za-z0-9_-]+$")
@@ -181,7 +180,7 @@ class ParentTopic:
     name: str
     message_type: MessageType = MessageType.LITE
     expiration_minutes: int = -1  # -1 never; RocketMQ range -1..43200
-    max_lite_topics: int = -1  # -1 unlimited
+    max_lite_topics: int = UNLIMITED
     queue_count: int = 1
 
 
@@ -232,9 +231,9 @@ class LiteGroup:
 
 @dataclass(frozen=True, slots=True)
 class Quota:
-    """Limits for a scope: ``parent:<topic>``, ``namespace:<ns>`` or ``broker``. -1 means unlimited."""
+    """Limits for a scope: ``parent:<topic>``, ``namespace:<ns>`` or ``broker``; each UNLIMITED unless set."""
 
     scope: str
-    max_lite_topics: int = -1
-    max_subscriptions_per_client: int = -1
-    max_send_rate: int = -1  # messages per second
+    max_lite_topics: int = UNLIMITED
+    max_subscriptions_per_client: int = UNLIMITED
+    max_send_rate: int = UNLIMITED  # messages per second

@@ -29,6 +29,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
 from lmq_broker import errors
+from lmq_broker.admin.credentials import KeyPair
 from lmq_reclaim import brokers, discovery, keyspace, options, recording, report, session, tasks, transforms
 from lmq_reclaim import columns as c
 from lmq_reclaim.columns import Outcome
@@ -67,25 +68,25 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
     for ep in endpoints:
         name = ep
         try:
-            with brokers.BrokerAdmin(ep, opts.timeout_s, _credentials(opts)) as admin:
+            with brokers.ArrowAdmin(ep, opts.timeout_s, _credentials(opts)) as admin:
                 name = admin.broker_name() or ep
                 if name in out.brokers:  # two endpoints, one broker name: keep both apart
                     name = f"{name}@{ep}"
                 out.brokers[name] = report.BrokerSummary(name, ep)
                 parents = admin.parents()
-                result.policy_rows.extend((name, p.name, p.expiration_minutes) for p in parents)
+                result.policy_rows.extend((name, p.topic.name, p.topic.expiration_minutes) for p in parents)
                 for p in parents:
-                    if p.expiration_minutes < 0:
+                    if p.topic.expiration_minutes < 0:
                         continue
                     n = keyspace.ranges_for(p.lite_topic_count, opts.rows_per_task, opts.max_ranges_per_parent)
                     if n == 0:
                         continue
-                    ranges = keyspace.split(n, _prober(admin, p.name))
-                    cutoff = idle_cutoff_ms(out.now_ms, opts, p.expiration_minutes)
-                    result.scan_tasks.extend(tasks.ScanTask(name, ep, p.name, r, cutoff) for r in ranges)
+                    ranges = keyspace.split(n, _prober(admin, p.topic.name))
+                    cutoff = idle_cutoff_ms(out.now_ms, opts, p.topic.expiration_minutes)
+                    result.scan_tasks.extend(tasks.ScanTask(name, ep, p.topic.name, r, cutoff) for r in ranges)
             result.targets.append(Target(name, ep))
             for p in parents:  # every parent gets a summary, zeros when it was not scanned
-                out.parents[(name, p.name)] = report.ParentSummary()
+                out.parents[(name, p.topic.name)] = report.ParentSummary()
         except errors.LmqError as exc:
             summary = out.brokers.setdefault(name, report.BrokerSummary(name, ep))
             summary.errors += 1
@@ -118,11 +119,11 @@ def interleave(scan_tasks: Sequence[tasks.ScanTask]) -> list[tasks.ScanTask]:
     return [q[i] for i in range(max((len(q) for q in queues), default=0)) for q in queues if i < len(q)]
 
 
-def _credentials(opts: options.Options) -> brokers.Credentials | None:
-    return brokers.Credentials(opts.access_key, opts.secret_key) if opts.access_key else None
+def _credentials(opts: options.Options) -> KeyPair | None:
+    return KeyPair(opts.access_key, opts.secret_key) if opts.access_key else None
 
 
-def _prober(admin: brokers.BrokerAdmin, parent: str) -> keyspace.Probe:
+def _prober(admin: brokers.ArrowAdmin, parent: str) -> keyspace.Probe:
     def probe(after: str) -> str | None:
         return admin.first_key_after(parent, after)
 

@@ -19,6 +19,8 @@ from concurrent import futures
 from typing import Final
 
 from lmq_broker import errors
+from lmq_broker.admin.client import ReclaimRecording
+from lmq_broker.admin.credentials import KeyPair
 from lmq_reclaim import brokers, report
 
 log = logging.getLogger("lmq_reclaim")
@@ -35,7 +37,7 @@ def record(
     targets: Sequence[tuple[str, str]],
     out: report.Report,
     timeout_s: float,
-    credentials: brokers.Credentials | None = None,
+    credentials: KeyPair | None = None,
 ) -> None:
     """Record ``out`` on each (broker name, endpoint) of ``targets``; fills ``out.recorded_on`` and
     ``out.record_failures`` (with a message in ``out.error_messages`` per failure)."""
@@ -44,8 +46,8 @@ def record(
     if not work:
         return
 
-    def one(endpoint: str, parents: dict[str, report.ParentSummary]) -> brokers.Recorded:
-        with brokers.BrokerAdmin(endpoint, timeout_s, credentials) as admin:
+    def one(endpoint: str, parents: dict[str, report.ParentSummary]) -> ReclaimRecording:
+        with brokers.ArrowAdmin(endpoint, timeout_s, credentials) as admin:
             return admin.record_run(out, parents)
 
     with futures.ThreadPoolExecutor(min(MAX_PARALLEL_BROKERS, len(work)), "lmq-reclaim-record") as pool:

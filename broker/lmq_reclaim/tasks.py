@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator, AccumulatorParam
 
 from lmq_broker import errors
+from lmq_broker.admin.credentials import KeyPair
 from lmq_reclaim import brokers
 from lmq_reclaim import columns as c
 from lmq_reclaim.columns import Outcome
@@ -92,7 +93,7 @@ class ScanSettings:
     batch_size: int
     with_fully_consumed: bool
     timeout_s: float
-    credentials: brokers.Credentials | None = None
+    credentials: KeyPair | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,7 @@ class DeleteSettings:
     batch_size: int
     dry_run: bool
     timeout_s: float
-    credentials: brokers.Credentials | None = None
+    credentials: KeyPair | None = None
 
 
 def scan_fn(
@@ -133,14 +134,13 @@ def _scan_one(
     started = time.perf_counter()
     failed = False
     try:
-        with brokers.BrokerAdmin(task.endpoint, settings.timeout_s, settings.credentials) as admin:
+        with brokers.ArrowAdmin(task.endpoint, settings.timeout_s, settings.credentials) as admin:
             batches = admin.scan(
                 broker=task.broker,
                 parent=task.parent,
                 key_range=task.key_range,
                 batch_size=settings.batch_size,
                 with_fully_consumed=settings.with_fully_consumed,
-                timeout_s=settings.timeout_s,
                 idle_since_before_ms=task.idle_since_before_ms,
             )
             while True:
@@ -179,14 +179,14 @@ def delete_fn(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         buckets: dict[str, TokenBucket] = {}
-        admins: dict[str, brokers.BrokerAdmin] = {}
+        admins: dict[str, brokers.ArrowAdmin] = {}
         done: dict[str, int] = {}
         try:
             for batch in batches:
                 for broker in pc.unique(batch.column(c.BROKER)).to_pylist():
                     mine = batch.filter(pc.equal(batch.column(c.BROKER), broker))
                     if broker not in admins:
-                        admins[broker] = brokers.BrokerAdmin(
+                        admins[broker] = brokers.ArrowAdmin(
                             settings.endpoints[broker], settings.timeout_s, settings.credentials
                         )
                         rate = settings.max_deletes_per_second
@@ -218,7 +218,7 @@ def _delete_rows(
     *,
     broker: str,
     rows: pa.RecordBatch,
-    admin: brokers.BrokerAdmin,
+    admin: brokers.ArrowAdmin,
     bucket: TokenBucket,
     settings: DeleteSettings,
     stats: Accumulator[dict[str, float]],
@@ -233,7 +233,7 @@ def _delete_rows(
         sent = time.perf_counter()
         try:
             call: brokers.PendingDelete | errors.LmqError = admin.start_compare_and_delete(
-                chunk, dry_run=settings.dry_run, timeout_s=settings.timeout_s
+                chunk, dry_run=settings.dry_run
             )
         except errors.LmqError as exc:
             call = exc

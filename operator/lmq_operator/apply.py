@@ -2,8 +2,8 @@
 
 Everything here turns failures into values (``diff.Unreachable``, ``model.BrokerSync`` with a ``Failure``)
 so that one bad broker never aborts the work on the others, and a handler never has to catch gRPC errors.
-Admin calls use grpc.aio on kopf's own loop: a hundred resources created at once are a hundred concurrent
-calls, not a queue in front of a small thread pool.
+Admin calls go through the broker's own ``AsyncAdminClient`` on kopf's loop: a hundred resources created at
+once are a hundred concurrent calls, not a queue in front of a small thread pool.
 """
 
 from __future__ import annotations
@@ -16,190 +16,143 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-import grpc
-import grpc.aio
 import kubernetes
 
-from lmq_broker.protocol import auth
-from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
-from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as pb_grpc
+from lmq_broker import errors
+from lmq_broker import model as broker_model
+from lmq_broker.admin import codes
+from lmq_broker.admin.client import AsyncAdminClient
+from lmq_broker.admin.credentials import KeyPair
 from lmq_operator import desired, diff, model, settings, status
 from lmq_operator.admins import AdminError, BrokerAdmin
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-    }
-)
 _ORDINAL = re.compile(r"-(\d+)$")
 # The broker StatefulSet's volumeClaimTemplates name (charts/lmq): pod <sts>-<N> keeps its data in claim data-<sts>-<N>.
 CLAIM_TEMPLATE: Final = "data"
-_MODEL_TO_PB = {"Shared": pb.SHARED, "Exclusive": pb.EXCLUSIVE}
-_PB_TO_MODEL: dict[int, Any] = {pb.SHARED: "Shared", pb.EXCLUSIVE: "Exclusive"}
+_MODELS: Final[dict[broker_model.SubscriptionModel, Literal["Shared", "Exclusive"]]] = {
+    broker_model.SubscriptionModel.SHARED: "Shared",
+    broker_model.SubscriptionModel.EXCLUSIVE: "Exclusive",
+}
 
 
-# ---- gRPC ---------------------------------------------------------------------------------------------
+# ---- brokers' admin service -----------------------------------------------------------------------------
 
 
-def _to_pb_topic(c: model.TopicConfig) -> pb.ParentTopic:
-    return pb.ParentTopic(
-        name=c.name,
-        message_type=c.message_type,
-        expiration_minutes=c.expiration_minutes,
-        max_lite_topics=c.max_lite_topics,
-    )
+def _to_broker(c: model.Config) -> broker_model.ParentTopic | broker_model.LiteGroup | broker_model.Quota:
+    if isinstance(c, model.TopicConfig):
+        message_type = broker_model.MessageType(c.message_type)
+        return broker_model.ParentTopic(c.name, message_type, c.expiration_minutes, c.max_lite_topics)
+    if isinstance(c, model.GroupConfig):
+        retry = broker_model.RetryPolicy(c.max_attempts, c.backoff_ms)
+        return broker_model.LiteGroup(
+            c.name,
+            c.bind_topic,
+            broker_model.SubscriptionModel(c.model),
+            c.client_quota,
+            c.ready_capacity,
+            retry,
+            c.fifo,
+            c.consume_enabled,
+            c.wildcard,
+        )
+    return broker_model.Quota(c.scope, c.max_lite_topics, c.max_subscriptions_per_client, c.max_send_rate)
 
 
-def _to_pb_group(c: model.GroupConfig) -> pb.LiteGroup:
-    return pb.LiteGroup(
-        name=c.name,
-        bind_topic=c.bind_topic,
-        model=_MODEL_TO_PB[c.model],
-        client_quota=c.client_quota,
-        ready_capacity=c.ready_capacity,
-        retry=pb.RetryPolicy(max_attempts=c.max_attempts, backoff_ms=list(c.backoff_ms)),
-        fifo=c.fifo,
-        consume_enabled=c.consume_enabled,
-        wildcard=c.wildcard,
-    )
+def _topic_config(t: broker_model.ParentTopic) -> model.TopicConfig:
+    return model.TopicConfig(t.name, t.expiration_minutes, t.max_lite_topics, int(t.message_type))
 
 
-def _to_pb_quota(c: model.QuotaConfig) -> pb.Quota:
-    return pb.Quota(
-        scope=c.scope,
-        max_lite_topics=c.max_lite_topics,
-        max_subscriptions_per_client=c.max_subscriptions_per_client,
-        max_send_rate=c.max_send_rate,
-    )
-
-
-def _from_pb_topic(t: pb.ParentTopic) -> model.TopicConfig:
-    return model.TopicConfig(
-        name=t.name,
-        expiration_minutes=t.expiration_minutes,
-        max_lite_topics=t.max_lite_topics,
-        message_type=t.message_type,
-    )
-
-
-def _from_pb_reclaim(t: pb.GetParentTopicResponse) -> model.ReclaimRun | None:
-    if not t.HasField("last_reclaim"):
-        return None
-    r = t.last_reclaim  # the proto's field names are the model's (less the parent, which the caller knows)
-    return model.ReclaimRun(**{f.name: getattr(r, f.name) for f in fields(model.ReclaimRun)})
-
-
-def _from_pb_group(g: pb.LiteGroup) -> model.GroupConfig:
+def _group_config(g: broker_model.LiteGroup) -> model.GroupConfig:
     return model.GroupConfig(
         name=g.name,
         bind_topic=g.bind_topic,
-        model=_PB_TO_MODEL.get(g.model, "Shared"),
+        model=_MODELS[g.model],
         client_quota=g.client_quota,
         ready_capacity=g.ready_capacity,
         max_attempts=g.retry.max_attempts,
-        backoff_ms=tuple(g.retry.backoff_ms),
+        backoff_ms=g.retry.backoff_ms,
         fifo=g.fifo,
         consume_enabled=g.consume_enabled,
         wildcard=g.wildcard,
     )
 
 
-def _from_pb_quota(q: pb.Quota) -> model.QuotaConfig:
-    return model.QuotaConfig(
-        scope=q.scope,
-        max_lite_topics=q.max_lite_topics,
-        max_subscriptions_per_client=q.max_subscriptions_per_client,
-        max_send_rate=q.max_send_rate,
-    )
+def _quota_config(q: broker_model.Quota) -> model.QuotaConfig:
+    return model.QuotaConfig(q.scope, q.max_lite_topics, q.max_subscriptions_per_client, q.max_send_rate)
+
+
+def _reclaim(run: broker_model.ReclaimRun | None) -> model.ReclaimRun | None:
+    # The broker's record has the operator's fields, and the parent, which the caller knows.
+    return None if run is None else model.ReclaimRun(**{f.name: getattr(run, f.name) for f in fields(model.ReclaimRun)})
+
+
+def _failed(exc: errors.LmqError) -> AdminError:
+    """A failed call as the operator's value: UNAVAILABLE when a retry may help (``codes.transient``)."""
+    failure = model.Failure.UNAVAILABLE if codes.transient(exc) else model.Failure.REJECTED
+    return AdminError(failure, f"{exc.fields.get('code', type(exc).__name__)}: {exc.message}")
 
 
 class GrpcAdmin:
-    """``BrokerAdmin`` over the broker's LmqAdmin service (proto/lmq/admin/v1/admin.proto)."""
+    """``BrokerAdmin`` over the broker's admin service, through ``AsyncAdminClient`` on the caller's loop.
+    Every call, a purging parent-topic delete and the undrained count included, gets ``timeout_s``."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        timeout_s: float,
-        keys: tuple[str, str] | None = None,
-        clock: Callable[[], datetime] = auth.utc_now,
-    ) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, keys: tuple[str, str] | None = None) -> None:
         self.endpoint = endpoint
-        self._timeout_s = timeout_s
-        self._keys = keys  # (access key, secret key): brokers that check MQv2-HMAC-SHA1 guard admin calls too
-        self._clock = clock
-        self._channel = grpc.aio.insecure_channel(endpoint)
-        self._stub = pb_grpc.LmqAdminStub(self._channel)
-
-    async def _call(self, method: Any, request: Any) -> Any:
-        try:
-            metadata = auth.sign_metadata(*self._keys, self._clock()) if self._keys else None
-            return await method(request, timeout=self._timeout_s, metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            failure = model.Failure.UNAVAILABLE if exc.code() in _RETRYABLE else model.Failure.REJECTED
-            detail = exc.details() or exc.code().name
-            raise AdminError(failure, f"{exc.code().name}: {detail}") from None
+        pair = KeyPair(*keys) if keys else None  # brokers guard admin calls with their admin pair
+        self._client = AsyncAdminClient(endpoint, timeout_s, long_timeout_s=timeout_s, keys=pair)
 
     async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
         try:
             if kind is model.Kind.PARENT_TOPIC:
-                t = await self._call(self._stub.GetParentTopic, pb.GetParentTopicRequest(name=key))
+                t = await self._client.get_parent_topic(key)
                 count = (("liteTopicCount", t.lite_topic_count),)
-                return model.Observed(_from_pb_topic(t.topic), count, _from_pb_reclaim(t))
+                return model.Observed(_topic_config(t.topic), count, _reclaim(t.last_reclaim))
             if kind is model.Kind.LITE_GROUP:
-                g = await self._call(self._stub.GetLiteGroup, pb.GetLiteGroupRequest(name=key))
-                figures = (
-                    ("subscriptionCount", g.subscription_count),
-                    ("clientCount", g.client_count),
-                    ("lag", g.lag),
-                )
-                return model.Observed(_from_pb_group(g.group), figures)
-        except AdminError as exc:
-            if exc.message.startswith(grpc.StatusCode.NOT_FOUND.name):
-                return None
-            raise
-        quotas = await self._call(self._stub.ListQuotas, pb.ListQuotasRequest())
-        found = next((q for q in quotas.quotas if q.scope == key), None)
-        return None if found is None else model.Observed(_from_pb_quota(found))
+                g = await self._client.get_group(key)
+                figures = (("subscriptionCount", g.subscription_count), ("clientCount", g.client_count), ("lag", g.lag))
+                return model.Observed(_group_config(g.group), figures)
+            found = next((q for q in await self._client.list_quotas() if q.scope == key), None)
+            return None if found is None else model.Observed(_quota_config(found))
+        except errors.NotFound:
+            return None
+        except errors.LmqError as exc:
+            raise _failed(exc) from None
 
     async def put(self, config: model.Config) -> bool:
-        if isinstance(config, model.TopicConfig):
-            r = await self._call(self._stub.PutParentTopic, pb.PutParentTopicRequest(topic=_to_pb_topic(config)))
-        elif isinstance(config, model.GroupConfig):
-            r = await self._call(self._stub.PutLiteGroup, pb.PutLiteGroupRequest(group=_to_pb_group(config)))
-        else:
-            r = await self._call(self._stub.PutQuota, pb.PutQuotaRequest(quota=_to_pb_quota(config)))
-        return bool(r.created)
+        wanted = _to_broker(config)
+        try:
+            if isinstance(wanted, broker_model.ParentTopic):
+                return (await self._client.put_parent_topic(wanted)).created
+            if isinstance(wanted, broker_model.LiteGroup):
+                return (await self._client.put_group(wanted)).created
+            return (await self._client.put_quota(wanted)).created
+        except errors.LmqError as exc:
+            raise _failed(exc) from None
 
     async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool:
         try:
             if kind is model.Kind.PARENT_TOPIC:
-                req = pb.DeleteParentTopicRequest(name=key, purge_lite_topics=purge)
-                return bool((await self._call(self._stub.DeleteParentTopic, req)).deleted)
+                return (await self._client.delete_parent_topic(key, purge_lite_topics=purge)).deleted
             if kind is model.Kind.LITE_GROUP:
-                req_g = pb.DeleteLiteGroupRequest(name=key)
-                return bool((await self._call(self._stub.DeleteLiteGroup, req_g)).deleted)
-            req_q = pb.DeleteQuotaRequest(scope=key)
-            return bool((await self._call(self._stub.DeleteQuota, req_q)).deleted)
-        except AdminError as exc:
-            if exc.message.startswith(grpc.StatusCode.NOT_FOUND.name):
-                return False  # already gone: deleting is idempotent
-            raise
+                return await self._client.delete_group(key)
+            return await self._client.delete_quota(key)
+        except errors.NotFound:
+            return False  # already gone: deleting is idempotent
+        except errors.LmqError as exc:
+            raise _failed(exc) from None
 
     async def undrained_messages(self) -> int:
-        info = await self._call(self._stub.GetBrokerInfo, pb.GetBrokerInfoRequest())
-        return int(info.undrained_messages)
+        try:
+            return (await self._client.broker_info(with_undrained=True)).undrained_messages
+        except errors.LmqError as exc:
+            raise _failed(exc) from None
 
     async def close(self) -> None:
-        await self._channel.close(grace=None)
+        await self._client.close()
 
 
 AdminFactory = Callable[[str], BrokerAdmin]

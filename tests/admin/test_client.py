@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.admin import codes
+from lmq_broker.admin import codes, convert
 from lmq_broker.admin.client import AsyncAdminClient, DeleteOutcome
 from lmq_broker.admin.testing import Broker, LoopThread, serve_admin
 from lmq_broker.config import BrokerConfig
@@ -143,3 +143,30 @@ def test_delete_outcome_numbers_match_the_proto() -> None:
     assert {o.name: int(o) for o in DeleteOutcome} == {
         name: number for name, number in pb.DeleteOutcome.items() if name != "DELETE_OUTCOME_UNSPECIFIED"
     }
+
+
+@pytest.mark.parametrize(
+    ("code", "transient"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, True),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, True),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, True),
+        (grpc.StatusCode.INTERNAL, True),
+        (grpc.StatusCode.NOT_FOUND, False),
+        (grpc.StatusCode.INVALID_ARGUMENT, False),
+        (grpc.StatusCode.UNAUTHENTICATED, False),
+        (grpc.StatusCode.FAILED_PRECONDITION, False),
+    ],
+)
+def test_transient_failures_are_the_ones_a_retry_may_get_past(code: grpc.StatusCode, transient: bool) -> None:
+    assert codes.transient(codes.error_for(code, "m")) is transient
+    assert not codes.transient(errors.InvalidArgument("decoded nonsense"))  # no call failed: nothing to retry
+
+
+def test_a_delete_reply_must_give_one_known_outcome_per_row() -> None:
+    reply = pb.CompareAndDeleteResponse(outcome=[pb.DELETED, pb.KEPT_CHANGED])
+    assert convert.outcomes_from_pb(reply, 2, "b:1") == [DeleteOutcome.DELETED, DeleteOutcome.KEPT_CHANGED]
+    with pytest.raises(errors.LmqError, match="b:1: 2 outcomes for 3 rows"):
+        convert.outcomes_from_pb(reply, 3, "b:1")
+    with pytest.raises(errors.LmqError, match="unknown delete outcome"):
+        convert.outcomes_from_pb(pb.CompareAndDeleteResponse(outcome=[pb.DeleteOutcome.ValueType(99)]), 1, "b:1")

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog
+from lmq_broker.dispatch import metadata
 from lmq_broker.dispatch.testing import config_for
 from lmq_broker.protocol import convert
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -28,7 +28,7 @@ def reader(tmp_path: Path, **overrides: object) -> convert.MessageReader:
         "LITE_P": model.ParentTopic("LITE_P", model.MessageType.LITE),
         "NORMAL_P": model.ParentTopic("NORMAL_P", model.MessageType.NORMAL, queue_count=1),
     }
-    return convert.MessageReader(catalog.Snapshot(config, parents), config, NOW_MS, 0)
+    return convert.MessageReader(metadata.Metadata(config, parents), config, NOW_MS, 0)
 
 
 def test_a_lite_message_reads_as_the_dataclass_would_build_it(tmp_path: Path) -> None:
@@ -246,9 +246,9 @@ def test_a_topic_deleted_since_an_earlier_request_is_not_found(tmp_path: Path) -
         system_properties=pb.SystemProperties(message_id="ID1", message_type=pb.LITE, lite_topic="t"),
     )
     config = config_for(tmp_path)
-    before = catalog.Snapshot(config, {"LITE_P": model.ParentTopic("LITE_P", model.MessageType.LITE)})
+    before = metadata.Metadata(config, {"LITE_P": model.ParentTopic("LITE_P", model.MessageType.LITE)})
     assert convert.MessageReader(before, config, NOW_MS, 0).read(msg).topic == "LITE_P"
-    after = catalog.Snapshot(config, {})  # metadata changed: the parent topic is gone
+    after = metadata.Metadata(config, {})  # metadata changed: the parent topic is gone
     with pytest.raises(errors.TopicNotFound):
         convert.MessageReader(after, config, NOW_MS, 0).read(msg)
 

@@ -10,12 +10,12 @@ from typing import TypeVar
 import pytest
 
 from lmq_broker import errors
-from lmq_broker.dispatch.leases import LeaseTable, Pick, QueueLeases, Receipt, Renewal
+from lmq_broker.dispatch.leases import LeaseKey, LeaseTable, Pick, QueueLeases, Receipt, Renewal
 from lmq_broker.storage import keys, ranges
 
 T = TypeVar("T")
 
-KEY = ("%LMQ%$p$t", 0, "g")
+KEY = LeaseKey("%LMQ%$p$t", 0, "g")
 
 
 def lease_all(table: LeaseTable, state: QueueLeases, picks: list[Pick], now: int, invisible: int) -> list[Receipt]:
@@ -23,7 +23,7 @@ def lease_all(table: LeaseTable, state: QueueLeases, picks: list[Pick], now: int
     for pick in picks:
         lease_id = table.new_lease_id()
         state.lease(pick, now, invisible, lease_id, "c")
-        receipts.append(Receipt(table.incarnation, KEY[0], KEY[1], pick.offset, lease_id))
+        receipts.append(Receipt(table.incarnation, KEY.topic, KEY.queue, pick.offset, lease_id))
     table.watch(KEY, now + invisible)
     return receipts
 
@@ -109,24 +109,24 @@ def test_receipt_handles_round_trip_and_reject_garbage() -> None:
 
 def test_handles_of_another_incarnation_are_rejected() -> None:
     before = LeaseTable("before")
-    old = before.seal(Receipt("before", KEY[0], 0, 0, 1), "g")
+    old = before.seal(Receipt("before", KEY.topic, 0, 0, 1), "g")
     table = LeaseTable("now")
     with pytest.raises(errors.InvalidReceiptHandle, match="earlier broker incarnation"):
         table.resolve(old, "g")
-    receipt, key = table.resolve(table.seal(Receipt("now", KEY[0], 0, 0, 1), "g"), "g")
+    receipt, key = table.resolve(table.seal(Receipt("now", KEY.topic, 0, 0, 1), "g"), "g")
     assert key == KEY and receipt.offset == 0
 
 
 def test_handles_cannot_be_forged_nor_used_by_another_group() -> None:
     table = LeaseTable("inc")
-    handle = table.receipt(("%LMQ%$p$t", 0, "victim"), 3, 9)
-    assert table.resolve(handle, "victim")[1] == ("%LMQ%$p$t", 0, "victim")
+    handle = table.receipt(LeaseKey("%LMQ%$p$t", 0, "victim"), 3, 9)
+    assert table.resolve(handle, "victim")[1] == LeaseKey("%LMQ%$p$t", 0, "victim")
     body = handle.rpartition(" ")[0]
     forged = [
         body,  # no tag
         f"{body} {'0' * 32}",  # a made-up tag
         handle.replace(" 3 9 ", " 4 9 "),  # the next offset, with the tag of another
-        table.receipt(("%LMQ%$p$t", 0, "attacker"), 3, 9),  # a real handle of another group
+        table.receipt(LeaseKey("%LMQ%$p$t", 0, "attacker"), 3, 9),  # a real handle of another group
     ]
     for bad in forged:
         with pytest.raises(errors.InvalidReceiptHandle):
@@ -140,7 +140,7 @@ def test_ack_of_a_never_delivered_offset_is_invalid() -> None:
     state = table.open(KEY, committed=0, ordered=True)
     lease_all(table, state, state.picks(0, 1), 0, 1000)
     with pytest.raises(errors.InvalidReceiptHandle):
-        table.ack(KEY, Receipt("inc", KEY[0], 0, 9, 1))
+        table.ack(KEY, Receipt("inc", KEY.topic, 0, 9, 1))
 
 
 def test_renewal_extends_each_auto_renew_lease_ahead_of_its_own_expiry() -> None:

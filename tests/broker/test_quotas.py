@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog, quotas
+from lmq_broker.dispatch import metadata, quotas
 from lmq_broker.dispatch.testing import config_for, lite_message
 from lmq_broker.storage import memory
 
@@ -15,7 +15,7 @@ PARENT = model.ParentTopic("P")
 
 
 def test_no_limit_anywhere_means_no_check(tmp_path: Path) -> None:
-    snap = catalog.Snapshot(config_for(tmp_path), {"P": PARENT}, {}, {"namespace:n": model.Quota("namespace:n")})
+    snap = metadata.Metadata(config_for(tmp_path), {"P": PARENT}, {}, {"namespace:n": model.Quota("namespace:n")})
     assert not snap.limits_lite_topics
     assert quotas.lite_topic_check(memory.MemoryStore(), snap, [lite_message("a")]) is None
 
@@ -35,7 +35,7 @@ def test_any_limit_is_enforced(
     parents: dict[str, model.ParentTopic],
     quotas_by_scope: dict[str, model.Quota],
 ) -> None:
-    snap = catalog.Snapshot(config_for(tmp_path, **overrides), parents, {}, quotas_by_scope)
+    snap = metadata.Metadata(config_for(tmp_path, **overrides), parents, {}, quotas_by_scope)
     assert snap.limits_lite_topics
     check = quotas.lite_topic_check(memory.MemoryStore(), snap, [lite_message("a")])
     assert check is not None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lmq_broker import errors
-from lmq_broker.dispatch.registry import UNLIMITED, Registry
+from lmq_broker.dispatch.registry import Registry
+from lmq_broker.model import UNLIMITED
 
 
 def test_add_links_both_directions_and_counts_pairs() -> None:

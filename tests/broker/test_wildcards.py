@@ -9,7 +9,7 @@ import pytest
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch.dispatcher import Delivery
-from lmq_broker.dispatch.testing import GROUP, PARENT, Lite
+from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, background_done
 
 pytestmark = pytest.mark.asyncio
 WILD = "wild-group"
@@ -75,7 +75,7 @@ async def test_an_overflow_behind_where_a_wildcard_catchup_stopped_is_found(lite
     await wildcard(lite, capacity=2)
     await lite.send("a0")
     await lite.dispatcher.replace_lite("w", WILD, PARENT, [])
-    await settle(lite)
+    await background_done(lite.dispatcher)
     (first,) = await receive(lite, "w")
     await lite.dispatcher.ack(WILD, first.receipt_handle)
     for name in ("a1", "a2", "a3", "a4"):
@@ -83,19 +83,10 @@ async def test_an_overflow_behind_where_a_wildcard_catchup_stopped_is_found(lite
     await asyncio.sleep(0)
     lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)
     lite.dispatcher.tick()
-    await settle(lite)  # the pass walks a0 (nothing to do) and stops at a3 (still full)
+    await background_done(lite.dispatcher)  # the pass walks a0 (nothing to do) and stops at a3 (still full)
     await lite.send("a0")  # behind where the pass stopped, and the queue is full
     got = await receive_until(lite, "w", 5)
     assert sorted(d.message.lite_topic or "" for d in got) == ["a0", "a1", "a2", "a3", "a4"]
-
-
-async def settle(lite: Lite) -> None:
-    """Let the dispatcher's background tasks (catch-up passes) finish."""
-    for _ in range(1000):
-        if not lite.dispatcher._tasks:
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("background tasks still running")
 
 
 async def test_order_per_topic_holds_for_a_wildcard_group(lite: Lite) -> None:

@@ -23,7 +23,7 @@ from rocketmq import ClientConfiguration, Credentials, FilterExpression, Message
 
 from lmq_broker import config, errors, model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.storage import codec
+from lmq_broker.storage import codec, recovery
 from lmq_broker.storage import store as store_mod
 from lmq_broker.testing import BrokerProcess, start_broker
 
@@ -141,7 +141,7 @@ def damage(data_dir: Path, fault: str, rng: random.Random, books: Books) -> None
                 f.write(os.urandom(64))
 
 
-def verify(data_dir: Path, books: Books, what: str = "") -> store_mod.RecoveryReport:
+def verify(data_dir: Path, books: Books, what: str = "") -> recovery.RecoveryReport:
     """Every acknowledged send is stored (bodies intact) unless the damage destroyed its record."""
     store = store_mod.open_store(store_config(data_dir))
     try:

@@ -56,7 +56,7 @@ def test_recording_failures_are_counted_but_leave_the_exit_code_alone() -> None:
     r.parents[("broker-0", "orders")] = report.ParentSummary()
     recording.record([("broker-0", "127.0.0.1:1")], r, timeout_s=5.0)  # nothing listens there
     assert (r.recorded_on, r.record_failures, r.exit_code) == ([], 1, 0)
-    assert r.error_messages[0].startswith("record broker-0: 127.0.0.1:1: UNAVAILABLE")
+    assert r.error_messages[0].startswith("record broker-0: RecordReclaimRuns on 127.0.0.1:1: UNAVAILABLE")
 
 
 def test_command_line_defaults_and_validation() -> None:

@@ -14,8 +14,9 @@ import pytest
 
 from lmq_broker import model, testing
 from lmq_broker.admin.client import AdminClient
-from lmq_reclaim import brokers, keyspace, tasks
+from lmq_broker.admin.credentials import KeyPair
 from lmq_reclaim import columns as c
+from lmq_reclaim import keyspace, tasks
 from lmq_reclaim.columns import Outcome
 
 
@@ -80,7 +81,7 @@ def test_deletes_of_one_broker_respect_the_rate(
         batch_size=5,
         dry_run=False,
         timeout_s=30,
-        credentials=brokers.Credentials(broker.admin_access_key, broker.admin_secret_key),
+        credentials=KeyPair(broker.admin_access_key, broker.admin_secret_key),
     )
     run = tasks.delete_fn(settings, cast(Any, stats), cast(Any, messages), clock=fake.clock, sleep=fake.sleep)
     out = pa.Table.from_batches(list(run(iter([candidates("broker-0", metas)]))))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from lmq_broker import app, config, errors, model
-from lmq_broker.storage import store as store_mod
+from lmq_broker.storage import meta as meta_store
 
 META_FS_BYTES = 16 * 1024 * 1024
 
@@ -59,7 +59,7 @@ async def main(data_dir: Path) -> dict[str, object]:
         out["commit_while_full"] = "refused"
     # While the disk stays full the store's retrier closes and reopens meta/ (read-write fails, read-only
     # serves): reads of offsets and metadata keep working, and readiness answers without doing I/O.
-    time.sleep(2.5 * store_mod.META_RETRY_S)
+    time.sleep(2.5 * meta_store.META_RETRY_S)
     try:
         out["offset_while_full"] = store.get_offset(queue, "g")
         out["topics_while_full"] = [t.name for t in store.list_parent_topics()]

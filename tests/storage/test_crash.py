@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmq_broker import config, model
+from lmq_broker.storage import recovery
 from lmq_broker.storage import store as store_mod
 
 WRITER = Path(__file__).with_name("crash_writer.py")
@@ -61,7 +62,7 @@ def run_and_kill(data_dir: Path, run: int, acks_before_kill: int) -> tuple[list[
     return acks, reindexed
 
 
-def verify(data_dir: Path, acked: list[Ack]) -> store_mod.RecoveryReport:
+def verify(data_dir: Path, acked: list[Ack]) -> recovery.RecoveryReport:
     cfg = config.StoreConfig(data_dir=data_dir, segment_max_bytes=64 * 1024)
     store = store_mod.open_store(cfg)
     try:

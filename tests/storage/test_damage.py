@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from lmq_broker import config, errors, model
+from lmq_broker.storage import core as core_mod
+from lmq_broker.storage import meta, recovery
 from lmq_broker.storage import store as store_mod
 from lmq_broker.storage.memory import ManualClock
 
@@ -118,14 +120,14 @@ def test_a_corrupt_index_table_is_detected_and_rebuilt_from_the_log(
         for at in range(size // 10, size * 9 // 10, max(1, size // 10)):
             flip(table, at)
     gate = threading.Event()
-    real_recover = store_mod.LmqStore._recover
+    real_recover = recovery.recover
 
-    def held_recover(self: store_mod.LmqStore) -> tuple[bool, int, int]:
+    def held_recover(core: core_mod.Core) -> recovery.Pass:
         gate.wait(30)
-        return real_recover(self)
+        return real_recover(core)
 
     s = open_lmq()  # opens: RocksDB reads table blocks only when asked
-    monkeypatch.setattr(store_mod.LmqStore, "_recover", held_recover)
+    monkeypatch.setattr(recovery, "recover", held_recover)
     failures = 0
     for j in range(200):
         try:
@@ -178,7 +180,7 @@ def test_a_damaged_meta_store_stops_open_with_a_repair_path(
     (store_config().data_dir / "meta" / "CURRENT").write_text("garbage\n")
     with pytest.raises(errors.StorageError, match="repair-meta"):
         open_lmq()
-    store_mod.repair_meta(store_config().data_dir)
+    meta.repair_meta(store_config().data_dir)
     s = open_lmq()
     assert s.get_offset(LMQ_A, "g") == 1
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.storage import api, commitlog
+from lmq_broker.storage import api, appends, commitlog
 from lmq_broker.storage import store as store_mod
 
 Msg = Callable[..., model.NewMessage]
@@ -26,7 +26,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 def test_sync_append_returns_only_once_fsynced(open_lmq: OpenLmq, msg: Msg) -> None:
     s = open_lmq(flush_mode="sync")
-    log: commitlog.CommitLog = s._log
+    log: commitlog.CommitLog = s._core.log
     for _ in range(5):
         s.append([msg(), msg()])
         assert log.synced == log.written  # every byte of the returned append is on disk
@@ -42,7 +42,7 @@ def test_concurrent_sync_appends_share_one_fsync(open_lmq: OpenLmq, msg: Msg, mo
         if not first_sync.is_set():
             first_sync.set()
             # hold the first fsync until every other writer has queued its request behind it
-            wait_until(lambda: len(s._queue) == n_threads - 1)
+            wait_until(lambda: len(s._appender._queue) == n_threads - 1)
         real_sync(self)
 
     monkeypatch.setattr(commitlog.CommitLog, "sync", slow_first_sync)
@@ -60,7 +60,7 @@ def test_concurrent_sync_appends_share_one_fsync(open_lmq: OpenLmq, msg: Msg, mo
 
 def test_async_append_returns_before_fsync_and_the_flusher_catches_up(open_lmq: OpenLmq, msg: Msg) -> None:
     s = open_lmq(flush_mode="async", flush_interval_ms=20)
-    log: commitlog.CommitLog = s._log
+    log: commitlog.CommitLog = s._core.log
     s.append([msg() for _ in range(10)])
     wait_until(lambda: log.synced == log.written)
     assert s.fsync_count >= 1
@@ -68,7 +68,7 @@ def test_async_append_returns_before_fsync_and_the_flusher_catches_up(open_lmq: 
 
 def test_flush_makes_async_appends_durable_now(open_lmq: OpenLmq, msg: Msg) -> None:
     s = open_lmq(flush_mode="async", flush_interval_ms=3_600_000)
-    log: commitlog.CommitLog = s._log
+    log: commitlog.CommitLog = s._core.log
     s.append([msg()])
     assert log.synced < log.written
     s.flush()
@@ -80,7 +80,7 @@ def test_a_failed_log_write_is_rolled_back_and_reported(
 ) -> None:
     s = open_lmq(segment_max_bytes=4096)
     s.append([msg(body=b"x" * 1000)])
-    size_before = s._log.active.size
+    size_before = s._core.log.active.size
     real_append = commitlog.CommitLog.append
     calls = {"n": 0}
 
@@ -94,7 +94,7 @@ def test_a_failed_log_write_is_rolled_back_and_reported(
     with pytest.raises(errors.StorageError):
         s.append([msg(body=b"y" * 1000) for _ in range(6)])  # spans a roll: two chunks
     monkeypatch.undo()
-    assert s._log.active.size == size_before and len(s._log.seqs()) == 1
+    assert s._core.log.active.size == size_before and len(s._core.log.seqs()) == 1
     assert s.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 1)
     assert s.append([msg()])[0].offsets[model.QueueId.lmq("P", "a")] == 1
 
@@ -128,7 +128,7 @@ def test_append_if_free_refuses_at_once_while_another_writer_syncs(
     results = api.append_if_free(s, [msg(message_id="second")])
     assert results is not None
     assert results[0].offsets == {model.QueueId("P", 0): 1, model.QueueId.lmq("P", "a"): 1}
-    assert s._log.synced == s._log.written  # sync mode: it returns once fsynced too
+    assert s._core.log.synced == s._core.log.written  # sync mode: it returns once fsynced too
 
 
 def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
@@ -136,21 +136,21 @@ def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
 ) -> None:
     s = open_lmq(flush_mode="sync")
     rounds: list[tuple[int, list[str]]] = []  # (thread, message ids) of every write round
-    real_stage = store_mod.LmqStore._stage
+    real_stage = appends.Appender._stage
 
-    def recording_stage(self: store_mod.LmqStore, reqs: list[store_mod._Request]) -> store_mod._Staged | None:
+    def recording_stage(self: appends.Appender, reqs: list[appends._Request]) -> appends._Staged | None:
         rounds.append((threading.get_ident(), [m.message_id for r in reqs for m in r.messages]))
         return real_stage(self, reqs)
 
-    monkeypatch.setattr(store_mod.LmqStore, "_stage", recording_stage)
+    monkeypatch.setattr(appends.Appender, "_stage", recording_stage)
     big = [msg(message_id=f"big-{i}") for i in range(100)]
-    s._write_lock.acquire()  # another writer holds the store while a thread queues a large append behind it
+    s._core.write_lock.acquire()  # another writer holds the store while a thread queues a large append behind it
     waiter = threading.Thread(target=s.append, args=(big,))
     waiter.start()
     try:
-        wait_until(lambda: len(s._queue) == 1)
+        wait_until(lambda: len(s._appender._queue) == 1)
     finally:
-        s._write_lock.release()
+        s._core.write_lock.release()
     mine: list[model.AppendResult] | None = None
     while mine is None:  # whoever gets the lock first: the caller's own request only, never the queued one
         mine = api.append_if_free(s, [msg(message_id="mine")])
@@ -168,7 +168,7 @@ def test_try_begin_writes_without_showing_anything_until_finish_and_holds_the_wr
     s = open_lmq(flush_mode="sync")
     pending = s.try_begin([[msg(message_id="1"), msg(message_id="2")], [msg(message_id="bad", body=b"")]])
     assert pending is not None and pending.needs_sync
-    assert s._log.written > s._log.synced  # on the log, not yet fsynced
+    assert s._core.log.written > s._core.log.synced  # on the log, not yet fsynced
     assert s.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)  # nor indexed: nobody reads it yet
     other = threading.Thread(target=s.append, args=([msg(message_id="3")],))
     other.start()
@@ -176,7 +176,7 @@ def test_try_begin_writes_without_showing_anything_until_finish_and_holds_the_wr
     assert other.is_alive()  # another writer waits for the pending append
     assert api.append_if_free(s, [msg(message_id="refused")]) is None
     pending.sync()
-    assert s._log.synced == s._log.written
+    assert s._core.log.synced == s._core.log.written
     good, bad = pending.finish()
     other.join(10)
     assert not other.is_alive()
@@ -211,11 +211,11 @@ def test_a_failed_fsync_fails_its_appends_and_stops_writes(open_lmq: OpenLmq, ms
 
 def test_try_begin_of_empty_requests_writes_nothing(open_lmq: OpenLmq) -> None:
     s = open_lmq(flush_mode="sync")
-    written = s._log.written
+    written = s._core.log.written
     pending = s.try_begin([[], []])
     assert pending is not None and not pending.needs_sync
     assert pending.finish() == [[], []]
-    assert s._log.written == written
+    assert s._core.log.written == written
 
 
 def test_a_failed_fsync_of_tombstones_stops_writes_too(

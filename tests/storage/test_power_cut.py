@@ -14,7 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from lmq_broker import config, model
-from lmq_broker.storage import keys
+from lmq_broker.storage import core as core_mod
+from lmq_broker.storage import keys, recovery
 from lmq_broker.storage import store as store_mod
 
 Q = model.QueueId("T", 0)
@@ -109,13 +110,13 @@ def test_after_a_crash_of_a_sync_session_offsets_are_not_reconciled(
     s.close()
     crash(CRASHING_SYNC_SESSION, cfg)
     walks: list[int] = []
-    real = store_mod.LmqStore._reconcile_offsets
+    real = recovery.reconcile_offsets
 
-    def counted(self: store_mod.LmqStore) -> int:
+    def counted(core: core_mod.Core) -> int:
         walks.append(1)
-        return real(self)
+        return real(core)
 
-    monkeypatch.setattr(store_mod.LmqStore, "_reconcile_offsets", counted)
+    monkeypatch.setattr(recovery, "reconcile_offsets", counted)
     s = store_mod.open_store(cfg)
     try:
         assert walks == []

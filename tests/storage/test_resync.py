@@ -38,7 +38,7 @@ def record(offset: int, body: bytes, queues: tuple[keys.QueueName, ...] = (QUEUE
 
 
 def recover(buf: bytes) -> list[int]:
-    """Positions of the records recovery keeps, as ``store._replay`` walks a segment (scan, resync, scan)."""
+    """Positions of the records recovery keeps, as ``recovery.replay`` walks a segment (scan, resync, scan)."""
     kept: list[int] = []
     at = 0
     while at < len(buf):

@@ -22,7 +22,7 @@ def test_segments_never_exceed_their_bound_and_records_never_span_two(open_lmq: 
     s = open_lmq(segment_max_bytes=8192)
     for i in range(30):
         s.append([msg(body=bytes([i]) * (500 + 37 * i % 700)) for _ in range(3)])
-    sizes = [s._log.size_of(seq) for seq in s._log.seqs()]
+    sizes = [s._core.log.size_of(seq) for seq in s._core.log.seqs()]
     assert len(sizes) > 5 and max(sizes) <= 8192
     assert [m.body[0] for m in s.read(LMQ_A, 0, 1000)] == [i for i in range(30) for _ in range(3)]
 
@@ -72,7 +72,7 @@ def test_entries_are_runs_one_key_per_queue_per_append(open_lmq: OpenLmq, msg: M
     s = open_lmq()
     s.append([msg() for _ in range(100)])
     s.append([msg() for _ in range(100)])
-    runs = list(s._index.runs(keys.parse_queue(LMQ_A.topic, 0)))
+    runs = list(s._core.index.runs(keys.parse_queue(LMQ_A.topic, 0)))
     assert [(first, n) for first, _, n in runs] == [(0, 100), (100, 100)]
     assert [m.offset for m in s.read(LMQ_A, 95, 10)] == list(range(95, 105))
 
@@ -85,7 +85,7 @@ def test_dropped_segment_descriptors_close_one_retention_pass_later(
         s.append([msg(body=b"x" * 1000)])
     clock.advance(100)
     s.append([msg()])
-    log: commitlog.CommitLog = s._log
+    log: commitlog.CommitLog = s._core.log
     assert s.apply_retention().segments_deleted > 0
     assert log._graveyard  # still open for a reader that looked its entry up just before the drop
     s.apply_retention()
@@ -98,7 +98,7 @@ def test_index_tables_have_partitioned_index_and_filter_blocks(open_lmq: OpenLmq
     s = open_lmq()
     s.append([msg(lite=f"t{i}") for i in range(2000)])
     s.close()  # flushes the memtable into a table file
-    idx = index_mod.Index(s._cfg.data_dir / "index", 1 << 20)
+    idx = index_mod.Index(s._core.cfg.data_dir / "index", 1 << 20)
     try:
         props = idx._db.property_value("rocksdb.aggregated-table-properties") or ""
     finally:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import pytest
 
 from lmq_broker import errors, model
+from lmq_broker.storage import core as core_mod
 from lmq_broker.storage import index as index_mod
-from lmq_broker.storage import keys
+from lmq_broker.storage import keys, recovery
 from lmq_broker.storage import store as store_mod
 
 Msg = Callable[..., model.NewMessage]
@@ -29,7 +30,7 @@ def five(s: store_mod.LmqStore, msg: Msg) -> None:
 def start_rebuild_during_read(s: store_mod.LmqStore, *, finish: bool) -> None:
     """On the reader's state lookup, run the rebuild thread's first steps: the index swapped for a new one,
     three records replayed into it so far (``finish``: the whole rebuild, to its end)."""
-    states = s._states
+    states = s._core.states
     real_get = states.get
     fired: list[bool] = []
 
@@ -37,17 +38,17 @@ def start_rebuild_during_read(s: store_mod.LmqStore, *, finish: bool) -> None:
         st = real_get(name)
         if not fired:
             fired.append(True)
-            s._rebuilding = "test: damaged block"
-            with s._write_lock:
-                s._replace_index()
+            s._core.rebuilding = "test: damaged block"
+            with s._core.write_lock:
+                s._core.replace_index()
                 if finish:
-                    s._recover()
-                    s._rebuilding = None
+                    recovery.recover(s._core)
+                    s._core.rebuilding = None
                 else:
-                    full = s._log.scan
-                    s._log.scan = lambda a, b: itertools.islice(full(a, b), 3)  # type: ignore[method-assign,assignment]
-                    s._replay((s._log.seqs()[0], 0), s._log.seqs()[-1], True)
-                    s._log.scan = full  # type: ignore[method-assign]
+                    full = s._core.log.scan
+                    s._core.log.scan = lambda a, b: itertools.islice(full(a, b), 3)  # type: ignore[method-assign,assignment]
+                    recovery.replay(s._core, (s._core.log.seqs()[0], 0), s._core.log.seqs()[-1], True)
+                    s._core.log.scan = full  # type: ignore[method-assign]
         return st
 
     states.get = racing_get  # type: ignore[method-assign]
@@ -65,9 +66,9 @@ def test_a_read_racing_an_index_swap_fails_instead_of_reporting_holes(
     if not finish:
         with pytest.raises(errors.StorageError, match="rebuilding"):
             s.read_span(LMQ_A, 0, 32)  # the partial index is never read
-        with s._write_lock:
-            s._recover()
-        s._rebuilding = None
+        with s._core.write_lock:
+            recovery.recover(s._core)
+        s._core.rebuilding = None
     got, end = s.read_span(LMQ_A, 0, 32)
     assert [m.body for m in got] == [b"m%d" % i for i in range(5)] and end == 5
 
@@ -78,11 +79,11 @@ def test_after_a_failed_rebuild_reads_keep_failing(
     s = open_lmq()
     five(s, msg)
 
-    def broken_recover(self: store_mod.LmqStore) -> tuple[bool, int, int]:
+    def broken_recover(core: core_mod.Core) -> recovery.Pass:
         raise errors.StorageError("test: replay failed")
 
-    monkeypatch.setattr(store_mod.LmqStore, "_recover", broken_recover)
-    s._index_corrupt(errors.IndexCorrupt("test: damaged block"))
+    monkeypatch.setattr(recovery, "recover", broken_recover)
+    s._rebuilder.index_corrupt(errors.IndexCorrupt("test: damaged block"))
     assert s.wait_rebuilt(30)
     for _ in range(2):
         with pytest.raises(errors.StorageError, match="index unusable"):
@@ -95,9 +96,9 @@ def test_an_entry_missing_without_a_recorded_loss_is_never_reported_as_gone(open
     s = open_lmq()
     five(s, msg)
     name = keys.parse_queue(LMQ_A.topic, 0)
-    wb = s._index.batch()
+    wb = s._core.index.batch()
     wb.delete(keys.entry_key(name.qkey, 2))  # an inconsistency, not a loss the store knows of
-    s._index.write(wb)
+    s._core.index.write(wb)
     got, end = s.read_span(LMQ_A, 0, 32)
     assert [m.offset for m in got] == [0, 1] and end == 2  # the span stops before it
     with pytest.raises(errors.StorageError, match="no index entry for offset 2"):
@@ -108,8 +109,8 @@ def test_commits_go_to_meta_while_the_index_is_rebuilt(open_lmq: OpenLmq, msg: M
     s = open_lmq()
     five(s, msg)
     s.commit_offset(model.QueueId("P", 0), "g", 0)
-    s._rebuilding = "test: damaged block"
-    with s._write_lock:  # the rebuild holds the write lock for its duration
+    s._core.rebuilding = "test: damaged block"
+    with s._core.write_lock:  # the rebuild holds the write lock for its duration
         done = threading.Event()
 
         def commit() -> None:
@@ -122,7 +123,7 @@ def test_commits_go_to_meta_while_the_index_is_rebuilt(open_lmq: OpenLmq, msg: M
         assert done.wait(10), "a meta-only commit waited for the rebuild"
         assert s.try_commit_offset(LMQ_A, "g", 4)
         t.join()
-    s._rebuilding = None
+    s._core.rebuilding = None
     assert s.get_offset(LMQ_A, "g") == 4 and s.get_acked(LMQ_A, "g") == ()
     assert s.get_offset(model.QueueId("P", 0), "g") == 2
     name = keys.parse_queue(LMQ_A.topic, 0)
@@ -132,7 +133,7 @@ def test_commits_go_to_meta_while_the_index_is_rebuilt(open_lmq: OpenLmq, msg: M
 def test_index_damage_found_by_a_write_is_rebuilt_and_writes_resume(open_lmq: OpenLmq, msg: Msg) -> None:
     s = open_lmq()
     five(s, msg)
-    index = s._index
+    index = s._core.index
     real = index.get_u64
 
     def damaged(key: bytes) -> int | None:
@@ -153,7 +154,7 @@ def test_a_failed_delete_keeps_the_acked_set_until_it_succeeds(open_lmq: OpenLmq
     s = open_lmq()
     five(s, msg)
     s.commit_offset(LMQ_A, "g", 1, (3,))
-    meta = s._meta
+    meta = s._meta._db
     real = meta.write
 
     def full(wb: object) -> None:
@@ -169,4 +170,4 @@ def test_a_failed_delete_keeps_the_acked_set_until_it_succeeds(open_lmq: OpenLmq
         time.sleep(0.05)
     assert s.health() is None  # the retrier reopened meta: writes resume without a restart
     assert s.delete_lite_topic("P", "a")
-    assert s.get_acked(LMQ_A, "g") == () and not s._acked_keys
+    assert s.get_acked(LMQ_A, "g") == () and not s._meta._acked_keys

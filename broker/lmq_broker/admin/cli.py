@@ -215,7 +215,7 @@ def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
     order += [m for m in old if m not in members and m]
     rows = []
     for endpoint in order:
-        with AdminClient(endpoint, admin.timeout_s, long_timeout_s=admin.long_timeout_s, keys=a.keys) as each:
+        with AdminClient(endpoint, admin.aio.timeout_s, long_timeout_s=admin.aio.long_timeout_s, keys=a.keys) as each:
             info, changed = each.set_cluster(members, sizes, force=a.force)
         rows.append({"endpoint": endpoint, "slot": info.slot, "changed": changed, "leaving": info.leaving})
     return rows

@@ -1,4 +1,5 @@
-"""Typed client of one broker's admin service (lmq.admin.v1), for the operator, the reclaim job and the CLI.
+"""The one client of a broker's admin service (lmq.admin.v1): ``lmq-admin``, the operator and the reclaim job
+all call brokers through it, so a call is signed, bounded, mapped and its failure translated in one way.
 
     with AdminClient("broker-0.lmq:8081", timeout_s=5.0) as admin:
         admin.put_parent_topic(ParentTopic("orders", expiration_minutes=60))   # -> Applied(value, created)
@@ -14,17 +15,24 @@
         admin.list_lite_topics("orders", start_after="", limit=100)             # -> LiteTopicPage
         admin.list_clients(group=None)                                          # -> list[ClientInfo]
         admin.broker_info(with_undrained=True)                                  # -> BrokerInfo
-        admin.cluster(with_undrained=False) / admin.set_cluster(members, sizes)  # -> ClusterInfo
+        admin.cluster() / admin.set_cluster(members, ring_sizes)                # -> ClusterInfo (, changed)
         admin.record_reclaim_runs([ReclaimRun("orders", "run-1", start, finish, reclaimed=5)])  # -> ReclaimRecording
         for columns in admin.scan_lite_topics_columns("orders", batch_size=10_000):
             ...  # dict: column name -> list, one entry per row (LITE_TOPIC_COLUMNS [+ optional ones])
         admin.compare_and_delete(columns, require_no_subscribers=True, dry_run=False)  # -> list[DeleteOutcome]
 
+``AsyncAdminClient`` is the client, on grpc.aio: asyncio callers (the operator, on kopf's loop) await its
+methods, and a hundred concurrent calls are a hundred calls in flight, not a queue in front of a thread pool.
+``AdminClient`` is its blocking façade, for the CLI, scripts and the reclaim job's Spark executors: the
+same methods, each run on one event loop thread that every blocking client of the process shares, and
+``start_compare_and_delete``, which returns a future so the caller can prepare its next call meanwhile.
+
 Model values (``lmq_broker.model``) go in and come out; ``Applied.value`` is what the broker stored, with
-its defaults filled in. Failures raise ``lmq_broker.errors`` classes, mapped from status codes in one
-table (``admin.codes``): the class the broker raised when it is ours (``GroupNotFound``, ``Conflict``,
-``InvalidArgument``...), ``Unauthorized`` for a rejected signature, ``BrokerUnavailable`` when the broker
-cannot be reached or does not answer within the timeout.
+its defaults filled in; the other results are the plain values of ``admin.results``. Failures raise
+``lmq_broker.errors`` classes (``convert.call_error``): the class the broker raised when it is ours
+(``GroupNotFound``, ``Conflict``, ``InvalidArgument``...), ``Unauthorized`` for a rejected signature,
+``BrokerUnavailable`` when the broker cannot be reached or does not answer within the timeout; every one
+carries the status ``code``, the ``rpc`` and the ``endpoint`` in its fields.
 
 Lite topics move in columns, never one object per row: a scan yields ``dict[str, list]`` batches that
 ``pyarrow.RecordBatch.from_pydict`` or Spark take as they are, and ``compare_and_delete`` takes the same
@@ -33,31 +41,47 @@ columns back (``COMPARE_COLUMNS`` are required, others ignored), split into requ
 ``subscribers_seen=True`` the ``subscriber_count`` column (a scan ``with_subscribers``) is sent too: only
 subscribers beyond those the scan saw then keep a row.
 
-Unary calls use ``timeout_s``; a scan stream and each compare-and-delete request use ``long_timeout_s``.
-Every call is signed with the broker's *admin* key pair (``access_key``/``secret_key``, or ``keys``) as the
-v2 clients sign theirs; the broker refuses unsigned admin calls unless it runs with ``--admin-anonymous``.
-``AdminClient.resolved`` finds the pair as ``lmq-admin`` does (``admin.credentials.resolve``: the
-``LMQ_ADMIN_ACCESS_KEY``/``LMQ_ADMIN_SECRET_KEY`` variables, else ``<data-dir>/admin-credentials.json``).
-``AsyncAdminClient`` offers the same methods as coroutines (each call runs the blocking client in a worker
-thread), for asyncio callers such as kopf.
+Unary calls use ``timeout_s``; a scan stream, each compare-and-delete request, a purging parent-topic delete
+and ``broker_info(with_undrained=True)`` use ``long_timeout_s``. Every call is signed with the broker's
+*admin* key pair (``access_key``/``secret_key``, or ``keys``) as the v2 clients sign theirs; the broker
+refuses unsigned admin calls unless it runs with ``--admin-anonymous``. ``AdminClient.resolved`` finds the
+pair as ``lmq-admin`` does (``admin.credentials.resolve``: the ``LMQ_ADMIN_ACCESS_KEY``/``_SECRET_KEY``
+variables, else ``<data-dir>/admin-credentials.json``). ``channel_credentials`` makes the channel TLS.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+import concurrent.futures
+import functools
+import os
+import threading
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Generic, TypeVar, cast
+from typing import Any, Final, TypedDict, TypeVar, Unpack
 
 import grpc
+import grpc.aio
 
-from lmq_broker import errors, model
-from lmq_broker.admin import codes, convert, credentials
+from lmq_broker import model
+from lmq_broker.admin import convert, credentials
 from lmq_broker.admin.convert import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS
+from lmq_broker.admin.results import (
+    Applied,
+    BrokerInfo,
+    ClientInfo,
+    ClusterInfo,
+    DeleteOutcome,
+    GroupInfo,
+    LiteTopicDescription,
+    LiteTopicInfo,
+    LiteTopicPage,
+    ParentTopicDeletion,
+    ParentTopicInfo,
+    ReclaimRecording,
+)
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
@@ -75,6 +99,7 @@ __all__ = [
     "LiteTopicDescription",
     "LiteTopicInfo",
     "LiteTopicPage",
+    "LoopThread",
     "ParentTopicDeletion",
     "ParentTopicInfo",
     "ReclaimRecording",
@@ -86,136 +111,28 @@ _CHANNEL_OPTIONS: Final = (("grpc.max_receive_message_length", 64 * 1024 * 1024)
 T = TypeVar("T")
 
 
-class DeleteOutcome(enum.IntEnum):
-    """What compare-and-delete did with one row; same numbers as ``lmq.admin.v1.DeleteOutcome``."""
-
-    DELETED = pb.DELETED
-    KEPT_CHANGED = pb.KEPT_CHANGED  # received a message or a consume after the scan
-    KEPT_SUBSCRIBED = pb.KEPT_SUBSCRIBED  # require_no_subscribers, and a subscriber beyond those expected
-    NOT_FOUND = pb.NOT_FOUND  # already gone (an idempotent re-run)
-    WOULD_DELETE = pb.WOULD_DELETE  # dry run
-
-
-@dataclass(frozen=True, slots=True)
-class Applied(Generic[T]):
-    value: T  # as stored by the broker, defaults filled in
-    created: bool
+class ClientOptions(TypedDict, total=False):
+    long_timeout_s: float
+    access_key: str
+    secret_key: str
+    keys: credentials.KeyPair | None
+    channel_credentials: grpc.ChannelCredentials | None
+    clock: Callable[[], datetime]
 
 
-@dataclass(frozen=True, slots=True)
-class ParentTopicInfo:
-    topic: model.ParentTopic
-    lite_topic_count: int
-    last_reclaim: model.ReclaimRun | None = None  # the newest reclaim run recorded on this broker, if any
+class ScanOptions(TypedDict, total=False):
+    """``ScanLiteTopicsRequest``'s fields besides ``parent``, by the same names (unset: the broker's default)."""
+
+    start_after: str  # exclusive; a lite name within a parent, ``parent$lite`` across parents
+    end_before: str  # exclusive; "" for the end
+    batch_size: int  # rows per batch (the broker's default: 10 000)
+    with_subscribers: bool  # add the subscriber_count column
+    with_fully_consumed: bool  # add the fully_consumed column
+    idle_since_before_ms: int  # > 0: only topics whose last activity is before it (filtered by the broker)
 
 
-@dataclass(frozen=True, slots=True)
-class ParentTopicDeletion:
-    deleted: bool  # False: there was no such parent topic
-    lite_topics_deleted: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReclaimRecording:
-    """Where each run of ``record_reclaim_runs`` went, by parent name."""
-
-    recorded: tuple[str, ...]
-    unknown_parents: tuple[str, ...]  # the broker holds no such parent topic
-    superseded: tuple[str, ...]  # the broker keeps the record of a run that started later
-
-
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    group: model.LiteGroup
-    subscription_count: int
-    client_count: int
-    lag: int  # messages the group has still to consume, summed over its lite topics
-
-
-@dataclass(frozen=True, slots=True)
-class LiteTopicInfo:
-    meta: model.LiteTopicMeta
-    subscriber_count: int
-
-
-@dataclass(frozen=True, slots=True)
-class LiteTopicDescription:
-    meta: model.LiteTopicMeta
-    group_offsets: Mapping[str, int]  # group -> committed offset (next to consume)
-    subscribed_clients: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LiteTopicPage:
-    topics: tuple[LiteTopicInfo, ...]
-    next_start_after: str  # "" on the last page
-
-
-@dataclass(frozen=True, slots=True)
-class ClientInfo:
-    client_id: str
-    group: str
-    topic: str
-    client_type: int  # apache.rocketmq.v2.ClientType number
-    subscription_count: int
-    last_seen_ms: int
-    ready_events: int
-
-
-@dataclass(frozen=True, slots=True)
-class BrokerInfo:
-    broker_name: str
-    version: str
-    lite_topic_count: int
-    subscription_count: int
-    client_count: int
-    stored_bytes: int
-    undrained_messages: int  # -1 when not computed (with_undrained=False)
-    parent_topic_count: int
-    group_count: int
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterInfo:
-    members: tuple[str, ...]  # ring slots' endpoints, in slot order
-    ring_sizes: tuple[int, ...]  # oldest first; the last is today's ring (members past it are leaving)
-    slot: int  # this broker's; -1: no member
-    leaving: bool
-    undrained_messages: int  # -1 when not computed
-    drained: bool
-    source: str  # "flags" or "admin"
-
-
-def _cluster_info(message: pb.GetClusterResponse) -> ClusterInfo:
-    return ClusterInfo(
-        tuple(message.members),
-        tuple(message.ring_sizes),
-        message.slot,
-        message.leaving,
-        message.undrained_messages,
-        message.drained,
-        message.source,
-    )
-
-
-def _group_info(message: pb.GetLiteGroupResponse) -> GroupInfo:
-    return GroupInfo(
-        convert.lite_group_from_pb(message.group), message.subscription_count, message.client_count, message.lag
-    )
-
-
-def _parent_info(message: pb.GetParentTopicResponse) -> ParentTopicInfo:
-    return ParentTopicInfo(
-        convert.parent_topic_from_pb(message.topic), message.lite_topic_count, convert.last_reclaim_from_pb(message)
-    )
-
-
-def _lite_info(message: pb.LiteTopicInfo) -> LiteTopicInfo:
-    return LiteTopicInfo(convert.lite_topic_from_pb(message), message.subscriber_count)
-
-
-class AdminClient:
-    """Blocking client of one broker; thread-safe (one gRPC channel shared by all calls)."""
+class AsyncAdminClient:
+    """The client of one broker, on grpc.aio; use it from the event loop it was created on."""
 
     def __init__(
         self,
@@ -237,29 +154,21 @@ class AdminClient:
         self._keys = (access_key, secret_key) if access_key else None
         self._clock = clock
         if channel_credentials is None:
-            self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.secure_channel(endpoint, channel_credentials, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(endpoint, channel_credentials, options=_CHANNEL_OPTIONS)
         self._stub = admin_pb2_grpc.LmqAdminStub(self._channel)
 
-    @classmethod
-    def resolved(
-        cls, endpoint: str, timeout_s: float = 5.0, *, data_dir: Path | None = None, **options: Any
-    ) -> AdminClient:
-        """A client signing with the pair ``lmq-admin`` would find: ``LMQ_ADMIN_ACCESS_KEY``/``_SECRET_KEY``,
-        else ``<data_dir>/admin-credentials.json`` (default ``LMQ_DATA_DIR``, else ``./data``); unsigned if none."""
-        return cls(endpoint, timeout_s, keys=credentials.resolve(data_dir=data_dir), **options)
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> AdminClient:
+    async def __aenter__(self) -> AsyncAdminClient:
         return self
 
-    def __exit__(
+    async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        await self.close()
 
     # --- plumbing ---------------------------------------------------------------------------------------
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -267,129 +176,94 @@ class AdminClient:
             return ()
         return auth.sign_metadata(*self._keys, self._clock())
 
-    def _error(self, error: grpc.RpcError, rpc: str) -> errors.LmqError:
-        if not callable(getattr(error, "code", None)):  # failed before any call existed
-            return errors.BrokerUnavailable(f"{rpc} on {self.endpoint}: {error}", rpc=rpc, endpoint=self.endpoint)
-        exc = cast("grpc.Call", error)  # what grpc raises for a failed call is both
-        class_name = ""
-        for key, value in exc.trailing_metadata() or ():
-            if key == codes.ERROR_CLASS_KEY and isinstance(value, str):
-                class_name = value
-        message = exc.details() or exc.code().name
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            message = f"{rpc} on {self.endpoint}: {message}"
-        return codes.error_for(exc.code(), message, class_name, rpc=rpc, endpoint=self.endpoint)
-
-    def _unary(self, rpc: str, request: Any, timeout_s: float | None = None) -> Any:
+    async def _unary(self, rpc: str, request: Any, timeout_s: float | None = None) -> Any:
         method = getattr(self._stub, rpc)
         try:
-            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata())
+            return await method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata())
         except grpc.RpcError as exc:
-            raise self._error(exc, rpc) from None
+            raise convert.call_error(exc, rpc, self.endpoint) from None
 
     # --- parent topics ----------------------------------------------------------------------------------
-    def put_parent_topic(self, topic: model.ParentTopic) -> Applied[model.ParentTopic]:
-        reply = self._unary("PutParentTopic", pb.PutParentTopicRequest(topic=convert.parent_topic_to_pb(topic)))
+    async def put_parent_topic(self, topic: model.ParentTopic) -> Applied[model.ParentTopic]:
+        request = pb.PutParentTopicRequest(topic=convert.parent_topic_to_pb(topic))
+        reply = await self._unary("PutParentTopic", request)
         return Applied(convert.parent_topic_from_pb(reply.topic), reply.created)
 
-    def get_parent_topic(self, name: str) -> ParentTopicInfo:
-        return _parent_info(self._unary("GetParentTopic", pb.GetParentTopicRequest(name=name)))
+    async def get_parent_topic(self, name: str) -> ParentTopicInfo:
+        return convert.parent_info_from_pb(await self._unary("GetParentTopic", pb.GetParentTopicRequest(name=name)))
 
-    def delete_parent_topic(self, name: str, *, purge_lite_topics: bool = False) -> ParentTopicDeletion:
+    async def delete_parent_topic(self, name: str, *, purge_lite_topics: bool = False) -> ParentTopicDeletion:
         request = pb.DeleteParentTopicRequest(name=name, purge_lite_topics=purge_lite_topics)
-        reply = self._unary("DeleteParentTopic", request, self.long_timeout_s if purge_lite_topics else None)
+        reply = await self._unary("DeleteParentTopic", request, self.long_timeout_s if purge_lite_topics else None)
         return ParentTopicDeletion(reply.deleted, reply.lite_topics_deleted)
 
-    def list_parent_topics(self) -> list[ParentTopicInfo]:
-        reply = self._unary("ListParentTopics", pb.ListParentTopicsRequest())
-        return [_parent_info(t) for t in reply.topics]
+    async def list_parent_topics(self) -> list[ParentTopicInfo]:
+        reply = await self._unary("ListParentTopics", pb.ListParentTopicsRequest())
+        return [convert.parent_info_from_pb(t) for t in reply.topics]
 
     # --- lite groups ------------------------------------------------------------------------------------
-    def put_group(self, group: model.LiteGroup) -> Applied[model.LiteGroup]:
-        reply = self._unary("PutLiteGroup", pb.PutLiteGroupRequest(group=convert.lite_group_to_pb(group)))
+    async def put_group(self, group: model.LiteGroup) -> Applied[model.LiteGroup]:
+        reply = await self._unary("PutLiteGroup", pb.PutLiteGroupRequest(group=convert.lite_group_to_pb(group)))
         return Applied(convert.lite_group_from_pb(reply.group), reply.created)
 
-    def get_group(self, name: str) -> GroupInfo:
-        return _group_info(self._unary("GetLiteGroup", pb.GetLiteGroupRequest(name=name)))
+    async def get_group(self, name: str) -> GroupInfo:
+        return convert.group_info_from_pb(await self._unary("GetLiteGroup", pb.GetLiteGroupRequest(name=name)))
 
-    def delete_group(self, name: str) -> bool:
-        return bool(self._unary("DeleteLiteGroup", pb.DeleteLiteGroupRequest(name=name)).deleted)
+    async def delete_group(self, name: str) -> bool:
+        return bool((await self._unary("DeleteLiteGroup", pb.DeleteLiteGroupRequest(name=name))).deleted)
 
-    def list_groups(self) -> list[GroupInfo]:
-        return [_group_info(g) for g in self._unary("ListLiteGroups", pb.ListLiteGroupsRequest()).groups]
+    async def list_groups(self) -> list[GroupInfo]:
+        reply = await self._unary("ListLiteGroups", pb.ListLiteGroupsRequest())
+        return [convert.group_info_from_pb(g) for g in reply.groups]
 
     # --- quotas -----------------------------------------------------------------------------------------
-    def put_quota(self, quota: model.Quota) -> Applied[model.Quota]:
-        reply = self._unary("PutQuota", pb.PutQuotaRequest(quota=convert.quota_to_pb(quota)))
+    async def put_quota(self, quota: model.Quota) -> Applied[model.Quota]:
+        reply = await self._unary("PutQuota", pb.PutQuotaRequest(quota=convert.quota_to_pb(quota)))
         return Applied(convert.quota_from_pb(reply.quota), reply.created)
 
-    def delete_quota(self, scope: str) -> bool:
-        return bool(self._unary("DeleteQuota", pb.DeleteQuotaRequest(scope=scope)).deleted)
+    async def delete_quota(self, scope: str) -> bool:
+        return bool((await self._unary("DeleteQuota", pb.DeleteQuotaRequest(scope=scope))).deleted)
 
-    def list_quotas(self) -> list[model.Quota]:
-        return [convert.quota_from_pb(q) for q in self._unary("ListQuotas", pb.ListQuotasRequest()).quotas]
+    async def list_quotas(self) -> list[model.Quota]:
+        reply = await self._unary("ListQuotas", pb.ListQuotasRequest())
+        return [convert.quota_from_pb(q) for q in reply.quotas]
 
     # --- lite topics and clients ------------------------------------------------------------------------
-    def describe_lite_topic(self, parent: str, lite: str) -> LiteTopicDescription:
-        reply = self._unary("DescribeLiteTopic", pb.DescribeLiteTopicRequest(parent=parent, lite=lite))
-        return LiteTopicDescription(
-            convert.lite_topic_from_pb(reply.topic), dict(reply.group_offsets), tuple(reply.subscribed_clients)
-        )
+    async def describe_lite_topic(self, parent: str, lite: str) -> LiteTopicDescription:
+        request = pb.DescribeLiteTopicRequest(parent=parent, lite=lite)
+        return convert.description_from_pb(await self._unary("DescribeLiteTopic", request))
 
-    def list_lite_topics(self, parent: str = "", *, start_after: str = "", limit: int = 100) -> LiteTopicPage:
+    async def list_lite_topics(self, parent: str = "", *, start_after: str = "", limit: int = 100) -> LiteTopicPage:
         """One page; across parents (``parent=""``) ``start_after`` is a ``parent$lite`` key."""
         request = pb.ListLiteTopicsRequest(parent=parent, start_after=start_after, limit=limit)
-        reply = self._unary("ListLiteTopics", request)
-        return LiteTopicPage(tuple(_lite_info(t) for t in reply.topics), reply.next_start_after)
+        return convert.page_from_pb(await self._unary("ListLiteTopics", request))
 
-    def list_clients(self, group: str | None = None) -> list[ClientInfo]:
-        reply = self._unary("ListClients", pb.ListClientsRequest(group=group or ""))
-        return [
-            ClientInfo(
-                c.client_id, c.group, c.topic, c.client_type, c.subscription_count, c.last_seen_ms, c.ready_events
-            )
-            for c in reply.clients
-        ]
+    async def list_clients(self, group: str | None = None) -> list[ClientInfo]:
+        reply = await self._unary("ListClients", pb.ListClientsRequest(group=group or ""))
+        return [convert.client_from_pb(c) for c in reply.clients]
 
-    def scan_lite_topics_columns(
-        self,
-        parent: str = "",
-        *,
-        start_after: str = "",
-        end_before: str = "",
-        batch_size: int = 10_000,
-        with_subscribers: bool = False,
-        with_fully_consumed: bool = False,
-        idle_since_before_ms: int = 0,
-    ) -> Generator[dict[str, list[Any]], None, None]:
-        """Lite-topic metadata in key order, a batch of up to ``batch_size`` rows at a time.
+    async def scan_lite_topics_columns(
+        self, parent: str = "", **options: Unpack[ScanOptions]
+    ) -> AsyncGenerator[dict[str, list[Any]], None]:
+        """Lite-topic metadata in key order, a batch of up to ``batch_size`` rows at a time (``ScanOptions``).
 
-        Keys are exclusive bounds: lite names within ``parent``, ``parent$lite`` across parents (``parent=""``).
         Each batch maps ``LITE_TOPIC_COLUMNS`` (plus ``subscriber_count`` / ``fully_consumed`` when asked)
         to equal-length lists. The stream is read lazily; close the iterator to stop early.
-        ``idle_since_before_ms`` > 0: only topics whose last activity is before it (filtered by the broker).
         """
-        request = pb.ScanLiteTopicsRequest(
-            parent=parent,
-            start_after=start_after,
-            end_before=end_before,
-            batch_size=batch_size,
-            with_subscribers=with_subscribers,
-            with_fully_consumed=with_fully_consumed,
-            idle_since_before_ms=idle_since_before_ms,
-        )
-        stream = self._stub.ScanLiteTopics(request, timeout=self.long_timeout_s, metadata=self._metadata())
+        request = pb.ScanLiteTopicsRequest(parent=parent, **options)
+        call = self._stub.ScanLiteTopics(request, timeout=self.long_timeout_s, metadata=self._metadata())
+        subscribers, fully_consumed = request.with_subscribers, request.with_fully_consumed
         try:
-            for batch in stream:
+            async for batch in call:
                 yield convert.scan_batch_columns(
-                    batch, with_subscribers=with_subscribers, with_fully_consumed=with_fully_consumed
+                    batch, with_subscribers=subscribers, with_fully_consumed=fully_consumed
                 )
         except grpc.RpcError as exc:
-            raise self._error(exc, "ScanLiteTopics") from None
+            raise convert.call_error(exc, "ScanLiteTopics", self.endpoint) from None
         finally:
-            stream.cancel()  # type: ignore[no-untyped-call]  # untyped in grpc-stubs
+            call.cancel()
 
-    def compare_and_delete(
+    async def compare_and_delete(
         self,
         columns: Mapping[str, Sequence[Any]],
         *,
@@ -402,123 +276,173 @@ class AdminClient:
         rows = convert.row_count(columns, names)
         outcomes: list[DeleteOutcome] = []
         for start in range(0, rows, DELETE_ROWS_PER_CALL):
+            stop = min(start + DELETE_ROWS_PER_CALL, rows)
             request = convert.compare_request(
                 columns,
                 start,
-                min(start + DELETE_ROWS_PER_CALL, rows),
+                stop,
                 require_no_subscribers=require_no_subscribers,
                 dry_run=dry_run,
                 subscribers_seen=subscribers_seen,
             )
-            reply = self._unary("CompareAndDeleteLiteTopics", request, self.long_timeout_s)
-            outcomes.extend(DeleteOutcome(o) for o in reply.outcome)
+            reply = await self._unary("CompareAndDeleteLiteTopics", request, self.long_timeout_s)
+            outcomes.extend(convert.outcomes_from_pb(reply, stop - start, self.endpoint))
         return outcomes
 
-    def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:
+    async def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:
         """Record each run as its parent's newest reclaim summary on this broker (one run per parent)."""
         request = pb.RecordReclaimRunsRequest(runs=[convert.reclaim_run_to_pb(r) for r in runs])
-        reply = self._unary("RecordReclaimRuns", request)
-        return ReclaimRecording(tuple(reply.recorded), tuple(reply.unknown_parents), tuple(reply.superseded))
+        return convert.recording_from_pb(await self._unary("RecordReclaimRuns", request))
 
     # --- the broker -------------------------------------------------------------------------------------
-    def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
+    async def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
         """``with_undrained`` walks every lite topic of the broker (see the service); it uses ``long_timeout_s``."""
         request = pb.GetBrokerInfoRequest(skip_undrained=not with_undrained)
-        reply = self._unary("GetBrokerInfo", request, self.long_timeout_s if with_undrained else None)
-        return BrokerInfo(
-            broker_name=reply.broker_name,
-            version=reply.version,
-            lite_topic_count=reply.lite_topic_count,
-            subscription_count=reply.subscription_count,
-            client_count=reply.client_count,
-            stored_bytes=reply.stored_bytes,
-            undrained_messages=reply.undrained_messages,
-            parent_topic_count=reply.parent_topic_count,
-            group_count=reply.group_count,
-        )
+        reply = await self._unary("GetBrokerInfo", request, self.long_timeout_s if with_undrained else None)
+        return convert.broker_info_from_pb(reply)
 
     # --- the cluster (docs/scale-out.md) -----------------------------------------------------------------
-    def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
+    async def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
         request = pb.GetClusterRequest(with_undrained=with_undrained)
-        return _cluster_info(self._unary("GetCluster", request, self.long_timeout_s if with_undrained else None))
+        reply = await self._unary("GetCluster", request, self.long_timeout_s if with_undrained else None)
+        return convert.cluster_info_from_pb(reply)
 
-    def set_cluster(
+    async def set_cluster(
         self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
     ) -> tuple[ClusterInfo, bool]:
         """This broker's membership; returns it as now applied, and whether it changed."""
         request = pb.SetClusterRequest(members=members, ring_sizes=ring_sizes, slot=slot, force=force)
-        reply = self._unary("SetCluster", request, self.long_timeout_s)
-        return _cluster_info(reply.cluster), reply.changed
+        reply = await self._unary("SetCluster", request, self.long_timeout_s)
+        return convert.cluster_info_from_pb(reply.cluster), reply.changed
 
 
-class AsyncAdminClient:
-    """``AdminClient`` for asyncio callers: the same methods as coroutines, run in worker threads."""
+class LoopThread:
+    """An asyncio loop in a daemon thread; ``run`` executes a coroutine there and waits for its result."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, **options: Any) -> None:
-        self.sync = AdminClient(endpoint, timeout_s, **options)
+    def __init__(self, name: str = "lmq-admin-loop", timeout_s: float | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
 
-    async def close(self) -> None:
-        self.sync.close()
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def __aenter__(self) -> AsyncAdminClient:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result(self._timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30.0)
+        self.loop.close()
+
+
+_SHARED_LOCK: Final = threading.Lock()
+
+
+@functools.cache
+def _loop_of(pid: int) -> LoopThread:
+    return LoopThread("lmq-admin-client")
+
+
+def shared_loop() -> LoopThread:
+    """The loop of this process's blocking clients (a forked child starts its own: the parent's thread is
+    not there). It runs until the process exits; each client closes its own channel."""
+    with _SHARED_LOCK:
+        return _loop_of(os.getpid())
+
+
+class AdminClient:
+    """``AsyncAdminClient``'s blocking façade: the same methods, run on ``shared_loop()``. Thread-safe."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, **options: Unpack[ClientOptions]) -> None:
+        self.endpoint = endpoint
+        self._loop = shared_loop()
+
+        async def connect() -> AsyncAdminClient:  # grpc.aio ties a channel to the loop it is made on
+            return AsyncAdminClient(endpoint, timeout_s, **options)
+
+        self.aio = self._loop.run(connect())
+
+    @classmethod
+    def resolved(
+        cls, endpoint: str, timeout_s: float = 5.0, *, data_dir: Path | None = None, **options: Any
+    ) -> AdminClient:
+        """A client signing with the pair ``lmq-admin`` would find: ``LMQ_ADMIN_ACCESS_KEY``/``_SECRET_KEY``,
+        else ``<data_dir>/admin-credentials.json`` (default ``LMQ_DATA_DIR``, else ``./data``); unsigned if none."""
+        return cls(endpoint, timeout_s, keys=credentials.resolve(data_dir=data_dir), **options)
+
+    def close(self) -> None:
+        self._loop.run(self.aio.close())
+
+    def __enter__(self) -> AdminClient:
         return self
 
-    async def __aexit__(
+    def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.close()
+        self.close()
 
-    async def put_parent_topic(self, topic: model.ParentTopic) -> Applied[model.ParentTopic]:
-        return await asyncio.to_thread(self.sync.put_parent_topic, topic)
+    def put_parent_topic(self, topic: model.ParentTopic) -> Applied[model.ParentTopic]:
+        return self._loop.run(self.aio.put_parent_topic(topic))
 
-    async def get_parent_topic(self, name: str) -> ParentTopicInfo:
-        return await asyncio.to_thread(self.sync.get_parent_topic, name)
+    def get_parent_topic(self, name: str) -> ParentTopicInfo:
+        return self._loop.run(self.aio.get_parent_topic(name))
 
-    async def delete_parent_topic(self, name: str, *, purge_lite_topics: bool = False) -> ParentTopicDeletion:
-        return await asyncio.to_thread(self.sync.delete_parent_topic, name, purge_lite_topics=purge_lite_topics)
+    def delete_parent_topic(self, name: str, *, purge_lite_topics: bool = False) -> ParentTopicDeletion:
+        return self._loop.run(self.aio.delete_parent_topic(name, purge_lite_topics=purge_lite_topics))
 
-    async def list_parent_topics(self) -> list[ParentTopicInfo]:
-        return await asyncio.to_thread(self.sync.list_parent_topics)
+    def list_parent_topics(self) -> list[ParentTopicInfo]:
+        return self._loop.run(self.aio.list_parent_topics())
 
-    async def put_group(self, group: model.LiteGroup) -> Applied[model.LiteGroup]:
-        return await asyncio.to_thread(self.sync.put_group, group)
+    def put_group(self, group: model.LiteGroup) -> Applied[model.LiteGroup]:
+        return self._loop.run(self.aio.put_group(group))
 
-    async def get_group(self, name: str) -> GroupInfo:
-        return await asyncio.to_thread(self.sync.get_group, name)
+    def get_group(self, name: str) -> GroupInfo:
+        return self._loop.run(self.aio.get_group(name))
 
-    async def delete_group(self, name: str) -> bool:
-        return await asyncio.to_thread(self.sync.delete_group, name)
+    def delete_group(self, name: str) -> bool:
+        return self._loop.run(self.aio.delete_group(name))
 
-    async def list_groups(self) -> list[GroupInfo]:
-        return await asyncio.to_thread(self.sync.list_groups)
+    def list_groups(self) -> list[GroupInfo]:
+        return self._loop.run(self.aio.list_groups())
 
-    async def put_quota(self, quota: model.Quota) -> Applied[model.Quota]:
-        return await asyncio.to_thread(self.sync.put_quota, quota)
+    def put_quota(self, quota: model.Quota) -> Applied[model.Quota]:
+        return self._loop.run(self.aio.put_quota(quota))
 
-    async def delete_quota(self, scope: str) -> bool:
-        return await asyncio.to_thread(self.sync.delete_quota, scope)
+    def delete_quota(self, scope: str) -> bool:
+        return self._loop.run(self.aio.delete_quota(scope))
 
-    async def list_quotas(self) -> list[model.Quota]:
-        return await asyncio.to_thread(self.sync.list_quotas)
+    def list_quotas(self) -> list[model.Quota]:
+        return self._loop.run(self.aio.list_quotas())
 
-    async def describe_lite_topic(self, parent: str, lite: str) -> LiteTopicDescription:
-        return await asyncio.to_thread(self.sync.describe_lite_topic, parent, lite)
+    def describe_lite_topic(self, parent: str, lite: str) -> LiteTopicDescription:
+        return self._loop.run(self.aio.describe_lite_topic(parent, lite))
 
-    async def list_lite_topics(self, parent: str = "", *, start_after: str = "", limit: int = 100) -> LiteTopicPage:
-        return await asyncio.to_thread(self.sync.list_lite_topics, parent, start_after=start_after, limit=limit)
+    def list_lite_topics(self, parent: str = "", *, start_after: str = "", limit: int = 100) -> LiteTopicPage:
+        return self._loop.run(self.aio.list_lite_topics(parent, start_after=start_after, limit=limit))
 
-    async def list_clients(self, group: str | None = None) -> list[ClientInfo]:
-        return await asyncio.to_thread(self.sync.list_clients, group)
+    def list_clients(self, group: str | None = None) -> list[ClientInfo]:
+        return self._loop.run(self.aio.list_clients(group))
 
-    async def scan_lite_topics_columns(self, parent: str = "", **options: Any) -> AsyncIterator[dict[str, list[Any]]]:
-        batches = self.sync.scan_lite_topics_columns(parent, **options)
+    def scan_lite_topics_columns(
+        self, parent: str = "", **options: Unpack[ScanOptions]
+    ) -> Generator[dict[str, list[Any]], None, None]:
+        batches = self.aio.scan_lite_topics_columns(parent, **options)
+
+        async def step() -> dict[str, list[Any]] | None:
+            return await anext(batches, None)
+
+        async def stop() -> None:
+            await batches.aclose()
+
         try:
-            while (batch := await asyncio.to_thread(next, batches, None)) is not None:
+            while (batch := self._loop.run(step())) is not None:
                 yield batch
         finally:
-            batches.close()
+            self._loop.run(stop())
 
-    async def compare_and_delete(
+    def compare_and_delete(
         self,
         columns: Mapping[str, Sequence[Any]],
         *,
@@ -526,16 +450,34 @@ class AsyncAdminClient:
         dry_run: bool = False,
         subscribers_seen: bool = False,
     ) -> list[DeleteOutcome]:
-        return await asyncio.to_thread(
-            self.sync.compare_and_delete,
-            columns,
-            require_no_subscribers=require_no_subscribers,
-            dry_run=dry_run,
-            subscribers_seen=subscribers_seen,
+        return self.start_compare_and_delete(
+            columns, require_no_subscribers=require_no_subscribers, dry_run=dry_run, subscribers_seen=subscribers_seen
+        ).result()
+
+    def start_compare_and_delete(
+        self,
+        columns: Mapping[str, Sequence[Any]],
+        *,
+        require_no_subscribers: bool = True,
+        dry_run: bool = False,
+        subscribers_seen: bool = False,
+    ) -> concurrent.futures.Future[list[DeleteOutcome]]:
+        """``compare_and_delete`` sent at once; ``result()`` waits for the outcomes (or raises its error)."""
+        call = self.aio.compare_and_delete(
+            columns, require_no_subscribers=require_no_subscribers, dry_run=dry_run, subscribers_seen=subscribers_seen
         )
+        return self._loop.submit(call)
 
-    async def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:
-        return await asyncio.to_thread(self.sync.record_reclaim_runs, runs)
+    def record_reclaim_runs(self, runs: Sequence[model.ReclaimRun]) -> ReclaimRecording:
+        return self._loop.run(self.aio.record_reclaim_runs(runs))
 
-    async def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
-        return await asyncio.to_thread(self.sync.broker_info, with_undrained=with_undrained)
+    def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
+        return self._loop.run(self.aio.broker_info(with_undrained=with_undrained))
+
+    def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
+        return self._loop.run(self.aio.cluster(with_undrained=with_undrained))
+
+    def set_cluster(
+        self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
+    ) -> tuple[ClusterInfo, bool]:
+        return self._loop.run(self.aio.set_cluster(members, ring_sizes, slot=slot, force=force))

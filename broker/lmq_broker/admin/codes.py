@@ -36,6 +36,12 @@ _TABLE: Final[tuple[tuple[type[errors.LmqError], grpc.StatusCode], ...]] = (
     (errors.Unsupported, _C.UNIMPLEMENTED),
 )
 
+# Failures that a later try of the same call may not meet: the broker was away, late, overloaded or failed
+# inside. Anything else (invalid, conflict, unauthorized...) needs a different request, not a retry.
+_TRANSIENT: Final = frozenset(
+    c.name for c in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.CANCELLED, _C.RESOURCE_EXHAUSTED, _C.INTERNAL, _C.UNKNOWN)
+)
+
 _CLASSES: Final = {
     cls.__name__: cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.LmqError)
 }
@@ -63,3 +69,8 @@ def error_for(code: grpc.StatusCode, message: str, class_name: str = "", **field
         if row_code == code:
             return row_cls(message, code=code.name, **fields)
     return errors.LmqError(message, code=code.name, **fields)
+
+
+def transient(error: errors.LmqError) -> bool:
+    """Whether retrying the failed call later may succeed (by its status code; False when no call failed)."""
+    return isinstance(error, errors.BrokerUnavailable) or error.fields.get("code") in _TRANSIENT

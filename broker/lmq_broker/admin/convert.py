@@ -1,4 +1,7 @@
-"""Model values ↔ lmq.admin.v1 messages; shared by the service and the client, so both read one mapping.
+"""Plain values ↔ lmq.admin.v1 messages, and failed calls → errors: the admin plane's only mapping.
+
+The service and the one client (``admin.client``, which the CLI, the operator and the reclaim job all use)
+read the same functions, so a field added to the proto is mapped once, for every caller.
 
 Decoding is exact except where proto3 cannot tell "unset" from zero: an unset message type means LITE,
 an unset queue count means 1 and an unset subscription model means SHARED. Other zeros (quotas,
@@ -14,7 +17,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
+import grpc
+
 from lmq_broker import errors, model
+from lmq_broker.admin import codes
+from lmq_broker.admin.results import (
+    BrokerInfo,
+    ClientInfo,
+    ClusterInfo,
+    DeleteOutcome,
+    GroupInfo,
+    LiteTopicDescription,
+    LiteTopicInfo,
+    LiteTopicPage,
+    ParentTopicInfo,
+    ReclaimRecording,
+)
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 
 LITE_TOPIC_COLUMNS: Final = (
@@ -214,3 +232,98 @@ def row_count(columns: Mapping[str, Sequence[Any]], names: Iterable[str]) -> int
     if len(set(lengths.values())) > 1:
         raise errors.InvalidArgument(f"columns differ in length: {lengths}")
     return next(iter(lengths.values()), 0)
+
+
+# ---- replies, as the client returns them ----------------------------------------------------------------
+
+
+def parent_info_from_pb(message: pb.GetParentTopicResponse) -> ParentTopicInfo:
+    return ParentTopicInfo(parent_topic_from_pb(message.topic), message.lite_topic_count, last_reclaim_from_pb(message))
+
+
+def group_info_from_pb(message: pb.GetLiteGroupResponse) -> GroupInfo:
+    return GroupInfo(lite_group_from_pb(message.group), message.subscription_count, message.client_count, message.lag)
+
+
+def lite_info_from_pb(message: pb.LiteTopicInfo) -> LiteTopicInfo:
+    return LiteTopicInfo(lite_topic_from_pb(message), message.subscriber_count)
+
+
+def page_from_pb(message: pb.ListLiteTopicsResponse) -> LiteTopicPage:
+    return LiteTopicPage(tuple(lite_info_from_pb(t) for t in message.topics), message.next_start_after)
+
+
+def description_from_pb(message: pb.DescribeLiteTopicResponse) -> LiteTopicDescription:
+    return LiteTopicDescription(
+        lite_topic_from_pb(message.topic), dict(message.group_offsets), tuple(message.subscribed_clients)
+    )
+
+
+def client_from_pb(c: pb.ClientInfo) -> ClientInfo:
+    return ClientInfo(
+        c.client_id, c.group, c.topic, c.client_type, c.subscription_count, c.last_seen_ms, c.ready_events
+    )
+
+
+def broker_info_from_pb(message: pb.GetBrokerInfoResponse) -> BrokerInfo:
+    return BrokerInfo(
+        broker_name=message.broker_name,
+        version=message.version,
+        lite_topic_count=message.lite_topic_count,
+        subscription_count=message.subscription_count,
+        client_count=message.client_count,
+        stored_bytes=message.stored_bytes,
+        undrained_messages=message.undrained_messages,
+        parent_topic_count=message.parent_topic_count,
+        group_count=message.group_count,
+    )
+
+
+def cluster_info_from_pb(message: pb.GetClusterResponse) -> ClusterInfo:
+    return ClusterInfo(
+        tuple(message.members),
+        tuple(message.ring_sizes),
+        message.slot,
+        message.leaving,
+        message.undrained_messages,
+        message.drained,
+        message.source,
+    )
+
+
+def recording_from_pb(message: pb.RecordReclaimRunsResponse) -> ReclaimRecording:
+    return ReclaimRecording(tuple(message.recorded), tuple(message.unknown_parents), tuple(message.superseded))
+
+
+_OUTCOMES: Final[Mapping[int, DeleteOutcome]] = {int(o): o for o in DeleteOutcome}
+
+
+def outcomes_from_pb(message: pb.CompareAndDeleteResponse, rows: int, endpoint: str) -> list[DeleteOutcome]:
+    """One outcome per row sent, in order; a reply that does not give exactly that is an error for the call."""
+    if len(message.outcome) != rows:
+        raise errors.LmqError(f"{endpoint}: {len(message.outcome)} outcomes for {rows} rows", endpoint=endpoint)
+    try:
+        return [_OUTCOMES[o] for o in message.outcome]  # a dict: a reclaim run maps millions of them
+    except KeyError as exc:  # a broker newer than this client
+        raise errors.LmqError(f"{endpoint}: unknown delete outcome {exc}", endpoint=endpoint) from None
+
+
+# ---- failed calls ---------------------------------------------------------------------------------------
+
+_AWAY: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def call_error(error: grpc.RpcError, rpc: str, endpoint: str) -> errors.LmqError:
+    """What a failed call raises: the class the broker named in ``lmq-error`` (``codes.error_for``), fields
+    ``code``, ``rpc`` and ``endpoint``. The message is the broker's own, except when the broker was away or
+    late: then it names the call, the endpoint and the status (``GetBrokerInfo on host:8081: UNAVAILABLE: …``)."""
+    call: Any = error  # what grpc and grpc.aio raise for a failed call is also the call (code, details, trailers)
+    if not callable(getattr(call, "code", None)):  # failed before any call existed
+        return errors.BrokerUnavailable(f"{rpc} on {endpoint}: {error}", rpc=rpc, endpoint=endpoint)
+    code: grpc.StatusCode = call.code()
+    class_name = next((v for k, v in call.trailing_metadata() or () if k == codes.ERROR_CLASS_KEY), "")
+    details = call.details() or ""
+    message = details or code.name
+    if code in _AWAY:
+        message = f"{rpc} on {endpoint}: {code.name}" + (f": {details}" if details else "")
+    return codes.error_for(code, message, class_name if isinstance(class_name, str) else "", rpc=rpc, endpoint=endpoint)

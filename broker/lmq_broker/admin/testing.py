@@ -1,7 +1,7 @@
 """A harness to serve the admin service in-process: for tests of the admin plane and of its callers.
 
 The server runs its own event loop in a thread (as the broker does in its process), so tests call it
-with blocking clients, exactly as the operator, the reclaim job and the CLI do. Seeding helpers write
+with the blocking ``AdminClient``, as the CLI and the reclaim job do. Seeding helpers write
 through the real ``Store`` API; the live view is the in-memory ``StaticLiveView``. ``serve_admin`` serves the
 service to anyone unless given ``admin_keys`` (the service itself is what most of these tests are about):
 admin auth is tested with them in tests/admin/test_auth.py and on the broker process.
@@ -9,42 +9,29 @@ admin auth is tested with them in tests/admin/test_auth.py and on the broker pro
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from lmq_broker import model
-from lmq_broker.admin import service
+from lmq_broker.admin import client, service
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import ClientView, StaticLiveView
 from lmq_broker.storage.api import Store
 
-T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0
 
 
-class LoopThread:
-    """An asyncio loop in a daemon thread; ``run`` executes a coroutine there and waits for its result."""
+class LoopThread(client.LoopThread):
+    """A loop in its own thread for servers under test; ``run`` gives up after ``CALL_TIMEOUT_S``."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="admin-test-loop", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT_S)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(CALL_TIMEOUT_S)
-        self.loop.close()
+        super().__init__("admin-test-loop", CALL_TIMEOUT_S)
 
 
 @dataclass

@@ -38,14 +38,15 @@ import hmac
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.storage import ranges
 
 RECEIPT_VERSION: Final = "r2"
 RECEIPT_SECRET_BYTES: Final = 32
 RECEIPT_TAG_BYTES: Final = 16
+NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +331,17 @@ class QueueLeases:
         return self.committed >= self.handed
 
 
-Key = tuple[str, int, str]  # (queue topic, queue id, group)
+class LeaseKey(NamedTuple):
+    """What lease state is kept per: one queue and one consumer group. A named tuple, as ``QueueId`` is: it keys
+    the dicts and the expiry heap that every receive and ack looks up, and a tuple hashes and compares in C."""
+
+    topic: str  # the queue's topic: an LMQ name for a lite topic
+    queue: int
+    group: str
+
+    @property
+    def queue_id(self) -> model.QueueId:
+        return model.QueueId(self.topic, self.queue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,37 +351,37 @@ class Renewal:
 
     slice_ms: int
     ahead_ms: int
-    holds: Callable[[str, Key], bool]
+    holds: Callable[[str, LeaseKey], bool]
 
 
 class LeaseTable:
-    def __init__(self, incarnation: str, window: int = 1024, secret: bytes | None = None) -> None:
+    def __init__(self, incarnation: str, window: int = NORMAL_WINDOW, secret: bytes | None = None) -> None:
         self.incarnation = incarnation
         self._secret = secret if secret is not None else secrets.token_bytes(RECEIPT_SECRET_BYTES)
         self.window = window
-        self._states: dict[Key, QueueLeases] = {}
-        self._expiries: list[tuple[int, int, Key]] = []
+        self._states: dict[LeaseKey, QueueLeases] = {}
+        self._expiries: list[tuple[int, int, LeaseKey]] = []
         self._seq = 0
         self._next_lease_id = 1
 
-    def get(self, key: Key) -> QueueLeases | None:
+    def get(self, key: LeaseKey) -> QueueLeases | None:
         return self._states.get(key)
 
-    def open(self, key: Key, committed: int, ordered: bool) -> QueueLeases:
+    def open(self, key: LeaseKey, committed: int, ordered: bool) -> QueueLeases:
         state = self._states.get(key)
         if state is None:
             state = self._states[key] = QueueLeases(committed, ordered, self.window)
         return state
 
-    def release_if_idle(self, key: Key) -> None:
+    def release_if_idle(self, key: LeaseKey) -> None:
         state = self._states.get(key)
         if state is not None and state.idle:
             del self._states[key]
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: LeaseKey) -> None:
         self._states.pop(key, None)
 
-    def states(self) -> list[tuple[Key, QueueLeases]]:
+    def states(self) -> list[tuple[LeaseKey, QueueLeases]]:
         return list(self._states.items())
 
     @property
@@ -378,7 +389,7 @@ class LeaseTable:
         return self._next_lease_id
 
     def drop_topic(self, topic: str) -> None:
-        for key in [k for k in self._states if k[0] == topic]:
+        for key in [k for k in self._states if k.topic == topic]:
             del self._states[key]
 
     def in_flight(self) -> int:
@@ -389,8 +400,8 @@ class LeaseTable:
         self._next_lease_id += 1
         return lease_id
 
-    def receipt(self, key: Key, offset: int, lease_id: int) -> str:
-        return self.seal(Receipt(self.incarnation, key[0], key[1], offset, lease_id), key[2])
+    def receipt(self, key: LeaseKey, offset: int, lease_id: int) -> str:
+        return self.seal(Receipt(self.incarnation, key.topic, key.queue, offset, lease_id), key.group)
 
     def seal(self, receipt: Receipt, group: str) -> str:
         """The handle of ``receipt`` for ``group``: its fields and their tag."""
@@ -401,7 +412,7 @@ class LeaseTable:
         mac = hmac.digest(self._secret, f"{group}\n{body}".encode(), hashlib.sha256)
         return mac[:RECEIPT_TAG_BYTES].hex()
 
-    def resolve(self, handle: str, group: str) -> tuple[Receipt, Key]:
+    def resolve(self, handle: str, group: str) -> tuple[Receipt, LeaseKey]:
         body, _, tag = handle.rpartition(" ")
         if not body or not hmac.compare_digest(tag.encode(), self._tag(body, group).encode()):
             if body.startswith(f"{RECEIPT_VERSION} ") and body.split(" ", 2)[1:2] != [self.incarnation]:
@@ -410,9 +421,9 @@ class LeaseTable:
         receipt = Receipt.decode(body)
         if receipt.incarnation != self.incarnation:
             raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
-        return receipt, (receipt.topic, receipt.queue, group)
+        return receipt, LeaseKey(receipt.topic, receipt.queue, group)
 
-    def ack(self, key: Key, receipt: Receipt) -> bool:
+    def ack(self, key: LeaseKey, receipt: Receipt) -> bool:
         """Acknowledge; True when the ack is news to persist (the commit point or the acknowledged set above it
         moved). Acking twice, or acking a message that was re-leased since (the late consumer did process
         it), is accepted."""
@@ -432,7 +443,7 @@ class LeaseTable:
         return True
 
     def change(
-        self, key: Key, receipt: Receipt, now_ms: int, invisible_ms: int, suspend: bool
+        self, key: LeaseKey, receipt: Receipt, now_ms: int, invisible_ms: int, suspend: bool
     ) -> tuple[Receipt, Lease]:
         """Re-lease a message for ``invisible_ms`` (a nack when short). Only the current lease may do it."""
         state = self._states.get(key)
@@ -444,19 +455,19 @@ class LeaseTable:
         lease.keep_attempt = suspend
         lease.renew_until_ms = 0  # the client chose the invisible time: no longer renewed for it
         self.watch(key, lease.visible_at_ms)
-        return Receipt(self.incarnation, key[0], key[1], receipt.offset, lease.lease_id), lease
+        return Receipt(self.incarnation, key.topic, key.queue, receipt.offset, lease.lease_id), lease
 
     # --- expiry -----------------------------------------------------------------------------------------
-    def watch(self, key: Key, visible_at_ms: int) -> None:
+    def watch(self, key: LeaseKey, visible_at_ms: int) -> None:
         """Report ``key`` from ``due`` once ``visible_at_ms`` has passed (one entry per lease batch)."""
         self._seq += 1
         heapq.heappush(self._expiries, (visible_at_ms, self._seq, key))
 
-    def due(self, now_ms: int, renewal: Renewal | None = None) -> list[Key]:
+    def due(self, now_ms: int, renewal: Renewal | None = None) -> list[LeaseKey]:
         """Keys whose leases have expired with something still unacknowledged, each once. With ``renewal``,
         auto-renew leases about to expire whose holder still holds the queue are extended first (see ``Renewal``)."""
-        keys: dict[Key, None] = {}
-        seen: set[Key] = set()
+        keys: dict[LeaseKey, None] = {}
+        seen: set[LeaseKey] = set()
         while self._expiries and self._expiries[0][0] <= now_ms:
             _, _, key = heapq.heappop(self._expiries)
             if key in seen:
@@ -471,7 +482,7 @@ class LeaseTable:
                 keys[key] = None
         return list(keys)
 
-    def _renew(self, key: Key, state: QueueLeases, now_ms: int, renewal: Renewal) -> None:
+    def _renew(self, key: LeaseKey, state: QueueLeases, now_ms: int, renewal: Renewal) -> None:
         again: set[int] = set()  # one watch per time, not per lease: a receive leases up to a batch at once
         for lease in state.entries.values():
             if lease.renew_until_ms <= lease.visible_at_ms:

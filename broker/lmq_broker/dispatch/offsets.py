@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog
+from lmq_broker.dispatch import metadata
 from lmq_broker.storage.api import Store
 
 ORIGIN_TOPIC: Final = "__ORIGIN_TOPIC"
@@ -61,7 +61,7 @@ def reset(store: Store, lmqs: Iterable[str], group: str, option: OffsetReset) ->
 
 
 def dlq_topic(group: str) -> str:
-    return f"{catalog.DLQ_PREFIX}{group}"
+    return f"{metadata.DLQ_PREFIX}{group}"
 
 
 def dead_letter(group: str, message: model.StoredMessage) -> model.NewMessage:

@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog
+from lmq_broker.dispatch import metadata
 from lmq_broker.storage.api import Store
 
 _topic_of = attrgetter("topic")
 
 
 def check_send_rates(
-    snap: catalog.Snapshot, buckets: dict[str, catalog.TokenBucket], messages: Sequence[model.NewMessage], now_ms: int
+    snap: metadata.Metadata, buckets: dict[str, TokenBucket], messages: Sequence[model.NewMessage], now_ms: int
 ) -> None:
     if not snap.quotas:
         return  # the common case: no quota configured, nothing to count
@@ -27,13 +27,13 @@ def check_send_rates(
         for scope, rate in snap.send_rates(parent):
             bucket = buckets.get(scope)
             if bucket is None or bucket.rate != rate:
-                bucket = buckets[scope] = catalog.TokenBucket(rate, now_ms)
+                bucket = buckets[scope] = TokenBucket(rate, now_ms)
             if not bucket.take(count, now_ms):
                 raise errors.TooManyRequests(f"send rate of {scope} is limited to {rate}/s", scope=scope)
 
 
 def lite_topic_check(
-    store: Store, snap: catalog.Snapshot, messages: Sequence[model.NewMessage]
+    store: Store, snap: metadata.Metadata, messages: Sequence[model.NewMessage]
 ) -> Callable[[], None] | None:
     """The blocking check to run before appending ``messages`` (None when no limit applies)."""
     if not snap.limits_lite_topics:
@@ -42,7 +42,7 @@ def lite_topic_check(
     if not parents:
         return None
     limits = {parent: snap.lite_topic_limits(snap.topic(parent)) for parent in parents}
-    broker_limit = min((b for _, b in limits.values() if b >= 0), default=catalog.UNLIMITED)
+    broker_limit = min((b for _, b in limits.values() if b >= 0), default=model.UNLIMITED)
     if broker_limit < 0 and all(p < 0 for p, _ in limits.values()):
         return None  # the common case, decided without looking at each message's lite topic
     lites_by_parent: dict[str, set[str]] = {}
@@ -75,3 +75,21 @@ def lite_topic_check(
             )
 
     return check
+
+
+class TokenBucket:
+    """Messages-per-second limiter; time comes from the caller (ms)."""
+
+    def __init__(self, rate: int, now_ms: int) -> None:
+        self.rate = rate
+        self.tokens = float(rate)
+        self.at_ms = now_ms
+
+    def take(self, n: int, now_ms: int) -> bool:
+        elapsed = max(0, now_ms - self.at_ms)
+        self.tokens = min(float(self.rate), self.tokens + elapsed * self.rate / 1000.0)
+        self.at_ms = now_ms
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False

@@ -1,8 +1,8 @@
 """Messages appended lately, so that handing out a message right after it arrived needs no store read.
 
-Every append of this broker goes through the dispatcher, so it knows, for each queue it appended to, the
-next offset and the messages themselves. A delivery whose picks are all covered here skips the thread-pool
-hop and the store read (the common case: a consumer parked in a long poll gets the message that just
+Every append of this broker, dead letters included, goes through ``ingest``, so it knows, for each queue it
+appended to, the next offset and the messages themselves. A delivery whose picks are all covered here skips
+the thread-pool hop and the store read (the common case: a consumer parked in a long poll gets the message that just
 woke it). The store stays the truth: anything not covered is read from it. Bounded by bytes (each entry is
 charged its body plus ``ENTRY_OVERHEAD_BYTES`` for the objects that hold it, so a flood of one-byte
 messages is bounded too), by the number of entries, and by the number of queues tracked; entries are the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class Mark:
@@ -57,3 +57,39 @@ def check_and_mark(topics: Sequence[str], counts: Sequence[int], allowed: Sequen
         return Mark(topics, [False] * len(topics), vetoable=False)
     kept = [count > limit for count, limit in zip(counts, allowed, strict=True)]
     return Mark([t for t, k in zip(topics, kept, strict=True) if not k], kept, vetoable=True)
+
+
+class Marks:
+    """The marks in force, by marked LMQ name."""
+
+    def __init__(self) -> None:
+        self._by_topic: dict[str, list[Mark]] = {}
+
+    def __len__(self) -> int:
+        """Lite topics marked right now."""
+        return len(self._by_topic)
+
+    def begin(self, topics: Sequence[str], counts: Sequence[int], allowed: Sequence[int] | None) -> Mark:
+        """``check_and_mark``, and the mark in force until ``end``."""
+        mark = check_and_mark(topics, counts, allowed)
+        for topic in mark.topics:
+            self._by_topic.setdefault(topic, []).append(mark)
+        return mark
+
+    def end(self, mark: Mark) -> None:
+        for topic in mark.topics:
+            marks = self._by_topic[topic]
+            marks.remove(mark)
+            if not marks:
+                del self._by_topic[topic]
+        mark.done.set()
+
+    def blocking(self, topics: Iterable[str]) -> Mark | None:
+        """A new subscription to ``topics``: vetoes the marks on them, in order, up to the first one that takes
+        no veto, which is returned (the subscriber waits for its ``done``, then asks again); None when every
+        mark on them was vetoed."""
+        for topic in topics:
+            for mark in self._by_topic.get(topic, ()):
+                if not mark.veto(topic):
+                    return mark
+        return None

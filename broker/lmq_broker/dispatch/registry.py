@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
 
-from lmq_broker import errors
-
-UNLIMITED = -1
+from lmq_broker import errors, model
 
 
 @dataclass(slots=True)
@@ -34,7 +32,7 @@ class ClientState:
 
 
 class Registry:
-    def __init__(self, max_pairs: int = UNLIMITED) -> None:
+    def __init__(self, max_pairs: int = model.UNLIMITED) -> None:
         self._clients: dict[str, ClientState] = {}
         self._by_lmq: dict[str, str | set[str]] = {}
         self._pairs = 0
@@ -169,13 +167,13 @@ class Registry:
 
     # --- internals --------------------------------------------------------------------------------------
     def _check_quota(self, state: ClientState, size_after: int, growth: int, quota: int) -> None:
-        if quota != UNLIMITED and size_after > quota:
+        if quota != model.UNLIMITED and size_after > quota:
             raise errors.SubscriptionQuotaExceeded(
                 f"client {state.client_id} would hold {size_after} lite subscriptions, quota is {quota}",
                 client_id=state.client_id,
                 quota=quota,
             )
-        if self.max_pairs != UNLIMITED and growth > 0 and self._pairs + growth > self.max_pairs:
+        if self.max_pairs != model.UNLIMITED and growth > 0 and self._pairs + growth > self.max_pairs:
             raise errors.SubscriptionQuotaExceeded(
                 f"broker holds {self._pairs} lite subscriptions, limit is {self.max_pairs}",
                 limit=self.max_pairs,

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,3 +70,16 @@ class Lite:
     def put_group(self, group: model.LiteGroup) -> None:
         self.store.put_group(group)
         self.dispatcher.metadata_changed()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    """Poll ``condition`` on the loop until it holds; fail after ``timeout_s`` of real time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never became true"
+        await asyncio.sleep(0.001)
+
+
+async def background_done(dispatcher: Dispatcher, timeout_s: float = 5) -> None:
+    """Let the dispatcher's background tasks (catch-up passes, commit retries) finish."""
+    await until(lambda: not dispatcher.runtime.tasks, timeout_s)

@@ -4,7 +4,7 @@ Publishing goes through ``Dispatcher.send`` like a gRPC SendMessage: the PUBLISH
 are appended in order, as many per store call as arrived meanwhile (one fsync for the lot), and each QoS 1
 PUBACK (QoS 2 PUBREC) is written once the append returned, that is after the fsync (``--flush-mode sync``).
 
-Consuming: an MQTT session is the implicit lite group ``%MQTT%<client id>`` (``catalog.MQTT_GROUP_PREFIX``) and,
+Consuming: an MQTT session is the implicit lite group ``%MQTT%<client id>`` (``metadata.MQTT_GROUP_PREFIX``) and,
 per parent topic it subscribes in, one dispatcher client registered with its topic filters
 (``Dispatcher.subscribe_filters``); a loop per parent long-polls ``receive_lite`` like a push consumer
 (auto-renewed leases), writes each message as a PUBLISH, and acknowledges it to the dispatcher once the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog, offsets, wildcards
+from lmq_broker.dispatch import metadata, offsets, wildcards
 from lmq_broker.dispatch.dispatcher import Delivery
 from lmq_broker.mqtt import codec, durable, topics
 
@@ -59,8 +59,8 @@ def group_of(client_id: str) -> str:
     """The implicit lite group of an MQTT client id: the id itself when it is a short plain name, else a hash
     (a ``%`` marks it, which no plain id holds, so two ids never share a group)."""
     if _PLAIN_ID.match(client_id):
-        return catalog.MQTT_GROUP_PREFIX + client_id
-    return catalog.MQTT_GROUP_PREFIX + "%" + hashlib.sha256(client_id.encode()).hexdigest()[:40]
+        return metadata.MQTT_GROUP_PREFIX + client_id
+    return metadata.MQTT_GROUP_PREFIX + "%" + hashlib.sha256(client_id.encode()).hexdigest()[:40]
 
 
 @dataclass(frozen=True, slots=True)

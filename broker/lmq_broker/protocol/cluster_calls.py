@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog
+from lmq_broker.dispatch import metadata
 from lmq_broker.protocol import convert, gathering
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -41,7 +41,7 @@ __all__ = [
 def route(peers: Peers, topic: model.ParentTopic, namespace: str) -> list[pb.MessageQueue]:
     """Every broker's queues of ``topic``, each with that broker's own endpoint, in slot order. Leaving brokers
     (past today's ring) are listed READ: consumers drain them, producers skip them."""
-    dead_letters = topic.name.startswith(catalog.DLQ_PREFIX)
+    dead_letters = topic.name.startswith(metadata.DLQ_PREFIX)
     queues: list[pb.MessageQueue] = []
     for slot, broker in enumerate(peers.brokers):
         permission = pb.READ if dead_letters else peers.permission(slot)

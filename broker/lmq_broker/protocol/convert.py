@@ -20,7 +20,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import catalog, dispatcher
+from lmq_broker.dispatch import dispatcher, metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 
 MAX_MESSAGE_ID_CHARS: Final = 128
@@ -163,10 +163,10 @@ class MessageReader:
     is the current one (shared by the readers of that snapshot): most requests then skip the name check.
     """
 
-    _snap_of_topics: ClassVar[catalog.Snapshot | None] = None
+    _snap_of_topics: ClassVar[metadata.Metadata | None] = None
     _topics_of_snap: ClassVar[dict[str, tuple[model.ParentTopic, model.QueueId]]] = {}
 
-    def __init__(self, snap: catalog.Snapshot, config: BrokerConfig, now_ms: int, rr: int) -> None:
+    def __init__(self, snap: metadata.Metadata, config: BrokerConfig, now_ms: int, rr: int) -> None:
         self.snap = snap
         self.config = config
         self.now_ms = now_ms
@@ -185,7 +185,7 @@ class MessageReader:
             if not model.is_valid_resource_name(name):
                 raise errors.InvalidName(f"illegal topic name {name[:160]!r}", kind="topic")
             parent = self.snap.topic(name)
-            if name.startswith(catalog.DLQ_PREFIX):
+            if name.startswith(metadata.DLQ_PREFIX):
                 raise errors.InvalidArgument(f"{name} is a dead-letter topic and is read-only", kind="permission")
             found = self._topics[name] = (parent, model.QueueId(name, 0))
         return found

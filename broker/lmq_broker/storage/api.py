@@ -9,11 +9,18 @@ fsync.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from lmq_broker import model
+from lmq_broker import errors, model
+
+Clock = Callable[[], int]  # milliseconds; both stores take one (``memory.ManualClock`` in tests)
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,3 +231,23 @@ def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[m
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+# --- names both stores refuse (before anything is written) ---------------------------------------------
+
+
+def check_group(group: str) -> None:
+    if not model.is_valid_resource_name(group):
+        raise errors.InvalidName(f"invalid group name {group!r}", group=group)
+
+
+def check_name(name: str) -> None:
+    """A parent topic's, group's or reclaim run's name."""
+    if not model.is_valid_resource_name(name):
+        raise errors.InvalidName(f"invalid name {name!r}", name=name)
+
+
+def check_scope(scope: str) -> None:
+    """A quota's scope (``parent:<topic>``, ``namespace:<ns>``, ``broker``): a kind and a name."""
+    if not scope or len(scope.encode()) > model.MAX_RESOURCE_NAME_BYTES * 2 or "\x00" in scope:
+        raise errors.InvalidName(f"invalid quota scope {scope!r}", scope=scope)

@@ -1,9 +1,7 @@
-"""The RocksDB index: typed reads over the key layout of ``keys``; writes go through one WriteBatch per call.
-
-Writes use ``sync=False`` with the WAL on: the commit log is the truth and carries every queue offset, so
-whatever the index loses in a crash is re-indexed from the checkpoint (kept in the same batch as the
-entries it covers). Memory is bounded: one block cache of ``index_cache_bytes`` that also holds index and
-filter blocks, and small memtables; nothing here keeps per-topic state in Python.
+"""The index: the keys the commit log can recreate (``keys`` documents them), read and written as the store
+needs them. Writes use ``sync=False`` with the WAL on: the commit log is the truth and carries every queue
+offset, so whatever the index loses in a crash is re-indexed from the checkpoint (kept in the same batch as
+the entries it covers).
 
 ``Batch`` is one WriteBatch as the store builds it (under its write lock): new offsets of each touched queue
 grouped into runs, the queues' new states, counters, the segment table and the checkpoint. Queue states are
@@ -16,19 +14,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Final, NamedTuple, cast
+from typing import cast
 
 import rocksdict
 
-from lmq_broker import errors, model
-from lmq_broker.storage import keys
+from lmq_broker import model
+from lmq_broker.storage import keys, rocks
 
 log = logging.getLogger(__name__)
-
-WRITE_BUFFER_BYTES: Final = 16 * 1024 * 1024
-MAX_WRITE_BUFFERS: Final = 2
-BLOOM_BITS_PER_KEY: Final = 10
 
 
 class QueueState:
@@ -46,19 +39,13 @@ class QueueState:
         self.min = min_
         self.next = next_
 
-    def value(self, *, min_: int, next_: int, created: int, last_store: int, last_consume: int) -> bytes:
+    def value(self, *, min_: int | None = None, last_consume: int | None = None) -> bytes:
+        """The state as the index holds it, with ``min_`` or ``last_consume`` in place of its own if given."""
+        min_ = self.min if min_ is None else min_
         if self.name.is_lmq:
-            return keys.LITE_VALUE.pack(created, last_store, last_consume, min_, next_)
-        return keys.STATE_VALUE.pack(min_, next_)
-
-    def current_value(self) -> bytes:
-        return self.value(
-            min_=self.min,
-            next_=self.next,
-            created=self.created,
-            last_store=self.last_store,
-            last_consume=self.last_consume,
-        )
+            last_consume = self.last_consume if last_consume is None else last_consume
+            return keys.LITE_VALUE.pack(self.created, self.last_store, last_consume, min_, self.next)
+        return keys.STATE_VALUE.pack(min_, self.next)
 
     def meta(self) -> model.LiteTopicMeta:
         assert self.name.parent is not None and self.name.lite is not None
@@ -70,175 +57,8 @@ class QueueState:
 Entry = tuple[int, int, int, int, int]  # offset, segment, position, size, store_ms
 
 
-class Cursor(NamedTuple):
-    """An iterator with the read options and bound it was made from. The iterator does not keep them alive:
-    with both gone (a helper's locals), seeks found nothing in a store test. Hold the cursor, use ``it``.
-
-    A RocksDB iterator that meets a corrupt block just stops (``valid()`` turns False): whoever walks one to
-    its end calls ``check`` before trusting that the end was the end."""
-
-    it: rocksdict.RdictIter
-    keep: tuple[object, ...]
-    owner: Index
-
-    def check(self) -> None:
-        try:
-            self.it.status()
-        except Exception as e:  # rocksdict raises bare Exception carrying RocksDB's status text
-            raise self.owner.failed(e) from e
-
-    def delete_prefixed(self, wb: rocksdict.WriteBatch, prefix: bytes) -> None:
-        """Add a point delete of every key starting with ``prefix`` to ``wb`` (re-seeks this cursor). Point
-        deletes, not delete_range: range tombstones pile up and slow every later read (see delete_queue)."""
-        it = self.it
-        key_of = cast("Callable[[], bytes]", it.key)  # raw mode: keys are bytes
-        it.seek(prefix)
-        while it.valid():
-            key = key_of()
-            if not key.startswith(prefix):
-                break
-            wb.delete(key)
-            it.next()
-        self.check()
-
-
-def is_corruption(error: BaseException) -> bool:
-    """Does a RocksDB error say its files are damaged (rather than busy, closed or out of space)? A manifest
-    that CURRENT names but that is gone counts: the database cannot be opened from what is there."""
-    text = str(error)
-    if "Corruption" in text or "checksum mismatch" in text:
-        return True
-    return "No such file" in text and ("MANIFEST" in text or "CURRENT" in text)
-
-
-class Index:
-    """One RocksDB instance. ``on_corruption`` (set by the store) hears of the first read that finds a damaged
-    block; every read error comes out as ``errors.StorageError`` (``errors.IndexCorrupt`` for damage)."""
-
-    def __init__(self, path: Path, cache_bytes: int, *, read_only: bool = False) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        opts = rocksdict.Options(raw_mode=True)
-        opts.create_if_missing(True)
-        opts.set_write_buffer_size(WRITE_BUFFER_BYTES)
-        opts.set_max_write_buffer_number(MAX_WRITE_BUFFERS)
-        opts.set_max_background_jobs(2)
-        opts.set_keep_log_file_num(2)
-        opts.set_max_total_wal_size(4 * WRITE_BUFFER_BYTES)
-        opts.set_compression_type(rocksdict.DBCompressionType.lz4())
-        table = rocksdict.BlockBasedOptions()
-        if cache_bytes > 0:
-            table.set_block_cache(rocksdict.Cache(cache_bytes))
-        else:
-            table.disable_cache()
-        table.set_bloom_filter(BLOOM_BITS_PER_KEY, False)
-        # Index and filter blocks live in the (bounded) block cache, partitioned into small blocks: one
-        # whole-file filter of a million-topic SST is megabytes, larger than a cache shard, so it would be
-        # re-read and re-parsed on every lookup (~150 us a get). Only the small top level stays pinned.
-        table.set_index_type(rocksdict.BlockBasedIndexType.two_level_index_search())
-        table.set_partition_filters(True)
-        table.set_metadata_block_size(4096)
-        table.set_cache_index_and_filter_blocks(True)
-        table.set_pin_top_level_index_and_filter(True)
-        table.set_pin_l0_filter_and_index_blocks_in_cache(True)
-        opts.set_block_based_table_factory(table)
-        self.path = path
-        self.on_corruption: Callable[[errors.IndexCorrupt], None] | None = None
-        try:
-            access = rocksdict.AccessType.read_only() if read_only else rocksdict.AccessType.read_write()
-            self._db = rocksdict.Rdict(str(path), opts, access_type=access)
-        except Exception as e:  # rocksdict raises bare Exception (a held LOCK, a damaged MANIFEST, ...)
-            if is_corruption(e):
-                raise errors.IndexCorrupt(f"cannot open {path}: {e}", path=str(path)) from e
-            raise errors.StorageError(f"cannot open {path}: {e}", path=str(path)) from e
-        self._write_opts = rocksdict.WriteOptions()
-        self._write_opts.sync = False
-        try:
-            layout = self._get(keys.LAYOUT_KEY)  # the first read: a damaged table can show up here
-        except errors.StorageError:
-            self._db.close()  # the LOCK goes with the handle, so the caller can set the directory aside
-            raise
-        if layout is None:
-            if not read_only:
-                self._db.put(keys.LAYOUT_KEY, keys.U32.pack(keys.LAYOUT_VERSION))
-        elif keys.U32.unpack(layout)[0] != keys.LAYOUT_VERSION:
-            version = keys.U32.unpack(layout)[0]
-            self._db.close()
-            raise errors.UnsupportedVersion(f"index layout {version} not supported", version=version)
-
-    # --- plumbing ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def batch() -> rocksdict.WriteBatch:
-        return rocksdict.WriteBatch(raw_mode=True)
-
-    def write(self, wb: rocksdict.WriteBatch) -> None:
-        self._db.write(wb, self._write_opts)
-
-    def write_synced(self, wb: rocksdict.WriteBatch) -> None:
-        """A write that is on disk (with every earlier write of this instance) when it returns."""
-        opts = rocksdict.WriteOptions()
-        opts.sync = True
-        self._db.write(wb, opts)
-
-    def failed(self, error: BaseException) -> errors.StorageError:
-        """The error to raise for a failed read (``on_corruption`` hears of damage first)."""
-        if isinstance(error, errors.StorageError):
-            return error
-        if is_corruption(error):
-            corrupt = errors.IndexCorrupt(f"{self.path}: {error}", path=str(self.path))
-            if self.on_corruption is not None:
-                self.on_corruption(corrupt)
-            return corrupt
-        return errors.StorageError(f"{self.path}: {error}", path=str(self.path))
-
-    def _get(self, key: bytes) -> bytes | None:
-        try:
-            return cast("bytes | None", self._db.get(key))
-        except Exception as e:
-            raise self.failed(e) from e
-
-    def get(self, key: bytes) -> bytes | None:
-        value = self._get(key)
-        return None if value is None else bytes(value)
-
-    def get_u64(self, key: bytes) -> int | None:
-        value = self._get(key)
-        return None if value is None else int(keys.U64.unpack(value)[0])
-
-    def flush(self) -> None:
-        self._db.flush_wal(True)
-
-    def close(self) -> None:
-        try:
-            self._db.flush(True)  # memtables to SST: the next open replays no WAL
-        finally:
-            self._db.close()  # even after a failed flush (a full disk): the LOCK must go with the handle
-
-    def items(self, lo: bytes, hi: bytes, limit: int = -1) -> Iterator[tuple[bytes, bytes]]:
-        """Keys in [lo, hi) in order."""
-        ro = rocksdict.ReadOptions()
-        ro.set_iterate_upper_bound(hi)
-        it = self._db.iter(ro)
-        it.seek(lo)
-        n = 0
-        while it.valid() and n != limit:
-            yield bytes(it.key()), bytes(it.value())
-            n += 1
-            it.next()
-        if n != limit:
-            Cursor(it, (ro, hi), self).check()
-
-    def raw_iter(self, lo: bytes, hi: bytes) -> Cursor:
-        """A RocksDB iterator positioned at ``lo``, bounded by ``hi``: for hot loops that want to skip rows
-        without the per-row generator and copies of ``items``."""
-        ro = rocksdict.ReadOptions()
-        ro.set_iterate_upper_bound(hi)
-        it = self._db.iter(ro)
-        it.seek(lo)
-        return Cursor(it, (ro, hi), self)
-
-    def prefix_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        return self.items(prefix, keys.successor(prefix))
+class Index(rocks.Rocks):
+    """The index's RocksDB instance, with typed reads over the derived keys."""
 
     # --- queues --------------------------------------------------------------------------------------
 
@@ -295,7 +115,7 @@ class Index:
                     if len(out) >= limit:
                         return out
             it.next()
-        Cursor(it, (ro, hi), self).check()
+        rocks.Cursor(it, (ro, hi), self).check()
         return out
 
     def holes(self, name: keys.QueueName, start: int, end: int) -> list[tuple[int, int]]:
@@ -317,7 +137,36 @@ class Index:
             if last > start:
                 out.append((first, last))
             it.next()
-        Cursor(it, (ro, hi), self).check()
+        rocks.Cursor(it, (ro, hi), self).check()
+        return out
+
+    def lite_topics(self, lo: bytes, hi: bytes, limit: int, idle_since_before_ms: int) -> list[model.LiteTopicMeta]:
+        """Up to ``limit`` lite-topic records with keys in (lo, hi), in key order; with ``idle_since_before_ms``
+        only those whose created, last store and last consume times are all before it."""
+        out: list[model.LiteTopicMeta] = []
+        cursor = self.raw_iter(lo, hi)
+        it = cursor.it
+        # The reclaim scan walks millions of rows of which most are skipped: bound methods in locals, the
+        # value unpacked once and tested before the key is split or decoded or any object is built.
+        valid, advance = it.valid, it.next
+        key_of = cast("Callable[[], bytes]", it.key)  # raw mode: keys and values are bytes
+        value_of = cast("Callable[[], bytes]", it.value)
+        if valid() and key_of() == lo:
+            advance()  # start_after is exclusive
+        unpack = keys.LITE_VALUE.unpack
+        meta = model.LiteTopicMeta
+        append = out.append
+        before = idle_since_before_ms
+        while valid():
+            created, last_store, last_consume, min_offset, max_offset = unpack(value_of())
+            if before > 0 and (created >= before or last_store >= before or last_consume >= before):
+                advance()
+                continue
+            p, _, lt = key_of()[1:].partition(b"\x00")
+            append(meta(p.decode(), lt.decode(), created, last_store, last_consume, min_offset, max_offset))
+            if len(out) >= limit:
+                break
+            advance()
         return out
 
     def runs(self, name: keys.QueueName) -> Iterator[tuple[int, int, int]]:
@@ -486,7 +335,7 @@ class Batch:
         self.fans: dict[int, Fan] = {}  # by id() of a fan-out's queue-name tuple (prepare shares it)
         self._counts: dict[str, int] = {}
         self._touched: set[int] = set()
-        self._cursor: Cursor | None = None  # made by the first delete_queue (snapshot of the index)
+        self._cursor: rocks.Cursor | None = None  # made by the first delete_queue (snapshot of the index)
 
     def __len__(self) -> int:
         return len(self.pending)

@@ -311,7 +311,7 @@ def encode_acked(committed: int, acked: Sequence[int]) -> bytes:
 
     More than ``ACKED_MAX_RUNS`` runs is refused (InvalidArgument), never cut short: a dropped run would be an
     ack lost at the next restart. The dispatcher persists the oldest ``ACKED_MAX_RUNS`` runs and keeps the
-    rest in memory, refusing the acks it could not persist until the runs merge (see ``dispatcher._commit``)."""
+    rest in memory, refusing the acks it could not persist until the runs merge (see ``settlement.commit``)."""
     runs = ranges.OffsetRanges.of(acked).runs
     if len(runs) > ACKED_MAX_RUNS:
         raise errors.InvalidArgument(

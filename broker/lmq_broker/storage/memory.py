@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from lmq_broker import config, errors, model
 from lmq_broker.storage import api, codec, keys, ranges
-from lmq_broker.storage.store import Clock, wall_clock_ms
 
 
 class ManualClock:
@@ -73,7 +72,7 @@ class _Done:
 
 
 class MemoryStore:
-    def __init__(self, cfg: config.StoreConfig | None = None, clock: Clock = wall_clock_ms) -> None:
+    def __init__(self, cfg: config.StoreConfig | None = None, clock: api.Clock = api.wall_clock_ms) -> None:
         self._cfg = cfg or config.StoreConfig()
         self._clock = clock
         self._max_record = min(self._cfg.max_record_bytes, self._cfg.segment_max_bytes)
@@ -186,8 +185,7 @@ class MemoryStore:
     ) -> bool:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
-        if not model.is_valid_resource_name(group):
-            raise errors.InvalidName(f"invalid group name {group!r}", group=group)
+        api.check_group(group)
         if offset < 0:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
         acked = ranges.OffsetRanges.of(acked)  # as the store keeps them: runs, whatever their span
@@ -301,7 +299,7 @@ class MemoryStore:
 
     def put_parent_topic(self, topic: model.ParentTopic) -> None:
         self._check_open()
-        _check_resource(topic.name)
+        api.check_name(topic.name)
         with self._lock:
             self._parents[topic.name] = topic
 
@@ -322,8 +320,8 @@ class MemoryStore:
 
     def put_group(self, group: model.LiteGroup) -> None:
         self._check_open()
-        _check_resource(group.name)
-        _check_resource(group.bind_topic)
+        api.check_name(group.name)
+        api.check_name(group.bind_topic)
         with self._lock:
             self._groups[group.name] = group
 
@@ -344,8 +342,7 @@ class MemoryStore:
 
     def put_quota(self, quota: model.Quota) -> None:
         self._check_open()
-        if not quota.scope or len(quota.scope.encode()) > model.MAX_RESOURCE_NAME_BYTES * 2 or "\x00" in quota.scope:
-            raise errors.InvalidName(f"invalid quota scope {quota.scope!r}", scope=quota.scope)
+        api.check_scope(quota.scope)
         with self._lock:
             self._quotas[quota.scope] = quota
 
@@ -376,7 +373,7 @@ class MemoryStore:
 
     def put_reclaim_run(self, run: model.ReclaimRun) -> None:
         self._check_open()
-        _check_resource(run.parent)
+        api.check_name(run.parent)
         with self._lock:
             self._reclaims[run.parent] = run
 
@@ -433,8 +430,3 @@ class MemoryStore:
     def _check_open(self) -> None:
         if self._closed:
             raise errors.StorageError("store is closed")
-
-
-def _check_resource(name: str) -> None:
-    if not model.is_valid_resource_name(name):
-        raise errors.InvalidName(f"invalid name {name!r}", name=name)

@@ -16,7 +16,7 @@ def another_writer(store: Store) -> Iterator[None]:
     """While inside, another thread holds the lock the store's writers take (LmqStore's write lock, the
     in-memory twin's only lock): ``try_begin`` and ``try_commit_offset`` refuse, blocking writers wait."""
     if isinstance(store, LmqStore):
-        lock: contextlib.AbstractContextManager[object] = store._write_lock
+        lock: contextlib.AbstractContextManager[object] = store._core.write_lock
     elif isinstance(store, MemoryStore):
         lock = store._lock
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmq_broker.dispatch import catalog
+from lmq_broker.dispatch import metadata
 from lmq_broker.protocol import cluster_calls, convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -13,7 +13,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 async def handle(edge: Edge, request: spb.QueryRouteRequest, caller: Caller) -> spb.QueryRouteResponse:
     name = convert.topic_name(request.topic)
     topic = (await edge.dispatcher.metadata()).topic(name)
-    permission = pb.READ if name.startswith(catalog.DLQ_PREFIX) else pb.READ_WRITE
+    permission = pb.READ if name.startswith(metadata.DLQ_PREFIX) else pb.READ_WRITE
     if edge.peers is not None:  # several brokers: every one's queues (protocol.cluster_calls)
         queues = cluster_calls.route(edge.peers, topic, request.topic.resource_namespace)
         return spb.QueryRouteResponse(status=status.ok(), message_queues=queues)

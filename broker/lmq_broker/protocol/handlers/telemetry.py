@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import catalog
+from lmq_broker.dispatch import metadata
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -96,7 +96,7 @@ async def settings_reply(edge: Edge, settings: pb.Settings, caller: Caller) -> s
     return spb.TelemetryCommand(status=status.ok(), settings=merged)
 
 
-def _lite_group_of(snap: catalog.Snapshot, group: str, topic: str, caller: Caller) -> model.LiteGroup:
+def _lite_group_of(snap: metadata.Metadata, group: str, topic: str, caller: Caller) -> model.LiteGroup:
     """The lite group a consumer's settings name. An unknown group is refused with CONSUMER_GROUP_NOT_FOUND,
     which fails the start of every client that can report a failed start; a client that cannot
     (``Caller.hides_failed_start``) gets the default settings instead and the same status from its

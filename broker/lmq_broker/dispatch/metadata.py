@@ -1,9 +1,10 @@
-"""A snapshot of the control-plane metadata (parent topics, groups, quotas) and the limits derived from it.
+"""The control-plane metadata (parent topics, groups, quotas) the dispatcher reads, and the limits derived from it.
 
 Parent topics, groups and quotas are few and change rarely (the operator writes them through the admin
 service, which then calls ``LiveView.metadata_changed``), while every send and receive needs them. So the
-dispatcher keeps one immutable snapshot, read from the store in one go, and swaps it when told that
-metadata changed. Every limit is resolved here, in one place, from the snapshot and the broker config.
+dispatcher keeps one immutable ``Metadata`` copy, read from the store in one go, and swaps it when told that
+metadata changed. Every limit is resolved here, in one place, from that copy and the broker config. (The admin
+side's ``admin.catalog`` is what writes these records.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
 from lmq_broker.storage.api import Store
 
-UNLIMITED = -1
 DLQ_PREFIX: Final = "%DLQ%"  # dead letters of group G go to the normal topic %DLQ%G (queue 0), read-only
 NORMAL_GROUP_RETRY = model.RetryPolicy()
 # The group of an MQTT session (docs/mqtt.md): implicit, like a normal topic's group, so that a client id costs
@@ -28,17 +28,17 @@ MQTT_GROUP_RETRY = model.RetryPolicy(max_attempts=10_000, backoff_ms=(0,))
 
 def _tightest(*limits: int) -> int:
     real = [x for x in limits if x >= 0]
-    return min(real) if real else UNLIMITED
+    return min(real) if real else model.UNLIMITED
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class Metadata:
     config: BrokerConfig
     parents: dict[str, model.ParentTopic] = field(default_factory=dict)
     groups: dict[str, model.LiteGroup] = field(default_factory=dict)
     quotas: dict[str, model.Quota] = field(default_factory=dict)
     # Whether any lite-topic count limit exists at all: when none does (the usual case) a send needs no
-    # look at its lite topics. Derived once per snapshot.
+    # look at its lite topics. Derived once per copy.
     limits_lite_topics: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,9 +50,9 @@ class Snapshot:
         object.__setattr__(self, "limits_lite_topics", limited)
 
     @staticmethod
-    def load(store: Store, config: BrokerConfig) -> Snapshot:
+    def load(store: Store, config: BrokerConfig) -> Metadata:
         """Blocking: run in an executor."""
-        return Snapshot(
+        return Metadata(
             config,
             {t.name: t for t in store.list_parent_topics()},
             {g.name: g for g in store.list_groups()},
@@ -128,17 +128,16 @@ class Snapshot:
         """What the settings frame tells the client: clients treat 0 or -1 as 'nothing allowed', so an
         unlimited quota is sent as the broker-wide subscription limit."""
         quota = self.client_quota(group, parent, namespace)
-        return quota if quota != UNLIMITED else self.config.max_subscriptions_per_broker
+        return quota if quota != model.UNLIMITED else self.config.max_subscriptions_per_broker
 
     def lite_topic_limits(self, parent: model.ParentTopic) -> tuple[int, int]:
         """(max lite topics under ``parent``, max lite topics on the broker); UNLIMITED = -1."""
         parent_quota = self._quota(f"parent:{parent.name}")
         broker_quota = self._quota("broker")
+        unset = model.UNLIMITED
         return (
-            _tightest(parent.max_lite_topics, parent_quota.max_lite_topics if parent_quota else UNLIMITED),
-            _tightest(
-                self.config.max_lite_topics_per_broker, broker_quota.max_lite_topics if broker_quota else UNLIMITED
-            ),
+            _tightest(parent.max_lite_topics, parent_quota.max_lite_topics if parent_quota else unset),
+            _tightest(self.config.max_lite_topics_per_broker, broker_quota.max_lite_topics if broker_quota else unset),
         )
 
     def send_rates(self, parent: str) -> list[tuple[str, int]]:
@@ -150,21 +149,3 @@ class Snapshot:
         if found is not None and found.ready_capacity > 0:
             return found.ready_capacity
         return self.config.default_ready_capacity
-
-
-class TokenBucket:
-    """Messages-per-second limiter; time comes from the caller (ms)."""
-
-    def __init__(self, rate: int, now_ms: int) -> None:
-        self.rate = rate
-        self.tokens = float(rate)
-        self.at_ms = now_ms
-
-    def take(self, n: int, now_ms: int) -> bool:
-        elapsed = max(0, now_ms - self.at_ms)
-        self.tokens = min(float(self.rate), self.tokens + elapsed * self.rate / 1000.0)
-        self.at_ms = now_ms
-        if self.tokens >= n:
-            self.tokens -= n
-            return True
-        return False

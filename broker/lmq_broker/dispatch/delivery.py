@@ -1,0 +1,380 @@
+"""Handing messages out: lite topics offered to clients' ready queues, long polls woken, messages leased.
+
+Work reaches a consumer through three doors, each naming one lite topic: a message arrived (from ``ingest``,
+coalesced per loop pass), an ack left more behind (from ``settlement``), a lease expired (the timer). The
+topic is offered to one subscribed client per group (shared mode) through that client's ready queue, and the
+client's long poll wakes. A receive drains its ready queue, reads from the group's commit point (the
+recent-message cache first, the store otherwise) and leases. Nothing walks all lite topics: an arrival is a
+dict lookup, and idle topics cost no CPU. Normal topics have no ready queues: an arrival wakes the topic's
+waiting receivers, which look at every queue of the topic.
+
+``Deliverer`` is what ingest knows as ``Readers`` and settlement as ``Deliveries``; it opens, commits and
+releases lease state through ``settlement`` and reads the recent cache and appends dead letters through
+``ingest``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import KeysView
+from dataclasses import dataclass
+from itertools import filterfalse
+from operator import methodcaller
+from typing import Final
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import ingest, leases, readyset, registry, runtime, settlement, wildcards
+from lmq_broker.dispatch.leases import LeaseKey
+
+log = logging.getLogger(__name__)
+
+RENEW_AHEAD_MS: Final = 5_000  # an auto-renew lease is renewed this long before it would expire
+STORE_RETRY_MS: Final = 1_000  # a lite topic whose read the store refused (index rebuild) is looked at again
+
+_is_lmq_topic = methodcaller("startswith", model.LMQ_PREFIX)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    message: model.StoredMessage
+    attempt: int
+    receipt_handle: str
+    invisible_ms: int
+
+
+class Deliverer:
+    def __init__(
+        self,
+        rt: runtime.Runtime,
+        *,
+        table: leases.LeaseTable,
+        ready: readyset.ReadySet,
+        subscribers: registry.Registry,
+        wild: wildcards.Wildcards,
+        writes: ingest.Ingest,
+        settling: settlement.Settlement,
+    ) -> None:
+        self._rt = rt
+        self._leases = table
+        self._ready = ready
+        self._registry = subscribers
+        self._wildcards = wild
+        self._ingest = writes
+        self._recent = writes.recent
+        self._settlement = settling
+        self._client_events: dict[str, asyncio.Event] = {}
+        self._topic_events: dict[str, asyncio.Event] = {}
+        self._busy: set[LeaseKey] = set()
+        slice_ms = rt.config.lease_renew_slice_ms
+        self.renewal = leases.Renewal(slice_ms, min(RENEW_AHEAD_MS, slice_ms // 2), self.holds)
+
+    # --- what ingest and settlement tell ------------------------------------------------------------------
+    def subscribed(self) -> KeysView[str]:
+        return self._registry.subscribed()
+
+    def arrived(self, topics: dict[str, None]) -> None:
+        """Offer the arrived lite topics, in arrival order, and wake normal-topic receivers."""
+        # Most LMQs written have no subscriber on this broker: ``&`` finds the others in C (walking the smaller
+        # side), and the topics are then offered in arrival order.
+        subscribed = self._registry.subscribed() & topics.keys()
+        if self._wildcards:
+            subscribed |= {lmq for lmq in filter(_is_lmq_topic, topics) if self._wildcards.groups_of_lmq(lmq)}
+        if subscribed:
+            for lmq in filter(subscribed.__contains__, topics):
+                self.dispatch(lmq)
+        for topic in filterfalse(_is_lmq_topic, topics):
+            self.wake_topic(topic)
+
+    def delivering(self, key: LeaseKey) -> bool:
+        return key in self._busy
+
+    def ready_again(self, key: LeaseKey, *, prefer: str = "") -> None:
+        if key.topic.startswith(model.LMQ_PREFIX):
+            self.dispatch(key.topic, only_group=key.group, prefer=prefer or None)
+        else:
+            self.wake_topic(key.topic)
+
+    def expire(self, now: int) -> None:
+        """Leases that expired (auto-renew ones of live holders renewed instead): their topics are offered again."""
+        for key in self._leases.due(now, self.renewal):
+            self.ready_again(key)
+
+    def holds(self, client_id: str, key: LeaseKey) -> bool:
+        """Are the client's leases of ``key`` still renewed: it is registered (not terminated or expired), in
+        the key's group, and for a lite topic still subscribed to it (not unsubscribed, nor evicted by an
+        Exclusive peer)."""
+        state = self._registry.get(client_id)
+        if state is None or state.group != key.group:
+            return False
+        if not key.topic.startswith(model.LMQ_PREFIX):
+            return True
+        return key.topic in state.lite_topics or self._wildcards.holds(client_id, key.topic)
+
+    # --- offers and wake-ups ------------------------------------------------------------------------------
+    def dispatch(self, lmq: str, *, only_group: str | None = None, prefer: str | None = None) -> None:
+        """Offer ``lmq`` to one subscriber per group (the ``prefer``red one first, else a random start)."""
+        subscribers = self._registry.subscribers(lmq)
+        wild = self._wildcards.groups_of_lmq(lmq)
+        if not subscribers and not wild:
+            return
+        by_group: dict[str, list[str]] = {}
+        for cid in subscribers:
+            state = self._registry.get(cid)
+            if state is not None and state.group and (only_group is None or state.group == only_group):
+                by_group.setdefault(state.group, []).append(cid)
+        for group, members in wild.items():
+            if only_group is None or group == only_group:
+                by_group.setdefault(group, []).extend(sorted(members))
+        now = self._rt.clock()
+        for group, cids in by_group.items():
+            in_flight = self._leases.get(LeaseKey(lmq, 0, group))
+            if in_flight is not None and in_flight.blocked(now):
+                continue  # its ack or lease expiry dispatches again
+            if prefer in cids:
+                order = [prefer, *(c for c in cids if c != prefer)]
+            else:
+                start = self._rt.rng.randrange(len(cids))
+                order = cids[start:] + cids[:start]
+            for cid in order:
+                if self.offer(cid, lmq, group):
+                    break
+
+    def offer(self, client_id: str, lmq: str, group: str) -> bool:
+        """Queue ``lmq`` for the client; False when its ready queue is full (a catch-up pass is scheduled)."""
+        outcome = self._ready.offer(client_id, lmq, self._rt.snap.ready_capacity(group), self._rt.clock())
+        if outcome is readyset.Offer.ADDED:
+            self.wake(client_id)
+        elif outcome is readyset.Offer.FULL:
+            next_at = self._ready.next_catchup_ms()
+            if next_at is not None:
+                self._rt.arm(next_at)
+        return outcome is not readyset.Offer.FULL
+
+    def retry_catchup(self, client_id: str) -> None:
+        """The store refused a read for this client (an index rebuild): a catch-up pass looks again later."""
+        at = self._rt.clock() + STORE_RETRY_MS
+        self._ready.request_catchup(client_id, at)
+        self._rt.arm(at)
+
+    def wake(self, client_id: str) -> None:
+        event = self._client_events.pop(client_id, None)
+        if event is not None:
+            event.set()
+
+    def wake_topic(self, topic: str) -> None:
+        event = self._topic_events.pop(topic, None)
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        for event in [*self._client_events.values(), *self._topic_events.values()]:
+            event.set()
+
+    # --- receiving ----------------------------------------------------------------------------------------
+    async def receive_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        *,
+        batch: int,
+        invisible_ms: int,
+        poll_ms: int,
+        auto_renew: bool = False,
+    ) -> list[Delivery]:
+        """Long-poll this client's ready lite topics. ``auto_renew``: ``invisible_ms`` is a slice, renewed
+        while the client lives (up to ``lease_renew_max_ms``)."""
+        rt = self._rt
+        snap = await rt.metadata()
+        found = snap.consuming_lite_group(group, parent)
+        deadline = rt.clock() + poll_ms
+        self._registry.touch(client_id, rt.clock(), group=group, bind_topic=parent)
+        while not rt.closed and not rt.draining:
+            event = self._client_events.get(client_id)
+            if event is None:
+                event = self._client_events[client_id] = asyncio.Event()
+            self._settlement.check_generation()
+            self._ingest.flush()  # do not let the per-pass coalescing hide an arrival from this poll
+            out: list[Delivery] = []
+            while len(out) < batch:
+                popped = self._ready.pop(client_id, 1)
+                if not popped:
+                    break
+                key = LeaseKey(popped[0], 0, group)
+                out += await self._deliver(key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew)
+            if out:
+                return out
+            if not await self._wait(event, deadline):
+                return []
+            self._registry.touch(client_id, rt.clock())
+        return []
+
+    async def receive_normal(
+        self,
+        client_id: str,
+        group: str,
+        topic: str,
+        *,
+        batch: int,
+        invisible_ms: int,
+        poll_ms: int,
+        auto_renew: bool = False,
+    ) -> list[Delivery]:
+        rt = self._rt
+        snap = await rt.metadata()
+        found = snap.normal_group(group, topic)
+        queues = max(1, snap.topic(topic).queue_count)
+        deadline = rt.clock() + poll_ms
+        self._registry.touch(client_id, rt.clock(), group=group)
+        while not rt.closed and not rt.draining:
+            event = self._topic_events.get(topic)
+            if event is None:
+                event = self._topic_events[topic] = asyncio.Event()
+            out: list[Delivery] = []
+            rr = rt.next_round_robin()
+            for i in range(queues):
+                key = LeaseKey(topic, (rr + i) % queues, group)
+                out += await self._deliver(
+                    key, batch - len(out), invisible_ms, client_id, found, ordered=False, auto_renew=auto_renew
+                )
+                if len(out) >= batch:
+                    self.wake_topic(topic)  # there may be more: let other receivers look too
+                    break
+            if out:
+                return out
+            if not await self._wait(event, deadline):
+                return []
+        return []
+
+    async def _wait(self, event: asyncio.Event, deadline: int) -> bool:
+        """One long-poll wait: until ``event`` is set or ``deadline`` (ms); False once the deadline has passed."""
+        remaining = deadline - self._rt.clock()
+        if remaining <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), remaining / 1000)
+        return True
+
+    async def _deliver(
+        self,
+        key: LeaseKey,
+        limit: int,
+        invisible_ms: int,
+        holder: str,
+        group: model.LiteGroup,
+        *,
+        ordered: bool = True,
+        auto_renew: bool = False,
+    ) -> list[Delivery]:
+        if limit <= 0 or key in self._busy:
+            return []  # whoever holds it delivers; later events come from its acks and expiries
+        self._busy.add(key)
+        rt, settling = self._rt, self._settlement
+        try:
+            queue = key.queue_id
+            generation = settling.check_generation()
+            try:
+                state = await settling.state_of(key, ordered)
+                picks = state.picks(rt.clock(), limit)
+                end = self._recent.end(queue)
+                if end is not None:
+                    picks = [p for p in picks if p.offset < end]
+                if not picks:
+                    return []
+                first = picks[0].offset
+                cached = self._recent.window(queue, first, picks[-1].offset)
+                if cached is not None:
+                    messages, span_end = cached, -1
+                else:
+                    messages, span_end = await rt.run(rt.store.read_span, queue, first, picks[-1].offset - first + 1)
+                    if not messages or messages[0].offset > first:
+                        lo, _, _, _ = await rt.run(settling.offsets, queue, key.group)
+                        if lo > state.committed:  # retention dropped what we were about to deliver
+                            state.skip_to(lo)
+                    if rt.store.index_generation() != generation:
+                        # the index was replaced under the read: its holes prove nothing; read again later
+                        raise errors.StorageError("the store's index was replaced during the read")
+            except errors.StorageError as exc:  # an index rebuild (or meta trouble): nothing read, nothing settled
+                self._store_refused(key, holder, exc)
+                return []
+            if span_end >= 0 and settling.settle_gone(key, state, first, span_end, messages):
+                with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
+                    await settling.commit(key, state)
+                picks = [p for p in state.picks(rt.clock(), limit) if p.offset < span_end]
+            by_offset = {m.offset: m for m in messages}
+            now = rt.clock()
+            renew_max = rt.config.lease_renew_max_ms
+            renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
+            out: list[Delivery] = []
+            dead: list[tuple[leases.Pick, model.StoredMessage]] = []
+            for pick in picks:
+                message = by_offset.get(pick.offset)
+                if message is None or pick.offset < state.committed:
+                    continue
+                if pick.attempt > group.retry.max_attempts:
+                    dead.append((pick, message))
+                    continue
+                lease_id = self._leases.new_lease_id()
+                lease = state.lease(
+                    pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until, message_id=message.message_id
+                )
+                out.append(
+                    Delivery(message, pick.attempt, self._leases.receipt(key, pick.offset, lease_id), invisible_ms)
+                )
+            if out:
+                at = self._leases.watch_at(lease, self.renewal.ahead_ms)  # the batch's leases are alike
+                self._leases.watch(key, at)
+                rt.arm(at)
+            if dead:
+                try:
+                    await settling.settle_dead(key, state, dead)
+                except errors.StorageError as exc:  # not appended: their leases expire and they come again
+                    self._store_refused(key, holder, exc)
+            return out
+        finally:
+            self._busy.discard(key)
+            settling.release(key)
+
+    def _store_refused(self, key: LeaseKey, holder: str, exc: errors.StorageError) -> None:
+        """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite
+        topic is looked at again in ``STORE_RETRY_MS`` (a catch-up pass of ``holder``); normal-topic receivers
+        poll again anyway."""
+        log.info("%s queue %d group %s: store not readable (%s); retried", *key, exc.message)
+        if key.topic.startswith(model.LMQ_PREFIX):
+            self.retry_catchup(holder)
+
+    async def change_invisible(
+        self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
+    ) -> str:
+        receipt, key = self._leases.resolve(receipt_handle, group)
+        new_receipt, lease = self._leases.change(key, receipt, self._rt.clock(), invisible_ms, suspend)
+        self._rt.arm(lease.visible_at_ms)
+        return self._leases.seal(new_receipt, group)
+
+    async def pending_among(self, lmqs: list[str], group: str) -> list[str]:
+        """Which of ``lmqs`` have work for ``group`` (store reads on the pool, decision on the loop)."""
+        store = self._rt.store
+
+        def probe() -> list[tuple[str, int, int, int | None]]:
+            rows = []
+            for lmq in lmqs:
+                queue = model.QueueId(lmq)
+                lo, hi = store.queue_offsets(queue)
+                if hi > lo:
+                    rows.append((lmq, lo, hi, store.get_offset(queue, group)))
+            return rows
+
+        self._settlement.check_generation()
+        rows = await self._rt.run(probe)
+        now = self._rt.clock()
+        pending = []
+        for lmq, lo, hi, committed in rows:
+            state = self._leases.get(LeaseKey(lmq, 0, group))
+            if state is not None:
+                if state.has_ready(now, hi):
+                    pending.append(lmq)
+            elif hi > max(lo, committed if committed is not None else lo):
+                pending.append(lmq)
+        return pending

@@ -1,0 +1,348 @@
+"""The one door for settlement: acks, dead letters and offset resets, and what the store holds of them.
+
+Per (queue, group) with lease state, the store holds the commit point and the offsets settled above it (as
+runs, ``QueueLeases.acked_above``); ``_persisted`` remembers what was last written, so an ack that changes
+nothing writes nothing, and writes for one key are serialised (offsets never go backwards) and coalesced
+(acks that arrive while a write runs are covered by the next one). A key whose memory differs from the store
+after a failed write is *dirty*: it keeps its lease state (a fresh state would re-read the stale commit point
+and hand acked messages out again), the ack is answered with the error, and the write is retried by the next
+ack, by housekeeping and by ``resync``. Idle keys drop their lease state; their commit point stays cached
+(``_committed``), since this broker is the only writer of offsets.
+
+The store's index may be replaced while serving (a rebuild from the log): cached commit points are dropped,
+and lease state with leases out or unpersisted acks is *unverified* until it was checked against the rebuilt
+index (``_verify``). Settlement tells the delivery side what it needs to know through ``Deliveries``
+(a key has work again; is a delivery using a key right now), never by reaching into its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, Protocol
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import leases, offsets, runtime
+from lmq_broker.dispatch.leases import LeaseKey
+from lmq_broker.storage import keys, ranges
+
+log = logging.getLogger(__name__)
+
+COMMITTED_CACHE_SIZE: Final = 100_000  # topics whose idle commit points are remembered
+
+
+class Deliveries(Protocol):
+    """The delivery side, as settlement sees it."""
+
+    def delivering(self, key: LeaseKey) -> bool:
+        """Is a receive reading or leasing ``key`` right now?"""
+        ...
+
+    def ready_again(self, key: LeaseKey, *, prefer: str = "") -> None:
+        """``key`` may have something to hand out (an ack or a dead letter left more behind)."""
+        ...
+
+
+class Settlement:
+    deliveries: Deliveries  # wired by the dispatcher once the delivery side exists
+
+    def __init__(
+        self,
+        rt: runtime.Runtime,
+        table: leases.LeaseTable,
+        dead_letter: Callable[[str, Sequence[model.StoredMessage]], Awaitable[None]],
+        on_index_replaced: Callable[[], None],
+    ) -> None:
+        self._rt = rt
+        self._store = rt.store
+        self._leases = table
+        self._append_dead = dead_letter
+        self._on_index_replaced = on_index_replaced
+        self._commit_locks: dict[LeaseKey, tuple[asyncio.Lock, list[int]]] = {}
+        # Commit points of (queue, group) pairs with nothing in flight, so the next delivery need not read it.
+        self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
+        # What the store holds for each key with lease state: (commit point, acked above it), as last persisted
+        # (-1: no commit point stored).
+        self._persisted: dict[LeaseKey, tuple[int, ranges.OffsetRanges]] = {}
+        self.dirty: set[LeaseKey] = set()
+        self.retrying = False
+        self._generation = rt.store.index_generation()
+        self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
+
+    # --- acks and dead letters ------------------------------------------------------------------------------
+    async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
+        receipt, key = self._leases.resolve(receipt_handle, group)
+        self.check_generation()
+        state = self._leases.get(key)
+        if state is not None and key in self._unverified:
+            await self._verify(key, state)  # raises while the store cannot say: the client retries the ack
+        changed = self._leases.ack(key, receipt)
+        state = self._leases.get(key)
+        if state is None or not (changed or key in self.dirty):
+            return  # nothing new, and what memory holds is persisted
+        hi = await self.commit(key, state)  # raises when the write failed: the client learns the ack is not in
+        if key in self.dirty and not self._is_persisted(key, receipt.offset):
+            raise errors.TooManyRequests(
+                f"too many acknowledged ranges above the commit point of {key.topic} to persist "
+                f"(at most {keys.ACKED_MAX_RUNS}); the ack is kept in memory, retry it once earlier messages are acked"
+            )
+        if state.has_ready(self._rt.clock(), hi):
+            self.deliveries.ready_again(key, prefer=client_id)
+        self.release(key)
+
+    async def dead_letter(self, group: str, receipt_handle: str) -> None:
+        """The client gave up on a message (ForwardMessageToDeadLetterQueue): store it in ``%DLQ%<group>``."""
+        receipt, key = self._leases.resolve(receipt_handle, group)
+        state = self._leases.get(key)
+        lease = state.entries.get(receipt.offset) if state is not None else None
+        if state is None or lease is None or state.lost(receipt) or key in self._unverified:
+            if state is None or receipt.offset < state.committed:
+                return  # already settled
+            raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
+        messages = await self._rt.run(self._store.read, key.queue_id, receipt.offset, 1)
+        if messages and messages[0].offset == receipt.offset:
+            await self._append_dead(group, messages[:1])
+        await self.ack(group, receipt_handle)
+
+    async def settle_dead(
+        self, key: LeaseKey, state: leases.QueueLeases, dead: list[tuple[leases.Pick, model.StoredMessage]]
+    ) -> None:
+        """Messages past their group's last attempt: into the DLQ, then settled as if acknowledged."""
+        await self._append_dead(key.group, [m for _, m in dead])
+        now = self._rt.clock()
+        for pick, _ in dead:
+            state.lease(pick, now, 0, self._leases.new_lease_id(), "")
+        for pick, _ in dead:
+            state.ack(pick.offset)
+        with contextlib.suppress(errors.StorageError):  # dirty now: retried by housekeeping and ``resync``
+            await self.commit(key, state)
+
+    def settle_gone(
+        self, key: LeaseKey, state: leases.QueueLeases, first: int, end: int, messages: list[model.StoredMessage]
+    ) -> bool:
+        """Offsets in [first, end) that the store read passed over are gone (a damaged record, a lost
+        segment; the store has reported them): settle them so that the rest of the queue flows and the commit
+        point can pass them. True when anything was settled."""
+        settled = False
+        at = max(first, state.committed)
+        for m in messages:
+            if m.offset >= end:
+                break  # never settle beyond the span the store vouched for
+            if m.offset > at:
+                state.settle_gone(at, m.offset)
+                settled = True
+            at = max(at, m.offset + 1)
+        if end > at:
+            state.settle_gone(at, end)
+            settled = True
+        if settled:
+            log.warning("%s queue %d group %s: offsets in [%d, %d) are gone from the store; passed over",
+                        *key, first, end)  # fmt: skip
+        return settled
+
+    async def reset_offsets(self, lmqs: list[str], group: str, option: offsets.OffsetReset) -> None:
+        """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset."""
+        lease_keys = [LeaseKey(lmq, 0, group) for lmq in lmqs]
+        if any(map(self.deliveries.delivering, lease_keys)):
+            raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now")
+        for key in lease_keys:
+            self._leases.forget(key)
+            self._committed.get(key.topic, {}).pop((0, group), None)
+            self._persisted.pop(key, None)
+            self.dirty.discard(key)  # the reset supersedes whatever was not persisted
+        await self._rt.run(offsets.reset, self._store, lmqs, group, option)
+
+    # --- lease state: opened from what the store holds, dropped when idle ------------------------------------
+    async def state_of(self, key: LeaseKey, ordered: bool) -> leases.QueueLeases:
+        """The key's lease state: opened from the commit point (cached, else read with the acks above it), or
+        the existing one, clipped to its queue first if the store's index was replaced since (``_verify``)."""
+        state = self._leases.get(key)
+        if state is not None:
+            if key in self._unverified:
+                await self._verify(key, state)
+            return state
+        committed = self._committed.get(key.topic, {}).get((key.queue, key.group))
+        acked: Sequence[int] = ()
+        stored: int | None = committed
+        if committed is None:  # first use since start: what was committed, and acked above it
+            lo, _, stored, acked = await self._rt.run(self.offsets, key.queue_id, key.group)
+            committed = max(lo, stored if stored is not None else lo)
+        state = self._leases.open(key, committed, ordered)
+        state.seed(acked)
+        self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked))
+        return state
+
+    def release(self, key: LeaseKey) -> None:
+        """Drop an idle key's lease state, unless a delivery or an offset write is still using it (a fresh
+        state would re-read a commit point that is not persisted yet)."""
+        state = self._leases.get(key)
+        if state is None or not state.idle:
+            return
+        if key not in self._commit_locks and key not in self.dirty and not self.deliveries.delivering(key):
+            self._leases.forget(key)
+            self._persisted.pop(key, None)
+            self._unverified.discard(key)
+
+    def forget_topic(self, topic: str) -> None:
+        """A deleted lite topic: its lease state and offsets are gone (the store drops its offsets)."""
+        self._leases.drop_topic(topic)
+        self._committed.pop(topic, None)
+        for key in [k for k in self._persisted if k.topic == topic]:
+            del self._persisted[key]
+        self.dirty.difference_update([k for k in self.dirty if k.topic == topic])
+
+    def offsets(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, Sequence[int]]:
+        """Blocking: (min offset, max offset, commit point, acked above it)."""
+        lo, hi = self._store.queue_offsets(queue)
+        return lo, hi, self._store.get_offset(queue, group), self._store.get_acked(queue, group)
+
+    # --- offset writes --------------------------------------------------------------------------------------
+    async def commit(self, key: LeaseKey, state: leases.QueueLeases) -> int:
+        """Persist the commit point and the offsets acked above it, if memory differs from what was last
+        persisted; writes for one key are serialised so offsets never go backwards. Returns the queue's max
+        offset. When the write fails the key stays dirty (see ``_persisted``) and the error propagates."""
+        entry = self._commit_locks.get(key)
+        if entry is None:
+            entry = self._commit_locks[key] = (asyncio.Lock(), [0])  # [users]
+        lock, counters = entry
+        counters[0] += 1
+        try:
+            async with lock:
+                target = state.committed
+                acked = state.acked_above()
+                complete = len(acked.runs) <= keys.ACKED_MAX_RUNS
+                if not complete:  # over the cap: the oldest runs, the rest stays dirty (see ``ack``)
+                    acked = ranges.OffsetRanges(acked.runs[: keys.ACKED_MAX_RUNS])
+                    self.dirty.add(key)
+                queue = key.queue_id
+                if (target, acked) != self._persisted.get(key):
+                    self.dirty.add(key)
+                    # On the loop when no writer holds the store (two small index writes cost less than the
+                    # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
+                    if self._store.try_commit_offset(queue, key.group, target, acked):
+                        hi = self._store.queue_offsets(queue)[1]
+                    else:
+                        hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked)
+                    self._persisted[key] = (target, acked)
+                    if complete:
+                        self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
+                    self._remember_commit(key, target)
+                else:
+                    hi = self._store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
+                return hi
+        finally:
+            counters[0] -= 1
+            if counters[0] == 0:
+                del self._commit_locks[key]
+
+    def _is_persisted(self, key: LeaseKey, offset: int) -> bool:
+        committed, acked = self._persisted.get(key, (-1, ranges.EMPTY))
+        return offset < committed or offset in acked
+
+    async def retry_commits(self) -> None:
+        """Persist what failed to persist earlier (housekeeping, ``resync``); a key still refused stays dirty."""
+        if self.retrying:
+            return
+        self.retrying = True
+        try:
+            for key in list(self.dirty):
+                state = self._leases.get(key)
+                if state is None:
+                    self.dirty.discard(key)
+                    continue
+                try:
+                    if key in self._unverified:
+                        await self._verify(key, state)
+                    hi = await self.commit(key, state)
+                except errors.LmqError as exc:
+                    log.warning("%s queue %d group %s: commit still refused (%s); retried later", *key, exc.message)
+                    continue
+                if state.has_ready(self._rt.clock(), hi):
+                    self.deliveries.ready_again(key)
+                self.release(key)
+        finally:
+            self.retrying = False
+
+    def _remember_commit(self, key: LeaseKey, offset: int) -> None:
+        per_topic = self._committed.get(key.topic)
+        if per_topic is None:
+            per_topic = self._committed[key.topic] = {}
+        else:
+            self._committed.move_to_end(key.topic)
+        per_topic[(key.queue, key.group)] = offset
+        if len(self._committed) > COMMITTED_CACHE_SIZE:
+            self._committed.popitem(last=False)
+
+    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> int:
+        self._store.commit_offset(queue, group, offset, acked)
+        return self._store.queue_offsets(queue)[1]
+
+    # --- the store's index replaced while serving -----------------------------------------------------------
+    def check_generation(self) -> int:
+        """The store's index generation, handling a change first (one int read: called wherever reads happen,
+        so a rebuild that began and ended between two health polls is not missed)."""
+        generation = self._store.index_generation()
+        if generation != self._generation:
+            self._generation = generation
+            self._index_replaced()
+        return generation
+
+    def _index_replaced(self) -> None:
+        """The index was rebuilt from the log while serving: queue ends, commit points and messages cached from
+        before may be wrong, and a queue's end may even be lower (a lost log tail), so that new messages take
+        offsets this dispatcher has seen. Policy: caches are dropped (read again from the store); lease state
+        with no lease out and nothing unpersisted is dropped (re-seeded from the store on next use); lease
+        state with leases out (clients hold their handles) or a dirty commit is kept but *unverified*: before
+        its next hand-out, ack or commit it is clipped to the queue's new end (``QueueLeases.clip``: leases and
+        settled offsets at or above the end are forgotten and their handles refused). Then ``on_index_replaced``
+        (the recent-message cache is dropped and every client caught up)."""
+        log.warning("the store's index was replaced (generation %d): dispatch caches dropped", self._generation)
+        self._committed.clear()
+        for key, state in self._leases.states():
+            if state.entries or key in self.dirty or key in self._commit_locks or self.deliveries.delivering(key):
+                self._unverified.add(key)
+            else:
+                self._leases.forget(key)
+                self._persisted.pop(key, None)
+        self._on_index_replaced()
+
+    async def _verify(self, key: LeaseKey, state: leases.QueueLeases) -> None:
+        """Bring a state kept across an index replacement in line with the store: each lease out must still
+        name the message at its offset (else it is dropped and its handle refused: the offset is handed out
+        again); settlement the store refused (a dirty key: those acks were answered with the error) goes back
+        to what was persisted; nothing may lie at or above the queue's end."""
+        out = list(state.entries)
+        lo, hi, ids = await self._rt.run(self._message_ids, key.queue_id, out)
+        if key not in self._unverified or self._leases.get(key) is not state:
+            return  # verified meanwhile (or forgotten)
+        self._unverified.discard(key)
+        floor = self._leases.next_lease_id
+        entries = state.entries
+        lost = [o for o in out if o in entries and entries[o].message_id != ids.get(o)]
+        state.drop_leases(lost, floor)
+        persisted = self._persisted.get(key)
+        rolled_back = key in self.dirty and persisted is not None and key not in self._commit_locks
+        if rolled_back and persisted is not None:
+            state.rollback(persisted[0] if persisted[0] >= 0 else lo, persisted[1])
+            self.dirty.discard(key)
+        state.clip(hi, floor)
+        if lo > state.committed:
+            state.skip_to(lo)
+        if lost or rolled_back:
+            note = "; refused acks forgotten" if rolled_back else ""
+            log.warning("%s queue %d group %s: %d leases named messages the rebuilt index no longer holds there%s",
+                        *key, len(lost), note)  # fmt: skip
+            if state.has_ready(self._rt.clock(), hi):
+                self.deliveries.ready_again(key)
+
+    def _message_ids(self, queue: model.QueueId, out: list[int]) -> tuple[int, int, dict[int, str]]:
+        lo, hi = self._store.queue_offsets(queue)
+        ids: dict[int, str] = {}
+        for offset in out:
+            messages, _ = self._store.read_span(queue, offset, 1)
+            if messages and messages[0].offset == offset:
+                ids[offset] = messages[0].message_id
+        return lo, hi, ids

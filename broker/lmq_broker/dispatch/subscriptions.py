@@ -1,0 +1,379 @@
+"""Clients and what they subscribe to: the registry kept in step with the protocol, catch-up passes, and the
+marks of compare-and-deletes that new subscriptions must respect.
+
+Subscriptions belong to client ids, as in RocketMQ (``registry``; wildcard groups in ``wildcards``). A change
+here may create work, which goes to ``delivery`` as offers: topics that already hold messages when they are
+subscribed, a gone client's queued topics, and a *catch-up pass*, which walks one client's own subscriptions
+(or, for a wildcard group, its parent's lite topics, paged off the loop) for pending work. A pass runs only
+when that client's ready queue overflowed, right after it subscribed to topics with backlog, after a restore,
+or when the store could not answer for a while; never over all lite topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import (
+    api,
+    delivery,
+    offsets,
+    readyset,
+    reclaims,
+    registry,
+    runtime,
+    saved_subscriptions,
+    settlement,
+    wildcards,
+)
+
+log = logging.getLogger(__name__)
+
+NOTICES_PER_CLIENT: Final = 1024
+CATCHUP_CHUNK: Final = 512  # lite topics probed per store call of a catch-up pass
+
+
+def lmq_name(parent: str, lite: str) -> str:
+    return model.QueueId.lmq(parent, lite).topic
+
+
+class Subscriptions:
+    def __init__(
+        self,
+        rt: runtime.Runtime,
+        *,
+        subscribers: registry.Registry,
+        wild: wildcards.Wildcards,
+        ready: readyset.ReadySet,
+        deliverer: delivery.Deliverer,
+        settling: settlement.Settlement,
+    ) -> None:
+        self._rt = rt
+        self._registry = subscribers
+        self._wildcards = wild
+        self._ready = ready
+        self._deliverer = deliverer
+        self._settlement = settling
+        self._notices: dict[str, asyncio.Queue[str]] = {}
+        self._catchup_cursor: dict[str, list[str]] = {}
+        self._wildcard_cursor: dict[str, str] = {}  # client -> last lite name its catch-up offered
+        self._catchup_running: set[str] = set()
+        self._catchup_again: set[str] = set()  # asked for while a pass ran: one more pass when it ends
+        self.marks = reclaims.Marks()  # compare-and-deletes under way (see ``reclaims``)
+
+    # --- clients ------------------------------------------------------------------------------------------
+    def client_seen(
+        self,
+        client_id: str,
+        *,
+        client_type: int | None = None,
+        group: str | None = None,
+        bind_topic: str | None = None,
+        topics: Iterable[str] | None = None,
+        language: str = "",
+        version: str = "",
+    ) -> registry.ClientState:
+        state = self._registry.touch(
+            client_id, self._rt.clock(), client_type=client_type, group=group, bind_topic=bind_topic, topics=topics
+        )
+        if language:
+            state.language = language
+        if version:
+            state.version = version
+        return state
+
+    def stream_opened(self, client_id: str) -> asyncio.Queue[str]:
+        """A telemetry stream opened; returns the client's notices (lite topics taken from it) to relay."""
+        self._registry.touch(client_id, self._rt.clock()).streams += 1
+        notices = self._notices.get(client_id)
+        if notices is None:
+            notices = self._notices[client_id] = asyncio.Queue(maxsize=NOTICES_PER_CLIENT)
+        return notices
+
+    def stream_closed(self, client_id: str) -> None:
+        state = self._registry.get(client_id)
+        if state is None:
+            self._notices.pop(client_id, None)
+            return
+        state.streams -= 1
+        if state.streams <= 0:
+            self._notices.pop(client_id, None)
+            if not self._rt.draining:
+                self.client_gone(client_id)
+
+    def client_gone(self, client_id: str) -> None:
+        """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
+        state = self._registry.drop(client_id)
+        pending = self._ready.drop_client(client_id)
+        self._catchup_cursor.pop(client_id, None)
+        self._catchup_again.discard(client_id)
+        self._wildcards.remove(client_id)
+        self._wildcard_cursor.pop(client_id, None)
+        self._deliverer.wake(client_id)
+        if state is not None and state.group:
+            for lmq in pending:
+                self._deliverer.dispatch(lmq, only_group=state.group)
+
+    def expire_idle(self, now: int) -> None:
+        expiry_ms = self._rt.config.client_expiry_ms
+        for client_id in self._registry.idle_since(now - expiry_ms):
+            log.info("client %s expired (no heartbeat or sync for %d ms)", client_id, expiry_ms)
+            self.client_gone(client_id)
+
+    def views(self, group: str | None) -> list[api.ClientView]:
+        now, wall_now = self._rt.clock(), self._rt.wall_clock()
+        return [
+            api.ClientView(
+                client_id=st.client_id,
+                group=st.group,
+                topic=st.bind_topic or next(iter(sorted(st.topics)), ""),
+                client_type=st.client_type,
+                subscription_count=len(st.lite_topics),
+                last_seen_ms=wall_now - (now - st.last_seen_ms),
+                ready_events=self._ready.size(st.client_id),
+            )
+            for st in self._registry.clients()
+            if group is None or st.group == group
+        ]
+
+    def export(self) -> list[saved_subscriptions.ClientRecord]:
+        return [
+            saved_subscriptions.ClientRecord(
+                st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics)
+            )
+            for st in self._registry.clients()
+            if st.lite_topics and st.group
+        ]
+
+    def restore(self, records: list[saved_subscriptions.ClientRecord]) -> None:
+        """Re-register clients saved at the last graceful shutdown; a catch-up pass then offers whatever
+        their topics hold. Quotas were checked when the subscriptions were made."""
+        now = self._rt.clock()
+        for r in records:
+            try:
+                self._registry.touch(
+                    r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic
+                )
+                self._registry.add(r.client_id, r.lmqs, model.UNLIMITED, now)
+            except errors.LmqError as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
+                log.warning("subscriptions of client %s not restored: %s", r.client_id, exc.message)
+                continue
+            self._ready.request_catchup(r.client_id, now)
+        self._rt.arm(now)
+
+    # --- lite subscriptions -------------------------------------------------------------------------------
+    async def add_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        *,
+        namespace: str = "",
+        offset: offsets.OffsetReset | None = None,
+    ) -> list[str]:
+        snap = await self._rt.metadata()
+        found = snap.consuming_lite_group(group, parent)
+        if found.wildcard:
+            raise errors.Conflict(
+                f"group {group} is a wildcard group: it receives every lite topic of {parent}; register with "
+                "subscribeLiteAll (COMPLETE_ADD), not per lite topic",
+                kind="group",
+                group=group,
+            )
+        quota = snap.client_quota(found, parent, namespace)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
+        now = self._rt.clock()
+        self._registry.touch(client_id, now, group=group, bind_topic=parent)
+        added = self._registry.add(client_id, lmqs, quota, now)
+        if offset is not None and offset.moves:
+            await self._settlement.reset_offsets(lmqs, group, offset)
+        if found.model == model.SubscriptionModel.EXCLUSIVE:
+            self._evict_others(client_id, group, lmqs)
+        await self._register_pending(client_id, group, lmqs if offset is not None else added)
+        return added
+
+    async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
+        (await self._rt.metadata()).lite_group(group, parent)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        removed = self._registry.remove(client_id, lmqs, self._rt.clock())
+        self._ready.discard_many(client_id, removed)
+        return removed
+
+    async def replace_lite(
+        self, client_id: str, group: str, parent: str, lites: Sequence[str], *, namespace: str = ""
+    ) -> tuple[list[str], list[str]]:
+        snap = await self._rt.metadata()
+        found = snap.consuming_lite_group(group, parent)
+        if found.wildcard:
+            self._register_wildcard(client_id, group, parent)
+            return [], []
+        quota = snap.client_quota(found, parent, namespace)
+        lmqs = [lmq_name(parent, lite) for lite in lites]
+        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
+        now = self._rt.clock()
+        self._registry.touch(client_id, now, group=group, bind_topic=parent)
+        added, removed = self._registry.replace(client_id, lmqs, quota, now)
+        self._ready.discard_many(client_id, removed)
+        if found.model == model.SubscriptionModel.EXCLUSIVE:
+            self._evict_others(client_id, group, added)
+        await self._register_pending(client_id, group, added)
+        return added, removed
+
+    async def remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
+        (await self._rt.metadata()).lite_group(group, parent)
+        if self._wildcards.remove(client_id) is not None:
+            self._wildcard_cursor.pop(client_id, None)
+        state = self._registry.get(client_id)
+        if state is not None:
+            removed = self._registry.remove(client_id, list(state.lite_topics), self._rt.clock())
+            self._ready.discard_many(client_id, removed)
+
+    def forget(self, lmq: str) -> None:
+        """A deleted lite topic: no one subscribes to it any more, and no ready queue holds it."""
+        self._ready.discard(lmq, self._registry.forget_lmq(lmq))
+
+    def _register_wildcard(
+        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter] | None = None
+    ) -> None:
+        """A client of a wildcard group takes every lite topic of ``parent`` (or those ``filters`` match); a new
+        registration walks the parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
+        self._registry.touch(client_id, self._rt.clock(), group=group, bind_topic=parent)
+        if self._wildcards.add(client_id, group, parent, filters):
+            self._wildcard_cursor.pop(client_id, None)
+            self.start_catchup(client_id)
+
+    async def subscribe_filters(
+        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter]
+    ) -> None:
+        """Take the lite topics of ``parent`` that ``filters`` match (``wildcards``: MQTT subscriptions), now
+        and as they appear, replacing the client's earlier filters; none: the client takes nothing by pattern."""
+        (await self._rt.metadata()).consuming_lite_group(group, parent)
+        if filters:
+            self._register_wildcard(client_id, group, parent, filters)
+        elif self._wildcards.remove(client_id) is not None:
+            self._wildcard_cursor.pop(client_id, None)
+
+    def _evict_others(self, client_id: str, group: str, lmqs: Iterable[str]) -> None:
+        """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers."""
+        now = self._rt.clock()
+        for lmq in lmqs:
+            for other in self._registry.subscribers(lmq):
+                state = self._registry.get(other)
+                if other != client_id and state is not None and state.group == group:
+                    self._registry.remove(other, [lmq], now)
+                    self._ready.discard_many(other, [lmq])
+                    notices = self._notices.get(other)
+                    if notices is not None and not notices.full():  # full: the client is not reading anyway
+                        notices.put_nowait(model.QueueId(lmq).lite_parts()[1])
+
+    async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
+        """Newly subscribed topics that already hold undelivered messages go straight to this client."""
+        for start in range(0, len(lmqs), CATCHUP_CHUNK):
+            try:
+                found = await self._deliverer.pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+            except errors.StorageError:  # the store rebuilds its index: a catch-up pass looks later
+                self._deliverer.retry_catchup(client_id)
+                return
+            for lmq in found:
+                if not self._deliverer.offer(client_id, lmq, group):
+                    return  # full: the catch-up pass it scheduled walks the rest
+
+    # --- catch-up passes ----------------------------------------------------------------------------------
+    def start_catchup(self, client_id: str) -> None:
+        if self._rt.loop is None:
+            return
+        if client_id in self._catchup_running:
+            # The running pass may have walked already what made this one due: it runs again when done.
+            self._catchup_again.add(client_id)
+            return
+        self._catchup_running.add(client_id)
+        self._rt.spawn(self._catchup(client_id))
+
+    async def _catchup(self, client_id: str) -> None:
+        """Walk this client's own subscriptions for pending work, once round: from where the last pass stopped
+        (a full ready queue stops it), then on over the topics before that point, which may have overflowed
+        since that pass walked them."""
+        try:
+            await self._catchup_walk(client_id)
+        except errors.StorageError as exc:  # the store rebuilds its index: walk again later
+            log.info("catch-up of client %s deferred: %s", client_id, exc.message)
+            self._deliverer.retry_catchup(client_id)
+        finally:
+            self._catchup_running.discard(client_id)
+            if client_id in self._catchup_again:
+                self._catchup_again.discard(client_id)
+                now = self._rt.clock()
+                self._ready.request_catchup(client_id, now)
+                self._rt.arm(now)
+
+    async def _catchup_walk(self, client_id: str) -> None:
+        state = self._registry.get(client_id)
+        if state is None or not state.group:
+            return
+        if self._wildcards.registration(client_id) is not None:
+            await self._wildcard_catchup(client_id)
+            return
+        todo = list(state.lite_topics)
+        resume = self._catchup_cursor.pop(client_id, None)
+        if resume:
+            after = set(resume)
+            todo = resume + [lmq for lmq in todo if lmq not in after]
+        for start in range(0, len(todo), CATCHUP_CHUNK):
+            current = [lmq for lmq in todo[start : start + CATCHUP_CHUNK] if lmq in state.lite_topics]
+            for lmq in await self._deliverer.pending_among(current, state.group):
+                if not self._deliverer.offer(client_id, lmq, state.group):
+                    self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
+                    return
+            if self._registry.get(client_id) is not state:
+                return
+
+    async def _wildcard_catchup(self, client_id: str) -> None:
+        """Page through the wildcard group's parent by lite name and offer the client every topic with work
+        for its group, once round: from after the last offer that fitted (a full ready queue stops a pass) to
+        the end, then from the start up to there (those topics may have overflowed since they were walked)."""
+        first, end = self._wildcards.scan_range(client_id)  # a client with filters: the names they can match
+        resume = self._wildcard_cursor.pop(client_id, "")
+        after, wrapped = max(resume, first), not resume
+        where = self._wildcards.registration(client_id)
+        while where is not None:
+            parent, group = where
+            page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
+            if self._wildcards.registration(client_id) != where:
+                return  # unregistered meanwhile
+            last = len(page) < CATCHUP_CHUNK
+            if resume and wrapped and page and page[-1].lite > resume:
+                page, last = [meta for meta in page if meta.lite <= resume], True
+            page_end = page[-1].lite if page else after
+            page = [meta for meta in page if self._wildcards.takes(client_id, meta.lite)]
+            lmqs = [lmq_name(parent, meta.lite) for meta in page]
+            for lmq in await self._deliverer.pending_among(lmqs, group):
+                if not self._deliverer.offer(client_id, lmq, group):
+                    index = lmqs.index(lmq)  # full: the catch-up it scheduled resumes at this topic
+                    self._wildcard_cursor[client_id] = page[index - 1].lite if index else after
+                    return
+            if last and wrapped:
+                return
+            after, wrapped = (first, True) if last else (page_end, wrapped)
+            where = self._wildcards.registration(client_id)
+
+    # --- reclaim marks ------------------------------------------------------------------------------------
+    def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
+        topics = [lmq.topic for lmq in lmqs]
+        return self.marks.begin(topics, list(map(self._registry.subscriber_count, topics)), allowed_subscribers)
+
+    async def _reclaims_settled(self, client_id: str, lmqs: Iterable[str]) -> None:
+        """Before ``client_id`` subscribes to ``lmqs``: each topic it does not hold yet that a delete has
+        marked is vetoed (kept), or, where that is too late, waited for. Returns in the loop step of its
+        last veto, so a caller that registers without awaiting first is registered before the delete."""
+        while self.marks:
+            state = self._registry.get(client_id)
+            held = state.lite_topics if state is not None else set()
+            busy = self.marks.blocking(lmq for lmq in lmqs if lmq not in held)
+            if busy is None:
+                return
+            await busy.done.wait()

@@ -1,0 +1,272 @@
+"""Appends: the store's write rounds (group commit), the one way messages reach the log and the index.
+
+One *round* at a time under the write lock: callers queue their request and whoever gets the lock first takes
+every queued request (leader/follower group commit), validates each (a bad request fails alone, nothing of
+it written), assigns offsets, encodes, writes each touched segment with one write, fsyncs once (``sync``
+mode), then writes one WriteBatch with every index run, queue state, lite-topic record, counter,
+segment-table row and the checkpoint. Followers find their request done when they get the lock. Index after
+fsync means the index never points past the durable log in ``sync`` mode. ``try_begin`` runs the same round
+in steps for an event loop: validate and write (lock taken without waiting), then the caller's ``sync``,
+then index and publish (``finish``, lock freed). In ``async`` mode a thread fsyncs every flush interval.
+
+Per-queue state (min/next and lite-topic times) lives in the index; a bounded LRU keeps the hot ones. Only
+the write path fills the LRU (under the lock), so a reader can never put a stale state in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from collections.abc import Sequence
+from itertools import repeat
+from typing import NamedTuple
+
+from lmq_broker import errors, model
+from lmq_broker.storage import api, codec, keys
+from lmq_broker.storage import core as core_mod
+from lmq_broker.storage import index as index_mod
+
+log = logging.getLogger(__name__)
+
+_new_result = tuple.__new__  # AppendResult's own __new__ is a Python-level function: skip it per message
+
+
+class _Request:
+    __slots__ = ("done", "error", "messages", "prepared", "results")
+
+    def __init__(self, messages: Sequence[model.NewMessage]) -> None:
+        self.messages = messages
+        self.prepared: list[codec.Prepared] = []
+        self.results: list[model.AppendResult] = []
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class _Staged(NamedTuple):
+    """Requests of one round written to the log, neither fsynced nor indexed yet (under the write lock)."""
+
+    live: list[_Request]
+    batch: index_mod.Batch
+    chunks: list[tuple[int, list[bytes]]]
+    store_ms: int
+
+
+class _Pending:
+    """``Appender.try_begin``'s answer: holds the store's write lock from ``try_begin`` until ``finish``."""
+
+    __slots__ = ("_appender", "_finished", "_reqs", "_staged")
+
+    def __init__(self, appender: Appender, reqs: list[_Request], staged: _Staged | None) -> None:
+        self._appender = appender
+        self._reqs = reqs
+        self._staged = staged
+        self._finished = False
+
+    @property
+    def needs_sync(self) -> bool:
+        return self._staged is not None and self._appender._core.sync
+
+    def sync(self) -> None:
+        self._appender._core.log.sync()
+
+    def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
+        if self._finished:
+            raise RuntimeError("a pending append is finished once")
+        self._finished = True
+        try:
+            if self._staged is not None:
+                self._appender._index_staged(self._staged, sync_error)
+        finally:
+            for r in self._reqs:
+                r.done = True
+            self._appender._core.write_lock.release()
+        return [r.results if r.error is None else r.error for r in self._reqs]
+
+
+class Appender:
+    """The write rounds of one store, and its background fsync in ``async`` mode."""
+
+    def __init__(self, core: core_mod.Core) -> None:
+        self._core = core
+        self._max_record = min(core.cfg.max_record_bytes, core.cfg.segment_max_bytes)
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Request] = []
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if not core.sync:
+            self._flusher = threading.Thread(target=self._flush_loop, name="lmq-store-flusher", daemon=True)
+            self._flusher.start()
+
+    def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        core = self._core
+        core.check_open()
+        core.check_not_rebuilding()
+        if not messages:
+            return []
+        req = _Request(messages)
+        with self._queue_lock:
+            self._queue.append(req)
+        with core.write_lock:
+            if not req.done:
+                with self._queue_lock:
+                    reqs, self._queue = self._queue, []
+                self._round(reqs)
+        if req.error is not None:
+            raise req.error
+        return req.results
+
+    def try_begin(self, requests: Sequence[Sequence[model.NewMessage]]) -> api.PendingAppend | None:
+        core = self._core
+        core.check_open()
+        # Never queued: a request queued and then withdrawn could already have been taken by another leader,
+        # and would be stored twice when the caller hands it to its thread. Nor does it take the queued
+        # requests of others along (as a leader would): one may be a large batch its thread is waiting to
+        # write, which must not run on the caller's event loop. Each waiter writes its own once it has the lock.
+        if not core.write_lock.acquire(blocking=False):
+            return None
+        reqs = [_Request(messages) for messages in requests]
+        try:
+            staged = self._stage(reqs)
+        except BaseException:
+            core.write_lock.release()
+            raise
+        return _Pending(self, reqs, staged)
+
+    def stop(self) -> None:
+        """Stop the background fsync (a close: the caller syncs the log itself)."""
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join()
+
+    def _round(self, reqs: list[_Request]) -> None:
+        try:
+            staged = self._stage(reqs)
+            if staged is not None:
+                error: Exception | None = None
+                if self._core.sync:
+                    try:
+                        self._core.log.sync()
+                    except Exception as e:
+                        error = e
+                self._index_staged(staged, error)
+        finally:
+            for r in reqs:
+                r.done = True
+
+    def _stage(self, reqs: list[_Request]) -> _Staged | None:
+        """Validate the requests and write the valid ones to the log, neither fsynced nor indexed yet (the
+        caller holds the write lock until ``_index_staged``). A failure lands on its requests; None when
+        nothing was written."""
+        try:
+            self._core.check_writable()
+            store_ms = self._core.clock()
+            prepare, names, max_record = codec.prepare, self._core.names, self._max_record
+            live: list[_Request] = []
+            for r in reqs:
+                try:
+                    r.prepared = [prepare(m, names, max_record, store_ms) for m in r.messages]
+                    live.append(r)
+                except errors.LmqError as e:
+                    r.error = e
+            if not any(r.prepared for r in live):  # nothing valid to write (or only empty requests)
+                return None
+            return self._write_log(live, store_ms)
+        except Exception as e:
+            for r in reqs:
+                if r.error is None:
+                    r.error = e
+                    r.results = []
+            return None
+
+    def _index_staged(self, staged: _Staged, sync_error: BaseException | None) -> None:
+        """After the fsync (``sync`` mode): index the staged records and publish their queues' new states."""
+        try:
+            if sync_error is not None:
+                raise self._core.fsync_failed(sync_error)
+            batch = staged.batch
+            for s, written in staged.chunks:
+                if written:
+                    batch.touch_segment(s, staged.store_ms)
+            self._core.write_batch(batch, self._core.log_end())
+        except Exception as e:
+            for r in staged.live:
+                r.error = e
+                r.results = []
+
+    def _write_log(self, reqs: list[_Request], store_ms: int) -> _Staged:
+        lg = self._core.log
+        seg = lg.active.seq
+        pos = lg.active.size
+        start = (seg, pos)
+        seg_max = lg.segment_max_bytes
+        batch = self._core.batch()
+        pend = batch.pending
+        chunks: list[tuple[int, list[bytes]]] = []
+        parts: list[bytes] = []
+        frame = codec.frame
+        pack_entry = keys.RUN_ENTRY.pack
+        new_result, result_type = _new_result, model.AppendResult
+        fans = batch.fans
+        add = operator.add
+        for r in reqs:
+            results: list[model.AppendResult] = []
+            for p in r.prepared:
+                size = p.size
+                if pos + size > seg_max:  # the record goes to the next segment: runs cannot span two
+                    chunks.append((seg, parts))
+                    parts = []
+                    seg += 1
+                    pos = 0
+                    batch.cut(seg, store_ms)
+                entry = pack_entry(pos, size)
+                names = p.queues
+                if len(names) > 2:
+                    # Fan-out: prepare hands every message with the same queue list the same tuple.
+                    fan = fans.get(id(names))
+                    if fan is None or not fan.is_open:
+                        fan = batch.fan(names, seg, store_ms)
+                    count = fan.count  # the fan's next offsets and its shared run (see index.Fan)
+                    fan.count = count + 1
+                    fan.ents.append(entry)
+                    offsets = tuple(map(add, fan.base, repeat(count)))
+                else:  # one or two queues, unrolled: the path of nearly every message
+                    q = pend.get(names[0].qkey)
+                    if q is None:
+                        q = batch.queue(names[0], seg, store_ms)
+                    elif q.fan is not None:
+                        q.fan.close()
+                    off = q.next
+                    q.next = off + 1
+                    q.ents.append(entry)
+                    if len(names) == 1:
+                        offsets = (off,)
+                    else:
+                        q = pend.get(names[1].qkey)
+                        if q is None:
+                            q = batch.queue(names[1], seg, store_ms)
+                        elif q.fan is not None:
+                            q.fan.close()
+                        off2 = q.next
+                        q.next = off2 + 1
+                        q.ents.append(entry)
+                        offsets = (off, off2)
+                m = p.message
+                prefix, head = frame(p, offsets)
+                parts.append(prefix)
+                parts.append(head)
+                parts.append(m.body)
+                pos += size
+                results.append(new_result(result_type, (m.message_id, m.queues, offsets, store_ms)))
+            r.results = results
+        chunks.append((seg, parts))
+        self._core.write_chunks(chunks, start)
+        return _Staged(reqs, batch, chunks, store_ms)
+
+    def _flush_loop(self) -> None:
+        interval = self._core.cfg.flush_interval_ms / 1000
+        while not self._stop.wait(interval):
+            try:
+                self._core.log.sync()
+            except OSError:
+                log.exception("background fsync failed")

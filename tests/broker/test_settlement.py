@@ -1,0 +1,375 @@
+"""Settlement (``dispatch.settlement``): where offset writes run, acks whose write failed (kept dirty, never
+silently dropped), persisted runs, and the store's index replaced while serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import pytest_asyncio
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import dispatcher as dispatcher_module
+from lmq_broker.dispatch import leases, runtime, settlement
+from lmq_broker.dispatch.leases import LeaseKey
+from lmq_broker.dispatch.subscriptions import lmq_name
+from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message, until
+from lmq_broker.storage import keys, memory
+from lmq_broker.storage.api import Store
+from lmq_broker.storage.testing import another_writer
+
+pytestmark = pytest.mark.asyncio
+
+
+# --- settlement on its own, the delivery side a recorder -----------------------------------------------------
+
+
+class Told:
+    """The delivery side as settlement sees it (``settlement.Deliveries``): records what it is told."""
+
+    def __init__(self) -> None:
+        self.ready: list[tuple[LeaseKey, str]] = []
+        self.busy: set[LeaseKey] = set()  # keys a delivery is using
+
+    def delivering(self, key: LeaseKey) -> bool:
+        return key in self.busy
+
+    def ready_again(self, key: LeaseKey, *, prefer: str = "") -> None:
+        self.ready.append((key, prefer))
+
+
+@dataclass
+class Alone:
+    settling: settlement.Settlement
+    told: Told
+    table: leases.LeaseTable
+    store: Store
+    dead: list[tuple[str, list[model.StoredMessage]]]
+    key: ClassVar[LeaseKey] = LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)
+
+    async def leased(self, messages: int, out: int) -> tuple[leases.QueueLeases, list[str]]:
+        """``messages`` stored in t1 and the first ``out`` of them leased to c1, as a receive does; the handles."""
+        self.store.append([lite_message("t1", message_id=f"m{i}") for i in range(messages)])
+        state = await self.settling.state_of(self.key, ordered=True)
+        handles = []
+        for pick in state.picks(0, out):
+            lease_id = self.table.new_lease_id()
+            state.lease(pick, 0, 1_000, lease_id, "c1")
+            handles.append(self.table.receipt(self.key, pick.offset, lease_id))
+        return state, handles
+
+
+@pytest_asyncio.fixture
+async def alone(store: Store, clock: memory.ManualClock, tmp_path: Path) -> AsyncIterator[Alone]:
+    rt = runtime.Runtime(store, config_for(tmp_path / "unused"), clock=clock)
+    await rt.start()
+    dead: list[tuple[str, list[model.StoredMessage]]] = []
+
+    async def dead_letter(group: str, messages: Sequence[model.StoredMessage]) -> None:
+        dead.append((group, list(messages)))
+
+    table = leases.LeaseTable("inc")
+    settling, told = settlement.Settlement(rt, table, dead_letter, lambda: None), Told()
+    settling.deliveries = told
+    yield Alone(settling, told, table, store, dead)
+    await rt.close_executor()
+
+
+async def test_an_ack_that_leaves_more_behind_tells_delivery_which_client_acked(alone: Alone) -> None:
+    _, (handle,) = await alone.leased(messages=2, out=1)
+    await alone.settling.ack(GROUP, handle, client_id="c1")
+    assert alone.store.get_offset(alone.key.queue_id, GROUP) == 1
+    assert alone.told.ready == [(alone.key, "c1")]  # the next message: offered to the acker first
+
+
+async def test_lease_state_is_kept_while_a_delivery_uses_it_and_dropped_once_idle(alone: Alone) -> None:
+    _, (handle,) = await alone.leased(messages=1, out=1)
+    alone.told.busy.add(alone.key)
+    await alone.settling.ack(GROUP, handle)
+    assert alone.table.get(alone.key) is not None and alone.told.ready == []
+    alone.told.busy.clear()
+    alone.settling.release(alone.key)
+    assert alone.table.get(alone.key) is None
+    assert alone.store.get_offset(alone.key.queue_id, GROUP) == 1
+
+
+async def test_messages_past_their_last_attempt_go_out_through_the_door_and_are_settled(alone: Alone) -> None:
+    state, _ = await alone.leased(messages=1, out=0)
+    (message,) = alone.store.read(alone.key.queue_id, 0, 1)
+    (pick,) = state.picks(0, 1)
+    await alone.settling.settle_dead(alone.key, state, [(pick, message)])
+    assert alone.dead == [(GROUP, [message])]
+    assert state.committed == 1 and alone.store.get_offset(alone.key.queue_id, GROUP) == 1
+
+
+# --- where offset writes run -----------------------------------------------------------------------------------
+
+
+async def test_an_ack_commits_on_the_loop_when_no_writer_holds_the_store(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    first, second = await lite.receive("c1", batch=32)
+
+    async def no_pool(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"went to the thread pool: {args}")
+
+    monkeypatch.setattr(lite.dispatcher.runtime, "run", no_pool)
+    await lite.dispatcher.ack(GROUP, first.receipt_handle)
+    assert lite.committed("t1") == 1
+    await lite.dispatcher.ack(GROUP, second.receipt_handle)
+    assert lite.committed("t1") == 2
+
+
+async def test_an_ack_while_another_writer_holds_the_store_commits_once_it_is_free(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    first, second = await lite.receive("c1", batch=32)
+    with another_writer(lite.store):
+        acking = asyncio.create_task(lite.dispatcher.ack(GROUP, first.receipt_handle))
+        later = asyncio.create_task(lite.dispatcher.ack(GROUP, second.receipt_handle))
+        await asyncio.sleep(0.2)
+        assert not acking.done() and not later.done()  # the commits wait on the pool; the loop runs on
+    await asyncio.wait_for(asyncio.gather(acking, later), 10)
+    assert lite.committed("t1") == 2
+
+
+# --- commits that fail: the ack is kept dirty and persisted later, never silently dropped ---------------
+
+
+class _FailingCommits:
+    """Makes the store refuse offset commits (an index rebuild, meta ENOSPC) while ``failing``."""
+
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.failing = True
+        self.refused = 0
+        for name in ("commit_offset", "try_commit_offset"):
+            real = getattr(store, name)
+            monkeypatch.setattr(store, name, self._wrap(real))
+
+    def _wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.failing:
+                self.refused += 1
+                raise errors.StorageError("the index is being rebuilt")
+            return real(*args, **kwargs)
+
+        return call
+
+
+async def test_an_ack_whose_commit_failed_reports_it_and_its_retry_persists(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"a", b"b", b"c"):
+        await lite.send("t1", body)
+    got = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    for d in got:
+        with pytest.raises(errors.StorageError):
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)  # the client learns it did not stick
+    assert lite.committed("t1") is None
+    failing.failing = False
+    await lite.dispatcher.ack(GROUP, got[0].receipt_handle)  # the client's retry: now it commits
+    assert lite.committed("t1") == 3
+    assert await lite.receive("c1") == []
+
+
+async def test_a_failed_commit_is_retried_by_housekeeping_and_acked_messages_never_come_back(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    await lite.send("t1", b"b")
+    got = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    for d in got:
+        with pytest.raises(errors.StorageError):
+            await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert await lite.receive("c1") == []  # the dirty state is kept: nothing acked is handed out again
+    refused = failing.refused
+    lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
+    lite.dispatcher.tick()
+    await until(lambda: failing.refused > refused and not lite.dispatcher.settlement.retrying)
+    assert lite.committed("t1") is None  # still refused: still dirty, tried again later
+    failing.failing = False
+    lite.clock.advance(dispatcher_module.HOUSEKEEPING_INTERVAL_MS)
+    lite.dispatcher.tick()
+    await until(lambda: lite.committed("t1") == 2 and not lite.dispatcher.settlement.retrying)
+    assert lite.dispatcher.leases.get(LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)) is None  # released once persisted
+    await lite.send("t1", b"c")
+    assert [d.message.body for d in await lite.receive("c1")] == [b"c"]
+
+
+async def test_resync_retries_failed_commits(lite: Lite, monkeypatch: pytest.MonkeyPatch) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (got,) = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    with pytest.raises(errors.StorageError):
+        await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    failing.failing = False
+    lite.dispatcher.resync()  # the store serves again
+    await until(lambda: lite.committed("t1") == 1)
+
+
+async def test_a_two_million_offset_hole_is_persisted_as_one_run_and_commits_fast(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"a")
+    (got,) = await lite.receive("c1")
+    key = LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)
+    state = lite.dispatcher.leases.get(key)
+    assert state is not None
+    assert lite.dispatcher.settlement.settle_gone(key, state, 1, 2_000_001, [])  # as a read over a lost segment
+    start = time.perf_counter()
+    await lite.dispatcher.settlement.commit(key, state)
+    assert time.perf_counter() - start < 0.05
+    queue = model.QueueId.lmq(PARENT, "t1")
+    acked = lite.store.get_acked(queue, GROUP)
+    assert (lite.committed("t1"), len(acked), acked[0], acked[-1]) == (0, 2_000_000, 1, 2_000_000)
+    await lite.dispatcher.ack(GROUP, got.receipt_handle)
+    assert lite.committed("t1") == 2_000_001 and lite.store.get_acked(queue, GROUP) == ()
+
+
+async def test_acks_beyond_the_persisted_runs_cap_are_refused_until_the_runs_merge(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keys, "ACKED_MAX_RUNS", 1)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"a", b"b", b"c", b"d"):
+        await lite.send("t1", body)
+    d0, d1, d2, d3 = await lite.receive("c1")
+    queue = model.QueueId.lmq(PARENT, "t1")
+    await lite.dispatcher.ack(GROUP, d1.receipt_handle)
+    with pytest.raises(errors.TooManyRequests):
+        await lite.dispatcher.ack(GROUP, d3.receipt_handle)  # a second run: not persisted, so not answered OK
+    assert tuple(lite.store.get_acked(queue, GROUP)) == (1,)
+    await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # 0..1 settled: one run left, persisted
+    assert lite.committed("t1") == 2 and tuple(lite.store.get_acked(queue, GROUP)) == (3,)
+    await lite.dispatcher.ack(GROUP, d3.receipt_handle)  # the client's retry: now it is in
+    await lite.dispatcher.ack(GROUP, d2.receipt_handle)
+    assert lite.committed("t1") == 4
+
+
+# --- the store's index replaced while serving (a background rebuild) -------------------------------------
+
+
+class _Rebuilds:
+    """A memory store whose index 'rebuilds' on demand: the generation moves and the log's tail from
+    ``keep_below`` on is lost, so new messages take those offsets again (what a rebuild after a torn log
+    tail does; the store keeps every queue's end above the persisted commit points)."""
+
+    def __init__(self, store: memory.MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.store = store
+        self.generation = 0
+        monkeypatch.setattr(store, "index_generation", lambda: self.generation)
+
+    def lose_tail(self, lite: str, keep_below: int) -> None:
+        q = self.store._queues[keys.parse_queue(lmq_name(PARENT, lite), 0).qkey]
+        for offset in range(keep_below, q.next):
+            q.messages.pop(offset, None)
+        q.next = keep_below
+        self.generation += 1
+
+
+@pytest_asyncio.fixture
+async def mem_lite(clock: memory.ManualClock, tmp_path: Path) -> AsyncIterator[Lite]:
+    store = memory.MemoryStore(config_for(tmp_path / "data").store)
+    harness = await Lite.start(store, clock, config_for(tmp_path / "unused"))
+    yield harness
+    await harness.dispatcher.close()
+    store.close()
+
+
+async def test_after_a_rebuild_reused_offsets_are_delivered_and_old_handles_cannot_ack_them(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"m0", b"m1", b"m2"):
+        await lite.send("t1", body)
+    d0, d1, d2 = await lite.receive("c1")
+    await lite.dispatcher.ack(GROUP, d0.receipt_handle)
+    assert lite.committed("t1") == 1
+    rebuilds.lose_tail("t1", 1)  # m1 and m2 (delivered, not acked) are gone with the log's tail
+    await lite.send("t1", b"n1")  # offset 1 again
+    await lite.send("t1", b"n2")
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.ack(GROUP, d1.receipt_handle)  # names lost m1, not n1
+    got = await lite.receive("c1")
+    assert [(d.message.offset, d.message.body) for d in got] == [(1, b"n1"), (2, b"n2")]
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.ack(GROUP, d2.receipt_handle)  # n2 is leased now: still not m2's handle
+    for d in got:
+        await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert lite.committed("t1") == 3
+
+
+async def test_after_a_rebuild_cached_commit_points_and_messages_are_read_again(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for body in (b"m0", b"m1", b"m2"):
+        await lite.send("t1", body)
+    for d in await lite.receive("c1"):
+        await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    assert lite.dispatcher.leases.get(LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)) is None  # idle: only caches remain
+    # the rebuilt store holds the group at offset 1 and lost the tail after it (e.g. meta repaired from a
+    # backup): the dispatcher must believe the store, not its cache of 3
+    lite.store.commit_offset(model.QueueId.lmq(PARENT, "t1"), GROUP, 1)
+    rebuilds.lose_tail("t1", 1)
+    await lite.send("t1", b"n1")
+    got = await lite.receive("c1")
+    assert [(d.message.offset, d.message.body) for d in got] == [(1, b"n1")]
+
+
+async def test_a_rebuild_seen_only_through_the_generation_triggers_a_catch_up(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"m0")
+    caught_up: list[str] = []
+    monkeypatch.setattr(lite.dispatcher.subscriptions, "start_catchup", caught_up.append)
+    rebuilds.generation += 1  # started and ended between two polls of the health watcher
+    (got,) = await lite.receive("c1")
+    assert got.message.body == b"m0" and caught_up == ["c1"]
+
+
+async def test_after_a_rebuild_acks_the_store_refused_are_forgotten_and_the_message_comes_again(
+    mem_lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite = mem_lite
+    assert isinstance(lite.store, memory.MemoryStore)
+    rebuilds = _Rebuilds(lite.store, monkeypatch)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"m0")
+    await lite.send("t1", b"m1")
+    d0, d1 = await lite.receive("c1")
+    failing = _FailingCommits(lite.store, monkeypatch)
+    with pytest.raises(errors.StorageError):
+        await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # answered with the error: not acked
+    rebuilds.generation += 1  # the index is replaced before the ack could be written
+    failing.failing = False
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.ack(GROUP, d0.receipt_handle)  # its offset may name another message now
+    (again,) = await lite.receive("c1")
+    assert again.message.body == b"m0"
+    await lite.dispatcher.ack(GROUP, again.receipt_handle)
+    await lite.dispatcher.ack(GROUP, d1.receipt_handle)  # still the message at its offset: accepted
+    assert lite.committed("t1") == 2
