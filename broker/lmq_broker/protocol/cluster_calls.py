@@ -96,18 +96,18 @@ async def ack(edge: Edge, request: spb.AckMessageRequest, caller: Caller) -> spb
 async def change_invisible(
     edge: Edge, request: spb.ChangeInvisibleDurationRequest, caller: Caller
 ) -> spb.ChangeInvisibleDurationResponse:
-    peers = edge.peers
-    where = gathering.unwrap(peers, request.receipt_handle) if peers is not None else None
-    if peers is None or where is None:
-        return await change_invisible_duration.handle(edge, request, caller)
-    return await gathering.change_invisible(peers, request, where, caller)
+    reply, via = await gathering.settle(
+        edge, request, caller, change_invisible_duration.handle, spb.ChangeInvisibleDurationResponse
+    )
+    if via and reply.status.code == pb.OK:
+        reply.receipt_handle = gathering.wrap(via, reply.receipt_handle)
+    return reply
 
 
 async def dead_letter(
     edge: Edge, request: spb.ForwardMessageToDeadLetterQueueRequest, caller: Caller
 ) -> spb.ForwardMessageToDeadLetterQueueResponse:
-    peers = edge.peers
-    where = gathering.unwrap(peers, request.receipt_handle) if peers is not None else None
-    if peers is None or where is None:
-        return await forward_to_dead_letter_queue.handle(edge, request, caller)
-    return await gathering.dead_letter(peers, request, where, caller)
+    reply, _ = await gathering.settle(
+        edge, request, caller, forward_to_dead_letter_queue.handle, spb.ForwardMessageToDeadLetterQueueResponse
+    )
+    return reply

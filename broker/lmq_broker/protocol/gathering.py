@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, TypeVar, cast
 
@@ -44,8 +44,6 @@ GATHER_POLL_MS: Final = 200
 VIA: Final = "via"  # receipt handles of messages received from another broker: "via <endpoint> <its handle>"
 _RECEIVE: Final = "/apache.rocketmq.v2.MessagingService/ReceiveMessage"
 _ACK: Final = "/apache.rocketmq.v2.MessagingService/AckMessage"
-_CHANGE: Final = "/apache.rocketmq.v2.MessagingService/ChangeInvisibleDuration"
-_DEAD: Final = "/apache.rocketmq.v2.MessagingService/ForwardMessageToDeadLetterQueue"
 _turns = itertools.count()
 Resp = TypeVar("Resp", bound=pb_message.Message)
 
@@ -179,35 +177,30 @@ async def ack(edge: Edge, peers: Peers, request: spb.AckMessageRequest, caller: 
 
     await asyncio.gather(*(settle(endpoint, indices) for endpoint, indices in routed.items()))
     entries = [r for r in results if r is not None]
-    codes = {r.status.code for r in entries}
-    if codes == {pb.OK}:
-        overall = status.ok()
-    elif len(entries) == 1:
-        overall = entries[0].status
-    else:
-        overall = pb.Status(code=pb.MULTIPLE_RESULTS, message="entries have different results")
-    return spb.AckMessageResponse(status=overall, entries=entries)
+    return spb.AckMessageResponse(status=ack_message.overall(entries), entries=entries)
 
 
-async def change_invisible(
-    peers: Peers, request: spb.ChangeInvisibleDurationRequest, where: tuple[str, str], caller: Caller
-) -> spb.ChangeInvisibleDurationResponse:
-    part = spb.ChangeInvisibleDurationRequest()
+Settled = TypeVar("Settled", spb.ChangeInvisibleDurationRequest, spb.ForwardMessageToDeadLetterQueueRequest)
+
+
+async def settle(
+    edge: Edge,
+    request: Settled,
+    caller: Caller,
+    here: Callable[[Edge, Settled, Caller], Awaitable[Resp]],
+    response: type[Resp],
+) -> tuple[Resp, str]:
+    """ChangeInvisibleDuration or ForwardMessageToDeadLetterQueue of one message: here (``here``), or at the
+    broker it was gathered from; returns the answer and that broker's endpoint ("" for this one)."""
+    peers = edge.peers
+    where = unwrap(peers, request.receipt_handle) if peers is not None else None
+    if peers is None or where is None:
+        return await here(edge, request, caller), ""
+    part = type(request)()
     part.CopyFrom(request)
     part.receipt_handle = where[1]
-    reply = await _call(peers, where[0], _CHANGE, part, spb.ChangeInvisibleDurationResponse, caller=caller)
-    if reply.status.code == pb.OK:
-        reply.receipt_handle = wrap(where[0], reply.receipt_handle)
-    return reply
-
-
-async def dead_letter(
-    peers: Peers, request: spb.ForwardMessageToDeadLetterQueueRequest, where: tuple[str, str], caller: Caller
-) -> spb.ForwardMessageToDeadLetterQueueResponse:
-    part = spb.ForwardMessageToDeadLetterQueueRequest()
-    part.CopyFrom(request)
-    part.receipt_handle = where[1]
-    return await _call(peers, where[0], _DEAD, part, spb.ForwardMessageToDeadLetterQueueResponse, caller=caller)
+    method = f"/apache.rocketmq.v2.MessagingService/{type(request).__name__.removesuffix('Request')}"
+    return await _call(peers, where[0], method, part, response, caller=caller), where[0]
 
 
 async def _call(
