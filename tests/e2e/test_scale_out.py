@@ -24,7 +24,14 @@ from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.supervisor import free_ports
-from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import (
+    SHARED_ADMIN_ENV,
+    SHARED_ADMIN_KEYS,
+    BrokerProcess,
+    Inbox,
+    start_broker,
+    start_lite_simple_consumer,
+)
 
 PROCESS_RE = re.compile(r"lmq-broker process (?P<index>\d+) grpc=(?P<grpc>[^ ]+) metrics=")
 TOPIC, GROUP = "SCALE_NS", "scale-group"
@@ -336,12 +343,8 @@ def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients:
         create_metadata(endpoints, SHARED_ADMIN_KEYS)
         access = endpoints[1]  # any broker: the consumer still receives from the first route queue's
         consumer = LiteSimpleConsumer(TOPIC, config(access), GROUP, await_duration=2)
-        consumer.startup()
         clients.append(consumer)
-        deadline = time.monotonic() + 10
-        while consumer.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
-            assert time.monotonic() < deadline, "no settings from the broker"
-            time.sleep(0.05)  # lite-simple does not wait for settings at startup
+        start_lite_simple_consumer(consumer)
         lites = [f"q-{i}" for i in range(18)]
         for lite in lites:
             consumer.subscribe_lite(lite)
