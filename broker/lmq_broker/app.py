@@ -35,7 +35,6 @@ from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.metrics import Metrics
-from lmq_broker.protocol.peers import Peers
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.storage.api import Store
 
@@ -115,7 +114,7 @@ class Broker:
         self._server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None  # --admin-port
         self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
-        self._peers: Peers | None = None
+        self.cluster: cluster_setup.Cluster | None = None
         self.access_port = -1
         self._admission: Admission | None = None
         self._http: asyncio.Server | None = None
@@ -156,7 +155,10 @@ class Broker:
             log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
-        edge.peers = self._peers = cluster_setup.peers(config, self.store, self.dispatcher, admin_keys, self.metrics)
+        cluster = self.cluster = cluster_setup.Cluster(
+            config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
+        )
+        await cluster.start()
         server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
@@ -164,7 +166,9 @@ class Broker:
         if config.admin_port >= 0:
             admin_server = self._admin_server = grpc_server.create_admin(config)
             server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
-        admin_service.register(admin_server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+        admin_service.register(
+            admin_server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys, cluster=cluster
+        )
         self.port = edge.port = grpc_server.bind(server, config)
         self.admin_port = self.port
         if self._admin_server is not None:
@@ -174,7 +178,9 @@ class Broker:
             shared = self._access_server = grpc_server.create(config, shared_port=True)
             grpc_server.add_messaging_service(shared, edge, admission)
             if self._admin_server is None:
-                admin_service.register(shared, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+                admin_service.register(
+                    shared, self.store, self.dispatcher, config, admission, admin_keys=admin_keys, cluster=cluster
+                )
             else:
                 shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
             self.access_port = grpc_server.bind(shared, config, config.access_port)
@@ -219,9 +225,8 @@ class Broker:
         if self._server is not None or self._admin_server is not None:
             await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._admin_server) if s is not None))
             self._server = self._admin_server = None
-        if self._peers is not None:
-            await self._peers.close()
-            self._peers = None
+        if self.cluster is not None:
+            await self.cluster.close()
         if self._admission is not None:
             self._admission.close()  # the overload summary still owed
             self._admission = None

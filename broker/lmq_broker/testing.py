@@ -306,6 +306,17 @@ def receive_some(consumer: Any, max_messages: int, timeout_s: float = 20.0, wait
     return received
 
 
+def start_lite_simple_consumer(consumer: Any, timeout_s: float = 10.0) -> None:
+    """Start an official-client LiteSimpleConsumer and wait for the broker's settings: it does not wait for
+    them at startup itself, and its subscription quota is 0 until they arrive (every subscribe refused)."""
+    consumer.startup()
+    deadline = time.monotonic() + timeout_s
+    while consumer.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no settings from the broker")
+        time.sleep(0.05)
+
+
 class Inbox:
     """Records messages consumed by an official-client push consumer (pass it as the listener).
 

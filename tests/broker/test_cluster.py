@@ -113,9 +113,34 @@ def test_a_topic_stays_where_it_was_created() -> None:
     assert mb.resolve(m, name, lambda _slot: False) == 2  # new topic: follows today's ring
 
 
-def test_leaving_slot_takes_no_new_writes() -> None:
+def test_leaving_slot_takes_no_new_topics_and_keeps_what_it_holds_until_handed_over() -> None:
+    """Part 1 sent a leaving slot's own topics to today's owner at once; a topic then had messages on two
+    brokers at the same time (order lost). Now the leaving slot keeps a topic until it has drained it."""
     m = mb.Membership(("a:1", "b:2", "c:3"), (3, 2))  # scale-down 3 -> 2: slot 2 drains
     assert not m.writable(2) and m.writable(1)
+    assert m.leaving(2) and not m.leaving(1) and list(m.leaving_slots) == [2]
     name = next(n for n in NAMES if ring.slot_of(n, 3) == 2)
-    assert mb.candidates(m, name) == (ring.slot_of(name, 2), 2)
-    assert mb.resolve(m, name, lambda slot: slot == 2) == ring.slot_of(name, 2)
+    today = ring.slot_of(name, 2)
+    assert mb.candidates(m, name) == (today, 2)
+    assert mb.resolve(m, name, lambda _slot: False) == today  # a new topic never lands on the leaving slot
+    assert mb.resolve(m, name, lambda slot: slot == 2) == 2  # held there and not drained yet: stays
+    assert mb.resolve(m, name, lambda slot: slot in (2, today)) == today  # handed over already
+    assert mb.subscribers_at(m, name, 2) == (2, today)  # consumers wait at today's owner too
+    assert mb.subscribers_at(m, name, today) == (today,)
+
+
+def test_scale_down_marks_then_sheds_the_tail() -> None:
+    three = mb.Membership.parse("a:1,b:2,c:3", "2")
+    leaving = three.shrunk(2)
+    assert leaving.members == three.members and leaving.sizes == (2, 3, 2)
+    assert three.shrunk(3) is three
+    with pytest.raises(errors.InvalidArgument):
+        three.shrunk(0)
+    shed = leaving.shed()
+    assert shed == mb.Membership(("a:1", "b:2"), (2,))
+    # a key the bigger ring never put on a removed slot keeps its slot: the capped history is exact
+    assert all(ring.slot_of(n, 3) == ring.slot_of(n, 2) for n in NAMES[:2000] if ring.slot_of(n, 3) < 2)
+    assert mb.of(("a:1", "b:2"), (1, 3, 4, 2)).sizes == (1, 2)
+    assert mb.Membership.from_json(leaving.to_json()) == leaving
+    with pytest.raises(errors.InvalidArgument):
+        mb.Membership.from_json('{"members": ["a:1"]}')

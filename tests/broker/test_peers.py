@@ -4,14 +4,21 @@ sends, split subscriptions, a dead owner. The official client through one access
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
+import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
 
-from lmq_broker import app, model
+from lmq_broker import app, errors, model
+from lmq_broker.admin import cli
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import auth, peers
@@ -205,7 +212,9 @@ async def test_a_dead_owner_fails_the_send_and_nothing_is_stored(cluster: Cluste
     assert reply.status.code == pb.OK  # this broker's own topics keep flowing
 
 
-async def sync_on(cluster: Cluster, at: int, action: int, names: list[str], language: str = "PYTHON") -> None:
+async def sync_on(
+    cluster: Cluster, at: int, action: int, names: list[str], language: str = "PYTHON", *, client_id: str = "client-1"
+) -> None:
     reply = await cluster.clients[at].stub.SyncLiteSubscription(
         spb.SyncLiteSubscriptionRequest(
             action=action,  # type: ignore[arg-type]
@@ -213,7 +222,7 @@ async def sync_on(cluster: Cluster, at: int, action: int, names: list[str], lang
             group=pb.Resource(name=GROUP),
             lite_topic_set=names,
         ),
-        metadata=cluster.headers(language=language),
+        metadata=cluster.headers(client_id, language),
     )
     assert reply.status.code == pb.OK, reply.status
 
@@ -283,3 +292,181 @@ async def test_a_topic_created_before_a_scale_up_stays_on_its_broker(tmp_path: P
             assert grown.holds(2, lite) and not grown.holds(1, lite) and not grown.holds(0, lite)
     finally:
         await stop_cluster(grown)
+
+
+# --- membership changes while the brokers run (admin GetCluster/SetCluster) ----------------------------------
+def admin_of(broker: app.Broker) -> AdminClient:
+    return AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk")
+
+
+async def set_everywhere(cluster: Cluster, order: list[int], members: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    for slot in order:
+        with admin_of(cluster.brokers[slot]) as admin:
+            _, changed = await asyncio.to_thread(admin.set_cluster, members, sizes)
+        assert changed
+
+
+async def route_of(cluster: Cluster, at: int) -> list[tuple[int, int]]:
+    route = await cluster.clients[at].stub.QueryRoute(
+        spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=cluster.headers()
+    )
+    assert route.status.code == pb.OK
+    return [(q.broker.endpoints.addresses[0].port, q.permission) for q in route.message_queues]
+
+
+async def send_via(cluster: Cluster, at: int, lite: str, n: int) -> None:
+    reply = await cluster.clients[at].stub.SendMessage(
+        spb.SendMessageRequest(messages=[message(lite, n)]), metadata=cluster.headers()
+    )
+    assert reply.status.code == pb.OK, reply.status
+
+
+def stored(cluster: Cluster, slot: int, lite: str) -> int:
+    store = cluster.brokers[slot].store
+    assert store is not None
+    meta = store.lite_topic(PARENT, lite)
+    return 0 if meta is None else meta.max_offset
+
+
+async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Path) -> None:
+    """3 -> 2 over the admin service: slot 2 takes no new topic, keeps an undrained one (order), hands it over
+    once drained (its consumers already subscribed at the new owner), is removed only when drained, then only
+    forwards; a restarted broker keeps the membership it was given."""
+    cluster = await start_cluster(tmp_path, 3)
+    try:
+        members = cluster.membership.members
+        with admin_of(cluster.brokers[0]) as admin:
+            info = await asyncio.to_thread(admin.cluster)
+        assert (info.members, info.ring_sizes, info.slot, info.source) == (members, (3,), 0, "flags")
+        held, fresh = cluster.lites_of(2, 4)[:2], cluster.lites_of(2, 4)[2:]
+        two = mb.Membership(members[:2], (2,))
+        today = {lite: mb.owner(two, model.QueueId.lmq(PARENT, lite).topic) for lite in held + fresh}
+        for lite in held:
+            await send_via(cluster, 0, lite, 0)
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, [held[1], fresh[0]], client_id="before")
+        assert subscribed(cluster, 2, held + fresh) == {held[1], fresh[0]}
+        assert not subscribed(cluster, today[fresh[0]], fresh)
+        await set_everywhere(cluster, [2, 0, 1], members, (3, 2))  # the leaving one first
+        for _ in range(100):  # a subscription to a topic not created yet is made where it will be created
+            if subscribed(cluster, today[fresh[0]], fresh):
+                break
+            await asyncio.sleep(0.05)
+        assert subscribed(cluster, today[fresh[0]], fresh) == {fresh[0]}
+        assert not subscribed(cluster, today[held[1]], held)  # a held one moves with its topic
+        ports = [b.port for b in cluster.brokers]
+        assert await route_of(cluster, 1) == [(ports[0], pb.READ_WRITE), (ports[1], pb.READ_WRITE), (ports[2], pb.READ)]
+        for lite in fresh:  # a new topic never lands on the leaving broker
+            await send_via(cluster, 0, lite, 0)
+            assert stored(cluster, 2, lite) == 0 and stored(cluster, today[lite], lite) == 1
+        await send_via(cluster, 1, held[0], 1)  # undrained: stays where its first message is (order)
+        assert stored(cluster, 2, held[0]) == 2 and stored(cluster, today[held[0]], held[0]) == 0
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, held[:1])
+        assert subscribed(cluster, 2, held) == set(held)
+        assert subscribed(cluster, today[held[0]], held) == {held[0]}  # consumers wait at the new owner too
+        with admin_of(cluster.brokers[0]) as admin, pytest.raises(errors.Conflict, match="undrained"):
+            await asyncio.to_thread(admin.set_cluster, members[:2], (3, 2))
+        leaving_store = cluster.brokers[2].store
+        assert leaving_store is not None
+        for lite in held:  # its consumers have consumed everything there
+            leaving_store.commit_offset(model.QueueId.lmq(PARENT, lite), GROUP, stored(cluster, 2, lite))
+        for lite in held:  # drained: handed over to today's owner
+            await send_via(cluster, 0, lite, 5)
+            assert stored(cluster, today[lite], lite) == 1
+        assert [stored(cluster, 2, lite) for lite in held] == [2, 1]
+        moved = cluster.brokers[today[held[1]]].dispatcher
+        assert moved is not None and moved.subscribers(model.QueueId.lmq(PARENT, held[1])) == ["before"]
+        with admin_of(cluster.brokers[2]) as admin:
+            info = await asyncio.to_thread(functools.partial(admin.cluster, with_undrained=True))
+        assert (info.leaving, info.undrained_messages, info.drained) == (True, 0, True)
+        await set_everywhere(cluster, [0, 1, 2], members[:2], (3, 2))  # removed: the leaving one last
+        assert await route_of(cluster, 0) == [(ports[0], pb.READ_WRITE), (ports[1], pb.READ_WRITE)]
+        assert await route_of(cluster, 2) == await route_of(cluster, 0)
+        await send_via(cluster, 2, held[1], 6)  # no member any more: it only forwards
+        assert stored(cluster, 2, held[1]) == 1 and stored(cluster, today[held[1]], held[1]) == 2
+        config = cluster.brokers[0].config
+        await cluster.brokers[0].stop(grace_s=0.1)
+        cluster.brokers[0] = restarted = app.Broker(config)
+        await restarted.start()
+        with admin_of(restarted) as admin:
+            info = await asyncio.to_thread(admin.cluster)
+        assert (info.members, info.ring_sizes, info.slot, info.source) == (members[:2], (2,), 0, "admin")
+    finally:
+        await stop_cluster(cluster)
+
+
+async def test_membership_changes_are_checked(tmp_path: Path) -> None:
+    cluster = await start_cluster(tmp_path, 2)
+    try:
+        members = cluster.membership.members
+        with admin_of(cluster.brokers[0]) as admin:
+            with pytest.raises(errors.Conflict, match="not leaving"):
+                await asyncio.to_thread(admin.set_cluster, members[:1], (1,))  # removed without draining first
+            with pytest.raises(errors.Conflict, match="keep their endpoints"):
+                await asyncio.to_thread(admin.set_cluster, (members[1], members[0]), (2,))
+            with pytest.raises(errors.InvalidArgument):
+                await asyncio.to_thread(admin.set_cluster, (*members, "no-port"), (3,))
+            info, changed = await asyncio.to_thread(admin.set_cluster, members, (2,))
+            assert not changed and info.source == "flags"
+    finally:
+        await stop_cluster(cluster)
+
+
+async def test_lmq_admin_cluster_get_and_set_everywhere(tmp_path: Path) -> None:
+    cluster = await start_cluster(tmp_path, 2)
+    try:
+        members = cluster.membership.members
+        keys = ["--access-key", "admin-ak", "--secret-key", "admin-sk", "--output", "json"]
+
+        async def lmq_admin(at: int, *args: str) -> tuple[int, Any, str]:
+            out, err = io.StringIO(), io.StringIO()
+            argv = ["--endpoint", members[at], *keys, *args]
+            code = await asyncio.to_thread(cli.main, argv, out, err)
+            return code, json.loads(out.getvalue()) if code == 0 else None, err.getvalue()
+
+        code, got, _ = await lmq_admin(1, "cluster", "get")
+        assert (code, got["members"], got["slot"], got["leaving"], got["undrained_messages"]) == (
+            0, list(members), 1, False, -1
+        )  # fmt: skip
+        code, rows, _ = await lmq_admin(0, "cluster", "set", "--peers", ",".join(members), "--ring-history", "2",
+                                        "--ring-size", "1", "--everywhere")  # fmt: skip
+        assert code == 0
+        assert [(r["endpoint"], r["slot"], r["changed"], r["leaving"]) for r in rows] == [
+            (members[1], 1, True, True), (members[0], 0, True, False)
+        ]  # fmt: skip
+        code, got, _ = await lmq_admin(1, "cluster", "get", "--undrained")
+        shown = (got["ring_sizes"], got["undrained_messages"], got["drained"], got["source"])
+        assert shown == ([2, 1], 0, True, "admin")
+        code, rows, _ = await lmq_admin(0, "cluster", "set", "--peers", members[0], "--ring-history", "2,1",
+                                        "--everywhere")  # fmt: skip
+        assert [(r["endpoint"], r["slot"]) for r in rows] == [(members[0], 0), (members[1], -1)]
+        assert cluster.brokers[0].cluster is not None and cluster.brokers[0].cluster.peers is None  # alone again
+        code, _, err = await lmq_admin(0, "cluster", "set", "--peers", f"{members[0]},{members[1]}", "--slot", "5")
+        assert code == 1 and "slot 5" in err
+    finally:
+        await stop_cluster(cluster)
+
+
+async def test_a_receipt_handle_can_only_send_settlements_to_members(cluster: Cluster) -> None:
+    """Handles of messages gathered from another broker name it ("via <endpoint> <handle>"): a forged one
+    naming any other address is refused, never called."""
+    stub = cluster.clients[0].stub
+    ack = await stub.AckMessage(
+        spb.AckMessageRequest(
+            group=pb.Resource(name=GROUP),
+            topic=pb.Resource(name=PARENT),
+            entries=[spb.AckMessageEntry(message_id="m", receipt_handle="via 10.0.0.1:22 r2 x")],
+        ),
+        metadata=cluster.headers(),
+    )
+    assert ack.status.code == pb.INVALID_RECEIPT_HANDLE
+    member = cluster.membership.members[1]
+    change = await stub.ChangeInvisibleDuration(
+        spb.ChangeInvisibleDurationRequest(
+            group=pb.Resource(name=GROUP),
+            topic=pb.Resource(name=PARENT),
+            receipt_handle=f"via {member} r2 forged",
+            invisible_duration=Duration(seconds=5),
+        ),
+        metadata=cluster.headers(),
+    )
+    assert change.status.code == pb.INVALID_RECEIPT_HANDLE  # the member itself refuses what it never handed out

@@ -25,7 +25,7 @@ from rocketmq.v5.exception import (
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing import BrokerProcess, Inbox, receive_some, start_broker
+from lmq_broker.testing import BrokerProcess, Inbox, receive_some, start_broker, start_lite_simple_consumer
 
 
 def config(broker: BrokerProcess) -> Any:
@@ -227,12 +227,8 @@ def test_lite_simple_consumer_receives_and_acks(
 ) -> None:
     topic, group = lite_group()
     c = LiteSimpleConsumer(topic, config(broker), group, await_duration=5)
-    c.startup()
     clients.append(c)
-    deadline = time.monotonic() + 10
-    while c.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
-        assert time.monotonic() < deadline, "no settings from the broker"
-        time.sleep(0.05)  # lite-simple does not wait for settings at startup; its quota is 0 until then
+    start_lite_simple_consumer(c)
     c.subscribe_lite("simple-1")
     send(producer(broker, clients, topic), topic, "simple-1", b"pull me")
     (message,) = receive_some(c, 16)

@@ -8,6 +8,7 @@ processes: ``--processes N`` (one access port shared with SO_REUSEPORT) and expl
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
 from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
@@ -23,7 +24,14 @@ from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.supervisor import free_ports
-from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import (
+    SHARED_ADMIN_ENV,
+    SHARED_ADMIN_KEYS,
+    BrokerProcess,
+    Inbox,
+    start_broker,
+    start_lite_simple_consumer,
+)
 
 PROCESS_RE = re.compile(r"lmq-broker process (?P<index>\d+) grpc=(?P<grpc>[^ ]+) metrics=")
 TOPIC, GROUP = "SCALE_NS", "scale-group"
@@ -223,4 +231,162 @@ def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[
         assert any(after[lite][0] == 2 for lite in new_lites)  # new topics use the new broker
     finally:
         for broker in three:
+            broker.stop()
+
+
+def set_cluster(endpoints: list[str], order: list[int], members: list[str], sizes: tuple[int, ...]) -> None:
+    """``lmq-admin cluster set --everywhere`` as a test does it: broker by broker, in the safe order."""
+    for i in order:
+        with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            _, changed = admin.set_cluster(members, sizes)
+        assert changed
+
+
+class Load:
+    """One producer sending to its topics in turn, from a thread, until stopped; bodies number each topic's
+    messages so order can be checked."""
+
+    def __init__(self, access: str, lites: list[str], clients: list[Any]) -> None:
+        self.producer = Producer(config(access), (TOPIC,))
+        self.producer.startup()
+        clients.append(self.producer)
+        self.lites = list(lites)
+        self.sent: set[tuple[str, bytes]] = set()
+        self.failures: list[str] = []
+        self.count: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def add(self, lites: list[str]) -> None:
+        self.lites = self.lites + lites  # one assignment: the sending thread reads either list whole
+
+    def send(self, lite: str) -> None:
+        n = self.count.get(lite, 0)
+        body = f"{lite}/{n:05d}".encode()
+        try:
+            send(self.producer, lite, body)
+        except Exception as exc:  # recorded: the test asserts there is none
+            self.failures.append(f"{lite}: {exc}")
+            return
+        self.count[lite] = n + 1
+        self.sent.add((lite, body))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for lite in self.lites:
+                self.send(lite)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> None:
+    """Sends and consumption never stop: slot 2 is marked leaving on every broker, takes no new topic, hands
+    its topics over one by one as they drain, reports drained, and is removed; nothing is lost or duplicated
+    and each topic keeps its order, all through one access endpoint."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = start_cluster(tmp_path, ports)
+    try:
+        endpoints = [b.endpoint for b in brokers]
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        access = endpoints[0]
+        lites, new_lites = [f"d-{i}" for i in range(24)], [f"e-{i}" for i in range(24)]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(access), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        load = Load(access, lites, clients)
+        time.sleep(3)
+        before = holders(endpoints, SHARED_ADMIN_KEYS)
+        assert {where[0] for where in before.values()} == {0, 1, 2}
+        set_cluster(endpoints, [2, 0, 1], endpoints, (3, 2))  # slot 2 leaves: the leaving broker first
+        for lite in new_lites:
+            consumer.subscribe_lite(lite)
+        load.add(new_lites)
+        time.sleep(6)
+        load.stop()
+        assert not load.failures, load.failures[:5]
+        with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            deadline = time.monotonic() + 60
+            while not (info := admin.cluster(with_undrained=True)).drained and time.monotonic() < deadline:
+                time.sleep(0.5)
+        assert info.drained, info
+        set_cluster(endpoints, [0, 1, 2], endpoints[:2], (3, 2))  # drained: removed, the leaving broker last
+        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        assert all(where in ([0], [1]) for lite, where in placed.items() if lite in new_lites), placed
+        handed_over = [lite for lite, where in placed.items() if 2 in where and len(where) == 2]
+        assert handed_over, placed  # topics moved while the load ran, not only once it stopped
+        brokers[2].stop()
+        after = Load(access, [], clients)  # a producer started now has only the two brokers in its routes
+        after.stop()
+        for lite in lites + new_lites:
+            after.count[lite] = load.count.get(lite, 0)
+            after.send(lite)
+        assert not after.failures, after.failures[:5]
+        check_received(inbox, load.sent | after.sent)
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients: list[Any]) -> None:
+    """The official LiteSimpleConsumer reads only the first route queue (broker 0): broker 0 gathers from the
+    others for it; its acks and invisible-time changes go back, through broker 0, to where each message is."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = start_cluster(tmp_path, ports)
+    try:
+        endpoints = [b.endpoint for b in brokers]
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        access = endpoints[1]  # any broker: the consumer still receives from the first route queue's
+        consumer = LiteSimpleConsumer(TOPIC, config(access), GROUP, await_duration=2)
+        clients.append(consumer)
+        start_lite_simple_consumer(consumer)
+        lites = [f"q-{i}" for i in range(18)]
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        producer = Producer(config(access), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        sent = set()
+        for n in range(3):
+            for lite in lites:
+                body = f"{lite}/{n:04d}".encode()
+                send(producer, lite, body)
+                sent.add((lite, body))
+        placed = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+        assert set(placed.values()) == {0, 1, 2}
+        got: list[tuple[str, bytes]] = []
+        nacked_topic = ""
+        nacked: set[tuple[str, bytes]] = set()
+        deadline = time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            batch = consumer.receive(16, 10)
+            if not nacked_topic:  # a topic of another broker: what came of it comes back later, in order
+                nacked_topic = next((m.lite_topic for m in batch if placed[m.lite_topic] != 0), "")
+                for message in (m for m in batch if m.lite_topic == nacked_topic):
+                    consumer.change_invisible_duration(message, 1)
+                    nacked.add((message.lite_topic, message.body))
+            for message in batch:
+                key = (message.lite_topic, message.body)
+                if message.lite_topic == nacked_topic and message.delivery_attempt == 1:
+                    assert key in nacked  # nothing of it after the nacked ones came before them
+                    continue
+                assert message.delivery_attempt == (2 if key in nacked else 1)
+                consumer.ack(message)
+                got.append(key)
+        assert len(got) == len(sent) and set(got) == sent, f"got {len(got)} of {len(sent)}"  # each once
+        assert nacked
+        for lite in lites:
+            bodies = [body for name, body in got if name == lite]
+            assert bodies == sorted(bodies)  # in order per lite topic
+        for i, endpoint in enumerate(endpoints):  # every ack reached the broker holding the message
+            with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+                for lite in (lite for lite in lites if placed[lite] == i):
+                    assert admin.describe_lite_topic(TOPIC, lite).group_offsets[GROUP] == 3
+    finally:
+        for broker in brokers:
             broker.stop()

@@ -546,6 +546,13 @@ def test_reclaim_runs_are_one_record_per_parent(store: api.Store) -> None:
     assert store.get_reclaim_run("P") is None and store.list_reclaim_runs() == [other]
 
 
+def test_the_membership_is_one_opaque_text(store: api.Store) -> None:
+    assert store.get_membership() is None
+    store.put_membership('{"members": ["a:1", "b:2"]}')
+    store.put_membership('{"members": ["a:1"]}')
+    assert store.get_membership() == '{"members": ["a:1"]}'
+
+
 # --- retention ---------------------------------------------------------------------------------------
 
 

@@ -192,6 +192,37 @@ def _scan(admin: AdminClient, a: argparse.Namespace, out: TextIO) -> None:
         print("(none)", file=out)
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ring sizes, got {text!r}") from None
+
+
+def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
+    """One broker, or (``--everywhere``) every broker of the old and new membership: joining ones first, then
+    the leaving ones (so that they send on what reaches them by the old view), then the rest, removed ones last."""
+    members = tuple(m.strip() for m in a.peers.split(",") if m.strip())
+    sizes = (*a.ring_history, a.ring_size if a.ring_size is not None else len(members))
+    if not a.everywhere:
+        info, changed = admin.set_cluster(members, sizes, slot=a.slot, force=a.force)
+        return {"endpoint": admin.endpoint, "slot": info.slot, "changed": changed, "leaving": info.leaving}
+    old = admin.cluster().members
+    today = sizes[-1]
+    order = [m for m in members if m not in old]
+    order += [m for m in members[today:] if m not in order]
+    order += [m for m in members if m not in order]
+    order += [m for m in old if m not in members and m]
+    rows = []
+    for endpoint in order:
+        with AdminClient(
+            endpoint, admin.aio.timeout_s, long_timeout_s=admin.aio.long_timeout_s, keys=a.keys, tls=a.tls
+        ) as each:
+            info, changed = each.set_cluster(members, sizes, force=a.force)
+        rows.append({"endpoint": endpoint, "slot": info.slot, "changed": changed, "leaving": info.leaving})
+    return rows
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmq-admin", description="Administer one lmq broker.")
     parser.add_argument(
@@ -328,6 +359,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     info = verb(broker, "info", lambda c, a: c.broker_info(with_undrained=not a.skip_undrained), "counts and sizes")
     info.add_argument("--skip-undrained", action="store_true", help="skip the walk over every lite topic")
+
+    cluster = resources.add_parser("cluster", help="the brokers sharing the lite topics (scale-out)").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    get = verb(cluster, "get", lambda c, a: c.cluster(with_undrained=a.undrained), "membership as this broker has it")
+    get.add_argument("--undrained", action="store_true", help="also count undrained messages (walks every lite topic)")
+    change = verb(cluster, "set", _set_cluster, "change the membership while the brokers run")
+    change.add_argument("--peers", required=True, help="every member's host:port in slot order, comma-separated")
+    change.add_argument(
+        "--ring-history", type=_sizes, default=(), help="earlier ring sizes, oldest first (as the serve flag)"
+    )
+    change.add_argument(
+        "--ring-size", type=int, help="today's ring (default: every peer); members past it are leaving (scale-down)"
+    )
+    change.add_argument("--slot", type=int, help="this broker's slot (default: its endpoint among the peers)")
+    change.add_argument("--force", action="store_true", help="remove members that are not known to be drained")
+    change.add_argument(
+        "--everywhere", action="store_true", help="apply to every broker of the old and new membership, in a safe order"
+    )
     return parser
 
 
@@ -354,6 +404,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     except errors.LmqError as exc:
         print(f"error: {exc.message}", file=err)
         return EXIT_USAGE
+    args.keys, args.tls = pair, secured
     client = AdminClient(args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair, tls=secured)
     try:
         if getattr(args, "scan", False):

@@ -15,6 +15,7 @@ all call brokers through it, so a call is signed, bounded, mapped and its failur
         admin.list_lite_topics("orders", start_after="", limit=100)             # -> LiteTopicPage
         admin.list_clients(group=None)                                          # -> list[ClientInfo]
         admin.broker_info(with_undrained=True)                                  # -> BrokerInfo
+        admin.cluster() / admin.set_cluster(members, ring_sizes)                # -> ClusterInfo (, changed)
         admin.record_reclaim_runs([ReclaimRun("orders", "run-1", start, finish, reclaimed=5)])  # -> ReclaimRecording
         for columns in admin.scan_lite_topics_columns("orders", batch_size=10_000):
             ...  # dict: column name -> list, one entry per row (LITE_TOPIC_COLUMNS [+ optional ones])
@@ -72,6 +73,7 @@ from lmq_broker.admin.results import (
     Applied,
     BrokerInfo,
     ClientInfo,
+    ClusterInfo,
     DeleteOutcome,
     GroupInfo,
     LiteTopicDescription,
@@ -306,6 +308,20 @@ class AsyncAdminClient:
         reply = await self._unary("GetBrokerInfo", request, self.long_timeout_s if with_undrained else None)
         return convert.broker_info_from_pb(reply)
 
+    # --- the cluster (docs/scale-out.md) -----------------------------------------------------------------
+    async def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
+        request = pb.GetClusterRequest(with_undrained=with_undrained)
+        reply = await self._unary("GetCluster", request, self.long_timeout_s if with_undrained else None)
+        return convert.cluster_info_from_pb(reply)
+
+    async def set_cluster(
+        self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
+    ) -> tuple[ClusterInfo, bool]:
+        """This broker's membership; returns it as now applied, and whether it changed."""
+        request = pb.SetClusterRequest(members=members, ring_sizes=ring_sizes, slot=slot, force=force)
+        reply = await self._unary("SetCluster", request, self.long_timeout_s)
+        return convert.cluster_info_from_pb(reply.cluster), reply.changed
+
 
 class LoopThread:
     """An asyncio loop in a daemon thread; ``run`` executes a coroutine there and waits for its result."""
@@ -464,3 +480,11 @@ class AdminClient:
 
     def broker_info(self, *, with_undrained: bool = True) -> BrokerInfo:
         return self._loop.run(self.aio.broker_info(with_undrained=with_undrained))
+
+    def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
+        return self._loop.run(self.aio.cluster(with_undrained=with_undrained))
+
+    def set_cluster(
+        self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
+    ) -> tuple[ClusterInfo, bool]:
+        return self._loop.run(self.aio.set_cluster(members, ring_sizes, slot=slot, force=force))

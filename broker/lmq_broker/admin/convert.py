@@ -24,6 +24,7 @@ from lmq_broker.admin import codes
 from lmq_broker.admin.results import (
     BrokerInfo,
     ClientInfo,
+    ClusterInfo,
     DeleteOutcome,
     GroupInfo,
     LiteTopicDescription,
@@ -275,6 +276,18 @@ def broker_info_from_pb(message: pb.GetBrokerInfoResponse) -> BrokerInfo:
         undrained_messages=message.undrained_messages,
         parent_topic_count=message.parent_topic_count,
         group_count=message.group_count,
+    )
+
+
+def cluster_info_from_pb(message: pb.GetClusterResponse) -> ClusterInfo:
+    return ClusterInfo(
+        tuple(message.members),
+        tuple(message.ring_sizes),
+        message.slot,
+        message.leaving,
+        message.undrained_messages,
+        message.drained,
+        message.source,
     )
 
 

@@ -104,3 +104,14 @@ class BrokerInfo:
     undrained_messages: int  # -1 when not computed (with_undrained=False)
     parent_topic_count: int
     group_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    members: tuple[str, ...]  # ring slots' endpoints, in slot order
+    ring_sizes: tuple[int, ...]  # oldest first; the last is today's ring (members past it are leaving)
+    slot: int  # this broker's; -1: no member
+    leaving: bool
+    undrained_messages: int  # -1 when not computed
+    drained: bool
+    source: str  # "flags" or "admin"

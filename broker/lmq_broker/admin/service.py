@@ -19,11 +19,12 @@ import grpc
 from typing_extensions import override
 
 from lmq_broker import errors
-from lmq_broker.admin import catalog, codes, convert, inspection, reclaiming
+from lmq_broker.admin import catalog, codes, convert, inspection, membership, reclaiming
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
+from lmq_broker.protocol.cluster_setup import Cluster
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
 from lmq_broker.storage.api import Store
@@ -46,12 +47,14 @@ def register(
     *,
     admin_keys: tuple[str, str] | None,
     clock: Callable[[], datetime] = auth.utc_now,
+    cluster: Cluster | None = None,
 ) -> None:
     """Add the LmqAdmin service to the broker's server (before it starts), answering only calls signed with
     ``admin_keys``; None serves anyone (``--admin-anonymous``, and harnesses that test the service itself).
-    Its calls count against ``admission`` (the v2 service's, in a broker)."""
+    Its calls count against ``admission`` (the v2 service's, in a broker); ``cluster`` is the broker's place
+    among its peers (GetCluster/SetCluster answer Unsupported without it)."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
-    handler = guard.strict_generic_handler(service, AdminServicer(store, live, config), admission)
+    handler = guard.strict_generic_handler(service, AdminServicer(store, live, config, cluster), admission)
     if admin_keys is not None:
         handler = auth.AdminGuard(handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock)
     server.add_generic_rpc_handlers((handler,))
@@ -77,10 +80,11 @@ def _edge(method: Callable[[S, Req, Context], Awaitable[Resp]]) -> Callable[[S, 
 
 
 class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
-    def __init__(self, store: Store, live: LiveView, config: BrokerConfig) -> None:
+    def __init__(self, store: Store, live: LiveView, config: BrokerConfig, cluster: Cluster | None = None) -> None:
         self._store = store
         self._live = live
         self._config = config
+        self._cluster = cluster
         self._catalog = catalog.Catalog(store, config)
 
     def _changed(self, changed: bool) -> None:
@@ -248,3 +252,20 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         return await inspection.broker_info(
             self._store, self._live, self._config, skip_undrained=request.skip_undrained
         )
+
+    # --- the cluster ------------------------------------------------------------------------------------
+    def _cluster_or_refuse(self) -> Cluster:
+        if self._cluster is None:
+            raise errors.Unsupported("this admin service runs without a broker: it has no cluster")
+        return self._cluster
+
+    @override
+    @_edge
+    async def GetCluster(self, request: pb.GetClusterRequest, context: Context) -> pb.GetClusterResponse:
+        cluster = self._cluster_or_refuse()
+        return await membership.view(cluster, self._store, with_undrained=request.with_undrained)
+
+    @override
+    @_edge
+    async def SetCluster(self, request: pb.SetClusterRequest, context: Context) -> pb.SetClusterResponse:
+        return await membership.change(self._cluster_or_refuse(), self._store, request)

@@ -7,13 +7,19 @@ its slot in today's ring but the newest epoch's owner *that holds it*; only topi
 today's ring. Jump hashing keeps that search short: a scale-up from n to m slots moves a key only onto one
 of the new slots, so most keys have one candidate and need no look-up at all.
 
-Slots at or past today's ring size are leaving (a scale-down): they stay in routes, read-only, while their
-topics drain; a topic they hold gets new messages on today's owner.
+Slots at or past today's ring size are leaving (a scale-down): they stay in routes, READ for producers, and
+take no new topic; a topic a leaving slot holds keeps its messages there until that topic is drained (every
+message consumed), so its order holds, and then moves to today's owner (``protocol.draining``). A leaving
+slot that holds nothing undrained is removed (``shed``): only the tail of the ring leaves, so removing it
+changes no other slot's number, and ring sizes of the history past the new end become the new end, which
+jump hashing makes exact: a key that never landed on a removed slot in a bigger ring has the same slot in
+the smaller one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -68,6 +74,13 @@ class Membership:
     def writable(self, slot: int) -> bool:
         return 0 <= slot < self.size
 
+    def leaving(self, slot: int) -> bool:
+        return self.size <= slot < len(self.members)
+
+    @property
+    def leaving_slots(self) -> range:
+        return range(self.size, len(self.members))
+
     def slot_of(self, endpoint: str) -> int:
         try:
             return self.members.index(endpoint)
@@ -78,6 +91,38 @@ class Membership:
         """Scale-up: the new slots appended, a new epoch."""
         members = self.members + endpoints
         return Membership(members, (*self.sizes, len(members)))
+
+    def shrunk(self, size: int) -> Membership:
+        """Scale-down, first step: slots ``size`` and beyond are leaving (a new epoch)."""
+        if not 1 <= size <= len(self.members):
+            raise errors.InvalidArgument(f"a ring of {len(self.members)} members cannot shrink to {size}")
+        return Membership(self.members, (*self.sizes, size)) if size != self.size else self
+
+    def shed(self) -> Membership:
+        """Scale-down, last step: the leaving slots removed, the history capped at the ring that remains."""
+        return of(self.members[: self.size], self.sizes)
+
+    def to_json(self) -> str:
+        return json.dumps({"members": list(self.members), "sizes": list(self.sizes)})
+
+    @staticmethod
+    def from_json(text: str) -> Membership:
+        try:
+            value = json.loads(text)
+            return Membership(tuple(str(m) for m in value["members"]), tuple(int(s) for s in value["sizes"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.InvalidArgument(f"membership {text!r} is not readable: {exc}") from None
+
+
+def of(members: Sequence[str], sizes: Sequence[int]) -> Membership:
+    """A membership whose history may name sizes bigger than its member list (slots since removed): those are
+    capped at today's member count and repeats merged. Only valid once the removed slots hold nothing."""
+    kept: list[int] = []
+    for size in sizes:
+        capped = min(size, len(members))
+        if not kept or kept[-1] != capped:
+            kept.append(capped)
+    return Membership(tuple(members), tuple(kept))
 
 
 def owner(membership: Membership, lmq: str) -> int:
@@ -99,11 +144,24 @@ def candidates(membership: Membership, lmq: str) -> tuple[int, ...]:
 
 
 def resolve(membership: Membership, lmq: str, holds: Callable[[int], bool]) -> int:
-    """Where a send to ``lmq`` goes: the newest candidate that holds it if that slot still takes writes,
-    else today's owner. ``holds`` is asked only about candidates other than today's owner, newest first."""
+    """Where a send to ``lmq`` goes: the newest candidate that holds it, else today's owner. ``holds`` is asked
+    only about candidates other than today's owner, newest first. A leaving holder keeps the topic until it
+    has drained it (it then sends the topic's new messages on to today's owner itself); a topic that today's
+    owner holds as well has been handed over already, and ``holds(today)`` is asked only in that case."""
     found = candidates(membership, lmq)
     today = found[0]
     for slot in found[1:]:
         if holds(slot):
-            return slot if membership.writable(slot) else today
+            if membership.leaving(slot) and holds(today):
+                return today
+            return slot
     return today
+
+
+def subscribers_at(membership: Membership, lmq: str, owner: int) -> tuple[int, ...]:
+    """Where a subscription to ``lmq`` (written to ``owner``) must be known: the owner, and today's owner too
+    while the owner is leaving, so the topic's consumers are in place there before it is handed over."""
+    if not membership.leaving(owner):
+        return (owner,)
+    today = ring.slot_of(lmq, membership.size)
+    return (owner, today) if today != owner else (owner,)

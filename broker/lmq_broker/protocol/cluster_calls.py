@@ -1,5 +1,7 @@
 """The v2 calls that look different in a cluster of brokers (``edge.peers`` set): routes and assignments list
-every broker, sends and subscription changes go to the owners of their lite topics (``protocol.peers``).
+every broker, sends and subscription changes go to the owners of their lite topics (``protocol.peers``), and a
+LiteSimpleConsumer's receives gather from every broker, its settlements going back where each message came
+from (``protocol.gathering``).
 
 With one broker (no ``--peers``) none of this runs and every handler answers as before.
 """
@@ -10,16 +12,30 @@ import dataclasses
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata
-from lmq_broker.protocol import convert
+from lmq_broker.protocol import convert, gathering
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.protocol.handlers import send_message
+from lmq_broker.protocol.handlers import (
+    ack_message,
+    change_invisible_duration,
+    forward_to_dead_letter_queue,
+    send_message,
+)
 from lmq_broker.protocol.handlers import sync_lite_subscription as sync_handler
 from lmq_broker.protocol.peers import Peers, forwarded
 
-__all__ = ["assignments", "forwarded", "route", "send", "sync_lite_subscription"]
+__all__ = [
+    "ack",
+    "assignments",
+    "change_invisible",
+    "dead_letter",
+    "forwarded",
+    "route",
+    "send",
+    "sync_lite_subscription",
+]
 
 
 def route(peers: Peers, topic: model.ParentTopic, namespace: str) -> list[pb.MessageQueue]:
@@ -67,3 +83,31 @@ async def sync_lite_subscription(
         return await sync_handler.handle(edge, part, plain)
 
     return await peers.sync_lite(request, names, caller, apply_here)
+
+
+# --- settling messages a LiteSimpleConsumer received through this broker from others ------------------------
+async def ack(edge: Edge, request: spb.AckMessageRequest, caller: Caller) -> spb.AckMessageResponse:
+    peers = edge.peers
+    if peers is None or not any(e.receipt_handle.startswith(gathering.VIA) for e in request.entries):
+        return await ack_message.handle(edge, request, caller)
+    return await gathering.ack(edge, peers, request, caller)
+
+
+async def change_invisible(
+    edge: Edge, request: spb.ChangeInvisibleDurationRequest, caller: Caller
+) -> spb.ChangeInvisibleDurationResponse:
+    reply, via = await gathering.settle(
+        edge, request, caller, change_invisible_duration.handle, spb.ChangeInvisibleDurationResponse
+    )
+    if via and reply.status.code == pb.OK:
+        reply.receipt_handle = gathering.wrap(via, reply.receipt_handle)
+    return reply
+
+
+async def dead_letter(
+    edge: Edge, request: spb.ForwardMessageToDeadLetterQueueRequest, caller: Caller
+) -> spb.ForwardMessageToDeadLetterQueueResponse:
+    reply, _ = await gathering.settle(
+        edge, request, caller, forward_to_dead_letter_queue.handle, spb.ForwardMessageToDeadLetterQueueResponse
+    )
+    return reply

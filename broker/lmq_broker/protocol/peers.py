@@ -17,6 +17,12 @@ Which broker holds a topic created before a scale-up is asked once (``DescribeLi
 service, signed with this broker's admin pair, which every broker of a cluster shares) and remembered. With
 ``--admin-port`` that call goes to the peer's host on the same admin port number as ours (every broker of a
 cluster runs with the same flags; the chart's: 8082).
+
+The membership can change while the broker runs (``apply``, from the admin service): routes, assignments and
+what is remembered about where topics live change in one step of the event loop. A leaving broker (scale-down)
+also routes the sends other brokers forward to it: the topics it holds stay here until drained
+(``protocol.draining``), any other goes on to its owner, a second hop that exists only while brokers leave.
+A broker that is no member at all (removed, still running) forwards everything.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter
 from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig
-from lmq_broker.protocol import auth, context, convert, status
+from lmq_broker.protocol import auth, context, convert, draining, status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
@@ -61,6 +67,7 @@ _CHANNEL_OPTIONS: Final = (
 SYNCS_EVERY_BROKER: Final = frozenset(("JAVA", "GOLANG"))
 
 LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
+Subscribers = Callable[[str, str], list[tuple[str, str]]]  # (parent, lite) -> (client id, group) subscribed here
 
 
 def forwarded(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
@@ -102,23 +109,25 @@ class Peers:
         config: BrokerConfig,
         *,
         holds_locally: LocalHolds,
+        drained_locally: draining.Drained,
+        subscribers: Subscribers,
         admin_keys: tuple[str, str] | None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.membership = membership
-        self.me = me
         self.config = config
         self._holds_locally = holds_locally
         self._admin_keys = admin_keys
-        self.brokers = [
-            pb.Broker(name=f"{config.broker_name.rsplit('-', 1)[0]}-{slot}", id=0, endpoints=endpoints_of(member))
-            for slot, member in enumerate(membership.members)
-        ]
-        self._channels: dict[tuple[int, bool], grpc.aio.Channel] = {}  # (slot, admin port) -> channel
+        self._subscribers = subscribers
+        self.handoff = draining.Handoff(drained_locally, self._move_subscriptions)
+        self._channels: dict[str, grpc.aio.Channel] = {}  # by endpoint: slots keep theirs across a change
         self._placement: dict[str, int] = {}
-        self._batches: dict[int, _Batch] = {}
-        self._in_flight: dict[int, int] = {}  # forward calls per owner not yet answered
+        self._batches: dict[str, _Batch] = {}
+        self._in_flight: dict[str, int] = {}  # forward calls per owner endpoint not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
+        self.membership = membership
+        self.me = me
+        self.brokers: list[pb.Broker] = []
+        self.apply(membership, me)
         registry = registry or CollectorRegistry()
         self.forwarded_messages = Counter(
             "lmq_forwarded_messages", "Messages sent on to the broker owning their lite topic", registry=registry
@@ -127,12 +136,41 @@ class Peers:
             "lmq_forward_calls", "SendMessage calls carrying forwarded messages", registry=registry
         )
 
+    def apply(self, membership: mb.Membership, me: int) -> None:
+        """A new membership, in one step: routes, assignments and remembered placements follow it at once.
+        ``me`` is -1 when this broker is no member (removed, still running: it only forwards)."""
+        name = self.config.broker_name.rsplit("-", 1)[0]
+        self.membership = membership
+        self.me = me
+        self.brokers = [
+            pb.Broker(name=f"{name}-{slot}", id=0, endpoints=endpoints_of(member))
+            for slot, member in enumerate(membership.members)
+        ]
+        self._placement = {}
+        gone = [endpoint for endpoint in self._channels if endpoint not in membership.members]
+        for endpoint in gone:
+            channel = self._channels.pop(endpoint)
+            self._spawn(channel.close(CALL_TIMEOUT_S))  # calls still running on it get their answers
+
+    @property
+    def routes_forwarded(self) -> bool:
+        """Forwarded sends are routed here, not just stored: this broker is leaving, or no member."""
+        return self.me < 0 or self.membership.leaving(self.me)
+
     @property
     def size(self) -> int:
         return len(self.membership.members)
 
     def permission(self, slot: int) -> int:
         return pb.READ_WRITE if self.membership.writable(slot) else pb.READ
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -141,21 +179,25 @@ class Peers:
             await channel.close(None)
         self._channels.clear()
 
-    def _channel(self, slot: int, admin: bool = False) -> grpc.aio.Channel:
-        """To a peer's client port, or (``admin``) to where it serves the admin service."""
-        admin = admin and self.config.admin_port > 0
-        channel = self._channels.get((slot, admin))
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
         if channel is None:
-            target = self.membership.members[slot]
-            if admin:
-                target = f"{target.rsplit(':', 1)[0]}:{self.config.admin_port}"
             if self.config.tls_cert is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self.config.tls_cert.read_bytes())
                 channel = grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
             else:
                 channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-            self._channels[slot, admin] = channel
+            self._channels[target] = channel
         return channel
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        return self._channel(target)
+
+    def headers_of(self, caller: context.Caller) -> tuple[tuple[str, str], ...]:
+        """Headers of a v2 call made for ``caller`` (its client id and namespace), marked and signed."""
+        return self._signed(
+            self._client_keys, (context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace)
+        )
 
     def _signed(self, keys: tuple[str, str] | None, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
         headers: tuple[tuple[str, str], ...] = ((FORWARDED, "1"), *extra)
@@ -166,6 +208,14 @@ class Peers:
     @property
     def _client_keys(self) -> tuple[str, str] | None:
         return (self.config.access_key, self.config.secret_key) if self.config.access_key else None
+
+    def admin(self, endpoint: str) -> tuple[admin_grpc.LmqAdminAsyncStub, tuple[tuple[str, str], ...]]:
+        """A stub of another broker's admin service and the headers to sign a call with (this broker's admin
+        pair, which every broker of a cluster shares). With ``--admin-port`` the admin service is on the peer's
+        host at that port (every broker of a cluster runs with the same flags)."""
+        if self.config.admin_port > 0:
+            endpoint = f"{endpoint.rsplit(':', 1)[0]}:{self.config.admin_port}"
+        return admin_grpc.LmqAdminStub(self._channel(endpoint)), self._signed(self._admin_keys)
 
     # --- where a lite topic lives ---------------------------------------------------------------------------
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:
@@ -197,10 +247,15 @@ class Peers:
         self._placement[lmq] = slot
 
     async def _look_up(self, parent: str, lite: str) -> int:
-        """A topic whose owner changed with a scale-up: does an older owner hold it? Asked once, then kept."""
+        """A topic whose owner changed with a scale-up or down: does an older owner hold it? (And, when that
+        one is leaving, has it handed the topic to today's owner yet?) Asked once, then kept."""
         lmq = model.QueueId.lmq(parent, lite).topic
         found = mb.candidates(self.membership, lmq)
-        held = {slot: await self._holds(slot, parent, lite) for slot in found[1:]}
+        asked = list(found[1:])
+        if any(self.membership.leaving(slot) for slot in asked):
+            asked.append(found[0])
+        answers = await asyncio.gather(*(self._holds(slot, parent, lite) for slot in asked))
+        held = dict(zip(asked, answers, strict=True))
         slot = mb.resolve(self.membership, lmq, held.__getitem__)
         self._remember(lmq, slot)
         return slot
@@ -208,8 +263,8 @@ class Peers:
     async def _holds(self, slot: int, parent: str, lite: str) -> bool:
         if slot == self.me:
             return await self._holds_locally(parent, lite)
-        metadata = self._signed(self._admin_keys)
-        stub = admin_grpc.LmqAdminStub(self._channel(slot, admin=True))
+        member = self.membership.members[slot]
+        stub, metadata = self.admin(member)
         try:
             await stub.DescribeLiteTopic(
                 admin_pb.DescribeLiteTopicRequest(parent=parent, lite=lite), metadata=metadata, timeout=CALL_TIMEOUT_S
@@ -218,8 +273,7 @@ class Peers:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return False
             raise errors.BrokerUnavailable(
-                f"cannot tell whether broker {self.membership.members[slot]} holds lite topic {lite!r}: "
-                f"{exc.code().name} {exc.details()}"
+                f"cannot tell whether broker {member} holds lite topic {lite!r}: {exc.code().name} {exc.details()}"
             ) from None
         return True
 
@@ -232,6 +286,40 @@ class Peers:
         """Store what this broker owns, forward the rest to the owners; one answer in the request's order."""
         messages = request.messages
         owners = await self._owners_of(messages)
+        kept: list[tuple[str, str]] = []
+        if owners is not None and self.me in owners and self.membership.leaving(self.me):
+            kept = await self._hand_over(messages, owners)
+        try:
+            return await self._send_to(request, owners, store_here)
+        finally:
+            for parent, lite in kept:
+                self.handoff.release(parent, lite)
+
+    async def _hand_over(self, messages: Sequence[pb.Message], owners: list[int]) -> list[tuple[str, str]]:
+        """At a leaving broker: the topics it holds that are drained go to today's owner (``owners`` is changed
+        in place); returns the topics kept here, to be released once stored."""
+        topics: dict[tuple[str, str], list[int]] = {}
+        for i, (message, slot) in enumerate(zip(messages, owners, strict=True)):
+            if slot == self.me and message.system_properties.HasField("lite_topic"):
+                topics.setdefault((message.topic.name, message.system_properties.lite_topic), []).append(i)
+        decisions = await asyncio.gather(*(self.handoff.keep(parent, lite) for parent, lite in topics))
+        kept = []
+        for (parent, lite), keep in zip(topics, decisions, strict=True):
+            if keep:
+                kept.append((parent, lite))
+                continue
+            today = mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic)
+            for i in topics[parent, lite]:
+                owners[i] = today
+        return kept
+
+    async def _send_to(
+        self,
+        request: spb.SendMessageRequest,
+        owners: list[int] | None,
+        store_here: Callable[[spb.SendMessageRequest], Awaitable[spb.SendMessageResponse]],
+    ) -> spb.SendMessageResponse:
+        messages = request.messages
         if owners is None or all(slot == self.me for slot in owners):
             return await store_here(request)
         if len(set(owners)) == 1:
@@ -282,41 +370,42 @@ class Peers:
         """Queue ``count`` messages (a serialized SendMessageRequest) for ``slot``: sent at the end of this tick,
         or, while ``MAX_IN_FLIGHT`` calls to that owner are unanswered, when one of them is answered."""
         loop = asyncio.get_running_loop()
+        target = self.membership.members[slot]
         waiter: asyncio.Future[spb.SendMessageResponse] = loop.create_future()
-        batch = self._batches.get(slot)
+        batch = self._batches.get(target)
         if batch is None or batch.size + count > MAX_BATCH:
             if batch is not None:
-                self._flush(slot)
-            batch = self._batches[slot] = _Batch()
-            if self._in_flight.get(slot, 0) < MAX_IN_FLIGHT:
-                loop.call_soon(self._flush_if, slot, batch)
+                self._flush(target)
+            batch = self._batches[target] = _Batch()
+            if self._in_flight.get(target, 0) < MAX_IN_FLIGHT:
+                loop.call_soon(self._flush_if, target, batch)
         batch.parts.append(serialized)
         batch.counts.append(count)
         batch.waiters.append(waiter)
         batch.size += count
         return waiter
 
-    def _flush_if(self, slot: int, batch: _Batch) -> None:
-        if self._batches.get(slot) is batch:
-            self._flush(slot)
+    def _flush_if(self, target: str, batch: _Batch) -> None:
+        if self._batches.get(target) is batch:
+            self._flush(target)
 
-    def _flush(self, slot: int) -> None:
-        batch = self._batches.pop(slot)
-        self._in_flight[slot] = self._in_flight.get(slot, 0) + 1
-        task = asyncio.get_running_loop().create_task(self._send_batch(slot, batch))
+    def _flush(self, target: str) -> None:
+        batch = self._batches.pop(target)
+        self._in_flight[target] = self._in_flight.get(target, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._send_batch(target, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send_batch(self, slot: int, batch: _Batch) -> None:
+    async def _send_batch(self, target: str, batch: _Batch) -> None:
         try:
-            await self._answer_batch(slot, batch)
+            await self._answer_batch(target, batch)
         finally:
-            self._in_flight[slot] -= 1
-            if slot in self._batches and self._in_flight[slot] < MAX_IN_FLIGHT:
-                self._flush(slot)  # what gathered meanwhile
+            self._in_flight[target] -= 1
+            if target in self._batches and self._in_flight[target] < MAX_IN_FLIGHT:
+                self._flush(target)  # what gathered meanwhile
 
-    async def _answer_batch(self, slot: int, batch: _Batch) -> None:
-        reply = await self._call_send(slot, b"".join(batch.parts), batch.size)
+    async def _answer_batch(self, target: str, batch: _Batch) -> None:
+        reply = await self._call_send(target, b"".join(batch.parts), batch.size)
         if isinstance(reply, BaseException):
             for waiter in batch.waiters:
                 if not waiter.done():
@@ -337,7 +426,7 @@ class Peers:
             return
         # One request of the batch was refused (a send is all or nothing): find which, one call per request.
         answers = await asyncio.gather(
-            *(self._call_send(slot, part, count) for part, count in zip(batch.parts, batch.counts, strict=True))
+            *(self._call_send(target, part, count) for part, count in zip(batch.parts, batch.counts, strict=True))
         )
         for waiter, answer in zip(batch.waiters, answers, strict=True):
             if waiter.done():
@@ -347,8 +436,8 @@ class Peers:
             else:
                 waiter.set_result(answer)
 
-    async def _call_send(self, slot: int, payload: bytes, count: int) -> spb.SendMessageResponse | errors.LmqError:
-        call = self._channel(slot).unary_unary(
+    async def _call_send(self, target: str, payload: bytes, count: int) -> spb.SendMessageResponse | errors.LmqError:
+        call = self._channel(target).unary_unary(
             _SEND, request_serializer=_raw, response_deserializer=spb.SendMessageResponse.FromString
         )
         self.forward_calls.inc()
@@ -359,7 +448,7 @@ class Peers:
             )
         except grpc.aio.AioRpcError as exc:
             return errors.BrokerUnavailable(
-                f"broker {self.membership.members[slot]} owning these lite topics did not answer: "
+                f"broker {target} owning these lite topics did not answer: "
                 f"{exc.code().name}; nothing was stored, try again"
             )
         return reply
@@ -381,8 +470,9 @@ class Peers:
         if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
             parts = {slot: [] for slot in range(self.size)}
         if action != pb.COMPLETE_REMOVE and names:
-            for name, slot in zip(names, await self.owners(parent, names), strict=True):
-                parts.setdefault(slot, []).append(name)
+            for name, owner in zip(names, await self.owners(parent, names), strict=True):
+                for slot in mb.subscribers_at(self.membership, model.QueueId.lmq(parent, name).topic, owner):
+                    parts.setdefault(slot, []).append(name)
         if caller.language in SYNCS_EVERY_BROKER:
             parts = (
                 {self.me: parts.get(self.me, [])}
@@ -404,23 +494,65 @@ class Peers:
                 return reply
         return spb.SyncLiteSubscriptionResponse(status=pb.Status(code=pb.OK, message="OK"))
 
+    async def subscribe_at_owners(self, subscriptions: Sequence[tuple[str, str, str, list[str]]]) -> int:
+        """(client id, group, parent, lite topics) subscribed here: each topic's subscription made at today's
+        owner too. Returns how many could not be (their clients' next full sync makes them)."""
+        calls = []
+        for client_id, group, parent, lites in subscriptions:
+            by_owner: dict[int, list[str]] = {}
+            for lite in lites:
+                by_owner.setdefault(mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic), []).append(lite)
+            for slot, subset in by_owner.items():
+                request = spb.SyncLiteSubscriptionRequest(
+                    action=pb.PARTIAL_ADD,
+                    topic=pb.Resource(name=parent),
+                    group=pb.Resource(name=group),
+                    lite_topic_set=subset,
+                )
+                calls.append((len(subset), self._call_sync(slot, request, context.Caller(client_id=client_id))))
+        replies = await asyncio.gather(*(call for _, call in calls), return_exceptions=True)
+        return sum(
+            count
+            for (count, _), reply in zip(calls, replies, strict=True)
+            if isinstance(reply, BaseException) or reply.status.code != pb.OK
+        )
+
+    async def _move_subscriptions(self, parent: str, lite: str) -> None:
+        """A topic this leaving broker hands over: its consumers subscribed here are subscribed at today's owner
+        too (each client's own subscription, as if it had sent it there)."""
+        today = mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic)
+        calls = []
+        for client_id, group in self._subscribers(parent, lite):
+            request = spb.SyncLiteSubscriptionRequest(
+                action=pb.PARTIAL_ADD,
+                topic=pb.Resource(name=parent),
+                group=pb.Resource(name=group),
+                lite_topic_set=[lite],
+            )
+            calls.append(self._call_sync(today, request, context.Caller(client_id=client_id)))
+        for reply in await asyncio.gather(*calls):
+            if reply.status.code != pb.OK:
+                raise errors.BrokerUnavailable(
+                    f"lite topic {lite!r} cannot move to {self.membership.members[today]} yet: its subscription "
+                    f"there was refused ({reply.status.message}); try again"
+                )
+
     async def _call_sync(
         self, slot: int, request: spb.SyncLiteSubscriptionRequest, caller: context.Caller
     ) -> spb.SyncLiteSubscriptionResponse:
-        call = self._channel(slot).unary_unary(
+        target = self.membership.members[slot]
+        call = self._channel(target).unary_unary(
             _SYNC,
             request_serializer=spb.SyncLiteSubscriptionRequest.SerializeToString,
             response_deserializer=spb.SyncLiteSubscriptionResponse.FromString,
         )
-        headers = self._signed(
-            self._client_keys, (context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace)
-        )
         try:
-            reply: spb.SyncLiteSubscriptionResponse = await call(request, metadata=headers, timeout=CALL_TIMEOUT_S)
+            reply: spb.SyncLiteSubscriptionResponse = await call(
+                request, metadata=self.headers_of(caller), timeout=CALL_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(
-                f"broker {self.membership.members[slot]} owning some of these lite topics did not answer: "
-                f"{exc.code().name}"
+                f"broker {target} owning some of these lite topics did not answer: {exc.code().name}"
             ) from None
         return reply
 

@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import message as pb_message
 from typing_extensions import override
 
-from lmq_broker.protocol import cluster_calls, status
+from lmq_broker.protocol import cluster_calls, gathering, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -96,7 +96,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         # Who sends does not matter to a send (auth, when configured, has checked the signature already), so
         # the call's headers are not parsed: this is the one RPC where that saves a measurable share.
         peers = self.edge.peers
-        if peers is not None and not cluster_calls.forwarded(context.invocation_metadata()):
+        if peers is not None and (peers.routes_forwarded or not cluster_calls.forwarded(context.invocation_metadata())):
             return await self._answer(
                 "SendMessage", cluster_calls.send(self.edge, peers, request), spb.SendMessageResponse
             )
@@ -117,8 +117,13 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         started = time.perf_counter()
         code: int = pb.OK
         try:
-            caller = Caller.of(context.invocation_metadata())
-            frames = receive_message.handle(self.edge, request, caller, context.time_remaining())
+            metadata = context.invocation_metadata()
+            caller = Caller.of(metadata)
+            peers = self.edge.peers
+            if peers is not None and not cluster_calls.forwarded(metadata) and gathering.gathers_for(self.edge, caller):
+                frames = gathering.receive(self.edge, peers, request, caller, context.time_remaining())
+            else:
+                frames = receive_message.handle(self.edge, request, caller, context.time_remaining())
             async for frame in frames:
                 if frame.HasField("status"):
                     code = frame.status.code
@@ -133,15 +138,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:
-        return await self._unary("AckMessage", ack_message.handle, request, context, spb.AckMessageResponse)
+        handler = ack_message.handle if self.edge.peers is None else cluster_calls.ack
+        return await self._unary("AckMessage", handler, request, context, spb.AckMessageResponse)
 
     @override
     async def ForwardMessageToDeadLetterQueue(
         self, request: spb.ForwardMessageToDeadLetterQueueRequest, context: Context
     ) -> spb.ForwardMessageToDeadLetterQueueResponse:
+        handler = forward_to_dead_letter_queue.handle if self.edge.peers is None else cluster_calls.dead_letter
         return await self._unary(
             "ForwardMessageToDeadLetterQueue",
-            forward_to_dead_letter_queue.handle,
+            handler,
             request,
             context,
             spb.ForwardMessageToDeadLetterQueueResponse,
@@ -177,9 +184,10 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def ChangeInvisibleDuration(
         self, request: spb.ChangeInvisibleDurationRequest, context: Context
     ) -> spb.ChangeInvisibleDurationResponse:
+        handler = change_invisible_duration.handle if self.edge.peers is None else cluster_calls.change_invisible
         return await self._unary(
             "ChangeInvisibleDuration",
-            change_invisible_duration.handle,
+            handler,
             request,
             context,
             spb.ChangeInvisibleDurationResponse,

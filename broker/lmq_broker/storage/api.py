@@ -194,6 +194,11 @@ class Store(Protocol):
         """Every record, in parent-name order."""
         ...
 
+    # This broker's cluster membership as the admin service last set it (``cluster.membership`` JSON): opaque
+    # text here. Written synced: a membership change must survive a power cut like the data it places.
+    def put_membership(self, text: str) -> None: ...
+    def get_membership(self) -> str | None: ...
+
     # --- maintenance ----------------------------------------------------------------------------------
     def apply_retention(self, stop: Callable[[], bool] | None = None) -> RetentionReport:
         """Drop whole segments older/larger than the retention limits and advance affected queues' min offsets.

@@ -85,6 +85,7 @@ class MemoryStore:
         self._groups: dict[str, model.LiteGroup] = {}
         self._quotas: dict[str, model.Quota] = {}
         self._reclaims: dict[str, model.ReclaimRun] = {}
+        self._membership: str | None = None
         self._records: deque[_Record] = deque()
         self._bytes = 0
         self._names = keys.NameCache()
@@ -359,6 +360,16 @@ class MemoryStore:
         self._check_open()
         with self._lock:
             return [self._quotas[k] for k in sorted(self._quotas)]
+
+    def put_membership(self, text: str) -> None:
+        self._check_open()
+        with self._lock:
+            self._membership = text
+
+    def get_membership(self) -> str | None:
+        self._check_open()
+        with self._lock:
+            return self._membership
 
     def put_reclaim_run(self, run: model.ReclaimRun) -> None:
         self._check_open()

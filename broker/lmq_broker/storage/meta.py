@@ -1,8 +1,9 @@
 """The meta store: what only the broker knows, in its own RocksDB beside the index (``<data_dir>/meta``).
 
 Consumer offsets (``O``) and the acked offsets above them (``A``), lite topics' last consume times (``C``),
-parent topics, groups, quotas and reclaim runs (``T G U R``), and two session markers (``X clean``,
-``X sync``); ``keys`` documents every key and value. No log can recreate these, so damage stops the broker
+parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over the admin
+service (``X membership``) and two session markers (``X clean``, ``X sync``); ``keys`` documents every key and
+value. No log can recreate these, so damage stops the broker
 with a repair path (``repair_meta``) where a damaged index is rebuilt.
 
 A failed write (a full disk) sets ``error`` (the readiness probe reports it) and later writes fail fast,
@@ -135,12 +136,15 @@ class Meta:
         finally:
             self._lock.release()
 
-    def _write(self, wb: rocksdict.WriteBatch, note: tuple[bytes, bool] | None = None) -> None:
+    def _write(self, wb: rocksdict.WriteBatch, note: tuple[bytes, bool] | None = None, *, synced: bool = False) -> None:
         """(Under the lock.)"""
         if self.error is not None:
             raise errors.StorageError(f"meta store cannot write: {self.error}")
         try:
-            self._db.write(wb)
+            if synced:
+                self._db.write_synced(wb)
+            else:
+                self._db.write(wb)
         except Exception as e:  # rocksdict raises bare Exception with RocksDB's status text
             log.error("meta store write failed: %s; acks and metadata changes fail until it can write", e)
             self.error = str(e)
@@ -327,12 +331,20 @@ class Meta:
     def list_reclaim_runs(self) -> list[model.ReclaimRun]:
         return [keys.decode_reclaim_run(v) for v in self._list(keys.RECLAIM)]
 
-    def _put(self, key: bytes, value: bytes) -> None:
+    def put_membership(self, text: str) -> None:
+        """Synced: a membership change must survive a power cut like the data placed by it."""
+        self._put(keys.MEMBERSHIP_KEY, text.encode(), synced=True)
+
+    def get_membership(self) -> str | None:
+        value = self.get(keys.MEMBERSHIP_KEY)
+        return None if value is None else bytes(value).decode()
+
+    def _put(self, key: bytes, value: bytes, *, synced: bool = False) -> None:
         wb = self._db.batch()
         wb.put(key, value)
         with self._lock:
             self._check_open()
-            self._write(wb)
+            self._write(wb, synced=synced)
 
     def _delete(self, key: bytes) -> bool:
         with self._lock:  # looked up and deleted under one hold: two deletes of one key answer True once

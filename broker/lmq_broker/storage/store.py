@@ -321,6 +321,12 @@ class LmqStore:
     def list_reclaim_runs(self) -> list[model.ReclaimRun]:
         return self._meta.list_reclaim_runs()
 
+    def put_membership(self, text: str) -> None:
+        self._meta.put_membership(text)
+
+    def get_membership(self) -> str | None:
+        return self._meta.get_membership()
+
     # --- maintenance ---------------------------------------------------------------------------------
 
     def apply_retention(self, stop: Callable[[], bool] | None = None) -> api.RetentionReport:

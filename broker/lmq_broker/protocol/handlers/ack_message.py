@@ -3,6 +3,8 @@ before the answer, so a restarted consumer resumes exactly after its last ack.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lmq_broker import errors
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
@@ -31,11 +33,14 @@ async def handle(edge: Edge, request: spb.AckMessageRequest, caller: Caller) -> 
                 message_id=entry.message_id, receipt_handle=entry.receipt_handle, status=entry_status
             )
         )
+    return spb.AckMessageResponse(status=overall(results), entries=results)
+
+
+def overall(results: Sequence[spb.AckMessageResultEntry]) -> pb.Status:
+    """The status of a whole ack: OK, the one entry's, or MULTIPLE_RESULTS."""
     codes = {r.status.code for r in results}
     if codes == {pb.OK}:
-        overall = status.ok()
-    elif len(results) == 1:
-        overall = results[0].status
-    else:
-        overall = pb.Status(code=pb.MULTIPLE_RESULTS, message="entries have different results")
-    return spb.AckMessageResponse(status=overall, entries=results)
+        return status.ok()
+    if len(results) == 1:
+        return results[0].status
+    return pb.Status(code=pb.MULTIPLE_RESULTS, message="entries have different results")

@@ -1262,3 +1262,135 @@ class GetBrokerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetBrokerInfoResponse: _TypeAlias = GetBrokerInfoResponse  # noqa: Y015
+
+@_typing.final
+class GetClusterRequest(_message.Message):
+    """The cluster this broker belongs to (docs/scale-out.md): its ring slots and the ring size of every epoch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WITH_UNDRAINED_FIELD_NUMBER: _builtins.int
+    with_undrained: _builtins.bool
+    """Also count this broker's undrained messages (walks every lite topic of the broker); else -1."""
+    def __init__(
+        self,
+        *,
+        with_undrained: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_undrained", b"with_undrained"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClusterRequest: _TypeAlias = GetClusterRequest  # noqa: Y015
+
+@_typing.final
+class GetClusterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    RING_SIZES_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
+    UNDRAINED_MESSAGES_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    """This broker's slot; -1 when it is no member (removed, still running: it only forwards)."""
+    leaving: _builtins.bool
+    undrained_messages: _builtins.int
+    """Messages not yet consumed by some group on this broker; -1 when not asked."""
+    drained: _builtins.bool
+    """Leaving, and no undrained message (only when with_undrained): it may be removed."""
+    source: _builtins.str
+    """"flags" (--peers ...) or "admin" (set by SetCluster, kept across restarts with the same flags)."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every ring slot's endpoint (host:port, as clients and peers reach it), in slot order."""
+
+    @_builtins.property
+    def ring_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The ring size of every epoch, oldest first; the last is today's ring: slots at or past it are leaving
+        (they take no new lite topic and hand each topic they hold over once it is drained).
+        """
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[_builtins.str] | None = ...,
+        ring_sizes: _abc.Iterable[_builtins.int] | None = ...,
+        slot: _builtins.int = ...,
+        leaving: _builtins.bool = ...,
+        undrained_messages: _builtins.int = ...,
+        drained: _builtins.bool = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClusterResponse: _TypeAlias = GetClusterResponse  # noqa: Y015
+
+@_typing.final
+class SetClusterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    RING_SIZES_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    """This broker's slot; unset: where its --advertised-address is, else its endpoint in the current membership."""
+    force: _builtins.bool
+    """Skip the checks: removed members must be leaving and drained, remaining slots keep their endpoints."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def ring_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Oldest first, the last being today's ring (members past it are leaving). Sizes past len(members) name
+        slots removed since, and are capped.
+        """
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[_builtins.str] | None = ...,
+        ring_sizes: _abc.Iterable[_builtins.int] | None = ...,
+        slot: _builtins.int | None = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "slot", b"slot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "force", b"force", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__slot: _TypeAlias = _typing.Literal["slot"]  # noqa: Y015
+    _WhichOneofArgType__slot: _TypeAlias = _typing.Literal["_slot", b"_slot"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slot) -> _WhichOneofReturnType__slot | None: ...
+
+Global___SetClusterRequest: _TypeAlias = SetClusterRequest  # noqa: Y015
+
+@_typing.final
+class SetClusterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    changed: _builtins.bool
+    @_builtins.property
+    def cluster(self) -> Global___GetClusterResponse: ...
+    def __init__(
+        self,
+        *,
+        cluster: Global___GetClusterResponse | None = ...,
+        changed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "cluster", b"cluster"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetClusterResponse: _TypeAlias = SetClusterResponse  # noqa: Y015

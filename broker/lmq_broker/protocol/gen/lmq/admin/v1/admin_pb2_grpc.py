@@ -124,6 +124,16 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsResponse.FromString,
                 _registered_method=True)
+        self.GetCluster = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/GetCluster',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetClusterRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetClusterResponse.FromString,
+                _registered_method=True)
+        self.SetCluster = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/SetCluster',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -237,6 +247,18 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCluster(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetCluster(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -329,6 +351,16 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.RecordReclaimRuns,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsResponse.SerializeToString,
+            ),
+            'GetCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCluster,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetClusterRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetClusterResponse.SerializeToString,
+            ),
+            'SetCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCluster,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -817,6 +849,60 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/RecordReclaimRuns',
             lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.RecordReclaimRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/GetCluster',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetClusterRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetClusterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/SetCluster',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterResponse.FromString,
             options,
             channel_credentials,
             insecure,

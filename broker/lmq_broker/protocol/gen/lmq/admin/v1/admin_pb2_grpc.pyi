@@ -51,6 +51,8 @@ class LmqAdminStub:
     CompareAndDeleteLiteTopics: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CompareAndDeleteRequest, _admin_pb2.CompareAndDeleteResponse]
     GetBrokerInfo: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetBrokerInfoRequest, _admin_pb2.GetBrokerInfoResponse]
     RecordReclaimRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]
+    GetCluster: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.GetClusterResponse]
+    SetCluster: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetClusterRequest, _admin_pb2.SetClusterResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -73,6 +75,8 @@ class LmqAdminAsyncStub(LmqAdminStub):
     CompareAndDeleteLiteTopics: _aio.UnaryUnaryMultiCallable[_admin_pb2.CompareAndDeleteRequest, _admin_pb2.CompareAndDeleteResponse]  # type: ignore[assignment]
     GetBrokerInfo: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetBrokerInfoRequest, _admin_pb2.GetBrokerInfoResponse]  # type: ignore[assignment]
     RecordReclaimRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]  # type: ignore[assignment]
+    GetCluster: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.GetClusterResponse]  # type: ignore[assignment]
+    SetCluster: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetClusterRequest, _admin_pb2.SetClusterResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -200,5 +204,19 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.RecordReclaimRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.RecordReclaimRunsResponse, _abc.Awaitable[_admin_pb2.RecordReclaimRunsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetCluster(
+        self,
+        request: _admin_pb2.GetClusterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetClusterResponse, _abc.Awaitable[_admin_pb2.GetClusterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetCluster(
+        self,
+        request: _admin_pb2.SetClusterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.SetClusterResponse, _abc.Awaitable[_admin_pb2.SetClusterResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,97 @@
+"""A leaving broker (scale-down) hands each lite topic it holds over to today's owner once that topic is drained.
+
+Moving a topic while some group still has messages of it to consume here would let its newer messages (on
+the new owner) be delivered before its older ones (here): per-topic order would break. So a leaving broker
+keeps storing a topic's messages for as long as any group has one of them unconsumed, and the first send
+that finds the topic drained (every bound group has committed up to its end) sends it, and every later
+message of the topic, to today's owner. Under steady load a topic whose consumers keep up is drained
+between two messages often, so topics move one by one and the broker ends with nothing undrained.
+
+The decision and this broker's own stores of a topic exclude each other: while a store of the topic runs
+here the topic is not drained; while the decision runs, sends of that topic wait for it. Handed-over topics
+are remembered in memory: after a restart the first send checks again (the topic is still drained, nothing
+was stored here meanwhile) and moves it again. Consumers of a handed-over topic must be subscribed at today's
+owner before its first message is stored there: subscriptions made while the holder is leaving go to both
+(``cluster.membership.subscribers_at``), and the ones this broker had from before are copied over as the
+topic moves (``move``); a topic whose subscriptions cannot be copied does not move, and the send fails
+(retried by the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from lmq_broker import model
+from lmq_broker.storage.api import Store
+
+Drained = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> no unconsumed message here for any group
+Move = Callable[[str, str], Awaitable[None]]  # (parent, lite): copy its subscriptions to today's owner
+MOVED_MEMORY: Final = 1_000_000  # handed-over topics remembered; past it, the oldest are checked again
+
+
+def drained(store: Store, parent: str, lite: str) -> bool:
+    """Blocking. Every group bound to ``parent`` has consumed (committed) what this store holds of the topic;
+    a non-empty topic whose parent has no group is never drained (nobody will ever consume it)."""
+    meta = store.lite_topic(parent, lite)
+    if meta is None or meta.max_offset <= meta.min_offset:
+        return True
+    groups = [g.name for g in store.list_groups() if g.bind_topic == parent]
+    if not groups:
+        return False
+    queue = model.QueueId.lmq(parent, lite)
+    for group in groups:
+        committed = store.get_offset(queue, group)
+        if committed is None or committed < meta.max_offset:
+            return False
+    return True
+
+
+class Handoff:
+    def __init__(self, is_drained: Drained, move: Move) -> None:
+        self._drained = is_drained
+        self._move = move
+        self._moved: dict[str, None] = {}  # LMQ names handed over, oldest first
+        self._storing: dict[str, int] = {}  # LMQ name -> stores of it running here
+        self._deciding: dict[str, asyncio.Future[None]] = {}
+
+    def moved(self, lmq: str) -> bool:
+        return lmq in self._moved
+
+    async def keep(self, parent: str, lite: str) -> bool:
+        """True: store the message here (the caller must ``release`` the topic once stored or failed); False:
+        the topic is handed over, its messages go to today's owner."""
+        lmq = model.QueueId.lmq(parent, lite).topic
+        while True:
+            if lmq in self._moved:
+                return False
+            if self._storing.get(lmq):
+                self._storing[lmq] += 1
+                return True
+            running = self._deciding.get(lmq)
+            if running is None:
+                break
+            await asyncio.shield(running)
+        decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._deciding[lmq] = decided
+        try:
+            if await self._drained(parent, lite):
+                await self._move(parent, lite)
+                if len(self._moved) >= MOVED_MEMORY:
+                    del self._moved[next(iter(self._moved))]
+                self._moved[lmq] = None
+                return False
+            self._storing[lmq] = 1
+            return True
+        finally:
+            del self._deciding[lmq]
+            decided.set_result(None)
+
+    def release(self, parent: str, lite: str) -> None:
+        lmq = model.QueueId.lmq(parent, lite).topic
+        left = self._storing[lmq] - 1
+        if left:
+            self._storing[lmq] = left
+        else:
+            del self._storing[lmq]

@@ -1,0 +1,218 @@
+"""Receives for a LiteSimpleConsumer in a cluster: the broker it calls gathers from every broker.
+
+The official LiteSimpleConsumer receives from the first readable route queue only, so with several brokers
+it would see only the first broker's lite topics. The broker that receives its ReceiveMessage therefore
+also receives on its behalf from every other broker (one-hop calls with the client's id, which the client's
+subscriptions already reach through the access broker's fan-out), and answers with what it found. A
+message from another broker carries a wrapped receipt handle (``via <endpoint> <handle>``): its ack,
+change-invisible or dead-letter call, which the client sends here, goes on to that broker.
+
+A long poll must not lose messages: a broker that leased messages for a call that is then cut off would
+hide them for their invisible duration. So other brokers are only ever asked without waiting (their
+answer is immediate, never cut), for at most what is still missing; while nothing is found anywhere, this
+broker waits on its own topics for ``GATHER_POLL_MS`` and asks the others again. A message arriving on
+another broker is therefore seen within about that interval, at the cost of one call per other broker per
+interval while such a consumer waits. Each lite topic lives on one broker, so its order is its broker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final, TypeVar, cast
+
+import grpc
+from google.protobuf import duration_pb2
+from google.protobuf import message as pb_message
+
+from lmq_broker import errors
+from lmq_broker.protocol import convert, status
+from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.handlers import ack_message, receive_message
+from lmq_broker.protocol.peers import CALL_TIMEOUT_S, Peers
+
+log = logging.getLogger(__name__)
+
+GATHER_POLL_MS: Final = 200
+VIA: Final = "via"  # receipt handles of messages received from another broker: "via <endpoint> <its handle>"
+_RECEIVE: Final = "/apache.rocketmq.v2.MessagingService/ReceiveMessage"
+_ACK: Final = "/apache.rocketmq.v2.MessagingService/AckMessage"
+_turns = itertools.count()
+Resp = TypeVar("Resp", bound=pb_message.Message)
+
+
+def gathers_for(edge: Edge, caller: Caller) -> bool:
+    """A LiteSimpleConsumer known from its telemetry settings, calling this broker of a cluster."""
+    if edge.peers is None or not caller.client_id:
+        return False
+    state = edge.dispatcher.registry.get(caller.client_id)
+    return state is not None and state.client_type == pb.LITE_SIMPLE_CONSUMER
+
+
+def wrap(endpoint: str, handle: str) -> str:
+    return f"{VIA} {endpoint} {handle}"
+
+
+def unwrap(peers: Peers, handle: str) -> tuple[str, str] | None:
+    """(endpoint, handle there) of a wrapped handle, None for one of this broker's; only members are called."""
+    if not handle.startswith(VIA + " "):
+        return None
+    _, endpoint, inner = [*handle.split(" ", 2), "", ""][:3]
+    if endpoint not in peers.membership.members or not inner:
+        raise errors.InvalidReceiptHandle("the receipt handle names no broker of this cluster")
+    return endpoint, inner
+
+
+async def receive(
+    edge: Edge, peers: Peers, request: spb.ReceiveMessageRequest, caller: Caller, time_remaining_s: float | None
+) -> AsyncIterator[spb.ReceiveMessageResponse]:
+    batch = min(max(request.batch_size, 1), edge.config.receive_batch_size)
+    poll_ms = edge.config.long_polling_timeout_ms
+    if request.HasField("long_polling_timeout"):
+        poll_ms = min(poll_ms, max(0, convert.duration_ms(request.long_polling_timeout)))
+    if time_remaining_s is not None:
+        poll_ms = max(0, min(poll_ms, int(time_remaining_s * 1000) - receive_message.DEADLINE_MARGIN_MS))
+    deadline = time.monotonic() + poll_ms / 1000
+    others = [m for slot, m in enumerate(peers.membership.members) if slot != peers.me]
+    turn = next(_turns) % (len(others) + 1)
+    sources: list[str | None] = [*others[:turn], None, *others[turn:]]  # None: this broker; the first asked rotates
+    gather = _Gather(edge, peers, request, caller)
+    found: list[pb.Message] = []
+    while True:
+        for source in sources:
+            if len(found) >= batch:
+                break
+            wanted = batch - len(found)
+            found += await (gather.here(wanted, 0) if source is None else gather.there(source, wanted))
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if found or left_ms <= 0:
+            break
+        found += await gather.here(batch, min(GATHER_POLL_MS, left_ms))
+        if found:
+            break
+    if not found:
+        yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
+        return
+    yield spb.ReceiveMessageResponse(status=status.ok())
+    for message in found:
+        yield spb.ReceiveMessageResponse(message=message)
+    yield spb.ReceiveMessageResponse(delivery_timestamp=convert.timestamp_of(edge.dispatcher.wall_clock()))
+
+
+def _part(request: spb.ReceiveMessageRequest, batch: int, poll_ms: int) -> spb.ReceiveMessageRequest:
+    part = spb.ReceiveMessageRequest()
+    part.CopyFrom(request)
+    part.batch_size = batch
+    part.long_polling_timeout.CopyFrom(duration_pb2.Duration(seconds=poll_ms // 1000, nanos=poll_ms % 1000 * 1_000_000))
+    return part
+
+
+@dataclass(frozen=True, slots=True)
+class _Gather:
+    edge: Edge
+    peers: Peers
+    request: spb.ReceiveMessageRequest
+    caller: Caller
+
+    async def here(self, batch: int, poll_ms: int) -> list[pb.Message]:
+        frames = receive_message.handle(self.edge, _part(self.request, batch, poll_ms), self.caller, None)
+        return [frame.message async for frame in frames if frame.HasField("message")]
+
+    async def there(self, endpoint: str, batch: int) -> list[pb.Message]:
+        """Without waiting: a call cut off after that broker leased messages would hide them."""
+        call = self.peers.channel(endpoint).unary_stream(
+            _RECEIVE,
+            request_serializer=spb.ReceiveMessageRequest.SerializeToString,
+            response_deserializer=spb.ReceiveMessageResponse.FromString,
+        )
+        out: list[pb.Message] = []
+        try:
+            async for frame in call(
+                _part(self.request, batch, 0), metadata=self.peers.headers_of(self.caller), timeout=CALL_TIMEOUT_S
+            ):
+                if frame.HasField("message"):
+                    message = frame.message
+                    handle = message.system_properties.receipt_handle
+                    message.system_properties.receipt_handle = wrap(endpoint, handle)
+                    out.append(message)
+        except grpc.aio.AioRpcError as exc:  # that broker's topics wait; the others are served meanwhile
+            log.debug("gathering for %s from %s failed: %s", self.caller.client_id, endpoint, exc.code().name)
+        return out
+
+
+# --- settling what was gathered -----------------------------------------------------------------------------
+async def ack(edge: Edge, peers: Peers, request: spb.AckMessageRequest, caller: Caller) -> spb.AckMessageResponse:
+    """Entries of this broker's messages are settled here, the others by their brokers; answered in order."""
+    routed: dict[str | None, list[int]] = {}
+    inner: list[str] = []
+    for i, entry in enumerate(request.entries):
+        where = unwrap(peers, entry.receipt_handle)
+        routed.setdefault(None if where is None else where[0], []).append(i)
+        inner.append(entry.receipt_handle if where is None else where[1])
+    results: list[spb.AckMessageResultEntry | None] = [None] * len(request.entries)
+
+    async def settle(endpoint: str | None, indices: list[int]) -> None:
+        part = spb.AckMessageRequest(group=request.group, topic=request.topic)
+        for i in indices:
+            part.entries.add(message_id=request.entries[i].message_id, receipt_handle=inner[i])
+        try:
+            if endpoint is None:
+                reply = await ack_message.handle(edge, part, caller)
+            else:
+                reply = await _call(peers, endpoint, _ACK, part, spb.AckMessageResponse, caller=caller)
+        except errors.LmqError as exc:
+            reply = spb.AckMessageResponse(status=status.status_of(exc))
+        for n, i in enumerate(indices):
+            got = reply.entries[n].status if n < len(reply.entries) else reply.status
+            results[i] = spb.AckMessageResultEntry(
+                message_id=request.entries[i].message_id, receipt_handle=request.entries[i].receipt_handle, status=got
+            )
+
+    await asyncio.gather(*(settle(endpoint, indices) for endpoint, indices in routed.items()))
+    entries = [r for r in results if r is not None]
+    return spb.AckMessageResponse(status=ack_message.overall(entries), entries=entries)
+
+
+Settled = TypeVar("Settled", spb.ChangeInvisibleDurationRequest, spb.ForwardMessageToDeadLetterQueueRequest)
+
+
+async def settle(
+    edge: Edge,
+    request: Settled,
+    caller: Caller,
+    here: Callable[[Edge, Settled, Caller], Awaitable[Resp]],
+    response: type[Resp],
+) -> tuple[Resp, str]:
+    """ChangeInvisibleDuration or ForwardMessageToDeadLetterQueue of one message: here (``here``), or at the
+    broker it was gathered from; returns the answer and that broker's endpoint ("" for this one)."""
+    peers = edge.peers
+    where = unwrap(peers, request.receipt_handle) if peers is not None else None
+    if peers is None or where is None:
+        return await here(edge, request, caller), ""
+    part = type(request)()
+    part.CopyFrom(request)
+    part.receipt_handle = where[1]
+    method = f"/apache.rocketmq.v2.MessagingService/{type(request).__name__.removesuffix('Request')}"
+    return await _call(peers, where[0], method, part, response, caller=caller), where[0]
+
+
+async def _call(
+    peers: Peers, endpoint: str, method: str, request: pb_message.Message, response: type[Resp], *, caller: Caller
+) -> Resp:
+    call = peers.channel(endpoint).unary_unary(
+        method, request_serializer=type(request).SerializeToString, response_deserializer=response.FromString
+    )
+    try:
+        reply = await call(request, metadata=peers.headers_of(caller), timeout=CALL_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        raise errors.BrokerUnavailable(
+            f"broker {endpoint} that delivered this message did not answer: {exc.code().name}; try again"
+        ) from None
+    return cast("Resp", reply)
