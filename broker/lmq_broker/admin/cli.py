@@ -22,6 +22,7 @@ from typing import Any, Final, TextIO, TypeVar
 from lmq_broker import errors, model
 from lmq_broker.admin import credentials
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.admin.results import LiteTopicPage
 
 DEFAULT_ENDPOINT: Final = "localhost:8081"
 ENDPOINT_ENV: Final = "LMQ_ADMIN_ENDPOINT"
@@ -98,6 +99,11 @@ def emit(result: object, output: str, out: TextIO) -> None:
     if output == "json":
         json.dump(data, out, indent=2, sort_keys=False)
         out.write("\n")
+        return
+    if isinstance(result, LiteTopicPage):  # one row per lite topic; the cursor of the next page below them
+        print_table([flatten(t) for t in data["topics"]], out)
+        if result.next_start_after:
+            print(f"(more: --start-after {result.next_start_after})", file=out)
         return
     records = data if isinstance(data, list) else [data]
     print_table([flatten(r) if isinstance(r, dict) else {"result": r} for r in records], out)
@@ -331,11 +337,38 @@ def _credentials_hint(pair: credentials.KeyPair | None, data_dir: Path | None) -
     )
 
 
+_OUTPUT_FLAGS: Final = ("-o", "--output")
+
+
+def hoist_output(argv: Sequence[str]) -> list[str]:
+    """``-o json`` may come anywhere (``lmq-admin group list -o json``): argparse takes it only before the
+    resource, so every ``-o X`` / ``--output X`` / ``--output=X`` / ``-oX`` is moved to the front (the last
+    one wins, as argparse would have it). Tokens after ``--`` are left where they are."""
+    front: list[str] = []
+    rest: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            rest.append(token)
+            rest.extend(tokens)
+            break
+        if token in _OUTPUT_FLAGS:
+            value = next(tokens, None)
+            front += [token] if value is None else [token, value]  # no value: argparse reports the usage error
+        elif token.startswith("--output="):
+            front.append(token)
+        elif token.startswith("-o") and len(token) > 2:
+            front += ["-o", token[2:]]
+        else:
+            rest.append(token)
+    return front + rest
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
     try:
-        args = _parser().parse_args(argv)
+        args = _parser().parse_args(hoist_output(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:  # argparse exits on --help (0) and on bad usage (2)
         return int(exit_.code or 0)
     try:
