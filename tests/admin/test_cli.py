@@ -211,7 +211,7 @@ def test_lite_topic_describe_list_and_scan(broker: Broker) -> None:
     assert page["next_start_after"] == "s2"
 
     code, out, _ = run(broker, "lite-topic", "list", "orders", "--limit", "2")  # a table, not raw dicts
-    header, *rows, more = out.splitlines()
+    header, *listed, more = out.splitlines()
     assert code == 0
     assert header.split() == [
         "PARENT",
@@ -223,7 +223,7 @@ def test_lite_topic_describe_list_and_scan(broker: Broker) -> None:
         "MAX_OFFSET",
         "SUBSCRIBER_COUNT",
     ]
-    assert [(r.split()[1], r.split()[6], r.split()[7]) for r in rows] == [("s1", "2", "0"), ("s2", "2", "1")]
+    assert [(r.split()[1], r.split()[6], r.split()[7]) for r in listed] == [("s1", "2", "0"), ("s2", "2", "1")]
     assert more == "(more: --start-after s2)"
     code, out, _ = run(broker, "lite-topic", "list", "orders", "--start-after", "s2")
     assert (code, [line.split()[1] for line in out.splitlines()]) == (0, ["LITE", "s3"])  # last page: no cursor

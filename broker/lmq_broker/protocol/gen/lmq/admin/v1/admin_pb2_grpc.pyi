@@ -51,6 +51,10 @@ class LmqAdminStub:
     CompareAndDeleteLiteTopics: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CompareAndDeleteRequest, _admin_pb2.CompareAndDeleteResponse]
     GetBrokerInfo: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetBrokerInfoRequest, _admin_pb2.GetBrokerInfoResponse]
     RecordReclaimRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]
+    GetLiteClient: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetLiteClientRequest, _admin_pb2.GetLiteClientResponse]
+    GetGroupLag: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetGroupLagRequest, _admin_pb2.GetGroupLagResponse]
+    ResetLiteOffsets: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ResetLiteOffsetsRequest, _admin_pb2.ResetLiteOffsetsResponse]
+    TriggerLiteDispatch: _grpc.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -73,6 +77,10 @@ class LmqAdminAsyncStub(LmqAdminStub):
     CompareAndDeleteLiteTopics: _aio.UnaryUnaryMultiCallable[_admin_pb2.CompareAndDeleteRequest, _admin_pb2.CompareAndDeleteResponse]  # type: ignore[assignment]
     GetBrokerInfo: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetBrokerInfoRequest, _admin_pb2.GetBrokerInfoResponse]  # type: ignore[assignment]
     RecordReclaimRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]  # type: ignore[assignment]
+    GetLiteClient: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetLiteClientRequest, _admin_pb2.GetLiteClientResponse]  # type: ignore[assignment]
+    GetGroupLag: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetGroupLagRequest, _admin_pb2.GetGroupLagResponse]  # type: ignore[assignment]
+    ResetLiteOffsets: _aio.UnaryUnaryMultiCallable[_admin_pb2.ResetLiteOffsetsRequest, _admin_pb2.ResetLiteOffsetsResponse]  # type: ignore[assignment]
+    TriggerLiteDispatch: _aio.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -200,5 +208,33 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.RecordReclaimRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.RecordReclaimRunsResponse, _abc.Awaitable[_admin_pb2.RecordReclaimRunsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetLiteClient(
+        self,
+        request: _admin_pb2.GetLiteClientRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetLiteClientResponse, _abc.Awaitable[_admin_pb2.GetLiteClientResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetGroupLag(
+        self,
+        request: _admin_pb2.GetGroupLagRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetGroupLagResponse, _abc.Awaitable[_admin_pb2.GetGroupLagResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ResetLiteOffsets(
+        self,
+        request: _admin_pb2.ResetLiteOffsetsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ResetLiteOffsetsResponse, _abc.Awaitable[_admin_pb2.ResetLiteOffsetsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def TriggerLiteDispatch(
+        self,
+        request: _admin_pb2.TriggerLiteDispatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.TriggerLiteDispatchResponse, _abc.Awaitable[_admin_pb2.TriggerLiteDispatchResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
