@@ -286,7 +286,8 @@ class Subscriptions:
     async def trigger(self, group: str, lmqs: Sequence[str]) -> list[str]:
         """An operator's nudge: offer ``lmqs`` (empty: every topic a client of ``group`` subscribes to) to the
         group's subscribers if they have work for it, and start a catch-up pass of the group's wildcard
-        clients. Pending work is probed in chunks off the loop; returns the topics offered."""
+        clients. Pending work is probed in chunks off the loop; returns the topics a client took (not one
+        without a subscriber of the group, nor one whose next message is leased in order)."""
         members = [st for st in self._registry.clients() if st.group == group]
         if not lmqs:
             lmqs = sorted({lmq for st in members for lmq in st.lite_topics})
@@ -296,8 +297,8 @@ class Subscriptions:
         offered: list[str] = []
         for start in range(0, len(lmqs), CATCHUP_CHUNK):
             for lmq in await self._deliverer.pending_among(list(lmqs[start : start + CATCHUP_CHUNK]), group):
-                self._deliverer.dispatch(lmq, only_group=group)
-                offered.append(lmq)
+                if self._deliverer.dispatch(lmq, only_group=group):
+                    offered.append(lmq)
         return offered
 
     # --- catch-up passes ----------------------------------------------------------------------------------
