@@ -187,6 +187,19 @@ async def test_a_new_group_starts_at_the_min_offset_and_commits_nothing_on_subsc
     assert lite.store.get_offset(queue, "late") == 3
 
 
+async def test_trigger_dispatch_offers_pending_topics_to_the_group_now(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1", "t2"])
+    await lite.send("t1", b"x")
+    await asyncio.sleep(0)
+    lite.dispatcher.ready.discard_many("c1", [lmq_name(PARENT, "t1")])  # an offer lost: nothing tells c1 now
+    assert await lite.receive("c1") == []
+    assert await lite.dispatcher.trigger_dispatch(GROUP, PARENT, ["t3"]) == []  # no subscriber: not offered
+    assert await lite.dispatcher.trigger_dispatch(GROUP, PARENT, []) == ["t1"]  # t2 has no work
+    assert [d.message.body for d in await lite.receive("c1")] == [b"x"]
+    assert lite.dispatcher.lite_topics_of("c1") == ["t1", "t2"]
+    assert lite.dispatcher.lite_topics_of("nobody") is None
+
+
 async def test_tail_n_moves_an_existing_offset_back(lite: Lite) -> None:
     for i in range(5):
         await lite.send("t1", str(i).encode())
