@@ -1546,7 +1546,7 @@ class TriggerLiteDispatchResponse(_message.Message):
     OFFERED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def offered(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """lite topics that had work for the group and were offered"""
+        """lite topics that had work for the group and that a client of it took"""
 
     def __init__(
         self,
