@@ -1,61 +1,113 @@
 # syntax=docker/dockerfile:1
 #
-# One image for the three lmq components; the module to run is the first argument:
+# One image per program, each with only what that program needs (the broker carries no Spark and no JVM):
 #
-#   docker run IMAGE                                   # broker: lmq_broker serve --data-dir /data (the CMD)
-#   docker run IMAGE lmq_broker serve --port 8081 ...  # broker with flags (each also an LMQ_* variable)
-#   docker run IMAGE lmq_operator                      # kopf operator (LMQ_OPERATOR_* variables)
-#   docker run IMAGE lmq_reclaim --help                # PySpark reclaim job (needs the JRE below)
+#   docker build --target broker   -t lmq-broker:0.1.0 .    # gRPC, RocksDB, Prometheus client
+#   docker build --target operator -t lmq-operator:0.1.0 .  # kopf and the Kubernetes client
+#   docker build --target reclaim  -t lmq-reclaim:0.1.0 .   # PySpark and the Java 17 runtime it starts
 #
-# The Helm chart (charts/lmq) spells the same commands: `python -m <module>` plus arguments.
+# `docker build .` builds the broker (the last stage). Every image runs `python -m <module>`:
 #
-# Both stages use the same base image so the virtualenv built in the first one finds its interpreter at
-# the same path in the second. Bookworm, not the newer Debian the bare 3.11-slim tag may point at: it is
-# the release that packages OpenJDK 17, the Java PySpark 4 needs.
+#   docker run lmq-broker:0.1.0                               # lmq_broker serve --data-dir /data (the CMD)
+#   docker run lmq-broker:0.1.0 lmq_broker serve --port 8081 ...   # with flags (each also an LMQ_* variable)
+#   docker run lmq-operator:0.1.0                             # lmq_operator (LMQ_OPERATOR_* variables)
+#   docker run lmq-reclaim:0.1.0 lmq_reclaim --broker-service ...
+#
+# The Helm chart (charts/lmq) spells the same commands, with the image of each component.
+#
+# Every program installs the versions pinned in requirements/<program>.txt (`make lock`), then the project's
+# wheel without dependencies. All stages use the same base image so a virtualenv built in one finds its
+# interpreter at the same path in another. Bookworm, not the newer Debian the bare 3.11-slim tag may point at:
+# it is the release that packages OpenJDK 17, the Java PySpark 4 needs.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-FROM ${PYTHON_IMAGE} AS builder
+# The project's wheel, built once for every program (only this layer is rebuilt after a code change).
+FROM ${PYTHON_IMAGE} AS wheel
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/lmq
 WORKDIR /src
-# Dependencies first: this layer is reused until pyproject.toml changes. Installing the project itself
-# (a non-editable wheel built from the sources) then only costs a few seconds per code change.
 COPY pyproject.toml README.md ./
-RUN /opt/lmq/bin/python -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(d['project']['dependencies']))" > /tmp/requirements.txt \
-    && /opt/lmq/bin/pip install -r /tmp/requirements.txt
 COPY broker ./broker
 COPY operator ./operator
-RUN /opt/lmq/bin/pip install --no-deps . \
-    && /opt/lmq/bin/python -c "import lmq_broker, lmq_operator, lmq_reclaim"
+RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 
+# One virtualenv per program: its pinned dependencies first (a layer reused until the lock file changes),
+# then the wheel, then an import of its entry module as a smoke test of the two together.
+FROM ${PYTHON_IMAGE} AS broker-venv
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements/broker.txt /tmp/requirements.txt
+RUN python -m venv /opt/lmq \
+    && /opt/lmq/bin/pip install --no-deps -r /tmp/requirements.txt
+COPY --from=wheel /wheels /wheels
+RUN /opt/lmq/bin/pip install --no-deps /wheels/*.whl \
+    && /opt/lmq/bin/pip check \
+    && /opt/lmq/bin/python -c "import lmq_broker.__main__, lmq_broker.admin.cli, lmq_broker.roundtrip"
+
+FROM ${PYTHON_IMAGE} AS operator-venv
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements/operator.txt /tmp/requirements.txt
+RUN python -m venv /opt/lmq \
+    && /opt/lmq/bin/pip install --no-deps -r /tmp/requirements.txt
+COPY --from=wheel /wheels /wheels
+RUN /opt/lmq/bin/pip install --no-deps /wheels/*.whl \
+    && /opt/lmq/bin/pip check \
+    && /opt/lmq/bin/python -c "import lmq_operator.__main__"
+
+FROM ${PYTHON_IMAGE} AS reclaim-venv
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements/reclaim.txt /tmp/requirements.txt
+RUN python -m venv /opt/lmq \
+    && /opt/lmq/bin/pip install --no-deps -r /tmp/requirements.txt
+COPY --from=wheel /wheels /wheels
+RUN /opt/lmq/bin/pip install --no-deps /wheels/*.whl \
+    && /opt/lmq/bin/pip check \
+    && /opt/lmq/bin/python -c "import lmq_reclaim.__main__, lmq_reclaim.warmup"
+
+# What the three images share: the user, the environment, the entrypoint.
 FROM ${PYTHON_IMAGE} AS runtime
-# The JRE is for PySpark (the reclaim job); the broker and the operator never start a JVM. The man-page
-# directory is missing from slim images and the JRE's post-install script expects it.
-RUN mkdir -p /usr/share/man/man1 \
-    && apt-get update \
-    && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
-    && rm -rf /var/lib/apt/lists/*
 # A named user (not only a uid): the JVM and Hadoop's user lookup fail for a uid missing from /etc/passwd.
 RUN groupadd --gid 10001 lmq \
-    && useradd --uid 10001 --gid 10001 --home-dir /home/lmq --create-home --shell /usr/sbin/nologin lmq \
-    && mkdir -p /data \
-    && chown 10001:10001 /data
-COPY --from=builder /opt/lmq /opt/lmq
+    && useradd --uid 10001 --gid 10001 --home-dir /home/lmq --create-home --shell /usr/sbin/nologin lmq
 # No .pyc writes at run time: the root filesystem is read-only in the chart's pods.
 ENV PATH=/opt/lmq/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-# The reclaim job's JVM maps this class-data-sharing archive of Spark's classes (the chart passes
-# --class-archive): it halves the JVM's start-up CPU. Made here because it must match this JDK and these jars.
-RUN python -m lmq_reclaim.warmup /opt/lmq/reclaim-classes.jsa
 WORKDIR /home/lmq
-VOLUME ["/data"]
-# 8081: gRPC (apache.rocketmq.v2.MessagingService + lmq.admin.v1.LmqAdmin); 9100: /healthz /readyz /metrics.
-EXPOSE 8081 9100
-# No HEALTHCHECK: one image runs three programs with different endpoints, and Kubernetes ignores it anyway;
-# the chart declares each component's probes.
+ENTRYPOINT ["python", "-m"]
+# No HEALTHCHECK: Kubernetes ignores it; the chart declares each component's probes.
+
+FROM runtime AS operator
+COPY --from=operator-venv /opt/lmq /opt/lmq
+# 9101: /metrics; 8080: kopf's liveness endpoint.
+EXPOSE 9101 8080
 # Numeric, so Kubernetes can verify runAsNonRoot without looking inside the image.
 USER 10001:10001
-ENTRYPOINT ["python", "-m"]
+CMD ["lmq_operator"]
+
+FROM runtime AS reclaim
+# The JRE PySpark starts. The man-page directory is missing from slim images and the JRE's post-install
+# script expects it.
+RUN mkdir -p /usr/share/man/man1 \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=reclaim-venv /opt/lmq /opt/lmq
+# The job's JVM maps this class-data-sharing archive of Spark's classes (the chart passes --class-archive): it
+# halves the JVM's start-up CPU. Made here because it must match this JDK and these jars.
+RUN python -m lmq_reclaim.warmup /opt/lmq/reclaim-classes.jsa
+USER 10001:10001
+CMD ["lmq_reclaim", "--help"]
+
+FROM runtime AS broker
+RUN mkdir -p /data \
+    && chown 10001:10001 /data
+COPY --from=broker-venv /opt/lmq /opt/lmq
+VOLUME ["/data"]
+# 8081: gRPC apache.rocketmq.v2.MessagingService (and lmq.admin.v1 unless --admin-port); 8082: lmq.admin.v1
+# where the chart puts it (--admin-port 8082); 9100: /healthz /readyz /metrics.
+EXPOSE 8081 8082 9100
+USER 10001:10001
 CMD ["lmq_broker", "serve", "--data-dir", "/data"]

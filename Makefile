@@ -1,25 +1,35 @@
-# The two commands of the README: `make run` and `make test`. Everything they need is installed here.
+# The two commands of the README: `make run` and `make test`. Everything they need is installed here, at the
+# versions pinned in requirements/ (`make lock`): `make run` only what the broker needs (requirements/broker.txt:
+# no PySpark, no Kubernetes client), `make test` and the rest everything (requirements/dev.txt).
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.lmq-installed
+BROKER_STAMP := $(VENV)/.lmq-broker-installed
 DATA   ?= ./data
 PORT   ?= 8081
 
-.PHONY: run test check test-fast torture lint types imports proto proto-check crds crds-check testenv clients mqtt-clients bench hooks clean
+.PHONY: run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
+	clients mqtt-clients bench hooks clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev]' -c requirements/dev.txt
 	touch $(STAMP)
 
-run: $(STAMP)
+$(BROKER_STAMP): pyproject.toml requirements/broker.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[broker]' -c requirements/broker.txt
+	touch $(BROKER_STAMP)
+
+run: $(BROKER_STAMP)
 	$(BIN)/python -m lmq_broker serve --data-dir $(DATA) --port $(PORT)
 
 # Lint, types, import layers, then every suite. The official RocketMQ client ships its own copy of the
 # apache.rocketmq.v2 descriptors, so suites that import it run in their own interpreter (tests/e2e).
-test: $(STAMP) lint types imports proto-check crds-check testenv clients mqtt-clients
+test: $(STAMP) lint types imports proto-check crds-check lock-check testenv clients mqtt-clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
 
@@ -63,6 +73,15 @@ crds: $(STAMP)
 
 crds-check: $(STAMP)
 	$(BIN)/python scripts/gen_crds.py --check
+
+# requirements/<program>.txt from pyproject.toml's extras (uv pip compile, every platform, Python 3.11); pins
+# move only when pyproject.toml needs them to (`$(BIN)/python scripts/lock.py --upgrade` moves them all).
+# lock-check fails when pyproject.toml changed without `make lock` (it reads the package index).
+lock: $(STAMP)
+	$(BIN)/python scripts/lock.py
+
+lock-check: $(STAMP)
+	$(BIN)/python scripts/lock.py --check
 
 # Real kube-apiserver + etcd for the operator suite, built from Go modules and cached outside the repo.
 testenv:

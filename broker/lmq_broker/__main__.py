@@ -4,8 +4,8 @@ until SIGTERM/SIGINT, when it drains calls and flushes the store.
 Every field of BrokerConfig and StoreConfig is a flag (``data_dir`` -> ``--data-dir``) and an environment
 variable (``LMQ_DATA_DIR``); a flag wins over the variable, the variable over the default. The flags are
 generated from the config models so none can be forgotten. Once listening, the process prints one line
-``lmq-broker ready grpc=<host:port> metrics=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``) on stdout
-(port 0 picks free ports; tools and tests read that line).
+``lmq-broker ready grpc=<host:port> metrics=<port> admin=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``) on
+stdout (port 0 picks free ports; tools and tests read that line).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ HELP: Final[dict[str, str]] = {
     "data_dir": "directory of the commit log and index (created if missing)",
     "flush_mode": "sync: a send is answered after fsync; async: fsync every --flush-interval-ms",
     "host": "address to listen on (gRPC and metrics)",
-    "port": "gRPC port of the v2 MessagingService and the lmq admin service (0: any free port)",
+    "port": "gRPC port of the v2 MessagingService, and of the lmq admin service unless --admin-port (0: any free port)",
+    "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
     "mqtt_port": "MQTT 3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
     "broker_name": "broker name put in routes",
@@ -178,7 +179,9 @@ async def serve(config: BrokerConfig) -> None:
     await broker.start()
     app.tune_gc()
     mqtt = f" mqtt={broker.mqtt_port}" if config.mqtt_port >= 0 else ""
-    print(f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port}{mqtt}", flush=True)
+    print(
+        f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}", flush=True
+    )
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")
     await broker.stop()
@@ -203,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-access-key and --admin-secret-key go together")
     if config.admin_anonymous and config.admin_access_key:
         raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
+    if config.admin_port > 0 and config.admin_port == config.port:
+        raise SystemExit("--admin-port must differ from --port (-1 serves admin on --port)")
+    if config.admin_port >= 0 and config.processes > 1:
+        raise SystemExit("--admin-port does not work with --processes yet: its processes would need one each")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
     try:

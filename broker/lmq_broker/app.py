@@ -70,7 +70,7 @@ def admin_key_pair(config: BrokerConfig) -> tuple[str, str] | None:
         log.warning(
             "admin is open to anonymous callers (--admin-anonymous): anyone who reaches port %d can create and "
             "delete topics, groups and quotas. For development only.",
-            config.port,
+            config.admin_port if config.admin_port >= 0 else config.port,
         )
         return None
     if config.admin_access_key:
@@ -107,11 +107,13 @@ class Broker:
         self.dispatcher: Dispatcher | None = None
         self.metrics = Metrics()
         self.port = 0
+        self.admin_port = 0  # the port admin calls are served on: ``port`` unless --admin-port
         self.metrics_port = 0
         self.mqtt_port = 0
         self.mqtt: MqttServer | None = None
         self.ready = False
         self._server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None  # --admin-port
         self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
         self._peers: Peers | None = None
         self.access_port = -1
@@ -129,8 +131,15 @@ class Broker:
 
     @property
     def endpoint(self) -> str:
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
-        return f"{host}:{self.port}"
+        return f"{self._local_host}:{self.port}"
+
+    @property
+    def admin_endpoint(self) -> str:
+        return f"{self._local_host}:{self.admin_port}"
+
+    @property
+    def _local_host(self) -> str:
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
 
     async def start(self) -> None:
         config = self.config
@@ -151,12 +160,23 @@ class Broker:
         server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
-        admin_service.register(server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+        admin_server = server
+        if config.admin_port >= 0:
+            admin_server = self._admin_server = grpc_server.create_admin(config)
+            server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
+        admin_service.register(admin_server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
         self.port = edge.port = grpc_server.bind(server, config)
+        self.admin_port = self.port
+        if self._admin_server is not None:
+            self.admin_port = grpc_server.bind(self._admin_server, config, config.admin_port)
+            await self._admin_server.start()
         if config.access_port >= 0:  # --processes: the pod's one client port, shared by its broker processes
             shared = self._access_server = grpc_server.create(config, shared_port=True)
             grpc_server.add_messaging_service(shared, edge, admission)
-            admin_service.register(shared, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+            if self._admin_server is None:
+                admin_service.register(shared, self.store, self.dispatcher, config, admission, admin_keys=admin_keys)
+            else:
+                shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
             self.access_port = grpc_server.bind(shared, config, config.access_port)
             await shared.start()
         await server.start()
@@ -196,9 +216,9 @@ class Broker:
         if self.mqtt is not None:  # its connections give their leases back while the dispatcher still runs
             await self.mqtt.stop()
             self.mqtt = None
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
+        if self._server is not None or self._admin_server is not None:
+            await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._admin_server) if s is not None))
+            self._server = self._admin_server = None
         if self._peers is not None:
             await self._peers.close()
             self._peers = None

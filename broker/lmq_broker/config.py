@@ -40,6 +40,9 @@ class BrokerConfig(BaseModel):
     store: StoreConfig = StoreConfig()
     host: str = "0.0.0.0"
     port: int = Field(default=8081, ge=0, le=65535)
+    # lmq.admin.v1 on its own listener (same host, same TLS), and then not on ``port``, so a network policy can
+    # open the client port to everyone and the admin port to the control plane only. -1: served on ``port``.
+    admin_port: int = Field(default=-1, ge=-1, le=65535)
     advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
     metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
     mqtt_port: int = Field(default=-1, ge=-1, le=65535)  # MQTT 3.1.1 listener (docs/mqtt.md); -1: off

@@ -4,7 +4,7 @@ Stable API (the operator, reclaim and e2e suites rely on it)::
 
     broker = start_broker(tmp_path / "data")              # port 0: a free port is picked
     broker.endpoint        # "127.0.0.1:<port>": the v2 MessagingService (official clients)
-    broker.admin_endpoint  # same port: the lmq.admin.v1 service
+    broker.admin_endpoint  # the lmq.admin.v1 service: the same port, or --admin-port's
     broker.admin_keys      # {"access_key", "secret_key"} the admin service wants: AdminClient(..., **broker.admin_keys)
     broker.admin_env("LMQ_OPERATOR")  # the same pair as LMQ_OPERATOR_ACCESS_KEY/_SECRET_KEY, for a subprocess
     broker.metrics_url     # "http://127.0.0.1:<port>" (/metrics, /healthz, /readyz)
@@ -18,6 +18,9 @@ Admin calls need the broker's admin key pair (docs/security.md): the one given i
 ``<data_dir>/admin-credentials.json``; with ``--admin-anonymous`` both keys are empty (calls go unsigned).
 Suites with several brokers and one admin caller (the operator, the reclaim job) pass a shared pair,
 ``SHARED_ADMIN_ENV``, as on Kubernetes where every broker pod gets the chart's one Secret.
+
+``issue_certificate(directory, "lmq-broker.mq.svc")`` makes a CA and a server certificate it signed (openssl), for
+TLS brokers and the callers that check them (``--tls-ca``, ``--tls-server-name``).
 
 ``Inbox`` is a MessageListener (by duck typing) for the official client's push consumers that records
 what it consumed and lets a test wait for a condition with a deadline.
@@ -44,7 +47,8 @@ from pathlib import Path
 from typing import Any, Final, TypedDict
 
 READY_RE: Final = re.compile(
-    r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)(?: mqtt=(?P<mqtt>\d+))?"
+    r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)(?: admin=(?P<admin>\d+))?"
+    r"(?: mqtt=(?P<mqtt>\d+))?"
 )
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
@@ -80,6 +84,7 @@ class BrokerProcess:
     _reader: threading.Thread | None = None
     admin_access_key: str = ""  # empty: the broker serves admin anonymously (--admin-anonymous)
     admin_secret_key: str = ""
+    admin_port: int = 0  # 0: admin is served on ``port``
     mqtt_port: int = -1  # the MQTT listener's port (``--mqtt-port``), -1 without one
 
     @property
@@ -98,7 +103,7 @@ class BrokerProcess:
 
     @property
     def admin_endpoint(self) -> str:
-        return self.endpoint
+        return f"127.0.0.1:{self.admin_port or self.port}"
 
     @property
     def metrics_url(self) -> str:
@@ -196,6 +201,7 @@ def start_broker(
                 if match and not ready.is_set():
                     found["port"] = int(match["port"])
                     found["metrics"] = int(match["metrics"])
+                    found["admin"] = int(match["admin"] or match["port"])
                     found["mqtt"] = int(match["mqtt"]) if match["mqtt"] else -1
                     ready.set()
         ready.set()
@@ -223,6 +229,7 @@ def start_broker(
         _reader=reader,
         admin_access_key=admin_access_key,
         admin_secret_key=admin_secret_key,
+        admin_port=found["admin"],
         mqtt_port=found["mqtt"],
     )
 
@@ -248,6 +255,39 @@ def _admin_pair(data_dir: Path, args: Sequence[str], env: Mapping[str, str]) -> 
         return access_key, _flag(args, "--admin-secret-key") or env.get("LMQ_ADMIN_SECRET_KEY", "")
     saved = json.loads((data_dir / ADMIN_CREDENTIALS_FILE).read_text())
     return str(saved["access_key"]), str(saved["secret_key"])
+
+
+@dataclass(frozen=True)
+class Certificate:
+    ca: Path  # PEM of the CA that signed ``cert``
+    cert: Path
+    key: Path
+
+
+def issue_certificate(directory: Path, *names: str, ca: Certificate | None = None, tag: str = "tls") -> Certificate:
+    """A server certificate for ``names`` (DNS names, or IP addresses) signed by ``ca``'s CA, or by a new CA
+    made in ``directory``; files ``<tag>.crt``/``<tag>.key`` (and ``<tag>-ca.crt``/``-ca.key``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    if ca is None:
+        ca_cert, ca_key = directory / f"{tag}-ca.crt", directory / f"{tag}-ca.key"
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={tag} test CA",
+                "-keyout", str(ca_key), "-out", str(ca_cert))  # fmt: skip
+    else:
+        ca_cert, ca_key = ca.ca, ca.ca.with_suffix(".key")
+    cert, key, request = directory / f"{tag}.crt", directory / f"{tag}.key", directory / f"{tag}.csr"
+    sans = ",".join(f"IP:{n}" if n.replace(".", "").isdigit() else f"DNS:{n}" for n in names)
+    extensions = directory / f"{tag}.ext"
+    extensions.write_text(f"subjectAltName={sans}\n")
+    openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={names[0]}", "-keyout", str(key), "-out", str(request)
+    )
+    openssl("x509", "-req", "-in", str(request), "-CA", str(ca_cert), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-days", "1", "-extfile", str(extensions), "-out", str(cert))  # fmt: skip
+    return Certificate(ca_cert, cert, key)
 
 
 def _tail(path: Path, lines: int = 60) -> str:

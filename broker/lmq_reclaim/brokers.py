@@ -20,6 +20,7 @@ import pyarrow as pa
 from lmq_broker import model
 from lmq_broker.admin.client import COMPARE_COLUMNS, AdminClient, DeleteOutcome, ParentTopicInfo, ReclaimRecording
 from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.admin.tls import ClientTls
 from lmq_reclaim import columns as c
 from lmq_reclaim import report
 from lmq_reclaim.columns import Outcome
@@ -34,9 +35,15 @@ class ArrowAdmin:
     """One broker's admin client as the job uses it. Use as a context manager; ``timeout_s`` bounds every
     call, a scan stream or a delete call included (the job gives each its own deadline option)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = UNARY_TIMEOUT_S, keys: KeyPair | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = UNARY_TIMEOUT_S,
+        keys: KeyPair | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
         self.endpoint = endpoint
-        self.client = AdminClient(endpoint, timeout_s, long_timeout_s=timeout_s, keys=keys)
+        self.client = AdminClient(endpoint, timeout_s, long_timeout_s=timeout_s, keys=keys, tls=tls)
 
     def __enter__(self) -> Self:
         return self

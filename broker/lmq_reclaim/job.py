@@ -68,7 +68,7 @@ def plan(endpoints: Sequence[str], opts: options.Options, out: report.Report) ->
     for ep in endpoints:
         name = ep
         try:
-            with brokers.ArrowAdmin(ep, opts.timeout_s, _credentials(opts)) as admin:
+            with brokers.ArrowAdmin(ep, opts.timeout_s, _credentials(opts), opts.tls) as admin:
                 name = admin.broker_name() or ep
                 if name in out.brokers:  # two endpoints, one broker name: keep both apart
                     name = f"{name}@{ep}"
@@ -174,7 +174,8 @@ def _record(the_plan: Plan, opts: options.Options, out: report.Report, started: 
     if not opts.record:
         return
     t0 = time.perf_counter()
-    recording.record([(t.name, t.endpoint) for t in the_plan.targets], out, opts.timeout_s, _credentials(opts))
+    targets = [(t.name, t.endpoint) for t in the_plan.targets]
+    recording.record(targets, out, opts.timeout_s, _credentials(opts), opts.tls)
     out.timings_s["record"] = time.perf_counter() - t0
 
 
@@ -193,7 +194,7 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
     t0 = time.perf_counter()
     n_tasks = len(the_plan.scan_tasks)
     scan_settings = tasks.ScanSettings(
-        opts.scan_batch_size, opts.only_fully_consumed, opts.scan_timeout_s, _credentials(opts)
+        opts.scan_batch_size, opts.only_fully_consumed, opts.scan_timeout_s, _credentials(opts), opts.tls
     )
     scanned = spark.range(0, n_tasks, 1, n_tasks).mapInArrow(
         tasks.scan_fn(the_plan.scan_tasks, scan_settings, stats, messages), c.SCANNED_DDL
@@ -227,6 +228,7 @@ def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: re
         dry_run=opts.dry_run,
         timeout_s=opts.delete_timeout_s,
         credentials=_credentials(opts),
+        tls=opts.tls,
     )
     if expired:
         counted = Observation("lmq-reclaim-outcomes")

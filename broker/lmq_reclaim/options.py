@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from lmq_broker import errors
 from lmq_broker.admin import validation
+from lmq_broker.admin.tls import CA_ENV, SERVER_NAME_ENV, ClientTls, client_tls
 
 DEFAULT_MASTER: Final = "local[2]"
 DEFAULT_BROKER_PORT: Final = 8081
@@ -59,6 +61,7 @@ class Options:
     delete_timeout_s: float = 300.0
     access_key: str = ""
     secret_key: str = field(default="", repr=False)
+    tls: ClientTls | None = None  # --tls-ca: admin calls over TLS
     log_level: str = "INFO"
 
 
@@ -157,6 +160,16 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("LMQ_RECLAIM_SECRET_KEY", ""),
         help="secret of --access-key; prefer env LMQ_RECLAIM_SECRET_KEY (kept out of the process list)",
     )
+    where.add_argument(
+        "--tls-ca",
+        default=None,
+        help=f"speak TLS to brokers whose certificate this PEM CA signed; env {CA_ENV} (default plaintext)",
+    )
+    where.add_argument(
+        "--tls-server-name",
+        default=None,
+        help=f"the name the brokers' certificate must carry (they are dialled by address); env {SERVER_NAME_ENV}",
+    )
     out = p.add_argument_group("report")
     out.add_argument("--audit-path", default="", help="write the audit here ('{now}' becomes the run's time)")
     out.add_argument("--audit-format", choices=("parquet", "jsonl"), default="parquet")
@@ -189,6 +202,10 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         p.error("--min-age-minutes must be >= 0")
     if len(ns.run_id.encode()) > validation.RUN_ID_MAX_BYTES or not ns.run_id.isprintable():
         p.error(f"--run-id must be at most {validation.RUN_ID_MAX_BYTES} bytes of printable text")
+    try:
+        tls = client_tls(ns.tls_ca, ns.tls_server_name)
+    except errors.InvalidArgument as exc:
+        p.error(exc.message)
     return Options(
         brokers=brokers,
         broker_service=ns.broker_service,
@@ -222,5 +239,6 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         delete_timeout_s=ns.delete_timeout_s,
         access_key=ns.access_key,
         secret_key=ns.secret_key,
+        tls=tls,
         log_level=ns.log_level,
     )

@@ -21,6 +21,7 @@ from typing import Final
 from lmq_broker import errors
 from lmq_broker.admin.client import ReclaimRecording
 from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.admin.tls import ClientTls
 from lmq_reclaim import brokers, report
 
 log = logging.getLogger("lmq_reclaim")
@@ -38,6 +39,7 @@ def record(
     out: report.Report,
     timeout_s: float,
     credentials: KeyPair | None = None,
+    tls: ClientTls | None = None,
 ) -> None:
     """Record ``out`` on each (broker name, endpoint) of ``targets``; fills ``out.recorded_on`` and
     ``out.record_failures`` (with a message in ``out.error_messages`` per failure)."""
@@ -47,7 +49,7 @@ def record(
         return
 
     def one(endpoint: str, parents: dict[str, report.ParentSummary]) -> ReclaimRecording:
-        with brokers.ArrowAdmin(endpoint, timeout_s, credentials) as admin:
+        with brokers.ArrowAdmin(endpoint, timeout_s, credentials, tls) as admin:
             return admin.record_run(out, parents)
 
     with futures.ThreadPoolExecutor(min(MAX_PARALLEL_BROKERS, len(work)), "lmq-reclaim-record") as pool:

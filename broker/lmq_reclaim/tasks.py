@@ -21,6 +21,7 @@ from pyspark.accumulators import Accumulator, AccumulatorParam
 
 from lmq_broker import errors
 from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.admin.tls import ClientTls
 from lmq_reclaim import brokers
 from lmq_reclaim import columns as c
 from lmq_reclaim.columns import Outcome
@@ -94,6 +95,7 @@ class ScanSettings:
     with_fully_consumed: bool
     timeout_s: float
     credentials: KeyPair | None = None
+    tls: ClientTls | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ class DeleteSettings:
     dry_run: bool
     timeout_s: float
     credentials: KeyPair | None = None
+    tls: ClientTls | None = None
 
 
 def scan_fn(
@@ -134,7 +137,7 @@ def _scan_one(
     started = time.perf_counter()
     failed = False
     try:
-        with brokers.ArrowAdmin(task.endpoint, settings.timeout_s, settings.credentials) as admin:
+        with brokers.ArrowAdmin(task.endpoint, settings.timeout_s, settings.credentials, settings.tls) as admin:
             batches = admin.scan(
                 broker=task.broker,
                 parent=task.parent,
@@ -187,7 +190,7 @@ def delete_fn(
                     mine = batch.filter(pc.equal(batch.column(c.BROKER), broker))
                     if broker not in admins:
                         admins[broker] = brokers.ArrowAdmin(
-                            settings.endpoints[broker], settings.timeout_s, settings.credentials
+                            settings.endpoints[broker], settings.timeout_s, settings.credentials, settings.tls
                         )
                         rate = settings.max_deletes_per_second
                         buckets[broker] = TokenBucket(rate, burst=max(1.0, rate), clock=clock, sleep=sleep)

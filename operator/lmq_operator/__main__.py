@@ -30,11 +30,13 @@ environment (all optional unless noted):
   LMQ_OPERATOR_BROKER_SERVICE       headless Service of the broker StatefulSet (EndpointSlice discovery)
   LMQ_OPERATOR_BROKER_NAMESPACE     namespace of that Service/StatefulSet (required with it)
   LMQ_OPERATOR_BROKER_STATEFULSET   broker StatefulSet, to detect scale-down of brokers holding data
-  LMQ_OPERATOR_BROKER_PORT          admin port of discovered brokers (default 8081)
+  LMQ_OPERATOR_BROKER_PORT          admin port of discovered brokers when their Service names none (default 8081)
   LMQ_OPERATOR_NAMESPACE            watch one namespace instead of the whole cluster
   LMQ_OPERATOR_METRICS_PORT         Prometheus /metrics port (default 9101, -1 disables)
   LMQ_OPERATOR_LIVENESS_ENDPOINT    kopf liveness endpoint (default http://0.0.0.0:8080/healthz)
   LMQ_OPERATOR_ACCESS_KEY / _SECRET_KEY  the brokers' admin key pair (needed unless they run --admin-anonymous)
+  LMQ_TLS_CA                        PEM CA of the brokers' certificate: admin calls over TLS (default plaintext)
+  LMQ_TLS_SERVER_NAME               the name that certificate must carry (default: the host dialled)
   LMQ_OPERATOR_RESYNC_SECONDS, _DISCOVERY_SECONDS, _ADMIN_TIMEOUT_SECONDS, _RETRY_SECONDS  timings
 """
 

@@ -25,6 +25,7 @@ from lmq_broker import model as broker_model
 from lmq_broker.admin import codes
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.admin.tls import ClientTls
 from lmq_operator import desired, diff, model, settings, status
 from lmq_operator.admins import AdminError, BrokerAdmin
 
@@ -100,10 +101,12 @@ class GrpcAdmin:
     """``BrokerAdmin`` over the broker's admin service, through ``AsyncAdminClient`` on the caller's loop.
     Every call, a purging parent-topic delete and the undrained count included, gets ``timeout_s``."""
 
-    def __init__(self, endpoint: str, timeout_s: float, keys: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float, keys: tuple[str, str] | None = None, tls: ClientTls | None = None
+    ) -> None:
         self.endpoint = endpoint
         pair = KeyPair(*keys) if keys else None  # brokers guard admin calls with their admin pair
-        self._client = AsyncAdminClient(endpoint, timeout_s, long_timeout_s=timeout_s, keys=pair)
+        self._client = AsyncAdminClient(endpoint, timeout_s, long_timeout_s=timeout_s, keys=pair, tls=tls)
 
     async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
         try:
@@ -392,7 +395,8 @@ def brokers_from_slices(slices: Iterable[Mapping[str, Any]], default_port: int) 
     found: dict[str, tuple[model.Broker, bool]] = {}
     for s in slices:
         ports = s.get("ports") or []
-        port = next((p.get("port") for p in ports if p.get("name") in ("grpc", "admin")), None)
+        named = {p.get("name"): p.get("port") for p in ports}
+        port = named.get("admin") or named.get("grpc")  # "admin": brokers serving admin on its own port
         if port is None and ports:
             port = ports[0].get("port")
         port = port or default_port

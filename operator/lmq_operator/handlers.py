@@ -66,7 +66,7 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     else:
 
         def factory(endpoint: str) -> admins.BrokerAdmin:
-            return apply.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys)
+            return apply.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
 
     pool = apply.AdminPool(factory)
     memo.lmq = Context(conf, pool, apply.Fleet(conf, pool))

@@ -10,6 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from lmq_broker import errors
+from lmq_broker.admin.tls import ClientTls, client_tls
+
 DEFAULT_ADMIN_PORT: Final = 8081
 DEFAULT_METRICS_PORT: Final = 9101
 DEFAULT_LIVENESS: Final = "http://0.0.0.0:8080/healthz"
@@ -38,6 +41,7 @@ class Settings:
     admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S
     retry_delay_s: float = DEFAULT_RETRY_DELAY_S
     admin_keys: tuple[str, str] | None = None  # signs admin calls for brokers started with access keys
+    tls: ClientTls | None = None  # LMQ_TLS_CA / LMQ_TLS_SERVER_NAME: brokers serve TLS
 
     @property
     def needs_kubernetes_client(self) -> bool:
@@ -88,6 +92,10 @@ def from_env(env: Mapping[str, str]) -> Settings:
     secret_key = env.get("LMQ_OPERATOR_SECRET_KEY", "").strip()
     if bool(access_key) != bool(secret_key):
         raise SettingsError("set both LMQ_OPERATOR_ACCESS_KEY and LMQ_OPERATOR_SECRET_KEY, or neither")
+    try:
+        secured = client_tls(environ=env)
+    except errors.InvalidArgument as exc:
+        raise SettingsError(exc.message) from None
     return Settings(
         namespace=env.get("LMQ_OPERATOR_NAMESPACE", "").strip() or None,
         brokers=brokers,
@@ -102,6 +110,7 @@ def from_env(env: Mapping[str, str]) -> Settings:
         admin_timeout_s=_float(env, "LMQ_OPERATOR_ADMIN_TIMEOUT_SECONDS", DEFAULT_ADMIN_TIMEOUT_S),
         retry_delay_s=_float(env, "LMQ_OPERATOR_RETRY_SECONDS", DEFAULT_RETRY_DELAY_S),
         admin_keys=(access_key, secret_key) if access_key else None,
+        tls=secured,
     )
 
 

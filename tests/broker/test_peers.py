@@ -60,14 +60,21 @@ def message(lite: str, n: int = 0) -> pb.Message:
     )
 
 
-async def start_cluster(tmp_path: Path, size: int, **overrides: object) -> Cluster:
-    ports = free_ports("127.0.0.1", size)
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+async def start_cluster(tmp_path: Path, size: int, *, admin_port: bool = False, **overrides: object) -> Cluster:
+    """``admin_port``: as pods do, each broker on a host of its own (127.0.0.<slot + 1>) with the same client port
+    and the same --admin-port on every one."""
+    if admin_port:
+        port, admin = free_ports("127.0.0.1", 2)
+        hosts = [(f"127.0.0.{slot + 1}", port) for slot in range(size)]
+        overrides = {**overrides, "admin_port": admin}
+    else:
+        hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", size)]
+    members = ",".join(f"{host}:{p}" for host, p in hosts)
     brokers = []
-    for slot, port in enumerate(ports):
+    for slot, (host, port) in enumerate(hosts):
         config = dispatch_testing.config_for(
             tmp_path / f"b{slot}",
-            host="127.0.0.1",
+            host=host,
             port=port,
             metrics_port=-1,
             peers=members,
@@ -96,8 +103,10 @@ async def stop_cluster(cluster: Cluster) -> None:
 
 @pytest_asyncio.fixture(params=["open", "signed"])
 async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Cluster]:
-    extra = {"access_key": KEYS[0], "secret_key": KEYS[1]} if request.param == "signed" else {}
-    started = await start_cluster(tmp_path, 2, **extra)
+    if request.param == "signed":
+        started = await start_cluster(tmp_path, 2, access_key=KEYS[0], secret_key=KEYS[1])
+    else:
+        started = await start_cluster(tmp_path, 2)
     yield started
     await stop_cluster(started)
 
@@ -245,10 +254,12 @@ async def test_subscriptions_are_split_by_owner(cluster: Cluster) -> None:
     assert both() == (set(), set())
 
 
-async def test_a_topic_created_before_a_scale_up_stays_on_its_broker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("admin_port", [False, True], ids=["admin-on-the-client-port", "admin-port"])
+async def test_a_topic_created_before_a_scale_up_stays_on_its_broker(tmp_path: Path, admin_port: bool) -> None:
     """Broker 0 of a 2-slot ring now runs in a 3-slot ring (history 2): topics that moved to slot 2 but that
-    an older owner already holds are still written there; new ones go to slot 2."""
-    grown = await start_cluster(tmp_path, 3, ring_history="2")
+    an older owner already holds are still written there; new ones go to slot 2. The brokers ask each other
+    which one holds a topic over the admin service: with --admin-port, on the peer's admin port."""
+    grown = await start_cluster(tmp_path, 3, ring_history="2", admin_port=admin_port)
     try:
         two = mb.Membership.parse(",".join(grown.membership.members[:2]))
         moved = [

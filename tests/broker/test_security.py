@@ -4,6 +4,9 @@ serves TLS)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import subprocess
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -13,7 +16,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from lmq_broker import app
+from lmq_broker import app, testing
 from lmq_broker.admin import credentials
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.testing import config_for
@@ -123,5 +126,111 @@ async def test_tls(tmp_path: Path) -> None:
         async with grpc.aio.insecure_channel(broker.endpoint) as plain:
             with pytest.raises(grpc.aio.AioRpcError):
                 await service_pb2_grpc.MessagingServiceStub(plain).QueryRoute(ROUTE, timeout=5)
+    finally:
+        await broker.stop(0.2)
+
+
+async def test_an_admin_port_serves_admin_alone_and_the_client_port_no_admin(tmp_path: Path) -> None:
+    """--admin-port: what a network policy needs to open the client port to all and admin to the control plane."""
+    broker = await running(
+        config_for(
+            tmp_path / "data",
+            host="127.0.0.1",
+            port=0,
+            admin_port=0,
+            metrics_port=-1,
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+        )
+    )
+    try:
+        assert broker.admin_port not in (0, broker.port)
+        signed = auth.sign_metadata("admin-ak", "admin-sk", datetime.now())
+        async with grpc.aio.insecure_channel(broker.endpoint) as client_port:
+            route = await service_pb2_grpc.MessagingServiceStub(client_port).QueryRoute(ROUTE)
+            assert route.status.code == pb.OK
+            with pytest.raises(grpc.aio.AioRpcError) as absent:
+                await admin_pb2_grpc.LmqAdminStub(client_port).ListParentTopics(
+                    admin_pb2.ListParentTopicsRequest(), metadata=signed
+                )
+            assert absent.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert f"on port {broker.admin_port} (--admin-port)" in (absent.value.details() or "")
+        async with grpc.aio.insecure_channel(broker.admin_endpoint) as admin_port:
+            admin = admin_pb2_grpc.LmqAdminStub(admin_port)
+            listed = await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest(), metadata=signed)
+            assert [t.topic.name for t in listed.topics] == ["AGENT_TASK_NS"]
+            with pytest.raises(grpc.aio.AioRpcError) as unsigned:  # its own port, the same admin pair
+                await admin.ListParentTopics(admin_pb2.ListParentTopicsRequest())
+            assert unsigned.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as no_v2:
+                await service_pb2_grpc.MessagingServiceStub(admin_port).QueryRoute(ROUTE)
+            assert no_v2.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await broker.stop(0.2)
+    assert broker.admin_port != 0  # both listeners closed by stop: a new broker may take the ports again
+    again = await running(
+        config_for(tmp_path / "data", host="127.0.0.1", port=broker.port, admin_port=broker.admin_port, metrics_port=-1)
+    )
+    await again.stop(0.2)
+
+
+async def _served_by(endpoint: str, ca: Path, server_name: str) -> grpc.StatusCode:
+    """The status of an admin call over TLS trusting ``ca`` for ``server_name`` (UNAVAILABLE: handshake refused)."""
+    creds = grpc.ssl_channel_credentials(ca.read_bytes())
+    options = (("grpc.ssl_target_name_override", server_name),)
+    async with grpc.aio.secure_channel(endpoint, creds, options=options) as channel:
+        try:
+            await admin_pb2_grpc.LmqAdminStub(channel).ListParentTopics(admin_pb2.ListParentTopicsRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_tls_on_both_listeners_follows_a_renewed_certificate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A renewed Secret (the kubelet swaps the mounted files) is served without a restart; a pair that does not
+    load leaves the served one in place."""
+    first = testing.issue_certificate(tmp_path / "old", "lmq-broker.mq.svc")
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    cert, key = mounted / "tls.crt", mounted / "tls.key"
+    shutil.copy(first.cert, cert)
+    shutil.copy(first.key, key)
+    broker = await running(
+        config_for(
+            tmp_path / "data",
+            host="127.0.0.1",
+            port=0,
+            admin_port=0,
+            metrics_port=-1,
+            admin_anonymous=True,
+            tls_cert=cert,
+            tls_key=key,
+        )
+    )
+    try:
+        for endpoint in (broker.endpoint, broker.admin_endpoint):  # TLS, and the admin service on its port only
+            expected = grpc.StatusCode.UNIMPLEMENTED if endpoint == broker.endpoint else grpc.StatusCode.OK
+            assert await _served_by(endpoint, first.ca, "lmq-broker.mq.svc") == expected
+        assert await _served_by(broker.admin_endpoint, first.ca, "other.name") == grpc.StatusCode.UNAVAILABLE
+
+        renewed = testing.issue_certificate(tmp_path / "new", "lmq-broker.mq.svc")  # another CA, too
+        swap = tmp_path / "swap"
+        swap.mkdir()
+        shutil.copy(renewed.cert, swap / "tls.crt")
+        shutil.copy(renewed.key, swap / "tls.key")
+        os.replace(swap / "tls.crt", cert)
+        os.replace(swap / "tls.key", key)
+        assert await _served_by(broker.admin_endpoint, renewed.ca, "lmq-broker.mq.svc") == grpc.StatusCode.OK
+        assert await _served_by(broker.admin_endpoint, first.ca, "lmq-broker.mq.svc") == grpc.StatusCode.UNAVAILABLE
+
+        shutil.copy(first.key, swap / "tls.key")  # a key that does not match the certificate
+        os.replace(swap / "tls.key", key)
+        with caplog.at_level(logging.WARNING, logger="lmq_broker.protocol.server"):
+            for _ in range(3):
+                assert await _served_by(broker.admin_endpoint, renewed.ca, "lmq-broker.mq.svc") == grpc.StatusCode.OK
+        refusals = [r for r in caplog.records if "not reloaded" in r.getMessage()]
+        assert len(refusals) == 1, refusals  # once, not at every handshake
     finally:
         await broker.stop(0.2)

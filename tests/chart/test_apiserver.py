@@ -27,6 +27,9 @@ Render = Callable[..., list[Manifest]]
 # Where each kind the chart renders lives in the API: (path prefix, plural, namespaced).
 API_PATHS = {
     "Secret": ("/api/v1", "secrets", True),
+    "Pod": ("/api/v1", "pods", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
+    "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
     "ServiceAccount": ("/api/v1", "serviceaccounts", True),
     "Service": ("/api/v1", "services", True),
     "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
@@ -90,8 +93,20 @@ def installed_crds(kube: testing.KubeAPI, chart_dir: Path) -> list[str]:
         {},
         {"reclaim": {"enabled": True}, "operator": {"watchNamespace": "apps"}},
         {"broker": {"persistence": {"enabled": False}, "replicas": 1}, "operator": {"enabled": False}},
+        {
+            "tls": {"enabled": True, "existingSecret": "mq-tls"},
+            "reclaim": {"enabled": True, "extraVolumes": [{"name": "x", "emptyDir": {}}]},
+            "crds": {"templated": True},
+            "networkPolicy": {"adminFrom": [{"namespaceSelector": {"matchLabels": {"team": "ops"}}}]},
+            "broker": {
+                "podAntiAffinityPreset": "hard",
+                "extraContainers": [{"name": "sidecar", "image": "example.org/sidecar:1"}],
+                "extraVolumes": [{"name": "extra", "emptyDir": {}}],
+                "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+            },
+        },
     ],
-    ids=["defaults", "reclaim-single-namespace", "no-persistence-no-operator"],
+    ids=["defaults", "reclaim-single-namespace", "no-persistence-no-operator", "production"],
 )
 def test_the_api_server_accepts_every_rendered_object(
     kube: testing.KubeAPI, render: Render, values: dict[str, Any]
@@ -131,12 +146,14 @@ def test_every_pod_meets_the_restricted_pod_security_standard(kube: testing.Kube
         },
     )
     templates = {}
-    for obj in render({"reclaim": {"enabled": True}}):
+    for obj in render({"reclaim": {"enabled": True}, "tls": {"enabled": True, "existingSecret": "mq-tls"}}):
         if obj["kind"] == "CronJob":
             templates[obj["kind"]] = obj["spec"]["jobTemplate"]["spec"]["template"]
         elif obj["kind"] in ("Deployment", "StatefulSet"):
             templates[obj["kind"]] = obj["spec"]["template"]
-    assert set(templates) == {"CronJob", "Deployment", "StatefulSet"}
+        elif obj["kind"] == "Pod":  # the helm test
+            templates[obj["kind"]] = obj
+    assert set(templates) == {"CronJob", "Deployment", "StatefulSet", "Pod"}
     for kind, template in templates.items():
         spec = dict(template["spec"])
         if kind == "StatefulSet":  # the claim template becomes a volume of the pod
@@ -202,6 +219,36 @@ def test_examples_break_only_where_a_cel_rule_says_so(kube: testing.KubeAPI, ins
         apply(kube, quota, namespace="team", dry_run=True)
     assert refused.value.status == 422
     assert "exactly one of" in refused.value.message
+
+
+def test_templated_crds_upgrade_the_installed_ones_in_place_and_are_kept(
+    kube: testing.KubeAPI, installed_crds: list[str], render: Render, chart_dir: Path
+) -> None:
+    """crds.templated: the chart's CRD objects applied over the ones crds/ installed (what `helm upgrade` does
+    once the release owns them) are accepted with strict validation, stay Established, carry the keep policy that
+    `helm uninstall` honours, and leave every custom resource in place."""
+    (topic,) = [
+        doc
+        for doc in yaml.safe_load_all((chart_dir / "examples" / "parenttopic.yaml").read_text())
+        if doc and doc["kind"] == "ParentTopic"
+    ]
+    topic["metadata"]["name"] = "survives-crd-upgrade"
+    apply(kube, topic, namespace="team")
+    crds = [o for o in render({"crds": {"templated": True}}) if o["kind"] == "CustomResourceDefinition"]
+    assert sorted(c["metadata"]["name"] for c in crds) == sorted(installed_crds)
+    for crd in crds:
+        stored = apply(kube, crd)
+        assert stored["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert stored["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    for crd in crds:
+        deadline = time.monotonic() + 30
+        while not any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in kube.get(object_path(crd)).get("status", {}).get("conditions", [])
+        ):
+            assert time.monotonic() < deadline, crd["metadata"]["name"]
+            time.sleep(0.1)
+    assert kube.exists(object_path(topic, "team"))
 
 
 # -- RBAC, decided by the API server's authorizer
@@ -325,9 +372,11 @@ def service_account_kubeconfig(kube: testing.KubeAPI, namespace: str, account: s
     return path
 
 
-def publish_broker_pod(kube: testing.KubeAPI, headless: Manifest, pod: str, address: tuple[str, int]) -> None:
-    """The EndpointSlice the cluster's controller would derive from the chart's headless Service."""
-    (grpc,) = [p for p in headless["spec"]["ports"] if p["targetPort"] == "grpc"]
+def publish_broker_pod(
+    kube: testing.KubeAPI, headless: Manifest, pod: str, address: str, ports: dict[str, int]
+) -> None:
+    """The EndpointSlice the cluster's controller would derive from the chart's headless Service: each Service
+    port under its name, at the port the (local) broker listens on for the container port it targets."""
     namespace = headless["metadata"]["namespace"]
     kube.post(
         f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
@@ -340,10 +389,13 @@ def publish_broker_pod(kube: testing.KubeAPI, headless: Manifest, pod: str, addr
             },
             "addressType": "IPv4",
             # The slice names the port after the Service port; on the pod it is the container port.
-            "ports": [{"name": grpc["name"], "port": address[1], "protocol": "TCP"}],
+            "ports": [
+                {"name": p["name"], "port": ports[p["targetPort"]], "protocol": "TCP"}
+                for p in headless["spec"]["ports"]
+            ],
             "endpoints": [
                 {
-                    "addresses": [address[0]],
+                    "addresses": [address],
                     "hostname": pod,
                     "conditions": {"ready": True},
                     "targetRef": {"kind": "Pod", "name": pod, "namespace": namespace},
@@ -355,8 +407,15 @@ def publish_broker_pod(kube: testing.KubeAPI, headless: Manifest, pod: str, addr
 
 @pytest.mark.parametrize(
     ("release", "values", "namespace"),
-    [("live", {}, "team"), ("solo", {"operator": {"watchNamespace": "apps"}}, "apps")],
-    ids=["cluster-wide", "single-namespace"],
+    [
+        ("live", {}, "team"),
+        (
+            "solo",
+            {"operator": {"watchNamespace": "apps"}, "tls": {"enabled": True, "existingSecret": "solo-tls"}},
+            "apps",
+        ),
+    ],
+    ids=["cluster-wide", "single-namespace-tls"],
 )
 def test_the_operator_reconciles_with_only_the_charts_rbac(
     *,
@@ -379,12 +438,21 @@ def test_the_operator_reconciles_with_only_the_charts_rbac(
     admin_secret = by_kind["Secret", f"{release}-lmq-admin"]
     pair = {key: base64.b64decode(value).decode() for key, value in admin_secret["data"].items()}
     admin_env = {"LMQ_ADMIN_ACCESS_KEY": pair["accessKey"], "LMQ_ADMIN_SECRET_KEY": pair["secretKey"]}
-    broker = broker_testing.start_broker(tmp_path / "data", extra_args=["--host", "0.0.0.0"], env=admin_env)
+    # The broker listens as the chart's does: admin on a port of its own, TLS when the values ask for it.
+    statefulset = by_kind["StatefulSet", f"{release}-lmq-broker"]
+    chart_args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = ["--host", "0.0.0.0", "--admin-port", "0"]
+    assert chart_args[chart_args.index("--admin-port") + 1] == "8082"
+    certificate = None
+    if "--tls-cert" in chart_args:
+        certificate = broker_testing.issue_certificate(tmp_path / "tls", f"{release}-lmq-broker.mq.svc")
+        args += ["--tls-cert", str(certificate.cert), "--tls-key", str(certificate.key)]
+    broker = broker_testing.start_broker(tmp_path / "data", extra_args=args, env=admin_env)
     operator = None
     try:
-        address = (testing.host_ip(), broker.port)
         headless = by_kind["Service", f"{release}-lmq-broker-headless"]
-        publish_broker_pod(kube, headless, f"{release}-lmq-broker-0", address)
+        ports = {"grpc": broker.port, "admin": broker.admin_port, "metrics": broker.metrics_port}
+        publish_broker_pod(kube, headless, f"{release}-lmq-broker-0", testing.host_ip(), ports)
 
         deployment = by_kind["Deployment", f"{release}-lmq-operator"]
         pod_spec = deployment["spec"]["template"]["spec"]
@@ -398,6 +466,13 @@ def test_the_operator_reconciles_with_only_the_charts_rbac(
         # Ports: the pod has its own network; start_operator picks free ones on this shared machine.
         for local in ("LMQ_OPERATOR_METRICS_PORT", "LMQ_OPERATOR_LIVENESS_ENDPOINT"):
             chart_env.pop(local)
+        if certificate is not None:  # the CA file where the chart mounts it: here, the test CA's path
+            (ca_volume,) = [v for v in pod_spec["volumes"] if v["name"] == "tls-ca"]
+            assert ca_volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+            assert chart_env["LMQ_TLS_CA"] == "/etc/lmq/ca/ca.crt"
+            chart_env["LMQ_TLS_CA"] = str(certificate.ca)
+        else:
+            assert "LMQ_TLS_CA" not in chart_env
         kubeconfig = service_account_kubeconfig(kube, "mq", pod_spec["serviceAccountName"], tmp_path / "sa.yaml")
         operator = testing.start_operator(kube, tmp_path / "operator.log", {**chart_env, "KUBECONFIG": str(kubeconfig)})
 

@@ -30,7 +30,14 @@ import pytest
 Manifest = dict[str, Any]
 Render = Callable[..., list[Manifest]]
 
-ENTRYPOINT_MODULES = ("lmq_broker", "lmq_operator", "lmq_reclaim")
+ENTRYPOINT_MODULES = ("lmq_broker", "lmq_operator", "lmq_reclaim", "lmq_broker.roundtrip")
+TARGETS = ("broker", "operator", "reclaim")  # one image per program, each named after its Dockerfile target
+# Distributions that must never reach an image that does not run them (lock file names, normalized).
+NOT_IN = {
+    "broker": {"pyspark", "py4j", "pyarrow", "pandas", "numpy", "kopf", "kubernetes"},
+    "operator": {"pyspark", "py4j", "pyarrow", "pandas", "rocksdict", "crc32c"},
+    "reclaim": {"kopf", "rocksdict", "crc32c"},
+}
 KNOWN_INSTRUCTIONS = {
     "ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
     "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR",
@@ -82,6 +89,31 @@ class Dockerfile:
     @property
     def final(self) -> Stage:
         return self.stages[-1]
+
+    def stage(self, name: str) -> Stage:
+        (found,) = [s for s in self.stages if s.name == name]
+        return found
+
+    def chain(self, name: str) -> list[Stage]:
+        """Every stage a target is built from: its own, its FROM bases and the stages it copies from."""
+        names = [s.name for s in self.stages]
+        seen: list[Stage] = []
+        pending = [name]
+        while pending:
+            stage = self.stage(pending.pop())
+            if stage in seen:
+                continue
+            seen.append(stage)
+            pending += [stage.base] if stage.base in names else []
+            pending += [i.flags["from"] for i in stage.all("COPY") if i.flags.get("from") in names]
+        return seen
+
+    def inherited(self, name: str, keyword: str) -> Instruction:
+        """The instruction a target's image ends up with: its own, else its FROM base's, and so on."""
+        stage = self.stage(name)
+        while not stage.all(keyword):
+            stage = self.stage(stage.base)
+        return stage.last(keyword)
 
 
 _VARIABLE = re.compile(r"\$(?:\{(?P<braced>\w+)(?::-(?P<default>[^}]*))?\}|(?P<bare>\w+))")
@@ -316,50 +348,92 @@ def tracked_files(repo_root: Path) -> list[str]:
     return [line for line in listed.stdout.splitlines() if (repo_root / line).is_file()]
 
 
-# -- the image
+# -- the images
 
 
-def test_two_stages_on_the_same_python_base(dockerfile: Dockerfile) -> None:
-    builder, runtime = dockerfile.stages
-    assert builder.name == "builder"
-    assert runtime.base == builder.base  # the venv's interpreter path must exist in the runtime stage
-    assert re.fullmatch(r"python:3\.11-slim(-bookworm)?", runtime.base), runtime.base
+def lock_names(path: Path) -> set[str]:
+    """Distribution names pinned in a requirements file (normalized as PEP 503 says)."""
+    names = set()
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith((" ", "#")):
+            names.add(re.sub(r"[-_.]+", "-", line.split("==")[0].strip()).lower())
+    return names
+
+
+def test_one_target_per_program_on_one_python_base(dockerfile: Dockerfile) -> None:
+    names = [s.name for s in dockerfile.stages]
+    assert set(TARGETS) <= set(names)
+    assert dockerfile.final.name == "broker"  # `docker build .` builds the broker
+    base = dockerfile.args["PYTHON_IMAGE"]
+    for index, stage in enumerate(dockerfile.stages):
+        # A virtualenv built in one stage must find its interpreter at the same path in another.
+        assert stage.base == base or stage.base in names[:index], (stage.name, stage.base)
+    assert re.fullmatch(r"python:3\.11-slim(-bookworm)?", base), base
     # OpenJDK 17 is packaged in Debian bookworm; an unpinned slim tag may move to a release without it.
-    assert runtime.base.endswith("-bookworm")
+    assert base.endswith("-bookworm")
 
 
-def test_runtime_has_java_17_for_pyspark(dockerfile: Dockerfile) -> None:
-    installs = [i.value for i in dockerfile.final.all("RUN") if "apt-get install" in i.value]
-    assert len(installs) == 1
-    assert "openjdk-17-jre-headless" in installs[0].split()
-    assert "--no-install-recommends" in installs[0]
-    assert "rm -rf /var/lib/apt/lists/*" in installs[0]
+def test_only_the_reclaim_image_carries_a_java_runtime(dockerfile: Dockerfile) -> None:
+    for target in TARGETS:
+        installs = [i.value for s in dockerfile.chain(target) for i in s.all("RUN") if "apt-get install" in i.value]
+        if target != "reclaim":
+            assert installs == [], f"{target}: {installs}"
+            continue
+        (install,) = installs
+        assert "openjdk-17-jre-headless" in install.split()
+        assert "--no-install-recommends" in install
+        assert "rm -rf /var/lib/apt/lists/*" in install
 
 
-def test_runs_as_a_numeric_non_root_user(dockerfile: Dockerfile, chart: helm.Chart) -> None:
-    user = dockerfile.final.last("USER").value
-    uid, _, gid = user.partition(":")
-    assert uid.isdigit() and gid.isdigit(), f"USER {user}: Kubernetes can only verify runAsNonRoot for numbers"
-    assert int(uid) != 0 and int(gid) != 0
-    # The user exists in /etc/passwd (the JVM and Hadoop look it up) ...
-    created = " ".join(i.value for i in dockerfile.final.all("RUN"))
-    assert f"useradd --uid {uid} --gid {gid}" in created
-    # ... and the chart runs the pods as that same user.
+def test_each_image_installs_exactly_its_programs_pins(dockerfile: Dockerfile, repo_root: Path) -> None:
+    for target in TARGETS:
+        chain = dockerfile.chain(target)
+        copied = {w for s in chain for i in s.all("COPY") for w in i.words()[:-1] if w.startswith("requirements/")}
+        assert copied == {f"requirements/{target}.txt"}, (target, copied)
+        pip = [i.value for s in chain for i in s.all("RUN") if "pip install" in i.value and "-r " in i.value]
+        assert len(pip) == 1 and "--no-deps -r" in pip[0], pip  # the lock is the whole set: nothing resolved
+        checked = " ".join(i.value for s in chain for i in s.all("RUN"))
+        assert "pip check" in checked  # ... and the set is complete
+        pinned = lock_names(repo_root / "requirements" / f"{target}.txt")
+        assert pinned, target
+        assert pinned & NOT_IN[target] == set(), (target, pinned & NOT_IN[target])
+    assert {"pyspark", "py4j", "pyarrow"} <= lock_names(repo_root / "requirements" / "reclaim.txt")
+    assert {"kopf", "kubernetes"} <= lock_names(repo_root / "requirements" / "operator.txt")
+
+
+def test_each_image_runs_as_a_numeric_non_root_user(dockerfile: Dockerfile, chart: helm.Chart) -> None:
     security = chart.values["podSecurity"]
-    assert (security["runAsUser"], security["runAsGroup"], security["fsGroup"]) == (int(uid), int(gid), int(gid))
-    # USER is the last word on the runtime stage: nothing after it runs as root.
-    keywords = [i.keyword for i in dockerfile.final.instructions]
-    assert not {"RUN", "COPY", "ADD"} & set(keywords[keywords.index("USER") :])
+    for target in TARGETS:
+        stage = dockerfile.stage(target)
+        user = stage.last("USER").value
+        uid, _, gid = user.partition(":")
+        assert uid.isdigit() and gid.isdigit(), f"USER {user}: Kubernetes can only verify runAsNonRoot for numbers"
+        assert int(uid) != 0 and int(gid) != 0
+        # The user exists in /etc/passwd (the JVM and Hadoop look it up) ...
+        created = " ".join(i.value for s in dockerfile.chain(target) for i in s.all("RUN"))
+        assert f"useradd --uid {uid} --gid {gid}" in created
+        # ... and the chart runs the pods as that same user.
+        assert (security["runAsUser"], security["runAsGroup"], security["fsGroup"]) == (int(uid), int(gid), int(gid))
+        # USER is the last word of the target: nothing after it runs as root.
+        keywords = [i.keyword for i in stage.instructions]
+        assert not {"RUN", "COPY", "ADD"} & set(keywords[keywords.index("USER") :]), target
 
 
-def test_entrypoint_cmd_and_ports(dockerfile: Dockerfile) -> None:
-    assert dockerfile.final.last("ENTRYPOINT").exec_form() == ["python", "-m"]
-    assert dockerfile.final.last("CMD").exec_form() == ["lmq_broker", "serve", "--data-dir", "/data"]
-    exposed = {port for i in dockerfile.final.all("EXPOSE") for port in i.words()}
-    assert exposed == {"8081", "9100"}
-    env = " ".join(i.value for i in dockerfile.final.all("ENV"))
-    assert "PATH=/opt/lmq/bin:$PATH" in env  # "python" is the virtualenv's
-    assert "PYTHONDONTWRITEBYTECODE=1" in env  # the root filesystem is read-only in the pods
+def test_entrypoints_commands_and_ports(dockerfile: Dockerfile) -> None:
+    commands = {
+        "broker": ["lmq_broker", "serve", "--data-dir", "/data"],
+        "operator": ["lmq_operator"],
+        "reclaim": ["lmq_reclaim", "--help"],
+    }
+    ports = {"broker": {"8081", "8082", "9100"}, "operator": {"9101", "8080"}, "reclaim": set()}
+    for target in TARGETS:
+        assert dockerfile.inherited(target, "ENTRYPOINT").exec_form() == ["python", "-m"]
+        assert dockerfile.stage(target).last("CMD").exec_form() == commands[target]
+        exposed = {port for i in dockerfile.stage(target).all("EXPOSE") for port in i.words()}
+        assert exposed == ports[target], target
+        env = " ".join(i.value for s in dockerfile.chain(target) for i in s.all("ENV"))
+        assert "PATH=/opt/lmq/bin:$PATH" in env  # "python" is the virtualenv's
+        assert "PYTHONDONTWRITEBYTECODE=1" in env  # the root filesystem is read-only in the pods
 
 
 def test_copy_sources_exist_and_are_in_the_build_context(
@@ -368,9 +442,9 @@ def test_copy_sources_exist_and_are_in_the_build_context(
     stage_names = [s.name for s in dockerfile.stages]
     copies = [(index, i) for index, stage in enumerate(dockerfile.stages) for i in stage.all("COPY")]
     assert copies
+    assert "ADD" not in {i.keyword for s in dockerfile.stages for i in s.instructions}
     for index, copy in copies:
         *sources, _destination = copy.words()
-        assert "ADD" not in {i.keyword for s in dockerfile.stages for i in s.instructions}
         if "from" in copy.flags:
             assert copy.flags["from"] in stage_names[:index], f"line {copy.line}: unknown stage"
             continue
@@ -380,33 +454,24 @@ def test_copy_sources_exist_and_are_in_the_build_context(
 
 
 def test_build_context_holds_the_sources_and_nothing_else(context_files: set[str], tracked_files: list[str]) -> None:
-    sources = {f for f in tracked_files if f.startswith(("broker/", "operator/"))}
+    sources = {f for f in tracked_files if f.startswith(("broker/", "operator/", "requirements/"))}
     assert {f for f in sources if f.endswith(".py")}, "no sources found"
     assert sources <= context_files, sorted(sources - context_files)
     top_level = {f.split("/")[0] for f in context_files}
-    assert top_level == {"pyproject.toml", "README.md", "broker", "operator"}
+    assert top_level == {"pyproject.toml", "README.md", "broker", "operator", "requirements"}
     assert not [f for f in context_files if "__pycache__" in f or f.endswith(".pyc") or ".egg-info" in f]
 
 
 def test_the_project_builds_from_exactly_the_build_context(
     dockerfile: Dockerfile, repo_root: Path, context_files: set[str], tmp_path: Path
 ) -> None:
-    """What the builder stage does, on a copy of the context: list the dependencies, build the wheel."""
+    """What the wheel stage does, on a copy of the context: the wheel every image installs."""
     context = tmp_path / "context"
     for name in context_files:
         (context / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repo_root / name, context / name)
-
-    # The RUN line that turns pyproject.toml into a requirements list.
-    (listing,) = [i for i in dockerfile.stages[0].all("RUN") if "tomllib" in i.value]
-    words = shlex.split(listing.value)
-    script = words[words.index("-c") + 1]
-    listed = subprocess.run(
-        [sys.executable, "-c", script], cwd=context, capture_output=True, text=True, check=True, timeout=60
-    )
-    dependencies = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert listed.stdout.splitlines() == dependencies
-
+    (build,) = [i.value for i in dockerfile.stage("wheel").all("RUN")]
+    assert "pip wheel --no-deps" in build
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q",
          "-w", str(tmp_path / "dist"), str(context)],
@@ -416,18 +481,27 @@ def test_the_project_builds_from_exactly_the_build_context(
     (wheel,) = (tmp_path / "dist").glob("lmq-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ENTRYPOINT_MODULES:
-        assert f"{module}/__init__.py" in names
-        assert f"{module}/py.typed" in names
+        path = module.replace(".", "/")
+        assert f"{path}/__init__.py" in names or f"{path}.py" in names, module
+    for package in ("lmq_broker", "lmq_operator", "lmq_reclaim"):
+        assert f"{package}/py.typed" in names
     assert "lmq_broker/protocol/gen/apache/rocketmq/v2/service_pb2.py" in names
     packaged = {n for n in names if n.endswith(".py")}
     expected = {
         f.split("/", 1)[1] for f in context_files if f.endswith(".py") and f.startswith(("broker/", "operator/"))
     }
     assert expected <= packaged, sorted(expected - packaged)
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    extras = {
+        line.split(":", 1)[1].strip()
+        for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+        if line.startswith("Provides-Extra:")
+    }
+    assert set(TARGETS) <= extras  # pip install 'lmq[broker]' and the rest
 
 
 def test_entrypoint_modules_start(repo_root: Path) -> None:
-    """`python -m <module> --help` works for every module the image and the chart run."""
+    """`python -m <module> --help` works for every module the images and the chart run."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "broker"), str(repo_root / "operator")])}
     # An operator that ignored --help would start kopf: make that fail fast instead of reaching a cluster.
     env["KUBECONFIG"] = os.devnull
@@ -454,38 +528,48 @@ def test_entrypoint_modules_start(repo_root: Path) -> None:
     assert failures == {}, failures
 
 
-def chart_containers(objects: list[Manifest]) -> Iterator[tuple[str, dict[str, Any]]]:
+def pod_specs(objects: list[Manifest]) -> Iterator[tuple[str, dict[str, Any]]]:
     for obj in objects:
         if obj["kind"] == "CronJob":
             spec = obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
         elif obj["kind"] in ("Deployment", "StatefulSet"):
             spec = obj["spec"]["template"]["spec"]
+        elif obj["kind"] == "Pod":
+            spec = obj["spec"]
         else:
             continue
-        for container in spec.get("initContainers", []) + spec["containers"]:
-            yield obj["metadata"]["labels"]["app.kubernetes.io/component"], container
+        yield obj["metadata"]["labels"]["app.kubernetes.io/component"], spec
 
 
-def test_chart_runs_the_image_the_way_the_dockerfile_says(
+def test_chart_runs_each_image_the_way_the_dockerfile_says(
     dockerfile: Dockerfile, render: Render, chart: helm.Chart, repo_root: Path
 ) -> None:
-    entrypoint = dockerfile.final.last("ENTRYPOINT").exec_form()
-    cmd = dockerfile.final.last("CMD").exec_form()
-    assert entrypoint is not None and cmd is not None
     project_version = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["version"]
     assert chart.metadata["appVersion"] == project_version  # the default image tag is the package version
-
-    containers = dict(chart_containers(render({"reclaim": {"enabled": True}})))
-    assert set(containers) == {"broker", "operator", "reclaim"}
+    containers = {
+        component: spec["containers"][0] for component, spec in pod_specs(render({"reclaim": {"enabled": True}}))
+    }
+    assert set(containers) == {"broker", "operator", "reclaim", "test"}
     for component, container in containers.items():
-        assert container["image"] == f"lmq:{project_version}"
-        assert container["command"] == [*entrypoint, f"lmq_{component}"]
+        target = "broker" if component == "test" else component  # the helm test runs a module of the broker image
+        assert container["image"] == f"lmq-{target}:{project_version}"
+        entrypoint = dockerfile.inherited(target, "ENTRYPOINT").exec_form()
+        assert entrypoint is not None
+        assert container["command"][:2] == entrypoint
+        if component != "test":
+            assert container["command"][2] == f"lmq_{component}"
+            cmd = dockerfile.stage(target).last("CMD").exec_form()
+            assert cmd is not None and cmd[0] == f"lmq_{component}"
+        exposed = {p for i in dockerfile.stage(target).all("EXPOSE") for p in i.words()}
+        assert {str(p["containerPort"]) for p in container.get("ports", [])} <= exposed, component
     broker = containers["broker"]
+    cmd = dockerfile.stage("broker").last("CMD").exec_form()
+    assert cmd is not None
     # The chart's broker is the image's default command, with flags added after it.
     assert [*broker["command"][2:], *broker["args"]][: len(cmd)] == cmd
     assert {str(p["containerPort"]) for p in broker["ports"]} == {
-        p for i in dockerfile.final.all("EXPOSE") for p in i.words()
+        p for i in dockerfile.stage("broker").all("EXPOSE") for p in i.words()
     }
     data_dir = cmd[cmd.index("--data-dir") + 1]
     assert data_dir in {m["mountPath"] for m in broker["volumeMounts"]}
-    assert data_dir in {v for i in dockerfile.final.all("VOLUME") for v in i.words()}
+    assert data_dir in {v for i in dockerfile.stage("broker").all("VOLUME") for v in i.words()}

@@ -103,15 +103,22 @@ def test_broker_runs_serve_with_its_stable_identity(render: Render, one: One) ->
         "/data",
         "--port",
         "8081",
+        "--admin-port",
+        "8082",
         "--metrics-port",
         "9100",
         "--broker-name",
         "$(POD_NAME)",
         "--advertised-host",
         f"$(POD_NAME).{HEADLESS}.mq.svc.cluster.local",
+        "--no-bootstrap",
     ]
     assert broker["env"][0] == {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-    assert {(p["name"], p["containerPort"]) for p in broker["ports"]} == {("grpc", 8081), ("metrics", 9100)}
+    assert {(p["name"], p["containerPort"]) for p in broker["ports"]} == {
+        ("grpc", 8081),
+        ("admin", 8082),
+        ("metrics", 9100),
+    }
 
 
 def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one: One) -> None:
@@ -130,8 +137,13 @@ def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one
             BROKER,
         )
     )
-    assert broker["args"][-3:] == [f"$(POD_NAME).{HEADLESS}.mq.svc.corp.local", "--flush-mode", "async"]
-    names = ["POD_NAME", "LMQ_ADMIN_ACCESS_KEY", "LMQ_ADMIN_SECRET_KEY", "LMQ_MAX_BODY_BYTES"]
+    assert broker["args"][-4:] == [
+        f"$(POD_NAME).{HEADLESS}.mq.svc.corp.local",
+        "--no-bootstrap",
+        "--flush-mode",
+        "async",
+    ]
+    names = ["POD_NAME", "LMQ_ADMIN_ACCESS_KEY", "LMQ_ADMIN_SECRET_KEY", "LMQ_ADMIN_ENDPOINT", "LMQ_MAX_BODY_BYTES"]
     assert [e["name"] for e in broker["env"]] == names
 
 
@@ -249,6 +261,7 @@ def test_services(render: Render, one: One) -> None:
     assert headless["publishNotReadyAddresses"] is True
     assert {(p["name"], p["port"], p["targetPort"]) for p in headless["ports"]} == {
         ("grpc", 8081, "grpc"),
+        ("admin", 8082, "admin"),  # per pod, for the operator and the reclaim job
         ("metrics", 9100, "metrics"),
     }
 
@@ -257,7 +270,7 @@ def test_services(render: Render, one: One) -> None:
     assert "clusterIP" not in client and "publishNotReadyAddresses" not in client
     assert [(p["name"], p["port"], p["targetPort"], p["appProtocol"]) for p in client["ports"]] == [
         ("grpc", 8081, "grpc", "grpc")
-    ]
+    ]  # never the admin port: a LoadBalancer client Service must not expose it
     for spec in (headless, client):
         assert spec["selector"].items() <= pod_labels.items()
         assert not spec["selector"].items() <= operator_labels.items()
@@ -288,7 +301,7 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_SERVICE": HEADLESS,
         "LMQ_OPERATOR_BROKER_NAMESPACE": "mq",
         "LMQ_OPERATOR_BROKER_STATEFULSET": BROKER,
-        "LMQ_OPERATOR_BROKER_PORT": "8081",
+        "LMQ_OPERATOR_BROKER_PORT": "8082",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
         "LMQ_OPERATOR_LIVENESS_ENDPOINT": "http://0.0.0.0:8080/healthz",
         "LMQ_OPERATOR_ACCESS_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "accessKey"}},
@@ -373,7 +386,7 @@ def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, on
 def test_operator_can_be_left_out(render: Render) -> None:
     objects = render({"operator": {"enabled": False}})
     components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects}
-    assert components == {"admin", "broker"}
+    assert components == {"admin", "broker", "test"}
 
 
 # -- the reclaim CronJob
@@ -381,7 +394,7 @@ def test_operator_can_be_left_out(render: Render) -> None:
 
 def test_reclaim_cronjob_is_absent_by_default(render: Render) -> None:
     components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in render()}
-    assert components == {"admin", "broker", "operator"}
+    assert components == {"admin", "broker", "operator", "test"}
 
 
 def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
@@ -408,7 +421,7 @@ def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
         "--cluster-domain",
         "cluster.local",
         "--broker-port",
-        "8081",
+        "8082",
         "--master",
         "local[2]",
         "--driver-memory",
@@ -469,7 +482,7 @@ def test_every_object_carries_the_recommended_labels(render: Render) -> None:
         assert labels["app.kubernetes.io/part-of"] == "lmq"
         assert labels["app.kubernetes.io/version"] == "0.1.0"
         assert labels["helm.sh/chart"] == "lmq-0.1.0"
-        assert labels["app.kubernetes.io/component"] in ("admin", "broker", "operator", "reclaim")
+        assert labels["app.kubernetes.io/component"] in ("admin", "broker", "operator", "reclaim", "test")
         assert labels["team"] == "mq"
 
 
@@ -483,6 +496,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-broker-headless",
         "lmq-operator",
         "lmq-operator-brokers",
+        "lmq-test",
     }
     assert names(render({"fullnameOverride": "mq"})) == {
         "mq-admin",
@@ -490,25 +504,40 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-broker-headless",
         "mq-operator",
         "mq-operator-brokers",
+        "mq-test",
     }
+
+
+DIGEST = "sha256:" + "a" * 64
 
 
 @pytest.mark.parametrize(
-    ("image", "reference"),
+    ("values", "references"),
     [
-        ({}, "lmq:0.1.0"),
-        ({"tag": "1.2.3"}, "lmq:1.2.3"),
-        ({"digest": "sha256:" + "a" * 64}, "lmq@sha256:" + "a" * 64),
-        ({"tag": "1.2.3", "digest": "sha256:" + "a" * 64}, "lmq:1.2.3@sha256:" + "a" * 64),
-        ({"repository": "registry.example.org/mq/lmq"}, "registry.example.org/mq/lmq:0.1.0"),
+        ({}, ("lmq-broker:0.1.0", "lmq-operator:0.1.0", "lmq-reclaim:0.1.0")),
+        ({"image": {"tag": "1.2.3"}}, ("lmq-broker:1.2.3", "lmq-operator:1.2.3", "lmq-reclaim:1.2.3")),
+        (
+            {"image": {"repository": "registry.example.org/mq/lmq"}},
+            tuple(f"registry.example.org/mq/lmq-{c}:0.1.0" for c in ("broker", "operator", "reclaim")),
+        ),
+        (
+            {"broker": {"image": {"digest": DIGEST}}, "operator": {"image": {"repository": "ops/op"}}},
+            (f"lmq-broker@{DIGEST}", "ops/op:0.1.0", "lmq-reclaim:0.1.0"),
+        ),
+        (
+            {"image": {"tag": "1.2.3"}, "reclaim": {"image": {"digest": DIGEST, "repository": "r/spark"}}},
+            ("lmq-broker:1.2.3", "lmq-operator:1.2.3", f"r/spark:1.2.3@{DIGEST}"),
+        ),
     ],
 )
-def test_image_reference(render: Render, image: dict[str, str], reference: str) -> None:
-    objects = render({"image": image, "reclaim": {"enabled": True}})
+def test_image_reference(render: Render, values: dict[str, Any], references: tuple[str, str, str]) -> None:
+    """One image per component ("<image.repository>-<component>"); each may name its own and pin a digest."""
+    objects = render({**values, "reclaim": {**values.get("reclaim", {}), "enabled": True}})
     images = {
-        c["image"]
+        o["metadata"]["labels"]["app.kubernetes.io/component"]: c["image"]
         for o in objects
-        if o["kind"] in ("StatefulSet", "Deployment", "CronJob")
-        for c in pod_spec(o)["containers"]
+        if o["kind"] in ("StatefulSet", "Deployment", "CronJob", "Pod")
+        for c in (o["spec"] if o["kind"] == "Pod" else pod_spec(o))["containers"]
     }
-    assert images == {reference}
+    broker, operator, reclaim = references
+    assert images == {"broker": broker, "operator": operator, "reclaim": reclaim, "test": broker}

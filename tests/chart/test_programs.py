@@ -7,6 +7,7 @@ the chart's grace period.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import urllib.error
@@ -16,9 +17,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import pytest
+
 from lmq_broker import __main__ as broker_cli
+from lmq_broker import roundtrip
 from lmq_broker import testing as broker_testing
+from lmq_broker.admin import tls
+from lmq_broker.admin.credentials import KeyPair
+from lmq_operator import apply
+from lmq_operator import model as operator_model
 from lmq_operator import settings as operator_settings
+from lmq_reclaim import brokers as reclaim_brokers
 from lmq_reclaim import options as reclaim_options
 
 Manifest = dict[str, Any]
@@ -59,7 +68,8 @@ def test_the_broker_reads_the_charts_arguments(render: Render, one: One) -> None
     env = {**literal_env(broker), "POD_NAME": POD}
     args = broker_cli.build_parser().parse_args(kubelet_expand(broker["args"], env))
     config = broker_cli.config_from(args, env)
-    assert (config.port, config.metrics_port) == (8081, 9100)
+    assert (config.port, config.admin_port, config.metrics_port) == (8081, 8082, 9100)
+    assert config.bootstrap is False  # no demo objects in production
     assert str(config.store.data_dir) == "/data"
     assert config.broker_name == POD
     assert config.advertised_host == f"{POD}.{HEADLESS}.mq.svc.cluster.local"
@@ -74,7 +84,7 @@ def test_the_operator_reads_the_charts_environment(render: Render, one: One) -> 
         assert conf.namespace == namespace
         assert (conf.broker_service, conf.broker_namespace) == (HEADLESS, "mq")
         assert conf.broker_statefulset == "demo-lmq-broker"
-        assert (conf.admin_port, conf.metrics_port) == (8081, 9101)
+        assert (conf.admin_port, conf.metrics_port) == (8082, 9101)  # the brokers' --admin-port
         # The liveness probe asks where kopf listens.
         assert conf.liveness_endpoint is not None
         liveness = urlsplit(conf.liveness_endpoint)
@@ -88,7 +98,7 @@ def test_the_reclaim_job_reads_the_charts_arguments(render: Render, one: One) ->
     reclaim = container(one(render({"reclaim": {"enabled": True, "extraArgs": ["--dry-run"]}}), "CronJob"))
     parsed = reclaim_options.parse(reclaim["args"])
     assert (parsed.broker_service, parsed.namespace, parsed.cluster_domain) == (HEADLESS, "mq", "cluster.local")
-    assert parsed.broker_port == 8081
+    assert parsed.broker_port == 8082  # the brokers' --admin-port
     assert parsed.master == "local[2]"
     assert parsed.driver_memory == "1g"
     assert str(parsed.local_dir).startswith("/tmp/")  # inside the scratch emptyDir
@@ -138,3 +148,88 @@ def test_a_broker_started_like_the_chart_answers_its_probes(render: Render, one:
     assert code == 0, process.log()[-2000:]
     assert time.monotonic() - started < grace_s
     assert os.listdir(tmp_path / "data"), "the broker wrote nothing to its data directory"
+
+
+def mounted_secret(spec: dict[str, Any], c: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret, key) that the kubelet would put at ``path`` in container ``c`` of pod ``spec``."""
+    directory, _, name = path.rpartition("/")
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == directory]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    (item,) = [i for i in volume["secret"]["items"] if i["path"] == name]
+    return volume["secret"]["secretName"], item["key"]
+
+
+def test_a_tls_broker_started_like_the_chart_serves_the_charts_callers(
+    render: Render, one: One, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tls.enabled end to end with real programs: the broker with the chart's TLS arguments and admin port,
+    then the helm test, the operator and the reclaim job with the chart's TLS settings, each file found where the
+    chart mounts it (the Secret's keys stand in for the kubelet's files)."""
+    objects = render({"tls": {"enabled": True, "existingSecret": "mq-tls"}, "reclaim": {"enabled": True}})
+    server_name = "demo-lmq-broker.mq.svc"  # tls.serverName's default: the client Service
+    issued = broker_testing.issue_certificate(tmp_path / "tls", server_name, f"*.{HEADLESS}.mq.svc")
+    secret = {"tls.crt": issued.cert, "tls.key": issued.key, "ca.crt": issued.ca}  # what mq-tls holds
+
+    def local_file(spec: dict[str, Any], c: dict[str, Any], path: str) -> str:
+        name, key = mounted_secret(spec, c, path)
+        assert name == "mq-tls"
+        return str(secret[key])
+
+    statefulset = one(objects, "StatefulSet")
+    sts_spec, broker = statefulset["spec"]["template"]["spec"], container(statefulset)
+    flags = kubelet_expand(broker["args"], {**literal_env(broker), "POD_NAME": POD})[1:]
+    local = {"--data-dir": str(tmp_path / "data"), "--port": "0", "--admin-port": "0", "--metrics-port": "0"}
+    for flag in ("--tls-cert", "--tls-key"):
+        local[flag] = local_file(sts_spec, broker, flags[flags.index(flag) + 1])
+    for flag, value in local.items():
+        flags[flags.index(flag) + 1] = value
+    process = broker_testing.start_broker(tmp_path / "data", extra_args=flags, env=broker_testing.SHARED_ADMIN_ENV)
+    for name, value in broker_testing.SHARED_ADMIN_ENV.items():
+        monkeypatch.setenv(name, value)
+    try:
+        # The helm test pod, against broker 0 (here: this process) through both ports.
+        (test_pod,) = [o for o in objects if o["kind"] == "Pod"]
+        pod_spec, roundtrip_container = test_pod["spec"], test_pod["spec"]["containers"][0]
+        pod_env = literal_env(roundtrip_container)
+        assert pod_env[tls.SERVER_NAME_ENV] == server_name
+        monkeypatch.setenv(tls.CA_ENV, local_file(pod_spec, roundtrip_container, pod_env[tls.CA_ENV]))
+        monkeypatch.setenv(tls.SERVER_NAME_ENV, pod_env[tls.SERVER_NAME_ENV])
+        args = roundtrip_container["args"]
+        assert args[1].endswith(":8081") and args[3].endswith(":8082")
+        args = [args[0], process.endpoint, args[2], process.admin_endpoint]
+        assert roundtrip_container["command"][2] == "lmq_broker.roundtrip"
+        assert roundtrip.main(args) == 0
+
+        # The operator, with the chart's environment.
+        deployment = one(objects, "Deployment")
+        operator = container(deployment)
+        env = literal_env(operator)
+        env[tls.CA_ENV] = local_file(deployment["spec"]["template"]["spec"], operator, env[tls.CA_ENV])
+        env["LMQ_OPERATOR_BROKERS"] = process.admin_endpoint
+        env["LMQ_OPERATOR_ACCESS_KEY"], env["LMQ_OPERATOR_SECRET_KEY"] = broker_testing.SHARED_ADMIN_ENV.values()
+        conf = operator_settings.from_env(env)
+
+        async def apply_topic() -> bool:
+            admin = apply.GrpcAdmin(process.admin_endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
+            try:
+                return await admin.put(operator_model.TopicConfig("chart-tls", 30, 100))
+            finally:
+                await admin.close()
+
+        assert asyncio.run(apply_topic()) is True
+
+        # The reclaim job, with the chart's arguments and environment.
+        cronjob = one(objects, "CronJob")
+        reclaim = container(cronjob)
+        reclaim_env = literal_env(reclaim)
+        pod = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        monkeypatch.setenv(tls.CA_ENV, local_file(pod, reclaim, reclaim_env[tls.CA_ENV]))
+        monkeypatch.setenv(tls.SERVER_NAME_ENV, reclaim_env[tls.SERVER_NAME_ENV])
+        opts = reclaim_options.parse(reclaim["args"])
+        keys = KeyPair(*broker_testing.SHARED_ADMIN_ENV.values())
+        with reclaim_brokers.ArrowAdmin(process.admin_endpoint, 10.0, keys, opts.tls) as admin:
+            assert "chart-tls" in [p.topic.name for p in admin.parents()]
+    finally:
+        process.stop()
+        if process.process.stdout is not None:
+            process.process.stdout.close()

@@ -20,7 +20,10 @@ Render = Callable[..., list[Manifest]]
 
 # Objects the schema deliberately leaves open: Kubernetes types passed through to a pod spec, where the
 # API server (and kubernetes-validate in test_render.py) checks them.
-PASS_THROUGH = {"valueFrom", "nodeAffinity", "podAffinity", "podAntiAffinity", "labelSelector"}
+PASS_THROUGH = {
+    "valueFrom", "nodeAffinity", "podAffinity", "podAntiAffinity", "labelSelector", "podSelector", "namespaceSelector",
+    "extraVolumes[]", "extraContainers[]",
+}  # fmt: skip
 # Schema definitions of Kubernetes types: values.yaml sets some of their optional keys, not all of them.
 KUBERNETES_TYPES = {"#/definitions/affinity", "#/definitions/resources"}
 
@@ -140,8 +143,15 @@ def test_defaults_and_a_full_override_are_valid(chart: helm.Chart) -> None:
         deep_merge(
             chart.values,
             {
-                "image": {"digest": "sha256:" + "0" * 64},
-                "broker": {"replicas": 7, "podDisruptionBudget": {"maxUnavailable": "25%"}},
+                "broker": {
+                    "image": {"digest": "sha256:" + "0" * 64},
+                    "replicas": 7,
+                    "podDisruptionBudget": {"maxUnavailable": "25%"},
+                    "extraVolumeMounts": [{"name": "x", "mountPath": "/x", "readOnly": True}],
+                },
+                "operator": {"image": {"repository": "ops/operator"}},
+                "tls": {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}},
+                "networkPolicy": {"adminFrom": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]},
                 "podSecurity": {"runAsUser": None},
                 "reclaim": {"enabled": True, "timeZone": "America/Argentina/Buenos_Aires"},
             },
@@ -202,7 +212,27 @@ WRONG = [
     ("operator.podAnnotations", {"a": 1}),
     ("commonLabels", {"team": True}),
     ("image.pullPolicy", "Sometimes"),
-    ("image.digest", "latest"),
+    ("broker.image.digest", "latest"),
+    ("operator.image.digest", "sha256:short"),
+    ("broker.podAntiAffinityPreset", "sometimes"),
+    ("broker.topologySpread.maxSkew", 0),
+    ("broker.topologySpread.whenUnsatisfiable", "Maybe"),
+    ("broker.extraVolumes", [{"emptyDir": {}}]),
+    ("broker.extraVolumeMounts", [{"name": "x"}]),
+    ("broker.extraVolumeMounts", [{"name": "x", "mountPath": "relative"}]),
+    ("operator.extraContainers", [{"name": "sidecar"}]),
+    ("reclaim.extraVolumeMounts", [{"name": "x", "mountPath": "/x", "readonly": True}]),
+    ("networkPolicy.enabled", "yes"),
+    ("networkPolicy.extraIngress", [{"ports": [{"port": 70000}]}]),
+    ("networkPolicy.adminFrom", [{"podSelectorr": {}}]),
+    ("networkPolicy.clientFrom", [{"ipBlock": {"except": ["10.0.0.0/8"]}}]),
+    ("tls.enabled", "true"),
+    ("tls.caKey", "a/b"),
+    ("tls.serverName", "Not A Name"),
+    ("tls.certManager.duration", "90 days"),
+    ("tls.certManager.extraDnsNames", ["not a name"]),
+    ("crds.templated", "yes"),
+    ("test.enabled", 1),
     ("image.tag", "has space"),
     ("imagePullSecrets", ["regcred"]),
     ("podSecurity.runAsUser", 0),

@@ -533,3 +533,14 @@ def test_brokers_from_endpoint_slices() -> None:
         (model.Broker("lmq-broker-1", "10.1.0.6:8081", 1), False),
         (model.Broker("lmq-broker-2", "10.1.0.7:8081", 2), True),
     ]
+
+
+def test_a_port_named_admin_wins_over_grpc_whatever_the_order() -> None:
+    """Brokers serving admin on its own port (the chart's --admin-port) name it "admin" on the headless Service."""
+    endpoint = {"addresses": ["10.1.0.5"], "targetRef": {"name": "lmq-broker-0"}}
+    for ports in (
+        [{"name": "grpc", "port": 8081}, {"name": "admin", "port": 8082}, {"name": "metrics", "port": 9100}],
+        [{"name": "metrics", "port": 9100}, {"name": "admin", "port": 8082}, {"name": "grpc", "port": 8081}],
+    ):
+        found = apply.brokers_from_slices([{"ports": ports, "endpoints": [endpoint]}], default_port=8081)
+        assert found == [(model.Broker("lmq-broker-0", "10.1.0.5:8082", 0), True)]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final, TextIO, TypeVar
 
 from lmq_broker import errors, model
-from lmq_broker.admin import credentials
+from lmq_broker.admin import credentials, tls
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import GroupLag, LiteTopicPage
 from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
@@ -223,6 +223,16 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"read the admin key pair from <data-dir>/{credentials.FILE_NAME} when neither flags nor env give one "
         f"(env {DATA_DIR_ENV}, default {credentials.DEFAULT_DATA_DIR}: where `make run` keeps it)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help=f"speak TLS, trusting brokers whose certificate this PEM CA signed (env {tls.CA_ENV}; default plaintext)",
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        default=None,
+        help=f"the name the broker's certificate must carry, whatever --endpoint's host (env {tls.SERVER_NAME_ENV})",
     )
     resources = parser.add_subparsers(dest="resource", required=True, metavar="RESOURCE")
 
@@ -438,10 +448,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         return int(exit_.code or 0)
     try:
         pair = credentials.resolve(args.access_key, args.secret_key, args.data_dir)
+        secured = tls.client_tls(args.tls_ca, args.tls_server_name)
     except errors.LmqError as exc:
         print(f"error: {exc.message}", file=err)
         return EXIT_USAGE
-    client = AdminClient(args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair)
+    client = AdminClient(args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair, tls=secured)
     try:
         if getattr(args, "scan", False):
             _scan(client, args, out)

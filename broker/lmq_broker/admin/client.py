@@ -49,7 +49,8 @@ and ``broker_info(with_undrained=True)`` use ``long_timeout_s``. Every call is s
 *admin* key pair (``access_key``/``secret_key``, or ``keys``) as the v2 clients sign theirs; the broker
 refuses unsigned admin calls unless it runs with ``--admin-anonymous``. ``AdminClient.resolved`` finds the
 pair as ``lmq-admin`` does (``admin.credentials.resolve``: the ``LMQ_ADMIN_ACCESS_KEY``/``_SECRET_KEY``
-variables, else ``<data-dir>/admin-credentials.json``). ``channel_credentials`` makes the channel TLS.
+variables, else ``<data-dir>/admin-credentials.json``). ``channel_credentials`` makes the channel TLS; so does
+``tls`` (``admin.tls.client_tls()``: ``--tls-ca`` or ``LMQ_TLS_CA``), with the name the certificate must carry.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ from lmq_broker.admin.results import (
     ParentTopicInfo,
     ReclaimRecording,
 )
+from lmq_broker.admin.tls import ClientTls
 from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
@@ -126,6 +128,7 @@ class ClientOptions(TypedDict, total=False):
     secret_key: str
     keys: credentials.KeyPair | None
     channel_credentials: grpc.ChannelCredentials | None
+    tls: ClientTls | None
     clock: Callable[[], datetime]
 
 
@@ -153,6 +156,7 @@ class AsyncAdminClient:
         secret_key: str = "",
         keys: credentials.KeyPair | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
         clock: Callable[[], datetime] = auth.utc_now,
     ) -> None:
         self.endpoint = endpoint
@@ -162,10 +166,13 @@ class AsyncAdminClient:
             access_key, secret_key = keys.access_key, keys.secret_key
         self._keys = (access_key, secret_key) if access_key else None
         self._clock = clock
+        options: tuple[tuple[str, Any], ...] = _CHANNEL_OPTIONS
+        if tls is not None:  # TLS to brokers (--tls-ca / LMQ_TLS_CA)
+            channel_credentials, options = tls.credentials(), (*options, *tls.options())
         if channel_credentials is None:
-            self._channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(endpoint, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(endpoint, channel_credentials, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(endpoint, channel_credentials, options=options)
         self._stub = admin_pb2_grpc.LmqAdminStub(self._channel)
 
     async def close(self) -> None:

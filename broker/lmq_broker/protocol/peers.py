@@ -14,7 +14,9 @@ none of the topics). Java and Go send it to every broker themselves; those copie
 Receives, acks and assignments need no hop: each broker serves the topics it holds.
 
 Which broker holds a topic created before a scale-up is asked once (``DescribeLiteTopic`` over the admin
-service, signed with this broker's admin pair, which every broker of a cluster shares) and remembered.
+service, signed with this broker's admin pair, which every broker of a cluster shares) and remembered. With
+``--admin-port`` that call goes to the peer's host on the same admin port number as ours (every broker of a
+cluster runs with the same flags; the chart's: 8082).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Peers:
             pb.Broker(name=f"{config.broker_name.rsplit('-', 1)[0]}-{slot}", id=0, endpoints=endpoints_of(member))
             for slot, member in enumerate(membership.members)
         ]
-        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[int, bool], grpc.aio.Channel] = {}  # (slot, admin port) -> channel
         self._placement: dict[str, int] = {}
         self._batches: dict[int, _Batch] = {}
         self._in_flight: dict[int, int] = {}  # forward calls per owner not yet answered
@@ -139,16 +141,20 @@ class Peers:
             await channel.close(None)
         self._channels.clear()
 
-    def _channel(self, slot: int) -> grpc.aio.Channel:
-        channel = self._channels.get(slot)
+    def _channel(self, slot: int, admin: bool = False) -> grpc.aio.Channel:
+        """To a peer's client port, or (``admin``) to where it serves the admin service."""
+        admin = admin and self.config.admin_port > 0
+        channel = self._channels.get((slot, admin))
         if channel is None:
             target = self.membership.members[slot]
+            if admin:
+                target = f"{target.rsplit(':', 1)[0]}:{self.config.admin_port}"
             if self.config.tls_cert is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self.config.tls_cert.read_bytes())
                 channel = grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
             else:
                 channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-            self._channels[slot] = channel
+            self._channels[slot, admin] = channel
         return channel
 
     def _signed(self, keys: tuple[str, str] | None, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
@@ -203,7 +209,7 @@ class Peers:
         if slot == self.me:
             return await self._holds_locally(parent, lite)
         metadata = self._signed(self._admin_keys)
-        stub = admin_grpc.LmqAdminStub(self._channel(slot))
+        stub = admin_grpc.LmqAdminStub(self._channel(slot, admin=True))
         try:
             await stub.DescribeLiteTopic(
                 admin_pb.DescribeLiteTopicRequest(parent=parent, lite=lite), metadata=metadata, timeout=CALL_TIMEOUT_S

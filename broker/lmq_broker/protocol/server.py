@@ -1,4 +1,6 @@
-"""The grpc.aio server both services share (v2 MessagingService and lmq admin), on one port.
+"""The grpc.aio server both services share (v2 MessagingService and lmq admin), on one port; or, with
+``--admin-port``, a second server for admin alone, so that the network can tell the two apart (a Kubernetes
+NetworkPolicy admits by port: clients to one, the operator and the reclaim job to the other).
 
 Each service is guarded with its own key pair: the v2 service by ``auth.AuthInterceptor`` with the client
 pair when one is configured (the official clients sign every call), the admin service always by
@@ -7,6 +9,11 @@ pair when one is configured (the official clients sign every call), the admin se
 the admin pair can administer the broker, even with client auth off. The probes are HTTP (``/healthz``,
 ``/readyz``), off this port, so they need no credentials.
 
+With ``--tls-cert/--tls-key`` both listeners serve TLS, and follow the two files: a handshake after they
+changed (cert-manager renewed the Secret, the kubelet swapped the mounted files) gets the new certificate, with
+no restart; a pair that does not load (a key that does not match, a file half written) is logged once and the
+last good one kept.
+
 Every call is admitted by one ``admission.Admission`` shared by both services (``--max-concurrent-calls``).
 For that, grpc core's own backlog limit is raised (``PENDING_CALLS_MAX``): its default refuses calls the
 Python server has not yet taken, past 1,000 of them, as a bare CANCELLED that nothing here sees.
@@ -14,8 +21,13 @@ Python server has not yet taken, past 1,000 of them, as a bare CANCELLED that no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+import contextlib
+import logging
+import os
+import ssl
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import grpc
 
@@ -25,8 +37,13 @@ from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.service import MessagingService
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
+
+log = logging.getLogger(__name__)
 
 MIN_MESSAGE_BYTES: Final = 64 * 1024 * 1024  # batched sends carry many bodies per request
 KEEPALIVE_OPTIONS: Final = (
@@ -78,16 +95,87 @@ def add_messaging_service(server: grpc.aio.Server, edge: Edge, admitting: Admiss
     return service
 
 
+def create_admin(config: BrokerConfig) -> grpc.aio.Server:
+    """The admin listener's own server (``--admin-port``): admin calls are signed with the admin pair
+    (``auth.AdminGuard``), so the v2 client-auth interceptor has no business here."""
+    return grpc.aio.server(options=options(config))
+
+
+ADMIN_SERVICE: Final = "/lmq.admin.v1.LmqAdmin/"
+
+
+class AdminElsewhere(_GenericHandler):
+    """On the client port of a broker with ``--admin-port``: an admin call is answered UNIMPLEMENTED with the
+    port that serves it, rather than gRPC's bare "Method not found"."""
+
+    def __init__(self, admin_port: Callable[[], int]) -> None:
+        self._admin_port = admin_port
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if not handler_call_details.method.startswith(ADMIN_SERVICE):
+            return None
+        message = f"the admin service is not served on this port: it is on port {self._admin_port()} (--admin-port)"
+
+        async def refuse(_request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+            raise AssertionError("unreachable: abort raises")
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 def bind(server: grpc.aio.Server, config: BrokerConfig, port: int | None = None) -> int:
-    """Listen on ``config.host:config.port`` (or ``port``; TLS when a certificate is configured); returns the
-    bound port."""
+    """Listen on ``config.host:port`` (default ``config.port``; TLS when a certificate is configured); returns
+    the bound port."""
     port = config.port if port is None else port
     address = f"[{config.host}]:{port}" if ":" in config.host else f"{config.host}:{port}"
     if config.tls_cert is not None and config.tls_key is not None:
-        credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-        port = server.add_secure_port(address, credentials)
+        files = CertificateFiles(config.tls_cert, config.tls_key)
+        # grpc calls the fetcher for a replacement or None (its stubs leave None out)
+        fetcher = cast("Callable[[], grpc.ServerCertificateConfiguration]", files)
+        credentials = grpc.dynamic_ssl_server_credentials(files.load(), fetcher)
+        bound = server.add_secure_port(address, credentials)
     else:
-        port = server.add_insecure_port(address)
-    if port == 0:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
         raise OSError(f"cannot listen on {address}")
-    return port
+    return bound
+
+
+class CertificateFiles:
+    """grpc's certificate fetcher, called at every TLS handshake: the pair in the two files once they changed
+    and load together, else None (grpc keeps serving the current one). Two ``stat`` calls per handshake."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert, self.key = cert, key
+        self._stamp: tuple[int, ...] = ()  # of the pair served
+        self._refused: tuple[int, ...] = ()  # of a pair that did not load: not tried again
+        self._complaint = ""  # the last warning, not repeated at every handshake
+
+    def _stat(self) -> tuple[int, ...]:
+        c, k = os.stat(self.cert), os.stat(self.key)  # follows the kubelet's ..data symlinks
+        return c.st_ino, c.st_mtime_ns, c.st_size, k.st_ino, k.st_mtime_ns, k.st_size
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        """The pair as it is now; OSError or ssl.SSLError when the files are not a certificate and its key."""
+        stamp = self._stat()
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        pair = (self.key.read_bytes(), self.cert.read_bytes())
+        self._stamp = stamp
+        return grpc.ssl_server_certificate_configuration([pair])
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            stamp = self._stat()
+            if stamp in (self._stamp, self._refused):
+                return None
+            loaded = self.load()
+        except (OSError, ssl.SSLError) as exc:
+            with contextlib.suppress(OSError):
+                self._refused = self._stat()
+            if str(exc) != self._complaint:
+                self._complaint = str(exc)
+                log.warning("TLS certificate %s not reloaded, the one served stays: %s", self.cert, exc)
+            return None
+        self._complaint = ""
+        log.info("TLS certificate %s changed: new connections get the new one", self.cert)
+        return loaded

@@ -119,18 +119,75 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 
 {{/*
-The image reference. A digest pins the image whatever the tag says: "repo:tag@digest" when both are set
-(the tag is then only a readable hint), "repo@digest" with a digest alone, else "repo:tag" where the tag
-defaults to the chart's appVersion.
+The image of a component; call with (dict "root" $ "component" "broker"). The repository is the component's own,
+else "<image.repository>-<component>" (the Dockerfile's targets). A digest pins the image whatever the tag says:
+"repo:tag@digest" when image.tag is set too (the tag is then only a readable hint), "repo@digest" with a digest
+alone, else "repo:tag" where the tag defaults to the chart's appVersion.
 */}}
 {{- define "lmq.image" -}}
-{{- $image := .Values.image }}
-{{- if and $image.digest $image.tag }}
-{{- printf "%s:%s@%s" $image.repository $image.tag $image.digest }}
-{{- else if $image.digest }}
-{{- printf "%s@%s" $image.repository $image.digest }}
+{{- $root := .root }}
+{{- $own := index $root.Values .component "image" }}
+{{- $repository := default (printf "%s-%s" $root.Values.image.repository .component) $own.repository }}
+{{- $tag := $root.Values.image.tag }}
+{{- if and $own.digest $tag }}
+{{- printf "%s:%s@%s" $repository $tag $own.digest }}
+{{- else if $own.digest }}
+{{- printf "%s@%s" $repository $own.digest }}
 {{- else }}
-{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
+{{- printf "%s:%s" $repository (default $root.Chart.AppVersion $tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The broker pods' per-pod DNS suffix: "<headless>.<namespace>.svc.<clusterDomain>". */}}
+{{- define "lmq.broker.podDomain" -}}
+{{- printf "%s.%s.svc.%s" (include "lmq.broker.headlessName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/*
+TLS. The brokers mount the TLS Secret (tls.crt, tls.key); every caller mounts only the CA (caKey of caSecret,
+as ca.crt) and checks the brokers' certificate against serverName, since it dials pod addresses.
+*/}}
+{{- define "lmq.tls.secretName" -}}
+{{- if .Values.tls.existingSecret }}
+{{- .Values.tls.existingSecret }}
+{{- else if .Values.tls.certManager.enabled }}
+{{- printf "%s-tls" (include "lmq.broker.fullname" .) }}
+{{- else }}
+{{- fail "tls.enabled needs tls.existingSecret (a Secret with tls.crt and tls.key) or tls.certManager.enabled" }}
+{{- end }}
+{{- end }}
+
+{{- define "lmq.tls.serverName" -}}
+{{- default (printf "%s.%s.svc" (include "lmq.broker.fullname" .) .Release.Namespace) .Values.tls.serverName }}
+{{- end }}
+
+{{/* Environment of a TLS caller (lmq.admin.tls: LMQ_TLS_CA, LMQ_TLS_SERVER_NAME); empty without TLS. */}}
+{{- define "lmq.tls.clientEnv" -}}
+{{- if .Values.tls.enabled -}}
+- name: LMQ_TLS_CA
+  value: /etc/lmq/ca/ca.crt
+- name: LMQ_TLS_SERVER_NAME
+  value: {{ include "lmq.tls.serverName" . }}
+{{- end }}
+{{- end }}
+
+{{- define "lmq.tls.caMount" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls-ca
+  mountPath: /etc/lmq/ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "lmq.tls.caVolume" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls-ca
+  secret:
+    secretName: {{ default (include "lmq.tls.secretName" .) .Values.tls.caSecret }}
+    items:
+      - key: {{ .Values.tls.caKey }}
+        path: ca.crt
+    defaultMode: 0444
 {{- end }}
 {{- end }}
 
