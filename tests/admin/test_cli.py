@@ -210,6 +210,24 @@ def test_lite_topic_describe_list_and_scan(broker: Broker) -> None:
     assert [t["meta"]["lite"] for t in page["topics"]] == ["s1", "s2"]
     assert page["next_start_after"] == "s2"
 
+    code, out, _ = run(broker, "lite-topic", "list", "orders", "--limit", "2")  # a table, not raw dicts
+    header, *listed, more = out.splitlines()
+    assert code == 0
+    assert header.split() == [
+        "PARENT",
+        "LITE",
+        "CREATED_MS",
+        "LAST_STORE_MS",
+        "LAST_CONSUME_MS",
+        "MIN_OFFSET",
+        "MAX_OFFSET",
+        "SUBSCRIBER_COUNT",
+    ]
+    assert [(r.split()[1], r.split()[6], r.split()[7]) for r in listed] == [("s1", "2", "0"), ("s2", "2", "1")]
+    assert more == "(more: --start-after s2)"
+    code, out, _ = run(broker, "lite-topic", "list", "orders", "--start-after", "s2")
+    assert (code, [line.split()[1] for line in out.splitlines()]) == (0, ["LITE", "s3"])  # last page: no cursor
+
     code, out, _ = run(broker, "lite-topic", "scan", "orders", "--batch-size", "2", "--with-subscribers")
     lines = out.splitlines()
     assert code == 0
@@ -292,3 +310,37 @@ def test_the_console_script_runs_as_a_process(broker: Broker) -> None:
     )
     assert module.returncode == 1
     assert "TopicNotFound" in module.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("-o", "json", "quota", "list"),
+        ("quota", "-o", "json", "list"),
+        ("quota", "list", "-o", "json"),
+        ("quota", "list", "--output", "json"),
+        ("quota", "list", "--output=json"),
+        ("quota", "list", "-ojson"),
+        ("-o", "table", "quota", "list", "-o", "json"),  # the last one wins
+    ],
+)
+def test_output_option_in_any_position(broker: Broker, args: tuple[str, ...]) -> None:
+    run(broker, "quota", "put", "broker", "--max-lite-topics", "7")
+    code, out, err = run(broker, *args)
+    assert (code, err) == (0, "")
+    assert [q["max_lite_topics"] for q in json.loads(out)] == [7]
+
+
+def test_output_option_hoisting_keeps_other_tokens_in_order() -> None:
+    assert cli.hoist_output(["group", "put", "g", "-o", "json", "--bind-topic", "t"]) == [
+        "-o",
+        "json",
+        "group",
+        "put",
+        "g",
+        "--bind-topic",
+        "t",
+    ]
+    assert cli.hoist_output(["lite-topic", "describe", "--", "p", "-o"]) == ["lite-topic", "describe", "--", "p", "-o"]
+    assert cli.main(["quota", "list", "-o"], err=io.StringIO()) == cli.EXIT_USAGE  # no value: a usage error
+    assert cli.main(["quota", "list", "-o", "yaml"], err=io.StringIO()) == cli.EXIT_USAGE

@@ -17,7 +17,7 @@ import pytest
 
 from lmq_broker import errors, model
 from lmq_broker.admin import cli
-from lmq_broker.admin.client import AdminClient, DeleteOutcome
+from lmq_broker.admin.client import AdminClient, DeleteOutcome, OffsetPolicy, OffsetReset
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as v2s
@@ -125,3 +125,44 @@ def test_auth_guards_the_admin_service_of_the_broker_process(
     out = io.StringIO()
     assert cli.main(["-o", "json", "parent-topic", "list"], out=out) == 0
     assert json.loads(out.getvalue()) == []
+
+
+def _subscribe(endpoint: str, client_id: str, parent: str, group: str, lites: list[str]) -> None:
+    metadata = (*auth.sign_metadata(AK, SK, datetime.now()), ("x-mq-client-id", client_id))
+    request = v2s.SyncLiteSubscriptionRequest(
+        action=v2.PARTIAL_ADD,
+        topic=v2.Resource(name=parent),
+        group=v2.Resource(name=group),
+        lite_topic_set=lites,
+    )
+    with grpc.insecure_channel(endpoint) as channel:
+        reply = v2_grpc.MessagingServiceStub(channel).SyncLiteSubscription(request, metadata=metadata, timeout=10)
+    assert reply.status.code == v2.OK, reply.status.message
+
+
+def test_lite_operations_against_the_dispatcher_of_the_broker_process(broker_process: BrokerProcess) -> None:
+    client_id = "lite-sub@1@0@x"
+    with AdminClient(broker_process.admin_endpoint, 10.0, **broker_process.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic("orders"))
+        admin.put_group(model.LiteGroup("g", bind_topic="orders"))
+        _send(broker_process.endpoint, "orders", "session-1", 3)
+        _send(broker_process.endpoint, "orders", "session-2", 2)
+        _send(broker_process.endpoint, "orders", "session-3", 1)  # nobody's: not g's topic
+        _subscribe(broker_process.endpoint, client_id, "orders", "g", ["session-2", "session-1"])
+
+        assert admin.get_lite_client(client_id).lite_topics == ("session-1", "session-2")
+        assert admin.get_lite_client(client_id).client.group == "g"
+        lag = admin.group_lag("g")
+        assert (lag.lag, lag.lagging_topics) == (5, 2)
+        assert [(t.lite, t.lag, t.committed_offset) for t in lag.top] == [("session-1", 3, -1), ("session-2", 2, -1)]
+        assert 0 <= lag.latency_ms < 60_000
+
+        assert admin.reset_lite_offsets("g", ["session-1"], OffsetReset(OffsetPolicy.MAX)) == {"session-1": 3}
+        assert admin.group_lag("g").lag == 2
+        assert admin.trigger_lite_dispatch("g") == ["session-2"]  # session-1 has nothing left for g
+        assert admin.trigger_lite_dispatch("g", ["session-1", "session-3"]) == []
+
+        out = io.StringIO()
+        args = ["--endpoint", broker_process.admin_endpoint, "lite", "client", client_id, "-o", "json"]
+        assert cli.main(["--access-key", ADMIN_AK, "--secret-key", ADMIN_SK, *args], out=out) == 0
+        assert json.loads(out.getvalue())["lite_topics"] == ["session-1", "session-2"]

@@ -167,6 +167,39 @@ async def test_offset_option_on_subscribe(lite: Lite, reset: OffsetReset, expect
     assert (got[0].message.body if got else None) == expected
 
 
+async def test_a_new_group_starts_at_the_min_offset_and_commits_nothing_on_subscribe(lite: Lite) -> None:
+    """The start of a group with no offset (docs/protocol.md, "Where a new group starts"): every message the
+    lite topic retains, including those stored before the subscription (RocketMQ 5.5.0 starts there too
+    while offset 0 is in memory, else at the last message); no offset is written until an ack."""
+    for i in range(3):
+        await lite.send("t1", str(i).encode())
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    for d in await lite.receive("c1"):
+        await lite.dispatcher.ack(GROUP, d.receipt_handle)
+    lite.put_group(model.LiteGroup("late", PARENT))  # a group created after the messages were stored
+    await lite.dispatcher.add_lite("c2", "late", PARENT, ["t1"])
+    queue = model.QueueId.lmq(PARENT, "t1")
+    assert lite.store.get_offset(queue, "late") is None
+    got = await lite.dispatcher.receive_lite("c2", "late", PARENT, batch=32, invisible_ms=10_000, poll_ms=0)
+    assert [d.message.body for d in got] == [b"0", b"1", b"2"]
+    for d in got:
+        await lite.dispatcher.ack("late", d.receipt_handle)
+    assert lite.store.get_offset(queue, "late") == 3
+
+
+async def test_trigger_dispatch_offers_pending_topics_to_the_group_now(lite: Lite) -> None:
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1", "t2"])
+    await lite.send("t1", b"x")
+    await asyncio.sleep(0)
+    lite.dispatcher.ready.discard_many("c1", [lmq_name(PARENT, "t1")])  # an offer lost: nothing tells c1 now
+    assert await lite.receive("c1") == []
+    assert await lite.dispatcher.trigger_dispatch(GROUP, PARENT, ["t3"]) == []  # no subscriber: not offered
+    assert await lite.dispatcher.trigger_dispatch(GROUP, PARENT, []) == ["t1"]  # t2 has no work
+    assert [d.message.body for d in await lite.receive("c1")] == [b"x"]
+    assert lite.dispatcher.lite_topics_of("c1") == ["t1", "t2"]
+    assert lite.dispatcher.lite_topics_of("nobody") is None
+
+
 async def test_tail_n_moves_an_existing_offset_back(lite: Lite) -> None:
     for i in range(5):
         await lite.send("t1", str(i).encode())

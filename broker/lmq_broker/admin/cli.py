@@ -22,6 +22,8 @@ from typing import Any, Final, TextIO, TypeVar
 from lmq_broker import errors, model
 from lmq_broker.admin import credentials, tls
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.admin.results import GroupLag, LiteTopicPage
+from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
 
 DEFAULT_ENDPOINT: Final = "localhost:8081"
 ENDPOINT_ENV: Final = "LMQ_ADMIN_ENDPOINT"
@@ -31,7 +33,7 @@ DATA_DIR_ENV: Final = credentials.DATA_DIR_ENV
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
-_WRAPPERS: Final = frozenset({"topic", "group", "meta", "value"})  # nested values printed as their fields
+_WRAPPERS: Final = frozenset({"topic", "group", "meta", "value", "client"})  # nested values printed as their fields
 T = TypeVar("T")
 
 
@@ -98,6 +100,14 @@ def emit(result: object, output: str, out: TextIO) -> None:
     if output == "json":
         json.dump(data, out, indent=2, sort_keys=False)
         out.write("\n")
+        return
+    if isinstance(result, LiteTopicPage):  # one row per lite topic; the cursor of the next page below them
+        print_table([flatten(t) for t in data["topics"]], out)
+        if result.next_start_after:
+            print(f"(more: --start-after {result.next_start_after})", file=out)
+        return
+    if isinstance(result, GroupLag):
+        _emit_group_lag(result, out)
         return
     records = data if isinstance(data, list) else [data]
     print_table([flatten(r) if isinstance(r, dict) else {"result": r} for r in records], out)
@@ -378,7 +388,68 @@ def _parser() -> argparse.ArgumentParser:
     change.add_argument(
         "--everywhere", action="store_true", help="apply to every broker of the old and new membership, in a safe order"
     )
+    _lite_operations(resources, verb)
     return parser
+
+
+# --- lite operations beyond mqadmin's lite commands -------------------------------------------------------
+_RESETS: Final = {
+    "min": OffsetPolicy.MIN,
+    "max": OffsetPolicy.MAX,
+    "offset": OffsetPolicy.OFFSET,
+    "tail-n": OffsetPolicy.TAIL_N,
+}
+
+
+def _reset(admin: AdminClient, a: argparse.Namespace) -> object:
+    offsets = admin.reset_lite_offsets(a.group, a.lites, OffsetReset(_RESETS[a.to], a.value))
+    return [{"lite": lite, "offset": offsets.get(lite)} for lite in a.lites]
+
+
+def _lite_operations(
+    resources: argparse._SubParsersAction[argparse.ArgumentParser],
+    verb: Callable[..., argparse.ArgumentParser],
+) -> None:
+    ops = resources.add_parser("lite", help="lite clients, group lag, offset resets, dispatch").add_subparsers(
+        dest="verb", required=True, metavar="VERB"
+    )
+    verb(ops, "client", lambda c, a: c.get_lite_client(a.client_id), "a client's lite-topic set").add_argument(
+        "client_id"
+    )
+    lag = verb(
+        ops, "lag", lambda c, a: c.group_lag(a.group, top_k=a.top), "a group's lag, latency and top lagging lite topics"
+    )
+    lag.add_argument("group")
+    lag.add_argument("--top", type=int, default=0, help="lite topics listed, largest lag first (default 10, max 1000)")
+    reset = verb(ops, "reset-offset", _reset, "move a group's offset in lite topics of its bind topic")
+    reset.add_argument("group")
+    reset.add_argument("lites", nargs="+", metavar="LITE")
+    reset.add_argument(
+        "--to",
+        choices=tuple(_RESETS),
+        required=True,
+        help="min: consume everything stored again; max: skip the backlog; offset: --value; "
+        "tail-n: the last --value messages (only where the group has an offset)",
+    )
+    reset.add_argument("--value", type=int, default=0)
+    dispatch = verb(
+        ops,
+        "dispatch",
+        lambda c, a: [{"offered": lite} for lite in c.trigger_lite_dispatch(a.group, a.lites)],
+        "offer lite topics' pending work to the group's subscribers now",
+    )
+    dispatch.add_argument("group")
+    dispatch.add_argument("lites", nargs="*", metavar="LITE", help="default: every lite topic its clients subscribe to")
+
+
+def _emit_group_lag(lag: GroupLag, out: TextIO) -> None:
+    """The totals, then one row per lite topic of the top K."""
+    summary = plain(lag)
+    del summary["top"]
+    print_table([summary], out)
+    if lag.top:
+        print(file=out)
+        print_table([plain(t) for t in lag.top], out)
 
 
 def _credentials_hint(pair: credentials.KeyPair | None, data_dir: Path | None) -> str:
@@ -391,11 +462,38 @@ def _credentials_hint(pair: credentials.KeyPair | None, data_dir: Path | None) -
     )
 
 
+_OUTPUT_FLAGS: Final = ("-o", "--output")
+
+
+def hoist_output(argv: Sequence[str]) -> list[str]:
+    """``-o json`` may come anywhere (``lmq-admin group list -o json``): argparse takes it only before the
+    resource, so every ``-o X`` / ``--output X`` / ``--output=X`` / ``-oX`` is moved to the front (the last
+    one wins, as argparse would have it). Tokens after ``--`` are left where they are."""
+    front: list[str] = []
+    rest: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            rest.append(token)
+            rest.extend(tokens)
+            break
+        if token in _OUTPUT_FLAGS:
+            value = next(tokens, None)
+            front += [token] if value is None else [token, value]  # no value: argparse reports the usage error
+        elif token.startswith("--output="):
+            front.append(token)
+        elif token.startswith("-o") and len(token) > 2:
+            front += ["-o", token[2:]]
+        else:
+            rest.append(token)
+    return front + rest
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
     try:
-        args = _parser().parse_args(argv)
+        args = _parser().parse_args(hoist_output(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:  # argparse exits on --help (0) and on bad usage (2)
         return int(exit_.code or 0)
     try:

@@ -16,6 +16,10 @@ all call brokers through it, so a call is signed, bounded, mapped and its failur
         admin.list_clients(group=None)                                          # -> list[ClientInfo]
         admin.broker_info(with_undrained=True)                                  # -> BrokerInfo
         admin.cluster() / admin.set_cluster(members, ring_sizes)                # -> ClusterInfo (, changed)
+        admin.get_lite_client("client-1")                                       # -> LiteClientInfo (its lite set)
+        admin.group_lag("g", top_k=10)                                          # -> GroupLag (latency, top K)
+        admin.reset_lite_offsets("g", ["session-1"], OffsetReset(OffsetPolicy.MAX))  # -> {lite: offset}
+        admin.trigger_lite_dispatch("g", ["session-1"])                         # -> lites offered now
         admin.record_reclaim_runs([ReclaimRun("orders", "run-1", start, finish, reclaimed=5)])  # -> ReclaimRecording
         for columns in admin.scan_lite_topics_columns("orders", batch_size=10_000):
             ...  # dict: column name -> list, one entry per row (LITE_TOPIC_COLUMNS [+ optional ones])
@@ -76,6 +80,8 @@ from lmq_broker.admin.results import (
     ClusterInfo,
     DeleteOutcome,
     GroupInfo,
+    GroupLag,
+    LiteClientInfo,
     LiteTopicDescription,
     LiteTopicInfo,
     LiteTopicPage,
@@ -84,6 +90,7 @@ from lmq_broker.admin.results import (
     ReclaimRecording,
 )
 from lmq_broker.admin.tls import ClientTls
+from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
@@ -98,10 +105,14 @@ __all__ = [
     "ClientInfo",
     "DeleteOutcome",
     "GroupInfo",
+    "GroupLag",
+    "LiteClientInfo",
     "LiteTopicDescription",
     "LiteTopicInfo",
     "LiteTopicPage",
     "LoopThread",
+    "OffsetPolicy",
+    "OffsetReset",
     "ParentTopicDeletion",
     "ParentTopicInfo",
     "ReclaimRecording",
@@ -322,6 +333,26 @@ class AsyncAdminClient:
         reply = await self._unary("SetCluster", request, self.long_timeout_s)
         return convert.cluster_info_from_pb(reply.cluster), reply.changed
 
+    # --- lite operations beyond mqadmin's ----------------------------------------------------------------
+    async def get_lite_client(self, client_id: str) -> LiteClientInfo:
+        request = pb.GetLiteClientRequest(client_id=client_id)
+        return convert.lite_client_from_pb(await self._unary("GetLiteClient", request))
+
+    async def group_lag(self, group: str, *, top_k: int = 0) -> GroupLag:
+        """Walks the group's bind topic on the broker (off its serving loop): uses ``long_timeout_s``."""
+        request = pb.GetGroupLagRequest(group=group, top_k=top_k)
+        return convert.group_lag_from_pb(await self._unary("GetGroupLag", request, self.long_timeout_s))
+
+    async def reset_lite_offsets(self, group: str, lites: Sequence[str], option: OffsetReset) -> dict[str, int]:
+        """Move ``group``'s offset in ``lites`` of its bind topic; returns lite -> committed offset after it."""
+        reply = await self._unary("ResetLiteOffsets", convert.offset_reset_to_pb(group, lites, option))
+        return dict(reply.offsets)
+
+    async def trigger_lite_dispatch(self, group: str, lites: Sequence[str] = ()) -> list[str]:
+        """Offer ``lites`` (empty: all the group's clients subscribe to) to the group now; the lites offered."""
+        request = pb.TriggerLiteDispatchRequest(group=group, lites=lites)
+        return list((await self._unary("TriggerLiteDispatch", request)).offered)
+
 
 class LoopThread:
     """An asyncio loop in a daemon thread; ``run`` executes a coroutine there and waits for its result."""
@@ -488,3 +519,15 @@ class AdminClient:
         self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
     ) -> tuple[ClusterInfo, bool]:
         return self._loop.run(self.aio.set_cluster(members, ring_sizes, slot=slot, force=force))
+
+    def get_lite_client(self, client_id: str) -> LiteClientInfo:
+        return self._loop.run(self.aio.get_lite_client(client_id))
+
+    def group_lag(self, group: str, *, top_k: int = 0) -> GroupLag:
+        return self._loop.run(self.aio.group_lag(group, top_k=top_k))
+
+    def reset_lite_offsets(self, group: str, lites: Sequence[str], option: OffsetReset) -> dict[str, int]:
+        return self._loop.run(self.aio.reset_lite_offsets(group, lites, option))
+
+    def trigger_lite_dispatch(self, group: str, lites: Sequence[str] = ()) -> list[str]:
+        return self._loop.run(self.aio.trigger_lite_dispatch(group, lites))

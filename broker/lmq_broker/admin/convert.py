@@ -27,12 +27,17 @@ from lmq_broker.admin.results import (
     ClusterInfo,
     DeleteOutcome,
     GroupInfo,
+    GroupLag,
+    LiteClientInfo,
     LiteTopicDescription,
     LiteTopicInfo,
+    LiteTopicLag,
     LiteTopicPage,
     ParentTopicInfo,
     ReclaimRecording,
 )
+from lmq_broker.dispatch.api import ClientView
+from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 
 LITE_TOPIC_COLUMNS: Final = (
@@ -259,6 +264,18 @@ def description_from_pb(message: pb.DescribeLiteTopicResponse) -> LiteTopicDescr
     )
 
 
+def client_view_to_pb(c: ClientView) -> pb.ClientInfo:
+    return pb.ClientInfo(
+        client_id=c.client_id,
+        group=c.group,
+        topic=c.topic,
+        client_type=c.client_type,
+        subscription_count=c.subscription_count,
+        last_seen_ms=c.last_seen_ms,
+        ready_events=c.ready_events,
+    )
+
+
 def client_from_pb(c: pb.ClientInfo) -> ClientInfo:
     return ClientInfo(
         c.client_id, c.group, c.topic, c.client_type, c.subscription_count, c.last_seen_ms, c.ready_events
@@ -306,6 +323,65 @@ def outcomes_from_pb(message: pb.CompareAndDeleteResponse, rows: int, endpoint: 
         return [_OUTCOMES[o] for o in message.outcome]  # a dict: a reclaim run maps millions of them
     except KeyError as exc:  # a broker newer than this client
         raise errors.LmqError(f"{endpoint}: unknown delete outcome {exc}", endpoint=endpoint) from None
+
+
+def lite_client_from_pb(message: pb.GetLiteClientResponse) -> LiteClientInfo:
+    return LiteClientInfo(client_from_pb(message.client), tuple(message.lite_topics))
+
+
+def group_lag_to_pb(lag: GroupLag) -> pb.GetGroupLagResponse:
+    return pb.GetGroupLagResponse(
+        group=lag.group,
+        bind_topic=lag.bind_topic,
+        lag=lag.lag,
+        latency_ms=lag.latency_ms,
+        lagging_topics=lag.lagging_topics,
+        top=[
+            pb.LiteTopicLag(
+                lite=t.lite,
+                lag=t.lag,
+                committed_offset=t.committed_offset,
+                max_offset=t.max_offset,
+                latency_ms=t.latency_ms,
+            )
+            for t in lag.top
+        ],
+    )
+
+
+def group_lag_from_pb(message: pb.GetGroupLagResponse) -> GroupLag:
+    return GroupLag(
+        message.group,
+        message.bind_topic,
+        message.lag,
+        message.latency_ms,
+        message.lagging_topics,
+        tuple(LiteTopicLag(t.lite, t.lag, t.committed_offset, t.max_offset, t.latency_ms) for t in message.top),
+    )
+
+
+_POLICIES: Final[Mapping[pb.OffsetPolicy.ValueType, OffsetPolicy]] = {
+    pb.OFFSET_MIN: OffsetPolicy.MIN,
+    pb.OFFSET_MAX: OffsetPolicy.MAX,
+    pb.OFFSET_VALUE: OffsetPolicy.OFFSET,
+    pb.OFFSET_TAIL_N: OffsetPolicy.TAIL_N,
+}
+_POLICY_NUMBERS: Final = {v: k for k, v in _POLICIES.items()}
+
+
+def offset_reset_to_pb(group: str, lites: Sequence[str], option: OffsetReset) -> pb.ResetLiteOffsetsRequest:
+    if option.policy not in _POLICY_NUMBERS:
+        raise errors.InvalidArgument(f"offset policy {option.policy.value} cannot be reset to", field="policy")
+    return pb.ResetLiteOffsetsRequest(
+        group=group, lites=lites, policy=_POLICY_NUMBERS[option.policy], value=option.value
+    )
+
+
+def offset_reset_from_pb(message: pb.ResetLiteOffsetsRequest) -> OffsetReset:
+    policy = _POLICIES.get(message.policy)
+    if policy is None:
+        raise errors.InvalidArgument(f"policy: unknown or unset offset policy {message.policy}", field="policy")
+    return OffsetReset(policy, message.value)
 
 
 # ---- failed calls ---------------------------------------------------------------------------------------

@@ -12,20 +12,24 @@ only when asked):
   group of its parent, an empty one costs nothing. A message counts while some group bound to its
   parent has not consumed it, and every message of a parent without groups counts: conservative, as the
   figure guards scale-down.
+* one group's lag detail (``group_lag``) is the group-lag walk of its bind topic plus one message read per
+  lagging topic (the age of its oldest unconsumed message), keeping only a heap of the top K.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
 import lmq_broker
 from lmq_broker import errors, model
 from lmq_broker.admin import convert, validation
+from lmq_broker.admin.results import GroupLag, LiteTopicLag
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
@@ -34,6 +38,8 @@ from lmq_broker.storage.api import Store
 WALK_BATCH: Final = 1000  # lite topics read per worker-thread call when walking a parent or the broker
 PAGE_DEFAULT: Final = 100
 PAGE_MAX: Final = 10_000
+TOP_K_DEFAULT: Final = 10
+TOP_K_MAX: Final = 1000
 
 
 def backlog(meta: model.LiteTopicMeta, committed: int | None) -> int:
@@ -112,33 +118,89 @@ async def group_views(store: Store, live: LiveView, groups: Sequence[model.LiteG
 
 async def group_lags(store: Store, live: LiveView, groups: Sequence[model.LiteGroup]) -> dict[str, int]:
     lags = dict.fromkeys((g.name for g in groups), 0)
-    group_of_client = {c.client_id: c.group for c in live.clients()}
     for parent, names in groups_by_parent(groups).items():
-        cursor = ""
-        while True:
-            rows = await asyncio.to_thread(_offsets_page, store, parent, names, cursor)
-            for meta, committed in rows:
-                subscribed: set[str] | None = None
-                for name, offset in zip(names, committed, strict=True):
-                    if offset is None:
-                        if subscribed is None:
-                            lmq = model.QueueId.lmq(meta.parent, meta.lite)
-                            subscribed = {group_of_client.get(c, "") for c in live.subscribers(lmq)}
-                        if name not in subscribed:
-                            continue  # never consumed nor subscribed by this group: not its topic
-                    lags[name] += backlog(meta, offset)
-            if len(rows) < WALK_BATCH:
-                break
-            cursor = rows[-1][0].lite
+        async for meta, name, offset, _oldest in _group_topics(store, live, parent, names):
+            lags[name] += backlog(meta, offset)
     return lags
 
 
+async def _group_topics(
+    store: Store, live: LiveView, parent: str, names: Sequence[str], *, with_oldest: bool = False
+) -> AsyncIterator[tuple[model.LiteTopicMeta, str, int | None, int | None]]:
+    """(topic, group, committed offset, store time of the oldest unconsumed message if asked) for every lite
+    topic of ``parent`` that counts for each group of ``names``, a page of ``WALK_BATCH`` per worker-thread call."""
+    group_of_client = {c.client_id: c.group for c in live.clients()}
+    cursor = ""
+    while True:
+        rows = await asyncio.to_thread(_offsets_page, store, parent, names, cursor, with_oldest)
+        for meta, committed, oldest in rows:
+            subscribed: set[str] | None = None
+            for name, offset, first in zip(names, committed, oldest, strict=True):
+                if offset is None:
+                    if subscribed is None:
+                        lmq = model.QueueId.lmq(meta.parent, meta.lite)
+                        subscribed = {group_of_client.get(c, "") for c in live.subscribers(lmq)}
+                    if name not in subscribed:
+                        continue  # never consumed nor subscribed by this group: not its topic
+                yield meta, name, offset, first
+        if len(rows) < WALK_BATCH:
+            return
+        cursor = rows[-1][0].lite
+
+
+async def group_lag(store: Store, live: LiveView, group: model.LiteGroup, top_k: int, now_ms: int) -> GroupLag:
+    """One group's lag, its latency (age of the oldest unconsumed message) and its ``top_k`` lite topics by lag:
+    the same paged walk as ``group_lags`` plus one message read per lagging topic, with a heap of ``top_k``."""
+    top_k = validation.limit("top_k", top_k, default=TOP_K_DEFAULT, maximum=TOP_K_MAX)
+    total = latency = lagging = 0
+    heap: list[tuple[int, _Reversed, LiteTopicLag]] = []  # min-heap of the k largest (lag, then first name)
+    async for meta, _name, offset, oldest in _group_topics(
+        store, live, group.bind_topic, [group.name], with_oldest=True
+    ):
+        lag = backlog(meta, offset)
+        if lag <= 0:
+            continue
+        age = max(0, now_ms - oldest) if oldest is not None else 0
+        total, lagging, latency = total + lag, lagging + 1, max(latency, age)
+        row = LiteTopicLag(meta.lite, lag, -1 if offset is None else offset, meta.max_offset, age)
+        entry = (lag, _Reversed(meta.lite), row)
+        if len(heap) < top_k:
+            heapq.heappush(heap, entry)
+        elif entry[:2] > heap[0][:2]:
+            heapq.heapreplace(heap, entry)
+    top = tuple(row for *_, row in sorted(heap, key=lambda e: (-e[0], e[2].lite)))
+    return GroupLag(group.name, group.bind_topic, total, latency, lagging, top)
+
+
+class _Reversed(str):
+    """A name that orders backwards: among equal lags the heap keeps the alphabetically first names."""
+
+    __slots__ = ()
+
+    def __lt__(self, other: str) -> bool:
+        return str.__gt__(self, other)
+
+    def __gt__(self, other: str) -> bool:
+        return str.__lt__(self, other)
+
+
 def _offsets_page(
-    store: Store, parent: str, groups: Sequence[str], start_after: str
-) -> list[tuple[model.LiteTopicMeta, list[int | None]]]:
-    """A page of ``parent``'s lite topics, each with the committed offset of every group in ``groups``."""
-    metas = store.scan_lite_topics(parent, start_after, "", WALK_BATCH)
-    return [(m, [store.get_offset(model.QueueId.lmq(m.parent, m.lite), g) for g in groups]) for m in metas]
+    store: Store, parent: str, groups: Sequence[str], start_after: str, with_oldest: bool = False
+) -> list[tuple[model.LiteTopicMeta, list[int | None], list[int | None]]]:
+    """A page of ``parent``'s lite topics, each with the committed offset of every group in ``groups`` and,
+    ``with_oldest``, the store time of the first message each group has not consumed (None: no backlog)."""
+    rows = []
+    for meta in store.scan_lite_topics(parent, start_after, "", WALK_BATCH):
+        queue = model.QueueId.lmq(meta.parent, meta.lite)
+        committed = [store.get_offset(queue, g) for g in groups]
+        oldest: list[int | None] = [None] * len(groups)
+        if with_oldest:
+            for i, offset in enumerate(committed):
+                if backlog(meta, offset) > 0:
+                    first = store.read(queue, meta.min_offset if offset is None else max(offset, meta.min_offset), 1)
+                    oldest[i] = first[0].store_timestamp_ms if first else None
+        rows.append((meta, committed, oldest))
+    return rows
 
 
 # --- the broker -------------------------------------------------------------------------------------------

@@ -115,3 +115,28 @@ class ClusterInfo:
     undrained_messages: int  # -1 when not computed
     drained: bool
     source: str  # "flags" or "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class LiteClientInfo:
+    client: ClientInfo
+    lite_topics: tuple[str, ...]  # lite names within client.topic, sorted
+
+
+@dataclass(frozen=True, slots=True)
+class LiteTopicLag:
+    lite: str
+    lag: int
+    committed_offset: int  # -1: none yet
+    max_offset: int
+    latency_ms: int  # age of the oldest unconsumed message; 0 without lag
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLag:
+    group: str
+    bind_topic: str
+    lag: int
+    latency_ms: int  # the largest over the group's lite topics
+    lagging_topics: int
+    top: tuple[LiteTopicLag, ...]  # largest lag first

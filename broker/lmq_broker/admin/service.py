@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import grpc
 from typing_extensions import override
 
-from lmq_broker import errors
-from lmq_broker.admin import catalog, codes, convert, inspection, membership, reclaiming
+from lmq_broker import errors, model
+from lmq_broker.admin import catalog, codes, convert, inspection, membership, reclaiming, validation
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.protocol import auth, guard
@@ -194,20 +194,8 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @override
     @_edge
     async def ListClients(self, request: pb.ListClientsRequest, context: Context) -> pb.ListClientsResponse:
-        return pb.ListClientsResponse(
-            clients=[
-                pb.ClientInfo(
-                    client_id=c.client_id,
-                    group=c.group,
-                    topic=c.topic,
-                    client_type=c.client_type,
-                    subscription_count=c.subscription_count,
-                    last_seen_ms=c.last_seen_ms,
-                    ready_events=c.ready_events,
-                )
-                for c in self._live.clients(request.group or None)
-            ]
-        )
+        clients = self._live.clients(request.group or None)
+        return pb.ListClientsResponse(clients=[convert.client_view_to_pb(c) for c in clients])
 
     @override
     async def ScanLiteTopics(  # an async generator, which grpc.aio accepts for server streams
@@ -244,6 +232,51 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         return pb.RecordReclaimRunsResponse(
             recorded=done.recorded, unknown_parents=done.unknown_parents, superseded=done.superseded
         )
+
+    # --- lite operations beyond mqadmin's ----------------------------------------------------------------
+    @override
+    @_edge
+    async def GetLiteClient(self, request: pb.GetLiteClientRequest, context: Context) -> pb.GetLiteClientResponse:
+        found = [c for c in self._live.clients() if c.client_id == request.client_id]
+        lites = self._live.lite_topics_of(request.client_id)
+        if not found or lites is None:
+            raise errors.NotFound(f"client {request.client_id!r} is not connected", client_id=request.client_id)
+        return pb.GetLiteClientResponse(client=convert.client_view_to_pb(found[0]), lite_topics=lites)
+
+    @override
+    @_edge
+    async def GetGroupLag(self, request: pb.GetGroupLagRequest, context: Context) -> pb.GetGroupLagResponse:
+        group = await asyncio.to_thread(self._catalog.get_group, request.group)
+        now_ms = int(auth.utc_now().timestamp() * 1000)
+        lag = await inspection.group_lag(self._store, self._live, group, request.top_k, now_ms)
+        return convert.group_lag_to_pb(lag)
+
+    @override
+    @_edge
+    async def ResetLiteOffsets(
+        self, request: pb.ResetLiteOffsetsRequest, context: Context
+    ) -> pb.ResetLiteOffsetsResponse:
+        option = convert.offset_reset_from_pb(request)
+        group = await asyncio.to_thread(self._catalog.get_group, request.group)
+        lites = [validation.lite_topic("lites", lite) for lite in request.lites]
+        await self._live.reset_offsets(group.name, group.bind_topic, lites, option)
+
+        def read() -> dict[str, int]:
+            queue = functools.partial(model.QueueId.lmq, group.bind_topic)
+            found = {lite: self._store.get_offset(queue(lite), group.name) for lite in lites}
+            return {lite: offset for lite, offset in found.items() if offset is not None}
+
+        return pb.ResetLiteOffsetsResponse(offsets=await asyncio.to_thread(read))
+
+    @override
+    @_edge
+    async def TriggerLiteDispatch(
+        self, request: pb.TriggerLiteDispatchRequest, context: Context
+    ) -> pb.TriggerLiteDispatchResponse:
+        group = await asyncio.to_thread(self._catalog.get_group, request.group)
+        lites = [validation.lite_topic("lites", lite) for lite in request.lites]
+        offered = await self._live.trigger_dispatch(group.name, group.bind_topic, lites)
+        return pb.TriggerLiteDispatchResponse(offered=offered)
 
     # --- the broker -------------------------------------------------------------------------------------
     @override

@@ -119,6 +119,6 @@ def serve_admin(
     admin_keys: tuple[str, str] | None = None,
 ) -> Broker:
     """The admin service over ``store`` on a fresh port; ``Broker.close`` stops it (not the store)."""
-    live = StaticLiveView()
+    live = StaticLiveView(store=store)
     server = start_server(loop, lambda s: service.register(s, store, live, config, admin_keys=admin_keys), interceptors)
     return Broker(server, store, live, config)

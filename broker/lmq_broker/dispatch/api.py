@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmq_broker import model
-from lmq_broker.dispatch import reclaims
+from lmq_broker.dispatch import offsets, reclaims
+from lmq_broker.storage.api import Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,19 @@ class LiveView(Protocol):
         """The delete is over: forget ``deleted`` (as ``forget_lite_topic``) and clear ``mark``."""
         ...
 
+    def lite_topics_of(self, client_id: str) -> list[str] | None:
+        """The lite names ``client_id`` subscribes to, sorted; None when no such client is registered."""
+        ...
+
+    async def reset_offsets(self, group: str, parent: str, lites: Sequence[str], option: offsets.OffsetReset) -> None:
+        """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does)."""
+        ...
+
+    async def trigger_dispatch(self, group: str, parent: str, lites: Sequence[str]) -> list[str]:
+        """Offer ``lites`` of ``parent`` that have work for ``group`` to its subscribers now (empty: every lite
+        topic a client of the group subscribes to); the lite names offered."""
+        ...
+
 
 @dataclass
 class StaticLiveView:
@@ -67,6 +81,9 @@ class StaticLiveView:
     client_views: list[ClientView] = field(default_factory=list)
     forgotten: list[model.QueueId] = field(default_factory=list)
     metadata_changes: int = 0
+    store: Store | None = None  # where reset_offsets writes (the harness's store)
+    lite_sets: dict[str, list[str]] = field(default_factory=dict)  # client -> lite names
+    triggered: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)
 
     def subscribers(self, lmq: model.QueueId) -> list[str]:
         return list(self.subs.get(lmq, []))
@@ -98,3 +115,16 @@ class StaticLiveView:
         for lmq in deleted:
             self.forget_lite_topic(lmq)
         mark.done.set()
+
+    def lite_topics_of(self, client_id: str) -> list[str] | None:
+        found = client_id in self.lite_sets or any(c.client_id == client_id for c in self.client_views)
+        return sorted(self.lite_sets.get(client_id, [])) if found else None
+
+    async def reset_offsets(self, group: str, parent: str, lites: Sequence[str], option: offsets.OffsetReset) -> None:
+        assert self.store is not None, "StaticLiveView.store is needed for reset_offsets"
+        offsets.reset(self.store, [model.QueueId.lmq(parent, lite).topic for lite in lites], group, option)
+
+    async def trigger_dispatch(self, group: str, parent: str, lites: Sequence[str]) -> list[str]:
+        """Records the call; offers the given lites that someone subscribes to (no ready sets here)."""
+        self.triggered.append((group, parent, tuple(lites)))
+        return [lite for lite in lites if self.subs.get(model.QueueId.lmq(parent, lite))]

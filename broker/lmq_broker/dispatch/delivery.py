@@ -113,12 +113,13 @@ class Deliverer:
         return key.topic in state.lite_topics or self._wildcards.holds(client_id, key.topic)
 
     # --- offers and wake-ups ------------------------------------------------------------------------------
-    def dispatch(self, lmq: str, *, only_group: str | None = None, prefer: str | None = None) -> None:
-        """Offer ``lmq`` to one subscriber per group (the ``prefer``red one first, else a random start)."""
+    def dispatch(self, lmq: str, *, only_group: str | None = None, prefer: str | None = None) -> bool:
+        """Offer ``lmq`` to one subscriber per group (the ``prefer``red one first, else a random start); True
+        when some client took it."""
         subscribers = self._registry.subscribers(lmq)
         wild = self._wildcards.groups_of_lmq(lmq)
         if not subscribers and not wild:
-            return
+            return False
         by_group: dict[str, list[str]] = {}
         for cid in subscribers:
             state = self._registry.get(cid)
@@ -128,6 +129,7 @@ class Deliverer:
             if only_group is None or group == only_group:
                 by_group.setdefault(group, []).extend(sorted(members))
         now = self._rt.clock()
+        taken = False
         for group, cids in by_group.items():
             in_flight = self._leases.get(LeaseKey(lmq, 0, group))
             if in_flight is not None and in_flight.blocked(now):
@@ -139,7 +141,9 @@ class Deliverer:
                 order = cids[start:] + cids[:start]
             for cid in order:
                 if self.offer(cid, lmq, group):
+                    taken = True
                     break
+        return taken
 
     def offer(self, client_id: str, lmq: str, group: str) -> bool:
         """Queue ``lmq`` for the client; False when its ready queue is full (a catch-up pass is scheduled)."""

@@ -198,6 +198,14 @@ class Dispatcher:
         """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does)."""
         await self.settlement.reset_offsets([subscriptions.lmq_name(parent, lite) for lite in lites], group, option)
 
+    def lite_topics_of(self, client_id: str) -> list[str] | None:
+        state = self.registry.get(client_id)
+        return None if state is None else sorted(model.QueueId(lmq).lite_parts()[1] for lmq in state.lite_topics)
+
+    async def trigger_dispatch(self, group: str, parent: str, lites: Sequence[str]) -> list[str]:
+        offered = await self.subscriptions.trigger(group, [subscriptions.lmq_name(parent, lite) for lite in lites])
+        return [model.QueueId(lmq).lite_parts()[1] for lmq in offered]
+
     def forget_lite_topic(self, lmq: model.QueueId) -> None:
         self.subscriptions.forget(lmq.topic)
         self.settlement.forget_topic(lmq.topic)

@@ -283,6 +283,24 @@ class Subscriptions:
                 if not self._deliverer.offer(client_id, lmq, group):
                     return  # full: the catch-up pass it scheduled walks the rest
 
+    async def trigger(self, group: str, lmqs: Sequence[str]) -> list[str]:
+        """An operator's nudge: offer ``lmqs`` (empty: every topic a client of ``group`` subscribes to) to the
+        group's subscribers if they have work for it, and start a catch-up pass of the group's wildcard
+        clients. Pending work is probed in chunks off the loop; returns the topics a client took (not one
+        without a subscriber of the group, nor one whose next message is leased in order)."""
+        members = [st for st in self._registry.clients() if st.group == group]
+        if not lmqs:
+            lmqs = sorted({lmq for st in members for lmq in st.lite_topics})
+            for st in members:
+                if self._wildcards.registration(st.client_id) is not None:
+                    self.start_catchup(st.client_id)
+        offered: list[str] = []
+        for start in range(0, len(lmqs), CATCHUP_CHUNK):
+            for lmq in await self._deliverer.pending_among(list(lmqs[start : start + CATCHUP_CHUNK]), group):
+                if self._deliverer.dispatch(lmq, only_group=group):
+                    offered.append(lmq)
+        return offered
+
     # --- catch-up passes ----------------------------------------------------------------------------------
     def start_catchup(self, client_id: str) -> None:
         if self._rt.loop is None:

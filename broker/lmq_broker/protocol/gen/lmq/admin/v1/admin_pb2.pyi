@@ -69,6 +69,36 @@ WOULD_DELETE: DeleteOutcome.ValueType  # 5
 """dry run"""
 Global___DeleteOutcome: _TypeAlias = DeleteOutcome  # noqa: Y015
 
+class _OffsetPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OffsetPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OffsetPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OFFSET_POLICY_UNSPECIFIED: _OffsetPolicy.ValueType  # 0
+    OFFSET_MIN: _OffsetPolicy.ValueType  # 1
+    """the first stored message: everything is consumed again"""
+    OFFSET_MAX: _OffsetPolicy.ValueType  # 2
+    """past the last stored message: the backlog is skipped"""
+    OFFSET_VALUE: _OffsetPolicy.ValueType  # 3
+    """value, clamped to [min, max]"""
+    OFFSET_TAIL_N: _OffsetPolicy.ValueType  # 4
+    """the last `value` messages (only moves an offset the group has, as RocketMQ)"""
+
+class OffsetPolicy(_OffsetPolicy, metaclass=_OffsetPolicyEnumTypeWrapper):
+    """Move a group's offset in some lite topics of its bind topic, as a subscription's OffsetOption does."""
+
+OFFSET_POLICY_UNSPECIFIED: OffsetPolicy.ValueType  # 0
+OFFSET_MIN: OffsetPolicy.ValueType  # 1
+"""the first stored message: everything is consumed again"""
+OFFSET_MAX: OffsetPolicy.ValueType  # 2
+"""past the last stored message: the backlog is skipped"""
+OFFSET_VALUE: OffsetPolicy.ValueType  # 3
+"""value, clamped to [min, max]"""
+OFFSET_TAIL_N: OffsetPolicy.ValueType  # 4
+"""the last `value` messages (only moves an offset the group has, as RocketMQ)"""
+Global___OffsetPolicy: _TypeAlias = OffsetPolicy  # noqa: Y015
+
 @_typing.final
 class ParentTopic(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -1394,3 +1424,271 @@ class SetClusterResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetClusterResponse: _TypeAlias = SetClusterResponse  # noqa: Y015
+
+@_typing.final
+class GetLiteClientRequest(_message.Message):
+    """--- lite operations beyond mqadmin's lite commands (lmq-admin lite ...) ---------------------------------
+
+    One client's lite-topic set (RocketMQ getLiteClientInfo).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLiteClientRequest: _TypeAlias = GetLiteClientRequest  # noqa: Y015
+
+@_typing.final
+class GetLiteClientResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_FIELD_NUMBER: _builtins.int
+    LITE_TOPICS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def client(self) -> Global___ClientInfo: ...
+    @_builtins.property
+    def lite_topics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """lite names within client.topic (its group's bind topic), sorted"""
+
+    def __init__(
+        self,
+        *,
+        client: Global___ClientInfo | None = ...,
+        lite_topics: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["client", b"client"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "lite_topics", b"lite_topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLiteClientResponse: _TypeAlias = GetLiteClientResponse  # noqa: Y015
+
+@_typing.final
+class GetGroupLagRequest(_message.Message):
+    """A group's lag: total, latency (age of its oldest unconsumed message) and the top_k lite topics by lag."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    top_k: _builtins.int
+    """0: the default, 10; at most 1000"""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        top_k: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGroupLagRequest: _TypeAlias = GetGroupLagRequest  # noqa: Y015
+
+@_typing.final
+class LiteTopicLag(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LITE_FIELD_NUMBER: _builtins.int
+    LAG_FIELD_NUMBER: _builtins.int
+    COMMITTED_OFFSET_FIELD_NUMBER: _builtins.int
+    MAX_OFFSET_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
+    lite: _builtins.str
+    lag: _builtins.int
+    """max offset - max(committed, min offset)"""
+    committed_offset: _builtins.int
+    """-1: none yet (the group starts at the min offset)"""
+    max_offset: _builtins.int
+    latency_ms: _builtins.int
+    """now - store time of the oldest unconsumed message; 0 when lag is 0"""
+    def __init__(
+        self,
+        *,
+        lite: _builtins.str = ...,
+        lag: _builtins.int = ...,
+        committed_offset: _builtins.int = ...,
+        max_offset: _builtins.int = ...,
+        latency_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_offset", b"committed_offset", "lag", b"lag", "latency_ms", b"latency_ms", "lite", b"lite", "max_offset", b"max_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiteTopicLag: _TypeAlias = LiteTopicLag  # noqa: Y015
+
+@_typing.final
+class GetGroupLagResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    BIND_TOPIC_FIELD_NUMBER: _builtins.int
+    LAG_FIELD_NUMBER: _builtins.int
+    LATENCY_MS_FIELD_NUMBER: _builtins.int
+    LAGGING_TOPICS_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    bind_topic: _builtins.str
+    lag: _builtins.int
+    latency_ms: _builtins.int
+    """the largest latency_ms over the group's lite topics"""
+    lagging_topics: _builtins.int
+    """lite topics with lag > 0"""
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___LiteTopicLag]:
+        """by lag, largest first (ties: by name)"""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        bind_topic: _builtins.str = ...,
+        lag: _builtins.int = ...,
+        latency_ms: _builtins.int = ...,
+        lagging_topics: _builtins.int = ...,
+        top: _abc.Iterable[Global___LiteTopicLag] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "group", b"group", "lag", b"lag", "lagging_topics", b"lagging_topics", "latency_ms", b"latency_ms", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGroupLagResponse: _TypeAlias = GetGroupLagResponse  # noqa: Y015
+
+@_typing.final
+class ResetLiteOffsetsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    LITES_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    policy: Global___OffsetPolicy.ValueType
+    value: _builtins.int
+    @_builtins.property
+    def lites(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        lites: _abc.Iterable[_builtins.str] | None = ...,
+        policy: Global___OffsetPolicy.ValueType = ...,
+        value: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "lites", b"lites", "policy", b"policy", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetLiteOffsetsRequest: _TypeAlias = ResetLiteOffsetsRequest  # noqa: Y015
+
+@_typing.final
+class ResetLiteOffsetsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class OffsetsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def offsets(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """lite -> committed offset after the reset (absent: the group has none)"""
+
+    def __init__(
+        self,
+        *,
+        offsets: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offsets", b"offsets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetLiteOffsetsResponse: _TypeAlias = ResetLiteOffsetsResponse  # noqa: Y015
+
+@_typing.final
+class TriggerLiteDispatchRequest(_message.Message):
+    """Offer lite topics' pending work to their subscribers now (RocketMQ triggerLiteDispatch)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    LITES_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    @_builtins.property
+    def lites(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """empty: every lite topic the group's clients subscribe to on this broker"""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        lites: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "lites", b"lites"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TriggerLiteDispatchRequest: _TypeAlias = TriggerLiteDispatchRequest  # noqa: Y015
+
+@_typing.final
+class TriggerLiteDispatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFERED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def offered(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """lite topics that had work for the group and that a client of it took"""
+
+    def __init__(
+        self,
+        *,
+        offered: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offered", b"offered"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TriggerLiteDispatchResponse: _TypeAlias = TriggerLiteDispatchResponse  # noqa: Y015

@@ -134,6 +134,26 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterResponse.FromString,
                 _registered_method=True)
+        self.GetLiteClient = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/GetLiteClient',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetLiteClientRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetLiteClientResponse.FromString,
+                _registered_method=True)
+        self.GetGroupLag = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/GetGroupLag',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetGroupLagRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetGroupLagResponse.FromString,
+                _registered_method=True)
+        self.ResetLiteOffsets = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/ResetLiteOffsets',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ResetLiteOffsetsRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ResetLiteOffsetsResponse.FromString,
+                _registered_method=True)
+        self.TriggerLiteDispatch = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/TriggerLiteDispatch',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -259,6 +279,30 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLiteClient(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGroupLag(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetLiteOffsets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TriggerLiteDispatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +405,26 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.SetCluster,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterResponse.SerializeToString,
+            ),
+            'GetLiteClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLiteClient,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetLiteClientRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetLiteClientResponse.SerializeToString,
+            ),
+            'GetGroupLag': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGroupLag,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetGroupLagRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetGroupLagResponse.SerializeToString,
+            ),
+            'ResetLiteOffsets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetLiteOffsets,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ResetLiteOffsetsRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ResetLiteOffsetsResponse.SerializeToString,
+            ),
+            'TriggerLiteDispatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TriggerLiteDispatch,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -903,6 +967,114 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/SetCluster',
             lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.SetClusterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLiteClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/GetLiteClient',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetLiteClientRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetLiteClientResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGroupLag(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/GetGroupLag',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetGroupLagRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetGroupLagResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetLiteOffsets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/ResetLiteOffsets',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.ResetLiteOffsetsRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.ResetLiteOffsetsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TriggerLiteDispatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/TriggerLiteDispatch',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,10 @@ class LmqAdminStub:
     RecordReclaimRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]
     GetCluster: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.GetClusterResponse]
     SetCluster: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetClusterRequest, _admin_pb2.SetClusterResponse]
+    GetLiteClient: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetLiteClientRequest, _admin_pb2.GetLiteClientResponse]
+    GetGroupLag: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetGroupLagRequest, _admin_pb2.GetGroupLagResponse]
+    ResetLiteOffsets: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ResetLiteOffsetsRequest, _admin_pb2.ResetLiteOffsetsResponse]
+    TriggerLiteDispatch: _grpc.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -77,6 +81,10 @@ class LmqAdminAsyncStub(LmqAdminStub):
     RecordReclaimRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.RecordReclaimRunsRequest, _admin_pb2.RecordReclaimRunsResponse]  # type: ignore[assignment]
     GetCluster: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.GetClusterResponse]  # type: ignore[assignment]
     SetCluster: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetClusterRequest, _admin_pb2.SetClusterResponse]  # type: ignore[assignment]
+    GetLiteClient: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetLiteClientRequest, _admin_pb2.GetLiteClientResponse]  # type: ignore[assignment]
+    GetGroupLag: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetGroupLagRequest, _admin_pb2.GetGroupLagResponse]  # type: ignore[assignment]
+    ResetLiteOffsets: _aio.UnaryUnaryMultiCallable[_admin_pb2.ResetLiteOffsetsRequest, _admin_pb2.ResetLiteOffsetsResponse]  # type: ignore[assignment]
+    TriggerLiteDispatch: _aio.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -218,5 +226,33 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.SetClusterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.SetClusterResponse, _abc.Awaitable[_admin_pb2.SetClusterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetLiteClient(
+        self,
+        request: _admin_pb2.GetLiteClientRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetLiteClientResponse, _abc.Awaitable[_admin_pb2.GetLiteClientResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetGroupLag(
+        self,
+        request: _admin_pb2.GetGroupLagRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetGroupLagResponse, _abc.Awaitable[_admin_pb2.GetGroupLagResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ResetLiteOffsets(
+        self,
+        request: _admin_pb2.ResetLiteOffsetsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ResetLiteOffsetsResponse, _abc.Awaitable[_admin_pb2.ResetLiteOffsetsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def TriggerLiteDispatch(
+        self,
+        request: _admin_pb2.TriggerLiteDispatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.TriggerLiteDispatchResponse, _abc.Awaitable[_admin_pb2.TriggerLiteDispatchResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
