@@ -237,7 +237,7 @@ class Deliverer:
             for i in range(queues):
                 key = LeaseKey(topic, (rr + i) % queues, group)
                 out += await self._deliver(
-                    key, batch - len(out), invisible_ms, client_id, found, ordered=False, auto_renew=auto_renew
+                    key, batch - len(out), invisible_ms, client_id, found, ordered=found.fifo, auto_renew=auto_renew
                 )
                 if len(out) >= batch:
                     self.wake_topic(topic)  # there may be more: let other receivers look too
