@@ -121,7 +121,7 @@ async def test_suspends_beyond_the_cap_dead_letter_the_message(tmp_path: Path) -
         await lite.send("t1", b"stuck")
         await lite.send("t1", b"next")
         (d,) = await lite.receive("c1", batch=1)
-        for _ in range(2):  # 2 × 2 s suspended: within the 5 s cap, and no attempt counted
+        for _ in range(2):  # twice 2 s suspended: within the 5 s cap, and no attempt counted
             again = await suspend(lite, d, 2_000)
             assert again is not None and again.message.body == b"stuck" and again.attempt == 1
             d = again

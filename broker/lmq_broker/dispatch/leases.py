@@ -445,7 +445,14 @@ class LeaseTable:
         return True
 
     def change(
-        self, key: LeaseKey, receipt: Receipt, now_ms: int, invisible_ms: int, suspend: bool, *, max_suspend_ms: int = -1
+        self,
+        key: LeaseKey,
+        receipt: Receipt,
+        now_ms: int,
+        invisible_ms: int,
+        suspend: bool,
+        *,
+        max_suspend_ms: int = -1,
     ) -> tuple[Receipt, Lease]:
         """Re-lease a message for ``invisible_ms`` (a nack when short). Only the current lease may do it.
 
