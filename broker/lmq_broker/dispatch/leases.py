@@ -6,10 +6,10 @@ not yet acknowledged in order), the hand-out mark (one past the highest offset e
 store) as runs: a lost segment of millions of offsets is one run, never one object per offset, and the
 commit point jumps over it in one step once the leases before it are settled.
 
-Consumption of a lite topic is *ordered*: walking from the commit point,
-delivery stops at the first message that is leased and still invisible, so no message is handed out while
-an earlier one of the same lite topic is out. Normal topics are unordered: leased messages are skipped
-and the window of in-flight messages is capped instead.
+Consumption of a lite topic, and of a normal queue by a FIFO group, is *ordered*: walking from the commit
+point, delivery stops at the first message that is leased and still invisible, so no message is handed out
+while an earlier one of the same queue is out (a nacked or expired one comes back first). Other groups read
+normal topics unordered: leased messages are skipped and the window of in-flight messages is capped instead.
 
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it together with the
 offsets settled above it (``acked_above``, runs), so that after a restart ``seed`` settles those again and
