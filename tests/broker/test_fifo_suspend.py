@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from lmq_broker import __main__ as cli
 from lmq_broker import model
+from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Delivery
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for
 from lmq_broker.storage import memory
@@ -149,5 +151,11 @@ async def test_a_nack_does_not_count_towards_the_suspend_cap(tmp_path: Path) -> 
         await lite.dispatcher.close()
 
 
-async def test_the_suspend_cap_defaults_to_a_day() -> None:
-    assert config_for(Path("unused")).max_suspend_ms == 24 * 3600 * 1000
+def serve_config(argv: list[str], env: dict[str, str]) -> BrokerConfig:
+    return cli.config_from(cli.build_parser().parse_args(["serve", *argv]), env)
+
+
+async def test_the_suspend_cap_defaults_to_a_day_and_is_set_by_flag_or_variable() -> None:
+    assert serve_config([], {}).max_suspend_ms == 24 * 3600 * 1000
+    assert serve_config([], {"LMQ_MAX_SUSPEND_MS": "-1"}).max_suspend_ms == -1
+    assert serve_config(["--max-suspend-ms", "60000"], {"LMQ_MAX_SUSPEND_MS": "-1"}).max_suspend_ms == 60_000
