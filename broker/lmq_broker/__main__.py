@@ -64,6 +64,8 @@ HELP: Final[dict[str, str]] = {
     "heap_trim_interval_ms": "how often freed C-heap memory is handed back to the OS (glibc malloc_trim; 0: never)",
     "lease_renew_slice_ms": "push consumers (auto_renew): lease length, renewed while the client lives",
     "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
+    "max_suspend_ms": "dead-letter a message once it was suspended (ChangeInvisibleDuration suspend) this long "
+    "in all (-1: no cap)",
     "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
     "of every pod (docs/scale-out.md)",
     "ring_history": "scale-out: earlier ring sizes in slots, oldest first, comma-separated (one per scale-up)",

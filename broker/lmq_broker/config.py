@@ -62,6 +62,9 @@ class BrokerConfig(BaseModel):
     # Auto-renew receives (push consumers): leased a slice at a time, renewed while the client lives
     lease_renew_slice_ms: int = Field(default=30_000, ge=1000)
     lease_renew_max_ms: int = Field(default=3 * 3600 * 1000, ge=0)  # 0: never renewed (one slice)
+    # Total time one message may spend suspended (ChangeInvisibleDuration with suspend, which counts no
+    # attempt) before it is dead-lettered; -1: no cap. RocketMQ has no such cap (nor a default for one).
+    max_suspend_ms: int = Field(default=24 * 3600 * 1000, ge=-1)
     bootstrap: bool = True  # create AGENT_TASK_NS + executor-group on first start
     index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""

@@ -10,7 +10,7 @@ from typing import TypeVar
 import pytest
 
 from lmq_broker import errors
-from lmq_broker.dispatch.leases import LeaseKey, LeaseTable, Pick, QueueLeases, Receipt, Renewal
+from lmq_broker.dispatch.leases import LeaseKey, LeaseTable, Pick, QueueLeases, Receipt, Renewal, over_suspend_cap
 from lmq_broker.storage import keys, ranges
 
 T = TypeVar("T")
@@ -74,7 +74,22 @@ def test_change_invisible_counts_an_attempt_unless_suspended() -> None:
     with pytest.raises(errors.InvalidReceiptHandle):
         table.change(KEY, r0, 100, 500, suspend=True)  # superseded handle
     _, lease = table.change(KEY, nacked, now_ms=200, invisible_ms=300, suspend=True)
-    assert state.picks(500, 1) == [Pick(0, 1, True)]  # suspended: same attempt again
+    assert state.picks(500, 1) == [Pick(0, 1, True, 300)]  # suspended: same attempt again, 300 ms suspended
+
+
+def test_suspended_time_adds_up_over_hand_outs_and_past_the_cap_the_lease_ends_at_once() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    (r0,) = lease_all(table, state, state.picks(0, 1), 0, 60_000)
+    _, lease = table.change(KEY, r0, now_ms=100, invisible_ms=600, suspend=True, max_suspend_ms=1_000)
+    assert lease.visible_at_ms == 700  # within the cap: suspended as asked
+    (pick,) = state.picks(700, 1)
+    assert pick == Pick(0, 1, True, 600)
+    (r1,) = lease_all(table, state, [pick], 700, 60_000)
+    _, lease = table.change(KEY, r1, now_ms=800, invisible_ms=500, suspend=True, max_suspend_ms=1_000)
+    assert (lease.visible_at_ms, lease.suspended_ms) == (800, 1_100)  # over the cap: visible now
+    (pick,) = state.picks(800, 1)
+    assert over_suspend_cap(pick.suspended_ms, 1_000) and not over_suspend_cap(pick.suspended_ms, -1)
 
 
 def test_unordered_queue_skips_leased_messages_within_a_window() -> None:

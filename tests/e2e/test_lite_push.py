@@ -237,6 +237,30 @@ def test_lite_simple_consumer_receives_and_acks(
     assert admin.describe_lite_topic(topic, "simple-1").group_offsets[group] == 1
 
 
+def test_a_fifo_lite_group_holds_back_later_messages_while_one_is_out(
+    broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """Issue 16: a second receive must not return f1 while f0 is leased; a nacked f0 comes back before f1."""
+    topic, group = lite_group()
+    c = LiteSimpleConsumer(topic, config(broker), group, await_duration=2)
+    c.startup()
+    clients.append(c)
+    deadline = time.monotonic() + 10
+    while c.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
+        assert time.monotonic() < deadline, "no settings from the broker"
+        time.sleep(0.05)
+    c.subscribe_lite("fifo-1")
+    p = producer(broker, clients, topic)
+    for body in (b"f0", b"f1"):
+        send(p, topic, "fifo-1", body)
+    (f0,) = receive_some(c, 1, wait_s=30)
+    assert f0.body == b"f0"
+    assert c.receive(1, 30) == []  # f1 waits while f0 is out
+    c.change_invisible_duration(f0, 1)  # a nack
+    got = receive_some(c, 16, wait_s=30)
+    assert [(m.body, m.delivery_attempt) for m in got] == [(b"f0", 2), (b"f1", 1)]
+
+
 def test_restart_resumes_without_loss_or_redelivery(tmp_path: Any, clients: list[Any]) -> None:
     """Graceful broker restart under a running consumer: what was acked is never seen again, what was sent
     while it was down arrives."""

@@ -241,7 +241,7 @@ class Deliverer:
             for i in range(queues):
                 key = LeaseKey(topic, (rr + i) % queues, group)
                 out += await self._deliver(
-                    key, batch - len(out), invisible_ms, client_id, found, ordered=False, auto_renew=auto_renew
+                    key, batch - len(out), invisible_ms, client_id, found, ordered=found.fifo, auto_renew=auto_renew
                 )
                 if len(out) >= batch:
                     self.wake_topic(topic)  # there may be more: let other receivers look too
@@ -311,13 +311,14 @@ class Deliverer:
             now = rt.clock()
             renew_max = rt.config.lease_renew_max_ms
             renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
+            max_suspend = rt.config.max_suspend_ms
             out: list[Delivery] = []
             dead: list[tuple[leases.Pick, model.StoredMessage]] = []
             for pick in picks:
                 message = by_offset.get(pick.offset)
                 if message is None or pick.offset < state.committed:
                     continue
-                if pick.attempt > group.retry.max_attempts:
+                if pick.attempt > group.retry.max_attempts or leases.over_suspend_cap(pick.suspended_ms, max_suspend):
                     dead.append((pick, message))
                     continue
                 lease_id = self._leases.new_lease_id()
@@ -336,6 +337,9 @@ class Deliverer:
                     await settling.settle_dead(key, state, dead)
                 except errors.StorageError as exc:  # not appended: their leases expire and they come again
                     self._store_refused(key, holder, exc)
+                else:
+                    if not out:  # the topic was taken off the ready queue for dead letters only: what follows
+                        self.ready_again(key, prefer=holder)
             return out
         finally:
             self._busy.discard(key)
@@ -353,7 +357,9 @@ class Deliverer:
         self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
     ) -> str:
         receipt, key = self._leases.resolve(receipt_handle, group)
-        new_receipt, lease = self._leases.change(key, receipt, self._rt.clock(), invisible_ms, suspend)
+        new_receipt, lease = self._leases.change(
+            key, receipt, self._rt.clock(), invisible_ms, suspend, max_suspend_ms=self._rt.config.max_suspend_ms
+        )
         self._rt.arm(lease.visible_at_ms)
         return self._leases.seal(new_receipt, group)
 

@@ -6,10 +6,10 @@ not yet acknowledged in order), the hand-out mark (one past the highest offset e
 store) as runs: a lost segment of millions of offsets is one run, never one object per offset, and the
 commit point jumps over it in one step once the leases before it are settled.
 
-Consumption of a lite topic is *ordered*: walking from the commit point,
-delivery stops at the first message that is leased and still invisible, so no message is handed out while
-an earlier one of the same lite topic is out. Normal topics are unordered: leased messages are skipped
-and the window of in-flight messages is capped instead.
+Consumption of a lite topic, and of a normal queue by a FIFO group, is *ordered*: walking from the commit
+point, delivery stops at the first message that is leased and still invisible, so no message is handed out
+while an earlier one of the same queue is out (a nacked or expired one comes back first). Other groups read
+normal topics unordered: leased messages are skipped and the window of in-flight messages is capped instead.
 
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it together with the
 offsets settled above it (``acked_above``, runs), so that after a restart ``seed`` settles those again and
@@ -83,6 +83,7 @@ class Lease:
     keep_attempt: bool = False  # set by a suspend: the next hand-out repeats the attempt number
     renew_until_ms: int = 0  # an auto-renew lease is extended while its holder holds the queue, up to this; 0: never
     message_id: str = ""  # of the message handed out: after an index rebuild, is its offset still that message?
+    suspended_ms: int = 0  # suspended so far, over all hand-outs of the message by this process (see ``change``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class Pick:
     offset: int
     attempt: int
     redelivery: bool
+    suspended_ms: int = 0  # carried over from the lease before (a suspend cap, ``LeaseTable.change``)
 
 
 @dataclass(slots=True)
@@ -192,7 +194,7 @@ class QueueLeases:
                         return out
                 else:
                     attempt = lease.attempt if lease.keep_attempt else lease.attempt + 1
-                    out.append(Pick(at, attempt, lease.attempt > 0))
+                    out.append(Pick(at, attempt, lease.attempt > 0, lease.suspended_ms))
                 at += 1
                 if len(out) >= limit:
                     return out
@@ -214,7 +216,7 @@ class QueueLeases:
         message_id: str = "",
     ) -> Lease:
         lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms,
-                      message_id=message_id)  # fmt: skip
+                      message_id=message_id, suspended_ms=pick.suspended_ms)  # fmt: skip
         self.entries[pick.offset] = lease
         if pick.offset >= self.handed:
             self.handed = pick.offset + 1
@@ -443,15 +445,30 @@ class LeaseTable:
         return True
 
     def change(
-        self, key: LeaseKey, receipt: Receipt, now_ms: int, invisible_ms: int, suspend: bool
+        self,
+        key: LeaseKey,
+        receipt: Receipt,
+        now_ms: int,
+        invisible_ms: int,
+        suspend: bool,
+        *,
+        max_suspend_ms: int = -1,
     ) -> tuple[Receipt, Lease]:
-        """Re-lease a message for ``invisible_ms`` (a nack when short). Only the current lease may do it."""
+        """Re-lease a message for ``invisible_ms`` (a nack when short). Only the current lease may do it.
+
+        A suspend counts no attempt, so a message suspended again and again would never reach the DLQ: its
+        suspended time adds up, and once the total passes ``max_suspend_ms`` (-1: no cap) the lease ends at
+        once and ``over_suspend_cap`` marks its next hand-out as a dead letter."""
         state = self._states.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
         if state is None or lease is None or lease.lease_id != receipt.lease_id:
             raise errors.InvalidReceiptHandle("receipt handle is no longer the current lease of the message")
         lease.lease_id = self.new_lease_id()
         lease.visible_at_ms = now_ms + invisible_ms
+        if suspend:
+            lease.suspended_ms += invisible_ms
+            if over_suspend_cap(lease.suspended_ms, max_suspend_ms):
+                lease.visible_at_ms = now_ms
         lease.keep_attempt = suspend
         lease.renew_until_ms = 0  # the client chose the invisible time: no longer renewed for it
         self.watch(key, lease.visible_at_ms)
@@ -506,6 +523,10 @@ class LeaseTable:
 
     def next_expiry_ms(self) -> int | None:
         return self._expiries[0][0] if self._expiries else None
+
+
+def over_suspend_cap(suspended_ms: int, max_suspend_ms: int) -> bool:
+    return 0 <= max_suspend_ms < suspended_ms
 
 
 def _has_expired(state: QueueLeases, now_ms: int) -> bool:
