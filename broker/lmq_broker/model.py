@@ -3,6 +3,12 @@
 Names follow RocketMQ: a *parent topic* is a normal topic whose message type is LITE; a *lite topic* is a
 runtime string under it, stored as the Light Message Queue ``%LMQ%$<parent>$<lite>`` (always queue 0).
 Everything here is a frozen value; behaviour lives in the layers above.
+
+The two values built once per message sent or read (``NewMessage``, ``StoredMessage``) are ``@value`` classes:
+frozen to the type checker, plain slotted dataclasses at run time. A frozen dataclass ``__init__`` pays one
+``object.__setattr__`` per field (about 5 us for a ``NewMessage``); a slotted one stores its fields directly
+(about 0.5 us when called with positional arguments; keywords triple that). mypy strict still refuses any
+assignment to them.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field, fields
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeVar, dataclass_transform
 
 LMQ_PREFIX: Final = "%LMQ%"
 LMQ_SEPARATOR: Final = "$"
@@ -20,8 +26,19 @@ DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # RocketMQ proxy maxMessageSize
 
 UNLIMITED: Final = -1  # a limit or quota that is not set
 
+_T = TypeVar("_T")
+
 _LITE_TOPIC_RE: Final = re.compile(r"^[A-Za-z0-9_-]+$")
 _RESOURCE_RE: Final = re.compile(r"^[%A-Za-z0-9_-]+$")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
+def value(cls: type[_T]) -> type[_T]:
+    """A frozen value for the type checker, built at the cost of a mutable one (see the module docstring).
+
+    Not frozen at run time: nothing but mypy stops an assignment, and the class has no ``__hash__``.
+    """
+    return dataclass(slots=True)(cls)
 
 
 class MessageType(enum.IntEnum):
@@ -79,7 +96,7 @@ class QueueId(NamedTuple):
         return parts[1], parts[2]
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class NewMessage:
     """A message as accepted at the edge, before it is stored.
 
@@ -101,7 +118,7 @@ class NewMessage:
     user_properties: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class StoredMessage:
     """A message read back from one queue, at one offset of that queue."""
 

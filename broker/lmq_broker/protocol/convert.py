@@ -7,13 +7,9 @@ RocketMQ's where it has one (proxy ``maxUserPropertySize`` 16 KiB, 128-char mess
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import zlib
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
-from operator import add, attrgetter, floordiv, methodcaller, mul
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar, Final
 
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -30,8 +26,6 @@ MAX_KEYS: Final = 64
 MAX_PROPERTIES_BYTES: Final = 16 * 1024
 MAX_BORN_HOST_CHARS: Final = 256  # longer born hosts are cut, not refused
 MAX_BORN_MS: Final = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the store keeps born times as int64 ms
-# Reading column-wise costs ~15 us per request more and ~40 % less per message: it pays from about here.
-COLUMNS_FROM_MESSAGES: Final = 16
 MAX_INVISIBLE_MS: Final = 12 * 3600 * 1000  # proxy maxInvisibleTimeMills
 MIN_RECEIVE_INVISIBLE_MS: Final = 1000  # RocketMQ asks 10 s; shorter is harmless and keeps tests quick
 NORMAL_ACCEPTS: Final = (pb.NORMAL, pb.FIFO)  # what SendMessage accepts; DELAY and TRANSACTION are UNSUPPORTED
@@ -117,43 +111,6 @@ def _lmq_of(parent: str, lite: str, max_chars: int) -> model.QueueId:
     elif len(lite) > max_chars:
         lite_topic(lite, max_chars)
     return queue
-
-
-# ``NewMessage`` is filled through its slot descriptors instead of the frozen dataclass ``__init__`` (one
-# ``object.__setattr__`` per field): the same object, about 1.5 us less per message sent. Every field is set;
-# tests/broker/test_convert.py checks the result equals the dataclass-built value.
-_new_object = object.__new__
-_N = {name: vars(model.NewMessage)[name].__set__ for name in model.NewMessage.__slots__}
-_set_id, _set_topic, _set_body, _set_queues = _N["message_id"], _N["topic"], _N["body"], _N["queues"]
-_set_lite, _set_type, _set_born = _N["lite_topic"], _N["message_type"], _N["born_timestamp_ms"]
-_set_host, _set_tag, _set_keys = _N["born_host"], _N["tag"], _N["keys"]
-_set_group, _set_user = _N["message_group"], _N["user_properties"]
-
-
-# Columns of ``MessageReader.read_all``: getters that ``map`` calls in C, and a sink that runs a ``map`` of
-# setters to its end without building a list of Nones.
-_topic_name_of = attrgetter("topic.name")
-_system_properties_of = attrgetter("system_properties")
-_body_of = attrgetter("body")
-_user_properties_of = attrgetter("user_properties")
-_encoding_of = attrgetter("body_encoding")
-_message_type_of = attrgetter("message_type")
-_message_id_of = attrgetter("message_id")
-_lite_topic_of = attrgetter("lite_topic")
-_message_group_of = attrgetter("message_group")
-_tag_of = attrgetter("tag")
-_keys_of = attrgetter("keys")
-_born_timestamp_of = attrgetter("born_timestamp")
-_born_host_of = attrgetter("born_host")
-_seconds_of = attrgetter("seconds")
-_nanos_of = attrgetter("nanos")
-_has_delivery_time = methodcaller("HasField", "delivery_timestamp")
-_has_priority = methodcaller("HasField", "priority")
-_PLAIN_ENCODINGS: Final = frozenset((pb.IDENTITY, pb.ENCODING_UNSPECIFIED))
-_LITE_ONLY: Final = frozenset((pb.LITE,))
-_drain: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
-# (parent, parent queue indexed?) -> lite topic -> the ``queues`` of its messages. Bounded per parent.
-_queues_cache: dict[tuple[str, bool], dict[str, tuple[model.QueueId, ...]]] = {}
 
 
 class MessageReader:
@@ -250,121 +207,24 @@ class MessageReader:
         born_ms = born.seconds * 1000 + born.nanos // 1_000_000
         if not 0 <= born_ms <= MAX_BORN_MS:
             raise errors.InvalidArgument("born_timestamp must lie between 1970 and 9999", kind="born_timestamp")
-        m: model.NewMessage = _new_object(model.NewMessage)
-        _set_id(m, message_id)
-        _set_topic(m, topic)
-        _set_body(m, body)
-        _set_queues(m, queues)
-        _set_lite(m, lite)
-        _set_type(m, message_type)
-        _set_born(m, born_ms or self.now_ms)
-        _set_host(m, sp.born_host[:MAX_BORN_HOST_CHARS])
-        _set_tag(m, tag or None)
-        _set_keys(m, keys)
-        _set_group(m, group)
-        _set_user(m, properties)
-        return m
+        return model.NewMessage(  # positional: a keyword call costs about 1 us more per message
+            message_id,
+            topic,
+            body,
+            queues,
+            lite,
+            message_type,
+            born_ms or self.now_ms,
+            sp.born_host[:MAX_BORN_HOST_CHARS],
+            tag or None,
+            keys,
+            group,
+            properties,
+        )
 
     def read_all(self, messages: Sequence[pb.Message]) -> list[model.NewMessage]:
-        """``read`` of every message, in order: the same values, and the first invalid message's error."""
-        listed = list(messages)  # keeps the wrappers alive: every column below reuses them instead of rebuilding
-        fast = None
-        if len(listed) >= COLUMNS_FROM_MESSAGES:
-            # Invalid somewhere (an error, or None): ``read`` finds the first offender and raises its error.
-            with contextlib.suppress(errors.LmqError):
-                fast = self._read_lite_columns(listed)
-        return fast if fast is not None else [self.read(m) for m in listed]
-
-    def _read_lite_columns(self, msgs: list[pb.Message]) -> list[model.NewMessage] | None:
-        """A request of plain LITE messages to one parent, read a field at a time over all messages.
-
-        ``map`` over ``attrgetter``/slot setters walks the messages in C, so a 1000-message request costs a
-        few dozen Python operations per field instead of ~40 per message. Only the common shape is taken
-        (one parent topic, identity bodies, type LITE); anything else answers None, as does any value that
-        fails a check, so that ``read`` handles it message by message. Same values as ``read``: checked by
-        tests/broker/test_convert.py on random requests.
-        """
-        topics = set(map(_topic_name_of, msgs))
-        if len(topics) != 1:
-            return None
-        (topic,) = topics
-        parent, parent_queue = self._topic(topic)
-        if parent.message_type != model.MessageType.LITE:
-            return None
-        sps = list(map(_system_properties_of, msgs))
-        if not set(map(_encoding_of, sps)) <= _PLAIN_ENCODINGS or set(map(_message_type_of, sps)) != _LITE_ONLY:
-            return None
-        bodies = list(map(_body_of, msgs))
-        sizes = list(map(len, bodies))
-        if min(sizes) == 0 or max(sizes) > self._max_body:
-            return None
-        ids = list(map(_message_id_of, sps))
-        sizes = list(map(len, ids))
-        if min(sizes) == 0 or max(sizes) > MAX_MESSAGE_ID_CHARS or not all(map(str.isprintable, ids)):
-            return None
-        lites = list(map(_lite_topic_of, sps))
-        if not all(lites) or max(map(len, lites)) > self._max_lite:
-            return None
-        if any(map(_message_group_of, sps)) or any(map(_has_delivery_time, sps)) or any(map(_has_priority, sps)):
-            return None
-        queues = self._lmq_queues(topic, parent_queue, lites)
-        tags: Iterable[str | None] = repeat(None)
-        tag_values = list(map(_tag_of, sps))
-        if any(tag_values):
-            for tag in set(tag_values):
-                if tag:
-                    self._tag(tag)
-            tags = [tag or None for tag in tag_values]
-        keys: Iterable[tuple[str, ...]] = repeat(())
-        if any(map(len, map(_keys_of, sps))):
-            keys = [self._keys(some) if some else () for some in map(_keys_of, sps)]
-        properties: Iterable[dict[str, str]] = iter(dict, None)  # a fresh empty dict per message
-        if any(map(len, map(_user_properties_of, msgs))):
-            properties = [self._properties(p) if len(p) else {} for p in map(_user_properties_of, msgs)]
-        borns = list(map(_born_timestamp_of, sps))
-        seconds = map(mul, map(_seconds_of, borns), repeat(1000))
-        born_ms = list(map(add, seconds, map(floordiv, map(_nanos_of, borns), repeat(1_000_000))))
-        if min(born_ms) < 0 or max(born_ms) > MAX_BORN_MS:
-            return None
-        if 0 in born_ms:
-            born_ms = [ms or self.now_ms for ms in born_ms]
-        hosts = list(map(_born_host_of, sps))
-        if max(map(len, hosts)) > MAX_BORN_HOST_CHARS:
-            hosts = [host[:MAX_BORN_HOST_CHARS] for host in hosts]
-        out: list[model.NewMessage] = list(map(_new_object, repeat(model.NewMessage, len(msgs))))
-        _drain(map(_set_id, out, ids))
-        _drain(map(_set_topic, out, repeat(topic)))
-        _drain(map(_set_body, out, bodies))
-        _drain(map(_set_queues, out, queues))
-        _drain(map(_set_lite, out, lites))
-        _drain(map(_set_type, out, repeat(model.MessageType.LITE)))
-        _drain(map(_set_born, out, born_ms))
-        _drain(map(_set_host, out, hosts))
-        _drain(map(_set_tag, out, tags))
-        _drain(map(_set_keys, out, keys))
-        _drain(map(_set_group, out, repeat(None)))
-        _drain(map(_set_user, out, properties))
-        return out
-
-    def _lmq_queues(
-        self, parent: str, parent_queue: model.QueueId, lites: list[str]
-    ) -> list[tuple[model.QueueId, ...]]:
-        """Each message's ``queues`` tuple, shared by every message of the same lite topic."""
-        key = (parent, self._index_parent)
-        cache = _queues_cache.get(key)
-        if cache is None or len(cache) >= _LMQ_CACHE_SIZE:
-            cache = _queues_cache[key] = {}
-        queues: list[tuple[model.QueueId, ...] | None] = list(map(cache.get, lites))
-        if None in queues:
-            for i, cached in enumerate(queues):
-                if cached is None:
-                    lite = lites[i]
-                    queue = cache.get(lite)
-                    if queue is None:
-                        lmq = _lmq_of(parent, lite, self._max_lite)
-                        queue = cache[lite] = (parent_queue, lmq) if self._index_parent else (lmq,)
-                    queues[i] = queue
-        return queues  # type: ignore[return-value]  # no None is left
+        """``read`` of every message, in order; the first invalid message's error refuses them all."""
+        return [self.read(m) for m in messages]
 
     def _body(self, body: bytes, encoding: int) -> bytes:
         limit = self.config.max_body_bytes

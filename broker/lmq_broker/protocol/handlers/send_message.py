@@ -4,16 +4,14 @@ A request is all or nothing: one invalid message rejects the request and nothing
 carries that message's code). Several messages per request share one append and so one fsync.
 
 The reply of an n-message request is parsed from a template of n OK entries (bytes repeated in C) and then
-filled a column at a time: building each entry with ``entries.add(status=...)`` copies the status message
-through a serialize/parse per entry and cost three times as much.
+filled in: building each entry with ``entries.add(status=...)`` copies the status message through a
+serialize/parse per entry and cost three times as much.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Iterable
-from itertools import repeat
-from operator import attrgetter, itemgetter
+from collections import Counter
+from operator import attrgetter
 
 from lmq_broker import errors, model
 from lmq_broker.protocol import convert, status
@@ -22,10 +20,6 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 
 MAX_MESSAGES_PER_REQUEST = 10_000
 _type_of = attrgetter("message_type")
-_message_id_of = attrgetter("message_id")
-_offsets_of = attrgetter("queue_offsets")
-_last = itemgetter(-1)
-_drain: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 _REPLY_HEAD = spb.SendMessageResponse(status=status.ok()).SerializeToString()
 _OK_ENTRY = spb.SendMessageResponse(entries=[spb.SendResultEntry(status=status.ok())]).SerializeToString()
 
@@ -52,12 +46,7 @@ async def handle(edge: Edge, request: spb.SendMessageRequest) -> spb.SendMessage
 def reply(results: list[model.AppendResult]) -> spb.SendMessageResponse:
     """OK, and per message: OK, its id and its offset (in its last queue: the LMQ of a LITE message)."""
     out = spb.SendMessageResponse.FromString(_REPLY_HEAD + _OK_ENTRY * len(results))
-    if len(results) < convert.COLUMNS_FROM_MESSAGES:  # a few entries: plain assignments cost less than the maps
-        for entry, result in zip(out.entries, results, strict=True):
-            entry.message_id = result.message_id
-            entry.offset = result.queue_offsets[-1]
-        return out
-    entries = list(out.entries)
-    _drain(map(setattr, entries, repeat("message_id"), map(_message_id_of, results)))
-    _drain(map(setattr, entries, repeat("offset"), map(_last, map(_offsets_of, results))))
+    for entry, result in zip(out.entries, results, strict=True):
+        entry.message_id = result.message_id
+        entry.offset = result.queue_offsets[-1]
     return out
