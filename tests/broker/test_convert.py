@@ -234,6 +234,7 @@ def test_a_plain_lite_request_reads_as_message_by_message(tmp_path: Path) -> Non
     ]
     whole = reader(tmp_path).read_all(request)
     assert whole == [reader(tmp_path).read(m) for m in request]
+    assert whole[0].queues is whole[2].queues  # one tuple per lite topic, shared
     assert whole[0].user_properties is not whole[2].user_properties  # never one dict shared by all
 
 

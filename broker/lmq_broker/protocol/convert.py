@@ -95,22 +95,24 @@ def invisible_ms(duration: duration_pb2.Duration, minimum: int = 0) -> int:
 # --- incoming messages ----------------------------------------------------------------------------------------
 _MESSAGE_TYPES: Final = {int(t): t for t in model.MessageType}
 _LMQ_CACHE_SIZE: Final = 65_536
-# Validated lite topic names -> their LMQ queue (per parent): the send path validates and builds each
-# queue id once per hot topic instead of once per message. Bounded; cleared wholesale when full.
-_lmq_cache: dict[tuple[str, str], model.QueueId] = {}
+# Validated lite topics -> the ``queues`` of their messages (per parent, and whether the parent's queue is
+# indexed too): the send path validates a hot lite topic and builds its queue ids once, not once per message,
+# and its messages share one tuple. Bounded; cleared wholesale when full.
+_lite_queues: dict[tuple[str, str, bool], tuple[model.QueueId, ...]] = {}
 
 
-def _lmq_of(parent: str, lite: str, max_chars: int) -> model.QueueId:
-    key = (parent, lite)
-    queue = _lmq_cache.get(key)
-    if queue is None:
-        lite_topic(lite, max_chars)
-        if len(_lmq_cache) >= _LMQ_CACHE_SIZE:
-            _lmq_cache.clear()
-        queue = _lmq_cache[key] = model.QueueId.lmq(parent, lite)
-    elif len(lite) > max_chars:
-        lite_topic(lite, max_chars)
-    return queue
+def _queues_of_lite(
+    parent_queue: model.QueueId, lite: str, max_chars: int, index_parent: bool
+) -> tuple[model.QueueId, ...]:
+    lite_topic(lite, max_chars)  # a cached name is valid, but the length limit may have changed since
+    key = (parent_queue.topic, lite, index_parent)
+    queues = _lite_queues.get(key)
+    if queues is None:
+        if len(_lite_queues) >= _LMQ_CACHE_SIZE:
+            _lite_queues.clear()
+        lmq = model.QueueId.lmq(parent_queue.topic, lite)
+        queues = _lite_queues[key] = (parent_queue, lmq) if index_parent else (lmq,)
+    return queues
 
 
 class MessageReader:
@@ -186,12 +188,11 @@ class MessageReader:
                 raise errors.InvalidArgument(
                     "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
                 )
-            lmq = _lmq_cache.get((topic, lite))  # validated before it was cached; only the length limit may differ
-            if lmq is None or len(lite) > self._max_lite:
-                lmq = _lmq_of(topic, lite, self._max_lite)
             # The LMQ entry is what consumers read; a parent-queue entry has no reader here and costs as
             # much again in the index, so it is written only when configured (RocketMQ's multi-dispatch).
-            queues: tuple[model.QueueId, ...] = (parent_queue, lmq) if self._index_parent else (lmq,)
+            queues = _lite_queues.get((topic, lite, self._index_parent))
+            if queues is None or len(lite) > self._max_lite:
+                queues = _queues_of_lite(parent_queue, lite, self._max_lite, self._index_parent)
         else:
             if kind == pb.LITE or lite is not None:
                 raise errors.InvalidArgument(f"topic {topic} is not a LITE parent topic", kind="message_type")
