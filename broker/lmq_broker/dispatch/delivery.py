@@ -25,7 +25,7 @@ from operator import methodcaller
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import ingest, leases, readyset, registry, runtime, settlement, wildcards
+from lmq_broker.dispatch import filters, ingest, leases, readyset, registry, runtime, settlement, wildcards
 from lmq_broker.dispatch.leases import LeaseKey
 
 log = logging.getLogger(__name__)
@@ -183,9 +183,11 @@ class Deliverer:
         invisible_ms: int,
         poll_ms: int,
         auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         """Long-poll this client's ready lite topics. ``auto_renew``: ``invisible_ms`` is a slice, renewed
-        while the client lives (up to ``lease_renew_max_ms``)."""
+        while the client lives (up to ``lease_renew_max_ms``). ``tags``: messages it does not take are settled
+        for the group, never delivered."""
         rt = self._rt
         snap = await rt.metadata()
         found = snap.consuming_lite_group(group, parent)
@@ -203,7 +205,9 @@ class Deliverer:
                 if not popped:
                     break
                 key = LeaseKey(popped[0], 0, group)
-                out += await self._deliver(key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew)
+                out += await self._deliver(
+                    key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew, tags=tags
+                )
             if out:
                 return out
             if not await self._wait(event, deadline):
@@ -221,6 +225,7 @@ class Deliverer:
         invisible_ms: int,
         poll_ms: int,
         auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         rt = self._rt
         snap = await rt.metadata()
@@ -237,8 +242,9 @@ class Deliverer:
             for i in range(queues):
                 key = LeaseKey(topic, (rr + i) % queues, group)
                 out += await self._deliver(
-                    key, batch - len(out), invisible_ms, client_id, found, ordered=False, auto_renew=auto_renew
-                )
+                    key, batch - len(out), invisible_ms, client_id, found, ordered=False, auto_renew=auto_renew,
+                    tags=tags,
+                )  # fmt: skip
                 if len(out) >= batch:
                     self.wake_topic(topic)  # there may be more: let other receivers look too
                     break
@@ -249,7 +255,10 @@ class Deliverer:
         return []
 
     async def _wait(self, event: asyncio.Event, deadline: int) -> bool:
-        """One long-poll wait: until ``event`` is set or ``deadline`` (ms); False once the deadline has passed."""
+        """One long-poll wait: until ``event`` is set or ``deadline`` (ms); False once the deadline has passed,
+        unless ``event`` is set already (a receive that settled filtered messages woke itself to read on)."""
+        if event.is_set():
+            return True
         remaining = deadline - self._rt.clock()
         if remaining <= 0:
             return False
@@ -267,6 +276,7 @@ class Deliverer:
         *,
         ordered: bool = True,
         auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         if limit <= 0 or key in self._busy:
             return []  # whoever holds it delivers; later events come from its acks and expiries
@@ -309,6 +319,10 @@ class Deliverer:
             renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
             out: list[Delivery] = []
             dead: list[tuple[leases.Pick, model.StoredMessage]] = []
+            if not tags.takes_all:
+                picks, passed = filters.split(picks, by_offset, tags)
+                if passed:
+                    await self._pass_filtered(key, state, passed, holder, wanted=len(picks) < limit)
             for pick in picks:
                 message = by_offset.get(pick.offset)
                 if message is None or pick.offset < state.committed:
@@ -336,6 +350,16 @@ class Deliverer:
         finally:
             self._busy.discard(key)
             settling.release(key)
+
+    async def _pass_filtered(
+        self, key: LeaseKey, state: leases.QueueLeases, passed: list[leases.Pick], holder: str, *, wanted: bool
+    ) -> None:
+        """Settle the messages the receiver's tag filter does not take, as if consumed. When that left too few
+        to fill the receive (``wanted``), the key is offered again at once: what follows the passed span would
+        otherwise wait for the next arrival or ack."""
+        await self._settlement.settle_passed(key, state, passed)
+        if wanted:
+            self.ready_again(key, prefer=holder)
 
     def _store_refused(self, key: LeaseKey, holder: str, exc: errors.StorageError) -> None:
         """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite
