@@ -319,10 +319,10 @@ class Deliverer:
             renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
             out: list[Delivery] = []
             dead: list[tuple[leases.Pick, model.StoredMessage]] = []
-            if not tags.takes_all:
+            passed: list[leases.Pick] = []
+            if not tags.takes_all:  # settled before the first await, so no ack or expiry comes in between
                 picks, passed = filters.split(picks, by_offset, tags)
-                if passed:
-                    await self._pass_filtered(key, state, passed, holder, wanted=len(picks) < limit)
+                settling.pass_over(state, passed)
             for pick in picks:
                 message = by_offset.get(pick.offset)
                 if message is None or pick.offset < state.committed:
@@ -341,6 +341,8 @@ class Deliverer:
                 at = self._leases.watch_at(lease, self.renewal.ahead_ms)  # the batch's leases are alike
                 self._leases.watch(key, at)
                 rt.arm(at)
+            if passed:
+                await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
             if dead:
                 try:
                     await settling.settle_dead(key, state, dead)
@@ -351,13 +353,11 @@ class Deliverer:
             self._busy.discard(key)
             settling.release(key)
 
-    async def _pass_filtered(
-        self, key: LeaseKey, state: leases.QueueLeases, passed: list[leases.Pick], holder: str, *, wanted: bool
-    ) -> None:
-        """Settle the messages the receiver's tag filter does not take, as if consumed. When that left too few
-        to fill the receive (``wanted``), the key is offered again at once: what follows the passed span would
-        otherwise wait for the next arrival or ack."""
-        await self._settlement.settle_passed(key, state, passed)
+    async def _passed_filtered(self, key: LeaseKey, state: leases.QueueLeases, holder: str, *, wanted: bool) -> None:
+        """Messages the receiver's tag filter does not take were settled as if consumed: persist that. When it
+        left too few to fill the receive (``wanted``), the key is offered again at once: what follows the
+        passed span would otherwise wait for the next arrival or ack."""
+        await self._settlement.persist(key, state)
         if wanted:
             self.ready_again(key, prefer=holder)
 
