@@ -25,7 +25,7 @@ from operator import methodcaller
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import ingest, leases, readyset, registry, runtime, settlement, wildcards
+from lmq_broker.dispatch import filters, ingest, leases, readyset, registry, runtime, settlement, wildcards
 from lmq_broker.dispatch.leases import LeaseKey
 
 log = logging.getLogger(__name__)
@@ -187,9 +187,11 @@ class Deliverer:
         invisible_ms: int,
         poll_ms: int,
         auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         """Long-poll this client's ready lite topics. ``auto_renew``: ``invisible_ms`` is a slice, renewed
-        while the client lives (up to ``lease_renew_max_ms``)."""
+        while the client lives (up to ``lease_renew_max_ms``). ``tags``: messages it does not take are settled
+        for the group, never delivered."""
         rt = self._rt
         snap = await rt.metadata()
         found = snap.consuming_lite_group(group, parent)
@@ -207,7 +209,9 @@ class Deliverer:
                 if not popped:
                     break
                 key = LeaseKey(popped[0], 0, group)
-                out += await self._deliver(key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew)
+                out += await self._deliver(
+                    key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew, tags=tags
+                )
             if out:
                 return out
             if not await self._wait(event, deadline):
@@ -225,6 +229,7 @@ class Deliverer:
         invisible_ms: int,
         poll_ms: int,
         auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         rt = self._rt
         snap = await rt.metadata()
@@ -241,7 +246,14 @@ class Deliverer:
             for i in range(queues):
                 key = LeaseKey(topic, (rr + i) % queues, group)
                 out += await self._deliver(
-                    key, batch - len(out), invisible_ms, client_id, found, ordered=found.fifo, auto_renew=auto_renew
+                    key,
+                    batch - len(out),
+                    invisible_ms,
+                    client_id,
+                    found,
+                    ordered=found.fifo,
+                    auto_renew=auto_renew,
+                    tags=tags,
                 )
                 if len(out) >= batch:
                     self.wake_topic(topic)  # there may be more: let other receivers look too
@@ -253,7 +265,10 @@ class Deliverer:
         return []
 
     async def _wait(self, event: asyncio.Event, deadline: int) -> bool:
-        """One long-poll wait: until ``event`` is set or ``deadline`` (ms); False once the deadline has passed."""
+        """One long-poll wait: until ``event`` is set or ``deadline`` (ms); False once the deadline has passed,
+        unless ``event`` is set already (a receive that settled filtered messages woke itself to read on)."""
+        if event.is_set():
+            return True
         remaining = deadline - self._rt.clock()
         if remaining <= 0:
             return False
@@ -271,6 +286,7 @@ class Deliverer:
         *,
         ordered: bool = True,
         auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         if limit <= 0 or key in self._busy:
             return []  # whoever holds it delivers; later events come from its acks and expiries
@@ -314,6 +330,10 @@ class Deliverer:
             max_suspend = rt.config.max_suspend_ms
             out: list[Delivery] = []
             dead: list[tuple[leases.Pick, model.StoredMessage]] = []
+            passed: list[leases.Pick] = []
+            if not tags.takes_all:  # settled before the first await, so no ack or expiry comes in between
+                picks, passed = filters.split(picks, by_offset, tags)
+                settling.pass_over(state, passed)
             for pick in picks:
                 message = by_offset.get(pick.offset)
                 if message is None or pick.offset < state.committed:
@@ -332,6 +352,8 @@ class Deliverer:
                 at = self._leases.watch_at(lease, self.renewal.ahead_ms)  # the batch's leases are alike
                 self._leases.watch(key, at)
                 rt.arm(at)
+            if passed:
+                await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
             if dead:
                 try:
                     await settling.settle_dead(key, state, dead)
@@ -344,6 +366,14 @@ class Deliverer:
         finally:
             self._busy.discard(key)
             settling.release(key)
+
+    async def _passed_filtered(self, key: LeaseKey, state: leases.QueueLeases, holder: str, *, wanted: bool) -> None:
+        """Messages the receiver's tag filter does not take were settled as if consumed: persist that. When it
+        left too few to fill the receive (``wanted``), the key is offered again at once: what follows the
+        passed span would otherwise wait for the next arrival or ack."""
+        await self._settlement.persist(key, state)
+        if wanted:
+            self.ready_again(key, prefer=holder)
 
     def _store_refused(self, key: LeaseKey, holder: str, exc: errors.StorageError) -> None:
         """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite

@@ -112,11 +112,24 @@ class Settlement:
     ) -> None:
         """Messages past their group's last attempt: into the DLQ, then settled as if acknowledged."""
         await self._append_dead(key.group, [m for _, m in dead])
+        await self.settle_passed(key, state, [pick for pick, _ in dead])
+
+    async def settle_passed(self, key: LeaseKey, state: leases.QueueLeases, picks: list[leases.Pick]) -> None:
+        """Settle ``picks`` as if acknowledged without handing them out (dead-lettered, or not taken by the
+        receiver's tag filter), and persist the commit point."""
+        self.pass_over(state, picks)
+        await self.persist(key, state)
+
+    def pass_over(self, state: leases.QueueLeases, picks: list[leases.Pick]) -> None:
+        """Settle ``picks`` in memory (no await: nothing can change ``state`` between the picking and this)."""
         now = self._rt.clock()
-        for pick, _ in dead:
+        for pick in picks:
             state.lease(pick, now, 0, self._leases.new_lease_id(), "")
-        for pick, _ in dead:
+        for pick in picks:
             state.ack(pick.offset)
+
+    async def persist(self, key: LeaseKey, state: leases.QueueLeases) -> None:
+        """``commit``, a failure left to the retries."""
         with contextlib.suppress(errors.StorageError):  # dirty now: retried by housekeeping and ``resync``
             await self.commit(key, state)
 

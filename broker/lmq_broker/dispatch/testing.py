@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lmq_broker import model
 from lmq_broker.config import BrokerConfig, FlushMode, StoreConfig
+from lmq_broker.dispatch import filters
 from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher
 from lmq_broker.storage.api import Store
 from lmq_broker.storage.memory import ManualClock
@@ -26,7 +27,9 @@ def config_for(data_dir: Path, **overrides: object) -> BrokerConfig:
     return BrokerConfig.model_validate({"store": store, **overrides})
 
 
-def lite_message(lite: str, body: bytes = b"x", *, parent: str = PARENT, message_id: str = "m") -> model.NewMessage:
+def lite_message(
+    lite: str, body: bytes = b"x", *, parent: str = PARENT, message_id: str = "m", tag: str | None = None
+) -> model.NewMessage:
     return model.NewMessage(
         message_id=message_id,
         topic=parent,
@@ -34,6 +37,7 @@ def lite_message(lite: str, body: bytes = b"x", *, parent: str = PARENT, message
         queues=(model.QueueId(parent, 0), model.QueueId.lmq(parent, lite)),
         lite_topic=lite,
         message_type=model.MessageType.LITE,
+        tag=tag,
     )
 
 
@@ -52,17 +56,27 @@ class Lite:
         await dispatcher.start()
         return Lite(dispatcher, store, clock)
 
-    async def send(self, lite: str, body: bytes = b"x", parent: str = PARENT) -> model.AppendResult:
-        message = lite_message(lite, body, parent=parent, message_id=f"id-{next(self.ids)}")
+    async def send(
+        self, lite: str, body: bytes = b"x", parent: str = PARENT, *, tag: str | None = None
+    ) -> model.AppendResult:
+        message = lite_message(lite, body, parent=parent, message_id=f"id-{next(self.ids)}", tag=tag)
         (result,) = await self.dispatcher.send([message])
         return result
 
     async def receive(
-        self, client: str, batch: int = 32, invisible_ms: int = 10_000, poll_ms: int = 0, *, auto_renew: bool = False
+        self,
+        client: str,
+        batch: int = 32,
+        invisible_ms: int = 10_000,
+        poll_ms: int = 0,
+        *,
+        auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
         return await self.dispatcher.receive_lite(
-            client, GROUP, PARENT, batch=batch, invisible_ms=invisible_ms, poll_ms=poll_ms, auto_renew=auto_renew
-        )
+            client, GROUP, PARENT, batch=batch, invisible_ms=invisible_ms, poll_ms=poll_ms, auto_renew=auto_renew,
+            tags=tags,
+        )  # fmt: skip
 
     def committed(self, lite: str, group: str = GROUP) -> int | None:
         return self.store.get_offset(model.QueueId.lmq(PARENT, lite), group)

@@ -16,7 +16,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import dispatcher, metadata
+from lmq_broker.dispatch import dispatcher, filters, metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 
 MAX_MESSAGE_ID_CHARS: Final = 128
@@ -346,6 +346,17 @@ def queues_of(
 
 
 # --- subscriptions --------------------------------------------------------------------------------------------
+def tag_filter(expression: pb.FilterExpression) -> filters.TagFilter:
+    """A subscription's filter: TAG expressions (``*``, ``a``, ``a || b``); SQL92 is refused as UNSUPPORTED."""
+    if expression.type == pb.SQL:
+        raise errors.Unsupported(
+            "SQL92 filter expressions are not supported by this broker; subscribe with a TAG expression"
+        )
+    if expression.type not in (pb.TAG, pb.FILTER_TYPE_UNSPECIFIED):
+        raise errors.InvalidArgument(f"unknown filter type {expression.type}", kind="filter")
+    return filters.parse_tags(expression.expression)
+
+
 def offset_reset(option: pb.OffsetOption) -> dispatcher.OffsetReset:
     which = option.WhichOneof("offset_type")
     if which is None or which == "policy":

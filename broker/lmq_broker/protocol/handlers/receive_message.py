@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 from lmq_broker import errors, model
+from lmq_broker.dispatch import filters
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
@@ -29,7 +30,7 @@ async def handle(
     if request.batch_size <= 0 or request.batch_size > MAX_BATCH:
         raise errors.InvalidArgument(f"batch_size must be within 1..{MAX_BATCH}")
     batch = min(request.batch_size, edge.config.receive_batch_size)
-    _check_filter(request.filter_expression) if request.HasField("filter_expression") else None
+    tags = convert.tag_filter(request.filter_expression) if request.HasField("filter_expression") else filters.ALL
     if request.auto_renew:  # the broker renews the lease while the client lives (invisible_duration unused)
         invisible = edge.config.lease_renew_slice_ms
     elif request.HasField("invisible_duration"):
@@ -48,12 +49,14 @@ async def handle(
     topic = snap.topic(name)
     if topic.message_type == model.MessageType.LITE:
         deliveries = await edge.dispatcher.receive_lite(
-            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll, auto_renew=request.auto_renew
-        )
+            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll, auto_renew=request.auto_renew,
+            tags=tags,
+        )  # fmt: skip
     else:
         deliveries = await edge.dispatcher.receive_normal(
-            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll, auto_renew=request.auto_renew
-        )
+            client_id, group, name, batch=batch, invisible_ms=invisible, poll_ms=poll, auto_renew=request.auto_renew,
+            tags=tags,
+        )  # fmt: skip
     if not deliveries:
         yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
         return
@@ -67,13 +70,3 @@ async def handle(
     edge.metrics.messages_out.inc(len(deliveries))
     edge.metrics.redeliveries.inc(redelivered)
     yield spb.ReceiveMessageResponse(delivery_timestamp=convert.timestamp_of(edge.dispatcher.wall_clock()))
-
-
-def _check_filter(expression: pb.FilterExpression) -> None:
-    """Only "everything" is supported: lite consumers always send TAG ``*``."""
-    if expression.type == pb.SQL:
-        raise errors.Unsupported("SQL92 filters are not supported")
-    if expression.type not in (pb.TAG, pb.FILTER_TYPE_UNSPECIFIED):
-        raise errors.InvalidArgument(f"unknown filter type {expression.type}", kind="filter")
-    if expression.expression.strip() not in ("", "*"):
-        raise errors.Unsupported("tag filters other than '*' are not supported")
