@@ -65,7 +65,9 @@ class ReadyWatch:
                     for line in resp:
                         if self._stop.is_set():
                             return
-                        self._seen(json.loads(line)["object"])
+                        event = json.loads(line)
+                        if event.get("type") in ("ADDED", "MODIFIED"):  # not ERROR (an expired watch) or BOOKMARK
+                            self._seen(event["object"])
             except OSError:
                 time.sleep(0.1)
 

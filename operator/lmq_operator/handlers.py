@@ -24,6 +24,7 @@ import kopf
 from lmq_operator import admins, apply, desired, metrics, model, settings, status
 
 _RESYNC_S = settings.resync_seconds(os.environ)
+EVENT_SOURCE = "lmq-operator"  # reportingComponent and source.component of every Event we post
 
 
 @dataclass
@@ -55,12 +56,16 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     options.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="lmq.io")
     options.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="lmq.io")
     options.peering.standalone = True
+    conf = settings.from_env(os.environ)
     # Events are our explicit outcomes (kopf.info/warn); kopf's log lines stay logs, so a resync timer over
-    # 1,000 resources does not turn into a stream of "Timer succeeded" Events.
+    # 1,000 resources does not turn into a stream of "Timer succeeded" Events. They come from us, not from
+    # "kopf": `kubectl describe` and `kubectl get events` show this component and the pod that wrote them.
     options.posting.level = logging.INFO
     options.posting.loggers = False
+    options.posting.reporting_component = EVENT_SOURCE
+    options.posting.reporting_instance = conf.identity
+    options.posting.event_name_prefix = f"{EVENT_SOURCE}-"
     options.watching.server_timeout = 300
-    conf = settings.from_env(os.environ)
     if getattr(memo, "admin_factory", None) is not None:  # tests inject an in-memory broker admin
         factory: apply.AdminFactory = memo.admin_factory
     else:
