@@ -598,3 +598,44 @@ class KubeLeases:
         if self._client is not None:
             with contextlib.suppress(Exception):
                 self._client.close()
+
+
+# ---- status writes of the resync loop ------------------------------------------------------------------
+
+
+class StatusWriter:
+    """Merge-patches the status subresource of one resource, as kopf does for its handlers (the resync loop
+    runs outside them). A resource deleted meanwhile is no error; other failures are logged and left to the
+    next pass, which computes the same changes again."""
+
+    def __init__(self, client: Any = None) -> None:
+        self._client = client
+
+    async def patch(self, kind: model.Kind, namespace: str, name: str, changes: Mapping[str, Any]) -> None:
+        def call() -> None:
+            if self._client is None:
+                self._client = kube_client()
+            api = kubernetes.client.CustomObjectsApi(self._client)
+            api.patch_namespaced_custom_object_status(
+                model.GROUP,
+                model.VERSION,
+                namespace,
+                kind.plural,
+                name,
+                {"status": dict(changes)},
+                field_manager="lmq-operator",
+                _content_type="application/merge-patch+json",
+            )
+
+        try:
+            await asyncio.to_thread(call)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                log.warning(
+                    "status of %s %s/%s not written: %s %s", kind.value, namespace, name, exc.status, exc.reason
+                )
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()

@@ -137,8 +137,3 @@ def from_env(env: Mapping[str, str]) -> Settings:
         lease=_lease(env, identity),
         identity=identity,
     )
-
-
-def resync_seconds(env: Mapping[str, str]) -> float:
-    """Read apart from ``from_env`` because kopf needs the timer interval when handlers are registered."""
-    return _float(env, "LMQ_OPERATOR_RESYNC_SECONDS", DEFAULT_RESYNC_S)
