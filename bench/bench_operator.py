@@ -5,11 +5,14 @@ Prints:
     broker in sync (observedGeneration current); p50/p99 over N resources (goal p99 <= 2 s), twice: created
     back to back (burst), and one every 100 ms (paced). Readiness is seen through a watch, so the figure is
     not rounded to a polling interval.
-  * the operator's CPU (share of one core) and RSS with 1,000 ParentTopics, measured over a steady-state
-    window after all of them are Ready (resync timers and drift checks running at the shipped interval).
+  * the operator's CPU (share of one core) and peak RSS while the rest of the resources arrive back to back
+    (a GitOps sync of a whole repository: the moment the operator once ran out of memory), then its CPU and
+    RSS over a steady-state window after all of them are Ready (resync timers and drift checks running at
+    the shipped interval). The window should cover one resync interval (60 s).
 
-    python bench/bench_operator.py           # 100 latency samples, 1,000 topics, 30 s window
-    python bench/bench_operator.py --quick   # 20 samples, 100 topics, 3 s window (smoke)
+    python bench/bench_operator.py                     # 100 latency samples, 10,000 topics, 60 s window
+    python bench/bench_operator.py --resources 1000    # the same at another scale
+    python bench/bench_operator.py --quick             # 20 samples, 100 topics, 3 s window (smoke)
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ class ReadyWatch:
                     for line in resp:
                         if self._stop.is_set():
                             return
-                        self._seen(json.loads(line)["object"])
+                        event = json.loads(line)
+                        if event.get("type") in ("ADDED", "MODIFIED"):  # not ERROR (an expired watch) or BOOKMARK
+                            self._seen(event["object"])
             except OSError:
                 time.sleep(0.1)
 
@@ -98,6 +103,19 @@ def _report(mode: str, latencies: list[float]) -> None:
     print(f"ready_latency_{mode}_max_s {max(latencies):.3f} over {len(latencies)} resources")
 
 
+def _peak_rss_mib(pid: int) -> float:
+    """The process's high-water mark of resident memory (VmHWM): what a memory limit is measured against."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
 def run(samples: int, total: int, window_s: float, workdir: Path) -> int:
     with testing.testenv(workdir / "testenv") as api:
         api.apply_crds()
@@ -129,21 +147,24 @@ def run(samples: int, total: int, window_s: float, workdir: Path) -> int:
             _report("paced", paced)
             done = 1 + 2 * samples
 
-            started = time.monotonic()
+            proc = psutil.Process(op.proc.pid)
+            started, cpu_started = time.monotonic(), _cpu_s(proc)
             for i in range(done, total):
-                api.post(testing.cr_path("parenttopics", NAMESPACE), _topic(f"load-{i:04d}"))
-            testing.wait_for(lambda: len(watch.ready_at) >= total, 900, f"{total} ParentTopics Ready", 0.2)
-            print(f"ready_all_s {time.monotonic() - started:.1f} for {total - done} more ParentTopics")
+                api.post(testing.cr_path("parenttopics", NAMESPACE), _topic(f"load-{i:05d}"))
+            testing.wait_for(lambda: len(watch.ready_at) >= total, 1800, f"{total} ParentTopics Ready", 0.2)
+            arrival_s = time.monotonic() - started
+            print(f"ready_all_s {arrival_s:.1f} for {total - done} more ParentTopics")
+            arrival_cpu = (_cpu_s(proc) - cpu_started) / arrival_s
+            print(f"operator_arrival_cpu_core_share {arrival_cpu:.3f} while {total - done} ParentTopics arrived")
             watch.stop()
 
-            proc = psutil.Process(op.proc.pid)
-            before, t0 = proc.cpu_times(), time.monotonic()
+            cpu_before, t0 = _cpu_s(proc), time.monotonic()
             time.sleep(window_s)  # the measurement window itself, not a wait for a condition
-            after, t1 = proc.cpu_times(), time.monotonic()
-            cpu = (after.user + after.system - before.user - before.system) / (t1 - t0)
+            cpu = (_cpu_s(proc) - cpu_before) / (time.monotonic() - t0)
             rss_mib = proc.memory_info().rss / 2**20
             print(f"operator_cpu_core_share {cpu:.3f} at {total} ParentTopics over {window_s:.0f}s steady state")
             print(f"operator_rss_mib {rss_mib:.1f} at {total} ParentTopics")
+            print(f"operator_rss_peak_mib {_peak_rss_mib(op.proc.pid):.1f} (high-water mark since start)")
         finally:
             if op is not None:
                 op.stop()
@@ -157,8 +178,12 @@ def run(samples: int, total: int, window_s: float, workdir: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small run for the smoke test")
+    parser.add_argument("--resources", type=int, default=10_000, help="ParentTopics in all (default 10,000)")
+    parser.add_argument("--window", type=float, default=60.0, help="steady-state window in seconds (default 60)")
     args = parser.parse_args()
-    samples, total, window = (20, 100, 3.0) if args.quick else (100, 1000, 30.0)
+    samples, total, window = (20, 100, 3.0) if args.quick else (100, args.resources, args.window)
+    if total < 1 + 2 * samples:
+        parser.error(f"--resources must be at least {1 + 2 * samples} (the latency samples are part of it)")
     with tempfile.TemporaryDirectory(prefix="lmq-bench-operator-") as tmp:
         return run(samples, total, window, Path(tmp))
 

@@ -58,13 +58,14 @@ class MemoryAdmin:
             model.Kind.LITE_QUOTA: (),
         }[kind]
         reclaim = self.reclaims.get(key) if kind is model.Kind.PARENT_TOPIC else None
-        return model.Observed(found, figures, reclaim)
+        orphan = isinstance(found, model.GroupConfig) and found.bind_topic not in self.objects[model.Kind.PARENT_TOPIC]
+        return model.Observed(found, figures, reclaim, parent_missing=orphan)
 
     async def put(self, config: model.Config) -> bool:
         self._check("put", config.key)
         kind = _KIND_OF[type(config)]
         if isinstance(config, model.GroupConfig) and config.bind_topic not in self.objects[model.Kind.PARENT_TOPIC]:
-            raise AdminError(model.Failure.REJECTED, f"NOT_FOUND: parent topic {config.bind_topic!r} not found")
+            raise AdminError(model.Failure.MISSING_PARENT, f"NOT_FOUND: parent topic {config.bind_topic!r} not found")
         created = config.key not in self.objects[kind]
         self.objects[kind][config.key] = config
         return created

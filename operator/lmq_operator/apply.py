@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -26,7 +27,7 @@ from lmq_broker.admin import codes
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.admin.tls import ClientTls
-from lmq_operator import desired, diff, model, settings, status
+from lmq_operator import desired, diff, leadership, model, settings, status
 from lmq_operator.admins import AdminError, BrokerAdmin
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class GrpcAdmin:
             if kind is model.Kind.LITE_GROUP:
                 g = await self._client.get_group(key)
                 figures = (("subscriptionCount", g.subscription_count), ("clientCount", g.client_count), ("lag", g.lag))
-                return model.Observed(_group_config(g.group), figures)
+                orphan = not await self._has_topic(g.group.bind_topic)  # a broker keeps a group its parent left
+                return model.Observed(_group_config(g.group), figures, parent_missing=orphan)
             found = next((q for q in await self._client.list_quotas() if q.scope == key), None)
             return None if found is None else model.Observed(_quota_config(found))
         except errors.NotFound:
@@ -133,8 +135,17 @@ class GrpcAdmin:
             if isinstance(wanted, broker_model.LiteGroup):
                 return (await self._client.put_group(wanted)).created
             return (await self._client.put_quota(wanted)).created
+        except errors.TopicNotFound as exc:  # only a group's put names another object: its parent topic
+            raise AdminError(model.Failure.MISSING_PARENT, f"NOT_FOUND: {exc.message}") from None
         except errors.LmqError as exc:
             raise _failed(exc) from None
+
+    async def _has_topic(self, name: str) -> bool:
+        try:
+            await self._client.get_parent_topic(name)
+        except errors.NotFound:
+            return False
+        return True
 
     async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool:
         try:
@@ -207,6 +218,9 @@ async def execute(
         seen = observed.get(step.broker)
         figures = seen.figures if isinstance(seen, model.Observed) else ()
         reclaim = seen.reclaim if isinstance(seen, model.Observed) else None
+        if isinstance(seen, model.Observed) and seen.parent_missing and isinstance(step.config, model.GroupConfig):
+            text = f"parent topic {step.config.bind_topic!r} not found"  # a write would be refused for the same
+            return model.BrokerSync(step.broker, False, step.change.value, model.Failure.MISSING_PARENT, text)
         if step.change is diff.Change.NONE:
             return model.BrokerSync(step.broker, True, step.change.value, figures=figures, reclaim=reclaim)
         try:
@@ -474,11 +488,7 @@ class Fleet:
 
     def _client(self) -> Any:
         if self._kube is None:
-            try:
-                kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
-            except kubernetes.config.ConfigException:
-                kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
-            self._kube = kubernetes.client.ApiClient()
+            self._kube = kube_client()
         return self._kube
 
     async def _replicas(self) -> int | None:
@@ -532,3 +542,104 @@ class Fleet:
             with contextlib.suppress(Exception):
                 self._kube.close()
         await self._pool.close()
+
+
+def kube_client() -> Any:
+    """A Kubernetes API client: the pod's service account in a cluster, else the kubeconfig (tests, laptops)."""
+    try:
+        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+    return kubernetes.client.ApiClient()
+
+
+# ---- the leader-election Lease --------------------------------------------------------------------------
+
+
+class KubeLeases:
+    """``leadership.LeaseStore`` over the API: one named Lease, read and written as JSON. Each call is bounded
+    by ``timeout_s`` so that a hung apiserver counts as a failed renewal, not a stuck one."""
+
+    def __init__(self, name: str, namespace: str, timeout_s: float, client: Any = None) -> None:
+        self._name, self._namespace, self._timeout_s = name, namespace, timeout_s
+        self._client = client
+
+    def _api(self) -> Any:
+        if self._client is None:
+            self._client = kube_client()
+        return kubernetes.client.CoordinationV1Api(self._client)
+
+    async def _call(self, verb: str, *args: Any) -> dict[str, Any] | None:
+        def call() -> dict[str, Any] | None:
+            method = getattr(self._api(), f"{verb}_namespaced_lease")
+            try:
+                resp = method(*args, _preload_content=False, _request_timeout=self._timeout_s)
+            except kubernetes.client.ApiException as exc:
+                if exc.status == 404 and verb == "read":
+                    return None
+                if exc.status == 409:
+                    raise leadership.Conflict(str(exc.reason)) from None
+                raise
+            found: dict[str, Any] = json.loads(resp.data)
+            return found
+
+        return await asyncio.to_thread(call)
+
+    async def get(self) -> dict[str, Any] | None:
+        return await self._call("read", self._name, self._namespace)
+
+    async def create(self, lease: dict[str, Any]) -> dict[str, Any]:
+        made = await self._call("create", self._namespace, lease)
+        assert made is not None
+        return made
+
+    async def replace(self, lease: dict[str, Any]) -> dict[str, Any]:
+        written = await self._call("replace", self._name, self._namespace, lease)
+        assert written is not None
+        return written
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+
+
+# ---- status writes of the resync loop ------------------------------------------------------------------
+
+
+class StatusWriter:
+    """Merge-patches the status subresource of one resource, as kopf does for its handlers (the resync loop
+    runs outside them). A resource deleted meanwhile is no error; other failures are logged and left to the
+    next pass, which computes the same changes again."""
+
+    def __init__(self, client: Any = None) -> None:
+        self._client = client
+
+    async def patch(self, kind: model.Kind, namespace: str, name: str, changes: Mapping[str, Any]) -> None:
+        def call() -> None:
+            if self._client is None:
+                self._client = kube_client()
+            api = kubernetes.client.CustomObjectsApi(self._client)
+            api.patch_namespaced_custom_object_status(
+                model.GROUP,
+                model.VERSION,
+                namespace,
+                kind.plural,
+                name,
+                {"status": dict(changes)},
+                field_manager="lmq-operator",
+                _content_type="application/merge-patch+json",
+            )
+
+        try:
+            await asyncio.to_thread(call)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                log.warning(
+                    "status of %s %s/%s not written: %s %s", kind.value, namespace, name, exc.status, exc.reason
+                )
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()

@@ -1,29 +1,38 @@
 """kopf registrations: which events reach the reconcile, and nothing else.
 
-One reconcile serves create, update, resume and the resync timer, so a broker that appears later, a pod
+One reconcile serves create, update, resume and the resync, so a broker that appears later, a pod
 restarted with an empty disk and a hand-made change on a broker are all repaired by the same code that
-applies a new spec. A per-object lock serialises the timer with change handlers, and both read the live
-body under it, so a resync can never re-apply a spec older than the one an update just applied.
+applies a new spec. The resync is one loop over every resource (``resyncing``), fed by an index that keeps
+each resource as compact JSON, not a kopf timer per resource. A per-object lock serialises it with change
+handlers, and the resync reads the resource from the index under that lock, so it can never re-apply a
+spec older than the one an update just applied.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
-import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import kopf
 
-from lmq_operator import admins, apply, desired, metrics, model, settings, status
+from lmq_operator import admins, apply, desired, metrics, model, resyncing, settings, status
 
-_RESYNC_S = settings.resync_seconds(os.environ)
+EVENT_SOURCE = "lmq-operator"  # reportingComponent and source.component of every Event we post
+# Connections to the apiserver at most. kopf's own HTTP session has no bound: a burst of creates (a GitOps
+# sync) opened one TLS connection per concurrent request, ~500 for 1,000 resources, each holding asyncio's
+# 256 KiB TLS read buffer for as long as it stayed open: most of the operator's memory. Watches hold one each
+# (one per resource kind, plus CRDs and namespaces); requests beyond the bound wait for a free connection.
+API_CONNECTIONS = 24
+_sessions: list[aiohttp.ClientSession] = []  # ours, closed on a new login and at exit
 
 
 @dataclass
@@ -33,10 +42,29 @@ class Context:
     conf: settings.Settings
     pool: apply.AdminPool
     fleet: apply.Fleet
+    statuses: apply.StatusWriter
+    indices: dict[str, Any] = field(default_factory=dict)  # kopf's indices, by name
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    resync: asyncio.Task[None] | None = None
+    # kopf posts Events through a queue it binds to each handler's context; the resync loop runs outside any
+    # handler, so it posts within a copy of the first handler's context (every resource was handled by
+    # create or resume before its first resync).
+    posting: contextvars.Context | None = None
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
+
+    def claims(self, kind: model.Kind) -> Any:
+        return self.indices[f"{kind.plural}_claims"]
+
+    def body(self, kind: model.Kind, uid: str) -> dict[str, Any] | None:
+        """The resource as the index last saw it (None: gone)."""
+        for raw in self.indices[f"{kind.plural}_bodies"].get(uid, ()):
+            return resyncing.expand(raw)
+        return None
+
+    def entries(self) -> list[resyncing.Entry]:
+        return [(kind, uid) for kind in model.Kind for uid in self.indices[f"{kind.plural}_bodies"]]
 
 
 def _now() -> datetime:
@@ -55,12 +83,16 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     options.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="lmq.io")
     options.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="lmq.io")
     options.peering.standalone = True
+    conf = settings.from_env(os.environ)
     # Events are our explicit outcomes (kopf.info/warn); kopf's log lines stay logs, so a resync timer over
-    # 1,000 resources does not turn into a stream of "Timer succeeded" Events.
+    # 1,000 resources does not turn into a stream of "Timer succeeded" Events. They come from us, not from
+    # "kopf": `kubectl describe` and `kubectl get events` show this component and the pod that wrote them.
     options.posting.level = logging.INFO
     options.posting.loggers = False
+    options.posting.reporting_component = EVENT_SOURCE
+    options.posting.reporting_instance = conf.identity
+    options.posting.event_name_prefix = f"{EVENT_SOURCE}-"
     options.watching.server_timeout = 300
-    conf = settings.from_env(os.environ)
     if getattr(memo, "admin_factory", None) is not None:  # tests inject an in-memory broker admin
         factory: apply.AdminFactory = memo.admin_factory
     else:
@@ -69,14 +101,55 @@ async def configure(memo: Any, **kwargs: Any) -> None:
             return apply.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
 
     pool = apply.AdminPool(factory)
-    memo.lmq = Context(conf, pool, apply.Fleet(conf, pool))
+    indices = {name: kwargs[name] for kind in model.Kind for name in (f"{kind.plural}_claims", f"{kind.plural}_bodies")}
+    ctx = memo.lmq = Context(conf, pool, apply.Fleet(conf, pool), apply.StatusWriter(), indices)
+    ctx.resync = asyncio.create_task(
+        resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
+    )
+
+
+@kopf.on.login()
+async def login(**kwargs: Any) -> kopf.AiohttpSession | None:
+    """kopf's own login (in-cluster service account, else the kubeconfig), into a session with a bounded pool."""
+    try:
+        info = kopf.login_via_client(**kwargs)
+    except kopf.LoginError:
+        return None  # nothing to log in with (tests that bring their own login)
+    if info is None:
+        return None
+    auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=API_CONNECTIONS, ssl=info.as_ssl_context()),
+        headers=info.as_http_headers(),
+        auth=auth,
+        proxy=info.proxy_url,
+        trust_env=info.trust_env,
+    )
+    for stale in _sessions:  # a re-login (an expired token): the requests have moved to the new session
+        await stale.close()
+    _sessions[:] = [session]
+    return kopf.AiohttpSession(
+        aiohttp_session=session,
+        server=info.server,
+        default_namespace=info.default_namespace,
+        expiration=info.expiration,
+        priority=info.priority,
+    )
 
 
 @kopf.on.cleanup()
 async def close(memo: Any, **_: Any) -> None:
+    for session in _sessions:
+        await session.close()
+    _sessions.clear()
     ctx: Context | None = getattr(memo, "lmq", None)
     if ctx is not None:
+        if ctx.resync is not None:
+            ctx.resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ctx.resync
         await ctx.fleet.close()
+        ctx.statuses.close()
 
 
 @kopf.on.probe(id="brokers")
@@ -118,23 +191,49 @@ def _post(body: Any, events: tuple[apply.Event, ...]) -> None:
         post(body, reason=event.reason, message=event.message)
 
 
-async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, memo: Any, claims: Any) -> None:
+async def _apply(
+    ctx: Context, kind: model.Kind, trigger: str, body: Any, run: _Run
+) -> tuple[apply.Outcome, dict[str, Any]]:
+    """One reconcile of ``body`` (under its lock): the outcome and the status changes to write."""
+    previous = dict(body.get("status") or {})
+    outcome = await apply.reconcile(
+        ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
+    )
+    if trigger == "timer":  # outside kopf's handlers: post through the context a handler left (see Context)
+        if ctx.posting is not None:
+            ctx.posting.run(_post, body, outcome.events)
+    else:
+        ctx.posting = ctx.posting or contextvars.copy_context()
+        _post(body, outcome.events)
+    if outcome.brokers is not None:
+        metrics.BROKERS.set(outcome.brokers)
+    if outcome.repaired:
+        metrics.DRIFT_REPAIRED.labels(kind.value).inc(outcome.repaired)
+    run.failed = outcome.retry
+    return outcome, status.changes(previous, outcome.status)
+
+
+async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, memo: Any) -> None:
     ctx = _ctx(memo)
     async with ctx.lock(body["metadata"]["uid"]), _measured(kind, trigger) as run:
-        previous = dict(body.get("status") or {})
-        outcome = await apply.reconcile(
-            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=claims, now=_now()
-        )
-        for key, value in status.changes(previous, outcome.status).items():
+        outcome, changes = await _apply(ctx, kind, trigger, body, run)
+        for key, value in changes.items():
             patch.status[key] = value
-        _post(body, outcome.events)
-        if outcome.brokers is not None:
-            metrics.BROKERS.set(outcome.brokers)
-        if outcome.repaired:
-            metrics.DRIFT_REPAIRED.labels(kind.value).inc(outcome.repaired)
-        run.failed = outcome.retry
-    if outcome.retry and trigger != "timer":  # the timer retries by itself; change handlers retry sooner
+    if outcome.retry:  # the resync retries too, but a change handler retries sooner
         raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
+
+
+async def _resync(ctx: Context, kind: model.Kind, uid: str) -> None:
+    """The periodic reconcile of one resource, as the index shows it once its lock is ours."""
+    async with ctx.lock(uid):
+        body = ctx.body(kind, uid)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return  # gone, or the delete handler's now
+        async with _measured(kind, "timer") as run:
+            _, changes = await _apply(ctx, kind, "timer", body, run)
+            if changes:
+                meta = body["metadata"]
+                await ctx.statuses.patch(kind, meta["namespace"], meta["name"], changes)
 
 
 @dataclass
@@ -159,41 +258,33 @@ async def _measured(kind: model.Kind, trigger: str) -> AsyncIterator[_Run]:
 
 def _register(kind: model.Kind) -> None:
     plural = kind.plural
-    index_name = f"{plural}_claims"
+
+    @kopf.index(model.GROUP, model.VERSION, plural, id=f"{plural}_bodies")
+    def bodies(body: Any, uid: str, **_: Any) -> Any:
+        return {uid: resyncing.compact(body)}
 
     @kopf.on.create(model.GROUP, model.VERSION, plural, id=f"{plural}-create")
-    async def on_create(body: Any, patch: Any, memo: Any, **kw: Any) -> None:
-        await _reconcile(kind, "create", body=body, patch=patch, memo=memo, claims=kw[index_name])
+    async def on_create(body: Any, patch: Any, memo: Any, **_: Any) -> None:
+        await _reconcile(kind, "create", body=body, patch=patch, memo=memo)
 
     @kopf.on.update(model.GROUP, model.VERSION, plural, id=f"{plural}-update")
-    async def on_update(body: Any, patch: Any, memo: Any, **kw: Any) -> None:
-        await _reconcile(kind, "update", body=body, patch=patch, memo=memo, claims=kw[index_name])
+    async def on_update(body: Any, patch: Any, memo: Any, **_: Any) -> None:
+        await _reconcile(kind, "update", body=body, patch=patch, memo=memo)
 
     @kopf.on.resume(model.GROUP, model.VERSION, plural, id=f"{plural}-resume")
-    async def on_resume(body: Any, patch: Any, memo: Any, **kw: Any) -> None:
-        await _reconcile(kind, "resume", body=body, patch=patch, memo=memo, claims=kw[index_name])
-
-    @kopf.timer(
-        model.GROUP,
-        model.VERSION,
-        plural,
-        id=f"{plural}-resync",
-        interval=_RESYNC_S,
-        initial_delay=lambda **_: random.uniform(0.5, 1.0) * _RESYNC_S,  # spread 1000 timers over time
-    )
-    async def resync(body: Any, patch: Any, memo: Any, **kw: Any) -> None:
-        await _reconcile(kind, "timer", body=body, patch=patch, memo=memo, claims=kw[index_name])
+    async def on_resume(body: Any, patch: Any, memo: Any, **_: Any) -> None:
+        await _reconcile(kind, "resume", body=body, patch=patch, memo=memo)
 
     @kopf.on.delete(model.GROUP, model.VERSION, plural, id=f"{plural}-delete")
-    async def on_delete(body: Any, memo: Any, **kw: Any) -> None:
-        await _delete(kind, body, memo, kw[index_name])
+    async def on_delete(body: Any, memo: Any, **_: Any) -> None:
+        await _delete(kind, body, memo)
 
 
-async def _delete(kind: model.Kind, body: Any, memo: Any, claims: Any) -> None:
+async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
     ctx = _ctx(memo)
     uid = body["metadata"]["uid"]
     async with ctx.lock(uid), _measured(kind, "delete") as run:
-        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, claims)
+        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, ctx.claims(kind))
         _post(body, outcome.events)
         run.failed = outcome.retry
     if outcome.retry:

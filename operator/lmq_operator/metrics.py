@@ -28,3 +28,7 @@ DRIFT_REPAIRED: Final = prometheus_client.Counter(
     ["kind"],
 )
 BROKERS: Final = prometheus_client.Gauge("lmq_operator_brokers", "Brokers the operator applies to")
+LEADER: Final = prometheus_client.Gauge(
+    "lmq_operator_leader",
+    "1 while this replica reconciles: it holds the leader-election Lease, or runs without leader election",
+)

@@ -344,11 +344,12 @@ class ReclaimRun:
 @dataclass(frozen=True, slots=True)
 class Observed:
     """One broker's copy of a config plus the live figures it reports beside it (and, for a parent topic,
-    the last reclaim run it recorded)."""
+    the last reclaim run it recorded; for a lite group, whether its parent topic is still there)."""
 
     config: Config
     figures: tuple[tuple[str, int], ...] = ()
     reclaim: ReclaimRun | None = None
+    parent_missing: bool = False  # a lite group whose parent topic the broker does not hold (any more)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -389,6 +390,7 @@ class Leaving:
 class Failure(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # could not reach the broker or it timed out: retry later
     REJECTED = "rejected"  # the broker answered no (invalid, conflict): retrying the same spec will not help
+    MISSING_PARENT = "missing-parent"  # a lite group's parent topic is not on the broker (yet, or any more)
 
 
 @dataclass(frozen=True, slots=True)

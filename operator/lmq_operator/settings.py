@@ -6,12 +6,15 @@ a static ``host:port`` list, or the EndpointSlices of the brokers' headless Serv
 
 from __future__ import annotations
 
+import socket
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
 from lmq_broker import errors
 from lmq_broker.admin.tls import ClientTls, client_tls
+from lmq_operator import leadership
 
 DEFAULT_ADMIN_PORT: Final = 8081
 DEFAULT_METRICS_PORT: Final = 9101
@@ -42,6 +45,8 @@ class Settings:
     retry_delay_s: float = DEFAULT_RETRY_DELAY_S
     admin_keys: tuple[str, str] | None = None  # signs admin calls for brokers started with access keys
     tls: ClientTls | None = None  # LMQ_TLS_CA / LMQ_TLS_SERVER_NAME: brokers serve TLS
+    lease: leadership.LeaseConfig | None = None  # None: no leader election (one replica only)
+    identity: str = ""  # this process in Lease holders and Events (the pod name in a cluster)
 
     @property
     def needs_kubernetes_client(self) -> bool:
@@ -78,6 +83,30 @@ def _endpoint(item: str) -> str:
     return item
 
 
+def _lease(env: Mapping[str, str], identity: str) -> leadership.LeaseConfig | None:
+    name = env.get("LMQ_OPERATOR_LEASE_NAME", "").strip()
+    if not name:
+        return None
+    namespace = env.get("LMQ_OPERATOR_LEASE_NAMESPACE", "").strip()
+    if not namespace:
+        raise SettingsError("LMQ_OPERATOR_LEASE_NAMESPACE is required with LMQ_OPERATOR_LEASE_NAME")
+    conf = leadership.LeaseConfig(
+        name,
+        namespace,
+        identity,
+        duration_s=_float(env, "LMQ_OPERATOR_LEASE_DURATION_SECONDS", leadership.DEFAULT_LEASE_DURATION_S),
+        renew_deadline_s=_float(env, "LMQ_OPERATOR_LEASE_RENEW_DEADLINE_SECONDS", leadership.DEFAULT_RENEW_DEADLINE_S),
+        retry_s=_float(env, "LMQ_OPERATOR_LEASE_RETRY_SECONDS", leadership.DEFAULT_RETRY_S),
+    )
+    # A leader must give up before its Lease can run out under it, and try more than once before that.
+    if not conf.retry_s < conf.renew_deadline_s < conf.duration_s:
+        raise SettingsError(
+            "lease timings must satisfy retry < renew deadline < lease duration, got "
+            f"{conf.retry_s:g} < {conf.renew_deadline_s:g} < {conf.duration_s:g}"
+        )
+    return conf
+
+
 def from_env(env: Mapping[str, str]) -> Settings:
     brokers = tuple(_endpoint(b.strip()) for b in env.get("LMQ_OPERATOR_BROKERS", "").split(",") if b.strip())
     service = env.get("LMQ_OPERATOR_BROKER_SERVICE", "").strip() or None
@@ -96,6 +125,8 @@ def from_env(env: Mapping[str, str]) -> Settings:
         secured = client_tls(environ=env)
     except errors.InvalidArgument as exc:
         raise SettingsError(exc.message) from None
+    # Unique even when two processes share a host name (tests, or a pod restarted in place).
+    identity = env.get("LMQ_OPERATOR_POD_NAME", "").strip() or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return Settings(
         namespace=env.get("LMQ_OPERATOR_NAMESPACE", "").strip() or None,
         brokers=brokers,
@@ -111,9 +142,6 @@ def from_env(env: Mapping[str, str]) -> Settings:
         retry_delay_s=_float(env, "LMQ_OPERATOR_RETRY_SECONDS", DEFAULT_RETRY_DELAY_S),
         admin_keys=(access_key, secret_key) if access_key else None,
         tls=secured,
+        lease=_lease(env, identity),
+        identity=identity,
     )
-
-
-def resync_seconds(env: Mapping[str, str]) -> float:
-    """Read apart from ``from_env`` because kopf needs the timer interval when handlers are registered."""
-    return _float(env, "LMQ_OPERATOR_RESYNC_SECONDS", DEFAULT_RESYNC_S)

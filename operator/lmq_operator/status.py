@@ -1,6 +1,11 @@
 """Status as GitOps tools read it: ``observedGeneration`` plus a ``Ready`` condition with one CamelCase reason.
 
 Every reason the operator can give is in ``Reason``; this is the one place an outcome becomes a condition.
+Beside ``Ready``, the two "abnormal-true" conditions of kstatus (what Flux and ``kubectl wait`` read) say
+which way a not-Ready resource is going: ``Reconciling`` while the operator keeps retrying something that
+may still succeed by itself (a broker down, a parent topic not there yet), ``Stalled`` when retrying the
+same spec cannot help and a person has to act (invalid spec, a name another resource owns, a broker's
+refusal). Each is present only while True, with the Ready condition's reason, and removed otherwise.
 ``lastTransitionTime`` only moves when a condition's status flips, so a resync that changes nothing writes
 nothing (kopf skips empty patches) and watchers are not woken for no news.
 
@@ -19,6 +24,8 @@ from typing import Any, Final
 from lmq_operator import model
 
 READY: Final = "Ready"
+RECONCILING: Final = "Reconciling"
+STALLED: Final = "Stalled"
 DRAINED: Final = "BrokersDrained"
 
 
@@ -34,6 +41,12 @@ class Reason(enum.StrEnum):
     DRAINED = "Drained"
     UNDRAINED_BROKER_LEAVING = "UndrainedBrokerLeaving"
     LEAVING_BROKER_UNREACHABLE = "LeavingBrokerUnreachable"
+    PARENT_TOPIC_NOT_FOUND = "ParentTopicNotFound"
+
+
+# Not Ready, and why it may still change without anyone touching the resource (Reconciling) or not (Stalled).
+RETRYING: Final = frozenset({Reason.BROKER_UNAVAILABLE, Reason.NO_BROKERS, Reason.PARENT_TOPIC_NOT_FOUND})
+TERMINAL: Final = frozenset({Reason.INVALID, Reason.RESOURCE_CONFLICT, Reason.BROKER_REJECTED})
 
 
 KEY_FIELD: Final = {
@@ -130,6 +143,22 @@ def _merge(previous: Sequence[Mapping[str, Any]], *new: dict[str, Any]) -> list[
     return [*new, *kept]
 
 
+def _with_ready(
+    previous: Sequence[Mapping[str, Any]], ready: dict[str, Any], *, generation: int | None, now: datetime
+) -> list[dict[str, Any]]:
+    """``previous`` with ``ready`` and the Reconciling/Stalled condition that goes with it (the other one,
+    or both, removed)."""
+    reason = Reason(ready["reason"])
+    extra = []
+    if ready["status"] == "False" and reason in RETRYING | TERMINAL:
+        type_ = RECONCILING if reason in RETRYING else STALLED
+        extra.append(
+            condition(type_, True, reason, ready["message"], generation=generation, now=now, previous=previous)
+        )
+    gone = {RECONCILING, STALLED} - {c["type"] for c in extra}
+    return _merge([c for c in previous if c.get("type") not in gone], ready, *extra)
+
+
 def _brokers(syncs: Sequence[model.BrokerSync]) -> list[dict[str, Any]]:
     rows = []
     for s in sorted(syncs, key=lambda s: s.broker):
@@ -139,6 +168,14 @@ def _brokers(syncs: Sequence[model.BrokerSync]) -> list[dict[str, Any]]:
         row.update(dict(s.figures))
         rows.append(row)
     return rows
+
+
+_FAILURE_ORDER: Final = (model.Failure.REJECTED, model.Failure.MISSING_PARENT, model.Failure.UNAVAILABLE)
+_FAILURE_REASON: Final = {
+    model.Failure.REJECTED: Reason.BROKER_REJECTED,
+    model.Failure.MISSING_PARENT: Reason.PARENT_TOPIC_NOT_FOUND,
+    model.Failure.UNAVAILABLE: Reason.BROKER_UNAVAILABLE,
+}
 
 
 def applied(
@@ -165,9 +202,11 @@ def applied(
             previous=conditions,
         )
     elif failed:
-        rejected = [s for s in failed if s.failure is model.Failure.REJECTED]
-        reason = Reason.BROKER_REJECTED if rejected else Reason.BROKER_UNAVAILABLE
-        detail = "; ".join(f"{s.broker.name}: {s.message}" for s in (rejected or failed))
+        # The reason of the worst failure: a refusal needs a person; a missing parent topic may still come.
+        worst = min(failed, key=lambda s: _FAILURE_ORDER.index(s.failure or model.Failure.UNAVAILABLE))
+        reason = _FAILURE_REASON[worst.failure or model.Failure.UNAVAILABLE]
+        shown = [s for s in failed if s.failure is worst.failure]
+        detail = "; ".join(f"{s.broker.name}: {s.message}" for s in shown)
         message = f"{len(ok)}/{len(syncs)} brokers in sync; {detail}"
         ready = condition(READY, False, reason, message, generation=generation, now=now, previous=conditions)
     else:
@@ -178,7 +217,7 @@ def applied(
         KEY_FIELD[kind]: key,
         "brokersReady": f"{len(ok)}/{len(syncs)}",
         "brokers": _brokers(syncs),
-        "conditions": _merge(conditions, ready),
+        "conditions": _with_ready(conditions, ready, generation=generation, now=now),
     }
     for figure in FIGURES[kind]:
         out[figure] = sum(dict(s.figures).get(figure, 0) for s in ok)
@@ -211,7 +250,7 @@ def blocked(
     }.get(reason, False)
     observed = None if reason is Reason.RECONCILIATION_PAUSED else generation
     ready = condition(READY, state, reason, message, generation=observed, now=now, previous=conditions)
-    out: dict[str, Any] = {"conditions": _merge(conditions, ready)}
+    out: dict[str, Any] = {"conditions": _with_ready(conditions, ready, generation=observed, now=now)}
     if observed is not None:
         out["observedGeneration"] = observed
     elif "observedGeneration" in previous:

@@ -124,3 +124,109 @@ def crds(repo_root: Path) -> dict[str, Manifest]:
             by_kind[doc["spec"]["names"]["kind"]] = doc
     assert by_kind, "no CRDs in crds/"
     return by_kind
+
+
+# The Prometheus Operator's kinds the chart renders, with the fields of their CRDs the chart uses: strict, so a
+# misspelt or misplaced field fails (kubernetes-validate has no schema for them).
+_STRICT = {"additionalProperties": False}
+_META = {
+    "type": "object",
+    "required": ["name", "namespace", "labels"],
+    "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": {"type": "object"}},
+    **_STRICT,
+}
+_SELECTOR = {
+    "type": "object",
+    "required": ["matchLabels"],
+    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+    **_STRICT,
+}
+_NAMESPACES = {
+    "type": "object",
+    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}},
+    **_STRICT,
+}
+_ENDPOINT = {
+    "type": "object",
+    "required": ["port", "path", "interval"],
+    "properties": {
+        "port": {"type": "string"},
+        "path": {"type": "string"},
+        "interval": {
+            "type": "string",
+            "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+        },
+    },
+    **_STRICT,
+}
+
+
+def _monitor(endpoints_key: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"type": "string"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "required": ["selector", endpoints_key],
+                "properties": {
+                    "namespaceSelector": _NAMESPACES,
+                    "selector": _SELECTOR,
+                    endpoints_key: {"type": "array", "minItems": 1, "items": _ENDPOINT},
+                },
+                **_STRICT,
+            },
+        },
+        **_STRICT,
+    }
+
+
+_RULE = {
+    "type": "object",
+    "required": ["alert", "expr", "labels", "annotations"],
+    "properties": {
+        "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+        "expr": {"type": "string"},
+        "for": {"type": "string"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+    **_STRICT,
+}
+MONITORING_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ServiceMonitor": _monitor("endpoints"),
+    "PodMonitor": _monitor("podMetricsEndpoints"),
+    "PrometheusRule": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PrometheusRule"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["name", "rules"],
+                            "properties": {"name": {"type": "string"}, "rules": {"type": "array", "items": _RULE}},
+                            **_STRICT,
+                        },
+                    }
+                },
+                **_STRICT,
+            },
+        },
+        **_STRICT,
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def monitoring_schemas() -> dict[str, dict[str, Any]]:
+    return MONITORING_SCHEMAS

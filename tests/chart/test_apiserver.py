@@ -269,7 +269,7 @@ def releases(kube: testing.KubeAPI, render: Render) -> dict[str, str]:
 Action = tuple[str, str, str]  # (verb, resource[/subresource], API group)
 
 
-def can(kube: testing.KubeAPI, user: str, action: Action, namespace: str = "") -> bool:
+def can(kube: testing.KubeAPI, user: str, action: Action, namespace: str = "", name: str = "") -> bool:
     verb, resource, group = action
     resource, _, subresource = resource.partition("/")
     review = {
@@ -284,6 +284,7 @@ def can(kube: testing.KubeAPI, user: str, action: Action, namespace: str = "") -
                 "resource": resource,
                 "subresource": subresource,
                 "namespace": namespace,
+                "name": name,
             },
         },
     }
@@ -334,6 +335,19 @@ def test_cluster_wide_operator_may_do_its_job_and_nothing_more(kube: testing.Kub
     for action in NEVER:
         for namespace in ("mq", "team"):
             assert not can(kube, user, action, namespace), (action, namespace)
+
+
+def test_the_operator_may_hold_its_own_lease_and_no_other(kube: testing.KubeAPI, releases: dict[str, str]) -> None:
+    """Leader election: create a Lease, read and renew the release's own one, in the release namespace only."""
+    for release, user in releases.items():
+        lease = f"{release}-lmq-operator"
+        assert can(kube, user, ("create", "leases", "coordination.k8s.io"), "mq")
+        for verb in ("get", "update"):
+            assert can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", lease), (release, verb)
+            assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", "kube-scheduler"), verb
+            assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "apps", lease), verb
+        for verb in ("delete", "list", "watch", "patch"):
+            assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", lease), (release, verb)
 
 
 def test_single_namespace_operator_is_confined_to_it(kube: testing.KubeAPI, releases: dict[str, str]) -> None:

@@ -43,7 +43,8 @@ def env(obj: Manifest) -> dict[str, Any]:
 
 
 def rules(role: Manifest) -> set[tuple[str, str, str]]:
-    """(apiGroup, resource, verb) triples a Role or ClusterRole grants."""
+    """(apiGroup, resource, verb) triples a Role or ClusterRole grants (to any object of the resource: a rule
+    limited to named objects is refused here, see ``named_rules``)."""
     granted = set()
     for rule in role["rules"]:
         assert set(rule) <= {"apiGroups", "resources", "verbs"}, f"unexpected rule fields {rule}"
@@ -61,6 +62,31 @@ def resource_rules() -> set[tuple[str, str, str]]:
         expected |= {("lmq.io", f"{resource}/status", "patch")}
     expected |= {("", "events", "create")}
     return expected
+
+
+def named_rules(role: Manifest) -> set[tuple[str, str, str, tuple[str, ...]]]:
+    """(apiGroup, resource, verb, resourceNames) of every rule; () for a rule on every object."""
+    return {
+        (group, resource, verb, tuple(rule.get("resourceNames", ())))
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+# Leader election: create any Lease (create cannot be limited to a name), read and renew only the operator's.
+LEASE_RULES = {
+    ("coordination.k8s.io", "leases", "create", ()),
+    ("coordination.k8s.io", "leases", "get", (OPERATOR,)),
+    ("coordination.k8s.io", "leases", "update", (OPERATOR,)),
+}
+LEADER_ROLE = f"{OPERATOR}-leader"
+
+
+def rbac_roles(objects: list[Manifest]) -> list[Manifest]:
+    """Roles and ClusterRoles but the leader-election Role (checked on its own)."""
+    return [o for o in objects if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] != LEADER_ROLE]
 
 
 CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
@@ -293,7 +319,11 @@ def test_pod_disruption_budget(render: Render, one: One) -> None:
 def test_operator_deployment(render: Render, one: One) -> None:
     deployment = one(render(), "Deployment", OPERATOR)
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # replicas elect a leader, so a new pod may start beside the old one (it stands by until the old releases)
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     operator = container(deployment)
     assert operator["command"] == ["python", "-m", "lmq_operator"]
     assert "args" not in operator
@@ -304,12 +334,52 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_PORT": "8082",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
         "LMQ_OPERATOR_LIVENESS_ENDPOINT": "http://0.0.0.0:8080/healthz",
+        "LMQ_OPERATOR_LEASE_NAME": OPERATOR,
+        "LMQ_OPERATOR_LEASE_NAMESPACE": "mq",
+        "LMQ_OPERATOR_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+        "LMQ_OPERATOR_LEASE_DURATION_SECONDS": "15",
+        "LMQ_OPERATOR_LEASE_RENEW_DEADLINE_SECONDS": "10",
+        "LMQ_OPERATOR_LEASE_RETRY_SECONDS": "2",
         "LMQ_OPERATOR_ACCESS_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "accessKey"}},
         "LMQ_OPERATOR_SECRET_KEY": {"secretKeyRef": {"name": "demo-lmq-admin", "key": "secretKey"}},
     }
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {(p["name"], p["containerPort"]) for p in operator["ports"]} == {("metrics", 9101), ("health", 8080)}
     assert pod_spec(deployment)["serviceAccountName"] == OPERATOR
+
+
+def test_operator_replicas_and_leader_election_timings(render: Render, one: One) -> None:
+    timings = {"leaseDurationSeconds": 30, "renewDeadlineSeconds": 20, "retryPeriodSeconds": 5}
+    deployment = one(render({"operator": {"replicas": 2, "leaderElection": timings}}), "Deployment", OPERATOR)
+    assert deployment["spec"]["replicas"] == 2
+    found = env(deployment)
+    assert [found[f"LMQ_OPERATOR_LEASE_{k}_SECONDS"] for k in ("DURATION", "RENEW_DEADLINE", "RETRY")] == [
+        "30",
+        "20",
+        "5",
+    ]
+
+
+def test_operator_metrics_service_selects_the_operator_pods(render: Render, one: One) -> None:
+    objects = render()
+    service = one(objects, "Service", f"{OPERATOR}-metrics")
+    deployment = one(objects, "Deployment", OPERATOR)
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9101, "targetPort": "metrics", "protocol": "TCP", "appProtocol": "http"}
+    ]
+
+
+def test_the_leader_role_reads_and_renews_only_the_operators_lease(render: Render, one: One) -> None:
+    for values in ({}, {"operator": {"watchNamespace": "apps"}}):
+        objects = render(values)
+        role = one(objects, "Role", LEADER_ROLE)
+        assert role["metadata"]["namespace"] == "mq"  # the Lease lives with the operator, not in watched namespaces
+        assert named_rules(role) == LEASE_RULES
+        binding = one(objects, "RoleBinding", LEADER_ROLE)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": LEADER_ROLE}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPERATOR, "namespace": "mq"}]
+        assert env(one(objects, "Deployment", OPERATOR))["LMQ_OPERATOR_LEASE_NAME"] == OPERATOR
 
 
 def test_operator_watching_one_namespace_is_told_so(render: Render, one: One) -> None:
@@ -324,7 +394,7 @@ def test_cluster_wide_rbac_is_least_privilege(render: Render, one: One) -> None:
     broker_role = one(objects, "Role", f"{OPERATOR}-brokers")
     assert broker_role["metadata"]["namespace"] == "mq"
     assert rules(broker_role) == BROKER_READ
-    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Role"] == [f"{OPERATOR}-brokers"]
+    assert sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Role") == [f"{OPERATOR}-brokers", LEADER_ROLE]
 
     binding = one(objects, "ClusterRoleBinding", OPERATOR)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR}
@@ -347,13 +417,15 @@ def test_single_namespace_rbac_grants_resources_in_that_namespace_only(render: R
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPERATOR, "namespace": "mq"}]
 
 
-def test_no_rule_uses_wildcards_or_creates_or_deletes_custom_resources(render: Render) -> None:
+def test_no_rule_uses_wildcards_or_creates_or_deletes_custom_resources(render: Render, one: One) -> None:
     for values in ({}, {"operator": {"watchNamespace": "apps"}}):
-        for role in [o for o in render(values) if o["kind"] in ("Role", "ClusterRole")]:
+        objects = render(values)
+        for role in rbac_roles(objects):
             for group, resource, verb in rules(role):
                 assert "*" not in (group, resource, verb)
                 assert verb in ("get", "list", "watch", "patch", "create")
                 assert verb != "create" or resource == "events"
+        assert named_rules(one(objects, "Role", LEADER_ROLE)) == LEASE_RULES  # update only on its own Lease
 
 
 def test_rbac_is_the_one_docs_operator_md_documents_and_tests(render: Render, one: One, repo_root: Path) -> None:
@@ -365,9 +437,14 @@ def test_rbac_is_the_one_docs_operator_md_documents_and_tests(render: Render, on
     # The document lists the union of both modes; namespaces are only needed with one watched namespace.
     for values, expected in (({}, documented - NAMESPACES), ({"operator": {"watchNamespace": "apps"}}, documented)):
         granted = set()
-        for role in [o for o in render(values) if o["kind"] in ("ClusterRole", "Role")]:
+        for role in rbac_roles(render(values)):
             granted |= rules(role)
         assert granted == expected, values
+    leader = re.search(r"<!-- rbac-leader:begin -->\s*```yaml\n(.*?)```\s*<!-- rbac-leader:end -->", text, re.S)
+    assert leader is not None, "docs/operator.md lost its rbac-leader block"
+    lease_name = {("lmq-operator",): (OPERATOR,), (): ()}  # the document's Lease name is the release's here
+    documented_leader = {(g, r, v, lease_name[n]) for g, r, v, n in named_rules(yaml.safe_load(leader.group(1)))}
+    assert named_rules(one(render(), "Role", LEADER_ROLE)) == documented_leader
 
 
 def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, one: One) -> None:
@@ -497,6 +574,8 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-operator",
         "lmq-operator-brokers",
         "lmq-test",
+        "lmq-operator-leader",
+        "lmq-operator-metrics",
     }
     assert names(render({"fullnameOverride": "mq"})) == {
         "mq-admin",
@@ -505,6 +584,8 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-operator",
         "mq-operator-brokers",
         "mq-test",
+        "mq-operator-leader",
+        "mq-operator-metrics",
     }
 
 

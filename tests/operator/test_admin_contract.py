@@ -124,14 +124,39 @@ def test_a_reclaim_record_is_observed_with_its_parent_and_goes_with_it(
     run(scenario())
 
 
-def test_group_without_its_parent_is_rejected(admin_factory: Callable[[], admins.BrokerAdmin]) -> None:
+def test_group_without_its_parent_is_refused_for_the_missing_parent(
+    admin_factory: Callable[[], admins.BrokerAdmin],
+) -> None:
     async def scenario() -> None:
         admin = admin_factory()
         try:
             with pytest.raises(admins.AdminError) as info:
                 await admin.put(_group("no-such-parent"))
-            assert info.value.failure is model.Failure.REJECTED
+            assert info.value.failure is model.Failure.MISSING_PARENT
             assert "not found" in info.value.message
+        finally:
+            await admin.close()
+
+    run(scenario())
+
+
+def test_a_group_whose_parent_topic_was_deleted_is_observed_as_such(
+    admin_factory: Callable[[], admins.BrokerAdmin],
+) -> None:
+    """A broker keeps a lite group when its parent topic goes; the observation says the parent is missing."""
+
+    async def scenario() -> None:
+        admin = admin_factory()
+        try:
+            await admin.put(TOPIC)
+            group = _group(TOPIC.name)
+            await admin.put(group)
+            seen = await admin.get(model.Kind.LITE_GROUP, group.key)
+            assert seen is not None and seen.parent_missing is False
+            assert await admin.delete(model.Kind.PARENT_TOPIC, TOPIC.key, True) is True
+            orphan = await admin.get(model.Kind.LITE_GROUP, group.key)
+            assert orphan is not None and orphan.config == group and orphan.parent_missing is True
+            await admin.delete(model.Kind.LITE_GROUP, group.key, True)
         finally:
             await admin.close()
 

@@ -13,8 +13,10 @@ FIGURES = (
     "ready_latency_paced_p50_s ",
     "ready_latency_paced_p99_s ",
     "ready_all_s ",
+    "operator_arrival_cpu_core_share ",
     "operator_cpu_core_share ",
     "operator_rss_mib ",
+    "operator_rss_peak_mib ",
 )
 
 

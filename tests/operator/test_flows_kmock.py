@@ -154,6 +154,21 @@ async def test_paused_resource_touches_no_broker(operator: Any, brokers: dict[st
     assert all(not admin.calls for admin in brokers.values())
 
 
+@pytest.mark.asyncio
+async def test_an_invalid_spec_is_stalled_and_touches_no_broker(
+    operator: Any, brokers: dict[str, admins.MemoryAdmin]
+) -> None:
+    """The apiserver's CRD schema refuses such a spec; a hand-edited or older CRD may not, and then the
+    operator says Stalled (a retry cannot help), not Reconciling."""
+    operator.objects[PT, NS, "bad"] = _object("bad", {"maxLiteTopics": 0}, "u5", "2026-01-01T00:00:00Z")
+    cond = await eventually(lambda: (c := _ready(operator, "bad"))["reason"] == "Invalid" and c, "Ready=False Invalid")
+    conds = {c["type"]: c for c in operator.objects[PT, NS, "bad"]["status"]["conditions"]}
+    assert cond["status"] == "False" and "maxLiteTopics" in cond["message"]
+    assert (conds["Stalled"]["status"], conds["Stalled"]["reason"]) == ("True", "Invalid")
+    assert "Reconciling" not in conds
+    assert all(not admin.calls for admin in brokers.values())
+
+
 class _Broken(admins.MemoryAdmin):
     """A broker seam that fails the way a bug does: not with an ``AdminError`` the reconcile turns into status."""
 

@@ -165,7 +165,7 @@ def test_lite_group_and_quota_are_applied(
         },
     )
     lg_path = testing.cr_path("litegroups", namespace, "workers")
-    rejected = wait_condition(kube, lg_path, "False", "BrokerRejected")
+    rejected = wait_condition(kube, lg_path, "False", "ParentTopicNotFound")
     assert "not found" in ready(rejected)["message"]  # type: ignore[index]
     create("ParentTopic", namespace, "events", {"topicName": topic})
     create("LiteQuota", namespace, "events-quota", {"parentTopic": topic, "maxLiteTopics": 500, "maxSendRate": 50})
@@ -761,8 +761,9 @@ def test_events_belong_to_the_resource_they_are_about(
     run_operator: Callable[..., testing.OperatorProcess],
 ) -> None:
     """A ParentTopic and a LiteGroup with the same metadata.name, reconciled side by side with different
-    outcomes: each one's Events point at it (kind, name, uid), and carry only its own reasons."""
-    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    outcomes: each one's Events point at it (kind, name, uid), and carry only its own reasons. They come from
+    the operator by its own name and pod, not from "kopf"."""
+    run_operator(namespace, [b.admin_endpoint for b in brokers], LMQ_OPERATOR_POD_NAME="lmq-operator-7d9f-x2")
     topic, group, absent = unique("twin"), unique("twin-g"), unique("absent")
     pt = create("ParentTopic", namespace, "twin", {"topicName": topic})
     lg = create("LiteGroup", namespace, "twin", {"groupName": group, "parentTopic": absent})  # refused: no parent
@@ -771,7 +772,7 @@ def test_events_belong_to_the_resource_they_are_about(
         testing.cr_path("litegroups", namespace, "twin"),
     )
     wait_condition(kube, pt_path, "True", "Applied")
-    wait_condition(kube, lg_path, "False", "BrokerRejected")
+    wait_condition(kube, lg_path, "False", "ParentTopicNotFound")
     kube.merge_patch(pt_path, {"spec": {"maxLiteTopics": 10}})
     wait_condition(kube, pt_path, "True", "Applied")
 
@@ -786,8 +787,10 @@ def test_events_belong_to_the_resource_they_are_about(
     pt_reasons = testing.wait_for(
         lambda: reasons_of("ParentTopic", {"Created", "Applied", "Updated"}), TIMEOUT_S, "the topic's Events"
     )
-    lg_reasons = testing.wait_for(lambda: reasons_of("LiteGroup", {"BrokerRejected"}), TIMEOUT_S, "the group's Events")
-    assert "BrokerRejected" not in pt_reasons
+    lg_reasons = testing.wait_for(
+        lambda: reasons_of("LiteGroup", {"ParentTopicNotFound"}), TIMEOUT_S, "the group's Events"
+    )
+    assert "ParentTopicNotFound" not in pt_reasons
     assert not {"Created", "Applied", "Updated"} & lg_reasons
     for kind, obj in (("ParentTopic", pt), ("LiteGroup", lg)):
         for event in events_of(kind):
@@ -797,7 +800,10 @@ def test_events_belong_to_the_resource_they_are_about(
                 namespace,
                 obj["metadata"]["uid"],
             ), event
+            reporter = (event["reportingComponent"], event["reportingInstance"], event["source"]["component"])
+            assert reporter == ("lmq-operator", "lmq-operator-7d9f-x2", "lmq-operator"), event
+            assert event["metadata"]["name"].startswith("lmq-operator-"), event
     [created] = [e for e in events_of("ParentTopic") if e["reason"] == "Created"]
     assert (created["type"], created["message"].startswith(f"ParentTopic {topic!r} created on ")) == ("Normal", True)
-    [rejected] = [e for e in events_of("LiteGroup") if e["reason"] == "BrokerRejected"]
+    [rejected] = [e for e in events_of("LiteGroup") if e["reason"] == "ParentTopicNotFound"]
     assert rejected["type"] == "Warning" and absent in rejected["message"], rejected

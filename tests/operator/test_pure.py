@@ -361,7 +361,8 @@ def test_fields_a_blocked_status_drops_are_removed_by_the_patch(reason: status.R
     removed = {k for k, v in patch.items() if v is None}
     assert removed == set(applied) - kept - {"conditions"}
     assert {"brokersReady", "brokers", "liteTopicCount"} <= removed
-    assert {c["type"] for c in patch["conditions"]} == {"Ready", "BrokersDrained"}
+    stalled = {"Stalled"} if reason in status.TERMINAL else set()  # a person has to act on those
+    assert {c["type"] for c in patch["conditions"]} == {"Ready", "BrokersDrained"} | stalled
     assert new["lastReclaim"] == applied["lastReclaim"]
     # and a status that drops nothing patches nothing it does not change
     assert status.changes(new, new) == {}
@@ -464,7 +465,7 @@ def test_other_conditions_survive_a_ready_update() -> None:
     drained = status.drained([], {}, NOW)
     prev = {"conditions": [drained]}
     st = status.applied(model.Kind.PARENT_TOPIC, "t", generation=1, syncs=[], previous=prev, now=NOW)
-    assert {c["type"] for c in st["conditions"]} == {"Ready", "BrokersDrained"}
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "BrokersDrained", "Reconciling"}  # no broker yet
 
 
 # ---- settings ------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from lmq_broker.admin import convert, validation
 from lmq_broker.admin.results import GroupLag, LiteTopicLag
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
+from lmq_broker.dispatch.lag import backlog
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.storage.api import Store
 
@@ -40,12 +41,6 @@ PAGE_DEFAULT: Final = 100
 PAGE_MAX: Final = 10_000
 TOP_K_DEFAULT: Final = 10
 TOP_K_MAX: Final = 1000
-
-
-def backlog(meta: model.LiteTopicMeta, committed: int | None) -> int:
-    """Messages of a lite topic a group has still to consume; no commit yet means all that are stored."""
-    start = meta.min_offset if committed is None else max(committed, meta.min_offset)
-    return max(0, meta.max_offset - start)
 
 
 def scan_key(meta: model.LiteTopicMeta, parent: str) -> str:

@@ -3,6 +3,7 @@ that several brokers in one test process never collide."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lmq_broker.dispatch import lag
 from lmq_broker.dispatch.appender import AppendStats
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.storage.store import LmqStore
@@ -97,6 +99,8 @@ class Metrics:
         for name, doc, read in gauges:
             Gauge(name, doc, registry=self.registry).set_function(read)
         self.registry.register(_AppendCollector(dispatcher.append_stats))
+        board = lag.LagBoard(dispatcher.store, dispatcher.registry.clients, asyncio.get_running_loop(), dispatcher.run)
+        self.registry.register(_LagCollector(board))
 
     def watch_store(self, store: LmqStore) -> None:
         """Damage the store stepped over, and index rebuilds, read at scrape time."""
@@ -152,4 +156,29 @@ class _AppendCollector(Collector):
             "Moving average of how long an append on the event loop held it (fsync included in sync mode); "
             "above 2 ms, small requests go to the appender thread",
             value=stats.inline_seconds,
+        )
+
+
+class _LagCollector(Collector):
+    """Consumer lag per lite group, from the board's last walk (``dispatch/lag.py`` says what it costs)."""
+
+    def __init__(self, board: lag.LagBoard) -> None:
+        self._board = board
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        found = self._board.read()
+        lags = GaugeMetricFamily(
+            "lmq_consumer_lag",
+            "Messages a lite group has still to consume on this broker, summed over the lite topics of its parent "
+            "it consumed from or subscribes to (as lmq-admin groups get); refreshed in the background, at most "
+            "every 30 s",
+            labels=["group", "parent"],
+        )
+        for (group, parent), count in sorted(found.items()):
+            lags.add_metric([group, parent], count)
+        yield lags
+        yield GaugeMetricFamily(
+            "lmq_consumer_lag_walk_seconds",
+            "How long the last consumer-lag walk over the lite topics took (on a worker thread)",
+            value=self._board.walk_seconds,
         )
