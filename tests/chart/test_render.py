@@ -55,7 +55,7 @@ FULL: dict[str, Any] = {
             {"name": "LMQ_OPERATOR_LOG_LEVEL", "value": "debug"},
             {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         ],
-        "resources": {"requests": {"cpu": "100m", "memory": "192Mi"}, "limits": {"memory": "384Mi"}},
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
         "livenessProbe": {"initialDelaySeconds": 11, "periodSeconds": 16, "timeoutSeconds": 6, "failureThreshold": 5},
         "serviceAccount": {"create": True, "name": "mq-operator-sa", "annotations": {"iam": "operator"}},
         "rbac": {"create": True},
