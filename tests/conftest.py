@@ -40,6 +40,7 @@ UNIT_MODULES: Final = frozenset(
         "broker/test_wildcards.py",
         "operator/test_crd_schema.py",
         "operator/test_election.py",
+        "operator/test_resyncing.py",
         "mqtt/test_codec.py",
         "mqtt/test_topics.py",
         "reclaim/test_ratelimit.py",

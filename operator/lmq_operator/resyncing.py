@@ -34,7 +34,7 @@ Entry = tuple[model.Kind, str]  # (kind, uid)
 
 def compact(body: Mapping[str, Any]) -> bytes:
     """The part of a resource a reconcile reads, as compact JSON: metadata without managedFields or foreign
-    annotations, the spec, the status."""
+    annotations, the spec, the status. ``body`` may be kopf's Body, whose parts are mapping views, not dicts."""
     meta = body.get("metadata") or {}
     kept: dict[str, Any] = {key: meta[key] for key in _METADATA if key in meta}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k in _ANNOTATIONS}
@@ -47,7 +47,13 @@ def compact(body: Mapping[str, Any]) -> bytes:
         "spec": body.get("spec") or {},
         "status": body.get("status") or {},
     }
-    return json.dumps(projected, separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps(projected, separators=(",", ":"), sort_keys=True, default=_plain).encode()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def expand(raw: bytes) -> dict[str, Any]:

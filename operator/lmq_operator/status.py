@@ -159,12 +159,14 @@ def _with_ready(
     return _merge([c for c in previous if c.get("type") not in gone], ready, *extra)
 
 
-def _brokers(syncs: Sequence[model.BrokerSync]) -> list[dict[str, Any]]:
+def _brokers(kind: model.Kind, syncs: Sequence[model.BrokerSync]) -> list[dict[str, Any]]:
     rows = []
     for s in sorted(syncs, key=lambda s: s.broker):
         row: dict[str, Any] = {"name": s.broker.name, "endpoint": s.broker.endpoint, "synced": s.synced}
         if s.message:
             row["message"] = s.message
+        if s.synced:  # a copy just created reports no figures yet: it has none (else the next resync writes 0s)
+            row.update(dict.fromkeys(FIGURES[kind], 0))
         row.update(dict(s.figures))
         rows.append(row)
     return rows
@@ -216,7 +218,7 @@ def applied(
         "observedGeneration": generation,
         KEY_FIELD[kind]: key,
         "brokersReady": f"{len(ok)}/{len(syncs)}",
-        "brokers": _brokers(syncs),
+        "brokers": _brokers(kind, syncs),
         "conditions": _with_ready(conditions, ready, generation=generation, now=now),
     }
     for figure in FIGURES[kind]:

@@ -85,7 +85,7 @@ FULL: dict[str, Any] = {
         "extraVolumes": [{"name": "proxy-ca", "configMap": {"name": "proxy-ca"}}],
         "extraVolumeMounts": [{"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "readOnly": True}],
         "extraContainers": [{"name": "log-shipper", "image": "fluent/fluent-bit:3.1", "args": ["-i", "dummy"]}],
-        "resources": {"requests": {"cpu": "100m", "memory": "192Mi"}, "limits": {"memory": "384Mi"}},
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
         "livenessProbe": {"initialDelaySeconds": 11, "periodSeconds": 16, "timeoutSeconds": 6, "failureThreshold": 5},
         "serviceAccount": {"create": True, "name": "mq-operator-sa", "annotations": {"iam": "operator"}},
         "rbac": {"create": True},

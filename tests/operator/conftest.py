@@ -6,12 +6,14 @@ A missing apiserver/etcd binary fails the suite with the command that builds the
 from __future__ import annotations
 
 import itertools
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from lmq_broker import testing as broker_testing
 from lmq_broker.admin.client import AdminClient
@@ -158,3 +160,46 @@ def run_operator(kube: testing.KubeAPI, tmp_path: Path) -> Iterator[Callable[...
     yield run
     for handle in started:
         handle.stop()
+
+
+DOC = testing.REPO / "docs" / "operator.md"
+
+
+def documented_rbac(marker: str) -> dict[str, Any]:
+    """The role in docs/operator.md between ``<!-- marker:begin -->`` and ``<!-- marker:end -->``."""
+    block = re.search(rf"<!-- {marker}:begin -->\s*```yaml\n(.*?)```\s*<!-- {marker}:end -->", DOC.read_text(), re.S)
+    assert block is not None, f"docs/operator.md lost its {marker} block"
+    role: dict[str, Any] = yaml.safe_load(block.group(1))
+    return role
+
+
+@pytest.fixture
+def documented_role() -> Callable[[str], dict[str, Any]]:
+    return documented_rbac
+
+
+@pytest.fixture
+def bind_documented_rbac(kube: testing.KubeAPI) -> Callable[..., None]:
+    """bind(namespace, leader=False): the powerless operator user gets the documented ClusterRole, and with
+    ``leader`` the documented Lease Role in ``namespace``; nothing else."""
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    user = [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": testing.OPERATOR_USER}]
+
+    def bind_to(path: str, kind: str, name: str) -> None:
+        ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name}
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": f"{kind}Binding"}
+        kube.post(path, {**binding, "metadata": {"name": name}, "roleRef": ref, "subjects": user})
+
+    def bind(namespace: str, *, leader: bool = False) -> None:
+        cluster_role = documented_rbac("rbac")
+        assert cluster_role["kind"] == "ClusterRole"
+        cluster_role["metadata"]["name"] = f"lmq-operator-{namespace}"
+        kube.post(f"{rbac}/clusterroles", cluster_role)
+        bind_to(f"{rbac}/clusterrolebindings", "ClusterRole", cluster_role["metadata"]["name"])
+        if leader:
+            role = documented_rbac("rbac-leader")
+            assert role["kind"] == "Role"
+            kube.post(f"{rbac}/namespaces/{namespace}/roles", role)
+            bind_to(f"{rbac}/namespaces/{namespace}/rolebindings", "Role", role["metadata"]["name"])
+
+    return bind

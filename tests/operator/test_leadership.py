@@ -5,17 +5,13 @@ docs/operator.md), so those rules are checked too. The election's decisions on t
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lmq_operator import testing
 
-DOC = testing.REPO / "docs" / "operator.md"
 LEASE = "lmq-operator"  # the name docs/operator.md's Role allows
 TIMINGS = {  # short, so that the SIGKILL takeover is seconds, not 15 s
     "LMQ_OPERATOR_LEASE_DURATION_SECONDS": "4",
@@ -23,49 +19,6 @@ TIMINGS = {  # short, so that the SIGKILL takeover is seconds, not 15 s
     "LMQ_OPERATOR_LEASE_RETRY_SECONDS": "0.5",
 }
 TIMEOUT_S = 30.0
-
-
-def documented(marker: str) -> dict[str, Any]:
-    block = re.search(rf"<!-- {marker}:begin -->\s*```yaml\n(.*?)```\s*<!-- {marker}:end -->", DOC.read_text(), re.S)
-    assert block is not None, f"docs/operator.md lost its {marker} block"
-    role: dict[str, Any] = yaml.safe_load(block.group(1))
-    return role
-
-
-def bind_documented_rbac(kube: testing.KubeAPI, namespace: str) -> None:
-    """The operator user gets the documented ClusterRole and, in ``namespace``, the documented Lease Role."""
-    rbac = "/apis/rbac.authorization.k8s.io/v1"
-    user = [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": testing.OPERATOR_USER}]
-    cluster_role = documented("rbac")
-    cluster_role["metadata"]["name"] = f"lmq-operator-{namespace}"
-    kube.post(f"{rbac}/clusterroles", cluster_role)
-    kube.post(
-        f"{rbac}/clusterrolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": f"lmq-operator-{namespace}"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": f"lmq-operator-{namespace}",
-            },
-            "subjects": user,
-        },
-    )
-    role = documented("rbac-leader")
-    assert role["kind"] == "Role"
-    kube.post(f"{rbac}/namespaces/{namespace}/roles", role)
-    kube.post(
-        f"{rbac}/namespaces/{namespace}/rolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": role["metadata"]["name"]},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
-            "subjects": user,
-        },
-    )
 
 
 def reconciled(op: testing.OperatorProcess) -> float:
@@ -91,8 +44,9 @@ def test_only_the_lease_holder_reconciles_and_a_standby_takes_over(
     brokers: list[Any],
     run_operator: Callable[..., testing.OperatorProcess],
     tmp_path: Path,
+    bind_documented_rbac: Callable[..., None],
 ) -> None:
-    bind_documented_rbac(kube, namespace)
+    bind_documented_rbac(namespace, leader=True)
     kubeconfig = testing.write_kubeconfig(kube, kube.operator_token, tmp_path / "operator.kubeconfig")
     endpoints = [b.admin_endpoint for b in brokers]
     lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{LEASE}"

@@ -4,35 +4,27 @@ deletes. The chart's ClusterRole is meant to match this document."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lmq_operator import testing
 
-DOC = testing.REPO / "docs" / "operator.md"
 TIMEOUT_S = 30.0
 
 
-def documented_cluster_role() -> dict[str, Any]:
-    text = DOC.read_text()
-    block = re.search(r"<!-- rbac:begin -->\s*```yaml\n(.*?)```\s*<!-- rbac:end -->", text, re.S)
-    assert block is not None, "docs/operator.md lost its rbac block"
-    role: dict[str, Any] = yaml.safe_load(block.group(1))
-    assert role["kind"] == "ClusterRole"
-    return role
-
-
-def test_documented_rules_are_least_privilege() -> None:
-    rules = documented_cluster_role()["rules"]
+def test_documented_rules_are_least_privilege(documented_role: Callable[[str], dict[str, Any]]) -> None:
+    rules = documented_role("rbac")["rules"]
     verbs = {v for r in rules for v in r["verbs"]}
     assert verbs <= {"get", "list", "watch", "patch", "create"}  # never update/delete/deletecollection or "*"
     lmq = [r for r in rules if r["apiGroups"] == ["lmq.io"]]
     assert all("create" not in r["verbs"] for r in lmq)  # the operator never creates resources or writes spec
     assert not any("*" in r["resources"] or "*" in r["apiGroups"] for r in rules)
+    # leader election: Leases only; reading and renewing (update) limited to the operator's own one
+    leader = documented_role("rbac-leader")["rules"]
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in leader)
+    assert {v for r in leader for v in r["verbs"]} == {"create", "get", "update"}
+    assert all(r.get("resourceNames") for r in leader if set(r["verbs"]) & {"get", "update"})
 
 
 def test_operator_runs_with_exactly_the_documented_rbac(
@@ -44,24 +36,9 @@ def test_operator_runs_with_exactly_the_documented_rbac(
     run_operator: Callable[..., testing.OperatorProcess],
     start_broker: Callable[..., Any],
     tmp_path: Path,
+    bind_documented_rbac: Callable[..., None],
 ) -> None:
-    role = documented_cluster_role()
-    role["metadata"]["name"] = f"lmq-operator-{namespace}"
-    kube.post("/apis/rbac.authorization.k8s.io/v1/clusterroles", role)
-    kube.post(
-        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": f"lmq-operator-{namespace}"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": role["metadata"]["name"],
-            },
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": testing.OPERATOR_USER}],
-        },
-    )
+    bind_documented_rbac(namespace)
     ip = testing.host_ip()
     pods = [start_broker(f"rbac{i}", extra=("--host", "0.0.0.0")) for i in range(2)]
     testing.publish_brokers(kube, namespace, "lmq-broker", [(ip, p.port) for p in pods], replicas=2)
