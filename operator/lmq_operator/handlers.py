@@ -11,6 +11,7 @@ spec older than the one an update just applied.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import logging
@@ -50,6 +51,9 @@ class Context:
     # handler, so it posts within a copy of the first handler's context (every resource was handled by
     # create or resume before its first resync).
     posting: contextvars.Context | None = None
+    # Resources whose delete handler finished: kopf may run it again on a stale event (one that arrived before
+    # its finalizer-removal patch took effect), which would repeat the broker calls and the "Deleted" Event.
+    deleted: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
@@ -65,6 +69,9 @@ class Context:
 
     def entries(self) -> list[resyncing.Entry]:
         return [(kind, uid) for kind in model.Kind for uid in self.indices[f"{kind.plural}_bodies"]]
+
+
+_DELETED_KEPT = 4096  # finished deletions remembered; a re-run comes within seconds of its first run
 
 
 def _now() -> datetime:
@@ -283,6 +290,8 @@ def _register(kind: model.Kind) -> None:
 async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
     ctx = _ctx(memo)
     uid = body["metadata"]["uid"]
+    if uid in ctx.deleted:
+        return  # done already: a uid names one object, never a recreated one
     async with ctx.lock(uid), _measured(kind, "delete") as run:
         outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, ctx.claims(kind))
         _post(body, outcome.events)
@@ -290,6 +299,9 @@ async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
     if outcome.retry:
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)
+    ctx.deleted[uid] = None
+    if len(ctx.deleted) > _DELETED_KEPT:
+        ctx.deleted.popitem(last=False)
 
 
 for _kind in model.Kind:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import types
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from lmq_operator import admins, apply, desired, diff, model, settings, status
+from lmq_operator import admins, apply, desired, diff, handlers, model, settings, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 B0 = model.Broker("b0", "10.0.0.1:8081", 0)
@@ -568,3 +570,29 @@ def test_a_resync_after_a_create_writes_nothing() -> None:
     resynced = [model.BrokerSync(B0, True, "none", figures=observed), created[1]]
     later = status.applied(model.Kind.LITE_GROUP, "g", generation=1, syncs=resynced, previous=first, now=NOW)
     assert status.changes(first, later) == {}
+
+
+def test_a_delete_handler_run_again_for_the_same_object_calls_no_broker_and_posts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kopf can hand a stale event (one from before its finalizer-removal patch) to the delete handler again:
+    the second run must neither repeat the broker deletes nor post a second "Deleted" Event."""
+    removals: list[str] = []
+    posted: list[str] = []
+
+    async def remove(pool: Any, fleet: Any, kind: Any, body: Any, claims: Any) -> apply.Outcome:
+        removals.append(body["metadata"]["uid"])
+        return apply.Outcome({}, (apply.Event("Normal", "Deleted", "deleted on 2 brokers"),))
+
+    monkeypatch.setattr(apply, "remove", remove)
+    monkeypatch.setattr(handlers, "_post", lambda body, events: posted.extend(e.reason for e in events))
+    conf = settings.from_env({"LMQ_OPERATOR_BROKERS": "b0:8081"})
+    ctx = handlers.Context(conf=conf, pool=Any, fleet=Any, statuses=Any)  # type: ignore[arg-type]
+    ctx.indices = {f"{kind.plural}_claims": {} for kind in model.Kind}
+    memo = types.SimpleNamespace(lmq=ctx)
+    gone = {"metadata": {"uid": "u-1", "name": "q"}}
+    other = {"metadata": {"uid": "u-2", "name": "q"}}  # same name, new object: its own deletion
+    for body in (gone, gone, other):
+        asyncio.run(handlers._delete(model.Kind.LITE_QUOTA, body, memo))
+    assert removals == ["u-1", "u-2"]
+    assert posted == ["Deleted", "Deleted"]
