@@ -7,7 +7,7 @@ import asyncio
 import functools
 import io
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,12 @@ from lmq_broker.protocol import auth, peers
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import issue_certificate
 
 PARENT, GROUP = "P", "G"
 KEYS = ("cluster-ak", "cluster-sk")
@@ -70,9 +72,11 @@ def message(lite: str, n: int = 0) -> pb.Message:
     )
 
 
-async def start_cluster(tmp_path: Path, size: int, *, admin_port: bool = False, **overrides: object) -> Cluster:
+async def start_cluster(
+    tmp_path: Path, size: int, *, admin_port: bool = False, each: Sequence[dict[str, object]] = (), **overrides: object
+) -> Cluster:
     """``admin_port``: as pods do, each broker on a host of its own (127.0.0.<slot + 1>) with the same client port
-    and the same --admin-port on every one."""
+    and the same --admin-port on every one. ``each``: more settings per slot."""
     if admin_port:
         port, admin = free_ports("127.0.0.1", 2)
         hosts = [(f"127.0.0.{slot + 1}", port) for slot in range(size)]
@@ -92,6 +96,7 @@ async def start_cluster(tmp_path: Path, size: int, *, admin_port: bool = False, 
             admin_access_key="admin-ak",
             admin_secret_key="admin-sk",
             **overrides,
+            **(each[slot] if each else {}),
         )
         store = lmq_store.open_store(config.store)
         store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
@@ -567,3 +572,45 @@ async def test_a_lone_broker_answers_the_external_listener_with_the_address_dial
         await inside.close()
         await outside.close()
         await broker.stop(grace_s=0.2)
+
+
+# --- TLS between brokers -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checked_name", [False, True], ids=["dialled-address", "server-name"])
+async def test_brokers_call_each_other_over_tls_with_a_ca_signed_certificate(
+    tmp_path: Path, checked_name: bool
+) -> None:
+    """Each broker serves a certificate of its own, signed by one CA (as while cert-manager renews the Secret
+    the pods mount: for a while they serve different ones). A send forwarded to its owner and the owner
+    look-up over admin check the peer against --tls-ca: either by the address dialled (the certificate names
+    it) or, with --tls-server-name, by the one name the certificate carries."""
+    names = ["lmq-broker.mq.svc"] if checked_name else ["lmq-broker.mq.svc", "127.0.0.1", "127.0.0.2"]
+    first = issue_certificate(tmp_path / "tls", *names, tag="b0")
+    second = issue_certificate(tmp_path / "tls", *names, ca=first, tag="b1")
+    each: list[dict[str, object]] = [{"tls_cert": c.cert, "tls_key": c.key} for c in (first, second)]
+    tls: dict[str, object] = {"tls_ca": first.ca}
+    if checked_name:
+        tls["tls_server_name"] = "lmq-broker.mq.svc"
+    cluster = await start_cluster(tmp_path, 2, admin_port=True, ring_history="1", each=each, **tls)
+    certificate = first
+    for client in cluster.clients:
+        await client.close()
+    options = (("grpc.ssl_target_name_override", "lmq-broker.mq.svc"),)
+    cluster.clients = []
+    for broker in cluster.brokers:
+        assert broker.store is not None
+        channel = grpc.aio.secure_channel(
+            broker.endpoint, grpc.ssl_channel_credentials(certificate.ca.read_bytes()), options=options
+        )
+        cluster.clients.append(
+            protocol_testing.Client(channel, service_grpc.MessagingServiceStub(channel), broker.endpoint, broker.store)
+        )
+    try:
+        # ring history 1 -> 2: a topic now owned by slot 1 may be held by slot 0, which slot 1 asks over admin
+        lites = cluster.lites_of(1, 2) + cluster.lites_of(0, 2)
+        for lite in lites:
+            await send_via(cluster, 1 - cluster.owner(lite), lite, 0)
+        for lite in lites:
+            owner = cluster.owner(lite)
+            assert cluster.holds(owner, lite) and not cluster.holds(1 - owner, lite)
+    finally:
+        await stop_cluster(cluster)
