@@ -454,6 +454,37 @@ async def test_lmq_admin_cluster_get_and_set_everywhere(tmp_path: Path) -> None:
         await stop_cluster(cluster)
 
 
+async def test_lmq_admin_cluster_set_everywhere_reaches_each_brokers_admin_port(tmp_path: Path) -> None:
+    """Brokers with --admin-port (the chart's): --everywhere calls every member on its host at the admin port the
+    first broker reports, not on the member (client) endpoint, where admin is refused."""
+    cluster = await start_cluster(tmp_path, 2, admin_port=True)
+    try:
+        members = cluster.membership.members
+        admin_port = cluster.brokers[0].admin_port
+        keys = ["--access-key", "admin-ak", "--secret-key", "admin-sk", "--output", "json"]
+
+        async def lmq_admin(*args: str) -> tuple[int, Any, str]:
+            out, err = io.StringIO(), io.StringIO()
+            argv = ["--endpoint", cluster.brokers[0].admin_endpoint, *keys, *args]
+            code = await asyncio.to_thread(cli.main, argv, out, err)
+            return code, json.loads(out.getvalue()) if code == 0 else None, err.getvalue()
+
+        code, got, _ = await lmq_admin("cluster", "get")
+        assert (code, got["admin_port"]) == (0, admin_port)
+        peers_flag = ["--peers", ",".join(members), "--ring-history", "2"]
+        code, rows, err = await lmq_admin("cluster", "set", *peers_flag, "--ring-size", "1", "--everywhere")
+        assert code == 0, err
+        assert [(r["endpoint"], r["slot"], r["changed"], r["leaving"]) for r in rows] == [
+            (members[1], 1, True, True), (members[0], 0, True, False)
+        ]  # fmt: skip
+        code, _, err = await lmq_admin(
+            "cluster", "set", *peers_flag, "--everywhere", "--admin-port", str(members[0]).rsplit(":")[1]
+        )
+        assert code == 1 and "not served on this port" in err  # told the client port: admin is refused there
+    finally:
+        await stop_cluster(cluster)
+
+
 async def test_a_receipt_handle_can_only_send_settlements_to_members(cluster: Cluster) -> None:
     """Handles of messages gathered from another broker name it ("via <endpoint> <handle>"): a forged one
     naming any other address is refused, never called."""

@@ -35,6 +35,7 @@ async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.Ge
         undrained_messages=undrained,
         drained=leaving and undrained == 0,
         source=place.source,
+        admin_port=max(cluster.config.admin_port, 0),
     )
 
 

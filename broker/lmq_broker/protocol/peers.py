@@ -260,9 +260,8 @@ class Peers:
         """A stub of another broker's admin service and the headers to sign a call with (this broker's admin
         pair, which every broker of a cluster shares). With ``--admin-port`` the admin service is on the peer's
         host at that port (every broker of a cluster runs with the same flags)."""
-        if self.config.admin_port > 0:
-            endpoint = f"{endpoint.rsplit(':', 1)[0]}:{self.config.admin_port}"
-        return admin_grpc.LmqAdminStub(self._channel(endpoint)), self._signed(self._admin_keys)
+        target = mb.admin_endpoint(endpoint, self.config.admin_port)
+        return admin_grpc.LmqAdminStub(self._channel(target)), self._signed(self._admin_keys)
 
     # --- where a lite topic lives ---------------------------------------------------------------------------
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:
