@@ -86,7 +86,7 @@ def test_node_ports_numbered_from_the_base(render: Render) -> None:
             bootstrap={"nodePort": 31099},
             externalTrafficPolicy="Local",
             advertisedAddressTemplate="nodes.example.com:{ordinal+31100}",
-        )  # fmt: skip
+        )
     )
     found = services(objects)
     for i in range(3):
@@ -111,7 +111,7 @@ def test_cluster_ip_services_take_no_node_port_nor_traffic_policy(render: Render
             externalTrafficPolicy="Local",
             bootstrap={"nodePort": 31099},
             advertisedAddresses=["localhost:19094", "localhost:19095"],
-        )  # fmt: skip
+        )
     )
     for service in services(objects).values():
         spec = service["spec"]
@@ -150,7 +150,7 @@ def test_per_pod_annotations_name_their_ordinal(render: Render) -> None:
                 advertisedAddressTemplate="lmq-{ordinal}.example.com:9094",
                 bootstrap={"annotations": {"lb": "shared"}},
             )
-        )  # fmt: skip
+        )
     )
     for i in range(3):
         assert found[f"{BROKER}-external-{i}"]["metadata"]["annotations"] == {
