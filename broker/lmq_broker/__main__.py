@@ -228,8 +228,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-port does not work with --processes yet: its processes would need one each")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
-    if config.tls_cert is None and (config.tls_ca is not None or config.tls_server_name):
-        raise SystemExit("--tls-ca and --tls-server-name are for calls between TLS brokers: they need --tls-cert")
     try:
         peers.membership_of(config)
         peers.external_of(config)

@@ -81,7 +81,8 @@ class BrokerConfig(BaseModel):
     tls_key: Path | None = None
     # What this broker's calls to its peers trust (scale-out): the CA that signed the brokers' certificates, and
     # the name to check them against (empty: the host dialled). No CA: the peers' certificate is --tls-cert itself
-    # (self-signed). LMQ_TLS_CA and LMQ_TLS_SERVER_NAME are also what lmq-admin reads (admin.tls).
+    # (self-signed). LMQ_TLS_CA and LMQ_TLS_SERVER_NAME are also what lmq-admin reads (admin.tls); without
+    # --tls-cert both are unused.
     tls_ca: Path | None = None
     tls_server_name: str = ""
     # Scale-out (docs/scale-out.md): the ring slots of the cluster, in slot order, as host:port each; empty:
