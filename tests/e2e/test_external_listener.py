@@ -9,6 +9,7 @@ client port keeps answering with the brokers' own (in-cluster) endpoints.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -30,6 +31,9 @@ from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, start_broker
 
 TOPIC, GROUP = "OUTSIDE_NS", "outside-group"
+PROCESS_RE = re.compile(
+    r"lmq-broker process (?P<index>\d+) grpc=(?P<grpc>[^ ]+) metrics=\d+ external=(?P<external>\d+)"
+)
 
 
 class Forwarder:
@@ -98,6 +102,61 @@ def routed(endpoint: str) -> tuple[list[str], list[str]]:
     return [named(q) for q in route.message_queues], [named(a.message_queue) for a in found.assignments]
 
 
+def create_metadata(admin_endpoints: list[str]) -> None:
+    for endpoint in admin_endpoints:  # the operator's job on Kubernetes
+        with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
+            admin.put_group(model.LiteGroup(GROUP, TOPIC))
+
+
+def exchange(access_endpoint: str, lites: list[str], clients: list[Any]) -> None:
+    """A LitePushConsumer and a Producer configured with ``access_endpoint`` only: 3 messages per lite topic,
+    every one received once, in order per topic."""
+    access = ClientConfiguration(access_endpoint, Credentials(), request_timeout=5)
+    inbox = Inbox()
+    consumer = LitePushConsumer(access, GROUP, TOPIC, inbox)
+    consumer.startup()
+    clients.append(consumer)
+    for lite in lites:
+        consumer.subscribe_lite(lite)
+    producer = Producer(access, (TOPIC,))
+    producer.startup()
+    clients.append(producer)
+    sent = set()
+    for n in range(3):
+        for lite in lites:
+            message = Message()
+            message.topic, message.lite_topic = TOPIC, lite
+            message.body = f"{lite}/{n}".encode()
+            producer.send(message)
+            sent.add((lite, message.body))
+    assert inbox.wait_for(lambda i: len(i.accepted) >= len(sent), 60), f"{len(inbox.accepted)} of {len(sent)}"
+    time.sleep(1)  # a duplicate would arrive within this
+    got = [(m.lite_topic, m.body) for m in inbox.accepted]
+    assert len(got) == len(sent) and set(got) == sent  # nothing lost, nothing twice
+    for lite in lites:
+        assert [body for name, body in got if name == lite] == sorted(body for name, body in sent if name == lite)
+
+
+def free_block(count: int) -> int:
+    """A port p with p .. p + count - 1 all free now (a pod's port and its processes' ports)."""
+    for _ in range(50):
+        base = free_ports("127.0.0.1", 1)[0]
+        if base + count > 65535:
+            continue
+        held = []
+        try:
+            for port in range(base, base + count):
+                held.append(socket.create_server(("127.0.0.1", port)))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
 @pytest.fixture
 def clients() -> Iterator[list[Any]]:
     started: list[Any] = []
@@ -119,10 +178,7 @@ def test_a_client_outside_reaches_every_broker_through_its_external_address(tmp_
                     str(external_ports[i]), "--external-addresses", external]  # fmt: skip
             brokers.append(start_broker(tmp_path / f"b{i}", port=port, extra_args=args, env=SHARED_ADMIN_ENV))
         assert [b.external_port for b in brokers] == external_ports
-        for broker in brokers:  # the operator's job on Kubernetes
-            with AdminClient(broker.admin_endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-                admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
-                admin.put_group(model.LiteGroup(GROUP, TOPIC))
+        create_metadata([b.admin_endpoint for b in brokers])
 
         outside = [f.address for f in forwarders]
         inside = peers.split(",")
@@ -134,30 +190,7 @@ def test_a_client_outside_reaches_every_broker_through_its_external_address(tmp_
         lites = [f"x-{n}" for n in range(16)]
         owners = {mb.owner(ring, model.QueueId.lmq(TOPIC, lite).topic) for lite in lites}
         assert owners == {0, 1}  # both brokers hold some of them
-        access = ClientConfiguration(forwarders[0].address, Credentials(), request_timeout=5)
-        inbox = Inbox()
-        consumer = LitePushConsumer(access, GROUP, TOPIC, inbox)
-        consumer.startup()
-        clients.append(consumer)
-        for lite in lites:
-            consumer.subscribe_lite(lite)
-        producer = Producer(access, (TOPIC,))
-        producer.startup()
-        clients.append(producer)
-        sent = set()
-        for n in range(3):
-            for lite in lites:
-                message = Message()
-                message.topic, message.lite_topic = TOPIC, lite
-                message.body = f"{lite}/{n}".encode()
-                producer.send(message)
-                sent.add((lite, message.body))
-        assert inbox.wait_for(lambda i: len(i.accepted) >= len(sent), 60), f"{len(inbox.accepted)} of {len(sent)}"
-        time.sleep(1)  # a duplicate would arrive within this
-        got = [(m.lite_topic, m.body) for m in inbox.accepted]
-        assert len(got) == len(sent) and set(got) == sent  # nothing lost, nothing twice
-        for lite in lites:
-            assert [body for name, body in got if name == lite] == sorted(body for name, body in sent if name == lite)
+        exchange(forwarders[0].address, lites, clients)
         assert forwarders[1].connections > 0  # broker 1 was reached only by its external address
     finally:
         for client in reversed(clients):
@@ -167,3 +200,23 @@ def test_a_client_outside_reaches_every_broker_through_its_external_address(tmp_
             broker.stop()
         for forwarder in forwarders:
             forwarder.close()
+
+
+def test_the_processes_of_a_pod_share_the_external_port(tmp_path: Path, clients: list[Any]) -> None:
+    """``--processes 2``: each process is a ring slot with its own external port (the pod's + 1 + i), all sharing
+    the pod's external port; routes asked there name the processes' external ports by the pod's template."""
+    port, external_port = free_block(3), free_block(3)
+    args = ["--processes", "2", "--no-bootstrap", "--external-port", str(external_port),
+            "--external-address-template", f"127.0.0.1:{external_port}"]  # fmt: skip
+    with start_broker(tmp_path / "data", port=port, extra_args=args, env=SHARED_ADMIN_ENV) as pod:
+        assert pod.external_port == external_port
+        found = {int(m["index"]): (m["grpc"], int(m["external"])) for m in PROCESS_RE.finditer(pod.log())}
+        assert [found[i][1] for i in sorted(found)] == [external_port + 1, external_port + 2]
+        inside = [found[i][0] for i in sorted(found)]
+        assert inside == [f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}"]
+        create_metadata(inside)
+        outside = [f"127.0.0.1:{external_port + 1}", f"127.0.0.1:{external_port + 2}"]
+        for endpoint in (f"127.0.0.1:{external_port}", *outside):
+            assert routed(endpoint) == (outside, outside)
+        assert routed(pod.endpoint) == (inside, inside)
+        exchange(f"127.0.0.1:{external_port}", [f"p-{n}" for n in range(12)], clients)
