@@ -13,12 +13,10 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
@@ -155,14 +153,6 @@ def free_block(count: int) -> int:
             for s in held:
                 s.close()
     raise RuntimeError("no block of free ports")
-
-
-@pytest.fixture
-def clients() -> Iterator[list[Any]]:
-    started: list[Any] = []
-    yield started
-    for client in reversed(started):
-        client.shutdown()
 
 
 def test_a_client_outside_reaches_every_broker_through_its_external_address(tmp_path: Path, clients: list[Any]) -> None:
