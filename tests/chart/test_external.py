@@ -203,3 +203,12 @@ def test_the_network_policy_admits_the_external_port(render: Render, one: One) -
 def test_the_schema_refuses_bad_values(render: Render, values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmValuesError):
         render(external(replicas=1, **values))
+
+
+def test_notes_point_outside_clients_to_the_bootstrap_service(render_notes: Callable[..., str]) -> None:
+    assert "need broker.external.enabled" in render_notes()
+    notes = render_notes(external(replicas=1, type="ClusterIP"))
+    assert f"the bootstrap Service {BROKER}-external, port 9094" in notes
+    assert f"port-forward svc/{BROKER}-external 9094:9094" in notes
+    notes = render_notes(external(advertisedAddressTemplate="lmq-{ordinal}.example.com:9094"))
+    assert "(LoadBalancer)" in notes and "port-forward svc/" + BROKER + "-external" not in notes
