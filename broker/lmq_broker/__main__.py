@@ -4,8 +4,8 @@ until SIGTERM/SIGINT, when it drains calls and flushes the store.
 Every field of BrokerConfig and StoreConfig is a flag (``data_dir`` -> ``--data-dir``) and an environment
 variable (``LMQ_DATA_DIR``); a flag wins over the variable, the variable over the default. The flags are
 generated from the config models so none can be forgotten. Once listening, the process prints one line
-``lmq-broker ready grpc=<host:port> metrics=<port> admin=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``) on
-stdout (port 0 picks free ports; tools and tests read that line).
+``lmq-broker ready grpc=<host:port> metrics=<port> admin=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``,
+`` external=<port>`` with ``--external-port``) on stdout (port 0 picks free ports; tools and tests read that line).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ HELP: Final[dict[str, str]] = {
     "secret_key": "secret key matching --access-key",
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM CA that signed the brokers' certificates: calls to peers check them against it (default: "
+    "--tls-cert itself, for a self-signed certificate)",
+    "tls_server_name": "the name peers' certificates are checked against (default: the host dialled)",
     "max_concurrent_calls": "calls running at once; beyond it a call is answered TOO_MANY_REQUESTS (0: no cap)",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
     "retention_max_age_ms": "drop closed log segments whose newest message is older than this (-1: keep)",
@@ -74,6 +77,15 @@ HELP: Final[dict[str, str]] = {
     "processes": "run this many broker processes (one per core), each a ring slot with its own data dir "
     "(<data-dir>/p<i>) and port (--port + 1 + i), all sharing --port",
     "access_port": "also serve on this port, shared with other processes (SO_REUSEPORT; set by --processes)",
+    "external_port": "serve the v2 MessagingService for clients outside the cluster on this port too: its routes "
+    "name every broker by its external address (0: any free port, -1: off; docs/scale-out.md)",
+    "external_addresses": "external host:port of every broker (ring slot) in slot order, comma-separated; with "
+    "--processes, of every pod (process i at its port + 1 + i)",
+    "external_address_template": "external host:port of pod {ordinal} (also {ordinal*K+N}), for the brokers past "
+    "--external-addresses, e.g. lmq-{ordinal}.example.com:9094",
+    "external_access_port": "also serve the external listener on this port, shared with other processes (set by "
+    "--processes)",
+    "pod_processes": "broker processes per pod, for --external-address-template (set by --processes)",
 }
 
 
@@ -181,8 +193,10 @@ async def serve(config: BrokerConfig) -> None:
     await broker.start()
     app.tune_gc()
     mqtt = f" mqtt={broker.mqtt_port}" if config.mqtt_port >= 0 else ""
+    external = f" external={broker.external_port}" if config.external_port >= 0 else ""
     print(
-        f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}", flush=True
+        f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}{external}",
+        flush=True,
     )
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")
@@ -216,8 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--tls-cert and --tls-key go together")
     try:
         peers.membership_of(config)
+        peers.external_of(config)
     except errors.InvalidArgument as exc:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
+    if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):
+        raise SystemExit("--external-port must differ from --port and --admin-port")
     if config.processes > 1:
         return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)
     heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts

@@ -30,7 +30,7 @@ from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt.server import MqttServer
-from lmq_broker.protocol import cluster_setup
+from lmq_broker.protocol import cluster_setup, peers
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
@@ -114,6 +114,8 @@ class Broker:
         self._server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None  # --admin-port
         self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
+        self._external_servers: list[grpc.aio.Server] = []  # --external-port (and --external-access-port)
+        self.external_port = 0
         self.cluster: cluster_setup.Cluster | None = None
         self.access_port = -1
         self._admission: Admission | None = None
@@ -185,6 +187,8 @@ class Broker:
                 shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
             self.access_port = grpc_server.bind(shared, config, config.access_port)
             await shared.start()
+        if config.external_port >= 0:
+            await self._start_external(edge, admission)
         await server.start()
         if config.mqtt_port >= 0:
             self.mqtt = MqttServer(self.dispatcher, config)
@@ -201,6 +205,26 @@ class Broker:
             self.metrics.watch_store(self.store)
         self.ready = True
 
+    async def _start_external(self, edge: Edge, admission: Admission) -> None:
+        """The external listener (clients outside the cluster): the v2 service with routes naming external
+        addresses, never admin; with ``--processes`` also on the pod's shared external port."""
+        config = self.config
+        addresses = peers.external_of(config)
+        if addresses is not None and addresses.configured:
+            edge.external_address = addresses.of(max(config.ordinal, 0)) if not config.peers else ""
+        ports = [(config.external_port, False)]
+        if config.external_access_port >= 0:
+            ports.append((config.external_access_port, True))
+        for port, shared in ports:
+            server = grpc_server.create(config, shared_port=shared)
+            grpc_server.add_messaging_service(server, edge, admission, external=True)
+            server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(None),))
+            bound = grpc_server.bind(server, config, port)
+            if not shared:
+                self.external_port = edge.external_port = bound
+            await server.start()
+            self._external_servers.append(server)
+
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful: stop taking calls, let running ones finish (long polls are cut at ``grace_s``), flush."""
         self.ready = False
@@ -216,9 +240,10 @@ class Broker:
         if self._heap_trim is not None:
             await self._heap_trim
             self._heap_trim = None
-        if self._access_server is not None:
-            await self._access_server.stop(grace_s)
-            self._access_server = None
+        if self._access_server is not None or self._external_servers:
+            shared = [s for s in (self._access_server, *self._external_servers) if s is not None]
+            await asyncio.gather(*(s.stop(grace_s) for s in shared))
+            self._access_server, self._external_servers = None, []
         if self.mqtt is not None:  # its connections give their leases back while the dispatcher still runs
             await self.mqtt.stop()
             self.mqtt = None

@@ -79,6 +79,12 @@ class BrokerConfig(BaseModel):
     heap_trim_interval_ms: int = Field(default=60_000, ge=0)
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # What this broker's calls to its peers trust (scale-out): the CA that signed the brokers' certificates, and
+    # the name to check them against (empty: the host dialled). No CA: the peers' certificate is --tls-cert itself
+    # (self-signed). LMQ_TLS_CA and LMQ_TLS_SERVER_NAME are also what lmq-admin reads (admin.tls); without
+    # --tls-cert both are unused.
+    tls_ca: Path | None = None
+    tls_server_name: str = ""
     # Scale-out (docs/scale-out.md): the ring slots of the cluster, in slot order, as host:port each; empty:
     # this broker alone. With --processes N every peer is a pod and stands for N slots (its port + 1 + i).
     peers: str = ""
@@ -87,3 +93,10 @@ class BrokerConfig(BaseModel):
     advertised_address: str = ""  # host:port of this broker in peers
     processes: int = Field(default=1, ge=1, le=256)  # serve: broker processes in this pod, one ring slot each
     access_port: int = Field(default=-1, ge=-1, le=65535)  # also listen here, shared (SO_REUSEPORT); -1: no
+    # Clients outside the cluster (docs/scale-out.md, "Clients outside the cluster"): a second v2 listener whose
+    # routes name every slot by its external address (lmq_broker.cluster.external). -1: no such listener.
+    external_port: int = Field(default=-1, ge=-1, le=65535)
+    external_addresses: str = ""  # slot order, host:port each (with --processes: one per pod, as peers)
+    external_address_template: str = ""  # one pod's address, "{ordinal}" replaced: for slots past the list
+    external_access_port: int = Field(default=-1, ge=-1, le=65535)  # set by --processes: the pod's shared one
+    pod_processes: int = Field(default=1, ge=1, le=256)  # set by --processes: slots per pod, for the template

@@ -4,7 +4,9 @@ Each process is a ring slot of the cluster like a pod would be (``docs/scale-out
 (``<data-dir>/p<i>``), its own port (``--port`` + 1 + i, advertised in routes), and every one of them also
 listens on the pod's client port (``--port``) with SO_REUSEPORT, so the kernel spreads client connections
 over them. A process that dies is started again (its topics are unavailable meanwhile, the others' are not);
-SIGTERM/SIGINT stop them all gracefully.
+SIGTERM/SIGINT stop them all gracefully. With ``--external-port`` the same again for the external listener:
+process i on its own external port + 1 + i, all sharing the external port, each told every slot's external
+address (``--external-addresses`` given per pod becomes one per slot; the template needs ``--pod-processes``).
 
 The processes share one admin key pair (``<data-dir>/admin-credentials.json`` unless configured): a peer asks
 another with it which topics it holds, and an admin client reaches any of them with the same pair.
@@ -24,16 +26,19 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from lmq_broker.admin import credentials
 from lmq_broker.cluster import ring
+from lmq_broker.cluster.external import ExternalAddresses, per_slot
 from lmq_broker.cluster.membership import SEPARATOR, Membership
 from lmq_broker.config import BrokerConfig
 
 log = logging.getLogger(__name__)
 
-READY_RE: Final = re.compile(r"lmq-broker ready grpc=(?P<grpc>[^ ]+) metrics=(?P<metrics>-?\d+)")
+READY_RE: Final = re.compile(
+    r"lmq-broker ready grpc=(?P<grpc>[^ ]+) metrics=(?P<metrics>-?\d+)(?:.* external=(?P<external>\d+))?"
+)
 START_TIMEOUT_S: Final = 120.0
 STOP_TIMEOUT_S: Final = 30.0
 RESTART_DELAY_S: Final = 1.0
@@ -48,6 +53,9 @@ class Plan:
     slots: tuple[int, ...]
     members: tuple[str, ...]  # every slot of the cluster, in slot order
     ring_history: str
+    external_access_port: int = -1  # --external-port: the pod's shared external port; -1 without one
+    external_ports: tuple[int, ...] = ()  # each process's own external port
+    external_members: tuple[str, ...] = ()  # --external-addresses of every slot (from the pods' list)
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -64,18 +72,32 @@ def free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
+def _ports(host: str, port: int, n: int) -> tuple[int, list[int]]:
+    """The pod's shared port and each process's own: port + 1 + i (port 0: free ones, for tests)."""
+    if port == 0:
+        access, *ports = free_ports(host, n + 1)
+        return access, ports
+    return port, [port + 1 + i for i in range(n)]
+
+
 def plan(config: BrokerConfig) -> Plan:
     """Ports and slots of this pod's processes; with ``peers`` (one host:port per pod), the whole cluster's."""
     n = config.processes
     bind_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-    if config.port == 0:
-        access, *ports = free_ports(bind_host, n + 1)
-    else:
-        access, ports = config.port, [config.port + 1 + i for i in range(n)]
+    access, ports = _ports(bind_host, config.port, n)
+    external: dict[str, Any] = {}
+    if config.external_port >= 0:
+        external_access, external_ports = _ports(bind_host, config.external_port, n)
+        listed = ExternalAddresses.parse(config.external_addresses).listed
+        external = {
+            "external_access_port": external_access,
+            "external_ports": tuple(external_ports),
+            "external_members": per_slot(listed, n),
+        }
     if not config.peers:
         host = config.advertised_host or bind_host
         members = tuple(f"{host}:{port}" for port in ports)
-        return Plan(access, tuple(ports), tuple(range(n)), members, config.ring_history)
+        return Plan(access, tuple(ports), tuple(range(n)), members, config.ring_history, **external)
     pods = Membership.parse(config.peers).members
     ordinal = config.ordinal if config.ordinal >= 0 else pods.index(config.advertised_address)
     slot_members: list[str] = []
@@ -86,7 +108,7 @@ def plan(config: BrokerConfig) -> Plan:
     if config.port == 0:  # tests on one host: the free ports picked stand for this pod's slots
         for slot, port in zip(slots, ports, strict=True):
             slot_members[slot] = f"{slot_members[slot].rpartition(':')[0]}:{port}"
-    return Plan(access, tuple(ports), slots, tuple(slot_members), config.ring_history)
+    return Plan(access, tuple(ports), slots, tuple(slot_members), config.ring_history, **external)
 
 
 class Child:
@@ -97,6 +119,7 @@ class Child:
         self.process: subprocess.Popen[str] | None = None
         self.ready = threading.Event()
         self.line = ""
+        self.metrics = ""
 
     def start(self) -> None:
         self.ready.clear()
@@ -108,7 +131,10 @@ class Child:
         for line in process.stdout:
             match = READY_RE.search(line)
             if match:  # the pod prints one ready line of its own; this one is renamed
-                self.line = f"lmq-broker process {self.index} grpc={match['grpc']} metrics={match['metrics']}"
+                self.metrics = match["metrics"]
+                self.line = f"lmq-broker process {self.index} grpc={match['grpc']} metrics={self.metrics}"
+                if match["external"]:
+                    self.line += f" external={match['external']}"
                 self.ready.set()
             else:
                 sys.stdout.write(line)
@@ -129,6 +155,13 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
         "--ring-history": p.ring_history,
         "--broker-name": f"{config.broker_name}-p{index}",
     }
+    if p.external_ports:
+        overrides |= {
+            "--external-port": str(p.external_ports[index]),
+            "--external-access-port": str(p.external_access_port),
+            "--external-addresses": SEPARATOR.join(p.external_members),
+            "--pod-processes": str(config.processes),
+        }
     command = [sys.executable, "-m", "lmq_broker", *argv]
     for flag, value in overrides.items():
         command += [f"{flag}={value}"]
@@ -159,7 +192,8 @@ def run(argv: Sequence[str], config: BrokerConfig) -> int:
                 return 1
         print(child.line, flush=True)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-    print(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].line.rsplit('=', 1)[1]}", flush=True)
+    external = f" external={p.external_access_port}" if p.external_ports else ""
+    print(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{external}", flush=True)
     while not stopping.wait(0.2):
         for child in children:
             assert child.process is not None

@@ -9,6 +9,7 @@ Stable API (the operator, reclaim and e2e suites rely on it)::
     broker.admin_env("LMQ_OPERATOR")  # the same pair as LMQ_OPERATOR_ACCESS_KEY/_SECRET_KEY, for a subprocess
     broker.metrics_url     # "http://127.0.0.1:<port>" (/metrics, /healthz, /readyz)
     broker.mqtt_port       # with extra_args ["--mqtt-port", "0"]: the MQTT listener's port (else -1)
+    broker.external_port   # with extra_args ["--external-port", ...]: the external listener's port (else -1)
     broker.stop()          # SIGTERM: graceful (drains, flushes), waits for exit
     broker.kill()          # SIGKILL: crash
     broker = broker.restart()  # same data dir, same port, same arguments
@@ -48,7 +49,7 @@ from typing import Any, Final, TypedDict
 
 READY_RE: Final = re.compile(
     r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)(?: admin=(?P<admin>\d+))?"
-    r"(?: mqtt=(?P<mqtt>\d+))?"
+    r"(?: mqtt=(?P<mqtt>\d+))?(?: external=(?P<external>\d+))?"
 )
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 30.0
@@ -86,6 +87,7 @@ class BrokerProcess:
     admin_secret_key: str = ""
     admin_port: int = 0  # 0: admin is served on ``port``
     mqtt_port: int = -1  # the MQTT listener's port (``--mqtt-port``), -1 without one
+    external_port: int = -1  # the external listener's port (``--external-port``), -1 without one
 
     @property
     def admin_keys(self) -> AdminKeys:
@@ -139,8 +141,9 @@ class BrokerProcess:
         """Stop if running, then start again on the same data dir, ports and arguments."""
         self.stop()
         args = list(self.args)
-        if self.mqtt_port > 0 and "--mqtt-port" in args:  # the port it got, not "any free one" again
-            args[args.index("--mqtt-port") + 1] = str(self.mqtt_port)
+        for flag, port in (("--mqtt-port", self.mqtt_port), ("--external-port", self.external_port)):
+            if port > 0 and flag in args:  # the port it got, not "any free one" again
+                args[args.index(flag) + 1] = str(port)
         return start_broker(self.data_dir, port=self.port, extra_args=args, env=self.env, timeout=timeout)
 
     def log(self) -> str:
@@ -203,6 +206,7 @@ def start_broker(
                     found["metrics"] = int(match["metrics"])
                     found["admin"] = int(match["admin"] or match["port"])
                     found["mqtt"] = int(match["mqtt"]) if match["mqtt"] else -1
+                    found["external"] = int(match["external"]) if match["external"] else -1
                     ready.set()
         ready.set()
 
@@ -231,6 +235,7 @@ def start_broker(
         admin_secret_key=admin_secret_key,
         admin_port=found["admin"],
         mqtt_port=found["mqtt"],
+        external_port=found["external"],
     )
 
 

@@ -7,11 +7,12 @@ import asyncio
 import functools
 import io
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
@@ -25,8 +26,12 @@ from lmq_broker.protocol import auth, peers
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import issue_certificate
 
 PARENT, GROUP = "P", "G"
 KEYS = ("cluster-ak", "cluster-sk")
@@ -67,9 +72,11 @@ def message(lite: str, n: int = 0) -> pb.Message:
     )
 
 
-async def start_cluster(tmp_path: Path, size: int, *, admin_port: bool = False, **overrides: object) -> Cluster:
+async def start_cluster(
+    tmp_path: Path, size: int, *, admin_port: bool = False, each: Sequence[dict[str, object]] = (), **overrides: object
+) -> Cluster:
     """``admin_port``: as pods do, each broker on a host of its own (127.0.0.<slot + 1>) with the same client port
-    and the same --admin-port on every one."""
+    and the same --admin-port on every one. ``each``: more settings per slot."""
     if admin_port:
         port, admin = free_ports("127.0.0.1", 2)
         hosts = [(f"127.0.0.{slot + 1}", port) for slot in range(size)]
@@ -89,6 +96,7 @@ async def start_cluster(tmp_path: Path, size: int, *, admin_port: bool = False, 
             admin_access_key="admin-ak",
             admin_secret_key="admin-sk",
             **overrides,
+            **(each[slot] if each else {}),
         )
         store = lmq_store.open_store(config.store)
         store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
@@ -446,6 +454,37 @@ async def test_lmq_admin_cluster_get_and_set_everywhere(tmp_path: Path) -> None:
         await stop_cluster(cluster)
 
 
+async def test_lmq_admin_cluster_set_everywhere_reaches_each_brokers_admin_port(tmp_path: Path) -> None:
+    """Brokers with --admin-port (the chart's): --everywhere calls every member on its host at the admin port the
+    first broker reports, not on the member (client) endpoint, where admin is refused."""
+    cluster = await start_cluster(tmp_path, 2, admin_port=True)
+    try:
+        members = cluster.membership.members
+        admin_port = cluster.brokers[0].admin_port
+        keys = ["--access-key", "admin-ak", "--secret-key", "admin-sk", "--output", "json"]
+
+        async def lmq_admin(*args: str) -> tuple[int, Any, str]:
+            out, err = io.StringIO(), io.StringIO()
+            argv = ["--endpoint", cluster.brokers[0].admin_endpoint, *keys, *args]
+            code = await asyncio.to_thread(cli.main, argv, out, err)
+            return code, json.loads(out.getvalue()) if code == 0 else None, err.getvalue()
+
+        code, got, _ = await lmq_admin("cluster", "get")
+        assert (code, got["admin_port"]) == (0, admin_port)
+        peers_flag = ["--peers", ",".join(members), "--ring-history", "2"]
+        code, rows, err = await lmq_admin("cluster", "set", *peers_flag, "--ring-size", "1", "--everywhere")
+        assert code == 0, err
+        assert [(r["endpoint"], r["slot"], r["changed"], r["leaving"]) for r in rows] == [
+            (members[1], 1, True, True), (members[0], 0, True, False)
+        ]  # fmt: skip
+        code, _, err = await lmq_admin(
+            "cluster", "set", *peers_flag, "--everywhere", "--admin-port", str(members[0]).rsplit(":")[1]
+        )
+        assert code == 1 and "not served on this port" in err  # told the client port: admin is refused there
+    finally:
+        await stop_cluster(cluster)
+
+
 async def test_a_receipt_handle_can_only_send_settlements_to_members(cluster: Cluster) -> None:
     """Handles of messages gathered from another broker name it ("via <endpoint> <handle>"): a forged one
     naming any other address is refused, never called."""
@@ -470,3 +509,139 @@ async def test_a_receipt_handle_can_only_send_settlements_to_members(cluster: Cl
         metadata=cluster.headers(),
     )
     assert change.status.code == pb.INVALID_RECEIPT_HANDLE  # the member itself refuses what it never handed out
+
+
+# --- the external listener (--external-port): clients outside the cluster -----------------------------------
+def broker_endpoints(reply: spb.QueryRouteResponse | spb.QueryAssignmentResponse) -> list[str]:
+    queues = (
+        [a.message_queue for a in reply.assignments]
+        if isinstance(reply, spb.QueryAssignmentResponse)
+        else list(reply.message_queues)
+    )
+    return [f"{q.broker.endpoints.addresses[0].host}:{q.broker.endpoints.addresses[0].port}" for q in queues]
+
+
+async def routes_at(
+    client: protocol_testing.Client, headers: tuple[tuple[str, str], ...]
+) -> tuple[list[str], list[str]]:
+    route = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=headers)
+    found = await client.stub.QueryAssignment(
+        spb.QueryAssignmentRequest(topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP)), metadata=headers
+    )
+    assert route.status.code == found.status.code == pb.OK
+    return broker_endpoints(route), broker_endpoints(found)
+
+
+async def test_the_external_listener_routes_to_external_addresses(tmp_path: Path) -> None:
+    """Two brokers (127.0.0.1 and 127.0.0.2, as two pods) with the same external port: on it, routes and
+    assignments name every broker by its external address, on the client port by its member endpoint. A send
+    through the external listener is forwarded to its owner as any other; admin is not served there; a
+    membership whose new member has no external address is refused."""
+    external_port = free_ports("127.0.0.1", 1)[0]
+    listed = ("lmq-0.example.com:9094", "lmq-1.example.com:9094")
+    cluster = await start_cluster(tmp_path, 2, admin_port=True, external_port=external_port,
+                                  external_addresses=",".join(listed))  # fmt: skip
+    outside = [
+        protocol_testing.connect(f"127.0.0.{slot + 1}:{external_port}", broker.store)
+        for slot, broker in enumerate(cluster.brokers)
+        if broker.store is not None
+    ]
+    try:
+        members = list(cluster.membership.members)
+        for slot in range(2):
+            assert cluster.brokers[slot].external_port == external_port
+            assert await routes_at(outside[slot], cluster.headers()) == (list(listed), list(listed))
+            assert await routes_at(cluster.clients[slot], cluster.headers()) == (members, members)
+        lite = cluster.lites_of(1, 1)[0]
+        reply = await outside[0].stub.SendMessage(
+            spb.SendMessageRequest(messages=[message(lite)]), metadata=cluster.headers()
+        )
+        assert reply.status.code == pb.OK, reply.status
+        assert cluster.holds(1, lite) and not cluster.holds(0, lite)
+        admin_stub = admin_grpc.LmqAdminStub(outside[0].channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await admin_stub.GetCluster(admin_pb.GetClusterRequest())
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "external listener" in (refused.value.details() or "")
+        admin = AdminClient(
+            cluster.brokers[0].admin_endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk"
+        )
+        with admin, pytest.raises(errors.InvalidArgument, match="no external address for ring slot 2"):
+            await asyncio.to_thread(admin.set_cluster, (*members, f"127.0.0.3:{external_port}"), (2, 3))
+    finally:
+        for client in outside:
+            await client.close()
+        await stop_cluster(cluster)
+
+
+async def test_a_lone_broker_answers_the_external_listener_with_the_address_dialled(tmp_path: Path) -> None:
+    """Alone (no peers) and with no external address given: on the external listener a route names the address
+    the client dialled (a port-forward's, a load balancer's), never --advertised-host, the in-cluster name."""
+    config = dispatch_testing.config_for(
+        tmp_path / "b", host="127.0.0.1", port=0, metrics_port=-1, external_port=0, admin_anonymous=True,
+        advertised_host="lmq-0.lmq-headless.mq.svc.cluster.local",
+    )  # fmt: skip
+    store = lmq_store.open_store(config.store)
+    store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+    store.put_group(model.LiteGroup(GROUP, PARENT))
+    broker = app.Broker(config, store=store)
+    await broker.start()
+    inside = protocol_testing.connect(broker.endpoint, store)
+    outside = protocol_testing.connect(f"127.0.0.1:{broker.external_port}", store)
+    try:
+        dialled = pb.Endpoints(scheme=pb.DOMAIN_NAME, addresses=[pb.Address(host="localhost", port=18081)])
+        headers = protocol_testing.Client.headers()
+        for client, expected in (
+            (outside, "localhost:18081"),
+            (inside, f"lmq-0.lmq-headless.mq.svc.cluster.local:{broker.port}"),
+        ):
+            route = await client.stub.QueryRoute(
+                spb.QueryRouteRequest(topic=pb.Resource(name=PARENT), endpoints=dialled), metadata=headers
+            )
+            assert broker_endpoints(route) == [expected]
+    finally:
+        await inside.close()
+        await outside.close()
+        await broker.stop(grace_s=0.2)
+
+
+# --- TLS between brokers -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checked_name", [False, True], ids=["dialled-address", "server-name"])
+async def test_brokers_call_each_other_over_tls_with_a_ca_signed_certificate(
+    tmp_path: Path, checked_name: bool
+) -> None:
+    """Each broker serves a certificate of its own, signed by one CA (as while cert-manager renews the Secret
+    the pods mount: for a while they serve different ones). A send forwarded to its owner and the owner
+    look-up over admin check the peer against --tls-ca: either by the address dialled (the certificate names
+    it) or, with --tls-server-name, by the one name the certificate carries."""
+    names = ["lmq-broker.mq.svc"] if checked_name else ["lmq-broker.mq.svc", "127.0.0.1", "127.0.0.2"]
+    first = issue_certificate(tmp_path / "tls", *names, tag="b0")
+    second = issue_certificate(tmp_path / "tls", *names, ca=first, tag="b1")
+    each: list[dict[str, object]] = [{"tls_cert": c.cert, "tls_key": c.key} for c in (first, second)]
+    tls: dict[str, object] = {"tls_ca": first.ca}
+    if checked_name:
+        tls["tls_server_name"] = "lmq-broker.mq.svc"
+    cluster = await start_cluster(tmp_path, 2, admin_port=True, ring_history="1", each=each, **tls)
+    certificate = first
+    for client in cluster.clients:
+        await client.close()
+    options = (("grpc.ssl_target_name_override", "lmq-broker.mq.svc"),)
+    cluster.clients = []
+    for broker in cluster.brokers:
+        assert broker.store is not None
+        channel = grpc.aio.secure_channel(
+            broker.endpoint, grpc.ssl_channel_credentials(certificate.ca.read_bytes()), options=options
+        )
+        cluster.clients.append(
+            protocol_testing.Client(channel, service_grpc.MessagingServiceStub(channel), broker.endpoint, broker.store)
+        )
+    try:
+        # ring history 1 -> 2: a topic now owned by slot 1 may be held by slot 0, which slot 1 asks over admin
+        lites = cluster.lites_of(1, 2) + cluster.lites_of(0, 2)
+        for lite in lites:
+            await send_via(cluster, 1 - cluster.owner(lite), lite, 0)
+        for lite in lites:
+            owner = cluster.owner(lite)
+            assert cluster.holds(owner, lite) and not cluster.holds(1 - owner, lite)
+    finally:
+        await stop_cluster(cluster)

@@ -105,8 +105,29 @@ def installed_crds(kube: testing.KubeAPI, chart_dir: Path) -> list[str]:
                 "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
             },
         },
+        {
+            "broker": {
+                "replicas": 2,
+                "external": {
+                    "enabled": True,
+                    "type": "NodePort",
+                    "nodePortBase": 31094,
+                    "externalTrafficPolicy": "Local",
+                    "advertisedAddressTemplate": "nodes.example.org:{ordinal+31094}",
+                    "bootstrap": {"nodePort": 31093},
+                },
+            },
+        },
+        {"broker": {"replicas": 2, "external": {"enabled": True, "advertisedAddresses": ["a:1", "b:2"]}}},
     ],
-    ids=["defaults", "reclaim-single-namespace", "no-persistence-no-operator", "production"],
+    ids=[
+        "defaults",
+        "reclaim-single-namespace",
+        "no-persistence-no-operator",
+        "production",
+        "external-node-ports",
+        "external-load-balancers",
+    ],
 )
 def test_the_api_server_accepts_every_rendered_object(
     kube: testing.KubeAPI, render: Render, values: dict[str, Any]

@@ -50,6 +50,7 @@ FULL: dict[str, Any] = {
                 "podSelector": {"matchLabels": {"app": "lmq-admin"}},
             }
         ],
+        "externalFrom": [{"ipBlock": {"cidr": "203.0.113.0/24"}}],
         "metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}],
         "extraIngress": [{"ports": [{"port": 1883, "protocol": "TCP"}], "from": [{"podSelector": {}}]}],
     },
@@ -132,6 +133,17 @@ FULL: dict[str, Any] = {
         "livenessProbe": {"initialDelaySeconds": 2, "periodSeconds": 11, "timeoutSeconds": 5, "failureThreshold": 6},
         "readinessProbe": {"initialDelaySeconds": 3, "periodSeconds": 7, "timeoutSeconds": 2, "failureThreshold": 3},
         "service": {"type": "LoadBalancer", "annotations": {"lb": "internal"}},
+        "external": {
+            "enabled": True,
+            "port": 9095,
+            "type": "NodePort",
+            "advertisedAddressTemplate": "nodes.example.org:{ordinal+31100}",
+            "advertisedAddresses": ["lb-0.example.org:9095"],
+            "nodePortBase": 31100,
+            "annotations": {"external-dns.alpha.kubernetes.io/hostname": "mq-{ordinal}.example.org"},
+            "externalTrafficPolicy": "Local",
+            "bootstrap": {"enabled": True, "annotations": {"lb": "bootstrap"}, "nodePort": 31099},
+        },
         "headlessService": {"annotations": {"dns": "yes"}},
         "serviceAccount": {"create": True, "name": "mq-broker-sa", "annotations": {"iam": "broker"}},
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": "34%"},
@@ -232,6 +244,7 @@ SWITCHES = {
     ("broker", "persistence", "enabled"),
     ("broker", "serviceAccount", "create"),
     ("broker", "podDisruptionBudget", "enabled"),
+    ("broker", "external", "bootstrap", "enabled"),
     ("reclaim", "serviceAccount", "create"),
     ("networkPolicy", "enabled"),
     ("test", "enabled"),
@@ -263,6 +276,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "no-rbac": {"operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}}},
     "tls-from-a-secret": {"tls": {"enabled": True, "existingSecret": "mq-tls"}, "reclaim": {"enabled": True}},
     "no-spread": {"broker": {"podAntiAffinityPreset": "none", "topologySpread": {"topologyKey": ""}}},
+    "external-load-balancers": {
+        "broker": {
+            "replicas": 3,
+            "external": {"enabled": True, "advertisedAddressTemplate": "mq-{ordinal}.example.org:9094"},
+        }
+    },
+    "external-port-forward": {
+        "broker": {"external": {"enabled": True, "type": "ClusterIP", "nodePortBase": 31100}},
+        "networkPolicy": {"enabled": False},
+    },
 }
 # Kinds of other projects' CRDs, which kubernetes-validate has no schema for (test_production.py checks them).
 FOREIGN_KINDS = {("cert-manager.io/v1", "Certificate")}

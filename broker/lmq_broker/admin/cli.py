@@ -23,6 +23,7 @@ from lmq_broker import errors, model
 from lmq_broker.admin import credentials, tls
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import GroupLag, LiteTopicPage
+from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
 
 DEFAULT_ENDPOINT: Final = "localhost:8081"
@@ -211,13 +212,17 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
     """One broker, or (``--everywhere``) every broker of the old and new membership: joining ones first, then
-    the leaving ones (so that they send on what reaches them by the old view), then the rest, removed ones last."""
+    the leaving ones (so that they send on what reaches them by the old view), then the rest, removed ones last.
+    Each on its admin service: its member endpoint's host at the admin port the first broker reports (its
+    --admin-port, which every broker of a cluster shares) unless ``--admin-port`` says otherwise."""
     members = tuple(m.strip() for m in a.peers.split(",") if m.strip())
     sizes = (*a.ring_history, a.ring_size if a.ring_size is not None else len(members))
     if not a.everywhere:
         info, changed = admin.set_cluster(members, sizes, slot=a.slot, force=a.force)
         return {"endpoint": admin.endpoint, "slot": info.slot, "changed": changed, "leaving": info.leaving}
-    old = admin.cluster().members
+    current = admin.cluster()
+    old = current.members
+    admin_port = a.admin_port if a.admin_port is not None else current.admin_port
     today = sizes[-1]
     order = [m for m in members if m not in old]
     order += [m for m in members[today:] if m not in order]
@@ -226,7 +231,11 @@ def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
     rows = []
     for endpoint in order:
         with AdminClient(
-            endpoint, admin.aio.timeout_s, long_timeout_s=admin.aio.long_timeout_s, keys=a.keys, tls=a.tls
+            mb.admin_endpoint(endpoint, admin_port),
+            admin.aio.timeout_s,
+            long_timeout_s=admin.aio.long_timeout_s,
+            keys=a.keys,
+            tls=a.tls,
         ) as each:
             info, changed = each.set_cluster(members, sizes, force=a.force)
         rows.append({"endpoint": endpoint, "slot": info.slot, "changed": changed, "leaving": info.leaving})
@@ -387,6 +396,12 @@ def _parser() -> argparse.ArgumentParser:
     change.add_argument("--force", action="store_true", help="remove members that are not known to be drained")
     change.add_argument(
         "--everywhere", action="store_true", help="apply to every broker of the old and new membership, in a safe order"
+    )
+    change.add_argument(
+        "--admin-port",
+        type=int,
+        help="with --everywhere: the admin port at each member's host (default: the one --endpoint's broker reports, "
+        "its --admin-port; none: each member's own endpoint)",
     )
     _lite_operations(resources, verb)
     return parser

@@ -305,6 +305,7 @@ def cluster_info_from_pb(message: pb.GetClusterResponse) -> ClusterInfo:
         message.undrained_messages,
         message.drained,
         message.source,
+        message.admin_port,
     )
 
 

@@ -4,7 +4,8 @@ A scale-down takes two changes on every broker (docs/scale-out.md): first the le
 (today's ring shrinks, the members stay), which they then drain; then, once each reports drained, they are
 removed. SetCluster refuses to remove a member that is not leaving or not drained (asked over its admin
 service, or this broker's own store when it is the one removed), and refuses to change the endpoint of a
-slot that stays, which would silently re-place every topic on it; ``force`` skips both checks.
+slot that stays, which would silently re-place every topic on it; ``force`` skips both checks. A broker with an
+external listener refuses members it has no external address for, whatever ``force``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc
 from lmq_broker import errors
 from lmq_broker.admin import inspection
 from lmq_broker.cluster import membership as mb
+from lmq_broker.protocol import peers
 from lmq_broker.protocol.cluster_setup import ADMIN, Cluster, Place
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.storage.api import Store
@@ -33,6 +35,7 @@ async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.Ge
         undrained_messages=undrained,
         drained=leaving and undrained == 0,
         source=place.source,
+        admin_port=max(cluster.config.admin_port, 0),
     )
 
 
@@ -42,6 +45,9 @@ async def change(cluster: Cluster, store: Store, request: pb.SetClusterRequest) 
     new = mb.of(tuple(request.members), tuple(request.ring_sizes))
     for member in new.members:
         mb.Membership.parse(member)  # host:port each
+    external = peers.external_of(cluster.config)
+    if external is not None:  # every member needs the address clients outside reach it by (cluster.external)
+        external.of_slots(len(new.members))
     old = cluster.place
     slot = _slot_in(new, old, cluster, request.slot if request.HasField("slot") else None)
     if not request.force and not old.alone:

@@ -115,6 +115,7 @@ class ClusterInfo:
     undrained_messages: int  # -1 when not computed
     drained: bool
     source: str  # "flags" or "admin"
+    admin_port: int = 0  # every member's admin port at its host (--admin-port); 0: on the member's endpoint
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,6 +114,12 @@ class Membership:
             raise errors.InvalidArgument(f"membership {text!r} is not readable: {exc}") from None
 
 
+def admin_endpoint(member: str, admin_port: int) -> str:
+    """Where a member serves lmq.admin.v1: on its own endpoint, or with ``--admin-port`` (every broker of a
+    cluster runs with the same flags) on that port of its host."""
+    return f"{member.rsplit(':', 1)[0]}:{admin_port}" if admin_port > 0 else member
+
+
 def of(members: Sequence[str], sizes: Sequence[int]) -> Membership:
     """A membership whose history may name sizes bigger than its member list (slots since removed): those are
     capped at today's member count and repeats merged. Only valid once the removed slots hold nothing."""

@@ -38,21 +38,25 @@ __all__ = [
 ]
 
 
-def route(peers: Peers, topic: model.ParentTopic, namespace: str) -> list[pb.MessageQueue]:
-    """Every broker's queues of ``topic``, each with that broker's own endpoint, in slot order. Leaving brokers
-    (past today's ring) are listed READ: consumers drain them, producers skip them."""
+def route(peers: Peers, topic: model.ParentTopic, namespace: str, *, external: bool = False) -> list[pb.MessageQueue]:
+    """Every broker's queues of ``topic``, each with that broker's own endpoint (its external address for a
+    client on the external listener), in slot order. Leaving brokers (past today's ring) are listed READ:
+    consumers drain them, producers skip them."""
     dead_letters = topic.name.startswith(metadata.DLQ_PREFIX)
     queues: list[pb.MessageQueue] = []
-    for slot, broker in enumerate(peers.brokers):
+    for slot, broker in enumerate(peers.routed(external)):
         permission = pb.READ if dead_letters else peers.permission(slot)
         queues += convert.queues_of(topic, broker, namespace, permission)
     return queues
 
 
-def assignments(peers: Peers, topic: model.ParentTopic, namespace: str) -> list[pb.Assignment]:
+def assignments(
+    peers: Peers, topic: model.ParentTopic, namespace: str, *, external: bool = False
+) -> list[pb.Assignment]:
     """One assignment per broker (the same answer from every broker): a push consumer then runs one receive
     loop against each, and each serves the lite topics it holds."""
-    return [pb.Assignment(message_queue=convert.queues_of(topic, broker, namespace)[0]) for broker in peers.brokers]
+    brokers = peers.routed(external)
+    return [pb.Assignment(message_queue=convert.queues_of(topic, broker, namespace)[0]) for broker in brokers]
 
 
 async def send(edge: Edge, peers: Peers, request: spb.SendMessageRequest) -> spb.SendMessageResponse:

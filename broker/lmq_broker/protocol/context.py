@@ -1,4 +1,5 @@
-"""Who is calling: the ``x-mq-*`` headers every official client sends, read once per call."""
+"""Who is calling: the ``x-mq-*`` headers every official client sends, read once per call, and the
+listener the call came in on."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ class Caller:
     version: str = ""
     namespace: str = ""
     peer: str = ""  # the connection (context.peer()), read only where it matters: Telemetry, termination
+    external: bool = False  # came in on the external listener (--external-port): routes name external addresses
 
     @staticmethod
-    def of(metadata: Iterable[tuple[str, str | bytes]] | None, peer: str = "") -> Caller:
+    def of(metadata: Iterable[tuple[str, str | bytes]] | None, peer: str = "", *, external: bool = False) -> Caller:
         headers: dict[str, str] = {}
         for key, value in metadata or ():
             if key in _WANTED and isinstance(value, str):  # gRPC metadata keys arrive lower-cased
@@ -36,6 +38,7 @@ class Caller:
             version=headers.get(CLIENT_VERSION, ""),
             namespace=headers.get(NAMESPACE, ""),
             peer=peer,
+            external=external,
         )
 
     def require_client_id(self) -> str:

@@ -12,6 +12,7 @@ from lmq_broker.protocol.connections import Connections
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.metrics import Metrics
 from lmq_broker.protocol.peers import Peers
+from lmq_broker.protocol.peers import endpoints_of as peers_endpoints_of
 
 
 @dataclass
@@ -22,12 +23,19 @@ class Edge:
     metrics: Metrics = field(default_factory=Metrics)
     connections: Connections = field(default_factory=Connections)  # whose Telemetry runs on which peer
     peers: Peers | None = None  # the other brokers of a cluster (docs/scale-out.md); None: this broker alone
+    external_port: int = 0  # the external listener's bound port (--external-port), 0 without one
+    external_address: str = ""  # this lone broker's external host:port (cluster.external), empty: none given
 
-    def endpoints(self, requested: pb.Endpoints | None = None) -> pb.Endpoints:
+    def endpoints(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> pb.Endpoints:
         """Where clients should call this broker: the configured advertised host, else the address the
-        client itself used to reach us (one broker answers its own route), else this host's name."""
-        if self.config.advertised_host:
+        client itself used to reach us (one broker answers its own route), else this host's name. On the
+        external listener: its configured external address, else the address the client used."""
+        if external:
+            if self.external_address:
+                return peers_endpoints_of(self.external_address)
+        elif self.config.advertised_host:
             return convert.endpoints_of(self.config.advertised_host, self.port)
+        port = self.external_port if external else self.port
         if (
             requested is not None
             and requested.scheme != pb.ADDRESS_SCHEME_UNSPECIFIED
@@ -35,10 +43,10 @@ class Edge:
             and (requested.scheme != pb.DOMAIN_NAME or len(requested.addresses) == 1)
         ):
             return requested
-        return convert.endpoints_of(socket.gethostname(), self.port)
+        return convert.endpoints_of(socket.gethostname(), port)
 
-    def broker(self, requested: pb.Endpoints | None = None) -> pb.Broker:
-        return pb.Broker(name=self.config.broker_name, id=0, endpoints=self.endpoints(requested))
+    def broker(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> pb.Broker:
+        return pb.Broker(name=self.config.broker_name, id=0, endpoints=self.endpoints(requested, external=external))
 
     @property
     def store_host(self) -> str:

@@ -18,6 +18,12 @@ service, signed with this broker's admin pair, which every broker of a cluster s
 ``--admin-port`` that call goes to the peer's host on the same admin port number as ours (every broker of a
 cluster runs with the same flags; the chart's: 8082).
 
+Routes come in two sets: the internal one names every slot by its member endpoint, the external one (for the
+``--external-port`` listener, clients outside the cluster) by its external address (``cluster.external``).
+Calls between brokers always use the member endpoints. With TLS they trust ``--tls-ca`` (the CA that signed the
+brokers' certificates; without it the certificate itself, which must then be self-signed) and check the name
+``--tls-server-name`` when given (every broker of a release serves one certificate naming that name).
+
 The membership can change while the broker runs (``apply``, from the admin service): routes, assignments and
 what is remembered about where topics live change in one step of the event loop. A leaving broker (scale-down)
 also routes the sends other brokers forward to it: the topics it holds stay here until drained
@@ -38,6 +44,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors, model
+from lmq_broker.cluster import external as ext
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig
 from lmq_broker.protocol import auth, context, convert, draining, status
@@ -88,6 +95,20 @@ def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
     return membership, membership.slot_of(config.advertised_address)
 
 
+def external_of(config: BrokerConfig) -> ext.ExternalAddresses | None:
+    """The external addresses of the config's slots; None without an external listener. InvalidArgument when
+    the listener is on but some member of ``--peers`` has no address (neither listed nor by template)."""
+    if config.external_port < 0:
+        return None
+    addresses = ext.ExternalAddresses.parse(
+        config.external_addresses, config.external_address_template, config.pod_processes
+    )
+    found = membership_of(config)
+    if found is not None:
+        addresses.of_slots(len(found[0].members))
+    return addresses
+
+
 def endpoints_of(member: str) -> pb.Endpoints:
     host, _, port = member.rpartition(":")
     return convert.endpoints_of(host.strip("[]"), int(port))
@@ -127,6 +148,8 @@ class Peers:
         self.membership = membership
         self.me = me
         self.brokers: list[pb.Broker] = []
+        self.external_brokers: list[pb.Broker] = []  # the same brokers by their external addresses
+        self._external = external_of(config)
         self.apply(membership, me)
         registry = registry or CollectorRegistry()
         self.forwarded_messages = Counter(
@@ -146,11 +169,30 @@ class Peers:
             pb.Broker(name=f"{name}-{slot}", id=0, endpoints=endpoints_of(member))
             for slot, member in enumerate(membership.members)
         ]
+        self.external_brokers = [
+            pb.Broker(name=broker.name, id=0, endpoints=endpoints_of(self._external_address(slot)))
+            for slot, broker in enumerate(self.brokers)
+        ]
         self._placement = {}
         gone = [endpoint for endpoint in self._channels if endpoint not in membership.members]
         for endpoint in gone:
             channel = self._channels.pop(endpoint)
             self._spawn(channel.close(CALL_TIMEOUT_S))  # calls still running on it get their answers
+
+    def _external_address(self, slot: int) -> str:
+        """Slot ``slot``'s external address; its member endpoint (and a warning) when it has none, which
+        ``SetCluster`` refuses beforehand (``check_external``): a client outside then cannot reach that broker."""
+        if self._external is None:
+            return self.membership.members[slot]
+        try:
+            return self._external.of(slot)
+        except errors.InvalidArgument as exc:
+            log.warning("%s: external clients get its internal address %s", exc.message, self.membership.members[slot])
+            return self.membership.members[slot]
+
+    def routed(self, external: bool) -> list[pb.Broker]:
+        """The brokers as routes name them for a client on the external listener or on the internal one."""
+        return self.external_brokers if external and self._external is not None else self.brokers
 
     @property
     def routes_forwarded(self) -> bool:
@@ -182,9 +224,14 @@ class Peers:
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            if self.config.tls_cert is not None:
-                credentials = grpc.ssl_channel_credentials(root_certificates=self.config.tls_cert.read_bytes())
-                channel = grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
+            config = self.config
+            if config.tls_cert is not None:
+                trusted = (config.tls_ca or config.tls_cert).read_bytes()  # read per channel: a renewed CA counts
+                options: tuple[tuple[str, int | str], ...] = _CHANNEL_OPTIONS
+                if config.tls_server_name:
+                    options += (("grpc.ssl_target_name_override", config.tls_server_name),)
+                credentials = grpc.ssl_channel_credentials(root_certificates=trusted)
+                channel = grpc.aio.secure_channel(target, credentials, options=options)
             else:
                 channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
             self._channels[target] = channel
@@ -213,9 +260,8 @@ class Peers:
         """A stub of another broker's admin service and the headers to sign a call with (this broker's admin
         pair, which every broker of a cluster shares). With ``--admin-port`` the admin service is on the peer's
         host at that port (every broker of a cluster runs with the same flags)."""
-        if self.config.admin_port > 0:
-            endpoint = f"{endpoint.rsplit(':', 1)[0]}:{self.config.admin_port}"
-        return admin_grpc.LmqAdminStub(self._channel(endpoint)), self._signed(self._admin_keys)
+        target = mb.admin_endpoint(endpoint, self.config.admin_port)
+        return admin_grpc.LmqAdminStub(self._channel(target)), self._signed(self._admin_keys)
 
     # --- where a lite topic lives ---------------------------------------------------------------------------
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:

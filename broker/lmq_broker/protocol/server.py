@@ -1,6 +1,8 @@
 """The grpc.aio server both services share (v2 MessagingService and lmq admin), on one port; or, with
 ``--admin-port``, a second server for admin alone, so that the network can tell the two apart (a Kubernetes
-NetworkPolicy admits by port: clients to one, the operator and the reclaim job to the other).
+NetworkPolicy admits by port: clients to one, the operator and the reclaim job to the other). With
+``--external-port`` one more server carries the v2 service alone for clients outside the cluster (never admin);
+its routes name the brokers' external addresses (``protocol.peers``).
 
 Each service is guarded with its own key pair: the v2 service by ``auth.AuthInterceptor`` with the client
 pair when one is configured (the official clients sign every call), the admin service always by
@@ -89,8 +91,10 @@ def admission(config: BrokerConfig, edge: Edge) -> Admission:
     return Admission(config.max_concurrent_calls, edge.metrics.refused)
 
 
-def add_messaging_service(server: grpc.aio.Server, edge: Edge, admitting: Admission | None = None) -> MessagingService:
-    service = MessagingService(edge)
+def add_messaging_service(
+    server: grpc.aio.Server, edge: Edge, admitting: Admission | None = None, *, external: bool = False
+) -> MessagingService:
+    service = MessagingService(edge, external=external)
     server.add_generic_rpc_handlers((guard.generic_handler(service, admitting),))
     return service
 
@@ -106,15 +110,19 @@ ADMIN_SERVICE: Final = "/lmq.admin.v1.LmqAdmin/"
 
 class AdminElsewhere(_GenericHandler):
     """On the client port of a broker with ``--admin-port``: an admin call is answered UNIMPLEMENTED with the
-    port that serves it, rather than gRPC's bare "Method not found"."""
+    port that serves it, rather than gRPC's bare "Method not found". On the external listener (``admin_port``
+    None) it is never served, and the port that serves it is not told."""
 
-    def __init__(self, admin_port: Callable[[], int]) -> None:
+    def __init__(self, admin_port: Callable[[], int] | None) -> None:
         self._admin_port = admin_port
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         if not handler_call_details.method.startswith(ADMIN_SERVICE):
             return None
-        message = f"the admin service is not served on this port: it is on port {self._admin_port()} (--admin-port)"
+        if self._admin_port is None:
+            message = "the admin service is not served on the external listener"
+        else:
+            message = f"the admin service is not served on this port: it is on port {self._admin_port()} (--admin-port)"
 
         async def refuse(_request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)

@@ -53,8 +53,12 @@ Resp = TypeVar("Resp", bound=pb_message.Message)
 
 
 class MessagingService(service_pb2_grpc.MessagingServiceServicer):
-    def __init__(self, edge: Edge) -> None:
+    """``external``: the service of the external listener (``--external-port``), whose routes and assignments
+    name the brokers by their external addresses; every other call is served exactly as on the internal one."""
+
+    def __init__(self, edge: Edge, *, external: bool = False) -> None:
         self.edge = edge
+        self.external = external
 
     async def _unary(
         self,
@@ -64,7 +68,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         context: Context,
         response: type[Resp],
     ) -> Resp:
-        caller = Caller.of(context.invocation_metadata())
+        caller = Caller.of(context.invocation_metadata(), external=self.external)
         return await self._answer(method, handler(self.edge, request, caller), response)
 
     async def _answer(self, method: str, answering: Awaitable[Resp], response: type[Resp]) -> Resp:

@@ -37,6 +37,28 @@ DNS label, and the StatefulSet name stays short enough for its pods' controller-
 {{- printf "%s-broker-headless" (include "lmq.fullname" .) }}
 {{- end }}
 
+{{/*
+The broker flags of the external listener (broker.external): its port and the addresses routes give clients
+outside. More than one broker needs an address for each (a template, or one listed per pod); a single broker
+without one answers with the address the client dialled.
+*/}}
+{{- define "lmq.broker.externalArgs" -}}
+{{- $external := .Values.broker.external }}
+{{- if and (gt (int .Values.broker.replicas) 1) (not $external.advertisedAddressTemplate) (lt (len $external.advertisedAddresses) (int .Values.broker.replicas)) }}
+{{- fail "broker.external needs advertisedAddressTemplate, or one advertisedAddresses entry per broker replica" }}
+{{- end }}
+- --external-port
+- {{ $external.port | quote }}
+{{- with $external.advertisedAddresses }}
+- --external-addresses
+- {{ join "," . | quote }}
+{{- end }}
+{{- with $external.advertisedAddressTemplate }}
+- --external-address-template
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
 {{- define "lmq.reclaim.fullname" -}}
 {{- printf "%s-reclaim" (include "lmq.fullname" .) }}
 {{- end }}

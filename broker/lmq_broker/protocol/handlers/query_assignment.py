@@ -26,8 +26,8 @@ async def handle(edge: Edge, request: spb.QueryAssignmentRequest, caller: Caller
     if caller.client_id:
         edge.dispatcher.client_seen(caller.client_id, group=group)
     if edge.peers is not None:  # several brokers: one assignment each (protocol.cluster_calls)
-        found = cluster_calls.assignments(edge.peers, topic, request.topic.resource_namespace)
+        found = cluster_calls.assignments(edge.peers, topic, request.topic.resource_namespace, external=caller.external)
         return spb.QueryAssignmentResponse(status=status.ok(), assignments=found)
-    broker = edge.broker(request.endpoints if request.HasField("endpoints") else None)
+    broker = edge.broker(request.endpoints if request.HasField("endpoints") else None, external=caller.external)
     queue = convert.queues_of(topic, broker, request.topic.resource_namespace)[0]
     return spb.QueryAssignmentResponse(status=status.ok(), assignments=[pb.Assignment(message_queue=queue)])

@@ -1326,6 +1326,7 @@ class GetClusterResponse(_message.Message):
     UNDRAINED_MESSAGES_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    ADMIN_PORT_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     """This broker's slot; -1 when it is no member (removed, still running: it only forwards)."""
     leaving: _builtins.bool
@@ -1335,6 +1336,10 @@ class GetClusterResponse(_message.Message):
     """Leaving, and no undrained message (only when with_undrained): it may be removed."""
     source: _builtins.str
     """"flags" (--peers ...) or "admin" (set by SetCluster, kept across restarts with the same flags)."""
+    admin_port: _builtins.int
+    """The port every broker of the cluster serves lmq.admin.v1 on, at its member's host (--admin-port); 0 when
+    admin is served on each member's own endpoint. Where `lmq-admin cluster set --everywhere` calls each one.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Every ring slot's endpoint (host:port, as clients and peers reach it), in slot order."""
@@ -1355,10 +1360,11 @@ class GetClusterResponse(_message.Message):
         undrained_messages: _builtins.int = ...,
         drained: _builtins.bool = ...,
         source: _builtins.str = ...,
+        admin_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
