@@ -40,6 +40,15 @@ def lmq_name(parent: str, lite: str) -> str:
     return model.QueueId.lmq(parent, lite).topic
 
 
+def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(lite topic names, patterns): a name holding a pattern character is a pattern."""
+    lites: list[str] = []
+    patterns: list[str] = []
+    for name in names:
+        (patterns if wildcards.is_pattern(name) else lites).append(name)
+    return lites, patterns
+
+
 class Subscriptions:
     def __init__(
         self,
@@ -131,7 +140,7 @@ class Subscriptions:
                 group=st.group,
                 topic=st.bind_topic or next(iter(sorted(st.topics)), ""),
                 client_type=st.client_type,
-                subscription_count=len(st.lite_topics),
+                subscription_count=len(st.lite_topics) + len(st.patterns),
                 last_seen_ms=wall_now - (now - st.last_seen_ms),
                 ready_events=self._ready.size(st.client_id),
             )
@@ -142,10 +151,10 @@ class Subscriptions:
     def export(self) -> list[saved_subscriptions.ClientRecord]:
         return [
             saved_subscriptions.ClientRecord(
-                st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics)
+                st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics), tuple(st.patterns)
             )
             for st in self._registry.clients()
-            if st.lite_topics and st.group
+            if (st.lite_topics or st.patterns) and st.group
         ]
 
     def restore(self, records: list[saved_subscriptions.ClientRecord]) -> None:
@@ -157,10 +166,13 @@ class Subscriptions:
                 self._registry.touch(
                     r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic
                 )
-                self._registry.add(r.client_id, r.lmqs, model.UNLIMITED, now)
-            except errors.LmqError as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
-                log.warning("subscriptions of client %s not restored: %s", r.client_id, exc.message)
+                self._registry.add(r.client_id, r.lmqs, model.UNLIMITED, now, patterns=r.patterns)
+                filters = [wildcards.parse_pattern(p) for p in r.patterns]
+            except (errors.LmqError, ValueError) as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
+                log.warning("subscriptions of client %s not restored: %s", r.client_id, exc)
                 continue
+            if filters:
+                self._wildcards.add(r.client_id, r.group, r.bind_topic, filters)
             self._ready.request_catchup(r.client_id, now)
         self._rt.arm(now)
 
@@ -175,6 +187,10 @@ class Subscriptions:
         namespace: str = "",
         offset: offsets.OffsetReset | None = None,
     ) -> list[str]:
+        """Subscribe to lite topics and patterns (``wildcards.is_pattern``); returns the LMQs added."""
+        lites, patterns = _split(lites)
+        if patterns and offset is not None and offset.moves:
+            raise errors.InvalidArgument("an offset option applies to lite topics, not to patterns", kind="offset")
         snap = await self._rt.metadata()
         found = snap.consuming_lite_group(group, parent)
         if found.wildcard:
@@ -189,7 +205,9 @@ class Subscriptions:
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
-        added = self._registry.add(client_id, lmqs, quota, now)
+        added = self._registry.add(client_id, lmqs, quota, now, patterns=patterns)
+        if patterns:
+            self._sync_patterns(client_id, group, parent)
         if offset is not None and offset.moves:
             await self._settlement.reset_offsets(lmqs, group, offset)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
@@ -199,9 +217,12 @@ class Subscriptions:
 
     async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
         (await self._rt.metadata()).lite_group(group, parent)
+        lites, patterns = _split(lites)
         lmqs = [lmq_name(parent, lite) for lite in lites]
-        removed = self._registry.remove(client_id, lmqs, self._rt.clock())
+        removed = self._registry.remove(client_id, lmqs, self._rt.clock(), patterns=patterns)
         self._ready.discard_many(client_id, removed)
+        if patterns:
+            self._sync_patterns(client_id, group, parent)
         return removed
 
     async def replace_lite(
@@ -213,12 +234,14 @@ class Subscriptions:
             self._register_wildcard(client_id, group, parent)
             return [], []
         quota = snap.client_quota(found, parent, namespace)
+        lites, patterns = _split(lites)
         lmqs = [lmq_name(parent, lite) for lite in lites]
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
-        added, removed = self._registry.replace(client_id, lmqs, quota, now)
+        added, removed = self._registry.replace(client_id, lmqs, quota, now, patterns=patterns)
         self._ready.discard_many(client_id, removed)
+        self._sync_patterns(client_id, group, parent)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
             self._evict_others(client_id, group, added)
         await self._register_pending(client_id, group, added)
@@ -230,7 +253,9 @@ class Subscriptions:
             self._wildcard_cursor.pop(client_id, None)
         state = self._registry.get(client_id)
         if state is not None:
-            removed = self._registry.remove(client_id, list(state.lite_topics), self._rt.clock())
+            removed = self._registry.remove(
+                client_id, list(state.lite_topics), self._rt.clock(), patterns=list(state.patterns)
+            )
             self._ready.discard_many(client_id, removed)
 
     def forget(self, lmq: str) -> None:
@@ -246,6 +271,28 @@ class Subscriptions:
         if self._wildcards.add(client_id, group, parent, filters):
             self._wildcard_cursor.pop(client_id, None)
             self.start_catchup(client_id)
+
+    def _sync_patterns(self, client_id: str, group: str, parent: str) -> None:
+        """The client's patterns changed in the registry: register their filters (a new one walks its range
+        for backlog), or unregister the client when it holds none."""
+        before = self._taken_filters(client_id)
+        state = self._registry.get(client_id)
+        if state is not None and state.patterns:
+            self._register_wildcard(client_id, group, parent, [wildcards.parse_pattern(p) for p in state.patterns])
+        elif self._wildcards.remove(client_id) is not None:
+            self._wildcard_cursor.pop(client_id, None)
+        if before <= self._taken_filters(client_id):
+            return
+        held = state.lite_topics if state is not None else set()
+        dropped = [
+            q for q in self._ready.queued(client_id) if q not in held and not self._wildcards.holds(client_id, q)
+        ]
+        self._ready.discard_many(client_id, dropped)  # queued for a pattern it no longer holds
+
+    def _taken_filters(self, client_id: str) -> frozenset[wildcards.Filter]:
+        if self._wildcards.registration(client_id) is None:
+            return frozenset()
+        return self._wildcards.filters(client_id) or frozenset((wildcards.WHOLE_PARENT,))
 
     async def subscribe_filters(
         self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter]
@@ -333,9 +380,8 @@ class Subscriptions:
         state = self._registry.get(client_id)
         if state is None or not state.group:
             return
-        if self._wildcards.registration(client_id) is not None:
-            await self._wildcard_catchup(client_id)
-            return
+        if self._wildcards.registration(client_id) is not None and not await self._wildcard_catchup(client_id):
+            return  # stopped by a full ready queue: the catch-up it scheduled walks on
         todo = list(state.lite_topics)
         resume = self._catchup_cursor.pop(client_id, None)
         if resume:
@@ -350,10 +396,11 @@ class Subscriptions:
             if self._registry.get(client_id) is not state:
                 return
 
-    async def _wildcard_catchup(self, client_id: str) -> None:
+    async def _wildcard_catchup(self, client_id: str) -> bool:
         """Page through the wildcard group's parent by lite name and offer the client every topic with work
         for its group, once round: from after the last offer that fitted (a full ready queue stops a pass) to
-        the end, then from the start up to there (those topics may have overflowed since they were walked)."""
+        the end, then from the start up to there (those topics may have overflowed since they were walked).
+        False when a full ready queue stopped it."""
         first, end = self._wildcards.scan_range(client_id)  # a client with filters: the names they can match
         resume = self._wildcard_cursor.pop(client_id, "")
         after, wrapped = max(resume, first), not resume
@@ -362,7 +409,7 @@ class Subscriptions:
             parent, group = where
             page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
             if self._wildcards.registration(client_id) != where:
-                return  # unregistered meanwhile
+                return True  # unregistered meanwhile
             last = len(page) < CATCHUP_CHUNK
             if resume and wrapped and page and page[-1].lite > resume:
                 page, last = [meta for meta in page if meta.lite <= resume], True
@@ -373,11 +420,12 @@ class Subscriptions:
                 if not self._deliverer.offer(client_id, lmq, group):
                     index = lmqs.index(lmq)  # full: the catch-up it scheduled resumes at this topic
                     self._wildcard_cursor[client_id] = page[index - 1].lite if index else after
-                    return
+                    return False
             if last and wrapped:
-                return
+                return True
             after, wrapped = (first, True) if last else (page_end, wrapped)
             where = self._wildcards.registration(client_id)
+        return True
 
     # --- reclaim marks ------------------------------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
