@@ -214,9 +214,7 @@ async def test_patterns_are_refused_beyond_the_quota_and_with_a_moving_offset(li
     with pytest.raises(errors.SubscriptionQuotaExceeded):
         await lite.dispatcher.add_lite("c", GROUP, PARENT, ["x*"])
     with pytest.raises(errors.InvalidArgument, match="offset"):
-        await lite.dispatcher.add_lite(
-            "d", GROUP, PARENT, ["y*"], offset=offsets.OffsetReset(offsets.OffsetPolicy.MIN)
-        )
+        await lite.dispatcher.add_lite("d", GROUP, PARENT, ["y*"], offset=offsets.OffsetReset(offsets.OffsetPolicy.MIN))
     await lite.send("x1")
     await nothing_for(lite, "c")
 
