@@ -5,6 +5,7 @@ dispatcher over both stores: matching arrivals and backlog only, unsubscribe, fu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from pathlib import Path
 
@@ -96,6 +97,18 @@ def test_the_index_matches_like_the_reference(clients: list[list[str]], names: l
     assert not w and all(w.groups_of_lmq(lmq(name)) == {} for name in names)
 
 
+@settings(deadline=None)  # timings on a shared machine vary; the property is what counts
+@given(st.lists(PATTERN, min_size=1, max_size=6), st.lists(NAME, max_size=12))
+def test_scan_ranges_are_sorted_disjoint_and_hold_every_match(patterns: list[str], names: list[str]) -> None:
+    ranges = wildcards.scan_ranges([wildcards.parse_pattern(p) for p in patterns])
+    assert all(end and end <= start for (_, end), (start, _) in itertools.pairwise(ranges)), ranges  # in order
+    for name in names:
+        inside = [(a, e) for a, e in ranges if a < name and (not e or name < e)]
+        assert len(inside) <= 1, (name, ranges)
+        if any(reference(p, name) for p in patterns):
+            assert inside, (name, ranges)
+
+
 def test_removing_one_client_keeps_a_prefix_another_holds() -> None:
     w = wildcards.Wildcards()
     w.add("c1", "g", PARENT, [("s-*",)])
@@ -175,6 +188,32 @@ async def test_a_new_pattern_finds_the_backlog_of_matching_topics(lite: Lite) ->
     await lite.send("own")  # overflows too: the catch-up walks the client's own topics after its patterns
     assert sorted(await drain(lite, "c", 26)) == sorted([*backlog, "own"])
     await nothing_for(lite, "c")
+
+
+@asynchronous
+async def test_a_new_pattern_walks_its_own_range_and_a_full_pass_resumes_across_ranges(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lite.put_group(model.LiteGroup(GROUP, PARENT, ready_capacity=3))
+    names = [f"{head}{i}" for head in ("a", "m", "z") for i in range(5)]
+    for name in names:
+        await lite.send(name)
+    await lite.dispatcher.add_lite("c", GROUP, PARENT, ["a*"])
+    await background_done(lite.dispatcher)
+    scans: list[tuple[str, str]] = []
+    scan = lite.store.scan_lite_topics
+
+    def recorded(parent: str | None = None, start_after: str = "", end_before: str = "", limit: int = 1000) -> object:
+        scans.append((start_after, end_before))
+        return scan(parent, start_after, end_before, limit)
+
+    monkeypatch.setattr(lite.store, "scan_lite_topics", recorded)
+    await lite.dispatcher.add_lite("c", GROUP, PARENT, ["z*"])
+    await background_done(lite.dispatcher)
+    assert scans == [("y\x7f", "z\x7f")]  # the new pattern's range only: neither a* nor the m topics
+    got = await drain(lite, "c", 10)  # 3 slots: full passes resume across both ranges, round and round
+    assert sorted(got) == [n for n in names if n[0] in "az"]
+    assert not any(start < "m0" and (not end or end > "m0") for start, end in scans)  # never the gap between
 
 
 @asynchronous

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from lmq_broker import errors, model
@@ -38,6 +38,17 @@ CATCHUP_CHUNK: Final = 512  # lite topics probed per store call of a catch-up pa
 
 def lmq_name(parent: str, lite: str) -> str:
     return model.QueueId.lmq(parent, lite).topic
+
+
+def _round_from(ranges: list[tuple[str, str]], resume: str) -> list[tuple[str, str]]:
+    """``ranges`` (start after, end before; "" an open end) walked once round from after ``resume``: to the
+    end, then from the start through ``resume`` itself."""
+    if not resume:
+        return ranges
+    ahead = [(max(start, resume), end) for start, end in ranges if not end or end > resume]
+    through = resume + "\x00"  # sorts after resume, before every longer name that starts with it
+    behind = [(start, end if end and end < through else through) for start, end in ranges if start < resume]
+    return ahead + behind
 
 
 def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -278,7 +289,9 @@ class Subscriptions:
         before = self._taken_filters(client_id)
         state = self._registry.get(client_id)
         if state is not None and state.patterns:
-            self._register_wildcard(client_id, group, parent, [wildcards.parse_pattern(p) for p in state.patterns])
+            filters = frozenset(wildcards.parse_pattern(p) for p in state.patterns)
+            if self._wildcards.add(client_id, group, parent, filters) and self._rt.loop is not None:
+                self._rt.spawn(self._pattern_backlog(client_id, (parent, group), filters - before))
         elif self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
         if before <= self._taken_filters(client_id):
@@ -397,35 +410,59 @@ class Subscriptions:
                 return
 
     async def _wildcard_catchup(self, client_id: str) -> bool:
-        """Page through the wildcard group's parent by lite name and offer the client every topic with work
-        for its group, once round: from after the last offer that fitted (a full ready queue stops a pass) to
-        the end, then from the start up to there (those topics may have overflowed since they were walked).
-        False when a full ready queue stopped it."""
-        first, end = self._wildcards.scan_range(client_id)  # a client with filters: the names they can match
-        resume = self._wildcard_cursor.pop(client_id, "")
-        after, wrapped = max(resume, first), not resume
+        """Page through the lite names of the wildcard group's parent (those its filters can match) and offer
+        the client every topic with work for its group, once round: from after the last offer that fitted (a
+        full ready queue stops a pass) to the end, then from the start up to there (those topics may have
+        overflowed since they were walked). False when a full ready queue stopped it."""
         where = self._wildcards.registration(client_id)
-        while where is not None:
-            parent, group = where
-            page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
-            if self._wildcards.registration(client_id) != where:
-                return True  # unregistered meanwhile
-            last = len(page) < CATCHUP_CHUNK
-            if resume and wrapped and page and page[-1].lite > resume:
-                page, last = [meta for meta in page if meta.lite <= resume], True
-            page_end = page[-1].lite if page else after
-            page = [meta for meta in page if self._wildcards.takes(client_id, meta.lite)]
-            lmqs = [lmq_name(parent, meta.lite) for meta in page]
-            for lmq in await self._deliverer.pending_among(lmqs, group):
-                if not self._deliverer.offer(client_id, lmq, group):
-                    index = lmqs.index(lmq)  # full: the catch-up it scheduled resumes at this topic
-                    self._wildcard_cursor[client_id] = page[index - 1].lite if index else after
-                    return False
-            if last and wrapped:
-                return True
-            after, wrapped = (first, True) if last else (page_end, wrapped)
-            where = self._wildcards.registration(client_id)
-        return True
+        if where is None:
+            return True
+        resume = self._wildcard_cursor.pop(client_id, "")
+        pieces = _round_from(self._wildcards.scan_ranges(client_id), resume)
+        stopped = await self._walk(client_id, where, pieces, lambda lite: self._wildcards.takes(client_id, lite))
+        if stopped is None:
+            return True
+        self._wildcard_cursor[client_id] = stopped
+        return False
+
+    async def _pattern_backlog(
+        self, client_id: str, where: tuple[str, str], filters: frozenset[wildcards.Filter]
+    ) -> None:
+        """New patterns of a client: offer the topics with work for its group that they match, walking only
+        their ranges (a client adds its patterns one at a time: a full catch-up each would walk them all)."""
+        try:
+            await self._walk(
+                client_id,
+                where,
+                wildcards.scan_ranges(filters),
+                lambda lite: any(wildcards.matches(f, lite.split(wildcards.LEVEL_SEPARATOR)) for f in filters),
+            )  # stopped by a full ready queue: the offer that did not fit scheduled a catch-up pass
+        except errors.StorageError:  # the store rebuilds its index: a catch-up pass looks later
+            self._deliverer.retry_catchup(client_id)
+
+    async def _walk(
+        self, client_id: str, where: tuple[str, str], pieces: list[tuple[str, str]], takes: Callable[[str], bool]
+    ) -> str | None:
+        """Page through ``pieces`` (start after, end before) of the parent's lite names, offering the client the
+        topics ``takes`` accepts that have work for its group. None when done (or the client unregistered);
+        else where to resume: the walk stopped at a full ready queue."""
+        parent, group = where
+        for start, end in pieces:
+            after = start
+            while True:
+                page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
+                if self._wildcards.registration(client_id) != where:
+                    return None
+                taken = [meta.lite for meta in page if takes(meta.lite)]
+                lmqs = [lmq_name(parent, lite) for lite in taken]
+                for lmq in await self._deliverer.pending_among(lmqs, group):
+                    if not self._deliverer.offer(client_id, lmq, group):
+                        index = lmqs.index(lmq)
+                        return taken[index - 1] if index else after
+                if len(page) < CATCHUP_CHUNK:
+                    break
+                after = page[-1].lite
+        return None
 
     # --- reclaim marks ------------------------------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:

@@ -194,31 +194,43 @@ class Wildcards:
         levels = lite.split(LEVEL_SEPARATOR)
         return any(matches(f, levels) for f in filters)
 
-    def scan_range(self, client_id: str) -> tuple[str, str]:
-        """(start after, end before) in lite names of the parent, covering every name the client's filters can
-        match ("" for an open end): a catch-up pass pages through that range only."""
-        return scan_range(self._filters.get(client_id) or ())
+    def scan_ranges(self, client_id: str) -> list[tuple[str, str]]:
+        """Ranges of lite names of the parent (``scan_ranges``) holding every name the client can take: a
+        catch-up pass pages through those only."""
+        filters = self._filters.get(client_id)
+        return scan_ranges(filters) if filters is not None else [("", "")]
+
+
+def scan_ranges(filters: Iterable[Filter]) -> list[tuple[str, str]]:
+    """Sorted, disjoint (start after, end before) ranges of lite names ("": an open end) holding every name
+    one of ``filters`` can match: one per literal prefix not covered by a shorter one."""
+    prefixes = sorted({_literal_prefix(f) for f in filters})
+    if not prefixes or not prefixes[0]:
+        return [("", "")]
+    kept: list[str] = []
+    for prefix in prefixes:  # sorted: a prefix that covers this one came just before it among the kept ones
+        if not kept or not prefix.startswith(kept[-1]):
+            kept.append(prefix)
+    # every name that starts with a prefix sorts after _just_before(prefix) and before prefix + _PAST_NAMES
+    return [(_just_before(prefix), prefix + _PAST_NAMES) for prefix in kept]
 
 
 def scan_range(filters: Iterable[Filter]) -> tuple[str, str]:
     """(start after, end before) in lite names covering every name one of ``filters`` can match ("": open)."""
-    lows, highs = [], []
-    for f in filters:
-        prefix = prefix_of(f)
-        if prefix is None:
-            literal = []
-            for level in f:
-                if level in (ONE_LEVEL, ANY_LEVELS):
-                    break
-                literal.append(level)
-            prefix = LEVEL_SEPARATOR.join(literal)
-        if not prefix:
-            return "", ""
-        lows.append(prefix)
-        highs.append(prefix + _PAST_NAMES)  # every name that starts with the prefix sorts before it
-    if not lows:
-        return "", ""
-    return _just_before(min(lows)), max(highs)
+    ranges = scan_ranges(filters)
+    return ranges[0][0], ranges[-1][1]
+
+
+def _literal_prefix(f: Filter) -> str:
+    prefix = prefix_of(f)
+    if prefix is not None:
+        return prefix
+    literal = []
+    for level in f:
+        if level in (ONE_LEVEL, ANY_LEVELS):
+            break
+        literal.append(level)
+    return LEVEL_SEPARATOR.join(literal)
 
 
 def is_pattern(name: str) -> bool:
