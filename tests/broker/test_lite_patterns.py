@@ -270,3 +270,39 @@ async def test_patterns_survive_a_graceful_restart_through_the_snapshot(lite: Li
     await lite.send("t1")
     lite.dispatcher.restore_subscriptions(records)
     assert sorted(await drain(lite, "c", 2)) == ["s-1", "t1"]
+
+
+# --- group-level patterns: a wildcard group's litePatterns ------------------------------------------------------
+WILD = "wild-group"
+
+
+async def wild_drain(lite: Lite, client: str, want: int) -> list[str]:
+    got: list[str] = []
+    for _ in range(300):
+        received = await lite.dispatcher.receive_lite(client, WILD, PARENT, batch=32, invisible_ms=10_000, poll_ms=0)
+        for d in received:
+            got.append(d.message.lite_topic or "")
+            await lite.dispatcher.ack(WILD, d.receipt_handle)
+        if len(got) >= want:
+            return got
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{got} after waiting for {want}")
+
+
+@asynchronous
+async def test_a_wildcard_group_with_patterns_takes_the_matching_lite_topics_only(lite: Lite) -> None:
+    lite.put_group(model.LiteGroup(WILD, PARENT, wildcard=True, lite_patterns=("s-*", "d/+")))
+    await lite.send("s-0")  # waiting before the client registers
+    await lite.dispatcher.replace_lite("w", WILD, PARENT, [])  # subscribe_lite_all / the client's full sync
+    for name in ("s-1", "d_1", "d_1_x", "other"):
+        await lite.send(name)
+    assert sorted(await wild_drain(lite, "w", 3)) == ["d_1", "s-0", "s-1"]
+    assert lite.dispatcher.subscription_count() == 0  # the group's patterns are no client's subscriptions
+    lite.put_group(model.LiteGroup(WILD, PARENT, wildcard=True, lite_patterns=("other",)))
+    await lite.send("s-2")
+    await asyncio.sleep(0.01)  # queued under the old patterns
+    await lite.dispatcher.replace_lite("w", WILD, PARENT, [])  # the next full sync reads the new patterns
+    assert await wild_drain(lite, "w", 1) == ["other"]
+    await asyncio.sleep(0.02)
+    await background_done(lite.dispatcher)
+    assert await lite.dispatcher.receive_lite("w", WILD, PARENT, batch=32, invisible_ms=10_000, poll_ms=0) == []

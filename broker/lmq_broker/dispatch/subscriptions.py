@@ -51,6 +51,10 @@ def _round_from(ranges: list[tuple[str, str]], resume: str) -> list[tuple[str, s
     return ahead + behind
 
 
+def _filters(patterns: Iterable[str]) -> frozenset[wildcards.Filter]:
+    return frozenset(map(wildcards.parse_pattern, patterns))
+
+
 def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
     """(lite topic names, patterns): a name holding a pattern character is a pattern."""
     lites: list[str] = []
@@ -241,8 +245,8 @@ class Subscriptions:
     ) -> tuple[list[str], list[str]]:
         snap = await self._rt.metadata()
         found = snap.consuming_lite_group(group, parent)
-        if found.wildcard:
-            self._register_wildcard(client_id, group, parent)
+        if found.wildcard:  # the group's patterns, if any, say which lite topics (a change: at the next full sync)
+            self._register_wildcard(client_id, group, parent, _filters(found.lite_patterns) or None)
             return [], []
         quota = snap.client_quota(found, parent, namespace)
         lites, patterns = _split(lites)
@@ -274,14 +278,16 @@ class Subscriptions:
         self._ready.discard(lmq, self._registry.forget_lmq(lmq))
 
     def _register_wildcard(
-        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter] | None = None
+        self, client_id: str, group: str, parent: str, filters: Iterable[wildcards.Filter] | None = None
     ) -> None:
         """A client of a wildcard group takes every lite topic of ``parent`` (or those ``filters`` match); a new
         registration walks the parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
         self._registry.touch(client_id, self._rt.clock(), group=group, bind_topic=parent)
+        before = self._taken_filters(client_id)
         if self._wildcards.add(client_id, group, parent, filters):
             self._wildcard_cursor.pop(client_id, None)
             self.start_catchup(client_id)
+            self._drop_untaken(client_id, before)
 
     def _sync_patterns(self, client_id: str, group: str, parent: str) -> None:
         """The client's patterns changed in the registry: register their filters (a new one walks its range
@@ -289,18 +295,24 @@ class Subscriptions:
         before = self._taken_filters(client_id)
         state = self._registry.get(client_id)
         if state is not None and state.patterns:
-            filters = frozenset(wildcards.parse_pattern(p) for p in state.patterns)
+            filters = _filters(state.patterns)
             if self._wildcards.add(client_id, group, parent, filters) and self._rt.loop is not None:
                 self._rt.spawn(self._pattern_backlog(client_id, (parent, group), filters - before))
         elif self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
+        self._drop_untaken(client_id, before)
+
+    def _drop_untaken(self, client_id: str, before: frozenset[wildcards.Filter]) -> None:
+        """After the client's filters changed from ``before``: topics queued for a filter it no longer holds
+        (that it neither names nor matches any more) leave its ready queue."""
         if before <= self._taken_filters(client_id):
             return
+        state = self._registry.get(client_id)
         held = state.lite_topics if state is not None else set()
         dropped = [
             q for q in self._ready.queued(client_id) if q not in held and not self._wildcards.holds(client_id, q)
         ]
-        self._ready.discard_many(client_id, dropped)  # queued for a pattern it no longer holds
+        self._ready.discard_many(client_id, dropped)
 
     def _taken_filters(self, client_id: str) -> frozenset[wildcards.Filter]:
         if self._wildcards.registration(client_id) is None:
