@@ -158,3 +158,22 @@ def test_a_pattern_counts_against_the_quota_and_survives_a_broker_restart(tmp_pa
             client.shutdown()
         clients.clear()
         broker.stop()
+
+
+def test_a_wildcard_group_with_patterns_receives_the_matching_lite_topics_only(
+    broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """Group-level patterns (LiteGroup ``litePatterns``): the client registers with ``subscribe_lite_all()``
+    and gets only the lite topics of the group's patterns, waiting ones included."""
+    topic, group = lite_group(wildcard=True, lite_patterns=("order-*", "eu/+"))
+    p = producer(broker, clients, topic)
+    send(p, topic, "order-0")  # waiting before the client registers
+    inbox = Inbox()
+    c = consumer(broker, clients, group, topic, inbox)
+    c.subscribe_lite_all()
+    matching = ["order-0", "order-1", "eu_fr"]
+    for lite in ["orders", "eu_fr_x", "us_ny", "order-1", "eu_fr"]:
+        send(p, topic, lite)
+    assert inbox.wait_for(lambda i: len(i.accepted) >= len(matching), 20), lites_of(inbox)
+    time.sleep(QUIET_S)
+    assert lites_of(inbox) == sorted(matching)
