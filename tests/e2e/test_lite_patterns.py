@@ -9,39 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.v5.exception import BadRequestException, LiteSubscriptionQuotaExceededException
 
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing import BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import BrokerProcess, Inbox, send_lite, start_broker, started_lite_consumer, started_producer
 
 QUIET_S = 2.0  # how long a consumer must stay without an unwanted message
 
 
-def config(broker: BrokerProcess) -> Any:
-    return ClientConfiguration(broker.endpoint, Credentials(), request_timeout=5)
-
-
-def producer(broker: BrokerProcess, clients: list[Any], topic: str) -> Any:
-    p = Producer(config(broker), (topic,))
-    p.startup()
-    clients.append(p)
-    return p
-
-
-def consumer(broker: BrokerProcess, clients: list[Any], group: str, topic: str, inbox: Inbox) -> Any:
-    c = LitePushConsumer(config(broker), group, topic, inbox)
-    c.startup()
-    clients.append(c)
-    return c
-
-
 def send(p: Any, topic: str, lite: str, body: bytes | None = None) -> None:
-    m = Message()
-    m.topic = topic
-    m.lite_topic = lite
-    m.body = body or lite.encode()
-    p.send(m)
+    send_lite(p, topic, lite, body or lite.encode())
 
 
 def lites_of(inbox: Inbox) -> list[str]:
@@ -60,10 +37,10 @@ def test_patterns_receive_matching_new_lite_topics_only(
 ) -> None:
     topic, group = lite_group()
     inbox = Inbox()
-    c = consumer(broker, clients, group, topic, inbox)
+    c = started_lite_consumer(broker, clients, group, topic, inbox)
     for pattern in ("session-*", "dev/+/cmd", "all/#"):
         c.subscribe_lite(pattern)
-    p = producer(broker, clients, topic)
+    p = started_producer(broker, clients, topic)
     matching = ["session-1", "session-2_x", "dev_7_cmd", "all", "all_a_b"]
     for lite in ["session", "sessions-1", "dev_7_cmd_x", "dev_7", "alls", "other", *matching]:
         send(p, topic, lite)
@@ -80,10 +57,10 @@ def test_unsubscribing_a_pattern_stops_delivery(
 ) -> None:
     topic, group = lite_group()
     inbox = Inbox()
-    c = consumer(broker, clients, group, topic, inbox)
+    c = started_lite_consumer(broker, clients, group, topic, inbox)
     c.subscribe_lite("a-*")
     c.subscribe_lite("b/#")
-    p = producer(broker, clients, topic)
+    p = started_producer(broker, clients, topic)
     send(p, topic, "a-1")
     assert inbox.wait_for(lambda i: lites_of(i) == ["a-1"], 20)
     c.unsubscribe_lite("a-*")
@@ -100,9 +77,9 @@ def test_a_restarted_consumer_resumes_from_the_group_offsets(
     """Messages waiting in matching topics (new ones among them) are found when the pattern is registered."""
     topic, group = lite_group()
     first = Inbox()
-    c = consumer(broker, clients, group, topic, first)
+    c = started_lite_consumer(broker, clients, group, topic, first)
     c.subscribe_lite("job-*")
-    p = producer(broker, clients, topic)
+    p = started_producer(broker, clients, topic)
     for n in range(3):
         send(p, topic, "job-1", f"old-{n}".encode())
     assert first.wait_for(lambda i: len(i.accepted) == 3, 20)
@@ -112,7 +89,7 @@ def test_a_restarted_consumer_resumes_from_the_group_offsets(
     for lite, body in (("job-1", b"new-0"), ("job-2", b"new-1"), ("nojob", b"never")):
         send(p, topic, lite, body)
     second = Inbox()
-    consumer(broker, clients, group, topic, second).subscribe_lite("job-*")
+    started_lite_consumer(broker, clients, group, topic, second).subscribe_lite("job-*")
     assert second.wait_for(lambda i: len(i.accepted) >= 2, 20), second.bodies()
     time.sleep(QUIET_S)
     assert sorted(second.bodies()) == [b"new-0", b"new-1"]
@@ -122,7 +99,7 @@ def test_malformed_patterns_are_refused_as_illegal_lite_topics(
     broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
 ) -> None:
     topic, group = lite_group()
-    c = consumer(broker, clients, group, topic, Inbox())
+    c = started_lite_consumer(broker, clients, group, topic, Inbox())
     for bad in ("a*b", "a/#/c", "a+/b"):
         with pytest.raises(BadRequestException) as raised:
             c.subscribe_lite(bad)
@@ -136,13 +113,13 @@ def test_a_pattern_counts_against_the_quota_and_survives_a_broker_restart(tmp_pa
     broker = start_broker(tmp_path / "data", extra_args=["--max-subscriptions-per-broker", "2"])
     try:
         inbox = Inbox()
-        c = consumer(broker, clients, "executor-group", "AGENT_TASK_NS", inbox)
+        c = started_lite_consumer(broker, clients, "executor-group", "AGENT_TASK_NS", inbox)
         c.subscribe_lite("s-*")
         c.subscribe_lite("named")
         with pytest.raises(LiteSubscriptionQuotaExceededException) as refused:
             c.subscribe_lite("t-*")
         assert refused.value.code == 42902
-        p = producer(broker, clients, "AGENT_TASK_NS")
+        p = started_producer(broker, clients, "AGENT_TASK_NS")
         send(p, "AGENT_TASK_NS", "s-1", b"before")
         send(p, "AGENT_TASK_NS", "t-1", b"not subscribed")
         assert inbox.wait_for(lambda i: len(i.accepted) >= 1, 20)
@@ -166,10 +143,10 @@ def test_a_wildcard_group_with_patterns_receives_the_matching_lite_topics_only(
     """Group-level patterns (LiteGroup ``litePatterns``): the client registers with ``subscribe_lite_all()``
     and gets only the lite topics of the group's patterns, waiting ones included."""
     topic, group = lite_group(wildcard=True, lite_patterns=("order-*", "eu/+"))
-    p = producer(broker, clients, topic)
+    p = started_producer(broker, clients, topic)
     send(p, topic, "order-0")  # waiting before the client registers
     inbox = Inbox()
-    c = consumer(broker, clients, group, topic, inbox)
+    c = started_lite_consumer(broker, clients, group, topic, inbox)
     c.subscribe_lite_all()
     matching = ["order-0", "order-1", "eu_fr"]
     for lite in ["orders", "eu_fr_x", "us_ny", "order-1", "eu_fr"]:
