@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import offsets, registry, saved_subscriptions, wildcards
-from lmq_broker.dispatch.dispatcher import Delivery
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, background_done
 
 PIECE = st.sampled_from(["a", "b", "ab", "s-1", ""])
@@ -142,21 +141,6 @@ def test_a_pattern_counts_as_one_subscription() -> None:
 asynchronous = pytest.mark.asyncio
 
 
-async def drain(lite: Lite, client: str, want: int) -> list[str]:
-    got: list[str] = []
-    for _ in range(300):
-        received: list[Delivery] = await lite.receive(client)
-        for d in received:
-            got.append(d.message.lite_topic or "")
-            await lite.dispatcher.ack(GROUP, d.receipt_handle)
-        if len(got) >= want:
-            return got
-        await asyncio.sleep(0.005)
-        lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)  # a full ready set resumes on the timer
-        lite.dispatcher.tick()
-    raise AssertionError(f"{got} after waiting for {want}")
-
-
 async def nothing_for(lite: Lite, client: str) -> None:
     await asyncio.sleep(0.02)
     await background_done(lite.dispatcher)
@@ -170,7 +154,7 @@ async def test_patterns_take_matching_arrivals_only(lite: Lite) -> None:
     for name in names:
         await lite.send(name, name.encode())
     want = ["all", "all_a_b", "dev_1_cmd", "named", "session-1", "session-2_x"]
-    assert sorted(await drain(lite, "c", len(want))) == want
+    assert sorted(await lite.drain("c", len(want))) == want
     await nothing_for(lite, "c")
     assert lite.committed("session-1") == 1 and lite.committed("other") is None
     assert lite.dispatcher.subscription_count() == 4  # three patterns and one lite topic
@@ -186,7 +170,7 @@ async def test_a_new_pattern_finds_the_backlog_of_matching_topics(lite: Lite) ->
     await background_done(lite.dispatcher)  # its ready queue is full
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["own"])
     await lite.send("own")  # overflows too: the catch-up walks the client's own topics after its patterns
-    assert sorted(await drain(lite, "c", 26)) == sorted([*backlog, "own"])
+    assert sorted(await lite.drain("c", 26)) == sorted([*backlog, "own"])
     await nothing_for(lite, "c")
 
 
@@ -211,7 +195,7 @@ async def test_a_new_pattern_walks_its_own_range_and_a_full_pass_resumes_across_
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["z*"])
     await background_done(lite.dispatcher)
     assert scans == [("y\x7f", "z\x7f")]  # the new pattern's range only: neither a* nor the m topics
-    got = await drain(lite, "c", 10)  # 3 slots: full passes resume across both ranges, round and round
+    got = await lite.drain("c", 10)  # 3 slots: full passes resume across both ranges, round and round
     assert sorted(got) == [n for n in names if n[0] in "az"]
     assert not any(start < "m0" and (not end or end > "m0") for start, end in scans)  # never the gap between
 
@@ -224,14 +208,14 @@ async def test_unsubscribing_a_pattern_stops_deliveries_even_of_queued_topics(li
     await lite.dispatcher.remove_lite("c", GROUP, PARENT, ["s-*"])
     await lite.send("s-2")
     await lite.send("t_1")
-    assert await drain(lite, "c", 1) == ["t_1"]
+    assert await lite.drain("c", 1) == ["t_1"]
     await nothing_for(lite, "c")
     await lite.dispatcher.remove_all_lite("c", GROUP, PARENT)
     await lite.send("t_2")
     await nothing_for(lite, "c")
     assert lite.dispatcher.wildcards.registration("c") is None and lite.dispatcher.subscription_count() == 0
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["s-*"])  # back: from the group's offsets
-    assert sorted(await drain(lite, "c", 2)) == ["s-1", "s-2"]
+    assert sorted(await lite.drain("c", 2)) == ["s-1", "s-2"]
 
 
 @asynchronous
@@ -240,7 +224,7 @@ async def test_a_full_sync_keeps_the_patterns_it_names_and_drops_the_others(lite
     await lite.dispatcher.replace_lite("c", GROUP, PARENT, ["a*", "b/+"])  # a client's periodic COMPLETE_ADD
     await lite.send("a1")
     await lite.send("b_1")
-    assert sorted(await drain(lite, "c", 2)) == ["a1", "b_1"]
+    assert sorted(await lite.drain("c", 2)) == ["a1", "b_1"]
     await lite.dispatcher.replace_lite("c", GROUP, PARENT, ["b/+"])
     await lite.send("a2")
     await nothing_for(lite, "c")
@@ -269,24 +253,11 @@ async def test_patterns_survive_a_graceful_restart_through_the_snapshot(lite: Li
     await lite.send("s-1")
     await lite.send("t1")
     lite.dispatcher.restore_subscriptions(records)
-    assert sorted(await drain(lite, "c", 2)) == ["s-1", "t1"]
+    assert sorted(await lite.drain("c", 2)) == ["s-1", "t1"]
 
 
 # --- group-level patterns: a wildcard group's litePatterns ------------------------------------------------------
 WILD = "wild-group"
-
-
-async def wild_drain(lite: Lite, client: str, want: int) -> list[str]:
-    got: list[str] = []
-    for _ in range(300):
-        received = await lite.dispatcher.receive_lite(client, WILD, PARENT, batch=32, invisible_ms=10_000, poll_ms=0)
-        for d in received:
-            got.append(d.message.lite_topic or "")
-            await lite.dispatcher.ack(WILD, d.receipt_handle)
-        if len(got) >= want:
-            return got
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"{got} after waiting for {want}")
 
 
 @asynchronous
@@ -296,13 +267,13 @@ async def test_a_wildcard_group_with_patterns_takes_the_matching_lite_topics_onl
     await lite.dispatcher.replace_lite("w", WILD, PARENT, [])  # subscribe_lite_all / the client's full sync
     for name in ("s-1", "d_1", "d_1_x", "other"):
         await lite.send(name)
-    assert sorted(await wild_drain(lite, "w", 3)) == ["d_1", "s-0", "s-1"]
+    assert sorted(await lite.drain("w", 3, WILD)) == ["d_1", "s-0", "s-1"]
     assert lite.dispatcher.subscription_count() == 0  # the group's patterns are no client's subscriptions
     lite.put_group(model.LiteGroup(WILD, PARENT, wildcard=True, lite_patterns=("other",)))
     await lite.send("s-2")
     await asyncio.sleep(0.01)  # queued under the old patterns
     await lite.dispatcher.replace_lite("w", WILD, PARENT, [])  # the next full sync reads the new patterns
-    assert await wild_drain(lite, "w", 1) == ["other"]
+    assert await lite.drain("w", 1, WILD) == ["other"]
     await asyncio.sleep(0.02)
     await background_done(lite.dispatcher)
     assert await lite.dispatcher.receive_lite("w", WILD, PARENT, batch=32, invisible_ms=10_000, poll_ms=0) == []
