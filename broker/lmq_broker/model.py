@@ -244,6 +244,7 @@ class LiteGroup:
     fifo: bool = True
     consume_enabled: bool = True
     wildcard: bool = False  # lite.sub.wildcard: the group receives every lite topic of its bind topic
+    lite_patterns: tuple[str, ...] = ()  # a wildcard group receives only the lite topics these match, if any
 
 
 @dataclass(frozen=True, slots=True)

@@ -353,3 +353,40 @@ class Inbox:
     def bodies(self) -> list[bytes]:
         with self._changed:
             return [m.body for m in self.accepted]
+
+
+# --- the official Python client, started against a broker process (e2e interpreters only) -----------------
+def client_config(broker: BrokerProcess) -> Any:
+    from rocketmq import ClientConfiguration, Credentials  # noqa: PLC0415 - only e2e interpreters load the client
+
+    return ClientConfiguration(broker.endpoint, Credentials(), request_timeout=5)
+
+
+def started_producer(broker: BrokerProcess, clients: list[Any], *topics: str) -> Any:
+    """A started Producer, added to ``clients`` (which the test shuts down)."""
+    from rocketmq import Producer  # noqa: PLC0415 - only e2e interpreters load the client
+
+    p = Producer(client_config(broker), topics)
+    p.startup()
+    clients.append(p)
+    return p
+
+
+def started_lite_consumer(broker: BrokerProcess, clients: list[Any], group: str, topic: str, inbox: Inbox) -> Any:
+    """A started LitePushConsumer of ``group`` on parent ``topic`` delivering to ``inbox``, added to ``clients``."""
+    from rocketmq import LitePushConsumer  # noqa: PLC0415 - only e2e interpreters load the client
+
+    c = LitePushConsumer(client_config(broker), group, topic, inbox)
+    c.startup()
+    clients.append(c)
+    return c
+
+
+def send_lite(producer: Any, topic: str, lite: str, body: bytes) -> Any:
+    from rocketmq import Message  # noqa: PLC0415 - only e2e interpreters load the client
+
+    m = Message()
+    m.topic = topic
+    m.lite_topic = lite
+    m.body = body
+    return producer.send(m)

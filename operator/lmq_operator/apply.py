@@ -60,6 +60,7 @@ def _to_broker(c: model.Config) -> broker_model.ParentTopic | broker_model.LiteG
             c.fifo,
             c.consume_enabled,
             c.wildcard,
+            c.lite_patterns,
         )
     return broker_model.Quota(c.scope, c.max_lite_topics, c.max_subscriptions_per_client, c.max_send_rate)
 
@@ -80,6 +81,7 @@ def _group_config(g: broker_model.LiteGroup) -> model.GroupConfig:
         fifo=g.fifo,
         consume_enabled=g.consume_enabled,
         wildcard=g.wildcard,
+        lite_patterns=g.lite_patterns,
     )
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from lmq_broker.model import MAX_RESOURCE_NAME_BYTES
+from lmq_broker.model import MAX_LITE_TOPIC_BYTES, MAX_RESOURCE_NAME_BYTES
 from lmq_operator.schema import Bits, Immutable, Matches, NotZero
 
 GROUP: Final = "lmq.io"
@@ -73,6 +73,14 @@ ResourceName = Annotated[
     Field(min_length=1, max_length=MAX_RESOURCE_NAME_BYTES),
     Matches("[%A-Za-z0-9_-]+", "may only contain letters, digits, %, _ and -"),
 ]
+# Lite topic patterns (session-*, a/+/c, a/#); the brokers check the grammar (docs/protocol.md).
+LitePattern = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_LITE_TOPIC_BYTES),
+    Matches("[A-Za-z0-9_/+#*-]+", "may only contain letters, digits, _, -, / and the wildcards +, # and *"),
+]
+MAX_LITE_PATTERNS: Final = 1000  # the brokers' limit per group
+_PATTERNS_NEED_WILDCARD: Final = "spec.litePatterns needs spec.wildcard: true"
 Duration = Annotated[str, Field(max_length=16), Matches(_DURATION, _NOT_A_DURATION)]
 Int32 = Annotated[int, Bits(32)]
 Int64 = Annotated[int, Bits(64)]
@@ -148,6 +156,15 @@ class RetryPolicySpec(CamelModel):
 class LiteGroupSpec(CamelModel):
     """A lite consumer group on every broker pod, bound to one parent topic."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.litePatterns) || size(self.litePatterns) == 0 || self.wildcard",
+                 "message": _PATTERNS_NEED_WILDCARD},
+            ]
+        }
+    )  # fmt: skip
+
     group_name: Annotated[ResourceName | None, Immutable("it cannot be added, changed or removed after creation")] = (
         Field(None, description="Broker-side consumer group name; defaults to metadata.name.")
     )
@@ -179,6 +196,18 @@ class LiteGroupSpec(CamelModel):
         description="Receive every lite topic of the parent topic (clients register with subscribeLiteAll; "
         "per-topic subscriptions are refused).",
     )
+    lite_patterns: tuple[LitePattern, ...] = Field(
+        (),
+        max_length=MAX_LITE_PATTERNS,
+        description="With wildcard: receive only the lite topics these patterns match (session-*, a/+/c, a/#); "
+        "none: every lite topic. A change reaches clients with their next full sync (30 s).",
+    )
+
+    @model_validator(mode="after")
+    def _patterns_need_wildcard(self) -> LiteGroupSpec:
+        if self.lite_patterns and not self.wildcard:
+            raise ValueError(_PATTERNS_NEED_WILDCARD)
+        return self
 
     def config(self, name: str) -> GroupConfig:
         """The group every broker should hold for the resource ``name`` (its metadata.name)."""
@@ -193,6 +222,7 @@ class LiteGroupSpec(CamelModel):
             fifo=self.fifo,
             consume_enabled=self.consume_enabled,
             wildcard=self.wildcard,
+            lite_patterns=self.lite_patterns,
         )
 
 
@@ -303,6 +333,7 @@ class GroupConfig:
     fifo: bool
     consume_enabled: bool
     wildcard: bool
+    lite_patterns: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -280,6 +282,9 @@ def test_group_unset_numbers_take_the_broker_defaults(memory_broker: Broker) -> 
         (model.LiteGroup("g", "orders", client_quota=-1), "group.client_quota"),
         (model.LiteGroup("g", "orders", retry=model.RetryPolicy(max_attempts=-3)), "group.retry.max_attempts"),
         (model.LiteGroup("g", "orders", retry=model.RetryPolicy(backoff_ms=(1000, 0))), "group.retry.backoff_ms[1]"),
+        (model.LiteGroup("g", "orders", lite_patterns=("s-*",)), "group.lite_patterns"),  # not a wildcard group
+        (model.LiteGroup("g", "orders", wildcard=True, lite_patterns=("s-*", "a*b")), "group.lite_patterns[1]"),
+        (model.LiteGroup("g", "orders", wildcard=True, lite_patterns=("x" * 64 + "*",)), "group.lite_patterns[0]"),
     ],
 )
 def test_invalid_group_is_refused_naming_the_field(memory_broker: Broker, group: model.LiteGroup, field: str) -> None:
@@ -289,6 +294,16 @@ def test_invalid_group_is_refused_naming_the_field(memory_broker: Broker, group:
         admin.put_group(group)
     assert raised.value.message.startswith(field)
     assert admin.list_groups() == []
+
+
+def test_a_wildcard_groups_patterns_are_stored_and_changed(broker: Broker) -> None:
+    admin = broker.client()
+    admin.put_parent_topic(model.ParentTopic("orders"))
+    group = model.LiteGroup("g", "orders", wildcard=True, lite_patterns=("session-*", "dev/+/cmd", "all/#"))
+    assert admin.put_group(group).value.lite_patterns == group.lite_patterns
+    assert admin.get_group("g").group.lite_patterns == group.lite_patterns
+    admin.put_group(dataclasses.replace(group, lite_patterns=()))
+    assert admin.get_group("g").group.lite_patterns == ()
 
 
 def test_missing_group_and_idempotent_group_delete(broker: Broker) -> None:

@@ -146,6 +146,20 @@ def test_parent_topic_put_keeps_the_fields_whose_options_are_not_given(broker: B
     assert broker.store.get_parent_topic("orders") == model.ParentTopic("orders", max_lite_topics=5)
 
 
+def test_group_put_sets_and_clears_a_wildcard_groups_patterns(broker: Broker) -> None:
+    broker.client().put_parent_topic(model.ParentTopic("orders"))
+    put = ["group", "put", "w", "--bind-topic", "orders"]
+    run_json(broker, *put, "--wildcard", "--lite-patterns", "session-*,dev/+/cmd")
+    group = broker.store.get_group("w")
+    assert group is not None and group.wildcard and group.lite_patterns == ("session-*", "dev/+/cmd")
+    run_json(broker, *put, "--client-quota", "9")  # left out: kept
+    assert broker.store.get_group("w") == dataclasses.replace(group, client_quota=9)
+    run_json(broker, *put, "--lite-patterns", "")
+    assert broker.store.get_group("w") == dataclasses.replace(group, client_quota=9, lite_patterns=())
+    code, _, err = run(broker, *put, "--lite-patterns", "a*b")
+    assert code == 1 and err.startswith("error: InvalidArgument: group.lite_patterns[0]")
+
+
 def test_group_put_sets_a_backoff_and_keeps_the_fields_whose_options_are_not_given(broker: Broker) -> None:
     broker.client().put_parent_topic(model.ParentTopic("orders"))
     created = run_json(

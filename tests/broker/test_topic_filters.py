@@ -92,24 +92,12 @@ async def receive(lite: Lite, client: str) -> list[Delivery]:
     return await lite.dispatcher.receive_lite(client, MQTT_GROUP, PARENT, batch=32, invisible_ms=10_000, poll_ms=0)
 
 
-async def drain(lite: Lite, client: str, want: int) -> list[str]:
-    got: list[str] = []
-    for _ in range(200):
-        for d in await receive(lite, client):
-            got.append(d.message.lite_topic or "")
-            await lite.dispatcher.ack(MQTT_GROUP, d.receipt_handle)
-        if len(got) >= want:
-            return got
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"{got} after waiting for {want}")
-
-
 @asynchronous
 async def test_filters_take_matching_arrivals_only_and_mqtt_groups_need_no_declaration(lite: Lite) -> None:
     await lite.dispatcher.subscribe_filters("c", MQTT_GROUP, PARENT, [("dev-1", "+"), ("all", "#")])
     for name in ("dev-1_cmd", "dev-2_cmd", "dev-1_cmd_x", "all", "all_a_b", "other"):
         await lite.send(name, name.encode())
-    assert sorted(await drain(lite, "c", 3)) == ["all", "all_a_b", "dev-1_cmd"]
+    assert sorted(await lite.drain("c", 3, MQTT_GROUP)) == ["all", "all_a_b", "dev-1_cmd"]
     await asyncio.sleep(0.01)
     assert await receive(lite, "c") == []
     assert lite.committed("dev-1_cmd", MQTT_GROUP) == 1 and lite.committed("dev-2_cmd", MQTT_GROUP) is None
@@ -121,9 +109,9 @@ async def test_registration_finds_backlog_in_the_filters_range_and_resets_skip_h
         await lite.send(name, b"before")
     await lite.dispatcher.reset_offsets(MQTT_GROUP, PARENT, ["x_old"], offsets.OffsetReset(offsets.OffsetPolicy.MAX))
     await lite.dispatcher.subscribe_filters("c", MQTT_GROUP, PARENT, [("x", "+")])
-    assert await drain(lite, "c", 1) == ["x_new"]  # x_old starts at its end; y_z is not matched
+    assert await lite.drain("c", 1, MQTT_GROUP) == ["x_new"]  # x_old starts at its end; y_z is not matched
     await lite.send("x_old", b"after")
-    assert await drain(lite, "c", 1) == ["x_old"]
+    assert await lite.drain("c", 1, MQTT_GROUP) == ["x_old"]
 
 
 @asynchronous

@@ -347,6 +347,28 @@ def test_normal_push_consumer_gets_what_was_sent_before_it_started(
     assert Counter(m["message_id"] for m in delivered(client, "c")) == Counter(sent)
 
 
+def test_patterns_take_the_matching_lite_topics(
+    lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """``subscribeLite("job-*")``, ``("dev/+/cmd")``, ``("all/#")``: every client checks only blankness and
+    length, so the pattern reaches the broker as written; it takes matching new lite topics and no others,
+    and unsubscribing it stops them."""
+    topic, group = lite_group()
+    client = drivers(lang)
+    start_lite_consumer(client, admin, "c", topic, group, lites=["job-*", "dev/+/cmd", "all/#"])
+    client.call("producer", name="p", topics=[topic])
+    unwanted = {send_lite(client, "p", topic, lite, b"no") for lite in ("jo", "dev_2_cmd_x", "alls", "other")}
+    sent = {send_lite(client, "p", topic, lite, lite.encode()) for lite in ("job-1", "dev_2_cmd", "all", "all_x")}
+    client.wait_events(lambda _: sent <= ids_received(client, "c"), WAIT_S, "4 messages on 4 matching lite topics")
+    client.call("unsubscribe_lite", consumer="c", lite_topic="job-*")
+    dropped = send_lite(client, "p", topic, "job-2", b"unsubscribed")
+    last = send_lite(client, "p", topic, "all_y", b"still subscribed")
+    client.wait_events(lambda _: last in ids_received(client, "c"), WAIT_S, "a message after the unsubscribe")
+    time.sleep(1)  # a stray delivery of job-2 would have come with all_y
+    assert Counter(m["message_id"] for m in delivered(client, "c")) == Counter(sent | {last})
+    assert dropped not in ids_received(client, "c") and not unwanted & ids_received(client, "c")
+
+
 def test_subscribe_lite_all_receives_every_lite_topic_of_a_wildcard_group(
     lang: str, drivers: Callable[[str], Driver], admin: AdminClient, lite_group: Callable[..., tuple[str, str]]
 ) -> None:

@@ -8,13 +8,8 @@ from typing import Any
 
 import pytest
 from rocketmq import (
-    ClientConfiguration,
-    Credentials,
     FilterExpression,
-    LitePushConsumer,
     LiteSimpleConsumer,
-    Message,
-    Producer,
     SimpleConsumer,
 )
 from rocketmq.v5.exception import (
@@ -23,35 +18,14 @@ from rocketmq.v5.exception import (
     LiteTopicQuotaExceededException,
 )
 
-from lmq_broker import model
+from lmq_broker import model, testing
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, Inbox, receive_some, start_broker, start_lite_simple_consumer
 
-
-def config(broker: BrokerProcess) -> Any:
-    return ClientConfiguration(broker.endpoint, Credentials(), request_timeout=5)
-
-
-def producer(broker: BrokerProcess, clients: list[Any], *topics: str) -> Any:
-    p = Producer(config(broker), topics)
-    p.startup()
-    clients.append(p)
-    return p
-
-
-def consumer(broker: BrokerProcess, clients: list[Any], group: str, topic: str, inbox: Inbox) -> Any:
-    c = LitePushConsumer(config(broker), group, topic, inbox)
-    c.startup()
-    clients.append(c)
-    return c
-
-
-def send(p: Any, topic: str, lite: str, body: bytes) -> Any:
-    m = Message()
-    m.topic = topic
-    m.lite_topic = lite
-    m.body = body
-    return p.send(m)
+config = testing.client_config
+producer = testing.started_producer
+consumer = testing.started_lite_consumer
+send = testing.send_lite
 
 
 def test_many_lite_topics_all_received_once_and_acked(

@@ -72,6 +72,28 @@ def test_put_get_delete_round_trip(admin_factory: Callable[[], admins.BrokerAdmi
     run(scenario())
 
 
+def test_a_wildcard_groups_patterns_round_trip(admin_factory: Callable[[], admins.BrokerAdmin]) -> None:
+    patterns = ("session-*", "dev/+/cmd", "all/#")
+    spec = {"parentTopic": TOPIC.name, "wildcard": True, "litePatterns": list(patterns)}
+    group = desired.config(model.Kind.LITE_GROUP, "contract-wild", spec)
+    assert isinstance(group, model.GroupConfig)
+
+    async def scenario() -> None:
+        admin = admin_factory()
+        try:
+            await admin.put(TOPIC)
+            assert await admin.put(group) is True
+            got = await admin.get(model.Kind.LITE_GROUP, group.key)
+            assert got is not None and got.config == group and group.lite_patterns == patterns
+            assert await admin.put(group) is False  # in sync: nothing to write
+            await admin.delete(model.Kind.LITE_GROUP, group.key, True)
+            await admin.delete(model.Kind.PARENT_TOPIC, TOPIC.key, True)
+        finally:
+            await admin.close()
+
+    run(scenario())
+
+
 Record = Callable[[admins.BrokerAdmin, str, model.ReclaimRun], None]
 
 

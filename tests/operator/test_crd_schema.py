@@ -170,6 +170,8 @@ def test_the_crd_checks_names_with_the_models_rule_and_the_brokers_length() -> N
         ({"parentTopic": "t", "retryPolicy": {"backoff": ["0s"]}}, "at least 1ms"),
         ({"parentTopic": "t", "retryPolicy": {"backoff": ["0000000000000001s"]}}, "at most 16"),
         ({"parentTopic": "t", "readySetCapacity": 9}, "readySetCapacity"),
+        ({"parentTopic": "t", "wildcard": True, "litePatterns": ["a b"]}, "may only contain letters"),
+        ({"parentTopic": "t", "litePatterns": ["s-*"]}, "spec.litePatterns needs spec.wildcard: true"),
     ],
 )
 def test_values_the_broker_refuses_are_invalid_specs(spec: dict[str, Any], needle: str) -> None:

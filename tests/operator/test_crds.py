@@ -100,6 +100,12 @@ def test_lite_group_rejections(kube: testing.KubeAPI, namespace: str, create: Ca
         lambda: create("LiteGroup", namespace, "g2", {"parentTopic": "t", "retryPolicy": {"backoff": ["5 sec"]}})
     )
     assert "spec.parentTopic: Required value" in _rejected(lambda: create("LiteGroup", namespace, "g3", {}))
+    assert "spec.litePatterns needs spec.wildcard: true" in _rejected(
+        lambda: create("LiteGroup", namespace, "g5", {"parentTopic": "t", "litePatterns": ["s-*"]})
+    )
+    assert "spec.litePatterns entry a b may only contain" in _rejected(
+        lambda: create("LiteGroup", namespace, "g6", {"parentTopic": "t", "wildcard": True, "litePatterns": ["a b"]})
+    )
     create("LiteGroup", namespace, "g4", {"parentTopic": "t"})
     path = testing.cr_path("litegroups", namespace, "g4")
     assert "spec.parentTopic is immutable: a lite group stays bound to its parent topic (was t, now other)" in (

@@ -68,6 +68,14 @@ def test_lite_group_config_parses_backoff_durations() -> None:
     assert cfg.client_quota == 2000 and cfg.ready_capacity == 100 and cfg.consume_enabled
 
 
+def test_a_wildcard_lite_groups_patterns_reach_its_config() -> None:
+    spec = {"parentTopic": "t", "wildcard": True, "litePatterns": ["session-*", "dev/+/cmd"]}
+    cfg = desired.config(model.Kind.LITE_GROUP, "g", spec)
+    assert isinstance(cfg, model.GroupConfig) and cfg.lite_patterns == ("session-*", "dev/+/cmd")
+    plain = desired.config(model.Kind.LITE_GROUP, "g", {"parentTopic": "t"})
+    assert isinstance(plain, model.GroupConfig) and plain.lite_patterns == ()
+
+
 def test_lite_group_default_backoff_is_rocketmqs() -> None:
     cfg = desired.config(model.Kind.LITE_GROUP, "g", {"parentTopic": "t"})
     assert isinstance(cfg, model.GroupConfig)

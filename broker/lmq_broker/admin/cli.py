@@ -157,8 +157,13 @@ def _put_group(admin: AdminClient, a: argparse.Namespace) -> object:
             fifo=_given(a.fifo, kept.fifo),
             consume_enabled=_given(a.consume_enabled, kept.consume_enabled),
             wildcard=_given(a.wildcard, kept.wildcard),
+            lite_patterns=_given(a.lite_patterns, kept.lite_patterns),
         )
     )
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(p for p in text.split(",") if p)
 
 
 def _milliseconds(text: str) -> tuple[int, ...]:
@@ -328,6 +333,12 @@ def _parser() -> argparse.ArgumentParser:
     put.add_argument("--consume-enabled", action=argparse.BooleanOptionalAction, help="default --consume-enabled")
     put.add_argument(
         "--wildcard", action=argparse.BooleanOptionalAction, help="every lite topic of the bind topic (default off)"
+    )
+    put.add_argument(
+        "--lite-patterns",
+        type=_patterns,
+        help="a wildcard group's comma-separated patterns, e.g. 'session-*,dev/+/cmd': only the lite topics they "
+        "match ('': every lite topic)",
     )
     verb(groups, "get", lambda c, a: c.get_group(a.name), "show one, with lag").add_argument("name")
     verb(groups, "delete", lambda c, a: c.delete_group(a.name), "delete").add_argument("name")

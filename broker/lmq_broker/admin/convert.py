@@ -98,6 +98,7 @@ def lite_group_to_pb(group: model.LiteGroup) -> pb.LiteGroup:
         fifo=group.fifo,
         consume_enabled=group.consume_enabled,
         wildcard=group.wildcard,
+        lite_patterns=group.lite_patterns,
     )
 
 
@@ -114,6 +115,7 @@ def lite_group_from_pb(message: pb.LiteGroup) -> model.LiteGroup:
         fifo=message.fifo,
         consume_enabled=message.consume_enabled,
         wildcard=message.wildcard,
+        lite_patterns=tuple(message.lite_patterns),
     )
 
 

@@ -11,12 +11,14 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import wildcards
 
 EXPIRATION_MINUTES_MIN: Final = -1  # never expire
 EXPIRATION_MINUTES_MAX: Final = 43_200  # 30 days: RocketMQ's upper bound
 READY_CAPACITY_MIN: Final = 10
 QUEUE_COUNT_MIN: Final = 1
 QUEUE_COUNT_MAX: Final = 64
+MAX_GROUP_PATTERNS: Final = 1000
 # Parent topics of lite topics, and plain topics for PushConsumer/SimpleConsumer (and rocketmq-a2a requests).
 PARENT_MESSAGE_TYPES: Final = (model.MessageType.LITE, model.MessageType.NORMAL)
 SCOPE_BROKER: Final = "broker"
@@ -96,6 +98,17 @@ def lite_group(group: model.LiteGroup, config: BrokerConfig) -> model.LiteGroup:
     _at_least("group.retry.max_attempts", group.retry.max_attempts, 1)
     for index, delay in enumerate(group.retry.backoff_ms):
         _at_least(f"group.retry.backoff_ms[{index}]", delay, 1)
+    if group.lite_patterns and not group.wildcard:
+        raise _invalid("group.lite_patterns", "only a wildcard group takes lite topics by group-level patterns")
+    if len(group.lite_patterns) > MAX_GROUP_PATTERNS:
+        raise _invalid("group.lite_patterns", f"at most {MAX_GROUP_PATTERNS} patterns")
+    for index, pattern in enumerate(group.lite_patterns):
+        try:
+            if len(pattern) > model.MAX_LITE_TOPIC_BYTES:
+                raise ValueError(f"at most {model.MAX_LITE_TOPIC_BYTES} characters")
+            wildcards.parse_pattern(pattern)
+        except ValueError as exc:
+            raise _invalid(f"group.lite_patterns[{index}]", f"{pattern[:160]!r}: {exc}") from None
     return group
 
 

@@ -66,6 +66,10 @@ class ReadySet:
         queue = self._queues.pop(client_id, None)
         return list(queue) if queue else []
 
+    def queued(self, client_id: str) -> list[str]:
+        queue = self._queues.get(client_id)
+        return list(queue) if queue else []
+
     def discard_many(self, client_id: str, lmqs: list[str]) -> None:
         queue = self._queues.get(client_id)
         if queue:

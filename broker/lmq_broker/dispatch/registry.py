@@ -24,6 +24,7 @@ class ClientState:
     group: str = ""
     bind_topic: str = ""
     lite_topics: set[str] = field(default_factory=set)
+    patterns: set[str] = field(default_factory=set)  # lite topic patterns, as the client named them (``wildcards``)
     topics: frozenset[str] = frozenset()  # normal topics from the client's telemetry settings
     last_seen_ms: int = 0
     streams: int = 0  # open telemetry streams; the client is gone when the last one closes
@@ -65,7 +66,7 @@ class Registry:
                 )
             state.group = group
         if bind_topic:
-            if state.bind_topic and state.bind_topic != bind_topic and state.lite_topics:
+            if state.bind_topic and state.bind_topic != bind_topic and (state.lite_topics or state.patterns):
                 raise errors.Conflict(
                     f"client {client_id} already subscribes lite topics of {state.bind_topic}",
                     kind="topic",
@@ -85,7 +86,7 @@ class Registry:
         if state is not None:
             for lmq in state.lite_topics:
                 self._unlink(lmq, client_id)
-            self._pairs -= len(state.lite_topics)
+            self._pairs -= len(state.lite_topics) + len(state.patterns)
         return state
 
     def idle_since(self, cutoff_ms: int) -> list[str]:
@@ -99,38 +100,50 @@ class Registry:
         return len(self._clients)
 
     # --- subscriptions ----------------------------------------------------------------------------------
-    def add(self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int) -> list[str]:
-        """Subscribe; all or nothing. Returns the LMQs that were not subscribed before."""
+    def add(
+        self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int, *, patterns: Collection[str] = ()
+    ) -> list[str]:
+        """Subscribe; all or nothing. A pattern counts as one subscription. Returns the LMQs that were not
+        subscribed before."""
         state = self.touch(client_id, now_ms)
         new = [lmq for lmq in dict.fromkeys(lmqs) if lmq not in state.lite_topics]
-        self._check_quota(state, len(state.lite_topics) + len(new), len(new), quota)
+        new_patterns = [p for p in dict.fromkeys(patterns) if p not in state.patterns]
+        growth = len(new) + len(new_patterns)
+        self._check_quota(state, len(state.lite_topics) + len(state.patterns) + growth, growth, quota)
         for lmq in new:
             state.lite_topics.add(lmq)
             self._link(lmq, client_id)
-        self._pairs += len(new)
+        state.patterns.update(new_patterns)
+        self._pairs += growth
         return new
 
-    def remove(self, client_id: str, lmqs: Iterable[str], now_ms: int) -> list[str]:
+    def remove(self, client_id: str, lmqs: Iterable[str], now_ms: int, *, patterns: Iterable[str] = ()) -> list[str]:
         state = self.touch(client_id, now_ms)
         gone = [lmq for lmq in dict.fromkeys(lmqs) if lmq in state.lite_topics]
         for lmq in gone:
             state.lite_topics.discard(lmq)
             self._unlink(lmq, client_id)
-        self._pairs -= len(gone)
+        gone_patterns = [p for p in dict.fromkeys(patterns) if p in state.patterns]
+        state.patterns.difference_update(gone_patterns)
+        self._pairs -= len(gone) + len(gone_patterns)
         return gone
 
-    def replace(self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int) -> tuple[list[str], list[str]]:
-        """Make the client's set exactly ``lmqs``; returns (added, removed)."""
+    def replace(
+        self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int, *, patterns: Collection[str] = ()
+    ) -> tuple[list[str], list[str]]:
+        """Make the client's sets exactly ``lmqs`` and ``patterns``; returns (added, removed) LMQs."""
         state = self.touch(client_id, now_ms)
-        wanted = dict.fromkeys(lmqs)
+        wanted, wanted_patterns = dict.fromkeys(lmqs), set(patterns)
         added = [lmq for lmq in wanted if lmq not in state.lite_topics]
         removed = [lmq for lmq in state.lite_topics if lmq not in wanted]
-        self._check_quota(state, len(wanted), len(added) - len(removed), quota)
-        self.remove(client_id, removed, now_ms)
+        size = len(wanted) + len(wanted_patterns)
+        self._check_quota(state, size, size - len(state.lite_topics) - len(state.patterns), quota)
+        self.remove(client_id, removed, now_ms, patterns=state.patterns - wanted_patterns)
         for lmq in added:
             state.lite_topics.add(lmq)
             self._link(lmq, client_id)
-        self._pairs += len(added)
+        self._pairs += len(added) + len(wanted_patterns - state.patterns)
+        state.patterns.update(wanted_patterns)
         return added, removed
 
     def forget_lmq(self, lmq: str) -> list[str]:

@@ -28,6 +28,7 @@ class ClientRecord:
     group: str
     bind_topic: str
     lmqs: tuple[str, ...]
+    patterns: tuple[str, ...] = ()  # lite topic patterns (``wildcards``)
 
 
 def save(records: list[ClientRecord], path: Path) -> None:
@@ -35,7 +36,7 @@ def save(records: list[ClientRecord], path: Path) -> None:
     with tmp.open("w") as out:
         for r in records:
             row = {"client": r.client_id, "type": r.client_type, "group": r.group, "bind": r.bind_topic}
-            out.write(json.dumps({**row, "lmqs": list(r.lmqs)}) + "\n")
+            out.write(json.dumps({**row, "lmqs": list(r.lmqs), "patterns": list(r.patterns)}) + "\n")
         out.flush()
         os.fsync(out.fileno())
     tmp.replace(path)
@@ -57,6 +58,7 @@ def take(path: Path) -> list[ClientRecord]:
                     str(row["group"]),
                     str(row["bind"]),
                     tuple(str(x) for x in row["lmqs"]),
+                    tuple(str(x) for x in row.get("patterns", ())),  # absent in snapshots from before patterns
                 )
             )
         except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from lmq_broker import errors, model
@@ -38,6 +38,30 @@ CATCHUP_CHUNK: Final = 512  # lite topics probed per store call of a catch-up pa
 
 def lmq_name(parent: str, lite: str) -> str:
     return model.QueueId.lmq(parent, lite).topic
+
+
+def _round_from(ranges: list[tuple[str, str]], resume: str) -> list[tuple[str, str]]:
+    """``ranges`` (start after, end before; "" an open end) walked once round from after ``resume``: to the
+    end, then from the start through ``resume`` itself."""
+    if not resume:
+        return ranges
+    ahead = [(max(start, resume), end) for start, end in ranges if not end or end > resume]
+    through = resume + "\x00"  # sorts after resume, before every longer name that starts with it
+    behind = [(start, end if end and end < through else through) for start, end in ranges if start < resume]
+    return ahead + behind
+
+
+def _filters(patterns: Iterable[str]) -> frozenset[wildcards.Filter]:
+    return frozenset(map(wildcards.parse_pattern, patterns))
+
+
+def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(lite topic names, patterns): a name holding a pattern character is a pattern."""
+    lites: list[str] = []
+    patterns: list[str] = []
+    for name in names:
+        (patterns if wildcards.is_pattern(name) else lites).append(name)
+    return lites, patterns
 
 
 class Subscriptions:
@@ -131,7 +155,7 @@ class Subscriptions:
                 group=st.group,
                 topic=st.bind_topic or next(iter(sorted(st.topics)), ""),
                 client_type=st.client_type,
-                subscription_count=len(st.lite_topics),
+                subscription_count=len(st.lite_topics) + len(st.patterns),
                 last_seen_ms=wall_now - (now - st.last_seen_ms),
                 ready_events=self._ready.size(st.client_id),
             )
@@ -142,10 +166,10 @@ class Subscriptions:
     def export(self) -> list[saved_subscriptions.ClientRecord]:
         return [
             saved_subscriptions.ClientRecord(
-                st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics)
+                st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics), tuple(st.patterns)
             )
             for st in self._registry.clients()
-            if st.lite_topics and st.group
+            if (st.lite_topics or st.patterns) and st.group
         ]
 
     def restore(self, records: list[saved_subscriptions.ClientRecord]) -> None:
@@ -157,10 +181,13 @@ class Subscriptions:
                 self._registry.touch(
                     r.client_id, now, client_type=r.client_type, group=r.group, bind_topic=r.bind_topic
                 )
-                self._registry.add(r.client_id, r.lmqs, model.UNLIMITED, now)
-            except errors.LmqError as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
-                log.warning("subscriptions of client %s not restored: %s", r.client_id, exc.message)
+                self._registry.add(r.client_id, r.lmqs, model.UNLIMITED, now, patterns=r.patterns)
+                filters = [wildcards.parse_pattern(p) for p in r.patterns]
+            except (errors.LmqError, ValueError) as exc:  # e.g. a lower broker-wide limit since: the client re-syncs
+                log.warning("subscriptions of client %s not restored: %s", r.client_id, exc)
                 continue
+            if filters:
+                self._wildcards.add(r.client_id, r.group, r.bind_topic, filters)
             self._ready.request_catchup(r.client_id, now)
         self._rt.arm(now)
 
@@ -175,6 +202,10 @@ class Subscriptions:
         namespace: str = "",
         offset: offsets.OffsetReset | None = None,
     ) -> list[str]:
+        """Subscribe to lite topics and patterns (``wildcards.is_pattern``); returns the LMQs added."""
+        lites, patterns = _split(lites)
+        if patterns and offset is not None and offset.moves:
+            raise errors.InvalidArgument("an offset option applies to lite topics, not to patterns", kind="offset")
         snap = await self._rt.metadata()
         found = snap.consuming_lite_group(group, parent)
         if found.wildcard:
@@ -189,7 +220,9 @@ class Subscriptions:
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
-        added = self._registry.add(client_id, lmqs, quota, now)
+        added = self._registry.add(client_id, lmqs, quota, now, patterns=patterns)
+        if patterns:
+            self._sync_patterns(client_id, group, parent)
         if offset is not None and offset.moves:
             await self._settlement.reset_offsets(lmqs, group, offset)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
@@ -199,9 +232,12 @@ class Subscriptions:
 
     async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
         (await self._rt.metadata()).lite_group(group, parent)
+        lites, patterns = _split(lites)
         lmqs = [lmq_name(parent, lite) for lite in lites]
-        removed = self._registry.remove(client_id, lmqs, self._rt.clock())
+        removed = self._registry.remove(client_id, lmqs, self._rt.clock(), patterns=patterns)
         self._ready.discard_many(client_id, removed)
+        if patterns:
+            self._sync_patterns(client_id, group, parent)
         return removed
 
     async def replace_lite(
@@ -209,16 +245,18 @@ class Subscriptions:
     ) -> tuple[list[str], list[str]]:
         snap = await self._rt.metadata()
         found = snap.consuming_lite_group(group, parent)
-        if found.wildcard:
-            self._register_wildcard(client_id, group, parent)
+        if found.wildcard:  # the group's patterns, if any, say which lite topics (a change: at the next full sync)
+            self._register_wildcard(client_id, group, parent, _filters(found.lite_patterns) or None)
             return [], []
         quota = snap.client_quota(found, parent, namespace)
+        lites, patterns = _split(lites)
         lmqs = [lmq_name(parent, lite) for lite in lites]
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
-        added, removed = self._registry.replace(client_id, lmqs, quota, now)
+        added, removed = self._registry.replace(client_id, lmqs, quota, now, patterns=patterns)
         self._ready.discard_many(client_id, removed)
+        self._sync_patterns(client_id, group, parent)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
             self._evict_others(client_id, group, added)
         await self._register_pending(client_id, group, added)
@@ -230,7 +268,9 @@ class Subscriptions:
             self._wildcard_cursor.pop(client_id, None)
         state = self._registry.get(client_id)
         if state is not None:
-            removed = self._registry.remove(client_id, list(state.lite_topics), self._rt.clock())
+            removed = self._registry.remove(
+                client_id, list(state.lite_topics), self._rt.clock(), patterns=list(state.patterns)
+            )
             self._ready.discard_many(client_id, removed)
 
     def forget(self, lmq: str) -> None:
@@ -238,14 +278,46 @@ class Subscriptions:
         self._ready.discard(lmq, self._registry.forget_lmq(lmq))
 
     def _register_wildcard(
-        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter] | None = None
+        self, client_id: str, group: str, parent: str, filters: Iterable[wildcards.Filter] | None = None
     ) -> None:
         """A client of a wildcard group takes every lite topic of ``parent`` (or those ``filters`` match); a new
         registration walks the parent's topics for backlog (paged, off the loop), as a catch-up pass does."""
         self._registry.touch(client_id, self._rt.clock(), group=group, bind_topic=parent)
+        before = self._taken_filters(client_id)
         if self._wildcards.add(client_id, group, parent, filters):
             self._wildcard_cursor.pop(client_id, None)
             self.start_catchup(client_id)
+            self._drop_untaken(client_id, before)
+
+    def _sync_patterns(self, client_id: str, group: str, parent: str) -> None:
+        """The client's patterns changed in the registry: register their filters (a new one walks its range
+        for backlog), or unregister the client when it holds none."""
+        before = self._taken_filters(client_id)
+        state = self._registry.get(client_id)
+        if state is not None and state.patterns:
+            filters = _filters(state.patterns)
+            if self._wildcards.add(client_id, group, parent, filters) and self._rt.loop is not None:
+                self._rt.spawn(self._pattern_backlog(client_id, (parent, group), filters - before))
+        elif self._wildcards.remove(client_id) is not None:
+            self._wildcard_cursor.pop(client_id, None)
+        self._drop_untaken(client_id, before)
+
+    def _drop_untaken(self, client_id: str, before: frozenset[wildcards.Filter]) -> None:
+        """After the client's filters changed from ``before``: topics queued for a filter it no longer holds
+        (that it neither names nor matches any more) leave its ready queue."""
+        if before <= self._taken_filters(client_id):
+            return
+        state = self._registry.get(client_id)
+        held = state.lite_topics if state is not None else set()
+        dropped = [
+            q for q in self._ready.queued(client_id) if q not in held and not self._wildcards.holds(client_id, q)
+        ]
+        self._ready.discard_many(client_id, dropped)
+
+    def _taken_filters(self, client_id: str) -> frozenset[wildcards.Filter]:
+        if self._wildcards.registration(client_id) is None:
+            return frozenset()
+        return self._wildcards.filters(client_id) or frozenset((wildcards.WHOLE_PARENT,))
 
     async def subscribe_filters(
         self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter]
@@ -333,9 +405,8 @@ class Subscriptions:
         state = self._registry.get(client_id)
         if state is None or not state.group:
             return
-        if self._wildcards.registration(client_id) is not None:
-            await self._wildcard_catchup(client_id)
-            return
+        if self._wildcards.registration(client_id) is not None and not await self._wildcard_catchup(client_id):
+            return  # stopped by a full ready queue: the catch-up it scheduled walks on
         todo = list(state.lite_topics)
         resume = self._catchup_cursor.pop(client_id, None)
         if resume:
@@ -350,34 +421,60 @@ class Subscriptions:
             if self._registry.get(client_id) is not state:
                 return
 
-    async def _wildcard_catchup(self, client_id: str) -> None:
-        """Page through the wildcard group's parent by lite name and offer the client every topic with work
-        for its group, once round: from after the last offer that fitted (a full ready queue stops a pass) to
-        the end, then from the start up to there (those topics may have overflowed since they were walked)."""
-        first, end = self._wildcards.scan_range(client_id)  # a client with filters: the names they can match
-        resume = self._wildcard_cursor.pop(client_id, "")
-        after, wrapped = max(resume, first), not resume
+    async def _wildcard_catchup(self, client_id: str) -> bool:
+        """Page through the lite names of the wildcard group's parent (those its filters can match) and offer
+        the client every topic with work for its group, once round: from after the last offer that fitted (a
+        full ready queue stops a pass) to the end, then from the start up to there (those topics may have
+        overflowed since they were walked). False when a full ready queue stopped it."""
         where = self._wildcards.registration(client_id)
-        while where is not None:
-            parent, group = where
-            page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
-            if self._wildcards.registration(client_id) != where:
-                return  # unregistered meanwhile
-            last = len(page) < CATCHUP_CHUNK
-            if resume and wrapped and page and page[-1].lite > resume:
-                page, last = [meta for meta in page if meta.lite <= resume], True
-            page_end = page[-1].lite if page else after
-            page = [meta for meta in page if self._wildcards.takes(client_id, meta.lite)]
-            lmqs = [lmq_name(parent, meta.lite) for meta in page]
-            for lmq in await self._deliverer.pending_among(lmqs, group):
-                if not self._deliverer.offer(client_id, lmq, group):
-                    index = lmqs.index(lmq)  # full: the catch-up it scheduled resumes at this topic
-                    self._wildcard_cursor[client_id] = page[index - 1].lite if index else after
-                    return
-            if last and wrapped:
-                return
-            after, wrapped = (first, True) if last else (page_end, wrapped)
-            where = self._wildcards.registration(client_id)
+        if where is None:
+            return True
+        resume = self._wildcard_cursor.pop(client_id, "")
+        pieces = _round_from(self._wildcards.scan_ranges(client_id), resume)
+        stopped = await self._walk(client_id, where, pieces, lambda lite: self._wildcards.takes(client_id, lite))
+        if stopped is None:
+            return True
+        self._wildcard_cursor[client_id] = stopped
+        return False
+
+    async def _pattern_backlog(
+        self, client_id: str, where: tuple[str, str], filters: frozenset[wildcards.Filter]
+    ) -> None:
+        """New patterns of a client: offer the topics with work for its group that they match, walking only
+        their ranges (a client adds its patterns one at a time: a full catch-up each would walk them all)."""
+        try:
+            await self._walk(
+                client_id,
+                where,
+                wildcards.scan_ranges(filters),
+                lambda lite: any(wildcards.matches(f, lite.split(wildcards.LEVEL_SEPARATOR)) for f in filters),
+            )  # stopped by a full ready queue: the offer that did not fit scheduled a catch-up pass
+        except errors.StorageError:  # the store rebuilds its index: a catch-up pass looks later
+            self._deliverer.retry_catchup(client_id)
+
+    async def _walk(
+        self, client_id: str, where: tuple[str, str], pieces: list[tuple[str, str]], takes: Callable[[str], bool]
+    ) -> str | None:
+        """Page through ``pieces`` (start after, end before) of the parent's lite names, offering the client the
+        topics ``takes`` accepts that have work for its group. None when done (or the client unregistered);
+        else where to resume: the walk stopped at a full ready queue."""
+        parent, group = where
+        for start, end in pieces:
+            after = start
+            while True:
+                page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, end, CATCHUP_CHUNK)
+                if self._wildcards.registration(client_id) != where:
+                    return None
+                taken = [meta.lite for meta in page if takes(meta.lite)]
+                lmqs = [lmq_name(parent, lite) for lite in taken]
+                for lmq in await self._deliverer.pending_among(lmqs, group):
+                    if not self._deliverer.offer(client_id, lmq, group):
+                        index = lmqs.index(lmq)
+                        return taken[index - 1] if index else after
+                if len(page) < CATCHUP_CHUNK:
+                    break
+                after = page[-1].lite
+        return None
 
     # --- reclaim marks ------------------------------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:

@@ -78,6 +78,23 @@ class Lite:
             tags=tags,
         )  # fmt: skip
 
+    async def drain(self, client: str, want: int, group: str = GROUP) -> list[str]:
+        """Receive and ack as ``client`` of ``group`` until ``want`` deliveries came; their lite topics. Between
+        tries the manual clock moves a catch-up delay on, so passes a full ready queue put off run."""
+        got: list[str] = []
+        for _ in range(300):
+            for d in await self.dispatcher.receive_lite(
+                client, group, PARENT, batch=32, invisible_ms=10_000, poll_ms=0
+            ):
+                got.append(d.message.lite_topic or "")
+                await self.dispatcher.ack(group, d.receipt_handle)
+            if len(got) >= want:
+                return got
+            await asyncio.sleep(0.005)
+            self.clock.advance(self.dispatcher.ready.catchup_delay_ms)
+            self.dispatcher.tick()
+        raise AssertionError(f"{got} after waiting for {want}")
+
     def committed(self, lite: str, group: str = GROUP) -> int | None:
         return self.store.get_offset(model.QueueId.lmq(PARENT, lite), group)
 

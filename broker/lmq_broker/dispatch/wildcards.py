@@ -1,21 +1,26 @@
-"""Clients that take lite topics by pattern rather than one by one: wildcard lite groups and topic filters.
+"""Clients that take lite topics by pattern rather than one by one: wildcard lite groups, topic filters and
+name patterns.
 
 RocketMQ 5.5.0's ``lite.sub.wildcard``: a client of a wildcard group registers with COMPLETE_ADD (the set it
 sends is ignored; the clients' ``subscribe_lite_all()``), holds no per-topic subscriptions and counts against
 no subscription quota; it receives every lite topic of its parent. Topic filters generalise that (MQTT
-subscriptions, docs/mqtt.md): a lite name is split into levels at ``_`` and a filter is a tuple of levels
-where ``+`` matches one level and a last ``#`` any remainder, none included (``("a", "#")`` matches ``a`` and
-``a_b_c``); a whole-parent registration is the filter ``("#",)``.
+subscriptions, docs/mqtt.md; RocketMQ clients' patterns, docs/protocol.md): a lite name is split into levels
+at ``_`` and a filter is a tuple of levels where ``+`` matches one level and a last ``#`` any remainder, none
+included (``("a", "#")`` matches ``a`` and ``a_b_c``); a whole-parent registration is the filter ``("#",)``.
+A *prefix filter* is one element ending in ``*``: ``("session-*",)`` matches every name that starts with
+``session-``, levels and all (names never hold ``*``, so it cannot be mistaken for a level).
 
 Arrivals are matched, never scanned for: while any registration exists, each arrived LMQ costs one dict
 lookup for its parent and, where the parent has filters, one walk down that parent's filter trie (one branch
-per level, plus the ``+`` and ``#`` branches): the cost grows with the filters that match, not with the
-registered clients or the lite topics. A registering client's backlog is found by the dispatcher's paged
+per level, plus the ``+`` and ``#`` branches) and one dict lookup per distinct prefix length registered in the
+parent (at most 65: names are at most 64 bytes): the cost grows with the filters that match, not with the
+registered filters, clients or lite topics. A registering client's backlog is found by the dispatcher's paged
 catch-up, off the loop, over the key range its filters can match (``scan_range``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -24,7 +29,12 @@ from lmq_broker import model
 LEVEL_SEPARATOR: Final = "_"  # in lite names; MQTT's "/" (docs/mqtt.md)
 ONE_LEVEL: Final = "+"
 ANY_LEVELS: Final = "#"
+ANY_CHARS: Final = "*"  # ends a prefix filter
 WHOLE_PARENT: Final = (ANY_LEVELS,)
+PATTERN_CHARS: Final = frozenset("*+#/")  # never in a lite name: a name holding one is a pattern
+_PATTERN_LEVEL_RE: Final = re.compile(r"^[A-Za-z0-9-]*$")
+_PATTERN_PREFIX_RE: Final = re.compile(r"^[A-Za-z0-9_/-]*$")
+_PATTERN_LEVELS_RE: Final = re.compile(r"[/_]")
 _PAST_NAMES: Final = "\x7f"  # sorts after every character a lite name may hold ([A-Za-z0-9_-])
 
 Filter = tuple[str, ...]
@@ -44,10 +54,48 @@ class _Node:
         return not (self.children or self.one or self.here or self.any)
 
 
+class _Prefixes:
+    """The prefix filters of one parent: members by prefix, and how many prefixes there are of each length."""
+
+    __slots__ = ("by_prefix", "lengths")
+
+    def __init__(self) -> None:
+        self.by_prefix: dict[str, Members] = {}
+        self.lengths: dict[int, int] = {}
+
+    def add(self, prefix: str, group: str, client_id: str) -> None:
+        members = self.by_prefix.get(prefix)
+        if members is None:
+            members = self.by_prefix[prefix] = {}
+            self.lengths[len(prefix)] = self.lengths.get(len(prefix), 0) + 1
+        members.setdefault(group, set()).add(client_id)
+
+    def discard(self, prefix: str, group: str, client_id: str) -> None:
+        members = self.by_prefix.get(prefix)
+        if members is None:
+            return
+        _discard(members, group, client_id)
+        if not members:
+            del self.by_prefix[prefix]
+            left = self.lengths[len(prefix)] - 1
+            if left:
+                self.lengths[len(prefix)] = left
+            else:
+                del self.lengths[len(prefix)]
+
+    def match(self, lite: str, found: Members) -> None:
+        for length in self.lengths:
+            if length <= len(lite):
+                members = self.by_prefix.get(lite[:length])
+                if members is not None:
+                    _merge(found, members)
+
+
 class Wildcards:
     def __init__(self) -> None:
         self._by_parent: dict[str, Members] = {}  # whole-parent registrations: parent -> group -> clients
         self._tries: dict[str, _Node] = {}  # parent -> filter trie of the other registrations
+        self._prefixes: dict[str, _Prefixes] = {}  # parent -> its prefix filters
         self._of_client: dict[str, tuple[str, str]] = {}  # client id -> (parent, group)
         self._filters: dict[str, frozenset[Filter]] = {}  # client id -> its filters (absent: whole parent)
 
@@ -68,9 +116,12 @@ class Wildcards:
             self._by_parent.setdefault(parent, {}).setdefault(group, set()).add(client_id)
             return True
         self._filters[client_id] = wanted
-        root = self._tries.setdefault(parent, _Node())
         for levels in wanted:
-            node = root
+            prefix = prefix_of(levels)
+            if prefix is not None:
+                self._prefixes.setdefault(parent, _Prefixes()).add(prefix, group, client_id)
+                continue
+            node = self._tries.setdefault(parent, _Node())
             for level in levels[:-1] if levels[-1] == ANY_LEVELS else levels:
                 if level == ONE_LEVEL:
                     node.one = node.one or _Node()
@@ -91,11 +142,17 @@ class Wildcards:
             if not self._by_parent[parent]:
                 del self._by_parent[parent]
             return where
-        root = self._tries[parent]
+        root, prefixes = self._tries.get(parent), self._prefixes.get(parent)
         for levels in filters:
-            _unregister(root, levels, group, client_id)
-        if root.empty():
+            prefix = prefix_of(levels)
+            if prefix is None and root is not None:
+                _unregister(root, levels, group, client_id)
+            elif prefix is not None and prefixes is not None:
+                prefixes.discard(prefix, group, client_id)
+        if root is not None and root.empty():
             del self._tries[parent]
+        if prefixes is not None and not prefixes.by_prefix:
+            del self._prefixes[parent]
         return where
 
     def registration(self, client_id: str) -> tuple[str, str] | None:
@@ -112,11 +169,14 @@ class Wildcards:
             return {}
         _, parent, lite = lmq.split(model.LMQ_SEPARATOR, 2)
         whole = self._by_parent.get(parent, {})
-        root = self._tries.get(parent)
-        if root is None:
+        root, prefixes = self._tries.get(parent), self._prefixes.get(parent)
+        if root is None and prefixes is None:
             return whole
         found: Members = {group: set(clients) for group, clients in whole.items()}
-        _match(root, lite.split(LEVEL_SEPARATOR), 0, found)
+        if root is not None:
+            _match(root, lite.split(LEVEL_SEPARATOR), 0, found)
+        if prefixes is not None:
+            prefixes.match(lite, found)
         return found
 
     def holds(self, client_id: str, lmq: str) -> bool:
@@ -134,32 +194,78 @@ class Wildcards:
         levels = lite.split(LEVEL_SEPARATOR)
         return any(matches(f, levels) for f in filters)
 
-    def scan_range(self, client_id: str) -> tuple[str, str]:
-        """(start after, end before) in lite names of the parent, covering every name the client's filters can
-        match ("" for an open end): a catch-up pass pages through that range only."""
-        return scan_range(self._filters.get(client_id) or ())
+    def scan_ranges(self, client_id: str) -> list[tuple[str, str]]:
+        """Ranges of lite names of the parent (``scan_ranges``) holding every name the client can take: a
+        catch-up pass pages through those only."""
+        filters = self._filters.get(client_id)
+        return scan_ranges(filters) if filters is not None else [("", "")]
+
+
+def scan_ranges(filters: Iterable[Filter]) -> list[tuple[str, str]]:
+    """Sorted, disjoint (start after, end before) ranges of lite names ("": an open end) holding every name
+    one of ``filters`` can match: one per literal prefix not covered by a shorter one."""
+    prefixes = sorted({_literal_prefix(f) for f in filters})
+    if not prefixes or not prefixes[0]:
+        return [("", "")]
+    kept: list[str] = []
+    for prefix in prefixes:  # sorted: a prefix that covers this one came just before it among the kept ones
+        if not kept or not prefix.startswith(kept[-1]):
+            kept.append(prefix)
+    # every name that starts with a prefix sorts after _just_before(prefix) and before prefix + _PAST_NAMES
+    return [(_just_before(prefix), prefix + _PAST_NAMES) for prefix in kept]
 
 
 def scan_range(filters: Iterable[Filter]) -> tuple[str, str]:
     """(start after, end before) in lite names covering every name one of ``filters`` can match ("": open)."""
-    lows, highs = [], []
-    for f in filters:
-        literal = []
-        for level in f:
-            if level in (ONE_LEVEL, ANY_LEVELS):
-                break
-            literal.append(level)
-        prefix = LEVEL_SEPARATOR.join(literal)
-        if not prefix:
-            return "", ""
-        lows.append(prefix)
-        highs.append(prefix + _PAST_NAMES)  # every name that starts with the prefix sorts before it
-    if not lows:
-        return "", ""
-    return _just_before(min(lows)), max(highs)
+    ranges = scan_ranges(filters)
+    return ranges[0][0], ranges[-1][1]
+
+
+def _literal_prefix(f: Filter) -> str:
+    prefix = prefix_of(f)
+    if prefix is not None:
+        return prefix
+    literal = []
+    for level in f:
+        if level in (ONE_LEVEL, ANY_LEVELS):
+            break
+        literal.append(level)
+    return LEVEL_SEPARATOR.join(literal)
+
+
+def is_pattern(name: str) -> bool:
+    return not PATTERN_CHARS.isdisjoint(name)
+
+
+def parse_pattern(text: str) -> Filter:
+    """A RocketMQ client's pattern -> its filter; ValueError saying what is wrong. ``session-*``: the names
+    that start with ``session-``; ``a/+/c``, ``a/#``: MQTT filters over the levels of a name, separated by
+    ``/`` or ``_`` alike (``a_+`` is ``a/+``); ``#`` and ``*``: every lite topic of the parent."""
+    if ANY_CHARS in text[:-1]:
+        raise ValueError("'*' may only end a pattern (use '+' for one level)")
+    if text.endswith(ANY_CHARS):
+        prefix = text[:-1]
+        if not _PATTERN_PREFIX_RE.match(prefix):
+            raise ValueError("a pattern ending in '*' holds characters of [A-Za-z0-9_/-] before it")
+        return (prefix.replace("/", LEVEL_SEPARATOR) + ANY_CHARS,) if prefix else WHOLE_PARENT
+    levels = tuple(_PATTERN_LEVELS_RE.split(text))
+    for i, level in enumerate(levels):
+        if level == ANY_LEVELS and i != len(levels) - 1:
+            raise ValueError("'#' must be the last level")
+        if level not in (ONE_LEVEL, ANY_LEVELS) and not _PATTERN_LEVEL_RE.match(level):
+            raise ValueError("levels (between '/' or '_') hold [A-Za-z0-9-], or are '+' or '#'")
+    return levels
+
+
+def prefix_of(f: Filter) -> str | None:
+    """The prefix of a prefix filter (``("session-*",)`` -> ``session-``); None for a level filter."""
+    return f[0][:-1] if len(f) == 1 and f[0].endswith(ANY_CHARS) else None
 
 
 def matches(f: Filter, levels: list[str]) -> bool:
+    prefix = prefix_of(f)
+    if prefix is not None:
+        return LEVEL_SEPARATOR.join(levels).startswith(prefix)
     for i, level in enumerate(f):
         if level == ANY_LEVELS:
             return True

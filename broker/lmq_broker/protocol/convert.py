@@ -16,7 +16,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from lmq_broker import errors, model
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import dispatcher, filters, metadata
+from lmq_broker.dispatch import dispatcher, filters, metadata, wildcards
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 
 MAX_MESSAGE_ID_CHARS: Final = 128
@@ -55,6 +55,21 @@ def lite_topic(name: str, max_chars: int) -> str:
         raise errors.InvalidLiteTopic(
             f"illegal lite topic {name[:160]!r}: 1..{max_chars} characters of [A-Za-z0-9_-]", lite_topic=name[:160]
         )
+    return name
+
+
+def lite_topic_or_pattern(name: str, max_chars: int) -> str:
+    """A lite topic name, or a pattern of them (``wildcards.parse_pattern``) as a subscription may name."""
+    if not wildcards.is_pattern(name):
+        return lite_topic(name, max_chars)
+    try:
+        if len(name) > max_chars:
+            raise ValueError(f"at most {max_chars} characters")
+        wildcards.parse_pattern(name)
+    except ValueError as exc:
+        raise errors.InvalidLiteTopic(
+            f"illegal lite topic pattern {name[:160]!r}: {exc}", lite_topic=name[:160]
+        ) from None
     return name
 
 

@@ -479,6 +479,7 @@ def encode_group(group: model.LiteGroup) -> bytes:
             "fifo": group.fifo,
             "consume_enabled": group.consume_enabled,
             "wildcard": group.wildcard,
+            "lite_patterns": list(group.lite_patterns),
         },
         sort_keys=True,
     ).encode()
@@ -496,6 +497,7 @@ def decode_group(value: bytes) -> model.LiteGroup:
         fifo=d["fifo"],
         consume_enabled=d["consume_enabled"],
         wildcard=d.get("wildcard", False),  # absent in groups stored before wildcard groups existed
+        lite_patterns=tuple(d.get("lite_patterns", ())),  # absent in groups stored before group patterns
     )
 
 

@@ -42,7 +42,7 @@ async def handle(
     dispatcher = edge.dispatcher
     if action in (pb.PARTIAL_ADD, pb.COMPLETE_ADD):
         for name in names:
-            convert.lite_topic(name, edge.config.max_lite_topic_size)
+            convert.lite_topic_or_pattern(name, edge.config.max_lite_topic_size)
     if action == pb.PARTIAL_ADD:
         offset = convert.offset_reset(request.offset_option) if request.HasField("offset_option") else None
         await dispatcher.add_lite(client_id, group, parent, names, namespace=caller.namespace, offset=offset)

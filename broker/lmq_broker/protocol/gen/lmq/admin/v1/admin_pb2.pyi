@@ -172,6 +172,7 @@ class LiteGroup(_message.Message):
     FIFO_FIELD_NUMBER: _builtins.int
     CONSUME_ENABLED_FIELD_NUMBER: _builtins.int
     WILDCARD_FIELD_NUMBER: _builtins.int
+    LITE_PATTERNS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     bind_topic: _builtins.str
     model: Global___SubscriptionModel.ValueType
@@ -183,6 +184,12 @@ class LiteGroup(_message.Message):
     """Every lite topic of bind_topic, without per-topic subscriptions (RocketMQ lite.sub.wildcard)."""
     @_builtins.property
     def retry(self) -> Global___RetryPolicy: ...
+    @_builtins.property
+    def lite_patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """A wildcard group's lite topic patterns ("session-*", "a/+/c", "a/#"): it receives only the lite topics they
+        match; none: every lite topic.
+        """
+
     def __init__(
         self,
         *,
@@ -195,10 +202,11 @@ class LiteGroup(_message.Message):
         fifo: _builtins.bool = ...,
         consume_enabled: _builtins.bool = ...,
         wildcard: _builtins.bool = ...,
+        lite_patterns: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retry", b"retry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "client_quota", b"client_quota", "consume_enabled", b"consume_enabled", "fifo", b"fifo", "model", b"model", "name", b"name", "ready_capacity", b"ready_capacity", "retry", b"retry", "wildcard", b"wildcard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "client_quota", b"client_quota", "consume_enabled", b"consume_enabled", "fifo", b"fifo", "lite_patterns", b"lite_patterns", "model", b"model", "name", b"name", "ready_capacity", b"ready_capacity", "retry", b"retry", "wildcard", b"wildcard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
