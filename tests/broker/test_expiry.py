@@ -137,6 +137,24 @@ async def test_a_pass_reads_the_index_in_bounded_steps_with_a_pause_between_them
     assert [m.lite for m in lite.store.scan_lite_topics(PARENT)] == ["t04"]
 
 
+async def test_deletes_go_in_small_chunks_paced_like_the_steps(lite: Lite) -> None:
+    count = 2 * expiry.DELETE_CHUNK + 3
+    lite.store.append([dispatch_testing.lite_message(f"t{i:03d}", message_id=f"m{i}") for i in range(count)])
+    lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        assert lite.dispatcher.reclaims_in_flight() == 0  # between two delete calls, none is under way
+
+    settings = expiry.Settings(interval_ms=1000, batch=1000, step_pause_ms=3, min_age_ms=0)
+    report = await expiry.run_pass(lite.store, lite.dispatcher, settings, lite.clock, pause=pause)
+
+    assert (report.scanned, report.expired, report.deleted) == (count, count, count)
+    assert pauses == [0.003, 0.003]  # one step, three delete calls
+    assert lite.store.lite_topic_count(PARENT) == 0
+
+
 async def test_a_stopped_pass_ends_before_its_next_step(lite: Lite) -> None:
     for i in range(6):
         await lite.send(f"t{i}")

@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 MS_PER_MINUTE: Final = 60_000
 LOG_EVERY_S: Final = 300.0  # at most one summary line per this many seconds, covering the passes since the last
 # Candidates per compare-and-delete call. Smaller than the job's chunk (reclaiming.DELETE_BATCH): each call holds
-# the store's write lock for its whole chunk, and sends wait for it; this path favours their latency over its rate.
-DELETE_CHUNK: Final = 100
+# the store's write lock for its whole chunk, and sends wait for it; this path favours their latency over its rate
+# (and pauses between chunks as between steps).
+DELETE_CHUNK: Final = 25
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,8 @@ async def run_pass(
             cursor = step.cursor
             report.expired += len(step.candidates)
             for start in range(0, len(step.candidates), DELETE_CHUNK):
+                if start and pause_s > 0:  # each chunk holds the store's write lock: paced like the reads
+                    await pause(pause_s)
                 report.count(await _delete(store, live, parent.name, step.candidates[start : start + DELETE_CHUNK]))
             if cursor is not None and pause_s > 0:
                 await pause(pause_s)
