@@ -221,7 +221,8 @@ async def run(
     *,
     on_pass: Callable[[Report], None],
 ) -> None:
-    """Passes every ``interval_ms`` until ``stopping``; the first one ``max(min_age_ms, interval_ms)`` after start
+    """A pass ``interval_ms`` after the previous one ended, until ``stopping``; the first ``max(min_age_ms,
+    interval_ms)`` after start
     (as RocketMQ's first check waits minLiteTTl: clients reconnecting to a broker that was down get time to
     touch their topics again). A pass that fails is logged and the next one runs on time."""
     summary = Summary()
