@@ -28,6 +28,7 @@ UNIT_MODULES: Final = frozenset(
         "broker/test_convert.py",
         "broker/test_dispatcher.py",
         "broker/test_external.py",
+        "broker/test_expiry.py",
         "broker/test_ingest.py",
         "broker/test_leases.py",
         "broker/test_quotas.py",

@@ -69,6 +69,12 @@ HELP: Final[dict[str, str]] = {
     "lease_renew_max_ms": "push consumers: stop renewing a lease this long after delivery (0: never renew)",
     "max_suspend_ms": "dead-letter a message once it was suspended (ChangeInvisibleDuration suspend) this long "
     "in all (-1: no cap)",
+    "lite_ttl_interval_ms": "expire lite topics idle past their parent's expiration in the broker, a pass this "
+    "often (0: off; the reclaim job is the bulk path either way)",
+    "lite_ttl_batch": "lite-topic expiry: index rows read per step of a pass (on a worker thread)",
+    "lite_ttl_step_pause_ms": "lite-topic expiry: pause between two steps of a pass",
+    "lite_ttl_min_age_ms": "lite-topic expiry: never expire a topic idle for less than this, and start the first pass "
+    "this long after the broker (RocketMQ minLiteTTl)",
     "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
     "of every pod (docs/scale-out.md)",
     "ring_history": "scale-out: earlier ring sizes in slots, oldest first, comma-separated (one per scale-up)",

@@ -24,7 +24,7 @@ import grpc
 import prometheus_client
 
 from lmq_broker import errors, heap, model
-from lmq_broker.admin import credentials
+from lmq_broker.admin import credentials, expiry
 from lmq_broker.admin import service as admin_service
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import saved_subscriptions
@@ -124,6 +124,7 @@ class Broker:
         self._retention: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
         self._heap_trim: asyncio.Task[None] | None = None
+        self._expiry: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()  # also read (a flag) by a retention pass between segments
 
     @property
@@ -199,6 +200,17 @@ class Broker:
         if config.store.retention_max_age_ms >= 0 or config.store.retention_max_bytes >= 0:
             self._retention = asyncio.create_task(self._apply_retention_periodically(self.store))
         self._health = asyncio.create_task(self._watch_store_health(self.store, self.dispatcher))
+        if config.lite_ttl_interval_ms > 0:
+            self._expiry = asyncio.create_task(
+                expiry.run(
+                    self.store,
+                    self.dispatcher,
+                    expiry.Settings.of(config),
+                    self.dispatcher.wall_clock,
+                    self._stopping,
+                    on_pass=self._count_expiry,
+                )
+            )
         if config.heap_trim_interval_ms > 0 and heap.supported():
             self._heap_trim = asyncio.create_task(self._trim_heap_periodically())
         if isinstance(self.store, lmq_store.LmqStore):
@@ -234,6 +246,9 @@ class Broker:
         if self._retention is not None:
             await self._retention  # a running pass ends after its current segment, before the store closes
             self._retention = None
+        if self._expiry is not None:
+            await self._expiry  # a running pass ends after its current step, before the dispatcher closes
+            self._expiry = None
         if self._health is not None:
             await self._health
             self._health = None
@@ -285,6 +300,18 @@ class Broker:
                 log.warning("ready again (after: %s)", trouble)
                 dispatcher.resync()
             trouble = now
+
+    def _count_expiry(self, report: expiry.Report) -> None:
+        metrics = self.metrics
+        metrics.lite_ttl_scanned.inc(report.scanned)
+        metrics.lite_ttl_deleted.inc(report.deleted)
+        for reason, count in (
+            ("changed", report.kept_changed),
+            ("subscribed", report.kept_subscribed),
+            ("gone", report.not_found),
+        ):
+            metrics.lite_ttl_kept.labels(reason).inc(count)
+        metrics.lite_ttl_pass_seconds.observe(report.seconds)
 
     async def _trim_heap_periodically(self) -> None:
         """Every ``heap_trim_interval_ms``: hand the C heap's free pages back to the OS (on a thread)."""

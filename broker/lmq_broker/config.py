@@ -65,6 +65,14 @@ class BrokerConfig(BaseModel):
     # Total time one message may spend suspended (ChangeInvisibleDuration with suspend, which counts no
     # attempt) before it is dead-lettered; -1: no cap. RocketMQ has no such cap (nor a default for one).
     max_suspend_ms: int = Field(default=24 * 3600 * 1000, ge=-1)
+    # In-broker expiry of lite topics idle past their parent's expiration (docs/reclaim.md): a pass every
+    # interval (RocketMQ liteTtlCheckInterval; 0: off), lite_ttl_batch index rows per step on a worker thread,
+    # lite_ttl_step_pause_ms between steps; never a topic idle for less than lite_ttl_min_age_ms (minLiteTTl),
+    # and the first pass only that long after start.
+    lite_ttl_interval_ms: int = Field(default=120_000, ge=0)
+    lite_ttl_batch: int = Field(default=1000, ge=1, le=100_000)
+    lite_ttl_step_pause_ms: int = Field(default=20, ge=0)
+    lite_ttl_min_age_ms: int = Field(default=15 * 60 * 1000, ge=0)
     bootstrap: bool = True  # create AGENT_TASK_NS + executor-group on first start
     index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""

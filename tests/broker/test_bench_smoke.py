@@ -15,6 +15,10 @@ EXPECTED = {
     "bench_broker_consume.py": ["FIGURE one-lite-topic drain rate:", "FIGURE drain calls/s ÷ echo calls/s:"],
     "bench_broker_send.py": ["FIGURE send rate broker(sync flush)/echo:", "FIGURE send rate broker(async flush)/echo:"],
     "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
+    "bench_lite_ttl.py": [
+        "FIGURE lite-ttl pass over 10k topics, defaults:",
+        "FIGURE lite-ttl same load without a pass:",
+    ],
     "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],
     "bench_lite_patterns.py": ["FIGURE per-arrival dispatch cost, 10,000 patterns ÷ 1 pattern:"],
     "bench_mqtt.py": ["FIGURE MQTT publish->subscribe latency p50:", "FIGURE MQTT publish->subscribe rate QoS 1:"],

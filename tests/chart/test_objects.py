@@ -451,7 +451,7 @@ def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, on
     objects = render({"operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}}})
     kinds = {o["kind"] for o in objects}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == [BROKER]
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == [BROKER, "demo-lmq-reclaim"]
     assert pod_spec(one(objects, "Deployment"))["serviceAccountName"] == "ops"
 
     with pytest.raises(helm.HelmRenderError, match=r"broker\.serviceAccount\.name is required"):
@@ -463,15 +463,17 @@ def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, on
 def test_operator_can_be_left_out(render: Render) -> None:
     objects = render({"operator": {"enabled": False}})
     components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects}
-    assert components == {"admin", "broker", "test"}
+    assert components == {"admin", "broker", "reclaim", "test"}
 
 
 # -- the reclaim CronJob
 
 
-def test_reclaim_cronjob_is_absent_by_default(render: Render) -> None:
+def test_reclaim_cronjob_is_present_by_default_and_can_be_left_out(render: Render) -> None:
     components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in render()}
-    assert components == {"admin", "broker", "operator", "test"}
+    assert components == {"admin", "broker", "operator", "reclaim", "test"}
+    without = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in render({"reclaim": {"enabled": False}})}
+    assert without == {"admin", "broker", "operator", "test"}
 
 
 def test_reclaim_cronjob_when_enabled(render: Render, one: One) -> None:
@@ -576,6 +578,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-test",
         "lmq-operator-leader",
         "lmq-operator-metrics",
+        "lmq-reclaim",
     }
     assert names(render({"fullnameOverride": "mq"})) == {
         "mq-admin",
@@ -586,6 +589,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-test",
         "mq-operator-leader",
         "mq-operator-metrics",
+        "mq-reclaim",
     }
 
 

@@ -109,6 +109,7 @@ FULL: dict[str, Any] = {
         "image": {"repository": "registry.example.org/lmq/data", "digest": "sha256:" + "cd" * 32},
         "replicas": 5,
         "extraArgs": ["--flush-mode", "async"],
+        "liteTtl": {"enabled": True, "intervalMs": 60_000, "batch": 500, "stepPauseMs": 5, "minAgeMs": 600_000},
         "extraEnv": [{"name": "LMQ_MAX_BODY_BYTES", "value": "1048576"}],
         "extraVolumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}}],
         "extraVolumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
@@ -239,6 +240,8 @@ MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 # Switches FULL leaves at their default so the parts they guard render; each is tested on its own.
 SWITCHES = {
     ("operator", "enabled"),
+    ("reclaim", "enabled"),
+    ("broker", "liteTtl", "enabled"),
     ("operator", "rbac", "create"),
     ("operator", "serviceAccount", "create"),
     ("broker", "persistence", "enabled"),

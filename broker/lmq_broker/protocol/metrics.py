@@ -48,6 +48,24 @@ class Metrics:
         self.retention_bytes = Counter(
             "lmq_retention_bytes_deleted", "Commit-log bytes dropped by retention", registry=self.registry
         )
+        self.lite_ttl_deleted = Counter(
+            "lmq_lite_ttl_deleted", "Lite topics deleted by the in-broker expiry (idle past their parent's expiration)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.lite_ttl_kept = Counter(
+            "lmq_lite_ttl_kept",
+            "Lite topics the in-broker expiry chose but kept at the compare-and-delete, by reason (changed: a message "
+            "or consume since; subscribed: a new subscriber; gone: deleted by someone else)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.lite_ttl_scanned = Counter(
+            "lmq_lite_ttl_scanned", "Lite topics read by in-broker expiry passes", registry=self.registry
+        )
+        self.lite_ttl_pass_seconds = Histogram(
+            "lmq_lite_ttl_pass_duration_seconds", "Wall time of one in-broker expiry pass (pauses included)",
+            registry=self.registry, buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800, 7200),
+        )  # fmt: skip
         self.heap_trims = Counter("lmq_heap_trims", "Periodic hand-backs of free C-heap pages", registry=self.registry)
         self.heap_released_bytes = Counter(
             "lmq_heap_released_bytes", "Resident bytes released by the periodic C-heap trim", registry=self.registry
