@@ -271,6 +271,122 @@ async def test_subscriptions_are_split_by_owner(cluster: Cluster) -> None:
     assert both() == (set(), set())
 
 
+def patterns_at(cluster: Cluster, slot: int, client_id: str = "client-1") -> set[str]:
+    dispatcher = cluster.brokers[slot].dispatcher
+    assert dispatcher is not None
+    state = dispatcher.registry.get(client_id)
+    return set(state.patterns) if state is not None else set()
+
+
+async def send_to(cluster: Cluster, lites: list[str], n: int = 0) -> None:
+    reply = await cluster.clients[0].stub.SendMessage(
+        spb.SendMessageRequest(messages=[message(lite, n) for lite in lites]), metadata=cluster.headers()
+    )
+    assert reply.status.code == pb.OK, reply.status
+
+
+async def taken(cluster: Cluster, slot: int, want: int, *, group: str = GROUP, quiet_s: float = 0.3) -> list[str]:
+    """Receive and ack as client-1 at broker ``slot`` until ``want`` messages came and then ``quiet_s`` passed
+    with none more; their bodies."""
+    dispatcher = cluster.brokers[slot].dispatcher
+    assert dispatcher is not None
+    got: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline, quiet_until = loop.time() + 10, 0.0
+    while loop.time() < deadline and (len(got) < want or loop.time() < quiet_until):
+        for d in await dispatcher.receive_lite("client-1", group, PARENT, batch=32, invisible_ms=10_000, poll_ms=50):
+            got.append(d.message.body.decode())
+            await dispatcher.ack(group, d.receipt_handle)
+        if len(got) >= want and not quiet_until:
+            quiet_until = loop.time() + quiet_s
+    return got
+
+
+async def test_a_pattern_goes_to_every_broker_and_takes_each_ones_topics(cluster: Cluster) -> None:
+    """PARTIAL_ADD of a pattern through one broker registers it on both: each finds its own waiting messages
+    of matching topics and takes its matching arrivals, none of the others; PARTIAL_REMOVE ends it on both."""
+    mine, theirs = cluster.lites_of(0, 2, "m"), cluster.lites_of(1, 2, "m")
+    other = cluster.lites_of(0, 1, "o") + cluster.lites_of(1, 1, "o")
+    await send_to(cluster, [mine[0], theirs[0], *other])  # waiting before anyone subscribes
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, ["m-*", other[1]])
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"m-*"}, {"m-*"})
+    assert subscribed(cluster, 0, other) == set() and subscribed(cluster, 1, other) == {other[1]}
+    await send_to(cluster, [mine[1], theirs[1], other[0]])
+    assert sorted(await taken(cluster, 0, 2)) == sorted(f"{lite}/0" for lite in mine)
+    assert sorted(await taken(cluster, 1, 3)) == sorted(f"{lite}/0" for lite in [*theirs, other[1]])
+    await sync_on(cluster, 0, pb.PARTIAL_REMOVE, ["m-*"])
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == (set(), set())
+    await send_to(cluster, mine + theirs, 1)
+    assert await taken(cluster, 0, 0) == [] and await taken(cluster, 1, 0) == []
+
+
+async def test_full_syncs_carry_patterns_to_every_broker(cluster: Cluster) -> None:
+    mine = cluster.lites_of(0, 1)
+    await sync_on(cluster, 1, pb.COMPLETE_ADD, ["a/#", "b-*", *mine])
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"a/#", "b-*"}, {"a/#", "b-*"})
+    assert subscribed(cluster, 0, mine) == set(mine)
+    await sync_on(cluster, 1, pb.COMPLETE_ADD, ["b-*"])  # a complete set: the other pattern goes everywhere
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"b-*"}, {"b-*"})
+    assert subscribed(cluster, 0, mine) == set()
+    await sync_on(cluster, 1, pb.COMPLETE_REMOVE, [])
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == (set(), set())
+
+
+async def test_patterns_sent_to_every_broker_are_applied_once_each(cluster: Cluster) -> None:
+    """Java and Go send their copy to every endpoint: each registers the pattern where it lands only."""
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, ["job-*"], "JAVA")
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"job-*"}, set())
+    await sync_on(cluster, 1, pb.PARTIAL_ADD, ["job-*"], "GOLANG")
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"job-*"}, {"job-*"})
+    await sync_on(cluster, 1, pb.PARTIAL_REMOVE, ["job-*"], "JAVA")
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"job-*"}, set())
+
+
+async def test_a_pattern_counts_once_on_each_broker(tmp_path: Path) -> None:
+    """Every broker counts a pattern as one subscription against its own limits: broker 1 (a limit of 2) takes
+    a pattern and a topic it owns, and refuses a second pattern; the refusal is the client's answer."""
+    cluster = await start_cluster(tmp_path, 2, each=[{}, {"max_subscriptions_per_broker": 2}])
+    try:
+        theirs = cluster.lites_of(1, 1)
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, ["s-*", *theirs])
+        reply = await cluster.clients[0].stub.SyncLiteSubscription(
+            spb.SyncLiteSubscriptionRequest(
+                action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP),
+                lite_topic_set=["t-*"],
+            ),
+            metadata=cluster.headers(),
+        )  # fmt: skip
+        assert reply.status.code == pb.LITE_SUBSCRIPTION_QUOTA_EXCEEDED, reply.status
+        assert patterns_at(cluster, 1) == {"s-*"}
+        await sync_on(cluster, 0, pb.COMPLETE_ADD, ["s-*", *theirs])  # the client's full sync: as it holds
+        assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"s-*"}, {"s-*"})
+    finally:
+        await stop_cluster(cluster)
+
+
+async def test_group_patterns_of_a_wildcard_group_apply_on_every_broker(cluster: Cluster) -> None:
+    """A wildcard group's ``litePatterns``: one COMPLETE_ADD through one broker registers the client on each,
+    and each delivers its own matching topics, waiting ones included."""
+    wild = model.LiteGroup("W", PARENT, wildcard=True, lite_patterns=("eu/+",))
+    for broker in cluster.brokers:
+        assert broker.store is not None and broker.dispatcher is not None
+        broker.store.put_group(wild)
+        broker.dispatcher.metadata_changed()
+    mine, theirs = cluster.lites_of(0, 2, "eu_x"), cluster.lites_of(1, 2, "eu_x")
+    others = cluster.lites_of(0, 1, "us_x") + cluster.lites_of(1, 1, "us_x")
+    await send_to(cluster, [mine[0], theirs[0]])
+    reply = await cluster.clients[0].stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(
+            action=pb.COMPLETE_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name="W"), lite_topic_set=[]
+        ),
+        metadata=cluster.headers(),
+    )
+    assert reply.status.code == pb.OK, reply.status
+    await send_to(cluster, [mine[1], theirs[1], *others])
+    assert sorted(await taken(cluster, 0, 2, group="W")) == sorted(f"{lite}/0" for lite in mine)
+    assert sorted(await taken(cluster, 1, 2, group="W")) == sorted(f"{lite}/0" for lite in theirs)
+
+
 @pytest.mark.parametrize("admin_port", [False, True], ids=["admin-on-the-client-port", "admin-port"])
 async def test_a_topic_created_before_a_scale_up_stays_on_its_broker(tmp_path: Path, admin_port: bool) -> None:
     """Broker 0 of a 2-slot ring now runs in a 3-slot ring (history 2): topics that moved to slot 2 but that

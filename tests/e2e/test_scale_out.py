@@ -7,6 +7,7 @@ processes: ``--processes N`` (one access port shared with SO_REUSEPORT) and expl
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -390,3 +391,101 @@ def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients:
     finally:
         for broker in brokers:
             broker.stop()
+
+
+# --- lite topic patterns across brokers ----------------------------------------------------------------------
+@contextlib.contextmanager
+def two_brokers(tmp_path: Path, kind: str) -> Iterator[tuple[str, list[str]]]:
+    """(access endpoint, each broker's endpoint): two ``--peers`` brokers (the client dials the second), or one
+    ``serve --processes 2`` pod (the client dials the shared port, the kernel picks the process)."""
+    if kind == "processes":
+        with start_broker(
+            tmp_path / "data", extra_args=["--processes", "2", "--no-bootstrap"], env=SHARED_ADMIN_ENV
+        ) as pod:
+            yield pod.endpoint, process_endpoints(pod)
+        return
+    brokers = start_cluster(tmp_path, free_ports("127.0.0.1", 2))
+    try:
+        yield brokers[1].endpoint, [b.endpoint for b in brokers]
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def send_each(producer: Any, lites: list[str], n: int) -> set[tuple[str, bytes]]:
+    sent = set()
+    for lite in lites:
+        body = f"{lite}/p/{n:04d}".encode()
+        send(producer, lite, body)
+        sent.add((lite, body))
+    return sent
+
+
+@pytest.mark.parametrize("kind", ["peers", "processes"])
+def test_patterns_take_the_matching_topics_of_every_broker(tmp_path: Path, clients: list[Any], kind: str) -> None:
+    """``subscribe_lite("job-*")`` and ``("dev/+/cmd")`` through one access endpoint reach both brokers: each
+    delivers its matching topics (waiting messages first), none of the others, each message once and in order
+    per topic; unsubscribing stops it on both; a restarted consumer resumes from both brokers' offsets."""
+    with two_brokers(tmp_path, kind) as (access, endpoints):
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        jobs, devs = [f"job-{i}" for i in range(12)], [f"dev_{i}_cmd" for i in range(8)]
+        others = [f"jo-{i}" for i in range(4)] + [f"dev_{i}_cmd_x" for i in range(4)] + ["dev_cmd", "other"]
+        producer = Producer(config(access), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        wanted = send_each(producer, jobs, 0)  # waiting when the pattern comes: each broker finds its own
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(access), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite("job-*")
+        consumer.subscribe_lite("dev/+/cmd")
+        for n in (1, 2):
+            wanted |= send_each(producer, jobs + devs, n)
+            send_each(producer, others, n)
+        check_received(inbox, wanted)
+        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        assert {placed[lite][0] for lite in jobs} == {0, 1} and {placed[lite][0] for lite in devs} == {0, 1}
+        consumer.unsubscribe_lite("job-*")
+        send_each(producer, jobs, 3)
+        wanted |= send_each(producer, devs, 3)
+        check_received(inbox, wanted)  # no job-* message since, from either broker
+        consumer.shutdown()
+        clients.remove(consumer)
+        restarted = send_each(producer, devs, 4)
+        again = Inbox()
+        consumer = LitePushConsumer(config(access), GROUP, TOPIC, again)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite("dev/+/cmd")
+        check_received(again, restarted)  # only what came since: nothing acked is delivered again
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()
+
+
+def test_a_wildcard_groups_patterns_apply_on_every_broker(tmp_path: Path, clients: list[Any]) -> None:
+    """A wildcard group with ``litePatterns``: ``subscribe_lite_all()`` through one access endpoint registers
+    the client on both brokers, and each delivers its topics the group's patterns match, waiting ones too."""
+    with two_brokers(tmp_path, "peers") as (access, endpoints):
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        for endpoint in endpoints:
+            with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+                admin.put_group(model.LiteGroup("wild-group", TOPIC, wildcard=True, lite_patterns=("eu/+",)))
+        eu, us = [f"eu_{i}" for i in range(10)], [f"us_{i}" for i in range(4)] + ["eu_1_x"]
+        producer = Producer(config(access), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        wanted = send_each(producer, eu, 0)
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(access), "wild-group", TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite_all()
+        wanted |= send_each(producer, eu, 1)
+        send_each(producer, us, 1)
+        check_received(inbox, wanted)
+        assert {holders(endpoints, SHARED_ADMIN_KEYS)[lite][0] for lite in eu} == {0, 1}
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()

@@ -80,7 +80,7 @@ async def sync_lite_subscription(
     names = sync_handler.lite_topics(request, caller)
     if request.action in (pb.PARTIAL_ADD, pb.COMPLETE_ADD):
         for name in names:
-            convert.lite_topic(name, edge.config.max_lite_topic_size)
+            convert.lite_topic_or_pattern(name, edge.config.max_lite_topic_size)
     plain = dataclasses.replace(caller, language="", version="")  # the parts are already read literally
 
     async def apply_here(part: spb.SyncLiteSubscriptionRequest) -> spb.SyncLiteSubscriptionResponse:

@@ -10,7 +10,9 @@ reached answers the client INTERNAL_ERROR, which the official clients retry; not
 
 Python and Node clients send SyncLiteSubscription to the access endpoint only: it is split by owner and
 each owner gets its part (a COMPLETE_ADD becomes one complete set per broker, empty for brokers that own
-none of the topics). Java and Go send it to every broker themselves; those copies are applied as they are.
+none of the topics). A pattern (``session-*``) can match topics of every broker, so it is part of each
+broker's set. Java and Go send it to every broker themselves; each copy is applied where it lands, for that
+broker's part.
 Receives, acks and assignments need no hop: each broker serves the topics it holds.
 
 Which broker holds a topic created before a scale-up is asked once (``DescribeLiteTopic`` over the admin
@@ -47,6 +49,7 @@ from lmq_broker import errors, model
 from lmq_broker.cluster import external as ext
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import wildcards
 from lmq_broker.protocol import auth, context, convert, draining, status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -507,16 +510,21 @@ class Peers:
         caller: context.Caller,
         apply_here: Callable[[spb.SyncLiteSubscriptionRequest], Awaitable[spb.SyncLiteSubscriptionResponse]],
     ) -> spb.SyncLiteSubscriptionResponse:
-        """Each owner gets its part of the subscription change (``names`` already read from the request). A
+        """Each owner gets its part of the subscription change (``names`` already read from the request); a
+        pattern (``wildcards.is_pattern``) is part of every broker's, since each holds topics it may match. A
         client that sends the change to every broker itself (Java, Go) has each copy applied once: only this
         broker's part of it, here."""
         parent = convert.topic_name(request.topic)
         action = request.action
+        if action == pb.COMPLETE_REMOVE:
+            names = []
+        patterns = [name for name in names if wildcards.is_pattern(name)]
+        named = [name for name in names if not wildcards.is_pattern(name)]
         parts: dict[int, list[str]] = {}
-        if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
-            parts = {slot: [] for slot in range(self.size)}
-        if action != pb.COMPLETE_REMOVE and names:
-            for name, owner in zip(names, await self.owners(parent, names), strict=True):
+        if patterns or action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
+            parts = {slot: list(patterns) for slot in range(self.size)}
+        if named:
+            for name, owner in zip(named, await self.owners(parent, named), strict=True):
                 for slot in mb.subscribers_at(self.membership, model.QueueId.lmq(parent, name).topic, owner):
                     parts.setdefault(slot, []).append(name)
         if caller.language in SYNCS_EVERY_BROKER:
