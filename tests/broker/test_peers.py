@@ -242,16 +242,26 @@ def subscribed(cluster: Cluster, slot: int, names: list[str]) -> set[str]:
 
 
 async def test_subscriptions_sent_to_every_broker_are_applied_once_each(cluster: Cluster) -> None:
-    """Java and Go send SyncLiteSubscription to every route endpoint: each copy is applied only where it lands
-    and only for the topics that broker owns (no fan-out of the fan-out)."""
+    """Go sends SyncLiteSubscription to every route endpoint: each copy is applied only where it lands and only
+    for the topics that broker owns (no fan-out of the fan-out)."""
     mine, theirs = cluster.lites_of(0, 2), cluster.lites_of(1, 2)
     everything = mine + theirs
-    await sync_on(cluster, 0, pb.PARTIAL_ADD, everything, "JAVA")
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, everything, "GOLANG")
     assert (subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)) == (set(mine), set())
-    await sync_on(cluster, 1, pb.PARTIAL_ADD, everything, "JAVA")
+    await sync_on(cluster, 1, pb.PARTIAL_ADD, everything, "GOLANG")
     assert subscribed(cluster, 1, everything) == set(theirs)
     await sync_on(cluster, 0, pb.COMPLETE_ADD, [mine[0], theirs[0]], "GOLANG")
     assert (subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)) == ({mine[0]}, set(theirs))
+
+
+async def test_java_subscriptions_are_split_by_owner(cluster: Cluster) -> None:
+    """Java 5.2.0 sends SyncLiteSubscription to its configured endpoint only, as Python does: split there."""
+    mine, theirs = cluster.lites_of(0, 2), cluster.lites_of(1, 2)
+    everything = mine + theirs
+    await sync_on(cluster, 1, pb.PARTIAL_ADD, everything, "JAVA")
+    assert (subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)) == (set(mine), set(theirs))
+    await sync_on(cluster, 1, pb.COMPLETE_ADD, [mine[0]], "JAVA")
+    assert (subscribed(cluster, 0, everything), subscribed(cluster, 1, everything)) == ({mine[0]}, set())
 
 
 async def test_subscriptions_are_split_by_owner(cluster: Cluster) -> None:
@@ -333,13 +343,16 @@ async def test_full_syncs_carry_patterns_to_every_broker(cluster: Cluster) -> No
 
 
 async def test_patterns_sent_to_every_broker_are_applied_once_each(cluster: Cluster) -> None:
-    """Java and Go send their copy to every endpoint: each registers the pattern where it lands only."""
-    await sync_on(cluster, 0, pb.PARTIAL_ADD, ["job-*"], "JAVA")
+    """Go sends its copy to every endpoint: each registers the pattern where it lands only (Java calls one
+    endpoint: its pattern goes everywhere from there)."""
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, ["job-*"], "GOLANG")
     assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"job-*"}, set())
     await sync_on(cluster, 1, pb.PARTIAL_ADD, ["job-*"], "GOLANG")
     assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"job-*"}, {"job-*"})
-    await sync_on(cluster, 1, pb.PARTIAL_REMOVE, ["job-*"], "JAVA")
+    await sync_on(cluster, 1, pb.PARTIAL_REMOVE, ["job-*"], "GOLANG")
     assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == ({"job-*"}, set())
+    await sync_on(cluster, 1, pb.PARTIAL_REMOVE, ["job-*"], "JAVA")
+    assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == (set(), set())
 
 
 async def test_a_pattern_counts_once_on_each_broker(tmp_path: Path) -> None:

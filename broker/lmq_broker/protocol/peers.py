@@ -8,11 +8,10 @@ call), marked with ``x-lmq-forwarded`` so the receiver stores them whatever its 
 message never takes a second hop. The receipt (message id, offset) is the owner's. An owner that cannot be
 reached answers the client INTERNAL_ERROR, which the official clients retry; nothing is stored here.
 
-Python and Node clients send SyncLiteSubscription to the access endpoint only: it is split by owner and
-each owner gets its part (a COMPLETE_ADD becomes one complete set per broker, empty for brokers that own
+Python, Java and Node clients send SyncLiteSubscription to the access endpoint only: it is split by owner
+and each owner gets its part (a COMPLETE_ADD becomes one complete set per broker, empty for brokers that own
 none of the topics). A pattern (``session-*``) can match topics of every broker, so it is part of each
-broker's set. Java and Go send it to every broker themselves; each copy is applied where it lands, for that
-broker's part.
+broker's set. Go sends it to every broker itself; each copy is applied where it lands, for that broker's part.
 Receives, acks and assignments need no hop: each broker serves the topics it holds.
 
 Which broker holds a topic created before a scale-up is asked once (``DescribeLiteTopic`` over the admin
@@ -73,8 +72,11 @@ _CHANNEL_OPTIONS: Final = (
     ("grpc.enable_retries", 0),
 )
 
-# x-mq-language of the clients that send SyncLiteSubscription to every route endpoint themselves
-SYNCS_EVERY_BROKER: Final = frozenset(("JAVA", "GOLANG"))
+# x-mq-language of the clients that send SyncLiteSubscription to every route endpoint themselves. Go (v5.1.4)
+# does; Java 5.2.0 sends it to its configured endpoint only (``LitePushConsumerImpl.syncLiteSubscription`` ->
+# ``getEndpoints()``), like Python and Node, so its calls are split here. A client wrongly counted as calling
+# one endpoint only costs repeated, idempotent parts; one wrongly counted here would miss other brokers' topics.
+SYNCS_EVERY_BROKER: Final = frozenset(("GOLANG",))
 
 LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
 Subscribers = Callable[[str, str], list[tuple[str, str]]]  # (parent, lite) -> (client id, group) subscribed here
