@@ -489,3 +489,38 @@ def test_a_wildcard_groups_patterns_apply_on_every_broker(tmp_path: Path, client
         for client in reversed(clients):
             client.shutdown()
         clients.clear()
+
+
+def test_a_lite_simple_consumers_pattern_gathers_from_every_broker(tmp_path: Path, clients: list[Any]) -> None:
+    """The LiteSimpleConsumer receives through broker 0, which gathers from the other for it: a pattern the
+    client subscribed through one endpoint is known on both, so both brokers' matching topics come."""
+    with two_brokers(tmp_path, "peers") as (access, endpoints):
+        create_metadata(endpoints, SHARED_ADMIN_KEYS)
+        consumer = LiteSimpleConsumer(TOPIC, config(access), GROUP, await_duration=2)
+        clients.append(consumer)
+        start_lite_simple_consumer(consumer)
+        consumer.subscribe_lite("q/#")
+        producer = Producer(config(access), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        lites = [f"q_{i}" for i in range(10)]
+        sent = send_each(producer, lites, 0) | send_each(producer, lites, 1)
+        send_each(producer, ["qq_1", "r_1", "other"], 0)
+        got: list[tuple[str, bytes]] = []
+
+        def take() -> None:
+            for message in consumer.receive(16, 10):
+                consumer.ack(message)
+                got.append((message.lite_topic, message.body))
+
+        deadline = time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            take()
+        take()  # one more long poll (2 s): a duplicate or a message of another topic would come now
+        assert sorted(got) == sorted(sent)  # each once, nothing of the others
+        for lite in lites:
+            assert [body for name, body in got if name == lite] == sorted(body for name, body in sent if name == lite)
+        assert {holders(endpoints, SHARED_ADMIN_KEYS)[lite][0] for lite in lites} == {0, 1}
+        for client in reversed(clients):
+            client.shutdown()
+        clients.clear()
