@@ -412,6 +412,16 @@ def two_brokers(tmp_path: Path, kind: str) -> Iterator[tuple[str, list[str]]]:
             broker.stop()
 
 
+def wait_committed(endpoints: list[str], lites: list[str], group: str, want: int) -> None:
+    placed = holders(endpoints, SHARED_ADMIN_KEYS)
+    deadline = time.monotonic() + 20
+    for lite in lites:
+        with AdminClient(endpoints[placed[lite][0]], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            while admin.describe_lite_topic(TOPIC, lite).group_offsets.get(group) != want:
+                assert time.monotonic() < deadline, f"{lite}: offset {want} never committed"
+                time.sleep(0.05)
+
+
 def send_each(producer: Any, lites: list[str], n: int) -> set[tuple[str, bytes]]:
     sent = set()
     for lite in lites:
@@ -450,6 +460,7 @@ def test_patterns_take_the_matching_topics_of_every_broker(tmp_path: Path, clien
         send_each(producer, jobs, 3)
         wanted |= send_each(producer, devs, 3)
         check_received(inbox, wanted)  # no job-* message since, from either broker
+        wait_committed(endpoints, devs, GROUP, 3)  # every ack arrived: none is delivered again
         consumer.shutdown()
         clients.remove(consumer)
         restarted = send_each(producer, devs, 4)
