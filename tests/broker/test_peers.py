@@ -355,6 +355,28 @@ async def test_patterns_sent_to_every_broker_are_applied_once_each(cluster: Clus
     assert (patterns_at(cluster, 0), patterns_at(cluster, 1)) == (set(), set())
 
 
+async def test_bad_patterns_are_refused_and_leave_no_broker_subscribed(cluster: Cluster) -> None:
+    """A malformed pattern is refused at the access broker (40020); a pattern with a moving offset option is
+    refused by every broker before anything is registered (a named topic beside it is not subscribed either)."""
+    theirs = cluster.lites_of(1, 1)
+    stub = cluster.clients[0].stub
+
+    async def add(names: list[str], **fields: Any) -> int:
+        reply = await stub.SyncLiteSubscription(
+            spb.SyncLiteSubscriptionRequest(
+                action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP),
+                lite_topic_set=names, **fields,
+            ),
+            metadata=cluster.headers(),
+        )  # fmt: skip
+        return reply.status.code
+
+    assert await add(["a*b", *theirs]) == pb.ILLEGAL_LITE_TOPIC
+    assert await add(["s-*", *theirs], offset_option=pb.OffsetOption(policy=pb.OffsetOption.MIN)) == pb.ILLEGAL_OFFSET
+    assert [patterns_at(cluster, slot) for slot in (0, 1)] == [set(), set()]
+    assert subscribed(cluster, 1, theirs) == set()
+
+
 async def test_a_pattern_counts_once_on_each_broker(tmp_path: Path) -> None:
     """Every broker counts a pattern as one subscription against its own limits: broker 1 (a limit of 2) takes
     a pattern and a topic it owns, and refuses a second pattern; the refusal is the client's answer."""
