@@ -107,6 +107,7 @@ FULL: dict[str, Any] = {
     "broker": {
         "image": {"repository": "registry.example.org/lmq/data", "digest": "sha256:" + "cd" * 32},
         "replicas": 5,
+        "processes": 3,
         "extraArgs": ["--flush-mode", "async"],
         "extraEnv": [{"name": "LMQ_MAX_BODY_BYTES", "value": "1048576"}],
         "extraVolumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}}],
@@ -263,6 +264,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "no-rbac": {"operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}}},
     "tls-from-a-secret": {"tls": {"enabled": True, "existingSecret": "mq-tls"}, "reclaim": {"enabled": True}},
     "no-spread": {"broker": {"podAntiAffinityPreset": "none", "topologySpread": {"topologyKey": ""}}},
+    "processes": {"broker": {"processes": 2}, "networkPolicy": {"clientFrom": [{"podSelector": {}}]}},
 }
 # Kinds of other projects' CRDs, which kubernetes-validate has no schema for (test_production.py checks them).
 FOREIGN_KINDS = {("cert-manager.io/v1", "Certificate")}
