@@ -311,6 +311,8 @@ async def run(scaler: Scaler, interval_s: float) -> None:
             log.info("broker membership: %s: %s", decision.phase.value, decision.message)
         except asyncio.CancelledError:
             raise
+        except LookupError as exc:
+            log.warning("broker membership: %s", exc)
         except Exception:
             log.exception("broker membership pass failed")
         await asyncio.sleep(interval_s)

@@ -39,7 +39,7 @@ def send(endpoint: str, topic: str, lites: list[str], per_lite: int) -> int:
         producer.shutdown()
 
 
-def consume(endpoint: str, group: str, topic: str, lites: list[str], count: int, timeout_s: float) -> int:
+def consume(endpoint: str, group: str, topic: str, lites: list[str], *, count: int, timeout_s: float) -> int:
     inbox = Inbox()
     consumer = LitePushConsumer(_config(endpoint), group, topic, inbox)
     consumer.startup()
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         print(send(endpoint, topic, lites.split(","), int(per_lite)), flush=True)
         return 0
     endpoint, group, topic, lites, count, timeout_s = args
-    return consume(endpoint, group, topic, lites.split(","), int(count), float(timeout_s))
+    return consume(endpoint, group, topic, lites.split(","), count=int(count), timeout_s=float(timeout_s))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from lmq_broker.cluster import membership as mb
-from lmq_operator import scaling, settings
+from lmq_operator import scaler, scaling, settings
 from lmq_operator.scaling import Phase
 
 PODS = [f"b-{i}.h:8081" for i in range(5)]
@@ -178,8 +178,6 @@ def test_processes_make_pod_major_slots_on_their_own_ports() -> None:
 
 
 def test_admin_endpoints_and_pods_from_slices() -> None:
-    from lmq_operator import scaler  # kubernetes-side module; its parsing is pure
-
     slices = [
         {
             "ports": [{"name": "grpc", "port": 8081}, {"name": "admin", "port": 8082}],
@@ -206,6 +204,6 @@ def test_settings_of_the_membership() -> None:
     assert conf.broker_addresses == ("{pod}.h.ns.svc.cluster.local:8081",)
     with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_BROKER_ADDRESS"):
         settings.from_env({**env, "LMQ_OPERATOR_BROKER_ADDRESS": ""})
-    with pytest.raises(settings.SettingsError, match="1..256"):
+    with pytest.raises(settings.SettingsError, match=r"1\.\.256"):
         settings.from_env({**env, "LMQ_OPERATOR_BROKER_PROCESSES": "0"})
     assert not settings.from_env({**env, "LMQ_OPERATOR_BROKER_MEMBERSHIP": ""}).manages_membership
