@@ -87,10 +87,10 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise SettingsError(f"{name}={raw!r} is not an integer") from None
 
 
-def _endpoint(item: str) -> str:
+def _endpoint(item: str, name: str = "LMQ_OPERATOR_BROKERS") -> str:
     host, sep, port = item.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise SettingsError(f"broker endpoint {item!r} is not host:port")
+        raise SettingsError(f"{name} entry {item!r} is not host:port")
     return item
 
 
@@ -145,7 +145,7 @@ def from_env(env: Mapping[str, str]) -> Settings:
         )
     for address in addresses:
         if "{pod}" not in address:
-            _endpoint(address)
+            _endpoint(address, "LMQ_OPERATOR_BROKER_ADDRESS")
     processes = _int(env, "LMQ_OPERATOR_BROKER_PROCESSES", 1)
     if not 1 <= processes <= 256:
         raise SettingsError(f"LMQ_OPERATOR_BROKER_PROCESSES must lie within 1..256, got {processes}")

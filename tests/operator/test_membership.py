@@ -63,7 +63,11 @@ def test_operator_scales_the_brokers_up_and_down_after_draining(
     unique: Callable[[str], str],
     run_operator: Callable[..., testing.OperatorProcess],
     start_broker: Callable[..., Any],
+    bind_documented_rbac: Callable[..., None],
+    tmp_path: Path,
 ) -> None:
+    """With exactly the RBAC of docs/operator.md."""
+    bind_documented_rbac(namespace)
     ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
     ports = free_ports("0.0.0.0", 3)
     pods = [f"{ip}:{port}" for port in ports]
@@ -79,6 +83,7 @@ def test_operator_scales_the_brokers_up_and_down_after_draining(
     run_operator(
         namespace,
         None,
+        kubeconfig=testing.write_kubeconfig(kube, kube.operator_token, tmp_path / "operator.kubeconfig"),
         LMQ_OPERATOR_BROKER_SERVICE=STS,
         LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
         LMQ_OPERATOR_BROKER_STATEFULSET=STS,
