@@ -9,6 +9,7 @@ endpoint. Messages go through the official Python client (a child process), thro
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -186,6 +187,87 @@ def test_operator_scales_the_brokers_up_and_down_after_draining(
             "Steady after the scale-down",
         )
         testing.wait_for(lambda: kube.get(path)["status"].get("brokersReady") == "2/2", TIMEOUT_S, "topic on 2")
+    finally:
+        for admin in admins:
+            admin.close()
+
+
+def _free_block(count: int) -> int:
+    """A port p with p .. p + count - 1 all free: a pod's client port and its processes' ports p + 1 + i."""
+    for _ in range(50):
+        (base,) = free_ports("0.0.0.0", 1)
+        if base + count < 65536:
+            try:
+                for port in range(base, base + count):
+                    with socket.socket() as s:
+                        s.bind(("0.0.0.0", port))
+                return base
+            except OSError:
+                continue
+    raise RuntimeError("no block of free ports")
+
+
+def test_processes_are_ring_slots_the_operator_reaches_on_their_own_ports(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Callable[..., Any],
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    start_broker: Callable[..., Any],
+) -> None:
+    """Two processes per pod (`serve --processes 2`): pod k's slots are 2k and 2k + 1 on its ports + 1 + i; the
+    operator grows 2 pods (4 slots) to 3 (6 slots), applies a topic to every process, and shrinks back."""
+    ip = testing.host_ip()
+    bases = [_free_block(3) for _ in range(3)]
+    pods = [f"{ip}:{base}" for base in bases]
+
+    def start(ordinal: int, peers: str, history: str = "") -> Any:
+        flags = ("--host", "0.0.0.0", "--processes", "2", "--peers", peers, "--ring-history", history)
+        return start_broker(f"pod{ordinal}", port=bases[ordinal], extra=(*flags, "--advertised-address", pods[ordinal]))
+
+    brokers = [start(i, ",".join(pods[:2])) for i in range(2)]
+    testing.publish_brokers(kube, namespace, STS, [(ip, bases[0]), (ip, bases[1])], replicas=2)
+    _want(kube, namespace, 2)
+    run_operator(
+        namespace,
+        None,
+        LMQ_OPERATOR_BROKER_SERVICE=STS,
+        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
+        LMQ_OPERATOR_BROKER_STATEFULSET=STS,
+        LMQ_OPERATOR_BROKER_MEMBERSHIP=CONFIGMAP,
+        LMQ_OPERATOR_BROKER_ADDRESS=",".join(pods),
+        LMQ_OPERATOR_BROKER_PROCESSES="2",
+        LMQ_OPERATOR_SCALING_SECONDS="0.5",
+    )
+    topic = unique("procs")
+    create("ParentTopic", namespace, "procs", {"topicName": topic})
+    path = testing.cr_path("parenttopics", namespace, "procs")
+    obj = testing.wait_for(
+        lambda: (o := kube.get(path)).get("status", {}).get("brokersReady") == "4/4" and o, TIMEOUT_S, "4"
+    )
+    assert [b["name"] for b in obj["status"]["brokers"]] == [f"{STS}-{k}-p{i}" for k in range(2) for i in range(2)]
+    assert [b["endpoint"] for b in obj["status"]["brokers"]] == [
+        f"{ip}:{bases[k] + 1 + i}" for k in range(2) for i in range(2)
+    ]
+
+    _want(kube, namespace, 3)
+    testing.wait_for(lambda: _sts(kube, namespace)["spec"]["replicas"] == 3, TIMEOUT_S, "spec.replicas 3")
+    env = kube.get(f"/api/v1/namespaces/{namespace}/configmaps/{CONFIGMAP}")["data"]
+    assert env == {"LMQ_PEERS": ",".join(pods), "LMQ_RING_HISTORY": "4"}
+    brokers.append(start(2, env["LMQ_PEERS"], env["LMQ_RING_HISTORY"]))
+    testing.add_broker_pod(kube, namespace, STS, 2, (ip, bases[2]))
+    slots = [f"{ip}:{base + 1 + i}" for base in bases for i in range(2)]
+    admins = [AdminClient(endpoint, timeout_s=30, **brokers[0].admin_keys) for endpoint in slots]
+    try:
+        grown = [(tuple(slots), (4, 6), slot) for slot in range(6)]
+        testing.wait_for(lambda: _clusters(admins) == grown, TIMEOUT_S, "every process with 6 slots")
+        testing.wait_for(lambda: kube.get(path)["status"].get("brokersReady") == "6/6", TIMEOUT_S, "topic on 6")
+
+        _want(kube, namespace, 2)  # nothing undrained: the leaving pod is removed at once
+        testing.wait_for(lambda: _sts(kube, namespace)["spec"]["replicas"] == 2, TIMEOUT_S, "spec.replicas 2")
+        assert _clusters(admins[:4]) == [(tuple(slots[:4]), (4,), slot) for slot in range(4)]
+        assert [admin.cluster().slot for admin in admins[4:]] == [-1, -1]
     finally:
         for admin in admins:
             admin.close()
