@@ -56,6 +56,21 @@ def _client(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess
     )
 
 
+def _run(run_operator: Callable[..., testing.OperatorProcess], namespace: str, pods: list[str], **more: Any) -> None:
+    """The operator as the chart runs it: discovery by EndpointSlices, the membership managed."""
+    run_operator(
+        namespace,
+        None,
+        LMQ_OPERATOR_BROKER_SERVICE=STS,
+        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
+        LMQ_OPERATOR_BROKER_STATEFULSET=STS,
+        LMQ_OPERATOR_BROKER_MEMBERSHIP=CONFIGMAP,
+        LMQ_OPERATOR_BROKER_ADDRESS=",".join(pods),
+        LMQ_OPERATOR_SCALING_SECONDS="0.5",
+        **more,
+    )
+
+
 def test_operator_scales_the_brokers_up_and_down_after_draining(
     *,
     kube: testing.KubeAPI,
@@ -81,17 +96,8 @@ def test_operator_scales_the_brokers_up_and_down_after_draining(
     ]
     testing.publish_brokers(kube, namespace, STS, [(ip, ports[0]), (ip, ports[1])], replicas=2)
     _want(kube, namespace, 2)
-    run_operator(
-        namespace,
-        None,
-        kubeconfig=testing.write_kubeconfig(kube, kube.operator_token, tmp_path / "operator.kubeconfig"),
-        LMQ_OPERATOR_BROKER_SERVICE=STS,
-        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
-        LMQ_OPERATOR_BROKER_STATEFULSET=STS,
-        LMQ_OPERATOR_BROKER_MEMBERSHIP=CONFIGMAP,
-        LMQ_OPERATOR_BROKER_ADDRESS=",".join(pods),
-        LMQ_OPERATOR_SCALING_SECONDS="0.5",
-    )
+    kubeconfig = testing.write_kubeconfig(kube, kube.operator_token, tmp_path / "operator.kubeconfig")
+    _run(run_operator, namespace, pods, kubeconfig=kubeconfig)
     cm_path = f"/api/v1/namespaces/{namespace}/configmaps/{CONFIGMAP}"
     cm = testing.wait_for(lambda: kube.get(cm_path) if kube.exists(cm_path) else None, TIMEOUT_S, "the ConfigMap")
     assert cm["data"] == {"LMQ_PEERS": initial, "LMQ_RING_HISTORY": ""}
@@ -229,17 +235,7 @@ def test_processes_are_ring_slots_the_operator_reaches_on_their_own_ports(
     brokers = [start(i, ",".join(pods[:2])) for i in range(2)]
     testing.publish_brokers(kube, namespace, STS, [(ip, bases[0]), (ip, bases[1])], replicas=2)
     _want(kube, namespace, 2)
-    run_operator(
-        namespace,
-        None,
-        LMQ_OPERATOR_BROKER_SERVICE=STS,
-        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
-        LMQ_OPERATOR_BROKER_STATEFULSET=STS,
-        LMQ_OPERATOR_BROKER_MEMBERSHIP=CONFIGMAP,
-        LMQ_OPERATOR_BROKER_ADDRESS=",".join(pods),
-        LMQ_OPERATOR_BROKER_PROCESSES="2",
-        LMQ_OPERATOR_SCALING_SECONDS="0.5",
-    )
+    _run(run_operator, namespace, pods, LMQ_OPERATOR_BROKER_PROCESSES="2")
     topic = unique("procs")
     create("ParentTopic", namespace, "procs", {"topicName": topic})
     path = testing.cr_path("parenttopics", namespace, "procs")
