@@ -129,17 +129,24 @@ def test_operator_scales_the_brokers_up_and_down_after_draining(
         groups = testing.cr_path("litegroups", namespace, "scaled-g")
         testing.wait_for(lambda: kube.get(groups)["status"].get("brokersReady") == "3/3", TIMEOUT_S, "group on 3")
 
-        # ---- kubectl scale --replicas=2: set back, with a Warning that says how to scale down
-        kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{STS}", {"spec": {"replicas": 2}})
-        testing.wait_for(lambda: _sts(kube, namespace)["spec"]["replicas"] == 3, TIMEOUT_S, "spec.replicas back")
-        assert any(scaling.ANNOTATION_REPLICAS in m for m in _events(kube, namespace, "ReplicasRestored"))
-
         # ---- messages on every broker, through broker 0 only
         lites = [f"l{i}" for i in range(12)]
         sent = _client("send", brokers[0].endpoint, topic, ",".join(lites), "5")
         assert sent.returncode == 0 and sent.stdout.strip() == "60", sent.stderr[-3000:]
         held = admins[2].cluster(with_undrained=True).undrained_messages
         assert held > 0  # jump hashing puts some of the 12 topics on the new slot
+
+        # ---- kubectl scale --replicas=2: the controller stops pod 2 at once; the operator sets spec.replicas
+        # back (with a Warning that says how to scale down) and the pod comes back with its volume
+        kube.merge_patch(f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{STS}", {"spec": {"replicas": 2}})
+        brokers[2].stop()
+        testing.set_broker_endpoint(kube, namespace, STS, 2, None)
+        testing.wait_for(lambda: _sts(kube, namespace)["spec"]["replicas"] == 3, TIMEOUT_S, "spec.replicas back")
+        assert any(scaling.ANNOTATION_REPLICAS in m for m in _events(kube, namespace, "ReplicasRestored"))
+        brokers[2] = start_broker("pod2", port=ports[2], extra=(*flags, "--advertised-address", pods[2]))
+        testing.set_broker_endpoint(kube, namespace, STS, 2, ip)
+        testing.wait_for(lambda: _clusters(admins) == grown, TIMEOUT_S, "pod 2 back in the ring")
+        assert admins[2].cluster(with_undrained=True).undrained_messages == held
 
         # ---- scale-down 3 -> 2: pod 2 is marked leaving and kept running until it is drained
         _want(kube, namespace, 2)
