@@ -241,6 +241,9 @@ class Scaler:
         for ordinal, address in pods.items():
             for i, endpoint in enumerate(admin_endpoints(address, p)):
                 asks[ordinal * p + i] = endpoint
+        for gone in [e for e in self._admins if e not in asks.values()]:  # pods gone or moved to another IP
+            with contextlib.suppress(Exception):
+                await self._admins.pop(gone).close()
         answers = await asyncio.gather(*(self._view(e, s in leaving) for s, e in asks.items()))
         views = {s: a[0] for s, a in zip(asks, answers, strict=True)}
         undrained = {s: a[1] for s, a in zip(asks, answers, strict=True) if s in leaving}
