@@ -78,7 +78,7 @@ class View:
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    wanted: int | None  # pods, from the annotation; None: keep the size the target has
+    wanted: int | None  # pods, from the annotation (-1: not a number); None: keep the size the target has
     replicas: int  # spec.replicas now
     processes: int
     target: mb.Membership | None  # the operator's record; None before its first pass
@@ -185,6 +185,8 @@ def decide(o: Observed) -> Decision:
         )
     ring_pods = target.size // o.processes
     wanted = o.wanted if o.wanted is not None else ring_pods
+    if wanted < 1:
+        return _with(base, Phase.STALLED, f"{ANNOTATION_REPLICAS} must be a whole number of at least 1")
     if target.leaving_slots:
         if wanted != ring_pods:  # a new wish while draining: a new epoch with that ring (all back, or fewer)
             new = target.shrunk(min(wanted, pods) * o.processes)
@@ -209,8 +211,6 @@ def decide(o: Observed) -> Decision:
             parts.append(f"{target.members[slot]}: {held}")
         text = f"scaling down {pods} → {ring_pods} pods, waiting for the leaving brokers to drain ({'; '.join(parts)})"
         return _with(base, Phase.DRAINING, text)
-    if wanted < 1:
-        return _with(base, Phase.STALLED, f"{ANNOTATION_REPLICAS} must be at least 1, got {wanted}")
     if wanted < pods:
         new = target.shrunk(wanted * o.processes)
         text = f"scaling down {pods} → {wanted} pods: the leaving brokers take no new topic and drain"

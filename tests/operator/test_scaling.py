@@ -148,6 +148,9 @@ def test_a_wanted_count_below_one_is_stalled() -> None:
     two = ring(2)
     d = scaling.decide(observed(two, wanted=0, replicas=2, seen=views(two)))
     assert d.phase is Phase.STALLED and d.replicas is None and d.tell == ()
+    leaving = ring(3, 2, 3, size=2)  # also while draining
+    d = scaling.decide(observed(leaving, wanted=-1, replicas=3, seen=views(leaving), undrained={2: 0}))
+    assert (d.phase, d.target, d.tell, d.replicas) == (Phase.STALLED, None, (), None)
 
 
 def test_without_a_wanted_count_the_size_stays() -> None:
