@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 _ORDINAL: Final = re.compile(r"-(\d+)$")
 COMPONENT: Final = "lmq-operator"
+# A leaving broker counts its undrained messages by walking all its lite topics: while it still has some, it
+# is asked again at most this often (an answer of none is acted on at once, and the broker checks it again).
+UNDRAINED_EVERY_S: Final = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,8 @@ class Scaler:
     last: scaling.Decision | None = None
     _admins: dict[str, AsyncAdminClient] = field(default_factory=dict)
     _asks: dict[int, str] = field(default_factory=dict)  # slot -> admin endpoint, of the last observation
+    _undrained: dict[str, tuple[float, int]] = field(default_factory=dict)  # endpoint -> (when, count > 0)
+    clock: Callable[[], float] = time.monotonic
     _failed: str = ""
 
     # ---- Kubernetes reads and writes ---------------------------------------------------------------------
@@ -202,8 +208,10 @@ class Scaler:
         return found
 
     async def _view(self, endpoint: str, undrained: bool) -> tuple[scaling.View | None, int | None]:
+        known = self._undrained.get(endpoint) if undrained else None
+        fresh = known is not None and self.clock() - known[0] < UNDRAINED_EVERY_S
         try:
-            info = await self._admin(endpoint).cluster(with_undrained=undrained)
+            info = await self._admin(endpoint).cluster(with_undrained=undrained and not fresh)
         except errors.LmqError as exc:
             log.info("broker %s: GetCluster failed: %s", endpoint, exc.message)
             return None, None
@@ -211,7 +219,16 @@ class Scaler:
             found = mb.Membership(tuple(info.members), tuple(info.ring_sizes))
         except errors.InvalidArgument:
             return None, None
-        return scaling.View(found, info.slot), (info.undrained_messages if undrained else None)
+        if not undrained:
+            return scaling.View(found, info.slot), None
+        if fresh:
+            assert known is not None
+            return scaling.View(found, info.slot), known[1]
+        if info.undrained_messages > 0:
+            self._undrained[endpoint] = (self.clock(), info.undrained_messages)
+        else:
+            self._undrained.pop(endpoint, None)
+        return scaling.View(found, info.slot), info.undrained_messages
 
     # ---- one pass ----------------------------------------------------------------------------------------
 
@@ -242,6 +259,7 @@ class Scaler:
             for i, endpoint in enumerate(admin_endpoints(address, p)):
                 asks[ordinal * p + i] = endpoint
         for gone in [e for e in self._admins if e not in asks.values()]:  # pods gone or moved to another IP
+            self._undrained.pop(gone, None)
             with contextlib.suppress(Exception):
                 await self._admins.pop(gone).close()
         answers = await asyncio.gather(*(self._view(e, s in leaving) for s, e in asks.items()))
