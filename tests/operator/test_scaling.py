@@ -3,7 +3,8 @@ scale-down held until drained, a hand-made change of spec.replicas, several proc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -210,3 +211,48 @@ def test_settings_of_the_membership() -> None:
     with pytest.raises(settings.SettingsError, match=r"1\.\.256"):
         settings.from_env({**env, "LMQ_OPERATOR_BROKER_PROCESSES": "0"})
     assert not settings.from_env({**env, "LMQ_OPERATOR_BROKER_MEMBERSHIP": ""}).manages_membership
+
+
+class _Recorded(scaler.Scaler):
+    """The pass's order of writes, with the observation given and the brokers refusing SetCluster or not."""
+
+    def __init__(self, seen: scaling.Observed, refuse: bool) -> None:
+        super().__init__(settings.Settings(broker_namespace="ns", broker_statefulset="b"), lambda: None)
+        self.seen, self.refuse = seen, refuse
+        self.writes: list[str] = []
+
+    async def observe(self) -> tuple[dict[str, object], dict[str, object] | None, scaling.Observed]:
+        self._asks = {s: f"10.0.0.{s}:8082" for s in self.seen.views}
+        sts = {"metadata": {"name": "b", "uid": "u", "annotations": {}}, "spec": {"replicas": self.seen.replicas}}
+        return sts, {"data": {}}, self.seen
+
+    async def _write_configmap(self, *args: object) -> None:
+        self.writes.append("configmap")
+
+    async def _patch_sts(self, body: Mapping[str, object]) -> None:
+        self.writes.append(f"sts {body}")
+
+    async def _event(self, sts: object, kind: str, reason: str, message: str) -> None:
+        self.writes.append(f"{kind} {reason}")
+
+    async def _tell(self, target: mb.Membership, slots: Sequence[int]) -> bool:
+        self.writes.append(f"tell {list(slots)}")
+        self._failed = "refused"
+        return not self.refuse
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_replicas_are_lowered_only_after_every_broker_took_the_smaller_ring(refuse: bool) -> None:
+    leaving = ring(3, 2, 3, size=2)
+    seen = observed(leaving, wanted=2, replicas=3, seen=views(leaving), undrained={2: 0})
+    recorded = _Recorded(seen, refuse)
+    decision = asyncio.run(recorded.run_once())
+    assert decision.phase is Phase.SCALED_DOWN
+    lowered = "sts {'spec': {'replicas': 2}}"
+    status = [w for w in recorded.writes if w.startswith("sts {'metadata'")]
+    assert recorded.writes[:2] == ["configmap", "tell [0, 1, 2]"]  # the record first, then the brokers
+    if refuse:
+        assert lowered not in recorded.writes and "Warning SetClusterFailed" in recorded.writes
+        assert "refused" in status[0]
+    else:
+        assert recorded.writes[2:4] == [lowered, "Normal ScaledDown"]
