@@ -43,6 +43,7 @@ UNIT_MODULES: Final = frozenset(
         "operator/test_crd_schema.py",
         "operator/test_election.py",
         "operator/test_resyncing.py",
+        "operator/test_scaling.py",
         "mqtt/test_codec.py",
         "mqtt/test_topics.py",
         "reclaim/test_ratelimit.py",

@@ -235,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
     try:
-        peers.membership_of(config)
-        peers.external_of(config)
+        if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
+            peers.membership_of(config)  # process checks the ring of slots it is given
+            peers.external_of(config)
     except errors.InvalidArgument as exc:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
     if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):
