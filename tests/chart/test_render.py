@@ -287,7 +287,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         }
     },
     "external-port-forward": {
-        "broker": {"external": {"enabled": True, "type": "ClusterIP", "nodePortBase": 31100}},
+        "broker": {"replicas": 1, "external": {"enabled": True, "type": "ClusterIP", "nodePortBase": 31100}},
         "networkPolicy": {"enabled": False},
     },
     "processes": {"broker": {"processes": 2}, "networkPolicy": {"clientFrom": [{"podSelector": {}}]}},
