@@ -1,0 +1,92 @@
+"""How an MQTT publish's attributes travel as RocketMQ message properties, and back (docs/mqtt.md).
+
+A RocketMQ message has one flat map of user properties, which the official clients show and set; MQTT 5 has
+a list of user properties (a name may repeat) and a few typed ones. So MQTT 5 user properties become the
+message's properties one to one (a repeated name keeps its last value), and everything MQTT itself needs to
+remember rides under ``MQTT_`` names, which an MQTT 5 user property may therefore not use (it is dropped):
+the publish QoS 0 (deliveries stay at QoS 0), the publisher's client id (no-local), the retain flag
+(retain-as-published), and content type, payload format, response topic, correlation data and the message
+expiry as an absolute deadline (so the interval a subscriber gets is what is left of it). A RocketMQ
+producer's properties reach MQTT 5 subscribers as user properties; its ``MQTT_`` names are not passed on.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Final
+
+from lmq_broker.mqtt.properties import Properties
+
+PREFIX: Final = "MQTT_"
+QOS: Final = "MQTT_QOS"  # "0": published at QoS 0, delivered at QoS 0 to every subscriber
+CLIENT: Final = "MQTT_CLIENT_ID"
+RETAIN: Final = "MQTT_RETAIN"
+CONTENT_TYPE: Final = "MQTT_CONTENT_TYPE"
+PAYLOAD_FORMAT: Final = "MQTT_PAYLOAD_FORMAT"
+RESPONSE_TOPIC: Final = "MQTT_RESPONSE_TOPIC"
+CORRELATION_DATA: Final = "MQTT_CORRELATION_DATA"  # base64
+EXPIRES_AT: Final = "MQTT_EXPIRES_AT_MS"  # wall clock, ms
+MAX_PROPERTIES_BYTES: Final = 16 * 1024  # what the gRPC edge allows a RocketMQ producer
+
+
+class PropertiesTooLarge(ValueError):
+    pass
+
+
+def incoming(props: Properties | None, *, qos: int, retain: bool, client_id: str, now_ms: int) -> dict[str, str]:
+    """The RocketMQ properties of a publish (``props`` None for 3.1.1)."""
+    out: dict[str, str] = {}
+    size = 0
+    if props is not None:
+        for name, value in props.user:
+            if name.startswith(PREFIX) or not name.strip():
+                continue
+            out[name] = value
+            size += len(name.encode()) + len(value.encode())
+        if size > MAX_PROPERTIES_BYTES:
+            raise PropertiesTooLarge(f"user properties exceed {MAX_PROPERTIES_BYTES} bytes")
+        if props.content_type is not None:
+            out[CONTENT_TYPE] = props.content_type
+        if props.payload_format:
+            out[PAYLOAD_FORMAT] = "1"
+        if props.response_topic is not None:
+            out[RESPONSE_TOPIC] = props.response_topic
+        if props.correlation_data is not None:
+            out[CORRELATION_DATA] = base64.b64encode(props.correlation_data).decode()
+        if props.message_expiry_s is not None:
+            out[EXPIRES_AT] = str(now_ms + props.message_expiry_s * 1000)
+    if qos == 0:
+        out[QOS] = "0"
+    if retain:
+        out[RETAIN] = "1"
+    out[CLIENT] = client_id
+    return out
+
+
+def expired(stored: Mapping[str, str], now_ms: int) -> bool:
+    deadline = stored.get(EXPIRES_AT)
+    return deadline is not None and deadline.isdigit() and int(deadline) <= now_ms
+
+
+def outgoing(stored: Mapping[str, str], now_ms: int) -> Properties:
+    """The MQTT 5 properties a subscriber gets for a message with RocketMQ properties ``stored``."""
+    user = tuple((k, v) for k, v in stored.items() if not k.startswith(PREFIX))
+    expiry = None
+    deadline = stored.get(EXPIRES_AT)
+    if deadline is not None and deadline.isdigit():
+        expiry = max(1, -(-(int(deadline) - now_ms) // 1000))  # what is left, rounded up
+    correlation = None
+    if CORRELATION_DATA in stored:
+        try:
+            correlation = base64.b64decode(stored[CORRELATION_DATA], validate=True)
+        except ValueError:
+            correlation = None
+    return Properties(
+        payload_format=1 if stored.get(PAYLOAD_FORMAT) == "1" else None,
+        message_expiry_s=expiry,
+        content_type=stored.get(CONTENT_TYPE),
+        response_topic=stored.get(RESPONSE_TOPIC),
+        correlation_data=correlation,
+        user=user,
+    )
