@@ -4,6 +4,7 @@ and 5.0 clients side by side on one listener."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,9 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.mqtt import codec
+from lmq_broker.mqtt.properties import NONE
+from lmq_broker.mqtt.properties import Properties as PropertiesV
 from lmq_broker.testing import BrokerProcess
 from lmq_broker.testing_mqtt import Peer
 
@@ -219,3 +223,87 @@ def test_will_delay_and_disconnect_with_will(broker: BrokerProcess, parent: str,
     polite.client.disconnect(ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
     assert [m.payload for m in watcher.wait_count(2)][1] == b"asked for"
     assert len(watcher.quiet(3.0)) == 2  # "never" stayed unsent
+
+
+def test_a_message_past_its_expiry_is_not_delivered(broker: BrokerProcess, parent: str, connect: Connect) -> None:
+    port = broker.mqtt_port
+    session = props(PacketTypes.CONNECT, SessionExpiryInterval=60)
+    away = v5(connect, port, "expiry-5", properties=session)
+    away.subscribe((f"{parent}/e", 1))
+    away.disconnect()
+    pub = v5(connect, port)
+    pub.publish(f"{parent}/e", b"short-lived", properties=props(MessageExpiryInterval=1))
+    pub.publish(f"{parent}/e", b"lasting")
+    time.sleep(1.5)
+    back = v5(connect, port, "expiry-5", clean=False, properties=session)
+    assert back.connack == (True, "Success")
+    assert [m.payload for m in back.wait_count(1)] == [b"lasting"]
+    assert len(back.quiet(0.5)) == 1
+
+
+class Raw:
+    """A socket speaking bytes built by our codec: for what no well-behaved client sends."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.decoder = codec.Decoder(level=codec.LEVEL_5)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def packets(self) -> list[codec.Packet]:
+        """Everything until the broker closes the connection."""
+        out: list[codec.Packet] = []
+        while data := self.sock.recv(65536):
+            out += self.decoder.feed(data)
+        self.sock.close()
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def connect(self, client_id: str, p: PropertiesV = NONE) -> codec.ConnAck:
+        self.send(codec.encode(codec.Connect(client_id, True, 30, level=codec.LEVEL_5, properties=p)))
+        while not (got := self.decoder.feed(self.sock.recv(65536))):
+            pass
+        (connack,) = got
+        assert isinstance(connack, codec.ConnAck)
+        return connack
+
+
+def test_protocol_breaches_get_a_disconnect_with_their_reason_code(broker: BrokerProcess, parent: str) -> None:
+    port = broker.mqtt_port
+    topic = codec.encode(codec.Publish(f"{parent}/x", b"", properties=NONE))[2:-1]  # its length-prefixed name
+    twice = b"\x0a" + b"\x02\x00\x00\x00\x01" * 2  # message expiry, twice
+    duplicated = bytes((0x30, len(topic) + len(twice) + 1)) + topic + twice + b"x"
+    cases = [
+        (duplicated, 0x82),  # message expiry twice
+        (bytes((0x30, 5, 0, 1, ord("t"), 1, 0x11)), 0x81),  # a property section cut short
+        (codec.encode(codec.Auth()), 0x82),  # AUTH without an authentication method
+        (codec.encode(codec.Connect("again", level=codec.LEVEL_5, properties=NONE)), 0x82),  # a second CONNECT
+        (codec.encode(codec.Publish("", b"x", properties=PropertiesV(topic_alias=9))), 0x82),  # an alias never set
+        (codec.encode(codec.Subscribe(1, ((f"{parent}/x", 1),), PropertiesV(subscription_ids=(5,)))), 0xA1),
+    ]
+    for n, (data, code) in enumerate(cases):
+        raw = Raw(port)
+        assert raw.connect(f"raw-{n}").code == 0
+        raw.send(data)
+        got = raw.packets()
+        assert got and isinstance(got[-1], codec.Disconnect), (n, got)
+        assert got[-1].reason == code, (n, got[-1])
+    assert "Traceback" not in broker.log()
+
+
+def test_a_connect_the_broker_refuses_gets_a_connack_with_the_reason(broker: BrokerProcess) -> None:
+    port = broker.mqtt_port
+    enhanced = Raw(port)
+    assert enhanced.connect("auth", PropertiesV(auth_method="SCRAM-SHA-1")).code == 0x8C  # bad authentication method
+    enhanced.close()
+    bad = Raw(port)
+    bad.send(bytes((0x10, 16)) + b"\x00\x04MQTT\x05\x02\x00\x3c\x03\x21\x00\x00\x00\x01c")  # receive maximum 0
+    (connack,) = bad.packets()
+    assert isinstance(connack, codec.ConnAck) and connack.code == 0x82
+    anonymous = Raw(port)
+    assigned = anonymous.connect("").properties
+    anonymous.close()
+    assert assigned is not None and (assigned.assigned_client_id or "").startswith("auto-")
