@@ -291,8 +291,6 @@ class Connection:
                 await self._handle(packet)
 
     async def _end(self, graceful: bool, reason: str, code: int | None) -> None:
-        if code is not None and not self.kicked:
-            self.close(code, reason)
         self._closing = True
         if self.client_id:
             log.info("mqtt client %s disconnected (%s)", self.client_id, reason)
@@ -302,6 +300,8 @@ class Connection:
             await self._incoming.put(None)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._publisher
+        if code is not None and not self.kicked:
+            self.close(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
         for out in self._out.values():  # handed out, not acknowledged: back to the group at once
             if out.receipt:
                 with contextlib.suppress(errors.LmqError):
@@ -470,7 +470,7 @@ class Connection:
             except (errors.LmqError, topics.TopicError, ValueError) as exc:
                 if not self.v5 or not _answerable(exc):
                     self._failure = exc
-                    self.writer.close()  # the reader sees the end and reports ``_failure``
+                    self.close(Reason.UNSPECIFIED_ERROR, str(exc))  # the reader sees the end, reports ``_failure``
                     continue
                 batch = await self._store_each(batch)  # 5.0: each publish gets its own answer
             for i in batch:
