@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmq_broker.mqtt import codec, properties, wire
+from lmq_broker.mqtt import codec, mapping, properties, wire
 from lmq_broker.mqtt.properties import Properties
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=20)
@@ -222,3 +222,36 @@ def test_a_3_1_1_decoder_reads_no_property_section() -> None:
     data = frame(0x30, b"\x00\x01t\x00body")
     assert codec.Decoder().feed(data) == [codec.Publish("t", b"\x00body")]
     assert codec.Decoder(level=codec.LEVEL_5).feed(data) == [codec.Publish("t", b"body", properties=properties.NONE)]
+
+
+def test_publish_properties_become_message_properties_and_back() -> None:
+    """``mapping``: what a 5.0 publish carries is stored as RocketMQ properties and delivered from them."""
+    sent = Properties(
+        payload_format=1,
+        message_expiry_s=10,
+        content_type="text/plain",
+        response_topic="P/replies",
+        correlation_data=b"\x00\xffid",
+        user=(("k", "1"), ("MQTT_QOS", "forged"), ("k", "2"), ("a", "x")),
+    )
+    stored = mapping.incoming(sent, qos=1, retain=True, client_id="me", now_ms=1_000)
+    assert stored["k"] == "2" and stored["a"] == "x"  # a repeated name keeps its last value
+    assert (stored[mapping.CLIENT], stored[mapping.RETAIN], stored[mapping.EXPIRES_AT]) == ("me", "1", "11000")
+    assert mapping.QOS not in stored  # MQTT_* names are the broker's own: the forged one is dropped
+    section = mapping.outgoing({**stored, "bad\x00name": "v"}, now_ms=4_500)  # U+0000 cannot travel in MQTT
+    back = properties.decode(wire.Reader(section), properties.Context.PUBLISH)
+    assert back == Properties(
+        payload_format=1,
+        message_expiry_s=7,  # 6.5 s left, rounded up
+        content_type="text/plain",
+        response_topic="P/replies",
+        correlation_data=b"\x00\xffid",
+        user=(("k", "2"), ("a", "x")),
+    )
+    assert mapping.expired(stored, 11_000) and not mapping.expired(stored, 10_999)
+    assert mapping.incoming(None, qos=0, retain=False, client_id="old", now_ms=0) == {
+        "MQTT_QOS": "0",
+        "MQTT_CLIENT_ID": "old",
+    }
+    with pytest.raises(mapping.PropertiesTooLarge):
+        mapping.incoming(Properties(user=(("big", "x" * 20_000),)), qos=1, retain=False, client_id="c", now_ms=0)

@@ -784,7 +784,7 @@ class Connection:
         as if sent, MQTT-3.1.2-25)."""
         if not self.v5:
             return codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup)
-        props = properties.encode(mapping.outgoing(stored, now_ms))
+        props = mapping.outgoing(stored, now_ms)
         data = codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup, props=props)
         if len(data) > self.max_packet_out:
             log.info("mqtt client %s: a message to %s over its maximum packet size is dropped", self.client_id, topic)

@@ -16,6 +16,7 @@ import base64
 from collections.abc import Mapping
 from typing import Final
 
+from lmq_broker.mqtt import wire
 from lmq_broker.mqtt.properties import Properties
 
 PREFIX: Final = "MQTT_"
@@ -28,6 +29,7 @@ RESPONSE_TOPIC: Final = "MQTT_RESPONSE_TOPIC"
 CORRELATION_DATA: Final = "MQTT_CORRELATION_DATA"  # base64
 EXPIRES_AT: Final = "MQTT_EXPIRES_AT_MS"  # wall clock, ms
 MAX_PROPERTIES_BYTES: Final = 16 * 1024  # what the gRPC edge allows a RocketMQ producer
+MAX_U32: Final = 0xFFFFFFFF
 
 
 class PropertiesTooLarge(ValueError):
@@ -69,24 +71,28 @@ def expired(stored: Mapping[str, str], now_ms: int) -> bool:
     return deadline is not None and deadline.isdigit() and int(deadline) <= now_ms
 
 
-def outgoing(stored: Mapping[str, str], now_ms: int) -> Properties:
-    """The MQTT 5 properties a subscriber gets for a message with RocketMQ properties ``stored``."""
-    user = tuple((k, v) for k, v in stored.items() if not k.startswith(PREFIX))
-    expiry = None
-    deadline = stored.get(EXPIRES_AT)
-    if deadline is not None and deadline.isdigit():
-        expiry = max(1, -(-(int(deadline) - now_ms) // 1000))  # what is left, rounded up
-    correlation = None
-    if CORRELATION_DATA in stored:
-        try:
-            correlation = base64.b64decode(stored[CORRELATION_DATA], validate=True)
-        except ValueError:
-            correlation = None
-    return Properties(
-        payload_format=1 if stored.get(PAYLOAD_FORMAT) == "1" else None,
-        message_expiry_s=expiry,
-        content_type=stored.get(CONTENT_TYPE),
-        response_topic=stored.get(RESPONSE_TOPIC),
-        correlation_data=correlation,
-        user=user,
-    )
+def outgoing(stored: Mapping[str, str], now_ms: int) -> bytes:
+    """The encoded MQTT 5 property section a subscriber gets for a message with RocketMQ properties ``stored``
+    (per delivery: written straight to bytes). A name or value holding U+0000, which MQTT strings may not, is
+    left out."""
+    out = bytearray()
+    for name, value in stored.items():
+        if "\x00" in name or "\x00" in value:
+            continue
+        if not name.startswith(PREFIX):
+            out += b"\x26" + wire.string(name) + wire.string(value)
+        elif name == CONTENT_TYPE:
+            out += b"\x03" + wire.string(value)
+        elif name == PAYLOAD_FORMAT and value == "1":
+            out += b"\x01\x01"
+        elif name == RESPONSE_TOPIC:
+            out += b"\x08" + wire.string(value)
+        elif name == EXPIRES_AT and value.isdigit():
+            left = min(MAX_U32, max(1, -(-(int(value) - now_ms) // 1000)))  # what is left, rounded up
+            out += b"\x02" + left.to_bytes(4, "big")
+        elif name == CORRELATION_DATA:
+            try:
+                out += b"\x09" + wire.binary(base64.b64decode(value, validate=True))
+            except ValueError:
+                continue
+    return wire.varint(len(out)) + bytes(out)

@@ -182,6 +182,8 @@ assert {f.name for f in fields(Properties)} == {name for name, _, _ in _TABLE.va
 def decode(r: wire.Reader, context: Context) -> Properties:
     """The property section at ``r``'s position (its length included)."""
     length = r.varint()
+    if not length:
+        return NONE
     section = wire.Reader(r.take(length))
     allowed = _ALLOWED[context]
     found: dict[str, Any] = {}

@@ -53,11 +53,18 @@ class Reader:
         return chunk
 
     def byte(self) -> int:
-        return self.take(1)[0]
+        at = self.at
+        if at >= len(self.data):
+            raise MalformedPacket("packet ends inside a field")
+        self.at = at + 1
+        return self.data[at]
 
     def u16(self) -> int:
-        high, low = self.take(2)
-        return high << 8 | low
+        at = self.at
+        if at + 2 > len(self.data):
+            raise MalformedPacket("packet ends inside a field")
+        self.at = at + 2
+        return self.data[at] << 8 | self.data[at + 1]
 
     def u32(self) -> int:
         return int.from_bytes(self.take(4), "big")
