@@ -249,9 +249,7 @@ def test_publish_properties_become_message_properties_and_back() -> None:
         user=(("k", "2"), ("a", "x")),
     )
     assert mapping.expired(stored, 11_000) and not mapping.expired(stored, 10_999)
-    assert mapping.incoming(None, qos=0, retain=False, client_id="old", now_ms=0) == {
-        "MQTT_QOS": "0",
-        "MQTT_CLIENT_ID": "old",
-    }
+    old = mapping.incoming(None, qos=0, retain=False, client_id="old", now_ms=0)
+    assert old == {"MQTT_QOS": "0"}  # 3.1.1: nothing but what it always stored
     with pytest.raises(mapping.PropertiesTooLarge):
         mapping.incoming(Properties(user=(("big", "x" * 20_000),)), qos=1, retain=False, client_id="c", now_ms=0)

@@ -4,7 +4,8 @@ A RocketMQ message has one flat map of user properties, which the official clien
 a list of user properties (a name may repeat) and a few typed ones. So MQTT 5 user properties become the
 message's properties one to one (a repeated name keeps its last value), and everything MQTT itself needs to
 remember rides under ``MQTT_`` names, which an MQTT 5 user property may therefore not use (it is dropped):
-the publish QoS 0 (deliveries stay at QoS 0), the publisher's client id (no-local), the retain flag
+the publish QoS 0 (deliveries stay at QoS 0), a 5.0 publisher's client id (no-local; a 3.1.1 publish is
+left without it, so that its messages cost what they did before 5.0: no properties to store), the retain flag
 (retain-as-published), and content type, payload format, response topic, correlation data and the message
 expiry as an absolute deadline (so the interval a subscriber gets is what is left of it). A RocketMQ
 producer's properties reach MQTT 5 subscribers as user properties; its ``MQTT_`` names are not passed on.
@@ -58,11 +59,11 @@ def incoming(props: Properties | None, *, qos: int, retain: bool, client_id: str
             out[CORRELATION_DATA] = base64.b64encode(props.correlation_data).decode()
         if props.message_expiry_s is not None:
             out[EXPIRES_AT] = str(now_ms + props.message_expiry_s * 1000)
+        out[CLIENT] = client_id  # 5.0 only: a 3.1.1 publish stays without properties, as before 5.0 came
     if qos == 0:
         out[QOS] = "0"
     if retain:
         out[RETAIN] = "1"
-    out[CLIENT] = client_id
     return out
 
 
