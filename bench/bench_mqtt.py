@@ -1,4 +1,5 @@
-"""MQTT publish -> subscribe latency (p50/p99) and message rate, with paho-mqtt against a broker process.
+"""MQTT publish -> subscribe latency (p50/p99) and message rate, with paho-mqtt against a broker process, for
+MQTT 3.1.1 and MQTT 5.0 in the same run (same broker; 5.0 messages carry a user property, as 5.0 users tend to).
 
 A subscriber process (paho, one connection, QoS 1 subscription ``B/#``) records when each message arrives; the
 publisher (paho, another connection, in this process) sends through the broker's default settings (sync
@@ -9,7 +10,10 @@ flush: every QoS 1 PUBACK waits for the fsync). Both processes read CLOCK_MONOTO
 - rate: ``--burst`` messages as fast as paho sends them (up to 100 QoS 1 in flight), once at QoS 1 and once
   at QoS 0; rate = messages / (last arrival - first publish).
 
-    python bench/bench_mqtt.py            # ~30 s
+Each protocol runs the three rounds in turn with its own subscriber process and parent topic; ``--repeat``
+alternates the protocols that many times (the machine is noisy: compare figures of one sitting).
+
+    python bench/bench_mqtt.py            # ~60 s
     python bench/bench_mqtt.py --quick    # smoke run
 """
 
@@ -29,8 +33,8 @@ from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import start_broker
 
-PARENT = "B"
 INFLIGHT = 100
+PROTOCOLS = {"3.1.1": ("B", "MQTT"), "5.0": ("B5", "MQTT 5")}  # protocol -> (parent topic, figure prefix)
 
 
 def figure(name: str, value: float, unit: str, extra: str = "") -> None:
@@ -42,10 +46,16 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-def _subscribe(port: int, expected: list[int], ready: Any, out: Connection) -> None:
+def _client(client_id: str, protocol: str) -> Any:
+    import paho.mqtt.client as mqtt  # noqa: PLC0415 - imported where used (the child too)
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion  # noqa: PLC0415
+
+    version = MQTTProtocolVersion.MQTTv5 if protocol == "5.0" else MQTTProtocolVersion.MQTTv311
+    return mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=version)
+
+
+def _subscribe(port: int, protocol: str, expected: list[int], ready: Any, out: Connection) -> None:
     """The subscriber process: for each round (a count in ``expected``), send back the arrival times (ns)."""
-    import paho.mqtt.client as mqtt  # noqa: PLC0415 - imported in the child
-    from paho.mqtt.enums import CallbackAPIVersion  # noqa: PLC0415
 
     arrivals: dict[str, int] = {}
     changed = threading.Condition()
@@ -56,11 +66,11 @@ def _subscribe(port: int, expected: list[int], ready: Any, out: Connection) -> N
             arrivals.setdefault(message.payload.decode().split(":", 1)[0], now)
             changed.notify_all()
 
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-sub")
+    client = _client(f"bench-sub-{protocol}", protocol)
     client.on_message = on_message
     client.connect("127.0.0.1", port)
     client.loop_start()
-    client.subscribe(f"{PARENT}/#", qos=1)
+    client.subscribe(f"{PROTOCOLS[protocol][0]}/#", qos=1)
     time.sleep(1.0)
     ready.set()
     for count in expected:
@@ -72,11 +82,8 @@ def _subscribe(port: int, expected: list[int], ready: Any, out: Connection) -> N
     client.loop_stop()
 
 
-def _publisher(port: int) -> Any:
-    import paho.mqtt.client as mqtt  # noqa: PLC0415
-    from paho.mqtt.enums import CallbackAPIVersion  # noqa: PLC0415
-
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-pub")
+def _publisher(port: int, protocol: str) -> Any:
+    client = _client(f"bench-pub-{protocol}", protocol)
     client.max_inflight_messages_set(INFLIGHT)
     client.max_queued_messages_set(0)
     client.connect("127.0.0.1", port)
@@ -84,23 +91,36 @@ def _publisher(port: int) -> Any:
     return client
 
 
-def latency_round(client: Any, count: int, rate: float, topics: int) -> dict[str, int]:
+def _properties(protocol: str) -> Any:
+    """What a 5.0 publish carries here: one user property (None for 3.1.1)."""
+    if protocol != "5.0":
+        return None
+    from paho.mqtt.packettypes import PacketTypes  # noqa: PLC0415
+    from paho.mqtt.properties import Properties  # noqa: PLC0415
+
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.UserProperty = [("trace", "bench")]
+    return props
+
+
+def latency_round(client: Any, count: int, rate: float, topics: int, *, parent: str, props: Any) -> dict[str, int]:
     sent: dict[str, int] = {}
     interval, next_at = 1.0 / rate, time.perf_counter()
     for n in range(count):
         key = f"l{n}"
         sent[key] = time.perf_counter_ns()
-        client.publish(f"{PARENT}/lat/{n % topics}", f"{key}:".encode() + b"x" * 64, qos=1)
+        client.publish(f"{parent}/lat/{n % topics}", f"{key}:".encode() + b"x" * 64, qos=1, properties=props)
         next_at += interval
         time.sleep(max(0.0, next_at - time.perf_counter()))
     return sent
 
 
-def burst_round(client: Any, count: int, qos: int, tag: str) -> int:
+def burst_round(client: Any, count: int, qos: int, tag: str, *, parent: str, props: Any) -> int:
     """Publish ``count`` messages back to back; returns when the first was handed to paho (ns)."""
     first = time.perf_counter_ns()
     infos = [
-        client.publish(f"{PARENT}/burst/{n % 8}", f"{tag}{n}:".encode() + b"x" * 64, qos=qos) for n in range(count)
+        client.publish(f"{parent}/burst/{n % 8}", f"{tag}{n}:".encode() + b"x" * 64, qos=qos, properties=props)
+        for n in range(count)
     ]
     for info in infos:
         info.wait_for_publish(120)
@@ -114,44 +134,54 @@ def main() -> None:
     parser.add_argument("--topics", type=int, default=16, help="lite topics of the latency round")
     parser.add_argument("--burst", type=int, default=5000, help="messages of each rate round")
     parser.add_argument("--quick", action="store_true", help="a few hundred messages: a smoke run")
+    parser.add_argument("--repeat", type=int, default=1, help="alternate 3.1.1 and 5.0 this many times")
     args = parser.parse_args()
     if args.quick:
         args.count, args.burst = 200, 500
     with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "data", extra_args=["--mqtt-port", "0"]) as b:
         with AdminClient(b.admin_endpoint, timeout_s=10, **b.admin_keys) as admin:
-            admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-        ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        theirs, ours = ctx.Pipe(duplex=False)
-        rounds = [args.count, args.burst, args.burst]
-        sub = ctx.Process(target=_subscribe, args=(b.mqtt_port, rounds, ready, ours), daemon=True)
-        sub.start()
-        try:
-            if not ready.wait(60):
-                raise SystemExit("the subscriber did not get ready")
-            client = _publisher(b.mqtt_port)
-            sent = latency_round(client, args.count, args.rate, args.topics)
-            arrived: dict[str, int] = theirs.recv() if theirs.poll(180) else {}
-            latencies = [(arrived[k] - sent[k]) / 1e6 for k in sent if k in arrived]
-            if len(latencies) < len(sent):
-                raise SystemExit(f"only {len(latencies)} of {len(sent)} latency messages arrived")
-            extra = f" ({len(latencies)} messages at {args.rate:.0f}/s over {args.topics} lite topics, QoS 1)"
-            figure("MQTT publish->subscribe latency p50", statistics.median(latencies), "ms", extra)
-            figure("MQTT publish->subscribe latency p99", percentile(latencies, 99), "ms", extra)
-            for qos, tag in ((1, "q"), (0, "z")):
-                first = burst_round(client, args.burst, qos, tag)
-                got: dict[str, int] = theirs.recv() if theirs.poll(180) else {}
-                if len(got) < args.burst:
-                    raise SystemExit(f"only {len(got)} of {args.burst} QoS {qos} messages arrived")
-                seconds = (max(got.values()) - first) / 1e9
-                figure(f"MQTT publish->subscribe rate QoS {qos}", args.burst / seconds, "msg/s",
-                       f" ({args.burst} messages, one publisher, one subscriber, sync flush)")  # fmt: skip
-            client.disconnect()
-            client.loop_stop()
-        finally:
-            sub.join(30)
-            if sub.is_alive():
-                sub.kill()
+            for parent, _ in PROTOCOLS.values():
+                admin.put_parent_topic(model.ParentTopic(parent, model.MessageType.LITE))
+        for n in range(args.repeat):
+            for protocol in PROTOCOLS if n % 2 == 0 else reversed(PROTOCOLS):
+                run_protocol(b.mqtt_port, protocol, args)
+
+
+def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> None:
+    parent, prefix = PROTOCOLS[protocol]
+    props = _properties(protocol)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    theirs, ours = ctx.Pipe(duplex=False)
+    rounds = [args.count, args.burst, args.burst]
+    sub = ctx.Process(target=_subscribe, args=(port, protocol, rounds, ready, ours), daemon=True)
+    sub.start()
+    try:
+        if not ready.wait(60):
+            raise SystemExit("the subscriber did not get ready")
+        client = _publisher(port, protocol)
+        sent = latency_round(client, args.count, args.rate, args.topics, parent=parent, props=props)
+        arrived: dict[str, int] = theirs.recv() if theirs.poll(180) else {}
+        latencies = [(arrived[k] - sent[k]) / 1e6 for k in sent if k in arrived]
+        if len(latencies) < len(sent):
+            raise SystemExit(f"only {len(latencies)} of {len(sent)} latency messages arrived ({protocol})")
+        extra = f" ({len(latencies)} messages at {args.rate:.0f}/s over {args.topics} lite topics, QoS 1)"
+        figure(f"{prefix} publish->subscribe latency p50", statistics.median(latencies), "ms", extra)
+        figure(f"{prefix} publish->subscribe latency p99", percentile(latencies, 99), "ms", extra)
+        for qos, tag in ((1, "q"), (0, "z")):
+            first = burst_round(client, args.burst, qos, tag, parent=parent, props=props)
+            got: dict[str, int] = theirs.recv() if theirs.poll(180) else {}
+            if len(got) < args.burst:
+                raise SystemExit(f"only {len(got)} of {args.burst} QoS {qos} messages arrived ({protocol})")
+            seconds = (max(got.values()) - first) / 1e9
+            figure(f"{prefix} publish->subscribe rate QoS {qos}", args.burst / seconds, "msg/s",
+                   f" ({args.burst} messages, one publisher, one subscriber, sync flush)")  # fmt: skip
+        client.disconnect()
+        client.loop_stop()
+    finally:
+        sub.join(30)
+        if sub.is_alive():
+            sub.kill()
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ HELP: Final[dict[str, str]] = {
     "port": "gRPC port of the v2 MessagingService, and of the lmq admin service unless --admin-port (0: any free port)",
     "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
-    "mqtt_port": "MQTT 3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
+    "mqtt_port": "MQTT 5.0/3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",
@@ -235,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
     try:
-        peers.membership_of(config)
-        peers.external_of(config)
+        if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
+            peers.membership_of(config)  # process checks the ring of slots it is given
+            peers.external_of(config)
     except errors.InvalidArgument as exc:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
     if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):

@@ -1,7 +1,8 @@
 """paho-mqtt clients steered by tests and benchmarks (a dev dependency: import only where paho is installed).
 
 ``Peer`` wraps one paho client: it connects and waits for the CONNACK, records what arrives (topic, payload,
-QoS, retain, dup) and lets a test wait for a condition with a deadline.
+QoS, retain, dup; with MQTT 5 its properties, the reason codes of PUBACKs and of a DISCONNECT) and lets a
+test wait for a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Received:
     retain: bool
     dup: bool
     mid: int
+    properties: Any = None  # MQTT 5: paho's Properties of the PUBLISH
 
 
 class Peer:
@@ -37,9 +39,10 @@ class Peer:
         clean: bool = True,
         manual_ack: bool = False,
         keepalive: int = 30,
-        will: tuple[str, bytes, int, bool] | None = None,
+        will: tuple[str, bytes, int, bool] | tuple[str, bytes, int, bool, Any] | None = None,
         auth: tuple[str, str] | None = None,
         protocol: MQTTProtocolVersion = MQTTProtocolVersion.MQTTv311,
+        properties: Any = None,
     ) -> None:
         self.client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
@@ -51,7 +54,11 @@ class Peer:
         self.changed = threading.Condition()
         self.received: list[Received] = []
         self.connack: tuple[bool, str] | None = None  # (session present, reason)
+        self.connack_properties: Any = None
         self.disconnected = False
+        self.disconnect_reason: int | None = None  # MQTT 5: the code of the broker's DISCONNECT
+        self.acks: dict[int, int] = {}  # mid -> PUBACK reason code
+        self.client.on_publish = self._on_publish
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_disconnect = self._on_disconnect
@@ -60,23 +67,34 @@ class Peer:
             self.client.will_set(*will)
         if auth is not None:
             self.client.username_pw_set(*auth)
-        self.client.connect("127.0.0.1", port, keepalive=keepalive)
+        if protocol == MQTTProtocolVersion.MQTTv5:
+            self.client.connect("127.0.0.1", port, keepalive=keepalive, clean_start=clean, properties=properties)
+        else:
+            self.client.connect("127.0.0.1", port, keepalive=keepalive)
         self.client.loop_start()
         self.wait(lambda p: p.connack is not None or p.disconnected, "CONNACK")
 
-    def _on_connect(self, _c: Any, _u: Any, flags: Any, reason: Any, _p: Any) -> None:
+    def _on_connect(self, _c: Any, _u: Any, flags: Any, reason: Any, props: Any) -> None:
         with self.changed:
             self.connack = (bool(flags.session_present), str(reason))
+            self.connack_properties = props
             self.changed.notify_all()
 
     def _on_message(self, _c: Any, _u: Any, m: mqtt.MQTTMessage) -> None:
         with self.changed:
-            self.received.append(Received(m.topic, bytes(m.payload), m.qos, bool(m.retain), bool(m.dup), m.mid))
+            props = getattr(m, "properties", None)
+            self.received.append(Received(m.topic, bytes(m.payload), m.qos, bool(m.retain), bool(m.dup), m.mid, props))
             self.changed.notify_all()
 
-    def _on_disconnect(self, *_args: Any) -> None:
+    def _on_publish(self, _c: Any, _u: Any, mid: int, reason: Any, _p: Any) -> None:
+        with self.changed:
+            self.acks[mid] = int(reason.value)
+            self.changed.notify_all()
+
+    def _on_disconnect(self, _c: Any, _u: Any, _flags: Any, reason: Any, _p: Any) -> None:
         with self.changed:
             self.disconnected = True
+            self.disconnect_reason = int(reason.value)
             self.changed.notify_all()
 
     def wait(self, condition: Callable[[Peer], bool], what: str, timeout: float = WAIT_S) -> None:
@@ -87,8 +105,9 @@ class Peer:
     def accepted(self) -> bool:
         return self.connack is not None and self.connack[1] == "Success"
 
-    def subscribe(self, *filters: tuple[str, int]) -> list[int]:
-        """Subscribe and wait for the SUBACK; returns the granted QoS per filter (128: refused)."""
+    def subscribe(self, *filters: tuple[str, Any]) -> list[int]:
+        """Subscribe and wait for the SUBACK; returns the granted QoS per filter (128: refused; MQTT 5: the
+        reason code). A filter's second item: the QoS, or paho's SubscribeOptions (MQTT 5)."""
         granted: list[int] = []
         done = threading.Event()
 
@@ -102,10 +121,13 @@ class Peer:
         assert done.wait(WAIT_S), "no SUBACK"
         return granted
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
-        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> int:
+        """Publish and wait for its acknowledgement; returns the PUBACK's reason code (MQTT 5; else 0)."""
+        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         info.wait_for_publish(WAIT_S)
         assert info.is_published(), f"{topic}: not acknowledged"
+        with self.changed:
+            return self.acks.get(info.mid, 0)
 
     def messages(self) -> list[Received]:
         with self.changed:

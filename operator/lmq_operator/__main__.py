@@ -44,6 +44,10 @@ environment (all optional unless noted):
   LMQ_OPERATOR_BROKER_NAMESPACE     namespace of that Service/StatefulSet (required with it)
   LMQ_OPERATOR_BROKER_STATEFULSET   broker StatefulSet, to detect scale-down of brokers holding data
   LMQ_OPERATOR_BROKER_PORT          admin port of discovered brokers when their Service names none (default 8081)
+  LMQ_OPERATOR_BROKER_MEMBERSHIP    be the brokers' membership source: this ConfigMap records it, and the
+                                    StatefulSet is scaled to its lmq.io/replicas annotation (draining first)
+  LMQ_OPERATOR_BROKER_ADDRESS       each pod's advertised endpoint: {pod}.<domain>:<port>, or host:port,...
+  LMQ_OPERATOR_BROKER_PROCESSES     broker processes per pod (default 1); LMQ_OPERATOR_SCALING_SECONDS (5)
   LMQ_OPERATOR_NAMESPACE            watch one namespace instead of the whole cluster
   LMQ_OPERATOR_METRICS_PORT         Prometheus /metrics port (default 9101, -1 disables)
   LMQ_OPERATOR_LIVENESS_ENDPOINT    kopf liveness endpoint (default http://0.0.0.0:8080/healthz)

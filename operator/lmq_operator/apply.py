@@ -406,8 +406,11 @@ def _ordinal(pod: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def brokers_from_slices(slices: Iterable[Mapping[str, Any]], default_port: int) -> list[tuple[model.Broker, bool]]:
-    """(broker, ready) for every endpoint of the Service's EndpointSlices, deduplicated by pod."""
+def brokers_from_slices(
+    slices: Iterable[Mapping[str, Any]], default_port: int, processes: int = 1
+) -> list[tuple[model.Broker, bool]]:
+    """(broker, ready) for every endpoint of the Service's EndpointSlices, deduplicated by pod. With several
+    processes per pod, each process is a broker of its own (``<pod>-p<i>``) on its own port ``grpc + 1 + i``."""
     found: dict[str, tuple[model.Broker, bool]] = {}
     for s in slices:
         ports = s.get("ports") or []
@@ -416,14 +419,19 @@ def brokers_from_slices(slices: Iterable[Mapping[str, Any]], default_port: int) 
         if port is None and ports:
             port = ports[0].get("port")
         port = port or default_port
+        grpc = named.get("grpc") or port
         for ep in s.get("endpoints") or []:
             addresses = ep.get("addresses") or []
             if not addresses:
                 continue
             pod = (ep.get("targetRef") or {}).get("name") or ep.get("hostname") or addresses[0]
-            ready = (ep.get("conditions") or {}).get("ready")
-            broker = model.Broker(pod, f"{addresses[0]}:{port}", _ordinal(pod))
-            found[pod] = (broker, ready is not False)
+            ready = (ep.get("conditions") or {}).get("ready") is not False
+            if processes == 1:
+                found[pod] = (model.Broker(pod, f"{addresses[0]}:{port}", _ordinal(pod)), ready)
+                continue
+            for i in range(processes):
+                name = f"{pod}-p{i}"
+                found[name] = (model.Broker(name, f"{addresses[0]}:{grpc + 1 + i}", _ordinal(pod)), ready)
     return sorted(found.values())
 
 
@@ -435,10 +443,12 @@ class Fleet:
         conf: settings.Settings,
         pool: AdminPool,
         clock: Callable[[], float] = time.monotonic,
+        ring_pods: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._conf = conf
         self._pool = pool
         self._clock = clock
+        self._ring_pods = ring_pods  # pods of today's ring while the operator scales the brokers down
         self._lock = asyncio.Lock()
         self._view: FleetView | None = None
         self._at = 0.0
@@ -459,7 +469,7 @@ class Fleet:
             if self._conf.brokers:
                 known = [(model.Broker(ep, ep, i), True) for i, ep in enumerate(self._conf.brokers)]
             else:
-                known = brokers_from_slices(await self._slices(), self._conf.admin_port)
+                known = brokers_from_slices(await self._slices(), self._conf.admin_port, self._conf.processes)
         except Exception as exc:  # any API failure: keep serving the last good view
             log.warning("broker discovery failed: %s", exc)
             return FleetView(last.targets if last else (), last.leaving if last else (), error=str(exc))
@@ -467,18 +477,24 @@ class Fleet:
             return FleetView(tuple(b for b, ready in known if ready))
         targets, leaving = [], []
         asked: set[int] = set()
+        ring = self._ring_pods()
         for broker, ready in known:
+            if broker.ordinal is not None and ring is not None and ring <= broker.ordinal < replicas:
+                # Leaving the ring but still running: it serves its consumers (so it gets every resource) and
+                # drains; the scale-down waits for it.
+                if ready:
+                    targets.append(broker)
+                    undrained = await self._undrained(broker)
+                    if undrained != 0:
+                        leaving.append(model.Leaving(broker, ring, undrained, claims.get(broker.ordinal), True))
+                continue
             if broker.ordinal is None or broker.ordinal < replicas:
                 if ready:
                     targets.append(broker)
                 continue
             asked.add(broker.ordinal)
             claim = claims.get(broker.ordinal)
-            try:
-                undrained: int | None = await self._pool(broker).undrained_messages()
-            except AdminError as exc:
-                log.info("leaving broker %s did not answer: %s", broker.name, exc.message)
-                undrained = None
+            undrained = await self._undrained(broker)
             if undrained or (undrained is None and claim is not None):
                 leaving.append(model.Leaving(broker, replicas, undrained, claim))
         # In a cluster a leaving pod and its endpoint are gone at once; its claim, and the data, stay.
@@ -487,6 +503,13 @@ class Fleet:
                 name = f"{self._conf.broker_statefulset}-{ordinal}"
                 leaving.append(model.Leaving(model.Broker(name, "", ordinal), replicas, None, claim))
         return FleetView(tuple(targets), tuple(leaving))
+
+    async def _undrained(self, broker: model.Broker) -> int | None:
+        try:
+            return await self._pool(broker).undrained_messages()
+        except AdminError as exc:
+            log.info("leaving broker %s did not answer: %s", broker.name, exc.message)
+            return None
 
     def _client(self) -> Any:
         if self._kube is None:
@@ -544,6 +567,16 @@ class Fleet:
             with contextlib.suppress(Exception):
                 self._kube.close()
         await self._pool.close()
+
+
+_shared: list[Any] = []
+
+
+def shared_kube_client() -> Any:
+    """One Kubernetes API client for the membership loop, made on first use."""
+    if not _shared:
+        _shared.append(kube_client())
+    return _shared[0]
 
 
 def kube_client() -> Any:

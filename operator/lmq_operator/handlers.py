@@ -25,7 +25,8 @@ from typing import Any
 import aiohttp
 import kopf
 
-from lmq_operator import admins, apply, desired, metrics, model, resyncing, settings, status
+from lmq_broker.admin.credentials import KeyPair
+from lmq_operator import admins, apply, desired, metrics, model, resyncing, scaler, settings, status
 
 EVENT_SOURCE = "lmq-operator"  # reportingComponent and source.component of every Event we post
 # Connections to the apiserver at most. kopf's own HTTP session has no bound: a burst of creates (a GitOps
@@ -47,6 +48,8 @@ class Context:
     indices: dict[str, Any] = field(default_factory=dict)  # kopf's indices, by name
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
+    scaler: scaler.Scaler | None = None  # the broker StatefulSet's membership, when the operator manages it
+    scaling: asyncio.Task[None] | None = None
     # kopf posts Events through a queue it binds to each handler's context; the resync loop runs outside any
     # handler, so it posts within a copy of the first handler's context (every resource was handled by
     # create or resume before its first resync).
@@ -109,10 +112,17 @@ async def configure(memo: Any, **kwargs: Any) -> None:
 
     pool = apply.AdminPool(factory)
     indices = {name: kwargs[name] for kind in model.Kind for name in (f"{kind.plural}_claims", f"{kind.plural}_bodies")}
-    ctx = memo.lmq = Context(conf, pool, apply.Fleet(conf, pool), apply.StatusWriter(), indices)
+    member: scaler.Scaler | None = None
+    if conf.manages_membership:
+        keys = KeyPair(*conf.admin_keys) if conf.admin_keys else None
+        member = scaler.Scaler(conf, apply.shared_kube_client, keys)
+    fleet = apply.Fleet(conf, pool, ring_pods=(lambda: member.ring_pods) if member else lambda: None)
+    ctx = memo.lmq = Context(conf, pool, fleet, apply.StatusWriter(), indices, scaler=member)
     ctx.resync = asyncio.create_task(
         resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
     )
+    if member is not None:
+        ctx.scaling = asyncio.create_task(scaler.run(member, conf.scaling_s))
 
 
 @kopf.on.login()
@@ -151,10 +161,13 @@ async def close(memo: Any, **_: Any) -> None:
     _sessions.clear()
     ctx: Context | None = getattr(memo, "lmq", None)
     if ctx is not None:
-        if ctx.resync is not None:
-            ctx.resync.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ctx.resync
+        for task in (ctx.resync, ctx.scaling):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if ctx.scaler is not None:
+            await ctx.scaler.close()
         await ctx.fleet.close()
         ctx.statuses.close()
 

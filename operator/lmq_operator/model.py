@@ -413,9 +413,10 @@ class Leaving:
     (``claim``) still exists. ``undrained_messages`` is None when it could not be asked."""
 
     broker: Broker
-    replicas: int
+    replicas: int  # the StatefulSet's, or with ``draining`` the pods of the ring it is leaving
     undrained_messages: int | None
     claim: str | None = None
+    draining: bool = False  # the operator scales down: the pod still runs and drains before it is stopped
 
 
 class Failure(enum.StrEnum):

@@ -23,6 +23,7 @@ DEFAULT_RESYNC_S: Final = 60.0
 DEFAULT_DISCOVERY_TTL_S: Final = 5.0
 DEFAULT_ADMIN_TIMEOUT_S: Final = 5.0
 DEFAULT_RETRY_DELAY_S: Final = 5.0
+DEFAULT_SCALING_S: Final = 5.0
 
 
 class SettingsError(ValueError):
@@ -47,6 +48,16 @@ class Settings:
     tls: ClientTls | None = None  # LMQ_TLS_CA / LMQ_TLS_SERVER_NAME: brokers serve TLS
     lease: leadership.LeaseConfig | None = None  # None: no leader election (one replica only)
     identity: str = ""  # this process in Lease holders and Events (the pod name in a cluster)
+    processes: int = 1  # broker processes per pod (the chart's broker.processes): one ring slot each
+    # The membership of the broker StatefulSet (docs/operator.md, Scaling): the operator's ConfigMap, and each
+    # pod's advertised endpoint, a template with {pod} or one host:port per ordinal. Empty: not managed.
+    membership_configmap: str | None = None
+    broker_addresses: tuple[str, ...] = ()
+    scaling_s: float = DEFAULT_SCALING_S
+
+    @property
+    def manages_membership(self) -> bool:
+        return self.membership_configmap is not None
 
     @property
     def needs_kubernetes_client(self) -> bool:
@@ -76,10 +87,10 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise SettingsError(f"{name}={raw!r} is not an integer") from None
 
 
-def _endpoint(item: str) -> str:
+def _endpoint(item: str, name: str = "LMQ_OPERATOR_BROKERS") -> str:
     host, sep, port = item.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise SettingsError(f"LMQ_OPERATOR_BROKERS entry {item!r} is not host:port")
+        raise SettingsError(f"{name} entry {item!r} is not host:port")
     return item
 
 
@@ -125,6 +136,19 @@ def from_env(env: Mapping[str, str]) -> Settings:
         secured = client_tls(environ=env)
     except errors.InvalidArgument as exc:
         raise SettingsError(exc.message) from None
+    membership = env.get("LMQ_OPERATOR_BROKER_MEMBERSHIP", "").strip() or None
+    addresses = tuple(a.strip() for a in env.get("LMQ_OPERATOR_BROKER_ADDRESS", "").split(",") if a.strip())
+    if membership is not None and (service is None or statefulset is None or not addresses):
+        raise SettingsError(
+            "LMQ_OPERATOR_BROKER_MEMBERSHIP needs LMQ_OPERATOR_BROKER_SERVICE, LMQ_OPERATOR_BROKER_STATEFULSET and "
+            "LMQ_OPERATOR_BROKER_ADDRESS"
+        )
+    for address in addresses:
+        if "{pod}" not in address:
+            _endpoint(address, "LMQ_OPERATOR_BROKER_ADDRESS")
+    processes = _int(env, "LMQ_OPERATOR_BROKER_PROCESSES", 1)
+    if not 1 <= processes <= 256:
+        raise SettingsError(f"LMQ_OPERATOR_BROKER_PROCESSES must lie within 1..256, got {processes}")
     # Unique even when two processes share a host name (tests, or a pod restarted in place).
     identity = env.get("LMQ_OPERATOR_POD_NAME", "").strip() or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return Settings(
@@ -144,4 +168,8 @@ def from_env(env: Mapping[str, str]) -> Settings:
         tls=secured,
         lease=_lease(env, identity),
         identity=identity,
+        processes=processes,
+        membership_configmap=membership,
+        broker_addresses=addresses,
+        scaling_s=_float(env, "LMQ_OPERATOR_SCALING_SECONDS", DEFAULT_SCALING_S),
     )

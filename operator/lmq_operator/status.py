@@ -276,6 +276,8 @@ def drained(leaving: Sequence[model.Leaving], previous: Mapping[str, Any], now: 
     parts = []
     for x in sorted(leaving, key=lambda x: x.broker):
         where = f"{x.broker.name} (ordinal {x.broker.ordinal} >= replicas {x.replicas})"
+        if x.draining:
+            where = f"{x.broker.name} (ordinal {x.broker.ordinal}, leaving: scaling down to {x.replicas} pods)"
         if x.undrained_messages is not None:
             parts.append(f"{where} still holds {x.undrained_messages} undrained messages")
         else:

@@ -21,7 +21,12 @@ EXPECTED = {
     ],
     "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],
     "bench_lite_patterns.py": ["FIGURE per-arrival dispatch cost, 10,000 patterns ÷ 1 pattern:"],
-    "bench_mqtt.py": ["FIGURE MQTT publish->subscribe latency p50:", "FIGURE MQTT publish->subscribe rate QoS 1:"],
+    "bench_mqtt.py": [
+        "FIGURE MQTT publish->subscribe latency p50:",
+        "FIGURE MQTT publish->subscribe rate QoS 1:",
+        "FIGURE MQTT 5 publish->subscribe latency p50:",
+        "FIGURE MQTT 5 publish->subscribe rate QoS 1:",
+    ],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
 }

@@ -28,6 +28,7 @@ Render = Callable[..., list[Manifest]]
 API_PATHS = {
     "Secret": ("/api/v1", "secrets", True),
     "Pod": ("/api/v1", "pods", True),
+    "ConfigMap": ("/api/v1", "configmaps", True),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
     "ServiceAccount": ("/api/v1", "serviceaccounts", True),
@@ -326,6 +327,10 @@ NEEDED_FOR_BROKERS: list[Action] = [
     ("list", "endpointslices", "discovery.k8s.io"),
     ("get", "statefulsets", "apps"),
     ("list", "persistentvolumeclaims", ""),
+    ("patch", "statefulsets", "apps"),  # the membership: spec.replicas, its own ConfigMap
+    ("get", "configmaps", ""),
+    ("create", "configmaps", ""),
+    ("patch", "configmaps", ""),
 ]
 NEVER: list[Action] = [
     ("create", "parenttopics", "lmq.io"),
@@ -334,7 +339,8 @@ NEVER: list[Action] = [
     ("deletecollection", "litequotas", "lmq.io"),
     ("update", "litequotas/status", "lmq.io"),
     ("list", "secrets", ""),
-    ("get", "configmaps", ""),
+    ("list", "configmaps", ""),
+    ("delete", "configmaps", ""),
     ("create", "pods", ""),
     ("update", "statefulsets", "apps"),
     ("delete", "persistentvolumeclaims", ""),

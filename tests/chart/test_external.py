@@ -212,3 +212,12 @@ def test_notes_point_outside_clients_to_the_bootstrap_service(render_notes: Call
     assert f"port-forward svc/{BROKER}-external 9094:9094" in notes
     notes = render_notes(external(advertisedAddressTemplate="lmq-{ordinal}.example.com:9094"))
     assert "(LoadBalancer)" in notes and "port-forward svc/" + BROKER + "-external" not in notes
+
+
+def test_the_network_policy_admits_every_process_external_port(render: Render, one: One) -> None:
+    """broker.processes > 1: process i listens on the external port + 1 + i (its own routes' port)."""
+    values = external(advertisedAddressTemplate="lmq-{ordinal}.example.com:9094")
+    values["broker"]["processes"] = 3
+    policy = one(render(values), "NetworkPolicy", BROKER)
+    rules = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 9094]
+    assert rules == [{"ports": [{"port": 9094, "endPort": 9097, "protocol": "TCP"}]}]

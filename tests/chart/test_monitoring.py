@@ -104,7 +104,8 @@ def targets(board: dict[str, Any]) -> list[str]:
 def test_nothing_of_the_prometheus_operator_is_rendered_by_default(render: Render, one: One) -> None:
     objects = render()
     assert not kinds(objects) & MONITORING_KINDS
-    assert not [o for o in objects if o["kind"] == "ConfigMap"]
+    # the only ConfigMap is the brokers' first membership (no dashboard)
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"] == ["demo-lmq-broker-peers"]
     service = one(objects, "Service", "demo-lmq-operator-metrics")  # the operator's metrics Service always is
     assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [("metrics", 9101, "metrics")]
     without = render({"operator": {"enabled": False}})

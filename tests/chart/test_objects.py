@@ -95,6 +95,12 @@ BROKER_READ = {
     ("discovery.k8s.io", "endpointslices", "list"),
     ("apps", "statefulsets", "get"),
     ("", "persistentvolumeclaims", "list"),
+    # the membership of the brokers: spec.replicas and its annotation, the operator's ConfigMap, Events
+    ("apps", "statefulsets", "patch"),
+    ("", "configmaps", "get"),
+    ("", "configmaps", "create"),
+    ("", "configmaps", "patch"),
+    ("", "events", "create"),
 }
 
 
@@ -104,7 +110,8 @@ BROKER_READ = {
 def test_broker_statefulset_shape(render: Render, one: One) -> None:
     sts = one(render(), "StatefulSet", BROKER)
     spec = sts["spec"]
-    assert spec["replicas"] == 1
+    assert spec["replicas"] == 2
+    assert sts["metadata"]["annotations"] == {"lmq.io/replicas": "2"}
     assert spec["podManagementPolicy"] == "Parallel"
     assert spec["serviceName"] == HEADLESS
     assert spec["updateStrategy"] == {"type": "RollingUpdate"}
@@ -137,9 +144,16 @@ def test_broker_runs_serve_with_its_stable_identity(render: Render, one: One) ->
         "$(POD_NAME)",
         "--advertised-host",
         f"$(POD_NAME).{HEADLESS}.mq.svc.cluster.local",
+        "--advertised-address",
+        f"$(POD_NAME).{HEADLESS}.mq.svc.cluster.local:8081",
         "--no-bootstrap",
     ]
     assert broker["env"][0] == {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    # its membership (LMQ_PEERS, LMQ_RING_HISTORY): the operator's ConfigMap once it exists, else the first one
+    assert broker["envFrom"] == [
+        {"configMapRef": {"name": f"{BROKER}-peers"}},
+        {"configMapRef": {"name": "demo-lmq-broker-membership", "optional": True}},
+    ]
     assert {(p["name"], p["containerPort"]) for p in broker["ports"]} == {
         ("grpc", 8081),
         ("admin", 8082),
@@ -164,7 +178,7 @@ def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one
         )
     )
     assert broker["args"][-4:] == [
-        f"$(POD_NAME).{HEADLESS}.mq.svc.corp.local",
+        f"$(POD_NAME).{HEADLESS}.mq.svc.corp.local:8081",
         "--no-bootstrap",
         "--flush-mode",
         "async",
@@ -331,6 +345,9 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_SERVICE": HEADLESS,
         "LMQ_OPERATOR_BROKER_NAMESPACE": "mq",
         "LMQ_OPERATOR_BROKER_STATEFULSET": BROKER,
+        "LMQ_OPERATOR_BROKER_MEMBERSHIP": "demo-lmq-broker-membership",
+        "LMQ_OPERATOR_BROKER_ADDRESS": "{pod}." + HEADLESS + ".mq.svc.cluster.local:8081",
+        "LMQ_OPERATOR_BROKER_PROCESSES": "1",
         "LMQ_OPERATOR_BROKER_PORT": "8082",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
         "LMQ_OPERATOR_LIVENESS_ENDPOINT": "http://0.0.0.0:8080/healthz",
@@ -424,7 +441,7 @@ def test_no_rule_uses_wildcards_or_creates_or_deletes_custom_resources(render: R
             for group, resource, verb in rules(role):
                 assert "*" not in (group, resource, verb)
                 assert verb in ("get", "list", "watch", "patch", "create")
-                assert verb != "create" or resource == "events"
+                assert verb != "create" or resource in ("events", "configmaps")  # configmaps: the membership
         assert named_rules(one(objects, "Role", LEADER_ROLE)) == LEASE_RULES  # update only on its own Lease
 
 
@@ -573,6 +590,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-admin",
         "lmq-broker",
         "lmq-broker-headless",
+        "lmq-broker-peers",
         "lmq-operator",
         "lmq-operator-brokers",
         "lmq-test",
@@ -584,6 +602,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-admin",
         "mq-broker",
         "mq-broker-headless",
+        "mq-broker-peers",
         "mq-operator",
         "mq-operator-brokers",
         "mq-test",

@@ -108,6 +108,7 @@ FULL: dict[str, Any] = {
     "broker": {
         "image": {"repository": "registry.example.org/lmq/data", "digest": "sha256:" + "cd" * 32},
         "replicas": 5,
+        "processes": 3,
         "extraArgs": ["--flush-mode", "async"],
         "liteTtl": {"enabled": True, "intervalMs": 60_000, "batch": 500, "stepPauseMs": 5, "minAgeMs": 600_000},
         "extraEnv": [{"name": "LMQ_MAX_BODY_BYTES", "value": "1048576"}],
@@ -286,9 +287,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         }
     },
     "external-port-forward": {
-        "broker": {"external": {"enabled": True, "type": "ClusterIP", "nodePortBase": 31100}},
+        "broker": {"replicas": 1, "external": {"enabled": True, "type": "ClusterIP", "nodePortBase": 31100}},
         "networkPolicy": {"enabled": False},
     },
+    "processes": {"broker": {"processes": 2}, "networkPolicy": {"clientFrom": [{"podSelector": {}}]}},
 }
 # Kinds of other projects' CRDs, which kubernetes-validate has no schema for (test_production.py checks them).
 FOREIGN_KINDS = {("cert-manager.io/v1", "Certificate")}

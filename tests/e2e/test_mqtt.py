@@ -1,5 +1,6 @@
-"""MQTT meets RocketMQ on one broker: Debian's mosquitto-clients and paho-mqtt on one side, the official
-rocketmq-python-client 5.1.2 (Producer, LitePushConsumer) on the other, through the same lite topics.
+"""MQTT meets RocketMQ on one broker: Debian's mosquitto-clients and paho-mqtt (3.1.1 and 5.0) on one side, the
+official rocketmq-python-client 5.1.2 (Producer, LitePushConsumer) on the other, through the same lite topics;
+MQTT 5 user properties and RocketMQ message properties are the same thing.
 
 mosquitto_pub/mosquitto_sub come from ``make mqtt-clients`` (scripts/mqtt-clients-install.sh); without them
 this suite fails, it does not skip.
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paho.mqtt.enums import MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 
 from lmq_broker import model
@@ -165,6 +169,81 @@ def test_an_mqtt_publish_reaches_a_lite_push_consumer(
         while admin.describe_lite_topic(parent, "device-7_telemetry").group_offsets.get(group) != 2:
             assert time.monotonic() < deadline, "the consumer's acks were not committed"
             time.sleep(0.05)
+
+
+def test_rocketmq_properties_reach_an_mqtt5_subscriber_as_user_properties(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], clients: list[Any], peers: list[Peer]
+) -> None:
+    parent, _ = topic
+    sub = Peer(mqtt_broker.mqtt_port, "v5-from-rocketmq", protocol=MQTTProtocolVersion.MQTTv5)
+    peers.append(sub)
+    assert sub.subscribe((f"{parent}/order/#", 1)) == [1]
+    producer = Producer(config(mqtt_broker), (parent,))
+    producer.startup()
+    clients.append(producer)
+    message = Message()
+    message.topic, message.lite_topic, message.body = parent, "order_42", b"shipped"
+    message.add_property("region", "eu-west")
+    message.add_property("priority", "high")
+    producer.send(message)
+    (got,) = sub.wait_count(1)
+    assert (got.topic, got.payload) == (f"{parent}/order/42", b"shipped")
+    assert sorted(got.properties.UserProperty) == [("priority", "high"), ("region", "eu-west")]
+
+
+def test_mqtt5_user_properties_reach_a_lite_push_consumer_as_message_properties(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], clients: list[Any], peers: list[Peer]
+) -> None:
+    parent, group = topic
+    inbox = Inbox()
+    consumer = LitePushConsumer(config(mqtt_broker), group, parent, inbox)
+    consumer.startup()
+    clients.append(consumer)
+    consumer.subscribe_lite("sensor-3")
+    pub = Peer(mqtt_broker.mqtt_port, "v5-to-rocketmq", protocol=MQTTProtocolVersion.MQTTv5)
+    peers.append(pub)
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.UserProperty = [("unit", "celsius"), ("site", "lab-2")]
+    props.ContentType = "text/plain"
+    assert pub.publish(f"{parent}/sensor-3", b"21.5", qos=1, properties=props) == 0
+    assert inbox.wait_for(lambda i: len(i.accepted) == 1, WAIT_S), inbox.bodies()
+    (m,) = inbox.accepted
+    assert (m.lite_topic, m.body) == ("sensor-3", b"21.5")
+    assert (m.properties["unit"], m.properties["site"]) == ("celsius", "lab-2")
+    assert (m.properties["MQTT_CONTENT_TYPE"], m.properties["MQTT_CLIENT_ID"]) == ("text/plain", "v5-to-rocketmq")
+
+
+def test_mosquitto_v5_clients_carry_user_properties(mqtt_broker: BrokerProcess, topic: tuple[str, str]) -> None:
+    parent, _ = topic
+    port = str(mqtt_broker.mqtt_port)
+    sub = subprocess.Popen(
+        [mosquitto("mosquitto_sub"), "-V", "mqttv5", "-h", "127.0.0.1", "-p", port, "-q", "1", "-t", f"{parent}/v5/+",
+         "-F", "%t %p %P", "-C", "2", "-W", "30", "-i", "mosq5-sub"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_log(mqtt_broker, "mosq5-sub connected")
+        time.sleep(0.3)  # its SUBSCRIBE follows the CONNACK
+        for n in range(2):
+            subprocess.run(
+                [mosquitto("mosquitto_pub"), "-V", "mqttv5", "-h", "127.0.0.1", "-p", port, "-q", "1",
+                 "-t", f"{parent}/v5/{n}", "-m", f"hello-{n}", "-D", "publish", "user-property", "seq", str(n)],
+                check=True, timeout=30, capture_output=True,
+            )  # fmt: skip
+        out, err = sub.communicate(timeout=40)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+            sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    assert out.splitlines() == [f"{parent}/v5/0 hello-0 seq:0", f"{parent}/v5/1 hello-1 seq:1"]
+    refused = subprocess.run(
+        [mosquitto("mosquitto_pub"), "-V", "mqttv5", "-h", "127.0.0.1", "-p", port, "-q", "1",
+         "-t", "no-such-parent/x", "-m", "lost?"],
+        check=False, timeout=30, capture_output=True, text=True,
+    )  # fmt: skip
+    assert "Publish 1 failed: Topic Name invalid" in refused.stderr  # a negative PUBACK, and why:
+    assert "no-such-parent does not exist" in refused.stderr  # its reason string
 
 
 def _wait_for_log(broker: BrokerProcess, text: str) -> None:

@@ -1,5 +1,5 @@
-"""The MQTT 3.1.1 codec: every packet survives encode -> decode however the bytes are split, arbitrary bytes
-never raise anything but MalformedPacket, and the spec's MUST-close cases are refused."""
+"""The MQTT 3.1.1 codec (5.0: test_codec5.py): every packet survives encode -> decode however the bytes are
+split, arbitrary bytes never raise anything but MalformedPacket, and the spec's MUST-close cases are refused."""
 
 from __future__ import annotations
 
@@ -138,10 +138,10 @@ def test_what_the_spec_says_to_close_on_is_refused(wire: bytes, reason: str) -> 
     assert reason in refused.value.reason
 
 
-def test_an_mqtt5_connect_is_told_its_version_is_not_supported() -> None:
+def test_a_connect_of_an_unknown_level_is_told_its_version_is_not_supported() -> None:
     with pytest.raises(codec.UnsupportedProtocol) as refused:
-        codec.Decoder().feed(frame(0x10, connect_body(level=5) + b"\x00"))
-    assert refused.value.level == 5
+        codec.Decoder().feed(frame(0x10, connect_body(level=6) + b"\x00"))
+    assert refused.value.level == 6
     assert codec.encode_connack(False, codec.ConnectCode.BAD_PROTOCOL_VERSION, 5) == bytes((0x20, 3, 0, 0x84, 0))
     assert codec.encode_connack(False, codec.ConnectCode.BAD_PROTOCOL_VERSION) == bytes((0x20, 2, 0, 1))
 

@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from paho.mqtt.enums import MQTTProtocolVersion
-
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, start_broker
 from lmq_broker.testing_mqtt import Peer
@@ -173,11 +171,6 @@ def test_a_second_connection_with_the_same_client_id_takes_over(
     assert new.connack == (True, "Success")
     connect(port).publish(f"{parent}/t", b"for the new one")
     assert [m.payload for m in new.wait_count(1)] == [b"for the new one"]
-
-
-def test_an_mqtt5_client_is_told_its_version_is_unsupported(broker: BrokerProcess, connect: Connect) -> None:
-    v5 = connect(broker.mqtt_port, protocol=MQTTProtocolVersion.MQTTv5)
-    assert v5.connack is not None and v5.connack[1] == "Unsupported protocol version"
 
 
 def test_with_client_auth_the_access_key_pair_is_the_user_name_and_password(tmp_path: Path, connect: Connect) -> None:

@@ -15,6 +15,12 @@ back when the connection ends), with DUP set.
 
 A new subscription starts at the end of every matching lite topic (MQTT delivers what is published after
 it, plus the retained message); a persistent session resumes at its group's offsets.
+
+MQTT 5 on the same path (chosen by the CONNECT's level, ``self.v5``): what 3.1.1 can only answer by closing
+gets a reason code (a negative PUBACK, a SUBACK code, a DISCONNECT before closing); the session lives as long
+as its expiry interval (3.1.1: clean = 0, persistent = never); the client's receive maximum bounds the QoS 1
+deliveries waiting for PUBACKs, ours bounds its unacknowledged publishes; properties travel as message
+properties (``mapping``).
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ import logging
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, offsets, wildcards
 from lmq_broker.dispatch.dispatcher import Delivery
-from lmq_broker.mqtt import codec, durable, topics
+from lmq_broker.mqtt import codec, durable, mapping, properties, topics
+from lmq_broker.mqtt.properties import Properties, Reason
 
 if TYPE_CHECKING:
     from lmq_broker.mqtt.server import MqttServer
@@ -50,7 +57,10 @@ MAX_PUBLISH_BATCH: Final = 256  # messages per store call
 MAX_FILTERS: Final = 1000  # topic filters one session may hold
 POLL_MS: Final = 20_000
 RETRY_S: Final = 1.0  # a refused receive (store rebuilding, parent deleted) is tried again after this
-MQTT_QOS_PROPERTY: Final = "MQTT_QOS"  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
+MQTT_QOS_PROPERTY: Final = mapping.QOS  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
+RECEIVE_MAXIMUM: Final = PUBLISH_QUEUE  # 5.0: a client's QoS 1/2 publishes not yet acknowledged, at most
+TOPIC_ALIAS_MAX: Final = 64  # 5.0: inbound topic aliases per connection
+NEVER: Final = 0xFFFFFFFF  # 5.0: a session expiry interval that never ends
 _PLAIN_ID: Final = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 _BOOT_HOST: Final = "mqtt"
 
@@ -64,6 +74,16 @@ def group_of(client_id: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class _In:
+    """A publish read: stored (``store``), or refused with ``reason`` (5.0; the answer keeps its place)."""
+
+    packet: codec.Publish
+    store: bool = True
+    reason: int = 0
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class _Out:
     """A QoS 1 delivery waiting for its PUBACK; ``receipt`` is empty for a retained message."""
 
@@ -72,11 +92,13 @@ class _Out:
 
 
 class Closed(Exception):
-    """The connection ends; ``graceful`` when the client sent DISCONNECT (no will then)."""
+    """The connection ends; ``graceful`` when the client sent DISCONNECT (no will then); ``code``: the reason
+    a 5.0 client is told in a DISCONNECT."""
 
-    def __init__(self, reason: str, *, graceful: bool = False) -> None:
+    def __init__(self, reason: str, *, graceful: bool = False, code: int | None = None) -> None:
         super().__init__(reason)
         self.graceful = graceful
+        self.code = code
 
 
 class Connection:
@@ -91,16 +113,24 @@ class Connection:
         self.host = peer[0] if isinstance(peer, tuple) else _BOOT_HOST
         self.client_id = ""
         self.group = ""
-        self.clean = True
+        self.v5 = False
+        self.expiry_s: int | None = 0  # seconds the session outlives the connection; None: forever
         self.will: codec.Will | None = None
         self.keep_alive_s = 0
-        self.subs: dict[str, dict[wildcards.Filter, int]] = {}  # parent -> filter -> granted QoS
+        self.max_inflight = MAX_INFLIGHT  # 5.0: lowered to the client's receive maximum
+        self.max_packet_out = codec.MAX_REMAINING_LENGTH  # 5.0: the client's maximum packet size
+        self.problem_info = True  # 5.0: reason strings wanted
+        self.subs: dict[str, dict[wildcards.Filter, int]] = {}  # parent -> filter -> options (low bits: QoS)
+        self._aliases: dict[int, str] = {}  # 5.0 inbound topic aliases
+        self._unacked_in = 0  # 5.0: the client's QoS 1/2 publishes not yet answered
+        self._retained_tasks: set[asyncio.Task[None]] = set()
+        self._stored = False  # a session row exists for this client id
         self._consumers: dict[str, asyncio.Task[None]] = {}
         self._out: dict[int, _Out] = {}
         self._room = asyncio.Event()
         self._room.set()
         self._ids = itertools.cycle(range(1, 65536))
-        self._incoming: asyncio.Queue[tuple[codec.Publish, bool] | None] = asyncio.Queue(PUBLISH_QUEUE)
+        self._incoming: asyncio.Queue[_In | None] = asyncio.Queue(PUBLISH_QUEUE)
         self._publisher: asyncio.Task[None] | None = None
         self._awaiting_release: set[int] = set()  # QoS 2 packet ids stored, PUBREL not yet seen
         self._failure: BaseException | None = None
@@ -112,14 +142,14 @@ class Connection:
 
     # --- life ------------------------------------------------------------------------------------------------
     async def run(self) -> None:
-        graceful, reason = False, "connection lost"
+        graceful, reason, code = False, "connection lost", None
         try:
             if await self._handshake():
                 await self._serve()
         except Closed as exc:
-            graceful, reason = exc.graceful, str(exc)
+            graceful, reason, code = exc.graceful, str(exc), exc.code
         except codec.MalformedPacket as exc:
-            reason = f"malformed packet: {exc.reason}"
+            reason, code = f"malformed packet: {exc.reason}", exc.code
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except asyncio.CancelledError:
@@ -127,14 +157,25 @@ class Connection:
             graceful = True  # the broker, not the client, ends it: no will (docs/mqtt.md)
         except Exception:
             log.exception("mqtt client %s (%s): connection failed", self.client_id or "?", self.peer)
+            code = Reason.UNSPECIFIED_ERROR
         finally:
-            await self._end(graceful, reason)
+            await self._end(graceful, reason, code)
 
     async def kick(self) -> None:
         """Another connection took this client id (MQTT-3.1.4-2): end this one and wait until it has."""
         self.kicked = True
-        self.writer.close()
+        self.close(Reason.SESSION_TAKEN_OVER, "another connection took the client id")
         await self.done.wait()
+
+    def close(self, code: int, why: str = "") -> None:
+        """Close the socket; a 5.0 client is told why first (a DISCONNECT with ``code``)."""
+        if self.v5 and self._connected.is_set() and not self.writer.is_closing():
+            self.writer.write(codec.encode_disconnect(code, self._why(why)))
+        self.writer.close()
+
+    def _why(self, text: str) -> Properties:
+        """A reason string, where the client asked for them (5.0 ``request_problem_info``)."""
+        return Properties(reason_string=text[:200]) if text and self.problem_info else properties.NONE
 
     async def _handshake(self) -> bool:
         first: list[codec.Packet] = []
@@ -148,48 +189,78 @@ class Connection:
                 except codec.UnsupportedProtocol as exc:
                     self.writer.write(codec.encode_connack(False, codec.ConnectCode.BAD_PROTOCOL_VERSION, exc.level))
                     raise Closed(exc.reason) from None
+                except codec.MalformedPacket as exc:
+                    if _V5_CONNECT in data[:16]:  # 5.0 section 3.1.4: a bad CONNECT may be answered with its code
+                        self.writer.write(codec.encode_connack(False, exc.code, codec.LEVEL_5))
+                    raise
         connect = first[0]
         if not isinstance(connect, codec.Connect):
             raise codec.MalformedPacket("the first packet is not CONNECT")  # MQTT-3.1.0-1
+        self.v5 = connect.level == codec.LEVEL_5
         refused = self._refusal(connect)
         if refused is not None:
-            self.writer.write(codec.encode_connack(False, refused))
+            self.writer.write(codec.encode_connack(False, refused, connect.level))
             await self.writer.drain()
-            raise Closed(f"CONNECT refused: {refused.name}", graceful=True)
+            raise Closed(f"CONNECT refused: {refused:#04x}", graceful=True)
         self.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
         self.group = group_of(self.client_id)
-        self.clean = connect.clean_session
+        clean_start = connect.clean_session
         self.will = connect.will
         self.keep_alive_s = connect.keep_alive_s
-        await self.server.take_over(self)
-        session_present = False
-        saved = await self.dispatcher.run(self.server.durable.load_session, self.client_id)
-        if self.clean:
-            if saved is not None:
-                await self.dispatcher.run(self.server.durable.drop_session, self.client_id)  # MQTT-3.1.2-6
-        elif saved is not None:
-            session_present = True
-            await self._restore(saved)
+        acked = properties.NONE
+        if connect.properties is not None:  # 5.0
+            p = connect.properties
+            self.expiry_s = None if p.session_expiry_s == NEVER else p.session_expiry_s or 0
+            self.max_inflight = min(MAX_INFLIGHT, p.receive_max or MAX_INFLIGHT)
+            self.max_packet_out = min(codec.MAX_REMAINING_LENGTH, p.max_packet_size or codec.MAX_REMAINING_LENGTH)
+            self.problem_info = p.request_problem_info != 0
+            acked = Properties(
+                receive_max=RECEIVE_MAXIMUM,
+                topic_alias_max=TOPIC_ALIAS_MAX,
+                max_packet_size=self._max_packet_bytes() + 5,  # the fixed header's 5 bytes at most
+                subscription_ids_available=0,
+                shared_subscription_available=0,
+                assigned_client_id=None if connect.client_id else self.client_id,
+            )
         else:
+            self.expiry_s = 0 if clean_start else None
+        await self.server.take_over(self, clean_start)
+        session_present = False
+        now = self.dispatcher.wall_clock()
+        saved = await self.dispatcher.run(self.server.durable.load_session, self.client_id, now)
+        if clean_start and saved is not None:
+            await self.dispatcher.run(self.server.durable.drop_session, self.client_id)  # MQTT-3.1.2-6
+        elif saved is not None:
+            session_present = self._stored = True
+            await self._restore(saved)
+        if self.persistent:
             await self._save()  # a persistent session exists from its CONNECT on, subscribed or not
-        self.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED))
+        self.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
         self._connected.set()
         await self.writer.drain()
-        log.info("mqtt client %s connected from %s (clean session %s, session present %s)",
-                 self.client_id, self.peer, self.clean, session_present)  # fmt: skip
+        log.info("mqtt client %s connected from %s (MQTT %s, clean start %s, session expiry %s, session present %s)",
+                 self.client_id, self.peer, "5.0" if self.v5 else "3.1.1", clean_start, self.expiry_s,
+                 session_present)  # fmt: skip
         self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
         for packet in first[1:]:
             await self._handle(packet)
         return True
 
-    def _refusal(self, connect: codec.Connect) -> codec.ConnectCode | None:
-        if not connect.client_id and not connect.clean_session:
-            return codec.ConnectCode.IDENTIFIER_REJECTED  # MQTT-3.1.3-8
+    @property
+    def persistent(self) -> bool:
+        return self.expiry_s != 0
+
+    def _refusal(self, connect: codec.Connect) -> int | None:
+        """A ConnectCode (3.1.1, translated for 5.0), or a 5.0 reason code."""
+        if not connect.client_id and not connect.clean_session and not self.v5:
+            return codec.ConnectCode.IDENTIFIER_REJECTED  # MQTT-3.1.3-8 (5.0 assigns one, MQTT-3.1.3-6)
+        if connect.properties is not None and connect.properties.auth_method is not None:
+            return Reason.BAD_AUTHENTICATION_METHOD  # enhanced authentication is not supported
         if connect.will is not None:
             try:
                 topics.lite_of(connect.will.topic, self.config.max_lite_topic_size)
             except topics.TopicError:
-                return codec.ConnectCode.NOT_AUTHORIZED  # a will we could never publish
+                return Reason.TOPIC_NAME_INVALID if self.v5 else codec.ConnectCode.NOT_AUTHORIZED  # never publishable
         if self.config.access_key:
             if connect.username is None or connect.password is None:
                 return codec.ConnectCode.NOT_AUTHORIZED
@@ -205,10 +276,13 @@ class Connection:
     async def _serve(self) -> None:
         timeout = self.keep_alive_s * KEEP_ALIVE_GRACE if self.keep_alive_s else None
         while True:
-            async with asyncio.timeout(timeout):
-                data = await self.reader.read(READ_BYTES)
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await self.reader.read(READ_BYTES)
+            except TimeoutError:
+                raise Closed("keep alive timeout", code=Reason.KEEP_ALIVE_TIMEOUT) from None
             if self._failure is not None:
-                raise Closed(f"publish failed: {self._failure}")
+                raise Closed(f"publish failed: {self._failure}", code=Reason.UNSPECIFIED_ERROR)
             if not data:
                 if self.server.stopping:
                     raise Closed("the broker is shutting down", graceful=True)
@@ -216,16 +290,18 @@ class Connection:
             for packet in self._decoder.feed(data):
                 await self._handle(packet)
 
-    async def _end(self, graceful: bool, reason: str) -> None:
+    async def _end(self, graceful: bool, reason: str, code: int | None) -> None:
         self._closing = True
         if self.client_id:
             log.info("mqtt client %s disconnected (%s)", self.client_id, reason)
-        for task in self._consumers.values():
+        for task in [*self._consumers.values(), *self._retained_tasks]:
             await _stop(task)
         if self._publisher is not None:  # store what was read (the client may not learn it; at least once)
             await self._incoming.put(None)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._publisher
+        if code is not None and not self.kicked:
+            self.close(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
         for out in self._out.values():  # handed out, not acknowledged: back to the group at once
             if out.receipt:
                 with contextlib.suppress(errors.LmqError):
@@ -233,17 +309,41 @@ class Connection:
         self._out.clear()
         for parent in self._consumers:
             self.dispatcher.client_gone(self._consumer_id(parent))
+        if self._connected.is_set() and not self.server.stopping:
+            await self._session_ended()
         if not graceful and self.will is not None and not self.server.stopping:
-            await self._publish_will(self.will)
+            delay = (self.will.properties or properties.NONE).will_delay_s or 0
+            if self.expiry_s is not None:
+                delay = min(delay, self.expiry_s)  # 5.0 section 3.1.3.2.2: at the latest when the session ends
+            if delay:
+                self.server.delay_will(self, self.will, delay)
+            else:
+                await self.publish_will(self.will)
         self.writer.close()
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
         self.server.forget(self)
         self.done.set()
 
-    async def _publish_will(self, will: codec.Will) -> None:
+    async def _session_ended(self) -> None:
+        """A persistent session starts its expiry interval; any other is gone (also a resumed one: 5.0 allows
+        resuming with an expiry of 0). Not when a newer connection took it over: that one owns it now."""
+        if self.server.owner(self.client_id) not in (self, None):
+            return
+        durable_ = self.server.durable
+        with contextlib.suppress(Exception):
+            if self.persistent and self._stored:
+                await self.dispatcher.run(durable_.session_ended, self.client_id, self.dispatcher.wall_clock(),
+                                          self.expiry_s)  # fmt: skip
+            elif self._stored:
+                await self.dispatcher.run(durable_.drop_session, self.client_id)
+
+    async def publish_will(self, will: codec.Will) -> None:
+        props = None
+        if will.properties is not None:
+            props = replace(will.properties, will_delay_s=None)
         try:
-            await self._store([codec.Publish(will.topic, will.payload, will.qos, will.retain)])
+            await self._store([codec.Publish(will.topic, will.payload, will.qos, will.retain, properties=props)])
             log.info("mqtt client %s: will published to %s", self.client_id, will.topic)
         except (errors.LmqError, topics.TopicError, ValueError) as exc:
             log.warning("mqtt client %s: will to %s not published: %s", self.client_id, will.topic, exc)
@@ -256,10 +356,14 @@ class Connection:
             if packet.kind == codec.PUBACK:
                 await self._acknowledged(packet.packet_id)
             elif packet.kind == codec.PUBREL:
-                self._awaiting_release.discard(packet.packet_id)
-                self.writer.write(codec.encode_packet_id(codec.PUBCOMP, packet.packet_id))
+                known = packet.packet_id in self._awaiting_release
+                if known:
+                    self._awaiting_release.discard(packet.packet_id)
+                    self._unacked_in -= 1 if self.v5 else 0
+                reason = 0 if known or not self.v5 else Reason.PACKET_ID_NOT_FOUND
+                self.writer.write(codec.encode_packet_id(codec.PUBCOMP, packet.packet_id, reason, self._ack_props()))
             else:  # PUBREC/PUBCOMP answer QoS 2 deliveries, which this broker never makes; UNSUBACK is ours
-                raise codec.MalformedPacket(f"unexpected packet type {packet.kind}")
+                raise codec.ProtocolError(f"unexpected packet type {packet.kind}")
         elif isinstance(packet, codec.Subscribe):
             await self._subscribe(packet)
         elif isinstance(packet, codec.Unsubscribe):
@@ -269,22 +373,82 @@ class Connection:
         elif isinstance(packet, codec.Bare) and packet.kind == codec.DISCONNECT:
             self.will = None  # MQTT-3.14.4-3
             raise Closed("DISCONNECT", graceful=True)
+        elif isinstance(packet, codec.Disconnect):
+            self._disconnected(packet)
+        elif isinstance(packet, codec.Auth):  # no CONNECT here names an authentication method: MQTT-4.12.0-1
+            raise codec.ProtocolError("AUTH without an authentication method")
         else:
-            raise codec.MalformedPacket(f"unexpected {type(packet).__name__}")  # a second CONNECT: MQTT-3.1.0-2
+            raise codec.ProtocolError(f"unexpected {type(packet).__name__}")  # a second CONNECT: MQTT-3.1.0-2
+
+    def _disconnected(self, packet: codec.Disconnect) -> None:
+        """A 5.0 DISCONNECT: it may set a new session expiry, and only a normal one drops the will."""
+        expiry = packet.properties.session_expiry_s
+        if expiry is not None:
+            if self.expiry_s == 0 and expiry != 0:
+                raise codec.ProtocolError("DISCONNECT sets a session expiry after CONNECT said 0")  # MQTT-3.14.2-2
+            self.expiry_s = None if expiry == NEVER else expiry
+        if packet.reason == Reason.SUCCESS:
+            self.will = None  # MQTT-3.14.4-3
+        raise Closed(f"DISCONNECT {packet.reason:#04x}", graceful=packet.reason == Reason.SUCCESS)
+
+    def _ack_props(self, why: str = "") -> Properties | None:
+        """The property section of an acknowledgement: None (no section) for 3.1.1."""
+        return self._why(why) if self.v5 else None
 
     async def _received(self, packet: codec.Publish) -> None:
+        duplicate = packet.qos == 2 and packet.packet_id in self._awaiting_release
+        if packet.properties is not None:
+            packet = self._resolve_alias(packet)
+            if packet.qos and not duplicate:
+                self._unacked_in += 1
+                if self._unacked_in > RECEIVE_MAXIMUM:
+                    raise Closed("receive maximum exceeded", code=Reason.RECEIVE_MAXIMUM_EXCEEDED)  # MQTT-3.3.4-9
+        refusal = await self._refusal_of(packet)
+        if refusal is not None:
+            reason, why = refusal
+            if not self.v5 or packet.qos == 0:
+                # 3.1.1 has no negative PUBACK: closing is the only way to tell the client (MQTT-3.3.5-2)
+                raise Closed(f"PUBLISH to {packet.topic!r} refused: {why}", code=reason)
+            await self._incoming.put(_In(packet, False, reason, why))
+            return
+        if packet.qos == 2 and packet.packet_id is not None:
+            self._awaiting_release.add(packet.packet_id)  # a resend before its PUBREL is not stored again
+        await self._incoming.put(_In(packet, not duplicate))
+
+    def _resolve_alias(self, packet: codec.Publish) -> codec.Publish:
+        """5.0 inbound topic alias: a topic sets it, an empty topic uses it (section 3.3.2.3.4)."""
+        assert packet.properties is not None
+        if packet.properties.subscription_ids:
+            raise codec.ProtocolError("a client's PUBLISH carries a subscription identifier")  # MQTT-3.3.4-6
+        alias = packet.properties.topic_alias
+        if alias is None:
+            return packet
+        if alias > TOPIC_ALIAS_MAX:
+            raise Closed(f"topic alias {alias} over {TOPIC_ALIAS_MAX}", code=Reason.TOPIC_ALIAS_INVALID)
+        if packet.topic:
+            self._aliases[alias] = packet.topic
+            return packet
+        topic = self._aliases.get(alias)
+        if topic is None:
+            raise codec.ProtocolError(f"topic alias {alias} was never set")
+        return replace(packet, topic=topic)
+
+    async def _refusal_of(self, packet: codec.Publish) -> tuple[int, str] | None:
+        """Why the publish cannot be stored (a 5.0 reason code and words), None when it can."""
         try:
             parent, _ = topics.lite_of(packet.topic, self.config.max_lite_topic_size)
             (await self.dispatcher.metadata()).lite_parent(parent)
         except (topics.TopicError, errors.LmqError) as exc:
-            # 3.1.1 has no negative PUBACK: closing is the only way to tell the client (MQTT-3.3.5-2)
-            raise Closed(f"PUBLISH to {packet.topic!r} refused: {exc}") from None
+            return _reason_of(exc), str(exc)
         if not packet.payload and not packet.retain:
-            raise Closed(f"PUBLISH to {packet.topic!r} refused: an empty message cannot be stored")
-        duplicate = packet.qos == 2 and packet.packet_id in self._awaiting_release
-        if packet.qos == 2 and packet.packet_id is not None:
-            self._awaiting_release.add(packet.packet_id)  # a resend before its PUBREL is not stored again
-        await self._incoming.put((packet, not duplicate))
+            return Reason.IMPLEMENTATION_SPECIFIC_ERROR, "an empty message cannot be stored"
+        p = packet.properties
+        if p is not None and p.payload_format == 1:
+            try:
+                packet.payload.decode("utf-8")
+            except UnicodeDecodeError:
+                return Reason.PAYLOAD_FORMAT_INVALID, "payload format indicator 1 and a payload that is not UTF-8"
+        return None
 
     async def _publish_loop(self) -> None:
         """Store what was read, in order and in batches, then acknowledge each (after the store's fsync)."""
@@ -302,16 +466,43 @@ class Connection:
             if self._failure is not None:
                 continue  # the connection is ending: nothing more is stored (the reader may still be putting)
             try:
-                await self._store([p for p, store in batch if store])
+                await self._store([i.packet for i in batch if i.store])
             except (errors.LmqError, topics.TopicError, ValueError) as exc:
-                self._failure = exc
-                self.writer.close()  # the reader sees the end and reports ``_failure``
-                continue
-            for p, _ in batch:
-                if p.qos == 1 and p.packet_id is not None:
-                    self.writer.write(codec.encode_packet_id(codec.PUBACK, p.packet_id))
-                elif p.qos == 2 and p.packet_id is not None:
-                    self.writer.write(codec.encode_packet_id(codec.PUBREC, p.packet_id))
+                if not self.v5 or not _answerable(exc):
+                    self._failure = exc
+                    self.close(Reason.UNSPECIFIED_ERROR, str(exc))  # the reader sees the end, reports ``_failure``
+                    continue
+                batch = await self._store_each(batch)  # 5.0: each publish gets its own answer
+            for i in batch:
+                self._answer(i)
+
+    async def _store_each(self, batch: list[_In]) -> list[_In]:
+        """Store one by one what failed together (a quota refuses the whole batch), refusing each that fails."""
+        out = []
+        for item in batch:
+            answer = item
+            if item.store:
+                p = item.packet
+                try:
+                    await self._store([p])
+                except (errors.LmqError, topics.TopicError, ValueError) as exc:
+                    if p.qos == 2 and p.packet_id is not None:
+                        self._awaiting_release.discard(p.packet_id)
+                    answer = _In(p, False, _reason_of(exc), str(exc))
+                    log.info("mqtt client %s: PUBLISH to %s refused: %s", self.client_id, p.topic, exc)
+            out.append(answer)
+        return out
+
+    def _answer(self, i: _In) -> None:
+        p = i.packet
+        if p.packet_id is None:
+            return
+        if p.qos == 1:
+            self.writer.write(codec.encode_packet_id(codec.PUBACK, p.packet_id, i.reason, self._ack_props(i.why)))
+        else:
+            self.writer.write(codec.encode_packet_id(codec.PUBREC, p.packet_id, i.reason, self._ack_props(i.why)))
+        if self.v5 and (p.qos == 1 or i.reason >= Reason.UNSPECIFIED_ERROR):
+            self._unacked_in -= 1  # QoS 2: once PUBREL is answered, unless refused (MQTT-4.9.0-3)
 
     async def _store(self, publishes: Sequence[codec.Publish]) -> None:
         """Append the messages (one store call), then record the retained ones; both durable on return."""
@@ -320,16 +511,19 @@ class Connection:
         now = self.dispatcher.wall_clock()
         for p in publishes:
             parent, lite = topics.lite_of(p.topic, self.config.max_lite_topic_size)
+            props = mapping.incoming(p.properties, qos=p.qos, retain=p.retain, client_id=self.client_id, now_ms=now)
             if p.retain:
-                retained.append(durable.Retained(parent, lite, p.payload, min(p.qos, 1), now))
+                retained.append(durable.Retained(parent, lite, p.payload, min(p.qos, 1), now, props))
             if p.payload:
-                messages.append(self._message(parent, lite, p, now))
+                messages.append(self._message(parent, lite, p, now, props))
         if messages:
             await self.dispatcher.send(messages)
         if retained:
             await self.dispatcher.run(self.server.durable.put_retained, retained)
 
-    def _message(self, parent: str, lite: str, p: codec.Publish, now_ms: int) -> model.NewMessage:
+    def _message(
+        self, parent: str, lite: str, p: codec.Publish, now_ms: int, props: dict[str, str]
+    ) -> model.NewMessage:
         lmq = model.QueueId.lmq(parent, lite)
         queues = (model.QueueId(parent, 0), lmq) if self.config.index_parent_queue else (lmq,)
         return model.NewMessage(
@@ -341,14 +535,14 @@ class Connection:
             message_type=model.MessageType.LITE,
             born_timestamp_ms=now_ms,
             born_host=self.host,
-            user_properties={MQTT_QOS_PROPERTY: "0"} if p.qos == 0 else {},
+            user_properties=props,
         )
 
     async def _acknowledged(self, packet_id: int) -> None:
         out = self._out.pop(packet_id, None)
         if out is None:
             return  # not ours (or acknowledged twice): nothing to settle
-        if len(self._out) < MAX_INFLIGHT:
+        if len(self._out) < self.max_inflight:
             self._room.set()
         if out.receipt:
             try:
@@ -358,10 +552,10 @@ class Connection:
 
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def _restore(self, saved: dict[str, int]) -> None:
-        for text, qos in saved.items():
+        for text, options in saved.items():
             with contextlib.suppress(topics.TopicError):
                 parent, levels = topics.subscription_of(text)
-                self.subs.setdefault(parent, {})[levels] = qos
+                self.subs.setdefault(parent, {})[levels] = options
         for parent in list(self.subs):
             await self._register(parent)
 
@@ -369,24 +563,35 @@ class Connection:
         codes: list[int] = []
         fresh: dict[str, list[wildcards.Filter]] = {}
         granted: dict[int, tuple[str, wildcards.Filter]] = {}  # index in codes -> the subscription it granted
+        no_retained: set[int] = set()  # 5.0 retain handling: granted, but no retained messages now
+        failure = codec.SUBACK_FAILURE
+        if packet.properties is not None and packet.properties.subscription_ids:
+            raise Closed("subscription identifiers are not supported", code=Reason.SUBSCRIPTION_IDS_NOT_SUPPORTED)
         snap = await self.dispatcher.metadata()
-        for text, qos in packet.filters:
+        for text, options in packet.filters:
+            if self.v5 and text.startswith("$share/"):
+                codes.append(Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED)
+                continue
             try:
                 parent, levels = topics.subscription_of(text)
                 snap.lite_parent(parent)
             except (topics.TopicError, errors.LmqError) as exc:
                 log.info("mqtt client %s: subscription %r refused: %s", self.client_id, text, exc)
-                codes.append(codec.SUBACK_FAILURE)
+                codes.append(Reason.TOPIC_FILTER_INVALID if self.v5 else failure)
                 continue
             held = self.subs.setdefault(parent, {})
-            if levels not in held:
+            existed = levels in held
+            if not existed:
                 if sum(map(len, self.subs.values())) >= MAX_FILTERS:
-                    codes.append(codec.SUBACK_FAILURE)
+                    codes.append(Reason.QUOTA_EXCEEDED if self.v5 else failure)
                     continue
                 fresh.setdefault(parent, []).append(levels)
-            held[levels] = min(qos, 1)  # QoS 2 subscriptions are granted QoS 1
+            held[levels] = options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1)  # QoS 2 -> QoS 1
+            handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
+            if handling == 2 or (handling == 1 and existed):
+                no_retained.add(len(codes))
             granted[len(codes)] = (parent, levels)
-            codes.append(held[levels])
+            codes.append(held[levels] & codec.OPTION_QOS)
         for parent, new in fresh.items():
             older = [f for f in self.subs[parent] if f not in new]
             try:
@@ -398,31 +603,55 @@ class Connection:
                     self.subs[parent].pop(f, None)
                 for i, (p, f) in list(granted.items()):
                     if p == parent and f in new:
-                        codes[i] = codec.SUBACK_FAILURE
+                        codes[i] = _reason_of(exc) if self.v5 else failure
                         del granted[i]
                 await self._register(parent)
-        if granted and not self.clean:
+        if granted and self.persistent:
             await self._save()
-        self.writer.write(codec.encode_suback(packet.packet_id, codes))
-        for i, (parent, levels) in granted.items():  # MQTT-3.3.1-6, 3.8.4-3: retained messages after the SUBACK
-            await self._send_retained(parent, levels, codes[i])
+        self.writer.write(codec.encode_suback(packet.packet_id, codes, self._ack_props()))
+        wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
+        if not self.v5:
+            for parent, levels, qos in wanted:  # MQTT-3.3.1-6, 3.8.4-3: retained messages after the SUBACK
+                await self._send_retained(parent, levels, qos)
+        elif wanted:  # waits for room under the client's receive maximum: not on the reader, which reads PUBACKs
+            task = asyncio.get_running_loop().create_task(self._send_all_retained(wanted))
+            self._retained_tasks.add(task)
+            task.add_done_callback(self._retained_tasks.discard)
+
+    async def _send_all_retained(self, wanted: list[tuple[str, wildcards.Filter, int]]) -> None:
+        try:
+            for parent, levels, qos in wanted:
+                await self._send_retained(parent, levels, qos)
+        except (ConnectionError, errors.LmqError) as exc:
+            log.info("mqtt client %s: retained messages not sent: %s", self.client_id, exc)
 
     async def _unsubscribe(self, packet: codec.Unsubscribe) -> None:
         changed = set()
+        codes = []
         for text in packet.filters:
-            with contextlib.suppress(topics.TopicError):
+            try:
                 parent, levels = topics.subscription_of(text)
-                if self.subs.get(parent, {}).pop(levels, None) is not None:
-                    changed.add(parent)
+            except topics.TopicError:
+                codes.append(Reason.TOPIC_FILTER_INVALID)
+                continue
+            if self.subs.get(parent, {}).pop(levels, None) is not None:
+                changed.add(parent)
+                codes.append(Reason.SUCCESS)
+            else:
+                codes.append(Reason.NO_SUBSCRIPTION_EXISTED)
         for parent in changed:
             await self._register(parent)
-        if changed and not self.clean:
+        if changed and self.persistent:
             await self._save()
-        self.writer.write(codec.encode_packet_id(codec.UNSUBACK, packet.packet_id))
+        if self.v5:
+            self.writer.write(codec.encode_unsuback(packet.packet_id, codes))
+        else:
+            self.writer.write(codec.encode_packet_id(codec.UNSUBACK, packet.packet_id))
 
     async def _save(self) -> None:
-        filters = {topics.filter_text(p, f): q for p, held in self.subs.items() for f, q in held.items()}
-        await self.dispatcher.run(self.server.durable.save_session, self.client_id, filters)
+        filters = {topics.filter_text(p, f): o for p, held in self.subs.items() for f, o in held.items()}
+        await self.dispatcher.run(self.server.durable.save_session, self.client_id, filters, self.expiry_s)
+        self._stored = True
 
     async def _start_at_end(self, parent: str, new: list[wildcards.Filter], older: list[wildcards.Filter]) -> None:
         """The group's start in each existing lite topic that only the ``new`` filters match: its end (what
@@ -479,7 +708,10 @@ class Connection:
                 continue
             if self.dispatcher.wildcards.registration(consumer) is None and self.subs.get(parent):
                 await self._register(parent)  # expired meanwhile (an event loop stalled past client expiry)
-            room = MAX_INFLIGHT - len(self._out)
+            room = self.max_inflight - len(self._out)
+            if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
+                self._room.clear()
+                continue
             try:
                 deliveries = await self.dispatcher.receive_lite(
                     consumer,
@@ -503,25 +735,31 @@ class Connection:
     async def _deliver(self, parent: str, consumer: str, deliveries: list[Delivery]) -> None:
         settle: list[str] = []
         held = self.subs.get(parent, {})
+        now = self.dispatcher.wall_clock()
         for d in deliveries:
             m = d.message
             lite = m.lite_topic or ""
             levels = lite.split(wildcards.LEVEL_SEPARATOR)
-            qos = max((q for f, q in held.items() if wildcards.matches(f, levels)), default=None)
-            if qos is None:  # unsubscribed since it was leased: this session is not to get it
+            props = m.user_properties
+            mine = props.get(mapping.CLIENT) == self.client_id
+            matching = [o for f, o in held.items() if wildcards.matches(f, levels) and not (mine and o & _NO_LOCAL)]
+            if not matching or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
                 settle.append(d.receipt_handle)
                 continue
-            if m.user_properties.get(MQTT_QOS_PROPERTY) == "0":
-                qos = 0
+            qos = 0 if props.get(MQTT_QOS_PROPERTY) == "0" else max(o & codec.OPTION_QOS for o in matching)
+            retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matching)
+            packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, lite)
-            if qos == 0:
-                self.writer.write(codec.encode_publish(topic, m.body))
+            data = self._publish_bytes(topic, m.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
+                                       dup=d.attempt > 1)  # fmt: skip
+            if data is None or qos == 0:
                 settle.append(d.receipt_handle)
-                continue
-            packet_id = self._packet_id()
-            self._out[packet_id] = _Out(consumer, d.receipt_handle)
-            self.writer.write(codec.encode_publish(topic, m.body, 1, packet_id, dup=d.attempt > 1))
-        if len(self._out) >= MAX_INFLIGHT:
+            else:
+                assert packet_id is not None
+                self._out[packet_id] = _Out(consumer, d.receipt_handle)
+            if data is not None:
+                self.writer.write(data)
+        if len(self._out) >= self.max_inflight:
             self._room.clear()
         await self.writer.drain()
         for receipt in settle:
@@ -530,19 +768,50 @@ class Connection:
             except errors.LmqError as exc:
                 log.info("mqtt client %s: delivery not settled: %s", self.client_id, exc.message)
 
+    def _publish_bytes(
+        self,
+        topic: str,
+        body: bytes,
+        stored: dict[str, str],
+        now_ms: int,
+        *,
+        qos: int,
+        packet_id: int | None,
+        retain: bool,
+        dup: bool = False,
+    ) -> bytes | None:
+        """The PUBLISH for a subscriber; None when it is over the client's maximum packet size (5.0: dropped,
+        as if sent, MQTT-3.1.2-25)."""
+        if not self.v5:
+            return codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup)
+        props = mapping.outgoing(stored, now_ms)
+        data = codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup, props=props)
+        if len(data) > self.max_packet_out:
+            log.info("mqtt client %s: a message to %s over its maximum packet size is dropped", self.client_id, topic)
+            return None
+        return data
+
     async def _send_retained(self, parent: str, levels: wildcards.Filter, granted: int) -> None:
         start_after, end_before = wildcards.scan_range([levels])
         found = await self.dispatcher.run(self.server.durable.retained_between, parent, start_after, end_before)
+        now = self.dispatcher.wall_clock()
         for r in found:
-            if not wildcards.matches(levels, r.lite.split(wildcards.LEVEL_SEPARATOR)):
+            if not wildcards.matches(levels, r.lite.split(wildcards.LEVEL_SEPARATOR)) or mapping.expired(
+                r.properties, now
+            ):
                 continue
             qos = min(r.qos, granted)
-            packet_id = None
-            if qos:
-                packet_id = self._packet_id()
-                self._out[packet_id] = _Out("", "")
+            if qos and self.v5 and len(self._out) >= self.max_inflight:
+                self._room.clear()
+                await self._room.wait()
+            packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, r.lite)
-            self.writer.write(codec.encode_publish(topic, r.payload, qos, packet_id, retain=True))
+            data = self._publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True)
+            if data is None:
+                continue
+            if packet_id is not None:
+                self._out[packet_id] = _Out("", "")
+            self.writer.write(data)
         await self.writer.drain()
 
     def _packet_id(self) -> int:
@@ -560,3 +829,25 @@ async def _stop(task: asyncio.Task[None]) -> None:
         await asyncio.wait([task], timeout=0.1)
     with contextlib.suppress(asyncio.CancelledError, Exception):
         task.result()
+
+
+_V5_CONNECT: Final = b"\x00\x04MQTT\x05"
+_NO_LOCAL: Final = codec.OPTION_NO_LOCAL
+
+
+def _reason_of(exc: Exception) -> int:
+    """The 5.0 reason code a refused publish or subscription is answered with."""
+    if isinstance(exc, topics.TopicError | errors.NotFound | errors.InvalidName | errors.InvalidLiteTopic):
+        return Reason.TOPIC_NAME_INVALID
+    if isinstance(exc, errors.LiteTopicQuotaExceeded | errors.SubscriptionQuotaExceeded | errors.TooManyRequests):
+        return Reason.QUOTA_EXCEEDED
+    if isinstance(exc, errors.Unauthorized | errors.Forbidden):
+        return Reason.NOT_AUTHORIZED
+    if isinstance(exc, errors.InvalidArgument | mapping.PropertiesTooLarge):
+        return Reason.IMPLEMENTATION_SPECIFIC_ERROR
+    return Reason.UNSPECIFIED_ERROR
+
+
+def _answerable(exc: Exception) -> bool:
+    """A refusal of these publishes (answered per publish in 5.0), not a failing store (which ends it)."""
+    return _reason_of(exc) != Reason.UNSPECIFIED_ERROR

@@ -1,6 +1,11 @@
 """What MQTT keeps beyond the store's messages and offsets: persistent sessions' subscriptions and retained
 messages, in ``<data_dir>/mqtt.sqlite3``.
 
+A session row holds its filters (filter -> subscription options, whose low bits are the granted QoS), its
+expiry interval (NULL: never, as a 3.1.1 persistent session) and when its last connection ended (NULL while
+connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed. Columns added after the first
+release are added to an older file when it is opened.
+
 Both are small, keyed, overwritten in place and read by key or key range, which is not what an append-only
 commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
 whole). SQLite in WAL mode with ``synchronous=FULL`` makes each write durable before it returns, so a PUBACK
@@ -14,7 +19,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -24,6 +29,12 @@ _SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS retained (parent TEXT NOT NULL, lite TEXT NOT NULL, payload BLOB NOT NULL,"
     " qos INTEGER NOT NULL, stored_ms INTEGER NOT NULL, PRIMARY KEY (parent, lite)) WITHOUT ROWID",
 )
+_ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and message properties
+    ("sessions", "expiry_s", "INTEGER"),
+    ("sessions", "gone_ms", "INTEGER"),
+    ("retained", "properties", "TEXT NOT NULL DEFAULT '{}'"),
+)
+_EXPIRED: Final = "gone_ms IS NOT NULL AND expiry_s IS NOT NULL AND gone_ms + expiry_s * 1000 <= ?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +44,7 @@ class Retained:
     payload: bytes
     qos: int
     stored_ms: int
+    properties: dict[str, str] = field(default_factory=dict)  # the message's (``mapping.incoming``)
 
 
 class Durable:
@@ -44,28 +56,56 @@ class Durable:
         self._db.execute("PRAGMA synchronous=FULL")
         for statement in _SCHEMA:
             self._db.execute(statement)
+        for table, column, definition in _ADDED_COLUMNS:
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    # --- sessions: client id -> {MQTT topic filter: granted QoS} --------------------------------------------
-    def load_session(self, client_id: str) -> dict[str, int] | None:
+    # --- sessions: client id -> {MQTT topic filter: subscription options} -----------------------------------
+    def load_session(self, client_id: str, now_ms: int = 0) -> dict[str, int] | None:
+        """The session's filters; None when there is none, or it expired by ``now_ms`` (then it is dropped)."""
         with self._lock:
-            row = self._db.execute("SELECT filters FROM sessions WHERE client_id = ?", (client_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT filters, {_EXPIRED} FROM sessions WHERE client_id = ?", (now_ms, client_id)
+            ).fetchone()
+            if row is not None and row[1]:
+                self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
+                return None
         if row is None:
             return None
         filters: dict[str, int] = json.loads(row[0])
         return filters
 
-    def save_session(self, client_id: str, filters: dict[str, int]) -> None:
+    def save_session(self, client_id: str, filters: dict[str, int], expiry_s: int | None = None) -> None:
+        """Store the session as connected (it does not expire while it is) with its expiry interval."""
         text = json.dumps(filters, sort_keys=True)
         with self._lock:
             self._db.execute(
-                "INSERT INTO sessions (client_id, filters) VALUES (?, ?) "
-                "ON CONFLICT (client_id) DO UPDATE SET filters = excluded.filters",
-                (client_id, text),
+                "INSERT INTO sessions (client_id, filters, expiry_s, gone_ms) VALUES (?, ?, ?, NULL) "
+                "ON CONFLICT (client_id) DO UPDATE SET filters = excluded.filters, expiry_s = excluded.expiry_s,"
+                " gone_ms = NULL",
+                (client_id, text, expiry_s),
             )
+
+    def session_ended(self, client_id: str, now_ms: int, expiry_s: int | None) -> None:
+        """The session's connection ended at ``now_ms``: it expires ``expiry_s`` later (None: never)."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE sessions SET gone_ms = ?, expiry_s = ? WHERE client_id = ?", (now_ms, expiry_s, client_id)
+            )
+
+    def all_gone(self, now_ms: int) -> None:
+        """At start: no session is connected; those a crash left marked connected start their expiry now."""
+        with self._lock:
+            self._db.execute("UPDATE sessions SET gone_ms = ? WHERE gone_ms IS NULL", (now_ms,))
+
+    def expire_sessions(self, now_ms: int) -> int:
+        with self._lock:
+            return self._db.execute(f"DELETE FROM sessions WHERE {_EXPIRED}", (now_ms,)).rowcount
 
     def drop_session(self, client_id: str) -> bool:
         with self._lock:
@@ -85,10 +125,11 @@ class Durable:
                 for r in changes:
                     if r.payload:
                         self._db.execute(
-                            "INSERT INTO retained (parent, lite, payload, qos, stored_ms) VALUES (?, ?, ?, ?, ?) "
-                            "ON CONFLICT (parent, lite) DO UPDATE SET payload = excluded.payload, qos = excluded.qos,"
-                            " stored_ms = excluded.stored_ms",
-                            (r.parent, r.lite, r.payload, r.qos, r.stored_ms),
+                            "INSERT INTO retained (parent, lite, payload, qos, stored_ms, properties)"
+                            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (parent, lite) DO UPDATE SET"
+                            " payload = excluded.payload, qos = excluded.qos, stored_ms = excluded.stored_ms,"
+                            " properties = excluded.properties",
+                            (r.parent, r.lite, r.payload, r.qos, r.stored_ms, json.dumps(r.properties)),
                         )
                     else:
                         self._db.execute("DELETE FROM retained WHERE parent = ? AND lite = ?", (r.parent, r.lite))
@@ -99,11 +140,14 @@ class Durable:
 
     def retained_between(self, parent: str, start_after: str, end_before: str) -> list[Retained]:
         """Retained messages of ``parent`` whose lite names lie in (start_after, end_before); "" is open."""
-        query = "SELECT lite, payload, qos, stored_ms FROM retained WHERE parent = ? AND lite > ?"
+        query = "SELECT lite, payload, qos, stored_ms, properties FROM retained WHERE parent = ? AND lite > ?"
         args: tuple[str, ...] = (parent, start_after)
         if end_before:
             query += " AND lite < ?"
             args += (end_before,)
         with self._lock:
             rows = self._db.execute(query + " ORDER BY lite", args).fetchall()
-        return [Retained(parent, lite, bytes(payload), qos, stored_ms) for lite, payload, qos, stored_ms in rows]
+        return [
+            Retained(parent, lite, bytes(payload), qos, stored_ms, json.loads(props))
+            for lite, payload, qos, stored_ms, props in rows
+        ]

@@ -161,6 +161,25 @@ alone, else "repo:tag" where the tag defaults to the chart's appVersion.
 {{- end }}
 
 {{/* The broker pods' per-pod DNS suffix: "<headless>.<namespace>.svc.<clusterDomain>". */}}
+{{/*
+spec.replicas of the broker StatefulSet. With the operator it is the operator's (it follows the lmq.io/replicas
+annotation, draining pods before it stops them): an upgrade keeps the live value, which `lookup` reads (tools
+that render without a cluster get broker.replicas: see docs/operator.md for Argo CD).
+*/}}
+{{- define "lmq.broker.replicas" -}}
+{{- $live := lookup "apps/v1" "StatefulSet" .Release.Namespace (include "lmq.broker.fullname" .) }}
+{{- if and .Values.operator.enabled $live $live.spec }}
+{{- $live.spec.replicas | default .Values.broker.replicas }}
+{{- else }}
+{{- .Values.broker.replicas }}
+{{- end }}
+{{- end }}
+
+{{/* The operator's ConfigMap of the broker membership: starting pods take their --peers from it (envFrom). */}}
+{{- define "lmq.broker.membershipName" -}}
+{{- printf "%s-broker-membership" (include "lmq.fullname" .) }}
+{{- end }}
+
 {{- define "lmq.broker.podDomain" -}}
 {{- printf "%s.%s.svc.%s" (include "lmq.broker.headlessName" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}

@@ -1,0 +1,339 @@
+"""The membership loop's I/O: observe the StatefulSet, the operator's ConfigMap and every broker's GetCluster,
+let ``scaling.decide`` choose the next step, and carry it out.
+
+One pass every few seconds, leader only (it runs inside kopf's startup, like the resync loop). A pass writes in
+a fixed order so that an interrupted one leaves nothing unsafe behind: the record (the target membership, an
+annotation of the ConfigMap) and the flags starting pods take (its data) first, then ``spec.replicas`` when it
+grows, then SetCluster on each broker in the safe order, and ``spec.replicas`` when it shrinks only after every
+broker has accepted the smaller ring (a broker refuses to remove a peer it cannot ask whether it is drained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import kubernetes
+
+from lmq_broker import errors
+from lmq_broker.admin.client import AsyncAdminClient
+from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.cluster import membership as mb
+from lmq_operator import scaling, settings
+
+log = logging.getLogger(__name__)
+
+_ORDINAL: Final = re.compile(r"-(\d+)$")
+COMPONENT: Final = "lmq-operator"
+# A leaving broker counts its undrained messages by walking all its lite topics: while it still has some, it
+# is asked again at most this often (an answer of none is acted on at once, and the broker checks it again).
+UNDRAINED_EVERY_S: Final = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class PodAddress:
+    ip: str
+    grpc_port: int
+    admin_port: int | None  # the slice's "admin" port: a separate admin listener (one process per pod only)
+
+
+def pods_from_slices(slices: Sequence[Mapping[str, Any]], default_port: int) -> dict[int, PodAddress]:
+    """Ordinal -> address of every pod endpoint of the brokers' headless Service (ready or not: a broker is
+    asked, and it answers when it is up)."""
+    found: dict[int, PodAddress] = {}
+    for s in slices:
+        named = {p.get("name"): p.get("port") for p in s.get("ports") or []}
+        grpc = int(named.get("grpc") or default_port)
+        admin = named.get("admin")
+        for ep in s.get("endpoints") or []:
+            pod = (ep.get("targetRef") or {}).get("name") or ep.get("hostname") or ""
+            match = _ORDINAL.search(pod)
+            if match and ep.get("addresses"):
+                found[int(match.group(1))] = PodAddress(ep["addresses"][0], grpc, int(admin) if admin else None)
+    return found
+
+
+def admin_endpoints(pod: PodAddress, processes: int) -> tuple[str, ...]:
+    """Each process's admin endpoint: the pod's admin listener with one process, else the processes' own ports."""
+    if processes == 1:
+        return (f"{pod.ip}:{pod.admin_port or pod.grpc_port}",)
+    return tuple(f"{pod.ip}:{pod.grpc_port + 1 + i}" for i in range(processes))
+
+
+@dataclass
+class Scaler:
+    conf: settings.Settings
+    client: Callable[[], Any]  # the Kubernetes ApiClient, made on first use
+    keys: KeyPair | None = None
+    ring_pods: int | None = None  # pods of today's ring after the last pass (leaving ones excluded)
+    last: scaling.Decision | None = None
+    _admins: dict[str, AsyncAdminClient] = field(default_factory=dict)
+    _asks: dict[int, str] = field(default_factory=dict)  # slot -> admin endpoint, of the last observation
+    _undrained: dict[str, tuple[float, int]] = field(default_factory=dict)  # endpoint -> (when, count > 0)
+    clock: Callable[[], float] = time.monotonic
+    _failed: str = ""
+
+    # ---- Kubernetes reads and writes ---------------------------------------------------------------------
+
+    @property
+    def _ns(self) -> str:
+        assert self.conf.broker_namespace is not None
+        return self.conf.broker_namespace
+
+    async def _call(self, api: str, method: str, *args: Any, **kw: Any) -> Any:
+        def call() -> Any:
+            target = getattr(kubernetes.client, api)(self.client())
+            return getattr(target, method)(*args, **kw)
+
+        return await asyncio.to_thread(call)
+
+    async def _json(self, api: str, method: str, *args: Any) -> dict[str, Any] | None:
+        try:
+            resp = await self._call(api, method, *args, _preload_content=False)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        found: dict[str, Any] = json.loads(resp.data)
+        return found
+
+    async def _slices(self) -> list[Mapping[str, Any]]:
+        selector = f"kubernetes.io/service-name={self.conf.broker_service}"
+        listing = await self._json_list(selector)
+        return list(listing.get("items") or [])
+
+    async def _json_list(self, selector: str) -> dict[str, Any]:
+        resp = await self._call(
+            "DiscoveryV1Api",
+            "list_namespaced_endpoint_slice",
+            self._ns,
+            label_selector=selector,
+            _preload_content=False,
+        )
+        found: dict[str, Any] = json.loads(resp.data)
+        return found
+
+    async def _patch_sts(self, body: Mapping[str, Any]) -> None:
+        await self._call(
+            "AppsV1Api",
+            "patch_namespaced_stateful_set",
+            self.conf.broker_statefulset,
+            self._ns,
+            dict(body),
+            field_manager=COMPONENT,
+            _content_type="application/merge-patch+json",
+        )
+
+    async def _write_configmap(
+        self,
+        sts: Mapping[str, Any],
+        current: Mapping[str, Any] | None,
+        record: str | None,
+        env: Mapping[str, str] | None,
+    ) -> None:
+        name = self.conf.membership_configmap
+        annotations = {scaling.ANNOTATION_MEMBERSHIP: record} if record is not None else {}
+        if current is None:
+            meta = sts["metadata"]
+            owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": meta["name"], "uid": meta["uid"]}
+            body = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": name, "annotations": annotations, "ownerReferences": [owner]},
+                "data": dict(env or {}),
+            }
+            await self._call("CoreV1Api", "create_namespaced_config_map", self._ns, body, field_manager=COMPONENT)
+            return
+        patch: dict[str, Any] = {}
+        if annotations:
+            patch["metadata"] = {"annotations": annotations}
+        if env is not None:
+            patch["data"] = dict(env)
+        await self._call(
+            "CoreV1Api",
+            "patch_namespaced_config_map",
+            name,
+            self._ns,
+            patch,
+            field_manager=COMPONENT,
+            _content_type="application/merge-patch+json",
+        )
+
+    async def _event(self, sts: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = sts["metadata"]
+        now = datetime.now(UTC)
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": self._ns},
+            "involvedObject": {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "name": meta["name"],
+                "namespace": self._ns,
+                "uid": meta["uid"],
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.conf.identity,
+            "firstTimestamp": now.isoformat(),
+            "lastTimestamp": now.isoformat(),
+            "count": 1,
+        }
+        try:
+            await self._call("CoreV1Api", "create_namespaced_event", self._ns, body)
+        except kubernetes.client.ApiException as exc:
+            log.warning("event %s on the broker StatefulSet not posted: %s %s", reason, exc.status, exc.reason)
+
+    # ---- brokers -----------------------------------------------------------------------------------------
+
+    def _admin(self, endpoint: str) -> AsyncAdminClient:
+        found = self._admins.get(endpoint)
+        if found is None:
+            timeout = self.conf.admin_timeout_s
+            found = self._admins[endpoint] = AsyncAdminClient(
+                endpoint, timeout, long_timeout_s=max(timeout, 60.0), keys=self.keys, tls=self.conf.tls
+            )
+        return found
+
+    async def _view(self, endpoint: str, undrained: bool) -> tuple[scaling.View | None, int | None]:
+        known = self._undrained.get(endpoint) if undrained else None
+        fresh = known is not None and self.clock() - known[0] < UNDRAINED_EVERY_S
+        try:
+            info = await self._admin(endpoint).cluster(with_undrained=undrained and not fresh)
+        except errors.LmqError as exc:
+            log.info("broker %s: GetCluster failed: %s", endpoint, exc.message)
+            return None, None
+        try:
+            found = mb.Membership(tuple(info.members), tuple(info.ring_sizes))
+        except errors.InvalidArgument:
+            return None, None
+        if not undrained:
+            return scaling.View(found, info.slot), None
+        if fresh:
+            assert known is not None
+            return scaling.View(found, info.slot), known[1]
+        if info.undrained_messages > 0:
+            self._undrained[endpoint] = (self.clock(), info.undrained_messages)
+        else:
+            self._undrained.pop(endpoint, None)
+        return scaling.View(found, info.slot), info.undrained_messages
+
+    # ---- one pass ----------------------------------------------------------------------------------------
+
+    def _pod(self, ordinal: int) -> str:
+        pods = self.conf.broker_addresses
+        if len(pods) == 1 and "{pod}" in pods[0]:
+            return pods[0].replace("{pod}", f"{self.conf.broker_statefulset}-{ordinal}")
+        return pods[ordinal] if ordinal < len(pods) else f"unknown-pod-{ordinal}:0"
+
+    async def observe(self) -> tuple[dict[str, Any], dict[str, Any] | None, scaling.Observed]:
+        sts = await self._json("AppsV1Api", "read_namespaced_stateful_set", self.conf.broker_statefulset, self._ns)
+        if sts is None:
+            raise LookupError(f"StatefulSet {self._ns}/{self.conf.broker_statefulset} not found")
+        cm = await self._json("CoreV1Api", "read_namespaced_config_map", self.conf.membership_configmap, self._ns)
+        annotations = sts["metadata"].get("annotations") or {}
+        raw = annotations.get(scaling.ANNOTATION_REPLICAS)
+        try:
+            wanted = int(raw) if raw is not None and str(raw).strip() else None
+        except ValueError:
+            wanted = -1  # reported as Stalled: not a count
+        record = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(scaling.ANNOTATION_MEMBERSHIP)
+        target = mb.Membership.from_json(record) if record else None
+        p = self.conf.processes
+        pods = pods_from_slices(await self._slices(), self.conf.admin_port)
+        leaving = set(target.leaving_slots) if target is not None else set()
+        asks: dict[int, str] = {}
+        for ordinal, address in pods.items():
+            for i, endpoint in enumerate(admin_endpoints(address, p)):
+                asks[ordinal * p + i] = endpoint
+        for gone in [e for e in self._admins if e not in asks.values()]:  # pods gone or moved to another IP
+            self._undrained.pop(gone, None)
+            with contextlib.suppress(Exception):
+                await self._admins.pop(gone).close()
+        answers = await asyncio.gather(*(self._view(e, s in leaving) for s, e in asks.items()))
+        views = {s: a[0] for s, a in zip(asks, answers, strict=True)}
+        undrained = {s: a[1] for s, a in zip(asks, answers, strict=True) if s in leaving}
+        replicas = int((sts.get("spec") or {}).get("replicas", 1))
+        observed = scaling.Observed(wanted, replicas, p, target, views, undrained, self._pod)
+        self._asks = asks
+        return sts, cm, observed
+
+    async def run_once(self) -> scaling.Decision:
+        sts, cm, observed = await self.observe()
+        decision = scaling.decide(observed)
+        target = decision.target or observed.target
+        record = decision.target.to_json() if decision.target is not None else None
+        env = decision.env
+        if env is not None and cm is not None and (cm.get("data") or {}) == env:
+            env = None
+        if record is not None or env is not None or (cm is None and target is not None):
+            await self._write_configmap(sts, cm, record or (target.to_json() if target else None), env)
+        shrinking = decision.replicas is not None and decision.replicas < observed.replicas
+        if decision.replicas is not None and not shrinking:
+            await self._patch_sts({"spec": {"replicas": decision.replicas}})
+        told = await self._tell(target, decision.tell) if target is not None else True
+        if told and shrinking:
+            assert decision.replicas is not None
+            await self._patch_sts({"spec": {"replicas": decision.replicas}})
+        if decision.warning:
+            await self._event(sts, "Warning", "ReplicasRestored", decision.warning)
+        if decision.event and told:
+            await self._event(sts, "Normal", decision.phase.value, decision.event)
+        text = f"{decision.phase.value}: {decision.message}" if told else f"{decision.phase.value}: {self._failed}"
+        if (sts["metadata"].get("annotations") or {}).get(scaling.ANNOTATION_STATUS) != text:
+            await self._patch_sts({"metadata": {"annotations": {scaling.ANNOTATION_STATUS: text}}})
+            if decision.phase is scaling.Phase.STALLED or not told:
+                await self._event(sts, "Warning", decision.phase.value if told else "SetClusterFailed", text)
+        if target is not None:
+            self.ring_pods = target.size // observed.processes
+        self.last = decision
+        return decision
+
+    async def _tell(self, target: mb.Membership, slots: Sequence[int]) -> bool:
+        """SetCluster on each slot in order; stops at the first refusal (the next pass observes and retries)."""
+        for slot in slots:
+            endpoint = self._asks.get(slot)
+            if endpoint is None:
+                self._failed = f"no endpoint for slot {slot}"
+                return False
+            mine = slot if slot < len(target.members) else -1
+            try:
+                await self._admin(endpoint).set_cluster(target.members, target.sizes, slot=mine)
+            except errors.LmqError as exc:
+                self._failed = f"SetCluster on {endpoint} (slot {slot}) failed: {exc.message}"
+                log.warning("%s", self._failed)
+                return False
+        return True
+
+    async def close(self) -> None:
+        for admin in self._admins.values():
+            with contextlib.suppress(Exception):
+                await admin.close()
+        self._admins.clear()
+
+
+async def run(scaler: Scaler, interval_s: float) -> None:
+    """Pass after pass until cancelled; a failed pass is logged and the next one observes everything again."""
+    while True:
+        try:
+            decision = await scaler.run_once()
+            log.info("broker membership: %s: %s", decision.phase.value, decision.message)
+        except asyncio.CancelledError:
+            raise
+        except LookupError as exc:
+            log.warning("broker membership: %s", exc)
+        except Exception:
+            log.exception("broker membership pass failed")
+        await asyncio.sleep(interval_s)

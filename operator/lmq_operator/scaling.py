@@ -1,0 +1,248 @@
+"""The broker StatefulSet's membership, decided as a value: what the operator does next to reach the wanted size.
+
+Brokers never move data (docs/scale-out.md), so a pod count is not something to set and forget: adding pods
+means telling every broker the grown ring, and removing pods means marking them leaving, waiting until they
+have drained, removing them from the ring, and only then stopping them. The operator runs these steps one
+pass at a time; each pass observes everything again and ``decide`` says what to do, so a restarted operator (or
+a new leader) takes over halfway without any memory of its own besides its record, the membership it is
+driving the brokers to (the ``target``).
+
+``spec.replicas`` of the StatefulSet belongs to the operator: it is whatever the target's members need. The
+wanted pod count comes from the ``lmq.io/replicas`` annotation (the chart's ``broker.replicas``); a
+``spec.replicas`` that someone else changed is set back, because lowering it directly would stop brokers that
+still hold undelivered messages. Everything here is pure: no kopf, no Kubernetes, no gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import ring
+
+ANNOTATION_REPLICAS: Final = "lmq.io/replicas"  # the wanted pod count, on the StatefulSet (chart, GitOps, kubectl)
+ANNOTATION_MEMBERSHIP: Final = "lmq.io/membership"  # the operator's target, on its membership ConfigMap
+ANNOTATION_STATUS: Final = "lmq.io/scaling"  # the operator's progress, on the StatefulSet, for `kubectl describe`
+ENV_PEERS: Final = "LMQ_PEERS"  # the ConfigMap's keys: what a starting broker pod takes as its flags
+ENV_HISTORY: Final = "LMQ_RING_HISTORY"
+
+
+class Phase(enum.StrEnum):
+    STEADY = "Steady"  # the brokers form the wanted ring
+    SCALING_UP = "ScalingUp"  # new pods are starting; the brokers are told once every one of them answers
+    DRAINING = "Draining"  # leaving pods keep serving what they hold until every group has consumed it
+    SCALED_DOWN = "ScaledDown"  # this pass removed the drained pods from the ring and lowers the replicas
+    CONVERGING = "Converging"  # some brokers do not have the target yet: this pass tells them
+    WAITING = "Waiting"  # a broker of the target does not answer: nothing changes until it does
+    STALLED = "Stalled"  # a person has to act (the message says what)
+
+
+def slot_endpoints(pod: str, processes: int) -> tuple[str, ...]:
+    """The ring slots' advertised endpoints of one pod (``host:port``): the pod itself with one process, else its
+    processes' own ports ``port + 1 + i`` (``lmq_broker.supervisor``)."""
+    if processes == 1:
+        return (pod,)
+    host, _, port = pod.rpartition(":")
+    return tuple(f"{host}:{int(port) + 1 + i}" for i in range(processes))
+
+
+def members_of(pods: Sequence[str], processes: int) -> tuple[str, ...]:
+    """Slot endpoints of ``pods`` in slot order (``ordinal * processes + i``)."""
+    out: list[str] = []
+    for ordinal, pod in enumerate(pods):
+        slots = slot_endpoints(pod, processes)
+        assert all(ring.slot_number(ordinal, i, processes) == len(out) + i for i in range(processes))
+        out += slots
+    return tuple(out)
+
+
+def pod_env(target: mb.Membership, pods: Sequence[str]) -> dict[str, str] | None:
+    """The flags a broker pod starting now needs for ``target`` (``--peers`` one per pod, ``--ring-history``
+    in slots); None while slots are leaving, which flags cannot say (the operator tells such pods itself)."""
+    if target.leaving_slots:
+        return None
+    return {ENV_PEERS: mb.SEPARATOR.join(pods), ENV_HISTORY: mb.SEPARATOR.join(str(s) for s in target.sizes[:-1])}
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """One slot's answer to GetCluster."""
+
+    membership: mb.Membership
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    wanted: int | None  # pods, from the annotation (-1: not a number); None: keep the size the target has
+    replicas: int  # spec.replicas now
+    processes: int
+    target: mb.Membership | None  # the operator's record; None before its first pass
+    views: Mapping[int, View | None]  # slot -> its answer (None: did not answer); pods that run, beyond too
+    undrained: Mapping[int, int | None]  # leaving slot -> undrained messages (None: could not be asked)
+    pod: Callable[[int], str]  # ordinal -> the pod's advertised endpoint (what ``--peers`` lists)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    phase: Phase
+    message: str
+    target: mb.Membership | None = None  # the record to write before anything else (None: unchanged)
+    env: dict[str, str] | None = None  # the ConfigMap's data to write (None: unchanged)
+    tell: tuple[int, ...] = ()  # slots to SetCluster with the target, in this order
+    replicas: int | None = None  # spec.replicas to set once every SetCluster succeeded (None: unchanged)
+    warning: str | None = None  # someone else changed spec.replicas: the Warning Event that says so
+    event: str | None = None  # a step worth an Event (Normal), with the phase as its reason
+
+
+def _pods(target: mb.Membership, processes: int) -> int:
+    return len(target.members) // processes
+
+
+def _bootstrap(o: Observed) -> mb.Membership | Decision:
+    """The target before the operator's first pass: what the running brokers agree on."""
+    answers = {(v.membership.members, v.membership.sizes) for v in o.views.values() if v is not None}
+    if not answers:
+        return Decision(Phase.WAITING, "no broker answers GetCluster yet")
+    if len(answers) > 1:
+        seen = "; ".join(f"{list(m)} sizes {list(s)}" for m, s in sorted(answers))
+        return Decision(
+            Phase.STALLED,
+            f"the brokers disagree on their membership ({seen}): make them agree with "
+            "`lmq-admin cluster set --everywhere`, then the operator takes over",
+        )
+    members, sizes = answers.pop()
+    found = mb.Membership(members, sizes)
+    if len(members) % o.processes or members != members_of(
+        [o.pod(i) for i in range(len(members) // o.processes)], o.processes
+    ):
+        expected = members_of([o.pod(i) for i in range(max(1, len(members) // o.processes))], o.processes)
+        return Decision(
+            Phase.STALLED,
+            f"the brokers' members {list(members)} are not the pods' endpoints {list(expected)}: start them with "
+            "--advertised-address and --peers of the pods (the chart does), or set them with `lmq-admin cluster set`",
+        )
+    return found
+
+
+def tell_order(old: Sequence[str], target: mb.Membership, slots: Sequence[int]) -> tuple[int, ...]:
+    """The safe order of ``lmq-admin cluster set --everywhere``: joining slots first, then leaving ones (they send
+    on what reaches them by the old view), then the others, slots no longer members last."""
+
+    def rank(slot: int) -> tuple[int, int]:
+        if slot >= len(target.members):
+            return 3, slot
+        if target.members[slot] not in old:
+            return 0, slot
+        return (1 if target.leaving(slot) else 2), slot
+
+    return tuple(sorted(slots, key=rank))
+
+
+def _differs(view: View | None, target: mb.Membership, slot: int) -> bool:
+    want_slot = slot if slot < len(target.members) else -1
+    return view is None or view.membership != target or view.slot != want_slot
+
+
+def decide(o: Observed) -> Decision:
+    found = o.target if o.target is not None else _bootstrap(o)
+    if isinstance(found, Decision):
+        return found
+    target, recorded = found, o.target is None
+    pods = _pods(target, o.processes)
+    # A pod the membership needs is never left stopped: raising spec.replicas back is always safe.
+    base = Decision(Phase.STEADY, "", target if recorded else None)
+    if o.replicas < pods:
+        base = _with(base, base.phase, "", replicas=pods, warning=_restored(o.replicas, pods))
+
+    # 1. Every member (and every removed pod still running) has the target, or is told it, in a safe order.
+    members = len(target.members)
+    silent = [s for s in range(members) if o.views.get(s) is None]
+    if silent:
+        names = ", ".join(target.members[s] for s in silent)
+        return _with(base, Phase.WAITING, f"waiting for {names} to answer (pods starting, or down)")
+    stale = [s for s, v in o.views.items() if v is not None and _differs(v, target, s)]
+    if stale:
+        old = o.views[stale[0]]
+        assert old is not None
+        order = tell_order(old.membership.members, target, stale)
+        text = f"telling {len(order)} brokers the membership of {pods} pods (ring sizes {list(target.sizes)})"
+        return _with(base, Phase.CONVERGING, text, tell=order)
+
+    # 2. Every broker has the target. Pods beyond its members are stopped only now (a broker told to remove a
+    # peer asks that peer whether it is drained), then the next step towards the wanted size.
+    if o.replicas > pods:
+        return _with(
+            base,
+            Phase.CONVERGING,
+            f"stopping pods beyond the {pods} members",
+            replicas=pods,
+            warning=_restored(o.replicas, pods),
+        )
+    ring_pods = target.size // o.processes
+    wanted = o.wanted if o.wanted is not None else ring_pods
+    if wanted < 1:
+        return _with(base, Phase.STALLED, f"{ANNOTATION_REPLICAS} must be a whole number of at least 1")
+    if target.leaving_slots:
+        if wanted != ring_pods:  # a new wish while draining: a new epoch with that ring (all back, or fewer)
+            new = target.shrunk(min(wanted, pods) * o.processes)
+            text = f"the wanted size changed to {wanted} pods while draining"
+            return _step(base, o, target, new, phase=Phase.CONVERGING, text=text)
+        counts = [o.undrained.get(s) for s in target.leaving_slots]
+        if all(c == 0 for c in counts):
+            new = target.shed()
+            text = f"the leaving brokers are drained: removing them, then scaling down to {ring_pods} pods"
+            step = _step(base, o, target, new, phase=Phase.SCALED_DOWN, text=text)
+            return _with(
+                step,
+                step.phase,
+                step.message,
+                replicas=ring_pods,
+                warning=None,
+                env=pod_env(new, _pod_list(o, ring_pods)),
+            )
+        parts = []
+        for slot, count in zip(target.leaving_slots, counts, strict=True):
+            held = "cannot be asked" if count is None else f"{count} undrained messages" if count else "drained"
+            parts.append(f"{target.members[slot]}: {held}")
+        text = f"scaling down {pods} → {ring_pods} pods, waiting for the leaving brokers to drain ({'; '.join(parts)})"
+        return _with(base, Phase.DRAINING, text)
+    if wanted < pods:
+        new = target.shrunk(wanted * o.processes)
+        text = f"scaling down {pods} → {wanted} pods: the leaving brokers take no new topic and drain"
+        return _step(base, o, target, new, phase=Phase.DRAINING, text=text)
+    if wanted > pods:
+        joining = [o.pod(i) for i in range(pods, wanted)]
+        new = target.grown(*members_of(_pod_list(o, wanted), o.processes)[members:])
+        text = f"scaling up {pods} → {wanted} pods: starting {', '.join(joining)}"
+        env = pod_env(new, _pod_list(o, wanted))
+        return Decision(Phase.SCALING_UP, text, new, env, (), wanted, None, text)
+    env = pod_env(target, _pod_list(o, pods))
+    return _with(base, Phase.STEADY, f"{pods} pods, ring sizes {list(target.sizes)}", env=env)
+
+
+def _restored(replicas: int, pods: int) -> str:
+    return (
+        f"spec.replicas was {replicas} but the brokers' membership has {pods} pods: set to {pods}. Change the pod "
+        f"count with the {ANNOTATION_REPLICAS} annotation (chart value broker.replicas): the operator then starts "
+        "new pods and tells every broker, or drains leaving pods before it stops them"
+    )
+
+
+def _pod_list(o: Observed, count: int) -> list[str]:
+    return [o.pod(i) for i in range(count)]
+
+
+def _step(base: Decision, o: Observed, old: mb.Membership, new: mb.Membership, *, phase: Phase, text: str) -> Decision:
+    """Record ``new`` and tell every running broker, in the safe order."""
+    slots = sorted(s for s, v in o.views.items() if v is not None)
+    order = tell_order(old.members, new, slots)
+    return _with(base, phase, text, target=new, tell=order, event=text)
+
+
+def _with(base: Decision, phase: Phase, message: str, **changes: Any) -> Decision:
+    return dataclasses.replace(base, phase=phase, message=message, **changes)
