@@ -553,6 +553,36 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         await stop_cluster(cluster)
 
 
+async def test_a_broker_that_joins_gets_the_subscriptions_it_will_serve(tmp_path: Path) -> None:
+    """Brokers 0 and 1 run a 2-slot ring, then learn that slot 2 joined: each copies to it every client's
+    patterns and the subscriptions to not yet created topics that slot 2 now owns, without waiting for the
+    clients' next full sync; a topic matching the pattern created there is delivered there."""
+    cluster = await start_cluster(tmp_path, 3, ring_history="2")
+    try:
+        members = cluster.membership.members
+        for slot in (0, 1):
+            with admin_of(cluster.brokers[slot]) as admin:
+                await asyncio.to_thread(functools.partial(admin.set_cluster, members[:2], (2,), force=True))
+        grown = mb.Membership(members, (2, 3))
+        joiner = [f"j-{i}" for i in range(5000) if mb.owner(grown, model.QueueId.lmq(PARENT, f"j-{i}").topic) == 2]
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, ["p-*", *joiner[:2]])
+        assert (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == (set(), set())
+        await set_everywhere(cluster, [0, 1], members, (2, 3))
+        for _ in range(100):  # each of the two copies what it holds
+            if (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == ({"p-*"}, set(joiner[:2])):
+                break
+            await asyncio.sleep(0.05)
+        assert (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == ({"p-*"}, set(joiner[:2]))
+        matching = next(
+            f"p-{i}" for i in range(5000) if mb.owner(grown, model.QueueId.lmq(PARENT, f"p-{i}").topic) == 2
+        )
+        await send_via(cluster, 0, matching, 0)
+        assert stored(cluster, 2, matching) == 1
+        assert await taken(cluster, 2, 1) == [f"{matching}/0"]
+    finally:
+        await stop_cluster(cluster)
+
+
 async def test_membership_changes_are_checked(tmp_path: Path) -> None:
     cluster = await start_cluster(tmp_path, 2)
     try:

@@ -22,7 +22,7 @@ from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol import draining
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.metrics import Metrics
-from lmq_broker.protocol.peers import Peers, membership_of
+from lmq_broker.protocol.peers import Peers, Subscription, membership_of
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class Cluster:
         self._peers: Peers | None = None
         self._changing = asyncio.Lock()
         self._handing: asyncio.Task[None] | None = None
+        self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
 
     @property
     def peers(self) -> Peers | None:
@@ -122,6 +123,7 @@ class Cluster:
 
     def _apply(self, place: Place) -> None:
         was_leaving = self.slot >= 0 and self.membership.leaving(self.slot) and self._peers is not None
+        before = frozenset(self.membership.members) if self.slot >= 0 and self._peers is not None else None
         self.place = place
         membership, me = place.membership, place.slot
         if place.alone:
@@ -143,6 +145,11 @@ class Cluster:
             self._edge.peers = self._peers
         if me >= 0 and membership.leaving(me) and not was_leaving and self._handing is None:
             self._handing = asyncio.get_running_loop().create_task(self._subscribe_at_owners())
+        joined = [slot for slot, member in enumerate(membership.members) if before is not None and member not in before]
+        if joined and me >= 0 and self._peers is not None:
+            task = asyncio.get_running_loop().create_task(self._subscribe_at_owners(joined))
+            self._copying.add(task)
+            task.add_done_callback(self._copying.discard)
         where = f"slot {me}" if me >= 0 else "no member"
         log.info(
             "cluster (%s): %s of %d (ring of %d, epoch %d, %d leaving): %s",
@@ -161,36 +168,41 @@ class Cluster:
     async def _drained_locally(self, parent: str, lite: str) -> bool:
         return await self._dispatcher.run(draining.drained, self._store, parent, lite)
 
-    async def _subscribe_at_owners(self) -> None:
-        """This broker just became a leaving one: subscriptions it has to topics it does not hold (topics not
-        created yet) are made at their owners in today's ring, where those topics will be created; its own
-        topics take theirs along when they move. Failures only delay: the clients sync every subscription
-        periodically (the Python client every 30 s)."""
+    async def _subscribe_at_owners(self, joined: list[int] | None = None) -> None:
+        """Subscriptions this broker has to topics it does not hold (topics not created yet) are made at their
+        owners in today's ring, where those topics will be created: all of them when this broker just became a
+        leaving one (its own topics take theirs along when they move), those owned by ``joined`` when brokers
+        just joined, which also get every client's patterns (a pattern is on every broker). Failures only
+        delay: the clients sync every subscription periodically (Python and Java every 30 s)."""
         try:
-            wanted: dict[tuple[str, str, str], list[str]] = {}
+            wanted: dict[tuple[str, str, str], tuple[list[str], list[str]]] = {}
             for state in list(self._dispatcher.registry.clients()):
                 for lmq in list(state.lite_topics):
                     parent, lite = model.QueueId(lmq).lite_parts()
-                    wanted.setdefault((state.client_id, state.group, parent), []).append(lite)
+                    wanted.setdefault((state.client_id, state.group, parent), ([], []))[0].append(lite)
+                if joined and state.patterns and state.group and state.bind_topic:
+                    key = (state.client_id, state.group, state.bind_topic)
+                    wanted.setdefault(key, ([], []))[1].extend(state.patterns)
 
-            def not_held() -> list[tuple[str, str, str, list[str]]]:
+            def not_held() -> list[Subscription]:
                 out = []
-                for (client_id, group, parent), lites in wanted.items():
+                for (client_id, group, parent), (lites, patterns) in wanted.items():
                     missing = [lite for lite in lites if self._store.lite_topic(parent, lite) is None]
-                    if missing:
-                        out.append((client_id, group, parent, missing))
+                    if missing or patterns:
+                        out.append((client_id, group, parent, missing, patterns))
                 return out
 
             found = await self._dispatcher.run(not_held)
             peers = self._peers
             if found and peers is not None:
-                failed = await peers.subscribe_at_owners(found)
+                failed = await peers.subscribe_at_owners(found, joined)
                 if failed:
                     log.warning("%d subscriptions not copied to new owners: the clients' next sync makes them", failed)
         except Exception:
             log.exception("copying subscriptions to the new owners failed: clients' next sync makes them")
         finally:
-            self._handing = None
+            if joined is None:
+                self._handing = None
 
     def _subscribers(self, parent: str, lite: str) -> list[tuple[str, str]]:
         out = []
@@ -201,8 +213,8 @@ class Cluster:
         return out
 
     async def close(self) -> None:
-        if self._handing is not None:
-            await asyncio.gather(self._handing, return_exceptions=True)
+        if self._handing is not None or self._copying:
+            await asyncio.gather(*filter(None, (self._handing, *self._copying)), return_exceptions=True)
         if self._peers is not None:
             await self._peers.close()
             self._peers = None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Final
@@ -80,6 +80,7 @@ SYNCS_EVERY_BROKER: Final = frozenset(("GOLANG",))
 
 LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
 Subscribers = Callable[[str, str], list[tuple[str, str]]]  # (parent, lite) -> (client id, group) subscribed here
+Subscription = tuple[str, str, str, list[str], list[str]]  # client id, group, parent, lite topics, patterns
 
 
 def forwarded(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
@@ -550,15 +551,22 @@ class Peers:
                 return reply
         return spb.SyncLiteSubscriptionResponse(status=pb.Status(code=pb.OK, message="OK"))
 
-    async def subscribe_at_owners(self, subscriptions: Sequence[tuple[str, str, str, list[str]]]) -> int:
-        """(client id, group, parent, lite topics) subscribed here: each topic's subscription made at today's
-        owner too. Returns how many could not be (their clients' next full sync makes them)."""
+    async def subscribe_at_owners(
+        self, subscriptions: Sequence[Subscription], joined: Collection[int] | None = None
+    ) -> int:
+        """(client id, group, parent, lite topics, patterns) subscribed here: each topic's subscription made at
+        today's owner too (with ``joined``, only where that owner is one of those slots) and each pattern at
+        every slot of ``joined``. Returns how many could not be (their clients' next full sync makes them)."""
         calls = []
-        for client_id, group, parent, lites in subscriptions:
-            by_owner: dict[int, list[str]] = {}
+        for client_id, group, parent, lites, patterns in subscriptions:
+            by_owner: dict[int, list[str]] = {slot: list(patterns) for slot in joined or ()}
             for lite in lites:
-                by_owner.setdefault(mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic), []).append(lite)
+                owner = mb.owner(self.membership, model.QueueId.lmq(parent, lite).topic)
+                if joined is None or owner in joined:
+                    by_owner.setdefault(owner, []).append(lite)
             for slot, subset in by_owner.items():
+                if not subset:
+                    continue
                 request = spb.SyncLiteSubscriptionRequest(
                     action=pb.PARTIAL_ADD,
                     topic=pb.Resource(name=parent),
