@@ -26,7 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmq_broker import app
+import grpc
+
+from lmq_broker import app, model
+from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig, FlushMode, StoreConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol.edge import Edge
@@ -34,6 +37,9 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import send_message
 from lmq_broker.storage.store import open_store
+from lmq_broker.supervisor import free_ports
+
+_SEND = "/apache.rocketmq.v2.MessagingService/SendMessage"
 
 HERE = Path(__file__).resolve()
 _EVENTS_RE = re.compile(r"^events:\s+(.+)$", re.MULTILINE)
@@ -92,6 +98,69 @@ async def drive(data_dir: Path, warm: list[bytes], measured: list[bytes], inflig
     return used
 
 
+async def drive_cluster(
+    data_dir: Path, warm: list[bytes], measured: list[bytes], inflight: int, flush: str, *, mode: str
+) -> float:
+    """Two whole brokers (``--peers``) in this process and a gRPC client: ``access`` sends every request to
+    broker 0, which stores its own topics and forwards the others; ``direct`` sends each message to its owner
+    (the requests split by owner beforehand). CPU seconds of the process (both brokers and the client) during
+    ``measured``."""
+    members = ",".join(f"127.0.0.1:{port}" for port in free_ports("127.0.0.1", 2))
+    membership = mb.Membership.parse(members)
+    brokers = []
+    for slot in range(2):
+        store = StoreConfig(data_dir=data_dir / f"b{slot}", flush_mode=FlushMode(flush))
+        config = BrokerConfig(
+            store=store, host="127.0.0.1", port=int(membership.members[slot].rsplit(":", 1)[1]), metrics_port=-1,
+            peers=members, ordinal=slot, admin_access_key="ak", admin_secret_key="sk",
+        )  # fmt: skip
+        broker = app.Broker(config)
+        await broker.start()
+        brokers.append(broker)
+    app.tune_gc()
+    sys.setswitchinterval(0.0005)
+    targets = [b.endpoint for b in brokers]
+    channels = [grpc.aio.insecure_channel(t, options=[("grpc.max_send_message_length", 256 << 20)]) for t in targets]
+    calls = [
+        c.unary_unary(_SEND, request_serializer=None, response_deserializer=spb.SendMessageResponse.FromString)
+        for c in channels
+    ]
+
+    def by_owner(raw: bytes) -> list[tuple[int, bytes]]:
+        messages = spb.SendMessageRequest.FromString(raw).messages
+        parts: dict[int, list[pb.Message]] = {}
+        for m in messages:
+            lmq = model.QueueId.lmq(m.topic.name, m.system_properties.lite_topic).topic
+            parts.setdefault(mb.owner(membership, lmq), []).append(m)
+        return [(slot, spb.SendMessageRequest(messages=part).SerializeToString()) for slot, part in parts.items()]
+
+    def work(requests: list[bytes]) -> list[tuple[int, bytes]]:
+        return [(0, raw) for raw in requests] if mode == "access" else [p for raw in requests for p in by_owner(raw)]
+
+    async def pump(items: list[tuple[int, bytes]]) -> None:
+        queue = list(reversed(items))
+
+        async def worker() -> None:
+            while queue:
+                slot, raw = queue.pop()
+                reply = await calls[slot](raw, timeout=600)
+                if reply.status.code != pb.OK:
+                    raise RuntimeError(f"send failed: {reply.status}")
+
+        await asyncio.gather(*(worker() for _ in range(inflight)))
+
+    await pump(work(warm))
+    items = work(measured)
+    before = _cpu_s()
+    await pump(items)
+    used = _cpu_s() - before
+    for channel in channels:
+        await channel.close(None)
+    for broker in brokers:
+        await broker.stop(grace_s=1)
+    return used
+
+
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -108,6 +177,7 @@ def _events(args: argparse.Namespace, measured: int, out_dir: Path) -> dict[str,
     command += ["--inner", "--requests", str(args.requests), "--send", str(measured)]
     command += ["--warm", str(args.warm), "--batch", str(args.batch), "--topics", str(args.topics)]
     command += ["--body", str(args.body), "--inflight", str(args.inflight), "--flush-mode", args.flush_mode]
+    command += ["--mode", args.mode]
     subprocess.run(command, check=True, env=_env(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     text = out.read_text(errors="replace")
     names, totals = _EVENTS_RE.search(text), _TOTALS_RE.search(text)
@@ -135,6 +205,13 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=4, help="requests outstanding")
     parser.add_argument("--flush-mode", choices=("sync", "async"), default="sync")
     parser.add_argument("--rounds", type=int, default=3, help="repetitions of the CPU measurement")
+    parser.add_argument(
+        "--mode",
+        choices=("handler", "access", "direct"),
+        default="handler",
+        help="handler: the SendMessage handler alone; access/direct: two brokers (--peers) and a gRPC client in "
+        "this process, every request to broker 0 (half forwarded) or each message to its owner",
+    )
     parser.add_argument("--callgrind", action="store_true", help="instructions per message under callgrind")
     parser.add_argument("--cache-sim", action="store_true", help="with --callgrind: simulate caches and branches")
     parser.add_argument("--src", default="", help="a broker source root to measure instead (another worktree)")
@@ -150,7 +227,7 @@ def main() -> None:
         per = (total["Ir"] - base["Ir"]) / messages
         print(
             f"send path under callgrind: {args.requests} x {args.batch} messages after {args.warm} warm-up "
-            f"requests, {args.topics:,} lite topics, {args.flush_mode} flush, {args.inflight} in flight "
+            f"requests, {args.topics:,} lite topics, {args.flush_mode} flush, {args.inflight} in flight, {args.mode} "
             f"({time.monotonic() - started:.0f} s)"
         )
         print(f"FIGURE send path instructions per message: {per:,.0f} (runs: {base['Ir']:,} and {total['Ir']:,})")
@@ -175,7 +252,11 @@ def main() -> None:
         if args.send >= 0:
             measured = measured[: args.send]
         with tempfile.TemporaryDirectory() as tmp:
-            used = asyncio.run(drive(Path(tmp) / "data", warm, measured, args.inflight, args.flush_mode))
+            data = Path(tmp) / "data"
+            if args.mode == "handler":
+                used = asyncio.run(drive(data, warm, measured, args.inflight, args.flush_mode))
+            else:
+                used = asyncio.run(drive_cluster(data, warm, measured, args.inflight, args.flush_mode, mode=args.mode))
         if measured:
             print(f"CPU per message: {used * 1e6 / (len(measured) * args.batch):.2f} us", flush=True)
 
