@@ -32,6 +32,7 @@ from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig, FlushMode, StoreConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol import peers
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -105,6 +106,7 @@ async def drive_cluster(
     broker 0, which stores its own topics and forwards the others; ``direct`` sends each message to its owner
     (the requests split by owner beforehand). CPU seconds of the process (both brokers and the client) during
     ``measured``."""
+    peers.CALL_TIMEOUT_S = 600.0  # type: ignore[misc]  # valgrind runs ~50x slower than the broker's 2 s allow
     members = ",".join(f"127.0.0.1:{port}" for port in free_ports("127.0.0.1", 2))
     membership = mb.Membership.parse(members)
     brokers = []
@@ -214,6 +216,7 @@ def main() -> None:
     )
     parser.add_argument("--callgrind", action="store_true", help="instructions per message under callgrind")
     parser.add_argument("--cache-sim", action="store_true", help="with --callgrind: simulate caches and branches")
+    parser.add_argument("--keep", default="", help="with --callgrind: leave the callgrind files in this directory")
     parser.add_argument("--src", default="", help="a broker source root to measure instead (another worktree)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--send", type=int, default=-1, help=argparse.SUPPRESS)
@@ -222,8 +225,9 @@ def main() -> None:
     if args.callgrind:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
-            base = _events(args, 0, Path(tmp))
-            total = _events(args, args.requests, Path(tmp))
+            out_dir = Path(args.keep or tmp)
+            base = _events(args, 0, out_dir)
+            total = _events(args, args.requests, out_dir)
         per = (total["Ir"] - base["Ir"]) / messages
         print(
             f"send path under callgrind: {args.requests} x {args.batch} messages after {args.warm} warm-up "
