@@ -29,16 +29,20 @@ from pathlib import Path
 import grpc
 
 from lmq_broker import app, model
-from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig, FlushMode, StoreConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.protocol import peers
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import send_message
 from lmq_broker.storage.store import open_store
-from lmq_broker.supervisor import free_ports
+
+try:  # not in trees from before scale-out: with --src of one, --mode handler only
+    from lmq_broker.cluster import membership as mb
+    from lmq_broker.protocol import peers
+    from lmq_broker.supervisor import free_ports
+except ImportError:
+    pass
 
 _SEND = "/apache.rocketmq.v2.MessagingService/SendMessage"
 
