@@ -132,16 +132,23 @@ async def drive_cluster(
         for c in channels
     ]
 
-    def by_owner(raw: bytes) -> list[tuple[int, bytes]]:
-        messages = spb.SendMessageRequest.FromString(raw).messages
-        parts: dict[int, list[pb.Message]] = {}
-        for m in messages:
-            lmq = model.QueueId.lmq(m.topic.name, m.system_properties.lite_topic).topic
-            parts.setdefault(mb.owner(membership, lmq), []).append(m)
-        return [(slot, spb.SendMessageRequest(messages=part).SerializeToString()) for slot, part in parts.items()]
+    def by_owner(requests: list[bytes]) -> list[tuple[int, bytes]]:
+        """The requests' messages regrouped per owner into requests of the same size."""
+        batch = len(spb.SendMessageRequest.FromString(requests[0]).messages)
+        pending: dict[int, list[pb.Message]] = {0: [], 1: []}
+        out = []
+        for raw in requests:
+            for m in spb.SendMessageRequest.FromString(raw).messages:
+                slot = mb.owner(membership, model.QueueId.lmq(m.topic.name, m.system_properties.lite_topic).topic)
+                pending[slot].append(m)
+                if len(pending[slot]) == batch:
+                    out.append((slot, spb.SendMessageRequest(messages=pending[slot]).SerializeToString()))
+                    pending[slot] = []
+        rest = [(slot, spb.SendMessageRequest(messages=ms).SerializeToString()) for slot, ms in pending.items() if ms]
+        return out + rest
 
     def work(requests: list[bytes]) -> list[tuple[int, bytes]]:
-        return [(0, raw) for raw in requests] if mode == "access" else [p for raw in requests for p in by_owner(raw)]
+        return [(0, raw) for raw in requests] if mode == "access" else by_owner(requests)
 
     async def pump(items: list[tuple[int, bytes]]) -> None:
         queue = list(reversed(items))
