@@ -8,7 +8,7 @@ included). With ``--callgrind`` it runs itself twice under ``valgrind --tool=cal
 then warm-up and the measured requests) and prints the difference in instructions per message: a figure
 that other work on the machine does not change, for A/B comparisons of send-path code.
 
-    python bench/bench_send_path.py                       # CPU per message, ~10 s
+    python bench/bench_send_path.py                       # CPU per message, ~10 s (--quick: ~2 s)
     python bench/bench_send_path.py --callgrind           # instructions per message, a few minutes
     python bench/bench_send_path.py --callgrind --src ../other-worktree/broker   # the same, of other code
 """
@@ -20,6 +20,7 @@ import asyncio
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -231,7 +232,10 @@ def main() -> None:
     parser.add_argument("--src", default="", help="a broker source root to measure instead (another worktree)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--send", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.warm, args.rounds = 5, 2, 1
     messages = args.requests * args.batch
     if args.callgrind:
         with tempfile.TemporaryDirectory() as tmp:
@@ -261,6 +265,7 @@ def main() -> None:
         )
     body = b"x" * args.body
     rounds = 1 if args.inner and args.send >= 0 else args.rounds
+    cpu_us: list[float] = []
     for _ in range(rounds):
         warm = payloads(args.warm, args.batch, args.topics, body)
         measured = payloads(args.requests, args.batch, args.topics, body, start=args.warm * args.batch)
@@ -273,7 +278,11 @@ def main() -> None:
             else:
                 used = asyncio.run(drive_cluster(data, warm, measured, args.inflight, args.flush_mode, mode=args.mode))
         if measured:
-            print(f"CPU per message: {used * 1e6 / (len(measured) * args.batch):.2f} us", flush=True)
+            cpu_us.append(used * 1e6 / (len(measured) * args.batch))
+            print(f"CPU per message: {cpu_us[-1]:.2f} us", flush=True)
+    if cpu_us and args.send < 0:  # not a run of --callgrind
+        every = ", ".join(f"{us:.2f}" for us in cpu_us)
+        print(f"FIGURE send path CPU per message ({args.mode}): {statistics.median(cpu_us):.2f} us (median of {every})")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ EXPECTED = {
     "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
     "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],
     "bench_mqtt.py": ["FIGURE MQTT publish->subscribe latency p50:", "FIGURE MQTT publish->subscribe rate QoS 1:"],
+    "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
 }
