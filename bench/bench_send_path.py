@@ -135,6 +135,8 @@ async def drive_cluster(
 
     def by_owner(requests: list[bytes]) -> list[tuple[int, bytes]]:
         """The requests' messages regrouped per owner into requests of the same size."""
+        if not requests:
+            return []
         batch = len(spb.SendMessageRequest.FromString(requests[0]).messages)
         pending: dict[int, list[pb.Message]] = {0: [], 1: []}
         out = []
