@@ -226,17 +226,14 @@ class Peers:
     # --- where a lite topic lives ---------------------------------------------------------------------------
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:
         """The slot each lite topic of ``parent`` is written to (``cluster.membership.resolve``)."""
-        placed = self._placement.get(parent)
-        if placed is None:
-            placed = self._placement[parent] = {}
-        known = placed.get
+        known = (self._placement.get(parent) or {}).get  # ``_remember`` makes a parent's dict
         out = [known(lite, -1) for lite in lites]  # per message of a batched send: the common case first
         if -1 not in out:
             return out
         unknown: list[int] = []
         for i in [i for i, slot in enumerate(out) if slot == -1]:
             lite = lites[i]
-            out[i] = known(lite, -1)  # the same topic may be missing several times in one request
+            out[i] = self._placement.get(parent, {}).get(lite, -1)  # missing several times in one request
             if out[i] == -1:
                 found = mb.candidates(self.membership, model.QueueId.lmq(parent, lite).topic)
                 if len(found) == 1:
