@@ -606,6 +606,7 @@ def _merge(
             break
         parts[slot] = part
     else:  # every part stored: the usual case, filled into a template (copying entries costs twice as much)
+        # An owner's OK entry is its OK status, the message id and the offset (``send_message.reply``).
         out = status.ok_send_reply(total)
         entries = out.entries
         for slot, indices in by_slot.items():
