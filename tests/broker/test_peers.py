@@ -182,6 +182,46 @@ async def test_concurrent_sends_to_one_owner_share_forward_calls(cluster: Cluste
     assert calls is not None and calls < 50  # batched per owner per loop tick
 
 
+async def test_concurrent_mixed_batches_are_answered_each_in_its_own_order(cluster: Cluster) -> None:
+    """Forwarded parts of several requests share forward calls; each request's answer has its own entries."""
+    mine, theirs = cluster.lites_of(0, 20, "c"), cluster.lites_of(1, 20, "c")
+    batches = [
+        [message(lite, n) for lite in (mine[n], theirs[n], theirs[(n + 1) % 20], mine[(n + 2) % 20])] for n in range(20)
+    ]
+    stub = cluster.clients[0].stub
+    replies = await asyncio.gather(
+        *(stub.SendMessage(spb.SendMessageRequest(messages=b), metadata=cluster.headers()) for b in batches)
+    )
+    offsets = set()
+    for batch, reply in zip(batches, replies, strict=True):
+        assert reply.status.code == pb.OK, reply.status
+        assert [e.message_id for e in reply.entries] == [m.system_properties.message_id for m in batch]
+        assert all(e.status.code == pb.OK for e in reply.entries)
+        offsets |= {(m.system_properties.lite_topic, e.offset) for m, e in zip(batch, reply.entries, strict=True)}
+    assert offsets == {(lite, n) for lite in mine + theirs for n in range(2)}  # every topic got 0 and 1, once each
+    assert all(cluster.holds(1, lite) and not cluster.holds(0, lite) for lite in theirs)
+    calls = cluster.brokers[0].metrics.registry.get_sample_value("lmq_forward_calls_total")
+    assert calls is not None and calls < 20  # batched per owner per loop tick
+
+
+async def test_a_batch_whose_forwarded_part_is_refused_answers_multiple_results(cluster: Cluster) -> None:
+    mine, theirs = cluster.lites_of(0, 2, "r"), cluster.lites_of(1, 2, "r")
+    bad = message(theirs[1])
+    bad.body = b""
+    batch = [message(mine[0]), message(theirs[0]), message(mine[1]), bad]
+    reply = await cluster.clients[0].stub.SendMessage(
+        spb.SendMessageRequest(messages=batch), metadata=cluster.headers()
+    )
+    assert reply.status.code == pb.MULTIPLE_RESULTS, reply.status
+    assert [e.status.code for e in reply.entries] == [pb.OK, pb.MESSAGE_BODY_EMPTY, pb.OK, pb.MESSAGE_BODY_EMPTY]
+    assert [reply.entries[i].message_id for i in (0, 2)] == [
+        batch[0].system_properties.message_id,
+        batch[2].system_properties.message_id,
+    ]
+    assert cluster.holds(0, mine[0]) and cluster.holds(0, mine[1])
+    assert not cluster.holds(1, theirs[0]) and not cluster.holds(1, theirs[1])  # the owner's part: all or nothing
+
+
 async def test_an_invalid_message_in_a_shared_batch_fails_only_its_own_send(cluster: Cluster) -> None:
     theirs = cluster.lites_of(1, 5)
     bad = message(theirs[0])

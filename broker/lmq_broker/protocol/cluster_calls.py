@@ -64,7 +64,7 @@ async def send(edge: Edge, peers: Peers, request: spb.SendMessageRequest) -> spb
         raise errors.InvalidArgument("no messages to send")
     if len(request.messages) > send_message.MAX_MESSAGES_PER_REQUEST:
         raise errors.InvalidArgument(f"at most {send_message.MAX_MESSAGES_PER_REQUEST} messages per request")
-    return await peers.send(request, lambda part: send_message.handle(edge, part))
+    return await peers.send(request, lambda part: send_message.store(edge, part))
 
 
 async def sync_lite_subscription(

@@ -109,6 +109,12 @@ def invisible_ms(duration: duration_pb2.Duration, minimum: int = 0) -> int:
 
 # --- incoming messages ----------------------------------------------------------------------------------------
 _MESSAGE_TYPES: Final = {int(t): t for t in model.MessageType}
+# Read per message sent: a module global costs one lookup, ``pb.LITE`` two, ``model.MessageType.LITE`` three
+# (the last through the enum metaclass's ``__getattr__`` hook).
+_IDENTITY: Final = pb.IDENTITY
+_TYPE_UNSPECIFIED: Final = pb.MESSAGE_TYPE_UNSPECIFIED
+_LITE: Final = pb.LITE
+_LITE_TYPE: Final = model.MessageType.LITE
 _LMQ_CACHE_SIZE: Final = 65_536
 # Validated lite topics -> the ``queues`` of their messages (per parent, and whether the parent's queue is
 # indexed too): the send path validates a hot lite topic and builds its queue ids once, not once per message,
@@ -171,7 +177,7 @@ class MessageReader:
         sp = msg.system_properties
         encoding = sp.body_encoding
         body = msg.body
-        if encoding != pb.IDENTITY or not body or len(body) > self._max_body:
+        if encoding != _IDENTITY or not body or len(body) > self._max_body:
             body = self._body(body, encoding)
         message_id = sp.message_id
         if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
@@ -180,8 +186,8 @@ class MessageReader:
         # Empty strings read as absent: an empty lite topic, tag or group would be refused or meaningless
         # anyway, and reading the value is cheaper than asking HasField first (this runs per message).
         lite = sp.lite_topic or None
-        if kind == pb.MESSAGE_TYPE_UNSPECIFIED:
-            kind = pb.LITE if lite is not None else pb.NORMAL
+        if kind == _TYPE_UNSPECIFIED:
+            kind = _LITE if lite is not None else pb.NORMAL
         message_type = _MESSAGE_TYPES.get(kind)
         if message_type is None:
             raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
@@ -192,8 +198,8 @@ class MessageReader:
         props = msg.user_properties
         properties = self._properties(props) if len(props) else {}
         group = sp.message_group or None
-        if parent.message_type == model.MessageType.LITE:
-            if kind != pb.LITE:
+        if parent.message_type == _LITE_TYPE:
+            if kind != _LITE:
                 raise errors.InvalidArgument(
                     f"topic {topic} accepts LITE messages only, got {message_type.name}", kind="message_type"
                 )

@@ -78,6 +78,10 @@ _CHANNEL_OPTIONS: Final = (
 # one endpoint only costs repeated, idempotent parts; one wrongly counted here would miss other brokers' topics.
 SYNCS_EVERY_BROKER: Final = frozenset(("GOLANG",))
 
+# The answer to one forwarded request: the owner's reply to the batch it went in and the range of entries that
+# are this request's (the whole reply when it went alone, or was refused).
+_Part = tuple[spb.SendMessageResponse, int, int]
+StoreHere = Callable[[Sequence[pb.Message]], Awaitable[spb.SendMessageResponse]]  # this broker's handler
 LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
 Subscribers = Callable[[str, str], list[tuple[str, str]]]  # (parent, lite) -> (client id, group) subscribed here
 Subscription = tuple[str, str, str, list[str], list[str]]  # client id, group, parent, lite topics, patterns
@@ -124,7 +128,7 @@ def endpoints_of(member: str) -> pb.Endpoints:
 class _Batch:
     parts: list[bytes] = field(default_factory=list)  # serialized SendMessageRequests (their messages concatenate)
     counts: list[int] = field(default_factory=list)
-    waiters: list[asyncio.Future[spb.SendMessageResponse]] = field(default_factory=list)
+    waiters: list[asyncio.Future[_Part]] = field(default_factory=list)
     size: int = 0
 
 
@@ -147,7 +151,8 @@ class Peers:
         self._subscribers = subscribers
         self.handoff = draining.Handoff(drained_locally, self._move_subscriptions)
         self._channels: dict[str, grpc.aio.Channel] = {}  # by endpoint: slots keep theirs across a change
-        self._placement: dict[str, int] = {}
+        self._placement: dict[str, dict[str, int]] = {}  # parent -> lite topic -> slot
+        self._placed = 0  # entries of _placement
         self._batches: dict[str, _Batch] = {}
         self._in_flight: dict[str, int] = {}  # forward calls per owner endpoint not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
@@ -180,6 +185,7 @@ class Peers:
             for slot, broker in enumerate(self.brokers)
         ]
         self._placement = {}
+        self._placed = 0
         gone = [endpoint for endpoint in self._channels if endpoint not in membership.members]
         for endpoint in gone:
             channel = self._channels.pop(endpoint)
@@ -272,31 +278,37 @@ class Peers:
     # --- where a lite topic lives ---------------------------------------------------------------------------
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:
         """The slot each lite topic of ``parent`` is written to (``cluster.membership.resolve``)."""
-        placement = self._placement
-        out: list[int] = []
+        known = (self._placement.get(parent) or {}).get  # ``_remember`` makes a parent's dict
+        out = [known(lite, -1) for lite in lites]  # per message of a batched send: the common case first
+        if -1 not in out:
+            return out
         unknown: list[int] = []
-        for lite in lites:
-            lmq = model.QueueId.lmq(parent, lite).topic
-            slot = placement.get(lmq)
-            if slot is None:
-                found = mb.candidates(self.membership, lmq)
+        for i in [i for i, slot in enumerate(out) if slot == -1]:
+            lite = lites[i]
+            out[i] = self._placement.get(parent, {}).get(lite, -1)  # missing several times in one request
+            if out[i] == -1:
+                found = mb.candidates(self.membership, model.QueueId.lmq(parent, lite).topic)
                 if len(found) == 1:
-                    slot = found[0]
-                    self._remember(lmq, slot)
+                    out[i] = found[0]
+                    self._remember(parent, lite, found[0])
                 else:
-                    slot = -1
-                    unknown.append(len(out))
-            out.append(slot)
+                    unknown.append(i)
         if unknown:
             resolved = await asyncio.gather(*(self._look_up(parent, lites[i]) for i in unknown))
             for i, slot in zip(unknown, resolved, strict=True):
                 out[i] = slot
         return out
 
-    def _remember(self, lmq: str, slot: int) -> None:
-        if len(self._placement) >= PLACEMENT_CACHE:
+    def _remember(self, parent: str, lite: str, slot: int) -> None:
+        if self._placed >= PLACEMENT_CACHE:
             self._placement.clear()
-        self._placement[lmq] = slot
+            self._placed = 0
+        placed = self._placement.get(parent)
+        if placed is None:
+            placed = self._placement[parent] = {}
+        if lite not in placed:
+            self._placed += 1
+        placed[lite] = slot
 
     async def _look_up(self, parent: str, lite: str) -> int:
         """A topic whose owner changed with a scale-up or down: does an older owner hold it? (And, when that
@@ -309,7 +321,7 @@ class Peers:
         answers = await asyncio.gather(*(self._holds(slot, parent, lite) for slot in asked))
         held = dict(zip(asked, answers, strict=True))
         slot = mb.resolve(self.membership, lmq, held.__getitem__)
-        self._remember(lmq, slot)
+        self._remember(parent, lite, slot)
         return slot
 
     async def _holds(self, slot: int, parent: str, lite: str) -> bool:
@@ -333,7 +345,7 @@ class Peers:
     async def send(
         self,
         request: spb.SendMessageRequest,
-        store_here: Callable[[spb.SendMessageRequest], Awaitable[spb.SendMessageResponse]],
+        store_here: StoreHere,
     ) -> spb.SendMessageResponse:
         """Store what this broker owns, forward the rest to the owners; one answer in the request's order."""
         messages = request.messages
@@ -366,25 +378,28 @@ class Peers:
         return kept
 
     async def _send_to(
-        self,
-        request: spb.SendMessageRequest,
-        owners: list[int] | None,
-        store_here: Callable[[spb.SendMessageRequest], Awaitable[spb.SendMessageResponse]],
+        self, request: spb.SendMessageRequest, owners: list[int] | None, store_here: StoreHere
     ) -> spb.SendMessageResponse:
         messages = request.messages
-        if owners is None or all(slot == self.me for slot in owners):
-            return await store_here(request)
-        if len(set(owners)) == 1:
-            return await self._forward(owners[0], request.SerializeToString(), len(messages))
-        by_slot: dict[int, list[int]] = {}
+        if owners is None:
+            return await store_here(messages)
+        slots = dict.fromkeys(owners)  # in order of first appearance
+        if len(slots) == 1:
+            slot = owners[0]
+            if slot == self.me:
+                return await store_here(messages)
+            return _alone(await self._forward(slot, request.SerializeToString(), len(messages)))
+        by_slot: dict[int, list[int]] = {slot: [] for slot in slots}
         for i, slot in enumerate(owners):
-            by_slot.setdefault(slot, []).append(i)
-        parts: dict[int, Awaitable[spb.SendMessageResponse]] = {}
+            by_slot[slot].append(i)
+        parts: dict[int, Awaitable[_Part]] = {}
         for slot, indices in by_slot.items():
-            part = spb.SendMessageRequest(messages=[messages[i] for i in indices])
-            parts[slot] = (
-                store_here(part) if slot == self.me else self._forward(slot, part.SerializeToString(), len(indices))
-            )
+            part = [messages[i] for i in indices]  # wrappers of the request's own messages: no copy
+            if slot == self.me:
+                parts[slot] = _part_of(store_here(part))
+            else:
+                forwarded = spb.SendMessageRequest(messages=part).SerializeToString()
+                parts[slot] = self._forward(slot, forwarded, len(indices))
         replies = dict(zip(parts, await asyncio.gather(*parts.values(), return_exceptions=True), strict=True))
         return _merge(len(messages), by_slot, replies)
 
@@ -393,15 +408,18 @@ class Peers:
         parent = ""
         lites: list[str] = []
         for message in messages:
-            if not message.system_properties.HasField("lite_topic"):
+            props = message.system_properties
+            lite = props.lite_topic  # reading it is cheaper than HasField, which only an empty value needs
+            if not lite and not props.HasField("lite_topic"):
                 if lites or parent:
                     return await self._mixed_owners(messages)
                 continue
             name = message.topic.name
-            if parent and name != parent:
-                return await self._mixed_owners(messages)
-            parent = name
-            lites.append(message.system_properties.lite_topic)
+            if name != parent:
+                if parent:
+                    return await self._mixed_owners(messages)
+                parent = name
+            lites.append(lite)
         if not lites:
             return None
         if len(lites) != len(messages):
@@ -418,12 +436,13 @@ class Peers:
                 out.append(self.me)
         return out
 
-    def _forward(self, slot: int, serialized: bytes, count: int) -> asyncio.Future[spb.SendMessageResponse]:
+    def _forward(self, slot: int, serialized: bytes, count: int) -> asyncio.Future[_Part]:
         """Queue ``count`` messages (a serialized SendMessageRequest) for ``slot``: sent at the end of this tick,
-        or, while ``MAX_IN_FLIGHT`` calls to that owner are unanswered, when one of them is answered."""
+        or, while ``MAX_IN_FLIGHT`` calls to that owner are unanswered, when one of them is answered. The
+        answer is the owner's reply to the batch and where these messages' entries start in it."""
         loop = asyncio.get_running_loop()
         target = self.membership.members[slot]
-        waiter: asyncio.Future[spb.SendMessageResponse] = loop.create_future()
+        waiter: asyncio.Future[_Part] = loop.create_future()
         batch = self._batches.get(target)
         if batch is None or batch.size + count > MAX_BATCH:
             if batch is not None:
@@ -467,14 +486,12 @@ class Peers:
             start = 0
             for waiter, count in zip(batch.waiters, batch.counts, strict=True):
                 if not waiter.done():
-                    waiter.set_result(
-                        spb.SendMessageResponse(status=reply.status, entries=reply.entries[start : start + count])
-                    )
+                    waiter.set_result((reply, start, start + count))  # entries are copied out only if needed alone
                 start += count
             return
         if len(batch.waiters) == 1:  # the owner refused this request: its answer is the client's
             if not batch.waiters[0].done():
-                batch.waiters[0].set_result(reply)
+                batch.waiters[0].set_result(_all_of(reply))
             return
         # One request of the batch was refused (a send is all or nothing): find which, one call per request.
         answers = await asyncio.gather(
@@ -486,7 +503,7 @@ class Peers:
             if isinstance(answer, BaseException):
                 waiter.set_exception(answer)
             else:
-                waiter.set_result(answer)
+                waiter.set_result(_all_of(answer))
 
     async def _call_send(self, target: str, payload: bytes, count: int) -> spb.SendMessageResponse | errors.LmqError:
         call = self._channel(target).unary_unary(
@@ -625,27 +642,63 @@ def _raw(payload: bytes) -> bytes:
     return payload
 
 
+def _all_of(reply: spb.SendMessageResponse) -> _Part:
+    return reply, 0, len(reply.entries)
+
+
+async def _part_of(reply: Awaitable[spb.SendMessageResponse]) -> _Part:
+    return _all_of(await reply)
+
+
+def _alone(part: _Part) -> spb.SendMessageResponse:
+    """The answer to one request on its own (its entries copied out of a batch's reply if need be)."""
+    reply, start, end = part
+    if start == 0 and end == len(reply.entries):
+        return reply
+    return spb.SendMessageResponse(status=reply.status, entries=reply.entries[start:end])
+
+
 def _merge(
-    total: int, by_slot: dict[int, list[int]], replies: dict[int, spb.SendMessageResponse | BaseException]
+    total: int, by_slot: dict[int, list[int]], replies: dict[int, _Part | BaseException]
 ) -> spb.SendMessageResponse:
     """One answer for a request split across owners: entries in request order, each with its part's status.
     Each owner's part is all or nothing; the request as a whole is not (MULTIPLE_RESULTS when parts differ)."""
-    entries: list[spb.SendResultEntry | None] = [None] * total
+    parts: dict[int, _Part] = {}
+    for slot, indices in by_slot.items():
+        part = replies[slot]
+        if isinstance(part, BaseException) or part[0].status.code != pb.OK or part[2] - part[1] != len(indices):
+            break
+        parts[slot] = part
+    else:  # every part stored: the usual case, filled into a template (copying entries costs twice as much)
+        # An owner's OK entry is its OK status, the message id and the offset (``send_message.reply``).
+        out = status.ok_send_reply(total)
+        entries = out.entries
+        for slot, indices in by_slot.items():
+            reply, start, end = parts[slot]
+            for i, entry in zip(indices, reply.entries[start:end], strict=True):
+                target = entries[i]
+                target.message_id = entry.message_id
+                target.offset = entry.offset
+        return out
+    merged: list[spb.SendResultEntry | None] = [None] * total
     codes: set[int] = set()
     first_failure: pb.Status | None = None
     for slot, indices in by_slot.items():
-        reply = replies[slot]
-        if isinstance(reply, BaseException):
-            reply = spb.SendMessageResponse(status=status.status_of(reply))
+        answer = replies[slot]
+        reply = (
+            spb.SendMessageResponse(status=status.status_of(answer))
+            if isinstance(answer, BaseException)
+            else _alone(answer)
+        )
         codes.add(reply.status.code)
         if reply.status.code != pb.OK and first_failure is None:
             first_failure = reply.status
         for n, i in enumerate(indices):
-            entries[i] = reply.entries[n] if n < len(reply.entries) else spb.SendResultEntry(status=reply.status)
+            merged[i] = reply.entries[n] if n < len(reply.entries) else spb.SendResultEntry(status=reply.status)
     if codes == {pb.OK}:
         overall = status.ok()
     elif len(codes) == 1 and first_failure is not None:
         overall = first_failure
     else:
         overall = pb.Status(code=pb.MULTIPLE_RESULTS, message="parts of this request had different results")
-    return spb.SendMessageResponse(status=overall, entries=[e for e in entries if e is not None])
+    return spb.SendMessageResponse(status=overall, entries=[e for e in merged if e is not None])

@@ -3,36 +3,40 @@
 A request is all or nothing: one invalid message rejects the request and nothing is stored (the status
 carries that message's code). Several messages per request share one append and so one fsync.
 
-The reply of an n-message request is parsed from a template of n OK entries (bytes repeated in C) and then
-filled in: building each entry with ``entries.add(status=...)`` copies the status message through a
-serialize/parse per entry and cost three times as much.
+The reply of an n-message request is parsed from a template of n OK entries (``status.ok_send_reply``) and
+then filled in.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from operator import attrgetter
 
 from lmq_broker import errors, model
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 
 MAX_MESSAGES_PER_REQUEST = 10_000
 _type_of = attrgetter("message_type")
-_REPLY_HEAD = spb.SendMessageResponse(status=status.ok()).SerializeToString()
-_OK_ENTRY = spb.SendMessageResponse(entries=[spb.SendResultEntry(status=status.ok())]).SerializeToString()
 
 
 async def handle(edge: Edge, request: spb.SendMessageRequest) -> spb.SendMessageResponse:
-    if not request.messages:
+    return await store(edge, request.messages)
+
+
+async def store(edge: Edge, sent: Sequence[pb.Message]) -> spb.SendMessageResponse:
+    """``handle`` of a request's messages (a cluster stores its part of a request without copying it out)."""
+    if not sent:
         raise errors.InvalidArgument("no messages to send")
-    if len(request.messages) > MAX_MESSAGES_PER_REQUEST:
+    if len(sent) > MAX_MESSAGES_PER_REQUEST:
         raise errors.InvalidArgument(f"at most {MAX_MESSAGES_PER_REQUEST} messages per request")
     dispatcher = edge.dispatcher
     snap = await dispatcher.metadata()
     reader = convert.MessageReader(snap, edge.config, dispatcher.wall_clock(), dispatcher.next_round_robin())
-    messages = reader.read_all(request.messages)
+    messages = reader.read_all(sent)
     results = await dispatcher.send(messages)
     kinds = set(map(_type_of, messages))  # counted in C, not per message in Python
     if len(kinds) == 1:
@@ -45,7 +49,7 @@ async def handle(edge: Edge, request: spb.SendMessageRequest) -> spb.SendMessage
 
 def reply(results: list[model.AppendResult]) -> spb.SendMessageResponse:
     """OK, and per message: OK, its id and its offset (in its last queue: the LMQ of a LITE message)."""
-    out = spb.SendMessageResponse.FromString(_REPLY_HEAD + _OK_ENTRY * len(results))
+    out = status.ok_send_reply(len(results))
     for entry, result in zip(out.entries, results, strict=True):
         entry.message_id = result.message_id
         entry.offset = result.queue_offsets[-1]
