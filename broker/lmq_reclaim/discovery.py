@@ -3,7 +3,10 @@
 DNS is the default on Kubernetes because it needs no RBAC: a headless Service answers its A/AAAA query
 with one address per pod. The EndpointSlices API is the alternative when the job should see exactly the
 pods the Service selects (it needs ``list`` on ``discovery.k8s.io/endpointslices``). Both return admin
-endpoints ``host:port``; naming them is the driver's business (it asks each broker for its name).
+endpoints ``host:port``; naming them is the driver's business (it asks each broker for its name). A pod
+running ``serve --processes N`` is N brokers, each with its own lite topics and admin port (the pod's admin
+port + i), so each pod address stands for N endpoints: reaching process 0 only would leave the others'
+topics unreclaimed.
 """
 
 from __future__ import annotations
@@ -41,17 +44,22 @@ def resolve_addresses(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-def from_dns(host: str, port: int, resolve: Resolver = resolve_addresses) -> list[str]:
+def per_process(address: str, port: int, processes: int) -> list[str]:
+    """The admin endpoints of a pod's processes: process i at ``port`` + i."""
+    return [endpoint(address, port + i) for i in range(processes)]
+
+
+def from_dns(host: str, port: int, resolve: Resolver = resolve_addresses, processes: int = 1) -> list[str]:
     try:
         addresses = sorted(set(resolve(host, port)))
     except OSError as exc:
         raise errors.BrokerUnavailable(f"cannot resolve {host}: {exc}", host=host) from exc
     if not addresses:
         raise errors.BrokerUnavailable(f"{host} resolves to no address", host=host)
-    return [endpoint(a, port) for a in addresses]
+    return [e for a in addresses for e in per_process(a, port, processes)]
 
 
-def from_slices(slices: Sequence[Mapping[str, Any]], port: int) -> list[str]:
+def from_slices(slices: Sequence[Mapping[str, Any]], port: int, processes: int = 1) -> list[str]:
     """Endpoints of the ready pods in EndpointSlice objects (as JSON-like dicts, camelCase keys).
 
     The slice's port whose number equals ``port`` wins; without one, ``port`` itself is used (a headless
@@ -66,7 +74,7 @@ def from_slices(slices: Sequence[Mapping[str, Any]], port: int) -> list[str]:
             if ready is False:
                 continue
             for address in ep.get("addresses") or []:
-                found.add(endpoint(address, use))
+                found.update(per_process(address, use, processes))
     return sorted(found)
 
 
@@ -91,11 +99,12 @@ def discover(opts: Options, resolve: Resolver = resolve_addresses, list_slices: 
         return sorted(set(opts.brokers))
     if opts.discovery == "endpointslices":
         lister = list_slices or list_slices_from_api
-        found = from_slices(lister(opts.broker_service, opts.namespace), opts.broker_port)
+        found = from_slices(lister(opts.broker_service, opts.namespace), opts.broker_port, opts.broker_processes)
         if not found:
             raise errors.BrokerUnavailable(
                 f"no ready endpoints for service {opts.namespace}/{opts.broker_service}",
                 service=opts.broker_service,
             )
         return found
-    return from_dns(service_host(opts.broker_service, opts.namespace, opts.cluster_domain), opts.broker_port, resolve)
+    host = service_host(opts.broker_service, opts.namespace, opts.cluster_domain)
+    return from_dns(host, opts.broker_port, resolve, opts.broker_processes)

@@ -33,6 +33,7 @@ class Options:
     broker_service: str = ""
     namespace: str = ""
     broker_port: int = DEFAULT_BROKER_PORT
+    broker_processes: int = 1  # serve --processes N per pod: process i's admin on broker_port + i
     cluster_domain: str = "cluster.local"
     discovery: str = "dns"  # dns | endpointslices
     master: str | None = None  # None: spark-submit's master when submitted, else DEFAULT_MASTER
@@ -97,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument("--broker-service", default="", help="headless Service of the broker StatefulSet")
     where.add_argument("--namespace", default="", help="namespace of --broker-service")
     where.add_argument("--broker-port", type=int, default=DEFAULT_BROKER_PORT, help="admin port (default 8081)")
+    where.add_argument(
+        "--broker-processes",
+        type=int,
+        default=1,
+        help="processes per broker pod (serve --processes N): each pod address is reached at --broker-port + i "
+        "for i < N (default 1)",
+    )
     where.add_argument("--cluster-domain", default="cluster.local", help="DNS suffix (default cluster.local)")
     where.add_argument(
         "--discovery",
@@ -198,6 +206,10 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         p.error("give exactly one of --brokers or --broker-service")
     if ns.broker_service and not ns.namespace and "." not in ns.broker_service:
         p.error("--broker-service needs --namespace (or a fully qualified name)")
+    if ns.broker_processes < 1:
+        p.error("--broker-processes must be >= 1")
+    if brokers and ns.broker_processes != 1:
+        p.error("--broker-processes applies to --broker-service; --brokers lists every process's endpoint")
     if ns.min_age_minutes < 0:
         p.error("--min-age-minutes must be >= 0")
     if len(ns.run_id.encode()) > validation.RUN_ID_MAX_BYTES or not ns.run_id.isprintable():
@@ -211,6 +223,7 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         broker_service=ns.broker_service,
         namespace=ns.namespace,
         broker_port=ns.broker_port,
+        broker_processes=ns.broker_processes,
         cluster_domain=ns.cluster_domain,
         discovery=ns.discovery,
         master=ns.master,

@@ -116,6 +116,37 @@ def test_dns_discovery_builds_the_service_name_and_brackets_ipv6() -> None:
     assert asked == ["lmq-broker.mq.svc.cluster.local"]
 
 
+def test_each_pod_address_stands_for_its_processes() -> None:
+    # serve --processes N: process i of a pod answers admin on the pod's admin port + i.
+    def resolver(host: str, port: int) -> Iterable[str]:
+        return ["10.1.0.8", "fd00::7", "10.1.0.7"]
+
+    argv = ["--broker-service", "lmq-broker", "--namespace", "mq", "--broker-port", "8082", "--broker-processes", "3"]
+    opts = options.parse(argv)
+    assert opts.broker_processes == 3
+    assert discovery.discover(opts, resolve=resolver) == [
+        "10.1.0.7:8082",
+        "10.1.0.7:8083",
+        "10.1.0.7:8084",
+        "10.1.0.8:8082",
+        "10.1.0.8:8083",
+        "10.1.0.8:8084",
+        "[fd00::7]:8082",
+        "[fd00::7]:8083",
+        "[fd00::7]:8084",
+    ]
+    slices = [{"ports": [{"name": "admin", "port": 8082}], "endpoints": [{"addresses": ["10.0.0.1"]}]}]
+    opts = options.parse([*argv[:-2], "--broker-processes", "2", "--discovery", "endpointslices"])
+    assert discovery.discover(opts, list_slices=lambda s, n: slices) == ["10.0.0.1:8082", "10.0.0.1:8083"]
+    assert options.parse(argv[:-2]).broker_processes == 1
+    for bad in (
+        ["--broker-service", "b", "--namespace", "mq", "--broker-processes", "0"],
+        ["--brokers", "a:1", "--broker-processes", "2"],
+    ):
+        with pytest.raises(SystemExit):
+            options.parse(bad)
+
+
 def test_dns_failure_is_an_error_value() -> None:
     def resolver(host: str, port: int) -> Iterable[str]:
         raise socket.gaierror("no such host")
