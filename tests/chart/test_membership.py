@@ -67,7 +67,15 @@ def test_processes_per_pod(render: Render) -> None:
     assert args[args.index("--processes") + 1] == "3"
     assert "--admin-port" not in args  # each process serves admin on its own port
     ports = {p["name"]: p["containerPort"] for p in broker["ports"]}
-    assert ports == {"grpc": 8081, "admin": 8082, "proc-1": 8083, "proc-2": 8084, "metrics": 9101}
+    assert ports == {
+        "grpc": 8081,
+        "admin": 8082,
+        "proc-1": 8083,
+        "proc-2": 8084,
+        "metrics": 9101,
+        "metrics-1": 9102,
+        "metrics-2": 9103,
+    }
     (operator,) = find(objects, "Deployment", "demo-lmq-operator")
     env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["LMQ_OPERATOR_BROKER_PROCESSES"] == "3"

@@ -179,6 +179,23 @@ def test_pod_monitors_scrape_the_containers_metrics_ports(render: Render) -> Non
     ]
 
 
+def test_with_processes_every_process_of_a_pod_is_scraped(render: Render, one: One) -> None:
+    # serve --processes 3 --metrics-port 9100: process i serves /metrics on 9101 + i.
+    objects = render({**ALL_ON, "broker": {"replicas": 3, "processes": 3}})
+    (broker,) = one(objects, "StatefulSet", "demo-lmq-broker")["spec"]["template"]["spec"]["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in broker["ports"]}
+    by_pod_monitor = one(objects, "PodMonitor", "demo-lmq-broker")["spec"]["podMetricsEndpoints"]
+    assert [container_ports[e["port"]] for e in by_pod_monitor] == [9101, 9102, 9103]
+    assert {(e["path"], e["interval"]) for e in by_pod_monitor} == {("/metrics", "20s")}
+    headless = {p["name"]: p for p in one(objects, "Service", "demo-lmq-broker-headless")["spec"]["ports"]}
+    by_service_monitor = one(objects, "ServiceMonitor", "demo-lmq-broker")["spec"]["endpoints"]
+    assert [container_ports[headless[e["port"]]["targetPort"]] for e in by_service_monitor] == [9101, 9102, 9103]
+    assert {(e["path"], e["interval"]) for e in by_service_monitor} == {("/metrics", "15s")}
+    # the operator has one process: one endpoint
+    assert len(one(objects, "PodMonitor", "demo-lmq-operator")["spec"]["podMetricsEndpoints"]) == 1
+    assert len(one(objects, "ServiceMonitor", "demo-lmq-operator")["spec"]["endpoints"]) == 1
+
+
 def test_alerts_cover_brokers_consumers_dead_letters_disk_and_the_operator(render: Render, one: One) -> None:
     alerts = rules(render(ALL_ON), one)
     assert set(alerts) == {

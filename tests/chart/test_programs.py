@@ -103,6 +103,16 @@ def test_the_reclaim_job_reads_the_charts_arguments(render: Render, one: One) ->
     assert parsed.driver_memory == "1g"
     assert str(parsed.local_dir).startswith("/tmp/")  # inside the scratch emptyDir
     assert parsed.dry_run is True
+    assert parsed.broker_processes == 1
+
+
+def test_the_reclaim_job_reaches_every_process_of_a_pod(render: Render, one: One) -> None:
+    objects = render({"reclaim": {"enabled": True}, "broker": {"processes": 3}})
+    parsed = reclaim_options.parse(container(one(objects, "CronJob"))["args"])
+    (broker,) = one(objects, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    admin_ports = {p["containerPort"] for p in broker["ports"] if p["name"] == "admin" or p["name"].startswith("proc-")}
+    # the job's endpoints per pod are the processes' admin ports (port + i)
+    assert {parsed.broker_port + i for i in range(parsed.broker_processes)} == admin_ports == {8082, 8083, 8084}
 
 
 def _status(url: str) -> int:
