@@ -220,6 +220,7 @@ def test_alerts_cover_brokers_consumers_dead_letters_disk_and_the_operator(rende
     assert alerts["LmqDeadLettersGrowing"]["expr"].endswith("> 3")
     assert alerts["LmqBrokerDiskAlmostFull"]["expr"].endswith("< 0.2")
     assert alerts["LmqBrokersMissing"]["expr"].endswith("< 3")
+    assert "count by (pod)" in alerts["LmqBrokersMissing"]["expr"]  # pods, not targets: one per process
     assert 'pod=~"demo-lmq-broker-[0-9]+"' in alerts["LmqBrokerDown"]["expr"]
     assert 'persistentvolumeclaim=~"data-demo-lmq-broker-[0-9]+"' in alerts["LmqBrokerDiskAlmostFull"]["expr"]
     assert "{{ $labels.group }}" in alerts["LmqConsumerLagHigh"]["annotations"]["summary"]  # Prometheus templates
