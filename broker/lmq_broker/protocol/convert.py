@@ -225,7 +225,9 @@ class MessageReader:
                 if queues is None or len(lite) > max_lite:
                     queues = _queues_of_lite(parent_queue, lite, max_lite, index_parent)
             else:
-                queues = self._normal_queues(topic, parent, parent_queue, kind, message_type, lite, group)
+                queues = self._normal_queues(
+                    topic, parent, parent_queue, kind=kind, message_type=message_type, lite=lite, group=group
+                )
             born = sp.born_timestamp
             born_ms = born.seconds * 1000 + born.nanos // 1_000_000
             if not 0 <= born_ms <= MAX_BORN_MS:
@@ -253,6 +255,7 @@ class MessageReader:
         topic: str,
         parent: model.ParentTopic,
         parent_queue: model.QueueId,
+        *,
         kind: int,
         message_type: model.MessageType,
         lite: str | None,
