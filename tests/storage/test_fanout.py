@@ -1,6 +1,8 @@
-"""Fan-out appends (one record, 3+ queues) take a batched path in LmqStore; these check it against MemoryStore,
-which assigns offsets one queue at a time, on mixed batches: queue lists that share queues, one- and two-queue
-messages touching a fan-out's queues in between, and segment cuts in the middle of a batch."""
+"""Multi-dispatch appends (one record, 3+ queues: the store API allows up to 255, the broker itself lists one,
+or two with ``index_parent_queue``) take a per-queue loop beside LmqStore's unrolled one- and two-queue path;
+these check it against MemoryStore, which assigns offsets one queue at a time, on mixed batches: queue lists
+that share queues, one- and two-queue messages touching their queues in between, and segment cuts in the
+middle of a batch."""
 
 from __future__ import annotations
 

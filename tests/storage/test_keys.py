@@ -122,15 +122,31 @@ def test_valid_queue_names() -> None:
 
 def test_name_cache_is_bounded() -> None:
     cache = keys.NameCache(capacity=10)
-    pool = [model.QueueId(f"F{j}", 0) for j in range(20)]
     for i in range(100):
         cache.queue(f"T{i}", 0)
         cache.topic(f"T{i}")
-        cache.fanout((pool[i % 20], pool[(i + 1) % 20], pool[(i + 2) % 20]))
     assert len(cache._queues) <= 10 and len(cache.topics) <= 10 and len(cache.by_topic) <= 10
-    assert 0 < len(cache.fanouts) <= 10
     with pytest.raises(errors.InvalidName):
         cache.topic("bad topic")
+
+
+def test_queue_lists_are_memoized_bounded_and_refused_when_a_queue_repeats() -> None:
+    cache = keys.NameCache(capacity=640)  # lists bounded at 640 // 64 = 10
+    pool = [model.QueueId(f"F{j}", 0) for j in range(20)]
+    first = cache.queue_list((pool[0], pool[1], pool[2]))
+    assert first is not None
+    names, listed = first
+    assert [n.topic for n in names] == ["F0", "F1", "F2"]
+    assert listed == b"".join(n.record for n in names)
+    assert cache.queue_list((pool[0], pool[1], pool[2])) is first
+    assert cache.queue_list((pool[3], pool[4], pool[3])) is None
+    assert cache.queue_list((pool[3], pool[4], pool[3])) is None  # the refusal is memoized too
+    for i in range(100):
+        assert cache.queue_list((pool[i % 20], pool[(i + 1) % 20], pool[(i + 2) % 20])) is not None
+        assert len(cache.lists) <= 10
+    with pytest.raises(errors.InvalidName):
+        cache.queue_list((pool[0], model.QueueId("bad topic", 0)))
+    assert (pool[0], model.QueueId("bad topic", 0)) not in cache.lists
 
 
 def test_control_metadata_json_round_trips() -> None:

@@ -171,82 +171,107 @@ class MessageReader:
         return found
 
     def read(self, msg: pb.Message) -> model.NewMessage:
-        topic = msg.topic.name
-        found = self._topics.get(topic)  # the cache hit inline: this runs per message
-        parent, parent_queue = found if found is not None else self._topic(topic)
-        sp = msg.system_properties
-        encoding = sp.body_encoding
-        body = msg.body
-        if encoding != _IDENTITY or not body or len(body) > self._max_body:
-            body = self._body(body, encoding)
-        message_id = sp.message_id
-        if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
-            raise errors.InvalidArgument("message id must be 1..128 printable characters", kind="message_id")
-        kind = sp.message_type
-        # Empty strings read as absent: an empty lite topic, tag or group would be refused or meaningless
-        # anyway, and reading the value is cheaper than asking HasField first (this runs per message).
-        lite = sp.lite_topic or None
-        if kind == _TYPE_UNSPECIFIED:
-            kind = _LITE if lite is not None else pb.NORMAL
-        message_type = _MESSAGE_TYPES.get(kind)
-        if message_type is None:
-            raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
-        tag = sp.tag
-        if tag:
-            self._tag(tag)
-        keys = self._keys(sp.keys) if sp.keys else ()
-        props = msg.user_properties
-        properties = self._properties(props) if len(props) else {}
-        group = sp.message_group or None
-        if parent.message_type == _LITE_TYPE:
-            if kind != _LITE:
-                raise errors.InvalidArgument(
-                    f"topic {topic} accepts LITE messages only, got {message_type.name}", kind="message_type"
-                )
-            if lite is None:
-                raise errors.InvalidLiteTopic("a LITE message needs system_properties.lite_topic")
-            if group is not None or sp.HasField("delivery_timestamp") or sp.HasField("priority"):
-                raise errors.InvalidArgument(
-                    "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
-                )
-            # The LMQ entry is what consumers read; a parent-queue entry has no reader here and costs as
-            # much again in the index, so it is written only when configured (RocketMQ's multi-dispatch).
-            queues = _lite_queues.get((topic, lite, self._index_parent))
-            if queues is None or len(lite) > self._max_lite:
-                queues = _queues_of_lite(parent_queue, lite, self._max_lite, self._index_parent)
-        else:
-            if kind == pb.LITE or lite is not None:
-                raise errors.InvalidArgument(f"topic {topic} is not a LITE parent topic", kind="message_type")
-            if kind in (pb.DELAY, pb.TRANSACTION, pb.PRIORITY):
-                raise errors.Unsupported(f"{message_type.name} messages are not supported by this broker")
-            if kind == pb.FIFO and not group:
-                raise errors.InvalidArgument("a FIFO message needs a message_group", kind="message_group")
-            count = max(1, parent.queue_count)
-            self.rr += 1
-            index = zlib.crc32(group.encode()) % count if group else self.rr % count
-            queues = (parent_queue if index == 0 else model.QueueId(topic, index),)
-        born = sp.born_timestamp
-        born_ms = born.seconds * 1000 + born.nanos // 1_000_000
-        if not 0 <= born_ms <= MAX_BORN_MS:
-            raise errors.InvalidArgument("born_timestamp must lie between 1970 and 9999", kind="born_timestamp")
-        return model.NewMessage(  # positional: a keyword call costs about 1 us more per message
-            message_id,
-            topic,
-            body,
-            queues,
-            lite,
-            message_type,
-            born_ms or self.now_ms,
-            sp.born_host[:MAX_BORN_HOST_CHARS],
-            tag or None,
-            keys,
-            group,
-            properties,
-        )
+        return self.read_all((msg,))[0]
 
     def read_all(self, messages: Sequence[pb.Message]) -> list[model.NewMessage]:
-        """``read`` of every message, in order; the first invalid message's error refuses them all."""
-        return [self.read(m) for m in messages]
+        """Every message, in order; the first invalid message's error refuses them all."""
+        # One loop with what it reads per message in locals: this runs once per message sent.
+        topics, max_body, max_lite, index_parent = self._topics, self._max_body, self._max_lite, self._index_parent
+        lite_queues, message_types, new_message = _lite_queues, _MESSAGE_TYPES, model.NewMessage
+        out: list[model.NewMessage] = []
+        append = out.append
+        for msg in messages:
+            topic = msg.topic.name
+            found = topics.get(topic)
+            parent, parent_queue = found if found is not None else self._topic(topic)
+            sp = msg.system_properties
+            encoding = sp.body_encoding
+            body = msg.body
+            if encoding != _IDENTITY or not body or len(body) > max_body:
+                body = self._body(body, encoding)
+            message_id = sp.message_id
+            if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
+                raise errors.InvalidArgument("message id must be 1..128 printable characters", kind="message_id")
+            kind = sp.message_type
+            # Empty strings read as absent: an empty lite topic, tag or group would be refused or meaningless
+            # anyway, and reading the value is cheaper than asking HasField first.
+            lite = sp.lite_topic or None
+            if kind == _TYPE_UNSPECIFIED:
+                kind = _LITE if lite is not None else pb.NORMAL
+            message_type = message_types.get(kind)
+            if message_type is None:
+                raise errors.InvalidArgument(f"unknown message type {kind}", kind="message_type")
+            tag = sp.tag
+            if tag:
+                self._tag(tag)
+            keys = self._keys(sp.keys) if sp.keys else ()
+            props = msg.user_properties
+            properties = self._properties(props) if len(props) else {}
+            group = sp.message_group or None
+            if parent.message_type == _LITE_TYPE:
+                if kind != _LITE:
+                    raise errors.InvalidArgument(
+                        f"topic {topic} accepts LITE messages only, got {message_type.name}", kind="message_type"
+                    )
+                if lite is None:
+                    raise errors.InvalidLiteTopic("a LITE message needs system_properties.lite_topic")
+                if group is not None or sp.HasField("delivery_timestamp") or sp.HasField("priority"):
+                    raise errors.InvalidArgument(
+                        "lite_topic excludes message_group, delivery_timestamp and priority", kind="message_type"
+                    )
+                # The LMQ entry is what consumers read; a parent-queue entry has no reader here and costs as
+                # much again in the index, so it is written only when configured (RocketMQ's multi-dispatch).
+                queues = lite_queues.get((topic, lite, index_parent))
+                if queues is None or len(lite) > max_lite:
+                    queues = _queues_of_lite(parent_queue, lite, max_lite, index_parent)
+            else:
+                queues = self._normal_queues(
+                    topic, parent, parent_queue, kind=kind, message_type=message_type, lite=lite, group=group
+                )
+            born = sp.born_timestamp
+            born_ms = born.seconds * 1000 + born.nanos // 1_000_000
+            if not 0 <= born_ms <= MAX_BORN_MS:
+                raise errors.InvalidArgument("born_timestamp must lie between 1970 and 9999", kind="born_timestamp")
+            append(
+                new_message(  # positional: a keyword call costs about 1 us more per message
+                    message_id,
+                    topic,
+                    body,
+                    queues,
+                    lite,
+                    message_type,
+                    born_ms or self.now_ms,
+                    sp.born_host[:MAX_BORN_HOST_CHARS],
+                    tag or None,
+                    keys,
+                    group,
+                    properties,
+                )
+            )
+        return out
+
+    def _normal_queues(
+        self,
+        topic: str,
+        parent: model.ParentTopic,
+        parent_queue: model.QueueId,
+        *,
+        kind: int,
+        message_type: model.MessageType,
+        lite: str | None,
+        group: str | None,
+    ) -> tuple[model.QueueId, ...]:
+        """The queue of a message to a non-LITE parent topic: by its group's hash (FIFO), else round-robin."""
+        if kind == pb.LITE or lite is not None:
+            raise errors.InvalidArgument(f"topic {topic} is not a LITE parent topic", kind="message_type")
+        if kind in (pb.DELAY, pb.TRANSACTION, pb.PRIORITY):
+            raise errors.Unsupported(f"{message_type.name} messages are not supported by this broker")
+        if kind == pb.FIFO and not group:
+            raise errors.InvalidArgument("a FIFO message needs a message_group", kind="message_group")
+        count = max(1, parent.queue_count)
+        self.rr += 1
+        index = zlib.crc32(group.encode()) % count if group else self.rr % count
+        return (parent_queue if index == 0 else model.QueueId(topic, index),)
 
     def _body(self, body: bytes, encoding: int) -> bytes:
         limit = self.config.max_body_bytes

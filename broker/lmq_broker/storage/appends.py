@@ -16,10 +16,8 @@ the write path fills the LRU (under the lock), so a reader can never put a stale
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from collections.abc import Sequence
-from itertools import repeat
 from typing import NamedTuple
 
 from lmq_broker import errors, model
@@ -207,8 +205,6 @@ class Appender:
         frame = codec.frame
         pack_entry = keys.RUN_ENTRY.pack
         new_result, result_type = _new_result, model.AppendResult
-        fans = batch.fans
-        add = operator.add
         for r in reqs:
             results: list[model.AppendResult] = []
             for p in r.prepared:
@@ -221,21 +217,21 @@ class Appender:
                     batch.cut(seg, store_ms)
                 entry = pack_entry(pos, size)
                 names = p.queues
-                if len(names) > 2:
-                    # Fan-out: prepare hands every message with the same queue list the same tuple.
-                    fan = fans.get(id(names))
-                    if fan is None or not fan.is_open:
-                        fan = batch.fan(names, seg, store_ms)
-                    count = fan.count  # the fan's next offsets and its shared run (see index.Fan)
-                    fan.count = count + 1
-                    fan.ents.append(entry)
-                    offsets = tuple(map(add, fan.base, repeat(count)))
-                else:  # one or two queues, unrolled: the path of nearly every message
+                if len(names) > 2:  # a list the store allows; the broker's own messages name one or two queues
+                    listed = []
+                    for name in names:
+                        q = pend.get(name.qkey)
+                        if q is None:
+                            q = batch.queue(name, seg, store_ms)
+                        off = q.next
+                        q.next = off + 1
+                        q.ents.append(entry)
+                        listed.append(off)
+                    offsets = tuple(listed)
+                else:  # one or two queues, unrolled: the path of every message the broker stores
                     q = pend.get(names[0].qkey)
                     if q is None:
                         q = batch.queue(names[0], seg, store_ms)
-                    elif q.fan is not None:
-                        q.fan.close()
                     off = q.next
                     q.next = off + 1
                     q.ents.append(entry)
@@ -245,8 +241,6 @@ class Appender:
                         q = pend.get(names[1].qkey)
                         if q is None:
                             q = batch.queue(names[1], seg, store_ms)
-                        elif q.fan is not None:
-                            q.fan.close()
                         off2 = q.next
                         q.next = off2 + 1
                         q.ents.append(entry)

@@ -164,12 +164,12 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
         raise errors.InvalidArgument(
             f"a message needs 1..{MAX_QUEUES_PER_RECORD} queues, got {n}", message_id=m.message_id
         )
-    if n > 2:
-        fanout = names.fanout(queues)
-        if fanout is None:
+    if n > 2:  # a list the store allows (RIP-28 multi-dispatch); the broker's own messages name one or two queues
+        listed = names.lists.get(queues) or names.queue_list(queues)
+        if listed is None:
             raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
-        qnames, queue_names = fanout
-    else:
+        qnames, queue_names = listed
+    else:  # one or two queues (the LMQ; the parent queue too with ``index_parent_queue``), unrolled
         cached = names.by_topic.get
         qn = cached(queues[0].topic)
         if qn is None or qn.queue != queues[0].queue:

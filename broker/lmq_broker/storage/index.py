@@ -238,53 +238,12 @@ class StateCache:
         self._states.clear()
 
 
-class Fan:
-    """Messages of one fan-out queue list (3+ queues) within one batch of appends.
-
-    While a fan is open it owns its queues: each message takes the next offset of every queue at once
-    (one C-level map over base offsets) and adds its index entry once, to the fan's own run. ``close``
-    spreads the count and the run onto the queues' pending states: one ``extend`` per queue per batch
-    instead of an append per queue per message. Anything else that touches one of the queues (a message
-    with another queue list, a segment cut, the end of the batch) closes the fan first, so offsets stay
-    dense and in order.
-    """
-
-    __slots__ = ("base", "count", "ents", "is_open", "pendings")
-
-    def __init__(self, pendings: list[Pending]) -> None:
-        self.pendings = pendings
-        self.base: tuple[int, ...] = ()
-        self.count = 0
-        self.ents: list[bytes] = []
-        self.is_open = False
-
-    def open(self) -> None:
-        for pd in self.pendings:
-            if pd.fan is not None:
-                pd.fan.close()
-            pd.fan = self
-        self.base = tuple([pd.next for pd in self.pendings])
-        self.count = 0
-        self.ents = []
-        self.is_open = True
-
-    def close(self) -> None:
-        if not self.is_open:
-            return
-        self.is_open = False
-        count, run = self.count, b"".join(self.ents)  # joined once: every queue of the list gets the same run
-        for pd in self.pendings:
-            pd.next += count
-            pd.ents.append(run)
-            pd.fan = None
-
-
 class Pending:
     """What one batch does to one queue: new offsets grouped into runs, and the queue's new state."""
 
     # min and created are the state's own (a batch of appends never changes them): read from ``st``.
     __slots__ = (
-        "ents", "fan", "holes", "last_store", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st",
+        "ents", "holes", "last_store", "new", "next", "run_first", "run_ms", "run_seg", "runs", "st",
     )  # fmt: skip
 
     def __init__(self, st: QueueState, new: bool, seg: int, ms: int, last_store: int) -> None:
@@ -296,7 +255,6 @@ class Pending:
         self.run_ms = ms
         self.ents: list[bytes] = []
         self.runs: list[tuple[int, int, int, list[bytes]]] = []
-        self.fan: Fan | None = None  # the fan-out that holds this queue's newest offsets and entries, if any
         self.holes: list[tuple[int, int]] = []  # offsets [first, end) the log lost (recovery only)
 
     def cut(self, seg: int, ms: int) -> None:
@@ -332,7 +290,6 @@ class Batch:
         self._segments = segments  # the store's segment table: seq -> [first_store_ms, last_store_ms]
         self.wb = index.batch()
         self.pending: dict[bytes, Pending] = {}
-        self.fans: dict[int, Fan] = {}  # by id() of a fan-out's queue-name tuple (prepare shares it)
         self._counts: dict[str, int] = {}
         self._touched: set[int] = set()
         self._cursor: rocks.Cursor | None = None  # made by the first delete_queue (snapshot of the index)
@@ -366,23 +323,7 @@ class Batch:
         self.pending[name.qkey] = pd
         return pd
 
-    def fan(self, names: tuple[keys.QueueName, ...], seg: int, ms: int) -> Fan:
-        """The open fan of a queue list (the tuple must stay alive for the batch: its id is the key)."""
-        fan = self.fans.get(id(names))
-        if fan is None:
-            pend = self.pending
-            pendings = [pend.get(n.qkey) or self.queue(n, seg, ms) for n in names]
-            fan = self.fans[id(names)] = Fan(pendings)
-        if not fan.is_open:
-            fan.open()
-        return fan
-
-    def close_fans(self) -> None:
-        for fan in self.fans.values():
-            fan.close()
-
     def cut(self, seg: int, ms: int) -> None:
-        self.close_fans()
         for pd in self.pending.values():
             pd.cut(seg, ms)
 
@@ -414,7 +355,6 @@ class Batch:
 
     def write(self, checkpoint: tuple[int, int]) -> None:
         """Put everything into the WriteBatch, the checkpoint last, and write it (one atomic RocksDB write)."""
-        self.close_fans()
         wb = self.wb
         put = wb.put
         entry_key, encode_run = keys.entry_key, keys.encode_run

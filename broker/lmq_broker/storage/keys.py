@@ -177,11 +177,9 @@ class NameCache:
         self._queues: dict[tuple[str, int], QueueName] = {}
         self.topics: dict[str, bytes] = {}  # topic -> its encoding, once validated
         self.lite_properties: dict[str, bytes] = {}  # lite topic -> its encoded record property (codec's)
-        # Fan-out (multi-dispatch to 3+ queues): the same queue list arrives again and again (an MQTT-style
-        # fan-out), so the whole list is resolved once. The cached tuple is shared by every message that
-        # names that list: the append path groups messages by its identity.
-        self.fanouts: dict[tuple[model.QueueId, ...], tuple[tuple[QueueName, ...], bytes]] = {}
-        self._last_fanout: tuple[object, tuple[tuple[QueueName, ...], bytes] | None] = (None, None)
+        # Records of 3+ queues (a multi-dispatch the broker itself never sends): their names and how the record
+        # lists them, or None when a queue is listed twice. A list holds up to 255 names: capacity // 64 lists.
+        self.lists: dict[tuple[model.QueueId, ...], tuple[tuple[QueueName, ...], bytes] | None] = {}
 
     def queue(self, topic: str, queue: int) -> QueueName:
         name = self.by_topic.get(topic)
@@ -199,6 +197,19 @@ class NameCache:
         self.by_topic[topic] = name
         return name
 
+    def queue_list(self, queues: tuple[model.QueueId, ...]) -> tuple[tuple[QueueName, ...], bytes] | None:
+        """The names of a record's 3+ queues and how the record lists them, memoized in ``lists``; None when one
+        is listed twice (InvalidName & co on a bad name)."""
+        found = self.lists.get(queues)
+        if found is None and queues not in self.lists:
+            resolved = tuple([self.queue(q.topic, q.queue) for q in queues])
+            if len({qn.qkey for qn in resolved}) == len(resolved):
+                found = (resolved, b"".join([qn.record for qn in resolved]))
+            if len(self.lists) >= self.capacity // 64:
+                self.lists.clear()
+            self.lists[queues] = found
+        return found
+
     def topic(self, topic: str) -> bytes:
         raw = self.topics.get(topic)
         if raw is None:
@@ -210,29 +221,12 @@ class NameCache:
             self.topics[topic] = raw
         return raw
 
-    def fanout(self, queues: tuple[model.QueueId, ...]) -> tuple[tuple[QueueName, ...], bytes] | None:
-        """The names of a list of 3+ queues and how a record lists them; None when a queue is listed twice
-        (InvalidName & co on a bad name)."""
-        if queues is self._last_fanout[0]:  # a producer fanning out to one list reuses its tuple: no hashing
-            return self._last_fanout[1]
-        found = self.fanouts.get(queues)
-        if found is None:
-            names = tuple([self.queue(q.topic, q.queue) for q in queues])
-            if len({qn.qkey for qn in names}) != len(names):
-                return None
-            if len(self.fanouts) >= self.capacity // 64:  # a fan-out list holds up to 255 names
-                self.fanouts.clear()
-            found = self.fanouts[queues] = (names, b"".join([qn.record for qn in names]))
-        self._last_fanout = (queues, found)
-        return found
-
     def clear(self) -> None:
         self.by_topic.clear()
         self._queues.clear()
         self.topics.clear()
         self.lite_properties.clear()
-        self.fanouts.clear()
-        self._last_fanout = (None, None)
+        self.lists.clear()
 
 
 def lmq_topic(parent: str, lite: str) -> str:
