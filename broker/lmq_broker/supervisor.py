@@ -77,7 +77,7 @@ def _ports(host: str, port: int, n: int) -> tuple[int, list[int]]:
     if port == 0:
         access, *ports = free_ports(host, n + 1)
         return access, ports
-    return port, [port + 1 + i for i in range(n)]
+    return port, [ring.process_port(port, i) for i in range(n)]
 
 
 def plan(config: BrokerConfig) -> Plan:
@@ -102,8 +102,7 @@ def plan(config: BrokerConfig) -> Plan:
     ordinal = config.ordinal if config.ordinal >= 0 else pods.index(config.advertised_address)
     slot_members: list[str] = []
     for pod in pods:
-        pod_host, _, pod_port = pod.rpartition(":")
-        slot_members += [f"{pod_host}:{int(pod_port) + 1 + i}" for i in range(n)]
+        slot_members += ring.slot_endpoints(pod, n)
     slots = tuple(ring.slot_number(ordinal, i, n) for i in range(n))
     if config.port == 0:  # tests on one host: the free ports picked stand for this pod's slots
         for slot, port in zip(slots, ports, strict=True):
@@ -142,7 +141,7 @@ class Child:
 
 
 def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int) -> list[str]:
-    metrics = config.metrics_port if config.metrics_port <= 0 else config.metrics_port + 1 + index
+    metrics = config.metrics_port if config.metrics_port <= 0 else ring.process_port(config.metrics_port, index)
     overrides = {
         "--processes": "1",
         "--port": str(p.ports[index]),

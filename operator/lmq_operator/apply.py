@@ -27,6 +27,7 @@ from lmq_broker.admin import codes
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.admin.tls import ClientTls
+from lmq_broker.cluster import ring
 from lmq_operator import desired, diff, leadership, model, settings, status
 from lmq_operator.admins import AdminError, BrokerAdmin
 
@@ -431,7 +432,7 @@ def brokers_from_slices(
                 continue
             for i in range(processes):
                 name = f"{pod}-p{i}"
-                found[name] = (model.Broker(name, f"{addresses[0]}:{grpc + 1 + i}", _ordinal(pod)), ready)
+                found[name] = (model.Broker(name, f"{addresses[0]}:{ring.process_port(grpc, i)}", _ordinal(pod)), ready)
     return sorted(found.values())
 
 

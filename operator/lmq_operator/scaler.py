@@ -27,6 +27,7 @@ from lmq_broker import errors
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import ring
 from lmq_operator import scaling, settings
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def admin_endpoints(pod: PodAddress, processes: int) -> tuple[str, ...]:
     """Each process's admin endpoint: the pod's admin listener with one process, else the processes' own ports."""
     if processes == 1:
         return (f"{pod.ip}:{pod.admin_port or pod.grpc_port}",)
-    return tuple(f"{pod.ip}:{pod.grpc_port + 1 + i}" for i in range(processes))
+    return ring.slot_endpoints(f"{pod.ip}:{pod.grpc_port}", processes)
 
 
 @dataclass

@@ -44,10 +44,7 @@ class Phase(enum.StrEnum):
 def slot_endpoints(pod: str, processes: int) -> tuple[str, ...]:
     """The ring slots' advertised endpoints of one pod (``host:port``): the pod itself with one process, else its
     processes' own ports ``port + 1 + i`` (``lmq_broker.supervisor``)."""
-    if processes == 1:
-        return (pod,)
-    host, _, port = pod.rpartition(":")
-    return tuple(f"{host}:{int(port) + 1 + i}" for i in range(processes))
+    return ring.slot_endpoints(pod, processes)
 
 
 def members_of(pods: Sequence[str], processes: int) -> tuple[str, ...]:

@@ -326,10 +326,17 @@ class AsyncAdminClient:
         return convert.cluster_info_from_pb(reply)
 
     async def set_cluster(
-        self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
+        self,
+        members: Sequence[str],
+        ring_sizes: Sequence[int],
+        *,
+        slot: int | None = None,
+        force: bool = False,
+        epoch: int = 0,
     ) -> tuple[ClusterInfo, bool]:
-        """This broker's membership; returns it as now applied, and whether it changed."""
-        request = pb.SetClusterRequest(members=members, ring_sizes=ring_sizes, slot=slot, force=force)
+        """This broker's membership; returns it as now applied, and whether it changed. ``epoch`` 0: the
+        broker's current one + 1 (a writer that tells several brokers gives them all the same number)."""
+        request = pb.SetClusterRequest(members=members, ring_sizes=ring_sizes, slot=slot, force=force, epoch=epoch)
         reply = await self._unary("SetCluster", request, self.long_timeout_s)
         return convert.cluster_info_from_pb(reply.cluster), reply.changed
 
@@ -516,9 +523,15 @@ class AdminClient:
         return self._loop.run(self.aio.cluster(with_undrained=with_undrained))
 
     def set_cluster(
-        self, members: Sequence[str], ring_sizes: Sequence[int], *, slot: int | None = None, force: bool = False
+        self,
+        members: Sequence[str],
+        ring_sizes: Sequence[int],
+        *,
+        slot: int | None = None,
+        force: bool = False,
+        epoch: int = 0,
     ) -> tuple[ClusterInfo, bool]:
-        return self._loop.run(self.aio.set_cluster(members, ring_sizes, slot=slot, force=force))
+        return self._loop.run(self.aio.set_cluster(members, ring_sizes, slot=slot, force=force, epoch=epoch))
 
     def get_lite_client(self, client_id: str) -> LiteClientInfo:
         return self._loop.run(self.aio.get_lite_client(client_id))

@@ -308,6 +308,7 @@ def cluster_info_from_pb(message: pb.GetClusterResponse) -> ClusterInfo:
         message.drained,
         message.source,
         message.admin_port,
+        message.epoch,
     )
 
 

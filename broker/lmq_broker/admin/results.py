@@ -116,6 +116,7 @@ class ClusterInfo:
     drained: bool
     source: str  # "flags" or "admin"
     admin_port: int = 0  # every member's admin port at its host (--admin-port); 0: on the member's endpoint
+    epoch: int = 0  # the membership's epoch (only grows; docs/scale-out.md)
 
 
 @dataclass(frozen=True, slots=True)

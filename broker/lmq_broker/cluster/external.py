@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from lmq_broker import errors
+from lmq_broker.cluster import ring
 
 SEPARATOR: Final = ","
 _PLACEHOLDER: Final = re.compile(r"\{ordinal(?:\*(\d+))?(?:\+(\d+))?\}")
@@ -58,12 +59,10 @@ def expand(template: str, ordinal: int) -> str:
 def per_slot(pods: tuple[str, ...], processes: int) -> tuple[str, ...]:
     """Addresses of pods (``host:port``) as the addresses of their slots: with several processes per pod,
     process ``i`` at the pod's port + 1 + i."""
-    if processes == 1:
-        return pods
     out: list[str] = []
     for pod in pods:
-        host, port = split(pod)
-        out += [f"{host}:{port + 1 + i}" for i in range(processes)]
+        split(pod)
+        out += ring.slot_endpoints(pod, processes)
     return tuple(out)
 
 

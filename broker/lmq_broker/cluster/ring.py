@@ -39,6 +39,22 @@ def slot_of(name: str, slots: int) -> int:
     return 0 if slots == 1 else jump(key_of(name), slots)
 
 
+def process_port(pod_port: int, process: int) -> int:
+    """The port of process ``process`` (0-based) of a pod whose processes share ``pod_port``
+    (``serve --processes N``): each also listens on a port of its own, ``pod_port + 1 + process``. The one
+    place this rule is written; gRPC, external, admin and metrics ports all follow it."""
+    return pod_port + 1 + process
+
+
+def slot_endpoints(pod: str, processes: int) -> tuple[str, ...]:
+    """The ring slots' endpoints (``host:port``) of one pod at ``pod``: the pod itself with one process, else
+    its processes' own ports (``process_port``)."""
+    if processes == 1:
+        return (pod,)
+    host, _, port = pod.rpartition(":")
+    return tuple(f"{host}:{process_port(int(port), i)}" for i in range(processes))
+
+
 def slot_number(ordinal: int, process: int, processes: int) -> int:
     """The ring slot of process ``process`` (0-based) of pod ``ordinal`` when every pod runs ``processes``."""
     if not 0 <= process < processes:

@@ -1335,6 +1335,7 @@ class GetClusterResponse(_message.Message):
     DRAINED_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     ADMIN_PORT_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     """This broker's slot; -1 when it is no member (removed, still running: it only forwards)."""
     leaving: _builtins.bool
@@ -1347,6 +1348,12 @@ class GetClusterResponse(_message.Message):
     admin_port: _builtins.int
     """The port every broker of the cluster serves lmq.admin.v1 on, at its member's host (--admin-port); 0 when
     admin is served on each member's own endpoint. Where `lmq-admin cluster set --everywhere` calls each one.
+    """
+    epoch: _builtins.int
+    """The membership's epoch: it only grows. One writer (the operator, or `lmq-admin cluster set --everywhere`)
+    numbers each change and every broker of the cluster applies the same number; brokers pass a newer epoch
+    on to a peer they find behind. A broker creates a lite topic whose owner changed between epochs only once
+    every member it may have lived on has confirmed this epoch (docs/scale-out.md, Membership epochs).
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1369,10 +1376,11 @@ class GetClusterResponse(_message.Message):
         drained: _builtins.bool = ...,
         source: _builtins.str = ...,
         admin_port: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "epoch", b"epoch", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1386,10 +1394,15 @@ class SetClusterRequest(_message.Message):
     RING_SIZES_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     """This broker's slot; unset: where its --advertised-address is, else its endpoint in the current membership."""
     force: _builtins.bool
     """Skip the checks: removed members must be leaving and drained, remaining slots keep their endpoints."""
+    epoch: _builtins.int
+    """The epoch of this membership; 0: the broker's current epoch + 1 (or its current one when the membership
+    is the one it has). A smaller epoch than the broker's, or the same epoch with other members, is refused.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1405,10 +1418,11 @@ class SetClusterRequest(_message.Message):
         ring_sizes: _abc.Iterable[_builtins.int] | None = ...,
         slot: _builtins.int | None = ...,
         force: _builtins.bool = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "slot", b"slot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "force", b"force", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "epoch", b"epoch", "force", b"force", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__slot: _TypeAlias = _typing.Literal["slot"]  # noqa: Y015
     _WhichOneofArgType__slot: _TypeAlias = _typing.Literal["_slot", b"_slot"]  # noqa: Y015
