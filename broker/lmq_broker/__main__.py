@@ -26,8 +26,8 @@ from typing import Any, Final
 import pydantic
 
 from lmq_broker import app, errors, heap, supervisor
+from lmq_broker.cluster import links, setup
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
-from lmq_broker.protocol import peers
 from lmq_broker.storage import meta as storage_meta
 
 READY_LINE: Final = "lmq-broker ready"
@@ -52,6 +52,8 @@ HELP: Final[dict[str, str]] = {
     "<data-dir>/admin-credentials.json on first start)",
     "admin_secret_key": "secret key matching --admin-access-key",
     "admin_anonymous": "DEVELOPMENT ONLY: serve admin calls to anyone, unsigned",
+    "cluster_secret": "secret the brokers of a cluster sign their calls to each other with, the same on every broker "
+    "(default: derived from the admin secret key; serve --processes N alone generates one)",
     "auth_max_skew_ms": "signed calls: how far x-mq-date-time may be from the broker's UTC clock (0: unchecked)",
     "secret_key": "secret key matching --access-key",
     "tls_cert": "PEM certificate: serve gRPC over TLS (with --tls-key)",
@@ -236,8 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--tls-cert and --tls-key go together")
     try:
         if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
-            peers.membership_of(config)  # process checks the ring of slots it is given
-            peers.external_of(config)
+            setup.membership_of(config)  # process checks the ring of slots it is given
+            links.external_of(config)
     except errors.InvalidArgument as exc:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
     if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):

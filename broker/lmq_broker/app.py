@@ -26,11 +26,11 @@ import prometheus_client
 from lmq_broker import errors, heap, model
 from lmq_broker.admin import credentials, expiry
 from lmq_broker.admin import service as admin_service
+from lmq_broker.cluster import links, setup
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt.server import MqttServer
-from lmq_broker.protocol import cluster_setup, peers
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
@@ -116,7 +116,7 @@ class Broker:
         self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
         self._external_servers: list[grpc.aio.Server] = []  # --external-port (and --external-access-port)
         self.external_port = 0
-        self.cluster: cluster_setup.Cluster | None = None
+        self.cluster: setup.Cluster | None = None
         self.access_port = -1
         self._admission: Admission | None = None
         self._http: asyncio.Server | None = None
@@ -158,7 +158,7 @@ class Broker:
             log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
-        cluster = self.cluster = cluster_setup.Cluster(
+        cluster = self.cluster = setup.Cluster(
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
         )
         await cluster.start()
@@ -221,7 +221,7 @@ class Broker:
         """The external listener (clients outside the cluster): the v2 service with routes naming external
         addresses, never admin; with ``--processes`` also on the pod's shared external port."""
         config = self.config
-        addresses = peers.external_of(config)
+        addresses = links.external_of(config)
         if addresses is not None and addresses.configured:
             edge.external_address = addresses.of(max(config.ordinal, 0)) if not config.peers else ""
         ports = [(config.external_port, False)]

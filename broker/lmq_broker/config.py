@@ -82,6 +82,9 @@ class BrokerConfig(BaseModel):
     admin_access_key: str = ""
     admin_secret_key: str = ""
     admin_anonymous: bool = False
+    # Brokers of a cluster sign their calls to each other with this (lmq_broker.cluster.trust); empty: derived
+    # from admin_secret_key, which every broker of a cluster shares.
+    cluster_secret: str = ""
     auth_max_skew_ms: int = Field(default=15 * 60 * 1000, ge=0)  # signed x-mq-date-time vs UTC; 0: unchecked
     # How often freed C-heap memory is handed back to the OS (glibc malloc_trim, lmq_broker.heap); 0: never
     heap_trim_interval_ms: int = Field(default=60_000, ge=0)

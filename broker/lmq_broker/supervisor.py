@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -175,6 +176,8 @@ def run(argv: Sequence[str], config: BrokerConfig) -> int:
     if not config.admin_anonymous and not config.admin_access_key:
         pair, _ = credentials.load_or_create(config.store.data_dir)
         env["LMQ_ADMIN_ACCESS_KEY"], env["LMQ_ADMIN_SECRET_KEY"] = pair.access_key, pair.secret_key
+    elif config.admin_anonymous and not config.cluster_secret and not config.peers:
+        env["LMQ_CLUSTER_SECRET"] = secrets.token_hex(32)  # the pod's processes sign their calls to each other
     children = [Child(i, child_command(argv, config, p, i), env) for i in range(config.processes)]
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,7 +8,7 @@ import pytest
 
 from lmq_broker import errors
 from lmq_broker.cluster import membership as mb
-from lmq_broker.cluster import ring
+from lmq_broker.cluster import ring, trust
 
 NAMES = [f"%LMQ%$AGENT_TASK_NS$session-{i}" for i in range(20_000)]
 
@@ -137,10 +137,37 @@ def test_scale_down_marks_then_sheds_the_tail() -> None:
     with pytest.raises(errors.InvalidArgument):
         three.shrunk(0)
     shed = leaving.shed()
-    assert shed == mb.Membership(("a:1", "b:2"), (2,))
+    assert shed.same_ring(mb.Membership(("a:1", "b:2"), (2,)))
+    assert (three.epoch, leaving.epoch, shed.epoch) == (2, 3, 4)  # every change a new epoch, never back
     # a key the bigger ring never put on a removed slot keeps its slot: the capped history is exact
     assert all(ring.slot_of(n, 3) == ring.slot_of(n, 2) for n in NAMES[:2000] if ring.slot_of(n, 3) < 2)
     assert mb.of(("a:1", "b:2"), (1, 3, 4, 2)).sizes == (1, 2)
     assert mb.Membership.from_json(leaving.to_json()) == leaving
     with pytest.raises(errors.InvalidArgument):
         mb.Membership.from_json('{"members": ["a:1"]}')
+
+
+def test_epochs_default_to_the_history_length_and_survive_json() -> None:
+    grown = mb.Membership.parse("a:1,b:2,c:3", "1,2")
+    assert grown.epoch == 3  # brokers started with the same flags agree without being told
+    assert grown.at(9).epoch == 9 and grown.at(9).same_ring(grown) and grown.at(9) != grown
+    assert mb.Membership.from_json(grown.at(9).to_json()).epoch == 9
+    assert mb.Membership.from_json('{"members": ["a:1"], "sizes": [1]}').epoch == 1  # stored before epochs
+
+
+def test_peer_headers_verify_only_with_the_secret_the_method_and_the_time() -> None:
+    secret, method, now = trust.secret_of("", "admin-sk"), "/pkg.Service/SendMessage", 1_000_000
+    assert secret and secret != trust.secret_of("", "other") and trust.secret_of("given", "admin-sk") == b"given"
+    assert trust.secret_of("", "") == b""
+    header = trust.header(secret, method, 7, now)
+    assert trust.verify(secret, method, [header], now + 5_000) == (trust.PeerCall(7), True)
+    assert trust.verify(secret, method, [("x-mq-client-id", "c")], now) == (None, False)
+    refused = [
+        trust.verify(b"another secret", method, [header], now),  # another cluster
+        trust.verify(secret, "/pkg.Service/SyncLiteSubscription", [header], now),  # replayed on another method
+        trust.verify(secret, method, [header], now + trust.MAX_SKEW_MS + 1),  # too old
+        trust.verify(secret, method, [(trust.HEADER, header[1].replace("7;", "8;", 1))], now),  # epoch changed
+        trust.verify(secret, method, [(trust.HEADER, "1")], now),  # not a header at all
+        trust.verify(b"", method, [header], now),  # a broker with no secret trusts nobody
+    ]
+    assert refused == [(None, True)] * len(refused)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from lmq_broker import errors, supervisor
+from lmq_broker.cluster import links
 from lmq_broker.cluster.external import ExternalAddresses, expand, per_slot, split
 from lmq_broker.config import BrokerConfig
-from lmq_broker.protocol import peers
 
 
 def test_the_template_numbers_pods() -> None:
@@ -99,7 +99,7 @@ def test_processes_of_a_pod_get_their_external_ports_and_every_slots_address() -
         peers=",".join(p.members), ordinal=3, external_port=9096, external_addresses=",".join(p.external_members),
         external_address_template=config.external_address_template, pod_processes=2,
     )  # fmt: skip
-    addresses = peers.external_of(child)
+    addresses = links.external_of(child)
     assert (
         addresses is not None
         and addresses.of(3) == "b.example.com:9096"
@@ -110,6 +110,6 @@ def test_processes_of_a_pod_get_their_external_ports_and_every_slots_address() -
 def test_an_external_listener_needs_an_address_for_every_peer() -> None:
     config = BrokerConfig(peers="a:1,b:2,c:3", ordinal=0, external_port=9094, external_addresses="x:1,y:2")
     with pytest.raises(errors.InvalidArgument, match="ring slot 2"):
-        peers.external_of(config)
-    assert peers.external_of(config.model_copy(update={"external_port": -1})) is None
-    assert peers.external_of(config.model_copy(update={"external_address_template": "z-{ordinal}:9"})) is not None
+        links.external_of(config)
+    assert links.external_of(config.model_copy(update={"external_port": -1})) is None
+    assert links.external_of(config.model_copy(update={"external_address_template": "z-{ordinal}:9"})) is not None

@@ -20,9 +20,10 @@ from google.protobuf.duration_pb2 import Duration
 from lmq_broker import app, errors, model
 from lmq_broker.admin import cli
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.cluster import forwarding, links, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.protocol import auth, peers
+from lmq_broker.protocol import auth
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -238,14 +239,48 @@ async def test_an_invalid_message_in_a_shared_batch_fails_only_its_own_send(clus
     assert all(cluster.holds(1, lite) for lite in theirs[1:])
 
 
-async def test_a_forwarded_send_is_stored_where_it_arrives(cluster: Cluster) -> None:
+def refused_headers(broker: app.Broker) -> float:
+    value = broker.metrics.registry.get_sample_value("lmq_peer_header_refused_total", {"method": "SendMessage"})
+    return value or 0.0
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        ("x-lmq-forwarded", "1"),  # the marker brokers once used
+        (trust.HEADER, "1;0;" + "0" * 64),  # a peer header with a made-up signature
+        trust.header(b"another cluster's secret", "/apache.rocketmq.v2.MessagingService/SendMessage", 1, 0),
+    ],
+)
+async def test_a_client_supplied_peer_marker_never_changes_where_a_message_is_stored(
+    cluster: Cluster, forged: tuple[str, str]
+) -> None:
     theirs = cluster.lites_of(1, 1)[0]
-    headers = (*cluster.headers(), (peers.FORWARDED, "1"))
+    before = refused_headers(cluster.brokers[0])
     reply = await cluster.clients[0].stub.SendMessage(
-        spb.SendMessageRequest(messages=[message(theirs)]), metadata=headers
+        spb.SendMessageRequest(messages=[message(theirs)]), metadata=(*cluster.headers(), forged)
     )
     assert reply.status.code == pb.OK
-    assert cluster.holds(0, theirs) and not cluster.holds(1, theirs)  # never passed on a second time
+    assert cluster.holds(1, theirs) and not cluster.holds(0, theirs)  # served as a client's send: at its owner
+    counted = refused_headers(cluster.brokers[0]) - before
+    assert counted == (0 if forged[0] == "x-lmq-forwarded" else 1)
+
+
+async def test_a_peers_copy_for_a_topic_the_receiver_does_not_own_is_refused(cluster: Cluster) -> None:
+    """Even a genuine peer header (the cluster secret) cannot place a topic on a broker that does not own it by
+    its own view: the copy is refused whole and nothing is stored."""
+    theirs, mine = cluster.lites_of(1, 1)[0], cluster.lites_of(0, 1)[0]
+    config = cluster.brokers[0].config
+    secret = trust.secret_of(config.cluster_secret, config.admin_secret_key)
+    method = "/apache.rocketmq.v2.MessagingService/SendMessage"
+    signed = (*cluster.headers(), trust.header(secret, method, cluster.membership.epoch, links.now_ms()))
+    stub = cluster.clients[0].stub
+    reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message(mine), message(theirs)]), metadata=signed)
+    assert reply.status.code == pb.INTERNAL_ERROR
+    assert reply.status.message.startswith(forwarding.NOT_OWNER)
+    assert not cluster.holds(0, theirs) and not cluster.holds(1, theirs) and not cluster.holds(0, mine)
+    reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message(mine)]), metadata=signed)
+    assert reply.status.code == pb.OK and cluster.holds(0, mine)  # its own topic: stored, as a peer's copy
 
 
 async def test_a_dead_owner_fails_the_send_and_nothing_is_stored(cluster: Cluster) -> None:
@@ -475,10 +510,10 @@ async def test_a_topic_created_before_a_scale_up_stays_on_its_broker(tmp_path: P
             if grown.owner(f"m-{i}") == 2 and mb.owner(two, model.QueueId.lmq(PARENT, f"m-{i}").topic) == 1
         ][:4]  # fmt: skip
         old, new = moved[:2], moved[2:]
-        stub = grown.clients[1].stub
-        for lite in old:  # as the 2-slot ring stored them: on slot 1 (a forwarded call is stored where it lands)
-            headers = (*grown.headers(), (peers.FORWARDED, "1"))
-            await stub.SendMessage(spb.SendMessageRequest(messages=[message(lite)]), metadata=headers)
+        dispatcher = grown.brokers[1].dispatcher
+        assert dispatcher is not None
+        for lite in old:  # as the 2-slot ring stored them: on slot 1
+            await dispatcher.send([dispatch_testing.lite_message(lite, message_id=f"{lite}-0")])
         for access in grown.clients:
             for lite in moved:
                 reply = await access.stub.SendMessage(
@@ -665,8 +700,9 @@ async def test_lmq_admin_cluster_get_and_set_everywhere(tmp_path: Path) -> None:
         code, got, _ = await lmq_admin(1, "cluster", "get", "--undrained")
         shown = (got["ring_sizes"], got["undrained_messages"], got["drained"], got["source"])
         assert shown == ([2, 1], 0, True, "admin")
-        code, rows, _ = await lmq_admin(0, "cluster", "set", "--peers", members[0], "--ring-history", "2,1",
+        code, rows, err0 = await lmq_admin(0, "cluster", "set", "--peers", members[0], "--ring-history", "2,1",
                                         "--everywhere")  # fmt: skip
+        assert rows is not None, err0
         assert [(r["endpoint"], r["slot"]) for r in rows] == [(members[0], 0), (members[1], -1)]
         assert cluster.brokers[0].cluster is not None and cluster.brokers[0].cluster.peers is None  # alone again
         code, _, err = await lmq_admin(0, "cluster", "set", "--peers", f"{members[0]},{members[1]}", "--slot", "5")

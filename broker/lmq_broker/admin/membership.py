@@ -14,9 +14,9 @@ import grpc
 
 from lmq_broker import errors
 from lmq_broker.admin import inspection
+from lmq_broker.cluster import links
 from lmq_broker.cluster import membership as mb
-from lmq_broker.protocol import peers
-from lmq_broker.protocol.cluster_setup import ADMIN, Cluster, Place
+from lmq_broker.cluster.setup import ADMIN, Cluster, Place
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.storage.api import Store
 
@@ -36,16 +36,18 @@ async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.Ge
         drained=leaving and undrained == 0,
         source=place.source,
         admin_port=max(cluster.config.admin_port, 0),
+        epoch=cluster.confirmed_epoch,
+        incarnation=cluster.incarnation,
     )
 
 
 async def change(cluster: Cluster, store: Store, request: pb.SetClusterRequest) -> pb.SetClusterResponse:
     if not request.members or not request.ring_sizes:
         raise errors.InvalidArgument("a cluster needs its members and at least today's ring size")
-    new = mb.of(tuple(request.members), tuple(request.ring_sizes))
+    new = mb.of(tuple(request.members), tuple(request.ring_sizes), request.epoch)
     for member in new.members:
         mb.Membership.parse(member)  # host:port each
-    external = peers.external_of(cluster.config)
+    external = links.external_of(cluster.config)
     if external is not None:  # every member needs the address clients outside reach it by (cluster.external)
         external.of_slots(len(new.members))
     old = cluster.place
@@ -60,6 +62,8 @@ async def change(cluster: Cluster, store: Store, request: pb.SetClusterRequest) 
         for gone, member in enumerate(old.membership.members):
             if member not in new.members:
                 await _check_removable(cluster, store, old, gone, member)
+    if not request.epoch:
+        new = cluster.next_epoch(new, slot)
     changed = await cluster.change(Place(new, slot, ADMIN))
     return pb.SetClusterResponse(cluster=await view(cluster, store, with_undrained=False), changed=changed)
 
@@ -69,14 +73,9 @@ def _slot_in(new: mb.Membership, old: Place, cluster: Cluster, asked: int | None
         if not -1 <= asked < len(new.members):
             raise errors.InvalidArgument(f"slot {asked} is not one of the {len(new.members)} members (or -1)")
         return asked
-    address = cluster.config.advertised_address
-    if address:
-        return new.members.index(address) if address in new.members else -1
-    if old.alone:
+    mine = cluster.endpoint  # --advertised-address, else its endpoint when it was last a member
+    if not mine and old.alone:
         raise errors.InvalidArgument("this broker runs alone and does not know its endpoint: give its slot")
-    if old.slot < 0:
-        return -1
-    mine = old.membership.members[old.slot]
     return new.members.index(mine) if mine in new.members else -1
 
 
@@ -91,7 +90,7 @@ async def _check_removable(cluster: Cluster, store: Store, old: Place, slot: int
         peers = cluster.peers
         if peers is None:
             raise errors.Conflict(f"cannot ask {member} whether it is drained")
-        stub, metadata = peers.admin(member)
+        stub, metadata = peers.admin(member, "GetCluster")
         try:
             reply = await stub.GetCluster(
                 pb.GetClusterRequest(with_undrained=True), metadata=metadata, timeout=UNDRAINED_TIMEOUT_S

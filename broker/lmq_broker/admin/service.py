@@ -20,11 +20,11 @@ from typing_extensions import override
 
 from lmq_broker import errors, model
 from lmq_broker.admin import catalog, codes, convert, inspection, membership, reclaiming, validation
+from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
-from lmq_broker.protocol.cluster_setup import Cluster
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
 from lmq_broker.storage.api import Store

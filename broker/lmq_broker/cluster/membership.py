@@ -14,6 +14,13 @@ slot that holds nothing undrained is removed (``shed``): only the tail of the ri
 changes no other slot's number, and ring sizes of the history past the new end become the new end, which
 jump hashing makes exact: a key that never landed on a removed slot in a bigger ring has the same slot in
 the smaller one.
+
+Every membership carries an ``epoch`` that only grows. One writer numbers each change (the operator, holding
+its Lease, or ``lmq-admin cluster set --everywhere``) and every broker applies the same number; a broker never
+goes back to a smaller epoch. A membership from flags has the epoch ``len(sizes)`` (brokers started with the
+same flags agree). The epoch is what lets brokers that learn a change at different moments agree on where a
+brand-new lite topic goes (``cluster.owners``: such a topic is created only once every slot it may have been
+placed on confirms the epoch).
 """
 
 from __future__ import annotations
@@ -33,8 +40,11 @@ SEPARATOR: Final = ","
 class Membership:
     members: tuple[str, ...]  # slot -> advertised endpoint "host:port"
     sizes: tuple[int, ...]  # ring size of every epoch, oldest first; the last is today's ring
+    epoch: int = 0  # only grows (module docstring); 0: len(sizes)
 
     def __post_init__(self) -> None:
+        if self.epoch <= 0:
+            object.__setattr__(self, "epoch", len(self.sizes))
         if not self.members:
             raise errors.InvalidArgument("a cluster has at least one member")
         if len(set(self.members)) != len(self.members):
@@ -67,9 +77,12 @@ class Membership:
         """Slots of today's ring: the ones new topics are placed on."""
         return self.sizes[-1]
 
-    @property
-    def epoch(self) -> int:
-        return len(self.sizes)
+    def same_ring(self, other: Membership) -> bool:
+        """The same members and ring history, whatever the epochs."""
+        return (self.members, self.sizes) == (other.members, other.sizes)
+
+    def at(self, epoch: int) -> Membership:
+        return Membership(self.members, self.sizes, epoch)
 
     def writable(self, slot: int) -> bool:
         return 0 <= slot < self.size
@@ -90,26 +103,30 @@ class Membership:
     def grown(self, *endpoints: str) -> Membership:
         """Scale-up: the new slots appended, a new epoch."""
         members = self.members + endpoints
-        return Membership(members, (*self.sizes, len(members)))
+        return Membership(members, (*self.sizes, len(members)), self.epoch + 1)
 
     def shrunk(self, size: int) -> Membership:
         """Scale-down, first step: slots ``size`` and beyond are leaving (a new epoch)."""
         if not 1 <= size <= len(self.members):
             raise errors.InvalidArgument(f"a ring of {len(self.members)} members cannot shrink to {size}")
-        return Membership(self.members, (*self.sizes, size)) if size != self.size else self
+        return Membership(self.members, (*self.sizes, size), self.epoch + 1) if size != self.size else self
 
     def shed(self) -> Membership:
         """Scale-down, last step: the leaving slots removed, the history capped at the ring that remains."""
-        return of(self.members[: self.size], self.sizes)
+        return of(self.members[: self.size], self.sizes, self.epoch + 1)
 
     def to_json(self) -> str:
-        return json.dumps({"members": list(self.members), "sizes": list(self.sizes)})
+        return json.dumps({"members": list(self.members), "sizes": list(self.sizes), "epoch": self.epoch})
 
     @staticmethod
     def from_json(text: str) -> Membership:
         try:
             value = json.loads(text)
-            return Membership(tuple(str(m) for m in value["members"]), tuple(int(s) for s in value["sizes"]))
+            return Membership(
+                tuple(str(m) for m in value["members"]),
+                tuple(int(s) for s in value["sizes"]),
+                int(value.get("epoch", 0)),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise errors.InvalidArgument(f"membership {text!r} is not readable: {exc}") from None
 
@@ -120,7 +137,7 @@ def admin_endpoint(member: str, admin_port: int) -> str:
     return f"{member.rsplit(':', 1)[0]}:{admin_port}" if admin_port > 0 else member
 
 
-def of(members: Sequence[str], sizes: Sequence[int]) -> Membership:
+def of(members: Sequence[str], sizes: Sequence[int], epoch: int = 0) -> Membership:
     """A membership whose history may name sizes bigger than its member list (slots since removed): those are
     capped at today's member count and repeats merged. Only valid once the removed slots hold nothing."""
     kept: list[int] = []
@@ -128,7 +145,7 @@ def of(members: Sequence[str], sizes: Sequence[int]) -> Membership:
         capped = min(size, len(members))
         if not kept or kept[-1] != capped:
             kept.append(capped)
-    return Membership(tuple(members), tuple(kept))
+    return Membership(tuple(members), tuple(kept), epoch)
 
 
 def owner(membership: Membership, lmq: str) -> int:

@@ -365,6 +365,12 @@ def endpoints_of(host: str, port: int) -> pb.Endpoints:
     return pb.Endpoints(scheme=scheme, addresses=[pb.Address(host=host, port=port)])
 
 
+def endpoints_of_address(address: str) -> pb.Endpoints:
+    """``host:port`` (``[v6]:port`` too) as the Endpoints a route names."""
+    host, _, port = address.rpartition(":")
+    return endpoints_of(host.strip("[]"), int(port))
+
+
 def _is_ipv4(host: str) -> bool:
     parts = host.split(".")
     return len(parts) == 4 and all(p.isdigit() and 0 <= int(p) <= 255 for p in parts)

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol import convert
+from lmq_broker.protocol.calls import ClusterCalls
 from lmq_broker.protocol.connections import Connections
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.metrics import Metrics
-from lmq_broker.protocol.peers import Peers
-from lmq_broker.protocol.peers import endpoints_of as peers_endpoints_of
 
 
 @dataclass
@@ -22,7 +21,7 @@ class Edge:
     port: int = 0  # the bound port, set once the server listens
     metrics: Metrics = field(default_factory=Metrics)
     connections: Connections = field(default_factory=Connections)  # whose Telemetry runs on which peer
-    peers: Peers | None = None  # the other brokers of a cluster (docs/scale-out.md); None: this broker alone
+    cluster: ClusterCalls | None = None  # in a cluster (docs/scale-out.md; set by cluster.setup); None: alone
     external_port: int = 0  # the external listener's bound port (--external-port), 0 without one
     external_address: str = ""  # this lone broker's external host:port (cluster.external), empty: none given
 
@@ -32,7 +31,7 @@ class Edge:
         external listener: its configured external address, else the address the client used."""
         if external:
             if self.external_address:
-                return peers_endpoints_of(self.external_address)
+                return convert.endpoints_of_address(self.external_address)
         elif self.config.advertised_host:
             return convert.endpoints_of(self.config.advertised_host, self.port)
         port = self.external_port if external else self.port
@@ -47,6 +46,13 @@ class Edge:
 
     def broker(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> pb.Broker:
         return pb.Broker(name=self.config.broker_name, id=0, endpoints=self.endpoints(requested, external=external))
+
+    def brokers(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> list[tuple[pb.Broker, int]]:
+        """The brokers a route lists, each with its queues' permission: this one alone, or every broker of the
+        cluster in slot order (leaving ones READ)."""
+        if self.cluster is not None:
+            return list(self.cluster.brokers(external=external))
+        return [(self.broker(requested, external=external), pb.READ_WRITE)]
 
     @property
     def store_host(self) -> str:

@@ -4,6 +4,9 @@ This wrapper is the edge: a handler raises ``lmq_broker.errors`` values; whateve
 response's ``status`` through ``status.code_of`` (unexpected exceptions: INTERNAL_ERROR, logged), so no
 request can crash the server or leave the client without a status. RPCs this broker does not serve
 answer NOT_IMPLEMENTED in their status.
+
+In a cluster (``Edge.cluster`` set, ``protocol.calls``) the calls that reach other brokers go to the cluster's
+implementation; this module is the one place that chooses.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import grpc
 from google.protobuf import message as pb_message
 from typing_extensions import override
 
-from lmq_broker.protocol import cluster_calls, gathering, status
+from lmq_broker import errors
+from lmq_broker.protocol import status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -76,8 +80,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         try:
             reply = await answering
         except Exception as exc:
-            if status.code_of(exc) == pb.INTERNAL_ERROR:
-                log.exception("%s failed", method)
+            if status.code_of(exc) == pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
+                log.exception("%s failed", method)  # a peer that does not answer is counted, not logged per call
             reply = response(status=status.status_of(exc))
         self.edge.metrics.observe(method, cast("_Reply", reply).status.code, time.perf_counter() - started)
         return reply
@@ -97,12 +101,12 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
-        # Who sends does not matter to a send (auth, when configured, has checked the signature already), so
-        # the call's headers are not parsed: this is the one RPC where that saves a measurable share.
-        peers = self.edge.peers
-        if peers is not None and (peers.routes_forwarded or not cluster_calls.forwarded(context.invocation_metadata())):
+        # Who sends does not matter to a send alone (auth, when configured, has checked the signature already),
+        # so the call's headers are not parsed: this is the one RPC where that saves a measurable share.
+        cluster = self.edge.cluster
+        if cluster is not None:
             return await self._answer(
-                "SendMessage", cluster_calls.send(self.edge, peers, request), spb.SendMessageResponse
+                "SendMessage", cluster.send(request, context.invocation_metadata), spb.SendMessageResponse
             )
         return await self._answer("SendMessage", send_message.handle(self.edge, request), spb.SendMessageResponse)
 
@@ -121,11 +125,10 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         started = time.perf_counter()
         code: int = pb.OK
         try:
-            metadata = context.invocation_metadata()
-            caller = Caller.of(metadata)
-            peers = self.edge.peers
-            if peers is not None and not cluster_calls.forwarded(metadata) and gathering.gathers_for(self.edge, caller):
-                frames = gathering.receive(self.edge, peers, request, caller, context.time_remaining())
+            caller = Caller.of(context.invocation_metadata())
+            cluster = self.edge.cluster
+            if cluster is not None:
+                frames = cluster.receive(request, caller, context.invocation_metadata, context.time_remaining())
             else:
                 frames = receive_message.handle(self.edge, request, caller, context.time_remaining())
             async for frame in frames:
@@ -142,17 +145,27 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:
-        handler = ack_message.handle if self.edge.peers is None else cluster_calls.ack
-        return await self._unary("AckMessage", handler, request, context, spb.AckMessageResponse)
+        cluster = self.edge.cluster
+        if cluster is not None:
+            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            return await self._answer("AckMessage", cluster.ack(request, caller), spb.AckMessageResponse)
+        return await self._unary("AckMessage", ack_message.handle, request, context, spb.AckMessageResponse)
 
     @override
     async def ForwardMessageToDeadLetterQueue(
         self, request: spb.ForwardMessageToDeadLetterQueueRequest, context: Context
     ) -> spb.ForwardMessageToDeadLetterQueueResponse:
-        handler = forward_to_dead_letter_queue.handle if self.edge.peers is None else cluster_calls.dead_letter
+        cluster = self.edge.cluster
+        if cluster is not None:
+            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            return await self._answer(
+                "ForwardMessageToDeadLetterQueue",
+                cluster.dead_letter(request, caller),
+                spb.ForwardMessageToDeadLetterQueueResponse,
+            )
         return await self._unary(
             "ForwardMessageToDeadLetterQueue",
-            handler,
+            forward_to_dead_letter_queue.handle,
             request,
             context,
             spb.ForwardMessageToDeadLetterQueueResponse,
@@ -188,10 +201,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def ChangeInvisibleDuration(
         self, request: spb.ChangeInvisibleDurationRequest, context: Context
     ) -> spb.ChangeInvisibleDurationResponse:
-        handler = change_invisible_duration.handle if self.edge.peers is None else cluster_calls.change_invisible
+        cluster = self.edge.cluster
+        if cluster is not None:
+            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            return await self._answer(
+                "ChangeInvisibleDuration",
+                cluster.change_invisible(request, caller),
+                spb.ChangeInvisibleDurationResponse,
+            )
         return await self._unary(
             "ChangeInvisibleDuration",
-            handler,
+            change_invisible_duration.handle,
             request,
             context,
             spb.ChangeInvisibleDurationResponse,
@@ -201,13 +221,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def SyncLiteSubscription(
         self, request: spb.SyncLiteSubscriptionRequest, context: Context
     ) -> spb.SyncLiteSubscriptionResponse:
-        peers = self.edge.peers
-        handler = sync_lite_subscription.handle
-        if peers is not None and not cluster_calls.forwarded(context.invocation_metadata()):
-            handler = cluster_calls.sync_lite_subscription
+        cluster = self.edge.cluster
+        if cluster is not None:
+            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            return await self._answer(
+                "SyncLiteSubscription",
+                cluster.sync_lite(request, caller, context.invocation_metadata),
+                spb.SyncLiteSubscriptionResponse,
+            )
         return await self._unary(
             "SyncLiteSubscription",
-            handler,
+            sync_lite_subscription.handle,
             request,
             context,
             spb.SyncLiteSubscriptionResponse,

@@ -7,7 +7,7 @@ queues (normal topics) or from the client's ready set (lite topics), never from 
 from __future__ import annotations
 
 from lmq_broker import model
-from lmq_broker.protocol import cluster_calls, convert, status
+from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -25,9 +25,11 @@ async def handle(edge: Edge, request: spb.QueryAssignmentRequest, caller: Caller
         snap.normal_group(group, name)
     if caller.client_id:
         edge.dispatcher.client_seen(caller.client_id, group=group)
-    if edge.peers is not None:  # several brokers: one assignment each (protocol.cluster_calls)
-        found = cluster_calls.assignments(edge.peers, topic, request.topic.resource_namespace, external=caller.external)
-        return spb.QueryAssignmentResponse(status=status.ok(), assignments=found)
-    broker = edge.broker(request.endpoints if request.HasField("endpoints") else None, external=caller.external)
-    queue = convert.queues_of(topic, broker, request.topic.resource_namespace)[0]
-    return spb.QueryAssignmentResponse(status=status.ok(), assignments=[pb.Assignment(message_queue=queue)])
+    # One assignment per broker (the same answer from every broker of a cluster): a push consumer then runs one
+    # receive loop against each, and each serves the lite topics it holds.
+    requested = request.endpoints if request.HasField("endpoints") else None
+    found = [
+        pb.Assignment(message_queue=convert.queues_of(topic, broker, request.topic.resource_namespace)[0])
+        for broker, _ in edge.brokers(requested, external=caller.external)
+    ]
+    return spb.QueryAssignmentResponse(status=status.ok(), assignments=found)

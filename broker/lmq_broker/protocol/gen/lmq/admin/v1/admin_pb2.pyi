@@ -1336,6 +1336,7 @@ class GetClusterResponse(_message.Message):
     SOURCE_FIELD_NUMBER: _builtins.int
     ADMIN_PORT_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     """This broker's slot; -1 when it is no member (removed, still running: it only forwards)."""
     leaving: _builtins.bool
@@ -1354,6 +1355,10 @@ class GetClusterResponse(_message.Message):
     numbers each change and every broker of the cluster applies the same number; brokers pass a newer epoch
     on to a peer they find behind. A broker creates a lite topic whose owner changed between epochs only once
     every member it may have lived on has confirmed this epoch (docs/scale-out.md, Membership epochs).
+    """
+    incarnation: _builtins.str
+    """Random per broker process start: a peer that sees it change knows the broker restarted (and lost what it
+    held in memory, such as subscriptions, which the peers then give it again).
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1377,10 +1382,11 @@ class GetClusterResponse(_message.Message):
         source: _builtins.str = ...,
         admin_port: _builtins.int = ...,
         epoch: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "epoch", b"epoch", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "epoch", b"epoch", "incarnation", b"incarnation", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

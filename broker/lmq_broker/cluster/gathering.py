@@ -30,27 +30,27 @@ from google.protobuf import duration_pb2
 from google.protobuf import message as pb_message
 
 from lmq_broker import errors
+from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2
+from lmq_broker.cluster.peers import Peers
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import ack_message, receive_message
-from lmq_broker.protocol.peers import CALL_TIMEOUT_S, Peers
 
 log = logging.getLogger(__name__)
 
 GATHER_POLL_MS: Final = 200
 VIA: Final = "via"  # receipt handles of messages received from another broker: "via <endpoint> <its handle>"
-_RECEIVE: Final = "/apache.rocketmq.v2.MessagingService/ReceiveMessage"
-_ACK: Final = "/apache.rocketmq.v2.MessagingService/AckMessage"
+_RECEIVE: Final = V2 + "ReceiveMessage"
 _turns = itertools.count()
 Resp = TypeVar("Resp", bound=pb_message.Message)
 
 
 def gathers_for(edge: Edge, caller: Caller) -> bool:
     """A LiteSimpleConsumer known from its telemetry settings, calling this broker of a cluster."""
-    if edge.peers is None or not caller.client_id:
+    if edge.cluster is None or not caller.client_id:
         return False
     state = edge.dispatcher.registry.get(caller.client_id)
     return state is not None and state.client_type == pb.LITE_SIMPLE_CONSUMER
@@ -127,7 +127,7 @@ class _Gather:
 
     async def there(self, endpoint: str, batch: int) -> list[pb.Message]:
         """Without waiting: a call cut off after that broker leased messages would hide them."""
-        call = self.peers.channel(endpoint).unary_stream(
+        call = self.peers.links.channel(endpoint).unary_stream(
             _RECEIVE,
             request_serializer=spb.ReceiveMessageRequest.SerializeToString,
             response_deserializer=spb.ReceiveMessageResponse.FromString,
@@ -135,7 +135,9 @@ class _Gather:
         out: list[pb.Message] = []
         try:
             async for frame in call(
-                _part(self.request, batch, 0), metadata=self.peers.headers_of(self.caller), timeout=CALL_TIMEOUT_S
+                _part(self.request, batch, 0),
+                metadata=self.peers.links.v2_headers("ReceiveMessage", self.caller),
+                timeout=CALL_TIMEOUT_S,
             ):
                 if frame.HasField("message"):
                     message = frame.message
@@ -166,7 +168,7 @@ async def ack(edge: Edge, peers: Peers, request: spb.AckMessageRequest, caller: 
             if endpoint is None:
                 reply = await ack_message.handle(edge, part, caller)
             else:
-                reply = await _call(peers, endpoint, _ACK, part, spb.AckMessageResponse, caller=caller)
+                reply = await _call(peers, endpoint, "AckMessage", part, spb.AckMessageResponse, caller=caller)
         except errors.LmqError as exc:
             reply = spb.AckMessageResponse(status=status.status_of(exc))
         for n, i in enumerate(indices):
@@ -183,8 +185,9 @@ async def ack(edge: Edge, peers: Peers, request: spb.AckMessageRequest, caller: 
 Settled = TypeVar("Settled", spb.ChangeInvisibleDurationRequest, spb.ForwardMessageToDeadLetterQueueRequest)
 
 
-async def settle(
+async def settle(  # noqa: PLR0917 (the call, and where its two answers come from)
     edge: Edge,
+    peers: Peers,
     request: Settled,
     caller: Caller,
     here: Callable[[Edge, Settled, Caller], Awaitable[Resp]],
@@ -192,25 +195,26 @@ async def settle(
 ) -> tuple[Resp, str]:
     """ChangeInvisibleDuration or ForwardMessageToDeadLetterQueue of one message: here (``here``), or at the
     broker it was gathered from; returns the answer and that broker's endpoint ("" for this one)."""
-    peers = edge.peers
-    where = unwrap(peers, request.receipt_handle) if peers is not None else None
-    if peers is None or where is None:
+    where = unwrap(peers, request.receipt_handle)
+    if where is None:
         return await here(edge, request, caller), ""
     part = type(request)()
     part.CopyFrom(request)
     part.receipt_handle = where[1]
-    method = f"/apache.rocketmq.v2.MessagingService/{type(request).__name__.removesuffix('Request')}"
+    method = type(request).__name__.removesuffix("Request")
     return await _call(peers, where[0], method, part, response, caller=caller), where[0]
 
 
 async def _call(
     peers: Peers, endpoint: str, method: str, request: pb_message.Message, response: type[Resp], *, caller: Caller
 ) -> Resp:
-    call = peers.channel(endpoint).unary_unary(
-        method, request_serializer=type(request).SerializeToString, response_deserializer=response.FromString
+    call = peers.links.channel(endpoint).unary_unary(
+        V2 + method, request_serializer=type(request).SerializeToString, response_deserializer=response.FromString
     )
     try:
-        reply = await call(request, metadata=peers.headers_of(caller), timeout=CALL_TIMEOUT_S)
+        reply = await call(
+            request, metadata=peers.links.v2_headers(method, caller), timeout=CALL_TIMEOUT_S, wait_for_ready=True
+        )
     except grpc.aio.AioRpcError as exc:
         raise errors.BrokerUnavailable(
             f"broker {endpoint} that delivered this message did not answer: {exc.code().name}; try again"

@@ -1,0 +1,138 @@
+"""The v2 calls in a cluster of brokers (``protocol.calls.ClusterCalls``): routes and assignments list every
+broker, sends and subscription changes go to the owners of their lite topics, a LiteSimpleConsumer's receives
+gather from every broker and the settlements of what it gathered go back where each message came from.
+
+A call that carries a valid peer header (``cluster.trust``) is another broker's copy: applied here, never
+passed on (a send is still checked against this broker's own view of who owns it, ``forwarding``). A call whose
+peer header does not verify is served as a client's, counted (``lmq_peer_header_refused``) and logged at most
+once a minute: a client that forges the header gains nothing, a broker with another secret is misconfigured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter
+
+from lmq_broker import errors
+from lmq_broker.cluster import gathering, trust
+from lmq_broker.cluster.links import V2, now_ms
+from lmq_broker.cluster.peers import Peers
+from lmq_broker.protocol import convert
+from lmq_broker.protocol.calls import Headers
+from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.handlers import (
+    ack_message,
+    change_invisible_duration,
+    forward_to_dead_letter_queue,
+    receive_message,
+)
+from lmq_broker.protocol.handlers import sync_lite_subscription as sync_handler
+
+log = logging.getLogger(__name__)
+
+REFUSED_LOG_INTERVAL_S: Final = 60.0
+
+
+class Calls:
+    def __init__(self, edge: Edge, peers: Peers, registry: CollectorRegistry) -> None:
+        self._edge = edge
+        self._peers = peers
+        self._logged_at = -REFUSED_LOG_INTERVAL_S
+        self.refused = Counter(
+            "lmq_peer_header_refused",
+            "Calls whose peer header did not verify (forged, another cluster secret, or too old): served as a client's",
+            ["method"],
+            registry=registry,
+        )
+
+    def _peer(self, method: str, headers: Headers) -> trust.PeerCall | None:
+        peer, present = trust.verify(self._peers.links.secret, V2 + method, headers(), now_ms())
+        if present and peer is None:
+            self.refused.labels(method).inc()
+            now = time.monotonic()
+            if now - self._logged_at >= REFUSED_LOG_INTERVAL_S:
+                self._logged_at = now
+                log.warning(
+                    "a %s call carried a peer header that does not verify (forged, or a broker with another "
+                    "cluster secret): served as a client's call (lmq_peer_header_refused counts them)",
+                    method,
+                )
+        return peer
+
+    def brokers(self, *, external: bool) -> Sequence[tuple[pb.Broker, int]]:
+        return self._peers.links.routed(external)
+
+    async def send(self, request: spb.SendMessageRequest, headers: Headers) -> spb.SendMessageResponse:
+        peer = self._peer("SendMessage", headers)
+        return await self._peers.forwarder.send(request, peer_copy=peer is not None)
+
+    def receive(
+        self, request: spb.ReceiveMessageRequest, caller: Caller, headers: Headers, time_remaining_s: float | None
+    ) -> AsyncIterator[spb.ReceiveMessageResponse]:
+        if gathering.gathers_for(self._edge, caller) and self._peer("ReceiveMessage", headers) is None:
+            return gathering.receive(self._edge, self._peers, request, caller, time_remaining_s)
+        return receive_message.handle(self._edge, request, caller, time_remaining_s)
+
+    async def sync_lite(
+        self, request: spb.SyncLiteSubscriptionRequest, caller: Caller, headers: Headers
+    ) -> spb.SyncLiteSubscriptionResponse:
+        """A peer's part is applied here as it is; a client's is checked here, then split by owner."""
+        edge = self._edge
+        if self._peer("SyncLiteSubscription", headers) is not None:
+            return await sync_handler.handle(edge, request, caller)
+        caller.require_client_id()
+        if request.action not in (pb.PARTIAL_ADD, pb.PARTIAL_REMOVE, pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
+            raise errors.InvalidArgument(f"unknown lite subscription action {request.action}")
+        convert.group_name(request.group)
+        names = sync_handler.lite_topics(request, caller)
+        if request.action in (pb.PARTIAL_ADD, pb.COMPLETE_ADD):
+            for name in names:
+                convert.lite_topic_or_pattern(name, edge.config.max_lite_topic_size)
+        plain = dataclasses.replace(caller, language="", version="")  # the parts are already read literally
+
+        async def apply_here(part: spb.SyncLiteSubscriptionRequest) -> spb.SyncLiteSubscriptionResponse:
+            return await sync_handler.handle(edge, part, plain)
+
+        return await self._peers.fanout.sync_lite(request, names, caller, apply_here)
+
+    # --- settling messages a LiteSimpleConsumer received through this broker from others ----------------------
+    async def ack(self, request: spb.AckMessageRequest, caller: Caller) -> spb.AckMessageResponse:
+        if not any(e.receipt_handle.startswith(gathering.VIA) for e in request.entries):
+            return await ack_message.handle(self._edge, request, caller)
+        return await gathering.ack(self._edge, self._peers, request, caller)
+
+    async def change_invisible(
+        self, request: spb.ChangeInvisibleDurationRequest, caller: Caller
+    ) -> spb.ChangeInvisibleDurationResponse:
+        reply, via = await gathering.settle(
+            self._edge,
+            self._peers,
+            request,
+            caller,
+            change_invisible_duration.handle,
+            spb.ChangeInvisibleDurationResponse,
+        )
+        if via and reply.status.code == pb.OK:
+            reply.receipt_handle = gathering.wrap(via, reply.receipt_handle)
+        return reply
+
+    async def dead_letter(
+        self, request: spb.ForwardMessageToDeadLetterQueueRequest, caller: Caller
+    ) -> spb.ForwardMessageToDeadLetterQueueResponse:
+        reply, _ = await gathering.settle(
+            self._edge,
+            self._peers,
+            request,
+            caller,
+            forward_to_dead_letter_queue.handle,
+            spb.ForwardMessageToDeadLetterQueueResponse,
+        )
+        return reply

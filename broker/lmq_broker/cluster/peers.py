@@ -1,0 +1,73 @@
+"""This broker among its peers: the parts of ``lmq_broker.cluster`` that act on other brokers, built once and
+changed together when the membership changes.
+
+* ``links``: the view (membership, slot, routes) and one channel per peer, every call signed as a peer's;
+* ``epochs``: which peers confirmed this broker's membership epoch;
+* ``owners``: where each lite topic lives;
+* ``forwarder``: sends, stored at their owners;
+* ``fanout``: subscriptions split by owner, and the intents that bring a restarted owner up to date;
+* ``handoff``: a leaving broker's topics, handed over once drained (``draining``);
+* ``watch``: peers up, down, restarted, behind.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from lmq_broker.cluster import draining
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster.epochs import Adopt, Epochs
+from lmq_broker.cluster.fanout import Fanout, Known, Subscribers
+from lmq_broker.cluster.forwarding import Forwarder, StoreHere
+from lmq_broker.cluster.links import Headers, Links
+from lmq_broker.cluster.owners import LocalHolds, Owners
+from lmq_broker.cluster.watch import Watch
+from lmq_broker.config import BrokerConfig
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
+
+
+class Peers:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        *,
+        secret: bytes,
+        admin_keys: tuple[str, str] | None,
+        holds_locally: LocalHolds,
+        drained_locally: draining.Drained,
+        subscribers: Subscribers,
+        known: Known,
+        store_here: StoreHere,
+        adopt: Adopt,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.links = Links(config, secret, admin_keys)
+        self.epochs = Epochs(self.links, adopt)
+        self.owners = Owners(self.links, self.epochs, holds_locally)
+        self.fanout = Fanout(self.links, self.owners, subscribers=subscribers, known=known)
+        self.handoff = draining.Handoff(drained_locally, self.fanout.move_subscriptions)
+        self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry)
+        self.watch = Watch(self.links, self.epochs, self.fanout, registry)
+
+    def apply(self, membership: mb.Membership, me: int) -> None:
+        """A new membership, in one step: routes, assignments and remembered placements follow it at once.
+        ``me`` is -1 when this broker is no member (removed, still running: it only forwards)."""
+        self.links.apply(membership, me)
+        self.owners.forget()
+
+    @property
+    def membership(self) -> mb.Membership:
+        return self.links.membership
+
+    @property
+    def me(self) -> int:
+        return self.links.me
+
+    def admin(self, member: str, method: str = "") -> tuple[admin_grpc.LmqAdminAsyncStub, Headers]:
+        """Another broker's admin service, and the headers of a call to ``method`` there."""
+        return self.links.admin(member, method)
+
+    async def close(self) -> None:
+        await self.watch.close()
+        await self.forwarder.close()
+        await self.links.close()

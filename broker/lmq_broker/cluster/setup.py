@@ -1,0 +1,305 @@
+"""This broker's place in a cluster, and the one place that decides whether it acts as a cluster at all.
+
+The membership comes from the flags (``--peers``, ``--ordinal``/``--advertised-address``, ``--ring-history``)
+or from the admin service's last ``SetCluster``, stored (synced) in the store's meta with the flags it replaced,
+so a restart with the same flags keeps it; a restart with different flags means someone changed the
+deployment since, and the flags win. A broker alone (one member) leaves ``Edge.cluster`` None and every call is
+its own; otherwise ``Edge.cluster`` is this package's ``calls.Calls``. A change applies in one step of the event
+loop (the next call already sees the new routes, assignments and placements); the new epoch is *confirmed*
+(reported by ``GetCluster``, ``cluster.epochs``) once every send begun under an older epoch has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Final
+
+from lmq_broker import errors, model
+from lmq_broker.cluster import draining, trust
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster.calls import Calls
+from lmq_broker.cluster.fanout import Subscription
+from lmq_broker.cluster.peers import Peers
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.handlers import send_message
+from lmq_broker.protocol.metrics import Metrics
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+FLAGS: Final = "flags"
+ADMIN: Final = "admin"
+
+
+def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
+    """The cluster and this broker's slot from the config; None for a broker alone (no ``peers``)."""
+    if not config.peers:
+        return None
+    membership = mb.Membership.parse(config.peers, config.ring_history)
+    if len(membership.members) > 1 and not trust.secret_of(config.cluster_secret, config.admin_secret_key):
+        raise errors.InvalidArgument(
+            "brokers of a cluster authenticate each other: give every broker the same --cluster-secret, or the same "
+            "admin key pair (--admin-access-key/--admin-secret-key)"
+        )
+    if config.ordinal >= 0:
+        if config.ordinal >= len(membership.members):
+            raise errors.InvalidArgument(f"ordinal {config.ordinal} but only {len(membership.members)} peers")
+        return membership, config.ordinal
+    if not config.advertised_address:
+        raise errors.InvalidArgument("with peers, set ordinal or advertised_address (this broker's place in them)")
+    return membership, membership.slot_of(config.advertised_address)
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    membership: mb.Membership
+    slot: int  # this broker's slot; -1: no member (removed, still running)
+    source: str  # FLAGS or ADMIN
+
+    @property
+    def alone(self) -> bool:
+        return len(self.membership.members) == 1 and self.slot == 0
+
+
+def flags_of(config: BrokerConfig) -> str:
+    return json.dumps([config.peers, config.ring_history, config.ordinal, config.advertised_address])
+
+
+def from_flags(config: BrokerConfig) -> Place:
+    found = membership_of(config)
+    if found is None:
+        return Place(mb.Membership.single(config.advertised_address), 0, FLAGS)
+    return Place(found[0], found[1], FLAGS)
+
+
+def encode(place: Place, config: BrokerConfig) -> str:
+    return json.dumps({"membership": place.membership.to_json(), "slot": place.slot, "flags": flags_of(config)})
+
+
+def decode(text: str, config: BrokerConfig) -> tuple[Place | None, int]:
+    """The stored place, or None when it was set over other flags than this broker now has; and its epoch."""
+    try:
+        value = json.loads(text)
+        membership = mb.Membership.from_json(value["membership"])
+        if value["flags"] != flags_of(config):
+            return None, membership.epoch
+        return Place(membership, int(value["slot"]), ADMIN), membership.epoch
+    except (ValueError, KeyError, TypeError) as exc:
+        raise errors.InvalidArgument(f"the stored cluster membership is not readable: {exc}") from None
+
+
+class Cluster:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        store: Store,
+        dispatcher: Dispatcher,
+        edge: Edge,
+        *,
+        admin_keys: tuple[str, str] | None,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._dispatcher = dispatcher
+        self._edge = edge
+        self._admin_keys = admin_keys
+        self._metrics = metrics
+        self.place = from_flags(config)
+        self.endpoint = config.advertised_address  # this broker's member endpoint, kept while it is no member
+        self.confirmed_epoch = self.place.membership.epoch  # every send of an older epoch has finished
+        self.incarnation = uuid.uuid4().hex  # this process's start (peers see a restart)
+        self._peers: Peers | None = None
+        self._calls: Calls | None = None
+        self._changing = asyncio.Lock()
+        self._handing: asyncio.Task[None] | None = None
+        self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
+
+    @property
+    def peers(self) -> Peers | None:
+        """The peers this broker acts with; None while it runs alone."""
+        return self._peers if self._edge.cluster is not None else None
+
+    @property
+    def membership(self) -> mb.Membership:
+        return self.place.membership
+
+    @property
+    def slot(self) -> int:
+        return self.place.slot
+
+    async def start(self) -> None:
+        """The stored membership when it was set over the flags this broker has now, else the flags' (at an
+        epoch past the stored one: the epoch never goes back)."""
+        text = await asyncio.to_thread(self._store.get_membership)
+        stored, stored_epoch = decode(text, self.config) if text is not None else (None, 0)
+        place = stored or self.place
+        if text is not None and stored is None:
+            log.warning("the flags changed since the cluster membership was last set over the admin service: flags win")
+            if place.membership.epoch <= stored_epoch:
+                place = Place(place.membership.at(stored_epoch + 1), place.slot, place.source)
+        self._apply(place)
+        self.confirmed_epoch = place.membership.epoch
+
+    async def change(self, place: Place) -> bool:
+        """Store ``place`` (synced), then apply it; return once this broker confirms its epoch. False when it is
+        the current one. A smaller epoch than the current one, or the same epoch with another ring, is refused."""
+        async with self._changing:
+            current = self.place
+            new = place.membership
+            if new.epoch < current.membership.epoch or (
+                new.epoch == current.membership.epoch and not new.same_ring(current.membership)
+            ):
+                raise errors.Conflict(
+                    f"membership epoch {new.epoch} is older than this broker's {current.membership.epoch} (or the "
+                    "same epoch with other members): a newer change has been applied here"
+                )
+            if (new, place.slot) == (current.membership, current.slot):
+                return False
+            await asyncio.to_thread(self._store.put_membership, encode(place, self.config))
+            self._apply(place)
+        if self._peers is not None:
+            await self._peers.forwarder.finish_before(new.epoch)
+        self.confirmed_epoch = max(self.confirmed_epoch, new.epoch)
+        return True
+
+    def next_epoch(self, membership: mb.Membership, slot: int) -> mb.Membership:
+        """``membership`` without an epoch of its own (a ``SetCluster`` that gives none): the current epoch when
+        it is the current ring, else the next one."""
+        current = self.place
+        if membership.same_ring(current.membership) and slot == current.slot:
+            return membership.at(current.membership.epoch)
+        return membership.at(current.membership.epoch + 1)
+
+    async def adopt(self, membership: mb.Membership) -> None:
+        """A peer's newer membership: applied here, this broker's slot found by its advertised address or its
+        endpoint in the current membership."""
+        if membership.epoch <= self.membership.epoch:
+            return
+        slot = membership.members.index(self.endpoint) if self.endpoint in membership.members else -1
+        with contextlib.suppress(errors.Conflict):  # a newer one arrived meanwhile
+            await self.change(Place(membership, slot, ADMIN))
+
+    def _apply(self, place: Place) -> None:
+        peers = self._peers
+        was_leaving = self.slot >= 0 and self.membership.leaving(self.slot) and self._edge.cluster is not None
+        before = frozenset(self.membership.members) if self.slot >= 0 and self._edge.cluster is not None else None
+        self.place = place
+        membership, me = place.membership, place.slot
+        if me >= 0 and membership.members[me]:
+            self.endpoint = membership.members[me]
+        if place.alone:
+            self._edge.cluster = None
+            if peers is not None:
+                peers.apply(membership, me)
+        else:
+            if peers is None:
+                peers = self._peers = self._build()
+                peers.apply(membership, me)
+                peers.watch.start()
+            else:
+                peers.apply(membership, me)
+            self._edge.cluster = self._calls
+        if peers is not None and not place.alone:
+            if me >= 0 and membership.leaving(me) and not was_leaving and self._handing is None:
+                self._handing = asyncio.get_running_loop().create_task(self._subscribe_at_owners())
+            joined = [s for s, member in enumerate(membership.members) if before is not None and member not in before]
+            if joined and me >= 0:
+                task = asyncio.get_running_loop().create_task(self._subscribe_at_owners(joined))
+                self._copying.add(task)
+                task.add_done_callback(self._copying.discard)
+        where = f"slot {me}" if me >= 0 else "no member"
+        log.info(
+            "cluster (%s): %s of %d (ring of %d, epoch %d, %d leaving): %s",
+            place.source,
+            where,
+            len(membership.members),
+            membership.size,
+            membership.epoch,
+            len(membership.leaving_slots),
+            ", ".join(membership.members),
+        )
+
+    def _build(self) -> Peers:
+        config = self.config
+        admin_secret = self._admin_keys[1] if self._admin_keys is not None else ""
+        edge = self._edge
+        peers = Peers(
+            config,
+            secret=trust.secret_of(config.cluster_secret, admin_secret),
+            admin_keys=self._admin_keys,
+            holds_locally=self._holds_locally,
+            drained_locally=self._drained_locally,
+            subscribers=self._subscribers,
+            known=lambda client_id: self._dispatcher.registry.get(client_id) is not None,
+            store_here=lambda messages: send_message.store(edge, messages),
+            adopt=self.adopt,
+            registry=self._metrics.registry,
+        )
+        self._calls = Calls(edge, peers, self._metrics.registry)
+        return peers
+
+    async def _holds_locally(self, parent: str, lite: str) -> bool:
+        return await self._dispatcher.run(self._store.lite_topic, parent, lite) is not None
+
+    async def _drained_locally(self, parent: str, lite: str) -> bool:
+        return await self._dispatcher.run(draining.drained, self._store, parent, lite)
+
+    async def _subscribe_at_owners(self, joined: list[int] | None = None) -> None:
+        """Subscriptions this broker has to topics it does not hold (topics not created yet) are made at their
+        owners in today's ring, where those topics will be created: all of them when this broker just became a
+        leaving one (its own topics take theirs along when they move), those owned by ``joined`` when brokers
+        just joined, which also get every client's patterns (a pattern is on every broker). Failures only
+        delay: the clients sync every subscription periodically (Python and Java every 30 s)."""
+        try:
+            wanted: dict[tuple[str, str, str], tuple[list[str], list[str]]] = {}
+            for state in list(self._dispatcher.registry.clients()):
+                for lmq in list(state.lite_topics):
+                    parent, lite = model.QueueId(lmq).lite_parts()
+                    wanted.setdefault((state.client_id, state.group, parent), ([], []))[0].append(lite)
+                if joined and state.patterns and state.group and state.bind_topic:
+                    key = (state.client_id, state.group, state.bind_topic)
+                    wanted.setdefault(key, ([], []))[1].extend(state.patterns)
+
+            def not_held() -> list[Subscription]:
+                out = []
+                for (client_id, group, parent), (lites, patterns) in wanted.items():
+                    missing = [lite for lite in lites if self._store.lite_topic(parent, lite) is None]
+                    if missing or patterns:
+                        out.append((client_id, group, parent, missing, patterns))
+                return out
+
+            found = await self._dispatcher.run(not_held)
+            peers = self._peers
+            if found and peers is not None:
+                failed = await peers.fanout.subscribe_at_owners(found, joined)
+                if failed:
+                    log.warning("%d subscriptions not copied to new owners: the clients' next sync makes them", failed)
+        except Exception:
+            log.exception("copying subscriptions to the new owners failed: clients' next sync makes them")
+        finally:
+            if joined is None:
+                self._handing = None
+
+    def _subscribers(self, parent: str, lite: str) -> list[tuple[str, str]]:
+        out = []
+        for client_id in self._dispatcher.subscribers(model.QueueId.lmq(parent, lite)):
+            state = self._dispatcher.registry.get(client_id)
+            if state is not None and state.group:
+                out.append((client_id, state.group))
+        return out
+
+    async def close(self) -> None:
+        if self._handing is not None or self._copying:
+            await asyncio.gather(*filter(None, (self._handing, *self._copying)), return_exceptions=True)
+        self._edge.cluster = None
+        if self._peers is not None:
+            await self._peers.close()
+            self._peers = None
