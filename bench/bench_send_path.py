@@ -111,7 +111,7 @@ async def drive_cluster(
     broker 0, which stores its own topics and forwards the others; ``direct`` sends each message to its owner
     (the requests split by owner beforehand). CPU seconds of the process (both brokers and the client) during
     ``measured``."""
-    forwarding.CALL_TIMEOUT_S = 600.0  # type: ignore[misc,attr-defined]  # valgrind runs ~50x slower than the broker's 2 s allow
+    forwarding.CALL_TIMEOUT_S = 600.0  # type: ignore[attr-defined]  # valgrind runs ~50x slower than the broker's 2 s allow
     members = ",".join(f"127.0.0.1:{port}" for port in free_ports("127.0.0.1", 2))
     membership = mb.Membership.parse(members)
     brokers = []
