@@ -10,6 +10,7 @@ change). ``quota put`` sends the whole quota.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
@@ -219,7 +220,9 @@ def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
     """One broker, or (``--everywhere``) every broker of the old and new membership: joining ones first, then
     the leaving ones (so that they send on what reaches them by the old view), then the rest, removed ones last.
     Each on its admin service: its member endpoint's host at the admin port the first broker reports (its
-    --admin-port, which every broker of a cluster shares) unless ``--admin-port`` says otherwise."""
+    --admin-port, which every broker of a cluster shares) unless ``--admin-port`` says otherwise. This command is
+    then the change's one writer: every broker gets the same membership epoch, one past the newest any of them
+    that answers has (docs/scale-out.md, Membership epochs)."""
     members = tuple(m.strip() for m in a.peers.split(",") if m.strip())
     sizes = (*a.ring_history, a.ring_size if a.ring_size is not None else len(members))
     if not a.everywhere:
@@ -233,16 +236,24 @@ def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
     order += [m for m in members[today:] if m not in order]
     order += [m for m in members if m not in order]
     order += [m for m in old if m not in members and m]
-    rows = []
-    for endpoint in order:
-        with AdminClient(
+
+    def client(endpoint: str) -> AdminClient:
+        return AdminClient(
             mb.admin_endpoint(endpoint, admin_port),
             admin.aio.timeout_s,
             long_timeout_s=admin.aio.long_timeout_s,
             keys=a.keys,
             tls=a.tls,
-        ) as each:
-            info, changed = each.set_cluster(members, sizes, force=a.force)
+        )
+
+    epoch = current.epoch
+    for endpoint in order:
+        with contextlib.suppress(errors.LmqError), client(endpoint) as each:
+            epoch = max(epoch, each.cluster().epoch)
+    rows = []
+    for endpoint in order:
+        with client(endpoint) as each:
+            info, changed = each.set_cluster(members, sizes, force=a.force, epoch=epoch + 1)
         rows.append({"endpoint": endpoint, "slot": info.slot, "changed": changed, "leaving": info.leaving})
     return rows
 
