@@ -110,7 +110,11 @@ class GrpcAdmin:
     ) -> None:
         self.endpoint = endpoint
         pair = KeyPair(*keys) if keys else None  # brokers guard admin calls with their admin pair
-        self._client = AsyncAdminClient(endpoint, timeout_s, long_timeout_s=timeout_s, keys=pair, tls=tls)
+        # here_only: the operator calls every broker itself and tracks each one's sync; a broker's own copies to
+        # its peers would make one broker's put fail for another's absence.
+        self._client = AsyncAdminClient(
+            endpoint, timeout_s, long_timeout_s=timeout_s, keys=pair, tls=tls, here_only=True
+        )
 
     async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
         try:

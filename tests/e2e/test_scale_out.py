@@ -535,3 +535,27 @@ def test_a_lite_simple_consumers_pattern_gathers_from_every_broker(tmp_path: Pat
         for client in reversed(clients):
             client.shutdown()
         clients.clear()
+
+
+@pytest.mark.parametrize("kind", ["peers", "processes"])
+def test_a_topic_created_through_one_endpoint_takes_sends_through_every_broker(
+    tmp_path: Path, clients: list[Any], kind: str
+) -> None:
+    """Issue 25: a parent topic created with one admin call (on the access endpoint: one broker, or the process
+    the kernel picked) takes the official producer's sends through every broker; before, every broker but the
+    one told answered "failed to fetch topic route" (40 of 40 sends failed)."""
+    with two_brokers(tmp_path, kind) as (access, endpoints):
+        with AdminClient(access, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
+        lites = [f"e-{i}" for i in range(20)]
+        for n, endpoint in enumerate(endpoints):
+            producer = Producer(config(endpoint), (TOPIC,))
+            producer.startup()
+            clients.append(producer)
+            for lite in lites:
+                assert send(producer, lite, f"{lite}/{n}".encode()).message_id
+        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        assert sorted(placed) == sorted(lites) and {where[0] for where in placed.values()} == {0, 1}
+        for endpoint in endpoints:
+            with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as each:
+                assert each.get_parent_topic(TOPIC).topic.message_type is model.MessageType.LITE

@@ -4,7 +4,8 @@ A thin layer over ``AdminClient``: parse, call, print. Exit codes: 0 done, 1 the
 failed (its message on stderr), 2 bad usage. The service's ``Put*`` replaces the whole object, so
 ``parent-topic put`` and ``group put`` of an object that exists read it first and change only the fields
 whose options were given (read, merge, put: a concurrent writer between the read and the put loses its
-change). ``quota put`` sends the whole quota.
+change). ``quota put`` sends the whole quota. A broker with peers applies such changes on every member
+(``admin.everywhere``), unless ``--here-only``; a member that did not take one makes the command fail, naming it.
 """
 
 from __future__ import annotations
@@ -290,6 +291,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"the name the broker's certificate must carry, whatever --endpoint's host (env {tls.SERVER_NAME_ENV})",
     )
+    parser.add_argument(
+        "--here-only",
+        action="store_true",
+        help="change parent topics, groups and quotas on --endpoint's broker only; by default a broker with peers "
+        "sends each change on to every other member and fails the call, naming them, when one did not take it",
+    )
     resources = parser.add_subparsers(dest="resource", required=True, metavar="RESOURCE")
 
     def verb(
@@ -540,7 +547,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"error: {exc.message}", file=err)
         return EXIT_USAGE
     args.keys, args.tls = pair, secured
-    client = AdminClient(args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair, tls=secured)
+    client = AdminClient(
+        args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair, tls=secured, here_only=args.here_only
+    )
     try:
         if getattr(args, "scan", False):
             _scan(client, args, out)

@@ -52,6 +52,10 @@ refuses unsigned admin calls unless it runs with ``--admin-anonymous``. ``AdminC
 pair as ``lmq-admin`` does (``admin.credentials.resolve``: the ``LMQ_ADMIN_ACCESS_KEY``/``_SECRET_KEY``
 variables, else ``<data-dir>/admin-credentials.json``). ``channel_credentials`` makes the channel TLS; so does
 ``tls`` (``admin.tls.client_tls()``: ``--tls-ca`` or ``LMQ_TLS_CA``), with the name the certificate must carry.
+
+A broker with peers sends the changes of parent topics, groups and quotas it gets on to every other member
+(``admin.everywhere``; a member that did not take one fails the call, naming it). ``here_only=True`` marks the
+calls to be applied on this broker only: for callers that call every broker themselves (the operator).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ import grpc
 import grpc.aio
 
 from lmq_broker import model
-from lmq_broker.admin import convert, credentials
+from lmq_broker.admin import convert, credentials, everywhere
 from lmq_broker.admin.convert import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS
 from lmq_broker.admin.results import (
     Applied,
@@ -132,6 +136,7 @@ class ClientOptions(TypedDict, total=False):
     channel_credentials: grpc.ChannelCredentials | None
     tls: ClientTls | None
     clock: Callable[[], datetime]
+    here_only: bool
 
 
 class ScanOptions(TypedDict, total=False):
@@ -160,6 +165,7 @@ class AsyncAdminClient:
         channel_credentials: grpc.ChannelCredentials | None = None,
         tls: ClientTls | None = None,
         clock: Callable[[], datetime] = auth.utc_now,
+        here_only: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -168,6 +174,7 @@ class AsyncAdminClient:
             access_key, secret_key = keys.access_key, keys.secret_key
         self._keys = (access_key, secret_key) if access_key else None
         self._clock = clock
+        self._marks: tuple[tuple[str, str], ...] = ((everywhere.HERE_ONLY, "1"),) if here_only else ()
         options: tuple[tuple[str, Any], ...] = _CHANNEL_OPTIONS
         if tls is not None:  # TLS to brokers (--tls-ca / LMQ_TLS_CA)
             channel_credentials, options = tls.credentials(), (*options, *tls.options())
@@ -191,8 +198,8 @@ class AsyncAdminClient:
     # --- plumbing ---------------------------------------------------------------------------------------
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self._keys is None:
-            return ()
-        return auth.sign_metadata(*self._keys, self._clock())
+            return self._marks
+        return (*auth.sign_metadata(*self._keys, self._clock()), *self._marks)
 
     async def _unary(self, rpc: str, request: Any, timeout_s: float | None = None) -> Any:
         method = getattr(self._stub, rpc)

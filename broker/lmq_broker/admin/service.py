@@ -3,7 +3,9 @@
 Served by the broker's own grpc.aio server (same port as the v2 service) through ``register``. Handlers
 run on the broker's event loop; every store access goes to a worker thread and every change of parent
 topics, groups or quotas is announced with ``live.metadata_changed()`` so the dispatcher drops its cached
-copies. Errors are mapped in one place (``codes``), by the ``_edge`` wrapper below.
+copies. Changes of parent topics, groups and quotas are then sent on to the cluster's other members
+(``everywhere``; per-broker operations are not). Errors are mapped in one place (``codes``), by the ``_edge``
+wrapper below.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import grpc
 from typing_extensions import override
 
 from lmq_broker import errors, model
-from lmq_broker.admin import catalog, codes, convert, inspection, membership, reclaiming, validation
+from lmq_broker.admin import catalog, codes, convert, everywhere, inspection, membership, reclaiming, validation
 from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
@@ -86,6 +88,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         self._config = config
         self._cluster = cluster
         self._catalog = catalog.Catalog(store, config)
+        self._everywhere = everywhere.Everywhere(cluster)
 
     def _changed(self, changed: bool) -> None:
         if changed:
@@ -98,6 +101,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         topic = convert.parent_topic_from_pb(request.topic)
         put = await asyncio.to_thread(self._catalog.put_parent_topic, topic)
         self._changed(put.changed)
+        await self._everywhere.send_on(context, "PutParentTopic", request)
         return pb.PutParentTopicResponse(topic=convert.parent_topic_to_pb(put.value), created=put.created)
 
     @override
@@ -111,11 +115,14 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     async def DeleteParentTopic(
         self, request: pb.DeleteParentTopicRequest, context: Context
     ) -> pb.DeleteParentTopicResponse:
+        if not request.purge_lite_topics:  # refused by any member: deleted by none
+            await self._everywhere.check_empty(context, validation.name("name", request.name))
         deletion = await asyncio.to_thread(
             functools.partial(self._catalog.delete_parent_topic, request.name, purge=request.purge_lite_topics)
         )
         self._changed(deletion.deleted)
         purged = await reclaiming.purge(self._store, self._live, request.name) if deletion.purge_needed else 0
+        await self._everywhere.send_on(context, "DeleteParentTopic", request)
         return pb.DeleteParentTopicResponse(deleted=deletion.deleted, lite_topics_deleted=purged)
 
     @override
@@ -135,6 +142,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         group = convert.lite_group_from_pb(request.group)
         put = await asyncio.to_thread(self._catalog.put_group, group)
         self._changed(put.changed)
+        await self._everywhere.send_on(context, "PutLiteGroup", request)
         return pb.PutLiteGroupResponse(group=convert.lite_group_to_pb(put.value), created=put.created)
 
     @override
@@ -149,6 +157,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     async def DeleteLiteGroup(self, request: pb.DeleteLiteGroupRequest, context: Context) -> pb.DeleteLiteGroupResponse:
         deleted = await asyncio.to_thread(self._catalog.delete_group, request.name)
         self._changed(deleted)
+        await self._everywhere.send_on(context, "DeleteLiteGroup", request)
         return pb.DeleteLiteGroupResponse(deleted=deleted)
 
     @override
@@ -163,6 +172,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     async def PutQuota(self, request: pb.PutQuotaRequest, context: Context) -> pb.PutQuotaResponse:
         put = await asyncio.to_thread(self._catalog.put_quota, convert.quota_from_pb(request.quota))
         self._changed(put.changed)
+        await self._everywhere.send_on(context, "PutQuota", request)
         return pb.PutQuotaResponse(quota=convert.quota_to_pb(put.value), created=put.created)
 
     @override
@@ -170,6 +180,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     async def DeleteQuota(self, request: pb.DeleteQuotaRequest, context: Context) -> pb.DeleteQuotaResponse:
         deleted = await asyncio.to_thread(self._catalog.delete_quota, request.scope)
         self._changed(deleted)
+        await self._everywhere.send_on(context, "DeleteQuota", request)
         return pb.DeleteQuotaResponse(deleted=deleted)
 
     @override

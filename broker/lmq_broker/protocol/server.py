@@ -2,7 +2,7 @@
 ``--admin-port``, a second server for admin alone, so that the network can tell the two apart (a Kubernetes
 NetworkPolicy admits by port: clients to one, the operator and the reclaim job to the other). With
 ``--external-port`` one more server carries the v2 service alone for clients outside the cluster (never admin);
-its routes name the brokers' external addresses (``protocol.peers``).
+its routes name the brokers' external addresses (``cluster.links``).
 
 Each service is guarded with its own key pair: the v2 service by ``auth.AuthInterceptor`` with the client
 pair when one is configured (the official clients sign every call), the admin service always by
