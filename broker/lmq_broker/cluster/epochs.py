@@ -11,6 +11,9 @@ So a broker creates such a topic only after every slot it may have been placed o
 created before is visible to the ``DescribeLiteTopic`` asked next (``owners``). A peer found behind is sent
 this broker's membership (``SetCluster`` with the epoch: the one writer's number, passed on, never a new one);
 a peer found ahead is asked for its membership, which this broker adopts (``adopt``) before placing anything.
+Only a membership its writer gave (``SetCluster``, source "admin") is passed on or adopted: one a broker took
+from its flags (a new pod started with the grown ring) waits for the writer, which may first have work to do
+(the operator applies every resource to a new broker before any broker is told the new ring).
 
 Confirmations are kept per epoch and asked at most once at a time per peer. A peer that cannot be reached
 leaves the topics it may hold unplaceable (the send fails with a retriable error naming it), exactly as a
@@ -88,6 +91,12 @@ class Epochs:
             reply = await stub.GetCluster(
                 admin_pb.GetClusterRequest(), metadata=headers, timeout=CALL_TIMEOUT_S, wait_for_ready=True
             )
+            if reply.epoch < epoch and not self._links.told:
+                raise errors.BrokerUnavailable(
+                    f"broker {member} has membership epoch {reply.epoch}, this broker {epoch} from its flags: lite "
+                    "topics it may hold are placed once the change is told to it (the operator, or lmq-admin "
+                    "cluster set --everywhere); try again"
+                )
             if reply.epoch < epoch:
                 stub, headers = self._links.admin(member, "SetCluster")
                 request = admin_pb.SetClusterRequest(
@@ -103,6 +112,11 @@ class Epochs:
                 f"broker {member} has not confirmed the cluster's epoch {epoch} ({exc.code().name}: "
                 f"{exc.details()}); lite topics it may hold cannot be placed until it does, try again"
             ) from None
+        if reply.epoch > epoch and reply.source != "admin":
+            raise errors.BrokerUnavailable(
+                f"broker {member} has membership epoch {reply.epoch} from its flags, this broker {epoch}: lite topics "
+                "it may hold are placed once the change is told to every broker; try again"
+            )
         if reply.epoch > epoch:
             ahead = mb.of(tuple(reply.members), tuple(reply.ring_sizes), reply.epoch)
             log.info(
@@ -114,5 +128,10 @@ class Epochs:
             )
         if reply.epoch < epoch:
             raise errors.BrokerUnavailable(f"broker {member} did not take the cluster's epoch {epoch}; try again")
+        if (tuple(reply.members), tuple(reply.ring_sizes)) != (membership.members, membership.sizes):
+            raise errors.BrokerUnavailable(
+                f"broker {member} has another ring at epoch {reply.epoch} ({', '.join(reply.members)}): the "
+                "membership's writer must tell every broker the same one; try again"
+            )
         if self._epoch == epoch:
             self._confirmed.add(slot)

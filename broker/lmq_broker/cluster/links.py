@@ -90,15 +90,17 @@ class Links:
         self._closing: set[asyncio.Task[None]] = set()
         self.membership = mb.Membership.single()
         self.me = 0
+        self.told = False  # the membership came from its writer (SetCluster), not from this broker's flags
         self.brokers: list[tuple[pb.Broker, int]] = []
         self.external_brokers: list[tuple[pb.Broker, int]] = []
 
-    def apply(self, membership: mb.Membership, me: int) -> None:
+    def apply(self, membership: mb.Membership, me: int, *, told: bool = False) -> None:
         """A new membership: routes follow it at once, channels to members that left are closed (calls still
         running on them get their answers). ``me`` is -1 when this broker is no member."""
         name = self.config.broker_name.rsplit("-", 1)[0]
         self.membership = membership
         self.me = me
+        self.told = told
         self.brokers = [
             (
                 pb.Broker(name=f"{name}-{slot}", id=0, endpoints=convert.endpoints_of_address(member)),

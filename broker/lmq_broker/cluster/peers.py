@@ -49,10 +49,11 @@ class Peers:
         self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry)
         self.watch = Watch(self.links, self.epochs, self.fanout, registry)
 
-    def apply(self, membership: mb.Membership, me: int) -> None:
+    def apply(self, membership: mb.Membership, me: int, *, told: bool = False) -> None:
         """A new membership, in one step: routes, assignments and remembered placements follow it at once.
-        ``me`` is -1 when this broker is no member (removed, still running: it only forwards)."""
-        self.links.apply(membership, me)
+        ``me`` is -1 when this broker is no member (removed, still running: it only forwards); ``told``: it
+        came from the membership's writer (SetCluster), not from the flags."""
+        self.links.apply(membership, me, told=told)
         self.owners.forget()
 
     @property

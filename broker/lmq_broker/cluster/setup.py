@@ -198,14 +198,14 @@ class Cluster:
         if place.alone:
             self._edge.cluster = None
             if peers is not None:
-                peers.apply(membership, me)
+                peers.apply(membership, me, told=place.source == ADMIN)
         else:
             if peers is None:
                 peers = self._peers = self._build()
-                peers.apply(membership, me)
+                peers.apply(membership, me, told=place.source == ADMIN)
                 peers.watch.start()
             else:
-                peers.apply(membership, me)
+                peers.apply(membership, me, told=place.source == ADMIN)
             self._edge.cluster = self._calls
         if peers is not None and not place.alone:
             if me >= 0 and membership.leaving(me) and not was_leaving and self._handing is None:
