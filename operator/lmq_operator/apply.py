@@ -28,7 +28,7 @@ from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.admin.tls import ClientTls
 from lmq_broker.cluster import ring
-from lmq_operator import desired, diff, leadership, model, settings, status
+from lmq_operator import desired, diff, leadership, model, resyncing, settings, status
 from lmq_operator.admins import AdminError, BrokerAdmin
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,79 @@ async def delete(
         return broker, None
 
     return list(await asyncio.gather(*(one(b, k) for b, k in diff.plan_delete(list(brokers), key))))
+
+
+# ---- a joining broker, before the ring names it ---------------------------------------------------------
+
+# A failure a resource already reports on every broker is the resource's, not a joining broker's: it does not
+# hold a scale-up (a person fixes the resource; the ring need not wait for that).
+_REPORTED: Final = {
+    model.Failure.REJECTED: status.Reason.BROKER_REJECTED,
+    model.Failure.MISSING_PARENT: status.Reason.PARENT_TOPIC_NOT_FOUND,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Missing:
+    """A resource a joining broker does not hold after ``prepare``."""
+
+    text: str
+    refused: bool  # the broker answered no (retrying the same spec will not help), else it was not reached
+
+
+async def prepare(
+    pool: AdminPool,
+    brokers: Sequence[model.Broker],
+    kind: model.Kind,
+    body: Mapping[str, Any],
+    claims: Mapping[str, Iterable[model.Claimant]],
+) -> list[Missing]:
+    """Apply one resource to ``brokers`` only, with the reconcile's own observe, diff and put: joining brokers
+    get everything before any broker is told the ring that makes them members. Status is the reconcile's to
+    write; a resource the operator leaves alone (paused, unmanaged, invalid, in conflict) is skipped."""
+    wanted = desired.gate(kind, body["metadata"], body.get("spec") or {}, claims)
+    if isinstance(wanted, desired.Blocked):
+        return []
+    _, syncs = await sync(pool, wanted, kind, brokers)
+    ready = status.ready_of(body.get("status") or {})
+    missing = []
+    for s in syncs:
+        if s.synced:
+            continue
+        reported = _REPORTED.get(s.failure) if s.failure is not None else None
+        if reported is not None and ready is not None and ready[1] == reported.value:
+            continue
+        text = f"{kind.value} {wanted.key!r} on {s.broker.name}: {s.message}"
+        missing.append(Missing(text, s.failure is model.Failure.REJECTED))
+    return missing
+
+
+async def listed(kind: model.Kind, namespace: str | None, client: Any = None, page: int = 500) -> dict[str, bytes]:
+    """uid -> compact copy of every resource of ``kind`` the apiserver has (in ``namespace``, else all), a page
+    at a time: what a joining broker must hold even when kopf's index is still filling (an operator that just
+    started in the middle of a scale-up)."""
+
+    def read() -> dict[str, bytes]:
+        api = kubernetes.client.CustomObjectsApi(client or shared_kube_client())
+        found: dict[str, bytes] = {}
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {"limit": page, "_preload_content": False}
+            if token:
+                args["_continue"] = token
+            resp: Any
+            if namespace:
+                resp = api.list_namespaced_custom_object(model.GROUP, model.VERSION, namespace, kind.plural, **args)
+            else:
+                resp = api.list_cluster_custom_object(model.GROUP, model.VERSION, kind.plural, **args)
+            listing = json.loads(resp.data)
+            for item in listing.get("items") or []:
+                found[item["metadata"]["uid"]] = resyncing.compact(item)
+            token = (listing.get("metadata") or {}).get("continue")
+            if not token:
+                return found
+
+    return await asyncio.to_thread(read)
 
 
 # ---- one resource, end to end -------------------------------------------------------------------------

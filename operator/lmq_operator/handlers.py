@@ -6,6 +6,12 @@ applies a new spec. The resync is one loop over every resource (``resyncing``), 
 each resource as compact JSON, not a kopf timer per resource. A per-object lock serialises it with change
 handlers, and the resync reads the resource from the index under that lock, so it can never re-apply a
 spec older than the one an update just applied.
+
+Brokers do not wait for the resync. A watch loop (``_watch``) looks at the brokers every discovery interval:
+when one lacks a resource the operator knows it applied (a new pod, a pod back with an empty disk) every
+resource is reconciled at once, and when the set of leaving brokers with undrained messages changes, every
+ParentTopic's ``BrokersDrained`` condition is rewritten at once. Joining brokers of a scale-up get every
+resource from the scaler's ``prepare`` (``_prepare``) before any broker is told the ring that names them.
 """
 
 from __future__ import annotations
@@ -14,19 +20,22 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import kopf
 
 from lmq_broker.admin.credentials import KeyPair
-from lmq_operator import admins, apply, desired, metrics, model, resyncing, scaler, settings, status
+from lmq_operator import admins, apply, desired, metrics, model, resyncing, scaler, scaling, settings, status
+
+log = logging.getLogger(__name__)
 
 EVENT_SOURCE = "lmq-operator"  # reportingComponent and source.component of every Event we post
 # Connections to the apiserver at most. kopf's own HTTP session has no bound: a burst of creates (a GitOps
@@ -48,6 +57,7 @@ class Context:
     indices: dict[str, Any] = field(default_factory=dict)  # kopf's indices, by name
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
+    watch: asyncio.Task[None] | None = None
     scaler: scaler.Scaler | None = None  # the broker StatefulSet's membership, when the operator manages it
     scaling: asyncio.Task[None] | None = None
     # kopf posts Events through a queue it binds to each handler's context; the resync loop runs outside any
@@ -70,8 +80,12 @@ class Context:
             return resyncing.expand(raw)
         return None
 
-    def entries(self) -> list[resyncing.Entry]:
-        return [(kind, uid) for kind in model.Kind for uid in self.indices[f"{kind.plural}_bodies"]]
+    def entries(self, *kinds: model.Kind) -> list[resyncing.Entry]:
+        return [(kind, uid) for kind in kinds or model.Kind for uid in self.indices[f"{kind.plural}_bodies"]]
+
+
+# Parent topics before the groups bound to them: a group's put is refused where its parent is missing.
+APPLY_ORDER: Final = (model.Kind.PARENT_TOPIC, model.Kind.LITE_QUOTA, model.Kind.LITE_GROUP)
 
 
 _DELETED_KEPT = 4096  # finished deletions remembered; a re-run comes within seconds of its first run
@@ -121,7 +135,13 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     ctx.resync = asyncio.create_task(
         resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
     )
+    ctx.watch = asyncio.create_task(_watch(ctx, max(conf.discovery_ttl_s, WATCH_MIN_S)))
     if member is not None:
+
+        async def prepare(brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
+            return await _prepare(ctx, brokers)
+
+        member.prepare = prepare
         ctx.scaling = asyncio.create_task(scaler.run(member, conf.scaling_s))
 
 
@@ -161,7 +181,7 @@ async def close(memo: Any, **_: Any) -> None:
     _sessions.clear()
     ctx: Context | None = getattr(memo, "lmq", None)
     if ctx is not None:
-        for task in (ctx.resync, ctx.scaling):
+        for task in (ctx.resync, ctx.watch, ctx.scaling):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -254,6 +274,118 @@ async def _resync(ctx: Context, kind: model.Kind, uid: str) -> None:
             if changes:
                 meta = body["metadata"]
                 await ctx.statuses.patch(kind, meta["namespace"], meta["name"], changes)
+
+
+# ---- brokers that need everything now, and the drain -------------------------------------------------
+
+WATCH_MIN_S: Final = 1.0  # the watch loop's interval at least (it is the discovery interval)
+
+
+async def _prepare(ctx: Context, brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
+    """Every resource onto ``brokers`` (joining a scale-up), each under its lock and as the index shows it now
+    (the apiserver's list when the index has not seen it yet), parent topics first; None once all are held."""
+    pool = apply.AdminPool(ctx.pool.factory)  # its own connections: discovery prunes the shared pool's
+    missing: list[apply.Missing] = []
+    try:
+        for kind in APPLY_ORDER:
+            listed = await apply.listed(kind, ctx.conf.namespace)
+            entries = [(kind, uid) for uid in sorted({*listed, *ctx.indices[f"{kind.plural}_bodies"]})]
+
+            async def one(kind: model.Kind, uid: str, listed: dict[str, bytes] = listed) -> None:
+                async with ctx.lock(uid):
+                    body = ctx.body(kind, uid) or (resyncing.expand(listed[uid]) if uid in listed else None)
+                    if body is None or body["metadata"].get("deletionTimestamp"):
+                        return
+                    try:
+                        missing.extend(await apply.prepare(pool, brokers, kind, body, ctx.claims(kind)))
+                    except Exception as exc:  # a bug, not a broker's answer: still no reason to tell the ring
+                        log.exception("applying %s %s to joining brokers failed", kind.value, uid)
+                        missing.append(apply.Missing(f"{kind.value} {body['metadata'].get('name')}: {exc}", False))
+
+            await resyncing.sweep(entries, one)
+    finally:
+        await pool.close()
+    if not missing:
+        return None
+    text = "; ".join(m.text for m in missing[:3]) + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
+    return scaling.Unprepared(text, any(m.refused for m in missing))
+
+
+def _probe(ctx: Context) -> tuple[model.Kind, str] | None:
+    """A resource every broker holds if none lost anything: the first applied ParentTopic (else any kind)."""
+    for kind in APPLY_ORDER:
+        for uid in ctx.indices[f"{kind.plural}_bodies"]:
+            body = ctx.body(kind, uid)
+            if body is None or status.ready_of(body.get("status") or {}) != ("True", status.Reason.APPLIED.value):
+                continue
+            key = (body.get("status") or {}).get(status.KEY_FIELD[kind])
+            if key:
+                return kind, str(key)
+    return None
+
+
+async def _lacking(ctx: Context, targets: Sequence[model.Broker]) -> list[str]:
+    """Brokers that answer but do not hold the probe resource: new pods, or pods back with an empty disk."""
+    probe = _probe(ctx)
+    if probe is None or not targets:
+        return []
+    kind, key = probe
+    seen = await apply.observe(ctx.pool, kind, key, targets)
+    return [b.name for b, found in seen.items() if found is None]
+
+
+async def _sweep_all(ctx: Context) -> None:
+    for kind in APPLY_ORDER:
+        await resyncing.sweep(ctx.entries(kind), lambda kind, uid: _resync(ctx, kind, uid))
+
+
+async def _write_drained_of(ctx: Context, leaving: Sequence[model.Leaving], kind: model.Kind, uid: str) -> None:
+    """Only the BrokersDrained condition of one ParentTopic, no broker call; the resync keeps its counts fresh."""
+    async with ctx.lock(uid):
+        body = ctx.body(kind, uid)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        previous = dict(body.get("status") or {})
+        if not any(c.get("type") == status.DRAINED for c in previous.get("conditions") or ()):
+            return  # blocked (paused, unmanaged, …) or never reconciled: the reconcile decides
+        new = status.with_condition(dict(previous), status.drained(leaving, previous, _now()))
+        changes = status.changes(previous, new)
+        if changes:
+            meta = body["metadata"]
+            await ctx.statuses.patch(kind, meta["namespace"], meta["name"], changes)
+
+
+def _drain_key(leaving: Sequence[model.Leaving]) -> tuple[str, ...]:
+    """What makes BrokersDrained change (its status, reason and the brokers named), not the counts: those
+    change with every message consumed, and rewriting every ParentTopic for each would flood the apiserver."""
+    return tuple(sorted(f"{x.broker.name}/{x.undrained_messages is None}" for x in leaving))
+
+
+async def _watch(ctx: Context, interval_s: float) -> None:
+    last: tuple[str, ...] | None = None
+    known: set[str] | None = None  # endpoints of the last view; None before the first (resume covers those)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            view = await ctx.fleet.view()
+            endpoints = {b.endpoint for b in view.targets}
+            new = sorted(b.name for b in view.targets if known is not None and b.endpoint not in known)
+            known = endpoints if view.error is None else known
+            lacking = await _lacking(ctx, view.targets)
+            if new or lacking:  # a new one may hold everything already (joined a scale-up): its status may not
+                why = f"new brokers {', '.join(new)}" if new else f"brokers {', '.join(lacking)} lack resources"
+                log.info("%s: reconciling every resource now", why)
+                await _sweep_all(ctx)
+            key = _drain_key(view.leaving)
+            if key != last:
+                log.info("leaving brokers changed (%s): rewriting BrokersDrained", ", ".join(key) or "none")
+                drained = ctx.entries(model.Kind.PARENT_TOPIC)
+                await resyncing.sweep(drained, functools.partial(_write_drained_of, ctx, view.leaving))
+                last = key
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("broker watch pass failed")
 
 
 @dataclass

@@ -8,6 +8,9 @@ resyncs evenly spread over the interval with at most ``concurrency`` running at 
 brokers and the apiserver is as flat as the timers' random start made it. The index keeps each resource
 as a few hundred bytes of compact JSON (``compact``), not its body.
 
+Besides the paced passes, ``sweep`` visits resources at once (a broker that lost or never had them, a drain
+that started or ended): the same per-resource work, as fast as ``concurrency`` allows.
+
 Pure scheduling and a pure projection: no kopf, no I/O; handlers.py supplies the resources and the resync.
 """
 
@@ -17,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from lmq_operator import model
@@ -105,3 +108,23 @@ async def run(
         for task in list(running):
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+
+
+async def sweep(
+    entries: Iterable[Entry],
+    visit: Callable[[model.Kind, str], Awaitable[None]],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+) -> None:
+    """``visit`` every entry once, now, at most ``concurrency`` at a time, in the order given (callers put
+    ParentTopics before the groups bound to them); one entry's failure is logged and never stops the others."""
+    todo = iter(entries)
+
+    async def worker() -> None:
+        for kind, uid in todo:  # the workers share one iterator: each entry is taken once
+            try:
+                await visit(kind, uid)
+            except Exception:
+                log.exception("visit of %s %s failed", kind.value, uid)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -6,17 +6,22 @@ a fixed order so that an interrupted one leaves nothing unsafe behind: the recor
 annotation of the ConfigMap) and the flags starting pods take (its data) first, then ``spec.replicas`` when it
 grows, then SetCluster on each broker in the safe order, and ``spec.replicas`` when it shrinks only after every
 broker has accepted the smaller ring (a broker refuses to remove a peer it cannot ask whether it is drained).
+
+Before the first SetCluster that makes a broker know a new member, that member gets every resource the operator
+manages (``prepare``, supplied by the handlers, which own the resources): a ring that sends producers to a
+broker without their ParentTopic fails them. Until it holds them all, nobody is told and the pass says why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -28,7 +33,7 @@ from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import ring
-from lmq_operator import scaling, settings
+from lmq_operator import model, scaling, settings
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,14 @@ def admin_endpoints(pod: PodAddress, processes: int) -> tuple[str, ...]:
     return ring.slot_endpoints(f"{pod.ip}:{pod.grpc_port}", processes)
 
 
+# Applies every resource the operator manages to these brokers; None once each holds them all.
+Prepare = Callable[[Sequence[model.Broker]], Awaitable[scaling.Unprepared | None]]
+
+
+async def _nothing_to_prepare(brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
+    return None
+
+
 @dataclass
 class Scaler:
     conf: settings.Settings
@@ -80,6 +93,7 @@ class Scaler:
     _asks: dict[int, str] = field(default_factory=dict)  # slot -> admin endpoint, of the last observation
     _undrained: dict[str, tuple[float, int]] = field(default_factory=dict)  # endpoint -> (when, count > 0)
     clock: Callable[[], float] = time.monotonic
+    prepare: Prepare = _nothing_to_prepare
     _failed: str = ""
 
     # ---- Kubernetes reads and writes ---------------------------------------------------------------------
@@ -139,9 +153,12 @@ class Scaler:
         current: Mapping[str, Any] | None,
         record: str | None,
         env: Mapping[str, str] | None,
+        epoch: int | None = None,
     ) -> None:
         name = self.conf.membership_configmap
         annotations = {scaling.ANNOTATION_MEMBERSHIP: record} if record is not None else {}
+        if epoch is not None:
+            annotations[scaling.ANNOTATION_EPOCH] = str(epoch)
         if current is None:
             meta = sts["metadata"]
             owner = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": meta["name"], "uid": meta["uid"]}
@@ -220,16 +237,17 @@ class Scaler:
             found = mb.Membership(tuple(info.members), tuple(info.ring_sizes))
         except errors.InvalidArgument:
             return None, None
+        view = scaling.View(found, info.slot, info.epoch)
         if not undrained:
-            return scaling.View(found, info.slot), None
+            return view, None
         if fresh:
             assert known is not None
-            return scaling.View(found, info.slot), known[1]
+            return view, known[1]
         if info.undrained_messages > 0:
             self._undrained[endpoint] = (self.clock(), info.undrained_messages)
         else:
             self._undrained.pop(endpoint, None)
-        return scaling.View(found, info.slot), info.undrained_messages
+        return view, info.undrained_messages
 
     # ---- one pass ----------------------------------------------------------------------------------------
 
@@ -250,8 +268,11 @@ class Scaler:
             wanted = int(raw) if raw is not None and str(raw).strip() else None
         except ValueError:
             wanted = -1  # reported as Stalled: not a count
-        record = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(scaling.ANNOTATION_MEMBERSHIP)
+        cm_annotations = (cm or {}).get("metadata", {}).get("annotations") or {}
+        record = cm_annotations.get(scaling.ANNOTATION_MEMBERSHIP)
         target = mb.Membership.from_json(record) if record else None
+        raw_epoch = str(cm_annotations.get(scaling.ANNOTATION_EPOCH) or "")
+        epoch = int(raw_epoch) if raw_epoch.isdigit() else None
         p = self.conf.processes
         pods = pods_from_slices(await self._slices(), self.conf.admin_port)
         leaving = set(target.leaving_slots) if target is not None else set()
@@ -267,7 +288,7 @@ class Scaler:
         views = {s: a[0] for s, a in zip(asks, answers, strict=True)}
         undrained = {s: a[1] for s, a in zip(asks, answers, strict=True) if s in leaving}
         replicas = int((sts.get("spec") or {}).get("replicas", 1))
-        observed = scaling.Observed(wanted, replicas, p, target, views, undrained, self._pod)
+        observed = scaling.Observed(wanted, replicas, p, target, views, undrained, self._pod, epoch)
         self._asks = asks
         return sts, cm, observed
 
@@ -279,12 +300,23 @@ class Scaler:
         env = decision.env
         if env is not None and cm is not None and (cm.get("data") or {}) == env:
             env = None
-        if record is not None or env is not None or (cm is None and target is not None):
-            await self._write_configmap(sts, cm, record or (target.to_json() if target else None), env)
+        epoch = decision.epoch if decision.tell and decision.epoch != observed.epoch else None
+        if record is not None or env is not None or epoch is not None or (cm is None and target is not None):
+            await self._write_configmap(sts, cm, record or (target.to_json() if target else None), env, epoch)
         shrinking = decision.replicas is not None and decision.replicas < observed.replicas
         if decision.replicas is not None and not shrinking:
             await self._patch_sts({"spec": {"replicas": decision.replicas}})
-        told = await self._tell(target, decision.tell) if target is not None else True
+        unprepared = await self._prepare(target, decision.prepare) if target is not None and decision.tell else None
+        if unprepared is not None:
+            decision = dataclasses.replace(
+                decision,
+                phase=scaling.Phase.STALLED if unprepared.stalled else scaling.Phase.WAITING,
+                message=unprepared.message,
+                event=None,
+            )
+        told = unprepared is None and (await self._tell(target, decision.tell, decision.epoch) if target else True)
+        if unprepared is not None:
+            self._failed = unprepared.message
         if told and shrinking:
             assert decision.replicas is not None
             await self._patch_sts({"spec": {"replicas": decision.replicas}})
@@ -296,14 +328,38 @@ class Scaler:
         if (sts["metadata"].get("annotations") or {}).get(scaling.ANNOTATION_STATUS) != text:
             await self._patch_sts({"metadata": {"annotations": {scaling.ANNOTATION_STATUS: text}}})
             if decision.phase is scaling.Phase.STALLED or not told:
-                await self._event(sts, "Warning", decision.phase.value if told else "SetClusterFailed", text)
+                reason = decision.phase.value if told or unprepared is not None else "SetClusterFailed"
+                await self._event(sts, "Warning", reason, text)
         if target is not None:
             self.ring_pods = target.size // observed.processes
         self.last = decision
         return decision
 
-    async def _tell(self, target: mb.Membership, slots: Sequence[int]) -> bool:
-        """SetCluster on each slot in order; stops at the first refusal (the next pass observes and retries)."""
+    async def _prepare(self, target: mb.Membership, slots: Sequence[int]) -> scaling.Unprepared | None:
+        """Every resource onto the joining slots' brokers, before anyone is told they are members."""
+        if not slots:
+            return None
+        brokers = []
+        for slot in slots:
+            endpoint = self._asks.get(slot)
+            if endpoint is None:
+                return scaling.Unprepared(
+                    f"waiting for {target.members[slot]} (slot {slot}) to be published: not told yet"
+                )
+            ordinal, process = divmod(slot, self.conf.processes)
+            name = f"{self.conf.broker_statefulset}-{ordinal}"
+            brokers.append(model.Broker(name if self.conf.processes == 1 else f"{name}-p{process}", endpoint, ordinal))
+        found = await self.prepare(brokers)
+        if found is not None:
+            joiners = ", ".join(target.members[s] for s in slots)
+            text = f"the joining brokers ({joiners}) do not hold every resource yet, no broker is told: {found.message}"
+            return scaling.Unprepared(text, found.stalled)
+        log.info("joining brokers %s hold every resource", ", ".join(b.name for b in brokers))
+        return None
+
+    async def _tell(self, target: mb.Membership, slots: Sequence[int], epoch: int | None = None) -> bool:
+        """SetCluster on each slot in order, all with the same epoch; stops at the first refusal (the next pass
+        observes and retries with the same epoch)."""
         for slot in slots:
             endpoint = self._asks.get(slot)
             if endpoint is None:
@@ -311,7 +367,7 @@ class Scaler:
                 return False
             mine = slot if slot < len(target.members) else -1
             try:
-                await self._admin(endpoint).set_cluster(target.members, target.sizes, slot=mine)
+                await self._admin(endpoint).set_cluster(target.members, target.sizes, slot=mine, epoch=epoch or 0)
             except errors.LmqError as exc:
                 self._failed = f"SetCluster on {endpoint} (slot {slot}) failed: {exc.message}"
                 log.warning("%s", self._failed)

@@ -11,6 +11,12 @@ driving the brokers to (the ``target``).
 wanted pod count comes from the ``lmq.io/replicas`` annotation (the chart's ``broker.replicas``); a
 ``spec.replicas`` that someone else changed is set back, because lowering it directly would stop brokers that
 still hold undelivered messages. Everything here is pure: no kopf, no Kubernetes, no gRPC.
+
+Two rules keep a membership change safe for clients. A broker learns a new member only once that member holds
+every resource the operator manages (``prepare``): a producer routed there by the new ring must find its
+ParentTopic. And the operator is the single writer of the membership's epoch: every broker told one target
+membership gets the same epoch, one above the highest any broker had (``epoch_for``), and the same number
+again while the operator retries that target.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from lmq_broker.cluster import ring
 
 ANNOTATION_REPLICAS: Final = "lmq.io/replicas"  # the wanted pod count, on the StatefulSet (chart, GitOps, kubectl)
 ANNOTATION_MEMBERSHIP: Final = "lmq.io/membership"  # the operator's target, on its membership ConfigMap
+ANNOTATION_EPOCH: Final = "lmq.io/membership-epoch"  # the epoch given with the target, on the same ConfigMap
 ANNOTATION_STATUS: Final = "lmq.io/scaling"  # the operator's progress, on the StatefulSet, for `kubectl describe`
 ENV_PEERS: Final = "LMQ_PEERS"  # the ConfigMap's keys: what a starting broker pod takes as its flags
 ENV_HISTORY: Final = "LMQ_RING_HISTORY"
@@ -71,6 +78,7 @@ class View:
 
     membership: mb.Membership
     slot: int
+    epoch: int = 0  # 0: a broker that does not number its memberships (older than epochs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +90,16 @@ class Observed:
     views: Mapping[int, View | None]  # slot -> its answer (None: did not answer); pods that run, beyond too
     undrained: Mapping[int, int | None]  # leaving slot -> undrained messages (None: could not be asked)
     pod: Callable[[int], str]  # ordinal -> the pod's advertised endpoint (what ``--peers`` lists)
+    epoch: int | None = None  # the epoch recorded with ``target`` (None: none recorded yet)
+
+
+@dataclass(frozen=True, slots=True)
+class Unprepared:
+    """Why joining brokers do not hold every resource yet: ``stalled`` when a broker refused one (a person has
+    to act), else one could not be reached and the next pass tries again."""
+
+    message: str
+    stalled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +112,8 @@ class Decision:
     replicas: int | None = None  # spec.replicas to set once every SetCluster succeeded (None: unchanged)
     warning: str | None = None  # someone else changed spec.replicas: the Warning Event that says so
     event: str | None = None  # a step worth an Event (Normal), with the phase as its reason
+    epoch: int | None = None  # the epoch every told broker gets with the target (recorded before telling)
+    prepare: tuple[int, ...] = ()  # slots that must hold every resource before any broker is told
 
 
 def _pods(target: mb.Membership, processes: int) -> int:
@@ -140,9 +160,40 @@ def tell_order(old: Sequence[str], target: mb.Membership, slots: Sequence[int]) 
     return tuple(sorted(slots, key=rank))
 
 
-def _differs(view: View | None, target: mb.Membership, slot: int) -> bool:
+def epoch_for(target: mb.Membership, recorded: int | None, views: Mapping[int, View | None]) -> int:
+    """The epoch to give every broker with ``target``: the one recorded with it while no broker holds a newer
+    one or that number with other members; else the newest epoch any broker has, when every broker at that
+    epoch already holds ``target`` (a pass told some before it stopped, or a person did with the same
+    members); else one above it. So it only grows, and it stays the same while the same target is retried."""
+    seen = [v for v in views.values() if v is not None]
+    top = max((v.epoch for v in seen), default=0)
+
+    def holds(epoch: int) -> bool:
+        return all(v.membership == target for v in seen if v.epoch == epoch)
+
+    if recorded is not None and recorded >= top and holds(recorded):
+        return recorded
+    if top > 0 and holds(top):
+        return top
+    return top + 1
+
+
+def joining_slots(old: Sequence[str], target: mb.Membership) -> tuple[int, ...]:
+    """Slots of ``target`` that are not members of ``old`` (the ring the brokers being told have): telling them
+    the target sends clients there, so those brokers must hold every resource first."""
+    return tuple(s for s, member in enumerate(target.members) if member not in old)
+
+
+def _numbered(views: Mapping[int, View | None]) -> bool:
+    """Whether the brokers number their memberships: one that reports 0 everywhere ignores epochs."""
+    return any(v is not None and v.epoch > 0 for v in views.values())
+
+
+def _differs(view: View | None, target: mb.Membership, slot: int, epoch: int | None = None) -> bool:
     want_slot = slot if slot < len(target.members) else -1
-    return view is None or view.membership != target or view.slot != want_slot
+    if view is None or view.membership != target or view.slot != want_slot:
+        return True
+    return epoch is not None and view.epoch != epoch
 
 
 def decide(o: Observed) -> Decision:
@@ -162,13 +213,20 @@ def decide(o: Observed) -> Decision:
     if silent:
         names = ", ".join(target.members[s] for s in silent)
         return _with(base, Phase.WAITING, f"waiting for {names} to answer (pods starting, or down)")
-    stale = [s for s, v in o.views.items() if v is not None and _differs(v, target, s)]
+    epoch = epoch_for(target, o.epoch, o.views)
+    numbered = epoch if _numbered(o.views) else None
+    stale = [s for s, v in o.views.items() if v is not None and _differs(v, target, s, numbered)]
     if stale:
-        old = o.views[stale[0]]
+        old = next((v for v in o.views.values() if v is not None and v.membership != target), o.views[stale[0]])
         assert old is not None
         order = tell_order(old.membership.members, target, stale)
-        text = f"telling {len(order)} brokers the membership of {pods} pods (ring sizes {list(target.sizes)})"
-        return _with(base, Phase.CONVERGING, text, tell=order)
+        text = (
+            f"telling {len(order)} brokers the membership of {pods} pods (ring sizes {list(target.sizes)}, "
+            f"epoch {epoch})"
+        )
+        return _with(
+            base, Phase.CONVERGING, text, tell=order, epoch=epoch, prepare=joining_slots(old.membership.members, target)
+        )
 
     # 2. Every broker has the target. Pods beyond its members are stopped only now (a broker told to remove a
     # peer asks that peer whether it is drained), then the next step towards the wanted size.
@@ -238,7 +296,9 @@ def _step(base: Decision, o: Observed, old: mb.Membership, new: mb.Membership, *
     """Record ``new`` and tell every running broker, in the safe order."""
     slots = sorted(s for s, v in o.views.items() if v is not None)
     order = tell_order(old.members, new, slots)
-    return _with(base, phase, text, target=new, tell=order, event=text)
+    epoch = epoch_for(new, o.epoch if new == o.target else None, o.views)
+    prepare = joining_slots(old.members, new)
+    return _with(base, phase, text, target=new, tell=order, event=text, epoch=epoch, prepare=prepare)
 
 
 def _with(base: Decision, phase: Phase, message: str, **changes: Any) -> Decision:

@@ -472,9 +472,11 @@ def publish_brokers(api: KubeAPI, namespace: str, name: str, endpoints: list[tup
         add_broker_pod(api, namespace, name, ordinal, (ip, port))
 
 
-def add_broker_pod(api: KubeAPI, namespace: str, name: str, ordinal: int, endpoint: tuple[str, int]) -> None:
-    """What the EndpointSlice controller does when a new ready pod ``<name>-<ordinal>`` joins the headless
-    Service (a scale-out): a slice for it appears, labelled with the Service's name."""
+def add_broker_pod(
+    api: KubeAPI, namespace: str, name: str, ordinal: int, endpoint: tuple[str, int], *, ready: bool = True
+) -> None:
+    """What the EndpointSlice controller does when a new pod ``<name>-<ordinal>`` joins the headless Service (a
+    scale-out): a slice for it appears, labelled with the Service's name (``ready`` False: not ready yet)."""
     ip, port = endpoint
     api.post(
         f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
@@ -484,23 +486,25 @@ def add_broker_pod(api: KubeAPI, namespace: str, name: str, ordinal: int, endpoi
             "metadata": {"name": f"{name}-{ordinal}", "labels": {"kubernetes.io/service-name": name}},
             "addressType": "IPv4",
             "ports": [{"name": "grpc", "port": port, "protocol": "TCP"}],
-            "endpoints": _pod_endpoint(namespace, name, ordinal, ip),
+            "endpoints": _pod_endpoint(namespace, name, ordinal, ip, ready),
         },
     )
 
 
-def _pod_endpoint(namespace: str, name: str, ordinal: int, ip: str | None) -> list[dict[str, Any]]:
+def _pod_endpoint(namespace: str, name: str, ordinal: int, ip: str | None, ready: bool = True) -> list[dict[str, Any]]:
     if ip is None:
         return []
     target = {"kind": "Pod", "name": f"{name}-{ordinal}", "namespace": namespace}
-    return [{"addresses": [ip], "conditions": {"ready": True}, "targetRef": target}]
+    return [{"addresses": [ip], "conditions": {"ready": ready}, "targetRef": target}]
 
 
-def set_broker_endpoint(api: KubeAPI, namespace: str, name: str, ordinal: int, ip: str | None) -> None:
-    """What the EndpointSlice controller does when pod ``<name>-<ordinal>`` goes (``ip`` None) or comes back:
-    the slice ``publish_brokers`` made for it loses or regains its endpoint."""
+def set_broker_endpoint(
+    api: KubeAPI, namespace: str, name: str, ordinal: int, ip: str | None, *, ready: bool = True
+) -> None:
+    """What the EndpointSlice controller does when pod ``<name>-<ordinal>`` goes (``ip`` None), comes back or
+    becomes ready: the slice ``publish_brokers`` made for it loses, regains or updates its endpoint."""
     path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices/{name}-{ordinal}"
-    api.merge_patch(path, {"endpoints": _pod_endpoint(namespace, name, ordinal, ip)})
+    api.merge_patch(path, {"endpoints": _pod_endpoint(namespace, name, ordinal, ip, ready)})
 
 
 def claim_volumes(api: KubeAPI, namespace: str, name: str, ordinals: range) -> list[str]:

@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -274,3 +275,166 @@ def test_processes_are_ring_slots_the_operator_reaches_on_their_own_ports(
     finally:
         for admin in admins:
             admin.close()
+
+
+LONG_RESYNC = {"LMQ_OPERATOR_RESYNC_SECONDS": "600"}  # no resource reaches a broker by the resync in these tests
+
+
+def _drained(kube: testing.KubeAPI, path: str) -> dict[str, Any]:
+    conditions = kube.get(path).get("status", {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == "BrokersDrained"), {})
+
+
+def _wait_ready_on(kube: testing.KubeAPI, path: str, brokers: str, timeout_s: float) -> None:
+    testing.wait_for(
+        lambda: kube.get(path).get("status", {}).get("brokersReady") == brokers, timeout_s, f"{path} on {brokers}"
+    )
+
+
+def test_a_joining_broker_holds_every_resource_before_any_broker_is_told_the_grown_ring(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Callable[..., Any],
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    start_broker: Callable[..., Any],
+) -> None:
+    """Scale-up 2 -> 3 with a resync that cannot deliver anything: the new pod's endpoint is published not
+    ready, so only the scaler can give it the resources, and it must before broker 0 or 1 learns of it. Then
+    the pod turns ready (statuses count it at once), and comes back with an empty disk (repaired at once)."""
+    ip = testing.host_ip()
+    ports = free_ports("0.0.0.0", 3)
+    pods = [f"{ip}:{port}" for port in ports]
+    initial = ",".join(pods[:2])
+    brokers = [
+        start_broker(
+            f"pod{i}", port=ports[i], extra=("--host", "0.0.0.0", "--peers", initial, "--advertised-address", pods[i])
+        )
+        for i in range(2)
+    ]
+    testing.publish_brokers(kube, namespace, STS, [(ip, ports[0]), (ip, ports[1])], replicas=2)
+    _want(kube, namespace, 2)
+    _run(run_operator, namespace, pods, **LONG_RESYNC)
+    topic, group = unique("joined"), unique("joined-g")
+    create("ParentTopic", namespace, "joined", {"topicName": topic})
+    create("LiteGroup", namespace, "joined-g", {"groupName": group, "parentTopic": topic})
+    create("LiteQuota", namespace, "joined-q", {"parentTopic": topic, "maxLiteTopics": 50})
+    paths = [
+        testing.cr_path("parenttopics", namespace, "joined"),
+        testing.cr_path("litegroups", namespace, "joined-g"),
+        testing.cr_path("litequotas", namespace, "joined-q"),
+    ]
+    for path in paths:
+        _wait_ready_on(kube, path, "2/2", TIMEOUT_S)
+
+    _want(kube, namespace, 3)
+    testing.wait_for(lambda: _sts(kube, namespace)["spec"]["replicas"] == 3, TIMEOUT_S, "spec.replicas 3")
+    env = kube.get(f"/api/v1/namespaces/{namespace}/configmaps/{CONFIGMAP}")["data"]
+    flags = ("--host", "0.0.0.0", "--peers", env["LMQ_PEERS"], "--ring-history", env["LMQ_RING_HISTORY"])
+    brokers.append(start_broker("pod2", port=ports[2], extra=(*flags, "--advertised-address", pods[2])))
+    testing.add_broker_pod(kube, namespace, STS, 2, (ip, ports[2]), ready=False)
+    admins = [AdminClient(b.admin_endpoint, timeout_s=30, **b.admin_keys) for b in brokers]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(len(admin.cluster().members) == 3 for admin in admins[:2]):  # the instant one is told
+            assert time.monotonic() < deadline, "no broker was told the grown ring"
+        assert admins[2].get_parent_topic(topic).topic.name == topic
+        assert admins[2].get_group(group).group.bind_topic == topic
+        assert [q.max_lite_topics for q in admins[2].list_quotas() if q.scope == f"parent:{topic}"] == [50]
+        grown = [(tuple(pods), (2, 3), slot) for slot in range(3)]
+        testing.wait_for(lambda: _clusters(admins) == grown, TIMEOUT_S, "every broker with 3 slots")
+
+        # the pod turns ready: it is a target now, and every status counts it without waiting for the resync
+        testing.set_broker_endpoint(kube, namespace, STS, 2, ip, ready=True)
+        started = time.monotonic()
+        for path in paths:
+            _wait_ready_on(kube, path, "3/3", 15.0)
+        counted_s = time.monotonic() - started
+
+        # the pod comes back on its address with an empty disk: it gets everything again at once
+        brokers[2].stop()
+        brokers[2] = start_broker("pod2-empty", port=ports[2], extra=(*flags, "--advertised-address", pods[2]))
+        started = time.monotonic()
+        testing.wait_for(
+            lambda: (
+                any(t.topic.name == topic for t in admins[2].list_parent_topics())
+                and any(g.group.name == group for g in admins[2].list_groups())
+            ),
+            15.0,
+            "the resources on the emptied broker",
+        )
+        repaired_s = time.monotonic() - started
+        print(
+            f"statuses counted the new broker in {counted_s:.1f} s; the emptied broker repaired in {repaired_s:.1f} s"
+        )
+    finally:
+        for admin in admins:
+            admin.close()
+
+
+def test_brokers_drained_follows_a_scale_down(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    create: Callable[..., Any],
+    unique: Callable[[str], str],
+    run_operator: Callable[..., testing.OperatorProcess],
+    start_broker: Callable[..., Any],
+) -> None:
+    """3 -> 2 with messages on the leaving broker and a resync that cannot be what writes the condition:
+    BrokersDrained turns False within seconds of the scale-down starting, and True once they are consumed."""
+    ip = testing.host_ip()
+    ports = free_ports("0.0.0.0", 3)
+    pods = [f"{ip}:{port}" for port in ports]
+    peers = ",".join(pods)
+    brokers = [
+        start_broker(
+            f"pod{i}", port=ports[i], extra=("--host", "0.0.0.0", "--peers", peers, "--advertised-address", pods[i])
+        )
+        for i in range(3)
+    ]
+    testing.publish_brokers(kube, namespace, STS, [(ip, port) for port in ports], replicas=3)
+    _want(kube, namespace, 3)
+    _run(run_operator, namespace, pods, **LONG_RESYNC)
+    topic, group = unique("drain"), unique("drain-g")
+    create("ParentTopic", namespace, "drain", {"topicName": topic})
+    create("LiteGroup", namespace, "drain-g", {"groupName": group, "parentTopic": topic})
+    path = testing.cr_path("parenttopics", namespace, "drain")
+    testing.wait_for(lambda: kube.get(path).get("status", {}).get("brokersReady") == "3/3", TIMEOUT_S, "topic on 3")
+    testing.wait_for(
+        lambda: (
+            kube.get(testing.cr_path("litegroups", namespace, "drain-g")).get("status", {}).get("brokersReady") == "3/3"
+        ),
+        TIMEOUT_S,
+        "group on 3",
+    )
+    assert _drained(kube, path)["status"] == "True"
+    lites = [f"l{i}" for i in range(12)]
+    sent = _client("send", brokers[0].endpoint, topic, ",".join(lites), "5")
+    assert sent.returncode == 0 and sent.stdout.strip() == "60", sent.stderr[-3000:]
+    admin = AdminClient(brokers[2].admin_endpoint, timeout_s=30, **brokers[2].admin_keys)
+    try:
+        held = admin.cluster(with_undrained=True).undrained_messages
+        assert held > 0
+
+        _want(kube, namespace, 2)
+        started = time.monotonic()
+        testing.wait_for(lambda: _drained(kube, path)["status"] == "False", 10.0, "BrokersDrained=False")
+        false_s = time.monotonic() - started
+        drained = _drained(kube, path)
+        assert drained["reason"] == "UndrainedBrokerLeaving"
+        assert drained["message"] == (
+            f"lmq-broker-2 (ordinal 2, leaving: scaling down to 2 pods) still holds {held} undrained messages"
+        )
+
+        got = _client("consume", brokers[0].endpoint, group, topic, ",".join(lites), "60", "60")
+        assert got.returncode == 0, got.stderr[-3000:]
+        assert len(got.stdout.splitlines()) == 60
+        started = time.monotonic()
+        testing.wait_for(lambda: _drained(kube, path)["status"] == "True", 15.0, "BrokersDrained=True")
+        true_s = time.monotonic() - started
+        testing.wait_for(lambda: _sts(kube, namespace)["spec"]["replicas"] == 2, TIMEOUT_S, "spec.replicas 2")
+        print(f"BrokersDrained False {false_s:.1f} s after the scale-down began, True {true_s:.1f} s after the drain")
+    finally:
+        admin.close()

@@ -149,3 +149,23 @@ def test_resources_that_appear_join_the_next_pass() -> None:
         assert seen[:3] == ["a", "a", "b"]
 
     asyncio.run(scenario())
+
+
+def test_a_sweep_visits_every_entry_once_now_with_bounded_concurrency_and_survives_failures() -> None:
+    entries = [(PT, f"u{i}") for i in range(50)]
+    seen: list[str] = []
+    running = peak = 0
+
+    async def visit(kind: model.Kind, uid: str) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0)  # let the other workers start theirs
+        running -= 1
+        seen.append(uid)
+        if uid == "u7":
+            raise RuntimeError("one resource's trouble")
+
+    asyncio.run(resyncing.sweep(entries, visit, concurrency=4))
+    assert sorted(seen) == sorted(uid for _, uid in entries) and len(seen) == 50
+    assert peak == 4

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from lmq_broker.cluster import membership as mb
-from lmq_operator import scaler, scaling, settings
+from lmq_operator import model, scaler, scaling, settings
 from lmq_operator.scaling import Phase
 
 PODS = [f"b-{i}.h:8081" for i in range(5)]
@@ -24,9 +24,9 @@ def ring(pods: int, *history: int, size: int | None = None, processes: int = 1) 
     return mb.Membership(members, (*history, size if size is not None else len(members)))
 
 
-def views(target: mb.Membership, slots: int | None = None) -> dict[int, scaling.View | None]:
+def views(target: mb.Membership, slots: int | None = None, epoch: int = 0) -> dict[int, scaling.View | None]:
     count = len(target.members) if slots is None else slots
-    return {s: scaling.View(target, s if s < len(target.members) else -1) for s in range(count)}
+    return {s: scaling.View(target, s if s < len(target.members) else -1, epoch) for s in range(count)}
 
 
 def observed(
@@ -37,8 +37,9 @@ def observed(
     seen: Mapping[int, scaling.View | None],
     undrained: Mapping[int, int | None] | None = None,
     processes: int = 1,
+    epoch: int | None = None,
 ) -> scaling.Observed:
-    return scaling.Observed(wanted, replicas, processes, target, seen, undrained or {}, pod)
+    return scaling.Observed(wanted, replicas, processes, target, seen, undrained or {}, pod, epoch)
 
 
 def test_first_pass_records_what_the_brokers_agree_on_and_the_flags_pods_start_with() -> None:
@@ -71,10 +72,10 @@ def test_scale_up_records_the_grown_ring_then_waits_then_tells_joining_brokers_f
     # pod 2 is starting: nobody is told yet
     d = scaling.decide(observed(three, wanted=3, replicas=3, seen={**views(two), 2: None}))
     assert (d.phase, d.tell, d.target, d.replicas) == (Phase.WAITING, (), None, None)
-    # pod 2 answers (its flags gave it the grown ring); the two old brokers are told
+    # pod 2 answers (its flags gave it the grown ring); the two old brokers are told, once pod 2 holds everything
     seen = {**views(two), 2: scaling.View(three, 2)}
     d = scaling.decide(observed(three, wanted=3, replicas=3, seen=seen))
-    assert (d.phase, d.tell) == (Phase.CONVERGING, (0, 1))
+    assert (d.phase, d.tell, d.prepare) == (Phase.CONVERGING, (0, 1), (2,))
     d = scaling.decide(observed(three, wanted=3, replicas=3, seen=views(three)))
     assert (d.phase, d.tell, d.replicas, d.target) == (Phase.STEADY, (), None, None)
     assert d.env == {"LMQ_PEERS": "b-0.h:8081,b-1.h:8081,b-2.h:8081", "LMQ_RING_HISTORY": "2"}
@@ -84,7 +85,7 @@ def test_a_joining_broker_started_without_the_grown_ring_is_told_first() -> None
     two, three = ring(2), ring(3, 2)
     seen = {**views(two), 2: scaling.View(mb.Membership((PODS[2],), (1,)), 0)}
     d = scaling.decide(observed(three, wanted=3, replicas=3, seen=seen))
-    assert d.tell == (2, 0, 1)
+    assert d.tell == (2, 0, 1) and d.prepare == (2,)
 
 
 def test_scale_down_marks_leaving_first_holds_until_drained_then_removes_and_lowers_replicas() -> None:
@@ -93,6 +94,7 @@ def test_scale_down_marks_leaving_first_holds_until_drained_then_removes_and_low
     leaving = ring(3, 2, 3, size=2)
     assert (d.phase, d.target, d.tell, d.replicas) == (Phase.DRAINING, leaving, (2, 0, 1), None)
     assert d.event and "3 → 2" in d.event
+    assert d.prepare == ()  # nobody learns a new member
     # flags cannot say "leaving": starting pods keep the flags they had
     assert d.env is None
     d = scaling.decide(observed(leaving, wanted=2, replicas=3, seen=views(leaving), undrained={2: 7}))
@@ -235,10 +237,118 @@ class _Recorded(scaler.Scaler):
     async def _event(self, sts: object, kind: str, reason: str, message: str) -> None:
         self.writes.append(f"{kind} {reason}")
 
-    async def _tell(self, target: mb.Membership, slots: Sequence[int]) -> bool:
+    async def _tell(self, target: mb.Membership, slots: Sequence[int], epoch: int | None = None) -> bool:
         self.writes.append(f"tell {list(slots)}")
         self._failed = "refused"
         return not self.refuse
+
+
+def test_the_epoch_of_a_new_target_is_one_above_every_broker_and_stays_while_it_is_retried() -> None:
+    two, three = ring(2), ring(3, 2)
+    # brokers at 4 and 5 (one was told more often): the grown ring gets 6, on every broker
+    seen = {0: scaling.View(two, 0, 4), 1: scaling.View(two, 1, 5), 2: scaling.View(three, 2, 1)}
+    assert scaling.epoch_for(three, None, seen) == 6
+    d = scaling.decide(observed(three, wanted=3, replicas=3, seen=seen))
+    assert (d.tell, d.epoch) == ((2, 0, 1), 6)  # pod 2 has the members from its flags, not the epoch
+    # broker 0 took it, broker 1 refused: the next pass tells broker 1 (and pod 2, still at 1) the same 6
+    seen = {0: scaling.View(three, 0, 6), 1: scaling.View(two, 1, 5), 2: scaling.View(three, 2, 1)}
+    d = scaling.decide(observed(three, wanted=3, replicas=3, seen=seen, epoch=6))
+    assert (d.tell, d.epoch) == ((2, 1), 6)
+    # the same without the record (an operator restarted after its write was lost): still 6
+    assert scaling.epoch_for(three, None, seen) == 6
+    # recorded but nobody told yet: the recorded number
+    assert scaling.epoch_for(three, 9, views(two, epoch=5)) == 9
+    # someone gave a broker other members at the recorded number, or above it: one above theirs
+    other = {0: scaling.View(two, 0, 6), 1: scaling.View(three, 1, 6)}
+    assert scaling.epoch_for(three, 6, other) == 7
+    assert scaling.epoch_for(three, 6, {0: scaling.View(two, 0, 8)}) == 9
+    # every broker already at the target's epoch: nothing to tell
+    d = scaling.decide(observed(three, wanted=3, replicas=3, seen=views(three, epoch=6), epoch=6))
+    assert (d.phase, d.tell) == (Phase.STEADY, ())
+
+
+def test_a_new_ring_while_draining_gets_a_new_epoch() -> None:
+    three = ring(3, 2)
+    d = scaling.decide(observed(three, wanted=2, replicas=3, seen=views(three, epoch=3), epoch=3))
+    assert (d.phase, d.epoch) == (Phase.DRAINING, 4)
+    leaving = ring(3, 2, 3, size=2)
+    d = scaling.decide(observed(leaving, wanted=2, replicas=3, seen=views(leaving, epoch=4), undrained={2: 0}, epoch=4))
+    assert (d.phase, d.epoch) == (Phase.SCALED_DOWN, 5)
+
+
+def test_brokers_that_do_not_number_memberships_are_not_told_again_for_the_epoch() -> None:
+    three = ring(3, 2)
+    # brokers older than epochs answer 0: the same members and slot are enough
+    d = scaling.decide(observed(three, wanted=3, replicas=3, seen=views(three, epoch=0), epoch=1))
+    assert (d.phase, d.tell) == (Phase.STEADY, ())
+    # brokers that number them: one still at an older epoch is told the target's
+    seen = {**views(three, epoch=7), 1: scaling.View(three, 1, 6)}
+    d = scaling.decide(observed(three, wanted=3, replicas=3, seen=seen, epoch=7))
+    assert (d.phase, d.tell, d.epoch, d.prepare) == (Phase.CONVERGING, (1,), 7, ())
+
+
+class _Preparing(scaler.Scaler):
+    """A pass with joining brokers: the order of preparing, recording and telling, and what a failure does."""
+
+    def __init__(self, seen: scaling.Observed, unprepared: scaling.Unprepared | None) -> None:
+        super().__init__(settings.Settings(broker_namespace="ns", broker_statefulset="b"), lambda: None)
+        self.seen, self.unprepared = seen, unprepared
+        self.writes: list[str] = []
+
+        async def prepare(brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
+            self.writes.append(f"prepare {[(b.name, b.endpoint, b.ordinal) for b in brokers]}")
+            return self.unprepared
+
+        self.prepare = prepare
+
+    async def observe(self) -> tuple[dict[str, object], dict[str, object] | None, scaling.Observed]:
+        self._asks = {s: f"10.0.0.{s}:8082" for s in self.seen.views}
+        sts = {"metadata": {"name": "b", "uid": "u", "annotations": {}}, "spec": {"replicas": self.seen.replicas}}
+        return sts, {"data": {}}, self.seen
+
+    async def _write_configmap(self, *args: object) -> None:
+        self.writes.append(f"configmap epoch {args[4]}")
+
+    async def _patch_sts(self, body: Mapping[str, object]) -> None:
+        self.writes.append(f"sts {body}")
+
+    async def _event(self, sts: object, kind: str, reason: str, message: str) -> None:
+        self.writes.append(f"{kind} {reason}: {message}")
+
+    async def _tell(self, target: mb.Membership, slots: Sequence[int], epoch: int | None = None) -> bool:
+        self.writes.append(f"tell {list(slots)} epoch {epoch}")
+        return True
+
+
+def _joining() -> scaling.Observed:
+    two, three = ring(2), ring(3, 2)
+    seen = {0: scaling.View(two, 0, 2), 1: scaling.View(two, 1, 2), 2: scaling.View(three, 2, 1)}
+    return observed(three, wanted=3, replicas=3, seen=seen, epoch=None)
+
+
+def test_joining_brokers_get_every_resource_before_any_broker_is_told() -> None:
+    recorded = _Preparing(_joining(), None)
+    decision = asyncio.run(recorded.run_once())
+    assert decision.phase is Phase.CONVERGING
+    assert recorded.writes[:3] == [
+        "configmap epoch 3",  # the epoch is recorded before anyone gets it
+        "prepare [('b-2', '10.0.0.2:8082', 2)]",
+        "tell [2, 0, 1] epoch 3",
+    ]
+
+
+@pytest.mark.parametrize("stalled", [False, True])
+def test_a_joining_broker_without_every_resource_holds_the_ring(stalled: bool) -> None:
+    why = scaling.Unprepared("ParentTopic 'orders' on b-2: UNAVAILABLE: connection refused", stalled)
+    recorded = _Preparing(_joining(), why)
+    decision = asyncio.run(recorded.run_once())
+    phase = "Stalled" if stalled else "Waiting"
+    assert decision.phase.value == phase
+    assert not any(w.startswith("tell") for w in recorded.writes)
+    status = next(w for w in recorded.writes if w.startswith("sts {'metadata'"))
+    assert f"{phase}: the joining brokers (b-2.h:8081) do not hold every resource yet" in status
+    assert "ParentTopic 'orders' on b-2" in status
+    assert any(w.startswith(f"Warning {phase}: ") for w in recorded.writes)
 
 
 @pytest.mark.parametrize("refuse", [False, True])
