@@ -50,6 +50,8 @@ hooks: $(STAMP)
 # damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary.
 torture: $(STAMP)
 	LMQ_TORTURE_CYCLES=$${LMQ_TORTURE_CYCLES:-110} $(BIN)/python -m pytest -s tests/e2e/test_torture.py
+	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} LMQ_CLUSTER_FAULT_STAGGER_S=$${LMQ_CLUSTER_FAULT_STAGGER_S:-10} \
+		$(BIN)/python -m pytest -s tests/e2e/test_cluster_faults.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
