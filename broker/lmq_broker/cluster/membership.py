@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from lmq_broker import errors
@@ -40,7 +40,9 @@ SEPARATOR: Final = ","
 class Membership:
     members: tuple[str, ...]  # slot -> advertised endpoint "host:port"
     sizes: tuple[int, ...]  # ring size of every epoch, oldest first; the last is today's ring
-    epoch: int = 0  # only grows (module docstring); 0: len(sizes)
+    # Only grows (module docstring); 0: len(sizes). Not part of equality: two memberships are equal when their
+    # rings are (the writer numbers them, ``same_ring``); code that cares about the number compares it.
+    epoch: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if self.epoch <= 0:

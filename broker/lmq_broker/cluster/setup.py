@@ -161,7 +161,7 @@ class Cluster:
                     f"membership epoch {new.epoch} is older than this broker's {current.membership.epoch} (or the "
                     "same epoch with other members): a newer change has been applied here"
                 )
-            if (new, place.slot) == (current.membership, current.slot):
+            if (new, new.epoch, place.slot) == (current.membership, current.membership.epoch, current.slot):
                 return False
             await asyncio.to_thread(self._store.put_membership, encode(place, self.config))
             self._apply(place)
