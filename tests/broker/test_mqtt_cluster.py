@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from lmq_broker import app, model
+from lmq_broker import app, errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.mqtt import codec, mapping
 from lmq_broker.mqtt.properties import Properties, Reason
+from lmq_broker.protocol import status
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 
@@ -45,8 +47,7 @@ class Pair:
         return self.brokers[slot].mqtt_port
 
 
-@pytest_asyncio.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+async def start_pair(tmp_path: Path, each: Sequence[dict[str, object]] = ({}, {})) -> Pair:
     ports = free_ports("127.0.0.1", 2)
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     brokers = []
@@ -61,16 +62,27 @@ async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
             ordinal=slot,
             admin_access_key="admin-ak",
             admin_secret_key="admin-sk",
+            **each[slot],
         )
         store = lmq_store.open_store(config.store)
         store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
         broker = app.Broker(config, store=store)
         await broker.start()
         brokers.append(broker)
-    yield Pair(brokers)
-    for broker in brokers:
+    return Pair(brokers)
+
+
+async def stop_pair(pair: Pair) -> None:
+    for broker in pair.brokers:
         if broker.ready:
             await broker.stop(grace_s=0.2)
+
+
+@pytest_asyncio.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    started = await start_pair(tmp_path)
+    yield started
+    await stop_pair(started)
 
 
 class Raw:
@@ -194,3 +206,42 @@ async def test_an_owner_that_cannot_be_reached_ends_a_50_connection_with_0x80_an
     assert await publisher.next() is None
     assert pair.stored(0, theirs) == []
     await publisher.close()
+
+
+async def test_an_owners_refusal_reaches_a_50_publisher_as_its_reason_code(tmp_path: Path) -> None:
+    pair = await start_pair(tmp_path, ({}, {"max_lite_topics_per_broker": 1}))
+    try:
+        first, second = pair.lite_of(1, "a"), pair.lite_of(1, "b")
+        publisher = await Raw.connect(pair.port(0), "pub5", level=codec.LEVEL_5)
+        publisher.publish(f"{PARENT}/{first}", b"one", qos=1, packet_id=1)
+        publisher.publish(f"{PARENT}/{second}", b"two", qos=1, packet_id=2)  # over the owner's quota
+        answers = [await publisher.next(), await publisher.next()]
+        assert [(a.packet_id, a.reason) for a in answers if isinstance(a, codec.PacketId)] == [
+            (1, Reason.SUCCESS),
+            (2, Reason.QUOTA_EXCEEDED),
+        ], answers
+        assert [m.body for m in pair.stored(1, first)] == [b"one"] and pair.stored(1, second) == []
+        publisher.publish(f"{PARENT}/{first}", b"three", qos=1, packet_id=3)  # the connection stays
+        puback = await publisher.next()
+        assert isinstance(puback, codec.PacketId) and (puback.packet_id, puback.reason) == (3, Reason.SUCCESS)
+        await publisher.close()
+    finally:
+        await stop_pair(pair)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (pb.LITE_TOPIC_QUOTA_EXCEEDED, errors.LiteTopicQuotaExceeded),
+        (pb.TOPIC_NOT_FOUND, errors.TopicNotFound),
+        (pb.ILLEGAL_LITE_TOPIC, errors.InvalidLiteTopic),
+        (pb.BAD_REQUEST, errors.InvalidArgument),
+        (pb.ILLEGAL_MESSAGE_ID, errors.InvalidArgument),
+        (pb.INTERNAL_ERROR, errors.BrokerUnavailable),
+        (pb.MULTIPLE_RESULTS, errors.BrokerUnavailable),
+    ],
+)
+async def test_an_owners_status_reads_back_as_the_error_it_stands_for(code: int, expected: type) -> None:
+    found = status.error_of(pb.Status(code=code, message="why"))  # type: ignore[arg-type]
+    assert type(found) is expected and found.message == "why"
+    assert status.code_of(found) == code or expected in (errors.InvalidArgument, errors.BrokerUnavailable)
