@@ -26,7 +26,7 @@ import prometheus_client
 from lmq_broker import errors, heap, model
 from lmq_broker.admin import credentials, expiry
 from lmq_broker.admin import service as admin_service
-from lmq_broker.cluster import links, setup
+from lmq_broker.cluster import links, mqtt_link, setup
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
@@ -192,7 +192,8 @@ class Broker:
             await self._start_external(edge, admission)
         await server.start()
         if config.mqtt_port >= 0:
-            self.mqtt = MqttServer(self.dispatcher, config)
+            owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
+            self.mqtt = MqttServer(self.dispatcher, config, owners)
             self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)

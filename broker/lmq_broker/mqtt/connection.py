@@ -3,6 +3,8 @@
 Publishing goes through ``Dispatcher.send`` like a gRPC SendMessage: the PUBLISH packets a connection read
 are appended in order, as many per store call as arrived meanwhile (one fsync for the lot), and each QoS 1
 PUBACK (QoS 2 PUBREC) is written once the append returned, that is after the fsync (``--flush-mode sync``).
+In a cluster the messages go to their lite topics' owners instead (``server.owners``), and the answers wait
+for theirs: an owner that cannot store fails the batch like a failing store here.
 
 Consuming: an MQTT session is the implicit lite group ``%MQTT%<client id>`` (``metadata.MQTT_GROUP_PREFIX``) and,
 per parent topic it subscribes in, one dispatcher client registered with its topic filters
@@ -517,7 +519,11 @@ class Connection:
             if p.payload:
                 messages.append(self._message(parent, lite, p, now, props))
         if messages:
-            await self.dispatcher.send(messages)
+            owners = self.server.owners
+            if owners is not None and owners.active:  # a cluster: each at its lite topic's owner (docs/scale-out.md)
+                await owners.store(messages)
+            else:
+                await self.dispatcher.send(messages)
         if retained:
             await self.dispatcher.run(self.server.durable.put_retained, retained)
 

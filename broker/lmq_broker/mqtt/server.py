@@ -1,8 +1,10 @@
 """The MQTT listener (``--mqtt-port``, off by default): accepts connections and keeps one per client id.
 
 It shares the broker's dispatcher, so MQTT and the RocketMQ clients meet in the same store, ready set and
-offsets (docs/mqtt.md). With ``--tls-cert`` the listener speaks TLS like the gRPC port. Stopping the broker
-ends every connection without publishing wills: the broker going away is not the client failing.
+offsets (docs/mqtt.md). In a cluster it is given ``owners`` (``mqtt.owners``): publishes are stored at their
+lite topics' owners, as gRPC sends are. With ``--tls-cert`` the listener speaks TLS like the gRPC port.
+Stopping the broker ends every connection without publishing wills: the broker going away is not the client
+failing.
 
 It also keeps what outlives a connection in memory: MQTT 5 wills waiting for their delay (cancelled when
 the client id connects again), and a sweep that drops persistent sessions past their expiry interval.
@@ -20,6 +22,7 @@ from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt import codec, durable
 from lmq_broker.mqtt.connection import Connection
+from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
 
 log = logging.getLogger(__name__)
@@ -29,8 +32,9 @@ EXPIRY_SWEEP_S: Final = 60.0  # how often sessions past their expiry interval ar
 
 
 class MqttServer:
-    def __init__(self, dispatcher: Dispatcher, config: BrokerConfig) -> None:
+    def __init__(self, dispatcher: Dispatcher, config: BrokerConfig, owners: Owners | None = None) -> None:
         self.dispatcher = dispatcher
+        self.owners = owners  # a cluster's: publishes are stored at their lite topics' owners (None: alone)
         self.config = config
         self.durable = durable.Durable(config.store.data_dir)
         self.port = 0

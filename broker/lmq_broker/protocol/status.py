@@ -82,6 +82,23 @@ def status_of(exc: BaseException) -> pb.Status:
     return pb.Status(code=code_of(exc), message=message)
 
 
+# The other way, for a peer's answer relayed to a caller that speaks errors (the MQTT listener): the first class
+# of each code, a bad request as InvalidArgument, and anything unknown as a broker that could not serve.
+_BY_CODE: Final[dict[int, type[errors.LmqError]]] = {
+    **{code: cls for cls, code in reversed(BY_CLASS)},
+    pb.BAD_REQUEST: errors.InvalidArgument,
+    pb.INTERNAL_ERROR: errors.BrokerUnavailable,
+}
+
+
+def error_of(st: pb.Status) -> errors.LmqError:
+    """The error a non-OK status stands for (``code_of`` read backwards)."""
+    cls = _BY_CODE.get(st.code)
+    if cls is None:
+        cls = errors.InvalidArgument if int(st.code) // 100 == 400 else errors.BrokerUnavailable
+    return cls(st.message or pb.Code.Name(st.code))
+
+
 def ok(message: str = "OK") -> pb.Status:
     return pb.Status(code=pb.OK, message=message)
 
