@@ -47,7 +47,7 @@ from lmq_broker.cluster import membership as mb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.supervisor import free_ports
-from lmq_broker.testing import BrokerProcess, start_broker
+from lmq_broker.testing import SHARED_ADMIN_ENV, BrokerProcess, start_broker
 
 METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
 PARENT = "AGENT_TASK_NS"
@@ -174,7 +174,10 @@ def measure_forwarding(tmp: Path, count: int, body: bytes) -> dict[str, tuple[fl
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     membership = mb.Membership.parse(peers)
     brokers = [
-        start_broker(tmp / f"f{i}", port=ports[i], extra_args=["--peers", peers, "--ordinal", str(i)]) for i in range(2)
+        start_broker(
+            tmp / f"f{i}", port=ports[i], extra_args=["--peers", peers, "--ordinal", str(i)], env=SHARED_ADMIN_ENV
+        )
+        for i in range(2)
     ]
     try:
         lites = {
