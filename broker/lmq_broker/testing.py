@@ -390,3 +390,22 @@ def send_lite(producer: Any, topic: str, lite: str, body: bytes) -> Any:
     m.lite_topic = lite
     m.body = body
     return producer.send(m)
+
+
+def holders(endpoints: Sequence[str], parent: str, keys: AdminKeys) -> dict[str, list[int]]:
+    """lite topic of ``parent`` -> the brokers (indexes into ``endpoints``) whose store holds it, read over each
+    one's admin service (``keys``: its admin pair, ``BrokerProcess.admin_keys`` or ``SHARED_ADMIN_KEYS``)."""
+    from lmq_broker.admin.client import AdminClient  # noqa: PLC0415 - the admin client is not needed to start one
+
+    out: dict[str, list[int]] = {}
+    for i, endpoint in enumerate(endpoints):
+        with AdminClient(endpoint, timeout_s=10, **keys) as admin:
+            start = ""
+            while True:
+                page = admin.list_lite_topics(parent, start_after=start, limit=1000)
+                for info in page.topics:
+                    out.setdefault(info.meta.lite, []).append(i)
+                if not page.next_start_after:
+                    break
+                start = page.next_start_after
+    return out

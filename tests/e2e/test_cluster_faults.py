@@ -20,13 +20,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import grpc
-import pytest
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
@@ -36,7 +34,7 @@ from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.supervisor import free_ports
-from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, holders, start_broker
 
 TOPIC, GROUP = "FAULT_NS", "fault-group"
 RESTORE_GOAL_S: Final = 3.0
@@ -55,21 +53,6 @@ def create_metadata(endpoint: str) -> None:
     with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
         admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
         admin.put_group(model.LiteGroup(GROUP, TOPIC))
-
-
-def holders(endpoints: list[str]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for i, endpoint in enumerate(endpoints):
-        with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-            start_after = ""
-            while True:
-                page = admin.list_lite_topics(TOPIC, start_after=start_after, limit=1000)
-                for info in page.topics:
-                    out.setdefault(info.meta.lite, []).append(i)
-                if not page.next_start_after:
-                    break
-                start_after = page.next_start_after
-    return out
 
 
 def owned_by(members: list[str], slot: int, prefix: str, count: int) -> list[str]:
@@ -119,14 +102,6 @@ class Ledger:
         assert not lost, f"acknowledged but never delivered: {lost[:10]}"
         assert out_of_order == 0, got
         return counts
-
-
-@pytest.fixture
-def clients() -> Iterator[list[Any]]:
-    started: list[Any] = []
-    yield started
-    for client in reversed(started):
-        client.shutdown()
 
 
 def forged_send(endpoint: str, lite: str, body: bytes, header: tuple[str, str]) -> int:
@@ -204,7 +179,7 @@ def test_forged_markers_kill_9_and_a_subscription_made_while_the_owner_is_down(
             assert restored, "a subscription was not restored on the restarted owner"
             assert took <= RESTORE_GOAL_S, f"restored after {took:.2f} s"
             ledger.check(inbox)
-        placed = holders(endpoints)
+        placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(len(where) == 1 for where in placed.values()), placed  # no topic on two brokers
         assert all(placed[lite] == [2] for lite in first[2] + later)
     finally:
@@ -255,7 +230,7 @@ def test_a_ring_change_told_to_brokers_apart_never_places_a_topic_twice(tmp_path
             thread.join(30)
         counts = ledger.check(inbox)
         assert counts["acked"] > 100
-        placed = holders(endpoints)
+        placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(len(where) == 1 for where in placed.values()), placed  # never on two brokers
         assert any(where == [2] for where in placed.values())  # the joiner took new topics
     finally:

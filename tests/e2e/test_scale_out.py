@@ -30,6 +30,7 @@ from lmq_broker.testing import (
     SHARED_ADMIN_KEYS,
     BrokerProcess,
     Inbox,
+    holders,
     start_broker,
     start_lite_simple_consumer,
 )
@@ -49,22 +50,6 @@ def create_metadata(endpoints: list[str], keys: Any) -> None:
         with AdminClient(endpoint, timeout_s=10, **keys) as admin:
             admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
             admin.put_group(model.LiteGroup(GROUP, TOPIC))
-
-
-def holders(endpoints: list[str], keys: Any) -> dict[str, list[int]]:
-    """lite topic -> the brokers (indexes) whose store holds it."""
-    out: dict[str, list[int]] = {}
-    for i, endpoint in enumerate(endpoints):
-        with AdminClient(endpoint, timeout_s=10, **keys) as admin:
-            start = ""
-            while True:
-                page = admin.list_lite_topics(TOPIC, start_after=start, limit=1000)
-                for info in page.topics:
-                    out.setdefault(info.meta.lite, []).append(i)
-                if not page.next_start_after:
-                    break
-                start = page.next_start_after
-    return out
 
 
 def assignments_of(endpoint: str) -> list[tuple[str, str]]:
@@ -152,7 +137,7 @@ def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], pr
         inbox = Inbox()
         sent = exchange(pod.endpoint, lites, 3, clients, inbox)
         check_received(inbox, sent)
-        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert sorted(placed) == sorted(lites)
         assert all(len(where) == 1 for where in placed.values()), placed  # each topic on exactly one broker
         if processes > 1:
@@ -183,7 +168,7 @@ def test_kill_9_of_one_broker_leaves_the_others_flowing(tmp_path: Path, clients:
         inbox = Inbox()
         sent = exchange(endpoints[0], lites, 2, clients, inbox)
         check_received(inbox, sent)
-        placed = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+        placed = {lite: where[0] for lite, where in holders(endpoints, TOPIC, SHARED_ADMIN_KEYS).items()}
         assert len(set(placed.values())) == 3
         brokers[2].kill()
         survivors = [lite for lite in lites if placed[lite] != 2]
@@ -212,7 +197,7 @@ def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[
     inbox = Inbox()
     sent = exchange(endpoints[0], lites, 2, clients, inbox)
     check_received(inbox, sent)
-    before = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+    before = {lite: where[0] for lite, where in holders(endpoints, TOPIC, SHARED_ADMIN_KEYS).items()}
     for client in reversed(clients):
         client.shutdown()
     clients.clear()
@@ -226,7 +211,7 @@ def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[
         inbox = Inbox()
         more = exchange(endpoints[1], lites + new_lites, 1, clients, inbox, run="b")
         check_received(inbox, more)
-        after = holders(endpoints, SHARED_ADMIN_KEYS)
+        after = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(len(where) == 1 for where in after.values()), after  # no topic on two brokers
         assert {lite: after[lite][0] for lite in lites} == before  # old topics stayed (no data moved)
         assert any(after[lite][0] == 2 for lite in new_lites)  # new topics use the new broker
@@ -302,7 +287,7 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
             consumer.subscribe_lite(lite)
         load = Load(access, lites, clients)
         time.sleep(3)
-        before = holders(endpoints, SHARED_ADMIN_KEYS)
+        before = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert {where[0] for where in before.values()} == {0, 1, 2}
         set_cluster(endpoints, [2, 0, 1], endpoints, (3, 2))  # slot 2 leaves: the leaving broker first
         for lite in new_lites:
@@ -317,7 +302,7 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
                 time.sleep(0.5)
         assert info.drained, info
         set_cluster(endpoints, [0, 1, 2], endpoints[:2], (3, 2))  # drained: removed, the leaving broker last
-        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(where in ([0], [1]) for lite, where in placed.items() if lite in new_lites), placed
         handed_over = [lite for lite, where in placed.items() if 2 in where and len(where) == 2]
         assert handed_over, placed  # topics moved while the load ran, not only once it stopped
@@ -358,7 +343,7 @@ def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients:
                 body = f"{lite}/{n:04d}".encode()
                 send(producer, lite, body)
                 sent.add((lite, body))
-        placed = {lite: where[0] for lite, where in holders(endpoints, SHARED_ADMIN_KEYS).items()}
+        placed = {lite: where[0] for lite, where in holders(endpoints, TOPIC, SHARED_ADMIN_KEYS).items()}
         assert set(placed.values()) == {0, 1, 2}
         got: list[tuple[str, bytes]] = []
         nacked_topic = ""
@@ -413,7 +398,7 @@ def two_brokers(tmp_path: Path, kind: str) -> Iterator[tuple[str, list[str]]]:
 
 
 def wait_committed(endpoints: list[str], lites: list[str], group: str, want: int) -> None:
-    placed = holders(endpoints, SHARED_ADMIN_KEYS)
+    placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
     deadline = time.monotonic() + 20
     for lite in lites:
         with AdminClient(endpoints[placed[lite][0]], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
@@ -454,7 +439,7 @@ def test_patterns_take_the_matching_topics_of_every_broker(tmp_path: Path, clien
             wanted |= send_each(producer, jobs + devs, n)
             send_each(producer, others, n)
         check_received(inbox, wanted)
-        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert {placed[lite][0] for lite in jobs} == {0, 1} and {placed[lite][0] for lite in devs} == {0, 1}
         consumer.unsubscribe_lite("job-*")
         send_each(producer, jobs, 3)
@@ -496,7 +481,7 @@ def test_a_wildcard_groups_patterns_apply_on_every_broker(tmp_path: Path, client
         wanted |= send_each(producer, eu, 1)
         send_each(producer, us, 1)
         check_received(inbox, wanted)
-        assert {holders(endpoints, SHARED_ADMIN_KEYS)[lite][0] for lite in eu} == {0, 1}
+        assert {holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)[lite][0] for lite in eu} == {0, 1}
         for client in reversed(clients):
             client.shutdown()
         clients.clear()
@@ -531,7 +516,7 @@ def test_a_lite_simple_consumers_pattern_gathers_from_every_broker(tmp_path: Pat
         assert sorted(got) == sorted(sent)  # each once, nothing of the others
         for lite in lites:
             assert [body for name, body in got if name == lite] == sorted(body for name, body in sent if name == lite)
-        assert {holders(endpoints, SHARED_ADMIN_KEYS)[lite][0] for lite in lites} == {0, 1}
+        assert {holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)[lite][0] for lite in lites} == {0, 1}
         for client in reversed(clients):
             client.shutdown()
         clients.clear()
@@ -554,7 +539,7 @@ def test_a_topic_created_through_one_endpoint_takes_sends_through_every_broker(
             clients.append(producer)
             for lite in lites:
                 assert send(producer, lite, f"{lite}/{n}".encode()).message_id
-        placed = holders(endpoints, SHARED_ADMIN_KEYS)
+        placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert sorted(placed) == sorted(lites) and {where[0] for where in placed.values()} == {0, 1}
         for endpoint in endpoints:
             with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as each:
