@@ -191,6 +191,7 @@ class Broker:
         if config.external_port >= 0:
             await self._start_external(edge, admission)
         await server.start()
+        cluster.serve()
         if config.mqtt_port >= 0:
             owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
             self.mqtt = MqttServer(self.dispatcher, config, owners)

@@ -307,6 +307,8 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @_edge
     async def GetCluster(self, request: pb.GetClusterRequest, context: Context) -> pb.GetClusterResponse:
         cluster = self._cluster_or_refuse()
+        if request.caller:
+            cluster.heard_from(request.caller, request.caller_incarnation)
         return await membership.view(cluster, self._store, with_undrained=request.with_undrained)
 
     @override

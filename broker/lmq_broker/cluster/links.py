@@ -51,7 +51,7 @@ _CHANNEL_OPTIONS: Final = (
     # waits to reconnect, so a long backoff would refuse sends for that long after the peer is back.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 500),
 )
 Headers = tuple[tuple[str, str], ...]
 

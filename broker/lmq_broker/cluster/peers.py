@@ -32,6 +32,7 @@ class Peers:
         config: BrokerConfig,
         *,
         secret: bytes,
+        incarnation: str,
         admin_keys: tuple[str, str] | None,
         holds_locally: LocalHolds,
         drained_locally: draining.Drained,
@@ -47,7 +48,7 @@ class Peers:
         self.fanout = Fanout(self.links, self.owners, subscribers=subscribers, known=known)
         self.handoff = draining.Handoff(drained_locally, self.fanout.move_subscriptions)
         self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry)
-        self.watch = Watch(self.links, self.epochs, self.fanout, registry)
+        self.watch = Watch(self.links, self.epochs, self.fanout, registry, incarnation=incarnation)
 
     def apply(self, membership: mb.Membership, me: int, *, told: bool = False) -> None:
         """A new membership, in one step: routes, assignments and remembered placements follow it at once.

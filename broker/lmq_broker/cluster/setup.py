@@ -119,6 +119,7 @@ class Cluster:
         self._peers: Peers | None = None
         self._calls: Calls | None = None
         self._changing = asyncio.Lock()
+        self._serving = False  # the watch starts once this broker answers calls (``serve``)
         self._handing: asyncio.Task[None] | None = None
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
 
@@ -147,6 +148,17 @@ class Cluster:
                 place = Place(place.membership.at(stored_epoch + 1), place.slot, place.source)
         self._apply(place)
         self.confirmed_epoch = place.membership.epoch
+
+    def serve(self) -> None:
+        """This broker answers calls now: its peers are watched (and told at once that it is up)."""
+        self._serving = True
+        if self._peers is not None:
+            self._peers.watch.start()
+
+    def heard_from(self, caller: str, incarnation: str) -> None:
+        """A peer asked this broker (``watch``): when it restarted, it is given its subscriptions at once."""
+        if self._peers is not None and self._edge.cluster is not None:
+            self._peers.watch.heard_from(caller, incarnation)
 
     async def change(self, place: Place) -> bool:
         """Store ``place`` (synced), then apply it; return once this broker confirms its epoch. False when it is
@@ -203,7 +215,8 @@ class Cluster:
             if peers is None:
                 peers = self._peers = self._build()
                 peers.apply(membership, me, told=place.source == ADMIN)
-                peers.watch.start()
+                if self._serving:
+                    peers.watch.start()
             else:
                 peers.apply(membership, me, told=place.source == ADMIN)
             self._edge.cluster = self._calls
@@ -233,6 +246,7 @@ class Cluster:
         edge = self._edge
         peers = Peers(
             config,
+            incarnation=self.incarnation,
             secret=trust.secret_of(config.cluster_secret, admin_secret),
             admin_keys=self._admin_keys,
             holds_locally=self._holds_locally,

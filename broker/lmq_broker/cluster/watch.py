@@ -5,8 +5,9 @@ learns acts at once:
 
 * a peer that restarted (its ``incarnation`` changed: a kill -9 lost the subscriptions it held in memory), came
   back after not answering, or missed a client's subscription change (``fanout.behind``) is given every
-  client's part again (``fanout.repush``): consumers receive a restarted owner's topics about one interval
-  after it is ready, with no client action;
+  client's part again (``fanout.repush``), with no client action. Probes name their caller and its
+  incarnation, so a restarted broker's first probes, sent as soon as it serves (``setup.Cluster.serve``),
+  tell its peers at once (``heard_from``) rather than at their next probe;
 * a peer whose epoch differs from this broker's is brought level (``epochs.recheck``: told this broker's
   membership, or asked for its newer one), so a ring change reaches every broker within an interval even
   without traffic.
@@ -48,8 +49,11 @@ class _Seen:
 
 
 class Watch:
-    def __init__(self, links: Links, epochs: Epochs, fanout: Fanout, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, links: Links, epochs: Epochs, fanout: Fanout, registry: CollectorRegistry, *, incarnation: str
+    ) -> None:
         self._links = links
+        self._incarnation = incarnation
         self._epochs = epochs
         self._fanout = fanout
         self._seen: dict[str, _Seen] = {}  # by member endpoint
@@ -96,27 +100,39 @@ class Watch:
         stub, headers = self._links.admin(member, "GetCluster", probe=True)
         seen = self._seen.get(member)
         try:
-            reply = await stub.GetCluster(admin_pb.GetClusterRequest(), metadata=headers, timeout=PROBE_TIMEOUT_S)
+            mine = self._links.membership.members[self._links.me] if self._links.me >= 0 else ""
+            request = admin_pb.GetClusterRequest(caller=mine, caller_incarnation=self._incarnation)
+            reply = await stub.GetCluster(request, metadata=headers, timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if seen is None or seen.up:
                 self._change(member, DOWN, f"{exc.code().name}: {exc.details()}")
                 self._seen[member] = _Seen(False, seen.incarnation if seen else "")
             return
-        if seen is None:
-            self._seen[member] = _Seen(True, reply.incarnation)
-            self.up.labels(member).set(1)
-        else:
-            if not seen.up:
-                self._change(member, UP, f"epoch {reply.epoch}")
-            elif seen.incarnation != reply.incarnation:
-                self._change(member, RESTARTED, f"epoch {reply.epoch}")
-            stale = not seen.up or seen.incarnation != reply.incarnation
-            seen.up, seen.incarnation = True, reply.incarnation
-            if stale:
-                self._fanout.behind.add(slot)
+        self._observe(slot, member, reply.incarnation, f"epoch {reply.epoch}")
         if reply.epoch != self._links.membership.epoch:
             with contextlib.suppress(errors.LmqError):
                 await self._epochs.recheck(slot)
+
+    def heard_from(self, member: str, incarnation: str) -> None:
+        """A peer's own probe reached this broker: it is up, and it restarted if its incarnation changed. A
+        restarted broker's first probes (as soon as it serves) so bring it its subscriptions at once."""
+        members = self._links.membership.members
+        if incarnation and member in members and members.index(member) != self._links.me:
+            self._observe(members.index(member), member, incarnation, "it asked")
+
+    def _observe(self, slot: int, member: str, incarnation: str, detail: str) -> None:
+        seen = self._seen.get(member)
+        if seen is None:
+            self._seen[member] = _Seen(True, incarnation)
+            self.up.labels(member).set(1)
+        else:
+            if not seen.up:
+                self._change(member, UP, detail)
+            elif seen.incarnation != incarnation:
+                self._change(member, RESTARTED, detail)
+            if not seen.up or seen.incarnation != incarnation:
+                self._fanout.behind.add(slot)
+            seen.up, seen.incarnation = True, incarnation
         if slot in self._fanout.behind and member not in self._repushing:
             task = asyncio.get_running_loop().create_task(self._repush(slot, member))
             self._repushing[member] = task

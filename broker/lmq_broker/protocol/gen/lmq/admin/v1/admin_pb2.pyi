@@ -1308,16 +1308,25 @@ class GetClusterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WITH_UNDRAINED_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
+    CALLER_INCARNATION_FIELD_NUMBER: _builtins.int
     with_undrained: _builtins.bool
     """Also count this broker's undrained messages (walks every lite topic of the broker); else -1."""
+    caller: _builtins.str
+    """Set by a broker of the cluster asking (its member endpoint and its process's incarnation): the asked broker
+    learns at once that the caller restarted (and gives it the subscriptions it lost) without waiting to ask.
+    """
+    caller_incarnation: _builtins.str
     def __init__(
         self,
         *,
         with_undrained: _builtins.bool = ...,
+        caller: _builtins.str = ...,
+        caller_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_undrained", b"with_undrained"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "caller_incarnation", b"caller_incarnation", "with_undrained", b"with_undrained"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
