@@ -15,6 +15,10 @@ EXPECTED = {
     "bench_broker_consume.py": ["FIGURE one-lite-topic drain rate:", "FIGURE drain calls/s ÷ echo calls/s:"],
     "bench_broker_send.py": ["FIGURE send rate broker(sync flush)/echo:", "FIGURE send rate broker(async flush)/echo:"],
     "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
+    "bench_cluster.py": [
+        "FIGURE idle CPU per broker of a 3-broker cluster",
+        "FIGURE restarted owner holds its subscriptions again after its readiness, median:",
+    ],
     "bench_lite_ttl.py": [
         "FIGURE lite-ttl pass over 10k topics, defaults:",
         "FIGURE lite-ttl same load without a pass:",

@@ -88,15 +88,18 @@ class Calls:
         edge = self._edge
         if self._peer("SyncLiteSubscription", headers) is not None:
             return await sync_handler.handle(edge, request, caller)
-        caller.require_client_id()
+        client_id = caller.require_client_id()
         if request.action not in (pb.PARTIAL_ADD, pb.PARTIAL_REMOVE, pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
             raise errors.InvalidArgument(f"unknown lite subscription action {request.action}")
-        convert.group_name(request.group)
+        group = convert.group_name(request.group)
         names = sync_handler.lite_topics(request, caller)
         if request.action in (pb.PARTIAL_ADD, pb.COMPLETE_ADD):
             for name in names:
                 convert.lite_topic_or_pattern(name, edge.config.max_lite_topic_size)
         plain = dataclasses.replace(caller, language="", version="")  # the parts are already read literally
+        # Known here (and forgotten with the usual client expiry), so the intents this broker keeps for it
+        # (``fanout``) live as long as the client does, even when none of its topics is this broker's.
+        edge.dispatcher.client_seen(client_id, group=group)
 
         async def apply_here(part: spb.SyncLiteSubscriptionRequest) -> spb.SyncLiteSubscriptionResponse:
             return await sync_handler.handle(edge, part, plain)

@@ -35,7 +35,7 @@ from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
 
 log = logging.getLogger(__name__)
 
-PROBE_INTERVAL_S: Final = 1.0
+PROBE_INTERVAL_S: Final = 5.0  # a restarted peer says so itself at once (heard_from): this only bounds the rest
 PROBE_TIMEOUT_S: Final = 1.0
 UP: Final = "up"
 DOWN: Final = "down"
