@@ -37,8 +37,9 @@ from lmq_broker.cluster.owners import Owners
 from lmq_broker.protocol import status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.handlers import send_message
 
-MAX_BATCH: Final = 10_000  # SendMessage's per-request limit (handlers.send_message)
+MAX_BATCH: Final = send_message.MAX_MESSAGES_PER_REQUEST  # a forward call is a SendMessage too
 MAX_IN_FLIGHT: Final = 2
 NOT_OWNER: Final = "not the owner"  # how a refused peer copy's status message starts
 _SEND: Final = V2 + "SendMessage"

@@ -41,7 +41,7 @@ class Membership:
     members: tuple[str, ...]  # slot -> advertised endpoint "host:port"
     sizes: tuple[int, ...]  # ring size of every epoch, oldest first; the last is today's ring
     # Only grows (module docstring); 0: len(sizes). Not part of equality: two memberships are equal when their
-    # rings are (the writer numbers them, ``same_ring``); code that cares about the number compares it.
+    # rings are (the writer numbers them); code that cares about the number compares it.
     epoch: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,10 +78,6 @@ class Membership:
     def size(self) -> int:
         """Slots of today's ring: the ones new topics are placed on."""
         return self.sizes[-1]
-
-    def same_ring(self, other: Membership) -> bool:
-        """The same members and ring history, whatever the epochs."""
-        return (self.members, self.sizes) == (other.members, other.sizes)
 
     def at(self, epoch: int) -> Membership:
         return Membership(self.members, self.sizes, epoch)

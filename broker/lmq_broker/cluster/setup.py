@@ -167,7 +167,7 @@ class Cluster:
             current = self.place
             new = place.membership
             if new.epoch < current.membership.epoch or (
-                new.epoch == current.membership.epoch and not new.same_ring(current.membership)
+                new.epoch == current.membership.epoch and new != current.membership
             ):
                 raise errors.Conflict(
                     f"membership epoch {new.epoch} is older than this broker's {current.membership.epoch} (or the "
@@ -186,7 +186,7 @@ class Cluster:
         """``membership`` without an epoch of its own (a ``SetCluster`` that gives none): the current epoch when
         it is the current ring, else the next one."""
         current = self.place
-        if membership.same_ring(current.membership) and slot == current.slot:
+        if membership == current.membership and slot == current.slot:
             return membership.at(current.membership.epoch)
         return membership.at(current.membership.epoch + 1)
 
