@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from lmq_broker import app, errors, model
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch import testing as dispatch_testing
@@ -71,7 +73,8 @@ class Pair:
 
 
 async def start_pair(tmp_path: Path, each: Sequence[dict[str, object]] = ({}, {})) -> Pair:
-    ports = free_ports("127.0.0.1", 2)
+    """``each``: one broker per item, with these settings."""
+    ports = free_ports("127.0.0.1", len(each))
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     brokers = []
     for slot, port in enumerate(ports):
@@ -524,3 +527,39 @@ async def test_a_retained_clear_through_one_broker_outdates_what_another_holds(p
     await subscriber.close()
     await zero.close()
     await one.close()
+
+
+async def test_a_session_made_while_its_broker_ran_alone_subscribes_everywhere_once_it_has_peers(
+    tmp_path: Path,
+) -> None:
+    """Broker 0 runs alone (a ring of one) when a session subscribes; then broker 1 joins it. The session's
+    filters are made at broker 1 without the client asking, and broker 1's topics reach it."""
+    each: list[dict[str, object]] = [{"ring_history": "1"}, {"ring_history": "1"}]
+    pair = await start_pair(tmp_path, each)
+    try:
+        members = pair.membership.members
+        for broker in pair.brokers:
+            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+                await asyncio.to_thread(functools.partial(admin.set_cluster, members[:1], (1,), force=True))
+        mqtt = pair.brokers[0].mqtt
+        assert mqtt is not None and mqtt.owners is not None and not mqtt.owners.active  # alone
+        subscriber = await Raw.connect(pair.port(0), "sub")
+        await subscriber.subscribe(f"{PARENT}/#")
+        grown = mb.Membership(members, (1, 2))
+        lite = next(f"j-{i}" for i in range(10_000) if mb.owner(grown, model.QueueId.lmq(PARENT, f"j-{i}").topic) == 1)
+        for broker in pair.brokers:
+            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+                await asyncio.to_thread(admin.set_cluster, members, (1, 2))
+        consumer = f"{group_of('sub')}@{PARENT}"
+        joiner = pair.brokers[1].dispatcher
+        assert joiner is not None
+        await eventually(lambda: joiner.wildcards.registration(consumer) is not None, "subscribed at broker 1")
+        publisher = await Raw.connect(pair.port(1), "pub")
+        await publisher.published(f"{PARENT}/{lite}", b"at broker 1")
+        assert [m.body for m in pair.stored(1, lite)] == [b"at broker 1"]
+        delivered = await subscriber.delivery()
+        assert (delivered.topic, delivered.payload) == (f"{PARENT}/{lite}", b"at broker 1")
+        await publisher.close()
+        await subscriber.close()
+    finally:
+        await stop_pair(pair)

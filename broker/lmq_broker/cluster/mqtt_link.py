@@ -62,6 +62,11 @@ class MqttLink:
     def active(self) -> bool:
         return self._peers() is not None
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        peers = self._peers()
+        return tuple(peers.membership.members) if peers is not None else ()
+
     async def store(self, messages: Sequence[model.NewMessage]) -> None:
         peers = self._peers()
         if peers is None:

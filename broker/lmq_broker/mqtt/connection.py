@@ -67,6 +67,7 @@ MAX_PUBLISH_BATCH: Final = 256  # messages per store call
 MAX_FILTERS: Final = 1000  # topic filters one session may hold
 POLL_MS: Final = 20_000
 GATHER_POLL_MS: Final = 200  # in a cluster: the other brokers are asked this often while nothing comes
+ALONE_POLL_MS: Final = 1_000  # a broker that may join a cluster (it has ``owners``): its sessions look this often
 RETRY_S: Final = 1.0  # a refused receive (store rebuilding, parent deleted) is tried again after this
 MQTT_QOS_PROPERTY: Final = mapping.QOS  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
 RECEIVE_MAXIMUM: Final = PUBLISH_QUEUE  # 5.0: a client's QoS 1/2 publishes not yet acknowledged, at most
@@ -140,6 +141,7 @@ class Connection:
         self._retained_tasks: set[asyncio.Task[None]] = set()
         self._stored = False  # a session row exists for this client id
         self._consumers: dict[str, asyncio.Task[None]] = {}
+        self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
         self._out: dict[int, _Out] = {}
         self._acks: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> PUBACKed, not settled there yet
         self._unsettled = 0  # receipts in _acks or being settled
@@ -634,12 +636,17 @@ class Connection:
         for parent in list(self.subs):
             await self._register(parent)
             if cluster is not None:  # resumed at the group's offsets there too
-                try:
-                    held = list(self.subs[parent])
-                    await cluster.subscribe(self._consumer_id(parent), self.group, parent, held, None)
-                except errors.LmqError as exc:
-                    log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", self.client_id,
-                                parent, exc.message)  # fmt: skip
+                await self._make_everywhere(cluster, parent)
+
+    async def _make_everywhere(self, cluster: Owners, parent: str) -> None:
+        """The session's filters in ``parent`` made at every broker (again), resuming at the group's offsets."""
+        self._made_at[parent] = cluster.members
+        held = list(self.subs.get(parent, ()))
+        try:
+            await cluster.subscribe(self._consumer_id(parent), self.group, parent, held, None)
+        except errors.LmqError as exc:
+            log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", self.client_id, parent,
+                        exc.message)  # fmt: skip
 
     async def _subscribe(self, packet: codec.Subscribe) -> None:
         codes: list[int] = []
@@ -681,7 +688,12 @@ class Connection:
                 await self._register(parent)
                 cluster = self._cluster
                 if cluster is not None:  # at the other brokers too, from their ends as well
-                    await cluster.subscribe(self._consumer_id(parent), self.group, parent, new, older)
+                    consumer = self._consumer_id(parent)
+                    if self._made_at.get(parent) != cluster.members:  # set first: the loop must not make ``new``
+                        self._made_at[parent] = cluster.members
+                        if older:  # made while this broker was alone, or before a broker joined
+                            await cluster.subscribe(consumer, self.group, parent, older, None)
+                    await cluster.subscribe(consumer, self.group, parent, new, older)
             except errors.LmqError as exc:  # e.g. the store rebuilds its index: these filters fail, the rest holds
                 log.warning("mqtt client %s: subscriptions in %s refused: %s", self.client_id, parent, exc.message)
                 cluster = self._cluster
@@ -794,8 +806,11 @@ class Connection:
             cluster = self._cluster
             try:
                 if cluster is None:
-                    found = await self._receive(parent, consumer, room, POLL_MS)
+                    poll_ms = POLL_MS if self.server.owners is None else ALONE_POLL_MS
+                    found = await self._receive(parent, consumer, room, poll_ms)
                 else:
+                    if self._made_at.get(parent) != cluster.members:  # a broker joined, or this one was alone
+                        await self._make_everywhere(cluster, parent)
                     found = await self._gather(cluster, parent, consumer, room)
             except errors.LmqError as exc:
                 log.warning("mqtt client %s: receive in %s refused (%s); retried", self.client_id, parent, exc.message)

@@ -41,6 +41,12 @@ class Owners(Protocol):
         """This broker is one of several: lite topics may live elsewhere."""
         ...
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The brokers of the cluster now: a session whose subscriptions were made when they were others (a
+        broker joined) makes them again."""
+        ...
+
     async def store(self, messages: Sequence[model.NewMessage]) -> None:
         """Store every message at its lite topic's owner (this broker's own here); return once all are
         stored (durable as a gRPC send is). Raise an ``errors.LmqError`` when any is not: a refusal by its
