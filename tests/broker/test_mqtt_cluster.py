@@ -563,3 +563,35 @@ async def test_a_session_made_while_its_broker_ran_alone_subscribes_everywhere_o
         await subscriber.close()
     finally:
         await stop_pair(pair)
+
+
+async def test_three_brokers_each_deliver_their_topics_in_order_and_take_their_acks(tmp_path: Path) -> None:
+    pair = await start_pair(tmp_path, ({}, {}, {}))
+    try:
+        lites = {slot: pair.lite_of(slot) for slot in (1, 2)}
+        subscriber = await Raw.connect(pair.port(0), "sub", level=codec.LEVEL_5)
+        await subscriber.subscribe(f"{PARENT}/#")
+        broker = pair.brokers[0]
+        assert broker.store is not None
+        client = protocol_testing.connect(broker.endpoint, broker.store)
+        try:
+            for n in range(3):  # through broker 0, which owns neither: each forwarded to its owner
+                for slot, lite in lites.items():
+                    reply = await client.stub.SendMessage(
+                        send_request(lite, f"{slot}-{n}".encode()), metadata=protocol_testing.Client.headers("p")
+                    )
+                    assert reply.status.code == pb.OK, reply
+        finally:
+            await client.close()
+        got = [await subscriber.delivery() for _ in range(6)]
+        for slot, lite in lites.items():
+            assert [p.payload for p in got if p.topic == f"{PARENT}/{lite}"] == [
+                f"{slot}-{n}".encode() for n in range(3)
+            ]
+        for p in got:
+            subscriber.ack(p)
+        settled = {slot: functools.partial(pair.offset, slot, lite, "sub") for slot, lite in lites.items()}
+        await eventually(lambda: all(offset() == 3 for offset in settled.values()), "each owner took its acks")
+        await subscriber.close()
+    finally:
+        await stop_pair(pair)

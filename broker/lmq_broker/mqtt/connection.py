@@ -320,10 +320,12 @@ class Connection:
         self._closing = True
         if self.client_id:
             log.info("mqtt client %s disconnected (%s)", self.client_id, reason)
-        for task in [*self._consumers.values(), *self._retained_tasks, *filter(None, [self._settler])]:
+        for task in [*self._consumers.values(), *self._retained_tasks]:
             await _stop(task)
-        with contextlib.suppress(Exception):
-            await self._settle_acks()  # what the client acknowledged, settled where it came from
+        if self._settler is not None:  # what the client acknowledged, settled where it came from; then it ends
+            self._acks_ready.set()
+            with contextlib.suppress(Exception):
+                await self._settler
         if self._publisher is not None:  # store what was read (the client may not learn it; at least once)
             await self._incoming.put(None)
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -612,6 +614,8 @@ class Connection:
             await self._acks_ready.wait()
             self._acks_ready.clear()
             await self._settle_acks()
+            if self._closing:  # the reader has stopped: nothing more comes
+                return
 
     async def _settle_acks(self) -> None:
         while self._acks:
