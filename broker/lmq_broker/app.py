@@ -170,7 +170,14 @@ class Broker:
             admin_server = self._admin_server = grpc_server.create_admin(config)
             server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
         admin_service.register(
-            admin_server, self.store, self.dispatcher, config, admission, admin_keys=admin_keys, cluster=cluster
+            admin_server,
+            self.store,
+            self.dispatcher,
+            config,
+            admission,
+            admin_keys=admin_keys,
+            cluster=cluster,
+            mqtt=lambda: self.mqtt,
         )
         self.port = edge.port = grpc_server.bind(server, config)
         self.admin_port = self.port
@@ -182,7 +189,14 @@ class Broker:
             grpc_server.add_messaging_service(shared, edge, admission)
             if self._admin_server is None:
                 admin_service.register(
-                    shared, self.store, self.dispatcher, config, admission, admin_keys=admin_keys, cluster=cluster
+                    shared,
+                    self.store,
+                    self.dispatcher,
+                    config,
+                    admission,
+                    admin_keys=admin_keys,
+                    cluster=cluster,
+                    mqtt=lambda: self.mqtt,
                 )
             else:
                 shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
@@ -24,7 +24,10 @@ from lmq_broker import errors, model
 from lmq_broker.admin import catalog, codes, convert, everywhere, inspection, membership, reclaiming, validation
 from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.dispatch.api import LiveView
+from lmq_broker.mqtt import matching, topics
+from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
@@ -50,16 +53,29 @@ def register(
     admin_keys: tuple[str, str] | None,
     clock: Callable[[], datetime] = auth.utc_now,
     cluster: Cluster | None = None,
+    mqtt: Callable[[], MqttServer | None] = lambda: None,
 ) -> None:
     """Add the LmqAdmin service to the broker's server (before it starts), answering only calls signed with
     ``admin_keys``; None serves anyone (``--admin-anonymous``, and harnesses that test the service itself).
     Its calls count against ``admission`` (the v2 service's, in a broker); ``cluster`` is the broker's place
-    among its peers (GetCluster/SetCluster answer Unsupported without it)."""
+    among its peers (GetCluster/SetCluster answer Unsupported without it); ``mqtt`` its MQTT listener, once it
+    runs (``MqttRetained`` answers none without it)."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
-    handler = guard.strict_generic_handler(service, AdminServicer(store, live, config, cluster), admission)
+    handler = guard.strict_generic_handler(service, AdminServicer(store, live, config, cluster, mqtt), admission)
     if admin_keys is not None:
         handler = auth.AdminGuard(handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock)
     server.add_generic_rpc_handlers((handler,))
+
+
+def _mqtt_filters(parent: str, texts: Iterable[str]) -> list[wildcards.Filter]:
+    """MQTT topic filters after their parent level (``a/+/c``) -> filters; InvalidArgument when not one."""
+    out = []
+    for text in texts:
+        try:
+            out.append(topics.subscription_of(f"{parent}/{text}").filter)
+        except topics.TopicError as exc:
+            raise errors.InvalidArgument(str(exc), kind="filter") from None
+    return out
 
 
 async def _abort(context: Context, exc: BaseException) -> None:
@@ -82,8 +98,16 @@ def _edge(method: Callable[[S, Req, Context], Awaitable[Resp]]) -> Callable[[S, 
 
 
 class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
-    def __init__(self, store: Store, live: LiveView, config: BrokerConfig, cluster: Cluster | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        live: LiveView,
+        config: BrokerConfig,
+        cluster: Cluster | None = None,
+        mqtt: Callable[[], MqttServer | None] = lambda: None,
+    ) -> None:
         self._store = store
+        self._mqtt = mqtt
         self._live = live
         self._config = config
         self._cluster = cluster
@@ -288,6 +312,42 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         lites = [validation.lite_topic("lites", lite) for lite in request.lites]
         offered = await self._live.trigger_dispatch(group.name, group.bind_topic, lites)
         return pb.TriggerLiteDispatchResponse(offered=offered)
+
+    # --- MQTT sessions of other brokers (docs/mqtt.md, "In a cluster") ----------------------------------
+    @override
+    @_edge
+    async def MqttStartAtEnd(self, request: pb.MqttStartAtEndRequest, context: Context) -> pb.MqttStartAtEndResponse:
+        parent = validation.name("parent", request.parent)
+        group = validation.name("group", request.group)
+        if not group.startswith(metadata.MQTT_GROUP_PREFIX):
+            raise errors.InvalidArgument(f"group {group!r} is no MQTT session's", kind="group")
+        new, older = _mqtt_filters(parent, request.filters), _mqtt_filters(parent, request.older)
+
+        async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
+            return await asyncio.to_thread(self._store.scan_lite_topics, parent, start_after, end_before, limit)
+
+        moved = await matching.start_at_end(scan, self._live.reset_offsets, group, parent, new, older)
+        return pb.MqttStartAtEndResponse(lite_topics=moved)
+
+    @override
+    @_edge
+    async def MqttRetained(self, request: pb.MqttRetainedRequest, context: Context) -> pb.MqttRetainedResponse:
+        parent = validation.name("parent", request.parent)
+        (levels,) = _mqtt_filters(parent, [request.filter])
+        server = self._mqtt()
+        if server is None:  # no MQTT listener here: nothing was retained through this broker
+            return pb.MqttRetainedResponse()
+        limit = min(request.limit, matching.RETAINED_LIMIT) if request.limit > 0 else matching.RETAINED_LIMIT
+        found, truncated = await server.retained(parent, levels, limit)
+        return pb.MqttRetainedResponse(
+            retained=[
+                pb.MqttRetainedMessage(
+                    lite=r.lite, payload=r.payload, qos=r.qos, stored_ms=r.stored_ms, properties=r.properties
+                )
+                for r in found
+            ],
+            truncated=truncated,
+        )
 
     # --- the broker -------------------------------------------------------------------------------------
     @override

@@ -18,6 +18,13 @@ back when the connection ends), with DUP set.
 A new subscription starts at the end of every matching lite topic (MQTT delivers what is published after
 it, plus the retained message); a persistent session resumes at its group's offsets.
 
+In a cluster (``server.owners`` active) the session is subscribed at every other broker too, its new filters
+starting at their ends there as well; its loop then takes this broker's messages and pulls, without waiting,
+the others' (``Owners.pull``), within the same in-flight window, and waits on this broker's for
+``GATHER_POLL_MS`` between two rounds. What came from another broker is settled there (``Owners.settle``,
+batched off the reader by ``_settle_loop``; it keeps its place in the window until then) and given back there
+when the connection ends. A SUBSCRIBE also gets the other brokers' retained messages (per topic the newest).
+
 MQTT 5 on the same path (chosen by the CONNECT's level, ``self.v5``): what 3.1.1 can only answer by closing
 gets a reason code (a negative PUBACK, a SUBACK code, a DISCONNECT before closing); the session lives as long
 as its expiry interval (3.1.1: clean = 0, persistent = never); the client's receive maximum bounds the QoS 1
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import itertools
@@ -40,9 +48,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import metadata, offsets, wildcards
-from lmq_broker.dispatch.dispatcher import Delivery
-from lmq_broker.mqtt import codec, durable, mapping, properties, topics
+from lmq_broker.dispatch import metadata, wildcards
+from lmq_broker.mqtt import codec, durable, mapping, matching, properties, topics
+from lmq_broker.mqtt.owners import Owners, Pulled
 from lmq_broker.mqtt.properties import Properties, Reason
 
 if TYPE_CHECKING:
@@ -58,6 +66,8 @@ PUBLISH_QUEUE: Final = 256  # PUBLISH packets read and not yet stored; the reade
 MAX_PUBLISH_BATCH: Final = 256  # messages per store call
 MAX_FILTERS: Final = 1000  # topic filters one session may hold
 POLL_MS: Final = 20_000
+GATHER_POLL_MS: Final = 200  # in a cluster: the other brokers are asked this often while nothing comes
+ALONE_POLL_MS: Final = 1_000  # a broker that may join a cluster (it has ``owners``): its sessions look this often
 RETRY_S: Final = 1.0  # a refused receive (store rebuilding, parent deleted) is tried again after this
 MQTT_QOS_PROPERTY: Final = mapping.QOS  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
 RECEIVE_MAXIMUM: Final = PUBLISH_QUEUE  # 5.0: a client's QoS 1/2 publishes not yet acknowledged, at most
@@ -87,10 +97,13 @@ class _In:
 
 @dataclass(frozen=True, slots=True)
 class _Out:
-    """A QoS 1 delivery waiting for its PUBACK; ``receipt`` is empty for a retained message."""
+    """A QoS 1 delivery waiting for its PUBACK; ``receipt`` is empty for a retained message; ``remote``: it
+    came from another broker of the cluster (settled there, ``Owners.settle``)."""
 
     consumer: str
     receipt: str
+    parent: str = ""
+    remote: bool = False
 
 
 class Closed(Exception):
@@ -128,7 +141,12 @@ class Connection:
         self._retained_tasks: set[asyncio.Task[None]] = set()
         self._stored = False  # a session row exists for this client id
         self._consumers: dict[str, asyncio.Task[None]] = {}
+        self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
         self._out: dict[int, _Out] = {}
+        self._acks: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> PUBACKed, not settled there yet
+        self._unsettled = 0  # receipts in _acks or being settled
+        self._acks_ready = asyncio.Event()
+        self._settler: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
         self._room.set()
         self._ids = itertools.cycle(range(1, 65536))
@@ -252,6 +270,12 @@ class Connection:
     def persistent(self) -> bool:
         return self.expiry_s != 0
 
+    @property
+    def _cluster(self) -> Owners | None:
+        """The cluster this broker is part of (its other brokers hold lite topics too); None while alone."""
+        owners = self.server.owners
+        return owners if owners is not None and owners.active else None
+
     def _refusal(self, connect: codec.Connect) -> int | None:
         """A ConnectCode (3.1.1, translated for 5.0), or a 5.0 reason code."""
         if not connect.client_id and not connect.clean_session and not self.v5:
@@ -298,19 +322,32 @@ class Connection:
             log.info("mqtt client %s disconnected (%s)", self.client_id, reason)
         for task in [*self._consumers.values(), *self._retained_tasks]:
             await _stop(task)
+        if self._settler is not None:  # what the client acknowledged, settled where it came from; then it ends
+            self._acks_ready.set()
+            with contextlib.suppress(Exception):
+                await self._settler
         if self._publisher is not None:  # store what was read (the client may not learn it; at least once)
             await self._incoming.put(None)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._publisher
         if code is not None and not self.kicked:
             self.close(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
+        remote: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> other brokers' receipts
         for out in self._out.values():  # handed out, not acknowledged: back to the group at once
-            if out.receipt:
+            if out.remote:
+                remote.setdefault((out.consumer, out.parent), []).append(out.receipt)
+            elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
                     await self.dispatcher.change_invisible(self.group, out.receipt, 0)
         self._out.clear()
         for parent in self._consumers:
             self.dispatcher.client_gone(self._consumer_id(parent))
+        cluster = self._cluster
+        if cluster is not None:  # the other brokers' leases back there; a session that ends, its subscriptions
+            calls = [cluster.release(c, self.group, p, receipts) for (c, p), receipts in remote.items()]
+            if not self.persistent and self._connected.is_set():
+                calls += [cluster.unsubscribe(self._consumer_id(p), self.group, p, []) for p in self.subs]
+            await asyncio.gather(*calls, return_exceptions=True)
         if self._connected.is_set() and not self.server.stopping:
             await self._session_ended()
         if not graceful and self.will is not None and not self.server.stopping:
@@ -525,7 +562,10 @@ class Connection:
             else:
                 await self.dispatcher.send(messages)
         if retained:
-            await self.dispatcher.run(self.server.durable.put_retained, retained)
+            tombstones = self._cluster is not None  # a clear here outdates an older one kept elsewhere
+            await self.dispatcher.run(
+                functools.partial(self.server.durable.put_retained, retained, tombstones=tombstones)
+            )
 
     def _message(
         self, parent: str, lite: str, p: codec.Publish, now_ms: int, props: dict[str, str]
@@ -548,7 +588,14 @@ class Connection:
         out = self._out.pop(packet_id, None)
         if out is None:
             return  # not ours (or acknowledged twice): nothing to settle
-        if len(self._out) < self.max_inflight:
+        if out.remote:  # settled there by the settler, off the reader; it holds its room until then
+            self._acks.setdefault((out.consumer, out.parent), []).append(out.receipt)
+            self._unsettled += 1
+            if self._settler is None:
+                self._settler = asyncio.get_running_loop().create_task(self._settle_loop())
+            self._acks_ready.set()
+            return
+        if self._busy < self.max_inflight:
             self._room.set()
         if out.receipt:
             try:
@@ -556,14 +603,54 @@ class Connection:
             except errors.LmqError as exc:  # e.g. the lease was given back meanwhile: it comes again
                 log.info("mqtt client %s: PUBACK %d not settled: %s", self.client_id, packet_id, exc.message)
 
+    @property
+    def _busy(self) -> int:
+        """Deliveries taking room in the in-flight window: awaiting their PUBACK, or their settling elsewhere."""
+        return len(self._out) + self._unsettled
+
+    async def _settle_loop(self) -> None:
+        """The other brokers' messages the client acknowledged, settled there: all that came meanwhile at once."""
+        while True:
+            await self._acks_ready.wait()
+            self._acks_ready.clear()
+            await self._settle_acks()
+            if self._closing:  # the reader has stopped: nothing more comes
+                return
+
+    async def _settle_acks(self) -> None:
+        while self._acks:
+            acks, self._acks = self._acks, {}
+            cluster = self._cluster
+            try:
+                if cluster is not None:  # else alone again: their leases there expire, they come again
+                    settling = (cluster.settle(c, self.group, p, receipts) for (c, p), receipts in acks.items())
+                    await asyncio.gather(*settling)
+            finally:
+                self._unsettled -= sum(map(len, acks.values()))
+                if self._busy < self.max_inflight:
+                    self._room.set()
+
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def _restore(self, saved: dict[str, int]) -> None:
         for text, options in saved.items():
             with contextlib.suppress(topics.TopicError):
                 parent, levels = topics.subscription_of(text)
                 self.subs.setdefault(parent, {})[levels] = options
+        cluster = self._cluster
         for parent in list(self.subs):
             await self._register(parent)
+            if cluster is not None:  # resumed at the group's offsets there too
+                await self._make_everywhere(cluster, parent)
+
+    async def _make_everywhere(self, cluster: Owners, parent: str) -> None:
+        """The session's filters in ``parent`` made at every broker (again), resuming at the group's offsets."""
+        self._made_at[parent] = cluster.members
+        held = list(self.subs.get(parent, ()))
+        try:
+            await cluster.subscribe(self._consumer_id(parent), self.group, parent, held, None)
+        except errors.LmqError as exc:
+            log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", self.client_id, parent,
+                        exc.message)  # fmt: skip
 
     async def _subscribe(self, packet: codec.Subscribe) -> None:
         codes: list[int] = []
@@ -603,8 +690,19 @@ class Connection:
             try:
                 await self._start_at_end(parent, new, older)
                 await self._register(parent)
+                cluster = self._cluster
+                if cluster is not None:  # at the other brokers too, from their ends as well
+                    consumer = self._consumer_id(parent)
+                    if self._made_at.get(parent) != cluster.members:  # set first: the loop must not make ``new``
+                        self._made_at[parent] = cluster.members
+                        if older:  # made while this broker was alone, or before a broker joined
+                            await cluster.subscribe(consumer, self.group, parent, older, None)
+                    await cluster.subscribe(consumer, self.group, parent, new, older)
             except errors.LmqError as exc:  # e.g. the store rebuilds its index: these filters fail, the rest holds
                 log.warning("mqtt client %s: subscriptions in %s refused: %s", self.client_id, parent, exc.message)
+                cluster = self._cluster
+                if cluster is not None:  # brokers that took them before one refused
+                    await cluster.unsubscribe(self._consumer_id(parent), self.group, parent, new)
                 for f in new:
                     self.subs[parent].pop(f, None)
                 for i, (p, f) in list(granted.items()):
@@ -616,9 +714,10 @@ class Connection:
             await self._save()
         self.writer.write(codec.encode_suback(packet.packet_id, codes, self._ack_props()))
         wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
-        if not self.v5:
-            for parent, levels, qos in wanted:  # MQTT-3.3.1-6, 3.8.4-3: retained messages after the SUBACK
-                await self._send_retained(parent, levels, qos)
+        if not self.v5:  # MQTT-3.3.1-6, 3.8.4-3: retained messages after the SUBACK
+            elsewhere = await self._retained_elsewhere(wanted)
+            for (parent, levels, qos), theirs in zip(wanted, elsewhere, strict=True):
+                await self._send_retained(parent, levels, qos, theirs)
         elif wanted:  # waits for room under the client's receive maximum: not on the reader, which reads PUBACKs
             task = asyncio.get_running_loop().create_task(self._send_all_retained(wanted))
             self._retained_tasks.add(task)
@@ -626,13 +725,14 @@ class Connection:
 
     async def _send_all_retained(self, wanted: list[tuple[str, wildcards.Filter, int]]) -> None:
         try:
-            for parent, levels, qos in wanted:
-                await self._send_retained(parent, levels, qos)
+            elsewhere = await self._retained_elsewhere(wanted)
+            for (parent, levels, qos), theirs in zip(wanted, elsewhere, strict=True):
+                await self._send_retained(parent, levels, qos, theirs)
         except (ConnectionError, errors.LmqError) as exc:
             log.info("mqtt client %s: retained messages not sent: %s", self.client_id, exc)
 
     async def _unsubscribe(self, packet: codec.Unsubscribe) -> None:
-        changed = set()
+        changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
         codes = []
         for text in packet.filters:
             try:
@@ -641,12 +741,15 @@ class Connection:
                 codes.append(Reason.TOPIC_FILTER_INVALID)
                 continue
             if self.subs.get(parent, {}).pop(levels, None) is not None:
-                changed.add(parent)
+                changed.setdefault(parent, []).append(levels)
                 codes.append(Reason.SUCCESS)
             else:
                 codes.append(Reason.NO_SUBSCRIPTION_EXISTED)
-        for parent in changed:
+        cluster = self._cluster
+        for parent, ended in changed.items():
             await self._register(parent)
+            if cluster is not None:
+                await cluster.unsubscribe(self._consumer_id(parent), self.group, parent, ended)
         if changed and self.persistent:
             await self._save()
         if self.v5:
@@ -660,29 +763,13 @@ class Connection:
         self._stored = True
 
     async def _start_at_end(self, parent: str, new: list[wildcards.Filter], older: list[wildcards.Filter]) -> None:
-        """The group's start in each existing lite topic that only the ``new`` filters match: its end (what
-        it holds was published before the subscription). Pages over the range those filters can match."""
-        start_after, end_before = wildcards.scan_range(new)
-        lites: list[str] = []
-        while True:
-            page = await self.dispatcher.run(
-                self.dispatcher.store.scan_lite_topics, parent, start_after, end_before, 512
-            )
-            for meta in page:
-                levels = meta.lite.split(wildcards.LEVEL_SEPARATOR)
-                if (
-                    meta.max_offset > meta.min_offset
-                    and any(wildcards.matches(f, levels) for f in new)
-                    and not any(wildcards.matches(f, levels) for f in older)
-                ):
-                    lites.append(meta.lite)
-            if len(page) < 512:
-                break
-            start_after = page[-1].lite
-        for i in range(0, len(lites), 512):
-            await self.dispatcher.reset_offsets(
-                self.group, parent, lites[i : i + 512], offsets.OffsetReset(offsets.OffsetPolicy.MAX)
-            )
+        """The group's start in each existing lite topic here that only the ``new`` filters match: its end."""
+        dispatcher = self.dispatcher
+
+        async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
+            return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
+
+        await matching.start_at_end(scan, dispatcher.reset_offsets, self.group, parent, new, older)
 
     async def _register(self, parent: str) -> None:
         """Give the dispatcher this session's filters in ``parent``; start or stop the parent's delivery loop."""
@@ -704,70 +791,105 @@ class Connection:
     # --- deliveries out -------------------------------------------------------------------------------------
     async def _consume(self, parent: str) -> None:
         consumer = self._consumer_id(parent)
-        slice_ms = self.config.lease_renew_slice_ms
         await self._connected.wait()
         while not self._closing:
             try:  # a client slow to PUBACK: still alive for the dispatcher (its registration, its leases)
                 await asyncio.wait_for(self._room.wait(), POLL_MS / 1000)
             except TimeoutError:
                 self.dispatcher.client_seen(consumer)
+                cluster = self._cluster
+                if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
+                    await cluster.keep_alive(consumer, self.group)
                 continue
             if self.dispatcher.wildcards.registration(consumer) is None and self.subs.get(parent):
                 await self._register(parent)  # expired meanwhile (an event loop stalled past client expiry)
-            room = self.max_inflight - len(self._out)
+            room = self.max_inflight - self._busy
             if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
                 self._room.clear()
                 continue
+            cluster = self._cluster
             try:
-                deliveries = await self.dispatcher.receive_lite(
-                    consumer,
-                    self.group,
-                    parent,
-                    batch=max(1, min(room, self.config.receive_batch_size)),
-                    invisible_ms=slice_ms,
-                    poll_ms=POLL_MS,
-                    auto_renew=True,
-                )
+                if cluster is None:
+                    poll_ms = POLL_MS if self.server.owners is None else ALONE_POLL_MS
+                    found = await self._receive(parent, consumer, room, poll_ms)
+                else:
+                    if self._made_at.get(parent) != cluster.members:  # a broker joined, or this one was alone
+                        await self._make_everywhere(cluster, parent)
+                    found = await self._gather(cluster, parent, consumer, room)
             except errors.LmqError as exc:
                 log.warning("mqtt client %s: receive in %s refused (%s); retried", self.client_id, parent, exc.message)
                 await asyncio.sleep(RETRY_S)
                 continue
-            if not deliveries:
-                if self.dispatcher.draining:
-                    return
-                continue
-            await self._deliver(parent, consumer, deliveries)
+            if not found and self.dispatcher.draining:
+                return
 
-    async def _deliver(self, parent: str, consumer: str, deliveries: list[Delivery]) -> None:
+    async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int) -> bool:
+        """This broker's messages for the session, delivered; False when none came within ``poll_ms``."""
+        deliveries = await self.dispatcher.receive_lite(
+            consumer,
+            self.group,
+            parent,
+            batch=max(1, min(room, self.config.receive_batch_size)),
+            invisible_ms=self.config.lease_renew_slice_ms,
+            poll_ms=poll_ms,
+            auto_renew=True,
+        )
+        if not deliveries:
+            return False
+        pulled = [Pulled(d.message.lite_topic or "", d.message.body, d.attempt, d.receipt_handle,
+                         d.message.user_properties) for d in deliveries]  # fmt: skip
+        await self._deliver(parent, consumer, pulled, remote=False)
+        return True
+
+    async def _gather(self, cluster: Owners, parent: str, consumer: str, room: int) -> bool:
+        """In a cluster: this broker's messages and, without waiting, the other brokers' (as gathering does for
+        a LiteSimpleConsumer); while none come, wait here ``GATHER_POLL_MS`` and ask them again."""
+        found = await self._receive(parent, consumer, room, 0)
+        room = self.max_inflight - self._busy
+        if room > 0:
+            pulled = await cluster.pull(consumer, self.group, parent, min(room, self.config.receive_batch_size))
+            if pulled:
+                await self._deliver(parent, consumer, pulled, remote=True)
+                found = True
+        if found:
+            return True
+        room = self.max_inflight - self._busy
+        return room > 0 and await self._receive(parent, consumer, room, GATHER_POLL_MS)
+
+    async def _deliver(self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool) -> None:
+        """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there)."""
         settle: list[str] = []
         held = self.subs.get(parent, {})
         now = self.dispatcher.wall_clock()
         for d in deliveries:
-            m = d.message
-            lite = m.lite_topic or ""
-            levels = lite.split(wildcards.LEVEL_SEPARATOR)
-            props = m.user_properties
+            levels = d.lite.split(wildcards.LEVEL_SEPARATOR)
+            props = d.properties
             mine = props.get(mapping.CLIENT) == self.client_id
-            matching = [o for f, o in held.items() if wildcards.matches(f, levels) and not (mine and o & _NO_LOCAL)]
-            if not matching or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
-                settle.append(d.receipt_handle)
+            matched = [o for f, o in held.items() if wildcards.matches(f, levels) and not (mine and o & _NO_LOCAL)]
+            if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
+                settle.append(d.receipt)
                 continue
-            qos = 0 if props.get(MQTT_QOS_PROPERTY) == "0" else max(o & codec.OPTION_QOS for o in matching)
-            retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matching)
+            qos = 0 if props.get(MQTT_QOS_PROPERTY) == "0" else max(o & codec.OPTION_QOS for o in matched)
+            retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             packet_id = self._packet_id() if qos else None
-            topic = topics.topic_of(parent, lite)
-            data = self._publish_bytes(topic, m.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
+            topic = topics.topic_of(parent, d.lite)
+            data = self._publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
                                        dup=d.attempt > 1)  # fmt: skip
             if data is None or qos == 0:
-                settle.append(d.receipt_handle)
+                settle.append(d.receipt)
             else:
                 assert packet_id is not None
-                self._out[packet_id] = _Out(consumer, d.receipt_handle)
+                self._out[packet_id] = _Out(consumer, d.receipt, parent, remote)
             if data is not None:
                 self.writer.write(data)
-        if len(self._out) >= self.max_inflight:
+        if self._busy >= self.max_inflight:
             self._room.clear()
         await self.writer.drain()
+        if remote:
+            cluster = self._cluster
+            if cluster is not None and settle:
+                await cluster.settle(consumer, self.group, parent, settle)
+            return
         for receipt in settle:
             try:
                 await self.dispatcher.ack(self.group, receipt, client_id=consumer)
@@ -797,17 +919,34 @@ class Connection:
             return None
         return data
 
-    async def _send_retained(self, parent: str, levels: wildcards.Filter, granted: int) -> None:
-        start_after, end_before = wildcards.scan_range([levels])
-        found = await self.dispatcher.run(self.server.durable.retained_between, parent, start_after, end_before)
+    async def _retained_elsewhere(
+        self, wanted: list[tuple[str, wildcards.Filter, int]]
+    ) -> list[list[durable.Retained]]:
+        """Per subscription, the retained messages the other brokers of a cluster hold (asked all at once)."""
+        cluster = self._cluster
+        if cluster is None:
+            return [[] for _ in wanted]
+        return list(await asyncio.gather(*(cluster.retained(parent, levels) for parent, levels, _ in wanted)))
+
+    async def _send_retained(
+        self, parent: str, levels: wildcards.Filter, granted: int, elsewhere: list[durable.Retained]
+    ) -> None:
+        """The retained messages ``levels`` matches: this broker's and ``elsewhere`` (the other brokers'), per
+        topic the newest (a topic's retained publishes may have come through several brokers)."""
         now = self.dispatcher.wall_clock()
+        clustered = self._cluster is not None
+        durable_ = self.server.durable
+        found, _ = await self.dispatcher.run(matching.retained, durable_, parent, levels, now, None,
+                                             clustered)  # fmt: skip
+        if clustered:
+            newest = {r.lite: r for r in found}
+            for r in elsewhere:
+                if r.lite not in newest or newest[r.lite].stored_ms < r.stored_ms:
+                    newest[r.lite] = r
+            found = [newest[lite] for lite in sorted(newest) if newest[lite].payload]  # a newest clear: none
         for r in found:
-            if not wildcards.matches(levels, r.lite.split(wildcards.LEVEL_SEPARATOR)) or mapping.expired(
-                r.properties, now
-            ):
-                continue
             qos = min(r.qos, granted)
-            if qos and self.v5 and len(self._out) >= self.max_inflight:
+            if qos and self.v5 and self._busy >= self.max_inflight:
                 self._room.clear()
                 await self._room.wait()
             packet_id = self._packet_id() if qos else None

@@ -117,13 +117,15 @@ class Durable:
         return count
 
     # --- retained messages: the last one per (parent, lite topic) -------------------------------------------
-    def put_retained(self, changes: Iterable[Retained]) -> None:
-        """In one transaction, in order: an empty payload clears the topic's retained message."""
+    def put_retained(self, changes: Iterable[Retained], *, tombstones: bool = False) -> None:
+        """In one transaction, in order: an empty payload clears the topic's retained message; ``tombstones``
+        (in a cluster) keeps the clear as a row with an empty payload, so that it outdates an older retained
+        message another broker holds for the topic (a reader takes the newest per topic, then drops clears)."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 for r in changes:
-                    if r.payload:
+                    if r.payload or tombstones:
                         self._db.execute(
                             "INSERT INTO retained (parent, lite, payload, qos, stored_ms, properties)"
                             " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (parent, lite) DO UPDATE SET"
@@ -139,7 +141,8 @@ class Durable:
                 raise
 
     def retained_between(self, parent: str, start_after: str, end_before: str) -> list[Retained]:
-        """Retained messages of ``parent`` whose lite names lie in (start_after, end_before); "" is open."""
+        """Retained messages of ``parent`` whose lite names lie in (start_after, end_before); "" is open.
+        Clears kept as tombstones come too (an empty payload)."""
         query = "SELECT lite, payload, qos, stored_ms, properties FROM retained WHERE parent = ? AND lite > ?"
         args: tuple[str, ...] = (parent, start_after)
         if end_before:

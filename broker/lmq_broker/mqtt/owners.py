@@ -3,16 +3,36 @@
 In a cluster each lite topic lives on one broker, its owner (docs/scale-out.md). The listener cannot know the
 ring (``mqtt`` sits below ``cluster`` in the import layers), so it is handed an ``Owners``: while the broker
 acts as part of a cluster (``active``), what an MQTT client publishes (its wills too) is stored through it, at
-each message's owner, before the publish is acknowledged. A broker alone, or one whose cluster shrank back to
-itself, stores on its own dispatcher as before.
+each message's owner, before the publish is acknowledged; and a session's subscriptions are made at every
+other broker too, whose messages the session pulls (without waiting) while it waits on its own broker's, and
+settles where they came from. A broker alone, or one whose cluster shrank back to itself, stores on and
+delivers from its own dispatcher as before.
+
+A session is known to the other brokers as one client per parent it subscribes in (``consumer``, the same id
+its own broker's dispatcher knows it by) of its implicit group (``group``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmq_broker import model
+from lmq_broker.dispatch import wildcards
+from lmq_broker.mqtt import durable
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """A message another broker handed to the session (leased there); ``receipt`` names that broker and its
+    handle there (opaque here: given back to ``Owners.settle`` or ``Owners.release``)."""
+
+    lite: str
+    body: bytes
+    attempt: int
+    receipt: str
+    properties: dict[str, str] = field(default_factory=dict)
 
 
 class Owners(Protocol):
@@ -21,10 +41,58 @@ class Owners(Protocol):
         """This broker is one of several: lite topics may live elsewhere."""
         ...
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The brokers of the cluster now: a session whose subscriptions were made when they were others (a
+        broker joined) makes them again."""
+        ...
+
     async def store(self, messages: Sequence[model.NewMessage]) -> None:
         """Store every message at its lite topic's owner (this broker's own here); return once all are
         stored (durable as a gRPC send is). Raise an ``errors.LmqError`` when any is not: a refusal by its
         owner as that owner's error (a quota, a missing parent), an owner that cannot be reached as
         ``errors.BrokerUnavailable``. Then the caller must not acknowledge the publishes; those of the call that
         were stored stay stored (a resend stores them again: at least once)."""
+        ...
+
+    async def subscribe(
+        self,
+        consumer: str,
+        group: str,
+        parent: str,
+        filters: Sequence[wildcards.Filter],
+        older: Sequence[wildcards.Filter] | None,
+    ) -> None:
+        """Make ``filters`` at every other broker (kept there across its restart). ``older`` given: they are
+        new, so the group starts at the end of each lite topic there that they match and ``older`` does not
+        (what it holds was published before the subscription); None: a session resumed at its offsets. Raise an
+        ``errors.LmqError`` when a broker refuses (a quota); one that does not answer gets them later."""
+        ...
+
+    async def unsubscribe(self, consumer: str, group: str, parent: str, filters: Sequence[wildcards.Filter]) -> None:
+        """End ``filters`` (empty: every filter of ``consumer``) at every other broker; best effort."""
+        ...
+
+    async def pull(self, consumer: str, group: str, parent: str, batch: int) -> list[Pulled]:
+        """At most ``batch`` messages waiting at the other brokers for ``consumer``, asked for without waiting
+        (leased there, renewed while the session pulls or ``keep_alive``s); [] when none answered any."""
+        ...
+
+    async def settle(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:
+        """Acknowledge pulled messages at the brokers that delivered them (their group's offsets move there)."""
+        ...
+
+    async def release(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:
+        """Give pulled, unacknowledged messages back at once (handed out again, with DUP); best effort: a
+        lease not given back expires there."""
+        ...
+
+    async def keep_alive(self, consumer: str, group: str) -> None:
+        """The session lives while it pulls nothing (its in-flight window is full): the others keep its
+        subscriptions and leases."""
+        ...
+
+    async def retained(self, parent: str, levels: wildcards.Filter) -> list[durable.Retained]:
+        """The retained messages the other brokers hold that ``levels`` matches (not expired), at most
+        ``RETAINED_LIMIT`` from each; brokers that do not answer are skipped."""
         ...

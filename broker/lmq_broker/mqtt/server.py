@@ -18,9 +18,11 @@ import logging
 import ssl
 from typing import Final
 
+from lmq_broker import errors
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import codec, durable
+from lmq_broker.mqtt import codec, durable, matching
 from lmq_broker.mqtt.connection import Connection
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
@@ -83,6 +85,16 @@ class MqttServer:
             task.cancel()
             if clean_start:  # the old session ends now, and its will's wait with it (5.0 section 3.1.3.2.2)
                 await before.publish_will(will)
+
+    async def retained(
+        self, parent: str, levels: wildcards.Filter, limit: int = matching.RETAINED_LIMIT
+    ) -> tuple[list[durable.Retained], bool]:
+        """The retained messages this broker holds that ``levels`` matches (another broker's session asks,
+        ``MqttRetained``), clears kept as tombstones included, at most ``limit``, and whether more matched."""
+        if self.stopping:
+            raise errors.BrokerUnavailable("the broker is shutting down")
+        now = self.dispatcher.wall_clock()
+        return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True)
 
     def owner(self, client_id: str) -> Connection | None:
         return self._clients.get(client_id)

@@ -1735,3 +1735,165 @@ class TriggerLiteDispatchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TriggerLiteDispatchResponse: _TypeAlias = TriggerLiteDispatchResponse  # noqa: Y015
+
+@_typing.final
+class MqttStartAtEndRequest(_message.Message):
+    """MQTT sessions across brokers (docs/mqtt.md, "In a cluster"): what one broker's MQTT listener asks the others.
+    Filters are the MQTT topic filter after the parent level ("a/+/c", "a/b", "#"); calls between brokers only.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    FILTERS_FIELD_NUMBER: _builtins.int
+    OLDER_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    group: _builtins.str
+    """the session's implicit group (%MQTT%...)"""
+    @_builtins.property
+    def filters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """new filters: the group starts at the end of each lite topic only they match"""
+
+    @_builtins.property
+    def older(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the session's other filters in the parent (their topics are left alone)"""
+
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        group: _builtins.str = ...,
+        filters: _abc.Iterable[_builtins.str] | None = ...,
+        older: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filters", b"filters", "group", b"group", "older", b"older", "parent", b"parent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttStartAtEndRequest: _TypeAlias = MqttStartAtEndRequest  # noqa: Y015
+
+@_typing.final
+class MqttStartAtEndResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LITE_TOPICS_FIELD_NUMBER: _builtins.int
+    lite_topics: _builtins.int
+    def __init__(
+        self,
+        *,
+        lite_topics: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lite_topics", b"lite_topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttStartAtEndResponse: _TypeAlias = MqttStartAtEndResponse  # noqa: Y015
+
+@_typing.final
+class MqttRetainedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    filter: _builtins.str
+    limit: _builtins.int
+    """at most this many (0: the broker's own cap, 10000)"""
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        filter: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "limit", b"limit", "parent", b"parent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttRetainedRequest: _TypeAlias = MqttRetainedRequest  # noqa: Y015
+
+@_typing.final
+class MqttRetainedMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PropertiesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    LITE_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    QOS_FIELD_NUMBER: _builtins.int
+    STORED_MS_FIELD_NUMBER: _builtins.int
+    PROPERTIES_FIELD_NUMBER: _builtins.int
+    lite: _builtins.str
+    payload: _builtins.bytes
+    qos: _builtins.int
+    stored_ms: _builtins.int
+    @_builtins.property
+    def properties(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        lite: _builtins.str = ...,
+        payload: _builtins.bytes = ...,
+        qos: _builtins.int = ...,
+        stored_ms: _builtins.int = ...,
+        properties: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lite", b"lite", "payload", b"payload", "properties", b"properties", "qos", b"qos", "stored_ms", b"stored_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttRetainedMessage: _TypeAlias = MqttRetainedMessage  # noqa: Y015
+
+@_typing.final
+class MqttRetainedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RETAINED_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    truncated: _builtins.bool
+    """more matched than the limit"""
+    @_builtins.property
+    def retained(self) -> _containers.RepeatedCompositeFieldContainer[Global___MqttRetainedMessage]:
+        """matching, not expired, by lite name"""
+
+    def __init__(
+        self,
+        *,
+        retained: _abc.Iterable[Global___MqttRetainedMessage] | None = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retained", b"retained", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttRetainedResponse: _TypeAlias = MqttRetainedResponse  # noqa: Y015

@@ -154,6 +154,16 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchResponse.FromString,
                 _registered_method=True)
+        self.MqttStartAtEnd = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/MqttStartAtEnd',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttStartAtEndRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttStartAtEndResponse.FromString,
+                _registered_method=True)
+        self.MqttRetained = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/MqttRetained',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -303,6 +313,18 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MqttStartAtEnd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MqttRetained(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -425,6 +447,16 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.TriggerLiteDispatch,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchResponse.SerializeToString,
+            ),
+            'MqttStartAtEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.MqttStartAtEnd,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttStartAtEndRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttStartAtEndResponse.SerializeToString,
+            ),
+            'MqttRetained': grpc.unary_unary_rpc_method_handler(
+                    servicer.MqttRetained,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1075,6 +1107,60 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/TriggerLiteDispatch',
             lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.TriggerLiteDispatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MqttStartAtEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/MqttStartAtEnd',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.MqttStartAtEndRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.MqttStartAtEndResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MqttRetained(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/MqttRetained',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.FromString,
             options,
             channel_credentials,
             insecure,

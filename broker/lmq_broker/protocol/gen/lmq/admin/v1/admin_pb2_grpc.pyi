@@ -57,6 +57,8 @@ class LmqAdminStub:
     GetGroupLag: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetGroupLagRequest, _admin_pb2.GetGroupLagResponse]
     ResetLiteOffsets: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ResetLiteOffsetsRequest, _admin_pb2.ResetLiteOffsetsResponse]
     TriggerLiteDispatch: _grpc.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]
+    MqttStartAtEnd: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]
+    MqttRetained: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -85,6 +87,8 @@ class LmqAdminAsyncStub(LmqAdminStub):
     GetGroupLag: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetGroupLagRequest, _admin_pb2.GetGroupLagResponse]  # type: ignore[assignment]
     ResetLiteOffsets: _aio.UnaryUnaryMultiCallable[_admin_pb2.ResetLiteOffsetsRequest, _admin_pb2.ResetLiteOffsetsResponse]  # type: ignore[assignment]
     TriggerLiteDispatch: _aio.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]  # type: ignore[assignment]
+    MqttStartAtEnd: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]  # type: ignore[assignment]
+    MqttRetained: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -254,5 +258,19 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.TriggerLiteDispatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.TriggerLiteDispatchResponse, _abc.Awaitable[_admin_pb2.TriggerLiteDispatchResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def MqttStartAtEnd(
+        self,
+        request: _admin_pb2.MqttStartAtEndRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.MqttStartAtEndResponse, _abc.Awaitable[_admin_pb2.MqttStartAtEndResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def MqttRetained(
+        self,
+        request: _admin_pb2.MqttRetainedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.MqttRetainedResponse, _abc.Awaitable[_admin_pb2.MqttRetainedResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
