@@ -53,8 +53,10 @@ ApplyHere = Callable[[spb.SyncLiteSubscriptionRequest], Awaitable[spb.SyncLiteSu
 
 @dataclass
 class _Intent:
-    lites: set[str] = field(default_factory=set)
-    patterns: set[str] = field(default_factory=set)
+    # name -> the number of the change that added it (``Fanout._changes``): a complete set that began before a
+    # later change added a name, and ends after it, does not take that name away
+    lites: dict[str, int] = field(default_factory=dict)
+    patterns: dict[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -69,6 +71,8 @@ class Fanout:
         self._known = known
         self._intents: dict[tuple[str, str, str], _Intent] = {}  # (client id, group, parent) -> what it asked
         self._names = 0  # lite topics and patterns held in _intents
+        self._changes = 0  # client changes begun here, numbered
+        self.unreachable: set[int] = set()  # slots the watch found down: their parts are kept, not waited for
         self.behind: set[int] = set()  # slots that missed a part since they last answered
 
     @property
@@ -85,6 +89,8 @@ class Fanout:
         parent = convert.topic_name(request.topic)
         group = convert.group_name(request.group)
         action = request.action
+        self._changes += 1
+        began = self._changes
         if action == pb.COMPLETE_REMOVE:
             names = []
         self._check_cap(caller.client_id, group, parent, action, names)
@@ -103,7 +109,8 @@ class Fanout:
                 if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE)
                 else {slot: subset for slot, subset in parts.items() if slot == me}
             )
-        targets = sorted(parts)
+        missed = sorted(slot for slot in parts if slot in self.unreachable and slot != me)
+        targets = sorted(slot for slot in parts if slot not in missed)
         calls: list[Awaitable[spb.SyncLiteSubscriptionResponse]] = []
         for slot in targets:
             part = spb.SyncLiteSubscriptionRequest()
@@ -112,7 +119,6 @@ class Fanout:
             part.lite_topic_set.extend(parts[slot])
             calls.append(apply_here(part) if slot == me else self._call_sync(slot, part, caller))
         replies = await asyncio.gather(*calls, return_exceptions=True)
-        missed = []
         for slot, reply in zip(targets, replies, strict=True):
             if isinstance(reply, errors.BrokerUnavailable) and slot != me:
                 missed.append(slot)
@@ -120,9 +126,10 @@ class Fanout:
                 raise reply
             elif reply.status.code != pb.OK:
                 return reply
-        self._remember(caller.client_id, group, parent, action, names)
+        self._remember(caller.client_id, group, parent, action, names, began)
         if missed:
             self.behind.update(missed)
+            self.unreachable.update(missed)  # until the watch hears from it again
             log.info(
                 "%s's subscription change is kept for %s, which did not answer: applied when it does",
                 caller.client_id,
@@ -156,18 +163,27 @@ class Fanout:
                 f"(--max-subscriptions-per-broker x brokers); {self._names} are held"
             )
 
-    def _remember(self, client_id: str, group: str, parent: str, action: int, names: list[str]) -> None:
+    def _remember(  # noqa: PLR0917 (the change, as the client sent it)
+        self, client_id: str, group: str, parent: str, action: int, names: list[str], began: int
+    ) -> None:
+        """The client's change, numbered ``began`` (changes run concurrently and end in any order): a complete
+        set replaces the intent but keeps the names a change begun after it added; a removal takes away only
+        what a change begun before it added."""
         key = (client_id, group, parent)
         intent = self._intents.pop(key, None) or _Intent()
         self._names -= intent.size
         if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
-            intent = _Intent()
+            intent = _Intent(
+                {n: at for n, at in intent.lites.items() if at > began},
+                {n: at for n, at in intent.patterns.items() if at > began},
+            )
         for name in names:
             into = intent.patterns if wildcards.is_pattern(name) else intent.lites
             if action == pb.PARTIAL_REMOVE:
-                into.discard(name)
+                if into.get(name, began) < began:
+                    del into[name]
             else:
-                into.add(name)
+                into[name] = max(into.get(name, 0), began)
         if intent.size:
             self._intents[key] = intent
             self._names += intent.size

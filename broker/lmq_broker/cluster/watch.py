@@ -107,6 +107,7 @@ class Watch:
             if seen is None or seen.up:
                 self._change(member, DOWN, f"{exc.code().name}: {exc.details()}")
                 self._seen[member] = _Seen(False, seen.incarnation if seen else "")
+            self._fanout.unreachable.add(slot)  # subscription changes keep its part rather than wait for it
             return
         self._observe(slot, member, reply.incarnation, f"epoch {reply.epoch}")
         if reply.epoch != self._links.membership.epoch:
@@ -121,6 +122,7 @@ class Watch:
             self._observe(members.index(member), member, incarnation, "it asked")
 
     def _observe(self, slot: int, member: str, incarnation: str, detail: str) -> None:
+        self._fanout.unreachable.discard(slot)
         seen = self._seen.get(member)
         if seen is None:
             self._seen[member] = _Seen(True, incarnation)
