@@ -1,9 +1,9 @@
 """The meta store: what only the broker knows, in its own RocksDB beside the index (``<data_dir>/meta``).
 
-Consumer offsets (``O``) and the acked offsets above them (``A``), lite topics' last consume times (``C``),
-parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over the admin
-service (``X membership``) and two session markers (``X clean``, ``X sync``); ``keys`` documents every key and
-value. No log can recreate these, so damage stops the broker
+Consumer offsets (``O``) and the acked offsets and hand-outs above them (``A``), lite topics' last consume
+times (``C``), parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over
+the admin service (``X membership``) and two session markers (``X clean``, ``X sync``); ``keys`` documents
+every key and value. No log can recreate these, so damage stops the broker
 with a repair path (``repair_meta``) where a damaged index is rebuilt.
 
 A failed write (a full disk) sets ``error`` (the readiness probe reports it) and later writes fail fast,
@@ -209,19 +209,27 @@ class Meta:
         value = self.get(key)
         return () if value is None else keys.decode_acked(value)[1]
 
+    def handouts(self, qkey: bytes, group: str) -> model.Handouts:
+        key = keys.acked_key(qkey, group)
+        if key not in self._acked_keys:  # the usual answer, without a RocksDB read
+            return model.NO_HANDOUTS
+        value = self.get(key)
+        return model.NO_HANDOUTS if value is None else keys.decode_progress(value)[2]
+
     def offsets_batch(
-        self, qkey: bytes, group: str, offset: int, acked: Sequence[int]
+        self, qkey: bytes, group: str, offset: int, acked: Sequence[int], handouts: model.Handouts
     ) -> tuple[rocksdict.WriteBatch, tuple[bytes, bool]]:
-        """A commit's batch (its offset, its acked offsets above it or their removal) and the ``note`` to
-        write it with."""
+        """A commit's batch (its offset, its acked offsets and hand-outs above it or their removal) and the
+        ``note`` to write it with."""
         akey = keys.acked_key(qkey, group)
         wb = self._db.batch()
         wb.put(keys.offset_key(qkey, group), keys.U64.pack(offset))
-        if acked:
-            wb.put(akey, keys.encode_acked(offset, acked))
+        kept = bool(acked) or handouts.mark > offset
+        if kept:
+            wb.put(akey, keys.encode_acked(offset, acked, handouts))
         elif akey in self._acked_keys:
             wb.delete(akey)
-        return wb, (akey, bool(acked))
+        return wb, (akey, kept)
 
     def drop_consumer_state(self, names: Sequence[keys.QueueName]) -> None:
         """Delete the offsets, acked sets and consume times of deleted queues, before the index forgets the
