@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 COMMITTED_CACHE_SIZE: Final = 100_000  # topics whose idle commit points are remembered
 HANDOUT_WRITE_DELAY_MS: Final = 5  # a hand-out is persisted this long after it, unless an ack wrote it first
+HANDOUT_WRITES_PER_YIELD: Final = 64  # keys a background hand-out pass commits between two yields to the loop
 
 
 class Deliveries(Protocol):
@@ -291,7 +292,9 @@ class Settlement:
             self._handout_timer.cancel()
             self._handout_timer = None
         noted, self._handed_out = self._handed_out, {}
-        for key in noted:
+        for i, key in enumerate(noted):
+            if i and not i % HANDOUT_WRITES_PER_YIELD:
+                await asyncio.sleep(0)  # a commit on the loop awaits nothing: let receives and acks in meanwhile
             state = self._leases.get(key)
             if state is None or key in self._unverified:
                 continue  # released (idle: its ack wrote what there is), or verified (and committed) first
