@@ -348,10 +348,10 @@ def checked_handouts(committed: int, handouts: model.Handouts) -> model.Handouts
     """``handouts`` as a store keeps them above ``committed``: nothing when the mark is not above it (then no
     count may be given); else counts at or above ``committed``, below the mark, ascending, at most
     ``HANDOUTS_MAX_COUNTS``, each >= 0 (InvalidArgument otherwise). Both stores check with this."""
+    if not handouts.counts:  # the usual case (every message out once): nothing to walk
+        return handouts if handouts.mark > committed else model.NO_HANDOUTS
     if handouts.mark <= committed:
-        if handouts.counts:
-            raise errors.InvalidArgument("attempt counts given without a hand-out mark above them", offset=committed)
-        return model.NO_HANDOUTS
+        raise errors.InvalidArgument("attempt counts given without a hand-out mark above them", offset=committed)
     if len(handouts.counts) > HANDOUTS_MAX_COUNTS:
         raise errors.InvalidArgument(
             f"{len(handouts.counts)} attempt counts; at most {HANDOUTS_MAX_COUNTS} are stored", offset=committed
