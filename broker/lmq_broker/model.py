@@ -192,6 +192,22 @@ class LiteTopicMeta:
     max_offset: int  # next offset to be written; the queue is empty when min_offset == max_offset
 
 
+class Handouts(NamedTuple):
+    """What a group has handed out of one queue, kept with its commit point so that delivery attempts survive a
+    restart. Every offset from the commit point up to ``mark`` that is neither acknowledged nor settled was
+    delivered at least once; ``counts`` lists, by ascending offset, those whose number of attempts counted so far
+    is not 1: more than one, or 0 (its only hand-out was suspended, so the next one repeats attempt 1). The next
+    hand-out of an offset below ``mark`` has attempt ``counted + 1``.
+
+    A named tuple, as ``QueueId``: one is built and compared with what was persisted on every ack, in C."""
+
+    mark: int = 0
+    counts: tuple[tuple[int, int], ...] = ()  # (offset, attempts counted), ascending offsets
+
+
+NO_HANDOUTS: Final = Handouts()
+
+
 @dataclass(frozen=True, slots=True)
 class ParentTopic:
     name: str

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import pytest
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.dispatch.leases import LeaseKey, LeaseTable, Pick, QueueLeases, Receipt, Renewal, over_suspend_cap
 from lmq_broker.storage import keys, ranges
 
@@ -308,3 +308,119 @@ def test_an_acked_value_over_the_cap_is_refused_not_cut_short() -> None:
     fits = ranges.OffsetRanges(many.runs[: keys.ACKED_MAX_RUNS])
     value = keys.encode_acked(0, fits)
     assert len(value) <= keys.ACKED_MAX_BYTES and keys.decode_acked(value) == (0, fits)
+
+
+# --- delivery attempts that survive a restart (``QueueLeases.handouts``, ``seed``) -------------------------------
+
+
+def test_handouts_cost_nothing_while_every_message_goes_out_once() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=5, ordered=True)
+    assert state.handouts() == model.NO_HANDOUTS
+    receipts = lease_all(table, state, state.picks(0, 3), 0, 1000)
+    assert state.handouts() == model.Handouts(8) and state.counts == {}
+    table.ack(KEY, receipts[0])
+    assert state.handouts() == model.Handouts(8)  # 6 and 7 are out: delivered once
+    table.ack(KEY, receipts[1])
+    table.ack(KEY, receipts[2])
+    assert state.committed == 8 and state.handouts() == model.NO_HANDOUTS
+
+
+def test_redeliveries_and_suspends_are_counted_and_seeded_back_after_a_restart() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=False)
+    r0, r1, r2, _ = lease_all(table, state, state.picks(0, 4), 0, 1000)
+    table.change(KEY, r0, 0, 0, suspend=False)  # a nack: counted
+    lease_all(table, state, [p for p in state.picks(0, 4) if p.offset == 0], 0, 1000)  # attempt 2
+    table.change(KEY, r1, 0, 5000, suspend=True)  # suspended: its next hand-out repeats attempt 1
+    table.ack(KEY, r2)
+    saved = state.handouts()
+    assert saved == model.Handouts(4, ((0, 2), (1, 0)))
+    assert keys.decode_progress(keys.encode_acked(state.committed, state.acked_above(), saved))[2] == saved
+
+    after = LeaseTable("inc2").open(KEY, committed=0, ordered=False)  # the restarted broker
+    after.seed(state.acked_above(), saved)
+    assert after.picks(0, 4) == [Pick(0, 3, True), Pick(1, 1, False), Pick(3, 2, True), Pick(4, 1, False)]
+
+
+def test_a_suspend_after_redeliveries_repeats_the_attempt_across_a_restart() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    for attempt in (1, 2, 3):
+        (pick,) = state.picks(attempt * 10_000, 1)
+        assert pick.attempt == attempt
+        (receipt,) = lease_all(table, state, [pick], attempt * 10_000, 1000)
+    table.change(KEY, receipt, 30_000, 60_000, suspend=True)
+    after = LeaseTable("inc2").open(KEY, committed=0, ordered=True)
+    after.seed((), state.handouts())
+    assert after.picks(0, 1) == [Pick(0, 3, True)]
+
+
+def test_seeded_handouts_stop_at_the_queue_end_and_skip_settled_offsets() -> None:
+    state = LeaseTable("inc").open(KEY, committed=2, ordered=True)
+    state.seed((4,), model.Handouts(9, ((1, 5), (3, 4), (4, 7), (6, 0))), end=6)  # the log lost 6..8
+    assert state.counts == {3: 4} and state.delivered == 6 and state.handed == 6
+    assert state.picks(0, 7) == [
+        Pick(2, 2, True), Pick(3, 5, True), Pick(5, 2, True), *(Pick(o, 1, False) for o in range(6, 10))
+    ]  # fmt: skip
+
+
+def test_an_old_record_without_handouts_hands_pending_offsets_out_as_first_attempts() -> None:
+    legacy_runs = keys.U64.pack(2 | keys.ACKED_RANGES_FLAG) + bytes([2, 1])  # acked 4, as written before
+    assert keys.decode_progress(legacy_runs) == (2, ranges.OffsetRanges(((4, 5),)), model.NO_HANDOUTS)
+    legacy_bitmap = keys.U64.pack(2) + bytes([0b10])  # bit 1: offset 4
+    assert keys.decode_progress(legacy_bitmap) == (2, ranges.OffsetRanges(((4, 5),)), model.NO_HANDOUTS)
+    state = LeaseTable("inc").open(KEY, committed=2, ordered=True)
+    _, acked, handouts = keys.decode_progress(legacy_runs)
+    state.seed(acked, handouts)
+    assert state.picks(0, 2) == [Pick(2, 1, False), Pick(3, 1, False)]
+
+
+def test_handout_values_round_trip_and_bad_ones_are_refused() -> None:
+    handouts = model.Handouts(300, ((10, 0), (11, 5), (299, 17)))
+    value = keys.encode_acked(7, (20, 21, 400), handouts)
+    assert keys.decode_progress(value) == (7, ranges.OffsetRanges(((20, 22), (400, 401))), handouts)
+    assert keys.decode_acked(value) == (7, ranges.OffsetRanges(((20, 22), (400, 401))))
+    assert keys.decode_progress(keys.encode_acked(7, (), model.Handouts(7))) == (7, ranges.EMPTY, model.NO_HANDOUTS)
+    for bad in (
+        model.Handouts(7, ((7, 2),)),  # counts without a mark above the commit point
+        model.Handouts(10, ((6, 2),)),  # below the commit point
+        model.Handouts(10, ((10, 2),)),  # at the mark
+        model.Handouts(10, ((8, 2), (8, 3))),  # not ascending
+        model.Handouts(10, ((8, -1),)),
+        model.Handouts(5000, tuple((o, 2) for o in range(7, 7 + keys.HANDOUTS_MAX_COUNTS + 1))),
+    ):
+        with pytest.raises(errors.InvalidArgument):
+            keys.encode_acked(7, (), bad)
+    most = model.Handouts(5000, tuple((o, 2**40) for o in range(7, 7 + keys.HANDOUTS_MAX_COUNTS)))
+    many = ranges.OffsetRanges((6000 + 2 * i + 1, 6000 + 2 * i + 2) for i in range(keys.ACKED_MAX_RUNS))
+    assert len(keys.encode_acked(7, many, most)) <= keys.ACKED_MAX_BYTES
+
+
+def test_counts_past_the_cap_keep_the_lowest_offsets() -> None:
+    state = LeaseTable("inc").open(KEY, committed=0, ordered=False)
+    total = keys.HANDOUTS_MAX_COUNTS + 10
+    state.window = total
+    for pick in state.picks(0, total):
+        state.lease(Pick(pick.offset, 2, True), 0, 1000, 1, "c")
+    saved = state.handouts()
+    assert saved.mark == total and len(saved.counts) == keys.HANDOUTS_MAX_COUNTS
+    assert saved.counts[-1] == (keys.HANDOUTS_MAX_COUNTS - 1, 2)
+    after = LeaseTable("inc2").open(KEY, committed=0, ordered=False)
+    after.window = total
+    after.seed((), saved)
+    assert {p.attempt for p in after.picks(0, total)} == {3, 2}  # the ones past the cap: delivered once
+
+
+def test_settling_clipping_and_dropping_forget_or_reset_counts() -> None:
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=False)
+    for pick in state.picks(0, 6):
+        state.lease(Pick(pick.offset, 3, True), 0, 1000, 1, "c")
+    assert state.counts == dict.fromkeys(range(6), 3)
+    state.settle_gone(1, 2)
+    state.skip_to(1)
+    state.drop_leases([3], table.next_lease_id)  # another message at 3 now: never delivered
+    state.clip(5, table.next_lease_id)
+    assert state.counts == {2: 3, 3: 0, 4: 3} and state.delivered == 5
+    assert [(p.offset, p.attempt) for p in state.picks(2_000, 5)] == [(2, 4), (3, 1), (4, 4), (5, 1), (6, 1)]

@@ -663,6 +663,47 @@ def test_a_deleted_lite_topic_forgets_its_acked_offsets(store: api.Store, msg: M
     assert store.get_acked(LMQ_A, "g") == ()
 
 
+# --- hand-outs above the commit point (delivery attempts that survive a restart) ------------------------------
+
+
+def test_handouts_are_kept_with_the_commit_point_and_replaced(store: api.Store, msg: Msg) -> None:
+    store.append([msg() for _ in range(10)])
+    assert store.get_handouts(LMQ_A, "g") == model.NO_HANDOUTS
+    handouts = model.Handouts(6, ((2, 3), (4, 0)))
+    store.commit_offset(LMQ_A, "g", 2, (), handouts)
+    assert (store.get_offset(LMQ_A, "g"), store.get_acked(LMQ_A, "g")) == (2, ())
+    assert store.get_handouts(LMQ_A, "g") == handouts
+    assert store.try_commit_offset(LMQ_A, "g", 3, (5,), model.Handouts(7))
+    assert (store.get_acked(LMQ_A, "g"), store.get_handouts(LMQ_A, "g")) == ((5,), model.Handouts(7))
+    assert store.get_handouts(LMQ_A, "other") == model.NO_HANDOUTS
+    store.commit_offset(LMQ_A, "g", 4, (5,))  # without hand-outs: none kept, the acked set stays
+    assert (store.get_acked(LMQ_A, "g"), store.get_handouts(LMQ_A, "g")) == ((5,), model.NO_HANDOUTS)
+    store.commit_offset(LMQ_A, "g", 7, (), model.Handouts(7))  # a mark not above the commit point: nothing
+    assert (store.get_acked(LMQ_A, "g"), store.get_handouts(LMQ_A, "g")) == ((), model.NO_HANDOUTS)
+
+
+@pytest.mark.parametrize(
+    "handouts",
+    [model.Handouts(2, ((1, 2),)), model.Handouts(9, ((1, 2),)), model.Handouts(9, ((5, 2), (4, 2)))],
+    ids=["counts-without-mark", "count-below-commit", "not-ascending"],
+)
+def test_bad_handouts_are_refused_and_nothing_is_written(store: api.Store, msg: Msg, handouts: model.Handouts) -> None:
+    store.append([msg() for _ in range(10)])
+    store.commit_offset(LMQ_A, "g", 1, (), model.Handouts(3))
+    for commit in (store.commit_offset, store.try_commit_offset):
+        with pytest.raises(errors.InvalidArgument):
+            commit(LMQ_A, "g", 2, (), handouts)
+    assert (store.get_offset(LMQ_A, "g"), store.get_handouts(LMQ_A, "g")) == (1, model.Handouts(3))
+
+
+def test_a_deleted_lite_topic_forgets_its_handouts(store: api.Store, msg: Msg) -> None:
+    store.append([msg() for _ in range(5)])
+    store.commit_offset(LMQ_A, "g", 1, (), model.Handouts(4, ((2, 5),)))
+    assert store.delete_lite_topic("P", "a")
+    store.append([msg() for _ in range(5)])
+    assert store.get_handouts(LMQ_A, "g") == model.NO_HANDOUTS
+
+
 def test_read_span_covers_what_it_passed_over(store: api.Store, msg: Msg) -> None:
     store.append([msg(body=b"%d" % i) for i in range(6)])
     messages, end = store.read_span(LMQ_A, 2, 3)

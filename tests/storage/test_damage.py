@@ -80,21 +80,24 @@ def test_a_flipped_byte_in_the_newest_segment_loses_that_record_only(
 def test_after_the_log_loses_its_tail_new_offsets_stay_above_committed_and_acked_ones(
     open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg
 ) -> None:
-    lmq_b = model.QueueId.lmq("P", "b")
+    lmq_b, lmq_c = model.QueueId.lmq("P", "b"), model.QueueId.lmq("P", "c")
     s = open_lmq(flush_mode="async")
     s.append([msg(lite="a", body=b"%d" % i, parent_queue=False) for i in range(10)])
     s.append([msg(lite="b", parent_queue=False) for _ in range(3)])
+    s.append([msg(lite="c", parent_queue=False) for _ in range(4)])
     s.commit_offset(LMQ_A, "g", 8)
     s.commit_offset(LMQ_A, "h", 4, (6, 9))
     s.commit_offset(lmq_b, "g", 3)
+    s.commit_offset(lmq_c, "g", 1, (), model.Handouts(4))  # c1..c3 were handed out, not acknowledged
     s.close()
     (seg,) = segment_files(store_config())
     _, position, _ = record_positions(store_config())[5]
-    os.truncate(seg, position)  # a disk that lost the unsynced tail: a5..a9 and all of b are gone
+    os.truncate(seg, position)  # a disk that lost the unsynced tail: a5..a9 and all of b and c are gone
     s = open_lmq(flush_mode="async")
-    assert s.recovery.rebuilt and s.recovery.queues_reconciled == 2
+    assert s.recovery.rebuilt and s.recovery.queues_reconciled == 3
     assert s.queue_offsets(LMQ_A) == (0, 10)  # above g's 8 and h's acked 9
     assert s.queue_offsets(lmq_b) == (3, 3)
+    assert s.queue_offsets(lmq_c) == (4, 4)  # above what g was handed: c1..c3 are never other messages
     (ra,) = s.append([msg(lite="a", body=b"new", parent_queue=False)])
     (rb,) = s.append([msg(lite="b", body=b"new", parent_queue=False)])
     assert (ra.offsets[LMQ_A], rb.offsets[lmq_b]) == (10, 3)

@@ -371,3 +371,22 @@ def test_offsets_and_metadata_in_an_index_from_before_the_meta_store_are_moved(
         assert [list(idx.prefix_items(p)) for p in keys.PRIMARY_PREFIXES] == [[]] * len(keys.PRIMARY_PREFIXES)
     finally:
         idx.close()
+
+
+def test_commits_that_only_move_the_commit_point_keep_the_handouts_across_a_reopen(open_lmq: OpenLmq, msg: Msg) -> None:
+    s = open_lmq()
+    s.append([msg() for _ in range(6)])
+    handouts = model.Handouts(5, ((3, 4),))
+    s.commit_offset(LMQ_A, "g", 0, (2,), handouts)
+    value = s._meta.get(keys.acked_key(keys.parse_queue(LMQ_A.topic, 0).qkey, "g"))
+    s.commit_offset(LMQ_A, "g", 1, (2,), handouts)  # in-order ack: the A value is not written again
+    assert s._meta.get(keys.acked_key(keys.parse_queue(LMQ_A.topic, 0).qkey, "g")) == value
+    s.close()
+    s = open_lmq()
+    assert (s.get_offset(LMQ_A, "g"), s.get_acked(LMQ_A, "g"), s.get_handouts(LMQ_A, "g")) == (1, (2,), handouts)
+    s.commit_offset(LMQ_A, "g", 1, (2,), handouts)  # first commit after an open: written again (not known)
+    s.commit_offset(LMQ_A, "g", 3, (), handouts)
+    assert (s.get_acked(LMQ_A, "g"), s.get_handouts(LMQ_A, "g")) == ((), handouts)
+    s.commit_offset(LMQ_A, "g", 5)
+    assert (s.get_acked(LMQ_A, "g"), s.get_handouts(LMQ_A, "g")) == ((), model.NO_HANDOUTS)
+    assert not s._meta._acked_keys

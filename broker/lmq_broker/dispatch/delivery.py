@@ -352,6 +352,7 @@ class Deliverer:
                 at = self._leases.watch_at(lease, self.renewal.ahead_ms)  # the batch's leases are alike
                 self._leases.watch(key, at)
                 rt.arm(at)
+                settling.handed_out(key)  # persisted in the background, with whatever else happens meanwhile
             if passed:
                 await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
             if dead:
@@ -391,6 +392,7 @@ class Deliverer:
             key, receipt, self._rt.clock(), invisible_ms, suspend, max_suspend_ms=self._rt.config.max_suspend_ms
         )
         self._rt.arm(lease.visible_at_ms)
+        self._settlement.handed_out(key)  # a suspend (or a nack after one) changed the attempt count
         return self._leases.seal(new_receipt, group)
 
     async def pending_among(self, lmqs: list[str], group: str) -> list[str]:

@@ -140,6 +140,8 @@ class Dispatcher:
         self.deliverer.wake_all()
 
     async def close(self) -> None:
+        if not self.runtime.closed:
+            await self.settlement.write_handouts()  # a graceful stop understates no attempt
         await self.runtime.stop_tasks()
         self.deliverer.wake_all()
         await self.ingest.close()

@@ -13,7 +13,12 @@ normal topics unordered: leased messages are skipped and the window of in-flight
 
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it together with the
 offsets settled above it (``acked_above``, runs), so that after a restart ``seed`` settles those again and
-only what was not acknowledged is delivered again. Leases themselves are not persisted.
+only what was not acknowledged is delivered again. Leases themselves are not persisted, but what they imply
+for delivery attempts is (``handouts``): the *delivered* mark (one past the highest offset ever leased) and
+the attempts counted of the offsets whose count is not 1 (``counts``, kept up to date as leases come and go,
+so that the persisted value costs nothing while every message goes out once). After a restart an offset below
+the mark comes back with its count + 1: 2, unless ``counts`` says otherwise. A suspend counts no attempt: its
+offset's count goes back by one until it is handed out again.
 
 Auto-renew leases (push consumers: the client never extends a lease itself) carry a renewal deadline:
 while their holder still holds the queue (registered, in the group, subscribed to the lite topic), ``due``
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from lmq_broker import errors, model
-from lmq_broker.storage import ranges
+from lmq_broker.storage import keys, ranges
 
 RECEIPT_VERSION: Final = "r2"
 RECEIPT_SECRET_BYTES: Final = 32
@@ -114,17 +119,51 @@ class QueueLeases:
     lost_from: int = -1
     lost_offsets: set[int] = field(default_factory=set)
     lost_before_lease: int = 0
+    delivered: int = -1  # one past the highest offset leased (``handed`` also counts offsets settled unseen)
+    # Attempts counted so far of unsettled offsets below ``delivered`` whose count is not 1 (0: its only
+    # hand-out was suspended): what ``handouts`` persists. Empty while every message goes out once.
+    counts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.handed = max(self.handed, self.committed)
+        self.delivered = max(self.delivered, self.committed)
 
-    def seed(self, acked: Sequence[int]) -> None:
-        """After a restart: the offsets above the commit point that were acknowledged (or settled) before it.
-        They stay settled; the offsets between them were out (or about to be) and are handed out again at
-        once. O(runs)."""
-        for start, end in ranges.OffsetRanges.of(acked).runs:
-            self._settle(max(start, self.committed), end)
+    def seed(self, acked: Sequence[int], handouts: model.Handouts = model.NO_HANDOUTS, end: int = -1) -> None:
+        """After a restart: the offsets above the commit point that were acknowledged (or settled) before it,
+        and what was handed out above it (``end``: the queue's end, when known; nothing at or above it was
+        delivered). The acknowledged stay settled; the others below the hand-out mark were out and are handed
+        out again at once, with their attempt counted on. O(runs + counts)."""
+        for start, stop in ranges.OffsetRanges.of(acked).runs:
+            self._settle(max(start, self.committed), stop)
         self._advance()
+        mark = handouts.mark if end < 0 else min(handouts.mark, end)
+        if mark > self.committed:
+            self.delivered = max(self.delivered, mark)
+            self.handed = max(self.handed, mark)
+            for offset, count in handouts.counts:
+                if self.committed <= offset < mark and count != 1 and not self.settled(offset):
+                    self.counts[offset] = count
+
+    def handouts(self) -> model.Handouts:
+        """What to persist of the hand-outs (see ``model.Handouts``). O(1) while ``counts`` is empty; beyond
+        ``keys.HANDOUTS_MAX_COUNTS`` counts only the lowest offsets' are kept: the others read as delivered
+        once after a restart (attempt 2 next, however many attempts they had, or a suspended first one)."""
+        committed, delivered = self.committed, self.delivered
+        if delivered <= committed:
+            return model.NO_HANDOUTS
+        counts = self.counts
+        if not counts:
+            return model.Handouts(delivered)
+        kept = sorted(item for item in counts.items() if committed <= item[0] < delivered)
+        return model.Handouts(delivered, tuple(kept[: keys.HANDOUTS_MAX_COUNTS]))
+
+    def count(self, offset: int, counted: int) -> None:
+        """Offset ``offset`` has ``counted`` attempts counted now (a hand-out, a suspend, a nack)."""
+        if counted == 1:
+            if self.counts:
+                self.counts.pop(offset, None)
+        else:
+            self.counts[offset] = counted
 
     def acked_above(self) -> ranges.OffsetRanges:
         """The settled offsets above the commit point, as runs (what ``seed`` takes back). O(runs)."""
@@ -147,6 +186,9 @@ class QueueLeases:
         if self.entries:
             for offset in [o for o in self.entries if lo <= o < hi]:
                 del self.entries[offset]
+        if self.counts:
+            for offset in [o for o in self.counts if lo <= o < hi]:
+                del self.counts[offset]
         self._settle(lo, hi)
         return self._advance()
 
@@ -186,8 +228,9 @@ class QueueLeases:
             stop = starts[i] if i < runs else handed
             while at < stop:
                 lease = entries.get(at)
-                if lease is None:
-                    out.append(Pick(at, 1, False))  # pending: never handed out by this process
+                if lease is None:  # pending: not out now (delivered before a restart when below ``delivered``)
+                    counted = self.counts.get(at, 1) if at < self.delivered else 0
+                    out.append(Pick(at, counted + 1, counted > 0))
                     pending += 1
                 elif lease.visible_at_ms > now_ms:
                     if self.ordered:
@@ -217,9 +260,14 @@ class QueueLeases:
     ) -> Lease:
         lease = Lease(pick.attempt, now_ms + invisible_ms, lease_id, holder, renew_until_ms=renew_until_ms,
                       message_id=message_id, suspended_ms=pick.suspended_ms)  # fmt: skip
-        self.entries[pick.offset] = lease
-        if pick.offset >= self.handed:
-            self.handed = pick.offset + 1
+        offset = pick.offset
+        self.entries[offset] = lease
+        if offset >= self.delivered:
+            self.delivered = offset + 1
+            if offset >= self.handed:
+                self.handed = offset + 1
+        if pick.attempt != 1 or self.counts:
+            self.count(offset, pick.attempt)
         return lease
 
     def skip_to(self, offset: int) -> None:
@@ -228,6 +276,8 @@ class QueueLeases:
             return
         for o in [o for o in self.entries if o < offset]:
             del self.entries[o]
+        for o in [o for o in self.counts if o < offset]:
+            del self.counts[o]
         starts, ends = self._starts, self._ends
         i = bisect.bisect_right(ends, offset)  # runs ending at or before offset are wholly below it
         del starts[:i], ends[:i]
@@ -235,6 +285,7 @@ class QueueLeases:
             starts[0] = offset
         self.committed = offset
         self.handed = max(self.handed, offset)
+        self.delivered = max(self.delivered, offset)
         self._advance()
 
     def clip(self, end: int, next_lease_id: int) -> None:
@@ -247,6 +298,8 @@ class QueueLeases:
         self.lost_before_lease = next_lease_id
         for o in [o for o in self.entries if o >= end]:
             del self.entries[o]
+        for o in [o for o in self.counts if o >= end]:
+            del self.counts[o]
         starts, ends = self._starts, self._ends
         i = bisect.bisect_left(starts, end)  # runs from i start at or after end
         del starts[i:], ends[i:]
@@ -254,11 +307,14 @@ class QueueLeases:
             ends[-1] = end
         self.committed = min(self.committed, end)
         self.handed = max(end, self.committed)
+        self.delivered = min(self.delivered, self.handed)
 
     def ack(self, offset: int) -> bool:
         """Settle a leased offset; True when the commit point moved."""
         if self.entries.pop(offset, None) is None:
             return False
+        if self.counts:
+            self.counts.pop(offset, None)
         self._settle(offset, offset + 1)
         return self._advance()
 
@@ -308,6 +364,7 @@ class QueueLeases:
         for offset in offsets:
             if self.entries.pop(offset, None) is not None:
                 self.lost_offsets.add(offset)
+                self.counts[offset] = 0  # whatever it holds now was never delivered
         self.lost_before_lease = next_lease_id
 
     def rollback(self, committed: int, acked: Sequence[int]) -> None:
@@ -320,6 +377,8 @@ class QueueLeases:
             self._settle(max(start, self.committed), end)
         for offset in [o for o in self.entries if self.settled(o)]:
             del self.entries[offset]
+        for offset in [o for o in self.counts if self.settled(o) or o < self.committed]:
+            del self.counts[offset]
         self._advance()
 
     def lost(self, receipt: Receipt) -> bool:
@@ -470,6 +529,7 @@ class LeaseTable:
             if over_suspend_cap(lease.suspended_ms, max_suspend_ms):
                 lease.visible_at_ms = now_ms
         lease.keep_attempt = suspend
+        state.count(receipt.offset, lease.attempt - 1 if suspend else lease.attempt)
         lease.renew_until_ms = 0  # the client chose the invisible time: no longer renewed for it
         self.watch(key, lease.visible_at_ms)
         return Receipt(self.incarnation, key.topic, key.queue, receipt.offset, lease.lease_id), lease

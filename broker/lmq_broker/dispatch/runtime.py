@@ -15,7 +15,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import ParamSpec, TypeVar
 
 from lmq_broker.config import BrokerConfig
@@ -100,9 +100,14 @@ class Runtime:
             except Exception:
                 log.exception("background dispatch task failed")
 
+        def done(task: asyncio.Task[None]) -> None:
+            self.tasks.discard(task)
+            if isinstance(coro, Coroutine):
+                coro.close()  # cancelled before it started (``stop_tasks``): not a "never awaited" warning
+
         task = asyncio.get_running_loop().create_task(wrapper())
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(done)
 
     def next_round_robin(self) -> int:
         self._rr += 1

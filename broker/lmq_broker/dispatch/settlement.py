@@ -1,12 +1,17 @@
 """The one door for settlement: acks, dead letters and offset resets, and what the store holds of them.
 
-Per (queue, group) with lease state, the store holds the commit point and the offsets settled above it (as
-runs, ``QueueLeases.acked_above``); ``_persisted`` remembers what was last written, so an ack that changes
+Per (queue, group) with lease state, the store holds the commit point, the offsets settled above it (as
+runs, ``QueueLeases.acked_above``) and what was handed out above it (``QueueLeases.handouts``: delivery
+attempts survive a restart); ``_persisted`` remembers what was last written, so an ack that changes
 nothing writes nothing, and writes for one key are serialised (offsets never go backwards) and coalesced
 (acks that arrive while a write runs are covered by the next one). A key whose memory differs from the store
 after a failed write is *dirty*: it keeps its lease state (a fresh state would re-read the stale commit point
 and hand acked messages out again), the ack is answered with the error, and the write is retried by the next
-ack, by housekeeping and by ``resync``. Idle keys drop their lease state; their commit point stays cached
+ack, by housekeeping and by ``resync``. A hand-out is never written on the reply path: it notes its key
+(``handed_out``), and one background pass ``HANDOUT_WRITE_DELAY_MS`` later commits each noted key whose
+memory still differs from the store (an ack meanwhile wrote it already, in its own commit: then nothing). A
+crash within that delay forgets those hand-outs, so their next attempt is understated by one. Idle keys drop
+their lease state; their commit point stays cached
 (``_committed``), since this broker is the only writer of offsets.
 
 The store's index may be replaced while serving (a rebuild from the log): cached commit points are dropped,
@@ -32,6 +37,8 @@ from lmq_broker.storage import keys, ranges
 log = logging.getLogger(__name__)
 
 COMMITTED_CACHE_SIZE: Final = 100_000  # topics whose idle commit points are remembered
+HANDOUT_WRITE_DELAY_MS: Final = 5  # a hand-out is persisted this long after it, unless an ack wrote it first
+HANDOUT_WRITES_PER_YIELD: Final = 64  # keys a background hand-out pass commits between two yields to the loop
 
 
 class Deliveries(Protocol):
@@ -64,9 +71,11 @@ class Settlement:
         self._commit_locks: dict[LeaseKey, tuple[asyncio.Lock, list[int]]] = {}
         # Commit points of (queue, group) pairs with nothing in flight, so the next delivery need not read it.
         self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
-        # What the store holds for each key with lease state: (commit point, acked above it), as last persisted
-        # (-1: no commit point stored).
-        self._persisted: dict[LeaseKey, tuple[int, ranges.OffsetRanges]] = {}
+        # What the store holds for each key with lease state: (commit point, acked above it, hand-outs above it),
+        # as last persisted (-1: no commit point stored).
+        self._persisted: dict[LeaseKey, tuple[int, ranges.OffsetRanges, model.Handouts]] = {}
+        self._handed_out: dict[LeaseKey, None] = {}  # keys whose hand-outs the next background pass writes
+        self._handout_timer: asyncio.TimerHandle | None = None
         self.dirty: set[LeaseKey] = set()
         self.retrying = False
         self._generation = rt.store.index_generation()
@@ -179,13 +188,14 @@ class Settlement:
             return state
         committed = self._committed.get(key.topic, {}).get((key.queue, key.group))
         acked: Sequence[int] = ()
+        handouts, end = model.NO_HANDOUTS, -1
         stored: int | None = committed
-        if committed is None:  # first use since start: what was committed, and acked above it
-            lo, _, stored, acked = await self._rt.run(self.offsets, key.queue_id, key.group)
+        if committed is None:  # first use since start: what was committed, and acked and handed out above it
+            lo, end, stored, acked, handouts = await self._rt.run(self._progress, key.queue_id, key.group)
             committed = max(lo, stored if stored is not None else lo)
         state = self._leases.open(key, committed, ordered)
-        state.seed(acked)
-        self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked))
+        state.seed(acked, handouts, end)
+        self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked), handouts)
         return state
 
     def release(self, key: LeaseKey) -> None:
@@ -212,6 +222,11 @@ class Settlement:
         lo, hi = self._store.queue_offsets(queue)
         return lo, hi, self._store.get_offset(queue, group), self._store.get_acked(queue, group)
 
+    def _progress(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, Sequence[int], model.Handouts]:
+        """Blocking: ``offsets`` and the hand-outs above the commit point."""
+        lo, hi, stored, acked = self.offsets(queue, group)
+        return lo, hi, stored, acked, self._store.get_handouts(queue, group)
+
     # --- offset writes --------------------------------------------------------------------------------------
     async def commit(self, key: LeaseKey, state: leases.QueueLeases) -> int:
         """Persist the commit point and the offsets acked above it, if memory differs from what was last
@@ -226,20 +241,21 @@ class Settlement:
             async with lock:
                 target = state.committed
                 acked = state.acked_above()
+                handouts = state.handouts()
                 complete = len(acked.runs) <= keys.ACKED_MAX_RUNS
                 if not complete:  # over the cap: the oldest runs, the rest stays dirty (see ``ack``)
                     acked = ranges.OffsetRanges(acked.runs[: keys.ACKED_MAX_RUNS])
                     self.dirty.add(key)
                 queue = key.queue_id
-                if (target, acked) != self._persisted.get(key):
+                if (target, acked, handouts) != self._persisted.get(key):
                     self.dirty.add(key)
                     # On the loop when no writer holds the store (two small index writes cost less than the
                     # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
-                    if self._store.try_commit_offset(queue, key.group, target, acked):
+                    if self._store.try_commit_offset(queue, key.group, target, acked, handouts):
                         hi = self._store.queue_offsets(queue)[1]
                     else:
-                        hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked)
-                    self._persisted[key] = (target, acked)
+                        hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
+                    self._persisted[key] = (target, acked, handouts)
                     if complete:
                         self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)
@@ -252,8 +268,41 @@ class Settlement:
                 del self._commit_locks[key]
 
     def _is_persisted(self, key: LeaseKey, offset: int) -> bool:
-        committed, acked = self._persisted.get(key, (-1, ranges.EMPTY))
+        committed, acked, _ = self._persisted.get(key, (-1, ranges.EMPTY, model.NO_HANDOUTS))
         return offset < committed or offset in acked
+
+    # --- hand-outs: one coalesced background write ----------------------------------------------------------
+    def handed_out(self, key: LeaseKey) -> None:
+        """``key`` handed messages out (or a suspend or nack changed an attempt count): have its hand-outs
+        persisted by the next background pass, ``HANDOUT_WRITE_DELAY_MS`` from the first such note. O(1)."""
+        self._handed_out[key] = None
+        if self._handout_timer is None and not self._rt.closed:
+            delay_s = HANDOUT_WRITE_DELAY_MS / 1000
+            self._handout_timer = asyncio.get_running_loop().call_later(delay_s, self._handouts_due)
+
+    def _handouts_due(self) -> None:
+        self._handout_timer = None
+        if not self._rt.closed:
+            self._rt.spawn(self.write_handouts())
+
+    async def write_handouts(self) -> None:
+        """Commit every noted key whose memory differs from what was persisted (an ack that came first wrote
+        the hand-outs with its commit point: nothing to do). A failed write leaves the key dirty (retried)."""
+        if self._handout_timer is not None:
+            self._handout_timer.cancel()
+            self._handout_timer = None
+        noted, self._handed_out = self._handed_out, {}
+        for i, key in enumerate(noted):
+            if i and not i % HANDOUT_WRITES_PER_YIELD:
+                await asyncio.sleep(0)  # a commit on the loop awaits nothing: let receives and acks in meanwhile
+            state = self._leases.get(key)
+            if state is None or key in self._unverified:
+                continue  # released (idle: its ack wrote what there is), or verified (and committed) first
+            persisted = self._persisted.get(key)
+            if persisted is not None and persisted == (state.committed, state.acked_above(), state.handouts()):
+                continue
+            await self.persist(key, state)
+            self.release(key)
 
     async def retry_commits(self) -> None:
         """Persist what failed to persist earlier (housekeeping, ``resync``); a key still refused stays dirty."""
@@ -289,8 +338,10 @@ class Settlement:
         if len(self._committed) > COMMITTED_CACHE_SIZE:
             self._committed.popitem(last=False)
 
-    def _commit_and_max(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> int:
-        self._store.commit_offset(queue, group, offset, acked)
+    def _commit_and_max(
+        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int], handouts: model.Handouts
+    ) -> int:
+        self._store.commit_offset(queue, group, offset, acked, handouts)
         return self._store.queue_offsets(queue)[1]
 
     # --- the store's index replaced while serving -----------------------------------------------------------

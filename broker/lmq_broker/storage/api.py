@@ -103,12 +103,27 @@ class Store(Protocol):
         ...
 
     # --- consumer offsets -----------------------------------------------------------------------------
-    def commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> None:
-        """Persist the group's next offset to consume and the offsets above it it has acknowledged already
-        (replacing the previous set); for an LMQ also records the lite topic's last consume time."""
+    def commit_offset(
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int] = (),
+        handouts: model.Handouts = model.NO_HANDOUTS,
+    ) -> None:
+        """Persist the group's next offset to consume, the offsets above it it has acknowledged already and what
+        it has handed out above it (replacing the previous sets; ``keys.checked_handouts`` says what hand-outs
+        are accepted); for an LMQ also records the lite topic's last consume time."""
         ...
 
-    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> bool:
+    def try_commit_offset(
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int] = (),
+        handouts: model.Handouts = model.NO_HANDOUTS,
+    ) -> bool:
         """``commit_offset`` unless another writer holds the write path right now: then False, nothing written.
         For an event loop, like ``try_begin``: a commit is two small index writes, cheaper than a thread hop."""
         ...
@@ -118,6 +133,11 @@ class Store(Protocol):
     def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
         """The acknowledged offsets above the group's committed offset, as last committed (ascending; an
         ``OffsetRanges``: a run of millions of offsets costs one run)."""
+        ...
+
+    def get_handouts(self, queue: model.QueueId, group: str) -> model.Handouts:
+        """What the group had handed out above its committed offset, as last committed (``NO_HANDOUTS`` when
+        nothing, or when the offsets were committed before hand-outs were kept)."""
         ...
 
     # --- lite topics ----------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     L      L parent 0x00 lite               u64 created_ms | u64 last_store_ms | u64 last_consume_ms |
                                             u64 min | u64 next                  (lite topic = LMQ state)
     O      O qkey group                     u64 next offset to consume          (consumer offsets; meta)
-    A      A qkey group                     acked offsets above O, as runs (``encode_acked``; meta)
+    A      A qkey group                     acked offsets above O, as runs, and what the group handed out
+                                            above O (``encode_acked``; meta)
     C      C qkey                           u64 last_consume_ms of an LMQ       (copied into L on a rebuild; meta)
     N      N parent                         u64 lite topics of the parent; ``N`` alone is the broker total
     T      T name                           JSON ParentTopic                    (meta)
@@ -292,30 +293,50 @@ def split_group_key(key: bytes) -> tuple[bytes, str]:
     return key[1:end], key[end:].decode()
 
 
-ACKED_RANGES_FLAG: Final = 1 << 63  # set in the u64 of an ``A`` value in the runs format (offsets stay below 2**63)
+ACKED_RANGES_FLAG: Final = 1 << 63  # set in the u64 of an ``A`` value in the runs format (offsets stay below 2**62)
+ACKED_HANDOUTS_FLAG: Final = 1 << 62  # set too when the value carries a hand-out section (``encode_acked``)
 ACKED_MAX_RUNS: Final = 4096  # runs an ``A`` value may hold: the dispatcher persists at most this many
+HANDOUTS_MAX_COUNTS: Final = 1024  # attempt counts an ``A`` value may hold (a lease window's worth)
 VARINT_MAX_BYTES: Final = 10
-ACKED_MAX_BYTES: Final = 8 + ACKED_MAX_RUNS * 2 * VARINT_MAX_BYTES  # hard cap of an ``A`` value (~80 KiB)
+ACKED_MAX_BYTES: Final = (  # hard cap of an ``A`` value (~100 KiB)
+    8 + ACKED_MAX_RUNS * 2 * VARINT_MAX_BYTES + (2 + HANDOUTS_MAX_COUNTS * 2) * VARINT_MAX_BYTES
+)
 
 
-def encode_acked(committed: int, acked: Sequence[int]) -> bytes:
-    """Acked offsets above ``committed`` (an ``OffsetRanges`` or ascending offsets) as run lengths:
-    ``u64(committed | ACKED_RANGES_FLAG)`` then per run ``uvarint(start - previous end) uvarint(length)``, the
-    first run measured from ``committed``. O(runs): a lost segment of millions of offsets is one run.
+def encode_acked(committed: int, acked: Sequence[int], handouts: model.Handouts = model.NO_HANDOUTS) -> bytes:
+    """Acked offsets above ``committed`` (an ``OffsetRanges`` or ascending offsets) as run lengths, after what
+    the group had handed out above it (``model.Handouts``): ``u64(committed | ACKED_RANGES_FLAG [|
+    ACKED_HANDOUTS_FLAG])``; with the hand-out flag, ``uvarint(mark - committed) uvarint(n)`` then per count
+    ``uvarint(offset - previous) uvarint(attempts)`` (``previous``: ``committed``, then one past the offset
+    before); then per run ``uvarint(start - previous end) uvarint(length)`` up to the end of the value, the
+    first run measured from ``committed``. O(runs + counts): a lost segment of millions of offsets is one run.
+    Without hand-outs above ``committed`` the value is the runs format as it was before hand-outs were kept.
 
-    More than ``ACKED_MAX_RUNS`` runs is refused (InvalidArgument), never cut short: a dropped run would be an
-    ack lost at the next restart. The dispatcher persists the oldest ``ACKED_MAX_RUNS`` runs and keeps the
-    rest in memory, refusing the acks it could not persist until the runs merge (see ``settlement.commit``)."""
+    More than ``ACKED_MAX_RUNS`` runs or ``HANDOUTS_MAX_COUNTS`` counts is refused (InvalidArgument), never cut
+    short: a dropped run would be an ack lost at the next restart. The dispatcher persists the oldest
+    ``ACKED_MAX_RUNS`` runs and keeps the rest in memory, refusing the acks it could not persist until the runs
+    merge (see ``settlement.commit``); it caps the counts itself (``QueueLeases.handouts``)."""
     runs = ranges.OffsetRanges.of(acked).runs
     if len(runs) > ACKED_MAX_RUNS:
         raise errors.InvalidArgument(
             f"{len(runs)} acknowledged ranges above the commit point; at most {ACKED_MAX_RUNS} are stored",
             offset=committed,
         )
-    out = bytearray(U64.pack(committed | ACKED_RANGES_FLAG))
-    previous = committed
     if runs and runs[0][0] <= committed:
         raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=committed)
+    handouts = checked_handouts(committed, handouts)
+    if handouts.mark <= committed:
+        out = bytearray(U64.pack(committed | ACKED_RANGES_FLAG))
+    else:
+        out = bytearray(U64.pack(committed | ACKED_RANGES_FLAG | ACKED_HANDOUTS_FLAG))
+        _put_uvarint(out, handouts.mark - committed)
+        _put_uvarint(out, len(handouts.counts))
+        previous = committed
+        for offset, count in handouts.counts:
+            _put_uvarint(out, offset - previous)
+            _put_uvarint(out, count)
+            previous = offset + 1
+    previous = committed
     for start, end in runs:
         _put_uvarint(out, start - previous)
         _put_uvarint(out, end - start)
@@ -323,22 +344,67 @@ def encode_acked(committed: int, acked: Sequence[int]) -> bytes:
     return bytes(out)
 
 
+def checked_handouts(committed: int, handouts: model.Handouts) -> model.Handouts:
+    """``handouts`` as a store keeps them above ``committed``: nothing when the mark is not above it (then no
+    count may be given); else counts at or above ``committed``, below the mark, ascending, at most
+    ``HANDOUTS_MAX_COUNTS``, each >= 0 (InvalidArgument otherwise). Both stores check with this."""
+    if not handouts.counts:  # the usual case (every message out once): nothing to walk
+        return handouts if handouts.mark > committed else model.NO_HANDOUTS
+    if handouts.mark <= committed:
+        raise errors.InvalidArgument("attempt counts given without a hand-out mark above them", offset=committed)
+    if len(handouts.counts) > HANDOUTS_MAX_COUNTS:
+        raise errors.InvalidArgument(
+            f"{len(handouts.counts)} attempt counts; at most {HANDOUTS_MAX_COUNTS} are stored", offset=committed
+        )
+    previous = committed
+    for offset, count in handouts.counts:
+        if offset < previous or offset >= handouts.mark or count < 0:
+            raise errors.InvalidArgument(
+                "attempt counts must lie between the committed offset and the hand-out mark, ascending",
+                offset=offset,
+            )
+        previous = offset + 1
+    return handouts
+
+
 def decode_acked(value: bytes) -> tuple[int, ranges.OffsetRanges]:
-    """(committed, acked offsets above it) of an ``A`` value: the runs format, or the bitmap one written
-    before it (``u64 committed`` then bit i of the bitmap: offset committed + 1 + i)."""
+    """(committed, acked offsets above it) of an ``A`` value: the runs format (with or without hand-outs), or
+    the bitmap one written before it (``u64 committed`` then bit i of the bitmap: offset committed + 1 + i)."""
+    committed, acked, _ = decode_progress(value)
+    return committed, acked
+
+
+def decode_progress(value: bytes) -> tuple[int, ranges.OffsetRanges, model.Handouts]:
+    """(committed, acked offsets above it, hand-outs above it) of an ``A`` value. Values written before
+    hand-outs were kept (the runs format without the hand-out flag, the bitmap format before it) hold none:
+    ``NO_HANDOUTS``, as if nothing above the commit point had been delivered (what every restart assumed
+    then)."""
     (head,) = U64.unpack_from(value)
     if not head & ACKED_RANGES_FLAG:
-        return head, _decode_bitmap(head, value[U64.size :])
-    committed = head & ~ACKED_RANGES_FLAG
+        return head, _decode_bitmap(head, value[U64.size :]), model.NO_HANDOUTS
+    committed = head & ~(ACKED_RANGES_FLAG | ACKED_HANDOUTS_FLAG)
+    at = U64.size
+    handouts = model.NO_HANDOUTS
+    if head & ACKED_HANDOUTS_FLAG:
+        above, at = _get_uvarint(value, at)
+        n, at = _get_uvarint(value, at)
+        counts: list[tuple[int, int]] = []
+        previous = committed
+        for _ in range(n):
+            gap, at = _get_uvarint(value, at)
+            count, at = _get_uvarint(value, at)
+            counts.append((previous + gap, count))
+            previous += gap + 1
+        handouts = model.Handouts(committed + above, tuple(counts))
     runs: list[tuple[int, int]] = []
-    at, previous = U64.size, committed
+    previous = committed
     while at < len(value):
         gap, at = _get_uvarint(value, at)
         length, at = _get_uvarint(value, at)
         start = previous + gap
         previous = start + length
         runs.append((start, previous))
-    return committed, ranges.OffsetRanges(runs)
+    return committed, ranges.OffsetRanges(runs), handouts
 
 
 def _decode_bitmap(committed: int, bits: bytes) -> ranges.OffsetRanges:

@@ -80,6 +80,7 @@ class MemoryStore:
         self._queues: dict[bytes, _Queue] = {}
         self._offsets: dict[bytes, dict[str, int]] = {}
         self._acked: dict[bytes, dict[str, ranges.OffsetRanges]] = {}
+        self._handouts: dict[bytes, dict[str, model.Handouts]] = {}
         self._counts: dict[str, int] = {}
         self._parents: dict[str, model.ParentTopic] = {}
         self._groups: dict[str, model.LiteGroup] = {}
@@ -174,14 +175,35 @@ class MemoryStore:
 
     # --- consumer offsets ----------------------------------------------------------------------------
 
-    def commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> None:
-        self._commit_offset(queue, group, offset, acked, wait=True)
+    def commit_offset(
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int] = (),
+        handouts: model.Handouts = model.NO_HANDOUTS,
+    ) -> None:
+        self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
-    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> bool:
-        return self._commit_offset(queue, group, offset, acked, wait=False)
+    def try_commit_offset(
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int] = (),
+        handouts: model.Handouts = model.NO_HANDOUTS,
+    ) -> bool:
+        return self._commit_offset(queue, group, offset, acked, handouts, wait=False)
 
     def _commit_offset(
-        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int], *, wait: bool
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int],
+        handouts: model.Handouts,
+        *,
+        wait: bool,
     ) -> bool:
         self._check_open()
         name = keys.parse_queue(queue.topic, queue.queue)
@@ -191,6 +213,7 @@ class MemoryStore:
         acked = ranges.OffsetRanges.of(acked)  # as the store keeps them: runs, whatever their span
         if acked and acked[0] <= offset:
             raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
+        handouts = keys.checked_handouts(offset, handouts)
         if not self._lock.acquire(blocking=wait):
             return False
         try:
@@ -204,6 +227,10 @@ class MemoryStore:
                 self._acked.setdefault(name.qkey, {})[group] = acked
             else:
                 self._acked.get(name.qkey, {}).pop(group, None)
+            if handouts.mark > offset:
+                self._handouts.setdefault(name.qkey, {})[group] = handouts
+            else:
+                self._handouts.get(name.qkey, {}).pop(group, None)
             return True
         finally:
             self._lock.release()
@@ -219,6 +246,12 @@ class MemoryStore:
         name = keys.parse_queue(queue.topic, queue.queue)
         with self._lock:
             return self._acked.get(name.qkey, {}).get(group, ranges.EMPTY)
+
+    def get_handouts(self, queue: model.QueueId, group: str) -> model.Handouts:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            return self._handouts.get(name.qkey, {}).get(group, model.NO_HANDOUTS)
 
     # --- lite topics ---------------------------------------------------------------------------------
 
@@ -273,6 +306,7 @@ class MemoryStore:
         del self._queues[name.qkey]
         self._offsets.pop(name.qkey, None)
         self._acked.pop(name.qkey, None)
+        self._handouts.pop(name.qkey, None)
         self._counts[parent] = self._counts.get(parent, 1) - 1
         if not self._counts[parent]:
             del self._counts[parent]

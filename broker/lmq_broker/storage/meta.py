@@ -1,9 +1,9 @@
 """The meta store: what only the broker knows, in its own RocksDB beside the index (``<data_dir>/meta``).
 
-Consumer offsets (``O``) and the acked offsets above them (``A``), lite topics' last consume times (``C``),
-parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over the admin
-service (``X membership``) and two session markers (``X clean``, ``X sync``); ``keys`` documents every key and
-value. No log can recreate these, so damage stops the broker
+Consumer offsets (``O``) and the acked offsets and hand-outs above them (``A``), lite topics' last consume
+times (``C``), parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over
+the admin service (``X membership``) and two session markers (``X clean``, ``X sync``); ``keys`` documents
+every key and value. No log can recreate these, so damage stops the broker
 with a repair path (``repair_meta``) where a damaged index is rebuilt.
 
 A failed write (a full disk) sets ``error`` (the readiness probe reports it) and later writes fail fast,
@@ -29,12 +29,15 @@ from typing import Final
 import rocksdict
 
 from lmq_broker import errors, model
-from lmq_broker.storage import api, keys, rocks
+from lmq_broker.storage import api, keys, ranges, rocks
 
 log = logging.getLogger(__name__)
 
 META_CACHE_BYTES: Final = 8 * 1024 * 1024  # offsets are read on a consumer's first receive, then cached above
 META_RETRY_S: Final = 1.0  # after a failed meta write, reopen and retry at most this often
+
+AckedContent = tuple[tuple[ranges.Run, ...], model.Handouts]  # what an ``A`` value holds: acked runs, hand-outs
+Note = tuple[bytes, AckedContent | None]  # an ``A`` key and what it holds after a write (None: deleted)
 
 
 class Meta:
@@ -49,7 +52,10 @@ class Meta:
         self._retrier: threading.Thread | None = None
         self.error: str | None = None  # the last write failed (a full disk): retried, then reopened
         try:
-            self._acked_keys = {key for key, _ in self._db.prefix_items(keys.ACKED)}
+            # Every ``A`` key, with what it holds when this process wrote it (None: not read back, written before).
+            self._acked_keys: dict[bytes, AckedContent | None] = {
+                key: None for key, _ in self._db.prefix_items(keys.ACKED)
+            }
             self.closed_cleanly = self._db.get(keys.CLEAN_KEY) is not None  # until ``begin_session``
             # In sync mode the index never points past the durable log, so no group can have consumed past it:
             # after a crash of such a session there is nothing to reconcile unless recovery finds damage.
@@ -125,8 +131,8 @@ class Meta:
         """Keys in [lo, hi) (recovery: nothing else runs yet, or the store's write lock is held)."""
         return self._db.items(lo, hi)
 
-    def write(self, wb: rocksdict.WriteBatch, *, note: tuple[bytes, bool] | None = None, wait: bool = True) -> bool:
-        """Write ``wb``; with ``note``, then add (True) or remove that ``A`` key in the set. False only when
+    def write(self, wb: rocksdict.WriteBatch, *, note: Note | None = None, wait: bool = True) -> bool:
+        """Write ``wb``; with ``note``, then record what that ``A`` key holds (or its removal). False only when
         ``wait`` is False and another thread holds the lock."""
         if not self._lock.acquire(blocking=wait):
             return False
@@ -136,7 +142,7 @@ class Meta:
         finally:
             self._lock.release()
 
-    def _write(self, wb: rocksdict.WriteBatch, note: tuple[bytes, bool] | None = None, *, synced: bool = False) -> None:
+    def _write(self, wb: rocksdict.WriteBatch, note: Note | None = None, *, synced: bool = False) -> None:
         """(Under the lock.)"""
         if self.error is not None:
             raise errors.StorageError(f"meta store cannot write: {self.error}")
@@ -151,10 +157,10 @@ class Meta:
             self._start_retrier()
             raise errors.StorageError(f"meta store write failed: {e}") from e
         if note is not None:
-            if note[1]:
-                self._acked_keys.add(note[0])
+            if note[1] is not None:
+                self._acked_keys[note[0]] = note[1]
             else:
-                self._acked_keys.discard(note[0])
+                self._acked_keys.pop(note[0], None)
 
     def _check_open(self) -> None:
         if self._stop.is_set():
@@ -209,19 +215,34 @@ class Meta:
         value = self.get(key)
         return () if value is None else keys.decode_acked(value)[1]
 
+    def handouts(self, qkey: bytes, group: str) -> model.Handouts:
+        key = keys.acked_key(qkey, group)
+        if key not in self._acked_keys:  # the usual answer, without a RocksDB read
+            return model.NO_HANDOUTS
+        value = self.get(key)
+        return model.NO_HANDOUTS if value is None else keys.decode_progress(value)[2]
+
     def offsets_batch(
-        self, qkey: bytes, group: str, offset: int, acked: Sequence[int]
-    ) -> tuple[rocksdict.WriteBatch, tuple[bytes, bool]]:
-        """A commit's batch (its offset, its acked offsets above it or their removal) and the ``note`` to
-        write it with."""
+        self, qkey: bytes, group: str, offset: int, acked: Sequence[int], handouts: model.Handouts
+    ) -> tuple[rocksdict.WriteBatch, Note]:
+        """A commit's batch (its offset, its acked offsets and hand-outs above it or their removal) and the
+        ``note`` to write it with.
+
+        An ``A`` value that would hold the acks and hand-outs it holds already is not written again: both are
+        absolute offsets, so only its head's commit point would change, and readers take the commit point from
+        ``O``. So a commit that only moves the commit point (in-order acks while later messages are out, the
+        usual case) writes ``O`` alone."""
         akey = keys.acked_key(qkey, group)
         wb = self._db.batch()
         wb.put(keys.offset_key(qkey, group), keys.U64.pack(offset))
-        if acked:
-            wb.put(akey, keys.encode_acked(offset, acked))
-        elif akey in self._acked_keys:
-            wb.delete(akey)
-        return wb, (akey, bool(acked))
+        runs = ranges.OffsetRanges.of(acked).runs
+        content = (runs, handouts) if runs or handouts.mark > offset else None
+        if content is None:
+            if akey in self._acked_keys:
+                wb.delete(akey)
+        elif self._acked_keys.get(akey) != content:
+            wb.put(akey, keys.encode_acked(offset, acked, handouts))
+        return wb, (akey, content)
 
     def drop_consumer_state(self, names: Sequence[keys.QueueName]) -> None:
         """Delete the offsets, acked sets and consume times of deleted queues, before the index forgets the
@@ -249,20 +270,21 @@ class Meta:
             del it, cursor  # an open iterator keeps its RocksDB instance (and its LOCK) alive, even past an error
         self.write(wb)
         with self._lock:
-            self._acked_keys.difference_update(gone)
+            for key in gone:
+                self._acked_keys.pop(key, None)
 
     def consumed_floors(self) -> Iterator[tuple[bytes, int]]:
-        """(qkey, the lowest offset no group has passed) per queue with committed or acked offsets: one walk of
-        the ``O`` keys, then of the ``A`` keys (both in qkey order, so nothing per queue is held)."""
+        """(qkey, the lowest offset no group has passed) per queue with committed, acked or handed out offsets:
+        one walk of the ``O`` keys, then of the ``A`` keys (both in qkey order, so nothing per queue is held)."""
         for prefix in (keys.OFFSET, keys.ACKED):
             current, floor = b"", 0
             for key, value in self._db.prefix_items(prefix):
                 qkey, _ = keys.split_group_key(key)
                 if prefix == keys.OFFSET:
                     at = keys.U64.unpack_from(value)[0]
-                else:
-                    committed, acked = keys.decode_acked(value)
-                    at = (acked[-1] if acked else committed) + 1  # ascending ranges: no walk
+                else:  # a message handed out (``mark``) was seen too: its offset is never another message's
+                    committed, acked, handouts = keys.decode_progress(value)
+                    at = max((acked[-1] if acked else committed) + 1, handouts.mark)  # ascending ranges: no walk
                 if qkey != current:
                     if current:
                         yield current, floor

@@ -96,6 +96,7 @@ class Rocks:
         table.set_pin_l0_filter_and_index_blocks_in_cache(True)
         opts.set_block_based_table_factory(table)
         self.path = path
+        self.read_only = read_only
         self.on_corruption: Callable[[errors.IndexCorrupt], None] | None = None
         try:
             access = rocksdict.AccessType.read_only() if read_only else rocksdict.AccessType.read_write()
@@ -164,7 +165,8 @@ class Rocks:
 
     def close(self) -> None:
         try:
-            self._db.flush(True)  # memtables to SST: the next open replays no WAL
+            if not self.read_only:  # (a read-only handle has nothing to flush, and RocksDB refuses to)
+                self._db.flush(True)  # memtables to SST: the next open replays no WAL
         finally:
             self._db.close()  # even after a failed flush (a full disk): the LOCK must go with the handle
 

@@ -118,14 +118,35 @@ class LmqStore:
 
     # --- consumer offsets ----------------------------------------------------------------------------
 
-    def commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> None:
-        self._commit_offset(queue, group, offset, acked, wait=True)
+    def commit_offset(
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int] = (),
+        handouts: model.Handouts = model.NO_HANDOUTS,
+    ) -> None:
+        self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
-    def try_commit_offset(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int] = ()) -> bool:
-        return self._commit_offset(queue, group, offset, acked, wait=False)
+    def try_commit_offset(
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int] = (),
+        handouts: model.Handouts = model.NO_HANDOUTS,
+    ) -> bool:
+        return self._commit_offset(queue, group, offset, acked, handouts, wait=False)
 
     def _commit_offset(
-        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int], *, wait: bool
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int],
+        handouts: model.Handouts,
+        *,
+        wait: bool,
     ) -> bool:
         """False (nothing written) only when ``wait`` is False and another writer holds the write lock."""
         core = self._core
@@ -136,7 +157,8 @@ class LmqStore:
             raise errors.InvalidArgument("offset must be >= 0", offset=offset)
         if acked and acked[0] <= offset:  # ascending (an OffsetRanges: min() would walk every offset)
             raise errors.InvalidArgument("acked offsets lie above the committed offset", offset=offset)
-        wb, note = self._meta.offsets_batch(name.qkey, group, offset, acked)
+        handouts = keys.checked_handouts(offset, handouts)
+        wb, note = self._meta.offsets_batch(name.qkey, group, offset, acked, handouts)
         if core.rebuilding is not None or core.unreadable is not None:
             # Only meta/ is written: an ack must not wait for (or fail on) a rebuild of the index, which holds
             # the write lock for its duration. The lite topic's state cannot be read meanwhile, so its last
@@ -177,6 +199,10 @@ class LmqStore:
     def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
         self._core.check_open()
         return self._meta.acked(self._core.resolve(queue.topic, queue.queue).qkey, group)
+
+    def get_handouts(self, queue: model.QueueId, group: str) -> model.Handouts:
+        self._core.check_open()
+        return self._meta.handouts(self._core.resolve(queue.topic, queue.queue).qkey, group)
 
     # --- lite topics ---------------------------------------------------------------------------------
 
