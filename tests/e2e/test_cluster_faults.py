@@ -24,6 +24,7 @@ subscription not restored:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -214,6 +215,18 @@ def send_until(
                 pass  # the client waited for its own retries already
             out[ok] += 1
         k += 1
+
+
+def subscriptions_back(endpoint: str, want: int, since: float) -> float:
+    """Seconds from ``since`` until the broker at ``endpoint`` counts ``want`` subscriptions of GROUP (the
+    broker's part of a restore; delivering also needs the consumer's receive calls back there); -1: never."""
+    deadline = time.monotonic() + RESTORE_GOAL_S + 30
+    with AdminClient(endpoint, timeout_s=5, **SHARED_ADMIN_KEYS) as admin:
+        while time.monotonic() < deadline:
+            if sum(c.subscription_count for c in admin.list_clients(GROUP)) >= want:
+                return time.monotonic() - since
+            time.sleep(0.05)
+    return -1.0
 
 
 def drained(endpoint: str, lites: list[str], timeout: float = 30) -> None:
@@ -478,7 +491,8 @@ def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: lis
         first = {slot: owned_by(slots, slot, "p", 2) for slot in range(4)}
         others = [lite for slot in (0, 1, 2) for lite in first[slot]]
         busy = owned_by(slots, victim, "pb", 1) + owned_by(slots, 2, "pb", 1)  # sent to through the kill
-        inbox = Inbox()
+        arrived: dict[tuple[str, bytes], float] = {}  # first delivery's time (diagnosis of a slow restore)
+        inbox = Inbox(lambda m: arrived.setdefault((m.lite_topic, m.body), time.monotonic()) > 0)
         consumer = LitePushConsumer(config(pods[0].endpoint), GROUP, TOPIC, inbox)
         consumer.startup()
         clients.append(consumer)
@@ -531,6 +545,9 @@ def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: lis
                 time.sleep(0.05)
             ready = time.monotonic()
             assert child_pid(pods[1], victim) not in (None, pid)
+            want = len(first[victim]) + 1 + 2 * (n + 1)  # first[victim], busy[0], the plate topics so far
+            probe = concurrent.futures.ThreadPoolExecutor(1)
+            subscribed = probe.submit(subscriptions_back, slots[victim], want, ready)
             for lite in first[victim] + later:
                 body = f"{n:02d}c-{lite}".encode()
                 deadline = time.monotonic() + 10
@@ -544,9 +561,14 @@ def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: lis
             )
             took = time.monotonic() - ready
             figures.append(took)
+            back = subscribed.result()
+            probe.shutdown()
+            if took > RESTORE_GOAL_S:
+                late = {lite: round(arrived.get((lite, f"{n:02d}c-{lite}".encode()), -1) - ready, 2) for lite in wanted}
+                print(f"round {n}: slow; each topic's delivery after the answer (s): {late}")
             print(
                 f"round {n}: the restarted process's topics delivered {took:.2f} s after it answered",
-                f"(sent and acknowledged after {acked_after:.2f} s)",
+                f"(its {want} subscriptions back after {back:.2f} s, sent and acknowledged after {acked_after:.2f} s)",
             )
             stop.set()
             meanwhile.join(120)
