@@ -19,6 +19,7 @@ the kill, any out-of-order first delivery, any topic held by two brokers, or a s
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -82,6 +83,18 @@ def drained(endpoint: str, lites: list[str]) -> None:
                     break
                 assert time.monotonic() < deadline, f"{lite}: {topic.group_offsets} never reached {topic.meta}"
                 time.sleep(0.05)
+
+
+def subscriptions_back(endpoint: str, want: int, since: float) -> float:
+    """Seconds from ``since`` until the broker at ``endpoint`` counts ``want`` subscriptions of GROUP (the
+    broker's part of a restore; delivering also needs the consumer's receive calls back there); -1: never."""
+    deadline = time.monotonic() + RESTORE_GOAL_S + 30
+    with AdminClient(endpoint, timeout_s=5, **SHARED_ADMIN_KEYS) as admin:
+        while time.monotonic() < deadline:
+            if sum(c.subscription_count for c in admin.list_clients(GROUP)) >= want:
+                return time.monotonic() - since
+            time.sleep(0.05)
+    return -1.0
 
 
 @dataclass
@@ -231,6 +244,9 @@ def test_java_kill_9_of_an_owner_and_a_subscription_made_while_it_is_down(
             client.wait_events(lambda _: ledger.delivered(flowing), WAIT_S, "the live owners' topics")  # noqa: B023
             brokers[2] = brokers[2].restart()
             ready = time.monotonic()
+            want = len(first[2]) + 2 + 2 * (n + 1)  # first[2], busy[:2], the late topics so far
+            probe = concurrent.futures.ThreadPoolExecutor(1)
+            subscribed = probe.submit(subscriptions_back, endpoints[2], want, ready)
             wanted = set()
             for lite in first[2] + later:
                 body = f"{n:02d}c-{lite}".encode()
@@ -240,9 +256,11 @@ def test_java_kill_9_of_an_owner_and_a_subscription_made_while_it_is_down(
             client.wait_events(lambda _: ledger.delivered(wanted), RESTORE_GOAL_S + 30, "the restarted owner's topics")  # noqa: B023
             took = time.monotonic() - ready
             figures.append(took)
+            back = subscribed.result()
+            probe.shutdown()
             print(
                 f"java round {n}: the restarted owner's topics delivered {took:.2f} s after its readiness",
-                f"(sent and acknowledged after {acked_after:.2f} s)",
+                f"(its {want} subscriptions back after {back:.2f} s, sent and acknowledged after {acked_after:.2f} s)",
             )
             stop.set()
             meanwhile.join(SEND_RETRY_S * 2)

@@ -329,6 +329,9 @@ def test_forged_markers_kill_9_and_a_subscription_made_while_the_owner_is_down(
                 ledger.send(producer, lite, f"{n:02d}b-{lite}".encode())
             brokers[2] = brokers[2].restart()
             ready = time.monotonic()
+            want = len(first[2]) + len(by_mqtt[2]) + 2 * (n + 1)  # first[2], by_mqtt[2], the late topics so far
+            probe = concurrent.futures.ThreadPoolExecutor(1)
+            subscribed = probe.submit(subscriptions_back, endpoints[2], want, ready)
             for lite in first[2] + later:
                 body = f"{n:02d}c-{lite}".encode()
                 deadline = time.monotonic() + 10
@@ -342,9 +345,11 @@ def test_forged_markers_kill_9_and_a_subscription_made_while_the_owner_is_down(
             )
             took = time.monotonic() - ready
             figures.append(took)
+            back = subscribed.result()
+            probe.shutdown()
             print(
                 f"round {n}: the restarted owner's topics delivered {took:.2f} s after its readiness",
-                f"(sent and acknowledged after {acked_after:.2f} s)",
+                f"(its {want} subscriptions back after {back:.2f} s, sent and acknowledged after {acked_after:.2f} s)",
             )
             stop.set()
             for thread in meanwhile:
