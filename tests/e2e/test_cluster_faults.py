@@ -17,7 +17,10 @@ subscription not restored:
 * the same kill -9 of one process of a ``serve --processes 2`` pod (two such pods, one per ``--peers`` entry),
   which its supervisor starts again;
 * a ring change 2 -> 3 told to the brokers ``STAGGER_S`` apart while producers send to brand-new topics
-  through both old brokers: no topic ever lands on two brokers.
+  through both old brokers: no topic ever lands on two brokers;
+* a client's full sync (``COMPLETE_ADD``) crossing its subscription made while the owner is down: the
+  deterministic form of what the long runs meet now and then (fails today: restored only by the next full
+  sync, ~30 s later).
 
 ``LMQ_CLUSTER_FAULT_ROUNDS`` repeats the kill/restart scenarios (``make torture`` runs them long).
 """
@@ -593,3 +596,57 @@ def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: lis
     finally:
         for pod in pods:
             pod.stop()
+
+
+def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_path: Path, clients: list[Any]) -> None:
+    """The official clients send their whole set (``COMPLETE_ADD``, ``subscribe_lite_all``: the Python client's
+    scheduler calls it every 30 s) built from the subscriptions answered so far. While an owner is down the
+    access broker answers a subscription only after waiting up to 2 s for it, so a full sync built before such
+    a ``PARTIAL_ADD`` was answered may reach the access broker after it: its intents then lack the topic, and the
+    restarted owner gets it only with the client's next full sync, ~30 s later, not within ``RESTORE_GOAL_S``.
+    (The long runs of the scenarios above meet this when the client's timer falls into the 2 s window.)"""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    endpoints = [b.endpoint for b in brokers]
+    try:
+        create_metadata(endpoints[0])
+        known, crossing = owned_by(endpoints, 2, "known", 1)[0], owned_by(endpoints, 2, "crossing", 1)[0]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite(known)
+        producer = Producer(config(endpoints[1]), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        brokers[2].kill()
+        subscribing = threading.Thread(target=consumer.subscribe_lite, args=(crossing,))
+        subscribing.start()
+        time.sleep(0.3)  # the interleaving under test: the PARTIAL_ADD is at the access broker, not yet answered
+        assert subscribing.is_alive(), "the subscription was answered at once: the window under test is gone"
+        consumer.subscribe_lite_all()  # what the client's 30 s timer does: its set without ``crossing``
+        subscribing.join(30)  # answered OK: the client holds it subscribed
+        brokers[2] = brokers[2].restart()
+        ready = time.monotonic()
+        probe = concurrent.futures.ThreadPoolExecutor(1)
+        subscribed = probe.submit(subscriptions_back, endpoints[2], 2, ready)
+        ledger = Ledger()
+        for lite in (known, crossing):
+            deadline = time.monotonic() + 10
+            while not ledger.send(producer, lite, f"after-{lite}".encode()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        print(f"sent and acknowledged {time.monotonic() - ready:.2f} s after the owner's readiness")
+        got: dict[str, float] = {}  # -1: not within RESTORE_GOAL_S + 35 s
+        for lite in (known, crossing):
+            came = inbox.wait_for(lambda i: any(m.lite_topic == lite for m in i.accepted), RESTORE_GOAL_S + 35)  # noqa: B023
+            got[lite] = round(time.monotonic() - ready, 2) if came else -1.0
+        print(
+            f"delivered after the owner's readiness (s): {got};",
+            f"both subscriptions at the owner after {subscribed.result():.2f} s",
+        )
+        probe.shutdown()
+        ledger.check(inbox)
+        assert all(0 <= took <= RESTORE_GOAL_S for took in got.values()), f"not restored within the goal: {got}"
+    finally:
+        for broker in brokers:
+            broker.stop()
