@@ -266,6 +266,7 @@ def test_java_kill_9_of_an_owner_and_a_subscription_made_while_it_is_down(
             meanwhile.join(SEND_RETRY_S * 2)
             assert not meanwhile.is_alive()
             assert not errors, errors
+            assert 0 <= back <= RESTORE_GOAL_S, f"its subscriptions were given back after {back:.2f} s (-1: never)"
             ledger.check(table=n == ROUNDS - 1)
         print(f"java restore figures (s): {', '.join(f'{t:.2f}' for t in figures)}")
         placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
