@@ -36,6 +36,7 @@ import pytest
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as rpb
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, holders, start_broker
 from lmq_broker.testing_clients import Driver, DriverError, DriverMissing, b64, driver_argv, start_driver, unb64
@@ -83,6 +84,19 @@ def drained(endpoint: str, lites: list[str]) -> None:
                     break
                 assert time.monotonic() < deadline, f"{lite}: {topic.group_offsets} never reached {topic.meta}"
                 time.sleep(0.05)
+
+
+def settled(endpoint: str, producers: int = 2, timeout: float = 30) -> bool:
+    """Wait until both drivers' producers are known again to the restarted broker at ``endpoint`` (their channels
+    to it reconnected). Java 5.2.0 renews a broken telemetry stream every second, also while it shuts down: a
+    stream opened then keeps its channel from terminating, and the driver's exit hangs (seen: killed after 45 s)."""
+    deadline = time.monotonic() + timeout
+    with AdminClient(endpoint, timeout_s=5, **SHARED_ADMIN_KEYS) as admin:
+        while time.monotonic() < deadline:
+            if sum(c.client_type == rpb.PRODUCER for c in admin.list_clients()) >= producers:
+                return True
+            time.sleep(0.1)
+    return False
 
 
 def subscriptions_back(endpoint: str, want: int, since: float) -> float:
@@ -273,6 +287,8 @@ def test_java_kill_9_of_an_owner_and_a_subscription_made_while_it_is_down(
         assert all(len(where) == 1 for where in placed.values()), placed  # no topic on two brokers
         assert all(placed[lite] == [2] for lite in first[2] + busy[:2])
         assert max(figures) <= RESTORE_GOAL_S, f"restored after {max(figures):.2f} s (goal {RESTORE_GOAL_S} s)"
+        waited = time.monotonic()
+        print(f"producers known again to broker 2: {settled(endpoints[2])} ({time.monotonic() - waited:.2f} s)")
     finally:
         codes = [loader.close(), client.close()]
         assert codes == [0, 0], codes
