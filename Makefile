@@ -47,11 +47,14 @@ hooks: $(STAMP)
 	$(BIN)/pre-commit install
 
 # The long fault-injection loop (kill -9 / SIGTERM under load, flipped bytes, torn tails, missing segments,
-# damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary.
-torture: $(STAMP)
+# damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary. Then the
+# cluster-fault suites (issue 25: Python + MQTT, `--processes 2` pods, the Java client), 20 kill -9 rounds each
+# (`make test` runs one); LMQ_CLUSTER_FAULT_ROUNDS to vary.
+torture: $(STAMP) clients
 	LMQ_TORTURE_CYCLES=$${LMQ_TORTURE_CYCLES:-110} $(BIN)/python -m pytest -s tests/e2e/test_torture.py
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} LMQ_CLUSTER_FAULT_STAGGER_S=$${LMQ_CLUSTER_FAULT_STAGGER_S:-10} \
 		$(BIN)/python -m pytest -s tests/e2e/test_cluster_faults.py
+	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} $(BIN)/python -m pytest -s tests/clients/test_cluster_faults_java.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,27 +1,42 @@
-"""The cluster at its seams (issue 25), with real broker processes and the official Python client 5.1.2.
+"""The cluster at its seams (issue 25), with real broker processes, the official Python client 5.1.2 and
+paho-mqtt (the official Java client: tests/clients/test_cluster_faults_java.py).
 
-One scenario per test, each bounded in time, each counting per lite topic what was sent, acknowledged,
-received, received twice and received out of order, and failing on any acknowledged message not delivered,
-any lite topic held by two brokers, or any subscription not restored:
+One scenario per test, each bounded in time, each counting per lite topic what was sent (attempts), acknowledged
+(the producer's receipt, a PUBACK), received, received twice (``stored_twice``: a send retried after it was
+stored) and received out of order, and failing on any acknowledged message not delivered, any message whose
+ack the owner had committed before a kill delivered again, any lite topic held by two brokers, or any
+subscription not restored:
 
 * a forged peer marker on a client's send (``x-lmq-forwarded``, a made-up ``x-lmq-peer``) stores nothing
   anywhere but at the owner;
 * kill -9 of an owner while a consumer (through another broker) is subscribed to its topics, a subscription to
   more of its topics made while it is down, and its restart: every acknowledged message is delivered, nothing
   the consumer acknowledged comes back, and the restarted owner holds every subscription again within
-  ``RESTORE_GOAL_S`` of its readiness with no client action (delivery then waits for the client's reconnect);
+  ``RESTORE_GOAL_S`` of its readiness with no client action (delivery then waits for the client's own
+  reconnect); meanwhile QoS 1 MQTT publishes go through a broker that owns none of their topics (to the killed
+  owner's and to a live one's), each published again until PUBACKed: every PUBACKed one is delivered;
+* the same kill -9 of one process of a ``serve --processes 2`` pod (two such pods, one per ``--peers`` entry),
+  which its supervisor starts again;
 * a ring change 2 -> 3 told to the brokers ``STAGGER_S`` apart while producers send to brand-new topics
-  through both old brokers: no topic ever lands on two brokers.
+  through both old brokers: no topic ever lands on two brokers;
+* a client's full sync (``COMPLETE_ADD``) crossing its subscription made while the owner is down: the
+  deterministic form of what the long runs met now and then (before the fix, restored only by the next full
+  sync, ~30 s later).
 
-``LMQ_CLUSTER_FAULT_ROUNDS`` repeats the kill/restart scenario (``make torture`` runs it long).
+``LMQ_CLUSTER_FAULT_ROUNDS`` repeats the kill/restart scenarios (``make torture`` runs them long).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import itertools
 import os
+import signal
+import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -32,11 +47,12 @@ from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
 from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
 
-from lmq_broker import errors, model
+from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, holders, start_broker
+from lmq_broker.testing_mqtt import Peer
 
 TOPIC, GROUP = "FAULT_NS", "fault-group"
 RESTORE_GOAL_S: Final = 3.0  # the broker's part: every subscription back at the restarted owner
@@ -45,11 +61,16 @@ RESTORE_GOAL_S: Final = 3.0  # the broker's part: every subscription back at the
 DELIVERY_BOUND_S: Final = 15.0
 STAGGER_S: Final = float(os.environ.get("LMQ_CLUSTER_FAULT_STAGGER_S", "4"))
 ROUNDS: Final = int(os.environ.get("LMQ_CLUSTER_FAULT_ROUNDS", "1"))
+MEANWHILE: Final = 100  # messages per lite topic and round sent (MQTT, gRPC) through the kill and restart
+MQTT_ACK_WAIT_S: Final = 5.0  # a non-owner gives up on an owner it cannot reach after 2 s
 
 
-def start(tmp_path: Path, ports: list[int], index: int, history: str = "", members: int = 0) -> BrokerProcess:
+def start(
+    tmp_path: Path, ports: list[int], index: int, *, history: str = "", members: int = 0, mqtt: bool = False
+) -> BrokerProcess:
     peers = ",".join(f"127.0.0.1:{p}" for p in ports[: members or len(ports)])
     args = ["--peers", peers, "--ordinal", str(index), "--no-bootstrap", "--ring-history", history]
+    args += ["--mqtt-port", "0"] if mqtt else []
     return start_broker(tmp_path / f"b{index}", port=ports[index], extra_args=args, env=SHARED_ADMIN_ENV)
 
 
@@ -58,33 +79,6 @@ def create_metadata(endpoint: str) -> None:
     with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
         admin.put_parent_topic(model.ParentTopic(TOPIC, model.MessageType.LITE))
         admin.put_group(model.LiteGroup(GROUP, TOPIC))
-
-
-def subscribed_again(endpoint: str, client_id: str, lites: list[str], timeout: float = 30) -> float:
-    """When (``time.monotonic()``) ``client_id`` was subscribed to every one of ``lites`` again at ``endpoint``
-    (created or not)."""
-    deadline = time.monotonic() + timeout
-    with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-        while True:
-            with contextlib.suppress(errors.NotFound):
-                if set(lites) <= set(admin.get_lite_client(client_id).lite_topics):
-                    return time.monotonic()
-            assert time.monotonic() < deadline, f"{client_id}'s subscriptions not restored at {endpoint}"
-            time.sleep(0.02)
-
-
-def settled(endpoint: str, lites: list[str], timeout: float = 20) -> None:
-    """Wait until the group has committed every message of ``lites`` at ``endpoint`` (the consumer's acks,
-    which the official client sends after its listener returns, have all arrived)."""
-    deadline = time.monotonic() + timeout
-    with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-        for lite in lites:
-            while True:
-                found = admin.describe_lite_topic(TOPIC, lite)
-                if found.group_offsets.get(GROUP) == found.meta.max_offset:
-                    break
-                assert time.monotonic() < deadline, f"{lite}: {found.group_offsets} of {found.meta.max_offset}"
-                time.sleep(0.05)
 
 
 def owned_by(members: list[str], slot: int, prefix: str, count: int) -> list[str]:
@@ -99,10 +93,14 @@ def config(endpoint: str) -> Any:
 
 @dataclass
 class Ledger:
-    """Per lite topic: bodies acknowledged by the producer, and what the consumer received, in order."""
+    """Per lite topic: what was sent (attempts) and acknowledged (the producer's receipt, a PUBACK), and what the
+    consumer received; ``settle`` marks what was received so far as acknowledged at its owner, so that its
+    delivery again is a failure (a redelivery is allowed only for a message whose ack was not committed)."""
 
     acked: dict[str, list[bytes]] = field(default_factory=dict)
-    failed: int = 0
+    sent: Counter[str] = field(default_factory=Counter)
+    failed: int = 0  # attempts not acknowledged (retried)
+    settled: dict[tuple[str, bytes], int] = field(default_factory=dict)  # -> deliveries when its ack was committed
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, producer: Any, lite: str, body: bytes) -> bool:
@@ -111,29 +109,145 @@ class Ledger:
         try:
             producer.send(message)
         except Exception:
-            with self.lock:
-                self.failed += 1
+            self.attempt(lite, ok=False)
             return False
-        with self.lock:
-            self.acked.setdefault(lite, []).append(body)
+        self.attempt(lite, ok=True)
+        self.ack(lite, body)
         return True
 
-    def check(self, inbox: Inbox, timeout: float = 60) -> dict[str, int]:
-        want = sum(len(b) for b in self.acked.values())
-        acked = {(lite, body) for lite, bodies in self.acked.items() for body in bodies}
+    def attempt(self, lite: str, ok: bool) -> None:
+        with self.lock:
+            self.sent[lite] += 1
+            self.failed += not ok
+
+    def ack(self, lite: str, body: bytes) -> None:
+        with self.lock:
+            self.acked.setdefault(lite, []).append(body)
+
+    def settle(self, inbox: Inbox, lites: list[str]) -> None:
+        self.settled.update(Counter((m.lite_topic, m.body) for m in list(inbox.accepted) if m.lite_topic in lites))
+
+    def check(self, inbox: Inbox, timeout: float = 60, table: bool = False) -> dict[str, int]:
+        with self.lock:
+            mine = {lite: list(bodies) for lite, bodies in self.acked.items()}
+            sent = Counter(self.sent)
+        acked = {(lite, body) for lite, bodies in mine.items() for body in bodies}
         inbox.wait_for(lambda i: acked <= {(m.lite_topic, m.body) for m in i.accepted}, timeout)
         got: dict[str, list[bytes]] = {}
+        ids: dict[str, set[tuple[bytes, str]]] = {}  # distinct (body, message id) delivered
         for m in list(inbox.accepted):
             got.setdefault(m.lite_topic, []).append(m.body)
-        lost = [(lite, body) for lite, body in acked if body not in got.get(lite, [])]
-        duplicated = sum(len(bodies) - len(set(bodies)) for bodies in got.values())
-        out_of_order = sum(1 for bodies in got.values() if bodies != sorted(bodies))
-        counts = {"acked": want, "failed": self.failed, "lost": len(lost), "duplicated": duplicated}
-        counts["out_of_order"] = out_of_order
+            ids.setdefault(m.lite_topic, set()).add((m.body, m.message_id))
+        rows = {}
+        for lite in sorted(set(mine) | set(got)):
+            bodies = got.get(lite, [])
+            firsts = list(dict.fromkeys(bodies))  # first deliveries, in arrival order
+            times = Counter(bodies)
+            row = {"sent": sent[lite], "acked": len(mine.get(lite, [])), "received": len(bodies)}
+            row["lost"] = sum(1 for body in mine.get(lite, []) if body not in times)
+            row["duplicated"] = len(bodies) - len(firsts)
+            row["stored_twice"] = len(ids.get(lite, ())) - len(firsts)  # a send retried after it was stored
+            row["out_of_order"] = sum(1 for x, y in itertools.pairwise(firsts) if x > y)
+            row["redelivered_after_commit"] = sum(
+                1 for body, n in times.items() if n > self.settled.get((lite, body), n)
+            )
+            rows[lite] = row
+            if table:
+                print(f"  {lite:>12} {row}")
+        counts = {key: sum(row[key] for row in rows.values()) for key in next(iter(rows.values()))}
+        counts |= {"topics": len(rows), "failed_attempts": self.failed}
         print("ledger", counts)
+        lost = sorted((lite, body) for lite, body in acked if body not in got.get(lite, []))
         assert not lost, f"acknowledged but never delivered: {lost[:10]}"
-        assert out_of_order == 0, got
+        assert counts["out_of_order"] == 0, got
+        assert counts["redelivered_after_commit"] == 0, "a message whose ack was committed before the kill came again"
         return counts
+
+
+class MqttPublisher:
+    """QoS 1 publishes through one broker's MQTT listener (paho-mqtt), counted in ``ledger``: acknowledged only
+    once PUBACKed. Without a PUBACK (the owner down: the listener closes the connection) the message is
+    published again on a new connection, until ``retry_s`` passes."""
+
+    def __init__(self, broker: BrokerProcess, name: str, ledger: Ledger) -> None:
+        self.broker, self.name, self.ledger = broker, name, ledger
+        self.peer: Peer | None = None
+        self.connections = 0
+
+    def publish(self, lite: str, body: bytes, retry_s: float = 30) -> bool:
+        deadline = time.monotonic() + retry_s
+        while True:
+            if self.peer is None or self.peer.disconnected:
+                self.close()
+                self.connections += 1
+                self.peer = Peer(self.broker.mqtt_port, f"{self.name}-{self.connections}")
+            info = self.peer.client.publish(f"{TOPIC}/{lite}", body, qos=1)
+            with contextlib.suppress(RuntimeError, ValueError):
+                info.wait_for_publish(MQTT_ACK_WAIT_S)
+            if info.is_published():
+                self.ledger.attempt(lite, ok=True)
+                self.ledger.ack(lite, body)
+                return True
+            self.ledger.attempt(lite, ok=False)
+            self.close()
+            if time.monotonic() > deadline:
+                return False
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.disconnect()
+            self.peer = None
+
+
+def publish_until(stop: threading.Event, via: MqttPublisher, lites: list[str], mark: str, out: Counter[bool]) -> None:
+    """Publish to ``lites`` in turn until ``stop`` (``MEANWHILE`` each at most), each message until PUBACKed
+    (60 s at most)."""
+    k = 0
+    while not stop.is_set() and k < MEANWHILE:
+        for lite in lites:
+            out[via.publish(lite, f"{mark}{k:05d}-{lite}".encode(), 60)] += 1
+        k += 1
+
+
+def send_until(
+    stop: threading.Event, ledger: Ledger, producer: Any, lites: list[str], *, mark: str, out: Counter[bool]
+) -> None:
+    """Send to ``lites`` in turn until ``stop`` (``MEANWHILE`` each at most), each message until the producer
+    acknowledges it (60 s at most); counts in ``out`` the acknowledged ones (True) and those given up (False)."""
+    k = 0
+    while not stop.is_set() and k < MEANWHILE:
+        for lite in lites:
+            body, deadline = f"{mark}{k:05d}-{lite}".encode(), time.monotonic() + 60
+            while not (ok := ledger.send(producer, lite, body)) and time.monotonic() < deadline:
+                pass  # the client waited for its own retries already
+            out[ok] += 1
+        k += 1
+
+
+def subscriptions_back(endpoint: str, want: int, since: float) -> float:
+    """Seconds from ``since`` until the broker at ``endpoint`` counts ``want`` subscriptions of GROUP (the
+    broker's part of a restore; delivering also needs the consumer's receive calls back there); -1: never."""
+    deadline = time.monotonic() + RESTORE_GOAL_S + 30
+    with AdminClient(endpoint, timeout_s=5, **SHARED_ADMIN_KEYS) as admin:
+        while time.monotonic() < deadline:
+            if sum(c.subscription_count for c in admin.list_clients(GROUP)) >= want:
+                return time.monotonic() - since
+            time.sleep(0.05)
+    return -1.0
+
+
+def drained(endpoint: str, lites: list[str], timeout: float = 30) -> None:
+    """Wait until the group's committed offset of each lite topic held at ``endpoint`` is its end: every stored
+    message was delivered and its ack committed at the owner."""
+    deadline = time.monotonic() + timeout
+    with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+        for lite in lites:
+            while True:
+                topic = admin.describe_lite_topic(TOPIC, lite)
+                if topic.group_offsets.get(GROUP) == topic.meta.max_offset:
+                    break
+                assert time.monotonic() < deadline, f"{lite}: {topic.group_offsets} never reached {topic.meta}"
+                time.sleep(0.05)
 
 
 def forged_send(endpoint: str, lite: str, body: bytes, header: tuple[str, str]) -> int:
@@ -160,67 +274,112 @@ def test_forged_markers_kill_9_and_a_subscription_made_while_the_owner_is_down(
     tmp_path: Path, clients: list[Any]
 ) -> None:
     ports = free_ports("127.0.0.1", 3)
-    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    brokers = [start(tmp_path, ports, i, mqtt=True) for i in range(3)]
     endpoints = [b.endpoint for b in brokers]
+    publishers: list[MqttPublisher] = []
     try:
         create_metadata(endpoints[0])
         first = {slot: owned_by(endpoints, slot, "f", 3) for slot in range(3)}
-        later = owned_by(endpoints, 2, "late", 3)  # subscribed while their owner is down
+        # MQTT topics of each owner, published to through a broker that does not own them
+        by_mqtt = {slot: owned_by(endpoints, slot, "m", 2) for slot in range(3)}
         inbox = Inbox()
         consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
         consumer.startup()
         clients.append(consumer)
-        for lites in first.values():
+        for lites in [*first.values(), *by_mqtt.values()]:
             for lite in lites:
                 consumer.subscribe_lite(lite)
         producer = Producer(config(endpoints[1]), (TOPIC,))
         producer.startup()
         clients.append(producer)
         ledger = Ledger()
+        via0 = MqttPublisher(brokers[0], "via-0", ledger)  # owns none of by_mqtt[1] + by_mqtt[2]
+        via0b = MqttPublisher(brokers[0], "via-0b", ledger)  # a second connection: broker 1's topics meanwhile
+        via1 = MqttPublisher(brokers[1], "via-1", ledger)  # owns none of by_mqtt[0]
+        publishers += [via0, via0b, via1]
+        figures = []
 
         # a client-supplied marker never changes where a message is stored
         for n, header in enumerate([("x-lmq-forwarded", "1"), ("x-lmq-peer", "1;0;" + "0" * 64)]):
             lite, body = first[2][0], f"-forged-{n}".encode()  # sorts before what is sent later
             assert forged_send(endpoints[0], lite, body, header) == rpb.Code.OK
-            ledger.acked.setdefault(lite, []).append(body)
+            ledger.attempt(lite, ok=True)
+            ledger.ack(lite, body)
         for n in range(ROUNDS):
+            later = owned_by(endpoints, 2, f"late{n}", 2)  # subscribed while their owner is down
+            owned = [lite for lite in ledger.acked if lite in first[2] + by_mqtt[2] or lite.startswith("late")]
             for lites in first.values():
                 for lite in lites:
                     ledger.send(producer, lite, f"{n:02d}a-{lite}".encode())
+            for via, lites in ((via0, by_mqtt[2]), (via0b, by_mqtt[1])):
+                for lite in lites:
+                    assert via.publish(lite, f"{n:02d}a-{lite}".encode())
+            for lite in by_mqtt[0]:
+                assert via1.publish(lite, f"{n:02d}a-{lite}".encode())
             ledger.check(inbox)
-            settled(endpoints[2], first[2])  # every delivered message acknowledged by the consumer: none may return
+            drained(endpoints[2], owned + first[2] + by_mqtt[2])  # its acks are committed before the kill
+            ledger.settle(inbox, owned + first[2] + by_mqtt[2])
 
-            brokers[2].kill()  # kill -9 of the owner of first[2]
+            # MQTT publishes through broker 0 to broker 2's and broker 1's topics all through the kill and the
+            # restart: each retried until PUBACKed; a PUBACKed one must arrive
+            stop, published = threading.Event(), Counter[bool]()
+            meanwhile = [
+                threading.Thread(target=publish_until, args=(stop, via, lites, f"{n:02d}b", published))
+                for via, lites in ((via0, by_mqtt[2]), (via0b, by_mqtt[1]))
+            ]
+            for thread in meanwhile:
+                thread.start()
+            brokers[2].kill()  # kill -9 of the owner of first[2] and by_mqtt[2]
             for lite in later:  # through the access broker: kept, applied when the owner returns
                 consumer.subscribe_lite(lite)
             for lite in first[0] + first[1]:
                 ledger.send(producer, lite, f"{n:02d}b-{lite}".encode())
             brokers[2] = brokers[2].restart()
             ready = time.monotonic()
-            resubscribed = subscribed_again(endpoints[2], consumer.client_id, first[2] + later) - ready
+            want = len(first[2]) + len(by_mqtt[2]) + 2 * (n + 1)  # first[2], by_mqtt[2], the late topics so far
+            probe = concurrent.futures.ThreadPoolExecutor(1)
+            subscribed = probe.submit(subscriptions_back, endpoints[2], want, ready)
             for lite in first[2] + later:
                 body = f"{n:02d}c-{lite}".encode()
                 deadline = time.monotonic() + 10
                 while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
                     time.sleep(0.1)
+            acked_after = time.monotonic() - ready  # the sends' part of the figure
             mark, wanted = f"{n:02d}c".encode(), set(first[2] + later)
             restored = inbox.wait_for(
                 lambda i: {m.lite_topic for m in i.accepted if m.body.startswith(mark)} >= wanted,  # noqa: B023
                 RESTORE_GOAL_S + 30,
             )
             took = time.monotonic() - ready
+            figures.append(took)
+            back = subscribed.result()
+            probe.shutdown()
             print(
-                f"round {n}: the restarted owner held every subscription {resubscribed:.2f} s after its readiness; "
-                f"its topics delivered {took:.2f} s after it (the client reconnects on its own backoff)"
+                f"round {n}: the restarted owner's topics delivered {took:.2f} s after its readiness",
+                f"(its {want} subscriptions back after {back:.2f} s, sent and acknowledged after {acked_after:.2f} s)",
             )
+            stop.set()
+            for thread in meanwhile:
+                thread.join(90)
+                assert not thread.is_alive()
+            print(f"round {n}: MQTT publishes through broker 0 meanwhile: {dict(published)} (True: PUBACKed)")
+            assert 0 <= back <= RESTORE_GOAL_S, f"its subscriptions were given back after {back:.2f} s (-1: never)"
             assert restored, "a subscription was not restored on the restarted owner"
-            assert resubscribed <= RESTORE_GOAL_S, f"subscriptions restored after {resubscribed:.2f} s"
-            assert took <= DELIVERY_BOUND_S, f"delivered after {took:.2f} s"
-            assert ledger.check(inbox)["duplicated"] == 0  # nothing the consumer acknowledged came back
+            assert not published[False], "an MQTT publish was never PUBACKed within 60 s"
+            ledger.check(inbox, table=n == ROUNDS - 1)
+        print(f"restore figures (s): {', '.join(f'{t:.2f}' for t in figures)}")
+        print(
+            f"MQTT connections: via broker 0 {via0.connections} + {via0b.connections}, via broker 1 {via1.connections}"
+        )
         placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(len(where) == 1 for where in placed.values()), placed  # no topic on two brokers
-        assert all(placed[lite] == [2] for lite in first[2] + later)
+        for slot in range(3):
+            assert all(placed[lite] == [slot] for lite in first[slot] + by_mqtt[slot])
+        assert all(placed[lite] == [2] for lite in ledger.acked if lite.startswith("late"))
+        assert max(figures) <= DELIVERY_BOUND_S, f"delivered after {max(figures):.2f} s"
     finally:
+        for publisher in publishers:
+            publisher.close()
         for broker in brokers:
             broker.stop()
 
@@ -271,6 +430,232 @@ def test_a_ring_change_told_to_brokers_apart_never_places_a_topic_twice(tmp_path
         placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(len(where) == 1 for where in placed.values()), placed  # never on two brokers
         assert any(where == [2] for where in placed.values())  # the joiner took new topics
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def free_block(count: int) -> int:
+    """A port p with p .. p + count - 1 all free now (a pod's port and its processes' ports)."""
+    for _ in range(50):
+        base = free_ports("127.0.0.1", 1)[0]
+        held = []
+        try:
+            for port in range(base, base + count):
+                held.append(socket.create_server(("127.0.0.1", port)))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+def child_pid(pod: BrokerProcess, slot: int) -> int | None:
+    """The pid of the live process of ``pod`` (``serve --processes``) serving ring slot ``slot``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rpartition(")")[2].split()[:2]
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(ppid) == pod.pid and state != "Z" and f"--ordinal={slot}".encode() in argv:
+            return int(entry.name)
+    return None
+
+
+def answering(endpoint: str) -> bool:
+    try:
+        with AdminClient(endpoint, timeout_s=1, **SHARED_ADMIN_KEYS) as admin:
+            admin.cluster()
+    except Exception:
+        return False
+    return True
+
+
+def listening(endpoint: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), 0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: list[Any]) -> None:
+    """Two pods of ``serve --processes 2``, one per ``--peers`` entry (4 ring slots), the clients on pod 0's
+    shared port. Each round kill -9 one process of pod 1 (its supervisor starts it again on its data) while a
+    second producer sends to its topics and another slot's, each message until acknowledged: nothing
+    acknowledged is lost, a subscription made while it is down is applied, and its topics flow again within
+    ``RESTORE_GOAL_S`` of the new process answering."""
+    bases = [free_block(3), free_block(3)]
+    peers = ",".join(f"127.0.0.1:{b}" for b in bases)
+    pods: list[BrokerProcess] = []
+    try:
+        for i, base in enumerate(bases):
+            args = ["--processes", "2", "--peers", peers, "--ordinal", str(i), "--no-bootstrap"]
+            pods.append(start_broker(tmp_path / f"pod{i}", port=base, extra_args=args, env=SHARED_ADMIN_ENV))
+        slots = [f"127.0.0.1:{base + 1 + i}" for base in bases for i in range(2)]  # ring.process_port
+        victim, supervisor = 3, pods[1].pid  # pod 1, process 1
+        create_metadata(pods[0].endpoint)
+        first = {slot: owned_by(slots, slot, "p", 2) for slot in range(4)}
+        others = [lite for slot in (0, 1, 2) for lite in first[slot]]
+        busy = owned_by(slots, victim, "pb", 1) + owned_by(slots, 2, "pb", 1)  # sent to through the kill
+        arrived: dict[tuple[str, bytes], float] = {}  # first delivery's time (diagnosis of a slow restore)
+        inbox = Inbox(lambda m: arrived.setdefault((m.lite_topic, m.body), time.monotonic()) > 0)
+        consumer = LitePushConsumer(config(pods[0].endpoint), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        for lite in [*others, *first[victim], *busy]:
+            consumer.subscribe_lite(lite)
+        producer, loader = Producer(config(pods[0].endpoint), (TOPIC,)), Producer(config(pods[0].endpoint), (TOPIC,))
+        for started in (producer, loader):
+            started.startup()
+            clients.append(started)
+        ledger = Ledger()
+        figures = []
+        for n in range(ROUNDS):
+            later = owned_by(slots, victim, f"plate{n}", 2)  # subscribed while their owner is down
+            owned = first[victim] + busy[:1] + [lite for lite in ledger.acked if lite.startswith("plate")]
+            for lite in [*others, *first[victim], *busy]:
+                assert ledger.send(producer, lite, f"{n:02d}a-{lite}".encode())
+            ledger.check(inbox)
+            drained(slots[victim], owned)  # its acks are committed before the kill
+            ledger.settle(inbox, owned)
+
+            stop, sent_meanwhile = threading.Event(), Counter[bool]()
+            meanwhile = threading.Thread(
+                target=send_until,
+                args=(stop, ledger, loader, busy),
+                kwargs={"mark": f"{n:02d}b", "out": sent_meanwhile},
+            )
+            meanwhile.start()
+            pid = child_pid(pods[1], victim)
+            assert pid is not None, "no process of pod 1 serves the victim's slot"
+            # The supervisor is held (SIGSTOP) from the kill until the subscription was answered, so that the
+            # subscription is made while the process is down: else it would be back within about 2 s, before
+            # the access process gave up waiting for it.
+            os.kill(supervisor, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while listening(slots[victim]):  # gone: its port refuses
+                    assert time.monotonic() < deadline, "the killed process still listens"
+                    time.sleep(0.02)
+                # through the access process: kept, applied when the owner returns. Each call waits up to 2 s
+                # for the dead process, so they go at once: the longer a process is down, the longer the
+                # clients' gRPC channels back off before dialling it again (1 s x 1.6 per attempt)
+                with concurrent.futures.ThreadPoolExecutor(len(later)) as pool:
+                    list(pool.map(consumer.subscribe_lite, later))
+                down_when_subscribed = not listening(slots[victim])
+            finally:
+                os.kill(supervisor, signal.SIGCONT)  # it finds the process dead and starts it again
+            for lite in others:  # the other slots' topics keep flowing
+                assert ledger.send(producer, lite, f"{n:02d}b-{lite}".encode())
+            deadline = time.monotonic() + 60
+            while not answering(slots[victim]):  # the supervisor starts it again (after 1 s)
+                assert time.monotonic() < deadline, "the supervisor did not start the killed process again"
+                time.sleep(0.05)
+            ready = time.monotonic()
+            assert child_pid(pods[1], victim) not in (None, pid)
+            want = len(first[victim]) + 1 + 2 * (n + 1)  # first[victim], busy[0], the plate topics so far
+            probe = concurrent.futures.ThreadPoolExecutor(1)
+            subscribed = probe.submit(subscriptions_back, slots[victim], want, ready)
+            for lite in first[victim] + later:
+                body = f"{n:02d}c-{lite}".encode()
+                deadline = time.monotonic() + 10
+                while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            acked_after = time.monotonic() - ready  # the sends' part of the figure
+            mark, wanted = f"{n:02d}c".encode(), set(first[victim] + later)
+            restored = inbox.wait_for(
+                lambda i: {m.lite_topic for m in i.accepted if m.body.startswith(mark)} >= wanted,  # noqa: B023
+                RESTORE_GOAL_S + 30,
+            )
+            took = time.monotonic() - ready
+            figures.append(took)
+            back = subscribed.result()
+            probe.shutdown()
+            if took > RESTORE_GOAL_S:  # the broker's part is ``back``; the rest is the client reconnecting
+                late = {lite: round(arrived.get((lite, f"{n:02d}c-{lite}".encode()), -1) - ready, 2) for lite in wanted}
+                print(f"round {n}: slow; each topic's delivery after the answer (s): {late}")
+            print(
+                f"round {n}: the restarted process's topics delivered {took:.2f} s after it answered",
+                f"(its {want} subscriptions back after {back:.2f} s, sent and acknowledged after {acked_after:.2f} s)",
+            )
+            stop.set()
+            meanwhile.join(120)
+            assert not meanwhile.is_alive()
+            print(f"round {n}: sends through the kill {dict(sent_meanwhile)} (True: acknowledged)")
+            assert down_when_subscribed, "the process was back before the subscription: the scenario did not run"
+            assert 0 <= back <= RESTORE_GOAL_S, f"its subscriptions were given back after {back:.2f} s (-1: never)"
+            assert restored, "a subscription was not restored on the restarted process"
+            assert not sent_meanwhile[False], "a send was never acknowledged within 60 s"
+            ledger.check(inbox, table=n == ROUNDS - 1)
+        print(f"restore figures (s): {', '.join(f'{t:.2f}' for t in figures)}")
+        placed = holders(slots, TOPIC, SHARED_ADMIN_KEYS)
+        assert all(len(where) == 1 for where in placed.values()), placed  # no topic on two slots
+        for slot in range(4):
+            assert all(placed[lite] == [slot] for lite in first[slot])
+        assert all(placed[lite] == [victim] for lite in busy[:1] + [x for x in ledger.acked if x.startswith("plate")])
+        assert max(figures) <= DELIVERY_BOUND_S, f"delivered after {max(figures):.2f} s"
+    finally:
+        for pod in pods:
+            pod.stop()
+
+
+def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_path: Path, clients: list[Any]) -> None:
+    """The official clients send their whole set (``COMPLETE_ADD``, ``subscribe_lite_all``: the Python client's
+    scheduler calls it every 30 s) built from the subscriptions answered so far. While an owner is down the
+    access broker answers a subscription only after waiting up to 2 s for it, so a full sync built before such
+    a ``PARTIAL_ADD`` was answered may reach the access broker after it: its intents then lack the topic, and the
+    restarted owner gets it only with the client's next full sync, ~30 s later, not within ``RESTORE_GOAL_S``.
+    (The long runs of the scenarios above meet this when the client's timer falls into the 2 s window.)"""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    endpoints = [b.endpoint for b in brokers]
+    try:
+        create_metadata(endpoints[0])
+        known, crossing = owned_by(endpoints, 2, "known", 1)[0], owned_by(endpoints, 2, "crossing", 1)[0]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite(known)
+        producer = Producer(config(endpoints[1]), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        brokers[2].kill()
+        subscribing = threading.Thread(target=consumer.subscribe_lite, args=(crossing,))
+        subscribing.start()
+        time.sleep(0.3)  # the interleaving under test: the PARTIAL_ADD is at the access broker, not yet answered
+        assert subscribing.is_alive(), "the subscription was answered at once: the window under test is gone"
+        consumer.subscribe_lite_all()  # what the client's 30 s timer does: its set without ``crossing``
+        subscribing.join(30)  # answered OK: the client holds it subscribed
+        brokers[2] = brokers[2].restart()
+        ready = time.monotonic()
+        probe = concurrent.futures.ThreadPoolExecutor(1)
+        subscribed = probe.submit(subscriptions_back, endpoints[2], 2, ready)
+        ledger = Ledger()
+        for lite in (known, crossing):
+            deadline = time.monotonic() + 10
+            while not ledger.send(producer, lite, f"after-{lite}".encode()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        print(f"sent and acknowledged {time.monotonic() - ready:.2f} s after the owner's readiness")
+        got: dict[str, float] = {}  # -1: not within RESTORE_GOAL_S + 35 s
+        for lite in (known, crossing):
+            came = inbox.wait_for(lambda i: any(m.lite_topic == lite for m in i.accepted), RESTORE_GOAL_S + 35)  # noqa: B023
+            got[lite] = round(time.monotonic() - ready, 2) if came else -1.0
+        print(
+            f"delivered after the owner's readiness (s): {got};",
+            f"both subscriptions at the owner after {subscribed.result():.2f} s",
+        )
+        probe.shutdown()
+        ledger.check(inbox)
+        assert all(0 <= took <= RESTORE_GOAL_S for took in got.values()), f"not restored within the goal: {got}"
     finally:
         for broker in brokers:
             broker.stop()
