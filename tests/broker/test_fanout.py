@@ -26,25 +26,26 @@ def held(f: Any) -> tuple[set[str], set[str]]:
     return (set(intent.lites), set(intent.patterns)) if intent else (set(), set())
 
 
-def test_a_full_sync_that_began_before_a_subscribe_keeps_what_the_subscribe_added() -> None:
+def test_a_full_sync_that_began_before_a_subscribe_ended_keeps_what_the_subscribe_added() -> None:
     f = fanout()
-    f._remember(*KEY, pb.COMPLETE_ADD, ["a"], 1)
-    # full sync #3 was built from the client's set before subscribe #2 of "x" ended; #2 ends first
-    f._remember(*KEY, pb.PARTIAL_ADD, ["x"], 2)
-    f._remember(*KEY, pb.COMPLETE_ADD, ["a", "s-*"], 1 + 0)  # a complete set begun before #2 (number 1)
+    f._remember(*KEY, pb.COMPLETE_ADD, ["a"], 1, 2)
+    # the subscribe of "x" begins (3), the client's full sync begins (4) without "x", the subscribe ends (5),
+    # then the full sync (6)
+    f._remember(*KEY, pb.PARTIAL_ADD, ["x"], 3, 5)
+    f._remember(*KEY, pb.COMPLETE_ADD, ["a", "s-*"], 4, 6)
     assert held(f) == ({"a", "x"}, {"s-*"})
-    f._remember(*KEY, pb.COMPLETE_ADD, ["a"], 4)  # a complete set begun after: it is the client's whole set
+    f._remember(*KEY, pb.COMPLETE_ADD, ["a"], 7, 8)  # begun after the subscribe ended: the client's whole set
     assert held(f) == ({"a"}, set())
     assert f.intents == 1
 
 
 def test_a_removal_takes_away_only_what_was_added_before_it_began() -> None:
     f = fanout()
-    f._remember(*KEY, pb.PARTIAL_ADD, ["x"], 5)
-    f._remember(*KEY, pb.PARTIAL_REMOVE, ["x"], 4)  # begun before the add, ended after it: the add wins
+    f._remember(*KEY, pb.PARTIAL_ADD, ["x"], 2, 5)
+    f._remember(*KEY, pb.PARTIAL_REMOVE, ["x"], 4, 6)  # begun before the add ended: the add wins
     assert held(f) == ({"x"}, set())
-    f._remember(*KEY, pb.PARTIAL_REMOVE, ["x"], 6)
+    f._remember(*KEY, pb.PARTIAL_REMOVE, ["x"], 7, 8)
     assert held(f) == (set(), set()) and f.intents == 0
-    f._remember(*KEY, pb.PARTIAL_ADD, ["y"], 8)
-    f._remember(*KEY, pb.COMPLETE_REMOVE, [], 7)
+    f._remember(*KEY, pb.PARTIAL_ADD, ["y"], 9, 11)
+    f._remember(*KEY, pb.COMPLETE_REMOVE, [], 10, 12)
     assert held(f) == ({"y"}, set())

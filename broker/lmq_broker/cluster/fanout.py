@@ -53,8 +53,8 @@ ApplyHere = Callable[[spb.SyncLiteSubscriptionRequest], Awaitable[spb.SyncLiteSu
 
 @dataclass
 class _Intent:
-    # name -> the number of the change that added it (``Fanout._changes``): a complete set that began before a
-    # later change added a name, and ends after it, does not take that name away
+    # name -> when the change that added it ended (``Fanout._changes``): a complete set that began before then
+    # was built by a client that did not have the name yet, and does not take it away
     lites: dict[str, int] = field(default_factory=dict)
     patterns: dict[str, int] = field(default_factory=dict)
 
@@ -71,7 +71,7 @@ class Fanout:
         self._known = known
         self._intents: dict[tuple[str, str, str], _Intent] = {}  # (client id, group, parent) -> what it asked
         self._names = 0  # lite topics and patterns held in _intents
-        self._changes = 0  # client changes begun here, numbered
+        self._changes = 0  # beginnings and ends of client changes here, numbered in order
         self.unreachable: set[int] = set()  # slots the watch found down: their parts are kept, not waited for
         self.behind: set[int] = set()  # slots that missed a part since they last answered
 
@@ -126,7 +126,8 @@ class Fanout:
                 raise reply
             elif reply.status.code != pb.OK:
                 return reply
-        self._remember(caller.client_id, group, parent, action, names, began)
+        self._changes += 1
+        self._remember(caller.client_id, group, parent, action, names, began, self._changes)
         if missed:
             self.behind.update(missed)
             self.unreachable.update(missed)  # until the watch hears from it again
@@ -163,12 +164,14 @@ class Fanout:
                 f"(--max-subscriptions-per-broker x brokers); {self._names} are held"
             )
 
-    def _remember(  # noqa: PLR0917 (the change, as the client sent it)
-        self, client_id: str, group: str, parent: str, action: int, names: list[str], began: int
+    def _remember(  # noqa: PLR0917 (the change, as the client sent it, and when)
+        self, client_id: str, group: str, parent: str, action: int, names: list[str], began: int, ended: int
     ) -> None:
-        """The client's change, numbered ``began`` (changes run concurrently and end in any order): a complete
-        set replaces the intent but keeps the names a change begun after it added; a removal takes away only
-        what a change begun before it added."""
+        """The client's change, which ``began`` and ``ended`` at those numbers (changes run concurrently: a
+        subscribe waiting for a broker that does not answer can end after the client's next full sync began).
+        The client adds a name to its own set only once its subscribe is answered, so a complete set replaces
+        the intent but keeps the names whose subscribe ended after the complete set began; a removal takes away
+        only what was added before it began."""
         key = (client_id, group, parent)
         intent = self._intents.pop(key, None) or _Intent()
         self._names -= intent.size
@@ -183,7 +186,7 @@ class Fanout:
                 if into.get(name, began) < began:
                     del into[name]
             else:
-                into[name] = max(into.get(name, 0), began)
+                into[name] = max(into.get(name, 0), ended)
         if intent.size:
             self._intents[key] = intent
             self._names += intent.size
