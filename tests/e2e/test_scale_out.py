@@ -24,6 +24,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.cluster import membership as mb
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import (
     SHARED_ADMIN_ENV,
@@ -223,9 +224,9 @@ def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[
 def set_cluster(endpoints: list[str], order: list[int], members: list[str], sizes: tuple[int, ...]) -> None:
     """``lmq-admin cluster set --everywhere`` as a test does it: broker by broker, in the safe order."""
     for i in order:
-        with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
-            _, changed = admin.set_cluster(members, sizes)
-        assert changed
+        with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:  # a peer may have passed it on
+            info, _ = admin.set_cluster(members, sizes)
+        assert (info.members, info.ring_sizes) == (tuple(members), mb.of(members, sizes).sizes)
 
 
 class Load:
