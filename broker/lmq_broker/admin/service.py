@@ -15,13 +15,15 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
 
 import grpc
 from typing_extensions import override
 
 from lmq_broker import errors, model
 from lmq_broker.admin import catalog, codes, convert, everywhere, inspection, membership, reclaiming, validation
+from lmq_broker.cluster import trust
+from lmq_broker.cluster.links import ADMIN, now_ms
 from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import metadata, wildcards
@@ -35,6 +37,8 @@ from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
+
+MAX_READY_WAIT_MS: Final = 60_000  # an AwaitLiteReady waits at most this long
 
 if TYPE_CHECKING:  # generic only in grpc's type stubs
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
@@ -61,7 +65,8 @@ def register(
     among its peers (GetCluster/SetCluster answer Unsupported without it); ``mqtt`` its MQTT listener, once it
     runs (``MqttRetained`` answers none without it)."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
-    handler = guard.strict_generic_handler(service, AdminServicer(store, live, config, cluster, mqtt), admission)
+    servicer = AdminServicer(store, live, config, cluster, mqtt)
+    handler = guard.strict_generic_handler(service, servicer, admission, waits=frozenset({"AwaitLiteReady"}))
     if admin_keys is not None:
         handler = auth.AdminGuard(handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock)
     server.add_generic_rpc_handlers((handler,))
@@ -348,6 +353,28 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
             ],
             truncated=truncated,
         )
+
+    @override
+    @_edge
+    async def AwaitLiteReady(self, request: pb.AwaitLiteReadyRequest, context: Context) -> pb.AwaitLiteReadyResponse:
+        """Another broker waits for a client it serves (``cluster.readiness``): leases nothing, so a wait cut off
+        loses nothing. A peer's call only (its header, besides the admin pair)."""
+        self._from_peer(context, "AwaitLiteReady")
+        if not request.client_id:
+            raise errors.InvalidArgument("client_id is required", kind="client_id")
+        parent = validation.name("parent", request.parent)
+        group = validation.name("group", request.group)
+        timeout_ms = min(max(request.timeout_ms, 0), MAX_READY_WAIT_MS)
+        ready = await self._live.await_ready(request.client_id, group, parent, timeout_ms)
+        return pb.AwaitLiteReadyResponse(ready=ready)
+
+    def _from_peer(self, context: Context, method: str) -> None:
+        peers = self._cluster.peers if self._cluster is not None else None
+        if peers is None:
+            raise errors.Unsupported("this broker is not part of a cluster: no other broker waits here")
+        peer, _ = trust.verify(peers.links.secret, ADMIN + method, context.invocation_metadata(), now_ms())
+        if peer is None:
+            raise errors.Forbidden(f"{method} is a call between the brokers of a cluster (no valid peer header)")
 
     # --- the broker -------------------------------------------------------------------------------------
     @override

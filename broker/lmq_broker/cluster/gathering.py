@@ -9,10 +9,13 @@ change-invisible or dead-letter call, which the client sends here, goes on to th
 
 A long poll must not lose messages: a broker that leased messages for a call that is then cut off would
 hide them for their invisible duration. So other brokers are only ever asked without waiting (their
-answer is immediate, never cut), for at most what is still missing; while nothing is found anywhere, this
-broker waits on its own topics for ``GATHER_POLL_MS`` and asks the others again. A message arriving on
-another broker is therefore seen within about that interval, at the cost of one call per other broker per
-interval while such a consumer waits. Each lite topic lives on one broker, so its order is its broker's.
+answer is immediate, never cut), for at most what is still missing. While nothing is found anywhere, this
+broker waits without leasing: on its own ready set (``Dispatcher.await_ready``) and, through one parked
+``AwaitLiteReady`` call per other broker (``readiness``), on theirs; as soon as one says ready, it is asked
+again without waiting. A message arriving on another broker is therefore seen within a round trip or two, and
+a waiting consumer costs one call per other broker per long poll (not per interval). A normal topic (no ready
+sets) is still polled: this broker waits on it ``GATHER_POLL_MS`` between two rounds. Each lite topic lives on
+one broker, so its order is its broker's.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import grpc
 from google.protobuf import duration_pb2
 from google.protobuf import message as pb_message
 
-from lmq_broker import errors
+from lmq_broker import errors, model
+from lmq_broker.cluster import readiness
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.protocol import convert, status
@@ -84,19 +88,36 @@ async def receive(
     turn = next(_turns) % (len(others) + 1)
     sources: list[str | None] = [*others[:turn], None, *others[turn:]]  # None: this broker; the first asked rotates
     gather = _Gather(edge, peers, request, caller)
+    group, parent = convert.group_name(request.group), convert.topic_name(request.message_queue.topic)
+    lite = (await edge.dispatcher.metadata()).topic(parent).message_type == model.MessageType.LITE
+    waits = readiness.Readiness(lambda: peers, caller.client_id, group, parent)
     found: list[pb.Message] = []
-    while True:
-        for source in sources:
-            if len(found) >= batch:
+    try:
+        while True:
+            for source in sources:
+                if len(found) >= batch:
+                    break
+                wanted = batch - len(found)
+                if source is None:
+                    found += await gather.here(wanted, 0)
+                    continue
+                got = await gather.there(source, wanted)
+                if got is None:
+                    waits.failed(source)
+                else:
+                    waits.received(source, len(got))
+                    found += got
+            left_s = deadline - time.monotonic()
+            if found or left_s <= 0:
                 break
-            wanted = batch - len(found)
-            found += await (gather.here(wanted, 0) if source is None else gather.there(source, wanted))
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        if found or left_ms <= 0:
-            break
-        found += await gather.here(batch, min(GATHER_POLL_MS, left_ms))
-        if found:
-            break
+            if not lite:  # a normal topic has no ready sets to wait on: this broker's, and the others again
+                found += await gather.here(batch, min(GATHER_POLL_MS, int(left_s * 1000)))
+                if found:
+                    break
+                continue
+            sources = await _ready(edge, waits, others, caller.client_id, group, parent, left_s)
+    finally:
+        waits.close()  # the waits parked elsewhere lease nothing: ending them loses nothing
     if not found:
         yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
         return
@@ -104,6 +125,30 @@ async def receive(
     for message in found:
         yield spb.ReceiveMessageResponse(message=message)
     yield spb.ReceiveMessageResponse(delivery_timestamp=convert.timestamp_of(edge.dispatcher.wall_clock()))
+
+
+async def _ready(  # noqa: PLR0917 (where, whom, how long)
+    edge: Edge,
+    waits: readiness.Readiness,
+    others: list[str],
+    client_id: str,
+    group: str,
+    parent: str,
+    left_s: float,
+) -> list[str | None]:
+    """Wait, leasing nowhere, until this broker (None) or others have something for the client: the ones that
+    do ([] at the deadline). Both waits can be cut at any point."""
+    here = asyncio.ensure_future(
+        edge.dispatcher.await_ready(client_id, group, parent, int(left_s * 1000), capped=False)
+    )
+    there = asyncio.ensure_future(waits.wait(others, left_s))
+    try:
+        await asyncio.wait((here, there), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        here.cancel()
+        there.cancel()
+    ready: list[str | None] = [None] if here.done() and not here.cancelled() and here.result() else []
+    return ready + list(waits.take())
 
 
 def _part(request: spb.ReceiveMessageRequest, batch: int, poll_ms: int) -> spb.ReceiveMessageRequest:
@@ -125,8 +170,9 @@ class _Gather:
         frames = receive_message.handle(self.edge, _part(self.request, batch, poll_ms), self.caller, None)
         return [frame.message async for frame in frames if frame.HasField("message")]
 
-    async def there(self, endpoint: str, batch: int) -> list[pb.Message]:
-        """Without waiting: a call cut off after that broker leased messages would hide them."""
+    async def there(self, endpoint: str, batch: int) -> list[pb.Message] | None:
+        """Without waiting: a call cut off after that broker leased messages would hide them. None: that broker
+        did not answer, or refused (overloaded)."""
         call = self.peers.links.channel(endpoint).unary_stream(
             _RECEIVE,
             request_serializer=spb.ReceiveMessageRequest.SerializeToString,
@@ -144,8 +190,13 @@ class _Gather:
                     handle = message.system_properties.receipt_handle
                     message.system_properties.receipt_handle = wrap(endpoint, handle)
                     out.append(message)
+                elif frame.HasField("status") and frame.status.code not in (pb.OK, pb.MESSAGE_NOT_FOUND):
+                    log.debug("gathering for %s from %s refused: %s", self.caller.client_id, endpoint,
+                              frame.status.message)  # fmt: skip
+                    return None
         except grpc.aio.AioRpcError as exc:  # that broker's topics wait; the others are served meanwhile
             log.debug("gathering for %s from %s failed: %s", self.caller.client_id, endpoint, exc.code().name)
+            return None
         return out
 
 

@@ -14,7 +14,9 @@ intents give an owner that restarted or did not answer its part again. A new fil
 the end of the topics there that only it matches (the admin call ``MqttStartAtEnd``), as the session's own
 broker does, so a new subscription does not replay the others' backlog. The session pulls from the others as
 gathering does for a LiteSimpleConsumer (``gathering``): ReceiveMessage without waiting, auto-renewed leases,
-and its acks and give-backs go to the broker that delivered (``<endpoint> <message id> <handle>``). Retained
+and its acks and give-backs go to the broker that delivered (``<endpoint> <message id> <handle>``). Between
+pulls it waits at each of them without leasing (``Waiting``: one ``AwaitLiteReady`` parked per other broker,
+``readiness``), and pulls only from those that said they have something. Retained
 messages stay with the broker that received the retained publish; a SUBSCRIBE asks every broker for its
 matching ones (``MqttRetained``).
 """
@@ -32,6 +34,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from google.protobuf import message as pb_message
 
 from lmq_broker import errors, model
+from lmq_broker.cluster import readiness
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.dispatch import wildcards
@@ -57,6 +60,9 @@ class MqttLink:
         self._peers = peers
         self._turns = itertools.count()
         self._background: set[asyncio.Task[None]] = set()  # give-backs of pulls cut off by a session's end
+
+    def peers_now(self) -> Peers | None:
+        return self._peers()
 
     @property
     def active(self) -> bool:
@@ -147,27 +153,48 @@ class MqttLink:
         if peers is None or batch <= 0:
             return []
         others = _others(peers)
-        if not others:
-            return []
-        turn = next(self._turns) % len(others)
+        turn = next(self._turns) % len(others) if others else 0
+        return await self.pull_from(peers, [*others[turn:], *others[:turn]], consumer, group, parent, batch)
+
+    def waiting(self, consumer: str, group: str, parent: str) -> Waiting:
+        return Waiting(self, consumer, group, parent)
+
+    async def pull_from(  # noqa: PLR0917 (where, whose, how many)
+        self,
+        peers: Peers,
+        members: Sequence[str],
+        consumer: str,
+        group: str,
+        parent: str,
+        batch: int,
+        told: readiness.Readiness | None = None,
+    ) -> list[Pulled]:
+        """``pull`` from ``members`` in this order, until ``batch``; ``told`` hears how each went."""
         caller = context.Caller(client_id=consumer)
         found: list[Pulled] = []
-        for member in [*others[turn:], *others[:turn]]:
+        for member in members:
             if len(found) >= batch:
                 break
             call = asyncio.ensure_future(self._pull_one(peers, member, caller, group, parent, batch - len(found)))
             try:
-                found += await asyncio.shield(call)
+                got = await asyncio.shield(call)
             except asyncio.CancelledError:  # the session ends: what that broker leased meanwhile goes back
                 call.add_done_callback(lambda done: self._give_back_later(consumer, group, parent, done))
                 self._give_back_later(consumer, group, parent, found)
                 raise
+            if told is not None:
+                if got is None:
+                    told.failed(member)
+                else:
+                    told.received(member, len(got))
+            found += got or []
         return found
 
     async def _pull_one(  # noqa: PLR0917 (where, whose, how many)
         self, peers: Peers, member: str, caller: context.Caller, group: str, parent: str, batch: int
-    ) -> list[Pulled]:
-        """Without waiting there: a call cut off after that broker leased messages would hide them."""
+    ) -> list[Pulled] | None:
+        """Without waiting there: a call cut off after that broker leased messages would hide them. None: that
+        broker did not answer, or refused."""
         request = spb.ReceiveMessageRequest(
             group=pb.Resource(name=group),
             message_queue=pb.MessageQueue(topic=pb.Resource(name=parent)),
@@ -197,17 +224,21 @@ class MqttLink:
                             properties=dict(m.user_properties),
                         )
                     )
+                elif frame.HasField("status") and frame.status.code not in (pb.OK, pb.MESSAGE_NOT_FOUND):
+                    log.debug("mqtt %s: %s refused a pull: %s", caller.client_id, member, frame.status.message)
+                    return None
         except grpc.aio.AioRpcError as exc:  # that broker's topics wait; the others are served meanwhile
             log.debug("mqtt %s: pulling from %s failed: %s", caller.client_id, member, exc.code().name)
+            return None
         return out
 
     def _give_back_later(
-        self, consumer: str, group: str, parent: str, pulled: asyncio.Future[list[Pulled]] | list[Pulled]
+        self, consumer: str, group: str, parent: str, pulled: asyncio.Future[list[Pulled] | None] | list[Pulled]
     ) -> None:
         if isinstance(pulled, asyncio.Future):
             if pulled.cancelled() or pulled.exception() is not None:
                 return
-            pulled = pulled.result()
+            pulled = pulled.result() or []
         if not pulled:
             return
         receipts = [p.receipt for p in pulled]
@@ -307,6 +338,52 @@ class MqttLink:
 
         found = await asyncio.gather(*(one(member) for member in _others(peers)))
         return [r for part in found for r in part]
+
+
+class Waiting:
+    """``mqtt.owners.Remote`` of one session loop: one wait parked at each other broker (``readiness``, renewed
+    every ``readiness.MAX_WAIT_S`` while the loop waits), pulls from the brokers that said ready."""
+
+    def __init__(self, link: MqttLink, consumer: str, group: str, parent: str) -> None:
+        self._link = link
+        self._whose = (consumer, group, parent)
+        self._ready = readiness.Readiness(link.peers_now, consumer, group, parent)
+        self._members: tuple[str, ...] | None = None  # the members at the last pull; None: none yet
+        self._pending: dict[str, None] = {}  # said ready (or filled a whole batch): pulled from next
+
+    @property
+    def calls(self) -> int:
+        """Waits parked so far (tests and benchmarks count them)."""
+        return self._ready.calls
+
+    async def pull(self, batch: int) -> list[Pulled]:
+        peers = self._link.peers_now()
+        if peers is None or batch <= 0:
+            return []
+        others = _others(peers)
+        members = tuple(peers.membership.members)
+        if members != self._members:  # the first pull, or brokers joined or left: ask each
+            self._members = members
+            self._pending = dict.fromkeys(others)
+        self._pending.update(dict.fromkeys(m for m in self._ready.take() if m in others))
+        asked = [m for m in self._pending if m in others]
+        consumer, group, parent = self._whose
+        found = await self._link.pull_from(peers, asked, consumer, group, parent, batch, self._ready)
+        self._pending = {}
+        if len(found) >= batch:  # a full batch: what follows may be there already
+            self._pending = dict.fromkeys(asked)
+        return found
+
+    async def wait(self, timeout_s: float) -> bool:
+        peers = self._link.peers_now()
+        if peers is None:
+            return False
+        if self._pending or self._members != tuple(peers.membership.members):
+            return True
+        return await self._ready.wait(_others(peers), timeout_s, park_s=readiness.MAX_WAIT_S)
+
+    def close(self) -> None:
+        self._ready.close()
 
 
 async def _made_here(part: spb.SyncLiteSubscriptionRequest) -> spb.SyncLiteSubscriptionResponse:

@@ -72,6 +72,11 @@ class LiveView(Protocol):
         topic a client of the group subscribes to); the lite names offered."""
         ...
 
+    async def await_ready(self, client_id: str, group: str, parent: str, poll_ms: int, *, capped: bool = True) -> bool:
+        """Until ``client_id`` has lite topics ready here (True) or ``poll_ms`` passed (False), leasing nothing
+        (another broker then receives for it without waiting); ``errors.TooManyRequests`` beyond the caps."""
+        ...
+
 
 @dataclass
 class StaticLiveView:
@@ -128,3 +133,7 @@ class StaticLiveView:
         """Records the call; offers the given lites that someone subscribes to (no ready sets here)."""
         self.triggered.append((group, parent, tuple(lites)))
         return [lite for lite in lites if self.subs.get(model.QueueId.lmq(parent, lite))]
+
+    async def await_ready(self, client_id: str, group: str, parent: str, poll_ms: int, *, capped: bool = True) -> bool:
+        """No ready sets here: never ready (answered at once)."""
+        return False

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import KeysView
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import methodcaller
 from typing import Final
@@ -30,10 +30,25 @@ from lmq_broker.dispatch.leases import LeaseKey
 
 log = logging.getLogger(__name__)
 
+READY_WAITS_PER_CLIENT: Final = 8  # ``await_ready`` calls parked at once for one client id
+READY_WAITS_TOTAL: Final = 100_000  # ... and for all clients
 RENEW_AHEAD_MS: Final = 5_000  # an auto-renew lease is renewed this long before it would expire
 STORE_RETRY_MS: Final = 1_000  # a lite topic whose read the store refused (index rebuild) is looked at again
 
 _is_lmq_topic = methodcaller("startswith", model.LMQ_PREFIX)
+
+
+@dataclass(slots=True)
+class ReadyWaits:
+    """The ``await_ready`` calls parked now (per client and in all), their caps, and counts since the start."""
+
+    per_client_cap: int = READY_WAITS_PER_CLIENT
+    total_cap: int = READY_WAITS_TOTAL
+    parked: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+    started: int = 0
+    ready: int = 0
+    refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +82,7 @@ class Deliverer:
         self._client_events: dict[str, asyncio.Event] = {}
         self._topic_events: dict[str, asyncio.Event] = {}
         self._busy: set[LeaseKey] = set()
+        self.ready_waits = ReadyWaits()
         slice_ms = rt.config.lease_renew_slice_ms
         self.renewal = leases.Renewal(slice_ms, min(RENEW_AHEAD_MS, slice_ms // 2), self.holds)
 
@@ -218,6 +234,58 @@ class Deliverer:
                 return []
             self._registry.touch(client_id, rt.clock())
         return []
+
+    async def await_ready(self, client_id: str, group: str, parent: str, poll_ms: int, *, capped: bool = True) -> bool:
+        """Wait, leasing nothing, until the client has lite topics ready (True) or ``poll_ms`` passed (False);
+        another broker asks this on behalf of a client it serves (then receives here without waiting), so a wait
+        cut off loses nothing. The client is touched as a receive touches it (it stays registered); a client
+        forgotten meanwhile (gone, expired) ends the wait. ``errors.TooManyRequests`` beyond the caps of parked
+        waits (``ready_waits``); ``capped`` False: this broker's own wait for a client it serves (a long poll's,
+        bounded as long polls are), counted but never refused."""
+        rt, waits = self._rt, self.ready_waits
+        mine = waits.parked.get(client_id, 0)
+        if capped and (mine >= waits.per_client_cap or waits.total >= waits.total_cap):
+            waits.refused += 1
+            raise errors.TooManyRequests(
+                f"too many waits parked for client {client_id} ({mine}, at most {waits.per_client_cap}) or in all "
+                f"({waits.total}, at most {waits.total_cap}); try again later"
+            )
+        (await rt.metadata()).consuming_lite_group(group, parent)
+        deadline = rt.clock() + poll_ms
+        self._registry.touch(client_id, rt.clock(), group=group, bind_topic=parent)
+        waits.parked[client_id] = mine + 1
+        waits.total += 1
+        waits.started += 1
+        try:
+            while not rt.closed and not rt.draining:
+                event = self._client_events.get(client_id)
+                if event is None:
+                    event = self._client_events[client_id] = asyncio.Event()
+                self._ingest.flush()  # as a receive: an arrival coalesced for this loop pass counts
+                if self._ready.size(client_id):
+                    waits.ready += 1
+                    return True
+                if not await self._park(event, deadline) or self._registry.get(client_id) is None:
+                    return False
+                self._registry.touch(client_id, rt.clock())
+            return False
+        finally:
+            left = waits.parked.pop(client_id) - 1
+            if left:
+                waits.parked[client_id] = left
+            waits.total -= 1
+
+    async def _park(self, event: asyncio.Event, deadline: int) -> bool:
+        """``_wait`` without a task of its own per wait (``asyncio.timeout``): parked waits are many and idle."""
+        if event.is_set():
+            return True
+        remaining = deadline - self._rt.clock()
+        if remaining <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(remaining / 1000):
+                await event.wait()
+        return True
 
     async def receive_normal(
         self,

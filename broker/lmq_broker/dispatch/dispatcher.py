@@ -118,6 +118,7 @@ class Dispatcher:
         self.begin_reclaim = self.subscriptions.begin_reclaim
         self.receive_lite = self.deliverer.receive_lite
         self.receive_normal = self.deliverer.receive_normal
+        self.await_ready = self.deliverer.await_ready
         self.change_invisible = self.deliverer.change_invisible
         self.ack = self.settlement.ack
         self.dead_letter = self.settlement.dead_letter

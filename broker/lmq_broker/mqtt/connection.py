@@ -20,10 +20,13 @@ it, plus the retained message); a persistent session resumes at its group's offs
 
 In a cluster (``server.owners`` active) the session is subscribed at every other broker too, its new filters
 starting at their ends there as well; its loop then takes this broker's messages and pulls, without waiting,
-the others' (``Owners.pull``), within the same in-flight window, and waits on this broker's for
-``GATHER_POLL_MS`` between two rounds. What came from another broker is settled there (``Owners.settle``,
-batched off the reader by ``_settle_loop``; it keeps its place in the window until then) and given back there
-when the connection ends. A SUBSCRIBE also gets the other brokers' retained messages (per topic the newest).
+the others' (``Owners.waiting``: from those that said they have some), within the same in-flight window, and
+between two rounds waits, leasing nothing, on this broker's ready set (``Dispatcher.await_ready``) and on the
+others' (one wait parked at each, renewed every 30 s at most): a message anywhere wakes it at once, and an
+idle session costs each other broker one call per parked wait. What came from another broker is settled there
+(``Owners.settle``, batched off the reader by ``_settle_loop``; it keeps its place in the window until then)
+and given back there when the connection ends. A SUBSCRIBE also gets the other brokers' retained messages (per
+topic the newest).
 
 MQTT 5 on the same path (chosen by the CONNECT's level, ``self.v5``): what 3.1.1 can only answer by closing
 gets a reason code (a negative PUBACK, a SUBACK code, a DISCONNECT before closing); the session lives as long
@@ -50,7 +53,7 @@ from typing import TYPE_CHECKING, Final
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.mqtt import codec, durable, mapping, matching, properties, topics
-from lmq_broker.mqtt.owners import Owners, Pulled
+from lmq_broker.mqtt.owners import Owners, Pulled, Remote
 from lmq_broker.mqtt.properties import Properties, Reason
 
 if TYPE_CHECKING:
@@ -66,7 +69,6 @@ PUBLISH_QUEUE: Final = 256  # PUBLISH packets read and not yet stored; the reade
 MAX_PUBLISH_BATCH: Final = 256  # messages per store call
 MAX_FILTERS: Final = 1000  # topic filters one session may hold
 POLL_MS: Final = 20_000
-GATHER_POLL_MS: Final = 200  # in a cluster: the other brokers are asked this often while nothing comes
 ALONE_POLL_MS: Final = 1_000  # a broker that may join a cluster (it has ``owners``): its sessions look this often
 RETRY_S: Final = 1.0  # a refused receive (store rebuilding, parent deleted) is tried again after this
 MQTT_QOS_PROPERTY: Final = mapping.QOS  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
@@ -792,36 +794,47 @@ class Connection:
     async def _consume(self, parent: str) -> None:
         consumer = self._consumer_id(parent)
         await self._connected.wait()
-        while not self._closing:
-            try:  # a client slow to PUBACK: still alive for the dispatcher (its registration, its leases)
-                await asyncio.wait_for(self._room.wait(), POLL_MS / 1000)
-            except TimeoutError:
-                self.dispatcher.client_seen(consumer)
+        remote: Remote | None = None  # in a cluster: the other brokers, as this loop waits on them
+        try:
+            while not self._closing:
+                try:  # a client slow to PUBACK: still alive for the dispatcher (its registration, its leases)
+                    await asyncio.wait_for(self._room.wait(), POLL_MS / 1000)
+                except TimeoutError:
+                    self.dispatcher.client_seen(consumer)
+                    cluster = self._cluster
+                    if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
+                        await cluster.keep_alive(consumer, self.group)
+                    continue
+                if self.dispatcher.wildcards.registration(consumer) is None and self.subs.get(parent):
+                    await self._register(parent)  # expired meanwhile (an event loop stalled past client expiry)
+                room = self.max_inflight - self._busy
+                if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
+                    self._room.clear()
+                    continue
                 cluster = self._cluster
-                if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
-                    await cluster.keep_alive(consumer, self.group)
-                continue
-            if self.dispatcher.wildcards.registration(consumer) is None and self.subs.get(parent):
-                await self._register(parent)  # expired meanwhile (an event loop stalled past client expiry)
-            room = self.max_inflight - self._busy
-            if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
-                self._room.clear()
-                continue
-            cluster = self._cluster
-            try:
-                if cluster is None:
-                    poll_ms = POLL_MS if self.server.owners is None else ALONE_POLL_MS
-                    found = await self._receive(parent, consumer, room, poll_ms)
-                else:
-                    if self._made_at.get(parent) != cluster.members:  # a broker joined, or this one was alone
-                        await self._make_everywhere(cluster, parent)
-                    found = await self._gather(cluster, parent, consumer, room)
-            except errors.LmqError as exc:
-                log.warning("mqtt client %s: receive in %s refused (%s); retried", self.client_id, parent, exc.message)
-                await asyncio.sleep(RETRY_S)
-                continue
-            if not found and self.dispatcher.draining:
-                return
+                try:
+                    if cluster is None:
+                        if remote is not None:  # the cluster shrank back to this broker
+                            remote.close()
+                            remote = None
+                        poll_ms = POLL_MS if self.server.owners is None else ALONE_POLL_MS
+                        found = await self._receive(parent, consumer, room, poll_ms)
+                    else:
+                        if self._made_at.get(parent) != cluster.members:  # a broker joined, or this one was alone
+                            await self._make_everywhere(cluster, parent)
+                        if remote is None:
+                            remote = cluster.waiting(consumer, self.group, parent)
+                        found = await self._gather(remote, parent, consumer, room)
+                except errors.LmqError as exc:
+                    log.warning("mqtt client %s: receive in %s refused (%s); retried", self.client_id, parent,
+                                exc.message)  # fmt: skip
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                if not found and self.dispatcher.draining:
+                    return
+        finally:
+            if remote is not None:
+                remote.close()  # the waits parked at the other brokers leased nothing: nothing is lost
 
     async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int) -> bool:
         """This broker's messages for the session, delivered; False when none came within ``poll_ms``."""
@@ -841,20 +854,30 @@ class Connection:
         await self._deliver(parent, consumer, pulled, remote=False)
         return True
 
-    async def _gather(self, cluster: Owners, parent: str, consumer: str, room: int) -> bool:
-        """In a cluster: this broker's messages and, without waiting, the other brokers' (as gathering does for
-        a LiteSimpleConsumer); while none come, wait here ``GATHER_POLL_MS`` and ask them again."""
+    async def _gather(self, remote: Remote, parent: str, consumer: str, room: int) -> bool:
+        """In a cluster: this broker's messages and, without waiting, those of the other brokers that said they
+        have some (as gathering does for a LiteSimpleConsumer); while none come, wait for either, leasing
+        nothing anywhere: False when the wait ended (the loop then takes what is ready) or timed out."""
         found = await self._receive(parent, consumer, room, 0)
         room = self.max_inflight - self._busy
         if room > 0:
-            pulled = await cluster.pull(consumer, self.group, parent, min(room, self.config.receive_batch_size))
+            pulled = await remote.pull(min(room, self.config.receive_batch_size))
             if pulled:
                 await self._deliver(parent, consumer, pulled, remote=True)
                 found = True
-        if found:
-            return True
-        room = self.max_inflight - self._busy
-        return room > 0 and await self._receive(parent, consumer, room, GATHER_POLL_MS)
+        if found or self.max_inflight - self._busy <= 0:
+            return found
+        here = asyncio.ensure_future(self.dispatcher.await_ready(consumer, self.group, parent, POLL_MS, capped=False))
+        there = asyncio.ensure_future(remote.wait(POLL_MS / 1000))
+        try:
+            await asyncio.wait((here, there), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            here.cancel()
+            there.cancel()
+        for task in (here, there):  # a failure is the receive's to tell (it fails the same way)
+            if task.done() and not task.cancelled():
+                task.exception()
+        return False
 
     async def _deliver(self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool) -> None:
         """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there)."""

@@ -4,8 +4,9 @@ In a cluster each lite topic lives on one broker, its owner (docs/scale-out.md).
 ring (``mqtt`` sits below ``cluster`` in the import layers), so it is handed an ``Owners``: while the broker
 acts as part of a cluster (``active``), what an MQTT client publishes (its wills too) is stored through it, at
 each message's owner, before the publish is acknowledged; and a session's subscriptions are made at every
-other broker too, whose messages the session pulls (without waiting) while it waits on its own broker's, and
-settles where they came from. A broker alone, or one whose cluster shrank back to itself, stores on and
+other broker too, whose messages the session pulls (without waiting) when they say they have some (``Remote``:
+it waits for that at each of them, leasing nothing, while it waits on its own broker's), and settles where
+they came from. A broker alone, or one whose cluster shrank back to itself, stores on and
 delivers from its own dispatcher as before.
 
 A session is known to the other brokers as one client per parent it subscribes in (``consumer``, the same id
@@ -78,6 +79,10 @@ class Owners(Protocol):
         (leased there, renewed while the session pulls or ``keep_alive``s); [] when none answered any."""
         ...
 
+    def waiting(self, consumer: str, group: str, parent: str) -> Remote:
+        """The other brokers of ``consumer`` as one session loop sees them (``close`` it when the loop ends)."""
+        ...
+
     async def settle(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:
         """Acknowledge pulled messages at the brokers that delivered them (their group's offsets move there)."""
         ...
@@ -95,4 +100,23 @@ class Owners(Protocol):
     async def retained(self, parent: str, levels: wildcards.Filter) -> list[durable.Retained]:
         """The retained messages the other brokers hold that ``levels`` matches (not expired), at most
         ``RETAINED_LIMIT`` from each; brokers that do not answer are skipped."""
+        ...
+
+
+class Remote(Protocol):
+    """One session loop's view of the other brokers: it pulls only from those that said they have something for
+    it, and waits for them without leasing anything there (a wait cut off loses nothing)."""
+
+    async def pull(self, batch: int) -> list[Pulled]:
+        """As ``Owners.pull``, from the brokers that said ready since the last pull (every broker at the first
+        pull, and after the members changed)."""
+        ...
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until some other broker says it has messages for the session (True), or ``timeout_s`` (False); the
+        waits parked there stay parked between calls, and are renewed."""
+        ...
+
+    def close(self) -> None:
+        """End the waits parked at the other brokers."""
         ...

@@ -147,12 +147,14 @@ def _bidi(behaviour: Any, name: str, admission: Admission) -> Any:
 
 
 def strict_generic_handler(
-    service: Any, servicer: object, admission: Admission | None = None
+    service: Any, servicer: object, admission: Admission | None = None, *, waits: frozenset[str] = frozenset()
 ) -> grpc.GenericRpcHandler[Any, Any]:
     """Every unary or server-streaming method of ``service`` (a service descriptor) on ``servicer``, where
     a request that does not decode is refused with gRPC INVALID_ARGUMENT (our own services, such as the
     admin service, answer errors with gRPC status codes rather than a v2 ``status``), and a call beyond
-    ``admission``'s cap with RESOURCE_EXHAUSTED (every call, streams included, holds a slot while it runs)."""
+    ``admission``'s cap with RESOURCE_EXHAUSTED (every call, streams included, holds a slot while it runs;
+    the unary methods named in ``waits`` spend their life waiting, as long polls: refused when the broker is
+    full, they hold no slot once admitted, and their own caps bound them)."""
     admission = admission or Admission(0)
     handlers: dict[str, Any] = {}
     for method in service.methods:
@@ -163,7 +165,9 @@ def strict_generic_handler(
         behaviour = getattr(servicer, method.name)
         decode = _tolerant(method.name, request.FromString)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        wrap = _strict_streamed if method.server_streaming else _strict_unary
+        wrap = _strict_waiting if method.name in waits else _strict_unary
+        if method.server_streaming:
+            wrap = _strict_streamed
         handlers[method.name] = make(
             wrap(behaviour, method.name, admission),
             request_deserializer=decode,
@@ -183,6 +187,18 @@ def _strict_unary(behaviour: Any, name: str, admission: Admission) -> Any:
             return await behaviour(request, context)
         finally:
             admission.leave()
+
+    return unary
+
+
+def _strict_waiting(behaviour: Any, name: str, admission: Admission) -> Any:
+    async def unary(request: Any, context: Context) -> Any:
+        if admission.full:
+            admission.refuse(name)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+        return await behaviour(request, context)
 
     return unary
 

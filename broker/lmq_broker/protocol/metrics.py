@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from lmq_broker.dispatch import lag
 from lmq_broker.dispatch.appender import AppendStats
+from lmq_broker.dispatch.delivery import ReadyWaits
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.storage.store import LmqStore
 
@@ -108,14 +109,18 @@ class Metrics:
 
     def watch(self, dispatcher: Dispatcher) -> None:
         """Gauges read from the dispatcher at scrape time."""
+        waits = dispatcher.deliverer.ready_waits
         gauges = (
             ("lmq_clients", "Connected clients known to the registry", dispatcher.client_count),
             ("lmq_lite_subscriptions", "Active (client, lite topic) subscriptions", dispatcher.subscription_count),
             ("lmq_ready_events", "Lite topics queued in clients' ready sets", dispatcher.ready_events),
             ("lmq_in_flight_messages", "Leased, unacknowledged messages", dispatcher.in_flight),
-        )
+            ("lmq_ready_waits_parked", "Waits for clients' ready lite topics parked now (AwaitLiteReady calls of "
+             "other brokers, and this broker's own for the clients it gathers for)", lambda: waits.total),
+        )  # fmt: skip
         for name, doc, read in gauges:
             Gauge(name, doc, registry=self.registry).set_function(read)
+        self.registry.register(_ReadyWaitsCollector(waits))
         self.registry.register(_AppendCollector(dispatcher.append_stats))
         board = lag.LagBoard(dispatcher.store, dispatcher.registry.clients, asyncio.get_running_loop(), dispatcher.run)
         self.registry.register(_LagCollector(board))
@@ -123,6 +128,23 @@ class Metrics:
     def watch_store(self, store: LmqStore) -> None:
         """Damage the store stepped over, and index rebuilds, read at scrape time."""
         self.registry.register(_DamageCollector(store))
+
+
+class _ReadyWaitsCollector(Collector):
+    def __init__(self, waits: ReadyWaits) -> None:
+        self._waits = waits
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        w = self._waits
+        yield CounterMetricFamily("lmq_ready_waits", "Waits for a client's ready lite topics begun", value=w.started)
+        yield CounterMetricFamily(
+            "lmq_ready_waits_answered_ready", "Waits that ended because the client had work", value=w.ready
+        )
+        yield CounterMetricFamily(
+            "lmq_ready_waits_refused",
+            "AwaitLiteReady calls refused (RESOURCE_EXHAUSTED): too many waits parked for the client or in all",
+            value=w.refused,
+        )
 
 
 class _DamageCollector(Collector):

@@ -1897,3 +1897,58 @@ class MqttRetainedResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MqttRetainedResponse: _TypeAlias = MqttRetainedResponse  # noqa: Y015
+
+@_typing.final
+class AwaitLiteReadyRequest(_message.Message):
+    """A broker waiting on behalf of a client (a LiteSimpleConsumer's gathering, an MQTT session) asks another whether
+    that client has something to receive there, without leasing anything: answered as soon as it has (ready) or
+    at the timeout (not ready); the caller then receives there without waiting. A call cut off loses nothing.
+    Calls between brokers only (the peer header is required); RESOURCE_EXHAUSTED beyond the broker's caps on
+    waits parked per client and in all.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    client_id: _builtins.str
+    group: _builtins.str
+    parent: _builtins.str
+    timeout_ms: _builtins.int
+    """at most 60000"""
+    def __init__(
+        self,
+        *,
+        client_id: _builtins.str = ...,
+        group: _builtins.str = ...,
+        parent: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "group", b"group", "parent", b"parent", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitLiteReadyRequest: _TypeAlias = AwaitLiteReadyRequest  # noqa: Y015
+
+@_typing.final
+class AwaitLiteReadyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    ready: _builtins.bool
+    def __init__(
+        self,
+        *,
+        ready: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitLiteReadyResponse: _TypeAlias = AwaitLiteReadyResponse  # noqa: Y015

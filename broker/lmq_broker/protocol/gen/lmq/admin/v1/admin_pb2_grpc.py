@@ -164,6 +164,11 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.FromString,
                 _registered_method=True)
+        self.AwaitLiteReady = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/AwaitLiteReady',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -325,6 +330,12 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitLiteReady(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -457,6 +468,11 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.MqttRetained,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.SerializeToString,
+            ),
+            'AwaitLiteReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitLiteReady,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1161,6 +1177,33 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/MqttRetained',
             lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitLiteReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/AwaitLiteReady',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,

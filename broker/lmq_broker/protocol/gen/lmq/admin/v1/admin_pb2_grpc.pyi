@@ -59,6 +59,7 @@ class LmqAdminStub:
     TriggerLiteDispatch: _grpc.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]
     MqttStartAtEnd: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]
     MqttRetained: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]
+    AwaitLiteReady: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -89,6 +90,7 @@ class LmqAdminAsyncStub(LmqAdminStub):
     TriggerLiteDispatch: _aio.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]  # type: ignore[assignment]
     MqttStartAtEnd: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]  # type: ignore[assignment]
     MqttRetained: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]  # type: ignore[assignment]
+    AwaitLiteReady: _aio.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -272,5 +274,12 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.MqttRetainedRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.MqttRetainedResponse, _abc.Awaitable[_admin_pb2.MqttRetainedResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def AwaitLiteReady(
+        self,
+        request: _admin_pb2.AwaitLiteReadyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.AwaitLiteReadyResponse, _abc.Awaitable[_admin_pb2.AwaitLiteReadyResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

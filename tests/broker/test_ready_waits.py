@@ -1,0 +1,413 @@
+"""Waiting on the other brokers of a cluster without leasing there (``AwaitLiteReady``, ``cluster.readiness``):
+whole brokers (app.Broker, real ports and stores) in this process. A waiting LiteSimpleConsumer and a waiting
+MQTT session get another broker's message at once, an idle one costs each other broker O(1) calls per long
+poll, a wait cut off leases nothing, and the caps refuse clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
+
+from lmq_broker import app, model
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import readiness
+from lmq_broker.dispatch import delivery
+from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.mqtt import codec
+from lmq_broker.mqtt.connection import group_of
+from lmq_broker.protocol import testing as protocol_testing
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.supervisor import free_ports
+
+PARENT, GROUP, CLIENT = "P", "G", "lsc-1"
+WAIT_S = 10.0
+FAST_S = 0.15  # "at once": well under the 200 ms the polling took
+pytestmark = pytest.mark.asyncio
+
+
+class Cluster:
+    def __init__(self, brokers: list[app.Broker], clients: list[protocol_testing.Client]) -> None:
+        self.brokers = brokers
+        self.clients = clients
+        self.membership = mb.Membership.parse(brokers[0].config.peers)
+
+    def lite_of(self, slot: int, prefix: str = "t") -> str:
+        return next(
+            f"{prefix}-{i}"
+            for i in range(10_000)
+            if mb.owner(self.membership, model.QueueId.lmq(PARENT, f"{prefix}-{i}").topic) == slot
+        )
+
+    def waits(self, slot: int) -> delivery.ReadyWaits:
+        dispatcher = self.brokers[slot].dispatcher
+        assert dispatcher is not None
+        return dispatcher.deliverer.ready_waits
+
+    def in_flight(self, slot: int) -> int:
+        dispatcher = self.brokers[slot].dispatcher
+        assert dispatcher is not None
+        return dispatcher.in_flight()
+
+    def receives(self, slot: int) -> int:
+        """ReceiveMessage calls broker ``slot`` answered (any outcome)."""
+        total = 0.0
+        for family in self.brokers[slot].metrics.registry.collect():
+            for sample in family.samples:
+                if sample.name == "lmq_rpc_total" and sample.labels.get("method") == "ReceiveMessage":
+                    total += sample.value
+        return int(total)
+
+    def calls(self, slot: int) -> int:
+        """Calls broker ``slot`` answered for clients of the others: receives and waits."""
+        return self.receives(slot) + self.waits(slot).started
+
+
+async def start_cluster(tmp_path: Path, size: int) -> Cluster:
+    hosts = free_ports("127.0.0.1", size)
+    members = ",".join(f"127.0.0.1:{p}" for p in hosts)
+    brokers = []
+    for slot, port in enumerate(hosts):
+        config = dispatch_testing.config_for(
+            tmp_path / f"b{slot}",
+            host="127.0.0.1",
+            port=port,
+            metrics_port=-1,
+            mqtt_port=0,
+            peers=members,
+            ordinal=slot,
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+        )
+        store = lmq_store.open_store(config.store)
+        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+        store.put_group(model.LiteGroup(GROUP, PARENT))
+        broker = app.Broker(config, store=store)
+        await broker.start()
+        brokers.append(broker)
+    clients = [protocol_testing.connect(b.endpoint, b.store) for b in brokers if b.store is not None]
+    return Cluster(brokers, clients)
+
+
+@pytest_asyncio.fixture
+async def two(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = await start_cluster(tmp_path, 2)
+    yield cluster
+    await stop(cluster)
+
+
+@pytest_asyncio.fixture
+async def three(tmp_path: Path) -> AsyncIterator[Cluster]:
+    cluster = await start_cluster(tmp_path, 3)
+    yield cluster
+    await stop(cluster)
+
+
+async def stop(cluster: Cluster) -> None:
+    for client in cluster.clients:
+        await client.close()
+    for broker in cluster.brokers:
+        if broker.ready:
+            await broker.stop(grace_s=0.2)
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    """Until ``check()`` holds (looked at every 5 ms), at most ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"not seen in {WAIT_S} s: {what}"
+        await asyncio.sleep(0.005)
+
+
+def headers(client_id: str = CLIENT) -> tuple[tuple[str, str], ...]:
+    return protocol_testing.Client.headers(client_id, "JAVA", "5.1.2")
+
+
+async def lite_simple_consumer(cluster: Cluster, lites: list[str], client_id: str = CLIENT) -> None:
+    """A LiteSimpleConsumer at broker 0 (its heartbeat says so) subscribed to ``lites``."""
+    stub = cluster.clients[0].stub
+    beat = await stub.Heartbeat(
+        spb.HeartbeatRequest(group=pb.Resource(name=GROUP), client_type=pb.LITE_SIMPLE_CONSUMER),
+        metadata=headers(client_id),
+    )
+    assert beat.status.code == pb.OK, beat.status
+    reply = await stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP), lite_topic_set=lites
+        ),
+        metadata=headers(client_id),
+    )
+    assert reply.status.code == pb.OK, reply.status
+
+
+async def receive(cluster: Cluster, poll_s: int, client_id: str = CLIENT) -> list[pb.Message]:
+    """One long-polled ReceiveMessage at broker 0."""
+    request = spb.ReceiveMessageRequest(
+        group=pb.Resource(name=GROUP),
+        message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
+        batch_size=16,
+        invisible_duration=Duration(seconds=30),
+        long_polling_timeout=Duration(seconds=poll_s),
+    )
+    call = cluster.clients[0].stub.ReceiveMessage(request, metadata=headers(client_id), timeout=poll_s + 5)
+    return [frame.message async for frame in call if frame.HasField("message")]
+
+
+async def send(cluster: Cluster, lite: str, body: bytes) -> None:
+    message = pb.Message(
+        topic=pb.Resource(name=PARENT),
+        body=body,
+        system_properties=pb.SystemProperties(
+            message_id=body.decode(), message_type=pb.LITE, lite_topic=lite, body_encoding=pb.IDENTITY
+        ),
+    )
+    reply = await cluster.clients[0].stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=headers())
+    assert reply.status.code == pb.OK, reply.status
+
+
+def await_ready_call(
+    cluster: Cluster, at: int, client_id: str = CLIENT, timeout_ms: int = 5_000, *, peer: bool = True
+) -> grpc.aio.UnaryUnaryCall[admin_pb.AwaitLiteReadyRequest, admin_pb.AwaitLiteReadyResponse]:
+    """Broker 0 asks broker ``at`` to wait for ``client_id`` (``peer`` False: the admin pair only)."""
+    assert cluster.brokers[0].cluster is not None
+    peers = cluster.brokers[0].cluster.peers
+    assert peers is not None
+    member = cluster.membership.members[at]
+    stub, metadata = peers.admin(member, readiness.METHOD)
+    if not peer:
+        metadata = tuple(h for h in metadata if h[0] != "x-lmq-peer")
+    request = admin_pb.AwaitLiteReadyRequest(client_id=client_id, group=GROUP, parent=PARENT, timeout_ms=timeout_ms)
+    return stub.AwaitLiteReady(request, metadata=metadata, timeout=timeout_ms / 1000 + 5)
+
+
+# --- the wait itself ------------------------------------------------------------------------------------------
+async def test_a_wait_answers_ready_once_the_client_has_work_there_and_leases_nothing(two: Cluster) -> None:
+    theirs = two.lite_of(1)
+    await lite_simple_consumer(two, [theirs])
+    call = await_ready_call(two, 1)
+    await eventually(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
+    assert not call.done()
+    await send(two, theirs, b"m-1")
+    assert (await call).ready
+    assert (two.in_flight(1), two.waits(1).total, two.waits(1).ready) == (0, 0, 1)  # told, nothing leased
+    got = await receive(two, 1)  # taken at once: it was not hidden by the wait
+    assert [m.body for m in got] == [b"m-1"]
+
+
+async def test_a_wait_with_nothing_there_answers_not_ready_at_its_timeout(two: Cluster) -> None:
+    await lite_simple_consumer(two, [two.lite_of(1)])
+    started = time.monotonic()
+    reply = await await_ready_call(two, 1, timeout_ms=300)
+    assert not reply.ready and time.monotonic() - started >= 0.3
+    assert two.waits(1).total == 0
+
+
+async def test_a_wait_cut_off_by_its_caller_leases_nothing(two: Cluster) -> None:
+    theirs = two.lite_of(1)
+    await lite_simple_consumer(two, [theirs])
+    call = await_ready_call(two, 1)
+    await eventually(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
+    call.cancel()  # the client went away: broker 0 ends its waits
+    await eventually(lambda: two.waits(1).total == 0, "the cut wait ended at broker 1")
+    await send(two, theirs, b"m-1")
+    assert two.in_flight(1) == 0
+    assert [m.body for m in await receive(two, 1)] == [b"m-1"]
+
+
+async def test_a_wait_ends_not_ready_when_its_broker_stops_and_leases_nothing(two: Cluster) -> None:
+    await lite_simple_consumer(two, [two.lite_of(1)])
+    call = await_ready_call(two, 1, timeout_ms=30_000)
+    await eventually(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
+    dispatcher = two.brokers[1].dispatcher
+    assert dispatcher is not None
+    dispatcher.begin_drain()  # shutdown begins
+    assert not (await call).ready
+    assert (two.in_flight(1), two.waits(1).total) == (0, 0)
+
+
+async def test_waits_beyond_the_caps_are_refused_and_counted(two: Cluster) -> None:
+    await lite_simple_consumer(two, [two.lite_of(1)])
+    await lite_simple_consumer(two, [two.lite_of(1)], client_id="lsc-2")
+    waits = two.waits(1)
+    waits.per_client_cap, waits.total_cap = 1, 2
+    first = await_ready_call(two, 1)
+    await eventually(lambda: waits.total == 1, "the first wait is parked")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await await_ready_call(two, 1)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "too many waits parked for client lsc-1" in (refused.value.details() or "")
+    second = await_ready_call(two, 1, "lsc-2")
+    await eventually(lambda: waits.total == 2, "another client's wait is parked")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await await_ready_call(two, 1, "lsc-3")
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in all (2, at most 2)" in (
+        refused.value.details() or ""
+    )
+    assert (waits.refused, waits.total) == (2, 2)
+    first.cancel()
+    second.cancel()
+
+
+async def test_a_wait_is_a_peers_call_only(two: Cluster) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await await_ready_call(two, 1, peer=False)  # the admin pair, no peer header
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert two.waits(1).started == 0
+
+
+# --- a LiteSimpleConsumer gathering through broker 0 ----------------------------------------------------------
+async def test_a_waiting_lite_simple_consumer_gets_another_brokers_message_at_once(three: Cluster) -> None:
+    theirs = [three.lite_of(1), three.lite_of(2)]
+    await lite_simple_consumer(three, theirs)
+    for n, lite in enumerate(theirs):
+        slot = n + 1
+        waiting = asyncio.ensure_future(receive(three, 20))
+        await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked")
+        sent = time.monotonic()
+        await send(three, lite, f"m-{n}".encode())
+        got = await waiting
+        took = time.monotonic() - sent
+        assert [m.body for m in got] == [f"m-{n}".encode()]
+        assert took < FAST_S, f"the message of broker {slot} took {took * 1000:.0f} ms"
+        assert three.in_flight(slot) == 1  # leased there by the receive, for the client to ack
+        await eventually(lambda: three.waits(1).total == 0 and three.waits(2).total == 0, "the waits ended")
+
+
+async def test_an_idle_lite_simple_consumer_costs_each_other_broker_o1_calls_per_long_poll(three: Cluster) -> None:
+    await lite_simple_consumer(three, [three.lite_of(1), three.lite_of(2)])
+    before = [three.calls(slot) for slot in (1, 2)]
+    started = time.monotonic()
+    assert await receive(three, 3) == []
+    assert time.monotonic() - started >= 2.0  # it did wait out its poll (less the deadline margin)
+    made = [three.calls(slot) - b for slot, b in zip((1, 2), before, strict=True)]
+    assert all(1 <= n <= 3 for n in made), made  # a receive without waiting, one parked wait (was: one per 200 ms)
+    assert (three.in_flight(1), three.in_flight(2)) == (0, 0)
+
+
+async def test_a_consumer_whose_receive_is_cut_off_leaves_nothing_hidden(three: Cluster) -> None:
+    theirs = three.lite_of(1)
+    await lite_simple_consumer(three, [theirs])
+    waiting = asyncio.ensure_future(receive(three, 20))
+    await eventually(lambda: three.waits(1).total == 1, "the wait is parked at broker 1")
+    waiting.cancel()  # the client gives up its call
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    await eventually(lambda: three.waits(1).total == 0, "broker 0 ended its wait at broker 1")
+    await send(three, theirs, b"m-1")
+    assert three.in_flight(1) == 0
+    assert [m.body for m in await receive(three, 1)] == [b"m-1"]
+
+
+async def test_a_broker_that_is_down_is_asked_again_after_a_pause_and_the_others_still_serve(three: Cluster) -> None:
+    theirs = three.lite_of(1)
+    await lite_simple_consumer(three, [theirs, three.lite_of(2)])
+    await three.brokers[2].stop(grace_s=0.1)
+    cluster = three.brokers[0].cluster
+    assert cluster is not None
+    waits = readiness.Readiness(lambda: cluster.peers, CLIENT, GROUP, PARENT)
+    try:
+        started = time.monotonic()
+        assert not await waits.wait([three.membership.members[2]], 2.5, park_s=0.1)
+        assert time.monotonic() - started >= 2.5
+        assert 1 <= waits.calls <= 3, waits.calls  # failed asks are repeated after readiness.RETRY_S, no loop
+    finally:
+        waits.close()
+    waiting = asyncio.ensure_future(receive(three, 20))
+    await eventually(lambda: three.waits(1).total == 1, "the wait is parked at broker 1")
+    sent = time.monotonic()
+    await send(three, theirs, b"m-1")
+    assert [m.body for m in await waiting] == [b"m-1"]
+    assert time.monotonic() - sent < FAST_S
+
+
+# --- an MQTT session at broker 0 ------------------------------------------------------------------------------
+class MqttSession:
+    """One MQTT 3.1.1 client on a socket."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder = codec.Decoder(level=codec.LEVEL_3_1_1)
+        self.pending: list[codec.Packet] = []
+
+    @classmethod
+    async def subscribed(cls, cluster: Cluster, client_id: str, topic_filter: str) -> MqttSession:
+        session = cls(*await asyncio.open_connection("127.0.0.1", cluster.brokers[0].mqtt_port))
+        session.send(codec.Connect(client_id, True, keep_alive_s=60, level=codec.LEVEL_3_1_1))
+        assert isinstance(await session.next(), codec.ConnAck)
+        session.send(codec.Subscribe(1, ((topic_filter, 1),)))
+        assert isinstance(await session.next(), codec.SubAck)
+        return session
+
+    def send(self, packet: codec.Packet) -> None:
+        self.writer.write(codec.encode(packet))
+
+    async def next(self) -> codec.Packet:
+        async with asyncio.timeout(WAIT_S):
+            while not self.pending:
+                data = await self.reader.read(65536)
+                assert data, "the broker closed the connection"
+                self.pending += self.decoder.feed(data)
+        return self.pending.pop(0)
+
+    async def delivery(self) -> codec.Publish:
+        packet = await self.next()
+        assert isinstance(packet, codec.Publish), packet
+        return packet
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self.writer.wait_closed()
+
+
+def offset(cluster: Cluster, slot: int, lite: str, client_id: str) -> int | None:
+    store = cluster.brokers[slot].store
+    assert store is not None
+    return store.get_offset(model.QueueId.lmq(PARENT, lite), group_of(client_id))
+
+
+async def test_a_waiting_mqtt_subscriber_gets_each_other_brokers_message_at_once(three: Cluster) -> None:
+    session = await MqttSession.subscribed(three, "sub", f"{PARENT}/#")
+    await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
+    for n, slot in enumerate((1, 2, 1)):
+        lite = three.lite_of(slot)
+        sent = time.monotonic()
+        await send(three, lite, f"m-{n}".encode())
+        delivered = await session.delivery()
+        took = time.monotonic() - sent
+        assert (delivered.topic, delivered.payload) == (f"{PARENT}/{lite}", f"m-{n}".encode())
+        assert took < FAST_S, f"the message of broker {slot} took {took * 1000:.0f} ms"
+        assert delivered.packet_id is not None
+        session.send(codec.PacketId(codec.PUBACK, delivered.packet_id))
+        settled = functools.partial(offset, three, slot, lite, "sub")
+        await eventually(lambda: settled() == n // 2 + 1, "the PUBACK settled at the owner")  # noqa: B023
+    await session.close()
+
+
+async def test_an_idle_mqtt_session_costs_each_other_broker_o1_calls(three: Cluster) -> None:
+    session = await MqttSession.subscribed(three, "idle", f"{PARENT}/#")
+    await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
+    before = [three.calls(slot) for slot in (1, 2)]
+    await asyncio.sleep(3.0)  # idle: what it costs over this time is the point
+    made = [three.calls(slot) - b for slot, b in zip((1, 2), before, strict=True)]
+    assert made == [0, 0], made  # the parked waits last 30 s (was: 15 receives each in 3 s)
+    await session.close()
+
+
+async def test_an_mqtt_session_that_ends_ends_its_waits_and_leases_nothing(three: Cluster) -> None:
+    session = await MqttSession.subscribed(three, "gone", f"{PARENT}/#")
+    await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
+    await session.close()
+    await eventually(lambda: three.waits(1).total == 0 and three.waits(2).total == 0, "the waits ended there")
+    assert (three.in_flight(1), three.in_flight(2)) == (0, 0)
