@@ -18,6 +18,7 @@ other broker per ``RETRY_S`` when things fail, and one per other broker per wait
 from __future__ import annotations
 
 import asyncio
+import random
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S: Final = 30.0  # one parked wait lasts at most this long, then it is parked again
+SPREAD: Final = 0.2  # long waits last 80-100 % of what was asked: waits parked together renew apart
 MIN_WAIT_S: Final = 0.05  # less time than this left: no wait is parked
 RETRY_S: Final = 1.0  # a broker is asked again no sooner than this after an ask that did not say ready
 EMPTY_RETRY_S: Final = 0.1  # ... and after this when a receive there found nothing though it said ready
@@ -97,7 +99,7 @@ class Readiness:
                 if next_ask > now:
                     wake = min(wake, next_ask)
                 elif deadline - now >= MIN_WAIT_S:
-                    self._park(member, min(MAX_WAIT_S, park_s or deadline - now))
+                    self._park(member, min(MAX_WAIT_S, park_s * _spread() if park_s else deadline - now))
             self._changed.clear()
             try:
                 async with asyncio.timeout(max(0.0, wake - now)):
@@ -144,3 +146,7 @@ class Readiness:
             task.cancel()
         self._parked.clear()
         self._ready.clear()
+
+
+def _spread() -> float:
+    return 1.0 - SPREAD * random.random()  # noqa: S311 - spreading renewals, not a secret
