@@ -18,8 +18,8 @@ other broker per ``RETRY_S`` when things fail, and one per other broker per wait
 from __future__ import annotations
 
 import asyncio
-import random
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -149,4 +149,4 @@ class Readiness:
 
 
 def _spread() -> float:
-    return 1.0 - SPREAD * random.random()  # noqa: S311 - spreading renewals, not a secret
+    return 1.0 - SPREAD * random.random()
