@@ -37,6 +37,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 log = logging.getLogger(__name__)
 
 _SYNC: Final = V2 + "SyncLiteSubscription"
+QUICK_TIMEOUT_S: Final = 0.5  # a call to a broker the watch found down: no wait for a connection
 REPUSH_CHUNK: Final = 1_000  # lite topics per re-pushed SyncLiteSubscription
 REPUSH_CALLS: Final = 8  # re-push calls to one broker at once
 # x-mq-language of the clients that send SyncLiteSubscription to every route endpoint themselves. Go (v5.1.4)
@@ -72,7 +73,7 @@ class Fanout:
         self._intents: dict[tuple[str, str, str], _Intent] = {}  # (client id, group, parent) -> what it asked
         self._names = 0  # lite topics and patterns held in _intents
         self._changes = 0  # beginnings and ends of client changes here, numbered in order
-        self.unreachable: set[int] = set()  # slots the watch found down: their parts are kept, not waited for
+        self.unreachable: set[int] = set()  # slots found down: asked without waiting, their parts kept if silent
         self.behind: set[int] = set()  # slots that missed a part since they last answered
 
     @property
@@ -109,15 +110,17 @@ class Fanout:
                 if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE)
                 else {slot: subset for slot, subset in parts.items() if slot == me}
             )
-        missed = sorted(slot for slot in parts if slot in self.unreachable and slot != me)
-        targets = sorted(slot for slot in parts if slot not in missed)
+        missed: list[int] = []
+        targets = sorted(parts)
         calls: list[Awaitable[spb.SyncLiteSubscriptionResponse]] = []
         for slot in targets:
             part = spb.SyncLiteSubscriptionRequest()
             part.CopyFrom(request)
             del part.lite_topic_set[:]
             part.lite_topic_set.extend(parts[slot])
-            calls.append(apply_here(part) if slot == me else self._call_sync(slot, part, caller))
+            # a broker the watch found down is not waited for: asked once, its part is kept if it does not answer
+            quick = slot in self.unreachable
+            calls.append(apply_here(part) if slot == me else self._call_sync(slot, part, caller, quick=quick))
         replies = await asyncio.gather(*calls, return_exceptions=True)
         for slot, reply in zip(targets, replies, strict=True):
             if isinstance(reply, errors.BrokerUnavailable) and slot != me:
@@ -299,7 +302,7 @@ class Fanout:
                 )
 
     async def _call_sync(
-        self, slot: int, request: spb.SyncLiteSubscriptionRequest, caller: context.Caller
+        self, slot: int, request: spb.SyncLiteSubscriptionRequest, caller: context.Caller, *, quick: bool = False
     ) -> spb.SyncLiteSubscriptionResponse:
         target = self._links.membership.members[slot]
         call = self._links.channel(target).unary_unary(
@@ -311,8 +314,8 @@ class Fanout:
             reply: spb.SyncLiteSubscriptionResponse = await call(
                 request,
                 metadata=self._links.v2_headers("SyncLiteSubscription", caller),
-                timeout=CALL_TIMEOUT_S,
-                wait_for_ready=True,
+                timeout=QUICK_TIMEOUT_S if quick else CALL_TIMEOUT_S,
+                wait_for_ready=not quick,
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(
