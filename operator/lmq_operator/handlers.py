@@ -10,8 +10,9 @@ spec older than the one an update just applied.
 Brokers do not wait for the resync. A watch loop (``_watch``) looks at the brokers every discovery interval:
 when one lacks a resource the operator knows it applied (a new pod, a pod back with an empty disk) every
 resource is reconciled at once, and when the set of leaving brokers with undrained messages changes, every
-ParentTopic's ``BrokersDrained`` condition is rewritten at once. Joining brokers of a scale-up get every
-resource from the scaler's ``prepare`` (``_prepare``) before any broker is told the ring that names them.
+ParentTopic is reconciled at once (its ``BrokersDrained`` condition and the brokers it counts). Joining
+brokers of a scale-up get every resource from the scaler's ``prepare`` (``_prepare``) before any broker is
+told the ring that names them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import collections
 import contextlib
 import contextvars
-import functools
 import logging
 import os
 import time
@@ -339,22 +339,6 @@ async def _sweep_all(ctx: Context) -> None:
         await resyncing.sweep(ctx.entries(kind), lambda kind, uid: _resync(ctx, kind, uid))
 
 
-async def _write_drained_of(ctx: Context, leaving: Sequence[model.Leaving], kind: model.Kind, uid: str) -> None:
-    """Only the BrokersDrained condition of one ParentTopic, no broker call; the resync keeps its counts fresh."""
-    async with ctx.lock(uid):
-        body = ctx.body(kind, uid)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        previous = dict(body.get("status") or {})
-        if not any(c.get("type") == status.DRAINED for c in previous.get("conditions") or ()):
-            return  # blocked (paused, unmanaged, …) or never reconciled: the reconcile decides
-        new = status.with_condition(dict(previous), status.drained(leaving, previous, _now()))
-        changes = status.changes(previous, new)
-        if changes:
-            meta = body["metadata"]
-            await ctx.statuses.patch(kind, meta["namespace"], meta["name"], changes)
-
-
 def _drain_key(leaving: Sequence[model.Leaving]) -> tuple[str, ...]:
     """What makes BrokersDrained change (its status, reason and the brokers named), not the counts: those
     change with every message consumed, and rewriting every ParentTopic for each would flood the apiserver."""
@@ -377,11 +361,12 @@ async def _watch(ctx: Context, interval_s: float) -> None:
                 log.info("%s: reconciling every resource now", why)
                 await _sweep_all(ctx)
             key = _drain_key(view.leaving)
-            if key != last:
-                log.info("leaving brokers changed (%s): rewriting BrokersDrained", ", ".join(key) or "none")
+            if key != last and last is not None:  # the first view only sets the baseline (resume covers it)
+                # a full reconcile of each ParentTopic: BrokersDrained and the brokers it counts change together
+                log.info("leaving brokers changed (%s): reconciling every ParentTopic", ", ".join(key) or "none")
                 drained = ctx.entries(model.Kind.PARENT_TOPIC)
-                await resyncing.sweep(drained, functools.partial(_write_drained_of, ctx, view.leaving))
-                last = key
+                await resyncing.sweep(drained, lambda kind, uid: _resync(ctx, kind, uid))
+            last = key
         except asyncio.CancelledError:
             raise
         except Exception:
