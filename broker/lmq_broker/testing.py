@@ -392,6 +392,25 @@ def send_lite(producer: Any, topic: str, lite: str, body: bytes) -> Any:
     return producer.send(m)
 
 
+def send_lite_after_restart(producer: Any, topic: str, lite: str, body: bytes, timeout: float = 20) -> Any:
+    """``send_lite`` for the first sends after a broker restarted on the same port: the client's channel may
+    still be in its reconnect backoff and fail fast with "failed to connect" (nothing reached the broker, so
+    sending again cannot duplicate); any other error is raised at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return send_lite(producer, topic, lite, body)
+        except Exception as e:  # the client wraps the grpc error in its own types
+            chain: list[BaseException] = [e]
+            while len(chain) < 8 and (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None:
+                chain.append(nxt)
+            if not any("failed to connect" in str(x) for x in chain):
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def holders(endpoints: Sequence[str], parent: str, keys: AdminKeys) -> dict[str, list[int]]:
     """lite topic of ``parent`` -> the brokers (indexes into ``endpoints``) whose store holds it, read over each
     one's admin service (``keys``: its admin pair, ``BrokerProcess.admin_keys`` or ``SHARED_ADMIN_KEYS``)."""

@@ -12,7 +12,15 @@ import pytest
 from rocketmq.v5.exception import BadRequestException, LiteSubscriptionQuotaExceededException
 
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing import BrokerProcess, Inbox, send_lite, start_broker, started_lite_consumer, started_producer
+from lmq_broker.testing import (
+    BrokerProcess,
+    Inbox,
+    send_lite,
+    send_lite_after_restart,
+    start_broker,
+    started_lite_consumer,
+    started_producer,
+)
 
 QUIET_S = 2.0  # how long a consumer must stay without an unwanted message
 
@@ -126,7 +134,7 @@ def test_a_pattern_counts_against_the_quota_and_survives_a_broker_restart(tmp_pa
         with AdminClient(broker.admin_endpoint, timeout_s=5, **broker.admin_keys) as admin:
             committed(admin, "AGENT_TASK_NS", "s-1", "executor-group", 1)
         broker = broker.restart()
-        send(p, "AGENT_TASK_NS", "s-2", b"after")
+        send_lite_after_restart(p, "AGENT_TASK_NS", "s-2", b"after")
         assert inbox.wait_for(lambda i: len(i.accepted) >= 2, 40), inbox.bodies()
         time.sleep(QUIET_S)
         assert inbox.bodies() == [b"before", b"after"]

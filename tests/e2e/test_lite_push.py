@@ -256,7 +256,7 @@ def test_restart_resumes_without_loss_or_redelivery(tmp_path: Any, clients: list
         admin.close()
         broker = broker.restart()
         for n in range(5):
-            send(p, "AGENT_TASK_NS", "durable", f"after-{n}".encode())
+            testing.send_lite_after_restart(p, "AGENT_TASK_NS", "durable", f"after-{n}".encode())
         assert inbox.wait_for(lambda i: len(i.accepted) >= 10, 30), inbox.bodies()
         assert inbox.bodies() == [f"before-{n}".encode() for n in range(5)] + [f"after-{n}".encode() for n in range(5)]
     finally:
