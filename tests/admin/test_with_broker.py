@@ -166,3 +166,23 @@ def test_lite_operations_against_the_dispatcher_of_the_broker_process(broker_pro
         args = ["--endpoint", broker_process.admin_endpoint, "lite", "client", client_id, "-o", "json"]
         assert cli.main(["--access-key", ADMIN_AK, "--secret-key", ADMIN_SK, *args], out=out) == 0
         assert json.loads(out.getvalue())["lite_topics"] == ["session-1", "session-2"]
+
+
+def test_a_new_parent_topic_is_seen_by_every_concurrent_caller(broker_process: BrokerProcess) -> None:
+    """Right after PutParentTopic answers, concurrent QueryRoute and SendMessage calls all find the topic: a
+    caller that arrives while another's metadata reload runs waits for a copy as new as the change."""
+    metadata = (*auth.sign_metadata(AK, SK, datetime.now()), ("x-mq-client-id", "admin-test@2@0@x"))
+    with (
+        AdminClient(broker_process.admin_endpoint, 10.0, **broker_process.admin_keys) as admin,
+        grpc.insecure_channel(broker_process.endpoint) as channel,
+    ):
+        stub = v2_grpc.MessagingServiceStub(channel)
+        for trial in range(5):
+            parent = f"FRESH_{trial}"
+            admin.put_parent_topic(model.ParentTopic(parent))
+            asked = [
+                stub.QueryRoute.future(v2s.QueryRouteRequest(topic=v2.Resource(name=parent)), metadata=metadata)
+                for _ in range(8)
+            ]
+            codes = [f.result(10).status.code for f in asked]
+            assert codes == [v2.OK] * 8, (parent, codes)

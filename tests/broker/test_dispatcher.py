@@ -351,7 +351,7 @@ async def test_acks_after_an_unacked_message_are_not_delivered_again_after_a_res
 
 
 async def test_a_record_gone_from_the_store_is_passed_over_and_committed(
-    tmp_path: Path, clock: memory.ManualClock
+    tmp_path: Path, clock: memory.ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     from lmq_broker.storage import codec  # noqa: PLC0415
     from lmq_broker.storage import store as lmq_store  # noqa: PLC0415
@@ -377,6 +377,8 @@ async def test_a_record_gone_from_the_store_is_passed_over_and_committed(
             await lite.dispatcher.ack(GROUP, d.receipt_handle)
         assert lite.committed("t1") == 5  # the commit point passed the damaged record
         assert store.damage.total("corrupt_read") == 1
+        passed_over = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
+        assert passed_over and all(m.endswith("passed over: offset 1") for m in passed_over), passed_over
     finally:
         await lite.dispatcher.close()
         store.close()

@@ -59,8 +59,12 @@ class Runtime:
         self.closed = False
         self.draining = False  # shutting down: long polls end, closing streams must not forget their clients
         self.snap = metadata.Metadata(config)
-        self._snap_stale = True
-        self._snap_reload: asyncio.Task[metadata.Metadata] | None = None
+        # Metadata generations: every change bumps ``_changes``; ``_snap_gen`` is the generation the current copy
+        # was read at (its load began after that many changes). A caller needs a copy at least as new as the
+        # changes it could have seen committed, so one that arrives during an older reload waits for a newer one.
+        self._changes = 1
+        self._snap_gen = 0
+        self._snap_reload: tuple[int, asyncio.Task[metadata.Metadata]] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._rr = 0
@@ -131,25 +135,22 @@ class Runtime:
 
     # --- metadata -------------------------------------------------------------------------------------------
     async def metadata(self) -> metadata.Metadata:
-        """The current metadata, reloaded first if it changed since it was read."""
-        if not self._snap_stale:
-            return self.snap
-        if self._snap_reload is None:
-            self._snap_stale = False  # a change during the reload marks it stale again
-            self._snap_reload = asyncio.get_running_loop().create_task(
-                self.run(metadata.Metadata.load, self.store, self.config)
-            )
-        reload = self._snap_reload
-        try:
-            snap = await asyncio.shield(reload)
-        except BaseException:
-            self._snap_stale = True
-            raise
-        finally:
-            if self._snap_reload is reload and reload.done():
-                self._snap_reload = None
-        self.snap = snap
-        return snap
+        """The current metadata, reloaded first if it changed since it was read. Never older than a change
+        announced before the call: no caller sees a committed change undone."""
+        want = self._changes
+        while self._snap_gen < want:
+            if self._snap_reload is None:
+                task = asyncio.get_running_loop().create_task(self.run(metadata.Metadata.load, self.store, self.config))
+                self._snap_reload = (self._changes, task)
+            gen, reload = self._snap_reload
+            try:
+                snap = await asyncio.shield(reload)
+            finally:
+                if self._snap_reload is not None and self._snap_reload[1] is reload and reload.done():
+                    self._snap_reload = None  # a failed load is retried by the next caller
+            if gen > self._snap_gen:
+                self.snap, self._snap_gen = snap, gen
+        return self.snap
 
     def metadata_changed(self) -> None:
-        self._snap_stale = True
+        self._changes += 1

@@ -148,22 +148,21 @@ class Settlement:
         """Offsets in [first, end) that the store read passed over are gone (a damaged record, a lost
         segment; the store has reported them): settle them so that the rest of the queue flows and the commit
         point can pass them. True when anything was settled."""
-        settled = False
+        skipped: list[tuple[int, int]] = []  # the spans settled, [start, end)
         at = max(first, state.committed)
         for m in messages:
             if m.offset >= end:
                 break  # never settle beyond the span the store vouched for
             if m.offset > at:
                 state.settle_gone(at, m.offset)
-                settled = True
+                skipped.append((at, m.offset))
             at = max(at, m.offset + 1)
         if end > at:
             state.settle_gone(at, end)
-            settled = True
-        if settled:
-            log.warning("%s queue %d group %s: offsets in [%d, %d) are gone from the store; passed over",
-                        *key, first, end)  # fmt: skip
-        return settled
+            skipped.append((at, end))
+        if skipped:
+            log.warning("%s queue %d group %s: gone from the store, passed over: %s", *key, _spans(skipped))
+        return bool(skipped)
 
     async def reset_offsets(self, lmqs: list[str], group: str, option: offsets.OffsetReset) -> None:
         """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset."""
@@ -410,3 +409,8 @@ class Settlement:
             if messages and messages[0].offset == offset:
                 ids[offset] = messages[0].message_id
         return lo, hi, ids
+
+
+def _spans(spans: list[tuple[int, int]]) -> str:
+    """``[(3, 4), (7, 10)]`` -> ``"offset 3, offsets 7-9"``: exactly what was skipped."""
+    return ", ".join(f"offset {a}" if b == a + 1 else f"offsets {a}-{b - 1}" for a, b in spans)
