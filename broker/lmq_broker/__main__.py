@@ -63,6 +63,8 @@ HELP: Final[dict[str, str]] = {
     "tls_server_name": "the name peers' certificates are checked against (default: the host dialled)",
     "max_concurrent_calls": "calls running at once; beyond it a call is answered TOO_MANY_REQUESTS (0: no cap)",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
+    "subscriptions_save_interval_ms": "write changed lite subscriptions to the data dir at most this often, so a "
+    "crashed broker restores them (0: only at shutdown)",
     "retention_max_age_ms": "drop closed log segments whose newest message is older than this (-1: keep)",
     "retention_max_bytes": "drop the oldest closed log segments while the log is larger than this (-1: no limit)",
     "retention_interval_ms": "how often the broker applies --retention-max-age-ms and --retention-max-bytes",

@@ -125,6 +125,7 @@ class Broker:
         self._health: asyncio.Task[None] | None = None
         self._heap_trim: asyncio.Task[None] | None = None
         self._expiry: asyncio.Task[None] | None = None
+        self._saver: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()  # also read (a flag) by a retention pass between segments
 
     @property
@@ -152,10 +153,19 @@ class Broker:
             log.info("bootstrap: created parent topic %s and lite group %s", BOOTSTRAP_TOPIC, BOOTSTRAP_GROUP)
         self.dispatcher = Dispatcher(self.store, config)
         await self.dispatcher.start()
-        saved = await asyncio.to_thread(saved_subscriptions.take, self._snapshot_path)
+        saved = await asyncio.to_thread(saved_subscriptions.load, self._snapshot_path)
         self.dispatcher.restore_subscriptions(saved)
         if saved:
-            log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
+            log.info("restored lite subscriptions of %d clients from the last save", len(saved))
+        if config.subscriptions_save_interval_ms > 0:
+            registry = self.dispatcher.registry
+            saver = saved_subscriptions.Saver(
+                lambda: registry.version,
+                self.dispatcher.export_subscriptions,
+                self._snapshot_path,
+                config.subscriptions_save_interval_ms,
+            )
+            self._saver = asyncio.create_task(saver.run(), name="lmq-save-subscriptions")
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
         cluster = self.cluster = setup.Cluster(
@@ -286,6 +296,10 @@ class Broker:
         if self._admission is not None:
             self._admission.close()  # the overload summary still owed
             self._admission = None
+        if self._saver is not None:
+            self._saver.cancel()
+            await asyncio.wait([self._saver])  # its end, without taking a cancellation of stop() for its own
+            self._saver = None
         if self.dispatcher is not None:
             records = self.dispatcher.export_subscriptions()
             await asyncio.to_thread(saved_subscriptions.save, records, self._snapshot_path)

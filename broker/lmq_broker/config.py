@@ -59,6 +59,9 @@ class BrokerConfig(BaseModel):
     # refused at their start, docs/protocol.md); beyond it a call is answered TOO_MANY_REQUESTS. 0: no cap.
     max_concurrent_calls: int = Field(default=1000, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
+    # Lite subscriptions written to the data dir while the broker runs (dispatch/saved_subscriptions.py), so a
+    # SIGKILL loses at most this long of changes; 0: only at shutdown.
+    subscriptions_save_interval_ms: int = Field(default=1000, ge=0)
     # Auto-renew receives (push consumers): leased a slice at a time, renewed while the client lives
     lease_renew_slice_ms: int = Field(default=30_000, ge=1000)
     lease_renew_max_ms: int = Field(default=3 * 3600 * 1000, ge=0)  # 0: never renewed (one slice)

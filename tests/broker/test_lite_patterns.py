@@ -247,7 +247,7 @@ async def test_patterns_survive_a_graceful_restart_through_the_snapshot(lite: Li
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["s-*", "t1"])
     path = tmp_path / saved_subscriptions.FILE_NAME
     saved_subscriptions.save(lite.dispatcher.export_subscriptions(), path)
-    records = saved_subscriptions.take(path)
+    records = saved_subscriptions.load(path)
     assert [(r.lmqs, r.patterns) for r in records] == [((lmq("t1"),), ("s-*",))]
     lite.dispatcher.client_gone("c")
     await lite.send("s-1")

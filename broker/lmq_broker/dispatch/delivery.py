@@ -154,12 +154,18 @@ class Deliverer:
                 order = [prefer, *(c for c in cids if c != prefer)]
             else:
                 start = self._rt.rng.randrange(len(cids))
-                order = cids[start:] + cids[:start]
+                order = self._live_first(cids[start:] + cids[:start])
             for cid in order:
                 if self.offer(cid, lmq, group):
                     taken = True
                     break
         return taken
+
+    def _live_first(self, cids: list[str]) -> list[str]:
+        """Clients heard from since the start before those only restored from the data dir (which may be gone
+        for good: a topic offered to one would wait for its expiry)."""
+        restored = [c for c in cids if (st := self._registry.get(c)) is not None and st.restored]
+        return [c for c in cids if c not in restored] + restored if restored else cids
 
     def offer(self, client_id: str, lmq: str, group: str) -> bool:
         """Queue ``lmq`` for the client; False when its ready queue is full (a catch-up pass is scheduled)."""

@@ -30,6 +30,9 @@ class ClientState:
     streams: int = 0  # open telemetry streams; the client is gone when the last one closes
     language: str = ""
     version: str = ""
+    # Restored from the data dir at start and not heard from since: it may be gone for good, so a live member
+    # of its group is offered a topic first (``delivery``); any call of the client clears it.
+    restored: bool = False
 
 
 class Registry:
@@ -38,6 +41,9 @@ class Registry:
         self._by_lmq: dict[str, str | set[str]] = {}
         self._pairs = 0
         self.max_pairs = max_pairs
+        # Bumped by every change of what a client subscribes (not by a heartbeat): the periodic save of the
+        # subscriptions (``saved_subscriptions``) writes only when it moved.
+        self.version = 0
 
     # --- clients ----------------------------------------------------------------------------------------
     def get(self, client_id: str) -> ClientState | None:
@@ -78,6 +84,7 @@ class Registry:
         if topics is not None:
             state.topics = frozenset(topics)
         state.last_seen_ms = max(state.last_seen_ms, now_ms)
+        state.restored = False
         return state
 
     def drop(self, client_id: str) -> ClientState | None:
@@ -87,6 +94,7 @@ class Registry:
             for lmq in state.lite_topics:
                 self._unlink(lmq, client_id)
             self._pairs -= len(state.lite_topics) + len(state.patterns)
+            self.version += 1
         return state
 
     def idle_since(self, cutoff_ms: int) -> list[str]:
@@ -115,6 +123,7 @@ class Registry:
             self._link(lmq, client_id)
         state.patterns.update(new_patterns)
         self._pairs += growth
+        self.version += bool(growth)
         return new
 
     def remove(self, client_id: str, lmqs: Iterable[str], now_ms: int, *, patterns: Iterable[str] = ()) -> list[str]:
@@ -126,6 +135,7 @@ class Registry:
         gone_patterns = [p for p in dict.fromkeys(patterns) if p in state.patterns]
         state.patterns.difference_update(gone_patterns)
         self._pairs -= len(gone) + len(gone_patterns)
+        self.version += bool(gone or gone_patterns)
         return gone
 
     def replace(
@@ -142,8 +152,10 @@ class Registry:
         for lmq in added:
             state.lite_topics.add(lmq)
             self._link(lmq, client_id)
-        self._pairs += len(added) + len(wanted_patterns - state.patterns)
+        new_patterns = wanted_patterns - state.patterns
+        self._pairs += len(added) + len(new_patterns)
         state.patterns.update(wanted_patterns)
+        self.version += bool(added or new_patterns)  # what ``remove`` took away counted there
         return added, removed
 
     def forget_lmq(self, lmq: str) -> list[str]:
@@ -155,6 +167,7 @@ class Registry:
                 state.lite_topics.discard(lmq)
                 self._pairs -= 1
         self._by_lmq.pop(lmq, None)
+        self.version += bool(holders)
         return list(holders)
 
     def subscribers(self, lmq: str) -> tuple[str, ...]:

@@ -1,23 +1,31 @@
-"""Lite subscriptions survive a graceful restart.
+"""Lite subscriptions survive a restart, a crash included.
 
 Subscriptions live in memory, owned by client ids, as in RocketMQ. A client only re-sends its whole set
 every 30 s (COMPLETE_ADD), and the Python 5.1.2 client never rebuilds a broken telemetry stream, so after
-a plain restart its consumers would idle for up to 30 s. On SIGTERM the broker therefore writes the
-registry to ``lite-subscriptions.jsonl`` in the data directory (one JSON object per client, written to a
-temporary file and renamed) and reads it back, once, on start. Restored clients expire like any other
-if they do not come back. After a crash there is no snapshot and clients re-sync within 30 s.
+a restart its consumers would idle for up to 30 s. The broker therefore writes the registry to
+``lite-subscriptions.jsonl`` in the data directory (one JSON object per client, written to a temporary file,
+fsynced and renamed): at shutdown, and while it runs whenever the subscriptions changed, at most once per
+``--subscriptions-save-interval-ms`` (1 s) and after a wait of at least ten times what the last write cost, so
+a large registry is written less often rather than taking more than a tenth of a thread. A broker killed with
+SIGKILL comes back with what it held at the last write; what changed after it comes back with the clients'
+next sync (or, in a cluster, from the access brokers that keep the clients' intents). Restored clients expire
+like any other if they do not come back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 FILE_NAME: Final = "lite-subscriptions.jsonl"
+PACE: Final = 10  # the wait after a write is at least this many times what the write cost
 log = logging.getLogger(__name__)
 
 
@@ -42,8 +50,8 @@ def save(records: list[ClientRecord], path: Path) -> None:
     tmp.replace(path)
 
 
-def take(path: Path) -> list[ClientRecord]:
-    """Read and delete the snapshot (a later crash must not resurrect it); a damaged line is skipped."""
+def load(path: Path) -> list[ClientRecord]:
+    """Read the last written registry (kept: the running broker replaces it); a damaged line is skipped."""
     if not path.exists():
         return []
     records = []
@@ -65,5 +73,43 @@ def take(path: Path) -> list[ClientRecord]:
             skipped += 1
     if skipped:
         log.warning("%s: %d damaged line(s) skipped; those clients re-subscribe with their next sync", path, skipped)
-    path.unlink()
     return records
+
+
+class Saver:
+    """Writes the registry (``export``) to ``path`` whenever its ``version`` moved, paced by ``interval_ms``
+    and by what the last write cost. A failed write (a full disk) is logged, counted and tried again."""
+
+    def __init__(
+        self, version: Callable[[], int], export: Callable[[], list[ClientRecord]], path: Path, interval_ms: int
+    ) -> None:
+        self._version = version
+        self._export = export
+        self._path = path
+        self._interval_s = interval_ms / 1000
+        self._wait_s = self._interval_s
+        self._saved = -1  # the first pass always writes: a stale file from before must not outlive a start
+        self.writes = 0
+        self.failures = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._wait_s)
+            await self.save_if_changed()
+
+    async def save_if_changed(self) -> bool:
+        version = self._version()
+        if version == self._saved:
+            return False
+        began = time.monotonic()
+        records = self._export()
+        try:
+            await asyncio.to_thread(save, records, self._path)
+        except OSError as exc:
+            self.failures += 1
+            log.warning("lite subscriptions not saved (tried again in %.1f s): %s", self._wait_s, exc)
+            return False
+        self._saved = version
+        self.writes += 1
+        self._wait_s = max(self._interval_s, PACE * (time.monotonic() - began))
+        return True

@@ -188,6 +188,9 @@ class Subscriptions:
                 continue
             if filters:
                 self._wildcards.add(r.client_id, r.group, r.bind_topic, filters)
+            state = self._registry.get(r.client_id)
+            if state is not None:
+                state.restored = True  # until the client calls again
             self._ready.request_catchup(r.client_id, now)
         self._rt.arm(now)
 
