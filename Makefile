@@ -8,6 +8,7 @@ STAMP  := $(VENV)/.lmq-installed
 BROKER_STAMP := $(VENV)/.lmq-broker-installed
 DATA   ?= ./data
 PORT   ?= 8081
+METRICS_PORT ?= 9100
 
 .PHONY: run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
 	clients mqtt-clients bench hooks clean
@@ -25,7 +26,7 @@ $(BROKER_STAMP): pyproject.toml requirements/broker.txt
 	touch $(BROKER_STAMP)
 
 run: $(BROKER_STAMP)
-	$(BIN)/python -m lmq_broker serve --data-dir $(DATA) --port $(PORT)
+	$(BIN)/python -m lmq_broker serve --data-dir $(DATA) --port $(PORT) --metrics-port $(METRICS_PORT)
 
 # Lint, types, import layers, then every suite. The official RocketMQ client ships its own copy of the
 # apache.rocketmq.v2 descriptors, so suites that import it run in their own interpreter (tests/e2e).

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import pydantic
 
-from lmq_broker import app, errors, heap, supervisor
+from lmq_broker import app, errors, heap, preflight, supervisor
 from lmq_broker.cluster import links, setup
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
 from lmq_broker.storage import meta as storage_meta
@@ -200,12 +200,22 @@ async def serve(config: BrokerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await broker.start()
+    try:
+        await broker.start()
+    except Exception as exc:
+        line = preflight.describe_start_failure(config, exc)
+        await broker.stop()  # what started before the failure ends cleanly: no event-loop noise after it
+        if line is None:
+            raise
+        raise SystemExit(line) from None
     app.tune_gc()
     mqtt = f" mqtt={broker.mqtt_port}" if config.mqtt_port >= 0 else ""
     external = f" external={broker.external_port}" if config.external_port >= 0 else ""
+    # grpc= is where a client on this host connects; listen= says where the broker listens when that differs
+    listen = f" listen={config.host}" if config.host in ("0.0.0.0", "::", "") else ""
     print(
-        f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}{external}",
+        f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}{external}"
+        f"{listen}",
         flush=True,
     )
     await stop.wait()
@@ -246,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
     if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):
         raise SystemExit("--external-port must differ from --port and --admin-port")
+    preflight.check_ports(config)
     if config.processes > 1:
         return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)
     heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts

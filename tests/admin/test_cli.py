@@ -358,3 +358,16 @@ def test_output_option_hoisting_keeps_other_tokens_in_order() -> None:
     assert cli.hoist_output(["lite-topic", "describe", "--", "p", "-o"]) == ["lite-topic", "describe", "--", "p", "-o"]
     assert cli.main(["quota", "list", "-o"], err=io.StringIO()) == cli.EXIT_USAGE  # no value: a usage error
     assert cli.main(["quota", "list", "-o", "yaml"], err=io.StringIO()) == cli.EXIT_USAGE
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", "localhost:", "[::1]", "10.0.0.1"])
+def test_an_endpoint_without_a_port_is_a_usage_error_with_the_fix(endpoint: str) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["--endpoint", endpoint, "parent-topic", "list"], out=out, err=err)
+    assert code == cli.EXIT_USAGE
+    assert "names no port" in err.getvalue() and ":8081" in err.getvalue()
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:8081", "[::1]:8081", "unix:/tmp/lmq.sock", "dns:///lmq:8081"])
+def test_endpoints_with_a_port_or_a_scheme_pass_the_check(endpoint: str) -> None:
+    assert cli._has_port(endpoint)

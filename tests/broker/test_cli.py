@@ -117,8 +117,42 @@ def test_probes_and_sigterm_keep_every_acknowledged_message(tmp_path: Path) -> N
         broker.stop()
 
 
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmq_broker", "serve", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 def test_a_second_broker_on_the_same_port_fails_to_start(tmp_path: Path) -> None:
     with start_broker(tmp_path / "one") as first:
         with pytest.raises(Exception, match="exited"):
             start_broker(tmp_path / "two", port=first.port, timeout=60)
+        assert first.alive()
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag_and_nothing_is_created(tmp_path: Path) -> None:
+    with start_broker(tmp_path / "one", extra_args=["--metrics-port", "0", "--mqtt-port", "0"]) as first:
+        cases = {
+            "--port": ["--port", str(first.port)],
+            "--metrics-port": ["--port", "0", "--metrics-port", str(first.metrics_port)],
+            "--mqtt-port": ["--port", "0", "--metrics-port", "0", "--mqtt-port", str(first.mqtt_port)],
+        }
+        for flag, args in cases.items():
+            data_dir = tmp_path / f"two{flag}"
+            result = serve("--data-dir", str(data_dir), *args)
+            assert result.returncode != 0
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and "already in use" in lines[0] and flag in lines[0], result.stderr
+            assert not data_dir.exists()
+        assert first.alive()
+
+
+def test_a_data_dir_in_use_is_one_line_and_leaves_the_running_broker_alone(tmp_path: Path) -> None:
+    with start_broker(tmp_path / "one") as first:
+        result = serve("--data-dir", str(tmp_path / "one"), "--port", "0", "--metrics-port", "0")
+        assert result.returncode != 0
+        errors_out = [line for line in result.stderr.splitlines() if " INFO " not in line]
+        assert len(errors_out) == 1 and "in use by another broker" in errors_out[0], result.stderr
+        assert "--data-dir" in errors_out[0] and "Traceback" not in result.stderr
+        assert "never awaited" not in result.stderr and "Event loop is closed" not in result.stderr
         assert first.alive()

@@ -533,6 +533,14 @@ def hoist_output(argv: Sequence[str]) -> list[str]:
     return front + rest
 
 
+def _has_port(endpoint: str) -> bool:
+    """``host:port``, ``[v6]:port``, or a gRPC target with a scheme (``unix:``, ``dns:///host:port``)."""
+    if "://" in endpoint or endpoint.startswith(("unix:", "unix-abstract:")):
+        return True
+    host, sep, port = endpoint.rpartition(":")
+    return bool(sep and host and port.isdigit() and not host.endswith(":"))
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
@@ -545,6 +553,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         secured = tls.client_tls(args.tls_ca, args.tls_server_name)
     except errors.LmqError as exc:
         print(f"error: {exc.message}", file=err)
+        return EXIT_USAGE
+    if not _has_port(args.endpoint):
+        print(f"error: --endpoint {args.endpoint} names no port (gRPC would dial 443): give host:port, e.g. "
+              f"{args.endpoint.rstrip(':')}:8081", file=err)  # fmt: skip
         return EXIT_USAGE
     args.keys, args.tls = pair, secured
     client = AdminClient(

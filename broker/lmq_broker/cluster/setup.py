@@ -229,6 +229,7 @@ class Cluster:
                 self._copying.add(task)
                 task.add_done_callback(self._copying.discard)
         where = f"slot {me}" if me >= 0 else "no member"
+        members = ", ".join(m for m in membership.members if m) or "this broker alone"
         log.info(
             "cluster (%s): %s of %d (ring of %d, epoch %d, %d leaving): %s",
             place.source,
@@ -237,7 +238,7 @@ class Cluster:
             membership.size,
             membership.epoch,
             len(membership.leaving_slots),
-            ", ".join(membership.members),
+            members,
         )
 
     def _build(self) -> Peers:

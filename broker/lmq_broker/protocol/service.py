@@ -40,6 +40,7 @@ from lmq_broker.protocol.handlers import (
     sync_lite_subscription,
     telemetry,
 )
+from lmq_broker.protocol.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     def __init__(self, edge: Edge, *, external: bool = False) -> None:
         self.edge = edge
         self.external = external
+        self.refusals = RefusalLog()
 
     async def _unary(
         self,
@@ -83,6 +85,9 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             if status.code_of(exc) == pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
                 log.exception("%s failed", method)  # a peer that does not answer is counted, not logged per call
             reply = response(status=status.status_of(exc))
+            refused = cast("_Reply", reply).status
+            if refused.code != pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
+                self.refusals.note(method, refused.code, refused.message)
         self.edge.metrics.observe(method, cast("_Reply", reply).status.code, time.perf_counter() - started)
         return reply
 
@@ -139,7 +144,10 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             code = status.code_of(exc)
             if code == pb.INTERNAL_ERROR:
                 log.exception("ReceiveMessage failed")
-            yield spb.ReceiveMessageResponse(status=status.status_of(exc))
+            refused = status.status_of(exc)
+            if code != pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
+                self.refusals.note("ReceiveMessage", refused.code, refused.message)
+            yield spb.ReceiveMessageResponse(status=refused)
         finally:
             self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
 
