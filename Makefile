@@ -1,26 +1,37 @@
 # The two commands of the README: `make run` and `make test`. Everything they need is installed here, at the
 # versions pinned in requirements/ (`make lock`): `make run` only what the broker needs (requirements/broker.txt:
 # no PySpark, no Kubernetes client), `make test` and the rest everything (requirements/dev.txt).
-PYTHON ?= python3.11
+# Python 3.11, 3.12 or 3.13 (the first found; `make run PYTHON=python3.13` to choose). A venv made by another
+# Python than $(PYTHON) is made again, not left failing until `make clean`.
+PYTHON ?= $(firstword $(shell command -v python3.11 python3.12 python3.13 2>/dev/null) python3.11)
+PYVER  := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+PYMARK := $(VENV)/.python-$(PYVER)
 STAMP  := $(VENV)/.lmq-installed
 BROKER_STAMP := $(VENV)/.lmq-broker-installed
+# The other supported Pythons `make test` also runs the broker's suites on (test-pythons), each found on PATH
+# or in pyenv; a version this machine lacks is named and passed over.
+OTHER_PYTHONS ?= 3.12 3.13
 DATA   ?= ./data
 PORT   ?= 8081
 METRICS_PORT ?= 9100
 
-.PHONY: run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
+.PHONY: test-pythons run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
 	clients mqtt-clients bench hooks clean
 
-$(STAMP): pyproject.toml requirements/dev.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(PYMARK):
+	@test -n "$(PYVER)" || { echo "no Python 3.11-3.13 found (PYTHON=$(PYTHON)): install one, or set PYTHON"; exit 1; }
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	touch $(PYMARK)
+
+$(STAMP): $(PYMARK) pyproject.toml requirements/dev.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]' -c requirements/dev.txt
 	touch $(STAMP)
 
-$(BROKER_STAMP): pyproject.toml requirements/broker.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BROKER_STAMP): $(PYMARK) pyproject.toml requirements/broker.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[broker]' -c requirements/broker.txt
 	touch $(BROKER_STAMP)
@@ -33,6 +44,31 @@ run: $(BROKER_STAMP)
 test: $(STAMP) lint types imports proto-check crds-check lock-check testenv clients mqtt-clients
 	$(BIN)/python -m pytest tests --ignore=tests/e2e
 	$(BIN)/python -m pytest tests/e2e
+	$(MAKE) --no-print-directory test-pythons
+
+# The broker extra on every other supported Python this machine has: its own venv (.venv-3.X, pinned by
+# requirements/broker.txt and dev.txt), the storage suite and the broker suite's unit tier, and a real broker
+# process served and stopped (tests/broker/test_cli.py).
+PY_SUITES := tests/storage tests/broker/test_cli.py
+test-pythons:
+	@for v in $(OTHER_PYTHONS); do \
+	  py=; for c in $$(ls -d $$HOME/.pyenv/versions/$$v*/bin/python$$v 2>/dev/null | tail -1) $$(command -v python$$v); do \
+	    if $$c -c 'import sys' 2>/dev/null; then py=$$c; break; fi; \
+	  done; \
+	  if [ -z "$$py" ]; then echo "test-pythons: no python$$v on this machine: not tested on it"; continue; fi; \
+	  venv=.venv-$$v; \
+	  if [ ! -f $$venv/.lmq-installed ] || [ pyproject.toml -nt $$venv/.lmq-installed ] || \
+	     [ requirements/broker.txt -nt $$venv/.lmq-installed ]; then \
+	    echo "test-pythons: $$venv from $$py"; rm -rf $$venv && $$py -m venv $$venv && \
+	    $$venv/bin/python -m pip install -q --upgrade pip && \
+	    $$venv/bin/python -m pip install -q -e '.[broker]' -c requirements/broker.txt && \
+	    $$venv/bin/python -m pip install -q pytest pytest-asyncio pytest-timeout hypothesis psutil \
+	      -c requirements/dev.txt && touch $$venv/.lmq-installed || exit 1; \
+	  fi; \
+	  echo "test-pythons: Python $$v"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(PY_SUITES) || exit 1; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider -m "unit and not slow" tests/broker || exit 1; \
+	done
 
 # The daily loop. `check`: lint, types, import layers and the unit tier (in-process, no socket, child process or
 # real waiting; tests/conftest.py lists it), in under a minute. `test-fast`: every suite that needs no
@@ -105,4 +141,4 @@ bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-3.* build *.egg-info
