@@ -96,7 +96,95 @@ HELP: Final[dict[str, str]] = {
     "external_access_port": "also serve the external listener on this port, shared with other processes (set by "
     "--processes)",
     "pod_processes": "broker processes per pod, for --external-address-template (set by --processes)",
+    "max_body_bytes": "largest message body a send may carry, bytes (beyond it: MESSAGE_BODY_TOO_LARGE)",
+    "long_polling_timeout_ms": "longest a receive waits for a message, ms (also the clients' long-poll setting "
+    "sent over Telemetry)",
+    "receive_batch_size": "messages per receive batch offered to clients over Telemetry (and per MQTT fetch)",
+    "max_lite_topic_size": "longest lite topic name, characters (RocketMQ maxLiteTopicSize)",
+    "default_client_quota": "a lite group's subscriptions per client when its LiteGroup sets none",
+    "default_ready_capacity": "a lite group's ready lite topics queued per client when its LiteGroup sets none",
+    "max_subscriptions_per_broker": "lite subscriptions on this broker in all; beyond it 42902 (RocketMQ "
+    "maxLiteSubscriptionCount)",
+    "max_lite_topics_per_broker": "lite topics on this broker in all; beyond it a send creating one is refused "
+    "(-1: no cap)",
+    "index_parent_queue": "also index LITE messages in their parent's queue 0 (no reader needs it; halves the append "
+    "rate)",
+    "flush_interval_ms": "--flush-mode async: fsync the commit log and index this often, ms",
+    "segment_max_bytes": "commit-log segment size, bytes (below 4 GiB); retention drops whole closed segments",
+    "max_record_bytes": "largest stored record (a message with its properties), bytes",
+    "index_cache_bytes": "RocksDB block cache of the index, bytes",
 }
+
+# ``serve --help`` in sections; a flag named in none goes by its prefix (``mqtt_``: MQTT, ``lite_ttl_``: lite-topic
+# expiry, ``max_``/``default_``: limits), else into "other" (tests/broker/test_cli.py keeps that one empty).
+SECTIONS: Final[dict[str, tuple[str, ...]]] = {
+    "listening": ("host", "port", "admin_port", "metrics_port", "advertised_host", "broker_name"),
+    "storage": (
+        "data_dir",
+        "flush_mode",
+        "flush_interval_ms",
+        "segment_max_bytes",
+        "max_record_bytes",
+        "index_cache_bytes",
+        "index_parent_queue",
+        "retention_max_age_ms",
+        "retention_max_bytes",
+        "retention_interval_ms",
+        "bootstrap",
+        "subscriptions_save_interval_ms",
+    ),
+    "delivery": (
+        "long_polling_timeout_ms",
+        "receive_batch_size",
+        "client_expiry_ms",
+        "lease_renew_slice_ms",
+        "lease_renew_max_ms",
+        "max_suspend_ms",
+        "default_ready_capacity",
+    ),
+    "limits": ("max_body_bytes", "max_lite_topic_size", "default_client_quota", "max_concurrent_calls"),
+    "lite-topic expiry": (),
+    "cluster (docs/scale-out.md)": (
+        "peers",
+        "ring_history",
+        "ordinal",
+        "advertised_address",
+        "processes",
+        "access_port",
+        "external_port",
+        "external_addresses",
+        "external_address_template",
+        "external_access_port",
+        "pod_processes",
+        "cluster_secret",
+    ),
+    "security (docs/security.md)": (
+        "access_key",
+        "secret_key",
+        "admin_access_key",
+        "admin_secret_key",
+        "admin_anonymous",
+        "auth_max_skew_ms",
+        "tls_cert",
+        "tls_key",
+        "tls_ca",
+        "tls_server_name",
+    ),
+    "MQTT (docs/mqtt.md)": ("mqtt_port",),
+    "memory": ("heap_trim_interval_ms",),
+}
+OTHER_SECTION: Final = "other"
+
+
+def section_of(name: str) -> str:
+    for title, names in SECTIONS.items():
+        if name in names:
+            return title
+    prefixes = (("mqtt_", "MQTT (docs/mqtt.md)"), ("lite_ttl_", "lite-topic expiry"), ("max_", "limits"))
+    for prefix, title in (*prefixes, ("default_", "limits")):
+        if name.startswith(prefix):
+            return title
+    return OTHER_SECTION
 
 
 def _env_name(field: str) -> str:
@@ -139,16 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
+        usage="python -m lmq_broker serve [--data-dir DIR] [--port PORT] [flags of the sections below]",
         help="run a broker",
         description="Run a broker. Every flag can also be set as an environment variable LMQ_<FLAG> "
         "(e.g. LMQ_DATA_DIR, LMQ_PORT, LMQ_BOOTSTRAP=false); a flag wins over its variable.",
     )
+    groups = {title: serve.add_argument_group(title) for title in (*SECTIONS, OTHER_SECTION)}
     for name, field, _ in _fields():
         flag = "--" + name.replace("_", "-")
         text = f"{HELP.get(name, name.replace('_', ' '))} [env {_env_name(name)}]"
         default = field.default
+        group = groups[section_of(name)]
         if field.annotation is bool:
-            serve.add_argument(
+            group.add_argument(
                 flag,
                 dest=name,
                 action=argparse.BooleanOptionalAction,
@@ -157,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         else:
             shown = default.value if isinstance(default, enum.Enum) else default
-            serve.add_argument(
+            group.add_argument(
                 flag, dest=name, type=_parser_of(field.annotation), default=None, help=f"{text} (default: {shown})"
             )
     serve.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="log level")

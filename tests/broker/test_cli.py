@@ -156,3 +156,14 @@ def test_a_data_dir_in_use_is_one_line_and_leaves_the_running_broker_alone(tmp_p
         assert "--data-dir" in errors_out[0] and "Traceback" not in result.stderr
         assert "never awaited" not in result.stderr and "Event loop is closed" not in result.stderr
         assert first.alive()
+
+
+def test_every_serve_flag_has_a_section_and_a_help_text_of_its_own() -> None:
+    for name, _, _ in cli._fields():
+        assert cli.section_of(name) != cli.OTHER_SECTION, f"--{name} belongs to no section of serve --help"
+        assert name in cli.HELP, f"--{name} has no help text (it would only restate its name)"
+    result = subprocess.run(
+        [sys.executable, "-m", "lmq_broker", "serve", "--help"], capture_output=True, text=True, check=True, timeout=60
+    )
+    for title in ("listening:", "storage:", "delivery:", "limits:", "cluster (docs/scale-out.md):"):
+        assert f"\n{title}\n" in result.stdout
