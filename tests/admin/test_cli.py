@@ -371,3 +371,18 @@ def test_an_endpoint_without_a_port_is_a_usage_error_with_the_fix(endpoint: str)
 @pytest.mark.parametrize("endpoint", ["localhost:8081", "[::1]:8081", "unix:/tmp/lmq.sock", "dns:///lmq:8081"])
 def test_endpoints_with_a_port_or_a_scheme_pass_the_check(endpoint: str) -> None:
     assert cli._has_port(endpoint)
+
+
+def test_tables_print_times_and_backoffs_for_people_and_json_keeps_the_numbers(broker: Broker) -> None:
+    assert cli._time_cell(0) == "-"
+    assert cli._time_cell(1_764_316_800_000) == "2025-11-28T08:00:00Z"
+    assert cli._backoff_cell([1000, 5000]) == "1s,5s"
+    rocketmq_levels = list(model.RetryPolicy().backoff_ms)
+    assert cli._backoff_cell(rocketmq_levels) == f"1s,5s…1h,2h ({len(rocketmq_levels)} steps)"
+    assert cli._backoff_cell([1500]) == "1500ms"
+    run(broker, "parent-topic", "put", "orders")
+    for i in range(2):
+        assert run(broker, "group", "put", f"group-with-a-long-name-{i}", "--bind-topic", "orders")[0] == 0
+    code, out, _ = run(broker, "group", "list")
+    assert code == 0 and max(len(line) for line in out.splitlines()) <= 140, out
+    assert [g["group"]["retry"]["backoff_ms"] for g in run_json(broker, "group", "list")] == [rocketmq_levels] * 2

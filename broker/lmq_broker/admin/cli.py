@@ -17,6 +17,7 @@ import enum
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO, TypeVar
@@ -24,7 +25,7 @@ from typing import Any, Final, TextIO, TypeVar
 from lmq_broker import errors, model
 from lmq_broker.admin import credentials, tls
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.admin.results import GroupLag, LiteTopicPage
+from lmq_broker.admin.results import GroupInfo, GroupLag, LiteTopicPage
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
 
@@ -50,6 +51,42 @@ def _reclaim_cell(run: Mapping[str, Any] | None) -> str:
 
 
 _CELLS: Final[Mapping[str, Callable[[Any], str]]] = {"last_reclaim": _reclaim_cell}
+# Tables print these epoch-millisecond fields as UTC times (``-o json`` keeps the numbers); 0 is "never".
+_TIMES: Final = frozenset(
+    {"last_seen_ms", "created_ms", "last_store_ms", "last_consume_ms", "store_timestamp_ms", "born_timestamp_ms"}
+    | {"start_ms", "finish_ms"}
+)
+# `group list` as a table: the columns that tell groups apart (-o json and `group get` show every field)
+_GROUP_LIST_COLUMNS: Final = (
+    "name",
+    "bind_topic",
+    "model",
+    "retry.max_attempts",
+    "retry.backoff_ms",
+    "fifo",
+    "subscription_count",
+    "client_count",
+    "lag",
+)
+_STEPS_SHOWN: Final = 4  # a longer backoff list shows its first and last steps and how many there are
+
+
+def _time_cell(ms: int) -> str:
+    return "-" if ms <= 0 else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
+def _duration(ms: int) -> str:
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms >= size and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def _backoff_cell(steps: Sequence[int]) -> str:
+    shown = [_duration(ms) for ms in steps]
+    if len(shown) <= _STEPS_SHOWN:
+        return ",".join(shown)
+    return f"{','.join(shown[:2])}…{','.join(shown[-2:])} ({len(shown)} steps)"
 
 
 def plain(value: Any) -> Any:
@@ -77,8 +114,12 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
             row.update(flatten(value, f"{prefix}{key}."))
         elif isinstance(value, dict):
             row[prefix + key] = ",".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, list) and key == "backoff_ms":
+            row[prefix + key] = _backoff_cell(value)
         elif isinstance(value, list):
             row[prefix + key] = ",".join(str(v) for v in value)
+        elif key in _TIMES and isinstance(value, int):
+            row[prefix + key] = _time_cell(value)
         else:
             row[prefix + key] = value
     return row
@@ -113,7 +154,10 @@ def emit(result: object, output: str, out: TextIO) -> None:
         _emit_group_lag(result, out)
         return
     records = data if isinstance(data, list) else [data]
-    print_table([flatten(r) if isinstance(r, dict) else {"result": r} for r in records], out)
+    rows = [flatten(r) if isinstance(r, dict) else {"result": r} for r in records]
+    if isinstance(result, list) and result and isinstance(result[0], GroupInfo):  # `group get G` has them all
+        rows = [{name: row.get(name, "") for name in _GROUP_LIST_COLUMNS} for row in rows]
+    print_table(rows, out)
 
 
 # --- commands --------------------------------------------------------------------------------------------
