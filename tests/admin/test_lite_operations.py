@@ -69,6 +69,7 @@ def test_lite_lag_gives_total_latency_and_the_top_lagging_topics(clocked_broker:
 
     lag = run_json(broker, "lite", "lag", "g")
     assert (lag["group"], lag["bind_topic"], lag["lag"], lag["lagging_topics"]) == ("g", "orders", 7, 2)
+    assert (lag["unclaimed_messages"], lag["unclaimed_topics"]) == (4, 1)  # s3: waiting, but no member wants it
     top = lag["top"]
     assert [(t["lite"], t["lag"], t["committed_offset"], t["max_offset"]) for t in top] == [
         ("s2", 5, -1, 5),
@@ -84,7 +85,15 @@ def test_lite_lag_gives_total_latency_and_the_top_lagging_topics(clocked_broker:
     code, out, _ = run(broker, "lite", "lag", "g")
     summary, totals, blank, header, *rows = out.splitlines()
     assert code == 0
-    assert summary.split() == ["GROUP", "BIND_TOPIC", "LAG", "LATENCY_MS", "LAGGING_TOPICS"]
+    assert summary.split() == [
+        "GROUP",
+        "BIND_TOPIC",
+        "LAG",
+        "LATENCY_MS",
+        "LAGGING_TOPICS",
+        "UNCLAIMED_MESSAGES",
+        "UNCLAIMED_TOPICS",
+    ]
     assert totals.split()[:3] == ["g", "orders", "7"]
     assert (blank, header.split()[:2]) == ("", ["LITE", "LAG"])
     assert [r.split()[0] for r in rows] == ["s2", "s1"]
@@ -159,3 +168,12 @@ def test_output_option_in_any_position_of_a_lite_command(broker: Broker, positio
     code, out, err = run(broker, *args)
     assert (code, err) == (0, "")
     assert json.loads(out)["group"] == "g"
+
+
+def test_lite_lag_of_a_group_that_never_subscribed_shows_what_waits(broker: Broker) -> None:
+    """Lag is 0 (no member wants anything yet), but the 18 waiting messages are not hidden."""
+    _setup(broker)
+    for lite, count in (("a", 10), ("b", 8)):
+        broker.send("orders", lite, count=count)
+    lag = run_json(broker, "lite", "lag", "g")
+    assert (lag["lag"], lag["unclaimed_messages"], lag["unclaimed_topics"]) == (0, 18, 2)

@@ -350,6 +350,8 @@ def group_lag_to_pb(lag: GroupLag) -> pb.GetGroupLagResponse:
             )
             for t in lag.top
         ],
+        unclaimed_messages=lag.unclaimed_messages,
+        unclaimed_topics=lag.unclaimed_topics,
     )
 
 
@@ -361,6 +363,8 @@ def group_lag_from_pb(message: pb.GetGroupLagResponse) -> GroupLag:
         message.latency_ms,
         message.lagging_topics,
         tuple(LiteTopicLag(t.lite, t.lag, t.committed_offset, t.max_offset, t.latency_ms) for t in message.top),
+        message.unclaimed_messages,
+        message.unclaimed_topics,
     )
 
 

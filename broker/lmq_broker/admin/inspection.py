@@ -22,7 +22,7 @@ import asyncio
 import heapq
 import os
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -120,10 +120,17 @@ async def group_lags(store: Store, live: LiveView, groups: Sequence[model.LiteGr
 
 
 async def _group_topics(
-    store: Store, live: LiveView, parent: str, names: Sequence[str], *, with_oldest: bool = False
+    store: Store,
+    live: LiveView,
+    parent: str,
+    names: Sequence[str],
+    *,
+    with_oldest: bool = False,
+    unclaimed: Callable[[model.LiteTopicMeta], None] | None = None,
 ) -> AsyncIterator[tuple[model.LiteTopicMeta, str, int | None, int | None]]:
     """(topic, group, committed offset, store time of the oldest unconsumed message if asked) for every lite
-    topic of ``parent`` that counts for each group of ``names``, a page of ``WALK_BATCH`` per worker-thread call."""
+    topic of ``parent`` that counts for each group of ``names``, a page of ``WALK_BATCH`` per worker-thread call;
+    a topic that counts for none of them is given to ``unclaimed``."""
     group_of_client = {c.client_id: c.group for c in live.clients()}
     cursor = ""
     while True:
@@ -136,6 +143,8 @@ async def _group_topics(
                         lmq = model.QueueId.lmq(meta.parent, meta.lite)
                         subscribed = {group_of_client.get(c, "") for c in live.subscribers(lmq)}
                     if name not in subscribed:
+                        if unclaimed is not None:
+                            unclaimed(meta)
                         continue  # never consumed nor subscribed by this group: not its topic
                 yield meta, name, offset, first
         if len(rows) < WALK_BATCH:
@@ -149,8 +158,15 @@ async def group_lag(store: Store, live: LiveView, group: model.LiteGroup, top_k:
     top_k = validation.limit("top_k", top_k, default=TOP_K_DEFAULT, maximum=TOP_K_MAX)
     total = latency = lagging = 0
     heap: list[tuple[int, _Reversed, LiteTopicLag]] = []  # min-heap of the k largest (lag, then first name)
+    waiting = [0, 0]  # messages, topics not claimed by the group
+
+    def unclaimed(meta: model.LiteTopicMeta) -> None:
+        if (count := backlog(meta, None)) > 0:
+            waiting[0] += count
+            waiting[1] += 1
+
     async for meta, _name, offset, oldest in _group_topics(
-        store, live, group.bind_topic, [group.name], with_oldest=True
+        store, live, group.bind_topic, [group.name], with_oldest=True, unclaimed=unclaimed
     ):
         lag = backlog(meta, offset)
         if lag <= 0:
@@ -164,7 +180,7 @@ async def group_lag(store: Store, live: LiveView, group: model.LiteGroup, top_k:
         elif entry[:2] > heap[0][:2]:
             heapq.heapreplace(heap, entry)
     top = tuple(row for *_, row in sorted(heap, key=lambda e: (-e[0], e[2].lite)))
-    return GroupLag(group.name, group.bind_topic, total, latency, lagging, top)
+    return GroupLag(group.name, group.bind_topic, total, latency, lagging, top, waiting[0], waiting[1])
 
 
 class _Reversed(str):

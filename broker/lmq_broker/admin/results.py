@@ -142,3 +142,6 @@ class GroupLag:
     latency_ms: int  # the largest over the group's lite topics
     lagging_topics: int
     top: tuple[LiteTopicLag, ...]  # largest lag first
+    # waiting in lite topics of the bind topic the group neither consumed nor subscribes (not lag)
+    unclaimed_messages: int = 0
+    unclaimed_topics: int = 0

@@ -1587,6 +1587,8 @@ class GetGroupLagResponse(_message.Message):
     LATENCY_MS_FIELD_NUMBER: _builtins.int
     LAGGING_TOPICS_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
+    UNCLAIMED_MESSAGES_FIELD_NUMBER: _builtins.int
+    UNCLAIMED_TOPICS_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     bind_topic: _builtins.str
     lag: _builtins.int
@@ -1594,6 +1596,11 @@ class GetGroupLagResponse(_message.Message):
     """the largest latency_ms over the group's lite topics"""
     lagging_topics: _builtins.int
     """lite topics with lag > 0"""
+    unclaimed_messages: _builtins.int
+    """Messages waiting in lite topics of the bind topic that the group neither consumed nor subscribes: not lag
+    (no member wants them yet), but what a member subscribing them would receive from their start.
+    """
+    unclaimed_topics: _builtins.int
     @_builtins.property
     def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___LiteTopicLag]:
         """by lag, largest first (ties: by name)"""
@@ -1607,10 +1614,12 @@ class GetGroupLagResponse(_message.Message):
         latency_ms: _builtins.int = ...,
         lagging_topics: _builtins.int = ...,
         top: _abc.Iterable[Global___LiteTopicLag] | None = ...,
+        unclaimed_messages: _builtins.int = ...,
+        unclaimed_topics: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "group", b"group", "lag", b"lag", "lagging_topics", b"lagging_topics", "latency_ms", b"latency_ms", "top", b"top"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bind_topic", b"bind_topic", "group", b"group", "lag", b"lag", "lagging_topics", b"lagging_topics", "latency_ms", b"latency_ms", "top", b"top", "unclaimed_messages", b"unclaimed_messages", "unclaimed_topics", b"unclaimed_topics"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
