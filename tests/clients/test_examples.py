@@ -32,9 +32,21 @@ def built(lang: str) -> Path:
     return Path(last).parent
 
 
-def command(lang: str) -> tuple[list[str], Path, dict[str, str]]:
+def java_lib(into: Path) -> Path:
+    """The example's own pom (docs/examples/java/pom.xml) copies the client into ``into``, offline: the driver's
+    build fetched the same pinned artifacts into ~/.m2."""
+    subprocess.run(
+        ["mvn", "-q", "-B", "-o", "dependency:copy-dependencies", f"-Dexamples.lib={into}"],
+        cwd=EXAMPLES / "java",
+        check=True,
+        timeout=300,
+    )
+    return into
+
+
+def command(lang: str, tmp_path: Path) -> tuple[list[str], Path, dict[str, str]]:
     if lang == "java":  # Java 11+ runs a single source file directly
-        return ["java", "-cp", f"{built('java')}/lib/*", "QuickStart.java"], EXAMPLES / "java", {}
+        return ["java", "-cp", f"{java_lib(tmp_path / 'lib')}/*", "QuickStart.java"], EXAMPLES / "java", {}
     if lang == "go":
         return ["go", "run", "-mod=readonly", "."], EXAMPLES / "go", {}
     return ["node", "quickstart.js"], EXAMPLES / "node", {"NODE_PATH": str(built("node") / "node_modules")}
@@ -42,7 +54,7 @@ def command(lang: str) -> tuple[list[str], Path, dict[str, str]]:
 
 @pytest.mark.parametrize("lang", ["java", "go", "node"])
 def test_example_sends_and_receives_one_lite_message(lang: str, tmp_path: Path) -> None:
-    argv, cwd, env = command(lang)
+    argv, cwd, env = command(lang, tmp_path)
     with start_broker(tmp_path / "data") as broker:  # bootstrap: AGENT_TASK_NS + executor-group
         result = subprocess.run(
             argv,
@@ -55,3 +67,11 @@ def test_example_sends_and_receives_one_lite_message(lang: str, tmp_path: Path) 
         )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "session-1 hello lite" in result.stdout.splitlines(), result.stdout[-2000:]
+
+
+def test_the_node_example_pins_the_client_the_suite_tests() -> None:
+    example = json.loads((EXAMPLES / "node" / "package.json").read_text())
+    driver = json.loads((ROOT / "tests" / "clients" / "node" / "package.json").read_text())
+    assert example["dependencies"] == driver["dependencies"]
+    lock = json.loads((EXAMPLES / "node" / "package-lock.json").read_text())
+    assert lock["packages"]["node_modules/rocketmq-client-nodejs"]["version"] == "1.0.8"
