@@ -36,6 +36,20 @@ esac
 log() { echo "testenv: $*"; }
 die() { echo "testenv: ERROR: $*" >&2; exit 1; }
 
+# A cold build prints nothing for many minutes: say once a minute that it still runs, with the Go build
+# cache's growth as a sign of progress.
+TICKER=""
+tick_start() {
+  local what=$1 began parent=$BASHPID; began=$(date +%s)
+  (
+    while sleep 60 && kill -0 "$parent" 2>/dev/null; do  # ends with the shell that started it, failed or not
+      log "  still building $what: $(( ($(date +%s) - began) / 60 )) min so far, Go build cache $(du -sh "$(go env GOCACHE)" 2>/dev/null | cut -f1)"
+    done
+  ) &
+  TICKER=$!
+}
+tick_stop() { if [[ -n "$TICKER" ]]; then kill "$TICKER" 2>/dev/null || true; wait "$TICKER" 2>/dev/null || true; TICKER=""; fi; }
+
 etcd_ok() {
   [[ -x "$BIN/etcd" ]] || return 1
   "$BIN/etcd" --version 2>/dev/null | grep -qx "etcd Version: ${ETCD_VERSION#v}"
@@ -65,7 +79,7 @@ export GOFLAGS="-mod=mod -buildvcs=false"
 export GO111MODULE=on
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/lmq-testenv.XXXXXX")"
-cleanup() { rm -rf "$WORK"; rm -f "$BIN/.etcd.tmp.$$" "$BIN/.kube-apiserver.tmp.$$"; }
+cleanup() { tick_stop; rm -rf "$WORK"; rm -f "$BIN/.etcd.tmp.$$" "$BIN/.kube-apiserver.tmp.$$"; }
 trap cleanup EXIT
 
 log "using $(go version), GOPATH=$(go env GOPATH), GOCACHE=$(go env GOCACHE)"
@@ -85,9 +99,11 @@ build_etcd() {
                 -require="github.com/json-iterator/go@v1.1.12"
     local tmp="$BIN/.etcd.tmp.$$"
     # server/v3's root package is the etcd main (server/main.go).
+    tick_start "etcd (a cold build takes 1-3 min)"
     go build -trimpath \
       -ldflags "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=$ETCD_VERSION" \
       -o "$tmp" go.etcd.io/etcd/server/v3
+    tick_stop
     mv -f "$tmp" "$BIN/etcd"
   )
   etcd_ok || die "built etcd does not report version ${ETCD_VERSION#v}: $("$BIN/etcd" --version 2>&1 | head -3)"
@@ -140,7 +156,9 @@ build_kube() {
       ld+=" -X $p.gitTreeState=clean -X $p.buildDate=$date"
     done
     local tmp="$BIN/.kube-apiserver.tmp.$$"
+    tick_start "kube-apiserver (a cold build takes 10-35 min on 2 cores)"
     go build -trimpath -ldflags "$ld" -o "$tmp" k8s.io/kubernetes/cmd/kube-apiserver
+    tick_stop
     mv -f "$tmp" "$BIN/kube-apiserver"
   )
   kube_ok || die "built kube-apiserver does not report $KUBE_VERSION: $("$BIN/kube-apiserver" --version 2>&1 | head -3)"
