@@ -24,6 +24,11 @@ EXPECTED = {
         "FIGURE lite-ttl same load without a pass:",
     ],
     "bench_e2e_latency.py": ["FIGURE send->consume latency p50:", "FIGURE send->consume latency p99:"],
+    "bench_footprint.py": [
+        "FIGURE cold start, launch -> first acknowledged send:",
+        "FIGURE RSS growth per lite topic:",
+        "FIGURE kill -9 -> restart -> first acknowledged send:",
+    ],
     "bench_lite_patterns.py": ["FIGURE per-arrival dispatch cost, 10,000 patterns ÷ 1 pattern:"],
     "bench_mqtt.py": [
         "FIGURE MQTT publish->subscribe latency p50:",
