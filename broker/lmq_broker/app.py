@@ -6,9 +6,11 @@ reverse, so that a SIGTERM never loses an acknowledged write: the gRPC server st
 drains, then the dispatcher stops, then the store flushes and closes.
 
 The probe server is a few lines of asyncio rather than a web framework: three fixed paths.
-``/healthz`` answers while the process runs; ``/readyz`` only once the gRPC port accepts calls and
-until shutdown begins, and not while the store cannot serve (an index rebuild, a meta store that cannot
-write: the answer says why); ``/metrics`` is the Prometheus text format of this broker's registry.
+``/healthz`` answers while the process runs, unless the store met a fault only a restart can clear (a
+failed rebuild, a storage fault that did not heal); ``/readyz`` only once the gRPC port accepts calls and
+until shutdown begins, and not while the store cannot serve (an index rebuild, a meta store or an index
+that cannot write, a log that cannot be made durable: the answer says why); ``/metrics`` is the
+Prometheus text format of this broker's registry.
 """
 
 from __future__ import annotations
@@ -394,6 +396,9 @@ class Broker:
                 prometheus_client.generate_latest(self.metrics.registry),
             )
         if path == "/healthz":
+            fatal = self.store.fatal() if self.store is not None else None
+            if fatal is not None:  # only a restart can help: let the kubelet do it
+                return "503 Service Unavailable", "text/plain", f"unhealthy: {fatal}\n".encode()
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
             if not self.ready:
