@@ -1,6 +1,8 @@
-"""ENOSPC under ``meta/`` (issue 12 item 9), on a real tmpfs in a private mount namespace: acks fail while
+"""ENOSPC on a real tmpfs in a private mount namespace. Under ``meta/`` (issue 12 item 9): acks fail while
 the disk is full and readiness says why (without I/O); reads keep working meanwhile, even after the store's
-retrier failed to reopen meta/ read-write; once space returns, writes resume without a restart."""
+retrier failed to reopen meta/ read-write; once space returns, writes resume without a restart. Under
+``index/`` (issue 26 item 1): sends fail while it is full (an error reply means "not stored") and resume
+within seconds of space returning, without a restart."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("full_meta.py")
+INDEX_SCRIPT = Path(__file__).with_name("full_index.py")
 
 
 def run_in_mount_namespace(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -42,3 +45,28 @@ def test_a_full_meta_disk_fails_readiness_then_recovers_when_space_returns(tmp_p
     assert seen["readyz_ms"] < 50  # no reopen on the event loop
     assert seen["ready_after_space_returns"] == "200 OK"
     assert seen["offset_after"] == seen["offset_after_restart"] == 9
+
+
+def test_a_full_index_disk_pauses_sends_which_resume_once_space_returns_and_no_error_reply_was_stored(
+    tmp_path: Path,
+) -> None:
+    proc = run_in_mount_namespace([sys.executable, str(INDEX_SCRIPT), str(tmp_path / "data")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["sends_until_failure"] < 1000, seen  # the disk filled while the index wrote
+    status, body = seen["ready_while_full"]
+    assert status == 503 and "index cannot write" in body and "No space left" in body
+    assert seen["healthz_while_full"] == 200  # a full disk heals when space returns: no restart wanted
+    assert seen["index_writable_while_full"] == 0
+    assert seen["reopens_tried_while_full"] >= 2  # the healer tried, and failed, while the disk stayed full
+    assert seen["ok_while_full_after_retries"] == 0
+    assert seen["ready_still_full"] == 503
+    assert seen["resume_s"] < 10, seen  # from space freed to the first good send
+    assert seen["ready_after"] == [200, "ready\n"]
+    assert seen["healthz_after"] == 200
+    assert seen["index_writable_after"] == 1
+    assert seen["retries_ok"] >= 1 and seen["errors_never_retried"] >= 1
+    assert seen["acked_lost"] == []  # every OK-acked send is delivered (after a SIGKILL and a restart) ...
+    assert seen["delivered_twice"] == []  # ... once, retried ones included
+    assert seen["refused_delivered"] == []  # and no send answered with an error ever is
+    assert seen["unknown_delivered"] == []

@@ -187,8 +187,8 @@ class Core:
         """Close the index and open it again (under the write lock): RocksDB clears a write error (a full
         disk) only so. If it cannot be opened for writing, it is opened read-only, so reads go on, and the
         error is raised. The caller then replays the log beyond the checkpoint (``recovery.recover``)."""
-        with contextlib.suppress(Exception):  # its final flush fails the same way its writes did
-            self.index.close()
+        with contextlib.suppress(Exception):
+            self.index.close(flush=False)  # a flush would fail as its writes did; the WAL holds what they wrote
         try:
             self.index = self._open_retrying(self.open_index)
         except errors.StorageError:

@@ -163,7 +163,13 @@ class Rocks:
     def flush(self) -> None:
         self._db.flush_wal(True)
 
-    def close(self) -> None:
+    def close(self, *, flush: bool = True) -> None:
+        """``flush`` False: after a write error, when a flush would fail too (after a second of retries): the
+        handle is dropped, and the next open replays the WAL instead. Calls on this object fail from then on."""
+        if not flush:
+            self._db.cancel_all_background(False)
+            del self._db  # (``Rdict.close`` is a flush, then this)
+            return
         try:
             if not self.read_only:  # (a read-only handle has nothing to flush, and RocksDB refuses to)
                 self._db.flush(True)  # memtables to SST: the next open replays no WAL
