@@ -112,17 +112,19 @@ class CommitLog:
             self.synced = max(self.synced, mark)
             self.durable_at = (active.seq, end)
 
-    def rollback(self, seq: int, position: int) -> None:
-        """Undo a failed append: cut the log back to (seq, position), removing segments created after it."""
+    def rollback(self, seq: int, position: int, *, sync: bool = True) -> None:
+        """Undo a failed append: cut the log back to (seq, position), removing segments created after it; with
+        ``sync`` False the cut is not fsynced (``sync_again`` does it: the disk may be failing its fsyncs)."""
         for s in [s for s in self._segments if s > seq]:
             dead = self._segments.pop(s)
             dead.close()
             os.unlink(dead.path)
         target = self._segments[seq]
-        target.truncate(position)
         self.active = target
-        seg_mod.fsync_dir(self.directory)
         self.durable_at = min(self.durable_at, (seq, position))
+        target.truncate(position, sync=sync)
+        if sync:
+            seg_mod.fsync_dir(self.directory)
 
     # --- reading -------------------------------------------------------------------------------------
 

@@ -241,10 +241,7 @@ class Core:
                 if parts:
                     lg.append(b"".join(parts))
         except OSError as e:
-            try:
-                lg.rollback(*start)
-            except OSError as again:
-                self.failed = f"commit log rollback failed: {again}"
+            self.undo_round(start)
             raise errors.StorageError(f"commit log write failed: {e}", errno=e.errno) from e
 
     def fsync_failed(self, error: BaseException) -> errors.StorageError:
@@ -261,17 +258,23 @@ class Core:
         )
 
     def undo_round(self, start: tuple[int, int]) -> None:
-        """Cut the log back to ``start`` (under the write lock) after its records failed their fsync or their
+        """Cut the log back to ``start`` (under the write lock) after its records failed their write, fsync or
         index write: they were never indexed, and their writers are told "not stored", which is now true (a
-        replay would index them). A failed cut leaves records no caller owns: that latches ``failed``."""
+        replay would have indexed them). The cut is fsynced at once, or else by the healer before writes
+        resume. A cut that fails leaves records no caller owns: that latches ``failed``."""
         try:
-            self.log.rollback(*start)
+            self.log.rollback(*start, sync=False)
         except OSError as e:
             self.failed = f"commit log rollback failed: {e}"
-            log.error("could not cut records of a failed write off the commit log: %s; restart the broker", e)
+            log.error("could not cut records of a failed write off the commit log: %s; restart the broker", str(e))
             return
         for seq in [s for s in self.segments if s > start[0]]:
             del self.segments[seq]  # a segment the round rolled to is gone again
+        if self.undurable is None:
+            try:
+                self.log.sync_again()
+            except OSError as e:
+                self.fsync_failed(e)
 
     def sync_log(self, start: tuple[int, int]) -> None:
         """fsync the log (``sync`` mode), under the write lock; after a failure, what was written since
