@@ -4,6 +4,7 @@ failing fsyncs in a broker process."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ def test_a_failed_background_fsync_pauses_writes_until_the_healer_syncs_again(
     failing.set()
     real_sync = segment.Segment.sync
     rewritten: list[tuple[int, int]] = []
-    real_pwrite = segment.os.pwrite
+    real_pwrite = os.pwrite
 
     def flaky_sync(self: segment.Segment) -> None:
         if failing.is_set():
@@ -46,7 +47,8 @@ def test_a_failed_background_fsync_pauses_writes_until_the_healer_syncs_again(
 
     def recording_pwrite(fd: int, data: bytes, position: int) -> int:
         rewritten.append((position, len(data)))
-        return real_pwrite(fd, data, position)
+        written: int = real_pwrite(fd, data, position)
+        return written
 
     monkeypatch.setattr(segment.Segment, "sync", flaky_sync)
     s.append([msg(message_id="2")])  # acked (async): its bytes wait for the next fsync, which fails
@@ -58,7 +60,7 @@ def test_a_failed_background_fsync_pauses_writes_until_the_healer_syncs_again(
     wait_until(lambda: s.faults().fsync_failures >= failures + 2)  # the healer retries, and fails
     log = s._core.log
     durable_before = log.durable_at
-    monkeypatch.setattr(segment.os, "pwrite", recording_pwrite)
+    monkeypatch.setattr(os, "pwrite", recording_pwrite)
     failing.clear()
     wait_until(lambda: s.health() is None)
     monkeypatch.undo()
