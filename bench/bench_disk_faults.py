@@ -3,11 +3,12 @@
 Each case runs ``tests/storage/disk_faults.py`` in a private mount namespace (root, or a user namespace
 without loop devices: then the ``fsync`` cases fail): a broker process whose ``index/`` is a small tmpfs
 that fills (``index``), whose commit log is ext4 on a loop device whose backing tmpfs fills so its fsyncs
-fail (``fsync``), or whose ``commitlog/`` alone is a full tmpfs (``log``), in both flush modes. The script
-sends one message at a time until sends fail, frees the space, and sends until one is taken. Prints
-``FIGURE`` lines (the median of ``--rounds``) and the delivery check of each run.
+fail (``fsync``), whose ``commitlog/`` alone is a full tmpfs (``log``), or whose whole data dir is
+(``all``), in both flush modes. The script sends one message at a time until sends fail, frees the space,
+and sends until one is taken. Prints ``FIGURE`` lines (the median of ``--rounds``) and the delivery check
+of each run.
 
-    python bench/bench_disk_faults.py              # 3 rounds of 5 cases, ~1.5 min
+    python bench/bench_disk_faults.py              # 3 rounds of 6 cases, ~1.5 min
     python bench/bench_disk_faults.py --rounds 1
 """
 
@@ -32,6 +33,7 @@ CASES = {
     "fsync-sync": ["fsync", *SYNC],
     "fsync-async": ["fsync", *ASYNC],
     "log-sync": ["log", *SYNC],
+    "all-sync": ["all", *SYNC],
 }
 TARGET_S = {"log-sync": 0.1}  # nothing to heal: the next send fits
 

@@ -124,6 +124,8 @@ FAULTS: Final = {
     "fsync": Fault("commitlog", True, "lmq_store_fsync_failures_total", "cannot be made durable", "lmq_store_durable"),
     # only the log's writes fail (ENOSPC, cut off at once): nothing to heal, each send finds out for itself
     "log": Fault("commitlog", False, None, None, "lmq_store_durable"),
+    # the whole data dir on one full disk: log, index and meta meet it in whatever order
+    "all": Fault(".", False, None, None, "lmq_store_healthy"),
 }
 
 

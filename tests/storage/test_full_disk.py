@@ -96,6 +96,18 @@ def test_a_full_commit_log_disk_fails_only_the_sends_that_meet_it(tmp_path: Path
     assert_delivered_exactly_the_acked(seen)
 
 
+def test_a_full_data_disk_heals_whichever_part_met_it_first(tmp_path: Path) -> None:
+    """The whole data dir on one small tmpfs, as on a real volume: the log, the index or meta meets the full disk
+    first (here usually the index's WAL); sends resume once space returns, and delivery is exact."""
+    seen = run_script([sys.executable, str(FAULTS_SCRIPT), str(tmp_path / "data"), "all"])
+    assert seen["sends_until_failure"] < 1000, seen
+    assert seen["healthz_while_full"] == 200
+    assert seen["ok_while_full_after_retries"] == 0
+    assert seen["resume_s"] < 10, seen
+    assert seen["ready_after"] == [200, "ready\n"] and seen["healthz_after"] == 200
+    assert_delivered_exactly_the_acked(seen)
+
+
 def run_script(args: list[str]) -> dict[str, Any]:
     proc = run_in_mount_namespace(args)
     assert proc.returncode == 0, proc.stderr[-3000:]

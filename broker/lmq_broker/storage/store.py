@@ -77,7 +77,7 @@ class LmqStore:
 
     @property
     def index_rebuilds(self) -> int:
-        return self._core.generation
+        return self._core.generation - self._core.index_reopens  # a reopen replaces the handle, not the content
 
     def index_generation(self) -> int:
         return self._core.generation
