@@ -253,9 +253,7 @@ class Core:
             log.error("commit log fsync failed: %s; writes pause until an fsync succeeds", str(error))
         self.undurable = f"fsync failed: {error}"
         self.on_fault()
-        return errors.StorageError(
-            f"commit log fsync failed (not stored): {error}", errno=getattr(error, "errno", None)
-        )
+        return errors.StorageError(f"commit log fsync failed: {error}", errno=getattr(error, "errno", None))
 
     def undo_round(self, start: tuple[int, int]) -> None:
         """Cut the log back to ``start`` (under the write lock) after its records failed their write, fsync or

@@ -74,7 +74,9 @@ class Healer:
                     error: str | None = None
                 else:
                     error = self._heal_once()
-            if error is not None and not disk_full(error) and time.monotonic() - since > self.give_up_s:
+            if error is None or disk_full(error):
+                since = time.monotonic()  # only a fault that is not a full disk counts towards giving up
+            elif time.monotonic() - since > self.give_up_s:
                 core.failed = f"could not recover from a storage fault in {self.give_up_s:.0f} s: {error}"
                 log.error("%s; restart the broker", core.failed)
             with self._lock:  # a fault recorded after this check starts a new thread (``_thread`` is None)
