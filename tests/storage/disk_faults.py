@@ -42,6 +42,9 @@ IMAGE_BYTES: Final = 256 * 1024 * 1024  # the ext4 of the fsync fault (its backi
 PARENT, GROUP, LITE = "FULL", "full-group", "job"
 HEADERS = (("x-mq-client-id", "full-disk"), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
 MAX_SENDS_TO_FAIL = 5000
+# Each send needs a new file system block: one that landed in a block already written back could be made
+# durable even with the backing tmpfs full (a real thin-provisioned disk behaves alike).
+BODY_BYTES = 8192
 RESUME_DEADLINE_S = 30.0
 RECEIVE_DEADLINE_S = 60.0
 
@@ -63,7 +66,7 @@ def metric(broker: BrokerProcess, name: str) -> float:
 
 async def send(stub: sg.MessagingServiceAsyncStub, i: int) -> bool:
     props = pb.SystemProperties(message_id=f"m-{i:06d}", message_type=pb.LITE, lite_topic=LITE)
-    message = pb.Message(topic=pb.Resource(name=PARENT), body=str(i).encode(), system_properties=props)
+    message = pb.Message(topic=pb.Resource(name=PARENT), body=str(i).encode().ljust(BODY_BYTES, b"."), system_properties=props)
     reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=HEADERS, timeout=10)
     return bool(reply.status.code == pb.OK)
 
