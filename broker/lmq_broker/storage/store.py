@@ -378,7 +378,10 @@ class LmqStore:
     def flush(self) -> None:
         core = self._core
         core.check_open()
-        core.log.sync()
+        try:
+            core.log.sync()
+        except OSError as e:
+            raise core.fsync_failed(e) from e  # writes pause until the healer's fsync succeeds
         core.index.flush()
 
     def close(self) -> None:
