@@ -307,6 +307,7 @@ class Broker:
         """Log when the store stops or resumes serving (an index rebuild, a full disk under ``meta/``); once
         it serves again, the dispatcher looks for the work it could not see meanwhile."""
         trouble: str | None = None
+        fatal: str | None = None
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), HEALTH_INTERVAL_S)
@@ -318,6 +319,8 @@ class Broker:
                 log.warning("ready again (after: %s)", trouble)
                 dispatcher.resync()
             trouble = now
+            if fatal is None and (fatal := store.fatal()) is not None:
+                log.critical("unhealthy (/healthz fails: restart the broker): %s", fatal)
 
     def _count_expiry(self, report: expiry.Report) -> None:
         metrics = self.metrics
