@@ -66,7 +66,8 @@ def metric(broker: BrokerProcess, name: str) -> float:
 
 async def send(stub: sg.MessagingServiceAsyncStub, i: int) -> bool:
     props = pb.SystemProperties(message_id=f"m-{i:06d}", message_type=pb.LITE, lite_topic=LITE)
-    message = pb.Message(topic=pb.Resource(name=PARENT), body=str(i).encode().ljust(BODY_BYTES, b"."), system_properties=props)
+    body = str(i).encode().ljust(BODY_BYTES, b".")
+    message = pb.Message(topic=pb.Resource(name=PARENT), body=body, system_properties=props)
     reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=HEADERS, timeout=10)
     return bool(reply.status.code == pb.OK)
 
