@@ -86,12 +86,14 @@ hooks: $(STAMP)
 # The long fault-injection loop (kill -9 / SIGTERM under load, flipped bytes, torn tails, missing segments,
 # damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary. Then the
 # cluster-fault suites (issue 25: Python + MQTT, `--processes 2` pods, the Java client), 20 kill -9 rounds each
-# (`make test` runs one); LMQ_CLUSTER_FAULT_ROUNDS to vary.
+# (`make test` runs one); LMQ_CLUSTER_FAULT_ROUNDS to vary. Then the storage faults on real filesystems (issue 26:
+# full index/, meta/ and commitlog/, failing fsyncs in both flush modes; as root, for the loop devices).
 torture: $(STAMP) clients
 	LMQ_TORTURE_CYCLES=$${LMQ_TORTURE_CYCLES:-110} $(BIN)/python -m pytest -s tests/e2e/test_torture.py
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} LMQ_CLUSTER_FAULT_STAGGER_S=$${LMQ_CLUSTER_FAULT_STAGGER_S:-10} \
 		$(BIN)/python -m pytest -s tests/e2e/test_cluster_faults.py
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} $(BIN)/python -m pytest -s tests/clients/test_cluster_faults_java.py
+	$(BIN)/python -m pytest -s tests/storage/test_full_disk.py  # full index/meta/log disks, failing fsyncs (root: loop devices)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,9 +6,11 @@ reverse, so that a SIGTERM never loses an acknowledged write: the gRPC server st
 drains, then the dispatcher stops, then the store flushes and closes.
 
 The probe server is a few lines of asyncio rather than a web framework: three fixed paths.
-``/healthz`` answers while the process runs; ``/readyz`` only once the gRPC port accepts calls and
-until shutdown begins, and not while the store cannot serve (an index rebuild, a meta store that cannot
-write: the answer says why); ``/metrics`` is the Prometheus text format of this broker's registry.
+``/healthz`` answers while the process runs, unless the store met a fault only a restart can clear (a
+failed rebuild, a storage fault that did not heal); ``/readyz`` only once the gRPC port accepts calls and
+until shutdown begins, and not while the store cannot serve (an index rebuild, a meta store or an index
+that cannot write, a log that cannot be made durable: the answer says why); ``/metrics`` is the
+Prometheus text format of this broker's registry.
 """
 
 from __future__ import annotations
@@ -319,6 +321,7 @@ class Broker:
         """Log when the store stops or resumes serving (an index rebuild, a full disk under ``meta/``); once
         it serves again, the dispatcher looks for the work it could not see meanwhile."""
         trouble: str | None = None
+        fatal: str | None = None
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), HEALTH_INTERVAL_S)
@@ -330,6 +333,8 @@ class Broker:
                 log.warning("ready again (after: %s)", trouble)
                 dispatcher.resync()
             trouble = now
+            if fatal is None and (fatal := store.fatal()) is not None:
+                log.critical("unhealthy (/healthz fails: restart the broker): %s", fatal)
 
     def _count_expiry(self, report: expiry.Report) -> None:
         metrics = self.metrics
@@ -408,6 +413,9 @@ class Broker:
                 prometheus_client.generate_latest(self.metrics.registry),
             )
         if path == "/healthz":
+            fatal = self.store.fatal() if self.store is not None else None
+            if fatal is not None:  # only a restart can help: let the kubelet do it
+                return "503 Service Unavailable", "text/plain", f"unhealthy: {fatal}\n".encode()
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
             if not self.ready:

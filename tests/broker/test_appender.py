@@ -286,16 +286,24 @@ async def sync_rig(tmp_path: Path) -> AsyncIterator[Rig]:
         store.close()
 
 
-async def test_a_failed_inline_fsync_fails_its_group_and_the_store_takes_no_more(sync_rig: Rig) -> None:
+async def test_a_failed_inline_fsync_fails_its_group_and_the_store_takes_no_more_until_one_succeeds(
+    sync_rig: Rig,
+) -> None:
     store, recording, appender = sync_rig.store, sync_rig.recording, sync_rig.appender
     recording.sync_error = OSError(5, "Input/output error")
     failed = start(appender, one("a", "0"), one("b", "1"))
     for f in failed:
         with pytest.raises(errors.StorageError, match="fsync failed"):
             await f
-    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
+    recording.sync_error = None
+    with pytest.raises(errors.StorageError, match="cannot be made durable"):
         await appender.append(one("a", "2"))
     assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)
+    deadline = asyncio.get_running_loop().time() + 10
+    while store.health() is not None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    assert ids(await appender.append(one("a", "3"))) == ["3"]
+    assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 1)  # "0" and "2" were never stored
 
 
 async def test_a_store_bug_in_finish_still_answers_every_caller(sync_rig: Rig) -> None:

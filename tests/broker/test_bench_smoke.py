@@ -39,8 +39,15 @@ EXPECTED = {
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
+    "bench_disk_faults.py": [
+        "FIGURE disk_fault_resume_seconds[index-sync]",
+        "FIGURE disk_fault_resume_seconds[fsync-async]",
+    ],
 }
-ARGS = {"bench_soak_rss.py": ["--minutes", "0.2", "--warmup-minutes", "0.05"]}  # the default is --quick
+ARGS = {  # the default is --quick
+    "bench_soak_rss.py": ["--minutes", "0.2", "--warmup-minutes", "0.05"],
+    "bench_disk_faults.py": ["--rounds", "1"],
+}
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.protocol.testing import Client
+from lmq_broker.storage import index as index_mod
+from lmq_broker.storage import store as lmq_store
 
 pytestmark = pytest.mark.asyncio
 
@@ -597,6 +599,32 @@ async def test_metrics_and_probes_over_http(client: Client, broker: app.Broker) 
     assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
     assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
     assert (await asyncio.to_thread(get, "/nope"))[0] == 404
+
+
+async def test_liveness_fails_once_a_storage_fault_cannot_heal_and_readiness_says_why_before(
+    client: Client, broker: app.Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = broker.store
+    assert isinstance(store, lmq_store.LmqStore)
+    store._healer.give_up_s = 0.3
+
+    def broken(self: index_mod.Index, wb: object) -> None:
+        raise OSError("simulated: the index cannot write (not a full disk)")
+
+    monkeypatch.setattr(index_mod.Index, "write", broken)
+    send = spb.SendMessageRequest(messages=[lite_message("probe-a")])
+    reply = await client.stub.SendMessage(send, metadata=H())
+    assert reply.status.code == pb.INTERNAL_ERROR and "not stored" in reply.status.message
+    code, _, body = broker._http_answer("/readyz")
+    assert code.startswith("503") and b"index cannot write" in body
+    assert broker._http_answer("/healthz")[0] == "200 OK"  # it may still heal
+    deadline = asyncio.get_running_loop().time() + 10
+    while broker._http_answer("/healthz")[0] == "200 OK" and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    code, _, body = broker._http_answer("/healthz")
+    assert code.startswith("503") and b"could not recover from a storage fault" in body
+    text = broker._http_answer("/metrics")[2].decode()
+    assert "lmq_store_index_writable 0.0" in text and "lmq_store_durable 1.0" in text
 
 
 async def test_exclusive_eviction_is_told_over_telemetry(client: Client, broker: app.Broker) -> None:

@@ -195,18 +195,30 @@ def test_try_begin_in_async_mode_needs_no_sync(open_lmq: OpenLmq, msg: Msg) -> N
     assert isinstance(results, list) and results[0].message_id == "1"
 
 
-def test_a_failed_fsync_fails_its_appends_and_stops_writes(open_lmq: OpenLmq, msg: Msg) -> None:
+def test_a_failed_fsync_cuts_its_appends_off_the_log_and_pauses_writes_until_one_succeeds(
+    open_lmq: OpenLmq, msg: Msg
+) -> None:
     s = open_lmq(flush_mode="sync")
     s.append([msg(message_id="before")])
+    size = s._core.log.active.size
     pending = s.try_begin([[msg(message_id="lost")]])
     assert pending is not None
     (outcome,) = pending.finish(OSError(5, "Input/output error"))
-    assert isinstance(outcome, errors.StorageError) and "fsync failed" in str(outcome)
+    assert isinstance(outcome, errors.StorageError) and "not stored" in str(outcome) and "fsync failed" in str(outcome)
+    assert s._core.log.active.size == size  # cut off: no replay can index it later
     assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["before"]  # never indexed
-    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
-        s.append([msg(message_id="after")])
-    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
-        api.append_if_free(s, [msg(message_id="after")])
+    assert s.faults().fsync_failures == 1 and not s.faults().durable
+    assert "cannot be made durable" in (s.health() or "")
+    assert s.fatal() is None  # it heals: no restart needed
+    with pytest.raises(errors.StorageError, match="cannot be made durable"):
+        s.append([msg(message_id="refused")])
+    with pytest.raises(errors.StorageError, match="cannot be made durable"):
+        api.append_if_free(s, [msg(message_id="refused")])
+    assert s.faults().refused["not_durable"] == 2
+    wait_until(lambda: s.health() is None)  # the healer's fsync succeeds (the disk is fine)
+    assert s.faults().durable
+    s.append([msg(message_id="after")])
+    assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["before", "after"]
 
 
 def test_try_begin_of_empty_requests_writes_nothing(open_lmq: OpenLmq) -> None:
@@ -218,11 +230,12 @@ def test_try_begin_of_empty_requests_writes_nothing(open_lmq: OpenLmq) -> None:
     assert s._core.log.written == written
 
 
-def test_a_failed_fsync_of_tombstones_stops_writes_too(
+def test_a_failed_fsync_of_tombstones_pauses_writes_too(
     open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = open_lmq(flush_mode="sync")
     s.append([msg(message_id="1")])
+    size = s._core.log.active.size
 
     def failing_sync(self: commitlog.CommitLog) -> None:
         raise OSError(5, "Input/output error")
@@ -231,6 +244,9 @@ def test_a_failed_fsync_of_tombstones_stops_writes_too(
     with pytest.raises(errors.StorageError, match="fsync failed"):
         s.delete_lite_topics([("P", "a", None)])
     monkeypatch.undo()
+    assert s._core.log.active.size == size  # the tombstone is cut off: no later replay deletes the topic
     assert s.lite_topic("P", "a") is not None  # not deleted: the index was never told
-    with pytest.raises(errors.StorageError, match="stopped accepting writes"):
+    with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="2")])
+    wait_until(lambda: s.health() is None)
+    assert s.delete_lite_topics([("P", "a", None)]) == [True]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,28 +118,35 @@ def test_deleting_the_index_rebuilds_it_from_the_log(
     assert res.offsets[model.QueueId.lmq("P", "t0")] == before["offsets"]["%LMQ%$P$t0"][1]  # type: ignore[index]
 
 
-def test_records_written_but_not_indexed_are_reindexed(
+def test_records_whose_index_write_failed_are_cut_off_the_log_and_writes_resume_once_the_index_reopens(
     open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = open_lmq()
     s.append([msg(), msg()])
+    size = s._core.log.active.size
     real_write = index_mod.Index.write
     with monkeypatch.context() as m:
 
         def crash(self: index_mod.Index, wb: object) -> None:
-            raise OSError("simulated crash between the log write and the index write")
+            raise OSError("simulated failure of the index write after the log write")
 
         m.setattr(index_mod.Index, "write", crash)
-        with pytest.raises(errors.StorageError):
+        with pytest.raises(errors.StorageError, match="not stored"):
             s.append([msg(body=b"logged, not indexed")])
+        assert s._core.log.active.size == size  # cut off again: "not stored" is true
+        with pytest.raises(errors.StorageError, match="index cannot write"):
+            s.append([msg()])  # paused until the index is reopened
+        assert "index cannot write" in (s.health() or "") and s.fatal() is None
     assert index_mod.Index.write is real_write
-    with pytest.raises(errors.StorageError):
-        s.append([msg()])  # the store stops writing: offsets would collide with the unindexed record
+    deadline = time.monotonic() + 10
+    while s.health() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.health() is None and s.faults().index_reopens >= 1
+    assert s.append([msg(body=b"after")])[0].offsets[LMQ_A] == 2
     s.close()
     s = open_lmq()
-    assert s.recovery.records_reindexed == 1
-    assert [m.body for m in s.read(LMQ_A, 2, 10)] == [b"logged, not indexed"]
-    assert s.append([msg()])[0].offsets[LMQ_A] == 3
+    assert s.recovery.records_reindexed == 0
+    assert [m.body for m in s.read(LMQ_A, 2, 10)] == [b"after"]
 
 
 @pytest.mark.parametrize("cut", [1, 10, 44, 60])

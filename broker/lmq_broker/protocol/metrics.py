@@ -15,6 +15,7 @@ from lmq_broker.dispatch import lag
 from lmq_broker.dispatch.appender import AppendStats
 from lmq_broker.dispatch.delivery import ReadyWaits
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.storage.api import FaultStats
 from lmq_broker.storage.store import LmqStore
 
 
@@ -171,6 +172,34 @@ class _DamageCollector(Collector):
             "lmq_store_healthy", "1 while the store serves reads and writes (else /readyz says why)",
             value=1 if self._store.health() is None else 0,
         )  # fmt: skip
+        yield from _fault_metrics(self._store.faults())
+
+
+def _fault_metrics(f: FaultStats) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    yield CounterMetricFamily(
+        "lmq_store_fsync_failures", "Commit log fsyncs that failed (retries included); writes pause meanwhile",
+        value=f.fsync_failures,
+    )  # fmt: skip
+    yield GaugeMetricFamily(
+        "lmq_store_durable", "1 while the commit log can be made durable (0 after a failed fsync, until one "
+        "succeeds: writes are refused and /readyz fails meanwhile)", value=1 if f.durable else 0,
+    )  # fmt: skip
+    yield GaugeMetricFamily(
+        "lmq_store_index_writable", "1 while the index takes writes (0 after a failed write, a full disk: "
+        "until it is reopened)", value=1 if f.index_writable else 0,
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "lmq_store_index_reopens", "Reopens of the index to clear a write error (tries, successful or not)",
+        value=f.index_reopens,
+    )  # fmt: skip
+    refused = CounterMetricFamily(
+        "lmq_store_writes_refused",
+        "Writes the store refused while paused by a fault: not_durable (an fsync failed), index_unwritable",
+        labels=["reason"],
+    )
+    for reason, n in sorted(f.refused.items()):
+        refused.add_metric([reason], n)
+    yield refused
 
 
 class _AppendCollector(Collector):

@@ -30,6 +30,18 @@ class RetentionReport:
     queues_advanced: int
 
 
+@dataclass(frozen=True, slots=True)
+class FaultStats:
+    """Storage faults of one store (its metrics): failed fsyncs (retries included), whether the log can be
+    made durable and the index written now, index reopens after a failed write, writes refused meanwhile."""
+
+    fsync_failures: int
+    durable: bool
+    index_writable: bool
+    index_reopens: int
+    refused: dict[str, int]  # by reason: not_durable, index_unwritable
+
+
 class PendingAppend(Protocol):
     """Appends written to the log by ``Store.try_begin``, not yet durable nor visible; the write path stays
     taken until ``finish``, which must be called exactly once."""
@@ -44,8 +56,9 @@ class PendingAppend(Protocol):
         ...
 
     def finish(self, sync_error: BaseException | None = None) -> list[list[model.AppendResult] | BaseException]:
-        """Index what was written and make it visible (``sync_error``: the fsync failed, so nothing is, and the
-        store stops taking writes); frees the write path. One outcome per request: its results or its error."""
+        """Index what was written and make it visible (``sync_error``: the fsync failed, so nothing is: the
+        records are cut off the log and writes pause until an fsync succeeds); frees the write path. One
+        outcome per request: its results or its error."""
         ...
 
 
@@ -91,6 +104,11 @@ class Store(Protocol):
     def health(self) -> str | None:
         """None while the store can serve; else why not (an index rebuild, a disk that cannot take writes):
         the broker's readiness probe fails meanwhile. Cheap and without side effects (an event loop calls it)."""
+        ...
+
+    def fatal(self) -> str | None:
+        """Why the store cannot recover without a restart (a failed rebuild, a fault that did not heal), or
+        None: the broker's liveness probe fails meanwhile. Cheap and without side effects."""
         ...
 
     def index_generation(self) -> int:

@@ -48,6 +48,7 @@ class _Staged(NamedTuple):
     batch: index_mod.Batch
     chunks: list[tuple[int, list[bytes]]]
     store_ms: int
+    start: tuple[int, int]  # where the log ended before the round: cut back to it if the round fails
 
 
 class _Pending:
@@ -178,19 +179,27 @@ class Appender:
             return None
 
     def _index_staged(self, staged: _Staged, sync_error: BaseException | None) -> None:
-        """After the fsync (``sync`` mode): index the staged records and publish their queues' new states."""
+        """After the fsync (``sync`` mode): index the staged records and publish their queues' new states. If
+        the fsync or the index write failed, the records are cut off the log again: "not stored" is true."""
+        core = self._core
+        batch = staged.batch
         try:
             if sync_error is not None:
-                raise self._core.fsync_failed(sync_error)
-            batch = staged.batch
+                raise core.fsync_failed(sync_error)
             for s, written in staged.chunks:
                 if written:
                     batch.touch_segment(s, staged.store_ms)
-            self._core.write_batch(batch, self._core.log_end())
+            checkpoint = core.log_end()
+            core.write_index(lambda: batch.write(checkpoint))
         except Exception as e:
+            core.undo_round(staged.start)
+            error = errors.StorageError(f"not stored: {e.message if isinstance(e, errors.LmqError) else e}")
+            error.__cause__ = e
             for r in staged.live:
-                r.error = e
+                r.error = error
                 r.results = []
+            return
+        batch.publish()
 
     def _write_log(self, reqs: list[_Request], store_ms: int) -> _Staged:
         lg = self._core.log
@@ -255,12 +264,17 @@ class Appender:
             r.results = results
         chunks.append((seg, parts))
         self._core.write_chunks(chunks, start)
-        return _Staged(reqs, batch, chunks, store_ms)
+        return _Staged(reqs, batch, chunks, store_ms, start)
 
     def _flush_loop(self) -> None:
-        interval = self._core.cfg.flush_interval_ms / 1000
+        """``async`` mode: fsync every flush interval. A failure pauses writes like one in ``sync`` mode (the
+        healer retries it, under the write lock); meanwhile this loop leaves the log alone."""
+        core = self._core
+        interval = core.cfg.flush_interval_ms / 1000
         while not self._stop.wait(interval):
+            if core.undurable is not None:
+                continue
             try:
-                self._core.log.sync()
-            except OSError:
-                log.exception("background fsync failed")
+                core.log.sync()
+            except OSError as e:
+                core.fsync_failed(e)

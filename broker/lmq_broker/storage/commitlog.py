@@ -4,7 +4,12 @@ The log is the truth; the index is a cache of it. The store lays records out (it
 size before writing, so it decides where a segment ends) and calls ``append`` once per segment touched by
 a batch, then ``sync`` once per group commit. ``written``/``synced`` are byte counters since open: a
 group-commit leader snapshots ``written``, fsyncs, and everything up to that snapshot is durable. A roll
-fsyncs the segment it leaves, so only the active segment ever holds unsynced bytes.
+fsyncs the segment it leaves, so only the active segment ever holds unsynced bytes; ``durable_at`` is the
+position below which they are known to be on disk.
+
+After a failed fsync the kernel may have marked the unwritten pages clean: a later fsync that succeeds would
+vouch for nothing. ``sync_again`` writes the bytes above ``durable_at`` once more (from the page cache) before
+it fsyncs, so its success means what it says.
 
 Dropped segments (retention) are unlinked at once but their descriptors are closed one retention pass
 later, so a reader that looked up an index entry just before the drop still preads valid bytes.
@@ -17,10 +22,13 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 from lmq_broker import errors
 from lmq_broker.storage import codec
 from lmq_broker.storage import segment as seg_mod
+
+REWRITE_CHUNK_BYTES: Final = 1024 * 1024  # ``sync_again`` rewrites the unsynced tail in pieces of this size
 
 
 class CommitLog:
@@ -38,6 +46,7 @@ class CommitLog:
         self.written = 0
         self.synced = 0
         self.fsyncs = 0
+        self.durable_at = (self.active.seq, self.active.size)  # (segment, position): all below is on disk
         self._sync_lock = threading.Lock()
         self._graveyard: list[seg_mod.Segment] = []
 
@@ -67,6 +76,7 @@ class CommitLog:
         nxt = seg_mod.Segment.create(self.directory, self.active.seq + 1)
         self._segments[nxt.seq] = nxt
         self.active = nxt
+        self.durable_at = (nxt.seq, 0)
 
     def sync(self) -> None:
         """fsync every byte written so far (group commit: concurrent callers share one fdatasync)."""
@@ -74,20 +84,47 @@ class CommitLog:
             mark = self.written
             if mark <= self.synced:
                 return
-            self.active.sync()
+            active = self.active
+            below = active.size  # written before the fsync starts: on disk once it returns
+            active.sync()
             self.fsyncs += 1
             self.synced = mark
+            self.durable_at = max(self.durable_at, (active.seq, below))
 
-    def rollback(self, seq: int, position: int) -> None:
-        """Undo a failed append: cut the log back to (seq, position), removing segments created after it."""
+    def sync_again(self) -> None:
+        """After a failed fsync (under the store's write lock, so nothing appends or cuts meanwhile): write
+        what lies above ``durable_at`` in the active segment once more, then fsync it and the directory."""
+        with self._sync_lock:
+            mark = self.written
+            active = self.active
+            seq, at = self.durable_at
+            start = at if seq == active.seq else 0
+            end = active.size
+            while start < end:
+                data = os.pread(active.fd, min(end - start, REWRITE_CHUNK_BYTES), start)
+                if not data:
+                    break
+                os.pwrite(active.fd, data, start)
+                start += len(data)
+            active.sync()
+            seg_mod.fsync_dir(self.directory)
+            self.fsyncs += 1
+            self.synced = max(self.synced, mark)
+            self.durable_at = (active.seq, end)
+
+    def rollback(self, seq: int, position: int, *, sync: bool = True) -> None:
+        """Undo a failed append: cut the log back to (seq, position), removing segments created after it; with
+        ``sync`` False the cut is not fsynced (``sync_again`` does it: the disk may be failing its fsyncs)."""
         for s in [s for s in self._segments if s > seq]:
             dead = self._segments.pop(s)
             dead.close()
             os.unlink(dead.path)
         target = self._segments[seq]
-        target.truncate(position)
         self.active = target
-        seg_mod.fsync_dir(self.directory)
+        self.durable_at = min(self.durable_at, (seq, position))
+        target.truncate(position, sync=sync)
+        if sync:
+            seg_mod.fsync_dir(self.directory)
 
     # --- reading -------------------------------------------------------------------------------------
 

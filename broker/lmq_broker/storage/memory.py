@@ -163,6 +163,9 @@ class MemoryStore:
     def health(self) -> str | None:
         return "store is closed" if self._closed else None
 
+    def fatal(self) -> str | None:
+        return None  # nothing to break
+
     def index_generation(self) -> int:
         return 0  # nothing to rebuild
 

@@ -114,8 +114,7 @@ class Rebuilder:
                 core.replace_index()
                 done = recover(core)
                 core.index.on_corruption = self.index_corrupt
-                if core.failed is not None and core.failed.startswith(core_mod.INDEX_WRITE_FAILED):
-                    core.failed = None  # the whole log is indexed again: offsets cannot collide
+                core.index_error = None  # the whole log is indexed again, in a new instance
             log.warning(
                 "index rebuilt from the commit log: %d records re-indexed (full: %s)", done.reindexed, done.rebuilt
             )

@@ -65,6 +65,17 @@ def is_corruption(error: BaseException) -> bool:
     return "No such file" in text and ("MANIFEST" in text or "CURRENT" in text)
 
 
+class _Closed:
+    """Stands in for a RocksDB handle dropped without a flush: whoever still holds the ``Rocks`` object (a
+    reader that took the index before a reopen) gets a StorageError, as from any failed read."""
+
+    def __getattr__(self, name: str) -> object:
+        raise errors.StorageError("index closed (reopened after a write error): retry")
+
+
+_CLOSED: Final = cast("rocksdict.Rdict", _Closed())
+
+
 class Rocks:
     """One RocksDB instance. ``on_corruption`` (set by the store) hears of the first read that finds a damaged
     block; every read error comes out as ``errors.StorageError`` (``errors.IndexCorrupt`` for damage)."""
@@ -163,7 +174,13 @@ class Rocks:
     def flush(self) -> None:
         self._db.flush_wal(True)
 
-    def close(self) -> None:
+    def close(self, *, flush: bool = True) -> None:
+        """``flush`` False: after a write error, when a flush would fail too (after a second of retries): the
+        handle is dropped, and the next open replays the WAL instead. Calls on this object fail from then on."""
+        if not flush:
+            self._db.cancel_all_background(False)
+            self._db = _CLOSED  # the last reference goes (``Rdict.close`` is a flush, then this)
+            return
         try:
             if not self.read_only:  # (a read-only handle has nothing to flush, and RocksDB refuses to)
                 self._db.flush(True)  # memtables to SST: the next open replays no WAL

@@ -79,10 +79,11 @@ class Segment:
     def sync(self) -> None:
         os.fdatasync(self.fd)
 
-    def truncate(self, size: int) -> None:
+    def truncate(self, size: int, *, sync: bool = True) -> None:
         os.ftruncate(self.fd, size)
-        os.fdatasync(self.fd)
         self.size = size
+        if sync:
+            os.fdatasync(self.fd)
 
     def close(self) -> None:
         os.close(self.fd)

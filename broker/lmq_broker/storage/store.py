@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Final
 
 from lmq_broker import config, errors, model
-from lmq_broker.storage import api, appends, codec, commitlog, keys, meta, reads, recovery, retention
+from lmq_broker.storage import api, appends, codec, commitlog, healing, keys, meta, reads, recovery, retention
 from lmq_broker.storage import core as core_mod
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class LmqStore:
             log_.close()
             raise
         self.damage = core.damage
+        self._healer = healing.Healer(core, self._rebuilder.index_corrupt)
+        core.on_fault = self._healer.start
         self._retention = retention.Retention(core)
         self._appender = appends.Appender(core)
 
@@ -75,7 +77,7 @@ class LmqStore:
 
     @property
     def index_rebuilds(self) -> int:
-        return self._core.generation
+        return self._core.generation - self._core.index_reopens  # a reopen replaces the handle, not the content
 
     def index_generation(self) -> int:
         return self._core.generation
@@ -84,6 +86,21 @@ class LmqStore:
         """None while the store serves reads and writes; else why not (the broker's readiness probe). Cheap and
         without side effects: it may be called on an event loop."""
         return self._core.health()
+
+    def fatal(self) -> str | None:
+        """Why the store cannot recover without a restart (the broker's liveness probe), or None; cheap."""
+        return self._core.fatal()
+
+    def faults(self) -> api.FaultStats:
+        """Storage faults so far and whether the log can be made durable now (the metrics)."""
+        core = self._core
+        return api.FaultStats(
+            fsync_failures=core.fsync_failures,
+            durable=core.undurable is None,
+            index_writable=core.index_error is None,
+            index_reopens=core.index_reopens,
+            refused=dict(core.refused),
+        )
 
     def wait_rebuilt(self, timeout: float | None = None) -> bool:
         """Wait for a running index rebuild (tests); True when none is running."""
@@ -178,7 +195,7 @@ class LmqStore:
             now = core.clock()
             wb.put(keys.consumed_key(name.qkey), keys.U64.pack(now))  # survives a rebuilt index
             self._meta.write(wb, note=note)
-            if core.failed is None:
+            if core.failed is None and core.index_error is None:
                 index = core.index
                 state = index.batch()
                 state.put(name.state_key, st.value(last_consume=now))
@@ -361,7 +378,10 @@ class LmqStore:
     def flush(self) -> None:
         core = self._core
         core.check_open()
-        core.log.sync()
+        try:
+            core.log.sync()
+        except OSError as e:
+            raise core.fsync_failed(e) from e  # writes pause until the healer's fsync succeeds
         core.index.flush()
 
     def close(self) -> None:
@@ -371,9 +391,11 @@ class LmqStore:
                 return
             core.closed = True
         self._appender.stop()
+        self._healer.stop()
         self._meta.stop()
         with core.write_lock:
             clean = core.failed is None and core.unreadable is None and core.rebuilding is None
+            clean = clean and core.index_error is None and core.undurable is None
             try:
                 core.log.sync()
             except OSError:
