@@ -158,6 +158,7 @@ class Broker:
             log.info("restored lite subscriptions of %d clients from the last shutdown", len(saved))
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
+        self.metrics.watch_parking(edge.polls, edge.streams, edge.telemetry_buffer)
         cluster = self.cluster = setup.Cluster(
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
         )

@@ -56,6 +56,12 @@ Req = TypeVar("Req", bound=pb_message.Message)
 Resp = TypeVar("Resp", bound=pb_message.Message)
 
 
+def _waits(request: spb.ReceiveMessageRequest) -> bool:
+    """Whether a receive may park: all do but those that ask not to wait (a cluster peer's gathering calls)."""
+    timeout = request.long_polling_timeout
+    return not request.HasField("long_polling_timeout") or timeout.seconds > 0 or timeout.nanos > 0
+
+
 class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     """``external``: the service of the external listener (``--external-port``), whose routes and assignments
     name the brokers by their external addresses; every other call is served exactly as on the internal one."""
@@ -124,8 +130,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     ) -> AsyncIterator[spb.ReceiveMessageResponse]:
         started = time.perf_counter()
         code: int = pb.OK
+        parked: tuple[str, str] | None = None
         try:
             caller = Caller.of(context.invocation_metadata())
+            if caller.client_id and _waits(request):
+                parked = (caller.client_id, context.peer())
+                refused = self._park_poll(*parked)
+                if refused is not None:
+                    parked = None
+                    code = refused.code
+                    yield spb.ReceiveMessageResponse(status=refused)
+                    return
             cluster = self.edge.cluster
             if cluster is not None:
                 frames = cluster.receive(request, caller, context.invocation_metadata, context.time_remaining())
@@ -141,7 +156,20 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
                 log.exception("ReceiveMessage failed")
             yield spb.ReceiveMessageResponse(status=status.status_of(exc))
         finally:
+            if parked is not None:
+                self.edge.polls.leave(*parked)
             self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
+
+    def _park_poll(self, client_id: str, peer: str) -> pb.Status | None:
+        """Count one long poll of ``client_id`` on ``peer`` as parked; or, beyond a cap, the TOO_MANY_REQUESTS
+        status it is answered with (as the official clients read a throttled receive: TooManyRequestsException,
+        then a retry after their backoff), counted."""
+        polls = self.edge.polls
+        reason = polls.admit(client_id, peer)
+        if reason is None:
+            return None
+        self.edge.metrics.refused("ReceiveMessage", reason)
+        return pb.Status(code=pb.TOO_MANY_REQUESTS, message=polls.refusal(reason, client_id))
 
     @override
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:

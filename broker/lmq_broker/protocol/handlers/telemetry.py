@@ -5,6 +5,10 @@ unconditionally (a missing ``lite_subscription_quota`` or ``max_body_size`` read
 subscribe or send fail locally), so the reply always carries every field the client type reads. When the
 last stream of a client closes, the client is removed with all its subscriptions (the proxy does the
 same with COMPLETE_REMOVE).
+
+A stream holds no admission slot (it lives as long as its client), so streams have caps of their own
+(``protocol.parking``): per client id and per connection, and the bytes of replies queued for clients that
+have not read them, over all streams (``--telemetry-buffer-bytes``).
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
 # Replies not yet written to the client. A client that sends but never reads fills it; the stream then stops
 # reading the client's frames, and HTTP/2 flow control holds the client back: memory stays bounded.
 REPLY_BACKLOG: Final = 8
+REASON_BUFFER: Final = "telemetry_buffer"  # lmq_calls_refused_total's reason: --telemetry-buffer-bytes were full
 
 
 class SettingsRefused(Exception):
-    """The client's settings were refused (status frame sent); the stream then ends with a gRPC error.
+    """The client's settings were refused, or the stream itself (beyond a cap of streams or of Telemetry
+    buffering: TOO_MANY_REQUESTS); the status frame is sent, then the stream ends with a gRPC error
+    (RESOURCE_EXHAUSTED for TOO_MANY_REQUESTS, ``status.grpc_status_of``).
 
     Clients read a refusal differently: Node reports the status frame; Java ignores a frame without
     settings but fails its start on a stream error, whose message names the v2 code."""
@@ -50,9 +57,43 @@ async def handle(
     """Two sources feed the stream: replies to the client's commands, and server notices (a lite topic an
     exclusive group gave to another client: NotifyUnsubscribeLiteCommand)."""
     client_id = caller.require_client_id()
+    refused = _admit(edge, client_id, caller.peer)
+    if refused is not None:
+        yield spb.TelemetryCommand(status=refused)
+        raise SettingsRefused(refused)
+    try:
+        async for frame in _serve(edge, requests, caller, client_id):
+            yield frame
+    finally:
+        edge.streams.leave(client_id, caller.peer)
+
+
+def _admit(edge: Edge, client_id: str, peer: str) -> pb.Status | None:
+    """Open one stream of ``client_id`` on ``peer``; or, beyond a cap of streams or while the broker's
+    Telemetry replies waiting to be read fill ``--telemetry-buffer-bytes``, the refusal (counted)."""
+    buffered = edge.telemetry_buffer
+    if buffered.full:
+        reason, message = REASON_BUFFER, _buffer_full(buffered.limit)
+    else:
+        found = edge.streams.admit(client_id, peer)
+        if found is None:
+            return None
+        reason, message = found, edge.streams.refusal(found, client_id)
+    edge.metrics.refused("Telemetry", reason)
+    log.info("Telemetry stream of client %s on %s refused: %s", client_id, peer, message)
+    return pb.Status(code=pb.TOO_MANY_REQUESTS, message=message)
+
+
+def _buffer_full(limit: int) -> str:
+    return f"Telemetry replies not yet read by their clients fill this broker's buffer ({limit} bytes); retry later"
+
+
+async def _serve(
+    edge: Edge, requests: AsyncIterator[spb.TelemetryCommand], caller: Caller, client_id: str
+) -> AsyncIterator[spb.TelemetryCommand]:
     notices = edge.dispatcher.stream_opened(client_id)
     edge.connections.opened(client_id, caller.peer)
-    out: asyncio.Queue[spb.TelemetryCommand | None] = asyncio.Queue(maxsize=REPLY_BACKLOG)
+    out = _Replies(edge)
 
     async def answer() -> None:
         try:
@@ -64,7 +105,7 @@ async def handle(
                         raise SettingsRefused(reply.status)
                 # thread_stack_trace / verify_message_result answer commands we never send: ignored.
         finally:
-            await out.put(None)
+            await out.close()
 
     async def relay() -> None:
         while True:
@@ -78,13 +119,65 @@ async def handle(
     try:
         while (frame := await out.get()) is not None:
             yield frame
+        if out.refused is not None:
+            raise SettingsRefused(out.refused)
         await answering  # re-raise what ended the client's side, if anything did
     finally:
         for task in (answering, relaying):
             task.cancel()
         await asyncio.gather(answering, relaying, return_exceptions=True)
+        out.release()
         edge.connections.closed(client_id, caller.peer)
         edge.dispatcher.stream_closed(client_id)
+
+
+class _Replies:
+    """One stream's replies not yet written, at most ``REPLY_BACKLOG`` of them, their bytes held in the
+    broker's Telemetry budget from ``put`` until written. A reply the budget cannot hold ends the stream
+    (TOO_MANY_REQUESTS, counted; the client opens another): replies of all streams stay within the budget."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._queue: asyncio.Queue[tuple[spb.TelemetryCommand, int] | None] = asyncio.Queue(maxsize=REPLY_BACKLOG)
+        self._edge = edge
+        self._held = 0
+        self._writing = 0
+        self.refused: pb.Status | None = None
+
+    async def put(self, reply: spb.TelemetryCommand) -> None:
+        size = reply.ByteSize()
+        budget = self._edge.telemetry_buffer
+        if self.refused is not None or not budget.take(size):
+            if self.refused is None:
+                self.refused = pb.Status(code=pb.TOO_MANY_REQUESTS, message=_buffer_full(budget.limit))
+                self._edge.metrics.refused("Telemetry", REASON_BUFFER)
+                if not self._queue.full():
+                    self._queue.put_nowait(None)  # wake the writer: the stream ends
+            raise SettingsRefused(self.refused)
+        self._held += size
+        await self._queue.put((reply, size))
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+
+    async def get(self) -> spb.TelemetryCommand | None:
+        """The next reply to write (the previous one was written), None once the stream ends."""
+        self._release(self._writing)
+        self._writing = 0
+        if self.refused is not None:
+            return None
+        item = await self._queue.get()
+        if item is None or self.refused is not None:
+            return None
+        reply, self._writing = item
+        return reply
+
+    def release(self) -> None:
+        """The stream ended: what it held is given back (its replies die with it)."""
+        self._release(self._held)
+
+    def _release(self, size: int) -> None:
+        self._held -= size
+        self._edge.telemetry_buffer.give(size)
 
 
 async def settings_reply(edge: Edge, settings: pb.Settings, caller: Caller) -> spb.TelemetryCommand:
