@@ -160,7 +160,8 @@ async def telemetry_flood(broker: BrokerProcess, channels: int, clients: int, pe
 def parked_gauge(broker: BrokerProcess) -> str:
     with contextlib.suppress(OSError), urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
-        return ", ".join(line for line in lines if line.startswith(("lmq_calls_refused_total", "lmq_parked")))
+        wanted = ("lmq_calls_refused_total", "lmq_parked", "lmq_telemetry")
+        return ", ".join(line for line in lines if line.startswith(wanted))
     return ""
 
 

@@ -70,6 +70,8 @@ HELP: Final[dict[str, str]] = {
     "RESOURCE_EXHAUSTED (0: no cap)",
     "max_telemetry_streams_per_connection": "Telemetry streams open on one connection, whatever the client ids (0: no "
     "cap)",
+    "telemetry_stream_buffer_bytes": "Telemetry replies one stream's client has not read yet, in bytes (each counted "
+    "as at least 256); beyond it the stream is ended (0: no cap)",
     "telemetry_buffer_bytes": "Telemetry replies queued but not yet read by their clients, in bytes, over all streams; "
     "beyond it new streams are refused RESOURCE_EXHAUSTED (0: no cap)",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",

@@ -60,11 +60,13 @@ class BrokerConfig(BaseModel):
     max_concurrent_calls: int = Field(default=1000, ge=0)
     # Calls that wait hold no such slot, so they have caps of their own (docs/security.md, "Resource caps"):
     # ReceiveMessage long polls parked at once per client id and per connection, Telemetry streams open per client
-    # id and per connection, and the bytes of Telemetry replies queued, not yet read, in all streams. 0: no cap.
+    # id and per connection, and the bytes of Telemetry replies queued, not yet read, per stream (beyond it the
+    # stream is ended) and in all streams (beyond it new streams are refused). 0: no cap.
     max_polls_per_client: int = Field(default=64, ge=0)
-    max_polls_per_connection: int = Field(default=256, ge=0)
+    max_polls_per_connection: int = Field(default=1024, ge=0)
     max_telemetry_streams_per_client: int = Field(default=8, ge=0)
-    max_telemetry_streams_per_connection: int = Field(default=64, ge=0)
+    max_telemetry_streams_per_connection: int = Field(default=1024, ge=0)
+    telemetry_stream_buffer_bytes: int = Field(default=256 * 1024, ge=0)  # one stream's replies unread
     telemetry_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
     # Auto-renew receives (push consumers): leased a slice at a time, renewed while the client lives

@@ -17,6 +17,7 @@ import grpc
 import psutil
 import pytest
 
+from lmq_broker.protocol import parking
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
@@ -154,6 +155,13 @@ async def telemetry_settings(stop: asyncio.Event, hostname_bytes: int = 16) -> A
     await stop.wait()
 
 
+async def silent(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryCommand]:
+    """No frame: a stream refused at its start need not send one, and a Python client's write after the
+    server's status would turn that status into INTERNAL on the client's side (grpc/grpc#36066)."""
+    await stop.wait()
+    yield spb.TelemetryCommand()  # at the end of the test, when nothing reads the call any more
+
+
 async def first_reply(call: grpc.aio.StreamStreamCall[spb.TelemetryCommand, spb.TelemetryCommand]) -> str:
     try:
         reply: spb.TelemetryCommand = await call.read()  # type: ignore[assignment]  # EOF is not expected here
@@ -172,14 +180,14 @@ async def test_telemetry_streams_beyond_a_cap_are_ended_resource_exhausted_namin
     async with one, other:
         calls = [stub.Telemetry(telemetry_settings(stop), metadata=headers("a")) for _ in range(2)]
         assert [await first_reply(call) for call in calls] == ["OK", "OK"]
-        refused = stub.Telemetry(telemetry_settings(stop), metadata=headers("a"))
+        refused = stub.Telemetry(silent(stop), metadata=headers("a"))
         assert await first_reply(refused) == "TOO_MANY_REQUESTS"  # the status frame, then the gRPC error
-        assert await refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await refused.details()
         assert "TOO_MANY_REQUESTS (42900)" in await refused.details()
         assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="Telemetry") == 1
         calls.append(stub.Telemetry(telemetry_settings(stop), metadata=headers("b")))
         assert await first_reply(calls[-1]) == "OK"
-        crowded = stub.Telemetry(telemetry_settings(stop), metadata=headers("c"))
+        crowded = stub.Telemetry(silent(stop), metadata=headers("c"))
         assert await first_reply(crowded) == "TOO_MANY_REQUESTS"  # the connection's cap (3)
         assert await crowded.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert metric(broker, "lmq_calls_refused_total", reason="per_connection", rpc="Telemetry") == 1
@@ -218,3 +226,58 @@ def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path
         assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="ReceiveMessage") == flood
     growth_mib = (peak - before) / MiB
     assert growth_mib < 40, f"RSS grew {growth_mib:.0f} MiB under {flood} polls from one client"
+
+
+async def flooding_settings(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryCommand]:
+    """Settings frames of 160 KiB, each answered with a copy of itself, as fast as the broker takes them."""
+    settings = pb.Settings(
+        client_type=pb.PRODUCER, publishing=pb.Publishing(), user_agent=pb.UA(hostname="h" * 160 * 1024)
+    )
+    while not stop.is_set():
+        yield spb.TelemetryCommand(settings=settings)
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: Path) -> None:
+    # no cap per stream (test_memory_bounds has that one): the broker's cap is passed at a second 160 KiB reply
+    flags = ["--telemetry-stream-buffer-bytes", "0", "--telemetry-buffer-bytes", "200000"]
+    with start_broker(tmp_path / "data", extra_args=flags) as broker:
+        opened = [connection(broker) for _ in range(4)]
+        stop = asyncio.Event()
+        flooders = [
+            stub.Telemetry(flooding_settings(stop), metadata=headers(f"flood-{i}"))
+            for i, (_, stub) in enumerate(opened)
+        ]  # never read
+        buffered: list[float] = []
+
+        def refused() -> bool:
+            buffered.append(metric(broker, "lmq_telemetry_buffered_bytes"))
+            return metric(broker, "lmq_calls_refused_total", reason="telemetry_buffer", rpc="Telemetry") > 0
+
+        await until(refused)
+        assert max(buffered) <= 200_000
+        stop.set()
+        for call in flooders:
+            call.cancel()
+        await until(lambda: metric(broker, "lmq_telemetry_buffered_bytes") == 0)  # their replies went with them
+        channel, stub = connection(broker)
+        again = stub.Telemetry(telemetry_settings(asyncio.Event()), metadata=headers("fresh"))
+        assert await first_reply(again) == "OK"
+        again.cancel()
+        for opened_channel, _ in [*opened, (channel, stub)]:
+            await opened_channel.close(None)
+
+
+def test_a_full_telemetry_buffer_refuses_new_streams_until_half_of_it_is_free() -> None:
+    budget = parking.Budget(1000)
+
+    def full() -> bool:
+        return budget.full
+
+    assert budget.take(600) and not full()
+    assert not budget.take(600) and full()  # a reply refused: new streams are refused too
+    budget.give(50)
+    assert full()  # 550 held: not yet half free
+    budget.give(50)
+    assert not full() and budget.take(500)

@@ -78,24 +78,29 @@ def _decrement(counts: dict[str, int], key: str) -> None:
 
 class Budget:
     """Bytes that calls of one kind hold between them (Telemetry replies queued for clients that have not read
-    them yet), and the cap on the sum."""
+    them yet), and the cap on the sum. Once a ``take`` was refused the budget is ``full`` until half of it is
+    free again, so that new calls are not admitted just to be refused at their first reply."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "refusing", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = _cap(limit)
         self.used = 0
+        self.refusing = False
 
     @property
     def full(self) -> bool:
-        return self.used >= self.limit
+        return self.refusing or self.used >= self.limit
 
     def take(self, size: int) -> bool:
         """Hold ``size`` more bytes (then ``give`` them back), unless that would pass the cap."""
         if self.used + size > self.limit:
+            self.refusing = True
             return False
         self.used += size
         return True
 
     def give(self, size: int) -> None:
         self.used -= size
+        if self.refusing and self.used * 2 <= self.limit:
+            self.refusing = False

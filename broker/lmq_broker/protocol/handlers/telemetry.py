@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from typing import Final
 
@@ -32,9 +33,13 @@ PRODUCER_MAX_ATTEMPTS: Final = 3  # proxy grpcClientProducerMaxAttempts, backoff
 PRODUCER_BACKOFF_INITIAL_MS: Final = 10
 PRODUCER_BACKOFF_MAX_MS: Final = 1000
 LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
-# Replies not yet written to the client. A client that sends but never reads fills it; the stream then stops
-# reading the client's frames, and HTTP/2 flow control holds the client back: memory stays bounded.
-REPLY_BACKLOG: Final = 8
+# Replies not yet written to the client are held for it up to --telemetry-stream-buffer-bytes, each charged at
+# least REPLY_MIN_CHARGE_BYTES (so tiny notices are bounded in number too); a client that sends but never reads
+# reaches that, and its stream is refused. Its frames are still read (and dropped) after that: a stream that
+# stopped reading would leave grpc core to buffer them, unread, up to the flow-control window, which its
+# bandwidth probe grows to megabytes per stream (measured: ~8.6 MiB per never-reading stream).
+REPLY_MIN_CHARGE_BYTES: Final = 256
+REASON_UNREAD: Final = "unread"  # lmq_calls_refused_total's reason: --telemetry-stream-buffer-bytes unread
 REASON_BUFFER: Final = "telemetry_buffer"  # lmq_calls_refused_total's reason: --telemetry-buffer-bytes were full
 
 
@@ -98,19 +103,21 @@ async def _serve(
     async def answer() -> None:
         try:
             async for command in requests:
+                if out.refused is not None:
+                    continue  # drained, unanswered, so that grpc core does not buffer them (module notes)
                 if command.WhichOneof("command") == "settings":
                     reply = await settings_reply(edge, command.settings, caller)
-                    await out.put(reply)
+                    out.put(reply)
                     if reply.status.code != pb.OK:
                         raise SettingsRefused(reply.status)
                 # thread_stack_trace / verify_message_result answer commands we never send: ignored.
         finally:
-            await out.close()
+            out.close()
 
     async def relay() -> None:
-        while True:
+        while out.refused is None:
             lite = await notices.get()
-            await out.put(
+            out.put(
                 spb.TelemetryCommand(notify_unsubscribe_lite_command=spb.NotifyUnsubscribeLiteCommand(lite_topic=lite))
             )
 
@@ -132,32 +139,45 @@ async def _serve(
 
 
 class _Replies:
-    """One stream's replies not yet written, at most ``REPLY_BACKLOG`` of them, their bytes held in the
-    broker's Telemetry budget from ``put`` until written. A reply the budget cannot hold ends the stream
-    (TOO_MANY_REQUESTS, counted; the client opens another): replies of all streams stay within the budget."""
+    """One stream's replies not yet written, their bytes held from ``put`` until written, against the stream's
+    cap (``--telemetry-stream-buffer-bytes``) and the broker's (``--telemetry-buffer-bytes``). A reply beyond
+    either refuses the stream, counted: it is dropped, as are all later ones, and the stream ends with
+    RESOURCE_EXHAUSTED (TOO_MANY_REQUESTS) once its writer is free. A client that reads nothing keeps the
+    writer waiting on flow control (grpc.aio can neither cancel a server call nor send a status behind unsent
+    data); the stream then lingers, still counted against the caps, holding what it held, until the client
+    goes, and its frames are read and dropped meanwhile."""
 
     def __init__(self, edge: Edge) -> None:
-        self._queue: asyncio.Queue[tuple[spb.TelemetryCommand, int] | None] = asyncio.Queue(maxsize=REPLY_BACKLOG)
+        self._queue: asyncio.Queue[tuple[spb.TelemetryCommand, int] | None] = asyncio.Queue()  # bounded by bytes
         self._edge = edge
+        self._limit = edge.config.telemetry_stream_buffer_bytes or sys.maxsize
         self._held = 0
         self._writing = 0
         self.refused: pb.Status | None = None
 
-    async def put(self, reply: spb.TelemetryCommand) -> None:
-        size = reply.ByteSize()
+    def put(self, reply: spb.TelemetryCommand) -> None:
+        """Queue ``reply``, unless the stream was refused or this refuses it (then ``refused`` is set)."""
+        if self.refused is not None:
+            return
+        size = max(reply.ByteSize(), REPLY_MIN_CHARGE_BYTES)
         budget = self._edge.telemetry_buffer
-        if self.refused is not None or not budget.take(size):
-            if self.refused is None:
-                self.refused = pb.Status(code=pb.TOO_MANY_REQUESTS, message=_buffer_full(budget.limit))
-                self._edge.metrics.refused("Telemetry", REASON_BUFFER)
-                if not self._queue.full():
-                    self._queue.put_nowait(None)  # wake the writer: the stream ends
-            raise SettingsRefused(self.refused)
-        self._held += size
-        await self._queue.put((reply, size))
+        if self._held + size > self._limit:
+            self._refuse(REASON_UNREAD, f"the client has not read {self._held} bytes of replies; at most "
+                         f"{self._limit} are kept for a stream")  # fmt: skip
+        elif not budget.take(size):
+            self._refuse(REASON_BUFFER, _buffer_full(budget.limit))
+        else:
+            self._held += size
+            self._queue.put_nowait((reply, size))
 
-    async def close(self) -> None:
-        await self._queue.put(None)
+    def _refuse(self, reason: str, message: str) -> None:
+        self.refused = pb.Status(code=pb.TOO_MANY_REQUESTS, message=message)
+        self._edge.metrics.refused("Telemetry", reason)
+        log.info("Telemetry stream refused: %s", message)
+        self._queue.put_nowait(None)  # a writer waiting for the next reply ends the stream at once
+
+    def close(self) -> None:
+        self._queue.put_nowait(None)
 
     async def get(self) -> spb.TelemetryCommand | None:
         """The next reply to write (the previous one was written), None once the stream ends."""
