@@ -2,14 +2,16 @@
 
 Four runs against one real broker process (raw grpc.aio stubs, no official client):
 
-* ``spread``: POLLS ReceiveMessage long polls parked at once, spread over clients and connections so that no
-  cap refuses them (50 per client id, 250 per connection): bytes per parked poll = RSS delta / POLLS, then the
-  RSS still held once they ended (after a heap trim).
-* ``flood``: FLOOD long polls from one client id on one connection (issue 26: 10,000): how many were refused
+* polls spread: 2,000 ReceiveMessage long polls parked at once, spread so that no cap refuses them (50 per
+  client id, 250 per connection): bytes per parked poll = RSS delta / polls, then the RSS still held once
+  they ended (after a heap trim).
+* polls flood: 10,000 long polls from one client id on one connection (issue 26): how many were refused
   (TOO_MANY_REQUESTS), the peak RSS, and what stays after.
-* ``telemetry``: STREAMS Telemetry streams that push large settings frames and never read their replies,
-  spread over client ids and connections: peak RSS, bytes per stream, what stays after.
-* ``telemetry-flood``: the same from one client id on one connection: refused streams and peak RSS.
+* telemetry idle: 300 streams that send their settings once and read the reply (as official clients do):
+  bytes per open stream.
+* telemetry never reading: 300 streams that push 160 KiB settings frames and never read their replies,
+  one per client id over 10 connections, then 300 from one client id on one connection: refused streams,
+  peak RSS, what stays after.
 
 ``--broker-path DIR`` runs the broker from another checkout (its ``broker/`` folder on PYTHONPATH), to measure
 the code before a change. Prints ``FIGURE`` lines.
@@ -26,7 +28,6 @@ import contextlib
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Final
@@ -85,30 +86,43 @@ async def settled(broker: BrokerProcess, limit_s: float = 60.0) -> tuple[int, in
     return rss(broker), peak
 
 
-async def one_poll(stub: service_pb2_grpc.MessagingServiceAsyncStub, client_id: str, outcomes: Counter[str]) -> None:
+def connections(broker: BrokerProcess, count: int) -> list[grpc.aio.Channel]:
+    """``count`` channels, each on a TCP connection of its own (channels to one target otherwise share one)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    return [grpc.aio.insecure_channel(broker.endpoint, options=options) for _ in range(count)]
+
+
+def stubs(opened: list[grpc.aio.Channel], clients: int) -> list[service_pb2_grpc.MessagingServiceAsyncStub]:
+    """One stub per client, the clients spread over the connections."""
+    return [service_pb2_grpc.MessagingServiceStub(opened[c % len(opened)]) for c in range(clients)]
+
+
+def refusals(broker: BrokerProcess, rpc: str) -> float:
+    """``lmq_calls_refused_total`` of ``rpc``, every reason (0 on a broker without the caps)."""
+    prefix = "lmq_calls_refused_total{"
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix) and f'rpc="{rpc}"' in line)
+
+
+async def one_poll(stub: service_pb2_grpc.MessagingServiceAsyncStub, client_id: str) -> None:
     call = stub.ReceiveMessage(poll_request(), metadata=headers(client_id), timeout=POLL_S + 10)
-    try:
-        async for frame in call:
-            if frame.HasField("status"):
-                outcomes[pb.Code.Name(frame.status.code)] += 1
-    except grpc.aio.AioRpcError as exc:
-        outcomes[f"grpc {exc.code().name}"] += 1
-    except asyncio.CancelledError:
-        outcomes["parked"] += 1
-        raise
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for _ in call:
+            pass
 
 
 async def poll_flood(broker: BrokerProcess, channels: int, clients: int, per_client: int) -> dict[str, float]:
     """``clients`` x ``per_client`` polls over ``channels`` connections; RSS figures while parked and after."""
-    before = rss(broker)
-    opened = [grpc.aio.insecure_channel(broker.endpoint) for _ in range(channels)]
-    outcomes: Counter[str] = Counter()
-    tasks = []
-    for c in range(clients):
-        stub: service_pb2_grpc.MessagingServiceAsyncStub = service_pb2_grpc.MessagingServiceStub(opened[c % channels])
-        tasks += [asyncio.create_task(one_poll(stub, f"poll-{c}", outcomes)) for _ in range(per_client)]
+    before, refused_before = rss(broker), refusals(broker, "ReceiveMessage")
+    opened = connections(broker, channels)
+    tasks = [
+        asyncio.create_task(one_poll(stub, f"poll-{c}"))
+        for c, stub in enumerate(stubs(opened, clients))
+        for _ in range(per_client)
+    ]
     parked, peak = await settled(broker)
-    refused = outcomes.get("TOO_MANY_REQUESTS", 0)
+    refused = refusals(broker, "ReceiveMessage") - refused_before
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -124,33 +138,42 @@ async def held(broker: BrokerProcess) -> int:
     return (await settled(broker))[0]
 
 
-async def settings_frames(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryCommand]:
-    settings = pb.Settings(
-        client_type=pb.PRODUCER, publishing=pb.Publishing(), user_agent=pb.UA(hostname="h" * SETTINGS_BYTES)
-    )
-    while not stop.is_set():
+async def settings_frames(stop: asyncio.Event, flood: bool) -> AsyncIterator[spb.TelemetryCommand]:
+    """A consumer's settings once (an idle client), or 160 KiB settings frames as fast as they are taken."""
+    hostname = "h" * (SETTINGS_BYTES if flood else 16)
+    settings = pb.Settings(client_type=pb.PRODUCER, publishing=pb.Publishing(), user_agent=pb.UA(hostname=hostname))
+    yield spb.TelemetryCommand(settings=settings)
+    while flood and not stop.is_set():
         yield spb.TelemetryCommand(settings=settings)
         await asyncio.sleep(0)
+    await stop.wait()
 
 
-async def telemetry_flood(broker: BrokerProcess, channels: int, clients: int, per_client: int) -> dict[str, float]:
-    before = rss(broker)
-    opened = [grpc.aio.insecure_channel(broker.endpoint) for _ in range(channels)]
+async def read_all(call: grpc.aio.StreamStreamCall[spb.TelemetryCommand, spb.TelemetryCommand]) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for _ in call:
+            pass
+
+
+async def telemetry_flood(
+    broker: BrokerProcess, channels: int, clients: int, per_client: int, flood: bool
+) -> dict[str, float]:
+    """``flood``: streams that push 160 KiB frames and never read; else idle streams that read their replies."""
+    before, refused_before = rss(broker), refusals(broker, "Telemetry")
+    opened = connections(broker, channels)
     stop = asyncio.Event()
-    calls = []
-    for c in range(clients):
-        stub: service_pb2_grpc.MessagingServiceAsyncStub = service_pb2_grpc.MessagingServiceStub(opened[c % channels])
-        calls += [stub.Telemetry(settings_frames(stop), metadata=headers(f"tele-{c}")) for _ in range(per_client)]
-    refused = 0
-    waiting = [asyncio.create_task(call.code()) for call in calls]
+    calls = [
+        stub.Telemetry(settings_frames(stop, flood), metadata=headers(f"tele-{c}"))
+        for c, stub in enumerate(stubs(opened, clients))
+        for _ in range(per_client)
+    ]
+    readers = [] if flood else [asyncio.create_task(read_all(call)) for call in calls]
     parked, peak = await settled(broker)
-    for task in waiting:
-        if task.done() and task.result() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            refused += 1
+    refused = refusals(broker, "Telemetry") - refused_before
     stop.set()
     for call in calls:
         call.cancel()
-    await asyncio.gather(*waiting, return_exceptions=True)
+    await asyncio.gather(*readers, return_exceptions=True)
     for channel in opened:
         await channel.close(None)
     after = await held(broker)
@@ -178,10 +201,14 @@ def report(name: str, got: dict[str, float], unit_name: str) -> None:
 
 async def run(broker: BrokerProcess, quick: bool) -> None:
     scale = 5 if quick else 1
-    report("spread polls", await poll_flood(broker, 8, 40 // scale, 50), "poll")
-    report("flood polls (1 client, 1 connection)", await poll_flood(broker, 1, 1, 10_000 // scale), "poll")
-    report("telemetry streams (spread)", await telemetry_flood(broker, 10, 50 // scale, 2), "stream")
-    report("telemetry flood (1 client, 1 connection)", await telemetry_flood(broker, 1, 1, 300 // scale), "stream")
+    report("polls spread (50 per client id, 250 per connection)", await poll_flood(broker, 8, 40 // scale, 50), "poll")
+    report("polls flood (1 client id, 1 connection)", await poll_flood(broker, 1, 1, 10_000 // scale), "poll")
+    idle = await telemetry_flood(broker, 10, 300 // scale, 1, flood=False)
+    report("telemetry idle (reading, 1 per client id)", idle, "stream")
+    never = await telemetry_flood(broker, 10, 300 // scale, 1, flood=True)
+    report("telemetry never reading (1 per client id, 10 connections)", never, "stream")
+    one = await telemetry_flood(broker, 1, 1, 300 // scale, flood=True)
+    report("telemetry never reading (1 client id, 1 connection)", one, "stream")
     print("metrics:", parked_gauge(broker), flush=True)
 
 

@@ -208,7 +208,11 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             async for frame in telemetry.handle(self.edge, request_iterator, caller):
                 yield frame
         except telemetry.SettingsRefused as refused:
-            await context.abort(status.grpc_status_of(refused.status.code), status.describe(refused.status))
+            # The status is set and the handler returns, rather than ``context.abort``: grpc keeps the exception
+            # abort raises on the call, tied in a reference cycle with every frame of the stream and what they
+            # hold, until a full garbage collection.
+            context.set_code(status.grpc_status_of(refused.status.code))
+            context.set_details(status.describe(refused.status))
         except Exception as exc:
             if status.code_of(exc) == pb.INTERNAL_ERROR:
                 log.exception("Telemetry failed")

@@ -192,7 +192,11 @@ class _Replies:
         return reply
 
     def release(self) -> None:
-        """The stream ended: what it held is given back (its replies die with it)."""
+        """The stream ended: what it held is given back, and its replies dropped here rather than left to the
+        garbage collector (the exception that ended a stream can tie its frames, and this, into a reference
+        cycle that only a full collection frees)."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
         self._release(self._held)
 
     def _release(self, size: int) -> None:
