@@ -128,7 +128,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def ReceiveMessage(
         self, request: spb.ReceiveMessageRequest, context: Context
     ) -> AsyncIterator[spb.ReceiveMessageResponse]:
-        started = time.perf_counter()
+        started: float | None = time.perf_counter()
         code: int = pb.OK
         parked: tuple[str, str] | None = None
         try:
@@ -136,9 +136,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             if caller.client_id and _waits(request):
                 parked = (caller.client_id, context.peer())
                 refused = self._park_poll(*parked)
-                if refused is not None:
-                    parked = None
-                    code = refused.code
+                if refused is not None:  # counted in lmq_calls_refused_total, not as a call served
+                    parked, started = None, None
                     yield spb.ReceiveMessageResponse(status=refused)
                     return
             cluster = self.edge.cluster
@@ -158,7 +157,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         finally:
             if parked is not None:
                 self.edge.polls.leave(*parked)
-            self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
+            if started is not None:
+                self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
 
     def _park_poll(self, client_id: str, peer: str) -> pb.Status | None:
         """Count one long poll of ``client_id`` on ``peer`` as parked; or, beyond a cap, the TOO_MANY_REQUESTS
