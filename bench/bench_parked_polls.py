@@ -13,8 +13,9 @@ Four runs against one real broker process (raw grpc.aio stubs, no official clien
   one per client id over 10 connections, then 300 from one client id on one connection: refused streams,
   peak RSS, what stays after.
 
-``--broker-path DIR`` runs the broker from another checkout (its ``broker/`` folder on PYTHONPATH), to measure
-the code before a change. Prints ``FIGURE`` lines.
+The broker runs from the checkout this script imports ``lmq_broker`` from (``start_broker`` puts that on the
+broker's PYTHONPATH): ``PYTHONPATH=<other checkout>/broker python bench/bench_parked_polls.py`` measures another
+checkout, such as the code before a change. Prints ``FIGURE`` lines.
 
     python bench/bench_parked_polls.py            # ~1-2 min
     python bench/bench_parked_polls.py --quick    # smoke run (fewer polls and streams)
@@ -215,11 +216,9 @@ async def run(broker: BrokerProcess, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--broker-path", type=Path, help="run the broker from this checkout (its broker/ folder)")
     args = parser.parse_args()
-    env = {"PYTHONPATH": str(args.broker_path / "broker")} if args.broker_path else None
     flags = ["--heap-trim-interval-ms", "1000", "--long-polling-timeout-ms", str(POLL_S * 1000)]
-    with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "data", extra_args=flags, env=env) as broker:
+    with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "data", extra_args=flags) as broker:
         asyncio.run(run(broker, args.quick))
 
 
