@@ -77,6 +77,7 @@ class Metrics:
             "Calls answered at once without being run (v2 TOO_MANY_REQUESTS or gRPC RESOURCE_EXHAUSTED), by RPC "
             "and reason (overload: --max-concurrent-calls were running; per_client, per_connection: the client id or "
             "the connection had --max-polls-per-* long polls parked or --max-telemetry-streams-per-* streams open; "
+            "unread: a Telemetry stream's client left --telemetry-stream-buffer-bytes of replies unread; "
             "telemetry_buffer: --telemetry-buffer-bytes of Telemetry replies were waiting to be read)",
             ["rpc", "reason"],
             registry=self.registry,
