@@ -62,6 +62,18 @@ HELP: Final[dict[str, str]] = {
     "--tls-cert itself, for a self-signed certificate)",
     "tls_server_name": "the name peers' certificates are checked against (default: the host dialled)",
     "max_concurrent_calls": "calls running at once; beyond it a call is answered TOO_MANY_REQUESTS (0: no cap)",
+    "max_polls_per_client": "ReceiveMessage long polls one client id may have parked at once; beyond it a poll is "
+    "answered TOO_MANY_REQUESTS (0: no cap)",
+    "max_polls_per_connection": "ReceiveMessage long polls parked at once on one connection, whatever the client ids "
+    "(0: no cap)",
+    "max_telemetry_streams_per_client": "Telemetry streams one client id may have open; beyond it a stream is ended "
+    "RESOURCE_EXHAUSTED (0: no cap)",
+    "max_telemetry_streams_per_connection": "Telemetry streams open on one connection, whatever the client ids (0: no "
+    "cap)",
+    "telemetry_stream_buffer_bytes": "Telemetry replies one stream's client has not read yet, in bytes (each counted "
+    "as at least 256); beyond it the stream is ended (0: no cap)",
+    "telemetry_buffer_bytes": "Telemetry replies queued but not yet read by their clients, in bytes, over all streams; "
+    "beyond it new streams are refused RESOURCE_EXHAUSTED (0: no cap)",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
     "subscriptions_save_interval_ms": "write changed lite subscriptions to the data dir at most this often, so a "
     "crashed broker restores them (0: only at shutdown)",

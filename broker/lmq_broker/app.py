@@ -170,6 +170,7 @@ class Broker:
             self._saver = asyncio.create_task(saver.run(), name="lmq-save-subscriptions")
         self.metrics.watch(self.dispatcher)
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
+        self.metrics.watch_parking(edge.polls, edge.streams, edge.telemetry_buffer)
         cluster = self.cluster = setup.Cluster(
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
         )

@@ -58,6 +58,16 @@ class BrokerConfig(BaseModel):
     # Calls running at once (unary calls and admin streams; long polls and telemetry streams are only
     # refused at their start, docs/protocol.md); beyond it a call is answered TOO_MANY_REQUESTS. 0: no cap.
     max_concurrent_calls: int = Field(default=1000, ge=0)
+    # Calls that wait hold no such slot, so they have caps of their own (docs/security.md, "Resource caps"):
+    # ReceiveMessage long polls parked at once per client id and per connection, Telemetry streams open per client
+    # id and per connection, and the bytes of Telemetry replies queued, not yet read, per stream (beyond it the
+    # stream is ended) and in all streams (beyond it new streams are refused). 0: no cap.
+    max_polls_per_client: int = Field(default=64, ge=0)
+    max_polls_per_connection: int = Field(default=1024, ge=0)
+    max_telemetry_streams_per_client: int = Field(default=8, ge=0)
+    max_telemetry_streams_per_connection: int = Field(default=1024, ge=0)
+    telemetry_stream_buffer_bytes: int = Field(default=256 * 1024, ge=0)  # one stream's replies unread
+    telemetry_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
     # Lite subscriptions written to the data dir while the broker runs (dispatch/saved_subscriptions.py), so a
     # SIGKILL loses at most this long of changes; 0: only at shutdown.

@@ -36,6 +36,12 @@ EXPECTED = {
         "FIGURE MQTT 5 publish->subscribe latency p50:",
         "FIGURE MQTT 5 publish->subscribe rate QoS 1:",
     ],
+    "bench_parked_polls.py": [
+        "FIGURE polls spread (50 per client id, 250 per connection): bytes per accepted poll:",
+        "FIGURE polls flood (1 client id, 1 connection): poll sent / refused:",
+        "FIGURE telemetry idle (reading, 1 per client id): bytes per accepted stream:",
+        "FIGURE telemetry never reading (1 per client id, 10 connections): RSS before / parked / peak:",
+    ],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],

@@ -11,9 +11,10 @@ TooManyRequestsException), or gRPC RESOURCE_EXHAUSTED where a call has no status
 What counts against the cap is the work in hand, not calls that wait: unary calls (v2 and admin) and
 admin streams hold a slot while they run. A ReceiveMessage long poll and a Telemetry stream are refused
 when the broker is full, but once admitted hold no slot: they spend nearly all their life waiting
-(20 s polls, telemetry streams for days), are bounded by client and subscription quotas, and a broker
-with a thousand idle consumers must still take sends (RocketMQ likewise parks long polls apart from its
-request executors, and answers TOO_MANY_REQUESTS only when that polling is full).
+(20 s polls, telemetry streams for days), are bounded by caps of their own per client id and per
+connection (``protocol.parking``), and a broker with a thousand idle consumers must still take sends
+(RocketMQ likewise parks long polls apart from its request executors, and answers TOO_MANY_REQUESTS only
+when that polling is full).
 
 A counter, not a semaphore: every call runs on the one event loop, so admitting is an integer compare.
 """

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.protocol import convert
+from lmq_broker.protocol import convert, parking
 from lmq_broker.protocol.calls import ClusterCalls
 from lmq_broker.protocol.connections import Connections
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -24,6 +24,17 @@ class Edge:
     cluster: ClusterCalls | None = None  # in a cluster (docs/scale-out.md; set by cluster.setup); None: alone
     external_port: int = 0  # the external listener's bound port (--external-port), 0 without one
     external_address: str = ""  # this lone broker's external host:port (cluster.external), empty: none given
+    polls: parking.Parking = field(init=False)  # ReceiveMessage long polls parked, by client id and connection
+    streams: parking.Parking = field(init=False)  # Telemetry streams open, by client id and connection
+    telemetry_buffer: parking.Budget = field(init=False)  # bytes of Telemetry replies not yet read, in all
+
+    def __post_init__(self) -> None:
+        config = self.config
+        self.polls = parking.Parking("long polls", config.max_polls_per_client, config.max_polls_per_connection)
+        self.streams = parking.Parking(
+            "Telemetry streams", config.max_telemetry_streams_per_client, config.max_telemetry_streams_per_connection
+        )
+        self.telemetry_buffer = parking.Budget(config.telemetry_buffer_bytes)
 
     def endpoints(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> pb.Endpoints:
         """Where clients should call this broker: the configured advertised host, else the address the

@@ -15,6 +15,7 @@ from lmq_broker.dispatch import lag
 from lmq_broker.dispatch.appender import AppendStats
 from lmq_broker.dispatch.delivery import ReadyWaits
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol.parking import Budget, Parking
 from lmq_broker.storage.api import FaultStats
 from lmq_broker.storage.store import LmqStore
 
@@ -75,7 +76,10 @@ class Metrics:
         self.calls_refused = Counter(
             "lmq_calls_refused",
             "Calls answered at once without being run (v2 TOO_MANY_REQUESTS or gRPC RESOURCE_EXHAUSTED), by RPC "
-            "and reason (overload: --max-concurrent-calls were running)",
+            "and reason (overload: --max-concurrent-calls were running; per_client, per_connection: the client id or "
+            "the connection had --max-polls-per-* long polls parked or --max-telemetry-streams-per-* streams open; "
+            "unread: a Telemetry stream's client left --telemetry-stream-buffer-bytes of replies unread; "
+            "telemetry_buffer: --telemetry-buffer-bytes of Telemetry replies were waiting to be read)",
             ["rpc", "reason"],
             registry=self.registry,
         )
@@ -125,6 +129,17 @@ class Metrics:
         self.registry.register(_AppendCollector(dispatcher.append_stats))
         board = lag.LagBoard(dispatcher.store, dispatcher.registry.clients, asyncio.get_running_loop(), dispatcher.run)
         self.registry.register(_LagCollector(board))
+
+    def watch_parking(self, polls: Parking, streams: Parking, buffered: Budget) -> None:
+        """Calls that wait, read at scrape time."""
+        gauges = (
+            ("lmq_parked_polls", "ReceiveMessage long polls parked now", lambda: polls.total),
+            ("lmq_telemetry_streams", "Telemetry streams open now", lambda: streams.total),
+            ("lmq_telemetry_buffered_bytes", "Bytes of Telemetry replies queued for clients that have not read them "
+             "yet (at most --telemetry-buffer-bytes)", lambda: buffered.used),
+        )  # fmt: skip
+        for name, doc, read in gauges:
+            Gauge(name, doc, registry=self.registry).set_function(read)
 
     def watch_store(self, store: LmqStore) -> None:
         """Damage the store stepped over, and index rebuilds, read at scrape time."""

@@ -57,6 +57,12 @@ Req = TypeVar("Req", bound=pb_message.Message)
 Resp = TypeVar("Resp", bound=pb_message.Message)
 
 
+def _waits(request: spb.ReceiveMessageRequest) -> bool:
+    """Whether a receive may park: all do but those that ask not to wait (a cluster peer's gathering calls)."""
+    timeout = request.long_polling_timeout
+    return not request.HasField("long_polling_timeout") or timeout.seconds > 0 or timeout.nanos > 0
+
+
 class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     """``external``: the service of the external listener (``--external-port``), whose routes and assignments
     name the brokers by their external addresses; every other call is served exactly as on the internal one."""
@@ -127,10 +133,18 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def ReceiveMessage(
         self, request: spb.ReceiveMessageRequest, context: Context
     ) -> AsyncIterator[spb.ReceiveMessageResponse]:
-        started = time.perf_counter()
+        started: float | None = time.perf_counter()
         code: int = pb.OK
+        parked: tuple[str, str] | None = None
         try:
             caller = Caller.of(context.invocation_metadata())
+            if caller.client_id and _waits(request):
+                parked = (caller.client_id, context.peer())
+                refused = self._park_poll(*parked)
+                if refused is not None:  # counted in lmq_calls_refused_total, not as a call served
+                    parked, started = None, None
+                    yield spb.ReceiveMessageResponse(status=refused)
+                    return
             cluster = self.edge.cluster
             if cluster is not None:
                 frames = cluster.receive(request, caller, context.invocation_metadata, context.time_remaining())
@@ -149,7 +163,21 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
                 self.refusals.note("ReceiveMessage", refused.code, refused.message)
             yield spb.ReceiveMessageResponse(status=refused)
         finally:
-            self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
+            if parked is not None:
+                self.edge.polls.leave(*parked)
+            if started is not None:
+                self.edge.metrics.observe("ReceiveMessage", code, time.perf_counter() - started)
+
+    def _park_poll(self, client_id: str, peer: str) -> pb.Status | None:
+        """Count one long poll of ``client_id`` on ``peer`` as parked; or, beyond a cap, the TOO_MANY_REQUESTS
+        status it is answered with (as the official clients read a throttled receive: TooManyRequestsException,
+        then a retry after their backoff), counted."""
+        polls = self.edge.polls
+        reason = polls.admit(client_id, peer)
+        if reason is None:
+            return None
+        self.edge.metrics.refused("ReceiveMessage", reason)
+        return pb.Status(code=pb.TOO_MANY_REQUESTS, message=polls.refusal(reason, client_id))
 
     @override
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:
@@ -188,7 +216,11 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             async for frame in telemetry.handle(self.edge, request_iterator, caller):
                 yield frame
         except telemetry.SettingsRefused as refused:
-            await context.abort(status.grpc_status_of(refused.status.code), status.describe(refused.status))
+            # The status is set and the handler returns, rather than ``context.abort``: grpc keeps the exception
+            # abort raises on the call, tied in a reference cycle with every frame of the stream and what they
+            # hold, until a full garbage collection.
+            context.set_code(status.grpc_status_of(refused.status.code))
+            context.set_details(status.describe(refused.status))
         except Exception as exc:
             if status.code_of(exc) == pb.INTERNAL_ERROR:
                 log.exception("Telemetry failed")

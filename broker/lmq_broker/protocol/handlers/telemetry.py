@@ -5,12 +5,17 @@ unconditionally (a missing ``lite_subscription_quota`` or ``max_body_size`` read
 subscribe or send fail locally), so the reply always carries every field the client type reads. When the
 last stream of a client closes, the client is removed with all its subscriptions (the proxy does the
 same with COMPLETE_REMOVE).
+
+A stream holds no admission slot (it lives as long as its client), so streams have caps of their own
+(``protocol.parking``): per client id and per connection, and the bytes of replies queued for clients that
+have not read them, over all streams (``--telemetry-buffer-bytes``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from typing import Final
 
@@ -28,13 +33,20 @@ PRODUCER_MAX_ATTEMPTS: Final = 3  # proxy grpcClientProducerMaxAttempts, backoff
 PRODUCER_BACKOFF_INITIAL_MS: Final = 10
 PRODUCER_BACKOFF_MAX_MS: Final = 1000
 LITE_TYPES: Final = (pb.LITE_PUSH_CONSUMER, pb.LITE_SIMPLE_CONSUMER)
-# Replies not yet written to the client. A client that sends but never reads fills it; the stream then stops
-# reading the client's frames, and HTTP/2 flow control holds the client back: memory stays bounded.
-REPLY_BACKLOG: Final = 8
+# Replies not yet written to the client are held for it up to --telemetry-stream-buffer-bytes, each charged at
+# least REPLY_MIN_CHARGE_BYTES (so tiny notices are bounded in number too); a client that sends but never reads
+# reaches that, and its stream is refused. Its frames are still read (and dropped) after that: a stream that
+# stopped reading would leave grpc core to buffer them, unread, up to the flow-control window, which its
+# bandwidth probe grows to megabytes per stream (measured: ~8.6 MiB per never-reading stream).
+REPLY_MIN_CHARGE_BYTES: Final = 256
+REASON_UNREAD: Final = "unread"  # lmq_calls_refused_total's reason: --telemetry-stream-buffer-bytes unread
+REASON_BUFFER: Final = "telemetry_buffer"  # lmq_calls_refused_total's reason: --telemetry-buffer-bytes were full
 
 
 class SettingsRefused(Exception):
-    """The client's settings were refused (status frame sent); the stream then ends with a gRPC error.
+    """The client's settings were refused, or the stream itself (beyond a cap of streams or of Telemetry
+    buffering: TOO_MANY_REQUESTS); the status frame is sent, then the stream ends with a gRPC error
+    (RESOURCE_EXHAUSTED for TOO_MANY_REQUESTS, ``status.grpc_status_of``).
 
     Clients read a refusal differently: Node reports the status frame; Java ignores a frame without
     settings but fails its start on a stream error, whose message names the v2 code."""
@@ -50,26 +62,62 @@ async def handle(
     """Two sources feed the stream: replies to the client's commands, and server notices (a lite topic an
     exclusive group gave to another client: NotifyUnsubscribeLiteCommand)."""
     client_id = caller.require_client_id()
+    refused = _admit(edge, client_id, caller.peer)
+    if refused is not None:
+        yield spb.TelemetryCommand(status=refused)
+        raise SettingsRefused(refused)
+    try:
+        async for frame in _serve(edge, requests, caller, client_id):
+            yield frame
+    finally:
+        edge.streams.leave(client_id, caller.peer)
+
+
+def _admit(edge: Edge, client_id: str, peer: str) -> pb.Status | None:
+    """Open one stream of ``client_id`` on ``peer``; or, beyond a cap of streams or while the broker's
+    Telemetry replies waiting to be read fill ``--telemetry-buffer-bytes``, the refusal (counted)."""
+    buffered = edge.telemetry_buffer
+    if buffered.full:
+        reason, message = REASON_BUFFER, _buffer_full(buffered.limit)
+    else:
+        found = edge.streams.admit(client_id, peer)
+        if found is None:
+            return None
+        reason, message = found, edge.streams.refusal(found, client_id)
+    edge.metrics.refused("Telemetry", reason)
+    log.info("Telemetry stream of client %s on %s refused: %s", client_id, peer, message)
+    return pb.Status(code=pb.TOO_MANY_REQUESTS, message=message)
+
+
+def _buffer_full(limit: int) -> str:
+    return f"Telemetry replies not yet read by their clients fill this broker's buffer ({limit} bytes); retry later"
+
+
+async def _serve(
+    edge: Edge, requests: AsyncIterator[spb.TelemetryCommand], caller: Caller, client_id: str
+) -> AsyncIterator[spb.TelemetryCommand]:
     notices = edge.dispatcher.stream_opened(client_id)
     edge.connections.opened(client_id, caller.peer)
-    out: asyncio.Queue[spb.TelemetryCommand | None] = asyncio.Queue(maxsize=REPLY_BACKLOG)
+    out = _Replies(edge)
 
     async def answer() -> None:
         try:
             async for command in requests:
+                if out.refused is not None:
+                    continue  # drained, unanswered, so that grpc core does not buffer them (module notes)
                 if command.WhichOneof("command") == "settings":
                     reply = await settings_reply(edge, command.settings, caller)
-                    await out.put(reply)
+                    out.put(reply)
                     if reply.status.code != pb.OK:
                         raise SettingsRefused(reply.status)
                 # thread_stack_trace / verify_message_result answer commands we never send: ignored.
         finally:
-            await out.put(None)
+            out.close()
 
     async def relay() -> None:
-        while True:
+        while out.refused is None:
             lite = await notices.get()
-            await out.put(
+            out.put(
                 spb.TelemetryCommand(notify_unsubscribe_lite_command=spb.NotifyUnsubscribeLiteCommand(lite_topic=lite))
             )
 
@@ -78,13 +126,82 @@ async def handle(
     try:
         while (frame := await out.get()) is not None:
             yield frame
+        if out.refused is not None:
+            raise SettingsRefused(out.refused)
         await answering  # re-raise what ended the client's side, if anything did
     finally:
         for task in (answering, relaying):
             task.cancel()
         await asyncio.gather(answering, relaying, return_exceptions=True)
+        out.release()
         edge.connections.closed(client_id, caller.peer)
         edge.dispatcher.stream_closed(client_id)
+
+
+class _Replies:
+    """One stream's replies not yet written, their bytes held from ``put`` until written, against the stream's
+    cap (``--telemetry-stream-buffer-bytes``) and the broker's (``--telemetry-buffer-bytes``). A reply beyond
+    either refuses the stream, counted: it is dropped, as are all later ones, and the stream ends with
+    RESOURCE_EXHAUSTED (TOO_MANY_REQUESTS) once its writer is free. A client that reads nothing keeps the
+    writer waiting on flow control (grpc.aio can neither cancel a server call nor send a status behind unsent
+    data); the stream then lingers, still counted against the caps, holding what it held, until the client
+    goes, and its frames are read and dropped meanwhile."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._queue: asyncio.Queue[tuple[spb.TelemetryCommand, int] | None] = asyncio.Queue()  # bounded by bytes
+        self._edge = edge
+        self._limit = edge.config.telemetry_stream_buffer_bytes or sys.maxsize
+        self._held = 0
+        self._writing = 0
+        self.refused: pb.Status | None = None
+
+    def put(self, reply: spb.TelemetryCommand) -> None:
+        """Queue ``reply``, unless the stream was refused or this refuses it (then ``refused`` is set)."""
+        if self.refused is not None:
+            return
+        size = max(reply.ByteSize(), REPLY_MIN_CHARGE_BYTES)
+        budget = self._edge.telemetry_buffer
+        if self._held + size > self._limit:
+            self._refuse(REASON_UNREAD, f"the client has not read {self._held} bytes of replies; at most "
+                         f"{self._limit} are kept for a stream")  # fmt: skip
+        elif not budget.take(size):
+            self._refuse(REASON_BUFFER, _buffer_full(budget.limit))
+        else:
+            self._held += size
+            self._queue.put_nowait((reply, size))
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self.refused = pb.Status(code=pb.TOO_MANY_REQUESTS, message=message)
+        self._edge.metrics.refused("Telemetry", reason)
+        log.info("Telemetry stream refused: %s", message)
+        self._queue.put_nowait(None)  # a writer waiting for the next reply ends the stream at once
+
+    def close(self) -> None:
+        self._queue.put_nowait(None)
+
+    async def get(self) -> spb.TelemetryCommand | None:
+        """The next reply to write (the previous one was written), None once the stream ends."""
+        self._release(self._writing)
+        self._writing = 0
+        if self.refused is not None:
+            return None
+        item = await self._queue.get()
+        if item is None or self.refused is not None:
+            return None
+        reply, self._writing = item
+        return reply
+
+    def release(self) -> None:
+        """The stream ended: what it held is given back, and its replies dropped here rather than left to the
+        garbage collector (the exception that ended a stream can tie its frames, and this, into a reference
+        cycle that only a full collection frees)."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._release(self._held)
+
+    def _release(self, size: int) -> None:
+        self._held -= size
+        self._edge.telemetry_buffer.give(size)
 
 
 async def settings_reply(edge: Edge, settings: pb.Settings, caller: Caller) -> spb.TelemetryCommand:

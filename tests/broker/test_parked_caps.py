@@ -1,0 +1,289 @@
+"""Calls that wait are capped per client id and per connection (issue 26, items 3 and 4), on a real broker
+process with raw grpc.aio stubs: long polls beyond a cap are answered TOO_MANY_REQUESTS, Telemetry streams
+beyond one are ended RESOURCE_EXHAUSTED naming TOO_MANY_REQUESTS, each refusal counted; polls under the cap
+still deliver; RSS stays bounded under floods. Before the caps, 10,000 polls from one client on one
+connection were all parked (+242 MiB) and 300 Telemetry streams that never read held 893 MiB."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import grpc
+import psutil
+import pytest
+
+from lmq_broker.protocol import parking
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.testing import BrokerProcess, start_broker
+
+if TYPE_CHECKING:  # only in the type stubs
+    from lmq_broker.protocol.gen.apache.rocketmq.v2.service_pb2_grpc import MessagingServiceAsyncStub as Stub
+
+MiB: Final = 1024 * 1024
+PARENT, GROUP = "AGENT_TASK_NS", "executor-group"
+
+
+def headers(client_id: str) -> tuple[tuple[str, str], ...]:
+    return (("x-mq-client-id", client_id), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
+
+
+def connection(broker: BrokerProcess) -> tuple[grpc.aio.Channel, Stub]:
+    """A channel on a TCP connection of its own (channels to one target otherwise share one)."""
+    channel = grpc.aio.insecure_channel(broker.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
+    stub: Stub = service_pb2_grpc.MessagingServiceStub(channel)
+    return channel, stub
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    flags = [
+        "--max-polls-per-client", "4", "--max-polls-per-connection", "6",
+        "--max-telemetry-streams-per-client", "2", "--max-telemetry-streams-per-connection", "3",
+    ]  # fmt: skip
+    with start_broker(tmp_path / "data", extra_args=flags) as started:
+        yield started
+
+
+def metric(broker: BrokerProcess, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    for line in lines:
+        if line.split(" ")[0] == wanted:
+            return float(line.split(" ")[1])
+    return 0.0
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def poll_request(wait_s: int = 20) -> spb.ReceiveMessageRequest:
+    request = spb.ReceiveMessageRequest(
+        group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
+        batch_size=8, auto_renew=True,
+    )  # fmt: skip
+    request.long_polling_timeout.seconds = wait_s
+    return request
+
+
+async def poll(stub: Stub, client_id: str, wait_s: int = 20) -> list[spb.ReceiveMessageResponse]:
+    return [frame async for frame in stub.ReceiveMessage(poll_request(wait_s), metadata=headers(client_id), timeout=30)]
+
+
+def code_of(frames: list[spb.ReceiveMessageResponse]) -> str:
+    return pb.Code.Name(next(frame.status.code for frame in frames if frame.HasField("status")))
+
+
+async def parked(broker: BrokerProcess, count: int) -> None:
+    await until(lambda: metric(broker, "lmq_parked_polls") == count)
+
+
+@pytest.mark.asyncio
+async def test_long_polls_beyond_a_cap_are_refused_too_many_requests_and_counted(broker: BrokerProcess) -> None:
+    one, stub = connection(broker)
+    other, other_stub = connection(broker)
+    async with one, other:
+        held = [asyncio.create_task(poll(stub, "a")) for _ in range(4)]
+        await parked(broker, 4)
+        assert code_of(await poll(stub, "a")) == "TOO_MANY_REQUESTS"  # its client id's cap (4)
+        assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="ReceiveMessage") == 1
+        held += [asyncio.create_task(poll(stub, "b")) for _ in range(2)]
+        await parked(broker, 6)
+        assert code_of(await poll(stub, "c")) == "TOO_MANY_REQUESTS"  # the connection's cap (6), a fresh id
+        assert metric(broker, "lmq_calls_refused_total", reason="per_connection", rpc="ReceiveMessage") == 1
+        assert code_of(await poll(other_stub, "c", wait_s=1)) == "MESSAGE_NOT_FOUND"  # another connection parks
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        await parked(broker, 0)  # a cancelled poll gives its place back
+        assert code_of(await poll(stub, "a", wait_s=1)) == "MESSAGE_NOT_FOUND"
+
+
+@pytest.mark.asyncio
+async def test_a_poll_that_asks_not_to_wait_is_not_counted(broker: BrokerProcess) -> None:
+    channel, stub = connection(broker)
+    async with channel:
+        held = [asyncio.create_task(poll(stub, "a")) for _ in range(4)]
+        await parked(broker, 4)
+        assert code_of(await poll(stub, "a", wait_s=0)) == "MESSAGE_NOT_FOUND"  # a cluster peer's gathering call
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_polls_under_the_cap_still_deliver_after_a_flood_was_refused(broker: BrokerProcess) -> None:
+    channel, stub = connection(broker)
+    async with channel:
+        sync = spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP), lite_topic_set=["t1"]
+        )
+        assert (await stub.SyncLiteSubscription(sync, metadata=headers("a"))).status.code == pb.OK
+        held = [asyncio.create_task(poll(stub, "a")) for _ in range(4)]
+        await parked(broker, 4)
+        flood = await asyncio.gather(*(poll(stub, "a") for _ in range(50)))
+        assert {code_of(frames) for frames in flood} == {"TOO_MANY_REQUESTS"}
+        props = pb.SystemProperties(message_id="m1", message_type=pb.LITE, lite_topic="t1", body_encoding=pb.IDENTITY)
+        message = pb.Message(topic=pb.Resource(name=PARENT), body=b"hello", system_properties=props)
+        sent = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=headers("p"))
+        assert sent.status.code == pb.OK
+        done, pending = await asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED, timeout=10)
+        assert done, "no parked poll was woken by the message"
+        frames = done.pop().result()
+        assert [f.message.body for f in frames if f.HasField("message")] == [b"hello"]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def telemetry_settings(stop: asyncio.Event, hostname_bytes: int = 16) -> AsyncIterator[spb.TelemetryCommand]:
+    settings = pb.Settings(
+        client_type=pb.PRODUCER, publishing=pb.Publishing(), user_agent=pb.UA(hostname="h" * hostname_bytes)
+    )
+    yield spb.TelemetryCommand(settings=settings)
+    await stop.wait()
+
+
+async def silent(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryCommand]:
+    """No frame: a stream refused at its start need not send one, and a Python client's write after the
+    server's status would turn that status into INTERNAL on the client's side (grpc/grpc#36066)."""
+    await stop.wait()
+    yield spb.TelemetryCommand()  # at the end of the test, when nothing reads the call any more
+
+
+async def first_reply(call: grpc.aio.StreamStreamCall[spb.TelemetryCommand, spb.TelemetryCommand]) -> str:
+    try:
+        reply: spb.TelemetryCommand = await call.read()  # type: ignore[assignment]  # EOF is not expected here
+    except grpc.aio.AioRpcError as exc:
+        return f"grpc {exc.code().name}"
+    return pb.Code.Name(reply.status.code)
+
+
+@pytest.mark.asyncio
+async def test_telemetry_streams_beyond_a_cap_are_ended_resource_exhausted_naming_the_code(
+    broker: BrokerProcess,
+) -> None:
+    one, stub = connection(broker)
+    other, other_stub = connection(broker)
+    stop = asyncio.Event()
+    async with one, other:
+        calls = [stub.Telemetry(telemetry_settings(stop), metadata=headers("a")) for _ in range(2)]
+        assert [await first_reply(call) for call in calls] == ["OK", "OK"]
+        refused = stub.Telemetry(silent(stop), metadata=headers("a"))
+        assert await first_reply(refused) == "TOO_MANY_REQUESTS"  # the status frame, then the gRPC error
+        assert await refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await refused.details()
+        assert "TOO_MANY_REQUESTS (42900)" in await refused.details()
+        assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="Telemetry") == 1
+        calls.append(stub.Telemetry(telemetry_settings(stop), metadata=headers("b")))
+        assert await first_reply(calls[-1]) == "OK"
+        crowded = stub.Telemetry(silent(stop), metadata=headers("c"))
+        assert await first_reply(crowded) == "TOO_MANY_REQUESTS"  # the connection's cap (3)
+        assert await crowded.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert metric(broker, "lmq_calls_refused_total", reason="per_connection", rpc="Telemetry") == 1
+        elsewhere = other_stub.Telemetry(telemetry_settings(stop), metadata=headers("c"))
+        assert await first_reply(elsewhere) == "OK"
+        assert metric(broker, "lmq_telemetry_streams") == 4
+        stop.set()
+        for call in [*calls, elsewhere]:
+            call.cancel()
+        await until(lambda: metric(broker, "lmq_telemetry_streams") == 0)
+        again = stub.Telemetry(telemetry_settings(asyncio.Event()), metadata=headers("a"))
+        assert await first_reply(again) == "OK"  # a closed stream gives its place back
+        again.cancel()
+
+
+def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path) -> None:
+    flood = 5000  # without the caps every one parked: ~25 KiB each, +122 MiB, and held until they end
+
+    async def run(broker: BrokerProcess) -> tuple[int, int, int, int]:
+        process = psutil.Process(broker.pid)
+        before = process.memory_info().rss
+        channel, stub = connection(broker)
+        async with channel:
+            held = [asyncio.create_task(poll(stub, "flood", wait_s=30)) for _ in range(64)]
+            await until(lambda: metric(broker, "lmq_parked_polls") == 64)
+            peak = before
+            flooding = asyncio.gather(*(poll(stub, "flood", wait_s=30) for _ in range(flood)))
+            while not flooding.done():  # the peak while the flood lands, not only what it leaves behind
+                peak = max(peak, process.memory_info().rss)
+                await asyncio.sleep(0.02)
+            refused = sum(code_of(frames) == "TOO_MANY_REQUESTS" for frames in flooding.result())
+            after = process.memory_info().rss
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+        return before, peak, after, refused
+
+    with start_broker(tmp_path / "data") as broker:  # the default caps: 64 per client id, 1024 per connection
+        before, peak, after, refused = asyncio.run(run(broker))
+        assert refused == flood
+        assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="ReceiveMessage") == flood
+    # the peak is the burst waiting in grpc core to be taken and refused (~10 KiB a call, for a moment)
+    assert (peak - before) / MiB < 90, f"RSS peaked {(peak - before) / MiB:.0f} MiB over {before / MiB:.0f} MiB"
+    assert (after - before) / MiB < 10, f"RSS stayed {(after - before) / MiB:.0f} MiB higher once refused"
+
+
+async def flooding_settings(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryCommand]:
+    """Settings frames of 160 KiB, each answered with a copy of itself, as fast as the broker takes them."""
+    settings = pb.Settings(
+        client_type=pb.PRODUCER, publishing=pb.Publishing(), user_agent=pb.UA(hostname="h" * 160 * 1024)
+    )
+    while not stop.is_set():
+        yield spb.TelemetryCommand(settings=settings)
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: Path) -> None:
+    # no cap per stream (test_memory_bounds has that one): the broker's cap is passed at a second 160 KiB reply
+    flags = ["--telemetry-stream-buffer-bytes", "0", "--telemetry-buffer-bytes", "200000"]
+    with start_broker(tmp_path / "data", extra_args=flags) as broker:
+        opened = [connection(broker) for _ in range(4)]
+        stop = asyncio.Event()
+        flooders = [
+            stub.Telemetry(flooding_settings(stop), metadata=headers(f"flood-{i}"))
+            for i, (_, stub) in enumerate(opened)
+        ]  # never read
+        buffered: list[float] = []
+
+        def refused() -> bool:
+            buffered.append(metric(broker, "lmq_telemetry_buffered_bytes"))
+            return metric(broker, "lmq_calls_refused_total", reason="telemetry_buffer", rpc="Telemetry") > 0
+
+        await until(refused)
+        assert max(buffered) <= 200_000
+        stop.set()
+        for call in flooders:
+            call.cancel()
+        await until(lambda: metric(broker, "lmq_telemetry_buffered_bytes") == 0)  # their replies went with them
+        channel, stub = connection(broker)
+        again = stub.Telemetry(telemetry_settings(asyncio.Event()), metadata=headers("fresh"))
+        assert await first_reply(again) == "OK"
+        again.cancel()
+        for opened_channel, _ in [*opened, (channel, stub)]:
+            await opened_channel.close(None)
+
+
+def test_a_full_telemetry_buffer_refuses_new_streams_until_half_of_it_is_free() -> None:
+    budget = parking.Budget(1000)
+
+    def full() -> bool:
+        return budget.full
+
+    assert budget.take(600) and not full()
+    assert not budget.take(600) and full()  # a reply refused: new streams are refused too
+    budget.give(50)
+    assert full()  # 550 held: not yet half free
+    budget.give(50)
+    assert not full() and budget.take(500)
