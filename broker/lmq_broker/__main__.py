@@ -154,7 +154,14 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "max_suspend_ms",
         "default_ready_capacity",
     ),
-    "limits": ("max_body_bytes", "max_lite_topic_size", "default_client_quota", "max_concurrent_calls"),
+    "limits": (
+        "max_body_bytes",
+        "max_lite_topic_size",
+        "default_client_quota",
+        "max_concurrent_calls",
+        "telemetry_stream_buffer_bytes",
+        "telemetry_buffer_bytes",
+    ),
     "lite-topic expiry": (),
     "cluster (docs/scale-out.md)": (
         "peers",
