@@ -370,15 +370,7 @@ class Connection:
             log.exception("mqtt client %s: the end of its session not recorded", self.client_id)
 
     async def _ended(self, task: asyncio.Task[None], what: str) -> None:
-        """Wait for ``task`` (ending with the connection): its failure logged and counted, never raised; a
-        cancellation of this wait goes on up (``asyncio.wait`` raises it, never the task's own)."""
-        await asyncio.wait([task])
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            self.server.stats.errors[stats.CONNECTION_END] += 1
-            log.error("mqtt client %s: %s failed as the connection ended", self.client_id, what, exc_info=exc)
+        await stats.wait_ended(task, f"mqtt client {self.client_id}: {what}", self.server.stats)
 
     # --- packets in ---------------------------------------------------------------------------------------------
     async def _handle(self, packet: codec.Packet) -> None:

@@ -3,12 +3,16 @@ loop (a Prometheus counter's lock would cost every connection), read at scrape t
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as _Collector
+
+log = logging.getLogger(__name__)
 
 # refusal reasons (``lmq_mqtt_refused``)
 CONNECTIONS = "connections"  # --mqtt-max-connections sockets were open
@@ -55,3 +59,15 @@ class Collector(_Collector):
             errors.add_metric([kind], self._stats.errors[kind])
         yield errors
         yield GaugeMetricFamily("lmq_mqtt_sockets", "MQTT sockets open (CONNECT or not)", value=self._sockets())
+
+
+async def wait_ended(task: asyncio.Task[None], what: str, counts: Stats) -> None:
+    """Wait for ``task``, which ends with its connection: its failure logged and counted (``CONNECTION_END``),
+    never raised. A cancellation of this wait goes on up: ``asyncio.wait`` raises it, never the task's own."""
+    await asyncio.wait([task])
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        counts.errors[CONNECTION_END] += 1
+        log.error("%s failed as the connection ended", what, exc_info=exc)
