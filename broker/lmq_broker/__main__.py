@@ -50,6 +50,8 @@ HELP: Final[dict[str, str]] = {
     "is refused as with --mqtt-max-connections",
     "mqtt_max_will_bytes": "largest MQTT will payload; a CONNECT with a larger one is refused (5.0: 0x95 packet too "
     "large, 3.1.1: 0x05 not authorized)",
+    "mqtt_max_read_bytes": "bytes of MQTT packets over 64 KiB all connections may be reading at once; a packet "
+    "beyond it ends its connection (5.0: DISCONNECT 0x97 quota exceeded)",
     "mqtt_max_will_delay_s": "longest MQTT 5 will delay; a CONNECT asking more is refused (0x97 quota exceeded)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",

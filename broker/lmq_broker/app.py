@@ -211,7 +211,10 @@ class Broker:
             owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
             self.mqtt = MqttServer(self.dispatcher, config, owners)
             self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
-            self.metrics.registry.register(mqtt_stats.Collector(self.mqtt.stats, self.mqtt.sockets_open))
+            mqtt = self.mqtt
+            self.metrics.registry.register(
+                mqtt_stats.Collector(mqtt.stats, mqtt.sockets_open, lambda: mqtt.read_budget.held)
+            )
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
             self.metrics_port = self._http.sockets[0].getsockname()[1]

@@ -53,6 +53,9 @@ class BrokerConfig(BaseModel):
     mqtt_max_connections_per_address: int = Field(default=1000, ge=1)
     mqtt_max_will_bytes: int = Field(default=64 * 1024, ge=0)
     mqtt_max_will_delay_s: int = Field(default=7 * 24 * 3600, ge=0)
+    # Bytes of large packets (over 64 KiB) all MQTT connections are reading at once; one that does not fit ends
+    # its connection (5.0: DISCONNECT 0x97)
+    mqtt_max_read_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     broker_name: str = "broker-0"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)

@@ -30,14 +30,22 @@ CAPS: Final = [
     "--mqtt-max-connections-per-address", "4",
     "--mqtt-max-will-bytes", "1024",
     "--mqtt-max-will-delay-s", "100",
+    "--mqtt-max-read-bytes", str(300 * 1024),
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+def broker_with_caps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     process = start_broker(tmp_path_factory.mktemp("caps") / "data", extra_args=CAPS)
     yield process
     assert process.stop() == 0, process.log()[-4000:]
+
+
+@pytest.fixture
+def capped(broker_with_caps: BrokerProcess) -> BrokerProcess:
+    """The capped broker once the sockets of the tests before are all closed there (each starts with none)."""
+    eventually(lambda: gauge(broker_with_caps, "lmq_mqtt_sockets") == 0, "the earlier sockets closed")
+    return broker_with_caps
 
 
 def metric(broker: BrokerProcess, name: str, label: str) -> float:
@@ -45,6 +53,14 @@ def metric(broker: BrokerProcess, name: str, label: str) -> float:
         text = answer.read().decode()
     found = re.search(rf'^{name}\{{\w+="{label}"\}} (\S+)$', text, re.MULTILINE)
     assert found is not None, f"{name}{{{label}}} not exported"
+    return float(found.group(1))
+
+
+def gauge(broker: BrokerProcess, name: str) -> float:
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found is not None, f"{name} not exported"
     return float(found.group(1))
 
 
@@ -140,7 +156,8 @@ def test_sockets_over_the_caps_are_refused_with_their_reason_code_and_counted(ca
 def test_sockets_past_the_refusals_under_way_are_closed_unanswered(capped: BrokerProcess) -> None:
     held = [dial(capped) for _ in range(4)]
     for i, sock in enumerate(held):
-        assert connack(sock, codec.Connect(f"u{i}")) is not None
+        answer = connack(sock, codec.Connect(f"u{i}"))
+        assert answer is not None and answer.code == codec.ConnectCode.ACCEPTED
     before = metric(capped, "lmq_mqtt_refused_total", "unanswered")
     refused = metric(capped, "lmq_mqtt_refused_total", "connections_per_address")
     silent = [dial(capped) for _ in range(64)]  # over the cap, saying nothing: each a refusal under way (2 s)
@@ -188,6 +205,24 @@ def test_a_connect_announced_over_its_limit_is_refused_before_its_body_is_read(c
         assert isinstance(answer, codec.ConnAck) and answer.code == Reason.PACKET_TOO_LARGE
         assert read_packet(sock) is None
     assert metric(capped, "lmq_mqtt_refused_total", "connect_too_large") == before + 1
+
+
+def test_a_large_packet_over_what_all_connections_may_be_reading_is_refused(capped: BrokerProcess) -> None:
+    parent = parent_of(capped, "Pread")
+    body = bytes(200 * 1024)  # two of them do not fit --mqtt-max-read-bytes 300 KiB
+    first = codec.encode_publish(f"{parent}/big", body, 1, 1, props=b"\x00")
+    with dial(capped) as slow, dial(capped) as other:
+        assert connack(slow, v5("slow")) is not None and connack(other, v5("other")) is not None
+        slow.sendall(first[: len(first) // 2])  # half of it: its 200 KiB are being read
+        before = metric(capped, "lmq_mqtt_refused_total", "read_bytes")
+        eventually(lambda: gauge(capped, "lmq_mqtt_read_bytes") > 0, "the first packet being read")
+        other.sendall(codec.encode_publish(f"{parent}/big2", body, 1, 1, props=b"\x00")[:1024])
+        refusal = read_packet(other, codec.LEVEL_5)
+        assert isinstance(refusal, codec.Disconnect) and refusal.reason == Reason.QUOTA_EXCEEDED, refusal
+        assert metric(capped, "lmq_mqtt_refused_total", "read_bytes") == before + 1
+        slow.sendall(first[len(first) // 2 :])  # the first one, finished, is stored
+        ack = read_packet(slow, codec.LEVEL_5)
+        assert isinstance(ack, codec.PacketId) and ack.kind == codec.PUBACK and ack.reason == Reason.SUCCESS, ack
 
 
 def rss(broker: BrokerProcess) -> int:

@@ -169,6 +169,9 @@ class Connection:
             graceful, reason, code = exc.graceful, str(exc), exc.code
         except codec.MalformedPacket as exc:
             reason, code = f"malformed packet: {exc.reason}", exc.code
+        except framing.OverBudget as exc:
+            self.server.stats.refused[stats.READ_BYTES] += 1
+            reason, code = f"refused: {exc} (--mqtt-max-read-bytes)", Reason.QUOTA_EXCEEDED
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except asyncio.CancelledError:  # the broker, not the client, ends it: no will (docs/mqtt.md)
@@ -199,7 +202,9 @@ class Connection:
         """The CONNECT (within ``CONNECT_TIMEOUT_S``, at most ``limits.connect_bytes``); None: closed first."""
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             try:
-                frame = await framing.read_frame(self.reader, limits.connect_bytes(self.config))
+                frame = await framing.read_frame(
+                    self.reader, limits.connect_bytes(self.config), self.server.read_budget
+                )
             except codec.PacketTooLarge:
                 self.server.stats.refused[stats.CONNECT_TOO_LARGE] += 1
                 with contextlib.suppress(asyncio.IncompleteReadError):  # 5.0 (read so far): answered with 0x95
@@ -296,7 +301,7 @@ class Connection:
         limit = self._max_packet_bytes()
         while True:
             try:
-                frame = await framing.read_frame(self.reader, limit, timeout)
+                frame = await framing.read_frame(self.reader, limit, self.server.read_budget, timeout)
             except TimeoutError:
                 raise Closed("keep alive timeout", code=Reason.KEEP_ALIVE_TIMEOUT) from None
             if self._failure is not None:

@@ -21,6 +21,7 @@ UNANSWERED = "unanswered"  # over a cap while too many refusals were being answe
 WILL_BYTES = "will_bytes"  # --mqtt-max-will-bytes
 WILL_DELAY = "will_delay"  # --mqtt-max-will-delay-s
 CONNECT_TOO_LARGE = "connect_too_large"  # a CONNECT over what the will cap and its other fields allow
+READ_BYTES = "read_bytes"  # a large packet over what --mqtt-max-read-bytes had left
 # failures with no client to answer (``lmq_mqtt_errors``)
 SESSION_EXPIRY_WRITE = "session_expiry_write"  # a session's end not recorded: it may expire late or early
 CONNECTION_END = "connection_end"  # a connection's publisher or settler failed as the connection ended
@@ -35,18 +36,20 @@ class Stats:
 
 
 class Collector(_Collector):
-    def __init__(self, stats: Stats, sockets: Callable[[], int]) -> None:
+    def __init__(self, stats: Stats, sockets: Callable[[], int], reading: Callable[[], int]) -> None:
         self._stats = stats
         self._sockets = sockets
+        self._reading = reading
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         refused = CounterMetricFamily(
             "lmq_mqtt_refused",
             "MQTT connections refused, by cap: connections, connections_per_address (CONNACK 0x97, 3.1.1: 0x03), "
-            "unanswered (over a cap, closed before CONNECT), will_bytes, connect_too_large (0x95), will_delay (0x97)",
+            "unanswered (over a cap, closed before CONNECT), will_bytes, connect_too_large (0x95), will_delay (0x97), "
+            "read_bytes (a large packet while --mqtt-max-read-bytes were being read: DISCONNECT 0x97)",
             labels=["reason"],
         )
-        for reason in (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, CONNECT_TOO_LARGE):
+        for reason in (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, CONNECT_TOO_LARGE, READ_BYTES):
             refused.add_metric([reason], self._stats.refused[reason])
         yield refused
         errors = CounterMetricFamily(
@@ -59,6 +62,10 @@ class Collector(_Collector):
             errors.add_metric([kind], self._stats.errors[kind])
         yield errors
         yield GaugeMetricFamily("lmq_mqtt_sockets", "MQTT sockets open (CONNECT or not)", value=self._sockets())
+        yield GaugeMetricFamily(
+            "lmq_mqtt_read_bytes", "Bytes of large MQTT packets (over 64 KiB) being read now (--mqtt-max-read-bytes)",
+            value=self._reading(),
+        )  # fmt: skip
 
 
 async def wait_ended(task: asyncio.Task[None], what: str, counts: Stats) -> None:
