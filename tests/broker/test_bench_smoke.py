@@ -31,6 +31,12 @@ EXPECTED = {
         "FIGURE MQTT 5 publish->subscribe latency p50:",
         "FIGURE MQTT 5 publish->subscribe rate QoS 1:",
     ],
+    "bench_mqtt_memory.py": [
+        "FIGURE bytes per idle MQTT connection after CONNECT:",
+        "FIGURE RSS under the CONNECT flood",
+        "FIGURE RSS under the retained flood",
+        "FIGURE RSS under the will flood",
+    ],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
