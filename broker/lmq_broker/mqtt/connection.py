@@ -235,9 +235,10 @@ class Connection:
         self._level = connect.level
         refused = limits.refusal(connect, self.config)
         if refused is not None:
-            code, why = refused
-            if why:  # a cap: counted, and said
-                self.server.stats.refused[why] += 1
+            code, counted = refused
+            why = limits.words(counted, self.config)
+            if counted:  # a cap: counted, and said
+                self.server.stats.refused[counted] += 1
             self.writer.write(codec.encode_connack(False, code, connect.level, self._why(why) if self.v5 else None))
             await self.writer.drain()
             raise Closed(f"CONNECT refused: {code:#04x} {why}".rstrip(), graceful=True)

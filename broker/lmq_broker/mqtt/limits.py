@@ -90,8 +90,8 @@ def will_bytes(will: codec.Will) -> int:
 
 
 def refusal(connect: codec.Connect, config: BrokerConfig) -> tuple[int, str] | None:
-    """Why ``connect`` is refused: a ConnectCode (3.1.1, translated for 5.0) or a 5.0 reason code, and words
-    (a ``stats`` reason when a cap refused it); None when it is accepted."""
+    """Why ``connect`` is refused: a ConnectCode (3.1.1, translated for 5.0) or a 5.0 reason code, and the
+    ``stats`` reason when a cap refused it (else ""); None when it is accepted."""
     v5 = connect.level == codec.LEVEL_5
     if not connect.client_id and not connect.clean_session and not v5:
         return codec.ConnectCode.IDENTIFIER_REJECTED, ""  # MQTT-3.1.3-8 (5.0 assigns one, MQTT-3.1.3-6)
@@ -116,6 +116,15 @@ def refusal(connect: codec.Connect, config: BrokerConfig) -> tuple[int, str] | N
         if not (user_ok and password_ok):
             return codec.ConnectCode.BAD_USERNAME_OR_PASSWORD, ""
     return None
+
+
+def words(counted: str, config: BrokerConfig) -> str:
+    """What a client refused by a cap is told (a 5.0 reason string)."""
+    if counted == stats.WILL_BYTES:
+        return f"the will is over --mqtt-max-will-bytes ({config.mqtt_max_will_bytes} bytes)"
+    if counted == stats.WILL_DELAY:
+        return f"the will delay is over --mqtt-max-will-delay-s ({config.mqtt_max_will_delay_s} s)"
+    return ""
 
 
 def is_v5_connect(body: bytes) -> bool:

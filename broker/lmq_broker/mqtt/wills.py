@@ -69,22 +69,37 @@ class Wills:
     async def _run(self) -> None:
         while True:
             self._changed.clear()
-            first = await self._dispatcher.run(self._store.next_will)
-            wait_s = RECHECK_S
-            if first is not None:
-                client_id, due = first
-                wait_s = min(RECHECK_S, (due - self._dispatcher.wall_clock()) / 1000)
-                if wait_s <= 0:
-                    await self._fire(client_id, due)
-                    continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), wait_s)
+            try:
+                wait_s = await self._step()
+            except Exception:  # the store failing (a full disk...): the will waits on, tried again
+                self._stats.errors[stats.WILL_PUBLISH] += 1
+                log.exception("mqtt: delayed wills not read or published; tried again in %.0f s", RETRY_S)
+                wait_s = RETRY_S
+            if wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), wait_s)
+
+    async def _step(self) -> float:
+        """Publish the will due first if it is due; how long to wait before the next step."""
+        first = await self._dispatcher.run(self._store.next_will)
+        if first is None:
+            return RECHECK_S
+        client_id, due = first
+        wait_s = min(RECHECK_S, (due - self._dispatcher.wall_clock()) / 1000)
+        if wait_s <= 0:
+            await self._fire(client_id, due)
+        return wait_s
 
     async def _fire(self, client_id: str, due_ms: int) -> None:
         row = await self._dispatcher.run(self._store.take_will, client_id, due_ms)
         if row is None:  # taken meanwhile
             return
-        if not await self._publish(client_id, row.host, _will_of(row)):
+        try:
+            published = await self._publish(client_id, row.host, _will_of(row))
+        except Exception:
+            log.exception("mqtt client %s: will to %s not published", client_id, row.topic)
+            published = False
+        if not published:  # back in the store (its row was taken), tried again a little later
             self._stats.errors[stats.WILL_PUBLISH] += 1
             retry = durable.Will(client_id, self._dispatcher.wall_clock() + int(RETRY_S * 1000), row.topic,
                                  row.payload, row.qos, row.retain, row.properties, row.host)  # fmt: skip
