@@ -4,6 +4,9 @@ broker's RSS under each flood, with the caps at their defaults. Prints ``FIGURE`
 - idle connections: N sockets open without a CONNECT, then the same N after a CONNECT (keep-alive 0), idle;
   the broker's RSS growth divided by N.
 - CONNECT flood: 40 sockets each announcing a 4 MiB CONNECT and sending all of it but its last byte.
+- PUBLISH flood: 80 connections (keep-alive 0) each sending a 4 MiB PUBLISH but its last byte: bounded by
+  ``--mqtt-max-read-bytes`` (256 MiB; the connections past it are ended with DISCONNECT 0x97), and each cut
+  60 s after its last byte (not waited for here).
 - retained flood: 31 MiB of retained messages (256 KiB each) matched by 10 subscribers that never read.
 - will flood: 60 connections with a 4 MB will (user properties) and the longest will delay (136 years), ended
   without DISCONNECT; then 60 with a 60 KB will and a one-day delay (within the caps: they wait on disk).
@@ -148,6 +151,20 @@ def connect_flood(broker: BrokerProcess, count: int, announced: int) -> Callable
     return lambda: close_all(socks)
 
 
+def publish_flood(broker: BrokerProcess, count: int, size: int) -> Callable[[], None]:
+    socks = []
+    for i in range(count):
+        sock = dial(broker)
+        if connack_code(sock, codec.Connect(f"partial-{i}")) != 0:
+            sock.close()
+            continue
+        data = codec.encode_publish(f"{PARENT}/partial", bytes(size), 1, 1)
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            sock.sendall(data[:-1])  # the broker waits for the last byte
+        socks.append(sock)
+    return lambda: close_all(socks)
+
+
 def publish_retained(broker: BrokerProcess, parent: str, total_mib: int) -> None:
     with dial(broker) as publisher:
         assert connack_code(publisher, codec.Connect("retainer")) == 0
@@ -195,12 +212,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small floods (a smoke run)")
     args = parser.parse_args()
-    idle, flooders, retained_mib, wills = (50, 10, 4, 10) if args.quick else (400, 40, 31, 60)
+    idle, flooders, partial, retained_mib, wills = (50, 10, 10, 4, 10) if args.quick else (400, 40, 80, 31, 60)
     with fresh_broker() as broker:
         idle_connections(broker, idle)
     with fresh_broker() as broker:
         flood(broker, f"CONNECT flood ({flooders} x 4 MiB announced)",
               lambda: connect_flood(broker, flooders, 4 * MiB), 2.0)  # fmt: skip
+    with fresh_broker() as broker:
+        flood(broker, f"PUBLISH flood ({partial} x 4 MiB unfinished, keep-alive 0)",
+              lambda: publish_flood(broker, partial, 4 * MiB - 1024), 2.0)  # fmt: skip
     with fresh_broker() as broker:
         publish_retained(broker, PARENT, retained_mib)
         time.sleep(2.0)

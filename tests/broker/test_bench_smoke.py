@@ -34,6 +34,7 @@ EXPECTED = {
     "bench_mqtt_memory.py": [
         "FIGURE bytes per idle MQTT connection after CONNECT:",
         "FIGURE RSS under the CONNECT flood",
+        "FIGURE RSS under the PUBLISH flood",
         "FIGURE RSS under the retained flood",
         "FIGURE RSS under the will flood",
     ],

@@ -79,13 +79,17 @@ async def read_frame(
 
 
 async def _body(reader: asyncio.StreamReader, length: int, stall_s: float) -> bytes:
-    chunks = []
-    left = length
-    while left:
+    """Read into one buffer of the packet's size (one large allocation, handed back whole when freed: pieces
+    kept until the end would be many heap blocks that stay resident after the packet is gone)."""
+    body = bytearray(length)
+    view = memoryview(body)
+    at = 0
+    while at < length:
         async with asyncio.timeout(stall_s):
-            chunk = await reader.read(min(left, CHUNK_BYTES))
+            chunk = await reader.read(min(length - at, CHUNK_BYTES))
         if not chunk:
-            raise asyncio.IncompleteReadError(b"", left)
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+            raise asyncio.IncompleteReadError(bytes(view[:at]), length)
+        view[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    view.release()
+    return bytes(body)
