@@ -71,8 +71,9 @@ def test_delayed_wills_survive_a_restart_and_fire_unless_their_client_comes_back
     try:
         with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
             admin.put_parent_topic(model.ParentTopic("W", model.MessageType.LITE))
-        delayed = Properties(will_delay_s=DELAY_S)
-        for client_id in ("gone", "back"):  # both vanish without DISCONNECT: their wills start waiting
+        # both vanish without DISCONNECT: their wills start waiting; "back"'s would be due first
+        for client_id, delay_s in (("gone", DELAY_S + 1), ("back", DELAY_S)):
+            delayed = Properties(will_delay_s=delay_s)
             will = codec.Will(f"W/{client_id}", f"{client_id} for good".encode(), 1, True, delayed)
             connect(broker, client_id, will).close()
         eventually(lambda: wills_waiting(broker.data_dir) == {"gone", "back"}, "both wills in the store")
@@ -89,6 +90,7 @@ def test_delayed_wills_survive_a_restart_and_fire_unless_their_client_comes_back
             assert isinstance(publish, codec.Publish), publish
             assert (publish.topic, publish.payload) == ("W/gone", b"gone for good")
         eventually(lambda: not wills_waiting(broker.data_dir), "the published will's row deleted")
+        eventually(lambda: "gone" in retained_topics(broker.data_dir), "the will recorded as retained")
         assert retained_topics(broker.data_dir) == {"gone"}, "the will of the client that came back was published"
     finally:
         assert broker.stop() == 0, broker.log()[-4000:]

@@ -162,9 +162,8 @@ class MqttServer:
             _, late = await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S)
             for task in late:
                 task.cancel()
-            for task in late:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            if late:  # their ends (asyncio's stream callback sees them); a cancellation of this wait goes on up
+                await asyncio.wait(late)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()

@@ -43,8 +43,7 @@ class Wills:
     async def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
+            await asyncio.wait([self._timer])  # its cancellation, not this wait's: that one goes on up
             self._timer = None
 
     async def delay(self, client_id: str, host: str, will: codec.Will, delay_s: int) -> None:
