@@ -225,6 +225,23 @@ def test_a_large_packet_over_what_all_connections_may_be_reading_is_refused(capp
         assert isinstance(ack, codec.PacketId) and ack.kind == codec.PUBACK and ack.reason == Reason.SUCCESS, ack
 
 
+def test_keep_alive_counts_a_large_packet_s_bytes_and_ends_a_silent_client(capped: BrokerProcess) -> None:
+    parent = parent_of(capped, "Palive")
+    data = codec.encode_publish(f"{parent}/slow", bytes(200 * 1024), 1, 1, props=b"\x00")
+    with dial(capped) as slow:  # keep-alive 1 s: 1.5 s without a packet ends it
+        assert connack(slow, v5("slow-but-steady", keep_alive_s=1)) is not None
+        for i in range(5):  # 2.4 s for one packet, a piece every 0.6 s: alive all along
+            slow.sendall(data[i * len(data) // 5 : (i + 1) * len(data) // 5])
+            if i < 4:
+                time.sleep(0.6)
+        ack = read_packet(slow, codec.LEVEL_5)
+        assert isinstance(ack, codec.PacketId) and ack.reason == Reason.SUCCESS, ack
+        started = time.monotonic()
+        refusal = read_packet(slow, codec.LEVEL_5)  # then silence
+        assert isinstance(refusal, codec.Disconnect) and refusal.reason == Reason.KEEP_ALIVE_TIMEOUT, refusal
+        assert 1.0 < time.monotonic() - started < 4.0  # 1.5 s from the read after the PUBLISH began
+
+
 def rss(broker: BrokerProcess) -> int:
     return int(psutil.Process(broker.pid).memory_info().rss)
 

@@ -298,13 +298,27 @@ class Connection:
         return self.config.max_body_bytes + 2 + codec.MAX_STRING_BYTES + 2  # a PUBLISH: topic, packet id, body
 
     async def _serve(self) -> None:
-        timeout = self.keep_alive_s * KEEP_ALIVE_GRACE if self.keep_alive_s else None
+        idle_s = self.keep_alive_s * KEEP_ALIVE_GRACE if self.keep_alive_s else None
+        try:
+            async with asyncio.timeout(None) as alive:
+                keep_alive = framing.KeepAlive(alive, idle_s) if idle_s else None
+                try:
+                    await self._read_loop(keep_alive, idle_s or framing.STALL_S)
+                finally:
+                    if keep_alive is not None:
+                        keep_alive.stop()
+        except TimeoutError:
+            raise Closed("keep alive timeout", code=Reason.KEEP_ALIVE_TIMEOUT) from None
+
+    async def _read_loop(self, keep_alive: framing.KeepAlive | None, stall_s: float) -> None:
         limit = self._max_packet_bytes()
+        progress = keep_alive.reading if keep_alive is not None else None
         while True:
-            try:
-                frame = await framing.read_frame(self.reader, limit, self.server.read_budget, timeout)
-            except TimeoutError:
-                raise Closed("keep alive timeout", code=Reason.KEEP_ALIVE_TIMEOUT) from None
+            if keep_alive is not None:
+                keep_alive.reading()
+            frame = await framing.read_frame(self.reader, limit, self.server.read_budget, stall_s, progress)
+            if keep_alive is not None:
+                keep_alive.handling()
             if self._failure is not None:
                 raise Closed(f"publish failed: {self._failure}", code=Reason.UNSPECIFIED_ERROR)
             if frame is None:
