@@ -9,8 +9,9 @@ release are added to an older file when it is opened.
 A will row is written when its connection ends and deleted once published or cancelled (its client id came
 back): a delayed will survives a restart and costs no memory while it waits (``wills``).
 
-Both are small, keyed, overwritten in place and read by key or key range, which is not what an append-only
-commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
+All three are small, keyed, overwritten in place and read by key or key range (a subscriber reads the
+retained messages a page of keys at a time and each payload alone, ``retained_keys``), which is not what an
+append-only commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
 whole). SQLite in WAL mode with ``synchronous=FULL`` makes each write durable before it returns, so a PUBACK
 or SUBACK sent after it never promises more than the disk holds. Calls block: the broker runs them on a
 worker thread, serialised by one lock (SQLite connections are not shared across threads otherwise).
