@@ -94,6 +94,7 @@ torture: $(STAMP) clients
 		$(BIN)/python -m pytest -s tests/e2e/test_cluster_faults.py
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} $(BIN)/python -m pytest -s tests/clients/test_cluster_faults_java.py
 	$(BIN)/python -m pytest -s tests/storage/test_full_disk.py  # full index/meta/log disks, failing fsyncs (root: loop devices)
+	$(BIN)/python -m pytest -s tests/mqtt/test_limits.py tests/mqtt/test_durable_wills.py tests/mqtt/test_swallowed_errors.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

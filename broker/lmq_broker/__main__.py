@@ -44,6 +44,15 @@ HELP: Final[dict[str, str]] = {
     "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
     "mqtt_port": "MQTT 5.0/3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
+    "mqtt_max_connections": "MQTT sockets open at once; beyond it a CONNECT is refused (5.0: 0x97 quota exceeded, "
+    "3.1.1: 0x03 server unavailable)",
+    "mqtt_max_connections_per_address": "MQTT sockets open at once from one client IP address; beyond it a CONNECT "
+    "is refused as with --mqtt-max-connections",
+    "mqtt_max_will_bytes": "largest MQTT will payload; a CONNECT with a larger one is refused (5.0: 0x95 packet too "
+    "large, 3.1.1: 0x05 not authorized)",
+    "mqtt_max_read_bytes": "bytes of MQTT packets over 64 KiB all connections may be reading at once; a packet "
+    "beyond it ends its connection (5.0: DISCONNECT 0x97 quota exceeded)",
+    "mqtt_max_will_delay_s": "longest MQTT 5 will delay; a CONNECT asking more is refused (0x97 quota exceeded)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",

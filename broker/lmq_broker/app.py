@@ -32,6 +32,7 @@ from lmq_broker.cluster import links, mqtt_link, setup
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.mqtt import stats as mqtt_stats
 from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
@@ -223,6 +224,10 @@ class Broker:
             owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
             self.mqtt = MqttServer(self.dispatcher, config, owners)
             self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
+            mqtt = self.mqtt
+            self.metrics.registry.register(
+                mqtt_stats.Collector(mqtt.stats, mqtt.sockets_open, lambda: mqtt.read_budget.held)
+            )
         if config.metrics_port >= 0:
             self._http = await asyncio.start_server(self._serve_http, config.host, config.metrics_port)
             self.metrics_port = self._http.sockets[0].getsockname()[1]

@@ -46,6 +46,16 @@ class BrokerConfig(BaseModel):
     advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
     metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
     mqtt_port: int = Field(default=-1, ge=-1, le=65535)  # MQTT 3.1.1 listener (docs/mqtt.md); -1: off
+    # MQTT resource caps (docs/security.md "Resource caps"): sockets open at once, in all and per client address
+    # (beyond: CONNACK 0x97 / 3.1.1 0x03, or closed unanswered when even the refusals are too many); a will's
+    # payload and its delay (5.0), beyond which the CONNECT is refused (0x95 / 0x97; 3.1.1: 0x05).
+    mqtt_max_connections: int = Field(default=10_000, ge=1)
+    mqtt_max_connections_per_address: int = Field(default=1000, ge=1)
+    mqtt_max_will_bytes: int = Field(default=64 * 1024, ge=0)
+    mqtt_max_will_delay_s: int = Field(default=7 * 24 * 3600, ge=0)
+    # Bytes of large packets (over 64 KiB) all MQTT connections are reading at once; one that does not fit ends
+    # its connection (5.0: DISCONNECT 0x97)
+    mqtt_max_read_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     broker_name: str = "broker-0"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)

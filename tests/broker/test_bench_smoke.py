@@ -42,6 +42,13 @@ EXPECTED = {
         "FIGURE telemetry idle (reading, 1 per client id): bytes per accepted stream:",
         "FIGURE telemetry never reading (1 per client id, 10 connections): RSS before / parked / peak:",
     ],
+    "bench_mqtt_memory.py": [
+        "FIGURE bytes per idle MQTT connection after CONNECT:",
+        "FIGURE RSS under the CONNECT flood",
+        "FIGURE RSS under the PUBLISH flood",
+        "FIGURE RSS under the retained flood",
+        "FIGURE RSS under the will flood",
+    ],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],

@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
-import hmac
 import itertools
 import logging
 import re
@@ -52,7 +50,7 @@ from typing import TYPE_CHECKING, Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
-from lmq_broker.mqtt import codec, durable, mapping, matching, properties, topics
+from lmq_broker.mqtt import codec, durable, framing, limits, mapping, matching, properties, stats, storing, topics
 from lmq_broker.mqtt.owners import Owners, Pulled, Remote
 from lmq_broker.mqtt.properties import Properties, Reason
 
@@ -63,7 +61,6 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final = 10.0
 KEEP_ALIVE_GRACE: Final = 1.5  # MQTT-3.1.2-24: one and a half keep-alive periods without a packet ends it
-READ_BYTES: Final = 64 * 1024
 MAX_INFLIGHT: Final = 64  # QoS 1 deliveries waiting for their PUBACK, per connection
 PUBLISH_QUEUE: Final = 256  # PUBLISH packets read and not yet stored; the reader waits beyond it
 MAX_PUBLISH_BATCH: Final = 256  # messages per store call
@@ -156,7 +153,7 @@ class Connection:
         self._publisher: asyncio.Task[None] | None = None
         self._awaiting_release: set[int] = set()  # QoS 2 packet ids stored, PUBREL not yet seen
         self._failure: BaseException | None = None
-        self._decoder = codec.Decoder(self._max_packet_bytes())
+        self._level = codec.LEVEL_3_1_1  # what packets after the CONNECT are read at
         self._connected = asyncio.Event()  # CONNACK written: deliveries may follow
         self._closing = False
         self.done = asyncio.Event()
@@ -172,16 +169,18 @@ class Connection:
             graceful, reason, code = exc.graceful, str(exc), exc.code
         except codec.MalformedPacket as exc:
             reason, code = f"malformed packet: {exc.reason}", exc.code
+        except framing.OverBudget as exc:
+            self.server.stats.refused[stats.READ_BYTES] += 1
+            reason, code = f"refused: {exc} (--mqtt-max-read-bytes)", Reason.QUOTA_EXCEEDED
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        except asyncio.CancelledError:
-            reason = "broker shutting down"
-            graceful = True  # the broker, not the client, ends it: no will (docs/mqtt.md)
+        except asyncio.CancelledError:  # the broker, not the client, ends it: no will (docs/mqtt.md)
+            await self._end(True, "broker shutting down", None)
+            raise  # the cancellation is the caller's to see
         except Exception:
             log.exception("mqtt client %s (%s): connection failed", self.client_id or "?", self.peer)
             code = Reason.UNSPECIFIED_ERROR
-        finally:
-            await self._end(graceful, reason, code)
+        await self._end(graceful, reason, code)
 
     async def kick(self) -> None:
         """Another connection took this client id (MQTT-3.1.4-2): end this one and wait until it has."""
@@ -199,31 +198,50 @@ class Connection:
         """A reason string, where the client asked for them (5.0 ``request_problem_info``)."""
         return Properties(reason_string=text[:200]) if text and self.problem_info else properties.NONE
 
-    async def _handshake(self) -> bool:
-        first: list[codec.Packet] = []
+    async def _first(self) -> codec.Connect | None:
+        """The CONNECT (within ``CONNECT_TIMEOUT_S``, at most ``limits.connect_bytes``); None: closed first."""
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            while not first:
-                data = await self.reader.read(READ_BYTES)
-                if not data:
-                    return False
-                try:
-                    first = self._decoder.feed(data)
-                except codec.UnsupportedProtocol as exc:
-                    self.writer.write(codec.encode_connack(False, codec.ConnectCode.BAD_PROTOCOL_VERSION, exc.level))
-                    raise Closed(exc.reason) from None
-                except codec.MalformedPacket as exc:
-                    if _V5_CONNECT in data[:16]:  # 5.0 section 3.1.4: a bad CONNECT may be answered with its code
-                        self.writer.write(codec.encode_connack(False, exc.code, codec.LEVEL_5))
-                    raise
-        connect = first[0]
+            try:
+                frame = await framing.read_frame(
+                    self.reader, limits.connect_bytes(self.config), self.server.read_budget
+                )
+            except codec.PacketTooLarge:
+                self.server.stats.refused[stats.CONNECT_TOO_LARGE] += 1
+                with contextlib.suppress(asyncio.IncompleteReadError):  # 5.0 (read so far): answered with 0x95
+                    if limits.is_v5_connect(await self.reader.readexactly(7)):
+                        self.writer.write(codec.encode_connack(False, Reason.PACKET_TOO_LARGE, codec.LEVEL_5))
+                raise
+        if frame is None:
+            return None
+        first, body = frame
+        try:
+            connect = codec.decode_packet(first, body)
+        except codec.UnsupportedProtocol as exc:
+            self.writer.write(codec.encode_connack(False, codec.ConnectCode.BAD_PROTOCOL_VERSION, exc.level))
+            raise Closed(exc.reason) from None
+        except codec.MalformedPacket as exc:
+            if limits.is_v5_connect(body):  # 5.0 section 3.1.4: a bad CONNECT may be answered with its code
+                self.writer.write(codec.encode_connack(False, exc.code, codec.LEVEL_5))
+            raise
         if not isinstance(connect, codec.Connect):
             raise codec.MalformedPacket("the first packet is not CONNECT")  # MQTT-3.1.0-1
+        return connect
+
+    async def _handshake(self) -> bool:
+        connect = await self._first()
+        if connect is None:
+            return False
         self.v5 = connect.level == codec.LEVEL_5
-        refused = self._refusal(connect)
+        self._level = connect.level
+        refused = limits.refusal(connect, self.config)
         if refused is not None:
-            self.writer.write(codec.encode_connack(False, refused, connect.level))
+            code, counted = refused
+            why = limits.words(counted, self.config)
+            if counted:  # a cap: counted, and said
+                self.server.stats.refused[counted] += 1
+            self.writer.write(codec.encode_connack(False, code, connect.level, self._why(why) if self.v5 else None))
             await self.writer.drain()
-            raise Closed(f"CONNECT refused: {refused:#04x}", graceful=True)
+            raise Closed(f"CONNECT refused: {code:#04x} {why}".rstrip(), graceful=True)
         self.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
         self.group = group_of(self.client_id)
         clean_start = connect.clean_session
@@ -264,8 +282,6 @@ class Connection:
                  self.client_id, self.peer, "5.0" if self.v5 else "3.1.1", clean_start, self.expiry_s,
                  session_present)  # fmt: skip
         self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
-        for packet in first[1:]:
-            await self._handle(packet)
         return True
 
     @property
@@ -278,45 +294,38 @@ class Connection:
         owners = self.server.owners
         return owners if owners is not None and owners.active else None
 
-    def _refusal(self, connect: codec.Connect) -> int | None:
-        """A ConnectCode (3.1.1, translated for 5.0), or a 5.0 reason code."""
-        if not connect.client_id and not connect.clean_session and not self.v5:
-            return codec.ConnectCode.IDENTIFIER_REJECTED  # MQTT-3.1.3-8 (5.0 assigns one, MQTT-3.1.3-6)
-        if connect.properties is not None and connect.properties.auth_method is not None:
-            return Reason.BAD_AUTHENTICATION_METHOD  # enhanced authentication is not supported
-        if connect.will is not None:
-            try:
-                topics.lite_of(connect.will.topic, self.config.max_lite_topic_size)
-            except topics.TopicError:
-                return Reason.TOPIC_NAME_INVALID if self.v5 else codec.ConnectCode.NOT_AUTHORIZED  # never publishable
-        if self.config.access_key:
-            if connect.username is None or connect.password is None:
-                return codec.ConnectCode.NOT_AUTHORIZED
-            user_ok = hmac.compare_digest(connect.username.encode(), self.config.access_key.encode())
-            password_ok = hmac.compare_digest(connect.password, self.config.secret_key.encode())
-            if not (user_ok and password_ok):
-                return codec.ConnectCode.BAD_USERNAME_OR_PASSWORD
-        return None
-
     def _max_packet_bytes(self) -> int:
         return self.config.max_body_bytes + 2 + codec.MAX_STRING_BYTES + 2  # a PUBLISH: topic, packet id, body
 
     async def _serve(self) -> None:
-        timeout = self.keep_alive_s * KEEP_ALIVE_GRACE if self.keep_alive_s else None
+        idle_s = self.keep_alive_s * KEEP_ALIVE_GRACE if self.keep_alive_s else None
+        try:
+            async with asyncio.timeout(None) as alive:
+                keep_alive = framing.KeepAlive(alive, idle_s) if idle_s else None
+                try:
+                    await self._read_loop(keep_alive, idle_s or framing.STALL_S)
+                finally:
+                    if keep_alive is not None:
+                        keep_alive.stop()
+        except TimeoutError:
+            raise Closed("keep alive timeout", code=Reason.KEEP_ALIVE_TIMEOUT) from None
+
+    async def _read_loop(self, keep_alive: framing.KeepAlive | None, stall_s: float) -> None:
+        limit = self._max_packet_bytes()
+        progress = keep_alive.reading if keep_alive is not None else None
         while True:
-            try:
-                async with asyncio.timeout(timeout):
-                    data = await self.reader.read(READ_BYTES)
-            except TimeoutError:
-                raise Closed("keep alive timeout", code=Reason.KEEP_ALIVE_TIMEOUT) from None
+            if keep_alive is not None:
+                keep_alive.reading()
+            frame = await framing.read_frame(self.reader, limit, self.server.read_budget, stall_s, progress)
+            if keep_alive is not None:
+                keep_alive.handling()
             if self._failure is not None:
                 raise Closed(f"publish failed: {self._failure}", code=Reason.UNSPECIFIED_ERROR)
-            if not data:
+            if frame is None:
                 if self.server.stopping:
                     raise Closed("the broker is shutting down", graceful=True)
                 raise Closed("taken over by a newer connection" if self.kicked else "closed without DISCONNECT")
-            for packet in self._decoder.feed(data):
-                await self._handle(packet)
+            await self._handle(codec.decode_packet(frame[0], frame[1], self._level))
 
     async def _end(self, graceful: bool, reason: str, code: int | None) -> None:
         self._closing = True
@@ -326,12 +335,10 @@ class Connection:
             await _stop(task)
         if self._settler is not None:  # what the client acknowledged, settled where it came from; then it ends
             self._acks_ready.set()
-            with contextlib.suppress(Exception):
-                await self._settler
+            await self._ended(self._settler, "settling acknowledged deliveries")
         if self._publisher is not None:  # store what was read (the client may not learn it; at least once)
             await self._incoming.put(None)
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._publisher
+            await self._ended(self._publisher, "storing what was read")
         if code is not None and not self.kicked:
             self.close(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
         remote: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> other brokers' receipts
@@ -357,9 +364,9 @@ class Connection:
             if self.expiry_s is not None:
                 delay = min(delay, self.expiry_s)  # 5.0 section 3.1.3.2.2: at the latest when the session ends
             if delay:
-                self.server.delay_will(self, self.will, delay)
+                await self.server.wills.delay(self.client_id, self.host, self.will, delay)
             else:
-                await self.publish_will(self.will)
+                await storing.publish_will(self.server, self.client_id, self.host, self.will)
         self.writer.close()
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
@@ -372,22 +379,18 @@ class Connection:
         if self.server.owner(self.client_id) not in (self, None):
             return
         durable_ = self.server.durable
-        with contextlib.suppress(Exception):
+        try:
             if self.persistent and self._stored:
                 await self.dispatcher.run(durable_.session_ended, self.client_id, self.dispatcher.wall_clock(),
                                           self.expiry_s)  # fmt: skip
             elif self._stored:
                 await self.dispatcher.run(durable_.drop_session, self.client_id)
+        except Exception:  # the session row stays as it was: it expires late (or, dropped, lives on)
+            self.server.stats.errors[stats.SESSION_EXPIRY_WRITE] += 1
+            log.exception("mqtt client %s: the end of its session not recorded", self.client_id)
 
-    async def publish_will(self, will: codec.Will) -> None:
-        props = None
-        if will.properties is not None:
-            props = replace(will.properties, will_delay_s=None)
-        try:
-            await self._store([codec.Publish(will.topic, will.payload, will.qos, will.retain, properties=props)])
-            log.info("mqtt client %s: will published to %s", self.client_id, will.topic)
-        except (errors.LmqError, topics.TopicError, ValueError) as exc:
-            log.warning("mqtt client %s: will to %s not published: %s", self.client_id, will.topic, exc)
+    async def _ended(self, task: asyncio.Task[None], what: str) -> None:
+        await stats.wait_ended(task, f"mqtt client {self.client_id}: {what}", self.server.stats)
 
     # --- packets in ---------------------------------------------------------------------------------------------
     async def _handle(self, packet: codec.Packet) -> None:
@@ -507,7 +510,7 @@ class Connection:
             if self._failure is not None:
                 continue  # the connection is ending: nothing more is stored (the reader may still be putting)
             try:
-                await self._store([i.packet for i in batch if i.store])
+                await self._store([i.packet for i in batch if i.store])  # one store call for the lot
             except (errors.LmqError, topics.TopicError, ValueError) as exc:
                 if not self.v5 or not _answerable(exc):
                     self._failure = exc
@@ -546,45 +549,7 @@ class Connection:
             self._unacked_in -= 1  # QoS 2: once PUBREL is answered, unless refused (MQTT-4.9.0-3)
 
     async def _store(self, publishes: Sequence[codec.Publish]) -> None:
-        """Append the messages (one store call), then record the retained ones; both durable on return."""
-        messages: list[model.NewMessage] = []
-        retained: list[durable.Retained] = []
-        now = self.dispatcher.wall_clock()
-        for p in publishes:
-            parent, lite = topics.lite_of(p.topic, self.config.max_lite_topic_size)
-            props = mapping.incoming(p.properties, qos=p.qos, retain=p.retain, client_id=self.client_id, now_ms=now)
-            if p.retain:
-                retained.append(durable.Retained(parent, lite, p.payload, min(p.qos, 1), now, props))
-            if p.payload:
-                messages.append(self._message(parent, lite, p, now, props))
-        if messages:
-            owners = self.server.owners
-            if owners is not None and owners.active:  # a cluster: each at its lite topic's owner (docs/scale-out.md)
-                await owners.store(messages)
-            else:
-                await self.dispatcher.send(messages)
-        if retained:
-            tombstones = self._cluster is not None  # a clear here outdates an older one kept elsewhere
-            await self.dispatcher.run(
-                functools.partial(self.server.durable.put_retained, retained, tombstones=tombstones)
-            )
-
-    def _message(
-        self, parent: str, lite: str, p: codec.Publish, now_ms: int, props: dict[str, str]
-    ) -> model.NewMessage:
-        lmq = model.QueueId.lmq(parent, lite)
-        queues = (model.QueueId(parent, 0), lmq) if self.config.index_parent_queue else (lmq,)
-        return model.NewMessage(
-            message_id=secrets.token_hex(16).upper(),
-            topic=parent,
-            body=p.payload,
-            queues=queues,
-            lite_topic=lite,
-            message_type=model.MessageType.LITE,
-            born_timestamp_ms=now_ms,
-            born_host=self.host,
-            user_properties=props,
-        )
+        await storing.store(self.server, self.client_id, self.host, publishes)
 
     async def _acknowledged(self, packet_id: int) -> None:
         out = self._out.pop(packet_id, None)
@@ -716,11 +681,7 @@ class Connection:
             await self._save()
         self.writer.write(codec.encode_suback(packet.packet_id, codes, self._ack_props()))
         wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
-        if not self.v5:  # MQTT-3.3.1-6, 3.8.4-3: retained messages after the SUBACK
-            elsewhere = await self._retained_elsewhere(wanted)
-            for (parent, levels, qos), theirs in zip(wanted, elsewhere, strict=True):
-                await self._send_retained(parent, levels, qos, theirs)
-        elif wanted:  # waits for room under the client's receive maximum: not on the reader, which reads PUBACKs
+        if wanted:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
             task = asyncio.get_running_loop().create_task(self._send_all_retained(wanted))
             self._retained_tasks.add(task)
             task.add_done_callback(self._retained_tasks.discard)
@@ -944,32 +905,26 @@ class Connection:
 
     async def _retained_elsewhere(
         self, wanted: list[tuple[str, wildcards.Filter, int]]
-    ) -> list[list[durable.Retained]]:
-        """Per subscription, the retained messages the other brokers of a cluster hold (asked all at once)."""
+    ) -> list[list[durable.Retained] | None]:
+        """Per subscription, the retained messages the other brokers of a cluster hold (asked all at once);
+        None each while this broker is alone."""
         cluster = self._cluster
         if cluster is None:
-            return [[] for _ in wanted]
+            return [None for _ in wanted]
         return list(await asyncio.gather(*(cluster.retained(parent, levels) for parent, levels, _ in wanted)))
 
     async def _send_retained(
-        self, parent: str, levels: wildcards.Filter, granted: int, elsewhere: list[durable.Retained]
+        self, parent: str, levels: wildcards.Filter, granted: int, elsewhere: list[durable.Retained] | None
     ) -> None:
         """The retained messages ``levels`` matches: this broker's and ``elsewhere`` (the other brokers'), per
-        topic the newest (a topic's retained publishes may have come through several brokers)."""
+        topic the newest. Streamed under the same bounds as live deliveries: a QoS 1 one waits for room in the
+        in-flight window, and each is written once the socket took the one before (``drain``), so a client
+        that does not read holds one of them here, not all (``matching.stream_retained``)."""
         now = self.dispatcher.wall_clock()
-        clustered = self._cluster is not None
-        durable_ = self.server.durable
-        found, _ = await self.dispatcher.run(matching.retained, durable_, parent, levels, now, None,
-                                             clustered)  # fmt: skip
-        if clustered:
-            newest = {r.lite: r for r in found}
-            for r in elsewhere:
-                if r.lite not in newest or newest[r.lite].stored_ms < r.stored_ms:
-                    newest[r.lite] = r
-            found = [newest[lite] for lite in sorted(newest) if newest[lite].payload]  # a newest clear: none
-        for r in found:
+        found = matching.stream_retained(self.dispatcher.run, self.server.durable, parent, levels, now, elsewhere)
+        async for r in found:
             qos = min(r.qos, granted)
-            if qos and self.v5 and self._busy >= self.max_inflight:
+            while qos and self._busy >= self.max_inflight:
                 self._room.clear()
                 await self._room.wait()
             packet_id = self._packet_id() if qos else None
@@ -980,7 +935,7 @@ class Connection:
             if packet_id is not None:
                 self._out[packet_id] = _Out("", "")
             self.writer.write(data)
-        await self.writer.drain()
+            await self.writer.drain()
 
     def _packet_id(self) -> int:
         for packet_id in self._ids:
@@ -999,7 +954,6 @@ async def _stop(task: asyncio.Task[None]) -> None:
         task.result()
 
 
-_V5_CONNECT: Final = b"\x00\x04MQTT\x05"
 _NO_LOCAL: Final = codec.OPTION_NO_LOCAL
 
 

@@ -1,13 +1,17 @@
-"""What MQTT keeps beyond the store's messages and offsets: persistent sessions' subscriptions and retained
-messages, in ``<data_dir>/mqtt.sqlite3``.
+"""What MQTT keeps beyond the store's messages and offsets: persistent sessions' subscriptions, retained
+messages and the wills waiting for their delay, in ``<data_dir>/mqtt.sqlite3``.
 
 A session row holds its filters (filter -> subscription options, whose low bits are the granted QoS), its
 expiry interval (NULL: never, as a 3.1.1 persistent session) and when its last connection ended (NULL while
 connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed. Columns added after the first
 release are added to an older file when it is opened.
 
-Both are small, keyed, overwritten in place and read by key or key range, which is not what an append-only
-commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
+A will row is written when its connection ends and deleted once published or cancelled (its client id came
+back): a delayed will survives a restart and costs no memory while it waits (``wills``).
+
+All three are small, keyed, overwritten in place and read by key or key range (a subscriber reads the
+retained messages a page of keys at a time and each payload alone, ``retained_keys``), which is not what an
+append-only commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
 whole). SQLite in WAL mode with ``synchronous=FULL`` makes each write durable before it returns, so a PUBACK
 or SUBACK sent after it never promises more than the disk holds. Calls block: the broker runs them on a
 worker thread, serialised by one lock (SQLite connections are not shared across threads otherwise).
@@ -28,6 +32,9 @@ _SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS sessions (client_id TEXT PRIMARY KEY, filters TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS retained (parent TEXT NOT NULL, lite TEXT NOT NULL, payload BLOB NOT NULL,"
     " qos INTEGER NOT NULL, stored_ms INTEGER NOT NULL, PRIMARY KEY (parent, lite)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS wills (client_id TEXT PRIMARY KEY, due_ms INTEGER NOT NULL, topic TEXT NOT NULL,"
+    " payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, properties BLOB, host TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS wills_due ON wills (due_ms)",
 )
 _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and message properties
     ("sessions", "expiry_s", "INTEGER"),
@@ -35,6 +42,21 @@ _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and me
     ("retained", "properties", "TEXT NOT NULL DEFAULT '{}'"),
 )
 _EXPIRED: Final = "gone_ms IS NOT NULL AND expiry_s IS NOT NULL AND gone_ms + expiry_s * 1000 <= ?"
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """A will waiting for its delay: published at ``due_ms`` unless its client id connects again first.
+    ``properties``: the will's MQTT 5 property section as it was read (None for 3.1.1)."""
+
+    client_id: str
+    due_ms: int
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    properties: bytes | None
+    host: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +176,67 @@ class Durable:
             Retained(parent, lite, bytes(payload), qos, stored_ms, json.loads(props))
             for lite, payload, qos, stored_ms, props in rows
         ]
+
+    def retained_keys(self, parent: str, start_after: str, end_before: str, limit: int) -> list[Retained]:
+        """Like ``retained_between``, at most ``limit``, without their payloads (``payload`` is b"" for a
+        clear kept as a tombstone, else b"-"): a subscriber pages through them, reading each one's payload
+        (``retained_one``) only as it sends it."""
+        query = (
+            "SELECT lite, length(payload) > 0, qos, stored_ms, properties FROM retained WHERE parent = ? AND lite > ?"
+        )
+        args: tuple[str | int, ...] = (parent, start_after)
+        if end_before:
+            query += " AND lite < ?"
+            args += (end_before,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY lite LIMIT ?", (*args, limit)).fetchall()
+        return [
+            Retained(parent, lite, b"-" if full else b"", qos, stored_ms, json.loads(props))
+            for lite, full, qos, stored_ms, props in rows
+        ]
+
+    def retained_one(self, parent: str, lite: str) -> Retained | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT payload, qos, stored_ms, properties FROM retained WHERE parent = ? AND lite = ?", (parent, lite)
+            ).fetchone()
+        if row is None:
+            return None
+        payload, qos, stored_ms, props = row
+        return Retained(parent, lite, bytes(payload), qos, stored_ms, json.loads(props))
+
+    # --- wills waiting for their delay ------------------------------------------------------------------------
+    def put_will(self, will: Will) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO wills (client_id, due_ms, topic, payload, qos, retain, properties, host)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (will.client_id, will.due_ms, will.topic, will.payload, will.qos, int(will.retain), will.properties,
+                 will.host),
+            )  # fmt: skip
+
+    def next_will(self) -> tuple[str, int] | None:
+        """(client id, due ms) of the will due first (the timer waits for it; nothing of the others is read)."""
+        with self._lock:
+            row = self._db.execute("SELECT client_id, due_ms FROM wills ORDER BY due_ms LIMIT 1").fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def take_will(self, client_id: str, due_ms: int | None = None) -> Will | None:
+        """The client id's will, deleted (published or cancelled by the caller); with ``due_ms``, only the will
+        due then (a newer one that replaced it waits on)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT due_ms, topic, payload, qos, retain, properties, host FROM wills WHERE client_id = ?",
+                (client_id,),
+            ).fetchone()
+            if row is None or (due_ms is not None and row[0] != due_ms):
+                return None
+            self._db.execute("DELETE FROM wills WHERE client_id = ?", (client_id,))
+        due, topic, payload, qos, retain, props, host = row
+        return Will(client_id, due, topic, bytes(payload), qos, bool(retain), None if props is None else bytes(props),
+                    host)  # fmt: skip
+
+    def will_count(self) -> int:
+        with self._lock:
+            count: int = self._db.execute("SELECT count(*) FROM wills").fetchone()[0]
+        return count

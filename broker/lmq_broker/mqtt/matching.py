@@ -4,8 +4,8 @@ its own sessions (``connection``) and, in a cluster, for the sessions of other b
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Final
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Final
 
 from lmq_broker import model
 from lmq_broker.dispatch import offsets, wildcards
@@ -14,6 +14,7 @@ from lmq_broker.mqtt import durable, mapping
 PAGE: Final = 512
 RETAINED_LIMIT: Final = 10_000  # retained messages one broker answers for one filter
 Scan = Callable[[str, str, str, int], Awaitable[Sequence[model.LiteTopicMeta]]]  # ``Store.scan_lite_topics``
+Run = Callable[..., Awaitable[Any]]  # ``Dispatcher.run``: a blocking call on the store's worker threads
 Reset = Callable[[str, str, Sequence[str], offsets.OffsetReset], Awaitable[None]]  # ``LiveView.reset_offsets``
 
 
@@ -71,3 +72,53 @@ def retained(  # noqa: PLR0917 (where, which, when, how many)
                 return found, True
             found.append(r)
     return found, False
+
+
+async def stream_retained(  # noqa: PLR0917 (how, where, which, when, and the cluster's)
+    run: Run,
+    store: durable.Durable,
+    parent: str,
+    levels: wildcards.Filter,
+    now_ms: int,
+    elsewhere: Sequence[durable.Retained] | None = None,
+) -> AsyncIterator[durable.Retained]:
+    """The retained messages ``levels`` matches, one at a time, in topic order: their keys read a page at a
+    time, each payload only when its turn comes (a subscriber sending them at the pace its client reads holds
+    one). ``elsewhere`` (in a cluster): the other brokers' retained messages; per topic the newest wins, a
+    newest clear leaves none (this broker's keys are then all read first, without payloads)."""
+    if elsewhere is None:
+        async for key in _retained_keys(run, store, parent, levels, now_ms, tombstones=False):
+            one = await run(store.retained_one, parent, key.lite)
+            if one is not None and one.payload:
+                yield one
+        return
+    newest = {r.lite: r for r in elsewhere}
+    mine: set[str] = set()
+    async for key in _retained_keys(run, store, parent, levels, now_ms, tombstones=True):
+        if key.lite not in newest or newest[key.lite].stored_ms < key.stored_ms:
+            newest[key.lite] = key
+            mine.add(key.lite)
+    for lite in sorted(newest):
+        r = newest[lite]
+        if lite in mine and r.payload:
+            r = await run(store.retained_one, parent, lite) or durable.Retained(parent, lite, b"", 0, 0)
+        if r.payload:
+            yield r
+
+
+async def _retained_keys(
+    run: Run, store: durable.Durable, parent: str, levels: wildcards.Filter, now_ms: int, *, tombstones: bool
+) -> AsyncIterator[durable.Retained]:
+    start_after, end_before = wildcards.scan_range([levels])
+    while True:
+        page: list[durable.Retained] = await run(store.retained_keys, parent, start_after, end_before, PAGE)
+        for r in page:
+            if (
+                (r.payload or tombstones)
+                and wildcards.matches(levels, r.lite.split(wildcards.LEVEL_SEPARATOR))
+                and not mapping.expired(r.properties, now_ms)
+            ):
+                yield r
+        if len(page) < PAGE:
+            return
+        start_after = page[-1].lite

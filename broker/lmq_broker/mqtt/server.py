@@ -6,8 +6,10 @@ lite topics' owners, as gRPC sends are. With ``--tls-cert`` the listener speaks 
 Stopping the broker ends every connection without publishing wills: the broker going away is not the client
 failing.
 
-It also keeps what outlives a connection in memory: MQTT 5 wills waiting for their delay (cancelled when
-the client id connects again), and a sweep that drops persistent sessions past their expiry interval.
+It also runs what outlives a connection: MQTT 5 wills waiting for their delay (kept in the durable store,
+``wills``; cancelled when the client id connects again), and a sweep that drops persistent sessions past their
+expiry interval. It counts the sockets open, in all and per client address, and refuses those over the caps
+(``limits``) before they cost a connection.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from lmq_broker import errors
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import codec, durable, matching
+from lmq_broker.mqtt import codec, durable, framing, limits, matching, stats, storing, wills
 from lmq_broker.mqtt.connection import Connection
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
@@ -44,7 +46,10 @@ class MqttServer:
         self._server: asyncio.Server | None = None
         self._clients: dict[str, Connection] = {}  # client id -> its connection
         self._tasks: set[asyncio.Task[None]] = set()
-        self._wills: dict[str, tuple[asyncio.Task[None], Connection, codec.Will]] = {}  # client id -> delayed will
+        self.stats = stats.Stats()
+        self.sockets = limits.Sockets(config)
+        self.read_budget = framing.Budget(config.mqtt_max_read_bytes)  # large packets being read, in all
+        self.wills = wills.Wills(self.durable, dispatcher, self._publish_will, self.stats)
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -54,6 +59,7 @@ class MqttServer:
             context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
         await self.dispatcher.run(self.durable.all_gone, self.dispatcher.wall_clock())
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self.wills.start()
         self._server = await asyncio.start_server(self._accept, host, port, ssl=context)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("mqtt listening on %s:%d%s", host, self.port, " (TLS)" if context else "")
@@ -63,6 +69,12 @@ class MqttServer:
         if self.stopping:
             writer.close()
             return
+        peer = writer.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) else str(peer or "")
+        over = self.sockets.admit(address)
+        if over is not None:
+            await self._refuse(reader, writer, over)
+            return
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -70,6 +82,22 @@ class MqttServer:
             await Connection(self, reader, writer).run()
         finally:
             self._tasks.discard(task)
+            self.sockets.release(address)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, over: str) -> None:
+        """A socket over a cap: its CONNECT answered with a refusal while few are (else closed at once)."""
+        sockets = self.sockets
+        if sockets.refusing >= limits.REFUSING_MAX:
+            self.stats.refused[stats.UNANSWERED] += 1
+            writer.close()
+            return
+        self.stats.refused[over] += 1
+        cap = "--mqtt-max-connections" if over == stats.CONNECTIONS else "--mqtt-max-connections-per-address"
+        sockets.refusing += 1
+        try:
+            await limits.refuse_socket(reader, writer, f"{cap} reached")
+        finally:
+            sockets.refusing -= 1
 
     async def take_over(self, connection: Connection, clean_start: bool) -> None:
         """``connection`` now owns its client id; a connection that held it is ended first (MQTT-3.1.4-2).
@@ -79,12 +107,13 @@ class MqttServer:
                      connection.peer)  # fmt: skip
             await other.kick()
         self._clients[connection.client_id] = connection
-        pending = self._wills.pop(connection.client_id, None)
-        if pending is not None:
-            task, before, will = pending
-            task.cancel()
-            if clean_start:  # the old session ends now, and its will's wait with it (5.0 section 3.1.3.2.2)
-                await before.publish_will(will)
+        pending = await self.wills.take(connection.client_id)
+        if pending is not None and clean_start:  # the old session ends now, its will's wait with it (5.0 3.1.3.2.2)
+            host, will = pending
+            await self._publish_will(connection.client_id, host, will)
+
+    async def _publish_will(self, client_id: str, host: str, will: codec.Will) -> bool:
+        return await storing.publish_will(self, client_id, host, will)
 
     async def retained(
         self, parent: str, levels: wildcards.Filter, limit: int = matching.RETAINED_LIMIT
@@ -98,18 +127,6 @@ class MqttServer:
 
     def owner(self, client_id: str) -> Connection | None:
         return self._clients.get(client_id)
-
-    def delay_will(self, connection: Connection, will: codec.Will, delay_s: int) -> None:
-        """Publish ``connection``'s will after ``delay_s`` (5.0 will delay), unless its client id comes back."""
-        client_id = connection.client_id
-
-        async def later() -> None:
-            await asyncio.sleep(delay_s)
-            self._wills.pop(client_id, None)
-            await connection.publish_will(will)
-
-        task = asyncio.get_running_loop().create_task(later())
-        self._wills[client_id] = (task, connection, will)
 
     async def _sweep(self) -> None:
         while True:
@@ -126,6 +143,9 @@ class MqttServer:
         if self._clients.get(connection.client_id) is connection:
             del self._clients[connection.client_id]
 
+    def sockets_open(self) -> int:
+        return self.sockets.total
+
     def connection_count(self) -> int:
         return len(self._tasks)
 
@@ -133,18 +153,17 @@ class MqttServer:
         self.stopping = True
         if self._server is not None:
             self._server.close()
-        for task in [*(w[0] for w in self._wills.values()), *([self._sweeper] if self._sweeper else [])]:
-            task.cancel()
-        self._wills.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.wills.stop()  # the wills waiting stay in the store: a restarted broker publishes them
         for connection in list(self._clients.values()):
             connection.close(Reason.SERVER_SHUTTING_DOWN, "the broker is shutting down")
         if self._tasks:
             _, late = await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S)
             for task in late:
                 task.cancel()
-            for task in late:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            if late:  # their ends (asyncio's stream callback sees them); a cancellation of this wait goes on up
+                await asyncio.wait(late)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()

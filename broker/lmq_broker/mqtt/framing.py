@@ -1,0 +1,148 @@
+"""One MQTT packet off a socket: its fixed header first, then exactly its remaining length.
+
+The size is checked against the limit before a byte of the body is read, so a client announcing a packet
+over it costs nothing, and a connection holds only what the packet it reads needs: no buffer grown to the
+largest packet the broker accepts and kept (before CONNECT the limit is the CONNECT's, ``limits``). The
+stream reader's own buffer stays at its small default limit between packets.
+
+Keep-alive (``KeepAlive``) bounds the wait for a packet with one timer per keep-alive period, not one per
+packet (a timer per packet cost more than reading it). A large body's bytes count as activity while they
+keep coming, and must keep coming within ``STALL_S`` even without a keep-alive, so a large packet left
+unfinished does not hold its memory for ever.
+
+A body over ``CHUNK_BYTES`` is read against the broker-wide ``Budget`` (``--mqtt-max-read-bytes``): what all
+connections hold of packets they are reading is bounded, not only each one's; a packet the budget cannot
+take is refused (``OverBudget``) before it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Final
+
+from lmq_broker.mqtt import wire
+
+VARINT_BYTES: Final = 4
+CHUNK_BYTES: Final = 64 * 1024  # a body larger than this is read in pieces, each within ``idle_s``
+STALL_S: Final = 60.0  # a packet begun: its next bytes within this long, keep-alive or not
+
+
+class OverBudget(Exception):
+    """The packet announced does not fit what the broker's connections may hold of packets being read."""
+
+
+class Budget:
+    """Bytes of packet bodies being read, in all (over ``CHUNK_BYTES`` each: smaller ones are not counted)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.max_bytes:
+            raise OverBudget(f"a packet of {n} bytes: {self.held} of {self.max_bytes} bytes are being read")
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+async def read_frame(
+    reader: asyncio.StreamReader,
+    max_bytes: int,
+    budget: Budget,
+    stall_s: float = STALL_S,
+    progress: Callable[[], None] | None = None,
+) -> tuple[int, bytes] | None:
+    """(first byte, body) of the next packet; None when the peer closed between two packets. A body over
+    ``max_bytes`` raises ``PacketTooLarge`` before it is read, one ``budget`` cannot take ``OverBudget``. A
+    large body's bytes must keep coming within ``stall_s`` (else TimeoutError); ``progress`` is told of each
+    piece (the keep-alive check counts them as activity). The wait for a packet itself has no timer here: the
+    caller's ``KeepAlive`` bounds it, one timer per keep-alive period rather than one per packet."""
+    header = await _header(reader, max_bytes)
+    if header is None:
+        return None
+    first, length = header
+    if length <= CHUNK_BYTES:
+        return first, await reader.readexactly(length) if length else b""
+    budget.take(length)
+    try:
+        return first, await _body(reader, length, min(stall_s, STALL_S), progress)
+    finally:
+        budget.give(length)
+
+
+class KeepAlive:
+    """The keep-alive check of a connection's reads (MQTT-3.1.2-24): ``idle_s`` without a packet while
+    reading expires ``timeout`` (the read is cancelled and the ``asyncio.timeout`` block raises TimeoutError).
+    Time spent handling a packet does not count. One timer per period, however many packets arrive."""
+
+    def __init__(self, timeout: asyncio.Timeout, idle_s: float) -> None:
+        self._timeout = timeout
+        self._idle_s = idle_s
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = self._loop.time()  # when the read under way began; None while handling
+        self._timer = self._loop.call_later(idle_s, self._check)
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+
+    def handling(self) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._since is not None and now - self._since >= self._idle_s:
+            self._timeout.reschedule(now)  # expires now
+            return
+        self._timer = self._loop.call_at((self._since or now) + self._idle_s, self._check)
+
+
+async def _header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int, int] | None:
+    """(first byte, remaining length); None at a clean end. Every packet's fixed header has 2 bytes at least."""
+    try:
+        two = await reader.readexactly(2)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    digit = two[1]
+    length, shift = digit & 0x7F, 7
+    while digit & 0x80:
+        if shift == 7 * VARINT_BYTES:
+            raise wire.MalformedPacket("remaining length longer than 4 bytes")
+        digit = (await reader.readexactly(1))[0]
+        length |= (digit & 0x7F) << shift
+        shift += 7
+    if length > max_bytes:
+        raise wire.PacketTooLarge(f"packet of {length} bytes exceeds the limit of {max_bytes}")
+    return two[0], length
+
+
+async def _small(reader: asyncio.StreamReader, length: int) -> bytes:
+    return await reader.readexactly(length) if length else b""
+
+
+async def _body(
+    reader: asyncio.StreamReader, length: int, stall_s: float, progress: Callable[[], None] | None
+) -> bytes:
+    """Read into one buffer of the packet's size (one large allocation, handed back whole when freed: pieces
+    kept until the end would be many heap blocks that stay resident after the packet is gone)."""
+    body = bytearray(length)
+    view = memoryview(body)
+    at = 0
+    while at < length:
+        async with asyncio.timeout(stall_s):
+            chunk = await reader.read(min(length - at, CHUNK_BYTES))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(view[:at]), length)
+        view[at : at + len(chunk)] = chunk
+        at += len(chunk)
+        if progress is not None:
+            progress()
+    view.release()
+    return bytes(body)

@@ -1,0 +1,96 @@
+"""Delayed wills wait in the store (``<data_dir>/mqtt.sqlite3``), not in memory: they survive a restart and
+fire after it; a client id that comes back takes its will out, restart or not."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.mqtt import codec, durable
+from lmq_broker.mqtt.properties import Properties, Reason
+from lmq_broker.testing import BrokerProcess, start_broker
+
+WAIT_S: Final = 20.0
+DELAY_S: Final = 6
+
+
+def eventually(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not seen within {timeout} s"
+        time.sleep(0.05)
+
+
+def read_packet(sock: socket.socket) -> codec.Packet:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the broker closed the socket"
+            data += chunk
+        return data
+
+    first = exactly(1)[0]
+    length, shift = 0, 0
+    while True:
+        digit = exactly(1)[0]
+        length |= (digit & 0x7F) << shift
+        shift += 7
+        if not digit & 0x80:
+            break
+    return codec.decode_packet(first, exactly(length), codec.LEVEL_5)
+
+
+def connect(broker: BrokerProcess, client_id: str, will: codec.Will | None = None) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", broker.mqtt_port), timeout=WAIT_S)
+    props = Properties(session_expiry_s=3600)
+    sock.sendall(codec.encode(codec.Connect(client_id, False, 0, will, level=codec.LEVEL_5, properties=props)))
+    answer = read_packet(sock)
+    assert isinstance(answer, codec.ConnAck) and answer.code == Reason.SUCCESS, answer
+    return sock
+
+
+def wills_waiting(data_dir: Path) -> set[str]:
+    with sqlite3.connect(data_dir / durable.FILE_NAME) as db:
+        return {row[0] for row in db.execute("SELECT client_id FROM wills")}
+
+
+def retained_topics(data_dir: Path) -> set[str]:
+    with sqlite3.connect(data_dir / durable.FILE_NAME) as db:
+        return {row[0] for row in db.execute("SELECT lite FROM retained")}
+
+
+def test_delayed_wills_survive_a_restart_and_fire_unless_their_client_comes_back(tmp_path: Path) -> None:
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
+    try:
+        with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+            admin.put_parent_topic(model.ParentTopic("W", model.MessageType.LITE))
+        # both vanish without DISCONNECT: their wills start waiting; "back"'s would be due first
+        for client_id, delay_s in (("gone", DELAY_S + 1), ("back", DELAY_S)):
+            delayed = Properties(will_delay_s=delay_s)
+            will = codec.Will(f"W/{client_id}", f"{client_id} for good".encode(), 1, True, delayed)
+            connect(broker, client_id, will).close()
+        eventually(lambda: wills_waiting(broker.data_dir) == {"gone", "back"}, "both wills in the store")
+        assert broker.stop() == 0, broker.log()[-4000:]
+        assert wills_waiting(broker.data_dir) == {"gone", "back"}, "a stop dropped or published them"
+        assert not retained_topics(broker.data_dir), "a will was published before its delay"
+        broker = broker.restart()
+        connect(broker, "back").close()  # it came back: its will is taken out, never published
+        assert wills_waiting(broker.data_dir) == {"gone"}
+        with connect(broker, "watcher") as watcher:
+            watcher.sendall(codec.encode(codec.Subscribe(1, (("W/#", 1),), Properties())))
+            assert isinstance(read_packet(watcher), codec.SubAck)
+            publish = read_packet(watcher)  # retained (published meanwhile) or live, within the delay
+            assert isinstance(publish, codec.Publish), publish
+            assert (publish.topic, publish.payload) == ("W/gone", b"gone for good")
+        eventually(lambda: not wills_waiting(broker.data_dir), "the published will's row deleted")
+        eventually(lambda: "gone" in retained_topics(broker.data_dir), "the will recorded as retained")
+        assert retained_topics(broker.data_dir) == {"gone"}, "the will of the client that came back was published"
+    finally:
+        assert broker.stop() == 0, broker.log()[-4000:]
