@@ -9,8 +9,8 @@ spec older than the one an update just applied.
 
 A LiteGroup applied together with its ParentTopic (one GitOps sync) is refused by the brokers until the
 topic is on every broker. It does not wait out the retry delay: every reconcile that finds a ParentTopic
-Ready wakes the LiteGroups waiting for that topic (``_wake``, fed by an index of the LiteGroups not Ready
-by the name of their parent topic). Their "waiting" status is written under the group's lock, not by kopf
+Ready wakes the LiteGroups the brokers refused for want of that topic (``_wake``, fed by an index of the
+LiteGroups not Ready by the name of their parent topic, and ``Context.refused``). Their "waiting" status is written under the group's lock, not by kopf
 after the handler, so it can never land after the wake-up's Ready.
 
 Brokers do not wait for the resync. A watch loop (``_watch``) looks at the brokers every discovery interval:
@@ -75,6 +75,10 @@ class Context:
     # its finalizer-removal patch took effect), which would repeat the broker calls and the "Deleted" Event.
     deleted: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
     waking: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # LiteGroup uid -> its wake-up (_wake)
+    # LiteGroups whose last reconcile the brokers refused for a missing parent: only these are woken, so a
+    # group whose create handler has not run yet is left to it (else that handler would find the copies the
+    # wake-up made and call them adopted).
+    refused: set[str] = field(default_factory=set)
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
@@ -299,6 +303,12 @@ async def _apply(
     if outcome.repaired:
         metrics.DRIFT_REPAIRED.labels(kind.value).inc(outcome.repaired)
     run.failed = outcome.retry
+    if kind is model.Kind.LITE_GROUP:
+        uid = body["metadata"]["uid"]
+        if _waits_for_parent(kind, outcome):
+            ctx.refused.add(uid)
+        else:
+            ctx.refused.discard(uid)
     _wake(ctx, kind, outcome)
     return outcome, status.changes(previous, outcome.status)
 
@@ -324,6 +334,8 @@ async def _resync(ctx: Context, kind: model.Kind, uid: str, trigger: str = "time
         body = ctx.body(kind, uid)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # gone, or the delete handler's now
+        if trigger == WOKEN and uid not in ctx.refused:
+            return  # Ready since, or its create handler has not run yet (and will find the parent)
         async with _measured(kind, trigger) as run:
             _, changes = await _apply(ctx, kind, trigger, body, run)
             if changes:
@@ -484,6 +496,7 @@ async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
     if outcome.retry:
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)
+    ctx.refused.discard(uid)
     ctx.deleted[uid] = None
     if len(ctx.deleted) > _DELETED_KEPT:
         ctx.deleted.popitem(last=False)
