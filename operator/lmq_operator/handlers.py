@@ -10,8 +10,8 @@ spec older than the one an update just applied.
 A LiteGroup applied together with its ParentTopic (one GitOps sync) is refused by the brokers until the
 topic is on every broker. It does not wait out the retry delay: every reconcile that finds a ParentTopic
 Ready wakes the LiteGroups the brokers refused for want of that topic (``_wake``, fed by an index of the
-LiteGroups not Ready by the name of their parent topic, and ``Context.refused``). Their "waiting" status is written under the group's lock, not by kopf
-after the handler, so it can never land after the wake-up's Ready.
+LiteGroups not Ready by the name of their parent topic, and ``Context.refused``). Their "waiting" status is
+written under the group's lock, not by kopf after the handler, so it can never land after the wake-up's Ready.
 
 Brokers do not wait for the resync. A watch loop (``_watch``) looks at the brokers every discovery interval:
 when one lacks a resource the operator knows it applied (a new pod, a pod back with an empty disk) every
