@@ -392,6 +392,7 @@ async def reconcile(
     return Outcome(new, writes + _transition_events(previous, new), retry, repaired, len(view.targets))
 
 
+WOKEN: Final = "parent"  # the trigger of a LiteGroup reconciled at once because its ParentTopic turned Ready
 _VERB: Final = {"Created": "created", "Adopted": "adopted", "Updated": "applied", "DriftRepaired": "repaired"}
 _CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritten", "none": "already identical"}
 
@@ -399,7 +400,9 @@ _CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritt
 def _write_events(trigger: str, syncs: Sequence[model.BrokerSync], previous: Mapping[str, Any]) -> dict[str, list[str]]:
     """Event reason -> "broker (what it held)" entries. A create that finds the object already on a broker,
     equal or not, adopts it there. A broker the previous status lists as synced got its copy from an earlier
-    attempt of this same create (a retry, a restart): finding it there again is no news."""
+    attempt of this same create (a retry, a restart): finding it there again is no news. A LiteGroup woken by
+    its ParentTopic turning Ready continues a create or an update the brokers refused: a copy it writes where
+    none was is created, one it overwrites updated, not a repaired drift."""
     ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")}
     found: dict[str, list[str]] = {}
     for s in sorted(syncs, key=lambda s: s.broker):
@@ -407,6 +410,8 @@ def _write_events(trigger: str, syncs: Sequence[model.BrokerSync], previous: Map
             continue
         if trigger == "create" and s.broker.name not in ours:
             reason = "Created" if s.change == diff.Change.MISSING.value else "Adopted"
+        elif trigger == WOKEN and s.change != diff.Change.NONE.value:
+            reason = "Created" if s.change == diff.Change.MISSING.value else "Updated"
         elif s.change == diff.Change.NONE.value:
             continue
         else:

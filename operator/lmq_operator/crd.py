@@ -34,9 +34,13 @@ class _Status(CamelModel):
 
 
 class Condition(_Status):
-    """A standard Kubernetes condition: Ready on every resource, BrokersDrained on ParentTopics."""
+    """A standard Kubernetes condition: Ready on every resource, the kstatus pair Reconciling and Stalled while
+    not Ready, BrokersDrained on ParentTopics."""
 
-    type: str = Field(description="Ready, or BrokersDrained on a ParentTopic.")
+    type: str = Field(
+        description="Ready; Reconciling (not Ready, retried until it is) or Stalled (not Ready until someone changes"
+        " the spec or a broker), each present only while True; or BrokersDrained on a ParentTopic."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown (reconciliation paused).")
     reason: str | None = Field(None, description="One CamelCase word saying why, e.g. Applied or BrokerUnavailable.")
     message: str | None = Field(None, description="What happened, naming the brokers it is about.")

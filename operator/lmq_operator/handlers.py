@@ -7,6 +7,12 @@ each resource as compact JSON, not a kopf timer per resource. A per-object lock 
 handlers, and the resync reads the resource from the index under that lock, so it can never re-apply a
 spec older than the one an update just applied.
 
+A LiteGroup applied together with its ParentTopic (one GitOps sync) is refused by the brokers until the
+topic is on every broker. It does not wait out the retry delay: every reconcile that finds a ParentTopic
+Ready wakes the LiteGroups the brokers refused for want of that topic (``_wake``, fed by an index of the
+LiteGroups not Ready by the name of their parent topic, and ``Context.refused``). Their "waiting" status is
+written under the group's lock, not by kopf after the handler, so it can never land after the wake-up's Ready.
+
 Brokers do not wait for the resync. A watch loop (``_watch``) looks at the brokers every discovery interval:
 when one lacks a resource the operator knows it applied (a new pod, a pod back with an empty disk) every
 resource is reconciled at once, and when the set of leaving brokers with undrained messages changes, every
@@ -21,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import time
@@ -67,6 +74,11 @@ class Context:
     # Resources whose delete handler finished: kopf may run it again on a stale event (one that arrived before
     # its finalizer-removal patch took effect), which would repeat the broker calls and the "Deleted" Event.
     deleted: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+    waking: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # LiteGroup uid -> its wake-up (_wake)
+    # LiteGroups whose last reconcile the brokers refused for a missing parent: only these are woken, so a
+    # group whose create handler has not run yet is left to it (else that handler would find the copies the
+    # wake-up made and call them adopted).
+    refused: set[str] = field(default_factory=set)
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
@@ -126,6 +138,7 @@ async def configure(memo: Any, **kwargs: Any) -> None:
 
     pool = apply.AdminPool(factory)
     indices = {name: kwargs[name] for kind in model.Kind for name in (f"{kind.plural}_claims", f"{kind.plural}_bodies")}
+    indices[WAITING] = kwargs[WAITING]
     member: scaler.Scaler | None = None
     if conf.manages_membership:
         keys = KeyPair(*conf.admin_keys) if conf.admin_keys else None
@@ -181,7 +194,7 @@ async def close(memo: Any, **_: Any) -> None:
     _sessions.clear()
     ctx: Context | None = getattr(memo, "lmq", None)
     if ctx is not None:
-        for task in (ctx.resync, ctx.watch, ctx.scaling):
+        for task in (ctx.resync, ctx.watch, ctx.scaling, *ctx.waking.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -222,6 +235,46 @@ def litequotas_claims(name: str, namespace: str | None, spec: Any, meta: Any, ui
     return _claim(model.Kind.LITE_QUOTA, name=name, namespace=namespace, spec=spec, meta=meta, uid=uid)
 
 
+WOKEN: Final = apply.WOKEN  # the trigger of a LiteGroup reconciled because its ParentTopic turned Ready
+OUTSIDE_HANDLERS: Final = frozenset({"timer", WOKEN})  # triggers that run outside kopf's handlers
+WAITING: Final = "litegroups_waiting"  # the index of LiteGroups that may be waiting for their ParentTopic
+
+
+@kopf.index(model.GROUP, model.VERSION, "litegroups", id=WAITING)
+def litegroups_waiting(body: Any, spec: Any, uid: str, **_: Any) -> Any:
+    """parent topic -> uid of each LiteGroup not Ready yet or refused for a missing parent (others never are
+    listed: this index stays as small as the number of groups waiting)."""
+    parent = spec.get("parentTopic")
+    ready = status.ready_of(body.get("status") or {})
+    if not parent or ready not in (None, ("False", status.Reason.PARENT_TOPIC_NOT_FOUND.value)):
+        return None
+    return {parent: uid}
+
+
+def _waits_for_parent(kind: model.Kind, outcome: apply.Outcome) -> bool:
+    return kind is model.Kind.LITE_GROUP and status.ready_of(outcome.status) == (
+        "False",
+        status.Reason.PARENT_TOPIC_NOT_FOUND.value,
+    )
+
+
+def _wake(ctx: Context, kind: model.Kind, outcome: apply.Outcome) -> None:
+    """Reconcile at once the LiteGroups waiting for the ParentTopic ``outcome`` shows Ready on every broker."""
+    if kind is not model.Kind.PARENT_TOPIC or status.ready_of(outcome.status) != ("True", status.Reason.APPLIED.value):
+        return
+    for uid in ctx.indices[WAITING].get(outcome.status.get(status.KEY_FIELD[kind]), ()):
+        if uid not in ctx.waking:
+            task = asyncio.create_task(_resync(ctx, model.Kind.LITE_GROUP, uid, trigger=WOKEN))
+            ctx.waking[uid] = task
+            task.add_done_callback(functools.partial(_woken, ctx, uid))
+
+
+def _woken(ctx: Context, uid: str, task: asyncio.Task[None]) -> None:
+    ctx.waking.pop(uid, None)
+    if not task.cancelled() and (exc := task.exception()) is not None:  # the resync retries it
+        log.error("reconciling LiteGroup %s once its ParentTopic was Ready failed", uid, exc_info=exc)
+
+
 # ---- reconcile ----------------------------------------------------------------------------------------
 
 
@@ -239,7 +292,7 @@ async def _apply(
     outcome = await apply.reconcile(
         ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
     )
-    if trigger == "timer":  # outside kopf's handlers: post through the context a handler left (see Context)
+    if trigger in OUTSIDE_HANDLERS:  # post through the context a handler left (see Context)
         if ctx.posting is not None:
             ctx.posting.run(_post, body, outcome.events)
     else:
@@ -250,6 +303,13 @@ async def _apply(
     if outcome.repaired:
         metrics.DRIFT_REPAIRED.labels(kind.value).inc(outcome.repaired)
     run.failed = outcome.retry
+    if kind is model.Kind.LITE_GROUP:
+        uid = body["metadata"]["uid"]
+        if _waits_for_parent(kind, outcome):
+            ctx.refused.add(uid)
+        else:
+            ctx.refused.discard(uid)
+    _wake(ctx, kind, outcome)
     return outcome, status.changes(previous, outcome.status)
 
 
@@ -257,20 +317,27 @@ async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, m
     ctx = _ctx(memo)
     async with ctx.lock(body["metadata"]["uid"]), _measured(kind, trigger) as run:
         outcome, changes = await _apply(ctx, kind, trigger, body, run)
-        for key, value in changes.items():
-            patch.status[key] = value
+        if changes and _waits_for_parent(kind, outcome):  # under the lock: see the module's docstring
+            meta = body["metadata"]
+            await ctx.statuses.patch(kind, meta["namespace"], meta["name"], changes)
+        else:
+            for key, value in changes.items():
+                patch.status[key] = value
     if outcome.retry:  # the resync retries too, but a change handler retries sooner
         raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
 
 
-async def _resync(ctx: Context, kind: model.Kind, uid: str) -> None:
-    """The periodic reconcile of one resource, as the index shows it once its lock is ours."""
+async def _resync(ctx: Context, kind: model.Kind, uid: str, trigger: str = "timer") -> None:
+    """The periodic reconcile of one resource (or a woken LiteGroup's), as the index shows it once its lock
+    is ours."""
     async with ctx.lock(uid):
         body = ctx.body(kind, uid)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # gone, or the delete handler's now
-        async with _measured(kind, "timer") as run:
-            _, changes = await _apply(ctx, kind, "timer", body, run)
+        if trigger == WOKEN and uid not in ctx.refused:
+            return  # Ready since, or its create handler has not run yet (and will find the parent)
+        async with _measured(kind, trigger) as run:
+            _, changes = await _apply(ctx, kind, trigger, body, run)
             if changes:
                 meta = body["metadata"]
                 await ctx.statuses.patch(kind, meta["namespace"], meta["name"], changes)
@@ -429,6 +496,7 @@ async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
     if outcome.retry:
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)
+    ctx.refused.discard(uid)
     ctx.deleted[uid] = None
     if len(ctx.deleted) > _DELETED_KEPT:
         ctx.deleted.popitem(last=False)

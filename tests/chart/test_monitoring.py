@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import jsonschema
 import prometheus_client
 import promql_parser
@@ -34,7 +35,7 @@ One = Callable[..., Manifest]
 ALL_ON: dict[str, Any] = {
     "monitoring": {
         "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}},
-        "podMonitor": {"enabled": True, "interval": "20s", "labels": {"release": "kps"}},
+        "podMonitor": {"enabled": False, "interval": "20s", "labels": {"release": "kps"}},
         "prometheusRule": {
             "enabled": True,
             "labels": {"release": "kps"},
@@ -46,6 +47,15 @@ ALL_ON: dict[str, Any] = {
         "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Messaging"}},
     },
     "broker": {"replicas": 3},
+}
+# The same with PodMonitors instead of ServiceMonitors (the values schema refuses both at once).
+PODS: dict[str, Any] = {
+    **ALL_ON,
+    "monitoring": {
+        **ALL_ON["monitoring"],
+        "serviceMonitor": {**ALL_ON["monitoring"]["serviceMonitor"], "enabled": False},
+        "podMonitor": {**ALL_ON["monitoring"]["podMonitor"], "enabled": True},
+    },
 }
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 # Metrics the queries may use that lmq does not export: Prometheus's own and the kubelet's volume statistics.
@@ -116,13 +126,10 @@ def test_every_monitoring_object_has_the_fields_its_crd_defines(
     render: Render, monitoring_schemas: dict[str, dict[str, Any]]
 ) -> None:
     objects = [o for o in render(ALL_ON) if o["kind"] in MONITORING_KINDS]
-    assert sorted(o["kind"] for o in objects) == [
-        "PodMonitor",
-        "PodMonitor",
-        "PrometheusRule",
-        "ServiceMonitor",
-        "ServiceMonitor",
-    ]
+    assert sorted(o["kind"] for o in objects) == ["PrometheusRule", "ServiceMonitor", "ServiceMonitor"]
+    pods = [o for o in render(PODS) if o["kind"] in MONITORING_KINDS]
+    assert sorted(o["kind"] for o in pods) == ["PodMonitor", "PodMonitor", "PrometheusRule"]
+    objects += [o for o in pods if o["kind"] == "PodMonitor"]
     for obj in objects:
         jsonschema.validate(obj, monitoring_schemas[obj["kind"]])
         assert obj["metadata"]["namespace"] == "mq" and obj["metadata"]["labels"]["release"] == "kps"
@@ -156,7 +163,7 @@ def test_service_monitors_scrape_exactly_the_services_that_serve_metrics(render:
 
 
 def test_pod_monitors_scrape_the_containers_metrics_ports(render: Render) -> None:
-    objects = render(ALL_ON)
+    objects = render(PODS)
     workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("StatefulSet", "Deployment")}
     for monitor in [o for o in objects if o["kind"] == "PodMonitor"]:
         (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
@@ -172,19 +179,30 @@ def test_pod_monitors_scrape_the_containers_metrics_ports(render: Render) -> Non
             named[endpoint["port"]]
             == {"demo-lmq-broker": 9100, "demo-lmq-operator": 9101}[workload["metadata"]["name"]]
         )
-    no_operator = render({**ALL_ON, "operator": {"enabled": False}})
-    assert [o["metadata"]["name"] for o in no_operator if o["kind"] in ("PodMonitor", "ServiceMonitor")] == [
-        "demo-lmq-broker",
-        "demo-lmq-broker",
-    ]
+    for values in (ALL_ON, PODS):
+        no_operator = render({**values, "operator": {"enabled": False}})
+        monitors = [o["metadata"]["name"] for o in no_operator if o["kind"] in ("PodMonitor", "ServiceMonitor")]
+        assert monitors == ["demo-lmq-broker"]
+
+
+def test_service_and_pod_monitors_together_are_refused_before_rendering(render: Render) -> None:
+    """Both would make Prometheus scrape every broker and the operator twice (doubled rates and sums)."""
+    both = {**ALL_ON, "monitoring": {**ALL_ON["monitoring"], "podMonitor": PODS["monitoring"]["podMonitor"]}}
+    with pytest.raises(helm.HelmValuesError) as refused:
+        render(both)
+    message = str(refused.value)
+    assert "'/monitoring/podMonitor/enabled'" in message, message
+    assert "serviceMonitor.enabled is true" in message and "scrape every target twice" in message, message
+    assert "PodMonitor" not in {o["kind"] for o in render(ALL_ON)}  # each alone renders (guards the check)
 
 
 def test_with_processes_every_process_of_a_pod_is_scraped(render: Render, one: One) -> None:
     # serve --processes 3 --metrics-port 9100: process i serves /metrics on 9101 + i.
     objects = render({**ALL_ON, "broker": {"replicas": 3, "processes": 3}})
+    pods = render({**PODS, "broker": {"replicas": 3, "processes": 3}})
     (broker,) = one(objects, "StatefulSet", "demo-lmq-broker")["spec"]["template"]["spec"]["containers"]
     container_ports = {p["name"]: p["containerPort"] for p in broker["ports"]}
-    by_pod_monitor = one(objects, "PodMonitor", "demo-lmq-broker")["spec"]["podMetricsEndpoints"]
+    by_pod_monitor = one(pods, "PodMonitor", "demo-lmq-broker")["spec"]["podMetricsEndpoints"]
     assert [container_ports[e["port"]] for e in by_pod_monitor] == [9101, 9102, 9103]
     assert {(e["path"], e["interval"]) for e in by_pod_monitor} == {("/metrics", "20s")}
     headless = {p["name"]: p for p in one(objects, "Service", "demo-lmq-broker-headless")["spec"]["ports"]}
@@ -192,7 +210,7 @@ def test_with_processes_every_process_of_a_pod_is_scraped(render: Render, one: O
     assert [container_ports[headless[e["port"]]["targetPort"]] for e in by_service_monitor] == [9101, 9102, 9103]
     assert {(e["path"], e["interval"]) for e in by_service_monitor} == {("/metrics", "15s")}
     # the operator has one process: one endpoint
-    assert len(one(objects, "PodMonitor", "demo-lmq-operator")["spec"]["podMetricsEndpoints"]) == 1
+    assert len(one(pods, "PodMonitor", "demo-lmq-operator")["spec"]["podMetricsEndpoints"]) == 1
     assert len(one(objects, "ServiceMonitor", "demo-lmq-operator")["spec"]["endpoints"]) == 1
 
 

@@ -219,7 +219,7 @@ FULL: dict[str, Any] = {
     },
     "monitoring": {
         "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kps"}},
-        "podMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "kps"}},
+        "podMonitor": {"enabled": False, "interval": "1m", "labels": {"release": "kps"}},  # not both: PODS_FULL
         "prometheusRule": {
             "enabled": True,
             "labels": {"release": "kps"},
@@ -252,6 +252,7 @@ SWITCHES = {
     ("reclaim", "serviceAccount", "create"),
     ("networkPolicy", "enabled"),
     ("test", "enabled"),
+    ("monitoring", "podMonitor", "enabled"),  # the schema refuses it beside serviceMonitor: PODS_FULL turns it on
 }
 
 # Overrides FULL leaves at their default so that the key they override still shows (test_objects.py's
@@ -444,16 +445,25 @@ def test_full_values_set_every_documented_key(chart: helm.Chart) -> None:
     assert same == [], f"FULL keeps these at their defaults, so they would not be tested: {same}"
 
 
+def _full_for(path: tuple[str, ...]) -> str:
+    """Which full value set tests ``path``: FULL, or for the PodMonitors' keys FULL with the PodMonitors
+    instead of the ServiceMonitors (the schema refuses both)."""
+    return "pods" if path[:2] == ("monitoring", "podMonitor") else "full"
+
+
 def test_no_value_is_dead(render_text: Callable[..., dict[str, str]], chart: helm.Chart) -> None:
     """Setting any single key back to its default changes the rendered output."""
     defaults = leaves(chart.values)
-    baseline = render_text(FULL)
+    pods = with_leaf(FULL, ("monitoring", "serviceMonitor", "enabled"), False)
+    fulls = {"full": FULL, "pods": with_leaf(pods, ("monitoring", "podMonitor", "enabled"), True)}
+    baselines = {name: render_text(values) for name, values in fulls.items()}
     dead = []
     for path, default in sorted(defaults.items()):
         if path in SWITCHES or path in OVERRIDES:
             continue
+        full, baseline = fulls[_full_for(path)], baselines[_full_for(path)]
         try:
-            changed = render_text(with_leaf(FULL, path, copy.deepcopy(default)))
+            changed = render_text(with_leaf(full, path, copy.deepcopy(default)))
         except helm.HelmRenderError:
             continue  # refused at its default (a required value, e.g. tls.certManager.issuerRef.name): it matters
         if changed == baseline:

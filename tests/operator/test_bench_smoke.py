@@ -12,6 +12,8 @@ FIGURES = (
     "ready_latency_burst_p99_s ",
     "ready_latency_paced_p50_s ",
     "ready_latency_paced_p99_s ",
+    "ready_latency_pair_p50_s ",
+    "ready_latency_pair_p99_s ",
     "ready_all_s ",
     "operator_arrival_cpu_core_share ",
     "operator_cpu_core_share ",

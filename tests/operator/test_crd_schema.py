@@ -124,6 +124,17 @@ def test_the_status_the_operator_writes_fits_the_status_model(resource: crd.Reso
         assert "lastReclaim" in shapes[0]
 
 
+@pytest.mark.parametrize("resource", crd.RESOURCES, ids=lambda r: r.kind.value)
+def test_the_crd_names_every_condition_type_the_operator_writes(resource: crd.Resource) -> None:
+    """`kubectl explain ...status.conditions.type` lists what a reader may meet (Reconciling and Stalled too)."""
+    written = {c["type"] for shape in _statuses(resource.kind) for c in shape["conditions"]}
+    assert written >= {status.READY, status.RECONCILING, status.STALLED}, written
+    conditions = openapi(resource)["properties"]["status"]["properties"]["conditions"]
+    described = conditions["items"]["properties"]["type"]["description"]
+    for type_ in written | {status.DRAINED}:
+        assert type_ in described, (type_, described)
+
+
 NAME_SAMPLES = [
     "a",
     "orders",
