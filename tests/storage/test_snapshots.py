@@ -12,7 +12,6 @@ from lmq_broker import config, model
 from lmq_broker.storage import snapshots
 from lmq_broker.storage import store as store_mod
 
-pytestmark = pytest.mark.unit
 
 
 def _copy(snap: snapshots.Snapshot, target: Path) -> None:
