@@ -17,7 +17,6 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, start_broker
 
 
-
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     process = start_broker(tmp_path / "data", extra_args=["--no-bootstrap", "--mqtt-port", "0"])
@@ -63,7 +62,7 @@ def test_restore_brings_metadata_and_credentials_back(snapshot: Path, tmp_path: 
     manifest = restoring.read_manifest(snapshot)
     names = {f["path"] for f in manifest["files"]}
     assert {"admin-credentials.json", "mqtt.sqlite3", "meta/CURRENT", "index/CURRENT"} <= names
-    code, out, err = _restore(str(snapshot), "--data-dir", str(tmp_path / "restored"), "--quiet")
+    code, _out, err = _restore(str(snapshot), "--data-dir", str(tmp_path / "restored"), "--quiet")
     assert code == 0, err
     assert (tmp_path / "restored" / "admin-credentials.json").stat().st_mode & 0o777 == 0o600
     restored = start_broker(tmp_path / "restored", extra_args=["--no-bootstrap"])

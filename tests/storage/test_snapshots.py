@@ -13,7 +13,6 @@ from lmq_broker.storage import snapshots
 from lmq_broker.storage import store as store_mod
 
 
-
 def _copy(snap: snapshots.Snapshot, target: Path) -> None:
     for f in snap.files:
         path = target / f.name
