@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from lmq_broker.testing import BrokerProcess, start_broker
 def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     process = start_broker(tmp_path / "data", extra_args=["--no-bootstrap", "--mqtt-port", "0"])
     yield process
-    if process.alive:
+    if process.alive():
         process.stop()
     if process.process.stdout is not None:
         process.process.stdout.close()
@@ -54,6 +56,8 @@ def snapshot(broker: BrokerProcess, tmp_path: Path) -> Path:
     assert summary["files"] >= 4 and summary["bytes"] > 0
     assert "commitlog/0000000000.log" in err and "meta/CURRENT" in err  # a progress line per file
     assert not (broker.data_dir / "backup-staging").exists()  # the staging links went with the stream
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        assert 'lmq_backups_total{outcome="done"} 1.0' in answer.read().decode()
     broker.stop()
     return tmp_path / "snap"
 
@@ -82,7 +86,14 @@ def test_a_backup_cut_off_midway_has_no_manifest_and_is_refused(broker: BrokerPr
         with pytest.raises(KeyboardInterrupt):
             admin.backup(tmp_path / "partial", progress=stop_after_first)
         assert not (tmp_path / "partial" / restoring.MANIFEST).exists()
-        admin.backup(tmp_path / "next")  # the broker let go of the first one: a second backup runs
+        deadline = time.monotonic() + 10
+        while True:  # the broker lets go of the first one once it sees the call cancelled
+            try:
+                admin.backup(tmp_path / f"next-{time.monotonic_ns()}")
+                break
+            except errors.Conflict:
+                assert time.monotonic() < deadline, "the cut-off backup still holds the broker"
+                time.sleep(0.05)
     code, _, err = _restore(str(tmp_path / "partial"), "--data-dir", str(tmp_path / "target"))
     assert code == cli.EXIT_FAILED
     assert "no manifest.json: not a complete snapshot" in err

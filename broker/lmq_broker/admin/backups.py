@@ -16,6 +16,7 @@ import hashlib
 import shutil
 import sqlite3
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
@@ -34,6 +35,23 @@ MAX_CHUNK_BYTES: Final = 3 * 1024 * 1024  # under gRPC's 4 MiB message cap with 
 COPIED_FILES: Final = (saved_subscriptions.FILE_NAME, restoring.CREDENTIALS)
 
 
+@dataclass
+class Tally:
+    """Backups served by this process, by outcome (``lmq_backups_total{outcome}``) and bytes sent."""
+
+    done: int = 0
+    refused: int = 0  # another backup of the same data directory was running
+    failed: int = 0  # the store was unwell, a file could not be read, or the caller went away
+    bytes_sent: int = 0
+
+    def outcomes(self) -> dict[str, float]:
+        return {"done": self.done, "refused": self.refused, "failed": self.failed}
+
+
+TALLY: Final = Tally()
+_running: set[Path] = set()  # data directories with a backup under way (a broker may serve admin on two ports)
+
+
 @runtime_checkable
 class Snapshotting(Protocol):
     """A store that keeps its state on disk (``LmqStore``; the in-memory twin has nothing to back up)."""
@@ -46,8 +64,7 @@ class Backups:
 
     def __init__(self, store: Store, data_dir: Path) -> None:
         self._store = store
-        self._data_dir = data_dir
-        self._running = False
+        self._data_dir = data_dir.resolve()
 
     async def stream(self, request: pb.BackupRequest) -> AsyncIterator[pb.BackupResponse]:
         chunk = request.chunk_bytes or CHUNK_BYTES
@@ -55,10 +72,12 @@ class Backups:
             raise errors.InvalidArgument(f"chunk_bytes must be 1..{MAX_CHUNK_BYTES}", chunk_bytes=chunk)
         if not isinstance(self._store, Snapshotting):
             raise errors.Unsupported("this broker's store keeps nothing on disk to back up")
-        if self._running:
+        if self._data_dir in _running:
+            TALLY.refused += 1
             raise errors.Conflict("a backup of this broker is already running; retry when it is done")
-        self._running = True
+        _running.add(self._data_dir)
         staging = self._data_dir / STAGING
+        done = False
         try:
             await asyncio.to_thread(snapshots.discard, staging)  # a crashed backup's leftovers
             snap = await asyncio.to_thread(self._prepare, staging)
@@ -66,12 +85,18 @@ class Backups:
             for item in snap.files:
                 digest = hashlib.sha256()
                 async for part in _chunks(item, chunk, digest):
+                    TALLY.bytes_sent += len(part.data)
                     yield pb.BackupResponse(chunk=part)
                 listed.append(pb.BackupFile(path=item.name, size=item.size, sha256=digest.hexdigest()))
             yield pb.BackupResponse(manifest=_manifest(snap, listed))
+            done = True
         finally:
             snapshots.discard(staging)  # (synchronous: an async generator may be closed outside a loop turn)
-            self._running = False
+            _running.discard(self._data_dir)
+            if done:
+                TALLY.done += 1
+            else:
+                TALLY.failed += 1
 
     def _prepare(self, staging: Path) -> snapshots.Snapshot:
         """(A worker thread.) The store's snapshot plus the broker's other state files."""

@@ -49,14 +49,22 @@ def receive(responses: Iterable[pb.BackupResponse], target: Path, progress: Prog
         raise errors.Conflict(f"{target} is not empty: back up into a new or empty directory", path=str(target))
     target.mkdir(parents=True, exist_ok=True)
     writer = _Writer(target, progress)
-    for response in responses:
-        if response.WhichOneof("part") == "chunk":
-            writer.chunk(response.chunk)
-        elif response.WhichOneof("part") == "manifest":
-            writer.finish(response.manifest)
-            seconds = time.monotonic() - started
-            return Summary(str(target), writer.files, writer.bytes, seconds, response.manifest.taken_ms)
-    writer.close()
+    parts = iter(responses)
+    try:
+        for response in parts:
+            if response.WhichOneof("part") == "chunk":
+                writer.chunk(response.chunk)
+            elif response.WhichOneof("part") == "manifest":
+                writer.finish(response.manifest)
+                for _ in parts:  # read the stream to its end, so the broker sees the backup through
+                    pass
+                seconds = time.monotonic() - started
+                return Summary(str(target), writer.files, writer.bytes, seconds, response.manifest.taken_ms)
+    finally:
+        writer.close()
+        close = getattr(parts, "close", None)
+        if close is not None:  # a generator over a call: cancel it now, not when the traceback goes
+            close()
     raise errors.BrokerUnavailable(f"the backup stream ended before its manifest: {target} is incomplete")
 
 
