@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from lmq_broker import errors
 from lmq_broker.admin import restoring
 
 if TYPE_CHECKING:
@@ -47,12 +48,18 @@ def _reporter(args: argparse.Namespace, err: TextIO) -> restoring.Progress | Non
 
 
 def _backup(client: AdminClient, args: argparse.Namespace) -> dict[str, Any]:
-    summary = client.backup(args.directory, chunk_bytes=args.chunk_bytes, progress=_reporter(args, args.err))
+    try:
+        summary = client.backup(args.directory, chunk_bytes=args.chunk_bytes, progress=_reporter(args, args.err))
+    except OSError as exc:  # the local side: a full disk, a directory we may not write
+        raise errors.StorageError(f"cannot write the snapshot: {exc}") from None
     return _row(summary)
 
 
 def _restore(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
-    summary = restoring.restore(args.directory, args.data_dir, force=args.force, progress=_reporter(args, err))
+    try:
+        summary = restoring.restore(args.directory, args.data_dir, force=args.force, progress=_reporter(args, err))
+    except OSError as exc:
+        raise errors.StorageError(f"cannot restore: {exc}") from None
     return _row(summary)
 
 

@@ -52,8 +52,8 @@ def take(core: core_mod.Core, staging: Path) -> Snapshot:
     staging.mkdir(parents=True)
     with core.write_lock:
         core.check_open()
-        busy = core.rebuilding or core.unreadable or core.failed or core.index_error
-        if busy is not None:
+        busy = core.rebuilding or core.unreadable or core.failed or core.index_error or core.meta.error
+        if busy is not None:  # (a read-only reopen of meta/ or index/ cannot be checkpointed)
             raise errors.BrokerUnavailable(f"no snapshot while the store is unwell: {core.health() or busy}")
         taken = core.clock()
         logs = staging / COMMITLOG
