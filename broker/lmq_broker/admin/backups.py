@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import shutil
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
@@ -66,7 +66,7 @@ class Backups:
         self._store = store
         self._data_dir = data_dir.resolve()
 
-    async def stream(self, request: pb.BackupRequest) -> AsyncIterator[pb.BackupResponse]:
+    async def stream(self, request: pb.BackupRequest) -> AsyncGenerator[pb.BackupResponse, None]:
         chunk = request.chunk_bytes or CHUNK_BYTES
         if not 0 < chunk <= MAX_CHUNK_BYTES:
             raise errors.InvalidArgument(f"chunk_bytes must be 1..{MAX_CHUNK_BYTES}", chunk_bytes=chunk)
