@@ -37,12 +37,11 @@ COPIED_FILES: Final = (saved_subscriptions.FILE_NAME, restoring.CREDENTIALS)
 
 @dataclass
 class Tally:
-    """Backups served by this process, by outcome (``lmq_backups_total{outcome}``) and bytes sent."""
+    """Backups served by this process, by outcome (``lmq_backups_total{outcome}``)."""
 
     done: int = 0
     refused: int = 0  # another backup of the same data directory was running
     failed: int = 0  # the store was unwell, a file could not be read, or the caller went away
-    bytes_sent: int = 0
 
     def outcomes(self) -> dict[str, float]:
         return {"done": self.done, "refused": self.refused, "failed": self.failed}
@@ -85,7 +84,6 @@ class Backups:
             for item in snap.files:
                 digest = hashlib.sha256()
                 async for part in _chunks(item, chunk, digest):
-                    TALLY.bytes_sent += len(part.data)
                     yield pb.BackupResponse(chunk=part)
                 listed.append(pb.BackupFile(path=item.name, size=item.size, sha256=digest.hexdigest()))
             yield pb.BackupResponse(manifest=_manifest(snap, listed))
