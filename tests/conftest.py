@@ -24,6 +24,7 @@ SPARK_WORDS: Final = ("pyspark", "spark-submit", "spark_submit")
 KUBE_WORDS: Final = ("testenv(", "bench_operator")  # modules that start the real apiserver themselves
 UNIT_MODULES: Final = frozenset(
     {
+        "admin/test_backup_stream.py",
         "broker/test_cluster.py",
         "broker/test_convert.py",
         "broker/test_dispatcher.py",

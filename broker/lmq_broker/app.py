@@ -26,7 +26,7 @@ import grpc
 import prometheus_client
 
 from lmq_broker import errors, heap, model
-from lmq_broker.admin import credentials, expiry
+from lmq_broker.admin import backups, credentials, expiry
 from lmq_broker.admin import service as admin_service
 from lmq_broker.cluster import links, mqtt_link, setup
 from lmq_broker.config import BrokerConfig
@@ -170,6 +170,12 @@ class Broker:
             )
             self._saver = asyncio.create_task(saver.run(), name="lmq-save-subscriptions")
         self.metrics.watch(self.dispatcher)
+        self.metrics.watch_counts(
+            "lmq_backups",
+            "Backups served (lmq-admin backup) by outcome: done, refused (one was running), failed",
+            "outcome",
+            backups.TALLY.outcomes,
+        )
         edge = Edge(self.dispatcher, config, metrics=self.metrics)
         self.metrics.watch_parking(edge.polls, edge.streams, edge.telemetry_buffer)
         cluster = self.cluster = setup.Cluster(

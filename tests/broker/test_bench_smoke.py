@@ -11,6 +11,11 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 EXPECTED = {
+    "bench_backup.py": [
+        "FIGURE snapshot under the write lock:",
+        "FIGURE backup over gRPC:",
+        "FIGURE restore (hash and copy):",
+    ],
     "bench_broker_batch.py": ["FIGURE batched send rate:"],
     "bench_broker_consume.py": ["FIGURE one-lite-topic drain rate:", "FIGURE drain calls/s ÷ echo calls/s:"],
     "bench_broker_send.py": ["FIGURE send rate broker(sync flush)/echo:", "FIGURE send rate broker(async flush)/echo:"],

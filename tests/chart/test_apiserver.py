@@ -120,6 +120,7 @@ def installed_crds(kube: testing.KubeAPI, chart_dir: Path) -> list[str]:
             },
         },
         {"broker": {"replicas": 2, "external": {"enabled": True, "advertisedAddresses": ["a:1", "b:2"]}}},
+        {"backup": {"enabled": True, "existingClaim": "lmq-backups"}, "broker": {"processes": 2}},
     ],
     ids=[
         "defaults",
@@ -128,6 +129,7 @@ def installed_crds(kube: testing.KubeAPI, chart_dir: Path) -> list[str]:
         "production",
         "external-node-ports",
         "external-load-balancers",
+        "backup",
     ],
 )
 def test_the_api_server_accepts_every_rendered_object(
@@ -168,14 +170,19 @@ def test_every_pod_meets_the_restricted_pod_security_standard(kube: testing.Kube
         },
     )
     templates = {}
-    for obj in render({"reclaim": {"enabled": True}, "tls": {"enabled": True, "existingSecret": "mq-tls"}}):
-        if obj["kind"] == "CronJob":
-            templates[obj["kind"]] = obj["spec"]["jobTemplate"]["spec"]["template"]
+    values = {
+        "reclaim": {"enabled": True},
+        "backup": {"enabled": True, "existingClaim": "lmq-backups"},
+        "tls": {"enabled": True, "existingSecret": "mq-tls"},
+    }
+    for obj in render(values):
+        if obj["kind"] == "CronJob":  # the reclaim and the backup job
+            templates[obj["metadata"]["name"]] = obj["spec"]["jobTemplate"]["spec"]["template"]
         elif obj["kind"] in ("Deployment", "StatefulSet"):
             templates[obj["kind"]] = obj["spec"]["template"]
         elif obj["kind"] == "Pod":  # the helm test
             templates[obj["kind"]] = obj
-    assert set(templates) == {"CronJob", "Deployment", "StatefulSet", "Pod"}
+    assert set(templates) == {"demo-lmq-reclaim", "demo-lmq-backup", "Deployment", "StatefulSet", "Pod"}
     for kind, template in templates.items():
         spec = dict(template["spec"])
         if kind == "StatefulSet":  # the claim template becomes a volume of the pod

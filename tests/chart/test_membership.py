@@ -107,6 +107,7 @@ def test_network_policy_opens_the_process_ports(render: Render) -> None:
     assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers[1:]} == {
         "operator",
         "reclaim",
+        "backup",
         "test",
         "broker",
     }

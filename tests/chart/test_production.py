@@ -88,7 +88,8 @@ def test_admin_is_reachable_only_from_the_control_plane_of_the_release(render: R
     assert all(set(peer) == {"podSelector"} for peer in by_port[ports["admin"]]["from"])  # this namespace only
     for component in ("operator", "reclaim", "test", "broker"):  # brokers: peers of a cluster ask each other
         assert any(selects(peer, pod_labels(pods[component])) for peer in admitted), component
-    assert len(admitted) == 4
+    assert len(admitted) == 5  # and the backup job's pods (backup.enabled)
+    assert {"app.kubernetes.io/component": "backup"}.items() <= admitted[2].items()
     other_release = {**pod_labels(pods["operator"]), "app.kubernetes.io/instance": "other"}
     assert not any(selects(peer, other_release) for peer in admitted)
 
@@ -107,7 +108,7 @@ def test_network_policy_peers_and_switch(render: Render, one: One) -> None:
     policy = one(render({"networkPolicy": values}), "NetworkPolicy")
     by_port = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
     assert by_port[8081] == [apps]
-    assert by_port[8082][-1] == ops and len(by_port[8082]) == 5
+    assert by_port[8082][-1] == ops and len(by_port[8082]) == 6
     assert by_port[9100] == [prometheus]
     assert policy["spec"]["ingress"][-1] == mqtt
     assert [o for o in render({"networkPolicy": {"enabled": False}}) if o["kind"] == "NetworkPolicy"] == []

@@ -180,6 +180,20 @@ FULL: dict[str, Any] = {
         ],
         "priorityClassName": "messaging-high",
     },
+    "backup": {
+        "enabled": True,
+        "schedule": "5 1 * * *",
+        "timeZone": "Europe/Paris",
+        "suspend": True,
+        "existingClaim": "mq-backups",
+        "keep": 14,
+        "startingDeadlineSeconds": 300,
+        "backoffLimit": 2,
+        "activeDeadlineSeconds": 7200,
+        "resources": {"requests": {"cpu": "200m", "memory": "64Mi"}, "limits": {"memory": "192Mi"}},
+        "nodeSelector": {"pool": "batch"},
+        "tolerations": [{"key": "spot", "operator": "Exists"}],
+    },
     "reclaim": {
         "enabled": True,
         "image": {"digest": "sha256:" + "ef" * 32},  # its repository stays "<image.repository>-reclaim"
@@ -277,6 +291,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "full": FULL,
     "minimal": MINIMAL,
     "reclaim-on": {"reclaim": {"enabled": True}},
+    "backup-on": {"backup": {"enabled": True, "existingClaim": "lmq-backups"}},
     "single-namespace": {"operator": {"watchNamespace": "apps"}},
     "no-rbac": {"operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}}},
     "tls-from-a-secret": {"tls": {"enabled": True, "existingSecret": "mq-tls"}, "reclaim": {"enabled": True}},
@@ -464,8 +479,9 @@ def test_no_value_is_dead(render_text: Callable[..., dict[str, str]], chart: hel
         full, baseline = fulls[_full_for(path)], baselines[_full_for(path)]
         try:
             changed = render_text(with_leaf(full, path, copy.deepcopy(default)))
-        except helm.HelmRenderError:
-            continue  # refused at its default (a required value, e.g. tls.certManager.issuerRef.name): it matters
+        except (helm.HelmRenderError, helm.HelmValuesError):
+            continue  # refused at its default (a required value, e.g. tls.certManager.issuerRef.name, or one the
+            # schema requires once its feature is on, e.g. backup.existingClaim): it matters
         if changed == baseline:
             dead.append(".".join(path))
     assert dead == [], f"values that change nothing: {dead}"

@@ -154,6 +154,7 @@ def test_defaults_and_a_full_override_are_valid(chart: helm.Chart) -> None:
                 "networkPolicy": {"adminFrom": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]},
                 "podSecurity": {"runAsUser": None},
                 "reclaim": {"enabled": True, "timeZone": "America/Argentina/Buenos_Aires"},
+                "backup": {"enabled": True, "existingClaim": "lmq-backups", "keep": 30},
             },
         )
     )
@@ -246,6 +247,8 @@ WRONG = [
     ("reclaim.scratchSizeLimit", 10),
     ("reclaim.sparkMaster", ""),
     ("reclaim.driverMemory", "1 GB"),
+    ("backup.keep", 0),
+    ("backup.schedule", ""),
 ]
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Final, TextIO, TypeVar
 
 from lmq_broker import errors, model
-from lmq_broker.admin import credentials, tls
+from lmq_broker.admin import backup_cli, credentials, tls
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import GroupInfo, GroupLag, LiteTopicPage
 from lmq_broker.cluster import membership as mb
@@ -54,7 +54,7 @@ _CELLS: Final[Mapping[str, Callable[[Any], str]]] = {"last_reclaim": _reclaim_ce
 # Tables print these epoch-millisecond fields as UTC times (``-o json`` keeps the numbers); 0 is "never".
 _TIMES: Final = frozenset(
     {"last_seen_ms", "created_ms", "last_store_ms", "last_consume_ms", "store_timestamp_ms", "born_timestamp_ms"}
-    | {"start_ms", "finish_ms"}
+    | {"start_ms", "finish_ms", "taken_ms"}
 )
 # `group list` as a table: the columns that tell groups apart (-o json and `group get` show every field)
 _GROUP_LIST_COLUMNS: Final = (
@@ -452,6 +452,7 @@ def _parser() -> argparse.ArgumentParser:
     info = verb(broker, "info", lambda c, a: c.broker_info(with_undrained=not a.skip_undrained), "counts and sizes")
     info.add_argument("--skip-undrained", action="store_true", help="skip the walk over every lite topic")
 
+    backup_cli.add(resources)
     cluster = resources.add_parser("cluster", help="the brokers sharing the lite topics (scale-out)").add_subparsers(
         dest="verb", required=True, metavar="VERB"
     )
@@ -592,6 +593,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         args = _parser().parse_args(hoist_output(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:  # argparse exits on --help (0) and on bad usage (2)
         return int(exit_.code or 0)
+    if getattr(args, "offline", None) is not None:  # restore: no broker to call
+        try:
+            emit(args.offline(args, err), args.output, out)
+        except errors.LmqError as exc:
+            print(f"error: {type(exc).__name__}: {exc.message}", file=err)
+            return EXIT_FAILED
+        return EXIT_OK
     try:
         pair = credentials.resolve(args.access_key, args.secret_key, args.data_dir)
         secured = tls.client_tls(args.tls_ca, args.tls_server_name)
@@ -602,7 +610,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"error: --endpoint {args.endpoint} names no port (gRPC would dial 443): give host:port, e.g. "
               f"{args.endpoint.rstrip(':')}:8081", file=err)  # fmt: skip
         return EXIT_USAGE
-    args.keys, args.tls = pair, secured
+    args.keys, args.tls, args.err = pair, secured, err
     client = AdminClient(
         args.endpoint, args.timeout, long_timeout_s=3600.0, keys=pair, tls=secured, here_only=args.here_only
     )

@@ -65,7 +65,7 @@ import concurrent.futures
 import functools
 import os
 import threading
-from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -75,7 +75,7 @@ import grpc
 import grpc.aio
 
 from lmq_broker import model
-from lmq_broker.admin import convert, credentials, everywhere
+from lmq_broker.admin import convert, credentials, everywhere, restoring
 from lmq_broker.admin.convert import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS
 from lmq_broker.admin.results import (
     Applied,
@@ -285,6 +285,18 @@ class AsyncAdminClient:
                 )
         except grpc.RpcError as exc:
             raise convert.call_error(exc, "ScanLiteTopics", self.endpoint) from None
+        finally:
+            call.cancel()
+
+    async def backup_parts(self, chunk_bytes: int = 0) -> AsyncGenerator[pb.BackupResponse, None]:
+        """The ``Backup`` stream as it comes (``restoring.receive`` writes it to a directory). No deadline: a large
+        store takes as long as its bytes take to travel."""
+        call = self._stub.Backup(pb.BackupRequest(chunk_bytes=chunk_bytes), timeout=None, metadata=self._metadata())
+        try:
+            async for part in call:
+                yield part
+        except grpc.RpcError as exc:
+            raise convert.call_error(exc, "Backup", self.endpoint) from None
         finally:
             call.cancel()
 
@@ -551,3 +563,24 @@ class AdminClient:
 
     def trigger_lite_dispatch(self, group: str, lites: Sequence[str] = ()) -> list[str]:
         return self._loop.run(self.aio.trigger_lite_dispatch(group, lites))
+
+    def backup(
+        self, target: Path, *, chunk_bytes: int = 0, progress: restoring.Progress | None = None
+    ) -> restoring.Summary:
+        """Take a snapshot of the broker's store into ``target`` (new or empty), ``manifest.json`` last."""
+        parts = self.aio.backup_parts(chunk_bytes)
+
+        async def step() -> pb.BackupResponse | None:
+            return await anext(parts, None)
+
+        async def stop() -> None:
+            await parts.aclose()
+
+        def stream() -> Iterator[pb.BackupResponse]:
+            try:
+                while (part := self._loop.run(step())) is not None:
+                    yield part
+            finally:
+                self._loop.run(stop())
+
+        return restoring.receive(stream(), target, progress)

@@ -21,7 +21,17 @@ import grpc
 from typing_extensions import override
 
 from lmq_broker import errors, model
-from lmq_broker.admin import catalog, codes, convert, everywhere, inspection, membership, reclaiming, validation
+from lmq_broker.admin import (
+    backups,
+    catalog,
+    codes,
+    convert,
+    everywhere,
+    inspection,
+    membership,
+    reclaiming,
+    validation,
+)
 from lmq_broker.cluster import trust
 from lmq_broker.cluster.links import ADMIN, now_ms
 from lmq_broker.cluster.setup import Cluster
@@ -118,6 +128,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         self._cluster = cluster
         self._catalog = catalog.Catalog(store, config)
         self._everywhere = everywhere.Everywhere(cluster)
+        self._backups = backups.Backups(store, config.store.data_dir)
 
     def _changed(self, changed: bool) -> None:
         if changed:
@@ -244,6 +255,16 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         try:
             async for batch in reclaiming.scan(self._store, self._live, request):
                 yield batch
+        except Exception as exc:  # the edge
+            await _abort(context, exc)
+
+    @override
+    async def Backup(  # an async generator (a server stream)
+        self, request: pb.BackupRequest, context: Context
+    ) -> AsyncIterator[pb.BackupResponse]:
+        try:
+            async for part in self._backups.stream(request):
+                yield part
         except Exception as exc:  # the edge
             await _abort(context, exc)
 

@@ -4,7 +4,7 @@ that several brokers in one test process never collide."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -141,9 +141,24 @@ class Metrics:
         for name, doc, read in gauges:
             Gauge(name, doc, registry=self.registry).set_function(read)
 
+    def watch_counts(self, name: str, doc: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
+        """A counter family read at scrape time, one sample per label value that ``read`` returns."""
+        self.registry.register(_CountsCollector(name, doc, label, read))
+
     def watch_store(self, store: LmqStore) -> None:
         """Damage the store stepped over, and index rebuilds, read at scrape time."""
         self.registry.register(_DamageCollector(store))
+
+
+class _CountsCollector(Collector):
+    def __init__(self, name: str, doc: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
+        self._name, self._doc, self._label, self._read = name, doc, label, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, count in self._read().items():
+            family.add_metric([value], count)
+        yield family
 
 
 class _ReadyWaitsCollector(Collector):

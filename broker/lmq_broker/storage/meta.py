@@ -100,6 +100,12 @@ class Meta:
             with contextlib.suppress(Exception):
                 self._db.close()
 
+    def copy_to(self, path: Path) -> None:
+        """A consistent copy of the meta store in ``path`` (``snapshots``; under the store's write lock)."""
+        with self._lock:
+            self._check_open()
+            self._db.copy_to(path)
+
     def adopt(self, index: rocks.Rocks) -> None:
         """An index written before ``meta`` existed holds offsets and control metadata: move them, once."""
         moved = 0

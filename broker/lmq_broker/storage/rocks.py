@@ -174,6 +174,14 @@ class Rocks:
     def flush(self) -> None:
         self._db.flush_wal(True)
 
+    def copy_to(self, path: Path) -> None:
+        """A consistent copy of this instance in ``path`` (a new directory on the same file system: table files
+        are hard-linked, the memtable flushed first)."""
+        try:
+            rocksdict.Checkpoint(self._db).create_checkpoint(str(path))
+        except Exception as e:  # rocksdict raises bare Exception
+            raise errors.StorageError(f"cannot checkpoint {self.path}: {e}", path=str(self.path)) from e
+
     def close(self, *, flush: bool = True) -> None:
         """``flush`` False: after a write error, when a flush would fail too (after a second of retries): the
         handle is dropped, and the next open replays the WAL instead. Calls on this object fail from then on."""

@@ -14,10 +14,23 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from pathlib import Path
 from typing import Final
 
 from lmq_broker import config, errors, model
-from lmq_broker.storage import api, appends, codec, commitlog, healing, keys, meta, reads, recovery, retention
+from lmq_broker.storage import (
+    api,
+    appends,
+    codec,
+    commitlog,
+    healing,
+    keys,
+    meta,
+    reads,
+    recovery,
+    retention,
+    snapshots,
+)
 from lmq_broker.storage import core as core_mod
 
 log = logging.getLogger(__name__)
@@ -374,6 +387,10 @@ class LmqStore:
 
     def apply_retention(self, stop: Callable[[], bool] | None = None) -> api.RetentionReport:
         return self._retention.apply(stop)
+
+    def snapshot(self, staging: Path) -> snapshots.Snapshot:
+        """Link and checkpoint the store into ``staging`` for a backup (``snapshots.take``)."""
+        return snapshots.take(self._core, staging)
 
     def flush(self) -> None:
         core = self._core

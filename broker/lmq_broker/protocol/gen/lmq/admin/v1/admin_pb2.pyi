@@ -1961,3 +1961,151 @@ class AwaitLiteReadyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AwaitLiteReadyResponse: _TypeAlias = AwaitLiteReadyResponse  # noqa: Y015
+
+@_typing.final
+class BackupRequest(_message.Message):
+    """A consistent online snapshot of this broker's store (docs/backup.md): the files of its data directory that
+    a restore needs (commit-log segments up to one end, RocksDB checkpoints of index/ and meta/, the saved lite
+    subscriptions, the MQTT sessions, the admin credentials), streamed in order, each file's chunks in order.
+    The last message is the manifest: every file's size and SHA-256, so a copy that stops early or changed on
+    the way is detectable. One backup at a time per broker (FAILED_PRECONDITION while one runs); UNAVAILABLE
+    while the store is unwell (an index rebuild, a paused write path).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    chunk_bytes: _builtins.int
+    """0: 1 MiB; at most 4 MiB (the gRPC message cap)"""
+    def __init__(
+        self,
+        *,
+        chunk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupRequest: _TypeAlias = BackupRequest  # noqa: Y015
+
+@_typing.final
+class BackupChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """relative to the data directory, "/"-separated: "commitlog/0000000000.log" """
+    offset: _builtins.int
+    """where data goes in the file"""
+    data: _builtins.bytes
+    """empty for an empty file (sent once)"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupChunk: _TypeAlias = BackupChunk  # noqa: Y015
+
+@_typing.final
+class BackupFile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    size: _builtins.int
+    sha256: _builtins.str
+    """hex"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        size: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupFile: _TypeAlias = BackupFile  # noqa: Y015
+
+@_typing.final
+class BackupManifest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FORMAT_FIELD_NUMBER: _builtins.int
+    TAKEN_MS_FIELD_NUMBER: _builtins.int
+    BROKER_VERSION_FIELD_NUMBER: _builtins.int
+    LOG_END_SEGMENT_FIELD_NUMBER: _builtins.int
+    LOG_END_POSITION_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    format: _builtins.int
+    """the snapshot format (restore refuses a newer one)"""
+    taken_ms: _builtins.int
+    """when the store was linked and checkpointed"""
+    broker_version: _builtins.str
+    log_end_segment: _builtins.int
+    """the copied commit log ends at (segment, position)"""
+    log_end_position: _builtins.int
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___BackupFile]: ...
+    def __init__(
+        self,
+        *,
+        format: _builtins.int = ...,
+        taken_ms: _builtins.int = ...,
+        broker_version: _builtins.str = ...,
+        log_end_segment: _builtins.int = ...,
+        log_end_position: _builtins.int = ...,
+        files: _abc.Iterable[Global___BackupFile] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker_version", b"broker_version", "files", b"files", "format", b"format", "log_end_position", b"log_end_position", "log_end_segment", b"log_end_segment", "taken_ms", b"taken_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupManifest: _TypeAlias = BackupManifest  # noqa: Y015
+
+@_typing.final
+class BackupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> Global___BackupChunk: ...
+    @_builtins.property
+    def manifest(self) -> Global___BackupManifest:
+        """the last message"""
+
+    def __init__(
+        self,
+        *,
+        chunk: Global___BackupChunk | None = ...,
+        manifest: Global___BackupManifest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "manifest", b"manifest", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "manifest", b"manifest", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "manifest"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___BackupResponse: _TypeAlias = BackupResponse  # noqa: Y015

@@ -169,6 +169,11 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyResponse.FromString,
                 _registered_method=True)
+        self.Backup = channel.unary_stream(
+                '/lmq.admin.v1.LmqAdmin/Backup',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -336,6 +341,12 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Backup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -473,6 +484,11 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.AwaitLiteReady,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyResponse.SerializeToString,
+            ),
+            'Backup': grpc.unary_stream_rpc_method_handler(
+                    servicer.Backup,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1204,6 +1220,33 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/AwaitLiteReady',
             lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/Backup',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.BackupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,7 @@ class LmqAdminStub:
     MqttStartAtEnd: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]
     MqttRetained: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]
     AwaitLiteReady: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]
+    Backup: _grpc.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -91,6 +92,7 @@ class LmqAdminAsyncStub(LmqAdminStub):
     MqttStartAtEnd: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]  # type: ignore[assignment]
     MqttRetained: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]  # type: ignore[assignment]
     AwaitLiteReady: _aio.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]  # type: ignore[assignment]
+    Backup: _aio.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -281,5 +283,12 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.AwaitLiteReadyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.AwaitLiteReadyResponse, _abc.Awaitable[_admin_pb2.AwaitLiteReadyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Backup(
+        self,
+        request: _admin_pb2.BackupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.BackupResponse], _abc.AsyncIterator[_admin_pb2.BackupResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

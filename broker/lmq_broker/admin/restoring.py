@@ -1,0 +1,249 @@
+"""The caller's side of backups: write a streamed snapshot to a directory, and restore one into a data directory.
+
+A snapshot directory holds the broker's files under their data-directory paths and ``manifest.json``, written
+last (to a temporary name, fsynced, renamed): no manifest means the backup did not finish. ``restore`` runs
+with the broker stopped; it checks the manifest's format, then copies every listed file into a staging
+directory inside the target while hashing it, and moves the files into place only when every size and SHA-256
+matched: a refused snapshot leaves the target as it was. See docs/backup.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Final
+
+from lmq_broker import errors
+from lmq_broker.admin import credentials
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+
+FORMAT: Final = 1  # the snapshot format this code writes and reads: a newer one is refused
+CREDENTIALS: Final = credentials.FILE_NAME  # holds the admin secret: restored with mode 0600
+MANIFEST: Final = "manifest.json"
+RESTORING: Final = ".restoring"  # inside the target while files are copied and checked
+COPY_BYTES: Final = 1024 * 1024
+Progress = Callable[[str, int, int], None]  # (file done, files so far, bytes so far)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    directory: str
+    files: int
+    bytes: int
+    seconds: float
+    taken_ms: int
+
+
+def receive(responses: Iterable[pb.BackupResponse], target: Path, progress: Progress | None = None) -> Summary:
+    """Write a ``Backup`` stream into ``target`` (new or empty); the manifest goes last, once every file the
+    broker listed arrived with its size and hash."""
+    started = time.monotonic()
+    if target.exists() and any(target.iterdir()):
+        raise errors.Conflict(f"{target} is not empty: back up into a new or empty directory", path=str(target))
+    target.mkdir(parents=True, exist_ok=True)
+    writer = _Writer(target, progress)
+    parts = iter(responses)
+    try:
+        for response in parts:
+            if response.WhichOneof("part") == "chunk":
+                writer.chunk(response.chunk)
+            elif response.WhichOneof("part") == "manifest":
+                writer.finish(response.manifest)
+                for _ in parts:  # read the stream to its end, so the broker sees the backup through
+                    pass
+                seconds = time.monotonic() - started
+                return Summary(str(target), writer.files, writer.bytes, seconds, response.manifest.taken_ms)
+    finally:
+        writer.close()
+        close = getattr(parts, "close", None)
+        if close is not None:  # a generator over a call: cancel it now, not when the traceback goes
+            close()
+    raise errors.BrokerUnavailable(f"the backup stream ended before its manifest: {target} is incomplete")
+
+
+class _Writer:
+    def __init__(self, target: Path, progress: Progress | None) -> None:
+        self._target = target
+        self._progress = progress
+        self._open: tuple[str, BinaryIO, Any] | None = None
+        self._seen: dict[str, tuple[int, str]] = {}
+        self.files = 0
+        self.bytes = 0
+
+    def chunk(self, part: pb.BackupChunk) -> None:
+        if self._open is None or self._open[0] != part.path:
+            self._done()
+            path = _inside(self._target, part.path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._open = (part.path, path.open("xb"), hashlib.sha256())
+        name, out, digest = self._open
+        if part.offset != out.tell():
+            raise errors.StorageError(f"{name}: chunk at {part.offset}, expected {out.tell()}")
+        out.write(part.data)
+        digest.update(part.data)
+        self.bytes += len(part.data)
+
+    def _done(self) -> None:
+        if self._open is None:
+            return
+        name, out, digest = self._open
+        out.flush()
+        os.fsync(out.fileno())
+        self._seen[name] = (out.tell(), digest.hexdigest())
+        out.close()
+        self._open = None
+        self.files += 1
+        if self._progress is not None:
+            self._progress(name, self.files, self.bytes)
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+
+    def finish(self, manifest: pb.BackupManifest) -> None:
+        self._done()
+        for f in manifest.files:
+            if self._seen.get(f.path) != (f.size, f.sha256):
+                raise errors.StorageError(f"{f.path} did not arrive as the broker sent it", path=f.path)
+        text = json.dumps(_manifest_dict(manifest), indent=1) + "\n"
+        _write_durably(self._target / MANIFEST, text.encode())
+
+
+def _manifest_dict(m: pb.BackupManifest) -> dict[str, Any]:
+    return {
+        "format": m.format,
+        "taken_ms": m.taken_ms,
+        "broker_version": m.broker_version,
+        "log_end": [m.log_end_segment, m.log_end_position],
+        "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in m.files],
+    }
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    tmp.replace(path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _inside(root: Path, name: str) -> Path:
+    """``root/name`` for a relative, "/"-separated name that stays inside ``root`` (a stream or manifest
+    could name ``../x``)."""
+    rel = PurePosixPath(name)
+    if not name or rel.is_absolute() or ".." in rel.parts or rel.parts[0] in (MANIFEST, RESTORING):
+        raise errors.InvalidArgument(f"bad file name in snapshot: {name!r}", path=name)
+    return root.joinpath(*rel.parts)
+
+
+# --- restore ---------------------------------------------------------------------------------------------
+
+
+def read_manifest(snapshot: Path) -> dict[str, Any]:
+    """The manifest of a complete snapshot; refuses a partial one and one of a newer format."""
+    try:
+        manifest = json.loads((snapshot / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise errors.InvalidArgument(
+            f"{snapshot} has no {MANIFEST}: not a complete snapshot (the backup did not finish)", path=str(snapshot)
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise errors.InvalidArgument(f"{snapshot / MANIFEST} is unreadable: {exc}", path=str(snapshot)) from None
+    fmt = manifest.get("format")
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise errors.UnsupportedVersion(
+            f"snapshot format {fmt!r} is newer than this lmq-admin reads ({FORMAT}): restore with a newer one",
+            version=fmt,
+        )
+    return dict(manifest)
+
+
+def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Progress | None = None) -> Summary:
+    """Copy a complete, unaltered snapshot into ``data_dir`` (the broker stopped). A non-empty ``data_dir`` is
+    refused unless ``force`` (its contents are then replaced, never while a broker holds it)."""
+    started = time.monotonic()
+    manifest = read_manifest(snapshot)
+    existed = data_dir.exists()
+    if existed and any(data_dir.iterdir()):
+        if not force:
+            raise errors.Conflict(f"{data_dir} is not empty: restore into an empty directory, or give --force")
+        _check_not_in_use(data_dir)
+    staging = data_dir / RESTORING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        total = _copy_checked(snapshot, staging, manifest["files"], progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not existed:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
+    for entry in data_dir.iterdir():
+        if entry.name == RESTORING:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for entry in staging.iterdir():
+        entry.rename(data_dir / entry.name)
+    staging.rmdir()
+    files = len(manifest["files"])
+    return Summary(str(data_dir), files, total, time.monotonic() - started, int(manifest["taken_ms"]))
+
+
+def _copy_checked(snapshot: Path, staging: Path, files: list[dict[str, Any]], progress: Progress | None) -> int:
+    total = 0
+    for n, f in enumerate(files, 1):
+        name = str(f["path"])
+        source, target = _inside(snapshot, name), _inside(staging, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        try:
+            with source.open("rb") as src, target.open("xb") as out:
+                while data := src.read(COPY_BYTES):
+                    digest.update(data)
+                    out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+                size = out.tell()
+        except FileNotFoundError:
+            raise errors.InvalidArgument(f"snapshot file {name} is missing", path=name) from None
+        if size != f["size"] or digest.hexdigest() != f["sha256"]:
+            raise errors.InvalidArgument(
+                f"snapshot file {name} does not match its manifest ({size} bytes, expected {f['size']}; "
+                "or its SHA-256 differs): the snapshot was damaged or altered",
+                path=name,
+            )
+        if name == CREDENTIALS:
+            target.chmod(0o600)
+        total += size
+        if progress is not None:
+            progress(name, n, total)
+    return total
+
+
+def _check_not_in_use(data_dir: Path) -> None:
+    """Refuse a data directory a broker has open: RocksDB holds a POSIX lock on ``meta/LOCK`` while it runs."""
+    lock = data_dir / "meta" / "LOCK"
+    if not lock.exists():
+        return
+    with lock.open("rb+") as f:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise errors.Conflict(f"{data_dir} is in use by a running broker: stop it before restoring") from None
+        fcntl.lockf(f, fcntl.LOCK_UN)

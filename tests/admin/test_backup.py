@@ -1,0 +1,149 @@
+"""``lmq-admin backup`` against a real broker process and ``lmq-admin restore`` of what it wrote: the metadata
+and credentials come back, and every snapshot that is partial, altered, of a newer format or aimed at a
+non-empty or live data directory is refused with a clear line, leaving the target as it was."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmq_broker import errors, model
+from lmq_broker.admin import cli, restoring
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.testing import BrokerProcess, start_broker
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path / "data", extra_args=["--no-bootstrap", "--mqtt-port", "0"])
+    yield process
+    if process.alive():
+        process.stop()
+    if process.process.stdout is not None:
+        process.process.stdout.close()
+
+
+def _admin(broker: BrokerProcess, *args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    keys = broker.admin_keys
+    flags = ["--endpoint", broker.admin_endpoint, "--access-key", keys["access_key"], "--secret-key"]
+    code = cli.main([*flags, keys["secret_key"], *args], out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _restore(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["restore", *args], out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def snapshot(broker: BrokerProcess, tmp_path: Path) -> Path:
+    """A snapshot of a broker holding a parent topic and a group, taken with ``lmq-admin backup``; the broker
+    is stopped afterwards."""
+    with AdminClient(broker.admin_endpoint, **broker.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic("P", model.MessageType.LITE))
+        admin.put_group(model.LiteGroup("G", "P"))
+    code, out, err = _admin(broker, "-o", "json", "backup", str(tmp_path / "snap"))
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["files"] >= 4 and summary["bytes"] > 0
+    assert "commitlog/0000000000.log" in err and "meta/CURRENT" in err  # a progress line per file
+    assert not (broker.data_dir / "backup-staging").exists()  # the staging links went with the stream
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        assert 'lmq_backups_total{outcome="done"} 1.0' in answer.read().decode()
+    broker.stop()
+    return tmp_path / "snap"
+
+
+def test_restore_brings_metadata_and_credentials_back(snapshot: Path, tmp_path: Path) -> None:
+    manifest = restoring.read_manifest(snapshot)
+    names = {f["path"] for f in manifest["files"]}
+    assert {"admin-credentials.json", "mqtt.sqlite3", "meta/CURRENT", "index/CURRENT"} <= names
+    code, _out, err = _restore(str(snapshot), "--data-dir", str(tmp_path / "restored"), "--quiet")
+    assert code == 0, err
+    assert (tmp_path / "restored" / "admin-credentials.json").stat().st_mode & 0o777 == 0o600
+    restored = start_broker(tmp_path / "restored", extra_args=["--no-bootstrap"])
+    try:
+        with AdminClient(restored.admin_endpoint, **restored.admin_keys) as admin:
+            assert admin.get_group("G").group.bind_topic == "P"
+            assert [t.topic.name for t in admin.list_parent_topics()] == ["P"]
+    finally:
+        restored.stop()
+
+
+def test_a_backup_cut_off_midway_has_no_manifest_and_is_refused(broker: BrokerProcess, tmp_path: Path) -> None:
+    def stop_after_first(name: str, files: int, total: int) -> None:
+        raise KeyboardInterrupt  # the operator pressed ^C after the first file
+
+    with AdminClient(broker.admin_endpoint, **broker.admin_keys) as admin:
+        with pytest.raises(KeyboardInterrupt):
+            admin.backup(tmp_path / "partial", progress=stop_after_first)
+        assert not (tmp_path / "partial" / restoring.MANIFEST).exists()
+        deadline = time.monotonic() + 10
+        while True:  # the broker lets go of the first one once it sees the call cancelled
+            try:
+                admin.backup(tmp_path / f"next-{time.monotonic_ns()}")
+                break
+            except errors.Conflict:
+                assert time.monotonic() < deadline, "the cut-off backup still holds the broker"
+                time.sleep(0.05)
+    code, _, err = _restore(str(tmp_path / "partial"), "--data-dir", str(tmp_path / "target"))
+    assert code == cli.EXIT_FAILED
+    assert "no manifest.json: not a complete snapshot" in err
+    assert not (tmp_path / "target").exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_an_altered_snapshot_is_refused_and_the_target_left_alone(snapshot: Path, tmp_path: Path, damage: str) -> None:
+    largest = max(restoring.read_manifest(snapshot)["files"], key=lambda f: int(f["size"]))
+    segment = snapshot / largest["path"]
+    data = bytearray(segment.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        segment.write_bytes(bytes(data))
+    elif damage == "truncate":
+        segment.write_bytes(bytes(data[:-1]))
+    else:
+        segment.unlink()
+    code, _, err = _restore(str(snapshot), "--data-dir", str(tmp_path / "target"))
+    assert code == cli.EXIT_FAILED
+    assert largest["path"] in err and ("does not match its manifest" in err or "is missing" in err)
+    assert not (tmp_path / "target").exists()
+
+
+def test_non_empty_target_newer_format_and_a_live_broker_are_refused(snapshot: Path, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    code, _, err = _restore(str(snapshot), "--data-dir", str(target))
+    assert code == cli.EXIT_FAILED and "is not empty" in err and "--force" in err
+    assert (target / "keep.txt").read_text() == "mine"
+
+    live = start_broker(tmp_path / "live", extra_args=["--no-bootstrap"])
+    try:
+        code, _, err = _restore(str(snapshot), "--data-dir", str(tmp_path / "live"), "--force")
+        assert code == cli.EXIT_FAILED and "in use by a running broker" in err
+    finally:
+        live.stop()
+    code, _, err = _restore(str(snapshot), "--data-dir", str(tmp_path / "live"), "--force", "--quiet")
+    assert code == 0, err  # stopped: --force replaces its contents
+
+    manifest = json.loads((snapshot / restoring.MANIFEST).read_text())
+    manifest["format"] = restoring.FORMAT + 1
+    (snapshot / restoring.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(errors.UnsupportedVersion, match="newer than this lmq-admin reads"):
+        restoring.restore(snapshot, tmp_path / "other")
+
+
+def test_a_backup_into_a_non_empty_directory_is_refused(broker: BrokerProcess, tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    code, _, err = _admin(broker, "backup", str(tmp_path / "full"))
+    assert code == cli.EXIT_FAILED and "is not empty" in err
