@@ -125,6 +125,21 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return row
 
 
+TABLE_MAX_WIDTH: Final = 120  # one object wider than this as a table is printed a field per line
+
+
+def _table_width(rows: Sequence[Mapping[str, Any]]) -> int:
+    names = list(rows[0])
+    return sum(max(len(name), *(len(str(r.get(name, ""))) for r in rows)) for name in names) + 2 * (len(names) - 1)
+
+
+def print_record(row: Mapping[str, Any], out: TextIO) -> None:
+    """``FIELD  value`` lines, the field names aligned (what ``kubectl describe`` does for one object)."""
+    width = max(len(name) for name in row)
+    for name, value in row.items():
+        print(f"{name.upper().ljust(width)}  {value}".rstrip(), file=out)
+
+
 def print_table(rows: Sequence[Mapping[str, Any]], out: TextIO, header: bool = True) -> None:
     if not rows:
         if header:
@@ -157,6 +172,9 @@ def emit(result: object, output: str, out: TextIO) -> None:
     rows = [flatten(r) if isinstance(r, dict) else {"result": r} for r in records]
     if isinstance(result, list) and result and isinstance(result[0], GroupInfo):  # `group get G` has them all
         rows = [{name: row.get(name, "") for name in _GROUP_LIST_COLUMNS} for row in rows]
+    if not isinstance(data, list) and len(rows) == 1 and _table_width(rows) > TABLE_MAX_WIDTH:
+        print_record(rows[0], out)  # one object too wide for a terminal: a field per line
+        return
     print_table(rows, out)
 
 
