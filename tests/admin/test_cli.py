@@ -126,7 +126,7 @@ def test_group_commands(broker: Broker) -> None:
     assert put["value"]["client_quota"] == broker.config.default_client_quota  # left to the broker
 
     _, out, _ = run(broker, "group", "get", "g")  # one object wider than a terminal: a field per line
-    fields = dict(line.split(maxsplit=1) if " " in line else (line, "") for line in out.splitlines())
+    fields = {line.split()[0]: line[len(line.split()[0]) :].strip() for line in out.splitlines()}
     assert list(fields)[:3] == ["NAME", "BIND_TOPIC", "MODEL"]
     assert (fields["NAME"], fields["BIND_TOPIC"], fields["MODEL"]) == ("g", "orders", "EXCLUSIVE")
     assert fields["RETRY.MAX_ATTEMPTS"] == "17" and fields["LAG"] == "0"
