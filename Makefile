@@ -95,6 +95,8 @@ torture: $(STAMP) clients
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} $(BIN)/python -m pytest -s tests/clients/test_cluster_faults_java.py
 	$(BIN)/python -m pytest -s tests/storage/test_full_disk.py  # full index/meta/log disks, failing fsyncs (root: loop devices)
 	$(BIN)/python -m pytest -s tests/mqtt/test_limits.py tests/mqtt/test_durable_wills.py tests/mqtt/test_swallowed_errors.py
+	$(BIN)/python -m pytest -s tests/broker/test_parked_caps.py tests/broker/test_metadata_reload.py \
+		tests/admin/test_with_broker.py tests/broker/test_dispatcher.py -k "cap or flood or refused or reload or fresh or gone"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
