@@ -190,9 +190,13 @@ class Connection:
 
     def close(self, code: int, why: str = "") -> None:
         """Close the socket; a 5.0 client is told why first (a DISCONNECT with ``code``)."""
+        self._tell(code, why)
+        self.writer.close()
+
+    def _tell(self, code: int, why: str) -> None:
+        """A 5.0 client is told why the broker ends the connection (a DISCONNECT with ``code``)."""
         if self.v5 and self._connected.is_set() and not self.writer.is_closing():
             self.writer.write(codec.encode_disconnect(code, self._why(why)))
-        self.writer.close()
 
     def _why(self, text: str) -> Properties:
         """A reason string, where the client asked for them (5.0 ``request_problem_info``)."""
@@ -340,7 +344,8 @@ class Connection:
             await self._incoming.put(None)
             await self._ended(self._publisher, "storing what was read")
         if code is not None and not self.kicked:
-            self.close(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
+            self._tell(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
+            await framing.linger(self.writer, self.reader)  # read by the client, not lost to a reset
         remote: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> other brokers' receipts
         for out in self._out.values():  # handed out, not acknowledged: back to the group at once
             if out.remote:
@@ -484,8 +489,6 @@ class Connection:
             (await self.dispatcher.metadata()).lite_parent(parent)
         except (topics.TopicError, errors.LmqError) as exc:
             return _reason_of(exc), str(exc)
-        if not packet.payload and not packet.retain:
-            return Reason.IMPLEMENTATION_SPECIFIC_ERROR, "an empty message cannot be stored"
         p = packet.properties
         if p is not None and p.payload_format == 1:
             try:
