@@ -4,8 +4,8 @@ specifications, with paho-mqtt clients (and raw sockets where a client library h
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 import socket
+from collections.abc import Callable
 
 from paho.mqtt.enums import MQTTProtocolVersion
 
