@@ -5,12 +5,17 @@ hides what the broker sent)."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import socket
+import time
+import urllib.request
 from collections.abc import Callable
 
+import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
 
-from lmq_broker.mqtt import codec
+from lmq_broker.mqtt import codec, stats
 from lmq_broker.mqtt.properties import NONE
 from lmq_broker.testing import BrokerProcess
 from lmq_broker.testing_mqtt import Peer
@@ -78,3 +83,61 @@ def test_mqtt5_3_3_4_receive_maximum_exceeded_is_told_with_a_disconnect_0x93_not
     got = _until_closed(sock, decoder)
     last = got[-1]
     assert isinstance(last, codec.Disconnect) and last.reason == 0x93, got[-3:]
+
+
+def _refused_count(broker: BrokerProcess, reason: str) -> float:
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^lmq_mqtt_publishes_refused_total\{{reason="{reason}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _logged(broker: BrokerProcess, line: str) -> bool:
+    return line in broker.log()
+
+
+def test_mqtt_3_3_5_a_refused_311_publish_closes_the_connection_and_is_logged_and_counted(
+    broker: BrokerProcess, connect: Connect
+) -> None:
+    """3.1.1 section 3.3.5 (MQTT-3.3.5-2): a publish the server will not accept gets a positive PUBACK or the
+    connection closed; 3.1.1 has no negative PUBACK, so closing is the client's only signal: the operator sees
+    why at INFO (with the client id) and in ``lmq_mqtt_publishes_refused``."""
+    before = _refused_count(broker, "topic_name_invalid")
+    bad = connect(broker.mqtt_port, "refused-311")
+    bad.client.publish("no-such-parent/x", b"secret-payload", qos=1)
+    bad.wait(lambda p: p.disconnected, "the broker closing the connection")
+    line = "mqtt client refused-311: PUBLISH to 'no-such-parent/x' refused: "
+    deadline = time.monotonic() + 10
+    while not _logged(broker, line):
+        assert time.monotonic() < deadline, broker.log()[-2000:]
+        time.sleep(0.05)
+    logged = next(t for t in broker.log().splitlines() if line in t)
+    assert " INFO " in logged and "the connection is closed" in logged and "secret-payload" not in logged
+    assert _refused_count(broker, "topic_name_invalid") == before + 1
+
+
+def test_mqtt5_3_4_2_a_refused_publish_gets_puback_0x90_keeps_the_connection_and_is_counted(
+    broker: BrokerProcess, connect: Connect
+) -> None:
+    """5.0 section 3.4.2.1: a PUBACK reason code 0x90 (topic name invalid) tells the publisher why, and the
+    connection stays; the refusal is logged at INFO with the client id and counted."""
+    before = _refused_count(broker, "topic_name_invalid")
+    pub = connect(broker.mqtt_port, "refused-50", protocol=V5)
+    assert pub.publish("no-such-parent/y", b"x", qos=1) == 0x90
+    assert not pub.disconnected
+    assert _refused_count(broker, "topic_name_invalid") == before + 1
+    assert "mqtt client refused-50: PUBLISH to 'no-such-parent/y' refused: " in broker.log()
+
+
+def test_refusals_are_logged_at_most_20_a_second_and_the_rest_are_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """The refusal log is rate-limited: a client looping on a refused publish does not flood the broker log."""
+    now = [100.0]
+    refusals = stats.RefusalLog(clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger=stats.__name__):
+        for _ in range(50):
+            refusals.refused("looping", "PUBLISH", "t/x", "no such parent", "closed")
+        now[0] += 1.0
+        refusals.refused("looping", "PUBLISH", "t/x", "no such parent", "closed")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == stats.REFUSALS_LOGGED_PER_S + 1
+    assert lines[-1].endswith("(30 more refusals not logged)")

@@ -457,7 +457,9 @@ class Connection:
             reason, why = refusal
             if not self.v5 or packet.qos == 0:
                 # 3.1.1 has no negative PUBACK: closing is the only way to tell the client (MQTT-3.3.5-2)
+                self._refused(packet.topic, reason, why)
                 raise Closed(f"PUBLISH to {packet.topic!r} refused: {why}", code=reason)
+            self._refused(packet.topic, reason, why, answered=True)
             await self._incoming.put(_In(packet, False, reason, why))
             return
         if packet.qos == 2 and packet.packet_id is not None:
@@ -497,6 +499,14 @@ class Connection:
                 return Reason.PAYLOAD_FORMAT_INVALID, "payload format indicator 1 and a payload that is not UTF-8"
         return None
 
+    def _refused(self, topic: str, reason: int, why: str, *, answered: bool = False) -> None:
+        """A refused publish: counted by reason, logged at INFO (rate-limited) with what the client is told."""
+        name = Reason(reason).name.lower() if reason in Reason.__members__.values() else f"{reason:#04x}"
+        self.server.stats.publishes_refused[name] += 1
+        told = f"{'reason code' if answered else 'DISCONNECT'} {reason:#04x}" if self.v5 else "3.1.1: no other way"
+        outcome = f"answered with {told}" if answered else f"the connection is closed ({told})"
+        self.server.stats.refusals.refused(self.client_id, "PUBLISH", topic, why, outcome)
+
     async def _publish_loop(self) -> None:
         """Store what was read, in order and in batches, then acknowledge each (after the store's fsync)."""
         while True:
@@ -516,6 +526,7 @@ class Connection:
                 await self._store([i.packet for i in batch if i.store])  # one store call for the lot
             except (errors.LmqError, topics.TopicError, ValueError) as exc:
                 if not self.v5 or not _answerable(exc):
+                    self._refused(batch[0].packet.topic, _reason_of(exc), str(exc))
                     self._failure = exc
                     self.close(Reason.UNSPECIFIED_ERROR, str(exc))  # the reader sees the end, reports ``_failure``
                     continue
@@ -536,7 +547,7 @@ class Connection:
                     if p.qos == 2 and p.packet_id is not None:
                         self._awaiting_release.discard(p.packet_id)
                     answer = _In(p, False, _reason_of(exc), str(exc))
-                    log.info("mqtt client %s: PUBLISH to %s refused: %s", self.client_id, p.topic, exc)
+                    self._refused(p.topic, answer.reason, answer.why, answered=True)
             out.append(answer)
         return out
 
@@ -639,8 +650,10 @@ class Connection:
                 parent, levels = topics.subscription_of(text)
                 snap.lite_parent(parent)
             except (topics.TopicError, errors.LmqError) as exc:
-                log.info("mqtt client %s: subscription %r refused: %s", self.client_id, text, exc)
                 codes.append(Reason.TOPIC_FILTER_INVALID if self.v5 else failure)
+                self.server.stats.refusals.refused(
+                    self.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
+                )
                 continue
             held = self.subs.setdefault(parent, {})
             existed = levels in held
