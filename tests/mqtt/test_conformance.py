@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from lmq_broker.mqtt import codec, stats
 from lmq_broker.mqtt.properties import NONE
@@ -141,3 +143,31 @@ def test_refusals_are_logged_at_most_20_a_second_and_the_rest_are_counted(caplog
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == stats.REFUSALS_LOGGED_PER_S + 1
     assert lines[-1].endswith("(30 more refusals not logged)")
+
+
+def test_mqtt5_3_3_4_one_topic_flows_up_to_the_receive_maximum_not_batch_by_batch(
+    broker: BrokerProcess, parent: str, connect: Connect
+) -> None:
+    """5.0 section 3.3.4 (MQTT-3.3.4-9) and 4.9: at most Receive Maximum QoS 1 deliveries are unacknowledged,
+    and each PUBACK makes room for one more: a topic's next message does not wait until every earlier one
+    is acknowledged. Order holds (section 4.6)."""
+    port = broker.mqtt_port
+    connect_props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    connect_props.ReceiveMaximum = 10
+    sub = connect(port, protocol=V5, manual_ack=True, properties=connect_props)
+    topic = f"{parent}/flow"
+    assert sub.subscribe((topic, 1)) == [1]
+    pub = connect(port)
+    for i in range(30):
+        pub.client.publish(topic, f"m{i}".encode(), qos=1)
+    assert len(sub.wait_count(10)) == 10
+    assert len(sub.quiet(0.5)) == 10  # the client's Receive Maximum: no more until a PUBACK
+    first = sub.messages()[0]
+    sub.client.ack(first.mid, 1)
+    assert len(sub.wait_count(11)) == 11  # one PUBACK, one more: not after all 10 were acknowledged
+    acked = 1
+    while acked < 30:
+        got = sub.wait_count(acked + 1)
+        sub.client.ack(got[acked].mid, 1)
+        acked += 1
+    assert sub.payloads() == [f"m{i}".encode() for i in range(30)]
