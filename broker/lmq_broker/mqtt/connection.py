@@ -156,6 +156,7 @@ class Connection:
         self._level = codec.LEVEL_3_1_1  # what packets after the CONNECT are read at
         self._connected = asyncio.Event()  # CONNACK written: deliveries may follow
         self._closing = False
+        self._shut = False  # writing shut down (``framing.linger``)
         self.done = asyncio.Event()
         self.kicked = False
 
@@ -195,7 +196,7 @@ class Connection:
 
     def _tell(self, code: int, why: str) -> None:
         """A 5.0 client is told why the broker ends the connection (a DISCONNECT with ``code``)."""
-        if self.v5 and self._connected.is_set() and not self.writer.is_closing():
+        if self.v5 and self._connected.is_set() and not self.writer.is_closing() and not self._shut:
             self.writer.write(codec.encode_disconnect(code, self._why(why)))
 
     def _why(self, text: str) -> Properties:
@@ -345,6 +346,7 @@ class Connection:
             await self._ended(self._publisher, "storing what was read")
         if code is not None and not self.kicked:
             self._tell(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
+            self._shut = True  # nothing is written after this DISCONNECT (a takeover meanwhile: no second one)
             await framing.linger(self.writer, self.reader)  # read by the client, not lost to a reset
         remote: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> other brokers' receipts
         for out in self._out.values():  # handed out, not acknowledged: back to the group at once
