@@ -25,6 +25,9 @@ MAX_RESOURCE_NAME_BYTES: Final = 127
 DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024  # RocketMQ proxy maxMessageSize
 
 UNLIMITED: Final = -1  # a limit or quota that is not set
+# An MQTT publish may be empty (MQTT 3.1.1 / 5.0 section 3.3.3); a RocketMQ message may not (MESSAGE_BODY_EMPTY):
+# the store keeps an empty body only for a message carrying this property as "1" (the MQTT listener sets it).
+EMPTY_BODY_PROPERTY: Final = "MQTT_EMPTY"
 
 _T = TypeVar("_T")
 

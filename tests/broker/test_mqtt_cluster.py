@@ -220,6 +220,24 @@ async def test_a_qos1_publish_through_a_non_owner_is_stored_at_the_owner_before_
     await subscriber.close()
 
 
+async def test_mqtt_3_3_3_an_empty_publish_through_a_non_owner_is_stored_at_the_owner_and_delivered(
+    pair: Pair,
+) -> None:
+    """3.1.1 / 5.0 section 3.3.3: a zero-length payload is valid; forwarded to its owner as a SendMessage, which
+    takes an empty body from MQTT (``MQTT_EMPTY``) though it refuses one from a RocketMQ producer."""
+    theirs = pair.lite_of(1)
+    topic = f"{PARENT}/{theirs}"
+    subscriber = await Raw.connect(pair.port(1), "sub-empty")
+    assert (await subscriber.subscribe(topic)).codes == (1,)
+    publisher = await Raw.connect(pair.port(0), "pub-empty")
+    await publisher.published(topic, b"", packet_id=3)
+    assert [m.body for m in pair.stored(1, theirs)] == [b""]
+    delivered = await subscriber.delivery()
+    assert (delivered.topic, delivered.payload) == (topic, b"")
+    await publisher.close()
+    await subscriber.close()
+
+
 async def test_qos0_publishes_and_wills_through_a_non_owner_are_stored_at_the_owner(pair: Pair) -> None:
     theirs, mine = pair.lite_of(1), pair.lite_of(0)
     will_lite = pair.lite_of(1, "will")

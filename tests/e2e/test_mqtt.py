@@ -171,6 +171,25 @@ def test_an_mqtt_publish_reaches_a_lite_push_consumer(
             time.sleep(0.05)
 
 
+def test_mqtt_3_3_3_an_empty_publish_reaches_a_lite_push_consumer_as_an_empty_body(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], clients: list[Any], peers: list[Peer]
+) -> None:
+    """MQTT 3.1.1 / 5.0 section 3.3.3: a zero-length payload is valid; the official consumer gets an empty body
+    (a gRPC producer's empty body stays refused with MESSAGE_BODY_EMPTY)."""
+    parent, group = topic
+    inbox = Inbox()
+    consumer = LitePushConsumer(config(mqtt_broker), group, parent, inbox)
+    consumer.startup()
+    clients.append(consumer)
+    consumer.subscribe_lite("beacon")
+    pub = Peer(mqtt_broker.mqtt_port, "empty-to-rocketmq")
+    peers.append(pub)
+    assert pub.publish(f"{parent}/beacon", b"", qos=1) == 0
+    pub.publish(f"{parent}/beacon", b"after", qos=1)
+    assert inbox.wait_for(lambda i: len(i.accepted) == 2, WAIT_S), inbox.bodies()
+    assert [m.body for m in inbox.accepted] == [b"", b"after"]
+
+
 def test_rocketmq_properties_reach_an_mqtt5_subscriber_as_user_properties(
     mqtt_broker: BrokerProcess, topic: tuple[str, str], clients: list[Any], peers: list[Peer]
 ) -> None:

@@ -63,8 +63,16 @@ class LiveView(Protocol):
         """The lite names ``client_id`` subscribes to, sorted; None when no such client is registered."""
         ...
 
-    async def reset_offsets(self, group: str, parent: str, lites: Sequence[str], option: offsets.OffsetReset) -> None:
-        """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does)."""
+    async def reset_offsets(
+        self,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        option: offsets.OffsetReset,
+        ends: Sequence[int] | None = None,
+    ) -> None:
+        """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does); ``ends``:
+        ``MAX`` means these ends, read before (``offsets.reset``)."""
         ...
 
     async def trigger_dispatch(self, group: str, parent: str, lites: Sequence[str]) -> list[str]:
@@ -125,9 +133,16 @@ class StaticLiveView:
         found = client_id in self.lite_sets or any(c.client_id == client_id for c in self.client_views)
         return sorted(self.lite_sets.get(client_id, [])) if found else None
 
-    async def reset_offsets(self, group: str, parent: str, lites: Sequence[str], option: offsets.OffsetReset) -> None:
+    async def reset_offsets(
+        self,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        option: offsets.OffsetReset,
+        ends: Sequence[int] | None = None,
+    ) -> None:
         assert self.store is not None, "StaticLiveView.store is needed for reset_offsets"
-        offsets.reset(self.store, [model.QueueId.lmq(parent, lite).topic for lite in lites], group, option)
+        offsets.reset(self.store, [model.QueueId.lmq(parent, lite).topic for lite in lites], group, option, ends)
 
     async def trigger_dispatch(self, group: str, parent: str, lites: Sequence[str]) -> list[str]:
         """Records the call; offers the given lites that someone subscribes to (no ready sets here)."""

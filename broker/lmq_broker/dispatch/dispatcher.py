@@ -197,9 +197,13 @@ class Dispatcher:
     def client_count(self) -> int:
         return self.registry.client_count()
 
-    async def reset_offsets(self, group: str, parent: str, lites: Sequence[str], option: OffsetReset) -> None:
-        """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does)."""
-        await self.settlement.reset_offsets([subscriptions.lmq_name(parent, lite) for lite in lites], group, option)
+    async def reset_offsets(
+        self, group: str, parent: str, lites: Sequence[str], option: OffsetReset, ends: Sequence[int] | None = None
+    ) -> None:
+        """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does); ``ends``:
+        ``MAX`` means these ends, read before (``offsets.reset``)."""
+        lmqs = [subscriptions.lmq_name(parent, lite) for lite in lites]
+        await self.settlement.reset_offsets(lmqs, group, option, ends)
 
     def lite_topics_of(self, client_id: str) -> list[str] | None:
         state = self.registry.get(client_id)

@@ -10,6 +10,10 @@ Consumption of a lite topic, and of a normal queue by a FIFO group, is *ordered*
 point, delivery stops at the first message that is leased and still invisible, so no message is handed out
 while an earlier one of the same queue is out (a nacked or expired one comes back first). Other groups read
 normal topics unordered: leased messages are skipped and the window of in-flight messages is capped instead.
+An MQTT session's group (``metadata.MQTT_GROUP_PREFIX``) reads its lite topics *pipelined*: in order, but
+past messages still out (MQTT lets a topic's QoS 1 messages be in flight together, up to the client's
+Receive Maximum, which the session bounds itself; they are written in order, and what was not acknowledged
+when the connection ends is handed out again first).
 
 Acks move the commit point over every acknowledged prefix; the dispatcher persists it together with the
 offsets settled above it (``acked_above``, runs), so that after a restart ``seed`` settles those again and
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from lmq_broker import errors, model
+from lmq_broker.dispatch import metadata
 from lmq_broker.storage import keys, ranges
 
 RECEIPT_VERSION: Final = "r2"
@@ -109,6 +114,7 @@ class QueueLeases:
     committed: int
     ordered: bool
     window: int  # max leases out at once (unordered queues)
+    pipelined: bool = False  # ordered, but an earlier message out does not hold back the next (MQTT sessions)
     handed: int = -1
     entries: dict[int, Lease] = field(default_factory=dict)  # leases not acknowledged
     _starts: list[int] = field(default_factory=list)  # settled runs [start, end) above the commit point
@@ -233,7 +239,7 @@ class QueueLeases:
                     out.append(Pick(at, counted + 1, counted > 0))
                     pending += 1
                 elif lease.visible_at_ms > now_ms:
-                    if self.ordered:
+                    if self.ordered and not self.pipelined:
                         return out
                 else:
                     attempt = lease.attempt if lease.keep_attempt else lease.attempt + 1
@@ -333,7 +339,7 @@ class QueueLeases:
             lease = self.entries.get(pick)
             if lease is None or lease.visible_at_ms <= now_ms:
                 return True  # pending, or expired
-            if self.ordered:
+            if self.ordered and not self.pipelined:
                 return False
         if not self.ordered and len(self.entries) >= self.window:
             return False
@@ -341,7 +347,7 @@ class QueueLeases:
 
     def blocked(self, now_ms: int) -> bool:
         """Ordered queue with its head out and still invisible: a new arrival cannot be handed out yet."""
-        if not self.ordered:
+        if not self.ordered or self.pipelined:
             return False
         for offset in self._open_offsets():
             lease = self.entries.get(offset)
@@ -431,7 +437,8 @@ class LeaseTable:
     def open(self, key: LeaseKey, committed: int, ordered: bool) -> QueueLeases:
         state = self._states.get(key)
         if state is None:
-            state = self._states[key] = QueueLeases(committed, ordered, self.window)
+            pipelined = ordered and key.group.startswith(metadata.MQTT_GROUP_PREFIX)
+            state = self._states[key] = QueueLeases(committed, ordered, self.window, pipelined)
         return state
 
     def release_if_idle(self, key: LeaseKey) -> None:

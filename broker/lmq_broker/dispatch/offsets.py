@@ -7,7 +7,7 @@ store so the rules read in one place.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -42,11 +42,17 @@ class OffsetReset:
         return self.policy not in (OffsetPolicy.LAST, OffsetPolicy.TIMESTAMP)
 
 
-def reset(store: Store, lmqs: Iterable[str], group: str, option: OffsetReset) -> None:
-    """Blocking: commit the group's new start in each LMQ, clamped to what the queue holds."""
-    for lmq in lmqs:
+def reset(
+    store: Store, lmqs: Iterable[str], group: str, option: OffsetReset, ends: Sequence[int] | None = None
+) -> None:
+    """Blocking: commit the group's new start in each LMQ, clamped to what the queue holds. ``ends`` (with
+    ``MAX``): each LMQ's end as read earlier, the start instead of its end now (what was stored since stays
+    to be delivered: an MQTT subscription starts where its broker read the ends, not later)."""
+    for i, lmq in enumerate(lmqs):
         queue = model.QueueId(lmq)
         lo, hi = store.queue_offsets(queue)
+        if ends is not None and option.policy is OffsetPolicy.MAX:
+            hi = min(hi, ends[i])
         if option.policy is OffsetPolicy.MIN:
             target = lo
         elif option.policy is OffsetPolicy.MAX:

@@ -164,7 +164,9 @@ class Settlement:
             log.warning("%s queue %d group %s: gone from the store, passed over: %s", *key, _spans(skipped))
         return bool(skipped)
 
-    async def reset_offsets(self, lmqs: list[str], group: str, option: offsets.OffsetReset) -> None:
+    async def reset_offsets(
+        self, lmqs: list[str], group: str, option: offsets.OffsetReset, ends: Sequence[int] | None = None
+    ) -> None:
         """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset."""
         lease_keys = [LeaseKey(lmq, 0, group) for lmq in lmqs]
         if any(map(self.deliveries.delivering, lease_keys)):
@@ -174,7 +176,7 @@ class Settlement:
             self._committed.get(key.topic, {}).pop((0, group), None)
             self._persisted.pop(key, None)
             self.dirty.discard(key)  # the reset supersedes whatever was not persisted
-        await self._rt.run(offsets.reset, self._store, lmqs, group, option)
+        await self._rt.run(offsets.reset, self._store, lmqs, group, option, ends)
 
     # --- lease state: opened from what the store holds, dropped when idle ------------------------------------
     async def state_of(self, key: LeaseKey, ordered: bool) -> leases.QueueLeases:

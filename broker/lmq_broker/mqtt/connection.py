@@ -156,6 +156,7 @@ class Connection:
         self._level = codec.LEVEL_3_1_1  # what packets after the CONNECT are read at
         self._connected = asyncio.Event()  # CONNACK written: deliveries may follow
         self._closing = False
+        self._shut = False  # writing shut down (``framing.linger``)
         self.done = asyncio.Event()
         self.kicked = False
 
@@ -190,9 +191,13 @@ class Connection:
 
     def close(self, code: int, why: str = "") -> None:
         """Close the socket; a 5.0 client is told why first (a DISCONNECT with ``code``)."""
-        if self.v5 and self._connected.is_set() and not self.writer.is_closing():
-            self.writer.write(codec.encode_disconnect(code, self._why(why)))
+        self._tell(code, why)
         self.writer.close()
+
+    def _tell(self, code: int, why: str) -> None:
+        """A 5.0 client is told why the broker ends the connection (a DISCONNECT with ``code``)."""
+        if self.v5 and self._connected.is_set() and not self.writer.is_closing() and not self._shut:
+            self.writer.write(codec.encode_disconnect(code, self._why(why)))
 
     def _why(self, text: str) -> Properties:
         """A reason string, where the client asked for them (5.0 ``request_problem_info``)."""
@@ -340,7 +345,9 @@ class Connection:
             await self._incoming.put(None)
             await self._ended(self._publisher, "storing what was read")
         if code is not None and not self.kicked:
-            self.close(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
+            self._tell(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
+            self._shut = True  # nothing is written after this DISCONNECT (a takeover meanwhile: no second one)
+            await framing.linger(self.writer, self.reader)  # read by the client, not lost to a reset
         remote: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> other brokers' receipts
         for out in self._out.values():  # handed out, not acknowledged: back to the group at once
             if out.remote:
@@ -452,7 +459,9 @@ class Connection:
             reason, why = refusal
             if not self.v5 or packet.qos == 0:
                 # 3.1.1 has no negative PUBACK: closing is the only way to tell the client (MQTT-3.3.5-2)
+                self._refused(packet.topic, reason, why)
                 raise Closed(f"PUBLISH to {packet.topic!r} refused: {why}", code=reason)
+            self._refused(packet.topic, reason, why, answered=True)
             await self._incoming.put(_In(packet, False, reason, why))
             return
         if packet.qos == 2 and packet.packet_id is not None:
@@ -484,8 +493,6 @@ class Connection:
             (await self.dispatcher.metadata()).lite_parent(parent)
         except (topics.TopicError, errors.LmqError) as exc:
             return _reason_of(exc), str(exc)
-        if not packet.payload and not packet.retain:
-            return Reason.IMPLEMENTATION_SPECIFIC_ERROR, "an empty message cannot be stored"
         p = packet.properties
         if p is not None and p.payload_format == 1:
             try:
@@ -493,6 +500,14 @@ class Connection:
             except UnicodeDecodeError:
                 return Reason.PAYLOAD_FORMAT_INVALID, "payload format indicator 1 and a payload that is not UTF-8"
         return None
+
+    def _refused(self, topic: str, reason: int, why: str, *, answered: bool = False) -> None:
+        """A refused publish: counted by reason, logged at INFO (rate-limited) with what the client is told."""
+        name = Reason(reason).name.lower() if reason in Reason.__members__.values() else f"{reason:#04x}"
+        self.server.stats.publishes_refused[name] += 1
+        told = f"{'reason code' if answered else 'DISCONNECT'} {reason:#04x}" if self.v5 else "3.1.1: no other way"
+        outcome = f"answered with {told}" if answered else f"the connection is closed ({told})"
+        self.server.stats.refusals.refused(self.client_id, "PUBLISH", topic, why, outcome)
 
     async def _publish_loop(self) -> None:
         """Store what was read, in order and in batches, then acknowledge each (after the store's fsync)."""
@@ -513,6 +528,7 @@ class Connection:
                 await self._store([i.packet for i in batch if i.store])  # one store call for the lot
             except (errors.LmqError, topics.TopicError, ValueError) as exc:
                 if not self.v5 or not _answerable(exc):
+                    self._refused(batch[0].packet.topic, _reason_of(exc), str(exc))
                     self._failure = exc
                     self.close(Reason.UNSPECIFIED_ERROR, str(exc))  # the reader sees the end, reports ``_failure``
                     continue
@@ -533,7 +549,7 @@ class Connection:
                     if p.qos == 2 and p.packet_id is not None:
                         self._awaiting_release.discard(p.packet_id)
                     answer = _In(p, False, _reason_of(exc), str(exc))
-                    log.info("mqtt client %s: PUBLISH to %s refused: %s", self.client_id, p.topic, exc)
+                    self._refused(p.topic, answer.reason, answer.why, answered=True)
             out.append(answer)
         return out
 
@@ -636,8 +652,10 @@ class Connection:
                 parent, levels = topics.subscription_of(text)
                 snap.lite_parent(parent)
             except (topics.TopicError, errors.LmqError) as exc:
-                log.info("mqtt client %s: subscription %r refused: %s", self.client_id, text, exc)
                 codes.append(Reason.TOPIC_FILTER_INVALID if self.v5 else failure)
+                self.server.stats.refusals.refused(
+                    self.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
+                )
                 continue
             held = self.subs.setdefault(parent, {})
             existed = levels in held

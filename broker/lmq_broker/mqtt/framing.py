@@ -18,6 +18,7 @@ take is refused (``OverBudget``) before it is read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Final
 
@@ -26,6 +27,7 @@ from lmq_broker.mqtt import wire
 VARINT_BYTES: Final = 4
 CHUNK_BYTES: Final = 64 * 1024  # a body larger than this is read in pieces, each within ``idle_s``
 STALL_S: Final = 60.0  # a packet begun: its next bytes within this long, keep-alive or not
+LINGER_S: Final = 1.0  # a connection the broker ends: what the client still sends is read and dropped this long
 
 
 class OverBudget(Exception):
@@ -100,6 +102,20 @@ class KeepAlive:
             self._timeout.reschedule(now)  # expires now
             return
         self._timer = self._loop.call_at((self._since or now) + self._idle_s, self._check)
+
+
+async def linger(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, seconds: float = LINGER_S) -> None:
+    """End a connection the broker closes so that the client reads its last packet (a DISCONNECT with the
+    reason): closing a socket with unread input sends a reset, which makes the client's stack drop what it had
+    not read yet. So: flush, shut down writing, read and drop the client's input until it closes (or
+    ``seconds``), then the caller closes."""
+    with contextlib.suppress(ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError):
+        async with asyncio.timeout(seconds):
+            await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+            while await reader.read(CHUNK_BYTES):
+                pass
 
 
 async def _header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int, int] | None:

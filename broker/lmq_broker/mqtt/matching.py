@@ -15,7 +15,9 @@ PAGE: Final = 512
 RETAINED_LIMIT: Final = 10_000  # retained messages one broker answers for one filter
 Scan = Callable[[str, str, str, int], Awaitable[Sequence[model.LiteTopicMeta]]]  # ``Store.scan_lite_topics``
 Run = Callable[..., Awaitable[Any]]  # ``Dispatcher.run``: a blocking call on the store's worker threads
-Reset = Callable[[str, str, Sequence[str], offsets.OffsetReset], Awaitable[None]]  # ``LiveView.reset_offsets``
+Reset = Callable[
+    [str, str, Sequence[str], offsets.OffsetReset, Sequence[int] | None], Awaitable[None]
+]  # ``LiveView.reset_offsets``
 
 
 async def start_at_end(  # noqa: PLR0917 (where, whose, which)
@@ -26,11 +28,13 @@ async def start_at_end(  # noqa: PLR0917 (where, whose, which)
     new: Sequence[wildcards.Filter],
     older: Sequence[wildcards.Filter],
 ) -> int:
-    """The group's start in each existing lite topic that only the ``new`` filters match: its end (what it
-    holds was published before the subscription). Pages over the range those filters can match; returns how
-    many lite topics moved."""
+    """The group's start in each existing lite topic that only the ``new`` filters match: its end as the scan
+    read it (what it held was published before the subscription; what is stored from then on, also while the
+    SUBACK is on its way, is delivered). Pages over the range those filters can match; returns how many lite
+    topics moved."""
     start_after, end_before = wildcards.scan_range(new)
     lites: list[str] = []
+    ends: list[int] = []
     while True:
         page = await scan(parent, start_after, end_before, PAGE)
         for meta in page:
@@ -41,11 +45,14 @@ async def start_at_end(  # noqa: PLR0917 (where, whose, which)
                 and not any(wildcards.matches(f, levels) for f in older)
             ):
                 lites.append(meta.lite)
+                ends.append(meta.max_offset)
         if len(page) < PAGE:
             break
         start_after = page[-1].lite
     for i in range(0, len(lites), PAGE):
-        await reset(group, parent, lites[i : i + PAGE], offsets.OffsetReset(offsets.OffsetPolicy.MAX))
+        await reset(
+            group, parent, lites[i : i + PAGE], offsets.OffsetReset(offsets.OffsetPolicy.MAX), ends[i : i + PAGE]
+        )
     return len(lites)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as _Collector
@@ -29,10 +31,39 @@ WILL_WRITE = "will_write"  # a delayed will not stored (published at once instea
 WILL_PUBLISH = "will_publish"  # a will due not published (it waits and is tried again)
 
 
+REFUSALS_LOGGED_PER_S: Final = 20  # INFO lines about refused packets, at most, per second (the rest: counted)
+
+
+class RefusalLog:
+    """Refused publishes and subscriptions at INFO, with the client id, the topic and why (never a payload or
+    a credential): a client looping on a refused publish must not flood the log, so at most
+    ``REFUSALS_LOGGED_PER_S`` lines a second; the next line says how many were left out meanwhile."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._second = 0
+        self._logged = 0
+        self._skipped = 0
+
+    def refused(self, client_id: str, what: str, topic: str, why: str, outcome: str) -> None:
+        second = int(self._clock())
+        if second != self._second:
+            self._second, self._logged = second, 0
+        if self._logged >= REFUSALS_LOGGED_PER_S:
+            self._skipped += 1
+            return
+        self._logged += 1
+        skipped, self._skipped = self._skipped, 0
+        more = f" ({skipped} more refusals not logged)" if skipped else ""
+        log.info("mqtt client %s: %s to %r refused: %s; %s%s", client_id, what, topic[:200], why, outcome, more)
+
+
 @dataclass
 class Stats:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    publishes_refused: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason name
+    refusals: RefusalLog = field(default_factory=RefusalLog)
 
 
 class Collector(_Collector):
@@ -61,6 +92,15 @@ class Collector(_Collector):
         for kind in (SESSION_EXPIRY_WRITE, CONNECTION_END, WILL_WRITE, WILL_PUBLISH):
             errors.add_metric([kind], self._stats.errors[kind])
         yield errors
+        publishes = CounterMetricFamily(
+            "lmq_mqtt_publishes_refused",
+            "MQTT publishes refused, by MQTT 5 reason (5.0 QoS 1/2: a PUBACK/PUBREC with it; 3.1.1 and QoS 0: the "
+            "connection closed, 5.0 after a DISCONNECT with it); each also logged at INFO (rate-limited)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self._stats.publishes_refused.items()):
+            publishes.add_metric([reason], n)
+        yield publishes
         yield GaugeMetricFamily("lmq_mqtt_sockets", "MQTT sockets open (CONNECT or not)", value=self._sockets())
         yield GaugeMetricFamily(
             "lmq_mqtt_read_bytes", "Bytes of large MQTT packets (over 64 KiB) being read now (--mqtt-max-read-bytes)",

@@ -31,7 +31,9 @@ async def store(server: MqttServer, client_id: str, host: str, publishes: Sequen
         props = mapping.incoming(p.properties, qos=p.qos, retain=p.retain, client_id=client_id, now_ms=now)
         if p.retain:
             retained.append(durable.Retained(parent, lite, p.payload, min(p.qos, 1), now, props))
-        if p.payload:
+        if p.payload or not p.retain:  # an empty retained publish only clears (MQTT-3.3.1-10)
+            if not p.payload:  # an empty message is valid (section 3.3.3); the store keeps it marked
+                props[model.EMPTY_BODY_PROPERTY] = "1"
             messages.append(_message(config.index_parent_queue, host, parent, lite, p.payload, now, props))
     owners = server.owners
     clustered = owners is not None and owners.active

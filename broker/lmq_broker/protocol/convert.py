@@ -188,7 +188,7 @@ class MessageReader:
             encoding = sp.body_encoding
             body = msg.body
             if encoding != _IDENTITY or not body or len(body) > max_body:
-                body = self._body(body, encoding)
+                body = self._body(body, encoding, msg.user_properties)
             message_id = sp.message_id
             if not message_id or len(message_id) > MAX_MESSAGE_ID_CHARS or not message_id.isprintable():
                 raise errors.InvalidArgument("message id must be 1..128 printable characters", kind="message_id")
@@ -273,7 +273,7 @@ class MessageReader:
         index = zlib.crc32(group.encode()) % count if group else self.rr % count
         return (parent_queue if index == 0 else model.QueueId(topic, index),)
 
-    def _body(self, body: bytes, encoding: int) -> bytes:
+    def _body(self, body: bytes, encoding: int, props: Mapping[str, str]) -> bytes:
         limit = self.config.max_body_bytes
         if encoding == pb.GZIP:
             try:
@@ -285,7 +285,7 @@ class MessageReader:
                 raise errors.InvalidArgument("gzip body is truncated (no end of stream)")
         elif encoding not in (pb.IDENTITY, pb.ENCODING_UNSPECIFIED):
             raise errors.InvalidArgument(f"unknown body encoding {encoding}")
-        if not body:
+        if not body and props.get(model.EMPTY_BODY_PROPERTY) != "1":  # an empty MQTT publish a peer forwards
             raise errors.BodyEmpty("message body is empty")
         if len(body) > limit:
             raise errors.BodyTooLarge(f"message body exceeds {limit} bytes", limit=limit)

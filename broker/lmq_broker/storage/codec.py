@@ -156,7 +156,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
     Both stores call this, so both refuse exactly the same input; it runs once per message on the hot path.
     """
     body = m.body
-    if not body:
+    if not body and m.user_properties.get(model.EMPTY_BODY_PROPERTY) != "1":  # an MQTT publish may be empty
         raise errors.BodyEmpty("message body is empty", message_id=m.message_id)
     queues = m.queues
     n = len(queues)
