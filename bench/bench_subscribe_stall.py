@@ -132,7 +132,8 @@ def report(topics: int, probes: list[tuple[float, float]], windows: list[tuple[s
     verdict = "PASS" if worst <= TARGET_MS else "ABOVE TARGET"
     print(
         f"FIGURE probe send latency max during a {topics:,}-topic COMPLETE_ADD: {worst:.1f} ms "
-        f"(target <= {TARGET_MS:.0f} ms) {verdict}; p99 {p99:.1f} ms; idle max {idle_max:.1f} ms, p99 {idle_p99:.1f} ms",
+        f"(target <= {TARGET_MS:.0f} ms) {verdict}; p99 {p99:.1f} ms; "
+        f"idle max {idle_max:.1f} ms, p99 {idle_p99:.1f} ms",
         flush=True,
     )
     calls = ", ".join(f"{label} {(end - start) * 1000:,.0f} ms" for label, start, end in windows[1:])
