@@ -25,7 +25,7 @@ from typing import Final, TypeVar
 
 from lmq_broker import errors, model
 
-SLICE: Final = 2000  # names per step of a big change: a few ms of the loop
+SLICE: Final = 500  # names per step of a big change: 1-2 ms of the loop
 T = TypeVar("T")
 Steps = Generator[None, None, T]
 
