@@ -99,7 +99,7 @@ async def run(endpoint: str, topics: int, idle_s: float) -> None:
     windows: list[tuple[str, float, float]] = []
     stop = asyncio.Event()
     async with grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS) as channel:
-        stub: sg.MessagingServiceAsyncStub = sg.MessagingServiceStub(channel)  # type: ignore[assignment]
+        stub: sg.MessagingServiceAsyncStub = sg.MessagingServiceStub(channel)
         prober = asyncio.create_task(probe_loop(stub, stop, probes))
         await asyncio.sleep(0.5)  # the channel and the probe topics warm
         idle_from = time.monotonic()
