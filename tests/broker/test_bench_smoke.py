@@ -55,6 +55,10 @@ EXPECTED = {
         "FIGURE RSS under the will flood",
     ],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
+    "bench_subscribe_stall.py": [
+        "FIGURE probe send latency max during a 20,000-topic COMPLETE_ADD:",
+        "FIGURE COMPLETE_ADD of 20,000 lite topics, call duration:",
+    ],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
     "bench_disk_faults.py": [

@@ -92,10 +92,7 @@ class Calls:
         if request.action not in (pb.PARTIAL_ADD, pb.PARTIAL_REMOVE, pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
             raise errors.InvalidArgument(f"unknown lite subscription action {request.action}")
         group = convert.group_name(request.group)
-        names = sync_handler.lite_topics(request, caller)
-        if request.action in (pb.PARTIAL_ADD, pb.COMPLETE_ADD):
-            for name in names:
-                convert.lite_topic_or_pattern(name, edge.config.max_lite_topic_size)
+        names = await sync_handler.lite_topics(request, caller, edge.config.max_lite_topic_size)
         plain = dataclasses.replace(caller, language="", version="")  # the parts are already read literally
         # Known here (and forgotten with the usual client expiry), so the intents this broker keeps for it
         # (``fanout``) live as long as the client does, even when none of its topics is this broker's.

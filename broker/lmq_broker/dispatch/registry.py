@@ -7,14 +7,48 @@ subscriber: with a million subscribed lite topics that is the difference between
 
 LMQs are identified by their store name (``%LMQ%$parent$lite``) as plain strings; the same string object
 is shared by both directions. Time is passed in (milliseconds, any monotonic origin).
+
+A big change (a COMPLETE_ADD of 100,000 names) is made in steps of ``SLICE`` names: ``add_steps``,
+``replace_steps`` and ``remove_steps`` are generators that yield between steps, so the event loop serves
+other calls in between (``drive`` runs one to its end at once). Quotas are checked, and the broker-wide
+growth reserved, before the first change: a refused change changes nothing. While the steps run, the
+topics the change is to subscribe count as subscribed (``subscriber_count``), so a compare-and-delete
+that checks them in between keeps them. A change of at most ``SLICE`` names never yields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, KeysView
+from collections.abc import Collection, Generator, Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import Final, TypeVar
 
 from lmq_broker import errors, model
+
+SLICE: Final = 500  # names per step of a big change: 1-2 ms of the loop
+T = TypeVar("T")
+Steps = Generator[None, None, T]
+
+
+def drive(steps: Steps[T]) -> T:
+    """Run a change's steps to the end without yielding; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def slices(items: Iterable[str]) -> Iterator[list[str]]:
+    """``items`` in pieces of ``SLICE`` (a collection must not change while they are taken)."""
+    it = iter(items)
+    while part := list(islice(it, SLICE)):
+        yield part
+
+
+def unique(lmqs: Collection[str]) -> dict[str, None]:
+    """``lmqs`` without repeats, in order (a dict, as ``lmq_names`` builds one in slices, is taken as is)."""
+    return lmqs if isinstance(lmqs, dict) else dict.fromkeys(lmqs)
 
 
 @dataclass(slots=True)
@@ -40,6 +74,8 @@ class Registry:
         self._clients: dict[str, ClientState] = {}
         self._by_lmq: dict[str, str | set[str]] = {}
         self._pairs = 0
+        self._reserved = 0  # broker-wide growth of changes under way, checked but not all made yet
+        self._incoming: dict[str, Collection[str]] = {}  # client -> the LMQs a change under way subscribes
         self.max_pairs = max_pairs
         # Bumped by every change of what a client subscribes (not by a heartbeat): the periodic save of the
         # subscriptions (``saved_subscriptions``) writes only when it moved.
@@ -113,50 +149,127 @@ class Registry:
     ) -> list[str]:
         """Subscribe; all or nothing. A pattern counts as one subscription. Returns the LMQs that were not
         subscribed before."""
+        return drive(self.add_steps(client_id, lmqs, quota, now_ms, patterns=patterns))
+
+    def add_steps(
+        self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int, *, patterns: Collection[str] = ()
+    ) -> Steps[list[str]]:
+        """``add`` in steps (see the module's docstring)."""
         state = self.touch(client_id, now_ms)
-        new = [lmq for lmq in dict.fromkeys(lmqs) if lmq not in state.lite_topics]
-        new_patterns = [p for p in dict.fromkeys(patterns) if p not in state.patterns]
-        growth = len(new) + len(new_patterns)
-        self._check_quota(state, len(state.lite_topics) + len(state.patterns) + growth, growth, quota)
-        for lmq in new:
-            state.lite_topics.add(lmq)
-            self._link(lmq, client_id)
-        state.patterns.update(new_patterns)
-        self._pairs += growth
-        self.version += bool(growth)
-        return new
+        wanted = unique(lmqs)
+        if len(wanted) > SLICE:  # a small change never yields: no one sees it under way
+            self._incoming[client_id] = wanted
+        try:
+            growth = 0
+            for part in slices(wanted):
+                if len(wanted) > SLICE:
+                    yield
+                growth += sum(lmq not in state.lite_topics for lmq in part)
+            new_patterns = [p for p in dict.fromkeys(patterns) if p not in state.patterns]
+            growth += len(new_patterns)
+            self._check_quota(state, len(state.lite_topics) + len(state.patterns) + growth, growth, quota)
+            new = yield from self._link_all(state, wanted, growth)
+            state.patterns.update(new_patterns)
+            self._pairs += len(new_patterns)
+            self.version += bool(new_patterns)
+            return new
+        finally:
+            if self._incoming.get(client_id) is wanted:
+                del self._incoming[client_id]
 
     def remove(self, client_id: str, lmqs: Iterable[str], now_ms: int, *, patterns: Iterable[str] = ()) -> list[str]:
+        return drive(self.remove_steps(client_id, lmqs, now_ms, patterns=patterns))
+
+    def remove_steps(
+        self, client_id: str, lmqs: Iterable[str], now_ms: int, *, patterns: Iterable[str] = ()
+    ) -> Steps[list[str]]:
+        """``remove`` in steps (see the module's docstring)."""
         state = self.touch(client_id, now_ms)
-        gone = [lmq for lmq in dict.fromkeys(lmqs) if lmq in state.lite_topics]
-        for lmq in gone:
-            state.lite_topics.discard(lmq)
-            self._unlink(lmq, client_id)
+        gone: list[str] = []
+        for index, part in enumerate(slices(lmqs)):
+            if index:
+                yield
+                if self._clients.get(client_id) is not state:
+                    return gone  # dropped meanwhile, with every subscription it held
+            held = state.lite_topics
+            now_gone = [lmq for lmq in dict.fromkeys(part) if lmq in held]
+            for lmq in now_gone:
+                held.discard(lmq)
+                self._unlink(lmq, client_id)
+            gone += now_gone
+            self._pairs -= len(now_gone)
+            self.version += bool(now_gone)
         gone_patterns = [p for p in dict.fromkeys(patterns) if p in state.patterns]
         state.patterns.difference_update(gone_patterns)
-        self._pairs -= len(gone) + len(gone_patterns)
-        self.version += bool(gone or gone_patterns)
+        self._pairs -= len(gone_patterns)
+        self.version += bool(gone_patterns)
         return gone
 
     def replace(
         self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int, *, patterns: Collection[str] = ()
     ) -> tuple[list[str], list[str]]:
         """Make the client's sets exactly ``lmqs`` and ``patterns``; returns (added, removed) LMQs."""
+        return drive(self.replace_steps(client_id, lmqs, quota, now_ms, patterns=patterns))
+
+    def replace_steps(
+        self, client_id: str, lmqs: Collection[str], quota: int, now_ms: int, *, patterns: Collection[str] = ()
+    ) -> Steps[tuple[list[str], list[str]]]:
+        """``replace`` in steps (see the module's docstring): the difference is found, the quota checked,
+        then the topics no longer wanted removed and the new ones added."""
         state = self.touch(client_id, now_ms)
-        wanted, wanted_patterns = dict.fromkeys(lmqs), set(patterns)
-        added = [lmq for lmq in wanted if lmq not in state.lite_topics]
-        removed = [lmq for lmq in state.lite_topics if lmq not in wanted]
-        size = len(wanted) + len(wanted_patterns)
-        self._check_quota(state, size, size - len(state.lite_topics) - len(state.patterns), quota)
-        self.remove(client_id, removed, now_ms, patterns=state.patterns - wanted_patterns)
-        for lmq in added:
-            state.lite_topics.add(lmq)
-            self._link(lmq, client_id)
-        new_patterns = wanted_patterns - state.patterns
-        self._pairs += len(added) + len(new_patterns)
-        state.patterns.update(wanted_patterns)
-        self.version += bool(added or new_patterns)  # what ``remove`` took away counted there
-        return added, removed
+        wanted = unique(lmqs)
+        big = len(wanted) > SLICE or len(state.lite_topics) > SLICE
+        self._incoming[client_id] = wanted
+        try:
+            held = list(state.lite_topics)
+            removed: list[str] = []
+            for part in slices(held):
+                if big:
+                    yield
+                removed += [lmq for lmq in part if lmq not in wanted]
+            wanted_patterns = set(patterns)
+            size = len(wanted) + len(wanted_patterns)
+            self._check_quota(state, size, size - len(state.lite_topics) - len(state.patterns), quota)
+            unwanted_patterns = state.patterns - wanted_patterns
+            removed = yield from self.remove_steps(client_id, removed, now_ms, patterns=unwanted_patterns)
+            if self._clients.get(client_id) is not state:
+                return [], removed
+            added = yield from self._link_all(state, wanted, len(wanted) - len(state.lite_topics))
+            new_patterns = wanted_patterns - state.patterns
+            self._pairs += len(new_patterns)
+            state.patterns.update(wanted_patterns)
+            self.version += bool(new_patterns)  # what ``remove`` took away counted there
+            return added, removed
+        finally:
+            if self._incoming.get(client_id) is wanted:
+                del self._incoming[client_id]
+
+    def _link_all(self, state: ClientState, lmqs: Collection[str], growth: int) -> Steps[list[str]]:
+        """Subscribe ``state``'s client to those of ``lmqs`` it does not hold, in steps; ``growth`` of them
+        were reserved against the broker-wide limit (released as they are linked, the rest at the end)."""
+        reserved = max(0, growth)
+        self._reserved += reserved
+        new: list[str] = []
+        try:
+            for index, part in enumerate(slices(lmqs)):
+                if index or len(lmqs) > SLICE:
+                    yield
+                    if self._clients.get(state.client_id) is not state:
+                        break  # dropped meanwhile: what it held so far went with it
+                held = state.lite_topics
+                now_new = [lmq for lmq in part if lmq not in held]
+                for lmq in now_new:
+                    held.add(lmq)
+                    self._link(lmq, state.client_id)
+                new += now_new
+                self._pairs += len(now_new)
+                taken = min(reserved, len(now_new))
+                reserved -= taken
+                self._reserved -= taken
+                self.version += bool(now_new)
+        finally:
+            self._reserved -= reserved
+        return new
 
     def forget_lmq(self, lmq: str) -> list[str]:
         """Drop every subscription to a deleted lite topic; returns the clients that held it."""
@@ -183,10 +296,13 @@ class Registry:
         return self._by_lmq.keys()
 
     def subscriber_count(self, lmq: str) -> int:
+        """Clients subscribed to ``lmq``, counting one whose change under way subscribes it (``*_steps``)."""
         holders = self._by_lmq.get(lmq)
-        if holders is None:
-            return 0
-        return 1 if isinstance(holders, str) else len(holders)
+        count = 0 if holders is None else 1 if isinstance(holders, str) else len(holders)
+        for client_id, incoming in self._incoming.items():
+            if lmq in incoming and client_id not in self.subscribers(lmq):
+                count += 1
+        return count
 
     def pair_count(self) -> int:
         return self._pairs
@@ -199,7 +315,7 @@ class Registry:
                 client_id=state.client_id,
                 quota=quota,
             )
-        if self.max_pairs != model.UNLIMITED and growth > 0 and self._pairs + growth > self.max_pairs:
+        if self.max_pairs != model.UNLIMITED and growth > 0 and self._pairs + self._reserved + growth > self.max_pairs:
             raise errors.SubscriptionQuotaExceeded(
                 f"broker holds {self._pairs} lite subscriptions, limit is {self.max_pairs}",
                 limit=self.max_pairs,

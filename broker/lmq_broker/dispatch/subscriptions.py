@@ -7,14 +7,19 @@ subscribed, a gone client's queued topics, and a *catch-up pass*, which walks on
 (or, for a wildcard group, its parent's lite topics, paged off the loop) for pending work. A pass runs only
 when that client's ready queue overflowed, right after it subscribed to topics with backlog, after a restore,
 or when the store could not answer for a while; never over all lite topics.
+
+A client's subscription changes are made one at a time. A big one (more than ``registry.SLICE`` names: a
+COMPLETE_ADD of 100,000 lite topics) works in slices that yield to the event loop, so other clients' calls
+are not kept waiting; it runs in a task of its own that finishes even when its caller goes (a cancelled
+call never leaves half a change), and the client's next change waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Final, TypeVar
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import (
@@ -33,11 +38,38 @@ from lmq_broker.dispatch import (
 log = logging.getLogger(__name__)
 
 NOTICES_PER_CLIENT: Final = 1024
-CATCHUP_CHUNK: Final = 512  # lite topics probed per store call of a catch-up pass
+CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
+# Lite topics probed for pending work per store call: the call holds the GIL throughout (~15 µs a topic),
+# and the event loop waits for it, so a probe of many topics goes in short calls.
+PROBE_CHUNK: Final = 128
+
+
+T = TypeVar("T")
 
 
 def lmq_name(parent: str, lite: str) -> str:
     return model.QueueId.lmq(parent, lite).topic
+
+
+async def sliced(steps: registry.Steps[T]) -> T:
+    """Run a registry change's steps, yielding to the event loop between them; the first runs at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep(0)
+
+
+async def lmq_names(parent: str, lites: Sequence[str]) -> dict[str, None]:
+    """The LMQ names of ``lites`` without repeats, in order (``registry.unique``), built in slices that yield
+    when there are many."""
+    out: dict[str, None] = {}
+    for index, part in enumerate(registry.slices(lites)):
+        if index:
+            await asyncio.sleep(0)
+        out.update(dict.fromkeys(lmq_name(parent, lite) for lite in part))
+    return out
 
 
 def _round_from(ranges: list[tuple[str, str]], resume: str) -> list[tuple[str, str]]:
@@ -55,13 +87,26 @@ def _filters(patterns: Iterable[str]) -> frozenset[wildcards.Filter]:
     return frozenset(map(wildcards.parse_pattern, patterns))
 
 
-def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(lite topic names, patterns): a name holding a pattern character is a pattern."""
+async def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(lite topic names, patterns): a name holding a pattern character is a pattern (in slices)."""
     lites: list[str] = []
     patterns: list[str] = []
-    for name in names:
-        (patterns if wildcards.is_pattern(name) else lites).append(name)
+    for index, part in enumerate(registry.slices(names)):
+        if index:
+            await asyncio.sleep(0)
+        for name in part:
+            (patterns if wildcards.is_pattern(name) else lites).append(name)
     return lites, patterns
+
+
+class _Serial:
+    """One client's subscription changes, one at a time."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 class Subscriptions:
@@ -87,6 +132,8 @@ class Subscriptions:
         self._catchup_running: set[str] = set()
         self._catchup_again: set[str] = set()  # asked for while a pass ran: one more pass when it ends
         self.marks = reclaims.Marks()  # compare-and-deletes under way (see ``reclaims``)
+        self._serials: dict[str, _Serial] = {}
+        self._big_changes: set[asyncio.Task[object]] = set()
 
     # --- clients ------------------------------------------------------------------------------------------
     def client_seen(
@@ -206,7 +253,23 @@ class Subscriptions:
         offset: offsets.OffsetReset | None = None,
     ) -> list[str]:
         """Subscribe to lite topics and patterns (``wildcards.is_pattern``); returns the LMQs added."""
-        lites, patterns = _split(lites)
+        return await self._serially(
+            client_id,
+            len(lites),
+            lambda: self._add_lite(client_id, group, parent, lites, namespace=namespace, offset=offset),
+        )
+
+    async def _add_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        *,
+        namespace: str,
+        offset: offsets.OffsetReset | None,
+    ) -> list[str]:
+        lites, patterns = await _split(lites)
         if patterns and offset is not None and offset.moves:
             raise errors.InvalidArgument("an offset option applies to lite topics, not to patterns", kind="offset")
         snap = await self._rt.metadata()
@@ -219,26 +282,29 @@ class Subscriptions:
                 group=group,
             )
         quota = snap.client_quota(found, parent, namespace)
-        lmqs = [lmq_name(parent, lite) for lite in lites]
-        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's add
+        lmqs = await lmq_names(parent, lites)
+        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's first step
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
-        added = self._registry.add(client_id, lmqs, quota, now, patterns=patterns)
+        added = await sliced(self._registry.add_steps(client_id, lmqs, quota, now, patterns=patterns))
         if patterns:
             self._sync_patterns(client_id, group, parent)
         if offset is not None and offset.moves:
-            await self._settlement.reset_offsets(lmqs, group, offset)
+            await self._settlement.reset_offsets(list(lmqs), group, offset)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
-            self._evict_others(client_id, group, lmqs)
-        await self._register_pending(client_id, group, lmqs if offset is not None else added)
+            await self._evict_others(client_id, group, lmqs)
+        await self._register_pending(client_id, group, list(lmqs) if offset is not None else added)
         return added
 
     async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
+        return await self._serially(client_id, len(lites), lambda: self._remove_lite(client_id, group, parent, lites))
+
+    async def _remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
         (await self._rt.metadata()).lite_group(group, parent)
-        lites, patterns = _split(lites)
-        lmqs = [lmq_name(parent, lite) for lite in lites]
-        removed = self._registry.remove(client_id, lmqs, self._rt.clock(), patterns=patterns)
-        self._ready.discard_many(client_id, removed)
+        lites, patterns = await _split(lites)
+        lmqs = await lmq_names(parent, lites)
+        removed = await sliced(self._registry.remove_steps(client_id, lmqs, self._rt.clock(), patterns=patterns))
+        await self._discard_queued(client_id, removed)
         if patterns:
             self._sync_patterns(client_id, group, parent)
         return removed
@@ -246,35 +312,80 @@ class Subscriptions:
     async def replace_lite(
         self, client_id: str, group: str, parent: str, lites: Sequence[str], *, namespace: str = ""
     ) -> tuple[list[str], list[str]]:
+        held = self._registry.get(client_id)
+        size = max(len(lites), len(held.lite_topics) if held is not None else 0)
+        return await self._serially(
+            client_id, size, lambda: self._replace_lite(client_id, group, parent, lites, namespace)
+        )
+
+    async def _replace_lite(
+        self, client_id: str, group: str, parent: str, lites: Sequence[str], namespace: str
+    ) -> tuple[list[str], list[str]]:
         snap = await self._rt.metadata()
         found = snap.consuming_lite_group(group, parent)
         if found.wildcard:  # the group's patterns, if any, say which lite topics (a change: at the next full sync)
             self._register_wildcard(client_id, group, parent, _filters(found.lite_patterns) or None)
             return [], []
         quota = snap.client_quota(found, parent, namespace)
-        lites, patterns = _split(lites)
-        lmqs = [lmq_name(parent, lite) for lite in lites]
-        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's replace
+        lites, patterns = await _split(lites)
+        lmqs = await lmq_names(parent, lites)
+        await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's first step
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
-        added, removed = self._registry.replace(client_id, lmqs, quota, now, patterns=patterns)
-        self._ready.discard_many(client_id, removed)
+        added, removed = await sliced(self._registry.replace_steps(client_id, lmqs, quota, now, patterns=patterns))
+        await self._discard_queued(client_id, removed)
         self._sync_patterns(client_id, group, parent)
         if found.model == model.SubscriptionModel.EXCLUSIVE:
-            self._evict_others(client_id, group, added)
+            await self._evict_others(client_id, group, added)
         await self._register_pending(client_id, group, added)
         return added, removed
 
     async def remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
+        held = self._registry.get(client_id)
+        size = len(held.lite_topics) if held is not None else 0
+        await self._serially(client_id, size, lambda: self._remove_all_lite(client_id, group, parent))
+
+    async def _remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
         (await self._rt.metadata()).lite_group(group, parent)
         if self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
         state = self._registry.get(client_id)
         if state is not None:
-            removed = self._registry.remove(
+            steps = self._registry.remove_steps(
                 client_id, list(state.lite_topics), self._rt.clock(), patterns=list(state.patterns)
             )
-            self._ready.discard_many(client_id, removed)
+            await self._discard_queued(client_id, await sliced(steps))
+
+    async def _serially(self, client_id: str, size: int, change: Callable[[], Awaitable[T]]) -> T:
+        """Run ``change`` after the client's changes under way. A big one (``size`` names above a slice)
+        runs in a task of its own, shielded: it finishes even when the caller is cancelled."""
+        serial = self._serials.get(client_id)
+        if serial is None:
+            serial = self._serials[client_id] = _Serial()
+        serial.users += 1
+
+        async def run() -> T:
+            try:
+                async with serial.lock:
+                    return await change()
+            finally:
+                serial.users -= 1
+                if not serial.users and self._serials.get(client_id) is serial:
+                    del self._serials[client_id]
+
+        if size <= registry.SLICE:
+            return await run()
+        task = asyncio.get_running_loop().create_task(run())
+        self._big_changes.add(task)
+        task.add_done_callback(self._big_changes.discard)
+        return await asyncio.shield(task)
+
+    async def _discard_queued(self, client_id: str, lmqs: list[str]) -> None:
+        """``lmqs`` leave the client's ready queue (in slices)."""
+        for index, part in enumerate(registry.slices(lmqs)):
+            if index:
+                await asyncio.sleep(0)
+            self._ready.discard_many(client_id, part)
 
     def forget(self, lmq: str) -> None:
         """A deleted lite topic: no one subscribes to it any more, and no ready queue holds it."""
@@ -333,10 +444,12 @@ class Subscriptions:
         elif self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
 
-    def _evict_others(self, client_id: str, group: str, lmqs: Iterable[str]) -> None:
-        """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers."""
+    async def _evict_others(self, client_id: str, group: str, lmqs: Iterable[str]) -> None:
+        """Exclusive groups: the newest subscriber of a lite topic takes it from its group peers (in slices)."""
         now = self._rt.clock()
-        for lmq in lmqs:
+        for index, lmq in enumerate(lmqs):
+            if index and not index % registry.SLICE:
+                await asyncio.sleep(0)
             for other in self._registry.subscribers(lmq):
                 state = self._registry.get(other)
                 if other != client_id and state is not None and state.group == group:
@@ -348,9 +461,9 @@ class Subscriptions:
 
     async def _register_pending(self, client_id: str, group: str, lmqs: list[str]) -> None:
         """Newly subscribed topics that already hold undelivered messages go straight to this client."""
-        for start in range(0, len(lmqs), CATCHUP_CHUNK):
+        for start in range(0, len(lmqs), PROBE_CHUNK):
             try:
-                found = await self._deliverer.pending_among(lmqs[start : start + CATCHUP_CHUNK], group)
+                found = await self._deliverer.pending_among(lmqs[start : start + PROBE_CHUNK], group)
             except errors.StorageError:  # the store rebuilds its index: a catch-up pass looks later
                 self._deliverer.retry_catchup(client_id)
                 return
@@ -370,8 +483,8 @@ class Subscriptions:
                 if self._wildcards.registration(st.client_id) is not None:
                     self.start_catchup(st.client_id)
         offered: list[str] = []
-        for start in range(0, len(lmqs), CATCHUP_CHUNK):
-            for lmq in await self._deliverer.pending_among(list(lmqs[start : start + CATCHUP_CHUNK]), group):
+        for start in range(0, len(lmqs), PROBE_CHUNK):
+            for lmq in await self._deliverer.pending_among(list(lmqs[start : start + PROBE_CHUNK]), group):
                 if self._deliverer.dispatch(lmq, only_group=group):
                     offered.append(lmq)
         return offered
@@ -415,8 +528,8 @@ class Subscriptions:
         if resume:
             after = set(resume)
             todo = resume + [lmq for lmq in todo if lmq not in after]
-        for start in range(0, len(todo), CATCHUP_CHUNK):
-            current = [lmq for lmq in todo[start : start + CATCHUP_CHUNK] if lmq in state.lite_topics]
+        for start in range(0, len(todo), PROBE_CHUNK):
+            current = [lmq for lmq in todo[start : start + PROBE_CHUNK] if lmq in state.lite_topics]
             for lmq in await self._deliverer.pending_among(current, state.group):
                 if not self._deliverer.offer(client_id, lmq, state.group):
                     self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
