@@ -5,7 +5,8 @@ Every field of BrokerConfig and StoreConfig is a flag (``data_dir`` -> ``--data-
 variable (``LMQ_DATA_DIR``); a flag wins over the variable, the variable over the default. The flags are
 generated from the config models so none can be forgotten. Once listening, the process prints one line
 ``lmq-broker ready grpc=<host:port> metrics=<port> admin=<port>`` (and `` mqtt=<port>`` with ``--mqtt-port``,
-`` external=<port>`` with ``--external-port``) on stdout (port 0 picks free ports; tools and tests read that line).
+`` external=<port>`` with ``--external-port``, and `` listen=<host>`` when it listens on every interface) on
+stdout (port 0 picks free ports; tools and tests read that line; ``grpc=`` is where a local client connects).
 """
 
 from __future__ import annotations
