@@ -99,6 +99,8 @@ torture: $(STAMP) clients
 		tests/admin/test_with_broker.py tests/broker/test_dispatcher.py -k "cap or flood or refused or reload or fresh or gone"
 
 lint: $(STAMP)
+	@bad=$$(git ls-files | grep -E '[[:space:]:|]' || true); \
+	if [ -n "$$bad" ]; then echo "file names with spaces, ':' or '|' (a shell accident?): $$bad"; exit 1; fi
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
