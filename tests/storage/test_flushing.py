@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from waiting import eventually
 
 from lmq_broker import errors, model
 from lmq_broker.storage import api, appends, commitlog
@@ -14,14 +15,6 @@ from lmq_broker.storage import store as store_mod
 
 Msg = Callable[..., model.NewMessage]
 OpenLmq = Callable[..., store_mod.LmqStore]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.001)
 
 
 def test_sync_append_returns_only_once_fsynced(open_lmq: OpenLmq, msg: Msg) -> None:
@@ -42,7 +35,11 @@ def test_concurrent_sync_appends_share_one_fsync(open_lmq: OpenLmq, msg: Msg, mo
         if not first_sync.is_set():
             first_sync.set()
             # hold the first fsync until every other writer has queued its request behind it
-            wait_until(lambda: len(s._appender._queue) == n_threads - 1)
+            eventually(
+                lambda: len(s._appender._queue) == n_threads - 1,
+                "len(s._appender._queue) == n_threads - 1",
+                interval_s=0.001,
+            )
         real_sync(self)
 
     monkeypatch.setattr(commitlog.CommitLog, "sync", slow_first_sync)
@@ -62,7 +59,7 @@ def test_async_append_returns_before_fsync_and_the_flusher_catches_up(open_lmq: 
     s = open_lmq(flush_mode="async", flush_interval_ms=20)
     log: commitlog.CommitLog = s._core.log
     s.append([msg() for _ in range(10)])
-    wait_until(lambda: log.synced == log.written)
+    eventually(lambda: log.synced == log.written, "log.synced == log.written", interval_s=0.001)
     assert s.fsync_count >= 1
 
 
@@ -148,7 +145,7 @@ def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
     waiter = threading.Thread(target=s.append, args=(big,))
     waiter.start()
     try:
-        wait_until(lambda: len(s._appender._queue) == 1)
+        eventually(lambda: len(s._appender._queue) == 1, "len(s._appender._queue) == 1", interval_s=0.001)
     finally:
         s._core.write_lock.release()
     mine: list[model.AppendResult] | None = None
@@ -215,7 +212,9 @@ def test_a_failed_fsync_cuts_its_appends_off_the_log_and_pauses_writes_until_one
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         api.append_if_free(s, [msg(message_id="refused")])
     assert s.faults().refused["not_durable"] == 2
-    wait_until(lambda: s.health() is None)  # the healer's fsync succeeds (the disk is fine)
+    eventually(
+        lambda: s.health() is None, "s.health() is None", interval_s=0.001
+    )  # the healer's fsync succeeds (the disk is fine)
     assert s.faults().durable
     s.append([msg(message_id="after")])
     assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["before", "after"]
@@ -248,5 +247,5 @@ def test_a_failed_fsync_of_tombstones_pauses_writes_too(
     assert s.lite_topic("P", "a") is not None  # not deleted: the index was never told
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="2")])
-    wait_until(lambda: s.health() is None)
+    eventually(lambda: s.health() is None, "s.health() is None", interval_s=0.001)
     assert s.delete_lite_topics([("P", "a", None)]) == [True]
