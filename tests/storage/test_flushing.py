@@ -10,8 +10,9 @@ import pytest
 from waiting import eventually
 
 from lmq_broker import errors, model
-from lmq_broker.storage import api, appends, commitlog
+from lmq_broker.storage import appends, commitlog
 from lmq_broker.storage import store as store_mod
+from lmq_broker.storage.testing import append_if_free
 
 Msg = Callable[..., model.NewMessage]
 OpenLmq = Callable[..., store_mod.LmqStore]
@@ -116,13 +117,13 @@ def test_append_if_free_refuses_at_once_while_another_writer_syncs(
     try:
         assert in_sync.wait(10)
         started = time.monotonic()
-        assert api.append_if_free(s, [msg(message_id="refused")]) is None
+        assert append_if_free(s, [msg(message_id="refused")]) is None
         assert time.monotonic() - started < 1.0  # refused at once, not after the other writer's fsync
     finally:
         release.set()
         writer.join()
     assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["first"]  # nothing of it written
-    results = api.append_if_free(s, [msg(message_id="second")])
+    results = append_if_free(s, [msg(message_id="second")])
     assert results is not None
     assert results[0].offsets == {model.QueueId("P", 0): 1, model.QueueId.lmq("P", "a"): 1}
     assert s._core.log.synced == s._core.log.written  # sync mode: it returns once fsynced too
@@ -150,7 +151,7 @@ def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
         s._core.write_lock.release()
     mine: list[model.AppendResult] | None = None
     while mine is None:  # whoever gets the lock first: the caller's own request only, never the queued one
-        mine = api.append_if_free(s, [msg(message_id="mine")])
+        mine = append_if_free(s, [msg(message_id="mine")])
     waiter.join()
     me = threading.get_ident()
     assert [ids for thread, ids in rounds if thread == me] == [["mine"]]
@@ -171,7 +172,7 @@ def test_try_begin_writes_without_showing_anything_until_finish_and_holds_the_wr
     other.start()
     time.sleep(0.2)
     assert other.is_alive()  # another writer waits for the pending append
-    assert api.append_if_free(s, [msg(message_id="refused")]) is None
+    assert append_if_free(s, [msg(message_id="refused")]) is None
     pending.sync()
     assert s._core.log.synced == s._core.log.written
     good, bad = pending.finish()
@@ -210,7 +211,7 @@ def test_a_failed_fsync_cuts_its_appends_off_the_log_and_pauses_writes_until_one
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="refused")])
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
-        api.append_if_free(s, [msg(message_id="refused")])
+        append_if_free(s, [msg(message_id="refused")])
     assert s.faults().refused["not_durable"] == 2
     eventually(
         lambda: s.health() is None, "s.health() is None", interval_s=0.001
