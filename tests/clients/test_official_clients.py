@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import pytest
+from testing_clients import Driver, DriverError, b64, unb64
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing_clients import Driver, DriverError, b64, unb64
 
 LITE_MESSAGES: Final = 240
 WAIT_S: Final = 90.0

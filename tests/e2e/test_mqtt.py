@@ -21,11 +21,11 @@ from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, Inbox, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 WAIT_S = 20.0
 

@@ -16,11 +16,11 @@ import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from testing_mqtt import Peer
 
 from lmq_broker.mqtt import codec, stats
 from lmq_broker.mqtt.properties import NONE
 from lmq_broker.testing import BrokerProcess
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 V5 = MQTTProtocolVersion.MQTTv5

@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from testing_mqtt import Peer
+
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 

@@ -14,6 +14,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -21,7 +22,6 @@ from lmq_broker.mqtt import codec
 from lmq_broker.mqtt.properties import NONE
 from lmq_broker.mqtt.properties import Properties as PropertiesV
 from lmq_broker.testing import BrokerProcess
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 V5 = MQTTProtocolVersion.MQTTv5
