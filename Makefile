@@ -105,7 +105,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 types: $(STAMP)
-	$(BIN)/mypy broker operator tests bench scripts
+	$(BIN)/mypy broker operator reclaim tests bench scripts
 
 imports: $(STAMP)
 	$(BIN)/lint-imports

@@ -29,7 +29,7 @@ def test_spark_submit_accepts_the_job_file() -> None:
     # spark-submit runs a Python file, not a module: the package's __main__.py must work as one.
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     done = subprocess.run(
-        [str(SPARK_SUBMIT), str(REPO / "broker" / "lmq_reclaim" / "__main__.py"), "--help"],
+        [str(SPARK_SUBMIT), str(REPO / "reclaim" / "lmq_reclaim" / "__main__.py"), "--help"],
         capture_output=True,
         text=True,
         timeout=180,
