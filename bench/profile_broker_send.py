@@ -4,7 +4,8 @@ standalone ``serve`` process, summed into layers (issue 28 item 2).
 Load, one of:
 * ``official``: the official Python client 5.1.2 Producer, ``--threads`` threads of single sends (the RPC shape
   every official client has: one LITE message per SendMessage, its signature headers, one channel);
-* ``ghz``: ghz (built as ``bench_edge_floor.py`` does), 256 SendMessage calls in flight on one connection.
+* ``ghz``: ghz (built as ``bench_edge_floor.py`` does), ``--inflight`` SendMessage calls (default 256) in
+  flight on one connection.
 
 Each sample's stack is charged to one layer, by the innermost frame that belongs to one, in this order: lmq's
 storage (``lmq_broker/storage``), dispatch (``lmq_broker/dispatch``), its gRPC edge (``lmq_broker/protocol``),
@@ -124,12 +125,12 @@ def official_load(endpoint: str, seconds: float, threads: int, pid: int) -> None
     print(f"official client load: {rate:,.0f} msg/s, broker {cpu:,.0f} us CPU/message (sampled, so slowed)")
 
 
-def ghz_load(endpoint: str, seconds: float, pid: int, tmp: Path) -> None:
+def ghz_load(endpoint: str, seconds: float, pid: int, tmp: Path, inflight: int) -> None:
     from bench_edge_floor import ghz_binary, ghz_run, write_requests  # noqa: PLC0415
 
     data = tmp / "requests.bin"
     write_requests(data, 4096, b"x" * 1024, 100)
-    run = ghz_run(ghz_binary(), endpoint, data, inflight=256, seconds=seconds, pid=pid)
+    run = ghz_run(ghz_binary(), endpoint, data, inflight=inflight, seconds=seconds, pid=pid)
     print(f"ghz load: {run.rate:,.0f} msg/s, broker {run.server_us:,.0f} us CPU/message (sampled, so slowed)")
 
 
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--load", choices=("official", "ghz"), default="official")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=4, help="official client threads")
+    parser.add_argument("--inflight", type=int, default=256, help="ghz calls in flight")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--raw", type=Path, help="keep py-spy's raw (collapsed) stacks here")
@@ -156,7 +158,7 @@ def main() -> None:
         if args.load == "official":
             official_load(broker.endpoint, args.seconds, args.threads, broker.pid)
         else:
-            ghz_load(broker.endpoint, args.seconds, broker.pid, tmp)
+            ghz_load(broker.endpoint, args.seconds, broker.pid, tmp, args.inflight)
         _, err = spying.communicate(timeout=args.seconds + 60)
         if spying.returncode != 0:
             sys.exit(f"py-spy failed: {err[-2000:]}")
