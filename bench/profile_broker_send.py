@@ -5,7 +5,9 @@ Load, one of:
 * ``official``: the official Python client 5.1.2 Producer, ``--threads`` threads of single sends (the RPC shape
   every official client has: one LITE message per SendMessage, its signature headers, one channel);
 * ``ghz``: ghz (built as ``bench_edge_floor.py`` does), ``--inflight`` SendMessage calls (default 256) in
-  flight on one connection.
+  flight on one connection;
+* ``drain``: the official LiteSimpleConsumer receiving 32 and acking each, ``--drain`` messages stored first
+  (``bench_broker_send.py``'s receive + ack).
 
 Each sample's stack is charged to one layer, by the innermost frame that belongs to one, in this order: lmq's
 storage (``lmq_broker/storage``), dispatch (``lmq_broker/dispatch``), its gRPC edge (``lmq_broker/protocol``),
@@ -19,6 +21,7 @@ py-spy is not a project dependency: ``pip install py-spy`` into any environment 
 
     python bench/profile_broker_send.py --load official --seconds 20
     python bench/profile_broker_send.py --load ghz --seconds 20 --raw /tmp/lmq.raw
+    python bench/profile_broker_send.py --load drain --drain 3000
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ import collections
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -134,9 +137,17 @@ def ghz_load(endpoint: str, seconds: float, pid: int, tmp: Path, inflight: int) 
     print(f"ghz load: {run.rate:,.0f} msg/s, broker {run.server_us:,.0f} us CPU/message (sampled, so slowed)")
 
 
+def drain_load(endpoint: str, count: int, pid: int) -> None:
+    from bench_broker_send import drain_cpu  # noqa: PLC0415
+
+    rate, cpu = drain_cpu(endpoint, count, pid=pid)
+    print(f"receive + ack: {rate:,.0f} msg/s, broker {cpu:,.0f} us CPU/message (sampled, so slowed)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--load", choices=("official", "ghz"), default="official")
+    parser.add_argument("--load", choices=("official", "ghz", "drain"), default="official")
+    parser.add_argument("--drain", type=int, default=3000, help="messages received and acked (--load drain)")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=4, help="official client threads")
     parser.add_argument("--inflight", type=int, default=256, help="ghz calls in flight")
@@ -148,19 +159,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name, start_broker(Path(tmp_name) / "lmq") as broker:
         tmp = Path(tmp_name)
         raw = args.raw or tmp / "broker.raw"
-        warm = threading.Thread(target=lambda: None)
-        warm.start()
-        warm.join()
+        if args.load == "drain":
+            from bench_broker_send import fill  # noqa: PLC0415
+
+            fill(broker.endpoint, args.drain, b"x" * 1024)  # before the sampling starts
         record = [spy, "record", "--native", "--pid", str(broker.pid), "--rate", str(args.rate), "--format", "raw",
-                  "--output", str(raw), "--duration", str(int(args.seconds + 2))]  # fmt: skip
+                  "--output", str(raw)]  # fmt: skip
         spying = subprocess.Popen(record, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(1.0)  # py-spy attaches; the load then runs inside its window
-        if args.load == "official":
-            official_load(broker.endpoint, args.seconds, args.threads, broker.pid)
-        else:
-            ghz_load(broker.endpoint, args.seconds, broker.pid, tmp, args.inflight)
-        _, err = spying.communicate(timeout=args.seconds + 60)
-        if spying.returncode != 0:
+        try:
+            if args.load == "official":
+                official_load(broker.endpoint, args.seconds, args.threads, broker.pid)
+            elif args.load == "ghz":
+                ghz_load(broker.endpoint, args.seconds, broker.pid, tmp, args.inflight)
+            else:
+                drain_load(broker.endpoint, args.drain, broker.pid)
+        finally:
+            spying.send_signal(signal.SIGINT)  # py-spy writes what it sampled, then exits
+            _, err = spying.communicate(timeout=60)
+        if not raw.exists():
             sys.exit(f"py-spy failed: {err[-2000:]}")
         print(f"load average {os.getloadavg()[0]:.1f}; {os.cpu_count()} cores")
         summarize(raw, args.top)
