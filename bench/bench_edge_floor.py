@@ -5,15 +5,18 @@ Issue 28 item 7 asks whether Python-level tuning can reach RocketMQ 5.5.0's 221 
 not measured here). The load here is ghz (a Go gRPC load tool, so the generator costs no Python): 256 unary
 SendMessage calls in flight on one HTTP/2 connection, as one official client's channel carries them, each a
 valid one-message LITE request (1 KiB body, lite topics ``t0..t99`` of AGENT_TASK_NS, distinct message ids)
-read from a file of serialized requests. Two servers, each its own process, alternating runs:
+read from a file of serialized requests. Three servers, each its own process, alternating runs:
 
 * ``echo``: the bare grpcio aio server of ``bench_broker_send.py`` (answers OK with the message ids; parses
-  the request, stores nothing): the floor of any server written on grpcio's Python API.
+  the request, stores nothing): the floor of any server on grpcio's asyncio API, which lmq uses.
+* ``sync echo``: the same answer from grpcio's synchronous server (a thread pool of ``--sync-workers``, no
+  asyncio): what grpcio costs without its asyncio layer.
 * ``lmq``: ``python -m lmq_broker serve`` standalone on a real port with its defaults (sync flush).
 
 The figure is server CPU (user + system, from /proc through psutil) per message answered OK, which the other
 load on a shared 2-core host changes far less than msg/s; the load average is printed with every run. If the
-echo alone costs more than 221 us, no change in lmq's Python reaches RocketMQ: see docs/design/native-edge.md.
+aio echo alone costs more than 221 us, no change in lmq's handlers reaches RocketMQ: see
+docs/design/native-edge.md.
 
 ghz is found on PATH, in ``$LMQ_GHZ``, or in ~/.cache/lmq/bin; else it is built there once with
 ``go install github.com/bojand/ghz/cmd/ghz@v0.120.0`` (the Go module proxy; never inside the repository).
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import grpc
 import psutil
@@ -169,6 +172,41 @@ def describe(name: str, runs: list[Run]) -> str:
     )
 
 
+SYNC_ECHO_READY = "sync-echo ready port="
+
+
+def serve_sync_echo(workers: int) -> None:
+    """grpcio's synchronous server (a thread pool; no asyncio) answering SendMessage as the aio echo does."""
+    from concurrent import futures  # noqa: PLC0415
+
+    from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc  # noqa: PLC0415
+
+    class Echo(service_pb2_grpc.MessagingServiceServicer):
+        def SendMessage(self, request: Any, context: Any) -> Any:  # noqa: N802 (the RPC's name)
+            reply = spb.SendMessageResponse(status=pb.Status(code=pb.OK))
+            for m in request.messages:
+                reply.entries.add(status=pb.Status(code=pb.OK), message_id=m.system_properties.message_id)
+            return reply
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    service_pb2_grpc.add_MessagingServiceServicer_to_server(Echo(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"{SYNC_ECHO_READY}{port}", flush=True)
+    server.wait_for_termination()
+
+
+def start_sync_echo(workers: int) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, __file__, "--sync-echo-server", "--sync-workers", str(workers)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith(SYNC_ECHO_READY):
+        process.kill()
+        raise RuntimeError(f"sync echo server did not start: {line!r}")
+    return process, f"127.0.0.1:{int(line[len(SYNC_ECHO_READY) :])}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
@@ -177,29 +215,40 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per server")
     parser.add_argument("--body", type=int, default=1024, help="body bytes")
     parser.add_argument("--topics", type=int, default=100, help="lite topics")
+    parser.add_argument("--sync-workers", type=int, default=16, help="threads of the sync grpcio echo")
+    parser.add_argument("--sync-echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sync_echo_server:
+        serve_sync_echo(args.sync_workers)
+        return
     seconds, runs = (2.0, 1) if args.quick else (args.seconds, args.runs)
     ghz = ghz_binary()
     body = b"x" * args.body
     echo, echo_endpoint = start_echo()
+    sync_echo, sync_endpoint = start_sync_echo(args.sync_workers)
     try:
         with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "lmq") as broker:
             data = Path(tmp) / "requests.bin"
             write_requests(data, 4096, body, args.topics)
-            servers = {"echo": (echo_endpoint, echo.pid), "lmq": (broker.endpoint, broker.pid)}
+            servers = {
+                "echo": (echo_endpoint, echo.pid),
+                "sync echo": (sync_endpoint, sync_echo.pid),
+                "lmq": (broker.endpoint, broker.pid),
+            }
             for endpoint, pid in servers.values():
                 check_ok(endpoint, body)
-                ghz_run(ghz, endpoint, data, inflight=64, seconds=1.0, pid=pid)  # warm: channel, topics, JIT-free
+                ghz_run(ghz, endpoint, data, inflight=64, seconds=1.0, pid=pid)  # warm: channel, topics
             for inflight in [int(n) for n in args.inflight.split(",") if n]:
                 measured: dict[str, list[Run]] = {name: [] for name in servers}
-                for _ in range(runs):  # alternate, so drifting machine load hits both alike
+                for _ in range(runs):  # alternate, so drifting machine load hits every server alike
                     for name, (endpoint, pid) in servers.items():
                         run = ghz_run(ghz, endpoint, data, inflight=inflight, seconds=seconds, pid=pid)
                         measured[name].append(run)
                 report(inflight, measured, args, seconds, runs)
     finally:
-        echo.kill()
-        echo.wait()
+        for process in (echo, sync_echo):
+            process.kill()
+            process.wait()
 
 
 def report(inflight: int, measured: dict[str, list[Run]], args: argparse.Namespace, seconds: float, runs: int) -> None:
@@ -219,6 +268,9 @@ def report(inflight: int, measured: dict[str, list[Run]], args: argparse.Namespa
     quoted = f" (RocketMQ 5.5.0: {rocketmq:,.0f} us/message, issue 28 item 7, quoted, not measured here)"
     figure(f"edge floor, bare grpcio echo CPU per message, {inflight} in flight", echo_us, "us", op="<=",
            target=rocketmq, extra=quoted)  # fmt: skip
+    sync_us = statistics.median(r.server_us for r in measured["sync echo"])
+    figure(f"sync grpcio echo (thread pool) CPU per message, {inflight} in flight", sync_us, "us", op="<=",
+           target=rocketmq)  # fmt: skip
     figure(f"lmq server CPU per message, {inflight} in flight", lmq_us, "us", op="<=", target=rocketmq)
     figure(f"lmq ÷ RocketMQ 5.5.0 (quoted), {inflight} in flight", lmq_us / rocketmq, "x", op="<=", target=1.0)
 
