@@ -26,6 +26,7 @@ EXPECTED = {
     ],
     "bench_edge_floor.py": [
         "FIGURE edge floor, bare grpcio echo CPU per message, 256 in flight:",
+        "FIGURE sync grpcio echo (thread pool) CPU per message, 256 in flight:",
         "FIGURE lmq server CPU per message, 256 in flight:",
         "FIGURE lmq ÷ bare echo, 256 in flight:",
     ],
