@@ -27,6 +27,7 @@ from lmq_broker.mqtt.host import Host
 from lmq_broker.mqtt.link import Closed, Link
 from lmq_broker.mqtt.properties import Reason
 from lmq_broker.mqtt.publishing import Publishes
+from lmq_broker.mqtt.releasing import Releases
 from lmq_broker.mqtt.subscribing import Subscriptions
 
 __all__ = ["Closed", "Connection", "group_of"]
@@ -43,6 +44,7 @@ class Connection:
         self.deliveries = Deliveries(self.link)
         self.subscriptions = Subscriptions(self.link, self.deliveries)
         self.publishes = Publishes(self.link)
+        self.releases = Releases(self.link, self.deliveries)
         self.will: codec.Will | None = None
         self.keep_alive_s = 0
         self.done = asyncio.Event()
@@ -108,10 +110,13 @@ class Connection:
             await link.dispatcher.run(durable_.drop_session, link.client_id)  # MQTT-3.1.2-6
         elif saved is not None:
             session_present = link.stored = True
+            await self.publishes.resume()
+            await self.releases.resume()  # before the deliveries start: their packet ids stay taken
             await self.subscriptions.restore(saved)
         if link.persistent:
             await self.subscriptions.save()  # a persistent session exists from its CONNECT on, subscribed or not
         link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
+        self.releases.resend()  # MQTT-4.4.0-1: the PUBRELs of a resumed session, right after its CONNACK
         link.connected.set()
         await link.writer.drain()
         log.info("mqtt client %s connected from %s (MQTT %s, clean start %s, session expiry %s, session present %s)",
@@ -213,8 +218,12 @@ class Connection:
             if packet.kind == codec.PUBACK:
                 await self.deliveries.acknowledged(packet.packet_id)
             elif packet.kind == codec.PUBREL:
-                self.publishes.released(packet.packet_id)
-            else:  # PUBREC/PUBCOMP answer QoS 2 deliveries, which this broker never makes; UNSUBACK is ours
+                await self.publishes.released(packet.packet_id)
+            elif packet.kind == codec.PUBREC:
+                await self.releases.received(packet)
+            elif packet.kind == codec.PUBCOMP:
+                await self.releases.completed(packet.packet_id)
+            else:  # UNSUBACK is the broker's to send
                 raise codec.ProtocolError(f"unexpected packet type {packet.kind}")
         elif isinstance(packet, codec.Subscribe):
             await self.subscriptions.subscribe(packet)

@@ -7,6 +7,11 @@ In a cluster the loop also pulls, without waiting, the other brokers' messages (
 same in-flight window, and between two rounds waits on this broker's ready set and on theirs; what came from
 another broker is settled there (``Owners.settle``, batched off the reader by ``_settle_loop``; it keeps its
 place in the window until then) and given back there when the connection ends.
+
+A message goes out at the lower of its publish QoS (``mapping.QOS``: "0", "2"; else 1) and the subscription's.
+A QoS 2 delivery (``releasing``) is settled when its PUBCOMP arrives; one whose PUBREC came (PUBREL sent) is
+not given back when the connection ends but settled then: the client has it, and its packet id (persisted)
+is released on reconnect by a PUBREL, not a second PUBLISH.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ ALONE_POLL_MS: Final = 1_000  # a broker that may join a cluster (it has ``owner
 RETRY_S: Final = 1.0  # a refused receive (store rebuilding, parent deleted) is tried again after this
 MQTT_QOS_PROPERTY: Final = mapping.QOS  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
 _NO_LOCAL: Final = codec.OPTION_NO_LOCAL
+_QOS: Final = {"0": 0, "2": 2}  # a message's ``mapping.QOS``; without it (QoS 1, a RocketMQ producer's): 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,8 @@ class Out:
     receipt: str
     parent: str = ""
     remote: bool = False
+    qos: int = 1
+    released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
 
 
 class Registrar(Protocol):
@@ -171,7 +179,7 @@ class Deliveries:
             if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
                 settle.append(d.receipt)
                 continue
-            qos = 0 if props.get(MQTT_QOS_PROPERTY) == "0" else max(o & codec.OPTION_QOS for o in matched)
+            qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
             retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, d.lite)
@@ -181,7 +189,7 @@ class Deliveries:
                 settle.append(d.receipt)
             else:
                 assert packet_id is not None
-                self.out[packet_id] = Out(consumer, d.receipt, parent, remote)
+                self.out[packet_id] = Out(consumer, d.receipt, parent, remote, qos)
             if data is not None:
                 link.writer.write(data)
         if self.busy >= link.max_inflight:
@@ -253,7 +261,7 @@ class Deliveries:
             if data is None:
                 continue
             if packet_id is not None:
-                self.out[packet_id] = Out("", "")
+                self.out[packet_id] = Out("", "", qos=qos)
             link.writer.write(data)
             await link.writer.drain()
 
@@ -264,10 +272,16 @@ class Deliveries:
         raise AssertionError("unreachable: packet ids cycle forever")
 
     async def acknowledged(self, packet_id: int) -> None:
+        """PUBACK: a QoS 1 delivery settled."""
+        out = self.out.get(packet_id)
+        if out is None or out.qos != 1:
+            return  # not ours (or acknowledged twice, or a QoS 2 one's): nothing to settle
+        del self.out[packet_id]
+        await self.settle(packet_id, out)
+
+    async def settle(self, packet_id: int, out: Out) -> None:
+        """``out``, no longer in ``self.out``, acknowledged where it came from; its room in the window freed."""
         link = self.link
-        out = self.out.pop(packet_id, None)
-        if out is None:
-            return  # not ours (or acknowledged twice): nothing to settle
         if out.remote:  # settled there by the settler, off the reader; it holds its room until then
             self._acks.setdefault((out.consumer, out.parent), []).append(out.receipt)
             self._unsettled += 1
@@ -319,13 +333,24 @@ class Deliveries:
 
     async def give_back(self) -> dict[tuple[str, str], list[str]]:
         """At the end: what was handed out and not acknowledged goes back to the group at once; returned, per
-        (consumer, parent), the receipts of the other brokers' (given back there by the caller)."""
+        (consumer, parent), the receipts of the other brokers' (given back there by the caller). A QoS 2
+        delivery whose PUBREC came is settled instead: the client has it (its packet id is released on
+        reconnect by a PUBREL)."""
+        link = self.link
         remote: dict[tuple[str, str], list[str]] = {}
+        settled: dict[tuple[str, str], list[str]] = {}  # released, from the other brokers: settled there
         for out in self.out.values():
             if out.remote:
-                remote.setdefault((out.consumer, out.parent), []).append(out.receipt)
+                (settled if out.released else remote).setdefault((out.consumer, out.parent), []).append(out.receipt)
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
-                    await self.link.dispatcher.change_invisible(self.link.group, out.receipt, 0)
+                    if out.released:
+                        await link.dispatcher.ack(link.group, out.receipt, client_id=out.consumer)
+                    else:
+                        await link.dispatcher.change_invisible(link.group, out.receipt, 0)
         self.out.clear()
+        cluster = link.cluster
+        if cluster is not None and settled:
+            calls = (cluster.settle(c, link.group, p, receipts) for (c, p), receipts in settled.items())
+            await asyncio.gather(*calls, return_exceptions=True)
         return remote

@@ -27,7 +27,7 @@ async def store(server: Host, client_id: str, host: str, publishes: Sequence[cod
         parent, lite = topics.lite_of(p.topic, config.max_lite_topic_size)
         props = mapping.incoming(p.properties, qos=p.qos, retain=p.retain, client_id=client_id, now_ms=now)
         if p.retain:
-            retained.append(durable.Retained(parent, lite, p.payload, min(p.qos, 1), now, props))
+            retained.append(durable.Retained(parent, lite, p.payload, p.qos, now, props))
         if p.payload or not p.retain:  # an empty retained publish only clears (MQTT-3.3.1-10)
             if not p.payload:  # an empty message is valid (section 3.3.3); the store keeps it marked
                 props[model.EMPTY_BODY_PROPERTY] = "1"

@@ -94,7 +94,7 @@ class Subscriptions:
                     codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
                     continue
                 fresh.setdefault(parent, []).append(levels)
-            held[levels] = options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1)  # QoS 2 -> QoS 1
+            held[levels] = options  # granted as asked: QoS 0, 1 or 2 (3 is a malformed SUBSCRIBE)
             handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
             if handling == 2 or (handling == 1 and existed):
                 no_retained.add(len(codes))
