@@ -262,6 +262,46 @@ def test_4_4_a_reconnect_after_pubrec_resends_pubrel_not_the_publish_and_pubcomp
 
 
 @LEVELS
+def test_4_4_after_a_broker_kill_9_between_pubrec_and_pubcomp_the_session_gets_pubrel_and_not_the_message_again(
+    tmp_path: Path, level: int
+) -> None:
+    """Section 4.4 across a crash: SIGKILL after the subscriber's PUBREC (PUBREL sent, no PUBCOMP), a restart on
+    the same data dir: the resumed session gets the PUBREL with the original packet id, and the message (its
+    lease died with the process, so the broker hands it out again) is not sent a second time: the next
+    message published is the next PUBLISH the subscriber reads."""
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
+    try:
+        parent = new_parent(broker, "R")
+        port = broker.mqtt_port
+        sub = Raw(port, "crash-sub", level=level, clean=False)
+        assert sub.subscribe(f"{parent}/s", 2) == [2]
+        pub = Raw(port, "crash-sub-pub", level=level)
+        pub.publish(f"{parent}/s", b"first", 1)
+        expect(pub, codec.PUBREC, 1)
+        pub.close()
+        got = sub.next()
+        assert isinstance(got, codec.Publish) and got.payload == b"first" and got.packet_id is not None
+        sub.ack(codec.PUBREC, got.packet_id)
+        expect(sub, codec.PUBREL, got.packet_id)
+        broker.kill()
+        sub.close()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        back = Raw(port, "crash-sub", level=level, clean=False)
+        assert back.session_present
+        expect(back, codec.PUBREL, got.packet_id)
+        back.ack(codec.PUBCOMP, got.packet_id)
+        pub = Raw(port, "crash-sub-pub", level=level)
+        pub.publish(f"{parent}/s", b"second", 1)
+        expect(pub, codec.PUBREC, 1)
+        pub.close()
+        nxt = back.next()
+        assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"second", False), nxt
+        back.close()
+    finally:
+        broker.stop()
+
+
+@LEVELS
 def test_4_3_3_a_delivery_without_pubrec_comes_again_with_dup_after_a_reconnect(
     broker: BrokerProcess, parent: str, level: int
 ) -> None:

@@ -51,6 +51,7 @@ class Out:
     remote: bool = False
     qos: int = 1
     released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
+    message_id: str = ""  # this broker's messages (QoS 2: recorded with a released packet id)
 
 
 class Registrar(Protocol):
@@ -134,7 +135,7 @@ class Deliveries:
         if not deliveries:
             return False
         pulled = [Pulled(d.message.lite_topic or "", d.message.body, d.attempt, d.receipt_handle,
-                         d.message.user_properties) for d in deliveries]  # fmt: skip
+                         d.message.user_properties, d.message.message_id) for d in deliveries]  # fmt: skip
         await self._deliver(parent, consumer, pulled, remote=False)
         return True
 
@@ -171,7 +172,11 @@ class Deliveries:
         settle: list[str] = []
         held = link.subs.get(parent, {})
         now = link.dispatcher.wall_clock()
+        held_by_id = {o.message_id for o in self.out.values() if o.released and o.message_id}
         for d in deliveries:
+            if d.message_id in held_by_id:  # the client has it (PUBREC before a restart): settled, not sent again
+                settle.append(d.receipt)
+                continue
             levels = d.lite.split(wildcards.LEVEL_SEPARATOR)
             props = d.properties
             mine = props.get(mapping.CLIENT) == link.client_id
@@ -189,7 +194,7 @@ class Deliveries:
                 settle.append(d.receipt)
             else:
                 assert packet_id is not None
-                self.out[packet_id] = Out(consumer, d.receipt, parent, remote, qos)
+                self.out[packet_id] = Out(consumer, d.receipt, parent, remote, qos, message_id=d.message_id)
             if data is not None:
                 link.writer.write(data)
         if self.busy >= link.max_inflight:

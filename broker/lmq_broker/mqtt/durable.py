@@ -9,7 +9,9 @@ release are added to an older file when it is opened.
 A qos2 row is a persistent session's QoS 2 packet id in flight (MQTT 3.1.1 and 5.0 section 4.3.3, 4.4):
 inbound, a publish stored and answered PUBREC whose PUBREL has not come (a resend of it is not stored
 again, also after a restart); outbound, a delivery the client answered PUBREC, PUBREL sent, whose PUBCOMP has
-not come (a reconnect resends the PUBREL, not the PUBLISH). Dropped with the session.
+not come (a reconnect resends the PUBREL, not the PUBLISH), with its message id ("" for a retained message or
+another broker's): the message handed out again after a restart is settled, not sent twice. Dropped with the
+session.
 
 A will row is written when its connection ends and deleted once published or cancelled (its client id came
 back): a delayed will survives a restart and costs no memory while it waits (``wills``).
@@ -41,7 +43,7 @@ _SCHEMA: Final = (
     " payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, properties BLOB, host TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS wills_due ON wills (due_ms)",
     "CREATE TABLE IF NOT EXISTS qos2 (client_id TEXT NOT NULL, direction TEXT NOT NULL, packet_id INTEGER NOT NULL,"
-    " PRIMARY KEY (client_id, direction, packet_id)) WITHOUT ROWID",
+    " message TEXT NOT NULL DEFAULT '', PRIMARY KEY (client_id, direction, packet_id)) WITHOUT ROWID",
 )
 INBOUND: Final = "in"  # a QoS 2 publish stored and answered PUBREC, its PUBREL not yet seen
 OUTBOUND: Final = "out"  # a QoS 2 delivery answered PUBREC by the client, PUBREL sent, its PUBCOMP not yet seen
@@ -148,21 +150,24 @@ class Durable:
             return self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,)).rowcount > 0
 
     # --- QoS 2 packet ids in flight: (client id, direction) -> packet ids ------------------------------------
-    def qos2_ids(self, client_id: str, direction: str) -> set[int]:
+    def qos2_ids(self, client_id: str, direction: str) -> dict[int, str]:
+        """Packet id -> message id."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT packet_id FROM qos2 WHERE client_id = ? AND direction = ?", (client_id, direction)
+                "SELECT packet_id, message FROM qos2 WHERE client_id = ? AND direction = ?", (client_id, direction)
             ).fetchall()
-        return {row[0] for row in rows}
+        return {packet_id: message for packet_id, message in rows}
 
-    def qos2_update(self, client_id: str, direction: str, add: Iterable[int], remove: Iterable[int]) -> None:
-        """In one transaction: ``add`` recorded, then ``remove`` forgotten (an id in both is gone)."""
+    def qos2_update(
+        self, client_id: str, direction: str, add: Iterable[tuple[int, str]], remove: Iterable[int]
+    ) -> None:
+        """In one transaction: ``add`` (packet id, message id) recorded, then ``remove`` forgotten."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.executemany(
-                    "INSERT OR IGNORE INTO qos2 (client_id, direction, packet_id) VALUES (?, ?, ?)",
-                    [(client_id, direction, i) for i in add],
+                    "INSERT OR IGNORE INTO qos2 (client_id, direction, packet_id, message) VALUES (?, ?, ?, ?)",
+                    [(client_id, direction, i, message) for i, message in add],
                 )
                 self._db.executemany(
                     "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ?",

@@ -74,7 +74,8 @@ class Publishes:
     async def resume(self) -> None:
         """A resumed persistent session: the QoS 2 packet ids that still await their PUBREL."""
         link = self.link
-        self._awaiting_release = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.INBOUND)
+        ids = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.INBOUND)
+        self._awaiting_release = set(ids)
 
     async def released(self, packet_id: int) -> None:
         """PUBREL: answered with PUBCOMP (5.0: 0x92 for an id not awaiting one), in order with the publishes
@@ -209,7 +210,7 @@ class Publishes:
         if not link.persistent:
             return  # the state ends with the connection (it is in ``_awaiting_release``)
         add = [
-            i.packet.packet_id
+            (i.packet.packet_id, "")
             for i in batch
             if isinstance(i, _In) and i.store and i.packet.qos == 2 and i.packet.packet_id is not None
         ]

@@ -2,15 +2,18 @@
 answered PUBREL, its PUBCOMP settles the message (``delivering.Deliveries.settle``), which is when the lite
 group's offset moves: a message is never settled before the client has it, nor handed out again after.
 
-For a persistent session the packet id is written to the durable store (``durable.OUTBOUND``) before the
-PUBREL goes out and forgotten at the PUBCOMP; a resumed session resends a PUBREL for each, not the PUBLISH
-(section 4.4). A 5.0 PUBREC with a reason code of 0x80 or more ends the flow (the message is settled: the
-client refused it); a PUBREC for a packet id not in flight is answered PUBREL 0x92 (5.0).
+For a persistent session the packet id is written to the durable store (``durable.OUTBOUND``), with the
+message id, before the PUBREL goes out and forgotten at the PUBCOMP; a resumed session resends a PUBREL for
+each, not the PUBLISH (section 4.4), and after a restart (the message's lease died with the process) the
+message handed out again is settled without being sent (``Deliveries._deliver``). A 5.0 PUBREC with a
+reason code of 0x80 or more ends the flow (the message is settled: the client refused it); a PUBREC for a
+packet id not in flight is answered PUBREL 0x92 (5.0).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from lmq_broker.mqtt import codec, durable
 from lmq_broker.mqtt.delivering import Deliveries, Out
@@ -29,8 +32,8 @@ class Releases:
         """A resumed persistent session: its QoS 2 deliveries awaiting PUBCOMP hold their packet ids again."""
         link = self.link
         ids = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.OUTBOUND)
-        for packet_id in sorted(ids):
-            self.deliveries.out[packet_id] = Out("", "", qos=2, released=True)
+        for packet_id, message_id in sorted(ids.items()):
+            self.deliveries.out[packet_id] = Out("", "", qos=2, released=True, message_id=message_id)
 
     def resend(self) -> None:
         """After the CONNACK: a PUBREL for each QoS 2 delivery awaiting its PUBCOMP (MQTT-4.4.0-1)."""
@@ -55,8 +58,8 @@ class Releases:
             await self.deliveries.settle(packet_id, out)
             return
         if not out.released:
-            await self._record([packet_id], [])
-            self.deliveries.out[packet_id] = Out(out.consumer, out.receipt, out.parent, out.remote, 2, True)
+            await self._record([(packet_id, out.message_id)], [])
+            self.deliveries.out[packet_id] = replace(out, released=True)
         link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
 
     async def completed(self, packet_id: int) -> None:
@@ -68,7 +71,7 @@ class Releases:
         del self.deliveries.out[packet_id]
         await self.deliveries.settle(packet_id, out)
 
-    async def _record(self, add: list[int], remove: list[int]) -> None:
+    async def _record(self, add: list[tuple[int, str]], remove: list[int]) -> None:
         link = self.link
         if link.persistent:  # else the state ends with the connection
             update = link.host.durable.qos2_update
