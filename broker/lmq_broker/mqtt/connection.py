@@ -3,7 +3,8 @@
 This module is the connection's life (handshake, the reader, the end) and the dispatch of packets read; its
 parts share a ``link.Link``: ``handshake`` reads and settles the CONNECT, ``publishing`` stores the client's
 publishes and answers them, ``subscribing`` keeps its subscriptions registered, ``delivering`` writes the
-messages out and settles them. They reach the listener only through ``host.Host``.
+messages out and settles them, ``releasing`` completes QoS 2 deliveries (PUBREC, PUBREL, PUBCOMP). They
+reach the listener only through ``host.Host``.
 
 MQTT 5 on the same path (chosen by the CONNECT's level, ``link.v5``): what 3.1.1 can only answer by closing
 gets a reason code (a negative PUBACK, a SUBACK code, a DISCONNECT before closing); the session lives as long

@@ -1,6 +1,7 @@
 """One connection's state that its parts share (``connection`` the life and packets in, ``publishing`` the
-client's publishes, ``delivering`` the messages out, ``subscribing`` its subscriptions), and what each of them
-uses: how to tell a 5.0 client why, the cluster, the reason code of a refusal."""
+client's publishes, ``delivering`` the messages out, ``releasing`` QoS 2 deliveries' PUBREC/PUBREL/PUBCOMP,
+``subscribing`` its subscriptions), and what each of them uses: how to tell a 5.0 client why, the cluster,
+the reason code of a refusal."""
 
 from __future__ import annotations
 
