@@ -1,16 +1,18 @@
 """MQTT publish -> subscribe latency (p50/p99) and message rate, with paho-mqtt against a broker process, for
 MQTT 3.1.1 and MQTT 5.0 in the same run (same broker; 5.0 messages carry a user property, as 5.0 users tend to).
 
-A subscriber process (paho, one connection, QoS 1 subscription ``B/#``) records when each message arrives; the
-publisher (paho, another connection, in this process) sends through the broker's default settings (sync
-flush: every QoS 1 PUBACK waits for the fsync). Both processes read CLOCK_MONOTONIC.
+A subscriber process (paho, one connection, QoS 2 subscription ``B/#``: each message comes at its publish
+QoS) records when each message arrives; the publisher (paho, another connection, in this process) sends
+through the broker's default settings (sync flush: every QoS 1 PUBACK waits for the fsync). Both
+processes read CLOCK_MONOTONIC.
 
 - latency: ``--count`` messages at ``--rate`` per second, QoS 1, over ``--topics`` lite topics; latency =
   subscriber's on_message - the moment before ``publish``.
-- rate: ``--burst`` messages as fast as paho sends them (up to 100 QoS 1 in flight), once at QoS 1 and once
-  at QoS 0; rate = messages / (last arrival - first publish).
+- rate: ``--burst`` messages as fast as paho sends them (up to 100 QoS 1/2 in flight), at QoS 1, QoS 0 and
+  QoS 2 (PUBLISH/PUBREC/PUBREL/PUBCOMP both ways; a persistent-session-free client, so no packet-id writes);
+  rate = messages / (last arrival - first publish); then QoS 2's rate divided by QoS 1's of the same run.
 
-Each protocol runs the three rounds in turn with its own subscriber process and parent topic; ``--repeat``
+Each protocol runs the four rounds in turn with its own subscriber process and parent topic; ``--repeat``
 alternates the protocols that many times (the machine is noisy: compare figures of one sitting).
 
     python bench/bench_mqtt.py            # ~60 s
@@ -70,7 +72,7 @@ def _subscribe(port: int, protocol: str, expected: list[int], ready: Any, out: C
     client.on_message = on_message
     client.connect("127.0.0.1", port)
     client.loop_start()
-    client.subscribe(f"{PROTOCOLS[protocol][0]}/#", qos=1)
+    client.subscribe(f"{PROTOCOLS[protocol][0]}/#", qos=2)
     time.sleep(1.0)
     ready.set()
     for count in expected:
@@ -153,7 +155,7 @@ def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     theirs, ours = ctx.Pipe(duplex=False)
-    rounds = [args.count, args.burst, args.burst]
+    rounds = [args.count, args.burst, args.burst, args.burst]
     sub = ctx.Process(target=_subscribe, args=(port, protocol, rounds, ready, ours), daemon=True)
     sub.start()
     try:
@@ -168,14 +170,16 @@ def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> None:
         extra = f" ({len(latencies)} messages at {args.rate:.0f}/s over {args.topics} lite topics, QoS 1)"
         figure(f"{prefix} publish->subscribe latency p50", statistics.median(latencies), "ms", extra)
         figure(f"{prefix} publish->subscribe latency p99", percentile(latencies, 99), "ms", extra)
-        for qos, tag in ((1, "q"), (0, "z")):
+        rates: dict[int, float] = {}
+        for qos, tag in ((1, "q"), (0, "z"), (2, "t")):
             first = burst_round(client, args.burst, qos, tag, parent=parent, props=props)
             got: dict[str, int] = theirs.recv() if theirs.poll(180) else {}
             if len(got) < args.burst:
                 raise SystemExit(f"only {len(got)} of {args.burst} QoS {qos} messages arrived ({protocol})")
-            seconds = (max(got.values()) - first) / 1e9
-            figure(f"{prefix} publish->subscribe rate QoS {qos}", args.burst / seconds, "msg/s",
+            rates[qos] = args.burst / ((max(got.values()) - first) / 1e9)
+            figure(f"{prefix} publish->subscribe rate QoS {qos}", rates[qos], "msg/s",
                    f" ({args.burst} messages, one publisher, one subscriber, sync flush)")  # fmt: skip
+        figure(f"{prefix} rate QoS 2 / QoS 1", rates[2] / rates[1], "x", " (same run, same connections)")
         client.disconnect()
         client.loop_stop()
     finally:

@@ -53,6 +53,8 @@ HELP: Final[dict[str, str]] = {
     "large, 3.1.1: 0x05 not authorized)",
     "mqtt_max_read_bytes": "bytes of MQTT packets over 64 KiB all connections may be reading at once; a packet "
     "beyond it ends its connection (5.0: DISCONNECT 0x97 quota exceeded)",
+    "mqtt_max_qos2_inflight": "MQTT 3.1.1: QoS 2 publishes one client may leave awaiting their PUBREL; a new one "
+    "beyond closes the connection (5.0 clients are bounded by the broker's Receive Maximum, 256)",
     "mqtt_max_will_delay_s": "longest MQTT 5 will delay; a CONNECT asking more is refused (0x97 quota exceeded)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",

@@ -270,3 +270,39 @@ def _wait_for_log(broker: BrokerProcess, text: str) -> None:
     while text not in broker.log():
         assert time.monotonic() < deadline, f"{text!r} not in the broker log"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("version", ["mqttv311", "mqttv5"])
+def test_4_3_3_mosquitto_qos2_publishes_reach_a_qos2_mosquitto_sub_exactly_once(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], version: str
+) -> None:
+    """3.1.1 and 5.0 section 4.3.3: mosquitto_pub -q 2 completes the QoS 2 flow (it exits 0 only after each
+    PUBCOMP), each message is stored once, and mosquitto_sub -q 2 gets each once (its QoS 2 flow with the
+    broker completes, else it would not count the message toward -C)."""
+    parent, _ = topic
+    port = str(mqtt_broker.mqtt_port)
+    client = f"mosq-q2-{version}"
+    sub = subprocess.Popen(
+        [mosquitto("mosquitto_sub"), "-h", "127.0.0.1", "-p", port, "-V", version, "-q", "2", "-t",
+         f"{parent}/q2/+", "-v", "-C", "3", "-W", "30", "-i", client],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_log(mqtt_broker, f"{client} connected")
+        time.sleep(0.3)  # its SUBSCRIBE follows the CONNACK
+        for n, room in enumerate(["a", "b", "a"]):
+            subprocess.run(
+                [mosquitto("mosquitto_pub"), "-h", "127.0.0.1", "-p", port, "-V", version, "-q", "2", "-t",
+                 f"{parent}/q2/{room}", "-m", f"once-{n}"],
+                check=True, timeout=30, capture_output=True,
+            )  # fmt: skip
+        out, err = sub.communicate(timeout=40)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+            sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    assert out.splitlines() == [f"{parent}/q2/a once-0", f"{parent}/q2/b once-1", f"{parent}/q2/a once-2"]
+    with AdminClient(mqtt_broker.admin_endpoint, timeout_s=10, **mqtt_broker.admin_keys) as admin:
+        assert admin.describe_lite_topic(parent, "q2_a").meta.max_offset == 2
+        assert admin.describe_lite_topic(parent, "q2_b").meta.max_offset == 1

@@ -84,7 +84,7 @@ def test_refusals_are_reason_codes_and_the_connection_stays(
     assert not pub.disconnected
     sub = v5(connect, port)
     codes = sub.subscribe(("#", 1), ("no-such-parent/#", 1), (f"$share/g/{parent}/x", 1), (f"{parent}/ok", 2))
-    assert codes == [0x8F, 0x8F, 0x9E, 1]  # QoS 2 is granted as QoS 1
+    assert codes == [0x8F, 0x8F, 0x9E, 2]  # QoS 2 is granted (section 3.9.3)
     quiet = v5(connect, port)
     quiet.client.publish("no-such-parent/x", b"qos 0", qos=0)  # nothing to answer a QoS 0 publish with
     quiet.wait(lambda p: p.disconnected, "the broker's DISCONNECT")

@@ -21,7 +21,7 @@ from lmq_broker.mqtt import wire
 from lmq_broker.mqtt.properties import Properties
 
 PREFIX: Final = "MQTT_"
-QOS: Final = "MQTT_QOS"  # "0": published at QoS 0, delivered at QoS 0 to every subscriber
+QOS: Final = "MQTT_QOS"  # "0"/"2": published at QoS 0/2, delivered at most at that QoS (absent: QoS 1)
 CLIENT: Final = "MQTT_CLIENT_ID"
 RETAIN: Final = "MQTT_RETAIN"
 CONTENT_TYPE: Final = "MQTT_CONTENT_TYPE"
@@ -60,8 +60,8 @@ def incoming(props: Properties | None, *, qos: int, retain: bool, client_id: str
         if props.message_expiry_s is not None:
             out[EXPIRES_AT] = str(now_ms + props.message_expiry_s * 1000)
         out[CLIENT] = client_id  # 5.0 only: a 3.1.1 publish stays without properties, as before 5.0 came
-    if qos == 0:
-        out[QOS] = "0"
+    if qos != 1:
+        out[QOS] = str(qos)
     if retain:
         out[RETAIN] = "1"
     return out
