@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.mqtt import codec, stats
 from lmq_broker.mqtt.properties import NONE, Properties, Reason
 from lmq_broker.testing import BrokerProcess, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 V5 = MQTTProtocolVersion.MQTTv5
