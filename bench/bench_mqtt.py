@@ -13,6 +13,11 @@ flush: every QoS 1 PUBACK waits for the fsync). Both processes read CLOCK_MONOTO
 Each protocol runs the three rounds in turn with its own subscriber process and parent topic; ``--repeat``
 alternates the protocols that many times (the machine is noisy: compare figures of one sitting).
 
+Beside them, on the same broker and in the same run, the latency round of the gRPC path: the official Python
+client's Producer sends the same number of messages of the same body size at the same rate over as many lite
+topics, and a LitePushConsumer in its own process records them (``bench_e2e_latency.measure``). The goal
+(issue 27): MQTT QoS 1 p99 <= 1.5 x the gRPC send -> push p99; the ratio is printed per protocol.
+
     python bench/bench_mqtt.py            # ~60 s
     python bench/bench_mqtt.py --quick    # smoke run
 """
@@ -29,11 +34,16 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from bench_e2e_latency import measure as grpc_measure
+
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import start_broker
 
 INFLIGHT = 100
+PAD_BYTES = 64  # after the ``l<n>:`` key: a ~70-byte payload
+GRPC_BODY_BYTES = 70  # the gRPC round's body, as big as the MQTT payloads
+GOAL_RATIO = 1.5  # MQTT p99 <= 1.5 x gRPC p99
 PROTOCOLS = {"3.1.1": ("B", "MQTT"), "5.0": ("B5", "MQTT 5")}  # protocol -> (parent topic, figure prefix)
 
 
@@ -109,7 +119,7 @@ def latency_round(client: Any, count: int, rate: float, topics: int, *, parent: 
     for n in range(count):
         key = f"l{n}"
         sent[key] = time.perf_counter_ns()
-        client.publish(f"{parent}/lat/{n % topics}", f"{key}:".encode() + b"x" * 64, qos=1, properties=props)
+        client.publish(f"{parent}/lat/{n % topics}", f"{key}:".encode() + b"x" * PAD_BYTES, qos=1, properties=props)
         next_at += interval
         time.sleep(max(0.0, next_at - time.perf_counter()))
     return sent
@@ -142,12 +152,45 @@ def main() -> None:
         with AdminClient(b.admin_endpoint, timeout_s=10, **b.admin_keys) as admin:
             for parent, _ in PROTOCOLS.values():
                 admin.put_parent_topic(model.ParentTopic(parent, model.MessageType.LITE))
+        p99s: dict[str, list[tuple[float, float]]] = {p: [] for p in PROTOCOLS}
+        grpc: list[float] = []
         for n in range(args.repeat):
+            grpc.append(grpc_round(b.endpoint, args))
             for protocol in PROTOCOLS if n % 2 == 0 else reversed(PROTOCOLS):
-                run_protocol(b.mqtt_port, protocol, args)
+                p99s[protocol].append(run_protocol(b.mqtt_port, protocol, args))
+    compare(p99s, grpc)
 
 
-def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> None:
+def grpc_round(endpoint: str, args: argparse.Namespace) -> float:
+    """The gRPC send -> LitePushConsumer p99 (ms) of one latency round like the MQTT one."""
+    latencies, _ = grpc_measure(endpoint, args.count, args.rate, args.topics, separate=True, size=GRPC_BODY_BYTES)
+    if len(latencies) < args.count:
+        raise SystemExit(f"only {len(latencies)} of {args.count} gRPC messages arrived")
+    ms = [x * 1000 for x in latencies]
+    extra = f" (official Python client, LitePushConsumer, {args.count} messages of {GRPC_BODY_BYTES} B)"
+    figure("gRPC send->push latency p50", statistics.median(ms), "ms", extra)
+    figure("gRPC send->push latency p99", percentile(ms, 99), "ms", extra)
+    return percentile(ms, 99)
+
+
+def compare(mqtt: dict[str, list[tuple[float, float]]], grpc: list[float]) -> None:
+    """Each protocol's p50/p99 beside the gRPC p99 of the same run (medians over ``--repeat``) and the goal."""
+    grpc_p99 = statistics.median(grpc)
+    for protocol, runs in mqtt.items():
+        p50 = statistics.median(r[0] for r in runs)
+        p99 = statistics.median(r[1] for r in runs)
+        ratio = p99 / grpc_p99
+        verdict = "MET" if ratio <= GOAL_RATIO else "MISSED"
+        print(
+            f"MQTT {protocol} QoS 1 p50 {p50:.2f} ms, p99 {p99:.2f} ms | gRPC send->push p99 {grpc_p99:.2f} ms | "
+            f"ratio {ratio:.2f} (goal <= {GOAL_RATIO}) {verdict}",
+            flush=True,
+        )
+        figure(f"{PROTOCOLS[protocol][1]} p99 / gRPC p99", ratio, "x", f" (goal <= {GOAL_RATIO}: {verdict})")
+
+
+def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Runs the three rounds of ``protocol``; returns its latency round's (p50, p99), ms."""
     parent, prefix = PROTOCOLS[protocol]
     props = _properties(protocol)
     ctx = mp.get_context("spawn")
@@ -168,6 +211,7 @@ def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> None:
         extra = f" ({len(latencies)} messages at {args.rate:.0f}/s over {args.topics} lite topics, QoS 1)"
         figure(f"{prefix} publish->subscribe latency p50", statistics.median(latencies), "ms", extra)
         figure(f"{prefix} publish->subscribe latency p99", percentile(latencies, 99), "ms", extra)
+        result = statistics.median(latencies), percentile(latencies, 99)
         for qos, tag in ((1, "q"), (0, "z")):
             first = burst_round(client, args.burst, qos, tag, parent=parent, props=props)
             got: dict[str, int] = theirs.recv() if theirs.poll(180) else {}
@@ -182,6 +226,7 @@ def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> None:
         sub.join(30)
         if sub.is_alive():
             sub.kill()
+    return result
 
 
 if __name__ == "__main__":
