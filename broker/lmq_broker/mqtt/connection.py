@@ -50,9 +50,24 @@ from typing import TYPE_CHECKING, Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
-from lmq_broker.mqtt import codec, durable, framing, limits, mapping, matching, properties, stats, storing, topics
+from lmq_broker.mqtt import (
+    codec,
+    durable,
+    framing,
+    identifiers,
+    limits,
+    mapping,
+    matching,
+    properties,
+    shares,
+    sharing,
+    stats,
+    storing,
+    topics,
+)
 from lmq_broker.mqtt.owners import Owners, Pulled, Remote
 from lmq_broker.mqtt.properties import Properties, Reason
+from lmq_broker.mqtt.shares import Member
 
 if TYPE_CHECKING:
     from lmq_broker.mqtt.server import MqttServer
@@ -103,6 +118,7 @@ class _Out:
     receipt: str
     parent: str = ""
     remote: bool = False
+    group: str = ""  # a shared subscription's (``shares``); empty: the session's
 
 
 class Closed(Exception):
@@ -140,6 +156,8 @@ class Connection:
         self._retained_tasks: set[asyncio.Task[None]] = set()
         self._stored = False  # a session row exists for this client id
         self._consumers: dict[str, asyncio.Task[None]] = {}
+        self.sharing = sharing.Sharing(self.dispatcher, server.share_members, server.stats,
+                                       server.config.mqtt_max_shares_per_client, self._consume_shared)  # fmt: skip
         self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
         self._out: dict[int, _Out] = {}
         self._acks: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> PUBACKed, not settled there yet
@@ -249,6 +267,7 @@ class Connection:
             raise Closed(f"CONNECT refused: {code:#04x} {why}".rstrip(), graceful=True)
         self.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
         self.group = group_of(self.client_id)
+        self.sharing.client_id, self.sharing.session_group, self.sharing.v5 = self.client_id, self.group, self.v5
         clean_start = connect.clean_session
         self.will = connect.will
         self.keep_alive_s = connect.keep_alive_s
@@ -263,8 +282,7 @@ class Connection:
                 receive_max=RECEIVE_MAXIMUM,
                 topic_alias_max=TOPIC_ALIAS_MAX,
                 max_packet_size=self._max_packet_bytes() + 5,  # the fixed header's 5 bytes at most
-                subscription_ids_available=0,
-                shared_subscription_available=0,
+                shared_subscription_available=None if self._cluster is None else 0,  # served outside a cluster
                 assigned_client_id=None if connect.client_id else self.client_id,
             )
         else:
@@ -338,6 +356,7 @@ class Connection:
             log.info("mqtt client %s disconnected (%s)", self.client_id, reason)
         for task in [*self._consumers.values(), *self._retained_tasks]:
             await _stop(task)
+        await self.sharing.stop()
         if self._settler is not None:  # what the client acknowledged, settled where it came from; then it ends
             self._acks_ready.set()
             await self._ended(self._settler, "settling acknowledged deliveries")
@@ -354,10 +373,11 @@ class Connection:
                 remote.setdefault((out.consumer, out.parent), []).append(out.receipt)
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
-                    await self.dispatcher.change_invisible(self.group, out.receipt, 0)
+                    await self.dispatcher.change_invisible(out.group or self.group, out.receipt, 0)
         self._out.clear()
         for parent in self._consumers:
             self.dispatcher.client_gone(self._consumer_id(parent))
+        await self.sharing.end()
         cluster = self._cluster
         if cluster is not None:  # the other brokers' leases back there; a session that ends, its subscriptions
             calls = [cluster.release(c, self.group, p, receipts) for (c, p), receipts in remote.items()]
@@ -582,7 +602,7 @@ class Connection:
             self._room.set()
         if out.receipt:
             try:
-                await self.dispatcher.ack(self.group, out.receipt, client_id=out.consumer)
+                await self.dispatcher.ack(out.group or self.group, out.receipt, client_id=out.consumer)
             except errors.LmqError as exc:  # e.g. the lease was given back meanwhile: it comes again
                 log.info("mqtt client %s: PUBACK %d not settled: %s", self.client_id, packet_id, exc.message)
 
@@ -615,7 +635,11 @@ class Connection:
 
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def _restore(self, saved: dict[str, int]) -> None:
+        snap = await self.dispatcher.metadata()
         for text, options in saved.items():
+            if shares.is_shared(text):
+                await self.sharing.restore(text, options, snap)
+                continue
             with contextlib.suppress(topics.TopicError):
                 parent, levels = topics.subscription_of(text)
                 self.subs.setdefault(parent, {})[levels] = options
@@ -640,13 +664,17 @@ class Connection:
         fresh: dict[str, list[wildcards.Filter]] = {}
         granted: dict[int, tuple[str, wildcards.Filter]] = {}  # index in codes -> the subscription it granted
         no_retained: set[int] = set()  # 5.0 retain handling: granted, but no retained messages now
-        failure = codec.SUBACK_FAILURE
-        if packet.properties is not None and packet.properties.subscription_ids:
-            raise Closed("subscription identifiers are not supported", code=Reason.SUBSCRIPTION_IDS_NOT_SUPPORTED)
+        failure, shared = codec.SUBACK_FAILURE, False
+        ids = packet.properties.subscription_ids if packet.properties else ()
+        sub_id = ids[0] if ids else 0
         snap = await self.dispatcher.metadata()
         for text, options in packet.filters:
-            if self.v5 and text.startswith("$share/"):
-                codes.append(Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED)
+            stored = identifiers.with_id(options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1), sub_id)
+            if shares.is_shared(text):
+                if options & _NO_LOCAL and self.v5:
+                    raise Closed("no local on a shared subscription", code=Reason.PROTOCOL_ERROR)  # MQTT-3.8.3-4
+                codes.append(await self.sharing.subscribe(text, stored, snap, alone=self._cluster is None))
+                shared = True
                 continue
             try:
                 parent, levels = topics.subscription_of(text)
@@ -664,7 +692,7 @@ class Connection:
                     codes.append(Reason.QUOTA_EXCEEDED if self.v5 else failure)
                     continue
                 fresh.setdefault(parent, []).append(levels)
-            held[levels] = options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1)  # QoS 2 -> QoS 1
+            held[levels] = stored  # QoS 2 -> QoS 1; with the subscription identifier (``identifiers``)
             handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
             if handling == 2 or (handling == 1 and existed):
                 no_retained.add(len(codes))
@@ -695,7 +723,7 @@ class Connection:
                         codes[i] = _reason_of(exc) if self.v5 else failure
                         del granted[i]
                 await self._register(parent)
-        if granted and self.persistent:
+        if (granted or shared) and self.persistent:
             await self._save()
         self.writer.write(codec.encode_suback(packet.packet_id, codes, self._ack_props()))
         wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
@@ -714,8 +742,12 @@ class Connection:
 
     async def _unsubscribe(self, packet: codec.Unsubscribe) -> None:
         changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
-        codes = []
+        codes, shared = [], False
         for text in packet.filters:
+            if shares.is_shared(text):
+                codes.append(await self.sharing.unsubscribe(text))
+                shared = True
+                continue
             try:
                 parent, levels = topics.subscription_of(text)
             except topics.TopicError:
@@ -731,7 +763,7 @@ class Connection:
             await self._register(parent)
             if cluster is not None:
                 await cluster.unsubscribe(self._consumer_id(parent), self.group, parent, ended)
-        if changed and self.persistent:
+        if (changed or shared) and self.persistent:
             await self._save()
         if self.v5:
             self.writer.write(codec.encode_unsuback(packet.packet_id, codes))
@@ -740,6 +772,7 @@ class Connection:
 
     async def _save(self) -> None:
         filters = {topics.filter_text(p, f): o for p, held in self.subs.items() for f, o in held.items()}
+        filters |= self.sharing.saved()
         await self.dispatcher.run(self.server.durable.save_session, self.client_id, filters, self.expiry_s)
         self._stored = True
 
@@ -770,8 +803,12 @@ class Connection:
         return f"{self.group}@{parent}"
 
     # --- deliveries out -------------------------------------------------------------------------------------
-    async def _consume(self, parent: str) -> None:
-        consumer = self._consumer_id(parent)
+    async def _consume_shared(self, member: Member) -> None:
+        await self._consume(member.parent, member)
+
+    async def _consume(self, parent: str, member: Member | None = None) -> None:
+        """Deliver the session's messages in ``parent`` (or, for ``member``, its share's: ``sharing``)."""
+        consumer = self._consumer_id(parent) if member is None else member.consumer
         await self._connected.wait()
         remote: Remote | None = None  # in a cluster: the other brokers, as this loop waits on them
         try:
@@ -784,20 +821,23 @@ class Connection:
                     if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
                         await cluster.keep_alive(consumer, self.group)
                     continue
-                if self.dispatcher.wildcards.registration(consumer) is None and self.subs.get(parent):
-                    await self._register(parent)  # expired meanwhile (an event loop stalled past client expiry)
+                if self.dispatcher.wildcards.registration(consumer) is None:  # expired meanwhile (a stalled loop)
+                    if member is not None:
+                        await self.sharing.reregister(member.group)
+                    elif self.subs.get(parent):
+                        await self._register(parent)
                 room = self.max_inflight - self._busy
                 if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
                     self._room.clear()
                     continue
-                cluster = self._cluster
+                cluster = self._cluster if member is None else None  # shares: served outside a cluster
                 try:
                     if cluster is None:
                         if remote is not None:  # the cluster shrank back to this broker
                             remote.close()
                             remote = None
                         poll_ms = POLL_MS if self.server.owners is None else ALONE_POLL_MS
-                        found = await self._receive(parent, consumer, room, poll_ms)
+                        found = await self._receive(parent, consumer, room, poll_ms, member)
                     else:
                         if self._made_at.get(parent) != cluster.members:  # a broker joined, or this one was alone
                             await self._make_everywhere(cluster, parent)
@@ -815,11 +855,11 @@ class Connection:
             if remote is not None:
                 remote.close()  # the waits parked at the other brokers leased nothing: nothing is lost
 
-    async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int) -> bool:
+    async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int, member: Member | None = None) -> bool:
         """This broker's messages for the session, delivered; False when none came within ``poll_ms``."""
         deliveries = await self.dispatcher.receive_lite(
             consumer,
-            self.group,
+            self.group if member is None else member.group,
             parent,
             batch=max(1, min(room, self.config.receive_batch_size)),
             invisible_ms=self.config.lease_renew_slice_ms,
@@ -830,7 +870,7 @@ class Connection:
             return False
         pulled = [Pulled(d.message.lite_topic or "", d.message.body, d.attempt, d.receipt_handle,
                          d.message.user_properties) for d in deliveries]  # fmt: skip
-        await self._deliver(parent, consumer, pulled, remote=False)
+        await self._deliver(parent, consumer, pulled, remote=False, member=member)
         return True
 
     async def _gather(self, remote: Remote, parent: str, consumer: str, room: int) -> bool:
@@ -858,10 +898,18 @@ class Connection:
                 task.exception()
         return False
 
-    async def _deliver(self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool) -> None:
-        """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there)."""
+    async def _deliver(
+        self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool, member: Member | None = None
+    ) -> None:
+        """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there);
+        ``member``: from a share's group (a share left meanwhile gives them back to it, for another member)."""
         settle: list[str] = []
-        held = self.subs.get(parent, {})
+        group, held = self.group, self.subs.get(parent, {})
+        if member is not None:
+            shared = await self.sharing.filters_for(member, [d.receipt for d in deliveries])
+            if shared is None:
+                return
+            group, held = member.group, shared
         now = self.dispatcher.wall_clock()
         for d in deliveries:
             levels = d.lite.split(wildcards.LEVEL_SEPARATOR)
@@ -876,12 +924,12 @@ class Connection:
             packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, d.lite)
             data = self._publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
-                                       dup=d.attempt > 1)  # fmt: skip
+                                       dup=d.attempt > 1, ids=identifiers.ids_of(matched))  # fmt: skip
             if data is None or qos == 0:
                 settle.append(d.receipt)
             else:
                 assert packet_id is not None
-                self._out[packet_id] = _Out(consumer, d.receipt, parent, remote)
+                self._out[packet_id] = _Out(consumer, d.receipt, parent, remote, "" if member is None else group)
             if data is not None:
                 self.writer.write(data)
         if self._busy >= self.max_inflight:
@@ -894,7 +942,7 @@ class Connection:
             return
         for receipt in settle:
             try:
-                await self.dispatcher.ack(self.group, receipt, client_id=consumer)
+                await self.dispatcher.ack(group, receipt, client_id=consumer)
             except errors.LmqError as exc:
                 log.info("mqtt client %s: delivery not settled: %s", self.client_id, exc.message)
 
@@ -909,12 +957,13 @@ class Connection:
         packet_id: int | None,
         retain: bool,
         dup: bool = False,
+        ids: Sequence[int] = (),
     ) -> bytes | None:
         """The PUBLISH for a subscriber; None when it is over the client's maximum packet size (5.0: dropped,
         as if sent, MQTT-3.1.2-25)."""
         if not self.v5:
             return codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup)
-        props = mapping.outgoing(stored, now_ms)
+        props = mapping.outgoing(stored, now_ms, ids)  # with the subscription identifiers matched
         data = codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup, props=props)
         if len(data) > self.max_packet_out:
             log.info("mqtt client %s: a message to %s over its maximum packet size is dropped", self.client_id, topic)
@@ -947,7 +996,9 @@ class Connection:
                 await self._room.wait()
             packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, r.lite)
-            data = self._publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True)
+            ids = identifiers.ids_of([self.subs.get(parent, {}).get(levels, 0)])
+            data = self._publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True,
+                                       ids=ids)  # fmt: skip
             if data is None:
                 continue
             if packet_id is not None:
