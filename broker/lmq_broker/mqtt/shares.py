@@ -116,7 +116,7 @@ class Member:
 
     share: Share
     parent: str
-    levels: tuple[str, ...]
+    levels: tuple[str, ...]  # ``wildcards.Filter``
     options: int
     consumer: str
 

@@ -1,9 +1,10 @@
-"""One session's shared subscriptions (``shares``): joining and leaving shares, the caps, the delivery loop
-of each membership, and what a persistent session stores of them.
+"""One session's shared subscriptions (``shares``): joining and leaving shares, the caps, the delivery loop of
+each membership, and what a persistent session stores of them.
 
-The connection keeps the packets (SUBACK codes, UNSUBACK codes, PUBLISH writing, PUBACKs): this module
-answers with a code per filter and runs one loop per membership through ``Consume``, the connection's delivery
-loop given the member, so shared deliveries share the connection's in-flight window and packet ids.
+``subscribing`` keeps the packets (a SUBACK or UNSUBACK code per filter comes from here); each membership runs
+``Deliveries.consume`` for its share's group with its own dispatcher client (``Membership``), so shared
+deliveries share the connection's in-flight window and packet ids, and a membership's unacknowledged
+deliveries go back to its share when the connection ends (``Deliveries.give_back``).
 """
 
 from __future__ import annotations
@@ -11,93 +12,99 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any, Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import metadata
-from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.mqtt import codec, matching, shares, stats, topics
+from lmq_broker.mqtt.delivering import Deliveries
+from lmq_broker.mqtt.link import Link, stop
+from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
 
 log = logging.getLogger(__name__)
 
-FAILURE_3_1_1: Final = codec.SUBACK_FAILURE
 
-Consume = Callable[[shares.Member], Coroutine[Any, Any, None]]
+class Membership:
+    """One membership as its delivery loop sees it (``delivering.Share``): the share's current filter, and
+    its registration made again if it expired."""
+
+    def __init__(self, sharing: Sharing, member: shares.Member) -> None:
+        self.sharing = sharing
+        self.consumer = member.consumer
+        self.group = member.group
+
+    async def register(self, parent: str) -> None:
+        await self.sharing.reregister(self.group)
+
+    async def follow(self, cluster: Owners, parent: str) -> None:
+        """Never called: shares are served outside a cluster."""
+
+    async def filters(self, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        return await self.sharing.filters_for(self.group, receipts)
 
 
 class Sharing:
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        members: shares.Members,
-        stats_: stats.Stats,
-        max_shares: int,
-        consume: Consume,
-        *,
-        client_id: str = "",
-        session_group: str = "",
-        v5: bool = False,
-    ) -> None:
-        self.dispatcher = dispatcher
-        self.members = members
-        self.stats = stats_
-        self.max_shares = max_shares
-        self.consume = consume
-        self.client_id = client_id  # these three: set by the connection once its CONNECT is read
-        self.session_group = session_group
-        self.v5 = v5
+    def __init__(self, link: Link, deliveries: Deliveries) -> None:
+        self.link = link
+        self.deliveries = deliveries
         self.held: dict[str, shares.Member] = {}  # share group -> this session's membership
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def _refused(self, text: str, why: str, code: int) -> int:
-        self.stats.refusals.refused(self.client_id, "SUBSCRIBE", text, why, f"SUBACK {code:#04x}")
+        self.link.host.stats.refusals.refused(self.link.client_id, "SUBSCRIBE", text, why, f"SUBACK {code:#04x}")
         return code
 
     def _member(self, text: str, options: int, snap: metadata.Metadata) -> shares.Member:
         share = shares.parse(text)
         parent, levels = topics.subscription_of(share.filter)
         snap.lite_parent(parent)
-        consumer = shares.consumer_of(share.group, parent, self.session_group)
+        consumer = shares.consumer_of(share.group, parent, self.link.group)
         return shares.Member(share, parent, levels, options, consumer)
 
-    async def subscribe(self, text: str, options: int, snap: metadata.Metadata, *, alone: bool) -> int:
-        """Join (or update) the share ``text`` names: the SUBACK code for it (the granted QoS, or a refusal).
-        ``alone``: this broker is not in a cluster (shares are served by one broker only)."""
-        invalid = Reason.TOPIC_FILTER_INVALID if self.v5 else FAILURE_3_1_1
+    async def subscribe(self, text: str, options: int, snap: metadata.Metadata) -> int:
+        """Join (or update) the share ``text`` names: the SUBACK code for it (the granted QoS, or a refusal)."""
+        link = self.link
+        failure = codec.SUBACK_FAILURE
         try:
             member = self._member(text, options, snap)
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
-            return self._refused(text, str(exc), invalid)
-        if not alone:
-            code = Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if self.v5 else FAILURE_3_1_1
+            return self._refused(text, str(exc), Reason.TOPIC_FILTER_INVALID if link.v5 else failure)
+        if link.cluster is not None:
+            code = Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if link.v5 else failure
             return self._refused(text, "shared subscriptions are served by a broker outside a cluster", code)
         held = self.held.get(member.group)
         if held is not None:  # the same share again: new options (QoS, identifier), same membership
             self.held[member.group] = replace(held, options=options)
             return options & codec.OPTION_QOS
-        quota = Reason.QUOTA_EXCEEDED if self.v5 else FAILURE_3_1_1
-        if len(self.held) >= self.max_shares:
-            self.stats.refused[stats.SHARES_PER_CLIENT] += 1
-            return self._refused(text, f"{self.max_shares} shares held (--mqtt-max-shares-per-client)", quota)
-        if not self.members.join(member.group, self.client_id):
-            self.stats.refused[stats.SHARE_MEMBERS] += 1
-            why = f"{self.members.max_members} members (--mqtt-max-share-members)"
-            return self._refused(text, why, quota)
+        refusal = self._over_cap(member)
+        if refusal is not None:
+            return self._refused(text, refusal, Reason.QUOTA_EXCEEDED if link.v5 else failure)
         try:
-            if self.members.count(member.group) == 1:  # a share nobody here reads: it starts at the ends
+            if link.host.share_members.count(member.group) == 1:  # a share nobody here reads: from the ends
                 await self._start_at_end(member)
             await self._register(member)
         except errors.LmqError as exc:
-            self.members.leave(member.group, self.client_id)
-            log.warning("mqtt client %s: shared subscription %s refused: %s", self.client_id, text, exc.message)
-            return Reason.UNSPECIFIED_ERROR if self.v5 else FAILURE_3_1_1
+            link.host.share_members.leave(member.group, link.client_id)
+            log.warning("mqtt client %s: shared subscription %s refused: %s", link.client_id, text, exc.message)
+            return Reason.UNSPECIFIED_ERROR if link.v5 else failure
         return options & codec.OPTION_QOS
 
+    def _over_cap(self, member: shares.Member) -> str | None:
+        """Why joining ``member``'s share is refused (a cap, counted); None: joined."""
+        link = self.link
+        cap = link.config.mqtt_max_shares_per_client
+        if len(self.held) >= cap:
+            link.host.stats.refused[stats.SHARES_PER_CLIENT] += 1
+            return f"{cap} shared subscriptions held (--mqtt-max-shares-per-client)"
+        members = link.host.share_members
+        if not members.join(member.group, link.client_id):
+            link.host.stats.refused[stats.SHARE_MEMBERS] += 1
+            return f"the share has {members.max_members} members (--mqtt-max-share-members)"
+        return None
+
     async def _start_at_end(self, member: shares.Member) -> None:
-        dispatcher = self.dispatcher
+        dispatcher = self.link.dispatcher
 
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
@@ -105,16 +112,29 @@ class Sharing:
         await matching.start_at_end(scan, dispatcher.reset_offsets, member.group, member.parent, [member.levels], [])
 
     async def _register(self, member: shares.Member) -> None:
-        await self.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [member.levels])
+        await self.link.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [member.levels])
         self.held[member.group] = member
         if member.group not in self._tasks:
-            self._tasks[member.group] = asyncio.get_running_loop().create_task(self.consume(member))
+            loop = Membership(self, member)
+            task = asyncio.get_running_loop().create_task(self.deliveries.consume(member.parent, loop, loop))
+            self._tasks[member.group] = task
 
     async def reregister(self, group: str) -> None:
-        """The member's registration expired meanwhile (a stalled event loop): made again."""
+        """The membership's registration expired meanwhile (a stalled event loop): made again."""
         member = self.held.get(group)
         if member is not None:
-            await self.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [member.levels])
+            await self.link.dispatcher.subscribe_filters(member.consumer, group, member.parent, [member.levels])
+
+    async def filters_for(self, group: str, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        """The filter (-> options) the share's deliveries are written for; None when the session left the share
+        since they were leased: they go back to its group at once, for another member."""
+        member = self.held.get(group)
+        if member is not None:
+            return {member.levels: member.options}
+        for receipt in receipts:
+            with contextlib.suppress(errors.LmqError):
+                await self.link.dispatcher.change_invisible(group, receipt, 0)
+        return None
 
     async def unsubscribe(self, text: str) -> int:
         """Leave the share ``text`` names: the 5.0 UNSUBACK code."""
@@ -131,22 +151,27 @@ class Sharing:
     async def _leave(self, member: shares.Member) -> None:
         task = self._tasks.pop(member.group, None)
         if task is not None:
-            await stop_task(task)
+            await stop(task)
+        dispatcher = self.link.dispatcher
         with contextlib.suppress(errors.LmqError):
-            await self.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [])
-        self.dispatcher.client_gone(member.consumer)
-        self.members.leave(member.group, self.client_id)
+            await dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [])
+        dispatcher.client_gone(member.consumer)
+        self.link.host.share_members.leave(member.group, self.link.client_id)
 
     async def restore(self, text: str, options: int, snap: metadata.Metadata) -> None:
         """A persistent session's stored share, joined again at its group's offsets (no start at the end)."""
+        link = self.link
         try:
             member = self._member(text, options, snap)
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
-            log.info("mqtt client %s: stored shared subscription %s dropped: %s", self.client_id, text, exc)
+            log.info("mqtt client %s: stored shared subscription %s dropped: %s", link.client_id, text, exc)
             return
-        if not self.members.join(member.group, self.client_id):
-            self.stats.refused[stats.SHARE_MEMBERS] += 1
-            log.info("mqtt client %s: stored shared subscription %s over --mqtt-max-share-members", self.client_id,
+        if link.cluster is not None:
+            log.info("mqtt client %s: stored shared subscription %s not joined in a cluster", link.client_id, text)
+            return
+        if not link.host.share_members.join(member.group, link.client_id):
+            link.host.stats.refused[stats.SHARE_MEMBERS] += 1
+            log.info("mqtt client %s: stored shared subscription %s over --mqtt-max-share-members", link.client_id,
                      text)  # fmt: skip
             return
         await self._register(member)
@@ -155,22 +180,11 @@ class Sharing:
         """What a persistent session stores of its shares: filter text -> options (identifier included)."""
         return {m.share.text: m.options for m in self.held.values()}
 
-    async def filters_for(self, member: shares.Member, receipts: list[str]) -> dict[tuple[str, ...], int] | None:
-        """The filter (-> options) the share's deliveries to ``member`` are written for; None when the session
-        left the share since they were leased: they are given back to its group for another member then."""
-        current = self.held.get(member.group)
-        if current is not None:
-            return {current.levels: current.options}
-        for receipt in receipts:
-            with contextlib.suppress(errors.LmqError):
-                await self.dispatcher.change_invisible(member.group, receipt, 0)
-        return None
-
     async def stop(self) -> None:
-        """The connection ends: no more deliveries (its leases are given back by the connection)."""
+        """The connection ends: no more deliveries (its leases are given back by ``Deliveries.give_back``)."""
         tasks, self._tasks = list(self._tasks.values()), {}
         for task in tasks:
-            await stop_task(task)
+            await stop(task)
 
     async def end(self) -> None:
         """The connection ended: every membership left here (a persistent session keeps them stored)."""
@@ -178,13 +192,3 @@ class Sharing:
         for member in list(self.held.values()):
             await self._leave(member)
         self.held.clear()
-
-
-async def stop_task(task: asyncio.Task[None]) -> None:
-    """Cancel a delivery loop and wait for its end, cancelling again while it runs (in Python 3.11 a
-    ``wait_for`` that completes as the cancellation arrives swallows it); its own failure is its end."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait([task], timeout=0.1)
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        task.result()

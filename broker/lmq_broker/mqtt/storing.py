@@ -9,18 +9,15 @@ import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from lmq_broker import errors, model
 from lmq_broker.mqtt import codec, durable, mapping, topics
-
-if TYPE_CHECKING:
-    from lmq_broker.mqtt.server import MqttServer
+from lmq_broker.mqtt.host import Host
 
 log = logging.getLogger(__name__)
 
 
-async def store(server: MqttServer, client_id: str, host: str, publishes: Sequence[codec.Publish]) -> None:
+async def store(server: Host, client_id: str, host: str, publishes: Sequence[codec.Publish]) -> None:
     """Append the messages (one store call), then record the retained ones; both durable on return."""
     config = server.config
     messages: list[model.NewMessage] = []
@@ -47,7 +44,7 @@ async def store(server: MqttServer, client_id: str, host: str, publishes: Sequen
         await server.dispatcher.run(put)
 
 
-async def publish_will(server: MqttServer, client_id: str, host: str, will: codec.Will) -> bool:
+async def publish_will(server: Host, client_id: str, host: str, will: codec.Will) -> bool:
     """Store ``will`` as the client's publish; False (and logged) when it could not be."""
     props = None if will.properties is None else replace(will.properties, will_delay_s=None)
     try:
