@@ -88,3 +88,14 @@ def test_a_persistent_session_gets_what_was_published_while_away(reports: Report
     report = reports[(version, "session")]
     assert (report["first_present"], report["resumed_present"]) == (False, True)
     assert received(report) == [("/sess/x", "m1", 1, False), ("/sess/x", "m2", 1, False)]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_mqtt5_4_8_2_a_shared_subscription_gives_each_message_to_one_member(reports: Reports, version: str) -> None:
+    """5.0 §4.8.2 (and 3.1.1 clients as common brokers take them): two members of ``$share/workers/...``
+    together get each of ten messages once, under its own topic name."""
+    report = reports[(version, "shared")]
+    assert report["granted"] == [1, 1]
+    got = received(report)
+    assert sorted(payload for _, payload, _, _ in got) == sorted(f"job{n}" for n in range(10))
+    assert all(topic in ("/jobs/0", "/jobs/1") and qos == 1 for topic, _, qos, _ in got)

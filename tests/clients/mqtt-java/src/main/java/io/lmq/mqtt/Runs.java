@@ -41,6 +41,7 @@ final class Runs {
       retained();
       will();
       session();
+      shared();
     } finally {
       for (Client c : open) {
         c.close();
@@ -85,6 +86,22 @@ final class Runs {
     polite.disconnect();
     dying.kill();
     Scenarios.report(version, "will", inbox.take(1), Map.of());
+  }
+
+  /** Two members of one shared subscription (5.0 section 4.8.2; 3.1.1 clients too): each message to one. */
+  private void shared() throws Exception {
+    Scenarios.Inbox inbox = new Scenarios.Inbox("member-a");
+    String share = "$share/workers/" + base + "/jobs/+";
+    Client a = connected("member-a", inbox);
+    Client b = connected("member-b", new Scenarios.Inbox("member-b", inbox.queue));
+    int[] granted = {
+      a.subscribe(new String[] {share}, new int[] {1})[0], b.subscribe(new String[] {share}, new int[] {1})[0]
+    };
+    Client pub = connected("jobs", new Scenarios.Inbox("jobs"));
+    for (int n = 0; n < 10; n++) {
+      pub.publish(base + "/jobs/" + (n % 2), "job" + n, 1, false);
+    }
+    Scenarios.report(version, "shared", inbox.take(10), Map.of("granted", Arrays.stream(granted).boxed().toList()));
   }
 
   /** A persistent session gets, at its next connect, what was published to its subscription while away. */

@@ -28,10 +28,16 @@ public final class Scenarios {
   /** What arrived at one client's callback, in order. */
   static final class Inbox {
     final String client;
-    final BlockingQueue<Delivery> queue = new LinkedBlockingQueue<>();
+    final BlockingQueue<Delivery> queue;
 
     Inbox(String client) {
+      this(client, new LinkedBlockingQueue<>());
+    }
+
+    /** An inbox writing into another's queue: several clients' deliveries in one arrival order. */
+    Inbox(String client, BlockingQueue<Delivery> queue) {
       this.client = client;
+      this.queue = queue;
     }
 
     void add(String topic, byte[] payload, int qos, boolean retained) {
