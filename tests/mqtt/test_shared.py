@@ -216,3 +216,32 @@ def test_the_share_caps_refuse_in_the_suback_and_are_counted(capped: BrokerProce
     assert connect(port).subscribe(("$share/a/Capped/x", 1)) == [0x80]
     assert refused(capped, "shares_per_client") == 1
     assert refused(capped, "share_members") == 2
+
+
+def test_mqtt5_3_8_2_1_2_identifiers_and_shares_of_a_persistent_session_survive_a_broker_restart(
+    tmp_path: Path, connect: Connect, parent_topic: Callable[[BrokerProcess], str]
+) -> None:
+    """Section 4.1 (session state: the subscriptions) with section 3.8.2.1.2: after a broker restart the resumed
+    session's subscription and its share still carry their identifiers; the share delivers what was published
+    to it while its only member was away (its group's offsets, not a start at the end)."""
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
+    try:
+        parent = parent_topic(broker)
+        port = broker.mqtt_port
+        expiry = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        expiry.SessionExpiryInterval = 3600
+        away = connect(port, "ids-restart", protocol=V5, clean=False, properties=expiry)
+        assert away.subscribe((f"{parent}/r/own", 1), properties=ids(SubscriptionIdentifier=11)) == [1]
+        assert away.subscribe((f"$share/r/{parent}/r/pool", 1), properties=ids(SubscriptionIdentifier=12)) == [1]
+        away.disconnect()
+        pub = connect(port)
+        pub.publish(f"{parent}/r/pool", b"queued for the share")
+        pub.disconnect()
+        broker = broker.restart()
+        back = connect(port, "ids-restart", protocol=V5, clean=False, properties=expiry)
+        assert back.connack is not None and back.connack[0]
+        assert [(m.payload, sub_ids(m)) for m in back.wait_count(1)] == [(b"queued for the share", [12])]
+        connect(port).publish(f"{parent}/r/own", b"own")
+        assert [(m.payload, sub_ids(m)) for m in back.wait_count(2)[1:]] == [(b"own", [11])]
+    finally:
+        broker.stop()
