@@ -148,7 +148,8 @@ lock-check: $(STAMP)
 testenv:
 	bash scripts/testenv-build.sh
 
-# The official-client drivers (Java, Go, Node) of tests/clients, built once per source hash outside the repo.
+# The official-client drivers (Java, Go, Node) of tests/clients and the Eclipse Paho Java MQTT scenarios
+# (tests/clients/mqtt-java), built once per source hash outside the repo; no JDK or Maven fails here.
 clients: $(STAMP)
 	bash scripts/clients-build.sh
 

@@ -55,6 +55,8 @@ EXPECTED = {
         "FIGURE MQTT publish->subscribe rate QoS 1:",
         "FIGURE MQTT 5 publish->subscribe latency p50:",
         "FIGURE MQTT 5 publish->subscribe rate QoS 1:",
+        "FIGURE gRPC send->push latency p99:",
+        "FIGURE MQTT p99 / gRPC p99:",
     ],
     "bench_parked_polls.py": [
         "FIGURE polls spread (50 per client id, 250 per connection): bytes per accepted poll:",

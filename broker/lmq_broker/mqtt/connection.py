@@ -172,6 +172,7 @@ class Connection:
         remote = await self.deliveries.give_back()  # (consumer, parent) -> other brokers' receipts
         for parent in self.subscriptions.consumers:
             link.dispatcher.client_gone(link.consumer_id(parent))
+        await self.subscriptions.sharing.end()
         cluster = link.cluster
         if cluster is not None:  # the other brokers' leases back there; a session that ends, its subscriptions
             calls = [cluster.release(c, link.group, p, receipts) for (c, p), receipts in remote.items()]

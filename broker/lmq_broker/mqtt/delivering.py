@@ -3,6 +3,9 @@ leases), writes each message as a PUBLISH, and acknowledges it to the dispatcher
 arrives (QoS 1) or once written (QoS 0), which commits the group's offset. A QoS 1 message the client never
 acknowledged is handed out again (its lease given back when the connection ends), with DUP set.
 
+A shared subscription's membership (``sharing``) runs the same loop for its share's group, with the
+member's own dispatcher client (``Share``); its deliveries share the connection's window and packet ids.
+
 In a cluster the loop also pulls, without waiting, the other brokers' messages (``Owners.waiting``) within the
 same in-flight window, and between two rounds waits on this broker's ready set and on theirs; what came from
 another broker is settled there (``Owners.settle``, batched off the reader by ``_settle_loop``; it keeps its
@@ -26,7 +29,7 @@ from typing import Final, Protocol
 
 from lmq_broker import errors
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import codec, durable, mapping, matching, topics
+from lmq_broker.mqtt import codec, durable, identifiers, mapping, matching, topics
 from lmq_broker.mqtt.link import Link
 from lmq_broker.mqtt.owners import Owners, Pulled, Remote
 
@@ -52,6 +55,7 @@ class Out:
     qos: int = 1
     released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
     message_id: str = ""  # this broker's messages (QoS 2: recorded with a released packet id)
+    group: str = ""  # a shared subscription's (``shares``); empty: the session's
 
 
 class Registrar(Protocol):
@@ -60,6 +64,20 @@ class Registrar(Protocol):
     async def register(self, parent: str) -> None: ...
 
     async def follow(self, cluster: Owners, parent: str) -> None: ...
+
+
+class Share(Registrar, Protocol):
+    """A shared subscription's membership, as its delivery loop reads for it (``sharing.Membership``)."""
+
+    @property
+    def consumer(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+    async def filters(self, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        """The share's filter -> options now; None when the session left it since ``receipts`` were leased
+        (they are given back to the share then)."""
 
 
 class Deliveries:
@@ -74,10 +92,11 @@ class Deliveries:
         self._room.set()
         self._ids = itertools.cycle(range(1, 65536))
 
-    async def consume(self, parent: str, registrar: Registrar) -> None:
+    async def consume(self, parent: str, registrar: Registrar, share: Share | None = None) -> None:
+        """Deliver the session's messages in ``parent``, or, with ``share``, that share's (``registrar`` too)."""
         link = self.link
         dispatcher = link.dispatcher
-        consumer = link.consumer_id(parent)
+        consumer = link.consumer_id(parent) if share is None else share.consumer
         await link.connected.wait()
         remote: Remote | None = None  # in a cluster: the other brokers, as this loop waits on them
         try:
@@ -90,20 +109,20 @@ class Deliveries:
                     if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
                         await cluster.keep_alive(consumer, link.group)
                     continue
-                if dispatcher.wildcards.registration(consumer) is None and link.subs.get(parent):
+                if dispatcher.wildcards.registration(consumer) is None and (share or link.subs.get(parent)):
                     await registrar.register(parent)  # expired meanwhile (an event loop stalled past client expiry)
                 room = link.max_inflight - self.busy
                 if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
                     self._room.clear()
                     continue
-                cluster = link.cluster
+                cluster = link.cluster if share is None else None  # shares are served outside a cluster only
                 try:
                     if cluster is None:
                         if remote is not None:  # the cluster shrank back to this broker
                             remote.close()
                             remote = None
                         poll_ms = POLL_MS if link.host.owners is None else ALONE_POLL_MS
-                        found = await self._receive(parent, consumer, room, poll_ms)
+                        found = await self._receive(parent, consumer, room, poll_ms, share)
                     else:
                         await registrar.follow(cluster, parent)  # a broker joined, or this one was alone
                         if remote is None:
@@ -120,12 +139,12 @@ class Deliveries:
             if remote is not None:
                 remote.close()  # the waits parked at the other brokers leased nothing: nothing is lost
 
-    async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int) -> bool:
+    async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int, share: Share | None = None) -> bool:
         """This broker's messages for the session, delivered; False when none came within ``poll_ms``."""
         link = self.link
         deliveries = await link.dispatcher.receive_lite(
             consumer,
-            link.group,
+            link.group if share is None else share.group,
             parent,
             batch=max(1, min(room, link.config.receive_batch_size)),
             invisible_ms=link.config.lease_renew_slice_ms,
@@ -136,7 +155,7 @@ class Deliveries:
             return False
         pulled = [Pulled(d.message.lite_topic or "", d.message.body, d.attempt, d.receipt_handle,
                          d.message.user_properties, d.message.message_id) for d in deliveries]  # fmt: skip
-        await self._deliver(parent, consumer, pulled, remote=False)
+        await self._deliver(parent, consumer, pulled, remote=False, share=share)
         return True
 
     async def _gather(self, remote: Remote, parent: str, consumer: str, room: int) -> bool:
@@ -166,11 +185,19 @@ class Deliveries:
                 task.exception()
         return False
 
-    async def _deliver(self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool) -> None:
-        """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there)."""
+    async def _deliver(
+        self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool, share: Share | None = None
+    ) -> None:
+        """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there);
+        ``share``: from a share's group, under its filter."""
         link = self.link
         settle: list[str] = []
-        held = link.subs.get(parent, {})
+        group, held = link.group, link.subs.get(parent, {})
+        if share is not None:
+            shared = await share.filters([d.receipt for d in deliveries])
+            if shared is None:
+                return
+            group, held = share.group, shared
         now = link.dispatcher.wall_clock()
         held_by_id = {o.message_id for o in self.out.values() if o.released and o.message_id}
         for d in deliveries:
@@ -189,12 +216,15 @@ class Deliveries:
             packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, d.lite)
             data = self.publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
-                                      dup=d.attempt > 1)  # fmt: skip
+                                      dup=d.attempt > 1, ids=identifiers.ids_of(matched))  # fmt: skip
             if data is None or qos == 0:
                 settle.append(d.receipt)
             else:
                 assert packet_id is not None
-                self.out[packet_id] = Out(consumer, d.receipt, parent, remote, qos, message_id=d.message_id)
+                self.out[packet_id] = Out(
+                    consumer, d.receipt, parent, remote, qos, message_id=d.message_id,
+                    group="" if share is None else group,
+                )  # fmt: skip
             if data is not None:
                 link.writer.write(data)
         if self.busy >= link.max_inflight:
@@ -207,7 +237,7 @@ class Deliveries:
             return
         for receipt in settle:
             try:
-                await link.dispatcher.ack(link.group, receipt, client_id=consumer)
+                await link.dispatcher.ack(group, receipt, client_id=consumer)
             except errors.LmqError as exc:
                 log.info("mqtt client %s: delivery not settled: %s", link.client_id, exc.message)
 
@@ -222,12 +252,13 @@ class Deliveries:
         packet_id: int | None,
         retain: bool,
         dup: bool = False,
+        ids: Sequence[int] = (),
     ) -> bytes | None:
         """The PUBLISH for a subscriber; None when it is over the client's maximum packet size (5.0: dropped,
         as if sent, MQTT-3.1.2-25)."""
         if not self.link.v5:
             return codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup)
-        props = mapping.outgoing(stored, now_ms)
+        props = mapping.outgoing(stored, now_ms, ids)  # with the identifiers of the subscriptions matched
         data = codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup, props=props)
         if len(data) > self.link.max_packet_out:
             log.info("mqtt client %s: a message to %s over its maximum packet size is dropped", self.link.client_id,
@@ -262,7 +293,9 @@ class Deliveries:
                 await self._room.wait()
             packet_id = self._packet_id() if qos else None
             topic = topics.topic_of(parent, r.lite)
-            data = self.publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True)
+            ids = identifiers.ids_of([link.subs.get(parent, {}).get(levels, 0)])
+            data = self.publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True,
+                                      ids=ids)  # fmt: skip
             if data is None:
                 continue
             if packet_id is not None:
@@ -298,7 +331,7 @@ class Deliveries:
             self._room.set()
         if out.receipt:
             try:
-                await link.dispatcher.ack(link.group, out.receipt, client_id=out.consumer)
+                await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
             except errors.LmqError as exc:  # e.g. the lease was given back meanwhile: it comes again
                 log.info("mqtt client %s: PUBACK %d not settled: %s", link.client_id, packet_id, exc.message)
 
@@ -350,9 +383,9 @@ class Deliveries:
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
                     if out.released:
-                        await link.dispatcher.ack(link.group, out.receipt, client_id=out.consumer)
+                        await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
                     else:
-                        await link.dispatcher.change_invisible(link.group, out.receipt, 0)
+                        await link.dispatcher.change_invisible(out.group or link.group, out.receipt, 0)
         self.out.clear()
         cluster = link.cluster
         if cluster is not None and settled:

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import durable, framing, stats, wills
+from lmq_broker.mqtt import durable, framing, shares, stats, wills
 from lmq_broker.mqtt.owners import Owners
 
 
@@ -39,6 +39,7 @@ class Host(Protocol):
     durable: durable.Durable
     stats: stats.Stats
     read_budget: framing.Budget
+    share_members: shares.Members  # the members of each shared subscription connected here
     wills: wills.Wills
     stopping: bool
 

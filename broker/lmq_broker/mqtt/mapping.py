@@ -14,7 +14,7 @@ producer's properties reach MQTT 5 subscribers as user properties; its ``MQTT_``
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from lmq_broker.mqtt import wire
@@ -72,11 +72,14 @@ def expired(stored: Mapping[str, str], now_ms: int) -> bool:
     return deadline is not None and deadline.isdigit() and int(deadline) <= now_ms
 
 
-def outgoing(stored: Mapping[str, str], now_ms: int) -> bytes:
+def outgoing(stored: Mapping[str, str], now_ms: int, subscription_ids: Sequence[int] = ()) -> bytes:
     """The encoded MQTT 5 property section a subscriber gets for a message with RocketMQ properties ``stored``
-    (per delivery: written straight to bytes). A name or value holding U+0000, which MQTT strings may not, is
+    (per delivery: written straight to bytes), with the identifiers of the subscriptions it matched (5.0
+    section 3.3.2.3.8, one property each). A name or value holding U+0000, which MQTT strings may not, is
     left out."""
     out = bytearray()
+    for sid in subscription_ids:
+        out += b"\x0b" + wire.varint(sid)
     for name, value in stored.items():
         if "\x00" in name or "\x00" in value:
             continue

@@ -26,7 +26,7 @@ from lmq_broker import errors
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import codec, durable, framing, host, limits, matching, stats, storing, wills
+from lmq_broker.mqtt import codec, durable, framing, host, limits, matching, shares, stats, storing, wills
 from lmq_broker.mqtt.connection import Connection
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
@@ -51,6 +51,7 @@ class MqttServer:
         self.stats = stats.Stats()
         self.sockets = limits.Sockets(config)
         self.read_budget = framing.Budget(config.mqtt_max_read_bytes)  # large packets being read, in all
+        self.share_members = shares.Members(config.mqtt_max_share_members)  # shared subscriptions' members here
         self.wills = wills.Wills(self.durable, dispatcher, self._publish_will, self.stats)
         self._sweeper: asyncio.Task[None] | None = None
 

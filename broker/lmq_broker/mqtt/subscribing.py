@@ -17,11 +17,12 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import codec, matching, topics
+from lmq_broker.mqtt import codec, identifiers, matching, shares, topics
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.link import Closed, Link, reason_of, stop
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
+from lmq_broker.mqtt.sharing import Sharing
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,16 @@ class Subscriptions:
         self.deliveries = deliveries
         self.consumers: dict[str, asyncio.Task[None]] = {}  # parent -> its delivery loop
         self.retained_tasks: set[asyncio.Task[None]] = set()
+        self.sharing = Sharing(link, deliveries)  # its shared subscriptions ($share/...)
         self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
 
     async def restore(self, saved: dict[str, int]) -> None:
         link = self.link
+        snap = await link.dispatcher.metadata()
         for text, options in saved.items():
+            if shares.is_shared(text):
+                await self.sharing.restore(text, options, snap)
+                continue
             with contextlib.suppress(topics.TopicError):
                 parent, levels = topics.subscription_of(text)
                 link.subs.setdefault(parent, {})[levels] = options
@@ -70,13 +76,20 @@ class Subscriptions:
         fresh: dict[str, list[wildcards.Filter]] = {}
         granted: dict[int, tuple[str, wildcards.Filter]] = {}  # index in codes -> the subscription it granted
         no_retained: set[int] = set()  # 5.0 retain handling: granted, but no retained messages now
-        failure = codec.SUBACK_FAILURE
-        if packet.properties is not None and packet.properties.subscription_ids:
-            raise Closed("subscription identifiers are not supported", code=Reason.SUBSCRIPTION_IDS_NOT_SUPPORTED)
+        failure, shared = codec.SUBACK_FAILURE, False
+        ids = packet.properties.subscription_ids if packet.properties is not None else ()
+        sub_id = ids[0] if ids else 0  # one at most (the codec refuses more)
         snap = await link.dispatcher.metadata()
         for text, options in packet.filters:
-            if link.v5 and text.startswith("$share/"):
-                codes.append(Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED)
+            # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
+            # (``identifiers``; none: none); a shared subscription is granted QoS 1 at most (docs/mqtt.md)
+            stored = identifiers.with_id(options, sub_id)
+            if shares.is_shared(text):
+                stored = identifiers.with_id(options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1), sub_id)
+                if options & codec.OPTION_NO_LOCAL and link.v5:
+                    raise Closed("no local on a shared subscription", code=Reason.PROTOCOL_ERROR)  # MQTT-3.8.3-4
+                codes.append(await self.sharing.subscribe(text, stored, snap))
+                shared = True
                 continue
             try:
                 parent, levels = topics.subscription_of(text)
@@ -94,7 +107,7 @@ class Subscriptions:
                     codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
                     continue
                 fresh.setdefault(parent, []).append(levels)
-            held[levels] = options  # granted as asked: QoS 0, 1 or 2 (3 is a malformed SUBSCRIBE)
+            held[levels] = stored
             handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
             if handling == 2 or (handling == 1 and existed):
                 no_retained.add(len(codes))
@@ -107,7 +120,7 @@ class Subscriptions:
                     if p == parent and f in new:
                         codes[i] = reason_of(refused) if link.v5 else failure
                         del granted[i]
-        if granted and link.persistent:
+        if (granted or shared) and link.persistent:
             await self.save()
         link.writer.write(codec.encode_suback(packet.packet_id, codes, link.ack_props()))
         wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
@@ -155,8 +168,12 @@ class Subscriptions:
     async def unsubscribe(self, packet: codec.Unsubscribe) -> None:
         link = self.link
         changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
-        codes = []
+        codes, shared = [], False
         for text in packet.filters:
+            if shares.is_shared(text):
+                codes.append(await self.sharing.unsubscribe(text))
+                shared = True
+                continue
             try:
                 parent, levels = topics.subscription_of(text)
             except topics.TopicError:
@@ -172,7 +189,7 @@ class Subscriptions:
             await self.register(parent)
             if cluster is not None:
                 await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, ended)
-        if changed and link.persistent:
+        if (changed or shared) and link.persistent:
             await self.save()
         if link.v5:
             link.writer.write(codec.encode_unsuback(packet.packet_id, codes))
@@ -182,6 +199,7 @@ class Subscriptions:
     async def save(self) -> None:
         link = self.link
         filters = {topics.filter_text(p, f): o for p, held in link.subs.items() for f, o in held.items()}
+        filters |= self.sharing.saved()
         await link.dispatcher.run(link.host.durable.save_session, link.client_id, filters, link.expiry_s)
         link.stored = True
 
@@ -213,3 +231,4 @@ class Subscriptions:
         """At the end: the delivery loops and the retained messages being sent stop."""
         for task in [*self.consumers.values(), *self.retained_tasks]:
             await stop(task)
+        await self.sharing.stop()
