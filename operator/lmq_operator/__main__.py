@@ -25,7 +25,7 @@ import aiohttp.web
 import kopf
 import prometheus_client
 
-from lmq_operator import apply, handlers, leadership, metrics, settings
+from lmq_operator import handlers, kube, leadership, metrics, settings
 
 log = logging.getLogger("lmq_operator")
 
@@ -94,7 +94,7 @@ async def _run(conf: settings.Settings) -> int:
         metrics.LEADER.set(1)
         await kopf.operator(**options)
         return 0
-    leases = apply.KubeLeases(conf.lease.name, conf.lease.namespace, timeout_s=conf.lease.retry_s)
+    leases = kube.KubeLeases(conf.lease.name, conf.lease.namespace, timeout_s=conf.lease.retry_s)
     elector = leadership.Elector(leases, conf.lease, monotonic=time.monotonic, wall=lambda: datetime.now(UTC))
     try:
         if not await _elected(elector, conf.liveness_endpoint):
