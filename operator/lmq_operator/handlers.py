@@ -54,6 +54,7 @@ from lmq_operator import (
     scaling,
     settings,
     status,
+    trimming,
 )
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class Context:
     watch: asyncio.Task[None] | None = None
     scaler: scaler.Scaler | None = None  # the broker StatefulSet's membership, when the operator manages it
     scaling: asyncio.Task[None] | None = None
+    trimming: asyncio.Task[None] | None = None
     # kopf posts Events through a queue it binds to each handler's context; the resync loop runs outside any
     # handler, so it posts within a copy of the first handler's context (every resource was handled by
     # create or resume before its first resync).
@@ -114,6 +116,7 @@ class Context:
 APPLY_ORDER: Final = (model.Kind.PARENT_TOPIC, model.Kind.LITE_QUOTA, model.Kind.LITE_GROUP)
 
 
+WORKER_IDLE_S: Final = 1.0  # kopf's default is 5 s: with a bound on workers, a slot would idle that long
 _DELETED_KEPT = 4096  # finished deletions remembered; a re-run comes within seconds of its first run
 
 
@@ -143,6 +146,10 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     options.posting.reporting_instance = conf.identity
     options.posting.event_name_prefix = f"{EVENT_SOURCE}-"
     options.watching.server_timeout = 300
+    # At most conf.workers resources in handling at once (a burst waits as watch events, a few KB each, not as
+    # a running worker with its handler, API calls and patches each); a worker idle this long gives its slot up.
+    options.queueing.worker_limit = conf.workers or None
+    options.queueing.idle_timeout = WORKER_IDLE_S
     if getattr(memo, "admin_factory", None) is not None:  # tests inject an in-memory broker admin
         factory: admins.AdminFactory = memo.admin_factory
     else:
@@ -163,6 +170,8 @@ async def configure(memo: Any, **kwargs: Any) -> None:
         resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
     )
     ctx.watch = asyncio.create_task(_watch(ctx, max(conf.discovery_ttl_s, WATCH_MIN_S)))
+    if conf.trim_s:
+        ctx.trimming = asyncio.create_task(trimming.run(conf.trim_s))
     if member is not None:
 
         async def prepare(brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
@@ -208,7 +217,7 @@ async def close(memo: Any, **_: Any) -> None:
     _sessions.clear()
     ctx: Context | None = getattr(memo, "lmq", None)
     if ctx is not None:
-        for task in (ctx.resync, ctx.watch, ctx.scaling, *ctx.waking.values()):
+        for task in (ctx.resync, ctx.watch, ctx.scaling, ctx.trimming, *ctx.waking.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
