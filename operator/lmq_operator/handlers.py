@@ -83,6 +83,11 @@ class Context:
     scaler: scaler.Scaler | None = None  # the broker StatefulSet's membership, when the operator manages it
     scaling: asyncio.Task[None] | None = None
     trimming: asyncio.Task[None] | None = None
+    # At most conf.workers reconciles at once (their broker calls, status and Events); a burst of thousands of
+    # resources waits here rather than holding thousands of admin calls open. Not kopf's worker_limit: kopf's
+    # workers wait for every resource to be indexed before the first handler runs, so a bound on them would
+    # deadlock a start with more resources than workers.
+    slots: asyncio.Semaphore | None = None
     # kopf posts Events through a queue it binds to each handler's context; the resync loop runs outside any
     # handler, so it posts within a copy of the first handler's context (every resource was handled by
     # create or resume before its first resync).
@@ -116,7 +121,6 @@ class Context:
 APPLY_ORDER: Final = (model.Kind.PARENT_TOPIC, model.Kind.LITE_QUOTA, model.Kind.LITE_GROUP)
 
 
-WORKER_IDLE_S: Final = 1.0  # kopf's default is 5 s: with a bound on workers, a slot would idle that long
 _DELETED_KEPT = 4096  # finished deletions remembered; a re-run comes within seconds of its first run
 
 
@@ -146,10 +150,6 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     options.posting.reporting_instance = conf.identity
     options.posting.event_name_prefix = f"{EVENT_SOURCE}-"
     options.watching.server_timeout = 300
-    # At most conf.workers resources in handling at once (a burst waits as watch events, a few KB each, not as
-    # a running worker with its handler, API calls and patches each); a worker idle this long gives its slot up.
-    options.queueing.worker_limit = conf.workers or None
-    options.queueing.idle_timeout = WORKER_IDLE_S
     if getattr(memo, "admin_factory", None) is not None:  # tests inject an in-memory broker admin
         factory: admins.AdminFactory = memo.admin_factory
     else:
@@ -166,6 +166,7 @@ async def configure(memo: Any, **kwargs: Any) -> None:
         member = scaler.Scaler(conf, kube.shared_kube_client, keys)
     fleet = discovery.Fleet(conf, pool, ring_pods=(lambda: member.ring_pods) if member else lambda: None)
     ctx = memo.lmq = Context(conf, pool, fleet, kube.StatusWriter(), indices, scaler=member)
+    ctx.slots = asyncio.Semaphore(conf.workers) if conf.workers else None
     ctx.resync = asyncio.create_task(
         resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
     )
@@ -312,9 +313,10 @@ async def _apply(
 ) -> tuple[apply.Outcome, dict[str, Any]]:
     """One reconcile of ``body`` (under its lock): the outcome and the status changes to write."""
     previous = dict(body.get("status") or {})
-    outcome = await apply.reconcile(
-        ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
-    )
+    async with ctx.slots or contextlib.nullcontext():
+        outcome = await apply.reconcile(
+            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
+        )
     if trigger in OUTSIDE_HANDLERS:  # post through the context a handler left (see Context)
         if ctx.posting is not None:
             ctx.posting.run(_post, body, outcome.events)

@@ -24,8 +24,8 @@ DEFAULT_DISCOVERY_TTL_S: Final = 5.0
 DEFAULT_ADMIN_TIMEOUT_S: Final = 5.0
 DEFAULT_RETRY_DELAY_S: Final = 5.0
 DEFAULT_SCALING_S: Final = 5.0
-# Resources handled at once (kopf's per-object workers); the others wait as their watch events. Unbounded, a
-# GitOps sync of 10,000 resources started a worker, its handler and its API calls for each at once.
+# Reconciles at once (each: admin calls to every broker); others wait their turn. Unbounded, a GitOps sync of
+# 10,000 resources opened admin calls for thousands of them at once.
 DEFAULT_WORKERS: Final = 100
 # How often freed memory goes back to the system (glibc's malloc_trim); 0: never.
 DEFAULT_TRIM_S: Final = 10.0
