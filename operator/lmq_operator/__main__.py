@@ -56,7 +56,6 @@ environment (all optional unless noted):
   LMQ_TLS_SERVER_NAME               the name that certificate must carry (default: the host dialled)
   LMQ_OPERATOR_RESYNC_SECONDS, _DISCOVERY_SECONDS, _ADMIN_TIMEOUT_SECONDS, _RETRY_SECONDS  timings
   LMQ_OPERATOR_WORKERS              reconciles at once (default 100, 0: no bound)
-  LMQ_OPERATOR_TRIM_SECONDS         return freed memory to the system this often (default 10, 0: never)
   LMQ_OPERATOR_LEASE_NAME           elect a leader on this coordination.k8s.io Lease (unset: no election,
                                     run one replica only)
   LMQ_OPERATOR_LEASE_NAMESPACE      namespace of that Lease (required with it)

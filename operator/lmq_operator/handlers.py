@@ -54,7 +54,6 @@ from lmq_operator import (
     scaling,
     settings,
     status,
-    trimming,
 )
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,6 @@ class Context:
     watch: asyncio.Task[None] | None = None
     scaler: scaler.Scaler | None = None  # the broker StatefulSet's membership, when the operator manages it
     scaling: asyncio.Task[None] | None = None
-    trimming: asyncio.Task[None] | None = None
     # At most conf.workers reconciles at once (their broker calls, status and Events); a burst of thousands of
     # resources waits here rather than holding thousands of admin calls open. Not kopf's worker_limit: kopf's
     # workers wait for every resource to be indexed before the first handler runs, so a bound on them would
@@ -171,8 +169,6 @@ async def configure(memo: Any, **kwargs: Any) -> None:
         resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
     )
     ctx.watch = asyncio.create_task(_watch(ctx, max(conf.discovery_ttl_s, WATCH_MIN_S)))
-    if conf.trim_s:
-        ctx.trimming = asyncio.create_task(trimming.run(conf.trim_s))
     if member is not None:
 
         async def prepare(brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
@@ -218,7 +214,7 @@ async def close(memo: Any, **_: Any) -> None:
     _sessions.clear()
     ctx: Context | None = getattr(memo, "lmq", None)
     if ctx is not None:
-        for task in (ctx.resync, ctx.watch, ctx.scaling, ctx.trimming, *ctx.waking.values()):
+        for task in (ctx.resync, ctx.watch, ctx.scaling, *ctx.waking.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -27,8 +27,6 @@ DEFAULT_SCALING_S: Final = 5.0
 # Reconciles at once (each: admin calls to every broker); others wait their turn. Unbounded, a GitOps sync of
 # 10,000 resources opened admin calls for thousands of them at once.
 DEFAULT_WORKERS: Final = 100
-# How often freed memory goes back to the system (glibc's malloc_trim); 0: never.
-DEFAULT_TRIM_S: Final = 10.0
 
 
 class SettingsError(ValueError):
@@ -60,7 +58,6 @@ class Settings:
     broker_addresses: tuple[str, ...] = ()
     scaling_s: float = DEFAULT_SCALING_S
     workers: int = DEFAULT_WORKERS  # 0: unbounded (kopf's default)
-    trim_s: float = DEFAULT_TRIM_S
 
     @property
     def manages_membership(self) -> bool:
@@ -159,7 +156,6 @@ def from_env(env: Mapping[str, str]) -> Settings:
     workers = _int(env, "LMQ_OPERATOR_WORKERS", DEFAULT_WORKERS)
     if workers < 0:
         raise SettingsError(f"LMQ_OPERATOR_WORKERS must be 0 (unbounded) or more, got {workers}")
-    trim = env.get("LMQ_OPERATOR_TRIM_SECONDS", "").strip()
     # Unique even when two processes share a host name (tests, or a pod restarted in place).
     identity = env.get("LMQ_OPERATOR_POD_NAME", "").strip() or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return Settings(
@@ -184,5 +180,4 @@ def from_env(env: Mapping[str, str]) -> Settings:
         broker_addresses=addresses,
         scaling_s=_float(env, "LMQ_OPERATOR_SCALING_SECONDS", DEFAULT_SCALING_S),
         workers=workers,
-        trim_s=0.0 if trim == "0" else _float(env, "LMQ_OPERATOR_TRIM_SECONDS", DEFAULT_TRIM_S),
     )

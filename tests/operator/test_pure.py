@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import types
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from lmq_operator import admins, apply, desired, diff, discovery, handlers, model, settings, slices, status, trimming
+from lmq_operator import admins, apply, desired, diff, discovery, handlers, model, settings, slices, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 B0 = model.Broker("b0", "10.0.0.1:8081", 0)
@@ -490,13 +489,10 @@ def test_settings_static_brokers() -> None:
 
 def test_settings_of_the_memory_bounds() -> None:
     conf = settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1"})
-    assert (conf.workers, conf.trim_s) == (settings.DEFAULT_WORKERS, settings.DEFAULT_TRIM_S)
-    env = {"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_WORKERS": "0", "LMQ_OPERATOR_TRIM_SECONDS": "0"}
-    assert (settings.from_env(env).workers, settings.from_env(env).trim_s) == (0, 0.0)
+    assert conf.workers == settings.DEFAULT_WORKERS
+    assert settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_WORKERS": "0"}).workers == 0
     with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_WORKERS"):
         settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_WORKERS": "-1"})
-    with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_TRIM_SECONDS"):
-        settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_TRIM_SECONDS": "-5"})
 
 
 def test_settings_service_discovery_needs_a_namespace() -> None:
@@ -616,35 +612,3 @@ def test_a_delete_handler_run_again_for_the_same_object_calls_no_broker_and_post
         asyncio.run(handlers._delete(model.Kind.LITE_QUOTA, body, memo))
     assert removals == ["u-1", "u-2"]
     assert posted == ["Deleted", "Deleted"]
-
-
-# ---- giving freed memory back ------------------------------------------------------------------------
-
-
-def test_this_c_library_can_trim() -> None:
-    trim = trimming._malloc_trim()
-    assert trim is not None  # glibc (the operator image and this machine): the loop is not a no-op
-    assert trim() in (0, 1)
-
-
-@pytest.mark.asyncio
-async def test_the_trim_loop_trims_every_interval_and_does_nothing_without_malloc_trim(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    trimmed = asyncio.Event()
-    calls: list[int] = []
-
-    def trim() -> int:
-        calls.append(1)
-        if len(calls) == 3:
-            trimmed.set()
-        return 1
-
-    monkeypatch.setattr(trimming, "_malloc_trim", lambda: trim)
-    loop = asyncio.create_task(trimming.run(0.01))
-    await asyncio.wait_for(trimmed.wait(), 10)
-    loop.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await loop
-    monkeypatch.setattr(trimming, "_malloc_trim", lambda: None)
-    await asyncio.wait_for(trimming.run(0.01), 10)  # returns at once: nothing to call
