@@ -104,7 +104,8 @@ def test_network_policy_opens_the_process_ports(render: Render) -> None:
 
 def _admin_rule(policy: Manifest) -> dict[str, Any]:
     (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 8082]
-    return rule
+    found: dict[str, Any] = rule
+    return found
 
 
 ADMIN_FROM = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}, "podSelector": {}}]
