@@ -25,7 +25,7 @@ import aiohttp.web
 import kopf
 import prometheus_client
 
-from lmq_operator import apply, handlers, leadership, metrics, settings
+from lmq_operator import handlers, kube, leadership, metrics, settings
 
 log = logging.getLogger("lmq_operator")
 
@@ -55,6 +55,7 @@ environment (all optional unless noted):
   LMQ_TLS_CA                        PEM CA of the brokers' certificate: admin calls over TLS (default plaintext)
   LMQ_TLS_SERVER_NAME               the name that certificate must carry (default: the host dialled)
   LMQ_OPERATOR_RESYNC_SECONDS, _DISCOVERY_SECONDS, _ADMIN_TIMEOUT_SECONDS, _RETRY_SECONDS  timings
+  LMQ_OPERATOR_WORKERS              reconciles at once (default 100, 0: no bound)
   LMQ_OPERATOR_LEASE_NAME           elect a leader on this coordination.k8s.io Lease (unset: no election,
                                     run one replica only)
   LMQ_OPERATOR_LEASE_NAMESPACE      namespace of that Lease (required with it)
@@ -94,7 +95,7 @@ async def _run(conf: settings.Settings) -> int:
         metrics.LEADER.set(1)
         await kopf.operator(**options)
         return 0
-    leases = apply.KubeLeases(conf.lease.name, conf.lease.namespace, timeout_s=conf.lease.retry_s)
+    leases = kube.KubeLeases(conf.lease.name, conf.lease.namespace, timeout_s=conf.lease.retry_s)
     elector = leadership.Elector(leases, conf.lease, monotonic=time.monotonic, wall=lambda: datetime.now(UTC))
     try:
         if not await _elected(elector, conf.liveness_endpoint):

@@ -1,11 +1,13 @@
 """The broker seam as the operator sees it: a small Protocol, its error value, and an in-memory twin.
 
 The twin lets kopf handler flows run without broker processes; a contract suite runs the same checks on it
-and on ``apply.GrpcAdmin`` against a real broker, so the twin cannot drift from what brokers do.
+and on ``grpcadmin.GrpcAdmin`` against a real broker, so the twin cannot drift from what brokers do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmq_operator import model
@@ -26,6 +28,31 @@ class BrokerAdmin(Protocol):
     async def delete(self, kind: model.Kind, key: str, purge: bool) -> bool: ...
     async def undrained_messages(self) -> int: ...
     async def close(self) -> None: ...
+
+
+AdminFactory = Callable[[str], BrokerAdmin]
+
+
+@dataclass
+class AdminPool:
+    """One admin connection per broker endpoint, closed when the broker leaves the fleet."""
+
+    factory: AdminFactory
+    _open: dict[str, BrokerAdmin] = field(default_factory=dict)
+
+    def __call__(self, broker: model.Broker) -> BrokerAdmin:
+        admin = self._open.get(broker.endpoint)
+        if admin is None:
+            admin = self._open[broker.endpoint] = self.factory(broker.endpoint)
+        return admin
+
+    async def prune(self, keep: Iterable[model.Broker]) -> None:
+        endpoints = {b.endpoint for b in keep}
+        for endpoint in [e for e in self._open if e not in endpoints]:
+            await self._open.pop(endpoint).close()
+
+    async def close(self) -> None:
+        await self.prune(())
 
 
 class MemoryAdmin:

@@ -40,7 +40,21 @@ import aiohttp
 import kopf
 
 from lmq_broker.admin.credentials import KeyPair
-from lmq_operator import admins, apply, desired, metrics, model, resyncing, scaler, scaling, settings, status
+from lmq_operator import (
+    admins,
+    apply,
+    desired,
+    discovery,
+    grpcadmin,
+    kube,
+    metrics,
+    model,
+    resyncing,
+    scaler,
+    scaling,
+    settings,
+    status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +72,20 @@ class Context:
     """What every handler shares, kept in kopf's memo."""
 
     conf: settings.Settings
-    pool: apply.AdminPool
-    fleet: apply.Fleet
-    statuses: apply.StatusWriter
+    pool: admins.AdminPool
+    fleet: discovery.Fleet
+    statuses: kube.StatusWriter
     indices: dict[str, Any] = field(default_factory=dict)  # kopf's indices, by name
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
     watch: asyncio.Task[None] | None = None
     scaler: scaler.Scaler | None = None  # the broker StatefulSet's membership, when the operator manages it
     scaling: asyncio.Task[None] | None = None
+    # At most conf.workers reconciles at once (their broker calls, status and Events); a burst of thousands of
+    # resources waits here rather than holding thousands of admin calls open. Not kopf's worker_limit: kopf's
+    # workers wait for every resource to be indexed before the first handler runs, so a bound on them would
+    # deadlock a start with more resources than workers.
+    slots: asyncio.Semaphore | None = None
     # kopf posts Events through a queue it binds to each handler's context; the resync loop runs outside any
     # handler, so it posts within a copy of the first handler's context (every resource was handled by
     # create or resume before its first resync).
@@ -130,21 +149,22 @@ async def configure(memo: Any, **kwargs: Any) -> None:
     options.posting.event_name_prefix = f"{EVENT_SOURCE}-"
     options.watching.server_timeout = 300
     if getattr(memo, "admin_factory", None) is not None:  # tests inject an in-memory broker admin
-        factory: apply.AdminFactory = memo.admin_factory
+        factory: admins.AdminFactory = memo.admin_factory
     else:
 
         def factory(endpoint: str) -> admins.BrokerAdmin:
-            return apply.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
+            return grpcadmin.GrpcAdmin(endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
 
-    pool = apply.AdminPool(factory)
+    pool = admins.AdminPool(factory)
     indices = {name: kwargs[name] for kind in model.Kind for name in (f"{kind.plural}_claims", f"{kind.plural}_bodies")}
     indices[WAITING] = kwargs[WAITING]
     member: scaler.Scaler | None = None
     if conf.manages_membership:
         keys = KeyPair(*conf.admin_keys) if conf.admin_keys else None
-        member = scaler.Scaler(conf, apply.shared_kube_client, keys)
-    fleet = apply.Fleet(conf, pool, ring_pods=(lambda: member.ring_pods) if member else lambda: None)
-    ctx = memo.lmq = Context(conf, pool, fleet, apply.StatusWriter(), indices, scaler=member)
+        member = scaler.Scaler(conf, kube.shared_kube_client, keys)
+    fleet = discovery.Fleet(conf, pool, ring_pods=(lambda: member.ring_pods) if member else lambda: None)
+    ctx = memo.lmq = Context(conf, pool, fleet, kube.StatusWriter(), indices, scaler=member)
+    ctx.slots = asyncio.Semaphore(conf.workers) if conf.workers else None
     ctx.resync = asyncio.create_task(
         resyncing.run(ctx.entries, lambda kind, uid: _resync(ctx, kind, uid), interval_s=conf.resync_s)
     )
@@ -289,9 +309,10 @@ async def _apply(
 ) -> tuple[apply.Outcome, dict[str, Any]]:
     """One reconcile of ``body`` (under its lock): the outcome and the status changes to write."""
     previous = dict(body.get("status") or {})
-    outcome = await apply.reconcile(
-        ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
-    )
+    async with ctx.slots or contextlib.nullcontext():
+        outcome = await apply.reconcile(
+            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
+        )
     if trigger in OUTSIDE_HANDLERS:  # post through the context a handler left (see Context)
         if ctx.posting is not None:
             ctx.posting.run(_post, body, outcome.events)
@@ -351,11 +372,11 @@ WATCH_MIN_S: Final = 1.0  # the watch loop's interval at least (it is the discov
 async def _prepare(ctx: Context, brokers: Sequence[model.Broker]) -> scaling.Unprepared | None:
     """Every resource onto ``brokers`` (joining a scale-up), each under its lock and as the index shows it now
     (the apiserver's list when the index has not seen it yet), parent topics first; None once all are held."""
-    pool = apply.AdminPool(ctx.pool.factory)  # its own connections: discovery prunes the shared pool's
+    pool = admins.AdminPool(ctx.pool.factory)  # its own connections: discovery prunes the shared pool's
     missing: list[apply.Missing] = []
     try:
         for kind in APPLY_ORDER:
-            listed = await apply.listed(kind, ctx.conf.namespace)
+            listed = await kube.listed(kind, ctx.conf.namespace)
             entries = [(kind, uid) for uid in sorted({*listed, *ctx.indices[f"{kind.plural}_bodies"]})]
 
             async def one(kind: model.Kind, uid: str, listed: dict[str, bytes] = listed) -> None:

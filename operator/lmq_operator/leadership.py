@@ -14,7 +14,7 @@ client-go's leader election follows:
 * a leader that stops cleanly clears the holder, so the next one takes over at once instead of after a lease
   duration.
 
-Nothing here talks to Kubernetes: ``LeaseStore`` is the seam (``apply.KubeLeases`` over the API, a dict in
+Nothing here talks to Kubernetes: ``LeaseStore`` is the seam (``kube.KubeLeases`` over the API, a dict in
 tests), and time comes in as functions.
 """
 

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,46 +31,14 @@ from lmq_broker import errors
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.cluster import membership as mb
-from lmq_broker.cluster import ring
-from lmq_operator import model, scaling, settings
+from lmq_operator import kube, model, scaling, settings, slices
 
 log = logging.getLogger(__name__)
 
-_ORDINAL: Final = re.compile(r"-(\d+)$")
 COMPONENT: Final = "lmq-operator"
 # A leaving broker counts its undrained messages by walking all its lite topics: while it still has some, it
 # is asked again at most this often (an answer of none is acted on at once, and the broker checks it again).
 UNDRAINED_EVERY_S: Final = 15.0
-
-
-@dataclass(frozen=True, slots=True)
-class PodAddress:
-    ip: str
-    grpc_port: int
-    admin_port: int | None  # the slice's "admin" port: a separate admin listener (one process per pod only)
-
-
-def pods_from_slices(slices: Sequence[Mapping[str, Any]], default_port: int) -> dict[int, PodAddress]:
-    """Ordinal -> address of every pod endpoint of the brokers' headless Service (ready or not: a broker is
-    asked, and it answers when it is up)."""
-    found: dict[int, PodAddress] = {}
-    for s in slices:
-        named = {p.get("name"): p.get("port") for p in s.get("ports") or []}
-        grpc = int(named.get("grpc") or default_port)
-        admin = named.get("admin")
-        for ep in s.get("endpoints") or []:
-            pod = (ep.get("targetRef") or {}).get("name") or ep.get("hostname") or ""
-            match = _ORDINAL.search(pod)
-            if match and ep.get("addresses"):
-                found[int(match.group(1))] = PodAddress(ep["addresses"][0], grpc, int(admin) if admin else None)
-    return found
-
-
-def admin_endpoints(pod: PodAddress, processes: int) -> tuple[str, ...]:
-    """Each process's admin endpoint: the pod's admin listener with one process, else the processes' own ports."""
-    if processes == 1:
-        return (f"{pod.ip}:{pod.admin_port or pod.grpc_port}",)
-    return ring.slot_endpoints(f"{pod.ip}:{pod.grpc_port}", processes)
 
 
 # Applies every resource the operator manages to these brokers; None once each holds them all.
@@ -121,20 +88,7 @@ class Scaler:
         return found
 
     async def _slices(self) -> list[Mapping[str, Any]]:
-        selector = f"kubernetes.io/service-name={self.conf.broker_service}"
-        listing = await self._json_list(selector)
-        return list(listing.get("items") or [])
-
-    async def _json_list(self, selector: str) -> dict[str, Any]:
-        resp = await self._call(
-            "DiscoveryV1Api",
-            "list_namespaced_endpoint_slice",
-            self._ns,
-            label_selector=selector,
-            _preload_content=False,
-        )
-        found: dict[str, Any] = json.loads(resp.data)
-        return found
+        return await kube.endpoint_slices(self.client(), self._ns, str(self.conf.broker_service))
 
     async def _patch_sts(self, body: Mapping[str, Any]) -> None:
         await self._call(
@@ -274,11 +228,13 @@ class Scaler:
         raw_epoch = str(cm_annotations.get(scaling.ANNOTATION_EPOCH) or "")
         epoch = int(raw_epoch) if raw_epoch.isdigit() else None
         p = self.conf.processes
-        pods = pods_from_slices(await self._slices(), self.conf.admin_port)
+        pods = {pod.ordinal: pod for pod in slices.pods(await self._slices(), self.conf.admin_port)}
         leaving = set(target.leaving_slots) if target is not None else set()
         asks: dict[int, str] = {}
-        for ordinal, address in pods.items():
-            for i, endpoint in enumerate(admin_endpoints(address, p)):
+        for ordinal, pod in pods.items():
+            if ordinal is None:
+                continue
+            for i, endpoint in enumerate(pod.admin_endpoints(p)):
                 asks[ordinal * p + i] = endpoint
         for gone in [e for e in self._admins if e not in asks.values()]:  # pods gone or moved to another IP
             self._undrained.pop(gone, None)

@@ -24,6 +24,9 @@ DEFAULT_DISCOVERY_TTL_S: Final = 5.0
 DEFAULT_ADMIN_TIMEOUT_S: Final = 5.0
 DEFAULT_RETRY_DELAY_S: Final = 5.0
 DEFAULT_SCALING_S: Final = 5.0
+# Reconciles at once (each: admin calls to every broker); others wait their turn. Unbounded, a GitOps sync of
+# 10,000 resources opened admin calls for thousands of them at once.
+DEFAULT_WORKERS: Final = 100
 
 
 class SettingsError(ValueError):
@@ -54,6 +57,7 @@ class Settings:
     membership_configmap: str | None = None
     broker_addresses: tuple[str, ...] = ()
     scaling_s: float = DEFAULT_SCALING_S
+    workers: int = DEFAULT_WORKERS  # 0: unbounded (kopf's default)
 
     @property
     def manages_membership(self) -> bool:
@@ -149,6 +153,9 @@ def from_env(env: Mapping[str, str]) -> Settings:
     processes = _int(env, "LMQ_OPERATOR_BROKER_PROCESSES", 1)
     if not 1 <= processes <= 256:
         raise SettingsError(f"LMQ_OPERATOR_BROKER_PROCESSES must lie within 1..256, got {processes}")
+    workers = _int(env, "LMQ_OPERATOR_WORKERS", DEFAULT_WORKERS)
+    if workers < 0:
+        raise SettingsError(f"LMQ_OPERATOR_WORKERS must be 0 (unbounded) or more, got {workers}")
     # Unique even when two processes share a host name (tests, or a pod restarted in place).
     identity = env.get("LMQ_OPERATOR_POD_NAME", "").strip() or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return Settings(
@@ -172,4 +179,5 @@ def from_env(env: Mapping[str, str]) -> Settings:
         membership_configmap=membership,
         broker_addresses=addresses,
         scaling_s=_float(env, "LMQ_OPERATOR_SCALING_SECONDS", DEFAULT_SCALING_S),
+        workers=workers,
     )

@@ -17,7 +17,7 @@ from lmq_broker import errors, model
 from lmq_broker.admin import cli, credentials, tls
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import SHARED_ADMIN_ENV, BrokerProcess, Certificate, issue_certificate, start_broker
-from lmq_operator import apply, settings
+from lmq_operator import grpcadmin, settings
 from lmq_operator import model as operator_model
 from lmq_reclaim import brokers, options
 
@@ -99,7 +99,7 @@ def test_the_operator_over_tls(tls_env: None, broker: BrokerProcess) -> None:
     assert conf.tls is not None and conf.tls.server_name == SERVER_NAME
 
     async def apply_one() -> bool:
-        admin = apply.GrpcAdmin(broker.admin_endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
+        admin = grpcadmin.GrpcAdmin(broker.admin_endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
         try:
             await admin.put(operator_model.TopicConfig("operator-tls", 30, 100))
             return (await admin.get(operator_model.Kind.PARENT_TOPIC, "operator-tls")) is not None

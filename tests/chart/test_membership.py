@@ -98,19 +98,35 @@ def test_network_policy_opens_the_process_ports(render: Render) -> None:
         [{"port": 8082, "endPort": 8085, "protocol": "TCP"}],
         [{"port": 9101, "endPort": 9104, "protocol": "TCP"}],
     ]
-    assert all("from" not in r for r in ingress)  # clientFrom empty: everyone, as on 8081
+    assert "from" not in ingress[0] and "from" not in ingress[2]  # clientFrom, metricsFrom empty: everyone
+    assert ingress[1]["from"]  # the processes' ports serve admin too: never open to every pod
+
+
+def _admin_rule(policy: Manifest) -> dict[str, Any]:
+    (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 8082]
+    found: dict[str, Any] = rule
+    return found
+
+
+ADMIN_FROM = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}, "podSelector": {}}]
+
+
+def test_admin_ports_admit_the_same_pods_with_one_process_and_with_two(render: Render) -> None:
+    for extra in ({}, {"adminFrom": ADMIN_FROM}):
+        one_process = _admin_rule(find(render({"networkPolicy": extra}), "NetworkPolicy", BROKER)[0])
+        values = {"broker": {"processes": 2}, "networkPolicy": extra}
+        two_processes = _admin_rule(find(render(values), "NetworkPolicy", BROKER)[0])
+        assert two_processes["ports"] == [{"port": 8082, "endPort": 8083, "protocol": "TCP"}]
+        assert one_process["from"] and two_processes["from"] == one_process["from"]
+        components = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in one_process["from"][:5]]
+        assert components == ["operator", "reclaim", "backup", "test", "broker"]
+        assert one_process["from"][5:] == extra.get("adminFrom", [])
+    # clientFrom adds the client pods to the processes' ports (they are in routes), not to the one-process admin port
     clients = [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]
+    one_process = _admin_rule(find(render({"networkPolicy": {"clientFrom": clients}}), "NetworkPolicy", BROKER)[0])
     values = {"broker": {"processes": 2}, "networkPolicy": {"clientFrom": clients}}
-    (policy,) = find(render(values), "NetworkPolicy", BROKER)
-    peers = policy["spec"]["ingress"][1]["from"]
-    assert peers[0] == clients[0]
-    assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers[1:]} == {
-        "operator",
-        "reclaim",
-        "backup",
-        "test",
-        "broker",
-    }
+    two_processes = _admin_rule(find(render(values), "NetworkPolicy", BROKER)[0])
+    assert two_processes["from"] == clients + one_process["from"]
 
 
 def test_operator_manages_the_membership(render: Render) -> None:

@@ -24,7 +24,7 @@ from lmq_broker import roundtrip
 from lmq_broker import testing as broker_testing
 from lmq_broker.admin import tls
 from lmq_broker.admin.credentials import KeyPair
-from lmq_operator import apply
+from lmq_operator import grpcadmin
 from lmq_operator import model as operator_model
 from lmq_operator import settings as operator_settings
 from lmq_reclaim import brokers as reclaim_brokers
@@ -220,7 +220,7 @@ def test_a_tls_broker_started_like_the_chart_serves_the_charts_callers(
         conf = operator_settings.from_env(env)
 
         async def apply_topic() -> bool:
-            admin = apply.GrpcAdmin(process.admin_endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
+            admin = grpcadmin.GrpcAdmin(process.admin_endpoint, conf.admin_timeout_s, conf.admin_keys, tls=conf.tls)
             try:
                 return await admin.put(operator_model.TopicConfig("chart-tls", 30, 100))
             finally:

@@ -10,7 +10,7 @@ import pytest
 
 from lmq_broker import model as broker_model
 from lmq_broker.admin.client import AdminClient
-from lmq_operator import admins, apply, desired, model
+from lmq_operator import admins, desired, grpcadmin, model
 
 TOPIC = model.TopicConfig("contract-topic", 30, 100)
 
@@ -32,7 +32,7 @@ def admin_factory(request: pytest.FixtureRequest, start_broker: Callable[..., An
         return admins.MemoryAdmin
     broker = start_broker("contract")
     keys = (broker.admin_access_key, broker.admin_secret_key)
-    return lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=keys)
+    return lambda: grpcadmin.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=keys)
 
 
 def run(coro: Any) -> Any:
@@ -118,7 +118,7 @@ def with_records(
             assert client.record_reclaim_runs([broker_model.ReclaimRun(parent=parent, **fields)]).recorded == (parent,)
 
         keys = (broker.admin_access_key, broker.admin_secret_key)
-        yield (lambda: apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=keys)), record
+        yield (lambda: grpcadmin.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=keys)), record
 
 
 def test_a_reclaim_record_is_observed_with_its_parent_and_goes_with_it(
@@ -187,7 +187,7 @@ def test_a_group_whose_parent_topic_was_deleted_is_observed_as_such(
 
 def test_unreachable_broker_is_unavailable() -> None:
     async def scenario() -> None:
-        grpc_admin = apply.GrpcAdmin("127.0.0.1:1", timeout_s=1.0)
+        grpc_admin = grpcadmin.GrpcAdmin("127.0.0.1:1", timeout_s=1.0)
         memory = admins.MemoryAdmin()
         memory.down = True
         try:
@@ -207,10 +207,10 @@ def test_admin_calls_need_the_admin_pair_not_the_client_pair(start_broker: Calla
     admin_keys = (broker.admin_access_key, broker.admin_secret_key)
 
     async def scenario() -> None:
-        signed = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=admin_keys)
-        unsigned = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)
-        client_pair = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "sk"))
-        wrong = apply.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=(admin_keys[0], "nope"))
+        signed = grpcadmin.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=admin_keys)
+        unsigned = grpcadmin.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0)
+        client_pair = grpcadmin.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=("ak", "sk"))
+        wrong = grpcadmin.GrpcAdmin(broker.admin_endpoint, timeout_s=5.0, keys=(admin_keys[0], "nope"))
         try:
             assert await signed.put(TOPIC) is True
             for admin in (unsigned, client_pair, wrong):

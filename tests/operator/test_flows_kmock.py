@@ -93,6 +93,12 @@ def brokers() -> dict[str, admins.MemoryAdmin]:
 async def operator(
     kmock: Any, brokers: dict[str, admins.MemoryAdmin], monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Any]:
+    async with _running(kmock, brokers, monkeypatch) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def _running(kmock: Any, brokers: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
     _declare(kmock)
     _SERVER.append(str(kmock.url).rstrip("/"))
     monkeypatch.setenv("LMQ_OPERATOR_BROKERS", ",".join(brokers))
@@ -191,3 +197,38 @@ async def test_a_reconcile_that_raises_is_counted_as_failed_and_timed(
     operator.objects[PT, NS, "buggy"] = _object("buggy", {}, "u4", "2026-01-01T00:00:00Z")
     await eventually(lambda: _sample(failed[0], **failed[1]) > before[0], "the failed reconciliation counted")
     assert _sample(timed[0], **timed[1]) > before[1]
+
+
+class _SlowAdmin(admins.MemoryAdmin):
+    """A broker that takes a while to answer, counting the resources it is asked about at once."""
+
+    def __init__(self, endpoint: str, asked: set[str], most: list[int]) -> None:
+        super().__init__(endpoint)
+        self.asked, self.most = asked, most
+
+    async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
+        self.asked.add(key)
+        self.most[0] = max(self.most[0], len(self.asked))
+        try:
+            await asyncio.sleep(0.2)  # the broker's latency, not a wait for the test
+            return await super().get(kind, key)
+        finally:
+            self.asked.discard(key)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("workers", "bounded"), [("1", True), ("0", False)])
+async def test_at_most_workers_resources_are_handled_at_once(
+    kmock: Any, monkeypatch: pytest.MonkeyPatch, workers: str, bounded: bool
+) -> None:
+    """LMQ_OPERATOR_WORKERS bounds the reconciles at once (a burst waits its turn); 0: no bound."""
+    asked: set[str] = set()
+    most = [0]
+    slow = {ep: _SlowAdmin(ep, asked, most) for ep in ("b0:8081", "b1:8081")}
+    monkeypatch.setenv("LMQ_OPERATOR_WORKERS", workers)
+    async with _running(kmock, slow, monkeypatch) as server:
+        names = [f"burst-{i}" for i in range(3)]
+        for i, name in enumerate(names):
+            server.objects[PT, NS, name] = _object(name, {}, f"ub{i}", "2026-01-01T00:00:00Z")
+        await eventually(lambda: all(_ready(server, n)["status"] == "True" for n in names), "all Ready")
+    assert (most[0] == 1) if bounded else (most[0] > 1)

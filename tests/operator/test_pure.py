@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lmq_operator import admins, apply, desired, diff, handlers, model, settings, status
+from lmq_operator import admins, apply, desired, diff, discovery, handlers, model, settings, slices, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 B0 = model.Broker("b0", "10.0.0.1:8081", 0)
@@ -400,12 +400,12 @@ def test_a_leaving_broker_that_cannot_be_asked_is_not_drained_while_its_claim_ex
     assert both["reason"] == "UndrainedBrokerLeaving" and "data-lmq-broker-2" in both["message"]
 
 
-class _StubFleet(apply.Fleet):
+class _StubFleet(discovery.Fleet):
     """``Fleet`` with its Kubernetes reads replaced: a StatefulSet of ``replicas``, these slices and claims."""
 
-    def __init__(self, admins: dict[str, Any], replicas: int, pods: dict[int, str], claims: dict[int, str]) -> None:
+    def __init__(self, open_: dict[str, Any], replicas: int, pods: dict[int, str], claims: dict[int, str]) -> None:
         conf = settings.Settings(broker_service="b", broker_namespace="ns", broker_statefulset="lmq-broker")
-        super().__init__(conf, apply.AdminPool(admins.__getitem__))
+        super().__init__(conf, admins.AdminPool(open_.__getitem__))
         self.replicas, self.pods, self.claims_ = replicas, pods, claims
 
     async def _replicas(self) -> int | None:
@@ -487,6 +487,14 @@ def test_settings_static_brokers() -> None:
     assert conf.metrics_port == 9101 and conf.liveness_endpoint == "http://0.0.0.0:8080/healthz"
 
 
+def test_settings_of_the_memory_bounds() -> None:
+    conf = settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1"})
+    assert conf.workers == settings.DEFAULT_WORKERS
+    assert settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_WORKERS": "0"}).workers == 0
+    with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_WORKERS"):
+        settings.from_env({"LMQ_OPERATOR_BROKERS": "a:1", "LMQ_OPERATOR_WORKERS": "-1"})
+
+
 def test_settings_service_discovery_needs_a_namespace() -> None:
     with pytest.raises(settings.SettingsError, match="LMQ_OPERATOR_BROKER_NAMESPACE"):
         settings.from_env({"LMQ_OPERATOR_BROKER_SERVICE": "lmq-broker"})
@@ -527,7 +535,7 @@ def test_settings_errors_are_readable(env: dict[str, str]) -> None:
 
 
 def test_brokers_from_endpoint_slices() -> None:
-    slices: list[dict[str, Any]] = [
+    listed: list[dict[str, Any]] = [
         {
             "ports": [{"name": "grpc", "port": 8081}, {"name": "metrics", "port": 9100}],
             "endpoints": [
@@ -538,7 +546,7 @@ def test_brokers_from_endpoint_slices() -> None:
         },
         {"ports": [], "endpoints": [{"addresses": ["10.1.0.7"], "targetRef": {"name": "lmq-broker-2"}}]},
     ]
-    found = apply.brokers_from_slices(slices, default_port=8081)
+    found = slices.brokers(listed, default_port=8081)
     assert found == [
         (model.Broker("lmq-broker-0", "10.1.0.5:8081", 0), True),
         (model.Broker("lmq-broker-1", "10.1.0.6:8081", 1), False),
@@ -553,7 +561,7 @@ def test_a_port_named_admin_wins_over_grpc_whatever_the_order() -> None:
         [{"name": "grpc", "port": 8081}, {"name": "admin", "port": 8082}, {"name": "metrics", "port": 9100}],
         [{"name": "metrics", "port": 9100}, {"name": "admin", "port": 8082}, {"name": "grpc", "port": 8081}],
     ):
-        found = apply.brokers_from_slices([{"ports": ports, "endpoints": [endpoint]}], default_port=8081)
+        found = slices.brokers([{"ports": ports, "endpoints": [endpoint]}], default_port=8081)
         assert found == [(model.Broker("lmq-broker-0", "10.1.0.5:8082", 0), True)]
 
 

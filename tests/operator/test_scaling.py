@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from lmq_broker.cluster import membership as mb
-from lmq_operator import model, scaler, scaling, settings
+from lmq_operator import model, scaler, scaling, settings, slices
 from lmq_operator.scaling import Phase
 
 PODS = [f"b-{i}.h:8081" for i in range(5)]
@@ -184,16 +184,16 @@ def test_processes_make_pod_major_slots_on_their_own_ports() -> None:
 
 
 def test_admin_endpoints_and_pods_from_slices() -> None:
-    slices = [
+    listed = [
         {
             "ports": [{"name": "grpc", "port": 8081}, {"name": "admin", "port": 8082}],
             "endpoints": [{"addresses": ["10.0.0.7"], "targetRef": {"name": "lmq-broker-1"}}],
         }
     ]
-    pods = scaler.pods_from_slices(slices, 8081)
-    assert pods == {1: scaler.PodAddress("10.0.0.7", 8081, 8082)}
-    assert scaler.admin_endpoints(pods[1], 1) == ("10.0.0.7:8082",)
-    assert scaler.admin_endpoints(pods[1], 3) == ("10.0.0.7:8082", "10.0.0.7:8083", "10.0.0.7:8084")
+    (pod,) = slices.pods(listed, 8081)
+    assert (pod, pod.ordinal) == (slices.Pod("lmq-broker-1", "10.0.0.7", 8081, 8082, True), 1)
+    assert pod.admin_endpoints(1) == ("10.0.0.7:8082",)
+    assert pod.admin_endpoints(3) == ("10.0.0.7:8082", "10.0.0.7:8083", "10.0.0.7:8084")
 
 
 def test_settings_of_the_membership() -> None:

@@ -124,6 +124,22 @@ app.kubernetes.io/component: {{ .component }}
 Labels of pod templates: the selector labels and part-of, but not the chart or app version, so a chart
 release that does not change a component's spec does not restart its pods.
 */}}
+{{/*
+The NetworkPolicy peers that may call the brokers' admin service: this release's operator, reclaim and backup
+jobs, helm test and brokers, and networkPolicy.adminFrom. One list for the admin port 8082 (one process per
+pod) and for the processes' ports 8082+i (broker.processes > 1), so both admit the same pods.
+*/}}
+{{- define "lmq.broker.adminPeers" -}}
+{{- range $component := list "operator" "reclaim" "backup" "test" "broker" }}
+- podSelector:
+    matchLabels:
+      {{- include "lmq.selectorLabels" (dict "root" $ "component" $component) | nindent 6 }}
+{{- end }}
+{{- with .Values.networkPolicy.adminFrom }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
 {{- define "lmq.podLabels" -}}
 {{ include "lmq.selectorLabels" . }}
 app.kubernetes.io/part-of: lmq
