@@ -454,11 +454,11 @@ def test_copy_sources_exist_and_are_in_the_build_context(
 
 
 def test_build_context_holds_the_sources_and_nothing_else(context_files: set[str], tracked_files: list[str]) -> None:
-    sources = {f for f in tracked_files if f.startswith(("broker/", "operator/", "requirements/"))}
+    sources = {f for f in tracked_files if f.startswith(("broker/", "operator/", "reclaim/", "requirements/"))}
     assert {f for f in sources if f.endswith(".py")}, "no sources found"
     assert sources <= context_files, sorted(sources - context_files)
     top_level = {f.split("/")[0] for f in context_files}
-    assert top_level == {"pyproject.toml", "README.md", "broker", "operator", "requirements"}
+    assert top_level == {"pyproject.toml", "README.md", "broker", "operator", "reclaim", "requirements"}
     assert not [f for f in context_files if "__pycache__" in f or f.endswith(".pyc") or ".egg-info" in f]
 
 
