@@ -62,6 +62,9 @@ HELP: Final[dict[str, str]] = {
     "<data-dir>/admin-credentials.json on first start)",
     "admin_secret_key": "secret key matching --admin-access-key",
     "admin_anonymous": "DEVELOPMENT ONLY: serve admin calls to anyone, unsigned",
+    "acl": "access control: v2 calls must be signed by a user (lmq-admin user put) and MQTT CONNECTs name one; "
+    "each call is checked against the policies (lmq-admin acl put), default deny; refusals are FORBIDDEN (40300) "
+    "/ MQTT 0x87",
     "cluster_secret": "secret the brokers of a cluster sign their calls to each other with, the same on every broker "
     "(default: derived from the admin secret key; serve --processes N alone generates one)",
     "auth_max_skew_ms": "signed calls: how far x-mq-date-time may be from the broker's UTC clock (0: unchecked)",
@@ -193,6 +196,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "admin_access_key",
         "admin_secret_key",
         "admin_anonymous",
+        "acl",
         "auth_max_skew_ms",
         "tls_cert",
         "tls_key",

@@ -26,6 +26,9 @@ import grpc
 import prometheus_client
 
 from lmq_broker import errors, heap, model
+from lmq_broker.access import control as access_control
+from lmq_broker.access import document
+from lmq_broker.access.control import AccessControl
 from lmq_broker.admin import backups, credentials, expiry
 from lmq_broker.admin import service as admin_service
 from lmq_broker.cluster import links, mqtt_link, setup
@@ -113,6 +116,7 @@ class Broker:
         self.metrics_port = 0
         self.mqtt_port = 0
         self.mqtt: MqttServer | None = None
+        self.access: AccessControl | None = None  # users and policies (--acl), once started
         self.ready = False
         self._server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None  # --admin-port
@@ -176,13 +180,16 @@ class Broker:
             "outcome",
             backups.TALLY.outcomes,
         )
-        edge = Edge(self.dispatcher, config, metrics=self.metrics)
+        access = self.access = AccessControl(config.acl, admin_keys)
+        access.load(document.decode(await asyncio.to_thread(self.store.get_access)))
+        self.metrics.registry.register(access_control.Collector(access))
+        edge = Edge(self.dispatcher, config, metrics=self.metrics, access=access)
         self.metrics.watch_parking(edge.polls, edge.streams, edge.telemetry_buffer)
         cluster = self.cluster = setup.Cluster(
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
         )
         await cluster.start()
-        server = self._server = grpc_server.create(config)
+        server = self._server = grpc_server.create(config, access=access)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
         admin_server = server
@@ -198,6 +205,7 @@ class Broker:
             admin_keys=admin_keys,
             cluster=cluster,
             mqtt=lambda: self.mqtt,
+            access=access,
         )
         self.port = edge.port = grpc_server.bind(server, config)
         self.admin_port = self.port
@@ -205,7 +213,7 @@ class Broker:
             self.admin_port = grpc_server.bind(self._admin_server, config, config.admin_port)
             await self._admin_server.start()
         if config.access_port >= 0:  # --processes: the pod's one client port, shared by its broker processes
-            shared = self._access_server = grpc_server.create(config, shared_port=True)
+            shared = self._access_server = grpc_server.create(config, shared_port=True, access=access)
             grpc_server.add_messaging_service(shared, edge, admission)
             if self._admin_server is None:
                 admin_service.register(
@@ -217,6 +225,7 @@ class Broker:
                     admin_keys=admin_keys,
                     cluster=cluster,
                     mqtt=lambda: self.mqtt,
+                    access=access,
                 )
             else:
                 shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
@@ -228,7 +237,7 @@ class Broker:
         cluster.serve()
         if config.mqtt_port >= 0:
             owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
-            self.mqtt = MqttServer(self.dispatcher, config, owners)
+            self.mqtt = MqttServer(self.dispatcher, config, owners, access)
             self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
             mqtt = self.mqtt
             self.metrics.registry.register(
@@ -268,7 +277,7 @@ class Broker:
         if config.external_access_port >= 0:
             ports.append((config.external_access_port, True))
         for port, shared in ports:
-            server = grpc_server.create(config, shared_port=shared)
+            server = grpc_server.create(config, shared_port=shared, access=edge.access)
             grpc_server.add_messaging_service(server, edge, admission, external=True)
             server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(None),))
             bound = grpc_server.bind(server, config, port)

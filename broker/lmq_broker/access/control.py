@@ -127,7 +127,9 @@ class Collector(_Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         refused = CounterMetricFamily(
-            "lmq_acl_refused", "Calls and MQTT packets refused by access control, by user and action", labels=["user", "action"]
+            "lmq_acl_refused",
+            "Calls and MQTT packets refused by access control, by user and action",
+            labels=["user", "action"],
         )
         for (user, action), count in sorted(self._access.refused.items()):
             refused.add_metric([user, action], count)

@@ -237,7 +237,9 @@ def _matcher_of(resource: str) -> tuple[_Matcher, ...]:
         return (_Matcher(kind, _name_of(rest, "name")),)
     parent, slash, name = rest.partition("/")
     if not slash or not parent or "*" in parent or "?" in parent:
-        raise errors.InvalidArgument(f"resource {resource!r} must be Lite:<parent>/<name> (a literal parent)", kind="acl")
+        raise errors.InvalidArgument(
+            f"resource {resource!r} must be Lite:<parent>/<name> (a literal parent)", kind="acl"
+        )
     return (_Matcher(Kind.LITE, _name_of(name, "lite topic"), parent),)
 
 

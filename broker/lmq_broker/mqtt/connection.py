@@ -126,6 +126,7 @@ class Connection:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
         self.host = peer[0] if isinstance(peer, tuple) else _BOOT_HOST
         self.client_id = ""
+        self.user = ""
         self.group = ""
         self.v5 = False
         self.expiry_s: int | None = 0  # seconds the session outlives the connection; None: forever
@@ -238,7 +239,7 @@ class Connection:
             return False
         self.v5 = connect.level == codec.LEVEL_5
         self._level = connect.level
-        refused = limits.refusal(connect, self.config)
+        refused = limits.refusal(connect, self.config, self.server.access, self.host)
         if refused is not None:
             code, counted = refused
             why = limits.words(counted, self.config)
@@ -248,6 +249,7 @@ class Connection:
             await self.writer.drain()
             raise Closed(f"CONNECT refused: {code:#04x} {why}".rstrip(), graceful=True)
         self.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
+        self.user = connect.username or ""  # under --acl a user's, checked above (``authorizing``)
         self.group = group_of(self.client_id)
         clean_start = connect.clean_session
         self.will = connect.will
@@ -491,6 +493,7 @@ class Connection:
         try:
             parent, _ = topics.lite_of(packet.topic, self.config.max_lite_topic_size)
             (await self.dispatcher.metadata()).lite_parent(parent)
+            self.server.authorize_publish(self.user, self.host, packet.topic)
         except (topics.TopicError, errors.LmqError) as exc:
             return _reason_of(exc), str(exc)
         p = packet.properties
@@ -651,8 +654,10 @@ class Connection:
             try:
                 parent, levels = topics.subscription_of(text)
                 snap.lite_parent(parent)
+                self.server.authorize_subscribe(self.user, self.host, parent, levels)
             except (topics.TopicError, errors.LmqError) as exc:
-                codes.append(Reason.TOPIC_FILTER_INVALID if self.v5 else failure)
+                refused = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
+                codes.append(refused if self.v5 else failure)
                 self.server.stats.refusals.refused(
                     self.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
                 )

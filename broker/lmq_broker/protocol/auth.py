@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
@@ -79,6 +79,19 @@ def sign_metadata(access_key: str, secret_key: str, now: datetime) -> tuple[tupl
     return ((DATE_TIME, date_time), (AUTHORIZATION, header))
 
 
+def credential_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The access key a call is signed with (its user, once the signature was checked); "" when unsigned."""
+    for key, value in metadata or ():
+        if key == AUTHORIZATION and isinstance(value, str):
+            start = value.find("Credential=")
+            if start < 0:
+                return ""
+            start += len("Credential=")
+            end = value.find(",", start)
+            return (value[start:] if end < 0 else value[start:end]).strip()
+    return ""
+
+
 def check(
     metadata: Sequence[tuple[str, str | bytes]] | None,
     access_key: str,
@@ -89,6 +102,21 @@ def check(
 ) -> str | None:
     """None when the call is signed with our key pair; otherwise why not (safe to show the caller).
     With ``max_skew_s`` > 0 the signed date-time must also lie within that many seconds of ``now``."""
+
+    def secret_of(credential: str) -> str | None:
+        return secret_key if hmac.compare_digest(credential.encode(), access_key.encode()) else None
+
+    return check_signed(metadata, secret_of, now=now, max_skew_s=max_skew_s)
+
+
+def check_signed(
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    secret_of: Callable[[str], str | None],
+    *,
+    now: datetime | None = None,
+    max_skew_s: float = 0.0,
+) -> str | None:
+    """As ``check``, for a table of key pairs: ``secret_of`` gives the secret of an access key (None: unknown)."""
     headers: dict[str, str] = {}
     for key, value in metadata or ():
         if isinstance(value, str):
@@ -112,7 +140,8 @@ def check(
         return f"malformed authorization header: no {', '.join(missing)}"
     if fields["SignedHeaders"].lower() != DATE_TIME:
         return f"SignedHeaders must be {DATE_TIME}"
-    if not hmac.compare_digest(fields["Credential"].encode(), access_key.encode()):
+    secret_key = secret_of(fields["Credential"])
+    if secret_key is None:
         return "unknown access key"
     if not hmac.compare_digest(fields["Signature"].lower().encode(), signature(secret_key, date_time).encode()):
         return "signature does not match"
@@ -161,20 +190,27 @@ else:
 
 
 class AuthInterceptor(_Interceptor):
-    """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``; wire it only when client
-    auth is configured. Other services pass: health checks are open, the admin service has ``AdminGuard``."""
+    """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``, or with ``secret_of`` by
+    one of a table of pairs (``--acl``: the users); wire it only when client auth or access control is on.
+    Other services pass: health checks are open, the admin service has ``AdminGuard``."""
 
     def __init__(
         self,
-        access_key: str,
-        secret_key: str,
+        access_key: str = "",
+        secret_key: str = "",
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], datetime] = utc_now,
+        *,
+        secret_of: Callable[[str], str | None] | None = None,
     ) -> None:
-        if not access_key or not secret_key:
-            raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
-        self._access_key = access_key
-        self._secret_key = secret_key
+        if secret_of is None:
+            if not access_key or not secret_key:
+                raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
+
+            def secret_of(credential: str) -> str | None:
+                return secret_key if hmac.compare_digest(credential.encode(), access_key.encode()) else None
+
+        self._secret_of = secret_of
         self._max_skew_s = max_skew_s
         self._clock = clock
         self._replies = _status_replies()
@@ -187,10 +223,9 @@ class AuthInterceptor(_Interceptor):
         method = handler_call_details.method
         if not method.startswith(V2_PREFIX):
             return await continuation(handler_call_details)
-        problem = check(
+        problem = check_signed(
             handler_call_details.invocation_metadata,
-            self._access_key,
-            self._secret_key,
+            self._secret_of,
             now=self._clock(),
             max_skew_s=self._max_skew_s,
         )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import grpc
 
+from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
@@ -77,9 +78,12 @@ def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[st
     ]
 
 
-def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Server:
+def create(config: BrokerConfig, *, shared_port: bool = False, access: AccessControl | None = None) -> grpc.aio.Server:
+    """``access``: with ``--acl``, v2 calls must be signed by one of its users (or the admin pair)."""
     interceptors: Sequence[Interceptor] = ()
-    if config.access_key:
+    if config.acl and access is not None:
+        interceptors = (auth.AuthInterceptor(max_skew_s=config.auth_max_skew_ms / 1000, secret_of=access.secret_of),)
+    elif config.access_key:
         interceptors = (
             auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
         )

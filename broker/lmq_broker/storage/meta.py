@@ -2,7 +2,8 @@
 
 Consumer offsets (``O``) and the acked offsets and hand-outs above them (``A``), lite topics' last consume
 times (``C``), parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over
-the admin service (``X membership``), users and access policies (``X access``) and two session markers (``X clean``, ``X sync``); ``keys`` documents
+the admin service (``X membership``), users and access policies (``X access``) and two session markers
+(``X clean``, ``X sync``); ``keys`` documents
 every key and value. No log can recreate these, so damage stops the broker
 with a repair path (``repair_meta``) where a damaged index is rebuilt.
 
