@@ -45,10 +45,13 @@ class Users:
 
     # --- users --------------------------------------------------------------------------------------------
     def put_user(self, user: policy.User) -> tuple[policy.User, bool]:
-        user = policy.checked_user(user)
+        """An empty secret keeps the user's own (a change of its flags); a new user needs one."""
         with self._lock:
             doc = self._read()
             existing = doc.user(user.name)
+            if not user.secret and existing is not None:
+                user = policy.User(user.name, existing.secret, user.super_user, user.enabled)
+            user = policy.checked_user(user)
             if existing != user:
                 self._write(document.with_user(doc, user))
             return user, existing is None
