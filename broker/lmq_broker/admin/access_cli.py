@@ -18,14 +18,9 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import AclEntry, UserPut
 
 SECRET_ENV: Final = "LMQ_USER_SECRET"
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 Verb: TypeAlias = Callable[
-    [
-        argparse._SubParsersAction[argparse.ArgumentParser],
-        str,
-        Callable[[AdminClient, argparse.Namespace], object],
-        str,
-    ],
-    argparse.ArgumentParser,
+    [Subparsers, str, Callable[[AdminClient, argparse.Namespace], object], str], argparse.ArgumentParser
 ]
 
 
@@ -53,7 +48,7 @@ def _put_acl(admin: AdminClient, a: argparse.Namespace) -> object:
     return admin.put_acl([AclEntry(a.user, r, actions, a.decision, sources) for r in a.resource])
 
 
-def add(resources: argparse._SubParsersAction[argparse.ArgumentParser], verb: Verb) -> None:
+def add(resources: Subparsers, verb: Verb) -> None:
     users = resources.add_parser("user", help="users of the v2 service and MQTT (--acl)").add_subparsers(
         dest="verb", required=True, metavar="VERB"
     )
