@@ -189,7 +189,7 @@ class Broker:
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
         )
         await cluster.start()
-        server = self._server = grpc_server.create(config, access=access)
+        server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
         grpc_server.add_messaging_service(server, edge, admission)
         admin_server = server
@@ -213,7 +213,7 @@ class Broker:
             self.admin_port = grpc_server.bind(self._admin_server, config, config.admin_port)
             await self._admin_server.start()
         if config.access_port >= 0:  # --processes: the pod's one client port, shared by its broker processes
-            shared = self._access_server = grpc_server.create(config, shared_port=True, access=access)
+            shared = self._access_server = grpc_server.create(config, shared_port=True)
             grpc_server.add_messaging_service(shared, edge, admission)
             if self._admin_server is None:
                 admin_service.register(
@@ -277,7 +277,7 @@ class Broker:
         if config.external_access_port >= 0:
             ports.append((config.external_access_port, True))
         for port, shared in ports:
-            server = grpc_server.create(config, shared_port=shared, access=edge.access)
+            server = grpc_server.create(config, shared_port=shared)
             grpc_server.add_messaging_service(server, edge, admission, external=True)
             server.add_generic_rpc_handlers((grpc_server.AdminElsewhere(None),))
             bound = grpc_server.bind(server, config, port)

@@ -34,6 +34,7 @@ admin client, which may share an interpreter with the official client and its ow
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -154,6 +155,63 @@ def check_signed(
         if skew > max_skew_s:
             return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {max_skew_s:.0f} s)"
     return None
+
+
+VERIFIED_ENTRIES: Final = 4096  # signatures a Verifier remembers (each is reused for the second it covers)
+
+
+class Verifier:
+    """``check_signed`` for the v2 service under ``--acl``, with memory: a client signs the date-time only, to
+    the second, so one signature comes again on every call of that second; its check (parse, lookup, HMAC) is
+    done once and remembered, and only the date-time window is checked per call. ``version`` changes when the
+    key pairs do (a user deleted, disabled or given a new secret): everything remembered is dropped then."""
+
+    def __init__(
+        self,
+        secret_of: Callable[[str], str | None],
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], datetime] = utc_now,
+        version: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self._secret_of = secret_of
+        self._max_skew_s = max_skew_s
+        self._clock = clock
+        self._version = version
+        self._seen_version = version()
+        self._verified: dict[tuple[str, str], tuple[str | None, float | None]] = {}
+
+    def __call__(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """None when the call is signed by a known key pair within the window; else why not."""
+        metadata = tuple(metadata or ())
+        header = date_time = ""
+        for key, value in metadata or ():
+            if key == AUTHORIZATION and isinstance(value, str):
+                header = value
+            elif key == DATE_TIME and isinstance(value, str):
+                date_time = value
+        version = self._version()
+        if version != self._seen_version:
+            self._verified.clear()
+            self._seen_version = version
+        found = self._verified.get((header, date_time))
+        if found is None:
+            problem = check_signed(metadata, self._secret_of)
+            signed_at = None
+            with contextlib.suppress(ValueError):
+                signed_at = datetime.strptime(date_time, DATE_TIME_FORMAT).replace(tzinfo=UTC).timestamp()
+            if len(self._verified) >= VERIFIED_ENTRIES:
+                self._verified.clear()
+            found = self._verified[(header, date_time)] = (problem, signed_at)
+        problem, signed_at = found
+        if problem is not None or self._max_skew_s <= 0:
+            return problem
+        if signed_at is None:
+            return f"{DATE_TIME} is not a date-time like 20260102T030405Z"
+        skew = abs(self._clock().timestamp() - signed_at)
+        if skew > self._max_skew_s:
+            limit = self._max_skew_s
+            return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {limit:.0f} s)"
+        return None
 
 
 @dataclass(frozen=True, slots=True)

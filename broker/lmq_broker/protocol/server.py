@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import grpc
 
-from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
@@ -78,12 +77,11 @@ def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[st
     ]
 
 
-def create(config: BrokerConfig, *, shared_port: bool = False, access: AccessControl | None = None) -> grpc.aio.Server:
-    """``access``: with ``--acl``, v2 calls must be signed by one of its users (or the admin pair)."""
+def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Server:
+    """Under ``--acl`` the v2 calls' signatures are checked by the service's handlers (``add_messaging_service``),
+    by the users' key pairs; else by ``auth.AuthInterceptor`` with the client pair, when one is configured."""
     interceptors: Sequence[Interceptor] = ()
-    if config.acl and access is not None:
-        interceptors = (auth.AuthInterceptor(max_skew_s=config.auth_max_skew_ms / 1000, secret_of=access.secret_of),)
-    elif config.access_key:
+    if config.access_key and not config.acl:
         interceptors = (
             auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
         )
@@ -99,7 +97,14 @@ def add_messaging_service(
     server: grpc.aio.Server, edge: Edge, admitting: Admission | None = None, *, external: bool = False
 ) -> MessagingService:
     service = MessagingService(edge, external=external)
-    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting),))
+    access = edge.access
+    authenticate = None
+    if access.enabled:  # --acl: signed by a user (or the admin pair, the super user)
+        config = edge.config
+        authenticate = auth.Verifier(
+            access.secret_of, config.auth_max_skew_ms / 1000, version=lambda: access.generation
+        )
+    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting, authenticate),))
     return service
 
 
