@@ -26,7 +26,7 @@ import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 from lmq_broker import errors
 
@@ -65,8 +65,7 @@ class Kind(enum.StrEnum):
     UNDER = "Under"
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
+class Target(NamedTuple):  # a tuple: hashed in C, it is the decision cache's key
     kind: Kind
     name: str  # the topic, group or lite topic
     parent: str = ""  # LITE: the parent topic
