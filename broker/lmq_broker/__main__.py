@@ -65,6 +65,8 @@ HELP: Final[dict[str, str]] = {
     "acl": "access control: v2 calls must be signed by a user (lmq-admin user put) and MQTT CONNECTs name one; "
     "each call is checked against the policies (lmq-admin acl put), default deny; refusals are FORBIDDEN (40300) "
     "/ MQTT 0x87",
+    "acl_cache_entries": "access decisions remembered per broker, by user, action, resource (and address where a "
+    "policy names networks); emptied when full, and on every user or policy change (0: none)",
     "cluster_secret": "secret the brokers of a cluster sign their calls to each other with, the same on every broker "
     "(default: derived from the admin secret key; serve --processes N alone generates one)",
     "auth_max_skew_ms": "signed calls: how far x-mq-date-time may be from the broker's UTC clock (0: unchecked)",
@@ -197,6 +199,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "admin_secret_key",
         "admin_anonymous",
         "acl",
+        "acl_cache_entries",
         "auth_max_skew_ms",
         "tls_cert",
         "tls_key",

@@ -180,7 +180,7 @@ class Broker:
             "outcome",
             backups.TALLY.outcomes,
         )
-        access = self.access = AccessControl(config.acl, admin_keys)
+        access = self.access = AccessControl(config.acl, admin_keys, cache_entries=config.acl_cache_entries)
         access.load(document.decode(await asyncio.to_thread(self.store.get_access)))
         self.metrics.registry.register(access_control.Collector(access))
         edge = Edge(self.dispatcher, config, metrics=self.metrics, access=access)

@@ -136,3 +136,16 @@ def test_document_round_trip_keeps_everything() -> None:
     assert changed.entries == (Entry("alice", "Lite:chat/a-*", (SUB,), Decision.DENY),)
     assert document.without_user(changed, "alice") == document.Document()
     assert "alice-secret" not in repr(doc.users[0])
+
+
+def test_the_decision_cache_is_bounded() -> None:
+    access = control.AccessControl(True, cache_entries=3)
+    access.load(document.Document((User("alice", "alice-secret"),), (Entry("alice", "Lite:chat/a-*", (PUB,)),)))
+    for n in range(10):
+        assert access.allows("alice", PUB, policy.lite("chat", f"a-{n}"))
+        assert access.cached <= 3
+    access.load(access.doc)
+    assert access.cached == 0  # a change forgets every answer
+    off = control.AccessControl(True, cache_entries=0)
+    off.load(access.doc)
+    assert off.allows("alice", PUB, policy.lite("chat", "a-1")) and off.cached == 0

@@ -4,7 +4,7 @@ One per broker process, shared by the v2 service, the MQTT listener and the admi
 ``load`` after every change, so a change applies to the next call: no restart, no reconnect). A decision is
 cached by (user, action, target, source when that user's rules name networks); ``load`` replaces the rules
 and drops the cache in one step, so no answer outlives the rules it came from. The cache holds at most
-``CACHE_ENTRIES`` answers and is emptied when full (answers are cheap to recompute; a bounded dict keeps
+``--acl-cache-entries`` answers and is emptied when full (answers are cheap to recompute; a bounded dict keeps
 the hit path one lookup).
 
 The admin key pair is a super user that no document can change or remove: whoever administers the broker
@@ -27,7 +27,7 @@ from lmq_broker.access import document, policy
 
 log = logging.getLogger("lmq_broker.refused")
 
-CACHE_ENTRIES: Final = 65_536
+CACHE_ENTRIES: Final = 65_536  # the default of --acl-cache-entries
 LOG_EVERY_S: Final = 60.0
 LOG_KEYS_MAX: Final = 1024
 ANONYMOUS: Final = "(anonymous)"  # a call with no user (ACL on, no signature: only when auth let it through)
@@ -41,8 +41,10 @@ class AccessControl:
         enabled: bool,
         super_keys: tuple[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cache_entries: int = CACHE_ENTRIES,
     ) -> None:
         self.enabled = enabled
+        self._cache_entries = cache_entries
         self._super = (
             None
             if super_keys is None or not super_keys[0]
@@ -81,10 +83,16 @@ class AccessControl:
         found = cache.get(key)
         if found is None:
             found = subject.allows(action, target, source)
-            if len(cache) >= CACHE_ENTRIES:
+            if len(cache) >= self._cache_entries:
                 cache.clear()
-            cache[key] = found
+            if self._cache_entries:
+                cache[key] = found
         return found
+
+    @property
+    def cached(self) -> int:
+        """Decisions remembered now."""
+        return len(self._cache)
 
     def check(self, user: str, action: policy.Action, target: policy.Target, peer: str = "") -> None:
         """Raise ``errors.Forbidden`` (counted) unless ``user`` may do ``action`` on ``target``; a no-op with
