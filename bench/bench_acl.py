@@ -9,6 +9,8 @@ topic as a LiteSimpleConsumer does (ReceiveMessage of 32, then 32 concurrent Ack
 ACL every call is signed (``MQv2-HMAC-SHA1``) as the official clients sign; the client signs once per second
 (the signature covers only the date-time, to the second), so the client's own HMAC does not weigh on the
 figure and what is measured is the broker's cost: the signature check, the user lookup and the checks.
+Beside the throughput ratios, the brokers' own CPU time per message (from /proc) is printed: on a busy host it
+moves less than throughput does.
 
     python bench/bench_acl.py           # ~1 min
     python bench/bench_acl.py --quick   # smoke run
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -137,8 +140,19 @@ async def drain(stub: sg.MessagingServiceAsyncStub, headers: Headers, lite: str,
     return count / (time.perf_counter() - started)
 
 
-async def measure(args: argparse.Namespace, off: BrokerProcess, on: BrokerProcess) -> dict[str, list[float]]:
+def cpu_s(broker: BrokerProcess) -> float:
+    """CPU seconds (user + system) the broker process has used so far."""
+    fields = Path(f"/proc/{broker.process.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    args: argparse.Namespace, off: BrokerProcess, on: BrokerProcess
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(messages per second, broker CPU µs per message), by "send off", "send on", "receive off", "receive on"."""
     rates: dict[str, list[float]] = {"send off": [], "send on": [], "receive off": [], "receive on": []}
+    cpu: dict[str, list[float]] = {k: [] for k in rates}
+    process = {"off": off, "on": on}
     keys = (TENANT, f"{TENANT}-secret-key")
     async with grpc.aio.insecure_channel(off.endpoint) as a, grpc.aio.insecure_channel(on.endpoint) as b:
         sides = (("off", sg.MessagingServiceStub(a), signer(None)), ("on", sg.MessagingServiceStub(b), signer(keys)))
@@ -148,12 +162,16 @@ async def measure(args: argparse.Namespace, off: BrokerProcess, on: BrokerProces
         for r in range(args.rounds):
             order = sides if r % 2 == 0 else sides[::-1]
             for name, stub, headers in order:
+                before = cpu_s(process[name])
                 rates[f"send {name}"].append(await sends(stub, headers, args.sends, args.lite_topics, args.in_flight))
+                cpu[f"send {name}"].append((cpu_s(process[name]) - before) / args.sends * 1e6)
             for name, stub, headers in order:
                 lite = f"{TENANT}-drain-{r}"
                 await fill(stub, headers, lite, args.receives)
+                before = cpu_s(process[name])
                 rates[f"receive {name}"].append(await drain(stub, headers, lite, args.receives))
-    return rates
+                cpu[f"receive {name}"].append((cpu_s(process[name]) - before) / args.receives * 1e6)
+    return rates, cpu
 
 
 def main() -> None:
@@ -176,15 +194,21 @@ def main() -> None:
         ):
             prepare(off, 1)
             prepare(on, args.users)
-            rates = asyncio.run(measure(args, off, on))
+            rates, cpu = asyncio.run(measure(args, off, on))
     median = {k: statistics.median(v) for k, v in rates.items()}
+    cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
     print(
         f"{args.rounds} rounds alternating; sends: {args.sends:,} single-message calls, {args.in_flight} in flight, "
         f"{args.lite_topics} lite topics; receives: {args.receives:,} messages, {BATCH} per receive + {BATCH} acks; "
         f"ACL: {args.users} users x 3 entries"
     )
     for kind in ("send", "receive"):
-        print(f"  {kind}: off {median[f'{kind} off']:,.0f} msg/s, on {median[f'{kind} on']:,.0f} msg/s (medians)")
+        print(
+            f"  {kind}: off {median[f'{kind} off']:,.0f} msg/s, on {median[f'{kind} on']:,.0f} msg/s (medians; "
+            f"rounds off {', '.join(f'{x:,.0f}' for x in rates[f'{kind} off'])}, "
+            f"on {', '.join(f'{x:,.0f}' for x in rates[f'{kind} on'])}); broker CPU per message "
+            f"off {cpu_median[f'{kind} off']:.0f} µs, on {cpu_median[f'{kind} on']:.0f} µs"
+        )
     for kind in ("send", "receive"):
         ratio = median[f"{kind} on"] / median[f"{kind} off"]
         print(f"FIGURE {kind} throughput ACL on ÷ off: {ratio:.3f} (goal >= 0.95)", flush=True)

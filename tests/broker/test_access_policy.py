@@ -149,3 +149,25 @@ def test_the_decision_cache_is_bounded() -> None:
     off = control.AccessControl(True, cache_entries=0)
     off.load(access.doc)
     assert off.allows("alice", PUB, policy.lite("chat", "a-1")) and off.cached == 0
+
+
+def test_the_verifier_remembers_a_signature_for_its_second_and_forgets_on_change() -> None:
+    from datetime import UTC, datetime, timedelta  # noqa: PLC0415 (only this test needs them)
+
+    from lmq_broker.protocol import auth  # noqa: PLC0415
+
+    secrets = {"alice": "alice-secret"}
+    version = [0]
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    verify = auth.Verifier(secrets.get, 60.0, clock=lambda: now, version=lambda: version[0])
+    signed = auth.sign_metadata("alice", "alice-secret", now)
+    assert verify(signed) is None and auth.USER.get() == "alice"
+    assert verify(auth.sign_metadata("alice", "wrong", now)) == "signature does not match"
+    assert auth.USER.get() == ""  # a refused call has no user
+    now += timedelta(seconds=120)
+    assert "from the broker's UTC clock" in (verify(signed) or "")  # remembered, yet the window still applies
+    now -= timedelta(seconds=120)
+    secrets["alice"] = "new-secret"
+    assert verify(signed) is None  # remembered: the key pairs did not change as far as it knows
+    version[0] += 1
+    assert verify(signed) == "signature does not match"  # told of the change: checked again

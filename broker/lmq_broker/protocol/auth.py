@@ -35,6 +35,7 @@ admin client, which may share an interpreter with the official client and its ow
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -157,6 +158,9 @@ def check_signed(
     return None
 
 
+# The user a v2 call is signed by, once ``Verifier`` accepted it ("" before, or when it refused): grpc.aio runs
+# every call in a task of its own, so each call sees its own user, and the handlers need not parse it again.
+USER: Final[contextvars.ContextVar[str]] = contextvars.ContextVar("lmq_user", default="")
 VERIFIED_ENTRIES: Final = 4096  # signatures a Verifier remembers (each is reused for the second it covers)
 
 
@@ -178,11 +182,12 @@ class Verifier:
         self._clock = clock
         self._version = version
         self._seen_version = version()
-        self._verified: dict[tuple[str, str], tuple[str | None, float | None]] = {}
+        self._verified: dict[tuple[str, str], tuple[str | None, float | None, str]] = {}
 
     def __call__(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-        """None when the call is signed by a known key pair within the window; else why not."""
-        metadata = tuple(metadata or ())
+        """None when the call is signed by a known key pair within the window (and ``USER`` is its user);
+        else why not."""
+        USER.set("")
         header = date_time = ""
         for key, value in metadata or ():
             if key == AUTHORIZATION and isinstance(value, str):
@@ -195,22 +200,27 @@ class Verifier:
             self._seen_version = version
         found = self._verified.get((header, date_time))
         if found is None:
-            problem = check_signed(metadata, self._secret_of)
+            problem = check_signed(((AUTHORIZATION, header), (DATE_TIME, date_time)), self._secret_of)
             signed_at = None
             with contextlib.suppress(ValueError):
                 signed_at = datetime.strptime(date_time, DATE_TIME_FORMAT).replace(tzinfo=UTC).timestamp()
             if len(self._verified) >= VERIFIED_ENTRIES:
                 self._verified.clear()
-            found = self._verified[(header, date_time)] = (problem, signed_at)
-        problem, signed_at = found
-        if problem is not None or self._max_skew_s <= 0:
+            user = credential_of(((AUTHORIZATION, header),)) if problem is None else ""
+            found = self._verified[(header, date_time)] = (problem, signed_at, user)
+        problem, signed_at, user = found
+        if problem is not None:
             return problem
+        if self._max_skew_s <= 0:
+            USER.set(user)
+            return None
         if signed_at is None:
             return f"{DATE_TIME} is not a date-time like 20260102T030405Z"
         skew = abs(self._clock().timestamp() - signed_at)
         if skew > self._max_skew_s:
             limit = self._max_skew_s
             return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {limit:.0f} s)"
+        USER.set(user)
         return None
 
 

@@ -1,7 +1,7 @@
 """Access control on the v2 service: which user a call is, and what each request asks to do.
 
-With ``--acl`` the auth interceptor (``auth.AuthInterceptor`` over the users' secrets) has verified the call's
-signature before any handler runs, so the signature's ``Credential`` is the user. Each method then names what
+With ``--acl`` the v2 handlers' wrappers (``guard``, with an ``auth.Verifier`` over the users' secrets) have
+verified the call's signature before the service runs, and left its user in ``auth.USER``. Each method then names what
 it touches (``policy.Target``) and the action, and ``AccessControl.check`` answers from its cache; a refusal
 raises ``errors.Forbidden``, which the service's edge turns into the v2 status FORBIDDEN (40300), logs at
 INFO (``refusals``) and counts in ``lmq_acl_refused_total{user,action}``.
@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
 from lmq_broker.protocol import auth
-from lmq_broker.protocol.calls import Metadata
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -47,28 +46,28 @@ class Gate:
     def _route(self, user: str, peer: str, topic: str) -> None:
         route(self.access, user, peer, topic)
 
-    def send(self, metadata: Metadata, peer: str, request: spb.SendMessageRequest) -> None:
-        user = auth.credential_of(metadata)
-        self._check(user, peer, PUB, {_published(m) for m in request.messages})
+    def send(self, peer: str, request: spb.SendMessageRequest) -> None:
+        messages = request.messages
+        targets = (_published(messages[0]),) if len(messages) == 1 else {_published(m) for m in messages}
+        self._check(auth.USER.get(), peer, PUB, targets)
 
-    def route(self, metadata: Metadata, peer: str, request: spb.QueryRouteRequest) -> None:
-        self._route(auth.credential_of(metadata), peer, request.topic.name)
+    def route(self, peer: str, request: spb.QueryRouteRequest) -> None:
+        self._route(auth.USER.get(), peer, request.topic.name)
 
-    def consume(self, metadata: Metadata, peer: str, group: str, topic: str, lite: str = "") -> None:
+    def consume(self, peer: str, group: str, topic: str, lite: str = "") -> None:
         """Receive, assignment, ack, invisibility, dead letter: Sub on the group and the (lite) topic."""
-        user = auth.credential_of(metadata)
+        user = auth.USER.get()
         self.access.check(user, SUB, policy.group(group), peer)
         self.access.check(user, SUB, policy.lite(topic, lite) if lite else policy.under(topic), peer)
 
-    def ack(self, metadata: Metadata, peer: str, request: spb.AckMessageRequest) -> None:
-        lites = {e.lite_topic for e in request.entries if e.HasField("lite_topic")} or {""}
-        for lite in lites:
-            self.consume(metadata, peer, request.group.name, request.topic.name, lite)
+    def ack(self, peer: str, request: spb.AckMessageRequest) -> None:
+        for lite in {e.lite_topic for e in request.entries} or {""}:
+            self.consume(peer, request.group.name, request.topic.name, lite)
 
     async def sync_lite(
-        self, metadata: Metadata, peer: str, request: spb.SyncLiteSubscriptionRequest, caller: Caller, max_chars: int
+        self, peer: str, request: spb.SyncLiteSubscriptionRequest, caller: Caller, max_chars: int
     ) -> None:
-        user = auth.credential_of(metadata)
+        user = auth.USER.get()
         self.access.check(user, SUB, policy.group(request.group.name), peer)
         parent = request.topic.name
         names = await sync_lite_subscription.lite_topics(request, caller, max_chars)

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from typing import Final
 
 from lmq_broker import errors
-from lmq_broker.protocol import auth
 
 CLIENT_ID: Final = "x-mq-client-id"
 LANGUAGE: Final = "x-mq-language"
 CLIENT_VERSION: Final = "x-mq-client-version"
 NAMESPACE: Final = "x-mq-namespace"
 MAX_CLIENT_ID_CHARS: Final = 512
-_WANTED: Final = frozenset((CLIENT_ID, LANGUAGE, CLIENT_VERSION, NAMESPACE, auth.AUTHORIZATION))
+_WANTED: Final = frozenset((CLIENT_ID, LANGUAGE, CLIENT_VERSION, NAMESPACE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +25,6 @@ class Caller:
     namespace: str = ""
     peer: str = ""  # the connection (context.peer()), read only where it matters: Telemetry, termination
     external: bool = False  # came in on the external listener (--external-port): routes name external addresses
-    user: str = ""  # the access key the call is signed with (its user under --acl, checked by auth); "": unsigned
 
     @staticmethod
     def of(metadata: Iterable[tuple[str, str | bytes]] | None, peer: str = "", *, external: bool = False) -> Caller:
@@ -41,7 +39,6 @@ class Caller:
             namespace=headers.get(NAMESPACE, ""),
             peer=peer,
             external=external,
-            user=auth.credential_of(((auth.AUTHORIZATION, headers.get(auth.AUTHORIZATION, "")),)),
         )
 
     def require_client_id(self) -> str:

@@ -23,7 +23,6 @@ from typing_extensions import override
 
 from lmq_broker import errors
 from lmq_broker.protocol import authorizing, status
-from lmq_broker.protocol.calls import Metadata
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -57,15 +56,17 @@ class _Reply(Protocol):
 
 Req = TypeVar("Req", bound=pb_message.Message)
 Resp = TypeVar("Resp", bound=pb_message.Message)
-Check = Callable[[Metadata, str], object]  # (the call's headers, its peer) -> None, or an awaitable of None
+Check = Callable[[str], object]  # (the call's peer) -> None, or an awaitable of None; raises when refused
 
 
-async def _after(check: Callable[[], object], answer: Callable[[], Awaitable[Resp]]) -> Resp:
-    """``answer()`` once ``check()`` passed: the handler's coroutine is not even made for a refused call."""
-    checking = check()
-    if inspect.isawaitable(checking):
-        await checking
+async def _after(checking: Awaitable[object], answer: Callable[[], Awaitable[Resp]]) -> Resp:
+    """``answer()`` once ``checking`` passed: the handler's coroutine is not even made for a refused call."""
+    await checking
     return await answer()
+
+
+async def _raising(exc: Exception) -> Any:
+    raise exc
 
 
 def _waits(request: spb.ReceiveMessageRequest) -> bool:
@@ -85,11 +86,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self.gate = authorizing.Gate(edge.access)
 
     def _guard(self, context: Context, check: Check, answer: Callable[[], Awaitable[Resp]]) -> Awaitable[Resp]:
-        """``answer()``, after ``check`` when access control is on (``--acl``)."""
+        """``answer()``, after ``check`` when access control is on (``--acl``); a refusal, as an awaitable that
+        raises it, for ``_answer`` to turn into the response's status."""
         if not self.gate.enabled:
             return answer()
-        metadata, peer = context.invocation_metadata(), context.peer()
-        return _after(lambda: check(metadata, peer), answer)
+        try:
+            checking = check(context.peer())
+        except errors.LmqError as exc:
+            return cast("Awaitable[Resp]", _raising(exc))
+        if inspect.isawaitable(checking):
+            return _after(checking, answer)
+        return answer()
 
     async def _unary(
         self,
@@ -136,7 +143,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             request,
             context,
             spb.QueryRouteResponse,
-            check=lambda metadata, peer: gate.route(metadata, peer, request),
+            check=lambda peer: gate.route(peer, request),
         )
 
     @override
@@ -152,7 +159,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         if gate.enabled:
             sending = self._guard(
                 context,
-                lambda metadata, peer: gate.send(metadata, peer, request),
+                lambda peer: gate.send(peer, request),
                 (lambda: cluster.send(request, context.invocation_metadata))
                 if cluster is not None
                 else (lambda: send_message.handle(self.edge, request)),
@@ -175,7 +182,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             request,
             context,
             spb.QueryAssignmentResponse,
-            check=lambda metadata, peer: gate.consume(metadata, peer, request.group.name, request.topic.name),
+            check=lambda peer: gate.consume(peer, request.group.name, request.topic.name),
         )
 
     @override
@@ -189,7 +196,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             caller = Caller.of(context.invocation_metadata())
             if self.gate.enabled:
                 topic = request.message_queue.topic.name
-                self.gate.consume(context.invocation_metadata(), context.peer(), request.group.name, topic)
+                self.gate.consume(context.peer(), request.group.name, topic)
             if caller.client_id and _waits(request):
                 parked = (caller.client_id, context.peer())
                 refused = self._park_poll(*parked)
@@ -235,8 +242,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:
         cluster, gate = self.edge.cluster, self.gate
 
-        def check(metadata: Metadata, peer: str) -> None:
-            gate.ack(metadata, peer, request)
+        def check(peer: str) -> None:
+            gate.ack(peer, request)
 
         if cluster is not None:
             caller = Caller.of(context.invocation_metadata(), external=self.external)
@@ -252,8 +259,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     ) -> spb.ForwardMessageToDeadLetterQueueResponse:
         cluster, gate = self.edge.cluster, self.gate
 
-        def check(metadata: Metadata, peer: str) -> None:
-            gate.consume(metadata, peer, request.group.name, request.topic.name, request.lite_topic)
+        def check(peer: str) -> None:
+            gate.consume(peer, request.group.name, request.topic.name, request.lite_topic)
 
         if cluster is not None:
             caller = Caller.of(context.invocation_metadata(), external=self.external)
@@ -307,8 +314,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     ) -> spb.ChangeInvisibleDurationResponse:
         cluster, gate = self.edge.cluster, self.gate
 
-        def check(metadata: Metadata, peer: str) -> None:
-            gate.consume(metadata, peer, request.group.name, request.topic.name, request.lite_topic)
+        def check(peer: str) -> None:
+            gate.consume(peer, request.group.name, request.topic.name, request.lite_topic)
 
         if cluster is not None:
             caller = Caller.of(context.invocation_metadata(), external=self.external)
@@ -334,8 +341,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         caller = Caller.of(context.invocation_metadata(), external=self.external)
         max_chars = self.edge.config.max_lite_topic_size
 
-        def check(metadata: Metadata, peer: str) -> Awaitable[None]:
-            return gate.sync_lite(metadata, peer, request, caller, max_chars)
+        def check(peer: str) -> Awaitable[None]:
+            return gate.sync_lite(peer, request, caller, max_chars)
 
         if cluster is not None:
             return await self._answer(
