@@ -159,7 +159,11 @@ def test_the_verifier_remembers_a_signature_for_its_second_and_forgets_on_change
     secrets = {"alice": "alice-secret"}
     version = [0]
     now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    verify = auth.Verifier(secrets.get, 60.0, clock=lambda: now, version=lambda: version[0])
+
+    def clock() -> float:  # reads ``now`` as the test moves it
+        return now.timestamp()
+
+    verify = auth.Verifier(secrets.get, 60.0, clock=clock, version=lambda: version[0])
     signed = auth.sign_metadata("alice", "alice-secret", now)
     assert verify(signed) is None and auth.USER.get() == "alice"
     assert verify(auth.sign_metadata("alice", "wrong", now)) == "signature does not match"
@@ -171,3 +175,21 @@ def test_the_verifier_remembers_a_signature_for_its_second_and_forgets_on_change
     assert verify(signed) is None  # remembered: the key pairs did not change as far as it knows
     version[0] += 1
     assert verify(signed) == "signature does not match"  # told of the change: checked again
+
+
+def test_the_gate_remembers_admitted_consumers_until_a_change() -> None:
+    from lmq_broker.protocol import auth, authorizing  # noqa: PLC0415 (only these tests need the protocol)
+
+    access = control.AccessControl(True)
+    alice = (User("alice", "alice-secret"),)
+    allowed = (Entry("alice", "Lite:chat/a-*", (SUB,)), Entry("alice", "Group:g", (SUB,)))
+    access.load(document.Document(alice, allowed))
+    gate = authorizing.Gate(access)
+    auth.USER.set("alice")
+    gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")
+    gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # remembered
+    with pytest.raises(errors.Forbidden):
+        gate.consume("ipv4:127.0.0.1:1", "other", "chat", "a-1")
+    access.load(document.Document(alice, (*allowed, Entry("alice", "Lite:chat/a-1", (SUB,), Decision.DENY))))
+    with pytest.raises(errors.Forbidden, match="Sub on Lite:chat/a-1"):
+        gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # the change applies at once

@@ -89,6 +89,11 @@ class AccessControl:
                 cache[key] = found
         return found
 
+    def by_source(self, user: str) -> bool:
+        """Whether ``user``'s decisions depend on the caller's address (some rule names networks)."""
+        subject = self._subject(user)
+        return subject is not None and subject.by_source
+
     @property
     def cached(self) -> int:
         """Decisions remembered now."""

@@ -38,6 +38,7 @@ import contextlib
 import contextvars
 import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -174,9 +175,10 @@ class Verifier:
         self,
         secret_of: Callable[[str], str | None],
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
-        clock: Callable[[], datetime] = utc_now,
+        clock: Callable[[], float] = time.time,
         version: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``clock``: the UTC time in seconds since the epoch."""
         self._secret_of = secret_of
         self._max_skew_s = max_skew_s
         self._clock = clock
@@ -187,7 +189,6 @@ class Verifier:
     def __call__(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """None when the call is signed by a known key pair within the window (and ``USER`` is its user);
         else why not."""
-        USER.set("")
         header = date_time = ""
         for key, value in metadata or ():
             if key == AUTHORIZATION and isinstance(value, str):
@@ -210,15 +211,18 @@ class Verifier:
             found = self._verified[(header, date_time)] = (problem, signed_at, user)
         problem, signed_at, user = found
         if problem is not None:
+            USER.set("")
             return problem
         if self._max_skew_s <= 0:
             USER.set(user)
             return None
         if signed_at is None:
+            USER.set("")
             return f"{DATE_TIME} is not a date-time like 20260102T030405Z"
-        skew = abs(self._clock().timestamp() - signed_at)
+        skew = abs(self._clock() - signed_at)
         if skew > self._max_skew_s:
             limit = self._max_skew_s
+            USER.set("")
             return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {limit:.0f} s)"
         USER.set(user)
         return None

@@ -20,6 +20,7 @@ for that client are signed with the admin pair, the super user (``cluster.links`
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
@@ -30,6 +31,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import sync_lite_subscription
 
 PUB, SUB = policy.Action.PUB, policy.Action.SUB
+CONSUMERS_KEPT: Final = 16_384  # (user, group, topic, lite) admitted to consume, remembered until a change
 
 
 class Gate:
@@ -38,6 +40,10 @@ class Gate:
     def __init__(self, access: AccessControl) -> None:
         self.access = access
         self.enabled = access.enabled
+        # Consumer calls (receive, ack, invisibility) repeat the same (user, group, topic, lite) many times a
+        # second: their two decisions in one lookup, for the rules of ``generation`` (refusals are not kept).
+        self._consumers: dict[tuple[str, str, str, str], bool] = {}
+        self._generation = access.generation
 
     def _check(self, user: str, peer: str, action: policy.Action, targets: Iterable[policy.Target]) -> None:
         for target in targets:
@@ -56,9 +62,19 @@ class Gate:
 
     def consume(self, peer: str, group: str, topic: str, lite: str = "") -> None:
         """Receive, assignment, ack, invisibility, dead letter: Sub on the group and the (lite) topic."""
-        user = auth.USER.get()
-        self.access.check(user, SUB, policy.group(group), peer)
-        self.access.check(user, SUB, policy.lite(topic, lite) if lite else policy.under(topic), peer)
+        user, access = auth.USER.get(), self.access
+        if access.generation != self._generation:
+            self._consumers.clear()
+            self._generation = access.generation
+        key = (user, group, topic, lite)
+        if key in self._consumers:
+            return
+        access.check(user, SUB, policy.group(group), peer)
+        access.check(user, SUB, policy.lite(topic, lite) if lite else policy.under(topic), peer)
+        if not access.by_source(user):
+            if len(self._consumers) >= CONSUMERS_KEPT:
+                self._consumers.clear()
+            self._consumers[key] = True
 
     def ack(self, peer: str, request: spb.AckMessageRequest) -> None:
         for lite in {e.lite_topic for e in request.entries} or {""}:
