@@ -1,8 +1,9 @@
 """Send and receive throughput with access control on (``--acl``) ÷ off, in the same run (issue 29: goal >= 0.95).
 
-Two broker processes run side by side: one plain (no auth, no ACL), one with ``--acl`` and a realistic policy
+Three broker processes run side by side: one plain (no auth, no ACL), one with client auth only (every call
+signed, no ACL: what authentication alone costs) and one with ``--acl`` and a realistic policy
 table (``--users`` tenants, each with Pub/Sub on its own ``Lite:<parent>/<tenant>-*`` prefix and Sub on its
-group, plus a deny entry). The load, from one raw-stub client per broker, alternates between the two in
+group, plus a deny entry). The load, from one raw-stub client per broker, alternates between them in
 rounds so that both see the same machine: sends are single-message SendMessage calls, ``--in-flight`` at once,
 over ``--lite-topics`` lite topics (one check each, a decision-cache entry each); receives drain one lite
 topic as a LiteSimpleConsumer does (ReceiveMessage of 32, then 32 concurrent AckMessage, each checked). Under
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
@@ -41,6 +43,7 @@ from lmq_broker.testing import BrokerProcess, start_broker
 
 PARENT, BATCH, TENANT = "shared", 32, "t0"
 GROUP = f"{TENANT}-group"
+CLIENT_KEYS = ("bench-ak", "bench-secret-key")
 Headers = Callable[[], tuple[tuple[str, str], ...]]
 
 
@@ -146,31 +149,36 @@ def cpu_s(broker: BrokerProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+SIDES = ("off", "auth", "on")  # no auth; client auth (signed, no ACL); --acl
+
+
 async def measure(
-    args: argparse.Namespace, off: BrokerProcess, on: BrokerProcess
+    args: argparse.Namespace, brokers: dict[str, BrokerProcess]
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(messages per second, broker CPU µs per message), by "send off", "send on", "receive off", "receive on"."""
-    rates: dict[str, list[float]] = {"send off": [], "send on": [], "receive off": [], "receive on": []}
+    """(messages per second, broker CPU µs per message), by "send off", "receive on" and so on."""
+    rates: dict[str, list[float]] = {f"{kind} {side}": [] for kind in ("send", "receive") for side in SIDES}
     cpu: dict[str, list[float]] = {k: [] for k in rates}
-    process = {"off": off, "on": on}
-    keys = (TENANT, f"{TENANT}-secret-key")
-    async with grpc.aio.insecure_channel(off.endpoint) as a, grpc.aio.insecure_channel(on.endpoint) as b:
-        sides = (("off", sg.MessagingServiceStub(a), signer(None)), ("on", sg.MessagingServiceStub(b), signer(keys)))
-        for stub_name, stub, headers in sides:  # warm-up: connections, caches, first-write costs
+    keys = {"off": None, "auth": CLIENT_KEYS, "on": (TENANT, f"{TENANT}-secret-key")}
+    channels = {side: grpc.aio.insecure_channel(brokers[side].endpoint) for side in SIDES}
+    try:
+        sides = [(side, sg.MessagingServiceStub(channels[side]), signer(keys[side])) for side in SIDES]
+        for _, stub, headers in sides:  # warm-up: connections, caches, first-write costs
             await sends(stub, headers, args.in_flight * 4, args.lite_topics, args.in_flight)
-            del stub_name
         for r in range(args.rounds):
-            order = sides if r % 2 == 0 else sides[::-1]
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]  # each side first in turn
             for name, stub, headers in order:
-                before = cpu_s(process[name])
+                before = cpu_s(brokers[name])
                 rates[f"send {name}"].append(await sends(stub, headers, args.sends, args.lite_topics, args.in_flight))
-                cpu[f"send {name}"].append((cpu_s(process[name]) - before) / args.sends * 1e6)
+                cpu[f"send {name}"].append((cpu_s(brokers[name]) - before) / args.sends * 1e6)
             for name, stub, headers in order:
                 lite = f"{TENANT}-drain-{r}"
                 await fill(stub, headers, lite, args.receives)
-                before = cpu_s(process[name])
+                before = cpu_s(brokers[name])
                 rates[f"receive {name}"].append(await drain(stub, headers, lite, args.receives))
-                cpu[f"receive {name}"].append((cpu_s(process[name]) - before) / args.receives * 1e6)
+                cpu[f"receive {name}"].append((cpu_s(brokers[name]) - before) / args.receives * 1e6)
+    finally:
+        for channel in channels.values():
+            await channel.close(None)
     return rates, cpu
 
 
@@ -178,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sends", type=int, default=4000, help="single-message sends per round")
     parser.add_argument("--receives", type=int, default=3200, help="messages drained per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--lite-topics", type=int, default=500)
     parser.add_argument("--users", type=int, default=100, help="tenants in the policy table")
@@ -186,32 +194,35 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.sends, args.receives, args.rounds, args.users = 400, 320, 1, 5
-    with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--flush-mode", "async"]  # no fsync per call: the CPU cost of the checks is what shows
-        with (
-            start_broker(Path(tmp) / "off", extra_args=flags) as off,
-            start_broker(Path(tmp) / "on", extra_args=[*flags, "--acl"]) as on,
-        ):
-            prepare(off, 1)
-            prepare(on, args.users)
-            rates, cpu = asyncio.run(measure(args, off, on))
+    flags = ["--flush-mode", "async"]  # no fsync per call: the CPU cost of the checks is what shows
+    extra = {"off": [], "auth": ["--access-key", CLIENT_KEYS[0], "--secret-key", CLIENT_KEYS[1]], "on": ["--acl"]}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        brokers = {
+            side: stack.enter_context(start_broker(Path(tmp) / side, extra_args=[*flags, *extra[side]]))
+            for side in SIDES
+        }
+        for broker in brokers.values():
+            prepare(broker, args.users)  # the same topics and groups everywhere; users count only under --acl
+        rates, cpu = asyncio.run(measure(args, brokers))
     median = {k: statistics.median(v) for k, v in rates.items()}
     cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
     print(
-        f"{args.rounds} rounds alternating; sends: {args.sends:,} single-message calls, {args.in_flight} in flight, "
-        f"{args.lite_topics} lite topics; receives: {args.receives:,} messages, {BATCH} per receive + {BATCH} acks; "
-        f"ACL: {args.users} users x 3 entries"
+        f"{args.rounds} rounds, the three brokers in turn; sends: {args.sends:,} single-message calls, "
+        f"{args.in_flight} in flight, {args.lite_topics} lite topics; receives: {args.receives:,} messages, {BATCH} "
+        f"per receive + {BATCH} acks; ACL: {args.users} users x 3 entries"
     )
     for kind in ("send", "receive"):
-        print(
-            f"  {kind}: off {median[f'{kind} off']:,.0f} msg/s, on {median[f'{kind} on']:,.0f} msg/s (medians; "
-            f"rounds off {', '.join(f'{x:,.0f}' for x in rates[f'{kind} off'])}, "
-            f"on {', '.join(f'{x:,.0f}' for x in rates[f'{kind} on'])}); broker CPU per message "
-            f"off {cpu_median[f'{kind} off']:.0f} µs, on {cpu_median[f'{kind} on']:.0f} µs"
-        )
+        for side in SIDES:
+            key = f"{kind} {side}"
+            each = ", ".join(f"{x:,.0f}" for x in rates[key])
+            print(f"  {key}: {median[key]:,.0f} msg/s (rounds {each}); broker CPU {cpu_median[key]:.0f} µs/msg")
     for kind in ("send", "receive"):
         ratio = median[f"{kind} on"] / median[f"{kind} off"]
         print(f"FIGURE {kind} throughput ACL on ÷ off: {ratio:.3f} (goal >= 0.95)", flush=True)
+    for kind in ("send", "receive"):
+        ratio = median[f"{kind} on"] / median[f"{kind} auth"]
+        cpu_ratio = cpu_median[f"{kind} on"] / cpu_median[f"{kind} off"]
+        print(f"  {kind}: ACL on ÷ client auth {ratio:.3f}; broker CPU per message ACL on ÷ off {cpu_ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -369,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-access-key and --admin-secret-key go together")
     if config.admin_anonymous and config.admin_access_key:
         raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
+    if config.acl and config.admin_anonymous:
+        # The admin pair is the super user that manages users, and brokers of a cluster sign their calls with it.
+        raise SystemExit("--acl needs the admin key pair: it excludes --admin-anonymous")
     if config.admin_port > 0 and config.admin_port == config.port:
         raise SystemExit("--admin-port must differ from --port (-1 serves admin on --port)")
     if config.admin_port >= 0 and config.processes > 1:
