@@ -23,6 +23,11 @@ rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``
 
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
+Under ``--acl`` (users and policies, ``lmq_broker.access``) the v2 calls are signed by users: the service's
+handler wrappers (``guard``) check them with a ``Verifier`` over the users' key pairs (the admin pair among
+them, as the super user), which remembers each signature for the second it covers and leaves the call's user
+in ``USER`` for the access checks (``authorizing``); ``AuthInterceptor`` is not installed then.
+
 The admin service (``lmq.admin.v1``) has a key pair of its own, checked (``AdminGuard``) whether or not the
 v2 clients have one: client credentials are handed to every application, and must not let one tenant
 delete another's topics. The same scheme and date-time window apply; only ``--admin-anonymous``
@@ -262,27 +267,21 @@ else:
 
 
 class AuthInterceptor(_Interceptor):
-    """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``, or with ``secret_of`` by
-    one of a table of pairs (``--acl``: the users); wire it only when client auth or access control is on.
-    Other services pass: health checks are open, the admin service has ``AdminGuard``."""
+    """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``; wire it only when client
+    auth is configured (without ``--acl``, whose users' signatures the v2 handlers' wrappers check with a
+    ``Verifier``). Other services pass: health checks are open, the admin service has ``AdminGuard``."""
 
     def __init__(
         self,
-        access_key: str = "",
-        secret_key: str = "",
+        access_key: str,
+        secret_key: str,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], datetime] = utc_now,
-        *,
-        secret_of: Callable[[str], str | None] | None = None,
     ) -> None:
-        if secret_of is None:
-            if not access_key or not secret_key:
-                raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
-
-            def secret_of(credential: str) -> str | None:
-                return secret_key if hmac.compare_digest(credential.encode(), access_key.encode()) else None
-
-        self._secret_of = secret_of
+        if not access_key or not secret_key:
+            raise ValueError("AuthInterceptor needs a non-empty access key and secret key")
+        self._access_key = access_key
+        self._secret_key = secret_key
         self._max_skew_s = max_skew_s
         self._clock = clock
         self._replies = _status_replies()
@@ -295,9 +294,10 @@ class AuthInterceptor(_Interceptor):
         method = handler_call_details.method
         if not method.startswith(V2_PREFIX):
             return await continuation(handler_call_details)
-        problem = check_signed(
+        problem = check(
             handler_call_details.invocation_metadata,
-            self._secret_of,
+            self._access_key,
+            self._secret_key,
             now=self._clock(),
             max_skew_s=self._max_skew_s,
         )
