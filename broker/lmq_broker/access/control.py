@@ -51,22 +51,23 @@ class AccessControl:
             else policy.Subject(policy.User(super_keys[0], super_keys[1], super_user=True), (), False)
         )
         self.doc = document.Document()
-        self._rules = policy.Rules()
-        self._cache: dict[CacheKey, bool] = {}
+        # The rules and the answers they gave, swapped together (``load`` may run in a worker thread while the
+        # event loop decides): an answer of old rules can only land in the old cache, which is dropped.
+        self._state: tuple[policy.Rules, dict[CacheKey, bool]] = (policy.Rules(), {})
         self.refused: Counter[tuple[str, str]] = Counter()  # (user, action) -> refusals
         self.generation = 0  # bumped by every load
         self._clock = clock
         self._logged: dict[tuple[str, str, str], tuple[float, int]] = {}
 
     def load(self, doc: document.Document) -> None:
-        rules = doc.rules()
-        self.doc, self._rules, self._cache = doc, rules, {}
-        self.generation += 1
+        self._state = (doc.rules(), {})
+        self.doc = doc
+        self.generation += 1  # after the swap: whoever remembers answers by generation drops them then
 
-    def _subject(self, name: str) -> policy.Subject | None:
+    def _subject(self, name: str, rules: policy.Rules | None = None) -> policy.Subject | None:
         if self._super is not None and name == self._super.user.name:
             return self._super
-        return self._rules.subject(name)
+        return (rules or self._state[0]).subject(name)
 
     def secret_of(self, name: str) -> str | None:
         """The secret a signature or an MQTT password of ``name`` must match; None: no such enabled user."""
@@ -74,12 +75,12 @@ class AccessControl:
         return subject.user.secret if subject is not None and subject.user.enabled else None
 
     def allows(self, user: str, action: policy.Action, target: policy.Target, peer: str = "") -> bool:
-        subject = self._subject(user)
+        rules, cache = self._state
+        subject = self._subject(user, rules)
         if subject is None:
             return False
         source = policy.source_of(peer) if subject.by_source else None
         key = (user, action, target, source)
-        cache = self._cache
         found = cache.get(key)
         if found is None:
             found = subject.allows(action, target, source)
@@ -97,7 +98,7 @@ class AccessControl:
     @property
     def cached(self) -> int:
         """Decisions remembered now."""
-        return len(self._cache)
+        return len(self._state[1])
 
     def check(self, user: str, action: policy.Action, target: policy.Target, peer: str = "") -> None:
         """Raise ``errors.Forbidden`` (counted) unless ``user`` may do ``action`` on ``target``; a no-op with
