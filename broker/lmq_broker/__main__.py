@@ -68,6 +68,11 @@ HELP: Final[dict[str, str]] = {
     "<data-dir>/admin-credentials.json on first start)",
     "admin_secret_key": "secret key matching --admin-access-key",
     "admin_anonymous": "DEVELOPMENT ONLY: serve admin calls to anyone, unsigned",
+    "acl": "access control: v2 calls must be signed by a user (lmq-admin user put) and MQTT CONNECTs name one; "
+    "each call is checked against the policies (lmq-admin acl put), default deny; refusals are FORBIDDEN (40300) "
+    "/ MQTT 0x87",
+    "acl_cache_entries": "access decisions remembered per broker, by user, action, resource (and address where a "
+    "policy names networks); emptied when full, and on every user or policy change (0: none)",
     "cluster_secret": "secret the brokers of a cluster sign their calls to each other with, the same on every broker "
     "(default: derived from the admin secret key; serve --processes N alone generates one)",
     "auth_max_skew_ms": "signed calls: how far x-mq-date-time may be from the broker's UTC clock (0: unchecked)",
@@ -199,6 +204,8 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "admin_access_key",
         "admin_secret_key",
         "admin_anonymous",
+        "acl",
+        "acl_cache_entries",
         "auth_max_skew_ms",
         "tls_cert",
         "tls_key",
@@ -368,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-access-key and --admin-secret-key go together")
     if config.admin_anonymous and config.admin_access_key:
         raise SystemExit("--admin-anonymous and --admin-access-key exclude each other")
+    if config.acl and config.admin_anonymous:
+        # The admin pair is the super user that manages users, and brokers of a cluster sign their calls with it.
+        raise SystemExit("--acl needs the admin key pair: it excludes --admin-anonymous")
     if config.admin_port > 0 and config.admin_port == config.port:
         raise SystemExit("--admin-port must differ from --port (-1 serves admin on --port)")
     if config.admin_port >= 0 and config.processes > 1:

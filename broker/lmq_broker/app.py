@@ -26,6 +26,9 @@ import grpc
 import prometheus_client
 
 from lmq_broker import errors, heap, model
+from lmq_broker.access import control as access_control
+from lmq_broker.access import document
+from lmq_broker.access.control import AccessControl
 from lmq_broker.admin import backups, credentials, expiry
 from lmq_broker.admin import service as admin_service
 from lmq_broker.cluster import links, mqtt_link, setup
@@ -113,6 +116,7 @@ class Broker:
         self.metrics_port = 0
         self.mqtt_port = 0
         self.mqtt: MqttServer | None = None
+        self.access: AccessControl | None = None  # users and policies (--acl), once started
         self.ready = False
         self._server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None  # --admin-port
@@ -176,7 +180,10 @@ class Broker:
             "outcome",
             backups.TALLY.outcomes,
         )
-        edge = Edge(self.dispatcher, config, metrics=self.metrics)
+        access = self.access = AccessControl(config.acl, admin_keys, cache_entries=config.acl_cache_entries)
+        access.load(document.decode(await asyncio.to_thread(self.store.get_access)))
+        self.metrics.registry.register(access_control.Collector(access))
+        edge = Edge(self.dispatcher, config, metrics=self.metrics, access=access)
         self.metrics.watch_parking(edge.polls, edge.streams, edge.telemetry_buffer)
         cluster = self.cluster = setup.Cluster(
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
@@ -198,6 +205,7 @@ class Broker:
             admin_keys=admin_keys,
             cluster=cluster,
             mqtt=lambda: self.mqtt,
+            access=access,
         )
         self.port = edge.port = grpc_server.bind(server, config)
         self.admin_port = self.port
@@ -217,6 +225,7 @@ class Broker:
                     admin_keys=admin_keys,
                     cluster=cluster,
                     mqtt=lambda: self.mqtt,
+                    access=access,
                 )
             else:
                 shared.add_generic_rpc_handlers((grpc_server.AdminElsewhere(lambda: self.admin_port),))
@@ -228,7 +237,7 @@ class Broker:
         cluster.serve()
         if config.mqtt_port >= 0:
             owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
-            self.mqtt = MqttServer(self.dispatcher, config, owners)
+            self.mqtt = MqttServer(self.dispatcher, config, owners, access)
             self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
             mqtt = self.mqtt
             self.metrics.registry.register(

@@ -112,6 +112,10 @@ class BrokerConfig(BaseModel):
     admin_access_key: str = ""
     admin_secret_key: str = ""
     admin_anonymous: bool = False
+    # Users and access policies (lmq_broker.access; docs/security.md): every v2 call is signed by a user and
+    # checked against the policies, MQTT CONNECTs name a user; default deny. Off: any caller may do anything.
+    acl: bool = False
+    acl_cache_entries: int = Field(default=65_536, ge=0)  # decisions remembered (emptied when full); 0: none
     # Brokers of a cluster sign their calls to each other with this (lmq_broker.cluster.trust); empty: derived
     # from admin_secret_key, which every broker of a cluster shares.
     cluster_secret: str = ""

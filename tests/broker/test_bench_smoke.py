@@ -11,6 +11,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 EXPECTED = {
+    "bench_acl.py": ["FIGURE send throughput ACL on ÷ off:", "FIGURE receive throughput ACL on ÷ off:"],
     "bench_backup.py": [
         "FIGURE snapshot under the write lock:",
         "FIGURE backup over gRPC:",

@@ -54,6 +54,11 @@ def test_bad_values_exit_with_a_message() -> None:
         parse(["--port", "70000"], {})
 
 
+def test_acl_refuses_an_anonymous_admin_service(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--acl needs the admin key pair"):
+        cli.main(["serve", "--data-dir", str(tmp_path), "--acl", "--admin-anonymous"])
+
+
 def test_help_documents_flags_and_variables() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "lmq_broker", "serve", "--help"], capture_output=True, text=True, check=True, timeout=60

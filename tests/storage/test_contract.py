@@ -553,6 +553,14 @@ def test_the_membership_is_one_opaque_text(store: api.Store) -> None:
     assert store.get_membership() == '{"members": ["a:1"]}'
 
 
+def test_users_and_policies_are_one_opaque_text(store: api.Store) -> None:
+    assert store.get_access() is None
+    store.put_access('{"users": [{"name": "a"}]}')
+    store.put_access('{"users": []}')
+    assert store.get_access() == '{"users": []}'
+    assert store.get_membership() is None  # a record of its own
+
+
 # --- retention ---------------------------------------------------------------------------------------
 
 

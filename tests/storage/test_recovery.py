@@ -334,6 +334,7 @@ def test_deleting_the_index_keeps_offsets_control_metadata_and_consume_times(
     run = model.ReclaimRun("P", "run-1", 1_000, 2_000, scanned=3, expired=2, reclaimed=2)
     s.put_reclaim_run(run)
     s.put_membership('{"members": ["a:1"]}')
+    s.put_access('{"users": []}')
     clock.advance(5000)
     s.commit_offset(LMQ_A, "g", 2)
     consumed_a = clock()
@@ -355,6 +356,7 @@ def test_deleting_the_index_keeps_offsets_control_metadata_and_consume_times(
     assert s.get_quota("parent:P") == model.Quota("parent:P", max_lite_topics=10)
     assert s.get_reclaim_run("P") == run
     assert s.get_membership() == '{"members": ["a:1"]}'
+    assert s.get_access() == '{"users": []}'  # users and policies are not derived from the log
 
 
 def test_offsets_and_metadata_in_an_index_from_before_the_meta_store_are_moved(

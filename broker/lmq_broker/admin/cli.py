@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Final, TextIO, TypeVar
 
 from lmq_broker import errors, model
-from lmq_broker.admin import backup_cli, credentials, tls
+from lmq_broker.admin import access_cli, backup_cli, credentials, tls
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import GroupInfo, GroupLag, LiteTopicPage
 from lmq_broker.cluster import membership as mb
@@ -434,6 +434,8 @@ def _parser() -> argparse.ArgumentParser:
     put.add_argument("--max-send-rate", type=int, default=-1, help="messages per second")
     verb(quotas, "delete", lambda c, a: c.delete_quota(a.scope), "delete").add_argument("scope")
     verb(quotas, "list", lambda c, a: c.list_quotas(), "list all")
+
+    access_cli.add(resources, verb)
 
     lites = resources.add_parser("lite-topic", help="lite topics").add_subparsers(
         dest="verb", required=True, metavar="VERB"

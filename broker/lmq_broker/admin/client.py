@@ -78,6 +78,8 @@ from lmq_broker import model
 from lmq_broker.admin import convert, credentials, everywhere, restoring
 from lmq_broker.admin.convert import COMPARE_COLUMNS, LITE_TOPIC_COLUMNS
 from lmq_broker.admin.results import (
+    AclEntry,
+    AclPut,
     Applied,
     BrokerInfo,
     ClientInfo,
@@ -92,6 +94,9 @@ from lmq_broker.admin.results import (
     ParentTopicDeletion,
     ParentTopicInfo,
     ReclaimRecording,
+    UserDeletion,
+    UserInfo,
+    UserPut,
 )
 from lmq_broker.admin.tls import ClientTls
 from lmq_broker.dispatch.offsets import OffsetPolicy, OffsetReset
@@ -252,6 +257,38 @@ class AsyncAdminClient:
     async def list_quotas(self) -> list[model.Quota]:
         reply = await self._unary("ListQuotas", pb.ListQuotasRequest())
         return [convert.quota_from_pb(q) for q in reply.quotas]
+
+    # --- users and access control ----------------------------------------------------------------------
+    async def put_user(self, name: str, secret: str = "", *, super_user: bool = False, enabled: bool = True) -> UserPut:
+        """``secret`` empty: keep the user's own (a new user needs one)."""
+        user = pb.User(name=name, secret=secret, super_user=super_user, disabled=not enabled)
+        reply = await self._unary("PutUser", pb.PutUserRequest(user=user))
+        return UserPut(reply.user.name, reply.user.super_user, not reply.user.disabled, reply.created)
+
+    async def get_user(self, name: str) -> UserInfo:
+        return _user_info(await self._unary("GetUser", pb.GetUserRequest(name=name)))
+
+    async def delete_user(self, name: str) -> UserDeletion:
+        reply = await self._unary("DeleteUser", pb.DeleteUserRequest(name=name))
+        return UserDeletion(reply.deleted, reply.acl_entries_deleted)
+
+    async def list_users(self) -> list[UserInfo]:
+        return [_user_info(u) for u in (await self._unary("ListUsers", pb.ListUsersRequest())).users]
+
+    async def put_acl(self, entries: Sequence[AclEntry]) -> AclPut:
+        request = pb.PutAclRequest(entries=[_acl_to_pb(e) for e in entries])
+        reply = await self._unary("PutAcl", request)
+        return AclPut(reply.created, tuple(_acl_from_pb(e) for e in reply.entries))
+
+    async def get_acl(self, user: str) -> list[AclEntry]:
+        return [_acl_from_pb(e) for e in (await self._unary("GetAcl", pb.GetAclRequest(user=user))).entries]
+
+    async def delete_acl(self, user: str, resource: str = "", decision: str = "") -> int:
+        request = pb.DeleteAclRequest(user=user, resource=resource, decision=decision)
+        return int((await self._unary("DeleteAcl", request)).deleted)
+
+    async def list_acls(self) -> list[AclEntry]:
+        return [_acl_from_pb(e) for e in (await self._unary("ListAcls", pb.ListAclsRequest())).entries]
 
     # --- lite topics and clients ------------------------------------------------------------------------
     async def describe_lite_topic(self, parent: str, lite: str) -> LiteTopicDescription:
@@ -483,6 +520,30 @@ class AdminClient:
     def describe_lite_topic(self, parent: str, lite: str) -> LiteTopicDescription:
         return self._loop.run(self.aio.describe_lite_topic(parent, lite))
 
+    def put_user(self, name: str, secret: str = "", *, super_user: bool = False, enabled: bool = True) -> UserPut:
+        return self._loop.run(self.aio.put_user(name, secret, super_user=super_user, enabled=enabled))
+
+    def get_user(self, name: str) -> UserInfo:
+        return self._loop.run(self.aio.get_user(name))
+
+    def delete_user(self, name: str) -> UserDeletion:
+        return self._loop.run(self.aio.delete_user(name))
+
+    def list_users(self) -> list[UserInfo]:
+        return self._loop.run(self.aio.list_users())
+
+    def put_acl(self, entries: Sequence[AclEntry]) -> AclPut:
+        return self._loop.run(self.aio.put_acl(entries))
+
+    def get_acl(self, user: str) -> list[AclEntry]:
+        return self._loop.run(self.aio.get_acl(user))
+
+    def delete_acl(self, user: str, resource: str = "", decision: str = "") -> int:
+        return self._loop.run(self.aio.delete_acl(user, resource, decision))
+
+    def list_acls(self) -> list[AclEntry]:
+        return self._loop.run(self.aio.list_acls())
+
     def list_lite_topics(self, parent: str = "", *, start_after: str = "", limit: int = 100) -> LiteTopicPage:
         return self._loop.run(self.aio.list_lite_topics(parent, start_after=start_after, limit=limit))
 
@@ -584,3 +645,21 @@ class AdminClient:
                 self._loop.run(stop())
 
         return restoring.receive(stream(), target, progress)
+
+
+def _user_info(reply: pb.GetUserResponse) -> UserInfo:
+    return UserInfo(reply.user.name, reply.user.super_user, not reply.user.disabled, reply.acl_entries)
+
+
+def _acl_to_pb(entry: AclEntry) -> pb.AclEntry:
+    return pb.AclEntry(
+        user=entry.user,
+        resource=entry.resource,
+        actions=list(entry.actions),
+        decision=entry.decision,
+        sources=list(entry.sources),
+    )
+
+
+def _acl_from_pb(entry: pb.AclEntry) -> AclEntry:
+    return AclEntry(entry.user, entry.resource, tuple(entry.actions), entry.decision, tuple(entry.sources))

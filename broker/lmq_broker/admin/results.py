@@ -145,3 +145,43 @@ class GroupLag:
     # waiting in lite topics of the bind topic the group neither consumed nor subscribes (not lag)
     unclaimed_messages: int = 0
     unclaimed_topics: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UserInfo:
+    """A user as the broker shows it: never its secret."""
+
+    name: str
+    super_user: bool
+    enabled: bool
+    acl_entries: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UserPut:
+    name: str
+    super_user: bool
+    enabled: bool
+    created: bool
+    secret: str = ""  # only when lmq-admin generated it: shown this once, never again
+
+
+@dataclass(frozen=True, slots=True)
+class UserDeletion:
+    deleted: bool
+    acl_entries_deleted: int
+
+
+@dataclass(frozen=True, slots=True)
+class AclEntry:
+    user: str
+    resource: str
+    actions: tuple[str, ...]
+    decision: str = "Allow"
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AclPut:
+    created: int
+    entries: tuple[AclEntry, ...]

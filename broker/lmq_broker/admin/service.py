@@ -21,6 +21,8 @@ import grpc
 from typing_extensions import override
 
 from lmq_broker import errors, model
+from lmq_broker.access import policy
+from lmq_broker.access.control import AccessControl
 from lmq_broker.admin import (
     backups,
     catalog,
@@ -30,6 +32,7 @@ from lmq_broker.admin import (
     inspection,
     membership,
     reclaiming,
+    users,
     validation,
 )
 from lmq_broker.cluster import trust
@@ -68,14 +71,16 @@ def register(
     clock: Callable[[], datetime] = auth.utc_now,
     cluster: Cluster | None = None,
     mqtt: Callable[[], MqttServer | None] = lambda: None,
+    access: AccessControl | None = None,
 ) -> None:
     """Add the LmqAdmin service to the broker's server (before it starts), answering only calls signed with
     ``admin_keys``; None serves anyone (``--admin-anonymous``, and harnesses that test the service itself).
     Its calls count against ``admission`` (the v2 service's, in a broker); ``cluster`` is the broker's place
     among its peers (GetCluster/SetCluster answer Unsupported without it); ``mqtt`` its MQTT listener, once it
-    runs (``MqttRetained`` answers none without it)."""
+    runs (``MqttRetained`` answers none without it); ``access`` the broker's access control, which user and
+    acl changes reload."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
-    servicer = AdminServicer(store, live, config, cluster, mqtt)
+    servicer = AdminServicer(store, live, config, cluster, mqtt, access=access)
     handler = guard.strict_generic_handler(service, servicer, admission, waits=frozenset({"AwaitLiteReady"}))
     if admin_keys is not None:
         handler = auth.AdminGuard(handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock)
@@ -120,8 +125,11 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         config: BrokerConfig,
         cluster: Cluster | None = None,
         mqtt: Callable[[], MqttServer | None] = lambda: None,
+        *,
+        access: AccessControl | None = None,
     ) -> None:
         self._store = store
+        self._users = users.Users(store, access or AccessControl(config.acl))
         self._mqtt = mqtt
         self._live = live
         self._config = config
@@ -423,3 +431,60 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @_edge
     async def SetCluster(self, request: pb.SetClusterRequest, context: Context) -> pb.SetClusterResponse:
         return await membership.change(self._cluster_or_refuse(), self._store, request)
+
+    # --- users and access control (docs/security.md, "Access control") ---------------------------------
+    @override
+    @_edge
+    async def PutUser(self, request: pb.PutUserRequest, context: Context) -> pb.PutUserResponse:
+        user, created = await asyncio.to_thread(self._users.put_user, users.user_from_pb(request.user))
+        await self._everywhere.send_on(context, "PutUser", request)
+        return pb.PutUserResponse(user=users.user_to_pb(user), created=created)
+
+    @override
+    @_edge
+    async def GetUser(self, request: pb.GetUserRequest, context: Context) -> pb.GetUserResponse:
+        user, entries = await asyncio.to_thread(self._users.get_user, request.name)
+        return pb.GetUserResponse(user=users.user_to_pb(user), acl_entries=entries)
+
+    @override
+    @_edge
+    async def DeleteUser(self, request: pb.DeleteUserRequest, context: Context) -> pb.DeleteUserResponse:
+        deleted, entries = await asyncio.to_thread(self._users.delete_user, request.name)
+        await self._everywhere.send_on(context, "DeleteUser", request)
+        return pb.DeleteUserResponse(deleted=deleted, acl_entries_deleted=entries)
+
+    @override
+    @_edge
+    async def ListUsers(self, request: pb.ListUsersRequest, context: Context) -> pb.ListUsersResponse:
+        found = await asyncio.to_thread(self._users.list_users)
+        return pb.ListUsersResponse(
+            users=[pb.GetUserResponse(user=users.user_to_pb(u), acl_entries=n) for u, n in found]
+        )
+
+    @override
+    @_edge
+    async def PutAcl(self, request: pb.PutAclRequest, context: Context) -> pb.PutAclResponse:
+        entries = [users.entry_from_pb(e) for e in request.entries]
+        stored, created = await asyncio.to_thread(self._users.put_entries, entries)
+        await self._everywhere.send_on(context, "PutAcl", request)
+        return pb.PutAclResponse(entries=[users.entry_to_pb(e) for e in stored], created=created)
+
+    @override
+    @_edge
+    async def GetAcl(self, request: pb.GetAclRequest, context: Context) -> pb.GetAclResponse:
+        found = await asyncio.to_thread(self._users.get_entries, request.user)
+        return pb.GetAclResponse(entries=[users.entry_to_pb(e) for e in found])
+
+    @override
+    @_edge
+    async def DeleteAcl(self, request: pb.DeleteAclRequest, context: Context) -> pb.DeleteAclResponse:
+        decision = policy.decision_of(request.decision) if request.decision else None
+        deleted = await asyncio.to_thread(self._users.delete_entries, request.user, request.resource, decision)
+        await self._everywhere.send_on(context, "DeleteAcl", request)
+        return pb.DeleteAclResponse(deleted=deleted)
+
+    @override
+    @_edge
+    async def ListAcls(self, request: pb.ListAclsRequest, context: Context) -> pb.ListAclsResponse:
+        found = await asyncio.to_thread(self._users.list_entries)
+        return pb.ListAclsResponse(entries=[users.entry_to_pb(e) for e in found])

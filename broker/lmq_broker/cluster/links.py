@@ -169,11 +169,14 @@ class Links:
 
     def v2_headers(self, method: str, caller: context.Caller | None = None) -> Headers:
         """Headers of a v2 call to a peer: the peer header, the client's id and namespace (``caller``), and a
-        client signature when client auth is on."""
+        client signature when client auth is on. Under ``--acl`` the signature is the admin pair's, the super
+        user: the broker the client called has checked the client's rights (``protocol.authorizing``)."""
         headers: Headers = (self.peer_header(V2 + method),)
         if caller is not None:
             headers += ((context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace))
-        if self.config.access_key:
+        if self.config.acl and self._admin_keys is not None and self._admin_keys[0]:
+            headers += auth.sign_metadata(self._admin_keys[0], self._admin_keys[1], datetime.now(UTC))
+        elif self.config.access_key:
             headers += auth.sign_metadata(self.config.access_key, self.config.secret_key, datetime.now(UTC))
         return headers
 

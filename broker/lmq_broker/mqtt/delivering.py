@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Protocol
 
 from lmq_broker import errors
@@ -84,6 +84,10 @@ class Deliveries:
     def __init__(self, link: Link) -> None:
         self.link = link
         self.out: dict[int, Out] = {}
+        # message id -> packet id: a QoS 2 delivery restored after a restart whose PUBCOMP came before its message
+        # was handed out again (its lease died with the process): that message is settled then, never sent, and
+        # its packet id (still recorded in the durable store until then) is not reused meanwhile
+        self.completed: dict[str, int] = {}
         self._acks: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> PUBACKed, not settled there yet
         self._unsettled = 0  # receipts in _acks or being settled
         self._acks_ready = asyncio.Event()
@@ -199,10 +203,17 @@ class Deliveries:
                 return
             group, held = share.group, shared
         now = link.dispatcher.wall_clock()
-        held_by_id = {o.message_id for o in self.out.values() if o.released and o.message_id}
+        held_by_id = {o.message_id: i for i, o in self.out.items() if o.released and o.message_id}
+        forget: list[int] = []  # packet ids of completed restored deliveries, forgotten once settled
         for d in deliveries:
-            if d.message_id in held_by_id:  # the client has it (PUBREC before a restart): settled, not sent again
+            taken = held_by_id.get(d.message_id) if d.message_id else None
+            if taken is not None:  # the client has it (PUBREC before a restart): settled, not sent again
                 settle.append(d.receipt)
+                self.out[taken] = replace(self.out[taken], message_id="")  # its PUBCOMP only forgets the id
+                continue
+            if d.message_id and d.message_id in self.completed:  # ... and completed it since: the same
+                settle.append(d.receipt)
+                forget.append(self.completed.pop(d.message_id))
                 continue
             levels = d.lite.split(wildcards.LEVEL_SEPARATOR)
             props = d.properties
@@ -240,6 +251,8 @@ class Deliveries:
                 await link.dispatcher.ack(group, receipt, client_id=consumer)
             except errors.LmqError as exc:
                 log.info("mqtt client %s: delivery not settled: %s", link.client_id, exc.message)
+        if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
+            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
 
     def publish_bytes(
         self,
@@ -305,7 +318,7 @@ class Deliveries:
 
     def _packet_id(self) -> int:
         for packet_id in self._ids:
-            if packet_id not in self.out:
+            if packet_id not in self.out and (not self.completed or packet_id not in self.completed.values()):
                 return packet_id
         raise AssertionError("unreachable: packet ids cycle forever")
 

@@ -59,7 +59,7 @@ async def read_connect(link: Link) -> codec.Connect | None:
 
 async def refuse(link: Link, connect: codec.Connect) -> None:
     """A CONNECT over a cap or otherwise refused (``limits.refusal``): answered, counted, and the end."""
-    refused = limits.refusal(connect, link.config)
+    refused = limits.refusal(connect, link.config, link.host.access, link.address)
     if refused is None:
         return
     code, counted = refused
@@ -74,6 +74,7 @@ async def refuse(link: Link, connect: codec.Connect) -> None:
 def settle(link: Link, connect: codec.Connect) -> Properties:
     """The session's settings from the CONNECT; the CONNACK's properties (5.0; none for 3.1.1)."""
     link.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
+    link.user = connect.username or ""
     link.group = group_of(link.client_id)
     if connect.properties is None:
         link.expiry_s = 0 if connect.clean_session else None

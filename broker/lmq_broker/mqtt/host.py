@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt import durable, framing, shares, stats, wills
 from lmq_broker.mqtt.owners import Owners
@@ -42,8 +44,13 @@ class Host(Protocol):
     share_members: shares.Members  # the members of each shared subscription connected here
     wills: wills.Wills
     stopping: bool
+    access: AccessControl  # users and policies (--acl): ``authorizing``
 
     async def take_over(self, connection: Client, clean_start: bool) -> None: ...
+
+    def authorize_publish(self, user: str, address: str, topic: str) -> None: ...  # errors.Forbidden (--acl)
+
+    def authorize_subscribe(self, user: str, address: str, parent: str, levels: wildcards.Filter) -> None: ...
 
     def owner(self, client_id: str) -> Client | None: ...
 

@@ -14,8 +14,9 @@ import contextlib
 import hmac
 from typing import Final
 
+from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
-from lmq_broker.mqtt import codec, properties, stats, topics
+from lmq_broker.mqtt import authorizing, codec, properties, stats, topics
 from lmq_broker.mqtt.properties import Properties, Reason
 
 CONNECT_FIELDS_BYTES: Final = 64 * 1024  # a CONNECT's bytes besides its will: ids, names, password, properties
@@ -89,9 +90,12 @@ def will_bytes(will: codec.Will) -> int:
     return len(will.topic.encode()) + len(will.payload) + props
 
 
-def refusal(connect: codec.Connect, config: BrokerConfig) -> tuple[int, str] | None:
+def refusal(
+    connect: codec.Connect, config: BrokerConfig, access: AccessControl | None = None, host: str = ""
+) -> tuple[int, str] | None:
     """Why ``connect`` is refused: a ConnectCode (3.1.1, translated for 5.0) or a 5.0 reason code, and the
-    ``stats`` reason when a cap refused it (else ""); None when it is accepted."""
+    ``stats`` reason when a cap refused it (else ""); None when it is accepted. Under ``--acl`` (``access``
+    enabled) its user name and password must be a user's (``authorizing``)."""
     v5 = connect.level == codec.LEVEL_5
     if not connect.client_id and not connect.clean_session and not v5:
         return codec.ConnectCode.IDENTIFIER_REJECTED, ""  # MQTT-3.1.3-8 (5.0 assigns one, MQTT-3.1.3-6)
@@ -108,6 +112,9 @@ def refusal(connect: codec.Connect, config: BrokerConfig) -> tuple[int, str] | N
         delay = (will.properties or properties.NONE).will_delay_s or 0
         if delay > config.mqtt_max_will_delay_s:
             return Reason.QUOTA_EXCEEDED, stats.WILL_DELAY
+    if access is not None and access.enabled:
+        code = authorizing.connect_refusal(access, connect, host)
+        return None if code is None else (code, "")
     if config.access_key:
         if connect.username is None or connect.password is None:
             return codec.ConnectCode.NOT_AUTHORIZED, ""

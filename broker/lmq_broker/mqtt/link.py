@@ -43,6 +43,7 @@ class Link:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
         self.address = peer[0] if isinstance(peer, tuple) else _BOOT_HOST
         self.client_id = ""
+        self.user = ""  # the CONNECT's user name: under --acl a user's, checked at the CONNECT (``authorizing``)
         self.group = ""
         self.v5 = False
         self.level = codec.LEVEL_3_1_1  # what packets after the CONNECT are read at

@@ -147,6 +147,7 @@ class Publishes:
         try:
             parent, _ = topics.lite_of(packet.topic, link.config.max_lite_topic_size)
             (await link.dispatcher.metadata()).lite_parent(parent)
+            link.host.authorize_publish(link.user, link.address, packet.topic)
         except (topics.TopicError, errors.LmqError) as exc:
             return reason_of(exc), str(exc)
         p = packet.properties

@@ -67,6 +67,13 @@ class Releases:
         out = self.deliveries.out.get(packet_id)
         if out is None or not out.released:
             return  # not ours, or completed twice: nothing to settle
+        if not out.receipt and out.message_id and not out.remote:
+            # restored after a restart: its message comes again (its lease died), settled then and not sent
+            # (``Deliveries.completed``); its packet id stays recorded until then, for a crash before that
+            self.deliveries.completed[out.message_id] = packet_id
+            del self.deliveries.out[packet_id]
+            await self.deliveries.settle(packet_id, out)
+            return
         await self._record([], [packet_id])
         del self.deliveries.out[packet_id]
         await self.deliveries.settle(packet_id, out)

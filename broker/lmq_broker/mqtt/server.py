@@ -23,10 +23,11 @@ import ssl
 from typing import Final
 
 from lmq_broker import errors
+from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import codec, durable, framing, host, limits, matching, shares, stats, storing, wills
+from lmq_broker.mqtt import authorizing, codec, durable, framing, host, limits, matching, shares, stats, storing, wills
 from lmq_broker.mqtt.connection import Connection
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
@@ -38,8 +39,15 @@ EXPIRY_SWEEP_S: Final = 60.0  # how often sessions past their expiry interval ar
 
 
 class MqttServer:
-    def __init__(self, dispatcher: Dispatcher, config: BrokerConfig, owners: Owners | None = None) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        config: BrokerConfig,
+        owners: Owners | None = None,
+        access: AccessControl | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
+        self.access = access or AccessControl(False)  # users and policies (--acl): ``mqtt.authorizing``
         self.owners = owners  # a cluster's: publishes are stored at their lite topics' owners (None: alone)
         self.config = config
         self.durable = durable.Durable(config.store.data_dir)
@@ -127,6 +135,14 @@ class MqttServer:
             raise errors.BrokerUnavailable("the broker is shutting down")
         now = self.dispatcher.wall_clock()
         return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True)
+
+    def authorize_publish(self, user: str, address: str, topic: str) -> None:
+        """Under ``--acl``: ``errors.Forbidden`` unless ``user`` may publish to ``topic`` (``authorizing``)."""
+        authorizing.publish(self.access, user, address, topic)
+
+    def authorize_subscribe(self, user: str, address: str, parent: str, levels: wildcards.Filter) -> None:
+        """Under ``--acl``: ``errors.Forbidden`` unless ``user`` may subscribe to the filter."""
+        authorizing.subscribe(self.access, user, address, parent, levels)
 
     def owner(self, client_id: str) -> host.Client | None:
         return self._clients.get(client_id)

@@ -59,6 +59,7 @@ class Sharing:
         share = shares.parse(text)
         parent, levels = topics.subscription_of(share.filter)
         snap.lite_parent(parent)
+        self.link.host.authorize_subscribe(self.link.user, self.link.address, parent, levels)
         consumer = shares.consumer_of(share.group, parent, self.link.group)
         return shares.Member(share, parent, levels, options, consumer)
 
@@ -69,7 +70,8 @@ class Sharing:
         try:
             member = self._member(text, options, snap)
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
-            return self._refused(text, str(exc), Reason.TOPIC_FILTER_INVALID if link.v5 else failure)
+            refused = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
+            return self._refused(text, str(exc), refused if link.v5 else failure)
         if link.cluster is not None:
             code = Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if link.v5 else failure
             return self._refused(text, "shared subscriptions are served by a broker outside a cluster", code)

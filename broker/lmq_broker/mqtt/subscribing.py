@@ -94,8 +94,10 @@ class Subscriptions:
             try:
                 parent, levels = topics.subscription_of(text)
                 snap.lite_parent(parent)
+                link.host.authorize_subscribe(link.user, link.address, parent, levels)
             except (topics.TopicError, errors.LmqError) as exc:
-                codes.append(Reason.TOPIC_FILTER_INVALID if link.v5 else failure)
+                code = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
+                codes.append(code if link.v5 else failure)
                 link.host.stats.refusals.refused(
                     link.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
                 )

@@ -23,6 +23,11 @@ rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``
 
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
+Under ``--acl`` (users and policies, ``lmq_broker.access``) the v2 calls are signed by users: the service's
+handler wrappers (``guard``) check them with a ``Verifier`` over the users' key pairs (the admin pair among
+them, as the super user), which remembers each signature for the second it covers and leaves the call's user
+in ``USER`` for the access checks (``authorizing``); ``AuthInterceptor`` is not installed then.
+
 The admin service (``lmq.admin.v1``) has a key pair of its own, checked (``AdminGuard``) whether or not the
 v2 clients have one: client credentials are handed to every application, and must not let one tenant
 delete another's topics. The same scheme and date-time window apply; only ``--admin-anonymous``
@@ -34,9 +39,12 @@ admin client, which may share an interpreter with the official client and its ow
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
@@ -79,6 +87,19 @@ def sign_metadata(access_key: str, secret_key: str, now: datetime) -> tuple[tupl
     return ((DATE_TIME, date_time), (AUTHORIZATION, header))
 
 
+def credential_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The access key a call is signed with (its user, once the signature was checked); "" when unsigned."""
+    for key, value in metadata or ():
+        if key == AUTHORIZATION and isinstance(value, str):
+            start = value.find("Credential=")
+            if start < 0:
+                return ""
+            start += len("Credential=")
+            end = value.find(",", start)
+            return (value[start:] if end < 0 else value[start:end]).strip()
+    return ""
+
+
 def check(
     metadata: Sequence[tuple[str, str | bytes]] | None,
     access_key: str,
@@ -89,6 +110,21 @@ def check(
 ) -> str | None:
     """None when the call is signed with our key pair; otherwise why not (safe to show the caller).
     With ``max_skew_s`` > 0 the signed date-time must also lie within that many seconds of ``now``."""
+
+    def secret_of(credential: str) -> str | None:
+        return secret_key if hmac.compare_digest(credential.encode(), access_key.encode()) else None
+
+    return check_signed(metadata, secret_of, now=now, max_skew_s=max_skew_s)
+
+
+def check_signed(
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    secret_of: Callable[[str], str | None],
+    *,
+    now: datetime | None = None,
+    max_skew_s: float = 0.0,
+) -> str | None:
+    """As ``check``, for a table of key pairs: ``secret_of`` gives the secret of an access key (None: unknown)."""
     headers: dict[str, str] = {}
     for key, value in metadata or ():
         if isinstance(value, str):
@@ -112,7 +148,8 @@ def check(
         return f"malformed authorization header: no {', '.join(missing)}"
     if fields["SignedHeaders"].lower() != DATE_TIME:
         return f"SignedHeaders must be {DATE_TIME}"
-    if not hmac.compare_digest(fields["Credential"].encode(), access_key.encode()):
+    secret_key = secret_of(fields["Credential"])
+    if secret_key is None:
         return "unknown access key"
     if not hmac.compare_digest(fields["Signature"].lower().encode(), signature(secret_key, date_time).encode()):
         return "signature does not match"
@@ -125,6 +162,75 @@ def check(
         if skew > max_skew_s:
             return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {max_skew_s:.0f} s)"
     return None
+
+
+# The user a v2 call is signed by, once ``Verifier`` accepted it ("" before, or when it refused): grpc.aio runs
+# every call in a task of its own, so each call sees its own user, and the handlers need not parse it again.
+USER: Final[contextvars.ContextVar[str]] = contextvars.ContextVar("lmq_user", default="")
+VERIFIED_ENTRIES: Final = 4096  # signatures a Verifier remembers (each is reused for the second it covers)
+
+
+class Verifier:
+    """``check_signed`` for the v2 service under ``--acl``, with memory: a client signs the date-time only, to
+    the second, so one signature comes again on every call of that second; its check (parse, lookup, HMAC) is
+    done once and remembered, and only the date-time window is checked per call. ``version`` changes when the
+    key pairs do (a user deleted, disabled or given a new secret): everything remembered is dropped then."""
+
+    def __init__(
+        self,
+        secret_of: Callable[[str], str | None],
+        max_skew_s: float = DEFAULT_MAX_SKEW_S,
+        clock: Callable[[], float] = time.time,
+        version: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """``clock``: the UTC time in seconds since the epoch."""
+        self._secret_of = secret_of
+        self._max_skew_s = max_skew_s
+        self._clock = clock
+        self._version = version
+        self._seen_version = version()
+        self._verified: dict[tuple[str, str], tuple[str | None, float | None, str]] = {}
+
+    def __call__(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """None when the call is signed by a known key pair within the window (and ``USER`` is its user);
+        else why not."""
+        header = date_time = ""
+        for key, value in metadata or ():
+            if key == AUTHORIZATION and isinstance(value, str):
+                header = value
+            elif key == DATE_TIME and isinstance(value, str):
+                date_time = value
+        version = self._version()
+        if version != self._seen_version:
+            self._verified.clear()
+            self._seen_version = version
+        found = self._verified.get((header, date_time))
+        if found is None:
+            problem = check_signed(((AUTHORIZATION, header), (DATE_TIME, date_time)), self._secret_of)
+            signed_at = None
+            with contextlib.suppress(ValueError):
+                signed_at = datetime.strptime(date_time, DATE_TIME_FORMAT).replace(tzinfo=UTC).timestamp()
+            if len(self._verified) >= VERIFIED_ENTRIES:
+                self._verified.clear()
+            user = credential_of(((AUTHORIZATION, header),)) if problem is None else ""
+            found = self._verified[(header, date_time)] = (problem, signed_at, user)
+        problem, signed_at, user = found
+        if problem is not None:
+            USER.set("")
+            return problem
+        if self._max_skew_s <= 0:
+            USER.set(user)
+            return None
+        if signed_at is None:
+            USER.set("")
+            return f"{DATE_TIME} is not a date-time like 20260102T030405Z"
+        skew = abs(self._clock() - signed_at)
+        if skew > self._max_skew_s:
+            limit = self._max_skew_s
+            USER.set("")
+            return f"{DATE_TIME} {date_time} is {skew:.0f} s from the broker's UTC clock (at most {limit:.0f} s)"
+        USER.set(user)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +268,8 @@ else:
 
 class AuthInterceptor(_Interceptor):
     """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``; wire it only when client
-    auth is configured. Other services pass: health checks are open, the admin service has ``AdminGuard``."""
+    auth is configured (without ``--acl``, whose users' signatures the v2 handlers' wrappers check with a
+    ``Verifier``). Other services pass: health checks are open, the admin service has ``AdminGuard``."""
 
     def __init__(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.protocol import convert, parking
@@ -24,6 +25,7 @@ class Edge:
     cluster: ClusterCalls | None = None  # in a cluster (docs/scale-out.md; set by cluster.setup); None: alone
     external_port: int = 0  # the external listener's bound port (--external-port), 0 without one
     external_address: str = ""  # this lone broker's external host:port (cluster.external), empty: none given
+    access: AccessControl = field(default_factory=lambda: AccessControl(False))  # users and policies (--acl)
     polls: parking.Parking = field(init=False)  # ReceiveMessage long polls parked, by client id and connection
     streams: parking.Parking = field(init=False)  # Telemetry streams open, by client id and connection
     telemetry_buffer: parking.Budget = field(init=False)  # bytes of Telemetry replies not yet read, in all

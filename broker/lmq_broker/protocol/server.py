@@ -78,8 +78,10 @@ def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[st
 
 
 def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Server:
+    """Under ``--acl`` the v2 calls' signatures are checked by the service's handlers (``add_messaging_service``),
+    by the users' key pairs; else by ``auth.AuthInterceptor`` with the client pair, when one is configured."""
     interceptors: Sequence[Interceptor] = ()
-    if config.access_key:
+    if config.access_key and not config.acl:
         interceptors = (
             auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
         )
@@ -95,7 +97,14 @@ def add_messaging_service(
     server: grpc.aio.Server, edge: Edge, admitting: Admission | None = None, *, external: bool = False
 ) -> MessagingService:
     service = MessagingService(edge, external=external)
-    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting),))
+    access = edge.access
+    authenticate = None
+    if access.enabled:  # --acl: signed by a user (or the admin pair, the super user)
+        config = edge.config
+        authenticate = auth.Verifier(
+            access.secret_of, config.auth_max_skew_ms / 1000, version=lambda: access.generation
+        )
+    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting, authenticate),))
     return service
 
 

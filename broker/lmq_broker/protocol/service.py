@@ -11,6 +11,7 @@ implementation; this module is the one place that chooses.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +22,7 @@ from google.protobuf import message as pb_message
 from typing_extensions import override
 
 from lmq_broker import errors
-from lmq_broker.protocol import status
+from lmq_broker.protocol import authorizing, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -55,6 +56,17 @@ class _Reply(Protocol):
 
 Req = TypeVar("Req", bound=pb_message.Message)
 Resp = TypeVar("Resp", bound=pb_message.Message)
+Check = Callable[[str], object]  # (the call's peer) -> None, or an awaitable of None; raises when refused
+
+
+async def _after(checking: Awaitable[object], answer: Callable[[], Awaitable[Resp]]) -> Resp:
+    """``answer()`` once ``checking`` passed: the handler's coroutine is not even made for a refused call."""
+    await checking
+    return await answer()
+
+
+async def _raising(exc: Exception) -> Any:
+    raise exc
 
 
 def _waits(request: spb.ReceiveMessageRequest) -> bool:
@@ -71,6 +83,20 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self.edge = edge
         self.external = external
         self.refusals = RefusalLog()
+        self.gate = authorizing.Gate(edge.access)
+
+    def _guard(self, context: Context, check: Check, answer: Callable[[], Awaitable[Resp]]) -> Awaitable[Resp]:
+        """``answer()``, after ``check`` when access control is on (``--acl``); a refusal, as an awaitable that
+        raises it, for ``_answer`` to turn into the response's status."""
+        if not self.gate.enabled:
+            return answer()
+        try:
+            checking = check(context.peer())
+        except errors.LmqError as exc:
+            return cast("Awaitable[Resp]", _raising(exc))
+        if inspect.isawaitable(checking):
+            return _after(checking, answer)
+        return answer()
 
     async def _unary(
         self,
@@ -79,8 +105,14 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         request: Req,
         context: Context,
         response: type[Resp],
+        *,
+        check: Check | None = None,
     ) -> Resp:
         caller = Caller.of(context.invocation_metadata(), external=self.external)
+        if check is not None:
+            return await self._answer(
+                method, self._guard(context, check, lambda: handler(self.edge, request, caller)), response
+            )
         return await self._answer(method, handler(self.edge, request, caller), response)
 
     async def _answer(self, method: str, answering: Awaitable[Resp], response: type[Resp]) -> Resp:
@@ -104,7 +136,15 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     # --- served -----------------------------------------------------------------------------------------
     @override
     async def QueryRoute(self, request: spb.QueryRouteRequest, context: Context) -> spb.QueryRouteResponse:
-        return await self._unary("QueryRoute", query_route.handle, request, context, spb.QueryRouteResponse)
+        gate = self.gate
+        return await self._unary(
+            "QueryRoute",
+            query_route.handle,
+            request,
+            context,
+            spb.QueryRouteResponse,
+            check=lambda peer: gate.route(peer, request),
+        )
 
     @override
     async def Heartbeat(self, request: spb.HeartbeatRequest, context: Context) -> spb.HeartbeatResponse:
@@ -114,7 +154,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
         # Who sends does not matter to a send alone (auth, when configured, has checked the signature already),
         # so the call's headers are not parsed: this is the one RPC where that saves a measurable share.
-        cluster = self.edge.cluster
+        # Under --acl the user is read from them: one pass over a few headers.
+        cluster, gate = self.edge.cluster, self.gate
+        if gate.enabled:
+            sending = self._guard(
+                context,
+                lambda peer: gate.send(peer, request),
+                (lambda: cluster.send(request, context.invocation_metadata))
+                if cluster is not None
+                else (lambda: send_message.handle(self.edge, request)),
+            )
+            return await self._answer("SendMessage", sending, spb.SendMessageResponse)
         if cluster is not None:
             return await self._answer(
                 "SendMessage", cluster.send(request, context.invocation_metadata), spb.SendMessageResponse
@@ -125,8 +175,14 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def QueryAssignment(
         self, request: spb.QueryAssignmentRequest, context: Context
     ) -> spb.QueryAssignmentResponse:
+        gate = self.gate
         return await self._unary(
-            "QueryAssignment", query_assignment.handle, request, context, spb.QueryAssignmentResponse
+            "QueryAssignment",
+            query_assignment.handle,
+            request,
+            context,
+            spb.QueryAssignmentResponse,
+            check=lambda peer: gate.consume(peer, request.group.name, request.topic.name),
         )
 
     @override
@@ -138,6 +194,9 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         parked: tuple[str, str] | None = None
         try:
             caller = Caller.of(context.invocation_metadata())
+            if self.gate.enabled:
+                topic = request.message_queue.topic.name
+                self.gate.consume(context.peer(), request.group.name, topic)
             if caller.client_id and _waits(request):
                 parked = (caller.client_id, context.peer())
                 refused = self._park_poll(*parked)
@@ -181,22 +240,33 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def AckMessage(self, request: spb.AckMessageRequest, context: Context) -> spb.AckMessageResponse:
-        cluster = self.edge.cluster
+        cluster, gate = self.edge.cluster, self.gate
+
+        def check(peer: str) -> None:
+            gate.ack(peer, request)
+
         if cluster is not None:
             caller = Caller.of(context.invocation_metadata(), external=self.external)
-            return await self._answer("AckMessage", cluster.ack(request, caller), spb.AckMessageResponse)
-        return await self._unary("AckMessage", ack_message.handle, request, context, spb.AckMessageResponse)
+            acking = self._guard(context, check, lambda: cluster.ack(request, caller))
+            return await self._answer("AckMessage", acking, spb.AckMessageResponse)
+        return await self._unary(
+            "AckMessage", ack_message.handle, request, context, spb.AckMessageResponse, check=check
+        )
 
     @override
     async def ForwardMessageToDeadLetterQueue(
         self, request: spb.ForwardMessageToDeadLetterQueueRequest, context: Context
     ) -> spb.ForwardMessageToDeadLetterQueueResponse:
-        cluster = self.edge.cluster
+        cluster, gate = self.edge.cluster, self.gate
+
+        def check(peer: str) -> None:
+            gate.consume(peer, request.group.name, request.topic.name, request.lite_topic)
+
         if cluster is not None:
             caller = Caller.of(context.invocation_metadata(), external=self.external)
             return await self._answer(
                 "ForwardMessageToDeadLetterQueue",
-                cluster.dead_letter(request, caller),
+                self._guard(context, check, lambda: cluster.dead_letter(request, caller)),
                 spb.ForwardMessageToDeadLetterQueueResponse,
             )
         return await self._unary(
@@ -205,6 +275,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             request,
             context,
             spb.ForwardMessageToDeadLetterQueueResponse,
+            check=check,
         )
 
     @override
@@ -241,12 +312,16 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def ChangeInvisibleDuration(
         self, request: spb.ChangeInvisibleDurationRequest, context: Context
     ) -> spb.ChangeInvisibleDurationResponse:
-        cluster = self.edge.cluster
+        cluster, gate = self.edge.cluster, self.gate
+
+        def check(peer: str) -> None:
+            gate.consume(peer, request.group.name, request.topic.name, request.lite_topic)
+
         if cluster is not None:
             caller = Caller.of(context.invocation_metadata(), external=self.external)
             return await self._answer(
                 "ChangeInvisibleDuration",
-                cluster.change_invisible(request, caller),
+                self._guard(context, check, lambda: cluster.change_invisible(request, caller)),
                 spb.ChangeInvisibleDurationResponse,
             )
         return await self._unary(
@@ -255,18 +330,24 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             request,
             context,
             spb.ChangeInvisibleDurationResponse,
+            check=check,
         )
 
     @override
     async def SyncLiteSubscription(
         self, request: spb.SyncLiteSubscriptionRequest, context: Context
     ) -> spb.SyncLiteSubscriptionResponse:
-        cluster = self.edge.cluster
+        cluster, gate = self.edge.cluster, self.gate
+        caller = Caller.of(context.invocation_metadata(), external=self.external)
+        max_chars = self.edge.config.max_lite_topic_size
+
+        def check(peer: str) -> Awaitable[None]:
+            return gate.sync_lite(peer, request, caller, max_chars)
+
         if cluster is not None:
-            caller = Caller.of(context.invocation_metadata(), external=self.external)
             return await self._answer(
                 "SyncLiteSubscription",
-                cluster.sync_lite(request, caller, context.invocation_metadata),
+                self._guard(context, check, lambda: cluster.sync_lite(request, caller, context.invocation_metadata)),
                 spb.SyncLiteSubscriptionResponse,
             )
         return await self._unary(
@@ -275,6 +356,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             request,
             context,
             spb.SyncLiteSubscriptionResponse,
+            check=check,
         )
 
     # --- not served -------------------------------------------------------------------------------------

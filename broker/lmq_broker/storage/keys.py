@@ -28,6 +28,7 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     X      X "layout"                       u32 layout version (LAYOUT_VERSION)
     X      X "clean"                        u64 close time: written (synced) by a clean close, removed at open (meta)
     X      X "membership"                   JSON cluster membership set over the admin service (synced; meta)
+    X      X "access"                       JSON users and access policies (``access.document``; synced; meta)
     H      H qkey u64be(first_offset)       u64 end: offsets [first, end) of the queue the log lost (a
                                             quarantined record, a missing segment, a reconciled next):
                                             the only offsets between min and next a reader may skip
@@ -76,6 +77,7 @@ LAYOUT_KEY: Final = b"Xlayout"
 CLEAN_KEY: Final = b"Xclean"  # meta: present only between a clean close and the next open
 SYNC_SESSION_KEY: Final = b"Xsync"  # meta: the session that wrote last ran with sync flush throughout
 MEMBERSHIP_KEY: Final = b"Xmembership"  # meta: the cluster membership the admin service last set
+ACCESS_KEY: Final = b"Xaccess"  # meta: users and access policies (``access.document``)
 META_PROBE_KEY: Final = b"Xprobe"  # written by a readiness probe to learn whether the meta store can write
 TOTAL_COUNT_KEY: Final = COUNT
 

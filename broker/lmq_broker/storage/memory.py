@@ -87,6 +87,7 @@ class MemoryStore:
         self._quotas: dict[str, model.Quota] = {}
         self._reclaims: dict[str, model.ReclaimRun] = {}
         self._membership: str | None = None
+        self._access: str | None = None
         self._records: deque[_Record] = deque()
         self._bytes = 0
         self._names = keys.NameCache()
@@ -407,6 +408,16 @@ class MemoryStore:
         self._check_open()
         with self._lock:
             return self._membership
+
+    def put_access(self, text: str) -> None:
+        self._check_open()
+        with self._lock:
+            self._access = text
+
+    def get_access(self) -> str | None:
+        self._check_open()
+        with self._lock:
+            return self._access
 
     def put_reclaim_run(self, run: model.ReclaimRun) -> None:
         self._check_open()

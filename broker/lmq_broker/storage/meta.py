@@ -2,7 +2,8 @@
 
 Consumer offsets (``O``) and the acked offsets and hand-outs above them (``A``), lite topics' last consume
 times (``C``), parent topics, groups, quotas and reclaim runs (``T G U R``), the cluster membership set over
-the admin service (``X membership``) and two session markers (``X clean``, ``X sync``); ``keys`` documents
+the admin service (``X membership``), users and access policies (``X access``) and two session markers
+(``X clean``, ``X sync``); ``keys`` documents
 every key and value. No log can recreate these, so damage stops the broker
 with a repair path (``repair_meta``) where a damaged index is rebuilt.
 
@@ -365,6 +366,14 @@ class Meta:
 
     def get_membership(self) -> str | None:
         value = self.get(keys.MEMBERSHIP_KEY)
+        return None if value is None else bytes(value).decode()
+
+    def put_access(self, text: str) -> None:
+        """Synced: a revoked right must stay revoked after a power cut."""
+        self._put(keys.ACCESS_KEY, text.encode(), synced=True)
+
+    def get_access(self) -> str | None:
+        value = self.get(keys.ACCESS_KEY)
         return None if value is None else bytes(value).decode()
 
     def _put(self, key: bytes, value: bytes, *, synced: bool = False) -> None:

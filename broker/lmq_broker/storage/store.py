@@ -383,6 +383,12 @@ class LmqStore:
     def get_membership(self) -> str | None:
         return self._meta.get_membership()
 
+    def put_access(self, text: str) -> None:
+        self._meta.put_access(text)
+
+    def get_access(self) -> str | None:
+        return self._meta.get_access()
+
     # --- maintenance ---------------------------------------------------------------------------------
 
     def apply_retention(self, stop: Callable[[], bool] | None = None) -> api.RetentionReport:

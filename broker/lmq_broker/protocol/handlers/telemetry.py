@@ -21,7 +21,7 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata
-from lmq_broker.protocol import convert, status
+from lmq_broker.protocol import auth, authorizing, convert, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -206,6 +206,8 @@ class _Replies:
 
 async def settings_reply(edge: Edge, settings: pb.Settings, caller: Caller) -> spb.TelemetryCommand:
     try:
+        if edge.access.enabled:
+            authorizing.settings(edge.access, auth.USER.get(), caller.peer, settings)
         merged = await _merge(edge, settings, caller)
     except errors.LmqError as exc:
         log.info("settings of client %s refused: %s", caller.client_id, exc.message)

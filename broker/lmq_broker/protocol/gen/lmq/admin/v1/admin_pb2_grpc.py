@@ -174,6 +174,46 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupResponse.FromString,
                 _registered_method=True)
+        self.PutUser = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/PutUser',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutUserRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutUserResponse.FromString,
+                _registered_method=True)
+        self.GetUser = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/GetUser',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetUserRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetUserResponse.FromString,
+                _registered_method=True)
+        self.DeleteUser = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/DeleteUser',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteUserRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteUserResponse.FromString,
+                _registered_method=True)
+        self.ListUsers = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/ListUsers',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListUsersRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListUsersResponse.FromString,
+                _registered_method=True)
+        self.PutAcl = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/PutAcl',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutAclRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutAclResponse.FromString,
+                _registered_method=True)
+        self.GetAcl = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/GetAcl',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetAclRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetAclResponse.FromString,
+                _registered_method=True)
+        self.DeleteAcl = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/DeleteAcl',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteAclRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteAclResponse.FromString,
+                _registered_method=True)
+        self.ListAcls = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/ListAcls',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListAclsRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListAclsResponse.FromString,
+                _registered_method=True)
 
 
 class LmqAdminServicer:
@@ -347,6 +387,54 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutUser(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUser(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteUser(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUsers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutAcl(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAcl(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAcl(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAcls(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LmqAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -489,6 +577,46 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.Backup,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupResponse.SerializeToString,
+            ),
+            'PutUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutUser,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutUserRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutUserResponse.SerializeToString,
+            ),
+            'GetUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUser,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetUserRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetUserResponse.SerializeToString,
+            ),
+            'DeleteUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteUser,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteUserRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteUserResponse.SerializeToString,
+            ),
+            'ListUsers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUsers,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListUsersRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListUsersResponse.SerializeToString,
+            ),
+            'PutAcl': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutAcl,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutAclRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.PutAclResponse.SerializeToString,
+            ),
+            'GetAcl': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAcl,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetAclRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.GetAclResponse.SerializeToString,
+            ),
+            'DeleteAcl': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAcl,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteAclRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteAclResponse.SerializeToString,
+            ),
+            'ListAcls': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAcls,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListAclsRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.ListAclsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1247,6 +1375,222 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/Backup',
             lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.BackupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/PutUser',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.PutUserRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.PutUserResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/GetUser',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetUserRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetUserResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/DeleteUser',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteUserRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteUserResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUsers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/ListUsers',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.ListUsersRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.ListUsersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutAcl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/PutAcl',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.PutAclRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.PutAclResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAcl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/GetAcl',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetAclRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.GetAclResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAcl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/DeleteAcl',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteAclRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.DeleteAclResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAcls(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/ListAcls',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.ListAclsRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.ListAclsResponse.FromString,
             options,
             channel_credentials,
             insecure,

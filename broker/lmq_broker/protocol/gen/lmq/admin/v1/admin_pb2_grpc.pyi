@@ -61,6 +61,14 @@ class LmqAdminStub:
     MqttRetained: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]
     AwaitLiteReady: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]
     Backup: _grpc.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]
+    PutUser: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PutUserRequest, _admin_pb2.PutUserResponse]
+    GetUser: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetUserRequest, _admin_pb2.GetUserResponse]
+    DeleteUser: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteUserRequest, _admin_pb2.DeleteUserResponse]
+    ListUsers: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListUsersRequest, _admin_pb2.ListUsersResponse]
+    PutAcl: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PutAclRequest, _admin_pb2.PutAclResponse]
+    GetAcl: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetAclRequest, _admin_pb2.GetAclResponse]
+    DeleteAcl: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteAclRequest, _admin_pb2.DeleteAclResponse]
+    ListAcls: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAclsRequest, _admin_pb2.ListAclsResponse]
 
 @_typing.type_check_only
 class LmqAdminAsyncStub(LmqAdminStub):
@@ -93,6 +101,14 @@ class LmqAdminAsyncStub(LmqAdminStub):
     MqttRetained: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]  # type: ignore[assignment]
     AwaitLiteReady: _aio.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]  # type: ignore[assignment]
     Backup: _aio.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]  # type: ignore[assignment]
+    PutUser: _aio.UnaryUnaryMultiCallable[_admin_pb2.PutUserRequest, _admin_pb2.PutUserResponse]  # type: ignore[assignment]
+    GetUser: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetUserRequest, _admin_pb2.GetUserResponse]  # type: ignore[assignment]
+    DeleteUser: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteUserRequest, _admin_pb2.DeleteUserResponse]  # type: ignore[assignment]
+    ListUsers: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListUsersRequest, _admin_pb2.ListUsersResponse]  # type: ignore[assignment]
+    PutAcl: _aio.UnaryUnaryMultiCallable[_admin_pb2.PutAclRequest, _admin_pb2.PutAclResponse]  # type: ignore[assignment]
+    GetAcl: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetAclRequest, _admin_pb2.GetAclResponse]  # type: ignore[assignment]
+    DeleteAcl: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteAclRequest, _admin_pb2.DeleteAclResponse]  # type: ignore[assignment]
+    ListAcls: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAclsRequest, _admin_pb2.ListAclsResponse]  # type: ignore[assignment]
 
 class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -290,5 +306,61 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.BackupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.BackupResponse], _abc.AsyncIterator[_admin_pb2.BackupResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PutUser(
+        self,
+        request: _admin_pb2.PutUserRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PutUserResponse, _abc.Awaitable[_admin_pb2.PutUserResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetUser(
+        self,
+        request: _admin_pb2.GetUserRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetUserResponse, _abc.Awaitable[_admin_pb2.GetUserResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteUser(
+        self,
+        request: _admin_pb2.DeleteUserRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteUserResponse, _abc.Awaitable[_admin_pb2.DeleteUserResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListUsers(
+        self,
+        request: _admin_pb2.ListUsersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListUsersResponse, _abc.Awaitable[_admin_pb2.ListUsersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PutAcl(
+        self,
+        request: _admin_pb2.PutAclRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PutAclResponse, _abc.Awaitable[_admin_pb2.PutAclResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetAcl(
+        self,
+        request: _admin_pb2.GetAclRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetAclResponse, _abc.Awaitable[_admin_pb2.GetAclResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteAcl(
+        self,
+        request: _admin_pb2.DeleteAclRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteAclResponse, _abc.Awaitable[_admin_pb2.DeleteAclResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListAcls(
+        self,
+        request: _admin_pb2.ListAclsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListAclsResponse, _abc.Awaitable[_admin_pb2.ListAclsResponse]]: ...
 
 def add_LmqAdminServicer_to_server(servicer: LmqAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,195 @@
+"""The access policy evaluator, pure: deny wins, default deny, lite resources by literal/prefix/pattern, source
+networks, disabled and super users, and the decision cache following changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmq_broker import errors
+from lmq_broker.access import control, document, policy
+from lmq_broker.access.policy import Action, Decision, Entry, User
+
+PUB, SUB = Action.PUB, Action.SUB
+
+
+def rules(*entries: Entry, users: tuple[User, ...] = ()) -> policy.Rules:
+    users = users or (User("alice", "alice-secret"), User("bob", "bob-secret"))
+    return policy.compile_rules(users, [policy.checked_entry(e) for e in entries])
+
+
+def allows(r: policy.Rules, user: str, action: Action, target: policy.Target, source: str = "") -> bool:
+    subject = r.subject(user)
+    assert subject is not None
+    return subject.allows(action, target, policy.source_of(source) if source else None)
+
+
+def test_default_deny_and_topic_allow_covers_its_lite_topics() -> None:
+    r = rules(Entry("alice", "Topic:chat", (PUB,)))
+    assert allows(r, "alice", PUB, policy.topic("chat"))
+    assert allows(r, "alice", PUB, policy.lite("chat", "anything"))
+    assert not allows(r, "alice", SUB, policy.lite("chat", "anything"))  # another action
+    assert not allows(r, "alice", PUB, policy.topic("other"))
+    assert not allows(r, "bob", PUB, policy.topic("chat"))  # no entry at all
+
+
+def test_deny_wins_over_allow() -> None:
+    r = rules(
+        Entry("alice", "Topic:chat", (PUB, SUB)),
+        Entry("alice", "Lite:chat/secret-*", (SUB,), Decision.DENY),
+    )
+    assert allows(r, "alice", SUB, policy.lite("chat", "public-1"))
+    assert not allows(r, "alice", SUB, policy.lite("chat", "secret-1"))
+    assert allows(r, "alice", PUB, policy.lite("chat", "secret-1"))  # the deny names Sub only
+    assert allows(r, "alice", SUB, policy.under("chat"))  # a deny of some lite topics keeps the route
+
+
+def test_lite_prefix_literal_and_pattern() -> None:
+    r = rules(
+        Entry("alice", "Lite:chat/a-*", (PUB, SUB)),
+        Entry("bob", "Lite:chat/b-session", (PUB,)),
+        Entry("bob", "Lite:chat/t?-*-x", (SUB,)),
+    )
+    assert allows(r, "alice", PUB, policy.lite("chat", "a-1"))
+    assert not allows(r, "alice", PUB, policy.lite("chat", "b-1"))
+    assert not allows(r, "alice", PUB, policy.lite("other", "a-1"))  # the parent is part of the resource
+    assert not allows(r, "alice", PUB, policy.topic("chat"))  # lite rights are not the parent's
+    assert allows(r, "alice", PUB, policy.under("chat"))  # but admit its route
+    assert allows(r, "bob", PUB, policy.lite("chat", "b-session"))
+    assert not allows(r, "bob", PUB, policy.lite("chat", "b-session2"))
+    assert allows(r, "bob", SUB, policy.lite("chat", "t1-abc-x"))
+    assert not allows(r, "bob", SUB, policy.lite("chat", "t12-abc-x"))
+
+
+def test_groups_and_wildcards() -> None:
+    r = rules(Entry("alice", "Group:a-*", (SUB,)), Entry("bob", "*", (PUB, SUB)))
+    assert allows(r, "alice", SUB, policy.group("a-workers"))
+    assert not allows(r, "alice", SUB, policy.group("b-workers"))
+    assert not allows(r, "alice", SUB, policy.topic("a-workers"))  # a group resource is not a topic
+    assert allows(r, "bob", SUB, policy.group("any"))
+    assert allows(r, "bob", PUB, policy.lite("x", "y"))
+
+
+def test_source_networks() -> None:
+    r = rules(
+        Entry("alice", "Topic:chat", (PUB,), sources=("10.0.0.0/8",)),
+        Entry("alice", "Topic:chat", (PUB,), Decision.DENY, sources=("10.9.0.0/16",)),
+    )
+    assert allows(r, "alice", PUB, policy.topic("chat"), "ipv4:10.1.2.3:5555")
+    assert not allows(r, "alice", PUB, policy.topic("chat"), "ipv4:10.9.2.3:5555")  # the deny's network
+    assert not allows(r, "alice", PUB, policy.topic("chat"), "ipv4:192.168.1.1:5555")
+    assert not allows(r, "alice", PUB, policy.topic("chat"))  # no address known: a networked rule does not apply
+    assert policy.source_of("ipv6:%5B::1%5D:40000") == policy.source_of("::1")
+    assert policy.source_of("unix:/tmp/x") is None
+
+
+def test_disabled_and_super_users() -> None:
+    users = (User("alice", "alice-secret", enabled=False), User("root", "root-secret", super_user=True))
+    r = rules(Entry("alice", "*", (PUB,)), users=users)
+    assert not allows(r, "alice", PUB, policy.topic("chat"))
+    assert r.secret_of("alice") is None  # a disabled user cannot sign in either
+    assert allows(r, "root", Action.DELETE, policy.topic("anything"))
+    assert r.secret_of("root") == "root-secret"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        Entry("alice", "Queue:x", (PUB,)),
+        Entry("alice", "Lite:chat", (PUB,)),
+        Entry("alice", "Lite:ch*/x", (PUB,)),
+        Entry("alice", "Topic:", (PUB,)),
+        Entry("alice", "Topic:x", ()),
+        Entry("alice", "Topic:x", (PUB,), sources=("10.0.0.300/8",)),
+        Entry("bad name!", "Topic:x", (PUB,)),
+    ],
+)
+def test_bad_entries_are_refused(entry: Entry) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        policy.checked_entry(entry)
+
+
+def test_control_caches_and_forgets_on_change() -> None:
+    access = control.AccessControl(True, ("admin-key", "admin-secret"))
+    access.load(document.Document((User("alice", "alice-secret"),), (Entry("alice", "Topic:chat", (PUB,)),)))
+    assert access.allows("alice", PUB, policy.topic("chat"))
+    assert access.allows("alice", PUB, policy.topic("chat"))  # from the cache
+    access.load(document.Document((User("alice", "alice-secret"),), ()))
+    assert not access.allows("alice", PUB, policy.topic("chat"))  # the change applies at once
+    assert access.allows("admin-key", Action.CREATE, policy.topic("any"))  # the admin pair is super
+    assert access.secret_of("admin-key") == "admin-secret"
+    with pytest.raises(errors.Forbidden, match="user alice may not Pub on Topic:chat"):
+        access.check("alice", PUB, policy.topic("chat"))
+    with pytest.raises(errors.Forbidden, match=r"user \(anonymous\)"):
+        access.check("mallory", PUB, policy.topic("chat"))
+    assert access.refused == {("alice", "Pub"): 1, ("(anonymous)", "Pub"): 1}
+    control.AccessControl(False).check("nobody", PUB, policy.topic("chat"))  # off: everything passes
+
+
+def test_document_round_trip_keeps_everything() -> None:
+    doc = document.Document(
+        (User("alice", "alice-secret", super_user=False, enabled=False),),
+        (Entry("alice", "Lite:chat/a-*", (PUB, SUB), Decision.DENY, ("10.0.0.0/8",)),),
+    )
+    assert document.decode(document.encode(doc)) == doc
+    assert document.decode(None) == document.Document()
+    changed = document.with_entries(doc, [Entry("alice", "Lite:chat/a-*", (SUB,), Decision.DENY)])
+    assert changed.entries == (Entry("alice", "Lite:chat/a-*", (SUB,), Decision.DENY),)
+    assert document.without_user(changed, "alice") == document.Document()
+    assert "alice-secret" not in repr(doc.users[0])
+
+
+def test_the_decision_cache_is_bounded() -> None:
+    access = control.AccessControl(True, cache_entries=3)
+    access.load(document.Document((User("alice", "alice-secret"),), (Entry("alice", "Lite:chat/a-*", (PUB,)),)))
+    for n in range(10):
+        assert access.allows("alice", PUB, policy.lite("chat", f"a-{n}"))
+        assert access.cached <= 3
+    access.load(access.doc)
+    assert access.cached == 0  # a change forgets every answer
+    off = control.AccessControl(True, cache_entries=0)
+    off.load(access.doc)
+    assert off.allows("alice", PUB, policy.lite("chat", "a-1")) and off.cached == 0
+
+
+def test_the_verifier_remembers_a_signature_for_its_second_and_forgets_on_change() -> None:
+    from datetime import UTC, datetime, timedelta  # noqa: PLC0415 (only this test needs them)
+
+    from lmq_broker.protocol import auth  # noqa: PLC0415
+
+    secrets = {"alice": "alice-secret"}
+    version = [0]
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+    def clock() -> float:  # reads ``now`` as the test moves it
+        return now.timestamp()
+
+    verify = auth.Verifier(secrets.get, 60.0, clock=clock, version=lambda: version[0])
+    signed = auth.sign_metadata("alice", "alice-secret", now)
+    assert verify(signed) is None and auth.USER.get() == "alice"
+    assert verify(auth.sign_metadata("alice", "wrong", now)) == "signature does not match"
+    assert auth.USER.get() == ""  # a refused call has no user
+    now += timedelta(seconds=120)
+    assert "from the broker's UTC clock" in (verify(signed) or "")  # remembered, yet the window still applies
+    now -= timedelta(seconds=120)
+    secrets["alice"] = "new-secret"
+    assert verify(signed) is None  # remembered: the key pairs did not change as far as it knows
+    version[0] += 1
+    assert verify(signed) == "signature does not match"  # told of the change: checked again
+
+
+def test_the_gate_remembers_admitted_consumers_until_a_change() -> None:
+    from lmq_broker.protocol import auth, authorizing  # noqa: PLC0415 (only these tests need the protocol)
+
+    access = control.AccessControl(True)
+    alice = (User("alice", "alice-secret"),)
+    allowed = (Entry("alice", "Lite:chat/a-*", (SUB,)), Entry("alice", "Group:g", (SUB,)))
+    access.load(document.Document(alice, allowed))
+    gate = authorizing.Gate(access)
+    auth.USER.set("alice")
+    gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")
+    gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # remembered
+    with pytest.raises(errors.Forbidden):
+        gate.consume("ipv4:127.0.0.1:1", "other", "chat", "a-1")
+    access.load(document.Document(alice, (*allowed, Entry("alice", "Lite:chat/a-1", (SUB,), Decision.DENY))))
+    with pytest.raises(errors.Forbidden, match="Sub on Lite:chat/a-1"):
+        gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # the change applies at once

@@ -1,0 +1,107 @@
+"""Access control across a cluster of two whole brokers in this process (real ports, real stores): a user
+and its policies put through one broker reach the other; a send through one broker is decided there and
+forwarded to the owner, which trusts its peer (signed with the admin pair, the peer header); a policy change
+made through either broker applies on both from the next call."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from lmq_broker import app, model
+from lmq_broker.cluster import membership as mb
+from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.protocol import auth
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.supervisor import free_ports
+
+PARENT = "P"
+ADMIN = ("admin-ak", "admin-sk")
+ALICE = ("alice", "alice-secret-1")
+pytestmark = pytest.mark.asyncio
+
+
+@pytest_asyncio.fixture
+async def brokers(tmp_path: Path) -> AsyncIterator[list[app.Broker]]:
+    ports = free_ports("127.0.0.1", 2)
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    started = []
+    for slot, port in enumerate(ports):
+        config = dispatch_testing.config_for(
+            tmp_path / f"b{slot}", host="127.0.0.1", port=port, metrics_port=-1, peers=members, ordinal=slot,
+            admin_access_key=ADMIN[0], admin_secret_key=ADMIN[1], acl=True,
+        )  # fmt: skip
+        store = lmq_store.open_store(config.store)
+        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+        broker = app.Broker(config, store=store)
+        await broker.start()
+        started.append(broker)
+    yield started
+    for broker in started:
+        await broker.stop(grace_s=0.2)
+
+
+def lites_of(brokers: list[app.Broker], slot: int, prefix: str) -> list[str]:
+    membership = mb.Membership.parse(brokers[0].config.peers)
+    owned = (f"{prefix}-{i}" for i in range(1000))
+    return [x for x in owned if mb.owner(membership, model.QueueId.lmq(PARENT, x).topic) == slot][:2]
+
+
+async def admin_call(broker: app.Broker, method: str, request: object) -> object:
+    async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+        stub = admin_grpc.LmqAdminStub(channel)
+        return await getattr(stub, method)(request, metadata=auth.sign_metadata(*ADMIN, datetime.now(UTC)))
+
+
+async def send(broker: app.Broker, lites: list[str]) -> pb.Status:
+    messages = [
+        pb.Message(
+            topic=pb.Resource(name=PARENT), body=lite.encode(),
+            system_properties=pb.SystemProperties(message_id=f"m-{lite}", message_type=pb.LITE, lite_topic=lite),
+        )
+        for lite in lites
+    ]  # fmt: skip
+    headers = (("x-mq-client-id", "c1"), *auth.sign_metadata(*ALICE, datetime.now(UTC)))
+    async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+        reply = await service_grpc.MessagingServiceStub(channel).SendMessage(
+            spb.SendMessageRequest(messages=messages), metadata=headers
+        )
+    return reply.status
+
+
+def holds(broker: app.Broker, lite: str) -> bool:
+    assert broker.store is not None
+    return broker.store.lite_topic(PARENT, lite) is not None
+
+
+async def test_users_and_policies_reach_every_broker_and_forwarded_sends_are_decided_once(
+    brokers: list[app.Broker],
+) -> None:
+    first, second = brokers
+    await admin_call(first, "PutUser", admin_pb.PutUserRequest(user=admin_pb.User(name=ALICE[0], secret=ALICE[1])))
+    entry = admin_pb.AclEntry(user="alice", resource=f"Lite:{PARENT}/a-*", actions=["Pub"])
+    await admin_call(first, "PutAcl", admin_pb.PutAclRequest(entries=[entry]))
+    for broker in brokers:  # sent on: both know alice and her entry
+        assert broker.access is not None and broker.access.secret_of("alice") == ALICE[1]
+    here, there = lites_of(brokers, 0, "a"), lites_of(brokers, 1, "a")
+    assert (await send(first, here + there)).code == pb.OK  # the owner of ``there`` trusts its peer's copy
+    assert all(holds(first, x) for x in here) and all(holds(second, x) for x in there)
+    forbidden = lites_of(brokers, 1, "b")
+    refused = await send(first, [*here, *forbidden])
+    assert refused.code == pb.FORBIDDEN and "user alice may not Pub on Lite:P/b-" in refused.message
+    assert not any(holds(second, x) or holds(first, x) for x in forbidden)  # nothing stored anywhere
+    deny = admin_pb.AclEntry(user="alice", resource=f"Lite:{PARENT}/{there[0]}", actions=["Pub"], decision="Deny")
+    await admin_call(second, "PutAcl", admin_pb.PutAclRequest(entries=[deny]))  # through the other broker
+    assert (await send(first, [there[0]])).code == pb.FORBIDDEN  # applies on the first at once
+    await admin_call(second, "DeleteUser", admin_pb.DeleteUserRequest(name="alice"))
+    assert (await send(first, here)).code == pb.UNAUTHORIZED  # gone everywhere: she cannot sign in
