@@ -45,6 +45,8 @@ HELP: Final[dict[str, str]] = {
     "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
     "mqtt_port": "MQTT 5.0/3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
+    "mqtt_default_parent": "LITE parent topic (created at start when MQTT is on) holding every MQTT topic whose "
+    'first level names no parent, escaped level by level (docs/mqtt.md "Topic mapping")',
     "mqtt_max_connections": "MQTT sockets open at once; beyond it a CONNECT is refused (5.0: 0x97 quota exceeded, "
     "3.1.1: 0x03 server unavailable)",
     "mqtt_max_connections_per_address": "MQTT sockets open at once from one client IP address; beyond it a CONNECT "
@@ -199,7 +201,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "tls_ca",
         "tls_server_name",
     ),
-    "MQTT (docs/mqtt.md)": ("mqtt_port",),
+    "MQTT (docs/mqtt.md)": ("mqtt_port", "mqtt_default_parent"),
     "memory": ("heap_trim_interval_ms",),
 }
 OTHER_SECTION: Final = "other"

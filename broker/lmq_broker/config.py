@@ -46,6 +46,8 @@ class BrokerConfig(BaseModel):
     advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
     metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
     mqtt_port: int = Field(default=-1, ge=-1, le=65535)  # MQTT 3.1.1 listener (docs/mqtt.md); -1: off
+    # LITE parent of the MQTT topics whose first level names no parent (docs/mqtt.md "Topic mapping")
+    mqtt_default_parent: str = Field(default="mqtt-default", pattern=r"^[A-Za-z0-9_-]{1,127}$")
     # MQTT resource caps (docs/security.md "Resource caps"): sockets open at once, in all and per client address
     # (beyond: CONNACK 0x97 / 3.1.1 0x03, or closed unanswered when even the refusals are too many); a will's
     # payload and its delay (5.0), beyond which the CONNECT is refused (0x95 / 0x97; 3.1.1: 0x05).

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
-from lmq_broker.mqtt import codec, durable, framing, limits, mapping, matching, properties, stats, storing, topics
+from lmq_broker.mqtt import codec, durable, framing, held, limits, mapping, matching, properties, stats, storing, topics
 from lmq_broker.mqtt.owners import Owners, Pulled, Remote
 from lmq_broker.mqtt.properties import Properties, Reason
 
@@ -489,7 +489,7 @@ class Connection:
     async def _refusal_of(self, packet: codec.Publish) -> tuple[int, str] | None:
         """Why the publish cannot be stored (a 5.0 reason code and words), None when it can."""
         try:
-            parent, _ = topics.lite_of(packet.topic, self.config.max_lite_topic_size)
+            parent, _ = (await storing.space_of(self.server)).lite_of(packet.topic)
             (await self.dispatcher.metadata()).lite_parent(parent)
         except (topics.TopicError, errors.LmqError) as exc:
             return _reason_of(exc), str(exc)
@@ -615,10 +615,10 @@ class Connection:
 
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def _restore(self, saved: dict[str, int]) -> None:
+        space = await storing.space_of(self.server)
         for text, options in saved.items():
             with contextlib.suppress(topics.TopicError):
-                parent, levels = topics.subscription_of(text)
-                self.subs.setdefault(parent, {})[levels] = options
+                held.add(self.subs, space.subscriptions_of(text), options & ~held.EXPANDED)
         cluster = self._cluster
         for parent in list(self.subs):
             await self._register(parent)
@@ -638,38 +638,39 @@ class Connection:
     async def _subscribe(self, packet: codec.Subscribe) -> None:
         codes: list[int] = []
         fresh: dict[str, list[wildcards.Filter]] = {}
-        granted: dict[int, tuple[str, wildcards.Filter]] = {}  # index in codes -> the subscription it granted
+        granted: dict[int, list[tuple[str, wildcards.Filter]]] = {}  # index in codes -> what it granted
         no_retained: set[int] = set()  # 5.0 retain handling: granted, but no retained messages now
         failure = codec.SUBACK_FAILURE
         if packet.properties is not None and packet.properties.subscription_ids:
             raise Closed("subscription identifiers are not supported", code=Reason.SUBSCRIPTION_IDS_NOT_SUPPORTED)
         snap = await self.dispatcher.metadata()
+        space = topics.space_of(snap)
         for text, options in packet.filters:
             if self.v5 and text.startswith("$share/"):
                 codes.append(Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED)
                 continue
             try:
-                parent, levels = topics.subscription_of(text)
-                snap.lite_parent(parent)
+                wanted = space.subscriptions_of(text)
+                snap.lite_parent(space.default)
             except (topics.TopicError, errors.LmqError) as exc:
                 codes.append(Reason.TOPIC_FILTER_INVALID if self.v5 else failure)
                 self.server.stats.refusals.refused(
                     self.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
                 )
                 continue
-            held = self.subs.setdefault(parent, {})
-            existed = levels in held
-            if not existed:
-                if sum(map(len, self.subs.values())) >= MAX_FILTERS:
-                    codes.append(Reason.QUOTA_EXCEEDED if self.v5 else failure)
-                    continue
+            existed = held.holds(self.subs, wanted)
+            if not existed and held.count(self.subs, space.default) >= MAX_FILTERS:
+                codes.append(Reason.QUOTA_EXCEEDED if self.v5 else failure)
+                continue
+            kept = options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1)  # QoS 2 -> QoS 1
+            made = held.add(self.subs, wanted, kept)
+            for parent, levels, _ in (m for m in made if not m.existed):
                 fresh.setdefault(parent, []).append(levels)
-            held[levels] = options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1)  # QoS 2 -> QoS 1
             handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
             if handling == 2 or (handling == 1 and existed):
                 no_retained.add(len(codes))
-            granted[len(codes)] = (parent, levels)
-            codes.append(held[levels] & codec.OPTION_QOS)
+            granted[len(codes)] = [(m.parent, m.filter) for m in made]
+            codes.append(kept & codec.OPTION_QOS)
         for parent, new in fresh.items():
             older = [f for f in self.subs[parent] if f not in new]
             try:
@@ -690,17 +691,19 @@ class Connection:
                     await cluster.unsubscribe(self._consumer_id(parent), self.group, parent, new)
                 for f in new:
                     self.subs[parent].pop(f, None)
-                for i, (p, f) in list(granted.items()):
-                    if p == parent and f in new:
+                for i, pairs in list(granted.items()):
+                    if pairs[0][0] == parent and pairs[0][1] in new:  # its own subscription failed
                         codes[i] = _reason_of(exc) if self.v5 else failure
                         del granted[i]
+                    else:  # a named parent a wildcard reaches into: the rest holds
+                        granted[i] = [(p, f) for p, f in pairs if p != parent or f not in new]
                 await self._register(parent)
         if granted and self.persistent:
             await self._save()
         self.writer.write(codec.encode_suback(packet.packet_id, codes, self._ack_props()))
-        wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
-        if wanted:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
-            task = asyncio.get_running_loop().create_task(self._send_all_retained(wanted))
+        sends = [(p, f, codes[i]) for i, pairs in granted.items() if i not in no_retained for p, f in pairs]
+        if sends:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
+            task = asyncio.get_running_loop().create_task(self._send_all_retained(sends))
             self._retained_tasks.add(task)
             task.add_done_callback(self._retained_tasks.discard)
 
@@ -715,17 +718,17 @@ class Connection:
     async def _unsubscribe(self, packet: codec.Unsubscribe) -> None:
         changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
         codes = []
+        space = await storing.space_of(self.server)
         for text in packet.filters:
             try:
-                parent, levels = topics.subscription_of(text)
+                wanted = space.subscriptions_of(text)
             except topics.TopicError:
                 codes.append(Reason.TOPIC_FILTER_INVALID)
                 continue
-            if self.subs.get(parent, {}).pop(levels, None) is not None:
-                changed.setdefault(parent, []).append(levels)
-                codes.append(Reason.SUCCESS)
-            else:
-                codes.append(Reason.NO_SUBSCRIPTION_EXISTED)
+            existed = held.holds(self.subs, wanted)
+            for parent, ended in held.remove(self.subs, space, wanted).items():
+                changed.setdefault(parent, []).extend(ended)
+            codes.append(Reason.SUCCESS if existed else Reason.NO_SUBSCRIPTION_EXISTED)
         cluster = self._cluster
         for parent, ended in changed.items():
             await self._register(parent)
@@ -739,7 +742,7 @@ class Connection:
             self.writer.write(codec.encode_packet_id(codec.UNSUBACK, packet.packet_id))
 
     async def _save(self) -> None:
-        filters = {topics.filter_text(p, f): o for p, held in self.subs.items() for f, o in held.items()}
+        filters = held.texts(self.subs, self.config.mqtt_default_parent)
         await self.dispatcher.run(self.server.durable.save_session, self.client_id, filters, self.expiry_s)
         self._stored = True
 
@@ -750,11 +753,12 @@ class Connection:
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
 
-        await matching.start_at_end(scan, dispatcher.reset_offsets, self.group, parent, new, older)
+        await matching.start_at_end(scan, dispatcher.reset_offsets, self.group, parent, new, older,
+                                    default=self.config.mqtt_default_parent)  # fmt: skip
 
     async def _register(self, parent: str) -> None:
         """Give the dispatcher this session's filters in ``parent``; start or stop the parent's delivery loop."""
-        filters = list(self.subs.get(parent, {}))
+        filters = topics.registered(self.config.mqtt_default_parent, parent, self.subs.get(parent, {}))
         consumer = self._consumer_id(parent)
         await self.dispatcher.subscribe_filters(consumer, self.group, parent, filters)
         task = self._consumers.get(parent)
@@ -861,20 +865,21 @@ class Connection:
     async def _deliver(self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool) -> None:
         """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there)."""
         settle: list[str] = []
-        held = self.subs.get(parent, {})
+        subs = self.subs.get(parent, {})
         now = self.dispatcher.wall_clock()
+        default = self.config.mqtt_default_parent
         for d in deliveries:
-            levels = d.lite.split(wildcards.LEVEL_SEPARATOR)
             props = d.properties
             mine = props.get(mapping.CLIENT) == self.client_id
-            matched = [o for f, o in held.items() if wildcards.matches(f, levels) and not (mine and o & _NO_LOCAL)]
+            matched = [o for f, o in subs.items() if topics.takes(default, parent, f, d.lite, props)
+                       and not (mine and o & _NO_LOCAL)]  # fmt: skip
             if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
                 settle.append(d.receipt)
                 continue
             qos = 0 if props.get(MQTT_QOS_PROPERTY) == "0" else max(o & codec.OPTION_QOS for o in matched)
             retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             packet_id = self._packet_id() if qos else None
-            topic = topics.topic_of(parent, d.lite)
+            topic = topics.topic_in(default, parent, d.lite, props)
             data = self._publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
                                        dup=d.attempt > 1)  # fmt: skip
             if data is None or qos == 0:
@@ -939,14 +944,15 @@ class Connection:
         in-flight window, and each is written once the socket took the one before (``drain``), so a client
         that does not read holds one of them here, not all (``matching.stream_retained``)."""
         now = self.dispatcher.wall_clock()
-        found = matching.stream_retained(self.dispatcher.run, self.server.durable, parent, levels, now, elsewhere)
+        found = matching.stream_retained(self.dispatcher.run, self.server.durable, parent, levels, now, elsewhere,
+                                         default=(default := self.config.mqtt_default_parent))  # fmt: skip
         async for r in found:
             qos = min(r.qos, granted)
             while qos and self._busy >= self.max_inflight:
                 self._room.clear()
                 await self._room.wait()
             packet_id = self._packet_id() if qos else None
-            topic = topics.topic_of(parent, r.lite)
+            topic = topics.topic_in(default, parent, r.lite, r.properties)
             data = self._publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True)
             if data is None:
                 continue

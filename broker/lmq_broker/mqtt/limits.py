@@ -100,7 +100,9 @@ def refusal(connect: codec.Connect, config: BrokerConfig) -> tuple[int, str] | N
     will = connect.will
     if will is not None:
         try:
-            topics.lite_of(will.topic, config.max_lite_topic_size)
+            if not will.topic:
+                raise topics.TopicError("an empty will topic")
+            topics.default_lite(will.topic, config.max_lite_topic_size)  # every other topic has a lite topic
         except topics.TopicError:
             return (Reason.TOPIC_NAME_INVALID if v5 else codec.ConnectCode.NOT_AUTHORIZED), ""  # never publishable
         if will_bytes(will) > config.mqtt_max_will_bytes:

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from lmq_broker import model
 from lmq_broker.dispatch import offsets, wildcards
-from lmq_broker.mqtt import durable, mapping
+from lmq_broker.mqtt import durable, mapping, topics
 
 PAGE: Final = 512
 RETAINED_LIMIT: Final = 10_000  # retained messages one broker answers for one filter
@@ -27,11 +27,16 @@ async def start_at_end(  # noqa: PLR0917 (where, whose, which)
     parent: str,
     new: Sequence[wildcards.Filter],
     older: Sequence[wildcards.Filter],
+    *,
+    default: str = "",
 ) -> int:
     """The group's start in each existing lite topic that only the ``new`` filters match: its end as the scan
     read it (what it held was published before the subscription; what is stored from then on, also while the
     SUBACK is on its way, is delivered). Pages over the range those filters can match; returns how many lite
-    topics moved."""
+    topics moved. In the ``default`` parent hashed names match no level filter: the session takes them all from
+    its first filter there on (``topics.registered``), so they start at their ends then."""
+    if parent == default:
+        new, older = (new, [*older, topics.HASHED]) if older else ([*new, topics.HASHED], older)
     start_after, end_before = wildcards.scan_range(new)
     lites: list[str] = []
     ends: list[int] = []
@@ -63,16 +68,17 @@ def retained(  # noqa: PLR0917 (where, which, when, how many)
     now_ms: int,
     limit: int | None = None,
     tombstones: bool = False,
+    default: str = "",
 ) -> tuple[list[durable.Retained], bool]:
     """The retained messages ``store`` holds that ``levels`` matches and that have not expired, at most
     ``limit`` (None: all); and whether more matched; ``tombstones``: clears kept in a cluster too (an empty payload).
     Blocking (run on the dispatcher's pool)."""
-    start_after, end_before = wildcards.scan_range([levels])
+    start_after, end_before = wildcards.scan_range(topics.registered(default, parent, [levels]))
     found: list[durable.Retained] = []
     for r in store.retained_between(parent, start_after, end_before):
         if (
             (r.payload or tombstones)
-            and wildcards.matches(levels, r.lite.split(wildcards.LEVEL_SEPARATOR))
+            and topics.takes(default, parent, levels, r.lite, r.properties)
             and not mapping.expired(r.properties, now_ms)
         ):
             if limit is not None and len(found) >= limit:
@@ -88,20 +94,22 @@ async def stream_retained(  # noqa: PLR0917 (how, where, which, when, and the cl
     levels: wildcards.Filter,
     now_ms: int,
     elsewhere: Sequence[durable.Retained] | None = None,
+    *,
+    default: str = "",
 ) -> AsyncIterator[durable.Retained]:
     """The retained messages ``levels`` matches, one at a time, in topic order: their keys read a page at a
     time, each payload only when its turn comes (a subscriber sending them at the pace its client reads holds
     one). ``elsewhere`` (in a cluster): the other brokers' retained messages; per topic the newest wins, a
     newest clear leaves none (this broker's keys are then all read first, without payloads)."""
     if elsewhere is None:
-        async for key in _retained_keys(run, store, parent, levels, now_ms, tombstones=False):
+        async for key in _retained_keys(run, store, parent, levels, now_ms, tombstones=False, default=default):
             one = await run(store.retained_one, parent, key.lite)
             if one is not None and one.payload:
                 yield one
         return
     newest = {r.lite: r for r in elsewhere}
     mine: set[str] = set()
-    async for key in _retained_keys(run, store, parent, levels, now_ms, tombstones=True):
+    async for key in _retained_keys(run, store, parent, levels, now_ms, tombstones=True, default=default):
         if key.lite not in newest or newest[key.lite].stored_ms < key.stored_ms:
             newest[key.lite] = key
             mine.add(key.lite)
@@ -114,15 +122,22 @@ async def stream_retained(  # noqa: PLR0917 (how, where, which, when, and the cl
 
 
 async def _retained_keys(
-    run: Run, store: durable.Durable, parent: str, levels: wildcards.Filter, now_ms: int, *, tombstones: bool
+    run: Run,
+    store: durable.Durable,
+    parent: str,
+    levels: wildcards.Filter,
+    now_ms: int,
+    *,
+    tombstones: bool,
+    default: str,
 ) -> AsyncIterator[durable.Retained]:
-    start_after, end_before = wildcards.scan_range([levels])
+    start_after, end_before = wildcards.scan_range(topics.registered(default, parent, [levels]))
     while True:
         page: list[durable.Retained] = await run(store.retained_keys, parent, start_after, end_before, PAGE)
         for r in page:
             if (
                 (r.payload or tombstones)
-                and wildcards.matches(levels, r.lite.split(wildcards.LEVEL_SEPARATOR))
+                and topics.takes(default, parent, levels, r.lite, r.properties)
                 and not mapping.expired(r.properties, now_ms)
             ):
                 yield r

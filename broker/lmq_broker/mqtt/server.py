@@ -123,7 +123,8 @@ class MqttServer:
         if self.stopping:
             raise errors.BrokerUnavailable("the broker is shutting down")
         now = self.dispatcher.wall_clock()
-        return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True)
+        default = self.config.mqtt_default_parent
+        return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True, default)
 
     def owner(self, client_id: str) -> Connection | None:
         return self._clients.get(client_id)
