@@ -44,7 +44,8 @@ HELP: Final[dict[str, str]] = {
     "port": "gRPC port of the v2 MessagingService, and of the lmq admin service unless --admin-port (0: any free port)",
     "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
-    "mqtt_port": "MQTT 5.0/3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
+    "mqtt_port": "MQTT 5.0/3.1.1 port: any topic, <parent>/<lite topic> or in --mqtt-default-parent, over the same "
+    "store (0: any free port, -1: off)",
     "mqtt_default_parent": "LITE parent topic (created at start when MQTT is on) holding every MQTT topic whose "
     'first level names no parent, escaped level by level (docs/mqtt.md "Topic mapping")',
     "mqtt_max_connections": "MQTT sockets open at once; beyond it a CONNECT is refused (5.0: 0x97 quota exceeded, "
