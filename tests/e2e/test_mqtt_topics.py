@@ -134,56 +134,14 @@ def test_mosquitto_clients_with_topics_of_no_parent(broker: BrokerProcess) -> No
     """mosquitto_sub ``+/+`` (3.1.1) and ``#`` (5.0) against mosquitto_pub: ``/TopicA`` and ``TopicA/B`` reach
     ``+/+``; ``sensors/room1/temp`` does not; ``$SYS/x`` reaches neither."""
     port = str(broker.mqtt_port)
-    subs = {
-        "+/+": subprocess.Popen(
-            [
-                "mosquitto_sub",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                port,
-                "-q",
-                "1",
-                "-t",
-                "+/+",
-                "-v",
-                "-C",
-                "2",
-                "-W",
-                "30",
-                "-i",
-                "mosq-two",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        ),  # fmt: skip
-        "#": subprocess.Popen(
-            [
-                "mosquitto_sub",
-                "-V",
-                "mqttv5",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                port,
-                "-q",
-                "1",
-                "-t",
-                "#",
-                "-v",
-                "-C",
-                "3",
-                "-W",
-                "30",
-                "-i",
-                "mosq-all",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        ),  # fmt: skip
-    }
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        common = ["-h", "127.0.0.1", "-p", port, "-q", "1", "-v", "-W", "30"]
+        return subprocess.Popen(["mosquitto_sub", *common, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+
+    subs = {"+/+": start("-t", "+/+", "-C", "2", "-i", "mosq-two"), "#": start("-V", "mqttv5", "-t", "#", "-C", "3",
+                                                                           "-i", "mosq-all")}  # fmt: skip
     try:
         for client_id in ("mosq-two", "mosq-all"):
             _wait_for_log(broker, f"mqtt client {client_id} connected")

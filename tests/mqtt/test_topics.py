@@ -51,7 +51,11 @@ def test_filters_this_broker_cannot_serve_are_refused(topic_filter: str) -> None
 
 # --- every MQTT topic: the default parent (issue 27 item 1, MQTT 3.1.1 / 5.0 section 4.7) --------------------------
 SPACE = topics.Space("mqtt-default", frozenset({"chat", "sensors-named"}))
-TOPIC = st.text(st.characters(blacklist_characters="+#\x00", blacklist_categories=("Cs",)), min_size=1, max_size=90)
+TOPIC = st.text(
+    st.characters(exclude_characters="+#\x00", categories=["L", "M", "N", "P", "S", "Z", "Cc", "Cf", "Co"]),
+    min_size=1,
+    max_size=90,
+)
 
 
 def _round_trip(topic: str, space: topics.Space = SPACE) -> topics.Topic:
