@@ -46,6 +46,8 @@ HELP: Final[dict[str, str]] = {
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
     "mqtt_port": "MQTT 5.0/3.1.1 port: any topic, <parent>/<lite topic> or in --mqtt-default-parent, over the same "
     "store (0: any free port, -1: off)",
+    "lite_level_index": "find the lite topics of filters without a literal prefix (MQTT '+/x', patterns) in a trie "
+    "of each parent's lite-name levels, built when first needed and kept (--no-lite-level-index: walk the parent)",
     "mqtt_default_parent": "LITE parent topic (created at start when MQTT is on) holding every MQTT topic whose "
     'first level names no parent, escaped level by level (docs/mqtt.md "Topic mapping")',
     "mqtt_max_connections": "MQTT sockets open at once; beyond it a CONNECT is refused (5.0: 0x97 quota exceeded, "
@@ -166,6 +168,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "lease_renew_max_ms",
         "max_suspend_ms",
         "default_ready_capacity",
+        "lite_level_index",
     ),
     "limits": (
         "max_body_bytes",

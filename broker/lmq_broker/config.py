@@ -62,6 +62,9 @@ class BrokerConfig(BaseModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)
     receive_batch_size: int = Field(default=32, ge=1, le=1024)
+    # Filters without a literal prefix find their lite topics in a per-parent trie of lite-name levels (built
+    # when first needed, then kept); False: page through the whole parent (the plain twin, for comparison)
+    lite_level_index: bool = True
     max_lite_topic_size: int = Field(default=64, ge=1, le=64)
     default_client_quota: int = Field(default=2000, ge=1)
     default_ready_capacity: int = Field(default=100, ge=10)

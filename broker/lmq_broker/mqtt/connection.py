@@ -754,13 +754,13 @@ class Connection:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
 
         await matching.start_at_end(scan, dispatcher.reset_offsets, self.group, parent, new, older,
-                                    default=self.config.mqtt_default_parent)  # fmt: skip
+                                    default=self.config.mqtt_default_parent,
+                                    indexed=lambda f: dispatcher.lite_topics_matching(parent, f))  # fmt: skip
 
     async def _register(self, parent: str) -> None:
         """Give the dispatcher this session's filters in ``parent``; start or stop the parent's delivery loop."""
         filters = topics.registered(self.config.mqtt_default_parent, parent, self.subs.get(parent, {}))
-        consumer = self._consumer_id(parent)
-        await self.dispatcher.subscribe_filters(consumer, self.group, parent, filters)
+        await self.dispatcher.subscribe_filters(consumer := self._consumer_id(parent), self.group, parent, filters)
         task = self._consumers.get(parent)
         if filters and task is None:
             self._consumers[parent] = asyncio.get_running_loop().create_task(self._consume(parent))

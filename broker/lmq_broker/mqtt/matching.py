@@ -15,6 +15,7 @@ PAGE: Final = 512
 RETAINED_LIMIT: Final = 10_000  # retained messages one broker answers for one filter
 Scan = Callable[[str, str, str, int], Awaitable[Sequence[model.LiteTopicMeta]]]  # ``Store.scan_lite_topics``
 Run = Callable[..., Awaitable[Any]]  # ``Dispatcher.run``: a blocking call on the store's worker threads
+Indexed = Callable[[Sequence[wildcards.Filter]], Awaitable[Sequence[model.LiteTopicMeta] | None]]
 Reset = Callable[
     [str, str, Sequence[str], offsets.OffsetReset, Sequence[int] | None], Awaitable[None]
 ]  # ``LiveView.reset_offsets``
@@ -29,6 +30,7 @@ async def start_at_end(  # noqa: PLR0917 (where, whose, which)
     older: Sequence[wildcards.Filter],
     *,
     default: str = "",
+    indexed: Indexed | None = None,
 ) -> int:
     """The group's start in each existing lite topic that only the ``new`` filters match: its end as the scan
     read it (what it held was published before the subscription; what is stored from then on, also while the
@@ -37,28 +39,47 @@ async def start_at_end(  # noqa: PLR0917 (where, whose, which)
     its first filter there on (``topics.registered``), so they start at their ends then."""
     if parent == default:
         new, older = (new, [*older, topics.HASHED]) if older else ([*new, topics.HASHED], older)
-    start_after, end_before = wildcards.scan_range(new)
     lites: list[str] = []
     ends: list[int] = []
-    while True:
-        page = await scan(parent, start_after, end_before, PAGE)
-        for meta in page:
-            levels = meta.lite.split(wildcards.LEVEL_SEPARATOR)
-            if (
-                meta.max_offset > meta.min_offset
-                and any(wildcards.matches(f, levels) for f in new)
-                and not any(wildcards.matches(f, levels) for f in older)
-            ):
+    found = None if indexed is None else await indexed(new)  # ``Dispatcher.lite_topics_matching``
+    if found is not None:  # no literal prefix: the parent's level index, not a walk of the whole parent
+        for meta in found:
+            if meta.max_offset > meta.min_offset and not _any(older, meta.lite):
                 lites.append(meta.lite)
                 ends.append(meta.max_offset)
-        if len(page) < PAGE:
-            break
-        start_after = page[-1].lite
+    else:
+        await _scan_new(scan, parent, new, older, lites, ends)
     for i in range(0, len(lites), PAGE):
         await reset(
             group, parent, lites[i : i + PAGE], offsets.OffsetReset(offsets.OffsetPolicy.MAX), ends[i : i + PAGE]
         )
     return len(lites)
+
+
+async def _scan_new(  # noqa: PLR0917 (how, where, which, into)
+    scan: Scan,
+    parent: str,
+    new: Sequence[wildcards.Filter],
+    older: Sequence[wildcards.Filter],
+    lites: list[str],
+    ends: list[int],
+) -> None:
+    """The plain twin of the level index: every lite name in the range of ``new``, tested against each filter."""
+    start_after, end_before = wildcards.scan_range(new)
+    while True:
+        page = await scan(parent, start_after, end_before, PAGE)
+        for meta in page:
+            if meta.max_offset > meta.min_offset and _any(new, meta.lite) and not _any(older, meta.lite):
+                lites.append(meta.lite)
+                ends.append(meta.max_offset)
+        if len(page) < PAGE:
+            return
+        start_after = page[-1].lite
+
+
+def _any(filters: Sequence[wildcards.Filter], lite: str) -> bool:
+    levels = lite.split(wildcards.LEVEL_SEPARATOR)
+    return any(wildcards.matches(f, levels) for f in filters)
 
 
 def retained(  # noqa: PLR0917 (where, which, when, how many)
