@@ -10,11 +10,11 @@ calls (the broker does a big subscription change in slices that let other calls 
 
 MQTT case (``--case mqtt``; both by default): a parent of ``--topics`` lite topics named like MQTT topics
 ``b<0-9>/f<0-9>/r<room>`` (one message each), and one MQTT client's SUBSCRIBE of 100 filters without a literal
-prefix after the parent level (``MQ_STALL/+/f<j % 10>/r<j>``: 10 topics each). We print the broker's CPU from the SUBSCRIBE to its SUBACK plus
-the catch-up after it (less the CPU the probes cost meanwhile, measured idle) and the probe send max over that
-window; first with ``--no-lite-level-index`` (the plain walk of the parent per filter set), then with the level
-index (its first SUBSCRIBE builds the index; a second, other filters, finds it built). Goal: <= 100 ms CPU and
-probe max <= 50 ms.
+prefix after the parent level (``MQ_STALL/+/f<j % 10>/r<j>``: 10 topics each). We print the broker's CPU from
+the SUBSCRIBE until it is idle again after the SUBACK (less what the probes cost meanwhile, measured idle) and
+the probe send max over that window; first with ``--no-lite-level-index`` (the plain walk of the parent per
+filter set), then with the level index (its first SUBSCRIBE builds the index; a second, other filters, finds
+it built). Goal: <= 100 ms CPU and probe max <= 50 ms.
 
     python bench/bench_subscribe_stall.py           # 100,000 lite topics
     python bench/bench_subscribe_stall.py --quick   # 20,000 lite topics
