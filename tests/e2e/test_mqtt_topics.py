@@ -172,3 +172,23 @@ def _wait_for_log(broker: BrokerProcess, text: str) -> None:
     while text not in broker.log():
         assert time.monotonic() < deadline, f"{text!r} not in the broker log"
         time.sleep(0.05)
+
+
+def test_mqtt_3_3_1_retained_messages_of_any_topic_keep_their_topic_and_the_dollar_rule(
+    connect: Callable[..., Peer],
+) -> None:
+    """Retained messages in the default parent: a hashed topic's comes back under its own name; ``#`` is not
+    sent ``$SYS/…``'s (sent in lite-name order, ``-24SYS…`` would come first), ``$SYS/#`` is."""
+    long = "retained/" + "ü" * 40
+    pub = connect("ret-pub")
+    for topic, payload in ((long, b"L"), ("$SYS/retained", b"S"), ("retained/short", b"s")):
+        assert pub.publish(topic, payload, retain=True) == 0
+    every = connect("ret-all")
+    assert every.subscribe(("#", 1)) == [1]
+    assert {(m.topic, m.payload, m.retain) for m in every.wait_count(2)} == {
+        (long, b"L", True),
+        ("retained/short", b"s", True),
+    }
+    dollar = connect("ret-sys")
+    assert dollar.subscribe(("$SYS/#", 1)) == [1]
+    assert [(m.topic, m.payload) for m in dollar.wait_count(1)] == [("$SYS/retained", b"S")]
