@@ -137,6 +137,8 @@ def test_lite_names_a_rocketmq_producer_made_up_read_back_leniently() -> None:
         ("+", [("mqtt-default", ("+",))]),
         ("chat/#", [("mqtt-default", ("chat", "#")), ("chat", ("#",))]),
         ("chat/a b", [("mqtt-default", ("chat", "a-20b"))]),
+        ("chat/room-1", [("chat", ("room-1",))]),  # always kept in chat: nothing in the default parent
+        ("chat/" + "a" * 65, [("mqtt-default", ("chat", "a" * 65)), ("chat", ("a" * 65,))]),  # hashed: default
         ("sensors/+/temp", [("mqtt-default", ("sensors", "+", "temp"))]),
         ("$SYS/#", [("mqtt-default", ("-24SYS", "#"))]),
         ("/+", [("mqtt-default", ("", "+"))]),
@@ -192,10 +194,7 @@ def test_a_wildcard_and_a_named_filter_that_share_a_subscription_end_one_at_a_ti
     ended = held.remove(subs, SPACE, SPACE.subscriptions_of("+/x"))
     assert ended == {"mqtt-default": [("+", "x")], "sensors-named": [("x",)]}
     assert subs["chat"] == {("x",): 0}
-    assert held.remove(subs, SPACE, SPACE.subscriptions_of("chat/x")) == {
-        "mqtt-default": [("chat", "x")],
-        "chat": [("x",)],
-    }
+    assert held.remove(subs, SPACE, SPACE.subscriptions_of("chat/x")) == {"chat": [("x",)]}
     held.add(subs, SPACE.subscriptions_of("#"), 1)
     held.add(subs, SPACE.subscriptions_of("+/#"), 1)
     ended = held.remove(subs, SPACE, SPACE.subscriptions_of("#"))
@@ -203,3 +202,7 @@ def test_a_wildcard_and_a_named_filter_that_share_a_subscription_end_one_at_a_ti
     assert subs["chat"] == {("#",): 1 | held.EXPANDED}
     assert held.texts(subs, "mqtt-default") == {"+/#": 1}  # what a session saves: its MQTT filters
     assert held.remove(subs, SPACE, SPACE.subscriptions_of("chat/#")) == {}  # never held
+    assert not held.holds(subs, SPACE.subscriptions_of("chat/#"))  # made by "+/#", not asked for by name
+    held.add(subs, SPACE.subscriptions_of("chat/room-1"), 0)
+    assert held.texts(subs, "mqtt-default") == {"+/#": 1, "chat/room-1": 0}
+    assert held.count(subs, "mqtt-default") == 2

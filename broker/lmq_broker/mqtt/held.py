@@ -1,12 +1,12 @@
 """The subscriptions an MQTT session holds, per parent: ``parent -> lite filter -> options``.
 
-Every MQTT filter has one subscription in the default parent, which stands for it (escaping is one to one:
-``topics.filter_in`` gives the filter back), and one in each named parent it can match
-(``topics.Space.subscriptions_of``). A filter whose first level is ``+`` or ``#`` reaches into every named
-parent; what it makes there is marked ``EXPANDED`` (an options bit above MQTT's), since the same lite filter
-may also be asked for by name (``+/x`` and ``chat/x`` both hold ``("x",)`` in ``chat``): ending one of the two
-must leave the other. Only the default parent's subscriptions are saved; the rest is derived again on restore,
-then from the named parents that exist by then.
+Every MQTT filter has one subscription that stands for it (``topics.filter_in`` gives the filter back): in the
+default parent, or in its named parent for a filter without wildcards whose topic is always kept there; and
+one in each other parent it can match (``topics.Space.subscriptions_of``). A filter whose first level is ``+``
+or ``#`` reaches into every named parent; what it makes there is marked ``EXPANDED`` (an options bit above
+MQTT's), since the same lite filter may also be asked for by name (``+/x`` and ``chat/x`` both hold ``("x",)``
+in ``chat``): ending one of the two must leave the other. Expansions are not saved; they are derived again on
+restore, from the named parents that exist by then.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ class Made(NamedTuple):
 
 
 def count(subs: Subs, default: str) -> int:
-    """MQTT filters held (each has its subscription in the default parent)."""
-    return len(subs.get(default, {}))
+    """MQTT filters held."""
+    return len(texts(subs, default))
 
 
 def holds(subs: Subs, wanted: Sequence[topics.Subscription]) -> bool:
-    return wanted[0].filter in subs.get(wanted[0].parent, {})
+    """Is this MQTT filter held (its own subscription; not one a wildcard filter made)."""
+    options = subs.get(wanted[0].parent, {}).get(wanted[0].filter)
+    return options is not None and not options & EXPANDED
 
 
 def add(subs: Subs, wanted: Sequence[topics.Subscription], options: int) -> list[Made]:
@@ -86,5 +88,6 @@ def expand(subs: Subs, space: topics.Space) -> list[topics.Subscription]:
 
 
 def texts(subs: Subs, default: str) -> dict[str, int]:
-    """The MQTT filters held, as a session is saved: text -> options."""
-    return {topics.filter_in(default, default, f): o for f, o in subs.get(default, {}).items()}
+    """The MQTT filters held, as a session is saved: text -> options (``chat/#`` holds a subscription in the
+    default parent and one in ``chat``: one text)."""
+    return {topics.filter_in(default, p, f): o for p, held in subs.items() for f, o in held.items() if not o & EXPANDED}

@@ -190,10 +190,17 @@ class Space:
         return topic_in(self.default, parent, lite, properties)
 
     def subscriptions_of(self, topic_filter: str) -> list[Subscription]:
-        """One subscription per parent ``topic_filter`` can match, the default parent's first."""
+        """One subscription per parent ``topic_filter`` can match, the default parent's first; a filter of a
+        named parent without wildcards whose topic is always kept there (``chat/room-1``) has that one only."""
         levels = check_filter(topic_filter)
-        out = [Subscription(self.default, tuple(lv if lv in _WILD else escape_level(lv) for lv in levels))]
         first, rest = levels[0], levels[1:]
+        if first != self.default and first in self.parents and not set(rest) & set(_WILD):
+            try:
+                if self.lite_of(topic_filter).parent == first:
+                    return [Subscription(first, rest)]
+            except TopicError:
+                pass
+        out = [Subscription(self.default, tuple(lv if lv in _WILD else escape_level(lv) for lv in levels))]
         if first == wildcards.ANY_LEVELS:
             rest = wildcards.WHOLE_PARENT  # every topic of a named parent has a level after the parent's
         named = rest and all(level in _WILD or _LEVEL_RE.match(level) for level in rest)
