@@ -29,6 +29,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY broker ./broker
 COPY operator ./operator
+COPY reclaim ./reclaim
 RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 
 # One virtualenv per program: its pinned dependencies first (a layer reused until the lock file changes),

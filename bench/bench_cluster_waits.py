@@ -62,17 +62,18 @@ def percentile(values: list[float], p: float) -> float:
 async def _polling_gather(self: Any, remote: Any, parent: str, consumer: str, room: int) -> bool:
     """The session loop's round before parked waits: this broker's messages and, without waiting, every other
     broker's; while none come, wait here ``POLL_MS`` and ask them all again."""
-    cluster = self._cluster
+    link = self.link  # the session's shared state (``mqtt.link``); ``self`` is its ``delivering.Deliveries``
+    cluster = link.cluster
     found = await self._receive(parent, consumer, room, 0)
-    room = self.max_inflight - self._busy
+    room = link.max_inflight - self.busy
     if room > 0 and cluster is not None:
-        pulled = await cluster.pull(consumer, self.group, parent, min(room, self.config.receive_batch_size))
+        pulled = await cluster.pull(consumer, link.group, parent, min(room, link.config.receive_batch_size))
         if pulled:
             await self._deliver(parent, consumer, pulled, remote=True)
             found = True
     if found:
         return True
-    room = self.max_inflight - self._busy
+    room = link.max_inflight - self.busy
     return room > 0 and bool(await self._receive(parent, consumer, room, POLL_MS))
 
 
@@ -80,9 +81,9 @@ def _serve_polling() -> None:
     """``python -m lmq_broker ...`` with ``_polling_gather`` in place (run by the wrapper, in the broker)."""
     import runpy  # noqa: PLC0415 - only in the broker processes of the polling mode
 
-    from lmq_broker.mqtt import connection  # noqa: PLC0415
+    from lmq_broker.mqtt import delivering  # noqa: PLC0415
 
-    connection.Connection._gather = _polling_gather  # type: ignore[method-assign]
+    delivering.Deliveries._gather = _polling_gather  # type: ignore[method-assign]
     sys.argv = ["lmq_broker", *sys.argv[3:]]  # after "-m lmq_broker"
     runpy.run_module("lmq_broker", run_name="__main__", alter_sys=True)
 

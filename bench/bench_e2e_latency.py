@@ -57,7 +57,8 @@ def _consume(endpoint: str, topics: int, count: int, ready: Any, out: Connection
     class Clock(MessageListener):  # type: ignore[misc]
         def consume(self, message: Any) -> Any:
             now = time.perf_counter_ns()
-            key, _, sent = message.body.decode().partition(":")
+            key, _, rest = message.body.decode().partition(":")
+            sent = rest.partition(":")[0]  # bodies may be padded after a second ':' (``size``)
             with lock:
                 if sent and key not in latencies:
                     latencies[key] = (now - int(sent)) / 1e9
@@ -80,8 +81,9 @@ def _consume(endpoint: str, topics: int, count: int, ready: Any, out: Connection
     out.send(list(latencies.values()))
 
 
-def _produce(endpoint: str, count: int, rate: float, topics: int, before_sends: Any) -> list[float]:
-    """Send ``count`` messages at ``rate``; ``before_sends`` runs after the warm-up send. Round trips, s."""
+def _produce(endpoint: str, count: int, rate: float, topics: int, before_sends: Any, *, size: int = 0) -> list[float]:
+    """Send ``count`` messages at ``rate``; ``before_sends`` runs after the warm-up send. Round trips, s.
+    Bodies are padded to ``size`` bytes (0: not padded)."""
     from rocketmq import ClientConfiguration, Credentials, Message, Producer  # noqa: PLC0415
 
     producer = Producer(ClientConfiguration(endpoint, Credentials()), ("AGENT_TASK_NS",))
@@ -98,7 +100,8 @@ def _produce(endpoint: str, count: int, rate: float, topics: int, before_sends: 
             m = Message()
             m.topic, m.lite_topic = "AGENT_TASK_NS", f"lat-{n % topics}"
             started = time.perf_counter_ns()
-            m.body = f"m{n}:{started}".encode()
+            body = f"m{n}:{started}:".encode()
+            m.body = body + b"x" * max(0, size - len(body))
             producer.send(m)
             round_trips.append((time.perf_counter_ns() - started) / 1e9)
             next_at += interval
@@ -108,8 +111,10 @@ def _produce(endpoint: str, count: int, rate: float, topics: int, before_sends: 
     return round_trips
 
 
-def measure(endpoint: str, count: int, rate: float, topics: int, *, separate: bool) -> tuple[list[float], list[float]]:
-    """(send -> listener latencies, producer.send round trips), in seconds."""
+def measure(
+    endpoint: str, count: int, rate: float, topics: int, *, separate: bool, size: int = 0
+) -> tuple[list[float], list[float]]:
+    """(send -> listener latencies, producer.send round trips), in seconds; bodies of ``size`` bytes."""
     if separate:
         ctx = mp.get_context("spawn")  # gRPC's threads do not survive a fork
         ready = ctx.Event()
@@ -119,7 +124,7 @@ def measure(endpoint: str, count: int, rate: float, topics: int, *, separate: bo
         try:
             if not ready.wait(60):
                 raise SystemExit("the consumer process did not get ready")
-            round_trips = _produce(endpoint, count, rate, topics, lambda: None)
+            round_trips = _produce(endpoint, count, rate, topics, lambda: None, size=size)
             latencies: list[float] = theirs.recv() if theirs.poll(90) else []
         finally:
             consumer.join(30)
@@ -132,7 +137,7 @@ def measure(endpoint: str, count: int, rate: float, topics: int, *, separate: bo
     thread.start()
     if not local_ready.wait(60):
         raise SystemExit("the consumer did not get ready")
-    round_trips = _produce(endpoint, count, rate, topics, lambda: None)
+    round_trips = _produce(endpoint, count, rate, topics, lambda: None, size=size)
     latencies = reader.recv() if reader.poll(90) else []
     thread.join(30)
     return latencies, round_trips

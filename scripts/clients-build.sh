@@ -11,7 +11,7 @@
 # A build that fails fails this script (and `make test`): a client that cannot install is a CI failure,
 # never a skipped suite.
 #
-# Usage: scripts/clients-build.sh [lang ...]     (default: python java go node)
+# Usage: scripts/clients-build.sh [lang ...]     (default: python java go node mqtt-java)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,7 +25,7 @@ sources_hash() {  # every tracked-or-not source file of a driver folder, not its
     | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 }
 
-for lang in ${@:-python java go node}; do
+for lang in ${@:-python java go node mqtt-java}; do
   src=$root/tests/clients/$lang
   [[ -d $src ]] || { echo "clients: no driver folder $src" >&2; exit 1; }
   if [[ $lang == python ]]; then

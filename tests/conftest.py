@@ -47,6 +47,7 @@ UNIT_MODULES: Final = frozenset(
         "operator/test_scaling.py",
         "mqtt/test_codec.py",
         "mqtt/test_codec5.py",
+        "mqtt/test_share_names.py",
         "mqtt/test_topics.py",
         "reclaim/test_ratelimit.py",
         "storage/test_codec.py",

@@ -58,7 +58,13 @@ HELP: Final[dict[str, str]] = {
     "large, 3.1.1: 0x05 not authorized)",
     "mqtt_max_read_bytes": "bytes of MQTT packets over 64 KiB all connections may be reading at once; a packet "
     "beyond it ends its connection (5.0: DISCONNECT 0x97 quota exceeded)",
+    "mqtt_max_qos2_inflight": "MQTT 3.1.1: QoS 2 publishes one client may leave awaiting their PUBREL; a new one "
+    "beyond closes the connection (5.0 clients are bounded by the broker's Receive Maximum, 256)",
     "mqtt_max_will_delay_s": "longest MQTT 5 will delay; a CONNECT asking more is refused (0x97 quota exceeded)",
+    "mqtt_max_shares_per_client": "MQTT shared subscriptions ($share/...) one session may hold; beyond it the filter "
+    "is refused in the SUBACK (5.0: 0x97 quota exceeded, 3.1.1: 0x80)",
+    "mqtt_max_share_members": "sessions one MQTT shared subscription may have as members on this broker; beyond it "
+    "the filter is refused in the SUBACK (5.0: 0x97 quota exceeded, 3.1.1: 0x80)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",

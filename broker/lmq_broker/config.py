@@ -58,6 +58,13 @@ class BrokerConfig(BaseModel):
     # Bytes of large packets (over 64 KiB) all MQTT connections are reading at once; one that does not fit ends
     # its connection (5.0: DISCONNECT 0x97)
     mqtt_max_read_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    # 3.1.1: QoS 2 publishes a client may leave awaiting their PUBREL (5.0: bounded by our Receive Maximum);
+    # a new one beyond closes the connection (3.1.1 has no other refusal)
+    mqtt_max_qos2_inflight: int = Field(default=256, ge=1, le=65535)
+    # Shared subscriptions (docs/mqtt.md): shares one session may be a member of, members one share may have on
+    # this broker; beyond them the filter is refused in the SUBACK (5.0: 0x97, 3.1.1: 0x80)
+    mqtt_max_shares_per_client: int = Field(default=100, ge=0)
+    mqtt_max_share_members: int = Field(default=1000, ge=1)
     broker_name: str = "broker-0"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
+from waiting import eventually_async
 
 from lmq_broker import app
 from lmq_broker.config import BrokerConfig
@@ -41,13 +41,6 @@ BURST = 3000
 
 def headers(client_id: str = "burst-client") -> tuple[tuple[str, str], ...]:
     return (("x-mq-client-id", client_id), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def refused(broker: app.Broker, rpc: str) -> float:
@@ -124,7 +117,7 @@ async def test_the_summary_owed_is_written_when_the_interval_ends(caplog: pytest
     admission.refuse("SendMessage")
     admission.refuse("QueryRoute")
     assert len(overload_warnings(caplog)) == 1
-    await until(lambda: len(overload_warnings(caplog)) == 2, timeout_s=10)
+    await eventually_async(lambda: len(overload_warnings(caplog)) == 2, "two overload warnings", timeout_s=10)
     assert "refused 2 calls" in overload_warnings(caplog)[1].getMessage()
     admission.close()
     assert len(overload_warnings(caplog)) == 2
@@ -189,7 +182,11 @@ async def test_a_burst_past_the_cap_is_refused_too_many_requests_counted_and_log
         stub = service_pb2_grpc.MessagingServiceStub(channel)
         calls = [asyncio.ensure_future(outcome(stub.QueryRoute(ROUTE, metadata=headers()))) for _ in range(BURST)]
         # Every call reaches the broker: 50 run (held by the gate), the rest are answered at once.
-        await until(lambda: gate.entered == 50 and refused(capped_broker, "QueryRoute") == BURST - 50)
+        await eventually_async(
+            lambda: gate.entered == 50 and refused(capped_broker, "QueryRoute") == BURST - 50,
+            "50 calls in, the rest refused",
+            timeout_s=60,
+        )
         assert sum(call.done() for call in calls) == BURST - 50
         gate.opened.set()
         outcomes = collections.Counter(await asyncio.gather(*calls))
@@ -207,7 +204,7 @@ async def test_refusals_by_kind_of_call(capped_broker: app.Broker, monkeypatch: 
     async with grpc.aio.insecure_channel(capped_broker.endpoint) as channel:
         stub = service_pb2_grpc.MessagingServiceStub(channel)
         held = [asyncio.ensure_future(stub.QueryRoute(ROUTE, metadata=headers())) for _ in range(50)]
-        await until(lambda: gate.entered == 50)
+        await eventually_async(lambda: gate.entered == 50, "50 calls in", timeout_s=60)
         # a v2 unary call: its response, with the v2 status the official clients retry on
         unary = await stub.SendMessage(spb.SendMessageRequest(), metadata=headers())
         assert unary.status.code == pb.TOO_MANY_REQUESTS == 42900
@@ -251,7 +248,7 @@ async def test_idle_long_polls_hold_no_slot(capped_broker: app.Broker) -> None:
         stub = service_pb2_grpc.MessagingServiceStub(channel)
         polls = [stub.ReceiveMessage(receive, metadata=headers(f"consumer-{i}"), timeout=60) for i in range(consumers)]
         waiting = [asyncio.ensure_future(poll.read()) for poll in polls]
-        await until(lambda: dispatcher.client_count() >= consumers)
+        await eventually_async(lambda: dispatcher.client_count() >= consumers, "every consumer known", timeout_s=60)
         assert not any(w.done() for w in waiting)
         sends = [
             stub.SendMessage(

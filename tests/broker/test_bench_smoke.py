@@ -18,7 +18,22 @@ EXPECTED = {
     ],
     "bench_broker_batch.py": ["FIGURE batched send rate:"],
     "bench_broker_consume.py": ["FIGURE one-lite-topic drain rate:", "FIGURE drain calls/s ÷ echo calls/s:"],
-    "bench_broker_send.py": ["FIGURE send rate broker(sync flush)/echo:", "FIGURE send rate broker(async flush)/echo:"],
+    "bench_broker_send.py": [
+        "FIGURE send rate broker(sync flush)/echo:",
+        "FIGURE send rate broker(async flush)/echo:",
+        "FIGURE send CPU per message broker(sync flush)/echo:",
+        "FIGURE receive+ack CPU per message broker(sync flush)/echo:",
+    ],
+    "bench_edge_floor.py": [
+        "FIGURE edge floor, bare grpcio echo CPU per message, 256 in flight:",
+        "FIGURE sync grpcio echo (thread pool) CPU per message, 256 in flight:",
+        "FIGURE lmq server CPU per message, 256 in flight:",
+        "FIGURE lmq ÷ bare echo, 256 in flight:",
+    ],
+    "bench_producer_fleet.py": [
+        "FIGURE producer fleet N=1: broker CPU per message:",
+        "FIGURE producer fleet CPU per message N=2 ÷ N=1:",
+    ],
     "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
     "bench_cluster.py": [
         "FIGURE idle CPU per broker of a 3-broker cluster",
@@ -40,6 +55,8 @@ EXPECTED = {
         "FIGURE MQTT publish->subscribe rate QoS 1:",
         "FIGURE MQTT 5 publish->subscribe latency p50:",
         "FIGURE MQTT 5 publish->subscribe rate QoS 1:",
+        "FIGURE gRPC send->push latency p99:",
+        "FIGURE MQTT p99 / gRPC p99:",
     ],
     "bench_parked_polls.py": [
         "FIGURE polls spread (50 per client id, 250 per connection): bytes per accepted poll:",
@@ -72,6 +89,7 @@ ARGS = {  # the default is --quick
     "bench_soak_rss.py": ["--minutes", "0.2", "--warmup-minutes", "0.05"],
     "bench_disk_faults.py": ["--rounds", "1"],
 }
+TIMEOUT_S = {"bench_edge_floor.py": 600}  # its first run on a machine builds ghz (go install, a few minutes)
 
 
 @pytest.mark.slow
@@ -81,7 +99,7 @@ def test_bench_runs_quick_and_prints_its_figures(script: str) -> None:
         [sys.executable, str(BENCH / script), *ARGS.get(script, ["--quick"])],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=TIMEOUT_S.get(script, 240),
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]

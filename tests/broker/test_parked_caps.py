@@ -7,15 +7,15 @@ connection were all parked (+242 MiB) and 300 Telemetry streams that never read 
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import grpc
 import psutil
 import pytest
+from waiting import eventually_async
 
 from lmq_broker.protocol import parking
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -61,13 +61,6 @@ def metric(broker: BrokerProcess, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 def poll_request(wait_s: int = 20) -> spb.ReceiveMessageRequest:
     request = spb.ReceiveMessageRequest(
         group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
@@ -86,7 +79,7 @@ def code_of(frames: list[spb.ReceiveMessageResponse]) -> str:
 
 
 async def parked(broker: BrokerProcess, count: int) -> None:
-    await until(lambda: metric(broker, "lmq_parked_polls") == count)
+    await eventually_async(lambda: metric(broker, "lmq_parked_polls") == count, f"{count} parked polls")
 
 
 @pytest.mark.asyncio
@@ -197,7 +190,7 @@ async def test_telemetry_streams_beyond_a_cap_are_ended_resource_exhausted_namin
         stop.set()
         for call in [*calls, elsewhere]:
             call.cancel()
-        await until(lambda: metric(broker, "lmq_telemetry_streams") == 0)
+        await eventually_async(lambda: metric(broker, "lmq_telemetry_streams") == 0, "no telemetry streams")
         again = stub.Telemetry(telemetry_settings(asyncio.Event()), metadata=headers("a"))
         assert await first_reply(again) == "OK"  # a closed stream gives its place back
         again.cancel()
@@ -212,7 +205,7 @@ def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path
         channel, stub = connection(broker)
         async with channel:
             held = [asyncio.create_task(poll(stub, "flood", wait_s=30)) for _ in range(64)]
-            await until(lambda: metric(broker, "lmq_parked_polls") == 64)
+            await eventually_async(lambda: metric(broker, "lmq_parked_polls") == 64, "64 parked polls")
             peak = before
             flooding = asyncio.gather(*(poll(stub, "flood", wait_s=30) for _ in range(flood)))
             while not flooding.done():  # the peak while the flood lands, not only what it leaves behind
@@ -261,12 +254,14 @@ async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: P
             buffered.append(metric(broker, "lmq_telemetry_buffered_bytes"))
             return metric(broker, "lmq_calls_refused_total", reason="telemetry_buffer", rpc="Telemetry") > 0
 
-        await until(refused)
+        await eventually_async(refused, "a refusal")
         assert max(buffered) <= 200_000
         stop.set()
         for call in flooders:
             call.cancel()
-        await until(lambda: metric(broker, "lmq_telemetry_buffered_bytes") == 0)  # their replies went with them
+        await eventually_async(
+            lambda: metric(broker, "lmq_telemetry_buffered_bytes") == 0, "no buffered bytes"
+        )  # their replies went with them
         channel, stub = connection(broker)
         again = stub.Telemetry(telemetry_settings(asyncio.Event()), metadata=headers("fresh"))
         assert await first_reply(again) == "OK"

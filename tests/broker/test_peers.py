@@ -205,6 +205,21 @@ async def test_concurrent_mixed_batches_are_answered_each_in_its_own_order(clust
     assert calls is not None and calls < 20  # batched per owner per loop tick
 
 
+async def test_a_client_send_with_the_mqtt_empty_marker_is_refused_before_it_is_forwarded(cluster: Cluster) -> None:
+    """Only MQTT (here or through a peer's verified copy) may store an empty body; a client's marked message is
+    refused at the access broker, nothing stored on either broker."""
+    mine, theirs = cluster.lites_of(0, 1, "m"), cluster.lites_of(1, 1, "m")
+    batch = [message(mine[0]), message(theirs[0])]
+    for m in batch:
+        m.body = b""
+        m.user_properties[model.EMPTY_BODY_PROPERTY] = "1"
+    reply = await cluster.clients[0].stub.SendMessage(
+        spb.SendMessageRequest(messages=batch), metadata=cluster.headers()
+    )
+    assert reply.status.code == pb.ILLEGAL_MESSAGE_PROPERTY_KEY, reply.status
+    assert not cluster.holds(0, mine[0]) and not cluster.holds(1, theirs[0])
+
+
 async def test_a_batch_whose_forwarded_part_is_refused_answers_multiple_results(cluster: Cluster) -> None:
     mine, theirs = cluster.lites_of(0, 2, "r"), cluster.lites_of(1, 2, "r")
     bad = message(theirs[1])

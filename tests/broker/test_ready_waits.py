@@ -9,13 +9,14 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
+from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
@@ -122,14 +123,6 @@ async def stop(cluster: Cluster) -> None:
             await broker.stop(grace_s=0.2)
 
 
-async def eventually(check: Callable[[], bool], what: str) -> None:
-    """Until ``check()`` holds (looked at every 5 ms), at most ``WAIT_S``."""
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"not seen in {WAIT_S} s: {what}"
-        await asyncio.sleep(0.005)
-
-
 def headers(client_id: str = CLIENT) -> tuple[tuple[str, str], ...]:
     return protocol_testing.Client.headers(client_id, "JAVA", "5.1.2")
 
@@ -196,7 +189,7 @@ async def test_a_wait_answers_ready_once_the_client_has_work_there_and_leases_no
     theirs = two.lite_of(1)
     await lite_simple_consumer(two, [theirs])
     call = await_ready_call(two, 1)
-    await eventually(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
+    await eventually_async(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
     assert not call.done()
     await send(two, theirs, b"m-1")
     assert (await call).ready
@@ -217,9 +210,9 @@ async def test_a_wait_cut_off_by_its_caller_leases_nothing(two: Cluster) -> None
     theirs = two.lite_of(1)
     await lite_simple_consumer(two, [theirs])
     call = await_ready_call(two, 1)
-    await eventually(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
+    await eventually_async(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
     call.cancel()  # the client went away: broker 0 ends its waits
-    await eventually(lambda: two.waits(1).total == 0, "the cut wait ended at broker 1")
+    await eventually_async(lambda: two.waits(1).total == 0, "the cut wait ended at broker 1")
     await send(two, theirs, b"m-1")
     assert two.in_flight(1) == 0
     assert [m.body for m in await receive(two, 1)] == [b"m-1"]
@@ -228,7 +221,7 @@ async def test_a_wait_cut_off_by_its_caller_leases_nothing(two: Cluster) -> None
 async def test_a_wait_ends_not_ready_when_its_broker_stops_and_leases_nothing(two: Cluster) -> None:
     await lite_simple_consumer(two, [two.lite_of(1)])
     call = await_ready_call(two, 1, timeout_ms=30_000)
-    await eventually(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
+    await eventually_async(lambda: two.waits(1).total == 1, "the wait is parked at broker 1")
     dispatcher = two.brokers[1].dispatcher
     assert dispatcher is not None
     dispatcher.begin_drain()  # shutdown begins
@@ -242,13 +235,13 @@ async def test_waits_beyond_the_caps_are_refused_and_counted(two: Cluster) -> No
     waits = two.waits(1)
     waits.per_client_cap, waits.total_cap = 1, 2
     first = await_ready_call(two, 1)
-    await eventually(lambda: waits.total == 1, "the first wait is parked")
+    await eventually_async(lambda: waits.total == 1, "the first wait is parked")
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await await_ready_call(two, 1)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "too many waits parked for client lsc-1" in (refused.value.details() or "")
     second = await_ready_call(two, 1, "lsc-2")
-    await eventually(lambda: waits.total == 2, "another client's wait is parked")
+    await eventually_async(lambda: waits.total == 2, "another client's wait is parked")
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await await_ready_call(two, 1, "lsc-3")
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in all (2, at most 2)" in (
@@ -273,7 +266,7 @@ async def test_a_waiting_lite_simple_consumer_gets_another_brokers_message_at_on
     for n, lite in enumerate(theirs):
         slot = n + 1
         waiting = asyncio.ensure_future(receive(three, 20))
-        await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked")
+        await eventually_async(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked")
         sent = time.monotonic()
         await send(three, lite, f"m-{n}".encode())
         got = await waiting
@@ -281,7 +274,7 @@ async def test_a_waiting_lite_simple_consumer_gets_another_brokers_message_at_on
         assert [m.body for m in got] == [f"m-{n}".encode()]
         assert took < FAST_S, f"the message of broker {slot} took {took * 1000:.0f} ms"
         assert three.in_flight(slot) == 1  # leased there by the receive, for the client to ack
-        await eventually(lambda: three.waits(1).total == 0 and three.waits(2).total == 0, "the waits ended")
+        await eventually_async(lambda: three.waits(1).total == 0 and three.waits(2).total == 0, "the waits ended")
 
 
 async def test_an_idle_lite_simple_consumer_costs_each_other_broker_o1_calls_per_long_poll(three: Cluster) -> None:
@@ -299,11 +292,11 @@ async def test_a_consumer_whose_receive_is_cut_off_leaves_nothing_hidden(three: 
     theirs = three.lite_of(1)
     await lite_simple_consumer(three, [theirs])
     waiting = asyncio.ensure_future(receive(three, 20))
-    await eventually(lambda: three.waits(1).total == 1, "the wait is parked at broker 1")
+    await eventually_async(lambda: three.waits(1).total == 1, "the wait is parked at broker 1")
     waiting.cancel()  # the client gives up its call
     with contextlib.suppress(asyncio.CancelledError):
         await waiting
-    await eventually(lambda: three.waits(1).total == 0, "broker 0 ended its wait at broker 1")
+    await eventually_async(lambda: three.waits(1).total == 0, "broker 0 ended its wait at broker 1")
     await send(three, theirs, b"m-1")
     assert three.in_flight(1) == 0
     assert [m.body for m in await receive(three, 1)] == [b"m-1"]
@@ -324,7 +317,7 @@ async def test_a_broker_that_is_down_is_asked_again_after_a_pause_and_the_others
     finally:
         waits.close()
     waiting = asyncio.ensure_future(receive(three, 20))
-    await eventually(lambda: three.waits(1).total == 1, "the wait is parked at broker 1")
+    await eventually_async(lambda: three.waits(1).total == 1, "the wait is parked at broker 1")
     sent = time.monotonic()
     await send(three, theirs, b"m-1")
     assert [m.body for m in await waiting] == [b"m-1"]
@@ -379,7 +372,7 @@ def offset(cluster: Cluster, slot: int, lite: str, client_id: str) -> int | None
 
 async def test_a_waiting_mqtt_subscriber_gets_each_other_brokers_message_at_once(three: Cluster) -> None:
     session = await MqttSession.subscribed(three, "sub", f"{PARENT}/#")
-    await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
+    await eventually_async(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
     for n, slot in enumerate((1, 2, 1)):
         lite = three.lite_of(slot)
         sent = time.monotonic()
@@ -391,13 +384,13 @@ async def test_a_waiting_mqtt_subscriber_gets_each_other_brokers_message_at_once
         assert delivered.packet_id is not None
         session.send(codec.PacketId(codec.PUBACK, delivered.packet_id))
         settled = functools.partial(offset, three, slot, lite, "sub")
-        await eventually(lambda: settled() == n // 2 + 1, "the PUBACK settled at the owner")  # noqa: B023
+        await eventually_async(lambda: settled() == n // 2 + 1, "the PUBACK settled at the owner")  # noqa: B023
     await session.close()
 
 
 async def test_an_idle_mqtt_session_costs_each_other_broker_o1_calls(three: Cluster) -> None:
     session = await MqttSession.subscribed(three, "idle", f"{PARENT}/#")
-    await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
+    await eventually_async(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
     before = [three.calls(slot) for slot in (1, 2)]
     await asyncio.sleep(3.0)  # idle: what it costs over this time is the point
     made = [three.calls(slot) - b for slot, b in zip((1, 2), before, strict=True)]
@@ -407,7 +400,7 @@ async def test_an_idle_mqtt_session_costs_each_other_broker_o1_calls(three: Clus
 
 async def test_an_mqtt_session_that_ends_ends_its_waits_and_leases_nothing(three: Cluster) -> None:
     session = await MqttSession.subscribed(three, "gone", f"{PARENT}/#")
-    await eventually(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
+    await eventually_async(lambda: three.waits(1).total == 1 and three.waits(2).total == 1, "waits parked there")
     await session.close()
-    await eventually(lambda: three.waits(1).total == 0 and three.waits(2).total == 0, "the waits ended there")
+    await eventually_async(lambda: three.waits(1).total == 0 and three.waits(2).total == 0, "the waits ended there")
     assert (three.in_flight(1), three.in_flight(2)) == (0, 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,36 @@ async def test_the_saver_writes_only_changes_and_retries_a_failed_write(tmp_path
     assert await saver.save_if_changed()
     assert saved_subscriptions.load(path) == []
     assert (saver.failures, saver.writes) == (1, 2)
+
+
+async def test_a_cancelled_saver_ends_only_after_its_write_so_the_final_save_never_races_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown cancels the saver and then saves once more to the same file: the cancelled write's thread must
+    have renamed its temporary file first (it once raced the final save: FileNotFoundError on the rename)."""
+    started, release = threading.Event(), threading.Event()
+    real_save = saved_subscriptions.save
+
+    def slow_save(records: list[saved_subscriptions.ClientRecord], path: Path) -> None:
+        started.set()
+        release.wait(10)
+        real_save(records, path)
+
+    monkeypatch.setattr(saved_subscriptions, "save", slow_save)
+    path = tmp_path / saved_subscriptions.FILE_NAME
+    old = [saved_subscriptions.ClientRecord("c1", 5, GROUP, PARENT, ("%LMQ%$P$a",))]
+    saver = saved_subscriptions.Saver(lambda: 1, lambda: old, path, 1)
+    task = asyncio.create_task(saver.run())
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=0.2)
+    assert not done  # still waiting for its thread
+    release.set()
+    await asyncio.wait([task])
+    assert task.cancelled()
+    assert saved_subscriptions.load(path) == old and not path.with_name(path.name + ".tmp").exists()
+    real_save([], path)  # the final save, after the cancelled one: it wins
+    assert saved_subscriptions.load(path) == []
 
 
 async def test_the_registry_version_moves_with_subscriptions_not_with_heartbeats(lite: Lite) -> None:

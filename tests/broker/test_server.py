@@ -319,6 +319,16 @@ async def test_invalid_messages_get_their_code_and_nothing_is_stored(
     assert client.store.queue_offsets(model.QueueId(PARENT, 0)) == (0, 0)
 
 
+async def test_a_client_cannot_store_an_empty_body_with_the_brokers_mqtt_marker(client: Client) -> None:
+    """``MQTT_EMPTY`` lets an empty MQTT publish be stored; a RocketMQ client that sets it is refused."""
+    marked = lite_message("t1", body=b"")
+    marked.user_properties[model.EMPTY_BODY_PROPERTY] = "1"
+    reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[marked]), metadata=H("p"))
+    assert reply.status.code == pb.ILLEGAL_MESSAGE_PROPERTY_KEY, reply.status.message
+    assert model.EMPTY_BODY_PROPERTY in reply.status.message
+    assert client.store.lite_topic_count(PARENT) == 0
+
+
 async def test_one_bad_message_rejects_the_whole_batch(client: Client) -> None:
     batch = [lite_message("t1", message_id="a"), lite_message("t2", body=b"")]
     reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=batch), metadata=H("p"))

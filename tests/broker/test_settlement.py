@@ -4,7 +4,6 @@ silently dropped), persisted runs, and the store's index replaced while serving.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from lmq_broker.dispatch import leases, runtime, settlement
 from lmq_broker.dispatch.leases import LeaseKey
 from lmq_broker.dispatch.subscriptions import lmq_name
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message, until
-from lmq_broker.storage import keys, memory
+from lmq_broker.storage import keys, memory, ranges
 from lmq_broker.storage.api import Store
 from lmq_broker.storage.testing import another_writer
 
@@ -221,7 +220,9 @@ async def test_resync_retries_failed_commits(lite: Lite, monkeypatch: pytest.Mon
     await until(lambda: lite.committed("t1") == 1)
 
 
-async def test_a_two_million_offset_hole_is_persisted_as_one_run_and_commits_fast(lite: Lite) -> None:
+async def test_a_two_million_offset_hole_is_persisted_as_one_run(lite: Lite) -> None:
+    """The hole is kept and stored as one [start, end) run, not two million offsets (what makes its commit cheap;
+    bench_settlement-style timing belongs in bench/, not here)."""
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1", b"a")
     (got,) = await lite.receive("c1")
@@ -229,11 +230,10 @@ async def test_a_two_million_offset_hole_is_persisted_as_one_run_and_commits_fas
     state = lite.dispatcher.leases.get(key)
     assert state is not None
     assert lite.dispatcher.settlement.settle_gone(key, state, 1, 2_000_001, [])  # as a read over a lost segment
-    start = time.perf_counter()
     await lite.dispatcher.settlement.commit(key, state)
-    assert time.perf_counter() - start < 0.05
     queue = model.QueueId.lmq(PARENT, "t1")
     acked = lite.store.get_acked(queue, GROUP)
+    assert isinstance(acked, ranges.OffsetRanges) and acked.runs == ((1, 2_000_001),)
     assert (lite.committed("t1"), len(acked), acked[0], acked[-1]) == (0, 2_000_000, 1, 2_000_000)
     await lite.dispatcher.ack(GROUP, got.receipt_handle)
     assert lite.committed("t1") == 2_000_001 and lite.store.get_acked(queue, GROUP) == ()

@@ -106,15 +106,18 @@ async def test_unregistering_stops_deliveries(lite: Lite) -> None:
     await wildcard(lite)
     await lite.dispatcher.replace_lite("w", WILD, PARENT, [])
     await lite.dispatcher.remove_all_lite("w", WILD, PARENT)
+    await lite.dispatcher.add_lite("plain", GROUP, PARENT, ["t1", "t2"])
     await lite.send("t1")
-    await asyncio.sleep(0.05)
+    assert [d.message.lite_topic for d in await lite.receive("plain")] == ["t1"]  # barrier: t1 was dispatched
+    await background_done(lite.dispatcher)
     assert await receive(lite, "w") == []
     await lite.dispatcher.replace_lite("w", WILD, PARENT, [])  # back: the message is still there
     (got,) = await receive_until(lite, "w", 1)
     assert got.message.lite_topic == "t1"
     lite.dispatcher.client_gone("w")
     await lite.send("t2")
-    await asyncio.sleep(0.05)
+    assert [d.message.lite_topic for d in await lite.receive("plain")] == ["t2"]
+    await background_done(lite.dispatcher)
     assert await receive(lite, "w") == []
 
 
@@ -124,7 +127,7 @@ async def test_two_clients_of_a_wildcard_group_share_its_topics(lite: Lite) -> N
     await lite.dispatcher.replace_lite("w2", WILD, PARENT, [])
     for i in range(10):
         await lite.send(f"s{i}")
-    await asyncio.sleep(0.05)
+    await background_done(lite.dispatcher)
     first, second = await receive(lite, "w1"), await receive(lite, "w2")
     names = sorted(d.message.lite_topic or "" for d in first + second)
     assert names == sorted(f"s{i}" for i in range(10))  # each topic offered to exactly one of them

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import pytest
+from testing_clients import LANGS, Driver, DriverMissing, driver_argv, start_driver
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, start_broker
-from lmq_broker.testing_clients import LANGS, Driver, DriverMissing, driver_argv, start_driver
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 POINTERS: Final = ROOT / "build" / "clients"

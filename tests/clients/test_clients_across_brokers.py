@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from testing_clients import Driver, DriverMissing, b64, driver_argv, start_driver
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
-from lmq_broker.testing_clients import Driver, DriverMissing, b64, driver_argv, start_driver
 
 POINTERS = Path(__file__).resolve().parents[2] / "build" / "clients"
 TOPIC, GROUP = "ACROSS_NS", "across-group"

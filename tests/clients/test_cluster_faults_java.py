@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Final
 
 import pytest
+from testing_clients import Driver, DriverError, DriverMissing, b64, driver_argv, start_driver, unb64
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -39,7 +40,6 @@ from lmq_broker.cluster import membership as mb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as rpb
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, holders, start_broker
-from lmq_broker.testing_clients import Driver, DriverError, DriverMissing, b64, driver_argv, start_driver, unb64
 
 POINTERS: Final = Path(__file__).resolve().parents[2] / "build" / "clients"
 TOPIC, GROUP = "JFAULT_NS", "jfault-group"

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import pytest
+from testing_clients import Driver, DriverError, b64, unb64
+from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.testing_clients import Driver, DriverError, b64, unb64
 
 LITE_MESSAGES: Final = 240
 WAIT_S: Final = 90.0
@@ -72,11 +73,6 @@ def lite_bodies(lites: list[str], count: int) -> list[tuple[str, int, bytes]]:
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f} s"
-        time.sleep(0.1)
 
 
 def subscriptions_of(admin: AdminClient, group: str) -> int:
@@ -118,7 +114,9 @@ def start_lite_consumer(
     driver.call("lite_push", name=name, group=group, topic=topic, **options)
     for lite in lites:
         driver.call("subscribe_lite", consumer=name, lite_topic=lite)
-    wait_until(lambda: subscriptions_of(admin, group) >= before + len(lites), 45, f"{len(lites)} subscriptions")
+    eventually(
+        lambda: subscriptions_of(admin, group) >= before + len(lites), f"{len(lites)} subscriptions", timeout_s=45
+    )
 
 
 # --- scenarios -------------------------------------------------------------------------------------------
@@ -145,10 +143,11 @@ def test_lite_send_to_lite_push_consumer_loses_nothing(
     for lite in lites:
         seqs = [sent[m["message_id"]][1] for m in got if m["lite_topic"] == lite]
         assert seqs == sorted(seqs), f"{lite} out of order"
-    wait_until(
+    eventually(
         lambda: all(committed(admin, topic, lite, group) == LITE_MESSAGES // len(lites) for lite in lites),
-        30,
         "every ack committed",
+        timeout_s=30,
+        interval_s=0.1,
     )
     assert dead_letters(drivers("python") if lang != "python" else client, group) == []
 
@@ -165,12 +164,20 @@ def test_subscribe_unsubscribe_and_resubscribe_keeps_offsets(
 
     client.call("unsubscribe_lite", consumer="c", lite_topic="a")
     assert client.call("lite_topics", consumer="c")["lite_topics"] == ["b"]
-    wait_until(lambda: subscriptions_of(admin, group) == 1, 30, "the broker dropping the subscription to a")
+    eventually(
+        lambda: subscriptions_of(admin, group) == 1,
+        "the broker dropping the subscription to a",
+        timeout_s=30,
+        interval_s=0.1,
+    )
+    eventually(lambda: committed(admin, topic, "a", group) == 5, "a's first five acks committed", interval_s=0.1)
     while_away = {send_lite(client, "p", topic, "a", f"a-late-{i}".encode()) for i in range(5)}
     still = {send_lite(client, "p", topic, "b", f"b-late-{i}".encode()) for i in range(5)}
     client.wait_events(lambda _: still <= ids_received(client, "c"), WAIT_S, "b's later messages")
-    time.sleep(2)  # a's messages would have come with b's: same client, same receive loop
+    # b's later messages are the barrier: sent after a's, to the same client and receive loop, so a's would have
+    # come with them; nothing of a's was acked either (its committed offset stays after the first five)
     assert not while_away & ids_received(client, "c"), "delivered after unsubscribe"
+    assert committed(admin, topic, "a", group) == 5
 
     client.call("subscribe_lite", consumer="c", lite_topic="a")
     client.wait_events(lambda _: while_away <= ids_received(client, "c"), WAIT_S, "a's messages on resubscribe")
@@ -188,7 +195,7 @@ def test_consumer_restart_resumes_where_it_stopped(
     first_process.call("producer", name="p", topics=[topic])
     before = {send_lite(first_process, "p", topic, "agent", f"before-{i}".encode()) for i in range(30)}
     first_process.wait_events(lambda _: before <= ids_received(first_process, "c"), WAIT_S, "30 messages")
-    wait_until(lambda: committed(admin, topic, "agent", group) == 30, 30, "30 acks committed")
+    eventually(lambda: committed(admin, topic, "agent", group) == 30, "30 acks committed", timeout_s=30, interval_s=0.1)
     assert first_process.close() == 0
 
     sender = drivers("python")
@@ -217,7 +224,7 @@ def test_failed_consumption_is_redelivered_not_dead_lettered(
         WAIT_S,
         "every message consumed a second time",
     )
-    wait_until(lambda: committed(admin, topic, "retry", group) == 5, 30, "5 acks committed")
+    eventually(lambda: committed(admin, topic, "retry", group) == 5, "5 acks committed", timeout_s=30, interval_s=0.1)
     assert dead_letters(drivers("python") if lang != "python" else client, group) == []
 
 
@@ -273,7 +280,9 @@ def test_lite_simple_consumer(
         return
     assert lang not in WITHOUT_LITE_SIMPLE, f"{lang} has a LiteSimpleConsumer now: update WITHOUT_LITE_SIMPLE"
     client.call("lite_simple_subscribe", consumer="ls", lite_topic="simple-lite")
-    wait_until(lambda: subscriptions_of(admin, group) == 1, 45, "the lite simple subscription")
+    eventually(
+        lambda: subscriptions_of(admin, group) == 1, "the lite simple subscription", timeout_s=45, interval_s=0.1
+    )
     client.call("producer", name="p", topics=[topic])
     sent = {send_lite(client, "p", topic, "simple-lite", f"s-{i}".encode()) for i in range(10)}
     received: Counter[str] = Counter()
@@ -284,7 +293,9 @@ def test_lite_simple_consumer(
             received[m["message_id"]] += 1
             client.call("ack", consumer="ls", handle=m["handle"])
     assert received == Counter(sent)
-    wait_until(lambda: committed(admin, topic, "simple-lite", group) == 10, 30, "10 acks committed")
+    eventually(
+        lambda: committed(admin, topic, "simple-lite", group) == 10, "10 acks committed", timeout_s=30, interval_s=0.1
+    )
 
 
 def test_exclusive_group_notifies_the_evicted_client(
@@ -297,15 +308,18 @@ def test_exclusive_group_notifies_the_evicted_client(
     start_lite_consumer(first, admin, "c", topic, group, lites=["owned"])
     second.call("lite_push", name="c", group=group, topic=topic)
     second.call("subscribe_lite", consumer="c", lite_topic="owned")
-    wait_until(
+    eventually(
         lambda: sorted(c.subscription_count for c in admin.list_clients(group)) == [0, 1],
-        45,
         "the first client evicted",
+        timeout_s=45,
+        interval_s=0.1,
     )
     if lang in IGNORES_NOTIFY_UNSUBSCRIBE:
         assert first.call("lite_topics", consumer="c")["lite_topics"] == ["owned"]
     else:
-        wait_until(lambda: first.call("lite_topics", consumer="c")["lite_topics"] == [], 30, "the notice applied")
+        eventually(
+            lambda: first.call("lite_topics", consumer="c")["lite_topics"] == [], "the notice applied", timeout_s=30
+        )
     second.call("producer", name="p", topics=[topic])
     sent = {send_lite(second, "p", topic, "owned", f"x-{i}".encode()) for i in range(5)}
     second.wait_events(lambda _: sent <= ids_received(second, "c"), WAIT_S, "the new owner's messages")
@@ -380,7 +394,12 @@ def test_subscribe_lite_all_receives_every_lite_topic_of_a_wildcard_group(
     client.call("lite_push", name="c", group=group, topic=topic)
     answer = client.call("subscribe_lite_all", consumer="c")
     assert bool(answer.get("unsupported")) == (lang in WITHOUT_SUBSCRIBE_ALL), answer
-    wait_until(lambda: any(c.group == group for c in admin.list_clients(group)), 45, "the client registered")
+    eventually(
+        lambda: any(c.group == group for c in admin.list_clients(group)),
+        "the client registered",
+        timeout_s=45,
+        interval_s=0.1,
+    )
     client.call("producer", name="p", topics=[topic])
     sent = {send_lite(client, "p", topic, f"any-{i % 3}", f"w-{i}".encode()) for i in range(15)}
     client.wait_events(lambda _: sent <= ids_received(client, "c"), WAIT_S, "15 messages on 3 new lite topics")

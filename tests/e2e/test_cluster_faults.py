@@ -46,13 +46,13 @@ from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
 from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, Inbox, holders, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 TOPIC, GROUP = "FAULT_NS", "fault-group"
 RESTORE_GOAL_S: Final = 3.0  # the broker's part: every subscription back at the restarted owner

@@ -21,11 +21,11 @@ from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, Inbox, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 WAIT_S = 20.0
 
@@ -138,11 +138,15 @@ def test_the_rocketmq_producer_reaches_an_mqtt_subscriber(
         message.topic, message.lite_topic, message.body = parent, lite, f"rocketmq-{n}".encode()
         producer.send(message)
     got = sub.wait_count(3)
-    assert [(m.topic, m.payload, m.qos) for m in got] == [
+    # in order per topic (MQTT 3.1.1 / 5.0 section 4.6); two topics' messages may interleave either way
+    assert [(m.topic, m.payload, m.qos) for m in got if m.topic.endswith("/1")] == [
         (f"{parent}/agent/1", b"rocketmq-0", 1),
-        (f"{parent}/agent/2/task", b"rocketmq-1", 1),
         (f"{parent}/agent/1", b"rocketmq-2", 1),
     ]
+    assert [(m.topic, m.payload, m.qos) for m in got if m.topic.endswith("/task")] == [
+        (f"{parent}/agent/2/task", b"rocketmq-1", 1)
+    ]
+    assert len(sub.quiet()) == 3
 
 
 def test_an_mqtt_publish_reaches_a_lite_push_consumer(
@@ -273,3 +277,39 @@ def _wait_for_log(broker: BrokerProcess, text: str) -> None:
     while text not in broker.log():
         assert time.monotonic() < deadline, f"{text!r} not in the broker log"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("version", ["mqttv311", "mqttv5"])
+def test_4_3_3_mosquitto_qos2_publishes_reach_a_qos2_mosquitto_sub_exactly_once(
+    mqtt_broker: BrokerProcess, topic: tuple[str, str], version: str
+) -> None:
+    """3.1.1 and 5.0 section 4.3.3: mosquitto_pub -q 2 completes the QoS 2 flow (it exits 0 only after each
+    PUBCOMP), each message is stored once, and mosquitto_sub -q 2 gets each once (its QoS 2 flow with the
+    broker completes, else it would not count the message toward -C)."""
+    parent, _ = topic
+    port = str(mqtt_broker.mqtt_port)
+    client = f"mosq-q2-{version}"
+    sub = subprocess.Popen(
+        [mosquitto("mosquitto_sub"), "-h", "127.0.0.1", "-p", port, "-V", version, "-q", "2", "-t",
+         f"{parent}/q2/+", "-v", "-C", "3", "-W", "30", "-i", client],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_log(mqtt_broker, f"{client} connected")
+        time.sleep(0.3)  # its SUBSCRIBE follows the CONNACK
+        for n, room in enumerate(["a", "b", "a"]):
+            subprocess.run(
+                [mosquitto("mosquitto_pub"), "-h", "127.0.0.1", "-p", port, "-V", version, "-q", "2", "-t",
+                 f"{parent}/q2/{room}", "-m", f"once-{n}"],
+                check=True, timeout=30, capture_output=True,
+            )  # fmt: skip
+        out, err = sub.communicate(timeout=40)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+            sub.communicate(timeout=10)
+    assert sub.returncode == 0, err
+    assert out.splitlines() == [f"{parent}/q2/a once-0", f"{parent}/q2/b once-1", f"{parent}/q2/a once-2"]
+    with AdminClient(mqtt_broker.admin_endpoint, timeout_s=10, **mqtt_broker.admin_keys) as admin:
+        assert admin.describe_lite_topic(parent, "q2_a").meta.max_offset == 2
+        assert admin.describe_lite_topic(parent, "q2_b").meta.max_offset == 1

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.mqtt import topics
 from lmq_broker.testing import BrokerProcess, Inbox, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 WAIT_S = 20.0
 DEFAULT = "mqtt-default"  # --mqtt-default-parent's default

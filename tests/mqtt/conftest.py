@@ -1,5 +1,5 @@
 """Fixtures of the MQTT suite: a broker process with ``--mqtt-port 0`` and paho-mqtt clients
-(``lmq_broker.testing_mqtt.Peer``), closed after each test."""
+(``testing_mqtt.Peer``, tests/support), closed after each test."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 _ids = itertools.count()
 

@@ -16,11 +16,11 @@ import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from testing_mqtt import Peer
 
 from lmq_broker.mqtt import codec, stats
 from lmq_broker.mqtt.properties import NONE
 from lmq_broker.testing import BrokerProcess
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 V5 = MQTTProtocolVersion.MQTTv5
@@ -71,7 +71,9 @@ def test_mqtt5_3_3_4_receive_maximum_exceeded_is_told_with_a_disconnect_0x93_not
 ) -> None:
     """5.0 section 3.3.4 (MQTT-3.3.4-9) and 4.13.2: a client sending more QoS > 0 publishes than the broker's
     Receive Maximum gets DISCONNECT 0x93. The client goes on writing meanwhile: the broker must not close on
-    that unread input (a reset would destroy the DISCONNECT before the client read it)."""
+    that unread input (a reset would destroy the DISCONNECT before the client read it). The refusal is counted
+    in ``lmq_mqtt_refused_total{reason="receive_maximum"}``."""
+    before = _cap_refusals(broker, stats.RECEIVE_MAXIMUM)
     sock, decoder = _raw_v5(broker.mqtt_port, "over-receive-max")
     maximum = 256  # the CONNACK's Receive Maximum
     publishes = b"".join(
@@ -85,6 +87,14 @@ def test_mqtt5_3_3_4_receive_maximum_exceeded_is_told_with_a_disconnect_0x93_not
     got = _until_closed(sock, decoder)
     last = got[-1]
     assert isinstance(last, codec.Disconnect) and last.reason == 0x93, got[-3:]
+    assert _cap_refusals(broker, stats.RECEIVE_MAXIMUM) == before + 1
+
+
+def _cap_refusals(broker: BrokerProcess, reason: str) -> float:
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^lmq_mqtt_refused_total\{{reason="{reason}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def _refused_count(broker: BrokerProcess, reason: str) -> float:

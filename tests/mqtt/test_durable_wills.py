@@ -71,8 +71,9 @@ def test_delayed_wills_survive_a_restart_and_fire_unless_their_client_comes_back
     try:
         with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
             admin.put_parent_topic(model.ParentTopic("W", model.MessageType.LITE))
-        # both vanish without DISCONNECT: their wills start waiting; "back"'s would be due first
-        for client_id, delay_s in (("gone", DELAY_S + 1), ("back", DELAY_S)):
+        # both vanish without DISCONNECT: their wills start waiting. "back"'s delay is long enough for any restart
+        # (it returns before it is due); "gone"'s outlives the stop and may fall due during a slow restart
+        for client_id, delay_s in (("gone", DELAY_S), ("back", 10 * DELAY_S)):
             delayed = Properties(will_delay_s=delay_s)
             will = codec.Will(f"W/{client_id}", f"{client_id} for good".encode(), 1, True, delayed)
             connect(broker, client_id, will).close()
@@ -82,7 +83,7 @@ def test_delayed_wills_survive_a_restart_and_fire_unless_their_client_comes_back
         assert not retained_topics(broker.data_dir), "a will was published before its delay"
         broker = broker.restart()
         connect(broker, "back").close()  # it came back: its will is taken out, never published
-        assert wills_waiting(broker.data_dir) == {"gone"}
+        assert wills_waiting(broker.data_dir) <= {"gone"}  # "gone"'s is still waiting, or already published
         with connect(broker, "watcher") as watcher:
             watcher.sendall(codec.encode(codec.Subscribe(1, (("W/#", 1),), Properties())))
             assert isinstance(read_packet(watcher), codec.SubAck)

@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from testing_mqtt import Peer
+
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import BrokerProcess, start_broker
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 
@@ -46,17 +47,21 @@ def test_a_publish_reaches_exact_and_wildcard_subscribers_in_order(
 def test_qos_is_the_lower_of_the_publish_and_the_subscription(
     broker: BrokerProcess, parent: str, connect: Connect
 ) -> None:
+    """3.1.1 section 3.8.4 (granted QoS) and 3.3.5: a message goes out at the lower of its publish QoS and the
+    subscription's granted QoS; a QoS 2 subscription is granted QoS 2."""
     port = broker.mqtt_port
-    at0, at1 = connect(port), connect(port)
+    at0, at1, at2 = connect(port), connect(port), connect(port)
     assert at0.subscribe((f"{parent}/q", 0)) == [0]
-    assert at1.subscribe((f"{parent}/q", 2)) == [1]  # QoS 2 is granted as QoS 1
+    assert at1.subscribe((f"{parent}/q", 1)) == [1]
+    assert at2.subscribe((f"{parent}/q", 2)) == [2]
     pub = connect(port)
     pub.publish(f"{parent}/q", b"sent at 1", qos=1)
     pub.publish(f"{parent}/q", b"sent at 0", qos=0)
     pub.publish(f"{parent}/q", b"sent at 2", qos=2)  # stored once, answered PUBREC/PUBCOMP
     assert [(m.payload, m.qos) for m in at0.wait_count(3)] == [(b"sent at 1", 0), (b"sent at 0", 0), (b"sent at 2", 0)]
     assert [(m.payload, m.qos) for m in at1.wait_count(3)] == [(b"sent at 1", 1), (b"sent at 0", 0), (b"sent at 2", 1)]
-    assert len(at1.quiet()) == 3
+    assert [(m.payload, m.qos) for m in at2.wait_count(3)] == [(b"sent at 1", 1), (b"sent at 0", 0), (b"sent at 2", 2)]
+    assert len(at1.quiet()) == 3 and len(at2.quiet()) == 3
 
 
 def test_a_new_subscription_starts_after_what_was_published_before_it(

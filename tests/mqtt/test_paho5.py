@@ -14,6 +14,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
+from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -21,7 +22,6 @@ from lmq_broker.mqtt import codec
 from lmq_broker.mqtt.properties import NONE
 from lmq_broker.mqtt.properties import Properties as PropertiesV
 from lmq_broker.testing import BrokerProcess
-from lmq_broker.testing_mqtt import Peer
 
 Connect = Callable[..., Peer]
 V5 = MQTTProtocolVersion.MQTTv5
@@ -45,7 +45,8 @@ def test_the_connack_tells_the_limits_and_properties_travel_through_the_store(
     sub = v5(connect, port)
     got = sub.connack_properties
     assert (got.ReceiveMaximum, got.TopicAliasMaximum) == (256, 64)
-    assert (got.SubscriptionIdentifierAvailable, got.SharedSubscriptionAvailable) == (0, 0)
+    # absent: both available (5.0 sections 3.2.2.3.12, 3.2.2.3.13)
+    assert not hasattr(got, "SubscriptionIdentifierAvailable") and not hasattr(got, "SharedSubscriptionAvailable")
     assert got.MaximumPacketSize > 4 * 1024 * 1024
     old = connect(port)  # a 3.1.1 subscriber on the same listener gets the message, without properties
     assert sub.subscribe((f"{parent}/p/+", 1)) == [1]
@@ -84,8 +85,8 @@ def test_refusals_are_reason_codes_and_the_connection_stays(
     assert pub.publish(f"{parent}/fine", b"stored") == 0
     assert not pub.disconnected
     sub = v5(connect, port)
-    codes = sub.subscribe(("#", 1), ("no-such-parent/#", 1), (f"$share/g/{parent}/x", 1), (f"{parent}/ok", 2))
-    assert codes == [1, 1, 0x9E, 1]  # QoS 2 is granted as QoS 1
+    codes = sub.subscribe(("#", 1), ("no-such-parent/#", 1), (f"$share/+/{parent}/x", 1), (f"{parent}/ok", 2))
+    assert codes == [1, 1, 0x8F, 2]  # QoS 2 is granted (3.9.3); a share name may not hold '+' (4.8.2)
     quiet = v5(connect, port)
     bad_text = props(PayloadFormatIndicator=1)
     quiet.client.publish(f"{parent}/x", b"\xff", qos=0, properties=bad_text)  # no answer to a QoS 0 publish
@@ -284,7 +285,8 @@ def test_protocol_breaches_get_a_disconnect_with_their_reason_code(broker: Broke
         (codec.encode(codec.Auth()), 0x82),  # AUTH without an authentication method
         (codec.encode(codec.Connect("again", level=codec.LEVEL_5, properties=NONE)), 0x82),  # a second CONNECT
         (codec.encode(codec.Publish("", b"x", properties=PropertiesV(topic_alias=9))), 0x82),  # an alias never set
-        (codec.encode(codec.Subscribe(1, ((f"{parent}/x", 1),), PropertiesV(subscription_ids=(5,)))), 0xA1),
+        # no local on a shared subscription (5.0 section 3.8.3.1, MQTT-3.8.3-4)
+        (codec.encode(codec.Subscribe(1, ((f"$share/g/{parent}/x", 1 | codec.OPTION_NO_LOCAL),), NONE)), 0x82),
     ]
     for n, (data, code) in enumerate(cases):
         raw = Raw(port)

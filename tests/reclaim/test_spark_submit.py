@@ -23,7 +23,7 @@ from lmq_broker.admin.client import AdminClient
 
 REPO = Path(__file__).resolve().parents[2]
 SPARK_SUBMIT = Path(sys.executable).parent / "spark-submit"
-JOB_FILE = REPO / "broker" / "lmq_reclaim" / "__main__.py"
+JOB_FILE = REPO / "reclaim" / "lmq_reclaim" / "__main__.py"
 
 PARENTS = [
     model.ParentTopic("Agent", expiration_minutes=60),
@@ -54,7 +54,9 @@ def test_spark_submit_reclaims_the_expired_topics_of_a_live_broker(
     (broker,) = start_brokers(1)
     audit = tmp_path / "audit" / "reclaim-{now}"  # the chart's form: one directory per run
     # The job's package must be importable by the driver (spark-submit runs a file) and by the Python workers.
-    pythonpath = os.pathsep.join(p for p in (str(REPO / "broker"), os.environ.get("PYTHONPATH", "")) if p)
+    pythonpath = os.pathsep.join(
+        p for p in (str(REPO / "reclaim"), str(REPO / "broker"), os.environ.get("PYTHONPATH", "")) if p
+    )
     env = {
         **os.environ,
         "PYTHONPATH": pythonpath,

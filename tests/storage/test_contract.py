@@ -10,7 +10,7 @@ import pytest
 from lmq_broker import errors, model
 from lmq_broker.storage import api
 from lmq_broker.storage.memory import ManualClock
-from lmq_broker.storage.testing import another_writer
+from lmq_broker.storage.testing import another_writer, append_if_free
 
 Msg = Callable[..., model.NewMessage]
 LMQ_A = model.QueueId.lmq("P", "a")
@@ -35,26 +35,26 @@ def test_append_assigns_consecutive_offsets_per_queue(store: api.Store, msg: Msg
 
 def test_empty_append_is_a_no_op(store: api.Store) -> None:
     assert store.append([]) == []
-    assert api.append_if_free(store, []) == []
+    assert append_if_free(store, []) == []
 
 
 def test_append_if_free_with_no_other_writer_is_an_append(store: api.Store, msg: Msg, clock: ManualClock) -> None:
     store.append([msg(lite="a")])
-    results = api.append_if_free(store, [msg(lite="a"), msg(lite="b")])
+    results = append_if_free(store, [msg(lite="a"), msg(lite="b")])
     assert results is not None
     assert [r.offsets for r in results] == [{PARENT_Q: 1, LMQ_A: 1}, {PARENT_Q: 2, model.QueueId.lmq("P", "b"): 0}]
     assert [m.message_id for m in store.read(LMQ_A, 1, 10)] == [results[0].message_id]
     assert store.queue_offsets(LMQ_A) == (0, 2)
     with pytest.raises(errors.BodyEmpty):
-        api.append_if_free(store, [msg(lite="c", body=b"")])
+        append_if_free(store, [msg(lite="c", body=b"")])
     assert store.lite_topic("P", "c") is None
 
 
 def test_append_if_free_writes_nothing_while_another_writer_holds_the_path(store: api.Store, msg: Msg) -> None:
     with another_writer(store):
-        assert api.append_if_free(store, [msg()]) is None
+        assert append_if_free(store, [msg()]) is None
     assert store.queue_offsets(LMQ_A) == (0, 0)
-    assert api.append_if_free(store, [msg()]) is not None
+    assert append_if_free(store, [msg()]) is not None
     assert store.queue_offsets(LMQ_A) == (0, 1)
 
 

@@ -7,21 +7,15 @@ import time
 from collections.abc import Callable
 
 import pytest
+from waiting import eventually
 
 from lmq_broker import errors, model
-from lmq_broker.storage import api, appends, commitlog
+from lmq_broker.storage import appends, commitlog
 from lmq_broker.storage import store as store_mod
+from lmq_broker.storage.testing import append_if_free
 
 Msg = Callable[..., model.NewMessage]
 OpenLmq = Callable[..., store_mod.LmqStore]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.001)
 
 
 def test_sync_append_returns_only_once_fsynced(open_lmq: OpenLmq, msg: Msg) -> None:
@@ -42,7 +36,11 @@ def test_concurrent_sync_appends_share_one_fsync(open_lmq: OpenLmq, msg: Msg, mo
         if not first_sync.is_set():
             first_sync.set()
             # hold the first fsync until every other writer has queued its request behind it
-            wait_until(lambda: len(s._appender._queue) == n_threads - 1)
+            eventually(
+                lambda: len(s._appender._queue) == n_threads - 1,
+                "len(s._appender._queue) == n_threads - 1",
+                interval_s=0.001,
+            )
         real_sync(self)
 
     monkeypatch.setattr(commitlog.CommitLog, "sync", slow_first_sync)
@@ -62,7 +60,7 @@ def test_async_append_returns_before_fsync_and_the_flusher_catches_up(open_lmq: 
     s = open_lmq(flush_mode="async", flush_interval_ms=20)
     log: commitlog.CommitLog = s._core.log
     s.append([msg() for _ in range(10)])
-    wait_until(lambda: log.synced == log.written)
+    eventually(lambda: log.synced == log.written, "log.synced == log.written", interval_s=0.001)
     assert s.fsync_count >= 1
 
 
@@ -119,13 +117,13 @@ def test_append_if_free_refuses_at_once_while_another_writer_syncs(
     try:
         assert in_sync.wait(10)
         started = time.monotonic()
-        assert api.append_if_free(s, [msg(message_id="refused")]) is None
+        assert append_if_free(s, [msg(message_id="refused")]) is None
         assert time.monotonic() - started < 1.0  # refused at once, not after the other writer's fsync
     finally:
         release.set()
         writer.join()
     assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["first"]  # nothing of it written
-    results = api.append_if_free(s, [msg(message_id="second")])
+    results = append_if_free(s, [msg(message_id="second")])
     assert results is not None
     assert results[0].offsets == {model.QueueId("P", 0): 1, model.QueueId.lmq("P", "a"): 1}
     assert s._core.log.synced == s._core.log.written  # sync mode: it returns once fsynced too
@@ -148,12 +146,12 @@ def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
     waiter = threading.Thread(target=s.append, args=(big,))
     waiter.start()
     try:
-        wait_until(lambda: len(s._appender._queue) == 1)
+        eventually(lambda: len(s._appender._queue) == 1, "len(s._appender._queue) == 1", interval_s=0.001)
     finally:
         s._core.write_lock.release()
     mine: list[model.AppendResult] | None = None
     while mine is None:  # whoever gets the lock first: the caller's own request only, never the queued one
-        mine = api.append_if_free(s, [msg(message_id="mine")])
+        mine = append_if_free(s, [msg(message_id="mine")])
     waiter.join()
     me = threading.get_ident()
     assert [ids for thread, ids in rounds if thread == me] == [["mine"]]
@@ -174,7 +172,7 @@ def test_try_begin_writes_without_showing_anything_until_finish_and_holds_the_wr
     other.start()
     time.sleep(0.2)
     assert other.is_alive()  # another writer waits for the pending append
-    assert api.append_if_free(s, [msg(message_id="refused")]) is None
+    assert append_if_free(s, [msg(message_id="refused")]) is None
     pending.sync()
     assert s._core.log.synced == s._core.log.written
     good, bad = pending.finish()
@@ -213,9 +211,11 @@ def test_a_failed_fsync_cuts_its_appends_off_the_log_and_pauses_writes_until_one
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="refused")])
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
-        api.append_if_free(s, [msg(message_id="refused")])
+        append_if_free(s, [msg(message_id="refused")])
     assert s.faults().refused["not_durable"] == 2
-    wait_until(lambda: s.health() is None)  # the healer's fsync succeeds (the disk is fine)
+    eventually(
+        lambda: s.health() is None, "s.health() is None", interval_s=0.001
+    )  # the healer's fsync succeeds (the disk is fine)
     assert s.faults().durable
     s.append([msg(message_id="after")])
     assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["before", "after"]
@@ -248,5 +248,5 @@ def test_a_failed_fsync_of_tombstones_pauses_writes_too(
     assert s.lite_topic("P", "a") is not None  # not deleted: the index was never told
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="2")])
-    wait_until(lambda: s.health() is None)
+    eventually(lambda: s.health() is None, "s.health() is None", interval_s=0.001)
     assert s.delete_lite_topics([("P", "a", None)]) == [True]

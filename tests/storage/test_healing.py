@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
+from waiting import eventually
 
 from lmq_broker import errors, model
 from lmq_broker.storage import index as index_mod
@@ -19,14 +19,6 @@ from lmq_broker.storage import store as store_mod
 Msg = Callable[..., model.NewMessage]
 OpenLmq = Callable[..., store_mod.LmqStore]
 LMQ_A = model.QueueId.lmq("P", "a")
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.005)
 
 
 def test_a_failed_background_fsync_pauses_writes_until_the_healer_syncs_again(
@@ -52,17 +44,19 @@ def test_a_failed_background_fsync_pauses_writes_until_the_healer_syncs_again(
 
     monkeypatch.setattr(segment.Segment, "sync", flaky_sync)
     s.append([msg(message_id="2")])  # acked (async): its bytes wait for the next fsync, which fails
-    wait_until(lambda: not s.faults().durable)
+    eventually(lambda: not s.faults().durable, "not s.faults().durable", interval_s=0.005)
     assert "commit log cannot be made durable" in (s.health() or "") and s.fatal() is None
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="refused")])
     failures = s.faults().fsync_failures
-    wait_until(lambda: s.faults().fsync_failures >= failures + 2)  # the healer retries, and fails
+    eventually(
+        lambda: s.faults().fsync_failures >= failures + 2, "s.faults().fsync_failures >= failures + 2", interval_s=0.005
+    )  # the healer retries, and fails
     log = s._core.log
     durable_before = log.durable_at
     monkeypatch.setattr(os, "pwrite", recording_pwrite)
     failing.clear()
-    wait_until(lambda: s.health() is None)
+    eventually(lambda: s.health() is None, "s.health() is None", interval_s=0.005)
     monkeypatch.undo()
     # The healer wrote the unsynced bytes again before its fsync: after a failed writeback a bare fsync
     # could succeed without them.
@@ -89,7 +83,7 @@ def test_a_fault_that_is_not_a_full_disk_and_does_not_heal_latches_and_fails_liv
     with pytest.raises(errors.StorageError, match="not stored"):
         s.append([msg(message_id="2")])
     assert s.fatal() is None  # not yet: it may heal
-    wait_until(lambda: s.fatal() is not None)
+    eventually(lambda: s.fatal() is not None, "s.fatal() is not None", interval_s=0.005)
     assert "could not recover from a storage fault" in (s.fatal() or "")
     assert s.faults().index_reopens > before and not s.faults().index_writable
     monkeypatch.undo()
@@ -109,9 +103,11 @@ def test_a_full_disk_is_waited_out_however_long(open_lmq: OpenLmq, msg: Msg, mon
     with pytest.raises(errors.StorageError, match="No space left"):
         s.append([msg(message_id="1")])
     reopens = s.faults().index_reopens
-    wait_until(lambda: s.faults().index_reopens >= reopens + 3)
+    eventually(
+        lambda: s.faults().index_reopens >= reopens + 3, "s.faults().index_reopens >= reopens + 3", interval_s=0.005
+    )
     assert s.fatal() is None and "index cannot write" in (s.health() or "")
     monkeypatch.undo()
-    wait_until(lambda: s.health() is None)
+    eventually(lambda: s.health() is None, "s.health() is None", interval_s=0.005)
     s.append([msg(message_id="2")])
     assert [m.message_id for m in s.read(LMQ_A, 0, 10)] == ["2"]

@@ -33,6 +33,7 @@ from lmq_broker.protocol.handlers import (
     change_invisible_duration,
     forward_to_dead_letter_queue,
     receive_message,
+    send_message,
 )
 from lmq_broker.protocol.handlers import sync_lite_subscription as sync_handler
 
@@ -72,6 +73,8 @@ class Calls:
 
     async def send(self, request: spb.SendMessageRequest, headers: Headers) -> spb.SendMessageResponse:
         peer = self._peer("SendMessage", headers)
+        if peer is None:
+            send_message.refuse_internal_properties(request.messages)
         return await self._peers.forwarder.send(request, peer_copy=peer is not None)
 
     def receive(

@@ -147,7 +147,7 @@ class Appender:
             return
         if pending is None:  # another writer holds the store: do not wait for it here
             if self._stopping:  # the thread is gone or going: wait for the other writer here after all
-                _settle(_commit(group, self._store.append)[0])
+                _settle(_commit(group, self._store.append))
             else:
                 self._to_thread(group)
             return
@@ -184,42 +184,32 @@ class Appender:
                 else:
                     batch.append(item)
             if batch:
-                outcomes, _ = _commit(batch, self._store.append)
+                outcomes = _commit(batch, self._store.append)
                 self._loop.call_soon_threadsafe(self._settle_thread, outcomes)
 
 
 def _commit(
-    batch: list[_Item], append: Callable[[Sequence[model.NewMessage]], list[model.AppendResult] | None]
-) -> tuple[list[_Outcome], list[_Item]]:
-    """Append ``batch`` as one call; (outcomes, the items not attempted because the store was busy)."""
-    if not batch:
-        return [], []
+    batch: list[_Item], append: Callable[[Sequence[model.NewMessage]], list[model.AppendResult]]
+) -> list[_Outcome]:
+    """Append ``batch`` as one call (``append`` waits for a writer that holds the store); one outcome per item.
+    A failed combined append is retried item by item, so the error stays with the request that caused it."""
     if len(batch) == 1:
         messages, future = batch[0]
         try:
-            results = append(messages)
+            return [(future, append(messages))]
         except Exception as exc:
-            return [(future, exc)], []
-        return ([], batch) if results is None else ([(future, results)], [])
+            return [(future, exc)]
     combined = [m for messages, _ in batch for m in messages]
     try:
         results = append(combined)
     except Exception:
-        outcomes: list[_Outcome] = []
-        for i, single in enumerate(batch):  # retried alone: the error stays with the request that caused it
-            done, refused = _commit([single], append)
-            outcomes += done
-            if refused:  # busy now: this one and the rest go on together, in order
-                return outcomes, batch[i:]
-        return outcomes, []
-    if results is None:
-        return [], batch
+        return [outcome for single in batch for outcome in _commit([single], append)]
     out: list[_Outcome] = []
     start = 0
     for messages, future in batch:
         out.append((future, results[start : start + len(messages)]))
         start += len(messages)
-    return out, []
+    return out
 
 
 def _finish(pending: PendingAppend, n: int) -> list[list[model.AppendResult] | BaseException]:

@@ -111,8 +111,16 @@ class Saver:
             return False
         began = time.monotonic()
         records = self._export()
+        write = asyncio.ensure_future(asyncio.to_thread(save, records, self._path))
         try:
-            await asyncio.to_thread(save, records, self._path)
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # A cancelled task does not stop its thread: the write finishes (its rename included) before this
+            # task ends, so the final save at shutdown never races it for the same temporary file.
+            await asyncio.wait([write])
+            if not write.cancelled() and write.exception() is not None:
+                log.warning("lite subscriptions not saved at cancellation: %s", write.exception())
+            raise
         except OSError as exc:
             self.failures += 1
             log.warning("lite subscriptions not saved (tried again in %.1f s): %s", self._wait_s, exc)

@@ -6,6 +6,13 @@ expiry interval (NULL: never, as a 3.1.1 persistent session) and when its last c
 connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed. Columns added after the first
 release are added to an older file when it is opened.
 
+A qos2 row is a persistent session's QoS 2 packet id in flight (MQTT 3.1.1 and 5.0 section 4.3.3, 4.4):
+inbound, a publish stored and answered PUBREC whose PUBREL has not come (a resend of it is not stored
+again, also after a restart); outbound, a delivery the client answered PUBREC, PUBREL sent, whose PUBCOMP has
+not come (a reconnect resends the PUBREL, not the PUBLISH), with its message id ("" for a retained message or
+another broker's): the message handed out again after a restart is settled, not sent twice. Dropped with the
+session.
+
 A will row is written when its connection ends and deleted once published or cancelled (its client id came
 back): a delayed will survives a restart and costs no memory while it waits (``wills``).
 
@@ -35,7 +42,11 @@ _SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS wills (client_id TEXT PRIMARY KEY, due_ms INTEGER NOT NULL, topic TEXT NOT NULL,"
     " payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, properties BLOB, host TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS wills_due ON wills (due_ms)",
+    "CREATE TABLE IF NOT EXISTS qos2 (client_id TEXT NOT NULL, direction TEXT NOT NULL, packet_id INTEGER NOT NULL,"
+    " message TEXT NOT NULL DEFAULT '', PRIMARY KEY (client_id, direction, packet_id)) WITHOUT ROWID",
 )
+INBOUND: Final = "in"  # a QoS 2 publish stored and answered PUBREC, its PUBREL not yet seen
+OUTBOUND: Final = "out"  # a QoS 2 delivery answered PUBREC by the client, PUBREL sent, its PUBCOMP not yet seen
 _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and message properties
     ("sessions", "expiry_s", "INTEGER"),
     ("sessions", "gone_ms", "INTEGER"),
@@ -96,6 +107,7 @@ class Durable:
             ).fetchone()
             if row is not None and row[1]:
                 self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
+                self._db.execute("DELETE FROM qos2 WHERE client_id = ?", (client_id,))
                 return None
         if row is None:
             return None
@@ -127,11 +139,44 @@ class Durable:
 
     def expire_sessions(self, now_ms: int) -> int:
         with self._lock:
-            return self._db.execute(f"DELETE FROM sessions WHERE {_EXPIRED}", (now_ms,)).rowcount
+            dropped = self._db.execute(f"DELETE FROM sessions WHERE {_EXPIRED}", (now_ms,)).rowcount
+            if dropped:
+                self._db.execute("DELETE FROM qos2 WHERE client_id NOT IN (SELECT client_id FROM sessions)")
+            return dropped
 
     def drop_session(self, client_id: str) -> bool:
         with self._lock:
+            self._db.execute("DELETE FROM qos2 WHERE client_id = ?", (client_id,))
             return self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,)).rowcount > 0
+
+    # --- QoS 2 packet ids in flight: (client id, direction) -> packet ids ------------------------------------
+    def qos2_ids(self, client_id: str, direction: str) -> dict[int, str]:
+        """Packet id -> message id."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT packet_id, message FROM qos2 WHERE client_id = ? AND direction = ?", (client_id, direction)
+            ).fetchall()
+        return {packet_id: message for packet_id, message in rows}
+
+    def qos2_update(
+        self, client_id: str, direction: str, add: Iterable[tuple[int, str]], remove: Iterable[int]
+    ) -> None:
+        """In one transaction: ``add`` (packet id, message id) recorded, then ``remove`` forgotten."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO qos2 (client_id, direction, packet_id, message) VALUES (?, ?, ?, ?)",
+                    [(client_id, direction, i, message) for i, message in add],
+                )
+                self._db.executemany(
+                    "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ?",
+                    [(client_id, direction, i) for i in remove],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def session_count(self) -> int:
         with self._lock:

@@ -17,7 +17,7 @@ from typing import Final, NamedTuple
 from lmq_broker.dispatch import wildcards
 from lmq_broker.mqtt import topics
 
-EXPANDED: Final = 1 << 8  # made by a first-level wildcard, not asked for by name
+EXPANDED: Final = 1 << 40  # made by a first-level wildcard, not asked for by name (above ``identifiers``' bits)
 Subs = dict[str, dict[wildcards.Filter, int]]
 _WILD: Final = (wildcards.ONE_LEVEL, wildcards.ANY_LEVELS)
 

@@ -14,14 +14,14 @@ producer's properties reach MQTT 5 subscribers as user properties; its ``MQTT_``
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from lmq_broker.mqtt import wire
 from lmq_broker.mqtt.properties import Properties
 
 PREFIX: Final = "MQTT_"
-QOS: Final = "MQTT_QOS"  # "0": published at QoS 0, delivered at QoS 0 to every subscriber
+QOS: Final = "MQTT_QOS"  # "0"/"2": published at QoS 0/2, delivered at most at that QoS (absent: QoS 1)
 CLIENT: Final = "MQTT_CLIENT_ID"
 RETAIN: Final = "MQTT_RETAIN"
 CONTENT_TYPE: Final = "MQTT_CONTENT_TYPE"
@@ -60,8 +60,8 @@ def incoming(props: Properties | None, *, qos: int, retain: bool, client_id: str
         if props.message_expiry_s is not None:
             out[EXPIRES_AT] = str(now_ms + props.message_expiry_s * 1000)
         out[CLIENT] = client_id  # 5.0 only: a 3.1.1 publish stays without properties, as before 5.0 came
-    if qos == 0:
-        out[QOS] = "0"
+    if qos != 1:
+        out[QOS] = str(qos)
     if retain:
         out[RETAIN] = "1"
     return out
@@ -72,11 +72,14 @@ def expired(stored: Mapping[str, str], now_ms: int) -> bool:
     return deadline is not None and deadline.isdigit() and int(deadline) <= now_ms
 
 
-def outgoing(stored: Mapping[str, str], now_ms: int) -> bytes:
+def outgoing(stored: Mapping[str, str], now_ms: int, subscription_ids: Sequence[int] = ()) -> bytes:
     """The encoded MQTT 5 property section a subscriber gets for a message with RocketMQ properties ``stored``
-    (per delivery: written straight to bytes). A name or value holding U+0000, which MQTT strings may not, is
+    (per delivery: written straight to bytes), with the identifiers of the subscriptions it matched (5.0
+    section 3.3.2.3.8, one property each). A name or value holding U+0000, which MQTT strings may not, is
     left out."""
     out = bytearray()
+    for sid in subscription_ids:
+        out += b"\x0b" + wire.varint(sid)
     for name, value in stored.items():
         if "\x00" in name or "\x00" in value:
             continue

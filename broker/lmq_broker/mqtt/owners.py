@@ -34,6 +34,7 @@ class Pulled:
     attempt: int
     receipt: str
     properties: dict[str, str] = field(default_factory=dict)
+    message_id: str = ""  # this broker's messages only (a QoS 2 delivery's, ``releasing``)
 
 
 class Owners(Protocol):

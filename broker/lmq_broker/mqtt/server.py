@@ -6,6 +6,8 @@ lite topics' owners, as gRPC sends are. With ``--tls-cert`` the listener speaks 
 Stopping the broker ends every connection without publishing wills: the broker going away is not the client
 failing.
 
+Connections see it through ``host.Host`` (this module imports theirs, never the reverse).
+
 It also runs what outlives a connection: MQTT 5 wills waiting for their delay (kept in the durable store,
 ``wills``; cancelled when the client id connects again), and a sweep that drops persistent sessions past their
 expiry interval. It counts the sockets open, in all and per client address, and refuses those over the caps
@@ -24,7 +26,7 @@ from lmq_broker import errors
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import codec, durable, framing, limits, matching, stats, storing, wills
+from lmq_broker.mqtt import codec, durable, framing, host, limits, matching, shares, stats, storing, wills
 from lmq_broker.mqtt.connection import Connection
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
@@ -44,11 +46,12 @@ class MqttServer:
         self.port = 0
         self.stopping = False
         self._server: asyncio.Server | None = None
-        self._clients: dict[str, Connection] = {}  # client id -> its connection
+        self._clients: dict[str, host.Client] = {}  # client id -> its connection
         self._tasks: set[asyncio.Task[None]] = set()
         self.stats = stats.Stats()
         self.sockets = limits.Sockets(config)
         self.read_budget = framing.Budget(config.mqtt_max_read_bytes)  # large packets being read, in all
+        self.share_members = shares.Members(config.mqtt_max_share_members)  # shared subscriptions' members here
         self.wills = wills.Wills(self.durable, dispatcher, self._publish_will, self.stats)
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -99,7 +102,7 @@ class MqttServer:
         finally:
             sockets.refusing -= 1
 
-    async def take_over(self, connection: Connection, clean_start: bool) -> None:
+    async def take_over(self, connection: host.Client, clean_start: bool) -> None:
         """``connection`` now owns its client id; a connection that held it is ended first (MQTT-3.1.4-2).
         A delayed will of the client id is dropped, or published at once when the session ends (clean start)."""
         while (other := self._clients.get(connection.client_id)) is not None and other is not connection:
@@ -126,7 +129,7 @@ class MqttServer:
         default = self.config.mqtt_default_parent
         return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True, default)
 
-    def owner(self, client_id: str) -> Connection | None:
+    def owner(self, client_id: str) -> host.Client | None:
         return self._clients.get(client_id)
 
     async def _sweep(self) -> None:
@@ -140,7 +143,7 @@ class MqttServer:
             if dropped:
                 log.info("mqtt: %d sessions past their expiry interval dropped", dropped)
 
-    def forget(self, connection: Connection) -> None:
+    def forget(self, connection: host.Client) -> None:
         if self._clients.get(connection.client_id) is connection:
             del self._clients[connection.client_id]
 

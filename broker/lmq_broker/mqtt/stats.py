@@ -24,6 +24,10 @@ WILL_BYTES = "will_bytes"  # --mqtt-max-will-bytes
 WILL_DELAY = "will_delay"  # --mqtt-max-will-delay-s
 CONNECT_TOO_LARGE = "connect_too_large"  # a CONNECT over what the will cap and its other fields allow
 READ_BYTES = "read_bytes"  # a large packet over what --mqtt-max-read-bytes had left
+QOS2_INFLIGHT = "qos2_inflight"  # 3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL
+RECEIVE_MAXIMUM = "receive_maximum"  # 5.0: a QoS 1/2 publish over our Receive Maximum unanswered
+SHARES_PER_CLIENT = "shares_per_client"  # a shared subscription over --mqtt-max-shares-per-client
+SHARE_MEMBERS = "share_members"  # a member over --mqtt-max-share-members
 # failures with no client to answer (``lmq_mqtt_errors``)
 SESSION_EXPIRY_WRITE = "session_expiry_write"  # a session's end not recorded: it may expire late or early
 CONNECTION_END = "connection_end"  # a connection's publisher or settler failed as the connection ended
@@ -77,10 +81,14 @@ class Collector(_Collector):
             "lmq_mqtt_refused",
             "MQTT connections refused, by cap: connections, connections_per_address (CONNACK 0x97, 3.1.1: 0x03), "
             "unanswered (over a cap, closed before CONNECT), will_bytes, connect_too_large (0x95), will_delay (0x97), "
-            "read_bytes (a large packet while --mqtt-max-read-bytes were being read: DISCONNECT 0x97)",
+            "read_bytes (a large packet while --mqtt-max-read-bytes were being read: DISCONNECT 0x97), "
+            "qos2_inflight (3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL: closed), "
+            "receive_maximum (5.0: a QoS 1/2 publish over our Receive Maximum: DISCONNECT 0x93), "
+            "shares_per_client, share_members (a shared subscription: SUBACK 0x97, 3.1.1: 0x80)",
             labels=["reason"],
         )
-        for reason in (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, CONNECT_TOO_LARGE, READ_BYTES):
+        caps = (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, CONNECT_TOO_LARGE, READ_BYTES)
+        for reason in (*caps, QOS2_INFLIGHT, RECEIVE_MAXIMUM, SHARES_PER_CLIENT, SHARE_MEMBERS):
             refused.add_metric([reason], self._stats.refused[reason])
         yield refused
         errors = CounterMetricFamily(

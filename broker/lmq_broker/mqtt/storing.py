@@ -9,18 +9,15 @@ import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from lmq_broker import errors, model
 from lmq_broker.mqtt import codec, durable, mapping, topics
-
-if TYPE_CHECKING:
-    from lmq_broker.mqtt.server import MqttServer
+from lmq_broker.mqtt.host import Host
 
 log = logging.getLogger(__name__)
 
 
-async def store(server: MqttServer, client_id: str, host: str, publishes: Sequence[codec.Publish]) -> None:
+async def store(server: Host, client_id: str, host: str, publishes: Sequence[codec.Publish]) -> None:
     """Append the messages (one store call), then record the retained ones; both durable on return."""
     config = server.config
     messages: list[model.NewMessage] = []
@@ -33,7 +30,7 @@ async def store(server: MqttServer, client_id: str, host: str, publishes: Sequen
         if topics.is_hashed(lite) and parent == space.default:  # its topic, given back to subscribers
             props[topics.TOPIC_PROPERTY] = p.topic
         if p.retain:
-            retained.append(durable.Retained(parent, lite, p.payload, min(p.qos, 1), now, props))
+            retained.append(durable.Retained(parent, lite, p.payload, p.qos, now, props))
         if p.payload or not p.retain:  # an empty retained publish only clears (MQTT-3.3.1-10)
             if not p.payload:  # an empty message is valid (section 3.3.3); the store keeps it marked
                 props[model.EMPTY_BODY_PROPERTY] = "1"
@@ -50,12 +47,12 @@ async def store(server: MqttServer, client_id: str, host: str, publishes: Sequen
         await server.dispatcher.run(put)
 
 
-async def space_of(server: MqttServer) -> topics.Space:
+async def space_of(server: Host) -> topics.Space:
     """The broker's MQTT topic space now (its default and named parents)."""
     return topics.space_of(await server.dispatcher.metadata())
 
 
-async def publish_will(server: MqttServer, client_id: str, host: str, will: codec.Will) -> bool:
+async def publish_will(server: Host, client_id: str, host: str, will: codec.Will) -> bool:
     """Store ``will`` as the client's publish; False (and logged) when it could not be."""
     props = None if will.properties is None else replace(will.properties, will_delay_s=None)
     try:

@@ -259,18 +259,6 @@ def complete(pending: PendingAppend) -> list[list[model.AppendResult] | BaseExce
     return pending.finish(error)
 
 
-def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
-    """``store.append(messages)`` unless another writer holds the write path (then None, nothing written):
-    ``try_begin`` carried through on the calling thread, fsync included."""
-    pending = store.try_begin([messages])
-    if pending is None:
-        return None
-    (outcome,) = complete(pending)
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
-
-
 # --- names both stores refuse (before anything is written) ---------------------------------------------
 
 

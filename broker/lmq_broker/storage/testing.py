@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from lmq_broker.storage.api import Store
+from lmq_broker import model
+from lmq_broker.storage.api import Store, complete
 from lmq_broker.storage.memory import MemoryStore
 from lmq_broker.storage.store import LmqStore
 
@@ -37,3 +38,15 @@ def another_writer(store: Store) -> Iterator[None]:
     finally:
         leave.set()
         holder.join()
+
+
+def append_if_free(store: Store, messages: Sequence[model.NewMessage]) -> list[model.AppendResult] | None:
+    """``store.append(messages)`` unless another writer holds the write path (then None, nothing written): the
+    ``try_begin`` + ``complete`` the dispatcher's appender does, carried through on the calling thread."""
+    pending = store.try_begin([messages])
+    if pending is None:
+        return None
+    (outcome,) = complete(pending)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome

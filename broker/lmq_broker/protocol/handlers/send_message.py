@@ -24,7 +24,17 @@ _type_of = attrgetter("message_type")
 
 
 async def handle(edge: Edge, request: spb.SendMessageRequest) -> spb.SendMessageResponse:
+    refuse_internal_properties(request.messages)
     return await store(edge, request.messages)
+
+
+def refuse_internal_properties(sent: Sequence[pb.Message]) -> None:
+    """``model.EMPTY_BODY_PROPERTY`` marks an empty MQTT publish, stored on this broker or sent on by a peer with
+    its peer header; a client's message that carries it is refused (so a client cannot store an empty body)."""
+    marker = model.EMPTY_BODY_PROPERTY
+    for m in sent:
+        if marker in m.user_properties:
+            raise errors.InvalidArgument(f"user property {marker} is reserved for the broker", kind="property")
 
 
 async def store(edge: Edge, sent: Sequence[pb.Message]) -> spb.SendMessageResponse:

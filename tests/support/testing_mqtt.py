@@ -105,9 +105,10 @@ class Peer:
     def accepted(self) -> bool:
         return self.connack is not None and self.connack[1] == "Success"
 
-    def subscribe(self, *filters: tuple[str, Any]) -> list[int]:
+    def subscribe(self, *filters: tuple[str, Any], properties: Any = None) -> list[int]:
         """Subscribe and wait for the SUBACK; returns the granted QoS per filter (128: refused; MQTT 5: the
-        reason code). A filter's second item: the QoS, or paho's SubscribeOptions (MQTT 5)."""
+        reason code). A filter's second item: the QoS, or paho's SubscribeOptions (MQTT 5); ``properties``: the
+        SUBSCRIBE's (MQTT 5: a subscription identifier)."""
         granted: list[int] = []
         done = threading.Event()
 
@@ -116,7 +117,7 @@ class Peer:
             done.set()
 
         self.client.on_subscribe = on_subscribe
-        result, _ = self.client.subscribe(list(filters))
+        result, _ = self.client.subscribe(list(filters), properties=properties)
         assert result == mqtt.MQTT_ERR_SUCCESS
         assert done.wait(WAIT_S), "no SUBACK"
         return granted

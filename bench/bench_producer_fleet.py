@@ -1,0 +1,197 @@
+"""A producer fleet through one access port: msg/s and broker CPU per message for ``serve --processes N``,
+N = 1, 2, 4, and the ratio N=4 ÷ N=1 of CPU per message (goal <= 1.15, issue 28 item 3).
+
+Production's shape: many producer processes, each with its own channel (one HTTP/2 connection), each sending
+one LITE message per SendMessage call with the official client's headers, a few calls in flight (the official
+clients' synchronous ``send`` from a few threads), all to the pod's one access port. With N > 1 the kernel
+spreads the connections over the N processes (SO_REUSEPORT) and a message whose lite topic another process
+owns takes the forward hop, as every official client's sends do, since producers pick a broker round-robin.
+
+``--producers`` K processes (this script re-run with ``--producer``: raw gRPC stubs, so the load costs no
+client library's own work), each with ``--inflight`` calls in flight for ``--seconds`` after a common start.
+The figure is the brokers' CPU (user + system, every process of the pod summed) per message acknowledged,
+which more processes than cores leave meaningful (msg/s is capped by the host's cores); the load average is
+printed with every run.
+
+    python bench/bench_producer_fleet.py            # ~2 min
+    python bench/bench_producer_fleet.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+import psutil
+
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.testing import start_broker
+
+METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
+PARENT = "AGENT_TASK_NS"
+GOAL_RATIO = 1.15
+PAYLOADS_PER_PRODUCER = 2048
+
+
+def figure(name: str, value: float, unit: str, *, op: str, target: float, extra: str = "") -> None:
+    ok = value >= target if op == ">=" else value <= target
+    verdict = "PASS" if ok else "BELOW TARGET"
+    print(f"FIGURE {name}: {value:,.2f} {unit} (target {op} {target:,.2f} {unit}) {verdict}{extra}", flush=True)
+
+
+# --- one producer process ------------------------------------------------------------------------------------
+def payloads(index: int, topics: int, body: bytes) -> list[bytes]:
+    out = []
+    for n in range(PAYLOADS_PER_PRODUCER):
+        props = pb.SystemProperties(
+            message_id=f"01F{index:04X}{n:025X}", message_type=pb.LITE, lite_topic=f"t{(index * 7919 + n) % topics}",
+            body_encoding=pb.IDENTITY, born_host="producer",
+        )  # fmt: skip
+        message = pb.Message(topic=pb.Resource(name=PARENT), body=body, system_properties=props)
+        out.append(spb.SendMessageRequest(messages=[message]).SerializeToString())
+    return out
+
+
+def headers(client_id: str) -> tuple[tuple[str, str], ...]:
+    """What the official clients put on every call (no signature: the broker runs without client auth)."""
+    return (
+        ("x-mq-client-id", client_id), ("x-mq-language", "JAVA"), ("x-mq-protocol", "v2"),
+        ("x-mq-client-version", "5.0.8"), ("x-mq-date-time", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())),
+        ("x-mq-request-id", str(uuid.uuid4())),
+    )  # fmt: skip
+
+
+async def produce(endpoint: str, index: int, args: argparse.Namespace) -> None:
+    data = payloads(index, args.topics, b"x" * args.body)
+    metadata = headers(f"fleet-{os.getpid()}@{index}")
+    async with grpc.aio.insecure_channel(endpoint) as channel:  # one channel: one connection, as one client
+        call = channel.unary_unary(
+            METHOD, request_serializer=None, response_deserializer=spb.SendMessageResponse.FromString
+        )
+        for raw in data[:20]:  # warm: connection, routes, placement
+            await call(raw, metadata=metadata, timeout=30)
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+        stop = time.monotonic() + args.seconds
+        counts = [0] * args.inflight
+
+        async def worker(slot: int) -> None:
+            n = slot
+            while time.monotonic() < stop:
+                reply = await call(data[n % len(data)], metadata=metadata, timeout=30)
+                if reply.status.code != pb.OK:
+                    raise RuntimeError(f"send refused: {reply.status}")
+                counts[slot] += 1
+                n += args.inflight
+
+        await asyncio.gather(*(worker(slot) for slot in range(args.inflight)))
+    print(f"sent {sum(counts)}", flush=True)
+
+
+# --- the fleet ------------------------------------------------------------------------------------------------
+class Run(NamedTuple):
+    rate: float  # msg/s acknowledged, all producers
+    cpu_us: float  # broker CPU per message, every process of the pod
+    load: float  # 1-minute load average after the run
+
+
+def pod_cpu_s(pid: int) -> float:
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def fleet_run(endpoint: str, pid: int, args: argparse.Namespace) -> Run:
+    command = [sys.executable, __file__, "--producer", endpoint, "--topics", str(args.topics), "--body",
+               str(args.body), "--inflight", str(args.inflight), "--seconds", str(args.seconds)]  # fmt: skip
+    producers = [
+        subprocess.Popen([*command, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for i in range(args.producers)
+    ]
+    try:
+        for p in producers:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a producer did not start")
+        before = pod_cpu_s(pid)
+        started = time.monotonic()
+        for p in producers:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        sent = 0
+        for p in producers:
+            out, _ = p.communicate(timeout=args.seconds + 120)
+            if p.returncode != 0 or not out.strip().startswith("sent "):
+                raise RuntimeError(f"a producer failed ({p.returncode}): {out!r}")
+            sent += int(out.split()[1])
+        elapsed = time.monotonic() - started
+        used = pod_cpu_s(pid) - before
+    finally:
+        for p in producers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return Run(sent / elapsed, used * 1e6 / max(1, sent), os.getloadavg()[0])
+
+
+def measure(tmp: Path, n: int, args: argparse.Namespace) -> list[Run]:
+    extra = ["--processes", str(n)] if n > 1 else []
+    with start_broker(tmp / f"n{n}", extra_args=extra) as pod:
+        return [fleet_run(pod.endpoint, pod.pid, args) for _ in range(args.runs)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--processes", default="1,2,4", help="broker processes per pod, comma-separated")
+    parser.add_argument("--producers", type=int, default=8, help="producer processes (K)")
+    parser.add_argument("--inflight", type=int, default=4, help="calls in flight per producer")
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each timed run")
+    parser.add_argument("--runs", type=int, default=3, help="runs per N")
+    parser.add_argument("--topics", type=int, default=1000, help="lite topics")
+    parser.add_argument("--body", type=int, default=1024, help="body bytes")
+    parser.add_argument("--producer", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.producer:
+        asyncio.run(produce(args.producer, args.index, args))
+        return
+    if args.quick:
+        args.producers, args.seconds, args.runs, args.processes = 2, 2.0, 1, "1,2"
+    counts = [int(n) for n in args.processes.split(",") if n]
+    results: dict[int, list[Run]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            results[n] = measure(Path(tmp), n, args)
+    print(
+        f"{args.producers} producer processes x {args.inflight} in flight, single-message SendMessage, {args.body} B "
+        f"LITE into {args.topics} lite topics, one access port; {args.seconds:.0f} s x {args.runs} runs; "
+        f"{os.cpu_count()} cores"
+    )
+    for n, runs in results.items():
+        each = ", ".join(f"{r.cpu_us:,.0f} us @ {r.rate:,.0f} msg/s (load {r.load:.1f})" for r in runs)
+        rate, cpu = statistics.median(r.rate for r in runs), statistics.median(r.cpu_us for r in runs)
+        print(f"FIGURE producer fleet N={n}: broker CPU per message: {cpu:,.0f} us, {rate:,.0f} msg/s (runs: {each})")
+    base = statistics.median(r.cpu_us for r in results[counts[0]])
+    for n in counts[1:]:
+        ratio = statistics.median(r.cpu_us for r in results[n]) / base
+        figure(f"producer fleet CPU per message N={n} ÷ N={counts[0]}", ratio, "x", op="<=", target=GOAL_RATIO)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""The messages out: per parent topic a loop long-polls ``receive_lite`` like a push consumer (auto-renewed
+leases), writes each message as a PUBLISH, and acknowledges it to the dispatcher once the client's PUBACK
+arrives (QoS 1) or once written (QoS 0), which commits the group's offset. A QoS 1 message the client never
+acknowledged is handed out again (its lease given back when the connection ends), with DUP set.
+
+A shared subscription's membership (``sharing``) runs the same loop for its share's group, with the
+member's own dispatcher client (``Share``); its deliveries share the connection's window and packet ids.
+
+In a cluster the loop also pulls, without waiting, the other brokers' messages (``Owners.waiting``) within the
+same in-flight window, and between two rounds waits on this broker's ready set and on theirs; what came from
+another broker is settled there (``Owners.settle``, batched off the reader by ``_settle_loop``; it keeps its
+place in the window until then) and given back there when the connection ends.
+
+A message goes out at the lower of its publish QoS (``mapping.QOS``: "0", "2"; else 1) and the subscription's.
+A QoS 2 delivery (``releasing``) is settled when its PUBCOMP arrives; one whose PUBREC came (PUBREL sent) is
+not given back when the connection ends but settled then: the client has it, and its packet id (persisted)
+is released on reconnect by a PUBREL, not a second PUBLISH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from lmq_broker import errors
+from lmq_broker.dispatch import wildcards
+from lmq_broker.mqtt import codec, durable, identifiers, mapping, matching, topics
+from lmq_broker.mqtt.link import Link
+from lmq_broker.mqtt.owners import Owners, Pulled, Remote
+
+log = logging.getLogger(__name__)
+
+POLL_MS: Final = 20_000
+ALONE_POLL_MS: Final = 1_000  # a broker that may join a cluster (it has ``owners``): its sessions look this often
+RETRY_S: Final = 1.0  # a refused receive (store rebuilding, parent deleted) is tried again after this
+MQTT_QOS_PROPERTY: Final = mapping.QOS  # user property of a QoS 0 publish: delivered at QoS 0 to every subscriber
+_NO_LOCAL: Final = codec.OPTION_NO_LOCAL
+_QOS: Final = {"0": 0, "2": 2}  # a message's ``mapping.QOS``; without it (QoS 1, a RocketMQ producer's): 1
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """A QoS 1 delivery waiting for its PUBACK; ``receipt`` is empty for a retained message; ``remote``: it
+    came from another broker of the cluster (settled there, ``Owners.settle``)."""
+
+    consumer: str
+    receipt: str
+    parent: str = ""
+    remote: bool = False
+    qos: int = 1
+    released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
+    message_id: str = ""  # this broker's messages (QoS 2: recorded with a released packet id)
+    group: str = ""  # a shared subscription's (``shares``); empty: the session's
+
+
+class Registrar(Protocol):
+    """The session's subscriptions, as a delivery loop keeps them registered (``subscribing.Subscriptions``)."""
+
+    async def register(self, parent: str) -> None: ...
+
+    async def follow(self, cluster: Owners, parent: str) -> None: ...
+
+
+class Share(Registrar, Protocol):
+    """A shared subscription's membership, as its delivery loop reads for it (``sharing.Membership``)."""
+
+    @property
+    def consumer(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+    async def filters(self, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        """The share's filter -> options now; None when the session left it since ``receipts`` were leased
+        (they are given back to the share then)."""
+
+
+class Deliveries:
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.out: dict[int, Out] = {}
+        self._acks: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> PUBACKed, not settled there yet
+        self._unsettled = 0  # receipts in _acks or being settled
+        self._acks_ready = asyncio.Event()
+        self._settler: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._room.set()
+        self._ids = itertools.cycle(range(1, 65536))
+
+    async def consume(self, parent: str, registrar: Registrar, share: Share | None = None) -> None:
+        """Deliver the session's messages in ``parent``, or, with ``share``, that share's (``registrar`` too)."""
+        link = self.link
+        dispatcher = link.dispatcher
+        consumer = link.consumer_id(parent) if share is None else share.consumer
+        await link.connected.wait()
+        remote: Remote | None = None  # in a cluster: the other brokers, as this loop waits on them
+        try:
+            while not link.closing:
+                try:  # a client slow to PUBACK: still alive for the dispatcher (its registration, its leases)
+                    await asyncio.wait_for(self._room.wait(), POLL_MS / 1000)
+                except TimeoutError:
+                    dispatcher.client_seen(consumer)
+                    cluster = link.cluster
+                    if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
+                        await cluster.keep_alive(consumer, link.group)
+                    continue
+                if dispatcher.wildcards.registration(consumer) is None and (share or link.subs.get(parent)):
+                    await registrar.register(parent)  # expired meanwhile (an event loop stalled past client expiry)
+                room = link.max_inflight - self.busy
+                if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
+                    self._room.clear()
+                    continue
+                cluster = link.cluster if share is None else None  # shares are served outside a cluster only
+                try:
+                    if cluster is None:
+                        if remote is not None:  # the cluster shrank back to this broker
+                            remote.close()
+                            remote = None
+                        poll_ms = POLL_MS if link.host.owners is None else ALONE_POLL_MS
+                        found = await self._receive(parent, consumer, room, poll_ms, share)
+                    else:
+                        await registrar.follow(cluster, parent)  # a broker joined, or this one was alone
+                        if remote is None:
+                            remote = cluster.waiting(consumer, link.group, parent)
+                        found = await self._gather(remote, parent, consumer, room)
+                except errors.LmqError as exc:
+                    log.warning("mqtt client %s: receive in %s refused (%s); retried", link.client_id, parent,
+                                exc.message)  # fmt: skip
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                if not found and dispatcher.draining:
+                    return
+        finally:
+            if remote is not None:
+                remote.close()  # the waits parked at the other brokers leased nothing: nothing is lost
+
+    async def _receive(self, parent: str, consumer: str, room: int, poll_ms: int, share: Share | None = None) -> bool:
+        """This broker's messages for the session, delivered; False when none came within ``poll_ms``."""
+        link = self.link
+        deliveries = await link.dispatcher.receive_lite(
+            consumer,
+            link.group if share is None else share.group,
+            parent,
+            batch=max(1, min(room, link.config.receive_batch_size)),
+            invisible_ms=link.config.lease_renew_slice_ms,
+            poll_ms=poll_ms,
+            auto_renew=True,
+        )
+        if not deliveries:
+            return False
+        pulled = [Pulled(d.message.lite_topic or "", d.message.body, d.attempt, d.receipt_handle,
+                         d.message.user_properties, d.message.message_id) for d in deliveries]  # fmt: skip
+        await self._deliver(parent, consumer, pulled, remote=False, share=share)
+        return True
+
+    async def _gather(self, remote: Remote, parent: str, consumer: str, room: int) -> bool:
+        """In a cluster: this broker's messages and, without waiting, those of the other brokers that said they
+        have some (as gathering does for a LiteSimpleConsumer); while none come, wait for either, leasing
+        nothing anywhere: False when the wait ended (the loop then takes what is ready) or timed out."""
+        link = self.link
+        found = await self._receive(parent, consumer, room, 0)
+        room = link.max_inflight - self.busy
+        if room > 0:
+            pulled = await remote.pull(min(room, link.config.receive_batch_size))
+            if pulled:
+                await self._deliver(parent, consumer, pulled, remote=True)
+                found = True
+        if found or link.max_inflight - self.busy <= 0:
+            return found
+        ready = link.dispatcher.await_ready(consumer, link.group, parent, POLL_MS, capped=False)
+        here = asyncio.ensure_future(ready)
+        there = asyncio.ensure_future(remote.wait(POLL_MS / 1000))
+        try:
+            await asyncio.wait((here, there), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            here.cancel()
+            there.cancel()
+        for task in (here, there):  # a failure is the receive's to tell (it fails the same way)
+            if task.done() and not task.cancelled():
+                task.exception()
+        return False
+
+    async def _deliver(
+        self, parent: str, consumer: str, deliveries: Sequence[Pulled], *, remote: bool, share: Share | None = None
+    ) -> None:
+        """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there);
+        ``share``: from a share's group, under its filter."""
+        link = self.link
+        settle: list[str] = []
+        group, held = link.group, link.subs.get(parent, {})
+        if share is not None:
+            shared = await share.filters([d.receipt for d in deliveries])
+            if shared is None:
+                return
+            group, held = share.group, shared
+        now = link.dispatcher.wall_clock()
+        default = link.config.mqtt_default_parent
+        held_by_id = {o.message_id for o in self.out.values() if o.released and o.message_id}
+        for d in deliveries:
+            if d.message_id in held_by_id:  # the client has it (PUBREC before a restart): settled, not sent again
+                settle.append(d.receipt)
+                continue
+            props = d.properties
+            mine = props.get(mapping.CLIENT) == link.client_id
+            matched = [o for f, o in held.items() if topics.takes(default, parent, f, d.lite, props)
+                       and not (mine and o & _NO_LOCAL)]  # fmt: skip
+            if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
+                settle.append(d.receipt)
+                continue
+            qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
+            retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
+            packet_id = self._packet_id() if qos else None
+            topic = topics.topic_in(default, parent, d.lite, props)
+            data = self.publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
+                                      dup=d.attempt > 1, ids=identifiers.ids_of(matched))  # fmt: skip
+            if data is None or qos == 0:
+                settle.append(d.receipt)
+            else:
+                assert packet_id is not None
+                self.out[packet_id] = Out(
+                    consumer, d.receipt, parent, remote, qos, message_id=d.message_id,
+                    group="" if share is None else group,
+                )  # fmt: skip
+            if data is not None:
+                link.writer.write(data)
+        if self.busy >= link.max_inflight:
+            self._room.clear()
+        await link.writer.drain()
+        if remote:
+            cluster = link.cluster
+            if cluster is not None and settle:
+                await cluster.settle(consumer, link.group, parent, settle)
+            return
+        for receipt in settle:
+            try:
+                await link.dispatcher.ack(group, receipt, client_id=consumer)
+            except errors.LmqError as exc:
+                log.info("mqtt client %s: delivery not settled: %s", link.client_id, exc.message)
+
+    def publish_bytes(
+        self,
+        topic: str,
+        body: bytes,
+        stored: dict[str, str],
+        now_ms: int,
+        *,
+        qos: int,
+        packet_id: int | None,
+        retain: bool,
+        dup: bool = False,
+        ids: Sequence[int] = (),
+    ) -> bytes | None:
+        """The PUBLISH for a subscriber; None when it is over the client's maximum packet size (5.0: dropped,
+        as if sent, MQTT-3.1.2-25)."""
+        if not self.link.v5:
+            return codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup)
+        props = mapping.outgoing(stored, now_ms, ids)  # with the identifiers of the subscriptions matched
+        data = codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup, props=props)
+        if len(data) > self.link.max_packet_out:
+            log.info("mqtt client %s: a message to %s over its maximum packet size is dropped", self.link.client_id,
+                     topic)  # fmt: skip
+            return None
+        return data
+
+    async def retained_elsewhere(
+        self, wanted: list[tuple[str, wildcards.Filter, int]]
+    ) -> list[list[durable.Retained] | None]:
+        """Per subscription, the retained messages the other brokers of a cluster hold (asked all at once);
+        None each while this broker is alone."""
+        cluster = self.link.cluster
+        if cluster is None:
+            return [None for _ in wanted]
+        return list(await asyncio.gather(*(cluster.retained(parent, levels) for parent, levels, _ in wanted)))
+
+    async def send_retained(
+        self, parent: str, levels: wildcards.Filter, granted: int, elsewhere: list[durable.Retained] | None
+    ) -> None:
+        """The retained messages ``levels`` matches: this broker's and ``elsewhere`` (the other brokers'), per
+        topic the newest. Streamed under the same bounds as live deliveries: a QoS 1 one waits for room in the
+        in-flight window, and each is written once the socket took the one before (``drain``), so a client
+        that does not read holds one of them here, not all (``matching.stream_retained``)."""
+        link = self.link
+        now = link.dispatcher.wall_clock()
+        default = link.config.mqtt_default_parent
+        found = matching.stream_retained(link.dispatcher.run, link.host.durable, parent, levels, now, elsewhere,
+                                         default=default)  # fmt: skip
+        async for r in found:
+            qos = min(r.qos, granted)
+            while qos and self.busy >= link.max_inflight:
+                self._room.clear()
+                await self._room.wait()
+            packet_id = self._packet_id() if qos else None
+            topic = topics.topic_in(default, parent, r.lite, r.properties)
+            ids = identifiers.ids_of([link.subs.get(parent, {}).get(levels, 0)])
+            data = self.publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True,
+                                      ids=ids)  # fmt: skip
+            if data is None:
+                continue
+            if packet_id is not None:
+                self.out[packet_id] = Out("", "", qos=qos)
+            link.writer.write(data)
+            await link.writer.drain()
+
+    def _packet_id(self) -> int:
+        for packet_id in self._ids:
+            if packet_id not in self.out:
+                return packet_id
+        raise AssertionError("unreachable: packet ids cycle forever")
+
+    async def acknowledged(self, packet_id: int) -> None:
+        """PUBACK: a QoS 1 delivery settled."""
+        out = self.out.get(packet_id)
+        if out is None or out.qos != 1:
+            return  # not ours (or acknowledged twice, or a QoS 2 one's): nothing to settle
+        del self.out[packet_id]
+        await self.settle(packet_id, out)
+
+    async def settle(self, packet_id: int, out: Out) -> None:
+        """``out``, no longer in ``self.out``, acknowledged where it came from; its room in the window freed."""
+        link = self.link
+        if out.remote:  # settled there by the settler, off the reader; it holds its room until then
+            self._acks.setdefault((out.consumer, out.parent), []).append(out.receipt)
+            self._unsettled += 1
+            if self._settler is None:
+                self._settler = asyncio.get_running_loop().create_task(self._settle_loop())
+            self._acks_ready.set()
+            return
+        if self.busy < link.max_inflight:
+            self._room.set()
+        if out.receipt:
+            try:
+                await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
+            except errors.LmqError as exc:  # e.g. the lease was given back meanwhile: it comes again
+                log.info("mqtt client %s: PUBACK %d not settled: %s", link.client_id, packet_id, exc.message)
+
+    @property
+    def busy(self) -> int:
+        """Deliveries taking room in the in-flight window: awaiting their PUBACK, or their settling elsewhere."""
+        return len(self.out) + self._unsettled
+
+    async def _settle_loop(self) -> None:
+        """The other brokers' messages the client acknowledged, settled there: all that came meanwhile at once."""
+        while True:
+            await self._acks_ready.wait()
+            self._acks_ready.clear()
+            await self._settle_acks()
+            if self.link.closing:  # the reader has stopped: nothing more comes
+                return
+
+    async def _settle_acks(self) -> None:
+        link = self.link
+        while self._acks:
+            acks, self._acks = self._acks, {}
+            cluster = link.cluster
+            try:
+                if cluster is not None:  # else alone again: their leases there expire, they come again
+                    settling = (cluster.settle(c, link.group, p, receipts) for (c, p), receipts in acks.items())
+                    await asyncio.gather(*settling)
+            finally:
+                self._unsettled -= sum(map(len, acks.values()))
+                if self.busy < link.max_inflight:
+                    self._room.set()
+
+    async def settle_acknowledged(self) -> None:
+        """At the end: what the client acknowledged, settled where it came from; then the settler ends."""
+        if self._settler is not None:
+            self._acks_ready.set()
+            await self.link.ended(self._settler, "settling acknowledged deliveries")
+
+    async def give_back(self) -> dict[tuple[str, str], list[str]]:
+        """At the end: what was handed out and not acknowledged goes back to the group at once; returned, per
+        (consumer, parent), the receipts of the other brokers' (given back there by the caller). A QoS 2
+        delivery whose PUBREC came is settled instead: the client has it (its packet id is released on
+        reconnect by a PUBREL)."""
+        link = self.link
+        remote: dict[tuple[str, str], list[str]] = {}
+        settled: dict[tuple[str, str], list[str]] = {}  # released, from the other brokers: settled there
+        for out in self.out.values():
+            if out.remote:
+                (settled if out.released else remote).setdefault((out.consumer, out.parent), []).append(out.receipt)
+            elif out.receipt:
+                with contextlib.suppress(errors.LmqError):
+                    if out.released:
+                        await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
+                    else:
+                        await link.dispatcher.change_invisible(out.group or link.group, out.receipt, 0)
+        self.out.clear()
+        cluster = link.cluster
+        if cluster is not None and settled:
+            calls = (cluster.settle(c, link.group, p, receipts) for (c, p), receipts in settled.items())
+            await asyncio.gather(*calls, return_exceptions=True)
+        return remote

@@ -1,0 +1,92 @@
+"""The CONNECT: read within a time and size bound, refused with a CONNACK code (5.0 with words), or taken as
+the session's settings (the client's receive maximum, maximum packet size, session expiry) and answered with
+ours in the CONNACK's properties."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+import secrets
+from typing import Final
+
+from lmq_broker.dispatch import metadata
+from lmq_broker.mqtt import codec, framing, limits, properties, publishing, stats
+from lmq_broker.mqtt.link import MAX_INFLIGHT, Closed, Link
+from lmq_broker.mqtt.properties import Properties, Reason
+
+CONNECT_TIMEOUT_S: Final = 10.0
+NEVER: Final = 0xFFFFFFFF  # 5.0: a session expiry interval that never ends
+_PLAIN_ID: Final = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+def group_of(client_id: str) -> str:
+    """The implicit lite group of an MQTT client id: the id itself when it is a short plain name, else a hash
+    (a ``%`` marks it, which no plain id holds, so two ids never share a group)."""
+    if _PLAIN_ID.match(client_id):
+        return metadata.MQTT_GROUP_PREFIX + client_id
+    return metadata.MQTT_GROUP_PREFIX + "%" + hashlib.sha256(client_id.encode()).hexdigest()[:40]
+
+
+async def read_connect(link: Link) -> codec.Connect | None:
+    """The CONNECT (within ``CONNECT_TIMEOUT_S``, at most ``limits.connect_bytes``); None: closed first."""
+    async with asyncio.timeout(CONNECT_TIMEOUT_S):
+        try:
+            frame = await framing.read_frame(link.reader, limits.connect_bytes(link.config), link.host.read_budget)
+        except codec.PacketTooLarge:
+            link.host.stats.refused[stats.CONNECT_TOO_LARGE] += 1
+            with contextlib.suppress(asyncio.IncompleteReadError):  # 5.0 (read so far): answered with 0x95
+                if limits.is_v5_connect(await link.reader.readexactly(7)):
+                    link.writer.write(codec.encode_connack(False, Reason.PACKET_TOO_LARGE, codec.LEVEL_5))
+            raise
+    if frame is None:
+        return None
+    first, body = frame
+    try:
+        connect = codec.decode_packet(first, body)
+    except codec.UnsupportedProtocol as exc:
+        link.writer.write(codec.encode_connack(False, codec.ConnectCode.BAD_PROTOCOL_VERSION, exc.level))
+        raise Closed(exc.reason) from None
+    except codec.MalformedPacket as exc:
+        if limits.is_v5_connect(body):  # 5.0 section 3.1.4: a bad CONNECT may be answered with its code
+            link.writer.write(codec.encode_connack(False, exc.code, codec.LEVEL_5))
+        raise
+    if not isinstance(connect, codec.Connect):
+        raise codec.MalformedPacket("the first packet is not CONNECT")  # MQTT-3.1.0-1
+    return connect
+
+
+async def refuse(link: Link, connect: codec.Connect) -> None:
+    """A CONNECT over a cap or otherwise refused (``limits.refusal``): answered, counted, and the end."""
+    refused = limits.refusal(connect, link.config)
+    if refused is None:
+        return
+    code, counted = refused
+    why = limits.words(counted, link.config)
+    if counted:  # a cap: counted, and said
+        link.host.stats.refused[counted] += 1
+    link.writer.write(codec.encode_connack(False, code, connect.level, link.why(why) if link.v5 else None))
+    await link.writer.drain()
+    raise Closed(f"CONNECT refused: {code:#04x} {why}".rstrip(), graceful=True)
+
+
+def settle(link: Link, connect: codec.Connect) -> Properties:
+    """The session's settings from the CONNECT; the CONNACK's properties (5.0; none for 3.1.1)."""
+    link.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
+    link.group = group_of(link.client_id)
+    if connect.properties is None:
+        link.expiry_s = 0 if connect.clean_session else None
+        return properties.NONE
+    p = connect.properties
+    link.expiry_s = None if p.session_expiry_s == NEVER else p.session_expiry_s or 0
+    link.max_inflight = min(MAX_INFLIGHT, p.receive_max or MAX_INFLIGHT)
+    link.max_packet_out = min(codec.MAX_REMAINING_LENGTH, p.max_packet_size or codec.MAX_REMAINING_LENGTH)
+    link.problem_info = p.request_problem_info != 0
+    return Properties(
+        receive_max=publishing.RECEIVE_MAXIMUM,
+        topic_alias_max=publishing.TOPIC_ALIAS_MAX,
+        max_packet_size=link.max_packet_bytes() + 5,  # the fixed header's 5 bytes at most
+        shared_subscription_available=None if link.cluster is None else 0,  # absent: available; not in a cluster
+        assigned_client_id=None if connect.client_id else link.client_id,
+    )

@@ -1,0 +1,50 @@
+"""What a connection needs of the listener that accepted it, as a Protocol: connections (and ``storing``)
+depend on this seam, not on ``server.MqttServer``, so the server imports the connection code and nothing imports
+the server back (an import-linter contract keeps it so)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.mqtt import durable, framing, shares, stats, wills
+from lmq_broker.mqtt.owners import Owners
+
+
+class Client(Protocol):
+    """What the host sees of a connection: whose it is, and how to end it."""
+
+    @property
+    def client_id(self) -> str: ...
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def done(self) -> asyncio.Event: ...  # set once the connection has ended
+
+    async def kick(self) -> None: ...
+
+    def close(self, code: int, why: str = "") -> None: ...
+
+
+class Host(Protocol):
+    """The MQTT listener, as its connections use it."""
+
+    dispatcher: Dispatcher
+    config: BrokerConfig
+    owners: Owners | None  # a cluster's (None: alone)
+    durable: durable.Durable
+    stats: stats.Stats
+    read_budget: framing.Budget
+    share_members: shares.Members  # the members of each shared subscription connected here
+    wills: wills.Wills
+    stopping: bool
+
+    async def take_over(self, connection: Client, clean_start: bool) -> None: ...
+
+    def owner(self, client_id: str) -> Client | None: ...
+
+    def forget(self, connection: Client) -> None: ...

@@ -1,0 +1,78 @@
+"""QoS 2 deliveries after their PUBLISH (MQTT 3.1.1 and 5.0 sections 4.3.3 and 4.4): the client's PUBREC is
+answered PUBREL, its PUBCOMP settles the message (``delivering.Deliveries.settle``), which is when the lite
+group's offset moves: a message is never settled before the client has it, nor handed out again after.
+
+For a persistent session the packet id is written to the durable store (``durable.OUTBOUND``), with the
+message id, before the PUBREL goes out and forgotten at the PUBCOMP; a resumed session resends a PUBREL for
+each, not the PUBLISH (section 4.4), and after a restart (the message's lease died with the process) the
+message handed out again is settled without being sent (``Deliveries._deliver``). A 5.0 PUBREC with a
+reason code of 0x80 or more ends the flow (the message is settled: the client refused it); a PUBREC for a
+packet id not in flight is answered PUBREL 0x92 (5.0).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from lmq_broker.mqtt import codec, durable
+from lmq_broker.mqtt.delivering import Deliveries, Out
+from lmq_broker.mqtt.link import Link
+from lmq_broker.mqtt.properties import Reason
+
+log = logging.getLogger(__name__)
+
+
+class Releases:
+    def __init__(self, link: Link, deliveries: Deliveries) -> None:
+        self.link = link
+        self.deliveries = deliveries
+
+    async def resume(self) -> None:
+        """A resumed persistent session: its QoS 2 deliveries awaiting PUBCOMP hold their packet ids again."""
+        link = self.link
+        ids = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.OUTBOUND)
+        for packet_id, message_id in sorted(ids.items()):
+            self.deliveries.out[packet_id] = Out("", "", qos=2, released=True, message_id=message_id)
+
+    def resend(self) -> None:
+        """After the CONNACK: a PUBREL for each QoS 2 delivery awaiting its PUBCOMP (MQTT-4.4.0-1)."""
+        link = self.link
+        for packet_id, out in self.deliveries.out.items():
+            if out.released:
+                link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
+
+    async def received(self, packet: codec.PacketId) -> None:
+        """PUBREC: the client has the message; PUBREL (its packet id recorded first for a persistent session)."""
+        link = self.link
+        packet_id = packet.packet_id
+        out = self.deliveries.out.get(packet_id)
+        if out is None or out.qos != 2:
+            reason = Reason.PACKET_ID_NOT_FOUND if link.v5 else 0
+            link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, reason, link.ack_props()))
+            return
+        if packet.reason >= Reason.UNSPECIFIED_ERROR and not out.released:  # 5.0: the client refused it
+            log.info("mqtt client %s: QoS 2 delivery %d refused with PUBREC %#04x", link.client_id, packet_id,
+                     packet.reason)  # fmt: skip
+            del self.deliveries.out[packet_id]
+            await self.deliveries.settle(packet_id, out)
+            return
+        if not out.released:
+            await self._record([(packet_id, out.message_id)], [])
+            self.deliveries.out[packet_id] = replace(out, released=True)
+        link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
+
+    async def completed(self, packet_id: int) -> None:
+        """PUBCOMP: the flow is complete; the message settled and the packet id forgotten."""
+        out = self.deliveries.out.get(packet_id)
+        if out is None or not out.released:
+            return  # not ours, or completed twice: nothing to settle
+        await self._record([], [packet_id])
+        del self.deliveries.out[packet_id]
+        await self.deliveries.settle(packet_id, out)
+
+    async def _record(self, add: list[tuple[int, str]], remove: list[int]) -> None:
+        link = self.link
+        if link.persistent:  # else the state ends with the connection
+            update = link.host.durable.qos2_update
+            await link.dispatcher.run(update, link.client_id, durable.OUTBOUND, add, remove)

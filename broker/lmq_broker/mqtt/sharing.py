@@ -1,0 +1,194 @@
+"""One session's shared subscriptions (``shares``): joining and leaving shares, the caps, the delivery loop of
+each membership, and what a persistent session stores of them.
+
+``subscribing`` keeps the packets (a SUBACK or UNSUBACK code per filter comes from here); each membership runs
+``Deliveries.consume`` for its share's group with its own dispatcher client (``Membership``), so shared
+deliveries share the connection's in-flight window and packet ids, and a membership's unacknowledged
+deliveries go back to its share when the connection ends (``Deliveries.give_back``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import replace
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import metadata, wildcards
+from lmq_broker.mqtt import codec, matching, shares, stats, topics
+from lmq_broker.mqtt.delivering import Deliveries
+from lmq_broker.mqtt.link import Link, stop
+from lmq_broker.mqtt.owners import Owners
+from lmq_broker.mqtt.properties import Reason
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    """One membership as its delivery loop sees it (``delivering.Share``): the share's current filter, and
+    its registration made again if it expired."""
+
+    def __init__(self, sharing: Sharing, member: shares.Member) -> None:
+        self.sharing = sharing
+        self.consumer = member.consumer
+        self.group = member.group
+
+    async def register(self, parent: str) -> None:
+        await self.sharing.reregister(self.group)
+
+    async def follow(self, cluster: Owners, parent: str) -> None:
+        """Never called: shares are served outside a cluster."""
+
+    async def filters(self, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        return await self.sharing.filters_for(self.group, receipts)
+
+
+class Sharing:
+    def __init__(self, link: Link, deliveries: Deliveries) -> None:
+        self.link = link
+        self.deliveries = deliveries
+        self.held: dict[str, shares.Member] = {}  # share group -> this session's membership
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def _refused(self, text: str, why: str, code: int) -> int:
+        self.link.host.stats.refusals.refused(self.link.client_id, "SUBSCRIBE", text, why, f"SUBACK {code:#04x}")
+        return code
+
+    def _member(self, text: str, options: int, snap: metadata.Metadata) -> shares.Member:
+        share = shares.parse(text)
+        parent, levels = topics.subscription_of(share.filter)
+        snap.lite_parent(parent)
+        consumer = shares.consumer_of(share.group, parent, self.link.group)
+        return shares.Member(share, parent, levels, options, consumer)
+
+    async def subscribe(self, text: str, options: int, snap: metadata.Metadata) -> int:
+        """Join (or update) the share ``text`` names: the SUBACK code for it (the granted QoS, or a refusal)."""
+        link = self.link
+        failure = codec.SUBACK_FAILURE
+        try:
+            member = self._member(text, options, snap)
+        except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
+            return self._refused(text, str(exc), Reason.TOPIC_FILTER_INVALID if link.v5 else failure)
+        if link.cluster is not None:
+            code = Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if link.v5 else failure
+            return self._refused(text, "shared subscriptions are served by a broker outside a cluster", code)
+        held = self.held.get(member.group)
+        if held is not None:  # the same share again: new options (QoS, identifier), same membership
+            self.held[member.group] = replace(held, options=options)
+            return options & codec.OPTION_QOS
+        refusal = self._over_cap(member)
+        if refusal is not None:
+            return self._refused(text, refusal, Reason.QUOTA_EXCEEDED if link.v5 else failure)
+        try:
+            if link.host.share_members.count(member.group) == 1:  # a share nobody here reads: from the ends
+                await self._start_at_end(member)
+            await self._register(member)
+        except errors.LmqError as exc:
+            link.host.share_members.leave(member.group, link.client_id)
+            log.warning("mqtt client %s: shared subscription %s refused: %s", link.client_id, text, exc.message)
+            return Reason.UNSPECIFIED_ERROR if link.v5 else failure
+        return options & codec.OPTION_QOS
+
+    def _over_cap(self, member: shares.Member) -> str | None:
+        """Why joining ``member``'s share is refused (a cap, counted); None: joined."""
+        link = self.link
+        cap = link.config.mqtt_max_shares_per_client
+        if len(self.held) >= cap:
+            link.host.stats.refused[stats.SHARES_PER_CLIENT] += 1
+            return f"{cap} shared subscriptions held (--mqtt-max-shares-per-client)"
+        members = link.host.share_members
+        if not members.join(member.group, link.client_id):
+            link.host.stats.refused[stats.SHARE_MEMBERS] += 1
+            return f"the share has {members.max_members} members (--mqtt-max-share-members)"
+        return None
+
+    async def _start_at_end(self, member: shares.Member) -> None:
+        dispatcher = self.link.dispatcher
+
+        async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
+            return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
+
+        await matching.start_at_end(scan, dispatcher.reset_offsets, member.group, member.parent, [member.levels], [])
+
+    async def _register(self, member: shares.Member) -> None:
+        await self.link.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [member.levels])
+        self.held[member.group] = member
+        if member.group not in self._tasks:
+            loop = Membership(self, member)
+            task = asyncio.get_running_loop().create_task(self.deliveries.consume(member.parent, loop, loop))
+            self._tasks[member.group] = task
+
+    async def reregister(self, group: str) -> None:
+        """The membership's registration expired meanwhile (a stalled event loop): made again."""
+        member = self.held.get(group)
+        if member is not None:
+            await self.link.dispatcher.subscribe_filters(member.consumer, group, member.parent, [member.levels])
+
+    async def filters_for(self, group: str, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        """The filter (-> options) the share's deliveries are written for; None when the session left the share
+        since they were leased: they go back to its group at once, for another member."""
+        member = self.held.get(group)
+        if member is not None:
+            return {member.levels: member.options}
+        for receipt in receipts:
+            with contextlib.suppress(errors.LmqError):
+                await self.link.dispatcher.change_invisible(group, receipt, 0)
+        return None
+
+    async def unsubscribe(self, text: str) -> int:
+        """Leave the share ``text`` names: the 5.0 UNSUBACK code."""
+        try:
+            share = shares.parse(text)
+        except shares.ShareError:
+            return Reason.TOPIC_FILTER_INVALID
+        member = self.held.pop(share.group, None)
+        if member is None:
+            return Reason.NO_SUBSCRIPTION_EXISTED
+        await self._leave(member)
+        return Reason.SUCCESS
+
+    async def _leave(self, member: shares.Member) -> None:
+        task = self._tasks.pop(member.group, None)
+        if task is not None:
+            await stop(task)
+        dispatcher = self.link.dispatcher
+        with contextlib.suppress(errors.LmqError):
+            await dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [])
+        dispatcher.client_gone(member.consumer)
+        self.link.host.share_members.leave(member.group, self.link.client_id)
+
+    async def restore(self, text: str, options: int, snap: metadata.Metadata) -> None:
+        """A persistent session's stored share, joined again at its group's offsets (no start at the end)."""
+        link = self.link
+        try:
+            member = self._member(text, options, snap)
+        except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
+            log.info("mqtt client %s: stored shared subscription %s dropped: %s", link.client_id, text, exc)
+            return
+        if link.cluster is not None:
+            log.info("mqtt client %s: stored shared subscription %s not joined in a cluster", link.client_id, text)
+            return
+        if not link.host.share_members.join(member.group, link.client_id):
+            link.host.stats.refused[stats.SHARE_MEMBERS] += 1
+            log.info("mqtt client %s: stored shared subscription %s over --mqtt-max-share-members", link.client_id,
+                     text)  # fmt: skip
+            return
+        await self._register(member)
+
+    def saved(self) -> dict[str, int]:
+        """What a persistent session stores of its shares: filter text -> options (identifier included)."""
+        return {m.share.text: m.options for m in self.held.values()}
+
+    async def stop(self) -> None:
+        """The connection ends: no more deliveries (its leases are given back by ``Deliveries.give_back``)."""
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
+            await stop(task)
+
+    async def end(self) -> None:
+        """The connection ended: every membership left here (a persistent session keeps them stored)."""
+        await self.stop()
+        for member in list(self.held.values()):
+            await self._leave(member)
+        self.held.clear()

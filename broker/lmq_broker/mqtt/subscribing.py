@@ -1,0 +1,238 @@
+"""A session's subscriptions: an MQTT session is the implicit lite group ``%MQTT%<client id>``
+(``metadata.MQTT_GROUP_PREFIX``) and, per parent topic it subscribes in, one dispatcher client registered with
+its topic filters (``Dispatcher.subscribe_filters``), whose delivery loop ``delivering`` runs.
+
+A new subscription starts at the end of every matching lite topic (MQTT delivers what is published after it,
+plus the retained message); a persistent session resumes at its group's offsets. In a cluster the session is
+subscribed at every other broker too, its new filters starting at their ends there as well, and a SUBSCRIBE
+also gets the other brokers' retained messages (per topic the newest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Final
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import wildcards
+from lmq_broker.mqtt import codec, held, identifiers, matching, shares, topics
+from lmq_broker.mqtt.delivering import Deliveries
+from lmq_broker.mqtt.link import Closed, Link, reason_of, stop
+from lmq_broker.mqtt.owners import Owners
+from lmq_broker.mqtt.properties import Reason
+from lmq_broker.mqtt.sharing import Sharing
+
+log = logging.getLogger(__name__)
+
+MAX_FILTERS: Final = 1000  # topic filters one session may hold
+
+
+class Subscriptions:
+    def __init__(self, link: Link, deliveries: Deliveries) -> None:
+        self.link = link
+        self.deliveries = deliveries
+        self.consumers: dict[str, asyncio.Task[None]] = {}  # parent -> its delivery loop
+        self.retained_tasks: set[asyncio.Task[None]] = set()
+        self.sharing = Sharing(link, deliveries)  # its shared subscriptions ($share/...)
+        self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
+
+    async def restore(self, saved: dict[str, int]) -> None:
+        link = self.link
+        snap = await link.dispatcher.metadata()
+        space = topics.space_of(snap)
+        for text, options in saved.items():
+            if shares.is_shared(text):
+                await self.sharing.restore(text, options, snap)
+                continue
+            with contextlib.suppress(topics.TopicError):
+                held.add(link.subs, space.subscriptions_of(text), options & ~held.EXPANDED)
+        cluster = link.cluster
+        for parent in list(link.subs):
+            await self.register(parent)
+            if cluster is not None:  # resumed at the group's offsets there too
+                await self._make_everywhere(cluster, parent)
+
+    async def follow(self, cluster: Owners, parent: str) -> None:
+        """The filters in ``parent`` made at every broker again if the cluster changed since they were."""
+        if self._made_at.get(parent) != cluster.members:
+            await self._make_everywhere(cluster, parent)
+
+    async def _make_everywhere(self, cluster: Owners, parent: str) -> None:
+        """The session's filters in ``parent`` made at every broker (again), resuming at the group's offsets."""
+        link = self.link
+        self._made_at[parent] = cluster.members
+        filters = list(link.subs.get(parent, ()))
+        try:
+            await cluster.subscribe(link.consumer_id(parent), link.group, parent, filters, None)
+        except errors.LmqError as exc:
+            log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", link.client_id, parent,
+                        exc.message)  # fmt: skip
+
+    async def subscribe(self, packet: codec.Subscribe) -> None:
+        link = self.link
+        codes: list[int] = []
+        fresh: dict[str, list[wildcards.Filter]] = {}
+        granted: dict[int, list[tuple[str, wildcards.Filter]]] = {}  # index in codes -> what it granted
+        no_retained: set[int] = set()  # 5.0 retain handling: granted, but no retained messages now
+        failure, shared = codec.SUBACK_FAILURE, False
+        ids = packet.properties.subscription_ids if packet.properties is not None else ()
+        sub_id = ids[0] if ids else 0  # one at most (the codec refuses more)
+        snap = await link.dispatcher.metadata()
+        space = topics.space_of(snap)
+        for text, options in packet.filters:
+            # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
+            # (``identifiers``; none: none); a shared subscription is granted QoS 1 at most (docs/mqtt.md)
+            stored = identifiers.with_id(options, sub_id)
+            if shares.is_shared(text):
+                stored = identifiers.with_id(options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1), sub_id)
+                if options & codec.OPTION_NO_LOCAL and link.v5:
+                    raise Closed("no local on a shared subscription", code=Reason.PROTOCOL_ERROR)  # MQTT-3.8.3-4
+                codes.append(await self.sharing.subscribe(text, stored, snap))
+                shared = True
+                continue
+            try:
+                wanted = space.subscriptions_of(text)
+                snap.lite_parent(wanted[0].parent)
+            except (topics.TopicError, errors.LmqError) as exc:
+                codes.append(Reason.TOPIC_FILTER_INVALID if link.v5 else failure)
+                link.host.stats.refusals.refused(
+                    link.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
+                )
+                continue
+            existed = held.holds(link.subs, wanted)
+            if not existed and held.count(link.subs, space.default) >= MAX_FILTERS:
+                codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
+                continue
+            made = held.add(link.subs, wanted, stored)
+            for parent, levels, _ in (m for m in made if not m.existed):
+                fresh.setdefault(parent, []).append(levels)
+            handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
+            if handling == 2 or (handling == 1 and existed):
+                no_retained.add(len(codes))
+            granted[len(codes)] = [(m.parent, m.filter) for m in made]
+            codes.append(stored & codec.OPTION_QOS)
+        for parent, new in fresh.items():
+            refused = await self._start(parent, new)
+            if refused is not None:
+                for i, pairs in list(granted.items()):
+                    if pairs[0][0] == parent and pairs[0][1] in new:  # its own subscription failed
+                        codes[i] = reason_of(refused) if link.v5 else failure
+                        del granted[i]
+                    else:  # a named parent a wildcard reaches into: the rest holds
+                        granted[i] = [(p, f) for p, f in pairs if p != parent or f not in new]
+        if (granted or shared) and link.persistent:
+            await self.save()
+        link.writer.write(codec.encode_suback(packet.packet_id, codes, link.ack_props()))
+        sends = [(p, f, codes[i]) for i, pairs in granted.items() if i not in no_retained for p, f in pairs]
+        if sends:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
+            task = asyncio.get_running_loop().create_task(self._send_all_retained(sends))
+            self.retained_tasks.add(task)
+            task.add_done_callback(self.retained_tasks.discard)
+
+    async def _start(self, parent: str, new: list[wildcards.Filter]) -> errors.LmqError | None:
+        """The ``new`` filters in ``parent`` take effect (here, and at the other brokers); else the refusal
+        (they are dropped again)."""
+        link = self.link
+        older = [f for f in link.subs[parent] if f not in new]
+        try:
+            await self._start_at_end(parent, new, older)
+            await self.register(parent)
+            cluster = link.cluster
+            if cluster is not None:  # at the other brokers too, from their ends as well
+                consumer = link.consumer_id(parent)
+                if self._made_at.get(parent) != cluster.members:  # set first: the loop must not make ``new``
+                    self._made_at[parent] = cluster.members
+                    if older:  # made while this broker was alone, or before a broker joined
+                        await cluster.subscribe(consumer, link.group, parent, older, None)
+                await cluster.subscribe(consumer, link.group, parent, new, older)
+        except errors.LmqError as exc:  # e.g. the store rebuilds its index: these filters fail, the rest holds
+            log.warning("mqtt client %s: subscriptions in %s refused: %s", link.client_id, parent, exc.message)
+            cluster = link.cluster
+            if cluster is not None:  # brokers that took them before one refused
+                await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, new)
+            for f in new:
+                link.subs[parent].pop(f, None)
+            await self.register(parent)
+            return exc
+        return None
+
+    async def _send_all_retained(self, wanted: list[tuple[str, wildcards.Filter, int]]) -> None:
+        deliveries = self.deliveries
+        try:
+            elsewhere = await deliveries.retained_elsewhere(wanted)
+            for (parent, levels, qos), theirs in zip(wanted, elsewhere, strict=True):
+                await deliveries.send_retained(parent, levels, qos, theirs)
+        except (ConnectionError, errors.LmqError) as exc:
+            log.info("mqtt client %s: retained messages not sent: %s", self.link.client_id, exc)
+
+    async def unsubscribe(self, packet: codec.Unsubscribe) -> None:
+        link = self.link
+        changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
+        codes, shared = [], False
+        space = topics.space_of(await link.dispatcher.metadata())
+        for text in packet.filters:
+            if shares.is_shared(text):
+                codes.append(await self.sharing.unsubscribe(text))
+                shared = True
+                continue
+            try:
+                wanted = space.subscriptions_of(text)
+            except topics.TopicError:
+                codes.append(Reason.TOPIC_FILTER_INVALID)
+                continue
+            existed = held.holds(link.subs, wanted)
+            for parent, ended in held.remove(link.subs, space, wanted).items():
+                changed.setdefault(parent, []).extend(ended)
+            codes.append(Reason.SUCCESS if existed else Reason.NO_SUBSCRIPTION_EXISTED)
+        cluster = link.cluster
+        for parent, ended in changed.items():
+            await self.register(parent)
+            if cluster is not None:
+                await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, ended)
+        if (changed or shared) and link.persistent:
+            await self.save()
+        if link.v5:
+            link.writer.write(codec.encode_unsuback(packet.packet_id, codes))
+        else:
+            link.writer.write(codec.encode_packet_id(codec.UNSUBACK, packet.packet_id))
+
+    async def save(self) -> None:
+        link = self.link
+        filters = held.texts(link.subs, link.config.mqtt_default_parent)
+        filters |= self.sharing.saved()
+        await link.dispatcher.run(link.host.durable.save_session, link.client_id, filters, link.expiry_s)
+        link.stored = True
+
+    async def _start_at_end(self, parent: str, new: list[wildcards.Filter], older: list[wildcards.Filter]) -> None:
+        """The group's start in each existing lite topic here that only the ``new`` filters match: its end."""
+        dispatcher = self.link.dispatcher
+
+        async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
+            return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
+
+        await matching.start_at_end(scan, dispatcher.reset_offsets, self.link.group, parent, new, older,
+                                    default=self.link.config.mqtt_default_parent,
+                                    indexed=lambda f: dispatcher.lite_topics_matching(parent, f))  # fmt: skip
+
+    async def register(self, parent: str) -> None:
+        """Give the dispatcher this session's filters in ``parent``; start or stop the parent's delivery loop."""
+        link = self.link
+        filters = topics.registered(link.config.mqtt_default_parent, parent, link.subs.get(parent, {}))
+        consumer = link.consumer_id(parent)
+        await link.dispatcher.subscribe_filters(consumer, link.group, parent, filters)
+        task = self.consumers.get(parent)
+        if filters and task is None:
+            self.consumers[parent] = asyncio.get_running_loop().create_task(self.deliveries.consume(parent, self))
+        elif not filters and task is not None:
+            await stop(task)
+            del self.consumers[parent]
+            link.dispatcher.client_gone(consumer)
+            link.subs.pop(parent, None)
+
+    async def stop_all(self) -> None:
+        """At the end: the delivery loops and the retained messages being sent stop."""
+        for task in [*self.consumers.values(), *self.retained_tasks]:
+            await stop(task)
+        await self.sharing.stop()
