@@ -8,6 +8,14 @@ every 10 ms throughout. We print B's send latency (max and p99) over the probes 
 in progress, the same over an idle stretch before, and each of A's call durations. Goal: max <= 50 ms during A's
 calls (the broker does a big subscription change in slices that let other calls in between).
 
+MQTT case (``--case mqtt``; both by default): a parent of ``--topics`` lite topics named like MQTT topics
+``b<0-9>/f<0-9>/r<room>`` (one message each), and one MQTT client's SUBSCRIBE of 100 filters without a literal
+prefix after the parent level (``MQ_STALL/+/f<j % 10>/r<j>``: 10 topics each). We print the broker's CPU from
+the SUBSCRIBE until it is idle again after the SUBACK (less what the probes cost meanwhile, measured idle) and
+the probe send max over that window; first with ``--no-lite-level-index`` (the plain walk of the parent per
+filter set), then with the level index (its first SUBSCRIBE builds the index; a second, other filters, finds
+it built). Goal: <= 100 ms CPU and probe max <= 50 ms.
+
     python bench/bench_subscribe_stall.py           # 100,000 lite topics
     python bench/bench_subscribe_stall.py --quick   # 20,000 lite topics
 """
@@ -17,19 +25,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import grpc
+from paho.mqtt.enums import CallbackAPIVersion
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as sg
-from lmq_broker.testing import start_broker
+from lmq_broker.testing import BrokerProcess, start_broker
 
 PARENT, GROUP = "STALL_PARENT", "stall-group"
 SUBSCRIBER = (("x-mq-client-id", "big-subscriber"), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
@@ -38,6 +49,10 @@ PROBE_EVERY_S = 0.010
 TARGET_MS = 50.0
 CHANNEL_OPTIONS = (("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20))
 ROUNDS = (("all new", "a"), ("replace every name", "b"), ("same set again", "b"))
+MQTT_PARENT = "MQ_STALL"
+MQTT_FILTERS = 100
+MQTT_TARGET_CPU_MS = 100.0
+FILL_BATCH = 500
 
 
 def sync_request(names: list[str]) -> spb.SyncLiteSubscriptionRequest:
@@ -59,14 +74,16 @@ def big_subscriber(endpoint: str, topics: int, pipe: Connection) -> None:
             pipe.send((began, time.monotonic(), reply.status.code, reply.status.message))
 
 
-async def probe_loop(stub: sg.MessagingServiceAsyncStub, stop: asyncio.Event, out: list[tuple[float, float]]) -> None:
+async def probe_loop(
+    stub: sg.MessagingServiceAsyncStub, stop: asyncio.Event, out: list[tuple[float, float]], parent: str = PARENT
+) -> None:
     """Client B: one send every 10 ms (a send still waiting does not hold the next one back)."""
     pending: set[asyncio.Task[None]] = set()
     n = 0
 
     async def one(i: int) -> None:
         props = pb.SystemProperties(message_id=f"probe-{i}", message_type=pb.LITE, lite_topic=f"probe-{i % 16}")
-        message = pb.Message(topic=pb.Resource(name=PARENT), body=b"probe", system_properties=props)
+        message = pb.Message(topic=pb.Resource(name=parent), body=b"probe", system_properties=props)
         began = time.monotonic()
         reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=PROBE, timeout=60)
         if reply.status.code != pb.OK:
@@ -140,14 +157,112 @@ def report(topics: int, probes: list[tuple[float, float]], windows: list[tuple[s
     print(f"FIGURE COMPLETE_ADD of {topics:,} lite topics, call duration: {calls}", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--topics", type=int, default=100_000)
-    parser.add_argument("--idle-s", type=float, default=3.0)
-    parser.add_argument("--quick", action="store_true", help="20,000 topics, 1 s idle")
-    args = parser.parse_args()
-    topics, idle_s = (20_000, 1.0) if args.quick else (args.topics, args.idle_s)
-    print(__doc__.split("\n\n")[1], flush=True)
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def room_names(topics: int) -> list[str]:
+    return [f"b{i % 10}_f{(i // 10) % 10}_r{i // 100}" for i in range(topics)]
+
+
+def fill(endpoint: str, names: list[str]) -> None:
+    """One message in each lite topic of the MQTT parent (batched sends)."""
+    with grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS) as channel:
+        stub = sg.MessagingServiceStub(channel)
+        for start in range(0, len(names), FILL_BATCH):
+            messages = [
+                pb.Message(
+                    topic=pb.Resource(name=MQTT_PARENT),
+                    body=b"x",
+                    system_properties=pb.SystemProperties(message_id=f"f-{n}", message_type=pb.LITE, lite_topic=n),
+                )
+                for n in names[start : start + FILL_BATCH]
+            ]
+            reply = stub.SendMessage(spb.SendMessageRequest(messages=messages), metadata=PROBE, timeout=120)
+            if reply.status.code != pb.OK:
+                raise SystemExit(f"fill failed: {reply.status}")
+
+
+def mqtt_subscribe(port: int, client_id: str, filters: list[str]) -> tuple[float, float]:
+    """One SUBSCRIBE of ``filters``; (sent, SUBACK received) in ``time.monotonic``."""
+    import paho.mqtt.client as mqtt  # noqa: PLC0415 (only this case needs it)
+
+    done = threading.Event()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
+    client.on_subscribe = lambda *_: done.set()
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        time.sleep(0.2)  # connected
+        sent = time.monotonic()
+        client.subscribe([(f, 1) for f in filters])
+        if not done.wait(300):
+            raise SystemExit("no SUBACK")
+        return sent, time.monotonic()
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+async def quiet(pid: int, idle_rate: float, step_s: float = 0.25, limit_s: float = 60.0) -> None:
+    """Wait until the broker's CPU is back to its idle rate (probes only) for a step."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        began, used = time.monotonic(), cpu_s(pid)
+        await asyncio.sleep(step_s)
+        if cpu_s(pid) - used <= 2 * idle_rate * (time.monotonic() - began) + 0.01:
+            return
+
+
+async def mqtt_rounds(broker: BrokerProcess, label: str) -> None:
+    """Probe sends throughout; idle, then two SUBSCRIBEs (different filters); CPU and probe max of each."""
+    pid = broker.process.pid
+    probes: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(broker.endpoint, options=CHANNEL_OPTIONS) as channel:
+        stub: sg.MessagingServiceAsyncStub = sg.MessagingServiceStub(channel)
+        prober = asyncio.create_task(probe_loop(stub, stop, probes, MQTT_PARENT))
+        await asyncio.sleep(0.5)
+        idle_from, idle_cpu = time.monotonic(), cpu_s(pid)
+        await asyncio.sleep(2.0)
+        idle_rate = (cpu_s(pid) - idle_cpu) / (time.monotonic() - idle_from)
+        for n, offset in enumerate((0, 50)):
+            filters = [f"{MQTT_PARENT}/+/f{j % 10}/r{j + offset}" for j in range(MQTT_FILTERS)]
+            before = cpu_s(pid)
+            sent, acked = await asyncio.to_thread(mqtt_subscribe, broker.mqtt_port, f"stall-{n}", filters)
+            await quiet(pid, idle_rate)  # the catch-up after the SUBACK, however slow a loaded host makes it
+            took = time.monotonic() - sent
+            spent_ms = (cpu_s(pid) - before - idle_rate * took) * 1000
+            worst, _ = summary([lat for began, lat in probes if sent <= began <= sent + took])
+            which = "first (builds the index)" if n == 0 else "second (other filters)"
+            verdict = "PASS" if spent_ms <= MQTT_TARGET_CPU_MS and worst <= TARGET_MS else "ABOVE TARGET"
+            print(
+                f"FIGURE MQTT {MQTT_FILTERS}-filter SUBSCRIBE, {label}, {which}: broker CPU {spent_ms:,.0f} ms "
+                f"(target <= {MQTT_TARGET_CPU_MS:.0f} ms), SUBACK after {(acked - sent) * 1000:,.0f} ms, "
+                f"probe send max {worst:.1f} ms (target <= {TARGET_MS:.0f} ms) {verdict}",
+                flush=True,
+            )
+        stop.set()
+        await prober
+
+
+def mqtt_case(topics: int) -> None:
+    names = room_names(topics)
+    for label, flags in (("plain walk (--no-lite-level-index)", ["--no-lite-level-index"]), ("level index", [])):
+        with tempfile.TemporaryDirectory() as tmp:
+            broker = start_broker(Path(tmp) / "data", extra_args=["--no-bootstrap", "--mqtt-port", "0", *flags])
+            try:
+                with AdminClient(broker.admin_endpoint, timeout_s=30, **broker.admin_keys) as admin:
+                    admin.put_parent_topic(model.ParentTopic(MQTT_PARENT, model.MessageType.LITE))
+                fill(broker.endpoint, names)
+                asyncio.run(mqtt_rounds(broker, label))
+            finally:
+                broker.stop()
+
+
+def grpc_case(topics: int, idle_s: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         broker = start_broker(
             Path(tmp) / "data", extra_args=["--no-bootstrap", "--max-subscriptions-per-broker", str(4 * topics)]
@@ -159,6 +274,21 @@ def main() -> None:
             asyncio.run(run(broker.endpoint, topics, idle_s))
         finally:
             broker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topics", type=int, default=100_000)
+    parser.add_argument("--idle-s", type=float, default=3.0)
+    parser.add_argument("--quick", action="store_true", help="20,000 topics, 1 s idle")
+    parser.add_argument("--case", choices=("grpc", "mqtt", "both"), default="both")
+    args = parser.parse_args()
+    topics, idle_s = (20_000, 1.0) if args.quick else (args.topics, args.idle_s)
+    print(__doc__.split("\n\n")[1], flush=True)
+    if args.case in ("grpc", "both"):
+        grpc_case(topics, idle_s)
+    if args.case in ("mqtt", "both"):
+        mqtt_case(topics)
 
 
 if __name__ == "__main__":

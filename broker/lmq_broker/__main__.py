@@ -44,7 +44,12 @@ HELP: Final[dict[str, str]] = {
     "port": "gRPC port of the v2 MessagingService, and of the lmq admin service unless --admin-port (0: any free port)",
     "admin_port": "serve the lmq admin service on this port only, not on --port (0: any free port; -1: on --port)",
     "metrics_port": "HTTP port of /metrics, /healthz and /readyz (0: any free port, -1: off)",
-    "mqtt_port": "MQTT 5.0/3.1.1 port: <parent>/<lite topic> topics over the same store (0: any free port, -1: off)",
+    "mqtt_port": "MQTT 5.0/3.1.1 port: any topic, <parent>/<lite topic> or in --mqtt-default-parent, over the same "
+    "store (0: any free port, -1: off)",
+    "lite_level_index": "find the lite topics of filters without a literal prefix (MQTT '+/x', patterns) in a trie "
+    "of each parent's lite-name levels, built when first needed and kept (--no-lite-level-index: walk the parent)",
+    "mqtt_default_parent": "LITE parent topic (created at start when MQTT is on) holding every MQTT topic whose "
+    'first level names no parent, escaped level by level (docs/mqtt.md "Topic mapping")',
     "mqtt_max_connections": "MQTT sockets open at once; beyond it a CONNECT is refused (5.0: 0x97 quota exceeded, "
     "3.1.1: 0x03 server unavailable)",
     "mqtt_max_connections_per_address": "MQTT sockets open at once from one client IP address; beyond it a CONNECT "
@@ -174,6 +179,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "lease_renew_max_ms",
         "max_suspend_ms",
         "default_ready_capacity",
+        "lite_level_index",
     ),
     "limits": (
         "max_body_bytes",
@@ -212,7 +218,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "tls_ca",
         "tls_server_name",
     ),
-    "MQTT (docs/mqtt.md)": ("mqtt_port",),
+    "MQTT (docs/mqtt.md)": ("mqtt_port", "mqtt_default_parent"),
     "memory": ("heap_trim_interval_ms",),
 }
 OTHER_SECTION: Final = "other"

@@ -68,6 +68,15 @@ def bootstrap(store: Store) -> bool:
     return True
 
 
+def mqtt_default_parent(store: Store, name: str) -> bool:
+    """With MQTT on: the default parent of MQTT topics (docs/mqtt.md "Topic mapping") exists, as a LITE parent
+    topic. Blocking. Returns whether it was created."""
+    if any(t.name == name for t in store.list_parent_topics()):
+        return False
+    store.put_parent_topic(model.ParentTopic(name, model.MessageType.LITE))
+    return True
+
+
 def admin_key_pair(config: BrokerConfig) -> tuple[str, str] | None:
     """The pair admin calls must be signed with: configured, else the data dir's file (generated on first
     start); None with ``admin_anonymous``. Blocking. Logs where the pair came from, never the secret."""
@@ -158,6 +167,10 @@ class Broker:
             self.store = await asyncio.to_thread(lmq_store.open_store, config.store)
         if config.bootstrap and await asyncio.to_thread(bootstrap, self.store):
             log.info("bootstrap: created parent topic %s and lite group %s", BOOTSTRAP_TOPIC, BOOTSTRAP_GROUP)
+        if config.mqtt_port >= 0 and await asyncio.to_thread(
+            mqtt_default_parent, self.store, config.mqtt_default_parent
+        ):
+            log.info("mqtt: created the default parent topic %s", config.mqtt_default_parent)
         self.dispatcher = Dispatcher(self.store, config)
         await self.dispatcher.start()
         saved = await asyncio.to_thread(saved_subscriptions.load, self._snapshot_path)

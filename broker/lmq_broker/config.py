@@ -46,6 +46,8 @@ class BrokerConfig(BaseModel):
     advertised_host: str = ""  # address put in routes; empty → the local IP the client reached
     metrics_port: int = Field(default=9100, ge=-1, le=65535)  # -1 disables the HTTP endpoint
     mqtt_port: int = Field(default=-1, ge=-1, le=65535)  # MQTT 3.1.1 listener (docs/mqtt.md); -1: off
+    # LITE parent of the MQTT topics whose first level names no parent (docs/mqtt.md "Topic mapping")
+    mqtt_default_parent: str = Field(default="mqtt-default", pattern=r"^[A-Za-z0-9_-]{1,127}$")
     # MQTT resource caps (docs/security.md "Resource caps"): sockets open at once, in all and per client address
     # (beyond: CONNACK 0x97 / 3.1.1 0x03, or closed unanswered when even the refusals are too many); a will's
     # payload and its delay (5.0), beyond which the CONNECT is refused (0x95 / 0x97; 3.1.1: 0x05).
@@ -67,6 +69,9 @@ class BrokerConfig(BaseModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)
     receive_batch_size: int = Field(default=32, ge=1, le=1024)
+    # Filters without a literal prefix find their lite topics in a per-parent trie of lite-name levels (built
+    # when first needed, then kept); False: page through the whole parent (the plain twin, for comparison)
+    lite_level_index: bool = True
     max_lite_topic_size: int = Field(default=64, ge=1, le=64)
     default_client_quota: int = Field(default=2000, ge=1)
     default_ready_capacity: int = Field(default=100, ge=10)

@@ -260,13 +260,16 @@ def test_mosquitto_v5_clients_carry_user_properties(mqtt_broker: BrokerProcess, 
             sub.communicate(timeout=10)
     assert sub.returncode == 0, err
     assert out.splitlines() == [f"{parent}/v5/0 hello-0 seq:0", f"{parent}/v5/1 hello-1 seq:1"]
+    full = f"{parent}-full"  # every topic has a lite topic: a parent that takes no more refuses one
+    with AdminClient(mqtt_broker.admin_endpoint, timeout_s=10, **mqtt_broker.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic(full, model.MessageType.LITE, max_lite_topics=0))
     refused = subprocess.run(
         [mosquitto("mosquitto_pub"), "-V", "mqttv5", "-h", "127.0.0.1", "-p", port, "-q", "1",
-         "-t", "no-such-parent/x", "-m", "lost?"],
+         "-t", f"{full}/x", "-m", "lost?"],
         check=False, timeout=30, capture_output=True, text=True,
     )  # fmt: skip
-    assert "Publish 1 failed: Topic Name invalid" in refused.stderr  # a negative PUBACK, and why:
-    assert "no-such-parent does not exist" in refused.stderr  # its reason string
+    assert "Publish 1 failed: Quota exceeded" in refused.stderr, refused.stderr  # a negative PUBACK, and why:
+    assert full in refused.stderr  # its reason string
 
 
 def _wait_for_log(broker: BrokerProcess, text: str) -> None:

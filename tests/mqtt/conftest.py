@@ -53,6 +53,15 @@ def create_parent(broker: BrokerProcess) -> str:
 
 
 @pytest.fixture
+def full_parent(broker: BrokerProcess) -> str:
+    """A fresh LITE parent topic that takes no lite topic (``max_lite_topics`` 0): a publish there is refused."""
+    topic = f"Full{next(_ids)}"
+    with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic(topic, model.MessageType.LITE, max_lite_topics=0))
+    return topic
+
+
+@pytest.fixture
 def parent_topic() -> Callable[[BrokerProcess], str]:
     """``parent_topic(broker)``: a fresh LITE parent topic on that broker."""
     return create_parent

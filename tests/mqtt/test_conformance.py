@@ -109,36 +109,38 @@ def _logged(broker: BrokerProcess, line: str) -> bool:
 
 
 def test_mqtt_3_3_5_a_refused_311_publish_closes_the_connection_and_is_logged_and_counted(
-    broker: BrokerProcess, connect: Connect
+    broker: BrokerProcess, full_parent: str, connect: Connect
 ) -> None:
     """3.1.1 section 3.3.5 (MQTT-3.3.5-2): a publish the server will not accept gets a positive PUBACK or the
     connection closed; 3.1.1 has no negative PUBACK, so closing is the client's only signal: the operator sees
     why at INFO (with the client id) and in ``lmq_mqtt_publishes_refused``."""
-    before = _refused_count(broker, "topic_name_invalid")
+    before = _refused_count(broker, "quota_exceeded")
+    full = full_parent  # every topic has a lite topic: a full parent is what refuses one
     bad = connect(broker.mqtt_port, "refused-311")
-    bad.client.publish("no-such-parent/x", b"secret-payload", qos=1)
+    bad.client.publish(f"{full}/x", b"secret-payload", qos=1)
     bad.wait(lambda p: p.disconnected, "the broker closing the connection")
-    line = "mqtt client refused-311: PUBLISH to 'no-such-parent/x' refused: "
+    line = f"mqtt client refused-311: PUBLISH to '{full}/x' refused: "
     deadline = time.monotonic() + 10
     while not _logged(broker, line):
         assert time.monotonic() < deadline, broker.log()[-2000:]
         time.sleep(0.05)
     logged = next(t for t in broker.log().splitlines() if line in t)
     assert " INFO " in logged and "the connection is closed" in logged and "secret-payload" not in logged
-    assert _refused_count(broker, "topic_name_invalid") == before + 1
+    assert _refused_count(broker, "quota_exceeded") == before + 1
 
 
-def test_mqtt5_3_4_2_a_refused_publish_gets_puback_0x90_keeps_the_connection_and_is_counted(
-    broker: BrokerProcess, connect: Connect
+def test_mqtt5_3_4_2_a_refused_publish_gets_a_reason_code_keeps_the_connection_and_is_counted(
+    broker: BrokerProcess, full_parent: str, connect: Connect
 ) -> None:
-    """5.0 section 3.4.2.1: a PUBACK reason code 0x90 (topic name invalid) tells the publisher why, and the
+    """5.0 section 3.4.2.1: a PUBACK reason code (0x97 quota exceeded) tells the publisher why, and the
     connection stays; the refusal is logged at INFO with the client id and counted."""
-    before = _refused_count(broker, "topic_name_invalid")
+    before = _refused_count(broker, "quota_exceeded")
+    full = full_parent
     pub = connect(broker.mqtt_port, "refused-50", protocol=V5)
-    assert pub.publish("no-such-parent/y", b"x", qos=1) == 0x90
+    assert pub.publish(f"{full}/y", b"x", qos=1) == 0x97
     assert not pub.disconnected
-    assert _refused_count(broker, "topic_name_invalid") == before + 1
-    assert "mqtt client refused-50: PUBLISH to 'no-such-parent/y' refused: " in broker.log()
+    assert _refused_count(broker, "quota_exceeded") == before + 1
+    assert f"mqtt client refused-50: PUBLISH to '{full}/y' refused: " in broker.log()
 
 
 def test_refusals_are_logged_at_most_20_a_second_and_the_rest_are_counted(caplog: pytest.LogCaptureFixture) -> None:

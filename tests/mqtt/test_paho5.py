@@ -73,23 +73,25 @@ def test_the_connack_tells_the_limits_and_properties_travel_through_the_store(
 
 
 def test_refusals_are_reason_codes_and_the_connection_stays(
-    broker: BrokerProcess, parent: str, connect: Connect
+    broker: BrokerProcess, parent: str, full_parent: str, connect: Connect
 ) -> None:
     port = broker.mqtt_port
     pub = v5(connect, port)
-    assert pub.publish("no-such-parent/x", b"lost?") == 0x90  # topic name invalid
-    assert pub.publish(f"{parent}/bad_level", b"x") == 0x90  # '_' cannot appear after the parent
+    assert pub.publish(f"{full_parent}/x", b"lost?") == 0x97  # quota exceeded
+    assert pub.publish("no-such-parent/x", b"x") == 0  # every topic has a lite topic (the default parent's)
+    assert pub.publish(f"{parent}/bad_level", b"x") == 0
     assert pub.publish(f"{parent}/empty", b"") == 0  # a zero-length payload is valid (section 3.3.3)
     assert pub.publish(f"{parent}/text", b"\xff\xfe", properties=props(PayloadFormatIndicator=1)) == 0x99
     assert pub.publish(f"{parent}/fine", b"stored") == 0
     assert not pub.disconnected
     sub = v5(connect, port)
     codes = sub.subscribe(("#", 1), ("no-such-parent/#", 1), (f"$share/+/{parent}/x", 1), (f"{parent}/ok", 2))
-    assert codes == [0x8F, 0x8F, 0x8F, 2]  # QoS 2 is granted (3.9.3); a share name may not hold '+' (4.8.2)
+    assert codes == [1, 1, 0x8F, 2]  # QoS 2 is granted (3.9.3); a share name may not hold '+' (4.8.2)
     quiet = v5(connect, port)
-    quiet.client.publish("no-such-parent/x", b"qos 0", qos=0)  # nothing to answer a QoS 0 publish with
+    bad_text = props(PayloadFormatIndicator=1)
+    quiet.client.publish(f"{parent}/x", b"\xff", qos=0, properties=bad_text)  # no answer to a QoS 0 publish
     quiet.wait(lambda p: p.disconnected, "the broker's DISCONNECT")
-    assert quiet.disconnect_reason == 0x90
+    assert quiet.disconnect_reason == 0x99
 
 
 def test_a_parent_quota_refuses_with_quota_exceeded(broker: BrokerProcess, connect: Connect) -> None:

@@ -360,7 +360,8 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await asyncio.to_thread(self._store.scan_lite_topics, parent, start_after, end_before, limit)
 
-        moved = await matching.start_at_end(scan, self._live.reset_offsets, group, parent, new, older)
+        default = self._config.mqtt_default_parent
+        moved = await matching.start_at_end(scan, self._live.reset_offsets, group, parent, new, older, default=default)
         return pb.MqttStartAtEndResponse(lite_topics=moved)
 
     @override

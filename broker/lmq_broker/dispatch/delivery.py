@@ -95,6 +95,8 @@ class Deliverer:
         # Most LMQs written have no subscriber on this broker: ``&`` finds the others in C (walking the smaller
         # side), and the topics are then offered in arrival order.
         subscribed = self._registry.subscribed() & topics.keys()
+        if self._wildcards.indexes:
+            self._wildcards.index_arrived(topics)
         if self._wildcards:
             subscribed |= {lmq for lmq in filter(_is_lmq_topic, topics) if self._wildcards.groups_of_lmq(lmq)}
         if subscribed:

@@ -205,6 +205,24 @@ class Dispatcher:
         lmqs = [subscriptions.lmq_name(parent, lite) for lite in lites]
         await self.settlement.reset_offsets(lmqs, group, option, ends)
 
+    async def lite_topics_matching(
+        self, parent: str, filters: Sequence[wildcards.Filter]
+    ) -> list[model.LiteTopicMeta] | None:
+        """The lite topics of ``parent`` that ``filters`` match, found with its level index; None when the
+        filters have a literal prefix (a range scan finds them cheaply) or the index is off."""
+        names = await self.subscriptions.indexed_names(parent, filters)
+        if names is None:
+            return None
+        store = self.store
+
+        def read(chunk: list[str]) -> list[model.LiteTopicMeta]:
+            return [m for m in (store.lite_topic(parent, lite) for lite in chunk) if m is not None]
+
+        found: list[model.LiteTopicMeta] = []
+        for i in range(0, len(names), subscriptions.CATCHUP_CHUNK):
+            found += await self.runtime.run(read, names[i : i + subscriptions.CATCHUP_CHUNK])
+        return found
+
     def lite_topics_of(self, client_id: str) -> list[str] | None:
         state = self.registry.get(client_id)
         return None if state is None else sorted(model.QueueId(lmq).lite_parts()[1] for lmq in state.lite_topics)
@@ -214,6 +232,7 @@ class Dispatcher:
         return [model.QueueId(lmq).lite_parts()[1] for lmq in offered]
 
     def forget_lite_topic(self, lmq: model.QueueId) -> None:
+        self.wildcards.index_forget(lmq.topic)
         self.subscriptions.forget(lmq.topic)
         self.settlement.forget_topic(lmq.topic)
         self.recent.forget(lmq)

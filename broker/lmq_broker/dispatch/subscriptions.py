@@ -25,6 +25,7 @@ from lmq_broker import errors, model
 from lmq_broker.dispatch import (
     api,
     delivery,
+    level_index,
     offsets,
     readyset,
     reclaims,
@@ -42,6 +43,7 @@ CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
 # Lite topics probed for pending work per store call: the call holds the GIL throughout (~15 µs a topic),
 # and the event loop waits for it, so a probe of many topics goes in short calls.
 PROBE_CHUNK: Final = 128
+INDEX_SLICE: Final = 2048  # names taken from a level index per loop step
 
 
 T = TypeVar("T")
@@ -133,6 +135,7 @@ class Subscriptions:
         self._catchup_again: set[str] = set()  # asked for while a pass ran: one more pass when it ends
         self.marks = reclaims.Marks()  # compare-and-deletes under way (see ``reclaims``)
         self._serials: dict[str, _Serial] = {}
+        self._indexing: dict[str, asyncio.Event] = {}  # parent -> set once its level index is built
         self._big_changes: set[asyncio.Task[object]] = set()
 
     # --- clients ------------------------------------------------------------------------------------------
@@ -546,8 +549,13 @@ class Subscriptions:
         if where is None:
             return True
         resume = self._wildcard_cursor.pop(client_id, "")
-        pieces = _round_from(self._wildcards.scan_ranges(client_id), resume)
-        stopped = await self._walk(client_id, where, pieces, lambda lite: self._wildcards.takes(client_id, lite))
+        names = await self.indexed_names(where[0], self._wildcards.filters(client_id))
+        if names is not None:  # no literal prefix: the level index, not a walk of the whole parent
+            ahead = [n for n in names if n > resume]
+            stopped = await self._offer(client_id, where, ahead + names[: len(names) - len(ahead)], resume)
+        else:
+            pieces = _round_from(self._wildcards.scan_ranges(client_id), resume)
+            stopped = await self._walk(client_id, where, pieces, lambda lite: self._wildcards.takes(client_id, lite))
         if stopped is None:
             return True
         self._wildcard_cursor[client_id] = stopped
@@ -559,6 +567,10 @@ class Subscriptions:
         """New patterns of a client: offer the topics with work for its group that they match, walking only
         their ranges (a client adds its patterns one at a time: a full catch-up each would walk them all)."""
         try:
+            names = await self.indexed_names(where[0], filters)
+            if names is not None:
+                await self._offer(client_id, where, names, "")
+                return
             await self._walk(
                 client_id,
                 where,
@@ -591,6 +603,67 @@ class Subscriptions:
                     break
                 after = page[-1].lite
         return None
+
+    async def _offer(self, client_id: str, where: tuple[str, str], names: list[str], before: str) -> str | None:
+        """``_walk`` over a list of names (from a level index): None when done, else where to resume."""
+        parent, group = where
+        for i in range(0, len(names), CATCHUP_CHUNK):
+            taken = names[i : i + CATCHUP_CHUNK]
+            lmqs = [lmq_name(parent, lite) for lite in taken]
+            pending = await self._deliverer.pending_among(lmqs, group)
+            if self._wildcards.registration(client_id) != where:
+                return None
+            for lmq in pending:
+                if not self._deliverer.offer(client_id, lmq, group):
+                    index = i + lmqs.index(lmq)
+                    return names[index - 1] if index else before
+        return None
+
+    async def indexed_names(self, parent: str, filters: Iterable[wildcards.Filter] | None) -> list[str] | None:
+        """The names of ``parent`` that ``filters`` match, sorted, from its level index (built the first
+        time, a page per loop step; taken a slice per loop step); None when the filters have a literal
+        prefix (a range scan reads only that range), for a whole-parent client, or with the index off."""
+        if filters is None or not self._rt.config.lite_level_index:
+            return None
+        wanted = list(filters)
+        if not wanted or wildcards.scan_ranges(wanted) != [("", "")] or wildcards.WHOLE_PARENT in wanted:
+            return None
+        index = await self._level_index(parent)
+        if index is None:
+            return None
+        found: set[str] = set()
+        for f in wanted:
+            for n, name in enumerate(index.matching_one(f), 1):
+                found.add(name)
+                if not n % INDEX_SLICE:
+                    await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        return sorted(found)
+
+    async def _level_index(self, parent: str) -> level_index.LevelIndex | None:
+        building = self._indexing.get(parent)
+        if building is not None:
+            await building.wait()
+        index = self._wildcards.indexes.get(parent)
+        if index is not None:
+            return index
+        index = self._wildcards.indexes[parent] = level_index.LevelIndex()  # arrivals join it from now on
+        done = self._indexing[parent] = asyncio.Event()
+        try:
+            after = ""
+            while True:
+                page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, "", CATCHUP_CHUNK)
+                for meta in page:
+                    index.add(meta.lite)
+                if len(page) < CATCHUP_CHUNK:
+                    return index
+                after = page[-1].lite
+        except BaseException:
+            del self._wildcards.indexes[parent]
+            raise
+        finally:
+            done.set()
+            del self._indexing[parent]
 
     # --- reclaim marks ------------------------------------------------------------------------------------
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 from lmq_broker import model
+from lmq_broker.dispatch import level_index
 
 LEVEL_SEPARATOR: Final = "_"  # in lite names; MQTT's "/" (docs/mqtt.md)
 ONE_LEVEL: Final = "+"
@@ -98,6 +99,7 @@ class Wildcards:
         self._prefixes: dict[str, _Prefixes] = {}  # parent -> its prefix filters
         self._of_client: dict[str, tuple[str, str]] = {}  # client id -> (parent, group)
         self._filters: dict[str, frozenset[Filter]] = {}  # client id -> its filters (absent: whole parent)
+        self.indexes: dict[str, level_index.LevelIndex] = {}  # parent -> its lite names by level, once needed
 
     def __bool__(self) -> bool:
         return bool(self._of_client)
@@ -154,6 +156,23 @@ class Wildcards:
         if prefixes is not None and not prefixes.by_prefix:
             del self._prefixes[parent]
         return where
+
+    def index_arrived(self, lmqs: Iterable[str]) -> None:
+        """Lite topics written to: their names join their parent's level index, where it has one."""
+        for lmq in lmqs:
+            if lmq.startswith(model.LMQ_PREFIX):
+                _, parent, lite = lmq.split(model.LMQ_SEPARATOR, 2)
+                index = self.indexes.get(parent)
+                if index is not None:
+                    index.add(lite)
+
+    def index_forget(self, lmq: str) -> None:
+        """A reclaimed lite topic leaves its parent's level index."""
+        if self.indexes and lmq.startswith(model.LMQ_PREFIX):
+            _, parent, lite = lmq.split(model.LMQ_SEPARATOR, 2)
+            index = self.indexes.get(parent)
+            if index is not None:
+                index.discard(lite)
 
     def registration(self, client_id: str) -> tuple[str, str] | None:
         """(parent, group) of a registered client, or None."""

@@ -21,9 +21,11 @@ from lmq_broker.dispatch import wildcards
 from lmq_broker.mqtt import codec, topics
 
 
-def connect_refusal(access: AccessControl, connect: codec.Connect, host: str) -> int | None:
+def connect_refusal(
+    access: AccessControl, connect: codec.Connect, host: str, space: topics.Space | None = None
+) -> int | None:
     """The 3.1.1 CONNACK code a CONNECT is refused with under ``--acl`` (5.0: translated, 0x86 / 0x87); None:
-    accepted."""
+    accepted. ``space``: where the will's topic is stored (its first level's parent, else the default parent)."""
     name = connect.username or ""
     secret = access.secret_of(name)
     password = connect.password or b""
@@ -33,21 +35,19 @@ def connect_refusal(access: AccessControl, connect: codec.Connect, host: str) ->
     will = connect.will
     if will is not None:
         try:
-            publish(access, name, host, will.topic)
+            where = space.lite_of(will.topic) if space is not None else topics.lite_of(will.topic)
+            publish(access, name, host, where)
         except errors.Forbidden:
             return codec.ConnectCode.NOT_AUTHORIZED
+        except topics.TopicError:
+            pass  # an invalid will topic is refused elsewhere
     return None
 
 
-def publish(access: AccessControl, user: str, host: str, topic: str) -> None:
-    """Pub on the topic's lite topic (a topic that names none is refused elsewhere, as invalid)."""
-    if not access.enabled:
-        return
-    try:
-        parent, lite = topics.lite_of(topic)
-    except topics.TopicError:
-        return
-    _check(access, user, host, policy.Action.PUB, policy.lite(parent, lite))
+def publish(access: AccessControl, user: str, host: str, where: topics.Topic) -> None:
+    """Pub on the lite topic a publish is stored in (a topic of no named parent: the default parent's)."""
+    if access.enabled:
+        _check(access, user, host, policy.Action.PUB, policy.lite(where.parent, where.lite))
 
 
 def subscribe(access: AccessControl, user: str, host: str, parent: str, levels: wildcards.Filter) -> None:

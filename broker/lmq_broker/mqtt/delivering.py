@@ -203,6 +203,7 @@ class Deliveries:
                 return
             group, held = share.group, shared
         now = link.dispatcher.wall_clock()
+        default = link.config.mqtt_default_parent
         held_by_id = {o.message_id: i for i, o in self.out.items() if o.released and o.message_id}
         forget: list[int] = []  # packet ids of completed restored deliveries, forgotten once settled
         for d in deliveries:
@@ -215,17 +216,17 @@ class Deliveries:
                 settle.append(d.receipt)
                 forget.append(self.completed.pop(d.message_id))
                 continue
-            levels = d.lite.split(wildcards.LEVEL_SEPARATOR)
             props = d.properties
             mine = props.get(mapping.CLIENT) == link.client_id
-            matched = [o for f, o in held.items() if wildcards.matches(f, levels) and not (mine and o & _NO_LOCAL)]
+            matched = [o for f, o in held.items() if topics.takes(default, parent, f, d.lite, props)
+                       and not (mine and o & _NO_LOCAL)]  # fmt: skip
             if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
                 settle.append(d.receipt)
                 continue
             qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
             retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             packet_id = self._packet_id() if qos else None
-            topic = topics.topic_of(parent, d.lite)
+            topic = topics.topic_in(default, parent, d.lite, props)
             data = self.publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
                                       dup=d.attempt > 1, ids=identifiers.ids_of(matched))  # fmt: skip
             if data is None or qos == 0:
@@ -298,14 +299,16 @@ class Deliveries:
         that does not read holds one of them here, not all (``matching.stream_retained``)."""
         link = self.link
         now = link.dispatcher.wall_clock()
-        found = matching.stream_retained(link.dispatcher.run, link.host.durable, parent, levels, now, elsewhere)
+        default = link.config.mqtt_default_parent
+        found = matching.stream_retained(link.dispatcher.run, link.host.durable, parent, levels, now, elsewhere,
+                                         default=default)  # fmt: skip
         async for r in found:
             qos = min(r.qos, granted)
             while qos and self.busy >= link.max_inflight:
                 self._room.clear()
                 await self._room.wait()
             packet_id = self._packet_id() if qos else None
-            topic = topics.topic_of(parent, r.lite)
+            topic = topics.topic_in(default, parent, r.lite, r.properties)
             ids = identifiers.ids_of([link.subs.get(parent, {}).get(levels, 0)])
             data = self.publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True,
                                       ids=ids)  # fmt: skip

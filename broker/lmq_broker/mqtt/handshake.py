@@ -12,7 +12,7 @@ import secrets
 from typing import Final
 
 from lmq_broker.dispatch import metadata
-from lmq_broker.mqtt import codec, framing, limits, properties, publishing, stats
+from lmq_broker.mqtt import codec, framing, limits, properties, publishing, stats, topics
 from lmq_broker.mqtt.link import MAX_INFLIGHT, Closed, Link
 from lmq_broker.mqtt.properties import Properties, Reason
 
@@ -59,7 +59,8 @@ async def read_connect(link: Link) -> codec.Connect | None:
 
 async def refuse(link: Link, connect: codec.Connect) -> None:
     """A CONNECT over a cap or otherwise refused (``limits.refusal``): answered, counted, and the end."""
-    refused = limits.refusal(connect, link.config, link.host.access, link.address)
+    space = topics.space_of(await link.dispatcher.metadata())  # where a will's topic is stored
+    refused = limits.refusal(connect, link.config, link.host.access, link.address, space)
     if refused is None:
         return
     code, counted = refused

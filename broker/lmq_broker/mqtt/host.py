@@ -11,7 +11,7 @@ from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import durable, framing, shares, stats, wills
+from lmq_broker.mqtt import durable, framing, shares, stats, topics, wills
 from lmq_broker.mqtt.owners import Owners
 
 
@@ -48,7 +48,7 @@ class Host(Protocol):
 
     async def take_over(self, connection: Client, clean_start: bool) -> None: ...
 
-    def authorize_publish(self, user: str, address: str, topic: str) -> None: ...  # errors.Forbidden (--acl)
+    def authorize_publish(self, user: str, address: str, where: topics.Topic) -> None: ...  # Forbidden (--acl)
 
     def authorize_subscribe(self, user: str, address: str, parent: str, levels: wildcards.Filter) -> None: ...
 

@@ -24,7 +24,7 @@ def with_id(options: int, subscription_id: int) -> int:
 
 
 def id_of(options: int) -> int:
-    return options >> OPTIONS_BITS
+    return (options >> OPTIONS_BITS) & MAX_ID  # bits above the identifier's are others' (``held.EXPANDED``)
 
 
 def ids_of(matched: Iterable[int]) -> list[int]:

@@ -91,7 +91,11 @@ def will_bytes(will: codec.Will) -> int:
 
 
 def refusal(
-    connect: codec.Connect, config: BrokerConfig, access: AccessControl | None = None, host: str = ""
+    connect: codec.Connect,
+    config: BrokerConfig,
+    access: AccessControl | None = None,
+    host: str = "",
+    space: topics.Space | None = None,
 ) -> tuple[int, str] | None:
     """Why ``connect`` is refused: a ConnectCode (3.1.1, translated for 5.0) or a 5.0 reason code, and the
     ``stats`` reason when a cap refused it (else ""); None when it is accepted. Under ``--acl`` (``access``
@@ -104,7 +108,9 @@ def refusal(
     will = connect.will
     if will is not None:
         try:
-            topics.lite_of(will.topic, config.max_lite_topic_size)
+            if not will.topic:
+                raise topics.TopicError("an empty will topic")
+            topics.default_lite(will.topic, config.max_lite_topic_size)  # every other topic has a lite topic
         except topics.TopicError:
             return (Reason.TOPIC_NAME_INVALID if v5 else codec.ConnectCode.NOT_AUTHORIZED), ""  # never publishable
         if will_bytes(will) > config.mqtt_max_will_bytes:
@@ -113,7 +119,7 @@ def refusal(
         if delay > config.mqtt_max_will_delay_s:
             return Reason.QUOTA_EXCEEDED, stats.WILL_DELAY
     if access is not None and access.enabled:
-        code = authorizing.connect_refusal(access, connect, host)
+        code = authorizing.connect_refusal(access, connect, host, space)
         return None if code is None else (code, "")
     if config.access_key:
         if connect.username is None or connect.password is None:

@@ -145,9 +145,10 @@ class Publishes:
         """Why the publish cannot be stored (a 5.0 reason code and words), None when it can."""
         link = self.link
         try:
-            parent, _ = topics.lite_of(packet.topic, link.config.max_lite_topic_size)
-            (await link.dispatcher.metadata()).lite_parent(parent)
-            link.host.authorize_publish(link.user, link.address, packet.topic)
+            snap = await link.dispatcher.metadata()
+            where = topics.space_of(snap).lite_of(packet.topic)
+            snap.lite_parent(where.parent)
+            link.host.authorize_publish(link.user, link.address, where)
         except (topics.TopicError, errors.LmqError) as exc:
             return reason_of(exc), str(exc)
         p = packet.properties

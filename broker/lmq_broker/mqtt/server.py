@@ -27,7 +27,20 @@ from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import authorizing, codec, durable, framing, host, limits, matching, shares, stats, storing, wills
+from lmq_broker.mqtt import (
+    authorizing,
+    codec,
+    durable,
+    framing,
+    host,
+    limits,
+    matching,
+    shares,
+    stats,
+    storing,
+    topics,
+    wills,
+)
 from lmq_broker.mqtt.connection import Connection
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Reason
@@ -134,11 +147,13 @@ class MqttServer:
         if self.stopping:
             raise errors.BrokerUnavailable("the broker is shutting down")
         now = self.dispatcher.wall_clock()
-        return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True)
+        default = self.config.mqtt_default_parent
+        return await self.dispatcher.run(matching.retained, self.durable, parent, levels, now, limit, True, default)
 
-    def authorize_publish(self, user: str, address: str, topic: str) -> None:
-        """Under ``--acl``: ``errors.Forbidden`` unless ``user`` may publish to ``topic`` (``authorizing``)."""
-        authorizing.publish(self.access, user, address, topic)
+    def authorize_publish(self, user: str, address: str, where: topics.Topic) -> None:
+        """Under ``--acl``: ``errors.Forbidden`` unless ``user`` may publish to the lite topic ``where`` (the
+        publish's topic as the broker's topic space maps it, ``topics.Space``; ``authorizing``)."""
+        authorizing.publish(self.access, user, address, where)
 
     def authorize_subscribe(self, user: str, address: str, parent: str, levels: wildcards.Filter) -> None:
         """Under ``--acl``: ``errors.Forbidden`` unless ``user`` may subscribe to the filter."""

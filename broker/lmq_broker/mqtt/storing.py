@@ -23,9 +23,12 @@ async def store(server: Host, client_id: str, host: str, publishes: Sequence[cod
     messages: list[model.NewMessage] = []
     retained: list[durable.Retained] = []
     now = server.dispatcher.wall_clock()
+    space = await space_of(server)
     for p in publishes:
-        parent, lite = topics.lite_of(p.topic, config.max_lite_topic_size)
+        parent, lite = space.lite_of(p.topic)
         props = mapping.incoming(p.properties, qos=p.qos, retain=p.retain, client_id=client_id, now_ms=now)
+        if topics.is_hashed(lite) and parent == space.default:  # its topic, given back to subscribers
+            props[topics.TOPIC_PROPERTY] = p.topic
         if p.retain:
             retained.append(durable.Retained(parent, lite, p.payload, p.qos, now, props))
         if p.payload or not p.retain:  # an empty retained publish only clears (MQTT-3.3.1-10)
@@ -42,6 +45,11 @@ async def store(server: Host, client_id: str, host: str, publishes: Sequence[cod
     if retained:  # in a cluster a clear here outdates an older one kept elsewhere: kept as a tombstone
         put = functools.partial(server.durable.put_retained, retained, tombstones=clustered)
         await server.dispatcher.run(put)
+
+
+async def space_of(server: Host) -> topics.Space:
+    """The broker's MQTT topic space now (its default and named parents)."""
+    return topics.space_of(await server.dispatcher.metadata())
 
 
 async def publish_will(server: Host, client_id: str, host: str, will: codec.Will) -> bool:

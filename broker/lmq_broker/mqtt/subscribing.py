@@ -17,7 +17,7 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import codec, identifiers, matching, shares, topics
+from lmq_broker.mqtt import codec, held, identifiers, matching, shares, topics
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.link import Closed, Link, reason_of, stop
 from lmq_broker.mqtt.owners import Owners
@@ -41,13 +41,13 @@ class Subscriptions:
     async def restore(self, saved: dict[str, int]) -> None:
         link = self.link
         snap = await link.dispatcher.metadata()
+        space = topics.space_of(snap)
         for text, options in saved.items():
             if shares.is_shared(text):
                 await self.sharing.restore(text, options, snap)
                 continue
             with contextlib.suppress(topics.TopicError):
-                parent, levels = topics.subscription_of(text)
-                link.subs.setdefault(parent, {})[levels] = options
+                held.add(link.subs, space.subscriptions_of(text), options & ~held.EXPANDED)
         cluster = link.cluster
         for parent in list(link.subs):
             await self.register(parent)
@@ -63,9 +63,9 @@ class Subscriptions:
         """The session's filters in ``parent`` made at every broker (again), resuming at the group's offsets."""
         link = self.link
         self._made_at[parent] = cluster.members
-        held = list(link.subs.get(parent, ()))
+        filters = list(link.subs.get(parent, ()))
         try:
-            await cluster.subscribe(link.consumer_id(parent), link.group, parent, held, None)
+            await cluster.subscribe(link.consumer_id(parent), link.group, parent, filters, None)
         except errors.LmqError as exc:
             log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", link.client_id, parent,
                         exc.message)  # fmt: skip
@@ -74,12 +74,13 @@ class Subscriptions:
         link = self.link
         codes: list[int] = []
         fresh: dict[str, list[wildcards.Filter]] = {}
-        granted: dict[int, tuple[str, wildcards.Filter]] = {}  # index in codes -> the subscription it granted
+        granted: dict[int, list[tuple[str, wildcards.Filter]]] = {}  # index in codes -> what it granted
         no_retained: set[int] = set()  # 5.0 retain handling: granted, but no retained messages now
         failure, shared = codec.SUBACK_FAILURE, False
         ids = packet.properties.subscription_ids if packet.properties is not None else ()
         sub_id = ids[0] if ids else 0  # one at most (the codec refuses more)
         snap = await link.dispatcher.metadata()
+        space = topics.space_of(snap)
         for text, options in packet.filters:
             # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
             # (``identifiers``; none: none); a shared subscription is granted QoS 1 at most (docs/mqtt.md)
@@ -92,9 +93,10 @@ class Subscriptions:
                 shared = True
                 continue
             try:
-                parent, levels = topics.subscription_of(text)
-                snap.lite_parent(parent)
-                link.host.authorize_subscribe(link.user, link.address, parent, levels)
+                wanted = space.subscriptions_of(text)
+                snap.lite_parent(wanted[0].parent)
+                for each in wanted:  # every parent the filter reaches into
+                    link.host.authorize_subscribe(link.user, link.address, each.parent, each.filter)
             except (topics.TopicError, errors.LmqError) as exc:
                 code = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
                 codes.append(code if link.v5 else failure)
@@ -102,32 +104,33 @@ class Subscriptions:
                     link.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
                 )
                 continue
-            held = link.subs.setdefault(parent, {})
-            existed = levels in held
-            if not existed:
-                if sum(map(len, link.subs.values())) >= MAX_FILTERS:
-                    codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
-                    continue
+            existed = held.holds(link.subs, wanted)
+            if not existed and held.count(link.subs, space.default) >= MAX_FILTERS:
+                codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
+                continue
+            made = held.add(link.subs, wanted, stored)
+            for parent, levels, _ in (m for m in made if not m.existed):
                 fresh.setdefault(parent, []).append(levels)
-            held[levels] = stored
             handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
             if handling == 2 or (handling == 1 and existed):
                 no_retained.add(len(codes))
-            granted[len(codes)] = (parent, levels)
-            codes.append(held[levels] & codec.OPTION_QOS)
+            granted[len(codes)] = [(m.parent, m.filter) for m in made]
+            codes.append(stored & codec.OPTION_QOS)
         for parent, new in fresh.items():
             refused = await self._start(parent, new)
             if refused is not None:
-                for i, (p, f) in list(granted.items()):
-                    if p == parent and f in new:
+                for i, pairs in list(granted.items()):
+                    if pairs[0][0] == parent and pairs[0][1] in new:  # its own subscription failed
                         codes[i] = reason_of(refused) if link.v5 else failure
                         del granted[i]
+                    else:  # a named parent a wildcard reaches into: the rest holds
+                        granted[i] = [(p, f) for p, f in pairs if p != parent or f not in new]
         if (granted or shared) and link.persistent:
             await self.save()
         link.writer.write(codec.encode_suback(packet.packet_id, codes, link.ack_props()))
-        wanted = [(p, f, codes[i]) for i, (p, f) in granted.items() if i not in no_retained]
-        if wanted:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
-            task = asyncio.get_running_loop().create_task(self._send_all_retained(wanted))
+        sends = [(p, f, codes[i]) for i, pairs in granted.items() if i not in no_retained for p, f in pairs]
+        if sends:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
+            task = asyncio.get_running_loop().create_task(self._send_all_retained(sends))
             self.retained_tasks.add(task)
             task.add_done_callback(self.retained_tasks.discard)
 
@@ -171,21 +174,21 @@ class Subscriptions:
         link = self.link
         changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
         codes, shared = [], False
+        space = topics.space_of(await link.dispatcher.metadata())
         for text in packet.filters:
             if shares.is_shared(text):
                 codes.append(await self.sharing.unsubscribe(text))
                 shared = True
                 continue
             try:
-                parent, levels = topics.subscription_of(text)
+                wanted = space.subscriptions_of(text)
             except topics.TopicError:
                 codes.append(Reason.TOPIC_FILTER_INVALID)
                 continue
-            if link.subs.get(parent, {}).pop(levels, None) is not None:
-                changed.setdefault(parent, []).append(levels)
-                codes.append(Reason.SUCCESS)
-            else:
-                codes.append(Reason.NO_SUBSCRIPTION_EXISTED)
+            existed = held.holds(link.subs, wanted)
+            for parent, ended in held.remove(link.subs, space, wanted).items():
+                changed.setdefault(parent, []).extend(ended)
+            codes.append(Reason.SUCCESS if existed else Reason.NO_SUBSCRIPTION_EXISTED)
         cluster = link.cluster
         for parent, ended in changed.items():
             await self.register(parent)
@@ -200,7 +203,7 @@ class Subscriptions:
 
     async def save(self) -> None:
         link = self.link
-        filters = {topics.filter_text(p, f): o for p, held in link.subs.items() for f, o in held.items()}
+        filters = held.texts(link.subs, link.config.mqtt_default_parent)
         filters |= self.sharing.saved()
         await link.dispatcher.run(link.host.durable.save_session, link.client_id, filters, link.expiry_s)
         link.stored = True
@@ -212,12 +215,14 @@ class Subscriptions:
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
 
-        await matching.start_at_end(scan, dispatcher.reset_offsets, self.link.group, parent, new, older)
+        await matching.start_at_end(scan, dispatcher.reset_offsets, self.link.group, parent, new, older,
+                                    default=self.link.config.mqtt_default_parent,
+                                    indexed=lambda f: dispatcher.lite_topics_matching(parent, f))  # fmt: skip
 
     async def register(self, parent: str) -> None:
         """Give the dispatcher this session's filters in ``parent``; start or stop the parent's delivery loop."""
         link = self.link
-        filters = list(link.subs.get(parent, {}))
+        filters = topics.registered(link.config.mqtt_default_parent, parent, link.subs.get(parent, {}))
         consumer = link.consumer_id(parent)
         await link.dispatcher.subscribe_filters(consumer, link.group, parent, filters)
         task = self.consumers.get(parent)
