@@ -17,7 +17,7 @@ from lmq_broker.admin.results import AclEntry
 from lmq_broker.testing import BrokerProcess, start_broker
 
 V5 = MQTTProtocolVersion.MQTTv5
-ALICE, BOB = ("alice", "alice-secret-1"), ("bob", "bob-secret-1")
+ALICE, BOB, CAROL = ("alice", "alice-secret-1"), ("bob", "bob-secret-1"), ("carol", "carol-secret-1")
 NOT_AUTHORIZED, FAILURE = 0x87, 0x80
 
 
@@ -26,10 +26,12 @@ def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProce
     process = start_broker(tmp_path_factory.mktemp("acl") / "data", extra_args=["--mqtt-port", "0", "--acl"])
     with AdminClient(process.admin_endpoint, timeout_s=10, **process.admin_keys) as admin:
         admin.put_parent_topic(model.ParentTopic("chat", model.MessageType.LITE))
-        for name, secret in (ALICE, BOB):
+        for name, secret in (ALICE, BOB, CAROL):
             admin.put_user(name, secret)
         admin.put_acl([AclEntry("alice", "Lite:chat/a-*", ("Pub", "Sub"))])
         admin.put_acl([AclEntry("bob", "Lite:chat/b-*", ("Pub", "Sub"))])
+        # topics of no named parent live in the default parent under their escaped names (docs/mqtt.md)
+        admin.put_acl([AclEntry("carol", "Lite:mqtt-default/sensors_*", ("Pub", "Sub"))])
     yield process
     assert process.stop() == 0, process.log()[-4000:]
 
@@ -85,3 +87,22 @@ def test_a_3_1_1_publish_refused_closes_the_connection(acl_broker: BrokerProcess
     info = alice.client.publish("chat/b-1/x", b"intrusion", qos=1)
     alice.wait(lambda p: p.disconnected, "the broker closing the connection")
     assert not info.is_published()
+
+
+def test_topics_of_the_default_parent_are_checked_by_their_mapped_names(
+    acl_broker: BrokerProcess, connect: Callable[..., Peer]
+) -> None:
+    """A topic no named parent holds is stored in the default parent: publish and subscribe are checked there
+    (a wildcard filter reaches into every parent, and reads only those the user may read)."""
+    port = acl_broker.mqtt_port
+    carol = connect(port, auth=CAROL, protocol=V5)
+    alice = connect(port, auth=ALICE, protocol=V5)
+    assert carol.subscribe(("sensors/#", 1), ("other/#", 1)) == [1, NOT_AUTHORIZED]
+    assert alice.subscribe(("sensors/#", 1)) == [NOT_AUTHORIZED]
+    assert alice.subscribe(("chat/a-9/#", 1)) == [1]  # her parent's part; the default parent's is left out
+    before = refused(acl_broker, "alice", "Pub")
+    assert alice.publish("sensors/room1/temp", b"forged") == NOT_AUTHORIZED
+    assert refused(acl_broker, "alice", "Pub") == before + 1
+    assert alice.publish("TopicA", b"nowhere of hers") == NOT_AUTHORIZED
+    assert carol.publish("sensors/room1/temp", b"21.5") == 0
+    assert [(m.topic, m.payload) for m in carol.wait_count(1)] == [("sensors/room1/temp", b"21.5")]

@@ -70,6 +70,23 @@ class Subscriptions:
             log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", link.client_id, parent,
                         exc.message)  # fmt: skip
 
+    def _readable(self, wanted: list[topics.Subscription]) -> list[topics.Subscription]:
+        """Of the parents a filter reaches into, those the session's user may read (``--acl``; all without it):
+        a filter is refused (``errors.Forbidden``) only when it may read none of them."""
+        link = self.link
+        readable: list[topics.Subscription] = []
+        refused: errors.Forbidden | None = None
+        for each in wanted:
+            try:
+                link.host.authorize_subscribe(link.user, link.address, each.parent, each.filter)
+            except errors.Forbidden as exc:
+                refused = exc
+                continue
+            readable.append(each)
+        if not readable and refused is not None:
+            raise refused
+        return readable
+
     async def subscribe(self, packet: codec.Subscribe) -> None:
         link = self.link
         codes: list[int] = []
@@ -93,10 +110,8 @@ class Subscriptions:
                 shared = True
                 continue
             try:
-                wanted = space.subscriptions_of(text)
+                wanted = self._readable(space.subscriptions_of(text))
                 snap.lite_parent(wanted[0].parent)
-                for each in wanted:  # every parent the filter reaches into
-                    link.host.authorize_subscribe(link.user, link.address, each.parent, each.filter)
             except (topics.TopicError, errors.LmqError) as exc:
                 code = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
                 codes.append(code if link.v5 else failure)
