@@ -195,6 +195,7 @@ class Deliveries:
         """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there);
         ``share``: from a share's group, under its filter."""
         link = self.link
+        await link.retained_sent.wait()  # a new subscription's retained messages go first
         settle: list[str] = []
         group, held = link.group, link.subs.get(parent, {})
         if share is not None:
@@ -291,18 +292,27 @@ class Deliveries:
         return list(await asyncio.gather(*(cluster.retained(parent, levels) for parent, levels, _ in wanted)))
 
     async def send_retained(
-        self, parent: str, levels: wildcards.Filter, granted: int, elsewhere: list[durable.Retained] | None
+        self,
+        parent: str,
+        levels: wildcards.Filter,
+        granted: int,
+        elsewhere: list[durable.Retained] | None,
+        as_of: int | None = None,
     ) -> None:
         """The retained messages ``levels`` matches: this broker's and ``elsewhere`` (the other brokers'), per
         topic the newest. Streamed under the same bounds as live deliveries: a QoS 1 one waits for room in the
         in-flight window, and each is written once the socket took the one before (``drain``), so a client
-        that does not read holds one of them here, not all (``matching.stream_retained``)."""
+        that does not read holds one of them here, not all (``matching.stream_retained``). ``as_of``: the
+        SUBACK's time; a message retained after it was delivered to the subscription live, not sent again
+        (alone: in a cluster other brokers' clocks may differ, and a duplicate at QoS 1 beats a loss)."""
         link = self.link
         now = link.dispatcher.wall_clock()
         default = link.config.mqtt_default_parent
         found = matching.stream_retained(link.dispatcher.run, link.host.durable, parent, levels, now, elsewhere,
                                          default=default)  # fmt: skip
         async for r in found:
+            if as_of is not None and elsewhere is None and r.stored_ms > as_of:  # one clock: this broker's
+                continue
             qos = min(r.qos, granted)
             while qos and self.busy >= link.max_inflight:
                 self._room.clear()

@@ -49,6 +49,11 @@ class Link:
         self.level = codec.LEVEL_3_1_1  # what packets after the CONNECT are read at
         self.expiry_s: int | None = 0  # seconds the session outlives the connection; None: forever
         self.max_inflight = MAX_INFLIGHT  # 5.0: lowered to the client's receive maximum
+        # Set unless a new subscription's retained messages are being sent: live deliveries wait for them, so
+        # a subscriber gets a topic's retained (older) message before a live (newer) one
+        self.retained_sent = asyncio.Event()
+        self.retained_sent.set()
+        self.retained_sending = 0
         self.max_packet_out = codec.MAX_REMAINING_LENGTH  # 5.0: the client's maximum packet size
         self.problem_info = True  # 5.0: reason strings wanted
         self.subs: dict[str, dict[wildcards.Filter, int]] = {}  # parent -> filter -> options (low bits: QoS)

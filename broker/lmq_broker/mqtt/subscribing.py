@@ -142,10 +142,13 @@ class Subscriptions:
                         granted[i] = [(p, f) for p, f in pairs if p != parent or f not in new]
         if (granted or shared) and link.persistent:
             await self.save()
+        as_of = link.dispatcher.wall_clock()  # retained later than the SUBACK reach the subscription live instead
         link.writer.write(codec.encode_suback(packet.packet_id, codes, link.ack_props()))
         sends = [(p, f, codes[i]) for i, pairs in granted.items() if i not in no_retained for p, f in pairs]
         if sends:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
-            task = asyncio.get_running_loop().create_task(self._send_all_retained(sends))
+            link.retained_sending += 1
+            link.retained_sent.clear()
+            task = asyncio.get_running_loop().create_task(self._send_all_retained(sends, as_of))
             self.retained_tasks.add(task)
             task.add_done_callback(self.retained_tasks.discard)
 
@@ -176,14 +179,19 @@ class Subscriptions:
             return exc
         return None
 
-    async def _send_all_retained(self, wanted: list[tuple[str, wildcards.Filter, int]]) -> None:
+    async def _send_all_retained(self, wanted: list[tuple[str, wildcards.Filter, int]], as_of: int) -> None:
         deliveries = self.deliveries
         try:
             elsewhere = await deliveries.retained_elsewhere(wanted)
             for (parent, levels, qos), theirs in zip(wanted, elsewhere, strict=True):
-                await deliveries.send_retained(parent, levels, qos, theirs)
+                await deliveries.send_retained(parent, levels, qos, theirs, as_of)
         except (ConnectionError, errors.LmqError) as exc:
             log.info("mqtt client %s: retained messages not sent: %s", self.link.client_id, exc)
+        finally:
+            link = self.link
+            link.retained_sending -= 1
+            if not link.retained_sending:
+                link.retained_sent.set()
 
     async def unsubscribe(self, packet: codec.Unsubscribe) -> None:
         link = self.link
