@@ -215,8 +215,12 @@ class StateCache:
         return st if st is not None else self._index.load_state(name)
 
     def get_for_write(self, name: keys.QueueName) -> QueueState | None:
-        st = self._states.touch(name.qkey)
-        return st if st is not None else self._index.load_state(name)
+        states = self._states
+        st = states.get(name.qkey)  # ``LRU.touch`` inlined: this runs per queue of every appended batch
+        if st is None:
+            return self._index.load_state(name)
+        states.move_to_end(name.qkey)
+        return st
 
     def publish(self, states: list[QueueState]) -> None:
         cached = self._states
