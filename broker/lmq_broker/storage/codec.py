@@ -196,10 +196,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
         found = names.lite_properties.get(lite)
         if found is None:
             raw = lite.encode()
-            found = PROPERTY.pack(TAG_LITE_TOPIC, len(raw)) + raw
-            if len(names.lite_properties) >= names.capacity:
-                names.lite_properties.clear()
-            names.lite_properties[lite] = found
+            found = names.lite_properties.put(lite, PROPERTY.pack(TAG_LITE_TOPIC, len(raw)) + raw)
         props = found
     else:
         props = b""
