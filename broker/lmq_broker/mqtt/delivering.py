@@ -255,7 +255,7 @@ class Deliveries:
         if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
             await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
 
-    def publish_bytes(
+    def publish_bytes(  # noqa: PLR0913 (a PUBLISH's fields, each a keyword)
         self,
         topic: str,
         body: bytes,

@@ -150,7 +150,7 @@ def encode_properties(m: model.NewMessage) -> bytes:
     return b"".join(parts)
 
 
-def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, store_ms: int) -> Prepared:
+def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, store_ms: int) -> Prepared:  # noqa: PLR0912 (a branch per message field)
     """Validate one message and encode all but its offsets. Raises InvalidArgument subclasses.
 
     Both stores call this, so both refuse exactly the same input; it runs once per message on the hot path.
@@ -244,7 +244,7 @@ def frame(p: Prepared, offsets: tuple[int, ...]) -> tuple[bytes, bytes]:
     return PREFIX.pack(p.size - 4, _crc32c.crc32c(p.message.body, _crc32c.crc32c(head))), head
 
 
-def encode(
+def encode(  # noqa: PLR0913 (a record's fields, written without building an object (send path))
     *,
     kind: int,
     message_type: int,
