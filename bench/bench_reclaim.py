@@ -303,7 +303,7 @@ class CpuSampler:
         return {k: after[1][k] - before[1].get(k, 0.0) for k in after[1]}
 
 
-def main() -> int:
+def main() -> int:  # noqa: PLR0915 (a benchmark's main reads top to bottom: setup, rounds, report)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topics", type=int, default=10_000_000, help="lite topics over all brokers (10M)")
     ap.add_argument("--quick", action="store_true", help="100k topics")

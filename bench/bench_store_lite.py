@@ -132,7 +132,7 @@ def p99(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=100)[98]
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 (a benchmark's main reads top to bottom: setup, rounds, report)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run (20k topics)")
     parser.add_argument("--topics", type=int, default=None)

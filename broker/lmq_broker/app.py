@@ -160,7 +160,7 @@ class Broker:
     def _local_host(self) -> str:
         return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: PLR0912, PLR0915 (the broker's start, step by step in order)
         config = self.config
         admin_keys = await asyncio.to_thread(admin_key_pair, config)  # first: a bad file stops us before any I/O
         if self.store is None:

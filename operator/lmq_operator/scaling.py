@@ -196,7 +196,7 @@ def _differs(view: View | None, target: mb.Membership, slot: int, epoch: int | N
     return epoch is not None and view.epoch != epoch
 
 
-def decide(o: Observed) -> Decision:
+def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling decision, in order)
     found = o.target if o.target is not None else _bootstrap(o)
     if isinstance(found, Decision):
         return found

@@ -168,7 +168,7 @@ def take(metadata: list[Any], kind: type[Any]) -> list[Any]:
     return taken
 
 
-def _typed(tp: Any, metadata: list[Any], label: str) -> Schema:
+def _typed(tp: Any, metadata: list[Any], label: str) -> Schema:  # noqa: PLR0912 (a branch per JSON-schema keyword)
     """The schema of one value of type ``tp``; ``label`` names it in messages (e.g. spec.topicName)."""
     node: Schema = {}
     rules: list[dict[str, str]] = []

@@ -179,7 +179,7 @@ def _record(the_plan: Plan, opts: options.Options, out: report.Report, started: 
     out.timings_s["record"] = time.perf_counter() - t0
 
 
-def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: report.Report, hooks: Hooks) -> None:
+def _execute(spark: SparkSession, opts: options.Options, the_plan: Plan, out: report.Report, hooks: Hooks) -> None:  # noqa: PLR0912 (the job's phases in order)
     sc = spark.sparkContext
     stats = sc.accumulator({}, tasks.StatsParam())
     messages = sc.accumulator([], tasks.MessagesParam())

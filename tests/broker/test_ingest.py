@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import ingest, runtime
+from lmq_broker.dispatch import dead_letters, ingest, runtime
 from lmq_broker.dispatch.dispatcher import Delivery
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
 from lmq_broker.storage import memory
@@ -77,7 +77,7 @@ async def test_a_dead_letter_is_an_arrival_and_kept_in_memory_for_its_readers(
     door, recorder, store = writes
     await door.append([lite_message("a", b"poison")])
     (stored,) = store.read(model.QueueId.lmq(PARENT, "a"), 0, 1)
-    await door.dead_letter(GROUP, [stored])
+    await dead_letters.DeadLetters(door.append).store(GROUP, [stored])
     await asyncio.sleep(0)
     assert recorder.arrivals[-1] == [DLQ]
     cached = door.recent.window(model.QueueId(DLQ, 0), 0, 0)  # a normal topic: its messages are kept

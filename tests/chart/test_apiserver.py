@@ -465,7 +465,7 @@ def publish_broker_pod(
     ],
     ids=["cluster-wide", "single-namespace-tls"],
 )
-def test_the_operator_reconciles_with_only_the_charts_rbac(
+def test_the_operator_reconciles_with_only_the_charts_rbac(  # noqa: PLR0915 (one scenario told start to end)
     *,
     kube: testing.KubeAPI,
     installed_crds: list[str],

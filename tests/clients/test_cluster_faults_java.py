@@ -210,7 +210,7 @@ def send_until(
         errors.append(e)
 
 
-def test_java_kill_9_of_an_owner_and_a_subscription_made_while_it_is_down(
+def test_java_kill_9_of_an_owner_and_a_subscription_made_while_it_is_down(  # noqa: PLR0915 (one scenario told start to end)
     brokers: list[BrokerProcess], tmp_path: Path
 ) -> None:
     endpoints = [b.endpoint for b in brokers]

@@ -270,7 +270,7 @@ def forged_send(endpoint: str, lite: str, body: bytes, header: tuple[str, str]) 
     return int(reply.status.code)
 
 
-def test_forged_markers_kill_9_and_a_subscription_made_while_the_owner_is_down(
+def test_forged_markers_kill_9_and_a_subscription_made_while_the_owner_is_down(  # noqa: PLR0912, PLR0915 (one scenario told start to end)
     tmp_path: Path, clients: list[Any]
 ) -> None:
     ports = free_ports("127.0.0.1", 3)
@@ -485,7 +485,7 @@ def listening(endpoint: str) -> bool:
     return True
 
 
-def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: list[Any]) -> None:
+def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: list[Any]) -> None:  # noqa: PLR0915 (one scenario told start to end)
     """Two pods of ``serve --processes 2``, one per ``--peers`` entry (4 ring slots), the clients on pod 0's
     shared port. Each round kill -9 one process of pod 1 (its supervisor starts it again on its data) while a
     second producer sends to its topics and another slot's, each message until acknowledged: nothing

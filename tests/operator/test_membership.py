@@ -72,7 +72,7 @@ def _run(run_operator: Callable[..., testing.OperatorProcess], namespace: str, p
     )
 
 
-def test_operator_scales_the_brokers_up_and_down_after_draining(
+def test_operator_scales_the_brokers_up_and_down_after_draining(  # noqa: PLR0915 (one scenario told start to end)
     *,
     kube: testing.KubeAPI,
     namespace: str,

@@ -81,7 +81,7 @@ def counts(admin: AdminClient, parent: str) -> tuple[object, ...]:
 
 
 @pytest.mark.slow
-def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_scan(
+def test_reclaims_exactly_the_expired_topics_and_keeps_what_changed_after_the_scan(  # noqa: PLR0915 (one scenario told start to end)
     tmp_path: Path,
     spark: SparkSession,
     seeder: Callable[..., None],

@@ -321,7 +321,7 @@ def _set_cluster(admin: AdminClient, a: argparse.Namespace) -> object:
     return rows
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (the argument parser: a statement per command and flag)
     parser = argparse.ArgumentParser(prog="lmq-admin", description="Administer one lmq broker.")
     parser.add_argument(
         "--endpoint",

@@ -158,7 +158,7 @@ class ScanOptions(TypedDict, total=False):
 class AsyncAdminClient:
     """The client of one broker, on grpc.aio; use it from the event loop it was created on."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the call's fields, each a keyword)
         self,
         endpoint: str,
         timeout_s: float = 5.0,

@@ -60,7 +60,7 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
-def register(
+def register(  # noqa: PLR0913 (its parts, each once)
     server: grpc.aio.Server,
     store: Store,
     live: LiveView,

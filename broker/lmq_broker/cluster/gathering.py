@@ -56,7 +56,7 @@ def gathers_for(edge: Edge, caller: Caller) -> bool:
     """A LiteSimpleConsumer known from its telemetry settings, calling this broker of a cluster."""
     if edge.cluster is None or not caller.client_id:
         return False
-    state = edge.dispatcher.registry.get(caller.client_id)
+    state = edge.dispatcher.client_state(caller.client_id)
     return state is not None and state.client_type == pb.LITE_SIMPLE_CONSUMER
 
 

@@ -27,7 +27,7 @@ from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
 
 
 class Peers:
-    def __init__(
+    def __init__(  # noqa: PLR0913 (its parts, each once)
         self,
         config: BrokerConfig,
         *,

@@ -253,7 +253,7 @@ class Cluster:
             holds_locally=self._holds_locally,
             drained_locally=self._drained_locally,
             subscribers=self._subscribers,
-            known=lambda client_id: self._dispatcher.registry.get(client_id) is not None,
+            known=lambda client_id: self._dispatcher.client_state(client_id) is not None,
             store_here=lambda messages: send_message.store(edge, messages),
             adopt=self.adopt,
             registry=self._metrics.registry,
@@ -275,7 +275,7 @@ class Cluster:
         delay: the clients sync every subscription periodically (Python and Java every 30 s)."""
         try:
             wanted: dict[tuple[str, str, str], tuple[list[str], list[str]]] = {}
-            for state in list(self._dispatcher.registry.clients()):
+            for state in list(self._dispatcher.client_states()):
                 for lmq in list(state.lite_topics):
                     parent, lite = model.QueueId(lmq).lite_parts()
                     wanted.setdefault((state.client_id, state.group, parent), ([], []))[0].append(lite)
@@ -306,7 +306,7 @@ class Cluster:
     def _subscribers(self, parent: str, lite: str) -> list[tuple[str, str]]:
         out = []
         for client_id in self._dispatcher.subscribers(model.QueueId.lmq(parent, lite)):
-            state = self._dispatcher.registry.get(client_id)
+            state = self._dispatcher.client_state(client_id)
             if state is not None and state.group:
                 out.append((client_id, state.group))
         return out

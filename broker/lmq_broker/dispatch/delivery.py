@@ -357,85 +357,141 @@ class Deliverer:
         auto_renew: bool = False,
         tags: filters.TagFilter = filters.ALL,
     ) -> list[Delivery]:
+        """Lease up to ``limit`` messages of ``key`` to ``holder``; those past their attempts (or suspended too
+        long) go to the dead letters instead, those ``tags`` does not take are settled as if consumed."""
         if limit <= 0 or key in self._busy:
             return []  # whoever holds it delivers; later events come from its acks and expiries
         self._busy.add(key)
-        rt, settling = self._rt, self._settlement
         try:
-            queue = key.queue_id
-            generation = settling.check_generation()
-            try:
-                state = await settling.state_of(key, ordered)
-                picks = state.picks(rt.clock(), limit)
-                end = self._recent.end(queue)
-                if end is not None:
-                    picks = [p for p in picks if p.offset < end]
-                if not picks:
-                    return []
-                first = picks[0].offset
-                cached = self._recent.window(queue, first, picks[-1].offset)
-                if cached is not None:
-                    messages, span_end = cached, -1
-                else:
-                    messages, span_end = await rt.run(rt.store.read_span, queue, first, picks[-1].offset - first + 1)
-                    if not messages or messages[0].offset > first:
-                        lo, _, _, _ = await rt.run(settling.offsets, queue, key.group)
-                        if lo > state.committed:  # retention dropped what we were about to deliver
-                            state.skip_to(lo)
-                    if rt.store.index_generation() != generation:
-                        # the index was replaced under the read: its holes prove nothing; read again later
-                        raise errors.StorageError("the store's index was replaced during the read")
-            except errors.StorageError as exc:  # an index rebuild (or meta trouble): nothing read, nothing settled
-                self._store_refused(key, holder, exc)
+            read = await self._read(key, limit, holder, ordered)
+            if read is None:
                 return []
-            if span_end >= 0 and settling.settle_gone(key, state, first, span_end, messages):
-                with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
-                    await settling.commit(key, state)
-                picks = [p for p in state.picks(rt.clock(), limit) if p.offset < span_end]
-            by_offset = {m.offset: m for m in messages}
-            now = rt.clock()
-            renew_max = rt.config.lease_renew_max_ms
-            renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
-            max_suspend = rt.config.max_suspend_ms
-            out: list[Delivery] = []
-            dead: list[tuple[leases.Pick, model.StoredMessage]] = []
+            state, picks, by_offset = read
             passed: list[leases.Pick] = []
             if not tags.takes_all:  # settled before the first await, so no ack or expiry comes in between
                 picks, passed = filters.split(picks, by_offset, tags)
-                settling.pass_over(state, passed)
-            for pick in picks:
-                message = by_offset.get(pick.offset)
-                if message is None or pick.offset < state.committed:
-                    continue
-                if pick.attempt > group.retry.max_attempts or leases.over_suspend_cap(pick.suspended_ms, max_suspend):
-                    dead.append((pick, message))
-                    continue
-                lease_id = self._leases.new_lease_id()
-                lease = state.lease(
-                    pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until, message_id=message.message_id
-                )
-                out.append(
-                    Delivery(message, pick.attempt, self._leases.receipt(key, pick.offset, lease_id), invisible_ms)
-                )
-            if out:
-                at = self._leases.watch_at(lease, self.renewal.ahead_ms)  # the batch's leases are alike
-                self._leases.watch(key, at)
-                rt.arm(at)
-                settling.handed_out(key)  # persisted in the background, with whatever else happens meanwhile
+                self._settlement.pass_over(state, passed)
+            out, dead = self._lease(
+                key,
+                state,
+                picks,
+                by_offset,
+                holder=holder,
+                invisible_ms=invisible_ms,
+                auto_renew=auto_renew,
+                retry=group.retry,
+            )
             if passed:
                 await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
             if dead:
-                try:
-                    await settling.settle_dead(key, state, dead)
-                except errors.StorageError as exc:  # not appended: their leases expire and they come again
-                    self._store_refused(key, holder, exc)
-                else:
-                    if not out:  # the topic was taken off the ready queue for dead letters only: what follows
-                        self.ready_again(key, prefer=holder)
+                await self._give_up(key, state, dead, holder, delivered=bool(out))
             return out
         finally:
             self._busy.discard(key)
-            settling.release(key)
+            self._settlement.release(key)
+
+    async def _read(
+        self, key: LeaseKey, limit: int, holder: str, ordered: bool
+    ) -> tuple[leases.QueueLeases, list[leases.Pick], dict[int, model.StoredMessage]] | None:
+        """The key's lease state, what is due in it (up to ``limit``) and those messages by offset; None: nothing
+        is due, or the store refused the read (the key is looked at again later)."""
+        settling = self._settlement
+        generation = settling.check_generation()
+        try:
+            state = await settling.state_of(key, ordered)
+            picks = state.picks(self._rt.clock(), limit)
+            end = self._recent.end(key.queue_id)
+            if end is not None:
+                picks = [p for p in picks if p.offset < end]
+            if not picks:
+                return None
+            messages, span_end = await self._messages(key, state, picks, generation)
+        except errors.StorageError as exc:  # an index rebuild (or meta trouble): nothing read, nothing settled
+            self._store_refused(key, holder, exc)
+            return None
+        if span_end >= 0 and settling.settle_gone(key, state, picks[0].offset, span_end, messages):
+            with contextlib.suppress(errors.StorageError):  # dirty now: retried, and the receive goes on
+                await settling.commit(key, state)
+            picks = [p for p in state.picks(self._rt.clock(), limit) if p.offset < span_end]
+        return state, picks, {m.offset: m for m in messages}
+
+    async def _messages(
+        self, key: LeaseKey, state: leases.QueueLeases, picks: list[leases.Pick], generation: int
+    ) -> tuple[list[model.StoredMessage], int]:
+        """The messages of ``picks``' span, from the recent cache (span end -1) or the store (with the end of
+        the span read: offsets below it that were not read are gone for good)."""
+        rt, queue = self._rt, key.queue_id
+        first, last = picks[0].offset, picks[-1].offset
+        cached = self._recent.window(queue, first, last)
+        if cached is not None:
+            return cached, -1
+        messages, span_end = await rt.run(rt.store.read_span, queue, first, last - first + 1)
+        if not messages or messages[0].offset > first:
+            lo, _, _, _ = await rt.run(self._settlement.offsets, queue, key.group)
+            if lo > state.committed:  # retention dropped what we were about to deliver
+                state.skip_to(lo)
+        if rt.store.index_generation() != generation:
+            # the index was replaced under the read: its holes prove nothing; read again later
+            raise errors.StorageError("the store's index was replaced during the read")
+        return messages, span_end
+
+    def _lease(
+        self,
+        key: LeaseKey,
+        state: leases.QueueLeases,
+        picks: list[leases.Pick],
+        by_offset: dict[int, model.StoredMessage],
+        *,
+        holder: str,
+        invisible_ms: int,
+        auto_renew: bool,
+        retry: model.RetryPolicy,
+    ) -> tuple[list[Delivery], list[tuple[leases.Pick, model.StoredMessage]]]:
+        """Lease ``picks`` to ``holder`` (no await: nothing comes in between); returns the deliveries and the
+        picks given up (past ``retry``'s attempts or the suspend cap), which are not leased."""
+        rt, table = self._rt, self._leases
+        now = rt.clock()
+        renew_max, max_suspend = rt.config.lease_renew_max_ms, rt.config.max_suspend_ms
+        renew_until = now + renew_max if auto_renew and renew_max > invisible_ms else 0
+        out: list[Delivery] = []
+        dead: list[tuple[leases.Pick, model.StoredMessage]] = []
+        for pick in picks:
+            message = by_offset.get(pick.offset)
+            if message is None or pick.offset < state.committed:
+                continue
+            if pick.attempt > retry.max_attempts or leases.over_suspend_cap(pick.suspended_ms, max_suspend):
+                dead.append((pick, message))
+                continue
+            lease_id = table.new_lease_id()
+            state.lease(
+                pick, now, invisible_ms, lease_id, holder, renew_until_ms=renew_until, message_id=message.message_id
+            )
+            out.append(Delivery(message, pick.attempt, table.receipt(key, pick.offset, lease_id), invisible_ms))
+        if out:  # every lease of the batch is visible again at the same time, with the same renewal deadline
+            at = leases.watch_time(now + invisible_ms, renew_until, self.renewal.ahead_ms)
+            table.watch(key, at)
+            rt.arm(at)
+            self._settlement.handed_out(key)  # persisted in the background, with whatever else happens meanwhile
+        return out, dead
+
+    async def _give_up(
+        self,
+        key: LeaseKey,
+        state: leases.QueueLeases,
+        dead: list[tuple[leases.Pick, model.StoredMessage]],
+        holder: str,
+        *,
+        delivered: bool,
+    ) -> None:
+        """Settle ``dead`` as dead letters. The key was taken off the ready queue; when it was for dead letters
+        only (nothing ``delivered``), it is offered again: what follows would otherwise wait."""
+        try:
+            await self._settlement.settle_dead(key, state, dead)
+        except errors.StorageError as exc:  # not appended: their leases expire and they come again
+            self._store_refused(key, holder, exc)
+        else:
+            if not delivered:
+                self.ready_again(key, prefer=holder)
 
     async def _passed_filtered(self, key: LeaseKey, state: leases.QueueLeases, holder: str, *, wanted: bool) -> None:
         """Messages the receiver's tag filter does not take were settled as if consumed: persist that. When it

@@ -1,7 +1,7 @@
-"""The read side of the broker, as its callers see it: one object, four parts behind it.
+"""The read side of the broker, as its callers see it: one object, five parts behind it.
 
 The protocol handlers, the admin service (through ``api.LiveView``) and the app call ``Dispatcher``; each call
-is served by one of four parts, and only what spans several of them (start and stop, the timer's ``tick``,
+is served by one of five parts, and only what spans several of them (start and stop, the timer's ``tick``,
 ``resync``, forgetting a deleted lite topic) is written here:
 
 - ``ingest``: the one door for writes (sends and dead letters): the appender, the recent-message cache, and
@@ -9,6 +9,7 @@ is served by one of four parts, and only what spans several of them (start and s
 - ``subscriptions``: clients and their lite subscriptions, catch-up passes, compare-and-delete marks.
 - ``delivery``: ready queues, long polls, reading and leasing; what arrivals, acks and expiries offer lands here.
 - ``settlement``: acks, dead letters and offset resets, and the offset writes that persist them.
+- ``dead_letters``: the copies of given-up messages in ``%DLQ%<group>``, appended through ingest's door.
 
 They share the data structures (``registry``, ``readyset``, ``leases``, ``wildcards``) and a ``runtime`` (store,
 thread pool, clock, timer, metadata), never each other's state: imports go subscriptions -> delivery ->
@@ -19,25 +20,30 @@ The dispatcher runs on one asyncio loop; blocking store calls go to the runtime'
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
 import secrets
-from collections.abc import Callable, Sequence
-from typing import Final
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, Final, ParamSpec, TypeVar
 
 from lmq_broker import model
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import (
     api,
     appender,
+    dead_letters,
     delivery,
+    filters,
     ingest,
     leases,
+    metadata,
     offsets,
     readyset,
     reclaims,
     registry,
     runtime,
+    saved_subscriptions,
     settlement,
     subscriptions,
     wildcards,
@@ -49,6 +55,9 @@ HOUSEKEEPING_INTERVAL_MS: Final = 10_000  # failed commits retried and silent cl
 Delivery = delivery.Delivery
 OffsetPolicy = offsets.OffsetPolicy
 OffsetReset = offsets.OffsetReset
+P = ParamSpec("P")
+T = TypeVar("T")
+Call = Coroutine[Any, Any, T]  # what an async part method returns: the façade hands it on, adding no frame
 
 
 class Dispatcher:
@@ -77,7 +86,8 @@ class Dispatcher:
         self.leases = leases.LeaseTable(incarnation or secrets.token_hex(6))
         self.ingest = ingest.Ingest(rt)
         self.recent = self.ingest.recent
-        self.settlement = settlement.Settlement(rt, self.leases, self.ingest.dead_letter, self._index_replaced)
+        self.dead_letters = dead_letters.DeadLetters(self.ingest.append)
+        self.settlement = settlement.Settlement(rt, self.leases, self.dead_letters.store, self._index_replaced)
         self.deliverer = delivery.Deliverer(
             rt,
             table=self.leases,
@@ -98,30 +108,171 @@ class Dispatcher:
         )
         self._next_housekeeping = 0
 
-        # Calls served by one part alone are that part's methods (no façade frame on the hot paths).
-        self.run = rt.run
-        self.metadata = rt.metadata
-        self.metadata_changed = rt.metadata_changed
-        self.next_round_robin = rt.next_round_robin
-        self.send = self.ingest.send
-        self.client_seen = self.subscriptions.client_seen
-        self.stream_opened = self.subscriptions.stream_opened
-        self.stream_closed = self.subscriptions.stream_closed
-        self.client_gone = self.subscriptions.client_gone
-        self.export_subscriptions = self.subscriptions.export
-        self.restore_subscriptions = self.subscriptions.restore
-        self.add_lite = self.subscriptions.add_lite
-        self.remove_lite = self.subscriptions.remove_lite
-        self.replace_lite = self.subscriptions.replace_lite
-        self.remove_all_lite = self.subscriptions.remove_all_lite
-        self.subscribe_filters = self.subscriptions.subscribe_filters
-        self.begin_reclaim = self.subscriptions.begin_reclaim
-        self.receive_lite = self.deliverer.receive_lite
-        self.receive_normal = self.deliverer.receive_normal
-        self.await_ready = self.deliverer.await_ready
-        self.change_invisible = self.deliverer.change_invisible
-        self.ack = self.settlement.ack
-        self.dead_letter = self.settlement.dead_letter
+    # --- calls served by one part: thin delegations (an async one returns the part's coroutine) --------------
+    def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Call[T]:
+        """Run a blocking store call on the dispatcher's thread pool."""
+        return self.runtime.run(fn, *args, **kwargs)
+
+    def metadata(self) -> Call[metadata.Metadata]:
+        """The current metadata, never older than a change announced (``metadata_changed``) before the call."""
+        return self.runtime.metadata()
+
+    def metadata_changed(self) -> None:
+        """Metadata was written: the next ``metadata()`` reloads it."""
+        self.runtime.metadata_changed()
+
+    def next_round_robin(self) -> int:
+        """A counter for spreading choices (queues, brokers) round-robin."""
+        return self.runtime.next_round_robin()
+
+    def send(self, messages: Sequence[model.NewMessage]) -> Call[list[model.AppendResult]]:
+        """A producer's messages: send quotas enforced, then appended in one store call."""
+        return self.ingest.send(messages)
+
+    def client_seen(
+        self,
+        client_id: str,
+        *,
+        client_type: int | None = None,
+        group: str | None = None,
+        bind_topic: str | None = None,
+        topics: Iterable[str] | None = None,
+        language: str = "",
+        version: str = "",
+    ) -> registry.ClientState:
+        """A client called (heartbeat, settings, a receive): register or refresh it."""
+        return self.subscriptions.client_seen(
+            client_id,
+            client_type=client_type,
+            group=group,
+            bind_topic=bind_topic,
+            topics=topics,
+            language=language,
+            version=version,
+        )
+
+    def stream_opened(self, client_id: str) -> asyncio.Queue[str]:
+        """A telemetry stream opened; returns the client's notices (lite topics taken from it) to relay."""
+        return self.subscriptions.stream_opened(client_id)
+
+    def stream_closed(self, client_id: str) -> None:
+        """A telemetry stream closed (the client is forgotten with its last stream, unless draining)."""
+        self.subscriptions.stream_closed(client_id)
+
+    def client_gone(self, client_id: str) -> None:
+        """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
+        self.subscriptions.client_gone(client_id)
+
+    def export_subscriptions(self) -> list[saved_subscriptions.ClientRecord]:
+        """The clients and their subscriptions, to save at a graceful shutdown."""
+        return self.subscriptions.export()
+
+    def restore_subscriptions(self, records: list[saved_subscriptions.ClientRecord]) -> None:
+        """Re-register clients saved at the last graceful shutdown."""
+        self.subscriptions.restore(records)
+
+    def add_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        *,
+        namespace: str = "",
+        offset: OffsetReset | None = None,
+    ) -> Call[list[str]]:
+        """Subscribe to lite topics and patterns (``wildcards.is_pattern``); returns the LMQs added."""
+        return self.subscriptions.add_lite(client_id, group, parent, lites, namespace=namespace, offset=offset)
+
+    def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> Call[list[str]]:
+        """Unsubscribe from lite topics and patterns; returns the LMQs removed."""
+        return self.subscriptions.remove_lite(client_id, group, parent, lites)
+
+    def replace_lite(
+        self, client_id: str, group: str, parent: str, lites: Sequence[str], *, namespace: str = ""
+    ) -> Call[tuple[list[str], list[str]]]:
+        """Make ``lites`` the client's whole set under ``parent`` (a full sync); returns (added, removed)."""
+        return self.subscriptions.replace_lite(client_id, group, parent, lites, namespace=namespace)
+
+    def remove_all_lite(self, client_id: str, group: str, parent: str) -> Call[None]:
+        """Unsubscribe the client from every lite topic of ``parent``."""
+        return self.subscriptions.remove_all_lite(client_id, group, parent)
+
+    def subscribe_filters(
+        self, client_id: str, group: str, parent: str, filters: Sequence[wildcards.Filter]
+    ) -> Call[None]:
+        """Take the lite topics of ``parent`` that ``filters`` match, now and as they appear (MQTT)."""
+        return self.subscriptions.subscribe_filters(client_id, group, parent, filters)
+
+    def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
+        """A compare-and-delete begins: mark ``lmqs`` so that no subscription slips in before the delete."""
+        return self.subscriptions.begin_reclaim(lmqs, allowed_subscribers)
+
+    def receive_lite(
+        self,
+        client_id: str,
+        group: str,
+        parent: str,
+        *,
+        batch: int,
+        invisible_ms: int,
+        poll_ms: int,
+        auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
+    ) -> Call[list[Delivery]]:
+        """Long-poll this client's ready lite topics (``delivery.Deliverer.receive_lite``)."""
+        return self.deliverer.receive_lite(
+            client_id,
+            group,
+            parent,
+            batch=batch,
+            invisible_ms=invisible_ms,
+            poll_ms=poll_ms,
+            auto_renew=auto_renew,
+            tags=tags,
+        )
+
+    def receive_normal(
+        self,
+        client_id: str,
+        group: str,
+        topic: str,
+        *,
+        batch: int,
+        invisible_ms: int,
+        poll_ms: int,
+        auto_renew: bool = False,
+        tags: filters.TagFilter = filters.ALL,
+    ) -> Call[list[Delivery]]:
+        """Long-poll a normal topic's queue for ``group``."""
+        return self.deliverer.receive_normal(
+            client_id,
+            group,
+            topic,
+            batch=batch,
+            invisible_ms=invisible_ms,
+            poll_ms=poll_ms,
+            auto_renew=auto_renew,
+            tags=tags,
+        )
+
+    def await_ready(self, client_id: str, group: str, parent: str, poll_ms: int, *, capped: bool = True) -> Call[bool]:
+        """Wait, leasing nothing, until the client has lite topics ready (True) or ``poll_ms`` passed (False)."""
+        return self.deliverer.await_ready(client_id, group, parent, poll_ms, capped=capped)
+
+    def change_invisible(
+        self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
+    ) -> Call[str]:
+        """Move a leased message's redelivery time; returns the new receipt handle."""
+        return self.deliverer.change_invisible(group, receipt_handle, invisible_ms, suspend=suspend)
+
+    def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> Call[None]:
+        """A message was consumed: settle its lease and, in time, the group's offset."""
+        return self.settlement.ack(group, receipt_handle, client_id=client_id)
+
+    def dead_letter(self, group: str, receipt_handle: str) -> Call[None]:
+        """The client gave up on a message (ForwardMessageToDeadLetterQueue): store it in ``%DLQ%<group>``."""
+        return self.settlement.dead_letter(group, receipt_handle)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -247,6 +398,23 @@ class Dispatcher:
         return len(self.subscriptions.marks)
 
     # --- introspection for metrics --------------------------------------------------------------------------
+    def client_state(self, client_id: str) -> registry.ClientState | None:
+        """What the registry holds of a client, or None if it is not registered here."""
+        return self.registry.get(client_id)
+
+    def client_states(self) -> Iterator[registry.ClientState]:
+        """Every registered client (a live view: copy it to keep it across an await)."""
+        return self.registry.clients()
+
+    def wildcard_registration(self, client_id: str) -> tuple[str, str] | None:
+        """(parent, group) of a client's topic filters (``subscribe_filters``), or None if it has none."""
+        return self.wildcards.registration(client_id)
+
+    @property
+    def ready_waits(self) -> delivery.ReadyWaits:
+        """The waits for clients' ready lite topics parked now (``await_ready``)."""
+        return self.deliverer.ready_waits
+
     def ready_events(self) -> int:
         return self.ready.total()
 

@@ -19,7 +19,7 @@ from operator import attrgetter, itemgetter, methodcaller
 from typing import Protocol
 
 from lmq_broker import model
-from lmq_broker.dispatch import appender, offsets, quotas, recent, runtime
+from lmq_broker.dispatch import appender, quotas, recent, runtime
 
 _queues_of = attrgetter("queues")
 _topic_of = itemgetter(0)  # of a QueueId
@@ -72,10 +72,6 @@ class Ingest:
         results = await self._appender.append(messages)
         self._appended(messages, results)
         return results
-
-    async def dead_letter(self, group: str, messages: Sequence[model.StoredMessage]) -> None:
-        """Store copies of ``messages`` in ``%DLQ%<group>``: no quota applies, and its readers wake."""
-        await self.append([offsets.dead_letter(group, m) for m in messages])
 
     async def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         """Append what the broker writes itself: no quota applies."""

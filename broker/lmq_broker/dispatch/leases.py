@@ -584,12 +584,15 @@ class LeaseTable:
     @staticmethod
     def watch_at(lease: Lease, ahead_ms: int) -> int:
         """When to look at a lease again: ahead of its expiry while it can still be renewed, else at it."""
-        if lease.renew_until_ms > lease.visible_at_ms:
-            return lease.visible_at_ms - ahead_ms
-        return lease.visible_at_ms
+        return watch_time(lease.visible_at_ms, lease.renew_until_ms, ahead_ms)
 
     def next_expiry_ms(self) -> int | None:
         return self._expiries[0][0] if self._expiries else None
+
+
+def watch_time(visible_at_ms: int, renew_until_ms: int, ahead_ms: int) -> int:
+    """When to look at a lease visible again at ``visible_at_ms`` (``LeaseTable.watch_at``)."""
+    return visible_at_ms - ahead_ms if renew_until_ms > visible_at_ms else visible_at_ms
 
 
 def over_suspend_cap(suspended_ms: int, max_suspend_ms: int) -> bool:

@@ -1,7 +1,7 @@
-"""Where a group starts in a lite topic (OffsetOption on subscribe) and where given-up messages go.
+"""Where a group starts in a lite topic (OffsetOption on subscribe, or the admin's reset).
 
-Both are store writes the dispatcher runs on its thread pool; kept here as plain functions over the
-store so the rules read in one place.
+A store write the dispatcher runs on its thread pool; kept here as a plain function over the store so the
+rules read in one place. (Where given-up messages go is ``dead_letters``.)
 """
 
 from __future__ import annotations
@@ -9,14 +9,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import metadata
 from lmq_broker.storage.api import Store
-
-ORIGIN_TOPIC: Final = "__ORIGIN_TOPIC"
-ORIGIN_LITE_TOPIC: Final = "__ORIGIN_LITE_TOPIC"
 
 
 class OffsetPolicy(enum.Enum):
@@ -64,28 +59,3 @@ def reset(
         else:
             continue
         store.commit_offset(queue, group, min(max(target, lo), hi))
-
-
-def dlq_topic(group: str) -> str:
-    return f"{metadata.DLQ_PREFIX}{group}"
-
-
-def dead_letter(group: str, message: model.StoredMessage) -> model.NewMessage:
-    """The copy of ``message`` stored in ``%DLQ%<group>`` (a NORMAL topic), with where it came from."""
-    topic = dlq_topic(group)
-    properties = dict(message.user_properties)
-    properties.setdefault(ORIGIN_TOPIC, message.topic)
-    if message.lite_topic:
-        properties.setdefault(ORIGIN_LITE_TOPIC, message.lite_topic)
-    return model.NewMessage(
-        message_id=message.message_id,
-        topic=topic,
-        body=message.body,
-        queues=(model.QueueId(topic, 0),),
-        message_type=model.MessageType.NORMAL,
-        born_timestamp_ms=message.born_timestamp_ms,
-        born_host=message.born_host,
-        tag=message.tag,
-        keys=message.keys,
-        user_properties=properties,
-    )

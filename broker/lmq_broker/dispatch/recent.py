@@ -18,7 +18,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Final
 
-from lmq_broker import model
+from lmq_broker import caches, model
 
 DEFAULT_MAX_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_MAX_MESSAGES: Final = 65_536
@@ -42,9 +42,8 @@ class RecentMessages:
     ) -> None:
         self.max_bytes = max_bytes
         self.max_messages = max_messages
-        self.max_queues = max_queues
         self._messages: OrderedDict[tuple[str, int, int], _Entry] = OrderedDict()
-        self._ends: OrderedDict[QueueKey, int] = OrderedDict()
+        self._ends: caches.LRU[QueueKey, int] = caches.LRU(max_queues)
         self._bytes = 0
 
     def add(
@@ -85,8 +84,7 @@ class RecentMessages:
         while (self._bytes > self.max_bytes or len(self._messages) > self.max_messages) and self._messages:
             _, (message, _, _) = self._messages.popitem(last=False)
             self._bytes -= len(message.body) + ENTRY_OVERHEAD_BYTES
-        while len(self._ends) > self.max_queues:
-            self._ends.popitem(last=False)
+        ends.trim()
 
     def end(self, queue: QueueKey) -> int | None:
         """The queue's next offset if this broker appended to it lately (None: ask the store)."""

@@ -25,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, Protocol
 
-from lmq_broker import errors, model
+from lmq_broker import caches, errors, model
 from lmq_broker.dispatch import leases, offsets, runtime
 from lmq_broker.dispatch.leases import LeaseKey
 from lmq_broker.storage import keys, ranges
@@ -70,7 +69,8 @@ class Settlement:
         self._on_index_replaced = on_index_replaced
         self._commit_locks: dict[LeaseKey, tuple[asyncio.Lock, list[int]]] = {}
         # Commit points of (queue, group) pairs with nothing in flight, so the next delivery need not read it.
-        self._committed: OrderedDict[str, dict[tuple[int, str], int]] = OrderedDict()  # topic -> (queue, group)
+        # topic -> (queue, group) -> commit point
+        self._committed: caches.LRU[str, dict[tuple[int, str], int]] = caches.LRU(COMMITTED_CACHE_SIZE)
         # What the store holds for each key with lease state: (commit point, acked above it, hand-outs above it),
         # as last persisted (-1: no commit point stored).
         self._persisted: dict[LeaseKey, tuple[int, ranges.OffsetRanges, model.Handouts]] = {}
@@ -330,14 +330,10 @@ class Settlement:
             self.retrying = False
 
     def _remember_commit(self, key: LeaseKey, offset: int) -> None:
-        per_topic = self._committed.get(key.topic)
+        per_topic = self._committed.touch(key.topic)
         if per_topic is None:
-            per_topic = self._committed[key.topic] = {}
-        else:
-            self._committed.move_to_end(key.topic)
+            per_topic = self._committed.put(key.topic, {})
         per_topic[(key.queue, key.group)] = offset
-        if len(self._committed) > COMMITTED_CACHE_SIZE:
-            self._committed.popitem(last=False)
 
     def _commit_and_max(
         self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int], handouts: model.Handouts

@@ -113,7 +113,7 @@ class Deliveries:
                     if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
                         await cluster.keep_alive(consumer, link.group)
                     continue
-                if dispatcher.wildcards.registration(consumer) is None and (share or link.subs.get(parent)):
+                if dispatcher.wildcard_registration(consumer) is None and (share or link.subs.get(parent)):
                     await registrar.register(parent)  # expired meanwhile (an event loop stalled past client expiry)
                 room = link.max_inflight - self.busy
                 if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
@@ -256,7 +256,7 @@ class Deliveries:
         if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
             await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
 
-    def publish_bytes(
+    def publish_bytes(  # noqa: PLR0913 (a PUBLISH's fields, each a keyword)
         self,
         topic: str,
         body: bytes,

@@ -90,7 +90,7 @@ def will_bytes(will: codec.Will) -> int:
     return len(will.topic.encode()) + len(will.payload) + props
 
 
-def refusal(
+def refusal(  # noqa: PLR0911 (a return per CONNECT refusal, in order)
     connect: codec.Connect,
     config: BrokerConfig,
     access: AccessControl | None = None,

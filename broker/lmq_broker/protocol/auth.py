@@ -117,7 +117,7 @@ def check(
     return check_signed(metadata, secret_of, now=now, max_skew_s=max_skew_s)
 
 
-def check_signed(
+def check_signed(  # noqa: PLR0911 (a return per signature check, in order)
     metadata: Sequence[tuple[str, str | bytes]] | None,
     secret_of: Callable[[str], str | None],
     *,

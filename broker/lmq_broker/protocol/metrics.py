@@ -114,7 +114,7 @@ class Metrics:
 
     def watch(self, dispatcher: Dispatcher) -> None:
         """Gauges read from the dispatcher at scrape time."""
-        waits = dispatcher.deliverer.ready_waits
+        waits = dispatcher.ready_waits
         gauges = (
             ("lmq_clients", "Connected clients known to the registry", dispatcher.client_count),
             ("lmq_lite_subscriptions", "Active (client, lite topic) subscriptions", dispatcher.subscription_count),
@@ -127,7 +127,7 @@ class Metrics:
             Gauge(name, doc, registry=self.registry).set_function(read)
         self.registry.register(_ReadyWaitsCollector(waits))
         self.registry.register(_AppendCollector(dispatcher.append_stats))
-        board = lag.LagBoard(dispatcher.store, dispatcher.registry.clients, asyncio.get_running_loop(), dispatcher.run)
+        board = lag.LagBoard(dispatcher.store, dispatcher.client_states, asyncio.get_running_loop(), dispatcher.run)
         self.registry.register(_LagCollector(board))
 
     def watch_parking(self, polls: Parking, streams: Parking, buffered: Budget) -> None:

@@ -12,13 +12,12 @@ is always in the index too.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import cast
 
 import rocksdict
 
-from lmq_broker import model
+from lmq_broker import caches, model
 from lmq_broker.storage import keys, rocks
 
 log = logging.getLogger(__name__)
@@ -206,8 +205,7 @@ class StateCache:
 
     def __init__(self, index: Index, capacity: int) -> None:
         self._index = index
-        self._capacity = max(1, capacity)
-        self._states: OrderedDict[bytes, QueueState] = OrderedDict()
+        self._states: caches.LRU[bytes, QueueState] = caches.LRU(max(1, capacity))
 
     def __len__(self) -> int:
         return len(self._states)
@@ -217,19 +215,19 @@ class StateCache:
         return st if st is not None else self._index.load_state(name)
 
     def get_for_write(self, name: keys.QueueName) -> QueueState | None:
-        st = self._states.get(name.qkey)
-        if st is not None:
-            self._states.move_to_end(name.qkey)
-            return st
-        return self._index.load_state(name)
+        states = self._states
+        st = states.get(name.qkey)  # ``LRU.touch`` inlined: this runs per queue of every appended batch
+        if st is None:
+            return self._index.load_state(name)
+        states.move_to_end(name.qkey)
+        return st
 
     def publish(self, states: list[QueueState]) -> None:
         cached = self._states
         for st in states:
             if st.name.qkey not in cached:
                 cached[st.name.qkey] = st
-        while len(cached) > self._capacity:
-            cached.popitem(last=False)
+        cached.trim()
 
     def drop(self, name: keys.QueueName) -> None:
         self._states.pop(name.qkey, None)

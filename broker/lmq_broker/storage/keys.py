@@ -47,13 +47,12 @@ checkpoint derive from the log (a rebuild recreates them); ``O``, ``C``, ``T``, 
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple
 
-from lmq_broker import errors, model
+from lmq_broker import caches, errors, model
 from lmq_broker.storage import ranges
 
 LAYOUT_VERSION: Final = 1
@@ -124,19 +123,17 @@ class QueueName(NamedTuple):
         return self.parent is not None
 
 
-@functools.lru_cache(maxsize=1024)
-def _valid_parent(name: str) -> bool:
-    return model.is_valid_resource_name(name)  # parents are few; a million LMQ names share them
-
-
-def parse_queue(topic: str, queue: int) -> QueueName:
-    """Validate a queue and precompute its keys. InvalidName / InvalidLiteTopic on a bad name."""
+def parse_queue(
+    topic: str, queue: int, valid_parent: Callable[[str], bool] = model.is_valid_resource_name
+) -> QueueName:
+    """Validate a queue and precompute its keys. InvalidName / InvalidLiteTopic on a bad name. ``valid_parent``:
+    how an LMQ's parent is validated (``NameCache.valid_parent`` memoizes it)."""
     if topic.startswith(model.LMQ_PREFIX + model.LMQ_SEPARATOR):
         parts = topic.split(model.LMQ_SEPARATOR)
         if len(parts) != 3 or parts[0] != model.LMQ_PREFIX:
             raise errors.InvalidName(f"malformed LMQ name {topic!r}", topic=topic)
         parent, lite = parts[1], parts[2]
-        if not _valid_parent(parent):
+        if not valid_parent(parent):
             raise errors.InvalidName(f"invalid parent topic in LMQ name {topic!r}", topic=topic)
         if not model.is_valid_lite_topic(lite):
             raise errors.InvalidLiteTopic(f"invalid lite topic in LMQ name {topic!r}", topic=topic)
@@ -167,22 +164,30 @@ def parse_queue(topic: str, queue: int) -> QueueName:
     )
 
 
+PARENTS_CACHED: Final = 1024  # parent topics whose validity a NameCache remembers
+
+
 class NameCache:
-    """Validated queue names and topic encodings, memoized. Bounded: cleared when full (names are cheap
-    to re-validate; what matters is that a 1M-topic broker never holds 1M of them).
+    """Validated queue names and topic encodings, memoized; one per store. Bounded: each map is cleared when
+    full (``caches.BoundedDict``: names are cheap to re-validate; what matters is that a 1M-topic broker never
+    holds 1M of them).
 
     ``by_topic`` maps a topic to the queue of it resolved last: a lookup keyed by the string alone (its hash
     is cached in the str) is the hot path; (topic, queue id) pairs go through ``queue``."""
 
     def __init__(self, capacity: int = 65_536) -> None:
         self.capacity = capacity
-        self.by_topic: dict[str, QueueName] = {}
-        self._queues: dict[tuple[str, int], QueueName] = {}
-        self.topics: dict[str, bytes] = {}  # topic -> its encoding, once validated
-        self.lite_properties: dict[str, bytes] = {}  # lite topic -> its encoded record property (codec's)
+        self.by_topic: caches.BoundedDict[str, QueueName] = caches.BoundedDict(capacity)
+        self._queues: caches.BoundedDict[tuple[str, int], QueueName] = caches.BoundedDict(capacity)
+        self.topics: caches.BoundedDict[str, bytes] = caches.BoundedDict(capacity)  # topic -> its encoding
+        # lite topic -> its encoded record property (codec's)
+        self.lite_properties: caches.BoundedDict[str, bytes] = caches.BoundedDict(capacity)
         # Records of 3+ queues (a multi-dispatch the broker itself never sends): their names and how the record
         # lists them, or None when a queue is listed twice. A list holds up to 255 names: capacity // 64 lists.
-        self.lists: dict[tuple[model.QueueId, ...], tuple[tuple[QueueName, ...], bytes] | None] = {}
+        self.lists: caches.BoundedDict[tuple[model.QueueId, ...], tuple[tuple[QueueName, ...], bytes] | None] = (
+            caches.BoundedDict(max(1, capacity // 64))
+        )
+        self._parents: caches.BoundedDict[str, bool] = caches.BoundedDict(PARENTS_CACHED)
 
     def queue(self, topic: str, queue: int) -> QueueName:
         name = self.by_topic.get(topic)
@@ -191,14 +196,8 @@ class NameCache:
         key = (topic, queue)
         name = self._queues.get(key)
         if name is None:
-            name = parse_queue(topic, queue)
-            if len(self._queues) >= self.capacity:
-                self._queues.clear()
-            self._queues[key] = name
-        if len(self.by_topic) >= self.capacity:
-            self.by_topic.clear()
-        self.by_topic[topic] = name
-        return name
+            name = self._queues.put(key, parse_queue(topic, queue, self.valid_parent))
+        return self.by_topic.put(topic, name)
 
     def queue_list(self, queues: tuple[model.QueueId, ...]) -> tuple[tuple[QueueName, ...], bytes] | None:
         """The names of a record's 3+ queues and how the record lists them, memoized in ``lists``; None when one
@@ -208,20 +207,20 @@ class NameCache:
             resolved = tuple([self.queue(q.topic, q.queue) for q in queues])
             if len({qn.qkey for qn in resolved}) == len(resolved):
                 found = (resolved, b"".join([qn.record for qn in resolved]))
-            if len(self.lists) >= self.capacity // 64:
-                self.lists.clear()
-            self.lists[queues] = found
+            self.lists.put(queues, found)
         return found
+
+    def valid_parent(self, name: str) -> bool:
+        """Whether ``name`` is a valid parent topic, memoized: parents are few, a million LMQ names share them."""
+        valid = self._parents.get(name)
+        return self._parents.put(name, model.is_valid_resource_name(name)) if valid is None else valid
 
     def topic(self, topic: str) -> bytes:
         raw = self.topics.get(topic)
         if raw is None:
             if not model.is_valid_resource_name(topic):
                 raise errors.InvalidName(f"invalid topic name {topic!r}", topic=topic)
-            raw = topic.encode()
-            if len(self.topics) >= self.capacity:
-                self.topics.clear()
-            self.topics[topic] = raw
+            raw = self.topics.put(topic, topic.encode())
         return raw
 
     def clear(self) -> None:
@@ -230,6 +229,7 @@ class NameCache:
         self.topics.clear()
         self.lite_properties.clear()
         self.lists.clear()
+        self._parents.clear()
 
 
 def lmq_topic(parent: str, lite: str) -> str:

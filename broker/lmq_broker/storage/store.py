@@ -274,9 +274,9 @@ class LmqStore:
         core = self._core
         core.check_open()
         # Parsed without the name cache: a reclaim names each of its (cold) topics once, and caching them would
-        # only evict the hot names of live traffic.
-        parse, lmq_topic = keys.parse_queue, keys.lmq_topic
-        names = [parse(lmq_topic(parent, lite), 0) for parent, lite, _ in rows]  # raise before writing
+        # only evict the hot names of live traffic. Their few parents are memoized there.
+        parse, lmq_topic, valid_parent = keys.parse_queue, keys.lmq_topic, core.names.valid_parent
+        names = [parse(lmq_topic(parent, lite), 0, valid_parent) for parent, lite, _ in rows]  # raise before writing
         done = [False] * len(rows)
         if not rows:
             return done
