@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 import stat
 from collections.abc import Iterator
 from datetime import timedelta
@@ -172,3 +173,11 @@ def test_resolve_order_flags_then_env_then_file(tmp_path: Path) -> None:
     assert credentials.resolve("", "", tmp_path / "nowhere", {}) is None
     with pytest.raises(errors.InvalidArgument, match="go together"):
         credentials.resolve("f-ak", "", tmp_path, {})
+
+
+def test_a_generated_secret_never_starts_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--secret-key -Qv…`` is a missing value to argparse (seen: 1 secret in 64 broke a CLI call), so a secret
+    that starts with '-' is drawn again."""
+    drawn = iter(["-QvN13n4X0SCZ6rJ25", "_ok-secret"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda nbytes: next(drawn))
+    assert credentials.new_secret() == "_ok-secret"

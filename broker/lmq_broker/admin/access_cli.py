@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 from collections.abc import Callable
 from typing import Final, TypeAlias
 
 from lmq_broker import errors
+from lmq_broker.admin import credentials
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import AclEntry, UserPut
 
@@ -32,7 +32,7 @@ def _put_user(admin: AdminClient, a: argparse.Namespace) -> UserPut:
         super_user, enabled = False, True
     secret = a.secret or os.environ.get(SECRET_ENV, "")
     if a.generate_secret:
-        secret = secrets.token_urlsafe(24)
+        secret = credentials.new_secret(24)
     put = admin.put_user(
         a.name,
         secret,

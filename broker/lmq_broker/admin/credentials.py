@@ -49,8 +49,16 @@ def path_in(data_dir: Path) -> Path:
     return data_dir / FILE_NAME
 
 
+def new_secret(nbytes: int = SECRET_BYTES) -> str:
+    """A random URL-safe secret that does not start with '-' (which a command line would read as a flag:
+    ``--secret-key -Qv...`` fails in argparse; one secret in 64 would)."""
+    while (secret := secrets.token_urlsafe(nbytes)).startswith("-"):
+        pass
+    return secret
+
+
 def generate() -> KeyPair:
-    return KeyPair(f"lmq-admin-{secrets.token_hex(8)}", secrets.token_urlsafe(SECRET_BYTES))
+    return KeyPair(f"lmq-admin-{secrets.token_hex(8)}", new_secret())
 
 
 def read(path: Path) -> KeyPair:
