@@ -60,6 +60,8 @@ HELP: Final[dict[str, str]] = {
     "beyond it ends its connection (5.0: DISCONNECT 0x97 quota exceeded)",
     "mqtt_max_qos2_inflight": "MQTT 3.1.1: QoS 2 publishes one client may leave awaiting their PUBREL; a new one "
     "beyond closes the connection (5.0 clients are bounded by the broker's Receive Maximum, 256)",
+    "mqtt_max_keep_alive_s": "longest MQTT keep alive a client may ask; 5.0 clients asking more or none (0) are told "
+    "Server Keep Alive with it, 3.1.1 clients asking more are refused (0x02), asking none are held to it",
     "mqtt_max_will_delay_s": "longest MQTT 5 will delay; a CONNECT asking more is refused (0x97 quota exceeded)",
     "mqtt_max_shares_per_client": "MQTT shared subscriptions ($share/...) one session may hold; beyond it the filter "
     "is refused in the SUBACK (5.0: 0x97 quota exceeded, 3.1.1: 0x80)",

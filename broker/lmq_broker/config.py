@@ -55,6 +55,9 @@ class BrokerConfig(BaseModel):
     mqtt_max_connections_per_address: int = Field(default=1000, ge=1)
     mqtt_max_will_bytes: int = Field(default=64 * 1024, ge=0)
     mqtt_max_will_delay_s: int = Field(default=7 * 24 * 3600, ge=0)
+    # Longest keep alive a client may ask: a 5.0 client asking more (or none, 0) is told Server Keep Alive with
+    # this; a 3.1.1 client asking more is refused (0x02), one asking none is held to it (docs/mqtt.md)
+    mqtt_max_keep_alive_s: int = Field(default=65_535, ge=1, le=65_535)
     # Bytes of large packets (over 64 KiB) all MQTT connections are reading at once; one that does not fit ends
     # its connection (5.0: DISCONNECT 0x97)
     mqtt_max_read_bytes: int = Field(default=256 * 1024 * 1024, ge=0)

@@ -21,7 +21,7 @@ import contextlib
 import logging
 from typing import Final
 
-from lmq_broker.mqtt import codec, framing, handshake, properties, stats, storing
+from lmq_broker.mqtt import codec, framing, handshake, limits, properties, stats, storing
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.handshake import group_of
 from lmq_broker.mqtt.host import Host
@@ -102,7 +102,7 @@ class Connection:
         acked = handshake.settle(link, connect)
         clean_start = connect.clean_session
         self.will = connect.will
-        self.keep_alive_s = connect.keep_alive_s
+        self.keep_alive_s = limits.keep_alive_s(connect, link.config)  # the client's, or our cap
         await self.host.take_over(self, clean_start)
         session_present = False
         durable_ = self.host.durable

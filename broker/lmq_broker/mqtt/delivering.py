@@ -269,16 +269,19 @@ class Deliveries:
         dup: bool = False,
         ids: Sequence[int] = (),
     ) -> bytes | None:
-        """The PUBLISH for a subscriber; None when it is over the client's maximum packet size (5.0: dropped,
-        as if sent, MQTT-3.1.2-25)."""
+        """The PUBLISH for a subscriber, written at once by the caller (a topic alias it carries binds from
+        here on); None when it is over the client's maximum packet size (5.0: dropped, as if sent,
+        MQTT-3.1.2-25)."""
         if not self.link.v5:
             return codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup)
-        props = mapping.outgoing(stored, now_ms, ids)  # with the identifiers of the subscriptions matched
-        data = codec.encode_publish(topic, body, qos, packet_id, retain=retain, dup=dup, props=props)
+        alias, bound = self.link.aliases.choose(topic)
+        props = mapping.outgoing(stored, now_ms, ids, alias)  # with the identifiers of the subscriptions matched
+        data = codec.encode_publish(topic if bound else "", body, qos, packet_id, retain=retain, dup=dup, props=props)
         if len(data) > self.link.max_packet_out:
             log.info("mqtt client %s: a message to %s over its maximum packet size is dropped", self.link.client_id,
                      topic)  # fmt: skip
             return None
+        self.link.aliases.sent(topic, alias, bound)  # the caller writes it now: the client reads them in this order
         return data
 
     async def retained_elsewhere(

@@ -12,7 +12,7 @@ import secrets
 from typing import Final
 
 from lmq_broker.dispatch import metadata
-from lmq_broker.mqtt import codec, framing, limits, properties, publishing, stats, topics
+from lmq_broker.mqtt import aliases, codec, framing, limits, properties, publishing, stats, topics
 from lmq_broker.mqtt.link import MAX_INFLIGHT, Closed, Link
 from lmq_broker.mqtt.properties import Properties, Reason
 
@@ -85,10 +85,13 @@ def settle(link: Link, connect: codec.Connect) -> Properties:
     link.max_inflight = min(MAX_INFLIGHT, p.receive_max or MAX_INFLIGHT)
     link.max_packet_out = min(codec.MAX_REMAINING_LENGTH, p.max_packet_size or codec.MAX_REMAINING_LENGTH)
     link.problem_info = p.request_problem_info != 0
+    link.aliases = aliases.Outbound(p.topic_alias_max or 0)
+    kept = limits.keep_alive_s(connect, link.config)
     return Properties(
         receive_max=publishing.RECEIVE_MAXIMUM,
         topic_alias_max=publishing.TOPIC_ALIAS_MAX,
         max_packet_size=link.max_packet_bytes() + 5,  # the fixed header's 5 bytes at most
         shared_subscription_available=None if link.cluster is None else 0,  # absent: available; not in a cluster
         assigned_client_id=None if connect.client_id else link.client_id,
+        server_keep_alive_s=None if kept == connect.keep_alive_s else kept,  # MQTT-3.2.2-21
     )

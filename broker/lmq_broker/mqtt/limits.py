@@ -103,6 +103,8 @@ def refusal(  # noqa: PLR0911 (a return per CONNECT refusal, in order)
     v5 = connect.level == codec.LEVEL_5
     if not connect.client_id and not connect.clean_session and not v5:
         return codec.ConnectCode.IDENTIFIER_REJECTED, ""  # MQTT-3.1.3-8 (5.0 assigns one, MQTT-3.1.3-6)
+    if not v5 and connect.keep_alive_s > config.mqtt_max_keep_alive_s:  # 3.1.1 cannot be told another one
+        return codec.ConnectCode.IDENTIFIER_REJECTED, stats.KEEP_ALIVE
     if connect.properties is not None and connect.properties.auth_method is not None:
         return Reason.BAD_AUTHENTICATION_METHOD, ""  # enhanced authentication is not supported
     will = connect.will
@@ -131,8 +133,18 @@ def refusal(  # noqa: PLR0911 (a return per CONNECT refusal, in order)
     return None
 
 
+def keep_alive_s(connect: codec.Connect, config: BrokerConfig) -> int:
+    """The keep alive the session is held to: the client's, or --mqtt-max-keep-alive-s when it asks none (0) or
+    more (5.0 section 3.2.2.3.14: told so in the CONNACK's Server Keep Alive; a 3.1.1 client asking more was
+    refused by ``refusal``)."""
+    asked, cap = connect.keep_alive_s, config.mqtt_max_keep_alive_s
+    return asked if 0 < asked <= cap else cap
+
+
 def words(counted: str, config: BrokerConfig) -> str:
     """What a client refused by a cap is told (a 5.0 reason string)."""
+    if counted == stats.KEEP_ALIVE:
+        return f"the keep alive is over --mqtt-max-keep-alive-s ({config.mqtt_max_keep_alive_s} s)"
     if counted == stats.WILL_BYTES:
         return f"the will is over --mqtt-max-will-bytes ({config.mqtt_max_will_bytes} bytes)"
     if counted == stats.WILL_DELAY:

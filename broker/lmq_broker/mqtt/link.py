@@ -11,7 +11,7 @@ from typing import Final
 
 from lmq_broker import errors
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import codec, mapping, properties, stats, topics
+from lmq_broker.mqtt import aliases, codec, mapping, properties, stats, topics
 from lmq_broker.mqtt.host import Host
 from lmq_broker.mqtt.owners import Owners
 from lmq_broker.mqtt.properties import Properties, Reason
@@ -55,6 +55,7 @@ class Link:
         self.retained_sent.set()
         self.retained_sending = 0
         self.max_packet_out = codec.MAX_REMAINING_LENGTH  # 5.0: the client's maximum packet size
+        self.aliases = aliases.Outbound(0)  # 5.0: the topic aliases we send, up to the client's maximum
         self.problem_info = True  # 5.0: reason strings wanted
         self.subs: dict[str, dict[wildcards.Filter, int]] = {}  # parent -> filter -> options (low bits: QoS)
         self.stored = False  # a session row exists for this client id

@@ -72,12 +72,14 @@ def expired(stored: Mapping[str, str], now_ms: int) -> bool:
     return deadline is not None and deadline.isdigit() and int(deadline) <= now_ms
 
 
-def outgoing(stored: Mapping[str, str], now_ms: int, subscription_ids: Sequence[int] = ()) -> bytes:
+def outgoing(
+    stored: Mapping[str, str], now_ms: int, subscription_ids: Sequence[int] = (), alias: int | None = None
+) -> bytes:
     """The encoded MQTT 5 property section a subscriber gets for a message with RocketMQ properties ``stored``
     (per delivery: written straight to bytes), with the identifiers of the subscriptions it matched (5.0
     section 3.3.2.3.8, one property each). A name or value holding U+0000, which MQTT strings may not, is
-    left out."""
-    out = bytearray()
+    left out. ``alias``: the topic alias it travels under (``aliases``)."""
+    out = bytearray() if alias is None else bytearray(b"\x23" + alias.to_bytes(2, "big"))
     for sid in subscription_ids:
         out += b"\x0b" + wire.varint(sid)
     for name, value in stored.items():

@@ -22,6 +22,7 @@ PER_ADDRESS = "connections_per_address"  # --mqtt-max-connections-per-address fr
 UNANSWERED = "unanswered"  # over a cap while too many refusals were being answered: closed before CONNECT
 WILL_BYTES = "will_bytes"  # --mqtt-max-will-bytes
 WILL_DELAY = "will_delay"  # --mqtt-max-will-delay-s
+KEEP_ALIVE = "keep_alive"  # --mqtt-max-keep-alive-s (3.1.1)
 CONNECT_TOO_LARGE = "connect_too_large"  # a CONNECT over what the will cap and its other fields allow
 READ_BYTES = "read_bytes"  # a large packet over what --mqtt-max-read-bytes had left
 QOS2_INFLIGHT = "qos2_inflight"  # 3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL
@@ -81,14 +82,15 @@ class Collector(_Collector):
             "lmq_mqtt_refused",
             "MQTT connections refused, by cap: connections, connections_per_address (CONNACK 0x97, 3.1.1: 0x03), "
             "unanswered (over a cap, closed before CONNECT), will_bytes, connect_too_large (0x95), will_delay (0x97), "
+            "keep_alive (3.1.1: a keep alive over --mqtt-max-keep-alive-s: CONNACK 0x02), "
             "read_bytes (a large packet while --mqtt-max-read-bytes were being read: DISCONNECT 0x97), "
             "qos2_inflight (3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL: closed), "
             "receive_maximum (5.0: a QoS 1/2 publish over our Receive Maximum: DISCONNECT 0x93), "
             "shares_per_client, share_members (a shared subscription: SUBACK 0x97, 3.1.1: 0x80)",
             labels=["reason"],
         )
-        caps = (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, CONNECT_TOO_LARGE, READ_BYTES)
-        for reason in (*caps, QOS2_INFLIGHT, RECEIVE_MAXIMUM, SHARES_PER_CLIENT, SHARE_MEMBERS):
+        caps = (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, KEEP_ALIVE, CONNECT_TOO_LARGE)
+        for reason in (*caps, READ_BYTES, QOS2_INFLIGHT, RECEIVE_MAXIMUM, SHARES_PER_CLIENT, SHARE_MEMBERS):
             refused.add_metric([reason], self._stats.refused[reason])
         yield refused
         errors = CounterMetricFamily(
