@@ -103,6 +103,7 @@ class Connection:
         clean_start = connect.clean_session
         self.will = connect.will
         self.keep_alive_s = connect.keep_alive_s
+        clean_start, owned = await handshake.open_session(link, clean_start)  # another user's: fresh (--acl)
         await self.host.take_over(self, clean_start)
         session_present = False
         durable_ = self.host.durable
@@ -116,6 +117,8 @@ class Connection:
             await self.subscriptions.restore(saved)
         if link.persistent:
             await self.subscriptions.save()  # a persistent session exists from its CONNECT on, subscribed or not
+            if owned:
+                await link.dispatcher.run(durable_.own_session, link.client_id, link.user)
         link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
         self.releases.resend()  # MQTT-4.4.0-1: the PUBRELs of a resumed session, right after its CONNACK
         link.connected.set()
