@@ -96,3 +96,28 @@ def refused(broker: BrokerProcess, user: str, action: str) -> float:
         text = answer.read().decode()
     found = re.search(rf'^lmq_acl_refused_total\{{action="{action}",user="{user}"\}} (\S+)$', text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def test_a_resumed_session_keeps_only_the_filters_its_user_may_still_read(
+    acl_broker: BrokerProcess, connect: Callable[..., Peer]
+) -> None:
+    """Issue 29: a persistent session's saved filters are checked again when it resumes: one its user may no
+    longer read is dropped before the CONNACK, so its queued messages are not sent."""
+    port, n = acl_broker.mqtt_port, next(_ids)
+    dave = (f"dave{n}", "dave-secret-1")
+    with admin_of(acl_broker) as admin:
+        admin.put_user(*dave)
+        admin.put_acl([AclEntry(dave[0], "Lite:chat/d-*", ("Pub", "Sub"))])
+    client_id = f"dave-{n}"
+    reader = connect(port, client_id, clean=False, auth=dave)
+    assert reader.subscribe(("chat/d-keep/#", 1), ("chat/d-secret/#", 1)) == [1, 1]
+    reader.disconnect()
+    with admin_of(acl_broker) as admin:
+        admin.put_acl([AclEntry(dave[0], "Lite:chat/d-secret*", ("Sub",), "Deny")])
+    writer = connect(port, auth=dave)
+    assert writer.publish("chat/d-secret/1", b"queued, now forbidden") == 0
+    assert writer.publish("chat/d-keep/1", b"queued, still his") == 0
+    back = connect(port, client_id, clean=False, auth=dave)
+    assert back.connack == (True, "Success")
+    received = back.wait_count(1)
+    assert [m.payload for m in back.quiet(0.5)] == [b"queued, still his"], received

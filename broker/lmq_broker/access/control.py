@@ -58,11 +58,23 @@ class AccessControl:
         self.generation = 0  # bumped by every load
         self._clock = clock
         self._logged: dict[tuple[str, str, str], tuple[float, int]] = {}
+        self._watchers: list[Callable[[], object]] = []
 
     def load(self, doc: document.Document) -> None:
         self._state = (doc.rules(), {})
         self.doc = doc
         self.generation += 1  # after the swap: whoever remembers answers by generation drops them then
+        for changed in list(self._watchers):
+            changed()
+
+    def watch(self, changed: Callable[[], object]) -> None:
+        """Call ``changed()`` after every ``load`` (a user or policy change): whoever holds what was allowed
+        before (subscriptions) checks it again. It may be called from a worker thread: hand it to your loop."""
+        self._watchers.append(changed)
+
+    def unwatch(self, changed: Callable[[], object]) -> None:
+        if changed in self._watchers:
+            self._watchers.remove(changed)
 
     def _subject(self, name: str, rules: policy.Rules | None = None) -> policy.Subject | None:
         if self._super is not None and name == self._super.user.name:

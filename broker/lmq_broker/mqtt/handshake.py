@@ -111,7 +111,7 @@ async def open_session(link: Link, clean_start: bool) -> tuple[bool, bool]:
         return clean_start, False
     exists, owner = await link.dispatcher.run(link.host.durable.session_owner, link.client_id)
     if exists and owner != link.user and not clean_start:
-        log.info("mqtt client %s: user %s connected with the client id of a session of %s: a fresh session (the "
-                 "old one is discarded)", link.client_id, link.user or "(none)", owner or "an unknown user")  # fmt: skip
+        log.info("mqtt client %s: user %s connected with the client id of a session of %s: a fresh session "
+                 "(the old one is discarded)", link.client_id, link.user, owner or "an unknown user")  # fmt: skip
         return True, True
     return clean_start, owner != link.user
