@@ -118,10 +118,21 @@ class AccessControl:
         if self.enabled and not self.allows(user, action, target, peer):
             raise self.refusal(user, action, target)
 
+    def is_super(self, user: str) -> bool:
+        """The admin pair's user, or an enabled user marked super."""
+        subject = self._subject(user)
+        return subject is not None and subject.user.super_user and subject.user.enabled
+
+    def count_refusal(self, user: str, action: policy.Action) -> str:
+        """Count a refusal in ``lmq_acl_refused_total``; the name it is counted under (no label per made-up
+        name: ``ANONYMOUS``)."""
+        name = user if self._subject(user) is not None else ANONYMOUS
+        self.refused[(name, action.value)] += 1
+        return name
+
     def refusal(self, user: str, action: policy.Action, target: policy.Target) -> errors.Forbidden:
         """The error a refused call raises, counted in ``lmq_acl_refused_total``."""
-        name = user if self._subject(user) is not None else ANONYMOUS  # no label per made-up name
-        self.refused[(name, action.value)] += 1
+        name = self.count_refusal(user, action)
         return errors.Forbidden(
             f"user {name} may not {action.value} on {target} (access control; see lmq-admin acl get {name})",
             kind="acl",
