@@ -108,7 +108,7 @@ async def test_users_and_policies_reach_every_broker_and_forwarded_sends_are_dec
     assert (await send(first, here)).code == pb.UNAUTHORIZED  # gone everywhere: she cannot sign in
 
 
-async def sync_lite(broker: app.Broker, action: int, lites: list[str]) -> pb.Status:
+async def sync_lite(broker: app.Broker, action: pb.LiteSubscriptionAction.ValueType, lites: list[str]) -> pb.Status:
     request = spb.SyncLiteSubscriptionRequest(
         action=action, topic=pb.Resource(name=PARENT), group=pb.Resource(name="a-group"), lite_topic_set=lites
     )
