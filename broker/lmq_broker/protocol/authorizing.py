@@ -13,6 +13,9 @@ one); SyncLiteSubscription Sub on the group and on each lite topic (a pattern is
 QueryRoute Pub or Sub on the topic or on some lite topic of it; QueryAssignment and Telemetry settings Sub on
 the group and the topics (Telemetry publishing: Pub).
 
+A lite subscription stays checked: after a change of the rules, what each client subscribed is checked again
+and what its user may no longer read is removed (``revoking``).
+
 In a cluster the decision is made once, at the broker the client called: the calls it makes to other brokers
 for that client are signed with the admin pair, the super user (``cluster.links``), and carry the peer header.
 """
