@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import itertools
 import re
-import urllib.request
+import sqlite3
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
@@ -17,6 +18,7 @@ from waiting import eventually
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import AclEntry
+from lmq_broker.mqtt import durable
 from lmq_broker.testing import BrokerProcess, start_broker
 
 V5 = MQTTProtocolVersion.MQTTv5
@@ -91,13 +93,6 @@ def test_taking_sub_away_ends_a_live_sessions_filters(acl_broker: BrokerProcess,
     assert [m.payload for m in reader.quiet(0.5)] == [b"before", b"still hers"], received
 
 
-def refused(broker: BrokerProcess, user: str, action: str) -> float:
-    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    found = re.search(rf'^lmq_acl_refused_total\{{action="{action}",user="{user}"\}} (\S+)$', text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
-
-
 def test_a_resumed_session_keeps_only_the_filters_its_user_may_still_read(
     acl_broker: BrokerProcess, connect: Callable[..., Peer]
 ) -> None:
@@ -121,3 +116,19 @@ def test_a_resumed_session_keeps_only_the_filters_its_user_may_still_read(
     assert back.connack == (True, "Success")
     received = back.wait_count(1)
     assert [m.payload for m in back.quiet(0.5)] == [b"queued, still his"], received
+
+
+def test_the_owner_is_stored_with_the_session_and_an_older_file_gains_the_column(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / durable.FILE_NAME) as old:  # a file from before owners
+        old.execute("CREATE TABLE sessions (client_id TEXT PRIMARY KEY, filters TEXT NOT NULL)")
+        old.execute("INSERT INTO sessions VALUES ('legacy', '{}')")
+    store = durable.Durable(tmp_path)
+    try:
+        assert store.session_owner("legacy") == (True, None)  # unknown: under --acl it starts fresh
+        assert store.session_owner("nobody") == (False, None)
+        store.save_session("c1", {"chat/a/#": 1})
+        store.own_session("c1", "alice")
+        store.save_session("c1", {"chat/a/#": 1, "chat/b/#": 1})  # later saves keep the owner
+        assert store.session_owner("c1") == (True, "alice")
+    finally:
+        store.close()
