@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
@@ -105,3 +106,40 @@ async def test_users_and_policies_reach_every_broker_and_forwarded_sends_are_dec
     assert (await send(first, [there[0]])).code == pb.FORBIDDEN  # applies on the first at once
     await admin_call(second, "DeleteUser", admin_pb.DeleteUserRequest(name="alice"))
     assert (await send(first, here)).code == pb.UNAUTHORIZED  # gone everywhere: she cannot sign in
+
+
+async def sync_lite(broker: app.Broker, action: pb.LiteSubscriptionAction.ValueType, lites: list[str]) -> pb.Status:
+    request = spb.SyncLiteSubscriptionRequest(
+        action=action, topic=pb.Resource(name=PARENT), group=pb.Resource(name="a-group"), lite_topic_set=lites
+    )
+    headers = (("x-mq-client-id", "c1"), *auth.sign_metadata(*ALICE, datetime.now(UTC)))
+    async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+        reply = await service_grpc.MessagingServiceStub(channel).SyncLiteSubscription(request, metadata=headers)
+    return reply.status
+
+
+async def test_taking_sub_away_ends_lite_subscriptions_at_every_broker(brokers: list[app.Broker]) -> None:
+    """Issue 29: a lite subscription made through one broker, held at its owner, ends there too once a policy
+    change (made through the other broker) takes Sub away; the allowed ones stay."""
+    first, second = brokers
+    await admin_call(first, "PutUser", admin_pb.PutUserRequest(user=admin_pb.User(name=ALICE[0], secret=ALICE[1])))
+    await admin_call(first, "PutLiteGroup", admin_pb.PutLiteGroupRequest(group=admin_pb.LiteGroup(
+        name="a-group", bind_topic=PARENT, consume_enabled=True)))  # fmt: skip
+    entries = [
+        admin_pb.AclEntry(user="alice", resource=f"Lite:{PARENT}/a-*", actions=["Sub"]),
+        admin_pb.AclEntry(user="alice", resource="Group:a-group", actions=["Sub"]),
+    ]
+    await admin_call(first, "PutAcl", admin_pb.PutAclRequest(entries=entries))
+    here, there = lites_of(brokers, 0, "a")[0], lites_of(brokers, 1, "a")[0]
+    assert (await sync_lite(first, pb.PARTIAL_ADD, [here, there])).code == pb.OK
+    assert there in (second.dispatcher.lite_topics_of("c1") or [])  # type: ignore[union-attr]
+    deny = admin_pb.AclEntry(user="alice", resource=f"Lite:{PARENT}/{there}", actions=["Sub"], decision="Deny")
+    await admin_call(second, "PutAcl", admin_pb.PutAclRequest(entries=[deny]))
+
+    def ended() -> bool:
+        assert first.dispatcher is not None and second.dispatcher is not None
+        return there not in (second.dispatcher.lite_topics_of("c1") or []) and here in (
+            first.dispatcher.lite_topics_of("c1") or []
+        )
+
+    await eventually_async(ended, "the revoked subscription ended at its owner")

@@ -58,11 +58,23 @@ class AccessControl:
         self.generation = 0  # bumped by every load
         self._clock = clock
         self._logged: dict[tuple[str, str, str], tuple[float, int]] = {}
+        self._watchers: list[Callable[[], object]] = []
 
     def load(self, doc: document.Document) -> None:
         self._state = (doc.rules(), {})
         self.doc = doc
         self.generation += 1  # after the swap: whoever remembers answers by generation drops them then
+        for changed in list(self._watchers):
+            changed()
+
+    def watch(self, changed: Callable[[], object]) -> None:
+        """Call ``changed()`` after every ``load`` (a user or policy change): whoever holds what was allowed
+        before (subscriptions) checks it again. It may be called from a worker thread: hand it to your loop."""
+        self._watchers.append(changed)
+
+    def unwatch(self, changed: Callable[[], object]) -> None:
+        if changed in self._watchers:
+            self._watchers.remove(changed)
 
     def _subject(self, name: str, rules: policy.Rules | None = None) -> policy.Subject | None:
         if self._super is not None and name == self._super.user.name:
@@ -106,10 +118,21 @@ class AccessControl:
         if self.enabled and not self.allows(user, action, target, peer):
             raise self.refusal(user, action, target)
 
+    def is_super(self, user: str) -> bool:
+        """The admin pair's user, or an enabled user marked super."""
+        subject = self._subject(user)
+        return subject is not None and subject.user.super_user and subject.user.enabled
+
+    def count_refusal(self, user: str, action: policy.Action) -> str:
+        """Count a refusal in ``lmq_acl_refused_total``; the name it is counted under (no label per made-up
+        name: ``ANONYMOUS``)."""
+        name = user if self._subject(user) is not None else ANONYMOUS
+        self.refused[(name, action.value)] += 1
+        return name
+
     def refusal(self, user: str, action: policy.Action, target: policy.Target) -> errors.Forbidden:
         """The error a refused call raises, counted in ``lmq_acl_refused_total``."""
-        name = user if self._subject(user) is not None else ANONYMOUS  # no label per made-up name
-        self.refused[(name, action.value)] += 1
+        name = self.count_refusal(user, action)
         return errors.Forbidden(
             f"user {name} may not {action.value} on {target} (access control; see lmq-admin acl get {name})",
             kind="acl",

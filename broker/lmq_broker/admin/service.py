@@ -31,6 +31,7 @@ from lmq_broker.admin import (
     everywhere,
     inspection,
     membership,
+    permissions,
     reclaiming,
     users,
     validation,
@@ -78,12 +79,15 @@ def register(  # noqa: PLR0913 (its parts, each once)
     Its calls count against ``admission`` (the v2 service's, in a broker); ``cluster`` is the broker's place
     among its peers (GetCluster/SetCluster answer Unsupported without it); ``mqtt`` its MQTT listener, once it
     runs (``MqttRetained`` answers none without it); ``access`` the broker's access control, which user and
-    acl changes reload."""
+    acl changes reload, and which (``--acl``) opens the calls of ``permissions`` to users its policies allow."""
     service = pb.DESCRIPTOR.services_by_name["LmqAdmin"]
     servicer = AdminServicer(store, live, config, cluster, mqtt, access=access)
     handler = guard.strict_generic_handler(service, servicer, admission, waits=frozenset({"AwaitLiteReady"}))
     if admin_keys is not None:
-        handler = auth.AdminGuard(handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock)
+        users = permissions.UserCalls(access, store) if access is not None and access.enabled else None
+        handler = auth.AdminGuard(
+            handler, *admin_keys, max_skew_s=config.auth_max_skew_ms / 1000, clock=clock, users=users
+        )
     server.add_generic_rpc_handlers((handler,))
 
 

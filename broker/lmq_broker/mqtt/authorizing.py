@@ -6,6 +6,12 @@ the filter's lite text (``chat/a/#`` as ``Lite:chat/a_#``): a prefix rule admits
 literal levels stay inside the prefix, a filter that reaches wider (``chat/#``) needs ``Topic:chat``. An MQTT
 session's implicit group (``%MQTT%<client id>``) is not checked: it is the client's own.
 
+A policy change (``AccessControl.watch``) ends the filters of live sessions that their user may no longer read,
+and a resumed session's saved filters are checked again before its CONNACK (``revoke``): a filter dropped so
+stops delivering (a message handed out already may still be acknowledged), logged at INFO; the SUBSCRIBE is
+not answered again (MQTT has no packet to tell a client its subscription ended). Shared subscriptions
+(``$share/...``) are checked at their SUBSCRIBE only.
+
 Refusals raise ``errors.Forbidden`` (the connection answers 0x87 Not authorized in 5.0, and as 3.1.1 allows),
 counted in ``lmq_acl_refused_total{user,action}``.
 """
@@ -13,12 +19,16 @@ counted in ``lmq_acl_refused_total{user,action}``.
 from __future__ import annotations
 
 import hmac
+import logging
 
 from lmq_broker import errors
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
 from lmq_broker.dispatch import wildcards
 from lmq_broker.mqtt import codec, topics
+from lmq_broker.mqtt.subscribing import Subscriptions
+
+log = logging.getLogger(__name__)
 
 
 def connect_refusal(
@@ -61,3 +71,30 @@ def _check(access: AccessControl, user: str, host: str, action: policy.Action, t
     except errors.Forbidden as refused:
         access.note(f"MQTT {action.value}", refused.message)
         raise
+
+
+async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
+    """End the session's filters its user may no longer read (Sub on their lite text, as at SUBSCRIBE): at
+    the dispatcher, at the cluster's other brokers, and in the saved session."""
+    link = subscriptions.link
+    if not access.enabled:
+        return
+    ended: dict[str, list[wildcards.Filter]] = {}
+    for parent, held in list(link.subs.items()):
+        for levels in list(held):
+            target = policy.lite(parent, wildcards.LEVEL_SEPARATOR.join(levels))
+            if not access.allows(link.user, policy.Action.SUB, target, link.address):
+                del held[levels]
+                ended.setdefault(parent, []).append(levels)
+    if not ended:
+        return
+    texts = sorted(topics.filter_in(link.config.mqtt_default_parent, p, f) for p, fs in ended.items() for f in fs)
+    log.info("mqtt client %s, user %s: filters no longer allowed ended (access control changed): %s",
+             link.client_id, link.user, ", ".join(texts))  # fmt: skip
+    cluster = link.cluster
+    for parent, filters in ended.items():
+        await subscriptions.register(parent)
+        if cluster is not None:
+            await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, filters)
+    if link.persistent and link.stored:
+        await subscriptions.save()

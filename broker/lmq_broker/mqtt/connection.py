@@ -21,7 +21,7 @@ import contextlib
 import logging
 from typing import Final
 
-from lmq_broker.mqtt import codec, framing, handshake, limits, properties, stats, storing
+from lmq_broker.mqtt import authorizing, codec, framing, handshake, limits, properties, stats, storing
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.handshake import group_of
 from lmq_broker.mqtt.host import Host
@@ -49,6 +49,7 @@ class Connection:
         self.will: codec.Will | None = None
         self.keep_alive_s = 0
         self.done = asyncio.Event()
+        self._handling = asyncio.Lock()  # a packet being handled, or a recheck of the subscriptions
 
     @property
     def client_id(self) -> str:
@@ -87,6 +88,13 @@ class Connection:
         self.close(Reason.SESSION_TAKEN_OVER, "another connection took the client id")
         await self.done.wait()
 
+    async def recheck(self) -> None:
+        """Access control changed (``--acl``): the filters the user may no longer read end, between packets."""
+        if not self.link.connected.is_set() or self.link.closing:
+            return  # a handshake under way checks a resumed session's filters itself
+        async with self._handling:
+            await authorizing.revoke(self.host.access, self.subscriptions)
+
     def close(self, code: int, why: str = "") -> None:
         """Close the socket; a 5.0 client is told why first (a DISCONNECT with ``code``)."""
         self.link.close(code, why)
@@ -103,6 +111,7 @@ class Connection:
         clean_start = connect.clean_session
         self.will = connect.will
         self.keep_alive_s = limits.keep_alive_s(connect, link.config)  # the client's, or our cap
+        clean_start, owned = await handshake.open_session(link, clean_start)  # another user's: fresh (--acl)
         await self.host.take_over(self, clean_start)
         session_present = False
         durable_ = self.host.durable
@@ -114,8 +123,11 @@ class Connection:
             await self.publishes.resume()
             await self.releases.resume()  # before the deliveries start: their packet ids stay taken
             await self.subscriptions.restore(saved)
+            await authorizing.revoke(self.host.access, self.subscriptions)  # what its user may still read
         if link.persistent:
             await self.subscriptions.save()  # a persistent session exists from its CONNECT on, subscribed or not
+            if owned:
+                await link.dispatcher.run(durable_.own_session, link.client_id, link.user)
         link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
         self.releases.resend()  # MQTT-4.4.0-1: the PUBRELs of a resumed session, right after its CONNACK
         link.connected.set()
@@ -155,7 +167,8 @@ class Connection:
                 if self.host.stopping:
                     raise Closed("the broker is shutting down", graceful=True)
                 raise Closed("taken over by a newer connection" if link.kicked else "closed without DISCONNECT")
-            await self._handle(codec.decode_packet(frame[0], frame[1], link.level))
+            async with self._handling:
+                await self._handle(codec.decode_packet(frame[0], frame[1], link.level))
 
     async def _end(self, graceful: bool, reason: str, code: int | None) -> None:
         link = self.link

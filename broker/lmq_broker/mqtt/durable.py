@@ -2,9 +2,11 @@
 messages and the wills waiting for their delay, in ``<data_dir>/mqtt.sqlite3``.
 
 A session row holds its filters (filter -> subscription options, whose low bits are the granted QoS), its
-expiry interval (NULL: never, as a 3.1.1 persistent session) and when its last connection ended (NULL while
-connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed. Columns added after the first
-release are added to an older file when it is opened.
+expiry interval (NULL: never, as a 3.1.1 persistent session), when its last connection ended (NULL while
+connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed, and its owner: the user name of the
+CONNECT that made it (NULL in a file older than owners; under ``--acl`` only its owner resumes it, see
+``handshake.open_session``). Columns added after the first release are added to an older file when it is
+opened.
 
 A qos2 row is a persistent session's QoS 2 packet id in flight (MQTT 3.1.1 and 5.0 section 4.3.3, 4.4):
 inbound, a publish stored and answered PUBREC whose PUBREL has not come (a resend of it is not stored
@@ -50,6 +52,7 @@ OUTBOUND: Final = "out"  # a QoS 2 delivery answered PUBREC by the client, PUBRE
 _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and message properties
     ("sessions", "expiry_s", "INTEGER"),
     ("sessions", "gone_ms", "INTEGER"),
+    ("sessions", "owner", "TEXT"),
     ("retained", "properties", "TEXT NOT NULL DEFAULT '{}'"),
 )
 _EXPIRED: Final = "gone_ms IS NOT NULL AND expiry_s IS NOT NULL AND gone_ms + expiry_s * 1000 <= ?"
@@ -143,6 +146,17 @@ class Durable:
             if dropped:
                 self._db.execute("DELETE FROM qos2 WHERE client_id NOT IN (SELECT client_id FROM sessions)")
             return dropped
+
+    def session_owner(self, client_id: str) -> tuple[bool, str | None]:
+        """(whether the client id has a session row, the user that made it: None when unknown)."""
+        with self._lock:
+            row = self._db.execute("SELECT owner FROM sessions WHERE client_id = ?", (client_id,)).fetchone()
+        return (False, None) if row is None else (True, row[0])
+
+    def own_session(self, client_id: str, owner: str) -> None:
+        """The session (saved already) belongs to ``owner`` from now on."""
+        with self._lock:
+            self._db.execute("UPDATE sessions SET owner = ? WHERE client_id = ?", (owner, client_id))
 
     def drop_session(self, client_id: str) -> bool:
         with self._lock:

@@ -1,12 +1,14 @@
 """The CONNECT: read within a time and size bound, refused with a CONNACK code (5.0 with words), or taken as
 the session's settings (the client's receive maximum, maximum packet size, session expiry) and answered with
-ours in the CONNACK's properties."""
+ours in the CONNACK's properties; under ``--acl``, whether the client id's stored session is the user's to resume
+(``open_session``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
+import logging
 import re
 import secrets
 from typing import Final
@@ -15,6 +17,8 @@ from lmq_broker.dispatch import metadata
 from lmq_broker.mqtt import aliases, codec, framing, limits, properties, publishing, stats, topics
 from lmq_broker.mqtt.link import MAX_INFLIGHT, Closed, Link
 from lmq_broker.mqtt.properties import Properties, Reason
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final = 10.0
 NEVER: Final = 0xFFFFFFFF  # 5.0: a session expiry interval that never ends
@@ -95,3 +99,22 @@ def settle(link: Link, connect: codec.Connect) -> Properties:
         assigned_client_id=None if connect.client_id else link.client_id,
         server_keep_alive_s=None if kept == connect.keep_alive_s else kept,  # MQTT-3.2.2-21
     )
+
+
+async def open_session(link: Link, clean_start: bool) -> tuple[bool, bool]:
+    """(whether the session starts fresh, whether it must be recorded as the user's: ``owned``).
+
+    Fresh when the CONNECT asks (clean start), and under ``--acl`` also when the client id's stored session
+    was made by another user (or by one not recorded: a file older than owners, or a session made without
+    ``--acl``): the newcomer gets a new session, session present 0, and the old one is discarded with its
+    subscriptions, its queued messages' positions and its QoS 2 state, as a clean start discards it (MQTT 5
+    section 3.2.2.1.1: the server may treat a CONNECT as new; client ids are one namespace, so the owner's next
+    CONNECT finds the newcomer's session, not its own). A same-user reconnect resumes as before."""
+    if not link.host.access.enabled:
+        return clean_start, False
+    exists, owner = await link.dispatcher.run(link.host.durable.session_owner, link.client_id)
+    if exists and owner != link.user and not clean_start:
+        log.info("mqtt client %s: user %s connected with the client id of a session of %s: a fresh session "
+                 "(the old one is discarded)", link.client_id, link.user, owner or "an unknown user")  # fmt: skip
+        return True, True
+    return clean_start, owner != link.user

@@ -29,6 +29,8 @@ class Client(Protocol):
 
     async def kick(self) -> None: ...
 
+    async def recheck(self) -> None: ...  # access control changed: end the filters no longer allowed
+
     def close(self, code: int, why: str = "") -> None: ...
 
 

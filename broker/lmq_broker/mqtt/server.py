@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import Callable
 from typing import Final
 
 from lmq_broker import errors
@@ -75,6 +76,9 @@ class MqttServer:
         self.share_members = shares.Members(config.mqtt_max_share_members)  # shared subscriptions' members here
         self.wills = wills.Wills(self.durable, dispatcher, self._publish_will, self.stats)
         self._sweeper: asyncio.Task[None] | None = None
+        self._rechecking: asyncio.Task[None] | None = None  # the sessions' filters checked after an access change
+        self._recheck_again = False
+        self._watcher: Callable[[], object] | None = None
 
     async def start(self, host: str, port: int) -> int:
         context = None
@@ -84,6 +88,10 @@ class MqttServer:
         await self.dispatcher.run(self.durable.all_gone, self.dispatcher.wall_clock())
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self.wills.start()
+        if self.access.enabled:
+            loop = asyncio.get_running_loop()
+            self._watcher = watcher = lambda: loop.call_soon_threadsafe(self._access_changed)
+            self.access.watch(watcher)
         self._server = await asyncio.start_server(self._accept, host, port, ssl=context)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("mqtt listening on %s:%d%s", host, self.port, " (TLS)" if context else "")
@@ -173,6 +181,27 @@ class MqttServer:
             if dropped:
                 log.info("mqtt: %d sessions past their expiry interval dropped", dropped)
 
+    def _access_changed(self) -> None:
+        """A user or policy changed: every session's filters checked again (one pass at a time; a change during
+        a pass: one more)."""
+        if self.stopping:
+            return
+        if self._rechecking is not None and not self._rechecking.done():
+            self._recheck_again = True
+            return
+        self._rechecking = asyncio.get_running_loop().create_task(self._recheck_all())
+
+    async def _recheck_all(self) -> None:
+        while True:
+            self._recheck_again = False
+            for connection in list(self._clients.values()):
+                try:
+                    await connection.recheck()
+                except Exception:
+                    log.exception("mqtt client %s: subscriptions not checked again", connection.client_id)
+            if not self._recheck_again:
+                return
+
     def forget(self, connection: host.Client) -> None:
         if self._clients.get(connection.client_id) is connection:
             del self._clients[connection.client_id]
@@ -189,6 +218,10 @@ class MqttServer:
             self._server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._watcher is not None:
+            self.access.unwatch(self._watcher)
+        if self._rechecking is not None:
+            self._rechecking.cancel()
         await self.wills.stop()  # the wills waiting stay in the store: a restarted broker publishes them
         for connection in list(self._clients.values()):
             connection.close(Reason.SERVER_SHUTTING_DOWN, "the broker is shutting down")

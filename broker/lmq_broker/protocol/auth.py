@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 import grpc
 from google.protobuf import message as pb_message
@@ -341,6 +341,15 @@ def _aborting(handler: Handler, message: str) -> Handler:
     return grpc.unary_unary_rpc_method_handler(abort, response_serializer=serializer)
 
 
+class UserCalls(Protocol):
+    """Admin calls signed by a user rather than the admin pair (``--acl``): its secret, and the handler that
+    checks what that user may do (``admin.permissions``)."""
+
+    def secret_of(self, name: str) -> str | None: ...
+
+    def handler(self, method: str, user: str, handler: Handler) -> Handler: ...
+
+
 class AdminGuard(_GenericHandler):
     """The admin service's handler, answering only calls signed with the admin pair.
 
@@ -356,9 +365,12 @@ class AdminGuard(_GenericHandler):
         secret_key: str,
         max_skew_s: float = DEFAULT_MAX_SKEW_S,
         clock: Callable[[], datetime] = utc_now,
+        *,
+        users: UserCalls | None = None,
     ) -> None:
         if not access_key or not secret_key:
             raise ValueError("AdminGuard needs a non-empty admin access key and secret key")
+        self._users = users
         self._inner = inner
         self._access_key = access_key
         self._secret_key = secret_key
@@ -369,13 +381,13 @@ class AdminGuard(_GenericHandler):
         handler = self._inner.service(handler_call_details)
         if handler is None:
             return None
-        problem = check(
-            handler_call_details.invocation_metadata,
-            self._access_key,
-            self._secret_key,
-            now=self._clock(),
-            max_skew_s=self._max_skew_s,
-        )
+        metadata = handler_call_details.invocation_metadata
+        problem = check(metadata, self._access_key, self._secret_key, now=self._clock(), max_skew_s=self._max_skew_s)
         if problem is None:
             return handler
+        users = self._users
+        if users is not None and credential_of(metadata) != self._access_key:
+            signed = check_signed(metadata, users.secret_of, now=self._clock(), max_skew_s=self._max_skew_s)
+            if signed is None:  # a user's call: what it may do is checked per method and request
+                return users.handler(handler_call_details.method, credential_of(metadata), handler)
         return _aborting(handler, f"unauthorized: {problem}; {ADMIN_HINT}")

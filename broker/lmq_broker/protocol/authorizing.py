@@ -13,6 +13,9 @@ one); SyncLiteSubscription Sub on the group and on each lite topic (a pattern is
 QueryRoute Pub or Sub on the topic or on some lite topic of it; QueryAssignment and Telemetry settings Sub on
 the group and the topics (Telemetry publishing: Pub).
 
+A lite subscription stays checked: after a change of the rules, what each client subscribed is checked again
+and what its user may no longer read is removed (``revoking``).
+
 In a cluster the decision is made once, at the broker the client called: the calls it makes to other brokers
 for that client are signed with the admin pair, the super user (``cluster.links``), and carry the peer header.
 """
@@ -22,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
+from lmq_broker import errors
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
-from lmq_broker.protocol import auth
+from lmq_broker.protocol import auth, revoking
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -37,8 +41,9 @@ CONSUMERS_KEPT: Final = 16_384  # (user, group, topic, lite) admitted to consume
 class Gate:
     """The v2 service's checks; ``enabled`` False (no ``--acl``): the service never calls them."""
 
-    def __init__(self, access: AccessControl) -> None:
+    def __init__(self, access: AccessControl, revoker: revoking.Revoker | None = None) -> None:
         self.access = access
+        self.revoker = revoker  # lite subscriptions checked again when the rules change
         self.enabled = access.enabled
         # Consumer calls (receive, ack, invisibility) repeat the same (user, group, topic, lite) many times a
         # second: their two decisions in one lookup, for the rules of ``generation`` (refusals are not kept).
@@ -84,10 +89,18 @@ class Gate:
         self, peer: str, request: spb.SyncLiteSubscriptionRequest, caller: Caller, max_chars: int
     ) -> None:
         user = auth.USER.get()
-        self.access.check(user, SUB, policy.group(request.group.name), peer)
-        parent = request.topic.name
         names = await sync_lite_subscription.lite_topics(request, caller, max_chars)
-        self._check(user, peer, SUB, (policy.lite(parent, n) for n in names))
+        revoker = self.revoker
+        if revoker is not None and caller.client_id:
+            revoker.made(caller, user, peer, request, names)
+        try:
+            self.access.check(user, SUB, policy.group(request.group.name), peer)
+            parent = request.topic.name
+            self._check(user, peer, SUB, (policy.lite(parent, n) for n in names))
+        except errors.Forbidden:
+            if revoker is not None and caller.client_id:
+                revoker.refused(caller.client_id)  # what it holds from before (a restart, a change) is checked
+            raise
 
 
 def route(access: AccessControl, user: str, peer: str, topic: str) -> None:

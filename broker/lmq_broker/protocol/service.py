@@ -22,7 +22,7 @@ from google.protobuf import message as pb_message
 from typing_extensions import override
 
 from lmq_broker import errors
-from lmq_broker.protocol import authorizing, status
+from lmq_broker.protocol import authorizing, revoking, status
 from lmq_broker.protocol.context import Caller
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -83,7 +83,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self.edge = edge
         self.external = external
         self.refusals = RefusalLog()
-        self.gate = authorizing.Gate(edge.access)
+        self.gate = authorizing.Gate(edge.access, revoking.Revoker(edge, edge.access))
 
     def _guard(self, context: Context, check: Check, answer: Callable[[], Awaitable[Resp]]) -> Awaitable[Resp]:
         """``answer()``, after ``check`` when access control is on (``--acl``); a refusal, as an awaitable that

@@ -24,7 +24,9 @@ import java.util.TreeMap;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.atomic.AtomicLong;
 import org.apache.rocketmq.client.apis.ClientConfiguration;
+import org.apache.rocketmq.client.apis.ClientConfigurationBuilder;
 import org.apache.rocketmq.client.apis.ClientServiceProvider;
+import org.apache.rocketmq.client.apis.StaticSessionCredentialsProvider;
 import org.apache.rocketmq.client.apis.consumer.ConsumeResult;
 import org.apache.rocketmq.client.apis.consumer.FilterExpression;
 import org.apache.rocketmq.client.apis.consumer.FilterExpressionType;
@@ -50,10 +52,14 @@ public final class Driver {
     private final Map<String, Object[]> handles = new ConcurrentHashMap<>();
     private final AtomicLong handleIds = new AtomicLong();
 
-    private Driver(String endpoint) {
+    private Driver(String endpoint, String accessKey, String secretKey) {
         // Java defaults to TLS; lmq's broker listens in plaintext unless given --tls-cert/--tls-key.
-        config = ClientConfiguration.newBuilder().setEndpoints(endpoint).enableSsl(false)
-            .setRequestTimeout(Duration.ofSeconds(5)).build();
+        ClientConfigurationBuilder builder = ClientConfiguration.newBuilder().setEndpoints(endpoint).enableSsl(false)
+            .setRequestTimeout(Duration.ofSeconds(5));
+        if (accessKey != null && secretKey != null) { // signed as a user (--acl): MQv2-HMAC-SHA1
+            builder.setCredentialProvider(new StaticSessionCredentialsProvider(accessKey, secretKey));
+        }
+        config = builder.build();
     }
 
     static synchronized void emit(JsonObject obj) {
@@ -260,12 +266,16 @@ public final class Driver {
     public static void main(String[] args) throws Exception {
         System.setOut(System.err); // a client that prints must not corrupt the protocol
         String endpoint = null;
+        String accessKey = null;
+        String secretKey = System.getenv("LMQ_DRIVER_SECRET_KEY"); // kept out of the process list
         for (int i = 0; i < args.length - 1; i++) {
             if (args[i].equals("--endpoint")) {
                 endpoint = args[i + 1];
+            } else if (args[i].equals("--access-key")) {
+                accessKey = args[i + 1];
             }
         }
-        Driver driver = new Driver(endpoint);
+        Driver driver = new Driver(endpoint, accessKey, secretKey);
         JsonObject ready = new JsonObject();
         ready.addProperty("event", "ready");
         emit(ready);
