@@ -333,8 +333,8 @@ SourceCidr = Annotated[
     ),
 ]
 Action = Literal["Pub", "Sub", "Create", "Update", "Delete", "Get", "List"]
-MAX_POLICIES: Final = 64
-MAX_POLICY_ITEMS: Final = 64  # resources or sources in one policy
+MAX_POLICIES: Final = 32
+MAX_POLICY_ITEMS: Final = 32  # resources or sources in one policy
 
 
 class SecretRefSpec(CamelModel):
