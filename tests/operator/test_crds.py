@@ -28,7 +28,7 @@ def test_crds_are_established_with_short_names(kube: testing.KubeAPI, crds: list
     assert crds == ["litegroups.lmq.io", "litequotas.lmq.io", "parenttopics.lmq.io"]
     found = kube.get("/apis/lmq.io/v1alpha1")
     short = {r["kind"]: r.get("shortNames") for r in found["resources"] if "/" not in r["name"]}
-    assert short == {"ParentTopic": ["pt"], "LiteGroup": ["lg"], "LiteQuota": ["lq"]}
+    assert short == {"ParentTopic": ["pt"], "LiteGroup": ["lg"], "LiteQuota": ["lq"], "LmqUser": ["lu"]}
     assert {r["name"] for r in found["resources"]} >= {"parenttopics/status", "litegroups/status"}
 
 
