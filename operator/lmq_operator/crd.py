@@ -383,6 +383,8 @@ def _rows(node: Schema, prefix: str, required: set[str]) -> Iterator[FieldRow]:
         yield FieldRow(path, kind, default, _limits(child), child["description"])
         if child["type"] == "object":
             yield from _rows(child, f"{path}.", set(child.get("required", ())))
+        elif child["type"] == "array" and child["items"]["type"] == "object":
+            yield from _rows(child["items"], f"{path}[].", set(child["items"].get("required", ())))
 
 
 def _shown(default: Any) -> str:

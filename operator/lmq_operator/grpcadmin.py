@@ -13,8 +13,8 @@ from lmq_broker import errors
 from lmq_broker import model as broker_model
 from lmq_broker.admin import codes
 from lmq_broker.admin.client import AsyncAdminClient
-from lmq_broker.admin.results import AclEntry
 from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.admin.results import AclEntry
 from lmq_broker.admin.tls import ClientTls
 from lmq_operator import model
 from lmq_operator.admins import AdminError

@@ -130,7 +130,11 @@ def test_user_reaches_every_broker_with_its_secret_and_policies_and_drift_is_rep
     rotated = "rotated-secret-" + uuid.uuid4().hex
     put_secret(kube, namespace, "tenant-a-credentials", rotated)
     for b in acl_brokers:
-        testing.wait_for(lambda b=b: send(b, (user, rotated), parent, "tenant-a-3") == v2.OK, TIMEOUT_S, "rotated")
+
+        def rotated_on(b: Any = b) -> bool:
+            return send(b, (user, rotated), parent, "tenant-a-3") == v2.OK
+
+        testing.wait_for(rotated_on, TIMEOUT_S, "the rotated secret signs")
         assert send(b, (user, secret), parent, "tenant-a-3") == v2.UNAUTHORIZED
 
     # A policy added in the spec applies; one removed from it goes from the brokers.
