@@ -265,6 +265,6 @@ def test_the_readme_tells_the_crd_upgrade_story(chart_dir: Path) -> None:
 def test_the_readme_deletes_the_resources_before_the_operator_and_the_crds(chart_dir: Path) -> None:
     """Resources keep lmq.io/finalizer until the running operator has deleted their broker copies."""
     readme = (chart_dir / "README.md").read_text()
-    delete_at = readme.index("kubectl delete parenttopics,litegroups,litequotas --all -A")
+    delete_at = readme.index("kubectl delete lmqusers,parenttopics,litegroups,litequotas --all -A")
     assert delete_at < readme.index("helm uninstall mq -n mq") < readme.index("kubectl delete crd parenttopics.lmq.io")
     assert "lmq.io/finalizer" in readme and "Terminating" in readme
