@@ -6,6 +6,7 @@ and on ``grpcadmin.GrpcAdmin`` against a real broker, so the twin cannot drift f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -83,7 +84,10 @@ class MemoryAdmin:
             model.Kind.PARENT_TOPIC: (("liteTopicCount", 0),),
             model.Kind.LITE_GROUP: (("subscriptionCount", 0), ("clientCount", 0), ("lag", 0)),
             model.Kind.LITE_QUOTA: (),
+            model.Kind.LMQ_USER: (),
         }[kind]
+        if isinstance(found, model.UserConfig):  # a broker never returns a secret, nor where it came from
+            found = dataclasses.replace(found, secret="", secret_version="")
         reclaim = self.reclaims.get(key) if kind is model.Kind.PARENT_TOPIC else None
         orphan = isinstance(found, model.GroupConfig) and found.bind_topic not in self.objects[model.Kind.PARENT_TOPIC]
         return model.Observed(found, figures, reclaim, parent_missing=orphan)
@@ -115,4 +119,5 @@ _KIND_OF: dict[type, model.Kind] = {
     model.TopicConfig: model.Kind.PARENT_TOPIC,
     model.GroupConfig: model.Kind.LITE_GROUP,
     model.QuotaConfig: model.Kind.LITE_QUOTA,
+    model.UserConfig: model.Kind.LMQ_USER,
 }

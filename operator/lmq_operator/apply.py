@@ -58,9 +58,16 @@ async def execute(
 
 
 async def sync(
-    pool: AdminPool, wanted: model.Config, kind: model.Kind, brokers: Iterable[model.Broker]
+    pool: AdminPool,
+    wanted: model.Config,
+    kind: model.Kind,
+    brokers: Iterable[model.Broker],
+    previous: Mapping[str, Any] | None = None,
 ) -> tuple[diff.Plan, list[model.BrokerSync]]:
+    """``previous``: the resource's status, which says which Secret value its users' copies hold."""
     observed = await observe(pool, kind, wanted.key, brokers)
+    if isinstance(wanted, model.UserConfig):
+        observed = diff.with_secret_version(observed, str((previous or {}).get(SECRET_VERSION) or ""))
     planned = diff.plan(wanted, observed)
     return planned, await execute(pool, planned, observed)
 
@@ -104,14 +111,16 @@ async def prepare(
     kind: model.Kind,
     body: Mapping[str, Any],
     claims: Mapping[str, Iterable[model.Claimant]],
+    *,
+    secret: desired.Secret = None,
 ) -> list[Missing]:
     """Apply one resource to ``brokers`` only, with the reconcile's own observe, diff and put: joining brokers
     get everything before any broker is told the ring that makes them members. Status is the reconcile's to
     write; a resource the operator leaves alone (paused, unmanaged, invalid, in conflict) is skipped."""
-    wanted = desired.gate(kind, body["metadata"], body.get("spec") or {}, claims)
+    wanted = desired.gate(kind, body["metadata"], body.get("spec") or {}, claims, secret)
     if isinstance(wanted, desired.Blocked):
         return []
-    _, syncs = await sync(pool, wanted, kind, brokers)
+    _, syncs = await sync(pool, wanted, kind, brokers, body.get("status"))
     ready = status.ready_of(body.get("status") or {})
     missing = []
     for s in syncs:
@@ -155,22 +164,30 @@ async def reconcile(
     body: Mapping[str, Any],
     claims: Mapping[str, Iterable[model.Claimant]],
     now: datetime,
+    secret: desired.Secret = None,
 ) -> Outcome:
+    """``secret``: a user's, read from its Secret by the caller (the one module here that reads Kubernetes)."""
     meta = body["metadata"]
     previous: Mapping[str, Any] = dict(body.get("status") or {})
     generation = int(meta.get("generation") or 0)
-    wanted = desired.gate(kind, meta, body.get("spec") or {}, claims)
+    wanted = desired.gate(kind, meta, body.get("spec") or {}, claims, secret)
     if isinstance(wanted, desired.Blocked):
         key = (kind, wanted.key) if wanted.key is not None else None
         new = status.blocked(wanted.reason, wanted.message, generation=generation, previous=previous, now=now, key=key)
-        return Outcome(new, _transition_events(previous, new))
+        # A Secret that is not there yet (applied after its user) is looked for again soon, not at the resync.
+        return Outcome(new, _transition_events(previous, new), retry=wanted.reason in status.RETRYING)
     view = await fleet.view()
-    _, syncs = await sync(pool, wanted, kind, view.targets)
+    _, syncs = await sync(pool, wanted, kind, view.targets, previous)
     new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
     if kind is model.Kind.PARENT_TOPIC:
         status.with_condition(new, status.drained(view.leaving, previous, now))
     news = _write_events(trigger, syncs, previous)
     retry = not syncs or any(not s.synced for s in syncs)
+    if isinstance(wanted, model.UserConfig):
+        # Only a value every broker took is "applied": until then each attempt puts it everywhere again.
+        version = previous.get(SECRET_VERSION) if retry else wanted.secret_version
+        if version:
+            new[SECRET_VERSION] = version
     repaired = sum(len(names) for reason, names in news.items() if reason == "DriftRepaired")
     writes = tuple(
         Event("Normal", r, f"{kind.value} {wanted.key!r} {_VERB[r]} on {', '.join(n)}") for r, n in news.items()
@@ -178,6 +195,7 @@ async def reconcile(
     return Outcome(new, writes + _transition_events(previous, new), retry, repaired, len(view.targets))
 
 
+SECRET_VERSION: Final = "secretVersion"  # status: the Secret value every broker's copy of a user holds
 WOKEN: Final = "parent"  # the trigger of a LiteGroup reconciled at once because its ParentTopic turned Ready
 _VERB: Final = {"Created": "created", "Adopted": "adopted", "Updated": "applied", "DriftRepaired": "repaired"}
 _CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritten", "none": "already identical"}
@@ -236,7 +254,7 @@ async def remove(
             return Outcome({})  # it never reached a broker
         what = wanted.key or desired.broker_key(kind, str(meta["name"]), spec)
         return Outcome({}, (Event("Normal", "Retained", f"{kind.value} {what!r} left on brokers: {wanted.message}"),))
-    if isinstance(wanted, model.TopicConfig) and spec.get("deletionPolicy") == "retain":
+    if isinstance(wanted, model.TopicConfig | model.UserConfig) and spec.get("deletionPolicy") == "retain":
         text = f"{kind.value} {wanted.key!r} left on brokers (deletionPolicy: retain)"
         return Outcome({}, (Event("Normal", "Retained", text),))
     # Releasing the finalizer is only safe once every broker said the copy is gone: with no broker to ask

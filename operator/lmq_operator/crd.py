@@ -144,6 +144,22 @@ class LiteQuotaStatus(_ResourceStatus):
     brokers: tuple[LiteQuotaBroker, ...] | None = Field(None, max_length=1024, description="Per-broker sync state.")
 
 
+class LmqUserBroker(_Broker):
+    """One broker's copy of the user and its policies."""
+
+
+class LmqUserStatus(_ResourceStatus):
+    """What the operator last applied to the brokers (never the secret itself)."""
+
+    user_name: str | None = Field(None, description="The broker-side user name this resource manages.")
+    secret_version: str | None = Field(
+        None,
+        description="The Secret value every broker holds, as <secret>/<key>@<resourceVersion>; a Secret changed"
+        " since is applied to every broker by the next reconcile.",
+    )
+    brokers: tuple[LmqUserBroker, ...] | None = Field(None, max_length=1024, description="Per-broker sync state.")
+
+
 # ---- the resources ------------------------------------------------------------------------------------------
 
 
@@ -249,6 +265,22 @@ RESOURCES: Final = (
             _AGE,
         ),
     ),
+    Resource(
+        model.Kind.LMQ_USER,
+        "lu",
+        model.LmqUserSpec,
+        LmqUserStatus,
+        (
+            _column("User", "string", ".status.userName"),
+            _column("Super", "boolean", ".spec.superUser"),
+            _column("Enabled", "boolean", ".spec.enabled"),
+            _column("Secret", "string", ".spec.secretRef.name"),
+            *_READY_COLUMNS,
+            _AGE,
+        ),
+        name_field="userName",
+        noun="user",
+    ),
 )
 
 
@@ -351,6 +383,8 @@ def _rows(node: Schema, prefix: str, required: set[str]) -> Iterator[FieldRow]:
         yield FieldRow(path, kind, default, _limits(child), child["description"])
         if child["type"] == "object":
             yield from _rows(child, f"{path}.", set(child.get("required", ())))
+        elif child["type"] == "array" and child["items"]["type"] == "object":
+            yield from _rows(child["items"], f"{path}[].", set(child["items"].get("required", ())))
 
 
 def _shown(default: Any) -> str:
@@ -378,7 +412,11 @@ def _limits(node: Schema) -> str:
         if rule["rule"].startswith("self.matches("):
             parts.append("`" + rule["rule"].removeprefix("self.matches('^").removesuffix("$')") + "`")
     if "maxItems" in node:
-        parts.append(f"at most {node['maxItems']} entries")
+        parts.append(
+            f"{node.get('minItems', 0)}..{node['maxItems']} entries"
+            if "minItems" in node
+            else f"at most {node['maxItems']} entries"
+        )
         each = _limits(node["items"])
         if each:
             parts.append(f"each {each}")

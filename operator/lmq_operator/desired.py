@@ -6,12 +6,14 @@ handler reports it as ``Ready=False, Invalid``); it never raises into kopf, whic
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pydantic
 
+from lmq_broker.access.policy import MAX_SECRET_CHARS, MIN_SECRET_CHARS
 from lmq_operator import model, status
 
 
@@ -82,13 +84,18 @@ class Blocked:
     key: str | None = None
 
 
+Secret = model.Credential | model.SecretProblem | None  # None: not read (deleting needs no secret)
+
+
 def gate(
     kind: model.Kind,
     meta: Mapping[str, Any],
     spec: Mapping[str, Any],
     claims: Mapping[str, Iterable[model.Claimant]],
+    secret: Secret = None,
 ) -> model.Config | Blocked:
-    """What to apply, or why nothing may be applied: annotations first, then validity, then ownership."""
+    """What to apply, or why nothing may be applied: annotations first, then validity, then ownership, then (a
+    user) its Secret."""
     current = mode(meta.get("annotations") or {})
     key = broker_key(kind, str(meta["name"]), spec)  # still shown in status: the name is immutable
     if current is model.Mode.UNMANAGED:
@@ -104,4 +111,21 @@ def gate(
     if owner_ is not None:
         text = f"{kind.value} {owner_.ref} already manages {status.KEY_FIELD[kind]} {wanted.key!r}"
         return Blocked(status.Reason.RESOURCE_CONFLICT, text, wanted.key)
+    if isinstance(wanted, model.UserConfig):
+        return with_secret(wanted, secret)
     return wanted
+
+
+def with_secret(wanted: model.UserConfig, secret: Secret) -> model.UserConfig | Blocked:
+    """The user with its Secret's value, or why it cannot have one."""
+    if isinstance(secret, model.SecretProblem):
+        reason = status.Reason.SECRET_NOT_FOUND if secret.missing else status.Reason.SECRET_INVALID
+        return Blocked(reason, secret.message, wanted.key)
+    if secret is None:
+        return wanted
+    if not MIN_SECRET_CHARS <= len(secret.secret) <= MAX_SECRET_CHARS:
+        text = (
+            f"the secret in {secret.version.partition('@')[0]} must be {MIN_SECRET_CHARS}-{MAX_SECRET_CHARS} characters"
+        )
+        return Blocked(status.Reason.SECRET_INVALID, text, wanted.key)
+    return dataclasses.replace(wanted, secret=secret.secret, secret_version=secret.version)

@@ -6,6 +6,7 @@ and so that its failure is reported on its own line of ``status.brokers``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,17 @@ def plan(wanted: model.Config, observed: Mapping[model.Broker, Observation]) -> 
         else:
             steps.append(Step(broker, Change.NONE, wanted))
     return Plan(tuple(steps), tuple(unreachable))
+
+
+def with_secret_version(observed: Mapping[model.Broker, Observation], version: str) -> dict[model.Broker, Observation]:
+    """Users as brokers hold them, with the Secret value they were last given everywhere (``version``): brokers
+    never return a secret, so a changed Secret differs from every copy, and an unchanged one from none."""
+    out: dict[model.Broker, Observation] = {}
+    for broker, seen in observed.items():
+        out[broker] = seen
+        if isinstance(seen, model.Observed) and isinstance(seen.config, model.UserConfig):
+            out[broker] = dataclasses.replace(seen, config=dataclasses.replace(seen.config, secret_version=version))
+    return out
 
 
 def plan_delete(brokers: Sequence[model.Broker], key: str) -> tuple[tuple[model.Broker, str], ...]:

@@ -14,6 +14,7 @@ from lmq_broker import model as broker_model
 from lmq_broker.admin import codes
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
+from lmq_broker.admin.results import AclEntry
 from lmq_broker.admin.tls import ClientTls
 from lmq_operator import model
 from lmq_operator.admins import AdminError
@@ -24,7 +25,9 @@ _MODELS: Final[dict[broker_model.SubscriptionModel, Literal["Shared", "Exclusive
 }
 
 
-def _to_broker(c: model.Config) -> broker_model.ParentTopic | broker_model.LiteGroup | broker_model.Quota:
+def _to_broker(
+    c: model.TopicConfig | model.GroupConfig | model.QuotaConfig,
+) -> broker_model.ParentTopic | broker_model.LiteGroup | broker_model.Quota:
     if isinstance(c, model.TopicConfig):
         message_type = broker_model.MessageType(c.message_type)
         return broker_model.ParentTopic(c.name, message_type, c.expiration_minutes, c.max_lite_topics)
@@ -97,6 +100,8 @@ class GrpcAdmin:
 
     async def get(self, kind: model.Kind, key: str) -> model.Observed | None:
         try:
+            if kind is model.Kind.LMQ_USER:
+                return model.Observed(await self._user(key))
             if kind is model.Kind.PARENT_TOPIC:
                 t = await self._client.get_parent_topic(key)
                 count = (("liteTopicCount", t.lite_topic_count),)
@@ -114,6 +119,11 @@ class GrpcAdmin:
             raise _failed(exc) from None
 
     async def put(self, config: model.Config) -> bool:
+        if isinstance(config, model.UserConfig):
+            try:
+                return await self._put_user(config)
+            except errors.LmqError as exc:
+                raise _failed(exc) from None
         wanted = _to_broker(config)
         try:
             if isinstance(wanted, broker_model.ParentTopic):
@@ -125,6 +135,31 @@ class GrpcAdmin:
             raise AdminError(model.Failure.MISSING_PARENT, f"NOT_FOUND: {exc.message}") from None
         except errors.LmqError as exc:
             raise _failed(exc) from None
+
+    async def _user(self, name: str) -> model.UserConfig:
+        user = await self._client.get_user(name)
+        entries = (
+            model.AclEntryConfig(e.resource, e.actions, e.decision, e.sources) for e in await self._client.get_acl(name)
+        )
+        return model.UserConfig(user.name, user.super_user, user.enabled, tuple(sorted(entries, key=lambda e: e.key)))
+
+    async def _put_user(self, c: model.UserConfig) -> bool:
+        """The user, then its entries exactly: every moment in between is at most as permissive as before or
+        after (extra allows go first, extra denies last)."""
+        put = await self._client.put_user(c.name, c.secret, super_user=c.super_user, enabled=c.enabled)
+        wanted = {e.key for e in c.entries}
+        extra = [e for e in await self._client.get_acl(c.name) if (e.resource, e.decision) not in wanted]
+        for e in extra:
+            if e.decision != "Deny":
+                await self._client.delete_acl(c.name, e.resource, e.decision)
+        if c.entries:
+            await self._client.put_acl(
+                [AclEntry(c.name, e.resource, e.actions, e.decision, e.sources) for e in c.entries]
+            )
+        for e in extra:
+            if e.decision == "Deny":
+                await self._client.delete_acl(c.name, e.resource, e.decision)
+        return put.created
 
     async def _has_topic(self, name: str) -> bool:
         try:
@@ -139,6 +174,8 @@ class GrpcAdmin:
                 return (await self._client.delete_parent_topic(key, purge_lite_topics=purge)).deleted
             if kind is model.Kind.LITE_GROUP:
                 return await self._client.delete_group(key)
+            if kind is model.Kind.LMQ_USER:
+                return (await self._client.delete_user(key)).deleted  # its policy entries go with it
             return await self._client.delete_quota(key)
         except errors.NotFound:
             return False  # already gone: deleting is idempotent

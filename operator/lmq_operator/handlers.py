@@ -98,6 +98,7 @@ class Context:
     # group whose create handler has not run yet is left to it (else that handler would find the copies the
     # wake-up made and call them adopted).
     refused: set[str] = field(default_factory=set)
+    secrets: kube.SecretReader = field(default_factory=kube.SecretReader)  # LmqUsers' Secrets, one get each
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
@@ -116,7 +117,7 @@ class Context:
 
 
 # Parent topics before the groups bound to them: a group's put is refused where its parent is missing.
-APPLY_ORDER: Final = (model.Kind.PARENT_TOPIC, model.Kind.LITE_QUOTA, model.Kind.LITE_GROUP)
+APPLY_ORDER: Final = (model.Kind.PARENT_TOPIC, model.Kind.LITE_QUOTA, model.Kind.LITE_GROUP, model.Kind.LMQ_USER)
 
 
 _DELETED_KEPT = 4096  # finished deletions remembered; a re-run comes within seconds of its first run
@@ -223,6 +224,7 @@ async def close(memo: Any, **_: Any) -> None:
             await ctx.scaler.close()
         await ctx.fleet.close()
         ctx.statuses.close()
+        ctx.secrets.close()
 
 
 @kopf.on.probe(id="brokers")
@@ -253,6 +255,21 @@ def litegroups_claims(name: str, namespace: str | None, spec: Any, meta: Any, ui
 @kopf.index(model.GROUP, model.VERSION, "litequotas")
 def litequotas_claims(name: str, namespace: str | None, spec: Any, meta: Any, uid: str, **_: Any) -> Any:
     return _claim(model.Kind.LITE_QUOTA, name=name, namespace=namespace, spec=spec, meta=meta, uid=uid)
+
+
+@kopf.index(model.GROUP, model.VERSION, "lmqusers")
+def lmqusers_claims(name: str, namespace: str | None, spec: Any, meta: Any, uid: str, **_: Any) -> Any:
+    return _claim(model.Kind.LMQ_USER, name=name, namespace=namespace, spec=spec, meta=meta, uid=uid)
+
+
+async def _secret(ctx: Context, kind: model.Kind, body: Any) -> desired.Secret:
+    """A user's secret from the Secret its spec names, read at every reconcile (None: not a user, or a spec
+    naming no Secret, which the reconcile reports Invalid)."""
+    ref = (body.get("spec") or {}).get("secretRef")
+    if kind is not model.Kind.LMQ_USER or not isinstance(ref, dict) or not ref.get("name"):
+        return None
+    namespace = body["metadata"].get("namespace") or ctx.conf.namespace or "default"
+    return await ctx.secrets.read(namespace, str(ref["name"]), str(ref.get("key") or "secretKey"))
 
 
 WOKEN: Final = apply.WOKEN  # the trigger of a LiteGroup reconciled because its ParentTopic turned Ready
@@ -310,8 +327,9 @@ async def _apply(
     """One reconcile of ``body`` (under its lock): the outcome and the status changes to write."""
     previous = dict(body.get("status") or {})
     async with ctx.slots or contextlib.nullcontext():
+        secret = await _secret(ctx, kind, body)
         outcome = await apply.reconcile(
-            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now()
+            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now(), secret=secret
         )
     if trigger in OUTSIDE_HANDLERS:  # post through the context a handler left (see Context)
         if ctx.posting is not None:
@@ -385,7 +403,8 @@ async def _prepare(ctx: Context, brokers: Sequence[model.Broker]) -> scaling.Unp
                     if body is None or body["metadata"].get("deletionTimestamp"):
                         return
                     try:
-                        missing.extend(await apply.prepare(pool, brokers, kind, body, ctx.claims(kind)))
+                        secret = await _secret(ctx, kind, body)
+                        missing.extend(await apply.prepare(pool, brokers, kind, body, ctx.claims(kind), secret=secret))
                     except Exception as exc:  # a bug, not a broker's answer: still no reason to tell the ring
                         log.exception("applying %s %s to joining brokers failed", kind.value, uid)
                         missing.append(apply.Missing(f"{kind.value} {body['metadata'].get('name')}: {exc}", False))

@@ -8,6 +8,7 @@ never deserialized into the client's model objects.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -79,6 +80,54 @@ async def listed(kind: model.Kind, namespace: str | None, client: Any = None, pa
                 return found
 
     return await asyncio.to_thread(read)
+
+
+# ---- a user's Secret ------------------------------------------------------------------------------------
+
+
+class SecretReader:
+    """A user's secret from the Secret its spec names (``get`` on one Secret: the operator never lists or watches
+    Secrets, so its role cannot enumerate them; a changed value is read on the next reconcile, at the latest the
+    resync). A Secret that is not there, lacks the key or may not be read is a value, not an exception."""
+
+    def __init__(self, client: Any = None) -> None:
+        self._client = client
+
+    async def read(self, namespace: str, name: str, key: str) -> model.Credential | model.SecretProblem:
+        def call() -> model.Credential | model.SecretProblem:
+            if self._client is None:
+                self._client = kube_client()
+            api = kubernetes.client.CoreV1Api(self._client)
+            try:
+                resp: Any = api.read_namespaced_secret(name, namespace, _preload_content=False)
+            except kubernetes.client.ApiException as exc:
+                if exc.status in (403, 404):
+                    why = (
+                        "does not exist" if exc.status == 404 else "may not be read by the operator (RBAC: get secrets)"
+                    )
+                    return model.SecretProblem(f"Secret {namespace}/{name} {why}")
+                raise
+            return credential(json.loads(resp.data), name, key)
+
+        return await asyncio.to_thread(call)
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+
+
+def credential(secret: Mapping[str, Any], name: str, key: str) -> model.Credential | model.SecretProblem:
+    """The value under ``key`` of a Secret as the API returns it (base64 in ``data``)."""
+    encoded = (secret.get("data") or {}).get(key)
+    if encoded is None:
+        return model.SecretProblem(f"Secret {name} has no key {key!r}")
+    try:
+        value = base64.b64decode(encoded).decode()
+    except (ValueError, UnicodeDecodeError):
+        return model.SecretProblem(f"Secret {name} key {key!r} is not UTF-8 text", missing=False)
+    version = (secret.get("metadata") or {}).get("resourceVersion", "")
+    return model.Credential(value.strip("\n"), f"{name}/{key}@{version}")
 
 
 # ---- the leader-election Lease --------------------------------------------------------------------------

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from lmq_broker import errors as broker_errors
+from lmq_broker.access import policy as broker_policy
 from lmq_broker.model import MAX_LITE_TOPIC_BYTES, MAX_RESOURCE_NAME_BYTES
 from lmq_operator.schema import Bits, Immutable, Matches, NotZero
 
@@ -46,10 +48,11 @@ class Kind(enum.StrEnum):
     PARENT_TOPIC = "ParentTopic"
     LITE_GROUP = "LiteGroup"
     LITE_QUOTA = "LiteQuota"
+    LMQ_USER = "LmqUser"
 
     @property
     def plural(self) -> str:
-        return {"ParentTopic": "parenttopics", "LiteGroup": "litegroups", "LiteQuota": "litequotas"}[self.value]
+        return f"{self.value.lower()}s"
 
 
 class Mode(enum.Enum):
@@ -298,11 +301,140 @@ class LiteQuotaSpec(CamelModel):
         )
 
 
-Spec = ParentTopicSpec | LiteGroupSpec | LiteQuotaSpec
-SPECS: Final[dict[Kind, type[ParentTopicSpec] | type[LiteGroupSpec] | type[LiteQuotaSpec]]] = {
+# ---- users and their policies (the brokers' access control, docs/security.md) --------------------------------
+
+# A user's name is its access key (MQv2-HMAC-SHA1) and its MQTT username, as the brokers accept it.
+UserName = Annotated[
+    str,
+    Field(min_length=1, max_length=broker_policy.MAX_NAME_CHARS),
+    Matches("[A-Za-z0-9._:@-]+", "may only contain letters, digits, '.', '_', ':', '@' and '-'"),
+]
+# What the brokers' policy parser reads (access.policy): checked here by the same parser, and at admission by
+# this shape (a literal parent for Lite:, no blanks).
+PolicyResource = Annotated[
+    str,
+    Field(min_length=1, max_length=broker_policy.MAX_RESOURCE_CHARS),
+    Matches(
+        "(?:[*]|(Topic|Group):[^\\s]+|Lite:[^/*?\\s]+/[^\\s]+)",
+        "is not a resource: Topic:<name>, Group:<name>, Lite:<parent>/<name> (a name may be a prefix ending in * or"
+        " a pattern with * and ?) or *",
+    ),
+]
+SourceCidr = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=64,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "isCIDR(self) || isIP(self)", "messageExpression": "self + ' is not an IP address or CIDR'"}
+            ]
+        },
+    ),
+]
+Action = Literal["Pub", "Sub", "Create", "Update", "Delete", "Get", "List"]
+MAX_POLICIES: Final = 32
+MAX_POLICY_ITEMS: Final = 32  # resources or sources in one policy
+
+
+class SecretRefSpec(CamelModel):
+    """The Kubernetes Secret (in this resource's namespace) holding the user's secret key, which is also its MQTT
+    password; the operator reads it on every reconcile, so a changed value reaches the brokers within a resync."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Name of the Secret.")
+    key: Annotated[str, Field(min_length=1, max_length=253)] = Field(
+        "secretKey", description="Key in the Secret's data whose value is the secret (8-256 characters)."
+    )
+
+
+class PolicySpec(CamelModel):
+    """Actions the user may (Allow) or may not (Deny) take on resources; deny wins, and anything no Allow names
+    is refused."""
+
+    resources: tuple[PolicyResource, ...] = Field(
+        min_length=1,
+        max_length=MAX_POLICY_ITEMS,
+        description="Topic:<parent>, Group:<group>, Lite:<parent>/<lite topic> or *; a name is literal, a prefix"
+        " ending in * (Lite:chat/tenant-a-*) or a pattern with * and ?.",
+    )
+    actions: tuple[Action, ...] = Field(
+        min_length=1, max_length=7, description="Pub, Sub and the admin actions Create, Update, Delete, Get, List."
+    )
+    decision: Literal["Allow", "Deny"] = Field("Allow", description="Allow or Deny; a matching Deny always wins.")
+    source_cidrs: tuple[SourceCidr, ...] = Field(
+        (),
+        max_length=MAX_POLICY_ITEMS,
+        description="Client addresses the policy applies to (IP addresses or CIDRs); none: from anywhere.",
+    )
+
+    @model_validator(mode="after")
+    def _broker_accepts(self) -> PolicySpec:
+        for resource in self.resources:  # the brokers' own parser: what it refuses is Invalid here
+            try:
+                broker_policy.checked_entry(
+                    broker_policy.Entry("u", resource, (broker_policy.Action.PUB,), sources=self.source_cidrs)
+                )
+            except broker_errors.LmqError as exc:
+                raise ValueError(exc.message) from None
+        return self
+
+
+class LmqUserSpec(CamelModel):
+    """A user of the brokers (an access/secret key pair for gRPC, a username/password for MQTT) and its policies,
+    on every broker pod; the secret comes from a Secret, never from the spec."""
+
+    user_name: Annotated[UserName | None, Immutable("it cannot be added, changed or removed after creation")] = Field(
+        None, description="Broker-side user name (the access key and MQTT username); defaults to metadata.name."
+    )
+    super_user: bool = Field(False, description="A super user may do everything; its policies are not consulted.")
+    enabled: bool = Field(True, description="false refuses every call of the user without deleting it.")
+    secret_ref: SecretRefSpec = Field(description=SecretRefSpec.__doc__)
+    policies: tuple[PolicySpec, ...] = Field(
+        (), max_length=MAX_POLICIES, description="What the user may do; none: nothing (unless superUser)."
+    )
+    deletion_policy: Literal["delete", "retain"] = Field(
+        "delete",
+        description="delete removes the user and its policies from every broker when this resource is deleted;"
+        " retain keeps them.",
+    )
+
+    @model_validator(mode="after")
+    def _one_entry_per_resource(self) -> LmqUserSpec:
+        seen: set[tuple[str, str]] = set()
+        for policy in self.policies:
+            for resource in policy.resources:
+                if (resource, policy.decision) in seen:
+                    raise ValueError(f"{resource} is in two policies with decision {policy.decision}: name it once")
+                seen.add((resource, policy.decision))
+        return self
+
+    def config(self, name: str) -> UserConfig:
+        """The user every broker should hold, without its secret (``desired`` adds the Secret's value)."""
+        entries = (
+            AclEntryConfig(r, _sorted_actions(p.actions), p.decision, tuple(dict.fromkeys(p.source_cidrs)))
+            for p in self.policies
+            for r in p.resources
+        )
+        return UserConfig(
+            name=self.user_name if self.user_name is not None else name,
+            super_user=self.super_user,
+            enabled=self.enabled,
+            entries=tuple(sorted(entries, key=lambda e: e.key)),
+        )
+
+
+def _sorted_actions(actions: tuple[str, ...]) -> tuple[str, ...]:
+    """As the brokers store them: once each, in their order."""
+    order = [a.value for a in broker_policy.Action]
+    return tuple(sorted(set(actions), key=order.index))
+
+
+Spec = ParentTopicSpec | LiteGroupSpec | LiteQuotaSpec | LmqUserSpec
+SPECS: Final[dict[Kind, type[ParentTopicSpec] | type[LiteGroupSpec] | type[LiteQuotaSpec] | type[LmqUserSpec]]] = {
     Kind.PARENT_TOPIC: ParentTopicSpec,
     Kind.LITE_GROUP: LiteGroupSpec,
     Kind.LITE_QUOTA: LiteQuotaSpec,
+    Kind.LMQ_USER: LmqUserSpec,
 }
 
 
@@ -352,7 +484,56 @@ class QuotaConfig:
         return self.scope
 
 
-Config = TopicConfig | GroupConfig | QuotaConfig
+@dataclass(frozen=True, slots=True)
+class AclEntryConfig:
+    """One policy entry of a user, as the admin API names it (the user is the UserConfig's)."""
+
+    resource: str
+    actions: tuple[str, ...]
+    decision: str  # "Allow" | "Deny"
+    sources: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.resource, self.decision)  # a broker keeps one entry per user, resource and decision
+
+
+@dataclass(frozen=True, slots=True)
+class UserConfig:
+    """A user and its policy entries (sorted by key). Brokers never return a secret: ``secret_version`` says
+    which Secret value a copy holds (the one the operator last applied everywhere, see ``apply``), and the
+    secret itself takes no part in comparing."""
+
+    name: str
+    super_user: bool
+    enabled: bool
+    entries: tuple[AclEntryConfig, ...] = ()
+    secret: str = field(default="", repr=False, compare=False)
+    secret_version: str = ""  # "<secret>/<key>@<resourceVersion>" of the Secret the value came from
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """A user's secret as read from its Secret, and where from (its ``secret_version``)."""
+
+    secret: str = field(repr=False)
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class SecretProblem:
+    """The Secret a user names cannot be used: ``missing`` (not there, or without the key: it may still come)
+    or not a usable secret."""
+
+    message: str
+    missing: bool = True
+
+
+Config = TopicConfig | GroupConfig | QuotaConfig | UserConfig
 
 
 @dataclass(frozen=True, slots=True)

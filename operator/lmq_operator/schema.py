@@ -95,6 +95,7 @@ _KEY_ORDER: Final = (
     "maximum",
     "minLength",
     "maxLength",
+    "minItems",
     "maxItems",
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
@@ -217,6 +218,8 @@ def _typed(tp: Any, metadata: list[Any], label: str) -> Schema:  # noqa: PLR0912
         if ellipsis is not Ellipsis:
             raise SchemaError(f"{label}: only tuple[X, ...] is supported")
         node["type"] = "array"
+        for min_len in take(metadata, annotated_types.MinLen):
+            node["minItems"] = min_len.min_length
         for max_len in take(metadata, annotated_types.MaxLen):
             node["maxItems"] = max_len.max_length
         item_type, item_metadata, _ = unwrap(item)

@@ -42,17 +42,22 @@ class Reason(enum.StrEnum):
     UNDRAINED_BROKER_LEAVING = "UndrainedBrokerLeaving"
     LEAVING_BROKER_UNREACHABLE = "LeavingBrokerUnreachable"
     PARENT_TOPIC_NOT_FOUND = "ParentTopicNotFound"
+    SECRET_NOT_FOUND = "SecretNotFound"  # a user's Secret, or its key, is not there (yet)
+    SECRET_INVALID = "SecretInvalid"  # a user's Secret holds no usable secret (8-256 characters of UTF-8)
 
 
 # Not Ready, and why it may still change without anyone touching the resource (Reconciling) or not (Stalled).
-RETRYING: Final = frozenset({Reason.BROKER_UNAVAILABLE, Reason.NO_BROKERS, Reason.PARENT_TOPIC_NOT_FOUND})
-TERMINAL: Final = frozenset({Reason.INVALID, Reason.RESOURCE_CONFLICT, Reason.BROKER_REJECTED})
+RETRYING: Final = frozenset(
+    {Reason.BROKER_UNAVAILABLE, Reason.NO_BROKERS, Reason.PARENT_TOPIC_NOT_FOUND, Reason.SECRET_NOT_FOUND}
+)
+TERMINAL: Final = frozenset({Reason.INVALID, Reason.RESOURCE_CONFLICT, Reason.BROKER_REJECTED, Reason.SECRET_INVALID})
 
 
 KEY_FIELD: Final = {
     model.Kind.PARENT_TOPIC: "topicName",
     model.Kind.LITE_GROUP: "groupName",
     model.Kind.LITE_QUOTA: "scope",
+    model.Kind.LMQ_USER: "userName",
 }
 
 # Live figures a broker reports, as status field names; summed over brokers.
@@ -60,6 +65,7 @@ FIGURES: Final[Mapping[model.Kind, tuple[str, ...]]] = {
     model.Kind.PARENT_TOPIC: ("liteTopicCount",),
     model.Kind.LITE_GROUP: ("subscriptionCount", "clientCount", "lag"),
     model.Kind.LITE_QUOTA: (),
+    model.Kind.LMQ_USER: (),
 }
 
 

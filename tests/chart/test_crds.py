@@ -24,6 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from lmq_broker.access import policy
+
 Manifest = dict[str, Any]
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 GENERATED = ("crds", "charts/lmq/crds", "docs/operator.md")
@@ -97,7 +99,7 @@ def test_helm_installs_exactly_the_source_crds(chart: helm.Chart, repo_root: Pat
 
 
 def test_crds_are_valid_and_name_the_agreed_resources(crds: dict[str, Manifest], kube_version: str) -> None:
-    assert set(crds) == {"ParentTopic", "LiteGroup", "LiteQuota"}
+    assert set(crds) == {"ParentTopic", "LiteGroup", "LiteQuota", "LmqUser"}
     for kind, crd in crds.items():
         kubernetes_validate.validate(crd, kube_version, strict=True)
         spec = crd["spec"]
@@ -184,6 +186,39 @@ def test_examples_agree_with_each_other(examples: list[tuple[str, Manifest]]) ->
     for where, doc in examples:
         if doc["kind"] == "LiteGroup" or (doc["kind"] == "LiteQuota" and "parentTopic" in doc["spec"]):
             assert doc["spec"]["parentTopic"] in parents, where
+        for rule in doc["spec"].get("policies", ()) if doc["kind"] == "LmqUser" else ():
+            for resource in rule["resources"]:
+                if resource.startswith("Lite:"):
+                    assert resource.removeprefix("Lite:").partition("/")[0] in parents, where
+
+
+def test_the_tenant_example_confines_its_user_to_its_own_lite_topics(examples: list[tuple[str, Manifest]]) -> None:
+    """The broker's own policy evaluator, on the example's policies: tenant A reaches tenant-a-* only."""
+    (user,) = [doc for _, doc in examples if doc["kind"] == "LmqUser"]
+    name = user["metadata"]["name"]
+    entries = [
+        policy.checked_entry(
+            policy.Entry(
+                name,
+                r,
+                tuple(policy.action_of(a) for a in p["actions"]),
+                policy.decision_of(p.get("decision", "Allow")),
+            )
+        )
+        for p in user["spec"]["policies"]
+        for r in p["resources"]
+    ]
+    subject = policy.compile_rules([policy.User(name, "x" * 16)], entries).subject(name)
+    assert subject is not None
+    parent = "agent-replies"
+    for action in (policy.Action.PUB, policy.Action.SUB):
+        assert subject.allows(action, policy.lite(parent, "tenant-a-session-1"))
+        assert not subject.allows(action, policy.lite(parent, "tenant-b-session-1"))
+        assert not subject.allows(action, policy.topic(parent))  # not every lite topic of the parent
+    assert subject.allows(policy.Action.SUB, policy.group("tenant-a-workers"))
+    assert not subject.allows(policy.Action.SUB, policy.group("tenant-b-workers"))
+    assert not subject.allows(policy.Action.DELETE, policy.lite(parent, "tenant-a-session-1"))
+    assert set(user["spec"]["secretRef"]) == {"name", "key"}  # the secret itself is never in the spec
 
 
 BROKEN: list[tuple[str, Callable[[Manifest], None]]] = [
@@ -198,6 +233,11 @@ BROKEN: list[tuple[str, Callable[[Manifest], None]]] = [
     ("LiteGroup", lambda d: d["spec"]["retryPolicy"].update(backof=["1s"])),
     ("LiteQuota", lambda d: d["spec"].update(maxSendRate="fast")),
     ("LiteQuota", lambda d: d.pop("spec")),
+    ("LmqUser", lambda d: d["spec"].pop("secretRef")),
+    ("LmqUser", lambda d: d["spec"].update(secret="in-the-spec")),  # never: a Secret holds it
+    ("LmqUser", lambda d: d["spec"]["policies"][0].update(actions=["Publish"])),
+    ("LmqUser", lambda d: d["spec"]["policies"][0].update(decision="allow")),
+    ("LmqUser", lambda d: d["spec"]["policies"][0].update(resources=[])),
 ]
 
 
@@ -225,6 +265,6 @@ def test_the_readme_tells_the_crd_upgrade_story(chart_dir: Path) -> None:
 def test_the_readme_deletes_the_resources_before_the_operator_and_the_crds(chart_dir: Path) -> None:
     """Resources keep lmq.io/finalizer until the running operator has deleted their broker copies."""
     readme = (chart_dir / "README.md").read_text()
-    delete_at = readme.index("kubectl delete parenttopics,litegroups,litequotas --all -A")
+    delete_at = readme.index("kubectl delete lmqusers,parenttopics,litegroups,litequotas --all -A")
     assert delete_at < readme.index("helm uninstall mq -n mq") < readme.index("kubectl delete crd parenttopics.lmq.io")
     assert "lmq.io/finalizer" in readme and "Terminating" in readme

@@ -17,7 +17,7 @@ Manifest = dict[str, Any]
 Render = Callable[..., list[Manifest]]
 One = Callable[..., Manifest]
 
-CRD_RESOURCES = ("parenttopics", "litegroups", "litequotas")
+CRD_RESOURCES = ("parenttopics", "litegroups", "litequotas", "lmqusers")
 BROKER = "demo-lmq-broker"
 HEADLESS = "demo-lmq-broker-headless"
 OPERATOR = "demo-lmq-operator"
@@ -61,6 +61,7 @@ def resource_rules() -> set[tuple[str, str, str]]:
         expected |= {("lmq.io", resource, v) for v in ("list", "watch", "patch")}
         expected |= {("lmq.io", f"{resource}/status", "patch")}
     expected |= {("", "events", "create")}
+    expected |= {("", "secrets", "get")}  # an LmqUser's Secret, by name: never list or watch
     return expected
 
 
@@ -185,6 +186,19 @@ def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one
     ]
     names = ["POD_NAME", "LMQ_ADMIN_ACCESS_KEY", "LMQ_ADMIN_SECRET_KEY", "LMQ_ADMIN_ENDPOINT", "LMQ_MAX_BODY_BYTES"]
     assert [e["name"] for e in broker["env"]] == names
+
+
+def test_acl_values_turn_access_control_on_in_every_broker(render: Render, one: One) -> None:
+    assert "--acl" not in container(one(render(), "StatefulSet", BROKER))["args"]  # off by default
+    args = container(one(render({"acl": {"enabled": True}}), "StatefulSet", BROKER))["args"]
+    assert args.count("--acl") == 1
+    assert args.index("--acl") > args.index("--no-bootstrap")  # after the fixed flags, before extraArgs
+
+
+def test_the_operator_reads_secrets_one_by_name_and_never_lists_them(render: Render, one: One) -> None:
+    for values in ({}, {"operator": {"watchNamespace": "apps"}}):
+        granted = {(g, r, v) for role in rbac_roles(render(values)) for g, r, v in rules(role)}
+        assert {v for g, r, v in granted if (g, r) == ("", "secrets")} == {"get"}, values
 
 
 def test_broker_probes(render: Render, one: One) -> None:

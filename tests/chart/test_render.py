@@ -41,6 +41,7 @@ FULL: dict[str, Any] = {
     "imagePullSecrets": [{"name": "regcred"}],
     "podSecurity": {"runAsUser": 20002, "runAsGroup": 20003, "fsGroup": 20004},
     "admin": {"existingSecret": "mq-admin-keys"},
+    "acl": {"enabled": True},
     "networkPolicy": {
         "enabled": True,
         "clientFrom": [{"namespaceSelector": {"matchLabels": {"tier": "apps"}}}],

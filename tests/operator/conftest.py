@@ -58,7 +58,9 @@ def unique() -> Callable[[str], str]:
 @pytest.fixture
 def create(kube: testing.KubeAPI) -> Callable[..., Any]:
     def create(kind: str, namespace: str, name: str, spec: dict[str, Any], **meta: Any) -> Any:
-        plural = {"ParentTopic": "parenttopics", "LiteGroup": "litegroups", "LiteQuota": "litequotas"}[kind]
+        plural = {"ParentTopic": "parenttopics", "LiteGroup": "litegroups", "LiteQuota": "litequotas"}.get(
+            kind, f"{kind.lower()}s"
+        )
         body = {
             "apiVersion": "lmq.io/v1alpha1",
             "kind": kind,

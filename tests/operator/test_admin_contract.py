@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -221,5 +222,42 @@ def test_admin_calls_need_the_admin_pair_not_the_client_pair(start_broker: Calla
         finally:
             for admin in (signed, unsigned, client_pair, wrong):
                 await admin.close()
+
+    run(scenario())
+
+
+def _user(policies: list[dict[str, Any]], *, enabled: bool = True) -> model.UserConfig:
+    spec = {"secretRef": {"name": "s"}, "policies": policies, "enabled": enabled}
+    cfg = desired.gate(
+        model.Kind.LMQ_USER, {"name": "contract-user", "uid": "u"}, spec, {}, model.Credential("s" * 12, "s/k@1")
+    )
+    assert isinstance(cfg, model.UserConfig)
+    return cfg
+
+
+def test_a_user_and_exactly_its_policies_round_trip(admin_factory: Callable[[], admins.BrokerAdmin]) -> None:
+    """A broker shows the user without a secret or its version; a put leaves exactly the entries it names."""
+    first = _user([
+        {"resources": ["Lite:chat/a-*", "Group:a-*"], "actions": ["Sub", "Pub", "Sub"], "sourceCidrs": ["10.0.0.0/8"]},
+        {"resources": ["Lite:chat/a-secret-*"], "actions": ["Sub"], "decision": "Deny"},
+    ])  # fmt: skip
+    then = _user([{"resources": ["Topic:chat"], "actions": ["Pub"]}], enabled=False)
+
+    async def scenario() -> None:
+        admin = admin_factory()
+        try:
+            assert await admin.get(model.Kind.LMQ_USER, first.key) is None
+            assert await admin.put(first) is True
+            seen = await admin.get(model.Kind.LMQ_USER, first.key)
+            assert seen is not None and seen.config == dataclasses.replace(first, secret_version="")
+            assert seen.config.secret == ""  # never returned
+            assert await admin.put(then) is False
+            seen = await admin.get(model.Kind.LMQ_USER, first.key)
+            assert seen is not None and seen.config == dataclasses.replace(then, secret_version="")
+            assert await admin.delete(model.Kind.LMQ_USER, first.key, True) is True
+            assert await admin.delete(model.Kind.LMQ_USER, first.key, True) is False
+            assert await admin.get(model.Kind.LMQ_USER, first.key) is None
+        finally:
+            await admin.close()
 
     run(scenario())

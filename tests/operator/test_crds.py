@@ -25,10 +25,10 @@ def _rejected(call: Callable[[], Any]) -> str:
 
 
 def test_crds_are_established_with_short_names(kube: testing.KubeAPI, crds: list[str]) -> None:
-    assert crds == ["litegroups.lmq.io", "litequotas.lmq.io", "parenttopics.lmq.io"]
+    assert crds == ["litegroups.lmq.io", "litequotas.lmq.io", "lmqusers.lmq.io", "parenttopics.lmq.io"]
     found = kube.get("/apis/lmq.io/v1alpha1")
     short = {r["kind"]: r.get("shortNames") for r in found["resources"] if "/" not in r["name"]}
-    assert short == {"ParentTopic": ["pt"], "LiteGroup": ["lg"], "LiteQuota": ["lq"]}
+    assert short == {"ParentTopic": ["pt"], "LiteGroup": ["lg"], "LiteQuota": ["lq"], "LmqUser": ["lu"]}
     assert {r["name"] for r in found["resources"]} >= {"parenttopics/status", "litegroups/status"}
 
 
@@ -146,6 +146,7 @@ def test_status_the_operator_writes_is_not_pruned(
         ("ParentTopic", "parenttopics", "pt", model.Kind.PARENT_TOPIC): {},
         ("LiteGroup", "litegroups", "lg", model.Kind.LITE_GROUP): {"parentTopic": "pt"},
         ("LiteQuota", "litequotas", "lq", model.Kind.LITE_QUOTA): {"parentTopic": "pt"},
+        ("LmqUser", "lmqusers", "lu", model.Kind.LMQ_USER): {"secretRef": {"name": "s"}},
     }
     for (kind, plural, name, k), spec in cases.items():
         create(kind, namespace, name, spec)
@@ -162,6 +163,8 @@ def test_status_the_operator_writes_is_not_pruned(
             assert set(st["lastReclaim"]) == {name for name, _ in status.RECLAIM_COUNTS} | {
                 "runId", "startTime", "finishTime", "dryRun", "brokers",
             }  # fmt: skip
+        if k is model.Kind.LMQ_USER:
+            st["secretVersion"] = "s/secretKey@123"
         back = kube.merge_patch(testing.cr_path(plural, namespace, name) + "/status", {"status": st})
         assert back["status"] == st, kind
 

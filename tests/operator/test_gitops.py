@@ -185,6 +185,8 @@ def test_the_docs_table_says_what_flux_and_argocd_compute() -> None:
         "ParentTopicNotFound": [_applied(ORPHAN)],
         "BrokerRejected": [_applied(REFUSED)],
         "Invalid": [_blocked(status.Reason.INVALID, "spec.fifo: bad")],
+        "SecretNotFound": [_blocked(status.Reason.SECRET_NOT_FOUND, "Secret apps/a does not exist")],
+        "SecretInvalid": [_blocked(status.Reason.SECRET_INVALID, "the secret in a/secretKey must be 8-256 characters")],
         "ResourceConflict": [_blocked(status.Reason.RESOURCE_CONFLICT, "LiteGroup team/w already manages it")],
         "ReconciliationPaused": [_paused({}), _paused(_applied(IN_SYNC))],
     }

@@ -72,5 +72,23 @@ def test_operator_runs_with_exactly_the_documented_rbac(
         return any(e["involvedObject"]["name"] == "rbac" and e["reason"] == "Created" for e in items)
 
     testing.wait_for(event_posted, TIMEOUT_S, "Created event posted by the operator user")
+
+    # An LmqUser: its Secret is read with the documented `get` alone (no list, no watch of Secrets).
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rbac-user"}}
+    kube.post(f"/api/v1/namespaces/{namespace}/secrets", {**secret, "stringData": {"secretKey": "rbac-secret-1"}})
+    user = unique("rbac-user")
+    create("LmqUser", namespace, "rbac-user", {"userName": user, "secretRef": {"name": "rbac-user"}})
+    user_path = testing.cr_path("lmqusers", namespace, "rbac-user")
+
+    def user_applied() -> bool:
+        conds = (kube.get(user_path).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and (c["status"], c["reason"]) == ("True", "Applied") for c in conds)
+
+    try:
+        testing.wait_for(user_applied, TIMEOUT_S, "LmqUser Ready with the documented RBAC")
+    except TimeoutError:
+        raise AssertionError(f"LmqUser not Ready with the documented RBAC: {kube.get(user_path)}") from None
+    kube.delete(user_path)
+    testing.wait_for(lambda: not kube.exists(user_path), TIMEOUT_S, "LmqUser deleted with the documented RBAC")
     kube.delete(path)
     testing.wait_for(lambda: not kube.exists(path), TIMEOUT_S, "deleted with the documented RBAC")

@@ -1,4 +1,4 @@
--- Argo CD health of lmq.io ParentTopic, LiteGroup and LiteQuota resources (see docs/gitops.md).
+-- Argo CD health of lmq.io ParentTopic, LiteGroup, LiteQuota and LmqUser resources (see docs/gitops.md).
 -- Reads what the lmq operator writes: status.observedGeneration, and the conditions Ready, Reconciling
 -- (not ready, still being retried) and Stalled (not ready until someone changes something).
 local hs = {status = "Progressing", message = "Waiting for the lmq operator"}

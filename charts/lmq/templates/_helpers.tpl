@@ -297,12 +297,17 @@ them: the operator is one-way.
 */}}
 {{- define "lmq.operator.resourceRules" -}}
 - apiGroups: ["lmq.io"]
-  resources: ["parenttopics", "litegroups", "litequotas"]
+  resources: ["parenttopics", "litegroups", "litequotas", "lmqusers"]
   verbs: ["list", "watch", "patch"]
 - apiGroups: ["lmq.io"]
-  resources: ["parenttopics/status", "litegroups/status", "litequotas/status"]
+  resources: ["parenttopics/status", "litegroups/status", "litequotas/status", "lmqusers/status"]
   verbs: ["patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# An LmqUser's secret: get of the one Secret it names, at each reconcile; never list or watch (no Secret is read
+# that no LmqUser names, and none is kept in memory).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 {{- end }}
