@@ -60,8 +60,8 @@ test: $(STAMP) lock-check
 
 # The broker extra on every other supported Python this machine has: its own venv (.venv-3.X, pinned by
 # requirements/broker.txt and dev.txt), the storage suite and the broker suite's unit tier, and a real broker
-# process served and stopped (tests/broker/test_cli.py).
-PY_SUITES := tests/storage tests/broker/test_cli.py
+# process served and stopped (tests/broker/cli/test_cli.py).
+PY_SUITES := tests/storage tests/broker/cli/test_cli.py
 test-pythons:
 	@for v in $(OTHER_PYTHONS); do \
 	  py=; for c in $$(ls -d $$HOME/.pyenv/versions/$$v*/bin/python$$v 2>/dev/null | tail -1) $$(command -v python$$v); do \
@@ -107,8 +107,8 @@ torture: $(STAMP) clients
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} $(BIN)/python -m pytest -s tests/clients/test_cluster_faults_java.py
 	$(BIN)/python -m pytest -s tests/storage/test_full_disk.py  # full index/meta/log disks, failing fsyncs (root: loop devices)
 	$(BIN)/python -m pytest -s tests/mqtt/test_limits.py tests/mqtt/test_durable_wills.py tests/mqtt/test_swallowed_errors.py
-	$(BIN)/python -m pytest -s tests/broker/test_parked_caps.py tests/broker/test_metadata_reload.py \
-		tests/admin/test_with_broker.py tests/broker/test_dispatcher.py -k "cap or flood or refused or reload or fresh or gone"
+	$(BIN)/python -m pytest -s tests/broker/protocol/test_parked_caps.py tests/broker/dispatch/test_metadata_reload.py \
+		tests/admin/test_with_broker.py tests/broker/dispatch/test_dispatcher.py -k "cap or flood or refused or reload or fresh or gone"
 
 lint: $(STAMP)
 	@bad=$$(git ls-files | grep -E '[[:space:]:|]' || true); \

@@ -156,7 +156,7 @@ HELP: Final[dict[str, str]] = {
 }
 
 # ``serve --help`` in sections; a flag named in none goes by its prefix (``mqtt_``: MQTT, ``lite_ttl_``: lite-topic
-# expiry, ``max_``/``default_``: limits), else into "other" (tests/broker/test_cli.py keeps that one empty).
+# expiry, ``max_``/``default_``: limits), else into "other" (tests/broker/cli/test_cli.py keeps that one empty).
 SECTIONS: Final[dict[str, tuple[str, ...]]] = {
     "listening": ("host", "port", "admin_port", "metrics_port", "advertised_host", "broker_name"),
     "storage": (

@@ -4,6 +4,13 @@
 (speed) and the real LmqStore (segments + RocksDB) in ``tmp_path``. ``lite`` is a started dispatcher on a
 manual clock with a LITE parent ``P`` and a lite group ``G``. ``client`` talks to a whole broker
 (``app.Broker``: LmqStore, dispatcher, grpc.aio on a real port 0, admin service) run in this process.
+
+The suite is split by the part of the broker that owns the behaviour: ``access/`` (users, policies, ACL),
+``admin/`` (the in-broker expiry), ``cli/`` (``serve``, the helm test program, benchmark smoke runs),
+``cluster/`` (ring, membership, peers, forwarding, cluster-wide MQTT and waits), ``dispatch/`` (the dispatcher
+and its parts), ``durability/`` (kill -9, restarts, retention of a serving broker), ``memory/`` (bounded caches,
+RSS and heap), ``protocol/`` (the v2 edge: server, conversion, admission, caps, fuzzing, TLS and signing).
+Fixtures shared by several of them stay here.
 """
 
 from __future__ import annotations

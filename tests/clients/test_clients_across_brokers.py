@@ -6,13 +6,13 @@ broker takes its own matching lite topics once. The Python client: tests/e2e/tes
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from testing_clients import Driver, DriverMissing, b64, driver_argv, start_driver
+from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -61,13 +61,6 @@ def held(broker: BrokerProcess) -> set[str]:
         return {info.meta.lite for info in admin.list_lite_topics(TOPIC, limit=1000).topics}
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {WAIT_S:.0f} s"
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("lang", ["java", "go"])
 def test_patterns_take_each_brokers_topics_once(lang: str, brokers: list[BrokerProcess], tmp_path: Path) -> None:
     group = f"{GROUP}-{lang}"
@@ -85,7 +78,7 @@ def test_patterns_take_each_brokers_topics_once(lang: str, brokers: list[BrokerP
         named = [f"{lang}-named-{i}" for i in range(6)]  # each on its owner only
         for name in (f"{lang}-job-*", f"{lang}/+/cmd", *named):
             client.call("subscribe_lite", consumer="c", lite_topic=name)
-        wait_until(lambda: counted(brokers, group, 2, len(named)), "the subscriptions on both brokers")
+        eventually(lambda: counted(brokers, group, 2, len(named)), "the subscriptions on both brokers", WAIT_S, 0.1)
         client.call("producer", name="p", topics=[TOPIC])
 
         def send(lite: str, n: int) -> str:
@@ -101,22 +94,23 @@ def test_patterns_take_each_brokers_topics_once(lang: str, brokers: list[BrokerP
             return {m["message_id"] for m in client.messages("c")}
 
         client.wait_events(lambda _: sent <= received(), WAIT_S, "every message on a matching lite topic")
-        time.sleep(1)  # a duplicate or an unwanted message would come meanwhile
+        # Barrier: one more on every lite topic; a duplicate or an unwanted message would come before them.
+        sent |= {send(lite, 9) for lite in jobs + devs + named}
+        client.wait_events(lambda _: sent <= received(), WAIT_S, "the barrier on every lite topic")
         assert Counter(m["message_id"] for m in client.messages("c")) == Counter(sent)  # once each, nothing else
         assert not unwanted & received()
         for lite in jobs + devs + named:  # in order per lite topic
             assert [m["body"] for m in client.messages("c") if m["lite_topic"] == lite] == [
-                b64(f"{lite}/{n}".encode()) for n in (0, 1)
+                b64(f"{lite}/{n}".encode()) for n in (0, 1, 9)
             ]
         first, second = held(brokers[0]), held(brokers[1])
         assert not first & second and first & set(named) and second & set(named)  # on both brokers (no copy)
         assert first & set(jobs + devs) and second & set(jobs + devs)
         client.call("unsubscribe_lite", consumer="c", lite_topic=f"{lang}-job-*")
-        wait_until(lambda: counted(brokers, group, 1, len(named)), "the pattern gone from both")
+        eventually(lambda: counted(brokers, group, 1, len(named)), "the pattern gone from both", WAIT_S, 0.1)
         dropped = {send(lite, 2) for lite in jobs}
-        last = {send(lite, 2) for lite in devs}
+        last = {send(lite, 2) for lite in devs + named}  # the barrier: named topics live on both brokers
         client.wait_events(lambda _: last <= received(), WAIT_S, "the messages after the unsubscribe")
-        time.sleep(1)
         assert not dropped & received()
     finally:
         assert client.close() == 0

@@ -12,7 +12,6 @@ import contextlib
 import re
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +119,22 @@ def exchange(access_endpoint: str, lites: list[str], clients: list[Any]) -> None
     producer = Producer(access, (TOPIC,))
     producer.startup()
     clients.append(producer)
-    sent = set()
-    for n in range(3):
+
+    def send_round(n: int) -> set[tuple[str, bytes]]:
+        sent = set()
         for lite in lites:
             message = Message()
             message.topic, message.lite_topic = TOPIC, lite
             message.body = f"{lite}/{n}".encode()
             producer.send(message)
             sent.add((lite, message.body))
+        return sent
+
+    sent = send_round(0) | send_round(1) | send_round(2)
     assert inbox.wait_for(lambda i: len(i.accepted) >= len(sent), 60), f"{len(inbox.accepted)} of {len(sent)}"
-    time.sleep(1)  # a duplicate would arrive within this
+    barrier = send_round(3)  # one more per topic: a duplicate of an earlier message would come before it
+    assert inbox.wait_for(lambda i: barrier <= {(m.lite_topic, m.body) for m in i.accepted}, 60)
+    sent |= barrier
     got = [(m.lite_topic, m.body) for m in inbox.accepted]
     assert len(got) == len(sent) and set(got) == sent  # nothing lost, nothing twice
     for lite in lites:

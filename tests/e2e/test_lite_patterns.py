@@ -4,12 +4,12 @@ as written (one character per entry, joined like any 5.1.2 name)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from rocketmq.v5.exception import BadRequestException, LiteSubscriptionQuotaExceededException
+from waiting import eventually
 
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.testing import (
@@ -22,8 +22,6 @@ from lmq_broker.testing import (
     started_producer,
 )
 
-QUIET_S = 2.0  # how long a consumer must stay without an unwanted message
-
 
 def send(p: Any, topic: str, lite: str, body: bytes | None = None) -> None:
     send_lite(p, topic, lite, body or lite.encode())
@@ -33,11 +31,19 @@ def lites_of(inbox: Inbox) -> list[str]:
     return sorted(m.lite_topic for m in inbox.accepted)
 
 
+def barrier(p: Any, topic: str, inbox: Inbox, lite: str, body: bytes | None = None) -> None:
+    """A message on ``lite`` (a topic the consumer takes), sent after everything it must not get, has come:
+    anything unwanted would have been handed out with it or before it."""
+    send(p, topic, lite, body)
+    assert inbox.wait_for(lambda i: lite in [m.lite_topic for m in i.accepted], 20), lites_of(inbox)
+
+
 def committed(admin: AdminClient, topic: str, lite: str, group: str, want: int) -> None:
-    deadline = time.monotonic() + 10
-    while admin.describe_lite_topic(topic, lite).group_offsets.get(group) != want:
-        assert time.monotonic() < deadline, f"{lite}: offset {want} never committed"
-        time.sleep(0.05)
+    eventually(
+        lambda: admin.describe_lite_topic(topic, lite).group_offsets.get(group) == want,
+        f"{lite}: offset {want} committed",
+        interval_s=0.05,
+    )
 
 
 def test_patterns_receive_matching_new_lite_topics_only(
@@ -53,9 +59,9 @@ def test_patterns_receive_matching_new_lite_topics_only(
     for lite in ["session", "sessions-1", "dev_7_cmd_x", "dev_7", "alls", "other", *matching]:
         send(p, topic, lite)
     assert inbox.wait_for(lambda i: len(i.accepted) >= len(matching), 20), lites_of(inbox)
-    time.sleep(QUIET_S)
-    assert lites_of(inbox) == sorted(matching)
-    assert {m.body for m in inbox.accepted} == {lite.encode() for lite in matching}
+    barrier(p, topic, inbox, "session-last")
+    assert lites_of(inbox) == sorted([*matching, "session-last"])
+    assert {m.body for m in inbox.accepted} == {lite.encode() for lite in [*matching, "session-last"]}
     committed(admin, topic, "session-1", group, 1)
     assert group not in admin.describe_lite_topic(topic, "other").group_offsets  # stored, never delivered
 
@@ -75,8 +81,8 @@ def test_unsubscribing_a_pattern_stops_delivery(
     send(p, topic, "a-2")
     send(p, topic, "b_1")
     assert inbox.wait_for(lambda i: len(i.accepted) >= 2, 20), lites_of(inbox)
-    time.sleep(QUIET_S)
-    assert lites_of(inbox) == ["a-1", "b_1"]
+    barrier(p, topic, inbox, "b_2")
+    assert lites_of(inbox) == ["a-1", "b_1", "b_2"]
 
 
 def test_a_restarted_consumer_resumes_from_the_group_offsets(
@@ -99,8 +105,8 @@ def test_a_restarted_consumer_resumes_from_the_group_offsets(
     second = Inbox()
     started_lite_consumer(broker, clients, group, topic, second).subscribe_lite("job-*")
     assert second.wait_for(lambda i: len(i.accepted) >= 2, 20), second.bodies()
-    time.sleep(QUIET_S)
-    assert sorted(second.bodies()) == [b"new-0", b"new-1"]
+    barrier(p, topic, second, "job-3", b"new-2")
+    assert sorted(second.bodies()) == [b"new-0", b"new-1", b"new-2"]
 
 
 def test_malformed_patterns_are_refused_as_illegal_lite_topics(
@@ -136,8 +142,9 @@ def test_a_pattern_counts_against_the_quota_and_survives_a_broker_restart(tmp_pa
         broker = broker.restart()
         send_lite_after_restart(p, "AGENT_TASK_NS", "s-2", b"after")
         assert inbox.wait_for(lambda i: len(i.accepted) >= 2, 40), inbox.bodies()
-        time.sleep(QUIET_S)
-        assert inbox.bodies() == [b"before", b"after"]
+        barrier(p, "AGENT_TASK_NS", inbox, "s-3", b"last")
+        bodies = inbox.bodies()
+        assert bodies[0] == b"before" and sorted(bodies[1:]) == [b"after", b"last"]
     finally:
         for client in reversed(clients):
             client.shutdown()
@@ -160,5 +167,5 @@ def test_a_wildcard_group_with_patterns_receives_the_matching_lite_topics_only(
     for lite in ["orders", "eu_fr_x", "us_ny", "order-1", "eu_fr"]:
         send(p, topic, lite)
     assert inbox.wait_for(lambda i: len(i.accepted) >= len(matching), 20), lites_of(inbox)
-    time.sleep(QUIET_S)
-    assert lites_of(inbox) == sorted(matching)
+    barrier(p, topic, inbox, "order-2")
+    assert lites_of(inbox) == sorted([*matching, "order-2"])

@@ -17,6 +17,7 @@ from rocketmq.v5.exception import (
     LiteSubscriptionQuotaExceededException,
     LiteTopicQuotaExceededException,
 )
+from waiting import eventually
 
 from lmq_broker import model, testing
 from lmq_broker.admin.client import AdminClient
@@ -26,6 +27,14 @@ config = testing.client_config
 producer = testing.started_producer
 consumer = testing.started_lite_consumer
 send = testing.send_lite
+
+
+def committed(admin: AdminClient, topic: str, lite: str, group: str, want: int) -> None:
+    eventually(
+        lambda: admin.describe_lite_topic(topic, lite).group_offsets.get(group) == want,
+        f"{lite}: offset {want} committed",
+        interval_s=0.05,
+    )
 
 
 def test_many_lite_topics_all_received_once_and_acked(
@@ -49,10 +58,7 @@ def test_many_lite_topics_all_received_once_and_acked(
         per_topic.setdefault(lite, []).append(body)
     assert all(bodies == sorted(bodies) for bodies in per_topic.values())  # in order per lite topic
     assert {m.delivery_attempt for m in inbox.accepted} == {1}
-    deadline = time.monotonic() + 10
-    while admin.describe_lite_topic(topic, lites[-1]).group_offsets.get(group) != 3:
-        assert time.monotonic() < deadline, "acks were not committed"
-        time.sleep(0.05)
+    committed(admin, topic, lites[-1], group, 3)
 
 
 def test_subscribe_lite_takes_effect_at_once(
@@ -132,10 +138,7 @@ def test_fifo_group_retries_locally_then_forwards_to_the_dead_letter_queue(
     assert dead.properties["__ORIGIN_LITE_TOPIC"] == "poison"
     reader.ack(dead)
     assert [m.body for m in inbox.seen] == [b"never consumed"] * 2  # max_attempts consumptions, then the DLQ
-    deadline = time.monotonic() + 20
-    while admin.describe_lite_topic(topic, "poison").group_offsets.get(group) != 1:
-        assert time.monotonic() < deadline, "the forwarded message was not settled"
-        time.sleep(0.05)
+    committed(admin, topic, "poison", group, 1)  # the forwarded message settled
 
 
 def test_unsubscribe_stops_delivery(
@@ -219,10 +222,8 @@ def test_a_fifo_lite_group_holds_back_later_messages_while_one_is_out(
     c = LiteSimpleConsumer(topic, config(broker), group, await_duration=2)
     c.startup()
     clients.append(c)
-    deadline = time.monotonic() + 10
-    while c.__dict__.get("_LiteSimpleConsumer__subscription_manager").lite_subscription_quota == 0:
-        assert time.monotonic() < deadline, "no settings from the broker"
-        time.sleep(0.05)
+    manager = c.__dict__.get("_LiteSimpleConsumer__subscription_manager")
+    eventually(lambda: manager.lite_subscription_quota != 0, "the settings from the broker", interval_s=0.05)
     c.subscribe_lite("fifo-1")
     p = producer(broker, clients, topic)
     for body in (b"f0", b"f1"):
@@ -247,13 +248,8 @@ def test_restart_resumes_without_loss_or_redelivery(tmp_path: Any, clients: list
         for n in range(5):
             send(p, "AGENT_TASK_NS", "durable", f"before-{n}".encode())
         assert inbox.wait_for(lambda i: len(i.accepted) == 5, 20)
-        time.sleep(0)  # acks are sent by the consumer after consume() returns
-        admin = AdminClient(broker.admin_endpoint, timeout_s=5, **broker.admin_keys)
-        deadline = time.monotonic() + 10
-        while admin.describe_lite_topic("AGENT_TASK_NS", "durable").group_offsets.get("executor-group") != 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        admin.close()
+        with AdminClient(broker.admin_endpoint, timeout_s=5, **broker.admin_keys) as admin:
+            committed(admin, "AGENT_TASK_NS", "durable", "executor-group", 5)  # acks follow consume()
         broker = broker.restart()
         for n in range(5):
             testing.send_lite_after_restart(p, "AGENT_TASK_NS", "durable", f"after-{n}".encode())
@@ -279,10 +275,7 @@ def test_after_a_crash_the_group_resumes_after_its_last_ack(tmp_path: Any, clien
             send(p, "AGENT_TASK_NS", "crash", f"acked-{n}".encode())
         assert inbox.wait_for(lambda i: len(i.accepted) == 3, 20)
         with AdminClient(broker.admin_endpoint, timeout_s=5, **broker.admin_keys) as admin:
-            deadline = time.monotonic() + 10
-            while admin.describe_lite_topic("AGENT_TASK_NS", "crash").group_offsets.get("executor-group") != 3:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            committed(admin, "AGENT_TASK_NS", "crash", "executor-group", 3)
         c.unsubscribe_lite("crash")
         for n in range(2):
             send(p, "AGENT_TASK_NS", "crash", f"pending-{n}".encode())  # acknowledged by the broker (stored)

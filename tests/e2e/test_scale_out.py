@@ -8,6 +8,7 @@ processes: ``--processes N`` (one access port shared with SO_REUSEPORT) and expl
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import threading
 import time
@@ -21,6 +22,7 @@ from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSim
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
 from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
+from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -38,6 +40,8 @@ from lmq_broker.testing import (
 
 PROCESS_RE = re.compile(r"lmq-broker process (?P<index>\d+) grpc=(?P<grpc>[^ ]+) metrics=")
 TOPIC, GROUP = "SCALE_NS", "scale-group"
+BARRIER = b"barrier/"  # the body prefix of check_received's barrier messages
+BARRIER_IDS = itertools.count()
 
 
 def process_endpoints(broker: BrokerProcess) -> list[str]:
@@ -103,10 +107,24 @@ def exchange(
     return sent
 
 
-def check_received(inbox: Inbox, sent: set[tuple[str, bytes]], timeout: float = 60) -> None:
-    assert inbox.wait_for(lambda i: len(i.accepted) >= len(sent), timeout), f"got {len(inbox.accepted)} of {len(sent)}"
-    time.sleep(1)  # a duplicate would arrive within this
-    got = [(m.lite_topic, m.body) for m in inbox.accepted]
+def check_received(
+    inbox: Inbox, sent: set[tuple[str, bytes]], producer: Any, lites: list[str] | None = None, timeout: float = 60
+) -> None:
+    """Every message of ``sent`` came once, in order per lite topic, and nothing else. Once they are in, one
+    barrier message on each of ``lites`` (the consumer takes them; default: the lite topics of ``sent``) must
+    come too: a duplicate or an unwanted message would come before it. Barriers are left out of the count."""
+
+    def payload(i: Inbox) -> list[tuple[str, bytes]]:
+        return [(m.lite_topic, m.body) for m in i.accepted if not m.body.startswith(BARRIER)]
+
+    assert inbox.wait_for(lambda i: len(payload(i)) >= len(sent), timeout), f"got {len(inbox.accepted)} of {len(sent)}"
+    barrier = set()
+    for lite in sorted({lite for lite, _ in sent} if lites is None else lites):
+        body = BARRIER + str(next(BARRIER_IDS)).encode()
+        send(producer, lite, body)
+        barrier.add((lite, body))
+    assert inbox.wait_for(lambda i: barrier <= {(m.lite_topic, m.body) for m in i.accepted}, timeout)
+    got = payload(inbox)
     assert len(got) == len(sent) and set(got) == sent  # every message once
     per_topic: dict[str, list[bytes]] = {}
     for lite, body in got:
@@ -137,7 +155,7 @@ def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], pr
         lites = [f"s-{i}" for i in range(24)]
         inbox = Inbox()
         sent = exchange(pod.endpoint, lites, 3, clients, inbox)
-        check_received(inbox, sent)
+        check_received(inbox, sent, clients[-1])
         placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert sorted(placed) == sorted(lites)
         assert all(len(where) == 1 for where in placed.values()), placed  # each topic on exactly one broker
@@ -168,7 +186,7 @@ def test_kill_9_of_one_broker_leaves_the_others_flowing(tmp_path: Path, clients:
         lites = [f"k-{i}" for i in range(18)]
         inbox = Inbox()
         sent = exchange(endpoints[0], lites, 2, clients, inbox)
-        check_received(inbox, sent)
+        check_received(inbox, sent, clients[-1])
         placed = {lite: where[0] for lite, where in holders(endpoints, TOPIC, SHARED_ADMIN_KEYS).items()}
         assert len(set(placed.values())) == 3
         brokers[2].kill()
@@ -183,7 +201,7 @@ def test_kill_9_of_one_broker_leaves_the_others_flowing(tmp_path: Path, clients:
         for lite in lost[:1]:  # the dead owner's topics fail (the client's retries included), nothing stored
             with pytest.raises(Exception):  # noqa: B017 - the client raises its InternalErrorException
                 send(producer, lite, b"nowhere")
-        check_received(inbox, sent | more)
+        check_received(inbox, sent | more, producer, survivors)
     finally:
         for broker in brokers:
             broker.stop()
@@ -197,7 +215,7 @@ def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[
     lites = [f"u-{i}" for i in range(30)]
     inbox = Inbox()
     sent = exchange(endpoints[0], lites, 2, clients, inbox)
-    check_received(inbox, sent)
+    check_received(inbox, sent, clients[-1])
     before = {lite: where[0] for lite, where in holders(endpoints, TOPIC, SHARED_ADMIN_KEYS).items()}
     for client in reversed(clients):
         client.shutdown()
@@ -211,7 +229,7 @@ def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[
         new_lites = [f"n-{i}" for i in range(30)]
         inbox = Inbox()
         more = exchange(endpoints[1], lites + new_lites, 1, clients, inbox, run="b")
-        check_received(inbox, more)
+        check_received(inbox, more, clients[-1])
         after = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(len(where) == 1 for where in after.values()), after  # no topic on two brokers
         assert {lite: after[lite][0] for lite in lites} == before  # old topics stayed (no data moved)
@@ -287,21 +305,20 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
         for lite in lites:
             consumer.subscribe_lite(lite)
         load = Load(access, lites, clients)
-        time.sleep(3)
+        time.sleep(3)  # the load runs a while before the change: the behaviour under test is a change under load
         before = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert {where[0] for where in before.values()} == {0, 1, 2}
         set_cluster(endpoints, [2, 0, 1], endpoints, (3, 2))  # slot 2 leaves: the leaving broker first
         for lite in new_lites:
             consumer.subscribe_lite(lite)
         load.add(new_lites)
-        time.sleep(6)
+        time.sleep(6)  # the handover runs while the load goes on (topics move under load, asserted below)
         load.stop()
         assert not load.failures, load.failures[:5]
         with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
-            deadline = time.monotonic() + 60
-            while not (info := admin.cluster(with_undrained=True)).drained and time.monotonic() < deadline:
-                time.sleep(0.5)
-        assert info.drained, info
+            eventually(
+                lambda: admin.cluster(with_undrained=True).drained, "slot 2 drained", timeout_s=60, interval_s=0.5
+            )
         set_cluster(endpoints, [0, 1, 2], endpoints[:2], (3, 2))  # drained: removed, the leaving broker last
         placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert all(where in ([0], [1]) for lite, where in placed.items() if lite in new_lites), placed
@@ -314,7 +331,7 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
             after.count[lite] = load.count.get(lite, 0)
             after.send(lite)
         assert not after.failures, after.failures[:5]
-        check_received(inbox, load.sent | after.sent)
+        check_received(inbox, load.sent | after.sent, after.producer)
     finally:
         for broker in brokers:
             broker.stop()
@@ -400,12 +417,13 @@ def two_brokers(tmp_path: Path, kind: str) -> Iterator[tuple[str, list[str]]]:
 
 def wait_committed(endpoints: list[str], lites: list[str], group: str, want: int) -> None:
     placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
-    deadline = time.monotonic() + 20
     for lite in lites:
         with AdminClient(endpoints[placed[lite][0]], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-            while admin.describe_lite_topic(TOPIC, lite).group_offsets.get(group) != want:
-                assert time.monotonic() < deadline, f"{lite}: offset {want} never committed"
-                time.sleep(0.05)
+            eventually(
+                lambda: admin.describe_lite_topic(TOPIC, lite).group_offsets.get(group) == want,  # noqa: B023
+                f"{lite}: offset {want} committed",
+                interval_s=0.05,
+            )
 
 
 def send_each(producer: Any, lites: list[str], n: int) -> set[tuple[str, bytes]]:
@@ -439,14 +457,14 @@ def test_patterns_take_the_matching_topics_of_every_broker(tmp_path: Path, clien
         for n in (1, 2):
             wanted |= send_each(producer, jobs + devs, n)
             send_each(producer, others, n)
-        check_received(inbox, wanted)
+        check_received(inbox, wanted, producer)
         placed = holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)
         assert {placed[lite][0] for lite in jobs} == {0, 1} and {placed[lite][0] for lite in devs} == {0, 1}
         consumer.unsubscribe_lite("job-*")
         send_each(producer, jobs, 3)
         wanted |= send_each(producer, devs, 3)
-        check_received(inbox, wanted)  # no job-* message since, from either broker
-        wait_committed(endpoints, devs, GROUP, 3)  # every ack arrived: none is delivered again
+        check_received(inbox, wanted, producer, devs)  # no job-* message since, from either broker
+        wait_committed(endpoints, devs, GROUP, 5)  # rounds 1-3 and two barriers: every ack arrived, none comes again
         consumer.shutdown()
         clients.remove(consumer)
         restarted = send_each(producer, devs, 4)
@@ -455,7 +473,7 @@ def test_patterns_take_the_matching_topics_of_every_broker(tmp_path: Path, clien
         consumer.startup()
         clients.append(consumer)
         consumer.subscribe_lite("dev/+/cmd")
-        check_received(again, restarted)  # only what came since: nothing acked is delivered again
+        check_received(again, restarted, producer)  # only what came since: nothing acked is delivered again
         for client in reversed(clients):
             client.shutdown()
         clients.clear()
@@ -481,7 +499,7 @@ def test_a_wildcard_groups_patterns_apply_on_every_broker(tmp_path: Path, client
         consumer.subscribe_lite_all()
         wanted |= send_each(producer, eu, 1)
         send_each(producer, us, 1)
-        check_received(inbox, wanted)
+        check_received(inbox, wanted, producer)
         assert {holders(endpoints, TOPIC, SHARED_ADMIN_KEYS)[lite][0] for lite in eu} == {0, 1}
         for client in reversed(clients):
             client.shutdown()

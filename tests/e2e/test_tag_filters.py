@@ -4,7 +4,6 @@ message that says why (the client raises it from ``receive``)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,17 @@ def config(broker: BrokerProcess) -> Any:
 def normal_topic(admin: AdminClient, name: str, queues: int) -> str:
     admin.put_parent_topic(model.ParentTopic(name, model.MessageType.NORMAL, queue_count=queues))
     return name
+
+
+def barriers(producer: Any, topic: str, tag: str, count: int) -> list[bytes]:
+    """``count`` messages with ``tag`` (one the consumers take), sent after everything they must not get: the
+    producer's round robin puts them on every queue, where a message filtered out before them is passed first."""
+    bodies = [f"barrier-{n}".encode() for n in range(count)]
+    for body in bodies:
+        m = Message()
+        m.topic, m.body, m.tag = topic, body, tag
+        producer.send(m)
+    return bodies
 
 
 def test_a_push_consumer_with_a_tag_expression_receives_only_matching_messages(
@@ -52,7 +62,8 @@ def test_a_push_consumer_with_a_tag_expression_receives_only_matching_messages(
             wanted.append(m.body)
         producer.send(m)
     assert inbox.wait_for(lambda i: len(i.accepted) >= len(wanted), 30), len(inbox.accepted)
-    time.sleep(2)  # anything not taken by the expression would have come by now
+    wanted += barriers(producer, topic, "paid", 4)  # two per queue
+    assert inbox.wait_for(lambda i: len(i.accepted) >= len(wanted), 30), len(inbox.accepted)
     assert sorted(inbox.bodies()) == sorted(wanted)
     assert {m.tag for m in inbox.accepted} == {"created", "paid"}
 
@@ -78,9 +89,11 @@ def test_a_single_tag_and_star_on_one_topic_in_two_groups(
         producer.send(m)
     assert everything.wait_for(lambda i: len(i.accepted) >= 12, 30), len(everything.accepted)
     assert shipped.wait_for(lambda i: len(i.accepted) >= 3, 30), len(shipped.accepted)
-    time.sleep(2)
-    assert len(everything.accepted) == 12
-    assert sorted(shipped.bodies()) == [b"e-10", b"e-2", b"e-6"]
+    (last,) = barriers(producer, topic, "shipped", 1)  # one queue: both groups get it after all the others
+    assert everything.wait_for(lambda i: last in [m.body for m in i.accepted], 30), len(everything.accepted)
+    assert shipped.wait_for(lambda i: last in [m.body for m in i.accepted], 30), len(shipped.accepted)
+    assert len(everything.accepted) == 13
+    assert sorted(shipped.bodies()) == [b"barrier-0", b"e-10", b"e-2", b"e-6"]
 
 
 def test_a_sql92_subscription_is_answered_unsupported(

@@ -160,18 +160,43 @@ def test_try_begin_leaves_the_requests_queued_by_other_writers_to_them(
     assert sorted(stored) == sorted(["mine", *(m.message_id for m in big)])  # each stored once
 
 
+class _Announcing:
+    """The store's write lock, telling (``waiting``) when a blocking acquire finds it held: a writer waits."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock, self.waiting = lock, threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self.lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.waiting.set()
+        return self.lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def test_try_begin_writes_without_showing_anything_until_finish_and_holds_the_write_path(
-    open_lmq: OpenLmq, msg: Msg
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = open_lmq(flush_mode="sync")
     pending = s.try_begin([[msg(message_id="1"), msg(message_id="2")], [msg(message_id="bad", body=b"")]])
     assert pending is not None and pending.needs_sync
     assert s._core.log.written > s._core.log.synced  # on the log, not yet fsynced
     assert s.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)  # nor indexed: nobody reads it yet
+    lock = _Announcing(s._core.write_lock)
+    monkeypatch.setattr(s._core, "write_lock", lock)
     other = threading.Thread(target=s.append, args=([msg(message_id="3")],))
     other.start()
-    time.sleep(0.2)
-    assert other.is_alive()  # another writer waits for the pending append
+    assert lock.waiting.wait(10) and other.is_alive()  # another writer waits for the pending append
     assert append_if_free(s, [msg(message_id="refused")]) is None
     pending.sync()
     assert s._core.log.synced == s._core.log.written

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from waiting import eventually
 
 from lmq_broker import config, errors, model
 from lmq_broker.storage import codec, keys
@@ -138,10 +138,8 @@ def test_records_whose_index_write_failed_are_cut_off_the_log_and_writes_resume_
             s.append([msg()])  # paused until the index is reopened
         assert "index cannot write" in (s.health() or "") and s.fatal() is None
     assert index_mod.Index.write is real_write
-    deadline = time.monotonic() + 10
-    while s.health() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert s.health() is None and s.faults().index_reopens >= 1
+    eventually(lambda: s.health() is None, "the index reopened")
+    assert s.faults().index_reopens >= 1
     assert s.append([msg(body=b"after")])[0].offsets[LMQ_A] == 2
     s.close()
     s = open_lmq()

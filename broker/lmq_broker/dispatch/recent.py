@@ -24,7 +24,7 @@ DEFAULT_MAX_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_MAX_MESSAGES: Final = 65_536
 DEFAULT_MAX_QUEUES: Final = 100_000
 # What one entry costs besides its body: the NewMessage, its properties dict and tuples, the key tuple and the
-# ordered-dict node (tracemalloc: ~820 B for a small lite message; tests/broker/test_recent.py checks it).
+# ordered-dict node (tracemalloc: ~820 B for a small lite message; tests/broker/dispatch/test_recent.py checks it).
 ENTRY_OVERHEAD_BYTES: Final = 832
 
 QueueKey = tuple[str, int]

@@ -21,11 +21,12 @@ anything is written; ``sync`` says the session that wrote last indexed only fsyn
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import rocksdict
 
@@ -39,6 +40,25 @@ META_RETRY_S: Final = 1.0  # after a failed meta write, reopen and retry at most
 
 AckedContent = tuple[tuple[ranges.Run, ...], model.Handouts]  # what an ``A`` value holds: acked runs, hand-outs
 Note = tuple[bytes, AckedContent | None]  # an ``A`` key and what it holds after a write (None: deleted)
+R = TypeVar("R")  # a control-plane record (``Table``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table(Generic[R]):
+    """One kind of named control-plane record: each under ``prefix + names(record)[0]`` (``keys.name_key``), its
+    value what ``encode`` makes of it. Every name a record carries passes ``check`` before anything is written."""
+
+    prefix: bytes
+    names: Callable[[R], tuple[str, ...]]  # its own name (the key) first, then names it refers to
+    encode: Callable[[R], bytes]
+    decode: Callable[[bytes], R]
+    check: Callable[[str], None] = api.check_name
+
+
+PARENT_TOPICS: Final = Table(keys.PARENT, lambda t: (t.name,), keys.encode_parent_topic, keys.decode_parent_topic)
+GROUPS: Final = Table(keys.GROUP, lambda g: (g.name, g.bind_topic), keys.encode_group, keys.decode_group)
+QUOTAS: Final = Table(keys.QUOTA, lambda q: (q.scope,), keys.encode_quota, keys.decode_quota, api.check_scope)
+RECLAIM_RUNS: Final = Table(keys.RECLAIM, lambda r: (r.parent,), keys.encode_reclaim_run, keys.decode_reclaim_run)
 
 
 class Meta:
@@ -303,77 +323,30 @@ class Meta:
 
     # --- control-plane records -----------------------------------------------------------------------
 
-    def put_parent_topic(self, topic: model.ParentTopic) -> None:
-        api.check_name(topic.name)
-        self._put(keys.name_key(keys.PARENT, topic.name), keys.encode_parent_topic(topic))
+    def put_record(self, table: Table[R], record: R) -> None:
+        names = table.names(record)
+        for name in names:
+            table.check(name)
+        self._put(keys.name_key(table.prefix, names[0]), table.encode(record))
 
-    def get_parent_topic(self, name: str) -> model.ParentTopic | None:
-        value = self.get(keys.name_key(keys.PARENT, name))
-        return None if value is None else keys.decode_parent_topic(value)
+    def record(self, table: Table[R], name: str) -> R | None:
+        value = self.get(keys.name_key(table.prefix, name))
+        return None if value is None else table.decode(value)
 
-    def delete_parent_topic(self, name: str) -> bool:
-        return self._delete(keys.name_key(keys.PARENT, name))
+    def delete_record(self, table: Table[R], name: str) -> bool:
+        return self._delete(keys.name_key(table.prefix, name))
 
-    def list_parent_topics(self) -> list[model.ParentTopic]:
-        return [keys.decode_parent_topic(v) for v in self._list(keys.PARENT)]
+    def records(self, table: Table[R]) -> list[R]:
+        """Every record of ``table``, in name order."""
+        return [table.decode(v) for v in self._list(table.prefix)]
 
-    def put_group(self, group: model.LiteGroup) -> None:
-        api.check_name(group.name)
-        api.check_name(group.bind_topic)
-        self._put(keys.name_key(keys.GROUP, group.name), keys.encode_group(group))
+    def put_text(self, key: bytes, text: str) -> None:
+        """Synced: a membership change (``MEMBERSHIP_KEY``) must survive a power cut like the data placed by it,
+        a revoked right (``ACCESS_KEY``) must stay revoked."""
+        self._put(key, text.encode(), synced=True)
 
-    def get_group(self, name: str) -> model.LiteGroup | None:
-        value = self.get(keys.name_key(keys.GROUP, name))
-        return None if value is None else keys.decode_group(value)
-
-    def delete_group(self, name: str) -> bool:
-        return self._delete(keys.name_key(keys.GROUP, name))
-
-    def list_groups(self) -> list[model.LiteGroup]:
-        return [keys.decode_group(v) for v in self._list(keys.GROUP)]
-
-    def put_quota(self, quota: model.Quota) -> None:
-        api.check_scope(quota.scope)
-        self._put(keys.name_key(keys.QUOTA, quota.scope), keys.encode_quota(quota))
-
-    def get_quota(self, scope: str) -> model.Quota | None:
-        value = self.get(keys.name_key(keys.QUOTA, scope))
-        return None if value is None else keys.decode_quota(value)
-
-    def delete_quota(self, scope: str) -> bool:
-        return self._delete(keys.name_key(keys.QUOTA, scope))
-
-    def list_quotas(self) -> list[model.Quota]:
-        return [keys.decode_quota(v) for v in self._list(keys.QUOTA)]
-
-    def put_reclaim_run(self, run: model.ReclaimRun) -> None:
-        api.check_name(run.parent)
-        self._put(keys.name_key(keys.RECLAIM, run.parent), keys.encode_reclaim_run(run))
-
-    def get_reclaim_run(self, parent: str) -> model.ReclaimRun | None:
-        value = self.get(keys.name_key(keys.RECLAIM, parent))
-        return None if value is None else keys.decode_reclaim_run(value)
-
-    def delete_reclaim_run(self, parent: str) -> bool:
-        return self._delete(keys.name_key(keys.RECLAIM, parent))
-
-    def list_reclaim_runs(self) -> list[model.ReclaimRun]:
-        return [keys.decode_reclaim_run(v) for v in self._list(keys.RECLAIM)]
-
-    def put_membership(self, text: str) -> None:
-        """Synced: a membership change must survive a power cut like the data placed by it."""
-        self._put(keys.MEMBERSHIP_KEY, text.encode(), synced=True)
-
-    def get_membership(self) -> str | None:
-        value = self.get(keys.MEMBERSHIP_KEY)
-        return None if value is None else bytes(value).decode()
-
-    def put_access(self, text: str) -> None:
-        """Synced: a revoked right must stay revoked after a power cut."""
-        self._put(keys.ACCESS_KEY, text.encode(), synced=True)
-
-    def get_access(self) -> str | None:
-        value = self.get(keys.ACCESS_KEY)
+    def text(self, key: bytes) -> str | None:
+        value = self.get(key)
         return None if value is None else bytes(value).decode()
 
     def _put(self, key: bytes, value: bytes, *, synced: bool = False) -> None:

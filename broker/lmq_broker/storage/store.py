@@ -330,64 +330,64 @@ class LmqStore:
     # --- control-plane metadata (the meta store) -----------------------------------------------------
 
     def put_parent_topic(self, topic: model.ParentTopic) -> None:
-        self._meta.put_parent_topic(topic)
+        self._meta.put_record(meta.PARENT_TOPICS, topic)
 
     def get_parent_topic(self, name: str) -> model.ParentTopic | None:
-        return self._meta.get_parent_topic(name)
+        return self._meta.record(meta.PARENT_TOPICS, name)
 
     def delete_parent_topic(self, name: str) -> bool:
-        return self._meta.delete_parent_topic(name)
+        return self._meta.delete_record(meta.PARENT_TOPICS, name)
 
     def list_parent_topics(self) -> list[model.ParentTopic]:
-        return self._meta.list_parent_topics()
+        return self._meta.records(meta.PARENT_TOPICS)
 
     def put_group(self, group: model.LiteGroup) -> None:
-        self._meta.put_group(group)
+        self._meta.put_record(meta.GROUPS, group)
 
     def get_group(self, name: str) -> model.LiteGroup | None:
-        return self._meta.get_group(name)
+        return self._meta.record(meta.GROUPS, name)
 
     def delete_group(self, name: str) -> bool:
-        return self._meta.delete_group(name)
+        return self._meta.delete_record(meta.GROUPS, name)
 
     def list_groups(self) -> list[model.LiteGroup]:
-        return self._meta.list_groups()
+        return self._meta.records(meta.GROUPS)
 
     def put_quota(self, quota: model.Quota) -> None:
-        self._meta.put_quota(quota)
+        self._meta.put_record(meta.QUOTAS, quota)
 
     def get_quota(self, scope: str) -> model.Quota | None:
-        return self._meta.get_quota(scope)
+        return self._meta.record(meta.QUOTAS, scope)
 
     def delete_quota(self, scope: str) -> bool:
-        return self._meta.delete_quota(scope)
+        return self._meta.delete_record(meta.QUOTAS, scope)
 
     def list_quotas(self) -> list[model.Quota]:
-        return self._meta.list_quotas()
+        return self._meta.records(meta.QUOTAS)
 
     def put_reclaim_run(self, run: model.ReclaimRun) -> None:
-        self._meta.put_reclaim_run(run)
+        self._meta.put_record(meta.RECLAIM_RUNS, run)
 
     def get_reclaim_run(self, parent: str) -> model.ReclaimRun | None:
-        return self._meta.get_reclaim_run(parent)
+        return self._meta.record(meta.RECLAIM_RUNS, parent)
 
     def delete_reclaim_run(self, parent: str) -> bool:
-        return self._meta.delete_reclaim_run(parent)
+        return self._meta.delete_record(meta.RECLAIM_RUNS, parent)
 
     def list_reclaim_runs(self) -> list[model.ReclaimRun]:
-        return self._meta.list_reclaim_runs()
+        return self._meta.records(meta.RECLAIM_RUNS)
 
     def put_membership(self, text: str) -> None:
-        self._meta.put_membership(text)
+        self._meta.put_text(keys.MEMBERSHIP_KEY, text)
 
     def get_membership(self) -> str | None:
-        return self._meta.get_membership()
+        return self._meta.text(keys.MEMBERSHIP_KEY)
 
     def put_access(self, text: str) -> None:
-        self._meta.put_access(text)
+        self._meta.put_text(keys.ACCESS_KEY, text)
 
     def get_access(self) -> str | None:
-        return self._meta.get_access()
+        return self._meta.text(keys.ACCESS_KEY)
 
     # --- maintenance ---------------------------------------------------------------------------------
 

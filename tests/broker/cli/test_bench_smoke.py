@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 EXPECTED = {
     "bench_acl.py": ["FIGURE send throughput ACL on ÷ off:", "FIGURE receive throughput ACL on ÷ off:"],
     "bench_backup.py": [

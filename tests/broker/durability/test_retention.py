@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import prometheus_client
 import pytest
+from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.config import BrokerConfig
@@ -44,17 +43,13 @@ async def test_a_serving_broker_drops_expired_segments_on_its_interval(tmp_path:
     try:
         assert broker.store is not None
         queue = await fill(broker, 20)
-        deadline = time.monotonic() + 10
-        while broker.store.queue_offsets(queue)[0] == 0:
-            assert time.monotonic() < deadline, "retention never ran"
-            await asyncio.sleep(0.05)
-        low, high = broker.store.queue_offsets(queue)
+        store = broker.store
+        await eventually_async(lambda: store.queue_offsets(queue)[0] > 0, "retention ran")
+        low, high = store.queue_offsets(queue)
         assert 0 < low < high == 20  # the active segment (the newest records) stays
-        assert broker.store.read(queue, low, 100)[0].offset == low
+        assert store.read(queue, low, 100)[0].offset == low
         # Counted when the pass ends: queue minimums advance segment by segment while it runs.
-        while retention_counter(broker) < 1:
-            assert time.monotonic() < deadline, "the retention pass was never counted"
-            await asyncio.sleep(0.05)
+        await eventually_async(lambda: retention_counter(broker) >= 1, "the retention pass counted")
         exposition = prometheus_client.generate_latest(broker.metrics.registry).decode()
         assert "lmq_retention_bytes_deleted_total" in exposition
     finally:
@@ -76,10 +71,7 @@ async def test_nothing_is_dropped_before_its_age(tmp_path: Path) -> None:
 
         store.apply_retention = counted  # type: ignore[method-assign]
         queue = await fill(broker, 20)
-        deadline = time.monotonic() + 10
-        while len(passes) < 3:
-            assert time.monotonic() < deadline, "retention never ran"
-            await asyncio.sleep(0.05)
+        await eventually_async(lambda: len(passes) >= 3, "three retention passes")
         assert store.queue_offsets(queue) == (0, 20)
         assert retention_counter(broker) == 0 and not any(p.segments_deleted for p in passes)
     finally:

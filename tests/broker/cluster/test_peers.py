@@ -16,6 +16,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
+from waiting import eventually_async
 
 from lmq_broker import app, errors, model
 from lmq_broker.admin import cli
@@ -596,10 +597,8 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         assert subscribed(cluster, 2, held + fresh) == {held[1], fresh[0]}
         assert not subscribed(cluster, today[fresh[0]], fresh)
         await set_everywhere(cluster, [2, 0, 1], members, (3, 2))  # the leaving one first
-        for _ in range(100):  # a subscription to a topic not created yet is made where it will be created
-            if subscribed(cluster, today[fresh[0]], fresh):
-                break
-            await asyncio.sleep(0.05)
+        # a subscription to a topic not created yet is made where it will be created
+        await eventually_async(lambda: subscribed(cluster, today[fresh[0]], fresh), "the fresh topic's subscription")
         assert subscribed(cluster, today[fresh[0]], fresh) == {fresh[0]}
         assert not subscribed(cluster, today[held[1]], held)  # a held one moves with its topic
         ports = [b.port for b in cluster.brokers]
@@ -658,11 +657,10 @@ async def test_a_broker_that_joins_gets_the_subscriptions_it_will_serve(tmp_path
         await sync_on(cluster, 0, pb.PARTIAL_ADD, ["p-*", *joiner[:2]])
         assert (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == (set(), set())
         await set_everywhere(cluster, [0, 1], members, (2, 3))
-        for _ in range(100):  # each of the two copies what it holds
-            if (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == ({"p-*"}, set(joiner[:2])):
-                break
-            await asyncio.sleep(0.05)
-        assert (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == ({"p-*"}, set(joiner[:2]))
+        await eventually_async(  # each of the two copies what it holds
+            lambda: (patterns_at(cluster, 2), subscribed(cluster, 2, joiner)) == ({"p-*"}, set(joiner[:2])),
+            "the joiner holds the pattern and its topics",
+        )
         matching = next(
             f"p-{i}" for i in range(5000) if mb.owner(grown, model.QueueId.lmq(PARENT, f"p-{i}").topic) == 2
         )

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 import pytest_asyncio
+from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import dispatcher as dispatcher_module
@@ -127,15 +128,26 @@ async def test_an_ack_commits_on_the_loop_when_no_writer_holds_the_store(
     assert lite.committed("t1") == 2
 
 
-async def test_an_ack_while_another_writer_holds_the_store_commits_once_it_is_free(lite: Lite) -> None:
+async def test_an_ack_while_another_writer_holds_the_store_commits_once_it_is_free(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
     await lite.send("t1", b"a")
     await lite.send("t1", b"b")
     first, second = await lite.receive("c1", batch=32)
+    pooled: list[object] = []
+    run = lite.dispatcher.runtime.run
+
+    async def recorded(*args: Any, **kwargs: Any) -> Any:
+        pooled.append(args)
+        return await run(*args, **kwargs)
+
+    monkeypatch.setattr(lite.dispatcher.runtime, "run", recorded)
     with another_writer(lite.store):
         acking = asyncio.create_task(lite.dispatcher.ack(GROUP, first.receipt_handle))
         later = asyncio.create_task(lite.dispatcher.ack(GROUP, second.receipt_handle))
-        await asyncio.sleep(0.2)
+        await eventually_async(lambda: len(pooled) >= 1, "a commit handed to the pool")
+        assert await lite.receive("c1") == []  # the loop runs on meanwhile: a receive is answered
         assert not acking.done() and not later.done()  # the commits wait on the pool; the loop runs on
     await asyncio.wait_for(asyncio.gather(acking, later), 10)
     assert lite.committed("t1") == 2

@@ -26,6 +26,7 @@ class FlakyStore(memory.MemoryStore):
         self.failures = 0
         self.trouble: str | None = None
         self.listed = 0
+        self.asked = 0  # health checks: one per interval
 
     def list_parent_topics(self) -> list[model.ParentTopic]:
         self.listed += 1
@@ -35,6 +36,7 @@ class FlakyStore(memory.MemoryStore):
         return super().list_parent_topics()
 
     def health(self) -> str | None:
+        self.asked += 1
         return self.trouble
 
 
@@ -90,7 +92,7 @@ async def test_no_pass_while_the_store_cannot_serve() -> None:
     running = asyncio.create_task(
         expiry.run(store, StaticLiveView(store=store), settings, clock, stopping, on_pass=reports.append)
     )
-    await asyncio.sleep(0.05)  # many intervals
+    await until(lambda: store.asked >= 5)  # five intervals went by
     assert (reports, store.listed) == ([], 0)
     store.trouble = None
     await until(lambda: bool(reports))
@@ -108,7 +110,14 @@ async def test_the_first_pass_waits_for_the_minimum_age_and_a_stop_ends_the_wait
     running = asyncio.create_task(
         expiry.run(store, StaticLiveView(store=store), settings, clock, stopping, on_pass=lambda r: None)
     )
-    await asyncio.sleep(0.05)
-    assert store.listed == 0  # an hour to go
+    # A twin with no minimum age on the same interval: five of its passes, many intervals of the first.
+    twin = FlakyStore(clock)
+    passes: list[expiry.Report] = []
+    no_age = expiry.Settings(interval_ms=1, batch=10, step_pause_ms=0, min_age_ms=0)
+    metronome = asyncio.create_task(
+        expiry.run(twin, StaticLiveView(store=twin), no_age, clock, stopping, on_pass=passes.append)
+    )
+    await until(lambda: len(passes) >= 5)
+    assert (store.asked, store.listed) == (0, 0)  # an hour to go
     stopping.set()
-    await asyncio.wait_for(running, 1)
+    await asyncio.wait_for(asyncio.gather(running, metronome), 1)

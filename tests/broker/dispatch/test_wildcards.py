@@ -33,7 +33,7 @@ async def receive_until(lite: Lite, client: str, count: int, *, ack: bool = True
             await lite.dispatcher.ack(WILD, d.receipt_handle)
         if len(got) >= count:
             return got
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.005)  # between tries, as Lite.drain: the loop runs the catch-up task
         lite.clock.advance(lite.dispatcher.ready.catchup_delay_ms)  # a full ready set resumes on the timer
         lite.dispatcher.tick()
     raise AssertionError(f"{len(got)} of {count} deliveries")

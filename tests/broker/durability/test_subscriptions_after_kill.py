@@ -6,10 +6,10 @@ subscribed client without any call from it but its receive."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import grpc
+from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -63,10 +63,10 @@ def test_subscriptions_come_back_after_sigkill_without_the_client_syncing(tmp_pa
         lites = [f"session-{i}" for i in range(20)]
         asyncio.run(subscribe(broker.endpoint, lites))
         saved = data_dir / saved_subscriptions.FILE_NAME
-        deadline = time.monotonic() + 10
-        while not any(r.client_id == CLIENT for r in saved_subscriptions.load(saved)):
-            assert time.monotonic() < deadline, "the running broker never wrote the subscriptions"
-            time.sleep(0.05)
+        eventually(
+            lambda: any(r.client_id == CLIENT for r in saved_subscriptions.load(saved)),
+            "the running broker wrote the subscriptions",
+        )
         broker.kill()
         broker = broker.restart()
         assert subscriptions_of(broker) == 20  # at readiness, before any call of the client

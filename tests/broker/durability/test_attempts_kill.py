@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -52,11 +52,8 @@ def handouts_on_disk(data_dir: Path) -> model.Handouts:
         db.close()
 
 
-def wait_on_disk(data_dir: Path, want: model.Handouts, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (found := handouts_on_disk(data_dir)) != want:
-        assert time.monotonic() < deadline, f"the meta store holds {found}, not {want}"
-        time.sleep(0.01)
+def wait_on_disk(data_dir: Path, want: model.Handouts) -> None:
+    eventually(lambda: handouts_on_disk(data_dir) == want, f"the meta store holds {want}")
 
 
 async def send(stub: sg.MessagingServiceAsyncStub, body: bytes) -> None:

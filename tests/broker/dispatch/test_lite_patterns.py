@@ -4,7 +4,6 @@ dispatcher over both stores: matching arrivals and backlog only, unsubscribe, fu
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import re
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import offsets, registry, saved_subscriptions, wildcards
@@ -141,10 +141,16 @@ def test_a_pattern_counts_as_one_subscription() -> None:
 asynchronous = pytest.mark.asyncio
 
 
-async def nothing_for(lite: Lite, client: str) -> None:
-    await asyncio.sleep(0.02)
+async def nothing_but(lite: Lite, client: str, barrier: str, group: str = GROUP) -> None:
+    """Nothing sent before reaches ``client``: a message on ``barrier`` (a lite topic it takes), sent after the
+    background passes are done, comes alone (the ready queue hands topics out in the order they became ready)."""
     await background_done(lite.dispatcher)
-    assert await lite.receive(client) == []
+    await lite.send(barrier)
+    assert await lite.drain(client, 1, group) == [barrier]
+
+
+async def queued(lite: Lite, client: str, name: str) -> None:
+    await eventually_async(lambda: lmq(name) in lite.dispatcher.ready.queued(client), f"{name} queued for {client}")
 
 
 @asynchronous
@@ -155,7 +161,7 @@ async def test_patterns_take_matching_arrivals_only(lite: Lite) -> None:
         await lite.send(name, name.encode())
     want = ["all", "all_a_b", "dev_1_cmd", "named", "session-1", "session-2_x"]
     assert sorted(await lite.drain("c", len(want))) == want
-    await nothing_for(lite, "c")
+    await nothing_but(lite, "c", "named")
     assert lite.committed("session-1") == 1 and lite.committed("other") is None
     assert lite.dispatcher.subscription_count() == 4  # three patterns and one lite topic
 
@@ -171,7 +177,7 @@ async def test_a_new_pattern_finds_the_backlog_of_matching_topics(lite: Lite) ->
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["own"])
     await lite.send("own")  # overflows too: the catch-up walks the client's own topics after its patterns
     assert sorted(await lite.drain("c", 26)) == sorted([*backlog, "own"])
-    await nothing_for(lite, "c")
+    await nothing_but(lite, "c", "job-barrier")
 
 
 @asynchronous
@@ -204,16 +210,19 @@ async def test_a_new_pattern_walks_its_own_range_and_a_full_pass_resumes_across_
 async def test_unsubscribing_a_pattern_stops_deliveries_even_of_queued_topics(lite: Lite) -> None:
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["s-*", "t/#"])
     await lite.send("s-1")
-    await asyncio.sleep(0.01)  # s-1 is queued for the client
+    await queued(lite, "c", "s-1")
     await lite.dispatcher.remove_lite("c", GROUP, PARENT, ["s-*"])
     await lite.send("s-2")
     await lite.send("t_1")
     assert await lite.drain("c", 1) == ["t_1"]
-    await nothing_for(lite, "c")
+    await nothing_but(lite, "c", "t_barrier")
     await lite.dispatcher.remove_all_lite("c", GROUP, PARENT)
     await lite.send("t_2")
-    await nothing_for(lite, "c")
+    await background_done(lite.dispatcher)
     assert lite.dispatcher.wildcards.registration("c") is None and lite.dispatcher.subscription_count() == 0
+    await lite.dispatcher.add_lite("c", GROUP, PARENT, ["barrier"])  # subscribed after t_2 was sent
+    await nothing_but(lite, "c", "barrier")
+    await lite.dispatcher.remove_lite("c", GROUP, PARENT, ["barrier"])
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["s-*"])  # back: from the group's offsets
     assert sorted(await lite.drain("c", 2)) == ["s-1", "s-2"]
 
@@ -227,7 +236,7 @@ async def test_a_full_sync_keeps_the_patterns_it_names_and_drops_the_others(lite
     assert sorted(await lite.drain("c", 2)) == ["a1", "b_1"]
     await lite.dispatcher.replace_lite("c", GROUP, PARENT, ["b/+"])
     await lite.send("a2")
-    await nothing_for(lite, "c")
+    await nothing_but(lite, "c", "b_barrier")
 
 
 @asynchronous
@@ -239,7 +248,7 @@ async def test_patterns_are_refused_beyond_the_quota_and_with_a_moving_offset(li
     with pytest.raises(errors.InvalidArgument, match="offset"):
         await lite.dispatcher.add_lite("d", GROUP, PARENT, ["y*"], offset=offsets.OffsetReset(offsets.OffsetPolicy.MIN))
     await lite.send("x1")
-    await nothing_for(lite, "c")
+    await nothing_but(lite, "c", "s-barrier")
 
 
 @asynchronous
@@ -271,9 +280,7 @@ async def test_a_wildcard_group_with_patterns_takes_the_matching_lite_topics_onl
     assert lite.dispatcher.subscription_count() == 0  # the group's patterns are no client's subscriptions
     lite.put_group(model.LiteGroup(WILD, PARENT, wildcard=True, lite_patterns=("other",)))
     await lite.send("s-2")
-    await asyncio.sleep(0.01)  # queued under the old patterns
+    await queued(lite, "w", "s-2")  # under the old patterns
     await lite.dispatcher.replace_lite("w", WILD, PARENT, [])  # the next full sync reads the new patterns
     assert await lite.drain("w", 1, WILD) == ["other"]
-    await asyncio.sleep(0.02)
-    await background_done(lite.dispatcher)
-    assert await lite.dispatcher.receive_lite("w", WILD, PARENT, batch=32, invisible_ms=10_000, poll_ms=0) == []
+    await nothing_but(lite, "w", "other", WILD)

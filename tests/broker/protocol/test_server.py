@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.dispatch.testing import config_for
@@ -188,7 +189,7 @@ async def test_a_refused_settings_frame_ends_the_stream_with_an_error_naming_the
                 ),
             )
         )
-        await asyncio.sleep(30)  # the client keeps its side open; the broker ends the stream
+        await asyncio.Event().wait()  # the client keeps its side open; the broker ends the stream
 
     call = client.stub.Telemetry(commands(), metadata=H("n", "HTTP", "1.0.8"))  # what Node 1.0.8 sends
     first = await call.read()
@@ -234,15 +235,9 @@ async def test_closing_the_telemetry_stream_removes_the_client(client: Client, b
         ),
     )
     await telemetry(client, settings, client_id="gone")
-    await wait_for(lambda: broker.dispatcher is not None and broker.dispatcher.subscription_count() == 0)
-
-
-async def wait_for(condition: Any, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    await eventually_async(
+        lambda: broker.dispatcher is not None and broker.dispatcher.subscription_count() == 0, "the client removed"
+    )
 
 
 async def test_send_receive_ack_round_trip(client: Client) -> None:
@@ -628,10 +623,14 @@ async def test_liveness_fails_once_a_storage_fault_cannot_heal_and_readiness_say
     code, _, body = broker._http_answer("/readyz")
     assert code.startswith("503") and b"index cannot write" in body
     assert broker._http_answer("/healthz")[0] == "200 OK"  # it may still heal
-    deadline = asyncio.get_running_loop().time() + 10
-    while broker._http_answer("/healthz")[0] == "200 OK" and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    code, _, body = broker._http_answer("/healthz")
+
+    def failing() -> tuple[str, str, bytes] | None:
+        answer = broker._http_answer("/healthz")
+        return None if answer[0] == "200 OK" else answer
+
+    answer = await eventually_async(failing, "liveness fails")
+    assert answer is not None
+    code, _, body = answer
     assert code.startswith("503") and b"could not recover from a storage fault" in body
     text = broker._http_answer("/metrics")[2].decode()
     assert "lmq_store_index_writable 0.0" in text and "lmq_store_durable 1.0" in text

@@ -210,7 +210,7 @@ def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path
             flooding = asyncio.gather(*(poll(stub, "flood", wait_s=30) for _ in range(flood)))
             while not flooding.done():  # the peak while the flood lands, not only what it leaves behind
                 peak = max(peak, process.memory_info().rss)
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # the RSS sampling pace while the flood lands (the load), not a wait
             refused = sum(code_of(frames) == "TOO_MANY_REQUESTS" for frames in flooding.result())
             after = process.memory_info().rss
             for task in held:

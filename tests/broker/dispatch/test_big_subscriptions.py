@@ -7,7 +7,6 @@ process are driven by the event loop."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -174,7 +173,6 @@ async def test_a_cancelled_big_complete_add_still_finishes_its_change(lite: Lite
 
 # --- a broker process over gRPC ------------------------------------------------------------------------------
 HUGE = 100_000
-PROBE_BOUND_S = 0.25  # a probe send's latency while the change runs (one unsliced stretch took 0.4-0.7 s)
 SUBSCRIBER = (("x-mq-client-id", "big-subscriber"), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
 PROBE = (("x-mq-client-id", "probe-producer"), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
 OPTIONS = (("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20))
@@ -196,23 +194,21 @@ def complete_add(names: list[str]) -> spb.SyncLiteSubscriptionRequest:
     )
 
 
-async def probe_sends(stub: sg.MessagingServiceAsyncStub, big: asyncio.Future[Any]) -> list[float]:
-    """One send at a time while ``big`` runs; each one's latency."""
-    latencies: list[float] = []
+async def probe_sends(stub: sg.MessagingServiceAsyncStub, big: asyncio.Future[Any]) -> int:
+    """One send at a time while ``big`` runs; how many were answered. Their latency is a figure, not a test:
+    bench/bench_subscribe_stall.py prints it."""
+    answered = 0
     while not big.done():
         message = pb.Message(
             topic=pb.Resource(name=PARENT),
             body=b"probe",
-            system_properties=pb.SystemProperties(
-                message_id=f"p{len(latencies)}", message_type=pb.LITE, lite_topic="probe"
-            ),
+            system_properties=pb.SystemProperties(message_id=f"p{answered}", message_type=pb.LITE, lite_topic="probe"),
         )
-        began = time.monotonic()
         reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=PROBE, timeout=30)
-        latencies.append(time.monotonic() - began)
         assert reply.status.code == pb.OK, reply.status
-        await asyncio.sleep(0.01)
-    return latencies
+        answered += 1
+        await asyncio.sleep(0.01)  # pacing the probes (a load), not a wait for anything
+    return answered
 
 
 @pytest.mark.asyncio
@@ -228,13 +224,13 @@ async def test_sends_are_answered_while_another_client_subscribes_100k(big_broke
         big = asyncio.ensure_future(
             subscriber.SyncLiteSubscription(complete_add(names), metadata=SUBSCRIBER, timeout=120)
         )
-        latencies = await probe_sends(prober, big)
+        answered = await probe_sends(prober, big)
         reply = await big
         assert reply.status.code == pb.OK, reply.status
         refused = await subscriber.SyncLiteSubscription(complete_add([*names, "one-more"]), metadata=SUBSCRIBER)
         assert refused.status.code == pb.LITE_SUBSCRIPTION_QUOTA_EXCEEDED, refused.status
-    assert len(latencies) >= 2, "the big call was over before a second probe"
-    assert max(latencies) < PROBE_BOUND_S, sorted(latencies)[-5:]
+    # The second probe began after the first was answered, while the big call still ran: sends get in.
+    assert answered >= 2, "the big call was over before a second probe"
     with AdminClient(big_broker.admin_endpoint, timeout_s=30, **big_broker.admin_keys) as admin:
         info = admin.get_lite_client("big-subscriber")
     assert info.lite_topics == tuple(names)  # all of them, and nothing of the refused change

@@ -139,7 +139,7 @@ async def default_broker(tmp_path: Path) -> AsyncIterator[app.Broker]:
 
 @pytest_asyncio.fixture
 async def capped_broker(tmp_path: Path) -> AsyncIterator[app.Broker]:
-    # Admin open (admission is the subject here; the admin pair is tests/broker/test_security.py's).
+    # Admin open (admission is the subject here; the admin pair is tests/broker/protocol/test_security.py's).
     config = config_for(
         tmp_path / "data", host="127.0.0.1", port=0, metrics_port=-1, max_concurrent_calls=50, admin_anonymous=True
     )

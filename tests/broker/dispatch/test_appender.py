@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.config import FlushMode, StoreConfig
@@ -299,9 +300,7 @@ async def test_a_failed_inline_fsync_fails_its_group_and_the_store_takes_no_more
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         await appender.append(one("a", "2"))
     assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 0)
-    deadline = asyncio.get_running_loop().time() + 10
-    while store.health() is not None and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.01)
+    await eventually_async(lambda: store.health() is None, "the store healed")
     assert ids(await appender.append(one("a", "3"))) == ["3"]
     assert store.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 1)  # "0" and "2" were never stored
 

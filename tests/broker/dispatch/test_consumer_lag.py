@@ -8,6 +8,7 @@ import urllib.request
 from collections.abc import Callable
 
 import pytest
+from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.admin import inspection
@@ -86,14 +87,14 @@ async def test_a_read_returns_the_last_walk_and_refreshes_only_when_stale() -> N
 
     board = lag.LagBoard(store, list, asyncio.get_running_loop(), run, clock=clock, refresh_min_s=30.0)
     assert board.read() == {}  # nothing walked yet: the read starts the first walk
-    await _settle(lambda: bool(walks) and board.walk_seconds == 5.0)
+    await eventually_async(lambda: bool(walks) and board.walk_seconds == 5.0, "the first walk")
     assert board.read()[("G", P)] == 3  # b is not subscribed (no clients): only a's 3
     _send(store, P, "a", 2)
     clock.now += 49.0
     assert board.read()[("G", P)] == 3 and len(walks) == 1  # still fresh: no walk, the old figure
     clock.now += 1.0
     assert board.read()[("G", P)] == 3  # stale: the old figure now, a walk in the background
-    await _settle(lambda: len(walks) == 2 and board.read()[("G", P)] == 5)
+    await eventually_async(lambda: len(walks) == 2 and board.read()[("G", P)] == 5, "the second walk")
     assert walks[1] - walks[0] == 55.0
     assert board.read() and len(walks) == 2
 
@@ -101,26 +102,20 @@ async def test_a_read_returns_the_last_walk_and_refreshes_only_when_stale() -> N
 async def test_a_failed_walk_keeps_the_last_figures() -> None:
     store, _ = _state()
     clock = Clock()
-    board = lag.LagBoard(store, list, asyncio.get_running_loop(), _thread, clock=clock)
+    walked: list[lag.Lags | None] = []
+
+    async def run(fn: Callable[[], lag.Lags | None]) -> lag.Lags | None:
+        walked.append(await asyncio.to_thread(fn))
+        return walked[-1]
+
+    board = lag.LagBoard(store, list, asyncio.get_running_loop(), run, clock=clock)
     board.read()
-    await _settle(lambda: bool(board.read()))
+    await eventually_async(board.read, "the first walk's figures")
     store.close()
     clock.now += 60.0
-    before = board.read()
-    await asyncio.sleep(0.2)
-    assert board.read() == before and before[("G", P)] == 3
-
-
-async def _thread(fn: Callable[[], lag.Lags | None]) -> lag.Lags | None:
-    return await asyncio.to_thread(fn)
-
-
-async def _settle(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    before = board.read()  # stale: starts a walk, which fails on the closed store
+    await eventually_async(lambda: len(walked) == 2, "the second walk")
+    assert walked[1] is None and board.read() == before and before[("G", P)] == 3
 
 
 async def test_a_real_broker_exports_consumer_lag_per_group_and_parent(broker: app.Broker) -> None:
@@ -143,7 +138,7 @@ async def test_a_real_broker_exports_consumer_lag_per_group_and_parent(broker: a
     while wanted not in text:  # the first scrape starts the walk; a later one shows it
         assert loop.time() < deadline, text
         text = await asyncio.to_thread(scrape)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # between scrapes, run on a thread: this loop serves the endpoint
     [walk_line] = [x for x in text.splitlines() if x.startswith("lmq_consumer_lag_walk_seconds ")]
     assert 0.0 < float(walk_line.split()[1]) < 5.0
     group = broker.store.get_group("workers")
