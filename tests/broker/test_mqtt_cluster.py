@@ -21,7 +21,7 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.mqtt import codec, mapping
+from lmq_broker.mqtt import codec, mapping, topics
 from lmq_broker.mqtt.connection import group_of
 from lmq_broker.mqtt.properties import Properties, Reason
 from lmq_broker.protocol import status
@@ -615,3 +615,42 @@ async def test_three_brokers_each_deliver_their_topics_in_order_and_take_their_a
         await subscriber.close()
     finally:
         await stop_pair(pair)
+
+
+def _hashed_topic_owned_by(pair: Pair, slot: int) -> tuple[str, str]:
+    """A topic over the lite-name limit escaped (kept hashed in the default parent) whose owner is ``slot``,
+    and its lite name."""
+    default = pair.brokers[0].config.mqtt_default_parent
+    for i in range(10_000):
+        topic = f"long/{'x' * 70}/{i}"
+        lite = topics.default_lite(topic)
+        if mb.owner(pair.membership, model.QueueId.lmq(default, lite).topic) == slot:
+            assert topics.is_hashed(lite)
+            return topic, lite
+    raise AssertionError("no such topic")
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+@pytest.mark.parametrize("topic_filter", ["exact", "long/+/#", "#"])
+async def test_a_hashed_topic_another_broker_owns_reaches_the_subscribers_here(
+    pair: Pair, level: int, topic_filter: str
+) -> None:
+    topic, lite = _hashed_topic_owned_by(pair, 1)
+    default = pair.brokers[1].config.mqtt_default_parent
+    subscriber = await Raw.connect(pair.port(0), "sub", level=level)
+    assert (await subscriber.subscribe(topic if topic_filter == "exact" else topic_filter)).codes == (1,)
+    publisher = await Raw.connect(pair.port(1), "pub", level=level)  # through the owner's MQTT
+    await publisher.published(topic, b"hashed there")
+    owner = pair.brokers[1].store
+    assert owner is not None and len(owner.read(model.QueueId.lmq(default, lite), 0, 10)) == 1
+    delivered = await subscriber.delivery()
+    assert (delivered.topic, delivered.payload) == (topic, b"hashed there")
+    subscriber.ack(delivered)
+    store = owner
+
+    def acked() -> bool:
+        return (store.get_offset(model.QueueId.lmq(default, lite), group_of("sub")) or 0) == 1
+
+    await eventually(acked, "acknowledged at the owner")
+    await publisher.close()
+    await subscriber.close()

@@ -63,12 +63,17 @@ class Subscriptions:
         """The session's filters in ``parent`` made at every broker (again), resuming at the group's offsets."""
         link = self.link
         self._made_at[parent] = cluster.members
-        filters = list(link.subs.get(parent, ()))
+        filters = self._wired(parent, list(link.subs.get(parent, ())))
         try:
             await cluster.subscribe(link.consumer_id(parent), link.group, parent, filters, None)
         except errors.LmqError as exc:
             log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", link.client_id, parent,
                         exc.message)  # fmt: skip
+
+    def _wired(self, parent: str, filters: list[wildcards.Filter]) -> list[wildcards.Filter]:
+        """What the other brokers are given for ``filters`` (all the session holds in ``parent``): in the default
+        parent ``HASHED`` too, as here (``topics.registered``): a hashed name carries no levels to match."""
+        return topics.registered(self.link.config.mqtt_default_parent, parent, filters)
 
     def _readable(self, wanted: list[topics.Subscription]) -> list[topics.Subscription]:
         """Of the parents a filter reaches into, those the session's user may read (``--acl``; all without it):
@@ -166,8 +171,10 @@ class Subscriptions:
                 if self._made_at.get(parent) != cluster.members:  # set first: the loop must not make ``new``
                     self._made_at[parent] = cluster.members
                     if older:  # made while this broker was alone, or before a broker joined
-                        await cluster.subscribe(consumer, link.group, parent, older, None)
+                        await cluster.subscribe(consumer, link.group, parent, self._wired(parent, older), None)
                 await cluster.subscribe(consumer, link.group, parent, new, older)
+                if not older and parent == link.config.mqtt_default_parent:  # started at their ends just now
+                    await cluster.subscribe(consumer, link.group, parent, [topics.HASHED], None)
         except errors.LmqError as exc:  # e.g. the store rebuilds its index: these filters fail, the rest holds
             log.warning("mqtt client %s: subscriptions in %s refused: %s", link.client_id, parent, exc.message)
             cluster = link.cluster
@@ -216,6 +223,8 @@ class Subscriptions:
         for parent, ended in changed.items():
             await self.register(parent)
             if cluster is not None:
+                if parent == link.config.mqtt_default_parent and not link.subs.get(parent):
+                    ended = [*ended, topics.HASHED]  # the last filter there: its hashed topics end too
                 await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, ended)
         if (changed or shared) and link.persistent:
             await self.save()
