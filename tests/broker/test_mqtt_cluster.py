@@ -654,3 +654,35 @@ async def test_a_hashed_topic_another_broker_owns_reaches_the_subscribers_here(
     await eventually(acked, "acknowledged at the owner")
     await publisher.close()
     await subscriber.close()
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+@pytest.mark.parametrize("topic_filter", ["#", "+/+", "NEW/#"])
+async def test_a_parent_created_after_the_subscribe_is_reached_at_every_broker(
+    pair: Pair, level: int, topic_filter: str
+) -> None:
+    """Section 4.7 with a parent made later: created through broker 1's admin service (sent on to broker 0),
+    its topics owned by either broker reach a session of broker 0 without a reconnect."""
+    subscriber = await Raw.connect(pair.port(0), "sub", level=level)
+    assert (await subscriber.subscribe(topic_filter)).codes == (1,)
+    with AdminClient(pair.brokers[1].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+        await asyncio.to_thread(admin.put_parent_topic, model.ParentTopic("NEW", model.MessageType.LITE))
+    membership = pair.membership
+    theirs, mine = (
+        next(f"x-{i}" for i in range(10_000) if mb.owner(membership, model.QueueId.lmq("NEW", f"x-{i}").topic) == s)
+        for s in (1, 0)
+    )
+    publisher = await Raw.connect(pair.port(1), "pub", level=level)
+    await publisher.published(f"NEW/{theirs}", b"there", packet_id=1)
+    await publisher.published(f"NEW/{mine}", b"here", packet_id=2)
+    for slot, lite in ((1, theirs), (0, mine)):  # kept by the new parent at its owner
+        store = pair.brokers[slot].store
+        assert store is not None and len(store.read(model.QueueId.lmq("NEW", lite), 0, 10)) == 1
+    got = sorted([await subscriber.delivery(), await subscriber.delivery()], key=lambda p: p.payload)
+    assert [(p.topic, p.payload) for p in got] == [(f"NEW/{mine}", b"here"), (f"NEW/{theirs}", b"there")]
+    for p in got:
+        subscriber.ack(p)
+    subscriber.send(codec.Bare(codec.PINGREQ))  # nothing else came (each once)
+    assert await subscriber.next() == codec.Bare(codec.PINGRESP)
+    await publisher.close()
+    await subscriber.close()

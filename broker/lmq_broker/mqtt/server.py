@@ -31,6 +31,7 @@ from lmq_broker.mqtt import (
     authorizing,
     codec,
     durable,
+    following,
     framing,
     host,
     limits,
@@ -75,6 +76,7 @@ class MqttServer:
         self.share_members = shares.Members(config.mqtt_max_share_members)  # shared subscriptions' members here
         self.wills = wills.Wills(self.durable, dispatcher, self._publish_will, self.stats)
         self._sweeper: asyncio.Task[None] | None = None
+        self.followers = following.Followers(dispatcher)
 
     async def start(self, host: str, port: int) -> int:
         context = None
@@ -84,6 +86,7 @@ class MqttServer:
         await self.dispatcher.run(self.durable.all_gone, self.dispatcher.wall_clock())
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self.wills.start()
+        await self.followers.start()
         self._server = await asyncio.start_server(self._accept, host, port, ssl=context)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("mqtt listening on %s:%d%s", host, self.port, " (TLS)" if context else "")
@@ -189,6 +192,7 @@ class MqttServer:
             self._server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        await self.followers.stop()
         await self.wills.stop()  # the wills waiting stay in the store: a restarted broker publishes them
         for connection in list(self._clients.values()):
             connection.close(Reason.SERVER_SHUTTING_DOWN, "the broker is shutting down")
