@@ -686,3 +686,33 @@ async def test_a_parent_created_after_the_subscribe_is_reached_at_every_broker(
     assert await subscriber.next() == codec.Bare(codec.PINGRESP)
     await publisher.close()
     await subscriber.close()
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+async def test_4_3_3_a_qos2_publish_resent_after_a_reconnect_is_stored_once_at_another_owner(
+    pair: Pair, level: int
+) -> None:
+    """Section 4.3.3 in a cluster: a persistent session's QoS 2 publish through broker 0 of a topic broker 1
+    owns, answered PUBREC; the client reconnects without having seen it and resends the PUBLISH (DUP): PUBREC
+    again, one message at the owner (its row said it was stored: this broker cannot look in the owner's store)."""
+    theirs = pair.lite_of(1)
+    first = await Raw.connect(pair.port(0), "q2pub", level=level, clean=False)
+    first.publish(f"{PARENT}/{theirs}", b"once", qos=2, packet_id=7)
+    pubrec = await first.next()
+    assert isinstance(pubrec, codec.PacketId) and (pubrec.kind, pubrec.packet_id) == (codec.PUBREC, 7), pubrec
+    mqtt = pair.brokers[0].mqtt
+    assert mqtt is not None
+    connection = mqtt.owner("q2pub")
+    assert connection is not None
+    first.writer.transport.abort()
+    await asyncio.wait_for(connection.done.wait(), WAIT_S)
+    again = await Raw.connect(pair.port(0), "q2pub", level=level, clean=False)
+    props = Properties() if level == codec.LEVEL_5 else None
+    again.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
+    pubrec = await again.next()
+    assert isinstance(pubrec, codec.PacketId) and (pubrec.kind, pubrec.packet_id) == (codec.PUBREC, 7), pubrec
+    again.send(codec.PacketId(codec.PUBREL, 7, 0, props))
+    pubcomp = await again.next()
+    assert isinstance(pubcomp, codec.PacketId) and pubcomp.kind == codec.PUBCOMP, pubcomp
+    assert [m.body for m in pair.stored(1, theirs)] == [b"once"] and pair.stored(0, theirs) == []
+    await again.close()

@@ -226,6 +226,8 @@ class Publishes:
             await self._forget_refused(batch)
             if any(i.message_id for i in stored):
                 exactly.crash_point(exactly.APPENDED)
+                if not await self._stored_elsewhere(batch):
+                    continue
             for i in batch:
                 self._answer(i)
 
@@ -266,6 +268,21 @@ class Publishes:
         store = link.dispatcher.store
         add = [(pid, exactly.plan(store, mid, parent, lite).text()) for pid, mid, parent, lite in planned]
         link.host.durable.qos2_update(link.client_id, durable.INBOUND, add, remove)
+
+    async def _stored_elsewhere(self, batch: Sequence[_In | _Release]) -> bool:
+        """In a cluster, where a message may be stored at another owner (which ``exactly`` cannot look in): the
+        rows of the QoS 2 publishes stored are marked so once the append returned, before their PUBRECs. A
+        failure ends the connection (False: no PUBREC; a resend is looked for here, maybe stored again)."""
+        link = self.link
+        ids = [i.packet.packet_id for i in batch if isinstance(i, _In) and i.message_id and i.store]
+        if link.cluster is None or not ids:
+            return True
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_stored, link.client_id, [i for i in ids if i is not None])
+        except Exception as exc:
+            self._fail(exc, "")
+            return False
+        return True
 
     async def _forget_refused(self, batch: Sequence[_In | _Release]) -> None:
         """The rows of QoS 2 publishes refused (5.0) after their rows were written: their flows ended, their ids
