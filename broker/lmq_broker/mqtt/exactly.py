@@ -7,11 +7,12 @@ batch is appended, each of its QoS 2 publishes gets its row, naming the message 
 under and where its lite topic ended before (``Planned``). A PUBLISH resent after a restart (or a reconnect:
 the state was read back from the rows) whose row names a message is looked for there: found, it is answered
 PUBREC and not stored again; not found (the broker died before the append), it is stored now, under the same
-id. Either way it is stored once. A crash before the row only loses a PUBLISH no PUBREC answered: the client
-sends it again as a new one.
+id. Either way it is stored once. A crash before the row leaves nothing to look for: the client's resend is
+stored as a new publish (nothing of it was).
 
-Only this broker's store is read: in a cluster a message stored at another owner is not found here, so such a
-resend is stored again (at least once there, as before).
+Only this broker's store is read: in a cluster a message may be stored at another owner, so there the rows of
+a batch are also marked stored (``durable.Durable.qos2_stored``: their text cleared) once the append returned
+and before the PUBRECs; a crash between the two stores such a resend again (at least once there).
 
 ``crash_point`` is a test's hook: ``LMQ_TEST_KILL_AT`` names a point where the broker process kills itself
 (SIGKILL), to land a crash exactly in the window; unset (always, outside tests) it is one string comparison.
