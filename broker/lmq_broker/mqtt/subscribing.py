@@ -310,8 +310,9 @@ class Subscriptions:
 
     async def stop_all(self) -> None:
         """At the end: the delivery loops and the retained messages being sent stop."""
-        self._ended = True
-        self.link.host.followers.index(self, False, ())
+        async with self._changing:  # a parent being followed meanwhile registers nothing after this
+            self._ended = True
+            self.link.host.followers.index(self, False, ())
         for task in [*self.consumers.values(), *self.retained_tasks]:
             await stop(task)
         await self.sharing.stop()
