@@ -107,15 +107,17 @@ class Subscriptions:
 
     async def _follow(self, snap: metadata.Metadata) -> None:
         link = self.link
+        touched: set[str] = set()
         for parent, levels in held.expand(link.subs, topics.space_of(snap), named_first=True):
             try:
                 link.host.authorize_subscribe(link.user, link.address, parent, levels)
+                touched.add(parent)
             except errors.Forbidden:  # as a SUBSCRIBE would: only the parents the user may read
                 del link.subs[parent][levels]
                 if not link.subs[parent]:
                     del link.subs[parent]
         cluster = link.cluster
-        for parent in [p for p in link.subs if p not in self.consumers]:
+        for parent in sorted(touched | {p for p in link.subs if p not in self.consumers}):
             await self.register(parent)
             if cluster is not None:  # resumed at the group's offsets there: a new parent's topics from the start
                 await self._make_everywhere(cluster, parent)
