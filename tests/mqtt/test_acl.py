@@ -106,3 +106,26 @@ def test_topics_of_the_default_parent_are_checked_by_their_mapped_names(
     assert alice.publish("TopicA", b"nowhere of hers") == NOT_AUTHORIZED
     assert carol.publish("sensors/room1/temp", b"21.5") == 0
     assert [(m.topic, m.payload) for m in carol.wait_count(1)] == [("sensors/room1/temp", b"21.5")]
+
+
+def test_a_parent_created_later_is_reached_only_where_the_user_may_read(
+    acl_broker: BrokerProcess, connect: Callable[..., Peer]
+) -> None:
+    """A ``#`` subscription follows parents created after it (docs/mqtt.md, "Topic mapping") as a SUBSCRIBE
+    would reach into them: only those the user's policies let it read."""
+    with AdminClient(acl_broker.admin_endpoint, timeout_s=10, **acl_broker.admin_keys) as admin:
+        admin.put_user("dave", "dave-secret-1")
+        admin.put_user("erin", "erin-secret-1")
+        admin.put_acl([AclEntry("dave", "Lite:mqtt-default/*", ("Sub",)), AclEntry("dave", "Lite:opened/*", ("Sub",))])
+        admin.put_acl([AclEntry("erin", "Lite:opened/*", ("Pub",)), AclEntry("erin", "Lite:closed/*", ("Pub",))])
+    port = acl_broker.mqtt_port
+    dave = connect(port, auth=("dave", "dave-secret-1"), protocol=V5)
+    assert dave.subscribe(("#", 1)) == [1]
+    with AdminClient(acl_broker.admin_endpoint, timeout_s=10, **acl_broker.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic("closed", model.MessageType.LITE))
+        admin.put_parent_topic(model.ParentTopic("opened", model.MessageType.LITE))
+    erin = connect(port, auth=("erin", "erin-secret-1"), protocol=V5)
+    assert erin.publish("closed/x", b"not for dave") == 0
+    assert erin.publish("opened/x", b"for dave") == 0
+    assert [(m.topic, m.payload) for m in dave.wait_count(1)] == [("opened/x", b"for dave")]
+    assert [m.payload for m in dave.quiet(0.5)] == [b"for dave"]

@@ -7,6 +7,7 @@ end offset (``lmq-admin lite-topic describe``)."""
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import urllib.request
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.mqtt import codec, stats
+from lmq_broker.mqtt import codec, exactly, stats
 from lmq_broker.mqtt.properties import NONE, Properties, Reason
 from lmq_broker.testing import BrokerProcess, start_broker
 
@@ -259,6 +260,50 @@ def test_4_4_a_reconnect_after_pubrec_resends_pubrel_not_the_publish_and_pubcomp
     assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"two", False), nxt
     pub.close()
     back.close()
+
+
+@LEVELS
+@pytest.mark.parametrize("point", [exactly.RECORDED, exactly.APPENDED])
+def test_4_3_3_a_publish_resent_after_a_kill_9_at_its_append_is_stored_once(
+    tmp_path: Path, level: int, point: str
+) -> None:
+    """Section 4.3.3 across a crash in the window between the packet id's row and the message's append
+    (``exactly``): the broker kills itself (SIGKILL, ``LMQ_TEST_KILL_AT``) after the batch's rows were written
+    and before its append (``RECORDED``), or after the append and before the PUBREC (``APPENDED``). The client,
+    which got no PUBREC, resends the PUBLISH (DUP) on its persistent session after the restart: PUBREC, one
+    message stored either way, which a QoS 2 subscriber's persistent session receives once."""
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"], env={"LMQ_TEST_KILL_AT": point})
+    try:
+        parent = new_parent(broker, "W")
+        port = broker.mqtt_port
+        watcher = Raw(port, "window-watcher", level=level, clean=False)
+        assert watcher.subscribe(f"{parent}/w", 2) == [2]
+        watcher.close()
+        first = Raw(port, "window-pub", level=level, clean=False)
+        first.publish(f"{parent}/w", b"once", 5)
+        assert broker.process.wait(timeout=30) == -signal.SIGKILL  # killed itself at ``point``
+        assert first.closed() and first.pending == []  # no PUBREC came
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        again = Raw(port, "window-pub", level=level, clean=False)
+        assert again.session_present
+        again.publish(f"{parent}/w", b"once", 5, dup=True)
+        expect(again, codec.PUBREC, 5)
+        again.ack(codec.PUBREL, 5)
+        expect(again, codec.PUBCOMP, 5)
+        again.close()
+        assert stored(broker, parent, "w") == 1
+        back = Raw(port, "window-watcher", level=level, clean=False)
+        got = back.next()
+        assert isinstance(got, codec.Publish) and (got.payload, got.qos) == (b"once", 2), got
+        assert got.packet_id is not None
+        back.ack(codec.PUBREC, got.packet_id)
+        expect(back, codec.PUBREL, got.packet_id)
+        back.ack(codec.PUBCOMP, got.packet_id)
+        back.send(codec.Bare(codec.PINGREQ))
+        assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came before: delivered once
+        back.close()
+    finally:
+        broker.stop()
 
 
 @LEVELS

@@ -222,6 +222,7 @@ class MqttLink:
                             attempt=max(1, sp.delivery_attempt),
                             receipt=f"{member} {sp.message_id} {sp.receipt_handle}",
                             properties=dict(m.user_properties),
+                            message_id=sp.message_id,  # a QoS 2 delivery's, kept with its released id
                         )
                     )
                 elif frame.HasField("status") and frame.status.code not in (pb.OK, pb.MESSAGE_NOT_FOUND):

@@ -121,6 +121,15 @@ class Dispatcher:
         """Metadata was written: the next ``metadata()`` reloads it."""
         self.runtime.metadata_changed()
 
+    def watch_metadata(self, watcher: Callable[[], None]) -> None:
+        """Call ``watcher`` (on the caller's thread, at once: it must only take note) each time metadata changes,
+        e.g. a parent topic was created (the MQTT listener's first-level wildcard filters reach into it)."""
+        self.runtime.metadata_watchers.append(watcher)
+
+    def unwatch_metadata(self, watcher: Callable[[], None]) -> None:
+        if watcher in self.runtime.metadata_watchers:
+            self.runtime.metadata_watchers.remove(watcher)
+
     def next_round_robin(self) -> int:
         """A counter for spreading choices (queues, brokers) round-robin."""
         return self.runtime.next_round_robin()

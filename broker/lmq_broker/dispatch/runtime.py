@@ -65,6 +65,7 @@ class Runtime:
         self._changes = 1
         self._snap_gen = 0
         self._snap_reload: tuple[int, asyncio.Task[metadata.Metadata]] | None = None
+        self.metadata_watchers: list[Callable[[], None]] = []  # told of each change (``Dispatcher.watch_metadata``)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._rr = 0
@@ -154,3 +155,5 @@ class Runtime:
 
     def metadata_changed(self) -> None:
         self._changes += 1
+        for watcher in self.metadata_watchers:
+            watcher()

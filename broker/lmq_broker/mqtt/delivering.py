@@ -54,7 +54,7 @@ class Out:
     remote: bool = False
     qos: int = 1
     released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
-    message_id: str = ""  # this broker's messages (QoS 2: recorded with a released packet id)
+    message_id: str = ""  # QoS 2: recorded with a released packet id (also of another broker's message)
     group: str = ""  # a shared subscription's (``shares``); empty: the session's
 
 
@@ -243,18 +243,25 @@ class Deliveries:
         if self.busy >= link.max_inflight:
             self._room.clear()
         await link.writer.drain()
+        await self._settle_unsent(parent, consumer, group, settle, remote=remote)
+        if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
+            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
+
+    async def _settle_unsent(
+        self, parent: str, consumer: str, group: str, receipts: list[str], *, remote: bool
+    ) -> None:
+        """Deliveries passed over (or sent at QoS 0) settled: at the broker that handed them out."""
+        link = self.link
         if remote:
             cluster = link.cluster
-            if cluster is not None and settle:
-                await cluster.settle(consumer, link.group, parent, settle)
+            if cluster is not None and receipts:
+                await cluster.settle(consumer, link.group, parent, receipts)
             return
-        for receipt in settle:
+        for receipt in receipts:
             try:
                 await link.dispatcher.ack(group, receipt, client_id=consumer)
             except errors.LmqError as exc:
                 log.info("mqtt client %s: delivery not settled: %s", link.client_id, exc.message)
-        if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
-            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
 
     def publish_bytes(  # noqa: PLR0913 (a PUBLISH's fields, each a keyword)
         self,

@@ -192,6 +192,20 @@ class Durable:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def qos2_stored(self, client_id: str, packet_ids: Iterable[int]) -> None:
+        """Inbound rows whose message is known stored: their message text cleared (``exactly``: not looked for)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "UPDATE qos2 SET message = '' WHERE client_id = ? AND direction = ? AND packet_id = ?",
+                    [(client_id, INBOUND, i) for i in packet_ids],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     def session_count(self) -> int:
         with self._lock:
             count: int = self._db.execute("SELECT count(*) FROM sessions").fetchone()[0]

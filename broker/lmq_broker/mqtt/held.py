@@ -73,18 +73,35 @@ def remove(subs: Subs, space: topics.Space, wanted: Sequence[topics.Subscription
     return {parent: filters for parent, filters in ended.items() if filters}
 
 
-def expand(subs: Subs, space: topics.Space) -> list[topics.Subscription]:
-    """The named parents' subscriptions of the first-level wildcard filters held, made where missing."""
+def expand(subs: Subs, space: topics.Space, *, named_first: bool = False) -> list[topics.Subscription]:
+    """The named parents' subscriptions of the first-level wildcard filters held (``EXPANDED``), made where
+    missing; ``named_first``: also that of a filter held in the default parent that names a parent at its first
+    level with a wildcard after it (``chat/#`` made before ``chat`` existed: its own, as ``add`` makes it). A
+    filter without wildcards keeps to the default parent until it is made again. The caller checks access."""
     made = []
     for levels, options in list(subs.get(space.default, {}).items()):
-        if levels[0] not in _WILD:
+        wild = levels[0] in _WILD
+        if not wild and not (named_first and any(level in _WILD for level in levels[1:])):
             continue
         for parent, named in space.subscriptions_of(topics.filter_in(space.default, space.default, levels))[1:]:
             held = subs.setdefault(parent, {})
-            if named not in held:
-                held[named] = options | EXPANDED
+            now = held.get(named)
+            if now is None or (not wild and now & EXPANDED):
+                held[named] = options | EXPANDED if wild else options
                 made.append(topics.Subscription(parent, named))
     return made
+
+
+def reaches(subs: Subs, default: str) -> tuple[bool, frozenset[str]]:
+    """Which parents created later the filters held in the default parent would reach into: all (a first-level
+    wildcard filter), and those named by a literal first level with a wildcard after it (``following``)."""
+    wild, firsts = False, set()
+    for levels in subs.get(default, {}):
+        if levels[0] in _WILD:
+            wild = True
+        elif any(level in _WILD for level in levels[1:]):
+            firsts.add(topics.unescape_level(levels[0]))
+    return wild, frozenset(firsts)
 
 
 def texts(subs: Subs, default: str) -> dict[str, int]:

@@ -11,7 +11,7 @@ from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import durable, framing, shares, stats, topics, wills
+from lmq_broker.mqtt import durable, following, framing, shares, stats, topics, wills
 from lmq_broker.mqtt.owners import Owners
 
 
@@ -45,6 +45,7 @@ class Host(Protocol):
     read_budget: framing.Budget
     share_members: shares.Members  # the members of each shared subscription connected here
     wills: wills.Wills
+    followers: following.Followers  # sessions whose filters reach into parents created later
     stopping: bool
     access: AccessControl  # users and policies (--acl): ``authorizing``
 

@@ -34,7 +34,7 @@ class Pulled:
     attempt: int
     receipt: str
     properties: dict[str, str] = field(default_factory=dict)
-    message_id: str = ""  # this broker's messages only (a QoS 2 delivery's, ``releasing``)
+    message_id: str = ""  # its message id there (a QoS 2 delivery keeps it with its released id, ``releasing``)
 
 
 class Owners(Protocol):

@@ -10,23 +10,25 @@ bounds a 5.0 client's unacknowledged publishes.
 QoS 2 (MQTT 3.1.1 and 5.0 section 4.3.3, method B): the message is stored once and answered PUBREC; its packet
 id is kept until the PUBREL, which is answered PUBCOMP, and a resend of the PUBLISH meanwhile (DUP) is answered
 PUBREC again without being stored. For a persistent session the ids are written to the durable store
-(``durable.INBOUND``) before the PUBREC goes out, in one transaction per batch with the PUBRELs' removals,
-so a resend after a reconnect or a broker restart is not stored again either. The one window left: a broker
-killed after a batch's append and before that transaction, whose client never got the PUBREC, stores the
-resend again (at least once: never lost).
+(``durable.INBOUND``) before the batch is appended, each with the message id its message is stored under, in
+one transaction per batch with the PUBRELs' removals, so a resend after a reconnect or a broker restart (kill
+-9 at any point included) is stored once: ``exactly``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
 from lmq_broker import errors
-from lmq_broker.mqtt import codec, durable, stats, storing, topics
+from lmq_broker.mqtt import codec, durable, exactly, stats, storing, topics
 from lmq_broker.mqtt.link import Closed, Link, reason_of
 from lmq_broker.mqtt.properties import Reason
+
+log = logging.getLogger(__name__)
 
 PUBLISH_QUEUE: Final = 256  # PUBLISH packets read and not yet stored; the reader waits beyond it
 MAX_PUBLISH_BATCH: Final = 256  # messages per store call
@@ -42,6 +44,7 @@ class _In:
     store: bool = True
     reason: int = 0
     why: str = ""
+    message_id: str = ""  # a persistent session's QoS 2 publish: the id it is stored under (``exactly``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,7 @@ class Publishes:
         self._incoming: asyncio.Queue[_In | _Release | None] = asyncio.Queue(PUBLISH_QUEUE)
         self._publisher: asyncio.Task[None] | None = None
         self._awaiting_release: set[int] = set()  # QoS 2 packet ids stored, PUBREL not yet seen
+        self._unverified: dict[int, exactly.Planned] = {}  # of those, read back from the rows: stored maybe
 
     def start(self) -> None:
         self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
@@ -76,6 +80,7 @@ class Publishes:
         link = self.link
         ids = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.INBOUND)
         self._awaiting_release = set(ids)
+        self._unverified = {i: planned for i, text in ids.items() if (planned := exactly.planned_of(text))}
 
     async def released(self, packet_id: int) -> None:
         """PUBREL: answered with PUBCOMP (5.0: 0x92 for an id not awaiting one), in order with the publishes
@@ -83,11 +88,13 @@ class Publishes:
         known = packet_id in self._awaiting_release
         if known:
             self._awaiting_release.discard(packet_id)
+            self._unverified.pop(packet_id, None)
             self._unacked_in = max(0, self._unacked_in - 1) if self.link.v5 else 0
         await self._incoming.put(_Release(packet_id, known))
 
     async def received(self, packet: codec.Publish) -> None:
         duplicate = packet.qos == 2 and packet.packet_id in self._awaiting_release
+        again = await self._not_stored(packet.packet_id) if duplicate else None  # stored now under its id
         if packet.properties is not None:
             packet = self._resolve_alias(packet)
             if packet.qos and not duplicate:
@@ -105,11 +112,31 @@ class Publishes:
                 self._refused(packet.topic, reason, why)
                 raise Closed(f"PUBLISH to {packet.topic!r} refused: {why}", code=reason)
             self._refused(packet.topic, reason, why, answered=True)
-            await self._incoming.put(_In(packet, False, reason, why))
+            if again is not None and packet.packet_id is not None:  # its flow ends: its row goes (``_forget``)
+                self._awaiting_release.discard(packet.packet_id)
+            await self._incoming.put(_In(packet, False, reason, why, again.message_id if again else ""))
             return
         if packet.qos == 2 and packet.packet_id is not None:
             self._awaiting_release.add(packet.packet_id)  # a resend before its PUBREL is not stored again
+        if again is not None:
+            await self._incoming.put(_In(packet, True, message_id=again.message_id))
+            return
         await self._incoming.put(_In(packet, not duplicate))
+
+    async def _not_stored(self, packet_id: int | None) -> exactly.Planned | None:
+        """A resend of a QoS 2 publish whose row was read back (after a reconnect or restart): its row, when its
+        message is not in the store (the broker died before the append); None when it is, or was known to be."""
+        planned = self._unverified.pop(packet_id, None) if packet_id is not None else None
+        if planned is None:
+            return None
+        dispatcher = self.link.dispatcher
+        try:
+            stored = await dispatcher.run(exactly.was_stored, dispatcher.store, planned)
+        except errors.LmqError as exc:  # cannot tell: stored again rather than lost (at least once)
+            log.warning("mqtt client %s: QoS 2 resend %d not checked, stored again: %s", self.link.client_id,
+                        packet_id, exc)  # fmt: skip
+            stored = False
+        return None if stored else planned
 
     def _within_qos2_cap(self, packet: codec.Publish) -> None:
         """3.1.1: one QoS 2 publish more than ``--mqtt-max-qos2-inflight`` awaiting PUBREL: counted, logged, closed
@@ -183,19 +210,24 @@ class Publishes:
                 batch.append(more)
             if self.failure is not None:
                 continue  # the connection is ending: nothing more is stored (the reader may still be putting)
-            publishes = [i.packet for i in batch if isinstance(i, _In) and i.store]
-            try:
-                await self._store(publishes)  # one store call for the lot
-            except (errors.LmqError, topics.TopicError, ValueError) as exc:
-                if not self.link.v5 or not _answerable(exc):
-                    self._fail(exc, publishes[0].topic if publishes else "")
-                    continue
-                batch = await self._store_each(batch)  # 5.0: each publish gets its own answer
-            try:
-                await self._record(batch)
-            except Exception as exc:  # no PUBREC without its record: the client resends, nothing is lost
+            try:  # a persistent session's QoS 2 rows (and PUBRELs) first: ``exactly``
+                batch = await self._record(batch)
+            except Exception as exc:  # nothing stored, no PUBREC: the client resends, nothing is lost
                 self._fail(exc, "")
                 continue
+            stored = [i for i in batch if isinstance(i, _In) and i.store]
+            try:
+                await self._store([i.packet for i in stored], [i.message_id for i in stored])  # one store call
+            except (errors.LmqError, topics.TopicError, ValueError) as exc:
+                if not self.link.v5 or not _answerable(exc):
+                    self._fail(exc, stored[0].packet.topic if stored else "")
+                    continue
+                batch = await self._store_each(batch)  # 5.0: each publish gets its own answer
+            await self._forget_refused(batch)
+            if any(i.message_id for i in stored):
+                exactly.crash_point(exactly.APPENDED)
+                if not await self._stored_elsewhere(batch):
+                    continue
             for i in batch:
                 self._answer(i)
 
@@ -205,21 +237,65 @@ class Publishes:
         self.failure = exc
         self.link.close(Reason.UNSPECIFIED_ERROR, str(exc))  # the reader sees the end, tells ``failure``
 
-    async def _record(self, batch: Sequence[_In | _Release]) -> None:
-        """A persistent session's QoS 2 packet ids stored and released in ``batch``, in the durable store before
-        any of the batch's answers is written (one transaction)."""
+    async def _record(self, batch: list[_In | _Release]) -> list[_In | _Release]:
+        """A persistent session's QoS 2 packet ids to be stored in ``batch`` (each with the message id it is then
+        stored under, ``exactly``) and those released, in the durable store before the batch is appended (one
+        transaction); the batch with those message ids."""
         link = self.link
         if not link.persistent:
-            return  # the state ends with the connection (it is in ``_awaiting_release``)
-        add = [
-            (i.packet.packet_id, "")
-            for i in batch
-            if isinstance(i, _In) and i.store and i.packet.qos == 2 and i.packet.packet_id is not None
-        ]
+            return batch  # the state ends with the connection (it is in ``_awaiting_release``)
+        space = await storing.space_of(link.host)
+        planned: list[tuple[int, str, str, str]] = []
+        out: list[_In | _Release] = []
+        for i in batch:
+            pid = i.packet.packet_id if isinstance(i, _In) and i.store and i.packet.qos == 2 else None
+            if isinstance(i, _In) and pid is not None:
+                if not i.message_id:
+                    i = replace(i, message_id=storing.new_message_id())  # noqa: PLW2901 (the item, with its id)
+                parent, lite = space.lite_of(i.packet.topic)
+                planned.append((pid, i.message_id, parent, lite))
+            out.append(i)
         remove = [i.packet_id for i in batch if isinstance(i, _Release) and i.known]
-        if add or remove:
-            update = link.host.durable.qos2_update
-            await link.dispatcher.run(update, link.client_id, durable.INBOUND, add, remove)
+        if planned or remove:
+            await link.dispatcher.run(self._write_rows, planned, remove)
+        if planned:
+            exactly.crash_point(exactly.RECORDED)
+        return out
+
+    def _write_rows(self, planned: list[tuple[int, str, str, str]], remove: list[int]) -> None:
+        """Blocking: each planned publish's place read, then the rows written (one transaction)."""
+        link = self.link
+        store = link.dispatcher.store
+        add = [(pid, exactly.plan(store, mid, parent, lite).text()) for pid, mid, parent, lite in planned]
+        link.host.durable.qos2_update(link.client_id, durable.INBOUND, add, remove)
+
+    async def _stored_elsewhere(self, batch: Sequence[_In | _Release]) -> bool:
+        """In a cluster, where a message may be stored at another owner (which ``exactly`` cannot look in): the
+        rows of the QoS 2 publishes stored are marked so once the append returned, before their PUBRECs. A
+        failure ends the connection (False: no PUBREC; a resend is looked for here, maybe stored again)."""
+        link = self.link
+        ids = [i.packet.packet_id for i in batch if isinstance(i, _In) and i.message_id and i.store]
+        if link.cluster is None or not ids:
+            return True
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_stored, link.client_id, [i for i in ids if i is not None])
+        except Exception as exc:
+            self._fail(exc, "")
+            return False
+        return True
+
+    async def _forget_refused(self, batch: Sequence[_In | _Release]) -> None:
+        """The rows of QoS 2 publishes refused (5.0) after their rows were written: their flows ended, their ids
+        are free. A failure leaves them: a resend is then looked for, not found, and stored."""
+        link = self.link
+        gone = [i.packet.packet_id for i in batch if isinstance(i, _In) and i.message_id and not i.store]
+        ids = [pid for pid in gone if pid is not None]
+        if not ids or not link.persistent:
+            return
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.INBOUND, [], ids)
+        except Exception as exc:
+            log.warning("mqtt client %s: rows of refused QoS 2 publishes kept: %s", link.client_id, exc)
 
     async def _store_each(self, batch: list[_In | _Release]) -> list[_In | _Release]:
         """Store one by one what failed together (a quota refuses the whole batch), refusing each that fails."""
@@ -229,11 +305,11 @@ class Publishes:
             if isinstance(item, _In) and item.store:
                 p = item.packet
                 try:
-                    await self._store([p])
+                    await self._store([p], [item.message_id])
                 except (errors.LmqError, topics.TopicError, ValueError) as exc:
                     if p.qos == 2 and p.packet_id is not None:
                         self._awaiting_release.discard(p.packet_id)
-                    answer = _In(p, False, reason_of(exc), str(exc))
+                    answer = _In(p, False, reason_of(exc), str(exc), item.message_id)
                     self._refused(p.topic, answer.reason, answer.why, answered=True)
             out.append(answer)
         return out
@@ -252,9 +328,9 @@ class Publishes:
         if link.v5 and (p.qos == 1 or i.reason >= Reason.UNSPECIFIED_ERROR):
             self._unacked_in -= 1  # QoS 2: once PUBREL is answered, unless refused (MQTT-4.9.0-3)
 
-    async def _store(self, publishes: Sequence[codec.Publish]) -> None:
+    async def _store(self, publishes: Sequence[codec.Publish], message_ids: Sequence[str] = ()) -> None:
         link = self.link
-        await storing.store(link.host, link.client_id, link.address, publishes)
+        await storing.store(link.host, link.client_id, link.address, publishes, message_ids)
 
 
 def _answerable(exc: Exception) -> bool:

@@ -5,7 +5,8 @@ group's offset moves: a message is never settled before the client has it, nor h
 For a persistent session the packet id is written to the durable store (``durable.OUTBOUND``), with the
 message id, before the PUBREL goes out and forgotten at the PUBCOMP; a resumed session resends a PUBREL for
 each, not the PUBLISH (section 4.4), and after a restart (the message's lease died with the process) the
-message handed out again is settled without being sent (``Deliveries._deliver``). A 5.0 PUBREC with a
+message handed out again (in a cluster also by the broker that owns it, once its lease there ran out) is
+settled without being sent (``Deliveries._deliver``), recognised by its message id. A 5.0 PUBREC with a
 reason code of 0x80 or more ends the flow (the message is settled: the client refused it); a PUBREC for a
 packet id not in flight is answered PUBREL 0x92 (5.0).
 """

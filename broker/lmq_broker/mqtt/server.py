@@ -32,6 +32,7 @@ from lmq_broker.mqtt import (
     authorizing,
     codec,
     durable,
+    following,
     framing,
     host,
     limits,
@@ -79,6 +80,7 @@ class MqttServer:
         self._rechecking: asyncio.Task[None] | None = None  # the sessions' filters checked after an access change
         self._recheck_again = False
         self._watcher: Callable[[], object] | None = None
+        self.followers = following.Followers(dispatcher)
 
     async def start(self, host: str, port: int) -> int:
         context = None
@@ -92,6 +94,7 @@ class MqttServer:
             loop = asyncio.get_running_loop()
             self._watcher = watcher = lambda: loop.call_soon_threadsafe(self._access_changed)
             self.access.watch(watcher)
+        await self.followers.start()
         self._server = await asyncio.start_server(self._accept, host, port, ssl=context)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("mqtt listening on %s:%d%s", host, self.port, " (TLS)" if context else "")
@@ -222,6 +225,7 @@ class MqttServer:
             self.access.unwatch(self._watcher)
         if self._rechecking is not None:
             self._rechecking.cancel()
+        await self.followers.stop()
         await self.wills.stop()  # the wills waiting stay in the store: a restarted broker publishes them
         for connection in list(self._clients.values()):
             connection.close(Reason.SERVER_SHUTTING_DOWN, "the broker is shutting down")

@@ -17,14 +17,17 @@ from lmq_broker.mqtt.host import Host
 log = logging.getLogger(__name__)
 
 
-async def store(server: Host, client_id: str, host: str, publishes: Sequence[codec.Publish]) -> None:
-    """Append the messages (one store call), then record the retained ones; both durable on return."""
+async def store(
+    server: Host, client_id: str, host: str, publishes: Sequence[codec.Publish], message_ids: Sequence[str] = ()
+) -> None:
+    """Append the messages (one store call), then record the retained ones; both durable on return.
+    ``message_ids``: per publish, the id to store it under (empty or missing: a new one)."""
     config = server.config
     messages: list[model.NewMessage] = []
     retained: list[durable.Retained] = []
     now = server.dispatcher.wall_clock()
     space = await space_of(server)
-    for p in publishes:
+    for n, p in enumerate(publishes):
         parent, lite = space.lite_of(p.topic)
         props = mapping.incoming(p.properties, qos=p.qos, retain=p.retain, client_id=client_id, now_ms=now)
         if topics.is_hashed(lite) and parent == space.default:  # its topic, given back to subscribers
@@ -34,7 +37,8 @@ async def store(server: Host, client_id: str, host: str, publishes: Sequence[cod
         if p.payload or not p.retain:  # an empty retained publish only clears (MQTT-3.3.1-10)
             if not p.payload:  # an empty message is valid (section 3.3.3); the store keeps it marked
                 props[model.EMPTY_BODY_PROPERTY] = "1"
-            messages.append(_message(config.index_parent_queue, host, parent, lite, p.payload, now, props))
+            message_id = (message_ids[n] if n < len(message_ids) else "") or new_message_id()
+            messages.append(_message(config.index_parent_queue, host, parent, lite, p.payload, now, props, message_id))
     owners = server.owners
     clustered = owners is not None and owners.active
     if messages:
@@ -65,13 +69,24 @@ async def publish_will(server: Host, client_id: str, host: str, will: codec.Will
     return True
 
 
-def _message(  # noqa: PLR0917 (what, where, when)
-    index_parent: bool, host: str, parent: str, lite: str, body: bytes, now_ms: int, props: dict[str, str]
+def new_message_id() -> str:
+    return secrets.token_hex(16).upper()
+
+
+def _message(  # noqa: PLR0917 (what, where, when, which)
+    index_parent: bool,
+    host: str,
+    parent: str,
+    lite: str,
+    body: bytes,
+    now_ms: int,
+    props: dict[str, str],
+    message_id: str,
 ) -> model.NewMessage:
     lmq = model.QueueId.lmq(parent, lite)
     queues = (model.QueueId(parent, 0), lmq) if index_parent else (lmq,)
     return model.NewMessage(
-        message_id=secrets.token_hex(16).upper(),
+        message_id=message_id,
         topic=parent,
         body=body,
         queues=queues,

@@ -16,7 +16,7 @@ import logging
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import wildcards
+from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.mqtt import codec, held, identifiers, matching, shares, topics
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.link import Closed, Link, reason_of, stop
@@ -37,8 +37,14 @@ class Subscriptions:
         self.retained_tasks: set[asyncio.Task[None]] = set()
         self.sharing = Sharing(link, deliveries)  # its shared subscriptions ($share/...)
         self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
+        self._changing = asyncio.Lock()  # a SUBSCRIBE, UNSUBSCRIBE or new parents: one at a time
+        self._ended = False
 
     async def restore(self, saved: dict[str, int]) -> None:
+        async with self._changing:
+            await self._restore(saved)
+
+    async def _restore(self, saved: dict[str, int]) -> None:
         link = self.link
         snap = await link.dispatcher.metadata()
         space = topics.space_of(snap)
@@ -63,12 +69,17 @@ class Subscriptions:
         """The session's filters in ``parent`` made at every broker (again), resuming at the group's offsets."""
         link = self.link
         self._made_at[parent] = cluster.members
-        filters = list(link.subs.get(parent, ()))
+        filters = self._wired(parent, list(link.subs.get(parent, ())))
         try:
             await cluster.subscribe(link.consumer_id(parent), link.group, parent, filters, None)
         except errors.LmqError as exc:
             log.warning("mqtt client %s: subscriptions in %s not made at every broker: %s", link.client_id, parent,
                         exc.message)  # fmt: skip
+
+    def _wired(self, parent: str, filters: list[wildcards.Filter]) -> list[wildcards.Filter]:
+        """What the other brokers are given for ``filters`` (all the session holds in ``parent``): in the default
+        parent ``HASHED`` too, as here (``topics.registered``): a hashed name carries no levels to match."""
+        return topics.registered(self.link.config.mqtt_default_parent, parent, filters)
 
     def _readable(self, wanted: list[topics.Subscription]) -> list[topics.Subscription]:
         """Of the parents a filter reaches into, those the session's user may read (``--acl``; all without it):
@@ -87,7 +98,37 @@ class Subscriptions:
             raise refused
         return readable
 
+    async def follow_parents(self) -> None:
+        """Parents created since the filters were made (``following``): the filters that can match them reach
+        into them, from their beginning (whatever they hold came after they existed), here and at every broker."""
+        async with self._changing:
+            if not self._ended:
+                await self._follow(await self.link.dispatcher.metadata())
+
+    async def _follow(self, snap: metadata.Metadata) -> None:
+        link = self.link
+        touched: set[str] = set()
+        for parent, levels in held.expand(link.subs, topics.space_of(snap), named_first=True):
+            try:
+                link.host.authorize_subscribe(link.user, link.address, parent, levels)
+                touched.add(parent)
+            except errors.Forbidden:  # as a SUBSCRIBE would: only the parents the user may read
+                del link.subs[parent][levels]
+                if not link.subs[parent]:
+                    del link.subs[parent]
+        cluster = link.cluster
+        for parent in sorted(touched | {p for p in link.subs if p not in self.consumers}):
+            await self.register(parent)
+            if cluster is not None:  # resumed at the group's offsets there: a new parent's topics from the start
+                await self._make_everywhere(cluster, parent)
+
     async def subscribe(self, packet: codec.Subscribe) -> None:
+        async with self._changing:
+            snap = await self._subscribe(packet)
+            if snap is not await self.link.dispatcher.metadata():  # a parent may have come meanwhile
+                await self._follow(await self.link.dispatcher.metadata())
+
+    async def _subscribe(self, packet: codec.Subscribe) -> metadata.Metadata:
         link = self.link
         codes: list[int] = []
         fresh: dict[str, list[wildcards.Filter]] = {}
@@ -151,6 +192,7 @@ class Subscriptions:
             task = asyncio.get_running_loop().create_task(self._send_all_retained(sends, as_of))
             self.retained_tasks.add(task)
             task.add_done_callback(self.retained_tasks.discard)
+        return snap
 
     async def _start(self, parent: str, new: list[wildcards.Filter]) -> errors.LmqError | None:
         """The ``new`` filters in ``parent`` take effect (here, and at the other brokers); else the refusal
@@ -166,8 +208,10 @@ class Subscriptions:
                 if self._made_at.get(parent) != cluster.members:  # set first: the loop must not make ``new``
                     self._made_at[parent] = cluster.members
                     if older:  # made while this broker was alone, or before a broker joined
-                        await cluster.subscribe(consumer, link.group, parent, older, None)
+                        await cluster.subscribe(consumer, link.group, parent, self._wired(parent, older), None)
                 await cluster.subscribe(consumer, link.group, parent, new, older)
+                if not older and parent == link.config.mqtt_default_parent:  # started at their ends just now
+                    await cluster.subscribe(consumer, link.group, parent, [topics.HASHED], None)
         except errors.LmqError as exc:  # e.g. the store rebuilds its index: these filters fail, the rest holds
             log.warning("mqtt client %s: subscriptions in %s refused: %s", link.client_id, parent, exc.message)
             cluster = link.cluster
@@ -194,6 +238,10 @@ class Subscriptions:
                 link.retained_sent.set()
 
     async def unsubscribe(self, packet: codec.Unsubscribe) -> None:
+        async with self._changing:
+            await self._unsubscribe(packet)
+
+    async def _unsubscribe(self, packet: codec.Unsubscribe) -> None:
         link = self.link
         changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
         codes, shared = [], False
@@ -216,7 +264,9 @@ class Subscriptions:
         for parent, ended in changed.items():
             await self.register(parent)
             if cluster is not None:
-                await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, ended)
+                last = parent == link.config.mqtt_default_parent and not link.subs.get(parent)
+                gone = [*ended, topics.HASHED] if last else ended  # the last filter there: hashed topics end too
+                await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, gone)
         if (changed or shared) and link.persistent:
             await self.save()
         if link.v5:
@@ -256,9 +306,15 @@ class Subscriptions:
             del self.consumers[parent]
             link.dispatcher.client_gone(consumer)
             link.subs.pop(parent, None)
+        if parent == link.config.mqtt_default_parent and not self._ended:
+            wild, firsts = held.reaches(link.subs, parent)
+            link.host.followers.index(self, wild, firsts)
 
     async def stop_all(self) -> None:
         """At the end: the delivery loops and the retained messages being sent stop."""
+        async with self._changing:  # a parent being followed meanwhile registers nothing after this
+            self._ended = True
+            self.link.host.followers.index(self, False, ())
         for task in [*self.consumers.values(), *self.retained_tasks]:
             await stop(task)
         await self.sharing.stop()

@@ -21,7 +21,7 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.mqtt import codec, mapping
+from lmq_broker.mqtt import codec, mapping, topics
 from lmq_broker.mqtt.connection import group_of
 from lmq_broker.mqtt.properties import Properties, Reason
 from lmq_broker.protocol import status
@@ -615,3 +615,104 @@ async def test_three_brokers_each_deliver_their_topics_in_order_and_take_their_a
         await subscriber.close()
     finally:
         await stop_pair(pair)
+
+
+def _hashed_topic_owned_by(pair: Pair, slot: int) -> tuple[str, str]:
+    """A topic over the lite-name limit escaped (kept hashed in the default parent) whose owner is ``slot``,
+    and its lite name."""
+    default = pair.brokers[0].config.mqtt_default_parent
+    for i in range(10_000):
+        topic = f"long/{'x' * 70}/{i}"
+        lite = topics.default_lite(topic)
+        if mb.owner(pair.membership, model.QueueId.lmq(default, lite).topic) == slot:
+            assert topics.is_hashed(lite)
+            return topic, lite
+    raise AssertionError("no such topic")
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+@pytest.mark.parametrize("topic_filter", ["exact", "long/+/#", "#"])
+async def test_a_hashed_topic_another_broker_owns_reaches_the_subscribers_here(
+    pair: Pair, level: int, topic_filter: str
+) -> None:
+    topic, lite = _hashed_topic_owned_by(pair, 1)
+    default = pair.brokers[1].config.mqtt_default_parent
+    subscriber = await Raw.connect(pair.port(0), "sub", level=level)
+    assert (await subscriber.subscribe(topic if topic_filter == "exact" else topic_filter)).codes == (1,)
+    publisher = await Raw.connect(pair.port(1), "pub", level=level)  # through the owner's MQTT
+    await publisher.published(topic, b"hashed there")
+    owner = pair.brokers[1].store
+    assert owner is not None and len(owner.read(model.QueueId.lmq(default, lite), 0, 10)) == 1
+    delivered = await subscriber.delivery()
+    assert (delivered.topic, delivered.payload) == (topic, b"hashed there")
+    subscriber.ack(delivered)
+    store = owner
+
+    def acked() -> bool:
+        return (store.get_offset(model.QueueId.lmq(default, lite), group_of("sub")) or 0) == 1
+
+    await eventually(acked, "acknowledged at the owner")
+    await publisher.close()
+    await subscriber.close()
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+@pytest.mark.parametrize("topic_filter", ["#", "+/+", "NEW/#"])
+async def test_a_parent_created_after_the_subscribe_is_reached_at_every_broker(
+    pair: Pair, level: int, topic_filter: str
+) -> None:
+    """Section 4.7 with a parent made later: created through broker 1's admin service (sent on to broker 0),
+    its topics owned by either broker reach a session of broker 0 without a reconnect."""
+    subscriber = await Raw.connect(pair.port(0), "sub", level=level)
+    assert (await subscriber.subscribe(topic_filter)).codes == (1,)
+    with AdminClient(pair.brokers[1].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+        await asyncio.to_thread(admin.put_parent_topic, model.ParentTopic("NEW", model.MessageType.LITE))
+    membership = pair.membership
+    theirs, mine = (
+        next(f"x-{i}" for i in range(10_000) if mb.owner(membership, model.QueueId.lmq("NEW", f"x-{i}").topic) == s)
+        for s in (1, 0)
+    )
+    publisher = await Raw.connect(pair.port(1), "pub", level=level)
+    await publisher.published(f"NEW/{theirs}", b"there", packet_id=1)
+    await publisher.published(f"NEW/{mine}", b"here", packet_id=2)
+    for slot, lite in ((1, theirs), (0, mine)):  # kept by the new parent at its owner
+        store = pair.brokers[slot].store
+        assert store is not None and len(store.read(model.QueueId.lmq("NEW", lite), 0, 10)) == 1
+    got = sorted([await subscriber.delivery(), await subscriber.delivery()], key=lambda p: p.payload)
+    assert [(p.topic, p.payload) for p in got] == [(f"NEW/{mine}", b"here"), (f"NEW/{theirs}", b"there")]
+    for p in got:
+        subscriber.ack(p)
+    subscriber.send(codec.Bare(codec.PINGREQ))  # nothing else came (each once)
+    assert await subscriber.next() == codec.Bare(codec.PINGRESP)
+    await publisher.close()
+    await subscriber.close()
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+async def test_4_3_3_a_qos2_publish_resent_after_a_reconnect_is_stored_once_at_another_owner(
+    pair: Pair, level: int
+) -> None:
+    """Section 4.3.3 in a cluster: a persistent session's QoS 2 publish through broker 0 of a topic broker 1
+    owns, answered PUBREC; the client reconnects without having seen it and resends the PUBLISH (DUP): PUBREC
+    again, one message at the owner (its row said it was stored: this broker cannot look in the owner's store)."""
+    theirs = pair.lite_of(1)
+    first = await Raw.connect(pair.port(0), "q2pub", level=level, clean=False)
+    first.publish(f"{PARENT}/{theirs}", b"once", qos=2, packet_id=7)
+    pubrec = await first.next()
+    assert isinstance(pubrec, codec.PacketId) and (pubrec.kind, pubrec.packet_id) == (codec.PUBREC, 7), pubrec
+    mqtt = pair.brokers[0].mqtt
+    assert mqtt is not None
+    connection = mqtt.owner("q2pub")
+    assert connection is not None
+    first.writer.transport.abort()
+    await asyncio.wait_for(connection.done.wait(), WAIT_S)
+    again = await Raw.connect(pair.port(0), "q2pub", level=level, clean=False)
+    props = Properties() if level == codec.LEVEL_5 else None
+    again.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
+    pubrec = await again.next()
+    assert isinstance(pubrec, codec.PacketId) and (pubrec.kind, pubrec.packet_id) == (codec.PUBREC, 7), pubrec
+    again.send(codec.PacketId(codec.PUBREL, 7, 0, props))
+    pubcomp = await again.next()
+    assert isinstance(pubcomp, codec.PacketId) and pubcomp.kind == codec.PUBCOMP, pubcomp
+    assert [m.body for m in pair.stored(1, theirs)] == [b"once"] and pair.stored(0, theirs) == []
+    await again.close()

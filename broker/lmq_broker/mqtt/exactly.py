@@ -1,0 +1,87 @@
+"""Exactly once for a persistent session's inbound QoS 2 across a broker crash (MQTT 3.1.1 and 5.0 section
+4.3.3, method B).
+
+The message append (the store) and the packet id's row (``mqtt.sqlite3``) are two durable writes, so one of
+them must tell, after a crash between the two, whether the other happened. The row goes first: before a
+batch is appended, each of its QoS 2 publishes gets its row, naming the message id the message is then stored
+under and where its lite topic ended before (``Planned``). A PUBLISH resent after a restart (or a reconnect:
+the state was read back from the rows) whose row names a message is looked for there: found, it is answered
+PUBREC and not stored again; not found (the broker died before the append), it is stored now, under the same
+id. Either way it is stored once. A crash before the row leaves nothing to look for: the client's resend is
+stored as a new publish (nothing of it was).
+
+Only this broker's store is read: in a cluster a message may be stored at another owner, so there the rows of
+a batch are also marked stored (``durable.Durable.qos2_stored``: their text cleared) once the append returned
+and before the PUBRECs; a crash between the two stores such a resend again (at least once there).
+
+``crash_point`` is a test's hook: ``LMQ_TEST_KILL_AT`` names a point where the broker process kills itself
+(SIGKILL), to land a crash exactly in the window; unset (always, outside tests) it is one string comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from typing import Final, NamedTuple
+
+from lmq_broker import model
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+_KILL_AT: Final = os.environ.get("LMQ_TEST_KILL_AT", "")
+RECORDED: Final = "mqtt-qos2-recorded"  # a batch's QoS 2 rows written, its append not begun
+APPENDED: Final = "mqtt-qos2-appended"  # the append done, no PUBREC written yet
+SCAN_PAGE: Final = 256  # messages read per step while looking for a resent publish's message
+
+
+class Planned(NamedTuple):
+    """Where a QoS 2 publish is (to be) stored: its message id, its lite topic, and that topic's end before."""
+
+    message_id: str
+    parent: str
+    lite: str
+    end: int
+
+    def text(self) -> str:
+        return json.dumps([self.message_id, self.parent, self.lite, self.end])
+
+
+def planned_of(text: str) -> Planned | None:
+    """A row's message text read back (empty: a row of an older broker, whose message was stored)."""
+    if not text:
+        return None
+    try:
+        message_id, parent, lite, end = json.loads(text)
+        return Planned(str(message_id), str(parent), str(lite), int(end))
+    except (ValueError, TypeError):
+        return None
+
+
+def plan(store: Store, message_id: str, parent: str, lite: str) -> Planned:
+    """Blocking. ``message_id``'s place: its lite topic's end now (the message goes at or after it)."""
+    _, end = store.queue_offsets(model.QueueId.lmq(parent, lite))
+    return Planned(message_id, parent, lite, end)
+
+
+def was_stored(store: Store, planned: Planned) -> bool:
+    """Blocking. Does ``planned``'s lite topic hold its message (from the end it had before, to its end now)."""
+    queue = model.QueueId.lmq(planned.parent, planned.lite)
+    offset = planned.end
+    _, end = store.queue_offsets(queue)
+    while offset < end:
+        messages, offset_after = store.read_span(queue, offset, SCAN_PAGE)
+        if any(m.message_id == planned.message_id for m in messages):
+            return True
+        if offset_after <= offset:
+            break
+        offset = offset_after
+    return False
+
+
+def crash_point(name: str) -> None:
+    if name == _KILL_AT:
+        log.warning("LMQ_TEST_KILL_AT=%s: killing this broker process", name)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,139 @@
+"""QoS 2 delivery in a cluster across a kill -9 of the session's broker (MQTT 3.1.1 and 5.0 sections 4.3.3 and
+4.4): two broker processes with ``--peers``; the subscriber's broker is killed between the subscriber's PUBREC
+and its PUBCOMP for a message another broker owns. After the restart the session gets the PUBREL again and
+not the message: the owner hands it out again once its lease ran out, and the session settles it there
+unsent, recognised by its message id. Raw sockets speak MQTT through our codec."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from waiting import eventually
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.cluster import membership as mb
+from lmq_broker.mqtt import codec
+from lmq_broker.mqtt.properties import NONE, Properties
+from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
+
+PARENT = "Q2"
+WAIT_S = 30.0
+LEASE_MS = 1000  # the owner's lease of a delivery: not renewed (``--lease-renew-max-ms 0``), so it runs out soon
+LEVELS = pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5], ids=["3.1.1", "5.0"])
+
+
+class Raw:
+    def __init__(self, port: int, client_id: str, level: int, *, clean: bool = False) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        self.decoder = codec.Decoder(level=level)
+        self.pending: list[codec.Packet] = []
+        self.v5 = level == codec.LEVEL_5
+        props = Properties(session_expiry_s=0 if clean else 0xFFFFFFFF) if self.v5 else None
+        self.send(codec.Connect(client_id, clean, 60, level=level, properties=props))
+        connack = self.next()
+        assert isinstance(connack, codec.ConnAck) and connack.code == 0, connack
+        self.session_present = connack.session_present
+
+    def send(self, packet: codec.Packet) -> None:
+        self.sock.sendall(codec.encode(packet))
+
+    def next(self) -> codec.Packet:
+        while not self.pending:
+            data = self.sock.recv(65536)
+            assert data, "the broker closed the connection"
+            self.pending += self.decoder.feed(data)
+        return self.pending.pop(0)
+
+    def ack(self, kind: int, packet_id: int) -> None:
+        self.send(codec.PacketId(kind, packet_id, 0, NONE if self.v5 else None))
+
+    def expect(self, kind: int, packet_id: int) -> None:
+        got = self.next()
+        assert isinstance(got, codec.PacketId) and (got.kind, got.packet_id) == (kind, packet_id), got
+
+    def published(self, topic: str, payload: bytes, packet_id: int) -> None:
+        """At QoS 2, its flow complete."""
+        props = NONE if self.v5 else None
+        self.send(codec.Publish(topic, payload, 2, packet_id=packet_id, properties=props))
+        self.expect(codec.PUBREC, packet_id)
+        self.ack(codec.PUBREL, packet_id)
+        self.expect(codec.PUBCOMP, packet_id)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def acks(broker: BrokerProcess) -> float:
+    """Messages acknowledged at ``broker`` through AckMessage (an MQTT session settles another broker's so)."""
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(r"^lmq_acks_total (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[BrokerProcess]]:
+    ports = free_ports("127.0.0.1", 2)
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    started: list[BrokerProcess] = []
+    try:
+        for i, port in enumerate(ports):
+            args = ["--peers", peers, "--ordinal", str(i), "--mqtt-port", "0"]
+            args += ["--lease-renew-slice-ms", str(LEASE_MS), "--lease-renew-max-ms", "0"]
+            started.append(start_broker(tmp_path / f"b{i}", port=port, extra_args=args, env=SHARED_ADMIN_ENV))
+        with AdminClient(started[0].endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))  # sent on to broker 1
+        yield started
+    finally:
+        for broker in started:
+            broker.stop()
+
+
+@LEVELS
+def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_brokers_message_again(
+    cluster: list[BrokerProcess], level: int
+) -> None:
+    membership = mb.Membership.parse(",".join(f"127.0.0.1:{b.port}" for b in cluster))
+    owned = (f"k-{i}" for i in range(10_000))
+    theirs = next(lite for lite in owned if mb.owner(membership, model.QueueId.lmq(PARENT, lite).topic) == 1)
+    session, owner = cluster
+    port = session.mqtt_port
+    sub = Raw(port, "q2-sub", level)
+    sub.send(codec.Subscribe(1, ((f"{PARENT}/{theirs}", 2),), NONE if sub.v5 else None))
+    suback = sub.next()
+    assert isinstance(suback, codec.SubAck) and suback.codes == (2,), suback
+    pub = Raw(owner.mqtt_port, "q2-pub", level, clean=True)
+    pub.published(f"{PARENT}/{theirs}", b"first", 1)  # stored at the owner, broker 1
+    got = sub.next()
+    assert isinstance(got, codec.Publish) and (got.payload, got.qos) == (b"first", 2), got
+    assert got.packet_id is not None
+    sub.ack(codec.PUBREC, got.packet_id)
+    sub.expect(codec.PUBREL, got.packet_id)  # its id is recorded (with the message id) before this
+    session.kill()
+    sub.close()
+    session = cluster[0] = session.restart()  # same data dir and ports
+    back = Raw(port, "q2-sub", level)
+    assert back.session_present
+    back.expect(codec.PUBREL, got.packet_id)  # MQTT-4.4.0-1: the PUBREL again, not the PUBLISH
+    back.ack(codec.PUBCOMP, got.packet_id)
+    # the owner hands "first" out again once its lease ran out: settled there (acknowledged) without a PUBLISH
+    eventually(lambda: acks(owner) == 1, "the message handed out again is settled at the owner", WAIT_S)
+    pub.published(f"{PARENT}/{theirs}", b"second", 2)
+    nxt = back.next()
+    assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"second", False), nxt
+    assert nxt.packet_id is not None
+    back.ack(codec.PUBREC, nxt.packet_id)
+    back.expect(codec.PUBREL, nxt.packet_id)
+    back.ack(codec.PUBCOMP, nxt.packet_id)
+    eventually(lambda: acks(owner) == 2, "the second settled at the owner", WAIT_S)
+    back.send(codec.Bare(codec.PINGREQ))
+    assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came: "first" exactly once
+    back.close()
+    pub.close()
