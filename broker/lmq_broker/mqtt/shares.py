@@ -22,10 +22,11 @@ share on this broker (``--mqtt-max-share-members``); beyond them the filter is r
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from lmq_broker.dispatch import metadata
+from lmq_broker.dispatch import api, metadata
 
 PREFIX: Final = "$share/"
 GROUP_PREFIX: Final = metadata.MQTT_GROUP_PREFIX + "%share%"
@@ -72,6 +73,15 @@ def group_of(name: str, filter_: str) -> str:
     """The lite group of the share (``name``, ``filter_``)."""
     digest = hashlib.sha256(f"{name}\x00{filter_}".encode()).hexdigest()
     return GROUP_PREFIX + digest[:_HASH_HEX]
+
+
+def is_group(group: str) -> bool:
+    return group.startswith(GROUP_PREFIX)
+
+
+def read_by(clients: Iterable[api.ClientView]) -> bool:
+    """Some member reads the share: one of its group's ``clients`` on a broker holds a subscription there."""
+    return any(c.subscription_count for c in clients)
 
 
 def consumer_of(share_group: str, parent: str, session_group: str) -> str:

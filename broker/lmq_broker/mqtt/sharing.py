@@ -38,7 +38,7 @@ class Membership:
         await self.sharing.reregister(self.group)
 
     async def follow(self, cluster: Owners, parent: str) -> None:
-        """Never called: shares are served outside a cluster."""
+        await self.sharing.follow(cluster, self.group)
 
     async def filters(self, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
         return await self.sharing.filters_for(self.group, receipts)
@@ -50,6 +50,7 @@ class Sharing:
         self.deliveries = deliveries
         self.held: dict[str, shares.Member] = {}  # share group -> this session's membership
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._made_at: dict[str, tuple[str, ...]] = {}  # share group -> the cluster's members it was made at
 
     def _refused(self, text: str, why: str, code: int) -> int:
         self.link.host.stats.refusals.refused(self.link.client_id, "SUBSCRIBE", text, why, f"SUBACK {code:#04x}")
@@ -72,9 +73,6 @@ class Sharing:
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
             refused = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
             return self._refused(text, str(exc), refused if link.v5 else failure)
-        if link.cluster is not None:
-            code = Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if link.v5 else failure
-            return self._refused(text, "shared subscriptions are served by a broker outside a cluster", code)
         held = self.held.get(member.group)
         if held is not None:  # the same share again: new options (QoS, identifier), same membership
             self.held[member.group] = replace(held, options=options)
@@ -83,14 +81,22 @@ class Sharing:
         if refusal is not None:
             return self._refused(text, refusal, Reason.QUOTA_EXCEEDED if link.v5 else failure)
         try:
-            if link.host.share_members.count(member.group) == 1:  # a share nobody here reads: from the ends
+            fresh = self._unread(member.group)
+            if fresh:  # a share nobody reads: from the ends
                 await self._start_at_end(member)
-            await self._register(member)
+            await self._register(member, [] if fresh else None)
         except errors.LmqError as exc:
             link.host.share_members.leave(member.group, link.client_id)
             log.warning("mqtt client %s: shared subscription %s refused: %s", link.client_id, text, exc.message)
             return Reason.UNSPECIFIED_ERROR if link.v5 else failure
         return options & codec.OPTION_QOS
+
+    def _unread(self, group: str) -> bool:
+        """No member reads the share but the one joining: none on this broker, nor (in a cluster) on another,
+        whose subscription there is made here too (a wildcard filter everywhere, an exact one at its owner)."""
+        if self.link.host.share_members.count(group) != 1:
+            return False
+        return not shares.read_by(self.link.dispatcher.clients(group))
 
     def _over_cap(self, member: shares.Member) -> str | None:
         """Why joining ``member``'s share is refused (a cap, counted); None: joined."""
@@ -113,13 +119,36 @@ class Sharing:
 
         await matching.start_at_end(scan, dispatcher.reset_offsets, member.group, member.parent, [member.levels], [])
 
-    async def _register(self, member: shares.Member) -> None:
+    async def _register(self, member: shares.Member, older: list[wildcards.Filter] | None) -> None:
+        """The membership made here and (in a cluster) at every other broker; ``older`` as
+        ``Owners.subscribe`` takes it: [] starts the share at the ends there (it has no member), None resumes."""
+        cluster = self.link.cluster
+        if cluster is not None:
+            self._made_at[member.group] = cluster.members
+            try:
+                await cluster.subscribe(member.consumer, member.group, member.parent, [member.levels], older)
+            except errors.LmqError:  # brokers that took it before one refused
+                await cluster.unsubscribe(member.consumer, member.group, member.parent, [])
+                raise
         await self.link.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [member.levels])
         self.held[member.group] = member
         if member.group not in self._tasks:
             loop = Membership(self, member)
             task = asyncio.get_running_loop().create_task(self.deliveries.consume(member.parent, loop, loop))
             self._tasks[member.group] = task
+
+    async def follow(self, cluster: Owners, group: str) -> None:
+        """The membership made at every broker again if the cluster changed since it was (a broker joined, or
+        this one was alone), resuming at the share's offsets there."""
+        member = self.held.get(group)
+        if member is None or self._made_at.get(group) == cluster.members:
+            return
+        self._made_at[group] = cluster.members
+        try:
+            await cluster.subscribe(member.consumer, group, member.parent, [member.levels], None)
+        except errors.LmqError as exc:
+            log.warning("mqtt client %s: shared subscription %s not made at every broker: %s", self.link.client_id,
+                        member.share.text, exc.message)  # fmt: skip
 
     async def reregister(self, group: str) -> None:
         """The membership's registration expired meanwhile (a stalled event loop): made again."""
@@ -159,6 +188,10 @@ class Sharing:
             await dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [])
         dispatcher.client_gone(member.consumer)
         self.link.host.share_members.leave(member.group, self.link.client_id)
+        cluster = self.link.cluster
+        self._made_at.pop(member.group, None)
+        if cluster is not None:  # a member no more at the other brokers either (best effort)
+            await cluster.unsubscribe(member.consumer, member.group, member.parent, [])
 
     async def restore(self, text: str, options: int, snap: metadata.Metadata) -> None:
         """A persistent session's stored share, joined again at its group's offsets (no start at the end)."""
@@ -168,15 +201,16 @@ class Sharing:
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
             log.info("mqtt client %s: stored shared subscription %s dropped: %s", link.client_id, text, exc)
             return
-        if link.cluster is not None:
-            log.info("mqtt client %s: stored shared subscription %s not joined in a cluster", link.client_id, text)
-            return
         if not link.host.share_members.join(member.group, link.client_id):
             link.host.stats.refused[stats.SHARE_MEMBERS] += 1
             log.info("mqtt client %s: stored shared subscription %s over --mqtt-max-share-members", link.client_id,
                      text)  # fmt: skip
             return
-        await self._register(member)
+        try:
+            await self._register(member, None)
+        except errors.LmqError as exc:
+            link.host.share_members.leave(member.group, link.client_id)
+            log.info("mqtt client %s: stored shared subscription %s not joined: %s", link.client_id, text, exc.message)
 
     def saved(self) -> dict[str, int]:
         """What a persistent session stores of its shares: filter text -> options (identifier included)."""
