@@ -244,3 +244,48 @@ async def test_mqtt5_4_8_2_members_on_different_brokers_each_get_distinct_messag
             await member.close()
     finally:
         await stop_cluster(cluster)
+
+
+async def owned_by(cluster: Cluster, slots: Sequence[int]) -> list[str]:
+    return [cluster.lite_of(slot, f"u{i}") for i, slot in enumerate(slots)]
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+async def test_mqtt5_4_8_2_a_qos1_message_a_member_left_unacknowledged_goes_to_a_member_on_another_broker(
+    pair: Cluster, level: int
+) -> None:
+    """Section 4.8.2: a QoS 1 message whose member's connection ends before its PUBACK goes to another member
+    (DUP set), here one connected to the other broker, for topics either broker owns."""
+    first = await Raw.connect(pair.port(0), "first", level=level)
+    await first.subscribe(f"$share/w/{PARENT}/#")
+    lites = await owned_by(pair, [0, 1, 1])
+    sent = await publish_everywhere(pair, lites, per_topic=1)
+    held = [await first.delivery() for _ in sent]  # not acknowledged
+    assert sorted((p.topic, p.payload) for p in held) == sorted(sent)
+    second = await Raw.connect(pair.port(1), "second", level=level)
+    await second.subscribe(f"$share/w/{PARENT}/#")
+    assert await second.quiet() == []  # held by the first member while it is connected
+    first.kill()
+    again = (await collect([second], len(sent)))[0]
+    assert sorted((p.topic, p.payload) for p in again) == sorted(sent)
+    assert all(p.dup for p in again)
+    assert await second.quiet() == []
+    await second.close()
+
+
+async def test_mqtt5_4_8_2_a_share_outlives_its_owners_restart(pair: Cluster) -> None:
+    """The member's broker keeps the share's subscription as an intent: an owner that restarted without the
+    subscriptions it held gets it again, and its messages reach the member."""
+    theirs = pair.lite_of(1, "r")
+    member = await Raw.connect(pair.port(0), "member")
+    await member.subscribe(f"$share/g/{PARENT}/{theirs}")
+    await pair.restart(1)
+    publisher = await Raw.connect(pair.port(1), "pub")
+    await publisher.published(f"{PARENT}/{theirs}", b"after the restart", packet_id=1)
+    delivered = await member.delivery()
+    assert (delivered.topic, delivered.payload) == (f"{PARENT}/{theirs}", b"after the restart")
+    member.ack(delivered)
+    group = shares.group_of("g", f"{PARENT}/{theirs}")
+    await eventually(lambda: pair.offset(1, theirs, group) == 1, "acknowledged at the restarted owner")
+    await publisher.close()
+    await member.close()
