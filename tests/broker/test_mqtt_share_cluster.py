@@ -136,6 +136,13 @@ class Raw:
         puback = await self.next()
         assert isinstance(puback, codec.PacketId) and (puback.kind, puback.packet_id) == (codec.PUBACK, packet_id)
 
+    async def published2(self, topic: str, payload: bytes, packet_id: int) -> None:
+        """A QoS 2 publish, its flow completed (PUBREC, PUBREL, PUBCOMP)."""
+        self.send(codec.Publish(topic, payload, 2, packet_id=packet_id, properties=self.props))
+        assert await self.next() == codec.PacketId(codec.PUBREC, packet_id, properties=self.props)
+        self.send(codec.PacketId(codec.PUBREL, packet_id))
+        assert await self.next() == codec.PacketId(codec.PUBCOMP, packet_id, properties=self.props)
+
     async def delivery(self) -> codec.Publish:
         packet = await self.next()
         assert isinstance(packet, codec.Publish), packet
@@ -289,3 +296,41 @@ async def test_mqtt5_4_8_2_a_share_outlives_its_owners_restart(pair: Cluster) ->
     await eventually(lambda: pair.offset(1, theirs, group) == 1, "acknowledged at the restarted owner")
     await publisher.close()
     await member.close()
+
+
+async def test_mqtt5_4_8_2_a_qos2_share_message_reaches_exactly_one_member(pair: Cluster) -> None:
+    """Section 4.8.2 with QoS 2 (granted, 3.9.3): a member whose connection ends after its PUBREC has the
+    message (settled at its owner, never sent to another member: MQTT-4.8.2-5); one whose connection ends before
+    any PUBREC did not acknowledge it, and it goes to one other member (DUP), here on the other broker."""
+    received, unreceived = pair.lite_of(1, "q"), pair.lite_of(0, "q")
+    first = await Raw.connect(pair.port(0), "first")
+    assert await first.subscribe(f"$share/q/{PARENT}/+", qos=2) == (2,)
+    publisher = await Raw.connect(pair.port(1), "pub")
+    await publisher.published2(f"{PARENT}/{received}", b"has it", packet_id=1)
+    await publisher.published2(f"{PARENT}/{unreceived}", b"lost with the connection", packet_id=2)
+    got = {p.topic: p for p in [await first.delivery(), await first.delivery()]}
+    assert {t: (p.payload, p.qos) for t, p in got.items()} == {
+        f"{PARENT}/{received}": (b"has it", 2),
+        f"{PARENT}/{unreceived}": (b"lost with the connection", 2),
+    }
+    first.ack(got[f"{PARENT}/{received}"], codec.PUBREC)
+    assert isinstance(pubrel := await first.next(), codec.PacketId) and pubrel.kind == codec.PUBREL
+    second = await Raw.connect(pair.port(1), "second")
+    assert await second.subscribe(f"$share/q/{PARENT}/+", qos=2) == (2,)
+    first.kill()  # no PUBCOMP for the one, no PUBREC for the other
+    group = shares.group_of("q", f"{PARENT}/+")
+    await eventually(lambda: pair.offset(1, received, group) == 1, "the PUBREC'd delivery settled at its owner")
+    again = await second.delivery()
+    assert (again.topic, again.payload, again.qos, again.dup) == (
+        f"{PARENT}/{unreceived}",
+        b"lost with the connection",
+        2,
+        True,
+    )
+    second.ack(again, codec.PUBREC)
+    assert await second.next() == codec.PacketId(codec.PUBREL, again.packet_id or 0, properties=Properties())
+    second.ack(again, codec.PUBCOMP)
+    await eventually(lambda: pair.offset(0, unreceived, group) == 1, "completed by the second member")
+    assert await second.quiet() == []
+    await second.close()
+    await publisher.close()
