@@ -3,6 +3,7 @@ subscription identifiers (5.0 sections 3.8.2.1.2, 3.3.2.3.8), with paho-mqtt aga
 
 from __future__ import annotations
 
+import functools
 import re
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -116,10 +117,13 @@ def test_mqtt5_4_8_2_shares_follow_the_topic_space_of_ordinary_filters(
     for share, matched in shares.items():
         members = pairs[share]
         expected = sorted((t, f"{t}-{n}".encode()) for t in matched for n in range(3))
-        count = len(expected)
-        members[0].wait(lambda _, m=members, n=count: len(got(m, topics)) >= n, f"{share}: all")
+        members[0].wait(functools.partial(received_all, members, topics, len(expected)), f"{share}: all")
         members[0].quiet()
         assert sorted(got(members, topics)) == expected, share
+
+
+def received_all(members: tuple[Peer, ...], topics: list[str], count: int, _: Peer) -> bool:
+    return len(got(members, topics)) >= count
 
 
 def got(members: tuple[Peer, ...], topics: list[str]) -> list[tuple[str, bytes]]:
