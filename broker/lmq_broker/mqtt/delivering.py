@@ -4,7 +4,8 @@ arrives (QoS 1) or once written (QoS 0), which commits the group's offset. A QoS
 acknowledged is handed out again (its lease given back when the connection ends), with DUP set.
 
 A shared subscription's membership (``sharing``) runs the same loop for its share's group, with the
-member's own dispatcher client (``Share``); its deliveries share the connection's window and packet ids.
+member's own dispatcher client (``Share``), in a cluster too; its deliveries share the connection's window and
+packet ids.
 
 In a cluster the loop also pulls, without waiting, the other brokers' messages (``Owners.waiting``) within the
 same in-flight window, and between two rounds waits on this broker's ready set and on theirs; what came from

@@ -1,8 +1,9 @@
 """One session's shared subscriptions (``shares``): joining and leaving shares, the caps, the delivery loop of
 each membership, and what a persistent session stores of them.
 
-``subscribing`` keeps the packets (a SUBACK or UNSUBACK code per filter comes from here); each membership runs
-``Deliveries.consume`` for its share's group with its own dispatcher client (``Membership``), so shared
+``subscribing`` keeps the packets (a SUBACK or UNSUBACK code per filter comes from here); each membership has
+one part per parent its filter reaches, each running ``Deliveries.consume`` for its share's group with its own
+dispatcher client (``Membership``; in a cluster a client at every broker too, ``Owners.subscribe``), so shared
 deliveries share the connection's in-flight window and packet ids, and a membership's unacknowledged
 deliveries go back to its share when the connection ends (``Deliveries.give_back``).
 """
