@@ -334,3 +334,22 @@ async def test_mqtt5_4_8_2_a_qos2_share_message_reaches_exactly_one_member(pair:
     assert await second.quiet() == []
     await second.close()
     await publisher.close()
+
+
+async def test_mqtt5_4_8_2_a_new_share_starts_at_the_end_of_every_brokers_topics(pair: Cluster) -> None:
+    """A share nobody reads starts at the end of its topics on every broker, as any new subscription (what they
+    held was published before it): ``P/+`` reaches the default parent and ``P``, and the first part made at the
+    other broker must not count as a member reading the second there."""
+    mine, theirs = pair.lite_of(0, "b"), pair.lite_of(1, "b")
+    publisher = await Raw.connect(pair.port(1), "pub")
+    for n, lite in enumerate((mine, theirs)):
+        await publisher.published(f"{PARENT}/{lite}", b"before the share", packet_id=n + 1)
+    member = await Raw.connect(pair.port(0), "member")
+    assert await member.subscribe(f"$share/g/{PARENT}/+") == (1,)
+    await publisher.published(f"{PARENT}/{theirs}", b"after", packet_id=3)
+    delivered = await member.delivery()
+    assert (delivered.topic, delivered.payload) == (f"{PARENT}/{theirs}", b"after")
+    member.ack(delivered)
+    assert await member.quiet() == []
+    await member.close()
+    await publisher.close()

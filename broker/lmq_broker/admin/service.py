@@ -356,7 +356,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         if not group.startswith(metadata.MQTT_GROUP_PREFIX):
             raise errors.InvalidArgument(f"group {group!r} is no MQTT session's", kind="group")
         new, older = _mqtt_filters(parent, request.filters), _mqtt_filters(parent, request.older)
-        if shares.is_group(group) and shares.read_by(self._live.clients(group)):
+        if shares.is_group(group) and shares.read_by(self._live.clients(group), parent):
             return pb.MqttStartAtEndResponse(lite_topics=0)  # a share some member reads: it goes on from there
 
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:

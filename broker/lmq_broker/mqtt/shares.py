@@ -83,9 +83,10 @@ def is_group(group: str) -> bool:
     return group.startswith(GROUP_PREFIX)
 
 
-def read_by(clients: Iterable[api.ClientView]) -> bool:
-    """Some member reads the share: one of its group's ``clients`` on a broker holds a subscription there."""
-    return any(c.subscription_count for c in clients)
+def read_by(clients: Iterable[api.ClientView], parent: str) -> bool:
+    """Some member reads the share in ``parent``: one of its group's ``clients`` on a broker holds a subscription
+    in that parent there."""
+    return any(c.subscription_count and c.topic == parent for c in clients)
 
 
 def consumer_of(share_group: str, parent: str, session_group: str) -> str:

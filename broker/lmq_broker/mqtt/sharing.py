@@ -103,32 +103,34 @@ class Sharing:
         if refusal is not None:
             return self._refused(text, refusal, Reason.QUOTA_EXCEEDED if link.v5 else failure)
         try:
-            await self._join(members, start=self._unread(group))
+            await self._join(members, start={m.parent for m in members if self._unread(group, m.parent)})
         except errors.LmqError as exc:
             log.warning("mqtt client %s: shared subscription %s refused: %s", link.client_id, text, exc.message)
             return Reason.UNSPECIFIED_ERROR if link.v5 else failure
         return options & codec.OPTION_QOS
 
-    async def _join(self, members: tuple[shares.Member, ...], *, start: bool) -> None:
-        """Every part registered (``start``: a share nobody reads begins at the ends of its topics); on a
-        refusal, every part left again."""
+    async def _join(self, members: tuple[shares.Member, ...], *, start: set[str]) -> None:
+        """Every part registered (those of the parents in ``start``, which no member reads, begin at the ends
+        of their topics); on a refusal, every part left again."""
         group = members[0].group
         self.held[group] = members  # before the loops start: their deliveries are written under it
         try:
             for member in members:
-                if start:
+                fresh = member.parent in start
+                if fresh:
                     await self._start_at_end(member)
-                await self._register(member, [] if start else None)
+                await self._register(member, [] if fresh else None)
         except errors.LmqError:
             await self._leave(group)
             raise
 
-    def _unread(self, group: str) -> bool:
-        """No member reads the share but the one joining: none on this broker, nor (in a cluster) on another,
-        whose subscription there is made here too (a wildcard filter everywhere, an exact one at its owner)."""
+    def _unread(self, group: str, parent: str) -> bool:
+        """No member reads the share in ``parent`` but the one joining: none on this broker, nor (in a cluster)
+        on another, whose subscription there is made here too (a wildcard filter everywhere, an exact one at its
+        owner)."""
         if self.link.host.share_members.count(group) != 1:
             return False
-        return not shares.read_by(self.link.dispatcher.clients(group))
+        return not shares.read_by(self.link.dispatcher.clients(group), parent)
 
     def _over_cap(self, group: str) -> str | None:
         """Why joining share ``group`` is refused (a cap, counted); None: joined."""
@@ -247,7 +249,7 @@ class Sharing:
                      text)  # fmt: skip
             return
         try:
-            await self._join(members, start=False)
+            await self._join(members, start=set())
         except errors.LmqError as exc:
             log.info("mqtt client %s: stored shared subscription %s not joined: %s", link.client_id, text, exc.message)
 
