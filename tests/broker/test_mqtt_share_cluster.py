@@ -353,3 +353,21 @@ async def test_mqtt5_4_8_2_a_new_share_starts_at_the_end_of_every_brokers_topics
     assert await member.quiet() == []
     await member.close()
     await publisher.close()
+
+
+async def test_mqtt5_4_8_2_a_member_that_unsubscribes_leaves_the_share_on_every_broker(pair: Cluster) -> None:
+    """UNSUBSCRIBE (section 3.10.4) of a share: the member ends there and at the other broker, so everything the
+    share matches afterwards goes to the members left, whichever broker owns it."""
+    leaving, staying = await Raw.connect(pair.port(0), "leaving"), await Raw.connect(pair.port(1), "staying")
+    for member in (leaving, staying):
+        assert await member.subscribe(f"$share/g/{PARENT}/+") == (1,)
+    leaving.send(codec.Unsubscribe(2, (f"$share/g/{PARENT}/+",), properties=Properties()))
+    unsuback = await leaving.next()
+    assert isinstance(unsuback, codec.UnsubAck) and unsuback.codes == (0,), unsuback
+    lites = await owned_by(pair, [0, 0, 1, 1])
+    sent = await publish_everywhere(pair, lites, per_topic=3)
+    got = (await collect([staying], len(sent)))[0]
+    assert sorted((p.topic, p.payload) for p in got) == sorted(sent)
+    assert await leaving.quiet() == []
+    await leaving.close()
+    await staying.close()
