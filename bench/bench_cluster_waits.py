@@ -59,9 +59,11 @@ def percentile(values: list[float], p: float) -> float:
 
 
 # --- the previous session loop, put back in the broker processes of the "polling" mode ------------------------
-async def _polling_gather(self: Any, remote: Any, parent: str, consumer: str, room: int) -> bool:
+async def _polling_gather(  # noqa: PLR0917 (``Deliveries._gather``'s signature)
+    self: Any, remote: Any, parent: str, consumer: str, room: int, share: Any = None
+) -> bool:
     """The session loop's round before parked waits: this broker's messages and, without waiting, every other
-    broker's; while none come, wait here ``POLL_MS`` and ask them all again."""
+    broker's; while none come, wait here ``POLL_MS`` and ask them all again (sessions only: ``share`` unused)."""
     link = self.link  # the session's shared state (``mqtt.link``); ``self`` is its ``delivering.Deliveries``
     cluster = link.cluster
     found = await self._receive(parent, consumer, room, 0)

@@ -42,7 +42,7 @@ from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.dispatch.api import LiveView
-from lmq_broker.mqtt import matching, topics
+from lmq_broker.mqtt import matching, shares, topics
 from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
@@ -360,6 +360,8 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         if not group.startswith(metadata.MQTT_GROUP_PREFIX):
             raise errors.InvalidArgument(f"group {group!r} is no MQTT session's", kind="group")
         new, older = _mqtt_filters(parent, request.filters), _mqtt_filters(parent, request.older)
+        if shares.is_group(group) and shares.read_by(self._live.clients(group), parent):
+            return pb.MqttStartAtEndResponse(lite_topics=0)  # a share some member reads: it goes on from there
 
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await asyncio.to_thread(self._store.scan_lite_topics, parent, start_after, end_before, limit)

@@ -307,7 +307,7 @@ class Subscriptions:
         lites, patterns = await _split(lites)
         lmqs = await lmq_names(parent, lites)
         removed = await sliced(self._registry.remove_steps(client_id, lmqs, self._rt.clock(), patterns=patterns))
-        await self._discard_queued(client_id, removed)
+        await self._discard_queued(client_id, removed, group)
         if patterns:
             self._sync_patterns(client_id, group, parent)
         return removed
@@ -350,6 +350,7 @@ class Subscriptions:
 
     async def _remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
         (await self._rt.metadata()).lite_group(group, parent)
+        queued = self._ready.queued(client_id)  # its patterns' topics too, which no removal below names
         if self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
         state = self._registry.get(client_id)
@@ -357,7 +358,20 @@ class Subscriptions:
             steps = self._registry.remove_steps(
                 client_id, list(state.lite_topics), self._rt.clock(), patterns=list(state.patterns)
             )
-            await self._discard_queued(client_id, await sliced(steps))
+            await sliced(steps)
+        await self._discard_queued(client_id, queued, group)
+
+    async def _discard_queued(self, client_id: str, lmqs: list[str], group: str = "") -> None:
+        """``lmqs`` leave the client's ready queue (in slices); ``group``: those it held are offered to the
+        client's peers in that group (a shared group's other members), as at its end (``client_gone``)."""
+        held = set(self._ready.queued(client_id)) if group else set()
+        for index, part in enumerate(registry.slices(lmqs)):
+            if index:
+                await asyncio.sleep(0)
+            self._ready.discard_many(client_id, part)
+        for lmq in lmqs:
+            if lmq in held:
+                self._deliverer.dispatch(lmq, only_group=group)
 
     async def _serially(self, client_id: str, size: int, change: Callable[[], Awaitable[T]]) -> T:
         """Run ``change`` after the client's changes under way. A big one (``size`` names above a slice)
@@ -382,13 +396,6 @@ class Subscriptions:
         self._big_changes.add(task)
         task.add_done_callback(self._big_changes.discard)
         return await asyncio.shield(task)
-
-    async def _discard_queued(self, client_id: str, lmqs: list[str]) -> None:
-        """``lmqs`` leave the client's ready queue (in slices)."""
-        for index, part in enumerate(registry.slices(lmqs)):
-            if index:
-                await asyncio.sleep(0)
-            self._ready.discard_many(client_id, part)
 
     def forget(self, lmq: str) -> None:
         """A deleted lite topic: no one subscribes to it any more, and no ready queue holds it."""

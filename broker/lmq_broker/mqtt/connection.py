@@ -182,16 +182,16 @@ class Connection:
             link.tell(code, reason)  # after the answers to what was stored: a DISCONNECT is the last packet
             link.shut = True  # nothing is written after this DISCONNECT (a takeover meanwhile: no second one)
             await framing.linger(link.writer, link.reader)  # read by the client, not lost to a reset
-        remote = await self.deliveries.give_back()  # (consumer, parent) -> other brokers' receipts
+        remote = await self.deliveries.give_back()  # (consumer, group, parent) -> other brokers' receipts
         for parent in self.subscriptions.consumers:
             link.dispatcher.client_gone(link.consumer_id(parent))
-        await self.subscriptions.sharing.end()
         cluster = link.cluster
         if cluster is not None:  # the other brokers' leases back there; a session that ends, its subscriptions
-            calls = [cluster.release(c, link.group, p, receipts) for (c, p), receipts in remote.items()]
+            calls = [cluster.release(c, g, p, receipts) for (c, g, p), receipts in remote.items()]
             if not link.persistent and link.connected.is_set():
                 calls += [cluster.unsubscribe(link.consumer_id(p), link.group, p, []) for p in link.subs]
             await asyncio.gather(*calls, return_exceptions=True)
+        await self.subscriptions.sharing.end()  # after the give-backs: the shares' members there end too
         if link.connected.is_set() and not self.host.stopping:
             await self._session_ended()
         if not graceful and self.will is not None and not self.host.stopping:

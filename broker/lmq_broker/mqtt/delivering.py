@@ -4,7 +4,8 @@ arrives (QoS 1) or once written (QoS 0), which commits the group's offset. A QoS
 acknowledged is handed out again (its lease given back when the connection ends), with DUP set.
 
 A shared subscription's membership (``sharing``) runs the same loop for its share's group, with the
-member's own dispatcher client (``Share``); its deliveries share the connection's window and packet ids.
+member's own dispatcher client (``Share``), in a cluster too; its deliveries share the connection's window and
+packet ids.
 
 In a cluster the loop also pulls, without waiting, the other brokers' messages (``Owners.waiting``) within the
 same in-flight window, and between two rounds waits on this broker's ready set and on theirs; what came from
@@ -58,6 +59,9 @@ class Out:
     group: str = ""  # a shared subscription's (``shares``); empty: the session's
 
 
+Whose = tuple[str, str, str]  # (consumer, group, parent): where another broker's receipts are settled or given back
+
+
 class Registrar(Protocol):
     """The session's subscriptions, as a delivery loop keeps them registered (``subscribing.Subscriptions``)."""
 
@@ -88,7 +92,7 @@ class Deliveries:
         # was handed out again (its lease died with the process): that message is settled then, never sent, and
         # its packet id (still recorded in the durable store until then) is not reused meanwhile
         self.completed: dict[str, int] = {}
-        self._acks: dict[tuple[str, str], list[str]] = {}  # (consumer, parent) -> PUBACKed, not settled there yet
+        self._acks: dict[Whose, list[str]] = {}  # PUBACKed, not settled there yet
         self._unsettled = 0  # receipts in _acks or being settled
         self._acks_ready = asyncio.Event()
         self._settler: asyncio.Task[None] | None = None
@@ -101,6 +105,7 @@ class Deliveries:
         link = self.link
         dispatcher = link.dispatcher
         consumer = link.consumer_id(parent) if share is None else share.consumer
+        group = link.group if share is None else share.group
         await link.connected.wait()
         remote: Remote | None = None  # in a cluster: the other brokers, as this loop waits on them
         try:
@@ -111,7 +116,7 @@ class Deliveries:
                     dispatcher.client_seen(consumer)
                     cluster = link.cluster
                     if cluster is not None:  # and for the other brokers, which it is not pulling from meanwhile
-                        await cluster.keep_alive(consumer, link.group)
+                        await cluster.keep_alive(consumer, group)
                     continue
                 if dispatcher.wildcard_registration(consumer) is None and (share or link.subs.get(parent)):
                     await registrar.register(parent)  # expired meanwhile (an event loop stalled past client expiry)
@@ -119,7 +124,7 @@ class Deliveries:
                 if room <= 0:  # retained messages took the room (5.0: the client's receive maximum is a limit)
                     self._room.clear()
                     continue
-                cluster = link.cluster if share is None else None  # shares are served outside a cluster only
+                cluster = link.cluster
                 try:
                     if cluster is None:
                         if remote is not None:  # the cluster shrank back to this broker
@@ -130,8 +135,8 @@ class Deliveries:
                     else:
                         await registrar.follow(cluster, parent)  # a broker joined, or this one was alone
                         if remote is None:
-                            remote = cluster.waiting(consumer, link.group, parent)
-                        found = await self._gather(remote, parent, consumer, room)
+                            remote = cluster.waiting(consumer, group, parent)
+                        found = await self._gather(remote, parent, consumer, room, share)
                 except errors.LmqError as exc:
                     log.warning("mqtt client %s: receive in %s refused (%s); retried", link.client_id, parent,
                                 exc.message)  # fmt: skip
@@ -162,21 +167,22 @@ class Deliveries:
         await self._deliver(parent, consumer, pulled, remote=False, share=share)
         return True
 
-    async def _gather(self, remote: Remote, parent: str, consumer: str, room: int) -> bool:
+    async def _gather(self, remote: Remote, parent: str, consumer: str, room: int, share: Share | None) -> bool:
         """In a cluster: this broker's messages and, without waiting, those of the other brokers that said they
         have some (as gathering does for a LiteSimpleConsumer); while none come, wait for either, leasing
         nothing anywhere: False when the wait ended (the loop then takes what is ready) or timed out."""
         link = self.link
-        found = await self._receive(parent, consumer, room, 0)
+        found = await self._receive(parent, consumer, room, 0, share)
         room = link.max_inflight - self.busy
         if room > 0:
             pulled = await remote.pull(min(room, link.config.receive_batch_size))
             if pulled:
-                await self._deliver(parent, consumer, pulled, remote=True)
+                await self._deliver(parent, consumer, pulled, remote=True, share=share)
                 found = True
         if found or link.max_inflight - self.busy <= 0:
             return found
-        ready = link.dispatcher.await_ready(consumer, link.group, parent, POLL_MS, capped=False)
+        group = link.group if share is None else share.group
+        ready = link.dispatcher.await_ready(consumer, group, parent, POLL_MS, capped=False)
         here = asyncio.ensure_future(ready)
         there = asyncio.ensure_future(remote.wait(POLL_MS / 1000))
         try:
@@ -255,7 +261,7 @@ class Deliveries:
         if remote:
             cluster = link.cluster
             if cluster is not None and receipts:
-                await cluster.settle(consumer, link.group, parent, receipts)
+                await cluster.settle(consumer, group, parent, receipts)
             return
         for receipt in receipts:
             try:
@@ -357,7 +363,7 @@ class Deliveries:
         """``out``, no longer in ``self.out``, acknowledged where it came from; its room in the window freed."""
         link = self.link
         if out.remote:  # settled there by the settler, off the reader; it holds its room until then
-            self._acks.setdefault((out.consumer, out.parent), []).append(out.receipt)
+            self._acks.setdefault((out.consumer, out.group or link.group, out.parent), []).append(out.receipt)
             self._unsettled += 1
             if self._settler is None:
                 self._settler = asyncio.get_running_loop().create_task(self._settle_loop())
@@ -392,7 +398,7 @@ class Deliveries:
             cluster = link.cluster
             try:
                 if cluster is not None:  # else alone again: their leases there expire, they come again
-                    settling = (cluster.settle(c, link.group, p, receipts) for (c, p), receipts in acks.items())
+                    settling = (cluster.settle(c, g, p, receipts) for (c, g, p), receipts in acks.items())
                     await asyncio.gather(*settling)
             finally:
                 self._unsettled -= sum(map(len, acks.values()))
@@ -405,17 +411,18 @@ class Deliveries:
             self._acks_ready.set()
             await self.link.ended(self._settler, "settling acknowledged deliveries")
 
-    async def give_back(self) -> dict[tuple[str, str], list[str]]:
+    async def give_back(self) -> dict[Whose, list[str]]:
         """At the end: what was handed out and not acknowledged goes back to the group at once; returned, per
-        (consumer, parent), the receipts of the other brokers' (given back there by the caller). A QoS 2
+        (consumer, group, parent), the receipts of the other brokers' (given back there by the caller). A QoS 2
         delivery whose PUBREC came is settled instead: the client has it (its packet id is released on
         reconnect by a PUBREL)."""
         link = self.link
-        remote: dict[tuple[str, str], list[str]] = {}
-        settled: dict[tuple[str, str], list[str]] = {}  # released, from the other brokers: settled there
+        remote: dict[Whose, list[str]] = {}
+        settled: dict[Whose, list[str]] = {}  # released, from the other brokers: settled there
         for out in self.out.values():
             if out.remote:
-                (settled if out.released else remote).setdefault((out.consumer, out.parent), []).append(out.receipt)
+                whose = (out.consumer, out.group or link.group, out.parent)
+                (settled if out.released else remote).setdefault(whose, []).append(out.receipt)
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
                     if out.released:
@@ -425,6 +432,6 @@ class Deliveries:
         self.out.clear()
         cluster = link.cluster
         if cluster is not None and settled:
-            calls = (cluster.settle(c, link.group, p, receipts) for (c, p), receipts in settled.items())
+            calls = (cluster.settle(c, g, p, receipts) for (c, g, p), receipts in settled.items())
             await asyncio.gather(*calls, return_exceptions=True)
         return remote

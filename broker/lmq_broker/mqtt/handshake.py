@@ -95,7 +95,6 @@ def settle(link: Link, connect: codec.Connect) -> Properties:
         receive_max=publishing.RECEIVE_MAXIMUM,
         topic_alias_max=publishing.TOPIC_ALIAS_MAX,
         max_packet_size=link.max_packet_bytes() + 5,  # the fixed header's 5 bytes at most
-        shared_subscription_available=None if link.cluster is None else 0,  # absent: available; not in a cluster
         assigned_client_id=None if connect.client_id else link.client_id,
         server_keep_alive_s=None if kept == connect.keep_alive_s else kept,  # MQTT-3.2.2-21
     )

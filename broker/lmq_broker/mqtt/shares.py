@@ -10,9 +10,13 @@ QoS 1 delivery a member did not acknowledge when its connection ended is given b
 goes to another member (or the same, when it comes back first). A session id group (``%MQTT%<id>`` or
 ``%MQTT%%<hex>``) can never equal a share group: a plain client id has no ``%``, a hashed one is hex only.
 
-A share starts at the end of the lite topics it matches when its first member on this broker joins (like any
-new subscription); a member joining a share that has members keeps the group's offsets, so it takes its part
-of what they have not consumed yet. No retained messages are sent for a shared subscription (4.8.2).
+A share's filter reaches the parents an ordinary filter would (``topics.Space``: the default parent for a first
+level naming no parent, every parent for a first-level wildcard); a member is one client per parent. In a
+cluster the group's offsets and leases live at each topic's owner, and a member is a client there too, so
+members connected to different brokers get distinct messages. A share starts at the end of the lite topics it
+matches when no member reads it (``read_by``: none registered on a broker; like any new subscription); a member
+joining a share that has members keeps the group's offsets, so it takes its part of what they have not consumed
+yet. No retained messages are sent for a shared subscription (4.8.2).
 
 Caps (docs/security.md "Resource caps"): shares per session (``--mqtt-max-shares-per-client``) and members per
 share on this broker (``--mqtt-max-share-members``); beyond them the filter is refused in the SUBACK (5.0:
@@ -22,10 +26,11 @@ share on this broker (``--mqtt-max-share-members``); beyond them the filter is r
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from lmq_broker.dispatch import metadata
+from lmq_broker.dispatch import api, metadata
 
 PREFIX: Final = "$share/"
 GROUP_PREFIX: Final = metadata.MQTT_GROUP_PREFIX + "%share%"
@@ -72,6 +77,16 @@ def group_of(name: str, filter_: str) -> str:
     """The lite group of the share (``name``, ``filter_``)."""
     digest = hashlib.sha256(f"{name}\x00{filter_}".encode()).hexdigest()
     return GROUP_PREFIX + digest[:_HASH_HEX]
+
+
+def is_group(group: str) -> bool:
+    return group.startswith(GROUP_PREFIX)
+
+
+def read_by(clients: Iterable[api.ClientView], parent: str) -> bool:
+    """Some member reads the share in ``parent``: one of its group's ``clients`` on a broker holds a subscription
+    in that parent there."""
+    return any(c.subscription_count and c.topic == parent for c in clients)
 
 
 def consumer_of(share_group: str, parent: str, session_group: str) -> str:

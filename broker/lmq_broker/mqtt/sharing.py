@@ -1,8 +1,9 @@
 """One session's shared subscriptions (``shares``): joining and leaving shares, the caps, the delivery loop of
 each membership, and what a persistent session stores of them.
 
-``subscribing`` keeps the packets (a SUBACK or UNSUBACK code per filter comes from here); each membership runs
-``Deliveries.consume`` for its share's group with its own dispatcher client (``Membership``), so shared
+``subscribing`` keeps the packets (a SUBACK or UNSUBACK code per filter comes from here); each membership has
+one part per parent its filter reaches, each running ``Deliveries.consume`` for its share's group with its own
+dispatcher client (``Membership``; in a cluster a client at every broker too, ``Owners.subscribe``), so shared
 deliveries share the connection's in-flight window and packet ids, and a membership's unacknowledged
 deliveries go back to its share when the connection ends (``Deliveries.give_back``).
 """
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class Membership:
-    """One membership as its delivery loop sees it (``delivering.Share``): the share's current filter, and
-    its registration made again if it expired."""
+    """One membership's part in one parent as its delivery loop sees it (``delivering.Share``): the share's
+    current filter there, and its registration made again if it expired."""
 
     def __init__(self, sharing: Sharing, member: shares.Member) -> None:
         self.sharing = sharing
@@ -35,72 +36,111 @@ class Membership:
         self.group = member.group
 
     async def register(self, parent: str) -> None:
-        await self.sharing.reregister(self.group)
+        await self.sharing.reregister(self.group, self.consumer)
 
     async def follow(self, cluster: Owners, parent: str) -> None:
-        """Never called: shares are served outside a cluster."""
+        await self.sharing.follow(cluster, self.group, self.consumer)
 
     async def filters(self, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
-        return await self.sharing.filters_for(self.group, receipts)
+        return await self.sharing.filters_for(self.group, self.consumer, receipts)
 
 
 class Sharing:
     def __init__(self, link: Link, deliveries: Deliveries) -> None:
         self.link = link
         self.deliveries = deliveries
-        self.held: dict[str, shares.Member] = {}  # share group -> this session's membership
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # share group -> this session's membership: one part per parent its filter reaches (``topics.Space``)
+        self.held: dict[str, tuple[shares.Member, ...]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # a part's consumer -> its delivery loop
+        self._made_at: dict[str, tuple[str, ...]] = {}  # a part's consumer -> the cluster's members it was made at
 
     def _refused(self, text: str, why: str, code: int) -> int:
         self.link.host.stats.refusals.refused(self.link.client_id, "SUBSCRIBE", text, why, f"SUBACK {code:#04x}")
         return code
 
-    def _member(self, text: str, options: int, snap: metadata.Metadata) -> shares.Member:
+    def _members(self, text: str, options: int, snap: metadata.Metadata) -> tuple[shares.Member, ...]:
+        """The parts of the share ``text`` names, one per parent its filter reaches, as an ordinary filter's
+        (``topics.Space.subscriptions_of``: a first level naming no parent is the default parent's, a first-level
+        wildcard reaches every parent) that the session's user may read."""
         share = shares.parse(text)
-        parent, levels = topics.subscription_of(share.filter)
-        snap.lite_parent(parent)
-        self.link.host.authorize_subscribe(self.link.user, self.link.address, parent, levels)
-        consumer = shares.consumer_of(share.group, parent, self.link.group)
-        return shares.Member(share, parent, levels, options, consumer)
+        wanted = self._readable(topics.space_of(snap).subscriptions_of(share.filter))
+        snap.lite_parent(wanted[0].parent)
+        group = self.link.group
+        return tuple(
+            shares.Member(share, p, levels, options, shares.consumer_of(share.group, p, group)) for p, levels in wanted
+        )
+
+    def _readable(self, wanted: list[topics.Subscription]) -> list[topics.Subscription]:
+        """Those of ``wanted`` the user may read (``--acl``); ``errors.Forbidden`` when none."""
+        link = self.link
+        readable, refused = [], None
+        for each in wanted:
+            try:
+                link.host.authorize_subscribe(link.user, link.address, each.parent, each.filter)
+            except errors.Forbidden as exc:
+                refused = exc
+                continue
+            readable.append(each)
+        if not readable and refused is not None:
+            raise refused
+        return readable
 
     async def subscribe(self, text: str, options: int, snap: metadata.Metadata) -> int:
         """Join (or update) the share ``text`` names: the SUBACK code for it (the granted QoS, or a refusal)."""
         link = self.link
         failure = codec.SUBACK_FAILURE
         try:
-            member = self._member(text, options, snap)
+            members = self._members(text, options, snap)
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
             refused = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
             return self._refused(text, str(exc), refused if link.v5 else failure)
-        if link.cluster is not None:
-            code = Reason.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if link.v5 else failure
-            return self._refused(text, "shared subscriptions are served by a broker outside a cluster", code)
-        held = self.held.get(member.group)
+        group = members[0].group
+        held = self.held.get(group)
         if held is not None:  # the same share again: new options (QoS, identifier), same membership
-            self.held[member.group] = replace(held, options=options)
+            self.held[group] = tuple(replace(m, options=options) for m in held)
             return options & codec.OPTION_QOS
-        refusal = self._over_cap(member)
+        refusal = self._over_cap(group)
         if refusal is not None:
             return self._refused(text, refusal, Reason.QUOTA_EXCEEDED if link.v5 else failure)
         try:
-            if link.host.share_members.count(member.group) == 1:  # a share nobody here reads: from the ends
-                await self._start_at_end(member)
-            await self._register(member)
+            await self._join(members, start={m.parent for m in members if self._unread(group, m.parent)})
         except errors.LmqError as exc:
-            link.host.share_members.leave(member.group, link.client_id)
             log.warning("mqtt client %s: shared subscription %s refused: %s", link.client_id, text, exc.message)
             return Reason.UNSPECIFIED_ERROR if link.v5 else failure
         return options & codec.OPTION_QOS
 
-    def _over_cap(self, member: shares.Member) -> str | None:
-        """Why joining ``member``'s share is refused (a cap, counted); None: joined."""
+    async def _join(self, members: tuple[shares.Member, ...], *, start: set[str]) -> None:
+        """Every part registered (those of the parents in ``start``, which no member reads, begin at the ends
+        of their topics); on a refusal, every part left again."""
+        group = members[0].group
+        self.held[group] = members  # before the loops start: their deliveries are written under it
+        try:
+            for member in members:
+                fresh = member.parent in start
+                if fresh:
+                    await self._start_at_end(member)
+                await self._register(member, [] if fresh else None)
+        except errors.LmqError:
+            await self._leave(group)
+            raise
+
+    def _unread(self, group: str, parent: str) -> bool:
+        """No member reads the share in ``parent`` but the one joining: none on this broker, nor (in a cluster)
+        on another, whose subscription there is made here too (a wildcard filter everywhere, an exact one at its
+        owner)."""
+        if self.link.host.share_members.count(group) != 1:
+            return False
+        return not shares.read_by(self.link.dispatcher.clients(group), parent)
+
+    def _over_cap(self, group: str) -> str | None:
+        """Why joining share ``group`` is refused (a cap, counted); None: joined."""
         link = self.link
         cap = link.config.mqtt_max_shares_per_client
         if len(self.held) >= cap:
             link.host.stats.refused[stats.SHARES_PER_CLIENT] += 1
             return f"{cap} shared subscriptions held (--mqtt-max-shares-per-client)"
         members = link.host.share_members
-        if not members.join(member.group, link.client_id):
+        if not members.join(group, link.client_id):
             link.host.stats.refused[stats.SHARE_MEMBERS] += 1
             return f"the share has {members.max_members} members (--mqtt-max-share-members)"
         return None
@@ -111,26 +151,53 @@ class Sharing:
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
 
-        await matching.start_at_end(scan, dispatcher.reset_offsets, member.group, member.parent, [member.levels], [])
+        await matching.start_at_end(scan, dispatcher.reset_offsets, member.group, member.parent, [member.levels], [],
+                                    default=self.link.config.mqtt_default_parent)  # fmt: skip
 
-    async def _register(self, member: shares.Member) -> None:
-        await self.link.dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [member.levels])
-        self.held[member.group] = member
-        if member.group not in self._tasks:
+    def _filters(self, member: shares.Member) -> list[wildcards.Filter]:
+        """What the dispatcher is given for a part (the default parent's: with its hashed names)."""
+        return topics.registered(self.link.config.mqtt_default_parent, member.parent, [member.levels])
+
+    async def _register(self, member: shares.Member, older: list[wildcards.Filter] | None) -> None:
+        """The part made here and (in a cluster) at every other broker; ``older`` as ``Owners.subscribe`` takes
+        it: [] starts the share at the ends there (it has no member), None resumes at its offsets."""
+        cluster = self.link.cluster
+        if cluster is not None:
+            self._made_at[member.consumer] = cluster.members
+            await cluster.subscribe(member.consumer, member.group, member.parent, [member.levels], older)
+        await self.link.dispatcher.subscribe_filters(member.consumer, member.group, member.parent,
+                                                     self._filters(member))  # fmt: skip
+        if member.consumer not in self._tasks:
             loop = Membership(self, member)
             task = asyncio.get_running_loop().create_task(self.deliveries.consume(member.parent, loop, loop))
-            self._tasks[member.group] = task
+            self._tasks[member.consumer] = task
 
-    async def reregister(self, group: str) -> None:
-        """The membership's registration expired meanwhile (a stalled event loop): made again."""
-        member = self.held.get(group)
+    def _part(self, group: str, consumer: str) -> shares.Member | None:
+        return next((m for m in self.held.get(group, ()) if m.consumer == consumer), None)
+
+    async def follow(self, cluster: Owners, group: str, consumer: str) -> None:
+        """The part made at every broker again if the cluster changed since it was (a broker joined, or this
+        one was alone), resuming at the share's offsets there."""
+        member = self._part(group, consumer)
+        if member is None or self._made_at.get(consumer) == cluster.members:
+            return
+        self._made_at[consumer] = cluster.members
+        try:
+            await cluster.subscribe(consumer, group, member.parent, [member.levels], None)
+        except errors.LmqError as exc:
+            log.warning("mqtt client %s: shared subscription %s not made at every broker: %s", self.link.client_id,
+                        member.share.text, exc.message)  # fmt: skip
+
+    async def reregister(self, group: str, consumer: str) -> None:
+        """The part's registration expired meanwhile (a stalled event loop): made again."""
+        member = self._part(group, consumer)
         if member is not None:
-            await self.link.dispatcher.subscribe_filters(member.consumer, group, member.parent, [member.levels])
+            await self.link.dispatcher.subscribe_filters(consumer, group, member.parent, self._filters(member))
 
-    async def filters_for(self, group: str, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
-        """The filter (-> options) the share's deliveries are written for; None when the session left the share
+    async def filters_for(self, group: str, consumer: str, receipts: list[str]) -> dict[wildcards.Filter, int] | None:
+        """The filter (-> options) the part's deliveries are written for; None when the session left the share
         since they were leased: they go back to its group at once, for another member."""
-        member = self.held.get(group)
+        member = self._part(group, consumer)
         if member is not None:
             return {member.levels: member.options}
         for receipt in receipts:
@@ -144,43 +211,51 @@ class Sharing:
             share = shares.parse(text)
         except shares.ShareError:
             return Reason.TOPIC_FILTER_INVALID
-        member = self.held.pop(share.group, None)
-        if member is None:
+        if share.group not in self.held:
             return Reason.NO_SUBSCRIPTION_EXISTED
-        await self._leave(member)
+        await self._leave(share.group)
         return Reason.SUCCESS
 
-    async def _leave(self, member: shares.Member) -> None:
-        task = self._tasks.pop(member.group, None)
+    async def _leave(self, group: str) -> None:
+        """Every part of share ``group`` ended here and (in a cluster) at the other brokers."""
+        for member in self.held.pop(group, ()):
+            await self._leave_part(member)
+        self.link.host.share_members.leave(group, self.link.client_id)
+
+    async def _leave_part(self, member: shares.Member) -> None:
+        task = self._tasks.pop(member.consumer, None)
         if task is not None:
             await stop(task)
         dispatcher = self.link.dispatcher
         with contextlib.suppress(errors.LmqError):
             await dispatcher.subscribe_filters(member.consumer, member.group, member.parent, [])
         dispatcher.client_gone(member.consumer)
-        self.link.host.share_members.leave(member.group, self.link.client_id)
+        cluster = self.link.cluster
+        self._made_at.pop(member.consumer, None)
+        if cluster is not None:  # a member no more at the other brokers either (best effort)
+            await cluster.unsubscribe(member.consumer, member.group, member.parent, [])
 
     async def restore(self, text: str, options: int, snap: metadata.Metadata) -> None:
         """A persistent session's stored share, joined again at its group's offsets (no start at the end)."""
         link = self.link
         try:
-            member = self._member(text, options, snap)
+            members = self._members(text, options, snap)
         except (shares.ShareError, topics.TopicError, errors.LmqError) as exc:
             log.info("mqtt client %s: stored shared subscription %s dropped: %s", link.client_id, text, exc)
             return
-        if link.cluster is not None:
-            log.info("mqtt client %s: stored shared subscription %s not joined in a cluster", link.client_id, text)
-            return
-        if not link.host.share_members.join(member.group, link.client_id):
+        if not link.host.share_members.join(members[0].group, link.client_id):
             link.host.stats.refused[stats.SHARE_MEMBERS] += 1
             log.info("mqtt client %s: stored shared subscription %s over --mqtt-max-share-members", link.client_id,
                      text)  # fmt: skip
             return
-        await self._register(member)
+        try:
+            await self._join(members, start=set())
+        except errors.LmqError as exc:
+            log.info("mqtt client %s: stored shared subscription %s not joined: %s", link.client_id, text, exc.message)
 
     def saved(self) -> dict[str, int]:
         """What a persistent session stores of its shares: filter text -> options (identifier included)."""
-        return {m.share.text: m.options for m in self.held.values()}
+        return {parts[0].share.text: parts[0].options for parts in self.held.values()}
 
     async def stop(self) -> None:
         """The connection ends: no more deliveries (its leases are given back by ``Deliveries.give_back``)."""
@@ -191,6 +266,5 @@ class Sharing:
     async def end(self) -> None:
         """The connection ended: every membership left here (a persistent session keeps them stored)."""
         await self.stop()
-        for member in list(self.held.values()):
-            await self._leave(member)
-        self.held.clear()
+        for group in list(self.held):
+            await self._leave(group)

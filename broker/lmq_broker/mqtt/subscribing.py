@@ -141,10 +141,9 @@ class Subscriptions:
         space = topics.space_of(snap)
         for text, options in packet.filters:
             # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
-            # (``identifiers``; none: none); a shared subscription is granted QoS 1 at most (docs/mqtt.md)
+            # (``identifiers``; none: none), a shared subscription too
             stored = identifiers.with_id(options, sub_id)
             if shares.is_shared(text):
-                stored = identifiers.with_id(options & ~codec.OPTION_QOS | min(options & codec.OPTION_QOS, 1), sub_id)
                 if options & codec.OPTION_NO_LOCAL and link.v5:
                     raise Closed("no local on a shared subscription", code=Reason.PROTOCOL_ERROR)  # MQTT-3.8.3-4
                 codes.append(await self.sharing.subscribe(text, stored, snap))

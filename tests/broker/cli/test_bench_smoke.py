@@ -72,6 +72,7 @@ EXPECTED = {
         "FIGURE RSS under the retained flood",
         "FIGURE RSS under the will flood",
     ],
+    "bench_mqtt_share_cluster.py": ["FIGURE share, a member on each of 2 brokers:", "FIGURE share ÷ plain:"],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
     "bench_subscribe_stall.py": [
         "FIGURE probe send latency max during a 20,000-topic COMPLETE_ADD:",
