@@ -25,7 +25,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Final, Protocol
 
 from lmq_broker import errors
@@ -57,6 +57,28 @@ class Out:
     released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
     message_id: str = ""  # QoS 2: recorded with a released packet id (also of another broker's message)
     group: str = ""  # a shared subscription's (``shares``); empty: the session's
+
+
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """One delivery to write as a PUBLISH (``Deliveries._plan``)."""
+
+    delivery: Pulled
+    topic: str
+    qos: int
+    packet_id: int | None
+    retain: bool
+    dup: bool
+    ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class _Plan:
+    sends: list[_Send] = field(default_factory=list)
+    settle: list[str] = field(default_factory=list)  # receipts passed over (or sent at QoS 0)
+    forget: list[int] = field(default_factory=list)  # packet ids of completed restored deliveries
+    promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 2 (packet id, message id) to record
+    unpromised: list[int] = field(default_factory=list)  # recorded packet ids no longer owed
 
 
 Whose = tuple[str, str, str]  # (consumer, group, parent): where another broker's receipts are settled or given back
@@ -99,6 +121,8 @@ class Deliveries:
         self._room = asyncio.Event()
         self._room.set()
         self._ids = itertools.cycle(range(1, 65536))
+        self.promised: dict[str, int] = {}  # QoS 2 published before, no PUBREC: message id -> its packet id
+        self._reserved: set[int] = set()  # packet ids planned, not yet in ``out``
 
     async def consume(self, parent: str, registrar: Registrar, share: Share | None = None) -> None:
         """Deliver the session's messages in ``parent``, or, with ``share``, that share's (``registrar`` too)."""
@@ -202,56 +226,89 @@ class Deliveries:
         ``share``: from a share's group, under its filter."""
         link = self.link
         await link.retained_sent.wait()  # a new subscription's retained messages go first
-        settle: list[str] = []
         group, held = link.group, link.subs.get(parent, {})
         if share is not None:
             shared = await share.filters([d.receipt for d in deliveries])
             if shared is None:
                 return
             group, held = share.group, shared
+        plan = self._plan(parent, deliveries, held, shared=share is not None)
+        await self._promise(plan)
         now = link.dispatcher.wall_clock()
-        default = link.config.mqtt_default_parent
-        held_by_id = {o.message_id: i for i, o in self.out.items() if o.released and o.message_id}
-        forget: list[int] = []  # packet ids of completed restored deliveries, forgotten once settled
-        for d in deliveries:
-            taken = held_by_id.get(d.message_id) if d.message_id else None
-            if taken is not None:  # the client has it (PUBREC before a restart): settled, not sent again
-                settle.append(d.receipt)
-                self.out[taken] = replace(self.out[taken], message_id="")  # its PUBCOMP only forgets the id
-                continue
-            if d.message_id and d.message_id in self.completed:  # ... and completed it since: the same
-                settle.append(d.receipt)
-                forget.append(self.completed.pop(d.message_id))
-                continue
-            props = d.properties
-            mine = props.get(mapping.CLIENT) == link.client_id
-            matched = [o for f, o in held.items() if topics.takes(default, parent, f, d.lite, props)
-                       and not (mine and o & _NO_LOCAL)]  # fmt: skip
-            if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
-                settle.append(d.receipt)
-                continue
-            qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
-            retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
-            packet_id = self._packet_id() if qos else None
-            topic = topics.topic_in(default, parent, d.lite, props)
-            data = self.publish_bytes(topic, d.body, props, now, qos=qos, packet_id=packet_id, retain=retain,
-                                      dup=d.attempt > 1, ids=identifiers.ids_of(matched))  # fmt: skip
-            if data is None or qos == 0:
-                settle.append(d.receipt)
+        for one in plan.sends:  # no await from the first PUBLISH built to the last written: topic aliases bind in order
+            d, qos, packet_id = one.delivery, one.qos, one.packet_id
+            data = self.publish_bytes(one.topic, d.body, d.properties, now, qos=qos, packet_id=packet_id,
+                                      retain=one.retain, dup=one.dup, ids=one.ids)  # fmt: skip
+            if data is None or qos == 0 or packet_id is None:
+                plan.settle.append(d.receipt)
             else:
-                assert packet_id is not None
                 self.out[packet_id] = Out(
                     consumer, d.receipt, parent, remote, qos, message_id=d.message_id,
                     group="" if share is None else group,
                 )  # fmt: skip
             if data is not None:
                 link.writer.write(data)
+        self._reserved.difference_update(one.packet_id for one in plan.sends)
         if self.busy >= link.max_inflight:
             self._room.clear()
         await link.writer.drain()
-        await self._settle_unsent(parent, consumer, group, settle, remote=remote)
-        if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
-            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
+        await self._settle_unsent(parent, consumer, group, plan.settle, remote=remote)
+        if plan.forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
+            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], plan.forget)
+
+    def _plan(
+        self, parent: str, deliveries: Sequence[Pulled], held: dict[wildcards.Filter, int], *, shared: bool
+    ) -> _Plan:
+        """What each delivery becomes: passed over (settled), or a PUBLISH at a QoS under a packet id (a QoS 2
+        one handed out again under the id it was published with before, ``promised``; not a share's, which
+        goes to another member when this one leaves)."""
+        link = self.link
+        plan = _Plan()
+        now = link.dispatcher.wall_clock()
+        default = link.config.mqtt_default_parent
+        held_by_id = {o.message_id: i for i, o in self.out.items() if o.released and o.message_id}
+        for d in deliveries:
+            taken = held_by_id.get(d.message_id) if d.message_id else None
+            if taken is not None:  # the client has it (PUBREC before a restart): settled, not sent again
+                plan.settle.append(d.receipt)
+                self.out[taken] = replace(self.out[taken], message_id="")  # its PUBCOMP only forgets the id
+                continue
+            if d.message_id and d.message_id in self.completed:  # ... and completed it since: the same
+                plan.settle.append(d.receipt)
+                plan.forget.append(self.completed.pop(d.message_id))
+                continue
+            props = d.properties
+            mine = props.get(mapping.CLIENT) == link.client_id
+            matched = [o for f, o in held.items() if topics.takes(default, parent, f, d.lite, props)
+                       and not (mine and o & _NO_LOCAL)]  # fmt: skip
+            promised = self.promised.pop(d.message_id, None) if d.message_id else None
+            if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
+                plan.settle.append(d.receipt)
+                if promised is not None:
+                    plan.unpromised.append(promised)
+                continue
+            qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
+            if promised is not None and qos < 2:  # downgraded since: its id is no longer owed
+                plan.unpromised.append(promised)
+                promised = None
+            packet_id = promised or (self._packet_id() if qos else None)
+            if packet_id is not None:
+                self._reserved.add(packet_id)
+            if qos == 2 and promised is None and d.message_id and not shared:
+                plan.promise.append((packet_id or 0, d.message_id))
+            retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
+            topic = topics.topic_in(default, parent, d.lite, props)
+            dup = d.attempt > 1 or promised is not None
+            plan.sends.append(_Send(d, topic, qos, packet_id, retain, dup, identifiers.ids_of(matched)))
+        return plan
+
+    async def _promise(self, plan: _Plan) -> None:
+        """A persistent session's QoS 2 PUBLISHes: their packet ids recorded before they are written, so the
+        message handed out again after a reconnect or a restart goes under the same id (MQTT-4.4.0-1)."""
+        link = self.link
+        if link.persistent and (plan.promise or plan.unpromised):
+            update = link.host.durable.qos2_update
+            await link.dispatcher.run(update, link.client_id, durable.PUBLISHED, plan.promise, plan.unpromised)
 
     async def _settle_unsent(
         self, parent: str, consumer: str, group: str, receipts: list[str], *, remote: bool
@@ -347,7 +404,11 @@ class Deliveries:
 
     def _packet_id(self) -> int:
         for packet_id in self._ids:
-            if packet_id not in self.out and (not self.completed or packet_id not in self.completed.values()):
+            if packet_id in self.out or packet_id in self._reserved:
+                continue
+            if self.completed and packet_id in self.completed.values():
+                continue
+            if not self.promised or packet_id not in self.promised.values():
                 return packet_id
         raise AssertionError("unreachable: packet ids cycle forever")
 

@@ -11,9 +11,11 @@ opened.
 A qos2 row is a persistent session's QoS 2 packet id in flight (MQTT 3.1.1 and 5.0 section 4.3.3, 4.4):
 inbound, a publish stored and answered PUBREC whose PUBREL has not come (a resend of it is not stored
 again, also after a restart); outbound, a delivery the client answered PUBREC, PUBREL sent, whose PUBCOMP has
-not come (a reconnect resends the PUBREL, not the PUBLISH), with its message id ("" for a retained message or
-another broker's): the message handed out again after a restart is settled, not sent twice. Dropped with the
-session.
+not come (a reconnect resends the PUBREL, not the PUBLISH), with its message id ("" for a retained message):
+the message handed out again after a restart is settled, not sent twice; published, a delivery written to
+the client whose PUBREC has not come, with its message id: handed out again after a reconnect or a restart, it
+is sent under the same packet id with DUP (MQTT-4.4.0-1), so a client that had it does not take it as a new
+message. Dropped with the session.
 
 A will row is written when its connection ends and deleted once published or cancelled (its client id came
 back): a delayed will survives a restart and costs no memory while it waits (``wills``).
@@ -49,6 +51,7 @@ _SCHEMA: Final = (
 )
 INBOUND: Final = "in"  # a QoS 2 publish stored and answered PUBREC, its PUBREL not yet seen
 OUTBOUND: Final = "out"  # a QoS 2 delivery answered PUBREC by the client, PUBREL sent, its PUBCOMP not yet seen
+PUBLISHED: Final = "sent"  # a QoS 2 delivery written to the client, its PUBREC not yet seen (its packet id kept)
 _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and message properties
     ("sessions", "expiry_s", "INTEGER"),
     ("sessions", "gone_ms", "INTEGER"),
@@ -186,6 +189,25 @@ class Durable:
                 self._db.executemany(
                     "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ?",
                     [(client_id, direction, i) for i in remove],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def qos2_released(self, client_id: str, released: Iterable[tuple[int, str]]) -> None:
+        """In one transaction: deliveries the client answered PUBREC move from ``PUBLISHED`` to ``OUTBOUND``."""
+        pairs = list(released)
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ?",
+                    [(client_id, PUBLISHED, i) for i, _ in pairs],
+                )
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO qos2 (client_id, direction, packet_id, message) VALUES (?, ?, ?, ?)",
+                    [(client_id, OUTBOUND, i, message) for i, message in pairs],
                 )
                 self._db.execute("COMMIT")
             except BaseException:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Final
 
 from lmq_broker.mqtt import codec, durable
 from lmq_broker.mqtt.delivering import Deliveries, Out
@@ -23,6 +24,8 @@ from lmq_broker.mqtt.properties import Reason
 
 log = logging.getLogger(__name__)
 
+MAX_PROMISED: Final = 1024  # packet ids a resumed session keeps for QoS 2 messages published without a PUBREC
+
 
 class Releases:
     def __init__(self, link: Link, deliveries: Deliveries) -> None:
@@ -30,11 +33,20 @@ class Releases:
         self.deliveries = deliveries
 
     async def resume(self) -> None:
-        """A resumed persistent session: its QoS 2 deliveries awaiting PUBCOMP hold their packet ids again."""
+        """A resumed persistent session: its QoS 2 deliveries awaiting PUBCOMP hold their packet ids again, and
+        those published without a PUBREC keep theirs for when their message comes again (MQTT-4.4.0-1)."""
         link = self.link
-        ids = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.OUTBOUND)
+        run, kept = link.dispatcher.run, link.host.durable
+        ids = await run(kept.qos2_ids, link.client_id, durable.OUTBOUND)
         for packet_id, message_id in sorted(ids.items()):
             self.deliveries.out[packet_id] = Out("", "", qos=2, released=True, message_id=message_id)
+        published = await run(kept.qos2_ids, link.client_id, durable.PUBLISHED)
+        owed = sorted(published.items())
+        if len(owed) > MAX_PROMISED:  # messages that never came back (expired, reclaimed): not kept for ever
+            dropped = [packet_id for packet_id, _ in owed[:-MAX_PROMISED]]
+            await run(kept.qos2_update, link.client_id, durable.PUBLISHED, [], dropped)
+            owed = owed[-MAX_PROMISED:]
+        self.deliveries.promised = {message_id: packet_id for packet_id, message_id in owed if packet_id not in ids}
 
     def resend(self) -> None:
         """After the CONNACK: a PUBREL for each QoS 2 delivery awaiting its PUBCOMP (MQTT-4.4.0-1)."""
@@ -55,11 +67,16 @@ class Releases:
         if packet.reason >= Reason.UNSPECIFIED_ERROR and not out.released:  # 5.0: the client refused it
             log.info("mqtt client %s: QoS 2 delivery %d refused with PUBREC %#04x", link.client_id, packet_id,
                      packet.reason)  # fmt: skip
+            if link.persistent and out.message_id:
+                await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.PUBLISHED, [],
+                                          [packet_id])  # fmt: skip
             del self.deliveries.out[packet_id]
             await self.deliveries.settle(packet_id, out)
             return
         if not out.released:
-            await self._record([(packet_id, out.message_id)], [])
+            if link.persistent:  # its PUBLISHED row (if any) becomes the OUTBOUND one, in one transaction
+                released = [(packet_id, out.message_id)]
+                await link.dispatcher.run(link.host.durable.qos2_released, link.client_id, released)
             self.deliveries.out[packet_id] = replace(out, released=True)
         link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
 
