@@ -152,3 +152,26 @@ def test_mqtt5_4_8_2_a_share_made_before_its_parent_existed_reaches_it(
     members[0].wait(total, "6 messages among the members")
     got = sorted(r.payload for m in members for r in m.quiet())
     assert got == sorted(b"m%d" % n for n in range(6))  # each to one member, once
+
+
+@PROTOCOLS
+def test_mqtt5_4_8_2_a_persistent_member_away_when_its_exact_shares_parent_came_gets_both_sides(
+    broker: BrokerProcess, connect: Connect, protocol: MQTTProtocolVersion
+) -> None:
+    """A persistent session's share ``$share/g/<parent>/x`` joined before the parent existed (stored with it,
+    4.8.2): while it is away one message is kept in the default parent, the parent is created, one is kept
+    there; back, the member gets both, once each."""
+    parent = f"New{next(_names)}"
+    client_id = f"member{next(_names)}"
+    share = f"$share/g{next(_names)}/{parent}/x"
+    first = connect(broker.mqtt_port, client_id, **_persistent(protocol))
+    assert first.subscribe((share, 1)) == [1]
+    first.disconnect()
+    publisher = connect(broker.mqtt_port, protocol=protocol)
+    publisher.publish(f"{parent}/x", b"in the default parent")
+    _create(broker, parent)
+    publisher.publish(f"{parent}/x", b"in the new parent")
+    assert _held_there(broker, parent, "x") == 1
+    again = connect(broker.mqtt_port, client_id, **_persistent(protocol))
+    again.wait_count(2)
+    assert sorted(m.payload for m in again.quiet()) == [b"in the default parent", b"in the new parent"]  # once each
