@@ -41,9 +41,34 @@ def test_what_a_sessions_filters_reach_is_read_from_the_default_parent() -> None
     subs: held.Subs = {}
     for text in ("#", "orders/+/x", "plain/topic", "chat/#"):
         held.add(subs, space.subscriptions_of(text), 1)
-    assert held.reaches(subs, "mqtt-default") == (True, frozenset({"orders", "chat"}))
+    assert held.reaches(subs, "mqtt-default") == (True, frozenset({"orders", "chat", "plain"}))
     later = topics.Space("mqtt-default", frozenset({"chat", "orders"}))
     made = held.expand(subs, later, named_first=True)
     assert sorted(made) == [("orders", ("#",)), ("orders", ("+", "x"))]
     assert subs["orders"] == {("#",): 1 | held.EXPANDED, ("+", "x"): 1}  # its own filter's, not the wildcard's
     assert following.TELL_AT_ONCE > 0
+
+
+def test_an_exact_filter_made_before_its_parent_is_held_in_both_and_ends_in_both() -> None:
+    """``chat/x`` made while no ``chat`` existed: once it does, held there too (the default parent's stays for
+    what it keeps); a session saved meanwhile is restored into both; UNSUBSCRIBE ends both."""
+    before = topics.Space("mqtt-default", frozenset())
+    subs: held.Subs = {}
+    held.add(subs, before.subscriptions_of("chat/x"), 1)
+    assert subs == {"mqtt-default": {("chat", "x"): 1}}
+    saved = held.texts(subs, "mqtt-default")
+    assert saved == {"chat/x": 1 | held.IN_DEFAULT}
+    after = topics.Space("mqtt-default", frozenset({"chat"}))
+    assert held.expand(subs, after, named_first=True) == [("chat", ("x",))]
+    assert subs == {"mqtt-default": {("chat", "x"): 1}, "chat": {("x",): 1}}
+    assert held.texts(subs, "mqtt-default") == saved  # one filter, still marked
+    restored: held.Subs = {}
+    held.add_saved(restored, after, "chat/x", saved["chat/x"])
+    assert restored == subs
+    assert held.holds(restored, after.subscriptions_of("chat/x"), "mqtt-default")
+    ended = held.remove(restored, after, after.subscriptions_of("chat/x"))
+    assert ended == {"chat": [("x",)], "mqtt-default": [("chat", "x")]}
+    assert not any(restored.values())
+    fresh: held.Subs = {}  # made after the parent existed: the named parent's only, saved unmarked
+    held.add(fresh, after.subscriptions_of("chat/x"), 1, "mqtt-default")
+    assert held.texts(fresh, "mqtt-default") == {"chat/x": 1}

@@ -1,12 +1,13 @@
 """Parents created after a filter was made: the sessions whose filters reach into them are told.
 
 A first-level wildcard filter (``#``, ``+/x``) reaches into every named parent, and ``chat/#`` into ``chat``
-once it exists; what a session holds in a named parent is made when the filter is (``held``). So when a LITE
-parent topic appears (admin ``PutParentTopic`` here, or sent on from another member of a cluster; the
-operator's; all of them announced by ``Dispatcher.metadata_changed``) the sessions that hold such filters
-must reach into it too. Only they are told: an index of the sessions holding a first-level wildcard filter,
-and per first level those naming it with a wildcard after it, so a new parent costs the sessions it concerns,
-not a scan of every connection. The dispatcher's watcher only takes note; one task here reloads the metadata
+once it exists, as does ``chat/x`` (its topic is kept there from then on); what a session holds in a named
+parent is made when the filter is (``held``), and so are a share's parts (``sharing``). So when a LITE parent
+topic appears (admin ``PutParentTopic`` here, or sent on from another member of a cluster; the operator's; all
+of them announced by ``Dispatcher.metadata_changed``) the sessions that hold such filters or shares must reach
+into it too. Only they are told: an index of the sessions holding a first-level wildcard filter, and per first
+level those naming it with more levels after it, so a new parent costs the sessions it concerns, not a scan of
+every connection. The dispatcher's watcher only takes note; one task here reloads the metadata
 and tells them, a bounded number at a time.
 """
 
@@ -38,7 +39,7 @@ class Followers:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
         self._wild: set[Follower] = set()  # hold a first-level wildcard filter: every new parent concerns them
-        self._named: dict[str, set[Follower]] = {}  # parent name -> those holding ``<it>/...`` with a wildcard
+        self._named: dict[str, set[Follower]] = {}  # parent name -> those holding ``<it>/...`` in the default one
         self._firsts: dict[Follower, frozenset[str]] = {}  # what each is indexed under in ``_named``
         self._known: frozenset[str] = frozenset()
         self._changed = asyncio.Event()

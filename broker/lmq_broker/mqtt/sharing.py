@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
-from lmq_broker.mqtt import codec, matching, shares, stats, topics
+from lmq_broker.mqtt import codec, held, matching, shares, stats, topics
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.link import Link, stop
 from lmq_broker.mqtt.owners import Owners
@@ -63,12 +63,17 @@ class Sharing:
         (``topics.Space.subscriptions_of``: a first level naming no parent is the default parent's, a first-level
         wildcard reaches every parent) that the session's user may read."""
         share = shares.parse(text)
-        wanted = self._readable(topics.space_of(snap).subscriptions_of(share.filter))
+        space = topics.space_of(snap)
+        wanted = space.subscriptions_of(share.filter)
+        if options & held.IN_DEFAULT:  # stored while (also) in the default parent: held there again (``held``)
+            wanted += held.twin(wanted, space.default)
+        wanted = self._readable(wanted)
         snap.lite_parent(wanted[0].parent)
-        group = self.link.group
-        return tuple(
-            shares.Member(share, p, levels, options, shares.consumer_of(share.group, p, group)) for p, levels in wanted
-        )
+        options &= ~held.IN_DEFAULT
+        return tuple(self._member(share, p, levels, options) for p, levels in wanted)
+
+    def _member(self, share: shares.Share, parent: str, levels: wildcards.Filter, options: int) -> shares.Member:
+        return shares.Member(share, parent, levels, options, shares.consumer_of(share.group, parent, self.link.group))
 
     def _readable(self, wanted: list[topics.Subscription]) -> list[topics.Subscription]:
         """Those of ``wanted`` the user may read (``--acl``); ``errors.Forbidden`` when none."""
@@ -95,9 +100,9 @@ class Sharing:
             refused = Reason.NOT_AUTHORIZED if isinstance(exc, errors.Forbidden) else Reason.TOPIC_FILTER_INVALID
             return self._refused(text, str(exc), refused if link.v5 else failure)
         group = members[0].group
-        held = self.held.get(group)
-        if held is not None:  # the same share again: new options (QoS, identifier), same membership
-            self.held[group] = tuple(replace(m, options=options) for m in held)
+        parts = self.held.get(group)
+        if parts is not None:  # the same share again: new options (QoS, identifier), same membership
+            self.held[group] = tuple(replace(m, options=options) for m in parts)
             return options & codec.OPTION_QOS
         refusal = self._over_cap(group)
         if refusal is not None:
@@ -164,7 +169,7 @@ class Sharing:
         cluster = self.link.cluster
         if cluster is not None:
             self._made_at[member.consumer] = cluster.members
-            await cluster.subscribe(member.consumer, member.group, member.parent, [member.levels], older)
+            await cluster.subscribe(member.consumer, member.group, member.parent, self._filters(member), older)
         await self.link.dispatcher.subscribe_filters(member.consumer, member.group, member.parent,
                                                      self._filters(member))  # fmt: skip
         if member.consumer not in self._tasks:
@@ -183,7 +188,7 @@ class Sharing:
             return
         self._made_at[consumer] = cluster.members
         try:
-            await cluster.subscribe(consumer, group, member.parent, [member.levels], None)
+            await cluster.subscribe(consumer, group, member.parent, self._filters(member), None)
         except errors.LmqError as exc:
             log.warning("mqtt client %s: shared subscription %s not made at every broker: %s", self.link.client_id,
                         member.share.text, exc.message)  # fmt: skip
@@ -254,8 +259,47 @@ class Sharing:
             log.info("mqtt client %s: stored shared subscription %s not joined: %s", link.client_id, text, exc.message)
 
     def saved(self) -> dict[str, int]:
-        """What a persistent session stores of its shares: filter text -> options (identifier included)."""
-        return {parts[0].share.text: parts[0].options for parts in self.held.values()}
+        """What a persistent session stores of its shares: filter text -> options (identifier included; a filter
+        without wildcards with a part in the default parent marked ``held.IN_DEFAULT``, as a session's)."""
+        default = self.link.config.mqtt_default_parent
+        out = {}
+        for parts in self.held.values():
+            mark = any(m.parent == default and len(m.levels) > 1 for m in parts) and not _wild(parts[0].share)
+            out[parts[0].share.text] = parts[0].options | (held.IN_DEFAULT if mark else 0)
+        return out
+
+    def reaches(self) -> tuple[bool, frozenset[str]]:
+        """Which parents created later the shares would reach into (``held.reaches``, ``following``)."""
+        default = self.link.config.mqtt_default_parent
+        return held.reach_of(m.levels for parts in self.held.values() for m in parts if m.parent == default)
+
+    async def follow_parents(self, snap: metadata.Metadata) -> None:
+        """Parents created since the shares were joined: a part in each one a share's filter now reaches (the
+        user may read), reading the share's topics there from their beginning, here and at every broker; the
+        parts held before stay (a filter without wildcards keeps its default parent's part, ``held``)."""
+        space = topics.space_of(snap)
+        link = self.link
+        for group, parts in list(self.held.items()):
+            have = {m.parent for m in parts}
+            with contextlib.suppress(topics.TopicError):
+                for parent, levels in space.subscriptions_of(parts[0].share.filter):
+                    if parent in have:
+                        continue
+                    try:
+                        link.host.authorize_subscribe(link.user, link.address, parent, levels)
+                    except errors.Forbidden:
+                        continue
+                    await self._add_part(group, self._member(parts[0].share, parent, levels, parts[0].options))
+
+    async def _add_part(self, group: str, member: shares.Member) -> None:
+        self.held[group] = (*self.held[group], member)
+        try:
+            await self._register(member, None)  # the share's offsets there: none yet, from the beginning
+        except errors.LmqError as exc:
+            log.warning("mqtt client %s: shared subscription %s not made in %s: %s", self.link.client_id,
+                        member.share.text, member.parent, exc.message)  # fmt: skip
+            self.held[group] = tuple(m for m in self.held[group] if m is not member)
+            await self._leave_part(member)
 
     async def stop(self) -> None:
         """The connection ends: no more deliveries (its leases are given back by ``Deliveries.give_back``)."""
@@ -268,3 +312,7 @@ class Sharing:
         await self.stop()
         for group in list(self.held):
             await self._leave(group)
+
+
+def _wild(share: shares.Share) -> bool:
+    return any(level in ("+", "#") for level in share.filter.split("/"))

@@ -38,6 +38,7 @@ class Subscriptions:
         self.sharing = Sharing(link, deliveries)  # its shared subscriptions ($share/...)
         self._made_at: dict[str, tuple[str, ...]] = {}  # parent -> the cluster's members its filters were made at
         self._changing = asyncio.Lock()  # a SUBSCRIBE, UNSUBSCRIBE or new parents: one at a time
+        self._parents: frozenset[str] | None = None  # the named parents the filters were last made or followed for
         self._ended = False
 
     async def restore(self, saved: dict[str, int]) -> None:
@@ -51,9 +52,11 @@ class Subscriptions:
         for text, options in saved.items():
             if shares.is_shared(text):
                 await self.sharing.restore(text, options, snap)
+                self._index()
                 continue
             with contextlib.suppress(topics.TopicError):
-                held.add(link.subs, space.subscriptions_of(text), options & ~held.EXPANDED)
+                held.add_saved(link.subs, space, text, options)
+        self._parents = space.parents
         cluster = link.cluster
         for parent in list(link.subs):
             await self.register(parent)
@@ -108,7 +111,9 @@ class Subscriptions:
     async def _follow(self, snap: metadata.Metadata) -> None:
         link = self.link
         touched: set[str] = set()
-        for parent, levels in held.expand(link.subs, topics.space_of(snap), named_first=True):
+        space = topics.space_of(snap)
+        self._parents = space.parents
+        for parent, levels in held.expand(link.subs, space, named_first=True):
             try:
                 link.host.authorize_subscribe(link.user, link.address, parent, levels)
                 touched.add(parent)
@@ -121,10 +126,16 @@ class Subscriptions:
             await self.register(parent)
             if cluster is not None:  # resumed at the group's offsets there: a new parent's topics from the start
                 await self._make_everywhere(cluster, parent)
+        await self.sharing.follow_parents(snap)
+        self._index()
 
     async def subscribe(self, packet: codec.Subscribe) -> None:
         async with self._changing:
+            now = await self.link.dispatcher.metadata()
+            if self._parents is not None and topics.space_of(now).parents != self._parents:
+                await self._follow(now)  # parents came that the session was not told of yet: held there first
             snap = await self._subscribe(packet)
+            self._index()  # its shares too (its other filters: when their parent is registered)
             if snap is not await self.link.dispatcher.metadata():  # a parent may have come meanwhile
                 await self._follow(await self.link.dispatcher.metadata())
 
@@ -139,6 +150,8 @@ class Subscriptions:
         sub_id = ids[0] if ids else 0  # one at most (the codec refuses more)
         snap = await link.dispatcher.metadata()
         space = topics.space_of(snap)
+        if self._parents is None:
+            self._parents = space.parents
         for text, options in packet.filters:
             # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
             # (``identifiers``; none: none), a shared subscription too
@@ -159,11 +172,11 @@ class Subscriptions:
                     link.client_id, "SUBSCRIBE", text, str(exc), f"SUBACK {codes[-1]:#04x}"
                 )
                 continue
-            existed = held.holds(link.subs, wanted)
+            existed = held.holds(link.subs, wanted, space.default)
             if not existed and held.count(link.subs, space.default) >= MAX_FILTERS:
                 codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
                 continue
-            made = held.add(link.subs, wanted, stored)
+            made = held.add(link.subs, wanted, stored, space.default)
             for parent, levels, _ in (m for m in made if not m.existed):
                 fresh.setdefault(parent, []).append(levels)
             handling = options >> codec.OPTION_RETAIN_HANDLING_SHIFT
@@ -239,6 +252,7 @@ class Subscriptions:
     async def unsubscribe(self, packet: codec.Unsubscribe) -> None:
         async with self._changing:
             await self._unsubscribe(packet)
+            self._index()
 
     async def _unsubscribe(self, packet: codec.Unsubscribe) -> None:
         link = self.link
@@ -255,7 +269,7 @@ class Subscriptions:
             except topics.TopicError:
                 codes.append(Reason.TOPIC_FILTER_INVALID)
                 continue
-            existed = held.holds(link.subs, wanted)
+            existed = held.holds(link.subs, wanted, space.default)
             for parent, ended in held.remove(link.subs, space, wanted).items():
                 changed.setdefault(parent, []).extend(ended)
             codes.append(Reason.SUCCESS if existed else Reason.NO_SUBSCRIPTION_EXISTED)
@@ -305,9 +319,17 @@ class Subscriptions:
             del self.consumers[parent]
             link.dispatcher.client_gone(consumer)
             link.subs.pop(parent, None)
-        if parent == link.config.mqtt_default_parent and not self._ended:
-            wild, firsts = held.reaches(link.subs, parent)
-            link.host.followers.index(self, wild, firsts)
+        if parent == link.config.mqtt_default_parent:
+            self._index()
+
+    def _index(self) -> None:
+        """Which parents created later the filters and shares would reach into (``following``)."""
+        if self._ended:
+            return
+        link = self.link
+        wild, firsts = held.reaches(link.subs, link.config.mqtt_default_parent)
+        shared_wild, shared_firsts = self.sharing.reaches()
+        link.host.followers.index(self, wild or shared_wild, firsts | shared_firsts)
 
     async def stop_all(self) -> None:
         """At the end: the delivery loops and the retained messages being sent stop."""

@@ -716,3 +716,80 @@ async def test_4_3_3_a_qos2_publish_resent_after_a_reconnect_is_stored_once_at_a
     assert isinstance(pubcomp, codec.PacketId) and pubcomp.kind == codec.PUBCOMP, pubcomp
     assert [m.body for m in pair.stored(1, theirs)] == [b"once"] and pair.stored(0, theirs) == []
     await again.close()
+
+
+def _new_parent_lites(pair: Pair) -> tuple[str, str]:
+    """Lite names of a parent ``NEW`` that broker 1 and broker 0 own."""
+    names = [f"x-{i}" for i in range(10_000)]
+    owners = {n: mb.owner(pair.membership, model.QueueId.lmq("NEW", n).topic) for n in names[:200]}
+    theirs, mine = (next(n for n, slot in owners.items() if slot == s) for s in (1, 0))
+    return theirs, mine
+
+
+async def _create_new(pair: Pair) -> None:
+    with AdminClient(pair.brokers[1].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+        await asyncio.to_thread(admin.put_parent_topic, model.ParentTopic("NEW", model.MessageType.LITE))
+
+
+async def _each_once(subscriber: Raw, count: int) -> list[tuple[str, bytes]]:
+    """``count`` deliveries (acknowledged), then nothing before the PINGRESP."""
+    got = []
+    for _ in range(count):
+        delivered = await subscriber.delivery()
+        subscriber.ack(delivered)
+        got.append((delivered.topic, delivered.payload))
+    subscriber.send(codec.Bare(codec.PINGREQ))
+    assert await subscriber.next() == codec.Bare(codec.PINGRESP)
+    return sorted(got)
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+async def test_4_7_an_exact_filter_made_before_its_parent_existed_gets_its_topic_at_every_broker(
+    pair: Pair, level: int
+) -> None:
+    """Section 4.7 with a parent made later: ``NEW/<lite>`` subscribed at broker 0 while no ``NEW`` existed (its
+    topic kept in the default parent then) reaches the topic once ``NEW`` keeps it, whichever broker owns it."""
+    theirs, mine = _new_parent_lites(pair)
+    subscriber = await Raw.connect(pair.port(0), "sub", level=level)
+    assert (await subscriber.subscribe(f"NEW/{theirs}", f"NEW/{mine}")).codes == (1, 1)
+    publisher = await Raw.connect(pair.port(1), "pub", level=level)
+    await publisher.published(f"NEW/{theirs}", b"before", packet_id=1)
+    assert await _each_once(subscriber, 1) == [(f"NEW/{theirs}", b"before")]
+    await _create_new(pair)
+    await publisher.published(f"NEW/{theirs}", b"there", packet_id=2)
+    await publisher.published(f"NEW/{mine}", b"here", packet_id=3)
+    for slot, lite in ((1, theirs), (0, mine)):  # kept by the new parent at its owner
+        store = pair.brokers[slot].store
+        assert store is not None and len(store.read(model.QueueId.lmq("NEW", lite), 0, 10)) == 1
+    assert await _each_once(subscriber, 2) == [(f"NEW/{mine}", b"here"), (f"NEW/{theirs}", b"there")]
+    await publisher.close()
+    await subscriber.close()
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+async def test_4_7_a_persistent_session_away_when_its_exact_filters_parent_came_gets_both_sides_at_every_broker(
+    pair: Pair, level: int
+) -> None:
+    """A persistent session (3.1.2.4 / 5.0 3.1.2.11) with ``NEW/<lite>`` made before ``NEW`` existed is away
+    while one message per topic is kept in the default parent, ``NEW`` is created, and one more is kept there:
+    back at broker 0 it gets all four, once each, from both brokers."""
+    theirs, mine = _new_parent_lites(pair)
+    first = await Raw.connect(pair.port(0), "sub", level=level, clean=False)
+    assert (await first.subscribe(f"NEW/{theirs}", f"NEW/{mine}")).codes == (1, 1)
+    mqtt = pair.brokers[0].mqtt
+    assert mqtt is not None
+    connection = mqtt.owner("sub")
+    assert connection is not None
+    await first.close()
+    await asyncio.wait_for(connection.done.wait(), WAIT_S)
+    publisher = await Raw.connect(pair.port(1), "pub", level=level)
+    for n, lite in enumerate((theirs, mine)):
+        await publisher.published(f"NEW/{lite}", b"default", packet_id=n + 1)
+    await _create_new(pair)
+    for n, lite in enumerate((theirs, mine)):
+        await publisher.published(f"NEW/{lite}", b"named", packet_id=n + 3)
+    again = await Raw.connect(pair.port(0), "sub", level=level, clean=False)
+    expected = sorted((f"NEW/{lite}", body) for lite in (theirs, mine) for body in (b"default", b"named"))
+    assert await _each_once(again, 4) == expected
+    await publisher.close()
+    await again.close()

@@ -17,10 +17,11 @@ import pytest
 import pytest_asyncio
 
 from lmq_broker import app, model
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.mqtt import codec, shares
+from lmq_broker.mqtt import codec, shares, topics
 from lmq_broker.mqtt.properties import Properties
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
@@ -371,3 +372,69 @@ async def test_mqtt5_4_8_2_a_member_that_unsubscribes_leaves_the_share_on_every_
     assert await leaving.quiet() == []
     await leaving.close()
     await staying.close()
+
+
+def owned_in(cluster: Cluster, parent: str, slot: int, prefix: str) -> str:
+    """A lite topic of ``parent`` broker ``slot`` owns."""
+    owned = (f"{prefix}-{i}" for i in range(10_000))
+    return next(t for t in owned if mb.owner(cluster.membership, model.QueueId.lmq(parent, t).topic) == slot)
+
+
+@pytest.mark.parametrize("topic_filter", ["#", "+/+", "NEW/#"])
+async def test_mqtt5_4_8_2_a_share_made_before_its_parent_existed_reaches_it_at_every_broker(
+    pair: Cluster, topic_filter: str
+) -> None:
+    """Section 4.8.2 with a parent made later (through broker 1's admin service, sent on to broker 0): members
+    on both brokers, made before ``NEW`` existed, get its messages, each message once among them, whichever
+    broker owns its topic."""
+    members = [await Raw.connect(pair.port(slot), f"member-{slot}") for slot in (0, 1)]
+    for member in members:
+        assert await member.subscribe(f"$share/g/{topic_filter}") == (1,)
+    with AdminClient(pair.brokers[1].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+        await asyncio.to_thread(admin.put_parent_topic, model.ParentTopic("NEW", model.MessageType.LITE))
+    lites = [owned_in(pair, "NEW", slot, f"n{k}") for slot in (0, 1) for k in range(2)]
+    publisher = await Raw.connect(pair.port(1), "pub")
+    sent = set()
+    for n in range(3):
+        for i, lite in enumerate(lites):
+            await publisher.published(f"NEW/{lite}", f"{lite}-{n}".encode(), packet_id=n * len(lites) + i + 1)
+            sent.add((f"NEW/{lite}", f"{lite}-{n}".encode()))
+    for slot, lite in ((0, lites[0]), (1, lites[2])):  # kept by the new parent at its owner
+        store = pair.brokers[slot].store
+        assert store is not None and len(store.read(model.QueueId.lmq("NEW", lite), 0, 10)) == 3
+    got = await collect(members, len(sent))
+    for i, member in enumerate(members):
+        got[i] += await member.quiet()
+    assert sorted((p.topic, p.payload) for part in got for p in part) == sorted(sent), "each once, among them"
+    await publisher.close()
+    for member in members:
+        await member.close()
+
+
+@pytest.mark.parametrize("topic_filter", ["#", "long/#"])
+async def test_mqtt5_4_8_2_a_hashed_topic_another_broker_owns_reaches_one_share_member(
+    pair: Cluster, topic_filter: str
+) -> None:
+    """A topic kept under a hashed name in the default parent (over the lite-name limit escaped) that the other
+    broker owns: the share's members here take it from there (their parts there hold the hashed names' filter
+    too), each message once among them."""
+    default = pair.brokers[0].config.mqtt_default_parent
+    topic = next(
+        t
+        for t in (f"long/{'x' * 70}/{i}" for i in range(10_000))
+        if mb.owner(pair.membership, model.QueueId.lmq(default, topics.default_lite(t)).topic) == 1
+    )
+    assert topics.is_hashed(topics.default_lite(topic))
+    members = [await Raw.connect(pair.port(0), f"member-{k}") for k in range(2)]
+    for member in members:
+        assert await member.subscribe(f"$share/h/{topic_filter}") == (1,)
+    publisher = await Raw.connect(pair.port(1), "pub")  # through the owner's MQTT
+    for n in range(4):
+        await publisher.published(topic, b"hashed %d" % n, packet_id=n + 1)
+    got = await collect(members, 4)
+    for i, member in enumerate(members):
+        got[i] += await member.quiet()
+    assert sorted((p.topic, p.payload) for part in got for p in part) == [(topic, b"hashed %d" % n) for n in range(4)]
+    await publisher.close()
+    for member in members:
+        await member.close()
