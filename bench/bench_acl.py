@@ -186,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sends", type=int, default=4000, help="single-message sends per round")
     parser.add_argument("--receives", type=int, default=3200, help="messages drained per round")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8, help="rounds; each runs every broker once, in turn")
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--lite-topics", type=int, default=500)
     parser.add_argument("--users", type=int, default=100, help="tenants in the policy table")
@@ -203,13 +203,16 @@ def main() -> None:
         }
         for broker in brokers.values():
             prepare(broker, args.users)  # the same topics and groups everywhere; users count only under --acl
+        load_before = os.getloadavg()[0]
         rates, cpu = asyncio.run(measure(args, brokers))
+        load_after = os.getloadavg()[0]
     median = {k: statistics.median(v) for k, v in rates.items()}
     cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
     print(
         f"{args.rounds} rounds, the three brokers in turn; sends: {args.sends:,} single-message calls, "
         f"{args.in_flight} in flight, {args.lite_topics} lite topics; receives: {args.receives:,} messages, {BATCH} "
-        f"per receive + {BATCH} acks; ACL: {args.users} users x 3 entries"
+        f"per receive + {BATCH} acks; ACL: {args.users} users x 3 entries; host load average (1 min) "
+        f"{load_before:.1f} before, {load_after:.1f} after"
     )
     for kind in ("send", "receive"):
         for side in SIDES:

@@ -204,7 +204,9 @@ class Broker:
         await cluster.start()
         server = self._server = grpc_server.create(config)
         admission = self._admission = grpc_server.admission(config, edge)
-        grpc_server.add_messaging_service(server, edge, admission)
+        service = grpc_server.add_messaging_service(server, edge, admission)
+        if service.gate.revoker is not None:  # --acl: restored subscriptions under the rules as they are now
+            await service.gate.revoker.check_restored()
         admin_server = server
         if config.admin_port >= 0:
             admin_server = self._admin_server = grpc_server.create_admin(config)

@@ -1,6 +1,7 @@
 """Access control and MQTT sessions (``--acl``, issue 29), with paho-mqtt against a broker process: a persistent
 session is its user's (another user taking the client id gets a fresh one, not its queued messages), and a
-policy change that takes ``Sub`` away ends the filters of live sessions it no longer allows."""
+policy change that takes ``Sub`` away ends the filters and shared subscriptions of live sessions it no longer
+allows."""
 
 from __future__ import annotations
 
@@ -116,6 +117,39 @@ def test_a_resumed_session_keeps_only_the_filters_its_user_may_still_read(
     assert back.connack == (True, "Success")
     received = back.wait_count(1)
     assert [m.payload for m in back.quiet(0.5)] == [b"queued, still his"], received
+
+
+def test_taking_sub_away_leaves_a_live_sessions_shares(acl_broker: BrokerProcess, connect: Callable[..., Peer]) -> None:
+    """Issue 29: a policy change that takes ``Sub`` away also ends a live session's shared subscriptions
+    (``$share/...``) on that filter: the share's messages go to its other members from then on, the session's
+    plain filters it may still read keep delivering."""
+    port, n = acl_broker.mqtt_port, next(_ids)
+    erin, frank = (f"erin{n}", "erin-secret-1"), (f"frank{n}", "frank-secret-1")
+    with admin_of(acl_broker) as admin:
+        for user in (erin, frank):
+            admin.put_user(*user)
+            admin.put_acl([AclEntry(user[0], "Lite:chat/e-*", ("Pub", "Sub"))])
+    share = f"$share/team{n}/chat/e-jobs/#"
+    worker = connect(port, auth=erin, protocol=V5)
+    assert worker.subscribe((share, 1), ("chat/e-keep/#", 1)) == [1, 1]
+    writer = connect(port, auth=frank, protocol=V5)
+    assert writer.publish("chat/e-jobs/0", b"job 0") == 0
+    assert [m.payload for m in worker.wait_count(1)] == [b"job 0"]  # erin is the share's only member yet
+    other = connect(port, auth=frank, protocol=V5)
+    assert other.subscribe((share, 1)) == [1]
+    with admin_of(acl_broker) as admin:
+        admin.put_acl([AclEntry(erin[0], "Lite:chat/e-jobs*", ("Sub",), "Deny")])
+    eventually(
+        lambda: re.search(rf"user erin{n}: shared subscriptions no longer allowed left", acl_broker.log()),
+        "the leave logged",
+    )
+    jobs = [f"job {i}".encode() for i in range(1, 5)]
+    for i, job in enumerate(jobs, 1):
+        assert writer.publish(f"chat/e-jobs/{i}", job) == 0
+    assert writer.publish("chat/e-keep/1", b"still hers") == 0
+    assert sorted(m.payload for m in other.wait_count(len(jobs))) == jobs  # every job to the member left
+    received = worker.wait_count(2)
+    assert [m.payload for m in worker.quiet(0.5)] == [b"job 0", b"still hers"], received
 
 
 def test_the_owner_is_stored_with_the_session_and_an_older_file_gains_the_column(tmp_path: Path) -> None:

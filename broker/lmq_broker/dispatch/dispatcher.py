@@ -176,6 +176,14 @@ class Dispatcher:
         """The clients and their subscriptions, to save at a graceful shutdown."""
         return self.subscriptions.export()
 
+    def own_subscriptions(self, client_id: str, user: str, peer: str) -> None:
+        """Who changes ``client_id``'s lite subscriptions (``--acl``), saved with them."""
+        self.subscriptions.own(client_id, user, peer)
+
+    def subscription_owner(self, client_id: str) -> tuple[str, str] | None:
+        """The (user, address) saved with ``client_id``'s lite subscriptions; None: not known."""
+        return self.subscriptions.owners.get(client_id)
+
     def restore_subscriptions(self, records: list[saved_subscriptions.ClientRecord]) -> None:
         """Re-register clients saved at the last graceful shutdown."""
         self.subscriptions.restore(records)

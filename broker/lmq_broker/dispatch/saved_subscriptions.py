@@ -9,7 +9,9 @@ fsynced and renamed): at shutdown, and while it runs whenever the subscriptions 
 a large registry is written less often rather than taking more than a tenth of a thread. A broker killed with
 SIGKILL comes back with what it held at the last write; what changed after it comes back with the clients'
 next sync (or, in a cluster, from the access brokers that keep the clients' intents). Restored clients expire
-like any other if they do not come back. The write runs on a thread and encodes a client's names
+like any other if they do not come back. Under ``--acl`` each client's line also names the user that made its
+subscriptions and its address, so they are checked against the rules as soon as they are restored
+(``protocol.revoking``). The write runs on a thread and encodes a client's names
 ``ENCODE_SLICE`` at a time, so a client of 100,000 lite topics never holds the event loop for long.
 """
 
@@ -39,6 +41,7 @@ class ClientRecord:
     bind_topic: str
     lmqs: tuple[str, ...]
     patterns: tuple[str, ...] = ()  # lite topic patterns (``wildcards``)
+    owner: tuple[str, str] = ("", "")  # the user that made them and its address (``--acl``), ("", ""): unknown
 
 
 def _json_list(names: tuple[str, ...]) -> str:
@@ -51,7 +54,10 @@ def save(records: list[ClientRecord], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as out:
         for r in records:
-            row = json.dumps({"client": r.client_id, "type": r.client_type, "group": r.group, "bind": r.bind_topic})
+            fields = {"client": r.client_id, "type": r.client_type, "group": r.group, "bind": r.bind_topic}
+            if r.owner[0]:
+                fields["user"], fields["peer"] = r.owner
+            row = json.dumps(fields)
             out.write(f'{row[:-1]}, "lmqs": {_json_list(r.lmqs)}, "patterns": {_json_list(r.patterns)}}}\n')
         out.flush()
         os.fsync(out.fileno())
@@ -75,6 +81,7 @@ def load(path: Path) -> list[ClientRecord]:
                     str(row["bind"]),
                     tuple(str(x) for x in row["lmqs"]),
                     tuple(str(x) for x in row.get("patterns", ())),  # absent in snapshots from before patterns
+                    (str(row.get("user", "")), str(row.get("peer", ""))),  # absent without --acl or from before
                 )
             )
         except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError

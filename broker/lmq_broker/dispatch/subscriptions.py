@@ -134,6 +134,9 @@ class Subscriptions:
         self._catchup_running: set[str] = set()
         self._catchup_again: set[str] = set()  # asked for while a pass ran: one more pass when it ends
         self.marks = reclaims.Marks()  # compare-and-deletes under way (see ``reclaims``)
+        # Who last changed each client's subscriptions, (user, address): access control's (``protocol.revoking``),
+        # saved with them so a restart checks them again; empty without --acl.
+        self.owners: dict[str, tuple[str, str]] = {}
         self._serials: dict[str, _Serial] = {}
         self._indexing: dict[str, asyncio.Event] = {}  # parent -> set once its level index is built
         self._big_changes: set[asyncio.Task[object]] = set()
@@ -213,12 +216,27 @@ class Subscriptions:
             if group is None or st.group == group
         ]
 
+    def own(self, client_id: str, user: str, peer: str) -> None:
+        """Note who changes ``client_id``'s subscriptions (access control's, saved with them; opaque here)."""
+        if self.owners.get(client_id) != (user, peer):
+            self.owners[client_id] = (user, peer)
+            self._registry.version += 1  # saved with the next write
+
     def export(self) -> list[saved_subscriptions.ClientRecord]:
+        registry_, owners = self._registry, self.owners
+        for gone in [c for c in owners if registry_.get(c) is None]:
+            del owners[gone]
         return [
             saved_subscriptions.ClientRecord(
-                st.client_id, st.client_type, st.group, st.bind_topic, tuple(st.lite_topics), tuple(st.patterns)
+                st.client_id,
+                st.client_type,
+                st.group,
+                st.bind_topic,
+                tuple(st.lite_topics),
+                tuple(st.patterns),
+                owners.get(st.client_id, ("", "")),
             )
-            for st in self._registry.clients()
+            for st in registry_.clients()
             if (st.lite_topics or st.patterns) and st.group
         ]
 
@@ -241,6 +259,8 @@ class Subscriptions:
             state = self._registry.get(r.client_id)
             if state is not None:
                 state.restored = True  # until the client calls again
+            if r.owner[0]:
+                self.owners[r.client_id] = r.owner
             self._ready.request_catchup(r.client_id, now)
         self._rt.arm(now)
 

@@ -10,7 +10,8 @@ A policy change (``AccessControl.watch``) ends the filters of live sessions that
 and a resumed session's saved filters are checked again before its CONNACK (``revoke``): a filter dropped so
 stops delivering (a message handed out already may still be acknowledged), logged at INFO; the SUBSCRIBE is
 not answered again (MQTT has no packet to tell a client its subscription ended). Shared subscriptions
-(``$share/...``) are checked at their SUBSCRIBE only.
+(``$share/...``) are checked the same way, by their filter: a membership its user may no longer read is left
+as an UNSUBSCRIBE would leave it (its unacknowledged deliveries go back to the share, for other members).
 
 Refusals raise ``errors.Forbidden`` (the connection answers 0x87 Not authorized in 5.0, and as 3.1.1 allows),
 counted in ``lmq_acl_refused_total{user,action}``.
@@ -79,6 +80,7 @@ async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
     link = subscriptions.link
     if not access.enabled:
         return
+    shared = await _revoke_shares(access, subscriptions)
     ended: dict[str, list[wildcards.Filter]] = {}
     for parent, held in list(link.subs.items()):
         for levels in list(held):
@@ -87,6 +89,8 @@ async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
                 del held[levels]
                 ended.setdefault(parent, []).append(levels)
     if not ended:
+        if shared and link.persistent and link.stored:
+            await subscriptions.save()
         return
     texts = sorted(topics.filter_in(link.config.mqtt_default_parent, p, f) for p, fs in ended.items() for f in fs)
     log.info("mqtt client %s, user %s: filters no longer allowed ended (access control changed): %s",
@@ -98,3 +102,23 @@ async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
             await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, filters)
     if link.persistent and link.stored:
         await subscriptions.save()
+
+
+async def _revoke_shares(access: AccessControl, subscriptions: Subscriptions) -> bool:
+    """Leave the shares whose filter the session's user may no longer read; whether any was left."""
+    link, sharing = subscriptions.link, subscriptions.sharing
+    texts = sorted(
+        member.share.text
+        for member in list(sharing.held.values())
+        if not access.allows(
+            link.user, policy.Action.SUB, policy.lite(member.parent, wildcards.LEVEL_SEPARATOR.join(member.levels)),
+            link.address,
+        )
+    )  # fmt: skip
+    if not texts:
+        return False
+    log.info("mqtt client %s, user %s: shared subscriptions no longer allowed left (access control changed): %s",
+             link.client_id, link.user, ", ".join(texts))  # fmt: skip
+    for text in texts:
+        await sharing.unsubscribe(text)
+    return True

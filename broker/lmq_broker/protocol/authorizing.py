@@ -125,7 +125,7 @@ def settings(access: AccessControl, user: str, peer: str, settings: pb.Settings)
 
 
 def _published(message: pb.Message) -> policy.Target:
-    topic = message.topic.name
-    if message.system_properties.HasField("lite_topic"):
-        return policy.lite(topic, message.system_properties.lite_topic)
-    return policy.topic(topic)
+    props = message.system_properties  # read once: each protobuf field access builds a wrapper
+    if props.HasField("lite_topic"):
+        return policy.lite(message.topic.name, props.lite_topic)
+    return policy.topic(message.topic.name)

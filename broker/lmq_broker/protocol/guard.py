@@ -25,6 +25,7 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
 from lmq_broker.protocol.admission import Admission
+from lmq_broker.protocol.context import read_metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2
 
@@ -114,7 +115,7 @@ def _unary(
         try:
             if isinstance(request, _Undecodable):
                 return _bad_request(response, request.why)
-            if authenticate is not None and (why := authenticate(context.invocation_metadata())) is not None:
+            if authenticate is not None and (why := authenticate(read_metadata(context))) is not None:
                 return _unauthorized(response, why)
             return await behaviour(request, context)
         finally:
@@ -147,7 +148,7 @@ def _streamed(
             else:
                 yield _bad_request(response, request.why)
             return
-        if authenticate is not None and (why := authenticate(context.invocation_metadata())) is not None:
+        if authenticate is not None and (why := authenticate(read_metadata(context))) is not None:
             if response is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unauthorized: {why}")
             else:
@@ -165,7 +166,7 @@ def _bidi(behaviour: Any, name: str, admission: Admission, authenticate: Authent
         if admission.full:
             admission.refuse(name)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
-        if authenticate is not None and (why := authenticate(context.invocation_metadata())) is not None:
+        if authenticate is not None and (why := authenticate(read_metadata(context))) is not None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unauthorized: {why}")
 
         async def checked() -> AsyncIterator[Any]:

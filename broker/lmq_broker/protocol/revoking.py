@@ -8,8 +8,9 @@ every change of the rules (``AccessControl.watch``) checks them again: a group t
 ends all of them (COMPLETE_REMOVE), a lite topic or pattern it may no longer read ends alone (PARTIAL_REMOVE),
 applied as the client's own call would be (in a cluster at every broker that holds a part). A message leased
 already may still be settled; no new one is handed out. A refused sync (the official clients send their whole
-set again every 30 s) is checked the same way at once, which also covers subscriptions restored at a restart,
-before this broker knew their user.
+set again every 30 s) is checked the same way at once. The user and address are saved with the client's
+subscriptions (``dispatch.saved_subscriptions``), so the subscriptions a restart restores are checked against
+the rules as they are then before the broker serves (``check_restored``), and at every later change.
 
 Clients no longer registered at the dispatcher are forgotten at each pass; at most ``CLIENTS_KEPT`` are kept.
 """
@@ -22,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Final
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
 from lmq_broker.protocol.context import Caller
@@ -60,11 +61,9 @@ class Revoker:
         self, caller: Caller, user: str, peer: str, request: spb.SyncLiteSubscriptionRequest, names: list[str]
     ) -> None:
         """A sync of ``caller`` by ``user`` (before its checks: a refused one may name what the client holds)."""
-        if not self._watching:
-            loop = asyncio.get_running_loop()
-            self._access.watch(lambda: loop.call_soon_threadsafe(self.changed))
-            self._watching = True
+        self._watch()
         client_id, group, parent = caller.client_id, request.group.name, request.topic.name
+        self._edge.dispatcher.own_subscriptions(client_id, user, peer)
         held = self._held.get(client_id)
         if held is None or (held.group, held.parent) != (group, parent):
             if held is None and len(self._held) >= CLIENTS_KEPT:
@@ -80,6 +79,30 @@ class Revoker:
             held.names = set(names)
         elif action == pb.COMPLETE_REMOVE:
             held.names = set()
+
+    def _watch(self) -> None:
+        if not self._watching:
+            loop = asyncio.get_running_loop()
+            self._access.watch(lambda: loop.call_soon_threadsafe(self.changed))
+            self._watching = True
+
+    async def check_restored(self) -> None:
+        """Check the subscriptions restored from the data dir whose user is known (saved under ``--acl``)
+        against the rules as they are now; later changes check them too. Before the broker serves."""
+        if not self._access.enabled:
+            return
+        dispatcher = self._edge.dispatcher
+        for state in list(dispatcher.client_states()):
+            owner = dispatcher.subscription_owner(state.client_id)
+            if not state.restored or owner is None or not state.group or state.client_id in self._held:
+                continue
+            names = {model.QueueId(lmq).lite_parts()[1] for lmq in state.lite_topics} | state.patterns
+            caller = Caller(client_id=state.client_id)
+            self._held[state.client_id] = Held(*owner, caller, state.group, state.bind_topic, names)
+        self._watch()
+        self.changed()
+        if self._pass is not None:
+            await self._pass
 
     def refused(self, client_id: str) -> None:
         """The client's sync was refused: what it holds is checked at once."""

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lmq_broker import errors
 from lmq_broker.protocol import authorizing, revoking, status
-from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.context import Caller, metadata_of
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -108,7 +108,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         *,
         check: Check | None = None,
     ) -> Resp:
-        caller = Caller.of(context.invocation_metadata(), external=self.external)
+        caller = Caller.of(metadata_of(context), external=self.external)
         if check is not None:
             return await self._answer(
                 method, self._guard(context, check, lambda: handler(self.edge, request, caller)), response
@@ -193,7 +193,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         code: int = pb.OK
         parked: tuple[str, str] | None = None
         try:
-            caller = Caller.of(context.invocation_metadata())
+            caller = Caller.of(metadata_of(context))
             if self.gate.enabled:
                 topic = request.message_queue.topic.name
                 self.gate.consume(context.peer(), request.group.name, topic)
@@ -246,7 +246,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             gate.ack(peer, request)
 
         if cluster is not None:
-            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            caller = Caller.of(metadata_of(context), external=self.external)
             acking = self._guard(context, check, lambda: cluster.ack(request, caller))
             return await self._answer("AckMessage", acking, spb.AckMessageResponse)
         return await self._unary(
@@ -263,7 +263,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             gate.consume(peer, request.group.name, request.topic.name, request.lite_topic)
 
         if cluster is not None:
-            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            caller = Caller.of(metadata_of(context), external=self.external)
             return await self._answer(
                 "ForwardMessageToDeadLetterQueue",
                 self._guard(context, check, lambda: cluster.dead_letter(request, caller)),
@@ -282,7 +282,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def Telemetry(
         self, request_iterator: AsyncIterator[spb.TelemetryCommand], context: Context
     ) -> AsyncIterator[spb.TelemetryCommand]:
-        caller = Caller.of(context.invocation_metadata(), context.peer())
+        caller = Caller.of(metadata_of(context), context.peer())
         try:
             async for frame in telemetry.handle(self.edge, request_iterator, caller):
                 yield frame
@@ -301,7 +301,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def NotifyClientTermination(
         self, request: spb.NotifyClientTerminationRequest, context: Context
     ) -> spb.NotifyClientTerminationResponse:
-        caller = Caller.of(context.invocation_metadata(), context.peer())  # only the client's own connection
+        caller = Caller.of(metadata_of(context), context.peer())  # only the client's own connection
         return await self._answer(
             "NotifyClientTermination",
             notify_client_termination.handle(self.edge, request, caller),
@@ -318,7 +318,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             gate.consume(peer, request.group.name, request.topic.name, request.lite_topic)
 
         if cluster is not None:
-            caller = Caller.of(context.invocation_metadata(), external=self.external)
+            caller = Caller.of(metadata_of(context), external=self.external)
             return await self._answer(
                 "ChangeInvisibleDuration",
                 self._guard(context, check, lambda: cluster.change_invisible(request, caller)),
@@ -338,7 +338,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self, request: spb.SyncLiteSubscriptionRequest, context: Context
     ) -> spb.SyncLiteSubscriptionResponse:
         cluster, gate = self.edge.cluster, self.gate
-        caller = Caller.of(context.invocation_metadata(), external=self.external)
+        caller = Caller.of(metadata_of(context), external=self.external)
         max_chars = self.edge.config.max_lite_topic_size
 
         def check(peer: str) -> Awaitable[None]:
