@@ -105,15 +105,19 @@ async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
 
 
 async def _revoke_shares(access: AccessControl, subscriptions: Subscriptions) -> bool:
-    """Leave the shares whose filter the session's user may no longer read; whether any was left."""
+    """Leave the shares whose filter the session's user may no longer read in one of the parents it reaches
+    (the whole share: its parts are one subscription); whether any was left."""
     link, sharing = subscriptions.link, subscriptions.sharing
     texts = sorted(
-        member.share.text
-        for member in list(sharing.held.values())
-        if not access.allows(
-            link.user, policy.Action.SUB, policy.lite(member.parent, wildcards.LEVEL_SEPARATOR.join(member.levels)),
-            link.address,
-        )
+        {
+            member.share.text
+            for parts in list(sharing.held.values())
+            for member in parts
+            if not access.allows(
+                link.user, policy.Action.SUB,
+                policy.lite(member.parent, wildcards.LEVEL_SEPARATOR.join(member.levels)), link.address,
+            )
+        }
     )  # fmt: skip
     if not texts:
         return False
