@@ -73,6 +73,7 @@ EXPECTED = {
         "FIGURE RSS under the will flood",
     ],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
+    "bench_send_twins.py": ["FIGURE read_all_plain / read_all (fast):", "FIGURE prepare_plain / prepare (fast):"],
     "bench_subscribe_stall.py": [
         "FIGURE probe send latency max during a 20,000-topic COMPLETE_ADD:",
         "FIGURE COMPLETE_ADD of 20,000 lite topics, call duration:",
