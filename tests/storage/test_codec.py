@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmq_broker import errors, model
 from lmq_broker.storage import codec, keys
@@ -157,3 +160,45 @@ def test_prepare_sizes_exactly_and_limits_the_whole_record() -> None:
     assert codec.prepare(msg, keys.NameCache(), limit, 0).size == limit
     with pytest.raises(errors.RecordTooLarge):
         codec.prepare(msg, keys.NameCache(), limit - 1, 0)
+
+
+# --- prepare (the fast twin both stores run) against prepare_plain ----------------------------------------------
+_NAMES = st.sampled_from(["P", "Q", "P2", "bad name", "%LMQ%P%a", "%LMQ%P%b", "%LMQ%P%bad lite", ""])
+_QUEUES = st.lists(st.builds(model.QueueId, _NAMES, st.sampled_from([0, 0, 1, 70_000])), max_size=4)
+_TEXT = st.text(alphabet="ab-_ é|", max_size=6)
+
+
+@st.composite
+def new_messages(draw: st.DrawFn) -> model.NewMessage:
+    lite = draw(st.one_of(st.none(), st.sampled_from(["a", "b", "c", "bad lite", ""])))
+    return model.NewMessage(
+        message_id=draw(st.sampled_from(["id-1", "", "x" * 300, "é"])),
+        topic=draw(_NAMES),
+        body=draw(st.sampled_from([b"body", b"", b"x" * 900])),
+        queues=tuple(draw(_QUEUES)),
+        lite_topic=lite,
+        message_type=draw(st.sampled_from(list(model.MessageType))),
+        born_timestamp_ms=draw(st.sampled_from([0, 7, 2**40])),
+        born_host=draw(_TEXT),
+        tag=draw(st.one_of(st.none(), _TEXT)),
+        keys=tuple(draw(st.lists(_TEXT, max_size=2))),
+        message_group=draw(st.one_of(st.none(), _TEXT)),
+        user_properties=draw(st.dictionaries(_TEXT, _TEXT, max_size=2)),
+    )
+
+
+def outcome(prepare: Callable[[], codec.Prepared]) -> object:
+    try:
+        return prepare()
+    except errors.LmqError as e:
+        return type(e), str(e)
+
+
+@settings(max_examples=600, deadline=None)
+@given(messages=st.lists(new_messages(), min_size=1, max_size=6), max_record=st.sampled_from([1 << 20, 1000]))
+def test_prepare_equals_prepare_plain(messages: list[model.NewMessage], max_record: int) -> None:
+    fast_names, plain_names = keys.NameCache(), keys.NameCache()  # each twin fills its own memos
+    for m in messages:
+        fast = outcome(lambda m=m: codec.prepare(m, fast_names, max_record, 1000))  # type: ignore[misc]
+        plain = outcome(lambda m=m: codec.prepare_plain(m, plain_names, max_record, 1000))  # type: ignore[misc]
+        assert fast == plain

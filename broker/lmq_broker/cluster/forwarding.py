@@ -55,7 +55,7 @@ class _Batch:
     parts: list[bytes] = field(default_factory=list)  # serialized SendMessageRequests (their messages concatenate)
     counts: list[int] = field(default_factory=list)
     waiters: list[asyncio.Future[_Part]] = field(default_factory=list)
-    lites: list[tuple[str, str]] = field(default_factory=list)  # (parent, lite) of every message, for a refusal
+    messages: list[Sequence[pb.Message]] = field(default_factory=list)  # each part's, read only on a refusal
     size: int = 0
 
 
@@ -250,7 +250,7 @@ class Forwarder:
         batch.parts.append(serialized)
         batch.counts.append(count)
         batch.waiters.append(waiter)
-        batch.lites += [(m.topic.name, m.system_properties.lite_topic) for m in messages]
+        batch.messages.append(messages)
         batch.size += count
         return waiter
 
@@ -288,7 +288,7 @@ class Forwarder:
                 start += count
             return
         if reply.status.message.startswith(NOT_OWNER):
-            await self._refused_by(target, batch.lites)
+            await self._refused_by(target, batch.messages)
         if len(batch.waiters) == 1:  # the owner refused this request: its answer is the client's
             if not batch.waiters[0].done():
                 batch.waiters[0].set_result(_all_of(reply))
@@ -305,12 +305,13 @@ class Forwarder:
             else:
                 waiter.set_result(_all_of(answer))
 
-    async def _refused_by(self, target: str, lites: list[tuple[str, str]]) -> None:
+    async def _refused_by(self, target: str, parts: list[Sequence[pb.Message]]) -> None:
         """A peer does not own what this broker sent it: forget where those topics were thought to be, and
         compare epochs with that peer (adopting its membership when it is ahead)."""
         by_parent: dict[str, list[str]] = {}
-        for parent, lite in lites:
-            by_parent.setdefault(parent, []).append(lite)
+        for part in parts:
+            for message in part:
+                by_parent.setdefault(message.topic.name, []).append(message.system_properties.lite_topic)
         for parent, names in by_parent.items():
             self._owners.forget(parent, names)
         members = self._links.membership.members

@@ -26,6 +26,7 @@ class Edge:
     external_port: int = 0  # the external listener's bound port (--external-port), 0 without one
     external_address: str = ""  # this lone broker's external host:port (cluster.external), empty: none given
     access: AccessControl = field(default_factory=lambda: AccessControl(False))  # users and policies (--acl)
+    send_cache: convert.SendCache = field(default_factory=convert.SendCache)  # valid names the send path met
     polls: parking.Parking = field(init=False)  # ReceiveMessage long polls parked, by client id and connection
     streams: parking.Parking = field(init=False)  # Telemetry streams open, by client id and connection
     telemetry_buffer: parking.Budget = field(init=False)  # bytes of Telemetry replies not yet read, in all

@@ -27,8 +27,6 @@ from lmq_broker.storage import index as index_mod
 
 log = logging.getLogger(__name__)
 
-_new_result = tuple.__new__  # AppendResult's own __new__ is a Python-level function: skip it per message
-
 
 class _Request:
     __slots__ = ("done", "error", "messages", "prepared", "results")
@@ -202,66 +200,30 @@ class Appender:
         batch.publish()
 
     def _write_log(self, reqs: list[_Request], store_ms: int) -> _Staged:
-        lg = self._core.log
-        seg = lg.active.seq
-        pos = lg.active.size
-        start = (seg, pos)
-        seg_max = lg.segment_max_bytes
+        """Give each prepared message its offsets and frame it; write the round to the log (one write per
+        segment touched). A record never spans two segments: one that does not fit starts the next."""
+        commitlog = self._core.log
+        start = (commitlog.active.seq, commitlog.active.size)
+        seg, pos = start
         batch = self._core.batch()
-        pend = batch.pending
         chunks: list[tuple[int, list[bytes]]] = []
         parts: list[bytes] = []
-        frame = codec.frame
-        pack_entry = keys.RUN_ENTRY.pack
-        new_result, result_type = _new_result, model.AppendResult
         for r in reqs:
-            results: list[model.AppendResult] = []
+            r.results = []
             for p in r.prepared:
-                size = p.size
-                if pos + size > seg_max:  # the record goes to the next segment: runs cannot span two
+                if pos + p.size > commitlog.segment_max_bytes:
                     chunks.append((seg, parts))
-                    parts = []
-                    seg += 1
-                    pos = 0
+                    parts, seg, pos = [], seg + 1, 0
                     batch.cut(seg, store_ms)
-                entry = pack_entry(pos, size)
-                names = p.queues
-                if len(names) > 2:  # a list the store allows; the broker's own messages name one or two queues
-                    listed = []
-                    for name in names:
-                        q = pend.get(name.qkey)
-                        if q is None:
-                            q = batch.queue(name, seg, store_ms)
-                        off = q.next
-                        q.next = off + 1
-                        q.ents.append(entry)
-                        listed.append(off)
-                    offsets = tuple(listed)
-                else:  # one or two queues, unrolled: the path of every message the broker stores
-                    q = pend.get(names[0].qkey)
-                    if q is None:
-                        q = batch.queue(names[0], seg, store_ms)
-                    off = q.next
-                    q.next = off + 1
-                    q.ents.append(entry)
-                    if len(names) == 1:
-                        offsets = (off,)
-                    else:
-                        q = pend.get(names[1].qkey)
-                        if q is None:
-                            q = batch.queue(names[1], seg, store_ms)
-                        off2 = q.next
-                        q.next = off2 + 1
-                        q.ents.append(entry)
-                        offsets = (off, off2)
+                offsets = _take_offsets(batch, p.queues, keys.RUN_ENTRY.pack(pos, p.size), seg=seg, store_ms=store_ms)
+                parts += [*codec.frame(p, offsets), p.message.body]
+                pos += p.size
                 m = p.message
-                prefix, head = frame(p, offsets)
-                parts.append(prefix)
-                parts.append(head)
-                parts.append(m.body)
-                pos += size
-                results.append(new_result(result_type, (m.message_id, m.queues, offsets, store_ms)))
-            r.results = results
+                r.results.append(
+                    model.AppendResult(
+                        message_id=m.message_id, queues=m.queues, queue_offsets=offsets, store_timestamp_ms=store_ms
+                    )
+                )
         chunks.append((seg, parts))
         self._core.write_chunks(chunks, start)
         return _Staged(reqs, batch, chunks, store_ms, start)
@@ -278,3 +240,18 @@ class Appender:
                 core.log.sync()
             except OSError as e:
                 core.fsync_failed(e)
+
+
+def _take_offsets(
+    batch: index_mod.Batch, names: Sequence[keys.QueueName], entry: bytes, *, seg: int, store_ms: int
+) -> tuple[int, ...]:
+    """The next offset of each queue a record is indexed into, each queue's index run given its entry."""
+    offsets = []
+    for name in names:
+        q = batch.pending.get(name.qkey)
+        if q is None:
+            q = batch.queue(name, seg, store_ms)
+        offsets.append(q.next)
+        q.next += 1
+        q.ents.append(entry)
+    return tuple(offsets)

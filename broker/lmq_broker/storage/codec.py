@@ -125,9 +125,6 @@ def record_size(*, n_queues: int, names: int, message_id: int, topic: int, prope
     return FIXED_BYTES + 8 * n_queues + names + message_id + topic + properties + body
 
 
-_new_prepared = tuple.__new__  # NamedTuple's own __new__ is a Python-level function: skip it on the hot path
-
-
 def _prop(tag: int, value: bytes) -> bytes:
     return PROPERTY.pack(tag, len(value)) + value
 
@@ -150,11 +147,55 @@ def encode_properties(m: model.NewMessage) -> bytes:
     return b"".join(parts)
 
 
-def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, store_ms: int) -> Prepared:  # noqa: PLR0912 (a branch per message field)
-    """Validate one message and encode all but its offsets. Raises InvalidArgument subclasses.
+def prepare_plain(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, store_ms: int) -> Prepared:
+    """Validate one message and encode all but its offsets. Raises InvalidArgument subclasses."""
+    if not m.body and m.user_properties.get(model.EMPTY_BODY_PROPERTY) != "1":  # an MQTT publish may be empty
+        raise errors.BodyEmpty("message body is empty", message_id=m.message_id)
+    qnames = queue_names_of(m, names)
+    mid = m.message_id.encode()
+    if not 0 < len(mid) <= MAX_MESSAGE_ID_BYTES:
+        raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
+    topic = names.topics.get(m.topic) or names.topic(m.topic)
+    lite = m.lite_topic
+    if lite is not None and not any(qn.lite == lite for qn in qnames) and not model.is_valid_lite_topic(lite):
+        raise errors.InvalidLiteTopic(f"invalid lite topic {lite!r}", lite_topic=lite)
+    queue_names = b"".join([qn.record for qn in qnames])
+    props = encode_properties(m)
+    size = record_size(
+        n_queues=len(qnames),
+        names=len(queue_names),
+        message_id=len(mid),
+        topic=len(topic),
+        properties=len(props),
+        body=len(m.body),
+    )
+    if size > max_record_bytes:
+        raise errors.RecordTooLarge(
+            f"record of {size} bytes exceeds {max_record_bytes}", message_id=m.message_id, size=size
+        )
+    fields = (len(mid), len(topic), len(queue_names), len(props), len(m.body))
+    header = HEADER.pack(VERSION, KIND_MESSAGE, m.message_type, len(qnames), store_ms, m.born_timestamp_ms, *fields)
+    return Prepared(message=m, queues=qnames, header=header, tail=queue_names + mid + topic + props, size=size)
 
-    Both stores call this, so both refuse exactly the same input; it runs once per message on the hot path.
-    """
+
+def queue_names_of(m: model.NewMessage, names: keys.NameCache) -> tuple[keys.QueueName, ...]:
+    """The validated names of a message's queues (1..``MAX_QUEUES_PER_RECORD``, none twice)."""
+    n = len(m.queues)
+    if n == 0 or n > MAX_QUEUES_PER_RECORD:
+        raise errors.InvalidArgument(
+            f"a message needs 1..{MAX_QUEUES_PER_RECORD} queues, got {n}", message_id=m.message_id
+        )
+    qnames = tuple([names.queue(q.topic, q.queue) for q in m.queues])
+    if len({qn.qkey for qn in qnames}) != n:
+        raise errors.InvalidArgument("a message lists the same queue twice", message_id=m.message_id)
+    return qnames
+
+
+def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, store_ms: int) -> Prepared:  # noqa: PLR0912 (a branch per message field)
+    """``prepare_plain``'s fast twin, the one both stores run: the one- and two-queue cases unrolled, a lite
+    topic's encoded property memoized in ``names``, the tuple built without NamedTuple's Python-level
+    ``__new__``. Measured in the same sitting (bench/RESULTS.md, 2026-11-28 15:00): 2.8 against 6.8-10.6 us per
+    message. tests/storage/test_codec.py checks it against ``prepare_plain``, values and errors alike."""
     body = m.body
     if not body and m.user_properties.get(model.EMPTY_BODY_PROPERTY) != "1":  # an MQTT publish may be empty
         raise errors.BodyEmpty("message body is empty", message_id=m.message_id)
@@ -214,7 +255,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
         raise errors.RecordTooLarge(
             f"record of {size} bytes exceeds {max_record_bytes}", message_id=m.message_id, size=size
         )
-    return _new_prepared(
+    return tuple.__new__(
         Prepared,
         (
             m,

@@ -74,6 +74,7 @@ EXPECTED = {
     ],
     "bench_mqtt_share_cluster.py": ["FIGURE share, a member on each of 2 brokers:", "FIGURE share ÷ plain:"],
     "bench_send_path.py": ["FIGURE send path CPU per message (handler):"],
+    "bench_send_twins.py": ["FIGURE read_all_plain / read_all (fast):", "FIGURE prepare_plain / prepare (fast):"],
     "bench_subscribe_stall.py": [
         "FIGURE probe send latency max during a 20,000-topic COMPLETE_ADD:",
         "FIGURE COMPLETE_ADD of 20,000 lite topics, call duration:",

@@ -1,5 +1,5 @@
-"""MessageReader turns wire messages into NewMessage values (built positionally: they must equal the value built
-by field name), and ``read_all`` a whole request: ``read`` on each message, the first error refusing them all."""
+"""MessageReader turns wire messages into NewMessage values. ``read_all`` is the fast twin the send path runs (one
+loop, values built positionally): it must equal ``read`` (the plain one) message by message, values and first error."""
 
 from __future__ import annotations
 

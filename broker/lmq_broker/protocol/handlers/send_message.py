@@ -45,7 +45,9 @@ async def store(edge: Edge, sent: Sequence[pb.Message]) -> spb.SendMessageRespon
         raise errors.InvalidArgument(f"at most {MAX_MESSAGES_PER_REQUEST} messages per request")
     dispatcher = edge.dispatcher
     snap = await dispatcher.metadata()
-    reader = convert.MessageReader(snap, edge.config, dispatcher.wall_clock(), dispatcher.next_round_robin())
+    reader = convert.MessageReader(
+        snap, edge.config, dispatcher.wall_clock(), dispatcher.next_round_robin(), edge.send_cache
+    )
     messages = reader.read_all(sent)
     results = await dispatcher.send(messages)
     kinds = set(map(_type_of, messages))  # counted in C, not per message in Python
