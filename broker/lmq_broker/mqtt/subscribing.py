@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Final
 
 from lmq_broker import errors, model
@@ -27,6 +28,8 @@ from lmq_broker.mqtt.sharing import Sharing
 log = logging.getLogger(__name__)
 
 MAX_FILTERS: Final = 1000  # topic filters one session may hold
+_TICK_S: Final = 0.0005  # the SUBACK waits for the wall clock's next millisecond in steps of this
+_TICK_TRIES: Final = 10
 
 
 class Subscriptions:
@@ -195,7 +198,7 @@ class Subscriptions:
                         granted[i] = [(p, f) for p, f in pairs if p != parent or f not in new]
         if (granted or shared) and link.persistent:
             await self.save()
-        as_of = link.dispatcher.wall_clock()  # retained later than the SUBACK reach the subscription live instead
+        as_of = await self._tick(link.dispatcher.wall_clock)  # retained later than the SUBACK came live instead
         link.writer.write(codec.encode_suback(packet.packet_id, codes, link.ack_props()))
         sends = [(p, f, codes[i]) for i, pairs in granted.items() if i not in no_retained for p, f in pairs]
         if sends:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
@@ -205,6 +208,18 @@ class Subscriptions:
             self.retained_tasks.add(task)
             task.add_done_callback(self.retained_tasks.discard)
         return snap
+
+    @staticmethod
+    async def _tick(wall_clock: Callable[[], int]) -> int:
+        """The millisecond the subscriptions are in place by, returned once the clock has passed it (at most a
+        few ms): a publish the client makes after reading the SUBACK is stamped later, so its retained message
+        is told from those of before (``Deliveries.send_retained``), even within one millisecond."""
+        as_of = wall_clock()
+        for _ in range(_TICK_TRIES):
+            if wall_clock() > as_of:
+                break
+            await asyncio.sleep(_TICK_S)
+        return as_of
 
     async def _start(self, parent: str, new: list[wildcards.Filter]) -> errors.LmqError | None:
         """The ``new`` filters in ``parent`` take effect (here, and at the other brokers); else the refusal
