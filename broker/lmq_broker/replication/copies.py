@@ -1,0 +1,195 @@
+"""Both ends of a slot's copies: the owner ships each stored batch to its followers, in order, and
+acknowledges once enough of them stored it; a follower stores a copy only from the slot's current epoch and
+only where its queues end exactly where the owner's began (else it is out of sync and says so).
+
+Per follower one shipper sends the copies one call at a time, in the order the owner stored them (what queued
+up meanwhile goes in the next call, one call per epoch): a follower sees every lite topic's messages in the
+owner's order, so its offsets are the owner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter
+
+from lmq_broker import errors, model
+from lmq_broker.replication import wire
+from lmq_broker.replication.leadership import Leadership
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[str, bytes], Awaitable[None]]  # (follower endpoint, copy) -> stored there, else raises
+_Item = tuple[int, Sequence[model.NewMessage], list[model.AppendResult], asyncio.Future[None]]
+LMQ_PREFIX: Final = model.LMQ_PREFIX
+
+
+class Counters:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refused = Counter(
+            "lmq_replication_refused",
+            "Sends not acknowledged for replication (fenced: lease not held; insync: too few replicas stored it)",
+            ["reason"],
+            registry=registry,
+        )
+        self.copies_refused = Counter(
+            "lmq_replication_copies_refused",
+            "Copies a follower refused (stale_epoch, owner: it holds the slot, out_of_sync)",
+            ["reason"],
+            registry=registry,
+        )
+
+
+class _Shipper:
+    """The ordered copies to one follower."""
+
+    def __init__(self, endpoint: str, me: int, send: Send) -> None:
+        self._endpoint = endpoint
+        self._me = me
+        self._send = send
+        self._queue: list[_Item] = []
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lmq-replica-{endpoint}")
+
+    def put(self, item: _Item) -> None:
+        self._queue.append(item)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            items, self._queue = self._queue, []
+            while items:
+                epoch = items[0][0]
+                same = [i for i in items if i[0] == epoch]
+                items = [i for i in items if i[0] != epoch]
+                messages = [m for i in same for m in i[1]]
+                results = [r for i in same for r in i[2]]
+                outcome: BaseException | None = None
+                try:
+                    await self._send(self._endpoint, wire.encode(self._me, epoch, messages, results))
+                except Exception as exc:
+                    outcome = exc
+                for *_, future in same:
+                    if not future.done():
+                        future.set_result(None) if outcome is None else future.set_exception(outcome)
+
+
+class Owner:
+    """``dispatch.ingest.Replicas`` of this broker's slot."""
+
+    def __init__(  # noqa: PLR0917 (the owner's slot, its followers and its rule)
+        self, leadership: Leadership, me: int, followers: list[str], min_insync: int, send: Send, counters: Counters
+    ) -> None:
+        self._leadership = leadership
+        self._me = me
+        self._need = min_insync - 1  # followers that must have it
+        self._counters = counters
+        self._shippers = [_Shipper(f, me, send) for f in followers]
+
+    def admit(self) -> None:
+        if self._leadership.epoch(self._me) is None:
+            self._counters.refused.labels("fenced").inc()
+            raise errors.Fenced(
+                f"this broker does not hold the lease of slot {self._me} now: nothing acknowledged, try again"
+            )
+
+    async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        epoch = self._leadership.epoch(self._me)
+        if epoch is None:
+            self.admit()
+            return
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[None]] = []
+        for shipper in self._shippers:
+            future: asyncio.Future[None] = loop.create_future()
+            shipper.put((epoch, messages, results, future))
+            futures.append(future)
+        stored, failures = 0, []
+        for done in asyncio.as_completed(futures):
+            if stored >= self._need:
+                break
+            try:
+                await done
+                stored += 1
+            except Exception as exc:
+                failures.append(str(exc))
+        if stored < self._need:
+            self._counters.refused.labels("insync").inc()
+            raise errors.NotEnoughReplicas(
+                f"not enough in-sync replicas of slot {self._me}: {stored + 1} of {self._need + 1} stored it "
+                f"({'; '.join(failures)}); try again"
+            )
+        if self._leadership.epoch(self._me) != epoch:
+            self.admit()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._shippers))
+
+
+class Follower:
+    """Stores the copies of the slots this broker follows."""
+
+    def __init__(
+        self,
+        leadership: Leadership,
+        followed: list[int],
+        append: Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResult]]],
+        next_offset: Callable[[model.QueueId], int],
+        counters: Counters,
+    ) -> None:
+        self._leadership = leadership
+        self._followed = set(followed)
+        self._append = append
+        self._next_offset = next_offset
+        self._counters = counters
+        self._synced: dict[int, int] = {}  # slot -> epoch of the last copy stored in order
+        self._lock = asyncio.Lock()  # copies of one call stored before the next one is looked at
+
+    def in_sync(self, slot: int, epoch: int) -> bool:
+        return self._synced.get(slot) == epoch
+
+    async def accept(self, data: bytes) -> None:
+        copy = wire.decode(data)
+        slot = copy.slot
+        if slot not in self._followed:
+            raise errors.InvalidArgument(f"this broker does not follow slot {slot}")
+        async with self._lock:
+            self._check_epoch(slot, copy.epoch)
+            expected = _first_offsets(copy)
+            for queue, first in expected.items():
+                if self._next_offset(queue) != first:
+                    self._synced.pop(slot, None)
+                    self._counters.copies_refused.labels("out_of_sync").inc()
+                    found = self._next_offset(queue)
+                    raise errors.Conflict(f"out of sync for slot {slot}: {queue.topic} ends at {found}, not {first}")
+            await self._append(copy.messages)
+            self._synced[slot] = copy.epoch
+
+    def _check_epoch(self, slot: int, epoch: int) -> None:
+        if self._leadership.holds(slot):
+            self._counters.copies_refused.labels("owner").inc()
+            raise errors.Fenced(f"this broker holds the lease of slot {slot}: a copy of epoch {epoch} is refused")
+        newest = self._leadership.epochs.get(slot, 0)
+        if epoch < newest:
+            self._counters.copies_refused.labels("stale_epoch").inc()
+            raise errors.Fenced(f"slot {slot} is at epoch {newest}: a copy of epoch {epoch} is refused")
+        self._leadership.epochs[slot] = epoch
+
+
+def _first_offsets(copy: wire.Copy) -> dict[model.QueueId, int]:
+    """Each lite topic queue of the copy and the owner's first offset in it."""
+    out: dict[model.QueueId, int] = {}
+    for message, offsets in zip(copy.messages, copy.offsets, strict=True):
+        for queue, offset in zip(message.queues, offsets, strict=True):
+            if queue.topic.startswith(LMQ_PREFIX) and queue not in out:
+                out[queue] = offset
+    return out

@@ -1,0 +1,139 @@
+"""Replication's place in a broker: which slots it follows, its lease loop, the copy calls between brokers.
+
+Copies travel as one unary gRPC call of raw bytes (``wire``) on the broker's client port, over the cluster's
+channels, signed with the peer header (``cluster.trust``) like every call between brokers; a call without a
+valid header is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from lmq_broker import errors
+from lmq_broker.cluster import trust
+from lmq_broker.cluster.peers import Peers
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.replication import copies, kube
+from lmq_broker.replication.leadership import Leadership
+from lmq_broker.storage.api import Store
+
+if TYPE_CHECKING:
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
+
+METHOD: Final = "/lmq.replica.v1.Replica/Append"
+CALL_TIMEOUT_S: Final = 2.0
+
+
+def check(config: BrokerConfig) -> None:
+    """Refuse settings that cannot keep their promise (at start)."""
+    if config.min_insync_replicas > config.replicas:
+        raise errors.InvalidArgument(
+            f"--min-insync-replicas {config.min_insync_replicas} exceeds --replicas {config.replicas}"
+        )
+    if config.replicas > 1 and not config.lease_namespace:
+        raise errors.InvalidArgument(
+            "--replicas above 1 needs --lease-namespace: without Kubernetes Leases nothing decides which replica "
+            "owns a slot (outside Kubernetes a cluster runs with --replicas 1; docs/replication.md)"
+        )
+
+
+def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
+    """Follower k of ``slot``: the same process on the k-th next pod (never a process of its own pod)."""
+    pods = slots // processes
+    if replicas > pods:
+        raise errors.InvalidArgument(f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}")
+    return [(slot + k * processes) % slots for k in range(1, replicas)]
+
+
+def followed_by(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
+    """The slots ``slot`` is a follower of."""
+    return [s for s in range(slots) if slot in followers_of(s, slots, processes, replicas)]
+
+
+class Replication:
+    def __init__(
+        self, config: BrokerConfig, peers: Peers, dispatcher: Dispatcher, store: Store, registry: CollectorRegistry
+    ) -> None:
+        links = peers.links
+        slots, me = len(links.membership.members), links.me
+        processes = config.pod_processes
+        api = kube.ApiServer.of(
+            config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
+        )
+        followed = followed_by(me, slots, processes, config.replicas)
+        identity = f"{config.advertised_address or me}/{uuid.uuid4().hex[:12]}"  # a restart is another holder
+        self._links = links
+        self._counters = copies.Counters(registry)
+        self.follower: copies.Follower | None = None
+        self.leadership = Leadership(
+            api,
+            identity,
+            me,
+            followed,
+            lambda slot, epoch: self.follower is not None and self.follower.in_sync(slot, epoch),
+            prefix=config.lease_prefix,
+            duration_ms=config.lease_duration_ms,
+        )
+        self.follower = copies.Follower(
+            self.leadership,
+            followed,
+            dispatcher.ingest.append_copy,
+            lambda q: store.queue_offsets(q)[1],
+            self._counters,
+        )
+        endpoints = [links.membership.members[s] for s in followers_of(me, slots, processes, config.replicas)]
+        self.owner = copies.Owner(
+            self.leadership, me, endpoints, config.min_insync_replicas or config.replicas, self._send, self._counters
+        )
+        self._secret = links.secret
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.leadership.run(self._stopping), name="lmq-leases")
+
+    async def close(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+        await self.owner.close()
+
+    async def _send(self, endpoint: str, data: bytes) -> None:
+        call = self._links.channel(endpoint).unary_unary(METHOD, None, None)
+        try:
+            await call(data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return _Handler(self)
+
+    async def serve(self, data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        call, _ = trust.verify(self._secret, METHOD, context.invocation_metadata(), int(time.time() * 1000))
+        if call is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica copies come from peers only")
+        assert self.follower is not None
+        try:
+            await self.follower.accept(data)
+        except errors.LmqError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+        return b""
+
+
+class _Handler(_GenericHandler):
+    def __init__(self, replication: Replication) -> None:
+        self._replication = replication
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if handler_call_details.method != METHOD:
+            return None
+        return grpc.unary_unary_rpc_method_handler(self._replication.serve)
