@@ -15,6 +15,7 @@ from waiting import eventually_async
 
 from lmq_broker import app, errors, model
 from lmq_broker.cluster import membership as mb
+from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -87,6 +88,15 @@ class Pair:
         return await self.clients[slot].stub.SendMessage(spb.SendMessageRequest(messages=[msg]), metadata=headers)
 
 
+async def start_broker(config: BrokerConfig) -> app.Broker:
+    store = lmq_store.open_store(config.store)
+    store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+    store.put_group(model.LiteGroup(GROUP, PARENT))
+    broker = app.Broker(config, store=store)
+    await broker.start()
+    return broker
+
+
 async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
     hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", 2)]
     members = ",".join(f"{h}:{p}" for h, p in hosts)
@@ -105,12 +115,7 @@ async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
             replicas=2,
             **overrides,
         )
-        store = lmq_store.open_store(config.store)
-        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-        store.put_group(model.LiteGroup(GROUP, PARENT))
-        broker = app.Broker(config, store=store)
-        await broker.start()
-        brokers.append(broker)
+        brokers.append(await start_broker(config))
     pair = Pair(brokers, [protocol_testing.connect(b.endpoint, b.store) for b in brokers if b.store is not None])
     await eventually_async(lambda: all(pair.leadership(s).epoch(s) is not None for s in (0, 1)), "both leases held", 10)
     return pair
@@ -180,6 +185,47 @@ async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, k
     await eventually_async(lambda: pair.leadership(1).epochs.get(0) == taken.transitions, "the new epoch seen", 5)
     with pytest.raises(errors.Fenced):
         await follower.follower.accept(wire.encode(0, taken.transitions - 1, [], []))
+
+
+async def restart(pair: Pair, slot: int) -> None:
+    """Stop a broker and start it again on its data directory (its disk kept)."""
+    old = pair.brokers[slot]
+    if old.ready:
+        await old.stop(grace_s=0.1)
+    pair.brokers[slot] = await start_broker(old.config)
+
+
+@pytest.mark.asyncio
+async def test_a_follower_that_missed_copies_catches_up_before_the_next_send_is_acknowledged(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    for n in range(5):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    await pair.brokers[1].stop(grace_s=0.1)
+    reply = await pair.send(0, lite, 5)
+    assert "not enough in-sync replicas" in reply.status.message
+    assert reply.status.code == pb.INTERNAL_ERROR  # stored on the owner, not acknowledged: the client retries
+    await restart(pair, 1)
+    reply = await pair.send(0, lite, 6)
+    assert reply.status.code == pb.OK, reply.status.message
+    assert pair.stored(1, lite) == pair.stored(0, lite) == 7  # the unacknowledged one too: at-least-once
+    store = pair.brokers[1].store
+    assert store is not None
+    copies = store.read(model.QueueId.lmq(PARENT, lite), 0, 100)
+    assert [m.message_id for m in copies] == [f"{lite}-{n}" for n in range(7)]
+
+
+@pytest.mark.asyncio
+async def test_an_owner_restarted_on_its_disk_keeps_its_lease_and_epoch(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    epoch = pair.leadership(0).epoch(0)
+    await restart(pair, 0)
+    await pair.clients[0].close()
+    pair.clients[0] = protocol_testing.connect(pair.brokers[0].endpoint, pair.brokers[0].store)  # type: ignore[arg-type]
+    await eventually_async(lambda: pair.leadership(0).epoch(0) is not None, "the lease renewed", 10)
+    assert pair.leadership(0).epoch(0) == epoch
+    assert (await pair.send(0, lite, 1)).status.code == pb.OK
+    assert pair.stored(1, lite) == 2
 
 
 def test_more_than_one_replica_needs_leases(tmp_path: Path) -> None:

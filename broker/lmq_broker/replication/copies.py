@@ -22,7 +22,11 @@ from lmq_broker.replication.leadership import Leadership
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[str, bytes], Awaitable[None]]  # (follower endpoint, copy) -> stored there, else raises
+# (follower endpoint, copy) -> {} once stored there, or where the follower's lite topics end when it is behind
+Send = Callable[[str, bytes], Awaitable[dict[str, int]]]
+Read = Callable[[model.QueueId, int, int], Awaitable[list[model.StoredMessage]]]  # the owner's store
+CATCH_UP_ROUNDS: Final = 8  # catch-up copies tried before a copy fails (each takes up to CATCH_UP_BATCH per topic)
+CATCH_UP_BATCH: Final = 1_000
 _Item = tuple[int, Sequence[model.NewMessage], list[model.AppendResult], asyncio.Future[None]]
 LMQ_PREFIX: Final = model.LMQ_PREFIX
 
@@ -46,10 +50,12 @@ class Counters:
 class _Shipper:
     """The ordered copies to one follower."""
 
-    def __init__(self, endpoint: str, me: int, send: Send) -> None:
+    def __init__(self, endpoint: str, me: int, send: Send, read: Read) -> None:
         self._endpoint = endpoint
         self._me = me
         self._send = send
+        self._read = read
+        self.caught_up = 0  # messages sent again to this follower because it was behind
         self._queue: list[_Item] = []
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lmq-replica-{endpoint}")
@@ -75,25 +81,88 @@ class _Shipper:
                 results = [r for i in same for r in i[2]]
                 outcome: BaseException | None = None
                 try:
-                    await self._send(self._endpoint, wire.encode(self._me, epoch, messages, results))
+                    await self._ship(epoch, messages, results)
                 except Exception as exc:
                     outcome = exc
                 for *_, future in same:
                     if not future.done():
                         future.set_result(None) if outcome is None else future.set_exception(outcome)
 
+    async def _ship(self, epoch: int, messages: list[model.NewMessage], results: list[model.AppendResult]) -> None:
+        """Send a copy; while the follower is behind (it missed copies: down, slow, restarted), first send it what
+        it lacks, read back from this broker's store."""
+        data = wire.encode(self._me, epoch, messages, results)
+        for _ in range(CATCH_UP_ROUNDS):
+            behind = await self._send(self._endpoint, data)
+            if not behind:
+                return
+            await self._catch_up(epoch, behind, _starts(messages, results))
+        raise errors.BrokerUnavailable(f"{self._endpoint} is still behind after {CATCH_UP_ROUNDS} catch-up copies")
+
+    async def _catch_up(self, epoch: int, behind: dict[str, int], starts: dict[str, int]) -> None:
+        missing: list[model.NewMessage] = []
+        offsets: list[model.AppendResult] = []
+        for topic, end in behind.items():
+            start = starts.get(topic)
+            if start is None or end >= start:
+                raise errors.Conflict(f"{self._endpoint} is ahead of this owner in {topic} ({end} ≥ {start})")
+            queue = model.QueueId(topic, 0)
+            for m in await self._read(queue, end, min(start - end, CATCH_UP_BATCH)):
+                missing.append(_as_new(m))
+                offsets.append(model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms))
+        await self._send(self._endpoint, wire.encode(self._me, epoch, missing, offsets))
+        self.caught_up += len(missing)
+
+
+def _observed(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _starts(messages: list[model.NewMessage], results: list[model.AppendResult]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m, r in zip(messages, results, strict=True):
+        for queue, offset in zip(m.queues, r.queue_offsets, strict=True):
+            if queue.topic.startswith(LMQ_PREFIX):
+                out.setdefault(queue.topic, offset)
+    return out
+
+
+def _as_new(m: model.StoredMessage) -> model.NewMessage:
+    return model.NewMessage(
+        message_id=m.message_id,
+        topic=m.topic,
+        body=m.body,
+        queues=(m.queue,),
+        lite_topic=m.lite_topic,
+        message_type=m.message_type,
+        born_timestamp_ms=m.born_timestamp_ms,
+        born_host=m.born_host,
+        tag=m.tag,
+        keys=m.keys,
+        message_group=m.message_group,
+        user_properties=m.user_properties,
+    )
+
 
 class Owner:
     """``dispatch.ingest.Replicas`` of this broker's slot."""
 
     def __init__(  # noqa: PLR0917 (the owner's slot, its followers and its rule)
-        self, leadership: Leadership, me: int, followers: list[str], min_insync: int, send: Send, counters: Counters
+        self,
+        leadership: Leadership,
+        me: int,
+        followers: list[str],
+        min_insync: int,
+        send: Send,
+        read: Read,
+        counters: Counters,
     ) -> None:
         self._leadership = leadership
         self._me = me
         self._need = min_insync - 1  # followers that must have it
         self._counters = counters
-        self._shippers = [_Shipper(f, me, send) for f in followers]
+        self._shippers = [_Shipper(f, me, send, read) for f in followers]
 
     def admit(self) -> None:
         if self._leadership.epoch(self._me) is None:
@@ -111,6 +180,7 @@ class Owner:
         futures: list[asyncio.Future[None]] = []
         for shipper in self._shippers:
             future: asyncio.Future[None] = loop.create_future()
+            future.add_done_callback(_observed)  # with enough answers, the others are not awaited
             shipper.put((epoch, messages, results, future))
             futures.append(future)
         stored, failures = 0, []
@@ -157,22 +227,30 @@ class Follower:
     def in_sync(self, slot: int, epoch: int) -> bool:
         return self._synced.get(slot) == epoch
 
-    async def accept(self, data: bytes) -> None:
+    async def accept(self, data: bytes) -> dict[str, int]:
+        """Store a copy: {} once stored; where this broker's lite topics end when it lacks earlier copies (the
+        owner sends those first). A copy that would land past the owner's offsets is refused (``Conflict``)."""
         copy = wire.decode(data)
         slot = copy.slot
         if slot not in self._followed:
             raise errors.InvalidArgument(f"this broker does not follow slot {slot}")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
-            expected = _first_offsets(copy)
-            for queue, first in expected.items():
-                if self._next_offset(queue) != first:
+            behind: dict[str, int] = {}
+            for queue, first in _first_offsets(copy).items():
+                found = self._next_offset(queue)
+                if found > first:
                     self._synced.pop(slot, None)
                     self._counters.copies_refused.labels("out_of_sync").inc()
-                    found = self._next_offset(queue)
                     raise errors.Conflict(f"out of sync for slot {slot}: {queue.topic} ends at {found}, not {first}")
+                if found < first:
+                    behind[queue.topic] = found
+            if behind:
+                self._synced.pop(slot, None)
+                return behind
             await self._append(copy.messages)
             self._synced[slot] = copy.epoch
+            return {}
 
     def _check_epoch(self, slot: int, epoch: int) -> None:
         if self._leadership.holds(slot):

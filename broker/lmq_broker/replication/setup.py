@@ -8,6 +8,7 @@ valid header is refused.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
@@ -31,6 +32,7 @@ else:
 
 METHOD: Final = "/lmq.replica.v1.Replica/Append"
 CALL_TIMEOUT_S: Final = 2.0
+IDENTITY_FILE: Final = "replica-identity"
 
 
 def check(config: BrokerConfig) -> None:
@@ -59,6 +61,19 @@ def followed_by(slot: int, slots: int, processes: int, replicas: int) -> list[in
     return [s for s in range(slots) if slot in followers_of(s, slots, processes, replicas)]
 
 
+def identity_of(config: BrokerConfig, slot: int) -> str:
+    """This broker's name as a lease holder: kept in its data directory, so a restart with its disk is the same
+    holder (it renews its lease and goes on), and one with a new disk (lost) is another (it owns nothing)."""
+    path = config.store.data_dir / IDENTITY_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        identity = f"{config.advertised_address or slot}/{uuid.uuid4().hex[:12]}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(identity)
+        return identity
+
+
 class Replication:
     def __init__(
         self, config: BrokerConfig, peers: Peers, dispatcher: Dispatcher, store: Store, registry: CollectorRegistry
@@ -70,7 +85,7 @@ class Replication:
             config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
         )
         followed = followed_by(me, slots, processes, config.replicas)
-        identity = f"{config.advertised_address or me}/{uuid.uuid4().hex[:12]}"  # a restart is another holder
+        identity = identity_of(config, me)
         self._links = links
         self._counters = copies.Counters(registry)
         self.follower: copies.Follower | None = None
@@ -92,7 +107,13 @@ class Replication:
         )
         endpoints = [links.membership.members[s] for s in followers_of(me, slots, processes, config.replicas)]
         self.owner = copies.Owner(
-            self.leadership, me, endpoints, config.min_insync_replicas or config.replicas, self._send, self._counters
+            self.leadership,
+            me,
+            endpoints,
+            config.min_insync_replicas or config.replicas,
+            self._send,
+            lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n),
+            self._counters,
         )
         self._secret = links.secret
         self._stopping = asyncio.Event()
@@ -107,12 +128,16 @@ class Replication:
             await self._task
         await self.owner.close()
 
-    async def _send(self, endpoint: str, data: bytes) -> None:
+    async def _send(self, endpoint: str, data: bytes) -> dict[str, int]:
         call = self._links.channel(endpoint).unary_unary(METHOD, None, None)
         try:
-            await call(data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+            answer = await call(
+                data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+        behind: dict[str, int] = json.loads(answer) if answer else {}
+        return behind
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return _Handler(self)
@@ -123,10 +148,10 @@ class Replication:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica copies come from peers only")
         assert self.follower is not None
         try:
-            await self.follower.accept(data)
+            behind = await self.follower.accept(data)
         except errors.LmqError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
-        return b""
+        return json.dumps(behind).encode() if behind else b""
 
 
 class _Handler(_GenericHandler):
