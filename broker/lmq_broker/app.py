@@ -295,7 +295,7 @@ class Broker:
             self.config, cluster.peers, self.dispatcher, self.store, self.metrics.registry
         )
         server.add_generic_rpc_handlers((repl.handler(),))
-        self.dispatcher.ingest.replicas = repl.owner
+        self.dispatcher.ingest.replicas = repl.slots
 
     async def _start_external(self, edge: Edge, admission: Admission) -> None:
         """The external listener (clients outside the cluster): the v2 service with routes naming external

@@ -239,7 +239,6 @@ def test_more_than_one_replica_needs_leases(tmp_path: Path) -> None:
 def test_followers_are_on_other_pods() -> None:
     assert replication.followers_of(0, 6, 2, 3) == [2, 4]  # 3 pods of 2 processes: same process, next pods
     assert replication.followers_of(5, 6, 2, 2) == [1]
-    assert replication.followed_by(1, 6, 2, 2) == [5]
     with pytest.raises(errors.InvalidArgument, match="at least 3 pods"):
         replication.followers_of(0, 4, 2, 3)
 

@@ -41,8 +41,9 @@ class Readers(Protocol):
 class Replicas(Protocol):
     """The copies of this broker's slot on its followers (``lmq_broker.replication``); None with --replicas 1."""
 
-    def admit(self) -> None:
-        """Raise ``errors.Fenced`` unless this broker may acknowledge a send now (it holds its slot's lease)."""
+    def admit(self, messages: Sequence[model.NewMessage]) -> None:
+        """Raise ``errors.Fenced`` unless this broker may acknowledge ``messages`` now (it holds their slots'
+        leases)."""
         ...
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
@@ -97,7 +98,7 @@ class Ingest:
 
     async def _replicated(self, replicas: Replicas, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         """Stored here and on enough followers, or an error: never acknowledged by a fenced owner."""
-        replicas.admit()
+        replicas.admit(messages)
         results = await self.append_copy(messages)
         await replicas.copy(messages, results)
         return results

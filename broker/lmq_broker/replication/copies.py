@@ -50,9 +50,9 @@ class Counters:
 class _Shipper:
     """The ordered copies to one follower."""
 
-    def __init__(self, endpoint: str, me: int, send: Send, read: Read) -> None:
+    def __init__(self, endpoint: str, slot: int, send: Send, read: Read) -> None:
         self._endpoint = endpoint
-        self._me = me
+        self._slot = slot
         self._send = send
         self._read = read
         self.caught_up = 0  # messages sent again to this follower because it was behind
@@ -91,7 +91,7 @@ class _Shipper:
     async def _ship(self, epoch: int, messages: list[model.NewMessage], results: list[model.AppendResult]) -> None:
         """Send a copy; while the follower is behind (it missed copies: down, slow, restarted), first send it what
         it lacks, read back from this broker's store."""
-        data = wire.encode(self._me, epoch, messages, results)
+        data = wire.encode(self._slot, epoch, messages, results)
         for _ in range(CATCH_UP_ROUNDS):
             behind = await self._send(self._endpoint, data)
             if not behind:
@@ -110,7 +110,7 @@ class _Shipper:
             for m in await self._read(queue, end, min(start - end, CATCH_UP_BATCH)):
                 missing.append(_as_new(m))
                 offsets.append(model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms))
-        await self._send(self._endpoint, wire.encode(self._me, epoch, missing, offsets))
+        await self._send(self._endpoint, wire.encode(self._slot, epoch, missing, offsets))
         self.caught_up += len(missing)
 
 
@@ -146,12 +146,12 @@ def _as_new(m: model.StoredMessage) -> model.NewMessage:
 
 
 class Owner:
-    """``dispatch.ingest.Replicas`` of this broker's slot."""
+    """The copies of one slot this broker holds the lease of."""
 
     def __init__(  # noqa: PLR0917 (the owner's slot, its followers and its rule)
         self,
         leadership: Leadership,
-        me: int,
+        slot: int,
         followers: list[str],
         min_insync: int,
         send: Send,
@@ -159,20 +159,20 @@ class Owner:
         counters: Counters,
     ) -> None:
         self._leadership = leadership
-        self._me = me
+        self._slot = slot
         self._need = min_insync - 1  # followers that must have it
         self._counters = counters
-        self._shippers = [_Shipper(f, me, send, read) for f in followers]
+        self._shippers = [_Shipper(f, slot, send, read) for f in followers]
 
     def admit(self) -> None:
-        if self._leadership.epoch(self._me) is None:
+        if self._leadership.epoch(self._slot) is None:
             self._counters.refused.labels("fenced").inc()
             raise errors.Fenced(
-                f"this broker does not hold the lease of slot {self._me} now: nothing acknowledged, try again"
+                f"this broker does not hold the lease of slot {self._slot} now: nothing acknowledged, try again"
             )
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
-        epoch = self._leadership.epoch(self._me)
+        epoch = self._leadership.epoch(self._slot)
         if epoch is None:
             self.admit()
             return
@@ -195,10 +195,10 @@ class Owner:
         if stored < self._need:
             self._counters.refused.labels("insync").inc()
             raise errors.NotEnoughReplicas(
-                f"not enough in-sync replicas of slot {self._me}: {stored + 1} of {self._need + 1} stored it "
+                f"not enough in-sync replicas of slot {self._slot}: {stored + 1} of {self._need + 1} stored it "
                 f"({'; '.join(failures)}); try again"
             )
-        if self._leadership.epoch(self._me) != epoch:
+        if self._leadership.epoch(self._slot) != epoch:
             self.admit()
 
     async def close(self) -> None:
@@ -211,13 +211,11 @@ class Follower:
     def __init__(
         self,
         leadership: Leadership,
-        followed: list[int],
         append: Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResult]]],
         next_offset: Callable[[model.QueueId], int],
         counters: Counters,
     ) -> None:
         self._leadership = leadership
-        self._followed = set(followed)
         self._append = append
         self._next_offset = next_offset
         self._counters = counters
@@ -232,8 +230,8 @@ class Follower:
         owner sends those first). A copy that would land past the owner's offsets is refused (``Conflict``)."""
         copy = wire.decode(data)
         slot = copy.slot
-        if slot not in self._followed:
-            raise errors.InvalidArgument(f"this broker does not follow slot {slot}")
+        if slot not in self._leadership.mine:
+            raise errors.InvalidArgument(f"this broker is no replica of slot {slot}")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
             behind: dict[str, int] = {}

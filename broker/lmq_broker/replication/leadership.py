@@ -38,13 +38,24 @@ class _Seen:
     since: float  # when this broker first saw ``version``
 
 
+def identity(slot: int, unique: str) -> str:
+    return f"slot-{slot}/{unique}"
+
+
+def slot_of_identity(holder: str) -> int:
+    """The slot of a holder named by ``identity``; -1 for another name (a person's forced takeover)."""
+    head = holder.partition("/")[0]
+    number = head.removeprefix("slot-")
+    return int(number) if head.startswith("slot-") and number.isdigit() else -1
+
+
 class Leadership:
     def __init__(
         self,
         api: LeaseApi,
         identity: str,
         me: int,
-        followed: list[int],
+        replica_sets: list[list[int]],
         in_sync: Callable[[int, int], bool],
         *,
         prefix: str,
@@ -54,7 +65,9 @@ class Leadership:
         self._api = api
         self.identity = identity
         self.me = me
-        self._followed = followed
+        self.replica_sets = replica_sets  # per slot: its replicas, its preferred owner first
+        self.mine = [slot for slot, replicas in enumerate(replica_sets) if me in replicas]
+        self.holders: dict[int, str] = {}  # slot -> holder identity as last read (routes follow it)
         self._in_sync = in_sync  # (slot, epoch) -> this broker has every copy of that epoch
         self._prefix = prefix
         self._duration = duration_ms / 1000
@@ -78,6 +91,14 @@ class Leadership:
     def holds(self, slot: int) -> bool:
         return slot in self._held
 
+    def held(self) -> list[int]:
+        return list(self._held)
+
+    def serving(self, slot: int) -> int:
+        """The slot whose broker holds ``slot``'s lease (where its sends go); ``slot`` itself when unknown."""
+        holder = slot_of_identity(self.holders.get(slot, ""))
+        return holder if 0 <= holder < len(self.replica_sets) else slot
+
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             await self.tick()
@@ -85,15 +106,28 @@ class Leadership:
                 await asyncio.wait_for(stopping.wait(), self._duration / 3)
 
     async def tick(self) -> None:
-        for slot in (self.me, *self._followed):
+        """Every slot's lease is read (routes follow their holders); only those of this broker's slots are
+        written (renewed, created, taken)."""
+        for slot in range(len(self.replica_sets)):
             try:
-                await self._visit(slot)
+                if slot in self.mine:
+                    await self._visit(slot)
+                else:
+                    lease = await asyncio.to_thread(self._api.get, self.name(slot))
+                    self._note(slot, lease)
             except Exception as exc:  # the apiserver is slow or unreachable: the fence closes by itself
                 log.warning("lease of slot %d: %s", slot, exc)
+
+    def _note(self, slot: int, lease: kube.Lease | None) -> None:
+        if lease is None or not lease.holder:
+            self.holders.pop(slot, None)
+        else:
+            self.holders[slot] = lease.holder
 
     async def _visit(self, slot: int) -> None:
         began = self._clock()
         lease = await asyncio.to_thread(self._api.get, self.name(slot))
+        self._note(slot, lease)
         if lease is None:
             if slot == self.me:
                 await self._write(
@@ -115,7 +149,7 @@ class Leadership:
             self._seen[slot] = _Seen(lease.resource_version, began)
             return
         expired = began - seen.since >= self._duration
-        if expired and slot != self.me and self._in_sync(slot, lease.transitions):
+        if expired and self._in_sync(slot, lease.transitions):
             epoch = lease.transitions + 1
             await self._write(slot, began, lambda: self._api.write(lease, self.identity, epoch, self._duration_s))
             if slot in self._held:
@@ -129,4 +163,5 @@ class Leadership:
             self._held.pop(slot, None)  # someone wrote it meanwhile: read it again next tick
             return
         self._held[slot] = (written, began)
+        self.holders[slot] = written.holder
         self.epochs[slot] = max(self.epochs.get(slot, 0), written.transitions)

@@ -17,12 +17,13 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from lmq_broker import errors
+from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, kube
-from lmq_broker.replication.leadership import Leadership
+from lmq_broker.replication import copies, kube, owning
+from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
 if TYPE_CHECKING:
@@ -56,11 +57,6 @@ def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[i
     return [(slot + k * processes) % slots for k in range(1, replicas)]
 
 
-def followed_by(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
-    """The slots ``slot`` is a follower of."""
-    return [s for s in range(slots) if slot in followers_of(s, slots, processes, replicas)]
-
-
 def identity_of(config: BrokerConfig, slot: int) -> str:
     """This broker's name as a lease holder: kept in its data directory, so a restart with its disk is the same
     holder (it renews its lease and goes on), and one with a new disk (lost) is another (it owns nothing)."""
@@ -68,10 +64,10 @@ def identity_of(config: BrokerConfig, slot: int) -> str:
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        identity = f"{config.advertised_address or slot}/{uuid.uuid4().hex[:12]}"
+        name = identity(slot, uuid.uuid4().hex[:12])
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(identity)
-        return identity
+        path.write_text(name)
+        return name
 
 
 class Replication:
@@ -84,37 +80,32 @@ class Replication:
         api = kube.ApiServer.of(
             config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
         )
-        followed = followed_by(me, slots, processes, config.replicas)
-        identity = identity_of(config, me)
+        replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
         self._links = links
         self._counters = copies.Counters(registry)
         self.follower: copies.Follower | None = None
         self.leadership = Leadership(
             api,
-            identity,
+            identity_of(config, me),
             me,
-            followed,
+            replica_sets,
             lambda slot, epoch: self.follower is not None and self.follower.in_sync(slot, epoch),
             prefix=config.lease_prefix,
             duration_ms=config.lease_duration_ms,
         )
         self.follower = copies.Follower(
-            self.leadership,
-            followed,
-            dispatcher.ingest.append_copy,
-            lambda q: store.queue_offsets(q)[1],
-            self._counters,
+            self.leadership, dispatcher.ingest.append_copy, lambda q: store.queue_offsets(q)[1], self._counters
         )
-        endpoints = [links.membership.members[s] for s in followers_of(me, slots, processes, config.replicas)]
-        self.owner = copies.Owner(
-            self.leadership,
-            me,
-            endpoints,
-            config.min_insync_replicas or config.replicas,
-            self._send,
-            lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n),
-            self._counters,
-        )
+        min_insync = config.min_insync_replicas or config.replicas
+
+        def owner(slot: int) -> copies.Owner:
+            endpoints = [links.membership.members[s] for s in replica_sets[slot] if s != me]
+            read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
+            return copies.Owner(self.leadership, slot, endpoints, min_insync, self._send, read, self._counters)
+
+        membership = links.membership
+        self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
+        peers.owners.serving = self.leadership.serving
         self._secret = links.secret
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -126,7 +117,7 @@ class Replication:
         self._stopping.set()
         if self._task is not None:
             await self._task
-        await self.owner.close()
+        await self.slots.close()
 
     async def _send(self, endpoint: str, data: bytes) -> dict[str, int]:
         call = self._links.channel(endpoint).unary_unary(METHOD, None, None)

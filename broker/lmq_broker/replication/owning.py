@@ -1,0 +1,58 @@
+"""``dispatch.ingest.Replicas``: the slots this broker holds, each with its own copies and epoch.
+
+A broker holds its own slot, and after a failover also the slots it took over. A stored message belongs to
+the slot its lite topic hashes to when this broker holds that slot's lease, else to this broker's own slot
+(a topic placed here by an older ring, a normal topic, a dead letter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from lmq_broker import model
+from lmq_broker.replication import copies
+from lmq_broker.replication.leadership import Leadership
+
+RingSlot = Callable[[str], int]  # an LMQ name -> its slot in today's ring
+
+
+class Slots:
+    def __init__(self, leadership: Leadership, ring_slot: RingSlot, make_owner: Callable[[int], copies.Owner]) -> None:
+        self._leadership = leadership
+        self._ring_slot = ring_slot
+        self._make_owner = make_owner
+        self._owners: dict[int, copies.Owner] = {}
+
+    def owner(self, slot: int) -> copies.Owner:
+        found = self._owners.get(slot)
+        if found is None:
+            found = self._owners[slot] = self._make_owner(slot)
+        return found
+
+    def admit(self, messages: Sequence[model.NewMessage]) -> None:
+        for slot in {self._slot_of(m) for m in messages}:
+            self.owner(slot).admit()
+
+    async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        parts: dict[int, tuple[list[model.NewMessage], list[model.AppendResult]]] = {}
+        for m, r in zip(messages, results, strict=True):
+            part = parts.setdefault(self._slot_of(m), ([], []))
+            part[0].append(m)
+            part[1].append(r)
+        if len(parts) == 1:
+            ((slot, (ms, rs)),) = parts.items()
+            await self.owner(slot).copy(ms, rs)
+            return
+        await asyncio.gather(*(self.owner(slot).copy(ms, rs) for slot, (ms, rs) in parts.items()))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(o.close() for o in self._owners.values()))
+
+    def _slot_of(self, message: model.NewMessage) -> int:
+        me = self._leadership.me
+        for queue in message.queues:
+            if queue.topic.startswith(model.LMQ_PREFIX):
+                slot = self._ring_slot(queue.topic)
+                return slot if slot != me and self._leadership.holds(slot) else me
+        return me
