@@ -187,6 +187,37 @@ async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, k
         await follower.follower.accept(wire.encode(0, taken.transitions - 1, [], []))
 
 
+@pytest.mark.asyncio
+async def test_a_consumers_commit_point_reaches_the_follower(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    client, headers = pair.clients[0], protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
+    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    subscribed = await client.stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite]),
+        metadata=headers,
+    )
+    assert subscribed.status.code == pb.OK
+    for n in range(3):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    request = spb.ReceiveMessageRequest(
+        group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=32, auto_renew=True
+    )
+    frames = [f async for f in client.stub.ReceiveMessage(request, metadata=headers, timeout=10)]
+    got = [f.message.system_properties for f in frames if f.HasField("message")]
+    assert len(got) == 3
+    entries = [
+        spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle, lite_topic=lite) for p in got
+    ]
+    acked = await client.stub.AckMessage(
+        spb.AckMessageRequest(group=group, topic=parent, entries=entries), metadata=headers
+    )
+    assert acked.status.code == pb.OK
+    queue = model.QueueId.lmq(PARENT, lite)
+    follower = pair.brokers[1].store
+    assert follower is not None
+    await eventually_async(lambda: follower.get_offset(queue, GROUP) == 3, "the commit point on the follower")
+
+
 async def restart(pair: Pair, slot: int) -> None:
     """Stop a broker and start it again on its data directory (its disk kept)."""
     old = pair.brokers[slot]

@@ -77,6 +77,9 @@ class Settlement:
         self._handed_out: dict[LeaseKey, None] = {}  # keys whose hand-outs the next background pass writes
         self._handout_timer: asyncio.TimerHandle | None = None
         self.dirty: set[LeaseKey] = set()
+        # With replication: told each commit point persisted here (queue, group, offset, acked above it), so the
+        # slot's followers get it too (lmq_broker.replication). None: nobody is told.
+        self.committed: Callable[[model.QueueId, str, int, Sequence[int]], None] | None = None
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
@@ -257,6 +260,8 @@ class Settlement:
                     else:
                         hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
                     self._persisted[key] = (target, acked, handouts)
+                    if self.committed is not None:
+                        self.committed(queue, key.group, target, acked)
                     if complete:
                         self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)

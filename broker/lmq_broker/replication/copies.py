@@ -163,6 +163,10 @@ class Owner:
         self._need = min_insync - 1  # followers that must have it
         self._counters = counters
         self._shippers = [_Shipper(f, slot, send, read) for f in followers]
+        self._send = send
+        self._followers = followers
+        self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
+        self._flushing: asyncio.Task[None] | None = None
 
     def admit(self) -> None:
         if self._leadership.epoch(self._slot) is None:
@@ -201,7 +205,29 @@ class Owner:
         if self._leadership.epoch(self._slot) != epoch:
             self.admit()
 
+    def note_commit(self, commit: wire.Commit) -> None:
+        """A commit point persisted here: sent to the followers soon, coalesced per key, one flush at a time
+        (so a key's commits never arrive out of order). Asynchronous: after a failover a consumer may get
+        again what it acked just before (at-least-once)."""
+        self._commits[(commit.queue, commit.group)] = commit
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush(), name=f"lmq-commits-{self._slot}")
+
+    async def _flush(self) -> None:
+        try:
+            while self._commits:
+                epoch = self._leadership.epoch(self._slot)
+                batch, self._commits = list(self._commits.values()), {}
+                if epoch is None:
+                    return  # fenced: the new owner's commits count
+                data = wire.encode(self._slot, epoch, [], [], batch)
+                await asyncio.gather(*(self._send(f, data) for f in self._followers), return_exceptions=True)
+        finally:
+            self._flushing = None
+
     async def close(self) -> None:
+        if self._flushing is not None:
+            self._flushing.cancel()
         await asyncio.gather(*(s.close() for s in self._shippers))
 
 
@@ -213,11 +239,13 @@ class Follower:
         leadership: Leadership,
         append: Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResult]]],
         next_offset: Callable[[model.QueueId], int],
+        commit: Callable[[wire.Commit], Awaitable[None]],
         counters: Counters,
     ) -> None:
         self._leadership = leadership
         self._append = append
         self._next_offset = next_offset
+        self._commit = commit
         self._counters = counters
         self._synced: dict[int, int] = {}  # slot -> epoch of the last copy stored in order
         self._lock = asyncio.Lock()  # copies of one call stored before the next one is looked at
@@ -234,6 +262,8 @@ class Follower:
             raise errors.InvalidArgument(f"this broker is no replica of slot {slot}")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
+            for point in copy.commits:
+                await self._commit(point)
             behind: dict[str, int] = {}
             for queue, first in _first_offsets(copy).items():
                 found = self._next_offset(queue)
@@ -246,8 +276,9 @@ class Follower:
             if behind:
                 self._synced.pop(slot, None)
                 return behind
-            await self._append(copy.messages)
-            self._synced[slot] = copy.epoch
+            if copy.messages:  # a copy of commit points alone says nothing of where the messages are
+                await self._append(copy.messages)
+                self._synced[slot] = copy.epoch
             return {}
 
     def _check_epoch(self, slot: int, epoch: int) -> None:

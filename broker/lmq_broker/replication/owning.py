@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from lmq_broker import model
-from lmq_broker.replication import copies
+from lmq_broker.replication import copies, wire
 from lmq_broker.replication.leadership import Leadership
 
 RingSlot = Callable[[str], int]  # an LMQ name -> its slot in today's ring
@@ -45,6 +45,15 @@ class Slots:
             await self.owner(slot).copy(ms, rs)
             return
         await asyncio.gather(*(self.owner(slot).copy(ms, rs) for slot, (ms, rs) in parts.items()))
+
+    def committed(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> None:
+        """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
+        if not queue.topic.startswith(model.LMQ_PREFIX):
+            return
+        slot = self._ring_slot(queue.topic)
+        slot = slot if self._leadership.holds(slot) else self._leadership.me
+        if self._leadership.holds(slot):
+            self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
 
     async def close(self) -> None:
         await asyncio.gather(*(o.close() for o in self._owners.values()))

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -22,7 +23,7 @@ from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, kube, owning
+from lmq_broker.replication import copies, kube, owning, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -93,8 +94,12 @@ class Replication:
             prefix=config.lease_prefix,
             duration_ms=config.lease_duration_ms,
         )
+
+        def commit(point: wire.Commit) -> Awaitable[None]:
+            return asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
+
         self.follower = copies.Follower(
-            self.leadership, dispatcher.ingest.append_copy, lambda q: store.queue_offsets(q)[1], self._counters
+            self.leadership, dispatcher.ingest.append_copy, lambda q: store.queue_offsets(q)[1], commit, self._counters
         )
         min_insync = config.min_insync_replicas or config.replicas
 

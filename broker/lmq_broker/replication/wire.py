@@ -1,8 +1,10 @@
 """The copy of one stored batch, as one replica call carries it (pure: bytes in, bytes out).
 
-Layout: a 4-byte big-endian length, a JSON header ``{"slot", "epoch", "messages": [fields…]}`` where each
-message's fields are those of ``model.NewMessage`` without the body plus ``offsets`` (the owner's queue offsets),
-then every body, back to back, in order (their lengths are in the header).
+Layout: a 4-byte big-endian length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}``
+where each message's fields are those of ``model.NewMessage`` without the body plus ``offsets`` (the owner's
+queue offsets), and each commit is ``[topic, queue, group, offset, [acked above it…]]`` (a consumer group's
+commit point as persisted by the owner); then every body, back to back, in order (their lengths are in the
+header).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from lmq_broker import errors, model
@@ -24,6 +26,15 @@ class Copy:
     epoch: int
     messages: list[model.NewMessage]
     offsets: list[tuple[int, ...]]  # per message: the owner's offsets in its queues
+    commits: list[Commit] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    queue: model.QueueId
+    group: str
+    offset: int
+    acked: tuple[int, ...]
 
 
 def _fields(m: model.NewMessage, offsets: tuple[int, ...]) -> dict[str, Any]:
@@ -44,9 +55,17 @@ def _fields(m: model.NewMessage, offsets: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-def encode(slot: int, epoch: int, messages: Sequence[model.NewMessage], results: Sequence[model.AppendResult]) -> bytes:
+def encode(
+    slot: int,
+    epoch: int,
+    messages: Sequence[model.NewMessage],
+    results: Sequence[model.AppendResult],
+    commits: Sequence[Commit] = (),
+) -> bytes:
     listed = [_fields(m, r.queue_offsets) for m, r in zip(messages, results, strict=True)]
-    head = json.dumps({"slot": slot, "epoch": epoch, "messages": listed}, separators=(",", ":")).encode()
+    points = [[c.queue.topic, c.queue.queue, c.group, c.offset, list(c.acked)] for c in commits]
+    value = {"slot": slot, "epoch": epoch, "messages": listed, "commits": points}
+    head = json.dumps(value, separators=(",", ":")).encode()
     return b"".join((_LEN.pack(len(head)), head, *(m.body for m in messages)))
 
 
@@ -79,6 +98,10 @@ def decode(data: bytes) -> Copy:
             offsets.append(tuple(f["offsets"]))
         if pos != len(data):
             raise ValueError(f"{len(data) - pos} bytes past the last body")
-        return Copy(int(head["slot"]), int(head["epoch"]), messages, offsets)
+        commits = [
+            Commit(model.QueueId(topic, int(queue)), group, int(offset), tuple(acked))
+            for topic, queue, group, offset, acked in head.get("commits", ())
+        ]
+        return Copy(int(head["slot"]), int(head["epoch"]), messages, offsets, commits)
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise errors.InvalidArgument(f"unreadable replica copy: {exc}") from None
