@@ -246,6 +246,27 @@ async def test_a_follower_that_missed_copies_catches_up_before_the_next_send_is_
 
 
 @pytest.mark.asyncio
+async def test_asynchronous_replication_acknowledges_alone_and_the_copies_follow(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    pair = await start_pair(tmp_path, min_insync_replicas=1, **lease_flags(kube, tmp_path))
+    try:
+        lite = pair.lite_of(0)
+        await pair.brokers[1].stop(grace_s=0.1)
+        for n in range(5):
+            assert (await pair.send(0, lite, n)).status.code == pb.OK  # no follower: acknowledged all the same
+        await restart(pair, 1)
+        assert (await pair.send(0, lite, 5)).status.code == pb.OK
+        await eventually_async(lambda: pair.stored(1, lite) == 6, "the follower caught up")
+    finally:
+        for client in pair.clients:
+            await client.close()
+        for broker in pair.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
 async def test_an_owner_restarted_on_its_disk_keeps_its_lease_and_epoch(pair: Pair) -> None:
     lite = pair.lite_of(0)
     assert (await pair.send(0, lite, 0)).status.code == pb.OK
@@ -265,6 +286,8 @@ def test_more_than_one_replica_needs_leases(tmp_path: Path) -> None:
         replication.check(config)
     with pytest.raises(errors.InvalidArgument, match="exceeds --replicas"):
         replication.check(dispatch_testing.config_for(tmp_path, replicas=2, min_insync_replicas=3))
+    with pytest.raises(errors.InvalidArgument, match=r"give 3 \(every replica\) or 1"):
+        replication.check(dispatch_testing.config_for(tmp_path, replicas=3, min_insync_replicas=2))
 
 
 def test_followers_are_on_other_pods() -> None:

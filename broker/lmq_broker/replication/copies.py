@@ -188,14 +188,15 @@ class Owner:
             shipper.put((epoch, messages, results, future))
             futures.append(future)
         stored, failures = 0, []
-        for done in asyncio.as_completed(futures):
-            if stored >= self._need:
-                break
-            try:
-                await done
-                stored += 1
-            except Exception as exc:
-                failures.append(str(exc))
+        waiting: set[asyncio.Future[None]] = set(futures)
+        while waiting and stored < self._need:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                error = future.exception()
+                if error is None:
+                    stored += 1
+                else:
+                    failures.append(str(error))
         if stored < self._need:
             self._counters.refused.labels("insync").inc()
             raise errors.NotEnoughReplicas(

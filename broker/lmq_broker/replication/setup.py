@@ -43,6 +43,14 @@ def check(config: BrokerConfig) -> None:
         raise errors.InvalidArgument(
             f"--min-insync-replicas {config.min_insync_replicas} exceeds --replicas {config.replicas}"
         )
+    if 1 < config.min_insync_replicas < config.replicas:
+        # A follower may take over only once it is in sync; with some followers allowed to miss an acknowledged
+        # copy, which ones are in sync must be recorded with the lease before acknowledging without them (an
+        # ISR as Kafka keeps it). Not built: all replicas, or the owner alone (asynchronous), nothing between.
+        raise errors.InvalidArgument(
+            f"--min-insync-replicas {config.min_insync_replicas} with --replicas {config.replicas}: give "
+            f"{config.replicas} (every replica) or 1 (asynchronous); docs/replication.md"
+        )
     if config.replicas > 1 and not config.lease_namespace:
         raise errors.InvalidArgument(
             "--replicas above 1 needs --lease-namespace: without Kubernetes Leases nothing decides which replica "
