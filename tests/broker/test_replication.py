@@ -5,6 +5,7 @@ and disk-loss failover with broker processes: tests/e2e/test_replication_failove
 from __future__ import annotations
 
 import itertools
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,24 @@ async def test_asynchronous_replication_acknowledges_alone_and_the_copies_follow
         for broker in pair.brokers:
             if broker.ready:
                 await broker.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_follower_back_on_an_empty_disk_fetches_every_topic_before_it_is_in_sync(pair: Pair) -> None:
+    quiet, busy = pair.lite_of(0, "quiet"), pair.lite_of(0, "busy")
+    for n in range(5):
+        assert (await pair.send(0, quiet, n)).status.code == pb.OK
+        assert (await pair.send(0, busy, n)).status.code == pb.OK
+    await pair.brokers[1].stop(grace_s=0.1)
+    shutil.rmtree(pair.brokers[1].config.store.data_dir)  # its disk is lost
+    await restart(pair, 1)
+    replication = pair.brokers[1].replication
+    assert replication is not None and replication.follower is not None
+    follower, epoch = replication.follower, pair.leadership(0).epoch(0)
+    assert epoch is not None
+    # No send since: only reconciling can bring the topics back, and a takeover needs it.
+    await eventually_async(lambda: follower.in_sync(0, epoch), "the follower reconciled")
+    assert pair.stored(1, quiet) == pair.stored(1, busy) == 5
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,5 @@
-"""Both ends of a slot's copies: the owner ships each stored batch to its followers, in order, and
-acknowledges once enough of them stored it; a follower stores a copy only from the slot's current epoch and
-only where its queues end exactly where the owner's began (else it is out of sync and says so).
+"""The owner's end of a slot's copies: it ships each stored batch to its followers, in order, and
+acknowledges once enough of them stored it (the follower's end: ``following``).
 
 Per follower one shipper sends the copies one call at a time, in the order the owner stored them (what queued
 up meanwhile goes in the next call, one call per epoch): a follower sees every lite topic's messages in the
@@ -108,7 +107,7 @@ class _Shipper:
                 raise errors.Conflict(f"{self._endpoint} is ahead of this owner in {topic} ({end} ≥ {start})")
             queue = model.QueueId(topic, 0)
             for m in await self._read(queue, end, min(start - end, CATCH_UP_BATCH)):
-                missing.append(_as_new(m))
+                missing.append(as_new(m))
                 offsets.append(model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms))
         await self._send(self._endpoint, wire.encode(self._slot, epoch, missing, offsets))
         self.caught_up += len(missing)
@@ -128,7 +127,7 @@ def _starts(messages: list[model.NewMessage], results: list[model.AppendResult])
     return out
 
 
-def _as_new(m: model.StoredMessage) -> model.NewMessage:
+def as_new(m: model.StoredMessage) -> model.NewMessage:
     return model.NewMessage(
         message_id=m.message_id,
         topic=m.topic,
@@ -232,68 +231,7 @@ class Owner:
         await asyncio.gather(*(s.close() for s in self._shippers))
 
 
-class Follower:
-    """Stores the copies of the slots this broker follows."""
-
-    def __init__(
-        self,
-        leadership: Leadership,
-        append: Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResult]]],
-        next_offset: Callable[[model.QueueId], int],
-        commit: Callable[[wire.Commit], Awaitable[None]],
-        counters: Counters,
-    ) -> None:
-        self._leadership = leadership
-        self._append = append
-        self._next_offset = next_offset
-        self._commit = commit
-        self._counters = counters
-        self._synced: dict[int, int] = {}  # slot -> epoch of the last copy stored in order
-        self._lock = asyncio.Lock()  # copies of one call stored before the next one is looked at
-
-    def in_sync(self, slot: int, epoch: int) -> bool:
-        return self._synced.get(slot) == epoch
-
-    async def accept(self, data: bytes) -> dict[str, int]:
-        """Store a copy: {} once stored; where this broker's lite topics end when it lacks earlier copies (the
-        owner sends those first). A copy that would land past the owner's offsets is refused (``Conflict``)."""
-        copy = wire.decode(data)
-        slot = copy.slot
-        if slot not in self._leadership.mine:
-            raise errors.InvalidArgument(f"this broker is no replica of slot {slot}")
-        async with self._lock:
-            self._check_epoch(slot, copy.epoch)
-            for point in copy.commits:
-                await self._commit(point)
-            behind: dict[str, int] = {}
-            for queue, first in _first_offsets(copy).items():
-                found = self._next_offset(queue)
-                if found > first:
-                    self._synced.pop(slot, None)
-                    self._counters.copies_refused.labels("out_of_sync").inc()
-                    raise errors.Conflict(f"out of sync for slot {slot}: {queue.topic} ends at {found}, not {first}")
-                if found < first:
-                    behind[queue.topic] = found
-            if behind:
-                self._synced.pop(slot, None)
-                return behind
-            if copy.messages:  # a copy of commit points alone says nothing of where the messages are
-                await self._append(copy.messages)
-                self._synced[slot] = copy.epoch
-            return {}
-
-    def _check_epoch(self, slot: int, epoch: int) -> None:
-        if self._leadership.holds(slot):
-            self._counters.copies_refused.labels("owner").inc()
-            raise errors.Fenced(f"this broker holds the lease of slot {slot}: a copy of epoch {epoch} is refused")
-        newest = self._leadership.epochs.get(slot, 0)
-        if epoch < newest:
-            self._counters.copies_refused.labels("stale_epoch").inc()
-            raise errors.Fenced(f"slot {slot} is at epoch {newest}: a copy of epoch {epoch} is refused")
-        self._leadership.epochs[slot] = epoch
-
-
-def _first_offsets(copy: wire.Copy) -> dict[model.QueueId, int]:
+def first_offsets(copy: wire.Copy) -> dict[model.QueueId, int]:
     """Each lite topic queue of the copy and the owner's first offset in it."""
     out: dict[model.QueueId, int] = {}
     for message, offsets in zip(copy.messages, copy.offsets, strict=True):

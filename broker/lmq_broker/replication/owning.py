@@ -50,8 +50,7 @@ class Slots:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
             return
-        slot = self._ring_slot(queue.topic)
-        slot = slot if self._leadership.holds(slot) else self._leadership.me
+        slot = self.slot_of_topic(queue.topic)
         if self._leadership.holds(slot):
             self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
 
@@ -59,9 +58,13 @@ class Slots:
         await asyncio.gather(*(o.close() for o in self._owners.values()))
 
     def _slot_of(self, message: model.NewMessage) -> int:
-        me = self._leadership.me
         for queue in message.queues:
             if queue.topic.startswith(model.LMQ_PREFIX):
-                slot = self._ring_slot(queue.topic)
-                return slot if slot != me and self._leadership.holds(slot) else me
-        return me
+                return self.slot_of_topic(queue.topic)
+        return self._leadership.me
+
+    def slot_of_topic(self, topic: str) -> int:
+        """The slot an LMQ stored here belongs to: its ring slot when this broker holds that one, else its own."""
+        me = self._leadership.me
+        slot = self._ring_slot(topic)
+        return slot if slot != me and self._leadership.holds(slot) else me

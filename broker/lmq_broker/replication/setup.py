@@ -8,31 +8,38 @@ valid header is refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, kube, owning, wire
+from lmq_broker.replication import copies, following, kube, owning, sources, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
 else:
     _GenericHandler = grpc.GenericRpcHandler
 
-METHOD: Final = "/lmq.replica.v1.Replica/Append"
+SERVICE: Final = "/lmq.replica.v1.Replica/"
+METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
+ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
+FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
 CALL_TIMEOUT_S: Final = 2.0
 IDENTITY_FILE: Final = "replica-identity"
 
@@ -92,7 +99,7 @@ class Replication:
         replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
         self._links = links
         self._counters = copies.Counters(registry)
-        self.follower: copies.Follower | None = None
+        self.follower: following.Follower | None = None
         self.leadership = Leadership(
             api,
             identity_of(config, me),
@@ -106,9 +113,19 @@ class Replication:
         def commit(point: wire.Commit) -> Awaitable[None]:
             return asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
 
-        self.follower = copies.Follower(
-            self.leadership, dispatcher.ingest.append_copy, lambda q: store.queue_offsets(q)[1], commit, self._counters
+        async def stored_id(queue: model.QueueId, offset: int) -> str | None:
+            found = await asyncio.to_thread(store.read, queue, offset, 1)
+            return found[0].message_id if found and found[0].offset == offset else None
+
+        self.follower = following.Follower(
+            self.leadership,
+            dispatcher.ingest.append_copy,
+            lambda q: store.queue_offsets(q)[1],
+            stored_id,
+            commit,
+            self._counters,
         )
+        self._store = store
         min_insync = config.min_insync_replicas or config.replicas
 
         def owner(slot: int) -> copies.Owner:
@@ -122,15 +139,76 @@ class Replication:
         self._secret = links.secret
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._reconciling: asyncio.Task[None] | None = None
+        self._interval_s = config.lease_duration_ms / 3000
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.leadership.run(self._stopping), name="lmq-leases")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
+        self._reconciling = loop.create_task(self._reconcile_loop(), name="lmq-reconcile")
 
     async def close(self) -> None:
         self._stopping.set()
         if self._task is not None:
             await self._task
+        if self._reconciling is not None:
+            self._reconciling.cancel()
+            await asyncio.gather(self._reconciling, return_exceptions=True)
         await self.slots.close()
+
+    async def _reconcile_loop(self) -> None:
+        """Each renewal interval: every slot this broker follows and is not in sync with gets reconciled."""
+        leadership, follower = self.leadership, self.follower
+        assert follower is not None
+        while not self._stopping.is_set():
+            for slot in leadership.mine:
+                epoch = leadership.epochs.get(slot)
+                if leadership.holds(slot) or epoch is None or follower.in_sync(slot, epoch):
+                    continue
+                try:
+                    await follower.reconcile(slot, self._ends, self._fetch)
+                except errors.LmqError as exc:
+                    log.warning("slot %d: reconciling failed, tried again: %s", slot, exc.message)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+
+    async def _call(self, slot: int, method: str, data: bytes) -> bytes:
+        endpoint = self._links.membership.members[slot]
+        call = self._links.channel(endpoint).unary_unary(method, None, None)
+        try:
+            answer: bytes = await call(
+                data, metadata=(self._links.peer_header(method),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+        return answer
+
+    async def _ends(self, holder: int, slot: int) -> dict[str, int]:
+        found: dict[str, int] = json.loads(await self._call(holder, ENDS, json.dumps({"slot": slot}).encode()))
+        return found
+
+    async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
+        return await self._call(holder, FETCH, json.dumps({"slot": slot, "topic": topic, "from": start}).encode())
+
+    async def _answer(self, method: str, data: bytes) -> bytes:
+        """A peer's call, its header verified; LmqError for a refusal."""
+        if method == METHOD:
+            assert self.follower is not None
+            behind = await self.follower.accept(data)
+            return json.dumps(behind).encode() if behind else b""
+        try:
+            request = json.loads(data)
+            slot = int(request["slot"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.InvalidArgument(f"unreadable request: {exc}") from None
+        epoch = self.leadership.epoch(slot)
+        if epoch is None:
+            raise errors.Fenced(f"this broker does not hold the lease of slot {slot}")
+        if method == ENDS:
+            found = await asyncio.to_thread(sources.ends, self._store, slot, self.slots.slot_of_topic)
+            return json.dumps(found).encode()
+        topic, start = str(request["topic"]), int(request["from"])
+        return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start)
 
     async def _send(self, endpoint: str, data: bytes) -> dict[str, int]:
         call = self._links.channel(endpoint).unary_unary(METHOD, None, None)
@@ -146,16 +224,19 @@ class Replication:
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return _Handler(self)
 
-    async def serve(self, data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        call, _ = trust.verify(self._secret, METHOD, context.invocation_metadata(), int(time.time() * 1000))
-        if call is None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica copies come from peers only")
-        assert self.follower is not None
-        try:
-            behind = await self.follower.accept(data)
-        except errors.LmqError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
-        return json.dumps(behind).encode() if behind else b""
+    def serving(self, method: str) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]:
+        async def serve(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            now = int(time.time() * 1000)
+            call, _ = trust.verify(self._secret, method, context.invocation_metadata(), now)
+            if call is None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica calls come from peers only")
+            try:
+                return await self._answer(method, data)
+            except errors.LmqError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+            raise AssertionError("unreachable: abort raises")
+
+        return serve
 
 
 class _Handler(_GenericHandler):
@@ -163,6 +244,7 @@ class _Handler(_GenericHandler):
         self._replication = replication
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if handler_call_details.method != METHOD:
+        method = handler_call_details.method
+        if method not in (METHOD, ENDS, FETCH):
             return None
-        return grpc.unary_unary_rpc_method_handler(self._replication.serve)
+        return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
