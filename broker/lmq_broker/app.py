@@ -297,6 +297,7 @@ class Broker:
         server.add_generic_rpc_handlers((repl.handler(),))
         self.dispatcher.ingest.replicas = repl.slots
         self.dispatcher.settlement.committed = repl.slots.committed
+        self.dispatcher.settlement.fence = repl.slots.fence
 
     async def _start_external(self, edge: Edge, admission: Admission) -> None:
         """The external listener (clients outside the cluster): the v2 service with routes naming external

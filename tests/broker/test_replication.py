@@ -168,7 +168,7 @@ async def test_too_few_in_sync_replicas_fail_the_send_retriably(pair: Pair) -> N
 @pytest.mark.asyncio
 async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, kube: testing.KubeAPI) -> None:
     lite = pair.lite_of(0)
-    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    got = await sent_and_received(pair, lite, 1)
     leadership = pair.leadership(0)
     api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
     lease = api.get(leadership.name(0))
@@ -180,6 +180,9 @@ async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, k
     assert "does not hold the lease of slot 0" in reply.status.message
     assert refused(pair.brokers[0], "fenced") >= 1
     assert pair.stored(0, lite) == 1  # refused before it was stored
+    acked = await ack(pair, lite, got)  # nor does it take an ack (the new owner delivers it again)
+    assert acked.status.code == pb.INTERNAL_ERROR
+    assert "does not hold the lease of slot 0" in acked.status.message
     # The follower has seen the new epoch too: a copy of the old one is refused there.
     follower = pair.brokers[1].replication
     assert follower is not None and follower.follower is not None
@@ -188,31 +191,41 @@ async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, k
         await follower.follower.accept(wire.encode(0, taken.transitions - 1, [], []))
 
 
-@pytest.mark.asyncio
-async def test_a_consumers_commit_point_reaches_the_follower(pair: Pair) -> None:
-    lite = pair.lite_of(0)
-    client, headers = pair.clients[0], protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
-    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
+
+
+async def sent_and_received(pair: Pair, lite: str, count: int) -> list[Any]:
+    """Subscribe at the owner, send ``count`` messages, receive them: their system properties."""
+    client, group, parent = pair.clients[0], pb.Resource(name=GROUP), pb.Resource(name=PARENT)
     subscribed = await client.stub.SyncLiteSubscription(
         spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite]),
-        metadata=headers,
+        metadata=CONSUMER,
     )
     assert subscribed.status.code == pb.OK
-    for n in range(3):
+    for n in range(count):
         assert (await pair.send(0, lite, n)).status.code == pb.OK
     request = spb.ReceiveMessageRequest(
         group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=32, auto_renew=True
     )
-    frames = [f async for f in client.stub.ReceiveMessage(request, metadata=headers, timeout=10)]
+    frames = [f async for f in client.stub.ReceiveMessage(request, metadata=CONSUMER, timeout=10)]
     got = [f.message.system_properties for f in frames if f.HasField("message")]
-    assert len(got) == 3
+    assert len(got) == count
+    return got
+
+
+async def ack(pair: Pair, lite: str, got: list[Any]) -> Any:
     entries = [
         spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle, lite_topic=lite) for p in got
     ]
-    acked = await client.stub.AckMessage(
-        spb.AckMessageRequest(group=group, topic=parent, entries=entries), metadata=headers
-    )
-    assert acked.status.code == pb.OK
+    request = spb.AckMessageRequest(group=pb.Resource(name=GROUP), topic=pb.Resource(name=PARENT), entries=entries)
+    return await pair.clients[0].stub.AckMessage(request, metadata=CONSUMER)
+
+
+@pytest.mark.asyncio
+async def test_a_consumers_commit_point_reaches_the_follower(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    got = await sent_and_received(pair, lite, 3)
+    assert (await ack(pair, lite, got)).status.code == pb.OK
     queue = model.QueueId.lmq(PARENT, lite)
     follower = pair.brokers[1].store
     assert follower is not None

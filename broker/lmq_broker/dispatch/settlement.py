@@ -80,6 +80,9 @@ class Settlement:
         # With replication: told each commit point persisted here (queue, group, offset, acked above it), so the
         # slot's followers get it too (lmq_broker.replication). None: nobody is told.
         self.committed: Callable[[model.QueueId, str, int, Sequence[int]], None] | None = None
+        # With replication: raises ``errors.Fenced`` for a queue whose slot's lease this broker does not hold
+        # now, so a deposed owner acknowledges no ack. None: every ack is this broker's to take.
+        self.fence: Callable[[model.QueueId], None] | None = None
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
@@ -87,6 +90,8 @@ class Settlement:
     # --- acks and dead letters ------------------------------------------------------------------------------
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self._leases.resolve(receipt_handle, group)
+        if self.fence is not None:
+            self.fence(key.queue_id)
         self.check_generation()
         state = self._leases.get(key)
         if state is not None and key in self._unverified:

@@ -46,6 +46,14 @@ class Slots:
             return
         await asyncio.gather(*(self.owner(slot).copy(ms, rs) for slot, (ms, rs) in parts.items()))
 
+    def fence(self, queue: model.QueueId) -> None:
+        """``dispatch.settlement``'s check before an ack: ``errors.Fenced`` unless this broker holds the lease of
+        the queue's slot now."""
+        if queue.topic.startswith(model.LMQ_PREFIX):
+            self.owner(self.slot_of_topic(queue.topic)).admit()
+        else:
+            self.owner(self._leadership.me).admit()
+
     def committed(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> None:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
