@@ -1,10 +1,10 @@
-"""Replication's price (issue 32): send latency p50/p99 and broker CPU per message with ``--replicas 2`` /
-``--replicas 1``, in the same run, on the same host.
+"""Replication's price (issue 32): send latency p50/p99 and broker CPU per message with ``--replicas 2`` and
+``--replicas 3`` / ``--replicas 1``, in the same run, on the same host.
 
-Two broker processes (``--peers``, ``sync`` flush) on a real kube-apiserver + etcd (``make testenv``, the per-slot
+Three broker processes (``--peers``, ``sync`` flush) on a real kube-apiserver + etcd (``make testenv``, the per-slot
 Leases); a producer sends 1 KiB LITE messages to lite topics broker 0 owns, through broker 0, ``--inflight``
-at a time, one message per SendMessage. CPU is user + system time of *both* brokers (the follower's work is
-part of the price) over the timed sends, per message. R=1 and R=2 alternate ``--rounds`` times. Goal (issue 32):
+at a time, one message per SendMessage. CPU is user + system time of *all* brokers (the followers' work is
+part of the price) over the timed sends, per message. R=1, 2 and 3 alternate ``--rounds`` times. Goal (issue 32):
 p99 ≤ 2x and CPU ≤ 1.5x at R=2.
 
     python bench/bench_replication.py            # 3 rounds of 3,000 sends each
@@ -35,6 +35,7 @@ from lmq_operator import testing as kube_testing
 PARENT = "AGENT_TASK_NS"
 HEADERS = (("x-mq-client-id", "bench-repl"), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.2.0"))
 BODY = b"x" * 1024
+BROKERS = 3
 
 
 def cpu_s(broker: BrokerProcess) -> float:
@@ -45,11 +46,11 @@ def cpu_s(broker: BrokerProcess) -> float:
 def start_pair(
     workdir: Path, kube: kube_testing.KubeAPI, replicas: int, tag: str
 ) -> tuple[list[BrokerProcess], list[str]]:
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", BROKERS)]
     token = workdir / "token"
     token.write_text(kube.token)
     brokers = []
-    for slot in (0, 1):
+    for slot in range(BROKERS):
         flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
         flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
         flags += ["--replicas", str(replicas)]
@@ -115,15 +116,17 @@ def main() -> None:
     rounds, sends = (1, 500) if args.quick else (args.rounds, args.sends)
     print(f"load average {os.getloadavg()[0]:.1f}; {sends} sends x {rounds} rounds, {args.inflight} in flight")
     with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:
-        figures: dict[int, list[tuple[float, float, float]]] = {1: [], 2: []}
+        figures: dict[int, list[tuple[float, float, float]]] = {1: [], 2: [], 3: []}
         for r in range(rounds):
-            for replicas in (1, 2):
+            for replicas in (1, 2, 3):
                 got = measure(Path(tmp), kube, replicas, sends, args.inflight, f"r{r}-{replicas}")
                 figures[replicas].append(got)
                 print(f"round {r} R={replicas}: p50 {got[0]:,.0f} µs  p99 {got[1]:,.0f} µs  CPU {got[2]:,.0f} µs/msg")
         med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in figures.items()}
-        for i, name in enumerate(("p50", "p99", "CPU/msg")):
-            print(f"FIGURE {name} R=2 ÷ R=1: {med[2][i] / med[1][i]:.2f} ({med[2][i]:,.0f} vs {med[1][i]:,.0f} µs)")
+        for replicas in (2, 3):
+            for i, name in enumerate(("p50", "p99", "CPU/msg")):
+                ratio = med[replicas][i] / med[1][i]
+                print(f"FIGURE {name} R={replicas} ÷ R=1: {ratio:.2f} ({med[replicas][i]:,.0f} vs {med[1][i]:,.0f} µs)")
         print(f"load average {os.getloadavg()[0]:.1f}; goal: p99 ≤ 2.00, CPU ≤ 1.50")
 
 
