@@ -167,8 +167,8 @@ class Replication:
                     continue
                 try:
                     await follower.reconcile(slot, self._ends, self._fetch)
-                except errors.LmqError as exc:
-                    log.warning("slot %d: reconciling failed, tried again: %s", slot, exc.message)
+                except Exception as exc:  # a holder down or refusing: tried again next interval
+                    log.warning("slot %d: reconciling failed, tried again: %s", slot, exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self._interval_s)
 
