@@ -121,6 +121,15 @@ HELP: Final[dict[str, str]] = {
     "this long after the broker (RocketMQ minLiteTTl)",
     "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
     "of every pod (docs/scale-out.md)",
+    "replicas": "replication: copies of every ring slot (owner + followers on other pods); 1: no replication",
+    "min_insync_replicas": "replication: copies durable before a send is acknowledged (0: all --replicas); "
+    "fewer in sync: the send fails, retriable",
+    "lease_namespace": "replication: namespace of the per-slot Kubernetes Leases (needed for --replicas > 1)",
+    "lease_prefix": "replication: the Leases are named <prefix>-slot-<slot>",
+    "lease_duration_ms": "replication: a slot's Lease duration; its owner stops acknowledging before it ends",
+    "kube_api_server": "replication: the Kubernetes API server URL (empty: in-cluster)",
+    "kube_token_file": "replication: bearer token file for the API server (default: the service account's)",
+    "kube_ca_file": "replication: CA bundle of the API server (default: the service account's)",
     "ring_history": "scale-out: earlier ring sizes in slots, oldest first, comma-separated (one per scale-up)",
     "ordinal": "scale-out: this broker's place in --peers (-1: where --advertised-address is)",
     "advertised_address": "scale-out: this broker's host:port as written in --peers",
@@ -205,6 +214,16 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "external_access_port",
         "pod_processes",
         "cluster_secret",
+    ),
+    "replication (docs/replication.md)": (
+        "replicas",
+        "min_insync_replicas",
+        "lease_namespace",
+        "lease_prefix",
+        "lease_duration_ms",
+        "kube_api_server",
+        "kube_token_file",
+        "kube_ca_file",
     ),
     "security (docs/security.md)": (
         "access_key",

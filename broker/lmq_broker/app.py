@@ -41,6 +41,7 @@ from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.metrics import Metrics
+from lmq_broker.replication import setup as replication
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.storage.api import Store
 
@@ -133,6 +134,7 @@ class Broker:
         self._external_servers: list[grpc.aio.Server] = []  # --external-port (and --external-access-port)
         self.external_port = 0
         self.cluster: setup.Cluster | None = None
+        self.replication: replication.Replication | None = None
         self.access_port = -1
         self._admission: Admission | None = None
         self._http: asyncio.Server | None = None
@@ -203,6 +205,7 @@ class Broker:
         )
         await cluster.start()
         server = self._server = grpc_server.create(config)
+        self._start_replication(server, cluster)
         admission = self._admission = grpc_server.admission(config, edge)
         service = grpc_server.add_messaging_service(server, edge, admission)
         if service.gate.revoker is not None:  # --acl: restored subscriptions under the rules as they are now
@@ -250,6 +253,8 @@ class Broker:
             await self._start_external(edge, admission)
         await server.start()
         cluster.serve()
+        if self.replication is not None:
+            self.replication.start()
         if config.mqtt_port >= 0:
             owners = mqtt_link.MqttLink(lambda: cluster.peers)  # inactive while the broker runs alone
             self.mqtt = MqttServer(self.dispatcher, config, owners, access)
@@ -280,6 +285,21 @@ class Broker:
         if isinstance(self.store, lmq_store.LmqStore):
             self.metrics.watch_store(self.store)
         self.ready = True
+
+    def _start_replication(self, server: grpc.aio.Server, cluster: setup.Cluster) -> None:
+        """--replicas > 1: this slot's copies, its followers' copy calls and the per-slot leases."""
+        replication.check(self.config)
+        if self.config.replicas == 1:
+            return
+        if cluster.peers is None or self.dispatcher is None or self.store is None:
+            raise errors.InvalidArgument("--replicas above 1 needs a cluster (--peers with other brokers)")
+        repl = self.replication = replication.Replication(
+            self.config, cluster.peers, self.dispatcher, self.store, self.metrics.registry
+        )
+        server.add_generic_rpc_handlers((repl.handler(),))
+        self.dispatcher.ingest.replicas = repl.slots
+        self.dispatcher.settlement.committed = repl.slots.committed
+        self.dispatcher.settlement.fence = repl.slots.fence
 
     async def _start_external(self, edge: Edge, admission: Admission) -> None:
         """The external listener (clients outside the cluster): the v2 service with routes naming external
@@ -329,6 +349,8 @@ class Broker:
         if self._server is not None or self._admin_server is not None:
             await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._admin_server) if s is not None))
             self._server = self._admin_server = None
+        if self.replication is not None:
+            await self.replication.close()
         if self.cluster is not None:
             await self.cluster.close()
         if self._admission is not None:

@@ -153,3 +153,13 @@ class BrokerConfig(BaseModel):
     external_address_template: str = ""  # one pod's address, "{ordinal}" replaced: for slots past the list
     external_access_port: int = Field(default=-1, ge=-1, le=65535)  # set by --processes: the pod's shared one
     pod_processes: int = Field(default=1, ge=1, le=256)  # set by --processes: slots per pod, for the template
+    # Replication (docs/replication.md): copies per ring slot (1: none, today's broker), how many must be durable
+    # before a send is acknowledged (0: all of them), and the Kubernetes Leases that say who owns each slot.
+    replicas: int = Field(default=1, ge=1, le=5)
+    min_insync_replicas: int = Field(default=0, ge=0, le=5)
+    lease_namespace: str = ""  # empty: no leases, so --replicas must be 1
+    lease_prefix: str = "lmq"  # Lease <prefix>-slot-<slot>
+    lease_duration_ms: int = Field(default=6_000, ge=300)
+    kube_api_server: str = ""  # empty: in-cluster (KUBERNETES_SERVICE_HOST/PORT)
+    kube_token_file: Path | None = None  # None: the pod's service account token
+    kube_ca_file: Path | None = None  # None: the pod's service account CA

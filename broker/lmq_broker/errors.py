@@ -87,6 +87,15 @@ class BrokerUnavailable(LmqError):
     """A broker could not be reached or did not answer in time (raised by clients; worth a retry)."""
 
 
+class NotEnoughReplicas(BrokerUnavailable):
+    """Fewer replicas of the slot than --min-insync-replicas stored a send (docs/replication.md): try again."""
+
+
+class Fenced(BrokerUnavailable):
+    """This broker does not hold (or can no longer be sure it holds) the Lease of the slot: it acknowledges
+    nothing of it (docs/replication.md)."""
+
+
 class StorageError(LmqError):
     """The store cannot serve (I/O failure, corrupted data beyond repair)."""
 

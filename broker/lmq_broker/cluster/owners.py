@@ -36,6 +36,9 @@ class Owners:
         self._holds_locally = holds_locally
         self._placement: dict[str, dict[str, int]] = {}  # parent -> lite topic -> slot
         self._placed = 0  # entries of _placement
+        # With replication (lmq_broker.replication): the slot whose broker holds a slot's lease, where its
+        # topics' sends go after a failover. None: every slot serves itself.
+        self.serving: Callable[[int], int] | None = None
 
     def forget(self, parent: str = "", lites: Sequence[str] = ()) -> None:
         """Everything remembered (a new membership), or what is remembered of ``lites`` of ``parent``."""
@@ -49,7 +52,13 @@ class Owners:
                 self._placed -= 1
 
     async def owners(self, parent: str, lites: Sequence[str]) -> list[int]:
-        """The slot each lite topic of ``parent`` is written to (``cluster.membership.resolve``)."""
+        """The slot each lite topic of ``parent`` is written to (``cluster.membership.resolve``), or the slot
+        serving it after a failover."""
+        found = await self._owners(parent, lites)
+        serving = self.serving
+        return found if serving is None else [serving(slot) for slot in found]
+
+    async def _owners(self, parent: str, lites: Sequence[str]) -> list[int]:
         known = (self._placement.get(parent) or {}).get
         out = [known(lite, -1) for lite in lites]  # per message of a batched send: the common case first
         if -1 not in out:

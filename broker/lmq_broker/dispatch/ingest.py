@@ -38,8 +38,23 @@ class Readers(Protocol):
         ...
 
 
+class Replicas(Protocol):
+    """The copies of this broker's slot on its followers (``lmq_broker.replication``); None with --replicas 1."""
+
+    def admit(self, messages: Sequence[model.NewMessage]) -> None:
+        """Raise ``errors.Fenced`` unless this broker may acknowledge ``messages`` now (it holds their slots'
+        leases)."""
+        ...
+
+    async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        """Return once enough followers stored ``messages`` as ``results`` say (``errors.NotEnoughReplicas``, or
+        ``errors.Fenced`` when the lease was lost meanwhile: the send is not acknowledged)."""
+        ...
+
+
 class Ingest:
     readers: Readers  # wired by the dispatcher once the reading side exists
+    replicas: Replicas | None = None  # wired by the app with --replicas > 1
 
     def __init__(self, rt: runtime.Runtime) -> None:
         self._rt = rt
@@ -68,6 +83,8 @@ class Ingest:
         check = quotas.lite_topic_check(rt.store, snap, messages)
         if check is not None:
             await rt.run(check)
+        if self.replicas is not None:
+            return await self._replicated(self.replicas, messages)
         assert self._appender is not None, "Dispatcher.start() was not awaited"
         results = await self._appender.append(messages)
         self._appended(messages, results)
@@ -75,6 +92,19 @@ class Ingest:
 
     async def append(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         """Append what the broker writes itself: no quota applies."""
+        if self.replicas is not None:
+            return await self._replicated(self.replicas, messages)
+        return await self.append_copy(messages)
+
+    async def _replicated(self, replicas: Replicas, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        """Stored here and on enough followers, or an error: never acknowledged by a fenced owner."""
+        replicas.admit(messages)
+        results = await self.append_copy(messages)
+        await replicas.copy(messages, results)
+        return results
+
+    async def append_copy(self, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+        """Append without copying to followers: a follower's copy of its owner's batch."""
         assert self._appender is not None, "Dispatcher.start() was not awaited"
         results = await self._appender.append(messages)
         self._appended(messages, results)

@@ -77,6 +77,12 @@ class Settlement:
         self._handed_out: dict[LeaseKey, None] = {}  # keys whose hand-outs the next background pass writes
         self._handout_timer: asyncio.TimerHandle | None = None
         self.dirty: set[LeaseKey] = set()
+        # With replication: told each commit point persisted here (queue, group, offset, acked above it), so the
+        # slot's followers get it too (lmq_broker.replication). None: nobody is told.
+        self.committed: Callable[[model.QueueId, str, int, Sequence[int]], None] | None = None
+        # With replication: raises ``errors.Fenced`` for a queue whose slot's lease this broker does not hold
+        # now, so a deposed owner acknowledges no ack. None: every ack is this broker's to take.
+        self.fence: Callable[[model.QueueId], None] | None = None
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
@@ -84,6 +90,8 @@ class Settlement:
     # --- acks and dead letters ------------------------------------------------------------------------------
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self._leases.resolve(receipt_handle, group)
+        if self.fence is not None:
+            self.fence(key.queue_id)
         self.check_generation()
         state = self._leases.get(key)
         if state is not None and key in self._unverified:
@@ -257,6 +265,8 @@ class Settlement:
                     else:
                         hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
                     self._persisted[key] = (target, acked, handouts)
+                    if self.committed is not None:
+                        self.committed(queue, key.group, target, acked)
                     if complete:
                         self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)

@@ -83,6 +83,7 @@ EXPECTED = {
     ],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
+    "bench_replication.py": ["FIGURE p50 R=2 ÷ R=1:", "FIGURE p99 R=2 ÷ R=1:", "FIGURE CPU/msg R=3 ÷ R=1:"],
     "bench_disk_faults.py": [
         "FIGURE disk_fault_resume_seconds[index-sync]",
         "FIGURE disk_fault_resume_seconds[fsync-async]",

@@ -1,0 +1,134 @@
+"""Replication's price (issue 32): send latency p50/p99 and broker CPU per message with ``--replicas 2`` and
+``--replicas 3`` / ``--replicas 1``, in the same run, on the same host.
+
+Three broker processes (``--peers``, ``sync`` flush) on a real kube-apiserver + etcd (``make testenv``, the per-slot
+Leases); a producer sends 1 KiB LITE messages to lite topics broker 0 owns, through broker 0, ``--inflight``
+at a time, one message per SendMessage. CPU is user + system time of *all* brokers (the followers' work is
+part of the price) over the timed sends, per message. R=1, 2 and 3 alternate ``--rounds`` times. Goal (issue 32):
+p99 ≤ 2x and CPU ≤ 1.5x at R=2.
+
+    python bench/bench_replication.py            # 3 rounds of 3,000 sends each
+    python bench/bench_replication.py --quick    # 1 round of 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from lmq_broker import model
+from lmq_broker.cluster import membership as mb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import BrokerProcess, start_broker
+from lmq_operator import testing as kube_testing
+
+PARENT = "AGENT_TASK_NS"
+HEADERS = (("x-mq-client-id", "bench-repl"), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.2.0"))
+BODY = b"x" * 1024
+BROKERS = 3
+
+
+def cpu_s(broker: BrokerProcess) -> float:
+    fields = Path(f"/proc/{broker.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_pair(
+    workdir: Path, kube: kube_testing.KubeAPI, replicas: int, tag: str
+) -> tuple[list[BrokerProcess], list[str]]:
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", BROKERS)]
+    token = workdir / "token"
+    token.write_text(kube.token)
+    brokers = []
+    for slot in range(BROKERS):
+        flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
+        flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
+        flags += ["--replicas", str(replicas)]
+        if replicas > 1:
+            flags += ["--lease-namespace", "default", "--lease-prefix", tag, "--kube-api-server", kube.server]
+            flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
+        brokers.append(start_broker(workdir / f"{tag}-b{slot}", int(members[slot].rsplit(":", 1)[1]), flags))
+    return brokers, members
+
+
+async def send_load(endpoint: str, lites: list[str], total: int, inflight: int) -> list[float]:
+    """Latencies (s) of ``total`` sends, ``inflight`` at a time; a send that is not OK is retried (counted once)."""
+    latencies: list[float] = []
+    counter = iter(range(total))
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+
+        async def worker() -> None:
+            for n in counter:
+                lite = lites[n % len(lites)]
+                props = pb.SystemProperties(message_id=f"m-{n}-{time.time_ns()}", message_type=pb.LITE, lite_topic=lite)
+                msg = pb.Message(topic=pb.Resource(name=PARENT), body=BODY, system_properties=props)
+                while True:
+                    began = time.perf_counter()
+                    reply = await stub.SendMessage(spb.SendMessageRequest(messages=[msg]), metadata=HEADERS)
+                    if reply.status.code == pb.OK:
+                        latencies.append(time.perf_counter() - began)
+                        break
+                    await asyncio.sleep(0.05)  # not in sync yet (a lease being taken at start)
+
+        await asyncio.gather(*(worker() for _ in range(inflight)))
+    return latencies
+
+
+def measure(  # noqa: PLR0917 (one run's settings)
+    workdir: Path, kube: kube_testing.KubeAPI, replicas: int, sends: int, inflight: int, tag: str
+) -> tuple[float, float, float]:
+    brokers, members = start_pair(workdir, kube, replicas, tag)
+    try:
+        membership = mb.Membership.parse(",".join(members))
+        names = (f"t{i}" for i in range(100_000))
+        lites = [n for n in names if mb.owner(membership, model.QueueId.lmq(PARENT, n).topic) == 0][:50]
+        asyncio.run(send_load(members[0], lites, 200, inflight))  # warm-up (and the owner's lease taken)
+        cpu0 = sum(cpu_s(b) for b in brokers)
+        latencies = asyncio.run(send_load(members[0], lites, sends, inflight))
+        cpu = sum(cpu_s(b) for b in brokers) - cpu0
+    finally:
+        for b in brokers:
+            b.stop()
+    latencies.sort()
+    p50 = statistics.median(latencies) * 1e6
+    p99 = latencies[int(len(latencies) * 0.99) - 1] * 1e6
+    return p50, p99, cpu / sends * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sends", type=int, default=3000)
+    parser.add_argument("--inflight", type=int, default=8)
+    args = parser.parse_args()
+    rounds, sends = (1, 500) if args.quick else (args.rounds, args.sends)
+    print(f"load average {os.getloadavg()[0]:.1f}; {sends} sends x {rounds} rounds, {args.inflight} in flight")
+    with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:
+        figures: dict[int, list[tuple[float, float, float]]] = {1: [], 2: [], 3: []}
+        for r in range(rounds):
+            for replicas in (1, 2, 3):
+                got = measure(Path(tmp), kube, replicas, sends, args.inflight, f"r{r}-{replicas}")
+                figures[replicas].append(got)
+                print(f"round {r} R={replicas}: p50 {got[0]:,.0f} µs  p99 {got[1]:,.0f} µs  CPU {got[2]:,.0f} µs/msg")
+        med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in figures.items()}
+        for replicas in (2, 3):
+            for i, name in enumerate(("p50", "p99", "CPU/msg")):
+                ratio = med[replicas][i] / med[1][i]
+                print(f"FIGURE {name} R={replicas} ÷ R=1: {ratio:.2f} ({med[replicas][i]:,.0f} vs {med[1][i]:,.0f} µs)")
+        print(f"load average {os.getloadavg()[0]:.1f}; goal: p99 ≤ 2.00, CPU ≤ 1.50")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Replication of ring slots to followers, and failover, on Kubernetes Leases (docs/replication.md)."""

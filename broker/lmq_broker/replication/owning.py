@@ -1,0 +1,78 @@
+"""``dispatch.ingest.Replicas``: the slots this broker holds, each with its own copies and epoch.
+
+A broker holds its own slot, and after a failover also the slots it took over. A stored message belongs to
+the slot its lite topic hashes to when this broker holds that slot's lease, else to this broker's own slot
+(a topic placed here by an older ring, a normal topic, a dead letter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from lmq_broker import model
+from lmq_broker.replication import copies, wire
+from lmq_broker.replication.leadership import Leadership
+
+RingSlot = Callable[[str], int]  # an LMQ name -> its slot in today's ring
+
+
+class Slots:
+    def __init__(self, leadership: Leadership, ring_slot: RingSlot, make_owner: Callable[[int], copies.Owner]) -> None:
+        self._leadership = leadership
+        self._ring_slot = ring_slot
+        self._make_owner = make_owner
+        self._owners: dict[int, copies.Owner] = {}
+
+    def owner(self, slot: int) -> copies.Owner:
+        found = self._owners.get(slot)
+        if found is None:
+            found = self._owners[slot] = self._make_owner(slot)
+        return found
+
+    def admit(self, messages: Sequence[model.NewMessage]) -> None:
+        for slot in {self._slot_of(m) for m in messages}:
+            self.owner(slot).admit()
+
+    async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        parts: dict[int, tuple[list[model.NewMessage], list[model.AppendResult]]] = {}
+        for m, r in zip(messages, results, strict=True):
+            part = parts.setdefault(self._slot_of(m), ([], []))
+            part[0].append(m)
+            part[1].append(r)
+        if len(parts) == 1:
+            ((slot, (ms, rs)),) = parts.items()
+            await self.owner(slot).copy(ms, rs)
+            return
+        await asyncio.gather(*(self.owner(slot).copy(ms, rs) for slot, (ms, rs) in parts.items()))
+
+    def fence(self, queue: model.QueueId) -> None:
+        """``dispatch.settlement``'s check before an ack: ``errors.Fenced`` unless this broker holds the lease of
+        the queue's slot now."""
+        if queue.topic.startswith(model.LMQ_PREFIX):
+            self.owner(self.slot_of_topic(queue.topic)).admit()
+        else:
+            self.owner(self._leadership.me).admit()
+
+    def committed(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> None:
+        """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
+        if not queue.topic.startswith(model.LMQ_PREFIX):
+            return
+        slot = self.slot_of_topic(queue.topic)
+        if self._leadership.holds(slot):
+            self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(o.close() for o in self._owners.values()))
+
+    def _slot_of(self, message: model.NewMessage) -> int:
+        for queue in message.queues:
+            if queue.topic.startswith(model.LMQ_PREFIX):
+                return self.slot_of_topic(queue.topic)
+        return self._leadership.me
+
+    def slot_of_topic(self, topic: str) -> int:
+        """The slot an LMQ stored here belongs to: its ring slot when this broker holds that one, else its own."""
+        me = self._leadership.me
+        slot = self._ring_slot(topic)
+        return slot if slot != me and self._leadership.holds(slot) else me

@@ -1,0 +1,250 @@
+"""Replication's place in a broker: which slots it follows, its lease loop, the copy calls between brokers.
+
+Copies travel as one unary gRPC call of raw bytes (``wire``) on the broker's client port, over the cluster's
+channels, signed with the peer header (``cluster.trust``) like every call between brokers; a call without a
+valid header is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from lmq_broker import errors, model
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import trust
+from lmq_broker.cluster.peers import Peers
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.replication import copies, following, kube, owning, sources, wire
+from lmq_broker.replication.leadership import Leadership, identity
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
+
+SERVICE: Final = "/lmq.replica.v1.Replica/"
+METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
+ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
+FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
+CALL_TIMEOUT_S: Final = 2.0
+IDENTITY_FILE: Final = "replica-identity"
+
+
+def check(config: BrokerConfig) -> None:
+    """Refuse settings that cannot keep their promise (at start)."""
+    if config.min_insync_replicas > config.replicas:
+        raise errors.InvalidArgument(
+            f"--min-insync-replicas {config.min_insync_replicas} exceeds --replicas {config.replicas}"
+        )
+    if 1 < config.min_insync_replicas < config.replicas:
+        # A follower may take over only once it is in sync; with some followers allowed to miss an acknowledged
+        # copy, which ones are in sync must be recorded with the lease before acknowledging without them (an
+        # ISR as Kafka keeps it). Not built: all replicas, or the owner alone (asynchronous), nothing between.
+        raise errors.InvalidArgument(
+            f"--min-insync-replicas {config.min_insync_replicas} with --replicas {config.replicas}: give "
+            f"{config.replicas} (every replica) or 1 (asynchronous); docs/replication.md"
+        )
+    if config.replicas > 1 and not config.lease_namespace:
+        raise errors.InvalidArgument(
+            "--replicas above 1 needs --lease-namespace: without Kubernetes Leases nothing decides which replica "
+            "owns a slot (outside Kubernetes a cluster runs with --replicas 1; docs/replication.md)"
+        )
+
+
+def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
+    """Follower k of ``slot``: the same process on the k-th next pod (never a process of its own pod)."""
+    pods = slots // processes
+    if replicas > pods:
+        raise errors.InvalidArgument(f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}")
+    return [(slot + k * processes) % slots for k in range(1, replicas)]
+
+
+def identity_of(config: BrokerConfig, slot: int) -> str:
+    """This broker's name as a lease holder: kept in its data directory, so a restart with its disk is the same
+    holder (it renews its lease and goes on), and one with a new disk (lost) is another (it owns nothing)."""
+    path = config.store.data_dir / IDENTITY_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        name = identity(slot, uuid.uuid4().hex[:12])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(name)
+        return name
+
+
+class Replication:
+    def __init__(
+        self, config: BrokerConfig, peers: Peers, dispatcher: Dispatcher, store: Store, registry: CollectorRegistry
+    ) -> None:
+        links = peers.links
+        slots, me = len(links.membership.members), links.me
+        processes = config.pod_processes
+        api = kube.ApiServer.of(
+            config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
+        )
+        replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
+        self._links = links
+        self._counters = copies.Counters(registry)
+        self.follower: following.Follower | None = None
+        self.leadership = Leadership(
+            api,
+            identity_of(config, me),
+            me,
+            replica_sets,
+            lambda slot, epoch: self.follower is not None and self.follower.in_sync(slot, epoch),
+            prefix=config.lease_prefix,
+            duration_ms=config.lease_duration_ms,
+        )
+
+        def commit(point: wire.Commit) -> Awaitable[None]:
+            return asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
+
+        async def stored_id(queue: model.QueueId, offset: int) -> str | None:
+            found = await asyncio.to_thread(store.read, queue, offset, 1)
+            return found[0].message_id if found and found[0].offset == offset else None
+
+        self.follower = following.Follower(
+            self.leadership,
+            dispatcher.ingest.append_copy,
+            lambda q: store.queue_offsets(q)[1],
+            stored_id,
+            commit,
+            self._counters,
+        )
+        self._store = store
+        min_insync = config.min_insync_replicas or config.replicas
+
+        def owner(slot: int) -> copies.Owner:
+            endpoints = [links.membership.members[s] for s in replica_sets[slot] if s != me]
+            read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
+            return copies.Owner(self.leadership, slot, endpoints, min_insync, self._send, read, self._counters)
+
+        membership = links.membership
+        self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
+        peers.owners.serving = self.leadership.serving
+        self._secret = links.secret
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._reconciling: asyncio.Task[None] | None = None
+        self._interval_s = config.lease_duration_ms / 3000
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
+        self._reconciling = loop.create_task(self._reconcile_loop(), name="lmq-reconcile")
+
+    async def close(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+        if self._reconciling is not None:
+            self._reconciling.cancel()
+            await asyncio.gather(self._reconciling, return_exceptions=True)
+        await self.slots.close()
+
+    async def _reconcile_loop(self) -> None:
+        """Each renewal interval: every slot this broker follows and is not in sync with gets reconciled."""
+        leadership, follower = self.leadership, self.follower
+        assert follower is not None
+        while not self._stopping.is_set():
+            for slot in leadership.mine:
+                epoch = leadership.epochs.get(slot)
+                if leadership.holds(slot) or epoch is None or follower.in_sync(slot, epoch):
+                    continue
+                try:
+                    await follower.reconcile(slot, self._ends, self._fetch)
+                except Exception as exc:  # a holder down or refusing: tried again next interval
+                    log.warning("slot %d: reconciling failed, tried again: %s", slot, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+
+    async def _call(self, slot: int, method: str, data: bytes) -> bytes:
+        endpoint = self._links.membership.members[slot]
+        call = self._links.channel(endpoint).unary_unary(method, None, None)
+        try:
+            answer: bytes = await call(
+                data, metadata=(self._links.peer_header(method),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+        return answer
+
+    async def _ends(self, holder: int, slot: int) -> dict[str, int]:
+        found: dict[str, int] = json.loads(await self._call(holder, ENDS, json.dumps({"slot": slot}).encode()))
+        return found
+
+    async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
+        return await self._call(holder, FETCH, json.dumps({"slot": slot, "topic": topic, "from": start}).encode())
+
+    async def _answer(self, method: str, data: bytes) -> bytes:
+        """A peer's call, its header verified; LmqError for a refusal."""
+        if method == METHOD:
+            assert self.follower is not None
+            behind = await self.follower.accept(data)
+            return json.dumps(behind).encode() if behind else b""
+        try:
+            request = json.loads(data)
+            slot = int(request["slot"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.InvalidArgument(f"unreadable request: {exc}") from None
+        epoch = self.leadership.epoch(slot)
+        if epoch is None:
+            raise errors.Fenced(f"this broker does not hold the lease of slot {slot}")
+        if method == ENDS:
+            found = await asyncio.to_thread(sources.ends, self._store, slot, self.slots.slot_of_topic)
+            return json.dumps(found).encode()
+        topic, start = str(request["topic"]), int(request["from"])
+        return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start)
+
+    async def _send(self, endpoint: str, data: bytes) -> dict[str, int]:
+        call = self._links.channel(endpoint).unary_unary(METHOD, None, None)
+        try:
+            answer = await call(
+                data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+        behind: dict[str, int] = json.loads(answer) if answer else {}
+        return behind
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        return _Handler(self)
+
+    def serving(self, method: str) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]:
+        async def serve(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            now = int(time.time() * 1000)
+            call, _ = trust.verify(self._secret, method, context.invocation_metadata(), now)
+            if call is None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica calls come from peers only")
+            try:
+                return await self._answer(method, data)
+            except errors.LmqError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+            raise AssertionError("unreachable: abort raises")
+
+        return serve
+
+
+class _Handler(_GenericHandler):
+    def __init__(self, replication: Replication) -> None:
+        self._replication = replication
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = handler_call_details.method
+        if method not in (METHOD, ENDS, FETCH):
+            return None
+        return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))

@@ -1,0 +1,338 @@
+"""Replication (docs/replication.md) on a real kube-apiserver + etcd: two whole brokers (app.Broker, real
+ports, real stores) with --replicas 2 hold one Lease per slot; copies, fencing and the in-sync rule. The kill -9
+and disk-loss failover with broker processes: tests/e2e/test_replication_failover.py."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from waiting import eventually_async
+
+from lmq_broker import app, errors, model
+from lmq_broker.cluster import membership as mb
+from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.protocol import testing as protocol_testing
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.replication import kube as kube_api
+from lmq_broker.replication import setup as replication
+from lmq_broker.replication import wire
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.supervisor import free_ports
+from lmq_operator import testing
+
+PARENT, GROUP = "P", "G"
+LEASE_MS = 1500
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testing.KubeAPI]:
+    try:
+        env = testing.testenv(tmp_path_factory.mktemp("replication-testenv"))
+        api = env.__enter__()
+    except testing.TestenvMissing as missing:
+        pytest.fail(str(missing), pytrace=False)
+    try:
+        yield api
+    finally:
+        env.__exit__(None, None, None)
+
+
+def lease_flags(kube: testing.KubeAPI, tmp_path: Path) -> dict[str, object]:
+    token = tmp_path / "token"
+    token.write_text(kube.token)
+    return {
+        "lease_namespace": "default",
+        "lease_prefix": f"t{next(_prefixes)}",
+        "lease_duration_ms": LEASE_MS,
+        "kube_api_server": kube.server,
+        "kube_token_file": token,
+        "kube_ca_file": kube.ca_file,
+    }
+
+
+class Pair:
+    def __init__(self, brokers: list[app.Broker], clients: list[protocol_testing.Client]) -> None:
+        self.brokers = brokers
+        self.clients = clients
+        self.membership = mb.Membership.parse(brokers[0].config.peers)
+
+    def lite_of(self, slot: int, prefix: str = "t") -> str:
+        return next(f"{prefix}-{i}" for i in range(10_000) if self.owner(f"{prefix}-{i}") == slot)
+
+    def owner(self, lite: str) -> int:
+        return mb.owner(self.membership, model.QueueId.lmq(PARENT, lite).topic)
+
+    def leadership(self, slot: int) -> Any:
+        repl = self.brokers[slot].replication
+        assert repl is not None
+        return repl.leadership
+
+    def stored(self, slot: int, lite: str) -> int:
+        store = self.brokers[slot].store
+        assert store is not None
+        return store.queue_offsets(model.QueueId.lmq(PARENT, lite))[1]
+
+    async def send(self, slot: int, lite: str, n: int) -> Any:
+        body = f"{lite}/{n}".encode()
+        props = pb.SystemProperties(message_id=f"{lite}-{n}", message_type=pb.LITE, lite_topic=lite)
+        msg = pb.Message(topic=pb.Resource(name=PARENT), body=body, system_properties=props)
+        headers = protocol_testing.Client.headers("client-1", "PYTHON", "5.1.2")
+        return await self.clients[slot].stub.SendMessage(spb.SendMessageRequest(messages=[msg]), metadata=headers)
+
+
+async def start_broker(config: BrokerConfig) -> app.Broker:
+    store = lmq_store.open_store(config.store)
+    store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+    store.put_group(model.LiteGroup(GROUP, PARENT))
+    broker = app.Broker(config, store=store)
+    await broker.start()
+    return broker
+
+
+async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
+    hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", 2)]
+    members = ",".join(f"{h}:{p}" for h, p in hosts)
+    brokers = []
+    for slot, (host, port) in enumerate(hosts):
+        config = dispatch_testing.config_for(
+            tmp_path / f"b{slot}",
+            host=host,
+            port=port,
+            metrics_port=-1,
+            peers=members,
+            ordinal=slot,
+            advertised_address=f"{host}:{port}",
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+            replicas=2,
+            **overrides,
+        )
+        brokers.append(await start_broker(config))
+    pair = Pair(brokers, [protocol_testing.connect(b.endpoint, b.store) for b in brokers if b.store is not None])
+    await eventually_async(lambda: all(pair.leadership(s).epoch(s) is not None for s in (0, 1)), "both leases held", 10)
+    return pair
+
+
+@pytest_asyncio.fixture
+async def pair(kube: testing.KubeAPI, tmp_path: Path) -> AsyncIterator[Pair]:
+    started = await start_pair(tmp_path, **lease_flags(kube, tmp_path))
+    yield started
+    for client in started.clients:
+        await client.close()
+    for broker in started.brokers:
+        if broker.ready:
+            await broker.stop(grace_s=0.2)
+
+
+def refused(broker: app.Broker, reason: str) -> float:
+    value = broker.metrics.registry.get_sample_value("lmq_replication_refused_total", {"reason": reason})
+    return value or 0.0
+
+
+@pytest.mark.asyncio
+async def test_an_acknowledged_send_is_stored_on_the_follower_at_the_owners_offsets(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    for n in range(20):
+        reply = await pair.send(0, lite, n)
+        assert reply.status.code == pb.OK, reply.status.message
+        assert reply.entries[0].offset == n
+    assert pair.stored(0, lite) == 20
+    assert pair.stored(1, lite) == 20  # acknowledged only once the follower had it: no waiting needed
+    store = pair.brokers[1].store
+    assert store is not None
+    copies = store.read(model.QueueId.lmq(PARENT, lite), 0, 100)
+    assert [m.body for m in copies] == [f"{lite}/{n}".encode() for n in range(20)]
+    assert [m.message_id for m in copies] == [f"{lite}-{n}" for n in range(20)]
+
+
+@pytest.mark.asyncio
+async def test_too_few_in_sync_replicas_fail_the_send_retriably(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    await pair.brokers[1].stop(grace_s=0.1)
+    reply = await pair.send(0, lite, 1)
+    assert reply.status.code == pb.INTERNAL_ERROR  # the official clients retry it
+    assert "not enough in-sync replicas of slot 0: 1 of 2" in reply.status.message
+    assert refused(pair.brokers[0], "insync") == 1
+
+
+@pytest.mark.asyncio
+async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, kube: testing.KubeAPI) -> None:
+    lite = pair.lite_of(0)
+    got = await sent_and_received(pair, lite, 1)
+    leadership = pair.leadership(0)
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    lease = api.get(leadership.name(0))
+    assert lease is not None
+    taken = api.write(lease, "someone-else", lease.transitions + 1, 60)  # an operator's forced failover
+    await eventually_async(lambda: leadership.epoch(0) is None, "the owner fenced", 5)
+    reply = await pair.send(0, lite, 1)
+    assert reply.status.code == pb.INTERNAL_ERROR
+    assert "does not hold the lease of slot 0" in reply.status.message
+    assert refused(pair.brokers[0], "fenced") >= 1
+    assert pair.stored(0, lite) == 1  # refused before it was stored
+    acked = await ack(pair, lite, got)  # nor does it take an ack (the new owner delivers it again)
+    assert acked.status.code == pb.INTERNAL_ERROR
+    assert "does not hold the lease of slot 0" in acked.status.message
+    # The follower has seen the new epoch too: a copy of the old one is refused there.
+    follower = pair.brokers[1].replication
+    assert follower is not None and follower.follower is not None
+    await eventually_async(lambda: pair.leadership(1).epochs.get(0) == taken.transitions, "the new epoch seen", 5)
+    with pytest.raises(errors.Fenced):
+        await follower.follower.accept(wire.encode(0, taken.transitions - 1, [], []))
+
+
+CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
+
+
+async def sent_and_received(pair: Pair, lite: str, count: int) -> list[Any]:
+    """Subscribe at the owner, send ``count`` messages, receive them: their system properties."""
+    client, group, parent = pair.clients[0], pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    subscribed = await client.stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite]),
+        metadata=CONSUMER,
+    )
+    assert subscribed.status.code == pb.OK
+    for n in range(count):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    request = spb.ReceiveMessageRequest(
+        group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=32, auto_renew=True
+    )
+    frames = [f async for f in client.stub.ReceiveMessage(request, metadata=CONSUMER, timeout=10)]
+    got = [f.message.system_properties for f in frames if f.HasField("message")]
+    assert len(got) == count
+    return got
+
+
+async def ack(pair: Pair, lite: str, got: list[Any]) -> Any:
+    entries = [
+        spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle, lite_topic=lite) for p in got
+    ]
+    request = spb.AckMessageRequest(group=pb.Resource(name=GROUP), topic=pb.Resource(name=PARENT), entries=entries)
+    return await pair.clients[0].stub.AckMessage(request, metadata=CONSUMER)
+
+
+@pytest.mark.asyncio
+async def test_a_consumers_commit_point_reaches_the_follower(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    got = await sent_and_received(pair, lite, 3)
+    assert (await ack(pair, lite, got)).status.code == pb.OK
+    queue = model.QueueId.lmq(PARENT, lite)
+    follower = pair.brokers[1].store
+    assert follower is not None
+    await eventually_async(lambda: follower.get_offset(queue, GROUP) == 3, "the commit point on the follower")
+
+
+async def restart(pair: Pair, slot: int) -> None:
+    """Stop a broker and start it again on its data directory (its disk kept)."""
+    old = pair.brokers[slot]
+    if old.ready:
+        await old.stop(grace_s=0.1)
+    pair.brokers[slot] = await start_broker(old.config)
+
+
+@pytest.mark.asyncio
+async def test_a_follower_that_missed_copies_catches_up_before_the_next_send_is_acknowledged(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    for n in range(5):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    await pair.brokers[1].stop(grace_s=0.1)
+    reply = await pair.send(0, lite, 5)
+    assert "not enough in-sync replicas" in reply.status.message
+    assert reply.status.code == pb.INTERNAL_ERROR  # stored on the owner, not acknowledged: the client retries
+    await restart(pair, 1)
+    reply = await pair.send(0, lite, 6)
+    assert reply.status.code == pb.OK, reply.status.message
+    assert pair.stored(1, lite) == pair.stored(0, lite) == 7  # the unacknowledged one too: at-least-once
+    store = pair.brokers[1].store
+    assert store is not None
+    copies = store.read(model.QueueId.lmq(PARENT, lite), 0, 100)
+    assert [m.message_id for m in copies] == [f"{lite}-{n}" for n in range(7)]
+
+
+@pytest.mark.asyncio
+async def test_asynchronous_replication_acknowledges_alone_and_the_copies_follow(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    pair = await start_pair(tmp_path, min_insync_replicas=1, **lease_flags(kube, tmp_path))
+    try:
+        lite = pair.lite_of(0)
+        await pair.brokers[1].stop(grace_s=0.1)
+        for n in range(5):
+            assert (await pair.send(0, lite, n)).status.code == pb.OK  # no follower: acknowledged all the same
+        await restart(pair, 1)
+        assert (await pair.send(0, lite, 5)).status.code == pb.OK
+        await eventually_async(lambda: pair.stored(1, lite) == 6, "the follower caught up")
+    finally:
+        for client in pair.clients:
+            await client.close()
+        for broker in pair.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_follower_back_on_an_empty_disk_fetches_every_topic_before_it_is_in_sync(pair: Pair) -> None:
+    quiet, busy = pair.lite_of(0, "quiet"), pair.lite_of(0, "busy")
+    for n in range(5):
+        assert (await pair.send(0, quiet, n)).status.code == pb.OK
+        assert (await pair.send(0, busy, n)).status.code == pb.OK
+    await pair.brokers[1].stop(grace_s=0.1)
+    shutil.rmtree(pair.brokers[1].config.store.data_dir)  # its disk is lost
+    await restart(pair, 1)
+    replication = pair.brokers[1].replication
+    assert replication is not None and replication.follower is not None
+    follower, epoch = replication.follower, pair.leadership(0).epoch(0)
+    assert epoch is not None
+    # No send since: only reconciling can bring the topics back, and a takeover needs it.
+    await eventually_async(lambda: follower.in_sync(0, epoch), "the follower reconciled")
+    assert pair.stored(1, quiet) == pair.stored(1, busy) == 5
+
+
+@pytest.mark.asyncio
+async def test_an_owner_restarted_on_its_disk_keeps_its_lease_and_epoch(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    epoch = pair.leadership(0).epoch(0)
+    await restart(pair, 0)
+    await pair.clients[0].close()
+    pair.clients[0] = protocol_testing.connect(pair.brokers[0].endpoint, pair.brokers[0].store)  # type: ignore[arg-type]
+    await eventually_async(lambda: pair.leadership(0).epoch(0) is not None, "the lease renewed", 10)
+    assert pair.leadership(0).epoch(0) == epoch
+    assert (await pair.send(0, lite, 1)).status.code == pb.OK
+    assert pair.stored(1, lite) == 2
+
+
+def test_more_than_one_replica_needs_leases(tmp_path: Path) -> None:
+    config = dispatch_testing.config_for(tmp_path, replicas=2, peers="a:1,b:2", ordinal=0)
+    with pytest.raises(errors.InvalidArgument, match="needs --lease-namespace"):
+        replication.check(config)
+    with pytest.raises(errors.InvalidArgument, match="exceeds --replicas"):
+        replication.check(dispatch_testing.config_for(tmp_path, replicas=2, min_insync_replicas=3))
+    with pytest.raises(errors.InvalidArgument, match=r"give 3 \(every replica\) or 1"):
+        replication.check(dispatch_testing.config_for(tmp_path, replicas=3, min_insync_replicas=2))
+
+
+def test_followers_are_on_other_pods() -> None:
+    assert replication.followers_of(0, 6, 2, 3) == [2, 4]  # 3 pods of 2 processes: same process, next pods
+    assert replication.followers_of(5, 6, 2, 2) == [1]
+    with pytest.raises(errors.InvalidArgument, match="at least 3 pods"):
+        replication.followers_of(0, 4, 2, 3)
+
+
+def test_a_copy_reads_back_as_it_was_written() -> None:
+    m = dispatch_testing.lite_message("x", b"\x00body", message_id="id-1")
+    result = model.AppendResult("id-1", m.queues, (7,), 0)
+    copy = wire.decode(wire.encode(3, 9, [m, m], [result, result]))
+    assert (copy.slot, copy.epoch, copy.messages, copy.offsets) == (3, 9, [m, m], [(7,), (7,)])
+    with pytest.raises(errors.InvalidArgument):
+        wire.decode(wire.encode(3, 9, [m], [result]) + b"x")
