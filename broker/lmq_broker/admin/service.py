@@ -42,7 +42,7 @@ from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.dispatch.api import LiveView
-from lmq_broker.mqtt import matching, shares, topics
+from lmq_broker.mqtt import exactly, matching, shares, topics
 from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
@@ -389,6 +389,21 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
             ],
             truncated=truncated,
         )
+
+    @override
+    @_edge
+    async def MqttFindMessage(self, request: pb.MqttFindMessageRequest, context: Context) -> pb.MqttFindMessageResponse:
+        """Another broker asks whether a QoS 2 publish resent after its restart is stored here (``mqtt.exactly``);
+        a peer's call only. At most ``exactly.FIND_LIMIT`` messages are read (not complete beyond)."""
+        self._from_peer(context, "MqttFindMessage")
+        parent = validation.name("parent", request.parent)
+        lite = validation.lite_topic("lite", request.lite)
+        if not request.message_id:
+            raise errors.InvalidArgument("message_id is required", kind="message_id")
+        limit = min(request.limit, exactly.FIND_LIMIT) if request.limit > 0 else exactly.FIND_LIMIT
+        find = functools.partial(exactly.find, self._store, parent, lite, request.message_id, request.from_offset)
+        found, complete = await asyncio.to_thread(find, limit)
+        return pb.MqttFindMessageResponse(found=found, complete=complete)
 
     @override
     @_edge

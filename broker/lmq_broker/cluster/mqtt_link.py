@@ -38,7 +38,7 @@ from lmq_broker.cluster import readiness
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import durable
+from lmq_broker.mqtt import durable, exactly
 from lmq_broker.mqtt.owners import Pulled
 from lmq_broker.protocol import context, status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _RECEIVE: Final = V2 + "ReceiveMessage"
 _NO_WAIT: Final = duration_pb2.Duration()
 _GIVE_BACK: Final = duration_pb2.Duration()
+FIND: Final = "MqttFindMessage"
 Resp = TypeVar("Resp", spb.AckMessageResponse, spb.ChangeInvisibleDurationResponse, spb.HeartbeatResponse)
 
 
@@ -85,6 +86,28 @@ class MqttLink:
             return
         failed = next((e.status for e in reply.entries if e.status.code != pb.OK), reply.status)
         raise status.error_of(failed)  # a 5.0 publisher gets its reason code, or 0x80 and a close
+
+    async def was_stored(self, planned: exactly.Planned) -> bool | None:
+        peers = self._peers()
+        if peers is None:
+            return None  # alone again: the topic is this broker's
+        (slot,) = await peers.owners.owners(planned.parent, [planned.lite])
+        if slot == peers.me:
+            return None
+        member = peers.membership.members[slot]
+        request = admin_pb.MqttFindMessageRequest(
+            parent=planned.parent, lite=planned.lite, message_id=planned.message_id, from_offset=planned.end
+        )
+        stub, metadata = peers.admin(member, FIND)
+        try:
+            reply = await stub.MqttFindMessage(request, metadata=metadata, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(
+                f"{member} (the owner of {planned.lite!r}) did not answer: {exc.details()}"
+            ) from exc
+        if not reply.found and not reply.complete:
+            raise errors.BrokerUnavailable(f"{member} read its cap of {planned.lite!r} without finding the message")
+        return reply.found
 
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def subscribe(
