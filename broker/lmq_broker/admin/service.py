@@ -394,12 +394,13 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @_edge
     async def MqttFindMessage(self, request: pb.MqttFindMessageRequest, context: Context) -> pb.MqttFindMessageResponse:
         """Another broker asks whether a QoS 2 publish resent after its restart is stored here (``mqtt.exactly``);
-        a peer's call only. At most ``exactly.FIND_LIMIT`` messages are read (not complete beyond)."""
+        a peer's call only. At most ``exactly.FIND_LIMIT`` messages are read (not complete beyond). Without a
+        message id: the lite topic's end, recorded before such a publish is stored here."""
         self._from_peer(context, "MqttFindMessage")
         parent = validation.name("parent", request.parent)
         lite = validation.lite_topic("lite", request.lite)
-        if not request.message_id:
-            raise errors.InvalidArgument("message_id is required", kind="message_id")
+        if not request.message_id:  # where a publish about to be stored goes (at or after)
+            return pb.MqttFindMessageResponse(end=await asyncio.to_thread(exactly.end_of, self._store, parent, lite))
         limit = min(request.limit, exactly.FIND_LIMIT) if request.limit > 0 else exactly.FIND_LIMIT
         find = functools.partial(exactly.find, self._store, parent, lite, request.message_id, request.from_offset)
         found, complete = await asyncio.to_thread(find, limit)

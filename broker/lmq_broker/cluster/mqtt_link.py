@@ -88,26 +88,41 @@ class MqttLink:
         raise status.error_of(failed)  # a 5.0 publisher gets its reason code, or 0x80 and a close
 
     async def was_stored(self, planned: exactly.Planned) -> bool | None:
-        peers = self._peers()
-        if peers is None:
-            return None  # alone again: the topic is this broker's
-        (slot,) = await peers.owners.owners(planned.parent, [planned.lite])
-        if slot == peers.me:
-            return None
-        member = peers.membership.members[slot]
         request = admin_pb.MqttFindMessageRequest(
             parent=planned.parent, lite=planned.lite, message_id=planned.message_id, from_offset=planned.end
         )
+        reply = await self._find(planned.parent, planned.lite, request)
+        if reply is None:
+            return None
+        if not reply.found and not reply.complete:
+            raise errors.BrokerUnavailable(f"the owner of {planned.lite!r} read its cap without finding the message")
+        return reply.found
+
+    async def ends(self, places: Sequence[tuple[str, str]]) -> list[int | None]:
+        async def one(parent: str, lite: str) -> int | None:
+            reply = await self._find(parent, lite, admin_pb.MqttFindMessageRequest(parent=parent, lite=lite))
+            return None if reply is None else reply.end
+
+        distinct = list(dict.fromkeys(places))  # each topic asked once, all at once
+        found = dict(zip(distinct, await asyncio.gather(*(one(*place) for place in distinct)), strict=True))
+        return [found[place] for place in places]
+
+    async def _find(
+        self, parent: str, lite: str, request: admin_pb.MqttFindMessageRequest
+    ) -> admin_pb.MqttFindMessageResponse | None:
+        """``MqttFindMessage`` at the lite topic's owner; None when that is this broker (or it runs alone)."""
+        peers = self._peers()
+        if peers is None:
+            return None
+        (slot,) = await peers.owners.owners(parent, [lite])
+        if slot == peers.me:
+            return None
+        member = peers.membership.members[slot]
         stub, metadata = peers.admin(member, FIND)
         try:
-            reply = await stub.MqttFindMessage(request, metadata=metadata, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+            return await stub.MqttFindMessage(request, metadata=metadata, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
-            raise errors.BrokerUnavailable(
-                f"{member} (the owner of {planned.lite!r}) did not answer: {exc.details()}"
-            ) from exc
-        if not reply.found and not reply.complete:
-            raise errors.BrokerUnavailable(f"{member} read its cap of {planned.lite!r} without finding the message")
-        return reply.found
+            raise errors.BrokerUnavailable(f"{member} (the owner of {lite!r}) did not answer: {exc.details()}") from exc
 
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def subscribe(

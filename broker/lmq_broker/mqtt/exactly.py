@@ -64,10 +64,18 @@ def planned_of(text: str) -> Planned | None:
         return None
 
 
-def plan(store: Store, message_id: str, parent: str, lite: str) -> Planned:
-    """Blocking. ``message_id``'s place: its lite topic's end now (the message goes at or after it)."""
-    _, end = store.queue_offsets(model.QueueId.lmq(parent, lite))
+def plan(store: Store, message_id: str, parent: str, lite: str, end: int | None = None) -> Planned:
+    """Blocking. ``message_id``'s place: its lite topic's end now (the message goes at or after it); ``end``
+    given (the topic's end at its owner, another broker), that one."""
+    if end is None:
+        _, end = store.queue_offsets(model.QueueId.lmq(parent, lite))
     return Planned(message_id, parent, lite, end)
+
+
+def end_of(store: Store, parent: str, lite: str) -> int:
+    """Blocking. The lite topic's end offset here."""
+    _, end = store.queue_offsets(model.QueueId.lmq(parent, lite))
+    return end
 
 
 def was_stored(store: Store, planned: Planned) -> bool:

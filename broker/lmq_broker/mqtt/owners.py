@@ -63,6 +63,11 @@ class Owners(Protocol):
         cannot be reached, or has more than its cap to read): the caller must not answer the resend."""
         ...
 
+    async def ends(self, places: Sequence[tuple[str, str]]) -> list[int | None]:
+        """Each lite topic's (parent, lite) end offset at its owner (None: this broker owns it); raise
+        ``errors.BrokerUnavailable`` when an owner cannot be reached (nothing can be stored there either)."""
+        ...
+
     async def subscribe(
         self,
         consumer: str,

@@ -269,17 +269,25 @@ class Publishes:
                 planned.append((pid, i.message_id, parent, lite))
             out.append(i)
         remove = [i.packet_id for i in batch if isinstance(i, _Release) and i.known]
+        ends: list[int | None] = [None] * len(planned)
+        cluster = link.cluster
+        if cluster is not None and planned:  # where each goes at its owner (``exactly``: looked for from there)
+            ends = await cluster.ends([(parent, lite) for _, _, parent, lite in planned])
         if planned or remove:
-            await link.dispatcher.run(self._write_rows, planned, remove)
+            await link.dispatcher.run(self._write_rows, planned, ends, remove)
         if planned:
             exactly.crash_point(exactly.RECORDED)
         return out
 
-    def _write_rows(self, planned: list[tuple[int, str, str, str]], remove: list[int]) -> None:
-        """Blocking: each planned publish's place read, then the rows written (one transaction)."""
+    def _write_rows(self, planned: list[tuple[int, str, str, str]], ends: list[int | None], remove: list[int]) -> None:
+        """Blocking: each planned publish's place read (here, or its end at its owner: ``ends``), then the rows
+        written (one transaction)."""
         link = self.link
         store = link.dispatcher.store
-        add = [(pid, exactly.plan(store, mid, parent, lite).text()) for pid, mid, parent, lite in planned]
+        add = [
+            (pid, exactly.plan(store, mid, parent, lite, end).text())
+            for (pid, mid, parent, lite), end in zip(planned, ends, strict=True)
+        ]
         link.host.durable.qos2_update(link.client_id, durable.INBOUND, add, remove)
 
     async def _stored_elsewhere(self, batch: Sequence[_In | _Release]) -> bool:

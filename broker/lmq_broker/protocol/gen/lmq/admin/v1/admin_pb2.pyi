@@ -2308,7 +2308,8 @@ Global___MqttRetainedResponse: _TypeAlias = MqttRetainedResponse  # noqa: Y015
 @_typing.final
 class MqttFindMessageRequest(_message.Message):
     """Is a message (an MQTT QoS 2 publish resent after its broker restarted) stored in a lite topic the callee owns,
-    at or after an offset? A peer's call only; it reads at most ``limit`` messages (0: the callee's cap).
+    at or after an offset? A peer's call only; it reads at most ``limit`` messages (0: the callee's cap). Without a
+    message id it reads nothing and tells the topic's end (where a publish about to be stored there will go at or after).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2346,18 +2347,22 @@ class MqttFindMessageResponse(_message.Message):
 
     FOUND_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     complete: _builtins.bool
     """not found, and every message from the offset to the end was read"""
+    end: _builtins.int
+    """the lite topic's end offset (when the call began)"""
     def __init__(
         self,
         *,
         found: _builtins.bool = ...,
         complete: _builtins.bool = ...,
+        end: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "found", b"found"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "end", b"end", "found", b"found"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
