@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from waiting import eventually
 
@@ -22,6 +23,8 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.mqtt import codec, exactly
 from lmq_broker.mqtt.properties import NONE, Properties
+from lmq_broker.protocol import auth
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
 
@@ -209,3 +212,13 @@ def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_
     assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came: "first" exactly once
     back.close()
     pub.close()
+
+
+def test_looking_for_a_resent_publish_is_a_peers_call_only(cluster: list[BrokerProcess]) -> None:
+    """``MqttFindMessage`` reads a lite topic for another broker: the admin pair alone (no peer header) is refused."""
+    broker = cluster[1]
+    request = admin_pb2.MqttFindMessageRequest(parent=PARENT, lite=owned_by(cluster, 1), message_id="X")
+    signed = auth.sign_metadata(broker.admin_access_key, broker.admin_secret_key, auth.utc_now())
+    with grpc.insecure_channel(broker.admin_endpoint) as channel, pytest.raises(grpc.RpcError) as refused:
+        admin_pb2_grpc.LmqAdminStub(channel).MqttFindMessage(request, metadata=signed, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
