@@ -394,7 +394,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @_edge
     async def MqttFindMessage(self, request: pb.MqttFindMessageRequest, context: Context) -> pb.MqttFindMessageResponse:
         """Another broker asks whether a QoS 2 publish resent after its restart is stored here (``mqtt.exactly``);
-        a peer's call only. At most ``exactly.FIND_LIMIT`` messages are read (not complete beyond). Without a
+        a peer's call only. At most ``exactly.FIND_LIMIT`` messages are read (beyond: where to go on). Without a
         message id: the lite topic's end, recorded before such a publish is stored here."""
         self._from_peer(context, "MqttFindMessage")
         parent = validation.name("parent", request.parent)
@@ -403,8 +403,9 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
             return pb.MqttFindMessageResponse(end=await asyncio.to_thread(exactly.end_of, self._store, parent, lite))
         limit = min(request.limit, exactly.FIND_LIMIT) if request.limit > 0 else exactly.FIND_LIMIT
         find = functools.partial(exactly.find, self._store, parent, lite, request.message_id, request.from_offset)
-        found, complete = await asyncio.to_thread(find, limit)
-        return pb.MqttFindMessageResponse(found=found, complete=complete)
+        found, next_offset = await asyncio.to_thread(find, limit)
+        complete = found or next_offset is None
+        return pb.MqttFindMessageResponse(found=found, complete=complete, next_offset=next_offset or 0)
 
     @override
     @_edge

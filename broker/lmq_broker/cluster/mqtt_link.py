@@ -91,12 +91,15 @@ class MqttLink:
         request = admin_pb.MqttFindMessageRequest(
             parent=planned.parent, lite=planned.lite, message_id=planned.message_id, from_offset=planned.end
         )
-        reply = await self._find(planned.parent, planned.lite, request)
-        if reply is None:
-            return None
-        if not reply.found and not reply.complete:
-            raise errors.BrokerUnavailable(f"the owner of {planned.lite!r} read its cap without finding the message")
-        return reply.found
+        while True:  # each call reads at most the owner's cap, then says where to go on
+            reply = await self._find(planned.parent, planned.lite, request)
+            if reply is None:
+                return None
+            if reply.found or reply.complete:
+                return reply.found
+            if reply.next_offset <= request.from_offset:
+                raise errors.BrokerUnavailable(f"the owner of {planned.lite!r} read nothing from {request.from_offset}")
+            request.from_offset = reply.next_offset
 
     async def ends(self, places: Sequence[tuple[str, str]]) -> list[int | None]:
         async def one(parent: str, lite: str) -> int | None:

@@ -13,9 +13,10 @@ stored as a new publish (nothing of it was).
 In a cluster a message may be stored at another owner, so there the rows of a batch are also marked stored
 (``durable.Durable.qos2_stored``: their text cleared) once the append returned and before the PUBRECs, and a
 resend whose row is not marked is looked for at its lite topic's owner (``Owners.was_stored``: the admin call
-``MqttFindMessage``, which reads at most ``FIND_LIMIT`` messages there). An owner that cannot be reached, or
-that did not read to the end, cannot tell: the resend is not answered (the connection closes, the client sends
-it again later), never stored a second time.
+``MqttFindMessage``, which reads at most ``FIND_LIMIT`` messages a call there; asked again from where it
+stopped). There the row's end is the topic's end at its owner, asked for before the rows are written (the same
+call without a message id). An owner that cannot be reached cannot tell: the resend is not answered (the
+connection closes, the client sends it again later), never stored a second time.
 
 ``crash_point`` is a test's hook: ``LMQ_TEST_KILL_AT`` names a point where the broker process kills itself
 (SIGKILL), to land a crash exactly in the window; unset (always, outside tests) it is one string comparison.
@@ -86,25 +87,25 @@ def was_stored(store: Store, planned: Planned) -> bool:
 
 def find(  # noqa: PLR0917 (where, what, from where, how far)
     store: Store, parent: str, lite: str, message_id: str, offset: int, limit: int | None = None
-) -> tuple[bool, bool]:
-    """Blocking. Is ``message_id`` in the lite topic at or after ``offset`` (found), and was every message up to
-    its end read (complete: at most ``limit`` are, None: all)."""
+) -> tuple[bool, int | None]:
+    """Blocking. Is ``message_id`` in the lite topic at or after ``offset`` (found), and where to go on when
+    ``limit`` messages were read before its end without finding it (None: read to the end; no limit: all)."""
     queue = model.QueueId.lmq(parent, lite)
     _, end = store.queue_offsets(queue)
     offset = max(offset, 0)
     read = 0
     while offset < end:
         if limit is not None and read >= limit:
-            return False, False
+            return False, offset
         page = SCAN_PAGE if limit is None else min(SCAN_PAGE, limit - read)
         messages, offset_after = store.read_span(queue, offset, page)
         if any(m.message_id == message_id for m in messages):
-            return True, True
+            return True, None
         if offset_after <= offset:
             break
         read += offset_after - offset
         offset = offset_after
-    return False, True
+    return False, None
 
 
 def crash_point(name: str) -> None:

@@ -221,4 +221,4 @@ def test_looking_for_a_resent_publish_is_a_peers_call_only(cluster: list[BrokerP
     signed = auth.sign_metadata(broker.admin_access_key, broker.admin_secret_key, auth.utc_now())
     with grpc.insecure_channel(broker.admin_endpoint) as channel, pytest.raises(grpc.RpcError) as refused:
         admin_pb2_grpc.LmqAdminStub(channel).MqttFindMessage(request, metadata=signed, timeout=10)
-    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -2348,21 +2348,25 @@ class MqttFindMessageResponse(_message.Message):
     FOUND_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
+    NEXT_OFFSET_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     complete: _builtins.bool
     """not found, and every message from the offset to the end was read"""
     end: _builtins.int
     """the lite topic's end offset (when the call began)"""
+    next_offset: _builtins.int
+    """neither found nor complete: where a next call goes on"""
     def __init__(
         self,
         *,
         found: _builtins.bool = ...,
         complete: _builtins.bool = ...,
         end: _builtins.int = ...,
+        next_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "end", b"end", "found", b"found"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "end", b"end", "found", b"found", "next_offset", b"next_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
