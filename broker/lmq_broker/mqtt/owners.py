@@ -60,7 +60,7 @@ class Owners(Protocol):
     async def was_stored(self, planned: exactly.Planned) -> bool | None:
         """Is ``planned``'s message stored at its lite topic's owner, at or after ``planned.end``; None when this
         broker owns the topic (look here). Raise ``errors.BrokerUnavailable`` when the owner cannot tell (it
-        cannot be reached, or has more than its cap to read): the caller must not answer the resend."""
+        cannot be reached): the caller must not answer the resend."""
         ...
 
     async def ends(self, places: Sequence[tuple[str, str]]) -> list[int | None]:

@@ -96,6 +96,14 @@ def start_cluster(tmp_path: Path, started: list[BrokerProcess], first_env: dict[
         admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))  # sent on to broker 1
 
 
+def refused(broker: BrokerProcess, reason: str) -> float:
+    """MQTT publishes ``broker`` refused with ``reason`` (``lmq_mqtt_publishes_refused``)."""
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^lmq_mqtt_publishes_refused_total\{{reason="{reason}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[list[BrokerProcess]]:
     started: list[BrokerProcess] = []
@@ -160,6 +168,7 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_between_its_append_at_another_own
         again.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
         assert closed(again)  # the owner cannot be asked: not answered, not stored
         again.close()
+        assert refused(session, "unspecified_error") == 1  # counted (and logged at INFO)
         owner = started[1] = owner.restart()
         last = Raw(session.mqtt_port, "q2-resend", level)
         last.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
