@@ -42,7 +42,7 @@ from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import metadata, wildcards
 from lmq_broker.dispatch.api import LiveView
-from lmq_broker.mqtt import matching, shares, topics
+from lmq_broker.mqtt import exactly, matching, shares, topics
 from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
@@ -389,6 +389,23 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
             ],
             truncated=truncated,
         )
+
+    @override
+    @_edge
+    async def MqttFindMessage(self, request: pb.MqttFindMessageRequest, context: Context) -> pb.MqttFindMessageResponse:
+        """Another broker asks whether a QoS 2 publish resent after its restart is stored here (``mqtt.exactly``);
+        a peer's call only. At most ``exactly.FIND_LIMIT`` messages are read (beyond: where to go on). Without a
+        message id: the lite topic's end, recorded before such a publish is stored here."""
+        self._from_peer(context, "MqttFindMessage")
+        parent = validation.name("parent", request.parent)
+        lite = validation.lite_topic("lite", request.lite)
+        if not request.message_id:  # where a publish about to be stored goes (at or after)
+            return pb.MqttFindMessageResponse(end=await asyncio.to_thread(exactly.end_of, self._store, parent, lite))
+        limit = min(request.limit, exactly.FIND_LIMIT) if request.limit > 0 else exactly.FIND_LIMIT
+        find = functools.partial(exactly.find, self._store, parent, lite, request.message_id, request.from_offset)
+        found, next_offset = await asyncio.to_thread(find, limit)
+        complete = found or next_offset is None
+        return pb.MqttFindMessageResponse(found=found, complete=complete, next_offset=next_offset or 0)
 
     @override
     @_edge

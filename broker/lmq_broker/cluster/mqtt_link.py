@@ -38,7 +38,7 @@ from lmq_broker.cluster import readiness
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import durable
+from lmq_broker.mqtt import durable, exactly
 from lmq_broker.mqtt.owners import Pulled
 from lmq_broker.protocol import context, status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _RECEIVE: Final = V2 + "ReceiveMessage"
 _NO_WAIT: Final = duration_pb2.Duration()
 _GIVE_BACK: Final = duration_pb2.Duration()
+FIND: Final = "MqttFindMessage"
 Resp = TypeVar("Resp", spb.AckMessageResponse, spb.ChangeInvisibleDurationResponse, spb.HeartbeatResponse)
 
 
@@ -85,6 +86,46 @@ class MqttLink:
             return
         failed = next((e.status for e in reply.entries if e.status.code != pb.OK), reply.status)
         raise status.error_of(failed)  # a 5.0 publisher gets its reason code, or 0x80 and a close
+
+    async def was_stored(self, planned: exactly.Planned) -> bool | None:
+        request = admin_pb.MqttFindMessageRequest(
+            parent=planned.parent, lite=planned.lite, message_id=planned.message_id, from_offset=planned.end
+        )
+        while True:  # each call reads at most the owner's cap, then says where to go on
+            reply = await self._find(planned.parent, planned.lite, request)
+            if reply is None:
+                return None
+            if reply.found or reply.complete:
+                return reply.found
+            if reply.next_offset <= request.from_offset:
+                raise errors.BrokerUnavailable(f"the owner of {planned.lite!r} read nothing from {request.from_offset}")
+            request.from_offset = reply.next_offset
+
+    async def ends(self, places: Sequence[tuple[str, str]]) -> list[int | None]:
+        async def one(parent: str, lite: str) -> int | None:
+            reply = await self._find(parent, lite, admin_pb.MqttFindMessageRequest(parent=parent, lite=lite))
+            return None if reply is None else reply.end
+
+        distinct = list(dict.fromkeys(places))  # each topic asked once, all at once
+        found = dict(zip(distinct, await asyncio.gather(*(one(*place) for place in distinct)), strict=True))
+        return [found[place] for place in places]
+
+    async def _find(
+        self, parent: str, lite: str, request: admin_pb.MqttFindMessageRequest
+    ) -> admin_pb.MqttFindMessageResponse | None:
+        """``MqttFindMessage`` at the lite topic's owner; None when that is this broker (or it runs alone)."""
+        peers = self._peers()
+        if peers is None:
+            return None
+        (slot,) = await peers.owners.owners(parent, [lite])
+        if slot == peers.me:
+            return None
+        member = peers.membership.members[slot]
+        stub, metadata = peers.admin(member, FIND)
+        try:
+            return await stub.MqttFindMessage(request, metadata=metadata, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(f"{member} (the owner of {lite!r}) did not answer: {exc.details()}") from exc
 
     # --- subscriptions ----------------------------------------------------------------------------------------
     async def subscribe(

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from lmq_broker import model
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import durable
+from lmq_broker.mqtt import durable, exactly
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,17 @@ class Owners(Protocol):
         owner as that owner's error (a quota, a missing parent), an owner that cannot be reached as
         ``errors.BrokerUnavailable``. Then the caller must not acknowledge the publishes; those of the call that
         were stored stay stored (a resend stores them again: at least once)."""
+        ...
+
+    async def was_stored(self, planned: exactly.Planned) -> bool | None:
+        """Is ``planned``'s message stored at its lite topic's owner, at or after ``planned.end``; None when this
+        broker owns the topic (look here). Raise ``errors.BrokerUnavailable`` when the owner cannot tell (it
+        cannot be reached): the caller must not answer the resend."""
+        ...
+
+    async def ends(self, places: Sequence[tuple[str, str]]) -> list[int | None]:
+        """Each lite topic's (parent, lite) end offset at its owner (None: this broker owns it); raise
+        ``errors.BrokerUnavailable`` when an owner cannot be reached (nothing can be stored there either)."""
         ...
 
     async def subscribe(

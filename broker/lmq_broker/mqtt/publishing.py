@@ -125,10 +125,23 @@ class Publishes:
 
     async def _not_stored(self, packet_id: int | None) -> exactly.Planned | None:
         """A resend of a QoS 2 publish whose row was read back (after a reconnect or restart): its row, when its
-        message is not in the store (the broker died before the append); None when it is, or was known to be."""
+        message is not in the store (the broker died before the append); None when it is, or was known to be.
+        In a cluster it is looked for at its lite topic's owner; an owner that cannot tell closes the connection
+        (the row stays: the client's next resend is looked for again)."""
         planned = self._unverified.pop(packet_id, None) if packet_id is not None else None
         if planned is None:
             return None
+        cluster = self.link.cluster
+        if cluster is not None:
+            try:
+                found = await cluster.was_stored(planned)
+            except errors.LmqError as exc:  # neither stored twice nor answered: the client resends later
+                if packet_id is not None:
+                    self._unverified[packet_id] = planned
+                self._refused(planned.lite, reason_of(exc), f"QoS 2 resend {packet_id} not checked: {exc}")
+                raise Closed(f"QoS 2 resend {packet_id} not checked at its owner: {exc}", code=reason_of(exc)) from exc
+            if found is not None:
+                return None if found else planned
         dispatcher = self.link.dispatcher
         try:
             stored = await dispatcher.run(exactly.was_stored, dispatcher.store, planned)
@@ -256,17 +269,25 @@ class Publishes:
                 planned.append((pid, i.message_id, parent, lite))
             out.append(i)
         remove = [i.packet_id for i in batch if isinstance(i, _Release) and i.known]
+        ends: list[int | None] = [None] * len(planned)
+        cluster = link.cluster
+        if cluster is not None and planned:  # where each goes at its owner (``exactly``: looked for from there)
+            ends = await cluster.ends([(parent, lite) for _, _, parent, lite in planned])
         if planned or remove:
-            await link.dispatcher.run(self._write_rows, planned, remove)
+            await link.dispatcher.run(self._write_rows, planned, ends, remove)
         if planned:
             exactly.crash_point(exactly.RECORDED)
         return out
 
-    def _write_rows(self, planned: list[tuple[int, str, str, str]], remove: list[int]) -> None:
-        """Blocking: each planned publish's place read, then the rows written (one transaction)."""
+    def _write_rows(self, planned: list[tuple[int, str, str, str]], ends: list[int | None], remove: list[int]) -> None:
+        """Blocking: each planned publish's place read (here, or its end at its owner: ``ends``), then the rows
+        written (one transaction)."""
         link = self.link
         store = link.dispatcher.store
-        add = [(pid, exactly.plan(store, mid, parent, lite).text()) for pid, mid, parent, lite in planned]
+        add = [
+            (pid, exactly.plan(store, mid, parent, lite, end).text())
+            for (pid, mid, parent, lite), end in zip(planned, ends, strict=True)
+        ]
         link.host.durable.qos2_update(link.client_id, durable.INBOUND, add, remove)
 
     async def _stored_elsewhere(self, batch: Sequence[_In | _Release]) -> bool:

@@ -6,20 +6,25 @@ unsent, recognised by its message id. Raw sockets speak MQTT through our codec."
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import signal
 import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
-from lmq_broker.mqtt import codec
+from lmq_broker.mqtt import codec, exactly
 from lmq_broker.mqtt.properties import NONE, Properties
+from lmq_broker.protocol import auth
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
 
@@ -78,19 +83,100 @@ def acks(broker: BrokerProcess) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[list[BrokerProcess]]:
+def start_cluster(tmp_path: Path, started: list[BrokerProcess], first_env: dict[str, str] | None = None) -> None:
+    """Two brokers into ``started`` (broker 0 with ``first_env`` added), and the parent ``PARENT``."""
     ports = free_ports("127.0.0.1", 2)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    for i, port in enumerate(ports):
+        args = ["--peers", peers, "--ordinal", str(i), "--mqtt-port", "0"]
+        args += ["--lease-renew-slice-ms", str(LEASE_MS), "--lease-renew-max-ms", "0"]
+        env = {**SHARED_ADMIN_ENV, **(first_env if i == 0 and first_env else {})}
+        started.append(start_broker(tmp_path / f"b{i}", port=port, extra_args=args, env=env))
+    with AdminClient(started[0].endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))  # sent on to broker 1
+
+
+def refused(broker: BrokerProcess, reason: str) -> float:
+    """MQTT publishes ``broker`` refused with ``reason`` (``lmq_mqtt_publishes_refused``)."""
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^lmq_mqtt_publishes_refused_total\{{reason="{reason}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[BrokerProcess]]:
     started: list[BrokerProcess] = []
     try:
-        for i, port in enumerate(ports):
-            args = ["--peers", peers, "--ordinal", str(i), "--mqtt-port", "0"]
-            args += ["--lease-renew-slice-ms", str(LEASE_MS), "--lease-renew-max-ms", "0"]
-            started.append(start_broker(tmp_path / f"b{i}", port=port, extra_args=args, env=SHARED_ADMIN_ENV))
-        with AdminClient(started[0].endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-            admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))  # sent on to broker 1
+        start_cluster(tmp_path, started)
         yield started
+    finally:
+        for broker in started:
+            broker.stop()
+
+
+def owned_by(cluster: list[BrokerProcess], slot: int) -> str:
+    """A lite topic of ``PARENT`` that broker ``slot`` owns."""
+    membership = mb.Membership.parse(",".join(f"127.0.0.1:{b.port}" for b in cluster))
+    owned = (f"k-{i}" for i in range(10_000))
+    return next(lite for lite in owned if mb.owner(membership, model.QueueId.lmq(PARENT, lite).topic) == slot)
+
+
+def stored(broker: BrokerProcess, lite: str) -> int:
+    """Messages the lite topic holds at ``broker`` (its end offset)."""
+    with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+        return admin.describe_lite_topic(PARENT, lite).meta.max_offset
+
+
+def closed(raw: Raw) -> bool:
+    """The broker closed the connection having sent no PUBREC (5.0: a DISCONNECT at most)."""
+    while True:
+        try:
+            data = raw.sock.recv(65536)
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            return not any(isinstance(p, codec.PacketId) for p in raw.pending)
+        raw.pending += raw.decoder.feed(data)
+
+
+@LEVELS
+def test_4_3_3_a_publish_resent_after_a_kill_9_between_its_append_at_another_owner_and_its_mark_is_stored_once(
+    tmp_path: Path, level: int
+) -> None:
+    """Section 4.3.3 in a cluster: the publisher's broker appends a QoS 2 publish at the lite topic's owner (the
+    other broker), then kills itself (``LMQ_TEST_KILL_AT``, ``exactly.APPENDED``) before marking its row stored
+    and before the PUBREC. After the restart, a resend (DUP) while the owner is down is not answered (the
+    connection closes: the owner cannot tell whether it holds it); once the owner is back, the resend is looked
+    for there, found, and answered PUBREC: the owner holds the message once."""
+    started: list[BrokerProcess] = []
+    try:
+        start_cluster(tmp_path, started, {"LMQ_TEST_KILL_AT": exactly.APPENDED})
+        session, owner = started
+        theirs = owned_by(started, 1)
+        pub = Raw(session.mqtt_port, "q2-resend", level)
+        props = NONE if pub.v5 else None
+        pub.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, packet_id=7, properties=props))
+        assert session.process.wait(timeout=WAIT_S) == -signal.SIGKILL  # killed itself after the append
+        assert closed(pub)  # no PUBREC came
+        pub.close()
+        assert stored(owner, theirs) == 1
+        session = started[0] = dataclasses.replace(session, env=SHARED_ADMIN_ENV).restart()  # no failpoint now
+        owner.stop()
+        again = Raw(session.mqtt_port, "q2-resend", level)
+        assert again.session_present
+        again.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
+        assert closed(again)  # the owner cannot be asked: not answered, not stored
+        again.close()
+        assert refused(session, "unspecified_error") == 1  # counted (and logged at INFO)
+        owner = started[1] = owner.restart()
+        last = Raw(session.mqtt_port, "q2-resend", level)
+        last.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
+        last.expect(codec.PUBREC, 7)
+        last.ack(codec.PUBREL, 7)
+        last.expect(codec.PUBCOMP, 7)
+        last.close()
+        assert stored(owner, theirs) == 1  # once
     finally:
         for broker in started:
             broker.stop()
@@ -100,9 +186,7 @@ def cluster(tmp_path: Path) -> Iterator[list[BrokerProcess]]:
 def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_brokers_message_again(
     cluster: list[BrokerProcess], level: int
 ) -> None:
-    membership = mb.Membership.parse(",".join(f"127.0.0.1:{b.port}" for b in cluster))
-    owned = (f"k-{i}" for i in range(10_000))
-    theirs = next(lite for lite in owned if mb.owner(membership, model.QueueId.lmq(PARENT, lite).topic) == 1)
+    theirs = owned_by(cluster, 1)
     session, owner = cluster
     port = session.mqtt_port
     sub = Raw(port, "q2-sub", level)
@@ -137,3 +221,13 @@ def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_
     assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came: "first" exactly once
     back.close()
     pub.close()
+
+
+def test_looking_for_a_resent_publish_is_a_peers_call_only(cluster: list[BrokerProcess]) -> None:
+    """``MqttFindMessage`` reads a lite topic for another broker: the admin pair alone (no peer header) is refused."""
+    broker = cluster[1]
+    request = admin_pb2.MqttFindMessageRequest(parent=PARENT, lite=owned_by(cluster, 1), message_id="X")
+    signed = auth.sign_metadata(broker.admin_access_key, broker.admin_secret_key, auth.utc_now())
+    with grpc.insecure_channel(broker.admin_endpoint) as channel, pytest.raises(grpc.RpcError) as refused:
+        admin_pb2_grpc.LmqAdminStub(channel).MqttFindMessage(request, metadata=signed, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -2306,6 +2306,73 @@ class MqttRetainedResponse(_message.Message):
 Global___MqttRetainedResponse: _TypeAlias = MqttRetainedResponse  # noqa: Y015
 
 @_typing.final
+class MqttFindMessageRequest(_message.Message):
+    """Is a message (an MQTT QoS 2 publish resent after its broker restarted) stored in a lite topic the callee owns,
+    at or after an offset? A peer's call only; it reads at most ``limit`` messages (0: the callee's cap). Without a
+    message id it reads nothing and tells the topic's end (where a publish about to be stored there will go at or after).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    LITE_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    FROM_OFFSET_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    lite: _builtins.str
+    message_id: _builtins.str
+    from_offset: _builtins.int
+    limit: _builtins.int
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        lite: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+        from_offset: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "limit", b"limit", "lite", b"lite", "message_id", b"message_id", "parent", b"parent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttFindMessageRequest: _TypeAlias = MqttFindMessageRequest  # noqa: Y015
+
+@_typing.final
+class MqttFindMessageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    NEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    complete: _builtins.bool
+    """not found, and every message from the offset to the end was read"""
+    end: _builtins.int
+    """the lite topic's end offset (when the call began)"""
+    next_offset: _builtins.int
+    """neither found nor complete: where a next call goes on"""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        complete: _builtins.bool = ...,
+        end: _builtins.int = ...,
+        next_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "end", b"end", "found", b"found", "next_offset", b"next_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MqttFindMessageResponse: _TypeAlias = MqttFindMessageResponse  # noqa: Y015
+
+@_typing.final
 class AwaitLiteReadyRequest(_message.Message):
     """A broker waiting on behalf of a client (a LiteSimpleConsumer's gathering, an MQTT session) asks another whether
     that client has something to receive there, without leasing anything: answered as soon as it has (ready) or

@@ -164,6 +164,11 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.FromString,
                 _registered_method=True)
+        self.MqttFindMessage = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/MqttFindMessage',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttFindMessageRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttFindMessageResponse.FromString,
+                _registered_method=True)
         self.AwaitLiteReady = channel.unary_unary(
                 '/lmq.admin.v1.LmqAdmin/AwaitLiteReady',
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.AwaitLiteReadyRequest.SerializeToString,
@@ -375,6 +380,12 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MqttFindMessage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AwaitLiteReady(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -567,6 +578,11 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.MqttRetained,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.SerializeToString,
+            ),
+            'MqttFindMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.MqttFindMessage,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttFindMessageRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.MqttFindMessageResponse.SerializeToString,
             ),
             'AwaitLiteReady': grpc.unary_unary_rpc_method_handler(
                     servicer.AwaitLiteReady,
@@ -1321,6 +1337,33 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/MqttRetained',
             lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.MqttRetainedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MqttFindMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/MqttFindMessage',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.MqttFindMessageRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.MqttFindMessageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,7 @@ class LmqAdminStub:
     TriggerLiteDispatch: _grpc.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]
     MqttStartAtEnd: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]
     MqttRetained: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]
+    MqttFindMessage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttFindMessageRequest, _admin_pb2.MqttFindMessageResponse]
     AwaitLiteReady: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]
     Backup: _grpc.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]
     PutUser: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PutUserRequest, _admin_pb2.PutUserResponse]
@@ -99,6 +100,7 @@ class LmqAdminAsyncStub(LmqAdminStub):
     TriggerLiteDispatch: _aio.UnaryUnaryMultiCallable[_admin_pb2.TriggerLiteDispatchRequest, _admin_pb2.TriggerLiteDispatchResponse]  # type: ignore[assignment]
     MqttStartAtEnd: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttStartAtEndRequest, _admin_pb2.MqttStartAtEndResponse]  # type: ignore[assignment]
     MqttRetained: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttRetainedRequest, _admin_pb2.MqttRetainedResponse]  # type: ignore[assignment]
+    MqttFindMessage: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttFindMessageRequest, _admin_pb2.MqttFindMessageResponse]  # type: ignore[assignment]
     AwaitLiteReady: _aio.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]  # type: ignore[assignment]
     Backup: _aio.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]  # type: ignore[assignment]
     PutUser: _aio.UnaryUnaryMultiCallable[_admin_pb2.PutUserRequest, _admin_pb2.PutUserResponse]  # type: ignore[assignment]
@@ -292,6 +294,13 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.MqttRetainedRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.MqttRetainedResponse, _abc.Awaitable[_admin_pb2.MqttRetainedResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def MqttFindMessage(
+        self,
+        request: _admin_pb2.MqttFindMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.MqttFindMessageResponse, _abc.Awaitable[_admin_pb2.MqttFindMessageResponse]]: ...
 
     @_abc_1.abstractmethod
     def AwaitLiteReady(
