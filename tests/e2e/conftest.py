@@ -22,8 +22,15 @@ _names = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    process = start_broker(tmp_path_factory.mktemp("e2e") / "data")
+def edge() -> str:
+    """The server of the broker's client port (``serve --edge``); a module overrides this fixture with
+    parameters to run its cases on each edge (test_lite_push.py: grpcio and the native edge)."""
+    return "grpcio"
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory, edge: str) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path_factory.mktemp("e2e") / "data", extra_args=("--edge", edge))
     yield process
     assert process.stop() == 0, process.log()[-4000:]
 

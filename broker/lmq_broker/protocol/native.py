@@ -156,13 +156,11 @@ class NativeServer:
         self._core = lmq_edge.Server(max_message_bytes, THREADS)
         self._handlers: list[GenericHandler] = []
         self._interceptors = tuple(interceptors)
-        self._found: dict[str, Handler | None] = {}  # by method; only without interceptors (they read metadata)
         self._calls: dict[int, Context] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add_generic_rpc_handlers(self, handlers: Iterable[GenericHandler]) -> None:
         self._handlers.extend(handlers)
-        self._found.clear()
 
     def listen(self, host: str, port: int) -> int:
         return int(self._core.listen(host, port))
@@ -209,13 +207,10 @@ class NativeServer:
         context.task = asyncio.create_task(self._run(method, context))
 
     async def _handler(self, method: str, context: Context) -> Handler | None:
+        details = _Details(method, context.invocation_metadata())  # generic handlers may read it (AdminGuard)
         if not self._interceptors:
-            try:
-                return self._found[method]
-            except KeyError:
-                found = self._found[method] = self._find(_Details(method, ()))
-                return found
-        return await self._intercepted(0, _Details(method, context.invocation_metadata()))
+            return self._find(details)
+        return await self._intercepted(0, details)
 
     def _find(self, details: _Details) -> Handler | None:
         for generic in self._handlers:
