@@ -395,9 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-port does not work with --processes yet: its processes would need one each")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
-    if config.edge is EdgeKind.NATIVE:
-        if (problem := native_edge.unavailable(config)) is not None:
-            raise SystemExit(problem)
+    if config.edge is EdgeKind.NATIVE and (problem := native_edge.unavailable(config)) is not None:
+        raise SystemExit(problem)
     try:
         if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
             setup.membership_of(config)  # process checks the ring of slots it is given

@@ -46,9 +46,9 @@ from lmq_broker.mqtt import matching, topics
 from lmq_broker.mqtt.server import MqttServer
 from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
-from lmq_broker.protocol.native import NativeServer
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
+from lmq_broker.protocol.native import NativeServer
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)

@@ -105,7 +105,7 @@ class _Inbox:
 class Context:
     """The servicer context the handlers use (the subset of ``grpc.aio.ServicerContext`` lmq calls)."""
 
-    __slots__ = ("call", "_metadata", "_peer", "_deadline", "code", "details", "inbox", "task", "_cancelled")
+    __slots__ = ("_cancelled", "_deadline", "_metadata", "_peer", "call", "code", "details", "inbox", "task")
 
     def __init__(self, call: Any, metadata: Sequence[tuple[str, str | bytes]], peer: str, timeout: float | None):
         self.call = call
@@ -201,7 +201,9 @@ class NativeServer:
                 else:
                     context.cancel()
 
-    def _open(self, call: Any, method: str, metadata: list[tuple[str, str | bytes]], peer: str, timeout: float | None):
+    def _open(
+        self, call: Any, method: str, metadata: list[tuple[str, str | bytes]], peer: str, timeout: float | None
+    ) -> None:
         context = Context(call, metadata, peer, timeout)
         self._calls[call.id] = context
         context.task = asyncio.create_task(self._run(method, context))
@@ -212,7 +214,7 @@ class NativeServer:
             return self._find(details)
         return await self._intercepted(0, details)
 
-    def _find(self, details: _Details) -> Handler | None:
+    def _find(self, details: Any) -> Handler | None:
         for generic in self._handlers:
             handler = generic.service(details)
             if handler is not None:
@@ -252,8 +254,9 @@ class NativeServer:
             self._calls.pop(call.id, None)
 
 
-async def _serve(handler: Handler, context: Context) -> None:
-    """Runs one call's behaviour the way grpcio would, sending each reply message as it comes."""
+async def _serve(handler: Any, context: Context) -> None:
+    """Runs one call's behaviour (``handler``, a ``grpc.RpcMethodHandler`` of async behaviours) the way grpcio
+    would, sending each reply message as it comes."""
     call = context.call
     decode: Callable[[bytes], Any] = handler.request_deserializer or _same
     encode: Callable[[Any], bytes] = handler.response_serializer or _same
