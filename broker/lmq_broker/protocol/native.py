@@ -55,6 +55,8 @@ OPEN: Final = 0
 MESSAGE: Final = 1
 HALF_CLOSE: Final = 2
 CANCEL: Final = 3
+DRAINED: Final = 4
+PENDING_HIGH: Final = 64 * 1024  # reply bytes not yet taken by HTTP/2 past which a writer checks must_wait (lib.rs)
 
 
 def available() -> bool:
@@ -105,7 +107,7 @@ class _Inbox:
 class Context:
     """The servicer context the handlers use (the subset of ``grpc.aio.ServicerContext`` lmq calls)."""
 
-    __slots__ = ("_cancelled", "_deadline", "_metadata", "_peer", "call", "code", "details", "inbox", "task")
+    __slots__ = ("_cancelled", "_deadline", "_metadata", "_peer", "call", "code", "details", "drained", "inbox", "task")
 
     def __init__(self, call: Any, metadata: Sequence[tuple[str, str | bytes]], peer: str, timeout: float | None):
         self.call = call
@@ -117,6 +119,22 @@ class Context:
         self.inbox = _Inbox()
         self.task: asyncio.Task[None] | None = None
         self._cancelled = False
+        self.drained: asyncio.Future[None] | None = None  # set when the native side took the pending replies
+
+    async def write(self, data: bytes) -> bool:
+        """One reply message; waits while the client has not taken ``PENDING_HIGH`` bytes (HTTP/2 flow
+        control), as grpcio's writes wait, so a handler's own caps see unread replies as unread. False: ended."""
+        pending = self.call.send(data)
+        if pending < 0:
+            return False
+        if pending > PENDING_HIGH and self.call.must_wait():
+            self.drained = asyncio.get_running_loop().create_future()
+            await self.drained
+        return True
+
+    def drain(self) -> None:
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
 
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
@@ -198,6 +216,8 @@ class NativeServer:
                     context.inbox.put(event[2])
                 elif kind == HALF_CLOSE:
                     context.inbox.put(None)
+                elif kind == DRAINED:
+                    context.drain()
                 else:
                     context.cancel()
 
@@ -257,14 +277,13 @@ class NativeServer:
 async def _serve(handler: Any, context: Context) -> None:
     """Runs one call's behaviour (``handler``, a ``grpc.RpcMethodHandler`` of async behaviours) the way grpcio
     would, sending each reply message as it comes."""
-    call = context.call
     decode: Callable[[bytes], Any] = handler.request_deserializer or _same
     encode: Callable[[Any], bytes] = handler.response_serializer or _same
     if handler.request_streaming:
         requests = _requests(context.inbox, decode)
         if handler.stream_stream is not None:
             async for reply in handler.stream_stream(requests, context):
-                if not call.send(encode(reply)):
+                if not await context.write(encode(reply)):
                     return
         elif handler.stream_unary is not None:
             _reply(context, encode, await handler.stream_unary(requests, context))
@@ -277,7 +296,7 @@ async def _serve(handler: Any, context: Context) -> None:
     request = decode(data)
     if handler.unary_stream is not None:
         async for reply in handler.unary_stream(request, context):
-            if not call.send(encode(reply)):
+            if not await context.write(encode(reply)):
                 return
     elif handler.unary_unary is not None:
         _reply(context, encode, await handler.unary_unary(request, context))

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -32,6 +32,12 @@ const OPEN: u8 = 0;
 const MESSAGE: u8 = 1;
 const HALF_CLOSE: u8 = 2;
 const CANCEL: u8 = 3;
+const DRAINED: u8 = 4;
+// Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
+// past HIGH the Python writer waits (``Call.must_wait``) until they fall to LOW, so a client that does not read
+// holds a bounded amount here, and the handlers' own caps (Telemetry's reply buffers) see it as unread.
+const PENDING_HIGH: usize = 64 * 1024;
+const PENDING_LOW: usize = 16 * 1024;
 
 const UNIMPLEMENTED: u32 = 12;
 const RESOURCE_EXHAUSTED: u32 = 8;
@@ -48,6 +54,7 @@ enum Event {
     Message { id: u64, data: Bytes },
     HalfClose { id: u64 },
     Cancel { id: u64 },
+    Drained { id: u64 },
 }
 
 /// The events Python has not taken yet, and the socket that wakes its event loop.
@@ -82,18 +89,42 @@ struct CallShared {
     id: u64,
     tx: mpsc::UnboundedSender<Frame<Bytes>>,
     done: AtomicBool,
+    pending: AtomicUsize,  // reply bytes handed over, not yet taken by hyper
+    blocked: AtomicBool,   // the Python writer waits for DRAINED
 }
 
 impl CallShared {
-    fn send(&self, message: &[u8]) -> bool {
+    /// The bytes now pending, or -1 when the call has ended.
+    fn send(&self, message: &[u8]) -> i64 {
         if self.done.load(Ordering::Acquire) {
-            return false;
+            return -1;
         }
         let mut framed = BytesMut::with_capacity(5 + message.len());
         framed.put_u8(0);
         framed.put_u32(message.len() as u32);
         framed.extend_from_slice(message);
-        self.tx.send(Frame::data(framed.freeze())).is_ok()
+        let size = framed.len();
+        let pending = self.pending.fetch_add(size, Ordering::AcqRel) + size;
+        if self.tx.send(Frame::data(framed.freeze())).is_err() {
+            return -1;
+        }
+        pending as i64
+    }
+
+    /// True when the writer must wait for a DRAINED event (pending past HIGH, and not yet down to LOW).
+    fn must_wait(&self) -> bool {
+        self.blocked.store(true, Ordering::SeqCst);
+        if self.pending.load(Ordering::SeqCst) <= PENDING_LOW && self.blocked.swap(false, Ordering::SeqCst) {
+            return false;
+        }
+        true
+    }
+
+    fn taken(&self, size: usize, queue: &Queue) {
+        let before = self.pending.fetch_sub(size, Ordering::SeqCst);
+        if before - size <= PENDING_LOW && self.blocked.load(Ordering::SeqCst) && self.blocked.swap(false, Ordering::SeqCst) {
+            queue.push(Event::Drained { id: self.id });
+        }
     }
 
     fn finish(&self, code: u32, details: &str, trailing: &[(String, String)]) -> bool {
@@ -198,6 +229,8 @@ fn metadata_of(headers: &HeaderMap) -> Vec<(String, Meta)> {
 /// The reply's body: gRPC frames and then the trailers, as Python hands them over.
 struct ReplyBody {
     rx: mpsc::UnboundedReceiver<Frame<Bytes>>,
+    call: Arc<CallShared>,
+    shared: Arc<Shared>,
 }
 
 impl Body for ReplyBody {
@@ -205,7 +238,13 @@ impl Body for ReplyBody {
     type Error = Infallible;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.rx.poll_recv(cx).map(|frame| frame.map(Ok))
+        let polled = self.rx.poll_recv(cx);
+        if let Poll::Ready(Some(frame)) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.call.taken(data.len(), &self.shared.queue);
+            }
+        }
+        polled.map(|frame| frame.map(Ok))
     }
 }
 
@@ -279,7 +318,13 @@ async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, t
 async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> Result<Response<ReplyBody>, Infallible> {
     let (tx, rx) = mpsc::unbounded_channel();
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let call = Arc::new(CallShared { id, tx, done: AtomicBool::new(false) });
+    let call = Arc::new(CallShared {
+        id,
+        tx,
+        done: AtomicBool::new(false),
+        pending: AtomicUsize::new(0),
+        blocked: AtomicBool::new(false),
+    });
     let (parts, body) = req.into_parts();
     let timeout = parts.headers.get("grpc-timeout").and_then(parse_timeout);
     shared.queue.push(Event::Open {
@@ -289,8 +334,8 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
         peer,
         timeout: timeout.map(|t| t.as_secs_f64()),
     });
-    tokio::spawn(supervise(body, call, shared, timeout));
-    let mut response = Response::new(ReplyBody { rx });
+    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout));
+    let mut response = Response::new(ReplyBody { rx, call, shared });
     response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
     Ok(response)
 }
@@ -356,9 +401,14 @@ impl Call {
         self.shared.id
     }
 
-    /// One reply message (serialized); False when the call has ended.
-    fn send(&self, message: &[u8]) -> bool {
+    /// One reply message (serialized): the reply bytes now pending, -1 when the call has ended.
+    fn send(&self, message: &[u8]) -> i64 {
         self.shared.send(message)
+    }
+
+    /// After a send past ``PENDING_HIGH``: True when the writer must wait for this call's DRAINED event.
+    fn must_wait(&self) -> bool {
+        self.shared.must_wait()
     }
 
     /// Ends the call with a gRPC status; False when it had ended already (deadline, client gone).
@@ -434,7 +484,7 @@ impl Server {
     }
 
     /// Every event queued since the last call: (OPEN, call, method, metadata, peer, timeout_s | None),
-    /// (MESSAGE, id, bytes), (HALF_CLOSE, id), (CANCEL, id).
+    /// (MESSAGE, id, bytes), (HALF_CLOSE, id), (CANCEL, id), (DRAINED, id).
     fn take<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut sink = [0u8; 256];
         while matches!((&self.python_end).read(&mut sink), Ok(n) if n > 0) {}
@@ -457,6 +507,7 @@ impl Server {
                 Event::Message { id, data } => (MESSAGE, id, PyBytes::new(py, &data)).into_pyobject(py)?,
                 Event::HalfClose { id } => (HALF_CLOSE, id).into_pyobject(py)?,
                 Event::Cancel { id } => (CANCEL, id).into_pyobject(py)?,
+                Event::Drained { id } => (DRAINED, id).into_pyobject(py)?,
             };
             out.append(item)?;
         }
@@ -480,6 +531,8 @@ fn lmq_edge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MESSAGE", MESSAGE)?;
     m.add("HALF_CLOSE", HALF_CLOSE)?;
     m.add("CANCEL", CANCEL)?;
+    m.add("DRAINED", DRAINED)?;
+    m.add("PENDING_HIGH", PENDING_HIGH)?;
     m.add("UNAVAILABLE", UNAVAILABLE)?;
     Ok(())
 }

@@ -154,7 +154,8 @@ async def test_telemetry_streams_beyond_a_cap_are_ended_resource_exhausted_namin
         again.cancel()
 
 
-def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("edge", ["grpcio", "native"])
+def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path, edge: str) -> None:
     flood = 5000  # without the caps every one parked: ~25 KiB each, +122 MiB, and held until they end
 
     async def run(broker: BrokerProcess) -> tuple[int, int, int, int]:
@@ -176,7 +177,8 @@ def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path
             await asyncio.gather(*held, return_exceptions=True)
         return before, peak, after, refused
 
-    with start_broker(tmp_path / "data") as broker:  # the default caps: 64 per client id, 1024 per connection
+    # the default caps: 64 per client id, 1024 per connection
+    with start_broker(tmp_path / "data", extra_args=["--edge", edge]) as broker:
         before, peak, after, refused = asyncio.run(run(broker))
         assert refused == flood
         assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="ReceiveMessage") == flood
@@ -196,9 +198,10 @@ async def flooding_settings(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryC
 
 
 @pytest.mark.asyncio
-async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("edge", ["grpcio", "native"])
+async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: Path, edge: str) -> None:
     # no cap per stream (test_memory_bounds has that one): the broker's cap is passed at a second 160 KiB reply
-    flags = ["--telemetry-stream-buffer-bytes", "0", "--telemetry-buffer-bytes", "200000"]
+    flags = ["--telemetry-stream-buffer-bytes", "0", "--telemetry-buffer-bytes", "200000", "--edge", edge]
     with start_broker(tmp_path / "data", extra_args=flags) as broker:
         opened = [connection(broker) for _ in range(4)]
         stop = asyncio.Event()
