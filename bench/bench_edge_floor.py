@@ -12,6 +12,8 @@ read from a file of serialized requests. Three servers, each its own process, al
 * ``sync echo``: the same answer from grpcio's synchronous server (a thread pool of ``--sync-workers``, no
   asyncio): what grpcio costs without its asyncio layer.
 * ``lmq``: ``python -m lmq_broker serve`` standalone on a real port with its defaults (sync flush).
+* ``lmq native``: the same broker with ``--edge native`` (the Rust HTTP/2 edge, docs/design/native-edge.md;
+  ``make native``), in the same run: ``--edge grpcio,native`` (the default when the module is built).
 
 The figure is server CPU (user + system, from /proc through psutil) per message answered OK, which the other
 load on a shared 2-core host changes far less than msg/s; the load average is printed with every run. If the
@@ -23,11 +25,13 @@ ghz is found on PATH, in ``$LMQ_GHZ``, or in ~/.cache/lmq/bin; else it is built 
 
     python bench/bench_edge_floor.py            # ~2 min (after ghz is built)
     python bench/bench_edge_floor.py --quick    # smoke run
+    python bench/bench_edge_floor.py --edge native --inflight 256   # the native edge alone beside the echoes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -43,6 +47,7 @@ import grpc
 import psutil
 from bench_broker_send import start_echo
 
+from lmq_broker.protocol import native
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.testing import start_broker
@@ -216,6 +221,11 @@ def main() -> None:
     parser.add_argument("--body", type=int, default=1024, help="body bytes")
     parser.add_argument("--topics", type=int, default=100, help="lite topics")
     parser.add_argument("--sync-workers", type=int, default=16, help="threads of the sync grpcio echo")
+    parser.add_argument(
+        "--edge",
+        default="grpcio,native" if native.available() else "grpcio",
+        help="lmq's edges to measure, comma-separated: grpcio, native (serve --edge; native needs `make native`)",
+    )
     parser.add_argument("--sync-echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sync_echo_server:
@@ -227,14 +237,14 @@ def main() -> None:
     echo, echo_endpoint = start_echo()
     sync_echo, sync_endpoint = start_sync_echo(args.sync_workers)
     try:
-        with tempfile.TemporaryDirectory() as tmp, start_broker(Path(tmp) / "lmq") as broker:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as brokers:
             data = Path(tmp) / "requests.bin"
             write_requests(data, 4096, body, args.topics)
-            servers = {
-                "echo": (echo_endpoint, echo.pid),
-                "sync echo": (sync_endpoint, sync_echo.pid),
-                "lmq": (broker.endpoint, broker.pid),
-            }
+            servers = {"echo": (echo_endpoint, echo.pid), "sync echo": (sync_endpoint, sync_echo.pid)}
+            for edge in [e for e in args.edge.split(",") if e]:
+                name = "lmq" if edge == "grpcio" else f"lmq {edge}"
+                broker = brokers.enter_context(start_broker(Path(tmp) / edge, extra_args=("--edge", edge)))
+                servers[name] = (broker.endpoint, broker.pid)
             for endpoint, pid in servers.values():
                 check_ok(endpoint, body)
                 ghz_run(ghz, endpoint, data, inflight=64, seconds=1.0, pid=pid)  # warm: channel, topics
@@ -259,8 +269,13 @@ def report(inflight: int, measured: dict[str, list[Run]], args: argparse.Namespa
     for name, runs_of in measured.items():
         print(describe(name, runs_of))
     echo_us = statistics.median(r.server_us for r in measured["echo"])
-    lmq_us = statistics.median(r.server_us for r in measured["lmq"])
-    figure(f"lmq ÷ bare echo, {inflight} in flight", lmq_us / echo_us, "x", op="<=", target=1.2)
+    edges = {
+        name: statistics.median(r.server_us for r in runs_of) for name, runs_of in measured.items() if "lmq" in name
+    }
+    for name, lmq_us in edges.items():
+        figure(f"{name} ÷ bare echo, {inflight} in flight", lmq_us / echo_us, "x", op="<=", target=1.2)
+    if "lmq" in edges and "lmq native" in edges:
+        print(f"native edge ÷ grpcio edge, {inflight} in flight: {edges['lmq native'] / edges['lmq']:.2f}x")
     rocketmq = ROCKETMQ_US.get(inflight)
     if rocketmq is None:
         print(f"(no RocketMQ 5.5.0 figure quoted for {inflight} in flight: measured for 1 and 256)")
@@ -271,8 +286,9 @@ def report(inflight: int, measured: dict[str, list[Run]], args: argparse.Namespa
     sync_us = statistics.median(r.server_us for r in measured["sync echo"])
     figure(f"sync grpcio echo (thread pool) CPU per message, {inflight} in flight", sync_us, "us", op="<=",
            target=rocketmq)  # fmt: skip
-    figure(f"lmq server CPU per message, {inflight} in flight", lmq_us, "us", op="<=", target=rocketmq)
-    figure(f"lmq ÷ RocketMQ 5.5.0 (quoted), {inflight} in flight", lmq_us / rocketmq, "x", op="<=", target=1.0)
+    for name, lmq_us in edges.items():
+        figure(f"{name} server CPU per message, {inflight} in flight", lmq_us, "us", op="<=", target=rocketmq)
+        figure(f"{name} ÷ RocketMQ 5.5.0 (quoted), {inflight} in flight", lmq_us / rocketmq, "x", op="<=", target=1.0)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import pydantic
 
 from lmq_broker import app, errors, heap, preflight, supervisor
 from lmq_broker.cluster import links, setup
-from lmq_broker.config import ENV_PREFIX, BrokerConfig, StoreConfig
+from lmq_broker.config import ENV_PREFIX, BrokerConfig, EdgeKind, StoreConfig
+from lmq_broker.protocol import native as native_edge
 from lmq_broker.storage import meta as storage_meta
 
 READY_LINE: Final = "lmq-broker ready"
@@ -162,12 +163,14 @@ HELP: Final[dict[str, str]] = {
     "segment_max_bytes": "commit-log segment size, bytes (below 4 GiB); retention drops whole closed segments",
     "max_record_bytes": "largest stored record (a message with its properties), bytes",
     "index_cache_bytes": "RocksDB block cache of the index, bytes",
+    "edge": "server of the client port: grpcio (grpcio's asyncio server) or native (lmq_edge, HTTP/2 in Rust, "
+    "built by `make native`; no TLS yet, docs/design/native-edge.md)",
 }
 
 # ``serve --help`` in sections; a flag named in none goes by its prefix (``mqtt_``: MQTT, ``lite_ttl_``: lite-topic
 # expiry, ``max_``/``default_``: limits), else into "other" (tests/broker/cli/test_cli.py keeps that one empty).
 SECTIONS: Final[dict[str, tuple[str, ...]]] = {
-    "listening": ("host", "port", "admin_port", "metrics_port", "advertised_host", "broker_name"),
+    "listening": ("host", "port", "edge", "admin_port", "metrics_port", "advertised_host", "broker_name"),
     "storage": (
         "data_dir",
         "flush_mode",
@@ -411,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-port does not work with --processes yet: its processes would need one each")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
+    if config.edge is EdgeKind.NATIVE and (problem := native_edge.unavailable(config)) is not None:
+        raise SystemExit(problem)
     try:
         if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
             setup.membership_of(config)  # process checks the ring of slots it is given

@@ -128,7 +128,7 @@ class Broker:
         self.mqtt: MqttServer | None = None
         self.access: AccessControl | None = None  # users and policies (--acl), once started
         self.ready = False
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc_server.Server | None = None  # grpcio's or the native edge (--edge)
         self._admin_server: grpc.aio.Server | None = None  # --admin-port
         self._access_server: grpc.aio.Server | None = None  # --access-port (SO_REUSEPORT)
         self._external_servers: list[grpc.aio.Server] = []  # --external-port (and --external-access-port)
@@ -204,7 +204,7 @@ class Broker:
             config, self.store, self.dispatcher, edge, admin_keys=admin_keys, metrics=self.metrics
         )
         await cluster.start()
-        server = self._server = grpc_server.create(config)
+        server = self._server = grpc_server.create_client_port(config)
         self._start_replication(server, cluster)
         admission = self._admission = grpc_server.admission(config, edge)
         service = grpc_server.add_messaging_service(server, edge, admission)
@@ -286,7 +286,7 @@ class Broker:
             self.metrics.watch_store(self.store)
         self.ready = True
 
-    def _start_replication(self, server: grpc.aio.Server, cluster: setup.Cluster) -> None:
+    def _start_replication(self, server: grpc_server.Server, cluster: setup.Cluster) -> None:
         """--replicas > 1: this slot's copies, its followers' copy calls and the per-slot leases."""
         replication.check(self.config)
         if self.config.replicas == 1:

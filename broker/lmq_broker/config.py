@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 ENV_PREFIX: Final = "LMQ_"
 
 
+class EdgeKind(enum.StrEnum):
+    GRPCIO = "grpcio"  # grpcio's asyncio server (the default)
+    NATIVE = "native"  # the native HTTP/2 edge, lmq_edge (docs/design/native-edge.md; built by `make native`)
+
+
 class FlushMode(enum.StrEnum):
     SYNC = "sync"  # an append returns only after fsync: an acknowledged message is never lost
     ASYNC = "async"  # fsync every flush_interval_ms
@@ -130,6 +135,8 @@ class BrokerConfig(BaseModel):
     auth_max_skew_ms: int = Field(default=15 * 60 * 1000, ge=0)  # signed x-mq-date-time vs UTC; 0: unchecked
     # How often freed C-heap memory is handed back to the OS (glibc malloc_trim, lmq_broker.heap); 0: never
     heap_trim_interval_ms: int = Field(default=60_000, ge=0)
+    # Which server carries the client port (--port): grpcio's, or the native edge (docs/design/native-edge.md)
+    edge: EdgeKind = EdgeKind.GRPCIO
     tls_cert: Path | None = None
     tls_key: Path | None = None
     # What this broker's calls to its peers trust (scale-out): the CA that signed the brokers' certificates, and

@@ -22,8 +22,16 @@ _names = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    process = start_broker(tmp_path_factory.mktemp("e2e") / "data")
+def edge() -> str:
+    """The server of the broker's client port (``serve --edge``); empty: the broker's own choice (``LMQ_EDGE``
+    in the environment, else grpcio), so ``LMQ_EDGE=native pytest tests/e2e`` runs every suite on the native
+    edge. A module overrides this fixture with parameters to run its cases on each edge (test_lite_push.py)."""
+    return ""
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory, edge: str) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path_factory.mktemp("e2e") / "data", extra_args=("--edge", edge) if edge else ())
     yield process
     assert process.stop() == 0, process.log()[-4000:]
 

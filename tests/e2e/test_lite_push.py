@@ -29,6 +29,13 @@ consumer = testing.started_lite_consumer
 send = testing.send_lite
 
 
+@pytest.fixture(scope="module", params=["grpcio", "native"])
+def edge(request: pytest.FixtureRequest) -> str:
+    """Every case with the module's broker runs on both edges (docs/design/native-edge.md): the native one must
+    be built (`make native`, which `make test` runs); without it the broker refuses to start and these fail."""
+    return str(request.param)
+
+
 def committed(admin: AdminClient, topic: str, lite: str, group: str, want: int) -> None:
     eventually(
         lambda: admin.describe_lite_topic(topic, lite).group_offsets.get(group) == want,

@@ -48,6 +48,7 @@ from lmq_broker.protocol import auth, guard
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc
+from lmq_broker.protocol.native import NativeServer
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ Resp = TypeVar("Resp")
 
 
 def register(  # noqa: PLR0913 (its parts, each once)
-    server: grpc.aio.Server,
+    server: grpc.aio.Server | NativeServer,
     store: Store,
     live: LiveView,
     config: BrokerConfig,

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import grpc
 
-from lmq_broker.config import BrokerConfig
-from lmq_broker.protocol import auth, guard
+from lmq_broker.config import BrokerConfig, EdgeKind
+from lmq_broker.protocol import auth, guard, native
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.service import MessagingService
@@ -46,6 +46,7 @@ else:
     _GenericHandler = grpc.GenericRpcHandler
 
 log = logging.getLogger(__name__)
+Server: TypeAlias = "grpc.aio.Server | native.NativeServer"  # the client port's (``create_client_port``)
 
 MIN_MESSAGE_BYTES: Final = 64 * 1024 * 1024  # batched sends carry many bodies per request
 KEEPALIVE_OPTIONS: Final = (
@@ -77,15 +78,23 @@ def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[st
     ]
 
 
+def _interceptors(config: BrokerConfig) -> Sequence[Interceptor]:
+    if config.access_key and not config.acl:
+        return (auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),)
+    return ()
+
+
 def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Server:
     """Under ``--acl`` the v2 calls' signatures are checked by the service's handlers (``add_messaging_service``),
     by the users' key pairs; else by ``auth.AuthInterceptor`` with the client pair, when one is configured."""
-    interceptors: Sequence[Interceptor] = ()
-    if config.access_key and not config.acl:
-        interceptors = (
-            auth.AuthInterceptor(config.access_key, config.secret_key, max_skew_s=config.auth_max_skew_ms / 1000),
-        )
-    return grpc.aio.server(interceptors=interceptors, options=options(config, shared_port=shared_port))
+    return grpc.aio.server(interceptors=_interceptors(config), options=options(config, shared_port=shared_port))
+
+
+def create_client_port(config: BrokerConfig) -> Server:
+    """The server of the client port (``--port``): grpcio's, or the native edge with ``--edge native``."""
+    if config.edge is EdgeKind.NATIVE:
+        return native.NativeServer(max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes), _interceptors(config))
+    return create(config)
 
 
 def admission(config: BrokerConfig, edge: Edge) -> Admission:
@@ -94,7 +103,7 @@ def admission(config: BrokerConfig, edge: Edge) -> Admission:
 
 
 def add_messaging_service(
-    server: grpc.aio.Server, edge: Edge, admitting: Admission | None = None, *, external: bool = False
+    server: Server, edge: Edge, admitting: Admission | None = None, *, external: bool = False
 ) -> MessagingService:
     service = MessagingService(edge, external=external)
     access = edge.access
@@ -140,10 +149,12 @@ class AdminElsewhere(_GenericHandler):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def bind(server: grpc.aio.Server, config: BrokerConfig, port: int | None = None) -> int:
+def bind(server: Server, config: BrokerConfig, port: int | None = None) -> int:
     """Listen on ``config.host:port`` (default ``config.port``; TLS when a certificate is configured); returns
     the bound port."""
     port = config.port if port is None else port
+    if isinstance(server, native.NativeServer):  # no TLS: refused at start (native.unavailable)
+        return server.listen(config.host, port)
     address = f"[{config.host}]:{port}" if ":" in config.host else f"{config.host}:{port}"
     if config.tls_cert is not None and config.tls_key is not None:
         files = CertificateFiles(config.tls_cert, config.tls_key)

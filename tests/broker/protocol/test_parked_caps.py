@@ -7,7 +7,6 @@ connection were all parked (+242 MiB) and 300 Telemetry streams that never read 
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -15,71 +14,30 @@ from typing import TYPE_CHECKING, Final
 import grpc
 import psutil
 import pytest
+from raw_v2 import GROUP, PARENT, code_of, connection, headers, metric, parked, poll
 from waiting import eventually_async
 
 from lmq_broker.protocol import parking
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.testing import BrokerProcess, start_broker
 
 if TYPE_CHECKING:  # only in the type stubs
-    from lmq_broker.protocol.gen.apache.rocketmq.v2.service_pb2_grpc import MessagingServiceAsyncStub as Stub
+    pass
 
 MiB: Final = 1024 * 1024
-PARENT, GROUP = "AGENT_TASK_NS", "executor-group"
 
 
-def headers(client_id: str) -> tuple[tuple[str, str], ...]:
-    return (("x-mq-client-id", client_id), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.0.8"))
-
-
-def connection(broker: BrokerProcess) -> tuple[grpc.aio.Channel, Stub]:
-    """A channel on a TCP connection of its own (channels to one target otherwise share one)."""
-    channel = grpc.aio.insecure_channel(broker.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
-    stub: Stub = service_pb2_grpc.MessagingServiceStub(channel)
-    return channel, stub
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+@pytest.fixture(params=["grpcio", "native"])
+def broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[BrokerProcess]:
+    """On both edges (docs/design/native-edge.md): the caps are the handlers', whichever server carries them."""
     flags = [
+        "--edge", str(request.param),
         "--max-polls-per-client", "4", "--max-polls-per-connection", "6",
         "--max-telemetry-streams-per-client", "2", "--max-telemetry-streams-per-connection", "3",
     ]  # fmt: skip
     with start_broker(tmp_path / "data", extra_args=flags) as started:
         yield started
-
-
-def metric(broker: BrokerProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    for line in lines:
-        if line.split(" ")[0] == wanted:
-            return float(line.split(" ")[1])
-    return 0.0
-
-
-def poll_request(wait_s: int = 20) -> spb.ReceiveMessageRequest:
-    request = spb.ReceiveMessageRequest(
-        group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
-        batch_size=8, auto_renew=True,
-    )  # fmt: skip
-    request.long_polling_timeout.seconds = wait_s
-    return request
-
-
-async def poll(stub: Stub, client_id: str, wait_s: int = 20) -> list[spb.ReceiveMessageResponse]:
-    return [frame async for frame in stub.ReceiveMessage(poll_request(wait_s), metadata=headers(client_id), timeout=30)]
-
-
-def code_of(frames: list[spb.ReceiveMessageResponse]) -> str:
-    return pb.Code.Name(next(frame.status.code for frame in frames if frame.HasField("status")))
-
-
-async def parked(broker: BrokerProcess, count: int) -> None:
-    await eventually_async(lambda: metric(broker, "lmq_parked_polls") == count, f"{count} parked polls")
 
 
 @pytest.mark.asyncio
@@ -196,7 +154,8 @@ async def test_telemetry_streams_beyond_a_cap_are_ended_resource_exhausted_namin
         again.cancel()
 
 
-def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("edge", ["grpcio", "native"])
+def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path, edge: str) -> None:
     flood = 5000  # without the caps every one parked: ~25 KiB each, +122 MiB, and held until they end
 
     async def run(broker: BrokerProcess) -> tuple[int, int, int, int]:
@@ -218,7 +177,8 @@ def test_a_flood_of_long_polls_from_one_client_leaves_rss_bounded(tmp_path: Path
             await asyncio.gather(*held, return_exceptions=True)
         return before, peak, after, refused
 
-    with start_broker(tmp_path / "data") as broker:  # the default caps: 64 per client id, 1024 per connection
+    # the default caps: 64 per client id, 1024 per connection
+    with start_broker(tmp_path / "data", extra_args=["--edge", edge]) as broker:
         before, peak, after, refused = asyncio.run(run(broker))
         assert refused == flood
         assert metric(broker, "lmq_calls_refused_total", reason="per_client", rpc="ReceiveMessage") == flood
@@ -238,9 +198,10 @@ async def flooding_settings(stop: asyncio.Event) -> AsyncIterator[spb.TelemetryC
 
 
 @pytest.mark.asyncio
-async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("edge", ["grpcio", "native"])
+async def test_telemetry_replies_nobody_reads_are_bounded_per_broker(tmp_path: Path, edge: str) -> None:
     # no cap per stream (test_memory_bounds has that one): the broker's cap is passed at a second 160 KiB reply
-    flags = ["--telemetry-stream-buffer-bytes", "0", "--telemetry-buffer-bytes", "200000"]
+    flags = ["--telemetry-stream-buffer-bytes", "0", "--telemetry-buffer-bytes", "200000", "--edge", edge]
     with start_broker(tmp_path / "data", extra_args=flags) as broker:
         opened = [connection(broker) for _ in range(4)]
         stop = asyncio.Event()

@@ -1,0 +1,316 @@
+"""The native edge (``serve --edge native``; docs/design/native-edge.md, milestone 1): the client port served by
+``lmq_edge``, a Rust extension (hyper's HTTP/2 on tokio threads, built by ``make native``), in place of
+grpcio's asyncio server. The native side does HTTP/2, gRPC framing, deadlines and cancellation; every call
+comes here as its method, metadata and request bytes, and runs the very handlers grpcio would run (the same
+generic handlers and interceptors, the same servicer context calls), so each RPC has one implementation
+whichever edge carries it.
+
+Calls cross in batches: the native side queues what happened (a call opened, a request message, the end of the
+requests, a cancellation) and makes one socket readable; one reader callback on the event loop takes every
+queued event in one call. Replies go back without waiting: ``Call.send`` and ``Call.finish`` hand frames to
+the native side.
+
+Not yet carried (the broker refuses the combination at start, ``unavailable``): TLS (``--tls-cert``) and the
+shared access port of ``--processes``. The admin listener (``--admin-port``) and the external listener stay on
+grpcio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias
+
+import grpc
+
+from lmq_broker.config import BrokerConfig
+
+lmq_edge: Any
+try:
+    lmq_edge = importlib.import_module("lmq_edge")  # a Rust extension: no stubs, Any
+except ImportError:  # not built: `make native`
+    lmq_edge = None
+
+if TYPE_CHECKING:
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
+    Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+
+log = logging.getLogger(__name__)
+
+MISSING: Final = "--edge native: the native edge (module lmq_edge) is not built in this environment: run `make native`"
+THREADS: Final = 1  # tokio worker threads: the event loop has the other core of a 2-core pod
+OK: Final = 0
+CANCELLED: Final = 1
+UNKNOWN: Final = 2
+INTERNAL: Final = 13
+UNAVAILABLE: Final = 14
+UNIMPLEMENTED: Final = 12
+OPEN: Final = 0
+MESSAGE: Final = 1
+HALF_CLOSE: Final = 2
+CANCEL: Final = 3
+DRAINED: Final = 4
+PENDING_HIGH: Final = 64 * 1024  # reply bytes not yet taken by HTTP/2 past which a writer checks must_wait (lib.rs)
+
+
+def available() -> bool:
+    return lmq_edge is not None
+
+
+def unavailable(config: BrokerConfig) -> str | None:
+    """Why ``--edge native`` cannot serve ``config``, in one line; None when it can."""
+    if lmq_edge is None:
+        return MISSING
+    if config.tls_cert is not None:
+        return "--edge native does not serve TLS yet (docs/design/native-edge.md): use --edge grpcio with --tls-cert"
+    if config.processes > 1 or config.access_port >= 0:
+        return "--edge native does not serve the shared access port of --processes yet: use --edge grpcio"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Details:
+    """What grpcio's generic handlers and interceptors read of a call (``grpc.HandlerCallDetails``)."""
+
+    method: str
+    invocation_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+class _Inbox:
+    """A call's request messages (None: the client sent its last)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[bytes | None] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: bytes | None) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> bytes | None:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.items.popleft()
+
+
+class Context:
+    """The servicer context the handlers use (the subset of ``grpc.aio.ServicerContext`` lmq calls)."""
+
+    __slots__ = ("_cancelled", "_deadline", "_metadata", "_peer", "call", "code", "details", "drained", "inbox", "task")
+
+    def __init__(self, call: Any, metadata: Sequence[tuple[str, str | bytes]], peer: str, timeout: float | None):
+        self.call = call
+        self._metadata = tuple(metadata)
+        self._peer = peer
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.inbox = _Inbox()
+        self.task: asyncio.Task[None] | None = None
+        self._cancelled = False
+        self.drained: asyncio.Future[None] | None = None  # set when the native side took the pending replies
+
+    async def write(self, data: bytes) -> bool:
+        """One reply message; waits while the client has not taken ``PENDING_HIGH`` bytes (HTTP/2 flow
+        control), as grpcio's writes wait, so a handler's own caps see unread replies as unread. False: ended."""
+        pending = self.call.send(data)
+        if pending < 0:
+            return False
+        if pending > PENDING_HIGH and self.call.must_wait():
+            self.drained = asyncio.get_running_loop().create_future()
+            await self.drained
+        return True
+
+    def drain(self) -> None:
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: object = ()) -> NoReturn:
+        self.code, self.details = code, details
+        raise grpc.aio.AbortError(f"aborted: {code}")
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class NativeServer:
+    """The parts of ``grpc.aio.Server`` the broker uses (``add_generic_rpc_handlers``, ``start``, ``stop``), over
+    ``lmq_edge.Server``; ``listen`` binds (``protocol.server.bind``)."""
+
+    def __init__(self, max_message_bytes: int, interceptors: Sequence[Interceptor] = ()) -> None:
+        if lmq_edge is None:
+            raise RuntimeError(MISSING)
+        self._core = lmq_edge.Server(max_message_bytes, THREADS)
+        self._handlers: list[GenericHandler] = []
+        self._interceptors = tuple(interceptors)
+        self._calls: dict[int, Context] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[GenericHandler]) -> None:
+        self._handlers.extend(handlers)
+
+    def listen(self, host: str, port: int) -> int:
+        return int(self._core.listen(host, port))
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._core.wake_fd(), self._take)
+        self._core.start()
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop taking connections, let running calls end for ``grace`` seconds, then cancel the rest."""
+        self._core.stop_accepting()
+        tasks = [c.task for c in self._calls.values() if c.task is not None]
+        if tasks and grace:
+            await asyncio.wait(tasks, timeout=grace)
+        for context in list(self._calls.values()):
+            context.call.finish(UNAVAILABLE, "the broker is shutting down")
+            context.cancel()
+        tasks = [c.task for c in self._calls.values() if c.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+        if self._loop is not None:
+            self._loop.remove_reader(self._core.wake_fd())
+            self._loop = None
+        self._core.close()
+
+    def _take(self) -> None:
+        calls = self._calls
+        for event in self._core.take():
+            kind = event[0]
+            if kind == OPEN:
+                self._open(*event[1:])
+            elif (context := calls.get(event[1])) is not None:
+                if kind == MESSAGE:
+                    context.inbox.put(event[2])
+                elif kind == HALF_CLOSE:
+                    context.inbox.put(None)
+                elif kind == DRAINED:
+                    context.drain()
+                else:
+                    context.cancel()
+
+    def _open(
+        self, call: Any, method: str, metadata: list[tuple[str, str | bytes]], peer: str, timeout: float | None
+    ) -> None:
+        context = Context(call, metadata, peer, timeout)
+        self._calls[call.id] = context
+        context.task = asyncio.create_task(self._run(method, context))
+
+    async def _handler(self, method: str, context: Context) -> Handler | None:
+        details = _Details(method, context.invocation_metadata())  # generic handlers may read it (AdminGuard)
+        if not self._interceptors:
+            return self._find(details)
+        return await self._intercepted(0, details)
+
+    def _find(self, details: Any) -> Handler | None:
+        for generic in self._handlers:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    async def _intercepted(self, index: int, details: Any) -> Handler | None:
+        if index == len(self._interceptors):
+            return self._find(details)
+
+        def following(next_details: Any) -> Awaitable[Handler | None]:
+            return self._intercepted(index + 1, next_details)
+
+        return await self._interceptors[index].intercept_service(following, details)  # type: ignore[arg-type]
+
+    async def _run(self, method: str, context: Context) -> None:
+        call = context.call
+        try:
+            handler = await self._handler(method, context)
+            if handler is None:
+                call.finish(UNIMPLEMENTED, "Method not found!")
+                return
+            await _serve(handler, context)
+            code = context.code
+            call.finish(OK if code is None else code.value[0], context.details)
+        except grpc.aio.AbortError:
+            code = context.code
+            call.finish(UNKNOWN if code is None else code.value[0], context.details)
+        except asyncio.CancelledError:
+            call.finish(CANCELLED, "Cancelled")
+            if not context.cancelled():
+                raise
+        except Exception as exc:
+            log.exception("%s failed on the native edge", method)
+            call.finish(UNKNOWN, f"Unexpected {type(exc).__name__}: {exc}")
+        finally:
+            self._calls.pop(call.id, None)
+
+
+async def _serve(handler: Any, context: Context) -> None:
+    """Runs one call's behaviour (``handler``, a ``grpc.RpcMethodHandler`` of async behaviours) the way grpcio
+    would, sending each reply message as it comes."""
+    decode: Callable[[bytes], Any] = handler.request_deserializer or _same
+    encode: Callable[[Any], bytes] = handler.response_serializer or _same
+    if handler.request_streaming:
+        requests = _requests(context.inbox, decode)
+        if handler.stream_stream is not None:
+            async for reply in handler.stream_stream(requests, context):
+                if not await context.write(encode(reply)):
+                    return
+        elif handler.stream_unary is not None:
+            _reply(context, encode, await handler.stream_unary(requests, context))
+        return
+    data = await context.inbox.get()
+    if data is None:
+        context.set_code(grpc.StatusCode.INTERNAL)
+        context.set_details("the call ended before its request")
+        return
+    request = decode(data)
+    if handler.unary_stream is not None:
+        async for reply in handler.unary_stream(request, context):
+            if not await context.write(encode(reply)):
+                return
+    elif handler.unary_unary is not None:
+        _reply(context, encode, await handler.unary_unary(request, context))
+
+
+def _reply(context: Context, encode: Callable[[Any], bytes], reply: Any) -> None:
+    if reply is not None and context.code in (None, grpc.StatusCode.OK):
+        context.call.send(encode(reply))
+
+
+async def _requests(inbox: _Inbox, decode: Callable[[bytes], Any]) -> AsyncIterator[Any]:
+    while (data := await inbox.get()) is not None:
+        yield decode(data)
+
+
+def _same(value: Any) -> Any:
+    return value

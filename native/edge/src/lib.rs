@@ -1,0 +1,538 @@
+//! lmq's native HTTP/2 gRPC edge (docs/design/native-edge.md, milestone 1): hyper's HTTP/2 server on tokio
+//! threads inside the broker process. Every call is passed to Python as bytes and metadata: the native side
+//! does the framing (HTTP/2, gRPC's length-prefixed messages, trailers), deadlines and cancellation; Python
+//! keeps every decision. Calls reach Python in batches: events are queued here and the event loop is woken
+//! once (one byte on a socket it watches) when the queue turns non-empty; `Server.take` hands over all of them.
+
+use std::convert::Infallible;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+use hyper::server::conn::http2;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use tokio::sync::{mpsc, watch};
+
+const OPEN: u8 = 0;
+const MESSAGE: u8 = 1;
+const HALF_CLOSE: u8 = 2;
+const CANCEL: u8 = 3;
+const DRAINED: u8 = 4;
+// Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
+// past HIGH the Python writer waits (``Call.must_wait``) until they fall to LOW, so a client that does not read
+// holds a bounded amount here, and the handlers' own caps (Telemetry's reply buffers) see it as unread.
+const PENDING_HIGH: usize = 64 * 1024;
+const PENDING_LOW: usize = 16 * 1024;
+
+const UNIMPLEMENTED: u32 = 12;
+const RESOURCE_EXHAUSTED: u32 = 8;
+const DEADLINE_EXCEEDED: u32 = 4;
+const UNAVAILABLE: u32 = 14;
+
+enum Meta {
+    Text(String),
+    Binary(Vec<u8>),
+}
+
+enum Event {
+    Open { call: Arc<CallShared>, method: String, metadata: Vec<(String, Meta)>, peer: Arc<str>, timeout: Option<f64> },
+    Message { id: u64, data: Bytes },
+    HalfClose { id: u64 },
+    Cancel { id: u64 },
+    Drained { id: u64 },
+}
+
+/// The events Python has not taken yet, and the socket that wakes its event loop.
+struct Queue {
+    events: Mutex<Vec<Event>>,
+    wake: UnixStream,
+}
+
+impl Queue {
+    fn push(&self, event: Event) {
+        let was_empty = {
+            let mut events = self.events.lock().unwrap();
+            let was_empty = events.is_empty();
+            events.push(event);
+            was_empty
+        };
+        if was_empty {
+            // WouldBlock: the socket already holds bytes, so a wake-up is due anyway.
+            let _ = (&self.wake).write(&[1]);
+        }
+    }
+}
+
+struct Shared {
+    queue: Queue,
+    next_id: AtomicU64,
+    max_message: usize,
+}
+
+/// One call's reply side: frames to hyper, and whether its trailers are sent.
+struct CallShared {
+    id: u64,
+    tx: mpsc::UnboundedSender<Frame<Bytes>>,
+    done: AtomicBool,
+    pending: AtomicUsize,  // reply bytes handed over, not yet taken by hyper
+    blocked: AtomicBool,   // the Python writer waits for DRAINED
+}
+
+impl CallShared {
+    /// The bytes now pending, or -1 when the call has ended.
+    fn send(&self, message: &[u8]) -> i64 {
+        if self.done.load(Ordering::Acquire) {
+            return -1;
+        }
+        let mut framed = BytesMut::with_capacity(5 + message.len());
+        framed.put_u8(0);
+        framed.put_u32(message.len() as u32);
+        framed.extend_from_slice(message);
+        let size = framed.len();
+        let pending = self.pending.fetch_add(size, Ordering::AcqRel) + size;
+        if self.tx.send(Frame::data(framed.freeze())).is_err() {
+            return -1;
+        }
+        pending as i64
+    }
+
+    /// True when the writer must wait for a DRAINED event (pending past HIGH, and not yet down to LOW).
+    fn must_wait(&self) -> bool {
+        self.blocked.store(true, Ordering::SeqCst);
+        if self.pending.load(Ordering::SeqCst) <= PENDING_LOW && self.blocked.swap(false, Ordering::SeqCst) {
+            return false;
+        }
+        true
+    }
+
+    fn taken(&self, size: usize, queue: &Queue) {
+        let before = self.pending.fetch_sub(size, Ordering::SeqCst);
+        if before - size <= PENDING_LOW && self.blocked.load(Ordering::SeqCst) && self.blocked.swap(false, Ordering::SeqCst) {
+            queue.push(Event::Drained { id: self.id });
+        }
+    }
+
+    fn finish(&self, code: u32, details: &str, trailing: &[(String, String)]) -> bool {
+        if self.done.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from(code));
+        if !details.is_empty() {
+            if let Ok(value) = HeaderValue::from_str(&percent_encode(details)) {
+                trailers.insert("grpc-message", value);
+            }
+        }
+        for (key, value) in trailing {
+            if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::from_str(value)) {
+                trailers.append(name, value);
+            }
+        }
+        self.tx.send(Frame::trailers(trailers)).is_ok()
+    }
+}
+
+/// grpc-message is percent-encoded (gRPC over HTTP/2): bytes outside printable ASCII, and '%'.
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if (0x20..0x7f).contains(&byte) && byte != b'%' {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in text.bytes() {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            b'=' => continue,
+            _ => return None,
+        };
+        acc = (acc << 6) | v as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
+
+/// grpc-timeout: an integer of at most 8 digits and a unit (H, M, S, m, u, n).
+fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
+    let text = value.to_str().ok()?;
+    if text.len() < 2 {
+        return None;
+    }
+    let (digits, unit) = text.split_at(text.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+fn metadata_of(headers: &HeaderMap) -> Vec<(String, Meta)> {
+    let mut out = Vec::with_capacity(headers.len());
+    for (name, value) in headers {
+        let key = name.as_str();
+        if matches!(key, "content-type" | "te" | "grpc-timeout" | "grpc-encoding" | "grpc-accept-encoding") {
+            continue;
+        }
+        let meta = if key.ends_with("-bin") {
+            match value.to_str().ok().and_then(base64_decode) {
+                Some(bytes) => Meta::Binary(bytes),
+                None => continue,
+            }
+        } else {
+            match value.to_str() {
+                Ok(text) => Meta::Text(text.to_owned()),
+                Err(_) => continue,
+            }
+        };
+        out.push((key.to_owned(), meta));
+    }
+    out
+}
+
+/// The reply's body: gRPC frames and then the trailers, as Python hands them over.
+struct ReplyBody {
+    rx: mpsc::UnboundedReceiver<Frame<Bytes>>,
+    call: Arc<CallShared>,
+    shared: Arc<Shared>,
+}
+
+impl Body for ReplyBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let polled = self.rx.poll_recv(cx);
+        if let Poll::Ready(Some(frame)) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.call.taken(data.len(), &self.shared.queue);
+            }
+        }
+        polled.map(|frame| frame.map(Ok))
+    }
+}
+
+/// Reads the request's gRPC messages into events; Err when the call ended here (reset, refused message).
+async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Result<(), ()> {
+    let mut buf = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(|_| ())?.into_data() else { continue };
+        buf.extend_from_slice(&data);
+        while buf.len() >= 5 {
+            let compressed = buf[0];
+            let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+            if compressed != 0 {
+                call.finish(UNIMPLEMENTED, "compressed messages are not supported", &[]);
+                return Err(());
+            }
+            if len > shared.max_message {
+                let why = format!("received message larger than max ({len} vs. {})", shared.max_message);
+                call.finish(RESOURCE_EXHAUSTED, &why, &[]);
+                return Err(());
+            }
+            if buf.len() < 5 + len {
+                break;
+            }
+            buf.advance(5);
+            let data = buf.split_to(len).freeze();
+            shared.queue.push(Event::Message { id: call.id, data });
+        }
+    }
+    shared.queue.push(Event::HalfClose { id: call.id });
+    Ok(())
+}
+
+/// One call's life on the native side: its request messages, its deadline, and the client going away.
+async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, timeout: Option<Duration>) {
+    let sleep = async move {
+        match timeout {
+            Some(t) => tokio::time::sleep(t).await,
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::pin!(sleep);
+    let reading = read_body(body, &call, &shared);
+    tokio::pin!(reading);
+    let mut read = false;
+    loop {
+        tokio::select! {
+            result = &mut reading, if !read => {
+                read = true;
+                if result.is_err() {
+                    shared.queue.push(Event::Cancel { id: call.id });
+                    return;
+                }
+            }
+            _ = &mut sleep => {
+                if call.finish(DEADLINE_EXCEEDED, "Deadline Exceeded", &[]) {
+                    shared.queue.push(Event::Cancel { id: call.id });
+                }
+                return;
+            }
+            _ = call.tx.closed() => {
+                if !call.done.swap(true, Ordering::AcqRel) {
+                    shared.queue.push(Event::Cancel { id: call.id });
+                }
+                return;
+            }
+        }
+    }
+}
+
+async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> Result<Response<ReplyBody>, Infallible> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let call = Arc::new(CallShared {
+        id,
+        tx,
+        done: AtomicBool::new(false),
+        pending: AtomicUsize::new(0),
+        blocked: AtomicBool::new(false),
+    });
+    let (parts, body) = req.into_parts();
+    let timeout = parts.headers.get("grpc-timeout").and_then(parse_timeout);
+    shared.queue.push(Event::Open {
+        call: call.clone(),
+        method: parts.uri.path().to_owned(),
+        metadata: metadata_of(&parts.headers),
+        peer,
+        timeout: timeout.map(|t| t.as_secs_f64()),
+    });
+    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout));
+    let mut response = Response::new(ReplyBody { rx, call, shared });
+    response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
+    Ok(response)
+}
+
+fn peer_name(addr: &SocketAddr) -> String {
+    match addr {
+        SocketAddr::V4(v4) => format!("ipv4:{v4}"),
+        SocketAddr::V6(v6) => format!("ipv6:{v6}"),
+    }
+}
+
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    mut stopping: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let peer: Arc<str> = Arc::from(peer_name(&addr));
+    let service = service_fn(move |req| handle(req, shared.clone(), peer.clone()));
+    let mut builder = http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(60))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .max_concurrent_streams(u32::MAX)
+        .initial_stream_window_size(1 << 20)
+        .initial_connection_window_size(16 << 20);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => {}
+        _ = stopping.changed() => {
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut stopping: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                if let Ok((stream, addr)) = accepted {
+                    tokio::spawn(serve_connection(stream, addr, shared.clone(), stopping.clone()));
+                }
+            }
+            _ = stopping.changed() => return,
+        }
+    }
+}
+
+/// A call as Python sees it: where its reply messages and its status go.
+#[pyclass(frozen, module = "lmq_edge")]
+struct Call {
+    shared: Arc<CallShared>,
+}
+
+#[pymethods]
+impl Call {
+    #[getter]
+    fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// One reply message (serialized): the reply bytes now pending, -1 when the call has ended.
+    fn send(&self, message: &[u8]) -> i64 {
+        self.shared.send(message)
+    }
+
+    /// After a send past ``PENDING_HIGH``: True when the writer must wait for this call's DRAINED event.
+    fn must_wait(&self) -> bool {
+        self.shared.must_wait()
+    }
+
+    /// Ends the call with a gRPC status; False when it had ended already (deadline, client gone).
+    #[pyo3(signature = (code, details, trailing = Vec::new()))]
+    fn finish(&self, code: u32, details: &str, trailing: Vec<(String, String)>) -> bool {
+        self.shared.finish(code, details, &trailing)
+    }
+
+    fn done(&self) -> bool {
+        self.shared.done.load(Ordering::Acquire)
+    }
+}
+
+#[pyclass(module = "lmq_edge")]
+struct Server {
+    shared: Arc<Shared>,
+    python_end: UnixStream,
+    runtime: Option<tokio::runtime::Runtime>,
+    listeners: Vec<std::net::TcpListener>,
+    stopping: watch::Sender<bool>,
+}
+
+#[pymethods]
+impl Server {
+    #[new]
+    #[pyo3(signature = (max_message_bytes, threads = 1))]
+    fn new(max_message_bytes: usize, threads: usize) -> PyResult<Self> {
+        let (native_end, python_end) = UnixStream::pair()?;
+        native_end.set_nonblocking(true)?;
+        python_end.set_nonblocking(true)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name("lmq-edge")
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let shared = Arc::new(Shared {
+            queue: Queue { events: Mutex::new(Vec::new()), wake: native_end },
+            next_id: AtomicU64::new(1),
+            max_message: max_message_bytes,
+        });
+        let (stopping, _) = watch::channel(false);
+        Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), stopping })
+    }
+
+    /// The socket that turns readable when calls wait to be taken (for ``loop.add_reader``).
+    fn wake_fd(&self) -> i32 {
+        self.python_end.as_raw_fd()
+    }
+
+    /// Binds ``host:port`` now (an error is the broker's "port in use"); serves it from ``start``.
+    fn listen(&mut self, host: &str, port: u16) -> PyResult<u16> {
+        let listener = std::net::TcpListener::bind((host, port))?;
+        listener.set_nonblocking(true)?;
+        let bound = listener.local_addr()?.port();
+        self.listeners.push(listener);
+        Ok(bound)
+    }
+
+    fn start(&mut self) -> PyResult<()> {
+        let runtime = self.runtime.as_ref().ok_or_else(|| PyRuntimeError::new_err("the edge is closed"))?;
+        let _entered = runtime.enter();
+        for listener in self.listeners.drain(..) {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            runtime.spawn(accept_loop(listener, self.shared.clone(), self.stopping.subscribe()));
+        }
+        Ok(())
+    }
+
+    /// Stops accepting; open connections are told to go away (GOAWAY) once their calls end.
+    fn stop_accepting(&self) {
+        let _ = self.stopping.send(true);
+    }
+
+    /// Every event queued since the last call: (OPEN, call, method, metadata, peer, timeout_s | None),
+    /// (MESSAGE, id, bytes), (HALF_CLOSE, id), (CANCEL, id), (DRAINED, id).
+    fn take<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut sink = [0u8; 256];
+        while matches!((&self.python_end).read(&mut sink), Ok(n) if n > 0) {}
+        let events = std::mem::take(&mut *self.shared.queue.events.lock().unwrap());
+        let out = PyList::empty(py);
+        for event in events {
+            let item: Bound<'py, PyTuple> = match event {
+                Event::Open { call, method, metadata, peer, timeout } => {
+                    let pairs = PyList::empty(py);
+                    for (key, value) in metadata {
+                        let value: Bound<'py, PyAny> = match value {
+                            Meta::Text(text) => text.into_pyobject(py)?.into_any(),
+                            Meta::Binary(bytes) => PyBytes::new(py, &bytes).into_any(),
+                        };
+                        pairs.append((key, value))?;
+                    }
+                    let call = Bound::new(py, Call { shared: call })?;
+                    (OPEN, call, method, pairs, &*peer, timeout).into_pyobject(py)?
+                }
+                Event::Message { id, data } => (MESSAGE, id, PyBytes::new(py, &data)).into_pyobject(py)?,
+                Event::HalfClose { id } => (HALF_CLOSE, id).into_pyobject(py)?,
+                Event::Cancel { id } => (CANCEL, id).into_pyobject(py)?,
+                Event::Drained { id } => (DRAINED, id).into_pyobject(py)?,
+            };
+            out.append(item)?;
+        }
+        Ok(out)
+    }
+
+    /// Ends the native threads (after ``stop_accepting`` and the calls' end).
+    fn close(&mut self, py: Python<'_>) {
+        let _ = self.stopping.send(true);
+        if let Some(runtime) = self.runtime.take() {
+            py.allow_threads(|| runtime.shutdown_timeout(Duration::from_secs(1)));
+        }
+    }
+}
+
+#[pymodule]
+fn lmq_edge(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Server>()?;
+    m.add_class::<Call>()?;
+    m.add("OPEN", OPEN)?;
+    m.add("MESSAGE", MESSAGE)?;
+    m.add("HALF_CLOSE", HALF_CLOSE)?;
+    m.add("CANCEL", CANCEL)?;
+    m.add("DRAINED", DRAINED)?;
+    m.add("PENDING_HIGH", PENDING_HIGH)?;
+    m.add("UNAVAILABLE", UNAVAILABLE)?;
+    Ok(())
+}
