@@ -223,6 +223,19 @@ async def test_a_deposed_owner_changes_no_consumer_state(pair: Pair, kube: testi
     assert store.queue_offsets(model.QueueId(f"%DLQ%{GROUP}", 0))[1] == 0  # no dead letter stored either
 
 
+@pytest.mark.asyncio
+async def test_one_list_reads_the_leases_of_this_release_only(pair: Pair, kube: testing.KubeAPI) -> None:
+    leadership = pair.leadership(0)
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    api.create(f"x{next(_prefixes)}-slot-0", "someone-else", 60)  # another release in the same namespace
+    prefix = leadership.name(0).removesuffix("0")
+    found = {lease.name: lease for lease in api.list_named(prefix)}
+    assert sorted(found) == [leadership.name(0), leadership.name(1)]
+    assert found[leadership.name(0)].holder == leadership.identity
+    assert found[leadership.name(1)].holder == pair.leadership(1).identity
+    assert all(lease.resource_version and lease.transitions == 0 for lease in found.values())
+
+
 CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
 
 
