@@ -513,6 +513,7 @@ class Deliverer:
         self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
     ) -> str:
         receipt, key = self._leases.resolve(receipt_handle, group)
+        self._settlement.check_fence(key.queue_id)
         new_receipt, lease = self._leases.change(
             key, receipt, self._rt.clock(), invisible_ms, suspend, max_suspend_ms=self._rt.config.max_suspend_ms
         )

@@ -81,17 +81,23 @@ class Settlement:
         # slot's followers get it too (lmq_broker.replication). None: nobody is told.
         self.committed: Callable[[model.QueueId, str, int, Sequence[int]], None] | None = None
         # With replication: raises ``errors.Fenced`` for a queue whose slot's lease this broker does not hold
-        # now, so a deposed owner acknowledges no ack. None: every ack is this broker's to take.
+        # now, so a deposed owner settles nothing (ack, dead letter, invisibility change). None: every settlement
+        # is this broker's to take.
         self.fence: Callable[[model.QueueId], None] | None = None
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
 
     # --- acks and dead letters ------------------------------------------------------------------------------
+    def check_fence(self, queue: model.QueueId) -> None:
+        """``errors.Fenced`` when replication says this broker no longer holds the lease of ``queue``'s slot: a
+        deposed owner changes no consumer state (the new owner's is the one that counts)."""
+        if self.fence is not None:
+            self.fence(queue)
+
     async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
         receipt, key = self._leases.resolve(receipt_handle, group)
-        if self.fence is not None:
-            self.fence(key.queue_id)
+        self.check_fence(key.queue_id)
         self.check_generation()
         state = self._leases.get(key)
         if state is not None and key in self._unverified:
@@ -113,6 +119,7 @@ class Settlement:
     async def dead_letter(self, group: str, receipt_handle: str) -> None:
         """The client gave up on a message (ForwardMessageToDeadLetterQueue): store it in ``%DLQ%<group>``."""
         receipt, key = self._leases.resolve(receipt_handle, group)
+        self.check_fence(key.queue_id)  # before the dead letter is stored: nothing of it at a deposed owner
         state = self._leases.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
         if state is None or lease is None or state.lost(receipt) or key in self._unverified:

@@ -34,7 +34,7 @@ class Counters:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.refused = Counter(
             "lmq_replication_refused",
-            "Sends not acknowledged for replication (fenced: lease not held; insync: too few replicas stored it)",
+            "Sends and settlements refused (fenced: lease not held; insync: too few replicas stored it)",
             ["reason"],
             registry=registry,
         )

@@ -2,7 +2,7 @@
 
 Every write names the ``resourceVersion`` it read, so etcd refuses it when anyone wrote since: two brokers can
 never both believe they took the same lease. Blocking stdlib HTTPS (callers run it in a thread): the broker
-needs four calls of one resource kind, not a client library.
+needs five calls of one resource kind, not a client library.
 """
 
 from __future__ import annotations
@@ -84,6 +84,13 @@ class ApiServer:
     def get(self, name: str) -> Lease | None:
         body = self._call("GET", f"/{name}")
         return None if body is None else _lease_of(body)
+
+    def list_named(self, prefix: str) -> list[Lease]:
+        """The namespace's leases whose names start with ``prefix``: one call for every slot, filtered here (a
+        label selector would miss leases written before it was set)."""
+        body = self._call("GET", "")
+        items = [] if body is None else body.get("items") or []
+        return [_lease_of(item) for item in items if str(item["metadata"]["name"]).startswith(prefix)]
 
     def create(self, name: str, holder: str, duration_s: int) -> Lease:
         spec = {"holderIdentity": holder, "leaseDurationSeconds": duration_s, "leaseTransitions": 0}

@@ -27,7 +27,7 @@ Clock = Callable[[], float]
 
 
 class LeaseApi(Protocol):
-    def get(self, name: str) -> kube.Lease | None: ...
+    def list_named(self, prefix: str) -> list[kube.Lease]: ...  # every lease whose name starts with ``prefix``
     def create(self, name: str, holder: str, duration_s: int) -> kube.Lease: ...
     def write(self, lease: kube.Lease, holder: str, transitions: int, duration_s: int) -> kube.Lease: ...
 
@@ -106,16 +106,23 @@ class Leadership:
                 await asyncio.wait_for(stopping.wait(), self._duration / 3)
 
     async def tick(self) -> None:
-        """Every slot's lease is read (routes follow their holders); only those of this broker's slots are
-        written (renewed, created, taken)."""
+        """Every slot's lease is read, in one LIST of the release's leases (routes follow their holders); only
+        those of this broker's slots are written (renewed, created, taken)."""
+        began = self._clock()
+        try:
+            found = await asyncio.to_thread(self._api.list_named, f"{self._prefix}-slot-")
+        except Exception as exc:  # the apiserver is slow or unreachable: the fence closes by itself
+            log.warning("leases: %s", exc)
+            return
+        by_name = {lease.name: lease for lease in found}
         for slot in range(len(self.replica_sets)):
+            lease = by_name.get(self.name(slot))
+            self._note(slot, lease)
+            if slot not in self.mine:
+                continue
             try:
-                if slot in self.mine:
-                    await self._visit(slot)
-                else:
-                    lease = await asyncio.to_thread(self._api.get, self.name(slot))
-                    self._note(slot, lease)
-            except Exception as exc:  # the apiserver is slow or unreachable: the fence closes by itself
+                await self._visit(slot, lease, began)
+            except Exception as exc:  # a write failed: the fence closes by itself
                 log.warning("lease of slot %d: %s", slot, exc)
 
     def _note(self, slot: int, lease: kube.Lease | None) -> None:
@@ -124,10 +131,8 @@ class Leadership:
         else:
             self.holders[slot] = lease.holder
 
-    async def _visit(self, slot: int) -> None:
-        began = self._clock()
-        lease = await asyncio.to_thread(self._api.get, self.name(slot))
-        self._note(slot, lease)
+    async def _visit(self, slot: int, lease: kube.Lease | None, began: float) -> None:
+        """Renew, create or take the lease of one of this broker's slots, as read when the tick ``began``."""
         if lease is None:
             if slot == self.me:
                 await self._write(

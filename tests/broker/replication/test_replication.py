@@ -191,6 +191,51 @@ async def test_an_owner_whose_lease_was_taken_acknowledges_nothing(pair: Pair, k
         await follower.follower.accept(wire.encode(0, taken.transitions - 1, [], []))
 
 
+@pytest.mark.asyncio
+async def test_a_deposed_owner_changes_no_consumer_state(pair: Pair, kube: testing.KubeAPI) -> None:
+    """ChangeInvisibleDuration and ForwardMessageToDeadLetterQueue are settlements too: refused like an ack."""
+    lite = pair.lite_of(0)
+    got = await sent_and_received(pair, lite, 2)
+    leadership = pair.leadership(0)
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    lease = api.get(leadership.name(0))
+    assert lease is not None
+    api.write(lease, "someone-else", lease.transitions + 1, 60)  # an operator's forced failover
+    await eventually_async(lambda: leadership.epoch(0) is None, "the owner fenced", 5)
+    before = refused(pair.brokers[0], "fenced")
+    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    nack = spb.ChangeInvisibleDurationRequest(
+        group=group, topic=parent, receipt_handle=got[0].receipt_handle, message_id=got[0].message_id
+    )
+    nack.invisible_duration.FromMilliseconds(1000)
+    changed = await pair.clients[0].stub.ChangeInvisibleDuration(nack, metadata=CONSUMER)
+    assert changed.status.code == pb.INTERNAL_ERROR  # the official clients retry it (at the new owner)
+    assert "does not hold the lease of slot 0" in changed.status.message
+    forward = spb.ForwardMessageToDeadLetterQueueRequest(
+        group=group, topic=parent, receipt_handle=got[1].receipt_handle, message_id=got[1].message_id
+    )
+    forwarded = await pair.clients[0].stub.ForwardMessageToDeadLetterQueue(forward, metadata=CONSUMER)
+    assert forwarded.status.code == pb.INTERNAL_ERROR
+    assert "does not hold the lease of slot 0" in forwarded.status.message
+    assert refused(pair.brokers[0], "fenced") == before + 2
+    store = pair.brokers[0].store
+    assert store is not None
+    assert store.queue_offsets(model.QueueId(f"%DLQ%{GROUP}", 0))[1] == 0  # no dead letter stored either
+
+
+@pytest.mark.asyncio
+async def test_one_list_reads_the_leases_of_this_release_only(pair: Pair, kube: testing.KubeAPI) -> None:
+    leadership = pair.leadership(0)
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    api.create(f"x{next(_prefixes)}-slot-0", "someone-else", 60)  # another release in the same namespace
+    prefix = leadership.name(0).removesuffix("0")
+    found = {lease.name: lease for lease in api.list_named(prefix)}
+    assert sorted(found) == [leadership.name(0), leadership.name(1)]
+    assert found[leadership.name(0)].holder == leadership.identity
+    assert found[leadership.name(1)].holder == pair.leadership(1).identity
+    assert all(lease.resource_version and lease.transitions == 0 for lease in found.values())
+
+
 CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
 
 

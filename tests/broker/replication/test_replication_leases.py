@@ -20,11 +20,13 @@ class Leases:
         self.items: dict[str, kube.Lease] = {}
         self._versions = itertools.count(1)
         self.down = False
+        self.lists = 0  # reads: one LIST per tick, whatever the number of slots
 
-    def get(self, name: str) -> kube.Lease | None:
+    def list_named(self, prefix: str) -> list[kube.Lease]:
         if self.down:
             raise OSError("apiserver unreachable")
-        return self.items.get(name)
+        self.lists += 1
+        return [lease for name, lease in self.items.items() if name.startswith(prefix)]
 
     def create(self, name: str, holder: str, duration_s: int) -> kube.Lease:
         if self.down:
@@ -52,12 +54,14 @@ class Clock:
         return self.now
 
 
-def broker(api: Leases, clock: Clock, me: int, in_sync: bool = True) -> Leadership:
+def broker(
+    api: Leases, clock: Clock, me: int, in_sync: bool = True, replica_sets: list[list[int]] | None = None
+) -> Leadership:
     return Leadership(
         api,
         identity(me, "x"),
         me,
-        [[0, 1], [1, 0]],
+        replica_sets or [[0, 1], [1, 0]],
         lambda _slot, _epoch: in_sync,
         prefix="t",
         duration_ms=DURATION_MS,
@@ -113,3 +117,23 @@ async def test_a_lease_renewed_in_time_is_never_taken() -> None:
         clock.now += 1.0  # a third of the lease: the owner's renewal interval
         assert owner.epoch(0) == 0
     assert not follower.holds(0)
+
+
+@pytest.mark.asyncio
+async def test_a_tick_reads_every_slots_lease_in_one_list_of_this_releases_leases() -> None:
+    api, clock = Leases(), Clock()
+    ring = [[0, 1], [1, 2], [2, 3], [3, 0]]
+    api.create("t-slot-10", "slot-1/other-release", 3)  # another release with a longer name: not one of ours
+    api.create("u-slot-2", "slot-3/other-release", 3)  # another release: ignored
+    brokers = [broker(api, clock, me, replica_sets=ring) for me in range(4)]
+    for b in brokers:
+        await b.tick()
+    assert api.lists == 4  # one read per broker and tick, not one per slot
+    await brokers[0].tick()
+    assert api.lists == 5
+    assert brokers[0].holders == {slot: identity(slot, "x") for slot in range(4)}
+    assert [brokers[0].serving(slot) for slot in range(4)] == [0, 1, 2, 3]
+    api.down = True
+    await brokers[0].tick()  # the LIST failed: nothing written, the fence closes by itself
+    clock.now += 2.0
+    assert brokers[0].epoch(0) is None
