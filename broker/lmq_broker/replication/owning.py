@@ -50,7 +50,7 @@ class Slots:
         """``dispatch.settlement``'s check before an ack: ``errors.Fenced`` unless this broker holds the lease of
         the queue's slot now."""
         if queue.topic.startswith(model.LMQ_PREFIX):
-            self.owner(self.slot_of_topic(queue.topic)).admit()
+            self.owner(self._acting_slot(queue.topic)).admit()
         else:
             self.owner(self._leadership.me).admit()
 
@@ -68,8 +68,16 @@ class Slots:
     def _slot_of(self, message: model.NewMessage) -> int:
         for queue in message.queues:
             if queue.topic.startswith(model.LMQ_PREFIX):
-                return self.slot_of_topic(queue.topic)
+                return self._acting_slot(queue.topic)
         return self._leadership.me
+
+    def _acting_slot(self, topic: str) -> int:
+        """The slot whose lease a send or a settlement of ``topic`` acts under: its ring slot also after this
+        broker lost that slot's lease (it held it: ``_owners``), so the call is fenced there and not taken
+        under this broker's own slot."""
+        me = self._leadership.me
+        slot = self._ring_slot(topic)
+        return slot if slot != me and (slot in self._owners or self._leadership.holds(slot)) else me
 
     def slot_of_topic(self, topic: str) -> int:
         """The slot an LMQ stored here belongs to: its ring slot when this broker holds that one, else its own."""

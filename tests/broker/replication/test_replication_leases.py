@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from lmq_broker.replication import kube
+from lmq_broker import errors, model
+from lmq_broker.replication import kube, owning
 from lmq_broker.replication.leadership import Leadership, identity
 
 DURATION_MS = 3000
@@ -137,3 +138,35 @@ async def test_a_tick_reads_every_slots_lease_in_one_list_of_this_releases_lease
     await brokers[0].tick()  # the LIST failed: nothing written, the fence closes by itself
     clock.now += 2.0
     assert brokers[0].epoch(0) is None
+
+
+def test_a_slot_taken_over_and_lost_again_fences_its_topics_not_the_brokers_own_slot() -> None:
+    """A broker that took slot 1 over (a failover) and lost its lease again must refuse sends and settlements of
+    slot 1's topics: they are checked against slot 1's lease, never taken under the broker's own slot 0."""
+    held = {0, 1}
+
+    class Leases:
+        me = 0
+
+        def holds(self, slot: int) -> bool:
+            return slot in held
+
+        def epoch(self, slot: int) -> int | None:
+            return 1 if slot in held else None
+
+    class Owner:
+        def __init__(self, slot: int) -> None:
+            self.slot = slot
+
+        def admit(self) -> None:
+            if self.slot not in held:
+                raise errors.Fenced(f"slot {self.slot}")
+
+    leases = Leases()
+    slots = owning.Slots(leases, lambda topic: 1 if topic.endswith("one") else 0, Owner)  # type: ignore[arg-type]
+    one, zero = model.QueueId(model.LMQ_PREFIX + "P%one", 0), model.QueueId(model.LMQ_PREFIX + "P%zero", 0)
+    slots.fence(one)  # held: admitted under slot 1
+    held.discard(1)
+    with pytest.raises(errors.Fenced):
+        slots.fence(one)  # lost: refused, not admitted under slot 0
+    slots.fence(zero)  # its own slot, still held
