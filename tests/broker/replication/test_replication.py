@@ -1,6 +1,6 @@
 """Replication (docs/replication.md) on a real kube-apiserver + etcd: two whole brokers (app.Broker, real
 ports, real stores) with --replicas 2 hold one Lease per slot; copies, fencing and the in-sync rule. The kill -9
-and disk-loss failover with broker processes: tests/e2e/test_replication_failover.py."""
+and disk-loss failover with broker processes: tests/broker/replication/test_replication_failover.py."""
 
 from __future__ import annotations
 
