@@ -12,7 +12,7 @@ import itertools
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,15 @@ def clients() -> Iterator[list[Any]]:
         client.shutdown()
 
 
+def stop_all(clients: list[Any], brokers: Sequence[Any]) -> None:
+    """The clients first, while the brokers still answer: a push consumer shut down after its brokers keeps
+    retrying the acks of what it was still consuming, and its shutdown waits on that for ever."""
+    while clients:
+        clients.pop().shutdown()
+    for broker in brokers:
+        broker.stop()
+
+
 @pytest.mark.parametrize("processes", [1, 2, 3])
 def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], processes: int) -> None:
     args = ["--processes", str(processes), "--no-bootstrap"]
@@ -203,8 +212,7 @@ def test_kill_9_of_one_broker_leaves_the_others_flowing(tmp_path: Path, clients:
                 send(producer, lite, b"nowhere")
         check_received(inbox, sent | more, producer, survivors)
     finally:
-        for broker in brokers:
-            broker.stop()
+        stop_all(clients, brokers)
 
 
 def test_scale_up_keeps_old_topics_where_they_are(tmp_path: Path, clients: list[Any]) -> None:
@@ -333,8 +341,7 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
         assert not after.failures, after.failures[:5]
         check_received(inbox, load.sent | after.sent, after.producer)
     finally:
-        for broker in brokers:
-            broker.stop()
+        stop_all(clients, brokers)
 
 
 def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients: list[Any]) -> None:
@@ -392,8 +399,7 @@ def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients:
                 for lite in (lite for lite in lites if placed[lite] == i):
                     assert admin.describe_lite_topic(TOPIC, lite).group_offsets[GROUP] == 3
     finally:
-        for broker in brokers:
-            broker.stop()
+        stop_all(clients, brokers)
 
 
 # --- lite topic patterns across brokers ----------------------------------------------------------------------
