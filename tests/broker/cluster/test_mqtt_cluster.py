@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+import mqtt_brokers
 import pytest
 import pytest_asyncio
 
@@ -20,7 +21,6 @@ from lmq_broker import app, errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import saved_subscriptions
-from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.mqtt import codec, mapping, topics
 from lmq_broker.mqtt.connection import group_of
 from lmq_broker.mqtt.properties import Properties, Reason
@@ -28,8 +28,6 @@ from lmq_broker.protocol import status
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.supervisor import free_ports
 
 PARENT = "P"
 WAIT_S = 10.0
@@ -75,34 +73,11 @@ class Pair:
 
 async def start_pair(tmp_path: Path, each: Sequence[dict[str, object]] = ({}, {})) -> Pair:
     """``each``: one broker per item, with these settings."""
-    ports = free_ports("127.0.0.1", len(each))
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    brokers = []
-    for slot, port in enumerate(ports):
-        config = dispatch_testing.config_for(
-            tmp_path / f"b{slot}",
-            host="127.0.0.1",
-            port=port,
-            metrics_port=-1,
-            mqtt_port=0,
-            peers=members,
-            ordinal=slot,
-            admin_access_key="admin-ak",
-            admin_secret_key="admin-sk",
-            **each[slot],
-        )
-        store = lmq_store.open_store(config.store)
-        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-        broker = app.Broker(config, store=store)
-        await broker.start()
-        brokers.append(broker)
-    return Pair(brokers)
+    return Pair(await mqtt_brokers.start_brokers(tmp_path, PARENT, each))
 
 
 async def stop_pair(pair: Pair) -> None:
-    for broker in pair.brokers:
-        if broker.ready:
-            await broker.stop(grace_s=0.2)
+    await mqtt_brokers.stop_brokers(pair.brokers)
 
 
 @pytest_asyncio.fixture

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import mqtt_brokers
 import pytest
 import pytest_asyncio
 
@@ -20,11 +21,8 @@ from lmq_broker import app, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import saved_subscriptions
-from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.mqtt import codec, shares, topics
 from lmq_broker.mqtt.properties import Properties
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.supervisor import free_ports
 
 PARENT = "P"
 WAIT_S = 10.0
@@ -59,26 +57,11 @@ class Cluster:
 
 
 async def start_cluster(tmp_path: Path, size: int) -> Cluster:
-    ports = free_ports("127.0.0.1", size)
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    brokers = []
-    for slot, port in enumerate(ports):
-        config = dispatch_testing.config_for(
-            tmp_path / f"b{slot}", host="127.0.0.1", port=port, metrics_port=-1, mqtt_port=0, peers=members,
-            ordinal=slot, admin_access_key="admin-ak", admin_secret_key="admin-sk",
-        )  # fmt: skip
-        store = lmq_store.open_store(config.store)
-        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-        broker = app.Broker(config, store=store)
-        await broker.start()
-        brokers.append(broker)
-    return Cluster(brokers)
+    return Cluster(await mqtt_brokers.start_brokers(tmp_path, PARENT, [{}] * size))
 
 
 async def stop_cluster(cluster: Cluster) -> None:
-    for broker in cluster.brokers:
-        if broker.ready:
-            await broker.stop(grace_s=0.2)
+    await mqtt_brokers.stop_brokers(cluster.brokers)
 
 
 @pytest_asyncio.fixture
