@@ -290,6 +290,7 @@ class Broker:
         """--replicas > 1: this slot's copies, its followers' copy calls and the per-slot leases."""
         replication.check(self.config)
         if self.config.replicas == 1:
+            self.metrics.registry.register(replication.idle_gauges())
             return
         if cluster.peers is None or self.dispatcher is None or self.store is None:
             raise errors.InvalidArgument("--replicas above 1 needs a cluster (--peers with other brokers)")

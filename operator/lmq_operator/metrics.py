@@ -32,3 +32,9 @@ LEADER: Final = prometheus_client.Gauge(
     "lmq_operator_leader",
     "1 while this replica reconciles: it holds the leader-election Lease, or runs without leader election",
 )
+REPLICATION_SLOTS: Final = prometheus_client.Gauge(
+    "lmq_operator_replication_slots",
+    "Ring slots of the brokers by replication state, from the slots' Leases (state: all, unheld: no live lease "
+    "holder, under_replicated: a replica does not answer); only with broker replication",
+    ["state"],
+)

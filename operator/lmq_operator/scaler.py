@@ -31,7 +31,7 @@ from lmq_broker import errors
 from lmq_broker.admin.client import AsyncAdminClient
 from lmq_broker.admin.credentials import KeyPair
 from lmq_broker.cluster import membership as mb
-from lmq_operator import kube, model, scaling, settings, slices
+from lmq_operator import kube, metrics, model, replicas, scaling, settings, slices
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class Scaler:
     clock: Callable[[], float] = time.monotonic
     prepare: Prepare = _nothing_to_prepare
     _failed: str = ""
+    replication: replicas.Report | None = None  # the last pass's report (replication above 1 only)
 
     # ---- Kubernetes reads and writes ---------------------------------------------------------------------
 
@@ -244,7 +245,9 @@ class Scaler:
         views = {s: a[0] for s, a in zip(asks, answers, strict=True)}
         undrained = {s: a[1] for s, a in zip(asks, answers, strict=True) if s in leaving}
         replicas = int((sts.get("spec") or {}).get("replicas", 1))
-        observed = scaling.Observed(wanted, replicas, p, target, views, undrained, self._pod, epoch)
+        observed = scaling.Observed(
+            wanted, replicas, p, target, views, undrained, self._pod, epoch, replication=self.conf.replication
+        )
         self._asks = asks
         return sts, cm, observed
 
@@ -288,8 +291,42 @@ class Scaler:
                 await self._event(sts, "Warning", reason, text)
         if target is not None:
             self.ring_pods = target.size // observed.processes
+            if self.conf.replication > 1:
+                await self.report_replication(sts, target, observed)
         self.last = decision
         return decision
+
+    async def report_replication(self, sts: Mapping[str, Any], target: mb.Membership, o: scaling.Observed) -> None:
+        """The slots' Leases and answering replicas into the StatefulSet's lmq.io/replication and the metrics; an
+        Event when the condition's reason changes. A failure is logged: it never stops the membership pass."""
+        try:
+            found = await self._json("CoordinationV1Api", "list_namespaced_lease", self._ns)
+        except kubernetes.client.ApiException as exc:
+            log.warning("replication: the slot Leases could not be listed: %s %s", exc.status, exc.reason)
+            return
+        answering = {slot for slot, view in o.views.items() if view is not None}
+        seen = replicas.report(
+            (found or {}).get("items") or [],
+            self.conf.slot_lease_prefix,
+            len(target.members),
+            o.processes,
+            self.conf.replication,
+            answering,
+            datetime.now(UTC),
+        )
+        self.replication = seen
+        metrics.REPLICATION_SLOTS.labels("unheld").set(len(seen.unheld))
+        metrics.REPLICATION_SLOTS.labels("under_replicated").set(len(seen.under_replicated))
+        metrics.REPLICATION_SLOTS.labels("all").set(len(seen.slots))
+        text = seen.annotation()
+        before = (sts["metadata"].get("annotations") or {}).get(replicas.ANNOTATION)
+        if before == text:
+            return
+        await self._patch_sts({"metadata": {"annotations": {replicas.ANNOTATION: text}}})
+        old_reason = str(json.loads(before).get("reason")) if before else None
+        if old_reason != seen.reason.value:
+            kind = "Normal" if seen.reason is replicas.Reason.REPLICATED else "Warning"
+            await self._event(sts, kind, seen.reason.value, seen.message)
 
     async def _prepare(self, target: mb.Membership, slots: Sequence[int]) -> scaling.Unprepared | None:
         """Every resource onto the joining slots' brokers, before anyone is told they are members."""

@@ -91,6 +91,7 @@ class Observed:
     undrained: Mapping[int, int | None]  # leaving slot -> undrained messages (None: could not be asked)
     pod: Callable[[int], str]  # ordinal -> the pod's advertised endpoint (what ``--peers`` lists)
     epoch: int | None = None  # the epoch recorded with ``target`` (None: none recorded yet)
+    replication: int = 1  # copies of every ring slot (docs/replication.md); above 1 the ring's size is fixed
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +243,8 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
     wanted = o.wanted if o.wanted is not None else ring_pods
     if wanted < 1:
         return _with(base, Phase.STALLED, f"{ANNOTATION_REPLICAS} must be a whole number of at least 1")
+    if o.replication > 1 and wanted != ring_pods and not target.leaving_slots:
+        return _with(base, Phase.STALLED, _fixed_by_replication(o.replication, ring_pods, wanted))
     if target.leaving_slots:
         if wanted != ring_pods:  # a new wish while draining: a new epoch with that ring (all back, or fewer)
             new = target.shrunk(min(wanted, pods) * o.processes)
@@ -278,6 +281,18 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
         return Decision(Phase.SCALING_UP, text, new, env, (), wanted, None, text)
     env = pod_env(target, _pod_list(o, pods))
     return _with(base, Phase.STEADY, f"{pods} pods, ring sizes {list(target.sizes)}", env=env)
+
+
+def _fixed_by_replication(replication: int, pods: int, wanted: int) -> str:
+    """Why the pod count stays: a broker's followers follow from the ring at its start (the same process on the
+    next pods), and the brokers do not move leases or copies to a new ring yet. Shrinking would stop the pod
+    that is the last in-sync copy of the slots it follows while their owners still need it (sends refused at
+    min-insync = replicas, or a slot left on one disk), so nothing is removed before that is built."""
+    return (
+        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but every slot is kept on {replication} pods and the "
+        f"brokers cannot move their replicas to another ring yet: the ring stays at {pods} pods, no pod is "
+        f"drained or removed (docs/replication.md, Operator and chart). Set it back to {pods}"
+    )
 
 
 def _restored(replicas: int, pods: int) -> str:

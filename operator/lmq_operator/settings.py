@@ -52,6 +52,10 @@ class Settings:
     lease: leadership.LeaseConfig | None = None  # None: no leader election (one replica only)
     identity: str = ""  # this process in Lease holders and Events (the pod name in a cluster)
     processes: int = 1  # broker processes per pod (the chart's broker.processes): one ring slot each
+    # Replication (docs/replication.md): copies of every ring slot (the chart's broker.replication.replicas) and
+    # the prefix of the slots' Leases (<prefix>-slot-<slot>, in the broker namespace), which the operator reads.
+    replication: int = 1
+    slot_lease_prefix: str = "lmq"
     # The membership of the broker StatefulSet (docs/operator.md, Scaling): the operator's ConfigMap, and each
     # pod's advertised endpoint, a template with {pod} or one host:port per ordinal. Empty: not managed.
     membership_configmap: str | None = None
@@ -153,6 +157,9 @@ def from_env(env: Mapping[str, str]) -> Settings:
     processes = _int(env, "LMQ_OPERATOR_BROKER_PROCESSES", 1)
     if not 1 <= processes <= 256:
         raise SettingsError(f"LMQ_OPERATOR_BROKER_PROCESSES must lie within 1..256, got {processes}")
+    replication = _int(env, "LMQ_OPERATOR_BROKER_REPLICATION", 1)
+    if not 1 <= replication <= 5:
+        raise SettingsError(f"LMQ_OPERATOR_BROKER_REPLICATION must lie within 1..5, got {replication}")
     workers = _int(env, "LMQ_OPERATOR_WORKERS", DEFAULT_WORKERS)
     if workers < 0:
         raise SettingsError(f"LMQ_OPERATOR_WORKERS must be 0 (unbounded) or more, got {workers}")
@@ -176,6 +183,8 @@ def from_env(env: Mapping[str, str]) -> Settings:
         lease=_lease(env, identity),
         identity=identity,
         processes=processes,
+        replication=replication,
+        slot_lease_prefix=env.get("LMQ_OPERATOR_SLOT_LEASE_PREFIX", "").strip() or "lmq",
         membership_configmap=membership,
         broker_addresses=addresses,
         scaling_s=_float(env, "LMQ_OPERATOR_SCALING_SECONDS", DEFAULT_SCALING_S),

@@ -43,6 +43,8 @@ ALL_ON: dict[str, Any] = {
             "consumerLagFor": "30m",
             "deadLetterThreshold": 3,
             "diskFreeRatio": 0.2,
+            "replicationLagThreshold": 700,
+            "replicationFor": "2m",
         },
         "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Messaging"}},
     },
@@ -226,6 +228,9 @@ def test_alerts_cover_brokers_consumers_dead_letters_disk_and_the_operator(rende
         "LmqDeadLettersGrowing",
         "LmqOperatorNoLeader",
         "LmqOperatorReconcileFailing",
+        "LmqReplicationUnderReplicated",
+        "LmqReplicationLeaseUnheld",
+        "LmqReplicationLagging",
     }
     for name, rule in alerts.items():
         metric_names(rule["expr"])  # parses
@@ -242,6 +247,14 @@ def test_alerts_cover_brokers_consumers_dead_letters_disk_and_the_operator(rende
     assert 'pod=~"demo-lmq-broker-[0-9]+"' in alerts["LmqBrokerDown"]["expr"]
     assert 'persistentvolumeclaim=~"data-demo-lmq-broker-[0-9]+"' in alerts["LmqBrokerDiskAlmostFull"]["expr"]
     assert "{{ $labels.group }}" in alerts["LmqConsumerLagHigh"]["annotations"]["summary"]  # Prometheus templates
+    # replication (R=2 with 3 pods): per slot, against R; every slot of the ring held; lag against its threshold
+    assert alerts["LmqReplicationUnderReplicated"]["expr"].endswith(") < 2")
+    assert "sum by (namespace, slot)" in alerts["LmqReplicationUnderReplicated"]["expr"]
+    assert alerts["LmqReplicationLeaseUnheld"]["expr"].endswith("< 3")
+    assert alerts["LmqReplicationLagging"]["expr"].endswith("> 700")
+    assert alerts["LmqReplicationUnderReplicated"]["for"] == "2m"
+    no_replication = rules(render({**ALL_ON, "broker": {"replicas": 3, "replication": {"replicas": 1}}}), one)
+    assert not [a for a in no_replication if a.startswith("LmqReplication")]
     # no volume, no disk alerts; no operator, no operator alerts
     no_disk = rules(render({**ALL_ON, "broker": {"persistence": {"enabled": False}}}), one)
     assert not {"LmqBrokerDiskAlmostFull", "LmqBrokerDiskFillingUp"} & set(no_disk)
@@ -264,7 +277,8 @@ def test_the_dashboard_is_a_grafana_dashboard_whose_queries_parse(render: Render
     for query in queries:
         metric_names(dashboard_query(query))
     shown = set().union(*(metric_names(dashboard_query(q)) for q in queries))
-    for wanted in ("lmq_consumer_lag", "lmq_dead_letters_total", "up", "lmq_operator_leader"):
+    wanted_names = ("lmq_consumer_lag", "lmq_dead_letters_total", "up", "lmq_operator_leader")
+    for wanted in (*wanted_names, "lmq_replication_in_sync", "lmq_replication_lag_messages"):
         assert wanted in shown
     off = {**ALL_ON, "monitoring": {**ALL_ON["monitoring"], "grafanaDashboard": {"enabled": False}}}
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
@@ -323,6 +337,7 @@ def test_every_metric_the_rules_and_the_dashboard_name_is_exported(
     used |= set().union(*(metric_names(dashboard_query(q)) for q in targets(dashboard(objects, one))))
     exported = broker_metrics | operator_metrics_names() | EXTERNAL
     assert "lmq_consumer_lag" in broker_metrics and "lmq_operator_leader" in exported
+    assert "lmq_replication_in_sync" in used  # declared by an R=1 broker too (no samples)
     assert used - exported == set()
     assert "process_resident_memory_bytes" in used  # the operator's memory, next to its limit
 

@@ -83,11 +83,13 @@ LEASE_RULES = {
     ("coordination.k8s.io", "leases", "update", (OPERATOR,)),
 }
 LEADER_ROLE = f"{OPERATOR}-leader"
+BROKER_LEASES_ROLE = f"{BROKER}-leases"  # the brokers' own, with replication (test_replication.py)
 
 
 def rbac_roles(objects: list[Manifest]) -> list[Manifest]:
-    """Roles and ClusterRoles but the leader-election Role (checked on its own)."""
-    return [o for o in objects if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] != LEADER_ROLE]
+    """The operator's Roles and ClusterRoles but its leader-election Role (checked on its own)."""
+    others = (LEADER_ROLE, BROKER_LEASES_ROLE)
+    return [o for o in objects if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] not in others]
 
 
 CRD_READ = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
@@ -102,6 +104,7 @@ BROKER_READ = {
     ("", "configmaps", "create"),
     ("", "configmaps", "patch"),
     ("", "events", "create"),
+    ("coordination.k8s.io", "leases", "list"),  # replication: the slots' Leases, read for the status
 }
 
 
@@ -129,7 +132,8 @@ def test_broker_statefulset_shape(render: Render, one: One) -> None:
 
 
 def test_broker_runs_serve_with_its_stable_identity(render: Render, one: One) -> None:
-    broker = container(one(render(), "StatefulSet", BROKER))
+    # R=1 here; the replication flags at R=2 (the default with two pods): test_replication.py
+    broker = container(one(render({"broker": {"replication": {"replicas": 1}}}), "StatefulSet", BROKER))
     assert broker["command"] == ["python", "-m", "lmq_broker"]
     assert broker["args"] == [
         "serve",
@@ -171,6 +175,7 @@ def test_broker_extra_args_and_env_come_after_the_fixed_ones(render: Render, one
                     "broker": {
                         "extraArgs": ["--flush-mode", "async"],
                         "extraEnv": [{"name": "LMQ_MAX_BODY_BYTES", "value": "1024"}],
+                        "replication": {"replicas": 1},  # R=2's flags and env: test_replication.py
                     },
                 }
             ),
@@ -293,7 +298,8 @@ def test_platform_assigned_ids_leave_run_as_non_root(render: Render, one: One) -
 
 
 def test_only_the_operator_mounts_an_api_token(render: Render, one: One) -> None:
-    objects = render({"reclaim": {"enabled": True}})
+    # without replication; with it the brokers mount theirs for the slot Leases (test_replication.py)
+    objects = render({"reclaim": {"enabled": True}, "broker": {"replication": {"replicas": 1}}})
     assert pod_spec(one(objects, "StatefulSet", BROKER))["automountServiceAccountToken"] is False
     assert pod_spec(one(objects, "CronJob"))["automountServiceAccountToken"] is False
     assert pod_spec(one(objects, "Deployment", OPERATOR))["automountServiceAccountToken"] is True
@@ -362,6 +368,8 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_MEMBERSHIP": "demo-lmq-broker-membership",
         "LMQ_OPERATOR_BROKER_ADDRESS": "{pod}." + HEADLESS + ".mq.svc.cluster.local:8081",
         "LMQ_OPERATOR_BROKER_PROCESSES": "1",
+        "LMQ_OPERATOR_BROKER_REPLICATION": "2",
+        "LMQ_OPERATOR_SLOT_LEASE_PREFIX": "demo-lmq",
         "LMQ_OPERATOR_BROKER_PORT": "8082",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
         "LMQ_OPERATOR_LIVENESS_ENDPOINT": "http://0.0.0.0:8080/healthz",
@@ -425,7 +433,8 @@ def test_cluster_wide_rbac_is_least_privilege(render: Render, one: One) -> None:
     broker_role = one(objects, "Role", f"{OPERATOR}-brokers")
     assert broker_role["metadata"]["namespace"] == "mq"
     assert rules(broker_role) == BROKER_READ
-    assert sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Role") == [f"{OPERATOR}-brokers", LEADER_ROLE]
+    roles = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Role")
+    assert roles == [BROKER_LEASES_ROLE, f"{OPERATOR}-brokers", LEADER_ROLE]
 
     binding = one(objects, "ClusterRoleBinding", OPERATOR)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR}
@@ -479,7 +488,12 @@ def test_rbac_is_the_one_docs_operator_md_documents_and_tests(render: Render, on
 
 
 def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, one: One) -> None:
-    objects = render({"operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}}})
+    objects = render(
+        {
+            "operator": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}},
+            "broker": {"replication": {"createRole": False}},
+        }
+    )
     kinds = {o["kind"] for o in objects}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == [BROKER, "demo-lmq-reclaim"]
@@ -605,6 +619,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-broker",
         "lmq-broker-headless",
         "lmq-broker-peers",
+        "lmq-broker-leases",
         "lmq-operator",
         "lmq-operator-brokers",
         "lmq-test",

@@ -125,7 +125,8 @@ def _status(url: str) -> int:
 
 
 def test_a_broker_started_like_the_chart_answers_its_probes(render: Render, one: One, tmp_path: Path) -> None:
-    statefulset = one(render(), "StatefulSet")
+    # R=1: a ring of one pod here (the flags at R=2 start brokers in tests/broker/replication)
+    statefulset = one(render({"broker": {"replication": {"replicas": 1}}}), "StatefulSet")
     broker = container(statefulset)
     args = kubelet_expand(broker["args"], {**literal_env(broker), "POD_NAME": POD})
     assert args[0] == "serve"
@@ -175,7 +176,8 @@ def test_a_tls_broker_started_like_the_chart_serves_the_charts_callers(
     """tls.enabled end to end with real programs: the broker with the chart's TLS arguments and admin port,
     then the helm test, the operator and the reclaim job with the chart's TLS settings, each file found where the
     chart mounts it (the Secret's keys stand in for the kubelet's files)."""
-    objects = render({"tls": {"enabled": True, "existingSecret": "mq-tls"}, "reclaim": {"enabled": True}})
+    values = {"tls": {"enabled": True, "existingSecret": "mq-tls"}, "reclaim": {"enabled": True}}
+    objects = render({**values, "broker": {"replication": {"replicas": 1}}})
     server_name = "demo-lmq-broker.mq.svc"  # tls.serverName's default: the client Service
     issued = broker_testing.issue_certificate(tmp_path / "tls", server_name, f"*.{HEADLESS}.mq.svc")
     secret = {"tls.crt": issued.cert, "tls.key": issued.key, "ca.crt": issued.ca}  # what mq-tls holds

@@ -55,11 +55,13 @@ class _Shipper:
         self._send = send
         self._read = read
         self.caught_up = 0  # messages sent again to this follower because it was behind
+        self.pending = 0  # messages put here that the follower has not confirmed yet (lmq_replication_lag_messages)
         self._queue: list[_Item] = []
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lmq-replica-{endpoint}")
 
     def put(self, item: _Item) -> None:
+        self.pending += len(item[1])
         self._queue.append(item)
         self._wake.set()
 
@@ -83,6 +85,8 @@ class _Shipper:
                     await self._ship(epoch, messages, results)
                 except Exception as exc:
                     outcome = exc
+                if outcome is None:
+                    self.pending -= len(messages)
                 for *_, future in same:
                     if not future.done():
                         future.set_result(None) if outcome is None else future.set_exception(outcome)
@@ -166,6 +170,10 @@ class Owner:
         self._followers = followers
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
         self._flushing: asyncio.Task[None] | None = None
+
+    def lag(self) -> list[tuple[str, int]]:
+        """(follower endpoint, messages it has not confirmed) per follower."""
+        return [(f, s.pending) for f, s in zip(self._followers, self._shippers, strict=True)]
 
     def admit(self) -> None:
         if self._leadership.epoch(self._slot) is None:

@@ -62,6 +62,10 @@ class Slots:
         if self._leadership.holds(slot):
             self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
 
+    def lag(self) -> list[tuple[int, str, int]]:
+        """(slot, follower endpoint, messages it has not confirmed) of the slots this broker holds."""
+        return [(s, f, n) for s, o in self._owners.items() if self._leadership.holds(s) for f, n in o.lag()]
+
     async def close(self) -> None:
         await asyncio.gather(*(o.close() for o in self._owners.values()))
 

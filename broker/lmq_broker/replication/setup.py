@@ -25,7 +25,7 @@ from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, following, kube, owning, sources, wire
+from lmq_broker.replication import copies, following, gauges, kube, owning, sources, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -63,6 +63,11 @@ def check(config: BrokerConfig) -> None:
             "--replicas above 1 needs --lease-namespace: without Kubernetes Leases nothing decides which replica "
             "owns a slot (outside Kubernetes a cluster runs with --replicas 1; docs/replication.md)"
         )
+
+
+def idle_gauges() -> gauges.Collector:
+    """The replication gauges of a broker at --replicas 1: declared, without samples."""
+    return gauges.Collector(1)
 
 
 def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
@@ -141,6 +146,7 @@ class Replication:
         self._task: asyncio.Task[None] | None = None
         self._reconciling: asyncio.Task[None] | None = None
         self._interval_s = config.lease_duration_ms / 3000
+        registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -311,3 +311,13 @@ them: the operator is one-way.
   resources: ["secrets"]
   verbs: ["get"]
 {{- end }}
+
+{{/* Copies of every ring slot (broker.replication.replicas; null: 2 with two or more pods, else 1). */}}
+{{- define "lmq.broker.replicationFactor" -}}
+{{- $r := .Values.broker.replication.replicas }}
+{{- if kindIs "invalid" $r }}
+{{- ge (int .Values.broker.replicas) 2 | ternary 2 1 }}
+{{- else }}
+{{- $r | int }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,166 @@
+"""The operator's view of broker replication (docs/replication.md, Operator and chart): each slot's Lease and
+answering replicas in the StatefulSet's lmq.io/replication, a condition whose reason says what is missing, its
+metrics, and a pod count that stays while every slot is kept on several pods.
+
+The report is pure (``replicas.report``); the scaler's part runs on the real apiserver: real Lease objects
+written the way brokers write them, the annotation and Events read back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes
+import pytest
+
+from lmq_broker.cluster import membership as mb
+from lmq_operator import metrics, replicas, scaler, scaling, settings, testing
+from lmq_operator.scaling import Phase
+
+NOW = datetime(2026, 11, 28, 18, 0, tzinfo=UTC)
+STS = "lmq-broker"
+PODS = [f"{STS}-{i}.h:8081" for i in range(4)]
+
+
+def lease(slot: int, holder: str, *, renewed: datetime = NOW, epoch: int = 0, prefix: str = "demo") -> dict[str, Any]:
+    stamp = renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    spec = {"holderIdentity": holder, "leaseDurationSeconds": 6, "leaseTransitions": epoch, "renewTime": stamp}
+    return {"metadata": {"name": f"{prefix}-slot-{slot}"}, "spec": spec}
+
+
+def test_every_slot_held_and_answering_is_replicated() -> None:
+    found = replicas.report([lease(0, "slot-0/a"), lease(1, "slot-1/b")], "demo", 2, 1, 2, {0, 1}, NOW)
+    assert found.reason is replicas.Reason.REPLICATED
+    assert found.condition() == {"type": "Replicated", "status": "True", "reason": "Replicated"}
+    assert [(s.slot, s.holder, s.epoch, s.held, s.missing) for s in found.slots] == [
+        (0, "slot-0/a", 0, True, ()),
+        (1, "slot-1/b", 0, True, ()),
+    ]
+
+
+def test_a_replica_that_does_not_answer_makes_every_slot_it_holds_under_replicated() -> None:
+    # three pods, R=2: pod 1 holds slot 1 and follows slot 0
+    leases = [lease(0, "slot-0/a"), lease(1, "slot-0/a", epoch=3), lease(2, "slot-2/c")]
+    found = replicas.report(leases, "demo", 3, 1, 2, {0, 2}, NOW)
+    assert found.under_replicated == [0, 1] and found.unheld == []
+    assert found.reason is replicas.Reason.UNDER_REPLICATED
+    assert found.condition()["status"] == "False"
+    assert found.message == "slots under-replicated: 0, 1"
+    assert found.slots[1].epoch == 3 and found.slots[1].holder == "slot-0/a"  # failed over to slot 0's broker
+
+
+def test_a_missing_released_or_expired_lease_is_unheld() -> None:
+    stale = NOW - timedelta(seconds=7)  # a 6 s lease
+    leases = [lease(0, ""), lease(1, "slot-1/b", renewed=stale), lease(3, "slot-3/d"), lease(2, "x", prefix="other")]
+    found = replicas.report(leases, "demo", 4, 1, 2, {0, 1, 2, 3}, NOW)
+    assert found.unheld == [0, 1, 2]
+    assert found.reason is replicas.Reason.LEASE_UNHELD  # worse than under-replicated: sends of the slot fail
+    body = json.loads(found.annotation())
+    assert body["unheld"] == 3 and body["underReplicated"] == 0 and body["reason"] == "LeaseUnheld"
+    assert body["slots"][3] == {
+        "slot": 3,
+        "holder": "slot-3/d",
+        "epoch": 0,
+        "renewed": "2026-11-28T18:00:00.000000Z",
+        "held": True,
+        "missing": [],
+    }
+
+
+def test_replicas_of_a_slot_are_the_same_process_on_the_next_pods() -> None:
+    assert replicas.replicas_of(0, 4, 1, 2) == [0, 1]
+    assert replicas.replicas_of(3, 4, 1, 3) == [3, 0, 1]
+    assert replicas.replicas_of(1, 6, 2, 2) == [1, 3]  # process 1 of pod 0, then of pod 1
+
+
+def _observed(pods: int, wanted: int, replication: int) -> scaling.Observed:
+    target = mb.Membership(tuple(PODS[:pods]), (pods,))
+    views: dict[int, scaling.View | None] = {s: scaling.View(target, s) for s in range(pods)}
+    return scaling.Observed(wanted, pods, 1, target, views, {}, lambda i: PODS[i], replication=replication)
+
+
+def test_with_replication_the_pod_count_stays_and_nothing_is_drained() -> None:
+    for wanted in (2, 4):  # down (a leaving pod may be the last in-sync copy of a slot it follows), and up
+        decision = scaling.decide(_observed(3, wanted, 2))
+        assert decision.phase is Phase.STALLED
+        assert decision.target is None and decision.tell == () and decision.replicas is None
+        assert "every slot is kept on 2 pods" in decision.message and "Set it back to 3" in decision.message
+    assert scaling.decide(_observed(3, 3, 2)).phase is Phase.STEADY
+    assert scaling.decide(_observed(3, 2, 1)).phase is Phase.DRAINING  # without replication, as before
+
+
+def test_settings_of_replication() -> None:
+    env = {"LMQ_OPERATOR_BROKERS": "127.0.0.1:1"}
+    assert (settings.from_env(env).replication, settings.from_env(env).slot_lease_prefix) == (1, "lmq")
+    conf = settings.from_env({**env, "LMQ_OPERATOR_BROKER_REPLICATION": "3", "LMQ_OPERATOR_SLOT_LEASE_PREFIX": "x"})
+    assert (conf.replication, conf.slot_lease_prefix) == (3, "x")
+    with pytest.raises(settings.SettingsError, match=r"1\.\.5"):
+        settings.from_env({**env, "LMQ_OPERATOR_BROKER_REPLICATION": "0"})
+
+
+# ---- on the real apiserver ---------------------------------------------------------------------------------
+
+
+def _put_lease(kube: testing.KubeAPI, namespace: str, slot: int, holder: str, renewed: datetime) -> None:
+    """A slot Lease as a broker writes it (lmq_broker.replication.kube): created, or replaced by its holder."""
+    path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", **lease(slot, holder, renewed=renewed)}
+    try:
+        current = kube.get(f"{path}/demo-slot-{slot}")
+    except Exception:
+        kube.post(path, body)
+        return
+    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+    kube.request("PUT", f"{path}/demo-slot-{slot}", body)
+
+
+def _events(kube: testing.KubeAPI, namespace: str) -> list[tuple[str, str]]:
+    items = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+    return [(e["type"], e["reason"]) for e in items if e["involvedObject"]["name"] == STS]
+
+
+def test_the_scaler_reports_the_slot_leases_on_the_statefulset(kube: testing.KubeAPI, namespace: str) -> None:
+    testing.publish_brokers(kube, namespace, STS, [], 2)
+    env = {
+        "LMQ_OPERATOR_BROKER_NAMESPACE": namespace,
+        "LMQ_OPERATOR_BROKER_STATEFULSET": STS,
+        "LMQ_OPERATOR_BROKER_SERVICE": STS,
+        "LMQ_OPERATOR_BROKER_REPLICATION": "2",
+        "LMQ_OPERATOR_SLOT_LEASE_PREFIX": "demo",
+    }
+    client = kubernetes.config.new_client_from_config(config_file=str(kube.kubeconfig))  # type: ignore[no-untyped-call]
+    member = scaler.Scaler(settings.from_env(env), lambda: client)
+    target = mb.Membership(tuple(PODS[:2]), (2,))
+    sts_path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{STS}"
+
+    def report(answering: set[int]) -> dict[str, Any]:
+        views: Mapping[int, scaling.View | None] = {
+            s: scaling.View(target, s) if s in answering else None for s in (0, 1)
+        }
+        observed = scaling.Observed(2, 2, 1, target, views, {}, lambda i: PODS[i], replication=2)
+        asyncio.run(member.report_replication(kube.get(sts_path), target, observed))
+        found: dict[str, Any] = json.loads(kube.get(sts_path)["metadata"]["annotations"][replicas.ANNOTATION])
+        return found
+
+    def gauge(state: str) -> float:
+        value: float = metrics.REPLICATION_SLOTS.labels(state)._value.get()
+        return value
+
+    now = datetime.now(UTC)
+    _put_lease(kube, namespace, 0, "slot-0/a", now)
+    first = report({0, 1})
+    assert (first["reason"], first["unheld"], first["status"]) == ("LeaseUnheld", 1, "False")  # slot 1: no lease
+    assert first["slots"][0]["holder"] == "slot-0/a" and first["slots"][0]["held"]
+    assert (gauge("unheld"), gauge("all")) == (1, 2)
+    _put_lease(kube, namespace, 1, "slot-1/b", now)
+    assert report({0, 1})["reason"] == "Replicated" and gauge("unheld") == 0
+    degraded = report({0})  # pod 1 stopped answering: both slots lack a replica
+    assert (degraded["reason"], degraded["underReplicated"]) == ("UnderReplicated", 2)
+    assert [s["missing"] for s in degraded["slots"]] == [[1], [1]] and gauge("under_replicated") == 2
+    events = sorted(_events(kube, namespace))  # one per change of reason (the API lists them by name)
+    assert events == [("Normal", "Replicated"), ("Warning", "LeaseUnheld"), ("Warning", "UnderReplicated")]
+    report({0})  # unchanged: no new Event
+    assert len(_events(kube, namespace)) == 3
