@@ -89,7 +89,8 @@ PY_SUITES := tests/storage tests/broker/cli/test_cli.py
 # Broker tests that need the operator's test apiserver (lmq_operator.testing, the operator extra): not importable
 # in the broker-only venvs, and kube tests, not unit ones, anyway
 PY_NOT_BROKER_ONLY := --ignore=tests/broker/replication/test_replication.py \
-	--ignore=tests/broker/replication/test_replication_failover.py
+	--ignore=tests/broker/replication/test_replication_failover.py \
+	--ignore=tests/broker/replication/test_replication_chaos.py
 test-pythons:
 	@for v in $(OTHER_PYTHONS); do \
 	  py=; for c in $$(ls -d $$HOME/.pyenv/versions/$$v*/bin/python$$v 2>/dev/null | tail -1) $$(command -v python$$v); do \
@@ -127,7 +128,9 @@ hooks: $(STAMP)
 # damaged index tables); `make test` runs 10 cycles of it. LMQ_TORTURE_CYCLES / LMQ_TORTURE_SEED to vary. Then the
 # cluster-fault suites (issue 25: Python + MQTT, `--processes 2` pods, the Java client), 20 kill -9 rounds each
 # (`make test` runs one); LMQ_CLUSTER_FAULT_ROUNDS to vary. Then the storage faults on real filesystems (issue 26:
-# full index/, meta/ and commitlog/, failing fsyncs in both flush modes; as root, for the loop devices).
+# full index/, meta/ and commitlog/, failing fsyncs in both flush modes; as root, for the loop devices). Then the
+# replication chaos loop (issue 32: R=2 on the real apiserver, kill -9 of a random slot owner under load, its disk
+# deleted every other round; `make test` runs 2 rounds); LMQ_REPLICATION_CHAOS_ROUNDS / _SEED to vary.
 torture: $(STAMP) clients
 	LMQ_TORTURE_CYCLES=$${LMQ_TORTURE_CYCLES:-110} $(BIN)/python -m pytest -s tests/e2e/test_torture.py
 	LMQ_CLUSTER_FAULT_ROUNDS=$${LMQ_CLUSTER_FAULT_ROUNDS:-20} LMQ_CLUSTER_FAULT_STAGGER_S=$${LMQ_CLUSTER_FAULT_STAGGER_S:-10} \
@@ -137,6 +140,8 @@ torture: $(STAMP) clients
 	$(BIN)/python -m pytest -s tests/mqtt/test_limits.py tests/mqtt/test_durable_wills.py tests/mqtt/test_swallowed_errors.py
 	$(BIN)/python -m pytest -s tests/broker/protocol/test_parked_caps.py tests/broker/dispatch/test_metadata_reload.py \
 		tests/admin/test_with_broker.py tests/broker/dispatch/test_dispatcher.py -k "cap or flood or refused or reload or fresh or gone"
+	LMQ_REPLICATION_CHAOS_ROUNDS=$${LMQ_REPLICATION_CHAOS_ROUNDS:-20} $(BIN)/python -m pytest -s \
+		tests/broker/replication/test_replication_chaos.py
 
 lint: $(STAMP)
 	@bad=$$(git ls-files | grep -E '[[:space:]:|]' || true); \
