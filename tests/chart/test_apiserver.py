@@ -395,8 +395,26 @@ def test_the_operator_may_hold_its_own_lease_and_no_other(kube: testing.KubeAPI,
             assert can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", lease), (release, verb)
             assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", "kube-scheduler"), verb
             assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "apps", lease), verb
-        for verb in ("delete", "list", "watch", "patch"):
+        for verb in ("delete", "watch", "patch"):
             assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", lease), (release, verb)
+        # replication: it lists the brokers' slot Leases for the status, in the broker namespace only
+        assert can(kube, user, ("list", "leases", "coordination.k8s.io"), "mq")
+        assert not can(kube, user, ("list", "leases", "coordination.k8s.io"), "apps")
+
+
+def test_the_brokers_may_use_leases_in_their_namespace_and_nowhere_else(
+    kube: testing.KubeAPI, releases: dict[str, str]
+) -> None:
+    """Replication (R=2 by default with two pods): exactly get, list, create and update on Leases, in the release
+    namespace: what lmq_broker.replication.kube calls (docs/replication.md)."""
+    for release in releases:
+        broker = f"system:serviceaccount:mq:{release}-lmq-broker"
+        for verb in ("get", "list", "create", "update"):
+            assert can(kube, broker, (verb, "leases", "coordination.k8s.io"), "mq", f"{release}-lmq-slot-0"), verb
+            assert not can(kube, broker, (verb, "leases", "coordination.k8s.io"), "apps"), verb
+        for verb in ("delete", "watch", "patch"):
+            assert not can(kube, broker, (verb, "leases", "coordination.k8s.io"), "mq"), verb
+        assert not can(kube, broker, ("get", "secrets", ""), "mq")
 
 
 def test_single_namespace_operator_is_confined_to_it(kube: testing.KubeAPI, releases: dict[str, str]) -> None:

@@ -632,6 +632,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-broker",
         "mq-broker-headless",
         "mq-broker-peers",
+        "mq-broker-leases",
         "mq-operator",
         "mq-operator-brokers",
         "mq-test",
