@@ -25,9 +25,11 @@ STS = "lmq-broker"
 PODS = [f"{STS}-{i}.h:8081" for i in range(4)]
 
 
-def lease(slot: int, holder: str, *, renewed: datetime = NOW, epoch: int = 0, prefix: str = "demo") -> dict[str, Any]:
+def lease(
+    slot: int, holder: str, *, renewed: datetime = NOW, epoch: int = 0, prefix: str = "demo", duration_s: int = 6
+) -> dict[str, Any]:
     stamp = renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    spec = {"holderIdentity": holder, "leaseDurationSeconds": 6, "leaseTransitions": epoch, "renewTime": stamp}
+    spec = {"holderIdentity": holder, "leaseDurationSeconds": duration_s, "leaseTransitions": epoch, "renewTime": stamp}
     return {"metadata": {"name": f"{prefix}-slot-{slot}"}, "spec": spec}
 
 
@@ -107,7 +109,9 @@ def test_settings_of_replication() -> None:
 def _put_lease(kube: testing.KubeAPI, namespace: str, slot: int, holder: str, renewed: datetime) -> None:
     """A slot Lease as a broker writes it (lmq_broker.replication.kube): created, or replaced by its holder."""
     path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
-    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", **lease(slot, holder, renewed=renewed)}
+    # a long lease: the passes below must not see it expire on a slow shared machine
+    fields = lease(slot, holder, renewed=renewed, duration_s=600)
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", **fields}
     try:
         current = kube.get(f"{path}/demo-slot-{slot}")
     except Exception:
