@@ -48,7 +48,7 @@ ALL_ON: dict[str, Any] = {
         },
         "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "Messaging"}},
     },
-    "broker": {"replicas": 3},
+    "broker": {"replicas": 3, "replication": {"replicas": 2}},
 }
 # The same with PodMonitors instead of ServiceMonitors (the values schema refuses both at once).
 PODS: dict[str, Any] = {

@@ -368,7 +368,7 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_MEMBERSHIP": "demo-lmq-broker-membership",
         "LMQ_OPERATOR_BROKER_ADDRESS": "{pod}." + HEADLESS + ".mq.svc.cluster.local:8081",
         "LMQ_OPERATOR_BROKER_PROCESSES": "1",
-        "LMQ_OPERATOR_BROKER_REPLICATION": "2",
+        "LMQ_OPERATOR_BROKER_REPLICATION": "1",
         "LMQ_OPERATOR_SLOT_LEASE_PREFIX": "demo-lmq",
         "LMQ_OPERATOR_BROKER_PORT": "8082",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
@@ -434,7 +434,7 @@ def test_cluster_wide_rbac_is_least_privilege(render: Render, one: One) -> None:
     assert broker_role["metadata"]["namespace"] == "mq"
     assert rules(broker_role) == BROKER_READ
     roles = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Role")
-    assert roles == [BROKER_LEASES_ROLE, f"{OPERATOR}-brokers", LEADER_ROLE]
+    assert roles == [f"{OPERATOR}-brokers", LEADER_ROLE]  # R=1 by default: no Lease Role for the brokers
 
     binding = one(objects, "ClusterRoleBinding", OPERATOR)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR}
@@ -619,7 +619,6 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-broker",
         "lmq-broker-headless",
         "lmq-broker-peers",
-        "lmq-broker-leases",
         "lmq-operator",
         "lmq-operator-brokers",
         "lmq-test",
@@ -632,7 +631,6 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-broker",
         "mq-broker-headless",
         "mq-broker-peers",
-        "mq-broker-leases",
         "mq-operator",
         "mq-operator-brokers",
         "mq-test",

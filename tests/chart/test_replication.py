@@ -39,8 +39,8 @@ def operator_env(objects: list[Manifest], one: One) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container["env"]}
 
 
-def test_two_pods_are_replicated_twice_by_default_with_the_release_lease(render: Render, one: One) -> None:
-    objects = render()  # broker.replicas: 2
+def test_replicas_null_replicates_two_pods_twice_with_the_release_lease(render: Render, one: One) -> None:
+    objects = render({"broker": {"replication": {"replicas": None}}})  # null: 2 with broker.replicas 2
     spec = pod(objects, one)
     broker = spec["containers"][0]
     given = flags(broker["args"])
@@ -56,7 +56,11 @@ def test_two_pods_are_replicated_twice_by_default_with_the_release_lease(render:
 
 
 def test_one_pod_or_r_1_has_no_replication_no_token_and_no_lease_role(render: Render, one: One) -> None:
-    for values in ({"broker": {"replicas": 1}}, {"broker": {"replication": {"replicas": 1}}}):
+    for values in (
+        {},
+        {"broker": {"replicas": 1, "replication": {"replicas": None}}},
+        {"broker": {"replication": {"replicas": 1}}},
+    ):
         objects = render(values)
         spec = pod(objects, one)
         args = spec["containers"][0]["args"]
