@@ -215,12 +215,10 @@ class Replication:
         return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start)
 
     async def _send(self, endpoint: str, data: bytes) -> dict[str, int]:
-        """A copy; fails at once while the follower cannot be reached (it leaves the in-sync set rather than
-        holding sends for a whole timeout; the channel retries its connection every 0.5 s at most)."""
         call = self._links.channel(endpoint).unary_unary(METHOD, None, None)
         try:
             answer = await call(
-                data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=False
+                data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
