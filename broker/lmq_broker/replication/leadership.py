@@ -46,6 +46,7 @@ class LeaseApi(Protocol):
 class _Seen:
     version: str
     since: float  # when this broker first saw ``version``
+    declined: str = ""  # the version it said it would not take (logged once)
 
 
 def identity(slot: int, unique: str) -> str:
@@ -213,6 +214,14 @@ class Leadership:
             return
         expired = began - seen.since >= self._duration
         recorded = lease.in_sync is None or self.me in lease.in_sync  # None: a lease written before the set was
+        if expired and not recorded and seen.declined != lease.resource_version:
+            seen.declined = lease.resource_version
+            log.warning(
+                "slot %d: the lease of %s expired; not taken: this broker is not in its in-sync set %s",
+                slot,
+                lease.holder or "nobody",
+                lease.in_sync,
+            )
         if expired and recorded and self._in_sync(slot, lease.transitions):
             epoch = lease.transitions + 1
             # The deposed holder leaves the set (it rejoins once it holds every copy again); this broker is in it.
