@@ -74,7 +74,7 @@ class Owner:
         self._min_insync = min_insync
         self._counters = counters
         send, read, tails = doors
-        self.keeper = keeper = insync.Keeper(leadership, slot)
+        self.keeper = keeper = insync.Keeper(leadership, slot, min_insync)
         shipper_doors = shipping.Doors(
             send,
             read,
@@ -117,14 +117,14 @@ class Owner:
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while True:
             awaited = keeper.awaited()
+            members = [f for f in keeper.recorded() if f != me]
+            stored = 1 + sum(1 for f in members if f in seqs and keeper.shippers[f].stored(seqs[f]))
             failed = [f for f in awaited if f not in seqs or keeper.shippers[f].lost(seqs[f])]
             if failed:
-                if not await keeper.shrink(failed):
-                    self._refuse(f"replicas {failed} failed and the in-sync set could not be recorded")
+                if not await keeper.shrink(failed):  # below M (they stay), or the lease could not be written
+                    self._refuse(f"{stored} of {need} stored it (in sync: {[me, *members]}; failed: {failed})")
                 continue
             pending = [f for f in awaited if not keeper.shippers[f].stored(seqs[f])]
-            members = [f for f in keeper.recorded() if f != me]
-            stored = 1 + sum(1 for f in members if keeper.shippers[f].stored(seqs[f]))
             if not pending and stored >= need:
                 return
             left = deadline - time.monotonic()

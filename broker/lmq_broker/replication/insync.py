@@ -5,8 +5,10 @@ epoch*, so any of them may take the lease over without losing one (``leadership`
 
 * **Shrink before acknowledging.** A send is acknowledged only once every member (and every follower joining)
   answered for it; one that failed or lost its batch is removed from the set, the lease written, *before* the
-  answer goes out (``Owner.copy``). At --min-insync-replicas 1 nobody waits: a failed member is removed soon
-  after, and an acknowledged message may be missing from a member meanwhile (asynchronous replication).
+  answer goes out (``Owner.copy``). Never below --min-insync-replicas: then the send is refused instead, and
+  the members stay (they miss no acknowledged message, so they may still take over). At
+  --min-insync-replicas 1 nobody waits: a failed member is removed soon after, and an acknowledged message
+  may be missing from a member meanwhile (asynchronous replication).
 * **Grow once caught up.** A follower outside the set is probed (``shipping``); once a probe succeeded it is
   *joining*: sends numbered after that wait for it as for a member. When every batch numbered up to the join
   was stored there too (no failure since the probe), it is added, the lease written. A message acknowledged
@@ -26,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class Keeper:
-    def __init__(self, leadership: Leadership, slot: int) -> None:
+    def __init__(self, leadership: Leadership, slot: int, floor: int = 1) -> None:
         self._leadership = leadership
         self._slot = slot
+        self._floor = floor  # --min-insync-replicas: the set is never recorded smaller
         self.shippers: dict[int, Shipper] = {}  # follower's ring slot -> its shipper
         self.joining: dict[int, int] = {}  # follower -> the last batch numbered when it began to join
         self._ok_from: dict[int, int] = {}  # member -> its shipper's clean_from when it was last seen in the set
@@ -77,19 +80,26 @@ class Keeper:
         self._pulse()
 
     async def shrink(self, followers: Iterable[int]) -> bool:
-        """Remove ``followers`` from the set (and from those joining); True once the lease says so."""
+        """Remove ``followers`` from the set (and from those joining); True once the lease says so. Never
+        below --min-insync-replicas: a send that would need that is refused instead, and members that hold
+        every acknowledged message stay eligible to take over (Kafka's eligible leader replicas)."""
         gone = set(followers)
         for f in gone:
             self.joining.pop(f, None)
         if not gone & set(self.recorded()):
             return True
-        written = await self._leadership.record(self._slot, lambda now: tuple(f for f in now if f not in gone))
-        if written is not None:
-            for f in gone:
-                self._ok_from.pop(f, None)
+        floor = self._floor
+        written = await self._leadership.record(
+            self._slot, lambda now: kept if len(kept := tuple(f for f in now if f not in gone)) >= floor else now
+        )
+        out = written is not None and not gone & set(written)
+        if out:
             log.warning("slot %d: in-sync replicas now %s (%s failed or lagged)", self._slot, written, sorted(gone))
+        elif written is not None:  # kept: nothing is acknowledged without them, so they miss nothing acknowledged
+            for f in gone & set(written):
+                self._ok_from[f] = self.shippers[f].clean_from if f in self.shippers else 1
         self._pulse()
-        return written is not None
+        return out
 
     async def _grow(self, shipper: Shipper) -> None:
         f = shipper.follower

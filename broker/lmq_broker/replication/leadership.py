@@ -61,7 +61,7 @@ def slot_of_identity(holder: str) -> int:
 
 
 class Leadership:
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the slot ring, the lease's settings and the clock)
         self,
         api: LeaseApi,
         identity: str,
@@ -71,6 +71,7 @@ class Leadership:
         *,
         prefix: str,
         duration_ms: int,
+        min_insync: int = 1,
         clock: Clock = time.monotonic,
     ) -> None:
         self._api = api
@@ -84,6 +85,7 @@ class Leadership:
         self._duration = duration_ms / 1000
         self._duration_s = max(1, math.ceil(self._duration))
         self._clock = clock
+        self._min_insync = min_insync  # a takeover keeps the deposed holder in the set rather than go below it
         self._held: dict[int, tuple[kube.Lease, float]] = {}  # slot -> (lease as written, renewal began)
         self._seen: dict[int, _Seen] = {}
         self.epochs: dict[int, int] = {}  # slot -> newest epoch seen (followers refuse older copies)
@@ -224,9 +226,11 @@ class Leadership:
             )
         if expired and recorded and self._in_sync(slot, lease.transitions):
             epoch = lease.transitions + 1
-            # The deposed holder leaves the set (it rejoins once it holds every copy again); this broker is in it.
-            deposed = slot_of_identity(lease.holder)
-            in_sync = tuple(sorted({*(lease.in_sync or ())} - {deposed} | {self.me}))
+            # The deposed holder leaves the set (it rejoins once it holds every copy again), unless that takes the
+            # set below --min-insync-replicas: it holds every acknowledged message, so it stays eligible.
+            deposed, before = slot_of_identity(lease.holder), {*(lease.in_sync or ()), self.me}
+            after = before - {deposed}
+            in_sync = tuple(sorted(after if len(after) >= self._min_insync else before))
             await self._write(
                 slot, began, lambda: self._api.write(lease, self.identity, epoch, self._duration_s, in_sync)
             )

@@ -100,6 +100,7 @@ class Replication:
             lambda slot, epoch: self.follower is not None and self.follower.in_sync(slot, epoch),
             prefix=config.lease_prefix,
             duration_ms=config.lease_duration_ms,
+            min_insync=config.min_insync_replicas or config.replicas,
         )
 
         def commit(point: wire.Commit) -> Awaitable[None]:
