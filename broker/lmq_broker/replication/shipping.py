@@ -35,6 +35,7 @@ Tails = Callable[[], Awaitable[list[model.StoredMessage]]]  # the last message o
 CATCH_UP_ROUNDS: Final = 8  # catch-up copies tried before a copy fails (each takes up to CATCH_UP_BATCH per topic)
 CATCH_UP_BATCH: Final = 1_000
 PROBE_BATCH: Final = 500  # last messages per probe copy
+PROBE_GAP_S: Final = 0.1  # between two probes at least (one follows a call that succeeded, to rejoin soon)
 QUEUE_MESSAGES: Final = 10_000  # default of --replica-queue-messages
 
 
@@ -120,8 +121,9 @@ class Shipper:
 
     async def _run(self) -> None:
         while True:
+            since = time.monotonic() - self._probed_at
             if self._doors.wants_probe(self) and (
-                self._answered or time.monotonic() - self._probed_at >= self._probe_interval_s
+                since >= self._probe_interval_s or (self._answered and since >= PROBE_GAP_S)
             ):
                 await self._probe()
             if not self._queue:
@@ -164,8 +166,9 @@ class Shipper:
     async def _probe_in(self, epoch: int) -> None:
         covered, clean = self.seq, self.clean_from  # every batch numbered so far is in the store already
         try:
+            await self._doors.send(self.endpoint, wire.encode(self._slot, epoch, [], []))  # up? (before reading)
             tails = await self._doors.tails()
-            for start in range(0, max(len(tails), 1), PROBE_BATCH):  # an empty slot: one empty copy
+            for start in range(0, len(tails), PROBE_BATCH):
                 part = tails[start : start + PROBE_BATCH]
                 await self._ship(epoch, [as_new(m) for m in part], [appended(m) for m in part])
         except Exception as exc:
