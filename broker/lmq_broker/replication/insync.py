@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 from lmq_broker.replication.leadership import InSync, Leadership
 from lmq_broker.replication.shipping import Shipper
@@ -36,7 +37,7 @@ class Keeper:
         self.joining: dict[int, int] = {}  # follower -> the last batch numbered when it began to join
         self._ok_from: dict[int, int] = {}  # member -> its shipper's clean_from when it was last seen in the set
         self._changed = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
 
     def recorded(self) -> InSync:
         return self._leadership.in_sync(self._slot)
@@ -116,8 +117,7 @@ class Keeper:
             log.info("slot %d: in-sync replicas now %s", self._slot, written)
         self._pulse()
 
-    def _spawn(self, work: object) -> None:
-        assert asyncio.iscoroutine(work)
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(work, name=f"lmq-insync-{self._slot}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
