@@ -1,14 +1,16 @@
 """Replication's price (issue 32): send latency p50/p99 and broker CPU per message with ``--replicas 2`` and
-``--replicas 3`` / ``--replicas 1``, in the same run, on the same host.
+``--replicas 3`` / ``--replicas 1``, in the same run, on the same host; and asynchronous replication
+(``--replicas 2 --min-insync-replicas 1``, row ``R=2/M=1``: the send is answered before the copy is made).
 
 Three broker processes (``--peers``, ``sync`` flush) on a real kube-apiserver + etcd (``make testenv``, the per-slot
 Leases); a producer sends 1 KiB LITE messages to lite topics broker 0 owns, through broker 0, ``--inflight``
 at a time, one message per SendMessage. CPU is user + system time of *all* brokers (the followers' work is
-part of the price) over the timed sends, per message. R=1, 2 and 3 alternate ``--rounds`` times. Goal (issue 32):
-p99 ≤ 2x and CPU ≤ 1.5x at R=2.
+part of the price) over the timed sends, per message. The settings (``--configs``, ``R`` or ``R/M``) alternate
+``--rounds`` times. Goal (issue 32): p99 ≤ 2x and CPU ≤ 1.5x at R=2.
 
     python bench/bench_replication.py            # 3 rounds of 3,000 sends each
     python bench/bench_replication.py --quick    # 1 round of 500
+    python bench/bench_replication.py --configs 1,2,2/1   # R=1, R=2 (all in sync), R=2 asynchronous
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def cpu_s(broker: BrokerProcess) -> float:
 
 
 def start_pair(
-    workdir: Path, kube: kube_testing.KubeAPI, replicas: int, tag: str
+    workdir: Path, kube: kube_testing.KubeAPI, setting: str, tag: str
 ) -> tuple[list[BrokerProcess], list[str]]:
+    replicas, _, min_insync = setting.partition("/")
     members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", BROKERS)]
     token = workdir / "token"
     token.write_text(kube.token)
@@ -53,8 +56,8 @@ def start_pair(
     for slot in range(BROKERS):
         flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
         flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
-        flags += ["--replicas", str(replicas)]
-        if replicas > 1:
+        flags += ["--replicas", replicas, "--min-insync-replicas", min_insync or "0"]
+        if replicas != "1":
             flags += ["--lease-namespace", "default", "--lease-prefix", tag, "--kube-api-server", kube.server]
             flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
         brokers.append(start_broker(workdir / f"{tag}-b{slot}", int(members[slot].rsplit(":", 1)[1]), flags))
@@ -86,9 +89,9 @@ async def send_load(endpoint: str, lites: list[str], total: int, inflight: int) 
 
 
 def measure(  # noqa: PLR0917 (one run's settings)
-    workdir: Path, kube: kube_testing.KubeAPI, replicas: int, sends: int, inflight: int, tag: str
+    workdir: Path, kube: kube_testing.KubeAPI, setting: str, sends: int, inflight: int, tag: str
 ) -> tuple[float, float, float]:
-    brokers, members = start_pair(workdir, kube, replicas, tag)
+    brokers, members = start_pair(workdir, kube, setting, tag)
     try:
         membership = mb.Membership.parse(",".join(members))
         names = (f"t{i}" for i in range(100_000))
@@ -112,21 +115,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sends", type=int, default=3000)
     parser.add_argument("--inflight", type=int, default=8)
+    parser.add_argument("--configs", default="1,2,2/1,3", help="R or R/M (--min-insync-replicas), comma-separated")
     args = parser.parse_args()
     rounds, sends = (1, 500) if args.quick else (args.rounds, args.sends)
+    settings = args.configs.split(",")
     print(f"load average {os.getloadavg()[0]:.1f}; {sends} sends x {rounds} rounds, {args.inflight} in flight")
     with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:
-        figures: dict[int, list[tuple[float, float, float]]] = {1: [], 2: [], 3: []}
+        figures: dict[str, list[tuple[float, float, float]]] = {s: [] for s in settings}
         for r in range(rounds):
-            for replicas in (1, 2, 3):
-                got = measure(Path(tmp), kube, replicas, sends, args.inflight, f"r{r}-{replicas}")
-                figures[replicas].append(got)
-                print(f"round {r} R={replicas}: p50 {got[0]:,.0f} µs  p99 {got[1]:,.0f} µs  CPU {got[2]:,.0f} µs/msg")
+            for setting in settings:
+                got = measure(Path(tmp), kube, setting, sends, args.inflight, f"r{r}-{setting.replace('/', 'm')}")
+                figures[setting].append(got)
+                print(f"round {r} R={setting}: p50 {got[0]:,.0f} µs  p99 {got[1]:,.0f} µs  CPU {got[2]:,.0f} µs/msg")
         med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in figures.items()}
-        for replicas in (2, 3):
+        base = med.get("1")
+        for setting in settings:
+            if base is None or setting == "1":
+                continue
             for i, name in enumerate(("p50", "p99", "CPU/msg")):
-                ratio = med[replicas][i] / med[1][i]
-                print(f"FIGURE {name} R={replicas} ÷ R=1: {ratio:.2f} ({med[replicas][i]:,.0f} vs {med[1][i]:,.0f} µs)")
+                ratio = med[setting][i] / base[i]
+                print(f"FIGURE {name} R={setting} ÷ R=1: {ratio:.2f} ({med[setting][i]:,.0f} vs {base[i]:,.0f} µs)")
         print(f"load average {os.getloadavg()[0]:.1f}; goal: p99 ≤ 2.00, CPU ≤ 1.50")
 
 

@@ -123,8 +123,10 @@ HELP: Final[dict[str, str]] = {
     "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
     "of every pod (docs/scale-out.md)",
     "replicas": "replication: copies of every ring slot (owner + followers on other pods); 1: no replication",
-    "min_insync_replicas": "replication: copies durable before a send is acknowledged (0: all --replicas); "
-    "fewer in sync: the send fails, retriable",
+    "min_insync_replicas": "replication: copies durable before a send is acknowledged (0: all --replicas; 1: "
+    "asynchronous); fewer in the slot's in-sync set: the send fails, retriable",
+    "replica_queue_messages": "replication: messages queued per follower, not shipped yet; past it the follower "
+    "leaves the in-sync set and catches up later",
     "lease_namespace": "replication: namespace of the per-slot Kubernetes Leases (needed for --replicas > 1)",
     "lease_prefix": "replication: the Leases are named <prefix>-slot-<slot>",
     "lease_duration_ms": "replication: a slot's Lease duration; its owner stops acknowledging before it ends",
@@ -221,6 +223,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
     "replication (docs/replication.md)": (
         "replicas",
         "min_insync_replicas",
+        "replica_queue_messages",
         "lease_namespace",
         "lease_prefix",
         "lease_duration_ms",

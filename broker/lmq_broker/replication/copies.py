@@ -1,33 +1,35 @@
-"""The owner's end of a slot's copies: it ships each stored batch to its followers, in order, and
-acknowledges once enough of them stored it (the follower's end: ``following``).
+"""The owner's end of a slot's copies: it ships each stored batch to its followers (``shipping``, in order) and
+acknowledges once enough of them stored it, keeping the slot's in-sync set in its lease (``insync``); the
+follower's end: ``following``.
 
-Per follower one shipper sends the copies one call at a time, in the order the owner stored them (what queued
-up meanwhile goes in the next call, one call per epoch): a follower sees every lite topic's messages in the
-owner's order, so its offsets are the owner's.
+With --min-insync-replicas M > 1 a send is acknowledged once it is stored here and on every member of the
+in-sync set (members that failed are removed from the set first, the lease written), and the set counting
+this broker has at least M members. With M = 1 the batch is queued for each follower and the send answered at
+once: no future, no waiting (asynchronous replication).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors, model
-from lmq_broker.replication import wire
+from lmq_broker.replication import insync, shipping, wire
 from lmq_broker.replication.leadership import Leadership
 
 log = logging.getLogger(__name__)
 
-# (follower endpoint, copy) -> {} once stored there, or where the follower's lite topics end when it is behind
-Send = Callable[[str, bytes], Awaitable[dict[str, int]]]
-Read = Callable[[model.QueueId, int, int], Awaitable[list[model.StoredMessage]]]  # the owner's store
-CATCH_UP_ROUNDS: Final = 8  # catch-up copies tried before a copy fails (each takes up to CATCH_UP_BATCH per topic)
-CATCH_UP_BATCH: Final = 1_000
-_Item = tuple[int, Sequence[model.NewMessage], list[model.AppendResult], asyncio.Future[None]]
+Send = shipping.Send
+Read = shipping.Read
+Tails = shipping.Tails
+ACK_TIMEOUT_S: Final = 3.0  # a send waits this long at most for its copies (then refused, retriable)
 LMQ_PREFIX: Final = model.LMQ_PREFIX
+as_new = shipping.as_new
 
 
 class Counters:
@@ -44,136 +46,54 @@ class Counters:
             ["reason"],
             registry=registry,
         )
-
-
-class _Shipper:
-    """The ordered copies to one follower."""
-
-    def __init__(self, endpoint: str, slot: int, send: Send, read: Read) -> None:
-        self._endpoint = endpoint
-        self._slot = slot
-        self._send = send
-        self._read = read
-        self.caught_up = 0  # messages sent again to this follower because it was behind
-        self.pending = 0  # messages put here that the follower has not confirmed yet (lmq_replication_lag_messages)
-        self._queue: list[_Item] = []
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lmq-replica-{endpoint}")
-
-    def put(self, item: _Item) -> None:
-        self.pending += len(item[1])
-        self._queue.append(item)
-        self._wake.set()
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            items, self._queue = self._queue, []
-            while items:
-                epoch = items[0][0]
-                same = [i for i in items if i[0] == epoch]
-                items = [i for i in items if i[0] != epoch]
-                messages = [m for i in same for m in i[1]]
-                results = [r for i in same for r in i[2]]
-                outcome: BaseException | None = None
-                try:
-                    await self._ship(epoch, messages, results)
-                except Exception as exc:
-                    outcome = exc
-                if outcome is None:
-                    self.pending -= len(messages)
-                for *_, future in same:
-                    if not future.done():
-                        future.set_result(None) if outcome is None else future.set_exception(outcome)
-
-    async def _ship(self, epoch: int, messages: list[model.NewMessage], results: list[model.AppendResult]) -> None:
-        """Send a copy; while the follower is behind (it missed copies: down, slow, restarted), first send it what
-        it lacks, read back from this broker's store."""
-        data = wire.encode(self._slot, epoch, messages, results)
-        for _ in range(CATCH_UP_ROUNDS):
-            behind = await self._send(self._endpoint, data)
-            if not behind:
-                return
-            await self._catch_up(epoch, behind, _starts(messages, results))
-        raise errors.BrokerUnavailable(f"{self._endpoint} is still behind after {CATCH_UP_ROUNDS} catch-up copies")
-
-    async def _catch_up(self, epoch: int, behind: dict[str, int], starts: dict[str, int]) -> None:
-        missing: list[model.NewMessage] = []
-        offsets: list[model.AppendResult] = []
-        for topic, end in behind.items():
-            start = starts.get(topic)
-            if start is None or end >= start:
-                raise errors.Conflict(f"{self._endpoint} is ahead of this owner in {topic} ({end} ≥ {start})")
-            queue = model.QueueId(topic, 0)
-            for m in await self._read(queue, end, min(start - end, CATCH_UP_BATCH)):
-                missing.append(as_new(m))
-                offsets.append(model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms))
-        await self._send(self._endpoint, wire.encode(self._slot, epoch, missing, offsets))
-        self.caught_up += len(missing)
-
-
-def _observed(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def _starts(messages: list[model.NewMessage], results: list[model.AppendResult]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for m, r in zip(messages, results, strict=True):
-        for queue, offset in zip(m.queues, r.queue_offsets, strict=True):
-            if queue.topic.startswith(LMQ_PREFIX):
-                out.setdefault(queue.topic, offset)
-    return out
-
-
-def as_new(m: model.StoredMessage) -> model.NewMessage:
-    return model.NewMessage(
-        message_id=m.message_id,
-        topic=m.topic,
-        body=m.body,
-        queues=(m.queue,),
-        lite_topic=m.lite_topic,
-        message_type=m.message_type,
-        born_timestamp_ms=m.born_timestamp_ms,
-        born_host=m.born_host,
-        tag=m.tag,
-        keys=m.keys,
-        message_group=m.message_group,
-        user_properties=m.user_properties,
-    )
+        self.dropped = Counter(
+            "lmq_replication_copies_dropped",
+            "Messages not queued for a follower whose queue was full (--replica-queue-messages): it leaves the "
+            "in-sync set and catches up",
+            registry=registry,
+        )
 
 
 class Owner:
     """The copies of one slot this broker holds the lease of."""
 
-    def __init__(  # noqa: PLR0917 (the owner's slot, its followers and its rule)
+    def __init__(  # noqa: PLR0917 (the owner's slot, its followers, its rule and its doors)
         self,
         leadership: Leadership,
         slot: int,
-        followers: list[str],
+        followers: dict[int, str],
         min_insync: int,
-        send: Send,
-        read: Read,
+        doors: tuple[Send, Read, Tails],
         counters: Counters,
+        *,
+        queue_messages: int = shipping.QUEUE_MESSAGES,
+        probe_interval_s: float = 1.0,
     ) -> None:
         self._leadership = leadership
         self._slot = slot
-        self._need = min_insync - 1  # followers that must have it
+        self._min_insync = min_insync
         self._counters = counters
-        self._shippers = [_Shipper(f, slot, send, read) for f in followers]
+        send, read, tails = doors
+        self.keeper = keeper = insync.Keeper(leadership, slot, min_insync)
+        shipper_doors = shipping.Doors(
+            send,
+            read,
+            tails,
+            lambda: leadership.epoch(slot),
+            keeper.changed,
+            keeper.wants_probe,
+            counters.dropped.inc,
+        )
+        for f, endpoint in followers.items():
+            keeper.shippers[f] = shipping.Shipper(f, endpoint, slot, shipper_doors, queue_messages, probe_interval_s)
         self._send = send
-        self._followers = followers
+        self._followers = list(followers.values())
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
         self._flushing: asyncio.Task[None] | None = None
 
     def lag(self) -> list[tuple[str, int]]:
         """(follower endpoint, messages it has not confirmed) per follower."""
-        return [(f, s.pending) for f, s in zip(self._followers, self._shippers, strict=True)]
+        return [(s.endpoint, s.pending) for s in self.keeper.shippers.values()]
 
     def admit(self) -> None:
         if self._leadership.epoch(self._slot) is None:
@@ -187,31 +107,49 @@ class Owner:
         if epoch is None:
             self.admit()
             return
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[None]] = []
-        for shipper in self._shippers:
-            future: asyncio.Future[None] = loop.create_future()
-            future.add_done_callback(_observed)  # with enough answers, the others are not awaited
-            shipper.put((epoch, messages, results, future))
-            futures.append(future)
-        stored, failures = 0, []
-        waiting: set[asyncio.Future[None]] = set(futures)
-        while waiting and stored < self._need:
-            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                error = future.exception()
-                if error is None:
-                    stored += 1
-                else:
-                    failures.append(str(error))
-        if stored < self._need:
-            self._counters.refused.labels("insync").inc()
-            raise errors.NotEnoughReplicas(
-                f"not enough in-sync replicas of slot {self._slot}: {stored + 1} of {self._need + 1} stored it "
-                f"({'; '.join(failures)}); try again"
-            )
+        shippers = self.keeper.shippers
+        seqs = {f: s.put(epoch, messages, results) for f, s in shippers.items()}
+        if self._min_insync > 1:
+            await self._acknowledged(seqs)
         if self._leadership.epoch(self._slot) != epoch:
             self.admit()
+
+    async def _acknowledged(self, seqs: dict[int, int]) -> None:
+        """Return once every member of the in-sync set (and every follower joining it) answered for these
+        batches, those that failed removed from the set in the lease, and at least M members hold them."""
+        keeper, me, need = self.keeper, self._leadership.me, self._min_insync
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while True:
+            awaited = keeper.awaited()
+            members = [f for f in keeper.recorded() if f != me]
+            stored = 1 + sum(1 for f in members if f in seqs and keeper.shippers[f].stored(seqs[f]))
+            failed = [f for f in awaited if f not in seqs or keeper.shippers[f].lost(seqs[f])]
+            if failed:
+                if not await keeper.shrink(failed):  # below M (they stay), or the lease could not be written
+                    self._refuse(f"{stored} of {need} stored it (in sync: {[me, *members]}; failed: {failed})")
+                continue
+            pending = [f for f in awaited if not keeper.shippers[f].stored(seqs[f])]
+            if not pending and stored >= need:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or (not pending and not self._may_grow(seqs)):
+                waiting = f"; no answer yet from {pending}" if pending else ""
+                self._refuse(f"{stored} of {need} stored it (in sync: {[me, *members]}{waiting})")
+            await keeper.wait(left)
+
+    def _may_grow(self, seqs: dict[int, int]) -> bool:
+        """A follower outside the set may still join in time: one is joining, or has not answered for these
+        batches yet, or answered lately (a probe follows). A follower that is down is none of these: refused
+        at once rather than after the timeout."""
+        keeper, members = self.keeper, set(self.keeper.recorded())
+        outside = [s for f, s in keeper.shippers.items() if f not in members]
+        return bool(keeper.joining) or any(
+            s.hopeful() or not (s.stored(seqs[s.follower]) or s.lost(seqs[s.follower])) for s in outside
+        )
+
+    def _refuse(self, why: str) -> None:
+        self._counters.refused.labels("insync").inc()
+        raise errors.NotEnoughReplicas(f"not enough in-sync replicas of slot {self._slot}: {why}; try again")
 
     def note_commit(self, commit: wire.Commit) -> None:
         """A commit point persisted here: sent to the followers soon, coalesced per key, one flush at a time
@@ -236,7 +174,8 @@ class Owner:
     async def close(self) -> None:
         if self._flushing is not None:
             self._flushing.cancel()
-        await asyncio.gather(*(s.close() for s in self._shippers))
+        await asyncio.gather(*(s.close() for s in self.keeper.shippers.values()))
+        await self.keeper.close()
 
 
 def first_offsets(copy: wire.Copy) -> dict[model.QueueId, int]:

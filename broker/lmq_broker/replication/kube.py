@@ -19,6 +19,7 @@ from typing import Any, Final
 
 SERVICE_ACCOUNT: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 CALL_TIMEOUT_S: Final = 2.0
+IN_SYNC: Final = "lmq.io/in-sync"  # annotation: the slot's in-sync replicas, ring slots comma-separated
 
 
 class Conflict(Exception):
@@ -32,6 +33,22 @@ class Lease:
     transitions: int  # the slot's replication epoch
     resource_version: str
     duration_s: int
+    in_sync: tuple[int, ...] | None = None  # the in-sync replicas recorded by the holder; None: never recorded
+
+
+def _in_sync_of(value: object) -> tuple[int, ...] | None:
+    if not isinstance(value, str):
+        return None
+    return tuple(sorted(int(part) for part in value.split(",") if part.strip().isdigit()))
+
+
+def _meta(name: str, in_sync: tuple[int, ...] | None, version: str = "") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if version:
+        meta["resourceVersion"] = version
+    if in_sync is not None:
+        meta["annotations"] = {IN_SYNC: ",".join(map(str, sorted(in_sync)))}
+    return meta
 
 
 def _lease_of(body: dict[str, Any]) -> Lease:
@@ -42,6 +59,7 @@ def _lease_of(body: dict[str, Any]) -> Lease:
         transitions=int(spec.get("leaseTransitions") or 0),
         resource_version=body["metadata"]["resourceVersion"],
         duration_s=int(spec.get("leaseDurationSeconds") or 0),
+        in_sync=_in_sync_of((body["metadata"].get("annotations") or {}).get(IN_SYNC)),
     )
 
 
@@ -92,15 +110,18 @@ class ApiServer:
         items = [] if body is None else body.get("items") or []
         return [_lease_of(item) for item in items if str(item["metadata"]["name"]).startswith(prefix)]
 
-    def create(self, name: str, holder: str, duration_s: int) -> Lease:
+    def create(self, name: str, holder: str, duration_s: int, in_sync: tuple[int, ...] | None = None) -> Lease:
         spec = {"holderIdentity": holder, "leaseDurationSeconds": duration_s, "leaseTransitions": 0}
         spec |= {"acquireTime": _now(), "renewTime": _now()}
-        body = self._call("POST", "", {"metadata": {"name": name}, "spec": spec})
+        body = self._call("POST", "", {"metadata": _meta(name, in_sync), "spec": spec})
         assert body is not None
         return _lease_of(body)
 
-    def write(self, lease: Lease, holder: str, transitions: int, duration_s: int) -> Lease:
-        """Renew (same holder and transitions) or take (a new holder, transitions + 1) ``lease`` as read."""
+    def write(
+        self, lease: Lease, holder: str, transitions: int, duration_s: int, in_sync: tuple[int, ...] | None = None
+    ) -> Lease:
+        """Renew (same holder and transitions) or take (a new holder, transitions + 1) ``lease`` as read, with
+        the in-sync replicas ``in_sync`` (a PUT replaces the whole object: the annotation is written each time)."""
         spec: dict[str, Any] = {
             "holderIdentity": holder,
             "leaseDurationSeconds": duration_s,
@@ -109,7 +130,7 @@ class ApiServer:
         }
         if holder != lease.holder:
             spec["acquireTime"] = _now()
-        meta = {"name": lease.name, "resourceVersion": lease.resource_version}
+        meta = _meta(lease.name, in_sync, lease.resource_version)
         body = self._call("PUT", f"/{lease.name}", {"metadata": meta, "spec": spec})
         assert body is not None
         return _lease_of(body)

@@ -5,6 +5,11 @@ ago on its own monotonic clock. A candidate sees a lease expire only once its re
 for a whole duration on *its* clock (client-go's rule), which starts after that renewal was written: the
 deposed holder has stopped acknowledging before anyone can take its lease. The lease's ``leaseTransitions``
 is the slot's replication epoch; copies carry it and followers refuse older ones.
+
+The lease also records the slot's *in-sync replicas* (``kube.IN_SYNC``, Kafka's ISR), written by its holder
+only (``record``, with the resourceVersion it last wrote, like a renewal): a follower takes an expired lease
+over only when it is in that set, and it drops the deposed holder from it. Writes of one slot are serialized
+here, so a renewal never races the holder's own change of the set.
 """
 
 from __future__ import annotations
@@ -26,16 +31,22 @@ FENCE_SHARE: Final = 2 / 3  # renewals run every third of a duration: one may fa
 Clock = Callable[[], float]
 
 
+InSync = tuple[int, ...]  # ring slots (brokers) of a slot's in-sync replicas, sorted
+
+
 class LeaseApi(Protocol):
     def list_named(self, prefix: str) -> list[kube.Lease]: ...  # every lease whose name starts with ``prefix``
-    def create(self, name: str, holder: str, duration_s: int) -> kube.Lease: ...
-    def write(self, lease: kube.Lease, holder: str, transitions: int, duration_s: int) -> kube.Lease: ...
+    def create(self, name: str, holder: str, duration_s: int, in_sync: InSync | None = None) -> kube.Lease: ...
+    def write(
+        self, lease: kube.Lease, holder: str, transitions: int, duration_s: int, in_sync: InSync | None = None
+    ) -> kube.Lease: ...
 
 
 @dataclass(slots=True)
 class _Seen:
     version: str
     since: float  # when this broker first saw ``version``
+    declined: str = ""  # the version it said it would not take (logged once)
 
 
 def identity(slot: int, unique: str) -> str:
@@ -50,7 +61,7 @@ def slot_of_identity(holder: str) -> int:
 
 
 class Leadership:
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the slot ring, the lease's settings and the clock)
         self,
         api: LeaseApi,
         identity: str,
@@ -60,6 +71,7 @@ class Leadership:
         *,
         prefix: str,
         duration_ms: int,
+        min_insync: int = 1,
         clock: Clock = time.monotonic,
     ) -> None:
         self._api = api
@@ -73,10 +85,13 @@ class Leadership:
         self._duration = duration_ms / 1000
         self._duration_s = max(1, math.ceil(self._duration))
         self._clock = clock
+        self._min_insync = min_insync  # a takeover keeps the deposed holder in the set rather than go below it
         self._held: dict[int, tuple[kube.Lease, float]] = {}  # slot -> (lease as written, renewal began)
         self._seen: dict[int, _Seen] = {}
         self.epochs: dict[int, int] = {}  # slot -> newest epoch seen (followers refuse older copies)
+        self.in_sets: dict[int, InSync | None] = {}  # slot -> its in-sync replicas as last read or written
         self.takeovers = 0
+        self._locks: dict[int, asyncio.Lock] = {}  # one write at a time per slot (renewal, set change, takeover)
 
     def name(self, slot: int) -> str:
         return f"{self._prefix}-slot-{slot}"
@@ -93,6 +108,40 @@ class Leadership:
 
     def held(self) -> list[int]:
         return list(self._held)
+
+    def in_sync(self, slot: int) -> InSync:
+        """The in-sync replicas of a slot this broker holds, as written in its lease; () when not held."""
+        held = self._held.get(slot)
+        return () if held is None else held[0].in_sync or ()
+
+    async def record(self, slot: int, change: Callable[[InSync], InSync]) -> InSync | None:
+        """Write ``change(the set as written)`` as the slot's in-sync replicas (a renewal too): the set now
+        recorded, or None when not written (the lease is not held, was taken meanwhile, or the apiserver
+        failed: the caller acknowledges nothing that needed it)."""
+        async with self._lock(slot):
+            held = self._held.get(slot)
+            if held is None:
+                return None
+            lease, began = held[0], self._clock()
+            in_sync = tuple(sorted(set(change(lease.in_sync or ()))))
+            if lease.in_sync == in_sync:
+                return in_sync
+            try:
+                await self._write(
+                    slot,
+                    began,
+                    lambda: self._api.write(lease, self.identity, lease.transitions, self._duration_s, in_sync),
+                )
+            except Exception as exc:
+                log.warning("lease of slot %d: in-sync replicas %s not recorded: %s", slot, in_sync, exc)
+                return None
+            return in_sync if self.in_sync(slot) == in_sync else None
+
+    def _lock(self, slot: int) -> asyncio.Lock:
+        found = self._locks.get(slot)
+        if found is None:
+            found = self._locks[slot] = asyncio.Lock()
+        return found
 
     def serving(self, slot: int) -> int:
         """The slot whose broker holds ``slot``'s lease (where its sends go); ``slot`` itself when unknown."""
@@ -130,19 +179,31 @@ class Leadership:
             self.holders.pop(slot, None)
         else:
             self.holders[slot] = lease.holder
+        if lease is not None:
+            self.in_sets[slot] = lease.in_sync
 
     async def _visit(self, slot: int, lease: kube.Lease | None, began: float) -> None:
         """Renew, create or take the lease of one of this broker's slots, as read when the tick ``began``."""
+        async with self._lock(slot):
+            await self._visit_locked(slot, lease, began)
+
+    async def _visit_locked(self, slot: int, lease: kube.Lease | None, began: float) -> None:
         if lease is None:
-            if slot == self.me:
+            if slot == self.me:  # a new slot: its owner alone is in sync; followers join once they hold it all
+                mine = (self.me,)
                 await self._write(
-                    slot, began, lambda: self._api.create(self.name(slot), self.identity, self._duration_s)
+                    slot, began, lambda: self._api.create(self.name(slot), self.identity, self._duration_s, mine)
                 )
             return
         self.epochs[slot] = max(self.epochs.get(slot, 0), lease.transitions)
         if lease.holder == self.identity:
+            # Renewed as this broker last wrote it (the LIST may predate its own change of the in-sync set).
+            held = self._held[slot][0] if slot in self._held else lease
+            in_sync = held.in_sync or (self.me,)
             await self._write(
-                slot, began, lambda: self._api.write(lease, self.identity, lease.transitions, self._duration_s)
+                slot,
+                began,
+                lambda: self._api.write(held, self.identity, held.transitions, self._duration_s, in_sync),
             )
             return
         if self._held.pop(slot, None) is not None:
@@ -154,9 +215,25 @@ class Leadership:
             self._seen[slot] = _Seen(lease.resource_version, began)
             return
         expired = began - seen.since >= self._duration
-        if expired and self._in_sync(slot, lease.transitions):
+        recorded = lease.in_sync is None or self.me in lease.in_sync  # None: a lease written before the set was
+        if expired and not recorded and seen.declined != lease.resource_version:
+            seen.declined = lease.resource_version
+            log.warning(
+                "slot %d: the lease of %s expired; not taken: this broker is not in its in-sync set %s",
+                slot,
+                lease.holder or "nobody",
+                lease.in_sync,
+            )
+        if expired and recorded and self._in_sync(slot, lease.transitions):
             epoch = lease.transitions + 1
-            await self._write(slot, began, lambda: self._api.write(lease, self.identity, epoch, self._duration_s))
+            # The deposed holder leaves the set (it rejoins once it holds every copy again), unless that takes the
+            # set below --min-insync-replicas: it holds every acknowledged message, so it stays eligible.
+            deposed, before = slot_of_identity(lease.holder), {*(lease.in_sync or ()), self.me}
+            after = before - {deposed}
+            in_sync = tuple(sorted(after if len(after) >= self._min_insync else before))
+            await self._write(
+                slot, began, lambda: self._api.write(lease, self.identity, epoch, self._duration_s, in_sync)
+            )
             if slot in self._held:
                 self.takeovers += 1
                 log.warning("slot %d: took the lease from %s, epoch %d", slot, lease.holder or "nobody", epoch)
@@ -169,4 +246,5 @@ class Leadership:
             return
         self._held[slot] = (written, began)
         self.holders[slot] = written.holder
+        self.in_sets[slot] = written.in_sync
         self.epochs[slot] = max(self.epochs.get(slot, 0), written.transitions)

@@ -50,14 +50,6 @@ def check(config: BrokerConfig) -> None:
         raise errors.InvalidArgument(
             f"--min-insync-replicas {config.min_insync_replicas} exceeds --replicas {config.replicas}"
         )
-    if 1 < config.min_insync_replicas < config.replicas:
-        # A follower may take over only once it is in sync; with some followers allowed to miss an acknowledged
-        # copy, which ones are in sync must be recorded with the lease before acknowledging without them (an
-        # ISR as Kafka keeps it). Not built: all replicas, or the owner alone (asynchronous), nothing between.
-        raise errors.InvalidArgument(
-            f"--min-insync-replicas {config.min_insync_replicas} with --replicas {config.replicas}: give "
-            f"{config.replicas} (every replica) or 1 (asynchronous); docs/replication.md"
-        )
     if config.replicas > 1 and not config.lease_namespace:
         raise errors.InvalidArgument(
             "--replicas above 1 needs --lease-namespace: without Kubernetes Leases nothing decides which replica "
@@ -113,6 +105,7 @@ class Replication:
             lambda slot, epoch: self.follower is not None and self.follower.in_sync(slot, epoch),
             prefix=config.lease_prefix,
             duration_ms=config.lease_duration_ms,
+            min_insync=config.min_insync_replicas or config.replicas,
         )
 
         def commit(point: wire.Commit) -> Awaitable[None]:
@@ -134,9 +127,19 @@ class Replication:
         min_insync = config.min_insync_replicas or config.replicas
 
         def owner(slot: int) -> copies.Owner:
-            endpoints = [links.membership.members[s] for s in replica_sets[slot] if s != me]
+            endpoints = {s: links.membership.members[s] for s in replica_sets[slot] if s != me}
             read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
-            return copies.Owner(self.leadership, slot, endpoints, min_insync, self._send, read, self._counters)
+            tails = lambda: asyncio.to_thread(sources.tails, store, slot, self.slots.slot_of_topic)  # noqa: E731
+            return copies.Owner(
+                self.leadership,
+                slot,
+                endpoints,
+                min_insync,
+                (self._send, read, tails),
+                self._counters,
+                queue_messages=config.replica_queue_messages,
+                probe_interval_s=config.lease_duration_ms / 3000,
+            )
 
         membership = links.membership
         self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
@@ -167,6 +170,8 @@ class Replication:
         leadership, follower = self.leadership, self.follower
         assert follower is not None
         while not self._stopping.is_set():
+            for slot in leadership.held():
+                self.slots.owner(slot)  # its shippers start probing the followers outside the in-sync set
             for slot in leadership.mine:
                 epoch = leadership.epochs.get(slot)
                 if leadership.holds(slot) or epoch is None or follower.in_sync(slot, epoch):

@@ -28,6 +28,14 @@ def ends(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> dict[s
         cursor = f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}"
 
 
+def tails(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[model.StoredMessage]:
+    """The last message of every non-empty lite topic of ``slot`` (what a probe of a follower sends)."""
+    out: list[model.StoredMessage] = []
+    for topic, end in ends(store, slot, slot_of_topic).items():
+        out.extend(store.read(model.QueueId(topic, 0), end - 1, 1))
+    return out
+
+
 def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
     """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start``."""
     queue = model.QueueId(topic, 0)

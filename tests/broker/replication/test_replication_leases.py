@@ -3,48 +3,13 @@ when a follower may take over (the real apiserver: tests/broker/replication/test
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.replication import kube, owning
+from lmq_broker.replication import memory, owning
 from lmq_broker.replication.leadership import Leadership, identity
 
 DURATION_MS = 3000
-
-
-class Leases:
-    """The apiserver's rule for Leases: a write names the resourceVersion it read, else Conflict."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, kube.Lease] = {}
-        self._versions = itertools.count(1)
-        self.down = False
-        self.lists = 0  # reads: one LIST per tick, whatever the number of slots
-
-    def list_named(self, prefix: str) -> list[kube.Lease]:
-        if self.down:
-            raise OSError("apiserver unreachable")
-        self.lists += 1
-        return [lease for name, lease in self.items.items() if name.startswith(prefix)]
-
-    def create(self, name: str, holder: str, duration_s: int) -> kube.Lease:
-        if self.down:
-            raise OSError("apiserver unreachable")
-        if name in self.items:
-            raise kube.Conflict(name)
-        lease = self.items[name] = kube.Lease(name, holder, 0, str(next(self._versions)), duration_s)
-        return lease
-
-    def write(self, lease: kube.Lease, holder: str, transitions: int, duration_s: int) -> kube.Lease:
-        if self.down:
-            raise OSError("apiserver unreachable")
-        if self.items[lease.name].resource_version != lease.resource_version:
-            raise kube.Conflict(lease.name)
-        written = kube.Lease(lease.name, holder, transitions, str(next(self._versions)), duration_s)
-        self.items[lease.name] = written
-        return written
 
 
 class Clock:
@@ -56,7 +21,7 @@ class Clock:
 
 
 def broker(
-    api: Leases, clock: Clock, me: int, in_sync: bool = True, replica_sets: list[list[int]] | None = None
+    api: memory.Leases, clock: Clock, me: int, in_sync: bool = True, replica_sets: list[list[int]] | None = None
 ) -> Leadership:
     return Leadership(
         api,
@@ -72,9 +37,10 @@ def broker(
 
 @pytest.mark.asyncio
 async def test_an_owner_that_cannot_renew_stops_acknowledging_before_anyone_may_take_over() -> None:
-    api, clock = Leases(), Clock()
+    api, clock = memory.Leases(), Clock()
     owner, follower = broker(api, clock, 0), broker(api, clock, 1)
     await owner.tick()
+    assert await owner.record(0, lambda now: (*now, 1)) == (0, 1)  # the follower joined the in-sync set
     await follower.tick()
     assert owner.epoch(0) == 0 and follower.serving(0) == 0
     api.down = True  # the owner is cut off from the apiserver; the follower is not (below)
@@ -99,7 +65,7 @@ async def test_an_owner_that_cannot_renew_stops_acknowledging_before_anyone_may_
 
 @pytest.mark.asyncio
 async def test_a_follower_not_in_sync_never_takes_over() -> None:
-    api, clock = Leases(), Clock()
+    api, clock = memory.Leases(), Clock()
     owner, follower = broker(api, clock, 0), broker(api, clock, 1, in_sync=False)
     await owner.tick()
     await follower.tick()
@@ -110,7 +76,7 @@ async def test_a_follower_not_in_sync_never_takes_over() -> None:
 
 @pytest.mark.asyncio
 async def test_a_lease_renewed_in_time_is_never_taken() -> None:
-    api, clock = Leases(), Clock()
+    api, clock = memory.Leases(), Clock()
     owner, follower = broker(api, clock, 0), broker(api, clock, 1)
     for _ in range(10):
         await owner.tick()
@@ -122,7 +88,7 @@ async def test_a_lease_renewed_in_time_is_never_taken() -> None:
 
 @pytest.mark.asyncio
 async def test_a_tick_reads_every_slots_lease_in_one_list_of_this_releases_leases() -> None:
-    api, clock = Leases(), Clock()
+    api, clock = memory.Leases(), Clock()
     ring = [[0, 1], [1, 2], [2, 3], [3, 0]]
     api.create("t-slot-10", "slot-1/other-release", 3)  # another release with a longer name: not one of ours
     api.create("u-slot-2", "slot-3/other-release", 3)  # another release: ignored

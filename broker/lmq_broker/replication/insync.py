@@ -1,0 +1,128 @@
+"""A held slot's in-sync replicas (Kafka's ISR), recorded in its Lease by this broker, its holder.
+
+The rule every write keeps: *every replica in the recorded set holds every message acknowledged in the set's
+epoch*, so any of them may take the lease over without losing one (``leadership`` lets only members do so).
+
+* **Shrink before acknowledging.** A send is acknowledged only once every member (and every follower joining)
+  answered for it; one that failed or lost its batch is removed from the set, the lease written, *before* the
+  answer goes out (``Owner.copy``). Never below --min-insync-replicas: then the send is refused instead, and
+  the members stay (they miss no acknowledged message, so they may still take over). At
+  --min-insync-replicas 1 nobody waits: a failed member is removed soon after, and an acknowledged message
+  may be missing from a member meanwhile (asynchronous replication).
+* **Grow once caught up.** A follower outside the set is probed (``shipping``); once a probe succeeded it is
+  *joining*: sends numbered after that wait for it as for a member. When every batch numbered up to the join
+  was stored there too (no failure since the probe), it is added, the lease written. A message acknowledged
+  before it joined was numbered before the join: the probe covered it, or it was stored there before the grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Iterable
+from typing import Any
+
+from lmq_broker.replication.leadership import InSync, Leadership
+from lmq_broker.replication.shipping import Shipper
+
+log = logging.getLogger(__name__)
+
+
+class Keeper:
+    def __init__(self, leadership: Leadership, slot: int, floor: int = 1) -> None:
+        self._leadership = leadership
+        self._slot = slot
+        self._floor = floor  # --min-insync-replicas: the set is never recorded smaller
+        self.shippers: dict[int, Shipper] = {}  # follower's ring slot -> its shipper
+        self.joining: dict[int, int] = {}  # follower -> the last batch numbered when it began to join
+        self._ok_from: dict[int, int] = {}  # member -> its shipper's clean_from when it was last seen in the set
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[object]] = set()
+
+    def recorded(self) -> InSync:
+        return self._leadership.in_sync(self._slot)
+
+    def awaited(self) -> list[int]:
+        """The followers a send waits for: members of the set and those joining it."""
+        return sorted({*(f for f in self.recorded() if f != self._leadership.me), *self.joining})
+
+    def wants_probe(self, shipper: Shipper) -> bool:
+        f = shipper.follower
+        return f not in self.recorded() and f not in self.joining and not shipper.complete()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until something changed (a call answered, the set written) or ``timeout_s``."""
+        changed = self._changed
+        try:
+            await asyncio.wait_for(changed.wait(), timeout_s)
+        except TimeoutError:
+            return
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def changed(self, shipper: Shipper) -> None:
+        """A shipper's call, probe or drop ended: join, grow or shrink accordingly."""
+        f, recorded = shipper.follower, self.recorded()
+        if f in recorded:
+            if shipper.clean_from > self._ok_from.get(f, 1):  # a batch failed since it was seen in the set
+                self._spawn(self.shrink([f]))
+        elif f in self.joining:
+            if not shipper.complete():
+                del self.joining[f]
+            elif shipper.done >= self.joining[f]:
+                self._spawn(self._grow(shipper))
+        elif shipper.complete():
+            self.joining[f] = shipper.seq
+            log.info("slot %d: replica %d caught up, joining the in-sync set", self._slot, f)
+            if shipper.done >= shipper.seq:
+                self._spawn(self._grow(shipper))
+        self._pulse()
+
+    async def shrink(self, followers: Iterable[int]) -> bool:
+        """Remove ``followers`` from the set (and from those joining); True once the lease says so. Never
+        below --min-insync-replicas: a send that would need that is refused instead, and members that hold
+        every acknowledged message stay eligible to take over (Kafka's eligible leader replicas)."""
+        gone = set(followers)
+        for f in gone:
+            self.joining.pop(f, None)
+        if not gone & set(self.recorded()):
+            return True
+        floor = self._floor
+        written = await self._leadership.record(
+            self._slot, lambda now: kept if len(kept := tuple(f for f in now if f not in gone)) >= floor else now
+        )
+        out = written is not None and not gone & set(written)
+        if out:
+            log.warning("slot %d: in-sync replicas now %s (%s failed or lagged)", self._slot, written, sorted(gone))
+        elif written is not None:  # kept: nothing is acknowledged without them, so they miss nothing acknowledged
+            for f in gone & set(written):
+                self._ok_from[f] = self.shippers[f].clean_from if f in self.shippers else 1
+        self._pulse()
+        return out
+
+    async def _grow(self, shipper: Shipper) -> None:
+        f = shipper.follower
+        if f not in self.joining or not shipper.complete() or shipper.done < self.joining[f]:
+            return
+        ok_from = shipper.clean_from
+        written = await self._leadership.record(self._slot, lambda now: (*now, f))
+        if written is not None:
+            self._ok_from[f] = ok_from
+            self.joining.pop(f, None)
+            if shipper.clean_from != ok_from:  # it failed while the lease was written: out again
+                await self.shrink([f])
+                return
+            log.info("slot %d: in-sync replicas now %s", self._slot, written)
+        self._pulse()
+
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=f"lmq-insync-{self._slot}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,210 @@
+"""The in-sync set recorded with the lease (docs/replication.md, "In-sync replicas"), three replicas, on the
+in-memory Lease API with a manual clock: the owner shrinks the set in the lease before it acknowledges without a
+follower, a follower joins again once a probe proved it holds everything, only a member takes an expired lease
+over, and at --min-insync-replicas 1 a send waits for nobody. Copies go to followers that are functions here
+(the same with broker processes: tests/broker/replication/test_replication_failover.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+from waiting import eventually_async
+
+from lmq_broker import errors, model
+from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.replication import copies, memory, wire
+from lmq_broker.replication.leadership import Leadership, identity
+
+DURATION_MS = 3000
+RING = [[0, 1, 2], [1, 2, 0], [2, 0, 1]]  # R = 3: every broker is a replica of every slot
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Followers:
+    """Brokers 1 and 2 as the owner's copies reach them: what each stored, and which are down or slow."""
+
+    stored: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})
+    down: set[str] = field(default_factory=set)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: every copy waits
+
+    async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
+        if endpoint in self.down:
+            raise errors.BrokerUnavailable(f"{endpoint}: UNAVAILABLE")
+        await self.gate.wait()
+        self.stored[endpoint].extend(m.message_id for m in wire.decode(data).messages)
+        return {}
+
+
+def broker(api: memory.Leases, clock: Clock, me: int) -> Leadership:
+    """A broker's leases with --min-insync-replicas 2; every broker reconciled (locally in sync)."""
+    return Leadership(
+        api,
+        identity(me, "x"),
+        me,
+        RING,
+        lambda _s, _e: True,
+        prefix="t",
+        duration_ms=DURATION_MS,
+        min_insync=2,
+        clock=clock,
+    )
+
+
+async def nothing(_queue: model.QueueId, _offset: int, _n: int) -> list[model.StoredMessage]:
+    return []
+
+
+async def no_tails() -> list[model.StoredMessage]:
+    return []  # an empty slot: a probe that reaches the follower proves it holds everything
+
+
+@dataclass
+class Slot0:
+    api: memory.Leases
+    clock: Clock
+    leaders: list[Leadership]
+    followers: Followers
+    registry: CollectorRegistry
+    owners: list[copies.Owner] = field(default_factory=list)
+
+    def owner(self, min_insync: int, queue_messages: int = 100) -> copies.Owner:
+        found = copies.Owner(
+            self.leaders[0],
+            0,
+            {1: "b1", 2: "b2"},
+            min_insync,
+            (self.followers.send, nothing, no_tails),
+            copies.Counters(self.registry),
+            queue_messages=queue_messages,
+            probe_interval_s=0.05,
+        )
+        self.owners.append(found)
+        return found
+
+    def recorded(self) -> tuple[int, ...] | None:
+        return self.api.items["t-slot-0"].in_sync
+
+    def counted(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest_asyncio.fixture
+async def slot0() -> AsyncIterator[Slot0]:
+    api, clock = memory.Leases(), Clock()
+    leaders = [broker(api, clock, me) for me in range(3)]
+    for leader in leaders:
+        await leader.tick()
+    followers = Followers()
+    followers.gate.set()
+    found = Slot0(api, clock, leaders, followers, CollectorRegistry())
+    assert found.recorded() == (0,)  # a new lease: its owner alone, the followers join once probed
+    yield found
+    for owner in found.owners:
+        await owner.close()
+
+
+def batch(n: int) -> tuple[list[model.NewMessage], list[model.AppendResult]]:
+    m = dispatch_testing.lite_message("x", message_id=f"m{n}")
+    return [m], [model.AppendResult(m.message_id, m.queues, (n, n), 0)]
+
+
+@pytest.mark.asyncio
+async def test_a_follower_that_fails_is_recorded_out_of_the_set_before_the_send_is_acknowledged(
+    slot0: Slot0,
+) -> None:
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers probed into the set")
+    await owner.copy(*batch(0))
+    assert slot0.followers.stored == {"b1": ["m0"], "b2": ["m0"]}  # every member answered before the ack
+    slot0.followers.down.add("b2")
+    await owner.copy(*batch(1))  # acknowledged: stored here and on broker 1, both in the set
+    assert slot0.recorded() == (0, 1)  # ... and the lease said so before the answer went out
+    assert slot0.followers.stored["b1"] == ["m0", "m1"]
+    await owner.copy(*batch(2))  # no waiting for broker 2 any more
+    slot0.followers.down.add("b1")
+    with pytest.raises(errors.NotEnoughReplicas, match="not enough in-sync replicas of slot 0: 1 of 2"):
+        await owner.copy(*batch(3))
+    # Never recorded below 2: broker 1 holds every acknowledged message, so it may still take over.
+    assert slot0.recorded() == (0, 1)
+    assert slot0.counted("lmq_replication_refused_total", {"reason": "insync"}) == 1
+    slot0.followers.down.discard("b1")
+    await owner.copy(*batch(4))  # back: its copy caught up is counted again
+    assert slot0.followers.stored["b1"][-1] == "m4"
+
+
+@pytest.mark.asyncio
+async def test_a_follower_back_joins_the_set_once_a_probe_reached_it(slot0: Slot0) -> None:
+    slot0.followers.down.add("b2")
+    owner = slot0.owner(min_insync=2)
+    await owner.copy(*batch(0))  # broker 1 joins; broker 2 is down
+    assert slot0.recorded() == (0, 1)
+    slot0.followers.down.clear()
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "broker 2 probed back into the set")
+    await owner.copy(*batch(1))
+    assert slot0.followers.stored["b2"][-1] == "m1"
+
+
+@pytest.mark.asyncio
+async def test_only_a_member_of_the_recorded_set_takes_an_expired_lease_over(slot0: Slot0) -> None:
+    """Both followers say they are in sync (reconciled); broker 2 missed a copy, so the owner recorded it out:
+    when the owner dies, broker 1 takes the slot, never broker 2."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    slot0.followers.down.add("b2")
+    await owner.copy(*batch(0))
+    assert slot0.recorded() == (0, 1)
+    first, second = slot0.leaders[1], slot0.leaders[2]
+    await second.tick()
+    await first.tick()  # both see the version the owner wrote last; the owner writes no more (dead)
+    slot0.clock.now += DURATION_MS / 1000
+    await second.tick()  # expired, reconciled, but not in the set: it waits
+    assert not second.holds(0)
+    await first.tick()
+    assert first.holds(0) and first.epoch(0) == 1
+    # The deposed owner stays in the set: without it the set would be below 2 (it holds every acknowledged one).
+    assert slot0.recorded() == (0, 1) and first.in_sync(0) == (0, 1)
+    await second.tick()
+    assert not second.holds(0) and second.serving(0) == 1
+
+
+@pytest.mark.asyncio
+async def test_the_set_survives_renewals_and_a_deposed_owner_records_nothing(slot0: Slot0) -> None:
+    leader = slot0.leaders[0]
+    assert await leader.record(0, lambda now: (*now, 2)) == (0, 2)
+    slot0.clock.now += 1.0
+    await leader.tick()  # a renewal keeps the set it last wrote
+    assert slot0.recorded() == (0, 2)
+    lease = slot0.api.items["t-slot-0"]
+    slot0.api.write(lease, "someone-else", lease.transitions + 1, 60, (1,))  # taken by force
+    assert await leader.record(0, lambda now: (*now, 1)) is None  # the write conflicts: not written
+    assert not leader.holds(0) and slot0.recorded() == (1,)
+
+
+@pytest.mark.asyncio
+async def test_at_min_insync_1_a_send_waits_for_nobody_and_a_full_queue_drops_the_follower_out(
+    slot0: Slot0,
+) -> None:
+    owner = slot0.owner(min_insync=1, queue_messages=3)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    slot0.followers.gate.clear()  # the followers stop answering: copies queue up
+    for n in range(6):
+        await asyncio.wait_for(owner.copy(*batch(n)), 1)  # answered at once, no future kept per send
+    assert slot0.followers.stored == {"b1": [], "b2": []}
+    assert slot0.counted("lmq_replication_copies_dropped_total") > 0  # past 3 queued messages per follower
+    await eventually_async(lambda: slot0.recorded() == (0,), "both followers out of the set (they missed copies)")
+    slot0.followers.gate.set()
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers probed back in")
+    assert slot0.followers.stored["b1"][:3] == ["m0", "m1", "m2"]
