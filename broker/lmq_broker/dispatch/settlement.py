@@ -84,6 +84,9 @@ class Settlement:
         # now, so a deposed owner settles nothing (ack, dead letter, invisibility change). None: every settlement
         # is this broker's to take.
         self.fence: Callable[[model.QueueId], None] | None = None
+        # With replication: False for a queue whose slot's lease this broker does not hold now (counted there), so
+        # a deposed owner hands nothing out: no lease, no attempt counted. None: every queue is this broker's.
+        self.hands_out: Callable[[model.QueueId], bool] | None = None
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped

@@ -34,7 +34,8 @@ class Counters:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.refused = Counter(
             "lmq_replication_refused",
-            "Sends and settlements refused (fenced: lease not held; insync: too few replicas stored it)",
+            "Sends, settlements and hand-outs refused (fenced, fenced_receive: lease not held; insync: too few "
+            "replicas stored it)",
             ["reason"],
             registry=registry,
         )
@@ -173,6 +174,12 @@ class Owner:
             raise errors.Fenced(
                 f"this broker does not hold the lease of slot {self._slot} now: nothing acknowledged, try again"
             )
+
+    def hands_out(self) -> bool:
+        if self._leadership.epoch(self._slot) is not None:
+            return True
+        self._counters.refused.labels("fenced_receive").inc()
+        return False
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
         epoch = self._leadership.epoch(self._slot)

@@ -54,6 +54,12 @@ class Slots:
         else:
             self.owner(self._leadership.me).admit()
 
+    def hands_out(self, queue: model.QueueId) -> bool:
+        """``dispatch.delivery``'s check before a hand-out: False (counted) unless this broker holds the lease of
+        the queue's slot now, so a deposed owner leases nothing and counts no attempt; the holder delivers."""
+        slot = self._acting_slot(queue.topic) if queue.topic.startswith(model.LMQ_PREFIX) else self._leadership.me
+        return self.owner(slot).hands_out()
+
     def committed(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> None:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):

@@ -25,7 +25,7 @@ from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, following, kube, owning, sources, wire
+from lmq_broker.replication import copies, following, handover, kube, owning, sources, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -136,16 +136,19 @@ class Replication:
         membership = links.membership
         self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
         peers.owners.serving = self.leadership.serving
+        self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
         self._secret = links.secret
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reconciling: asyncio.Task[None] | None = None
+        self._handing: asyncio.Task[None] | None = None
         self._interval_s = config.lease_duration_ms / 3000
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
         self._reconciling = loop.create_task(self._reconcile_loop(), name="lmq-reconcile")
+        self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
 
     async def close(self) -> None:
         self._stopping.set()
@@ -154,6 +157,9 @@ class Replication:
         if self._reconciling is not None:
             self._reconciling.cancel()
             await asyncio.gather(self._reconciling, return_exceptions=True)
+        if self._handing is not None:
+            await self._handing
+        await self.handover.close()
         await self.slots.close()
 
     async def _reconcile_loop(self) -> None:
