@@ -119,6 +119,12 @@ def _observed(future: asyncio.Future[None]) -> None:
         future.exception()
 
 
+def _settle(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None) if error is None else future.set_exception(error)
+
+
 def _starts(messages: list[model.NewMessage], results: list[model.AppendResult]) -> dict[str, int]:
     out: dict[str, int] = {}
     for m, r in zip(messages, results, strict=True):
@@ -166,6 +172,7 @@ class Owner:
         self._send = send
         self._followers = followers
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
+        self._awaited: list[asyncio.Future[None]] = []  # the acks waiting for the commits in ``_commits``
         self._flushing: asyncio.Task[None] | None = None
 
     def admit(self) -> None:
@@ -212,29 +219,55 @@ class Owner:
         if self._leadership.epoch(self._slot) != epoch:
             self.admit()
 
-    def note_commit(self, commit: wire.Commit) -> None:
+    def note_commit(self, commit: wire.Commit) -> asyncio.Future[None] | None:
         """A commit point persisted here: sent to the followers soon, coalesced per key, one flush at a time
-        (so a key's commits never arrive out of order). Asynchronous: after a failover a consumer may get
-        again what it acked just before (at-least-once)."""
+        (so a key's commits never arrive out of order). The future is done once as many followers stored it as a
+        send needs (``--min-insync-replicas``), or failed (``errors.NotEnoughReplicas``, ``errors.Fenced``):
+        the ack waits for it, so a follower that takes over never delivers again what was acked. None when no
+        follower is needed (asynchronous: after a failover a consumer may get again what it acked just before)."""
         self._commits[(commit.queue, commit.group)] = commit
+        future: asyncio.Future[None] | None = None
+        if self._need:
+            future = asyncio.get_running_loop().create_future()
+            future.add_done_callback(_observed)
+            self._awaited.append(future)
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush(), name=f"lmq-commits-{self._slot}")
+        return future
 
     async def _flush(self) -> None:
+        awaited: list[asyncio.Future[None]] = []
         try:
             while self._commits:
                 epoch = self._leadership.epoch(self._slot)
                 batch, self._commits = list(self._commits.values()), {}
-                if epoch is None:
-                    return  # fenced: the new owner's commits count
+                awaited, self._awaited = self._awaited, []
+                if epoch is None:  # fenced: the new owner's commits count
+                    _settle(awaited, self._fenced())
+                    return
                 data = wire.encode(self._slot, epoch, [], [], batch)
-                await asyncio.gather(*(self._send(f, data) for f in self._followers), return_exceptions=True)
+                answers = await asyncio.gather(*(self._send(f, data) for f in self._followers), return_exceptions=True)
+                stored = sum(not isinstance(a, BaseException) for a in answers)
+                failed = None
+                if stored < self._need:
+                    self._counters.refused.labels("insync").inc()
+                    failed = errors.NotEnoughReplicas(
+                        f"not enough in-sync replicas of slot {self._slot} stored the ack: {stored + 1} of "
+                        f"{self._need + 1}; try again"
+                    )
+                _settle(awaited, failed)
         finally:
+            _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
+
+    def _fenced(self) -> errors.LmqError:
+        self._counters.refused.labels("fenced").inc()
+        return errors.Fenced(f"this broker does not hold the lease of slot {self._slot} now: try again")
 
     async def close(self) -> None:
         if self._flushing is not None:
             self._flushing.cancel()
+        _settle(self._awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
         await asyncio.gather(*(s.close() for s in self._shippers))
 
 

@@ -60,13 +60,16 @@ class Slots:
         slot = self._acting_slot(queue.topic) if queue.topic.startswith(model.LMQ_PREFIX) else self._leadership.me
         return self.owner(slot).hands_out()
 
-    def committed(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> None:
+    def committed(
+        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]
+    ) -> asyncio.Future[None] | None:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
-            return
+            return None
         slot = self.slot_of_topic(queue.topic)
-        if self._leadership.holds(slot):
-            self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
+        if not self._leadership.holds(slot):
+            return None
+        return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
 
     async def close(self) -> None:
         await asyncio.gather(*(o.close() for o in self._owners.values()))

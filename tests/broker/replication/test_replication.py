@@ -493,3 +493,25 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: floa
     while not await check():
         assert loop.time() < deadline, f"not within {timeout_s:g} s: {what}"
         await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_an_ack_is_answered_once_the_follower_has_its_commit_point(pair: Pair) -> None:
+    """A follower that takes over never delivers again what was acked: the ack waits for the commit copy."""
+    lite = pair.lite_of(0)
+    queue = model.QueueId.lmq(PARENT, lite)
+    got = await sent_and_received(pair, lite, 3)
+    assert (await ack(pair, lite, got[:1])).status.code == pb.OK
+    follower = pair.brokers[1].store
+    assert follower is not None
+    assert follower.get_offset(queue, GROUP) == 1  # no waiting: it was there before the answer
+    await pair.brokers[1].stop(grace_s=0.1)
+    refused_ack = await ack(pair, lite, got[1:2])
+    assert refused_ack.status.code == pb.INTERNAL_ERROR  # the official clients retry it
+    assert "not enough in-sync replicas of slot 0 stored the ack" in refused_ack.status.message
+    await restart(pair, 1)
+    retried = await ack(pair, lite, got[1:2])
+    assert retried.status.code == pb.OK, retried.status.message
+    store = pair.brokers[1].store
+    assert store is not None
+    assert store.get_offset(queue, GROUP) == 2
