@@ -46,13 +46,15 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.Kube
         env.__exit__(None, None, None)
 
 
-def start(tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int) -> testing.BrokerProcess:
+def start(
+    tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int, prefix: str = "failover"
+) -> testing.BrokerProcess:
     token = tmp_path / "token"
     token.write_text(kube.token)
     port = members[slot].rsplit(":", 1)[1]
     flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
     flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
-    flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", "failover"]
+    flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", prefix]
     flags += ["--lease-duration-ms", str(LEASE_MS), "--kube-api-server", kube.server]
     flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
     return testing.start_broker(tmp_path / f"b{slot}", int(port), flags)
@@ -269,14 +271,14 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
     the topics live on the other one, which is killed with its disk. The consumer keeps receiving from the new
     holder; no acknowledged send is lost, nothing acked is delivered again."""
     members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, slot) for slot in (0, 1)]
+    brokers = [start(tmp_path, kube, members, slot, "consumers") for slot in (0, 1)]  # leases of its own
     api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
     membership = mb.Membership.parse(",".join(members))
     lites = [f"t{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"t{i}").topic) == 0][:4]
     access = members[1]
 
     def holder_is(slot: int) -> bool:
-        got = api.get("failover-slot-0")
+        got = api.get("consumers-slot-0")
         return got is not None and got.holder.startswith(f"slot-{slot}/")
 
     async def run() -> tuple[Tally, float]:
@@ -294,7 +296,9 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
                 "a delivery from the new holder",
             )
             first = min(at for _, at, where in tally.received if at > killed and where == access) - killed
-            brokers[0] = await asyncio.to_thread(start, tmp_path, kube, members, 0)  # a follower, on an empty disk
+            brokers[0] = await asyncio.to_thread(
+                start, tmp_path, kube, members, 0, "consumers"
+            )  # a follower, on an empty disk
             before = len(tally.sent)
             await wait_for(lambda: len(tally.sent) >= before + 20, "sends acknowledged again")
             tally.stop_producing.set()
