@@ -69,7 +69,15 @@ class Calls:
         return peer
 
     def brokers(self, *, external: bool) -> Sequence[tuple[pb.Broker, int]]:
-        return self._peers.links.routed(external)
+        """With replication, only the brokers that hold some slot's lease: a slot whose lease another broker took
+        (a failover) is served by that one, listed already, so routes and assignments follow the lease as sends
+        do, and a consumer's receives reach the holder."""
+        routed = self._peers.links.routed(external)
+        serving = self._peers.owners.serving
+        if serving is None:
+            return routed
+        holding = {serving(slot) for slot in range(len(routed))}
+        return [broker for slot, broker in enumerate(routed) if slot in holding]
 
     async def send(self, request: spb.SendMessageRequest, headers: Headers) -> spb.SendMessageResponse:
         peer = self._peer("SendMessage", headers)

@@ -207,18 +207,23 @@ class Fanout:
 
     # --- bringing a broker up to date ---------------------------------------------------------------------------
     async def repush(self, slot: int) -> tuple[int, int]:
-        """Every intent's part at ``slot`` (its patterns, and the named topics it is a candidate for), made again
+        """Every intent's part at ``slot`` (its patterns, and the named topics it is a candidate for or, with
+        replication, holds the lease of a candidate of), made again
         there (PARTIAL_ADD: idempotent, and never takes away what another access broker gave it). Returns how
         many lite topics and patterns were made there and how many could not be (it stays behind, to be tried
         again)."""
         self.prune()
         membership = self._links.membership
+        serving = self._owners.serving or (lambda candidate: candidate)  # replication: a failover's new holder
         requests: list[tuple[int, spb.SyncLiteSubscriptionRequest, context.Caller]] = []
         for (client_id, group, parent), intent in list(self._intents.items()):
             share = sorted(intent.patterns) + sorted(
                 lite
                 for lite in intent.lites
-                if slot in mb.candidates(membership, model.QueueId.lmq(parent, lite).topic)
+                if any(
+                    slot in (candidate, serving(candidate))
+                    for candidate in mb.candidates(membership, model.QueueId.lmq(parent, lite).topic)
+                )
             )
             for start in range(0, len(share), REPUSH_CHUNK):
                 chunk = share[start : start + REPUSH_CHUNK]

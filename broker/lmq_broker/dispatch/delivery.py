@@ -361,6 +361,13 @@ class Deliverer:
         long) go to the dead letters instead, those ``tags`` does not take are settled as if consumed."""
         if limit <= 0 or key in self._busy:
             return []  # whoever holds it delivers; later events come from its acks and expiries
+        hands_out = self._settlement.hands_out
+        if hands_out is not None and not hands_out(key.queue_id):
+            # a deposed owner (replication): the lease holder hands it out; looked at again should this broker
+            # hold the lease again (a lease late to renew closes the fence for a moment)
+            if key.topic.startswith(model.LMQ_PREFIX):
+                self.retry_catchup(holder)
+            return []
         self._busy.add(key)
         try:
             read = await self._read(key, limit, holder, ordered)

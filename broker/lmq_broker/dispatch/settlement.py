@@ -78,12 +78,17 @@ class Settlement:
         self._handout_timer: asyncio.TimerHandle | None = None
         self.dirty: set[LeaseKey] = set()
         # With replication: told each commit point persisted here (queue, group, offset, acked above it), so the
-        # slot's followers get it too (lmq_broker.replication). None: nobody is told.
-        self.committed: Callable[[model.QueueId, str, int, Sequence[int]], None] | None = None
+        # slot's followers get it too (lmq_broker.replication); the future, when it gives one, is done once enough
+        # followers stored it, and an ack waits for it. None: nobody is told.
+        self.committed: Callable[[model.QueueId, str, int, Sequence[int]], asyncio.Future[None] | None] | None = None
+        self._copying: dict[LeaseKey, asyncio.Future[None]] = {}  # the newest commit copy per key, until stored
         # With replication: raises ``errors.Fenced`` for a queue whose slot's lease this broker does not hold
         # now, so a deposed owner settles nothing (ack, dead letter, invisibility change). None: every settlement
         # is this broker's to take.
         self.fence: Callable[[model.QueueId], None] | None = None
+        # With replication: False for a queue whose slot's lease this broker does not hold now (counted there), so
+        # a deposed owner hands nothing out: no lease, no attempt counted. None: every queue is this broker's.
+        self.hands_out: Callable[[model.QueueId], bool] | None = None
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
@@ -107,6 +112,9 @@ class Settlement:
         if state is None or not (changed or key in self.dirty):
             return  # nothing new, and what memory holds is persisted
         hi = await self.commit(key, state)  # raises when the write failed: the client learns the ack is not in
+        copying = self._copying.get(key)
+        if copying is not None:  # the followers' copy of this commit point (or of a newer one) is in too
+            await asyncio.shield(copying)
         if key in self.dirty and not self._is_persisted(key, receipt.offset):
             raise errors.TooManyRequests(
                 f"too many acknowledged ranges above the commit point of {key.topic} to persist "
@@ -273,7 +281,7 @@ class Settlement:
                         hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
                     self._persisted[key] = (target, acked, handouts)
                     if self.committed is not None:
-                        self.committed(queue, key.group, target, acked)
+                        self._copy(key, self.committed(queue, key.group, target, acked))
                     if complete:
                         self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)
@@ -284,6 +292,23 @@ class Settlement:
             counters[0] -= 1
             if counters[0] == 0:
                 del self._commit_locks[key]
+
+    def _copy(self, key: LeaseKey, copying: asyncio.Future[None] | None) -> None:
+        """Keep the newest commit copy of ``key`` for the acks to wait on: forgotten once stored; one that failed
+        makes the key dirty (the followers' store is behind), so the client's retry of the ack writes it again."""
+        if copying is None:
+            return
+        self._copying[key] = copying
+
+        def done(future: asyncio.Future[None]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                if self._copying.get(key) is future:
+                    self._persisted.pop(key, None)
+                    self.dirty.add(key)
+            elif self._copying.get(key) is future:
+                del self._copying[key]
+
+        copying.add_done_callback(done)
 
     def _is_persisted(self, key: LeaseKey, offset: int) -> bool:
         committed, acked, _ = self._persisted.get(key, (-1, ranges.EMPTY, model.NO_HANDOUTS))
@@ -332,6 +357,7 @@ class Settlement:
                 state = self._leases.get(key)
                 if state is None:
                     self.dirty.discard(key)
+                    self._copying.pop(key, None)
                     continue
                 try:
                     if key in self._unverified:

@@ -36,7 +36,8 @@ class Counters:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.refused = Counter(
             "lmq_replication_refused",
-            "Sends and settlements refused (fenced: lease not held; insync: too few replicas stored it)",
+            "Sends, settlements and hand-outs refused (fenced, fenced_receive: lease not held; insync: too few "
+            "replicas stored it)",
             ["reason"],
             registry=registry,
         )
@@ -72,6 +73,7 @@ class Owner:
         self._leadership = leadership
         self._slot = slot
         self._min_insync = min_insync
+        self._need = min_insync - 1  # followers that must store a commit point before its ack is answered
         self._counters = counters
         send, read, tails = doors
         self.keeper = keeper = insync.Keeper(leadership, slot, min_insync)
@@ -87,8 +89,9 @@ class Owner:
         for f, endpoint in followers.items():
             keeper.shippers[f] = shipping.Shipper(f, endpoint, slot, shipper_doors, queue_messages, probe_interval_s)
         self._send = send
-        self._followers = list(followers.values())
+        self._followers = dict(followers)  # ring slot → endpoint
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
+        self._awaited: list[asyncio.Future[None]] = []  # the acks waiting for the commits in ``_commits``
         self._flushing: asyncio.Task[None] | None = None
 
     def lag(self) -> list[tuple[str, int]]:
@@ -101,6 +104,12 @@ class Owner:
             raise errors.Fenced(
                 f"this broker does not hold the lease of slot {self._slot} now: nothing acknowledged, try again"
             )
+
+    def hands_out(self) -> bool:
+        if self._leadership.epoch(self._slot) is not None:
+            return True
+        self._counters.refused.labels("fenced_receive").inc()
+        return False
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
         epoch = self._leadership.epoch(self._slot)
@@ -151,31 +160,72 @@ class Owner:
         self._counters.refused.labels("insync").inc()
         raise errors.NotEnoughReplicas(f"not enough in-sync replicas of slot {self._slot}: {why}; try again")
 
-    def note_commit(self, commit: wire.Commit) -> None:
+    def note_commit(self, commit: wire.Commit) -> asyncio.Future[None] | None:
         """A commit point persisted here: sent to the followers soon, coalesced per key, one flush at a time
-        (so a key's commits never arrive out of order). Asynchronous: after a failover a consumer may get
-        again what it acked just before (at-least-once)."""
+        (so a key's commits never arrive out of order). The future is done once as many followers stored it as a
+        send needs (``--min-insync-replicas``), or failed (``errors.NotEnoughReplicas``, ``errors.Fenced``):
+        the ack waits for it, so a follower that takes over never delivers again what was acked. None when no
+        follower is needed (asynchronous: after a failover a consumer may get again what it acked just before)."""
         self._commits[(commit.queue, commit.group)] = commit
+        future: asyncio.Future[None] | None = None
+        if self._need:
+            future = asyncio.get_running_loop().create_future()
+            future.add_done_callback(_observed)
+            self._awaited.append(future)
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush(), name=f"lmq-commits-{self._slot}")
+        return future
 
     async def _flush(self) -> None:
+        awaited: list[asyncio.Future[None]] = []
         try:
             while self._commits:
                 epoch = self._leadership.epoch(self._slot)
                 batch, self._commits = list(self._commits.values()), {}
-                if epoch is None:
-                    return  # fenced: the new owner's commits count
+                awaited, self._awaited = self._awaited, []
+                if epoch is None:  # fenced: the new owner's commits count
+                    _settle(awaited, self._fenced())
+                    return
                 data = wire.encode(self._slot, epoch, [], [], batch)
-                await asyncio.gather(*(self._send(f, data) for f in self._followers), return_exceptions=True)
+                answers = await asyncio.gather(
+                    *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
+                )
+                members = set(self.keeper.recorded())  # only a member of the in-sync set may take the slot over
+                ok = (f for f, a in zip(self._followers, answers, strict=True) if not isinstance(a, BaseException))
+                stored = sum(1 for f in ok if f in members)
+                failed = None
+                if stored < self._need:
+                    self._counters.refused.labels("insync").inc()
+                    failed = errors.NotEnoughReplicas(
+                        f"not enough in-sync replicas of slot {self._slot} stored the ack: {stored + 1} of "
+                        f"{self._need + 1}; try again"
+                    )
+                _settle(awaited, failed)
         finally:
+            _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
+
+    def _fenced(self) -> errors.LmqError:
+        self._counters.refused.labels("fenced").inc()
+        return errors.Fenced(f"this broker does not hold the lease of slot {self._slot} now: try again")
 
     async def close(self) -> None:
         if self._flushing is not None:
             self._flushing.cancel()
+        _settle(self._awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
         await asyncio.gather(*(s.close() for s in self.keeper.shippers.values()))
         await self.keeper.close()
+
+
+def _observed(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _settle(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None) if error is None else future.set_exception(error)
 
 
 def first_offsets(copy: wire.Copy) -> dict[model.QueueId, int]:

@@ -54,13 +54,22 @@ class Slots:
         else:
             self.owner(self._leadership.me).admit()
 
-    def committed(self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]) -> None:
+    def hands_out(self, queue: model.QueueId) -> bool:
+        """``dispatch.delivery``'s check before a hand-out: False (counted) unless this broker holds the lease of
+        the queue's slot now, so a deposed owner leases nothing and counts no attempt; the holder delivers."""
+        slot = self._acting_slot(queue.topic) if queue.topic.startswith(model.LMQ_PREFIX) else self._leadership.me
+        return self.owner(slot).hands_out()
+
+    def committed(
+        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]
+    ) -> asyncio.Future[None] | None:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
-            return
+            return None
         slot = self.slot_of_topic(queue.topic)
-        if self._leadership.holds(slot):
-            self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
+        if not self._leadership.holds(slot):
+            return None
+        return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
 
     def lag(self) -> list[tuple[int, str, int]]:
         """(slot, follower endpoint, messages it has not confirmed) of the slots this broker holds."""

@@ -25,7 +25,7 @@ from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, following, gauges, kube, owning, sources, wire
+from lmq_broker.replication import copies, following, gauges, handover, kube, owning, sources, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -108,8 +108,10 @@ class Replication:
             min_insync=config.min_insync_replicas or config.replicas,
         )
 
-        def commit(point: wire.Commit) -> Awaitable[None]:
-            return asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
+        async def commit(point: wire.Commit) -> None:
+            # on the loop when no writer holds the store (as the owner's settlement does): an ack waits for it
+            if not store.try_commit_offset(point.queue, point.group, point.offset, point.acked):
+                await asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
 
         async def stored_id(queue: model.QueueId, offset: int) -> str | None:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
@@ -144,10 +146,12 @@ class Replication:
         membership = links.membership
         self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
         peers.owners.serving = self.leadership.serving
+        self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
         self._secret = links.secret
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reconciling: asyncio.Task[None] | None = None
+        self._handing: asyncio.Task[None] | None = None
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
@@ -155,6 +159,7 @@ class Replication:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
         self._reconciling = loop.create_task(self._reconcile_loop(), name="lmq-reconcile")
+        self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
 
     async def close(self) -> None:
         self._stopping.set()
@@ -163,6 +168,9 @@ class Replication:
         if self._reconciling is not None:
             self._reconciling.cancel()
             await asyncio.gather(self._reconciling, return_exceptions=True)
+        if self._handing is not None:
+            await self._handing
+        await self.handover.close()
         await self.slots.close()
 
     async def _reconcile_loop(self) -> None:

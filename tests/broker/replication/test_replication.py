@@ -4,9 +4,11 @@ and disk-loss failover with broker processes: tests/broker/replication/test_repl
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,14 +241,19 @@ async def test_one_list_reads_the_leases_of_this_release_only(pair: Pair, kube: 
 CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
 
 
-async def sent_and_received(pair: Pair, lite: str, count: int) -> list[Any]:
-    """Subscribe at the owner, send ``count`` messages, receive them: their system properties."""
-    client, group, parent = pair.clients[0], pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+async def subscribe(client: protocol_testing.Client, lite: str) -> None:
+    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
     subscribed = await client.stub.SyncLiteSubscription(
         spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite]),
         metadata=CONSUMER,
     )
     assert subscribed.status.code == pb.OK
+
+
+async def sent_and_received(pair: Pair, lite: str, count: int) -> list[Any]:
+    """Subscribe at the owner, send ``count`` messages, receive them: their system properties."""
+    client, group, parent = pair.clients[0], pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    await subscribe(client, lite)
     for n in range(count):
         assert (await pair.send(0, lite, n)).status.code == pb.OK
     request = spb.ReceiveMessageRequest(
@@ -381,3 +388,130 @@ def test_a_copy_reads_back_as_it_was_written() -> None:
     assert (copy.slot, copy.epoch, copy.messages, copy.offsets) == (3, 9, [m, m], [(7,), (7,)])
     with pytest.raises(errors.InvalidArgument):
         wire.decode(wire.encode(3, 9, [m], [result]) + b"x")
+
+
+def take_lease(kube: testing.KubeAPI, name: str, holder: str) -> kube_api.Lease:
+    """A forced failover, as a person or an operator makes one: the lease written to ``holder``."""
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    lease = api.get(name)
+    assert lease is not None
+    return api.write(lease, holder, lease.transitions + 1, 60)
+
+
+async def receive(client: protocol_testing.Client, poll_ms: int = 300) -> list[Any]:
+    """One receive of the consumer ``c1``, long-polling ``poll_ms`` at most: the frames."""
+    request = spb.ReceiveMessageRequest(
+        group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)), batch_size=32
+    )
+    request.invisible_duration.FromMilliseconds(30_000)
+    request.long_polling_timeout.FromMilliseconds(poll_ms)
+    return [f async for f in client.stub.ReceiveMessage(request, metadata=CONSUMER, timeout=10)]
+
+
+@pytest.mark.asyncio
+async def test_a_deposed_owner_hands_nothing_out(pair: Pair, kube: testing.KubeAPI) -> None:
+    lite = pair.lite_of(0)
+    await subscribe(pair.clients[0], lite)
+    for n in range(3):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    leadership = pair.leadership(0)
+    take_lease(kube, leadership.name(0), "someone-else")
+    await eventually_async(lambda: leadership.epoch(0) is None, "the owner fenced", 5)
+    before = refused(pair.brokers[0], "fenced_receive")
+    frames = await receive(pair.clients[0])
+    assert [f.status.code for f in frames if f.HasField("status")] == [pb.MESSAGE_NOT_FOUND]
+    assert not [f for f in frames if f.HasField("message")]  # three were waiting: none leased, no attempt counted
+    assert refused(pair.brokers[0], "fenced_receive") > before
+    store = pair.brokers[0].store
+    assert store is not None
+    handouts = store.get_handouts(model.QueueId.lmq(PARENT, lite), GROUP)
+    assert handouts.mark == 0
+
+
+async def assignments(client: protocol_testing.Client) -> list[str]:
+    request = spb.QueryAssignmentRequest(topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP))
+    reply = await client.stub.QueryAssignment(request, metadata=CONSUMER)
+    return [address(a.message_queue.broker) for a in reply.assignments]
+
+
+def address(broker: pb.Broker) -> str:
+    first = broker.endpoints.addresses[0]
+    return f"{first.host}:{first.port}"
+
+
+@pytest.mark.asyncio
+async def test_consumers_follow_the_lease_to_its_new_holder(pair: Pair, kube: testing.KubeAPI) -> None:
+    """The follower is handed the owner's lease: routes and assignments name it alone, the consumer's subscription
+    (kept by the broker it called, the old owner) is made there, and it delivers from the copied commit point."""
+    lite, later = pair.lite_of(0), pair.lite_of(0, "later")
+    got = await sent_and_received(pair, lite, 3)
+    assert (await ack(pair, lite, got[:2])).status.code == pb.OK
+    follower = pair.brokers[1].store
+    assert follower is not None
+    await eventually_async(lambda: follower.get_offset(model.QueueId.lmq(PARENT, lite), GROUP) == 2, "commit copied")
+    for n in range(3, 5):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    take_lease(kube, pair.leadership(0).name(0), pair.leadership(1).identity)
+    await eventually_async(lambda: pair.leadership(0).epoch(0) is None, "the old owner fenced", 5)
+    await eventually_async(lambda: pair.leadership(1).epoch(0) is not None, "the new holder renews it", 5)
+    holder = pair.brokers[1].endpoint
+    for client in pair.clients:
+        await until(functools.partial(_assigned, client, [holder]), "assignments name the holder alone")
+    routes = await pair.clients[0].stub.QueryRoute(
+        spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=CONSUMER
+    )
+    assert {address(q.broker) for q in routes.message_queues} == {holder}
+    delivered: list[str] = []
+
+    async def received_rest() -> bool:
+        frames = await receive(pair.clients[1], poll_ms=100)
+        delivered.extend(f.message.system_properties.message_id for f in frames if f.HasField("message"))
+        return len(delivered) >= 3
+
+    await until(received_rest, "the new holder delivers")
+    # the one not acked again (at-least-once), the two acked never
+    assert delivered == [f"{lite}-{n}" for n in range(2, 5)]
+    # A subscription made after the failover, through the old owner, is made at the holder.
+    parent, group = pb.Resource(name=PARENT), pb.Resource(name=GROUP)
+    sync = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[later])
+    assert (await pair.clients[0].stub.SyncLiteSubscription(sync, metadata=CONSUMER)).status.code == pb.OK
+    queue = model.QueueId.lmq(PARENT, later)
+    dispatchers = [b.dispatcher for b in pair.brokers]
+    assert dispatchers[0] is not None and dispatchers[1] is not None
+    assert "c1" in dispatchers[1].subscribers(queue)
+    assert "c1" not in dispatchers[0].subscribers(queue)
+
+
+async def _assigned(client: protocol_testing.Client, expected: list[str]) -> bool:
+    return await assignments(client) == expected
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10) -> None:
+    """``eventually_async`` for a check that calls a broker."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await check():
+        assert loop.time() < deadline, f"not within {timeout_s:g} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_an_ack_is_answered_once_the_follower_has_its_commit_point(pair: Pair) -> None:
+    """A follower that takes over never delivers again what was acked: the ack waits for the commit copy."""
+    lite = pair.lite_of(0)
+    queue = model.QueueId.lmq(PARENT, lite)
+    got = await sent_and_received(pair, lite, 3)
+    assert (await ack(pair, lite, got[:1])).status.code == pb.OK
+    follower = pair.brokers[1].store
+    assert follower is not None
+    assert follower.get_offset(queue, GROUP) == 1  # no waiting: it was there before the answer
+    await pair.brokers[1].stop(grace_s=0.1)
+    refused_ack = await ack(pair, lite, got[1:2])
+    assert refused_ack.status.code == pb.INTERNAL_ERROR  # the official clients retry it
+    assert "not enough in-sync replicas of slot 0 stored the ack" in refused_ack.status.message
+    await restart(pair, 1)
+    retried = await ack(pair, lite, got[1:2])
+    assert retried.status.code == pb.OK, retried.status.message
+    store = pair.brokers[1].store
+    assert store is not None
+    assert store.get_offset(queue, GROUP) == 2

@@ -5,14 +5,16 @@ follower takes the slot's lease and holds every acknowledged message. Prints the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
-from waiting import eventually
+from waiting import eventually, eventually_async
 
 from lmq_broker import model, testing
 from lmq_broker.cluster import membership as mb
@@ -44,13 +46,15 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.Kube
         env.__exit__(None, None, None)
 
 
-def start(tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int) -> testing.BrokerProcess:
+def start(
+    tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int, prefix: str = "failover"
+) -> testing.BrokerProcess:
     token = tmp_path / "token"
     token.write_text(kube.token)
     port = members[slot].rsplit(":", 1)[1]
     flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
     flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
-    flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", "failover"]
+    flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", prefix]
     flags += ["--lease-duration-ms", str(LEASE_MS), "--kube-api-server", kube.server]
     flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
     return testing.start_broker(tmp_path / f"b{slot}", int(port), flags)
@@ -141,3 +145,185 @@ def test_kill_9_of_the_owner_and_its_disk_loses_no_acknowledged_message_and_it_r
         # Every acknowledged message, in order; besides them only sends that were refused, and retried.
         assert list(dict.fromkeys(m for m in found if m in acked)) == acked, slot
         assert set(found) <= {*acked, f"{lite}-{SENDS}"}, slot
+
+
+GROUP = "executor-group"  # the bootstrap lite group
+CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
+PROCESSING_S = 0.02  # the consumer's work per message: slower than the producer, so a backlog waits at the kill
+
+
+@dataclass
+class Tally:
+    sent: list[str] = field(default_factory=list)  # acknowledged sends, by message id
+    received: list[tuple[str, float, str]] = field(default_factory=list)  # (message id, when, from which broker)
+    acked: dict[str, float] = field(default_factory=dict)  # message id -> when its ack was answered OK
+    stop_producing: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_consuming: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def produce(access: str, lites: list[str], tally: Tally) -> None:
+    """Steady sends through the access broker, a new message after each answer (a refused one is not retried:
+    only acknowledged sends must be delivered)."""
+    async with grpc.aio.insecure_channel(access) as channel:
+        for n in itertools.count():
+            if tally.stop_producing.is_set():
+                return
+            lite = lites[n % len(lites)]
+            try:
+                reply = await send_one(channel, lite, n)
+            except grpc.aio.AioRpcError:
+                continue
+            if reply.status.code == pb.OK:
+                tally.sent.append(f"{lite}-{n}")
+            else:
+                await asyncio.sleep(0.05)  # a client's retry backoff
+
+
+async def consume(access: str, tally: Tally) -> None:
+    """A push consumer with lmq's v2 stubs: its assignments asked of the access broker (again after a failed
+    receive, as the official clients do on their next scan), a receive loop over them, each message acked."""
+    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    channels: dict[str, grpc.aio.Channel] = {}
+    assigned: list[str] = []
+    try:
+        while not tally.stop_consuming.is_set():
+            if not assigned:
+                assigned = await assignments(channels, access)
+            for endpoint in list(assigned):
+                stub: service_grpc.MessagingServiceAsyncStub = service_grpc.MessagingServiceStub(
+                    channel_of(channels, endpoint)
+                )
+                request = spb.ReceiveMessageRequest(
+                    group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=8
+                )
+                request.invisible_duration.FromSeconds(5)
+                request.long_polling_timeout.FromMilliseconds(300)
+                try:
+                    frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=3)]
+                except grpc.aio.AioRpcError:
+                    assigned = []  # that broker is gone: ask for the assignments again
+                    break
+                for frame in frames:
+                    if frame.HasField("message"):
+                        await handle(stub, frame.message, endpoint, tally)
+    finally:
+        for channel in channels.values():
+            await channel.close(None)
+
+
+def channel_of(channels: dict[str, grpc.aio.Channel], endpoint: str) -> grpc.aio.Channel:
+    if endpoint not in channels:
+        channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+    return channels[endpoint]
+
+
+async def assignments(channels: dict[str, grpc.aio.Channel], access: str) -> list[str]:
+    stub = service_grpc.MessagingServiceStub(channel_of(channels, access))
+    request = spb.QueryAssignmentRequest(topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP))
+    try:
+        reply = await stub.QueryAssignment(request, metadata=CONSUMER, timeout=3)
+    except grpc.aio.AioRpcError:
+        return []
+    out = []
+    for assignment in reply.assignments:
+        first = assignment.message_queue.broker.endpoints.addresses[0]
+        out.append(f"{first.host}:{first.port}")
+    return out
+
+
+async def handle(
+    stub: service_grpc.MessagingServiceAsyncStub, message: pb.Message, endpoint: str, tally: Tally
+) -> None:
+    props = message.system_properties
+    tally.received.append((props.message_id, time.monotonic(), endpoint))
+    await asyncio.sleep(PROCESSING_S)
+    entry = spb.AckMessageEntry(
+        message_id=props.message_id, receipt_handle=props.receipt_handle, lite_topic=props.lite_topic
+    )
+    request = spb.AckMessageRequest(group=pb.Resource(name=GROUP), topic=pb.Resource(name=PARENT), entries=[entry])
+    try:
+        reply = await stub.AckMessage(request, metadata=CONSUMER, timeout=5)
+    except grpc.aio.AioRpcError:
+        return  # not acked: delivered again (at-least-once)
+    if reply.status.code == pb.OK:
+        tally.acked[props.message_id] = time.monotonic()
+
+
+async def subscribe(access: str, lites: list[str]) -> None:
+    async with grpc.aio.insecure_channel(access) as channel:
+        stub = service_grpc.MessagingServiceStub(channel)
+        request = spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP), lite_topic_set=lites
+        )
+        reply = await stub.SyncLiteSubscription(request, metadata=CONSUMER, timeout=5)
+        assert reply.status.code == pb.OK, reply.status.message
+
+
+async def wait_for(check: Callable[[], object], what: str, timeout_s: float = 30) -> None:
+    """``eventually`` while the producer and the consumer run on this loop."""
+    await eventually_async(check, what, timeout_s, interval_s=0.02)
+
+
+def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owner(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """R=2, a steady producer and a consumer acking, both through the broker that survives (a Service's pick);
+    the topics live on the other one, which is killed with its disk. The consumer keeps receiving from the new
+    holder; no acknowledged send is lost, nothing acked is delivered again."""
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    brokers = [start(tmp_path, kube, members, slot, "consumers") for slot in (0, 1)]  # leases of its own
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lites = [f"t{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"t{i}").topic) == 0][:4]
+    access = members[1]
+
+    def holder_is(slot: int) -> bool:
+        got = api.get("consumers-slot-0")
+        return got is not None and got.holder.startswith(f"slot-{slot}/")
+
+    async def run() -> tuple[Tally, float]:
+        tally = Tally()
+        await subscribe(access, lites)
+        tasks = [asyncio.create_task(produce(access, lites, tally)), asyncio.create_task(consume(access, tally))]
+        try:
+            await wait_for(lambda: len(tally.acked) >= 20, "the consumer acked 20 messages")
+            await wait_for(lambda: len(tally.sent) - len(tally.received) >= 10, "a backlog at the owner")
+            brokers[0].kill()
+            killed = time.monotonic()
+            shutil.rmtree(tmp_path / "b0")  # its disk is gone too
+            await wait_for(
+                lambda: any(at > killed and where == access for _, at, where in tally.received),
+                "a delivery from the new holder",
+            )
+            first = min(at for _, at, where in tally.received if at > killed and where == access) - killed
+            brokers[0] = await asyncio.to_thread(
+                start, tmp_path, kube, members, 0, "consumers"
+            )  # a follower, on an empty disk
+            before = len(tally.sent)
+            await wait_for(lambda: len(tally.sent) >= before + 20, "sends acknowledged again")
+            tally.stop_producing.set()
+            await wait_for(lambda: set(tally.sent) <= {m for m, _, _ in tally.received}, "every acked send received")
+        finally:
+            tally.stop_producing.set()
+            tally.stop_consuming.set()
+            await asyncio.gather(*tasks)
+        return tally, first
+
+    try:
+        eventually(lambda: holder_is(0), "the owner holds its lease")
+        tally, first_s = asyncio.run(run())
+        assert holder_is(1)
+    finally:
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    received = [m for m, _, _ in tally.received]
+    lost = set(tally.sent) - set(received)
+    again = [m for m, at, _ in tally.received if m in tally.acked and tally.acked[m] < at]
+    print(
+        f"\nconsumer failover: first delivery from the new holder {first_s:.2f} s after kill -9 (lease {LEASE_MS} ms);"
+        f" {len(tally.sent)} sends acknowledged, {len(received)} deliveries ({len(received) - len(set(received))}"
+        f" repeated), {len(tally.acked)} acked, {len(lost)} lost, {len(again)} acked ones delivered again"
+    )
+    assert not lost
+    assert not again
