@@ -11,8 +11,9 @@ Kinds, and where their rows come from on the holder:
   connected to (its access broker, docs/scale-out.md), not at their topics' owners. A takeover merges them
   into the new owner's MQTT store (``durable.merge``), so the client finds its session there.
 
-Asynchronous and coalesced, like commit points: every ``SHIP_INTERVAL_MS`` the holder compares its rows with
-what it last shipped, only when the registry or the MQTT store changed since; not awaited by the client's call
+Asynchronous and coalesced, like commit points: every ``SHIP_INTERVAL_MS`` (at least ``PACE`` times what the
+last look cost) the holder compares its rows with what it last shipped, only when the registry or the MQTT store
+changed since, and sends what changed to every follower at once; not awaited by the client's call
 (a subscription missing after a failover delays delivery, it loses no message: messages and commit points
 are copied before acknowledgement or right after, and the client's full sync every 30 s brings it back).
 """
@@ -24,6 +25,7 @@ import base64
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -37,6 +39,7 @@ from lmq_broker.replication.leadership import Leadership
 log = logging.getLogger(__name__)
 
 SHIP_INTERVAL_MS: Final = 100  # how often a holder looks for changed rows (a look costs nothing when none changed)
+PACE: Final = 10  # the wait after a look is at least this many times what it cost (a large registry: less often)
 SUB: Final = "sub"
 MQTT_KIND: Final = "mqtt-"  # + the table's name
 
@@ -69,16 +72,19 @@ class States:
         self.stale: set[int] = set()  # slots followed whose shadow missed a batch (a snapshot is due)
         self.installed: set[int] = set()  # slots taken over whose shadow went into this broker's state
         self.on_stale: Callable[[int], None] = lambda slot: None
+        self.refused: Callable[[str], None] = lambda reason: None  # counted with the copies a follower refused
 
     # --- the holder ----------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event, followers: Callable[[int], list[int]], call: Call) -> None:
         while not stopping.is_set():
+            began = time.monotonic()
             try:
                 await self.tick(followers, call)
             except Exception as exc:  # a registry or MQTT store that failed to read: again next tick
                 log.warning("state rows: %s", exc)
+            wait_s = max(SHIP_INTERVAL_MS / 1000, PACE * (time.monotonic() - began))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), SHIP_INTERVAL_MS / 1000)
+                await asyncio.wait_for(stopping.wait(), wait_s)
 
     async def tick(self, followers: Callable[[int], list[int]], call: Call) -> None:
         leadership = self._leadership
@@ -149,14 +155,17 @@ class States:
         if slot not in leadership.mine:
             raise errors.InvalidArgument(f"this broker is no replica of slot {slot}")
         if leadership.holds(slot):
+            self.refused("owner")
             raise errors.Fenced(
                 f"this broker holds the lease of slot {slot}: state rows of epoch {batch.epoch} refused"
             )
         if batch.epoch < leadership.epochs.get(slot, 0):
+            self.refused("stale_epoch")
             raise errors.Fenced(f"slot {slot} is at a newer epoch: state rows of epoch {batch.epoch} refused")
         shadow = self.shadows.get(slot)
         if shadow is None or not shadow.apply(batch):
             self.stale.add(slot)
+            self.refused("state_gap")
             self.on_stale(slot)
             return False
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from waiting import eventually_async
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.mqtt import durable
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
@@ -28,7 +30,6 @@ from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
 
-pytestmark = pytest.mark.asyncio
 PARENT, GROUP = "P", "G"
 LEASE_MS = 1500
 _prefixes = itertools.count()
@@ -137,6 +138,7 @@ async def stop(pair: Pair) -> None:
             await broker.stop(grace_s=0.2)
 
 
+@pytest.mark.asyncio
 async def test_a_subscription_made_at_the_owner_is_served_by_the_follower_that_took_over(
     kube: testing.KubeAPI, tmp_path: Path
 ) -> None:
@@ -144,28 +146,17 @@ async def test_a_subscription_made_at_the_owner_is_served_by_the_follower_that_t
     pair = await start_pair(tmp_path, min_insync_replicas=1, **lease_flags(kube, tmp_path))
     try:
         lite = pair.lite_of(0)
-        subscribed = await pair.clients[0].stub.SyncLiteSubscription(
-            spb.SyncLiteSubscriptionRequest(
-                action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP),
-                lite_topic_set=[lite],
-            ),
-            metadata=SUBSCRIBER,
-        )  # fmt: skip
-        assert subscribed.status.code == pb.OK
+        await subscribe(pair, lite)
         await eventually_async(lambda: has_row(pair, stating.SUB, lambda c: c == "subscriber-1"), "shadowed")
         await lose_the_owner(pair)
         assert (await pair.send(1, lite, 0)).status.code == pb.OK  # a new message, through the new owner
-        request = spb.ReceiveMessageRequest(
-            group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
-            batch_size=8, invisible_duration=Duration(seconds=30), long_polling_timeout=Duration(seconds=10),
-        )  # fmt: skip
-        frames = [f async for f in pair.clients[1].stub.ReceiveMessage(request, metadata=SUBSCRIBER, timeout=15)]
-        got = [f.message.system_properties.message_id for f in frames if f.HasField("message")]
+        got = [p.message_id for p in await receive(pair, 1)]
         assert got == [f"{lite}-0"]  # without subscribing again
     finally:
         await stop(pair)
 
 
+@pytest.mark.asyncio
 async def test_a_retained_message_and_a_persistent_session_with_queued_messages_survive_the_owners_disk_loss(
     kube: testing.KubeAPI, tmp_path: Path
 ) -> None:
@@ -203,3 +194,101 @@ async def test_a_retained_message_and_a_persistent_session_with_queued_messages_
         for peer in peers:
             await asyncio.to_thread(peer.disconnect)
         await stop(pair)
+
+
+async def receive(pair: Pair, slot: int) -> list[Any]:
+    request = spb.ReceiveMessageRequest(
+        group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
+        batch_size=8, invisible_duration=Duration(seconds=30), long_polling_timeout=Duration(seconds=10),
+    )  # fmt: skip
+    frames = [f async for f in pair.clients[slot].stub.ReceiveMessage(request, metadata=SUBSCRIBER, timeout=15)]
+    return [f.message.system_properties for f in frames if f.HasField("message")]
+
+
+@pytest.mark.asyncio
+async def test_the_followers_lite_topic_times_are_the_owners_up_to_the_copy_lag(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    """The follower stamps a copy's store time and a commit's consume time itself, when it stores them: never
+    before the owner did, and the store time never after the send was acknowledged (docs/replication.md)."""
+    pair = await start_pair(tmp_path, **lease_flags(kube, tmp_path))
+    try:
+        lite = pair.lite_of(0)
+        await subscribe(pair, lite)
+        assert (await pair.send(0, lite, 0)).status.code == pb.OK
+        acknowledged = wall_ms()
+        got = await receive(pair, 0)
+        entries = [spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle) for p in got]
+        acked = await pair.clients[0].stub.AckMessage(
+            spb.AckMessageRequest(group=pb.Resource(name=GROUP), topic=pb.Resource(name=PARENT), entries=entries),
+            metadata=SUBSCRIBER,
+        )
+        assert acked.status.code == pb.OK
+        owner, follower = pair.brokers[0].store, pair.brokers[1].store
+        assert owner is not None and follower is not None
+        copied = await eventually_async(
+            lambda: (m := follower.lite_topic(PARENT, lite)) is not None and m.last_consume_ms > 0 and m,
+            "the commit on the follower",
+        )
+        seen = wall_ms()
+        mine = owner.lite_topic(PARENT, lite)
+        assert mine is not None and copied
+        assert mine.last_store_ms <= copied.last_store_ms <= acknowledged
+        assert mine.last_consume_ms <= copied.last_consume_ms <= seen
+        queue = model.QueueId.lmq(PARENT, lite)
+        stored = [m.store_timestamp_ms for s in (owner, follower) for m in s.read(queue, 0, 1)]
+        assert stored[0] <= stored[1] <= acknowledged
+    finally:
+        await stop(pair)
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+async def subscribe(pair: Pair, lite: str) -> None:
+    subscribed = await pair.clients[0].stub.SyncLiteSubscription(
+        spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP),
+            lite_topic_set=[lite],
+        ),
+        metadata=SUBSCRIBER,
+    )  # fmt: skip
+    assert subscribed.status.code == pb.OK
+
+
+def test_a_follower_applies_only_the_next_batch_of_the_stream_it_knows() -> None:
+    tracker = states.Tracker("s1")
+    first = tracker.diff({("sub", "a"): "1", ("sub", "b"): "2"})
+    assert sorted(first) == [("sub", "a", "1"), ("sub", "b", "2")]
+    assert tracker.diff({("sub", "a"): "1"}) == [("sub", "b", None)]  # gone: a tombstone
+    shadow = states.Shadow("s1", 0, {})
+    batch = states.decode(states.encode(states.Batch(0, 3, "s1", 1, first)))
+    assert shadow.apply(batch) and shadow.rows == {("sub", "a"): "1", ("sub", "b"): "2"}
+    assert shadow.apply(batch)  # a repeat: already in, nothing changes
+    assert not shadow.apply(states.Batch(0, 3, "s1", 3, [("sub", "b", None)]))  # seq 2 missed: a snapshot is due
+    assert not shadow.apply(states.Batch(0, 3, "s2", 1, []))  # another holding of the slot: a snapshot too
+    assert shadow.apply(states.Batch(0, 3, "s1", 2, [("sub", "b", None)]))
+    assert shadow.rows == {("sub", "a"): "1"} and shadow.seq == 2
+
+
+def test_mqtt_rows_merge_without_overwriting_newer_ones(tmp_path: Path) -> None:
+    theirs, mine = durable.Durable(tmp_path / "theirs"), durable.Durable(tmp_path / "mine")
+    try:
+        theirs.save_session("s", {"a/b": 1}, None)  # still connected when its broker was lost
+        theirs.qos2_update("s", durable.INBOUND, [(7, "m7")], [])
+        theirs.put_retained([durable.Retained("P", "x", b"\x00old", 1, 10), durable.Retained("P", "y", b"new", 1, 30)])
+        mine.put_retained([durable.Retained("P", "x", b"mine", 1, 20), durable.Retained("P", "y", b"mine", 1, 20)])
+        mine.save_session("here", {"c": 0}, None)
+        before = mine.changes()
+        for table in durable.REPLICATED:
+            mine.merge(table, theirs.rows(table), 99)
+        assert mine.changes() > before
+        assert mine.load_session("s") == {"a/b": 1} and mine.load_session("here") == {"c": 0}
+        assert mine.qos2_ids("s", durable.INBOUND) == {7: "m7"}
+        assert {(r.lite, r.payload) for r in mine.retained_between("P", "", "")} == {("x", b"mine"), ("y", b"new")}
+        gone = {row["client_id"]: row["gone_ms"] for row in mine.rows("sessions")}
+        assert gone == {"s": 99, "here": None}  # its connection ended with its broker: its expiry runs from the merge
+    finally:
+        theirs.close()
+        mine.close()
