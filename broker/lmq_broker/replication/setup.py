@@ -178,6 +178,7 @@ class Replication:
             await self._task
         if self._shipping is not None:
             await self._shipping
+        await self.states.close()
         if self._reconciling is not None:
             self._reconciling.cancel()
             await asyncio.gather(self._reconciling, return_exceptions=True)

@@ -70,6 +70,8 @@ class States:
         self._seen: dict[int, tuple[int, int]] = {}  # slot held -> the versions its rows were last read at
         self.shadows: dict[int, states.Shadow] = {}  # slot followed -> its holder's rows
         self.stale: set[int] = set()  # slots followed whose shadow missed a batch (a snapshot is due)
+        self._sending: dict[tuple[int, int], asyncio.Task[None]] = {}  # (slot, follower) -> its last batch
+        self._retry: set[int] = set()  # slots held whose last batch did not reach every follower
         self.installed: set[int] = set()  # slots taken over whose shadow went into this broker's state
         self.on_stale: Callable[[int], None] = lambda slot: None
         self.refused: Callable[[str], None] = lambda reason: None  # counted with the copies a follower refused
@@ -100,9 +102,38 @@ class States:
             if epoch is None:
                 continue
             batch = await self._changed(slot, epoch)
+            if batch is None and slot in self._retry:  # a follower may have missed the last one: it finds out
+                tracker = self._tracker(slot)
+                tracker.seq += 1
+                batch = states.Batch(slot, epoch, tracker.stream, tracker.seq, [])
             if batch is not None:
+                self._retry.discard(slot)
                 data = states.encode(batch)
-                await asyncio.gather(*(call(f, data) for f in followers(slot)), return_exceptions=True)
+                for follower in followers(slot):
+                    self._ship(slot, follower, data, call)
+
+    def _ship(self, slot: int, follower: int, data: bytes, call: Call) -> None:
+        """Send a batch to one follower, after the previous one (never two at once: they would cross). One
+        still under way (a follower down: up to the call's timeout): this one is left out, so the follower
+        finds a gap with the next one and fetches a snapshot."""
+        under_way = self._sending.get((slot, follower))
+        if under_way is not None and not under_way.done():
+            self._retry.add(slot)
+            return
+
+        async def send() -> None:
+            try:
+                await call(follower, data)
+            except Exception:  # down or refusing: the next batch (one is sent for this) tells it what it missed
+                self._retry.add(slot)
+
+        self._sending[(slot, follower)] = asyncio.get_running_loop().create_task(send(), name="lmq-state-rows")
+
+    async def close(self) -> None:
+        tasks = list(self._sending.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _changed(self, slot: int, epoch: int) -> states.Batch | None:
         """The next batch of ``slot``: what changed since the last one; None when nothing did."""
@@ -164,8 +195,9 @@ class States:
             raise errors.Fenced(f"slot {slot} is at a newer epoch: state rows of epoch {batch.epoch} refused")
         shadow = self.shadows.get(slot)
         if shadow is None or not shadow.apply(batch):
+            if shadow is not None:  # without one (just started) a snapshot is due anyway
+                self.refused("state_gap")
             self.stale.add(slot)
-            self.refused("state_gap")
             self.on_stale(slot)
             return False
         return True
