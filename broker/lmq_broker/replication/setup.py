@@ -150,6 +150,7 @@ class Replication:
             dispatcher.wall_clock,
         )
         self.states.on_stale = self._not_in_sync
+        registry.register(stating.Collector(self.states))
         self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
         self._replica_sets = replica_sets
         self._shipping: asyncio.Task[None] | None = None

@@ -27,8 +27,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Final
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector as _Collector
 
 from lmq_broker import errors
 from lmq_broker.dispatch import saved_subscriptions
@@ -229,6 +232,27 @@ class States:
                 merged += len(rows)
         log.warning("slot %d taken over: %d clients' subscriptions and %d MQTT rows restored", slot, len(records),
                     merged)  # fmt: skip
+
+
+class Collector(_Collector):
+    """``lmq_replication_state_rows{slot, kind}``: the rows this broker shadows of each slot it follows."""
+
+    def __init__(self, of: States) -> None:
+        self._of = of
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "lmq_replication_state_rows",
+            "State rows (sub, mqtt-sessions, mqtt-qos2, mqtt-retained) this broker holds of each slot it follows",
+            labels=["slot", "kind"],
+        )
+        for slot, shadow in sorted(self._of.shadows.items()):
+            counts: dict[str, int] = {}
+            for kind, _ in shadow.rows:
+                counts[kind] = counts.get(kind, 0) + 1
+            for kind, count in sorted(counts.items()):
+                family.add_metric([str(slot), kind], count)
+        yield family
 
 
 def _record_text(r: saved_subscriptions.ClientRecord, lmqs: tuple[str, ...]) -> str:
