@@ -83,7 +83,7 @@ def received(endpoint: str) -> list[str]:
     async def run() -> list[str]:
         async with grpc.aio.insecure_channel(endpoint) as channel:
             stub = service_grpc.MessagingServiceStub(channel)
-            frames = await raw_v2.poll(stub, SUBSCRIBER, wait_s=10)  # type: ignore[arg-type]
+            frames = await raw_v2.poll(stub, SUBSCRIBER, wait_s=10)
         return [f.message.system_properties.message_id for f in frames if f.HasField("message")]
 
     return asyncio.run(run())
