@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SHIP_INTERVAL_MS: Final = 100  # how often a holder looks for changed rows (a look costs nothing when none changed)
 PACE: Final = 10  # the wait after a look is at least this many times what it cost (a large registry: less often)
+SLOTS_CACHED: Final = 262_144  # lite topics whose slot a holder remembers (~30 MiB when full)
 SUB: Final = "sub"
 MQTT_KIND: Final = "mqtt-"  # + the table's name
 
@@ -71,8 +72,12 @@ class States:
         self._now_ms = now_ms
         self._trackers: dict[int, states.Tracker] = {}  # slot held -> what its followers were sent
         self._seen: dict[int, tuple[int, int]] = {}  # slot held -> the versions its rows were last read at
+        self._held: set[int] = set()
+        self._slots: dict[str, int] = {}  # lite topic -> its slot, as ``_slot`` remembers it
         self.shadows: dict[int, states.Shadow] = {}  # slot followed -> its holder's rows
         self.stale: set[int] = set()  # slots followed whose shadow missed a batch (a snapshot is due)
+        self._sub_rows: dict[int, tuple[int, states.Rows]] = {}  # slot -> (registry version, its rows then)
+        self._mqtt_rows: tuple[int, states.Rows] | None = None  # (the MQTT store's changes, its rows then)
         self._sending: dict[tuple[int, int], asyncio.Task[None]] = {}  # (slot, follower) -> its last batch
         self._retry: set[int] = set()  # slots held whose last batch did not reach every follower
         self.installed: set[int] = set()  # slots taken over whose shadow went into this broker's state
@@ -94,9 +99,13 @@ class States:
     async def tick(self, followers: Callable[[int], list[int]], call: Call) -> None:
         leadership = self._leadership
         held = set(leadership.held())
+        if held != self._held:  # which slot a topic belongs to follows the slots held
+            self._held = held
+            self._sub_rows.clear()
+            self._slots.clear()
+            self._seen.clear()
         for slot in [s for s in self._trackers if s not in held]:
             del self._trackers[slot]
-            self._seen.pop(slot, None)
         self.installed &= held
         for slot in sorted(held):
             if slot != leadership.me and slot not in self.installed:
@@ -170,15 +179,31 @@ class States:
         return self._registry_version(), -1 if mqtt is None else mqtt.changes()
 
     async def rows(self, slot: int) -> states.Rows:
-        rows: states.Rows = {}
-        for r in self._export():
-            lmqs = tuple(t for t in r.lmqs if self._slot_of_topic(t) == slot)
-            if lmqs or r.patterns:
-                rows[(SUB, r.client_id)] = _record_text(r, lmqs)
+        """Every row of ``slot`` now. Each kind is read again only when its source changed since; the registry is
+        exported on the event loop (it is not shared with threads) and its rows made on a thread."""
+        version = self._registry_version()
+        cached = self._sub_rows.get(slot)
+        if cached is None or cached[0] != version:
+            records, of = self._export(), self._slot
+            cached = self._sub_rows[slot] = (version, await asyncio.to_thread(_sub_rows, records, of, slot))
+        rows = dict(cached[1])
         mqtt = self._mqtt()
         if mqtt is not None and slot == self._leadership.me:
-            rows.update(await asyncio.to_thread(_mqtt_rows, mqtt))
+            changes = mqtt.changes()
+            if self._mqtt_rows is None or self._mqtt_rows[0] != changes:
+                self._mqtt_rows = (changes, await asyncio.to_thread(_mqtt_rows, mqtt))
+            rows.update(self._mqtt_rows[1])
         return rows
+
+    def _slot(self, topic: str) -> int:
+        """``slot_of_topic``, remembered (a hash per topic; forgotten when the slots held change, or wholesale
+        when full)."""
+        found = self._slots.get(topic)
+        if found is None:
+            if len(self._slots) >= SLOTS_CACHED:
+                self._slots.clear()
+            found = self._slots[topic] = self._slot_of_topic(topic)
+        return found
 
     # --- a follower ----------------------------------------------------------------------------------------
     def accept(self, data: bytes) -> bool:
@@ -266,6 +291,16 @@ def _record_of(client_id: str, text: str) -> saved_subscriptions.ClientRecord:
     lmqs, patterns = tuple(str(x) for x in f["lmqs"]), tuple(str(x) for x in f["patterns"])
     return saved_subscriptions.ClientRecord(client_id, int(f["type"]), str(f["group"]), str(f["bind"]), lmqs,
                                             patterns, owner)  # fmt: skip
+
+
+def _sub_rows(records: Records, slot_of_topic: Callable[[str], int], slot: int) -> states.Rows:
+    """Each client's subscriptions to topics of ``slot`` (and its patterns), as rows (on a thread)."""
+    rows: states.Rows = {}
+    for r in records:
+        lmqs = tuple(t for t in r.lmqs if slot_of_topic(t) == slot)
+        if lmqs or r.patterns:
+            rows[(SUB, r.client_id)] = _record_text(r, lmqs)
+    return rows
 
 
 def _mqtt_rows(mqtt: durable.Durable) -> states.Rows:
