@@ -260,6 +260,8 @@ class Broker:
             self.mqtt = MqttServer(self.dispatcher, config, owners, access)
             self.mqtt_port = await self.mqtt.start(config.host, config.mqtt_port)
             mqtt = self.mqtt
+            if self.replication is not None:  # its sessions and retained messages go to this slot's followers
+                self.replication.mqtt = lambda: mqtt.durable
             self.metrics.registry.register(
                 mqtt_stats.Collector(mqtt.stats, mqtt.sockets_open, lambda: mqtt.read_budget.held)
             )

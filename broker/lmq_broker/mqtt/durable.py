@@ -335,3 +335,56 @@ class Durable:
         with self._lock:
             count: int = self._db.execute("SELECT count(*) FROM wills").fetchone()[0]
         return count
+
+    # --- replication (``lmq_broker.replication.stating``): whole rows out, and in at a takeover ----------------
+    def changes(self) -> int:
+        """Grows with every row written or deleted since the file was opened (nothing new to copy: unchanged)."""
+        with self._lock:
+            return self._db.total_changes
+
+    def rows(self, table: str) -> list[dict[str, object]]:
+        """Every row of a ``REPLICATED`` table, as column -> value."""
+        columns = ", ".join(REPLICATED[table][1])
+        with self._lock:
+            found = self._db.execute(f"SELECT {columns} FROM {table}").fetchall()
+        return [dict(zip(REPLICATED[table][1], row, strict=True)) for row in found]
+
+    def merge(self, table: str, rows: Iterable[dict[str, object]], now_ms: int) -> None:
+        """Rows another broker held (a slot this broker took over), in one transaction: a session or QoS 2 row
+        only where this broker has none of its key (its own is newer: its client came here), a retained message
+        only over an older one; a session still marked connected there is gone from now (its expiry starts)."""
+        _, columns, rule = REPLICATED[table]
+        names, marks = ", ".join(columns), ", ".join("?" for _ in columns)
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for row in rows:
+                    values = [row.get(c) for c in columns]
+                    if table == "sessions" and row.get("gone_ms") is None:
+                        values[columns.index("gone_ms")] = now_ms
+                    self._db.execute(f"INSERT INTO {table} ({names}) VALUES ({marks}) {rule}", values)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+
+# table -> (its key columns, every column copied, the merge rule): wills are not copied (docs/replication.md)
+REPLICATED: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], str]]] = {
+    "sessions": (
+        ("client_id",),
+        ("client_id", "filters", "expiry_s", "gone_ms", "owner"),
+        "ON CONFLICT (client_id) DO NOTHING",
+    ),
+    "qos2": (
+        ("client_id", "direction", "packet_id"),
+        ("client_id", "direction", "packet_id", "message"),
+        "ON CONFLICT (client_id, direction, packet_id) DO NOTHING",
+    ),
+    "retained": (
+        ("parent", "lite"),
+        ("parent", "lite", "payload", "qos", "stored_ms", "properties"),
+        "ON CONFLICT (parent, lite) DO UPDATE SET payload = excluded.payload, qos = excluded.qos,"
+        " stored_ms = excluded.stored_ms, properties = excluded.properties WHERE excluded.stored_ms > stored_ms",
+    ),
+}

@@ -43,7 +43,7 @@ class Counters:
         )
         self.copies_refused = Counter(
             "lmq_replication_copies_refused",
-            "Copies a follower refused (stale_epoch, owner: it holds the slot, out_of_sync)",
+            "Copies a follower refused (stale_epoch, owner: it holds the slot, out_of_sync, state_gap: rows missed)",
             ["reason"],
             registry=registry,
         )

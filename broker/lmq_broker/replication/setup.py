@@ -25,7 +25,8 @@ from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, following, gauges, handover, kube, owning, sources, wire
+from lmq_broker.mqtt.durable import Durable
+from lmq_broker.replication import copies, following, gauges, handover, kube, owning, sources, stating, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -40,6 +41,8 @@ SERVICE: Final = "/lmq.replica.v1.Replica/"
 METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
 ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
 FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
+STATES: Final = SERVICE + "States"  # a batch of state rows (``states``) -> b"" applied, b"behind": not the next
+STATE_FETCH: Final = SERVICE + "StateFetch"  # JSON {"slot"} -> every state row of the slot (``states``, full)
 CALL_TIMEOUT_S: Final = 2.0
 IDENTITY_FILE: Final = "replica-identity"
 
@@ -147,6 +150,21 @@ class Replication:
         self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
+        self.mqtt: Callable[[], Durable | None] = lambda: None  # the MQTT listener's store, once it runs (app)
+        self.states = stating.States(
+            self.leadership,
+            self.slots.slot_of_topic,
+            dispatcher.export_subscriptions,
+            dispatcher.restore_subscriptions,
+            lambda: dispatcher.registry.version,
+            lambda: self.mqtt(),  # noqa: PLW0108 (set by the app once MQTT runs)
+            dispatcher.wall_clock,
+        )
+        self.states.on_stale = self._not_in_sync
+        registry.register(stating.Collector(self.states))
+        self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
+        self._replica_sets = replica_sets
+        self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -155,16 +173,27 @@ class Replication:
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
+    def _not_in_sync(self, slot: int) -> None:
+        if self.follower is not None:
+            self.follower.reconciled.pop(slot, None)
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
         self._reconciling = loop.create_task(self._reconcile_loop(), name="lmq-reconcile")
         self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
+        me = self.leadership.me
+        followers = lambda slot: [s for s in self._replica_sets[slot] if s != me]  # noqa: E731
+        call = lambda slot, data: self._call(slot, STATES, data)  # noqa: E731
+        self._shipping = loop.create_task(self.states.run(self._stopping, followers, call), name="lmq-states")
 
     async def close(self) -> None:
         self._stopping.set()
         if self._task is not None:
             await self._task
+        if self._shipping is not None:
+            await self._shipping
+        await self.states.close()
         if self._reconciling is not None:
             self._reconciling.cancel()
             await asyncio.gather(self._reconciling, return_exceptions=True)
@@ -185,7 +214,11 @@ class Replication:
                 if leadership.holds(slot) or epoch is None or follower.in_sync(slot, epoch):
                     continue
                 try:
-                    await follower.reconcile(slot, self._ends, self._fetch)
+                    holder = leadership.serving(slot)
+                    if holder != leadership.me and slot in leadership.holders:
+                        await self.states.fetch(slot, holder, self._state_fetch)
+                    if await follower.reconcile(slot, self._ends, self._fetch) and slot in self.states.stale:
+                        follower.reconciled.pop(slot, None)  # a batch of state rows missed meanwhile: again
                 except Exception as exc:  # a holder down or refusing: tried again next interval
                     log.warning("slot %d: reconciling failed, tried again: %s", slot, exc)
             with contextlib.suppress(TimeoutError):
@@ -206,6 +239,9 @@ class Replication:
         found: dict[str, int] = json.loads(await self._call(holder, ENDS, json.dumps({"slot": slot}).encode()))
         return found
 
+    async def _state_fetch(self, holder: int, slot: int) -> bytes:
+        return await self._call(holder, STATE_FETCH, json.dumps({"slot": slot}).encode())
+
     async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
         return await self._call(holder, FETCH, json.dumps({"slot": slot, "topic": topic, "from": start}).encode())
 
@@ -215,6 +251,8 @@ class Replication:
             assert self.follower is not None
             behind = await self.follower.accept(data)
             return json.dumps(behind).encode() if behind else b""
+        if method == STATES:
+            return b"" if self.states.accept(data) else b"behind"
         try:
             request = json.loads(data)
             slot = int(request["slot"])
@@ -223,6 +261,8 @@ class Replication:
         epoch = self.leadership.epoch(slot)
         if epoch is None:
             raise errors.Fenced(f"this broker does not hold the lease of slot {slot}")
+        if method == STATE_FETCH:
+            return await self.states.snapshot(slot, epoch)
         if method == ENDS:
             found = await asyncio.to_thread(sources.ends, self._store, slot, self.slots.slot_of_topic)
             return json.dumps(found).encode()
@@ -264,6 +304,6 @@ class _Handler(_GenericHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
-        if method not in (METHOD, ENDS, FETCH):
+        if method not in (METHOD, ENDS, FETCH, STATES, STATE_FETCH):
             return None
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
