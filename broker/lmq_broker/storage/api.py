@@ -182,6 +182,12 @@ class Store(Protocol):
         """
         ...
 
+    def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        """The names of ``parent``'s lite topics after ``start_after``, in key order, at most ``limit``: what
+        ``scan_lite_topics`` pages through, without reading each topic's state (a level index is built from
+        them, ``dispatch.level_index``)."""
+        ...
+
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         """Delete a lite topic's index entries, offsets and metadata in one batch.
 

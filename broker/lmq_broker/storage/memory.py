@@ -293,6 +293,9 @@ class MemoryStore:
         out = [m for k, m in rows if k > start_after and (not end_before or k < end_before)]
         return out[: max(0, limit)]
 
+    def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        return [m.lite for m in self.scan_lite_topics(parent, start_after, "", limit)]
+
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]
 

@@ -263,6 +263,14 @@ class LmqStore:
             return []
         return self._core.index.lite_topics(lo, hi, limit, idle_since_before_ms)
 
+    def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        self._core.check_open()
+        prefix = keys.lite_prefix(parent)
+        limit = max(0, min(limit, SCAN_LIMIT_MAX))
+        if limit == 0:
+            return []
+        return self._core.index.lite_names(prefix, prefix + start_after.encode(), limit)
+
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]
 
