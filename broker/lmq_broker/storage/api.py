@@ -146,6 +146,11 @@ class Store(Protocol):
         For an event loop, like ``try_begin``: a commit is two small index writes, cheaper than a thread hop."""
         ...
 
+    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+        """``commit_offset`` of each (queue, group, offset), with nothing acked or handed out above it, in one
+        write (a subscription's offset reset over many lite topics)."""
+        ...
+
     def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...
 
     def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:

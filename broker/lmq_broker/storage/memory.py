@@ -189,6 +189,14 @@ class MemoryStore:
     ) -> None:
         self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
+    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+        for _, group, offset in rows:  # a bad row: none written
+            api.check_group(group)
+            if offset < 0:
+                raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        for queue, group, offset in rows:
+            self.commit_offset(queue, group, offset)
+
     def try_commit_offset(
         self,
         queue: model.QueueId,
