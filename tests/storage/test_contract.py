@@ -720,3 +720,22 @@ def test_read_span_covers_what_it_passed_over(store: api.Store, msg: Msg) -> Non
     assert store.read_span(LMQ_A, 9, 10) == ([], 9)  # past the end: nothing covered
     assert store.read_span(model.QueueId.lmq("P", "none"), 0, 10) == ([], 0)
     assert store.health() is None
+
+
+def test_commit_offsets_is_commit_offset_of_each(store: api.Store, msg: Msg, clock: ManualClock) -> None:
+    """The batch of an offset reset: each row committed, acked offsets above them dropped, the lite topics'
+    consume time recorded; a gone lite topic gets no offsets (as with ``commit_offset``)."""
+    store.append([msg() for _ in range(6)])
+    store.commit_offset(LMQ_A, "g", 1, (3, 4))
+    clock.advance(3000)
+    gone = model.QueueId.lmq("P", "gone")
+    store.commit_offsets([(LMQ_A, "g", 5), (LMQ_A, "g2", 2), (PARENT_Q, "g", 4), (gone, "g", 1)])
+    assert [store.get_offset(LMQ_A, "g"), store.get_offset(LMQ_A, "g2"), store.get_offset(PARENT_Q, "g")] == [5, 2, 4]
+    assert store.get_acked(LMQ_A, "g") == ()
+    assert store.get_offset(gone, "g") is None and store.lite_topic("P", "gone") is None
+    meta = store.lite_topic("P", "a")
+    assert meta is not None and meta.last_consume_ms == clock()
+    store.commit_offsets([])
+    with pytest.raises(errors.InvalidArgument):
+        store.commit_offsets([(LMQ_A, "g", 6), (LMQ_A, "g", -1)])
+    assert store.get_offset(LMQ_A, "g") == 5  # a bad row: none written

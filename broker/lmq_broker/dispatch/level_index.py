@@ -35,9 +35,28 @@ class LevelIndex:
         self.size = 0
 
     def add(self, lite: str) -> None:
-        levels = lite.split(wildcards.LEVEL_SEPARATOR)
+        head, sep, last = lite.rpartition(wildcards.LEVEL_SEPARATOR)
+        self._add_at(self._node_for(head) if sep else self._root, last)
+
+    def add_many(self, lites: Iterable[str]) -> None:
+        """``add`` of each name; names that share their levels but the last (as consecutive names of a page
+        in key order mostly do) find their node once."""
+        root = self._root
+        node_for, add_at = self._node_for, self._add_at
+        head_was, node = "", root
+        for lite in lites:
+            head, sep, last = lite.rpartition(wildcards.LEVEL_SEPARATOR)
+            if not sep:
+                add_at(root, last)
+                continue
+            if head != head_was or node is root:
+                head_was, node = head, node_for(head)
+            add_at(node, last)
+
+    def _node_for(self, head: str) -> Node:
+        """The node of the levels ``head`` (a name without its last level), made where missing."""
         node = self._root
-        for level in levels[:-1]:
+        for level in head.split(wildcards.LEVEL_SEPARATOR):
             child = node.get(level, _END)  # _END: absent (a missing key and a None leaf differ)
             if child is None:  # a leaf name gets a longer one below it
                 child = node[level] = {_END: None}
@@ -45,7 +64,9 @@ class LevelIndex:
                 child = node[level] = {}
             assert isinstance(child, dict)
             node = child
-        last = levels[-1]
+        return node
+
+    def _add_at(self, node: Node, last: str) -> None:
         if last not in node:
             node[last] = None
             self.size += 1
@@ -100,45 +121,65 @@ class LevelIndex:
             for key, child in self._root.items():
                 if key != _END and (key == head if sep else key.startswith(head)):
                     top = [key] if child is None or _END in child else []
-                    below = _names(child, (key,)) if child is not None else iter(())
+                    below = _names(child, key + wildcards.LEVEL_SEPARATOR) if child is not None else iter(())
                     yield from (name for name in (*top, *below) if name.startswith(prefix))
             return
-        yield from _walk(self._root, f, 0, ())
+        yield from _walk(self._root, f)
 
 
-def _walk(node: Node, f: wildcards.Filter, i: int, path: tuple[str, ...]) -> Iterator[str]:
-    level = f[i]
-    last = i == len(f) - 1
-    if level == wildcards.ANY_LEVELS:  # the rest, none included: ("a", "#") matches "a" (handled by the caller)
-        yield from _names(node, path)
-        return
-    keys: Iterable[str] = [k for k in node if k != _END] if level == wildcards.ONE_LEVEL else (level,)
-    for key in keys:
-        if key not in node:
-            continue
-        child = node[key]
-        here = (*path, key)
-        ends_here = child is None or _END in child
-        if last:
-            if ends_here:
-                yield wildcards.LEVEL_SEPARATOR.join(here)
-            continue
-        if ends_here and f[i + 1] == wildcards.ANY_LEVELS and i + 1 == len(f) - 1:
-            yield wildcards.LEVEL_SEPARATOR.join(here)  # "a/#" matches "a" itself
-        if child is not None:
-            yield from _walk(child, f, i + 1, here)
+def _ends(value: Node | None) -> bool:
+    """Does a name end at the node ``value`` (a None leaf, or a node marked ``_END``)."""
+    return value is None or _END in value
 
 
-def _names(node: Node, path: tuple[str, ...]) -> Iterator[str]:
-    """Every name at or below ``node`` (not ``path`` itself)."""
+def _walk(root: Node, f: wildcards.Filter) -> Iterator[str]:
+    """The names ``f`` matches, level by level: the nodes the levels so far reach, each with its path (its
+    levels joined, the separator after each), then those of its last level that end a name."""
+    sep = wildcards.LEVEL_SEPARATOR
+    reached: list[tuple[str, Node | None]] = [("", root)]
+    last = len(f) - 1
+    for i, level in enumerate(f):
+        if level == wildcards.ANY_LEVELS:  # the rest, none included: ("a", "#") matches "a" itself
+            for path, node in reached:
+                if i and _ends(node):
+                    yield path[:-1]
+                if node is not None:
+                    yield from _names(node, path)
+            return
+        if i == last:
+            for path, node in reached:
+                if node is None:
+                    continue
+                if level != wildcards.ONE_LEVEL:
+                    if level in node and _ends(node[level]):
+                        yield path + level
+                    continue
+                yield from (path + key for key, child in node.items() if key != _END and _ends(child))
+            return
+        step: list[tuple[str, Node | None]] = []
+        for path, node in reached:
+            if node is None:
+                continue
+            if level != wildcards.ONE_LEVEL:
+                if level in node:
+                    step.append((path + level + sep, node[level]))
+                continue
+            step.extend((path + key + sep, child) for key, child in node.items() if key != _END)
+        reached = step
+
+
+def _names(node: Node, path: str) -> Iterator[str]:
+    """Every name below ``node`` (not ``node``'s own), ``path`` its levels joined, a separator after each."""
+    sep = wildcards.LEVEL_SEPARATOR
     for key, child in node.items():
         if key == _END:
             continue
-        here = (*path, key)
-        if child is None or _END in child:
-            yield wildcards.LEVEL_SEPARATOR.join(here)
-        if child is not None:
-            yield from _names(child, here)
+        if child is None:
+            yield path + key
+            continue
+        if _END in child:
+            yield path + key
+        yield from _names(child, path + key + sep)
 
 
 def matching_plain(names: Iterable[str], filters: Iterable[wildcards.Filter]) -> set[str]:

@@ -43,6 +43,7 @@ def reset(
     """Blocking: commit the group's new start in each LMQ, clamped to what the queue holds. ``ends`` (with
     ``MAX``): each LMQ's end as read earlier, the start instead of its end now (what was stored since stays
     to be delivered: an MQTT subscription starts where its broker read the ends, not later)."""
+    commits: list[tuple[model.QueueId, str, int]] = []
     for i, lmq in enumerate(lmqs):
         queue = model.QueueId(lmq)
         lo, hi = store.queue_offsets(queue)
@@ -58,4 +59,5 @@ def reset(
             target = hi - option.value
         else:
             continue
-        store.commit_offset(queue, group, min(max(target, lo), hi))
+        commits.append((queue, group, min(max(target, lo), hi)))
+    store.commit_offsets(commits)  # one write for them all

@@ -44,6 +44,7 @@ CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
 # and the event loop waits for it, so a probe of many topics goes in short calls.
 PROBE_CHUNK: Final = 128
 INDEX_SLICE: Final = 2048  # names taken from a level index per loop step
+INDEX_PAGE: Final = 1024  # lite names read into a level index being built per loop step
 
 
 T = TypeVar("T")
@@ -678,13 +679,12 @@ class Subscriptions:
         done = self._indexing[parent] = asyncio.Event()
         try:
             after = ""
-            while True:
-                page = await self._rt.run(self._rt.store.scan_lite_topics, parent, after, "", CATCHUP_CHUNK)
-                for meta in page:
-                    index.add(meta.lite)
-                if len(page) < CATCHUP_CHUNK:
+            while True:  # a page per loop step: the names read off the loop, added on it (~2 µs a name)
+                page = await self._rt.run(self._rt.store.lite_names, parent, after, INDEX_PAGE)
+                index.add_many(page)
+                if len(page) < INDEX_PAGE:
                     return index
-                after = page[-1].lite
+                after = page[-1]
         except BaseException:
             del self._wildcards.indexes[parent]
             raise

@@ -155,6 +155,7 @@ class Subscriptions:
         space = topics.space_of(snap)
         if self._parents is None:
             self._parents = space.parents
+        count = held.count(link.subs, space.default)  # once (it reads every filter held), then kept
         for text, options in packet.filters:
             # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
             # (``identifiers``; none: none), a shared subscription too
@@ -176,9 +177,10 @@ class Subscriptions:
                 )
                 continue
             existed = held.holds(link.subs, wanted, space.default)
-            if not existed and held.count(link.subs, space.default) >= MAX_FILTERS:
+            if not existed and count >= MAX_FILTERS:
                 codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
                 continue
+            count += not existed
             made = held.add(link.subs, wanted, stored, space.default)
             for parent, levels, _ in (m for m in made if not m.existed):
                 fresh.setdefault(parent, []).append(levels)

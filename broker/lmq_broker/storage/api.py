@@ -146,6 +146,11 @@ class Store(Protocol):
         For an event loop, like ``try_begin``: a commit is two small index writes, cheaper than a thread hop."""
         ...
 
+    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+        """``commit_offset`` of each (queue, group, offset), with nothing acked or handed out above it, in one
+        write (a subscription's offset reset over many lite topics)."""
+        ...
+
     def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...
 
     def get_acked(self, queue: model.QueueId, group: str) -> Sequence[int]:
@@ -180,6 +185,12 @@ class Store(Protocol):
         last consume) is before it; the walk goes on past skipped topics until ``limit`` topics match, so
         the last one returned is still the cursor of the next page.
         """
+        ...
+
+    def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        """The names of ``parent``'s lite topics after ``start_after``, in key order, at most ``limit``: what
+        ``scan_lite_topics`` pages through, without reading each topic's state (a level index is built from
+        them, ``dispatch.level_index``)."""
         ...
 
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:

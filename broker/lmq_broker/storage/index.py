@@ -168,6 +168,23 @@ class Index(rocks.Rocks):
             advance()
         return out
 
+    def lite_names(self, prefix: bytes, after: bytes, limit: int) -> list[str]:
+        """Up to ``limit`` lite names of the records keyed ``prefix`` + name, after the key ``after``, in key
+        order: keys only (no value read, no record built)."""
+        out: list[str] = []
+        cursor = self.raw_iter(after, keys.successor(prefix))
+        it = cursor.it
+        valid, advance = it.valid, it.next
+        key_of = cast("Callable[[], bytes]", it.key)
+        if valid() and key_of() == after:
+            advance()  # start_after is exclusive
+        skip = len(prefix)
+        append = out.append
+        while valid() and len(out) < limit:
+            append(key_of()[skip:].decode())
+            advance()
+        return out
+
     def runs(self, name: keys.QueueName) -> Iterator[tuple[int, int, int]]:
         """(first offset, segment, length) of every run of a queue, in offset order."""
         for key, value in self.prefix_items(name.entry_prefix):

@@ -189,6 +189,14 @@ class MemoryStore:
     ) -> None:
         self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
+    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+        for _, group, offset in rows:  # a bad row: none written
+            api.check_group(group)
+            if offset < 0:
+                raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        for queue, group, offset in rows:
+            self.commit_offset(queue, group, offset)
+
     def try_commit_offset(
         self,
         queue: model.QueueId,
@@ -292,6 +300,9 @@ class MemoryStore:
             rows = sorted(((f"{m.parent}{sep}{m.lite}", m) for m in metas), key=lambda r: r[0])
         out = [m for k, m in rows if k > start_after and (not end_before or k < end_before)]
         return out[: max(0, limit)]
+
+    def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        return [m.lite for m in self.scan_lite_topics(parent, start_after, "", limit)]
 
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]

@@ -271,6 +271,25 @@ class Meta:
             wb.put(akey, keys.encode_acked(offset, acked, handouts))
         return wb, (akey, content)
 
+    def write_offsets(self, commits: Sequence[tuple[bytes, str, int]], consumed: Sequence[bytes], now: int) -> None:
+        """Commit points (queue key, group, offset) with nothing acked or handed out above them, and ``now`` as
+        the last consume time under the ``consumed`` keys, in one write; their ``A`` keys go."""
+        stamp = keys.U64.pack(now)
+        with self._lock:
+            wb = self._db.batch()
+            gone = []
+            for qkey, group, offset in commits:
+                wb.put(keys.offset_key(qkey, group), keys.U64.pack(offset))
+                akey = keys.acked_key(qkey, group)
+                if akey in self._acked_keys:
+                    wb.delete(akey)
+                    gone.append(akey)
+            for key in consumed:
+                wb.put(key, stamp)
+            self._write(wb)
+            for akey in gone:
+                self._acked_keys.pop(akey, None)
+
     def drop_consumer_state(self, names: Sequence[keys.QueueName]) -> None:
         """Delete the offsets, acked sets and consume times of deleted queues, before the index forgets the
         queues: a crash in between replays the tombstone, which drops them again (idempotent). The acked-key

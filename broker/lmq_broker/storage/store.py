@@ -32,6 +32,7 @@ from lmq_broker.storage import (
     snapshots,
 )
 from lmq_broker.storage import core as core_mod
+from lmq_broker.storage import index as index_mod
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,49 @@ class LmqStore:
     ) -> None:
         self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
+    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+        core = self._core
+        core.check_open()
+        names = [core.resolve(queue.topic, queue.queue) for queue, _, _ in rows]
+        for _, group, offset in rows:
+            api.check_group(group)
+            if offset < 0:
+                raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        if core.rebuilding is not None or core.unreadable is not None:  # meta/ only: as ``commit_offset`` does
+            for queue, group, offset in rows:
+                self.commit_offset(queue, group, offset)
+            return
+        with core.write_lock:
+            core.check_open()
+            now = core.clock()
+            commits: list[tuple[bytes, str, int]] = []
+            states: list[tuple[keys.QueueName, index_mod.QueueState]] = []
+            for name, (_, group, offset) in zip(names, rows, strict=True):
+                st = core.state(name) if name.is_lmq else None
+                if name.is_lmq and st is None:
+                    continue  # the lite topic is gone (reclaimed): its offsets must not come back
+                commits.append((name.qkey, group, offset))
+                if st is not None:
+                    states.append((name, st))
+            self._meta.write_offsets(commits, [keys.consumed_key(name.qkey) for name, _ in states], now)
+            self._note_consumed(states, now)
+
+    def _note_consumed(self, states: Sequence[tuple[keys.QueueName, index_mod.QueueState]], now: int) -> None:
+        """(Under the write lock.) The last consume time of lite topics, in the index (one write)."""
+        core = self._core
+        if not states or core.failed is not None or core.index_error is not None:
+            return
+        batch = core.index.batch()
+        for name, st in states:
+            batch.put(name.state_key, st.value(last_consume=now))
+        try:
+            core.index.write(batch)
+        except Exception as e:  # the commits are in meta/; a rebuild restores the times from there
+            log.warning("could not record the last consume time of %d lite topics in the index: %s", len(states), e)
+            return
+        for _, st in states:
+            st.last_consume = now
+
     def try_commit_offset(
         self,
         queue: model.QueueId,
@@ -262,6 +306,14 @@ class LmqStore:
         if limit == 0:
             return []
         return self._core.index.lite_topics(lo, hi, limit, idle_since_before_ms)
+
+    def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
+        self._core.check_open()
+        prefix = keys.lite_prefix(parent)
+        limit = max(0, min(limit, SCAN_LIMIT_MAX))
+        if limit == 0:
+            return []
+        return self._core.index.lite_names(prefix, prefix + start_after.encode(), limit)
 
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]

@@ -80,6 +80,7 @@ EXPECTED = {
         "FIGURE COMPLETE_ADD of 20,000 lite topics, call duration:",
         "FIGURE MQTT 100-filter SUBSCRIBE, plain walk (--no-lite-level-index), first",
         "FIGURE MQTT 100-filter SUBSCRIBE, level index, second (other filters): broker CPU",
+        "FIGURE level index memory:",
     ],
     "bench_scale_out.py": ["FIGURE scale-out N=1 direct:", "FIGURE batched send into 10,000 lite topics, processes"],
     "bench_soak_rss.py": ["FIGURE RSS slope after warm-up:", "FIGURE RSS slope over the last half:"],
