@@ -6,7 +6,8 @@ Record format, version 1 (integers little-endian)::
     0    4     length        bytes after this field: 4 (crc) + 36 (header) + the variable part
     4    4     crc           CRC32C of every byte after this field (header + variable part)
     8    1     version       1; anything else is UnsupportedVersion
-    9    1     kind          0 message, 1 queue tombstone (a lite topic deleted at the listed offset)
+    9    1     kind          0 message, 1 queue tombstone (a lite topic deleted at the listed offset),
+                             2 queue truncation (a queue cut back: its next offset becomes the listed one)
     10   1     message type  model.MessageType
     11   1     n             number of queues, 1..255
     12   8     store_ms
@@ -50,6 +51,7 @@ from lmq_broker.storage import keys
 VERSION: Final = 1
 KIND_MESSAGE: Final = 0
 KIND_TOMBSTONE: Final = 1
+KIND_TRUNCATION: Final = 2
 MAX_QUEUES_PER_RECORD: Final = 255
 MAX_MESSAGE_ID_BYTES: Final = 128
 # A frame found by the resync scan is taken only if this many records after it check as well (or all of them
@@ -324,10 +326,11 @@ def encode(  # noqa: PLR0913 (a record's fields, written without building an obj
     return PREFIX.pack(4 + len(head) + len(body), crc) + head + body
 
 
-def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int) -> bytes:
-    """A record that deletes a queue (a lite topic): replayed by a rebuild so deleted topics stay deleted."""
+def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int, kind: int = KIND_TOMBSTONE) -> bytes:
+    """A record that deletes a queue (a lite topic): replayed by a rebuild so deleted topics stay deleted. With
+    ``kind`` KIND_TRUNCATION, one that cuts the queue back to ``offset`` (``truncation``)."""
     return encode(
-        kind=KIND_TOMBSTONE,
+        kind=kind,
         message_type=0,
         store_ms=store_ms,
         born_ms=store_ms,
@@ -358,8 +361,8 @@ def _check(buf: bytes | memoryview | mmap.mmap, pos: int, end: int) -> tuple[int
     header = HEADER.unpack_from(buf, pos + PREFIX.size)
     if header[0] == VERSION:
         n = header[3]
-        if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0 or header[1] > KIND_TOMBSTONE:
-            if header[1] > KIND_TOMBSTONE:
+        if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0 or header[1] > KIND_TRUNCATION:
+            if header[1] > KIND_TRUNCATION:
                 raise errors.CorruptRecord(f"unknown record kind {header[1]}", position=pos)
             raise errors.CorruptRecord("record field lengths do not add up", position=pos)  # must fill the frame
         if crc32c_of(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
@@ -403,8 +406,9 @@ def scan(buf: bytes | memoryview, pos: int, end: int) -> Iterator[Frame]:
         pos += size
 
 
-# Where a header may start: version 1 and kind message, or a tombstone's version, kind, type 0 and one queue.
-_CANDIDATE: Final = re.compile(rb"\x01\x00|\x01\x01\x00\x01")
+# Where a header may start: version 1 and kind message, or a tombstone's or a truncation's version, kind, type 0
+# and one queue.
+_CANDIDATE: Final = re.compile(rb"\x01\x00|\x01[\x01\x02]\x00\x01")
 
 
 def resync(buf: bytes | mmap.mmap, pos: int, end: int) -> int | None:
