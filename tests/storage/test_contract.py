@@ -744,3 +744,8 @@ def test_truncating_a_queue_cuts_its_end_and_the_next_append_takes_the_offset_ag
     assert [m.body for m in store.read(LMQ_A, 0, 10)] == [b"0", b"1", b"new"]
     meta = store.lite_topic("P", "a")
     assert meta is not None and meta.max_offset == 3
+
+
+def test_a_records_replication_epoch_reads_back(store: api.Store, msg: Msg) -> None:
+    store.append([msg(parent_queue=False), msg(parent_queue=False, epoch=7), msg(parent_queue=False, tag="x", epoch=1)])
+    assert [m.epoch for m in store.read(LMQ_A, 0, 10)] == [0, 7, 1]

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
@@ -25,7 +25,7 @@ from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.replication import copies, following, kube, owning, sources, wire
+from lmq_broker.replication import copies, divergence, following, kube, owning, sources, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -40,6 +40,9 @@ SERVICE: Final = "/lmq.replica.v1.Replica/"
 METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
 ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
 FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
+# JSON {"slot", "epoch", "topics": {topic: epoch of a replica's last record}} -> JSON {topic: [epoch|null, offset]}
+DIVERGE: Final = SERVICE + "Diverge"
+DIVERGE_TOPICS: Final = 1_000  # topics per Diverge call
 CALL_TIMEOUT_S: Final = 2.0
 IDENTITY_FILE: Final = "replica-identity"
 
@@ -117,6 +120,12 @@ class Replication:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
             return found[0].message_id if found and found[0].offset == offset else None
 
+        membership = links.membership
+        self._cuts = Counter(
+            "lmq_replication_truncated",
+            "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
+            registry=registry,
+        )
         self.follower = following.Follower(
             self.leadership,
             dispatcher.ingest.append_copy,
@@ -124,6 +133,8 @@ class Replication:
             stored_id,
             commit,
             self._counters,
+            _Local(store, dispatcher, lambda topic: mb.owner(membership, topic), self._cuts),
+            self._diverge,
         )
         self._store = store
         min_insync = config.min_insync_replicas or config.replicas
@@ -133,7 +144,6 @@ class Replication:
             read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
             return copies.Owner(self.leadership, slot, endpoints, min_insync, self._send, read, self._counters)
 
-        membership = links.membership
         self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
         peers.owners.serving = self.leadership.serving
         self._secret = links.secret
@@ -190,6 +200,18 @@ class Replication:
     async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
         return await self._call(holder, FETCH, json.dumps({"slot": slot, "topic": topic, "from": start}).encode())
 
+    async def _diverge(self, holder: int, slot: int, epoch: int, topics: dict[str, int]) -> dict[str, following.Answer]:
+        out: dict[str, following.Answer] = {}
+        names = list(topics)
+        for i in range(0, len(names), DIVERGE_TOPICS):
+            chunk = {t: topics[t] for t in names[i : i + DIVERGE_TOPICS]}
+            request = json.dumps({"slot": slot, "epoch": epoch, "topics": chunk}).encode()
+            found = json.loads(await self._call(holder, DIVERGE, request))
+            for topic in chunk:
+                same, offset = found[topic]
+                out[topic] = (None if same is None else int(same), int(offset))
+        return out
+
     async def _answer(self, method: str, data: bytes) -> bytes:
         """A peer's call, its header verified; LmqError for a refusal."""
         if method == METHOD:
@@ -204,6 +226,11 @@ class Replication:
         epoch = self.leadership.epoch(slot)
         if epoch is None:
             raise errors.Fenced(f"this broker does not hold the lease of slot {slot}")
+        if method == DIVERGE:
+            if int(request["epoch"]) != epoch:
+                raise errors.Fenced(f"slot {slot} is at epoch {epoch} here, not {request['epoch']}")
+            epochs = {str(t): int(e) for t, e in dict(request["topics"]).items()}
+            return json.dumps(await asyncio.to_thread(sources.answers, self._store, epochs)).encode()
         if method == ENDS:
             found = await asyncio.to_thread(sources.ends, self._store, slot, self.slots.slot_of_topic)
             return json.dumps(found).encode()
@@ -245,6 +272,35 @@ class _Handler(_GenericHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
-        if method not in (METHOD, ENDS, FETCH):
+        if method not in (METHOD, ENDS, FETCH, DIVERGE):
             return None
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
+
+
+class _Local:
+    """``following.Local``: this broker's store, read and cut in a thread; a cut topic's cached messages and
+    consumer state are dropped from the dispatcher too (they were of the records cut)."""
+
+    def __init__(self, store: Store, dispatcher: Dispatcher, ring_slot: Callable[[str], int], cuts: Counter) -> None:
+        self._store = store
+        self._dispatcher = dispatcher
+        self._ring_slot = ring_slot
+        self._cuts = cuts
+
+    async def tails(self, slot: int) -> dict[str, int]:
+        return await asyncio.to_thread(sources.tails, self._store, slot, self._ring_slot)
+
+    async def last_epoch(self, topic: str) -> int | None:
+        return await asyncio.to_thread(divergence.last_epoch, sources.StoreLog(self._store, topic))
+
+    async def cut_point(self, topic: str, epoch: int, theirs: following.Answer) -> int:
+        return await asyncio.to_thread(divergence.cut_point, sources.StoreLog(self._store, topic), epoch, theirs)
+
+    async def truncate(self, topic: str, end: int) -> int:
+        queue = model.QueueId(topic, 0)
+        cut = await asyncio.to_thread(self._store.truncate_queue, queue, end)
+        if cut:
+            self._cuts.inc(cut)
+            self._dispatcher.recent.forget(queue)
+            self._dispatcher.settlement.forget_topic(topic)
+        return cut

@@ -22,7 +22,8 @@ Record format, version 1 (integers little-endian)::
     ..         message id | topic | properties | body
 
     properties: a sequence of (u8 tag | u32 length | value); tags 1 lite topic, 2 born host, 3 tag,
-    4 key (repeated), 5 message group, 6 user property (u16 key length | key | value). Unknown tags are
+    4 key (repeated), 5 message group, 6 user property (u16 key length | key | value), 7 replication epoch
+    (u64; absent: 0, the epoch the slot's owner stored the record in: ``replication.divergence``). Unknown tags are
     skipped so that version 1 can grow optional fields.
 
 A record is stored once whatever the number of queues: an extra queue costs 8 bytes of offset plus its
@@ -72,6 +73,7 @@ TAG_TAG: Final = 3
 TAG_KEY: Final = 4
 TAG_MESSAGE_GROUP: Final = 5
 TAG_USER_PROPERTY: Final = 6
+TAG_EPOCH: Final = 7
 
 
 def crc32c_of(data: bytes | memoryview, value: int = 0) -> int:
@@ -107,6 +109,7 @@ class Record:
     keys: tuple[str, ...] = ()
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0
 
 
 class Frame(NamedTuple):
@@ -146,6 +149,8 @@ def encode_properties(m: model.NewMessage) -> bytes:
     for k, v in m.user_properties.items():
         kb = k.encode()
         parts.append(_prop(TAG_USER_PROPERTY, USER_KEY.pack(len(kb)) + kb + v.encode()))
+    if m.epoch:
+        parts.append(_prop(TAG_EPOCH, keys.U64.pack(m.epoch)))
     return b"".join(parts)
 
 
@@ -233,7 +238,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
         raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
     topic = names.topics.get(m.topic) or names.topic(m.topic)
     lite = m.lite_topic
-    if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties:
+    if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties or m.epoch:
         props = encode_properties(m)
     elif lite is not None:
         found = names.lite_properties.get(lite)
@@ -483,6 +488,7 @@ class _Properties(TypedDict, total=False):
     keys: tuple[str, ...]
     message_group: str
     user_properties: dict[str, str]
+    epoch: int
 
 
 def _properties(raw: bytes) -> _Properties:
@@ -508,6 +514,8 @@ def _properties(raw: bytes) -> _Properties:
         elif tag == TAG_USER_PROPERTY:
             (kl,) = USER_KEY.unpack_from(value)
             user[value[2 : 2 + kl].decode()] = value[2 + kl :].decode()
+        elif tag == TAG_EPOCH:
+            out["epoch"] = keys.U64.unpack(value)[0]
     if keys_:
         out["keys"] = tuple(keys_)
     if user:
@@ -613,4 +621,5 @@ def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.Store
         props.get("keys", ()),
         props.get("message_group"),
         props.get("user_properties", {}),
+        props.get("epoch", 0),
     )
