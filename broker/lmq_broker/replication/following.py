@@ -47,7 +47,7 @@ class Local(Protocol):
 
 
 class Follower:
-    def __init__(  # noqa: PLR0917 (the store's doors)
+    def __init__(  # noqa: PLR0913, PLR0917 (the store's doors)
         self,
         leadership: Leadership,
         append: Append,
@@ -57,6 +57,7 @@ class Follower:
         counters: copies.Counters,
         local: Local | None = None,
         diverge: Diverge | None = None,
+        failpoint: Callable[[], bool] | None = None,
     ) -> None:
         self._leadership = leadership
         self._append = append
@@ -64,6 +65,7 @@ class Follower:
         self._stored_id = stored_id
         self._commit = commit
         self._counters = counters
+        self._failpoint = failpoint  # tests: True while copies of messages are to be lost on the way
         self._local = local
         self._diverge = diverge
         self.reconciled: dict[int, int] = {}  # slot -> epoch it was reconciled in, while no copy was refused
@@ -80,10 +82,12 @@ class Follower:
         slot = copy.slot
         if slot not in self._leadership.mine:
             raise errors.InvalidArgument(f"this broker is no replica of slot {slot}")
+        if copy.messages and self._failpoint is not None and self._failpoint():
+            raise errors.BrokerUnavailable(f"slot {slot}: a copy lost on the way (failpoint)")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
             for point in copy.commits:
-                await self._commit(point)
+                await self._commit(self._within(point))
             if copy.messages and self.checked.get(slot) != copy.epoch:
                 await self._rejoin(slot, copy.epoch)
             behind: dict[str, int] = {}
@@ -98,6 +102,13 @@ class Follower:
             if fresh:
                 await self._append(fresh)
             return {}
+
+    def _within(self, point: wire.Commit) -> wire.Commit:
+        """A commit point no further than this broker's end of its queue: the owner's consumers may have taken
+        records that never reached this broker (nor were acknowledged): were it to take over, its own records at
+        those offsets would be skipped. Clamped, they may be delivered again (at-least-once), never skipped."""
+        end = self._next_offset(point.queue)
+        return point if point.offset <= end else wire.Commit(point.queue, point.group, end, ())
 
     async def _fresh(self, slot: int, copy: wire.Copy) -> list[model.NewMessage]:
         """The copy's messages not stored here yet; Conflict when one at an offset here is another message."""

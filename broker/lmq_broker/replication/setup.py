@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,7 @@ DIVERGE: Final = SERVICE + "Diverge"
 DIVERGE_TOPICS: Final = 1_000  # topics per Diverge call
 CALL_TIMEOUT_S: Final = 2.0
 IDENTITY_FILE: Final = "replica-identity"
+FAILPOINT_ENV: Final = "LMQ_FAILPOINT_LOSE_COPIES"
 
 
 def check(config: BrokerConfig) -> None:
@@ -74,6 +76,16 @@ def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[i
     if replicas > pods:
         raise errors.InvalidArgument(f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}")
     return [(slot + k * processes) % slots for k in range(1, replicas)]
+
+
+def _failpoint() -> Callable[[], bool] | None:
+    """Tests with broker processes: while the file ``$LMQ_FAILPOINT_LOSE_COPIES`` names exists, this broker's
+    follower loses every copy of messages sent to it (as if the network dropped it: the owner's send is refused
+    and the owner keeps what it stored). Unset (always, outside tests): no check at all."""
+    path = os.environ.get(FAILPOINT_ENV)
+    if not path:
+        return None
+    return lambda: os.path.exists(path)
 
 
 def identity_of(config: BrokerConfig, slot: int) -> str:
@@ -135,6 +147,7 @@ class Replication:
             self._counters,
             _Local(store, dispatcher, lambda topic: mb.owner(membership, topic), self._cuts),
             self._diverge,
+            _failpoint(),
         )
         self._store = store
         min_insync = config.min_insync_replicas or config.replicas
