@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -138,9 +138,20 @@ class Replication:
             "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
             registry=registry,
         )
+        copied = Counter(
+            "lmq_replication_copied",
+            "Messages this broker stored from its slots' owners' copies (live, catch-up and fetched)",
+            registry=registry,
+        )
+
+        async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+            results = await dispatcher.ingest.append_copy(messages)
+            copied.inc(len(messages))
+            return results
+
         self.follower = following.Follower(
             self.leadership,
-            dispatcher.ingest.append_copy,
+            append_copy,
             lambda q: store.queue_offsets(q)[1],
             stored_id,
             commit,
