@@ -170,6 +170,8 @@ class Follower:
         """Cut every lite topic of ``slot`` back to where it parts from the log of the holder of ``epoch``
         (under the lock: no copy is stored meanwhile). Records of ``epoch`` itself came from that holder after
         an earlier rejoin: their topics need no question."""
+        if self.checked.get(slot) == epoch:
+            return
         if self._local is None or self._diverge is None:
             self.checked[slot] = epoch  # a broker without a store's doors (tests of the copy rules)
             return
