@@ -11,6 +11,13 @@ part of the price) over the timed sends, per message. The settings (``--configs`
     python bench/bench_replication.py            # 3 rounds of 3,000 sends each
     python bench/bench_replication.py --quick    # 1 round of 500
     python bench/bench_replication.py --configs 1,2,2/1   # R=1, R=2 (all in sync), R=2 asynchronous
+
+``--case catch-up``: the catch-up rate of a rejoining follower. R=2 with ``--min-insync-replicas 1`` (the owner
+acknowledges alone), the follower of broker 0's slot stopped while ``--messages`` 1 KiB sends to 50 lite
+topics are acknowledged, then started again on its disk: messages/s and MiB/s from its readiness until it
+stored all of them (its ``lmq_replication_copied_total``: live copies, catch-up copies and reconcile fetches).
+
+    python bench/bench_replication.py --case catch-up --messages 50000
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -62,6 +70,37 @@ def start_pair(
             flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
         brokers.append(start_broker(workdir / f"{tag}-b{slot}", int(members[slot].rsplit(":", 1)[1]), flags))
     return brokers, members
+
+
+def copied(broker: BrokerProcess) -> float:
+    """The broker's ``lmq_replication_copied_total`` (messages stored from copies since it started)."""
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = [line.split()[-1] for line in text.splitlines() if line.startswith("lmq_replication_copied_total ")]
+    return float(found[0]) if found else 0.0
+
+
+def catch_up(workdir: Path, kube: kube_testing.KubeAPI, messages: int, inflight: int) -> tuple[float, float]:
+    """(seconds from the follower's readiness until it stored ``messages``, seconds the sends took)."""
+    brokers, members = start_pair(workdir, kube, "2/1", "catch-up")
+    try:
+        membership = mb.Membership.parse(",".join(members))
+        names = (f"t{i}" for i in range(100_000))
+        lites = [n for n in names if mb.owner(membership, model.QueueId.lmq(PARENT, n).topic) == 0][:50]
+        asyncio.run(send_load(members[0], lites, 10, 1))  # the owner's lease taken
+        follower = brokers[1]
+        follower.stop()
+        began = time.perf_counter()
+        asyncio.run(send_load(members[0], lites, messages, inflight))
+        sent_s = time.perf_counter() - began
+        brokers[1] = follower.restart()
+        ready = time.perf_counter()
+        while copied(brokers[1]) < messages:
+            time.sleep(0.05)
+        return time.perf_counter() - ready, sent_s
+    finally:
+        for b in brokers:
+            b.stop()
 
 
 async def send_load(endpoint: str, lites: list[str], total: int, inflight: int) -> list[float]:
@@ -116,7 +155,18 @@ def main() -> None:
     parser.add_argument("--sends", type=int, default=3000)
     parser.add_argument("--inflight", type=int, default=8)
     parser.add_argument("--configs", default="1,2,2/1,3", help="R or R/M (--min-insync-replicas), comma-separated")
+    parser.add_argument("--case", choices=("price", "catch-up"), default="price")
+    parser.add_argument("--messages", type=int, default=50_000)
     args = parser.parse_args()
+    if args.case == "catch-up":
+        with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:
+            took, sent = catch_up(Path(tmp), kube, args.messages, args.inflight)
+        rate = args.messages / took
+        print(f"{args.messages:,} x 1 KiB acknowledged in {sent:.1f} s with the follower away")
+        mib = rate / 1024
+        print(f"FIGURE catch-up: {args.messages:,} messages in {took:.2f} s: {rate:,.0f} msg/s, {mib:.1f} MiB/s")
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
     rounds, sends = (1, 500) if args.quick else (args.rounds, args.sends)
     settings = args.configs.split(",")
     print(f"load average {os.getloadavg()[0]:.1f}; {sends} sends x {rounds} rounds, {args.inflight} in flight")

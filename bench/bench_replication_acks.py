@@ -68,7 +68,7 @@ async def ack_load(endpoint: str, lites: list[str], total: int, inflight: int) -
 def measure(  # noqa: PLR0917 (one run's settings)
     workdir: Path, kube: kube_testing.KubeAPI, replicas: int, total: int, inflight: int, tag: str
 ) -> list[float]:
-    brokers, members = start_pair(workdir, kube, replicas, tag)
+    brokers, members = start_pair(workdir, kube, str(replicas), tag)
     try:
         membership = mb.Membership.parse(",".join(members))
         names = (f"t{i}" for i in range(100_000))

@@ -119,6 +119,7 @@ class NewMessage:
     keys: tuple[str, ...] = ()
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0  # the replication epoch its slot's owner stored it in (0: the first, or no replication)
 
 
 @value
@@ -139,6 +140,7 @@ class StoredMessage:
     keys: tuple[str, ...] = ()
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0  # as ``NewMessage.epoch``
 
     @staticmethod
     def of(
@@ -164,6 +166,7 @@ class StoredMessage:
             keys=message.keys,
             message_group=message.message_group,
             user_properties=message.user_properties if user_properties is None else user_properties,
+            epoch=message.epoch,
         )
 
 

@@ -739,3 +739,32 @@ def test_commit_offsets_is_commit_offset_of_each(store: api.Store, msg: Msg, clo
     with pytest.raises(errors.InvalidArgument):
         store.commit_offsets([(LMQ_A, "g", 6), (LMQ_A, "g", -1)])
     assert store.get_offset(LMQ_A, "g") == 5  # a bad row: none written
+
+
+# --- truncation (a replica's records its slot's owner never had) ----------------------------------------
+
+
+def test_truncating_a_queue_cuts_its_end_and_the_next_append_takes_the_offset_again(store: api.Store, msg: Msg) -> None:
+    store.append([msg(body=f"{n}".encode(), parent_queue=False) for n in range(5)])
+    store.commit_offset(LMQ_A, "ahead", 4, acked=[])
+    store.commit_offset(LMQ_A, "behind", 1, acked=[3])
+    store.commit_offset(LMQ_A, "early", 1)
+    assert store.truncate_queue(LMQ_A, 2) == 3
+    assert store.truncate_queue(LMQ_A, 2) == 0  # idempotent
+    assert store.truncate_queue(LMQ_A, 9) == 0  # nothing past its end
+    assert store.queue_offsets(LMQ_A) == (0, 2)
+    assert [m.body for m in store.read(LMQ_A, 0, 10)] == [b"0", b"1"]
+    assert store.get_offset(LMQ_A, "ahead") == 2  # clamped: offsets 2.. will hold other messages
+    assert store.get_offset(LMQ_A, "behind") == 1
+    assert list(store.get_acked(LMQ_A, "behind")) == []  # an ack at 3 was of a message that is gone
+    assert store.get_offset(LMQ_A, "early") == 1
+    (res,) = store.append([msg(body=b"new", parent_queue=False)])
+    assert res.offsets[LMQ_A] == 2
+    assert [m.body for m in store.read(LMQ_A, 0, 10)] == [b"0", b"1", b"new"]
+    meta = store.lite_topic("P", "a")
+    assert meta is not None and meta.max_offset == 3
+
+
+def test_a_records_replication_epoch_reads_back(store: api.Store, msg: Msg) -> None:
+    store.append([msg(parent_queue=False), msg(parent_queue=False, epoch=7), msg(parent_queue=False, tag="x", epoch=1)])
+    assert [m.epoch for m in store.read(LMQ_A, 0, 10)] == [0, 7, 1]

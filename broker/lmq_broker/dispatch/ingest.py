@@ -41,9 +41,9 @@ class Readers(Protocol):
 class Replicas(Protocol):
     """The copies of this broker's slot on its followers (``lmq_broker.replication``); None with --replicas 1."""
 
-    def admit(self, messages: Sequence[model.NewMessage]) -> None:
+    def admit(self, messages: Sequence[model.NewMessage]) -> Sequence[model.NewMessage]:
         """Raise ``errors.Fenced`` unless this broker may acknowledge ``messages`` now (it holds their slots'
-        leases)."""
+        leases); else ``messages`` stamped with their slots' epochs (stored with them)."""
         ...
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
@@ -98,7 +98,7 @@ class Ingest:
 
     async def _replicated(self, replicas: Replicas, messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
         """Stored here and on enough followers, or an error: never acknowledged by a fenced owner."""
-        replicas.admit(messages)
+        messages = replicas.admit(messages)
         results = await self.append_copy(messages)
         await replicas.copy(messages, results)
         return results

@@ -1,10 +1,13 @@
 """The follower's end: it stores a copy only from its slot's current epoch, and each lite topic only where it
 ends, and it *reconciles* before it may take a slot over.
 
-A copy that starts past where a lite topic ends here is answered with the ends (the owner sends what is
-missing first); messages a copy repeats (a catch-up and a live copy crossing) are passed over once their ids
-match what is stored at their offsets; a different message there means the logs diverged (a deposed owner that
-kept records never acknowledged): refused, ``out_of_sync`` (truncation is not built).
+Before it stores the first messages of an epoch it *rejoins*: each lite topic of the slot is compared with the
+holder's by the epochs of their records (``divergence``) and cut back where they part (records stored here and
+never acknowledged: a deposed owner's that did not reach enough followers), so that what it appends next
+follows exactly what the holder has. A copy that starts past where a lite topic ends here is answered with
+the ends (the owner sends what is missing first); messages a copy repeats (a catch-up and a live copy
+crossing) are passed over once their ids match what is stored at their offsets; a different message there
+(which a rejoin rules out) is refused, ``out_of_sync``, and the next copy rejoins again.
 
 Reconciling: a follower may hold nothing of lite topics that got no send since it (re)started (a new disk, or
 sends it missed while down). So after a start, and whenever the slot's holder changes, it asks the holder for
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from lmq_broker import errors, model
 from lmq_broker.replication import copies, wire
@@ -28,10 +32,22 @@ Append = Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResul
 StoredId = Callable[[model.QueueId, int], Awaitable[str | None]]  # the id of the message stored at an offset
 Ends = Callable[[int, int], Awaitable[dict[str, int]]]  # (holder slot, slot) -> its lite topics' ends
 Fetch = Callable[[int, int, str, int], Awaitable[bytes]]  # (holder slot, slot, topic, from) -> a copy
+Answer = tuple[int | None, int]  # ``divergence.answer``
+# (holder slot, slot, epoch, {topic: epoch of its last record here}) -> the holder's answer per topic
+Diverge = Callable[[int, int, int, dict[str, int]], Awaitable[dict[str, Answer]]]
+
+
+class Local(Protocol):
+    """This broker's store as a rejoin reads and cuts it (``setup``: ``sources`` run in a thread)."""
+
+    async def tails(self, slot: int) -> dict[str, int]: ...  # topic -> epoch of its last record, non-empty ones
+    async def last_epoch(self, topic: str) -> int | None: ...
+    async def cut_point(self, topic: str, epoch: int, theirs: Answer) -> int: ...  # ``divergence.cut_point``
+    async def truncate(self, topic: str, end: int) -> int: ...  # offsets cut (the store's ``truncate_queue``)
 
 
 class Follower:
-    def __init__(  # noqa: PLR0917 (the store's doors)
+    def __init__(  # noqa: PLR0913, PLR0917 (the store's doors)
         self,
         leadership: Leadership,
         append: Append,
@@ -39,6 +55,9 @@ class Follower:
         stored_id: StoredId,
         commit: Callable[[wire.Commit], Awaitable[None]],
         counters: copies.Counters,
+        local: Local | None = None,
+        diverge: Diverge | None = None,
+        failpoint: Callable[[], bool] | None = None,
     ) -> None:
         self._leadership = leadership
         self._append = append
@@ -46,7 +65,12 @@ class Follower:
         self._stored_id = stored_id
         self._commit = commit
         self._counters = counters
+        self._failpoint = failpoint  # tests: True while copies of messages are to be lost on the way
+        self._local = local
+        self._diverge = diverge
         self.reconciled: dict[int, int] = {}  # slot -> epoch it was reconciled in, while no copy was refused
+        self.checked: dict[int, int] = {}  # slot -> epoch whose holder's log this broker's was cut back to
+        self.cut = 0  # offsets cut by rejoins
         self._lock = asyncio.Lock()  # one copy at a time: offsets are checked and written together
 
     def in_sync(self, slot: int, epoch: int) -> bool:
@@ -58,10 +82,14 @@ class Follower:
         slot = copy.slot
         if slot not in self._leadership.mine:
             raise errors.InvalidArgument(f"this broker is no replica of slot {slot}")
+        if copy.messages and self._failpoint is not None and self._failpoint():
+            raise errors.BrokerUnavailable(f"slot {slot}: a copy lost on the way (failpoint)")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
             for point in copy.commits:
-                await self._commit(point)
+                await self._commit(self._within(point))
+            if copy.messages and self.checked.get(slot) != copy.epoch:
+                await self._rejoin(slot, copy.epoch)
             behind: dict[str, int] = {}
             for queue, first in copies.first_offsets(copy).items():
                 found = self._next_offset(queue)
@@ -74,6 +102,13 @@ class Follower:
             if fresh:
                 await self._append(fresh)
             return {}
+
+    def _within(self, point: wire.Commit) -> wire.Commit:
+        """A commit point no further than this broker's end of its queue: the owner's consumers may have taken
+        records that never reached this broker (nor were acknowledged): were it to take over, its own records at
+        those offsets would be skipped. Clamped, they may be delivered again (at-least-once), never skipped."""
+        end = self._next_offset(point.queue)
+        return point if point.offset <= end else wire.Commit(point.queue, point.group, end, ())
 
     async def _fresh(self, slot: int, copy: wire.Copy) -> list[model.NewMessage]:
         """The copy's messages not stored here yet; Conflict when one at an offset here is another message."""
@@ -89,6 +124,7 @@ class Follower:
                 if offset < end:
                     if await self._stored_id(queue, offset) != message.message_id:
                         self.reconciled.pop(slot, None)
+                        self.checked.pop(slot, None)
                         self._counters.copies_refused.labels("out_of_sync").inc()
                         raise errors.Conflict(f"slot {slot}: {queue.topic} holds another message at {offset}")
                     continue
@@ -113,6 +149,8 @@ class Follower:
         epoch = leadership.epochs.get(slot)
         if holder == leadership.me or leadership.holds(slot) or epoch is None or slot not in leadership.holders:
             return False
+        async with self._lock:
+            await self._rejoin(slot, epoch)
         theirs = await ends(holder, slot)
         for topic, end in theirs.items():
             queue = model.QueueId(topic, 0)
@@ -127,3 +165,32 @@ class Follower:
             "slot %d: reconciled with slot %d's broker at epoch %d (%d lite topics)", slot, holder, epoch, len(theirs)
         )
         return True
+
+    async def _rejoin(self, slot: int, epoch: int) -> None:
+        """Cut every lite topic of ``slot`` back to where it parts from the log of the holder of ``epoch``
+        (under the lock: no copy is stored meanwhile). Records of ``epoch`` itself came from that holder after
+        an earlier rejoin: their topics need no question."""
+        if self.checked.get(slot) == epoch:
+            return
+        if self._local is None or self._diverge is None:
+            self.checked[slot] = epoch  # a broker without a store's doors (tests of the copy rules)
+            return
+        holder = self._leadership.serving(slot)
+        if holder == self._leadership.me:
+            raise errors.BrokerUnavailable(f"slot {slot}: its holder is not known yet; try again")
+        pending = {t: e for t, e in (await self._local.tails(slot)).items() if e != epoch}
+        cut = 0
+        while pending:
+            answers = await self._diverge(holder, slot, epoch, pending)
+            again: dict[str, int] = {}
+            for topic, last in pending.items():
+                theirs = answers[topic]
+                point = await self._local.cut_point(topic, last, theirs)
+                cut += await self._local.truncate(topic, point)
+                if theirs[0] != last and (now := await self._local.last_epoch(topic)) is not None:
+                    again[topic] = now  # lower than ``last``: this ends
+            pending = again
+        self.checked[slot] = epoch
+        self.cut += cut
+        if cut:
+            log.warning("slot %d: rejoined the holder of epoch %d, %d offsets never acknowledged cut", slot, epoch, cut)

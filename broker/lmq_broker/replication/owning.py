@@ -8,6 +8,7 @@ the slot its lite topic hashes to when this broker holds that slot's lease, else
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from lmq_broker import model
@@ -30,9 +31,16 @@ class Slots:
             found = self._owners[slot] = self._make_owner(slot)
         return found
 
-    def admit(self, messages: Sequence[model.NewMessage]) -> None:
+    def admit(self, messages: Sequence[model.NewMessage]) -> Sequence[model.NewMessage]:
+        """Fenced unless this broker holds every slot of ``messages``; else them stamped with their slot's epoch
+        (the record keeps it: ``following`` finds where a rejoining replica's log diverged by it)."""
+        epochs: dict[int, int] = {}
         for slot in {self._slot_of(m) for m in messages}:
             self.owner(slot).admit()
+            epochs[slot] = self._leadership.epoch(slot) or 0
+        if not any(epochs.values()):
+            return messages  # the first epoch is 0: nothing to stamp
+        return [dataclasses.replace(m, epoch=epochs[self._slot_of(m)]) for m in messages]
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
         parts: dict[int, tuple[list[model.NewMessage], list[model.AppendResult]]] = {}

@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
@@ -26,7 +27,7 @@ from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt.durable import Durable
-from lmq_broker.replication import copies, following, gauges, handover, kube, owning, sources, stating, wire
+from lmq_broker.replication import copies, divergence, following, gauges, handover, kube, owning, sources, stating, wire
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -43,8 +44,12 @@ ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the hold
 FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
 STATES: Final = SERVICE + "States"  # a batch of state rows (``states``) -> b"" applied, b"behind": not the next
 STATE_FETCH: Final = SERVICE + "StateFetch"  # JSON {"slot"} -> every state row of the slot (``states``, full)
+# JSON {"slot", "epoch", "topics": {topic: epoch of a replica's last record}} -> JSON {topic: [epoch|null, offset]}
+DIVERGE: Final = SERVICE + "Diverge"
+DIVERGE_TOPICS: Final = 1_000  # topics per Diverge call
 CALL_TIMEOUT_S: Final = 2.0
 IDENTITY_FILE: Final = "replica-identity"
+FAILPOINT_ENV: Final = "LMQ_FAILPOINT_LOSE_COPIES"
 
 
 def check(config: BrokerConfig) -> None:
@@ -71,6 +76,16 @@ def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[i
     if replicas > pods:
         raise errors.InvalidArgument(f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}")
     return [(slot + k * processes) % slots for k in range(1, replicas)]
+
+
+def _failpoint() -> Callable[[], bool] | None:
+    """Tests with broker processes: while the file ``$LMQ_FAILPOINT_LOSE_COPIES`` names exists, this broker's
+    follower loses every copy of messages sent to it (as if the network dropped it: the owner's send is refused
+    and the owner keeps what it stored). Unset (always, outside tests): no check at all."""
+    path = os.environ.get(FAILPOINT_ENV)
+    if not path:
+        return None
+    return lambda: os.path.exists(path)
 
 
 def identity_of(config: BrokerConfig, slot: int) -> str:
@@ -120,13 +135,33 @@ class Replication:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
             return found[0].message_id if found and found[0].offset == offset else None
 
+        membership = links.membership
+        self._cuts = Counter(
+            "lmq_replication_truncated",
+            "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
+            registry=registry,
+        )
+        copied = Counter(
+            "lmq_replication_copied",
+            "Messages this broker stored from its slots' owners' copies (live, catch-up and fetched)",
+            registry=registry,
+        )
+
+        async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
+            results = await dispatcher.ingest.append_copy(messages)
+            copied.inc(len(messages))
+            return results
+
         self.follower = following.Follower(
             self.leadership,
-            dispatcher.ingest.append_copy,
+            append_copy,
             lambda q: store.queue_offsets(q)[1],
             stored_id,
             commit,
             self._counters,
+            _Local(store, dispatcher, lambda topic: mb.owner(membership, topic), self._cuts),
+            self._diverge,
+            _failpoint(),
         )
         self._store = store
         min_insync = config.min_insync_replicas or config.replicas
@@ -146,7 +181,6 @@ class Replication:
                 probe_interval_s=config.lease_duration_ms / 3000,
             )
 
-        membership = links.membership
         self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
@@ -245,6 +279,18 @@ class Replication:
     async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
         return await self._call(holder, FETCH, json.dumps({"slot": slot, "topic": topic, "from": start}).encode())
 
+    async def _diverge(self, holder: int, slot: int, epoch: int, topics: dict[str, int]) -> dict[str, following.Answer]:
+        out: dict[str, following.Answer] = {}
+        names = list(topics)
+        for i in range(0, len(names), DIVERGE_TOPICS):
+            chunk = {t: topics[t] for t in names[i : i + DIVERGE_TOPICS]}
+            request = json.dumps({"slot": slot, "epoch": epoch, "topics": chunk}).encode()
+            found = json.loads(await self._call(holder, DIVERGE, request))
+            for topic in chunk:
+                same, offset = found[topic]
+                out[topic] = (None if same is None else int(same), int(offset))
+        return out
+
     async def _answer(self, method: str, data: bytes) -> bytes:
         """A peer's call, its header verified; LmqError for a refusal."""
         if method == METHOD:
@@ -261,6 +307,11 @@ class Replication:
         epoch = self.leadership.epoch(slot)
         if epoch is None:
             raise errors.Fenced(f"this broker does not hold the lease of slot {slot}")
+        if method == DIVERGE:
+            if int(request["epoch"]) != epoch:
+                raise errors.Fenced(f"slot {slot} is at epoch {epoch} here, not {request['epoch']}")
+            epochs = {str(t): int(e) for t, e in dict(request["topics"]).items()}
+            return json.dumps(await asyncio.to_thread(sources.answers, self._store, epochs)).encode()
         if method == STATE_FETCH:
             return await self.states.snapshot(slot, epoch)
         if method == ENDS:
@@ -304,6 +355,35 @@ class _Handler(_GenericHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
-        if method not in (METHOD, ENDS, FETCH, STATES, STATE_FETCH):
+        if method not in (METHOD, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE):
             return None
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
+
+
+class _Local:
+    """``following.Local``: this broker's store, read and cut in a thread; a cut topic's cached messages and
+    consumer state are dropped from the dispatcher too (they were of the records cut)."""
+
+    def __init__(self, store: Store, dispatcher: Dispatcher, ring_slot: Callable[[str], int], cuts: Counter) -> None:
+        self._store = store
+        self._dispatcher = dispatcher
+        self._ring_slot = ring_slot
+        self._cuts = cuts
+
+    async def tails(self, slot: int) -> dict[str, int]:
+        return await asyncio.to_thread(sources.tail_epochs, self._store, slot, self._ring_slot)
+
+    async def last_epoch(self, topic: str) -> int | None:
+        return await asyncio.to_thread(divergence.last_epoch, sources.StoreLog(self._store, topic))
+
+    async def cut_point(self, topic: str, epoch: int, theirs: following.Answer) -> int:
+        return await asyncio.to_thread(divergence.cut_point, sources.StoreLog(self._store, topic), epoch, theirs)
+
+    async def truncate(self, topic: str, end: int) -> int:
+        queue = model.QueueId(topic, 0)
+        cut = await asyncio.to_thread(self._store.truncate_queue, queue, end)
+        if cut:
+            self._cuts.inc(cut)
+            self._dispatcher.recent.forget(queue)
+            self._dispatcher.settlement.forget_topic(topic)
+        return cut

@@ -240,4 +240,5 @@ def as_new(m: model.StoredMessage) -> model.NewMessage:
         keys=m.keys,
         message_group=m.message_group,
         user_properties=m.user_properties,
+        epoch=m.epoch,
     )

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Final
 
 from lmq_broker import model
-from lmq_broker.replication import copies, wire
+from lmq_broker.replication import copies, divergence, wire
 from lmq_broker.storage.api import Store
 
 SCAN_PAGE: Final = 1_000
@@ -43,3 +43,43 @@ def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
     messages = [copies.as_new(m) for m in stored]
     results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
     return wire.encode(slot, epoch, messages, results)
+
+
+LOOK_BACK: Final = 64  # offsets ``StoreLog.last_below`` reads back through (lost ranges are rare and short)
+
+
+class StoreLog:
+    """``divergence.Log`` over one lite topic of a store (blocking reads)."""
+
+    def __init__(self, store: Store, topic: str) -> None:
+        self._store = store
+        self._queue = model.QueueId(topic, 0)
+
+    def bounds(self) -> tuple[int, int]:
+        return self._store.queue_offsets(self._queue)
+
+    def first_from(self, offset: int) -> divergence.Record | None:
+        found = self._store.read(self._queue, offset, 1)
+        return (found[0].offset, found[0].epoch) if found else None
+
+    def last_below(self, offset: int) -> divergence.Record | None:
+        low = max(self.bounds()[0], offset - LOOK_BACK)
+        if offset <= low:
+            return None
+        found = [m for m in self._store.read(self._queue, low, offset - low) if m.offset < offset]
+        return (found[-1].offset, found[-1].epoch) if found else None
+
+
+def answers(store: Store, epochs: dict[str, int]) -> dict[str, tuple[int | None, int]]:
+    """The holder's ``divergence.answer`` for each topic a rejoining replica names with its last epoch."""
+    return {topic: divergence.answer(StoreLog(store, topic), epoch) for topic, epoch in epochs.items()}
+
+
+def tail_epochs(store: Store, slot: int, ring_slot: Callable[[str], int]) -> dict[str, int]:
+    """The epoch of the last record of every non-empty lite topic of ``slot`` in ``store`` (its ring slot)."""
+    out: dict[str, int] = {}
+    for topic in ends(store, slot, ring_slot):
+        epoch = divergence.last_epoch(StoreLog(store, topic))
+        if epoch is not None:
+            out[topic] = epoch
+    return out

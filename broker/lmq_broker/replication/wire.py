@@ -1,10 +1,10 @@
 """The copy of one stored batch, as one replica call carries it (pure: bytes in, bytes out).
 
 Layout: a 4-byte big-endian length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}``
-where each message's fields are those of ``model.NewMessage`` without the body plus ``offsets`` (the owner's
-queue offsets), and each commit is ``[topic, queue, group, offset, [acked above it…]]`` (a consumer group's
-commit point as persisted by the owner); then every body, back to back, in order (their lengths are in the
-header).
+where each message's fields are those of ``model.NewMessage`` without the body (``ep``: the epoch it was
+stored in) plus ``offsets`` (the owner's queue offsets), and each commit is ``[topic, queue, group, offset,
+[acked above it…]]`` (a consumer group's commit point as persisted by the owner); then every body, back to
+back, in order (their lengths are in the header).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def _fields(m: model.NewMessage, offsets: tuple[int, ...]) -> dict[str, Any]:
         "group": m.message_group,
         "props": m.user_properties,
         "offsets": list(offsets),
+        "ep": m.epoch,
     }
 
 
@@ -93,6 +94,7 @@ def decode(data: bytes) -> Copy:
                     keys=tuple(f["keys"]),
                     message_group=f["group"],
                     user_properties=dict(f["props"]),
+                    epoch=int(f.get("ep", 0)),
                 )
             )
             offsets.append(tuple(f["offsets"]))

@@ -120,6 +120,13 @@ class Store(Protocol):
         """(min, max) of a queue; max is the next offset to be written; (0, 0) for an unknown queue."""
         ...
 
+    def truncate_queue(self, queue: model.QueueId, end: int) -> int:
+        """Cut ``queue`` back so that its next offset is ``end`` (a replica dropping records its slot's owner
+        never had): its messages at ``end`` and above are gone for good (the next append takes ``end`` again),
+        and no group's commit point stays above ``end``. Durable before it returns, in either flush mode, and
+        idempotent (a queue ending at or below ``end`` is left alone); returns how many offsets were cut."""
+        ...
+
     # --- consumer offsets -----------------------------------------------------------------------------
     def commit_offset(
         self,

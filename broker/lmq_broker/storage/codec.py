@@ -6,7 +6,8 @@ Record format, version 1 (integers little-endian)::
     0    4     length        bytes after this field: 4 (crc) + 36 (header) + the variable part
     4    4     crc           CRC32C of every byte after this field (header + variable part)
     8    1     version       1; anything else is UnsupportedVersion
-    9    1     kind          0 message, 1 queue tombstone (a lite topic deleted at the listed offset)
+    9    1     kind          0 message, 1 queue tombstone (a lite topic deleted at the listed offset),
+                             2 queue truncation (a queue cut back: its next offset becomes the listed one)
     10   1     message type  model.MessageType
     11   1     n             number of queues, 1..255
     12   8     store_ms
@@ -21,7 +22,8 @@ Record format, version 1 (integers little-endian)::
     ..         message id | topic | properties | body
 
     properties: a sequence of (u8 tag | u32 length | value); tags 1 lite topic, 2 born host, 3 tag,
-    4 key (repeated), 5 message group, 6 user property (u16 key length | key | value). Unknown tags are
+    4 key (repeated), 5 message group, 6 user property (u16 key length | key | value), 7 replication epoch
+    (u64; absent: 0, the epoch the slot's owner stored the record in: ``replication.divergence``). Unknown tags are
     skipped so that version 1 can grow optional fields.
 
 A record is stored once whatever the number of queues: an extra queue costs 8 bytes of offset plus its
@@ -50,6 +52,7 @@ from lmq_broker.storage import keys
 VERSION: Final = 1
 KIND_MESSAGE: Final = 0
 KIND_TOMBSTONE: Final = 1
+KIND_TRUNCATION: Final = 2
 MAX_QUEUES_PER_RECORD: Final = 255
 MAX_MESSAGE_ID_BYTES: Final = 128
 # A frame found by the resync scan is taken only if this many records after it check as well (or all of them
@@ -70,6 +73,7 @@ TAG_TAG: Final = 3
 TAG_KEY: Final = 4
 TAG_MESSAGE_GROUP: Final = 5
 TAG_USER_PROPERTY: Final = 6
+TAG_EPOCH: Final = 7
 
 
 def crc32c_of(data: bytes | memoryview, value: int = 0) -> int:
@@ -105,6 +109,7 @@ class Record:
     keys: tuple[str, ...] = ()
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0
 
 
 class Frame(NamedTuple):
@@ -144,6 +149,8 @@ def encode_properties(m: model.NewMessage) -> bytes:
     for k, v in m.user_properties.items():
         kb = k.encode()
         parts.append(_prop(TAG_USER_PROPERTY, USER_KEY.pack(len(kb)) + kb + v.encode()))
+    if m.epoch:
+        parts.append(_prop(TAG_EPOCH, keys.U64.pack(m.epoch)))
     return b"".join(parts)
 
 
@@ -231,7 +238,7 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
         raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
     topic = names.topics.get(m.topic) or names.topic(m.topic)
     lite = m.lite_topic
-    if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties:
+    if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties or m.epoch:
         props = encode_properties(m)
     elif lite is not None:
         found = names.lite_properties.get(lite)
@@ -324,10 +331,11 @@ def encode(  # noqa: PLR0913 (a record's fields, written without building an obj
     return PREFIX.pack(4 + len(head) + len(body), crc) + head + body
 
 
-def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int) -> bytes:
-    """A record that deletes a queue (a lite topic): replayed by a rebuild so deleted topics stay deleted."""
+def encode_tombstone(queue: keys.QueueName, offset: int, store_ms: int, kind: int = KIND_TOMBSTONE) -> bytes:
+    """A record that deletes a queue (a lite topic): replayed by a rebuild so deleted topics stay deleted. With
+    ``kind`` KIND_TRUNCATION, one that cuts the queue back to ``offset`` (``truncation``)."""
     return encode(
-        kind=KIND_TOMBSTONE,
+        kind=kind,
         message_type=0,
         store_ms=store_ms,
         born_ms=store_ms,
@@ -358,8 +366,8 @@ def _check(buf: bytes | memoryview | mmap.mmap, pos: int, end: int) -> tuple[int
     header = HEADER.unpack_from(buf, pos + PREFIX.size)
     if header[0] == VERSION:
         n = header[3]
-        if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0 or header[1] > KIND_TOMBSTONE:
-            if header[1] > KIND_TOMBSTONE:
+        if FIXED_BYTES + 8 * n + sum(header[6:]) != size or n == 0 or header[1] > KIND_TRUNCATION:
+            if header[1] > KIND_TRUNCATION:
                 raise errors.CorruptRecord(f"unknown record kind {header[1]}", position=pos)
             raise errors.CorruptRecord("record field lengths do not add up", position=pos)  # must fill the frame
         if crc32c_of(memoryview(buf)[pos + PREFIX.size : pos + size]) != crc:
@@ -403,8 +411,9 @@ def scan(buf: bytes | memoryview, pos: int, end: int) -> Iterator[Frame]:
         pos += size
 
 
-# Where a header may start: version 1 and kind message, or a tombstone's version, kind, type 0 and one queue.
-_CANDIDATE: Final = re.compile(rb"\x01\x00|\x01\x01\x00\x01")
+# Where a header may start: version 1 and kind message, or a tombstone's or a truncation's version, kind, type 0
+# and one queue.
+_CANDIDATE: Final = re.compile(rb"\x01\x00|\x01[\x01\x02]\x00\x01")
 
 
 def resync(buf: bytes | mmap.mmap, pos: int, end: int) -> int | None:
@@ -479,6 +488,7 @@ class _Properties(TypedDict, total=False):
     keys: tuple[str, ...]
     message_group: str
     user_properties: dict[str, str]
+    epoch: int
 
 
 def _properties(raw: bytes) -> _Properties:
@@ -504,6 +514,8 @@ def _properties(raw: bytes) -> _Properties:
         elif tag == TAG_USER_PROPERTY:
             (kl,) = USER_KEY.unpack_from(value)
             user[value[2 : 2 + kl].decode()] = value[2 + kl :].decode()
+        elif tag == TAG_EPOCH:
+            out["epoch"] = keys.U64.unpack(value)[0]
     if keys_:
         out["keys"] = tuple(keys_)
     if user:
@@ -609,4 +621,5 @@ def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.Store
         props.get("keys", ()),
         props.get("message_group"),
         props.get("user_properties", {}),
+        props.get("epoch", 0),
     )

@@ -177,6 +177,37 @@ class MemoryStore:
             q = self._queues.get(name.qkey)
             return (0, 0) if q is None else (q.min, q.next)
 
+    def truncate_queue(self, queue: model.QueueId, end: int) -> int:
+        self._check_open()
+        if end < 0:
+            raise errors.InvalidArgument("a queue is cut back to an offset >= 0", offset=end)
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            q = self._queues.get(name.qkey)
+            if q is None or q.next <= end:
+                return 0
+            cut = q.next - max(end, q.min)
+            for off in [o for o in q.messages if o >= end]:
+                del q.messages[off]
+            for record in self._records:  # retention must not take the offsets' next messages with these
+                record.placed[:] = [(rq, off) for rq, off in record.placed if rq is not q or off < end]
+            q.next, q.min = end, min(q.min, end)
+            offsets = self._offsets.get(name.qkey, {})
+            for group, at in list(offsets.items()):
+                if at > end:
+                    offsets[group] = end
+                    self._acked.get(name.qkey, {}).pop(group, None)
+                    self._handouts.get(name.qkey, {}).pop(group, None)
+            for group, acked in list(self._acked.get(name.qkey, {}).items()):
+                if acked and acked[-1] >= end:
+                    del self._acked[name.qkey][group]
+                    self._handouts.get(name.qkey, {}).pop(group, None)
+            for group, handouts in list(self._handouts.get(name.qkey, {}).items()):
+                if handouts.mark > end:
+                    del self._handouts[name.qkey][group]
+                    self._acked.get(name.qkey, {}).pop(group, None)
+            return cut
+
     # --- consumer offsets ----------------------------------------------------------------------------
 
     def commit_offset(

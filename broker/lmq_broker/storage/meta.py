@@ -319,6 +319,32 @@ class Meta:
             for key in gone:
                 self._acked_keys.pop(key, None)
 
+    def clamp_consumer_state(self, name: keys.QueueName, end: int) -> int:
+        """A queue cut back to ``end`` (``truncation``): no group's commit point may stay past it (the offsets
+        above will hold other messages), and acked offsets or hand-outs at or above it go too (a group whose set
+        reaches there loses the whole set: those messages may come again, never be skipped). Idempotent;
+        returns how many groups changed."""
+        wb = self._db.batch()
+        gone: list[bytes] = []
+        with self._lock:
+            for key, value in list(self._db.prefix_items(name.offset_prefix)):
+                if keys.U64.unpack_from(value)[0] > end:
+                    wb.put(key, keys.U64.pack(end))
+                    gone.append(keys.ACKED + key[1:])
+            for key, value in list(self._db.prefix_items(keys.ACKED + name.qkey)):
+                committed, acked, handouts = keys.decode_progress(value)
+                if key not in gone and ((acked and acked[-1] >= end) or handouts.mark > end or committed > end):
+                    gone.append(key)
+            for key in gone:
+                wb.delete(key)
+        if not gone:
+            return 0
+        self.write(wb)
+        with self._lock:
+            for key in gone:
+                self._acked_keys.pop(key, None)
+        return len(gone)
+
     def consumed_floors(self) -> Iterator[tuple[bytes, int]]:
         """(qkey, the lowest offset no group has passed) per queue with committed, acked or handed out offsets:
         one walk of the ``O`` keys, then of the ``A`` keys (both in qkey order, so nothing per queue is held)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from lmq_broker import errors
-from lmq_broker.storage import codec, keys
+from lmq_broker.storage import codec, keys, truncation
 from lmq_broker.storage import core as core_mod
 from lmq_broker.storage import index as index_mod
 
@@ -219,6 +219,12 @@ def replay(core: core_mod.Core, start: tuple[int, int], last_seq: int, rebuildin
                     core.write_batch(batch, end)  # what precedes the deletion, then the deletion alone
                     batch = core.batch()
                     _replay_tombstone(core, batch, f, seq, rebuilding)
+                elif f.kind == codec.KIND_TRUNCATION:
+                    core.write_batch(batch, end)  # what precedes the cut, then the cut alone
+                    batch = core.batch()
+                    if not rebuilding:  # a crash came before the cut was applied (in a rebuild, meta saw it)
+                        core.meta.clamp_consumer_state(names[0], f.offsets[0])
+                    truncation.apply(core, names[0], f.offsets[0], (seq, f.position + f.size))
                 else:
                     entry = pack_entry(f.position, f.size)
                     for name, off in zip(names, f.offsets, strict=True):
@@ -226,7 +232,7 @@ def replay(core: core_mod.Core, start: tuple[int, int], last_seq: int, rebuildin
                 batch.touch_segment(seq, f.store_ms)
                 end = (seq, f.position + f.size)
                 count += 1
-                if count % REPLAY_BATCH_RECORDS == 0 or f.kind == codec.KIND_TOMBSTONE:
+                if count % REPLAY_BATCH_RECORDS == 0 or f.kind != codec.KIND_MESSAGE:
                     core.write_batch(batch, end)
                     batch = core.batch()
             core.write_batch(batch, end)

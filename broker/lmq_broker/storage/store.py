@@ -30,6 +30,7 @@ from lmq_broker.storage import (
     recovery,
     retention,
     snapshots,
+    truncation,
 )
 from lmq_broker.storage import core as core_mod
 from lmq_broker.storage import index as index_mod
@@ -146,6 +147,11 @@ class LmqStore:
         core.check_open()
         st = core.state(core.resolve(queue.topic, queue.queue))
         return (0, 0) if st is None else (st.min, st.next)
+
+    def truncate_queue(self, queue: model.QueueId, end: int) -> int:
+        core = self._core
+        core.check_open()
+        return truncation.truncate(core, self._meta, core.resolve(queue.topic, queue.queue), end)
 
     # --- consumer offsets ----------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ follower takes the slot's lease and holds every acknowledged message. Prints the
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import shutil
 import time
@@ -24,6 +25,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
 from lmq_broker.replication import kube as kube_api
+from lmq_broker.replication import setup as replication_setup
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing as kube_testing
@@ -47,7 +49,13 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.Kube
 
 
 def start(
-    tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int, prefix: str = "failover"
+    tmp_path: Path,
+    kube: kube_testing.KubeAPI,
+    members: list[str],
+    slot: int,
+    *,
+    prefix: str = "failover",
+    env: dict[str, str] | None = None,
 ) -> testing.BrokerProcess:
     token = tmp_path / "token"
     token.write_text(kube.token)
@@ -271,7 +279,7 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
     the topics live on the other one, which is killed with its disk. The consumer keeps receiving from the new
     holder; no acknowledged send is lost, nothing acked is delivered again."""
     members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, slot, "consumers") for slot in (0, 1)]  # leases of its own
+    brokers = [start(tmp_path, kube, members, slot, prefix="consumers") for slot in (0, 1)]  # leases of its own
     api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
     membership = mb.Membership.parse(",".join(members))
     lites = [f"t{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"t{i}").topic) == 0][:4]
@@ -296,9 +304,8 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
                 "a delivery from the new holder",
             )
             first = min(at for _, at, where in tally.received if at > killed and where == access) - killed
-            brokers[0] = await asyncio.to_thread(
-                start, tmp_path, kube, members, 0, "consumers"
-            )  # a follower, on an empty disk
+            restart = functools.partial(start, tmp_path, kube, members, 0, prefix="consumers")
+            brokers[0] = await asyncio.to_thread(restart)  # a follower, on an empty disk
             before = len(tally.sent)
             await wait_for(lambda: len(tally.sent) >= before + 20, "sends acknowledged again")
             tally.stop_producing.set()
@@ -327,3 +334,88 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
     )
     assert not lost
     assert not again
+
+
+async def receive_all(endpoint: str, lite: str, want: int) -> list[str]:
+    """Subscribe ``lite`` at ``endpoint`` and receive and ack until ``want`` messages came (or 10 s
+    without any): the ids, in the order received."""
+    group, parent = pb.Resource(name="executor-group"), pb.Resource(name=PARENT)  # bootstrapped
+    got: list[str] = []
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_grpc.MessagingServiceStub(channel)
+        sync = spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD,
+            topic=parent,
+            group=group,
+            lite_topic_set=[lite],
+            offset_option=pb.OffsetOption(policy=pb.OffsetOption.MIN),  # from its first message
+        )
+        assert (await stub.SyncLiteSubscription(sync, metadata=CONSUMER)).status.code == pb.OK
+        request = spb.ReceiveMessageRequest(
+            group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=32, auto_renew=True
+        )
+        deadline = time.monotonic() + 10
+        while len(got) < want and time.monotonic() < deadline:
+            frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=5)]
+            props = [f.message.system_properties for f in frames if f.HasField("message")]
+            got += [p.message_id for p in props]
+            entries = [
+                spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle, lite_topic=lite)
+                for p in props
+            ]
+            if entries:
+                ack = spb.AckMessageRequest(group=group, topic=parent, entries=entries)
+                assert (await stub.AckMessage(ack, metadata=CONSUMER)).status.code == pb.OK
+    return got
+
+
+def test_an_old_owner_back_on_its_disk_cuts_what_was_never_acknowledged_and_catches_up(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    lose = tmp_path / "lose-copies"  # while it exists, the follower loses every copy sent to it
+    failpoint = {replication_setup.FAILPOINT_ENV: str(lose)}
+    brokers = [start(tmp_path, kube, members, s, prefix="rejoin", env=failpoint if s else None) for s in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lite = next(f"r{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"r{i}").topic) == 0)
+
+    def held_by(slot: int) -> kube_api.Lease | None:
+        got = api.get("rejoin-slot-0")
+        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
+
+    try:
+        eventually(lambda: held_by(0), "the owner holds its lease")
+        acked = asyncio.run(send_all(members[0], lite, 0, 20))
+        assert len(acked) == 20
+        lose.touch()
+        never = [f"{lite}-{n}" for n in range(20, 23)]  # stored by the owner only: refused
+        for n in range(20, 23):
+            reply = send_once(members[0], lite, n)
+            assert reply.status.code == pb.INTERNAL_ERROR
+            assert "not enough in-sync replicas of slot 0: 1 of 2" in reply.status.message
+        brokers[0].kill()  # its disk is kept, with the three records nobody else has
+        lose.unlink()
+        eventually(lambda: held_by(1), "the follower took the lease", timeout_s=30)
+        # The new owner stores sends at the offsets the old one had used (refused: no other replica yet).
+        retried = [f"{lite}-{n}" for n in range(100, 103)]
+        for n in range(100, 103):
+            assert send_once(members[1], lite, n).status.code == pb.INTERNAL_ERROR
+        brokers[0] = start(tmp_path, kube, members, 0, prefix="rejoin")  # back on its disk: a follower of its own slot
+        eventually(lambda: send_once(members[1], lite, 103).status.code == pb.OK, "a send acknowledged again")
+        acked.append(f"{lite}-103")
+        acked += asyncio.run(send_all(members[1], lite, 104, 5))
+        assert len(acked) == 26
+        received = asyncio.run(receive_all(members[1], lite, len(acked) + len(retried)))
+        assert not set(received) & set(never)  # what was cut is never delivered
+        assert [m for m in dict.fromkeys(received) if m in acked] == acked
+    finally:
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    owner, rejoined = held(tmp_path / "b1", lite), held(tmp_path / "b0", lite)
+    assert rejoined == owner  # the same records at the same offsets
+    assert not set(owner) & set(never)
+    assert [m for m in owner if m in acked] == acked  # every acknowledged one, once, in order
+    assert set(owner) <= {*acked, *retried}
+    assert owner[20:23] == retried  # at the offsets the old owner had used for what it cut
