@@ -14,8 +14,8 @@ topic as a LiteSimpleConsumer does (ReceiveMessage of 32, then 32 concurrent Ack
 ACL every call is signed (``MQv2-HMAC-SHA1``) as the official clients sign; the client signs once per second
 (the signature covers only the date-time, to the second), so the client's own HMAC does not weigh on the
 figure and what is measured is the broker's cost: the signature check, the user lookup and the checks.
-Beside the throughput ratios, the brokers' own CPU time per message (from /proc) is printed: on a busy host it
-moves less than throughput does.
+Beside the throughput ratios, the brokers' own CPU time per message (from /proc) and this client's are printed:
+on a busy host they move less than throughput does, and they tell the broker's cost from the signing client's.
 
     python bench/bench_acl.py           # ~3 min
     python bench/bench_acl.py --blocks  # the first scheme, each broker's round at once
@@ -160,23 +160,24 @@ SIDES = ("off", "auth", "on")  # no auth; client auth (signed, no ACL); --acl
 STEP_SENDS = 128  # sends per turn of a side when interleaved (a receive's turn: one receive and its acks)
 
 
-Measured = dict[str, tuple[float, float, list[float]]]
+Measured = dict[str, tuple[float, float, list[float], float]]
 
 
 async def turns(steps: dict[str, AsyncIterator[int]], brokers: dict[str, BrokerProcess], *, blocks: bool) -> Measured:
     """Runs every side's steps, interleaved (each turn one step of each side, in each of the sides' orders in
     turn) or, with ``blocks``, each side's all at once; (messages per second, broker CPU µs per message, the rate
-    of each step) of each side, over the time spent in its own steps only."""
+    of each step, this client's CPU µs per message) of each side, over the time spent in its own steps only."""
     steps_rates: dict[str, list[float]] = {name: [] for name in steps}
     spent = dict.fromkeys(steps, 0.0)
     cpu = dict.fromkeys(steps, 0.0)
+    client = dict.fromkeys(steps, 0.0)
     done = dict.fromkeys(steps, 0)
     active = list(steps)
     turn = 0
     while active:
         orders = list(itertools.permutations(active))
         for name in [active[0]] if blocks else orders[turn % len(orders)]:
-            cpu_before, started = cpu_s(brokers[name]), time.perf_counter()
+            cpu_before, client_before, started = cpu_s(brokers[name]), time.process_time(), time.perf_counter()
             try:
                 count = await anext(steps[name])
             except StopAsyncIteration:
@@ -185,27 +186,38 @@ async def turns(steps: dict[str, AsyncIterator[int]], brokers: dict[str, BrokerP
             took = time.perf_counter() - started
             spent[name] += took
             steps_rates[name].append(count / took)
+            client[name] += time.process_time() - client_before
             cpu[name] += cpu_s(brokers[name]) - cpu_before
             done[name] += count
         turn += 1
-    return {name: (done[name] / spent[name], cpu[name] / done[name] * 1e6, steps_rates[name]) for name in steps}
+    return {
+        name: (
+            done[name] / spent[name],
+            cpu[name] / done[name] * 1e6,
+            steps_rates[name],
+            client[name] / done[name] * 1e6,
+        )
+        for name in steps
+    }
 
 
 async def measure(
     args: argparse.Namespace, brokers: dict[str, BrokerProcess]
-) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
-    """(messages per second of each round, broker CPU µs per message of each round, the rate of every step), by
-    "send off", "receive on" and so on."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+    """(messages per second of each round, broker CPU µs per message of each round, the rate of every step, this
+    client's CPU µs per message of each round), by "send off", "receive on" and so on."""
     rates: dict[str, list[float]] = {f"{kind} {side}": [] for kind in ("send", "receive") for side in SIDES}
     cpu: dict[str, list[float]] = {k: [] for k in rates}
     step_rates: dict[str, list[float]] = {k: [] for k in rates}
+    client_cpu: dict[str, list[float]] = {k: [] for k in rates}
     keys = {"off": None, "auth": CLIENT_KEYS, "on": (TENANT, f"{TENANT}-secret-key")}
     channels = {side: grpc.aio.insecure_channel(brokers[side].endpoint) for side in SIDES}
     stubs = {side: sg.MessagingServiceStub(channels[side]) for side in SIDES}
     headers = {side: signer(keys[side]) for side in SIDES}
 
     def record(kind: str, measured: Measured) -> None:
-        for side, (rate, cpu_us, each) in measured.items():
+        for side, (rate, cpu_us, each, client_us) in measured.items():
+            client_cpu[f"{kind} {side}"].append(client_us)
             rates[f"{kind} {side}"].append(rate)
             cpu[f"{kind} {side}"].append(cpu_us)
             step_rates[f"{kind} {side}"].extend(each)
@@ -225,7 +237,7 @@ async def measure(
     finally:
         for channel in channels.values():
             await channel.close(None)
-    return rates, cpu, step_rates
+    return rates, cpu, step_rates, client_cpu
 
 
 def main() -> None:
@@ -253,7 +265,7 @@ def main() -> None:
         for broker in brokers.values():
             prepare(broker, args.users)  # the same topics and groups everywhere; users count only under --acl
         load_before = os.getloadavg()[0]
-        rates, cpu, step_rates = asyncio.run(measure(args, brokers))
+        rates, cpu, step_rates, client_cpu = asyncio.run(measure(args, brokers))
         load_after = os.getloadavg()[0]
     median = {k: statistics.median(v) for k, v in rates.items()}
     cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
@@ -269,7 +281,11 @@ def main() -> None:
         for side in SIDES:
             key = f"{kind} {side}"
             each = ", ".join(f"{x:,.0f}" for x in rates[key])
-            print(f"  {key}: {median[key]:,.0f} msg/s (rounds {each}); broker CPU {cpu_median[key]:.0f} µs/msg")
+            mine = statistics.median(client_cpu[key])
+            print(
+                f"  {key}: {median[key]:,.0f} msg/s (rounds {each}); broker CPU {cpu_median[key]:.0f} µs/msg, "
+                f"client CPU {mine:.0f} µs/msg"
+            )
     for kind in ("send", "receive"):
         ratio = median[f"{kind} on"] / median[f"{kind} off"]
         print(f"FIGURE {kind} throughput ACL on ÷ off: {ratio:.3f} (goal >= 0.95)", flush=True)
