@@ -115,6 +115,7 @@ def test_a_remembered_signature_ends_when_its_date_time_leaves_the_window(stub: 
         status = route(stub, header)
         return None if admitted(status) else status
 
-    assert "from the broker's UTC clock" in eventually(refusal, "the remembered header refused", 20).message
+    refused = eventually(refusal, "the remembered header refused", 20)
+    assert refused is not None and "from the broker's UTC clock" in refused.message
     future = signed(*ALICE, datetime.now(UTC) + timedelta(seconds=SKEW_S + 60))
     assert "from the broker's UTC clock" in route(stub, future).message
