@@ -82,7 +82,11 @@ class Gate:
             self._consumers[key] = True
 
     def ack(self, peer: str, request: spb.AckMessageRequest) -> None:
-        for lite in {e.lite_topic for e in request.entries} or {""}:
+        entries = request.entries
+        if len(entries) == 1:  # the official clients ack one message per call: no set to build
+            self.consume(peer, request.group.name, request.topic.name, entries[0].lite_topic)
+            return
+        for lite in {e.lite_topic for e in entries} or {""}:
             self.consume(peer, request.group.name, request.topic.name, lite)
 
     async def sync_lite(

@@ -193,3 +193,65 @@ def test_the_gate_remembers_admitted_consumers_until_a_change() -> None:
     access.load(document.Document(alice, (*allowed, Entry("alice", "Lite:chat/a-1", (SUB,), Decision.DENY))))
     with pytest.raises(errors.Forbidden, match="Sub on Lite:chat/a-1"):
         gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # the change applies at once
+
+
+def test_an_ack_of_one_entry_is_checked_as_one_of_many() -> None:
+    """``Gate.ack``'s path for one entry (what the official clients send) answers as its path for several."""
+    from lmq_broker.protocol import auth, authorizing  # noqa: PLC0415 (only these tests need the protocol)
+    from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb  # noqa: PLC0415
+    from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb  # noqa: PLC0415
+
+    access = control.AccessControl(True)
+    allowed = (Entry("alice", "Lite:chat/a-*", (SUB,)), Entry("alice", "Group:g", (SUB,)))
+    access.load(document.Document((User("alice", "alice-secret"),), allowed))
+    auth.USER.set("alice")
+
+    def refused(group: str, *lites: str) -> bool:
+        entries = [
+            spb.AckMessageEntry(message_id=f"m{n}", receipt_handle="r", lite_topic=x) for n, x in enumerate(lites)
+        ]
+        request = spb.AckMessageRequest(group=pb.Resource(name=group), topic=pb.Resource(name="chat"), entries=entries)
+        try:
+            authorizing.Gate(access).ack("ipv4:127.0.0.1:1", request)
+        except errors.Forbidden:
+            return True
+        return False
+
+    for group, lite in (("g", "a-1"), ("g", "b-1"), ("other", "a-1"), ("g", "")):
+        assert refused(group, lite) == refused(group, lite, lite), (group, lite)
+    assert [refused("g", "a-1"), refused("g", "b-1"), refused("other", "a-1"), refused("g", "")] == [
+        False,
+        True,
+        True,
+        False,  # no lite topic named: Sub under the parent, which her lite topics of it give
+    ]
+    assert refused("g", "a-1", "b-1") and not refused("g", "a-1", "a-2")
+
+
+def test_the_verifier_answers_as_a_fresh_check_each_time() -> None:
+    """``auth.Verifier`` (remembered checks) against ``auth.check_signed`` (its plain twin), called twice per case."""
+    from datetime import UTC, datetime, timedelta  # noqa: PLC0415 (only this test needs them)
+
+    from lmq_broker.protocol import auth  # noqa: PLC0415
+
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    secrets = {"alice": "alice-secret", "bob": "bob-secret"}
+    verify = auth.Verifier(secrets.get, 60.0, clock=now.timestamp)
+    good = auth.sign_metadata("alice", "alice-secret", now)
+    cases = [
+        good,
+        auth.sign_metadata("bob", "bob-secret", now),
+        auth.sign_metadata("alice", "bob-secret", now),
+        auth.sign_metadata("carol", "alice-secret", now),
+        auth.sign_metadata("alice", "alice-secret", now - timedelta(seconds=61)),
+        auth.sign_metadata("alice", "alice-secret", now + timedelta(seconds=59)),
+        ((auth.DATE_TIME, "20260102T030404Z"), good[1]),  # her signature, another date-time
+        ((auth.DATE_TIME, "yesterday"), good[1]),
+        (good[1],),
+        (good[0],),
+        ((auth.DATE_TIME, good[0][1]), (auth.AUTHORIZATION, good[1][1].replace("Credential=alice", "Credential=bob"))),
+        ((auth.DATE_TIME, good[0][1]), (auth.AUTHORIZATION, good[1][1].replace("MQv2-HMAC-SHA1", "MQv2-HMAC-MD5"))),
+    ]
+    for metadata in cases * 2:
+        expected = auth.check_signed(metadata, secrets.get, now=now, max_skew_s=60.0)
+        assert (verify(metadata) is None) == (expected is None), (metadata, expected)
