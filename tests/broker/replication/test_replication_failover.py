@@ -65,7 +65,7 @@ def start(
     flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", prefix]
     flags += ["--lease-duration-ms", str(LEASE_MS), "--kube-api-server", kube.server]
     flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
-    return testing.start_broker(tmp_path / f"b{slot}", int(port), flags)
+    return testing.start_broker(tmp_path / f"b{slot}", int(port), flags, env=env)
 
 
 async def send_all(endpoint: str, lite: str, first: int = 0, count: int = SENDS) -> list[str]:
