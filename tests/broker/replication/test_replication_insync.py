@@ -39,11 +39,16 @@ class Followers:
     stored: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})
     down: set[str] = field(default_factory=set)
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: every copy waits
+    waiting: int = 0  # copies waiting at the gate
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
         if endpoint in self.down:
             raise errors.BrokerUnavailable(f"{endpoint}: UNAVAILABLE")
-        await self.gate.wait()
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
         self.stored[endpoint].extend(m.message_id for m in wire.decode(data).messages)
         return {}
 
@@ -229,3 +234,22 @@ async def test_an_ack_is_answered_once_every_member_of_the_set_stored_its_commit
     with pytest.raises(errors.NotEnoughReplicas, match="stored the ack: 1 of 2"):
         await asyncio.wait_for(refused, 5)
     assert slot0.recorded() == (0, 1)  # never below 2: broker 1 holds every commit point answered
+
+
+@pytest.mark.asyncio
+async def test_an_ack_whose_commit_copies_outlast_the_fence_is_refused(slot0: Slot0) -> None:
+    """The followers stored the commit point, but the owner's fence closed while it waited for them: a follower
+    may have taken the slot over without it, so the ack is refused (as a send's would be)."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    queue = dispatch_testing.lite_message("x", message_id="m0").queues[0]
+    slot0.followers.gate.clear()  # the commit copies wait
+    future = owner.note_commit(wire.Commit(queue, "g", 1, ()))
+    assert future is not None
+    await eventually_async(lambda: slot0.followers.waiting == 2, "both commit copies under way")
+    slot0.clock.now += DURATION_MS / 1000  # no renewal since: the fence closed
+    assert slot0.leaders[0].epoch(0) is None
+    slot0.followers.gate.set()
+    with pytest.raises(errors.Fenced):
+        await asyncio.wait_for(future, 5)
+    assert slot0.counted("lmq_replication_refused_total", {"reason": "fenced"}) == 1
