@@ -162,10 +162,11 @@ class Owner:
 
     def note_commit(self, commit: wire.Commit) -> asyncio.Future[None] | None:
         """A commit point persisted here: sent to the followers soon, coalesced per key, one flush at a time
-        (so a key's commits never arrive out of order). The future is done once as many followers stored it as a
-        send needs (``--min-insync-replicas``), or failed (``errors.NotEnoughReplicas``, ``errors.Fenced``):
-        the ack waits for it, so a follower that takes over never delivers again what was acked. None when no
-        follower is needed (asynchronous: after a failover a consumer may get again what it acked just before)."""
+        (so a key's commits never arrive out of order). The future is done once, as for a send, every member of
+        the in-sync set stored it (those that failed recorded out first) and at least M did, or failed
+        (``errors.NotEnoughReplicas``, ``errors.Fenced``): the ack waits for it, so a follower that takes over
+        never delivers again what was acked. None when no follower is needed (asynchronous: after a failover a
+        consumer may get again what it acked just before)."""
         self._commits[(commit.queue, commit.group)] = commit
         future: asyncio.Future[None] | None = None
         if self._need:
@@ -190,20 +191,32 @@ class Owner:
                 answers = await asyncio.gather(
                     *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
                 )
-                members = set(self.keeper.recorded())  # only a member of the in-sync set may take the slot over
-                ok = (f for f, a in zip(self._followers, answers, strict=True) if not isinstance(a, BaseException))
-                stored = sum(1 for f in ok if f in members)
-                failed = None
-                if stored < self._need:
-                    self._counters.refused.labels("insync").inc()
-                    failed = errors.NotEnoughReplicas(
-                        f"not enough in-sync replicas of slot {self._slot} stored the ack: {stored + 1} of "
-                        f"{self._need + 1}; try again"
-                    )
-                _settle(awaited, failed)
+                if awaited:
+                    _settle(awaited, await self._commits_held(epoch, answers))
         finally:
             _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
+
+    async def _commits_held(self, epoch: int, answers: list[dict[str, int] | BaseException]) -> errors.LmqError | None:
+        """None when the acks of a flush may be answered: every member of the in-sync set stored its commit
+        points (any member may take the slot over: one without them would deliver the acked messages again),
+        those that failed removed from the set first (as a send's), at least M members counted, and the lease
+        still held; else why not."""
+        me, ok = self._leadership.me, dict(zip(self._followers, answers, strict=True))
+        failed = [f for f in self.keeper.recorded() if f != me and (f not in ok or isinstance(ok[f], BaseException))]
+        kept = bool(failed) and not await self.keeper.shrink(failed)  # below M (they stay), or lease not written
+        failed_to = f"; failed: {failed}" if kept else ""
+        members = [f for f in self.keeper.recorded() if f != me]
+        stored = sum(1 for f in members if f in ok and not isinstance(ok[f], BaseException))
+        if self._leadership.epoch(self._slot) != epoch:
+            return self._fenced()
+        if failed_to or stored < self._need:
+            self._counters.refused.labels("insync").inc()
+            return errors.NotEnoughReplicas(
+                f"not enough in-sync replicas of slot {self._slot} stored the ack: {stored + 1} of "
+                f"{self._need + 1} (in sync: {[me, *members]}{failed_to}); try again"
+            )
+        return None
 
     def _fenced(self) -> errors.LmqError:
         self._counters.refused.labels("fenced").inc()

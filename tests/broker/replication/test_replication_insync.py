@@ -39,11 +39,16 @@ class Followers:
     stored: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})
     down: set[str] = field(default_factory=set)
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: every copy waits
+    waiting: int = 0  # copies waiting at the gate
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
         if endpoint in self.down:
             raise errors.BrokerUnavailable(f"{endpoint}: UNAVAILABLE")
-        await self.gate.wait()
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
         self.stored[endpoint].extend(m.message_id for m in wire.decode(data).messages)
         return {}
 
@@ -208,3 +213,43 @@ async def test_at_min_insync_1_a_send_waits_for_nobody_and_a_full_queue_drops_th
     slot0.followers.gate.set()
     await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers probed back in")
     assert slot0.followers.stored["b1"][:3] == ["m0", "m1", "m2"]
+
+
+@pytest.mark.asyncio
+async def test_an_ack_is_answered_once_every_member_of_the_set_stored_its_commit_point(slot0: Slot0) -> None:
+    """Any member of the set may take the slot over and delivers from the commit point it holds: an ack that
+    reached broker 1 but not broker 2 (a member) is answered only once broker 2 was recorded out of the set;
+    when that would take the set below 2, the ack is refused instead."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    queue = dispatch_testing.lite_message("x", message_id="m0").queues[0]
+    slot0.followers.down.add("b2")
+    future = owner.note_commit(wire.Commit(queue, "g", 1, ()))
+    assert future is not None
+    await asyncio.wait_for(future, 5)  # answered: stored on broker 1 ...
+    assert slot0.recorded() == (0, 1)  # ... and broker 2, which lacks it, out of the set before that
+    slot0.followers.down.add("b1")
+    refused = owner.note_commit(wire.Commit(queue, "g", 2, ()))
+    assert refused is not None
+    with pytest.raises(errors.NotEnoughReplicas, match="stored the ack: 1 of 2"):
+        await asyncio.wait_for(refused, 5)
+    assert slot0.recorded() == (0, 1)  # never below 2: broker 1 holds every commit point answered
+
+
+@pytest.mark.asyncio
+async def test_an_ack_whose_commit_copies_outlast_the_fence_is_refused(slot0: Slot0) -> None:
+    """The followers stored the commit point, but the owner's fence closed while it waited for them: a follower
+    may have taken the slot over without it, so the ack is refused (as a send's would be)."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    queue = dispatch_testing.lite_message("x", message_id="m0").queues[0]
+    slot0.followers.gate.clear()  # the commit copies wait
+    future = owner.note_commit(wire.Commit(queue, "g", 1, ()))
+    assert future is not None
+    await eventually_async(lambda: slot0.followers.waiting == 2, "both commit copies under way")
+    slot0.clock.now += DURATION_MS / 1000  # no renewal since: the fence closed
+    assert slot0.leaders[0].epoch(0) is None
+    slot0.followers.gate.set()
+    with pytest.raises(errors.Fenced):
+        await asyncio.wait_for(future, 5)
+    assert slot0.counted("lmq_replication_refused_total", {"reason": "fenced"}) == 1
