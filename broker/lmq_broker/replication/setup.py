@@ -266,7 +266,9 @@ class Replication:
                 data, metadata=(self._links.peer_header(method),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as exc:
-            raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+            raise errors.BrokerUnavailable(
+                f"{endpoint} {method.rsplit('/', 1)[-1]}: {exc.code().name} {exc.details()}"
+            ) from None
         return answer
 
     async def _ends(self, holder: int, slot: int) -> dict[str, int]:
@@ -327,7 +329,9 @@ class Replication:
                 data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as exc:
-            raise errors.BrokerUnavailable(f"{endpoint}: {exc.code().name} {exc.details()}") from None
+            raise errors.BrokerUnavailable(
+                f"{endpoint} {method.rsplit('/', 1)[-1]}: {exc.code().name} {exc.details()}"
+            ) from None
         behind: dict[str, int] = json.loads(answer) if answer else {}
         return behind
 

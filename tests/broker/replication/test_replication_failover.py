@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from raw_v2 import metric
 from waiting import eventually, eventually_async
 
 from lmq_broker import model, testing
@@ -386,6 +387,8 @@ def test_an_old_owner_back_on_its_disk_cuts_what_was_never_acknowledged_and_catc
 
     try:
         eventually(lambda: held_by(0), "the owner holds its lease")
+        # the premise: a follower in sync (reconciled, state rows fetched), so it may take the slot over
+        eventually(lambda: metric(brokers[1], "lmq_replication_in_sync", slot="0") == 1, "the follower in sync")
         acked = asyncio.run(send_all(members[0], lite, 0, 20))
         assert len(acked) == 20
         lose.touch()
