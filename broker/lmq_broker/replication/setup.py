@@ -329,9 +329,7 @@ class Replication:
                 data, metadata=(self._links.peer_header(METHOD),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as exc:
-            raise errors.BrokerUnavailable(
-                f"{endpoint} {method.rsplit('/', 1)[-1]}: {exc.code().name} {exc.details()}"
-            ) from None
+            raise errors.BrokerUnavailable(f"{endpoint} Append: {exc.code().name} {exc.details()}") from None
         behind: dict[str, int] = json.loads(answer) if answer else {}
         return behind
 
