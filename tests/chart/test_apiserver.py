@@ -300,9 +300,11 @@ def test_templated_crds_upgrade_the_installed_ones_in_place_and_are_kept(
 
 @pytest.fixture(scope="module")
 def releases(kube: testing.KubeAPI, render: Render) -> dict[str, str]:
-    """Two installs of the chart's RBAC (for real): cluster-wide and watching namespace "apps"."""
+    """Two installs of the chart's RBAC (for real): cluster-wide and watching namespace "apps", both replicated
+    (R=2: the brokers' Lease Role too)."""
     accounts = {}
-    for release, values in (("wide", {}), ("narrow", {"operator": {"watchNamespace": "apps"}})):
+    replicated = {"broker": {"replication": {"replicas": 2}}}
+    for release, values in (("wide", replicated), ("narrow", {**replicated, "operator": {"watchNamespace": "apps"}})):
         for obj in render(values, name=release):
             if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
                 apply(kube, obj)
@@ -405,7 +407,7 @@ def test_the_operator_may_hold_its_own_lease_and_no_other(kube: testing.KubeAPI,
 def test_the_brokers_may_use_leases_in_their_namespace_and_nowhere_else(
     kube: testing.KubeAPI, releases: dict[str, str]
 ) -> None:
-    """Replication (R=2 by default with two pods): exactly get, list, create and update on Leases, in the release
+    """Replication (R=2, as the releases are installed): exactly get, list, create and update on Leases, in the release
     namespace: what lmq_broker.replication.kube calls (docs/replication.md)."""
     for release in releases:
         broker = f"system:serviceaccount:mq:{release}-lmq-broker"
