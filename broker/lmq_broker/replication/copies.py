@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 Send = shipping.Send
 Read = shipping.Read
 Tails = shipping.Tails
+Points = shipping.Points
 ACK_TIMEOUT_S: Final = 3.0  # a send waits this long at most for its copies (then refused, retriable)
 LMQ_PREFIX: Final = model.LMQ_PREFIX
 as_new = shipping.as_new
@@ -64,7 +65,7 @@ class Owner:
         slot: int,
         followers: dict[int, str],
         min_insync: int,
-        doors: tuple[Send, Read, Tails],
+        doors: tuple[Send, Read, Tails, Points],
         counters: Counters,
         *,
         queue_messages: int = shipping.QUEUE_MESSAGES,
@@ -75,8 +76,9 @@ class Owner:
         self._min_insync = min_insync
         self._need = min_insync - 1  # followers that must store a commit point before its ack is answered
         self._counters = counters
-        send, read, tails = doors
+        send, read, tails, points = doors
         self.keeper = keeper = insync.Keeper(leadership, slot, min_insync)
+        self._lock = asyncio.Lock()  # commit copies, one send at a time (a flush's, a probe's)
         shipper_doors = shipping.Doors(
             send,
             read,
@@ -85,6 +87,8 @@ class Owner:
             keeper.changed,
             keeper.wants_probe,
             counters.dropped.inc,
+            points,
+            self._lock,
         )
         for f, endpoint in followers.items():
             keeper.shippers[f] = shipping.Shipper(f, endpoint, slot, shipper_doors, queue_messages, probe_interval_s)
@@ -188,14 +192,27 @@ class Owner:
                     _settle(awaited, self._fenced())
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
-                answers = await asyncio.gather(
-                    *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
-                )
+                async with self._lock:
+                    answers = await asyncio.gather(
+                        *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
+                    )
+                self._missed(answers)
                 if awaited:
                     _settle(awaited, await self._commits_held(epoch, answers))
         finally:
             _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
+
+    def _missed(self, answers: list[dict[str, int] | BaseException]) -> None:
+        """A follower that did not store a commit copy must not join the set (nor stay joining) without a new
+        probe: it would take the slot over with a commit point lower than one acknowledged meanwhile."""
+        members = set(self.keeper.recorded())
+        for f, answer in zip(self._followers, answers, strict=True):
+            shipper = self.keeper.shippers.get(f)
+            if isinstance(answer, BaseException) and shipper is not None:
+                shipper.missed()
+                if f not in members:
+                    self.keeper.changed(shipper)
 
     async def _commits_held(self, epoch: int, answers: list[dict[str, int] | BaseException]) -> errors.LmqError | None:
         """None when the acks of a flush may be answered: every member of the in-sync set stored its commit

@@ -36,6 +36,20 @@ def tails(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[
     return out
 
 
+def points(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[wire.Commit]:
+    """Every group's commit point (offset and acked offsets above it) in every non-empty lite topic of ``slot``
+    (what a probe of a follower sends after the messages)."""
+    groups = [g.name for g in store.list_groups()]
+    out: list[wire.Commit] = []
+    for topic in ends(store, slot, slot_of_topic):
+        queue = model.QueueId(topic, 0)
+        for group in groups:
+            offset = store.get_offset(queue, group)
+            if offset is not None:
+                out.append(wire.Commit(queue, group, offset, tuple(store.get_acked(queue, group))))
+    return out
+
+
 def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
     """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start``."""
     queue = model.QueueId(topic, 0)

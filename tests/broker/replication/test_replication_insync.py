@@ -37,6 +37,7 @@ class Followers:
     """Brokers 1 and 2 as the owner's copies reach them: what each stored, and which are down or slow."""
 
     stored: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})
+    commits: dict[str, list[tuple[str, int]]] = field(default_factory=lambda: {"b1": [], "b2": []})
     down: set[str] = field(default_factory=set)
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: every copy waits
     waiting: int = 0  # copies waiting at the gate
@@ -49,7 +50,9 @@ class Followers:
             await self.gate.wait()
         finally:
             self.waiting -= 1
-        self.stored[endpoint].extend(m.message_id for m in wire.decode(data).messages)
+        copy = wire.decode(data)
+        self.stored[endpoint].extend(m.message_id for m in copy.messages)
+        self.commits[endpoint].extend((c.group, c.offset) for c in copy.commits)
         return {}
 
 
@@ -84,6 +87,10 @@ class Slot0:
     followers: Followers
     registry: CollectorRegistry
     owners: list[copies.Owner] = field(default_factory=list)
+    points: list[wire.Commit] = field(default_factory=list)  # the commit points in the owner's store
+
+    async def stored_points(self) -> list[wire.Commit]:
+        return list(self.points)
 
     def owner(self, min_insync: int, queue_messages: int = 100) -> copies.Owner:
         found = copies.Owner(
@@ -91,7 +98,7 @@ class Slot0:
             0,
             {1: "b1", 2: "b2"},
             min_insync,
-            (self.followers.send, nothing, no_tails),
+            (self.followers.send, nothing, no_tails, self.stored_points),
             copies.Counters(self.registry),
             queue_messages=queue_messages,
             probe_interval_s=0.05,
@@ -253,3 +260,23 @@ async def test_an_ack_whose_commit_copies_outlast_the_fence_is_refused(slot0: Sl
     with pytest.raises(errors.Fenced):
         await asyncio.wait_for(future, 5)
     assert slot0.counted("lmq_replication_refused_total", {"reason": "fenced"}) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_follower_back_joins_the_set_only_once_it_stored_the_commit_points_it_missed(slot0: Slot0) -> None:
+    """Broker 2 is recorded out of the set while a consumer acks (its commit copy failed); back, it answers a
+    send at once, yet joins only after a probe gave it every commit point of the slot: a member without the ack
+    would deliver the acked message again once it took the slot over."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    queue = dispatch_testing.lite_message("x", message_id="m0").queues[0]
+    slot0.followers.down.add("b2")
+    slot0.points.append(wire.Commit(queue, "g", 1, ()))  # persisted by the owner, then noted
+    future = owner.note_commit(wire.Commit(queue, "g", 1, ()))
+    assert future is not None
+    await asyncio.wait_for(future, 5)
+    assert slot0.recorded() == (0, 1) and slot0.followers.commits["b2"] == []
+    slot0.followers.down.clear()
+    await owner.copy(*batch(0))  # broker 2 stores this one: it answers again
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "broker 2 back in the set")
+    assert slot0.followers.commits["b2"] == [("g", 1)]  # stored there before it joined
