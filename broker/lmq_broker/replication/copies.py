@@ -192,27 +192,46 @@ class Owner:
                     _settle(awaited, self._fenced())
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
+                seqs = {f: s.seq for f, s in self.keeper.shippers.items()}  # the batches its offsets count
+                await self._shipped(seqs)
                 async with self._lock:
                     answers = await asyncio.gather(
                         *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
                     )
-                self._missed(answers)
+                answers = [self._unless_lost(f, a, seqs) for f, a in zip(self._followers, answers, strict=True)]
                 if awaited:
                     _settle(awaited, await self._commits_held(epoch, answers))
+                self._missed(answers)  # after: a member that failed was recorded out by now, or stays
         finally:
             _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
 
+    async def _shipped(self, seqs: dict[int, int]) -> None:
+        """Until every follower answered for the batches numbered before these commits (or the timeout): a
+        commit copy that overtook its messages would be clamped to the follower's end (``following``)."""
+        keeper, deadline = self.keeper, time.monotonic() + ACK_TIMEOUT_S
+        while any(keeper.shippers[f].done < n for f, n in seqs.items()) and (left := deadline - time.monotonic()) > 0:
+            await keeper.wait(left)
+
+    def _unless_lost(
+        self, f: int, answer: dict[str, int] | BaseException, seqs: dict[int, int]
+    ) -> dict[str, int] | BaseException:
+        """A follower that did not store the messages before a commit holds no more than its end of them."""
+        shipper, n = self.keeper.shippers[f], seqs.get(f, 0)
+        if isinstance(answer, BaseException) or n == 0 or shipper.holds(n):
+            return answer
+        return errors.BrokerUnavailable(f"follower {f} did not store the messages the commit points count")
+
     def _missed(self, answers: list[dict[str, int] | BaseException]) -> None:
-        """A follower that did not store a commit copy must not join the set (nor stay joining) without a new
-        probe: it would take the slot over with a commit point lower than one acknowledged meanwhile."""
+        """A follower outside the set that did not store a commit copy must not join it (nor stay joining)
+        without a new probe: it would take the slot over with a commit point lower than one acknowledged
+        meanwhile. (A member that failed stays only when the set would go below M: the ack was refused.)"""
         members = set(self.keeper.recorded())
         for f, answer in zip(self._followers, answers, strict=True):
             shipper = self.keeper.shippers.get(f)
-            if isinstance(answer, BaseException) and shipper is not None:
+            if isinstance(answer, BaseException) and shipper is not None and f not in members:
                 shipper.missed()
-                if f not in members:
-                    self.keeper.changed(shipper)
+                self.keeper.changed(shipper)
 
     async def _commits_held(self, epoch: int, answers: list[dict[str, int] | BaseException]) -> errors.LmqError | None:
         """None when the acks of a flush may be answered: every member of the in-sync set stored its commit

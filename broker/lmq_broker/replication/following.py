@@ -86,8 +86,6 @@ class Follower:
             raise errors.BrokerUnavailable(f"slot {slot}: a copy lost on the way (failpoint)")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
-            for point in copy.commits:
-                await self._commit(self._within(point))
             if copy.messages and self.checked.get(slot) != copy.epoch:
                 await self._rejoin(slot, copy.epoch)
             behind: dict[str, int] = {}
@@ -101,6 +99,8 @@ class Follower:
             fresh = await self._fresh(slot, copy)
             if fresh:
                 await self._append(fresh)
+            for point in copy.commits:  # after the messages a fetch carries with them
+                await self._commit(self._within(point))
             return {}
 
     def _within(self, point: wire.Commit) -> wire.Commit:

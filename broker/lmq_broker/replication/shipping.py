@@ -101,6 +101,10 @@ class Shipper:
     def lost(self, seq: int) -> bool:
         return seq < self.clean_from
 
+    def holds(self, seq: int) -> bool:
+        """Batch ``seq`` is there: stored, or covered by a probe since the last failure."""
+        return self.stored(seq) or (self.complete() and self.covered is not None and seq <= self.covered)
+
     def complete(self) -> bool:
         """Holds every batch up to ``done`` (a probe covered what came before, nothing failed since)."""
         return self.covered is not None and self.clean_from <= self.covered + 1
