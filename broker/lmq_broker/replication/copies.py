@@ -192,7 +192,8 @@ class Owner:
                     _settle(awaited, self._fenced())
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
-                seqs = {f: s.seq for f, s in self.keeper.shippers.items()}  # the batches its offsets count
+                awaited_by = self.keeper.awaited()  # members and those joining: their copies are waited for
+                seqs = {f: s.seq for f, s in self.keeper.shippers.items() if f in awaited_by}
                 await self._shipped(seqs)
                 async with self._lock:
                     answers = await asyncio.gather(
@@ -207,8 +208,9 @@ class Owner:
             self._flushing = None
 
     async def _shipped(self, seqs: dict[int, int]) -> None:
-        """Until every follower answered for the batches numbered before these commits (or the timeout): a
-        commit copy that overtook its messages would be clamped to the follower's end (``following``)."""
+        """Until every member (and follower joining) answered for the batches numbered before these commits (or
+        the timeout): a commit copy that overtook its messages would be clamped to the follower's end
+        (``following``). One outside the set answers a clamped commit with its ends: it is probed again."""
         keeper, deadline = self.keeper, time.monotonic() + ACK_TIMEOUT_S
         while any(keeper.shippers[f].done < n for f, n in seqs.items()) and (left := deadline - time.monotonic()) > 0:
             await keeper.wait(left)
@@ -217,6 +219,8 @@ class Owner:
         self, f: int, answer: dict[str, int] | BaseException, seqs: dict[int, int]
     ) -> dict[str, int] | BaseException:
         """A follower that did not store the messages before a commit holds no more than its end of them."""
+        if answer:  # ends: a commit point past them was clamped there
+            return errors.BrokerUnavailable(f"follower {f} lacks messages the commit points count: {answer}")
         shipper, n = self.keeper.shippers[f], seqs.get(f, 0)
         if isinstance(answer, BaseException) or n == 0 or shipper.holds(n):
             return answer

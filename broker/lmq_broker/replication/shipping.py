@@ -197,7 +197,8 @@ class Shipper:
                 await self._ship_tails(epoch)  # what came since: every point read is within the follower's ends
                 for start in range(0, len(points), PROBE_BATCH):
                     part = points[start : start + PROBE_BATCH]
-                    await self._doors.send(self.endpoint, wire.encode(self._slot, epoch, [], [], part))
+                    if behind := await self._doors.send(self.endpoint, wire.encode(self._slot, epoch, [], [], part)):
+                        raise errors.Conflict(f"{self.endpoint} lacks messages the commit points count: {behind}")
         except Exception as exc:
             log.debug("probe of %s failed: %s", self.endpoint, exc)
             return
