@@ -519,3 +519,20 @@ async def test_an_ack_is_answered_once_the_follower_has_its_commit_point(pair: P
     store = pair.brokers[1].store
     assert store is not None
     assert store.get_offset(queue, GROUP) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_follower_answers_a_commit_point_past_its_end_with_its_ends(pair: Pair) -> None:
+    """A commit copy that overtook its messages is clamped to the follower's end (never skips records it may
+    deliver after a takeover) and answered with that end: the owner does not count it as stored."""
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    replication_1 = pair.brokers[1].replication
+    epoch = pair.leadership(0).epoch(0)
+    assert replication_1 is not None and replication_1.follower is not None and epoch is not None
+    queue = model.QueueId.lmq(PARENT, lite)
+    answer = await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 5, ())]))
+    assert answer == {queue.topic: 1}
+    store = pair.brokers[1].store
+    assert store is not None and store.get_offset(queue, GROUP) == 1
+    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 1, ())])) == {}
