@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 Send = shipping.Send
 Read = shipping.Read
 Tails = shipping.Tails
+Points = shipping.Points
 ACK_TIMEOUT_S: Final = 3.0  # a send waits this long at most for its copies (then refused, retriable)
 LMQ_PREFIX: Final = model.LMQ_PREFIX
 as_new = shipping.as_new
@@ -64,7 +65,7 @@ class Owner:
         slot: int,
         followers: dict[int, str],
         min_insync: int,
-        doors: tuple[Send, Read, Tails],
+        doors: tuple[Send, Read, Tails, Points],
         counters: Counters,
         *,
         queue_messages: int = shipping.QUEUE_MESSAGES,
@@ -75,8 +76,9 @@ class Owner:
         self._min_insync = min_insync
         self._need = min_insync - 1  # followers that must store a commit point before its ack is answered
         self._counters = counters
-        send, read, tails = doors
+        send, read, tails, points = doors
         self.keeper = keeper = insync.Keeper(leadership, slot, min_insync)
+        self._lock = asyncio.Lock()  # commit copies, one send at a time (a flush's, a probe's)
         shipper_doors = shipping.Doors(
             send,
             read,
@@ -85,6 +87,8 @@ class Owner:
             keeper.changed,
             keeper.wants_probe,
             counters.dropped.inc,
+            points,
+            self._lock,
         )
         for f, endpoint in followers.items():
             keeper.shippers[f] = shipping.Shipper(f, endpoint, slot, shipper_doors, queue_messages, probe_interval_s)
@@ -188,14 +192,50 @@ class Owner:
                     _settle(awaited, self._fenced())
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
-                answers = await asyncio.gather(
-                    *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
-                )
+                awaited_by = self.keeper.awaited()  # members and those joining: their copies are waited for
+                seqs = {f: s.seq for f, s in self.keeper.shippers.items() if f in awaited_by}
+                await self._shipped(seqs)
+                async with self._lock:
+                    answers = await asyncio.gather(
+                        *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
+                    )
+                answers = [self._unless_lost(f, a, seqs) for f, a in zip(self._followers, answers, strict=True)]
                 if awaited:
                     _settle(awaited, await self._commits_held(epoch, answers))
+                self._missed(answers)  # after: a member that failed was recorded out by now, or stays
         finally:
             _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
+
+    async def _shipped(self, seqs: dict[int, int]) -> None:
+        """Until every member (and follower joining) answered for the batches numbered before these commits (or
+        the timeout): a commit copy that overtook its messages would be clamped to the follower's end
+        (``following``). One outside the set answers a clamped commit with its ends: it is probed again."""
+        keeper, deadline = self.keeper, time.monotonic() + ACK_TIMEOUT_S
+        while any(keeper.shippers[f].done < n for f, n in seqs.items()) and (left := deadline - time.monotonic()) > 0:
+            await keeper.wait(left)
+
+    def _unless_lost(
+        self, f: int, answer: dict[str, int] | BaseException, seqs: dict[int, int]
+    ) -> dict[str, int] | BaseException:
+        """A follower that did not store the messages before a commit holds no more than its end of them."""
+        if answer:  # ends: a commit point past them was clamped there
+            return errors.BrokerUnavailable(f"follower {f} lacks messages the commit points count: {answer}")
+        shipper, n = self.keeper.shippers[f], seqs.get(f, 0)
+        if isinstance(answer, BaseException) or n == 0 or shipper.holds(n):
+            return answer
+        return errors.BrokerUnavailable(f"follower {f} did not store the messages the commit points count")
+
+    def _missed(self, answers: list[dict[str, int] | BaseException]) -> None:
+        """A follower outside the set that did not store a commit copy must not join it (nor stay joining)
+        without a new probe: it would take the slot over with a commit point lower than one acknowledged
+        meanwhile. (A member that failed stays only when the set would go below M: the ack was refused.)"""
+        members = set(self.keeper.recorded())
+        for f, answer in zip(self._followers, answers, strict=True):
+            shipper = self.keeper.shippers.get(f)
+            if isinstance(answer, BaseException) and shipper is not None and f not in members:
+                shipper.missed()
+                self.keeper.changed(shipper)
 
     async def _commits_held(self, epoch: int, answers: list[dict[str, int] | BaseException]) -> errors.LmqError | None:
         """None when the acks of a flush may be answered: every member of the in-sync set stored its commit

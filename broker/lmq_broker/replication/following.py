@@ -77,7 +77,8 @@ class Follower:
         return self.reconciled.get(slot) == epoch
 
     async def accept(self, data: bytes) -> dict[str, int]:
-        """Store a copy: {} once stored; the ends of this broker's lite topics the copy starts past."""
+        """Store a copy: {} once stored; the ends of this broker's lite topics the copy starts past, or that a
+        commit point it carries was clamped to (the owner does not count it as stored)."""
         copy = wire.decode(data)
         slot = copy.slot
         if slot not in self._leadership.mine:
@@ -86,8 +87,6 @@ class Follower:
             raise errors.BrokerUnavailable(f"slot {slot}: a copy lost on the way (failpoint)")
         async with self._lock:
             self._check_epoch(slot, copy.epoch)
-            for point in copy.commits:
-                await self._commit(self._within(point))
             if copy.messages and self.checked.get(slot) != copy.epoch:
                 await self._rejoin(slot, copy.epoch)
             behind: dict[str, int] = {}
@@ -101,7 +100,13 @@ class Follower:
             fresh = await self._fresh(slot, copy)
             if fresh:
                 await self._append(fresh)
-            return {}
+            clamped: dict[str, int] = {}
+            for point in copy.commits:  # after the messages a fetch carries with them
+                within = self._within(point)
+                await self._commit(within)
+                if within is not point:
+                    clamped[point.queue.topic] = within.offset
+            return clamped
 
     def _within(self, point: wire.Commit) -> wire.Commit:
         """A commit point no further than this broker's end of its queue: the owner's consumers may have taken

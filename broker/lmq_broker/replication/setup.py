@@ -170,12 +170,13 @@ class Replication:
             endpoints = {s: links.membership.members[s] for s in replica_sets[slot] if s != me}
             read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
             tails = lambda: asyncio.to_thread(sources.tails, store, slot, self.slots.slot_of_topic)  # noqa: E731
+            points = lambda: asyncio.to_thread(sources.points, store, slot, self.slots.slot_of_topic)  # noqa: E731
             return copies.Owner(
                 self.leadership,
                 slot,
                 endpoints,
                 min_insync,
-                (self._send, read, tails),
+                (self._send, read, tails, points),
                 self._counters,
                 queue_messages=config.replica_queue_messages,
                 probe_interval_s=config.lease_duration_ms / 3000,

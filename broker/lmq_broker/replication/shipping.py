@@ -10,8 +10,11 @@ the owner compares numbers, and at --min-insync-replicas 1 does not wait at all.
 
 A follower outside the slot's in-sync set is *probed* (``insync``): the owner sends it the last message of
 every lite topic of the slot, read back from its own store; the follower answers where it is behind and the
-catch-up fills the gap. A probe that succeeds proves the follower holds everything the owner had stored when
-it began (``covered``): every batch numbered up to then was stored before the probe read the store.
+catch-up fills the gap. Then, while no commit copy is sent, every commit point of those topics (read back from
+the store, after which the last messages are sent once more, so none points past the follower's end). A probe
+that succeeds proves the follower holds everything the owner had stored when it began (``covered``): every
+batch numbered up to then was stored before the probe read the store, and every commit point persisted before
+it read them; a commit copy that fails there (``missed``) undoes that proof, as a failed batch does.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 Send = Callable[[str, bytes], Awaitable[dict[str, int]]]
 Read = Callable[[model.QueueId, int, int], Awaitable[list[model.StoredMessage]]]  # the owner's store
 Tails = Callable[[], Awaitable[list[model.StoredMessage]]]  # the last message of every lite topic of the slot
+Points = Callable[[], Awaitable[list[wire.Commit]]]  # every commit point of the slot's lite topics (the store)
 CATCH_UP_ROUNDS: Final = 8  # catch-up copies tried before a copy fails (each takes up to CATCH_UP_BATCH per topic)
 CATCH_UP_BATCH: Final = 1_000
 PROBE_BATCH: Final = 500  # last messages per probe copy
@@ -58,6 +62,8 @@ class Doors:
     changed: Callable[[Shipper], None]  # after each call, probe or drop
     wants_probe: Callable[[Shipper], bool]  # the follower is out of the in-sync set and not joining
     dropped: Callable[[int], None]  # messages not queued (the queue was full)
+    points: Points
+    commits: asyncio.Lock  # held while commit points are sent (the owner's flush, a probe): never reordered
 
 
 class Shipper:
@@ -95,6 +101,10 @@ class Shipper:
     def lost(self, seq: int) -> bool:
         return seq < self.clean_from
 
+    def holds(self, seq: int) -> bool:
+        """Batch ``seq`` is there: stored, or covered by a probe since the last failure."""
+        return self.stored(seq) or (self.complete() and self.covered is not None and seq <= self.covered)
+
     def complete(self) -> bool:
         """Holds every batch up to ``done`` (a probe covered what came before, nothing failed since)."""
         return self.covered is not None and self.clean_from <= self.covered + 1
@@ -116,6 +126,10 @@ class Shipper:
         self._queued += len(messages)
         self._wake.set()
         return self.seq
+
+    def missed(self) -> None:
+        """A commit copy failed there: what it holds is no longer proven (out of the set it is probed again)."""
+        self._failed(self.seq)
 
     def _failed(self, seq: int) -> None:
         self.clean_from = max(self.clean_from, seq + 1)
@@ -177,15 +191,25 @@ class Shipper:
         covered, clean = self.seq, self.clean_from  # every batch numbered so far is in the store already
         try:
             await self._doors.send(self.endpoint, wire.encode(self._slot, epoch, [], []))  # up? (before reading)
-            tails = await self._doors.tails()
-            for start in range(0, len(tails), PROBE_BATCH):
-                part = tails[start : start + PROBE_BATCH]
-                await self._ship(epoch, [as_new(m) for m in part], [appended(m) for m in part])
+            await self._ship_tails(epoch)
+            async with self._doors.commits:  # no commit copy meanwhile: none is overtaken by an older point
+                points = await self._doors.points()
+                await self._ship_tails(epoch)  # what came since: every point read is within the follower's ends
+                for start in range(0, len(points), PROBE_BATCH):
+                    part = points[start : start + PROBE_BATCH]
+                    if behind := await self._doors.send(self.endpoint, wire.encode(self._slot, epoch, [], [], part)):
+                        raise errors.Conflict(f"{self.endpoint} lacks messages the commit points count: {behind}")
         except Exception as exc:
             log.debug("probe of %s failed: %s", self.endpoint, exc)
             return
         if self.clean_from == clean:  # nothing dropped meanwhile
             self.covered = covered
+
+    async def _ship_tails(self, epoch: int) -> None:
+        tails = await self._doors.tails()
+        for start in range(0, len(tails), PROBE_BATCH):
+            part = tails[start : start + PROBE_BATCH]
+            await self._ship(epoch, [as_new(m) for m in part], [appended(m) for m in part])
 
     async def _ship(self, epoch: int, messages: list[model.NewMessage], results: list[model.AppendResult]) -> None:
         """Send a copy; while the follower is behind (it missed copies: down, slow, restarted), first send it what

@@ -36,13 +36,33 @@ def tails(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[
     return out
 
 
-def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
-    """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start``."""
+def points(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[wire.Commit]:
+    """Every group's commit point (offset and acked offsets above it) in every non-empty lite topic of ``slot``
+    (what a probe of a follower sends after the messages)."""
+    groups = [g.name for g in store.list_groups()]
+    return [p for topic in ends(store, slot, slot_of_topic) for p in _points_of(store, topic, groups)]
+
+
+def _points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]:
     queue = model.QueueId(topic, 0)
+    out: list[wire.Commit] = []
+    for group in groups:
+        offset = store.get_offset(queue, group)
+        if offset is not None:
+            out.append(wire.Commit(queue, group, offset, tuple(store.get_acked(queue, group))))
+    return out
+
+
+def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
+    """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start``, with the topic's commit points that
+    fall within them (read first: none points past the messages; a follower on an empty disk gets them back)."""
+    queue = model.QueueId(topic, 0)
+    found = _points_of(store, topic, [g.name for g in store.list_groups()])
     stored = store.read(queue, start, FETCH_MAX)
     messages = [copies.as_new(m) for m in stored]
     results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
-    return wire.encode(slot, epoch, messages, results)
+    end = stored[-1].offset + 1 if stored else start
+    return wire.encode(slot, epoch, messages, results, [p for p in found if p.offset <= end])
 
 
 LOOK_BACK: Final = 64  # offsets ``StoreLog.last_below`` reads back through (lost ranges are rare and short)

@@ -334,10 +334,12 @@ async def test_asynchronous_replication_acknowledges_alone_and_the_copies_follow
 
 @pytest.mark.asyncio
 async def test_a_follower_back_on_an_empty_disk_fetches_every_topic_before_it_is_in_sync(pair: Pair) -> None:
+    """... with the consumers' commit points: taking over without them it would deliver acked messages again."""
     quiet, busy = pair.lite_of(0, "quiet"), pair.lite_of(0, "busy")
     for n in range(5):
-        assert (await pair.send(0, quiet, n)).status.code == pb.OK
         assert (await pair.send(0, busy, n)).status.code == pb.OK
+    got = await sent_and_received(pair, quiet, 5)
+    assert (await ack(pair, quiet, got[:3])).status.code == pb.OK
     await pair.brokers[1].stop(grace_s=0.1)
     shutil.rmtree(pair.brokers[1].config.store.data_dir)  # its disk is lost
     await restart(pair, 1)
@@ -348,6 +350,8 @@ async def test_a_follower_back_on_an_empty_disk_fetches_every_topic_before_it_is
     # No send since: only reconciling can bring the topics back, and a takeover needs it.
     await eventually_async(lambda: follower.in_sync(0, epoch), "the follower reconciled")
     assert pair.stored(1, quiet) == pair.stored(1, busy) == 5
+    store = pair.brokers[1].store
+    assert store is not None and store.get_offset(model.QueueId.lmq(PARENT, quiet), GROUP) == 3
 
 
 @pytest.mark.asyncio
@@ -515,3 +519,20 @@ async def test_an_ack_is_answered_once_the_follower_has_its_commit_point(pair: P
     store = pair.brokers[1].store
     assert store is not None
     assert store.get_offset(queue, GROUP) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_follower_answers_a_commit_point_past_its_end_with_its_ends(pair: Pair) -> None:
+    """A commit copy that overtook its messages is clamped to the follower's end (never skips records it may
+    deliver after a takeover) and answered with that end: the owner does not count it as stored."""
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    replication_1 = pair.brokers[1].replication
+    epoch = pair.leadership(0).epoch(0)
+    assert replication_1 is not None and replication_1.follower is not None and epoch is not None
+    queue = model.QueueId.lmq(PARENT, lite)
+    answer = await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 5, ())]))
+    assert answer == {queue.topic: 1}
+    store = pair.brokers[1].store
+    assert store is not None and store.get_offset(queue, GROUP) == 1
+    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 1, ())])) == {}

@@ -37,9 +37,12 @@ class Followers:
     """Brokers 1 and 2 as the owner's copies reach them: what each stored, and which are down or slow."""
 
     stored: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})
+    commits: dict[str, list[tuple[str, int]]] = field(default_factory=lambda: {"b1": [], "b2": []})
     down: set[str] = field(default_factory=set)
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: every copy waits
     waiting: int = 0  # copies waiting at the gate
+    messages_gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: copies of messages wait
+    arrived: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})  # message ids, "commit"
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
         if endpoint in self.down:
@@ -49,7 +52,12 @@ class Followers:
             await self.gate.wait()
         finally:
             self.waiting -= 1
-        self.stored[endpoint].extend(m.message_id for m in wire.decode(data).messages)
+        copy = wire.decode(data)
+        if copy.messages:
+            await self.messages_gate.wait()
+        self.arrived[endpoint].extend([m.message_id for m in copy.messages] + ["commit"] * len(copy.commits))
+        self.stored[endpoint].extend(m.message_id for m in copy.messages)
+        self.commits[endpoint].extend((c.group, c.offset) for c in copy.commits)
         return {}
 
 
@@ -84,6 +92,10 @@ class Slot0:
     followers: Followers
     registry: CollectorRegistry
     owners: list[copies.Owner] = field(default_factory=list)
+    points: list[wire.Commit] = field(default_factory=list)  # the commit points in the owner's store
+
+    async def stored_points(self) -> list[wire.Commit]:
+        return list(self.points)
 
     def owner(self, min_insync: int, queue_messages: int = 100) -> copies.Owner:
         found = copies.Owner(
@@ -91,7 +103,7 @@ class Slot0:
             0,
             {1: "b1", 2: "b2"},
             min_insync,
-            (self.followers.send, nothing, no_tails),
+            (self.followers.send, nothing, no_tails, self.stored_points),
             copies.Counters(self.registry),
             queue_messages=queue_messages,
             probe_interval_s=0.05,
@@ -114,6 +126,7 @@ async def slot0() -> AsyncIterator[Slot0]:
         await leader.tick()
     followers = Followers()
     followers.gate.set()
+    followers.messages_gate.set()
     found = Slot0(api, clock, leaders, followers, CollectorRegistry())
     assert found.recorded() == (0,)  # a new lease: its owner alone, the followers join once probed
     yield found
@@ -253,3 +266,43 @@ async def test_an_ack_whose_commit_copies_outlast_the_fence_is_refused(slot0: Sl
     with pytest.raises(errors.Fenced):
         await asyncio.wait_for(future, 5)
     assert slot0.counted("lmq_replication_refused_total", {"reason": "fenced"}) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_follower_back_joins_the_set_only_once_it_stored_the_commit_points_it_missed(slot0: Slot0) -> None:
+    """Broker 2 is recorded out of the set while a consumer acks (its commit copy failed); back, it answers a
+    send at once, yet joins only after a probe gave it every commit point of the slot: a member without the ack
+    would deliver the acked message again once it took the slot over."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    queue = dispatch_testing.lite_message("x", message_id="m0").queues[0]
+    slot0.followers.down.add("b2")
+    slot0.points.append(wire.Commit(queue, "g", 1, ()))  # persisted by the owner, then noted
+    future = owner.note_commit(wire.Commit(queue, "g", 1, ()))
+    assert future is not None
+    await asyncio.wait_for(future, 5)
+    assert slot0.recorded() == (0, 1) and slot0.followers.commits["b2"] == []
+    slot0.followers.down.clear()
+    await owner.copy(*batch(0))  # broker 2 stores this one: it answers again
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "broker 2 back in the set")
+    assert slot0.followers.commits["b2"] == [("g", 1)]  # stored there before it joined
+
+
+@pytest.mark.asyncio
+async def test_a_commit_copy_waits_for_the_copy_of_the_messages_it_counts(slot0: Slot0) -> None:
+    """A consumer may receive a message once it is stored here, before its copies reached the followers, and ack
+    it: the commit copy must not overtake the message's copy (a follower clamps a commit point to its end, and
+    would hold a lower one than the ack answered), so it is sent once the message's copy was stored there."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    messages, results = batch(0)
+    slot0.followers.messages_gate.clear()  # the message copies are slow
+    send = asyncio.create_task(owner.copy(messages, results))
+    await eventually_async(lambda: owner.lag() == [("b1", 1), ("b2", 1)], "the message copies under way")
+    future = owner.note_commit(wire.Commit(messages[0].queues[0], "g", 1, ()))
+    assert future is not None
+    await asyncio.sleep(0.05)  # room for a commit copy that would overtake (none may)
+    assert slot0.followers.arrived == {"b1": [], "b2": []}
+    slot0.followers.messages_gate.set()
+    await asyncio.wait_for(asyncio.gather(send, future), 5)
+    assert slot0.followers.arrived == {"b1": ["m0", "commit"], "b2": ["m0", "commit"]}
