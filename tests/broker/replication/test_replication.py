@@ -8,7 +8,7 @@ import asyncio
 import functools
 import itertools
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +33,6 @@ from lmq_operator import testing
 PARENT, GROUP = "P", "G"
 LEASE_MS = 1500
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testing.KubeAPI]:
-    try:
-        env = testing.testenv(tmp_path_factory.mktemp("replication-testenv"))
-        api = env.__enter__()
-    except testing.TestenvMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
-    try:
-        yield api
-    finally:
-        env.__exit__(None, None, None)
 
 
 def lease_flags(kube: testing.KubeAPI, tmp_path: Path) -> dict[str, object]:

@@ -18,13 +18,11 @@ import shutil
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from waiting import eventually
 
 from lmq_broker import model, testing
@@ -45,19 +43,6 @@ LEASE_MS = 1500
 PREFIX = "chaos"
 ROUNDS = int(os.environ.get("LMQ_REPLICATION_CHAOS_ROUNDS", "2"))
 SEND_TIMEOUT_S = 3.0
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.KubeAPI]:
-    try:
-        env = kube_testing.testenv(tmp_path_factory.mktemp("chaos-testenv"))
-        api = env.__enter__()
-    except kube_testing.TestenvMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
-    try:
-        yield api
-    finally:
-        env.__exit__(None, None, None)
 
 
 def start(tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int) -> testing.BrokerProcess:

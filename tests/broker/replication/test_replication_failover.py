@@ -9,12 +9,11 @@ import functools
 import itertools
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import pytest
 from raw_v2 import metric
 from waiting import eventually, eventually_async
 
@@ -34,19 +33,6 @@ from lmq_operator import testing as kube_testing
 PARENT = "AGENT_TASK_NS"  # the bootstrap parent (LITE)
 LEASE_MS = 1500
 SENDS = 200
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.KubeAPI]:
-    try:
-        env = kube_testing.testenv(tmp_path_factory.mktemp("failover-testenv"))
-        api = env.__enter__()
-    except kube_testing.TestenvMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
-    try:
-        yield api
-    finally:
-        env.__exit__(None, None, None)
 
 
 def start(

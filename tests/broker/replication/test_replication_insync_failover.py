@@ -9,11 +9,9 @@ import asyncio
 import itertools
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
 from waiting import eventually
 
 from lmq_broker import model, testing
@@ -31,19 +29,6 @@ from lmq_operator import testing as kube_testing
 PARENT = "AGENT_TASK_NS"  # the bootstrap parent (LITE)
 LEASE_MS = 1500
 HEADERS = protocol_testing.Client.headers("client-1", "PYTHON", "5.1.2")
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.KubeAPI]:
-    try:
-        env = kube_testing.testenv(tmp_path_factory.mktemp("insync-testenv"))
-        api = env.__enter__()
-    except kube_testing.TestenvMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
-    try:
-        yield api
-    finally:
-        env.__exit__(None, None, None)
 
 
 def start(tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int) -> testing.BrokerProcess:

@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +35,6 @@ LEASE_MS = 1500
 _prefixes = itertools.count()
 SUBSCRIBER = protocol_testing.Client.headers("subscriber-1", "PYTHON", "5.1.2")
 TAKEOVER_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testing.KubeAPI]:
-    try:
-        env = testing.testenv(tmp_path_factory.mktemp("state-testenv"))
-        api = env.__enter__()
-    except testing.TestenvMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
-    try:
-        yield api
-    finally:
-        env.__exit__(None, None, None)
 
 
 def lease_flags(kube: testing.KubeAPI, tmp_path: Path) -> dict[str, object]:

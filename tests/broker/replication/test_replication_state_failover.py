@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
 import raw_v2
 from testing_mqtt import Peer
 from waiting import eventually
@@ -28,19 +26,6 @@ from lmq_operator import testing as kube_testing
 PARENT, GROUP = raw_v2.PARENT, raw_v2.GROUP  # the bootstrap parent (LITE) and its group
 LEASE_MS = 1500
 SUBSCRIBER = "subscriber-1"
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.KubeAPI]:
-    try:
-        env = kube_testing.testenv(tmp_path_factory.mktemp("state-failover-testenv"))
-        api = env.__enter__()
-    except kube_testing.TestenvMissing as missing:
-        pytest.fail(str(missing), pytrace=False)
-    try:
-        yield api
-    finally:
-        env.__exit__(None, None, None)
 
 
 def start(tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int) -> testing.BrokerProcess:
