@@ -77,10 +77,16 @@ test: $(STAMP) lock-check native
 	@$(TIMED) "apiserver + etcd (built once, cached)" $(MAKE) --no-print-directory testenv
 	@$(TIMED) "official clients (built once, cached)" $(MAKE) --no-print-directory clients
 	@$(TIMED) "MQTT clients" $(MAKE) --no-print-directory mqtt-clients
-	@$(TIMED) "tests: all but e2e" $(BIN)/python -m pytest tests --ignore=tests/e2e
+	@$(TIMED) "tests: all but e2e" $(BIN)/python -m pytest $(XDIST) tests --ignore=tests/e2e
 	@$(TIMED) "tests: e2e" $(BIN)/python -m pytest tests/e2e
 	@$(TIMED) "tests: other Pythons" $(MAKE) --no-print-directory test-pythons
 	@$(TIMED) --summary
+
+# The suites but e2e on pytest-xdist workers: most tests wait on brokers, clients and JVMs, so 3 workers pay on
+# 2 cores. Each worker takes a whole module (and a slow test alone), the longest first: tests/conftest.py.
+# TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 3
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 # The broker extra on every other supported Python this machine has: its own venv (.venv-3.X, pinned by
 # requirements/broker.txt and dev.txt), the storage suite and the broker suite's unit tier, and a real broker

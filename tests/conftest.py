@@ -8,6 +8,12 @@ the Java, Go and Node drivers).
 ``unit`` marks the modules that run in this process on fakes or a tmp_path store, with no socket, child
 process or real waiting: ``make check`` runs them in well under a minute. A module named there that no longer
 exists fails collection, so the list cannot silently shrink.
+
+``make test`` runs the suites on several pytest-xdist workers (``-n 3 --dist loadgroup --no-loadscope-reorder``).
+A worker takes a whole module, so a module's own broker, SparkSession or apiserver starts once (and a test never
+meets another module's state); a ``slow`` test is a unit of its own, so one module of long independent runs
+(the benchmark smoke runs, the reclaim job's processes) spreads over the workers. The longest units go first,
+so none of them is the last one left running while the other workers idle.
 """
 
 from __future__ import annotations
@@ -78,3 +84,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.spark)
         if relative in UNIT_MODULES:
             item.add_marker(pytest.mark.unit)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: what goes to one worker, in which order
+        for item in items:
+            if item.get_closest_marker("slow") is None:
+                item.add_marker(pytest.mark.xdist_group(Path(str(item.path)).resolve().relative_to(TESTS).as_posix()))
+        items.sort(key=_longest_first)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    """Slow tests, then modules that start a JVM (Spark, the Java client), the apiserver, other clients, the rest."""
+    for rank, marker in enumerate(("slow", "spark", "kube", "e2e")):
+        if item.get_closest_marker(marker) is not None:
+            return rank
+    return 4

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
+
+from benchruns import run_bench
 
 from lmq_operator import testing
 
@@ -24,14 +25,7 @@ FIGURES = (
 
 def test_bench_operator_quick_prints_its_figures() -> None:
     testing.binaries()  # a missing testenv is a failure with the `make testenv` hint, as in the suite
-    done = subprocess.run(
-        [sys.executable, str(testing.REPO / "bench" / "bench_operator.py"), "--quick"],
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=240,
-        cwd=testing.REPO,
-    )
+    done = run_bench([sys.executable, str(testing.REPO / "bench" / "bench_operator.py"), "--quick"], 240, testing.REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     for figure in FIGURES:

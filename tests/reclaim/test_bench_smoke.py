@@ -3,25 +3,19 @@ measured by running the benchmark, not here)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchruns import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_reclaim.py"
 
 
 @pytest.mark.slow
 def test_quick_benchmark_prints_its_figures() -> None:
-    done = subprocess.run(
-        # --flush sync: the brokers' production default (the bench's own default is async, as its recorded figures)
-        [sys.executable, str(BENCH), "--quick", "--flush", "sync"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    # --flush sync: the brokers' production default (the bench's own default is async, as its recorded figures)
+    done = run_bench([sys.executable, str(BENCH), "--quick", "--flush", "sync"], 900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     for figure in ("generation:", "reclaim wall (scan + reclaim, Spark start included):", "split: plan", "rates:"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as sf
 
@@ -174,12 +175,13 @@ def test_audit_lists_reclaimed_rows_and_counts_group_outcomes(spark: SparkSessio
     assert len(obs.get) == 2 * len(Outcome)  # every (broker, outcome), zeros included
 
 
-def test_session_is_headless_and_quiet(spark: SparkSession) -> None:
+def test_session_is_headless_and_quiet(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> None:
     conf = spark.sparkContext.getConf()
     assert conf.get("spark.ui.enabled") == "false"
     assert conf.get("spark.ui.showConsoleProgress") == "false"
     local = Path(conf.get("spark.local.dir", ""))
-    assert local.name.startswith("spark") and local.parent.name.startswith("pytest-")  # the fixture's tmp dir
+    # the fixture's tmp dir (under xdist, the worker's own base: .../pytest-N/popen-gwK/spark0)
+    assert local.name.startswith("spark") and local.parent == tmp_path_factory.getbasetemp()
     assert "log4j2.configurationFile" in (conf.get("spark.driver.extraJavaOptions") or "")
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchruns import run_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 FIGURE = re.compile(r"^FIGURE (\w+): -?[\d,.]+ .*\(target (<=|>=) [\d,.]+ .*\) (PASS|BELOW TARGET)", re.MULTILINE)
@@ -36,13 +36,7 @@ EXPECTED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_bench_runs_quick_and_prints_its_figures(script: str, tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick", "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    proc = run_bench([sys.executable, str(BENCH / script), "--quick", "--dir", str(tmp_path)], 240)
     assert proc.returncode == 0, proc.stderr
     assert {m.group(1) for m in FIGURE.finditer(proc.stdout)} == EXPECTED[script], proc.stdout
     assert list(tmp_path.iterdir()) == []  # benchmarks clean up after themselves

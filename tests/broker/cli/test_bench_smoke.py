@@ -3,11 +3,11 @@ lines (figures are not asserted: they are measurements, read by people, not pass
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchruns import run_bench
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
 EXPECTED = {
@@ -100,12 +100,8 @@ TIMEOUT_S = {"bench_edge_floor.py": 600}  # its first run on a machine builds gh
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_bench_runs_quick_and_prints_its_figures(script: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCH / script), *ARGS.get(script, ["--quick"])],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S.get(script, 240),
-        check=False,
+    result = run_bench(
+        [sys.executable, str(BENCH / script), *ARGS.get(script, ["--quick"])], TIMEOUT_S.get(script, 240)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for prefix in EXPECTED[script]:
