@@ -2,10 +2,11 @@
 whether every replica of the slot answers, summed up as a condition on the broker StatefulSet.
 
 Leadership is the brokers' business (docs/replication.md): the operator never writes a slot Lease, it reads
-them. Which replicas are *in sync* only a slot's owner knows exactly (``lmq_replication_in_sync`` on the
-brokers); what the operator can see is a replica that does not answer at all (its pod down, or starting),
-which is what keeps a slot from having every copy: such a slot is under-replicated here. Pure: the Leases come
-in as the API's JSON, no Kubernetes client here.
+them. A slot is under-replicated here when a replica does not answer at all (its pod down, or starting) or is
+not in the slot's *in-sync set* as its holder recorded it in the Lease (``lmq.io/in-sync``: only those may take
+the slot over, Kafka's ISR). That set is also what a ring change at R > 1 will wait for before removing a pod
+(docs/replication.md, *Changing the ring with R > 1*). Pure: the Leases come in as the API's JSON, no
+Kubernetes client here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from datetime import datetime
 from typing import Any, Final
 
 ANNOTATION: Final = "lmq.io/replication"  # the report, on the broker StatefulSet, for `kubectl describe`
+IN_SYNC: Final = "lmq.io/in-sync"  # on a slot Lease: its in-sync replicas (ring slots, comma-separated), the holder's
 
 
 class Reason(enum.StrEnum):
@@ -34,6 +36,8 @@ class Slot:
     renewed: str  # the Lease's renewTime as written ("" when none)
     held: bool  # a holder whose lease has not expired
     missing: tuple[int, ...]  # replicas (ring slots) of this slot that do not answer
+    in_sync: tuple[int, ...] | None = None  # the in-sync set recorded in the Lease; None: none recorded
+    out_of_sync: tuple[int, ...] = ()  # replicas not in that set (() when none is recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,7 @@ class Report:
 
     @property
     def under_replicated(self) -> list[int]:
-        return [s.slot for s in self.slots if s.missing]
+        return [s.slot for s in self.slots if s.missing or s.out_of_sync]
 
     @property
     def reason(self) -> Reason:
@@ -80,9 +84,28 @@ class Report:
             "replicas": self.replicas,
             "underReplicated": len(self.under_replicated),
             "unheld": len(self.unheld),
-            "slots": [{**asdict(s), "missing": list(s.missing)} for s in self.slots],
+            "slots": [_slot_json(s) for s in self.slots],
         }
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
+def _slot_json(slot: Slot) -> dict[str, Any]:
+    body = asdict(slot)
+    del body["in_sync"], body["out_of_sync"]
+    in_sync = None if slot.in_sync is None else list(slot.in_sync)
+    return {**body, "missing": list(slot.missing), "inSync": in_sync, "outOfSync": list(slot.out_of_sync)}
+
+
+def in_sync_of(lease: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The in-sync set a slot Lease records (the brokers' ``lmq_broker.replication.kube``); None when it has
+    none or it cannot be read (a Lease written by hand)."""
+    text = ((lease.get("metadata") or {}).get("annotations") or {}).get(IN_SYNC)
+    if text is None:
+        return None
+    try:
+        return tuple(sorted(int(part) for part in str(text).split(",") if part.strip()))
+    except ValueError:
+        return None
 
 
 def _listed(slots: list[int]) -> str:
@@ -115,12 +138,15 @@ def report(  # noqa: PLR0917 (what was observed)
 ) -> Report:
     """Each slot's state from the release's Leases (``<prefix>-slot-<s>``, the API's JSON) and the ring slots
     that answered the operator this pass."""
-    by_name = {str(lease["metadata"]["name"]): lease.get("spec") or {} for lease in leases}
+    by_name = {str(lease["metadata"]["name"]): lease for lease in leases}
     found = []
     for slot in range(slots):
-        spec = by_name.get(f"{prefix}-slot-{slot}", {})
+        lease = by_name.get(f"{prefix}-slot-{slot}", {})
+        spec = lease.get("spec") or {}
         holder = str(spec.get("holderIdentity") or "")
-        missing = tuple(r for r in replicas_of(slot, slots, processes, replicas) if r not in answering)
+        ring = replicas_of(slot, slots, processes, replicas)
+        missing = tuple(r for r in ring if r not in answering)
+        in_sync = in_sync_of(lease)
         found.append(
             Slot(
                 slot=slot,
@@ -129,6 +155,8 @@ def report(  # noqa: PLR0917 (what was observed)
                 renewed=str(spec.get("renewTime") or ""),
                 held=bool(holder) and not _expired(spec, now),
                 missing=missing,
+                in_sync=in_sync,
+                out_of_sync=() if in_sync is None else tuple(r for r in ring if r not in in_sync),
             )
         )
     return Report(replicas, tuple(found))

@@ -285,13 +285,15 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
 
 def _fixed_by_replication(replication: int, pods: int, wanted: int) -> str:
     """Why the pod count stays: a broker's followers follow from the ring at its start (the same process on the
-    next pods), and the brokers do not move leases or copies to a new ring yet. Shrinking would stop the pod
-    that is the last in-sync copy of the slots it follows while their owners still need it (sends refused at
-    min-insync = replicas, or a slot left on one disk), so nothing is removed before that is built."""
+    next pods), and the brokers do not move leases or copies to a new ring yet (they refuse another ring).
+    Shrinking would stop the pod that is the last in-sync copy of the slots it follows while their owners still
+    need it (sends refused at min-insync = replicas, or a slot left on one disk), and growing would file topics
+    placed by the older ring under slots whose replicas lack them after a failover, so neither is done before
+    the design in docs/replication.md (*Changing the ring with R > 1*) is built."""
     return (
         f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but every slot is kept on {replication} pods and the "
         f"brokers cannot move their replicas to another ring yet: the ring stays at {pods} pods, no pod is "
-        f"drained or removed (docs/replication.md, Operator and chart). Set it back to {pods}"
+        f"started, drained or removed (docs/replication.md, Changing the ring with R > 1). Set it back to {pods}"
     )
 
 

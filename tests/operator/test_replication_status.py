@@ -26,11 +26,21 @@ PODS = [f"{STS}-{i}.h:8081" for i in range(4)]
 
 
 def lease(
-    slot: int, holder: str, *, renewed: datetime = NOW, epoch: int = 0, prefix: str = "demo", duration_s: int = 6
+    slot: int,
+    holder: str,
+    *,
+    renewed: datetime = NOW,
+    epoch: int = 0,
+    prefix: str = "demo",
+    duration_s: int = 6,
+    in_sync: str | None = None,
 ) -> dict[str, Any]:
     stamp = renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     spec = {"holderIdentity": holder, "leaseDurationSeconds": duration_s, "leaseTransitions": epoch, "renewTime": stamp}
-    return {"metadata": {"name": f"{prefix}-slot-{slot}"}, "spec": spec}
+    meta: dict[str, Any] = {"name": f"{prefix}-slot-{slot}"}
+    if in_sync is not None:  # as a holder records its in-sync set (lmq_broker.replication.kube)
+        meta["annotations"] = {replicas.IN_SYNC: in_sync}
+    return {"metadata": meta, "spec": spec}
 
 
 def test_every_slot_held_and_answering_is_replicated() -> None:
@@ -69,7 +79,28 @@ def test_a_missing_released_or_expired_lease_is_unheld() -> None:
         "renewed": "2026-11-28T18:00:00.000000Z",
         "held": True,
         "missing": [],
+        "inSync": None,
+        "outOfSync": [],
     }
+
+
+def test_a_replica_outside_the_recorded_in_sync_set_makes_its_slot_under_replicated() -> None:
+    # R=2 on two pods, both answer: slot 0's holder recorded only itself in sync, slot 1's both
+    leases = [lease(0, "slot-0/a", in_sync="0"), lease(1, "slot-1/b", in_sync="0,1"), lease(2, "x", in_sync="no")]
+    found = replicas.report(leases, "demo", 2, 1, 2, {0, 1}, NOW)
+    assert [(s.in_sync, s.out_of_sync, s.missing) for s in found.slots] == [((0,), (1,), ()), ((0, 1), (), ())]
+    assert found.under_replicated == [0] and found.reason is replicas.Reason.UNDER_REPLICATED
+    assert json.loads(found.annotation())["slots"][0] | {"renewed": ""} == {
+        "slot": 0,
+        "holder": "slot-0/a",
+        "epoch": 0,
+        "renewed": "",
+        "held": True,
+        "missing": [],
+        "inSync": [0],
+        "outOfSync": [1],
+    }
+    assert replicas.in_sync_of(lease(0, "a", in_sync="x,1")) is None  # unreadable (by hand): not judged
 
 
 def test_replicas_of_a_slot_are_the_same_process_on_the_next_pods() -> None:
@@ -106,11 +137,13 @@ def test_settings_of_replication() -> None:
 # ---- on the real apiserver ---------------------------------------------------------------------------------
 
 
-def _put_lease(kube: testing.KubeAPI, namespace: str, slot: int, holder: str, renewed: datetime) -> None:
+def _put_lease(
+    kube: testing.KubeAPI, namespace: str, slot: int, holder: str, renewed: datetime, *, in_sync: str | None = None
+) -> None:
     """A slot Lease as a broker writes it (lmq_broker.replication.kube): created, or replaced by its holder."""
     path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
     # a long lease: the passes below must not see it expire on a slow shared machine
-    fields = lease(slot, holder, renewed=renewed, duration_s=600)
+    fields = lease(slot, holder, renewed=renewed, duration_s=600, in_sync=in_sync)
     body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", **fields}
     try:
         current = kube.get(f"{path}/demo-slot-{slot}")
@@ -168,3 +201,11 @@ def test_the_scaler_reports_the_slot_leases_on_the_statefulset(kube: testing.Kub
     assert events == [("Normal", "Replicated"), ("Warning", "LeaseUnheld"), ("Warning", "UnderReplicated")]
     report({0})  # unchanged: no new Event
     assert len(_events(kube, namespace)) == 3
+    _put_lease(kube, namespace, 0, "slot-0/a", now, in_sync="0")  # pod 1 answers again, not yet back in slot 0's set
+    behind = report({0, 1})
+    assert (behind["reason"], behind["underReplicated"]) == ("UnderReplicated", 1)
+    assert (behind["slots"][0]["inSync"], behind["slots"][0]["outOfSync"]) == ([0], [1])
+    assert len(_events(kube, namespace)) == 3  # still the same reason
+    _put_lease(kube, namespace, 0, "slot-0/a", now, in_sync="0,1")
+    assert report({0, 1})["reason"] == "Replicated" and gauge("under_replicated") == 0
+    assert sorted(_events(kube, namespace))[0] == ("Normal", "Replicated") and len(_events(kube, namespace)) == 4

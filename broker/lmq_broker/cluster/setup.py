@@ -12,7 +12,6 @@ loop (the next call already sees the new routes, assignments and placements); th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -55,6 +54,22 @@ def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
     if not config.advertised_address:
         raise errors.InvalidArgument("with peers, set ordinal or advertised_address (this broker's place in them)")
     return membership, membership.slot_of(config.advertised_address)
+
+
+def fixed_ring(replicas: int, current: mb.Membership, new: mb.Membership) -> None:
+    """With replication (``--replicas`` above 1) the ring never changes while brokers run: each slot's
+    followers and Lease follow from the ring the brokers started with, and a topic's slot from today's ring, so
+    another ring would copy a topic placed by the older one under a slot whose replicas do not hold it (after a
+    failover), and a removed pod could take the last in-sync copy of a slot with it. Moving replicas and leases
+    to a new ring is designed (docs/replication.md, *Changing the ring*), not built: refused, whatever ``force``.
+    A new epoch of the same ring (the operator numbering it) is accepted."""
+    if replicas > 1 and new != current:
+        raise errors.Conflict(
+            f"the ring of a replicated cluster (--replicas {replicas}) cannot change yet: members "
+            f"{list(current.members)} with ring sizes {list(current.sizes)} would become {list(new.members)} with "
+            f"{list(new.sizes)}; each slot's followers and lease are fixed by the ring the brokers started with "
+            "(docs/replication.md, Changing the ring)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +134,7 @@ class Cluster:
         self._peers: Peers | None = None
         self._calls: Calls | None = None
         self._changing = asyncio.Lock()
+        self._refused_epoch = 0  # a peer's membership refused at --replicas > 1 (logged once per epoch)
         self._serving = False  # the watch starts once this broker answers calls (``serve``)
         self._handing: asyncio.Task[None] | None = None
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
@@ -175,6 +191,7 @@ class Cluster:
                 )
             if (new, new.epoch, place.slot) == (current.membership, current.membership.epoch, current.slot):
                 return False
+            fixed_ring(self.config.replicas, current.membership, new)
             await asyncio.to_thread(self._store.put_membership, encode(place, self.config))
             self._apply(place)
         if self._peers is not None:
@@ -196,8 +213,12 @@ class Cluster:
         if membership.epoch <= self.membership.epoch:
             return
         slot = membership.members.index(self.endpoint) if self.endpoint in membership.members else -1
-        with contextlib.suppress(errors.Conflict):  # a newer one arrived meanwhile
+        try:
             await self.change(Place(membership, slot, ADMIN))
+        except errors.Conflict as exc:  # a newer one arrived meanwhile, or another ring at --replicas > 1
+            if self.config.replicas > 1 and self._refused_epoch != membership.epoch:
+                self._refused_epoch = membership.epoch
+                log.warning("a peer's membership (epoch %d) not taken: %s", membership.epoch, exc.message)
 
     def _apply(self, place: Place) -> None:
         peers = self._peers

@@ -65,6 +65,19 @@ def check(config: BrokerConfig) -> None:
         )
 
 
+def one_ring(replicas: int, membership: mb.Membership) -> None:
+    """Refuse a ring with a history (a scale-up or a scale-down behind it, or slots leaving) at --replicas above
+    1: a topic placed by an older ring stays on a slot that is not its slot in today's ring, and a broker that
+    took that slot over would copy the topic's new messages under its own slot, to replicas that do not hold the
+    topic's history (docs/replication.md, *Changing the ring*)."""
+    if replicas > 1 and len(set(membership.sizes)) > 1:
+        raise errors.InvalidArgument(
+            f"--replicas {replicas} needs a ring without history: ring sizes {list(membership.sizes)} (--ring-history, "
+            "or a membership set since) place some topics on slots other than today's, which replication does not "
+            "follow yet (docs/replication.md, Changing the ring); run this ring at --replicas 1"
+        )
+
+
 def idle_gauges() -> gauges.Collector:
     """The replication gauges of a broker at --replicas 1: declared, without samples."""
     return gauges.Collector(1)
@@ -107,6 +120,7 @@ class Replication:
     ) -> None:
         links = peers.links
         slots, me = len(links.membership.members), links.me
+        one_ring(config.replicas, links.membership)
         processes = config.pod_processes
         api = kube.ApiServer.of(
             config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace

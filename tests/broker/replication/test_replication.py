@@ -17,6 +17,7 @@ import pytest_asyncio
 from waiting import eventually_async
 
 from lmq_broker import app, errors, model
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import testing as dispatch_testing
@@ -370,6 +371,35 @@ def test_followers_are_on_other_pods() -> None:
     assert replication.followers_of(5, 6, 2, 2) == [1]
     with pytest.raises(errors.InvalidArgument, match="at least 3 pods"):
         replication.followers_of(0, 4, 2, 3)
+
+
+def test_a_ring_with_a_history_is_refused_at_start_with_replicas() -> None:
+    for ring in (mb.Membership.parse("a:1,b:2,c:3", "2"), mb.Membership(("a:1", "b:2", "c:3"), (3, 2))):
+        with pytest.raises(errors.InvalidArgument, match="needs a ring without history"):
+            replication.one_ring(2, ring)  # grown since, or slots leaving: topics off today's slots
+        replication.one_ring(1, ring)  # at R = 1 as before
+    replication.one_ring(2, mb.Membership.parse("a:1,b:2,c:3"))
+
+
+@pytest.mark.asyncio
+async def test_the_ring_of_a_replicated_cluster_does_not_change_while_it_runs(pair: Pair) -> None:
+    """SetCluster with another ring (grown, or slots leaving) is refused at R = 2, force or not, on every broker;
+    the same ring at a new epoch (the operator numbering it) is taken. The leases and sends go on."""
+    members = pair.membership.members
+    for broker in pair.brokers:
+        with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+            for ring, sizes in (((*members, "127.0.0.1:1"), (2, 3)), (members, (2, 1))):
+                for force in (False, True):
+                    with pytest.raises(errors.Conflict, match=r"ring of a replicated cluster .* cannot change yet"):
+                        await asyncio.to_thread(admin.set_cluster, ring, sizes, force=force)
+            info = await asyncio.to_thread(admin.cluster)
+            assert (info.members, info.ring_sizes) == (members, (2,))
+            info, changed = await asyncio.to_thread(admin.set_cluster, members, (2,), epoch=info.epoch + 5)
+            assert changed and (info.members, info.ring_sizes) == (members, (2,))
+    for slot in (0, 1):
+        assert pair.leadership(slot).epoch(slot) is not None
+        reply = await pair.send(slot, pair.lite_of(slot), 0)
+        assert reply.status.code == pb.OK, reply.status
 
 
 def test_a_copy_reads_back_as_it_was_written() -> None:
