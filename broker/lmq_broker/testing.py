@@ -88,6 +88,7 @@ class BrokerProcess:
     admin_port: int = 0  # 0: admin is served on ``port``
     mqtt_port: int = -1  # the MQTT listener's port (``--mqtt-port``), -1 without one
     external_port: int = -1  # the external listener's port (``--external-port``), -1 without one
+    wrapper: tuple[str, ...] = ()  # the command the broker runs under (``start_broker``'s ``wrapper``)
 
     @property
     def admin_keys(self) -> AdminKeys:
@@ -144,7 +145,9 @@ class BrokerProcess:
         for flag, port in (("--mqtt-port", self.mqtt_port), ("--external-port", self.external_port)):
             if port > 0 and flag in args:  # the port it got, not "any free one" again
                 args[args.index(flag) + 1] = str(port)
-        return start_broker(self.data_dir, port=self.port, extra_args=args, env=self.env, timeout=timeout)
+        return start_broker(
+            self.data_dir, port=self.port, extra_args=args, env=self.env, timeout=timeout, wrapper=self.wrapper
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -169,16 +172,18 @@ def start_broker(
     env: Mapping[str, str] | None = None,
     timeout: float = START_TIMEOUT_S,
     python: str = sys.executable,
+    wrapper: Sequence[str] = (),
 ) -> BrokerProcess:
     """Run ``python -m lmq_broker serve`` on 127.0.0.1 and wait until it is ready.
 
-    ``extra_args`` are more ``serve`` flags (e.g. ``["--no-bootstrap", "--flush-mode", "async"]``); the metrics
-    port defaults to a free one (pass ``--metrics-port`` to choose). ``env`` is added to the environment.
+    ``extra_args`` are more ``serve`` flags (e.g. ``["--no-bootstrap", "--flush-mode", "async"]``; a ``--host``
+    there wins); the metrics port defaults to a free one (pass ``--metrics-port`` to choose). ``env`` is added to
+    the environment. ``wrapper`` is a command that runs it and execs (``["ip", "netns", "exec", "ns1"]``).
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = tuple(extra_args)
-    command = [python, "-m", "lmq_broker", "serve", "--data-dir", str(data_dir), "--port", str(port)]
+    command = [*wrapper, python, "-m", "lmq_broker", "serve", "--data-dir", str(data_dir), "--port", str(port)]
     command += ["--host", "127.0.0.1"]
     if "--metrics-port" not in args:
         command += ["--metrics-port", "0"]
@@ -236,6 +241,7 @@ def start_broker(
         admin_port=found["admin"],
         mqtt_port=found["mqtt"],
         external_port=found["external"],
+        wrapper=tuple(wrapper),
     )
 
 

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -105,12 +105,14 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_certs(d: Path) -> None:
-    """A CA, a serving cert for 127.0.0.1/localhost signed by it, and the service-account key pair."""
+def make_certs(d: Path, reachable_at: Sequence[str] = ()) -> None:
+    """A CA, a serving cert for 127.0.0.1/localhost (and the ``reachable_at`` addresses) signed by it, and the
+    service-account key pair."""
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=lmq-testenv-ca",
              "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+    sans = ",".join(["IP:127.0.0.1", "DNS:localhost", *(f"IP:{ip}" for ip in reachable_at)])
     (d / "serving.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
+        f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
     )
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "serving.key",
              "-out", "serving.csr", cwd=d)  # fmt: skip
@@ -244,14 +246,16 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def _start_apiserver(binary: Path, workdir: Path, etcd_port: int, api: KubeAPI, log: Path) -> subprocess.Popen[bytes]:
+def _start_apiserver(
+    binary: Path, workdir: Path, etcd_port: int, api: KubeAPI, log: Path, *, bind: str = "127.0.0.1"
+) -> subprocess.Popen[bytes]:
     port = api.server.rsplit(":", 1)[1]
     with log.open("wb") as out:
         return subprocess.Popen(
             [
                 str(binary),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1",
+                f"--bind-address={bind}",
                 "--advertise-address=127.0.0.1",
                 f"--secure-port={port}",
                 f"--cert-dir={workdir}",
@@ -300,13 +304,17 @@ def _machine_state(pid: int) -> str:
 
 
 @contextlib.contextmanager
-def testenv(workdir: Path, start_timeout_s: float = START_TIMEOUT_S) -> Iterator[KubeAPI]:
+def testenv(
+    workdir: Path, start_timeout_s: float = START_TIMEOUT_S, reachable_at: Sequence[str] = ()
+) -> Iterator[KubeAPI]:
     """etcd + kube-apiserver with RBAC, a static admin token (system:masters) and generated certs.
 
-    ``start_timeout_s`` bounds each wait of the start (etcd health, each apiserver attempt's /readyz)."""
+    ``start_timeout_s`` bounds each wait of the start (etcd health, each apiserver attempt's /readyz).
+    ``reachable_at``: more addresses of this host the apiserver is called at (its certificate names them and it
+    listens on every interface), e.g. a network namespace's peer address; ``api.server`` stays on 127.0.0.1."""
     etcd_bin, apiserver_bin = binaries()
     workdir.mkdir(parents=True, exist_ok=True)
-    make_certs(workdir)
+    make_certs(workdir, reachable_at)
     token, operator_token = uuid.uuid4().hex, uuid.uuid4().hex
     (workdir / "tokens.csv").write_text(
         f'{token},lmq-admin,lmq-admin-uid,"system:masters"\n{operator_token},{OPERATOR_USER},lmq-operator-uid\n'
@@ -353,7 +361,8 @@ def testenv(workdir: Path, start_timeout_s: float = START_TIMEOUT_S) -> Iterator
         )
         for attempt in range(1, APISERVER_ATTEMPTS + 1):
             api_log = workdir / f"kube-apiserver-{attempt}.log"
-            proc = _start_apiserver(apiserver_bin, workdir, etcd_port, api, api_log)
+            bind = "0.0.0.0" if reachable_at else "127.0.0.1"
+            proc = _start_apiserver(apiserver_bin, workdir, etcd_port, api, api_log, bind=bind)
             procs.append(proc)
             try:
                 _wait_ready(api, proc, api_log, start_timeout_s)

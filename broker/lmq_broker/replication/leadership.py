@@ -2,9 +2,10 @@
 
 The holder acknowledges only while its last successful renewal *began* less than ``duration * FENCE_SHARE``
 ago on its own monotonic clock. A candidate sees a lease expire only once its resourceVersion stayed the same
-for a whole duration on *its* clock (client-go's rule), which starts after that renewal was written: the
-deposed holder has stopped acknowledging before anyone can take its lease. The lease's ``leaseTransitions``
-is the slot's replication epoch; copies carry it and followers refuse older ones.
+for a whole duration on *its* clock (client-go's rule), counted from when its read *answered* with that version
+(never from when the read began: a slow read may have begun before the renewal it returns), which is after that
+renewal began: the deposed holder has stopped acknowledging before anyone can take its lease. The lease's
+``leaseTransitions`` is the slot's replication epoch; copies carry it and followers refuse older ones.
 
 The lease also records the slot's *in-sync replicas* (``kube.IN_SYNC``, Kafka's ISR), written by its holder
 only (``record``, with the resourceVersion it last wrote, like a renewal): a follower takes an expired lease
@@ -163,6 +164,7 @@ class Leadership:
         except Exception as exc:  # the apiserver is slow or unreachable: the fence closes by itself
             log.warning("leases: %s", exc)
             return
+        read = self._clock()  # every version found was written before this (a renewal's began is earlier)
         by_name = {lease.name: lease for lease in found}
         for slot in range(len(self.replica_sets)):
             lease = by_name.get(self.name(slot))
@@ -170,7 +172,7 @@ class Leadership:
             if slot not in self.mine:
                 continue
             try:
-                await self._visit(slot, lease, began)
+                await self._visit(slot, lease, began, read)
             except Exception as exc:  # a write failed: the fence closes by itself
                 log.warning("lease of slot %d: %s", slot, exc)
 
@@ -182,12 +184,14 @@ class Leadership:
         if lease is not None:
             self.in_sets[slot] = lease.in_sync
 
-    async def _visit(self, slot: int, lease: kube.Lease | None, began: float) -> None:
-        """Renew, create or take the lease of one of this broker's slots, as read when the tick ``began``."""
+    async def _visit(self, slot: int, lease: kube.Lease | None, began: float, read: float) -> None:
+        """Renew, create or take the lease of one of this broker's slots, as read by the tick that ``began`` then
+        and had its answer at ``read``: a renewal counts from ``began`` (earlier than the write), a version seen
+        from ``read`` (later than the write), so both err on the side of the fence."""
         async with self._lock(slot):
-            await self._visit_locked(slot, lease, began)
+            await self._visit_locked(slot, lease, began, read)
 
-    async def _visit_locked(self, slot: int, lease: kube.Lease | None, began: float) -> None:
+    async def _visit_locked(self, slot: int, lease: kube.Lease | None, began: float, read: float) -> None:
         if lease is None:
             if slot == self.me:  # a new slot: its owner alone is in sync; followers join once they hold it all
                 mine = (self.me,)
@@ -212,7 +216,7 @@ class Leadership:
             )
         seen = self._seen.get(slot)
         if seen is None or seen.version != lease.resource_version:
-            self._seen[slot] = _Seen(lease.resource_version, began)
+            self._seen[slot] = _Seen(lease.resource_version, read)
             return
         expired = began - seen.since >= self._duration
         recorded = lease.in_sync is None or self.me in lease.in_sync  # None: a lease written before the set was

@@ -1,7 +1,8 @@
 """The real apiserver + etcd of the replication suites: one per test module (each module's leases apart).
 
 lmq_operator is imported inside the fixture: the other Pythons' broker-only venvs load this file too, and run
-only this folder's modules that need no apiserver.
+only this folder's modules that need no apiserver. A module whose brokers call the apiserver at another address of
+this host (a network namespace's peer address) overrides ``kube_reachable_at``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,20 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="module")
-def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
+def kube_reachable_at() -> tuple[str, ...]:
+    """More addresses of this host the apiserver is called at (``testing.testenv``'s ``reachable_at``)."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def kube(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, kube_reachable_at: tuple[str, ...]
+) -> Iterator[KubeAPI]:
     from lmq_operator import testing  # noqa: PLC0415 (see the module's docstring)
 
     name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_replication").strip("_") or "replication"
     try:
-        env = testing.testenv(tmp_path_factory.mktemp(f"{name}-testenv"))
+        env = testing.testenv(tmp_path_factory.mktemp(f"{name}-testenv"), reachable_at=kube_reachable_at)
         api = env.__enter__()
     except testing.TestenvMissing as missing:
         pytest.fail(str(missing), pytrace=False)

@@ -3,10 +3,12 @@ when a follower may take over (the real apiserver: tests/broker/replication/test
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from lmq_broker import errors, model
-from lmq_broker.replication import memory, owning
+from lmq_broker.replication import kube, memory, owning
 from lmq_broker.replication.leadership import Leadership, identity
 
 DURATION_MS = 3000
@@ -84,6 +86,36 @@ async def test_a_lease_renewed_in_time_is_never_taken() -> None:
         clock.now += 1.0  # a third of the lease: the owner's renewal interval
         assert owner.epoch(0) == 0
     assert not follower.holds(0)
+
+
+@pytest.mark.asyncio
+async def test_a_follower_whose_read_was_slow_still_takes_over_only_after_the_owner_stopped_acknowledging() -> None:
+    """The follower's LIST takes longer than a third of the lease and the owner renews while it is under way:
+    the renewal began after the follower's tick did. The lease's version must count as seen when the LIST
+    answered, not when the tick began, or the follower takes over while the owner still acknowledges."""
+    api, clock = memory.Leases(), Clock()
+    owner, follower = broker(api, clock, 0), broker(api, clock, 1)
+    await owner.tick()
+    assert await owner.record(0, lambda now: (*now, 1)) == (0, 1)
+    loop = asyncio.get_running_loop()
+    listing = api.list_named
+
+    def slow_list(prefix: str) -> list[kube.Lease]:  # the follower's read, 1.5 s long, the owner renewing in it
+        api.list_named = listing  # type: ignore[method-assign]
+        clock.now += 1.2
+        asyncio.run_coroutine_threadsafe(owner.tick(), loop).result()
+        clock.now += 0.3
+        return listing(prefix)
+
+    api.list_named = slow_list  # type: ignore[method-assign]
+    await follower.tick()  # began at 100.0; saw the version the owner's renewal (began at 101.2) wrote
+    for _ in range(40):  # the owner renews no more
+        clock.now += 0.1
+        if owner.epoch(0) is not None:  # it acknowledges until 2/3 of a lease after 101.2
+            await follower.tick()
+            assert not follower.holds(0), f"taken over at {clock.now:.1f} while the owner still acknowledges"
+    await follower.tick()
+    assert follower.holds(0) and owner.epoch(0) is None
 
 
 @pytest.mark.asyncio
