@@ -46,6 +46,7 @@ LAYERS = (  # (layer, test on a frame's file or function), innermost matching fr
     ("lmq storage", lambda f, fn: "lmq_broker/storage/" in f),
     ("lmq dispatch", lambda f, fn: "lmq_broker/dispatch/" in f),
     ("lmq protocol edge", lambda f, fn: "lmq_broker/protocol/" in f and "/gen/" not in f),
+    ("lmq replication", lambda f, fn: "lmq_broker/replication/" in f),
     ("lmq other", lambda f, fn: "lmq_broker/" in f and "/gen/" not in f),
     ("protobuf", lambda f, fn: "google/protobuf" in f or "_upb" in f or "upb_" in fn),
     ("grpcio Cython layer", lambda f, fn: "grpc/_cython" in f and f.endswith((".pyx", ".pxi"))),

@@ -53,8 +53,9 @@ class Keeper:
     async def wait(self, timeout_s: float) -> None:
         """Until something changed (a call answered, the set written) or ``timeout_s``."""
         changed = self._changed
-        try:
-            await asyncio.wait_for(changed.wait(), timeout_s)
+        try:  # a timeout scope, not ``wait_for``: no task per waiter and pulse (every send waits here at M > 1)
+            async with asyncio.timeout(timeout_s):
+                await changed.wait()
         except TimeoutError:
             return
 

@@ -1,8 +1,9 @@
 """Replication's place in a broker: which slots it follows, its lease loop, the copy calls between brokers.
 
-Copies travel as one unary gRPC call of raw bytes (``wire``) on the broker's client port, over the cluster's
-channels, signed with the peer header (``cluster.trust``) like every call between brokers; a call without a
-valid header is refused.
+Copies travel as raw bytes (``wire``) on the broker's client port, over the cluster's channels, signed with the
+peer header (``cluster.trust``) like every call between brokers; a call without a valid header is refused.
+Message copies and commit copies go over one stream per follower (``streams``: a call set-up per copy was most
+of a follower's CPU); a follower without the stream method (an older version) gets one unary call per copy.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -27,7 +28,19 @@ from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt.durable import Durable
-from lmq_broker.replication import copies, divergence, following, gauges, handover, kube, owning, sources, stating, wire
+from lmq_broker.replication import (
+    copies,
+    divergence,
+    following,
+    gauges,
+    handover,
+    kube,
+    owning,
+    sources,
+    stating,
+    streams,
+    wire,
+)
 from lmq_broker.replication.leadership import Leadership, identity
 from lmq_broker.storage.api import Store
 
@@ -40,6 +53,7 @@ else:
 
 SERVICE: Final = "/lmq.replica.v1.Replica/"
 METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
+STREAM: Final = SERVICE + "AppendStream"  # copies -> their answers, as ``METHOD``'s (``streams`` frames them)
 ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
 FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
 STATES: Final = SERVICE + "States"  # a batch of state rows (``states``) -> b"" applied, b"behind": not the next
@@ -127,6 +141,7 @@ class Replication:
         )
         replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
         self._links = links
+        self._api = api
         self._counters = copies.Counters(registry)
         self.follower: following.Follower | None = None
         self.leadership = Leadership(
@@ -190,7 +205,7 @@ class Replication:
                 slot,
                 endpoints,
                 min_insync,
-                (self._send, read, tails, points),
+                (self.send, read, tails, points),
                 self._counters,
                 queue_messages=config.replica_queue_messages,
                 probe_interval_s=config.lease_duration_ms / 3000,
@@ -213,6 +228,7 @@ class Replication:
         registry.register(stating.Collector(self.states))
         self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
         self._replica_sets = replica_sets
+        self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its copies take
         self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
         self._stopping = asyncio.Event()
@@ -240,6 +256,7 @@ class Replication:
         self._stopping.set()
         if self._task is not None:
             await self._task
+        self._api.close()  # the lease loop is done: its kept connections
         if self._shipping is not None:
             await self._shipping
         await self.states.close()
@@ -250,6 +267,7 @@ class Replication:
             await self._handing
         await self.handover.close()
         await self.slots.close()
+        await asyncio.gather(*(link.close() for link in self.copy_links.values()))
 
     async def _reconcile_loop(self) -> None:
         """Each renewal interval: every slot this broker follows and is not in sync with gets reconciled."""
@@ -308,12 +326,17 @@ class Replication:
                 out[topic] = (None if same is None else int(same), int(offset))
         return out
 
+    async def _accept(self, data: bytes) -> bytes:
+        """A copy (a unary call's or a stream's): b"" once stored, else JSON {topic: end} where this broker is
+        behind; LmqError for a refusal."""
+        assert self.follower is not None
+        behind = await self.follower.accept(data)
+        return json.dumps(behind).encode() if behind else b""
+
     async def _answer(self, method: str, data: bytes) -> bytes:
         """A peer's call, its header verified; LmqError for a refusal."""
         if method == METHOD:
-            assert self.follower is not None
-            behind = await self.follower.accept(data)
-            return json.dumps(behind).encode() if behind else b""
+            return await self._accept(data)
         if method == STATES:
             return b"" if self.states.accept(data) else b"behind"
         try:
@@ -337,7 +360,26 @@ class Replication:
         topic, start = str(request["topic"]), int(request["from"])
         return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start)
 
-    async def _send(self, endpoint: str, data: bytes) -> dict[str, int]:
+    async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
+        """A copy to a follower, over its stream (``send_unary`` when it has none)."""
+        link = self.copy_links.get(endpoint)
+        if link is None:
+            link = self.copy_links[endpoint] = streams.Link(endpoint, self._opener(endpoint), CALL_TIMEOUT_S)
+        if link.unimplemented:
+            return await self.send_unary(endpoint, data)
+        answer = await link.send(data)
+        behind: dict[str, int] = json.loads(answer) if answer else {}
+        return behind
+
+    def _opener(self, endpoint: str) -> streams.Open:
+        def open_stream() -> grpc.aio.StreamStreamCall[bytes, bytes]:
+            call = self._links.channel(endpoint).stream_stream(STREAM, None, None)
+            return call(None, metadata=(self._links.peer_header(STREAM),), wait_for_ready=True)  # copies: ``write``
+
+        return open_stream
+
+    async def send_unary(self, endpoint: str, data: bytes) -> dict[str, int]:
+        """A copy as one unary call: the plain twin of the stream (a follower without one, and the tests)."""
         call = self._links.channel(endpoint).unary_unary(METHOD, None, None)
         try:
             answer = await call(
@@ -365,6 +407,18 @@ class Replication:
 
         return serve
 
+    def streaming(self) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[bytes]]:
+        async def serve(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[bytes]:
+            call, _ = trust.verify(self._secret, STREAM, context.invocation_metadata(), int(time.time() * 1000))
+            if call is None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica calls come from peers only")
+            async for answer in streams.serve(requests, self._accept):
+                yield answer
+
+        return serve
+
 
 class _Handler(_GenericHandler):
     def __init__(self, replication: Replication) -> None:
@@ -372,6 +426,8 @@ class _Handler(_GenericHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
+        if method == STREAM:
+            return grpc.stream_stream_rpc_method_handler(self._replication.streaming())
         if method not in (METHOD, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE):
             return None
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))

@@ -148,7 +148,8 @@ class Shipper:
                 await self._probe()
             if not self._queue:
                 try:  # with a timeout: the follower may leave the set meanwhile (then it is probed)
-                    await asyncio.wait_for(self._wake.wait(), self._probe_interval_s)
+                    async with asyncio.timeout(self._probe_interval_s):
+                        await self._wake.wait()
                 except TimeoutError:
                     continue
             self._wake.clear()

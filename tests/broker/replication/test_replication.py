@@ -8,10 +8,12 @@ import asyncio
 import functools
 import itertools
 import shutil
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import pytest_asyncio
 from waiting import eventually_async
@@ -26,7 +28,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.replication import setup as replication
-from lmq_broker.replication import wire
+from lmq_broker.replication import streams, wire
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
@@ -553,3 +555,96 @@ async def test_a_follower_answers_a_commit_point_past_its_end_with_its_ends(pair
     store = pair.brokers[1].store
     assert store is not None and store.get_offset(queue, GROUP) == 1
     assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 1, ())])) == {}
+
+
+async def both_ways(repl: replication.Replication, endpoint: str, data: bytes) -> list[object]:
+    """A copy's answer over the follower's stream, then over a unary call (the plain twin): answers, or the
+    refusal's text after the transport's name."""
+    out: list[object] = []
+    for send in (repl.send, repl.send_unary):
+        try:
+            out.append(await send(endpoint, data))
+        except errors.BrokerUnavailable as exc:
+            out.append(exc.message.split(": ", 1)[1])
+    return out
+
+
+@pytest.mark.asyncio
+async def test_a_copy_gets_the_same_answer_over_the_stream_as_over_a_unary_call(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK  # the owner's copies take the stream
+    repl, epoch = pair.brokers[0].replication, pair.leadership(0).epoch(0)
+    assert repl is not None and epoch is not None
+    endpoint, queue = pair.brokers[1].endpoint, model.QueueId.lmq(PARENT, lite)
+
+    def copy(message_id: str, offset: int, slot: int = 0) -> bytes:
+        m = dispatch_testing.lite_message(lite, b"body", parent=PARENT, message_id=message_id)
+        return wire.encode(slot, epoch, [m], [model.AppendResult(message_id, m.queues, (offset, offset), 0)])
+
+    assert await both_ways(repl, endpoint, copy(f"{lite}-0", 0)) == [{}, {}]  # stored there: passed over
+    new = copy("new", 1)
+    assert await repl.send(endpoint, new) == {} and pair.stored(1, lite) == 2
+    assert await repl.send_unary(endpoint, new) == {} and pair.stored(1, lite) == 2
+    assert await both_ways(repl, endpoint, copy("later", 5)) == [{queue.topic: 2}] * 2  # behind: its ends
+    foreign = await both_ways(repl, endpoint, copy("x", 2, slot=7))
+    assert foreign[0] == foreign[1] and "FAILED_PRECONDITION this broker is no replica of slot 7" in str(foreign[0])
+    assert (
+        await both_ways(repl, endpoint, copy("other", 0))
+        == [f"FAILED_PRECONDITION slot 0: {queue.topic} holds another message at 0"] * 2
+    )
+    assert pair.stored(1, lite) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_replica_stream_without_a_peer_header_is_refused_and_a_failed_one_opened_again(pair: Pair) -> None:
+    endpoint = pair.brokers[1].endpoint
+    channel = grpc.aio.insecure_channel(endpoint)
+    try:
+        unsigned = channel.stream_stream(replication.STREAM, None, None)
+        forged = streams.Link(endpoint, lambda: unsigned(None), 2.0)
+        with pytest.raises(errors.BrokerUnavailable, match="PERMISSION_DENIED"):
+            await forged.send(b"")
+        await forged.close()
+    finally:
+        await channel.close(None)
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    repl = pair.brokers[0].replication
+    assert repl is not None and repl.copy_links[endpoint].is_open
+    config = pair.brokers[1].config
+    await pair.brokers[1].stop(grace_s=0.1)
+    await eventually_async(lambda: not repl.copy_links[endpoint].is_open, "the owner saw its stream fail")
+    pair.brokers[1] = await start_broker(config)
+    await eventually_async(lambda: pair.leadership(1).epoch(1) is not None, "broker 1 back")
+    reply = await pair.send(0, lite, 1)  # over a new stream
+    assert reply.status.code == pb.OK, reply.status.message
+    assert pair.stored(1, lite) == 2 and repl.copy_links[endpoint].is_open
+
+
+def test_the_lease_api_answers_alike_on_kept_connections_and_reopens_one_the_apiserver_closed(
+    kube: testing.KubeAPI,
+) -> None:
+    outcomes, closing = [], []
+    for keep in (True, False):
+        api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default", keep_alive=keep)
+        closing.append(api)
+        name = f"keep-{str(keep).lower()}-slot-0"
+        missing = api.get(name)
+        created = api.create(name, "a", 5, (0, 1))
+        renewed = api.write(created, "a", 0, 5, (0,))
+        with pytest.raises(kube_api.Conflict):
+            api.write(created, "b", 1, 5)  # its resourceVersion is gone
+        listed = api.list_named(f"keep-{str(keep).lower()}-")
+        seen = [(x.holder, x.transitions, x.duration_s, x.in_sync) for x in (created, renewed, *listed)]
+        outcomes.append((missing, seen, api.opened))
+    assert outcomes[0][:2] == outcomes[1][:2] == (None, [("a", 0, 5, (0, 1)), ("a", 0, 5, (0,)), ("a", 0, 5, (0,))])
+    assert (outcomes[0][2], outcomes[1][2]) == (1, 5)  # one connection kept, against one per call
+    kept = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default", keep_alive=True)
+    closing.append(kept)
+    try:
+        assert kept.get("keep-true-slot-0") is not None
+        kept._idle[0].sock.shutdown(socket.SHUT_RDWR)  # as the apiserver closing it while idle
+        assert kept.get("keep-true-slot-0") is not None and kept.opened == 2
+    finally:
+        for api in closing:
+            api.close()
