@@ -103,16 +103,16 @@ test-pythons:
 	  if [ -z "$$py" ]; then echo "test-pythons: no python$$v on this machine: not tested on it"; continue; fi; \
 	  venv=.venv-$$v; \
 	  if [ ! -f $$venv/.lmq-installed ] || [ pyproject.toml -nt $$venv/.lmq-installed ] || \
-	     [ requirements/broker.txt -nt $$venv/.lmq-installed ]; then \
+	     [ requirements/broker.txt -nt $$venv/.lmq-installed ] || ! $$venv/bin/python -c 'import xdist' 2>/dev/null; then \
 	    echo "test-pythons: $$venv from $$py"; rm -rf $$venv && $$py -m venv $$venv && \
 	    $$venv/bin/python -m pip install -q --upgrade pip && \
 	    $$venv/bin/python -m pip install -q -e '.[broker]' -c requirements/broker.txt && \
-	    $$venv/bin/python -m pip install -q pytest pytest-asyncio pytest-timeout hypothesis psutil \
+	    $$venv/bin/python -m pip install -q pytest pytest-asyncio pytest-timeout pytest-xdist hypothesis psutil \
 	      -c requirements/dev.txt && touch $$venv/.lmq-installed || exit 1; \
 	  fi; \
 	  echo "test-pythons: Python $$v"; \
-	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(PY_SUITES) || exit 1; \
-	  $$venv/bin/python -m pytest -q -p no:cacheprovider -m "unit and not slow" tests/broker $(PY_NOT_BROKER_ONLY) || exit 1; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PY_SUITES) || exit 1; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "unit and not slow" tests/broker $(PY_NOT_BROKER_ONLY) || exit 1; \
 	done
 
 # The daily loop. `check`: lint, types, import layers and the unit tier (in-process, no socket, child process or
