@@ -16,16 +16,28 @@ FETCH_MAX: Final = 1_000  # messages per fetch
 def ends(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> dict[str, int]:
     """The next offset of every non-empty lite topic of ``slot`` in ``store``."""
     out: dict[str, int] = {}
-    cursor = ""
-    while True:
-        page = store.scan_lite_topics(None, start_after=cursor, limit=SCAN_PAGE)
-        for meta in page:
-            topic = model.QueueId.lmq(meta.parent, meta.lite).topic
-            if meta.max_offset > 0 and slot_of_topic(topic) == slot:
-                out[topic] = meta.max_offset
-        if len(page) < SCAN_PAGE:
-            return out
-        cursor = f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}"
+    cursor: str | None = ""
+    while cursor is not None:
+        found, cursor = ends_page(store, slot, slot_of_topic, cursor, SCAN_PAGE)
+        out.update(found)
+    return out
+
+
+def ends_page(
+    store: Store, slot: int, slot_of_topic: Callable[[str], int], after: str, scan: int
+) -> tuple[dict[str, int], str | None]:
+    """One page of ``ends``: the lite topics of ``slot`` among the next ``scan`` lite topics of the store after
+    the cursor ``after`` ("" first), and the cursor of the next page (None: that was the last). A follower that
+    reconciles asks page by page, so no call scans more than ``scan`` topics whatever the store holds."""
+    out: dict[str, int] = {}
+    page = store.scan_lite_topics(None, start_after=after, limit=scan)
+    for meta in page:
+        topic = model.QueueId.lmq(meta.parent, meta.lite).topic
+        if meta.max_offset > 0 and slot_of_topic(topic) == slot:
+            out[topic] = meta.max_offset
+    if len(page) < scan:
+        return out, None
+    return out, f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}"
 
 
 def tails(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[model.StoredMessage]:
