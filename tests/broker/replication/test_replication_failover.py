@@ -451,6 +451,7 @@ def test_a_follower_whose_reconcile_failed_is_in_sync_again_on_its_own_and_takes
         eventually(lambda: failed() >= 3, "the follower's reconciles failed and were tried again")
         assert not in_sync()
         assert metric(brokers[1], "lmq_replication_copied_total") == 0  # no send since: no copy brought anything
+        failures = failed()
         fail.unlink()
         allowed = time.monotonic()
         eventually(in_sync, "the follower in sync again with no new send", timeout_s=15)
@@ -460,7 +461,7 @@ def test_a_follower_whose_reconcile_failed_is_in_sync_again_on_its_own_and_takes
         killed = time.monotonic()
         eventually(lambda: held_by(1), "the follower took the lease", timeout_s=30)
         print(
-            f"\nreconcile: in sync {back_s:.2f} s after its reconciles could succeed again ({failed():.0f} failed "
+            f"\nreconcile: in sync {back_s:.2f} s after its reconciles could succeed again ({failures:.0f} failed "
             f"before); lease taken {time.monotonic() - killed:.2f} s after kill -9 (lease {LEASE_MS} ms)"
         )
     finally:
