@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 from waiting import eventually_async
 
-from lmq_broker import errors
-from lmq_broker.replication import reconciling
+from lmq_broker import errors, model
+from lmq_broker.config import StoreConfig
+from lmq_broker.replication import reconciling, sources, wire
+from lmq_broker.storage import store as lmq_store
 
 
 def test_the_backoff_doubles_up_to_its_cap_and_draws_from_the_upper_half() -> None:
@@ -82,3 +85,23 @@ async def test_a_failed_reconcile_is_tried_again_and_falling_out_of_sync_wakes_t
     finally:
         stopping.set()
         await asyncio.wait_for(task, 5)
+
+
+def test_a_fetch_is_a_page_of_at_most_fetch_bytes_of_bodies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reconcile's Fetch answers 1,000 messages at most, and stops early past ``FETCH_BYTES`` of bodies (a
+    message larger than that still comes, alone): each call a bounded amount of work within its deadline."""
+    monkeypatch.setattr(sources, "FETCH_BYTES", 2_500)
+    queue = model.QueueId.lmq("P", "a")
+    store = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path))
+    try:
+        sizes = [1_000, 1_000, 1_000, 4_000, 10]
+        messages = [model.NewMessage(f"m{n}", "P", b"x" * size, (queue,)) for n, size in enumerate(sizes)]
+        store.append(messages)
+        pages, start = [], 0
+        while start < len(sizes):
+            copy = wire.decode(sources.fetch(store, 0, 1, queue.topic, start))
+            pages.append([m.message_id for m in copy.messages])
+            start += len(copy.messages)
+    finally:
+        store.close()
+    assert pages == [["m0", "m1"], ["m2"], ["m3"], ["m4"]]
