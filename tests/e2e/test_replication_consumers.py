@@ -1,32 +1,39 @@
-"""Consumers after a failover with the official Python client 5.1.2 (docs/replication.md): two broker processes
-with --replicas 2 on a real kube-apiserver + etcd, a Producer sending all along and a LitePushConsumer, both
-through the broker that survives (a Service's pick). kill -9 of the topics' owner, its disk deleted: the
-consumer keeps receiving from the new lease holder with the client's own retries, and every acknowledged send
-is delivered. (Acked messages not delivered again is counted with lmq's own stubs, where the test sees each
-ack's answer: tests/broker/replication/test_replication_failover.py.)"""
+"""Consumers after a failover with the official clients (docs/replication.md): two broker processes with
+--replicas 2 on a real kube-apiserver + etcd, a producer sending all along and a consumer, both through the
+broker that survives (a Service's pick). kill -9 of the topics' owner, its disk deleted: the consumer keeps
+receiving from the new lease holder with the clients' own retries, and every acknowledged send is delivered.
+
+* the Python client 5.1.2's Producer and LitePushConsumer (acked messages not delivered again is counted with
+  lmq's own stubs there, where the test sees each ack's answer: tests/broker/replication/test_replication_failover.py);
+* the Java client 5.2.0's Producer (its driver, tests/clients/java) and the Python client's LiteSimpleConsumer
+  (Java 5.2.0 has none), whose acks the test sees: none of a message whose ack was answered OK comes again.
+"""
 
 from __future__ import annotations
 
 import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
+from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
+from testing_clients import Driver, DriverError, DriverMissing, b64, driver_argv, start_driver
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.supervisor import free_ports
-from lmq_broker.testing import BrokerProcess, Inbox, start_broker
+from lmq_broker.testing import BrokerProcess, Inbox, start_broker, start_lite_simple_consumer
 from lmq_operator import testing as kube_testing
 
 PARENT, GROUP = "AGENT_TASK_NS", "executor-group"  # the bootstrap parent and lite group
 LEASE_MS = 1500
+POINTERS = Path(__file__).resolve().parents[2] / "build" / "clients"
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +49,15 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_testing.Kube
         env.__exit__(None, None, None)
 
 
-def start(tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int) -> BrokerProcess:
+def start(
+    tmp_path: Path, kube: kube_testing.KubeAPI, members: list[str], slot: int, prefix: str = "e2e-consumers"
+) -> BrokerProcess:
     token = tmp_path / "token"
     token.write_text(kube.token)
     port = members[slot].rsplit(":", 1)[1]
     flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
     flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
-    flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", "e2e-consumers"]
+    flags += ["--replicas", "2", "--lease-namespace", "default", "--lease-prefix", prefix]
     flags += ["--lease-duration-ms", str(LEASE_MS), "--kube-api-server", kube.server]
     flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
     return start_broker(tmp_path / f"b{slot}", int(port), flags)
@@ -155,3 +164,176 @@ def test_an_official_push_consumer_keeps_receiving_from_the_new_holder(tmp_path:
         f"{waiting} acknowledged but not consumed at the kill); {len(sent)} sends acknowledged, "
         f"{len(inbox.seen)} deliveries, {len(set(sent) - set(consumed))} lost"
     )
+
+
+def java_produce(driver: Driver, lites: list[str], stop: threading.Event, sent: list[bytes], at: list[float]) -> None:
+    """The Java client's sends, one at a time, each with the client's own retries; those answered OK in ``sent``
+    (and when, in ``at``)."""
+    n = 0
+    while not stop.is_set():
+        body = f"j{n}".encode()
+        try:
+            driver.call("send", 30, producer="p", topic=PARENT, body=b64(body), lite_topic=lites[n % len(lites)])
+        except DriverError:
+            time.sleep(0.05)  # refused after the client's retries (no lease holder, too few replicas): not acked
+        else:
+            sent.append(body)
+            at.append(time.monotonic())
+        n += 1
+
+
+def record_of(message: Any) -> tuple[str, int]:
+    """The stored record a delivery is of: its lite topic and offset, from lmq's receipt handle (the replicas
+    hold each record at the same offset). A send the client retried after it was stored is two records with
+    one body (at-least-once for a send that failed), each delivered once."""
+    tokens = str(message.receipt_handle).split(" ")
+    at = next(i for i, t in enumerate(tokens) if t.startswith(model.LMQ_PREFIX))
+    return tokens[at], int(tokens[at + 2])
+
+
+class SimpleReader:
+    """A LiteSimpleConsumer's receive-and-ack loop (on a thread): each delivery with when its receive began and
+    when it came, the records whose ack was answered OK, and every delivery of one of those again."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+        self.deliveries: list[tuple[bytes, float, float]] = []  # (body, its receive began, received)
+        self.acked: set[tuple[str, int]] = set()  # records whose ack was answered OK
+        self.again_after_ack: list[tuple[str, int]] = []
+        self.records: dict[bytes, set[tuple[str, int]]] = {}  # body -> the records it came as
+        self.log: list[str] = []  # each delivery and ack, for a failure's message
+        self.failed_acks = 0
+        self.flowing, self.stop = threading.Event(), threading.Event()
+        self.flowing.set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.flowing.wait(0.2):
+                continue
+            began = time.monotonic()
+            try:
+                batch = self._consumer.receive(16, 15)
+            except Exception:  # the broker it reads from is down: the client's next receive goes on
+                time.sleep(0.1)
+                continue
+            for message in batch:
+                body, record = bytes(message.body), record_of(message)
+                if record in self.acked:
+                    self.again_after_ack.append(record)
+                self.records.setdefault(body, set()).add(record)
+                self.deliveries.append((body, began, time.monotonic()))
+                self.log.append(f"{time.monotonic():.2f} got {body!r} {record} attempt {message.delivery_attempt}")
+                try:
+                    self._consumer.ack(message)
+                except Exception as exc:  # refused (too few replicas stored it): delivered again, at-least-once
+                    self.failed_acks += 1
+                    self.log.append(f"{time.monotonic():.2f} ack {body!r} refused: {exc}")
+                else:
+                    self.acked.add(record)
+                    self.log.append(f"{time.monotonic():.2f} ack {body!r} OK")
+
+    def received_since(self, moment: float) -> list[float]:
+        """When deliveries came whose receive began after ``moment``."""
+        return [got for _, began, got in self.deliveries if began > moment]
+
+    def consumed(self) -> set[bytes]:
+        return {body for body, _, _ in self.deliveries}
+
+
+def java_producer(tmp_path: Path, endpoint: str) -> Driver:
+    """The Java driver with a Producer "p" of the parent, dialling ``endpoint``."""
+    try:
+        argv = driver_argv(POINTERS, "java")
+    except DriverMissing as missing:
+        pytest.fail(str(missing), pytrace=False)
+    driver = start_driver(argv, "java", endpoint, tmp_path)
+    driver.call("producer", name="p", topics=[PARENT])
+    return driver
+
+
+def lite_simple(endpoint: str, lites: list[str]) -> Any:
+    consumer = LiteSimpleConsumer(PARENT, config(endpoint), GROUP, await_duration=2)
+    start_lite_simple_consumer(consumer)
+    for lite in lites:
+        consumer.subscribe_lite(lite)
+    return consumer
+
+
+def in_sync(broker: BrokerProcess, slot: int) -> bool:
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as response:
+        return f'lmq_replication_in_sync{{slot="{slot}"}} 1.0' in response.read().decode().splitlines()
+
+
+def test_a_java_producer_and_a_lite_simple_consumer_go_on_across_kill_9_of_the_owner(tmp_path: Path, kube: Any) -> None:
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    brokers = [start(tmp_path, kube, members, slot, "e2e-java") for slot in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lites = [f"j{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"j{i}").topic) == 0][:4]
+    stop, sent, sent_at = threading.Event(), list[bytes](), list[float]()
+    threads: list[threading.Thread] = []
+    driver: Driver | None = None
+    consumer: Any = None
+    reader: SimpleReader | None = None
+    first, waiting, killed = 0.0, 0, 0.0
+
+    def holder_is(slot: int) -> bool:
+        got = api.get("e2e-java-slot-0")
+        return got is not None and got.holder.startswith(f"slot-{slot}/")
+
+    try:
+        eventually(lambda: holder_is(0), "the owner holds its lease")
+        eventually(lambda: in_sync(brokers[1], 0), "the follower in sync")
+        driver = java_producer(tmp_path, members[1])
+        consumer = lite_simple(members[1], lites)
+        reader = SimpleReader(consumer)
+        threads = [
+            threading.Thread(target=reader.run, name="reader"),
+            threading.Thread(target=java_produce, args=(driver, lites, stop, sent, sent_at), name="producer"),
+        ]
+        for thread in threads:
+            thread.start()
+        eventually(lambda: len(reader.acked) >= 20, "20 messages received and acked", 30)
+        reader.flowing.clear()  # a backlog at the owner: acknowledged, not received yet
+        eventually(lambda: len(set(sent) - reader.consumed()) >= 20, "a backlog at the owner", 30)
+        brokers[0].kill()
+        killed = time.monotonic()
+        reader.log.append(f"{killed:.2f} kill -9 of the owner")
+        shutil.rmtree(tmp_path / "b0")  # its disk is gone too
+        waiting = len(set(sent) - reader.consumed())
+        reader.flowing.set()
+        eventually(lambda: reader.received_since(killed), "a delivery after the kill", 60)
+        first = reader.received_since(killed)[0] - killed
+        eventually(lambda: holder_is(1), "the follower holds the lease")
+        brokers[0] = start(tmp_path, kube, members, 0, "e2e-java")  # a follower, on an empty disk
+        before = len(sent)
+        eventually(lambda: len(sent) >= before + 20, "sends acknowledged again", 60)
+        stop.set()
+        threads[1].join()
+        eventually(lambda: set(sent) <= reader.consumed(), "every acknowledged send received", 60)
+    finally:
+        stop.set()
+        if reader is not None:
+            reader.stop.set()
+            reader.flowing.set()
+        for thread in threads:
+            thread.join()
+        if consumer is not None:
+            consumer.shutdown()
+        if driver is not None:
+            driver.close()
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    assert reader is not None
+    print(
+        f"\njava producer + LiteSimpleConsumer: first delivery {first:.2f} s after kill -9 (lease {LEASE_MS} ms; "
+        f"{waiting} acknowledged but not received at the kill); first send acknowledged after it "
+        f"{next((t for t in sent_at if t > killed), killed) - killed:.2f} s (the old owner back on an empty disk); "
+        f"{len(sent)} sends acknowledged, "
+        f"{len(reader.deliveries)} deliveries, {len(reader.acked)} acks answered OK, {reader.failed_acks} refused, "
+        f"{len(set(sent) - reader.consumed())} lost, {sum(len(r) > 1 for r in reader.records.values())} stored twice "
+        f"(a send retried), {len(reader.again_after_ack)} acked ones delivered again"
+    )
+    again = set(reader.again_after_ack)
+    assert not again, "\n".join(line for line in reader.log if any(str(a) in line for a in again))

@@ -11,8 +11,9 @@ crossing) are passed over once their ids match what is stored at their offsets; 
 
 Reconciling: a follower may hold nothing of lite topics that got no send since it (re)started (a new disk, or
 sends it missed while down). So after a start, and whenever the slot's holder changes, it asks the holder for
-the end of every lite topic of the slot and fetches what it lacks; only then, and until a copy is refused, is
-it *in sync* for that epoch, which a takeover requires.
+the end of every lite topic of the slot (page by page) and fetches what it lacks; only then, and until a copy
+is refused, is it *in sync* for that epoch, which a takeover requires. A reconcile during which a copy was
+refused does not count (``out_of_sync``): it is tried again (``reconciling`` retries it at once).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 Append = Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResult]]]
 StoredId = Callable[[model.QueueId, int], Awaitable[str | None]]  # the id of the message stored at an offset
-Ends = Callable[[int, int], Awaitable[dict[str, int]]]  # (holder slot, slot) -> its lite topics' ends
+# (holder slot, slot, cursor: "" first) -> a page of its lite topics' ends, and the next page's cursor (None: last)
+Ends = Callable[[int, int, str], Awaitable[tuple[dict[str, int], str | None]]]
 Fetch = Callable[[int, int, str, int], Awaitable[bytes]]  # (holder slot, slot, topic, from) -> a copy
 Answer = tuple[int | None, int]  # ``divergence.answer``
 # (holder slot, slot, epoch, {topic: epoch of its last record here}) -> the holder's answer per topic
@@ -69,12 +71,25 @@ class Follower:
         self._local = local
         self._diverge = diverge
         self.reconciled: dict[int, int] = {}  # slot -> epoch it was reconciled in, while no copy was refused
+        self.drops: dict[int, int] = {}  # slot -> times it fell out of sync (a reconcile counts only if none since)
+        self.on_out_of_sync: Callable[[int], None] = lambda slot: None  # ``reconciling`` wakes up
         self.checked: dict[int, int] = {}  # slot -> epoch whose holder's log this broker's was cut back to
         self.cut = 0  # offsets cut by rejoins
         self._lock = asyncio.Lock()  # one copy at a time: offsets are checked and written together
 
     def in_sync(self, slot: int, epoch: int) -> bool:
         return self.reconciled.get(slot) == epoch
+
+    def out_of_sync(self, slot: int) -> None:
+        """Not in sync any more (a copy found it behind or elsewhere, a state batch missed): reconcile again."""
+        self.reconciled.pop(slot, None)
+        self.drops[slot] = self.drops.get(slot, 0) + 1
+        self.on_out_of_sync(slot)
+
+    def mark(self, slot: int) -> int:
+        """What ``reconcile(since=…)`` compares with: a reconcile counts only if the slot did not fall out of sync
+        since the mark."""
+        return self.drops.get(slot, 0)
 
     async def accept(self, data: bytes) -> dict[str, int]:
         """Store a copy: {} once stored; the ends of this broker's lite topics the copy starts past, or that a
@@ -95,7 +110,7 @@ class Follower:
                 if found < first:
                     behind[queue.topic] = found
             if behind:
-                self.reconciled.pop(slot, None)
+                self.out_of_sync(slot)
                 return behind
             fresh = await self._fresh(slot, copy)
             if fresh:
@@ -128,7 +143,7 @@ class Follower:
                     end = ends[queue] = self._next_offset(queue)
                 if offset < end:
                     if await self._stored_id(queue, offset) != message.message_id:
-                        self.reconciled.pop(slot, None)
+                        self.out_of_sync(slot)
                         self.checked.pop(slot, None)
                         self._counters.copies_refused.labels("out_of_sync").inc()
                         raise errors.Conflict(f"slot {slot}: {queue.topic} holds another message at {offset}")
@@ -146,30 +161,40 @@ class Follower:
             raise errors.Fenced(f"slot {slot} is at epoch {newest}: a copy of epoch {epoch} is refused")
         self._leadership.epochs[slot] = epoch
 
-    async def reconcile(self, slot: int, ends: Ends, fetch: Fetch) -> bool:
+    async def reconcile(self, slot: int, ends: Ends, fetch: Fetch, since: int | None = None) -> bool:
         """Fetch from the slot's holder every message of its lite topics this broker lacks; True once done
-        (then in sync for the holder's epoch)."""
+        (then in sync for the holder's epoch), False when it must be tried again: the holder changed meanwhile,
+        or the slot fell out of sync since ``since`` (a ``mark``; by default the start of this call)."""
         leadership = self._leadership
         holder = leadership.serving(slot)
         epoch = leadership.epochs.get(slot)
         if holder == leadership.me or leadership.holds(slot) or epoch is None or slot not in leadership.holders:
             return False
+        mark = self.mark(slot) if since is None else since
         async with self._lock:
             await self._rejoin(slot, epoch)
-        theirs = await ends(holder, slot)
-        for topic, end in theirs.items():
-            queue = model.QueueId(topic, 0)
-            while (mine := self._next_offset(queue)) < end:
-                data = await fetch(holder, slot, topic, mine)
-                if (await self.accept(data)) or self._next_offset(queue) == mine:
-                    raise errors.Conflict(f"slot {slot}: fetching {topic} from {mine} made no progress")
+        topics = 0
+        cursor: str | None = ""
+        while cursor is not None:
+            theirs, cursor = await ends(holder, slot, cursor)
+            topics += len(theirs)
+            for topic, end in theirs.items():
+                await self._fetch_topic(slot, holder, topic, end, fetch)
         if leadership.epochs.get(slot) != epoch or leadership.serving(slot) != holder:
             return False  # the holder changed meanwhile: again, from the new one
+        if self.mark(slot) != mark:
+            log.info("slot %d: fell out of sync while it reconciled (a copy found it behind): again", slot)
+            return False
         self.reconciled[slot] = epoch
-        log.info(
-            "slot %d: reconciled with slot %d's broker at epoch %d (%d lite topics)", slot, holder, epoch, len(theirs)
-        )
+        log.info("slot %d: reconciled with slot %d's broker at epoch %d (%d lite topics)", slot, holder, epoch, topics)
         return True
+
+    async def _fetch_topic(self, slot: int, holder: int, topic: str, end: int, fetch: Fetch) -> None:
+        queue = model.QueueId(topic, 0)
+        while (mine := self._next_offset(queue)) < end:
+            data = await fetch(holder, slot, topic, mine)
+            if (await self.accept(data)) or self._next_offset(queue) == mine:
+                raise errors.Conflict(f"slot {slot}: fetching {topic} from {mine} made no progress")
 
     async def _rejoin(self, slot: int, epoch: int) -> None:
         """Cut every lite topic of ``slot`` back to where it parts from the log of the holder of ``epoch``

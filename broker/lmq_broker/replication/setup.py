@@ -9,7 +9,6 @@ of a follower's CPU); a follower without the stream method (an older version) ge
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from lmq_broker.replication import (
     handover,
     kube,
     owning,
+    reconciling,
     sources,
     stating,
     streams,
@@ -61,9 +61,14 @@ STATE_FETCH: Final = SERVICE + "StateFetch"  # JSON {"slot"} -> every state row 
 # JSON {"slot", "epoch", "topics": {topic: epoch of a replica's last record}} -> JSON {topic: [epoch|null, offset]}
 DIVERGE: Final = SERVICE + "Diverge"
 DIVERGE_TOPICS: Final = 1_000  # topics per Diverge call
+ENDS_SCAN: Final = 10_000  # lite topics of the holder's store one Ends call looks through (a page)
 CALL_TIMEOUT_S: Final = 2.0
+# Ends, Fetch and StateFetch while reconciling: off the acknowledgement path, each a bounded page of work, so a
+# holder that is loaded but alive answers within it; one that is down fails at once (not waited for)
+RECONCILE_TIMEOUT_S: Final = 10.0
 IDENTITY_FILE: Final = "replica-identity"
 FAILPOINT_ENV: Final = "LMQ_FAILPOINT_LOSE_COPIES"
+FAILPOINT_RECONCILE_ENV: Final = "LMQ_FAILPOINT_FAIL_RECONCILE"
 
 
 def check(config: BrokerConfig) -> None:
@@ -105,11 +110,12 @@ def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[i
     return [(slot + k * processes) % slots for k in range(1, replicas)]
 
 
-def _failpoint() -> Callable[[], bool] | None:
+def _failpoint(env: str = FAILPOINT_ENV) -> Callable[[], bool] | None:
     """Tests with broker processes: while the file ``$LMQ_FAILPOINT_LOSE_COPIES`` names exists, this broker's
     follower loses every copy of messages sent to it (as if the network dropped it: the owner's send is refused
-    and the owner keeps what it stored). Unset (always, outside tests): no check at all."""
-    path = os.environ.get(FAILPOINT_ENV)
+    and the owner keeps what it stored); while ``$LMQ_FAILPOINT_FAIL_RECONCILE``'s exists, every reconcile it
+    tries fails (as a call that timed out would). Unset (always, outside tests): no check at all."""
+    path = os.environ.get(env)
     if not path:
         return None
     return lambda: os.path.exists(path)
@@ -181,7 +187,7 @@ class Replication:
             copied.inc(len(messages))
             return results
 
-        self.follower = following.Follower(
+        self.follower = follower = following.Follower(
             self.leadership,
             append_copy,
             lambda q: store.queue_offsets(q)[1],
@@ -234,18 +240,26 @@ class Replication:
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reconciling: asyncio.Task[None] | None = None
+        self.reconciler = reconciling.Reconciler(
+            self.leadership,
+            follower,
+            self._reconcile,
+            registry,
+            config.lease_duration_ms / 3000,
+            _failpoint(FAILPOINT_RECONCILE_ENV),
+        )
         self._handing: asyncio.Task[None] | None = None
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
     def _not_in_sync(self, slot: int) -> None:
         if self.follower is not None:
-            self.follower.reconciled.pop(slot, None)
+            self.follower.out_of_sync(slot)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
-        self._reconciling = loop.create_task(self._reconcile_loop(), name="lmq-reconcile")
+        self._reconciling = loop.create_task(self.reconciler.run(self._stopping, self._own), name="lmq-reconcile")
         self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
         me = self.leadership.me
         followers = lambda slot: [s for s in self._replica_sets[slot] if s != me]  # noqa: E731
@@ -269,34 +283,32 @@ class Replication:
         await self.slots.close()
         await asyncio.gather(*(link.close() for link in self.copy_links.values()))
 
-    async def _reconcile_loop(self) -> None:
-        """Each renewal interval: every slot this broker follows and is not in sync with gets reconciled."""
+    def _own(self) -> None:
+        for slot in self.leadership.held():
+            self.slots.owner(slot)  # its shippers start probing the followers outside the in-sync set
+
+    async def _reconcile(self, slot: int) -> bool:
+        """One attempt (``reconciling``): the holder's state rows, then its lite topics' messages; True once in
+        sync, False when to be done again (no holder known, it changed, or the slot fell out of sync meanwhile:
+        a copy found it behind, a batch of state rows missed)."""
         leadership, follower = self.leadership, self.follower
         assert follower is not None
-        while not self._stopping.is_set():
-            for slot in leadership.held():
-                self.slots.owner(slot)  # its shippers start probing the followers outside the in-sync set
-            for slot in leadership.mine:
-                epoch = leadership.epochs.get(slot)
-                if leadership.holds(slot) or epoch is None or follower.in_sync(slot, epoch):
-                    continue
-                try:
-                    holder = leadership.serving(slot)
-                    if holder != leadership.me and slot in leadership.holders:
-                        await self.states.fetch(slot, holder, self._state_fetch)
-                    if await follower.reconcile(slot, self._ends, self._fetch) and slot in self.states.stale:
-                        follower.reconciled.pop(slot, None)  # a batch of state rows missed meanwhile: again
-                except Exception as exc:  # a holder down or refusing: tried again next interval
-                    log.warning("slot %d: reconciling failed, tried again: %s", slot, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+        mark = follower.mark(slot)
+        holder = leadership.serving(slot)
+        if holder == leadership.me or slot not in leadership.holders:
+            return False
+        await self.states.fetch(slot, holder, self._state_fetch)
+        return await follower.reconcile(slot, self._ends, self._fetch, since=mark)
 
-    async def _call(self, slot: int, method: str, data: bytes) -> bytes:
+    async def _call(self, slot: int, method: str, data: bytes, *, reconciling: bool = False) -> bytes:
+        """A copy call to the broker of ``slot``. The copy path waits for a connection within its 2 s; while
+        reconciling, a broker that is down fails the call at once (``reconciling`` tries again)."""
         endpoint = self._links.membership.members[slot]
         call = self._links.channel(endpoint).unary_unary(method, None, None)
+        timeout_s = RECONCILE_TIMEOUT_S if reconciling else CALL_TIMEOUT_S
         try:
             answer: bytes = await call(
-                data, metadata=(self._links.peer_header(method),), timeout=CALL_TIMEOUT_S, wait_for_ready=True
+                data, metadata=(self._links.peer_header(method),), timeout=timeout_s, wait_for_ready=not reconciling
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(
@@ -304,15 +316,19 @@ class Replication:
             ) from None
         return answer
 
-    async def _ends(self, holder: int, slot: int) -> dict[str, int]:
-        found: dict[str, int] = json.loads(await self._call(holder, ENDS, json.dumps({"slot": slot}).encode()))
-        return found
+    async def _ends(self, holder: int, slot: int, after: str) -> tuple[dict[str, int], str | None]:
+        request = json.dumps({"slot": slot, "after": after}).encode()
+        found = json.loads(await self._call(holder, ENDS, request, reconciling=True))
+        following = found["next"]
+        return {str(t): int(e) for t, e in found["ends"].items()}, None if following is None else str(following)
 
-    async def _state_fetch(self, holder: int, slot: int) -> bytes:
-        return await self._call(holder, STATE_FETCH, json.dumps({"slot": slot}).encode())
+    async def _state_fetch(self, holder: int, slot: int, page: str, start: int) -> bytes:
+        request = json.dumps({"slot": slot, "page": page, "from": start}).encode()
+        return await self._call(holder, STATE_FETCH, request, reconciling=True)
 
     async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
-        return await self._call(holder, FETCH, json.dumps({"slot": slot, "topic": topic, "from": start}).encode())
+        request = json.dumps({"slot": slot, "topic": topic, "from": start}).encode()
+        return await self._call(holder, FETCH, request, reconciling=True)
 
     async def _diverge(self, holder: int, slot: int, epoch: int, topics: dict[str, int]) -> dict[str, following.Answer]:
         out: dict[str, following.Answer] = {}
@@ -353,10 +369,11 @@ class Replication:
             epochs = {str(t): int(e) for t, e in dict(request["topics"]).items()}
             return json.dumps(await asyncio.to_thread(sources.answers, self._store, epochs)).encode()
         if method == STATE_FETCH:
-            return await self.states.snapshot(slot, epoch)
+            return await self.states.snapshot(slot, epoch, str(request.get("page", "")), int(request.get("from", 0)))
         if method == ENDS:
-            found = await asyncio.to_thread(sources.ends, self._store, slot, self.slots.slot_of_topic)
-            return json.dumps(found).encode()
+            after, of = str(request.get("after", "")), self.slots.slot_of_topic
+            found, following = await asyncio.to_thread(sources.ends_page, self._store, slot, of, after, ENDS_SCAN)
+            return json.dumps({"ends": found, "next": following}).encode()
         topic, start = str(request["topic"]), int(request["from"])
         return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start)
 

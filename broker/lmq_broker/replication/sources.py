@@ -11,21 +11,34 @@ from lmq_broker.storage.api import Store
 
 SCAN_PAGE: Final = 1_000
 FETCH_MAX: Final = 1_000  # messages per fetch
+FETCH_BYTES: Final = 16 * 1024 * 1024  # bodies per fetch, beyond its first message (the peer channels carry 64 MiB)
 
 
 def ends(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> dict[str, int]:
     """The next offset of every non-empty lite topic of ``slot`` in ``store``."""
     out: dict[str, int] = {}
-    cursor = ""
-    while True:
-        page = store.scan_lite_topics(None, start_after=cursor, limit=SCAN_PAGE)
-        for meta in page:
-            topic = model.QueueId.lmq(meta.parent, meta.lite).topic
-            if meta.max_offset > 0 and slot_of_topic(topic) == slot:
-                out[topic] = meta.max_offset
-        if len(page) < SCAN_PAGE:
-            return out
-        cursor = f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}"
+    cursor: str | None = ""
+    while cursor is not None:
+        found, cursor = ends_page(store, slot, slot_of_topic, cursor, SCAN_PAGE)
+        out.update(found)
+    return out
+
+
+def ends_page(
+    store: Store, slot: int, slot_of_topic: Callable[[str], int], after: str, scan: int
+) -> tuple[dict[str, int], str | None]:
+    """One page of ``ends``: the lite topics of ``slot`` among the next ``scan`` lite topics of the store after
+    the cursor ``after`` ("" first), and the cursor of the next page (None: that was the last). A follower that
+    reconciles asks page by page, so no call scans more than ``scan`` topics whatever the store holds."""
+    out: dict[str, int] = {}
+    page = store.scan_lite_topics(None, start_after=after, limit=scan)
+    for meta in page:
+        topic = model.QueueId.lmq(meta.parent, meta.lite).topic
+        if meta.max_offset > 0 and slot_of_topic(topic) == slot:
+            out[topic] = meta.max_offset
+    if len(page) < scan:
+        return out, None
+    return out, f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}"
 
 
 def tails(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[model.StoredMessage]:
@@ -54,15 +67,25 @@ def _points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]
 
 
 def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
-    """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start``, with the topic's commit points that
-    fall within them (read first: none points past the messages; a follower on an empty disk gets them back)."""
+    """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start`` (and ``FETCH_BYTES`` of bodies), with
+    the topic's commit points that fall within them (read first: none points past the messages; a follower on
+    an empty disk gets them back)."""
     queue = model.QueueId(topic, 0)
     found = _points_of(store, topic, [g.name for g in store.list_groups()])
-    stored = store.read(queue, start, FETCH_MAX)
+    stored = _within_bytes(store.read(queue, start, FETCH_MAX))
     messages = [copies.as_new(m) for m in stored]
     results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
     end = stored[-1].offset + 1 if stored else start
     return wire.encode(slot, epoch, messages, results, [p for p in found if p.offset <= end])
+
+
+def _within_bytes(stored: list[model.StoredMessage]) -> list[model.StoredMessage]:
+    total = 0
+    for i, message in enumerate(stored):
+        total += len(message.body)
+        if total > FETCH_BYTES and i > 0:
+            return stored[:i]
+    return stored
 
 
 LOOK_BACK: Final = 64  # offsets ``StoreLog.last_below`` reads back through (lost ranges are rare and short)

@@ -9,7 +9,9 @@ the seq of its last batch) before it counts as in sync. Rows are whole values, s
 snapshot already had changes nothing.
 
 Layout of a batch (and of a snapshot, with ``"full": true``): JSON
-``{"slot", "epoch", "stream", "seq", "full", "rows": [[kind, key, value or null]…]}``.
+``{"slot", "epoch", "stream", "seq", "full", "rows": [[kind, key, value or null]…]}``. A snapshot comes in pages:
+it adds ``"page"`` (the snapshot's name at the holder, which keeps it a while for the next pages) and ``"more"``
+(true: rows follow, asked for by that name and the count of rows received).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Batch:
     seq: int
     rows: list[tuple[str, str, str | None]]
     full: bool = False
+    page: str = ""  # a snapshot's name at the holder (its pages)
+    more: bool = False  # a snapshot page with more rows after it
 
 
 def encode(batch: Batch) -> bytes:
@@ -43,6 +47,8 @@ def encode(batch: Batch) -> bytes:
         "full": batch.full,
         "rows": [list(r) for r in batch.rows],
     }
+    if batch.full:
+        value |= {"page": batch.page, "more": batch.more}
     return json.dumps(value, separators=(",", ":")).encode()
 
 
@@ -50,7 +56,9 @@ def decode(data: bytes) -> Batch:
     try:
         v = json.loads(data)
         rows = [(str(kind), str(key), None if value is None else str(value)) for kind, key, value in v["rows"]]
-        return Batch(int(v["slot"]), int(v["epoch"]), str(v["stream"]), int(v["seq"]), rows, bool(v["full"]))
+        slot, epoch, stream, seq = int(v["slot"]), int(v["epoch"]), str(v["stream"]), int(v["seq"])
+        page, more = str(v.get("page", "")), bool(v.get("more", False))
+        return Batch(slot, epoch, stream, seq, rows, bool(v["full"]), page, more)
     except (ValueError, KeyError, TypeError) as exc:
         raise errors.InvalidArgument(f"unreadable state batch: {exc}") from None
 

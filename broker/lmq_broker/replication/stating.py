@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Final
 
 from prometheus_client.core import GaugeMetricFamily
@@ -44,11 +45,31 @@ log = logging.getLogger(__name__)
 SHIP_INTERVAL_MS: Final = 100  # how often a holder looks for changed rows (a look costs nothing when none changed)
 PACE: Final = 10  # the wait after a look is at least this many times what it cost (a large registry: less often)
 SLOTS_CACHED: Final = 262_144  # lite topics whose slot a holder remembers (~30 MiB when full)
+SNAPSHOT_PAGE: Final = 5_000  # rows per StateFetch answer (a page of a snapshot the holder keeps meanwhile)
+SNAPSHOTS_KEPT: Final = 8  # snapshots a holder keeps for their next pages (the oldest goes first)
+SNAPSHOT_KEEP_S: Final = 60.0  # and for at most this long
+FETCH_RESTARTS: Final = 3  # a snapshot the holder no longer had, started again at most this often per fetch
+DURING_MAX: Final = 10_000  # batches a follower keeps while it fetches a snapshot (more: it fetches again)
 SUB: Final = "sub"
 MQTT_KIND: Final = "mqtt-"  # + the table's name
 
 Call = Callable[[int, bytes], Awaitable[bytes]]  # (the slot of a broker, data) -> its answer
-Snapshot = Callable[[int, int], Awaitable[bytes]]  # (the holder's slot, slot) -> its rows now (``states`` full)
+# (the holder's slot, slot, snapshot name ("" first), rows received) -> the next page of its rows (``states`` full)
+Snapshot = Callable[[int, int, str, int], Awaitable[bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A snapshot a holder keeps for the next pages a follower asks for."""
+
+    slot: int
+    epoch: int
+    stream: str
+    seq: int
+    rows: list[tuple[str, str, str | None]]
+    made: float  # monotonic
+
+
 Records = list[saved_subscriptions.ClientRecord]
 
 
@@ -81,6 +102,9 @@ class States:
         self._sending: dict[tuple[int, int], asyncio.Task[None]] = {}  # (slot, follower) -> its last batch
         self._retry: set[int] = set()  # slots held whose last batch did not reach every follower
         self.installed: set[int] = set()  # slots taken over whose shadow went into this broker's state
+        self._kept: dict[str, _Kept] = {}  # the holder's snapshots being fetched, by name
+        self._during: dict[int, list[states.Batch]] = {}  # slot whose snapshot is being fetched -> batches meanwhile
+        self._overflowed: set[int] = set()  # slots whose batches meanwhile were too many
         self.on_stale: Callable[[int], None] = lambda slot: None
         self.refused: Callable[[str], None] = lambda reason: None  # counted with the copies a follower refused
 
@@ -161,12 +185,24 @@ class States:
         tracker.seq += 1
         return states.Batch(slot, epoch, tracker.stream, tracker.seq, changes)
 
-    async def snapshot(self, slot: int, epoch: int) -> bytes:
-        """Every row of a slot this broker holds, for a follower that reconciles."""
-        tracker = self._tracker(slot)
-        rows = await self.rows(slot)
-        listed: list[tuple[str, str, str | None]] = [(kind, key, value) for (kind, key), value in rows.items()]
-        return states.encode(states.Batch(slot, epoch, tracker.stream, tracker.seq, listed, full=True))
+    async def snapshot(self, slot: int, epoch: int, page: str = "", start: int = 0) -> bytes:
+        """A page of every row of a slot this broker holds, for a follower that reconciles: from ``start`` of the
+        snapshot named ``page``, or the first of a new one (the rows now) when ``page`` is "" or gone."""
+        now = time.monotonic()
+        for name in [n for n, k in self._kept.items() if now - k.made > SNAPSHOT_KEEP_S]:
+            del self._kept[name]
+        kept = self._kept.get(page)
+        if kept is None or kept.slot != slot or kept.epoch != epoch:
+            tracker = self._tracker(slot)
+            rows = await self.rows(slot)
+            listed: list[tuple[str, str, str | None]] = [(kind, key, value) for (kind, key), value in rows.items()]
+            page, start = uuid.uuid4().hex, 0
+            kept = self._kept[page] = _Kept(slot, epoch, tracker.stream, tracker.seq, listed, now)
+            while len(self._kept) > SNAPSHOTS_KEPT:
+                del self._kept[next(iter(self._kept))]
+        end = start + SNAPSHOT_PAGE
+        chunk, more = kept.rows[start:end], end < len(kept.rows)
+        return states.encode(states.Batch(slot, epoch, kept.stream, kept.seq, chunk, True, page, more))
 
     def _tracker(self, slot: int) -> states.Tracker:
         found = self._trackers.get(slot)
@@ -221,6 +257,16 @@ class States:
         if batch.epoch < leadership.epochs.get(slot, 0):
             self.refused("stale_epoch")
             raise errors.Fenced(f"slot {slot} is at a newer epoch: state rows of epoch {batch.epoch} refused")
+        during = self._during.get(slot)
+        if during is not None:  # a snapshot is being fetched: applied over it once it is in
+            if len(during) < DURING_MAX:
+                during.append(batch)
+                return True
+            during.clear()  # too many: fetched again
+            self._overflowed.add(slot)
+            self.stale.add(slot)
+            self.on_stale(slot)
+            return False
         shadow = self.shadows.get(slot)
         if shadow is None or not shadow.apply(batch):
             if shadow is not None:  # without one (just started) a snapshot is due anyway
@@ -231,14 +277,43 @@ class States:
         return True
 
     async def fetch(self, slot: int, holder: int, snapshot: Snapshot) -> None:
-        """The holder's rows of ``slot`` now: this broker's shadow of them from here on."""
-        batch = states.decode(await snapshot(holder, slot))
-        if not batch.full or batch.slot != slot:
-            raise errors.Conflict(f"slot {slot}: the holder answered no snapshot of its state rows")
-        rows: states.Rows = {}
-        states.put(rows, batch.rows)
-        self.shadows[slot] = states.Shadow(batch.stream, batch.seq, rows)
-        self.stale.discard(slot)
+        """The holder's rows of ``slot`` now, page by page: this broker's shadow of them from here on. Batches
+        that arrive meanwhile are applied over it once it is in (those it already holds change nothing)."""
+        during = self._during[slot] = []
+        try:
+            batch = await self._snapshot(slot, holder, snapshot)
+            rows: states.Rows = {}
+            states.put(rows, batch.rows)
+            shadow = self.shadows[slot] = states.Shadow(batch.stream, batch.seq, rows)
+            if slot in self._overflowed:
+                return  # too many batches meanwhile: stale, fetched again
+            self.stale.discard(slot)
+            for later in during:
+                if not shadow.apply(later):
+                    self.refused("state_gap")
+                    self.stale.add(slot)
+                    self.on_stale(slot)
+                    return
+        finally:
+            del self._during[slot]
+            self._overflowed.discard(slot)
+
+    async def _snapshot(self, slot: int, holder: int, snapshot: Snapshot) -> states.Batch:
+        """Every page of one snapshot of the holder's rows, as one batch."""
+        page, rows, restarts = "", list[tuple[str, str, str | None]](), 0
+        while True:
+            batch = states.decode(await snapshot(holder, slot, page, len(rows)))
+            if not batch.full or batch.slot != slot:
+                raise errors.Conflict(f"slot {slot}: the holder answered no snapshot of its state rows")
+            if batch.page != page:  # the first page, or the holder no longer had the snapshot: a new one
+                if page:
+                    restarts += 1
+                    if restarts > FETCH_RESTARTS:
+                        raise errors.Conflict(f"slot {slot}: the holder's snapshot of its state rows kept expiring")
+                page, rows = batch.page, []
+            rows.extend(batch.rows)
+            if not batch.more:
+                return states.Batch(slot, batch.epoch, batch.stream, batch.seq, rows, full=True)
 
     async def install(self, slot: int) -> None:
         """A slot this broker took over: its holder's subscriptions and MQTT rows become this broker's."""

@@ -411,3 +411,61 @@ def test_an_old_owner_back_on_its_disk_cuts_what_was_never_acknowledged_and_catc
     assert [m for m in owner if m in acked and m != f"{lite}-103"] == [m for m in acked if m != f"{lite}-103"]
     assert set(owner) <= {*acked, *retried}
     assert owner[20:23] == retried  # at the offsets the old owner had used for what it cut
+
+
+def test_a_follower_whose_reconcile_failed_is_in_sync_again_on_its_own_and_takes_over(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """The follower, back on an empty disk, is still a member of the in-sync set (no copy failed there: no send
+    came since) but holds nothing: only a reconcile brings the slot's messages back, and its reconciles fail
+    (a failpoint: as a call timing out under load would). Once they can succeed it is in sync again with no new
+    send, on its own retries, and takes the slot over after kill -9 of the owner with every acknowledged
+    message."""
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    fail = tmp_path / "fail-reconcile"  # while it exists, every reconcile the follower tries fails
+    failpoint = {replication_setup.FAILPOINT_RECONCILE_ENV: str(fail)}
+    brokers = [start(tmp_path, kube, members, s, prefix="reconcile", env=failpoint if s else None) for s in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lite = next(f"c{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"c{i}").topic) == 0)
+
+    def held_by(slot: int) -> kube_api.Lease | None:
+        got = api.get("reconcile-slot-0")
+        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
+
+    def in_sync() -> bool:
+        return metric(brokers[1], "lmq_replication_in_sync", slot="0") == 1
+
+    def failed() -> float:
+        return metric(brokers[1], "lmq_replication_reconciles_total", result="failed")
+
+    try:
+        eventually(lambda: held_by(0), "the owner holds its lease")
+        acked = asyncio.run(send_all(members[0], lite, 0, 50))
+        assert len(acked) == 50
+        eventually(in_sync, "the follower in sync")
+        fail.touch()
+        brokers[1].kill()
+        shutil.rmtree(tmp_path / "b1")
+        brokers[1] = start(tmp_path, kube, members, 1, prefix="reconcile", env=failpoint)
+        eventually(lambda: failed() >= 3, "the follower's reconciles failed and were tried again")
+        assert not in_sync()
+        assert metric(brokers[1], "lmq_replication_copied_total") == 0  # no send since: no copy brought anything
+        failures = failed()
+        fail.unlink()
+        allowed = time.monotonic()
+        eventually(in_sync, "the follower in sync again with no new send", timeout_s=15)
+        back_s = time.monotonic() - allowed
+        assert metric(brokers[1], "lmq_replication_reconciles_total", result="ok") >= 1
+        brokers[0].kill()
+        killed = time.monotonic()
+        eventually(lambda: held_by(1), "the follower took the lease", timeout_s=30)
+        print(
+            f"\nreconcile: in sync {back_s:.2f} s after its reconciles could succeed again ({failures:.0f} failed "
+            f"before); lease taken {time.monotonic() - killed:.2f} s after kill -9 (lease {LEASE_MS} ms)"
+        )
+    finally:
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    assert held(tmp_path / "b1", lite) == acked  # every acknowledged message, once and in order

@@ -20,6 +20,7 @@ from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
+from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.mqtt import durable
 from lmq_broker.protocol import testing as protocol_testing
@@ -109,10 +110,14 @@ def has_row(pair: Pair, kind: str, key: Callable[[str], bool]) -> bool:
 
 async def lose_the_owner(pair: Pair) -> None:
     """Broker 0 stops and its disk is gone; broker 1 takes slot 0 over and installs what it shadowed."""
+    replication = pair.brokers[1].replication
+    assert replication is not None and replication.follower is not None
+    follower, owner = replication.follower, pair.leadership(0)
+    # the premise of a takeover: the follower reconciled, and the owner recorded it in the in-sync set
+    await eventually_async(lambda: follower.in_sync(0, owner.epoch(0)), "the follower in sync")
+    await eventually_async(lambda: 1 in owner.in_sync(0), "the follower in slot 0's in-sync set")
     await pair.brokers[0].stop(grace_s=0.1)
     shutil.rmtree(pair.brokers[0].config.store.data_dir)
-    replication = pair.brokers[1].replication
-    assert replication is not None
     await eventually_async(lambda: pair.leadership(1).epoch(0) is not None, "the follower took slot 0", TAKEOVER_S)
     await eventually_async(lambda: 0 in replication.states.installed, "slot 0's state rows installed")
 
@@ -305,3 +310,49 @@ def test_mqtt_rows_merge_without_overwriting_newer_ones(tmp_path: Path) -> None:
     finally:
         theirs.close()
         mine.close()
+
+
+class _Stub:
+    """What ``stating.States`` reads of a broker's leases: this broker is slot ``me``, a replica of slot 0."""
+
+    def __init__(self, me: int, holds: bool) -> None:
+        self.me, self.mine, self.epochs, self._holds = me, [0], {0: 1}, holds
+
+    def holds(self, slot: int) -> bool:
+        return self._holds
+
+    def epoch(self, slot: int) -> int | None:
+        return 1 if self._holds else None
+
+
+def _states(me: int, holds: bool, records: list[Any]) -> stating.States:
+    stub: Any = _Stub(me, holds)
+    return stating.States(stub, lambda topic: 0, lambda: records, lambda r: None, lambda: 1, lambda: None, wall_ms)
+
+
+@pytest.mark.asyncio
+async def test_a_snapshot_of_state_rows_comes_in_pages_and_batches_meanwhile_are_applied_over_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """StateFetch answers a page of rows at a time (a snapshot the holder keeps meanwhile); one it no longer has
+    is started again; a batch arriving while the follower fetches is applied once the snapshot is in."""
+    monkeypatch.setattr(stating, "SNAPSHOT_PAGE", 5)
+    records = [saved_subscriptions.ClientRecord(f"c{i}", 1, GROUP, PARENT, (f"{PARENT}$t{i}",)) for i in range(12)]
+    holder, follower = _states(0, True, records), _states(1, False, [])
+    asked: list[tuple[str, int]] = []
+
+    async def snapshot(of: int, slot: int, page: str, start: int) -> bytes:
+        asked.append((page, start))
+        if len(asked) == 2:  # the holder no longer has it: the follower starts again
+            holder._kept.clear()
+        if len(asked) == 4:  # a batch the holder ships meanwhile
+            tracker = holder._trackers[0]
+            late = states.Batch(0, 1, tracker.stream, tracker.seq + 1, [(stating.SUB, "late", "{}")])
+            assert follower.accept(states.encode(late))
+        return await holder.snapshot(slot, 1, page, start)
+
+    await follower.fetch(0, 0, snapshot)
+    assert [start for _, start in asked] == [0, 5, 5, 10]  # 5, then a new snapshot from 0, then 5 + 5 + 2
+    shadow = follower.shadows[0]
+    assert {key for _, key in shadow.rows} == {*(f"c{i}" for i in range(12)), "late"}
+    assert shadow.seq == 1 and 0 not in follower.stale
