@@ -1,8 +1,9 @@
 """Access control on the v2 service: which user a call is, and what each request asks to do.
 
-With ``--acl`` the v2 handlers' wrappers (``guard``, with an ``auth.Verifier`` over the users' secrets) have
-verified the call's signature before the service runs, and left its user in ``auth.USER``. Each method then names what
-it touches (``policy.Target``) and the action, and ``AccessControl.check`` answers from its cache; a refusal
+With ``--acl`` the v2 handler finder (``guard.Messaging``, with an ``auth.Verifier`` over the users' secrets)
+has verified the call's signature before the service runs, and left its user in ``auth.USER``. Each method
+then names what it touches (``policy.Target``) and the action, and ``AccessControl.check`` answers from its
+cache (a send and a consumer call: ``Gate``'s own, one lookup per call, before that); a refusal
 raises ``errors.Forbidden``, which the service's edge turns into the v2 status FORBIDDEN (40300), logs at
 INFO (``refusals``) and counts in ``lmq_acl_refused_total{user,action}``.
 

@@ -154,9 +154,9 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
-        # Who sends does not matter to a send alone: auth, when configured, has checked the signature already (in
-        # the handlers' wrappers, ``guard``), and under --acl left the call's user in ``auth.USER``, which
-        # ``Gate.send`` looks up with the message's topic: the send path's one check, no closure, no coroutine.
+        # Who sends does not matter to a send alone: auth, when configured, has checked the signature already (under
+        # --acl in the handler finder, ``guard.Messaging``, which left the call's user in ``auth.USER``), and
+        # ``Gate.send`` looks the user up with the message's topic: the send path's one check, no closure.
         cluster = self.edge.cluster
         if self.gate.enabled:
             try:
