@@ -24,9 +24,10 @@ rocketmq-python-client 5.1.2 stamps its *local* time followed by a literal ``Z``
 Health checks (``/grpc.health.v1.Health/``) are exempt so kubelet probes need no credentials.
 
 Under ``--acl`` (users and policies, ``lmq_broker.access``) the v2 calls are signed by users: the service's
-handler wrappers (``guard``) check them with a ``Verifier`` over the users' key pairs (the admin pair among
-them, as the super user), which remembers each signature for the second it covers and leaves the call's user
-in ``USER`` for the access checks (``authorizing``); ``AuthInterceptor`` is not installed then.
+handler finder (``guard.Messaging``) checks them, on the headers grpc read to find the handler, with a
+``Verifier`` over the users' key pairs (the admin pair among them, as the super user), which remembers each
+signature for the second it covers and leaves the call's user in ``USER`` for the access checks
+(``authorizing``); ``AuthInterceptor`` is not installed then.
 
 The admin service (``lmq.admin.v1``) has a key pair of its own, checked (``AdminGuard``) whether or not the
 v2 clients have one: client credentials are handed to every application, and must not let one tenant
@@ -268,8 +269,8 @@ else:
 
 class AuthInterceptor(_Interceptor):
     """Rejects v2 calls not signed with the client pair ``access_key``/``secret_key``; wire it only when client
-    auth is configured (without ``--acl``, whose users' signatures the v2 handlers' wrappers check with a
-    ``Verifier``). Other services pass: health checks are open, the admin service has ``AdminGuard``."""
+    auth is configured (without ``--acl``, whose users' signatures the v2 handler finder, ``guard.Messaging``,
+    checks with a ``Verifier``). Other services pass: health checks are open, the admin service has ``AdminGuard``."""
 
     def __init__(
         self,

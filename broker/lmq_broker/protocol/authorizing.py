@@ -1,8 +1,9 @@
 """Access control on the v2 service: which user a call is, and what each request asks to do.
 
-With ``--acl`` the v2 handlers' wrappers (``guard``, with an ``auth.Verifier`` over the users' secrets) have
-verified the call's signature before the service runs, and left its user in ``auth.USER``. Each method then names what
-it touches (``policy.Target``) and the action, and ``AccessControl.check`` answers from its cache; a refusal
+With ``--acl`` the v2 handler finder (``guard.Messaging``, with an ``auth.Verifier`` over the users' secrets)
+has verified the call's signature before the service runs, and left its user in ``auth.USER``. Each method
+then names what it touches (``policy.Target``) and the action, and ``AccessControl.check`` answers from its
+cache (a send and a consumer call: ``Gate``'s own, one lookup per call, before that); a refusal
 raises ``errors.Forbidden``, which the service's edge turns into the v2 status FORBIDDEN (40300), logs at
 INFO (``refusals``) and counts in ``lmq_acl_refused_total{user,action}``.
 
@@ -22,8 +23,8 @@ for that client are signed with the admin pair, the super user (``cluster.links`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Callable, Iterable
+from typing import Any, Final
 
 from lmq_broker import errors
 from lmq_broker.access import policy
@@ -35,53 +36,79 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import sync_lite_subscription
 
 PUB, SUB = policy.Action.PUB, policy.Action.SUB
-CONSUMERS_KEPT: Final = 16_384  # (user, group, topic, lite) admitted to consume, remembered until a change
+ADMITTED_KEPT: Final = 16_384  # admissions (to send, to consume) a Gate remembers of each kind until a change
+Peer = Callable[[], str]  # the call's address, read when a decision needs it (``context.peer``)
 
 
 class Gate:
-    """The v2 service's checks; ``enabled`` False (no ``--acl``): the service never calls them."""
+    """The v2 service's checks; ``enabled`` False (no ``--acl``): the service never calls them. ``peer`` gives the
+    call's address (``context.peer()``, a string built per call): asked only when a decision is not remembered."""
 
     def __init__(self, access: AccessControl, revoker: revoking.Revoker | None = None) -> None:
         self.access = access
         self.revoker = revoker  # lite subscriptions checked again when the rules change
         self.enabled = access.enabled
-        # Consumer calls (receive, ack, invisibility) repeat the same (user, group, topic, lite) many times a
-        # second: their two decisions in one lookup, for the rules of ``generation`` (refusals are not kept).
+        # Sends and consumer calls (receive, ack, invisibility) repeat the same (user, topic, lite) and (user,
+        # group, topic, lite) many times a second: their decisions in one lookup each, for the rules of
+        # ``generation`` (refusals are not kept, nor the answers of a user whose rules name networks).
+        self._publishers: dict[tuple[str, str, str | None], bool] = {}
         self._consumers: dict[tuple[str, str, str, str], bool] = {}
         self._generation = access.generation
+
+    def _fresh(self) -> None:
+        """Forget every remembered admission when the rules changed since (one int compare when they did not)."""
+        if self.access.generation != self._generation:
+            self._publishers.clear()
+            self._consumers.clear()
+            self._generation = self.access.generation
+
+    def _remember(self, kept: dict[Any, bool], key: Any, user: str) -> None:
+        if not self.access.by_source(user):
+            if len(kept) >= ADMITTED_KEPT:
+                kept.clear()
+            kept[key] = True
 
     def _check(self, user: str, peer: str, action: policy.Action, targets: Iterable[policy.Target]) -> None:
         for target in targets:
             self.access.check(user, action, target, peer)
 
-    def _route(self, user: str, peer: str, topic: str) -> None:
-        route(self.access, user, peer, topic)
-
-    def send(self, peer: str, request: spb.SendMessageRequest) -> None:
+    def send(self, peer: Peer, request: spb.SendMessageRequest) -> None:
+        """Pub on each message's lite topic, or topic. A single message (what the official clients send) is
+        looked up by (user, topic, lite topic) first; ``send_plain`` is the same check without that memory."""
         messages = request.messages
-        targets = (_published(messages[0]),) if len(messages) == 1 else {_published(m) for m in messages}
-        self._check(auth.USER.get(), peer, PUB, targets)
+        if len(messages) != 1:
+            self.send_plain(peer, request)
+            return
+        message = messages[0]
+        props = message.system_properties  # read once: each protobuf field access builds a wrapper
+        user, topic = auth.USER.get(), message.topic.name
+        key = (user, topic, props.lite_topic if props.HasField("lite_topic") else None)
+        self._fresh()
+        if key in self._publishers:
+            return
+        self.access.check(user, PUB, _published(message), peer())
+        self._remember(self._publishers, key, user)
 
-    def route(self, peer: str, request: spb.QueryRouteRequest) -> None:
-        self._route(auth.USER.get(), peer, request.topic.name)
+    def send_plain(self, peer: Peer, request: spb.SendMessageRequest) -> None:
+        """``send`` with no memory of its own: every message's target checked by ``AccessControl``."""
+        self._check(auth.USER.get(), peer(), PUB, {_published(m) for m in request.messages})
 
-    def consume(self, peer: str, group: str, topic: str, lite: str = "") -> None:
+    def route(self, peer: Peer, request: spb.QueryRouteRequest) -> None:
+        route(self.access, auth.USER.get(), peer(), request.topic.name)
+
+    def consume(self, peer: Peer, group: str, topic: str, lite: str = "") -> None:
         """Receive, assignment, ack, invisibility, dead letter: Sub on the group and the (lite) topic."""
         user, access = auth.USER.get(), self.access
-        if access.generation != self._generation:
-            self._consumers.clear()
-            self._generation = access.generation
         key = (user, group, topic, lite)
+        self._fresh()
         if key in self._consumers:
             return
-        access.check(user, SUB, policy.group(group), peer)
-        access.check(user, SUB, policy.lite(topic, lite) if lite else policy.under(topic), peer)
-        if not access.by_source(user):
-            if len(self._consumers) >= CONSUMERS_KEPT:
-                self._consumers.clear()
-            self._consumers[key] = True
+        address = peer()
+        access.check(user, SUB, policy.group(group), address)
+        access.check(user, SUB, policy.lite(topic, lite) if lite else policy.under(topic), address)
+        self._remember(self._consumers, key, user)
 
-    def ack(self, peer: str, request: spb.AckMessageRequest) -> None:
+    def ack(self, peer: Peer, request: spb.AckMessageRequest) -> None:
         entries = request.entries
         if len(entries) == 1:  # the official clients ack one message per call: no set to build
             self.consume(peer, request.group.name, request.topic.name, entries[0].lite_topic)
@@ -90,17 +117,17 @@ class Gate:
             self.consume(peer, request.group.name, request.topic.name, lite)
 
     async def sync_lite(
-        self, peer: str, request: spb.SyncLiteSubscriptionRequest, caller: Caller, max_chars: int
+        self, peer: Peer, request: spb.SyncLiteSubscriptionRequest, caller: Caller, max_chars: int
     ) -> None:
-        user = auth.USER.get()
+        user, address = auth.USER.get(), peer()
         names = await sync_lite_subscription.lite_topics(request, caller, max_chars)
         revoker = self.revoker
         if revoker is not None and caller.client_id:
-            revoker.made(caller, user, peer, request, names)
+            revoker.made(caller, user, address, request, names)
         try:
-            self.access.check(user, SUB, policy.group(request.group.name), peer)
+            self.access.check(user, SUB, policy.group(request.group.name), address)
             parent = request.topic.name
-            self._check(user, peer, SUB, (policy.lite(parent, n) for n in names))
+            self._check(user, address, SUB, (policy.lite(parent, n) for n in names))
         except errors.Forbidden:
             if revoker is not None and caller.client_id:
                 revoker.refused(caller.client_id)  # what it holds from before (a restart, a change) is checked

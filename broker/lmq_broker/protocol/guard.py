@@ -9,15 +9,16 @@ before the handler is even found, and the send path is where every microsecond c
 
 The same wrappers admit calls (``admission``): a call beyond the broker's cap is answered here, before its
 handler runs, with the v2 status TOO_MANY_REQUESTS where the response has a status, else gRPC
-RESOURCE_EXHAUSTED. Under ``--acl`` they also check the call's signature (``authenticate``, an
-``auth.Verifier`` over the users' key pairs) and answer a call that is not signed by a user as
-``auth.AuthInterceptor`` does (UNAUTHORIZED in the v2 status; Telemetry: gRPC UNAUTHENTICATED), here rather
-than in a server interceptor, which would cost every call one more coroutine.
+RESOURCE_EXHAUSTED. Under ``--acl`` the handler finder (``Messaging``) checks the call's signature
+(``authenticate``, an ``auth.Verifier`` over the users' key pairs) on the headers grpc read to find the handler,
+and answers a call that is not signed by a user as ``auth.AuthInterceptor`` does (UNAUTHORIZED in the v2
+status; Telemetry: gRPC UNAUTHENTICATED), with a handler of its own: not in a server interceptor, which costs
+every call one more coroutine, nor with a second read of the headers.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -25,14 +26,19 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
 from lmq_broker.protocol.admission import Admission
-from lmq_broker.protocol.context import read_metadata
+from lmq_broker.protocol.context import METADATA
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # grpc's classes are generic only in the type stubs
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    _GenericHandler: TypeAlias = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericHandler = grpc.GenericRpcHandler
 
 SERVICE: Final = "apache.rocketmq.v2.MessagingService"
+_NO_FRAMES: Final[tuple[Any, ...]] = ()
 Authenticate: TypeAlias = Callable[[Iterable[tuple[str, str | bytes]] | None], str | None]  # -> why not, or None
 
 
@@ -58,7 +64,7 @@ def generic_handler(
     ``admission`` (none: no cap), and signed as ``authenticate`` wants (none: unchecked here)."""
     admission = admission or Admission(0)
     service = service_pb2.DESCRIPTOR.services_by_name["MessagingService"]
-    handlers: dict[str, Any] = {}
+    handlers: dict[str, Handler] = {}
     for method in service.methods:
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
@@ -66,25 +72,76 @@ def generic_handler(
         decode = _tolerant(method.name, request.FromString)
         encode = response.SerializeToString
         has_status = "status" in method.output_type.fields_by_name
+        path = f"/{SERVICE}/{method.name}"
         if method.client_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                _bidi(behaviour, method.name, admission, authenticate),
-                request_deserializer=decode,
-                response_serializer=encode,
+            handlers[path] = grpc.stream_stream_rpc_method_handler(
+                _bidi(behaviour, method.name, admission), request_deserializer=decode, response_serializer=encode
             )
         elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streamed(behaviour, response if has_status else None, method.name, admission, authenticate),
+            handlers[path] = grpc.unary_stream_rpc_method_handler(
+                _streamed(behaviour, response if has_status else None, method.name, admission),
                 request_deserializer=decode,
                 response_serializer=encode,
             )
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(behaviour, response, method.name, admission, authenticate),
+            handlers[path] = grpc.unary_unary_rpc_method_handler(
+                _unary(behaviour, response, method.name, admission),
                 request_deserializer=decode,
                 response_serializer=encode,
             )
-    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+    return Messaging(handlers, authenticate)
+
+
+class Messaging(_GenericHandler):
+    """The v2 methods' handlers by method path, and where each call's headers are read and its signature checked.
+
+    grpc has read the call's headers already, to find its handler (``HandlerCallDetails``); reading them again
+    (``context.invocation_metadata()``) would build them anew, a tuple of tuples of ``str`` per call. So they are
+    taken here, left in ``context.METADATA`` for the service (the headers of unsigned calls too), and under
+    ``--acl`` checked here: ``authenticate`` leaves the call's user in ``auth.USER``. grpc asks ``service`` in the
+    task the call then runs in, so what it sets is the call's own."""
+
+    def __init__(self, handlers: Mapping[str, Handler], authenticate: Authenticate | None = None) -> None:
+        self._handlers = dict(handlers)
+        self._authenticate = authenticate
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = self._handlers.get(handler_call_details.method)
+        if handler is None:
+            return None
+        metadata = handler_call_details.invocation_metadata
+        METADATA.set(metadata)
+        authenticate = self._authenticate
+        if authenticate is None or (why := authenticate(metadata)) is None:
+            return handler
+        return _unauthorized_handler(handler_call_details.method, handler, why)
+
+
+def _unauthorized_handler(path: str, handler: Handler, why: str) -> Handler:
+    """A handler of ``handler``'s shape answering as ``auth.AuthInterceptor`` does: UNAUTHORIZED in the v2 status
+    where the response has one, else gRPC UNAUTHENTICATED (Telemetry)."""
+    method = service_pb2.DESCRIPTOR.services_by_name["MessagingService"].methods_by_name[path.rpartition("/")[2]]
+    serializer = handler.response_serializer
+    if method.client_streaming or "status" not in method.output_type.fields_by_name:
+
+        async def abort(requests: Any, context: Context) -> AsyncIterator[Any]:
+            for frame in _NO_FRAMES:  # a generator, as the method's own handler: both edges iterate it
+                yield frame
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unauthorized: {why}")
+
+        return grpc.stream_stream_rpc_method_handler(abort, response_serializer=serializer)
+    answer = _unauthorized(message_factory.GetMessageClass(method.output_type), why)
+    if method.server_streaming:
+
+        async def streamed(request: Any, context: Context) -> AsyncIterator[Any]:
+            yield answer
+
+        return grpc.unary_stream_rpc_method_handler(streamed, response_serializer=serializer)
+
+    async def unary(request: Any, context: Context) -> Any:
+        return answer
+
+    return grpc.unary_unary_rpc_method_handler(unary, response_serializer=serializer)
 
 
 def _bad_request(response: type[pb_message.Message], why: str) -> Any:
@@ -99,13 +156,7 @@ def _unauthorized(response: type[pb_message.Message], why: str) -> Any:
     return response(status=pb.Status(code=pb.UNAUTHORIZED, message=f"unauthorized: {why}"))
 
 
-def _unary(
-    behaviour: Any,
-    response: type[pb_message.Message],
-    name: str,
-    admission: Admission,
-    authenticate: Authenticate | None,
-) -> Any:
+def _unary(behaviour: Any, response: type[pb_message.Message], name: str, admission: Admission) -> Any:
     refusal = _too_many_requests(response, admission)  # built once: only ever serialized
 
     async def unary(request: Any, context: Context) -> Any:
@@ -115,8 +166,6 @@ def _unary(
         try:
             if isinstance(request, _Undecodable):
                 return _bad_request(response, request.why)
-            if authenticate is not None and (why := authenticate(read_metadata(context))) is not None:
-                return _unauthorized(response, why)
             return await behaviour(request, context)
         finally:
             admission.leave()
@@ -124,13 +173,7 @@ def _unary(
     return unary
 
 
-def _streamed(
-    behaviour: Any,
-    response: type[pb_message.Message] | None,
-    name: str,
-    admission: Admission,
-    authenticate: Authenticate | None,
-) -> Any:
+def _streamed(behaviour: Any, response: type[pb_message.Message] | None, name: str, admission: Admission) -> Any:
     # A long poll (ReceiveMessage) is refused when the broker is full but holds no slot while it waits.
     refusal = None if response is None else _too_many_requests(response, admission)
 
@@ -148,26 +191,18 @@ def _streamed(
             else:
                 yield _bad_request(response, request.why)
             return
-        if authenticate is not None and (why := authenticate(read_metadata(context))) is not None:
-            if response is None:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unauthorized: {why}")
-            else:
-                yield _unauthorized(response, why)
-            return
         async for frame in behaviour(request, context):
             yield frame
 
     return streamed
 
 
-def _bidi(behaviour: Any, name: str, admission: Admission, authenticate: Authenticate | None) -> Any:
+def _bidi(behaviour: Any, name: str, admission: Admission) -> Any:
     # Telemetry lives as long as its client: refused at its start when the broker is full, then holds no slot.
     async def bidi(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
         if admission.full:
             admission.refuse(name)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.message)
-        if authenticate is not None and (why := authenticate(read_metadata(context))) is not None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unauthorized: {why}")
 
         async def checked() -> AsyncIterator[Any]:
             async for request in requests:

@@ -3,6 +3,8 @@ networks, disabled and super users, and the decision cache following changes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from lmq_broker import errors
@@ -10,6 +12,11 @@ from lmq_broker.access import control, document, policy
 from lmq_broker.access.policy import Action, Decision, Entry, User
 
 PUB, SUB = Action.PUB, Action.SUB
+
+
+def peer() -> str:
+    """A call's address, as ``context.peer`` gives it."""
+    return "ipv4:127.0.0.1:1"
 
 
 def rules(*entries: Entry, users: tuple[User, ...] = ()) -> policy.Rules:
@@ -186,13 +193,13 @@ def test_the_gate_remembers_admitted_consumers_until_a_change() -> None:
     access.load(document.Document(alice, allowed))
     gate = authorizing.Gate(access)
     auth.USER.set("alice")
-    gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")
-    gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # remembered
+    gate.consume(peer, "g", "chat", "a-1")
+    gate.consume(peer, "g", "chat", "a-1")  # remembered
     with pytest.raises(errors.Forbidden):
-        gate.consume("ipv4:127.0.0.1:1", "other", "chat", "a-1")
+        gate.consume(peer, "other", "chat", "a-1")
     access.load(document.Document(alice, (*allowed, Entry("alice", "Lite:chat/a-1", (SUB,), Decision.DENY))))
     with pytest.raises(errors.Forbidden, match="Sub on Lite:chat/a-1"):
-        gate.consume("ipv4:127.0.0.1:1", "g", "chat", "a-1")  # the change applies at once
+        gate.consume(peer, "g", "chat", "a-1")  # the change applies at once
 
 
 def test_an_ack_of_one_entry_is_checked_as_one_of_many() -> None:
@@ -212,7 +219,7 @@ def test_an_ack_of_one_entry_is_checked_as_one_of_many() -> None:
         ]
         request = spb.AckMessageRequest(group=pb.Resource(name=group), topic=pb.Resource(name="chat"), entries=entries)
         try:
-            authorizing.Gate(access).ack("ipv4:127.0.0.1:1", request)
+            authorizing.Gate(access).ack(peer, request)
         except errors.Forbidden:
             return True
         return False
@@ -255,3 +262,55 @@ def test_the_verifier_answers_as_a_fresh_check_each_time() -> None:
     for metadata in cases * 2:
         expected = auth.check_signed(metadata, secrets.get, now=now, max_skew_s=60.0)
         assert (verify(metadata) is None) == (expected is None), (metadata, expected)
+
+
+def test_a_remembered_send_answers_as_the_plain_check_through_changes() -> None:
+    """``Gate.send`` (admissions remembered by user, topic and lite topic) against ``Gate.send_plain`` (its plain
+    twin), each case asked twice, under rules that change between rounds: a remembered admission never outlives
+    the rules that gave it, and a user whose rules name networks is decided by the caller's address each time."""
+    from lmq_broker.protocol import auth, authorizing  # noqa: PLC0415 (only these tests need the protocol)
+    from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb  # noqa: PLC0415
+    from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb  # noqa: PLC0415
+
+    def send(topic: str, *lites: str | None) -> spb.SendMessageRequest:
+        messages = []
+        for lite in lites:
+            props = pb.SystemProperties(message_id="m", message_type=pb.NORMAL if lite is None else pb.LITE)
+            if lite is not None:
+                props.lite_topic = lite
+            messages.append(pb.Message(topic=pb.Resource(name=topic), body=b"x", system_properties=props))
+        return spb.SendMessageRequest(messages=messages)
+
+    def refused(
+        check: Callable[[authorizing.Peer, spb.SendMessageRequest], None], address: str, request: spb.SendMessageRequest
+    ) -> bool:
+        try:
+            check(lambda: address, request)
+        except errors.Forbidden:
+            return True
+        return False
+
+    users = (User("alice", "alice-secret"), User("bob", "bob-secret"), User("carol", "carol-secret"))
+    rounds = [
+        (Entry("alice", "Lite:chat/a-*", (PUB,)), Entry("bob", "Topic:plain", (PUB,))),
+        (Entry("alice", "Lite:chat/a-*", (PUB,)), Entry("alice", "Lite:chat/a-secret", (PUB,), Decision.DENY)),
+        (Entry("alice", "Topic:chat", (PUB,), sources=("10.0.0.0/8",)), Entry("bob", "Lite:chat/*", (SUB,))),
+        (),
+    ]
+    requests = [send("chat", "a-1"), send("chat", "a-secret"), send("chat", "b-1"), send("chat", ""), send("plain")]
+    requests += [send("chat", "a-1", "a-2"), send("chat", "a-1", "b-1")]
+    access = control.AccessControl(True)
+    gate, plain = authorizing.Gate(access), authorizing.Gate(control.AccessControl(True))
+    seen = []
+    for entries in rounds:
+        access.load(document.Document(users, entries))
+        plain.access.load(access.doc)
+        for user in ("alice", "bob", "carol", "nobody"):
+            auth.USER.set(user)
+            for address in ("ipv4:10.1.2.3:5", "ipv4:192.168.0.1:5", "ipv4:10.1.2.3:5"):
+                for request in requests:
+                    expected = refused(plain.send_plain, address, request)
+                    for _ in range(2):
+                        assert refused(gate.send, address, request) == expected, (entries, user, address, request)
+                    seen.append(expected)
+    assert True in seen and False in seen
