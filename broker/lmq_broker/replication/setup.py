@@ -128,6 +128,7 @@ class Replication:
         replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
         self._links = links
         self._counters = copies.Counters(registry)
+        self.ack_refused = self._counters.ack_refused  # ``dispatch.settlement.copy_refused``
         self.follower: following.Follower | None = None
         self.leadership = Leadership(
             api,
