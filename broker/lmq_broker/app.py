@@ -303,6 +303,7 @@ class Broker:
         self.dispatcher.ingest.replicas = repl.slots
         self.dispatcher.settlement.committed = repl.slots.committed
         self.dispatcher.settlement.fence = repl.slots.fence
+        self.dispatcher.settlement.copy_refused = repl.ack_refused
         self.dispatcher.settlement.hands_out = repl.slots.hands_out
 
     async def _start_external(self, edge: Edge, admission: Admission) -> None:

@@ -82,6 +82,9 @@ class Settlement:
         # followers stored it, and an ack waits for it. None: nobody is told.
         self.committed: Callable[[model.QueueId, str, int, Sequence[int]], asyncio.Future[None] | None] | None = None
         self._copying: dict[LeaseKey, asyncio.Future[None]] = {}  # the newest commit copy per key, until stored
+        # With replication: told of each ack refused because the commit copy it waited for failed (counted there
+        # once per ack; a copy nobody waited on, a hand-out write's, refused no client). None: nobody is told.
+        self.copy_refused: Callable[[BaseException], None] | None = None
         # With replication: raises ``errors.Fenced`` for a queue whose slot's lease this broker does not hold
         # now, so a deposed owner settles nothing (ack, dead letter, invisibility change). None: every settlement
         # is this broker's to take.
@@ -114,7 +117,7 @@ class Settlement:
         hi = await self.commit(key, state)  # raises when the write failed: the client learns the ack is not in
         copying = self._copying.get(key)
         if copying is not None:  # the followers' copy of this commit point (or of a newer one) is in too
-            await asyncio.shield(copying)
+            await self._copied(copying)
         if key in self.dirty and not self._is_persisted(key, receipt.offset):
             raise errors.TooManyRequests(
                 f"too many acknowledged ranges above the commit point of {key.topic} to persist "
@@ -123,6 +126,14 @@ class Settlement:
         if state.has_ready(self._rt.clock(), hi):
             self.deliveries.ready_again(key, prefer=client_id)
         self.release(key)
+
+    async def _copied(self, copying: asyncio.Future[None]) -> None:
+        try:
+            await asyncio.shield(copying)
+        except errors.LmqError as exc:
+            if self.copy_refused is not None:
+                self.copy_refused(exc)
+            raise
 
     async def dead_letter(self, group: str, receipt_handle: str) -> None:
         """The client gave up on a message (ForwardMessageToDeadLetterQueue): store it in ``%DLQ%<group>``."""

@@ -55,6 +55,15 @@ class Counters:
             registry=registry,
         )
 
+    def ack_refused(self, error: BaseException) -> None:
+        """An ack refused because the commit copy it waited for failed (``dispatch.settlement`` tells): counted
+        once per ack, where the client is refused, never for a commit copy nobody waited on (a hand-out write
+        whose copy the fence outlasted refused no client)."""
+        if isinstance(error, errors.Fenced):
+            self.refused.labels("fenced").inc()
+        elif isinstance(error, errors.NotEnoughReplicas):
+            self.refused.labels("insync").inc()
+
 
 class Owner:
     """The copies of one slot this broker holds the lease of."""
@@ -251,7 +260,6 @@ class Owner:
         if self._leadership.epoch(self._slot) != epoch:
             return self._fenced()
         if failed_to or stored < self._need:
-            self._counters.refused.labels("insync").inc()
             return errors.NotEnoughReplicas(
                 f"not enough in-sync replicas of slot {self._slot} stored the ack: {stored + 1} of "
                 f"{self._need + 1} (in sync: {[me, *members]}{failed_to}); try again"
@@ -259,7 +267,7 @@ class Owner:
         return None
 
     def _fenced(self) -> errors.LmqError:
-        self._counters.refused.labels("fenced").inc()
+        """A commit copy's refusal: counted by the ack it refuses (``Counters.ack_refused``), if one waits."""
         return errors.Fenced(f"this broker does not hold the lease of slot {self._slot} now: try again")
 
     async def close(self) -> None:

@@ -149,6 +149,7 @@ class Replication:
         self._links = links
         self._api = api
         self._counters = copies.Counters(registry)
+        self.ack_refused = self._counters.ack_refused  # ``dispatch.settlement.copy_refused``
         self.follower: following.Follower | None = None
         self.leadership = Leadership(
             api,

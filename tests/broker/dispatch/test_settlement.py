@@ -107,6 +107,37 @@ async def test_messages_past_their_last_attempt_go_out_through_the_door_and_are_
     assert state.committed == 1 and alone.store.get_offset(alone.key.queue_id, GROUP) == 1
 
 
+async def test_a_refused_commit_copy_is_counted_once_per_ack_it_refused_and_never_for_a_hand_out_write(
+    alone: Alone,
+) -> None:
+    """With replication an ack waits for its commit point's copy; a refused copy (the fence closed) refuses
+    the acks waiting on it and is counted once for each of them, not for a hand-out write nobody waited on."""
+    state, (first, second) = await alone.leased(messages=2, out=2)
+    copies: list[asyncio.Future[None]] = []
+    told: list[BaseException] = []
+
+    def committed(_queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int]) -> asyncio.Future[None]:
+        copies.append(asyncio.get_running_loop().create_future())
+        return copies[-1]
+
+    alone.settling.committed, alone.settling.copy_refused = committed, told.append
+    await alone.settling.persist(alone.key, state)  # the hand-outs' background write: a copy nobody awaits
+    assert len(copies) == 1
+    copies[0].set_exception(errors.Fenced("this broker does not hold the lease of slot 0 now"))
+    acking = asyncio.create_task(alone.settling.ack(GROUP, first))
+    await eventually_async(lambda: len(copies) == 2, "the ack's commit copy under way")
+    assert told == []  # the hand-out write refused no client
+    copies[1].set_exception(errors.Fenced("this broker does not hold the lease of slot 0 now"))
+    with pytest.raises(errors.Fenced):
+        await acking
+    assert [type(e) for e in told] == [errors.Fenced]
+    acked = asyncio.create_task(alone.settling.ack(GROUP, second))
+    await eventually_async(lambda: len(copies) == 3, "the next ack's commit copy under way")
+    copies[2].set_result(None)
+    await acked  # a copy that was stored: nothing told
+    assert len(told) == 1
+
+
 # --- where offset writes run -----------------------------------------------------------------------------------
 
 

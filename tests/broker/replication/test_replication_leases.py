@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.replication import kube, memory, owning
@@ -35,6 +36,39 @@ def broker(
         duration_ms=DURATION_MS,
         clock=clock,
     )
+
+
+class SlowLeases(memory.Leases):
+    """An apiserver on a loaded host: each LIST takes ``cost_s`` of the broker's clock."""
+
+    def __init__(self, clock: Clock, cost_s: float) -> None:
+        super().__init__()
+        self._clock, self._cost_s = clock, cost_s
+
+    def list_named(self, prefix: str) -> list[kube.Lease]:
+        self._clock.now += self._cost_s
+        return super().list_named(prefix)
+
+
+@pytest.mark.asyncio
+async def test_a_slow_renewal_delays_the_next_one_by_nothing_more() -> None:
+    """Renewals run a third of a duration apart from when each *began*: after one that took half a duration,
+    the next starts at once (waiting another third would leave the owner fenced between them, its sends refused
+    though nobody could take its lease)."""
+    clock, duration_s = Clock(), 60.0
+    api = SlowLeases(clock, duration_s / 2)
+    owner = Leadership(api, identity(0, "x"), 0, [[0, 1], [1, 0]], lambda _s, _e: True, prefix="t",
+                       duration_ms=int(duration_s * 1000), clock=clock)  # fmt: skip
+    stopping = asyncio.Event()
+    running = asyncio.create_task(owner.run(stopping))
+    try:
+        # A third of this duration is 20 s of real time: four ticks within the wait only if none waited after
+        # a slow one.
+        await eventually_async(lambda: api.lists >= 4, "four renewals, each right after the last", 10)
+    finally:
+        stopping.set()
+        await running
+    assert owner.epoch(0) == 0  # renewed by the last tick (while one runs, its LIST moves the clock on)
 
 
 @pytest.mark.asyncio

@@ -9,14 +9,14 @@ import asyncio
 import itertools
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from testing_mqtt import Peer
-from waiting import eventually_async
+from waiting import TIMEOUT_S, eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
@@ -51,6 +51,22 @@ def lease_flags(kube: testing.KubeAPI, tmp_path: Path) -> dict[str, object]:
     }
 
 
+FENCED = "does not hold the lease of slot"
+RETRY_S = 0.05
+
+
+async def unfenced(call: Callable[[], Awaitable[Any]], retry: bool = True) -> Any:
+    """``call()``'s reply, called again while it is refused because the broker is fenced: a renewal late on a
+    loaded host (the lease is 1.5 s, the fence closes 1 s after a renewal began) refuses before anything is
+    stored, and the official clients retry it. Any other reply is returned as it is."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        reply = await call()
+        if not retry or FENCED not in reply.status.message or time.monotonic() >= deadline:
+            return reply
+        await asyncio.sleep(RETRY_S)
+
+
 class Pair:
     def __init__(self, brokers: list[app.Broker], clients: list[protocol_testing.Client]) -> None:
         self.brokers = brokers
@@ -72,7 +88,8 @@ class Pair:
         props = pb.SystemProperties(message_id=f"{lite}-{n}", message_type=pb.LITE, lite_topic=lite)
         msg = pb.Message(topic=pb.Resource(name=PARENT), body=f"{lite}/{n}".encode(), system_properties=props)
         headers = protocol_testing.Client.headers("client-1", "PYTHON", "5.1.2")
-        return await self.clients[slot].stub.SendMessage(spb.SendMessageRequest(messages=[msg]), metadata=headers)
+        request = spb.SendMessageRequest(messages=[msg])
+        return await unfenced(lambda: self.clients[slot].stub.SendMessage(request, metadata=headers))
 
 
 async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
@@ -93,7 +110,7 @@ async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
         await broker.start()
         brokers.append(broker)
     pair = Pair(brokers, [protocol_testing.connect(b.endpoint, b.store) for b in brokers if b.store is not None])
-    await eventually_async(lambda: all(pair.leadership(s).epoch(s) is not None for s in (0, 1)), "both leases held", 10)
+    await eventually_async(lambda: all(pair.leadership(s).epoch(s) is not None for s in (0, 1)), "both leases held")
     return pair
 
 
@@ -109,13 +126,19 @@ def has_row(pair: Pair, kind: str, key: Callable[[str], bool]) -> bool:
 
 
 async def lose_the_owner(pair: Pair) -> None:
-    """Broker 0 stops and its disk is gone; broker 1 takes slot 0 over and installs what it shadowed."""
+    """Broker 0 stops and its disk is gone; broker 1 takes slot 0 over and installs what it shadowed.
+
+    First broker 1 must be able to take over (docs/replication.md, "Why", point 4): a member of slot 0's in-sync
+    set as the lease records it, and reconciled with its epoch (every lite topic's end and every state row
+    fetched). A follower still reconciling when the owner goes never takes over, by design; on a loaded host
+    the first reconciling may outlast the shadowing of one row."""
     replication = pair.brokers[1].replication
     assert replication is not None and replication.follower is not None
     follower, owner = replication.follower, pair.leadership(0)
-    # the premise of a takeover: the follower reconciled, and the owner recorded it in the in-sync set
-    await eventually_async(lambda: follower.in_sync(0, owner.epoch(0)), "the follower in sync")
-    await eventually_async(lambda: 1 in owner.in_sync(0), "the follower in slot 0's in-sync set")
+    await eventually_async(
+        lambda: 1 in owner.in_sync(0) and follower.in_sync(0, owner.epochs.get(0, -1)),
+        "broker 1 in slot 0's in-sync set and reconciled with its epoch",
+    )
     await pair.brokers[0].stop(grace_s=0.1)
     shutil.rmtree(pair.brokers[0].config.store.data_dir)
     await eventually_async(lambda: pair.leadership(1).epoch(0) is not None, "the follower took slot 0", TAKEOVER_S)
