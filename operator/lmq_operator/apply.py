@@ -155,7 +155,7 @@ class Outcome:
     brokers: int | None = None
 
 
-async def reconcile(
+async def reconcile(  # noqa: PLR0913 (the inputs of one reconcile, each named at its one call)
     pool: AdminPool,
     fleet: discovery.Fleet,
     kind: model.Kind,
@@ -165,8 +165,11 @@ async def reconcile(
     claims: Mapping[str, Iterable[model.Claimant]],
     now: datetime,
     secret: desired.Secret = None,
+    placed: frozenset[str] = frozenset(),
 ) -> Outcome:
-    """``secret``: a user's, read from its Secret by the caller (the one module here that reads Kubernetes)."""
+    """``secret``: a user's, read from its Secret by the caller (the one module here that reads Kubernetes).
+    ``placed``: the brokers an earlier attempt of this same create put the object on, as the caller remembers
+    them (the status that attempt wrote may not be in ``body`` yet)."""
     meta = body["metadata"]
     previous: Mapping[str, Any] = dict(body.get("status") or {})
     generation = int(meta.get("generation") or 0)
@@ -181,7 +184,7 @@ async def reconcile(
     new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
     if kind is model.Kind.PARENT_TOPIC:
         status.with_condition(new, status.drained(view.leaving, previous, now))
-    news = _write_events(trigger, syncs, previous)
+    news = _write_events(trigger, syncs, previous, placed)
     retry = not syncs or any(not s.synced for s in syncs)
     if isinstance(wanted, model.UserConfig):
         # Only a value every broker took is "applied": until then each attempt puts it everywhere again.
@@ -201,13 +204,17 @@ _VERB: Final = {"Created": "created", "Adopted": "adopted", "Updated": "applied"
 _CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritten", "none": "already identical"}
 
 
-def _write_events(trigger: str, syncs: Sequence[model.BrokerSync], previous: Mapping[str, Any]) -> dict[str, list[str]]:
+def _write_events(
+    trigger: str, syncs: Sequence[model.BrokerSync], previous: Mapping[str, Any], placed: frozenset[str] = frozenset()
+) -> dict[str, list[str]]:
     """Event reason -> "broker (what it held)" entries. A create that finds the object already on a broker,
     equal or not, adopts it there. A broker the previous status lists as synced got its copy from an earlier
     attempt of this same create (a retry, a restart): finding it there again is no news. A LiteGroup woken by
     its ParentTopic turning Ready continues a create or an update the brokers refused: a copy it writes where
-    none was is created, one it overwrites updated, not a repaired drift."""
-    ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")}
+    none was is created, one it overwrites updated, not a repaired drift. ``placed`` adds the brokers an earlier
+    attempt put it on whose status the body does not show yet (a retry can run before that status write's
+    watch event arrives)."""
+    ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")} | placed
     found: dict[str, list[str]] = {}
     for s in sorted(syncs, key=lambda s: s.broker):
         if not s.synced:

@@ -98,6 +98,10 @@ class Context:
     # group whose create handler has not run yet is left to it (else that handler would find the copies the
     # wake-up made and call them adopted).
     refused: set[str] = field(default_factory=set)
+    # Resources whose create is being retried -> the brokers its attempts put them on so far (apply.reconcile's
+    # ``placed``): a retry may read a body without the status the last attempt wrote. Dropped when the create
+    # is done or the resource deleted.
+    placing: dict[str, frozenset[str]] = field(default_factory=dict)
     secrets: kube.SecretReader = field(default_factory=kube.SecretReader)  # LmqUsers' Secrets, one get each
 
     def lock(self, uid: str) -> asyncio.Lock:
@@ -328,9 +332,25 @@ async def _apply(
     previous = dict(body.get("status") or {})
     async with ctx.slots or contextlib.nullcontext():
         secret = await _secret(ctx, kind, body)
+        uid = body["metadata"]["uid"]
+        placed = ctx.placing.get(uid, frozenset()) if trigger == "create" else frozenset()
         outcome = await apply.reconcile(
-            ctx.pool, ctx.fleet, kind, trigger=trigger, body=body, claims=ctx.claims(kind), now=_now(), secret=secret
+            ctx.pool,
+            ctx.fleet,
+            kind,
+            trigger=trigger,
+            body=body,
+            claims=ctx.claims(kind),
+            now=_now(),
+            secret=secret,
+            placed=placed,
         )
+    if trigger == "create":
+        if outcome.retry:
+            rows = outcome.status.get("brokers") or ()
+            ctx.placing[uid] = placed | {str(row.get("name")) for row in rows if row.get("synced")}
+        else:
+            ctx.placing.pop(uid, None)
     if trigger in OUTSIDE_HANDLERS:  # post through the context a handler left (see Context)
         if ctx.posting is not None:
             ctx.posting.run(_post, body, outcome.events)
@@ -537,6 +557,7 @@ async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)
     ctx.refused.discard(uid)
+    ctx.placing.pop(uid, None)
     ctx.deleted[uid] = None
     if len(ctx.deleted) > _DELETED_KEPT:
         ctx.deleted.popitem(last=False)

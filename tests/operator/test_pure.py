@@ -612,3 +612,20 @@ def test_a_delete_handler_run_again_for_the_same_object_calls_no_broker_and_post
         asyncio.run(handlers._delete(model.Kind.LITE_QUOTA, body, memo))
     assert removals == ["u-1", "u-2"]
     assert posted == ["Deleted", "Deleted"]
+
+
+def test_a_create_retried_before_its_status_arrived_adopts_nothing_it_placed_itself() -> None:
+    """A retry of a create may read a body without the status its last attempt wrote (that write's watch event
+    comes later): the brokers the operator remembers placing it on are its own, not adopted; any other broker
+    that already held the object is."""
+    b0, b1, b2 = (model.Broker(f"b{i}", f"10.0.0.{i}:8081", i) for i in range(3))
+    syncs = [
+        model.BrokerSync(b0, True, diff.Change.NONE.value),  # put there by the last attempt
+        model.BrokerSync(b1, True, diff.Change.MISSING.value),  # the broker that came up since
+        model.BrokerSync(b2, True, diff.Change.NONE.value),  # held it before this create
+    ]
+    stale_body: dict[str, Any] = {}
+    remembered = apply._write_events("create", syncs, stale_body, frozenset({"b0"}))
+    assert remembered == {"Created": ["b1 (was missing)"], "Adopted": ["b2 (already identical)"]}
+    forgotten = apply._write_events("create", syncs, stale_body)
+    assert forgotten["Adopted"] == ["b0 (already identical)", "b2 (already identical)"]
