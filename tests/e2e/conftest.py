@@ -8,9 +8,11 @@ descriptors), so it reaches the broker only over the wire: v2 through the client
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -61,13 +63,27 @@ def lite_group(admin: AdminClient, unique: Callable[[str], str]) -> Callable[...
     return create
 
 
+log = logging.getLogger(__name__)
+CLIENT_SHUTDOWN_S: Final = 30.0
+
+
 @pytest.fixture
 def clients() -> Iterator[list[Any]]:
-    """Started official clients to shut down at the end of the test (producers, consumers)."""
+    """Started official clients to shut down at the end of the test (producers, consumers).
+
+    Each shutdown gets ``CLIENT_SHUTDOWN_S``. The official Python client's shutdown joins its consumption
+    threads, and once (a fresh-clone run, after a test that had passed) one of them had stopped but never gave up
+    its thread state, so the join hung until pytest-timeout failed the teardown. A shutdown that does not
+    finish in time is logged (WARNING) and left behind on its daemon thread: it is the client library's
+    own teardown, after every assertion about what the broker did."""
     started: list[Any] = []
     yield started
     for client in reversed(started):
-        client.shutdown()
+        stopping = threading.Thread(target=client.shutdown, name=f"shutdown-{type(client).__name__}", daemon=True)
+        stopping.start()
+        stopping.join(CLIENT_SHUTDOWN_S)
+        if stopping.is_alive():
+            log.warning("%s.shutdown() did not finish in %g s: left behind", type(client).__name__, CLIENT_SHUTDOWN_S)
 
 
 @pytest.fixture
