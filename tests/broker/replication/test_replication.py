@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
+from fencing import unfenced
 from waiting import TIMEOUT_S, eventually_async
 
 from lmq_broker import app, errors, model
@@ -50,22 +51,6 @@ def lease_flags(kube: testing.KubeAPI, tmp_path: Path) -> dict[str, object]:
         "kube_token_file": token,
         "kube_ca_file": kube.ca_file,
     }
-
-
-FENCED = "does not hold the lease of slot"
-RETRY_S = 0.05
-
-
-async def unfenced(call: Callable[[], Awaitable[Any]], retry: bool = True) -> Any:
-    """``call()``'s reply, called again while it is refused because the broker is fenced: a renewal late on a
-    loaded host (the lease is 1.5 s, the fence closes 1 s after a renewal began) refuses before anything is
-    stored, and the official clients retry it. Any other reply is returned as it is."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        reply = await call()
-        if not retry or FENCED not in reply.status.message or time.monotonic() >= deadline:
-            return reply
-        await asyncio.sleep(RETRY_S)
 
 
 class Pair:

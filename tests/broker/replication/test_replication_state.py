@@ -9,14 +9,15 @@ import asyncio
 import itertools
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fencing import unfenced
 from google.protobuf.duration_pb2 import Duration
 from testing_mqtt import Peer
-from waiting import TIMEOUT_S, eventually_async
+from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
@@ -49,22 +50,6 @@ def lease_flags(kube: testing.KubeAPI, tmp_path: Path) -> dict[str, object]:
         "kube_token_file": token,
         "kube_ca_file": kube.ca_file,
     }
-
-
-FENCED = "does not hold the lease of slot"
-RETRY_S = 0.05
-
-
-async def unfenced(call: Callable[[], Awaitable[Any]], retry: bool = True) -> Any:
-    """``call()``'s reply, called again while it is refused because the broker is fenced: a renewal late on a
-    loaded host (the lease is 1.5 s, the fence closes 1 s after a renewal began) refuses before anything is
-    stored, and the official clients retry it. Any other reply is returned as it is."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        reply = await call()
-        if not retry or FENCED not in reply.status.message or time.monotonic() >= deadline:
-            return reply
-        await asyncio.sleep(RETRY_S)
 
 
 class Pair:
