@@ -1,21 +1,25 @@
 """Send and receive throughput with access control on (``--acl``) ÷ off, in the same run (issue 29: goal >= 0.95).
 
 Three broker processes run side by side: one plain (no auth, no ACL), one with client auth only (every call
-signed, no ACL: what authentication alone costs) and one with ``--acl`` and a realistic policy
-table (``--users`` tenants, each with Pub/Sub on its own ``Lite:<parent>/<tenant>-*`` prefix and Sub on its
-group, plus a deny entry). The load, from one raw-stub client per broker, is interleaved between them in
-small turns so that all see the same machine: a turn is 128 sends or one receive with its acks (~50-100 ms),
-each turn the brokers in another of their orders, and each broker's rate is its messages over the time of its
-own turns. A busy host's load changes over seconds: when each broker ran its whole round (~5 s) in turn
-(``--blocks``, the first scheme), single rounds of one broker varied by 2x and the ratios by ±0.15 from run to
-run. Sends are single-message SendMessage calls, ``--in-flight`` at once,
-over ``--lite-topics`` lite topics (one check each, a decision-cache entry each); receives drain one lite
-topic as a LiteSimpleConsumer does (ReceiveMessage of 32, then 32 concurrent AckMessage, each checked). Under
-ACL every call is signed (``MQv2-HMAC-SHA1``) as the official clients sign; the client signs once per second
-(the signature covers only the date-time, to the second), so the client's own HMAC does not weigh on the
-figure and what is measured is the broker's cost: the signature check, the user lookup and the checks.
-Beside the throughput ratios, the brokers' own CPU time per message (from /proc) and this client's are printed:
-on a busy host they move less than throughput does, and they tell the broker's cost from the signing client's.
+signed, no ACL: what authentication alone costs) and one with ``--acl`` and a realistic policy table
+(``--users`` tenants, each with Pub/Sub on its own ``Lite:<parent>/<tenant>-*`` prefix and Sub on its group,
+plus a deny entry). The load, from one raw-stub client per broker, is interleaved between them in small turns so
+that all see the same machine: a turn is 128 sends or one receive with its acks (~50-100 ms), each turn the
+brokers in another of their orders, and each broker's rate is its messages over the time of its own turns. The
+goal's pair (off, on) is interleaved on its own, and then the client-auth broker with the plain one: when all
+three shared the turns, the slower client-auth broker's trailing work fell into the others' turns on the 2
+shared cores (the same hour, quiet host: ACL on ÷ off 0.930-0.952 three-way; 0.961-1.001 with the client-auth
+broker left out or replaced by a plain one taking the same signed calls). A busy host's load changes over
+seconds: when each broker ran its whole round (~5 s) in turn (``--blocks``, the first scheme), single rounds of
+one broker varied by 2x and the ratios by ±0.15 from run to run. Sends are single-message SendMessage calls,
+``--in-flight`` at once, over ``--lite-topics`` lite topics (one check each, a decision-cache entry each);
+receives drain one lite topic as a LiteSimpleConsumer does (ReceiveMessage of 32, then 32 concurrent AckMessage,
+each checked). Under ACL every call is signed (``MQv2-HMAC-SHA1``) as the official clients sign; the client
+signs once per second (the signature covers only the date-time, to the second), so the client's own HMAC does
+not weigh on the figure and what is measured is the broker's cost: the signature check, the user lookup and the
+checks. Beside the throughput ratios, the brokers' own CPU time per message (from /proc) and this client's are
+printed: on a busy host they move less than throughput does, and they tell the broker's cost from the signing
+client's.
 
     python bench/bench_acl.py           # ~3 min
     python bench/bench_acl.py --blocks  # the first scheme, each broker's round at once
@@ -157,6 +161,7 @@ def cpu_s(broker: BrokerProcess) -> float:
 
 
 SIDES = ("off", "auth", "on")  # no auth; client auth (signed, no ACL); --acl
+GOAL_SIDES, AUTH_SIDES = ("off", "on"), ("off", "auth")  # the goal's pair, then what client auth alone costs
 STEP_SENDS = 128  # sends per turn of a side when interleaved (a receive's turn: one receive and its acks)
 
 
@@ -201,19 +206,22 @@ async def turns(steps: dict[str, AsyncIterator[int]], brokers: dict[str, BrokerP
     }
 
 
+Results = tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]
+
+
 async def measure(
-    args: argparse.Namespace, brokers: dict[str, BrokerProcess]
-) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+    args: argparse.Namespace, brokers: dict[str, BrokerProcess], sides: tuple[str, ...], rounds: int
+) -> Results:
     """(messages per second of each round, broker CPU µs per message of each round, the rate of every step, this
-    client's CPU µs per message of each round), by "send off", "receive on" and so on."""
-    rates: dict[str, list[float]] = {f"{kind} {side}": [] for kind in ("send", "receive") for side in SIDES}
+    client's CPU µs per message of each round), by "send off", "receive on" and so on, for ``sides``' brokers."""
+    rates: dict[str, list[float]] = {f"{kind} {side}": [] for kind in ("send", "receive") for side in sides}
     cpu: dict[str, list[float]] = {k: [] for k in rates}
     step_rates: dict[str, list[float]] = {k: [] for k in rates}
     client_cpu: dict[str, list[float]] = {k: [] for k in rates}
     keys = {"off": None, "auth": CLIENT_KEYS, "on": (TENANT, f"{TENANT}-secret-key")}
-    channels = {side: grpc.aio.insecure_channel(brokers[side].endpoint) for side in SIDES}
-    stubs = {side: sg.MessagingServiceStub(channels[side]) for side in SIDES}
-    headers = {side: signer(keys[side]) for side in SIDES}
+    channels = {side: grpc.aio.insecure_channel(brokers[side].endpoint) for side in sides}
+    stubs = {side: sg.MessagingServiceStub(channels[side]) for side in sides}
+    headers = {side: signer(keys[side]) for side in sides}
 
     def record(kind: str, measured: Measured) -> None:
         for side, (rate, cpu_us, each, client_us) in measured.items():
@@ -223,10 +231,10 @@ async def measure(
             step_rates[f"{kind} {side}"].extend(each)
 
     try:
-        warm = {s: sends(stubs[s], headers[s], args.in_flight * 4, args.lite_topics, args.in_flight) for s in SIDES}
+        warm = {s: sends(stubs[s], headers[s], args.in_flight * 4, args.lite_topics, args.in_flight) for s in sides}
         await turns(warm, brokers, blocks=True)  # connections, caches, first-write costs
-        for r in range(args.rounds):
-            order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]  # with --blocks: each side first in turn
+        for r in range(rounds):
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]  # with --blocks: each side first in turn
             sending = {s: sends(stubs[s], headers[s], args.sends, args.lite_topics, args.in_flight) for s in order}
             record("send", await turns(sending, brokers, blocks=args.blocks))
             lite = f"{TENANT}-drain-{r}"
@@ -265,38 +273,50 @@ def main() -> None:
         for broker in brokers.values():
             prepare(broker, args.users)  # the same topics and groups everywhere; users count only under --acl
         load_before = os.getloadavg()[0]
-        rates, cpu, step_rates, client_cpu = asyncio.run(measure(args, brokers))
+        goal = asyncio.run(measure(args, brokers, GOAL_SIDES, args.rounds))
+        load_mid = os.getloadavg()[0]
+        alone = asyncio.run(measure(args, brokers, AUTH_SIDES, max(1, args.rounds // 2)))
         load_after = os.getloadavg()[0]
-    median = {k: statistics.median(v) for k, v in rates.items()}
-    cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
     scheme = "in turn, each its whole round" if args.blocks else "interleaved (turns of 128 sends or 1 receive + acks)"
     print(
-        f"{args.rounds} rounds, the three brokers "
-        f"{scheme}; sends: {args.sends:,} single-message calls, "
+        f"{args.rounds} rounds of ACL off and on, then {max(1, args.rounds // 2)} of off and client auth, the two "
+        f"brokers of each {scheme}; sends: {args.sends:,} single-message calls, "
         f"{args.in_flight} in flight, {args.lite_topics} lite topics; receives: {args.receives:,} messages, {BATCH} "
         f"per receive + {BATCH} acks; ACL: {args.users} users x 3 entries; host load average (1 min) "
-        f"{load_before:.1f} before, {load_after:.1f} after"
+        f"{load_before:.1f} before, {load_mid:.1f} between, {load_after:.1f} after"
     )
-    for kind in ("send", "receive"):
-        for side in SIDES:
-            key = f"{kind} {side}"
-            each = ", ".join(f"{x:,.0f}" for x in rates[key])
-            mine = statistics.median(client_cpu[key])
-            print(
-                f"  {key}: {median[key]:,.0f} msg/s (rounds {each}); broker CPU {cpu_median[key]:.0f} µs/msg, "
-                f"client CPU {mine:.0f} µs/msg"
-            )
+    median, cpu_median = report(goal, GOAL_SIDES, "")
+    median_alone, cpu_alone = report(alone, AUTH_SIDES, " (second phase)")
     for kind in ("send", "receive"):
         ratio = median[f"{kind} on"] / median[f"{kind} off"]
         print(f"FIGURE {kind} throughput ACL on ÷ off: {ratio:.3f} (goal >= 0.95)", flush=True)
     for kind in ("send", "receive"):
-        ratio = median[f"{kind} on"] / median[f"{kind} auth"]
         cpu_ratio = cpu_median[f"{kind} on"] / cpu_median[f"{kind} off"]
-        typical = statistics.median(step_rates[f"{kind} on"]) / statistics.median(step_rates[f"{kind} off"])
+        typical = statistics.median(goal[2][f"{kind} on"]) / statistics.median(goal[2][f"{kind} off"])
+        auth = median_alone[f"{kind} auth"] / median_alone[f"{kind} off"]
+        auth_cpu = cpu_alone[f"{kind} auth"] / cpu_alone[f"{kind} off"]
         print(
-            f"  {kind}: ACL on ÷ client auth {ratio:.3f}; broker CPU per message ACL on ÷ off {cpu_ratio:.3f}; "
-            f"median turn's rate ACL on ÷ off {typical:.3f} (a host's stalls left out)"
+            f"  {kind}: broker CPU per message ACL on ÷ off {cpu_ratio:.3f}; median turn's rate ACL on ÷ off "
+            f"{typical:.3f} (a host's stalls left out); client auth alone ÷ off {auth:.3f}, "
+            f"its broker CPU {auth_cpu:.3f}"
         )
+
+
+def report(results: Results, sides: tuple[str, ...], phase: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Prints each side's rate and CPU; (median rate, median broker CPU µs per message) by "send off" and so on."""
+    rates, cpu, _, client_cpu = results
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    cpu_median = {k: statistics.median(v) for k, v in cpu.items()}
+    for kind in ("send", "receive"):
+        for side in sides:
+            key = f"{kind} {side}"
+            each = ", ".join(f"{x:,.0f}" for x in rates[key])
+            mine = statistics.median(client_cpu[key])
+            print(
+                f"  {key}{phase}: {median[key]:,.0f} msg/s (rounds {each}); broker CPU {cpu_median[key]:.0f} µs/msg, "
+                f"client CPU {mine:.0f} µs/msg"
+            )
+    return median, cpu_median
 
 
 if __name__ == "__main__":
