@@ -8,7 +8,14 @@ the message is acked. The same broker process is measured with 1k subscriptions,
 measured again. Idle CPU is read with psutil over the broker process while its one client sits in long
 polls. The "idle" topics have subscriptions but no messages. Prints ``FIGURE`` lines.
 
+With ``--stored N`` the broker is then stopped, N more lite topics of one message each (none subscribed) are
+written into its data dir through the store, as a broker would have stored them, and the broker is started
+again with its subscriptions restored: restart to ready, receive latency and idle CPU are measured once more,
+and the receive p99 with N stored ÷ without (the same 1M subscriptions) printed (issue 28 item 6: 10M lite
+topics, 1M subscribed).
+
     python bench/bench_broker_idle.py           # ~2-4 min (subscribing 1M topics dominates)
+    python bench/bench_broker_idle.py --stored 10000000   # + ~10 min: 10M stored lite topics
     python bench/bench_broker_idle.py --quick   # smoke run (1k vs 20k subscriptions, 2 s idle)
 """
 
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -24,16 +32,18 @@ from pathlib import Path
 import grpc
 import psutil
 
-from lmq_broker import model
+from lmq_broker import config, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.storage import store as store_mod
 from lmq_broker.testing import start_broker
 
 TOPIC, GROUP, CLIENT = "AGENT_TASK_NS", "idle-bench", "idle-bench-client"
 HEADERS = (("x-mq-client-id", CLIENT), ("x-mq-language", "JAVA"), ("x-mq-client-version", "5.1.0"))
 CHUNK = 10_000
+STORE_BATCH = 1000
 
 
 def figure(name: str, value: float, unit: str, *, op: str, target: float, extra: str = "") -> None:
@@ -117,7 +127,8 @@ async def settle(pid: int, timeout: float = 120) -> None:
             return
 
 
-async def run(endpoint: str, pid: int, *, small: int, large: int, samples: int, idle_s: float) -> None:
+async def run(endpoint: str, pid: int, *, small: int, large: int, samples: int, idle_s: float) -> float:
+    """The figures with ``small`` then ``large`` subscriptions; the receive p99 (ms) with ``large``."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = service_pb2_grpc.MessagingServiceStub(channel)
         await subscribe(stub, 0, small)
@@ -148,22 +159,81 @@ async def run(endpoint: str, pid: int, *, small: int, large: int, samples: int, 
     )
     figure(f"receive p99 {large:,} idle / {small:,} idle", p99_many / p99_few, "x", op="<=", target=1.2)
     figure(f"broker idle CPU with {large:,} subscriptions over {idle_s:.0f} s", cpu, "% of a core", op="<=", target=1.0)
+    return p99_many
+
+
+def store_more(data_dir: Path, count: int) -> float:
+    """``count`` lite topics ``cold-<n>`` of the broker's parent, one message each, written through the store into
+    the stopped broker's data dir (async flush: setup, not measured); the seconds it took."""
+    started = time.perf_counter()
+    store = store_mod.open_store(config.StoreConfig(data_dir=data_dir, flush_mode=config.FlushMode.ASYNC))
+    parent = model.QueueId(TOPIC, 0)
+    try:
+        for low in range(0, count, STORE_BATCH):
+            batch = []
+            for n in range(low, min(count, low + STORE_BATCH)):
+                lite = f"cold-{n}"
+                queues = (parent, model.QueueId.lmq(TOPIC, lite))
+                batch.append(
+                    model.NewMessage(
+                        f"cold-{n}", TOPIC, b"c" * 128, queues, lite_topic=lite, message_type=model.MessageType.LITE
+                    )
+                )
+            store.append(batch)
+    finally:
+        store.close()
+    return time.perf_counter() - started
+
+
+async def run_stored(endpoint: str, pid: int, *, stored: int, samples: int, idle_s: float, before_ms: float) -> None:
+    """The figures again after ``stored`` more lite topics, against the receive p99 before them."""
+    await settle(pid)
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+        await receive_latencies(stub, 10)  # warm
+        after = await receive_latencies(stub, samples)
+        cpu = await idle_cpu(stub, pid, idle_s)
+    p99_after = percentile(after, 99) * 1000
+    print(
+        f"receive latency with {stored:,} more lite topics stored: p50 {statistics.median(after) * 1000:.2f} ms, "
+        f"p99 {p99_after:.2f} ms; broker RSS {psutil.Process(pid).memory_info().rss / 2**20:,.0f} MiB"
+    )
+    figure(f"receive p99 with {stored:,} stored / without", p99_after / before_ms, "x", op="<=", target=1.2)
+    figure(f"broker idle CPU with {stored:,} stored over {idle_s:.0f} s", cpu, "% of a core", op="<=", target=1.0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument(
+        "--stored", type=int, default=0, help="then this many more stored lite topics, the broker restarted"
+    )
     args = parser.parse_args()
     small, large = (1_000, 20_000) if args.quick else (1_000, 1_000_000)
     samples = 30 if args.quick else args.samples
     idle_s = 2.0 if args.quick else 12.0
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         flags = ["--max-subscriptions-per-broker", str(2 * large), "--metrics-port", "-1"]
-        with start_broker(Path(tmp) / "data", extra_args=flags) as broker:
-            with AdminClient(broker.admin_endpoint, timeout_s=30, **broker.admin_keys) as admin:
-                admin.put_group(model.LiteGroup(GROUP, TOPIC, client_quota=2 * large))
-            asyncio.run(run(broker.endpoint, broker.pid, small=small, large=large, samples=samples, idle_s=idle_s))
+        broker = stack.enter_context(start_broker(Path(tmp) / "data", extra_args=flags))
+        with AdminClient(broker.admin_endpoint, timeout_s=30, **broker.admin_keys) as admin:
+            admin.put_group(model.LiteGroup(GROUP, TOPIC, client_quota=2 * large))
+        before = asyncio.run(run(broker.endpoint, broker.pid, small=small, large=large, samples=samples, idle_s=idle_s))
+        if args.stored:
+            broker.stop()
+            took = store_more(broker.data_dir, args.stored)
+            print(f"stored {args.stored:,} more lite topics in {took:.0f} s ({args.stored / took:,.0f} a second)")
+            started = time.perf_counter()
+            broker = stack.enter_context(broker.restart(timeout=300))
+            ready_s = time.perf_counter() - started
+            figure(
+                f"restart to ready with {args.stored:,} stored, {large:,} subscribed", ready_s, "s", op="<=", target=5
+            )
+            asyncio.run(
+                run_stored(
+                    broker.endpoint, broker.pid, stored=args.stored, samples=samples, idle_s=idle_s, before_ms=before
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,12 @@ EXPECTED = {
         "FIGURE producer fleet N=1: broker CPU per message:",
         "FIGURE producer fleet CPU per message N=2 ÷ N=1:",
     ],
-    "bench_broker_idle.py": ["FIGURE receive p99", "FIGURE broker idle CPU"],
+    "bench_broker_idle.py": [
+        "FIGURE receive p99",
+        "FIGURE broker idle CPU",
+        "FIGURE restart to ready with 5,000 stored",
+        "FIGURE receive p99 with 5,000 stored / without:",
+    ],
     "bench_cluster.py": [
         "FIGURE idle CPU per broker of a 3-broker cluster",
         "FIGURE restarted owner holds its subscriptions again after its readiness, median:",
@@ -93,6 +98,7 @@ EXPECTED = {
 ARGS = {  # the default is --quick
     "bench_soak_rss.py": ["--minutes", "0.2", "--warmup-minutes", "0.05"],
     "bench_disk_faults.py": ["--rounds", "1"],
+    "bench_broker_idle.py": ["--quick", "--stored", "5000"],
 }
 TIMEOUT_S = {"bench_edge_floor.py": 600}  # its first run on a machine builds ghz (go install, a few minutes)
 
