@@ -118,6 +118,8 @@ HELP: Final[dict[str, str]] = {
     "often (0: off; the reclaim job is the bulk path either way)",
     "lite_ttl_batch": "lite-topic expiry: index rows read per step of a pass (on a worker thread)",
     "lite_ttl_step_pause_ms": "lite-topic expiry: pause between two steps of a pass",
+    "lite_ttl_cpu_share": "lite-topic expiry: at most this share of one core on average over a pass (longer pauses "
+    "between steps; 0.0025 = a quarter of a percent; 0: only --lite-ttl-step-pause-ms)",
     "lite_ttl_min_age_ms": "lite-topic expiry: never expire a topic idle for less than this, and start the first pass "
     "this long after the broker (RocketMQ minLiteTTl)",
     "peers": "scale-out: host:port of every broker (ring slot) in slot order, comma-separated; with --processes, "
@@ -274,6 +276,8 @@ def _parser_of(annotation: Any) -> Callable[[str], Any]:
         return _boolean
     if annotation is int:
         return int
+    if annotation is float:
+        return float
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return annotation
     if annotation is Path:

@@ -116,6 +116,7 @@ class BrokerConfig(BaseModel):
     lite_ttl_batch: int = Field(default=1000, ge=1, le=100_000)
     lite_ttl_step_pause_ms: int = Field(default=20, ge=0)
     lite_ttl_min_age_ms: int = Field(default=15 * 60 * 1000, ge=0)
+    lite_ttl_cpu_share: float = Field(default=0.0025, ge=0, le=1)  # of one core, a pass's average; 0: unpaced
     bootstrap: bool = True  # create AGENT_TASK_NS + executor-group on first start
     index_parent_queue: bool = False  # also index LITE messages in the parent's queue 0 (no reader; halves append rate)
     access_key: str = ""

@@ -49,6 +49,9 @@ class Settings:
     batch: int
     step_pause_ms: int
     min_age_ms: int
+    # At most this share of one core on average over a pass (its reads' thread CPU and its deletes' time, paced
+    # by longer pauses between steps); 0: only ``step_pause_ms``.
+    cpu_share: float = 0.0
 
     @classmethod
     def of(cls, config: BrokerConfig) -> Settings:
@@ -57,7 +60,15 @@ class Settings:
             batch=config.lite_ttl_batch,
             step_pause_ms=config.lite_ttl_step_pause_ms,
             min_age_ms=config.lite_ttl_min_age_ms,
+            cpu_share=config.lite_ttl_cpu_share,
         )
+
+    def pause_s(self, spent_s: float, took_s: float) -> float:
+        """The pause after a step that spent ``spent_s`` (CPU, or time where CPU is not counted) in ``took_s``."""
+        pause = self.step_pause_ms / 1000
+        if self.cpu_share <= 0:
+            return pause
+        return max(pause, spent_s / self.cpu_share - took_s)
 
 
 @dataclass(slots=True)
@@ -111,19 +122,20 @@ class _Step:
     cursor: str | None  # where the next step resumes; None: the parent is done
     read: int
     seconds: float
+    cpu_s: float  # the worker thread's CPU time for the step
 
 
 def _read_step(
     store: Store, parent: model.ParentTopic, cursor: str, settings: Settings, clock: Callable[[], int]
 ) -> _Step:
     """One step, on a worker thread: ``batch`` rows of ``parent`` after ``cursor``, and which of them expired."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     metas = store.scan_lite_topics(parent.name, cursor, "", settings.batch)
     now = clock()
     expiration, min_age_ms = parent.expiration_minutes, settings.min_age_ms
     candidates = [m for m in metas if is_expired(m, now, expiration, min_age_ms)]
     following = metas[-1].lite if len(metas) == settings.batch else None
-    return _Step(candidates, following, len(metas), time.perf_counter() - started)
+    return _Step(candidates, following, len(metas), time.perf_counter() - started, time.thread_time() - cpu)
 
 
 async def run_pass(
@@ -144,6 +156,7 @@ async def run_pass(
     for parent in parents:
         cursor: str | None = ""
         while cursor is not None and not stop():
+            began = time.perf_counter()
             step = await asyncio.to_thread(_read_step, store, parent, cursor, settings, clock)
             report.scanned += step.read
             report.longest_step_s = max(report.longest_step_s, step.seconds)
@@ -153,8 +166,10 @@ async def run_pass(
                 if start and pause_s > 0:  # each chunk holds the store's write lock: paced like the reads
                     await pause(pause_s)
                 report.count(await _delete(store, live, parent.name, step.candidates[start : start + DELETE_CHUNK]))
-            if cursor is not None and pause_s > 0:
-                await pause(pause_s)
+            deleting_s = time.perf_counter() - began - step.seconds  # their CPU is not told apart: counted whole
+            wait_s = settings.pause_s(step.cpu_s + max(0.0, deleting_s), time.perf_counter() - began)
+            if cursor is not None and wait_s > 0:
+                await pause(wait_s)
         if stop():
             break
     report.seconds = time.perf_counter() - started

@@ -137,6 +137,29 @@ async def test_a_pass_reads_the_index_in_bounded_steps_with_a_pause_between_them
     assert [m.lite for m in lite.store.scan_lite_topics(PARENT)] == ["t04"]
 
 
+async def test_a_cpu_share_stretches_the_pause_after_a_step_to_its_cost() -> None:
+    paced = expiry.Settings(interval_ms=1000, batch=1000, step_pause_ms=20, min_age_ms=0, cpu_share=0.01)
+    assert paced.pause_s(spent_s=0.005, took_s=0.008) == pytest.approx(0.5 - 0.008)  # 5 ms of CPU = 1 % of 0.5 s
+    assert paced.pause_s(spent_s=0.0001, took_s=0.001) == pytest.approx(0.02)  # never under the step pause
+    unpaced = expiry.Settings(interval_ms=1000, batch=1000, step_pause_ms=20, min_age_ms=0)
+    assert unpaced.pause_s(spent_s=5.0, took_s=5.0) == pytest.approx(0.02)
+
+
+async def test_a_pass_with_a_cpu_share_pauses_longer_than_its_step_pause(lite: Lite) -> None:
+    lite.store.append([dispatch_testing.lite_message(f"t{i:02d}", message_id=f"m{i}") for i in range(9)])
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    settings = expiry.Settings(interval_ms=1000, batch=3, step_pause_ms=1, min_age_ms=0, cpu_share=1e-5)
+    report = await expiry.run_pass(lite.store, lite.dispatcher, settings, lite.clock, pause=pause)
+
+    assert report.scanned == 9 and report.expired == 0  # nothing idle yet: reads only
+    assert len(pauses) == 3  # three full steps, then an empty one ends the parent
+    assert all(p > 0.001 for p in pauses), pauses  # each step's CPU (> 10 ns) over 1e-5 of a core
+
+
 async def test_deletes_go_in_small_chunks_paced_like_the_steps(lite: Lite) -> None:
     count = 2 * expiry.DELETE_CHUNK + 3
     lite.store.append([dispatch_testing.lite_message(f"t{i:03d}", message_id=f"m{i}") for i in range(count)])
