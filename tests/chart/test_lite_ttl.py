@@ -73,6 +73,15 @@ def test_each_value_becomes_the_brokers_flag_and_zero_is_a_value(render: Render,
     assert args.index("--lite-ttl-batch") < args.index("--no-bootstrap") + 3  # before extraArgs, which may override
 
 
+@pytest.mark.parametrize(("share", "rendered"), [(0.01, "0.01"), (0, "0")])
+def test_the_cpu_share_becomes_the_brokers_flag_as_a_number(
+    render: Render, one: One, share: float, rendered: str
+) -> None:
+    args = broker_args(render, one, {"cpuShare": share})
+    assert ttl_flags(args) == ["--lite-ttl-cpu-share", rendered]
+    assert broker_config(args).lite_ttl_cpu_share == share
+
+
 @pytest.mark.parametrize(
     ("lite_ttl", "where"),
     [
@@ -80,6 +89,7 @@ def test_each_value_becomes_the_brokers_flag_and_zero_is_a_value(render: Render,
         ({"batch": 200_000}, "batch"),
         ({"intervalMs": 0}, "intervalMs"),  # off is enabled: false
         ({"minAgeMs": -1}, "minAgeMs"),
+        ({"cpuShare": 2}, "cpuShare"),
         ({"stepPauseMs": "20"}, "stepPauseMs"),
         ({"enabled": "yes"}, "enabled"),
         ({"interval": 1000}, "interval"),
