@@ -280,6 +280,9 @@ def main() -> None:
     parser.add_argument(
         "--flush-modes", default="sync,async", help="broker flush modes to measure (sync is the default config)"
     )
+    parser.add_argument(
+        "--edge", default="grpcio", choices=("grpcio", "native"), help="the brokers' edge (serve --edge)"
+    )
     args = parser.parse_args()
     if args.echo_server:
         serve_echo()
@@ -295,7 +298,9 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             brokers = {
-                mode: stack.enter_context(start_broker(Path(tmp) / mode, extra_args=["--flush-mode", mode]))
+                mode: stack.enter_context(
+                    start_broker(Path(tmp) / mode, extra_args=["--flush-mode", mode, "--edge", args.edge])
+                )
                 for mode in modes
             }
             for _ in range(runs):  # alternate, so drifting machine load hits every server alike
@@ -324,7 +329,7 @@ def report(
     print(
         f"official client 5.1.2 Producer, {args.threads} threads, {args.body} B LITE messages, {args.topics} lite "
         f"topics, {seconds:.0f} s x {runs} runs per server; LiteSimpleConsumer receive {BATCH} + ack each, "
-        f"{drain} messages per run; load average {os.getloadavg()[0]:.1f}"
+        f"{drain} messages per run; the brokers' edge: {args.edge}; load average {os.getloadavg()[0]:.1f}"
     )
     print(echo.line("echo server"))
     for mode, m in measured.items():
