@@ -43,6 +43,7 @@ BATCH = 1000
 HOT_TOPICS = 1000
 HOT_DEPTH = 64
 TAIL = 1000  # one append round of BATCH messages
+TURNS = 20  # turns of each store's reads when two are compared
 
 WRITER = """
 import sys
@@ -159,9 +160,8 @@ def sample_reads(
     return wall, cpu
 
 
-def read_figures(store: store_mod.LmqStore, hot: list[int], reads: int, label: str) -> tuple[float, float, float]:
-    """Prints the next-32 read figure of an open store (warm caches, then every cache dropped); (warm p99,
-    dropped-caches p99, warm CPU-time p99) in ms."""
+def read_figures(store: store_mod.LmqStore, hot: list[int], reads: int, label: str) -> None:
+    """Prints the next-32 read figure of an open store (warm caches, then every cache dropped)."""
     rng = random.Random(2)
     sample_reads(store, hot, reads // 10, rng)  # warm the block cache and the state cache
     warm_reads, warm_cpu = sample_reads(store, hot, reads, rng)
@@ -176,19 +176,54 @@ def read_figures(store: store_mod.LmqStore, hot: list[int], reads: int, label: s
         extra=f"  [p50 {statistics.median(warm_reads):.3f} ms; CPU-time p99 {p99(warm_cpu):.3f} ms; "
         f"after drop_caches p99 {p99(cold_reads):.3f} ms]",
     )
-    return p99(warm_reads), p99(cold_reads), p99(warm_cpu)
 
 
-def at_baseline(
-    store: store_mod.LmqStore, cfg: config.StoreConfig, baseline: int, topics: int, reads: int
-) -> tuple[store_mod.LmqStore, list[int], tuple[float, float, float]]:
-    """With ``baseline`` topics stored: the hot topics added, the store restarted, its read figures; (the store
-    reopened, the hot topics, (warm p99, dropped-caches p99))."""
-    hot = add_hot(store, baseline, topics)
-    store.close()
-    restart, store = timed_open(cfg)
-    print(f"# at {baseline:,} lite topics: restart to ready {restart:.3f} s")
-    return store, hot, read_figures(store, hot, reads, f" at {baseline:,}")
+def compare_reads(
+    stores: dict[str, store_mod.LmqStore], hot: list[int], reads: int
+) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """Reads of each store in turns of ``reads // TURNS``, the stores in alternating order so that a busy host's
+    load falls on both alike, with warm caches and then with every cache dropped; (warm wall ms, warm CPU ms,
+    dropped-caches wall ms) by store."""
+    rng = random.Random(2)
+    names = list(stores)
+    for name in names:
+        sample_reads(stores[name], hot, reads // 10, rng)  # warm the block cache and the state cache
+    got: dict[str, tuple[list[float], list[float], list[float]]] = {n: ([], [], []) for n in names}
+    for phase in (0, 2):
+        if phase == 2:
+            for store in stores.values():
+                store.drop_caches()
+        for turn in range(TURNS):
+            for name in names if turn % 2 == 0 else reversed(names):
+                wall, cpu = sample_reads(stores[name], hot, reads // TURNS, rng)
+                got[name][phase].extend(wall)
+                if phase == 0:
+                    got[name][1].extend(cpu)
+    return got
+
+
+def report_compared(got: dict[str, tuple[list[float], list[float], list[float]]], base: str, full: str) -> None:
+    for name in (base, full):
+        warm, cpu, cold = got[name]
+        figure(
+            f"lite_read_next32_p99 at {name}",
+            p99(warm),
+            "ms",
+            op="<=",
+            target=1.0,
+            extra=f"  [p50 {statistics.median(warm):.3f} ms; CPU-time p99 {p99(cpu):.3f} ms; "
+            f"after drop_caches p99 {p99(cold):.3f} ms]",
+        )
+    (warm_b, cpu_b, cold_b), (warm_f, cpu_f, cold_f) = got[base], got[full]
+    figure(
+        f"lite_read_next32_p99 at {full} ÷ at {base}",
+        p99(warm_f) / p99(warm_b),
+        "x",
+        op="<=",
+        target=1.2,
+        extra=f"  [same turns; CPU-time p99: {p99(cpu_f) / p99(cpu_b):.2f}x; after drop_caches: "
+        f"{p99(cold_f) / p99(cold_b):.2f}x]",
+    )
 
 
 def main() -> None:  # noqa: PLR0915 (a benchmark's main reads top to bottom: setup, rounds, report)
@@ -199,8 +234,8 @@ def main() -> None:  # noqa: PLR0915 (a benchmark's main reads top to bottom: se
         "--baseline",
         type=int,
         default=None,
-        help="also read at this many topics first, in the same run, and print the p99 at --topics ÷ at this "
-        "(e.g. --topics 10000000 --baseline 1000000; the hot topics are among the baseline's)",
+        help="also keep a copy of the store at this many topics and read both in alternating turns: the p99 at "
+        "--topics ÷ at this (e.g. --topics 10000000 --baseline 1000000; the hot topics are among the baseline's)",
     )
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
@@ -220,11 +255,14 @@ def main() -> None:  # noqa: PLR0915 (a benchmark's main reads top to bottom: se
         t = time.perf_counter()
         fill(store, 0, warm)
         rss_warm = rss()
-        base: tuple[float, float, float] | None = None
-        if baseline is not None:
+        base_cfg = config.StoreConfig(data_dir=root / "baseline")
+        if baseline is not None:  # the hot topics among the baseline's, and a copy of the store at that size
             fill(store, warm, max(warm, baseline))
             paused = time.perf_counter()
-            store, hot, base = at_baseline(store, cfg, baseline, topics, reads)
+            hot = add_hot(store, baseline, topics)
+            store.close()
+            shutil.copytree(cfg.data_dir, base_cfg.data_dir)
+            store = store_mod.open_store(cfg)
             t += time.perf_counter() - paused  # the fill's time only
         fill(store, max(warm, baseline or 0), topics)
         elapsed = time.perf_counter() - t
@@ -255,16 +293,15 @@ def main() -> None:  # noqa: PLR0915 (a benchmark's main reads top to bottom: se
 
         restart_clean, store = timed_open(cfg)
         assert store.lite_topic_count(PARENT) == topics
-        full = read_figures(store, hot, reads, f" at {topics:,}" if baseline is not None else "")
-        if base is not None:
-            figure(
-                f"lite_read_next32_p99 at {topics:,} ÷ at {baseline:,}",
-                full[0] / base[0],
-                "x",
-                op="<=",
-                target=1.2,
-                extra=f"  [after drop_caches: {full[1] / base[1]:.2f}x; CPU-time p99: {full[2] / base[2]:.2f}x]",
-            )
+        if baseline is None:
+            read_figures(store, hot, reads, "")
+        else:
+            smaller = store_mod.open_store(base_cfg)
+            try:
+                names = (f"{baseline:,}", f"{topics:,}")
+                report_compared(compare_reads(dict(zip(names, (smaller, store), strict=True)), hot, reads), *names)
+            finally:
+                smaller.close()
         store.close()
         figure("lite_restart_clean_to_ready", restart_clean, "s", op="<=", target=5.0)
 
