@@ -5,7 +5,9 @@ Rates: batched LITE sends into ``--topics`` lite topics of AGENT_TASK_NS (bootst
 * ``direct``: each request carries only topics of one owner and goes to that process's own port: the
   scale the ring gives when clients (or the forwarders) already batch per owner.
 * ``access``: requests of mixed topics go to the pod's one access port (a channel per in-flight worker, so the
-  kernel spreads the connections over the processes), so (N-1)/N of the messages take the forward hop.
+  kernel spreads the connections over the processes), so (N-1)/N of the messages take the forward hop:
+  the pod's local hop (``--local-hop``, a Unix socket between its processes) and, as ``access (grpc hop)``, gRPC
+  between them (the baseline, as before the local hop).
 Forwarding: two explicit peers; single-message sends to process 0 of topics owned by process 1, one at a time
 (each forward call carries one message) and with 64 in flight (forwards gathered per owner); the figure is
 process 0's CPU per message, beside its CPU per message stored locally the same way.
@@ -140,16 +142,21 @@ class Run(NamedTuple):
     client_us: float  # the load generator's CPU per message
 
 
-def measure_rates(tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes) -> dict[str, list[Run]]:
-    """mode -> every run."""
-    extra = ["--processes", str(n)] if n > 1 else []
+def measure_rates(
+    tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes, *, hop: str = "socket"
+) -> dict[str, list[Run]]:
+    """mode -> every run; ``hop``: the pod's local hop (``--local-hop``), its access mode named after it unless
+    it is the default, socket (a grpc pod measures access only: direct sends take no hop)."""
+    extra = ["--processes", str(n), "--local-hop", hop] if n > 1 else []
     out: dict[str, list[Run]] = {}
-    with start_broker(tmp / f"n{n}", extra_args=extra) as pod:
+    with start_broker(tmp / f"n{n}-{hop}", extra_args=extra) as pod:
         endpoints = process_endpoints(pod) if n > 1 else [pod.endpoint]
         membership = mb.Membership.parse(",".join(endpoints)) if n > 1 else None
         pids = [c.pid for c in psutil.Process(pod.pid).children()] if n > 1 else [pod.pid]
         asyncio.run(pump([(pod.endpoint, requests(200, 50, 50, body, None)[0])], 1))  # warm-up
         modes = ("direct", "access") if n > 1 else ("direct",)
+        if hop != "socket":
+            modes = ("access",)
         for mode in modes:
             runs = []
             for _ in range(args.runs):
@@ -163,7 +170,7 @@ def measure_rates(tmp: Path, n: int, args: argparse.Namespace, total: int, body:
                 elapsed = asyncio.run(pump(targets, args.inflight if mode == "direct" else inflight_total))
                 used, own_used = cpu_s(pids) - before, own_cpu_s() - own
                 runs.append(Run(total / elapsed, used * 1e6 / total, own_used * 1e6 / total))
-            out[mode] = runs
+            out[mode if hop == "socket" else f"{mode} ({hop} hop)"] = runs
     return out
 
 
@@ -215,6 +222,11 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=4, help="requests outstanding per process")
     parser.add_argument("--body", type=int, default=128, help="body bytes")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--local-hop", default="socket,grpc", help="the pods' hops between processes, comma-separated: access mode is "
+        "measured with each (grpc: the baseline, as before the local hop)",
+    )  # fmt: skip
+    parser.add_argument("--no-forwarding", action="store_true", help="skip the two-broker forwarding figures")
     args = parser.parse_args()
     if args.quick:
         args.runs = 1
@@ -229,7 +241,12 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        results = {n: measure_rates(tmp, n, args, total, body) for n in counts}
+        hops = [hop for hop in args.local_hop.split(",") if hop]
+        results: dict[int, dict[str, list[Run]]] = {}
+        for n in counts:
+            results[n] = {}
+            for hop in hops if n > 1 else ["socket"]:
+                results[n] |= measure_rates(tmp, n, args, total, body, hop=hop)
         first = median(results[counts[0]]["direct"])
         base, base_cpu = first.rate / counts[0], first.cpu_us
         for n, modes in results.items():
@@ -257,7 +274,7 @@ def main() -> None:
                     f"{median(runs).rate:,.0f} msg/s median of runs {every} (goal >= 50,000 on 2 cores)",
                     flush=True,
                 )
-        forwarding = measure_forwarding(tmp, 600 if args.quick else 3000, body)
+        forwarding = {} if args.no_forwarding else measure_forwarding(tmp, 600 if args.quick else 3000, body)
         for label, (access, both) in forwarding.items():
             print(f"FIGURE single-message sends {label}: access broker {access:.0f} us/msg, both {both:.0f} us/msg")
     print(f"load average after {os.getloadavg()[0]:.1f}")

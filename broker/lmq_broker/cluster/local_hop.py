@@ -177,6 +177,8 @@ class Hop:
         """The owner's answer (SendMessageResponse bytes) to ``payload``; OSError or TimeoutError when it did
         not answer within ``timeout_s`` (waiting that long for a sibling that is restarting, as gRPC's
         wait_for_ready does)."""
+        if len(payload) > MAX_FRAME_BYTES:  # as gRPC refuses a message past the channel's limit: this call only
+            raise OSError(errno.EMSGSIZE, f"a forward of {len(payload)} bytes")
         deadline = time.monotonic() + timeout_s
         async with asyncio.timeout_at(asyncio.get_running_loop().time() + timeout_s):
             connection = self._connections.get(target)
