@@ -258,6 +258,7 @@ class HopServer:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[_Serving] = set()
+        self._closing = False
         self.refused = Counter(
             "lmq_local_hop_refused",
             "Local hop connections closed because their hello did not verify with the cluster secret",
@@ -288,6 +289,10 @@ class HopServer:
         return peer is not None
 
     def serve(self, connection: _Serving, request_id: int, payload: bytes) -> None:
+        if self._closing:  # as a stopping gRPC server refuses new calls: this request only, nothing stored
+            refused = errors.BrokerUnavailable("this broker is stopping; nothing was stored, try again")
+            connection.send(request_id, spb.SendMessageResponse(status=status.status_of(refused)).SerializeToString())
+            return
         task = asyncio.get_running_loop().create_task(self._answer(connection, request_id, payload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -314,6 +319,7 @@ class HopServer:
         """Stop taking connections, answer what was asked already, then close."""
         if self._server is None:
             return
+        self._closing = True
         self._server.close()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
