@@ -257,3 +257,20 @@ def test_kill_9_of_the_owner_mid_stream_loses_nothing_acknowledged(tmp_path: Pat
             assert all(offset < stored[lite] for offset in offsets)
     finally:
         pod.broker.stop()
+
+
+def test_a_socket_path_too_long_leaves_the_pod_on_grpc(tmp_path: Path) -> None:
+    """A data directory so deep that the socket's path would not fit a Unix socket address: the pod warns once
+    and its processes forward over gRPC, every send still stored at its owner."""
+    data = tmp_path / ("d" * 100)
+    assert local_hop.socket_path(data / "hop", "127.0.0.1:65535") is None
+    pod = start_pod(data, "socket")
+    try:
+        there = pod.owned_by(1, "long", 2)
+        for n, lite in enumerate(there):
+            assert send(pod.endpoints[0], [message(lite, f"{lite}-{n}")]).status.code == pb.OK
+        assert max_offsets(pod, 1, there) == dict.fromkeys(there, 1)
+        assert pod.metric(0, "lmq_local_hop_calls_total") == 0
+        assert "the local hop socket path is too long" in pod.broker.log()
+    finally:
+        pod.broker.stop()
