@@ -11,7 +11,9 @@ owns takes the forward hop, as every official client's sends do, since producers
 client library's own work), each with ``--inflight`` calls in flight for ``--seconds`` after a common start.
 The figure is the brokers' CPU (user + system, every process of the pod summed) per message acknowledged,
 which more processes than cores leave meaningful (msg/s is capped by the host's cores); the load average is
-printed with every run.
+printed with every run. ``--local-hop socket,grpc`` (the default) measures every N > 1 with the pod's local hop
+(``cluster.local_hop``: a Unix socket between its processes) and with gRPC between them (the baseline, as before
+it), the pods all started at once and their runs interleaved.
 
     python bench/bench_producer_fleet.py            # ~2 min
     python bench/bench_producer_fleet.py --quick    # smoke run
@@ -21,26 +23,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import grpc
 import psutil
 
+from lmq_broker import model
+from lmq_broker.cluster import membership as mb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.testing import start_broker
+from lmq_broker.testing import BrokerProcess, start_broker
 
 METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
 PARENT = "AGENT_TASK_NS"
 GOAL_RATIO = 1.15
+PROCESS_RE = re.compile(r"lmq-broker process (\d+) grpc=(\S+) metrics=")
 PAYLOADS_PER_PRODUCER = 2048
 
 
@@ -51,12 +59,14 @@ def figure(name: str, value: float, unit: str, *, op: str, target: float, extra:
 
 
 # --- one producer process ------------------------------------------------------------------------------------
-def payloads(index: int, topics: int, body: bytes) -> list[bytes]:
+def payloads(index: int, topics: int, body: bytes, owned: Sequence[str] = ()) -> list[bytes]:
+    """``owned``: the lite topics to send to (a direct producer's, those of the process it dials)."""
+    names = list(owned) or [f"t{i}" for i in range(topics)]
     out = []
     for n in range(PAYLOADS_PER_PRODUCER):
         props = pb.SystemProperties(
-            message_id=f"01F{index:04X}{n:025X}", message_type=pb.LITE, lite_topic=f"t{(index * 7919 + n) % topics}",
-            body_encoding=pb.IDENTITY, born_host="producer",
+            message_id=f"01F{index:04X}{n:025X}", message_type=pb.LITE,
+            lite_topic=names[(index * 7919 + n) % len(names)], body_encoding=pb.IDENTITY, born_host="producer",
         )  # fmt: skip
         message = pb.Message(topic=pb.Resource(name=PARENT), body=body, system_properties=props)
         out.append(spb.SendMessageRequest(messages=[message]).SerializeToString())
@@ -73,7 +83,14 @@ def headers(client_id: str) -> tuple[tuple[str, str], ...]:
 
 
 async def produce(endpoint: str, index: int, args: argparse.Namespace) -> None:
-    data = payloads(index, args.topics, b"x" * args.body)
+    owned: list[str] = []
+    if args.members:  # direct: only the topics the process at ``endpoint`` owns
+        members = tuple(args.members.split(","))
+        membership = mb.Membership(members, (len(members),))
+        slot = members.index(endpoint)
+        names = (f"t{i}" for i in range(args.topics))
+        owned = [n for n in names if mb.owner(membership, model.QueueId.lmq(PARENT, n).topic) == slot]
+    data = payloads(index, args.topics, b"x" * args.body, owned)
     metadata = headers(f"fleet-{os.getpid()}@{index}")
     async with grpc.aio.insecure_channel(endpoint) as channel:  # one channel: one connection, as one client
         call = channel.unary_unary(
@@ -115,11 +132,19 @@ def pod_cpu_s(pid: int) -> float:
     return total
 
 
-def fleet_run(endpoint: str, pid: int, args: argparse.Namespace) -> Run:
-    command = [sys.executable, __file__, "--producer", endpoint, "--topics", str(args.topics), "--body",
-               str(args.body), "--inflight", str(args.inflight), "--seconds", str(args.seconds)]  # fmt: skip
+def fleet_run(endpoint: str, pid: int, args: argparse.Namespace, members: Sequence[str] = ()) -> Run:
+    """``members``: each process's own endpoint; given, producer i dials process i mod N with its topics only."""
+    command = [sys.executable, __file__, "--topics", str(args.topics), "--body", str(args.body),
+               "--inflight", str(args.inflight), "--seconds", str(args.seconds)]  # fmt: skip
+    if members:
+        command += ["--members", ",".join(members)]
     producers = [
-        subprocess.Popen([*command, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*command, "--producer", members[i % len(members)] if members else endpoint, "--index", str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for i in range(args.producers)
     ]
     try:
@@ -149,10 +174,32 @@ def fleet_run(endpoint: str, pid: int, args: argparse.Namespace) -> Run:
     return Run(sent / elapsed, used * 1e6 / max(1, sent), os.getloadavg()[0])
 
 
-def measure(tmp: Path, n: int, args: argparse.Namespace) -> list[Run]:
-    extra = ["--processes", str(n)] if n > 1 else []
-    with start_broker(tmp / f"n{n}", extra_args=extra) as pod:
-        return [fleet_run(pod.endpoint, pod.pid, args) for _ in range(args.runs)]
+def configs(counts: list[int], hops: list[str]) -> list[tuple[int, str]]:
+    """(N, local hop) of every pod measured: N=1 has no hop to choose; ``direct`` is a socket pod whose
+    producers each dial an owner with its own topics (no message takes a hop: the floor for that N)."""
+    return [(n, hop) for n in counts for hop in (hops if n > 1 else ["-"])]
+
+
+def process_endpoints(pod: BrokerProcess) -> list[str]:
+    found = {int(m[1]): m[2] for m in PROCESS_RE.finditer(pod.log())}
+    return [found[i] for i in range(len(found))]
+
+
+def measure(tmp: Path, todo: list[tuple[int, str]], args: argparse.Namespace) -> dict[tuple[int, str], list[Run]]:
+    """Every pod started at once and the runs interleaved (run 1 of each, then run 2 of each...), so that a
+    change in the host's load touches every configuration alike."""
+    results: dict[tuple[int, str], list[Run]] = {config: [] for config in todo}
+    with contextlib.ExitStack() as stack:
+        pods = {}
+        members: dict[tuple[int, str], list[str]] = {}
+        for n, hop in todo:
+            extra = ["--processes", str(n), "--local-hop", hop.replace("direct", "socket")] if n > 1 else []
+            pod = pods[n, hop] = stack.enter_context(start_broker(tmp / f"n{n}-{hop}", extra_args=extra))
+            members[n, hop] = process_endpoints(pod) if hop == "direct" else []
+        for _ in range(args.runs):
+            for config, pod in pods.items():
+                results[config].append(fleet_run(pod.endpoint, pod.pid, args, members[config]))
+    return results
 
 
 def main() -> None:
@@ -165,7 +212,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per N")
     parser.add_argument("--topics", type=int, default=1000, help="lite topics")
     parser.add_argument("--body", type=int, default=1024, help="body bytes")
+    parser.add_argument(
+        "--local-hop", default="socket,grpc,direct", help="the hop between the pod's processes, comma-separated: each "
+        "N > 1 is measured with each (grpc: the baseline, as before the local hop; direct: no hop, producers dial "
+        "owners)",
+    )  # fmt: skip
     parser.add_argument("--producer", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--members", default="", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.producer:
@@ -174,23 +227,27 @@ def main() -> None:
     if args.quick:
         args.producers, args.seconds, args.runs, args.processes = 2, 2.0, 1, "1,2"
     counts = [int(n) for n in args.processes.split(",") if n]
-    results: dict[int, list[Run]] = {}
+    hops = [hop for hop in args.local_hop.split(",") if hop]
     with tempfile.TemporaryDirectory() as tmp:
-        for n in counts:
-            results[n] = measure(Path(tmp), n, args)
+        results = measure(Path(tmp), configs(counts, hops), args)
     print(
         f"{args.producers} producer processes x {args.inflight} in flight, single-message SendMessage, {args.body} B "
-        f"LITE into {args.topics} lite topics, one access port; {args.seconds:.0f} s x {args.runs} runs; "
-        f"{os.cpu_count()} cores"
+        f"LITE into {args.topics} lite topics, one access port; {args.seconds:.0f} s x {args.runs} runs "
+        f"(interleaved); {os.cpu_count()} cores; load average now {os.getloadavg()[0]:.1f}"
     )
-    for n, runs in results.items():
+    for (n, hop), runs in results.items():
         each = ", ".join(f"{r.cpu_us:,.0f} us @ {r.rate:,.0f} msg/s (load {r.load:.1f})" for r in runs)
         rate, cpu = statistics.median(r.rate for r in runs), statistics.median(r.cpu_us for r in runs)
-        print(f"FIGURE producer fleet N={n}: broker CPU per message: {cpu:,.0f} us, {rate:,.0f} msg/s (runs: {each})")
-    base = statistics.median(r.cpu_us for r in results[counts[0]])
-    for n in counts[1:]:
-        ratio = statistics.median(r.cpu_us for r in results[n]) / base
-        figure(f"producer fleet CPU per message N={n} ÷ N={counts[0]}", ratio, "x", op="<=", target=GOAL_RATIO)
+        name = f"N={n}" + (f" local hop {hop}" if n > 1 else "")
+        print(f"FIGURE producer fleet {name}: broker CPU per message: {cpu:,.0f} us, {rate:,.0f} msg/s (runs: {each})")
+    base_config = next(iter(results))
+    base = statistics.median(r.cpu_us for r in results[base_config])
+    for (n, hop), runs in results.items():
+        if (n, hop) == base_config:
+            continue
+        ratio = statistics.median(r.cpu_us for r in runs) / base
+        name = f"producer fleet CPU per message N={n} ({hop}) ÷ N={base_config[0]}"
+        figure(name, ratio, "x", op="<=", target=GOAL_RATIO)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ Rates: batched LITE sends into ``--topics`` lite topics of AGENT_TASK_NS (bootst
 * ``direct``: each request carries only topics of one owner and goes to that process's own port: the
   scale the ring gives when clients (or the forwarders) already batch per owner.
 * ``access``: requests of mixed topics go to the pod's one access port (a channel per in-flight worker, so the
-  kernel spreads the connections over the processes), so (N-1)/N of the messages take the forward hop.
-Forwarding: two explicit peers; single-message sends to process 0 of topics owned by process 1, one at a time
-(each forward call carries one message) and with 64 in flight (forwards gathered per owner); the figure is
-process 0's CPU per message, beside its CPU per message stored locally the same way.
+  kernel spreads the connections over the processes), so (N-1)/N of the messages take the forward hop:
+  the pod's local hop (``--local-hop``, a Unix socket between its processes) and, as ``access (grpc hop)``, gRPC
+  between them (the baseline, as before the local hop).
+Forwarding: a ``serve --processes 2`` pod per hop; single-message sends to process 0's own port of topics owned
+by process 1, one at a time (each forward call carries one message) and with 64 in flight (forwards gathered
+per owner); the figures are process 0's and both processes' CPU per message, beside the same sends of topics
+process 0 owns (stored where they arrive), and forwarded ÷ stored (issue 28: no dearer at 64 in flight).
 
 The headline (issue 14's goal: >= 50,000 msg/s on 2 cores) is the batched send into 10,000 lite topics with as
 many processes as the host has cores, through the access port and direct, every run printed (the load
@@ -46,7 +49,6 @@ import psutil
 from lmq_broker.cluster import membership as mb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, BrokerProcess, start_broker
 
 METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
@@ -140,16 +142,21 @@ class Run(NamedTuple):
     client_us: float  # the load generator's CPU per message
 
 
-def measure_rates(tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes) -> dict[str, list[Run]]:
-    """mode -> every run."""
-    extra = ["--processes", str(n)] if n > 1 else []
+def measure_rates(
+    tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes, *, hop: str = "socket"
+) -> dict[str, list[Run]]:
+    """mode -> every run; ``hop``: the pod's local hop (``--local-hop``), its access mode named after it unless
+    it is the default, socket (a grpc pod measures access only: direct sends take no hop)."""
+    extra = ["--processes", str(n), "--local-hop", hop] if n > 1 else []
     out: dict[str, list[Run]] = {}
-    with start_broker(tmp / f"n{n}", extra_args=extra) as pod:
+    with start_broker(tmp / f"n{n}-{hop}", extra_args=extra) as pod:
         endpoints = process_endpoints(pod) if n > 1 else [pod.endpoint]
         membership = mb.Membership.parse(",".join(endpoints)) if n > 1 else None
         pids = [c.pid for c in psutil.Process(pod.pid).children()] if n > 1 else [pod.pid]
         asyncio.run(pump([(pod.endpoint, requests(200, 50, 50, body, None)[0])], 1))  # warm-up
         modes = ("direct", "access") if n > 1 else ("direct",)
+        if hop != "socket":
+            modes = ("access",)
         for mode in modes:
             runs = []
             for _ in range(args.runs):
@@ -163,23 +170,29 @@ def measure_rates(tmp: Path, n: int, args: argparse.Namespace, total: int, body:
                 elapsed = asyncio.run(pump(targets, args.inflight if mode == "direct" else inflight_total))
                 used, own_used = cpu_s(pids) - before, own_cpu_s() - own
                 runs.append(Run(total / elapsed, used * 1e6 / total, own_used * 1e6 / total))
-            out[mode] = runs
+            out[mode if hop == "socket" else f"{mode} ({hop} hop)"] = runs
     return out
 
 
-def measure_forwarding(tmp: Path, count: int, body: bytes) -> dict[str, tuple[float, float]]:
-    """(process 0's, both processes') CPU per message (us): stored at process 0 vs forwarded to process 1, one
+def slot_pids(pod: BrokerProcess, n: int) -> list[int]:
+    """The pid of each process of a ``serve --processes`` pod, in slot order."""
+    by_slot = {}
+    for child in psutil.Process(pod.pid).children():
+        for arg in child.cmdline():
+            if arg.startswith("--ordinal="):
+                by_slot[int(arg.partition("=")[2])] = child.pid
+    return [by_slot[slot] for slot in range(n)]
+
+
+def measure_forwarding(tmp: Path, count: int, body: bytes, hop: str) -> dict[str, tuple[float, float]]:
+    """(process 0's, both processes') CPU per message (us) in a ``serve --processes 2`` pod whose processes
+    forward over ``hop``: sent to process 0's own port, stored there vs forwarded to process 1, one
     single-message send at a time vs 64 in flight."""
-    ports = free_ports("127.0.0.1", 2)
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
-    membership = mb.Membership.parse(peers)
-    brokers = [
-        start_broker(
-            tmp / f"f{i}", port=ports[i], extra_args=["--peers", peers, "--ordinal", str(i)], env=SHARED_ADMIN_ENV
-        )
-        for i in range(2)
-    ]
-    try:
+    extra = ["--processes", "2", "--local-hop", hop]
+    with start_broker(tmp / f"fwd-{hop}", extra_args=extra, env=SHARED_ADMIN_ENV) as pod:
+        endpoints = process_endpoints(pod)
+        membership = mb.Membership.parse(",".join(endpoints))
+        pids = slot_pids(pod, 2)
         lites = {
             slot: [f"f{i}" for i in range(20_000) if owner_of(membership, f"f{i}") == slot][:500] for slot in (0, 1)
         }
@@ -191,16 +204,13 @@ def measure_forwarding(tmp: Path, count: int, body: bytes) -> dict[str, tuple[fl
                 spb.SendMessageRequest(messages=[message(i, lites[slot][i % 500], body)]).SerializeToString()
                 for i in range(count + 50)
             ]
-            asyncio.run(pump([(brokers[0].endpoint, payloads[:50])], 1))  # warm: channels, placement
-            before = cpu_s([brokers[0].pid]), cpu_s([b.pid for b in brokers])
-            asyncio.run(pump([(brokers[0].endpoint, payloads[50:])], inflight))
-            access = (cpu_s([brokers[0].pid]) - before[0]) * 1e6 / count
-            both = (cpu_s([b.pid for b in brokers]) - before[1]) * 1e6 / count
+            asyncio.run(pump([(endpoints[0], payloads[:50])], 1))  # warm: channels, placement
+            before = cpu_s(pids[:1]), cpu_s(pids)
+            asyncio.run(pump([(endpoints[0], payloads[50:])], inflight))
+            access = (cpu_s(pids[:1]) - before[0]) * 1e6 / count
+            both = (cpu_s(pids) - before[1]) * 1e6 / count
             out[label] = (access, both)
         return out
-    finally:
-        for broker in brokers:
-            broker.stop()
 
 
 def main() -> None:
@@ -215,6 +225,11 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=4, help="requests outstanding per process")
     parser.add_argument("--body", type=int, default=128, help="body bytes")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--local-hop", default="socket,grpc", help="the pods' hops between processes, comma-separated: access mode is "
+        "measured with each (grpc: the baseline, as before the local hop)",
+    )  # fmt: skip
+    parser.add_argument("--no-forwarding", action="store_true", help="skip the two-broker forwarding figures")
     args = parser.parse_args()
     if args.quick:
         args.runs = 1
@@ -229,7 +244,12 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        results = {n: measure_rates(tmp, n, args, total, body) for n in counts}
+        hops = [hop for hop in args.local_hop.split(",") if hop]
+        results: dict[int, dict[str, list[Run]]] = {}
+        for n in counts:
+            results[n] = {}
+            for hop in hops if n > 1 else ["socket"]:
+                results[n] |= measure_rates(tmp, n, args, total, body, hop=hop)
         first = median(results[counts[0]]["direct"])
         base, base_cpu = first.rate / counts[0], first.cpu_us
         for n, modes in results.items():
@@ -257,9 +277,18 @@ def main() -> None:
                     f"{median(runs).rate:,.0f} msg/s median of runs {every} (goal >= 50,000 on 2 cores)",
                     flush=True,
                 )
-        forwarding = measure_forwarding(tmp, 600 if args.quick else 3000, body)
-        for label, (access, both) in forwarding.items():
-            print(f"FIGURE single-message sends {label}: access broker {access:.0f} us/msg, both {both:.0f} us/msg")
+        for hop in [] if args.no_forwarding else hops:
+            forwarding = measure_forwarding(tmp, 600 if args.quick else 3000, body, hop)
+            for label, (access, both) in forwarding.items():
+                print(
+                    f"FIGURE single-message sends {label}, {hop} hop: access process {access:.0f} us/msg, "
+                    f"both {both:.0f} us/msg",
+                    flush=True,
+                )
+            for suffix in ("alone", "64 in flight"):
+                here = next(v[1] for k, v in forwarding.items() if k.startswith("stored") and suffix in k)
+                there = next(v[1] for k, v in forwarding.items() if k.startswith("forwarded") and suffix in k)
+                print(f"FIGURE forwarded ÷ stored here, {suffix}, {hop} hop (both processes' CPU): {there / here:.2f}")
     print(f"load average after {os.getloadavg()[0]:.1f}")
 
 

@@ -150,6 +150,9 @@ HELP: Final[dict[str, str]] = {
     "external_access_port": "also serve the external listener on this port, shared with other processes (set by "
     "--processes)",
     "pod_processes": "broker processes per pod, for --external-address-template (set by --processes)",
+    "local_hop": "how a send reaches the process of this pod that owns its lite topic: socket (a Unix socket in "
+    "the pod's data dir) or grpc (as between pods)",
+    "local_hop_dir": "the directory of this pod's local hop sockets (set by --processes)",
     "max_body_bytes": "largest message body a send may carry, bytes (beyond it: MESSAGE_BODY_TOO_LARGE)",
     "long_polling_timeout_ms": "longest a receive waits for a message, ms (also the clients' long-poll setting "
     "sent over Telemetry)",
@@ -220,6 +223,8 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "external_address_template",
         "external_access_port",
         "pod_processes",
+        "local_hop",
+        "local_hop_dir",
         "cluster_secret",
     ),
     "replication (docs/replication.md)": (

@@ -251,6 +251,7 @@ class Broker:
             await shared.start()
         if config.external_port >= 0:
             await self._start_external(edge, admission)
+        await cluster.listen_locally(admission)
         await server.start()
         cluster.serve()
         if self.replication is not None:

@@ -20,6 +20,11 @@ class EdgeKind(enum.StrEnum):
     NATIVE = "native"  # the native HTTP/2 edge, lmq_edge (docs/design/native-edge.md; built by `make native`)
 
 
+class LocalHop(enum.StrEnum):
+    SOCKET = "socket"  # sends forwarded to a process of this pod go over a Unix socket (cluster.local_hop)
+    GRPC = "grpc"  # over gRPC, as to other pods (the plain twin)
+
+
 class FlushMode(enum.StrEnum):
     SYNC = "sync"  # an append returns only after fsync: an acknowledged message is never lost
     ASYNC = "async"  # fsync every flush_interval_ms
@@ -161,6 +166,10 @@ class BrokerConfig(BaseModel):
     external_address_template: str = ""  # one pod's address, "{ordinal}" replaced: for slots past the list
     external_access_port: int = Field(default=-1, ge=-1, le=65535)  # set by --processes: the pod's shared one
     pod_processes: int = Field(default=1, ge=1, le=256)  # set by --processes: slots per pod, for the template
+    # How a send reaches a sibling process of this pod (cluster.local_hop): a Unix socket in local_hop_dir (set by
+    # --processes), or gRPC as between pods.
+    local_hop: LocalHop = LocalHop.SOCKET
+    local_hop_dir: Path | None = None
     # Replication (docs/replication.md): copies per ring slot (1: none, today's broker), how many must be durable
     # before a send is acknowledged (0: all of them), and the Kubernetes Leases that say who owns each slot.
     replicas: int = Field(default=1, ge=1, le=5)

@@ -154,6 +154,7 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
         "--metrics-port": str(metrics),
         "--ring-history": p.ring_history,
         "--broker-name": f"{config.broker_name}-p{index}",
+        "--local-hop-dir": str(config.store.data_dir / "hop"),
     }
     if p.external_ports:
         overrides |= {

@@ -30,7 +30,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors
-from lmq_broker.cluster import draining
+from lmq_broker.cluster import draining, local_hop
 from lmq_broker.cluster.epochs import Epochs
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2, Links
 from lmq_broker.cluster.owners import Owners
@@ -68,8 +68,10 @@ class Forwarder:
         handoff: draining.Handoff,
         store_here: StoreHere,
         registry: CollectorRegistry,
+        hop: local_hop.Hop | None = None,
     ) -> None:
         self._links = links
+        self._hop = hop
         self._owners = owners
         self._epochs = epochs
         self.handoff = handoff
@@ -84,6 +86,11 @@ class Forwarder:
         )
         self.forward_calls = Counter(
             "lmq_forward_calls", "SendMessage calls carrying forwarded messages", registry=registry
+        )
+        self.local_hop_calls = Counter(
+            "lmq_local_hop_calls",
+            "Forward calls to a process of this pod over the local hop's Unix socket (cluster.local_hop)",
+            registry=registry,
         )
         self.refused_copies = Counter(
             "lmq_peer_copies_refused",
@@ -320,6 +327,19 @@ class Forwarder:
                 await self._epochs.recheck(members.index(target))
 
     async def _call_send(self, target: str, payload: bytes, count: int) -> spb.SendMessageResponse | errors.LmqError:
+        hop = self._hop
+        if hop is not None and hop.reaches(target):
+            self.local_hop_calls.inc()
+            self.forward_calls.inc()
+            self.forwarded_messages.inc(count)
+            try:
+                answer = await hop.call(target, payload, CALL_TIMEOUT_S)
+            except OSError as exc:  # TimeoutError too
+                return errors.BrokerUnavailable(
+                    f"broker {target} owning these lite topics did not answer: "
+                    f"{type(exc).__name__}; nothing was stored, try again"
+                )
+            return spb.SendMessageResponse.FromString(answer)
         call = self._links.channel(target).unary_unary(
             _SEND, request_serializer=_raw, response_deserializer=spb.SendMessageResponse.FromString
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from lmq_broker.cluster import draining
+from lmq_broker.cluster import draining, local_hop
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.epochs import Adopt, Epochs
 from lmq_broker.cluster.fanout import Fanout, Known, Subscribers
@@ -22,7 +22,7 @@ from lmq_broker.cluster.forwarding import Forwarder, StoreHere
 from lmq_broker.cluster.links import Headers, Links
 from lmq_broker.cluster.owners import LocalHolds, Owners
 from lmq_broker.cluster.watch import Watch
-from lmq_broker.config import BrokerConfig
+from lmq_broker.config import BrokerConfig, LocalHop
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
 
 
@@ -47,7 +47,10 @@ class Peers:
         self.owners = Owners(self.links, self.epochs, holds_locally)
         self.fanout = Fanout(self.links, self.owners, subscribers=subscribers, known=known)
         self.handoff = draining.Handoff(drained_locally, self.fanout.move_subscriptions)
-        self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry)
+        self.hop: local_hop.Hop | None = None
+        if config.local_hop == LocalHop.SOCKET and config.local_hop_dir is not None:
+            self.hop = local_hop.Hop(config.local_hop_dir, secret, lambda: self.links.membership.epoch)
+        self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry, self.hop)
         self.watch = Watch(self.links, self.epochs, self.fanout, registry, incarnation=incarnation)
 
     def apply(self, membership: mb.Membership, me: int, *, told: bool = False) -> None:
@@ -72,4 +75,6 @@ class Peers:
     async def close(self) -> None:
         await self.watch.close()
         await self.forwarder.close()
+        if self.hop is not None:
+            await self.hop.close()
         await self.links.close()

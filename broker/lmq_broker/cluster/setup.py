@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.cluster import draining, trust
+from lmq_broker.cluster import draining, local_hop, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.calls import Calls
 from lmq_broker.cluster.fanout import Subscription
 from lmq_broker.cluster.peers import Peers
-from lmq_broker.config import BrokerConfig
+from lmq_broker.config import BrokerConfig, LocalHop
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import send_message
 from lmq_broker.protocol.metrics import Metrics
 from lmq_broker.storage.api import Store
@@ -138,6 +140,7 @@ class Cluster:
         self._serving = False  # the watch starts once this broker answers calls (``serve``)
         self._handing: asyncio.Task[None] | None = None
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
+        self._hop_server: local_hop.HopServer | None = None
 
     @property
     def peers(self) -> Peers | None:
@@ -164,6 +167,29 @@ class Cluster:
                 place = Place(place.membership.at(stored_epoch + 1), place.slot, place.source)
         self._apply(place)
         self.confirmed_epoch = place.membership.epoch
+
+    async def listen_locally(self, admission: Admission) -> None:
+        """The local hop (``--processes``): this pod's other processes send this one their forwarded sends over a
+        Unix socket, served as peers' copies (a broker that runs alone now stores them, as its gRPC edge does)."""
+        config = self.config
+        if config.local_hop != LocalHop.SOCKET or config.local_hop_dir is None:
+            return
+        path = local_hop.socket_path(config.local_hop_dir, self.endpoint)
+        if path is None:
+            log.warning("the local hop socket path is too long for a Unix socket: this pod's processes use gRPC")
+            return
+        edge = self._edge
+
+        async def send(request: spb.SendMessageRequest) -> spb.SendMessageResponse:
+            peers = self.peers
+            if peers is None:
+                return await send_message.handle(edge, request)
+            return await peers.forwarder.send(request, peer_copy=True)
+
+        secret = trust.secret_of(config.cluster_secret, self._admin_keys[1] if self._admin_keys is not None else "")
+        server = local_hop.HopServer(path, secret, send, admission, self._metrics, self._metrics.registry)
+        await server.start()
+        self._hop_server = server
 
     def serve(self) -> None:
         """This broker answers calls now: its peers are watched (and told at once that it is up)."""
@@ -333,6 +359,9 @@ class Cluster:
         return out
 
     async def close(self) -> None:
+        if self._hop_server is not None:
+            await self._hop_server.close()
+            self._hop_server = None
         if self._handing is not None or self._copying:
             await asyncio.gather(*filter(None, (self._handing, *self._copying)), return_exceptions=True)
         self._edge.cluster = None

@@ -1,0 +1,276 @@
+"""The local hop (``cluster.local_hop``) against its plain twin, gRPC between the processes of one pod: real
+``serve --processes 2`` pods, real sockets, real stores. The same sends give the same receipts and placements;
+a peer's copy of a topic the process does not own is refused the same way; a forged hello is refused and
+counted; and a kill -9 of the owner mid-stream loses no acknowledged message (the client gets an error, its
+retry succeeds once the supervisor has started the owner again)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import grpc
+import pytest
+from waiting import eventually
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.cluster import local_hop, trust
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster.links import V2
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
+
+PARENT: Final = "HOP_NS"
+SECRET: Final = "local-hop-test-secret"
+ENV: Final = {**SHARED_ADMIN_ENV, "LMQ_CLUSTER_SECRET": SECRET}
+PROCESS_RE: Final = re.compile(r"lmq-broker process (\d+) grpc=(\S+) metrics=(\d+)")
+HOPS: Final = ("socket", "grpc")
+
+
+@dataclass
+class Pod:
+    broker: BrokerProcess
+    endpoints: list[str]  # each process's own, in slot order
+    metrics: list[int]
+
+    def owned_by(self, slot: int, prefix: str, count: int) -> list[str]:
+        membership = mb.Membership(tuple(self.endpoints), (len(self.endpoints),))
+        names = (f"{prefix}-{i}" for i in range(100_000))
+        return [n for n in names if mb.owner(membership, model.QueueId.lmq(PARENT, n).topic) == slot][:count]
+
+    def metric(self, slot: int, name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[slot]}/metrics", timeout=5).read().decode()
+        found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        return float(found[1]) if found else 0.0
+
+
+def start_pod(data: Path, hop: str) -> Pod:
+    args = ["--processes", "2", "--no-bootstrap", "--local-hop", hop]
+    broker = start_broker(data, extra_args=args, env=ENV)
+    found = {int(m[1]): (m[2], int(m[3])) for m in PROCESS_RE.finditer(broker.log())}
+    pod = Pod(broker, [found[i][0] for i in range(2)], [found[i][1] for i in range(2)])
+    with AdminClient(broker.endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+    return pod
+
+
+@pytest.fixture
+def pods(tmp_path: Path) -> Iterator[dict[str, Pod]]:
+    started: dict[str, Pod] = {}
+    try:
+        for hop in HOPS:
+            started[hop] = start_pod(tmp_path / hop, hop)
+        yield started
+    finally:
+        for pod in started.values():
+            pod.broker.stop()
+
+
+def message(lite: str, message_id: str) -> pb.Message:
+    props = pb.SystemProperties(
+        message_id=message_id, message_type=pb.LITE, lite_topic=lite, body_encoding=pb.IDENTITY, born_host="t"
+    )
+    return pb.Message(topic=pb.Resource(name=PARENT), body=message_id.encode(), system_properties=props)
+
+
+def send(
+    endpoint: str, messages: list[pb.Message], metadata: tuple[tuple[str, str], ...] = ()
+) -> spb.SendMessageResponse:
+    with grpc.insecure_channel(endpoint) as channel:
+        call = channel.unary_unary(
+            V2 + "SendMessage",
+            request_serializer=spb.SendMessageRequest.SerializeToString,
+            response_deserializer=spb.SendMessageResponse.FromString,
+        )
+        reply: spb.SendMessageResponse = call(spb.SendMessageRequest(messages=messages), metadata=metadata, timeout=10)
+        return reply
+
+
+def receipts(reply: spb.SendMessageResponse) -> list[tuple[int, str, int]]:
+    return [(e.status.code, e.message_id, e.offset) for e in reply.entries]
+
+
+def max_offsets(pod: Pod, slot: int, lites: list[str]) -> dict[str, int]:
+    with AdminClient(pod.endpoints[slot], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+        return {lite: admin.describe_lite_topic(PARENT, lite).meta.max_offset for lite in lites}
+
+
+def test_forwarded_sends_give_the_same_receipts_over_both_hops(pods: dict[str, Pod]) -> None:
+    """Single sends and a batch across both owners, each through process 0's own port: the same statuses,
+    message ids and offsets over the socket as over gRPC, each message stored at its owner, and only the socket
+    pod's forwards counted as local hop calls."""
+    answers: dict[str, list[list[tuple[int, str, int]]]] = {}
+    for hop, pod in pods.items():
+        here, there = pod.owned_by(0, "h", 3), pod.owned_by(1, "t", 3)
+        requests = [[message(lite, f"{lite}-{n}")] for n in range(3) for lite in (*here, *there)]
+        requests.append([message(lite, f"{lite}-batch") for lite in (*there, *here)])
+        answers[hop] = [receipts(send(pod.endpoints[0], request)) for request in requests]
+        assert all(code == pb.OK for answer in answers[hop] for code, _, _ in answer), answers[hop]
+        assert max_offsets(pod, 1, there) == dict.fromkeys(there, 4)  # three single sends and the batch's
+        assert max_offsets(pod, 0, here) == dict.fromkeys(here, 4)
+    assert answers["socket"] == answers["grpc"]
+    assert pods["socket"].metric(0, "lmq_local_hop_calls_total") > 0
+    assert pods["grpc"].metric(0, "lmq_local_hop_calls_total") == 0
+
+
+def _exchange(path: Path, frames: bytes) -> bytes:
+    """Write ``frames`` to the local hop socket at ``path``; what comes back until the owner closes or one
+    answer frame is complete."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(frames)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+            if len(data) >= 8 and len(data) >= 8 + struct.unpack_from(">I", data)[0]:
+                return data
+
+
+def _hello(secret: str) -> bytes:
+    _, value = trust.header(secret.encode(), local_hop.HELLO, 1, time.time_ns() // 1_000_000)
+    return local_hop.frame(0, value.encode())
+
+
+def test_a_peer_copy_not_owned_is_refused_alike_and_a_forged_hello_is_refused(pods: dict[str, Pod]) -> None:
+    """Process 1 gets a peer's copy of a send whose topic process 0 owns: over the socket (a valid hello) and
+    over gRPC (a valid peer header) the same NOT_OWNER refusal, nothing stored. A hello signed with another
+    secret closes the connection unanswered, counted in ``lmq_local_hop_refused``."""
+    pod = pods["socket"]
+    lite = pod.owned_by(0, "r", 1)[0]
+    request = spb.SendMessageRequest(messages=[message(lite, "refused-1")])
+    path = local_hop.socket_path(pod.broker.data_dir / "hop", pod.endpoints[1])
+    assert path is not None and path.exists()
+    answer = _exchange(path, _hello(SECRET) + local_hop.frame(7, request.SerializeToString()))
+    length, request_id = struct.unpack_from(">II", answer)
+    assert request_id == 7
+    over_socket = spb.SendMessageResponse.FromString(answer[8 : 8 + length])
+    header = trust.header(SECRET.encode(), V2 + "SendMessage", 1, time.time_ns() // 1_000_000)
+    over_grpc = send(pod.endpoints[1], list(request.messages), (header,))
+    assert over_socket.status.code == over_grpc.status.code == pb.INTERNAL_ERROR
+    assert over_socket.status.message.startswith("not the owner")
+    assert over_socket.status.message == over_grpc.status.message
+    with AdminClient(pod.endpoints[1], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+        assert not admin.list_lite_topics(PARENT).topics
+
+    assert pod.metric(1, "lmq_local_hop_refused_total") == 0
+    forged = _exchange(path, _hello("another-secret") + local_hop.frame(8, request.SerializeToString()))
+    assert forged == b""
+    assert pod.metric(1, "lmq_local_hop_refused_total") == 1
+
+
+def _child_pid(pod: Pod, slot: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rpartition(")")[2].split()[:2]
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(ppid) == pod.broker.pid and state != "Z" and f"--ordinal={slot}".encode() in argv:
+            return int(entry.name)
+    return None
+
+
+@dataclass
+class Ledger:
+    attempts: dict[str, int]
+    acked: dict[str, list[int]]  # offsets of the receipts
+    errors: int = 0
+
+
+def _send_until_stopped(endpoint: str, lites: list[str], stop: threading.Event, ledger: Ledger) -> None:
+    """One message at a time, round the lite topics, each sent again until acknowledged."""
+    with grpc.insecure_channel(endpoint) as channel:
+        call = channel.unary_unary(
+            V2 + "SendMessage",
+            request_serializer=spb.SendMessageRequest.SerializeToString,
+            response_deserializer=spb.SendMessageResponse.FromString,
+        )
+        n = 0
+        while not stop.is_set():
+            lite = lites[n % len(lites)]
+            request = spb.SendMessageRequest(messages=[message(lite, f"{lite}-{n}")])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                ledger.attempts[lite] += 1
+                try:
+                    reply = call(request, timeout=10)
+                except grpc.RpcError:
+                    ledger.errors += 1
+                    continue
+                if reply.status.code == pb.OK:
+                    ledger.acked[lite].append(reply.entries[0].offset)
+                    break
+                ledger.errors += 1
+            n += 1
+
+
+@pytest.mark.parametrize("hop", HOPS)
+def test_kill_9_of_the_owner_mid_stream_loses_nothing_acknowledged(tmp_path: Path, hop: str) -> None:
+    """Sends through process 0 to topics process 1 owns while process 1 is killed -9 and started again by its
+    supervisor: some sends fail meanwhile and are sent again; every acknowledged message is in the owner's store
+    afterwards (at least once: no topic holds fewer messages than were acknowledged, none more than sent)."""
+    pod = start_pod(tmp_path / "pod", hop)
+    try:
+        lites = pod.owned_by(1, "k", 8)
+        ledger = Ledger(dict.fromkeys(lites, 0), {lite: [] for lite in lites})
+        stop = threading.Event()
+        sender = threading.Thread(target=_send_until_stopped, args=(pod.endpoints[0], lites, stop, ledger))
+        sender.start()
+        try:
+            eventually(lambda: sum(map(len, ledger.acked.values())) >= 40, "sends acknowledged before the kill")
+            victim = _child_pid(pod, 1)
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            eventually(lambda: ledger.errors > 0, "a send failing while the owner is down", timeout_s=30)
+            restarted = eventually(lambda: (_child_pid(pod, 1) or victim) != victim, "the owner started again")
+            assert restarted
+            before = sum(map(len, ledger.acked.values()))
+            eventually(
+                lambda: sum(map(len, ledger.acked.values())) >= before + 40, "sends acknowledged after the restart", 60
+            )
+        finally:
+            stop.set()
+            sender.join(90)
+        stored = max_offsets(pod, 1, lites)
+        for lite in lites:
+            offsets = ledger.acked[lite]
+            assert len(set(offsets)) == len(offsets), f"two receipts with one offset in {lite}"
+            assert len(offsets) <= stored[lite] <= ledger.attempts[lite], (lite, len(offsets), stored[lite])
+            assert all(offset < stored[lite] for offset in offsets)
+    finally:
+        pod.broker.stop()
+
+
+def test_a_socket_path_too_long_leaves_the_pod_on_grpc(tmp_path: Path) -> None:
+    """A data directory so deep that the socket's path would not fit a Unix socket address: the pod warns once
+    and its processes forward over gRPC, every send still stored at its owner."""
+    data = tmp_path / ("d" * 100)
+    assert local_hop.socket_path(data / "hop", "127.0.0.1:65535") is None
+    pod = start_pod(data, "socket")
+    try:
+        there = pod.owned_by(1, "long", 2)
+        for n, lite in enumerate(there):
+            assert send(pod.endpoints[0], [message(lite, f"{lite}-{n}")]).status.code == pb.OK
+        assert max_offsets(pod, 1, there) == dict.fromkeys(there, 1)
+        assert pod.metric(0, "lmq_local_hop_calls_total") == 0
+        assert "the local hop socket path is too long" in pod.broker.log()
+    finally:
+        pod.broker.stop()
