@@ -43,6 +43,7 @@ class Followers:
     waiting: int = 0  # copies waiting at the gate
     messages_gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: copies of messages wait
     arrived: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})  # message ids, "commit"
+    copies: dict[str, list[int]] = field(default_factory=lambda: {"b1": [], "b2": []})  # messages per copy of some
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
         if endpoint in self.down:
@@ -55,6 +56,8 @@ class Followers:
         copy = wire.decode(data)
         if copy.messages:
             await self.messages_gate.wait()
+        if copy.messages:
+            self.copies[endpoint].append(len(copy.messages))
         self.arrived[endpoint].extend([m.message_id for m in copy.messages] + ["commit"] * len(copy.commits))
         self.stored[endpoint].extend(m.message_id for m in copy.messages)
         self.commits[endpoint].extend((c.group, c.offset) for c in copy.commits)
@@ -316,3 +319,21 @@ async def test_a_commit_copy_waits_for_the_copy_of_the_messages_it_counts(slot0:
     slot0.followers.messages_gate.set()
     await asyncio.wait_for(asyncio.gather(send, future), 5)
     assert slot0.followers.arrived == {"b1": ["m0", "commit"], "b2": ["m0", "commit"]}
+
+
+@pytest.mark.asyncio
+async def test_sends_stored_a_few_loop_passes_apart_go_to_each_follower_in_one_copy(slot0: Slot0) -> None:
+    """A woken shipper lets a few event-loop passes go by before it takes its queue: sends stored in those
+    passes share one copy (one stream message each way and one append on the follower), and each is
+    acknowledged once that copy was stored on every member."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+
+    async def send(n: int) -> None:
+        for _ in range(n):  # send n is stored n passes after the first
+            await asyncio.sleep(0)
+        await owner.copy(*batch(n))
+
+    await asyncio.wait_for(asyncio.gather(*(send(n) for n in range(3))), 5)
+    assert slot0.followers.copies == {"b1": [3], "b2": [3]}
+    assert slot0.followers.stored == {"b1": ["m0", "m1", "m2"], "b2": ["m0", "m1", "m2"]}
