@@ -17,7 +17,7 @@ from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.replication import copies, memory, wire
+from lmq_broker.replication import copies, memory, owning, wire
 from lmq_broker.replication.leadership import Leadership, identity
 
 DURATION_MS = 3000
@@ -337,3 +337,21 @@ async def test_sends_stored_a_few_loop_passes_apart_go_to_each_follower_in_one_c
     await asyncio.wait_for(asyncio.gather(*(send(n) for n in range(3))), 5)
     assert slot0.followers.copies == {"b1": [3], "b2": [3]}
     assert slot0.followers.stored == {"b1": ["m0", "m1", "m2"], "b2": ["m0", "m1", "m2"]}
+
+
+@pytest.mark.asyncio
+async def test_a_topics_ring_slot_is_reckoned_once_and_sends_go_on_under_its_slot(slot0: Slot0) -> None:
+    """``Slots`` asks the ring for a topic's slot once (a hash of the name) and remembers it: the next sends of
+    that topic take the same slot without asking again."""
+    asked: list[str] = []
+
+    def ring_slot(topic: str) -> int:
+        asked.append(topic)
+        return 0
+
+    slots = owning.Slots(slot0.leaders[0], ring_slot, lambda _slot: slot0.owner(min_insync=1))
+    for n in range(3):
+        messages, results = batch(n)
+        await slots.copy(slots.admit(messages), results)
+    assert asked == [batch(0)[0][0].queues[1].topic]
+    await eventually_async(lambda: slot0.followers.stored["b1"] == ["m0", "m1", "m2"], "the copies stored")
