@@ -355,3 +355,30 @@ async def test_a_topics_ring_slot_is_reckoned_once_and_sends_go_on_under_its_slo
         await slots.copy(slots.admit(messages), results)
     assert asked == [batch(0)[0][0].queues[1].topic]
     await eventually_async(lambda: slot0.followers.stored["b1"] == ["m0", "m1", "m2"], "the copies stored")
+
+
+@pytest.mark.asyncio
+async def test_a_member_answering_for_earlier_batches_wakes_only_their_waiters(slot0: Slot0) -> None:
+    """A send at M > 1 waits for its batch: an answer for an earlier batch of the same member, all stored,
+    leaves it waiting (nothing changed for it); its own answer wakes it."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    keeper, shipper, epoch = owner.keeper, owner.keeper.shippers[1], slot0.leaders[0].epoch(0)
+    assert epoch is not None
+    slot0.followers.gate.clear()
+    first = shipper.put(epoch, *batch(0))
+    await eventually_async(lambda: slot0.followers.waiting == 1, "the first copy at the follower")
+    second = shipper.put(epoch, *batch(1))
+    early = asyncio.create_task(keeper.wait(5, (1, first)))
+    late = asyncio.create_task(keeper.wait(5, (1, second)))
+    await asyncio.sleep(0)
+    slot0.followers.gate.set()
+    await asyncio.sleep(0)  # the first copy passes the gate (its task was woken before this one)
+    slot0.followers.gate.clear()
+    await asyncio.wait_for(early, 5)
+    assert shipper.done == first and not late.done()
+    await eventually_async(lambda: slot0.followers.waiting == 1, "the second copy at the follower")
+    assert not late.done()
+    slot0.followers.gate.set()
+    await asyncio.wait_for(late, 5)
+    assert shipper.done == second and slot0.followers.stored["b1"] == ["m0", "m1"]
