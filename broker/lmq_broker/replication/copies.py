@@ -157,7 +157,7 @@ class Owner:
             if left <= 0 or (not pending and not self._may_grow(seqs)):
                 waiting = f"; no answer yet from {pending}" if pending else ""
                 self._refuse(f"{stored} of {need} stored it (in sync: {[me, *members]}{waiting})")
-            await keeper.wait(left)
+            await keeper.wait(left, (pending[0], seqs[pending[0]]) if pending else None)
 
     def _may_grow(self, seqs: dict[int, int]) -> bool:
         """A follower outside the set may still join in time: one is joining, or has not answered for these
@@ -221,8 +221,10 @@ class Owner:
         the timeout): a commit copy that overtook its messages would be clamped to the follower's end
         (``following``). One outside the set answers a clamped commit with its ends: it is probed again."""
         keeper, deadline = self.keeper, time.monotonic() + ACK_TIMEOUT_S
-        while any(keeper.shippers[f].done < n for f, n in seqs.items()) and (left := deadline - time.monotonic()) > 0:
-            await keeper.wait(left)
+        while (behind := [(f, n) for f, n in seqs.items() if keeper.shippers[f].done < n]) and (
+            left := deadline - time.monotonic()
+        ) > 0:
+            await keeper.wait(left, behind[0])
 
     def _unless_lost(
         self, f: int, answer: dict[str, int] | BaseException, seqs: dict[int, int]

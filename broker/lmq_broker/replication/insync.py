@@ -36,7 +36,7 @@ class Keeper:
         self.shippers: dict[int, Shipper] = {}  # follower's ring slot -> its shipper
         self.joining: dict[int, int] = {}  # follower -> the last batch numbered when it began to join
         self._ok_from: dict[int, int] = {}  # member -> its shipper's clean_from when it was last seen in the set
-        self._changed = asyncio.Event()
+        self._on: dict[int, list[tuple[int, asyncio.Future[None]]]] = {}  # follower -> (batch, waiter) (``wait``)
         self._tasks: set[asyncio.Task[object]] = set()
 
     def recorded(self) -> InSync:
@@ -50,18 +50,35 @@ class Keeper:
         f = shipper.follower
         return f not in self.recorded() and f not in self.joining and not shipper.complete()
 
-    async def wait(self, timeout_s: float) -> None:
-        """Until something changed (a call answered, the set written) or ``timeout_s``."""
-        changed = self._changed
-        try:  # a timeout scope, not ``wait_for``: no task per waiter and pulse (every send waits here at M > 1)
+    async def wait(self, timeout_s: float, on: tuple[int, int] | None = None) -> None:
+        """Until something changed (a call answered, the set written) or ``timeout_s``. With ``on`` (follower,
+        batch), an answer of that member for earlier batches only, all stored, does not wake it: nothing changed
+        for a later batch (every send waits here at M > 1; woken by every answer, it was one wake-up per waiting
+        send and answer, most of them for nothing)."""
+        key, n = (-1, -1) if on is None else on
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, future)
+        self._on.setdefault(key, []).append(entry)
+        try:  # a timeout scope, not ``wait_for``: no task per waiter and pulse
             async with asyncio.timeout(timeout_s):
-                await changed.wait()
+                await future
         except TimeoutError:
             return
+        finally:
+            if not future.done() and entry in (waiting := self._on.get(key, [])):
+                waiting.remove(entry)
 
     def _pulse(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Something changed for every waiter."""
+        on, self._on = self._on, {}
+        _wake(future for waiters in on.values() for _, future in waiters)
+
+    def _answered(self, follower: int, done: int) -> None:
+        """A member answered for batches up to ``done``, all stored: its waiters for those batches, and those
+        waiting for any change, look again; its waiters for later batches wait on."""
+        waiting = self._on.get(follower, [])
+        self._on[follower] = [(n, future) for n, future in waiting if n > done]
+        _wake([future for n, future in waiting if n <= done] + [future for _, future in self._on.pop(-1, [])])
 
     def changed(self, shipper: Shipper) -> None:
         """A shipper's call, probe or drop ended: join, grow or shrink accordingly."""
@@ -69,6 +86,9 @@ class Keeper:
         if f in recorded:
             if shipper.clean_from > self._ok_from.get(f, 1):  # a batch failed since it was seen in the set
                 self._spawn(self.shrink([f]))
+            else:  # stored there, nothing else changed: only the waiters it answered for have news
+                self._answered(f, shipper.done)
+                return
         elif f in self.joining:
             if not shipper.complete():
                 del self.joining[f]
@@ -127,3 +147,9 @@ class Keeper:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _wake(futures: Iterable[asyncio.Future[None]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)

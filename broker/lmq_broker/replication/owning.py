@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from lmq_broker import model
 from lmq_broker.replication import copies, wire
 from lmq_broker.replication.leadership import Leadership
 
 RingSlot = Callable[[str], int]  # an LMQ name -> its slot in today's ring
+RING_SLOTS_KEPT: Final = 65_536  # LMQ names whose ring slot is remembered (a hash of the name each, ~3 µs)
 
 
 class Slots:
     def __init__(self, leadership: Leadership, ring_slot: RingSlot, make_owner: Callable[[int], copies.Owner]) -> None:
         self._leadership = leadership
-        self._ring_slot = ring_slot
+        # remembered: a send asks it two or three times per message, and ``ring_slot`` is a pure function of the
+        # name (``setup`` hands it the membership it started with; a replicated ring does not change meanwhile)
+        self._ring_slot = functools.lru_cache(maxsize=RING_SLOTS_KEPT)(ring_slot)
         self._make_owner = make_owner
         self._owners: dict[int, copies.Owner] = {}
 

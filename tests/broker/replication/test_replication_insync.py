@@ -17,7 +17,7 @@ from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.replication import copies, memory, wire
+from lmq_broker.replication import copies, memory, owning, wire
 from lmq_broker.replication.leadership import Leadership, identity
 
 DURATION_MS = 3000
@@ -43,6 +43,7 @@ class Followers:
     waiting: int = 0  # copies waiting at the gate
     messages_gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: copies of messages wait
     arrived: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})  # message ids, "commit"
+    copies: dict[str, list[int]] = field(default_factory=lambda: {"b1": [], "b2": []})  # messages per copy of some
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
         if endpoint in self.down:
@@ -55,6 +56,8 @@ class Followers:
         copy = wire.decode(data)
         if copy.messages:
             await self.messages_gate.wait()
+        if copy.messages:
+            self.copies[endpoint].append(len(copy.messages))
         self.arrived[endpoint].extend([m.message_id for m in copy.messages] + ["commit"] * len(copy.commits))
         self.stored[endpoint].extend(m.message_id for m in copy.messages)
         self.commits[endpoint].extend((c.group, c.offset) for c in copy.commits)
@@ -316,3 +319,66 @@ async def test_a_commit_copy_waits_for_the_copy_of_the_messages_it_counts(slot0:
     slot0.followers.messages_gate.set()
     await asyncio.wait_for(asyncio.gather(send, future), 5)
     assert slot0.followers.arrived == {"b1": ["m0", "commit"], "b2": ["m0", "commit"]}
+
+
+@pytest.mark.asyncio
+async def test_sends_stored_a_few_loop_passes_apart_go_to_each_follower_in_one_copy(slot0: Slot0) -> None:
+    """A woken shipper lets a few event-loop passes go by before it takes its queue: sends stored in those
+    passes share one copy (one stream message each way and one append on the follower), and each is
+    acknowledged once that copy was stored on every member."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+
+    async def send(n: int) -> None:
+        for _ in range(n):  # send n is stored n passes after the first
+            await asyncio.sleep(0)
+        await owner.copy(*batch(n))
+
+    await asyncio.wait_for(asyncio.gather(*(send(n) for n in range(3))), 5)
+    assert slot0.followers.copies == {"b1": [3], "b2": [3]}
+    assert slot0.followers.stored == {"b1": ["m0", "m1", "m2"], "b2": ["m0", "m1", "m2"]}
+
+
+@pytest.mark.asyncio
+async def test_a_topics_ring_slot_is_reckoned_once_and_sends_go_on_under_its_slot(slot0: Slot0) -> None:
+    """``Slots`` asks the ring for a topic's slot once (a hash of the name) and remembers it: the next sends of
+    that topic take the same slot without asking again."""
+    asked: list[str] = []
+
+    def ring_slot(topic: str) -> int:
+        asked.append(topic)
+        return 0
+
+    slots = owning.Slots(slot0.leaders[0], ring_slot, lambda _slot: slot0.owner(min_insync=1))
+    for n in range(3):
+        messages, results = batch(n)
+        await slots.copy(slots.admit(messages), results)
+    assert asked == [batch(0)[0][0].queues[1].topic]
+    await eventually_async(lambda: slot0.followers.stored["b1"] == ["m0", "m1", "m2"], "the copies stored")
+
+
+@pytest.mark.asyncio
+async def test_a_member_answering_for_earlier_batches_wakes_only_their_waiters(slot0: Slot0) -> None:
+    """A send at M > 1 waits for its batch: an answer for an earlier batch of the same member, all stored,
+    leaves it waiting (nothing changed for it); its own answer wakes it."""
+    owner = slot0.owner(min_insync=2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    keeper, shipper, epoch = owner.keeper, owner.keeper.shippers[1], slot0.leaders[0].epoch(0)
+    assert epoch is not None
+    slot0.followers.gate.clear()
+    first = shipper.put(epoch, *batch(0))
+    await eventually_async(lambda: slot0.followers.waiting == 1, "the first copy at the follower")
+    second = shipper.put(epoch, *batch(1))
+    early = asyncio.create_task(keeper.wait(5, (1, first)))
+    late = asyncio.create_task(keeper.wait(5, (1, second)))
+    await asyncio.sleep(0)
+    slot0.followers.gate.set()
+    await asyncio.sleep(0)  # the first copy passes the gate (its task was woken before this one)
+    slot0.followers.gate.clear()
+    await asyncio.wait_for(early, 5)
+    assert shipper.done == first and not late.done()
+    await eventually_async(lambda: slot0.followers.waiting == 1, "the second copy at the follower")
+    assert not late.done()
+    slot0.followers.gate.set()
+    await asyncio.wait_for(late, 5)
+    assert shipper.done == second and slot0.followers.stored["b1"] == ["m0", "m1"]
