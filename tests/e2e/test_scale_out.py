@@ -1,7 +1,7 @@
 """Scale-out (docs/scale-out.md): N brokers behind ONE access endpoint, the official Python client 5.1.2.
 
 Each broker owns a share of the lite topics; a send reaching another broker is forwarded to the owner, a
-subscription is split by owner, every broker answers the same routes and assignments. Checked with real
+subscription is split by owner, every broker lists every broker in routes and assignments (itself first). Real
 processes: ``--processes N`` (one access port shared with SO_REUSEPORT) and explicit ``--peers``.
 """
 
@@ -158,7 +158,10 @@ def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], pr
         create_metadata(endpoints, SHARED_ADMIN_KEYS)
         expected = assignments_of(endpoints[0])
         assert len(expected) == processes
-        assert all(assignments_of(e) == expected for e in endpoints)  # identical from every broker
+        for endpoint in endpoints:  # the same brokers from every broker, the one asked first
+            found = assignments_of(endpoint)
+            assert sorted(found) == sorted(expected), (endpoint, found)
+            assert processes == 1 or found[0][1] == endpoint, (endpoint, found)
         if processes > 1:
             assert sorted(address for _, address in expected) == sorted(endpoints)
         lites = [f"s-{i}" for i in range(24)]
