@@ -1,7 +1,7 @@
 """Scale-out (docs/scale-out.md): N brokers behind ONE access endpoint, the official Python client 5.1.2.
 
 Each broker owns a share of the lite topics; a send reaching another broker is forwarded to the owner, a
-subscription is split by owner, every broker answers the same routes and assignments. Checked with real
+subscription is split by owner, every broker lists every broker in routes and assignments (itself first). Real
 processes: ``--processes N`` (one access port shared with SO_REUSEPORT) and explicit ``--peers``.
 """
 
@@ -158,7 +158,10 @@ def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], pr
         create_metadata(endpoints, SHARED_ADMIN_KEYS)
         expected = assignments_of(endpoints[0])
         assert len(expected) == processes
-        assert all(assignments_of(e) == expected for e in endpoints)  # identical from every broker
+        for endpoint in endpoints:  # the same brokers from every broker, the one asked first
+            found = assignments_of(endpoint)
+            assert sorted(found) == sorted(expected), (endpoint, found)
+            assert processes == 1 or found[0][1] == endpoint, (endpoint, found)
         if processes > 1:
             assert sorted(address for _, address in expected) == sorted(endpoints)
         lites = [f"s-{i}" for i in range(24)]
@@ -345,14 +348,15 @@ def test_scale_down_3_to_2_under_load(tmp_path: Path, clients: list[Any]) -> Non
 
 
 def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients: list[Any]) -> None:
-    """The official LiteSimpleConsumer reads only the first route queue (broker 0): broker 0 gathers from the
-    others for it; its acks and invisible-time changes go back, through broker 0, to where each message is."""
+    """The official LiteSimpleConsumer reads only the first route queue (the broker it dialled, here broker 1),
+    which gathers from the others for it; its acks and invisible-time changes go back, through broker 1, to where
+    each message is."""
     ports = free_ports("127.0.0.1", 3)
     brokers = start_cluster(tmp_path, ports)
     try:
         endpoints = [b.endpoint for b in brokers]
         create_metadata(endpoints, SHARED_ADMIN_KEYS)
-        access = endpoints[1]  # any broker: the consumer still receives from the first route queue's
+        access = endpoints[1]  # the first route queue's: routes list the broker asked first
         consumer = LiteSimpleConsumer(TOPIC, config(access), GROUP, await_duration=2)
         clients.append(consumer)
         start_lite_simple_consumer(consumer)
@@ -377,15 +381,16 @@ def test_lite_simple_consumer_gets_every_brokers_topics(tmp_path: Path, clients:
         while len(got) < len(sent) and time.monotonic() < deadline:
             batch = consumer.receive(16, 10)
             if not nacked_topic:  # a topic of another broker: what came of it comes back later, in order
-                nacked_topic = next((m.lite_topic for m in batch if placed[m.lite_topic] != 0), "")
+                nacked_topic = next((m.lite_topic for m in batch if placed[m.lite_topic] != 1), "")
                 for message in (m for m in batch if m.lite_topic == nacked_topic):
                     consumer.change_invisible_duration(message, 1)
                     nacked.add((message.lite_topic, message.body))
             for message in batch:
                 key = (message.lite_topic, message.body)
-                if message.lite_topic == nacked_topic and message.delivery_attempt == 1:
-                    assert key in nacked  # nothing of it after the nacked ones came before them
-                    continue
+                if key in nacked and message.delivery_attempt == 1:
+                    continue  # nacked just now: it comes back
+                if message.lite_topic == nacked_topic:  # nothing of it after the nacked ones before they came back
+                    assert key in nacked or nacked <= set(got), (key, nacked)
                 assert message.delivery_attempt == (2 if key in nacked else 1)
                 consumer.ack(message)
                 got.append(key)
@@ -513,7 +518,7 @@ def test_a_wildcard_groups_patterns_apply_on_every_broker(tmp_path: Path, client
 
 
 def test_a_lite_simple_consumers_pattern_gathers_from_every_broker(tmp_path: Path, clients: list[Any]) -> None:
-    """The LiteSimpleConsumer receives through broker 0, which gathers from the other for it: a pattern the
+    """The LiteSimpleConsumer receives through the broker it dialled, which gathers from the other for it: a pattern the
     client subscribed through one endpoint is known on both, so both brokers' matching topics come."""
     with two_brokers(tmp_path, "peers") as (access, endpoints):
         create_metadata(endpoints, SHARED_ADMIN_KEYS)

@@ -1,6 +1,7 @@
 """The v2 calls in a cluster of brokers (``protocol.calls.ClusterCalls``): routes and assignments list every
-broker, sends and subscription changes go to the owners of their lite topics, a LiteSimpleConsumer's receives
-gather from every broker and the settlements of what it gathered go back where each message came from.
+broker (the one asked first), sends and subscription changes go to the owners of their lite topics, a
+LiteSimpleConsumer's receives gather from every broker and the settlements of what it gathered go back where
+each message came from.
 
 A call that carries a valid peer header (``cluster.trust``) is another broker's copy: applied here, never
 passed on (a send is still checked against this broker's own view of who owns it, ``forwarding``). A call whose
@@ -69,15 +70,22 @@ class Calls:
         return peer
 
     def brokers(self, *, external: bool) -> Sequence[tuple[pb.Broker, int]]:
-        """With replication, only the brokers that hold some slot's lease: a slot whose lease another broker took
-        (a failover) is served by that one, listed already, so routes and assignments follow the lease as sends
-        do, and a consumer's receives reach the holder."""
+        """This broker first when it is listed writable, then the others in slot order. With replication, only the
+        brokers that hold some slot's lease: a slot whose lease another broker took (a failover) is served by that
+        one, listed already, so routes and assignments follow the lease as sends do.
+
+        This broker first because the official LiteSimpleConsumer receives from the first route queue only: it
+        then keeps calling the broker it asked for the route, which gathers from every other for it (``gathering``)
+        and so follows each slot's lease, instead of the broker of slot 0 until its next route refresh (tens of
+        seconds when that one is down). Producers and push consumers use every queue, in any order."""
         routed = self._peers.links.routed(external)
         serving = self._peers.owners.serving
-        if serving is None:
-            return routed
-        holding = {serving(slot) for slot in range(len(routed))}
-        return [broker for slot, broker in enumerate(routed) if slot in holding]
+        holding = set(range(len(routed))) if serving is None else {serving(slot) for slot in range(len(routed))}
+        listed = [slot for slot in range(len(routed)) if slot in holding]
+        me = self._peers.me
+        if me in listed and routed[me][1] == pb.READ_WRITE:  # a leaving broker stays in its place
+            listed = [me, *(slot for slot in listed if slot != me)]
+        return [routed[slot] for slot in listed]
 
     async def send(self, request: spb.SendMessageRequest, headers: Headers) -> spb.SendMessageResponse:
         peer = self._peer("SendMessage", headers)

@@ -63,7 +63,7 @@ class Edge:
 
     def brokers(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> list[tuple[pb.Broker, int]]:
         """The brokers a route lists, each with its queues' permission: this one alone, or every broker of the
-        cluster in slot order (leaving ones READ)."""
+        cluster, this one first and the others in slot order (leaving ones READ; ``cluster.calls``)."""
         if self.cluster is not None:
             return list(self.cluster.brokers(external=external))
         return [(self.broker(requested, external=external), pb.READ_WRITE)]

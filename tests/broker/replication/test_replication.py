@@ -513,6 +513,30 @@ async def test_consumers_follow_the_lease_to_its_new_holder(pair: Pair, kube: te
     assert "c1" not in dispatchers[0].subscribers(queue)
 
 
+async def routed(client: protocol_testing.Client) -> list[tuple[str, int]]:
+    reply = await client.stub.QueryRoute(spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=CONSUMER)
+    assert reply.status.code == pb.OK
+    return [(address(q.broker), q.permission) for q in reply.message_queues]
+
+
+@pytest.mark.asyncio
+async def test_a_route_names_the_broker_asked_first_and_only_lease_holders(pair: Pair, kube: testing.KubeAPI) -> None:
+    """A LiteSimpleConsumer receives from the first route queue only: the broker it asked (which gathers from the
+    others for it) comes first, so after a failover it keeps calling a live broker rather than the dead owner."""
+    ends = [b.endpoint for b in pair.brokers]
+    assert await routed(pair.clients[0]) == [(ends[0], pb.READ_WRITE), (ends[1], pb.READ_WRITE)]
+    assert await routed(pair.clients[1]) == [(ends[1], pb.READ_WRITE), (ends[0], pb.READ_WRITE)]
+    assert sorted(await assignments(pair.clients[1])) == sorted(ends)
+    take_lease(kube, pair.leadership(0).name(0), pair.leadership(1).identity)
+    await eventually_async(lambda: pair.leadership(1).epoch(0) is not None, "the new holder renews it")
+    for client in pair.clients:  # the deposed one holds no lease: not listed, even where it is asked
+        await until(functools.partial(_routed, client, [(ends[1], pb.READ_WRITE)]), "routes name the holder alone")
+
+
+async def _routed(client: protocol_testing.Client, expected: list[tuple[str, int]]) -> bool:
+    return await routed(client) == expected
+
+
 async def _assigned(client: protocol_testing.Client, expected: list[str]) -> bool:
     return await assignments(client) == expected
 

@@ -1,5 +1,5 @@
 """QueryRoute: the topic's queues on every broker (``Edge.brokers``: this one alone, id 0, or each broker of a
-cluster in slot order, leaving ones READ), READ_WRITE; dead-letter topics READ.
+cluster, the one asked first and the others in slot order, leaving ones READ), READ_WRITE; dead-letter topics READ.
 
 On the external listener the broker is named by its external address (``--external-addresses`` or the template,
 else the address the client dialled), never by ``--advertised-host``, which is the in-cluster name."""
