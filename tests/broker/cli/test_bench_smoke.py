@@ -33,7 +33,7 @@ EXPECTED = {
     ],
     "bench_producer_fleet.py": [
         "FIGURE producer fleet N=1: broker CPU per message:",
-        "FIGURE producer fleet CPU per message N=2 ÷ N=1:",
+        "FIGURE producer fleet CPU per message N=2 (socket) ÷ N=1:",
     ],
     "bench_broker_idle.py": [
         "FIGURE receive p99",
