@@ -146,8 +146,11 @@ async def run_pass(
     *,
     stop: Callable[[], bool] = lambda: False,
     pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    on_step: Callable[[Report], None] = lambda _: None,
 ) -> Report:
-    """One pass over every expiring parent; ``stop`` is asked before each step (True ends the pass early)."""
+    """One pass over every expiring parent; ``stop`` is asked before each step (True ends the pass early).
+    ``on_step`` gets what each step did as it ends (a paced pass over millions of topics lasts hours: its
+    counts are told as they happen, not at its end)."""
     started = time.perf_counter()
     report = Report(passes=1)
     parents = [p for p in await asyncio.to_thread(store.list_parent_topics) if p.expiration_minutes >= 0]
@@ -158,14 +161,14 @@ async def run_pass(
         while cursor is not None and not stop():
             began = time.perf_counter()
             step = await asyncio.to_thread(_read_step, store, parent, cursor, settings, clock)
-            report.scanned += step.read
-            report.longest_step_s = max(report.longest_step_s, step.seconds)
+            done = Report(scanned=step.read, expired=len(step.candidates), longest_step_s=step.seconds)
             cursor = step.cursor
-            report.expired += len(step.candidates)
             for start in range(0, len(step.candidates), DELETE_CHUNK):
                 if start and pause_s > 0:  # each chunk holds the store's write lock: paced like the reads
                     await pause(pause_s)
-                report.count(await _delete(store, live, parent.name, step.candidates[start : start + DELETE_CHUNK]))
+                done.count(await _delete(store, live, parent.name, step.candidates[start : start + DELETE_CHUNK]))
+            report.add(done)
+            on_step(done)
             deleting_s = time.perf_counter() - began - step.seconds  # their CPU is not told apart: counted whole
             wait_s = settings.pause_s(step.cpu_s + max(0.0, deleting_s), time.perf_counter() - began)
             if cursor is not None and wait_s > 0:
@@ -235,6 +238,7 @@ async def run(
     stopping: asyncio.Event,
     *,
     on_pass: Callable[[Report], None],
+    on_step: Callable[[Report], None] = lambda _: None,
 ) -> None:
     """A pass ``interval_ms`` after the previous one ended, until ``stopping``; the first ``max(min_age_ms,
     interval_ms)`` after start
@@ -252,7 +256,7 @@ async def run(
             log.debug("lite-topic expiry: pass skipped, the store cannot serve (%s)", trouble)
             continue
         try:
-            report = await run_pass(store, live, settings, clock, stop=stopping.is_set)
+            report = await run_pass(store, live, settings, clock, stop=stopping.is_set, on_step=on_step)
         except Exception:
             log.exception("lite-topic expiry pass failed; next one in %.1f s", settings.interval_ms / 1000)
             continue

@@ -125,15 +125,19 @@ async def test_a_pass_reads_the_index_in_bounded_steps_with_a_pause_between_them
     lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
     await lite.send("t04")  # one stays
     pauses: list[float] = []
+    steps: list[expiry.Report] = []
 
     async def pause(seconds: float) -> None:
         pauses.append(seconds)
 
     settings = expiry.Settings(interval_ms=1000, batch=3, step_pause_ms=7, min_age_ms=0)
-    report = await expiry.run_pass(lite.store, lite.dispatcher, settings, lite.clock, pause=pause)
+    report = await expiry.run_pass(lite.store, lite.dispatcher, settings, lite.clock, pause=pause, on_step=steps.append)
 
     assert (report.scanned, report.expired, report.deleted) == (10, 9, 9)
     assert pauses == [0.007] * 3  # four steps of at most 3 rows (3+3+3+1): a pause between two steps
+    # each step told as it ended, and the pass is their sum
+    assert [(s.scanned, s.deleted) for s in steps] == [(3, 3), (3, 2), (3, 3), (1, 1)]
+    assert (sum(s.scanned for s in steps), sum(s.deleted for s in steps)) == (report.scanned, report.deleted)
     assert [m.lite for m in lite.store.scan_lite_topics(PARENT)] == ["t04"]
 
 
