@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -89,3 +91,29 @@ def clients() -> Iterator[list[Any]]:
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Ends the interpreter when an official client left threads that would keep it from exiting.
+
+    A push consumer whose broker is gone can keep a consumption thread retrying its ack forever (seen in a
+    fresh-clone run: 85 passed, then the interpreter's exit joined that thread pool's worker and never returned).
+    Every test's outcome is decided and reported by now, so the run ends with its own exit status; the threads
+    left are logged. Without such threads the interpreter exits as usual."""
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if not stuck or not _exit_status:
+        return
+    names = ", ".join(sorted({t.name for t in stuck}))
+    print(f"\ne2e: {len(stuck)} client thread(s) still running at exit ({names}); ending the run", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(_exit_status[-1])
