@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import grpc
+from pods import child_pid
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
@@ -450,21 +451,6 @@ def free_block(count: int) -> int:
             for s in held:
                 s.close()
     raise RuntimeError("no block of free ports")
-
-
-def child_pid(pod: BrokerProcess, slot: int) -> int | None:
-    """The pid of the live process of ``pod`` (``serve --processes``) serving ring slot ``slot``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            state, ppid = (entry / "stat").read_text().rpartition(")")[2].split()[:2]
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(ppid) == pod.pid and state != "Z" and f"--ordinal={slot}".encode() in argv:
-            return int(entry.name)
-    return None
 
 
 def answering(endpoint: str) -> bool:

@@ -21,6 +21,7 @@ from typing import Final
 
 import grpc
 import pytest
+from pods import child_pid
 from waiting import eventually
 
 from lmq_broker import model
@@ -174,20 +175,6 @@ def test_a_peer_copy_not_owned_is_refused_alike_and_a_forged_hello_is_refused(po
     assert pod.metric(1, "lmq_local_hop_refused_total") == 1
 
 
-def _child_pid(pod: Pod, slot: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            state, ppid = (entry / "stat").read_text().rpartition(")")[2].split()[:2]
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(ppid) == pod.broker.pid and state != "Z" and f"--ordinal={slot}".encode() in argv:
-            return int(entry.name)
-    return None
-
-
 @dataclass
 class Ledger:
     attempts: dict[str, int]
@@ -236,11 +223,11 @@ def test_kill_9_of_the_owner_mid_stream_loses_nothing_acknowledged(tmp_path: Pat
         sender.start()
         try:
             eventually(lambda: sum(map(len, ledger.acked.values())) >= 40, "sends acknowledged before the kill")
-            victim = _child_pid(pod, 1)
+            victim = child_pid(pod.broker, 1)
             assert victim is not None
             os.kill(victim, signal.SIGKILL)
             eventually(lambda: ledger.errors > 0, "a send failing while the owner is down", timeout_s=30)
-            restarted = eventually(lambda: (_child_pid(pod, 1) or victim) != victim, "the owner started again")
+            restarted = eventually(lambda: (child_pid(pod.broker, 1) or victim) != victim, "the owner started again")
             assert restarted
             before = sum(map(len, ledger.acked.values()))
             eventually(
