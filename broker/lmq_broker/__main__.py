@@ -149,7 +149,8 @@ HELP: Final[dict[str, str]] = {
     "--external-addresses, e.g. lmq-{ordinal}.example.com:9094",
     "external_access_port": "also serve the external listener on this port, shared with other processes (set by "
     "--processes)",
-    "pod_processes": "broker processes per pod, for --external-address-template (set by --processes)",
+    "pod_processes": "broker processes per pod, for --external-address-template and replicas' pods (set by "
+    "--processes)",
     "local_hop": "how a send reaches the process of this pod that owns its lite topic: socket (a Unix socket in "
     "the pod's data dir) or grpc (as between pods)",
     "local_hop_dir": "the directory of this pod's local hop sockets (set by --processes)",

@@ -155,13 +155,15 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
         "--ring-history": p.ring_history,
         "--broker-name": f"{config.broker_name}-p{index}",
         "--local-hop-dir": str(config.store.data_dir / "hop"),
+        # Every process needs it, not only for external addresses: a slot's followers are the same process of
+        # the next pods (``replication.setup.followers_of``), and without it the next slot (this pod's) was taken.
+        "--pod-processes": str(config.processes),
     }
     if p.external_ports:
         overrides |= {
             "--external-port": str(p.external_ports[index]),
             "--external-access-port": str(p.external_access_port),
             "--external-addresses": SEPARATOR.join(p.external_members),
-            "--pod-processes": str(config.processes),
         }
     command = [sys.executable, "-m", "lmq_broker", *argv]
     for flag, value in overrides.items():

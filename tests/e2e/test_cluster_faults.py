@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import grpc
-from pods import child_pid
+from pods import child_pid, free_block
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
@@ -435,22 +435,6 @@ def test_a_ring_change_told_to_brokers_apart_never_places_a_topic_twice(tmp_path
         for broker in brokers:
             broker.stop()
 
-
-def free_block(count: int) -> int:
-    """A port p with p .. p + count - 1 all free now (a pod's port and its processes' ports)."""
-    for _ in range(50):
-        base = free_ports("127.0.0.1", 1)[0]
-        held = []
-        try:
-            for port in range(base, base + count):
-                held.append(socket.create_server(("127.0.0.1", port)))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 def answering(endpoint: str) -> bool:

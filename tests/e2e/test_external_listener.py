@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from pods import free_block
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
@@ -147,24 +148,6 @@ def exchange(access_endpoint: str, lites: list[str], clients: list[Any]) -> None
     for lite in lites:
         assert [body for name, body in got if name == lite] == sorted(body for name, body in sent if name == lite)
 
-
-def free_block(count: int) -> int:
-    """A port p with p .. p + count - 1 all free now (a pod's port and its processes' ports)."""
-    for _ in range(50):
-        base = free_ports("127.0.0.1", 1)[0]
-        if base + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                held.append(socket.create_server(("127.0.0.1", port)))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 def test_a_client_outside_reaches_every_broker_through_its_external_address(tmp_path: Path, clients: list[Any]) -> None:

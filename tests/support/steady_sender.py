@@ -6,7 +6,7 @@ run it somewhere the test itself is not (inside a network namespace: ``ip netns 
 Message ids are ``<prefix>-<n>`` (a new one each attempt); attempt n goes to the n-th endpoint, round the list.
 One JSON line per attempt, flushed: ``{"id", "start", "end", "ok", "why"}`` with ``start``/``end`` on
 ``time.monotonic()`` (one clock for every process of the host), ``ok`` true only for a send answered OK. Runs
-until SIGTERM or SIGINT; ``read(path)`` parses the lines.
+until SIGTERM or SIGINT; ``read(path)`` parses the lines; a test starts one with ``Sender``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -47,6 +49,52 @@ def read(path: Path) -> list[Attempt]:
         except (ValueError, TypeError):
             continue
     return out
+
+
+class Sender:
+    """This program run by a test (inside a network namespace with ``wrapper``), stopped by ``stop``. A short
+    ``timeout_s`` keeps a call forwarded to an unreachable owner from blurring a failover time much; a long one
+    lets a send wait for a follower that rejoins on a loaded host."""
+
+    def __init__(
+        self,
+        out: Path,
+        lite: str,
+        prefix: str,
+        endpoints: list[str],
+        *,
+        wrapper: tuple[str, ...] = (),
+        timeout_s: float = 3.0,
+    ) -> None:
+        from lmq_broker import testing  # noqa: PLC0415 (the program itself runs without it)
+
+        self.out = out
+        paths = [str(Path(testing.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        command = [*wrapper, sys.executable, __file__, "--out", str(out), "--lite", lite, "--prefix", prefix]
+        command += ["--timeout-s", str(timeout_s), *endpoints]
+        self._errors = out.with_suffix(".err").open("w")
+        self.process = subprocess.Popen(command, env=env, stderr=self._errors)
+
+    def attempts(self) -> list[Attempt]:
+        if self.process.poll() is not None:
+            raise AssertionError(f"the sender exited: {self.out.with_suffix('.err').read_text()[-2000:]}")
+        return read(self.out)
+
+    def acked(self) -> list[Attempt]:
+        return [a for a in self.attempts() if a.ok]
+
+    def stop(self) -> list[Attempt]:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(10)
+        self._errors.close()
+        return read(self.out)
+
+
+def ids(attempts: list[Attempt]) -> list[str]:
+    """The ids of the attempts answered OK, in order."""
+    return [a.id for a in attempts if a.ok]
 
 
 def _attempts(endpoints: list[str], lite: str, prefix: str, timeout_s: float) -> Iterator[Attempt]:

@@ -17,11 +17,7 @@ kube-apiserver + etcd:
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -32,6 +28,7 @@ from pathlib import Path
 import pytest
 import steady_sender
 from netns import Namespace, NamespaceUnavailable
+from steady_sender import Sender, ids
 from waiting import eventually
 
 from lmq_broker import model, testing
@@ -47,7 +44,6 @@ PARENT = "AGENT_TASK_NS"  # the bootstrap parent (LITE)
 LEASE_MS = 1500
 LEASE_S = LEASE_MS / 1000
 FAILOVER_BUDGET_S = 5.0  # the issue: a follower takes over within 5 s of the lease's expiry
-SENDER = Path(steady_sender.__file__)
 
 
 @pytest.fixture(scope="module")
@@ -159,40 +155,6 @@ class Ring:
             store.close()
 
 
-class Sender:
-    """A steady_sender process (inside the namespace with ``wrapper``), stopped by ``stop``."""
-
-    def __init__(self, out: Path, lite: str, prefix: str, endpoints: list[str], *, wrapper: tuple[str, ...] = ()):
-        self.out = out
-        paths = [str(Path(testing.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        command = [*wrapper, sys.executable, str(SENDER), "--out", str(out), "--lite", lite, "--prefix", prefix]
-        # Host side: short, so a call forwarded to the unreachable owner does not blur the failover time much; long
-        # enough for a send that waits for the new holder's other follower to rejoin, on a loaded host.
-        command += ["--timeout-s", "10" if wrapper else "2", *endpoints]
-        self._errors = out.with_suffix(".err").open("w")
-        self.process = subprocess.Popen(command, env=env, stderr=self._errors)
-
-    def attempts(self) -> list[steady_sender.Attempt]:
-        if self.process.poll() is not None:
-            raise AssertionError(f"the sender exited: {self.out.with_suffix('.err').read_text()[-2000:]}")
-        return steady_sender.read(self.out)
-
-    def acked(self) -> list[steady_sender.Attempt]:
-        return [a for a in self.attempts() if a.ok]
-
-    def stop(self) -> list[steady_sender.Attempt]:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(10)
-        self._errors.close()
-        return steady_sender.read(self.out)
-
-
-def ids(attempts: list[steady_sender.Attempt]) -> list[str]:
-    return [a.id for a in attempts if a.ok]
-
-
 @dataclass
 class Partition:
     """One run: the ring, its two clients (inside the namespace: ``inside``; on this host: ``outside``), and the
@@ -216,7 +178,9 @@ class Partition:
         self.cut_began = time.monotonic()
         self.ring.namespace.cut()
         self.cut = time.monotonic()
-        self.outside = Sender(self.inside.out.with_name("outside.jsonl"), self.lite, "out", self.ring.members[1:])
+        # Short: a call forwarded to the unreachable owner does not blur the failover time much.
+        outside = self.inside.out.with_name("outside.jsonl")
+        self.outside = Sender(outside, self.lite, "out", self.ring.members[1:], timeout_s=2)
 
     def failover(self) -> tuple[steady_sender.Attempt, int]:
         """(b): the lease taken within 5 s of its expiry; the host-side client's first send acknowledged by the new
@@ -323,7 +287,7 @@ def test_a_partitioned_owner_acknowledges_nothing_past_its_lease_and_a_follower_
         eventually(lambda: ring.in_sync() == everyone, "the followers probed into the in-sync set", ignoring=(OSError,))
         eventually(ring.followers_reconciled, "the followers reconciled with the owner", ignoring=(OSError,))
         owner = f"127.0.0.1:{ring.owner_port}"
-        inside = Sender(tmp_path / "inside.jsonl", lite, "in", [owner], wrapper=namespace.wrapper)
+        inside = Sender(tmp_path / "inside.jsonl", lite, "in", [owner], wrapper=namespace.wrapper, timeout_s=10)
         run = Partition(ring, lite, inside)
         eventually(lambda: len(inside.acked()) >= 20, "sends acknowledged by the owner before the cut")
         run.cut_off()
