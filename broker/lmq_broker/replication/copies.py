@@ -44,7 +44,8 @@ class Counters:
         )
         self.copies_refused = Counter(
             "lmq_replication_copies_refused",
-            "Copies a follower refused (stale_epoch, owner: it holds the slot, out_of_sync, state_gap: rows missed)",
+            "Copies a follower refused (stale_epoch, owner: it holds the slot, out_of_sync, state_gap: rows missed, "
+            "not_peer: no valid peer header)",
             ["reason"],
             registry=registry,
         )

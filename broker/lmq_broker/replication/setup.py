@@ -411,12 +411,17 @@ class Replication:
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return _Handler(self)
 
+    async def _not_a_peer(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """A replica call without a valid peer header (a client's signature is no peer's): refused, counted."""
+        self._counters.copies_refused.labels("not_peer").inc()
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica calls come from peers only")
+
     def serving(self, method: str) -> Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]:
         async def serve(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             now = int(time.time() * 1000)
             call, _ = trust.verify(self._secret, method, context.invocation_metadata(), now)
             if call is None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica calls come from peers only")
+                await self._not_a_peer(context)
             try:
                 return await self._answer(method, data)
             except errors.LmqError as exc:
@@ -431,7 +436,7 @@ class Replication:
         ) -> AsyncIterator[bytes]:
             call, _ = trust.verify(self._secret, STREAM, context.invocation_metadata(), int(time.time() * 1000))
             if call is None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "replica calls come from peers only")
+                await self._not_a_peer(context)
             async for answer in streams.serve(requests, self._accept):
                 yield answer
 
