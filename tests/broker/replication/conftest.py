@@ -2,7 +2,8 @@
 
 lmq_operator is imported inside the fixture: the other Pythons' broker-only venvs load this file too, and run
 only this folder's modules that need no apiserver. A module whose brokers call the apiserver at another address of
-this host (a network namespace's peer address) overrides ``kube_reachable_at``.
+this host (a network namespace's peer address) overrides ``kube_reachable_at``; ``namespace`` is the network
+namespace of the partition suites (one per module).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from netns import Namespace, NamespaceUnavailable
 
 if TYPE_CHECKING:
     from lmq_operator.testing import KubeAPI
@@ -38,3 +40,19 @@ def kube(
         yield api
     finally:
         env.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def namespace() -> Iterator[Namespace]:
+    try:
+        made = Namespace.make()
+    except NamespaceUnavailable as exc:
+        pytest.fail(
+            "this test partitions brokers with a Linux network namespace and a veth pair and could not make them "
+            f"(it needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2): {exc}",
+            pytrace=False,
+        )
+    try:
+        yield made
+    finally:
+        made.close()

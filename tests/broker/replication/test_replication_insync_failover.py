@@ -12,17 +12,16 @@ import signal
 from pathlib import Path
 
 import grpc
+from partitions import held
 from waiting import eventually
 
 from lmq_broker import model, testing
 from lmq_broker.cluster import membership as mb
-from lmq_broker.config import StoreConfig
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
 from lmq_broker.replication import kube as kube_api
-from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing as kube_testing
 
@@ -54,14 +53,6 @@ async def send_range(endpoint: str, lite: str, first: int, count: int) -> list[s
             if reply.status.code == pb.OK:
                 acked.append(f"{lite}-{n}")
     return acked
-
-
-def held(data_dir: Path, lite: str) -> list[str]:
-    store = lmq_store.LmqStore(StoreConfig(data_dir=data_dir))
-    try:
-        return [m.message_id for m in store.read(model.QueueId.lmq(PARENT, lite), 0, 1000)]
-    finally:
-        store.close()
 
 
 def test_with_one_follower_stale_the_in_sync_one_takes_over_and_no_acknowledged_message_is_lost(

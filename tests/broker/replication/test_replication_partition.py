@@ -16,143 +16,28 @@ kube-apiserver + etcd:
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
 import time
-import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import steady_sender
-from netns import Namespace, NamespaceUnavailable
+from netns import Namespace
+from partitions import LEASE_MS, LEASE_S, Ring
 from steady_sender import Sender, ids
 from waiting import eventually
 
-from lmq_broker import model, testing
-from lmq_broker.cluster import membership as mb
-from lmq_broker.config import StoreConfig
-from lmq_broker.replication import kube as kube_api
 from lmq_broker.replication import leadership
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.supervisor import free_ports
 from lmq_operator import testing as kube_testing
 
-PARENT = "AGENT_TASK_NS"  # the bootstrap parent (LITE)
-LEASE_MS = 1500
-LEASE_S = LEASE_MS / 1000
 FAILOVER_BUDGET_S = 5.0  # the issue: a follower takes over within 5 s of the lease's expiry
-
-
-@pytest.fixture(scope="module")
-def namespace() -> Iterator[Namespace]:
-    try:
-        made = Namespace.make()
-    except NamespaceUnavailable as exc:
-        pytest.fail(
-            "this test partitions brokers with a Linux network namespace and a veth pair and could not make them "
-            f"(it needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN, and iproute2): {exc}",
-            pytrace=False,
-        )
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 @pytest.fixture(scope="module")
 def kube_reachable_at(namespace: Namespace) -> tuple[str, ...]:
     return (namespace.host_ip,)  # the owner calls the apiserver from inside the namespace
-
-
-@dataclass
-class Ring:
-    """R broker processes: slot 0 (the owner) inside the namespace, the followers on this host."""
-
-    namespace: Namespace
-    kube: kube_testing.KubeAPI
-    tmp_path: Path
-    members: list[str]
-    owner_port: int
-    min_insync: int
-    prefix: str
-    brokers: list[testing.BrokerProcess | None]
-    logs: list[str] = field(default_factory=list)  # each broker's log, once stopped
-
-    @classmethod
-    def start(cls, namespace: Namespace, kube: kube_testing.KubeAPI, tmp_path: Path, replicas: int, m: int) -> Ring:
-        owner_port = free_ports("127.0.0.1", 1)[0]  # any port is free in the new namespace
-        members = [f"{namespace.inner_ip}:{owner_port}"]
-        members += [f"{namespace.host_ip}:{p}" for p in free_ports(namespace.host_ip, replicas - 1)]
-        ring = cls(namespace, kube, tmp_path, members, owner_port, m, f"part-m{m}", [None] * replicas)
-        with concurrent.futures.ThreadPoolExecutor(replicas) as pool:
-            starting = [pool.submit(ring._start, slot) for slot in range(replicas)]
-        ring.brokers = [f.result() if f.exception() is None else None for f in starting]
-        failed = next((f.exception() for f in starting if f.exception() is not None), None)
-        if failed is not None:
-            ring.stop()
-            raise failed
-        return ring
-
-    def _start(self, slot: int) -> testing.BrokerProcess:
-        token = self.tmp_path / "token"
-        token.write_text(self.kube.token)
-        inside = slot == 0
-        # Inside, the broker listens everywhere: its client calls it on 127.0.0.1, which stays up in the cut.
-        host = "0.0.0.0" if inside else self.namespace.host_ip
-        server = self.kube.server.replace("127.0.0.1", self.namespace.host_ip) if inside else self.kube.server
-        flags = ["--peers", ",".join(self.members), "--ordinal", str(slot), "--host", host]
-        flags += ["--advertised-address", self.members[slot], "--flush-mode", "sync"]
-        flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--replicas", str(len(self.members))]
-        flags += ["--min-insync-replicas", str(self.min_insync), "--lease-namespace", "default"]
-        flags += ["--lease-prefix", self.prefix, "--lease-duration-ms", str(LEASE_MS), "--kube-api-server", server]
-        flags += ["--kube-token-file", str(token), "--kube-ca-file", str(self.kube.ca_file)]
-        port = int(self.members[slot].rsplit(":", 1)[1])
-        wrapper = self.namespace.wrapper if inside else ()
-        return testing.start_broker(self.tmp_path / f"b{slot}", port, flags, wrapper=wrapper)
-
-    def lease(self) -> kube_api.Lease:
-        found = kube_api.ApiServer(self.kube.server, self.kube.token, self.kube.ca_file, "default").get(
-            f"{self.prefix}-slot-0"
-        )
-        assert found is not None
-        return found
-
-    def in_sync(self) -> tuple[int, ...] | None:
-        """The slot's in-sync set as its lease records it; None before the owner created the lease."""
-        api = kube_api.ApiServer(self.kube.server, self.kube.token, self.kube.ca_file, "default")
-        found = api.get(f"{self.prefix}-slot-0")
-        return None if found is None else found.in_sync
-
-    def followers_reconciled(self) -> bool:
-        """Every follower says it is in sync with slot 0's holder (``lmq_replication_in_sync``): reconciled with it,
-        which a takeover needs besides being in the lease's in-sync set (the owner probed it)."""
-        for b in self.brokers[1:]:
-            assert b is not None
-            url = f"http://{self.namespace.host_ip}:{b.metrics_port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if 'lmq_replication_in_sync{slot="0"} 1.0' not in response.read().decode():
-                    return False
-        return True
-
-    def lite(self) -> str:
-        membership = mb.Membership.parse(",".join(self.members))
-        return next(f"t{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"t{i}").topic) == 0)
-
-    def stop(self) -> None:
-        for b in self.brokers:
-            if b is not None and b.alive():
-                b.stop()
-        self.logs = [b.log() if b is not None else "" for b in self.brokers]
-
-    def held(self, slot: int, lite: str) -> list[str]:
-        store = lmq_store.LmqStore(StoreConfig(data_dir=self.tmp_path / f"b{slot}"))
-        try:
-            return [m.message_id for m in store.read(model.QueueId.lmq(PARENT, lite), 0, 100_000)]
-        finally:
-            store.close()
 
 
 @dataclass
@@ -286,7 +171,7 @@ def test_a_partitioned_owner_acknowledges_nothing_past_its_lease_and_a_follower_
         everyone = tuple(range(replicas))
         eventually(lambda: ring.in_sync() == everyone, "the followers probed into the in-sync set", ignoring=(OSError,))
         eventually(ring.followers_reconciled, "the followers reconciled with the owner", ignoring=(OSError,))
-        owner = f"127.0.0.1:{ring.owner_port}"
+        owner = f"127.0.0.1:{ring.port(0)}"
         inside = Sender(tmp_path / "inside.jsonl", lite, "in", [owner], wrapper=namespace.wrapper, timeout_s=10)
         run = Partition(ring, lite, inside)
         eventually(lambda: len(inside.acked()) >= 20, "sends acknowledged by the owner before the cut")

@@ -18,6 +18,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from partitions import held
 from pods import child_pid, free_block
 from steady_sender import Sender, ids
 from waiting import eventually
@@ -25,9 +26,7 @@ from waiting import eventually
 from lmq_broker import model, testing
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import ring
-from lmq_broker.config import StoreConfig
 from lmq_broker.replication import kube as kube_api
-from lmq_broker.storage import store as lmq_store
 from lmq_operator import testing as kube_testing
 
 PARENT = "AGENT_TASK_NS"  # the bootstrap parent (LITE)
@@ -68,14 +67,6 @@ def in_sync_everywhere(pods: list[testing.BrokerProcess]) -> bool:
 
 def owner(membership: mb.Membership, lite: str) -> int:
     return mb.owner(membership, model.QueueId.lmq(PARENT, lite).topic)
-
-
-def held(data_dir: Path, lite: str) -> list[str]:
-    store = lmq_store.LmqStore(StoreConfig(data_dir=data_dir))
-    try:
-        return [m.message_id for m in store.read(model.QueueId.lmq(PARENT, lite), 0, 100_000)]
-    finally:
-        store.close()
 
 
 def test_a_lost_processes_2_pod_fails_over_to_the_same_processes_of_the_next_pod(
@@ -137,9 +128,9 @@ def test_a_lost_processes_2_pod_fails_over_to_the_same_processes_of_the_next_pod
             pod.stop()
     for process, (lite, tried) in enumerate(zip(lites, attempts, strict=True)):
         acked = ids(tried)
-        for pod in (0, 1):  # slot ``process`` and its follower: process ``process`` of either pod
-            found = held(tmp_path / f"pod{pod}" / f"p{process}", lite)
+        for ordinal in (0, 1):  # slot ``process`` and its follower: process ``process`` of either pod
+            found = held(tmp_path / f"pod{ordinal}" / f"p{process}", lite)
             counts = Counter(found)
-            assert [m for m in found if m in set(acked)] == acked, f"pod {pod}: {lite} lost or out of order"
-            assert all(counts[m] == 1 for m in acked), f"pod {pod}: {lite} stored twice"
+            assert [m for m in found if m in set(acked)] == acked, f"pod {ordinal}: {lite} lost or out of order"
+            assert all(counts[m] == 1 for m in acked), f"pod {ordinal}: {lite} stored twice"
         print(f"{lite}: {len(acked)} sends acknowledged of {len(tried)} tried, on both replicas once and in order")
