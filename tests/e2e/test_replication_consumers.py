@@ -6,7 +6,9 @@ receiving from the new lease holder with the clients' own retries, and every ack
 * the Python client 5.1.2's Producer and LitePushConsumer (acked messages not delivered again is counted with
   lmq's own stubs there, where the test sees each ack's answer: tests/broker/replication/test_replication_failover.py);
 * the Java client 5.2.0's Producer (its driver, tests/clients/java) and the Python client's LiteSimpleConsumer
-  (Java 5.2.0 has none), whose acks the test sees: none of a message whose ack was answered OK comes again.
+  (Java 5.2.0 has none), whose acks the test sees: none of a message whose ack was answered OK comes again;
+* the Java client 5.2.0's LitePushConsumer (which acks on its own: the test sees no ack's answer, so it checks that
+  messages whose commit points were on both replicas before the kill are not delivered again).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any
 
 import pytest
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
-from testing_clients import Driver, DriverError, DriverMissing, b64, driver_argv, start_driver
+from testing_clients import Driver, DriverError, DriverMissing, b64, driver_argv, start_driver, unb64
 from waiting import eventually
 
 from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.supervisor import free_ports
@@ -342,3 +345,87 @@ def test_a_java_producer_and_a_lite_simple_consumer_go_on_across_kill_9_of_the_o
     assert first <= FIRST_DELIVERY_BOUND_S, "\n".join(reader.log[-40:])
     again = set(reader.again_after_ack)
     assert not again, "\n".join(line for line in reader.log if any(str(a) in line for a in again))
+
+
+def drained(endpoint: str, lites: list[str]) -> bool:
+    """The group's commit point of each lite topic is its end in the store of the broker at ``endpoint``: every
+    message stored there was acknowledged, and (at a follower) that commit point was copied to it."""
+    with AdminClient(endpoint, timeout_s=5, access_key="ak", secret_key="sk") as admin:
+        for lite in lites:
+            topic = admin.describe_lite_topic(PARENT, lite)
+            if topic.group_offsets.get(GROUP) != topic.meta.max_offset:
+                return False
+    return True
+
+
+def test_a_java_lite_push_consumer_consumes_every_acknowledged_send_across_kill_9_of_the_owner(
+    tmp_path: Path, kube: Any
+) -> None:
+    """The Java client 5.2.0's LitePushConsumer and Producer (one driver) through the broker that survives. First
+    20 sends consumed and their commit points on both replicas; then sends all along, kill -9 of the owner with
+    its disk deleted, the old owner back on an empty disk. Every acknowledged send is consumed, and none of the
+    first 20 (acked, their commit points on both replicas) is delivered again by the new holder."""
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    brokers = [start(tmp_path, kube, members, slot, "e2e-java-push") for slot in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lites = [f"k{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"k{i}").topic) == 0][:4]
+    stop, sent, sent_at = threading.Event(), list[bytes](), list[float]()
+    producing = threading.Thread(target=lambda: None)
+    driver: Driver | None = None
+    first, killed, before_kill = 0.0, 0.0, 0
+
+    def holder_is(slot: int) -> bool:
+        got = api.get("e2e-java-push-slot-0")
+        return got is not None and got.holder.startswith(f"slot-{slot}/")
+
+    def consumed() -> list[bytes]:
+        assert driver is not None
+        return [unb64(m["body"]) for m in driver.messages("c")]
+
+    try:
+        eventually(lambda: holder_is(0), "the owner holds its lease")
+        eventually(lambda: in_sync(brokers[1], 0), "the follower in sync")
+        driver = java_producer(tmp_path, members[1])
+        driver.call("lite_push", name="c", group=GROUP, topic=PARENT)
+        for lite in lites:
+            driver.call("subscribe_lite", consumer="c", lite_topic=lite)
+        for n in range(20):
+            driver.call("send", 30, producer="p", topic=PARENT, body=b64(f"a{n}".encode()), lite_topic=lites[n % 4])
+        early = {f"a{n}".encode() for n in range(20)}
+        eventually(lambda: early <= set(consumed()), "the first 20 consumed", 30)
+        eventually(lambda: all(drained(m, lites) for m in members), "their commit points on both replicas", 30)
+        producing = threading.Thread(target=java_produce, args=(driver, lites, stop, sent, sent_at), name="producer")
+        producing.start()
+        eventually(lambda: len(set(sent) & set(consumed())) >= 20, "sends consumed under load", 30)
+        brokers[0].kill()
+        killed, before_kill = time.monotonic(), len(consumed())
+        shutil.rmtree(tmp_path / "b0")  # its disk is gone too
+        eventually(lambda: len(consumed()) > before_kill, "a delivery after the kill", 60, interval_s=0.01)
+        first = time.monotonic() - killed
+        eventually(lambda: holder_is(1), "the follower holds the lease")
+        brokers[0] = start(tmp_path, kube, members, 0, "e2e-java-push")  # a follower, on an empty disk
+        before = len(sent)
+        eventually(lambda: len(sent) >= before + 20, "sends acknowledged again", 60)
+        stop.set()
+        producing.join()
+        eventually(lambda: set(sent) <= set(consumed()), "every acknowledged send consumed", 60)
+    finally:
+        stop.set()
+        if producing.is_alive():
+            producing.join()
+        if driver is not None:
+            driver.close()
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    got = consumed()
+    again = [body for body in got if body in early and got.count(body) > 1]
+    print(
+        f"\njava LitePushConsumer: a delivery {first:.2f} s after kill -9 (lease {LEASE_MS} ms, load "
+        f"{os.getloadavg()[0]:.1f}); first send acknowledged after it "
+        f"{next((t for t in sent_at if t > killed), killed) - killed:.2f} s; {len(sent)} sends acknowledged, "
+        f"{len(got)} deliveries of {len(set(got))} bodies, {len(set(sent) - set(got))} lost, "
+        f"{len(set(again))} of the 20 acked before delivered again"
+    )
+    assert not again, f"acked before the kill, their commit points on both replicas, delivered again: {again}"
