@@ -27,9 +27,10 @@ from typing import Any, Final
 import pydantic
 
 from lmq_broker import app, errors, heap, preflight, supervisor
-from lmq_broker.cluster import links, setup
+from lmq_broker.cluster import links, membership, setup
 from lmq_broker.config import ENV_PREFIX, BrokerConfig, EdgeKind, StoreConfig
 from lmq_broker.protocol import native as native_edge
+from lmq_broker.replication import setup as replication_setup
 from lmq_broker.storage import meta as storage_meta
 
 READY_LINE: Final = "lmq-broker ready"
@@ -433,6 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
             setup.membership_of(config)  # process checks the ring of slots it is given
             links.external_of(config)
+        elif config.replicas > 1:  # a slot's followers are the same process of the next pods, never its own pod's
+            pods = len(membership.Membership.parse(config.peers).members) if config.peers else 1
+            replication_setup.followers_of(0, pods * config.processes, config.processes, config.replicas)
     except errors.InvalidArgument as exc:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
     if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):

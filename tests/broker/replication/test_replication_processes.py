@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from partitions import held
 from pods import child_pid, free_block
 from steady_sender import Sender, ids
@@ -134,3 +137,20 @@ def test_a_lost_processes_2_pod_fails_over_to_the_same_processes_of_the_next_pod
             assert [m for m in found if m in set(acked)] == acked, f"pod {ordinal}: {lite} lost or out of order"
             assert all(counts[m] == 1 for m in acked), f"pod {ordinal}: {lite} stored twice"
         print(f"{lite}: {len(acked)} sends acknowledged of {len(tried)} tried, on both replicas once and in order")
+
+
+@pytest.mark.parametrize(("pods", "replicas"), [(1, 2), (2, 3)])
+def test_a_processes_pod_with_more_replicas_than_pods_is_refused_at_start(
+    tmp_path: Path, pods: int, replicas: int
+) -> None:
+    """A pod's processes never follow each other: R replicas need R pods, whatever the processes per pod."""
+    flags = ["--processes", "2", "--replicas", str(replicas), "--lease-namespace", "default"]
+    flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--data-dir", str(tmp_path / "d"), "--port", "0"]
+    if pods > 1:
+        flags += ["--peers", ",".join(f"127.0.0.1:{free_block(3)}" for _ in range(pods)), "--ordinal", "0"]
+    env = {**os.environ, "PYTHONPATH": str(Path(testing.__file__).parents[1])}
+    command = [sys.executable, "-m", "lmq_broker", "serve", *flags]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0
+    assert f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}" in done.stderr
+    assert not (tmp_path / "d").exists()  # refused before any process started
