@@ -18,7 +18,7 @@ import shutil
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,28 @@ def start(
     return start_broker(tmp_path / f"b{slot}", int(port), flags)
 
 
+def pair(
+    tmp_path: Path, kube: kube_testing.KubeAPI, prefix: str, letter: str
+) -> tuple[list[str], list[BrokerProcess], list[str], Callable[[int], bool]]:
+    """Two brokers with --replicas 2 (leases ``<prefix>-slot-<s>``): their addresses, the processes, four lite
+    topics of slot 0 (``<letter><i>``), and whether slot 0's lease is held by the broker of a slot."""
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    brokers = [start(tmp_path, kube, members, slot, prefix) for slot in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lites = [
+        f"{letter}{i}"
+        for i in range(1000)
+        if mb.owner(membership, model.QueueId.lmq(PARENT, f"{letter}{i}").topic) == 0
+    ]
+
+    def holder_is(slot: int) -> bool:
+        got = api.get(f"{prefix}-slot-0")
+        return got is not None and got.holder.startswith(f"slot-{slot}/")
+
+    return members, brokers, lites[:4], holder_is
+
+
 def config(endpoint: str) -> Any:
     return ClientConfiguration(endpoint, Credentials(), request_timeout=5)
 
@@ -106,11 +128,7 @@ class Listener:
 
 
 def test_an_official_push_consumer_keeps_receiving_from_the_new_holder(tmp_path: Path, kube: Any) -> None:
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, slot) for slot in (0, 1)]
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    membership = mb.Membership.parse(",".join(members))
-    lites = [f"t{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"t{i}").topic) == 0][:4]
+    members, brokers, lites, holder_is = pair(tmp_path, kube, "e2e-consumers", "t")
     listener = Listener(members[1])
     consumed, by_holder, flowing = listener.consumed, listener.by_holder, listener.flowing
     inbox = Inbox(listener.accept)
@@ -118,10 +136,6 @@ def test_an_official_push_consumer_keeps_receiving_from_the_new_holder(tmp_path:
     stop, sent = threading.Event(), list[bytes]()
     thread = threading.Thread(target=lambda: None)
     first, waiting = 0.0, 0
-
-    def holder_is(slot: int) -> bool:
-        got = api.get("e2e-consumers-slot-0")
-        return got is not None and got.holder.startswith(f"slot-{slot}/")
 
     try:
         eventually(lambda: holder_is(0), "the owner holds its lease")
@@ -270,21 +284,13 @@ def in_sync(broker: BrokerProcess, slot: int) -> bool:
 
 
 def test_a_java_producer_and_a_lite_simple_consumer_go_on_across_kill_9_of_the_owner(tmp_path: Path, kube: Any) -> None:
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, slot, "e2e-java") for slot in (0, 1)]
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    membership = mb.Membership.parse(",".join(members))
-    lites = [f"j{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"j{i}").topic) == 0][:4]
+    members, brokers, lites, holder_is = pair(tmp_path, kube, "e2e-java", "j")
     stop, sent, sent_at = threading.Event(), list[bytes](), list[float]()
     threads: list[threading.Thread] = []
     driver: Driver | None = None
     consumer: Any = None
     reader: SimpleReader | None = None
     first, waiting, killed = 0.0, 0, 0.0
-
-    def holder_is(slot: int) -> bool:
-        got = api.get("e2e-java-slot-0")
-        return got is not None and got.holder.startswith(f"slot-{slot}/")
 
     try:
         eventually(lambda: holder_is(0), "the owner holds its lease")
@@ -365,19 +371,11 @@ def test_a_java_lite_push_consumer_consumes_every_acknowledged_send_across_kill_
     20 sends consumed and their commit points on both replicas; then sends all along, kill -9 of the owner with
     its disk deleted, the old owner back on an empty disk. Every acknowledged send is consumed, and none of the
     first 20 (acked, their commit points on both replicas) is delivered again by the new holder."""
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, slot, "e2e-java-push") for slot in (0, 1)]
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    membership = mb.Membership.parse(",".join(members))
-    lites = [f"k{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"k{i}").topic) == 0][:4]
+    members, brokers, lites, holder_is = pair(tmp_path, kube, "e2e-java-push", "k")
     stop, sent, sent_at = threading.Event(), list[bytes](), list[float]()
     producing = threading.Thread(target=lambda: None)
     driver: Driver | None = None
     first, killed, before_kill = 0.0, 0.0, 0
-
-    def holder_is(slot: int) -> bool:
-        got = api.get("e2e-java-push-slot-0")
-        return got is not None and got.holder.startswith(f"slot-{slot}/")
 
     def consumed() -> list[bytes]:
         assert driver is not None
