@@ -436,7 +436,6 @@ def test_a_ring_change_told_to_brokers_apart_never_places_a_topic_twice(tmp_path
             broker.stop()
 
 
-
 def answering(endpoint: str) -> bool:
     try:
         with AdminClient(endpoint, timeout_s=1, **SHARED_ADMIN_KEYS) as admin:

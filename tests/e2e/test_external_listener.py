@@ -149,7 +149,6 @@ def exchange(access_endpoint: str, lites: list[str], clients: list[Any]) -> None
         assert [body for name, body in got if name == lite] == sorted(body for name, body in sent if name == lite)
 
 
-
 def test_a_client_outside_reaches_every_broker_through_its_external_address(tmp_path: Path, clients: list[Any]) -> None:
     internal_ports = free_ports("127.0.0.1", 2)
     external_ports = free_ports("127.0.0.1", 2)
