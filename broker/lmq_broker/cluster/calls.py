@@ -69,15 +69,18 @@ class Calls:
                 )
         return peer
 
-    def brokers(self, *, external: bool) -> Sequence[tuple[pb.Broker, int]]:
+    def brokers(self, *, external: bool, lite_route: bool = False) -> Sequence[tuple[pb.Broker, int]]:
         """This broker first when it is listed writable, then the others in slot order. With replication, only the
         brokers that hold some slot's lease: a slot whose lease another broker took (a failover) is served by that
         one, listed already, so routes and assignments follow the lease as sends do.
 
-        This broker first because the official LiteSimpleConsumer receives from the first route queue only: it
-        then keeps calling the broker it asked for the route, which gathers from every other for it (``gathering``)
-        and so follows each slot's lease, instead of the broker of slot 0 until its next route refresh (tens of
-        seconds when that one is down). Producers and push consumers use every queue, in any order."""
+        This broker first because the official LiteSimpleConsumer receives from the first readable route queue
+        only: it then keeps calling the broker it asked for the route, which gathers from every other for it
+        (``gathering``) and so follows each slot's lease, instead of the broker of slot 0 until its next route
+        refresh (tens of seconds when that one is down). Producers and push consumers use every queue, in any
+        order. A broker that holds no lease (an old owner back as a follower) still comes first in a route of a
+        LITE parent (``lite_route``), READ: that consumer keeps calling it, and it gathers from the holders, while
+        producers (writable queues only) and assignments (push consumers) leave it out."""
         routed = self._peers.links.routed(external)
         serving = self._peers.owners.serving
         holding = set(range(len(routed))) if serving is None else {serving(slot) for slot in range(len(routed))}
@@ -85,7 +88,11 @@ class Calls:
         me = self._peers.me
         if me in listed and routed[me][1] == pb.READ_WRITE:  # a leaving broker stays in its place
             listed = [me, *(slot for slot in listed if slot != me)]
-        return [routed[slot] for slot in listed]
+        brokers = [routed[slot] for slot in listed]
+        lease_less = serving is not None and 0 <= me < len(routed) and me not in holding  # a member, not a leaver
+        if lite_route and lease_less and routed[me][1] == pb.READ_WRITE:
+            brokers.insert(0, (routed[me][0], pb.READ))
+        return brokers
 
     async def send(self, request: spb.SendMessageRequest, headers: Headers) -> spb.SendMessageResponse:
         peer = self._peer("SendMessage", headers)

@@ -21,8 +21,9 @@ Headers: TypeAlias = Callable[[], Metadata]  # the call's headers, read on deman
 
 
 class ClusterCalls(Protocol):
-    def brokers(self, *, external: bool) -> Sequence[tuple[pb.Broker, int]]:
-        """Every broker of the cluster in slot order, with the permission routes give its queues."""
+    def brokers(self, *, external: bool, lite_route: bool = False) -> Sequence[tuple[pb.Broker, int]]:
+        """Every broker of the cluster in slot order, with the permission routes give its queues (``lite_route``:
+        for a route of a LITE parent, which a LiteSimpleConsumer reads from its first readable queue only)."""
         ...
 
     def send(self, request: spb.SendMessageRequest, headers: Headers) -> Awaitable[spb.SendMessageResponse]: ...

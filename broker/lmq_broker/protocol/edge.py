@@ -61,11 +61,13 @@ class Edge:
     def broker(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> pb.Broker:
         return pb.Broker(name=self.config.broker_name, id=0, endpoints=self.endpoints(requested, external=external))
 
-    def brokers(self, requested: pb.Endpoints | None = None, *, external: bool = False) -> list[tuple[pb.Broker, int]]:
+    def brokers(
+        self, requested: pb.Endpoints | None = None, *, external: bool = False, lite_route: bool = False
+    ) -> list[tuple[pb.Broker, int]]:
         """The brokers a route lists, each with its queues' permission: this one alone, or every broker of the
         cluster, this one first and the others in slot order (leaving ones READ; ``cluster.calls``)."""
         if self.cluster is not None:
-            return list(self.cluster.brokers(external=external))
+            return list(self.cluster.brokers(external=external, lite_route=lite_route))
         return [(self.broker(requested, external=external), pb.READ_WRITE)]
 
     @property

@@ -6,6 +6,7 @@ else the address the client dialled), never by ``--advertised-host``, which is t
 
 from __future__ import annotations
 
+from lmq_broker import model
 from lmq_broker.dispatch import metadata
 from lmq_broker.protocol import convert, status
 from lmq_broker.protocol.context import Caller
@@ -20,7 +21,8 @@ async def handle(edge: Edge, request: spb.QueryRouteRequest, caller: Caller) -> 
     dead_letters = name.startswith(metadata.DLQ_PREFIX)
     requested = request.endpoints if request.HasField("endpoints") else None
     queues: list[pb.MessageQueue] = []
-    for broker, permission in edge.brokers(requested, external=caller.external):
+    lite = topic.message_type == model.MessageType.LITE
+    for broker, permission in edge.brokers(requested, external=caller.external, lite_route=lite):
         queues += convert.queues_of(
             topic, broker, request.topic.resource_namespace, pb.READ if dead_letters else permission
         )
