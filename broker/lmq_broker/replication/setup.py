@@ -187,9 +187,17 @@ class Replication:
             registry=registry,
         )
 
+        stores = Counter(
+            "lmq_replication_copy_appends",
+            "Store appends of copied messages on this broker (each one write and, in sync mode, one fsync); "
+            "lmq_replication_copied_total over this is the messages per copy",
+            registry=registry,
+        )
+
         async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
             results = await dispatcher.ingest.append_copy(messages)
             copied.inc(len(messages))
+            stores.inc()
             return results
 
         self.follower = follower = following.Follower(
