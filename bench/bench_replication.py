@@ -11,6 +11,7 @@ part of the price) over the timed sends, per message. The settings (``--configs`
     python bench/bench_replication.py            # 3 rounds of 3,000 sends each
     python bench/bench_replication.py --quick    # 1 round of 500
     python bench/bench_replication.py --configs 1,2,2/1   # R=1, R=2 (all in sync), R=2 asynchronous
+    python bench/bench_replication.py --configs 1,2 --edge native   # every broker on the native edge
 
 ``--case catch-up``: the catch-up rate of a rejoining follower. R=2 with ``--min-insync-replicas 1`` (the owner
 acknowledges alone), the follower of broker 0's slot stopped while ``--messages`` 1 KiB sends to 50 lite
@@ -54,7 +55,7 @@ def cpu_s(broker: BrokerProcess) -> float:
 
 
 def start_pair(
-    workdir: Path, kube: kube_testing.KubeAPI, setting: str, tag: str
+    workdir: Path, kube: kube_testing.KubeAPI, setting: str, tag: str, edge: str = "grpcio"
 ) -> tuple[list[BrokerProcess], list[str]]:
     replicas, _, min_insync = setting.partition("/")
     members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", BROKERS)]
@@ -64,7 +65,7 @@ def start_pair(
     for slot in range(BROKERS):
         flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
         flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
-        flags += ["--replicas", replicas, "--min-insync-replicas", min_insync or "0"]
+        flags += ["--replicas", replicas, "--min-insync-replicas", min_insync or "0", "--edge", edge]
         if replicas != "1":
             flags += ["--lease-namespace", "default", "--lease-prefix", tag, "--kube-api-server", kube.server]
             flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
@@ -128,9 +129,9 @@ async def send_load(endpoint: str, lites: list[str], total: int, inflight: int) 
 
 
 def measure(  # noqa: PLR0917 (one run's settings)
-    workdir: Path, kube: kube_testing.KubeAPI, setting: str, sends: int, inflight: int, tag: str
+    workdir: Path, kube: kube_testing.KubeAPI, setting: str, sends: int, inflight: int, tag: str, edge: str
 ) -> tuple[float, float, float]:
-    brokers, members = start_pair(workdir, kube, setting, tag)
+    brokers, members = start_pair(workdir, kube, setting, tag, edge)
     try:
         membership = mb.Membership.parse(",".join(members))
         names = (f"t{i}" for i in range(100_000))
@@ -157,6 +158,7 @@ def main() -> None:
     parser.add_argument("--configs", default="1,2,2/1,3", help="R or R/M (--min-insync-replicas), comma-separated")
     parser.add_argument("--case", choices=("price", "catch-up"), default="price")
     parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--edge", choices=("grpcio", "native"), default="grpcio", help="every broker's --edge")
     args = parser.parse_args()
     if args.case == "catch-up":
         with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:
@@ -169,12 +171,16 @@ def main() -> None:
         return
     rounds, sends = (1, 500) if args.quick else (args.rounds, args.sends)
     settings = args.configs.split(",")
-    print(f"load average {os.getloadavg()[0]:.1f}; {sends} sends x {rounds} rounds, {args.inflight} in flight")
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; {sends} sends x {rounds} rounds, {args.inflight} in flight, "
+        f"{args.edge} edge"
+    )
     with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:
         figures: dict[str, list[tuple[float, float, float]]] = {s: [] for s in settings}
         for r in range(rounds):
             for setting in settings:
-                got = measure(Path(tmp), kube, setting, sends, args.inflight, f"r{r}-{setting.replace('/', 'm')}")
+                tag = f"r{r}-{setting.replace('/', 'm')}"
+                got = measure(Path(tmp), kube, setting, sends, args.inflight, tag, args.edge)
                 figures[setting].append(got)
                 print(f"round {r} R={setting}: p50 {got[0]:,.0f} µs  p99 {got[1]:,.0f} µs  CPU {got[2]:,.0f} µs/msg")
         med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in figures.items()}

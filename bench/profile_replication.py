@@ -24,6 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from bench_replication import PARENT, cpu_s, send_load, start_pair
@@ -35,6 +36,19 @@ from lmq_broker.testing import BrokerProcess
 from lmq_operator import testing as kube_testing
 
 IDLE_S = 3.0
+
+
+def metric(broker: BrokerProcess, name: str) -> float:
+    """A counter of the broker's /metrics (0 when it has none: an older tree)."""
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = [line.split()[-1] for line in text.splitlines() if line.startswith(f"{name} ")]
+    return float(found[0]) if found else 0.0
+
+
+def copied_by(broker: BrokerProcess) -> tuple[float, float]:
+    """(messages, store appends) the broker stored from copies since it started (appends: 0 on an older tree)."""
+    return metric(broker, "lmq_replication_copied_total"), metric(broker, "lmq_replication_copy_appends_total")
 
 
 def inclusive(raw: Path, top: int) -> None:
@@ -81,6 +95,7 @@ def main() -> None:
             idle0 = [cpu_s(b) for b in brokers]
             time.sleep(IDLE_S)
             idle = [(cpu_s(b) - c) / IDLE_S * 1e3 for b, c in zip(brokers, idle0, strict=True)]
+            copied0 = copied_by(brokers[1])
             before = [cpu_s(b) for b in brokers]
             began = time.perf_counter()
             asyncio.run(send_load(members[0], lites, args.sends, args.inflight))
@@ -90,6 +105,10 @@ def main() -> None:
             for i, (p, q) in enumerate(zip(per, idle, strict=True)):
                 print(f"broker {i}: {p:,.0f} µs CPU/message (idle before: {q:.1f} ms CPU/s)")
             print(f"all: {sum(per):,.0f} µs CPU/message")
+            if args.setting != "1":
+                messages, appends = (a - b for a, b in zip(copied_by(brokers[1]), copied0, strict=True))
+                each = messages / max(appends, 1)
+                print(f"follower: {messages:,.0f} messages copied in {appends:,.0f} appends: {each:.2f} per copy")
             if args.spy:
                 spy(brokers[:2], tmp, args, members[0], lites)
         finally:

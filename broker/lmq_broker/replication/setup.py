@@ -3,7 +3,9 @@
 Copies travel as raw bytes (``wire``) on the broker's client port, over the cluster's channels, signed with the
 peer header (``cluster.trust``) like every call between brokers; a call without a valid header is refused.
 Message copies and commit copies go over one stream per follower (``streams``: a call set-up per copy was most
-of a follower's CPU); a follower without the stream method (an older version) gets one unary call per copy.
+of a follower's CPU) in ``wire``'s binary layout. A follower of an older version has no binary stream
+(UNIMPLEMENTED): it gets the JSON layout, over its stream or, without one, one unary call per copy; the binary
+stream is tried again every ``BINARY_RETRY_S`` (the follower may have been upgraded since).
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ else:
 SERVICE: Final = "/lmq.replica.v1.Replica/"
 METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
 STREAM: Final = SERVICE + "AppendStream"  # copies -> their answers, as ``METHOD``'s (``streams`` frames them)
+STREAM_BINARY: Final = SERVICE + "AppendStreamBinary"  # as ``STREAM``; its follower reads the binary layout
+BINARY_RETRY_S: Final = 60.0  # a follower without ``STREAM_BINARY`` gets JSON this long, then it is asked again
 ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
-FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from"} -> a copy (wire) of what follows
+FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from", "layout"?} -> a copy (wire) of what follows
 STATES: Final = SERVICE + "States"  # a batch of state rows (``states``) -> b"" applied, b"behind": not the next
 STATE_FETCH: Final = SERVICE + "StateFetch"  # JSON {"slot"} -> every state row of the slot (``states``, full)
 # JSON {"slot", "epoch", "topics": {topic: epoch of a replica's last record}} -> JSON {topic: [epoch|null, offset]}
@@ -183,9 +187,17 @@ class Replication:
             registry=registry,
         )
 
+        stores = Counter(
+            "lmq_replication_copy_appends",
+            "Store appends of copied messages on this broker (each one write and, in sync mode, one fsync); "
+            "lmq_replication_copied_total over this is the messages per copy",
+            registry=registry,
+        )
+
         async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
             results = await dispatcher.ingest.append_copy(messages)
             copied.inc(len(messages))
+            stores.inc()
             return results
 
         self.follower = follower = following.Follower(
@@ -235,7 +247,10 @@ class Replication:
         registry.register(stating.Collector(self.states))
         self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
         self._replica_sets = replica_sets
-        self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its copies take
+        self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its binary copies take
+        self.json_links: dict[str, streams.Link] = {}  # follower endpoint -> its stream of JSON copies (older)
+        self._json_until: dict[str, float] = {}  # follower endpoint -> when to ask for its binary stream again
+        self.methods = frozenset((METHOD, STREAM, STREAM_BINARY, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE))
         self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
         self._stopping = asyncio.Event()
@@ -282,7 +297,7 @@ class Replication:
             await self._handing
         await self.handover.close()
         await self.slots.close()
-        await asyncio.gather(*(link.close() for link in self.copy_links.values()))
+        await asyncio.gather(*(link.close() for link in (*self.copy_links.values(), *self.json_links.values())))
 
     def _own(self) -> None:
         for slot in self.leadership.held():
@@ -328,8 +343,8 @@ class Replication:
         return await self._call(holder, STATE_FETCH, request, reconciling=True)
 
     async def _fetch(self, holder: int, slot: int, topic: str, start: int) -> bytes:
-        request = json.dumps({"slot": slot, "topic": topic, "from": start}).encode()
-        return await self._call(holder, FETCH, request, reconciling=True)
+        request = json.dumps({"slot": slot, "topic": topic, "from": start, "layout": "binary"}).encode()
+        return await self._call(holder, FETCH, request, reconciling=True)  # an older holder answers JSON
 
     async def _diverge(self, holder: int, slot: int, epoch: int, topics: dict[str, int]) -> dict[str, following.Answer]:
         out: dict[str, following.Answer] = {}
@@ -375,24 +390,39 @@ class Replication:
             after, of = str(request.get("after", "")), self.slots.slot_of_topic
             found, following = await asyncio.to_thread(sources.ends_page, self._store, slot, of, after, ENDS_SCAN)
             return json.dumps({"ends": found, "next": following}).encode()
-        topic, start = str(request["topic"]), int(request["from"])
-        return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start)
+        topic, start, binary = str(request["topic"]), int(request["from"]), request.get("layout") == "binary"
+        return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start, binary=binary)
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
-        """A copy to a follower, over its stream (``send_unary`` when it has none)."""
-        link = self.copy_links.get(endpoint)
-        if link is None:
-            link = self.copy_links[endpoint] = streams.Link(endpoint, self._opener(endpoint), CALL_TIMEOUT_S)
+        """A copy to a follower, over its binary stream; a follower of an older version (no such method: the
+        copy was not read there) gets it again at once in the JSON layout, over its stream or a unary call."""
+        link = self._link(self.copy_links, endpoint, STREAM_BINARY)
+        if link.unimplemented and time.monotonic() >= self._json_until.get(endpoint, 0.0):
+            link.unimplemented = False  # asked again: it may have been upgraded since
+        if not link.unimplemented:
+            try:
+                return _behind(await link.send(data))
+            except errors.BrokerUnavailable:
+                if not _older(link):
+                    raise
+                self._json_until[endpoint] = time.monotonic() + BINARY_RETRY_S
+                log.info("%s reads no binary copies (an older version): JSON copies for now", endpoint)
+        data = wire.as_json(data)
+        link = self._link(self.json_links, endpoint, STREAM)
         if link.unimplemented:
             return await self.send_unary(endpoint, data)
-        answer = await link.send(data)
-        behind: dict[str, int] = json.loads(answer) if answer else {}
-        return behind
+        return _behind(await link.send(data))
 
-    def _opener(self, endpoint: str) -> streams.Open:
+    def _link(self, links: dict[str, streams.Link], endpoint: str, method: str) -> streams.Link:
+        link = links.get(endpoint)
+        if link is None:
+            link = links[endpoint] = streams.Link(endpoint, self._opener(endpoint, method), CALL_TIMEOUT_S)
+        return link
+
+    def _opener(self, endpoint: str, method: str) -> streams.Open:
         def open_stream() -> grpc.aio.StreamStreamCall[bytes, bytes]:
-            call = self._links.channel(endpoint).stream_stream(STREAM, None, None)
-            return call(None, metadata=(self._links.peer_header(STREAM),), wait_for_ready=True)  # copies: ``write``
+            call = self._links.channel(endpoint).stream_stream(method, None, None)
+            return call(None, metadata=(self._links.peer_header(method),), wait_for_ready=True)  # copies: ``write``
 
         return open_stream
 
@@ -405,8 +435,7 @@ class Replication:
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.BrokerUnavailable(f"{endpoint} Append: {exc.code().name} {exc.details()}") from None
-        behind: dict[str, int] = json.loads(answer) if answer else {}
-        return behind
+        return _behind(answer)
 
     def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         return _Handler(self)
@@ -430,11 +459,13 @@ class Replication:
 
         return serve
 
-    def streaming(self) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[bytes]]:
+    def streaming(
+        self, method: str
+    ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[bytes]]:
         async def serve(
             requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[bytes]:
-            call, _ = trust.verify(self._secret, STREAM, context.invocation_metadata(), int(time.time() * 1000))
+            call, _ = trust.verify(self._secret, method, context.invocation_metadata(), int(time.time() * 1000))
             if call is None:
                 await self._not_a_peer(context)
             async for answer in streams.serve(requests, self._accept):
@@ -443,16 +474,27 @@ class Replication:
         return serve
 
 
+def _older(link: streams.Link) -> bool:
+    """The follower had no such stream method (read after an await: it may have changed)."""
+    return link.unimplemented
+
+
+def _behind(answer: bytes) -> dict[str, int]:
+    """A follower's answer to a copy: {} stored, else where its lite topics end (it is behind)."""
+    behind: dict[str, int] = json.loads(answer) if answer else {}
+    return behind
+
+
 class _Handler(_GenericHandler):
     def __init__(self, replication: Replication) -> None:
         self._replication = replication
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
-        if method == STREAM:
-            return grpc.stream_stream_rpc_method_handler(self._replication.streaming())
-        if method not in (METHOD, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE):
+        if method not in self._replication.methods:
             return None
+        if method in (STREAM, STREAM_BINARY):  # either reads both layouts (``wire.decode``)
+            return grpc.stream_stream_rpc_method_handler(self._replication.streaming(method))
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
 
 

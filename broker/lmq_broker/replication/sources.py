@@ -66,17 +66,19 @@ def _points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]
     return out
 
 
-def fetch(store: Store, slot: int, epoch: int, topic: str, start: int) -> bytes:
+def fetch(store: Store, slot: int, epoch: int, topic: str, start: int, *, binary: bool = False) -> bytes:
     """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start`` (and ``FETCH_BYTES`` of bodies), with
     the topic's commit points that fall within them (read first: none points past the messages; a follower on
-    an empty disk gets them back)."""
+    an empty disk gets them back). In ``wire``'s JSON layout unless the follower asked for the binary one (an
+    older follower does not)."""
     queue = model.QueueId(topic, 0)
     found = _points_of(store, topic, [g.name for g in store.list_groups()])
     stored = _within_bytes(store.read(queue, start, FETCH_MAX))
     messages = [copies.as_new(m) for m in stored]
     results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
     end = stored[-1].offset + 1 if stored else start
-    return wire.encode(slot, epoch, messages, results, [p for p in found if p.offset <= end])
+    encode = wire.encode if binary else wire.encode_json
+    return encode(slot, epoch, messages, results, [p for p in found if p.offset <= end])
 
 
 def _within_bytes(stored: list[model.StoredMessage]) -> list[model.StoredMessage]:

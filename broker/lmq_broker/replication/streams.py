@@ -88,6 +88,8 @@ class Link:
                     await call.write(copy_frame(ident, data))
                 status, payload = await future
         except BaseException as exc:  # failed, timed out or cancelled: the stream's state is unknown, drop it
+            if isinstance(exc, Exception) and call.done() and await _code(call) == grpc.StatusCode.UNIMPLEMENTED:
+                self.unimplemented = True  # a write to a finished call fails with a state error, not its status
             self._drop(call, exc)
             if isinstance(exc, errors.LmqError) or not isinstance(exc, Exception):
                 raise
@@ -119,12 +121,12 @@ class Link:
 
     def _drop(self, call: grpc.aio.StreamStreamCall[bytes, bytes], exc: BaseException) -> None:
         """Fail every copy waiting on ``call`` and forget it (a new copy opens a new stream)."""
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.unimplemented = True  # a follower of an older version (a rolling upgrade): the caller falls back
         if self._call is not call:
             return
         self._call = None
         call.cancel()
-        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            self.unimplemented = True  # a follower of an older version (a rolling upgrade): unary calls there
         failure = errors.BrokerUnavailable(f"{self._endpoint} Append stream: {_why(exc)}")
         for future in self._waiting.values():
             if not future.done():
@@ -141,6 +143,13 @@ class Link:
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
+
+
+async def _code(call: grpc.aio.StreamStreamCall[bytes, bytes]) -> grpc.StatusCode | None:
+    try:
+        return await call.code()
+    except Exception:
+        return None
 
 
 def _why(exc: BaseException) -> str:

@@ -5,6 +5,7 @@ and disk-loss failover with broker processes: tests/broker/replication/test_repl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import shutil
@@ -633,6 +634,60 @@ async def test_a_copy_gets_the_same_answer_over_the_stream_as_over_a_unary_call(
         == [f"FAILED_PRECONDITION slot 0: {queue.topic} holds another message at 0"] * 2
     )
     assert pair.stored(1, lite) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_copy_in_either_layout_gets_the_same_answer_and_is_stored_alike(pair: Pair) -> None:
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    repl, epoch, store = pair.brokers[0].replication, pair.leadership(0).epoch(0), pair.brokers[1].store
+    assert repl is not None and epoch is not None and store is not None
+    endpoint, queue = pair.brokers[1].endpoint, model.QueueId.lmq(PARENT, lite)
+    sent: list[model.NewMessage] = []
+
+    def copy(encode: Callable[..., bytes], message_id: str, offset: int) -> bytes:
+        m = dataclasses.replace(
+            dispatch_testing.lite_message(lite, message_id.encode(), parent=PARENT, message_id=message_id, tag="é"),
+            keys=("key",),
+            user_properties={"k": "v\u00fc"},
+            epoch=epoch,
+        )
+        sent.append(m)
+        return encode(0, epoch, [m], [model.AppendResult(message_id, m.queues, (offset, offset), 0)])
+
+    for offset, encode in ((1, wire.encode), (2, wire.encode_json)):
+        assert await repl.send(endpoint, copy(encode, f"{encode.__name__}-{offset}", offset)) == {}
+    ahead = [await repl.send(endpoint, copy(encode, "later", 9)) for encode in (wire.encode, wire.encode_json)]
+    assert ahead == [{queue.topic: 3}] * 2
+    fields = [(m.message_id, m.body, m.tag, m.keys, m.user_properties, m.epoch) for m in store.read(queue, 1, 5)]
+    assert fields == [(m.message_id, m.body, m.tag, m.keys, m.user_properties, m.epoch) for m in sent[:2]]
+
+
+@pytest.mark.asyncio
+async def test_a_follower_of_an_older_version_gets_json_copies(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower without the binary stream, which cannot read the binary layout (as a broker before it): the
+    owner's copies reach it in JSON and sends are acknowledged, none refused on the way."""
+    owner, older = pair.brokers[0].replication, pair.brokers[1].replication
+    assert owner is not None and older is not None and older.follower is not None
+    older.methods -= {replication.STREAM_BINARY}
+    accept, layouts = older.follower.accept, []
+
+    async def json_only(data: bytes) -> dict[str, int]:
+        layouts.append("binary" if wire.is_binary(data) else "json")
+        if wire.is_binary(data):
+            raise errors.InvalidArgument("unreadable replica copy: Expecting value")  # what it would answer
+        return await accept(data)
+
+    monkeypatch.setattr(older.follower, "accept", json_only)
+    for link in owner.copy_links.values():  # a binary stream a probe opened before: the next copy opens another
+        await link.close()
+    lite, endpoint = pair.lite_of(0), pair.brokers[1].endpoint
+    for n in range(3):
+        reply = await pair.send(0, lite, n, retry_fenced=False)
+        assert reply.status.code == pb.OK, reply.status.message
+    assert pair.stored(1, lite) == 3 and set(layouts) == {"json"}
+    assert owner.copy_links[endpoint].unimplemented and owner.json_links[endpoint].is_open
+    assert refused(pair.brokers[0], "insync") == 0
 
 
 @pytest.mark.asyncio
