@@ -232,7 +232,8 @@ class SimpleReader:
             began = time.monotonic()
             try:
                 batch = self._consumer.receive(16, 15)
-            except Exception:  # the broker it reads from is down: the client's next receive goes on
+            except Exception as exc:  # the broker it reads from is down: the client's next receive goes on
+                self.log.append(f"{time.monotonic():.2f} receive failed: {exc}")
                 time.sleep(0.1)
                 continue
             for message in batch:
@@ -427,3 +428,76 @@ def test_a_java_lite_push_consumer_consumes_every_acknowledged_send_across_kill_
         f"{len(set(again))} of the 20 acked before delivered again"
     )
     assert not again, f"acked before the kill, their commit points on both replicas, delivered again: {again}"
+
+
+def test_a_lite_simple_consumer_through_a_broker_holding_no_lease_goes_on_when_the_holder_dies(
+    tmp_path: Path, kube: Any
+) -> None:
+    """The old owner back as a follower holds no lease. A LiteSimpleConsumer that dialled it reads its first
+    readable route queue only: that broker itself (listed READ, first, in its route of a LITE parent), which
+    gathers from the holder. When the holder dies (kill -9), the consumer goes on from the same broker, which
+    takes the lease over, well within its client's route refresh; no record whose ack was answered OK comes again."""
+    members, brokers, lites, holder_is = pair(tmp_path, kube, "e2e-leaseless", "n")
+    stop, sent = threading.Event(), list[bytes]()
+    threads: list[threading.Thread] = []
+    clients: list[Any] = []
+    reader: SimpleReader | None = None
+    first, killed = 0.0, 0.0
+
+    try:
+        eventually(lambda: holder_is(0), "the owner holds its lease")
+        eventually(lambda: in_sync(brokers[1], 0), "the follower in sync")
+        brokers[0].kill()
+        eventually(lambda: holder_is(1), "the follower holds the lease")
+        brokers[0] = start(tmp_path, kube, members, 0, "e2e-leaseless")  # back on its disk: a follower
+        eventually(lambda: in_sync(brokers[0], 0) and in_sync(brokers[0], 1), "the old owner in sync again", 60)
+        producer = Producer(config(members[0]), (PARENT,))
+        producer.startup()
+        clients.append(producer)
+        consumer = lite_simple(members[0], lites)
+        clients.append(consumer)
+        reader = SimpleReader(consumer)
+        threads = [
+            threading.Thread(target=reader.run, name="reader"),
+            threading.Thread(target=produce, args=(producer, lites, stop, sent), name="producer"),
+        ]
+        for thread in threads:
+            thread.start()
+        eventually(lambda: len(reader.acked) >= 20, "20 messages received and acked", 30)
+        reader.flowing.clear()  # a backlog at the holder: acknowledged, not received yet
+        eventually(lambda: len(set(sent) - reader.consumed()) >= 20, "a backlog at the holder", 30)
+        brokers[1].kill()
+        killed = time.monotonic()
+        reader.log.append(f"{killed:.2f} kill -9 of the holder")
+        reader.flowing.set()
+        eventually(lambda: reader.received_since(killed), "a delivery after the kill", 60)
+        first = reader.received_since(killed)[0] - killed
+        eventually(lambda: holder_is(0), "the old owner holds the lease again")
+        brokers[1] = start(tmp_path, kube, members, 1, "e2e-leaseless")  # back on its disk: sends go on (M = 2)
+        before = len(sent)
+        eventually(lambda: len(sent) >= before + 20, "sends acknowledged again", 60)
+        stop.set()
+        threads[1].join()
+        eventually(lambda: set(sent) <= reader.consumed(), "every acknowledged send received", 60)
+    finally:
+        stop.set()
+        if reader is not None:
+            reader.stop.set()
+            reader.flowing.set()
+        for thread in threads:
+            thread.join()
+        for client in clients:
+            client.shutdown()
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    assert reader is not None
+    print(
+        f"\nLiteSimpleConsumer through a broker holding no lease: first delivery {first:.2f} s after kill -9 of the "
+        f"holder (lease {LEASE_MS} ms, load {os.getloadavg()[0]:.1f}); {len(sent)} sends acknowledged, "
+        f"{len(reader.deliveries)} deliveries, {len(set(sent) - reader.consumed())} lost, "
+        f"{len(reader.again_after_ack)} acked ones delivered again"
+    )
+    assert first <= FIRST_DELIVERY_BOUND_S, "\n".join(reader.log[-40:])
+    again = set(reader.again_after_ack)
+    assert not again, "\n".join(line for line in reader.log if any(str(a) in line for a in again))

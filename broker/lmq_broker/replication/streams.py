@@ -88,6 +88,8 @@ class Link:
                     await call.write(copy_frame(ident, data))
                 status, payload = await future
         except BaseException as exc:  # failed, timed out or cancelled: the stream's state is unknown, drop it
+            self._waiting.pop(ident, None)
+            future.cancel()  # nobody awaits it any more: the stream's failure is not set on it (never retrieved)
             if isinstance(exc, Exception) and call.done() and await _code(call) == grpc.StatusCode.UNIMPLEMENTED:
                 self.unimplemented = True  # a write to a finished call fails with a state error, not its status
             self._drop(call, exc)

@@ -1,0 +1,54 @@
+"""The owner's end of a follower's copy stream (``replication.streams.Link``) against a real gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from lmq_broker import errors
+from lmq_broker.replication import streams
+
+METHOD = "/test.Replica/Stream"
+
+
+async def swallow(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    """A follower that reads every copy and answers none (stuck, or cut off behind a kept connection)."""
+    async for _ in requests:
+        pass
+    if False:  # an async generator that yields nothing
+        yield b""
+
+
+@pytest.mark.asyncio
+async def test_copies_unanswered_in_time_fail_and_leave_no_future_unretrieved() -> None:
+    """Each copy waiting on a stream that stays silent fails BrokerUnavailable after the timeout; the copy whose
+    own timeout dropped the stream leaves no failed future behind that nobody awaits (asyncio would report
+    "Future exception was never retrieved" for it, as a broker's log showed after its follower died)."""
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(str(context.get("message"))))
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(swallow)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Replica", {"Stream": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        open_stream = channel.stream_stream(METHOD, None, None)
+        link = streams.Link(f"127.0.0.1:{port}", lambda: open_stream(None), 0.3)
+        outcomes = await asyncio.gather(*(link.send(b"copy") for _ in range(3)), return_exceptions=True)
+        assert all(isinstance(o, errors.BrokerUnavailable) for o in outcomes), outcomes
+        assert all("no answer in time" in str(o) or "Append stream" in str(o) for o in outcomes)
+        assert not link.is_open
+        await link.close()
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert not [r for r in reported if "never retrieved" in r], reported
