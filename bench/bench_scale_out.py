@@ -102,7 +102,8 @@ async def pump(targets: Sequence[tuple[str, list[bytes]]], inflight: int) -> flo
         while queue:
             reply = await call(queue.pop(), timeout=60)
             if reply.status.code != pb.OK:
-                raise RuntimeError(f"send failed: {reply.status}")
+                failed = [e.status for e in reply.entries if e.status.code != pb.OK][:1]
+                raise RuntimeError(f"send failed: {reply.status} {failed}")
 
     queues = [(endpoint, list(reversed(payloads))) for endpoint, payloads in targets]
     started = time.perf_counter()

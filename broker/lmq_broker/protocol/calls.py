@@ -25,7 +25,11 @@ class ClusterCalls(Protocol):
         """Every broker of the cluster in slot order, with the permission routes give its queues."""
         ...
 
-    def send(self, request: spb.SendMessageRequest, headers: Headers) -> Awaitable[spb.SendMessageResponse]: ...
+    def send(
+        self, request: spb.SendMessageRequest, headers: Headers, data: bytes | None = None
+    ) -> Awaitable[spb.SendMessageResponse]:
+        """``data``: the bytes ``request`` was decoded from, when kept (``protocol.wire``)."""
+        ...
 
     def receive(
         self, request: spb.ReceiveMessageRequest, caller: Caller, headers: Headers, time_remaining_s: float | None
