@@ -127,7 +127,7 @@ async def drive_cluster(
         config = BrokerConfig(
             store=store, host="127.0.0.1", port=int(membership.members[slot].rsplit(":", 1)[1]), metrics_port=-1,
             peers=members, ordinal=slot, admin_access_key="ak", admin_secret_key="sk",
-            **({"send_path": send_path} if send_path else {}),  # trees from before it: no such setting
+            **({"send_path": send_path} if send_path else {}),  # type: ignore[arg-type]  # trees before it: no such setting
         )  # fmt: skip
         broker = app.Broker(config)
         await broker.start()

@@ -87,10 +87,12 @@ def requests(here: list[str], there: list[str]) -> list[bytes]:
 
 def answer(endpoint: str, payload: bytes) -> Answer:
     with grpc.insecure_channel(endpoint) as channel:
-        call = channel.unary_unary(V2 + "SendMessage", response_deserializer=spb.SendMessageResponse.FromString)
+        call = channel.unary_unary(
+            V2 + "SendMessage", request_serializer=None, response_deserializer=spb.SendMessageResponse.FromString
+        )
         reply: spb.SendMessageResponse = call(payload, timeout=10)
-    entries = [(e.status.code, e.message_id, e.offset) for e in reply.entries]
-    return reply.status.code, reply.status.message, entries
+    entries = [(int(e.status.code), e.message_id, e.offset) for e in reply.entries]
+    return int(reply.status.code), reply.status.message, entries
 
 
 def stored(endpoints: list[str], roles: dict[str, str]) -> dict[str, int]:
