@@ -3,7 +3,9 @@
 grpc-python answers a request whose bytes do not parse as the method's message with status UNKNOWN and a
 Python exception text. Here each method's deserializer catches the decode error, and its behaviour answers
 such a request the v2 way: a response whose ``status`` is BAD_REQUEST (unary and server-streaming methods,
-what the official clients read), or gRPC INVALID_ARGUMENT for the client-streaming Telemetry. This is done
+what the official clients read), or gRPC INVALID_ARGUMENT for the client-streaming Telemetry. With ``--send-path raw``
+SendMessage has no deserializer: its wrapper decodes the bytes itself, with the same catch, and hands on both
+(``wire.Sent``), so that a cluster forwards parts of what the client sent. This is done
 when the handlers are built, not in an interceptor: an interceptor would run Python code on every call
 before the handler is even found, and the send path is where every microsecond counts.
 
