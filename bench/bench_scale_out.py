@@ -102,7 +102,8 @@ async def pump(targets: Sequence[tuple[str, list[bytes]]], inflight: int) -> flo
         while queue:
             reply = await call(queue.pop(), timeout=60)
             if reply.status.code != pb.OK:
-                raise RuntimeError(f"send failed: {reply.status}")
+                failed = [e.status for e in reply.entries if e.status.code != pb.OK][:1]
+                raise RuntimeError(f"send failed: {reply.status} {failed}")
 
     queues = [(endpoint, list(reversed(payloads))) for endpoint, payloads in targets]
     started = time.perf_counter()
@@ -143,19 +144,21 @@ class Run(NamedTuple):
 
 
 def measure_rates(
-    tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes, *, hop: str = "socket"
+    tmp: Path, n: int, args: argparse.Namespace, total: int, body: bytes, *, hop: str = "socket", path: str = "raw"
 ) -> dict[str, list[Run]]:
-    """mode -> every run; ``hop``: the pod's local hop (``--local-hop``), its access mode named after it unless
-    it is the default, socket (a grpc pod measures access only: direct sends take no hop)."""
-    extra = ["--processes", str(n), "--local-hop", hop] if n > 1 else []
+    """mode -> every run; ``hop``: the pod's local hop (``--local-hop``), ``path`` its send path (``--send-path``),
+    its access mode named after them unless they are the defaults, socket and raw (such a pod measures access
+    only: direct sends take no hop)."""
+    extra = ["--processes", str(n), "--local-hop", hop, "--send-path", path] if n > 1 else []
     out: dict[str, list[Run]] = {}
-    with start_broker(tmp / f"n{n}-{hop}", extra_args=extra) as pod:
+    with start_broker(tmp / f"n{n}-{hop}-{path}", extra_args=extra) as pod:
         endpoints = process_endpoints(pod) if n > 1 else [pod.endpoint]
         membership = mb.Membership.parse(",".join(endpoints)) if n > 1 else None
         pids = [c.pid for c in psutil.Process(pod.pid).children()] if n > 1 else [pod.pid]
         asyncio.run(pump([(pod.endpoint, requests(200, 50, 50, body, None)[0])], 1))  # warm-up
         modes = ("direct", "access") if n > 1 else ("direct",)
-        if hop != "socket":
+        plain = hop == "socket" and path == "raw"
+        if not plain:
             modes = ("access",)
         for mode in modes:
             runs = []
@@ -170,7 +173,7 @@ def measure_rates(
                 elapsed = asyncio.run(pump(targets, args.inflight if mode == "direct" else inflight_total))
                 used, own_used = cpu_s(pids) - before, own_cpu_s() - own
                 runs.append(Run(total / elapsed, used * 1e6 / total, own_used * 1e6 / total))
-            out[mode if hop == "socket" else f"{mode} ({hop} hop)"] = runs
+            out[mode if plain else f"{mode} ({hop} hop, {path} send path)"] = runs
     return out
 
 
@@ -229,6 +232,10 @@ def main() -> None:
         "--local-hop", default="socket,grpc", help="the pods' hops between processes, comma-separated: access mode is "
         "measured with each (grpc: the baseline, as before the local hop)",
     )  # fmt: skip
+    parser.add_argument(
+        "--send-path", default="raw,decoded", help="the pods' send paths, comma-separated: access mode is measured "
+        "with each over the socket hop (decoded: the plain twin, grpcio decodes and forwarded parts are encoded again)",
+    )  # fmt: skip
     parser.add_argument("--no-forwarding", action="store_true", help="skip the two-broker forwarding figures")
     args = parser.parse_args()
     if args.quick:
@@ -245,11 +252,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         hops = [hop for hop in args.local_hop.split(",") if hop]
+        paths = [path for path in args.send_path.split(",") if path]
+        pods = [(hop, path) for hop in hops for path in (paths if hop == "socket" else ["raw"])]
         results: dict[int, dict[str, list[Run]]] = {}
         for n in counts:
             results[n] = {}
-            for hop in hops if n > 1 else ["socket"]:
-                results[n] |= measure_rates(tmp, n, args, total, body, hop=hop)
+            for hop, path in pods if n > 1 else [("socket", "raw")]:
+                results[n] |= measure_rates(tmp, n, args, total, body, hop=hop, path=path)
         first = median(results[counts[0]]["direct"])
         base, base_cpu = first.rate / counts[0], first.cpu_us
         for n, modes in results.items():

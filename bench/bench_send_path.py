@@ -105,7 +105,14 @@ async def drive(data_dir: Path, warm: list[bytes], measured: list[bytes], inflig
 
 
 async def drive_cluster(
-    data_dir: Path, warm: list[bytes], measured: list[bytes], inflight: int, flush: str, *, mode: str
+    data_dir: Path,
+    warm: list[bytes],
+    measured: list[bytes],
+    inflight: int,
+    flush: str,
+    *,
+    mode: str,
+    send_path: str = "",
 ) -> float:
     """Two whole brokers (``--peers``) in this process and a gRPC client: ``access`` sends every request to
     broker 0, which stores its own topics and forwards the others; ``direct`` sends each message to its owner
@@ -120,6 +127,7 @@ async def drive_cluster(
         config = BrokerConfig(
             store=store, host="127.0.0.1", port=int(membership.members[slot].rsplit(":", 1)[1]), metrics_port=-1,
             peers=members, ordinal=slot, admin_access_key="ak", admin_secret_key="sk",
+            **({"send_path": send_path} if send_path else {}),  # type: ignore[arg-type]  # trees before it: no such setting
         )  # fmt: skip
         broker = app.Broker(config)
         await broker.start()
@@ -193,7 +201,7 @@ def _events(args: argparse.Namespace, measured: int, out_dir: Path) -> dict[str,
     command += ["--inner", "--requests", str(args.requests), "--send", str(measured)]
     command += ["--warm", str(args.warm), "--batch", str(args.batch), "--topics", str(args.topics)]
     command += ["--body", str(args.body), "--inflight", str(args.inflight), "--flush-mode", args.flush_mode]
-    command += ["--mode", args.mode]
+    command += ["--mode", args.mode] + (["--send-path", args.send_path] if args.send_path else [])
     subprocess.run(command, check=True, env=_env(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     text = out.read_text(errors="replace")
     names, totals = _EVENTS_RE.search(text), _TOTALS_RE.search(text)
@@ -227,6 +235,9 @@ def main() -> None:
         default="handler",
         help="handler: the SendMessage handler alone; access/direct: two brokers (--peers) and a gRPC client in "
         "this process, every request to broker 0 (half forwarded) or each message to its owner",
+    )
+    parser.add_argument(
+        "--send-path", default="", help="the brokers' --send-path (raw, decoded; default: theirs) in access/direct mode"
     )
     parser.add_argument("--callgrind", action="store_true", help="instructions per message under callgrind")
     parser.add_argument("--cache-sim", action="store_true", help="with --callgrind: simulate caches and branches")
@@ -278,7 +289,11 @@ def main() -> None:
             if args.mode == "handler":
                 used = asyncio.run(drive(data, warm, measured, args.inflight, args.flush_mode))
             else:
-                used = asyncio.run(drive_cluster(data, warm, measured, args.inflight, args.flush_mode, mode=args.mode))
+                used = asyncio.run(
+                    drive_cluster(
+                        data, warm, measured, args.inflight, args.flush_mode, mode=args.mode, send_path=args.send_path
+                    )
+                )
         if measured:
             cpu_us.append(used * 1e6 / (len(measured) * args.batch))
             print(f"CPU per message: {cpu_us[-1]:.2f} us", flush=True)

@@ -155,6 +155,8 @@ HELP: Final[dict[str, str]] = {
     "local_hop": "how a send reaches the process of this pod that owns its lite topic: socket (a Unix socket in "
     "the pod's data dir) or grpc (as between pods)",
     "local_hop_dir": "the directory of this pod's local hop sockets (set by --processes)",
+    "send_path": "raw (SendMessage keeps the request's bytes and forwards parts of them as they came) or decoded "
+    "(forwarded parts are encoded again; the plain twin)",
     "max_body_bytes": "largest message body a send may carry, bytes (beyond it: MESSAGE_BODY_TOO_LARGE)",
     "long_polling_timeout_ms": "longest a receive waits for a message, ms (also the clients' long-poll setting "
     "sent over Telemetry)",
@@ -227,6 +229,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "pod_processes",
         "local_hop",
         "local_hop_dir",
+        "send_path",
         "cluster_secret",
     ),
     "replication (docs/replication.md)": (

@@ -25,6 +25,11 @@ class LocalHop(enum.StrEnum):
     GRPC = "grpc"  # over gRPC, as to other pods (the plain twin)
 
 
+class SendPath(enum.StrEnum):
+    RAW = "raw"  # SendMessage keeps the request's bytes: what is forwarded is cut out of them (protocol.wire)
+    DECODED = "decoded"  # grpcio decodes the request, forwarded parts are encoded again (the plain twin)
+
+
 class FlushMode(enum.StrEnum):
     SYNC = "sync"  # an append returns only after fsync: an acknowledged message is never lost
     ASYNC = "async"  # fsync every flush_interval_ms
@@ -170,6 +175,9 @@ class BrokerConfig(BaseModel):
     # --processes), or gRPC as between pods.
     local_hop: LocalHop = LocalHop.SOCKET
     local_hop_dir: Path | None = None
+    # How a send's request reaches the forwarder: with its wire bytes, forwarded parts cut out of them (raw), or
+    # decoded by grpcio and forwarded parts encoded again (decoded, the plain twin; protocol.wire).
+    send_path: SendPath = SendPath.RAW
     # Replication (docs/replication.md): copies per ring slot (1: none, today's broker), how many must be durable
     # before a send is acknowledged (0: all of them), and the Kubernetes Leases that say who owns each slot.
     replicas: int = Field(default=1, ge=1, le=5)

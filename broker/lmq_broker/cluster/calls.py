@@ -94,11 +94,13 @@ class Calls:
             brokers.insert(0, (routed[me][0], pb.READ))
         return brokers
 
-    async def send(self, request: spb.SendMessageRequest, headers: Headers) -> spb.SendMessageResponse:
+    async def send(
+        self, request: spb.SendMessageRequest, headers: Headers, data: bytes | None = None
+    ) -> spb.SendMessageResponse:
         peer = self._peer("SendMessage", headers)
         if peer is None:
             send_message.refuse_internal_properties(request.messages)
-        return await self._peers.forwarder.send(request, peer_copy=peer is not None)
+        return await self._peers.forwarder.send(request, peer_copy=peer is not None, data=data)
 
     def receive(
         self, request: spb.ReceiveMessageRequest, caller: Caller, headers: Headers, time_remaining_s: float | None

@@ -34,7 +34,7 @@ from lmq_broker.cluster import draining, local_hop
 from lmq_broker.cluster.epochs import Epochs
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2, Links
 from lmq_broker.cluster.owners import Owners
-from lmq_broker.protocol import status
+from lmq_broker.protocol import status, wire
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import send_message
@@ -105,8 +105,12 @@ class Forwarder:
             self._finished.clear()
             await self._finished.wait()
 
-    async def send(self, request: spb.SendMessageRequest, *, peer_copy: bool) -> spb.SendMessageResponse:
-        """Store what this broker owns, forward the rest (a peer's copy: refuse it unless it is all ours)."""
+    async def send(
+        self, request: spb.SendMessageRequest, *, peer_copy: bool, data: bytes | None = None
+    ) -> spb.SendMessageResponse:
+        """Store what this broker owns, forward the rest (a peer's copy: refuse it unless it is all ours).
+        ``data``: the bytes ``request`` was decoded from (``protocol.wire``): what is forwarded is cut out of
+        them; None: encoded again from ``request``."""
         if not request.messages:
             raise errors.InvalidArgument("no messages to send")
         if len(request.messages) > MAX_BATCH:
@@ -114,7 +118,7 @@ class Forwarder:
         epoch = self._links.membership.epoch
         self._running[epoch] = self._running.get(epoch, 0) + 1
         try:
-            return await self._send(request, peer_copy and not self._links.routes_forwarded)
+            return await self._send(request, peer_copy and not self._links.routes_forwarded, data)
         finally:
             left = self._running[epoch] - 1
             if left:
@@ -123,7 +127,7 @@ class Forwarder:
                 del self._running[epoch]
                 self._finished.set()
 
-    async def _send(self, request: spb.SendMessageRequest, stay: bool) -> spb.SendMessageResponse:
+    async def _send(self, request: spb.SendMessageRequest, stay: bool, data: bytes | None) -> spb.SendMessageResponse:
         messages = request.messages
         owners = await self._owners_of(messages)
         me = self._links.me
@@ -135,7 +139,7 @@ class Forwarder:
         if owners is not None and me in owners and self._links.membership.leaving(me):
             kept = await self._hand_over(messages, owners)
         try:
-            return await self._send_to(request, owners)
+            return await self._send_to(request, owners, data)
         finally:
             for parent, lite in kept:
                 self.handoff.release(parent, lite)
@@ -213,7 +217,9 @@ class Forwarder:
                 owners[i] = today
         return kept
 
-    async def _send_to(self, request: spb.SendMessageRequest, owners: list[int] | None) -> spb.SendMessageResponse:
+    async def _send_to(
+        self, request: spb.SendMessageRequest, owners: list[int] | None, data: bytes | None
+    ) -> spb.SendMessageResponse:
         messages = request.messages
         me = self._links.me
         if owners is None:
@@ -223,18 +229,19 @@ class Forwarder:
             slot = owners[0]
             if slot == me:
                 return await self._store_here(messages)
-            return _alone(await self._forward(slot, request.SerializeToString(), messages))
+            forwarded = request.SerializeToString() if data is None else data  # data: passed on as it came
+            return _alone(await self._forward(slot, forwarded, messages))
         by_slot: dict[int, list[int]] = {slot: [] for slot in slots}
         for i, slot in enumerate(owners):
             by_slot[slot].append(i)
         parts: dict[int, Awaitable[_Part]] = {}
+        encoded = _Encodings(request, data)
         for slot, indices in by_slot.items():
             part = [messages[i] for i in indices]  # wrappers of the request's own messages: no copy
             if slot == me:
                 parts[slot] = _part_of(self._store_here(part))
             else:
-                forwarded = spb.SendMessageRequest(messages=part).SerializeToString()
-                parts[slot] = self._forward(slot, forwarded, part)
+                parts[slot] = self._forward(slot, encoded.part(part, indices), part)
         replies = dict(zip(parts, await asyncio.gather(*parts.values(), return_exceptions=True), strict=True))
         return _merge(len(messages), by_slot, replies)
 
@@ -363,6 +370,24 @@ class Forwarder:
 
 def _raw(payload: bytes) -> bytes:
     return payload
+
+
+class _Encodings:
+    """The forwarded parts of one request: its messages' own bytes joined when the request came with them
+    (``protocol.wire``), else encoded again."""
+
+    def __init__(self, request: spb.SendMessageRequest, data: bytes | None) -> None:
+        self._wire: Sequence[bytes] | None = None
+        if data is not None:
+            wire_messages = wire.messages_of(data)
+            if len(wire_messages) == len(request.messages):  # always, for bytes that decoded as the request
+                self._wire = wire_messages
+
+    def part(self, messages: list[pb.Message], indices: list[int]) -> bytes:
+        found = self._wire
+        if found is None:
+            return spb.SendMessageRequest(messages=messages).SerializeToString()
+        return wire.request_of([found[i] for i in indices])
 
 
 def _all_of(reply: spb.SendMessageResponse) -> _Part:

@@ -26,7 +26,11 @@ class ClusterCalls(Protocol):
         for a route of a LITE parent, which a LiteSimpleConsumer reads from its first readable queue only)."""
         ...
 
-    def send(self, request: spb.SendMessageRequest, headers: Headers) -> Awaitable[spb.SendMessageResponse]: ...
+    def send(
+        self, request: spb.SendMessageRequest, headers: Headers, data: bytes | None = None
+    ) -> Awaitable[spb.SendMessageResponse]:
+        """``data``: the bytes ``request`` was decoded from, when kept (``protocol.wire``)."""
+        ...
 
     def receive(
         self, request: spb.ReceiveMessageRequest, caller: Caller, headers: Headers, time_remaining_s: float | None

@@ -3,7 +3,9 @@
 grpc-python answers a request whose bytes do not parse as the method's message with status UNKNOWN and a
 Python exception text. Here each method's deserializer catches the decode error, and its behaviour answers
 such a request the v2 way: a response whose ``status`` is BAD_REQUEST (unary and server-streaming methods,
-what the official clients read), or gRPC INVALID_ARGUMENT for the client-streaming Telemetry. This is done
+what the official clients read), or gRPC INVALID_ARGUMENT for the client-streaming Telemetry. With ``--send-path raw``
+SendMessage has no deserializer: its wrapper decodes the bytes itself, with the same catch, and hands on both
+(``wire.Sent``), so that a cluster forwards parts of what the client sent. This is done
 when the handlers are built, not in an interceptor: an interceptor would run Python code on every call
 before the handler is even found, and the send path is where every microsecond counts.
 
@@ -25,6 +27,7 @@ import grpc
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
+from lmq_broker.protocol import wire
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.context import METADATA
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -58,10 +61,16 @@ def _tolerant(method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes], 
 
 
 def generic_handler(
-    servicer: object, admission: Admission | None = None, authenticate: Authenticate | None = None
+    servicer: object,
+    admission: Admission | None = None,
+    authenticate: Authenticate | None = None,
+    *,
+    raw_send: bool = False,
 ) -> grpc.GenericRpcHandler[Any, Any]:
     """Every MessagingService method of ``servicer`` (async methods named as in the proto), admitted by
-    ``admission`` (none: no cap), and signed as ``authenticate`` wants (none: unchecked here)."""
+    ``admission`` (none: no cap), and signed as ``authenticate`` wants (none: unchecked here). ``raw_send``:
+    SendMessage takes the request's bytes (no deserializer) and hands its behaviour a ``wire.Sent``, the request
+    decoded here with those bytes (``--send-path raw``); a request that does not decode is answered alike."""
     admission = admission or Admission(0)
     service = service_pb2.DESCRIPTOR.services_by_name["MessagingService"]
     handlers: dict[str, Handler] = {}
@@ -81,6 +90,11 @@ def generic_handler(
             handlers[path] = grpc.unary_stream_rpc_method_handler(
                 _streamed(behaviour, response if has_status else None, method.name, admission),
                 request_deserializer=decode,
+                response_serializer=encode,
+            )
+        elif raw_send and method.name == "SendMessage":
+            handlers[path] = grpc.unary_unary_rpc_method_handler(
+                _unary(behaviour, response, method.name, admission, _tolerant(method.name, wire.sent)),
                 response_serializer=encode,
             )
         else:
@@ -156,7 +170,14 @@ def _unauthorized(response: type[pb_message.Message], why: str) -> Any:
     return response(status=pb.Status(code=pb.UNAUTHORIZED, message=f"unauthorized: {why}"))
 
 
-def _unary(behaviour: Any, response: type[pb_message.Message], name: str, admission: Admission) -> Any:
+def _unary(
+    behaviour: Any,
+    response: type[pb_message.Message],
+    name: str,
+    admission: Admission,
+    decode: Callable[[bytes], Any] | None = None,
+) -> Any:
+    """``decode``: the request arrives as bytes (no deserializer) and is decoded here, once admitted."""
     refusal = _too_many_requests(response, admission)  # built once: only ever serialized
 
     async def unary(request: Any, context: Context) -> Any:
@@ -164,6 +185,8 @@ def _unary(behaviour: Any, response: type[pb_message.Message], name: str, admiss
             admission.refuse(name)
             return refusal
         try:
+            if decode is not None:
+                request = decode(request)
             if isinstance(request, _Undecodable):
                 return _bad_request(response, request.why)
             return await behaviour(request, context)

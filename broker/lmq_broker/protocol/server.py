@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import grpc
 
-from lmq_broker.config import BrokerConfig, EdgeKind
+from lmq_broker.config import BrokerConfig, EdgeKind, SendPath
 from lmq_broker.protocol import auth, guard, native
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
@@ -113,7 +113,8 @@ def add_messaging_service(
         authenticate = auth.Verifier(
             access.secret_of, config.auth_max_skew_ms / 1000, version=lambda: access.generation
         )
-    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting, authenticate),))
+    raw_send = edge.config.send_path is SendPath.RAW
+    server.add_generic_rpc_handlers((guard.generic_handler(service, admitting, authenticate, raw_send=raw_send),))
     return service
 
 

@@ -22,7 +22,7 @@ from google.protobuf import message as pb_message
 from typing_extensions import override
 
 from lmq_broker import errors
-from lmq_broker.protocol import authorizing, revoking, status
+from lmq_broker.protocol import authorizing, revoking, status, wire
 from lmq_broker.protocol.context import Caller, metadata_of
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -153,10 +153,17 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         return await self._unary("Heartbeat", heartbeat.handle, request, context, spb.HeartbeatResponse)
 
     @override
-    async def SendMessage(self, request: spb.SendMessageRequest, context: Context) -> spb.SendMessageResponse:
+    async def SendMessage(
+        self, request: spb.SendMessageRequest | wire.Sent, context: Context
+    ) -> spb.SendMessageResponse:
         # Who sends does not matter to a send alone: auth, when configured, has checked the signature already (under
         # --acl in the handler finder, ``guard.Messaging``, which left the call's user in ``auth.USER``), and
         # ``Gate.send`` looks the user up with the message's topic: the send path's one check, no closure.
+        # ``--send-path raw``: the request comes with its wire bytes, for the cluster to forward parts of.
+        data = None
+        if isinstance(request, wire.Sent):
+            data = request.data
+            request = request.request
         cluster = self.edge.cluster
         if self.gate.enabled:
             try:
@@ -165,7 +172,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
                 return await self._answer("SendMessage", _raising(exc), spb.SendMessageResponse)
         if cluster is not None:
             return await self._answer(
-                "SendMessage", cluster.send(request, context.invocation_metadata), spb.SendMessageResponse
+                "SendMessage", cluster.send(request, context.invocation_metadata, data), spb.SendMessageResponse
             )
         return await self._answer("SendMessage", send_message.handle(self.edge, request), spb.SendMessageResponse)
 
