@@ -531,13 +531,12 @@ async def test_a_route_names_the_broker_asked_first_and_only_lease_holders(pair:
     assert sorted(await assignments(pair.clients[1])) == sorted(ends)
     take_lease(kube, pair.leadership(0).name(0), pair.leadership(1).identity)
     await eventually_async(lambda: pair.leadership(1).epoch(0) is not None, "the new holder renews it")
-    holder_alone = [(ends[1], pb.READ_WRITE)]
+    holder_alone: list[tuple[str, int]] = [(ends[1], pb.READ_WRITE)]
     await until(functools.partial(_routed, pair.clients[1], holder_alone), "routes name the holder alone")
     # The deposed one holds no lease: where it is asked, it comes first READ (a LiteSimpleConsumer reading its
     # first readable queue keeps calling it, and it gathers from the holder); producers write to the holder alone.
-    await until(
-        functools.partial(_routed, pair.clients[0], [(ends[0], pb.READ), *holder_alone]), "the asked one READ first"
-    )
+    asked_first = [(ends[0], int(pb.READ)), *holder_alone]
+    await until(functools.partial(_routed, pair.clients[0], asked_first), "the asked one READ first")
     for client in pair.clients:  # push consumers are assigned the holder alone
         await until(functools.partial(_assigned, client, [ends[1]]), "assignments name the holder alone")
 

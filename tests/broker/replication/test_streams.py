@@ -19,9 +19,10 @@ METHOD = "/test.Replica/Stream"
 async def swallow(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
     """A follower that reads every copy and answers none (stuck, or cut off behind a kept connection)."""
     async for _ in requests:
-        pass
-    if False:  # an async generator that yields nothing
-        yield b""
+        continue
+    nothing: tuple[bytes, ...] = ()
+    for answer in nothing:  # an async generator that yields nothing
+        yield answer
 
 
 @pytest.mark.asyncio
