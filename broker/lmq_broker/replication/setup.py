@@ -185,6 +185,7 @@ class Replication:
 
         async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
             results = await dispatcher.ingest.append_copy(messages)
+            self.slots.note(messages)
             copied.inc(len(messages))
             return results
 
@@ -195,7 +196,7 @@ class Replication:
             stored_id,
             commit,
             self._counters,
-            _Local(store, dispatcher, lambda topic: mb.owner(membership, topic), self._cuts),
+            _Local(store, dispatcher, lambda t: self.slots.followed_slot(t), self._cuts, self._forget),  # noqa: PLW0108 (slots: below)
             self._diverge,
             _failpoint(),
         )
@@ -218,7 +219,12 @@ class Replication:
                 probe_interval_s=config.lease_duration_ms / 3000,
             )
 
-        self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
+        self.slots = owning.Slots(
+            self.leadership,
+            lambda topic: mb.owner(membership, topic),
+            owner,
+            lambda topic: sources.recorded_slot(store, topic),
+        )
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
         self.mqtt: Callable[[], Durable | None] = lambda: None  # the MQTT listener's store, once it runs (app)
@@ -252,6 +258,9 @@ class Replication:
         self._handing: asyncio.Task[None] | None = None
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
+
+    def _forget(self, topic: str) -> None:
+        self.slots.forget(topic)
 
     def _not_in_sync(self, slot: int) -> None:
         if self.follower is not None:
@@ -455,14 +464,22 @@ class _Local:
     """``following.Local``: this broker's store, read and cut in a thread; a cut topic's cached messages and
     consumer state are dropped from the dispatcher too (they were of the records cut)."""
 
-    def __init__(self, store: Store, dispatcher: Dispatcher, ring_slot: Callable[[str], int], cuts: Counter) -> None:
+    def __init__(
+        self,
+        store: Store,
+        dispatcher: Dispatcher,
+        slot_of_topic: Callable[[str], int],
+        cuts: Counter,
+        forget: Callable[[str], None],
+    ) -> None:
         self._store = store
         self._dispatcher = dispatcher
-        self._ring_slot = ring_slot
+        self._slot_of_topic = slot_of_topic
         self._cuts = cuts
+        self._forget = forget
 
     async def tails(self, slot: int) -> dict[str, int]:
-        return await asyncio.to_thread(sources.tail_epochs, self._store, slot, self._ring_slot)
+        return await asyncio.to_thread(sources.tail_epochs, self._store, slot, self._slot_of_topic)
 
     async def last_epoch(self, topic: str) -> int | None:
         return await asyncio.to_thread(divergence.last_epoch, sources.StoreLog(self._store, topic))
@@ -474,6 +491,7 @@ class _Local:
         queue = model.QueueId(topic, 0)
         cut = await asyncio.to_thread(self._store.truncate_queue, queue, end)
         if cut:
+            self._forget(topic)
             self._cuts.inc(cut)
             self._dispatcher.recent.forget(queue)
             self._dispatcher.settlement.forget_topic(topic)

@@ -2,7 +2,8 @@
 
 Layout: a 4-byte big-endian length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}``
 where each message's fields are those of ``model.NewMessage`` without the body (``ep``: the epoch it was
-stored in) plus ``offsets`` (the owner's queue offsets), and each commit is ``[topic, queue, group, offset,
+stored in; ``sl``: the ring slot its topic was placed on, -1 or absent when not recorded) plus ``offsets`` (the
+owner's queue offsets), and each commit is ``[topic, queue, group, offset,
 [acked above it…]]`` (a consumer group's commit point as persisted by the owner); then every body, back to
 back, in order (their lengths are in the header).
 """
@@ -53,6 +54,7 @@ def _fields(m: model.NewMessage, offsets: tuple[int, ...]) -> dict[str, Any]:
         "props": m.user_properties,
         "offsets": list(offsets),
         "ep": m.epoch,
+        "sl": m.slot,
     }
 
 
@@ -95,6 +97,7 @@ def decode(data: bytes) -> Copy:
                     message_group=f["group"],
                     user_properties=dict(f["props"]),
                     epoch=int(f.get("ep", 0)),
+                    slot=int(f.get("sl", -1)),
                 )
             )
             offsets.append(tuple(f["offsets"]))

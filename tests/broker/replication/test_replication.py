@@ -412,6 +412,27 @@ async def test_the_ring_of_a_replicated_cluster_does_not_change_while_it_runs(pa
         assert reply.status.code == pb.OK, reply.status
 
 
+@pytest.mark.asyncio
+async def test_the_owner_and_its_follower_record_each_topics_slot(pair: Pair) -> None:
+    """A send of a topic of each slot is stored on both replicas with that slot recorded on the record (the
+    topic's slot from then on, whatever the ring: docs/replication.md, *Changing the ring*, step 1), and each
+    broker files the topic under it."""
+    for slot in (0, 1):
+        lite = pair.lite_of(slot, prefix="r")
+        reply = await pair.send(slot, lite, 0)
+        assert reply.status.code == pb.OK, reply.status
+        for broker in pair.brokers:
+            store, repl = broker.store, broker.replication
+            assert store is not None and repl is not None
+            topic = model.QueueId.lmq(PARENT, lite).topic
+            queue = model.QueueId(topic, 0)
+            await eventually_async(functools.partial(lambda s, q: s.queue_offsets(q)[1] == 1, store, queue), "copy")
+            (record,) = store.read(queue, 0, 1)
+            assert (record.slot, record.message_id) == (slot, f"{lite}-0")
+            assert repl.slots.slot_of_topic(topic) == slot or not repl.leadership.holds(slot)
+            assert repl.slots.followed_slot(topic) == slot
+
+
 def test_a_copy_reads_back_as_it_was_written() -> None:
     m = dispatch_testing.lite_message("x", b"\x00body", message_id="id-1")
     result = model.AppendResult("id-1", m.queues, (7,), 0)
