@@ -74,7 +74,8 @@ class Slots:
                 kept[topic] = m.slot
 
     def forget(self, topic: str) -> None:
-        """``topic`` was cut (truncation on rejoin): its slot is read again from what is left of it."""
+        """``topic`` was cut (truncation on rejoin) or deleted: its slot is read again from what is left of it
+        (a topic deleted and created again takes the slot it is placed on then)."""
         self._recorded.pop(topic, None)
 
     def recorded(self, topic: str) -> int:

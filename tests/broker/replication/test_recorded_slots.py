@@ -53,6 +53,9 @@ class Door:
         if not self.held.holds(self.slot):
             raise errors.Fenced(f"this broker does not hold the lease of slot {self.slot} now")
 
+    async def copy(self, messages: Sequence[model.NewMessage], results: Sequence[model.AppendResult]) -> None:
+        """No followers here: the batch is stored on this broker only."""
+
 
 def slots_over(store: Store, held: Held, ring: Callable[[str], int]) -> owning.Slots:
     leadership: Any = held  # the Protocol-less seam: Slots reads only me, holds and epoch
@@ -222,3 +225,27 @@ async def _never() -> bool:
 
 async def _held() -> bool:
     return True
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_topic_is_placed_afresh_when_it_is_created_again(tmp_path: Path) -> None:
+    """A lite topic deleted (expiry, the reclaimer: ``forget_lite_topic``) forgets its recorded slot, so a topic
+    of the same name created later takes the slot it is placed on then, not the deleted one's. (Here: its ring
+    slot 1 is no longer held by this broker, so a new topic of that name would be its own slot's, 0.)"""
+    clock = memory.ManualClock()
+    store = memory.MemoryStore(dispatch_testing.config_for(tmp_path / "d").store, clock)
+    lite_ = await dispatch_testing.Lite.start(store, clock, dispatch_testing.config_for(tmp_path / "d"))
+    held = Held(me=0, epochs={0: 1, 1: 1})
+    slots = slots_over(store, held, lambda topic: 1)
+    lite_.dispatcher.ingest.replicas = slots
+    try:
+        await lite_.dispatcher.send([lite("W")])  # through ``Slots.admit``: stamped with slot 1
+        assert slots.recorded(lmq("W")) == 1
+        assert store.delete_lite_topic(PARENT, "W")
+        del held.epochs[1]
+        assert slots.slot_of_topic(lmq("W")) == 1  # remembered: not read again on every send
+        lite_.dispatcher.forget_lite_topic(model.QueueId.lmq(PARENT, "W"))
+        assert (slots.recorded(lmq("W")), slots.slot_of_topic(lmq("W"))) == (-1, 0)
+    finally:
+        lite_.dispatcher.ingest.replicas = None
+        await lite_.dispatcher.close()
