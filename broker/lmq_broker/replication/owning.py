@@ -59,9 +59,7 @@ class Slots:
         for slot in set(slots):
             self.owner(slot).admit()
             epochs[slot] = self._leadership.epoch(slot) or 0
-        out = [_stamped(m, epochs[slot], slot) for m, slot in zip(messages, slots, strict=True)]
-        self.note(out)
-        return out
+        return [_stamped(m, epochs[slot], slot) for m, slot in zip(messages, slots, strict=True)]
 
     def note(self, messages: Sequence[model.NewMessage]) -> None:
         """Remember the slots ``messages`` record for their lite topics (stored here: sent, or copied)."""
@@ -92,6 +90,7 @@ class Slots:
         return found
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        self.note(messages)  # stored here: their topics' slots are recorded from now on
         parts: dict[int, tuple[list[model.NewMessage], list[model.AppendResult]]] = {}
         for m, r in zip(messages, results, strict=True):
             part = parts.setdefault(self._slot_of(m), ([], []))

@@ -86,9 +86,11 @@ def check(config: BrokerConfig) -> None:
 
 def one_ring(replicas: int, membership: mb.Membership) -> None:
     """Refuse a ring with a history (a scale-up or a scale-down behind it, or slots leaving) at --replicas above
-    1: a topic placed by an older ring stays on a slot that is not its slot in today's ring, and a broker that
-    took that slot over would copy the topic's new messages under its own slot, to replicas that do not hold the
-    topic's history (docs/replication.md, *Changing the ring*)."""
+    1: a topic placed by an older ring stays on a slot that is not its slot in today's ring. Its records name
+    that slot only if they were stored by a replicated owner of this version (``owning``); a topic stored at
+    --replicas 1 or by an older version would be filed under today's ring, and a broker that took its slot over
+    would copy its new messages to replicas that do not hold its history; and replica sets follow one ring only
+    (docs/replication.md, *Changing the ring*)."""
     if replicas > 1 and len(set(membership.sizes)) > 1:
         raise errors.InvalidArgument(
             f"--replicas {replicas} needs a ring without history: ring sizes {list(membership.sizes)} (--ring-history, "

@@ -2,10 +2,10 @@
 
 Layout: a 4-byte big-endian length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}``
 where each message's fields are those of ``model.NewMessage`` without the body (``ep``: the epoch it was
-stored in; ``sl``: the ring slot its topic was placed on, -1 or absent when not recorded) plus ``offsets`` (the
-owner's queue offsets), and each commit is ``[topic, queue, group, offset,
-[acked above it…]]`` (a consumer group's commit point as persisted by the owner); then every body, back to
-back, in order (their lengths are in the header).
+stored in; ``sl``: the ring slot its topic was placed on, -1 or absent when not recorded) plus ``offsets``
+(the owner's queue offsets), and each commit is ``[topic, queue, group, offset, [acked above it…]]`` (a
+consumer group's commit point as persisted by the owner); then every body, back to back, in order (their
+lengths are in the header).
 """
 
 from __future__ import annotations
