@@ -99,13 +99,23 @@ class Owner:
             points,
             self._lock,
         )
-        for f, endpoint in followers.items():
-            keeper.shippers[f] = shipping.Shipper(f, endpoint, slot, shipper_doors, queue_messages, probe_interval_s)
+        self._shipping = (shipper_doors, queue_messages, probe_interval_s)
+        self._followers: dict[int, str] = {}  # ring slot → endpoint
+        self.follow(followers)
         self._send = send
-        self._followers = dict(followers)  # ring slot → endpoint
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
         self._awaited: list[asyncio.Future[None]] = []  # the acks waiting for the commits in ``_commits``
         self._flushing: asyncio.Task[None] | None = None
+
+    def follow(self, followers: dict[int, str]) -> None:
+        """Copy to ``followers`` too (a ring change: ``replicas.sets_of``). A new follower is outside the in-sync
+        set: it gets every batch from now on and is probed; a send waits for it only once it joined the set (as
+        for a follower back from a restart). None is removed here (that is step 4 of a ring change)."""
+        doors, cap, probe_interval_s = self._shipping
+        for f, endpoint in followers.items():
+            if f not in self.keeper.shippers:
+                self.keeper.shippers[f] = shipping.Shipper(f, endpoint, self._slot, doors, cap, probe_interval_s)
+                self._followers[f] = endpoint
 
     def lag(self) -> list[tuple[str, int]]:
         """(follower endpoint, messages it has not confirmed) per follower."""
@@ -201,17 +211,18 @@ class Owner:
                     _settle(awaited, self._fenced())
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
+                followers = dict(self._followers)  # as now: ``follow`` may add one meanwhile
                 awaited_by = self.keeper.awaited()  # members and those joining: their copies are waited for
                 seqs = {f: s.seq for f, s in self.keeper.shippers.items() if f in awaited_by}
                 await self._shipped(seqs)
                 async with self._lock:
                     answers = await asyncio.gather(
-                        *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
+                        *(self._send(e, data) for e in followers.values()), return_exceptions=True
                     )
-                answers = [self._unless_lost(f, a, seqs) for f, a in zip(self._followers, answers, strict=True)]
+                answered = {f: self._unless_lost(f, a, seqs) for f, a in zip(followers, answers, strict=True)}
                 if awaited:
-                    _settle(awaited, await self._commits_held(epoch, answers))
-                self._missed(answers)  # after: a member that failed was recorded out by now, or stays
+                    _settle(awaited, await self._commits_held(epoch, answered))
+                self._missed(answered)  # after: a member that failed was recorded out by now, or stays
         finally:
             _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
@@ -237,23 +248,25 @@ class Owner:
             return answer
         return errors.BrokerUnavailable(f"follower {f} did not store the messages the commit points count")
 
-    def _missed(self, answers: list[dict[str, int] | BaseException]) -> None:
+    def _missed(self, answers: dict[int, dict[str, int] | BaseException]) -> None:
         """A follower outside the set that did not store a commit copy must not join it (nor stay joining)
         without a new probe: it would take the slot over with a commit point lower than one acknowledged
         meanwhile. (A member that failed stays only when the set would go below M: the ack was refused.)"""
         members = set(self.keeper.recorded())
-        for f, answer in zip(self._followers, answers, strict=True):
+        for f, answer in answers.items():
             shipper = self.keeper.shippers.get(f)
             if isinstance(answer, BaseException) and shipper is not None and f not in members:
                 shipper.missed()
                 self.keeper.changed(shipper)
 
-    async def _commits_held(self, epoch: int, answers: list[dict[str, int] | BaseException]) -> errors.LmqError | None:
+    async def _commits_held(
+        self, epoch: int, answers: dict[int, dict[str, int] | BaseException]
+    ) -> errors.LmqError | None:
         """None when the acks of a flush may be answered: every member of the in-sync set stored its commit
         points (any member may take the slot over: one without them would deliver the acked messages again),
         those that failed removed from the set first (as a send's), at least M members counted, and the lease
         still held; else why not."""
-        me, ok = self._leadership.me, dict(zip(self._followers, answers, strict=True))
+        me, ok = self._leadership.me, answers
         failed = [f for f in self.keeper.recorded() if f != me and (f not in ok or isinstance(ok[f], BaseException))]
         kept = bool(failed) and not await self.keeper.shrink(failed)  # below M (they stay), or lease not written
         failed_to = f"; failed: {failed}" if kept else ""

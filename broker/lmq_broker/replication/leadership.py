@@ -95,6 +95,12 @@ class Leadership:
         self.takeovers = 0
         self._locks: dict[int, asyncio.Lock] = {}  # one write at a time per slot (renewal, set change, takeover)
 
+    def follow(self, replica_sets: list[list[int]]) -> None:
+        """Another ring's replica sets (``replicas.sets_of``): the slots this broker is a replica of, whose
+        leases it writes, follow them from the next tick; a new slot's lease is created by its owner then."""
+        self.replica_sets = replica_sets
+        self.mine = [slot for slot, replicas in enumerate(replica_sets) if self.me in replicas]
+
     def name(self, slot: int) -> str:
         return f"{self._prefix}-slot-{slot}"
 

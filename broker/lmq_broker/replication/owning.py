@@ -37,12 +37,21 @@ class Slots:
     ) -> None:
         self._leadership = leadership
         # remembered: a send asks it two or three times per message, and ``ring_slot`` is a pure function of the
-        # name (``setup`` hands it the membership it started with; a replicated ring does not change meanwhile)
+        # name and of the membership (``ring_changed`` forgets them)
+        self._ring_slot_of = ring_slot
         self._ring_slot = functools.lru_cache(maxsize=RING_SLOTS_KEPT)(ring_slot)
         self._make_owner = make_owner
         self._owners: dict[int, copies.Owner] = {}
         self._read_recorded = recorded
         self._recorded: dict[str, int] = {}  # LMQ name -> its recorded slot (only topics with a recorded one)
+
+    def ring_changed(self) -> None:
+        """Another membership: the ring slots remembered are forgotten (recorded slots stay: they do not move)."""
+        self._ring_slot = functools.lru_cache(maxsize=RING_SLOTS_KEPT)(self._ring_slot_of)
+
+    def owners(self) -> dict[int, copies.Owner]:
+        """The copies of every slot this broker holds or held."""
+        return dict(self._owners)
 
     def owner(self, slot: int) -> copies.Owner:
         found = self._owners.get(slot)

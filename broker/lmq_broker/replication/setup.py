@@ -36,6 +36,7 @@ from lmq_broker.replication import (
     kube,
     owning,
     reconciling,
+    replicas,
     sources,
     stating,
     streams,
@@ -104,12 +105,7 @@ def idle_gauges() -> gauges.Collector:
     return gauges.Collector(1)
 
 
-def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
-    """Follower k of ``slot``: the same process on the k-th next pod (never a process of its own pod)."""
-    pods = slots // processes
-    if replicas > pods:
-        raise errors.InvalidArgument(f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}")
-    return [(slot + k * processes) % slots for k in range(1, replicas)]
+followers_of = replicas.followers_of
 
 
 def _failpoint(env: str = FAILPOINT_ENV) -> Callable[[], bool] | None:
@@ -147,7 +143,7 @@ class Replication:
         api = kube.ApiServer.of(
             config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
         )
-        replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
+        replica_sets = replicas.sets_of(links.membership, processes, config.replicas)
         self._links = links
         self._api = api
         self._counters = copies.Counters(registry)
@@ -173,7 +169,6 @@ class Replication:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
             return found[0].message_id if found and found[0].offset == offset else None
 
-        membership = links.membership
         self._cuts = Counter(
             "lmq_replication_truncated",
             "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
@@ -206,7 +201,7 @@ class Replication:
         min_insync = config.min_insync_replicas or config.replicas
 
         def owner(slot: int) -> copies.Owner:
-            endpoints = {s: links.membership.members[s] for s in replica_sets[slot] if s != me}
+            endpoints = self._followers(slot)
             read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
             tails = lambda: asyncio.to_thread(sources.tails, store, slot, self.slots.slot_of_topic)  # noqa: E731
             points = lambda: asyncio.to_thread(sources.points, store, slot, self.slots.slot_of_topic)  # noqa: E731
@@ -223,7 +218,7 @@ class Replication:
 
         self.slots = owning.Slots(
             self.leadership,
-            lambda topic: mb.owner(membership, topic),
+            lambda topic: mb.owner(links.membership, topic),
             owner,
             lambda topic: sources.recorded_slot(store, topic),
         )
@@ -243,6 +238,8 @@ class Replication:
         registry.register(stating.Collector(self.states))
         self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
         self._replica_sets = replica_sets
+        self._processes, self._replicas = processes, config.replicas
+        peers.changed = self.rebuild
         self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its copies take
         self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
@@ -260,6 +257,38 @@ class Replication:
         self._handing: asyncio.Task[None] | None = None
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
+
+    def _followers(self, slot: int) -> dict[int, str]:
+        """The endpoints a holder of ``slot`` copies to: its replicas but this broker."""
+        members, me = self._links.membership.members, self.leadership.me
+        return {s: members[s] for s in self._replica_sets[slot] if s != me}
+
+    def rebuild(self, membership: mb.Membership, me: int) -> None:
+        """A membership applied (``cluster.peers.Peers.apply``): every slot's replicas computed again from it
+        (``replicas.sets_of``: during a change, the union of the ring before and after), and everything that
+        follows from them made to match: the slots this broker follows and may take (``Leadership``), the
+        followers its held slots copy to (a new one is probed into the in-sync set before a send waits for it),
+        the followers of its state rows (read from the sets each batch), each slot's serving broker checked
+        for handovers, and the ring slot of topics without a recorded slot. A replica that is no longer one
+        keeps its copies; narrowing a slot to the new ring (step 4) is not built, so replicas are only added.
+        The ring of a replicated cluster does not change yet (``cluster.setup.fixed_ring``): a new epoch of the
+        same ring changes nothing here."""
+        if me != self.leadership.me:
+            log.warning(
+                "replication: this broker is slot %d in the new membership, was %d: not rebuilt", me, self.leadership.me
+            )
+            return
+        sets = replicas.sets_of(membership, self._processes, self._replicas)
+        if sets == self._replica_sets:
+            return
+        self._replica_sets = sets
+        self.leadership.follow(sets)
+        self.slots.ring_changed()
+        self.states.forget_slots()
+        self.handover.resize(len(sets))
+        for slot, owner in self.slots.owners().items():
+            owner.follow(self._followers(slot))
+        log.info("replication: replica sets rebuilt for ring epoch %d: %s", membership.epoch, sets)
 
     def _forget(self, topic: str) -> None:
         self.slots.forget(topic)

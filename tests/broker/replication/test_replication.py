@@ -701,3 +701,53 @@ def test_the_lease_api_answers_alike_on_kept_connections_and_reopens_one_the_api
     finally:
         for api in closing:
             api.close()
+
+
+@pytest.mark.asyncio
+async def test_a_grown_ring_copies_a_slot_to_its_new_follower_once_it_is_probed_into_the_set(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """Ring change steps 2 and 3 (docs/replication.md, *Changing the ring with R > 1*), R = 2, a ring of 2 grown
+    to 3. The grown membership is applied to the running brokers directly (``Peers.apply``, what SetCluster
+    does after its refusal, which stays until steps 4-7 are built). Slot 1's replicas become the union of the
+    old ring's (1, 0) and the new one's (1, 2): its holder copies to the new broker too, whose probe catches it
+    up, and records it in the slot's in-sync set; from then on every send of the slot is stored on all three,
+    each acknowledged message once, in order, at the owner's offsets."""
+    lite = pair.lite_of(1)
+    for n in range(3):
+        assert (await pair.send(1, lite, n)).status.code == pb.OK
+    (port,) = free_ports("127.0.0.1", 1)
+    grown = pair.membership.grown(f"127.0.0.1:{port}")
+    first = pair.brokers[0].config
+    third = await start_broker(
+        dispatch_testing.config_for(
+            tmp_path / "b2",
+            host="127.0.0.1",
+            port=port,
+            metrics_port=-1,
+            peers=",".join(grown.members),  # a ring of 3 from its flags: the new ring's replica sets
+            ordinal=2,
+            advertised_address=f"127.0.0.1:{port}",
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+            replicas=2,
+            **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
+            **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
+        )
+    )
+    try:
+        for slot, broker in enumerate(pair.brokers):
+            assert broker.cluster is not None and broker.cluster.peers is not None
+            broker.cluster.peers.apply(grown, slot)
+        holder = pair.leadership(1)
+        assert holder.replica_sets == [[0, 1], [1, 2, 0], [2, 0]]
+        await eventually_async(lambda: holder.in_sync(1) == (0, 1, 2), "the new follower probed into the set")
+        for n in range(3, 6):
+            assert (await pair.send(1, lite, n)).status.code == pb.OK
+        queue = model.QueueId.lmq(PARENT, lite)
+        for store in (pair.brokers[0].store, pair.brokers[1].store, third.store):
+            assert store is not None
+            stored = [(m.offset, m.message_id, m.slot) for m in store.read(queue, 0, 100)]
+            assert stored == [(n, f"{lite}-{n}", 1) for n in range(6)]
+    finally:
+        await third.stop(grace_s=0.2)
