@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter
@@ -116,6 +116,24 @@ class Owner:
             if f not in self.keeper.shippers:
                 self.keeper.shippers[f] = shipping.Shipper(f, endpoint, self._slot, doors, cap, probe_interval_s)
                 self._followers[f] = endpoint
+
+    @property
+    def followers(self) -> dict[int, str]:
+        return dict(self._followers)
+
+    async def unfollow(self, gone: Iterable[int]) -> None:
+        """Copy to ``gone`` no more: replicas the ring no longer names (step 4 of a ring change). Only those out
+        of the in-sync set and not joining it: the holder wrote the set without them first, so no send or ack
+        waits for them; a member is kept (asked again at the next tick)."""
+        keeper = self.keeper
+        keep = {*keeper.recorded(), *keeper.joining}
+        closing = []
+        for f in [f for f in gone if f not in keep]:
+            self._followers.pop(f, None)
+            shipper = keeper.shippers.pop(f, None)
+            if shipper is not None:
+                closing.append(shipper.close())
+        await asyncio.gather(*closing)
 
     def lag(self) -> list[tuple[str, int]]:
         """(follower endpoint, messages it has not confirmed) per follower."""
@@ -232,9 +250,9 @@ class Owner:
         the timeout): a commit copy that overtook its messages would be clamped to the follower's end
         (``following``). One outside the set answers a clamped commit with its ends: it is probed again."""
         keeper, deadline = self.keeper, time.monotonic() + ACK_TIMEOUT_S
-        while (behind := [(f, n) for f, n in seqs.items() if keeper.shippers[f].done < n]) and (
-            left := deadline - time.monotonic()
-        ) > 0:
+        while (
+            behind := [(f, n) for f, n in seqs.items() if f in keeper.shippers and keeper.shippers[f].done < n]
+        ) and (left := deadline - time.monotonic()) > 0:
             await keeper.wait(left, behind[0])
 
     def _unless_lost(
@@ -243,8 +261,8 @@ class Owner:
         """A follower that did not store the messages before a commit holds no more than its end of them."""
         if answer:  # ends: a commit point past them was clamped there
             return errors.BrokerUnavailable(f"follower {f} lacks messages the commit points count: {answer}")
-        shipper, n = self.keeper.shippers[f], seqs.get(f, 0)
-        if isinstance(answer, BaseException) or n == 0 or shipper.holds(n):
+        shipper, n = self.keeper.shippers.get(f), seqs.get(f, 0)
+        if isinstance(answer, BaseException) or n == 0 or shipper is None or shipper.holds(n):
             return answer
         return errors.BrokerUnavailable(f"follower {f} did not store the messages the commit points count")
 

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -156,12 +156,18 @@ class Leadership:
         holder = slot_of_identity(self.holders.get(slot, ""))
         return holder if 0 <= holder < len(self.replica_sets) else slot
 
-    async def run(self, stopping: asyncio.Event) -> None:
+    async def run(self, stopping: asyncio.Event, after: Callable[[], Awaitable[None]] | None = None) -> None:
         """A tick every third of a duration from when the last one *began*: a slow tick (a loaded apiserver)
-        delays the next renewal by nothing more, so one renewal may still fail before the fence closes."""
+        delays the next renewal by nothing more, so one renewal may still fail before the fence closes.
+        ``after`` runs after each tick (the replica sets follow the in-sync sets just read)."""
         while not stopping.is_set():
             began = self._clock()
             await self.tick()
+            if after is not None:
+                try:
+                    await after()
+                except Exception:  # never the lease loop's end: its renewals are the fence
+                    log.exception("leases: after the tick")
             left = self._duration / 3 - (self._clock() - began)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), max(left, TICK_GAP_MIN_S))

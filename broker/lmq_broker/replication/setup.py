@@ -9,6 +9,7 @@ of a follower's CPU); a follower without the stream method (an older version) ge
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ from lmq_broker.replication import (
     streams,
     wire,
 )
-from lmq_broker.replication.leadership import Leadership, identity
+from lmq_broker.replication.leadership import InSync, Leadership, identity
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ class Replication:
         self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
         self._replica_sets = replica_sets
         self._processes, self._replicas = processes, config.replicas
+        self._min_insync = config.min_insync_replicas or config.replicas
         peers.changed = self.rebuild
         self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its copies take
         self._shipping: asyncio.Task[None] | None = None
@@ -259,9 +261,12 @@ class Replication:
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
     def _followers(self, slot: int) -> dict[int, str]:
-        """The endpoints a holder of ``slot`` copies to: its replicas but this broker."""
-        members, me = self._links.membership.members, self.leadership.me
-        return {s: members[s] for s in self._replica_sets[slot] if s != me}
+        """The endpoints a holder of ``slot`` copies to: its replicas but this broker, by the in-sync sets as
+        last read (not the sets of the last rebuild: a slot taken at start must not copy to, and probe back
+        in, a replica its set no longer names)."""
+        membership, me = self._links.membership, self.leadership.me
+        sets = replicas.sets_of(membership, self._processes, self._replicas, self.leadership.in_sets)
+        return {s: membership.members[s] for s in sets[slot] if s != me}
 
     def rebuild(self, membership: mb.Membership, me: int) -> None:
         """A membership applied (``cluster.peers.Peers.apply``): every slot's replicas computed again from it
@@ -270,15 +275,15 @@ class Replication:
         followers its held slots copy to (a new one is probed into the in-sync set before a send waits for it),
         the followers of its state rows (read from the sets each batch), each slot's serving broker checked
         for handovers, and the ring slot of topics without a recorded slot. A replica that is no longer one
-        keeps its copies; narrowing a slot to the new ring (step 4) is not built, so replicas are only added.
-        The ring of a replicated cluster does not change yet (``cluster.setup.fixed_ring``): a new epoch of the
-        same ring changes nothing here."""
+        keeps its copies. Run again after each lease tick (``_after_tick``): a slot whose lease names exactly its
+        new-ring replicas has those only. The ring of a replicated cluster does not change yet
+        (``cluster.setup.fixed_ring``): a new epoch of the same ring changes nothing here."""
         if me != self.leadership.me:
             log.warning(
                 "replication: this broker is slot %d in the new membership, was %d: not rebuilt", me, self.leadership.me
             )
             return
-        sets = replicas.sets_of(membership, self._processes, self._replicas)
+        sets = replicas.sets_of(membership, self._processes, self._replicas, self.leadership.in_sets)
         if sets == self._replica_sets:
             return
         self._replica_sets = sets
@@ -290,6 +295,30 @@ class Replication:
             owner.follow(self._followers(slot))
         log.info("replication: replica sets rebuilt for ring epoch %d: %s", membership.epoch, sets)
 
+    async def _after_tick(self) -> None:
+        """Step 4 of a ring change, after each lease tick: a held slot whose in-sync set holds every replica of
+        the new ring gets the set without the others (a lease write, never below --min-insync-replicas); then
+        the replica sets follow the sets just read or written, and each held slot stops copying to replicas
+        it no longer has (they are out of the set by then: nothing waits for them). Outside a ring change the
+        new ring's replicas are all there are: nothing is written."""
+        membership, me = self._links.membership, self._links.me
+        if me != self.leadership.me:
+            return
+        targets = replicas.targets_of(membership, self._processes, self._replicas)
+        for slot in self.leadership.held():
+            if slot < len(targets):
+                target = targets[slot]
+                if replicas.narrowed(target, self.leadership.in_sync(slot), self._min_insync, me) is not None:
+                    written = await self.leadership.record(slot, functools.partial(self._narrowed, target))
+                    log.info("slot %d: in-sync set narrowed to the new ring's replicas: %s", slot, written)
+        self.rebuild(membership, me)
+        for slot, owner in self.slots.owners().items():
+            if self.leadership.holds(slot):
+                await owner.unfollow(set(owner.followers) - set(self._followers(slot)))
+
+    def _narrowed(self, target: list[int], now: InSync) -> InSync:
+        return replicas.narrowed(target, now, self._min_insync, self.leadership.me) or now
+
     def _forget(self, topic: str) -> None:
         self.slots.forget(topic)
 
@@ -299,7 +328,7 @@ class Replication:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
+        self._task = loop.create_task(self.leadership.run(self._stopping, self._after_tick), name="lmq-leases")
         self._reconciling = loop.create_task(self.reconciler.run(self._stopping, self._own), name="lmq-reconcile")
         self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
         me = self.leadership.me

@@ -51,3 +51,25 @@ def test_processes_of_a_pod_follow_the_same_process_of_other_pods_across_a_chang
 def test_more_replicas_than_pods_in_the_new_ring_is_refused() -> None:
     with pytest.raises(errors.InvalidArgument, match="needs at least 3 pods"):
         replicas.sets_of(mb.Membership(THREE, (3,)).shrunk(2), 1, 3)
+
+
+def test_a_slot_whose_set_is_exactly_the_new_rings_replicas_has_those_only() -> None:
+    """Step 4: once the holder wrote the set without the old replicas, every broker reads the slot's replicas
+    from it; while the set lacks a new replica (or still names an old one) the union stays."""
+    grown = mb.Membership(THREE[:2], (2,)).grown(THREE[2])
+    assert replicas.sets_of(grown, 1, 2, {1: (0, 1)})[1] == [1, 2, 0]  # the new follower not in yet
+    assert replicas.sets_of(grown, 1, 2, {1: (0, 1, 2)})[1] == [1, 2, 0]  # in, the old one not out yet
+    assert replicas.sets_of(grown, 1, 2, {1: (1, 2)})[1] == [1, 2]
+    assert replicas.sets_of(grown, 1, 2, {1: (1,)})[1] == [1, 2, 0]  # a new replica fell out: both again
+    shrunk = mb.Membership(THREE, (3,)).shrunk(2)
+    assert replicas.sets_of(shrunk, 1, 2, {1: (0, 1), 2: (0, 2)}) == [[0, 1], [1, 0], [2, 0]]
+
+
+def test_the_holder_narrows_the_set_only_once_every_new_replica_is_in_and_never_below_its_floor() -> None:
+    assert replicas.narrowed([1, 2], (0, 1), 2, 1) is None  # 2 not in yet: 0 stays, it holds the slot's copies
+    assert replicas.narrowed([1, 2], (0, 1, 2), 2, 1) == (1, 2)
+    assert replicas.narrowed([1, 2], (1, 2), 2, 1) is None  # nothing to remove
+    assert replicas.narrowed([1, 2, 3], (0, 1, 2, 3), 2, 1) == (1, 2, 3)
+    assert replicas.narrowed([1], (0, 1), 2, 1) is None  # below --min-insync-replicas: not written
+    # A holder the new ring does not name (it took the slot over) keeps itself in the set: it hands over first.
+    assert replicas.narrowed([1, 2], (0, 1, 2), 2, 0) is None

@@ -704,15 +704,16 @@ def test_the_lease_api_answers_alike_on_kept_connections_and_reopens_one_the_api
 
 
 @pytest.mark.asyncio
-async def test_a_grown_ring_copies_a_slot_to_its_new_follower_once_it_is_probed_into_the_set(
+async def test_a_grown_ring_moves_a_slots_follower_only_once_the_new_one_is_in_the_set(
     pair: Pair, tmp_path: Path
 ) -> None:
-    """Ring change steps 2 and 3 (docs/replication.md, *Changing the ring with R > 1*), R = 2, a ring of 2 grown
-    to 3. The grown membership is applied to the running brokers directly (``Peers.apply``, what SetCluster
-    does after its refusal, which stays until steps 4-7 are built). Slot 1's replicas become the union of the
-    old ring's (1, 0) and the new one's (1, 2): its holder copies to the new broker too, whose probe catches it
-    up, and records it in the slot's in-sync set; from then on every send of the slot is stored on all three,
-    each acknowledged message once, in order, at the owner's offsets."""
+    """Ring change steps 2-4 (docs/replication.md, *Changing the ring with R > 1*), R = 2, a ring of 2 grown to
+    3. The grown membership is applied to the running brokers directly (``Peers.apply``, what SetCluster does
+    after its refusal, which stays until steps 5-7 are built). Slot 1's replicas become the union of the old
+    ring's (1, 0) and the new one's (1, 2): its holder copies to the new broker too, whose probe catches it up
+    and records it in the slot's in-sync set; then the holder writes the set without the old follower and stops
+    copying there, and the old follower stops following the slot, keeping what it stored. Every acknowledged
+    message is on the new ring's replicas once, in order, at the owner's offsets, its slot recorded."""
     lite = pair.lite_of(1)
     for n in range(3):
         assert (await pair.send(1, lite, n)).status.code == pb.OK
@@ -739,15 +740,19 @@ async def test_a_grown_ring_copies_a_slot_to_its_new_follower_once_it_is_probed_
         for slot, broker in enumerate(pair.brokers):
             assert broker.cluster is not None and broker.cluster.peers is not None
             broker.cluster.peers.apply(grown, slot)
-        holder = pair.leadership(1)
-        assert holder.replica_sets == [[0, 1], [1, 2, 0], [2, 0]]
-        await eventually_async(lambda: holder.in_sync(1) == (0, 1, 2), "the new follower probed into the set")
+        holder, old = pair.leadership(1), pair.leadership(0)
+        assert holder.replica_sets == [[0, 1], [1, 2, 0], [2, 0]]  # the union, until the new follower is in
+        await eventually_async(lambda: holder.in_sync(1) == (1, 2), "the new follower in, the old one out")
+        await eventually_async(lambda: 1 not in old.mine and old.replica_sets[1] == [1, 2], "old follower left")
+        repl = pair.brokers[1].replication
+        assert repl is not None
+        await eventually_async(lambda: list(repl.slots.owners()[1].followers) == [2], "no copies to the old one")
         for n in range(3, 6):
             assert (await pair.send(1, lite, n)).status.code == pb.OK
         queue = model.QueueId.lmq(PARENT, lite)
-        for store in (pair.brokers[0].store, pair.brokers[1].store, third.store):
+        for store, sent in ((pair.brokers[1].store, 6), (third.store, 6), (pair.brokers[0].store, 3)):
             assert store is not None
             stored = [(m.offset, m.message_id, m.slot) for m in store.read(queue, 0, 100)]
-            assert stored == [(n, f"{lite}-{n}", 1) for n in range(6)]
+            assert stored == [(n, f"{lite}-{n}", 1) for n in range(sent)]
     finally:
         await third.stop(grace_s=0.2)
