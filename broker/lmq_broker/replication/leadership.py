@@ -93,6 +93,10 @@ class Leadership:
         self.epochs: dict[int, int] = {}  # slot -> newest epoch seen (followers refuse older copies)
         self.in_sets: dict[int, InSync | None] = {}  # slot -> its in-sync replicas as last read or written
         self.takeovers = 0
+        self.releases = 0
+        # A slot this broker must not take (its pod is being removed: it hands slots over, step 5 of a ring
+        # change, and takes none back); set by ``setup`` from the membership
+        self.may_take: Callable[[int], bool] = lambda slot: True
         self._locks: dict[int, asyncio.Lock] = {}  # one write at a time per slot (renewal, set change, takeover)
 
     def follow(self, replica_sets: list[list[int]]) -> None:
@@ -144,6 +148,31 @@ class Leadership:
                 log.warning("lease of slot %d: in-sync replicas %s not recorded: %s", slot, in_sync, exc)
                 return None
             return in_sync if self.in_sync(slot) == in_sync else None
+
+    async def release(self, slot: int) -> bool:
+        """Hand ``slot`` over (this broker's pod is being removed): stop acknowledging first (the slot leaves the
+        held set: its fence is closed before anything is written), then write the lease with no holder, the
+        same epoch and the same in-sync set. A follower in that set and reconciled at that epoch takes it at its
+        next tick without waiting for it to expire (``_visit_locked``): nothing acknowledged here after the
+        release, the taker holds everything acknowledged before. True once written (a failed write leaves the
+        lease to expire, as after a crash: the fence is closed either way)."""
+        async with self._lock(slot):
+            held = self._held.pop(slot, None)
+            if held is None:
+                return False
+            lease = held[0]
+            try:
+                written = await asyncio.to_thread(
+                    self._api.write, lease, "", lease.transitions, self._duration_s, lease.in_sync
+                )
+            except Exception as exc:
+                log.warning("slot %d: lease not released (it expires instead): %s", slot, exc)
+                return False
+            self.holders.pop(slot, None)
+            self.in_sets[slot] = written.in_sync
+            self.releases += 1
+            log.warning("slot %d: lease released (epoch %d) for a replica that stays", slot, lease.transitions)
+            return True
 
     def _lock(self, slot: int) -> asyncio.Lock:
         found = self._locks.get(slot)
@@ -233,9 +262,13 @@ class Leadership:
             )
         seen = self._seen.get(slot)
         if seen is None or seen.version != lease.resource_version:
-            self._seen[slot] = _Seen(lease.resource_version, read)
+            seen = self._seen[slot] = _Seen(lease.resource_version, read)
+            if lease.holder:  # a released lease is taken at first sight: its holder stopped before writing it
+                return
+        # A released lease (no holder: handed over, ``release``) is taken at once; else after a whole duration.
+        expired = not lease.holder or began - seen.since >= self._duration
+        if not self.may_take(slot):
             return
-        expired = began - seen.since >= self._duration
         recorded = lease.in_sync is None or self.me in lease.in_sync  # None: a lease written before the set was
         if expired and not recorded and seen.declined != lease.resource_version:
             seen.declined = lease.resource_version

@@ -283,6 +283,8 @@ class Replication:
                 "replication: this broker is slot %d in the new membership, was %d: not rebuilt", me, self.leadership.me
             )
             return
+        # A pod being removed (its slot leaving) hands the slots that stay over and takes none (step 5)
+        self.leadership.may_take = membership.leaving if membership.leaving(me) else _any_slot
         sets = replicas.sets_of(membership, self._processes, self._replicas, self.leadership.in_sets)
         if sets == self._replica_sets:
             return
@@ -296,14 +298,19 @@ class Replication:
         log.info("replication: replica sets rebuilt for ring epoch %d: %s", membership.epoch, sets)
 
     async def _after_tick(self) -> None:
-        """Step 4 of a ring change, after each lease tick: a held slot whose in-sync set holds every replica of
-        the new ring gets the set without the others (a lease write, never below --min-insync-replicas); then
-        the replica sets follow the sets just read or written, and each held slot stops copying to replicas
-        it no longer has (they are out of the set by then: nothing waits for them). Outside a ring change the
-        new ring's replicas are all there are: nothing is written."""
+        """Steps 4 and 5 of a ring change, after each lease tick. A broker whose slot is leaving releases the
+        leases it holds of slots that stay (``Leadership.release``: a replica in the set takes each at once). A
+        held slot whose in-sync set holds every replica of the new ring gets the set without the others (a lease
+        write, never below --min-insync-replicas); then the replica sets follow the sets just read or written,
+        and each held slot stops copying to replicas it no longer has (they are out of the set by then: nothing
+        waits for them). Outside a ring change the new ring's replicas are all there are: nothing is written."""
         membership, me = self._links.membership, self._links.me
         if me != self.leadership.me:
             return
+        if membership.leaving(me):  # step 5: this pod is being removed; the slots that stay are handed over
+            for slot in self.leadership.held():
+                if not membership.leaving(slot):
+                    await self.leadership.release(slot)
         targets = replicas.targets_of(membership, self._processes, self._replicas)
         for slot in self.leadership.held():
             if slot < len(targets):
@@ -505,6 +512,10 @@ class Replication:
                 yield answer
 
         return serve
+
+
+def _any_slot(slot: int) -> bool:
+    return True
 
 
 class _Handler(_GenericHandler):

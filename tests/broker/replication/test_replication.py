@@ -96,7 +96,12 @@ async def start_broker(config: BrokerConfig) -> app.Broker:
 
 
 async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
-    hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", 2)]
+    return await start_ring(tmp_path, 2, overrides)
+
+
+async def start_ring(tmp_path: Path, brokers_n: int, overrides: dict[str, object]) -> Pair:
+    """``brokers_n`` brokers with --replicas 2, once every slot's lease is held."""
+    hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", brokers_n)]
     members = ",".join(f"{h}:{p}" for h, p in hosts)
     brokers = []
     for slot, (host, port) in enumerate(hosts):
@@ -115,7 +120,8 @@ async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
         )
         brokers.append(await start_broker(config))
     pair = Pair(brokers, [protocol_testing.connect(b.endpoint, b.store) for b in brokers if b.store is not None])
-    await eventually_async(lambda: all(pair.leadership(s).epoch(s) is not None for s in (0, 1)), "both leases held")
+    held = lambda: all(pair.leadership(s).epoch(s) is not None for s in range(brokers_n))  # noqa: E731
+    await eventually_async(held, "every lease held")
     return pair
 
 
@@ -756,3 +762,59 @@ async def test_a_grown_ring_moves_a_slots_follower_only_once_the_new_one_is_in_t
             assert stored == [(n, f"{lite}-{n}", 1) for n in range(sent)]
     finally:
         await third.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_removed_pod_hands_the_slot_it_holds_over_and_the_slot_keeps_every_message(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    """Ring change steps 2-5, R = 2, a ring of 3 shrunk to 2 (slot 2 leaving), the membership applied to the
+    running brokers directly (``Peers.apply``; SetCluster refuses it until steps 6-7 are built). Broker 2 holds
+    slot 1's lease (taken by force, as after a failover). Slot 1's replicas become the union (1, 0, 2), so
+    broker 0 (its follower in the ring of 2) is probed into the set; broker 2, being removed, releases the
+    lease, and a broker that stays, in the set and in sync, takes it at its next tick without waiting for it
+    to expire; broker 2 then leaves the set. Every acknowledged message of slot 1 is on its final replicas
+    once, in order; broker 2 never takes the slot back."""
+    ring = await start_ring(tmp_path, 3, lease_flags(kube, tmp_path))
+    try:
+        lite = ring.lite_of(1)
+        for n in range(3):
+            assert (await ring.send(1, lite, n)).status.code == pb.OK
+        leaving = ring.leadership(2)
+        await eventually_async(lambda: ring.leadership(1).in_sync(1) == (1, 2), "slot 1's follower in the set")
+        take_lease(kube, ring.leadership(1).name(1), leaving.identity)
+        await eventually_async(lambda: leaving.epoch(1) is not None, "broker 2 holds slot 1 (a failover)")
+        await eventually_async(lambda: leaving.in_sync(1) == (1, 2), "broker 1 probed back into the set")
+        for n in range(3, 6):
+            assert (await ring.send(2, lite, n)).status.code == pb.OK
+        shrunk = ring.membership.shrunk(2)
+        for slot, broker in enumerate(ring.brokers):
+            assert broker.cluster is not None and broker.cluster.peers is not None
+            broker.cluster.peers.apply(shrunk, slot)
+        await eventually_async(lambda: leaving.releases == 1, "slot 1 released by the pod being removed")
+        released = time.monotonic()
+        staying = [ring.leadership(0), ring.leadership(1)]
+        taker = await eventually_async(
+            lambda: next((s for s in staying if s.epoch(1) is not None), None), "slot 1 taken by a pod that stays"
+        )
+        assert taker is not None
+        took_s = time.monotonic() - released
+        print(f"slot 1 taken {took_s:.2f} s after its release (lease {LEASE_MS} ms)")
+        assert took_s < LEASE_MS / 1000  # at its next tick: not after the lease's expiry
+        await eventually_async(lambda: taker.in_sync(1) == (0, 1), "the new ring's replicas in, broker 2 out")
+        assert sum(s.takeovers for s in staying) == 1
+        for n in range(6, 9):
+            assert (await ring.send(1, lite, n)).status.code == pb.OK
+        queue = model.QueueId.lmq(PARENT, lite)
+        for store, sent in ((ring.brokers[0].store, 9), (ring.brokers[1].store, 9), (ring.brokers[2].store, 6)):
+            assert store is not None
+            assert [(m.offset, m.message_id) for m in store.read(queue, 0, 100)] == [
+                (n, f"{lite}-{n}") for n in range(sent)
+            ]
+        assert not leaving.holds(1) and leaving.holds(2)  # its own (leaving) slot stays with it
+    finally:
+        for client in ring.clients:
+            await client.close()
+        for broker in ring.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
