@@ -23,6 +23,7 @@ from waiting import TIMEOUT_S, eventually_async
 from lmq_broker import app, errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import setup as cluster_setup
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import testing as protocol_testing
@@ -818,3 +819,87 @@ async def test_a_removed_pod_hands_the_slot_it_holds_over_and_the_slot_keeps_eve
         for broker in ring.brokers:
             if broker.ready:
                 await broker.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_topic_placed_by_the_older_ring_keeps_its_slots_copies_across_two_failovers(
+    kube: testing.KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fact-3 trace of docs/replication.md (*Why a ring change is more than SetCluster at R > 1*), R = 2,
+    --min-insync-replicas 1, a ring of 2 grown to 3 through the brokers' own membership change
+    (``Cluster.change``) with the two ring refusals lifted for this test (steps 6-7 are not built). Topic T is
+    placed on slot 1 by the ring of 2; today's ring hashes it to slot 2. Broker 1 dies; broker 2 takes slot 1
+    and, holding slot 2 as well, stores T's next sends; they must be filed under slot 1 (its records say so),
+    so when broker 1 returns, its reconcile and the holder's probe of slot 1 bring them back, and after broker
+    2 dies broker 1 serves every acknowledged message of T. Filed under slot 2 (today's ring) they were not:
+    broker 1 was in sync without them, and they were lost with broker 2."""
+    monkeypatch.setattr(cluster_setup, "fixed_ring", lambda *args: None)
+    monkeypatch.setattr(replication, "one_ring", lambda *args: None)
+    ring = await start_ring(tmp_path, 2, {**lease_flags(kube, tmp_path), "min_insync_replicas": 1})
+    try:
+        (port,) = free_ports("127.0.0.1", 1)
+        grown = ring.membership.grown(f"127.0.0.1:{port}")
+        name = next(n for n in (f"f-{i}" for i in range(10_000)) if mb.candidates(grown, lmq_of(n)) == (2, 1))
+        assert (await ring.send(1, name, 0)).status.code == pb.OK  # placed on slot 1 by the ring of 2
+        first = ring.brokers[0].config
+        third = await start_broker(
+            dispatch_testing.config_for(
+                tmp_path / "b2",
+                host="127.0.0.1",
+                port=port,
+                metrics_port=-1,
+                peers=",".join(grown.members),
+                ordinal=2,
+                advertised_address=f"127.0.0.1:{port}",
+                admin_access_key="admin-ak",
+                admin_secret_key="admin-sk",
+                replicas=2,
+                min_insync_replicas=1,
+                **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
+                **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
+            )
+        )
+        assert third.store is not None
+        ring.brokers.append(third)
+        ring.clients.append(protocol_testing.connect(third.endpoint, third.store))
+        for slot, broker in enumerate(ring.brokers):
+            assert broker.cluster is not None
+            await broker.cluster.change(cluster_setup.Place(grown, slot, cluster_setup.ADMIN))
+        await eventually_async(lambda: ring.leadership(1).in_sync(1) == (1, 2), "slot 1: the new ring's replicas")
+        for n in range(1, 4):  # through broker 2: placed on slot 1, whose holder stores it
+            assert (await ring.send(2, name, n)).status.code == pb.OK
+        await eventually_async(lambda: reconciled(third, 1), "broker 2 reconciled with slot 1's holder")
+        await ring.brokers[1].stop(grace_s=0.1)  # pod 1 dies: broker 2 takes slot 1 over
+        await eventually_async(lambda: ring.leadership(2).epoch(1) is not None, "broker 2 took slot 1")
+        for n in range(4, 7):  # stored by broker 2, which holds slot 2 too
+            assert (await ring.send(2, name, n)).status.code == pb.OK
+        assert third.replication is not None and third.replication.slots.slot_of_topic(lmq_of(name)) == 1
+        ring.brokers[1] = await start_broker(ring.brokers[1].config)  # pod 1 back on its disk
+        await eventually_async(lambda: ring.leadership(2).in_sync(1) == (1, 2), "broker 1 back in slot 1's set")
+        await eventually_async(lambda: reconciled(ring.brokers[1], 1), "broker 1 reconciled with broker 2")
+        await ring.brokers[2].stop(grace_s=0.1)  # pod 2 dies: broker 1 takes slot 1 back
+        await eventually_async(lambda: ring.leadership(1).epoch(1) is not None, "broker 1 took slot 1 back")
+        store = ring.brokers[1].store
+        assert store is not None
+        held = [(m.offset, m.message_id, m.slot) for m in store.read(model.QueueId(lmq_of(name), 0), 0, 100)]
+        assert held == [(n, f"{name}-{n}", 1) for n in range(7)]
+    finally:
+        for client in ring.clients:
+            await client.close()
+        for broker in ring.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
+
+
+def reconciled(broker: app.Broker, slot: int) -> bool:
+    """``broker`` fetched every lite topic's end of ``slot`` from its holder at the current epoch (a takeover
+    needs it, as much as a place in the in-sync set)."""
+    repl = broker.replication
+    if repl is None or repl.follower is None:
+        return False
+    epoch = repl.leadership.epochs.get(slot)
+    return epoch is not None and repl.follower.in_sync(slot, epoch)
+
+
+def lmq_of(lite: str) -> str:
+    return model.QueueId.lmq(PARENT, lite).topic
