@@ -34,6 +34,9 @@ Clock = Callable[[], float]
 
 
 InSync = tuple[int, ...]  # ring slots (brokers) of a slot's in-sync replicas, sorted
+# The holder a released lease names (``release``): its releaser, fenced before it wrote it. Not the empty holder:
+# a lease a person cleared by hand gives no such promise, so it is taken only once expired.
+RELEASED: Final = "released/"
 
 
 class LeaseApi(Protocol):
@@ -151,11 +154,12 @@ class Leadership:
 
     async def release(self, slot: int) -> bool:
         """Hand ``slot`` over (this broker's pod is being removed): stop acknowledging first (the slot leaves the
-        held set: its fence is closed before anything is written), then write the lease with no holder, the
-        same epoch and the same in-sync set. A follower in that set and reconciled at that epoch takes it at its
-        next tick without waiting for it to expire (``_visit_locked``): nothing acknowledged here after the
-        release, the taker holds everything acknowledged before. True once written (a failed write leaves the
-        lease to expire, as after a crash: the fence is closed either way)."""
+        held set: its fence is closed before anything is written), then write the lease as released (holder
+        ``RELEASED`` + its identity), the same epoch and the same in-sync set. A follower in that set and
+        reconciled at that epoch takes it at the tick that first sees it, without waiting for it to expire
+        (``_visit_locked``): nothing acknowledged here after the release, the taker holds everything acknowledged
+        before. True once written (a failed write leaves the lease to expire, as after a crash: the fence is
+        closed either way)."""
         async with self._lock(slot):
             held = self._held.pop(slot, None)
             if held is None:
@@ -163,7 +167,7 @@ class Leadership:
             lease = held[0]
             try:
                 written = await asyncio.to_thread(
-                    self._api.write, lease, "", lease.transitions, self._duration_s, lease.in_sync
+                    self._api.write, lease, RELEASED + self.identity, lease.transitions, self._duration_s, lease.in_sync
                 )
             except Exception as exc:
                 log.warning("slot %d: lease not released (it expires instead): %s", slot, exc)
@@ -223,7 +227,7 @@ class Leadership:
                 log.warning("lease of slot %d: %s", slot, exc)
 
     def _note(self, slot: int, lease: kube.Lease | None) -> None:
-        if lease is None or not lease.holder:
+        if lease is None or not lease.holder or lease.holder.startswith(RELEASED):
             self.holders.pop(slot, None)
         else:
             self.holders[slot] = lease.holder
@@ -261,12 +265,13 @@ class Leadership:
                 "slot %d: lease taken by %s (epoch %d): no longer its owner", slot, lease.holder, lease.transitions
             )
         seen = self._seen.get(slot)
+        released = lease.holder.startswith(RELEASED)
         if seen is None or seen.version != lease.resource_version:
             seen = self._seen[slot] = _Seen(lease.resource_version, read)
-            if lease.holder:  # a released lease is taken at first sight: its holder stopped before writing it
+            if not released:  # a released lease is taken at first sight: its holder stopped before writing it
                 return
-        # A released lease (no holder: handed over, ``release``) is taken at once; else after a whole duration.
-        expired = not lease.holder or began - seen.since >= self._duration
+        # A released lease (handed over: ``release``) is taken at once; any other after a whole duration unchanged.
+        expired = released or began - seen.since >= self._duration
         if not self.may_take(slot):
             return
         recorded = lease.in_sync is None or self.me in lease.in_sync  # None: a lease written before the set was
