@@ -120,6 +120,9 @@ class NewMessage:
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
     epoch: int = 0  # the replication epoch its slot's owner stored it in (0: the first, or no replication)
+    # the ring slot its lite topic was placed on, recorded by its slot's owner (-1: not recorded, --replicas 1);
+    # a topic's slot is read from its last record (``replication.owning``), not computed from today's ring
+    slot: int = -1
 
 
 @value
@@ -141,6 +144,7 @@ class StoredMessage:
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
     epoch: int = 0  # as ``NewMessage.epoch``
+    slot: int = -1  # as ``NewMessage.slot``
 
     @staticmethod
     def of(
@@ -167,6 +171,7 @@ class StoredMessage:
             message_group=message.message_group,
             user_properties=message.user_properties if user_properties is None else user_properties,
             epoch=message.epoch,
+            slot=message.slot,
         )
 
 

@@ -88,6 +88,13 @@ def test_round_trip_of_every_field() -> None:
     assert (stored.queue, stored.offset, stored.keys, stored.store_timestamp_ms) == (LMQ, 2, ("k1", "k2"), 99)
 
 
+def test_a_recorded_ring_slot_round_trips_and_slot_0_is_not_absent() -> None:
+    for slot in (-1, 0, 7):
+        p = prepared(slot=slot)
+        assert codec.decode(framed(p, (1, 2))).slot == slot
+        assert codec.decode_message(framed(p, (1, 2)), LMQ, 2).slot == slot
+
+
 def test_tombstone_round_trip() -> None:
     rec = codec.decode(codec.encode_tombstone(keys.parse_queue(LMQ.topic, 0), 42, 5))
     assert (rec.kind, rec.queues, rec.offsets, rec.body) == (codec.KIND_TOMBSTONE, ((LMQ.topic, 0),), (42,), b"")
@@ -184,6 +191,7 @@ def new_messages(draw: st.DrawFn) -> model.NewMessage:
         keys=tuple(draw(st.lists(_TEXT, max_size=2))),
         message_group=draw(st.one_of(st.none(), _TEXT)),
         user_properties=draw(st.dictionaries(_TEXT, _TEXT, max_size=2)),
+        slot=draw(st.sampled_from([-1, 0, 3])),
     )
 
 

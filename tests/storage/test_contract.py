@@ -768,3 +768,15 @@ def test_truncating_a_queue_cuts_its_end_and_the_next_append_takes_the_offset_ag
 def test_a_records_replication_epoch_reads_back(store: api.Store, msg: Msg) -> None:
     store.append([msg(parent_queue=False), msg(parent_queue=False, epoch=7), msg(parent_queue=False, tag="x", epoch=1)])
     assert [m.epoch for m in store.read(LMQ_A, 0, 10)] == [0, 7, 1]
+
+
+def test_a_records_ring_slot_reads_back_and_absent_is_not_slot_0(store: api.Store, msg: Msg) -> None:
+    store.append(
+        [
+            msg(parent_queue=False),
+            msg(parent_queue=False, slot=0),
+            msg(parent_queue=False, slot=5, epoch=2),
+            msg(parent_queue=False, tag="x", slot=70_000),
+        ]
+    )
+    assert [(m.slot, m.epoch) for m in store.read(LMQ_A, 0, 10)] == [(-1, 0), (0, 0), (5, 2), (70_000, 0)]

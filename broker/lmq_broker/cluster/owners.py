@@ -115,9 +115,13 @@ class Owners:
         return slot
 
     async def _holds(self, slot: int, parent: str, lite: str) -> bool:
-        if slot == self._links.me:
+        """Does ``slot`` hold the topic: asked of the broker serving it (after a failover, its lease holder,
+        which has the slot's topics; its preferred owner may be down or back on an empty disk)."""
+        serving = self.serving
+        asked = slot if serving is None else serving(slot)
+        if asked == self._links.me:
             return await self._holds_locally(parent, lite)
-        member = self._links.membership.members[slot]
+        member = self._links.membership.members[asked]
         stub, metadata = self._links.admin(member, "DescribeLiteTopic")
         try:
             await stub.DescribeLiteTopic(

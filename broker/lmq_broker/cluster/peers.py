@@ -12,6 +12,8 @@ changed together when the membership changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry
 
 from lmq_broker.cluster import draining, local_hop
@@ -45,6 +47,8 @@ class Peers:
         self.links = Links(config, secret, admin_keys)
         self.epochs = Epochs(self.links, adopt)
         self.owners = Owners(self.links, self.epochs, holds_locally)
+        # With replication: told each membership applied (``replication.setup.Replication.rebuild``)
+        self.changed: Callable[[mb.Membership, int], None] | None = None
         self.fanout = Fanout(self.links, self.owners, subscribers=subscribers, known=known)
         self.handoff = draining.Handoff(drained_locally, self.fanout.move_subscriptions)
         self.hop: local_hop.Hop | None = None
@@ -59,6 +63,8 @@ class Peers:
         came from the membership's writer (SetCluster), not from the flags."""
         self.links.apply(membership, me, told=told)
         self.owners.forget()
+        if self.changed is not None:
+            self.changed(membership, me)
 
     @property
     def membership(self) -> mb.Membership:

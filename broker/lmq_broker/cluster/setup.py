@@ -60,11 +60,11 @@ def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
 
 def fixed_ring(replicas: int, current: mb.Membership, new: mb.Membership) -> None:
     """With replication (``--replicas`` above 1) the ring never changes while brokers run: each slot's
-    followers and Lease follow from the ring the brokers started with, and a topic's slot from today's ring, so
-    another ring would copy a topic placed by the older one under a slot whose replicas do not hold it (after a
-    failover), and a removed pod could take the last in-sync copy of a slot with it. Moving replicas and leases
-    to a new ring is designed (docs/replication.md, *Changing the ring*), not built: refused, whatever ``force``.
-    A new epoch of the same ring (the operator numbering it) is accepted."""
+    followers and Lease follow from the ring the brokers started with, so brokers told another ring would
+    disagree on who follows whom, and a removed pod could take the last in-sync copy of a slot with it. A
+    topic's slot is recorded on its records (step 1 of docs/replication.md, *Changing the ring*), but records of
+    older versions have none; moving replicas and leases to a new ring (steps 2-7) is not built: refused,
+    whatever ``force``. A new epoch of the same ring (the operator numbering it) is accepted."""
     if replicas > 1 and new != current:
         raise errors.Conflict(
             f"the ring of a replicated cluster (--replicas {replicas}) cannot change yet: members "

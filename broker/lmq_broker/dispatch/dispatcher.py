@@ -404,6 +404,8 @@ class Dispatcher:
         self.subscriptions.forget(lmq.topic)
         self.settlement.forget_topic(lmq.topic)
         self.recent.forget(lmq)
+        if self.ingest.replicas is not None:
+            self.ingest.replicas.forget(lmq.topic)
 
     def end_reclaim(self, mark: reclaims.Mark, deleted: Sequence[model.QueueId]) -> None:
         for lmq in deleted:

@@ -51,6 +51,10 @@ class Replicas(Protocol):
         ``errors.Fenced`` when the lease was lost meanwhile: the send is not acknowledged)."""
         ...
 
+    def forget(self, topic: str) -> None:
+        """``topic`` was deleted: what is remembered of it (its recorded slot) is forgotten."""
+        ...
+
 
 class Ingest:
     readers: Readers  # wired by the dispatcher once the reading side exists

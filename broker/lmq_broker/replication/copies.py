@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter
@@ -100,13 +100,41 @@ class Owner:
             points,
             self._lock,
         )
-        for f, endpoint in followers.items():
-            keeper.shippers[f] = shipping.Shipper(f, endpoint, slot, shipper_doors, queue_messages, probe_interval_s)
+        self._shipping = (shipper_doors, queue_messages, probe_interval_s)
+        self._followers: dict[int, str] = {}  # ring slot → endpoint
+        self.follow(followers)
         self._send = send
-        self._followers = dict(followers)  # ring slot → endpoint
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
         self._awaited: list[asyncio.Future[None]] = []  # the acks waiting for the commits in ``_commits``
         self._flushing: asyncio.Task[None] | None = None
+
+    def follow(self, followers: dict[int, str]) -> None:
+        """Copy to ``followers`` too (a ring change: ``replicas.sets_of``). A new follower is outside the in-sync
+        set: it gets every batch from now on and is probed; a send waits for it only once it joined the set (as
+        for a follower back from a restart). None is removed here (that is step 4 of a ring change)."""
+        doors, cap, probe_interval_s = self._shipping
+        for f, endpoint in followers.items():
+            if f not in self.keeper.shippers:
+                self.keeper.shippers[f] = shipping.Shipper(f, endpoint, self._slot, doors, cap, probe_interval_s)
+                self._followers[f] = endpoint
+
+    @property
+    def followers(self) -> dict[int, str]:
+        return dict(self._followers)
+
+    async def unfollow(self, gone: Iterable[int]) -> None:
+        """Copy to ``gone`` no more: replicas the ring no longer names (step 4 of a ring change). Only those out
+        of the in-sync set and not joining it: the holder wrote the set without them first, so no send or ack
+        waits for them; a member is kept (asked again at the next tick)."""
+        keeper = self.keeper
+        keep = {*keeper.recorded(), *keeper.joining}
+        closing = []
+        for f in [f for f in gone if f not in keep]:
+            self._followers.pop(f, None)
+            shipper = keeper.shippers.pop(f, None)
+            if shipper is not None:
+                closing.append(shipper.close())
+        await asyncio.gather(*closing)
 
     def lag(self) -> list[tuple[str, int]]:
         """(follower endpoint, messages it has not confirmed) per follower."""
@@ -202,17 +230,18 @@ class Owner:
                     _settle(awaited, self._fenced())
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
+                followers = dict(self._followers)  # as now: ``follow`` may add one meanwhile
                 awaited_by = self.keeper.awaited()  # members and those joining: their copies are waited for
                 seqs = {f: s.seq for f, s in self.keeper.shippers.items() if f in awaited_by}
                 await self._shipped(seqs)
                 async with self._lock:
                     answers = await asyncio.gather(
-                        *(self._send(e, data) for e in self._followers.values()), return_exceptions=True
+                        *(self._send(e, data) for e in followers.values()), return_exceptions=True
                     )
-                answers = [self._unless_lost(f, a, seqs) for f, a in zip(self._followers, answers, strict=True)]
+                answered = {f: self._unless_lost(f, a, seqs) for f, a in zip(followers, answers, strict=True)}
                 if awaited:
-                    _settle(awaited, await self._commits_held(epoch, answers))
-                self._missed(answers)  # after: a member that failed was recorded out by now, or stays
+                    _settle(awaited, await self._commits_held(epoch, answered))
+                self._missed(answered)  # after: a member that failed was recorded out by now, or stays
         finally:
             _settle(awaited, errors.BrokerUnavailable("the broker is stopping: try again"))
             self._flushing = None
@@ -222,9 +251,9 @@ class Owner:
         the timeout): a commit copy that overtook its messages would be clamped to the follower's end
         (``following``). One outside the set answers a clamped commit with its ends: it is probed again."""
         keeper, deadline = self.keeper, time.monotonic() + ACK_TIMEOUT_S
-        while (behind := [(f, n) for f, n in seqs.items() if keeper.shippers[f].done < n]) and (
-            left := deadline - time.monotonic()
-        ) > 0:
+        while (
+            behind := [(f, n) for f, n in seqs.items() if f in keeper.shippers and keeper.shippers[f].done < n]
+        ) and (left := deadline - time.monotonic()) > 0:
             await keeper.wait(left, behind[0])
 
     def _unless_lost(
@@ -233,28 +262,30 @@ class Owner:
         """A follower that did not store the messages before a commit holds no more than its end of them."""
         if answer:  # ends: a commit point past them was clamped there
             return errors.BrokerUnavailable(f"follower {f} lacks messages the commit points count: {answer}")
-        shipper, n = self.keeper.shippers[f], seqs.get(f, 0)
-        if isinstance(answer, BaseException) or n == 0 or shipper.holds(n):
+        shipper, n = self.keeper.shippers.get(f), seqs.get(f, 0)
+        if isinstance(answer, BaseException) or n == 0 or shipper is None or shipper.holds(n):
             return answer
         return errors.BrokerUnavailable(f"follower {f} did not store the messages the commit points count")
 
-    def _missed(self, answers: list[dict[str, int] | BaseException]) -> None:
+    def _missed(self, answers: dict[int, dict[str, int] | BaseException]) -> None:
         """A follower outside the set that did not store a commit copy must not join it (nor stay joining)
         without a new probe: it would take the slot over with a commit point lower than one acknowledged
         meanwhile. (A member that failed stays only when the set would go below M: the ack was refused.)"""
         members = set(self.keeper.recorded())
-        for f, answer in zip(self._followers, answers, strict=True):
+        for f, answer in answers.items():
             shipper = self.keeper.shippers.get(f)
             if isinstance(answer, BaseException) and shipper is not None and f not in members:
                 shipper.missed()
                 self.keeper.changed(shipper)
 
-    async def _commits_held(self, epoch: int, answers: list[dict[str, int] | BaseException]) -> errors.LmqError | None:
+    async def _commits_held(
+        self, epoch: int, answers: dict[int, dict[str, int] | BaseException]
+    ) -> errors.LmqError | None:
         """None when the acks of a flush may be answered: every member of the in-sync set stored its commit
         points (any member may take the slot over: one without them would deliver the acked messages again),
         those that failed removed from the set first (as a send's), at least M members counted, and the lease
         still held; else why not."""
-        me, ok = self._leadership.me, dict(zip(self._followers, answers, strict=True))
+        me, ok = self._leadership.me, answers
         failed = [f for f in self.keeper.recorded() if f != me and (f not in ok or isinstance(ok[f], BaseException))]
         kept = bool(failed) and not await self.keeper.shrink(failed)  # below M (they stay), or lease not written
         failed_to = f"; failed: {failed}" if kept else ""

@@ -31,6 +31,11 @@ class Handover:
         self._task: asyncio.Task[None] | None = None
         self.pushed = 0  # lite topics and patterns made at new holders
 
+    def resize(self, slots: int) -> None:
+        """Another ring: a new slot serves itself until a lease says otherwise; a removed one is no longer
+        checked."""
+        self._last = self._last[:slots] + list(range(len(self._last), slots))
+
     def check(self) -> None:
         """Compare each slot's holder with the last check; a changed one gets its subscriptions (in a task)."""
         now = [self._serving(slot) for slot in range(len(self._last))]

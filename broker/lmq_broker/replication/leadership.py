@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -34,6 +34,9 @@ Clock = Callable[[], float]
 
 
 InSync = tuple[int, ...]  # ring slots (brokers) of a slot's in-sync replicas, sorted
+# The holder a released lease names (``release``): its releaser, fenced before it wrote it. Not the empty holder:
+# a lease a person cleared by hand gives no such promise, so it is taken only once expired.
+RELEASED: Final = "released/"
 
 
 class LeaseApi(Protocol):
@@ -93,7 +96,17 @@ class Leadership:
         self.epochs: dict[int, int] = {}  # slot -> newest epoch seen (followers refuse older copies)
         self.in_sets: dict[int, InSync | None] = {}  # slot -> its in-sync replicas as last read or written
         self.takeovers = 0
+        self.releases = 0
+        # A slot this broker must not take (its pod is being removed: it hands slots over, step 5 of a ring
+        # change, and takes none back); set by ``setup`` from the membership
+        self.may_take: Callable[[int], bool] = lambda slot: True
         self._locks: dict[int, asyncio.Lock] = {}  # one write at a time per slot (renewal, set change, takeover)
+
+    def follow(self, replica_sets: list[list[int]]) -> None:
+        """Another ring's replica sets (``replicas.sets_of``): the slots this broker is a replica of, whose
+        leases it writes, follow them from the next tick; a new slot's lease is created by its owner then."""
+        self.replica_sets = replica_sets
+        self.mine = [slot for slot, replicas in enumerate(replica_sets) if self.me in replicas]
 
     def name(self, slot: int) -> str:
         return f"{self._prefix}-slot-{slot}"
@@ -139,6 +152,32 @@ class Leadership:
                 return None
             return in_sync if self.in_sync(slot) == in_sync else None
 
+    async def release(self, slot: int) -> bool:
+        """Hand ``slot`` over (this broker's pod is being removed): stop acknowledging first (the slot leaves the
+        held set: its fence is closed before anything is written), then write the lease as released (holder
+        ``RELEASED`` + its identity), the same epoch and the same in-sync set. A follower in that set and
+        reconciled at that epoch takes it at the tick that first sees it, without waiting for it to expire
+        (``_visit_locked``): nothing acknowledged here after the release, the taker holds everything acknowledged
+        before. True once written (a failed write leaves the lease to expire, as after a crash: the fence is
+        closed either way)."""
+        async with self._lock(slot):
+            held = self._held.pop(slot, None)
+            if held is None:
+                return False
+            lease = held[0]
+            try:
+                written = await asyncio.to_thread(
+                    self._api.write, lease, RELEASED + self.identity, lease.transitions, self._duration_s, lease.in_sync
+                )
+            except Exception as exc:
+                log.warning("slot %d: lease not released (it expires instead): %s", slot, exc)
+                return False
+            self.holders.pop(slot, None)
+            self.in_sets[slot] = written.in_sync
+            self.releases += 1
+            log.warning("slot %d: lease released (epoch %d) for a replica that stays", slot, lease.transitions)
+            return True
+
     def _lock(self, slot: int) -> asyncio.Lock:
         found = self._locks.get(slot)
         if found is None:
@@ -150,12 +189,18 @@ class Leadership:
         holder = slot_of_identity(self.holders.get(slot, ""))
         return holder if 0 <= holder < len(self.replica_sets) else slot
 
-    async def run(self, stopping: asyncio.Event) -> None:
+    async def run(self, stopping: asyncio.Event, after: Callable[[], Awaitable[None]] | None = None) -> None:
         """A tick every third of a duration from when the last one *began*: a slow tick (a loaded apiserver)
-        delays the next renewal by nothing more, so one renewal may still fail before the fence closes."""
+        delays the next renewal by nothing more, so one renewal may still fail before the fence closes.
+        ``after`` runs after each tick (the replica sets follow the in-sync sets just read)."""
         while not stopping.is_set():
             began = self._clock()
             await self.tick()
+            if after is not None:
+                try:
+                    await after()
+                except Exception:  # never the lease loop's end: its renewals are the fence
+                    log.exception("leases: after the tick")
             left = self._duration / 3 - (self._clock() - began)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), max(left, TICK_GAP_MIN_S))
@@ -182,7 +227,7 @@ class Leadership:
                 log.warning("lease of slot %d: %s", slot, exc)
 
     def _note(self, slot: int, lease: kube.Lease | None) -> None:
-        if lease is None or not lease.holder:
+        if lease is None or not lease.holder or lease.holder.startswith(RELEASED):
             self.holders.pop(slot, None)
         else:
             self.holders[slot] = lease.holder
@@ -220,10 +265,15 @@ class Leadership:
                 "slot %d: lease taken by %s (epoch %d): no longer its owner", slot, lease.holder, lease.transitions
             )
         seen = self._seen.get(slot)
+        released = lease.holder.startswith(RELEASED)
         if seen is None or seen.version != lease.resource_version:
-            self._seen[slot] = _Seen(lease.resource_version, read)
+            seen = self._seen[slot] = _Seen(lease.resource_version, read)
+            if not released:  # a released lease is taken at first sight: its holder stopped before writing it
+                return
+        # A released lease (handed over: ``release``) is taken at once; any other after a whole duration unchanged.
+        expired = released or began - seen.since >= self._duration
+        if not self.may_take(slot):
             return
-        expired = began - seen.since >= self._duration
         recorded = lease.in_sync is None or self.me in lease.in_sync  # None: a lease written before the set was
         if expired and not recorded and seen.declined != lease.resource_version:
             seen.declined = lease.resource_version

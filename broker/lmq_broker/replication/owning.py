@@ -1,14 +1,18 @@
 """``dispatch.ingest.Replicas``: the slots this broker holds, each with its own copies and epoch.
 
-A broker holds its own slot, and after a failover also the slots it took over. A stored message belongs to
-the slot its lite topic hashes to when this broker holds that slot's lease, else to this broker's own slot
-(a topic placed here by an older ring, a normal topic, a dead letter).
+A broker holds its own slot, and after a failover also the slots it took over. A lite topic belongs to one
+slot for its whole life: the slot its first record was placed on, which the slot's owner records on each of
+its records (``model.NewMessage.slot``, copied with them) and which is read back from its last record here,
+remembered per topic. Today's ring decides only for a topic without records: the slot its name hashes to when
+this broker holds that slot's lease, else this broker's own slot (as for a normal topic or a dead letter).
+Records stored before slots were recorded count as topics without records. Computing the slot from today's
+ring for every topic would file a topic placed by an older ring under whichever slot its holder happens to
+hold, and copy it to replicas that lack its history (docs/replication.md, *Changing the ring*, fact 3).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -18,17 +22,36 @@ from lmq_broker.replication import copies, wire
 from lmq_broker.replication.leadership import Leadership
 
 RingSlot = Callable[[str], int]  # an LMQ name -> its slot in today's ring
+Recorded = Callable[[str], int]  # an LMQ name -> the slot on its last record in this store (-1: none; blocking)
 RING_SLOTS_KEPT: Final = 65_536  # LMQ names whose ring slot is remembered (a hash of the name each, ~3 µs)
+RECORDED_KEPT: Final = 262_144  # LMQ names whose recorded slot is remembered (a store read each); then cleared
 
 
 class Slots:
-    def __init__(self, leadership: Leadership, ring_slot: RingSlot, make_owner: Callable[[int], copies.Owner]) -> None:
+    def __init__(
+        self,
+        leadership: Leadership,
+        ring_slot: RingSlot,
+        make_owner: Callable[[int], copies.Owner],
+        recorded: Recorded = lambda topic: -1,
+    ) -> None:
         self._leadership = leadership
         # remembered: a send asks it two or three times per message, and ``ring_slot`` is a pure function of the
-        # name (``setup`` hands it the membership it started with; a replicated ring does not change meanwhile)
+        # name and of the membership (``ring_changed`` forgets them)
+        self._ring_slot_of = ring_slot
         self._ring_slot = functools.lru_cache(maxsize=RING_SLOTS_KEPT)(ring_slot)
         self._make_owner = make_owner
         self._owners: dict[int, copies.Owner] = {}
+        self._read_recorded = recorded
+        self._recorded: dict[str, int] = {}  # LMQ name -> its recorded slot (only topics with a recorded one)
+
+    def ring_changed(self) -> None:
+        """Another membership: the ring slots remembered are forgotten (recorded slots stay: they do not move)."""
+        self._ring_slot = functools.lru_cache(maxsize=RING_SLOTS_KEPT)(self._ring_slot_of)
+
+    def owners(self) -> dict[int, copies.Owner]:
+        """The copies of every slot this broker holds or held."""
+        return dict(self._owners)
 
     def owner(self, slot: int) -> copies.Owner:
         found = self._owners.get(slot)
@@ -38,16 +61,45 @@ class Slots:
 
     def admit(self, messages: Sequence[model.NewMessage]) -> Sequence[model.NewMessage]:
         """Fenced unless this broker holds every slot of ``messages``; else them stamped with their slot's epoch
-        (the record keeps it: ``following`` finds where a rejoining replica's log diverged by it)."""
+        (the record keeps it: ``following`` finds where a rejoining replica's log diverged by it) and, those of
+        a lite topic, with their slot (the topic's slot from then on: ``recorded``)."""
         epochs: dict[int, int] = {}
-        for slot in {self._slot_of(m) for m in messages}:
+        slots = [self._slot_of(m) for m in messages]
+        for slot in set(slots):
             self.owner(slot).admit()
             epochs[slot] = self._leadership.epoch(slot) or 0
-        if not any(epochs.values()):
-            return messages  # the first epoch is 0: nothing to stamp
-        return [dataclasses.replace(m, epoch=epochs[self._slot_of(m)]) for m in messages]
+        return [_stamped(m, epochs[slot], slot) for m, slot in zip(messages, slots, strict=True)]
+
+    def note(self, messages: Sequence[model.NewMessage]) -> None:
+        """Remember the slots ``messages`` record for their lite topics (stored here: sent, or copied)."""
+        kept = self._recorded
+        for m in messages:
+            topic = _lmq_of(m)
+            if topic is not None and m.slot >= 0 and kept.get(topic) != m.slot:
+                if len(kept) >= RECORDED_KEPT:
+                    kept.clear()
+                kept[topic] = m.slot
+
+    def forget(self, topic: str) -> None:
+        """``topic`` was cut (truncation on rejoin) or deleted: its slot is read again from what is left of it
+        (a topic deleted and created again takes the slot it is placed on then)."""
+        self._recorded.pop(topic, None)
+
+    def recorded(self, topic: str) -> int:
+        """The slot recorded on the last record of ``topic`` here, -1 when it has none (no records, or records
+        older than recorded slots). May read the store (blocking) the first time a topic is asked about."""
+        found = self._recorded.get(topic)
+        if found is None:
+            found = self._read_recorded(topic)
+            if found < 0:
+                return found  # a topic without records: its first record will be noted
+            if len(self._recorded) >= RECORDED_KEPT:
+                self._recorded.clear()
+            self._recorded[topic] = found
+        return found
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        self.note(messages)  # stored here: their topics' slots are recorded from now on
         parts: dict[int, tuple[list[model.NewMessage], list[model.AppendResult]]] = {}
         for m, r in zip(messages, results, strict=True):
             part = parts.setdefault(self._slot_of(m), ([], []))
@@ -92,21 +144,60 @@ class Slots:
         await asyncio.gather(*(o.close() for o in self._owners.values()))
 
     def _slot_of(self, message: model.NewMessage) -> int:
-        for queue in message.queues:
-            if queue.topic.startswith(model.LMQ_PREFIX):
-                return self._acting_slot(queue.topic)
-        return self._leadership.me
+        topic = _lmq_of(message)
+        return self._leadership.me if topic is None else self._acting_slot(topic)
 
     def _acting_slot(self, topic: str) -> int:
-        """The slot whose lease a send or a settlement of ``topic`` acts under: its ring slot also after this
-        broker lost that slot's lease (it held it: ``_owners``), so the call is fenced there and not taken
-        under this broker's own slot."""
+        """The slot whose lease a send or a settlement of ``topic`` acts under: its recorded slot whoever holds
+        that slot now, else its ring slot also after this broker lost that slot's lease (it held it:
+        ``_owners``), so the call is fenced there and not taken under this broker's own slot."""
+        slot = self.recorded(topic)
+        if slot >= 0:
+            return slot
         me = self._leadership.me
         slot = self._ring_slot(topic)
         return slot if slot != me and (slot in self._owners or self._leadership.holds(slot)) else me
 
     def slot_of_topic(self, topic: str) -> int:
-        """The slot an LMQ stored here belongs to: its ring slot when this broker holds that one, else its own."""
+        """The slot an LMQ stored here belongs to: its recorded slot; for a topic without one, its ring slot
+        when this broker holds that one, else its own."""
+        slot = self.recorded(topic)
+        if slot >= 0:
+            return slot
         me = self._leadership.me
         slot = self._ring_slot(topic)
         return slot if slot != me and self._leadership.holds(slot) else me
+
+    def followed_slot(self, topic: str) -> int:
+        """The slot a follower files an LMQ it stored under (truncation on rejoin): its recorded slot, else its
+        ring slot (the copies of a topic without a recorded slot came from its ring slot's owner)."""
+        slot = self.recorded(topic)
+        return slot if slot >= 0 else self._ring_slot(topic)
+
+
+def _stamped(m: model.NewMessage, epoch: int, slot: int) -> model.NewMessage:
+    """``m`` with its epoch and, for a lite topic's message, its slot (positional: ``dataclasses.replace``
+    cost 3.5 µs a message on the send path)."""
+    return model.NewMessage(
+        m.message_id,
+        m.topic,
+        m.body,
+        m.queues,
+        m.lite_topic,
+        m.message_type,
+        m.born_timestamp_ms,
+        m.born_host,
+        m.tag,
+        m.keys,
+        m.message_group,
+        m.user_properties,
+        epoch,
+        slot if _lmq_of(m) is not None else -1,
+    )
+
+
+def _lmq_of(message: model.NewMessage) -> str | None:
+    for queue in message.queues:
+        if queue.topic.startswith(model.LMQ_PREFIX):
+            return queue.topic
+    return None

@@ -11,6 +11,7 @@ stream is tried again every ``BINARY_RETRY_S`` (the follower may have been upgra
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -38,12 +39,13 @@ from lmq_broker.replication import (
     kube,
     owning,
     reconciling,
+    replicas,
     sources,
     stating,
     streams,
     wire,
 )
-from lmq_broker.replication.leadership import Leadership, identity
+from lmq_broker.replication.leadership import InSync, Leadership, identity
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -90,9 +92,11 @@ def check(config: BrokerConfig) -> None:
 
 def one_ring(replicas: int, membership: mb.Membership) -> None:
     """Refuse a ring with a history (a scale-up or a scale-down behind it, or slots leaving) at --replicas above
-    1: a topic placed by an older ring stays on a slot that is not its slot in today's ring, and a broker that
-    took that slot over would copy the topic's new messages under its own slot, to replicas that do not hold the
-    topic's history (docs/replication.md, *Changing the ring*)."""
+    1: a topic placed by an older ring stays on a slot that is not its slot in today's ring. Its records name
+    that slot only if they were stored by a replicated owner of this version (``owning``); a topic stored at
+    --replicas 1 or by an older version would be filed under today's ring, and a broker that took its slot over
+    would copy its new messages to replicas that do not hold its history; and replica sets follow one ring only
+    (docs/replication.md, *Changing the ring*)."""
     if replicas > 1 and len(set(membership.sizes)) > 1:
         raise errors.InvalidArgument(
             f"--replicas {replicas} needs a ring without history: ring sizes {list(membership.sizes)} (--ring-history, "
@@ -106,12 +110,7 @@ def idle_gauges() -> gauges.Collector:
     return gauges.Collector(1)
 
 
-def followers_of(slot: int, slots: int, processes: int, replicas: int) -> list[int]:
-    """Follower k of ``slot``: the same process on the k-th next pod (never a process of its own pod)."""
-    pods = slots // processes
-    if replicas > pods:
-        raise errors.InvalidArgument(f"--replicas {replicas} needs at least {replicas} pods, the ring has {pods}")
-    return [(slot + k * processes) % slots for k in range(1, replicas)]
+followers_of = replicas.followers_of
 
 
 def _failpoint(env: str = FAILPOINT_ENV) -> Callable[[], bool] | None:
@@ -149,7 +148,7 @@ class Replication:
         api = kube.ApiServer.of(
             config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
         )
-        replica_sets = [[s, *followers_of(s, slots, processes, config.replicas)] for s in range(slots)]
+        replica_sets = replicas.sets_of(links.membership, processes, config.replicas)
         self._links = links
         self._api = api
         self._counters = copies.Counters(registry)
@@ -175,7 +174,6 @@ class Replication:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
             return found[0].message_id if found and found[0].offset == offset else None
 
-        membership = links.membership
         self._cuts = Counter(
             "lmq_replication_truncated",
             "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
@@ -196,6 +194,7 @@ class Replication:
 
         async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
             results = await dispatcher.ingest.append_copy(messages)
+            self.slots.note(messages)
             copied.inc(len(messages))
             stores.inc()
             return results
@@ -207,7 +206,7 @@ class Replication:
             stored_id,
             commit,
             self._counters,
-            _Local(store, dispatcher, lambda topic: mb.owner(membership, topic), self._cuts),
+            _Local(store, dispatcher, lambda t: self.slots.followed_slot(t), self._cuts, self._forget),  # noqa: PLW0108 (slots: below)
             self._diverge,
             _failpoint(),
         )
@@ -215,7 +214,7 @@ class Replication:
         min_insync = config.min_insync_replicas or config.replicas
 
         def owner(slot: int) -> copies.Owner:
-            endpoints = {s: links.membership.members[s] for s in replica_sets[slot] if s != me}
+            endpoints = self._followers(slot)
             read = lambda queue, offset, n: asyncio.to_thread(store.read, queue, offset, n)  # noqa: E731
             tails = lambda: asyncio.to_thread(sources.tails, store, slot, self.slots.slot_of_topic)  # noqa: E731
             points = lambda: asyncio.to_thread(sources.points, store, slot, self.slots.slot_of_topic)  # noqa: E731
@@ -230,7 +229,12 @@ class Replication:
                 probe_interval_s=config.lease_duration_ms / 3000,
             )
 
-        self.slots = owning.Slots(self.leadership, lambda topic: mb.owner(membership, topic), owner)
+        self.slots = owning.Slots(
+            self.leadership,
+            lambda topic: mb.owner(links.membership, topic),
+            owner,
+            lambda topic: sources.recorded_slot(store, topic),
+        )
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
         self.mqtt: Callable[[], Durable | None] = lambda: None  # the MQTT listener's store, once it runs (app)
@@ -247,6 +251,9 @@ class Replication:
         registry.register(stating.Collector(self.states))
         self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
         self._replica_sets = replica_sets
+        self._processes, self._replicas = processes, config.replicas
+        self._min_insync = config.min_insync_replicas or config.replicas
+        peers.changed = self.rebuild
         self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its binary copies take
         self.json_links: dict[str, streams.Link] = {}  # follower endpoint -> its stream of JSON copies (older)
         self._json_until: dict[str, float] = {}  # follower endpoint -> when to ask for its binary stream again
@@ -268,13 +275,82 @@ class Replication:
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
+    def _followers(self, slot: int) -> dict[int, str]:
+        """The endpoints a holder of ``slot`` copies to: its replicas but this broker, by the in-sync sets as
+        last read (not the sets of the last rebuild: a slot taken at start must not copy to, and probe back
+        in, a replica its set no longer names)."""
+        membership, me = self._links.membership, self.leadership.me
+        sets = replicas.sets_of(membership, self._processes, self._replicas, self.leadership.in_sets)
+        return {s: membership.members[s] for s in sets[slot] if s != me}
+
+    def rebuild(self, membership: mb.Membership, me: int) -> None:
+        """A membership applied (``cluster.peers.Peers.apply``): every slot's replicas computed again from it
+        (``replicas.sets_of``: during a change, the union of the ring before and after), and everything that
+        follows from them made to match: the slots this broker follows and may take (``Leadership``), the
+        followers its held slots copy to (a new one is probed into the in-sync set before a send waits for it),
+        the followers of its state rows (read from the sets each batch), each slot's serving broker checked
+        for handovers, and the ring slot of topics without a recorded slot. A replica that is no longer one
+        keeps its copies. Run again after each lease tick (``_after_tick``): a slot whose lease names exactly its
+        new-ring replicas has those only. The ring of a replicated cluster does not change yet
+        (``cluster.setup.fixed_ring``): a new epoch of the same ring changes nothing here."""
+        if me != self.leadership.me:
+            log.warning(
+                "replication: this broker is slot %d in the new membership, was %d: not rebuilt", me, self.leadership.me
+            )
+            return
+        # A pod being removed (its slot leaving) hands the slots that stay over and takes none (step 5)
+        self.leadership.may_take = membership.leaving if membership.leaving(me) else _any_slot
+        sets = replicas.sets_of(membership, self._processes, self._replicas, self.leadership.in_sets)
+        if sets == self._replica_sets:
+            return
+        self._replica_sets = sets
+        self.leadership.follow(sets)
+        self.slots.ring_changed()
+        self.states.forget_slots()
+        self.handover.resize(len(sets))
+        for slot, owner in self.slots.owners().items():
+            owner.follow(self._followers(slot))
+        log.info("replication: replica sets rebuilt for ring epoch %d: %s", membership.epoch, sets)
+
+    async def _after_tick(self) -> None:
+        """Steps 4 and 5 of a ring change, after each lease tick. A broker whose slot is leaving releases the
+        leases it holds of slots that stay (``Leadership.release``: a replica in the set takes each at once). A
+        held slot whose in-sync set holds every replica of the new ring gets the set without the others (a lease
+        write, never below --min-insync-replicas); then the replica sets follow the sets just read or written,
+        and each held slot stops copying to replicas it no longer has (they are out of the set by then: nothing
+        waits for them). Outside a ring change the new ring's replicas are all there are: nothing is written."""
+        membership, me = self._links.membership, self._links.me
+        if me != self.leadership.me:
+            return
+        if membership.leaving(me):  # step 5: this pod is being removed; the slots that stay are handed over
+            for slot in self.leadership.held():
+                if not membership.leaving(slot):
+                    await self.leadership.release(slot)
+        targets = replicas.targets_of(membership, self._processes, self._replicas)
+        for slot in self.leadership.held():
+            if slot < len(targets):
+                target = targets[slot]
+                if replicas.narrowed(target, self.leadership.in_sync(slot), self._min_insync, me) is not None:
+                    written = await self.leadership.record(slot, functools.partial(self._narrowed, target))
+                    log.info("slot %d: in-sync set narrowed to the new ring's replicas: %s", slot, written)
+        self.rebuild(membership, me)
+        for slot, owner in self.slots.owners().items():
+            if self.leadership.holds(slot):
+                await owner.unfollow(set(owner.followers) - set(self._followers(slot)))
+
+    def _narrowed(self, target: list[int], now: InSync) -> InSync:
+        return replicas.narrowed(target, now, self._min_insync, self.leadership.me) or now
+
+    def _forget(self, topic: str) -> None:
+        self.slots.forget(topic)
+
     def _not_in_sync(self, slot: int) -> None:
         if self.follower is not None:
             self.follower.out_of_sync(slot)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self.leadership.run(self._stopping), name="lmq-leases")
+        self._task = loop.create_task(self.leadership.run(self._stopping, self._after_tick), name="lmq-leases")
         self._reconciling = loop.create_task(self.reconciler.run(self._stopping, self._own), name="lmq-reconcile")
         self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
         me = self.leadership.me
@@ -485,6 +561,10 @@ def _behind(answer: bytes) -> dict[str, int]:
     return behind
 
 
+def _any_slot(slot: int) -> bool:
+    return True
+
+
 class _Handler(_GenericHandler):
     def __init__(self, replication: Replication) -> None:
         self._replication = replication
@@ -502,14 +582,22 @@ class _Local:
     """``following.Local``: this broker's store, read and cut in a thread; a cut topic's cached messages and
     consumer state are dropped from the dispatcher too (they were of the records cut)."""
 
-    def __init__(self, store: Store, dispatcher: Dispatcher, ring_slot: Callable[[str], int], cuts: Counter) -> None:
+    def __init__(
+        self,
+        store: Store,
+        dispatcher: Dispatcher,
+        slot_of_topic: Callable[[str], int],
+        cuts: Counter,
+        forget: Callable[[str], None],
+    ) -> None:
         self._store = store
         self._dispatcher = dispatcher
-        self._ring_slot = ring_slot
+        self._slot_of_topic = slot_of_topic
         self._cuts = cuts
+        self._forget = forget
 
     async def tails(self, slot: int) -> dict[str, int]:
-        return await asyncio.to_thread(sources.tail_epochs, self._store, slot, self._ring_slot)
+        return await asyncio.to_thread(sources.tail_epochs, self._store, slot, self._slot_of_topic)
 
     async def last_epoch(self, topic: str) -> int | None:
         return await asyncio.to_thread(divergence.last_epoch, sources.StoreLog(self._store, topic))
@@ -521,6 +609,7 @@ class _Local:
         queue = model.QueueId(topic, 0)
         cut = await asyncio.to_thread(self._store.truncate_queue, queue, end)
         if cut:
+            self._forget(topic)
             self._cuts.inc(cut)
             self._dispatcher.recent.forget(queue)
             self._dispatcher.settlement.forget_topic(topic)

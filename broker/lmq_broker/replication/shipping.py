@@ -277,4 +277,5 @@ def as_new(m: model.StoredMessage) -> model.NewMessage:
         message_group=m.message_group,
         user_properties=m.user_properties,
         epoch=m.epoch,
+        slot=m.slot,
     )

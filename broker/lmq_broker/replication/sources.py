@@ -115,15 +115,28 @@ class StoreLog:
         return (found[-1].offset, found[-1].epoch) if found else None
 
 
+def recorded_slot(store: Store, topic: str) -> int:
+    """The slot recorded on the last record of ``topic`` in ``store`` (-1: it has none, or one stored before
+    slots were recorded). A record past a lost range is found by reading back (``LOOK_BACK``)."""
+    queue = model.QueueId(topic, 0)
+    low, end = store.queue_offsets(queue)
+    if end <= low:
+        return -1
+    found = store.read(queue, end - 1, 1)
+    if not found:
+        found = [m for m in store.read(queue, max(low, end - LOOK_BACK), LOOK_BACK) if m.offset < end][-1:]
+    return found[-1].slot if found else -1
+
+
 def answers(store: Store, epochs: dict[str, int]) -> dict[str, tuple[int | None, int]]:
     """The holder's ``divergence.answer`` for each topic a rejoining replica names with its last epoch."""
     return {topic: divergence.answer(StoreLog(store, topic), epoch) for topic, epoch in epochs.items()}
 
 
-def tail_epochs(store: Store, slot: int, ring_slot: Callable[[str], int]) -> dict[str, int]:
-    """The epoch of the last record of every non-empty lite topic of ``slot`` in ``store`` (its ring slot)."""
+def tail_epochs(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> dict[str, int]:
+    """The epoch of the last record of every non-empty lite topic of ``slot`` in ``store``."""
     out: dict[str, int] = {}
-    for topic in ends(store, slot, ring_slot):
+    for topic in ends(store, slot, slot_of_topic):
         epoch = divergence.last_epoch(StoreLog(store, topic))
         if epoch is not None:
             out[topic] = epoch

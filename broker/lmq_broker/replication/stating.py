@@ -120,6 +120,12 @@ class States:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), wait_s)
 
+    def forget_slots(self) -> None:
+        """Another ring: the slots remembered per topic (and the rows made with them) are forgotten."""
+        self._sub_rows.clear()
+        self._slots.clear()
+        self._seen.clear()
+
     async def tick(self, followers: Callable[[int], list[int]], call: Call) -> None:
         leadership = self._leadership
         held = set(leadership.held())

@@ -5,7 +5,7 @@ Two layouts, told apart by the first byte; ``decode`` reads both, whoever sent t
 *Binary* (``encode``, the copy path's): ``FF 02``, then ``slot`` (u32), ``epoch`` (u64), the number of messages
 (u32) and of commit points (u32), all big-endian; then each message: a head ``type`` (u8), ``present`` (u8: 1
 lite topic, 2 tag, 4 message group; absent is None), ``born`` (i64 ms), ``ep`` (u64: the epoch it was stored
-in), the body's size (u32), the text block's size in bytes (u32), and the counts of queues, offsets, keys and
+in), ``sl`` (i32: the ring slot its topic was placed on, -1 when not recorded), the body's size (u32), the text block's size in bytes (u32), and the counts of queues, offsets, keys and
 properties (u16 each); then the code-point length (u32) of each text (id, topic, lite, host, tag, group, each
 queue's topic, each key, each property's name and value), each queue's id (u32) and each offset (i64: the
 owner's queue offsets); then the text block (every text back to back, UTF-8, lone surrogates passed through)
@@ -15,7 +15,8 @@ and the block. Why the lengths are in code points: a message's texts are decoded
 
 *JSON* (``encode_json``, the plain twin and what a broker of an older version reads): a 4-byte big-endian
 length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}`` where each message's fields
-are those of ``model.NewMessage`` without the body (``ep``: the epoch it was stored in) plus ``offsets`` (the
+are those of ``model.NewMessage`` without the body (``ep``: the epoch it was stored in; ``sl``: the ring slot
+its topic was placed on, -1 or absent when not recorded) plus ``offsets`` (the
 owner's queue offsets), and each commit is ``[topic, queue, group, offset, [acked above it…]]`` (a consumer
 group's commit point as persisted by the owner); then every body, back to back, in order (their lengths are in
 the header). Its first byte is 0 for any header under 16 MiB (a call carries 64 MiB at most), never ``FF``.
@@ -41,7 +42,7 @@ BINARY: Final = 2  # the binary layout's version (the byte after ``MAGIC``)
 _HEAD: Final = struct.Struct(">BBIQII")  # magic, version, slot, epoch, messages, commits
 # type, present, born, ep, body, block, queues, offsets, keys, props, then the lengths of the six texts every
 # message has
-_MESSAGE: Final = struct.Struct(">BBqQIIHHHH6I")
+_MESSAGE: Final = struct.Struct(">BBqQiIIHHHH6I")
 _COMMIT: Final = struct.Struct(">IqIIII")  # queue, offset, acked, topic and group lengths, block
 _LITE, _TAG, _GROUP = 1, 2, 4
 _TEXTS: Final = 6  # id, topic, lite, host, tag, group: then queue topics, keys, properties
@@ -98,7 +99,7 @@ def _message(parts: list[bytes], m: model.NewMessage, offsets: tuple[int, ...]) 
     block = "".join((*fixed, *texts)).encode("utf-8", "surrogatepass")
     queues = len(m.queues)
     head = _MESSAGE.pack(
-        int(m.message_type), present, m.born_timestamp_ms, m.epoch, len(m.body), len(block), queues, len(offsets),
+        int(m.message_type), present, m.born_timestamp_ms, m.epoch, m.slot, len(m.body), len(block), queues, len(offsets),
         len(m.keys), len(props), *map(len, fixed),
     )  # fmt: skip
     numbers = _numbers(len(texts), queues, len(offsets)).pack(*map(len, texts), *(q.queue for q in m.queues), *offsets)
@@ -122,7 +123,7 @@ def _decode_binary(data: bytes) -> Copy:
     offsets: list[tuple[int, ...]] = []
     append, unpack_head, head_size, types = messages.append, _MESSAGE.unpack_from, _MESSAGE.size, _TYPES
     for _ in range(count):
-        mtype, present, born, ep, size, block, nq, no, nk, np_, l0, l1, l2, l3, l4, l5 = unpack_head(data, pos)
+        mtype, present, born, ep, sl, size, block, nq, no, nk, np_, l0, l1, l2, l3, l4, l5 = unpack_head(data, pos)
         pos += head_size
         nv = nq + nk + 2 * np_
         numbers = _numbers(nv, nq, no)
@@ -161,6 +162,7 @@ def _decode_binary(data: bytes) -> Copy:
                 message_group=text[d:e] if present & _GROUP else None,
                 user_properties=dict(zip(pt[::2], pt[1::2], strict=True)) if np_ else {},
                 epoch=ep,
+                slot=sl,
             )
         )
         offsets.append(nums[nv + nq :])
@@ -202,6 +204,7 @@ def _fields(m: model.NewMessage, offsets: tuple[int, ...]) -> dict[str, Any]:
         "props": m.user_properties,
         "offsets": list(offsets),
         "ep": m.epoch,
+        "sl": m.slot,
     }
 
 
@@ -271,6 +274,7 @@ def _decode_json(data: bytes) -> Copy:
                 message_group=f["group"],
                 user_properties=dict(f["props"]),
                 epoch=int(f.get("ep", 0)),
+                slot=int(f.get("sl", -1)),
             )
         )
         offsets.append(tuple(f["offsets"]))

@@ -23,8 +23,9 @@ Record format, version 1 (integers little-endian)::
 
     properties: a sequence of (u8 tag | u32 length | value); tags 1 lite topic, 2 born host, 3 tag,
     4 key (repeated), 5 message group, 6 user property (u16 key length | key | value), 7 replication epoch
-    (u64; absent: 0, the epoch the slot's owner stored the record in: ``replication.divergence``). Unknown tags are
-    skipped so that version 1 can grow optional fields.
+    (u64; absent: 0, the epoch the slot's owner stored the record in: ``replication.divergence``), 8 ring slot
+    (u32; absent: not recorded, the slot the record's lite topic was placed on: ``replication.owning``). Unknown
+    tags are skipped so that version 1 can grow optional fields.
 
 A record is stored once whatever the number of queues: an extra queue costs 8 bytes of offset plus its
 name here, and one index entry. The queue offsets live in the record so that the index can be rebuilt
@@ -64,6 +65,7 @@ HEADER: Final = struct.Struct("<BBBBQQHHIII")
 FIXED_BYTES: Final = PREFIX.size + HEADER.size  # 44
 PROPERTY: Final = struct.Struct("<BI")
 USER_KEY: Final = struct.Struct("<H")
+SLOT: Final = struct.Struct("<I")  # TAG_SLOT's value
 OFFSETS: Final = tuple(struct.Struct(f"<{n}Q") for n in range(MAX_QUEUES_PER_RECORD + 1))
 QUEUE_NAME_TAIL: Final = struct.Struct("<H")
 
@@ -74,6 +76,7 @@ TAG_KEY: Final = 4
 TAG_MESSAGE_GROUP: Final = 5
 TAG_USER_PROPERTY: Final = 6
 TAG_EPOCH: Final = 7
+TAG_SLOT: Final = 8
 
 
 def crc32c_of(data: bytes | memoryview, value: int = 0) -> int:
@@ -110,6 +113,7 @@ class Record:
     message_group: str | None = None
     user_properties: dict[str, str] = field(default_factory=dict)
     epoch: int = 0
+    slot: int = -1
 
 
 class Frame(NamedTuple):
@@ -151,6 +155,8 @@ def encode_properties(m: model.NewMessage) -> bytes:
         parts.append(_prop(TAG_USER_PROPERTY, USER_KEY.pack(len(kb)) + kb + v.encode()))
     if m.epoch:
         parts.append(_prop(TAG_EPOCH, keys.U64.pack(m.epoch)))
+    if m.slot >= 0:
+        parts.append(_prop(TAG_SLOT, SLOT.pack(m.slot)))
     return b"".join(parts)
 
 
@@ -238,7 +244,15 @@ def prepare(m: model.NewMessage, names: keys.NameCache, max_record_bytes: int, s
         raise errors.InvalidArgument(f"message id must be 1..{MAX_MESSAGE_ID_BYTES} bytes", message_id=m.message_id)
     topic = names.topics.get(m.topic) or names.topic(m.topic)
     lite = m.lite_topic
-    if m.born_host or m.tag is not None or m.keys or m.message_group is not None or m.user_properties or m.epoch:
+    if (
+        m.born_host
+        or m.tag is not None
+        or m.keys
+        or m.message_group is not None
+        or m.user_properties
+        or m.epoch
+        or m.slot >= 0
+    ):
         props = encode_properties(m)
     elif lite is not None:
         found = names.lite_properties.get(lite)
@@ -489,6 +503,7 @@ class _Properties(TypedDict, total=False):
     message_group: str
     user_properties: dict[str, str]
     epoch: int
+    slot: int
 
 
 def _properties(raw: bytes) -> _Properties:
@@ -516,6 +531,8 @@ def _properties(raw: bytes) -> _Properties:
             user[value[2 : 2 + kl].decode()] = value[2 + kl :].decode()
         elif tag == TAG_EPOCH:
             out["epoch"] = keys.U64.unpack(value)[0]
+        elif tag == TAG_SLOT:
+            out["slot"] = SLOT.unpack(value)[0]
     if keys_:
         out["keys"] = tuple(keys_)
     if user:
@@ -622,4 +639,5 @@ def decode_message(buf: bytes, queue: model.QueueId, offset: int) -> model.Store
         props.get("message_group"),
         props.get("user_properties", {}),
         props.get("epoch", 0),
+        props.get("slot", -1),
     )

@@ -24,6 +24,7 @@ from waiting import TIMEOUT_S, eventually_async
 from lmq_broker import app, errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import setup as cluster_setup
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import testing as protocol_testing
@@ -97,7 +98,12 @@ async def start_broker(config: BrokerConfig) -> app.Broker:
 
 
 async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
-    hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", 2)]
+    return await start_ring(tmp_path, 2, overrides)
+
+
+async def start_ring(tmp_path: Path, brokers_n: int, overrides: dict[str, object]) -> Pair:
+    """``brokers_n`` brokers with --replicas 2, once every slot's lease is held."""
+    hosts = [("127.0.0.1", p) for p in free_ports("127.0.0.1", brokers_n)]
     members = ",".join(f"{h}:{p}" for h, p in hosts)
     brokers = []
     for slot, (host, port) in enumerate(hosts):
@@ -116,7 +122,8 @@ async def start_pair(tmp_path: Path, **overrides: object) -> Pair:
         )
         brokers.append(await start_broker(config))
     pair = Pair(brokers, [protocol_testing.connect(b.endpoint, b.store) for b in brokers if b.store is not None])
-    await eventually_async(lambda: all(pair.leadership(s).epoch(s) is not None for s in (0, 1)), "both leases held")
+    held = lambda: all(pair.leadership(s).epoch(s) is not None for s in range(brokers_n))  # noqa: E731
+    await eventually_async(held, "every lease held")
     return pair
 
 
@@ -411,6 +418,27 @@ async def test_the_ring_of_a_replicated_cluster_does_not_change_while_it_runs(pa
         assert pair.leadership(slot).epoch(slot) is not None
         reply = await pair.send(slot, pair.lite_of(slot), 0)
         assert reply.status.code == pb.OK, reply.status
+
+
+@pytest.mark.asyncio
+async def test_the_owner_and_its_follower_record_each_topics_slot(pair: Pair) -> None:
+    """A send of a topic of each slot is stored on both replicas with that slot recorded on the record (the
+    topic's slot from then on, whatever the ring: docs/replication.md, *Changing the ring*, step 1), and each
+    broker files the topic under it."""
+    for slot in (0, 1):
+        lite = pair.lite_of(slot, prefix="r")
+        reply = await pair.send(slot, lite, 0)
+        assert reply.status.code == pb.OK, reply.status
+        for broker in pair.brokers:
+            store, repl = broker.store, broker.replication
+            assert store is not None and repl is not None
+            topic = model.QueueId.lmq(PARENT, lite).topic
+            queue = model.QueueId(topic, 0)
+            await eventually_async(functools.partial(lambda s, q: s.queue_offsets(q)[1] == 1, store, queue), "copy")
+            (record,) = store.read(queue, 0, 1)
+            assert (record.slot, record.message_id) == (slot, f"{lite}-0")
+            assert repl.slots.slot_of_topic(topic) == slot  # on the follower too (it was its own slot's)
+            assert repl.slots.followed_slot(topic) == slot
 
 
 def test_a_copy_reads_back_as_it_was_written() -> None:
@@ -742,3 +770,198 @@ def test_the_lease_api_answers_alike_on_kept_connections_and_reopens_one_the_api
     finally:
         for api in closing:
             api.close()
+
+
+@pytest.mark.asyncio
+async def test_a_grown_ring_moves_a_slots_follower_only_once_the_new_one_is_in_the_set(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """Ring change steps 2-4 (docs/replication.md, *Changing the ring with R > 1*), R = 2, a ring of 2 grown to
+    3. The grown membership is applied to the running brokers directly (``Peers.apply``, what SetCluster does
+    after its refusal, which stays until steps 5-7 are built). Slot 1's replicas become the union of the old
+    ring's (1, 0) and the new one's (1, 2): its holder copies to the new broker too, whose probe catches it up
+    and records it in the slot's in-sync set; then the holder writes the set without the old follower and stops
+    copying there, and the old follower stops following the slot, keeping what it stored. Every acknowledged
+    message is on the new ring's replicas once, in order, at the owner's offsets, its slot recorded."""
+    lite = pair.lite_of(1)
+    for n in range(3):
+        assert (await pair.send(1, lite, n)).status.code == pb.OK
+    (port,) = free_ports("127.0.0.1", 1)
+    grown = pair.membership.grown(f"127.0.0.1:{port}")
+    first = pair.brokers[0].config
+    third = await start_broker(
+        dispatch_testing.config_for(
+            tmp_path / "b2",
+            host="127.0.0.1",
+            port=port,
+            metrics_port=-1,
+            peers=",".join(grown.members),  # a ring of 3 from its flags: the new ring's replica sets
+            ordinal=2,
+            advertised_address=f"127.0.0.1:{port}",
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+            replicas=2,
+            **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
+            **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
+        )
+    )
+    try:
+        for slot, broker in enumerate(pair.brokers):
+            assert broker.cluster is not None and broker.cluster.peers is not None
+            broker.cluster.peers.apply(grown, slot)
+        holder, old = pair.leadership(1), pair.leadership(0)
+        assert holder.replica_sets == [[0, 1], [1, 2, 0], [2, 0]]  # the union, until the new follower is in
+        await eventually_async(lambda: holder.in_sync(1) == (1, 2), "the new follower in, the old one out")
+        await eventually_async(lambda: 1 not in old.mine and old.replica_sets[1] == [1, 2], "old follower left")
+        repl = pair.brokers[1].replication
+        assert repl is not None
+        await eventually_async(lambda: list(repl.slots.owners()[1].followers) == [2], "no copies to the old one")
+        for n in range(3, 6):
+            assert (await pair.send(1, lite, n)).status.code == pb.OK
+        queue = model.QueueId.lmq(PARENT, lite)
+        for store, sent in ((pair.brokers[1].store, 6), (third.store, 6), (pair.brokers[0].store, 3)):
+            assert store is not None
+            stored = [(m.offset, m.message_id, m.slot) for m in store.read(queue, 0, 100)]
+            assert stored == [(n, f"{lite}-{n}", 1) for n in range(sent)]
+    finally:
+        await third.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_removed_pod_hands_the_slot_it_holds_over_and_the_slot_keeps_every_message(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    """Ring change steps 2-5, R = 2, a ring of 3 shrunk to 2 (slot 2 leaving), the membership applied to the
+    running brokers directly (``Peers.apply``; SetCluster refuses it until steps 6-7 are built). Broker 2 holds
+    slot 1's lease (taken by force, as after a failover). Slot 1's replicas become the union (1, 0, 2), so
+    broker 0 (its follower in the ring of 2) is probed into the set; broker 2, being removed, releases the
+    lease, and a broker that stays, in the set and in sync, takes it at its next tick without waiting for it
+    to expire; broker 2 then leaves the set. Every acknowledged message of slot 1 is on its final replicas
+    once, in order; broker 2 never takes the slot back."""
+    ring = await start_ring(tmp_path, 3, lease_flags(kube, tmp_path))
+    try:
+        lite = ring.lite_of(1)
+        for n in range(3):
+            assert (await ring.send(1, lite, n)).status.code == pb.OK
+        leaving = ring.leadership(2)
+        await eventually_async(lambda: ring.leadership(1).in_sync(1) == (1, 2), "slot 1's follower in the set")
+        take_lease(kube, ring.leadership(1).name(1), leaving.identity)
+        await eventually_async(lambda: leaving.epoch(1) is not None, "broker 2 holds slot 1 (a failover)")
+        await eventually_async(lambda: leaving.in_sync(1) == (1, 2), "broker 1 probed back into the set")
+        for n in range(3, 6):
+            assert (await ring.send(2, lite, n)).status.code == pb.OK
+        shrunk = ring.membership.shrunk(2)
+        for slot, broker in enumerate(ring.brokers):
+            assert broker.cluster is not None and broker.cluster.peers is not None
+            broker.cluster.peers.apply(shrunk, slot)
+        await eventually_async(lambda: leaving.releases == 1, "slot 1 released by the pod being removed")
+        released = time.monotonic()
+        staying = [ring.leadership(0), ring.leadership(1)]
+        taker = await eventually_async(
+            lambda: next((s for s in staying if s.epoch(1) is not None), None), "slot 1 taken by a pod that stays"
+        )
+        assert taker is not None
+        took_s = time.monotonic() - released
+        print(f"slot 1 taken {took_s:.2f} s after its release (lease {LEASE_MS} ms)")
+        assert took_s < LEASE_MS / 1000  # at its next tick: not after the lease's expiry
+        await eventually_async(lambda: taker.in_sync(1) == (0, 1), "the new ring's replicas in, broker 2 out")
+        assert sum(s.takeovers for s in staying) == 1
+        for n in range(6, 9):
+            assert (await ring.send(1, lite, n)).status.code == pb.OK
+        queue = model.QueueId.lmq(PARENT, lite)
+        for store, sent in ((ring.brokers[0].store, 9), (ring.brokers[1].store, 9), (ring.brokers[2].store, 6)):
+            assert store is not None
+            assert [(m.offset, m.message_id) for m in store.read(queue, 0, 100)] == [
+                (n, f"{lite}-{n}") for n in range(sent)
+            ]
+        assert not leaving.holds(1) and leaving.holds(2)  # its own (leaving) slot stays with it
+    finally:
+        for client in ring.clients:
+            await client.close()
+        for broker in ring.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_topic_placed_by_the_older_ring_keeps_its_slots_copies_across_two_failovers(
+    kube: testing.KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fact-3 trace of docs/replication.md (*Why a ring change is more than SetCluster at R > 1*), R = 2,
+    --min-insync-replicas 1, a ring of 2 grown to 3 through the brokers' own membership change
+    (``Cluster.change``) with the two ring refusals lifted for this test (steps 6-7 are not built). Topic T is
+    placed on slot 1 by the ring of 2; today's ring hashes it to slot 2. Broker 1 dies; broker 2 takes slot 1
+    and, holding slot 2 as well, stores T's next sends; they must be filed under slot 1 (its records say so),
+    so when broker 1 returns, its reconcile and the holder's probe of slot 1 bring them back, and after broker
+    2 dies broker 1 serves every acknowledged message of T. Filed under slot 2 (today's ring) they were not:
+    broker 1 was in sync without them, and they were lost with broker 2."""
+    monkeypatch.setattr(cluster_setup, "fixed_ring", lambda *args: None)
+    monkeypatch.setattr(replication, "one_ring", lambda *args: None)
+    ring = await start_ring(tmp_path, 2, {**lease_flags(kube, tmp_path), "min_insync_replicas": 1})
+    try:
+        (port,) = free_ports("127.0.0.1", 1)
+        grown = ring.membership.grown(f"127.0.0.1:{port}")
+        name = next(n for n in (f"f-{i}" for i in range(10_000)) if mb.candidates(grown, lmq_of(n)) == (2, 1))
+        assert (await ring.send(1, name, 0)).status.code == pb.OK  # placed on slot 1 by the ring of 2
+        first = ring.brokers[0].config
+        third = await start_broker(
+            dispatch_testing.config_for(
+                tmp_path / "b2",
+                host="127.0.0.1",
+                port=port,
+                metrics_port=-1,
+                peers=",".join(grown.members),
+                ordinal=2,
+                advertised_address=f"127.0.0.1:{port}",
+                admin_access_key="admin-ak",
+                admin_secret_key="admin-sk",
+                replicas=2,
+                min_insync_replicas=1,
+                **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
+                **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
+            )
+        )
+        assert third.store is not None
+        ring.brokers.append(third)
+        ring.clients.append(protocol_testing.connect(third.endpoint, third.store))
+        for slot, broker in enumerate(ring.brokers):
+            assert broker.cluster is not None
+            await broker.cluster.change(cluster_setup.Place(grown, slot, cluster_setup.ADMIN))
+        await eventually_async(lambda: ring.leadership(1).in_sync(1) == (1, 2), "slot 1: the new ring's replicas")
+        for n in range(1, 4):  # through broker 2: placed on slot 1, whose holder stores it
+            assert (await ring.send(2, name, n)).status.code == pb.OK
+        await eventually_async(lambda: reconciled(third, 1), "broker 2 reconciled with slot 1's holder")
+        await ring.brokers[1].stop(grace_s=0.1)  # pod 1 dies: broker 2 takes slot 1 over
+        await eventually_async(lambda: ring.leadership(2).epoch(1) is not None, "broker 2 took slot 1")
+        for n in range(4, 7):  # stored by broker 2, which holds slot 2 too
+            assert (await ring.send(2, name, n)).status.code == pb.OK
+        assert third.replication is not None and third.replication.slots.slot_of_topic(lmq_of(name)) == 1
+        ring.brokers[1] = await start_broker(ring.brokers[1].config)  # pod 1 back on its disk
+        await eventually_async(lambda: ring.leadership(2).in_sync(1) == (1, 2), "broker 1 back in slot 1's set")
+        await eventually_async(lambda: reconciled(ring.brokers[1], 1), "broker 1 reconciled with broker 2")
+        await ring.brokers[2].stop(grace_s=0.1)  # pod 2 dies: broker 1 takes slot 1 back
+        await eventually_async(lambda: ring.leadership(1).epoch(1) is not None, "broker 1 took slot 1 back")
+        store = ring.brokers[1].store
+        assert store is not None
+        held = [(m.offset, m.message_id, m.slot) for m in store.read(model.QueueId(lmq_of(name), 0), 0, 100)]
+        assert held == [(n, f"{name}-{n}", 1) for n in range(7)]
+    finally:
+        for client in ring.clients:
+            await client.close()
+        for broker in ring.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
+
+
+def reconciled(broker: app.Broker, slot: int) -> bool:
+    """``broker`` fetched every lite topic's end of ``slot`` from its holder at the current epoch (a takeover
+    needs it, as much as a place in the in-sync set)."""
+    repl = broker.replication
+    if repl is None or repl.follower is None:
+        return False
+    epoch = repl.leadership.epochs.get(slot)
+    return epoch is not None and repl.follower.in_sync(slot, epoch)
+
+
+def lmq_of(lite: str) -> str:
+    return model.QueueId.lmq(PARENT, lite).topic

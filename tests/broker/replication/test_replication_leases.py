@@ -202,3 +202,40 @@ def test_a_slot_taken_over_and_lost_again_fences_its_topics_not_the_brokers_own_
     with pytest.raises(errors.Fenced):
         slots.fence(one)  # lost: refused, not admitted under slot 0
     slots.fence(zero)  # its own slot, still held
+
+
+@pytest.mark.asyncio
+async def test_a_released_lease_is_taken_at_once_by_a_member_of_its_set_and_never_by_the_releaser() -> None:
+    """Step 5 of a ring change (lease handover by release): the holder stops acknowledging before it writes the
+    lease with no holder (same epoch, same set); a follower in the set takes it at its next tick, with no
+    clock moved (no expiry waited for), at the next epoch; a broker told not to take the slot (its pod is being
+    removed) leaves it alone, expired or not. A lease whose holder a person cleared by hand promises no fence:
+    it is taken only once expired."""
+    api, clock = memory.Leases(), Clock()
+    owner, follower = broker(api, clock, 0), broker(api, clock, 1)
+    await owner.tick()
+    assert await owner.record(0, lambda now: (*now, 1)) == (0, 1)
+    await follower.tick()
+    owner.may_take = lambda slot: False
+    assert await owner.release(0)
+    assert owner.epoch(0) is None and not owner.holds(0)  # fenced before the write
+    lease = api.items["t-slot-0"]
+    assert (lease.holder, lease.transitions, lease.in_sync) == ("released/" + owner.identity, 0, (0, 1))
+    await owner.tick()
+    assert not owner.holds(0)
+    await follower.tick()  # first sight of the released version: taken at once
+    assert follower.epoch(0) == 1 and follower.in_sync(0) == (0, 1)
+    assert not await owner.release(0)  # nothing held: nothing written
+    clock.now += 2 * DURATION_MS / 1000  # the follower stops renewing (dies): expired, but not for the releaser
+    await owner.tick()
+    await owner.tick()
+    assert not owner.holds(0)
+    lease = api.items["t-slot-0"]
+    api.write(lease, "", lease.transitions, 60, lease.in_sync)  # cleared by hand
+    owner.may_take = lambda slot: True
+    await owner.tick()
+    await owner.tick()  # seen twice, not yet for a whole duration: not taken
+    assert not owner.holds(0)
+    clock.now += DURATION_MS / 1000
+    await owner.tick()
+    assert owner.holds(0)

@@ -28,6 +28,7 @@ def messages() -> tuple[list[model.NewMessage], list[model.AppendResult]]:
         message_group="g",
         user_properties={"a": "1", "": "empty name", "ключ": "значение"},
         epoch=2**40,
+        slot=7,
     )
     bare = model.NewMessage(message_id="", topic="T", body=b"", queues=(model.QueueId("T", 0),))
     lite = dispatch_testing.lite_message("x", b"y" * 1024, message_id="m-3", tag="")
