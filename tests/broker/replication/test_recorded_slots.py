@@ -139,9 +139,10 @@ def test_a_normal_topics_message_is_not_stamped_with_a_slot(store: Store) -> Non
 def test_a_copy_carries_the_recorded_slot_and_an_older_copy_reads_as_not_recorded() -> None:
     m = dataclasses.replace(lite("x"), slot=3, epoch=9)
     result = model.AppendResult(m.message_id, m.queues, (0, 7), 0)
-    (copied,) = wire.decode(wire.encode(3, 9, [m], [result])).messages
-    assert copied == m
-    data = wire.encode(3, 9, [m], [result])
+    for encode in (wire.encode, wire.encode_json):  # binary, and the JSON twin
+        (copied,) = wire.decode(encode(3, 9, [m], [result])).messages
+        assert copied == m
+    data = wire.encode_json(3, 9, [m], [result])
     (n,) = struct.unpack_from(">I", data)
     head = json.loads(data[4 : 4 + n])
     del head["messages"][0]["sl"]  # as a version before recorded slots writes it
