@@ -54,6 +54,12 @@ class Counters:
             "in-sync set and catches up",
             registry=registry,
         )
+        self.commits_stored = Counter(
+            "lmq_replication_commits_stored",
+            "Commit points this broker stored from its slots' owners (handouts: yes when with delivery attempts)",
+            ["handouts"],
+            registry=registry,
+        )
 
     def ack_refused(self, error: BaseException) -> None:
         """An ack refused because the commit copy it waited for failed (``dispatch.settlement`` tells): counted

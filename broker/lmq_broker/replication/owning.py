@@ -74,7 +74,12 @@ class Slots:
         return self.owner(slot).hands_out()
 
     def committed(
-        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int],
+        handouts: model.Handouts = model.NO_HANDOUTS,
     ) -> asyncio.Future[None] | None:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
@@ -82,7 +87,7 @@ class Slots:
         slot = self.slot_of_topic(queue.topic)
         if not self._leadership.holds(slot):
             return None
-        return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
+        return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked), handouts))
 
     def lag(self) -> list[tuple[int, str, int]]:
         """(slot, follower endpoint, messages it has not confirmed) of the slots this broker holds."""

@@ -164,8 +164,9 @@ class Replication:
 
         async def commit(point: wire.Commit) -> None:
             # on the loop when no writer holds the store (as the owner's settlement does): an ack waits for it
-            if not store.try_commit_offset(point.queue, point.group, point.offset, point.acked):
-                await asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
+            at = (point.queue, point.group, point.offset, point.acked, point.handouts)
+            if not store.try_commit_offset(*at):
+                await asyncio.to_thread(store.commit_offset, *at)
 
         async def stored_id(queue: model.QueueId, offset: int) -> str | None:
             found = await asyncio.to_thread(store.read, queue, offset, 1)

@@ -3,8 +3,9 @@
 Layout: a 4-byte big-endian length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}``
 where each message's fields are those of ``model.NewMessage`` without the body (``ep``: the epoch it was
 stored in) plus ``offsets`` (the owner's queue offsets), and each commit is ``[topic, queue, group, offset,
-[acked above it…]]`` (a consumer group's commit point as persisted by the owner); then every body, back to
-back, in order (their lengths are in the header).
+[acked above it…]]`` (a consumer group's commit point as persisted by the owner), and, when any commit carries
+hand-outs, ``"handouts"``: per commit ``[mark, [[offset, attempts]…]]`` (``model.Handouts``; a key an older
+decoder passes over); then every body, back to back, in order (their lengths are in the header).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Commit:
     group: str
     offset: int
     acked: tuple[int, ...]
+    handouts: model.Handouts = model.NO_HANDOUTS  # delivery attempts above the point (``dispatch.leases``)
 
 
 def _fields(m: model.NewMessage, offsets: tuple[int, ...]) -> dict[str, Any]:
@@ -65,7 +67,9 @@ def encode(
 ) -> bytes:
     listed = [_fields(m, r.queue_offsets) for m, r in zip(messages, results, strict=True)]
     points = [[c.queue.topic, c.queue.queue, c.group, c.offset, list(c.acked)] for c in commits]
-    value = {"slot": slot, "epoch": epoch, "messages": listed, "commits": points}
+    value: dict[str, Any] = {"slot": slot, "epoch": epoch, "messages": listed, "commits": points}
+    if any(c.handouts.mark for c in commits):
+        value["handouts"] = [[c.handouts.mark, [list(n) for n in c.handouts.counts]] for c in commits]
     head = json.dumps(value, separators=(",", ":")).encode()
     return b"".join((_LEN.pack(len(head)), head, *(m.body for m in messages)))
 
@@ -100,9 +104,13 @@ def decode(data: bytes) -> Copy:
             offsets.append(tuple(f["offsets"]))
         if pos != len(data):
             raise ValueError(f"{len(data) - pos} bytes past the last body")
+        listed_commits = head.get("commits", ())
+        handouts = [model.Handouts(int(mark), tuple((int(o), int(n)) for o, n in counts))
+                    for mark, counts in head.get("handouts", ())]  # fmt: skip
+        handouts += [model.NO_HANDOUTS] * (len(listed_commits) - len(handouts))
         commits = [
-            Commit(model.QueueId(topic, int(queue)), group, int(offset), tuple(acked))
-            for topic, queue, group, offset, acked in head.get("commits", ())
+            Commit(model.QueueId(topic, int(queue)), group, int(offset), tuple(acked), h)
+            for (topic, queue, group, offset, acked), h in zip(listed_commits, handouts, strict=True)
         ]
         return Copy(int(head["slot"]), int(head["epoch"]), messages, offsets, commits)
     except (ValueError, KeyError, TypeError, struct.error) as exc:
