@@ -305,6 +305,7 @@ class Broker:
         server.add_generic_rpc_handlers((repl.handler(),))
         self.dispatcher.ingest.replicas = repl.slots
         self.dispatcher.settlement.committed = repl.slots.committed
+        self.dispatcher.settlement.followed = repl.slots.followed
         self.dispatcher.settlement.fence = repl.slots.fence
         self.dispatcher.settlement.copy_refused = repl.ack_refused
         self.dispatcher.settlement.hands_out = repl.slots.hands_out

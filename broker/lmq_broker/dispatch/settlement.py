@@ -83,6 +83,10 @@ class Settlement:
         # slot's followers get it too (lmq_broker.replication); the future, when it gives one, is done once enough
         # followers stored it, and an ack waits for it. None: nobody is told.
         self.committed: Committed | None = None
+        # With replication: is this lite topic of a slot this broker follows and does not hold? An offset reset
+        # asked here (an MQTT session's start at the end at every broker) leaves it alone: a follower's commit
+        # points are its holder's, and its own end may be behind the holder's. None: none is.
+        self.followed: Callable[[str], bool] | None = None
         self._copying: dict[LeaseKey, asyncio.Future[None]] = {}  # the newest commit copy per key, until stored
         # With replication: told of each ack refused because the commit copy it waited for failed (counted there
         # once per ack; a copy nobody waited on, a hand-out write's, refused no client). None: nobody is told.
@@ -204,6 +208,9 @@ class Settlement:
         self, lmqs: list[str], group: str, option: offsets.OffsetReset, ends: Sequence[int] | None = None
     ) -> None:
         """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset."""
+        if self.followed is not None:  # their holder's reset reaches this store as its commit copies
+            kept = [i for i, lmq in enumerate(lmqs) if not self.followed(lmq)]
+            lmqs, ends = [lmqs[i] for i in kept], None if ends is None else [ends[i] for i in kept]
         lease_keys = [LeaseKey(lmq, 0, group) for lmq in lmqs]
         if any(map(self.deliveries.delivering, lease_keys)):
             raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now")

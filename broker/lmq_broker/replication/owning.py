@@ -73,6 +73,14 @@ class Slots:
         slot = self._acting_slot(queue.topic) if queue.topic.startswith(model.LMQ_PREFIX) else self._leadership.me
         return self.owner(slot).hands_out()
 
+    def followed(self, topic: str) -> bool:
+        """``dispatch.settlement``'s question before an offset reset: is ``topic`` a lite topic of a slot this broker
+        follows without holding its lease (its commit points are the holder's copies)?"""
+        if not topic.startswith(model.LMQ_PREFIX):
+            return False
+        slot = self._ring_slot(topic)
+        return slot in self._leadership.mine and not self._leadership.holds(slot)
+
     def committed(
         self,
         queue: model.QueueId,

@@ -7,7 +7,9 @@ MQTT session what was published before its subscription started at the topic's e
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import struct
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
 from lmq_broker.replication import kube as kube_api
+from lmq_broker.replication import wire
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing as kube_testing
 
@@ -66,15 +69,15 @@ class Pair:
     def shadowed(self, kind: str) -> bool:
         return raw_v2.metric(self.brokers[1], "lmq_replication_state_rows", kind=kind, slot="0") >= 1
 
+    def in_sync(self) -> bool:
+        """The follower is in slot 0's in-sync set (the lease says so) and in sync with its holder (it says so)."""
+        got = self.api.get(f"{self.prefix}-slot-0")
+        recorded = got is not None and got.in_sync == (0, 1)
+        return recorded and raw_v2.metric(self.brokers[1], "lmq_replication_in_sync", slot="0") == 1
+
     def fail_over(self) -> None:
         """kill -9 of the owner of slot 0 and its disk gone: the follower (in its in-sync set) takes slot 0 over."""
-
-        def in_sync() -> bool:
-            got = self.api.get(f"{self.prefix}-slot-0")
-            recorded = got is not None and got.in_sync == (0, 1)
-            return recorded and raw_v2.metric(self.brokers[1], "lmq_replication_in_sync", slot="0") == 1
-
-        eventually(in_sync, "the follower in slot 0's in-sync set")
+        eventually(self.in_sync, "the follower in slot 0's in-sync set")
         self.brokers[0].kill()
         shutil.rmtree(self.tmp_path / "b0")
         eventually(lambda: self.held_by(1), "the follower took the lease", timeout_s=30)
@@ -210,15 +213,17 @@ def test_a_start_at_the_end_made_at_the_owner_holds_at_the_new_owner(
     """A consumer subscribing with OffsetOption MAX at the owner, and an MQTT session whose subscription started at
     the topic's end: neither gets the older messages from the new owner, only what is sent after. At
     --min-insync-replicas 1 (the new owner acknowledges alone): the reset's copy is not waited for there, so the
-    test waits for the state rows, shipped after it."""
+    test waits until the follower is in sync first and until it stored both starts. The follower's own start at
+    the end (the MQTT session's broker asks every broker) leaves the slot it follows alone: its end may be
+    behind the owner's."""
     pair = Pair(tmp_path, kube, "atend", min_insync=1)
     owner, follower = pair.members
     lite, mqtt_lite = pair.lites[0], pair.lites[1]
     topic = f"{PARENT}/{mqtt_lite}"
     try:
         eventually(lambda: pair.held_by(0), "the owner holds its lease")
-        eventually(lambda: _send(owner, lite, "old-0") == pb.OK, "a send acknowledged: the follower is in sync")
-        for n in (1, 2):
+        eventually(pair.in_sync, "the follower in sync (asynchronous: copies that outrun the messages are clamped)")
+        for n in range(3):
             assert _send(owner, lite, f"old-{n}") == pb.OK
         latest = pb.OffsetOption(policy=pb.OffsetOption.MAX)
         assert _subscribe(owner, lite, latest) == pb.OK  # starts after old-2
@@ -228,6 +233,8 @@ def test_a_start_at_the_end_made_at_the_owner_holds_at_the_new_owner(
         late = pair.peer(0, "late-1", clean=False)
         assert late.subscribe((topic, 1)) == [1]  # starts at the topic's end: the three are older
         late.disconnect()
+        stored = lambda: raw_v2.metric(pair.brokers[1], "lmq_replication_commits_stored_total", handouts="no")  # noqa: E731
+        eventually(lambda: stored() >= 2, "both starts stored at the follower (not waited for at 1 in sync)")
         for kind in ("sub", "mqtt-sessions"):
             eventually(lambda kind=kind: pair.shadowed(kind), f"the follower's {kind} rows of slot 0")  # type: ignore[misc]
         pair.fail_over()
@@ -240,3 +247,19 @@ def test_a_start_at_the_end_made_at_the_owner_holds_at_the_new_owner(
         assert _receive(follower) == [("new-0", 1)]  # not old-0: the start after old-2 holds there
     finally:
         pair.close()
+
+
+def test_hand_outs_travel_in_a_key_of_their_own_that_an_older_broker_passes_over() -> None:
+    """Mixed versions: a commit copy without hand-outs is what an older owner sends (byte for byte), and reads as
+    none; one with them keeps its commits as an older follower reads them (five fields each) and adds a key."""
+    queue = model.QueueId.lmq(PARENT, "t")
+    plain = wire.Commit(queue, GROUP, 4, (6,))
+    counted = wire.Commit(queue, "g2", 2, (), model.Handouts(5, ((3, 4),)))
+    old = wire.encode(0, 1, [], [], [plain])
+    assert b"handouts" not in old
+    assert wire.decode(old).commits == [plain]
+    data = wire.encode(0, 1, [], [], [plain, counted])
+    (length,) = struct.unpack_from(">I", data)
+    head = json.loads(data[4 : 4 + length])
+    assert [len(c) for c in head["commits"]] == [5, 5]
+    assert wire.decode(data).commits == [plain, counted]
