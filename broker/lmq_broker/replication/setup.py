@@ -216,6 +216,7 @@ class Replication:
                 (self.send, read, tails, points),
                 self._counters,
                 queue_messages=config.replica_queue_messages,
+                lag_max_s=config.replica_lag_max_ms / 1000,
                 probe_interval_s=config.lease_duration_ms / 3000,
             )
 

@@ -233,7 +233,11 @@ def test_a_start_at_the_end_made_at_the_owner_holds_at_the_new_owner(
         late = pair.peer(0, "late-1", clean=False)
         assert late.subscribe((topic, 1)) == [1]  # starts at the topic's end: the three are older
         late.disconnect()
-        stored = lambda: raw_v2.metric(pair.brokers[1], "lmq_replication_commits_stored_total", handouts="no")  # noqa: E731
+        follower_metric = pair.brokers[1]
+
+        def stored() -> float:
+            return raw_v2.metric(follower_metric, "lmq_replication_commits_stored_total", handouts="no")
+
         eventually(lambda: stored() >= 2, "both starts stored at the follower (not waited for at 1 in sync)")
         for kind in ("sub", "mqtt-sessions"):
             eventually(lambda kind=kind: pair.shadowed(kind), f"the follower's {kind} rows of slot 0")  # type: ignore[misc]
