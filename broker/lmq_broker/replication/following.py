@@ -120,8 +120,10 @@ class Follower:
             for point in copy.commits:  # after the messages a fetch carries with them
                 within = self._within(point)
                 await self._commit(within)
-                if within is not point:
+                if within.offset != point.offset:
                     clamped[point.queue.topic] = within.offset
+                else:  # hand-outs past this broker's end are trimmed, not refused: the point itself is stored
+                    self._counters.commits_stored.labels("yes" if within.handouts.mark else "no").inc()
             return clamped
 
     def _within(self, point: wire.Commit) -> wire.Commit:
@@ -132,7 +134,6 @@ class Follower:
         if point.offset > end:
             return wire.Commit(point.queue, point.group, end, ())
         handouts = _handouts_within(point.offset, end, point.handouts)
-        self._counters.commits_stored.labels("yes" if handouts.mark else "no").inc()
         return point if handouts is point.handouts else wire.Commit(point.queue, point.group, point.offset,
                                                                      point.acked, handouts)  # fmt: skip
 

@@ -82,6 +82,8 @@ class Pair:
         shutil.rmtree(self.tmp_path / "b0")
         eventually(lambda: self.held_by(1), "the follower took the lease", timeout_s=30)
         eventually(lambda: "slot 0 taken over" in self.brokers[1].log(), "its state rows installed")
+        served = "slot 0 is served by slot 1 now"
+        eventually(lambda: served in self.brokers[1].log(), "its consumers' subscriptions made there (handover)")
 
     def back(self) -> None:
         """The old owner back on an empty disk, a follower now: sends of slot 0 are acknowledged again (R = 2
