@@ -130,6 +130,9 @@ HELP: Final[dict[str, str]] = {
     "asynchronous); fewer in the slot's in-sync set: the send fails, retriable",
     "replica_queue_messages": "replication: messages queued per follower, not shipped yet; past it the follower "
     "leaves the in-sync set and catches up later",
+    "replica_lag_max_ms": "replication: a member of the in-sync set that has not stored a send this long after "
+    "--min-insync-replicas others did leaves the set (Kafka's replica.lag.time.max.ms; never below "
+    "--min-insync-replicas: then the send waits, and is refused after 3 s); 0: only a failed copy removes one",
     "lease_namespace": "replication: namespace of the per-slot Kubernetes Leases (needed for --replicas > 1)",
     "lease_prefix": "replication: the Leases are named <prefix>-slot-<slot>",
     "lease_duration_ms": "replication: a slot's Lease duration; its owner stops acknowledging before it ends",
@@ -236,6 +239,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "replicas",
         "min_insync_replicas",
         "replica_queue_messages",
+        "replica_lag_max_ms",
         "lease_namespace",
         "lease_prefix",
         "lease_duration_ms",

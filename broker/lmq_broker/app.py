@@ -263,6 +263,7 @@ class Broker:
             mqtt = self.mqtt
             if self.replication is not None:  # its sessions and retained messages go to this slot's followers
                 self.replication.mqtt = lambda: mqtt.durable
+                self.replication.states.merged = mqtt.wills.wake  # wills of a slot taken over: due ones go out
             self.metrics.registry.register(
                 mqtt_stats.Collector(mqtt.stats, mqtt.sockets_open, lambda: mqtt.read_budget.held)
             )
@@ -304,6 +305,7 @@ class Broker:
         server.add_generic_rpc_handlers((repl.handler(),))
         self.dispatcher.ingest.replicas = repl.slots
         self.dispatcher.settlement.committed = repl.slots.committed
+        self.dispatcher.settlement.followed = repl.slots.followed
         self.dispatcher.settlement.fence = repl.slots.fence
         self.dispatcher.settlement.copy_refused = repl.ack_refused
         self.dispatcher.settlement.hands_out = repl.slots.hands_out

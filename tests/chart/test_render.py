@@ -110,7 +110,13 @@ FULL: dict[str, Any] = {
         "image": {"repository": "registry.example.org/lmq/data", "digest": "sha256:" + "cd" * 32},
         "replicas": 5,
         "processes": 3,
-        "replication": {"replicas": 3, "minInsyncReplicas": 1, "createRole": True, "leaseDurationMs": 3000},
+        "replication": {
+            "replicas": 3,
+            "minInsyncReplicas": 1,
+            "replicaLagMaxMs": 500,
+            "createRole": True,
+            "leaseDurationMs": 3000,
+        },
         "extraArgs": ["--flush-mode", "async"],
         "liteTtl": {
             "enabled": True,

@@ -19,6 +19,7 @@ LEASE_ROLE = f"{BROKER}-leases"
 REPLICATION_FLAGS = (
     "--replicas",
     "--min-insync-replicas",
+    "--replica-lag-max-ms",
     "--lease-namespace",
     "--lease-prefix",
     "--lease-duration-ms",
@@ -72,7 +73,8 @@ def test_one_pod_or_r_1_has_no_replication_no_token_and_no_lease_role(render: Re
 
 
 def test_the_brokers_get_exactly_the_lease_verbs_docs_replication_md_names(render: Render, one: One) -> None:
-    objects = render({"broker": {"replicas": 3, "replication": {"replicas": 3, "minInsyncReplicas": 1}}})
+    objects = render({"broker": {"replicas": 3, "replication": {"replicas": 3, "minInsyncReplicas": 1,
+                                                                  "replicaLagMaxMs": 0}}})  # fmt: skip
     role = one(objects, "Role", LEASE_ROLE)
     assert role["metadata"]["namespace"] == "mq"
     assert role["rules"] == [
@@ -82,7 +84,11 @@ def test_the_brokers_get_exactly_the_lease_verbs_docs_replication_md_names(rende
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": LEASE_ROLE}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": BROKER, "namespace": "mq"}]
     given = flags(pod(objects, one)["containers"][0]["args"])
-    assert (given["--replicas"], given["--min-insync-replicas"]) == ("3", "1")
+    assert (given["--replicas"], given["--min-insync-replicas"], given["--replica-lag-max-ms"]) == ("3", "1", "0")
+    default = flags(
+        pod(render({"broker": {"replicas": 3, "replication": {"replicas": 3}}}), one)["containers"][0]["args"]
+    )
+    assert "--replica-lag-max-ms" not in default  # null: the broker's default
     # the operator reads the slots' Leases (list only) for the status
     brokers_role = one(objects, "Role", f"{OPERATOR}-brokers")
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["list"]} in brokers_role["rules"]

@@ -39,8 +39,9 @@ class OffsetReset:
 
 def reset(
     store: Store, lmqs: Iterable[str], group: str, option: OffsetReset, ends: Sequence[int] | None = None
-) -> None:
-    """Blocking: commit the group's new start in each LMQ, clamped to what the queue holds. ``ends`` (with
+) -> list[tuple[model.QueueId, str, int]]:
+    """Blocking: commit the group's new start in each LMQ, clamped to what the queue holds; returns the
+    (queue, group, start) committed. ``ends`` (with
     ``MAX``): each LMQ's end as read earlier, the start instead of its end now (what was stored since stays
     to be delivered: an MQTT subscription starts where its broker read the ends, not later)."""
     commits: list[tuple[model.QueueId, str, int]] = []
@@ -61,3 +62,4 @@ def reset(
             continue
         commits.append((queue, group, min(max(target, lo), hi)))
     store.commit_offsets(commits)  # one write for them all
+    return commits

@@ -36,6 +36,8 @@ from lmq_broker.storage import keys, ranges
 log = logging.getLogger(__name__)
 
 COMMITTED_CACHE_SIZE: Final = 100_000  # topics whose idle commit points are remembered
+# (queue, group, offset, acked above it, hand-outs above it) -> the copy's future (``committed`` below)
+Committed = Callable[[model.QueueId, str, int, Sequence[int], model.Handouts], asyncio.Future[None] | None]
 HANDOUT_WRITE_DELAY_MS: Final = 5  # a hand-out is persisted this long after it, unless an ack wrote it first
 HANDOUT_WRITES_PER_YIELD: Final = 64  # keys a background hand-out pass commits between two yields to the loop
 
@@ -77,10 +79,14 @@ class Settlement:
         self._handed_out: dict[LeaseKey, None] = {}  # keys whose hand-outs the next background pass writes
         self._handout_timer: asyncio.TimerHandle | None = None
         self.dirty: set[LeaseKey] = set()
-        # With replication: told each commit point persisted here (queue, group, offset, acked above it), so the
+        # With replication: told each commit point persisted here (and what was acked and handed out above it), so the
         # slot's followers get it too (lmq_broker.replication); the future, when it gives one, is done once enough
         # followers stored it, and an ack waits for it. None: nobody is told.
-        self.committed: Callable[[model.QueueId, str, int, Sequence[int]], asyncio.Future[None] | None] | None = None
+        self.committed: Committed | None = None
+        # With replication: is this lite topic of a slot this broker follows and does not hold? An offset reset
+        # asked here (an MQTT session's start at the end at every broker) leaves it alone: a follower's commit
+        # points are its holder's, and its own end may be behind the holder's. None: none is.
+        self.followed: Callable[[str], bool] | None = None
         self._copying: dict[LeaseKey, asyncio.Future[None]] = {}  # the newest commit copy per key, until stored
         # With replication: told of each ack refused because the commit copy it waited for failed (counted there
         # once per ack; a copy nobody waited on, a hand-out write's, refused no client). None: nobody is told.
@@ -202,6 +208,9 @@ class Settlement:
         self, lmqs: list[str], group: str, option: offsets.OffsetReset, ends: Sequence[int] | None = None
     ) -> None:
         """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset."""
+        if self.followed is not None:  # their holder's reset reaches this store as its commit copies
+            kept = [i for i, lmq in enumerate(lmqs) if not self.followed(lmq)]
+            lmqs, ends = [lmqs[i] for i in kept], None if ends is None else [ends[i] for i in kept]
         lease_keys = [LeaseKey(lmq, 0, group) for lmq in lmqs]
         if any(map(self.deliveries.delivering, lease_keys)):
             raise errors.TooManyRequests("offsets of a lite topic being delivered cannot be reset now")
@@ -210,7 +219,23 @@ class Settlement:
             self._committed.get(key.topic, {}).pop((0, group), None)
             self._persisted.pop(key, None)
             self.dirty.discard(key)  # the reset supersedes whatever was not persisted
-        await self._rt.run(offsets.reset, self._store, lmqs, group, option, ends)
+        moved = await self._rt.run(offsets.reset, self._store, lmqs, group, option, ends)
+        await self._copy_reset(moved)
+
+    async def _copy_reset(self, moved: list[tuple[model.QueueId, str, int]]) -> None:
+        """Send the commit points a reset wrote to the followers of their slots, and wait until they stored them
+        (an MQTT start at the end is answered after: a follower that takes over does not deliver again what was
+        published before the subscription). A copy that fails is logged, not raised: its follower leaves the
+        in-sync set and gets every commit point before it rejoins (or sends are refused meanwhile)."""
+        if self.committed is None:
+            return
+        copying = [self.committed(queue, group, offset, (), model.NO_HANDOUTS) for queue, group, offset in moved]
+        waits = [f for f in copying if f is not None]
+        if waits:
+            await asyncio.wait(waits)  # not gather: a cancelled reset leaves the copies' futures alone
+        failed = next((f.exception() for f in waits if not f.cancelled() and f.exception() is not None), None)
+        if failed is not None:
+            log.warning("an offset reset's commit copy failed: %s", failed)
 
     # --- lease state: opened from what the store holds, dropped when idle ------------------------------------
     async def state_of(self, key: LeaseKey, ordered: bool) -> leases.QueueLeases:
@@ -292,7 +317,7 @@ class Settlement:
                         hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
                     self._persisted[key] = (target, acked, handouts)
                     if self.committed is not None:
-                        self._copy(key, self.committed(queue, key.group, target, acked))
+                        self._copy(key, self.committed(queue, key.group, target, acked, handouts))
                     if complete:
                         self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
                     self._remember_commit(key, target)

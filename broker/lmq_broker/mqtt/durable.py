@@ -369,7 +369,8 @@ class Durable:
                 raise
 
 
-# table -> (its key columns, every column copied, the merge rule): wills are not copied (docs/replication.md)
+# table -> (its key columns, every column copied, the merge rule). A will waiting for its delay is copied too: the
+# broker that takes the slot over publishes it when due (unless its client id is back there: its own row, or none)
 REPLICATED: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], str]]] = {
     "sessions": (
         ("client_id",),
@@ -380,6 +381,11 @@ REPLICATED: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], str]]] = {
         ("client_id", "direction", "packet_id"),
         ("client_id", "direction", "packet_id", "message"),
         "ON CONFLICT (client_id, direction, packet_id) DO NOTHING",
+    ),
+    "wills": (
+        ("client_id",),
+        ("client_id", "due_ms", "topic", "payload", "qos", "retain", "properties", "host"),
+        "ON CONFLICT (client_id) DO NOTHING",
     ),
     "retained": (
         ("parent", "lite"),

@@ -60,6 +60,10 @@ class Wills:
             return
         self._changed.set()
 
+    def wake(self) -> None:
+        """Rows were written behind the timer's back (a slot taken over, ``replication.stating``): look again."""
+        self._changed.set()
+
     async def take(self, client_id: str) -> tuple[str, codec.Will] | None:
         """The client id's waiting will (and the host it came from), no longer waiting."""
         row = await self._dispatcher.run(self._store.take_will, client_id)

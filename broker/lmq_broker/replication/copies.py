@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Final
@@ -55,6 +56,12 @@ class Counters:
             "in-sync set and catches up",
             registry=registry,
         )
+        self.commits_stored = Counter(
+            "lmq_replication_commits_stored",
+            "Commit points this broker stored from its slots' owners (handouts: yes when with delivery attempts)",
+            ["handouts"],
+            registry=registry,
+        )
 
     def ack_refused(self, error: BaseException) -> None:
         """An ack refused because the commit copy it waited for failed (``dispatch.settlement`` tells): counted
@@ -69,7 +76,7 @@ class Counters:
 class Owner:
     """The copies of one slot this broker holds the lease of."""
 
-    def __init__(  # noqa: PLR0917 (the owner's slot, its followers, its rule and its doors)
+    def __init__(  # noqa: PLR0913, PLR0917 (the owner's slot, its followers, its rules and its doors)
         self,
         leadership: Leadership,
         slot: int,
@@ -80,8 +87,10 @@ class Owner:
         *,
         queue_messages: int = shipping.QUEUE_MESSAGES,
         probe_interval_s: float = 1.0,
+        lag_max_s: float = 0.0,
     ) -> None:
         self._leadership = leadership
+        self._lag_max_s = lag_max_s  # --replica-lag-max-ms: a member holding a send back longer leaves (0: never)
         self._slot = slot
         self._min_insync = min_insync
         self._need = min_insync - 1  # followers that must store a commit point before its ack is answered
@@ -170,6 +179,7 @@ class Owner:
         batches, those that failed removed from the set in the lease, and at least M members hold them."""
         keeper, me, need = self.keeper, self._leadership.me, self._min_insync
         deadline = time.monotonic() + ACK_TIMEOUT_S
+        lag_at = deadline - ACK_TIMEOUT_S + self._lag_max_s if self._lag_max_s > 0 else math.inf
         while True:
             awaited = keeper.awaited()
             members = [f for f in keeper.recorded() if f != me]
@@ -182,11 +192,18 @@ class Owner:
             pending = [f for f in awaited if not keeper.shippers[f].stored(seqs[f])]
             if not pending and stored >= need:
                 return
-            left = deadline - time.monotonic()
-            if left <= 0 or (not pending and not self._may_grow(seqs)):
+            now = time.monotonic()
+            if stored >= need and now >= lag_at:  # M hold it, the others over the lag budget: they leave the set
+                lag_at = math.inf  # once per send (a lease that could not be written: the deadline decides)
+                await keeper.shrink(pending)
+                continue
+            if now >= deadline or (not pending and not self._may_grow(seqs)):
                 waiting = f"; no answer yet from {pending}" if pending else ""
                 self._refuse(f"{stored} of {need} stored it (in sync: {[me, *members]}{waiting})")
-            await keeper.wait(left, (pending[0], seqs[pending[0]]) if pending else None)
+            if now >= lag_at:  # over the budget with fewer than M: any answer may make M
+                await keeper.wait(deadline - now)
+            else:
+                await keeper.wait(min(deadline, lag_at) - now, (pending[0], seqs[pending[0]]) if pending else None)
 
     def _may_grow(self, seqs: dict[int, int]) -> bool:
         """A follower outside the set may still join in time: one is joining, or has not answered for these

@@ -26,6 +26,7 @@ from typing import Protocol
 from lmq_broker import errors, model
 from lmq_broker.replication import copies, wire
 from lmq_broker.replication.leadership import Leadership
+from lmq_broker.storage import keys
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,10 @@ class Follower:
             for point in copy.commits:  # after the messages a fetch carries with them
                 within = self._within(point)
                 await self._commit(within)
-                if within is not point:
+                if within.offset != point.offset:
                     clamped[point.queue.topic] = within.offset
+                else:  # hand-outs past this broker's end are trimmed, not refused: the point itself is stored
+                    self._counters.commits_stored.labels("yes" if within.handouts.mark else "no").inc()
             return clamped
 
     def _within(self, point: wire.Commit) -> wire.Commit:
@@ -128,7 +131,11 @@ class Follower:
         records that never reached this broker (nor were acknowledged): were it to take over, its own records at
         those offsets would be skipped. Clamped, they may be delivered again (at-least-once), never skipped."""
         end = self._next_offset(point.queue)
-        return point if point.offset <= end else wire.Commit(point.queue, point.group, end, ())
+        if point.offset > end:
+            return wire.Commit(point.queue, point.group, end, ())
+        handouts = _handouts_within(point.offset, end, point.handouts)
+        return point if handouts is point.handouts else wire.Commit(point.queue, point.group, point.offset,
+                                                                     point.acked, handouts)  # fmt: skip
 
     async def _fresh(self, slot: int, copy: wire.Copy) -> list[model.NewMessage]:
         """The copy's messages not stored here yet; Conflict when one at an offset here is another message."""
@@ -224,3 +231,16 @@ class Follower:
         self.cut += cut
         if cut:
             log.warning("slot %d: rejoined the holder of epoch %d, %d offsets never acknowledged cut", slot, epoch, cut)
+
+
+def _handouts_within(committed: int, end: int, handouts: model.Handouts) -> model.Handouts:
+    """The owner's hand-outs as this broker's store takes them (``keys.checked_handouts``): below its end (a
+    hand-out of a record that never reached it is no attempt here) and above the commit point; those a store
+    would refuse are dropped (the next hand-out counts from 1 again: at-least-once either way)."""
+    mark = min(handouts.mark, end)
+    if mark <= committed:
+        return model.NO_HANDOUTS
+    counts = tuple((o, n) for o, n in handouts.counts if committed <= o < mark and n >= 0)[: keys.HANDOUTS_MAX_COUNTS]
+    if mark == handouts.mark and counts == handouts.counts:
+        return handouts
+    return model.Handouts(mark, counts)

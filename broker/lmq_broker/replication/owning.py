@@ -125,8 +125,21 @@ class Slots:
         slot = self._acting_slot(queue.topic) if queue.topic.startswith(model.LMQ_PREFIX) else self._leadership.me
         return self.owner(slot).hands_out()
 
+    def followed(self, topic: str) -> bool:
+        """``dispatch.settlement``'s question before an offset reset: is ``topic`` a lite topic of a slot this broker
+        follows without holding its lease (its commit points are the holder's copies)?"""
+        if not topic.startswith(model.LMQ_PREFIX):
+            return False
+        slot = self._ring_slot(topic)
+        return slot in self._leadership.mine and not self._leadership.holds(slot)
+
     def committed(
-        self, queue: model.QueueId, group: str, offset: int, acked: Sequence[int]
+        self,
+        queue: model.QueueId,
+        group: str,
+        offset: int,
+        acked: Sequence[int],
+        handouts: model.Handouts = model.NO_HANDOUTS,
     ) -> asyncio.Future[None] | None:
         """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
@@ -134,7 +147,7 @@ class Slots:
         slot = self.slot_of_topic(queue.topic)
         if not self._leadership.holds(slot):
             return None
-        return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked)))
+        return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked), handouts))
 
     def lag(self) -> list[tuple[int, str, int]]:
         """(slot, follower endpoint, messages it has not confirmed) of the slots this broker holds."""

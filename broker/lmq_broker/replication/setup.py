@@ -167,8 +167,9 @@ class Replication:
 
         async def commit(point: wire.Commit) -> None:
             # on the loop when no writer holds the store (as the owner's settlement does): an ack waits for it
-            if not store.try_commit_offset(point.queue, point.group, point.offset, point.acked):
-                await asyncio.to_thread(store.commit_offset, point.queue, point.group, point.offset, point.acked)
+            at = (point.queue, point.group, point.offset, point.acked, point.handouts)
+            if not store.try_commit_offset(*at):
+                await asyncio.to_thread(store.commit_offset, *at)
 
         async def stored_id(queue: model.QueueId, offset: int) -> str | None:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
@@ -226,6 +227,7 @@ class Replication:
                 (self.send, read, tails, points),
                 self._counters,
                 queue_messages=config.replica_queue_messages,
+                lag_max_s=config.replica_lag_max_ms / 1000,
                 probe_interval_s=config.lease_duration_ms / 3000,
             )
 

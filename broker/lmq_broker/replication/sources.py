@@ -62,7 +62,8 @@ def _points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]
     for group in groups:
         offset = store.get_offset(queue, group)
         if offset is not None:
-            out.append(wire.Commit(queue, group, offset, tuple(store.get_acked(queue, group))))
+            acked, handouts = tuple(store.get_acked(queue, group)), store.get_handouts(queue, group)
+            out.append(wire.Commit(queue, group, offset, acked, handouts))
     return out
 
 

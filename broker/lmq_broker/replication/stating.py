@@ -6,10 +6,13 @@ Kinds, and where their rows come from on the holder:
 * ``sub``: per client id, its lite subscriptions to topics of the slot (the dispatcher's registry, as
   ``saved_subscriptions`` saves it; the client's patterns go with them). A takeover adds them to the new
   owner's registry, as a restart restores its own: the subscriber is served there without subscribing again.
-* ``mqtt-sessions``, ``mqtt-qos2``, ``mqtt-retained``: the rows of the broker's MQTT store (``mqtt.durable``),
+* ``mqtt-sessions``, ``mqtt-qos2``, ``mqtt-wills``, ``mqtt-retained``: the rows of the broker's MQTT store
+  (``mqtt.durable``; ``wills``: those waiting for their delay),
   with its own slot only: an MQTT session and a retained publish live on the broker the MQTT client was
   connected to (its access broker, docs/scale-out.md), not at their topics' owners. A takeover merges them
-  into the new owner's MQTT store (``durable.merge``), so the client finds its session there.
+  into the new owner's MQTT store (``durable.merge``), so the client finds its session there and a will still
+  waiting is published there when due. A follower of an older version keeps the kinds it does not know in its
+  shadow and installs none of them; one of a newer version is sent none by an older holder.
 
 Asynchronous and coalesced, like commit points: every ``SHIP_INTERVAL_MS`` (at least ``PACE`` times what the
 last look cost) the holder compares its rows with what it last shipped, only when the registry or the MQTT store
@@ -107,6 +110,7 @@ class States:
         self._overflowed: set[int] = set()  # slots whose batches meanwhile were too many
         self.on_stale: Callable[[int], None] = lambda slot: None
         self.refused: Callable[[str], None] = lambda reason: None  # counted with the copies a follower refused
+        self.merged: Callable[[], None] = lambda: None  # MQTT rows merged at a takeover (its wills' timer looks)
 
     # --- the holder ----------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event, followers: Callable[[int], list[int]], call: Call) -> None:
@@ -330,12 +334,13 @@ class States:
         records = [_record_of(client, text) for (kind, client), text in shadow.rows.items() if kind == SUB]
         self._restore(records)
         mqtt = self._mqtt()
-        merged = 0
+        merged = 0  # rows
         if mqtt is not None:
             for table in durable.REPLICATED:
                 rows = [_decode_row(text) for text in states.of_kind(shadow.rows, MQTT_KIND + table)]
                 await asyncio.to_thread(mqtt.merge, table, rows, self._now_ms())
                 merged += len(rows)
+            self.merged()
         log.warning("slot %d taken over: %d clients' subscriptions and %d MQTT rows restored", slot, len(records),
                     merged)  # fmt: skip
 
@@ -349,7 +354,8 @@ class Collector(_Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "lmq_replication_state_rows",
-            "State rows (sub, mqtt-sessions, mqtt-qos2, mqtt-retained) this broker holds of each slot it follows",
+            "State rows (sub, mqtt-sessions, mqtt-qos2, mqtt-wills, mqtt-retained) this broker holds of each slot it "
+            "follows",
             labels=["slot", "kind"],
         )
         for slot, shadow in sorted(self._of.shadows.items()):

@@ -5,21 +5,25 @@ Two layouts, told apart by the first byte; ``decode`` reads both, whoever sent t
 *Binary* (``encode``, the copy path's): ``FF 02``, then ``slot`` (u32), ``epoch`` (u64), the number of messages
 (u32) and of commit points (u32), all big-endian; then each message: a head ``type`` (u8), ``present`` (u8: 1
 lite topic, 2 tag, 4 message group; absent is None), ``born`` (i64 ms), ``ep`` (u64: the epoch it was stored
-in), ``sl`` (i32: the ring slot its topic was placed on, -1 when not recorded), the body's size (u32), the text block's size in bytes (u32), and the counts of queues, offsets, keys and
-properties (u16 each); then the code-point length (u32) of each text (id, topic, lite, host, tag, group, each
-queue's topic, each key, each property's name and value), each queue's id (u32) and each offset (i64: the
-owner's queue offsets); then the text block (every text back to back, UTF-8, lone surrogates passed through)
-and the body. Then each commit point: ``queue`` (u32), ``offset`` (i64), the number of acked offsets (u32), the
-code-point lengths of its topic and group (u32 each), its text block's size (u32), the acked offsets (i64 each)
-and the block. Why the lengths are in code points: a message's texts are decoded in one call and cut apart.
+in), ``sl`` (i32: the ring slot its topic was placed on, -1 when not recorded), the body's size (u32), the text
+block's size in bytes (u32), and the counts of queues, offsets, keys and properties (u16 each); then the
+code-point length (u32) of each text (id, topic, lite, host, tag, group, each queue's topic, each key, each
+property's name and value), each queue's id (u32) and each offset (i64: the owner's queue offsets); then the
+text block (every text back to back, UTF-8, lone surrogates passed through) and the body. Then each commit
+point: ``queue`` (u32), ``offset`` (i64), the number of acked offsets (u32), the code-point lengths of its topic
+and group (u32 each), its text block's size (u32), its hand-outs' ``mark`` (i64) and number of counted offsets
+(u32; ``model.Handouts``), the acked offsets (i64 each), the counted ones as (offset, attempts) pairs (i64
+each), and the block. Why the lengths are in code points: a message's texts are decoded in one call and cut
+apart.
 
 *JSON* (``encode_json``, the plain twin and what a broker of an older version reads): a 4-byte big-endian
 length, a JSON header ``{"slot", "epoch", "messages": [fields…], "commits": […]}`` where each message's fields
 are those of ``model.NewMessage`` without the body (``ep``: the epoch it was stored in; ``sl``: the ring slot
-its topic was placed on, -1 or absent when not recorded) plus ``offsets`` (the
-owner's queue offsets), and each commit is ``[topic, queue, group, offset, [acked above it…]]`` (a consumer
-group's commit point as persisted by the owner); then every body, back to back, in order (their lengths are in
-the header). Its first byte is 0 for any header under 16 MiB (a call carries 64 MiB at most), never ``FF``.
+its topic was placed on, -1 or absent when not recorded) plus ``offsets`` (the owner's queue offsets), and each
+commit is ``[topic, queue, group, offset, [acked above it…]]`` (a consumer group's commit point as persisted by
+the owner), and, when any commit carries hand-outs, ``"handouts"``: per commit ``[mark, [[offset, attempts]…]]``
+(a key an older decoder passes over); then every body, back to back, in order (their lengths are in the
+header). Its first byte is 0 for any header under 16 MiB (a call carries 64 MiB at most), never ``FF``.
 
 Measured (bench/RESULTS.md, 2026-11-29): JSON cost the owner ~17 µs and the follower ~10 µs per message in a
 quiet micro-benchmark and ~10 % of a follower's samples under load; binary is the copy path's since then.
@@ -43,7 +47,7 @@ _HEAD: Final = struct.Struct(">BBIQII")  # magic, version, slot, epoch, messages
 # type, present, born, ep, body, block, queues, offsets, keys, props, then the lengths of the six texts every
 # message has
 _MESSAGE: Final = struct.Struct(">BBqQiIIHHHH6I")
-_COMMIT: Final = struct.Struct(">IqIIII")  # queue, offset, acked, topic and group lengths, block
+_COMMIT: Final = struct.Struct(">IqIIIIqI")  # queue, offset, acked, topic and group lengths, block, mark, counts
 _LITE, _TAG, _GROUP = 1, 2, 4
 _TEXTS: Final = 6  # id, topic, lite, host, tag, group: then queue topics, keys, properties
 
@@ -63,6 +67,7 @@ class Commit:
     group: str
     offset: int
     acked: tuple[int, ...]
+    handouts: model.Handouts = model.NO_HANDOUTS  # delivery attempts above the point (``dispatch.leases``)
 
 
 def is_binary(data: bytes) -> bool:
@@ -82,8 +87,12 @@ def encode(
         _message(parts, m, r.queue_offsets)
     for c in commits:
         block = (c.queue.topic + c.group).encode("utf-8", "surrogatepass")
-        head = _COMMIT.pack(c.queue.queue, c.offset, len(c.acked), len(c.queue.topic), len(c.group), len(block))
-        parts += [head, _numbers(0, 0, len(c.acked)).pack(*c.acked), block]
+        h = c.handouts
+        head = _COMMIT.pack(
+            c.queue.queue, c.offset, len(c.acked), len(c.queue.topic), len(c.group), len(block), h.mark, len(h.counts)
+        )
+        counted = [n for pair in h.counts for n in pair]
+        parts += [head, _numbers(0, 0, len(c.acked) + len(counted)).pack(*c.acked, *counted), block]
     return b"".join(parts)
 
 
@@ -99,8 +108,8 @@ def _message(parts: list[bytes], m: model.NewMessage, offsets: tuple[int, ...]) 
     block = "".join((*fixed, *texts)).encode("utf-8", "surrogatepass")
     queues = len(m.queues)
     head = _MESSAGE.pack(
-        int(m.message_type), present, m.born_timestamp_ms, m.epoch, m.slot, len(m.body), len(block), queues, len(offsets),
-        len(m.keys), len(props), *map(len, fixed),
+        int(m.message_type), present, m.born_timestamp_ms, m.epoch, m.slot, len(m.body), len(block), queues,
+        len(offsets), len(m.keys), len(props), *map(len, fixed),
     )  # fmt: skip
     numbers = _numbers(len(texts), queues, len(offsets)).pack(*map(len, texts), *(q.queue for q in m.queues), *offsets)
     parts += [head, numbers, block, m.body]
@@ -173,16 +182,18 @@ def _decode_binary(data: bytes) -> Copy:
 def _commits(data: bytes, pos: int, points: int) -> list[Commit]:
     commits: list[Commit] = []
     for _ in range(points):
-        queue, offset, n, lt, lg, block = _COMMIT.unpack_from(data, pos)
+        queue, offset, n, lt, lg, block, mark, nc = _COMMIT.unpack_from(data, pos)
         pos += _COMMIT.size
-        numbers = _numbers(0, 0, n)
-        acked = numbers.unpack_from(data, pos)
+        numbers = _numbers(0, 0, n + 2 * nc)
+        values = numbers.unpack_from(data, pos)
         pos += numbers.size
+        acked, counted = values[:n], values[n:]
+        handouts = model.Handouts(mark, tuple(zip(counted[::2], counted[1::2], strict=True)))
         text = data[pos : pos + block].decode("utf-8", "surrogatepass")
         pos += block
         if len(text) != lt + lg:
             raise ValueError("a commit point's texts do not fill its block")
-        commits.append(Commit(model.QueueId(text[:lt], queue), text[lt:], offset, acked))
+        commits.append(Commit(model.QueueId(text[:lt], queue), text[lt:], offset, acked, handouts))
     if pos != len(data):
         raise ValueError(f"{len(data) - pos} bytes past the last record")
     return commits
@@ -228,7 +239,9 @@ def _json(
 ) -> bytes:
     listed = [_fields(m, o) for m, o in zip(messages, offsets, strict=True)]
     points = [[c.queue.topic, c.queue.queue, c.group, c.offset, list(c.acked)] for c in commits]
-    value = {"slot": slot, "epoch": epoch, "messages": listed, "commits": points}
+    value: dict[str, Any] = {"slot": slot, "epoch": epoch, "messages": listed, "commits": points}
+    if any(c.handouts.mark for c in commits):
+        value["handouts"] = [[c.handouts.mark, [list(n) for n in c.handouts.counts]] for c in commits]
     head = json.dumps(value, separators=(",", ":")).encode()
     return b"".join((_LEN.pack(len(head)), head, *(m.body for m in messages)))
 
@@ -280,8 +293,12 @@ def _decode_json(data: bytes) -> Copy:
         offsets.append(tuple(f["offsets"]))
     if pos != len(data):
         raise ValueError(f"{len(data) - pos} bytes past the last body")
+    listed_commits = head.get("commits", ())
+    handouts = [model.Handouts(int(mark), tuple((int(o), int(n)) for o, n in counts))
+                for mark, counts in head.get("handouts", ())]  # fmt: skip
+    handouts += [model.NO_HANDOUTS] * (len(listed_commits) - len(handouts))
     commits = [
-        Commit(model.QueueId(topic, int(queue)), group, int(offset), tuple(acked))
-        for topic, queue, group, offset, acked in head.get("commits", ())
+        Commit(model.QueueId(topic, int(queue)), group, int(offset), tuple(acked), h)
+        for (topic, queue, group, offset, acked), h in zip(listed_commits, handouts, strict=True)
     ]
     return Copy(int(head["slot"]), int(head["epoch"]), messages, offsets, commits)

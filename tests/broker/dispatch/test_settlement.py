@@ -116,7 +116,9 @@ async def test_a_refused_commit_copy_is_counted_once_per_ack_it_refused_and_neve
     copies: list[asyncio.Future[None]] = []
     told: list[BaseException] = []
 
-    def committed(_queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int]) -> asyncio.Future[None]:
+    def committed(
+        _queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int], _handouts: model.Handouts
+    ) -> asyncio.Future[None]:
         copies.append(asyncio.get_running_loop().create_future())
         return copies[-1]
 

@@ -625,6 +625,27 @@ async def test_a_follower_answers_a_commit_point_past_its_end_with_its_ends(pair
     assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 1, ())])) == {}
 
 
+@pytest.mark.asyncio
+async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_past_its_end(pair: Pair) -> None:
+    """A commit copy's hand-outs (delivery attempts) are stored with its point; hand-outs of records the
+    follower has not stored yet are trimmed to its end, the point itself is stored (answered {}, not clamped)."""
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    assert (await pair.send(0, lite, 1)).status.code == pb.OK
+    replication_1 = pair.brokers[1].replication
+    epoch = pair.leadership(0).epoch(0)
+    assert replication_1 is not None and replication_1.follower is not None and epoch is not None
+    queue, store = model.QueueId.lmq(PARENT, lite), pair.brokers[1].store
+    assert store is not None
+    counted = wire.Commit(queue, GROUP, 0, (), model.Handouts(2, ((1, 3),)))
+    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [counted])) == {}
+    assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 3),))
+    ahead = wire.Commit(queue, GROUP, 1, (), model.Handouts(9, ((1, 4), (7, 2))))
+    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [ahead])) == {}
+    assert store.get_offset(queue, GROUP) == 1
+    assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 4),))
+
+
 async def both_ways(repl: replication.Replication, endpoint: str, data: bytes) -> list[object]:
     """A copy's answer over the follower's stream, then over a unary call (the plain twin): answers, or the
     refusal's text after the transport's name."""

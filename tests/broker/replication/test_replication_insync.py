@@ -44,6 +44,8 @@ class Followers:
     messages_gate: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: copies of messages wait
     arrived: dict[str, list[str]] = field(default_factory=lambda: {"b1": [], "b2": []})  # message ids, "commit"
     copies: dict[str, list[int]] = field(default_factory=lambda: {"b1": [], "b2": []})  # messages per copy of some
+    slow: set[str] = field(default_factory=set)  # copies to these wait for ``slow_gate``
+    slow_gate: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
         if endpoint in self.down:
@@ -53,6 +55,8 @@ class Followers:
             await self.gate.wait()
         finally:
             self.waiting -= 1
+        if endpoint in self.slow:
+            await self.slow_gate.wait()
         copy = wire.decode(data)
         if copy.messages:
             await self.messages_gate.wait()
@@ -100,7 +104,7 @@ class Slot0:
     async def stored_points(self) -> list[wire.Commit]:
         return list(self.points)
 
-    def owner(self, min_insync: int, queue_messages: int = 100) -> copies.Owner:
+    def owner(self, min_insync: int, queue_messages: int = 100, lag_max_s: float = 0.0) -> copies.Owner:
         found = copies.Owner(
             self.leaders[0],
             0,
@@ -110,6 +114,7 @@ class Slot0:
             copies.Counters(self.registry),
             queue_messages=queue_messages,
             probe_interval_s=0.05,
+            lag_max_s=lag_max_s,
         )
         self.owners.append(found)
         return found
@@ -382,3 +387,45 @@ async def test_a_member_answering_for_earlier_batches_wakes_only_their_waiters(s
     slot0.followers.gate.set()
     await asyncio.wait_for(late, 5)
     assert shipper.done == second and slot0.followers.stored["b1"] == ["m0", "m1"]
+
+
+@pytest.mark.asyncio
+async def test_a_member_slower_than_the_lag_budget_leaves_the_set_and_the_send_is_acknowledged_without_it(
+    slot0: Slot0,
+) -> None:
+    """--replica-lag-max-ms: broker 2 answers nothing for a while (slow, not failed); once broker 1 stored the
+    send and broker 2 lagged past the budget, broker 2 is recorded out and the send is answered, long before a
+    failed call (2 s) would have removed it. Without a budget the send waits for it. Caught up, it joins again."""
+    waiting = slot0.owner(min_insync=2)  # no budget
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    slot0.followers.slow.add("b2")
+    held = asyncio.ensure_future(waiting.copy(*batch(0)))
+    done, _ = await asyncio.wait([held], timeout=1.0)
+    assert not done and slot0.recorded() == (0, 1, 2)  # held back by broker 2 alone
+    slot0.followers.slow_gate.set()
+    await held
+    await waiting.close()
+    slot0.followers.slow_gate.clear()
+    slot0.registry = CollectorRegistry()  # another owner's counters
+    owner = slot0.owner(min_insync=2, lag_max_s=0.2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    began = asyncio.get_running_loop().time()
+    await owner.copy(*batch(1))
+    assert asyncio.get_running_loop().time() - began < 1.0
+    assert slot0.recorded() == (0, 1)  # the lease said so before the answer went out
+    assert slot0.followers.stored["b1"][-1] == "m1" and "m1" not in slot0.followers.stored["b2"]
+    slot0.followers.slow_gate.set()
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "broker 2 caught up and back in the set")
+
+
+@pytest.mark.asyncio
+async def test_the_lag_budget_never_takes_the_set_below_min_insync(slot0: Slot0) -> None:
+    """At --min-insync-replicas 3 a slow member cannot leave: the send is refused (retriable), the set stays."""
+    owner = slot0.owner(min_insync=3, lag_max_s=0.2)
+    await eventually_async(lambda: slot0.recorded() == (0, 1, 2), "both followers in the set")
+    slot0.followers.slow.add("b2")
+    with pytest.raises(errors.NotEnoughReplicas, match="not enough in-sync replicas of slot 0: 2 of 3"):
+        await owner.copy(*batch(0))
+    assert slot0.recorded() == (0, 1, 2)
+    assert slot0.counted("lmq_replication_refused_total", {"reason": "insync"}) == 1
+    slot0.followers.slow_gate.set()

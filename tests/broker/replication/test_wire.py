@@ -41,7 +41,9 @@ def messages() -> tuple[list[model.NewMessage], list[model.AppendResult]]:
 
 
 COMMITS = [
-    wire.Commit(model.QueueId.lmq("P", "lite-é"), "group-ü", 12, (14, 15, 2**50)),
+    wire.Commit(
+        model.QueueId.lmq("P", "lite-é"), "group-ü", 12, (14, 15, 2**50), model.Handouts(20, ((13, 3), (16, 0)))
+    ),
     wire.Commit(model.QueueId("T", 2), "", 0, ()),
 ]
 
