@@ -261,11 +261,13 @@ def test_hand_outs_travel_in_a_key_of_their_own_that_an_older_broker_passes_over
     queue = model.QueueId.lmq(PARENT, "t")
     plain = wire.Commit(queue, GROUP, 4, (6,))
     counted = wire.Commit(queue, "g2", 2, (), model.Handouts(5, ((3, 4),)))
-    old = wire.encode(0, 1, [], [], [plain])
+    old = wire.encode_json(0, 1, [], [], [plain])  # the JSON layout, the one older brokers read
     assert b"handouts" not in old
     assert wire.decode(old).commits == [plain]
-    data = wire.encode(0, 1, [], [], [plain, counted])
+    data = wire.encode_json(0, 1, [], [], [plain, counted])
     (length,) = struct.unpack_from(">I", data)
     head = json.loads(data[4 : 4 + length])
     assert [len(c) for c in head["commits"]] == [5, 5]
     assert wire.decode(data).commits == [plain, counted]
+    assert wire.decode(wire.as_json(wire.encode(0, 1, [], [], [plain, counted]))).commits == [plain, counted]
+    assert wire.decode(wire.encode(0, 1, [], [], [plain, counted])).commits == [plain, counted]  # binary
