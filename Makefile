@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.lmq-installed
 BROKER_STAMP := $(VENV)/.lmq-broker-installed
 NATIVE_STAMP := $(VENV)/.lmq-native-installed
 # The native edge's Rust build (make native): cargo's target directory outside the repository, so a rebuild after
-# a Python-only change is a no-op and one after a Rust change incremental (cold: 3.5 min on 2 cores).
+# a Python-only change is a no-op and one after a Rust change incremental (cold: 3.5 min on 2 cores, ~5 with TLS).
 CARGO_TARGET_DIR ?= $(HOME)/.cache/lmq/cargo-target
 NATIVE_SOURCES := native/edge/Cargo.toml native/edge/Cargo.lock native/edge/pyproject.toml $(wildcard native/edge/src/*.rs)
 # The other supported Pythons `make test` also runs the broker's suites on (test-pythons), each found on PATH

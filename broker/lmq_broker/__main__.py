@@ -178,7 +178,9 @@ HELP: Final[dict[str, str]] = {
     "max_record_bytes": "largest stored record (a message with its properties), bytes",
     "index_cache_bytes": "RocksDB block cache of the index, bytes",
     "edge": "server of the client port: grpcio (grpcio's asyncio server) or native (lmq_edge, HTTP/2 in Rust, "
-    "built by `make native`; no TLS yet, docs/design/native-edge.md)",
+    "built by `make native`, docs/design/native-edge.md)",
+    "max_unread_requests": "native edge: a call's request messages read ahead of its handler; past it the call's "
+    "stream waits (HTTP/2 flow control stops the client)",
 }
 
 # ``serve --help`` in sections; a flag named in none goes by its prefix (``mqtt_``: MQTT, ``lite_ttl_``: lite-topic
@@ -214,6 +216,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "max_lite_topic_size",
         "default_client_quota",
         "max_concurrent_calls",
+        "max_unread_requests",
         "telemetry_stream_buffer_bytes",
         "telemetry_buffer_bytes",
     ),

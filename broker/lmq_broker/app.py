@@ -37,6 +37,7 @@ from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt import stats as mqtt_stats
 from lmq_broker.mqtt.server import MqttServer
+from lmq_broker.protocol import native
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
@@ -230,7 +231,9 @@ class Broker:
         if self._admin_server is not None:
             self.admin_port = grpc_server.bind(self._admin_server, config, config.admin_port)
             await self._admin_server.start()
-        if config.access_port >= 0:  # --processes: the pod's one client port, shared by its broker processes
+        if config.access_port >= 0 and isinstance(server, native.NativeServer):  # one native server, two ports
+            self.access_port = grpc_server.bind(server, config, config.access_port, shared_port=True)
+        elif config.access_port >= 0:  # --processes: the pod's one client port, shared by its broker processes
             shared = self._access_server = grpc_server.create(config, shared_port=True)
             grpc_server.add_messaging_service(shared, edge, admission)
             if self._admin_server is None:

@@ -148,6 +148,9 @@ class BrokerConfig(BaseModel):
     heap_trim_interval_ms: int = Field(default=60_000, ge=0)
     # Which server carries the client port (--port): grpcio's, or the native edge (docs/design/native-edge.md)
     edge: EdgeKind = EdgeKind.GRPCIO
+    # Native edge: a call's request messages read ahead of its handler; past it the call's stream is not read
+    # (HTTP/2 flow control stops the client). grpcio's edge reads one as the handler asks (its own bound).
+    max_unread_requests: int = Field(default=8, ge=1)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     # What this broker's calls to its peers trust (scale-out): the CA that signed the brokers' certificates, and

@@ -149,9 +149,10 @@ def stop_all(clients: list[Any], brokers: Sequence[Any]) -> None:
         broker.stop()
 
 
-@pytest.mark.parametrize("processes", [1, 2, 3])
-def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], processes: int) -> None:
-    args = ["--processes", str(processes), "--no-bootstrap"]
+@pytest.mark.parametrize(("processes", "edge"), [(1, "grpcio"), (2, "grpcio"), (3, "grpcio"), (2, "native")])
+def test_processes_behind_one_access_port(tmp_path: Path, clients: list[Any], processes: int, edge: str) -> None:
+    """``edge``: the server of every process's client ports, the shared access port among them (SO_REUSEPORT)."""
+    args = ["--processes", str(processes), "--no-bootstrap", "--edge", edge]
     with start_broker(tmp_path / "data", extra_args=args, env=SHARED_ADMIN_ENV) as pod:
         endpoints = process_endpoints(pod) if processes > 1 else [pod.endpoint]
         assert len(endpoints) == processes

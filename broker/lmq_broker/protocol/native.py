@@ -8,11 +8,12 @@ whichever edge carries it.
 Calls cross in batches: the native side queues what happened (a call opened, a request message, the end of the
 requests, a cancellation) and makes one socket readable; one reader callback on the event loop takes every
 queued event in one call. Replies go back without waiting: ``Call.send`` and ``Call.finish`` hand frames to
-the native side.
+the native side. A call's request messages are read ahead of its handler up to ``--max-unread-requests``; past
+that the native side stops reading the call's stream, and HTTP/2 flow control stops the client.
 
-Not yet carried (the broker refuses the combination at start, ``unavailable``): TLS (``--tls-cert``) and the
-shared access port of ``--processes``. The admin listener (``--admin-port``) and the external listener stay on
-grpcio.
+TLS (``--tls-cert``, rustls; the certificate follows its files as on grpcio's edge) and the shared access port
+of ``--processes`` (a second listener of the same server, SO_REUSEPORT) are served natively. The admin listener
+(``--admin-port``) and the external listener stay on grpcio.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias
 
 import grpc
@@ -56,6 +58,7 @@ MESSAGE: Final = 1
 HALF_CLOSE: Final = 2
 CANCEL: Final = 3
 DRAINED: Final = 4
+LOG: Final = 5  # a line for the log from the native side (TLS certificate reloads)
 PENDING_HIGH: Final = 64 * 1024  # reply bytes not yet taken by HTTP/2 past which a writer checks must_wait (lib.rs)
 
 
@@ -65,12 +68,9 @@ def available() -> bool:
 
 def unavailable(config: BrokerConfig) -> str | None:
     """Why ``--edge native`` cannot serve ``config``, in one line; None when it can."""
+    del config  # every combination of flags is served since TLS and --processes are (docs/design/native-edge.md)
     if lmq_edge is None:
         return MISSING
-    if config.tls_cert is not None:
-        return "--edge native does not serve TLS yet (docs/design/native-edge.md): use --edge grpcio with --tls-cert"
-    if config.processes > 1 or config.access_port >= 0:
-        return "--edge native does not serve the shared access port of --processes yet: use --edge grpcio"
     return None
 
 
@@ -83,11 +83,13 @@ class _Details:
 
 
 class _Inbox:
-    """A call's request messages (None: the client sent its last)."""
+    """A call's request messages (None: the client sent its last). Each one taken is told to the native side
+    (``Call.took``), which reads at most ``max_unread_requests`` ahead of the handler."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("call", "items", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, call: Any) -> None:
+        self.call = call
         self.items: deque[bytes | None] = deque()
         self.waiter: asyncio.Future[None] | None = None
 
@@ -101,7 +103,10 @@ class _Inbox:
         while not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
-        return self.items.popleft()
+        item = self.items.popleft()
+        if item is not None:
+            self.call.took()
+        return item
 
 
 class Context:
@@ -116,7 +121,7 @@ class Context:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self.code: grpc.StatusCode | None = None
         self.details = ""
-        self.inbox = _Inbox()
+        self.inbox = _Inbox(call)
         self.task: asyncio.Task[None] | None = None
         self._cancelled = False
         self.drained: asyncio.Future[None] | None = None  # set when the native side took the pending replies
@@ -168,10 +173,12 @@ class NativeServer:
     """The parts of ``grpc.aio.Server`` the broker uses (``add_generic_rpc_handlers``, ``start``, ``stop``), over
     ``lmq_edge.Server``; ``listen`` binds (``protocol.server.bind``)."""
 
-    def __init__(self, max_message_bytes: int, interceptors: Sequence[Interceptor] = ()) -> None:
+    def __init__(
+        self, max_message_bytes: int, max_unread_requests: int, interceptors: Sequence[Interceptor] = ()
+    ) -> None:
         if lmq_edge is None:
             raise RuntimeError(MISSING)
-        self._core = lmq_edge.Server(max_message_bytes, THREADS)
+        self._core = lmq_edge.Server(max_message_bytes, max_unread_requests, THREADS)
         self._handlers: list[GenericHandler] = []
         self._interceptors = tuple(interceptors)
         self._calls: dict[int, Context] = {}
@@ -180,8 +187,16 @@ class NativeServer:
     def add_generic_rpc_handlers(self, handlers: Iterable[GenericHandler]) -> None:
         self._handlers.extend(handlers)
 
-    def listen(self, host: str, port: int) -> int:
-        return int(self._core.listen(host, port))
+    def serve_tls(self, cert: Path, key: Path) -> None:
+        """TLS on every listener; OSError when the pair does not load now (as grpcio's edge refuses it)."""
+        try:
+            self._core.tls(str(cert), str(key))
+        except ValueError as exc:
+            raise OSError(f"TLS certificate {cert} and key {key}: {exc}") from exc
+
+    def listen(self, host: str, port: int, *, shared: bool = False) -> int:
+        """``shared``: SO_REUSEPORT, the access port of ``--processes``."""
+        return int(self._core.listen(host, port, shared))
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -211,6 +226,8 @@ class NativeServer:
             kind = event[0]
             if kind == OPEN:
                 self._open(*event[1:])
+            elif kind == LOG:  # (LOG, is_warning, text): before the lookup, True would find call 1
+                log.log(logging.WARNING if event[1] else logging.INFO, "%s", event[2])
             elif (context := calls.get(event[1])) is not None:
                 if kind == MESSAGE:
                     context.inbox.put(event[2])

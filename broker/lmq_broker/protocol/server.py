@@ -93,7 +93,11 @@ def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Serve
 def create_client_port(config: BrokerConfig) -> Server:
     """The server of the client port (``--port``): grpcio's, or the native edge with ``--edge native``."""
     if config.edge is EdgeKind.NATIVE:
-        return native.NativeServer(max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes), _interceptors(config))
+        limit = max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes)
+        server = native.NativeServer(limit, config.max_unread_requests, _interceptors(config))
+        if config.tls_cert is not None and config.tls_key is not None:
+            server.serve_tls(config.tls_cert, config.tls_key)  # every listener; reloaded as grpcio's (tls.rs)
+        return server
     return create(config)
 
 
@@ -150,12 +154,13 @@ class AdminElsewhere(_GenericHandler):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def bind(server: Server, config: BrokerConfig, port: int | None = None) -> int:
+def bind(server: Server, config: BrokerConfig, port: int | None = None, *, shared_port: bool = False) -> int:
     """Listen on ``config.host:port`` (default ``config.port``; TLS when a certificate is configured); returns
-    the bound port."""
+    the bound port. ``shared_port``: the native edge's access port of ``--processes`` (SO_REUSEPORT); grpcio's
+    server takes it from its options (``create``)."""
     port = config.port if port is None else port
-    if isinstance(server, native.NativeServer):  # no TLS: refused at start (native.unavailable)
-        return server.listen(config.host, port)
+    if isinstance(server, native.NativeServer):  # TLS set up by create_client_port
+        return server.listen(config.host, port, shared=shared_port)
     address = f"[{config.host}]:{port}" if ":" in config.host else f"{config.host}:{port}"
     if config.tls_cert is not None and config.tls_key is not None:
         files = CertificateFiles(config.tls_cert, config.tls_key)

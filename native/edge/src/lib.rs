@@ -3,12 +3,16 @@
 //! does the framing (HTTP/2, gRPC's length-prefixed messages, trailers), deadlines and cancellation; Python
 //! keeps every decision. Calls reach Python in batches: events are queued here and the event loop is woken
 //! once (one byte on a socket it watches) when the queue turns non-empty; `Server.take` hands over all of them.
+//! TLS (rustls) is in `tls.rs`.
+
+mod tls;
 
 use std::convert::Infallible;
 use std::io::{Read, Write};
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,16 +27,22 @@ use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
-use tokio::sync::{mpsc, watch};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, watch, Notify};
+use tokio_rustls::TlsAcceptor;
 
 const OPEN: u8 = 0;
 const MESSAGE: u8 = 1;
 const HALF_CLOSE: u8 = 2;
 const CANCEL: u8 = 3;
 const DRAINED: u8 = 4;
+const LOG: u8 = 5;
+// A TLS handshake not done by then is dropped (a client that opens the socket and says nothing holds nothing).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
+const LISTEN_BACKLOG: u32 = 1024;
 // Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
 // past HIGH the Python writer waits (``Call.must_wait``) until they fall to LOW, so a client that does not read
 // holds a bounded amount here, and the handlers' own caps (Telemetry's reply buffers) see it as unread.
@@ -55,6 +65,7 @@ enum Event {
     HalfClose { id: u64 },
     Cancel { id: u64 },
     Drained { id: u64 },
+    Log { warning: bool, text: String },
 }
 
 /// The events Python has not taken yet, and the socket that wakes its event loop.
@@ -82,6 +93,7 @@ struct Shared {
     queue: Queue,
     next_id: AtomicU64,
     max_message: usize,
+    max_unread: usize, // request messages handed to Python and not yet taken by its handler (read-ahead bound)
 }
 
 /// One call's reply side: frames to hyper, and whether its trailers are sent.
@@ -91,6 +103,9 @@ struct CallShared {
     done: AtomicBool,
     pending: AtomicUsize,  // reply bytes handed over, not yet taken by hyper
     blocked: AtomicBool,   // the Python writer waits for DRAINED
+    unread: AtomicUsize,   // request messages queued for Python that its handler has not taken (Call.took)
+    room: Notify,          // the reader waits here while `unread` is at the bound
+    max_unread: usize,
 }
 
 impl CallShared {
@@ -118,6 +133,23 @@ impl CallShared {
             return false;
         }
         true
+    }
+
+    /// The handler took one request message: the reader may read another once under the bound.
+    fn took(&self) {
+        if self.unread.fetch_sub(1, Ordering::AcqRel) >= self.max_unread {
+            self.room.notify_one();
+        }
+    }
+
+    /// Waits while `max_unread` request messages wait for the handler. Not reading the body meanwhile is the
+    /// back-pressure: hyper gives HTTP/2 flow-control window back only as the body is read, so the client's
+    /// sends stop once the stream's window is full.
+    async fn wait_for_room(&self) {
+        while self.unread.load(Ordering::Acquire) >= self.max_unread {
+            self.room.notified().await; // notify_one keeps a permit: a `took` between the check and here counts
+        }
+        self.unread.fetch_add(1, Ordering::AcqRel);
     }
 
     fn taken(&self, size: usize, queue: &Queue) {
@@ -269,6 +301,7 @@ async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Re
             if buf.len() < 5 + len {
                 break;
             }
+            call.wait_for_room().await;
             buf.advance(5);
             let data = buf.split_to(len).freeze();
             shared.queue.push(Event::Message { id: call.id, data });
@@ -324,6 +357,9 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
         done: AtomicBool::new(false),
         pending: AtomicUsize::new(0),
         blocked: AtomicBool::new(false),
+        unread: AtomicUsize::new(0),
+        room: Notify::new(),
+        max_unread: shared.max_unread,
     });
     let (parts, body) = req.into_parts();
     let timeout = parts.headers.get("grpc-timeout").and_then(parse_timeout);
@@ -347,13 +383,12 @@ fn peer_name(addr: &SocketAddr) -> String {
     }
 }
 
-async fn serve_connection(
-    stream: tokio::net::TcpStream,
+async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    stream: S,
     addr: SocketAddr,
     shared: Arc<Shared>,
     mut stopping: watch::Receiver<bool>,
 ) {
-    let _ = stream.set_nodelay(true);
     let peer: Arc<str> = Arc::from(peer_name(&addr));
     let service = service_fn(move |req| handle(req, shared.clone(), peer.clone()));
     let mut builder = http2::Builder::new(TokioExecutor::new());
@@ -375,12 +410,35 @@ async fn serve_connection(
     }
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut stopping: watch::Receiver<bool>) {
+/// One accepted connection: its TLS handshake first when the edge serves TLS.
+async fn open_connection(
+    stream: tokio::net::TcpStream,
+    addr: SocketAddr,
+    tls: Option<TlsAcceptor>,
+    shared: Arc<Shared>,
+    stopping: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let Some(acceptor) = tls else {
+        return serve_connection(stream, addr, shared, stopping).await;
+    };
+    // A refused handshake (plaintext, unknown CA at the client) just closes the socket, as grpcio's does.
+    if let Ok(Ok(stream)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+        serve_connection(stream, addr, shared, stopping).await;
+    }
+}
+
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    tls: Option<TlsAcceptor>,
+    shared: Arc<Shared>,
+    mut stopping: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             accepted = listener.accept() => {
                 if let Ok((stream, addr)) = accepted {
-                    tokio::spawn(serve_connection(stream, addr, shared.clone(), stopping.clone()));
+                    tokio::spawn(open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone()));
                 }
             }
             _ = stopping.changed() => return,
@@ -417,6 +475,11 @@ impl Call {
         self.shared.finish(code, details, &trailing)
     }
 
+    /// The handler took one request message (the read-ahead bound, ``Server(max_unread_requests=...)``).
+    fn took(&self) {
+        self.shared.took()
+    }
+
     fn done(&self) -> bool {
         self.shared.done.load(Ordering::Acquire)
     }
@@ -427,15 +490,16 @@ struct Server {
     shared: Arc<Shared>,
     python_end: UnixStream,
     runtime: Option<tokio::runtime::Runtime>,
-    listeners: Vec<std::net::TcpListener>,
+    listeners: Vec<tokio::net::TcpListener>,
+    tls: Option<TlsAcceptor>,
     stopping: watch::Sender<bool>,
 }
 
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (max_message_bytes, threads = 1))]
-    fn new(max_message_bytes: usize, threads: usize) -> PyResult<Self> {
+    #[pyo3(signature = (max_message_bytes, max_unread_requests, threads = 1))]
+    fn new(max_message_bytes: usize, max_unread_requests: usize, threads: usize) -> PyResult<Self> {
         let (native_end, python_end) = UnixStream::pair()?;
         native_end.set_nonblocking(true)?;
         python_end.set_nonblocking(true)?;
@@ -449,9 +513,10 @@ impl Server {
             queue: Queue { events: Mutex::new(Vec::new()), wake: native_end },
             next_id: AtomicU64::new(1),
             max_message: max_message_bytes,
+            max_unread: max_unread_requests.max(1),
         });
         let (stopping, _) = watch::channel(false);
-        Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), stopping })
+        Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), tls: None, stopping })
     }
 
     /// The socket that turns readable when calls wait to be taken (for ``loop.add_reader``).
@@ -459,10 +524,30 @@ impl Server {
         self.python_end.as_raw_fd()
     }
 
-    /// Binds ``host:port`` now (an error is the broker's "port in use"); serves it from ``start``.
-    fn listen(&mut self, host: &str, port: u16) -> PyResult<u16> {
-        let listener = std::net::TcpListener::bind((host, port))?;
-        listener.set_nonblocking(true)?;
+    /// Serves TLS on every listener with the pair in these files (reloaded as they change, `tls.rs`); a pair
+    /// that does not load now is a ValueError.
+    fn tls(&mut self, cert: PathBuf, key: PathBuf) -> PyResult<()> {
+        let shared = self.shared.clone();
+        let note: tls::Note = Box::new(move |warning, text| shared.queue.push(Event::Log { warning, text }));
+        let certificates = tls::Certificates::open(cert, key, note).map_err(PyValueError::new_err)?;
+        let config = certificates.server_config().map_err(PyValueError::new_err)?;
+        self.tls = Some(TlsAcceptor::from(config));
+        Ok(())
+    }
+
+    /// Binds ``host:port`` now (an error is the broker's "port in use"); serves it from ``start``. ``shared``:
+    /// SO_REUSEPORT, the access port of ``--processes`` where every broker process of a pod listens at once
+    /// (the kernel spreads the connections); else a second broker on the same port fails, as on grpcio's edge.
+    #[pyo3(signature = (host, port, shared = false))]
+    fn listen(&mut self, host: &str, port: u16, shared: bool) -> PyResult<u16> {
+        let runtime = self.runtime.as_ref().ok_or_else(|| PyRuntimeError::new_err("the edge is closed"))?;
+        let address = (host, port).to_socket_addrs()?.next().ok_or_else(|| PyValueError::new_err("no address"))?;
+        let socket = if address.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(shared)?;
+        socket.bind(address)?;
+        let _entered = runtime.enter(); // the listener registers with this runtime's reactor
+        let listener = socket.listen(LISTEN_BACKLOG)?;
         let bound = listener.local_addr()?.port();
         self.listeners.push(listener);
         Ok(bound)
@@ -470,10 +555,8 @@ impl Server {
 
     fn start(&mut self) -> PyResult<()> {
         let runtime = self.runtime.as_ref().ok_or_else(|| PyRuntimeError::new_err("the edge is closed"))?;
-        let _entered = runtime.enter();
         for listener in self.listeners.drain(..) {
-            let listener = tokio::net::TcpListener::from_std(listener)?;
-            runtime.spawn(accept_loop(listener, self.shared.clone(), self.stopping.subscribe()));
+            runtime.spawn(accept_loop(listener, self.tls.clone(), self.shared.clone(), self.stopping.subscribe()));
         }
         Ok(())
     }
@@ -484,7 +567,7 @@ impl Server {
     }
 
     /// Every event queued since the last call: (OPEN, call, method, metadata, peer, timeout_s | None),
-    /// (MESSAGE, id, bytes), (HALF_CLOSE, id), (CANCEL, id), (DRAINED, id).
+    /// (MESSAGE, id, bytes), (HALF_CLOSE, id), (CANCEL, id), (DRAINED, id), (LOG, is_warning, text).
     fn take<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut sink = [0u8; 256];
         while matches!((&self.python_end).read(&mut sink), Ok(n) if n > 0) {}
@@ -508,6 +591,7 @@ impl Server {
                 Event::HalfClose { id } => (HALF_CLOSE, id).into_pyobject(py)?,
                 Event::Cancel { id } => (CANCEL, id).into_pyobject(py)?,
                 Event::Drained { id } => (DRAINED, id).into_pyobject(py)?,
+                Event::Log { warning, text } => (LOG, warning, text).into_pyobject(py)?,
             };
             out.append(item)?;
         }
@@ -532,6 +616,7 @@ fn lmq_edge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HALF_CLOSE", HALF_CLOSE)?;
     m.add("CANCEL", CANCEL)?;
     m.add("DRAINED", DRAINED)?;
+    m.add("LOG", LOG)?;
     m.add("PENDING_HIGH", PENDING_HIGH)?;
     m.add("UNAVAILABLE", UNAVAILABLE)?;
     Ok(())

@@ -1,8 +1,10 @@
 """The native edge (``serve --edge native``, docs/design/native-edge.md milestone 1) on a real broker process with
 raw grpc.aio stubs: every kind of call passes through to the Python handlers (unary, server-streaming, the
 bidirectional Telemetry, the admin service), deadlines and cancellations end calls on the native side, an
-unknown method and an oversized request are refused with gRPC's codes, and the broker refuses to start with
-the edge when it cannot serve it. ``make test`` builds the module (``make native``): without it these fail."""
+unknown method and an oversized request are refused with gRPC's codes, request messages are read ahead of a
+slow handler only up to a bound, the access port is shared (SO_REUSEPORT) and the broker refuses to start when
+the edge cannot serve it. TLS is tested on both edges in test_security.py. ``make test`` builds the module
+(``make native``): without it these fail."""
 
 from __future__ import annotations
 
@@ -195,12 +197,70 @@ def test_without_the_module_the_broker_refuses_to_start_naming_make_native(tmp_p
     assert not (tmp_path / "data").exists()  # nothing created
 
 
-def test_tls_with_the_native_edge_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_tls_pair_that_does_not_load_refuses_the_start(tmp_path: Path) -> None:
     (tmp_path / "c.pem").write_text("x")
     (tmp_path / "k.pem").write_text("x")
     done = serve(
         tmp_path, "--edge", "native", "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")
     )
     assert done.returncode != 0
-    (line,) = done.stderr.strip().splitlines()
-    assert "--edge native does not serve TLS" in line
+    assert f"TLS certificate {tmp_path / 'c.pem'}" in done.stderr.strip().splitlines()[-1]
+
+
+def test_the_shared_port_takes_several_listeners_and_a_private_one_refuses_a_second() -> None:
+    """--processes: every process of a pod listens on the access port (SO_REUSEPORT); its own port stays its own."""
+    servers = [native.lmq_edge.Server(1 << 20, 8) for _ in range(4)]
+    try:
+        shared = servers[0].listen("127.0.0.1", 0, True)
+        assert servers[1].listen("127.0.0.1", shared, True) == shared
+        private = servers[2].listen("127.0.0.1", 0, False)
+        with pytest.raises(OSError):
+            servers[3].listen("127.0.0.1", private, False)
+        with pytest.raises(OSError):  # nor may a shared listener join a private port
+            servers[3].listen("127.0.0.1", private, True)
+    finally:
+        for server in servers:
+            server.close()
+
+
+UNREAD = 4  # --max-unread-requests of the server below
+MESSAGES = 64  # of 64 KiB: 4 MiB, past the stream's 1 MiB HTTP/2 window and the bound
+
+
+@pytest.mark.asyncio
+async def test_request_messages_are_read_ahead_of_a_slow_handler_up_to_the_bound() -> None:
+    """Back-pressure: past the bound the native side stops reading the stream, so the client's writes wait
+    (HTTP/2 flow control) instead of the broker buffering what the handler has not asked for."""
+    release = asyncio.Event()
+    contexts: list[native.Context] = []
+
+    async def count(requests: AsyncIterator[bytes], context: native.Context) -> bytes:
+        contexts.append(context)
+        await release.wait()
+        return str(sum([1 async for _ in requests])).encode()
+
+    handler = grpc.stream_unary_rpc_method_handler(count)
+    server = native.NativeServer(1 << 20, UNREAD)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {"Count": handler}),))
+    port = server.listen("127.0.0.1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            count_of = channel.stream_unary("/t.T/Count", request_serializer=bytes, response_deserializer=bytes)
+            call = count_of()  # type: ignore[call-arg]  # no iterator: written with call.write
+
+            async def write_all() -> None:
+                for _ in range(MESSAGES):
+                    await call.write(b"x" * 65536)
+                await call.done_writing()
+
+            writer = asyncio.create_task(write_all())
+            await eventually_async(lambda: contexts and len(contexts[0].inbox.items) >= UNREAD, "read ahead")
+            with pytest.raises(TimeoutError):  # unbounded, 4 MiB on loopback would be written in milliseconds
+                await asyncio.wait_for(asyncio.shield(writer), 2.0)
+            assert len(contexts[0].inbox.items) == UNREAD
+            release.set()
+            assert await call == str(MESSAGES).encode()  # every message, once the handler reads
+            await writer
+    finally:
+        await server.stop(0)

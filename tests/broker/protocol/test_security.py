@@ -1,6 +1,6 @@
 """Optional TLS and request signing, on a real server (the signing itself is protocol.auth's, tested there;
 here: that the broker wires the client pair for the v2 service, its admin pair for the admin service, and
-serves TLS)."""
+serves TLS, on both edges of the client port: grpcio's and the native one, docs/design/native-edge.md)."""
 
 from __future__ import annotations
 
@@ -113,10 +113,14 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-async def test_tls(tmp_path: Path) -> None:
+EDGES = pytest.mark.parametrize("edge", ["grpcio", "native"])
+
+
+@EDGES
+async def test_tls(tmp_path: Path, edge: str) -> None:
     cert, key = self_signed(tmp_path)
     broker = await running(
-        config_for(tmp_path / "data", host="127.0.0.1", port=0, metrics_port=-1, tls_cert=cert, tls_key=key)
+        config_for(tmp_path / "data", host="127.0.0.1", port=0, metrics_port=-1, tls_cert=cert, tls_key=key, edge=edge)
     )
     try:
         credentials = grpc.ssl_channel_credentials(cert.read_bytes())
@@ -186,11 +190,12 @@ async def _served_by(endpoint: str, ca: Path, server_name: str) -> grpc.StatusCo
     return grpc.StatusCode.OK
 
 
+@EDGES
 async def test_tls_on_both_listeners_follows_a_renewed_certificate(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edge: str
 ) -> None:
     """A renewed Secret (the kubelet swaps the mounted files) is served without a restart; a pair that does not
-    load leaves the served one in place."""
+    load leaves the served one in place. The client port is ``edge``'s, the admin port grpcio's."""
     first = testing.issue_certificate(tmp_path / "old", "lmq-broker.mq.svc")
     mounted = tmp_path / "mounted"
     mounted.mkdir()
@@ -207,13 +212,17 @@ async def test_tls_on_both_listeners_follows_a_renewed_certificate(
             admin_anonymous=True,
             tls_cert=cert,
             tls_key=key,
+            edge=edge,
         )
     )
+    ports = (broker.endpoint, broker.admin_endpoint)
+    # TLS, and the admin service on its port only
+    answers = {broker.endpoint: grpc.StatusCode.UNIMPLEMENTED, broker.admin_endpoint: grpc.StatusCode.OK}
     try:
-        for endpoint in (broker.endpoint, broker.admin_endpoint):  # TLS, and the admin service on its port only
-            expected = grpc.StatusCode.UNIMPLEMENTED if endpoint == broker.endpoint else grpc.StatusCode.OK
-            assert await _served_by(endpoint, first.ca, "lmq-broker.mq.svc") == expected
-        assert await _served_by(broker.admin_endpoint, first.ca, "other.name") == grpc.StatusCode.UNAVAILABLE
+        for endpoint in ports:
+            assert await _served_by(endpoint, first.ca, "lmq-broker.mq.svc") == answers[endpoint]
+        for endpoint in ports:
+            assert await _served_by(endpoint, first.ca, "other.name") == grpc.StatusCode.UNAVAILABLE
 
         renewed = testing.issue_certificate(tmp_path / "new", "lmq-broker.mq.svc")  # another CA, too
         swap = tmp_path / "swap"
@@ -222,15 +231,17 @@ async def test_tls_on_both_listeners_follows_a_renewed_certificate(
         shutil.copy(renewed.key, swap / "tls.key")
         os.replace(swap / "tls.crt", cert)
         os.replace(swap / "tls.key", key)
-        assert await _served_by(broker.admin_endpoint, renewed.ca, "lmq-broker.mq.svc") == grpc.StatusCode.OK
-        assert await _served_by(broker.admin_endpoint, first.ca, "lmq-broker.mq.svc") == grpc.StatusCode.UNAVAILABLE
+        for endpoint in ports:
+            assert await _served_by(endpoint, renewed.ca, "lmq-broker.mq.svc") == answers[endpoint]
+            assert await _served_by(endpoint, first.ca, "lmq-broker.mq.svc") == grpc.StatusCode.UNAVAILABLE
 
         shutil.copy(first.key, swap / "tls.key")  # a key that does not match the certificate
         os.replace(swap / "tls.key", key)
-        with caplog.at_level(logging.WARNING, logger="lmq_broker.protocol.server"):
+        with caplog.at_level(logging.WARNING, logger="lmq_broker.protocol"):
             for _ in range(3):
-                assert await _served_by(broker.admin_endpoint, renewed.ca, "lmq-broker.mq.svc") == grpc.StatusCode.OK
+                for endpoint in ports:
+                    assert await _served_by(endpoint, renewed.ca, "lmq-broker.mq.svc") == answers[endpoint]
         refusals = [r for r in caplog.records if "not reloaded" in r.getMessage()]
-        assert len(refusals) == 1, refusals  # once, not at every handshake
+        assert len(refusals) == 2, refusals  # once per listener, not at every handshake
     finally:
         await broker.stop(0.2)
