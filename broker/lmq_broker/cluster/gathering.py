@@ -262,10 +262,12 @@ async def _call(
     call = peers.links.channel(endpoint).unary_unary(
         V2 + method, request_serializer=type(request).SerializeToString, response_deserializer=response.FromString
     )
+    # Not waiting for a connection (``wait_for_ready``), unlike other peer calls: that broker answered the receive
+    # moments ago, so a connection that fails now is a broker that went down, and a consumer settling a batch one
+    # message at a time would wait CALL_TIMEOUT_S per message before its next receive (the new holder delivers
+    # the message again meanwhile: at-least-once, as for any refused ack).
     try:
-        reply = await call(
-            request, metadata=peers.links.v2_headers(method, caller), timeout=CALL_TIMEOUT_S, wait_for_ready=True
-        )
+        reply = await call(request, metadata=peers.links.v2_headers(method, caller), timeout=CALL_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         raise errors.BrokerUnavailable(
             f"broker {endpoint} that delivered this message did not answer: {exc.code().name}; try again"
