@@ -287,7 +287,7 @@ class Leadership:
             epoch = lease.transitions + 1
             # The deposed holder leaves the set (it rejoins once it holds every copy again), unless that takes the
             # set below --min-insync-replicas: it holds every acknowledged message, so it stays eligible.
-            deposed, before = slot_of_identity(lease.holder), {*(lease.in_sync or ()), self.me}
+            deposed, before = slot_of_identity(lease.holder.removeprefix(RELEASED)), {*(lease.in_sync or ()), self.me}
             after = before - {deposed}
             in_sync = tuple(sorted(after if len(after) >= self._min_insync else before))
             await self._write(

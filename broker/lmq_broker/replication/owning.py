@@ -141,11 +141,18 @@ class Slots:
         acked: Sequence[int],
         handouts: model.Handouts = model.NO_HANDOUTS,
     ) -> asyncio.Future[None] | None:
-        """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it)."""
+        """``dispatch.settlement``'s commit points, for the followers of their slot (when this broker holds it).
+
+        Not for a topic of another broker's slot that this broker neither holds nor has records of (an offset
+        reset that reached a broker that is no replica of it: lmq-admin's ResetLiteOffsets, a subscription's
+        OffsetOption fanned out to every candidate): filed under this broker's own slot, its copy would replace
+        the commit point of that slot's follower, which may be the topic's live holder."""
         if not queue.topic.startswith(model.LMQ_PREFIX):
             return None
         slot = self.slot_of_topic(queue.topic)
         if not self._leadership.holds(slot):
+            return None
+        if self.recorded(queue.topic) < 0 and self._ring_slot(queue.topic) != slot:
             return None
         return self.owner(slot).note_commit(wire.Commit(queue, group, offset, tuple(acked), handouts))
 

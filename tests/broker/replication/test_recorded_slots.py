@@ -248,3 +248,20 @@ async def test_a_deleted_topic_is_placed_afresh_when_it_is_created_again(tmp_pat
     finally:
         lite_.dispatcher.ingest.replicas = None
         await lite_.dispatcher.close()
+
+
+def test_a_commit_point_of_a_topic_of_another_slot_is_not_copied_as_this_brokers_own(store: Store) -> None:
+    """An offset reset that reached a broker which is no replica of the topic's slot (lmq-admin's
+    ResetLiteOffsets, an OffsetOption fanned out to every candidate) writes its own store only: filed under this
+    broker's slot, its copy would replace the commit point at that slot's follower, maybe the topic's holder."""
+    held = Held(me=2, epochs={2: 1})
+    slots = slots_over(store, held, lambda topic: 0)  # every topic's ring slot is 0, held elsewhere
+    queue = model.QueueId.lmq(PARENT, "elsewhere")
+    assert slots.slot_of_topic(queue.topic) == 2  # what it would be filed under
+    assert slots.committed(queue, "g", 0, ()) is None
+    held.epochs[0] = 1  # once this broker holds slot 0, the topic's commit points are that slot's
+    noted: list[wire.Commit] = []
+    door: Any = slots.owner(0)
+    door.note_commit = noted.append
+    slots.committed(queue, "g", 3, ())
+    assert [c.offset for c in noted] == [3]
