@@ -225,8 +225,9 @@ class Settlement:
     async def _copy_reset(self, moved: list[tuple[model.QueueId, str, int]]) -> None:
         """Send the commit points a reset wrote to the followers of their slots, and wait until they stored them
         (an MQTT start at the end is answered after: a follower that takes over does not deliver again what was
-        published before the subscription). A copy that fails is logged, not raised: its follower leaves the
-        in-sync set and gets every commit point before it rejoins (or sends are refused meanwhile)."""
+        published before the subscription). A copy that fails is raised, as an ack's is (too few in-sync
+        replicas stored it, or this broker lost the lease meanwhile): the reset is kept here, but the caller is
+        refused and tries again, rather than be told OK while a takeover could serve the point from before it."""
         if self.committed is None:
             return
         copying = [self.committed(queue, group, offset, (), model.NO_HANDOUTS) for queue, group, offset in moved]
@@ -234,8 +235,10 @@ class Settlement:
         if waits:
             await asyncio.wait(waits)  # not gather: a cancelled reset leaves the copies' futures alone
         failed = next((f.exception() for f in waits if not f.cancelled() and f.exception() is not None), None)
+        if isinstance(failed, errors.LmqError):
+            raise failed
         if failed is not None:
-            log.warning("an offset reset's commit copy failed: %s", failed)
+            raise errors.BrokerUnavailable(f"an offset reset's commit copy failed: {failed}; try again")
 
     # --- lease state: opened from what the store holds, dropped when idle ------------------------------------
     async def state_of(self, key: LeaseKey, ordered: bool) -> leases.QueueLeases:
