@@ -480,9 +480,7 @@ class Replication:
         if not link.unimplemented:
             try:
                 return _behind(await link.send(data))
-            except errors.BrokerUnavailable:
-                if not _older(link):
-                    raise
+            except streams.Unimplemented:  # not read there; any other failure may be after it was stored
                 self._json_until[endpoint] = time.monotonic() + BINARY_RETRY_S
                 log.info("%s reads no binary copies (an older version): JSON copies for now", endpoint)
         data = wire.as_json(data)
@@ -550,11 +548,6 @@ class Replication:
                 yield answer
 
         return serve
-
-
-def _older(link: streams.Link) -> bool:
-    """The follower had no such stream method (read after an await: it may have changed)."""
-    return link.unimplemented
 
 
 def _behind(answer: bytes) -> dict[str, int]:

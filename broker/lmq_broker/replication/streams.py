@@ -37,6 +37,12 @@ _ID: Final = struct.Struct(">Q")
 STORED: Final = 0
 REFUSED: Final = 1
 
+
+class Unimplemented(errors.BrokerUnavailable):
+    """The stream a copy was written on had no such method at the follower (an older version): the copy was not
+    read there, so it may be sent again another way. Any other failure may come after the follower stored it."""
+
+
 Open = Callable[[], "grpc.aio.StreamStreamCall[bytes, bytes]"]  # a new stream to the follower (header signed)
 
 
@@ -90,10 +96,17 @@ class Link:
         except BaseException as exc:  # failed, timed out or cancelled: the stream's state is unknown, drop it
             self._waiting.pop(ident, None)
             future.cancel()  # nobody awaits it any more: the stream's failure is not set on it (never retrieved)
-            if isinstance(exc, Exception) and call.done() and await _code(call) == grpc.StatusCode.UNIMPLEMENTED:
-                self.unimplemented = True  # a write to a finished call fails with a state error, not its status
+            # This copy's own stream had no such method: it was not read there (a write to a finished call fails
+            # with a state error, not its status, hence the call's code)
+            own = isinstance(exc, Exception) and call.done() and await _code(call) == grpc.StatusCode.UNIMPLEMENTED
+            if own:
+                self.unimplemented = True
             self._drop(call, exc)
-            if isinstance(exc, errors.LmqError) or not isinstance(exc, Exception):
+            if not isinstance(exc, Exception):
+                raise
+            if own:
+                raise Unimplemented(f"{self._endpoint} Append stream: UNIMPLEMENTED") from None
+            if isinstance(exc, errors.LmqError):
                 raise
             raise errors.BrokerUnavailable(f"{self._endpoint} Append stream: {_why(exc)}") from None
         finally:

@@ -53,3 +53,37 @@ async def test_copies_unanswered_in_time_fail_and_leave_no_future_unretrieved() 
     gc.collect()
     await asyncio.sleep(0)
     assert not [r for r in reported if "never retrieved" in r], reported
+
+
+async def drop_after_reading(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    """A follower that read a copy (it may have stored it) and then failed the stream."""
+    async for _ in requests:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+    nothing: tuple[bytes, ...] = ()
+    for answer in nothing:
+        yield answer
+
+
+@pytest.mark.asyncio
+async def test_only_a_copy_whose_own_stream_had_no_such_method_is_told_it_was_not_read() -> None:
+    """``Unimplemented`` (the owner may send that copy again as JSON) only for a copy whose own stream the
+    follower did not know; a stream that failed after reading its copy is a plain failure (the follower may have
+    stored it: sent again, a normal topic's message would be stored twice there)."""
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(drop_after_reading)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Replica", {"Stream": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        for method, unknown in ((METHOD, False), ("/test.Replica/Missing", True)):
+            open_stream = channel.stream_stream(method, None, None)
+            link = streams.Link(f"127.0.0.1:{port}", lambda opener=open_stream: opener(None), 2.0)
+            with pytest.raises(errors.BrokerUnavailable) as failed:
+                await link.send(b"copy")
+            assert isinstance(failed.value, streams.Unimplemented) is unknown, failed.value
+            assert link.unimplemented is unknown
+            await link.close()
+    finally:
+        await channel.close(None)
+        await server.stop(None)
