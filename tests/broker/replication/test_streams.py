@@ -64,6 +64,13 @@ async def drop_after_reading(requests: AsyncIterator[bytes], context: Any) -> As
         yield answer
 
 
+def opener(channel: grpc.aio.Channel, method: str) -> streams.Open:
+    def open_stream() -> grpc.aio.StreamStreamCall[bytes, bytes]:
+        return channel.stream_stream(method, None, None)(None)
+
+    return open_stream
+
+
 @pytest.mark.asyncio
 async def test_only_a_copy_whose_own_stream_had_no_such_method_is_told_it_was_not_read() -> None:
     """``Unimplemented`` (the owner may send that copy again as JSON) only for a copy whose own stream the
@@ -77,8 +84,7 @@ async def test_only_a_copy_whose_own_stream_had_no_such_method_is_told_it_was_no
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         for method, unknown in ((METHOD, False), ("/test.Replica/Missing", True)):
-            open_stream = channel.stream_stream(method, None, None)
-            link = streams.Link(f"127.0.0.1:{port}", lambda opener=open_stream: opener(None), 2.0)
+            link = streams.Link(f"127.0.0.1:{port}", opener(channel, method), 2.0)
             with pytest.raises(errors.BrokerUnavailable) as failed:
                 await link.send(b"copy")
             assert isinstance(failed.value, streams.Unimplemented) is unknown, failed.value
