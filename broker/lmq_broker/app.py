@@ -37,7 +37,7 @@ from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.mqtt import stats as mqtt_stats
 from lmq_broker.mqtt.server import MqttServer
-from lmq_broker.protocol import native
+from lmq_broker.protocol import native, native_metrics
 from lmq_broker.protocol import server as grpc_server
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
@@ -206,6 +206,8 @@ class Broker:
         )
         await cluster.start()
         server = self._server = grpc_server.create_client_port(config)
+        if isinstance(server, native.NativeServer):  # the edge's own counters, lmq_edge_* (native_metrics)
+            self.metrics.registry.register(native_metrics.EdgeCollector(server.stats))
         self._start_replication(server, cluster)
         admission = self._admission = grpc_server.admission(config, edge)
         service = grpc_server.add_messaging_service(server, edge, admission)

@@ -5,7 +5,10 @@
 //! once (one byte on a socket it watches) when the queue turns non-empty; `Server.take` hands over all of them.
 //! TLS (rustls) is in `tls.rs`.
 
+mod stats;
 mod tls;
+
+use stats::Stats;
 
 use std::convert::Infallible;
 use std::io::{Read, Write};
@@ -94,6 +97,7 @@ struct Shared {
     next_id: AtomicU64,
     max_message: usize,
     max_unread: usize, // request messages handed to Python and not yet taken by its handler (read-ahead bound)
+    stats: Stats,
 }
 
 /// One call's reply side: frames to hyper, and whether its trailers are sent.
@@ -145,7 +149,10 @@ impl CallShared {
     /// Waits while `max_unread` request messages wait for the handler. Not reading the body meanwhile is the
     /// back-pressure: hyper gives HTTP/2 flow-control window back only as the body is read, so the client's
     /// sends stop once the stream's window is full.
-    async fn wait_for_room(&self) {
+    async fn wait_for_room(&self, stats: &Stats) {
+        if self.unread.load(Ordering::Acquire) >= self.max_unread {
+            stats.add(&stats.read_pauses, 1);
+        }
         while self.unread.load(Ordering::Acquire) >= self.max_unread {
             self.room.notified().await; // notify_one keeps a permit: a `took` between the check and here counts
         }
@@ -273,6 +280,7 @@ impl Body for ReplyBody {
         let polled = self.rx.poll_recv(cx);
         if let Poll::Ready(Some(frame)) = &polled {
             if let Some(data) = frame.data_ref() {
+                self.shared.stats.add(&self.shared.stats.bytes_out, data.len() as u64);
                 self.call.taken(data.len(), &self.shared.queue);
             }
         }
@@ -283,27 +291,36 @@ impl Body for ReplyBody {
 /// Reads the request's gRPC messages into events; Err when the call ended here (reset, refused message).
 async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Result<(), ()> {
     let mut buf = BytesMut::new();
+    let stats = &shared.stats;
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.map_err(|_| ())?.into_data() else { continue };
+        let Ok(frame) = frame else {
+            stats.add(&stats.calls_cancelled, 1); // reset by the client, or its connection closed
+            return Err(());
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        stats.add(&stats.bytes_in, data.len() as u64);
         buf.extend_from_slice(&data);
         while buf.len() >= 5 {
             let compressed = buf[0];
             let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
             if compressed != 0 {
+                stats.add(&stats.refused_compressed, 1);
                 call.finish(UNIMPLEMENTED, "compressed messages are not supported", &[]);
                 return Err(());
             }
             if len > shared.max_message {
                 let why = format!("received message larger than max ({len} vs. {})", shared.max_message);
+                stats.add(&stats.refused_too_large, 1);
                 call.finish(RESOURCE_EXHAUSTED, &why, &[]);
                 return Err(());
             }
             if buf.len() < 5 + len {
                 break;
             }
-            call.wait_for_room().await;
+            call.wait_for_room(stats).await;
             buf.advance(5);
             let data = buf.split_to(len).freeze();
+            stats.add(&stats.request_messages, 1);
             shared.queue.push(Event::Message { id: call.id, data });
         }
     }
@@ -334,12 +351,14 @@ async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, t
             }
             _ = &mut sleep => {
                 if call.finish(DEADLINE_EXCEEDED, "Deadline Exceeded", &[]) {
+                    shared.stats.add(&shared.stats.deadlines, 1);
                     shared.queue.push(Event::Cancel { id: call.id });
                 }
                 return;
             }
             _ = call.tx.closed() => {
                 if !call.done.swap(true, Ordering::AcqRel) {
+                    shared.stats.add(&shared.stats.calls_cancelled, 1); // the stream went before its status
                     shared.queue.push(Event::Cancel { id: call.id });
                 }
                 return;
@@ -351,6 +370,7 @@ async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, t
 async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> Result<Response<ReplyBody>, Infallible> {
     let (tx, rx) = mpsc::unbounded_channel();
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    shared.stats.add(&shared.stats.calls, 1);
     let call = Arc::new(CallShared {
         id,
         tx,
@@ -419,12 +439,14 @@ async fn open_connection(
     stopping: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
+    let _open = stats::Open::new(shared.clone()); // counted open until this returns
     let Some(acceptor) = tls else {
         return serve_connection(stream, addr, shared, stopping).await;
     };
     // A refused handshake (plaintext, unknown CA at the client) just closes the socket, as grpcio's does.
-    if let Ok(Ok(stream)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-        serve_connection(stream, addr, shared, stopping).await;
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+        Ok(Ok(stream)) => serve_connection(stream, addr, shared, stopping).await,
+        _ => shared.stats.add(&shared.stats.tls_handshakes_failed, 1),
     }
 }
 
@@ -438,6 +460,7 @@ async fn accept_loop(
         tokio::select! {
             accepted = listener.accept() => {
                 if let Ok((stream, addr)) = accepted {
+                    shared.stats.add(&shared.stats.connections_accepted, 1);
                     tokio::spawn(open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone()));
                 }
             }
@@ -514,6 +537,7 @@ impl Server {
             next_id: AtomicU64::new(1),
             max_message: max_message_bytes,
             max_unread: max_unread_requests.max(1),
+            stats: Stats::default(),
         });
         let (stopping, _) = watch::channel(false);
         Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), tls: None, stopping })
@@ -596,6 +620,12 @@ impl Server {
             out.append(item)?;
         }
         Ok(out)
+    }
+
+    /// The edge's counters now, read in one call (``protocol.native.EdgeCollector`` at scrape time): a list of
+    /// (name, value), names as in ``stats.rs``; readable after ``close``.
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        self.shared.stats.snapshot()
     }
 
     /// Ends the native threads (after ``stop_accepting`` and the calls' end).

@@ -1,0 +1,60 @@
+"""The native edge's own counters (``serve --edge native``) as Prometheus metrics, prefix ``lmq_edge_``: what
+happens below Python (connections, TLS handshakes, HTTP/2 streams the client reset, deadlines and refusals
+answered natively, bytes). The Rust side counts with plain atomics (``native/edge/src/stats.rs``); this collector
+reads all of them in one call at scrape time, so a call costs no Python work for them. docs/monitoring.md
+lists them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Native counter name -> (metric name, help). Counters; ``connections_open`` is the one gauge.
+COUNTERS: Final = {
+    "connections_accepted": ("lmq_edge_connections_accepted", "TCP connections accepted on the client port(s)"),
+    "tls_handshakes_failed": (
+        "lmq_edge_tls_handshakes_failed",
+        "TLS handshakes that failed or timed out (plaintext client, client that refused the certificate)",
+    ),
+    "calls": ("lmq_edge_calls", "gRPC calls (HTTP/2 streams) opened, whatever their method"),
+    "calls_cancelled": (
+        "lmq_edge_calls_cancelled",
+        "Calls the client ended before their status: stream reset (RST_STREAM) or connection closed",
+    ),
+    "deadlines": ("lmq_edge_deadlines_exceeded", "Calls ended natively by their grpc-timeout (DEADLINE_EXCEEDED)"),
+    "request_messages": ("lmq_edge_request_messages", "Request messages read and handed to the broker"),
+    "read_pauses": (
+        "lmq_edge_read_pauses",
+        "Times a call's stream stopped being read: --max-unread-requests messages waited for its handler",
+    ),
+    "bytes_in": ("lmq_edge_received_bytes", "Request body bytes received (gRPC framing included, TLS not)"),
+    "bytes_out": ("lmq_edge_sent_bytes", "Reply message bytes handed to HTTP/2 (gRPC framing included)"),
+}
+REFUSED: Final = {"refused_too_large": "message_too_large", "refused_compressed": "compressed"}
+REFUSED_HELP: Final = (
+    "Calls refused natively before the broker saw them, by reason: message_too_large (RESOURCE_EXHAUSTED, a "
+    "request message over the size limit), compressed (UNIMPLEMENTED)"
+)
+
+
+class EdgeCollector(Collector):
+    """``read``: the native edge's snapshot, ``lmq_edge.Server.stats`` (a list of (name, value))."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        values = dict(self._read())
+        yield GaugeMetricFamily(
+            "lmq_edge_connections_open", "Client connections open now (TLS handshakes in progress included)",
+            value=values.get("connections_open", 0),
+        )  # fmt: skip
+        for key, (name, doc) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=values.get(key, 0))
+        refused = CounterMetricFamily("lmq_edge_calls_refused", REFUSED_HELP, labels=["reason"])
+        for key, reason in REFUSED.items():
+            refused.add_metric([reason], values.get(key, 0))
+        yield refused

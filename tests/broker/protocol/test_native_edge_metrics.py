@@ -1,0 +1,148 @@
+"""The native edge's own counters (``lmq_edge_*``, protocol/native_metrics.py, native/edge/src/stats.rs) on a
+real broker process, scraped from its /metrics: connections accepted and open, a failed TLS handshake, a call
+the client cancelled, a deadline ended natively, a request refused natively, request messages and bytes. A
+grpcio client enforces its own deadline and resets the stream at it (before the server's timer, which starts
+later), so the native deadline is driven by a bare HTTP/2 client that sends ``grpc-timeout`` and just waits."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from raw_v2 import PARENT, connection, headers, metric, parked, poll
+from waiting import eventually, eventually_async
+
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.testing import BrokerProcess, issue_certificate, start_broker
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+TELEMETRY = "/apache.rocketmq.v2.MessagingService/Telemetry"
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    with start_broker(tmp_path / "data", extra_args=["--edge", "native", "--max-body-bytes", "65536"]) as started:
+        yield started
+
+
+def edge(broker: BrokerProcess, name: str, **labels: str) -> float:
+    return metric(broker, f"lmq_edge_{name}", **labels)
+
+
+@pytest.mark.asyncio
+async def test_connections_calls_messages_and_bytes_are_counted(broker: BrokerProcess) -> None:
+    assert edge(broker, "connections_open") == 0
+    first, stub = connection(broker)
+    second, other = connection(broker)
+    async with first, second:
+        query = spb.QueryRouteRequest(topic=pb.Resource(name=PARENT))
+        for s in (stub, other):
+            assert (await s.QueryRoute(query, metadata=headers("c"))).status.code == pb.OK
+        assert edge(broker, "connections_open") == 2
+        assert edge(broker, "connections_accepted_total") == 2
+        assert edge(broker, "calls_total") == 2
+        assert edge(broker, "request_messages_total") == 2
+        sent = query.ByteSize() + 5  # one gRPC frame each way per call
+        assert edge(broker, "received_bytes_total") == 2 * sent
+        assert edge(broker, "sent_bytes_total") > 2 * 5
+    await eventually_async(lambda: edge(broker, "connections_open") == 0, "both connections closed")
+    assert edge(broker, "connections_accepted_total") == 2
+    assert edge(broker, "calls_cancelled_total") == 0 and edge(broker, "deadlines_exceeded_total") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_call_the_client_cancels_is_counted(broker: BrokerProcess) -> None:
+    channel, stub = connection(broker)
+    async with channel:
+        held = asyncio.create_task(poll(stub, "c"))
+        await parked(broker, 1)
+        assert edge(broker, "calls_cancelled_total") == 0
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await eventually_async(lambda: edge(broker, "calls_cancelled_total") == 1, "the reset stream counted")
+        await parked(broker, 0)
+    assert edge(broker, "deadlines_exceeded_total") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_over_the_size_limit_is_refused_natively_and_counted(broker: BrokerProcess) -> None:
+    channel, stub = connection(broker)
+    async with channel:
+        props = pb.SystemProperties(message_id="big", message_type=pb.LITE, lite_topic="t")
+        message = pb.Message(
+            topic=pb.Resource(name=PARENT), body=b"x" * (64 * 1024 * 1024 + 1), system_properties=props
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=headers("p"), timeout=30)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert edge(broker, "calls_refused_total", reason="message_too_large") == 1
+    assert edge(broker, "calls_refused_total", reason="compressed") == 0
+    assert edge(broker, "request_messages_total") == 0  # never handed to the broker
+
+
+def literal(name: str, value: str) -> bytes:
+    """One HPACK header field, literal without indexing, no Huffman (every length here is under 127)."""
+    assert len(name) < 127 and len(value) < 127
+    return bytes([0, len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def open_without_deadline_of_its_own(port: int, timeout: str) -> socket.socket:
+    """An HTTP/2 connection with one Telemetry call that carries ``grpc-timeout`` and sends nothing more."""
+    fields = (
+        (":method", "POST"), (":scheme", "http"), (":path", TELEMETRY), (":authority", f"127.0.0.1:{port}"),
+        ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", timeout),
+        ("x-mq-client-id", "raw"),
+    )  # fmt: skip
+    block = b"".join(literal(n, v) for n, v in fields)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(PREFACE + frame(4, 0, 0, b"") + frame(1, 0x4, 1, block))  # SETTINGS; HEADERS, END_HEADERS
+    return sock
+
+
+def test_a_deadline_ended_natively_is_counted(broker: BrokerProcess) -> None:
+    sock = open_without_deadline_of_its_own(broker.port, "300m")
+    with sock:
+        eventually(lambda: edge(broker, "calls_total") == 1, "the call opened")
+        eventually(lambda: edge(broker, "deadlines_exceeded_total") == 1, "the edge ended it at its deadline")
+    assert edge(broker, "calls_cancelled_total") == 0  # ended by the deadline, not by the client
+    eventually(lambda: metric(broker, "lmq_telemetry_streams") == 0, "its handler cancelled")
+
+
+def test_tls_handshakes_that_fail_are_counted_and_good_ones_are_not(tmp_path: Path) -> None:
+    pair = issue_certificate(tmp_path / "tls", "127.0.0.1")
+    flags = ["--edge", "native", "--tls-cert", str(pair.cert), "--tls-key", str(pair.key)]
+    with start_broker(tmp_path / "data", extra_args=flags) as broker:
+        with socket.create_connection(("127.0.0.1", broker.port), timeout=10) as plain:
+            plain.sendall(PREFACE)  # plaintext HTTP/2 on a TLS port: the handshake fails, the socket closes
+            plain.recv(4096)  # the alert, or the close
+            eventually(lambda: edge(broker, "tls_handshakes_failed_total") == 1, "the failed handshake counted")
+        context = ssl.create_default_context(cafile=str(pair.ca))
+        context.set_alpn_protocols(["h2"])
+        raw = socket.create_connection(("127.0.0.1", broker.port), timeout=10)
+        with raw, context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.selected_alpn_protocol() == "h2"
+            assert edge(broker, "connections_open") == 1
+        eventually(lambda: edge(broker, "connections_open") == 0, "the TLS connection closed")
+        assert edge(broker, "connections_accepted_total") == 2
+        assert edge(broker, "tls_handshakes_failed_total") == 1
+        asyncio.run(_route(broker.port, pair.ca.read_bytes()))
+        assert edge(broker, "tls_handshakes_failed_total") == 1 and edge(broker, "calls_total") == 1
+
+
+async def _route(port: int, ca: bytes) -> None:
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca)) as channel:
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+        reply = await stub.QueryRoute(spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=headers("c"))
+        assert reply.status.code == pb.OK
