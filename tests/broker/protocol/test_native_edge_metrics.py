@@ -18,6 +18,8 @@ import pytest
 from raw_v2 import PARENT, connection, headers, metric, parked, poll
 from waiting import eventually, eventually_async
 
+from lmq_broker import app
+from lmq_broker.dispatch.testing import config_for
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
@@ -146,3 +148,35 @@ async def _route(port: int, ca: bytes) -> None:
         stub = service_pb2_grpc.MessagingServiceStub(channel)
         reply = await stub.QueryRoute(spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=headers("c"))
         assert reply.status.code == pb.OK
+
+
+async def _scrape_after_the_same_calls(tmp_path: Path, edge_kind: str) -> dict[str, float]:
+    """The /metrics samples of an in-process broker on ``edge_kind`` after one route query and one send."""
+    config = config_for(tmp_path / edge_kind, host="127.0.0.1", port=0, metrics_port=-1, edge=edge_kind)
+    broker = app.Broker(config)
+    await broker.start()
+    try:
+        async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+            stub = service_pb2_grpc.MessagingServiceStub(channel)
+            assert (await stub.QueryRoute(spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)))).status.code == pb.OK
+            props = pb.SystemProperties(message_id="m1", message_type=pb.LITE, lite_topic="t1")
+            message = pb.Message(topic=pb.Resource(name=PARENT), body=b"x", system_properties=props)
+            sent = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=headers("p"))
+            assert sent.status.code == pb.OK
+        text = broker._http_answer("/metrics")[2].decode()
+    finally:
+        await broker.stop(0.2)
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
+@pytest.mark.asyncio
+async def test_the_brokers_own_metrics_are_the_same_on_both_edges_and_only_native_adds_its_own(tmp_path: Path) -> None:
+    grpcio = await _scrape_after_the_same_calls(tmp_path, "grpcio")
+    native = await _scrape_after_the_same_calls(tmp_path, "native")
+    assert not [name for name in grpcio if name.startswith("lmq_edge_")]
+    assert native["lmq_edge_calls_total"] == 2 and native["lmq_edge_request_messages_total"] == 2
+    shared = {name for name in native if not name.startswith("lmq_edge_")}
+    assert shared == set(grpcio)  # the same families, labels and buckets
+    counted = [n for n in shared if n.startswith(("lmq_rpc_total", "lmq_messages_in_total", "lmq_calls_refused_total"))]
+    assert counted and {n: native[n] for n in counted} == {n: grpcio[n] for n in counted}
