@@ -259,8 +259,11 @@ async def test_request_messages_are_read_ahead_of_a_slow_handler_up_to_the_bound
             with pytest.raises(TimeoutError):  # unbounded, 4 MiB on loopback would be written in milliseconds
                 await asyncio.wait_for(asyncio.shield(writer), 2.0)
             assert len(contexts[0].inbox.items) == UNREAD
+            stats = dict(server.stats())  # lmq_edge_read_pauses_total, lmq_edge_request_messages_total
+            assert stats["read_pauses"] == 1 and stats["request_messages"] == UNREAD
             release.set()
             assert await call == str(MESSAGES).encode()  # every message, once the handler reads
             await writer
+        assert dict(server.stats())["request_messages"] == MESSAGES
     finally:
         await server.stop(0)
