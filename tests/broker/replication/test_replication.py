@@ -26,7 +26,6 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import setup as cluster_setup
 from lmq_broker.config import BrokerConfig
-from lmq_broker.dispatch import offsets
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -585,26 +584,6 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: floa
     while not await check():
         assert loop.time() < deadline, f"not within {timeout_s:g} s: {what}"
         await asyncio.sleep(0.05)
-
-
-@pytest.mark.asyncio
-async def test_an_offset_reset_whose_commit_copy_fails_is_refused_not_answered_ok(pair: Pair) -> None:
-    """A reset (OffsetOption, ResetLiteOffsets, an MQTT start at the end) is refused like an ack when too few
-    in-sync replicas stored its commit point: told OK, its caller would trust a point a takeover could lose."""
-    lite = pair.lite_of(0)
-    for n in range(2):
-        assert (await pair.send(0, lite, n)).status.code == pb.OK
-    dispatcher = pair.brokers[0].dispatcher
-    assert dispatcher is not None
-    latest = offsets.OffsetReset(offsets.OffsetPolicy.MAX)
-    await pair.brokers[1].stop(grace_s=0.1)
-    with pytest.raises(errors.LmqError, match="in-sync replicas"):
-        await dispatcher.reset_offsets(GROUP, PARENT, [lite], latest)
-    await restart(pair, 1)
-    await dispatcher.reset_offsets(GROUP, PARENT, [lite], latest)
-    store = pair.brokers[1].store
-    assert store is not None
-    assert store.get_offset(model.QueueId.lmq(PARENT, lite), GROUP) == 2
 
 
 @pytest.mark.asyncio
