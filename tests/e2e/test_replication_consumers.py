@@ -13,6 +13,7 @@ receiving from the new lease holder with the clients' own retries, and every ack
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -284,6 +285,40 @@ def in_sync(broker: BrokerProcess, slot: int) -> bool:
         return f'lmq_replication_in_sync{{slot="{slot}"}} 1.0' in response.read().decode().splitlines()
 
 
+def goes_on_after(  # noqa: PLR0917 (the reader, the kill, the restart, the producer)
+    reader: SimpleReader,
+    killed: float,
+    taken: tuple[Callable[[], bool], str],
+    restart: Callable[[], None],
+    sent: list[bytes],
+    stop: threading.Event,
+    producer: threading.Thread,
+) -> float:
+    """After a kill -9 with a backlog held at the reader: the first delivery's delay after the kill; then, once
+    the lease is ``taken``, the killed broker back (``restart``), sends acknowledged again, the producer
+    stopped, and every acknowledged send received."""
+    reader.flowing.set()
+    eventually(lambda: reader.received_since(killed), "a delivery after the kill", 60)
+    first = reader.received_since(killed)[0] - killed
+    eventually(*taken)
+    restart()
+    before = len(sent)
+    eventually(lambda: len(sent) >= before + 20, "sends acknowledged again", 60)
+    stop.set()
+    producer.join()
+    eventually(lambda: set(sent) <= reader.consumed(), "every acknowledged send received", 60)
+    return first
+
+
+def stop_reading(stop: threading.Event, reader: SimpleReader | None, threads: list[threading.Thread]) -> None:
+    stop.set()
+    if reader is not None:
+        reader.stop.set()
+        reader.flowing.set()
+    for thread in threads:
+        thread.join()
+
+
 def test_a_java_producer_and_a_lite_simple_consumer_go_on_across_kill_9_of_the_owner(tmp_path: Path, kube: Any) -> None:
     members, brokers, lites, holder_is = pair(tmp_path, kube, "e2e-java", "j")
     stop, sent, sent_at = threading.Event(), list[bytes](), list[float]()
@@ -313,23 +348,14 @@ def test_a_java_producer_and_a_lite_simple_consumer_go_on_across_kill_9_of_the_o
         reader.log.append(f"{killed:.2f} kill -9 of the owner")
         shutil.rmtree(tmp_path / "b0")  # its disk is gone too
         waiting = len(set(sent) - reader.consumed())
-        reader.flowing.set()
-        eventually(lambda: reader.received_since(killed), "a delivery after the kill", 60)
-        first = reader.received_since(killed)[0] - killed
-        eventually(lambda: holder_is(1), "the follower holds the lease")
-        brokers[0] = start(tmp_path, kube, members, 0, "e2e-java")  # a follower, on an empty disk
-        before = len(sent)
-        eventually(lambda: len(sent) >= before + 20, "sends acknowledged again", 60)
-        stop.set()
-        threads[1].join()
-        eventually(lambda: set(sent) <= reader.consumed(), "every acknowledged send received", 60)
+
+        def restart() -> None:
+            brokers[0] = start(tmp_path, kube, members, 0, "e2e-java")  # a follower, on an empty disk
+
+        taken = (functools.partial(holder_is, 1), "the follower holds the lease")
+        first = goes_on_after(reader, killed, taken, restart, sent, stop, threads[1])
     finally:
-        stop.set()
-        if reader is not None:
-            reader.stop.set()
-            reader.flowing.set()
-        for thread in threads:
-            thread.join()
+        stop_reading(stop, reader, threads)
         if consumer is not None:
             consumer.shutdown()
         if driver is not None:
@@ -469,23 +495,14 @@ def test_a_lite_simple_consumer_through_a_broker_holding_no_lease_goes_on_when_t
         brokers[1].kill()
         killed = time.monotonic()
         reader.log.append(f"{killed:.2f} kill -9 of the holder")
-        reader.flowing.set()
-        eventually(lambda: reader.received_since(killed), "a delivery after the kill", 60)
-        first = reader.received_since(killed)[0] - killed
-        eventually(lambda: holder_is(0), "the old owner holds the lease again")
-        brokers[1] = start(tmp_path, kube, members, 1, "e2e-leaseless")  # back on its disk: sends go on (M = 2)
-        before = len(sent)
-        eventually(lambda: len(sent) >= before + 20, "sends acknowledged again", 60)
-        stop.set()
-        threads[1].join()
-        eventually(lambda: set(sent) <= reader.consumed(), "every acknowledged send received", 60)
+
+        def restart() -> None:
+            brokers[1] = start(tmp_path, kube, members, 1, "e2e-leaseless")  # on its disk: sends go on (M = 2)
+
+        taken = (functools.partial(holder_is, 0), "the old owner holds the lease again")
+        first = goes_on_after(reader, killed, taken, restart, sent, stop, threads[1])
     finally:
-        stop.set()
-        if reader is not None:
-            reader.stop.set()
-            reader.flowing.set()
-        for thread in threads:
-            thread.join()
+        stop_reading(stop, reader, threads)
         for client in clients:
             client.shutdown()
         for b in brokers:
