@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +26,22 @@ async def swallow(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator
         yield answer
 
 
+@contextlib.asynccontextmanager
+async def follower(serve: Any) -> AsyncIterator[tuple[int, grpc.aio.Channel]]:
+    """A real gRPC server whose ``METHOD`` stream is ``serve``, and a channel to it: (port, channel)."""
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(serve)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Replica", {"Stream": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield port, channel
+    finally:
+        await channel.close(None)
+        await server.stop(None)
+
+
 @pytest.mark.asyncio
 async def test_copies_unanswered_in_time_fail_and_leave_no_future_unretrieved() -> None:
     """Each copy waiting on a stream that stays silent fails BrokerUnavailable after the timeout; the copy whose
@@ -33,23 +50,13 @@ async def test_copies_unanswered_in_time_fail_and_leave_no_future_unretrieved() 
     loop = asyncio.get_running_loop()
     reported: list[str] = []
     loop.set_exception_handler(lambda _loop, context: reported.append(str(context.get("message"))))
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(swallow)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Replica", {"Stream": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        open_stream = channel.stream_stream(METHOD, None, None)
-        link = streams.Link(f"127.0.0.1:{port}", lambda: open_stream(None), 0.3)
+    async with follower(swallow) as (port, channel):
+        link = streams.Link(f"127.0.0.1:{port}", opener(channel, METHOD), 0.3)
         outcomes = await asyncio.gather(*(link.send(b"copy") for _ in range(3)), return_exceptions=True)
         assert all(isinstance(o, errors.BrokerUnavailable) for o in outcomes), outcomes
         assert all("no answer in time" in str(o) or "Append stream" in str(o) for o in outcomes)
         assert not link.is_open
         await link.close()
-    finally:
-        await channel.close(None)
-        await server.stop(None)
     gc.collect()
     await asyncio.sleep(0)
     assert not [r for r in reported if "never retrieved" in r], reported
@@ -76,13 +83,7 @@ async def test_only_a_copy_whose_own_stream_had_no_such_method_is_told_it_was_no
     """``Unimplemented`` (the owner may send that copy again as JSON) only for a copy whose own stream the
     follower did not know; a stream that failed after reading its copy is a plain failure (the follower may have
     stored it: sent again, a normal topic's message would be stored twice there)."""
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(drop_after_reading)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Replica", {"Stream": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    async with follower(drop_after_reading) as (port, channel):
         for method, unknown in ((METHOD, False), ("/test.Replica/Missing", True)):
             link = streams.Link(f"127.0.0.1:{port}", opener(channel, method), 2.0)
             with pytest.raises(errors.BrokerUnavailable) as failed:
@@ -90,6 +91,3 @@ async def test_only_a_copy_whose_own_stream_had_no_such_method_is_told_it_was_no
             assert isinstance(failed.value, streams.Unimplemented) is unknown, failed.value
             assert link.unimplemented is unknown
             await link.close()
-    finally:
-        await channel.close(None)
-        await server.stop(None)
