@@ -269,6 +269,7 @@ class Broker:
             if self.replication is not None:  # its sessions and retained messages go to this slot's followers
                 self.replication.mqtt = lambda: mqtt.durable
                 self.replication.states.merged = mqtt.wills.wake  # wills of a slot taken over: due ones go out
+                mqtt.replicated = self.replication.states.flushed  # a persistent session's change: on the replicas
             self.metrics.registry.register(
                 mqtt_stats.Collector(mqtt.stats, mqtt.sockets_open, lambda: mqtt.read_budget.held)
             )

@@ -51,6 +51,9 @@ class Host(Protocol):
 
     async def take_over(self, connection: Client, clean_start: bool) -> None: ...
 
+    async def session_saved(self, client_id: str) -> None:
+        """A persistent session's row just changed: returns once it is on the replicas (``--replicas``)."""
+
     def authorize_publish(self, user: str, address: str, where: topics.Topic) -> None: ...  # Forbidden (--acl)
 
     def authorize_subscribe(self, user: str, address: str, parent: str, levels: wildcards.Filter) -> None: ...

@@ -49,8 +49,9 @@ class Link:
         self.level = codec.LEVEL_3_1_1  # what packets after the CONNECT are read at
         self.expiry_s: int | None = 0  # seconds the session outlives the connection; None: forever
         self.max_inflight = MAX_INFLIGHT  # 5.0: lowered to the client's receive maximum
-        # Set unless a new subscription's retained messages are being sent: live deliveries wait for them, so
-        # a subscriber gets a topic's retained (older) message before a live (newer) one
+        # Set unless a SUBSCRIBE is being answered or a new subscription's retained messages are being sent:
+        # live deliveries wait (``hold``), so a subscriber gets its SUBACK first (MQTT-3.8.4), then a topic's
+        # retained (older) message, then live (newer) ones
         self.retained_sent = asyncio.Event()
         self.retained_sent.set()
         self.retained_sending = 0
@@ -79,6 +80,16 @@ class Link:
 
     def max_packet_bytes(self) -> int:
         return self.config.max_body_bytes + 2 + codec.MAX_STRING_BYTES + 2  # a PUBLISH: topic, packet id, body
+
+    def hold(self) -> None:
+        """Live deliveries wait until every hold is ``unhold``-ed (``retained_sent``)."""
+        self.retained_sending += 1
+        self.retained_sent.clear()
+
+    def unhold(self) -> None:
+        self.retained_sending -= 1
+        if not self.retained_sending:
+            self.retained_sent.set()
 
     def close(self, code: int, why: str = "") -> None:
         """Close the socket; a 5.0 client is told why first (a DISCONNECT with ``code``)."""

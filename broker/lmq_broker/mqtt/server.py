@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from lmq_broker import errors
@@ -81,6 +81,8 @@ class MqttServer:
         self._recheck_again = False
         self._watcher: Callable[[], object] | None = None
         self.followers = following.Followers(dispatcher)
+        # --replicas: until the store's rows changed so far are on the in-sync followers (``stating.flushed``)
+        self.replicated: Callable[[], Awaitable[bool]] | None = None
 
     async def start(self, host: str, port: int) -> int:
         context = None
@@ -146,6 +148,11 @@ class MqttServer:
         if pending is not None and clean_start:  # the old session ends now, its will's wait with it (5.0 3.1.3.2.2)
             host, will = pending
             await self._publish_will(connection.client_id, host, will)
+
+    async def session_saved(self, client_id: str) -> None:
+        if self.replicated is not None and not await self.replicated():
+            log.warning("mqtt client %s: its session's change is answered before it reached every in-sync replica "
+                        "(a failover right now may find the session as it was)", client_id)  # fmt: skip
 
     async def _publish_will(self, client_id: str, host: str, will: codec.Will) -> bool:
         return await storing.publish_will(self, client_id, host, will)

@@ -143,6 +143,13 @@ class Subscriptions:
                 await self._follow(await self.link.dispatcher.metadata())
 
     async def _subscribe(self, packet: codec.Subscribe) -> metadata.Metadata:
+        self.link.hold()  # a new subscription's deliveries go out after its SUBACK (MQTT-3.8.4)
+        try:
+            return await self._subscribe_held(packet)
+        finally:
+            self.link.unhold()
+
+    async def _subscribe_held(self, packet: codec.Subscribe) -> metadata.Metadata:
         link = self.link
         codes: list[int] = []
         fresh: dict[str, list[wildcards.Filter]] = {}
@@ -204,8 +211,7 @@ class Subscriptions:
         link.writer.write(codec.encode_suback(packet.packet_id, codes, link.ack_props()))
         sends = [(p, f, codes[i]) for i, pairs in granted.items() if i not in no_retained for p, f in pairs]
         if sends:  # after the SUBACK (MQTT-3.3.1-6, 3.8.4-3); off the reader, which reads the PUBACKs they wait for
-            link.retained_sending += 1
-            link.retained_sent.clear()
+            link.hold()
             task = asyncio.get_running_loop().create_task(self._send_all_retained(sends, as_of))
             self.retained_tasks.add(task)
             task.add_done_callback(self.retained_tasks.discard)
@@ -261,10 +267,7 @@ class Subscriptions:
         except (ConnectionError, errors.LmqError) as exc:
             log.info("mqtt client %s: retained messages not sent: %s", self.link.client_id, exc)
         finally:
-            link = self.link
-            link.retained_sending -= 1
-            if not link.retained_sending:
-                link.retained_sent.set()
+            self.link.unhold()
 
     async def unsubscribe(self, packet: codec.Unsubscribe) -> None:
         async with self._changing:
@@ -310,6 +313,7 @@ class Subscriptions:
         filters |= self.sharing.saved()
         await link.dispatcher.run(link.host.durable.save_session, link.client_id, filters, link.expiry_s)
         link.stored = True
+        await link.host.session_saved(link.client_id)  # on the replicas before the CONNACK, SUBACK or UNSUBACK
 
     async def _start_at_end(self, parent: str, new: list[wildcards.Filter], older: list[wildcards.Filter]) -> None:
         """The group's start in each existing lite topic here that only the ``new`` filters match: its end."""

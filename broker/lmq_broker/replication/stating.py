@@ -16,9 +16,12 @@ Kinds, and where their rows come from on the holder:
 
 Asynchronous and coalesced, like commit points: every ``SHIP_INTERVAL_MS`` (at least ``PACE`` times what the
 last look cost) the holder compares its rows with what it last shipped, only when the registry or the MQTT store
-changed since, and sends what changed to every follower at once; not awaited by the client's call
+changed since, and sends what changed to every follower at once; not awaited by a v2 client's call
 (a subscription missing after a failover delays delivery, it loses no message: messages and commit points
-are copied before acknowledgement or right after, and the client's full sync every 30 s brings it back).
+are copied before acknowledgement or right after, and the client's full sync every 30 s brings it back). An
+MQTT client never subscribes again to a session it finds present, so a persistent session's change (its
+CONNECT, SUBSCRIBE, UNSUBSCRIBE) is answered only once ``flushed``: a look begun after it has reached the
+slot's in-sync followers (or ``FLUSH_TIMEOUT_S`` passed: logged and counted, the answer goes out anyway).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as _Collector
 
 from lmq_broker import errors
@@ -53,6 +56,7 @@ SNAPSHOTS_KEPT: Final = 8  # snapshots a holder keeps for their next pages (the 
 SNAPSHOT_KEEP_S: Final = 60.0  # and for at most this long
 FETCH_RESTARTS: Final = 3  # a snapshot the holder no longer had, started again at most this often per fetch
 DURING_MAX: Final = 10_000  # batches a follower keeps while it fetches a snapshot (more: it fetches again)
+FLUSH_TIMEOUT_S: Final = 2.0  # ``flushed`` waits at most this long (a copy call's timeout)
 SUB: Final = "sub"
 MQTT_KIND: Final = "mqtt-"  # + the table's name
 
@@ -102,7 +106,10 @@ class States:
         self.stale: set[int] = set()  # slots followed whose shadow missed a batch (a snapshot is due)
         self._sub_rows: dict[int, tuple[int, states.Rows]] = {}  # slot -> (registry version, its rows then)
         self._mqtt_rows: tuple[int, states.Rows] | None = None  # (the MQTT store's changes, its rows then)
-        self._sending: dict[tuple[int, int], asyncio.Task[None]] = {}  # (slot, follower) -> its last batch
+        self._sending: dict[tuple[int, int], asyncio.Task[bool]] = {}  # (slot, follower) -> its last batch (sent)
+        self._flushes: list[asyncio.Future[bool]] = []  # ``flushed`` callers waiting for the next look
+        self._wake = asyncio.Event()  # a ``flushed`` caller: look now
+        self.unflushed = 0  # ``flushed`` calls that timed out
         self._retry: set[int] = set()  # slots held whose last batch did not reach every follower
         self.installed: set[int] = set()  # slots taken over whose shadow went into this broker's state
         self._kept: dict[str, _Kept] = {}  # the holder's snapshots being fetched, by name
@@ -115,14 +122,57 @@ class States:
     # --- the holder ----------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event, followers: Callable[[int], list[int]], call: Call) -> None:
         while not stopping.is_set():
+            flushes, self._flushes = self._flushes, []
+            self._wake.clear()
             began = time.monotonic()
+            reached = False
             try:
-                await self.tick(followers, call)
+                reached = await self.tick(followers, call)
             except Exception as exc:  # a registry or MQTT store that failed to read: again next tick
                 log.warning("state rows: %s", exc)
+            if flushes:
+                reached = reached and await self._reached()
+                for waiter in flushes:
+                    if reached and not waiter.done():
+                        waiter.set_result(True)
+                self._flushes[:0] = [w for w in flushes if not w.done()]  # not yet: the next look (their timeout)
             wait_s = max(SHIP_INTERVAL_MS / 1000, PACE * (time.monotonic() - began))
+            if self._flushes:
+                wait_s = SHIP_INTERVAL_MS / 1000 / 10 if flushes else 0  # retried soon, or a new one: at once
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), wait_s)
+                await asyncio.wait_for(_either(stopping, self._wake), wait_s)
+
+    async def flushed(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Until the rows as they are now (the caller changed them before) reached the in-sync followers of
+        every slot this broker holds: a look begun after this call shipped what changed and every call to an
+        in-sync follower under way then succeeded. False after ``timeout_s`` (counted in ``unflushed``)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._flushes.append(waiter)
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError:
+            self.unflushed += 1
+            return False
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):
+                self._flushes.remove(waiter)
+
+    async def _reached(self) -> bool:
+        """Every batch under way to an in-sync follower of a slot held was stored there (or found it behind: it
+        is out of sync then, and takes the slot over only after a snapshot of the rows newer than the batch)."""
+        leadership = self._leadership
+        calls = [
+            task
+            for (slot, follower), task in self._sending.items()
+            if leadership.holds(slot) and follower in leadership.in_sync(slot)
+        ]
+        if not calls:
+            return True
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        return all(result is True for result in done)
 
     def forget_slots(self) -> None:
         """Another ring: the slots remembered per topic (and the rows made with them) are forgotten."""
@@ -130,8 +180,11 @@ class States:
         self._slots.clear()
         self._seen.clear()
 
-    async def tick(self, followers: Callable[[int], list[int]], call: Call) -> None:
+    async def tick(self, followers: Callable[[int], list[int]], call: Call) -> bool:
+        """One look: what changed, shipped. False when a batch was left out for a follower in the slot's in-sync
+        set (one still under way to it: the next look sends what it missed)."""
         leadership = self._leadership
+        shipped = True
         held = set(leadership.held())
         if held != self._held:  # which slot a topic belongs to follows the slots held
             self._held = held
@@ -156,24 +209,29 @@ class States:
                 self._retry.discard(slot)
                 data = states.encode(batch)
                 for follower in followers(slot):
-                    self._ship(slot, follower, data, call)
+                    if not self._ship(slot, follower, data, call) and follower in leadership.in_sync(slot):
+                        shipped = False
+        return shipped
 
-    def _ship(self, slot: int, follower: int, data: bytes, call: Call) -> None:
+    def _ship(self, slot: int, follower: int, data: bytes, call: Call) -> bool:
         """Send a batch to one follower, after the previous one (never two at once: they would cross). One
         still under way (a follower down: up to the call's timeout): this one is left out, so the follower
-        finds a gap with the next one and fetches a snapshot."""
+        finds a gap with the next one and fetches a snapshot. False when left out."""
         under_way = self._sending.get((slot, follower))
         if under_way is not None and not under_way.done():
             self._retry.add(slot)
-            return
+            return False
 
-        async def send() -> None:
+        async def send() -> bool:
             try:
-                await call(follower, data)
-            except Exception:  # down or refusing: the next batch (one is sent for this) tells it what it missed
-                self._retry.add(slot)
+                await call(follower, data)  # b"behind": out of sync there, so it takes the slot over only once it
+            except Exception:  # fetched a snapshot of the rows (this change in) / down or refusing: the next
+                self._retry.add(slot)  # batch (one is sent for this) tells it what it missed
+                return False
+            return True
 
         self._sending[(slot, follower)] = asyncio.get_running_loop().create_task(send(), name="lmq-state-rows")
+        return True
 
     async def close(self) -> None:
         tasks = list(self._sending.values())
@@ -345,13 +403,24 @@ class States:
                     merged)  # fmt: skip
 
 
+async def _either(first: asyncio.Event, second: asyncio.Event) -> None:
+    """Until either event is set."""
+    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 class Collector(_Collector):
-    """``lmq_replication_state_rows{slot, kind}``: the rows this broker shadows of each slot it follows."""
+    """``lmq_replication_state_rows{slot, kind}``: the rows this broker shadows of each slot it follows;
+    ``lmq_replication_state_flush_timeouts_total``: ``flushed`` calls that timed out."""
 
     def __init__(self, of: States) -> None:
         self._of = of
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         family = GaugeMetricFamily(
             "lmq_replication_state_rows",
             "State rows (sub, mqtt-sessions, mqtt-qos2, mqtt-wills, mqtt-retained) this broker holds of each slot it "
@@ -365,6 +434,11 @@ class Collector(_Collector):
             for kind, count in sorted(counts.items()):
                 family.add_metric([str(slot), kind], count)
         yield family
+        yield CounterMetricFamily(
+            "lmq_replication_state_flush_timeouts",
+            "MQTT session changes answered before their state rows reached the in-sync followers (timed out)",
+            value=self._of.unflushed,
+        )
 
 
 def _record_text(r: saved_subscriptions.ClientRecord, lmqs: tuple[str, ...]) -> str:

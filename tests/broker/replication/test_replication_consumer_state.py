@@ -255,6 +255,29 @@ def test_a_start_at_the_end_made_at_the_owner_holds_at_the_new_owner(
         pair.close()
 
 
+def test_a_persistent_sessions_subscription_is_on_the_follower_once_subscribed(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """An MQTT SUBACK of a persistent session comes once its session row is on the in-sync follower: the owner
+    killed -9 right after it (no wait for the rows, shipped every 100 ms otherwise), the session resumed at the
+    new owner still holds its filter and gets what is published there. An MQTT client never subscribes again
+    to a session it finds present: a filter missing there would strand every message sent to it."""
+    pair = Pair(tmp_path, kube, "subrow", min_insync=1)
+    topic = f"{PARENT}/{pair.lites[0]}"
+    try:
+        eventually(lambda: pair.held_by(0), "the owner holds its lease")
+        eventually(pair.in_sync, "the follower in sync")
+        kept = pair.peer(0, "kept-1", clean=False)
+        assert kept.subscribe((topic, 1)) == [1]
+        pair.fail_over()
+        resumed = pair.peer(1, "kept-1", clean=False)
+        assert resumed.connack == (True, "Success")
+        pair.peer(1, "publisher-1").publish(topic, b"after", 1)
+        assert [m.payload for m in resumed.wait_count(1)] == [b"after"]
+    finally:
+        pair.close()
+
+
 def test_hand_outs_travel_in_a_key_of_their_own_that_an_older_broker_passes_over() -> None:
     """Mixed versions: a commit copy without hand-outs is what an older owner sends (byte for byte), and reads as
     none; one with them keeps its commits as an older follower reads them (five fields each) and adds a key."""
