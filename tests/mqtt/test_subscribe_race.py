@@ -86,10 +86,15 @@ async def test_mqtt_3_8_4_a_publish_during_the_subscribe_and_after_the_suback_is
     reset = dispatcher.reset_offsets
 
     async def publish_first(
-        group: str, parent: str, lites: Sequence[str], option: offsets.OffsetReset, ends: Sequence[int] | None = None
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        option: offsets.OffsetReset,
+        ends: Sequence[int] | None = None,
+        **options: bool,
     ) -> None:
         await pub.published(topic, b"during", 2)  # the race, made to happen every time
-        await reset(group, parent, lites, option, ends)
+        await reset(group, parent, lites, option, ends, **options)
 
     monkeypatch.setattr(dispatcher, "reset_offsets", publish_first)
     sub.writer.write(codec.encode(codec.Subscribe(1, ((topic, 1),))))

@@ -368,7 +368,8 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
             return await asyncio.to_thread(self._store.scan_lite_topics, parent, start_after, end_before, limit)
 
         default = self._config.mqtt_default_parent
-        moved = await matching.start_at_end(scan, self._live.reset_offsets, group, parent, new, older, default=default)
+        reset = matching.later(self._live.reset_offsets)
+        moved = await matching.start_at_end(scan, reset, group, parent, new, older, default=default)
         return pb.MqttStartAtEndResponse(lite_topics=moved)
 
     @override

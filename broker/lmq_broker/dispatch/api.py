@@ -70,9 +70,13 @@ class LiveView(Protocol):
         lites: Sequence[str],
         option: offsets.OffsetReset,
         ends: Sequence[int] | None = None,
+        *,
+        copy_later: bool = False,
     ) -> None:
         """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does); ``ends``:
-        ``MAX`` means these ends, read before (``offsets.reset``)."""
+        ``MAX`` means these ends, read before (``offsets.reset``). Refused when the followers could not store it
+        in time (``errors.NotEnoughReplicas``, ``errors.Fenced``), unless ``copy_later`` (an MQTT start at the
+        end: answered, copied again in the background; ``Settlement.reset_offsets``)."""
         ...
 
     async def trigger_dispatch(self, group: str, parent: str, lites: Sequence[str]) -> list[str]:
@@ -140,6 +144,8 @@ class StaticLiveView:
         lites: Sequence[str],
         option: offsets.OffsetReset,
         ends: Sequence[int] | None = None,
+        *,
+        copy_later: bool = False,
     ) -> None:
         assert self.store is not None, "StaticLiveView.store is needed for reset_offsets"
         offsets.reset(self.store, [model.QueueId.lmq(parent, lite).topic for lite in lites], group, option, ends)

@@ -366,12 +366,19 @@ class Dispatcher:
         return self.registry.client_count()
 
     async def reset_offsets(
-        self, group: str, parent: str, lites: Sequence[str], option: OffsetReset, ends: Sequence[int] | None = None
+        self,
+        group: str,
+        parent: str,
+        lites: Sequence[str],
+        option: OffsetReset,
+        ends: Sequence[int] | None = None,
+        *,
+        copy_later: bool = False,
     ) -> None:
         """Move ``group``'s start in lite topics of ``parent`` (as a subscription's OffsetOption does); ``ends``:
-        ``MAX`` means these ends, read before (``offsets.reset``)."""
+        ``MAX`` means these ends, read before (``offsets.reset``); ``copy_later``: ``Settlement.reset_offsets``."""
         lmqs = [subscriptions.lmq_name(parent, lite) for lite in lites]
-        await self.settlement.reset_offsets(lmqs, group, option, ends)
+        await self.settlement.reset_offsets(lmqs, group, option, ends, copy_later=copy_later)
 
     async def lite_topics_matching(
         self, parent: str, filters: Sequence[wildcards.Filter]

@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Final, Protocol
 
 from lmq_broker import caches, errors, model
@@ -40,6 +41,10 @@ COMMITTED_CACHE_SIZE: Final = 100_000  # topics whose idle commit points are rem
 Committed = Callable[[model.QueueId, str, int, Sequence[int], model.Handouts], asyncio.Future[None] | None]
 HANDOUT_WRITE_DELAY_MS: Final = 5  # a hand-out is persisted this long after it, unless an ack wrote it first
 HANDOUT_WRITES_PER_YIELD: Final = 64  # keys a background hand-out pass commits between two yields to the loop
+RESET_COPY_WAIT_S: Final = 3.0  # an offset reset waits this long at most for its commit copies (as a send does)
+RESET_COPY_RETRY_S: Final = 0.1  # between two tries of a reset's copies meanwhile
+RECOPY_INTERVAL_S: Final = 0.5  # a reset's copy left to the background (``copy_later``) is tried this often
+UNCOPIED_MAX: Final = 100_000  # keys whose reset waits to be copied again in the background, at most
 
 
 class Deliveries(Protocol):
@@ -88,6 +93,8 @@ class Settlement:
         # points are its holder's, and its own end may be behind the holder's. None: none is.
         self.followed: Callable[[str], bool] | None = None
         self._copying: dict[LeaseKey, asyncio.Future[None]] = {}  # the newest commit copy per key, until stored
+        self._uncopied: dict[LeaseKey, None] = {}  # keys whose offset reset is copied again (``_copy_later``)
+        self._recopying = False
         # With replication: told of each ack refused because the commit copy it waited for failed (counted there
         # once per ack; a copy nobody waited on, a hand-out write's, refused no client). None: nobody is told.
         self.copy_refused: Callable[[BaseException], None] | None = None
@@ -205,9 +212,17 @@ class Settlement:
         return bool(skipped)
 
     async def reset_offsets(
-        self, lmqs: list[str], group: str, option: offsets.OffsetReset, ends: Sequence[int] | None = None
+        self,
+        lmqs: list[str],
+        group: str,
+        option: offsets.OffsetReset,
+        ends: Sequence[int] | None = None,
+        *,
+        copy_later: bool = False,
     ) -> None:
-        """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset."""
+        """OffsetOption on subscribe: in-flight state and cached commit points are superseded by the reset. With
+        replication it is answered once the followers stored it (``_copy_reset``); ``copy_later`` (an MQTT start
+        at the end): when they cannot, it is answered all the same and copied again in the background."""
         if self.followed is not None:  # their holder's reset reaches this store as its commit copies
             kept = [i for i, lmq in enumerate(lmqs) if not self.followed(lmq)]
             lmqs, ends = [lmqs[i] for i in kept], None if ends is None else [ends[i] for i in kept]
@@ -220,25 +235,117 @@ class Settlement:
             self._persisted.pop(key, None)
             self.dirty.discard(key)  # the reset supersedes whatever was not persisted
         moved = await self._rt.run(offsets.reset, self._store, lmqs, group, option, ends)
-        await self._copy_reset(moved)
+        await self._copy_reset(moved, copy_later)
 
-    async def _copy_reset(self, moved: list[tuple[model.QueueId, str, int]]) -> None:
+    async def _copy_reset(self, moved: list[tuple[model.QueueId, str, int]], copy_later: bool) -> None:
         """Send the commit points a reset wrote to the followers of their slots, and wait until they stored them
-        (an MQTT start at the end is answered after: a follower that takes over does not deliver again what was
-        published before the subscription). A copy that fails is logged, not raised: its follower leaves the
-        in-sync set and gets every commit point before it rejoins (or sends are refused meanwhile). Refusing the
-        reset instead would refuse an MQTT session's SUBSCRIBE (and drop its filters) whenever its slot is short
-        of in-sync replicas, as a session resuming at the new owner right after a failover is
-        (docs/replication.md, *Next*)."""
-        if self.committed is None:
+        (a follower that takes over then starts where the reset said). A copy refused for too few in-sync
+        replicas is sent again, the point as the store holds it then, until ``RESET_COPY_WAIT_S`` (a member
+        back or joining meanwhile stores it). What still failed then (or at once: the lease lost meanwhile)
+        refuses the reset, as an ack is refused: the caller is told to try again, not OK while a takeover could
+        serve the point from before it. The reset stays written here either way. ``copy_later`` (an MQTT
+        start at the end, docs/replication.md *Offset resets*): the reset is answered all the same, a refusal
+        for too few replicas logged and its keys copied again in the background until stored (``_copy_later``),
+        a lost lease left to the new holder (the SUBSCRIBE's fan-out starts the session at its end there too):
+        a SUBSCRIBE refused would drop the session's new filters, and MQTT clients do not subscribe again."""
+        committed = self.committed
+        if committed is None:
             return
-        copying = [self.committed(queue, group, offset, (), model.NO_HANDOUTS) for queue, group, offset in moved]
-        waits = [f for f in copying if f is not None]
-        if waits:
-            await asyncio.wait(waits)  # not gather: a cancelled reset leaves the copies' futures alone
-        failed = next((f.exception() for f in waits if not f.cancelled() and f.exception() is not None), None)
-        if failed is not None:
-            log.warning("an offset reset's commit copy failed: %s", failed)
+        deadline = time.monotonic() + RESET_COPY_WAIT_S
+        copying = {
+            LeaseKey(q.topic, q.queue, g): committed(q, g, offset, (), model.NO_HANDOUTS) for q, g, offset in moved
+        }
+        failed, tries, fenced = await _failures(copying), 0, None
+        while failed:
+            fenced = next((e for e in failed.values() if isinstance(e, errors.Fenced)), None)
+            if fenced is not None or time.monotonic() + RESET_COPY_RETRY_S >= deadline:
+                break
+            await asyncio.sleep(RESET_COPY_RETRY_S)
+            keys, turn = list(failed), tries % len(failed)  # another key first each time (``_again``)
+            failed = await self._again(keys[turn:] + keys[:turn])
+            tries += 1
+        if not failed:
+            return
+        error = fenced or next(iter(failed.values()))
+        if copy_later:  # a topic whose lease was lost: its new holder starts the session (the SUBSCRIBE's fan-out)
+            later = [key for key, e in failed.items() if not isinstance(e, errors.Fenced)]
+            log.warning("an offset reset's commit copy failed (%s): answered; %d of %d topics copied again later",
+                        error, len(later), len(failed))  # fmt: skip
+            self._copy_later(later)
+            return
+        if fenced is not None:
+            raise errors.Fenced(f"the offset reset is not in force (written here, but {fenced}); try it again")
+        if isinstance(error, errors.NotEnoughReplicas):
+            raise errors.NotEnoughReplicas(
+                f"the offset reset is not stored by enough in-sync replicas within {RESET_COPY_WAIT_S:g} s (written "
+                f"here; a takeover could start from before it): {error.message}"
+            )
+        raise errors.BrokerUnavailable(f"the offset reset's commit copy failed (written here): {error}; try it again")
+
+    async def _copy_current(self, key: LeaseKey) -> asyncio.Future[None] | None:
+        """Copy ``key``'s commit point as the store holds it now (a commit made since the reset is not undone at
+        the followers), in turn with the key's commits; None when nothing is to be copied (no point, or not a
+        slot this broker holds now)."""
+        async with self._writing(key):
+            point = await self._rt.run(self._stored_point, key.queue_id, key.group)
+            committed = self.committed
+            if point is None or committed is None:
+                return None
+            return committed(key.queue_id, key.group, *point)
+
+    def _stored_point(self, queue: model.QueueId, group: str) -> tuple[int, Sequence[int], model.Handouts] | None:
+        """Blocking: the commit point, acked and handed out above it; None without a point."""
+        offset = self._store.get_offset(queue, group)
+        if offset is None:
+            return None
+        return offset, self._store.get_acked(queue, group), self._store.get_handouts(queue, group)
+
+    def _copy_later(self, keys: Iterable[LeaseKey]) -> None:
+        """Copy these keys' commit points again in the background, every ``RECOPY_INTERVAL_S``, until stored or
+        no longer this broker's to copy (at most ``UNCOPIED_MAX`` keys wait: a slot short of in-sync replicas for
+        long and a flood of new subscriptions; those past it are logged and left to the next commit)."""
+        for key in keys:
+            if len(self._uncopied) >= UNCOPIED_MAX:
+                log.warning("%s queue %d group %s: offset reset not copied again (too many waiting)", *key)
+                continue
+            self._uncopied[key] = None
+        if not self._recopying and self._uncopied and not self._rt.closed:
+            self._recopying = True
+            self._rt.spawn(self._recopy())
+
+    async def _recopy(self) -> None:
+        try:
+            while self._uncopied:
+                await asyncio.sleep(RECOPY_INTERVAL_S)
+                keys = list(self._uncopied)
+                failed = await self._again(keys)
+                for key in keys:
+                    error = failed.get(key)
+                    if error is None or isinstance(error, errors.Fenced):  # the lease lost: the new holder's counts
+                        self._uncopied.pop(key, None)
+                    elif key == keys[0]:  # another key goes first next time
+                        del self._uncopied[key]
+                        self._uncopied[key] = None
+                if len(failed) < len(keys):
+                    log.info("offset resets copied again: %d of %d", len(keys) - len(failed), len(keys))
+        finally:
+            self._recopying = False
+
+    async def _again(self, keys: list[LeaseKey]) -> dict[LeaseKey, BaseException]:
+        """Copy ``keys`` again (``_copy_current``), the first alone first: while it fails the rest are not sent
+        and count as failed with it (a round costs one copy while the set is short, not one per key; callers
+        put another key first each time, so a key of another slot is not held back for good); those that
+        failed, with why."""
+        first, *rest = keys
+        failed = await _failures({first: await self._copy_current(first)})
+        if failed:
+            return dict.fromkeys(keys, failed[first])
+        return await _failures({key: await self._copy_current(key) for key in rest})
+
+    @property
+    def uncopied(self) -> int:
+        """Keys whose offset reset waits to be copied again (``copy_later``)."""
+        return len(self._uncopied)
 
     # --- lease state: opened from what the store holds, dropped when idle ------------------------------------
     async def state_of(self, key: LeaseKey, ordered: bool) -> leases.QueueLeases:
@@ -295,6 +402,37 @@ class Settlement:
         """Persist the commit point and the offsets acked above it, if memory differs from what was last
         persisted; writes for one key are serialised so offsets never go backwards. Returns the queue's max
         offset. When the write fails the key stays dirty (see ``_persisted``) and the error propagates."""
+        async with self._writing(key):
+            target = state.committed
+            acked = state.acked_above()
+            handouts = state.handouts()
+            complete = len(acked.runs) <= keys.ACKED_MAX_RUNS
+            if not complete:  # over the cap: the oldest runs, the rest stays dirty (see ``ack``)
+                acked = ranges.OffsetRanges(acked.runs[: keys.ACKED_MAX_RUNS])
+                self.dirty.add(key)
+            queue = key.queue_id
+            if (target, acked, handouts) != self._persisted.get(key):
+                self.dirty.add(key)
+                # On the loop when no writer holds the store (two small index writes cost less than the
+                # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
+                if self._store.try_commit_offset(queue, key.group, target, acked, handouts):
+                    hi = self._store.queue_offsets(queue)[1]
+                else:
+                    hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
+                self._persisted[key] = (target, acked, handouts)
+                if self.committed is not None:
+                    self._copy(key, self.committed(queue, key.group, target, acked, handouts))
+                if complete:
+                    self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
+                self._remember_commit(key, target)
+            else:
+                hi = self._store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
+            return hi
+
+    @contextlib.asynccontextmanager
+    async def _writing(self, key: LeaseKey) -> AsyncIterator[None]:
+        """One offset write (and its copy) of ``key`` at a time: offsets never go backwards, here or at the
+        followers; the key counts as being written (``release`` keeps its state) while anyone waits."""
         entry = self._commit_locks.get(key)
         if entry is None:
             entry = self._commit_locks[key] = (asyncio.Lock(), [0])  # [users]
@@ -302,31 +440,7 @@ class Settlement:
         counters[0] += 1
         try:
             async with lock:
-                target = state.committed
-                acked = state.acked_above()
-                handouts = state.handouts()
-                complete = len(acked.runs) <= keys.ACKED_MAX_RUNS
-                if not complete:  # over the cap: the oldest runs, the rest stays dirty (see ``ack``)
-                    acked = ranges.OffsetRanges(acked.runs[: keys.ACKED_MAX_RUNS])
-                    self.dirty.add(key)
-                queue = key.queue_id
-                if (target, acked, handouts) != self._persisted.get(key):
-                    self.dirty.add(key)
-                    # On the loop when no writer holds the store (two small index writes cost less than the
-                    # hop, which waits for the GIL behind whatever the loop does next); else on the pool.
-                    if self._store.try_commit_offset(queue, key.group, target, acked, handouts):
-                        hi = self._store.queue_offsets(queue)[1]
-                    else:
-                        hi = await self._rt.run(self._commit_and_max, queue, key.group, target, acked, handouts)
-                    self._persisted[key] = (target, acked, handouts)
-                    if self.committed is not None:
-                        self._copy(key, self.committed(queue, key.group, target, acked, handouts))
-                    if complete:
-                        self.dirty.discard(key)  # a change made meanwhile has its own commit waiting on the lock
-                    self._remember_commit(key, target)
-                else:
-                    hi = self._store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
-                return hi
+                yield
         finally:
             counters[0] -= 1
             if counters[0] == 0:
@@ -494,3 +608,19 @@ class Settlement:
 def _spans(spans: list[tuple[int, int]]) -> str:
     """``[(3, 4), (7, 10)]`` -> ``"offset 3, offsets 7-9"``: exactly what was skipped."""
     return ", ".join(f"offset {a}" if b == a + 1 else f"offsets {a}-{b - 1}" for a, b in spans)
+
+
+async def _failures(copying: dict[LeaseKey, asyncio.Future[None] | None]) -> dict[LeaseKey, BaseException]:
+    """Once every copy is done: those that failed, with why (a cancelled one as unavailable)."""
+    waits = [f for f in copying.values() if f is not None]
+    if waits:
+        await asyncio.wait(waits)  # not gather: a cancelled reset leaves the copies' futures alone
+    failed: dict[LeaseKey, BaseException] = {}
+    for key, f in copying.items():
+        if f is None:
+            continue
+        if f.cancelled():
+            failed[key] = errors.BrokerUnavailable("the commit copy was cancelled")
+        elif (exc := f.exception()) is not None:
+            failed[key] = exc
+    return failed

@@ -4,6 +4,7 @@ its own sessions (``connection``) and, in a cluster, for the sessions of other b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
@@ -18,7 +19,14 @@ Run = Callable[..., Awaitable[Any]]  # ``Dispatcher.run``: a blocking call on th
 Indexed = Callable[[Sequence[wildcards.Filter]], Awaitable[Sequence[model.LiteTopicMeta] | None]]
 Reset = Callable[
     [str, str, Sequence[str], offsets.OffsetReset, Sequence[int] | None], Awaitable[None]
-]  # ``LiveView.reset_offsets``
+]  # ``LiveView.reset_offsets``, with ``copy_later`` (``later``)
+
+
+def later(reset: Callable[..., Awaitable[None]]) -> Reset:
+    """``reset`` (``LiveView.reset_offsets``) as an MQTT start at the end calls it: with ``copy_later``, so a
+    SUBSCRIBE is not refused because too few in-sync replicas stored the start (its new filters would be dropped,
+    and MQTT clients do not subscribe again); the start is copied to them later (docs/replication.md)."""
+    return functools.partial(reset, copy_later=True)
 
 
 async def start_at_end(  # noqa: PLR0917 (where, whose, which)

@@ -156,7 +156,8 @@ class Sharing:
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
 
-        await matching.start_at_end(scan, dispatcher.reset_offsets, member.group, member.parent, [member.levels], [],
+        reset = matching.later(dispatcher.reset_offsets)
+        await matching.start_at_end(scan, reset, member.group, member.parent, [member.levels], [],
                                     default=self.link.config.mqtt_default_parent)  # fmt: skip
 
     def _filters(self, member: shares.Member) -> list[wildcards.Filter]:

@@ -322,7 +322,8 @@ class Subscriptions:
         async def scan(parent: str, start_after: str, end_before: str, limit: int) -> list[model.LiteTopicMeta]:
             return await dispatcher.run(dispatcher.store.scan_lite_topics, parent, start_after, end_before, limit)
 
-        await matching.start_at_end(scan, dispatcher.reset_offsets, self.link.group, parent, new, older,
+        reset = matching.later(dispatcher.reset_offsets)
+        await matching.start_at_end(scan, reset, self.link.group, parent, new, older,
                                     default=self.link.config.mqtt_default_parent,
                                     indexed=lambda f: dispatcher.lite_topics_matching(parent, f))  # fmt: skip
 

@@ -116,6 +116,8 @@ class Owner:
         self._commits: dict[tuple[model.QueueId, str], wire.Commit] = {}  # the newest per key, not sent yet
         self._awaited: list[asyncio.Future[None]] = []  # the acks waiting for the commits in ``_commits``
         self._flushing: asyncio.Task[None] | None = None
+        # (epoch, in-sync set) a release sends what is still queued under, the lease no longer held (``drain``)
+        self._releasing: tuple[int, tuple[int, ...]] | None = None
 
     def follow(self, followers: dict[int, str]) -> None:
         """Copy to ``followers`` too (a ring change: ``replicas.sets_of``). A new follower is outside the in-sync
@@ -240,7 +242,7 @@ class Owner:
         awaited: list[asyncio.Future[None]] = []
         try:
             while self._commits:
-                epoch = self._leadership.epoch(self._slot)
+                epoch = self._epoch()
                 batch, self._commits = list(self._commits.values()), {}
                 awaited, self._awaited = self._awaited, []
                 if epoch is None:  # fenced: the new owner's commits count
@@ -248,7 +250,7 @@ class Owner:
                     return
                 data = wire.encode(self._slot, epoch, [], [], batch)
                 followers = dict(self._followers)  # as now: ``follow`` may add one meanwhile
-                awaited_by = self.keeper.awaited()  # members and those joining: their copies are waited for
+                awaited_by = self._awaited_by()  # members and those joining: their copies are waited for
                 seqs = {f: s.seq for f, s in self.keeper.shippers.items() if f in awaited_by}
                 await self._shipped(seqs)
                 async with self._lock:
@@ -308,7 +310,7 @@ class Owner:
         failed_to = f"; failed: {failed}" if kept else ""
         members = [f for f in self.keeper.recorded() if f != me]
         stored = sum(1 for f in members if f in ok and not isinstance(ok[f], BaseException))
-        if self._leadership.epoch(self._slot) != epoch:
+        if self._epoch() != epoch:
             return self._fenced()
         if failed_to or stored < self._need:
             return errors.NotEnoughReplicas(
@@ -316,6 +318,44 @@ class Owner:
                 f"{self._need + 1} (in sync: {[me, *members]}{failed_to}); try again"
             )
         return None
+
+    def _epoch(self) -> int | None:
+        """The epoch commit copies go under: the lease's while held; while a release drains (``drain``), the
+        released one (the fence is closed: no ack waits, the copies go to the taker)."""
+        epoch = self._leadership.epoch(self._slot)
+        if epoch is None and self._releasing is not None:
+            return self._releasing[0]
+        return epoch
+
+    def _awaited_by(self) -> list[int]:
+        """The followers a commit flush waits for (their batches before its commits): ``Keeper.awaited``; while a
+        release drains, the members of the set the lease was released with."""
+        if self._releasing is None or self._leadership.holds(self._slot):
+            return self.keeper.awaited()
+        return [f for f in self._releasing[1] if f != self._leadership.me]
+
+    async def drain(self, epoch: int, members: Iterable[int], timeout_s: float) -> bool:
+        """Before a release writes the lease (``Leadership.release``; the fence is closed by then, and the set
+        ``members`` is the lease's): send what is still queued for them under ``epoch``, every batch numbered so
+        far, then the commit points noted so far (at --min-insync-replicas 1 nobody waited for them: a taker
+        without them would lose acknowledged sends, or deliver acked messages again). Until each member answered,
+        or ``timeout_s``; True when every member holds them all. The shippers go on under their batches' epoch
+        by themselves; the commit flush takes ``epoch`` meanwhile (``_epoch``)."""
+        deadline = time.monotonic() + timeout_s
+        keeper, me, named = self.keeper, self._leadership.me, tuple(members)
+        seqs = {f: keeper.shippers[f].seq for f in named if f != me and f in keeper.shippers}
+        self._releasing = (epoch, named)
+        try:
+            while (behind := [(f, n) for f, n in seqs.items() if keeper.shippers[f].done < n]) and (
+                left := deadline - time.monotonic()
+            ) > 0:
+                await keeper.wait(left, behind[0])  # the batches first: a commit point never overtakes its messages
+            while (flushing := self._flushing) is not None and (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait([flushing], timeout=left)
+        finally:
+            self._releasing = None
+        copied = self._flushing is None and not self._commits
+        return copied and all(keeper.shippers[f].holds(n) for f, n in seqs.items())
 
     def _fenced(self) -> errors.LmqError:
         """A commit copy's refusal: counted by the ack it refuses (``Counters.ack_refused``), if one waits."""

@@ -34,6 +34,7 @@ Clock = Callable[[], float]
 
 
 InSync = tuple[int, ...]  # ring slots (brokers) of a slot's in-sync replicas, sorted
+Drain = Callable[[int, InSync], Awaitable[bool]]  # (epoch, in-sync set) -> its queued copies stored there
 # The holder a released lease names (``release``): its releaser, fenced before it wrote it. Not the empty holder:
 # a lease a person cleared by hand gives no such promise, so it is taken only once expired.
 RELEASED: Final = "released/"
@@ -152,19 +153,22 @@ class Leadership:
                 return None
             return in_sync if self.in_sync(slot) == in_sync else None
 
-    async def release(self, slot: int) -> bool:
+    async def release(self, slot: int, drain: Drain | None = None) -> bool:
         """Hand ``slot`` over (this broker's pod is being removed): stop acknowledging first (the slot leaves the
-        held set: its fence is closed before anything is written), then write the lease as released (holder
-        ``RELEASED`` + its identity), the same epoch and the same in-sync set. A follower in that set and
-        reconciled at that epoch takes it at the tick that first sees it, without waiting for it to expire
-        (``_visit_locked``): nothing acknowledged here after the release, the taker holds everything acknowledged
-        before. True once written (a failed write leaves the lease to expire, as after a crash: the fence is
-        closed either way)."""
+        held set: its fence is closed before anything is written), ``drain`` what is still queued for the in-sync
+        set (epoch, set; bounded: ``copies.Owner.drain``), then write the lease as released (holder ``RELEASED`` +
+        its identity), the same epoch and the same in-sync set. A follower in that set and reconciled at that
+        epoch takes it at the tick that first sees it, without waiting for it to expire (``_visit_locked``):
+        nothing acknowledged here after the release, the taker holds everything acknowledged before (at
+        --min-insync-replicas 1 once the drain is over: a drain that timed out is logged). True once written (a
+        failed write leaves the lease to expire, as after a crash: the fence is closed either way)."""
         async with self._lock(slot):
             held = self._held.pop(slot, None)
             if held is None:
                 return False
             lease = held[0]
+            if drain is not None and not await drain(lease.transitions, lease.in_sync or ()):
+                log.warning("slot %d: released before every copy queued for %s was stored there", slot, lease.in_sync)
             try:
                 written = await asyncio.to_thread(
                     self._api.write, lease, RELEASED + self.identity, lease.transitions, self._duration_s, lease.in_sync

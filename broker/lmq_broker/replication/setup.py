@@ -327,7 +327,7 @@ class Replication:
         if membership.leaving(me):  # step 5: this pod is being removed; the slots that stay are handed over
             for slot in self.leadership.held():
                 if not membership.leaving(slot):
-                    await self.leadership.release(slot)
+                    await self.release(slot)
         targets = replicas.targets_of(membership, self._processes, self._replicas)
         for slot in self.leadership.held():
             if slot < len(targets):
@@ -339,6 +339,15 @@ class Replication:
         for slot, owner in self.slots.owners().items():
             if self.leadership.holds(slot):
                 await owner.unfollow(set(owner.followers) - set(self._followers(slot)))
+
+    async def release(self, slot: int) -> bool:
+        """``Leadership.release``, the copies still queued for the in-sync set stored there first (bounded by the
+        copy timeout and half a lease: a taker finds them all, also at --min-insync-replicas 1)."""
+        owner = self.slots.owners().get(slot)
+        if owner is None:  # nothing was ever copied under it here
+            return await self.leadership.release(slot)
+        drain_s = min(copies.ACK_TIMEOUT_S, self._interval_s * 3 / 2)
+        return await self.leadership.release(slot, lambda epoch, members: owner.drain(epoch, members, drain_s))
 
     def _narrowed(self, target: list[int], now: InSync) -> InSync:
         return replicas.narrowed(target, now, self._min_insync, self.leadership.me) or now

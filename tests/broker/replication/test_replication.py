@@ -26,6 +26,7 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import setup as cluster_setup
 from lmq_broker.config import BrokerConfig
+from lmq_broker.dispatch import metadata, offsets, settlement
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -38,6 +39,7 @@ from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
 
 PARENT, GROUP = "P", "G"
+MQTT_GROUP = metadata.MQTT_GROUP_PREFIX + "session-1"  # an MQTT session's implicit group
 LEASE_MS = 1500
 _prefixes = itertools.count()
 
@@ -76,6 +78,13 @@ class Pair:
         store = self.brokers[slot].store
         assert store is not None
         return store.queue_offsets(model.QueueId.lmq(PARENT, lite))[1]
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+        for broker in self.brokers:
+            if broker.ready:
+                await broker.stop(grace_s=0.2)
 
     async def send(self, slot: int, lite: str, n: int, *, retry_fenced: bool = True) -> Any:
         """The reply to a send; one refused because the broker was fenced is sent again, as the official
@@ -131,11 +140,7 @@ async def start_ring(tmp_path: Path, brokers_n: int, overrides: dict[str, object
 async def pair(kube: testing.KubeAPI, tmp_path: Path) -> AsyncIterator[Pair]:
     started = await start_pair(tmp_path, **lease_flags(kube, tmp_path))
     yield started
-    for client in started.clients:
-        await client.close()
-    for broker in started.brokers:
-        if broker.ready:
-            await broker.stop(grace_s=0.2)
+    await started.close()
 
 
 def refused(broker: app.Broker, reason: str) -> float:
@@ -331,11 +336,7 @@ async def test_asynchronous_replication_acknowledges_alone_and_the_copies_follow
         assert (await pair.send(0, lite, 5)).status.code == pb.OK
         await eventually_async(lambda: pair.stored(1, lite) == 6, "the follower caught up")
     finally:
-        for client in pair.clients:
-            await client.close()
-        for broker in pair.brokers:
-            if broker.ready:
-                await broker.stop(grace_s=0.2)
+        await pair.close()
 
 
 @pytest.mark.asyncio
@@ -584,6 +585,66 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: floa
     while not await check():
         assert loop.time() < deadline, f"not within {timeout_s:g} s: {what}"
         await asyncio.sleep(0.05)
+
+
+async def subscribe_at_latest(client: protocol_testing.Client, lite: str) -> Any:
+    """SyncLiteSubscription with OffsetOption MAX: the group starts at the lite topic's end (an offset reset)."""
+    request = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT),
+                                              group=pb.Resource(name=GROUP), lite_topic_set=[lite])  # fmt: skip
+    request.offset_option.CopyFrom(pb.OffsetOption(policy=pb.OffsetOption.MAX))
+    return await client.stub.SyncLiteSubscription(request, metadata=CONSUMER)
+
+
+@pytest.mark.asyncio
+async def test_an_offset_reset_too_few_in_sync_replicas_stored_is_refused_and_one_retried_is_answered(
+    pair: Pair,
+) -> None:
+    """A subscription's OffsetOption is an offset reset: told OK, its caller trusts a start a takeover would keep.
+    With the follower stopped (R = M = 2) it waits for the in-sync set, bounded, then is refused retriably (the
+    reset stays written at the owner); the retry once the follower is back is answered and the follower holds it."""
+    lite = pair.lite_of(0)
+    for n in range(2):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    await pair.brokers[1].stop(grace_s=0.1)
+    began = time.monotonic()
+    refused_reset = await subscribe_at_latest(pair.clients[0], lite)
+    waited_s = time.monotonic() - began
+    assert refused_reset.status.code == pb.INTERNAL_ERROR  # the official clients retry it
+    assert "offset reset is not stored by enough in-sync replicas" in refused_reset.status.message
+    assert "not enough in-sync replicas of slot 0" in refused_reset.status.message
+    assert waited_s >= settlement.RESET_COPY_WAIT_S - 0.5  # it waited for the set first
+    await restart(pair, 1)
+    retried = await subscribe_at_latest(pair.clients[0], lite)
+    assert retried.status.code == pb.OK, retried.status.message
+    store = pair.brokers[1].store
+    assert store is not None
+    assert store.get_offset(model.QueueId.lmq(PARENT, lite), GROUP) == 2  # stored before the answer
+
+
+@pytest.mark.asyncio
+async def test_an_mqtt_start_at_the_end_the_followers_missed_is_answered_and_copied_once_one_is_back(
+    pair: Pair,
+) -> None:
+    """An MQTT SUBSCRIBE's start at the end (``copy_later``) is not refused for too few in-sync replicas (that
+    would drop the session's new filters): it is answered after the bounded wait and its commit point copied
+    again in the background, the point the store holds then, until the follower stored it."""
+    lite = pair.lite_of(0)
+    for n in range(3):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    dispatcher = pair.brokers[0].dispatcher
+    assert dispatcher is not None
+    await pair.brokers[1].stop(grace_s=0.1)
+    latest = offsets.OffsetReset(offsets.OffsetPolicy.MAX)
+    await dispatcher.reset_offsets(MQTT_GROUP, PARENT, [lite], latest, copy_later=True)
+    assert dispatcher.settlement.uncopied == 1
+    with pytest.raises(errors.NotEnoughReplicas, match="offset reset is not stored"):  # without: refused
+        await dispatcher.reset_offsets(GROUP, PARENT, [lite], latest)
+    await restart(pair, 1)
+    store = pair.brokers[1].store
+    assert store is not None
+    queue = model.QueueId.lmq(PARENT, lite)
+    await eventually_async(lambda: store.get_offset(queue, MQTT_GROUP) == 3, "the reset copied once it was back")
+    await eventually_async(lambda: dispatcher.settlement.uncopied == 0, "nothing left to copy again")
 
 
 @pytest.mark.asyncio
@@ -897,11 +958,47 @@ async def test_a_removed_pod_hands_the_slot_it_holds_over_and_the_slot_keeps_eve
             ]
         assert not leaving.holds(1) and leaving.holds(2)  # its own (leaving) slot stays with it
     finally:
-        for client in ring.clients:
-            await client.close()
-        for broker in ring.brokers:
-            if broker.ready:
-                await broker.stop(grace_s=0.2)
+        await ring.close()
+
+
+@pytest.mark.asyncio
+async def test_a_release_at_one_in_sync_replica_waits_for_the_copies_queued_to_the_taker(
+    kube: testing.KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At --min-insync-replicas 1 sends and commit points are answered before their copies are stored: a release
+    (step 5 of a ring change) writes the lease for the taker only once what is still queued for the in-sync set
+    was stored there. The follower's disk made slow (each copy's append 0.3 s later) keeps them queued; a lease
+    of 6 s lets the release wait up to 3 s (half a lease at most: then the lease would expire meanwhile)."""
+    flags = {**lease_flags(kube, tmp_path), "lease_duration_ms": 6000}
+    pair = await start_pair(tmp_path, min_insync_replicas=1, **flags)
+    try:
+        lite = pair.lite_of(0)
+        queue = model.QueueId.lmq(PARENT, lite)
+        await eventually_async(lambda: pair.leadership(0).in_sync(0) == (0, 1), "the follower in slot 0's set")
+        follower = pair.brokers[1].dispatcher
+        assert follower is not None
+        append = follower.ingest.append_copy
+
+        async def slow(messages: Any) -> Any:
+            await asyncio.sleep(0.3)
+            return await append(messages)
+
+        monkeypatch.setattr(follower.ingest, "append_copy", slow)
+        for n in range(5):
+            assert (await pair.send(0, lite, n)).status.code == pb.OK  # answered alone: its copy queued
+        owner = pair.brokers[0].dispatcher
+        assert owner is not None
+        await owner.reset_offsets(GROUP, PARENT, [lite], offsets.OffsetReset(offsets.OffsetPolicy.MAX))
+        assert pair.stored(1, lite) < 5  # still on its way
+        repl = pair.brokers[0].replication
+        assert repl is not None
+        assert await repl.release(0)
+        assert pair.stored(1, lite) == 5  # every acknowledged send at the taker before the lease said released
+        store = pair.brokers[1].store
+        assert store is not None
+        assert store.get_offset(queue, GROUP) == 5  # and the commit point
+    finally:
+        await pair.close()
 
 
 @pytest.mark.asyncio
@@ -967,11 +1064,7 @@ async def test_a_topic_placed_by_the_older_ring_keeps_its_slots_copies_across_tw
         held = [(m.offset, m.message_id, m.slot) for m in store.read(model.QueueId(lmq_of(name), 0), 0, 100)]
         assert held == [(n, f"{name}-{n}", 1) for n in range(7)]
     finally:
-        for client in ring.clients:
-            await client.close()
-        for broker in ring.brokers:
-            if broker.ready:
-                await broker.stop(grace_s=0.2)
+        await ring.close()
 
 
 def reconciled(broker: app.Broker, slot: int) -> bool:
