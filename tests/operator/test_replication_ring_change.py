@@ -9,7 +9,10 @@ replicas move from (1, 0) to (1, 2)). A consumer committed part of the moved top
 records the grown ring, raises spec.replicas, tells the brokers and reports ScalingUp until every slot's lease
 names only its new-ring replicas; then Steady. Afterwards slot 1's old holder is killed (-9): the new replica
 takes slot 1 over and holds every acknowledged message of the moved topic, once, in order, at the offsets the
-old holder gave them, and the consumer's commit point. A scale-down at R = 2 stays refused (Stalled).
+old holder gave them, and the consumer's commit point. A scale-down at R = 2 stays refused (Stalled). Run twice:
+with slot 1 held by its owner (no lease moves), and after a failover gave slot 1 to broker 0, which the ring of
+3 does not give slot 1: broker 0 releases it once both new replicas are in its set (step 5), and the sends
+refused in that handover window are counted.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pytest
 import raw_v2
 from steady_sender import Attempt, Sender, ids
 from waiting import eventually
@@ -55,7 +59,8 @@ class Ring:
         self.pods = [f"{self.ip}:{port}" for port in self.ports]
         self.token = tmp_path / "token"
         self.token.write_text(kube.token)
-        self.brokers: list[broker_testing.BrokerProcess] = []
+        self.brokers: dict[int, broker_testing.BrokerProcess] = {}  # ordinal -> its broker (the latest start)
+        self.started: list[broker_testing.BrokerProcess] = []
         self.leases = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, namespace)
 
     def start(self, ordinal: int, peers: str, history: str = "") -> broker_testing.BrokerProcess:
@@ -67,7 +72,8 @@ class Ring:
         broker = broker_testing.start_broker(
             self.tmp_path / f"pod{ordinal}", self.ports[ordinal], flags, env=broker_testing.SHARED_ADMIN_ENV
         )
-        self.brokers.append(broker)
+        self.brokers[ordinal] = broker
+        self.started.append(broker)
         return broker
 
     def in_sync(self, slot: int) -> tuple[int, ...] | None:
@@ -101,7 +107,7 @@ class Ring:
             store.close()
 
     def stop(self) -> None:
-        for broker in self.brokers:
+        for broker in self.started:
             if broker.alive():
                 broker.stop()
             if broker.process.stdout is not None:
@@ -168,8 +174,8 @@ def _lite(condition: Callable[[str], bool], stem: str) -> str:
     )
 
 
-def _refused(attempts: list[Attempt]) -> list[Attempt]:
-    return [a for a in attempts if not a.ok]
+def _refused(attempts: list[Attempt], start: float, end: float) -> list[Attempt]:
+    return [a for a in attempts if not a.ok and start <= a.start <= end]
 
 
 def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], slot: int) -> None:
@@ -179,8 +185,10 @@ def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], s
     assert {recorded for _, _, recorded in records} == {slot}
 
 
-def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_shrink(
+@pytest.mark.parametrize("failover_first", [False, True], ids=["held-by-its-owner", "after-a-failover"])
+def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_shrink(  # noqa: PLR0915 (one scenario)
     *,
+    failover_first: bool,
     kube: testing.KubeAPI,
     namespace: str,
     run_operator: Callable[..., testing.OperatorProcess],
@@ -215,6 +223,11 @@ def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_s
             for lite, stem in ((moved, "m"), (stays, "s"))
         ]
         eventually(lambda: all(len(s.acked()) >= 5 for s in senders), "both clients acknowledged")
+        if failover_first:  # slot 1 held by broker 0, which the ring of 3 does not give slot 1: it hands it over
+            ring.brokers[1].kill()
+            eventually(lambda: ring.holder(1).startswith("slot-0/"), "broker 0 took slot 1 over", timeout_s=30)
+            ring.start(1, ",".join(pods[:2]))  # back on its disk: a follower of its own slot
+            eventually(lambda: ring.in_sync(1) == (0, 1), "broker 1 back in slot 1's set", timeout_s=60)
 
         # ---- scale-up 2 -> 3: the operator raises spec.replicas; the test starts the pod with the ConfigMap's flags
         ring.want(3)
@@ -227,9 +240,11 @@ def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_s
         eventually(lambda: ring.in_sync(1) == (1, 2), "slot 1's set moved to its new replicas", timeout_s=120)
         moved_s = time.monotonic() - began
         eventually(lambda: ring.status().startswith("Steady"), "Steady at 3 pods", timeout_s=60)
+        steady = time.monotonic()
         assert "ring sizes [2, 3]" in ring.status()
         assert (ring.in_sync(0), ring.in_sync(2)) == ((0, 1), (0, 2))
-        assert ring.holder(1).startswith("slot-1/")  # no lease moved
+        holder = int(ring.holder(1).removeprefix("slot-").split("/")[0])
+        assert holder == 1 or (failover_first and holder == 2)  # no lease moved, or broker 0 released it
         count = len(senders[0].acked())
         eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
         eventually(lambda: _send(pods[0], fresh, "f-0") == pb.OK, "a new topic of the new slot acknowledged")
@@ -240,25 +255,31 @@ def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_s
         assert ring.spec_replicas() == 3
         attempts = [s.stop() for s in senders]
         acked = [ids(a) for a in attempts]
-        refused = [len(_refused(a)) for a in attempts]
+        refused = [len(_refused(a, began, steady)) for a in attempts]
+        reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, began, steady)})
         print(
-            f"\nscale-up 2 -> 3 at R = 2: slot 1's set (1, 2) {moved_s:.2f} s after the new pod started; "
-            f"acknowledged {len(acked[0])} (moved topic) and {len(acked[1])} (slot 0), refused {refused}"
+            f"\nscale-up 2 -> 3 at R = 2 ({'after a failover' if failover_first else 'slot 1 held by broker 1'}): "
+            f"slot 1's set (1, 2) {moved_s:.2f} s after the new pod started, Steady {steady - began:.2f} s; "
+            f"acknowledged {len(acked[0])} (moved topic) and {len(acked[1])} (slot 0), refused during the change "
+            f"{refused}: {reasons}"
         )
 
-        # ---- slot 1's old holder killed: the new replica takes slot 1 and holds all of it, and the commit point
-        ring.brokers[1].kill()
-        eventually(lambda: ring.holder(1).startswith("slot-2/"), "the new replica took slot 1", timeout_s=30)
+        # ---- slot 1's holder killed: the other new replica takes slot 1 and holds all of it, and the commit point
+        other = 3 - holder
+        ring.brokers[holder].kill()
+        eventually(
+            lambda: ring.holder(1).startswith(f"slot-{other}/"), "the other new replica took slot 1", timeout_s=30
+        )
     finally:
         for sender in senders:
             sender.stop()
         ring.stop()
     first = [f"c-{n}" for n in range(COMMITTED + 3)]
     records = {ordinal: ring.stored(ordinal, moved) for ordinal in (1, 2)}
-    _held_once_in_order(records[2][0], first + acked[0], 1)
-    assert records[2][1] == COMMITTED  # the consumer's commit point, on the new replica
-    old = {offset: message_id for offset, message_id, _ in records[1][0]}
-    new = {offset: message_id for offset, message_id, _ in records[2][0]}
+    _held_once_in_order(records[other][0], first + acked[0], 1)
+    assert records[other][1] == COMMITTED  # the consumer's commit point, on the slot's last replica
+    old = {offset: message_id for offset, message_id, _ in records[holder][0]}
+    new = {offset: message_id for offset, message_id, _ in records[other][0]}
     assert all(new[offset] == message_id for offset, message_id in old.items() if message_id in set(acked[0]))
     for ordinal in (0, 1):  # slot 0's replicas did not move
         _held_once_in_order(ring.stored(ordinal, stays)[0], acked[1], 0)
