@@ -302,6 +302,7 @@ class Broker:
         replication.check(self.config)
         if self.config.replicas == 1:
             self.metrics.registry.register(replication.idle_gauges())
+            replication.forget_stamps(self.config.store.data_dir)  # records stored from now on name no slot
             return
         if cluster.peers is None or self.dispatcher is None or self.store is None:
             raise errors.InvalidArgument("--replicas above 1 needs a cluster (--peers with other brokers)")
@@ -309,6 +310,7 @@ class Broker:
             self.config, cluster.peers, self.dispatcher, self.store, self.metrics.registry
         )
         server.add_generic_rpc_handlers((repl.handler(),))
+        cluster.ring_fixed = repl.stamps.why_fixed
         self.dispatcher.ingest.replicas = repl.slots
         self.dispatcher.settlement.committed = repl.slots.committed
         self.dispatcher.settlement.followed = repl.slots.followed

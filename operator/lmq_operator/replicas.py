@@ -4,9 +4,9 @@ whether every replica of the slot answers, summed up as a condition on the broke
 Leadership is the brokers' business (docs/replication.md): the operator never writes a slot Lease, it reads
 them. A slot is under-replicated here when a replica does not answer at all (its pod down, or starting) or is
 not in the slot's *in-sync set* as its holder recorded it in the Lease (``lmq.io/in-sync``: only those may take
-the slot over, Kafka's ISR). That set is also what a ring change at R > 1 will wait for before removing a pod
-(docs/replication.md, *Changing the ring with R > 1*). Pure: the Leases come in as the API's JSON, no
-Kubernetes client here.
+the slot over, Kafka's ISR). That set is also what a scale-up at R > 1 waits for (``scaling``: no set may
+name a replica the grown ring does not give its slot; docs/replication.md, *Changing the ring with R > 1*).
+Pure: the Leases come in as the API's JSON, no Kubernetes client here.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class Scaler:
     prepare: Prepare = _nothing_to_prepare
     _failed: str = ""
     replication: replicas.Report | None = None  # the last pass's report (replication above 1 only)
+    _leases: list[Mapping[str, Any]] | None = None  # the slot Leases this pass observed (replication above 1)
 
     # ---- Kubernetes reads and writes ---------------------------------------------------------------------
 
@@ -192,7 +193,7 @@ class Scaler:
             found = mb.Membership(tuple(info.members), tuple(info.ring_sizes))
         except errors.InvalidArgument:
             return None, None
-        view = scaling.View(found, info.slot, info.epoch)
+        view = scaling.View(found, info.slot, info.epoch, info.ring_fixed)
         if not undrained:
             return view, None
         if fresh:
@@ -245,11 +246,40 @@ class Scaler:
         views = {s: a[0] for s, a in zip(asks, answers, strict=True)}
         undrained = {s: a[1] for s, a in zip(asks, answers, strict=True) if s in leaving}
         replicas = int((sts.get("spec") or {}).get("replicas", 1))
+        in_sync = None
+        if self.conf.replication > 1 and target is not None:
+            self._leases = await self._list_leases()
+            if self._leases is not None:
+                in_sync = self._in_sync(self._leases, len(target.members))
         observed = scaling.Observed(
-            wanted, replicas, p, target, views, undrained, self._pod, epoch, replication=self.conf.replication
+            wanted,
+            replicas,
+            p,
+            target,
+            views,
+            undrained,
+            self._pod,
+            epoch,
+            replication=self.conf.replication,
+            in_sync=in_sync,
         )
         self._asks = asks
         return sts, cm, observed
+
+    async def _list_leases(self) -> list[Mapping[str, Any]] | None:
+        """The release namespace's Leases (``list`` only); None when they cannot be listed."""
+        try:
+            found = await self._json("CoordinationV1Api", "list_namespaced_lease", self._ns)
+        except kubernetes.client.ApiException as exc:
+            log.warning("replication: the slot Leases could not be listed: %s %s", exc.status, exc.reason)
+            return None
+        items: list[Mapping[str, Any]] = (found or {}).get("items") or []
+        return items
+
+    def _in_sync(self, leases: Sequence[Mapping[str, Any]], slots: int) -> dict[int, tuple[int, ...] | None]:
+        by_name = {str(lease["metadata"]["name"]): lease for lease in leases}
+        prefix = self.conf.slot_lease_prefix
+        return {s: replicas.in_sync_of(by_name.get(f"{prefix}-slot-{s}", {})) for s in range(slots)}
 
     async def run_once(self) -> scaling.Decision:
         sts, cm, observed = await self.observe()
@@ -299,14 +329,13 @@ class Scaler:
     async def report_replication(self, sts: Mapping[str, Any], target: mb.Membership, o: scaling.Observed) -> None:
         """The slots' Leases and answering replicas into the StatefulSet's lmq.io/replication and the metrics; an
         Event when the condition's reason changes. A failure is logged: it never stops the membership pass."""
-        try:
-            found = await self._json("CoordinationV1Api", "list_namespaced_lease", self._ns)
-        except kubernetes.client.ApiException as exc:
-            log.warning("replication: the slot Leases could not be listed: %s %s", exc.status, exc.reason)
+        found = self._leases if self._leases is not None else await self._list_leases()
+        self._leases = None  # read again by the next pass
+        if found is None:
             return
         answering = {slot for slot, view in o.views.items() if view is not None}
         seen = replicas.report(
-            (found or {}).get("items") or [],
+            found,
             self.conf.slot_lease_prefix,
             len(target.members),
             o.processes,

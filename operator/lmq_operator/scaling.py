@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import ring
+from lmq_operator import replicas
 
 ANNOTATION_REPLICAS: Final = "lmq.io/replicas"  # the wanted pod count, on the StatefulSet (chart, GitOps, kubectl)
 ANNOTATION_MEMBERSHIP: Final = "lmq.io/membership"  # the operator's target, on its membership ConfigMap
@@ -79,6 +80,7 @@ class View:
     membership: mb.Membership
     slot: int
     epoch: int = 0  # 0: a broker that does not number its memberships (older than epochs)
+    ring_fixed: str = ""  # why the broker refuses a grown ring now (replication; "": it takes one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,10 @@ class Observed:
     undrained: Mapping[int, int | None]  # leaving slot -> undrained messages (None: could not be asked)
     pod: Callable[[int], str]  # ordinal -> the pod's advertised endpoint (what ``--peers`` lists)
     epoch: int | None = None  # the epoch recorded with ``target`` (None: none recorded yet)
-    replication: int = 1  # copies of every ring slot (docs/replication.md); above 1 the ring's size is fixed
+    replication: int = 1  # copies of every ring slot (docs/replication.md); above 1 the ring only grows
+    # Above 1: each slot's in-sync set as its Lease records it (None for a slot: none recorded; None: the Leases
+    # could not be read). A ring change is over once no set names a replica the ring no longer gives the slot.
+    in_sync: Mapping[int, tuple[int, ...] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +248,9 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
     wanted = o.wanted if o.wanted is not None else ring_pods
     if wanted < 1:
         return _with(base, Phase.STALLED, f"{ANNOTATION_REPLICAS} must be a whole number of at least 1")
-    if o.replication > 1 and wanted != ring_pods and not target.leaving_slots:
-        return _with(base, Phase.STALLED, _fixed_by_replication(o.replication, ring_pods, wanted))
+    replicated = _replicated(o, target, wanted) if o.replication > 1 and not target.leaving_slots else None
+    if replicated is not None:
+        return _with(base, *replicated)
     if target.leaving_slots:
         if wanted != ring_pods:  # a new wish while draining: a new epoch with that ring (all back, or fewer)
             new = target.shrunk(min(wanted, pods) * o.processes)
@@ -283,17 +289,67 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
     return _with(base, Phase.STEADY, f"{pods} pods, ring sizes {list(target.sizes)}", env=env)
 
 
-def _fixed_by_replication(replication: int, pods: int, wanted: int) -> str:
-    """Why the pod count stays: a broker's followers follow from the ring at its start (the same process on the
-    next pods), and the brokers do not move leases or copies to a new ring yet (they refuse another ring).
-    Shrinking would stop the pod that is the last in-sync copy of the slots it follows while their owners still
-    need it (sends refused at min-insync = replicas, or a slot left on one disk), and growing would file topics
-    placed by the older ring under slots whose replicas lack them after a failover, so neither is done before
-    the design in docs/replication.md (*Changing the ring with R > 1*) is built."""
+def _replicated(o: Observed, target: mb.Membership, wanted: int) -> tuple[Phase, str] | None:
+    """At R > 1, what holds the ring where it is (None: nothing): a change still moving replicas, a scale-down
+    (not built), a scale-up while a broker cannot grow its ring."""
+    moving = _replicas_moving(o, target)
+    if moving is not None:
+        return moving
+    pods = target.size // o.processes
+    if wanted < pods:
+        return Phase.STALLED, _no_scale_down(o.replication, pods, wanted)
+    fixed = [(s, v.ring_fixed) for s, v in sorted(o.views.items()) if v is not None and v.ring_fixed]
+    if wanted > pods and fixed:
+        return Phase.STALLED, _not_growable(o.replication, pods, wanted, target, fixed)
+    return None
+
+
+def _replicas_moving(o: Observed, target: mb.Membership) -> tuple[Phase, str] | None:
+    """At R > 1, after a grown ring was told to every broker: each slot's replicas move to the new ring through
+    its in-sync set (docs/replication.md, *Changing the ring with R > 1*): the new replicas are probed into it,
+    then its holder writes it without the replicas the new ring does not give the slot. Until every slot's set
+    names only its new-ring replicas nothing else changes (the next change would start from a half-moved
+    ring); None once they do. A slot whose lease names no set yet (a new slot's first tick) is waited for."""
+    if o.in_sync is None:
+        return Phase.WAITING, "the slot Leases could not be read: their in-sync sets decide when a ring change is over"
+    slots, processes = target.size, o.processes
+    unset = [s for s in range(slots) if o.in_sync.get(s) is None]
+    moving = {
+        s: (found, ring)
+        for s in range(slots)
+        if (found := o.in_sync.get(s)) is not None
+        and not set(found) <= set(ring := replicas.replicas_of(s, slots, processes, o.replication))
+    }
+    if moving:
+        shown = "; ".join(f"slot {s}: in sync {list(f)}, replicas {r}" for s, (f, r) in sorted(moving.items())[:8])
+        return Phase.SCALING_UP, f"moving slots' replicas to the ring of {slots // processes} pods ({shown})"
+    if unset:
+        return Phase.WAITING, f"waiting for the leases of slots {unset[:20]} to name their in-sync sets"
+    return None
+
+
+def _no_scale_down(replication: int, pods: int, wanted: int) -> str:
+    """Why the pod count stays: a leaving pod is the last in-sync copy of the slots it follows until their new
+    followers are in their sets, and the leases it holds must be handed over; the brokers do that (steps 2-5
+    of docs/replication.md, *Changing the ring with R > 1*) but the operator does not drive it yet, and the
+    brokers refuse a shrunk ring at R > 1."""
     return (
-        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but every slot is kept on {replication} pods and the "
-        f"brokers cannot move their replicas to another ring yet: the ring stays at {pods} pods, no pod is "
-        f"started, drained or removed (docs/replication.md, Changing the ring with R > 1). Set it back to {pods}"
+        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but every slot is kept on {replication} pods and a "
+        f"replicated ring does not shrink yet: the ring stays at {pods} pods, no pod is drained or removed "
+        f"(docs/replication.md, Changing the ring with R > 1). Set it back to {pods} or more"
+    )
+
+
+def _not_growable(
+    replication: int, pods: int, wanted: int, target: mb.Membership, fixed: Sequence[tuple[int, str]]
+) -> str:
+    """Why a scale-up does not start at R > 1: a broker holds a lite topic whose last record names no slot, so
+    it would file it by another ring after the change. Nothing is started, recorded or told."""
+    shown = "; ".join(f"{target.members[s] if s < len(target.members) else s}: {why}" for s, why in fixed[:4])
+    return (
+        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but the brokers cannot grow a ring replicated "
+        f"{replication} times now ({shown}): the ring stays at {pods} pods (docs/replication.md, Changing the "
+        "ring with R > 1)"
     )
 
 

@@ -456,6 +456,19 @@ def start_operator(api: KubeAPI, log: Path, env: Mapping[str, str], kubeconfig: 
     return handle
 
 
+def scaling_env(namespace: str, statefulset: str, configmap: str, pods: Sequence[str]) -> dict[str, str]:
+    """The operator's environment as the chart sets it for a broker StatefulSet it manages (discovery by
+    EndpointSlices, the membership kept in ``configmap``), with a fast membership pass for tests."""
+    return {
+        "LMQ_OPERATOR_BROKER_SERVICE": statefulset,
+        "LMQ_OPERATOR_BROKER_NAMESPACE": namespace,
+        "LMQ_OPERATOR_BROKER_STATEFULSET": statefulset,
+        "LMQ_OPERATOR_BROKER_MEMBERSHIP": configmap,
+        "LMQ_OPERATOR_BROKER_ADDRESS": ",".join(pods),
+        "LMQ_OPERATOR_SCALING_SECONDS": "0.5",
+    }
+
+
 def publish_brokers(api: KubeAPI, namespace: str, name: str, endpoints: list[tuple[str, int]], replicas: int) -> None:
     """What the chart's StatefulSet + headless Service look like to the operator: the StatefulSet object (no
     controller runs it here) and one EndpointSlice per pod ``<name>-<ordinal>`` pointing at real brokers."""

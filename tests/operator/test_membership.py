@@ -59,17 +59,7 @@ def _client(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess
 
 def _run(run_operator: Callable[..., testing.OperatorProcess], namespace: str, pods: list[str], **more: Any) -> None:
     """The operator as the chart runs it: discovery by EndpointSlices, the membership managed."""
-    run_operator(
-        namespace,
-        None,
-        LMQ_OPERATOR_BROKER_SERVICE=STS,
-        LMQ_OPERATOR_BROKER_NAMESPACE=namespace,
-        LMQ_OPERATOR_BROKER_STATEFULSET=STS,
-        LMQ_OPERATOR_BROKER_MEMBERSHIP=CONFIGMAP,
-        LMQ_OPERATOR_BROKER_ADDRESS=",".join(pods),
-        LMQ_OPERATOR_SCALING_SECONDS="0.5",
-        **more,
-    )
+    run_operator(namespace, None, **testing.scaling_env(namespace, STS, CONFIGMAP, pods), **more)
 
 
 def test_operator_scales_the_brokers_up_and_down_after_draining(  # noqa: PLR0915 (one scenario told start to end)

@@ -8,6 +8,7 @@ written the way brokers write them, the annotation and Events read back."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -109,20 +110,56 @@ def test_replicas_of_a_slot_are_the_same_process_on_the_next_pods() -> None:
     assert replicas.replicas_of(1, 6, 2, 2) == [1, 3]  # process 1 of pod 0, then of pod 1
 
 
-def _observed(pods: int, wanted: int, replication: int) -> scaling.Observed:
-    target = mb.Membership(tuple(PODS[:pods]), (pods,))
-    views: dict[int, scaling.View | None] = {s: scaling.View(target, s) for s in range(pods)}
-    return scaling.Observed(wanted, pods, 1, target, views, {}, lambda i: PODS[i], replication=replication)
+def _observed(
+    pods: int,
+    wanted: int,
+    replication: int,
+    *,
+    sizes: tuple[int, ...] | None = None,
+    in_sync: dict[int, tuple[int, ...] | None] | None = None,
+    fixed: str = "",
+) -> scaling.Observed:
+    target = mb.Membership(tuple(PODS[:pods]), sizes or (pods,))
+    views: dict[int, scaling.View | None] = {s: scaling.View(target, s, ring_fixed=fixed) for s in range(pods)}
+    if in_sync is None:  # every slot's set: exactly its replicas in this ring
+        in_sync = {s: tuple(sorted(replicas.replicas_of(s, pods, 1, replication))) for s in range(pods)}
+    return scaling.Observed(
+        wanted, pods, 1, target, views, {}, lambda i: PODS[i], replication=replication, in_sync=in_sync
+    )
 
 
-def test_with_replication_the_pod_count_stays_and_nothing_is_drained() -> None:
-    for wanted in (2, 4):  # down (a leaving pod may be the last in-sync copy of a slot it follows), and up
-        decision = scaling.decide(_observed(3, wanted, 2))
-        assert decision.phase is Phase.STALLED
-        assert decision.target is None and decision.tell == () and decision.replicas is None
-        assert "every slot is kept on 2 pods" in decision.message and "Set it back to 3" in decision.message
-    assert scaling.decide(_observed(3, 3, 2)).phase is Phase.STEADY
+def test_with_replication_the_ring_grows_and_does_not_shrink() -> None:
+    down = scaling.decide(_observed(3, 2, 2))  # a leaving pod may be the last in-sync copy of a slot it follows
+    assert down.phase is Phase.STALLED
+    assert down.target is None and down.tell == () and down.replicas is None
+    assert "does not shrink yet" in down.message and "Set it back to 3" in down.message
     assert scaling.decide(_observed(3, 2, 1)).phase is Phase.DRAINING  # without replication, as before
+    up = scaling.decide(_observed(3, 4, 2))  # as at R = 1: recorded, the pod started, the brokers told once it runs
+    assert (up.phase, up.replicas, up.target) == (Phase.SCALING_UP, 4, mb.Membership(tuple(PODS[:4]), (3, 4)))
+    assert scaling.decide(_observed(3, 3, 2)).phase is Phase.STEADY
+
+
+def test_with_replication_a_ring_does_not_grow_while_a_broker_holds_topics_without_their_slot() -> None:
+    decision = scaling.decide(_observed(3, 4, 2, fixed="lite topic x was stored without its slot"))
+    assert decision.phase is Phase.STALLED
+    assert decision.target is None and decision.tell == () and decision.replicas is None
+    assert "cannot grow a ring replicated 2 times" in decision.message and "without its slot" in decision.message
+
+
+def test_after_a_grown_ring_the_operator_waits_until_every_slot_names_only_its_new_replicas() -> None:
+    """2 -> 3 pods at R = 2: slot 1's replicas move from (1, 0) to (1, 2). Until its holder wrote the set without
+    broker 0 (once broker 2 was in it) the change is not over: no other change, not even Steady; a lease that
+    names no set yet (the new slot's first tick) is waited for; Leases that cannot be read stop everything."""
+    moving = scaling.decide(_observed(3, 3, 2, sizes=(2, 3), in_sync={0: (0, 1), 1: (0, 1, 2), 2: (0, 2)}))
+    assert moving.phase is Phase.SCALING_UP and "slot 1: in sync [0, 1, 2], replicas [1, 2]" in moving.message
+    assert moving.tell == () and moving.replicas is None
+    assert scaling.decide(_observed(3, 4, 2, sizes=(2, 3), in_sync={0: (0, 1), 1: (0, 1), 2: (2,)})).replicas is None
+    unset = scaling.decide(_observed(3, 3, 2, sizes=(2, 3), in_sync={0: (0, 1), 1: (1, 2), 2: None}))
+    assert unset.phase is Phase.WAITING and "slots [2]" in unset.message
+    unread = scaling.decide(dataclasses.replace(_observed(3, 3, 2), in_sync=None))
+    assert unread.phase is Phase.WAITING and "could not be read" in unread.message
+    behind = scaling.decide(_observed(3, 3, 2, sizes=(2, 3), in_sync={0: (0, 1), 1: (1,), 2: (2, 0)}))
+    assert behind.phase is Phase.STEADY  # a follower away (fewer copies): under-replicated, not a change
 
 
 def test_settings_of_replication() -> None:

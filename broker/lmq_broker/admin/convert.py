@@ -309,6 +309,7 @@ def cluster_info_from_pb(message: pb.GetClusterResponse) -> ClusterInfo:
         message.source,
         message.admin_port,
         message.epoch,
+        message.ring_fixed,
     )
 
 

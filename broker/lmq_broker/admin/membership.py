@@ -38,7 +38,16 @@ async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.Ge
         admin_port=max(cluster.config.admin_port, 0),
         epoch=cluster.confirmed_epoch,
         incarnation=cluster.incarnation,
+        ring_fixed=ring_fixed(cluster),
     )
+
+
+def ring_fixed(cluster: Cluster) -> str:
+    """Why this broker refuses a grown ring now ("" when it takes one, and always at --replicas 1)."""
+    if cluster.config.replicas <= 1:
+        return ""
+    why = cluster.ring_fixed()
+    return "replication is not running yet" if why is None else why
 
 
 async def change(cluster: Cluster, store: Store, request: pb.SetClusterRequest) -> pb.SetClusterResponse:

@@ -117,6 +117,7 @@ class ClusterInfo:
     source: str  # "flags" or "admin"
     admin_port: int = 0  # every member's admin port at its host (--admin-port); 0: on the member's endpoint
     epoch: int = 0  # the membership's epoch (only grows; docs/scale-out.md)
+    ring_fixed: str = ""  # why the broker refuses a grown ring now ("": it takes one; docs/replication.md)
 
 
 @dataclass(frozen=True, slots=True)

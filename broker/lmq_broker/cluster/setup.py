@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -58,20 +59,43 @@ def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
     return membership, membership.slot_of(config.advertised_address)
 
 
-def fixed_ring(replicas: int, current: mb.Membership, new: mb.Membership) -> None:
-    """With replication (``--replicas`` above 1) the ring never changes while brokers run: each slot's
-    followers and Lease follow from the ring the brokers started with, so brokers told another ring would
-    disagree on who follows whom, and a removed pod could take the last in-sync copy of a slot with it. A
-    topic's slot is recorded on its records (step 1 of docs/replication.md, *Changing the ring*), but records of
-    older versions have none; moving replicas and leases to a new ring (steps 2-7) is not built: refused,
-    whatever ``force``. A new epoch of the same ring (the operator numbering it) is accepted."""
-    if replicas > 1 and new != current:
-        raise errors.Conflict(
-            f"the ring of a replicated cluster (--replicas {replicas}) cannot change yet: members "
-            f"{list(current.members)} with ring sizes {list(current.sizes)} would become {list(new.members)} with "
-            f"{list(new.sizes)}; each slot's followers and lease are fixed by the ring the brokers started with "
-            "(docs/replication.md, Changing the ring)"
-        )
+def grown(current: mb.Membership, new: mb.Membership) -> bool:
+    """Whether ``new`` is ``current`` grown (a scale-up): every member kept in its slot, new ones appended, the
+    new ring size added to the history, no slot leaving on either side."""
+    kept = len(current.members)
+    return (
+        len(new.members) > kept
+        and new.members[:kept] == current.members
+        and new.sizes == (*current.sizes, len(new.members))
+        and not current.leaving_slots
+        and not new.leaving_slots
+    )
+
+
+def fixed_ring(replicas: int, current: mb.Membership, new: mb.Membership, why_fixed: str | None) -> None:
+    """With replication (``--replicas`` above 1) a ring changes only by growing (docs/replication.md, *Changing
+    the ring with R > 1*): each broker rebuilds its replica sets from the grown membership (the union of the
+    ring before and after until every new replica is in its slot's in-sync set), and a topic keeps the slot its
+    records name. ``why_fixed`` is why this broker cannot take one now ("": it can; None: its replication has
+    not started): a lite topic of its store names no slot on its last record (``replication.stamps``). A ring
+    that shrinks, or slots marked leaving or removed, is refused, whatever ``force``: a leaving pod's
+    drain and lease handover are not driven by the operator yet. A new epoch of the same ring (the operator
+    numbering it) is accepted."""
+    if replicas <= 1 or new == current:
+        return
+    if not grown(current, new):
+        why = "a replicated ring only grows (a scale-down at --replicas above 1 is not built)"
+    elif why_fixed is None:
+        why = "replication is not running yet"
+    elif why_fixed:
+        why = why_fixed
+    else:
+        return
+    raise errors.Conflict(
+        f"the ring of a replicated cluster (--replicas {replicas}) cannot change: members "
+        f"{list(current.members)} with ring sizes {list(current.sizes)} would become {list(new.members)} with "
+        f"{list(new.sizes)}; {why} (docs/replication.md, Changing the ring with R > 1)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +161,8 @@ class Cluster:
         self._calls: Calls | None = None
         self._changing = asyncio.Lock()
         self._refused_epoch = 0  # a peer's membership refused at --replicas > 1 (logged once per epoch)
+        # Why this broker's ring cannot grow now ("": it can; None: replication not started; ``fixed_ring``)
+        self.ring_fixed: Callable[[], str | None] = lambda: None
         self._serving = False  # the watch starts once this broker answers calls (``serve``)
         self._handing: asyncio.Task[None] | None = None
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
@@ -217,7 +243,7 @@ class Cluster:
                 )
             if (new, new.epoch, place.slot) == (current.membership, current.membership.epoch, current.slot):
                 return False
-            fixed_ring(self.config.replicas, current.membership, new)
+            fixed_ring(self.config.replicas, current.membership, new, self.ring_fixed())
             await asyncio.to_thread(self._store.put_membership, encode(place, self.config))
             self._apply(place)
         if self._peers is not None:

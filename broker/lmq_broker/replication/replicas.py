@@ -14,8 +14,8 @@ previous ring size of the history and the ring after every member (a scale-up). 
 (a topic placed by the ring of 2 stays there), so the union is what a change starts from, not where it ends:
 once a slot's in-sync set (its lease) holds every new-ring replica, its holder writes the set without the
 others (``narrowed``, step 4), and from then on every broker reads the slot's replicas from that set: exactly
-the new ring's. The ring of a replicated cluster does not change yet (``cluster.setup.fixed_ring``,
-``setup.one_ring``): outside tests all of this computes the sets of one ring.
+the new ring's. A replicated ring only grows outside tests (``cluster.setup.fixed_ring``, ``setup.one_ring``:
+a scale-down is refused), so outside tests the ring before is a smaller one, never slots leaving.
 """
 
 from __future__ import annotations
@@ -82,6 +82,15 @@ def sets_of(
         previous = old[slot] if slot < len(old) else []
         out.append([*target, *(s for s in previous if s not in target)])
     return out
+
+
+def hands_over(target: list[int], recorded: InSync, holder: int, every_member_acks: bool) -> bool:
+    """Whether ``holder`` releases its slot's lease (step 5) in a changed ring: it is none of the new ring's
+    replicas (``target``: a failover gave it the slot before the change), and every one of them is in the set,
+    so a member of the new ring takes it at its next tick and narrows the set. Only where every member of the
+    set stored every acknowledged send (``every_member_acks``: --min-insync-replicas = --replicas): whichever
+    member takes the lease holds them all. Else the slot stays where it is (the operator waits)."""
+    return every_member_acks and holder not in target and set(target) <= set(recorded)
 
 
 def narrowed(target: list[int], recorded: InSync, floor: int, holder: int) -> InSync | None:

@@ -41,6 +41,7 @@ from lmq_broker.replication import (
     reconciling,
     replicas,
     sources,
+    stamps,
     stating,
     streams,
     wire,
@@ -90,19 +91,33 @@ def check(config: BrokerConfig) -> None:
         )
 
 
-def one_ring(replicas: int, membership: mb.Membership) -> None:
-    """Refuse a ring with a history (a scale-up or a scale-down behind it, or slots leaving) at --replicas above
-    1: a topic placed by an older ring stays on a slot that is not its slot in today's ring. Its records name
-    that slot only if they were stored by a replicated owner of this version (``owning``); a topic stored at
-    --replicas 1 or by an older version would be filed under today's ring, and a broker that took its slot over
-    would copy its new messages to replicas that do not hold its history; and replica sets follow one ring only
-    (docs/replication.md, *Changing the ring*)."""
-    if replicas > 1 and len(set(membership.sizes)) > 1:
+def one_ring(replicas: int, membership: mb.Membership, why_fixed: str = "") -> None:
+    """Refuse, at --replicas above 1, a ring whose history this broker cannot follow: slots leaving (a
+    scale-down, which replication does not drive yet), or a history (a scale-up behind it) while a lite topic of
+    its store names no slot on its last record (``why_fixed``, from ``stamps``): a topic placed by an older ring
+    stays on a slot that is not its slot in today's ring, and only its records say which (docs/replication.md,
+    *Changing the ring with R > 1*)."""
+    if replicas <= 1:
+        return
+    if membership.leaving_slots:
         raise errors.InvalidArgument(
-            f"--replicas {replicas} needs a ring without history: ring sizes {list(membership.sizes)} (--ring-history, "
-            "or a membership set since) place some topics on slots other than today's, which replication does not "
-            "follow yet (docs/replication.md, Changing the ring); run this ring at --replicas 1"
+            f"--replicas {replicas} cannot start with slots leaving (ring sizes {list(membership.sizes)} of "
+            f"{len(membership.members)} members): a scale-down is not built for a replicated ring "
+            "(docs/replication.md, Changing the ring with R > 1); run this ring at --replicas 1"
         )
+    if len(set(membership.sizes)) > 1 and why_fixed:
+        raise errors.InvalidArgument(
+            f"--replicas {replicas} needs every lite topic to record its slot when the ring has a history (ring "
+            f"sizes {list(membership.sizes)}: --ring-history, or a membership set since): {why_fixed} "
+            "(docs/replication.md, Changing the ring with R > 1); run this ring at --replicas 1"
+        )
+
+
+def _stamps(config: BrokerConfig, store: Store, membership: mb.Membership) -> stamps.Stamps:
+    """Whether every lite topic of ``store`` records its slot; the start refused when its ring needs that."""
+    found = stamps.Stamps(store, config.store.data_dir)
+    one_ring(config.replicas, membership, found.why_fixed())
+    return found
 
 
 def idle_gauges() -> gauges.Collector:
@@ -111,6 +126,7 @@ def idle_gauges() -> gauges.Collector:
 
 
 followers_of = replicas.followers_of
+forget_stamps = stamps.forget  # a start at --replicas 1 (app)
 
 
 def _failpoint(env: str = FAILPOINT_ENV) -> Callable[[], bool] | None:
@@ -143,7 +159,7 @@ class Replication:
     ) -> None:
         links = peers.links
         slots, me = len(links.membership.members), links.me
-        one_ring(config.replicas, links.membership)
+        self.stamps = _stamps(config, store, links.membership)
         processes = config.pod_processes
         api = kube.ApiServer.of(
             config.kube_api_server, config.kube_token_file, config.kube_ca_file, config.lease_namespace
@@ -196,6 +212,7 @@ class Replication:
         async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
             results = await dispatcher.ingest.append_copy(messages)
             self.slots.note(messages)
+            self.stamps.note(messages)
             copied.inc(len(messages))
             stores.inc()
             return results
@@ -293,8 +310,8 @@ class Replication:
         the followers of its state rows (read from the sets each batch), each slot's serving broker checked
         for handovers, and the ring slot of topics without a recorded slot. A replica that is no longer one
         keeps its copies. Run again after each lease tick (``_after_tick``): a slot whose lease names exactly its
-        new-ring replicas has those only. The ring of a replicated cluster does not change yet
-        (``cluster.setup.fixed_ring``): a new epoch of the same ring changes nothing here."""
+        new-ring replicas has those only. A replicated ring only grows (``cluster.setup.fixed_ring``: a scale-down
+        is refused); a new epoch of the same ring changes nothing here."""
         if me != self.leadership.me:
             log.warning(
                 "replication: this broker is slot %d in the new membership, was %d: not rebuilt", me, self.leadership.me
@@ -316,7 +333,8 @@ class Replication:
 
     async def _after_tick(self) -> None:
         """Steps 4 and 5 of a ring change, after each lease tick. A broker whose slot is leaving releases the
-        leases it holds of slots that stay (``Leadership.release``: a replica in the set takes each at once). A
+        leases it holds of slots that stay (``Leadership.release``: a replica in the set takes each at once), and
+        so does one holding a slot of which it is no new-ring replica once they are all in its set (at M = R). A
         held slot whose in-sync set holds every replica of the new ring gets the set without the others (a lease
         write, never below --min-insync-replicas); then the replica sets follow the sets just read or written,
         and each held slot stops copying to replicas it no longer has (they are out of the set by then: nothing
@@ -329,6 +347,13 @@ class Replication:
                 if not membership.leaving(slot):
                     await self.release(slot)
         targets = replicas.targets_of(membership, self._processes, self._replicas)
+        every_member_acks = self._min_insync >= self._replicas
+        for slot in self.leadership.held():  # step 5: a slot a failover gave this broker, none of its new replicas
+            if slot < len(targets) and replicas.hands_over(
+                targets[slot], self.leadership.in_sync(slot), me, every_member_acks
+            ):
+                await self.leadership.release(slot)
+                log.info("slot %d: released to its new ring's replicas %s (this broker is none)", slot, targets[slot])
         for slot in self.leadership.held():
             if slot < len(targets):
                 target = targets[slot]

@@ -20,7 +20,7 @@ from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import owners
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.replication import owning, sources, wire
+from lmq_broker.replication import owning, sources, stamps, wire
 from lmq_broker.storage import memory
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.storage.api import Store
@@ -127,6 +127,38 @@ def test_records_from_before_slots_were_recorded_keep_the_rule_of_todays_ring(st
     assert slots.followed_slot(lmq("V")) == 1
     held.epochs[1] = 1
     assert slots.slot_of_topic(lmq("V")) == 1
+
+
+def test_a_store_is_stamped_while_every_lite_topics_last_record_names_its_slot(store: Store, tmp_path: Path) -> None:
+    """What a ring change at R > 1 needs (``stamps``): found by walking the lite topics, then kept in a marker
+    file; an unstamped lite record stored since (a copy from an older owner), or a start at R = 1, takes it
+    away; a topic whose last record is stamped again counts as stamped."""
+    data = tmp_path / "stamps"
+    assert stamps.Stamps(store, data).why_fixed() == ""  # empty
+    assert (data / stamps.MARKER).exists()
+    append(store, [dataclasses.replace(lite(f"s{i}"), slot=i % 2) for i in range(3)])
+    append(store, [model.NewMessage("n-1", "N", b"x", (model.QueueId("N", 0),))])  # a normal topic: no slot ever
+    (data / stamps.MARKER).unlink()
+    assert stamps.first_unstamped(store) is None
+    assert stamps.Stamps(store, data).why_fixed() == ""
+    append(store, [lite("w")])  # stored at R = 1, or by an older version
+    assert stamps.first_unstamped(store) == lmq("w")
+    kept = stamps.Stamps(store, data)  # the marker says stamped: no walk at start
+    assert kept.why_fixed() == ""
+    kept.note(
+        [
+            dataclasses.replace(lite("s0", 1), slot=0),
+            normal := model.NewMessage("n-2", "N", b"x", (model.QueueId("N", 0),)),
+        ]
+    )
+    assert kept.why_fixed() == "" and normal.slot == -1
+    kept.note([lite("w")])  # a copy without its slot
+    assert lmq("w") in kept.why_fixed() and not (data / stamps.MARKER).exists()
+    assert lmq("w") in stamps.Stamps(store, data).why_fixed()  # walked again at the next start
+    append(store, [dataclasses.replace(lite("w", 1), slot=1)])  # its last record names its slot now
+    assert stamps.Stamps(store, data).why_fixed() == "" and (data / stamps.MARKER).exists()
+    stamps.forget(data)  # a start at R = 1
+    assert not (data / stamps.MARKER).exists()
 
 
 def test_a_normal_topics_message_is_not_stamped_with_a_slot(store: Store) -> None:

@@ -73,3 +73,11 @@ def test_the_holder_narrows_the_set_only_once_every_new_replica_is_in_and_never_
     assert replicas.narrowed([1], (0, 1), 2, 1) is None  # below --min-insync-replicas: not written
     # A holder the new ring does not name (it took the slot over) keeps itself in the set: it hands over first.
     assert replicas.narrowed([1, 2], (0, 1, 2), 2, 0) is None
+
+
+def test_a_holder_that_is_no_replica_of_the_new_ring_releases_once_every_new_one_is_in() -> None:
+    """Slot 1 held by broker 0 (a failover) when the ring of 2 grows to 3: its new replicas are (1, 2)."""
+    assert not replicas.hands_over([1, 2], (0, 1), 0, True)  # 2 not in yet: it holds no copy to take over from
+    assert replicas.hands_over([1, 2], (0, 1, 2), 0, True)
+    assert not replicas.hands_over([1, 2], (0, 1, 2), 1, True)  # a new-ring replica keeps it and narrows the set
+    assert not replicas.hands_over([1, 2], (0, 1, 2), 0, False)  # M < R: a member may lack acknowledged sends

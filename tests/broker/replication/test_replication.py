@@ -392,26 +392,39 @@ def test_followers_are_on_other_pods() -> None:
         replication.followers_of(0, 4, 2, 3)
 
 
-def test_a_ring_with_a_history_is_refused_at_start_with_replicas() -> None:
-    for ring in (mb.Membership.parse("a:1,b:2,c:3", "2"), mb.Membership(("a:1", "b:2", "c:3"), (3, 2))):
-        with pytest.raises(errors.InvalidArgument, match="needs a ring without history"):
-            replication.one_ring(2, ring)  # grown since, or slots leaving: topics off today's slots
-        replication.one_ring(1, ring)  # at R = 1 as before
-    replication.one_ring(2, mb.Membership.parse("a:1,b:2,c:3"))
+def test_a_ring_with_a_history_starts_with_replicas_only_while_every_topic_records_its_slot() -> None:
+    grown = mb.Membership.parse("a:1,b:2,c:3", "2")
+    leaving = mb.Membership(("a:1", "b:2", "c:3"), (3, 2))
+    with pytest.raises(errors.InvalidArgument, match="needs every lite topic to record its slot"):
+        replication.one_ring(2, grown, "lite topic x was stored without its slot")
+    replication.one_ring(2, grown, "")  # every topic names its slot: the grown ring's replica sets follow it
+    for why in ("", "lite topic x was stored without its slot"):
+        with pytest.raises(errors.InvalidArgument, match="cannot start with slots leaving"):
+            replication.one_ring(2, leaving, why)  # a scale-down is not built at R > 1
+        replication.one_ring(1, leaving, why)  # at R = 1 as before
+        replication.one_ring(2, mb.Membership.parse("a:1,b:2,c:3"), why)  # no history: today's ring is right
 
 
 @pytest.mark.asyncio
-async def test_the_ring_of_a_replicated_cluster_does_not_change_while_it_runs(pair: Pair) -> None:
-    """SetCluster with another ring (grown, or slots leaving) is refused at R = 2, force or not, on every broker;
-    the same ring at a new epoch (the operator numbering it) is taken. The leases and sends go on."""
+async def test_a_replicated_ring_only_grows_and_only_while_every_topic_records_its_slot(pair: Pair) -> None:
+    """SetCluster with slots leaving or a shrunk ring is refused at R = 2, force or not, on every broker; a
+    grown ring is refused while a lite topic of the broker's store names no slot on its last record (a copy
+    from an owner of an older version, here), and GetCluster says why; the same ring at a new epoch (the
+    operator numbering it) is taken. The leases and sends go on."""
     members = pair.membership.members
     for broker in pair.brokers:
+        repl = broker.replication
+        assert repl is not None
         with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
-            for ring, sizes in (((*members, "127.0.0.1:1"), (2, 3)), (members, (2, 1))):
-                for force in (False, True):
-                    with pytest.raises(errors.Conflict, match=r"ring of a replicated cluster .* cannot change yet"):
-                        await asyncio.to_thread(admin.set_cluster, ring, sizes, force=force)
+            assert (await asyncio.to_thread(admin.cluster)).ring_fixed == ""
+            for ring, sizes, force in ((members, (2, 1), False), (members, (2, 1), True), (members[:1], (1,), True)):
+                with pytest.raises(errors.Conflict, match=r"a replicated ring only grows"):
+                    await asyncio.to_thread(admin.set_cluster, ring, sizes, force=force)
+            repl.stamps.note([dispatch_testing.lite_message("old", b"x", parent=PARENT, message_id="old-0")])
             info = await asyncio.to_thread(admin.cluster)
+            assert "stored without its slot" in info.ring_fixed
+            with pytest.raises(errors.Conflict, match=r"cannot change: .* stored without its slot"):
+                await asyncio.to_thread(admin.set_cluster, (*members, "127.0.0.1:1"), (2, 3))
             assert (info.members, info.ring_sizes) == (members, (2,))
             info, changed = await asyncio.to_thread(admin.set_cluster, members, (2,), epoch=info.epoch + 5)
             assert changed and (info.members, info.ring_sizes) == (members, (2,))
@@ -854,6 +867,33 @@ def test_the_lease_api_answers_alike_on_kept_connections_and_reopens_one_the_api
             api.close()
 
 
+async def start_joining(ring: Pair, tmp_path: Path, port: int = 0, **more: object) -> tuple[mb.Membership, app.Broker]:
+    """The ring of ``ring`` grown by one broker, and that broker started as the operator starts a new pod: the
+    grown ring and its history from its flags, the lease settings of the others."""
+    port = port or free_ports("127.0.0.1", 1)[0]
+    grown = ring.membership.grown(f"127.0.0.1:{port}")
+    first = ring.brokers[0].config
+    joining = await start_broker(
+        dispatch_testing.config_for(
+            tmp_path / f"b{len(ring.brokers)}",
+            host="127.0.0.1",
+            port=port,
+            metrics_port=-1,
+            peers=",".join(grown.members),
+            ring_history=",".join(str(size) for size in grown.sizes[:-1]),
+            ordinal=len(ring.brokers),
+            advertised_address=f"127.0.0.1:{port}",
+            admin_access_key="admin-ak",
+            admin_secret_key="admin-sk",
+            replicas=2,
+            **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
+            **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
+            **more,
+        )
+    )
+    return grown, joining
+
+
 @pytest.mark.asyncio
 async def test_a_grown_ring_moves_a_slots_follower_only_once_the_new_one_is_in_the_set(
     pair: Pair, tmp_path: Path
@@ -868,25 +908,7 @@ async def test_a_grown_ring_moves_a_slots_follower_only_once_the_new_one_is_in_t
     lite = pair.lite_of(1)
     for n in range(3):
         assert (await pair.send(1, lite, n)).status.code == pb.OK
-    (port,) = free_ports("127.0.0.1", 1)
-    grown = pair.membership.grown(f"127.0.0.1:{port}")
-    first = pair.brokers[0].config
-    third = await start_broker(
-        dispatch_testing.config_for(
-            tmp_path / "b2",
-            host="127.0.0.1",
-            port=port,
-            metrics_port=-1,
-            peers=",".join(grown.members),  # a ring of 3 from its flags: the new ring's replica sets
-            ordinal=2,
-            advertised_address=f"127.0.0.1:{port}",
-            admin_access_key="admin-ak",
-            admin_secret_key="admin-sk",
-            replicas=2,
-            **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
-            **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
-        )
-    )
+    grown, third = await start_joining(pair, tmp_path)
     try:
         for slot, broker in enumerate(pair.brokers):
             assert broker.cluster is not None and broker.cluster.peers is not None
@@ -905,6 +927,58 @@ async def test_a_grown_ring_moves_a_slots_follower_only_once_the_new_one_is_in_t
             assert store is not None
             stored = [(m.offset, m.message_id, m.slot) for m in store.read(queue, 0, 100)]
             assert stored == [(n, f"{lite}-{n}", 1) for n in range(sent)]
+    finally:
+        await third.stop(grace_s=0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_slot_a_failover_gave_to_an_old_replica_moves_to_the_grown_rings_replicas_by_release(
+    kube: testing.KubeAPI, pair: Pair, tmp_path: Path
+) -> None:
+    """Ring change step 5 in a scale-up, R = 2, a ring of 2 grown to 3 through each broker's membership change:
+    broker 0 holds slot 1 (a failover), which the ring of 3 does not give slot 1 (its replicas become (1, 2)),
+    so its holder cannot narrow the set. Once both new-ring replicas are in the set, broker 0 releases the
+    lease; one of them takes it at its next tick and narrows the set to (1, 2); broker 0 never takes it back.
+    Every acknowledged message of slot 1, before and after, is on the final replicas once, in order."""
+    (port,) = free_ports("127.0.0.1", 1)
+    lite = next(
+        f"s-{i}"
+        for i in range(10_000)
+        if mb.candidates(pair.membership.grown(f"127.0.0.1:{port}"), lmq_of(f"s-{i}")) == (1,)
+        and pair.owner(f"s-{i}") == 1
+    )
+    old = pair.leadership(0)
+    await eventually_async(lambda: pair.leadership(1).in_sync(1) == (0, 1), "slot 1's follower in the set")
+    take_lease(kube, pair.leadership(1).name(1), old.identity)
+    await eventually_async(lambda: old.epoch(1) is not None, "broker 0 holds slot 1 (a failover)")
+    await eventually_async(lambda: old.in_sync(1) == (0, 1), "broker 1 probed back into the set")
+    for n in range(3):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    grown, third = await start_joining(pair, tmp_path, port)
+    try:
+        for slot, broker in enumerate(pair.brokers):
+            assert broker.cluster is not None
+            await broker.cluster.change(cluster_setup.Place(grown, slot, cluster_setup.ADMIN))
+        await eventually_async(lambda: old.releases == 1, "broker 0 released slot 1 once both new replicas were in")
+        assert third.replication is not None
+        new = [pair.leadership(1), third.replication.leadership]
+        taker = await eventually_async(lambda: next((n for n in new if n.epoch(1) is not None), None), "taken")
+        assert taker is not None
+        await eventually_async(lambda: taker.in_sync(1) == (1, 2), "the set narrowed to the new ring's replicas")
+        other, epoch = (third if taker is new[0] else pair.brokers[1]).replication, taker.epoch(1)
+        assert other is not None and other.follower is not None and epoch is not None
+        follower = other.follower
+        await eventually_async(lambda: follower.in_sync(1, epoch), "the other new replica reconciled with the taker")
+        assert not old.holds(1) and old.releases == 1
+        assert third.store is not None
+        pair.clients.append(protocol_testing.connect(third.endpoint, third.store))
+        for n in range(3, 6):  # through the taker (clients are routed to the holder)
+            assert (await pair.send(1 if taker is new[0] else 2, lite, n)).status.code == pb.OK
+        queue = model.QueueId.lmq(PARENT, lite)
+        for store in (pair.brokers[1].store, third.store):
+            assert store is not None
+            stored = [(m.offset, m.message_id, m.slot) for m in store.read(queue, 0, 100)]
+            assert stored == [(n, f"{lite}-{n}", 1) for n in range(6)]
     finally:
         await third.stop(grace_s=0.2)
 
@@ -1003,42 +1077,23 @@ async def test_a_release_at_one_in_sync_replica_waits_for_the_copies_queued_to_t
 
 @pytest.mark.asyncio
 async def test_a_topic_placed_by_the_older_ring_keeps_its_slots_copies_across_two_failovers(
-    kube: testing.KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kube: testing.KubeAPI, tmp_path: Path
 ) -> None:
     """The fact-3 trace of docs/replication.md (*Why a ring change is more than SetCluster at R > 1*), R = 2,
     --min-insync-replicas 1, a ring of 2 grown to 3 through the brokers' own membership change
-    (``Cluster.change``) with the two ring refusals lifted for this test (steps 6-7 are not built). Topic T is
+    (``Cluster.change``: taken, every topic of the brokers' stores names its slot). Topic T is
     placed on slot 1 by the ring of 2; today's ring hashes it to slot 2. Broker 1 dies; broker 2 takes slot 1
     and, holding slot 2 as well, stores T's next sends; they must be filed under slot 1 (its records say so),
     so when broker 1 returns, its reconcile and the holder's probe of slot 1 bring them back, and after broker
     2 dies broker 1 serves every acknowledged message of T. Filed under slot 2 (today's ring) they were not:
     broker 1 was in sync without them, and they were lost with broker 2."""
-    monkeypatch.setattr(cluster_setup, "fixed_ring", lambda *args: None)
-    monkeypatch.setattr(replication, "one_ring", lambda *args: None)
     ring = await start_ring(tmp_path, 2, {**lease_flags(kube, tmp_path), "min_insync_replicas": 1})
     try:
         (port,) = free_ports("127.0.0.1", 1)
         grown = ring.membership.grown(f"127.0.0.1:{port}")
         name = next(n for n in (f"f-{i}" for i in range(10_000)) if mb.candidates(grown, lmq_of(n)) == (2, 1))
         assert (await ring.send(1, name, 0)).status.code == pb.OK  # placed on slot 1 by the ring of 2
-        first = ring.brokers[0].config
-        third = await start_broker(
-            dispatch_testing.config_for(
-                tmp_path / "b2",
-                host="127.0.0.1",
-                port=port,
-                metrics_port=-1,
-                peers=",".join(grown.members),
-                ordinal=2,
-                advertised_address=f"127.0.0.1:{port}",
-                admin_access_key="admin-ak",
-                admin_secret_key="admin-sk",
-                replicas=2,
-                min_insync_replicas=1,
-                **{k: getattr(first, k) for k in ("lease_namespace", "lease_prefix", "lease_duration_ms")},
-                **{k: getattr(first, k) for k in ("kube_api_server", "kube_token_file", "kube_ca_file")},
-            )
-        )
+        third = (await start_joining(ring, tmp_path, port, min_insync_replicas=1))[1]
         assert third.store is not None
         ring.brokers.append(third)
         ring.clients.append(protocol_testing.connect(third.endpoint, third.store))

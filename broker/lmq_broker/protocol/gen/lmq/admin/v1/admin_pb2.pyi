@@ -1744,6 +1744,7 @@ class GetClusterResponse(_message.Message):
     ADMIN_PORT_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    RING_FIXED_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     """This broker's slot; -1 when it is no member (removed, still running: it only forwards)."""
     leaving: _builtins.bool
@@ -1766,6 +1767,11 @@ class GetClusterResponse(_message.Message):
     incarnation: _builtins.str
     """Random per broker process start: a peer that sees it change knows the broker restarted (and lost what it
     held in memory, such as subscriptions, which the peers then give it again).
+    """
+    ring_fixed: _builtins.str
+    """Why this broker refuses a grown ring now ("" when it takes one): at --replicas above 1 a ring changes only
+    while every lite topic of its store records its slot on its last record (docs/replication.md, Changing the
+    ring with R > 1); an operator checks every broker before it starts a pod.
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1790,10 +1796,11 @@ class GetClusterResponse(_message.Message):
         admin_port: _builtins.int = ...,
         epoch: _builtins.int = ...,
         incarnation: _builtins.str = ...,
+        ring_fixed: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "epoch", b"epoch", "incarnation", b"incarnation", "leaving", b"leaving", "members", b"members", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_port", b"admin_port", "drained", b"drained", "epoch", b"epoch", "incarnation", b"incarnation", "leaving", b"leaving", "members", b"members", "ring_fixed", b"ring_fixed", "ring_sizes", b"ring_sizes", "slot", b"slot", "source", b"source", "undrained_messages", b"undrained_messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

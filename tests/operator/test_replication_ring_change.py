@@ -1,0 +1,286 @@
+"""A replicated ring grown through the operator (docs/replication.md, *Changing the ring with R > 1*, steps 6-7):
+broker processes with --replicas 2 on the real kube-apiserver + etcd, the operator as a process driving their
+membership, and the test playing the StatefulSet controller (it starts the pod the operator asks for with the
+flags of the operator's ConfigMap and publishes its endpoint, as in ``test_membership.py``).
+
+Scale-up 2 -> 3 pods under two sending clients: one on a topic of slot 0 (its replicas stay (0, 1)) and one on
+a topic placed on slot 1 by the ring of 2 that the ring of 3 hashes to slot 2 (it stays on slot 1, whose
+replicas move from (1, 0) to (1, 2)). A consumer committed part of the moved topic before. The operator
+records the grown ring, raises spec.replicas, tells the brokers and reports ScalingUp until every slot's lease
+names only its new-ring replicas; then Steady. Afterwards slot 1's old holder is killed (-9): the new replica
+takes slot 1 over and holds every acknowledged message of the moved topic, once, in order, at the offsets the
+old holder gave them, and the consumer's commit point. A scale-down at R = 2 stays refused (Stalled). Run twice:
+with slot 1 held by its owner (no lease moves), and after a failover gave slot 1 to broker 0, which the ring of
+3 does not give slot 1: broker 0 releases it once both new replicas are in its set (step 5), and the sends
+refused in that handover window are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import raw_v2
+from steady_sender import Attempt, Sender, ids
+from waiting import eventually
+
+from lmq_broker import model
+from lmq_broker import testing as broker_testing
+from lmq_broker.cluster import membership as mb
+from lmq_broker.config import StoreConfig
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
+from lmq_broker.replication import kube as kube_api
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.supervisor import free_ports
+from lmq_operator import scaling, testing
+
+STS = "lmq-broker"
+CONFIGMAP = "lmq-broker-membership"
+PREFIX = "ringchg"  # the slot Leases' prefix (the chart's <fullname>)
+PARENT, GROUP = "AGENT_TASK_NS", "executor-group"  # the brokers' bootstrap parent and group
+LEASE_MS = 1500
+CONSUMER = "ring-consumer"
+COMMITTED = 5  # messages of the moved topic consumed and acknowledged before the scale-up
+
+
+class Ring:
+    """The broker pods of one test: started as the StatefulSet would, with --replicas 2."""
+
+    def __init__(self, kube: testing.KubeAPI, namespace: str, tmp_path: Path) -> None:
+        self.kube, self.namespace, self.tmp_path = kube, namespace, tmp_path
+        self.ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
+        self.ports = free_ports("0.0.0.0", 3)
+        self.pods = [f"{self.ip}:{port}" for port in self.ports]
+        self.token = tmp_path / "token"
+        self.token.write_text(kube.token)
+        self.brokers: dict[int, broker_testing.BrokerProcess] = {}  # ordinal -> its broker (the latest start)
+        self.started: list[broker_testing.BrokerProcess] = []
+        self.leases = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, namespace)
+
+    def start(self, ordinal: int, peers: str, history: str = "") -> broker_testing.BrokerProcess:
+        flags = ["--host", "0.0.0.0", "--peers", peers, "--advertised-address", self.pods[ordinal]]
+        flags += ["--ring-history", history] if history else []
+        flags += ["--flush-mode", "sync", "--replicas", "2", "--lease-namespace", self.namespace]
+        flags += ["--lease-prefix", PREFIX, "--lease-duration-ms", str(LEASE_MS), "--kube-api-server", self.kube.server]
+        flags += ["--kube-token-file", str(self.token), "--kube-ca-file", str(self.kube.ca_file)]
+        broker = broker_testing.start_broker(
+            self.tmp_path / f"pod{ordinal}", self.ports[ordinal], flags, env=broker_testing.SHARED_ADMIN_ENV
+        )
+        self.brokers[ordinal] = broker
+        self.started.append(broker)
+        return broker
+
+    def in_sync(self, slot: int) -> tuple[int, ...] | None:
+        got = self.leases.get(f"{PREFIX}-slot-{slot}")
+        return None if got is None else got.in_sync
+
+    def holder(self, slot: int) -> str:
+        got = self.leases.get(f"{PREFIX}-slot-{slot}")
+        return "" if got is None else got.holder
+
+    def status(self) -> str:
+        sts = self.kube.get(f"/apis/apps/v1/namespaces/{self.namespace}/statefulsets/{STS}")
+        return str((sts["metadata"].get("annotations") or {}).get(scaling.ANNOTATION_STATUS, ""))
+
+    def spec_replicas(self) -> int:
+        return int(self.kube.get(f"/apis/apps/v1/namespaces/{self.namespace}/statefulsets/{STS}")["spec"]["replicas"])
+
+    def want(self, pods: int) -> None:
+        path = f"/apis/apps/v1/namespaces/{self.namespace}/statefulsets/{STS}"
+        self.kube.merge_patch(path, {"metadata": {"annotations": {scaling.ANNOTATION_REPLICAS: str(pods)}}})
+
+    def stored(self, ordinal: int, lite: str) -> tuple[list[tuple[int, str, int]], int | None]:
+        """(offset, message id, recorded slot) of every record of ``lite`` in pod ``ordinal``'s store, and the
+        group's commit point there (the pod stopped)."""
+        store = lmq_store.LmqStore(StoreConfig(data_dir=self.tmp_path / f"pod{ordinal}"))
+        try:
+            queue = model.QueueId.lmq(PARENT, lite)
+            records = [(m.offset, m.message_id, m.slot) for m in store.read(queue, 0, 100_000)]
+            return records, store.get_offset(queue, GROUP)
+        finally:
+            store.close()
+
+    def stop(self) -> None:
+        for broker in self.started:
+            if broker.alive():
+                broker.stop()
+            if broker.process.stdout is not None:
+                broker.process.stdout.close()
+
+
+async def _subscribe(endpoint: str, lite: str) -> None:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_grpc.MessagingServiceStub(channel)
+        request = spb.SyncLiteSubscriptionRequest(
+            action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP), lite_topic_set=[lite]
+        )
+        subscribed = await stub.SyncLiteSubscription(request, metadata=raw_v2.headers(CONSUMER))
+        assert subscribed.status.code == pb.OK, subscribed.status
+
+
+async def _consume(endpoint: str, lite: str, count: int) -> list[str]:
+    """Receive and acknowledge ``count`` messages of ``lite`` for ``GROUP`` (subscribed), in order."""
+    headers = raw_v2.headers(CONSUMER)
+    got: list[str] = []
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_grpc.MessagingServiceStub(channel)
+        deadline = time.monotonic() + 60
+        while len(got) < count and time.monotonic() < deadline:
+            receive = spb.ReceiveMessageRequest(
+                group=pb.Resource(name=GROUP),
+                message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
+                batch_size=count - len(got),
+            )
+            receive.invisible_duration.seconds = 60
+            receive.long_polling_timeout.seconds = 5
+            frames = [f async for f in stub.ReceiveMessage(receive, metadata=headers, timeout=30)]
+            for frame in frames:
+                if not frame.HasField("message"):
+                    continue
+                props = frame.message.system_properties
+                entry = spb.AckMessageEntry(
+                    message_id=props.message_id, receipt_handle=props.receipt_handle, lite_topic=lite
+                )
+                ack = spb.AckMessageRequest(
+                    group=pb.Resource(name=GROUP), topic=pb.Resource(name=PARENT), entries=[entry]
+                )
+                acked = await stub.AckMessage(ack, metadata=headers)
+                assert acked.status.code == pb.OK, acked.status
+                got.append(props.message_id)
+    return got
+
+
+def _send(endpoint: str, lite: str, message_id: str) -> int:
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            props = pb.SystemProperties(message_id=message_id, message_type=pb.LITE, lite_topic=lite)
+            message = pb.Message(topic=pb.Resource(name=PARENT), body=b"0", system_properties=props)
+            stub = service_grpc.MessagingServiceStub(channel)
+            reply = await stub.SendMessage(spb.SendMessageRequest(messages=[message]), metadata=raw_v2.headers("s"))
+            return int(reply.status.code)
+
+    return asyncio.run(run())
+
+
+def _lite(condition: Callable[[str], bool], stem: str) -> str:
+    return next(
+        name for name in (f"{stem}-{i}" for i in range(100_000)) if condition(model.QueueId.lmq(PARENT, name).topic)
+    )
+
+
+def _refused(attempts: list[Attempt], start: float, end: float) -> list[Attempt]:
+    return [a for a in attempts if not a.ok and start <= a.start <= end]
+
+
+def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], slot: int) -> None:
+    stored = [message_id for _, message_id, _ in records]
+    assert all(stored.count(i) == 1 for i in acked), "an acknowledged message stored twice or not at all"
+    assert [i for i in stored if i in set(acked)] == acked, "acknowledged messages out of order"
+    assert {recorded for _, _, recorded in records} == {slot}
+
+
+@pytest.mark.parametrize("failover_first", [False, True], ids=["held-by-its-owner", "after-a-failover"])
+def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_shrink(  # noqa: PLR0915 (one scenario)
+    *,
+    failover_first: bool,
+    kube: testing.KubeAPI,
+    namespace: str,
+    run_operator: Callable[..., testing.OperatorProcess],
+    tmp_path: Path,
+) -> None:
+    ring = Ring(kube, namespace, tmp_path)
+    pods = ring.pods
+    two = mb.Membership(tuple(pods[:2]), (2,))
+    three = two.grown(pods[2])
+    moved = _lite(lambda t: mb.owner(two, t) == 1 and mb.candidates(three, t) == (2, 1), "moved")
+    stays = _lite(lambda t: mb.owner(two, t) == 0 and mb.owner(three, t) == 0, "stays")
+    fresh = _lite(lambda t: mb.owner(three, t) == 2, "fresh")
+    senders: list[Sender] = []
+    try:
+        for ordinal in (0, 1):
+            ring.start(ordinal, ",".join(pods[:2]))
+        testing.publish_brokers(kube, namespace, STS, [(ring.ip, p) for p in ring.ports[:2]], replicas=2)
+        ring.want(2)
+        env = testing.scaling_env(namespace, STS, CONFIGMAP, pods)
+        run_operator(namespace, None, **env, LMQ_OPERATOR_BROKER_REPLICATION="2", LMQ_OPERATOR_SLOT_LEASE_PREFIX=PREFIX)
+        eventually(lambda: ring.status().startswith("Steady"), "Steady at 2 pods (every slot's lease named its set)")
+        assert (ring.in_sync(0), ring.in_sync(1)) == ((0, 1), (0, 1))
+
+        # ---- a consumer commits part of the moved topic; then two clients send, one message at a time
+        asyncio.run(_subscribe(pods[1], moved))
+        for n in range(COMMITTED + 3):
+            assert _send(pods[1], moved, f"c-{n}") == pb.OK
+        consumed = asyncio.run(_consume(pods[1], moved, COMMITTED))
+        assert consumed == [f"c-{n}" for n in range(COMMITTED)]
+        senders = [
+            Sender(tmp_path / f"{lite}.jsonl", lite, stem, pods[:2], timeout_s=10.0)
+            for lite, stem in ((moved, "m"), (stays, "s"))
+        ]
+        eventually(lambda: all(len(s.acked()) >= 5 for s in senders), "both clients acknowledged")
+        if failover_first:  # slot 1 held by broker 0, which the ring of 3 does not give slot 1: it hands it over
+            ring.brokers[1].kill()
+            eventually(lambda: ring.holder(1).startswith("slot-0/"), "broker 0 took slot 1 over", timeout_s=30)
+            ring.start(1, ",".join(pods[:2]))  # back on its disk: a follower of its own slot
+            eventually(lambda: ring.in_sync(1) == (0, 1), "broker 1 back in slot 1's set", timeout_s=60)
+
+        # ---- scale-up 2 -> 3: the operator raises spec.replicas; the test starts the pod with the ConfigMap's flags
+        ring.want(3)
+        eventually(lambda: ring.spec_replicas() == 3, "spec.replicas 3")
+        flags = kube.get(f"/api/v1/namespaces/{namespace}/configmaps/{CONFIGMAP}")["data"]
+        assert flags == {"LMQ_PEERS": ",".join(pods), "LMQ_RING_HISTORY": "2"}
+        began = time.monotonic()
+        ring.start(2, flags["LMQ_PEERS"], flags["LMQ_RING_HISTORY"])
+        testing.add_broker_pod(kube, namespace, STS, 2, (ring.ip, ring.ports[2]))
+        eventually(lambda: ring.in_sync(1) == (1, 2), "slot 1's set moved to its new replicas", timeout_s=120)
+        moved_s = time.monotonic() - began
+        eventually(lambda: ring.status().startswith("Steady"), "Steady at 3 pods", timeout_s=60)
+        steady = time.monotonic()
+        assert "ring sizes [2, 3]" in ring.status()
+        assert (ring.in_sync(0), ring.in_sync(2)) == ((0, 1), (0, 2))
+        holder = int(ring.holder(1).removeprefix("slot-").split("/")[0])
+        assert holder == 1 or (failover_first and holder == 2)  # no lease moved, or broker 0 released it
+        count = len(senders[0].acked())
+        eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
+        eventually(lambda: _send(pods[0], fresh, "f-0") == pb.OK, "a new topic of the new slot acknowledged")
+
+        # ---- a scale-down at R = 2 is not built: refused, nothing drained
+        ring.want(2)
+        eventually(lambda: "does not shrink yet" in ring.status(), "Stalled on a scale-down")
+        assert ring.spec_replicas() == 3
+        attempts = [s.stop() for s in senders]
+        acked = [ids(a) for a in attempts]
+        refused = [len(_refused(a, began, steady)) for a in attempts]
+        reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, began, steady)})
+        print(
+            f"\nscale-up 2 -> 3 at R = 2 ({'after a failover' if failover_first else 'slot 1 held by broker 1'}): "
+            f"slot 1's set (1, 2) {moved_s:.2f} s after the new pod started, Steady {steady - began:.2f} s; "
+            f"acknowledged {len(acked[0])} (moved topic) and {len(acked[1])} (slot 0), refused during the change "
+            f"{refused}: {reasons}"
+        )
+
+        # ---- slot 1's holder killed: the other new replica takes slot 1 and holds all of it, and the commit point
+        other = 3 - holder
+        ring.brokers[holder].kill()
+        eventually(
+            lambda: ring.holder(1).startswith(f"slot-{other}/"), "the other new replica took slot 1", timeout_s=30
+        )
+    finally:
+        for sender in senders:
+            sender.stop()
+        ring.stop()
+    first = [f"c-{n}" for n in range(COMMITTED + 3)]
+    records = {ordinal: ring.stored(ordinal, moved) for ordinal in (1, 2)}
+    _held_once_in_order(records[other][0], first + acked[0], 1)
+    assert records[other][1] == COMMITTED  # the consumer's commit point, on the slot's last replica
+    old = {offset: message_id for offset, message_id, _ in records[holder][0]}
+    new = {offset: message_id for offset, message_id, _ in records[other][0]}
+    assert all(new[offset] == message_id for offset, message_id in old.items() if message_id in set(acked[0]))
+    for ordinal in (0, 1):  # slot 0's replicas did not move
+        _held_once_in_order(ring.stored(ordinal, stays)[0], acked[1], 0)
+    assert [i for _, i, _ in ring.stored(0, fresh)[0]] == ["f-0"]  # the new slot's follower
