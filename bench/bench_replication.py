@@ -12,6 +12,7 @@ part of the price) over the timed sends, per message. The settings (``--configs`
     python bench/bench_replication.py --quick    # 1 round of 500
     python bench/bench_replication.py --configs 1,2,2/1   # R=1, R=2 (all in sync), R=2 asynchronous
     python bench/bench_replication.py --configs 1,2 --edge native   # every broker on the native edge
+    python bench/bench_replication.py --configs 1,2,2+grpc   # R=2 with copies on the copy socket, then gRPC only
 
 ``--case catch-up``: the catch-up rate of a rejoining follower. R=2 with ``--min-insync-replicas 1`` (the owner
 acknowledges alone), the follower of broker 0's slot stopped while ``--messages`` 1 KiB sends to 50 lite
@@ -57,6 +58,7 @@ def cpu_s(broker: BrokerProcess) -> float:
 def start_pair(
     workdir: Path, kube: kube_testing.KubeAPI, setting: str, tag: str, edge: str = "grpcio"
 ) -> tuple[list[BrokerProcess], list[str]]:
+    setting, _, transport = setting.partition("+")
     replicas, _, min_insync = setting.partition("/")
     members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", BROKERS)]
     token = workdir / "token"
@@ -66,6 +68,8 @@ def start_pair(
         flags = ["--peers", ",".join(members), "--ordinal", str(slot), "--advertised-address", members[slot]]
         flags += ["--admin-access-key", "ak", "--admin-secret-key", "sk", "--flush-mode", "sync"]
         flags += ["--replicas", replicas, "--min-insync-replicas", min_insync or "0", "--edge", edge]
+        if transport == "grpc":  # copies over the gRPC stream only (no copy socket)
+            flags += ["--replica-port", "-1"]
         if replicas != "1":
             flags += ["--lease-namespace", "default", "--lease-prefix", tag, "--kube-api-server", kube.server]
             flags += ["--kube-token-file", str(token), "--kube-ca-file", str(kube.ca_file)]
@@ -179,7 +183,7 @@ def main() -> None:
         figures: dict[str, list[tuple[float, float, float]]] = {s: [] for s in settings}
         for r in range(rounds):
             for setting in settings:
-                tag = f"r{r}-{setting.replace('/', 'm')}"
+                tag = f"r{r}-{setting.replace('/', 'm').replace('+', '-')}"
                 got = measure(Path(tmp), kube, setting, sends, args.inflight, tag, args.edge)
                 figures[setting].append(got)
                 print(f"round {r} R={setting}: p50 {got[0]:,.0f} µs  p99 {got[1]:,.0f} µs  CPU {got[2]:,.0f} µs/msg")

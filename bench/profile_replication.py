@@ -46,6 +46,13 @@ def metric(broker: BrokerProcess, name: str) -> float:
     return float(found[0]) if found else 0.0
 
 
+def commits_of(broker: BrokerProcess) -> float:
+    """The broker's group commits of appends (``lmq_append_commits_total``, loop and thread), its own and copies'."""
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("lmq_append_commits_total{"))
+
+
 def copied_by(broker: BrokerProcess) -> tuple[float, float]:
     """(messages, store appends) the broker stored from copies since it started (appends: 0 on an older tree)."""
     return metric(broker, "lmq_replication_copied_total"), metric(broker, "lmq_replication_copy_appends_total")
@@ -95,7 +102,7 @@ def main() -> None:
             idle0 = [cpu_s(b) for b in brokers]
             time.sleep(IDLE_S)
             idle = [(cpu_s(b) - c) / IDLE_S * 1e3 for b, c in zip(brokers, idle0, strict=True)]
-            copied0 = copied_by(brokers[1])
+            copied0, commits0 = copied_by(brokers[1]), commits_of(brokers[0])
             before = [cpu_s(b) for b in brokers]
             began = time.perf_counter()
             asyncio.run(send_load(members[0], lites, args.sends, args.inflight))
@@ -105,6 +112,9 @@ def main() -> None:
             for i, (p, q) in enumerate(zip(per, idle, strict=True)):
                 print(f"broker {i}: {p:,.0f} µs CPU/message (idle before: {q:.1f} ms CPU/s)")
             print(f"all: {sum(per):,.0f} µs CPU/message")
+            commits = commits_of(brokers[0]) - commits0
+            each = args.sends / max(commits, 1)
+            print(f"owner: {args.sends:,} messages in {commits:,.0f} group commits: {each:.2f} each")
             if args.setting != "1":
                 messages, appends = (a - b for a, b in zip(copied_by(brokers[1]), copied0, strict=True))
                 each = messages / max(appends, 1)

@@ -133,6 +133,9 @@ HELP: Final[dict[str, str]] = {
     "replica_lag_max_ms": "replication: a member of the in-sync set that has not stored a send this long after "
     "--min-insync-replicas others did leaves the set (Kafka's replica.lag.time.max.ms; never below "
     "--min-insync-replicas: then the send waits, and is refused after 3 s); 0: only a failed copy removes one",
+    "replica_port": "replication: the copy socket, where this broker takes its slots' owners' copies over framed TCP "
+    "(cheaper than the gRPC stream; docs/replication.md); 0: a port the OS picks, told to owners that ask; -1: none. "
+    "Not opened with --tls-cert (copies stay on the TLS channels)",
     "lease_namespace": "replication: namespace of the per-slot Kubernetes Leases (needed for --replicas > 1)",
     "lease_prefix": "replication: the Leases are named <prefix>-slot-<slot>",
     "lease_duration_ms": "replication: a slot's Lease duration; its owner stops acknowledging before it ends",
@@ -243,6 +246,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "min_insync_replicas",
         "replica_queue_messages",
         "replica_lag_max_ms",
+        "replica_port",
         "lease_namespace",
         "lease_prefix",
         "lease_duration_ms",

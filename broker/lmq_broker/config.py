@@ -187,6 +187,7 @@ class BrokerConfig(BaseModel):
     min_insync_replicas: int = Field(default=0, ge=0, le=5)
     replica_queue_messages: int = Field(default=10_000, ge=1)  # per follower, not shipped yet; past it: dropped
     replica_lag_max_ms: int = Field(default=1_000, ge=0)  # a member holding a send back longer leaves (0: never)
+    replica_port: int = Field(default=0, ge=-1, le=65535)  # copies from owners over framed TCP; 0: any port, -1: off
     lease_namespace: str = ""  # empty: no leases, so --replicas must be 1
     lease_prefix: str = "lmq"  # Lease <prefix>-slot-<slot>
     lease_duration_ms: int = Field(default=6_000, ge=300)

@@ -143,6 +143,7 @@ class Child:
 
 def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int) -> list[str]:
     metrics = config.metrics_port if config.metrics_port <= 0 else ring.process_port(config.metrics_port, index)
+    copies = config.replica_port if config.replica_port <= 0 else ring.process_port(config.replica_port, index)
     overrides = {
         "--processes": "1",
         "--port": str(p.ports[index]),
@@ -152,6 +153,7 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
         "--advertised-address": p.members[p.slots[index]],
         "--data-dir": str(config.store.data_dir / f"p{index}"),
         "--metrics-port": str(metrics),
+        "--replica-port": str(copies),
         "--ring-history": p.ring_history,
         "--broker-name": f"{config.broker_name}-p{index}",
         "--local-hop-dir": str(config.store.data_dir / "hop"),

@@ -23,6 +23,7 @@ REPLICATION_FLAGS = (
     "--lease-namespace",
     "--lease-prefix",
     "--lease-duration-ms",
+    "--replica-port",
 )
 
 
@@ -48,6 +49,13 @@ def test_replicas_null_replicates_two_pods_twice_with_the_release_lease(render: 
     assert given["--replicas"] == "2"
     assert given["--lease-namespace"] == "$(POD_NAMESPACE)" and given["--lease-prefix"] == "demo-lmq"
     assert given["--lease-duration-ms"] == "6000"
+    assert given["--replica-port"] == "8090"  # the copy socket, admitted from this release's brokers only
+    policy = one(objects, "NetworkPolicy", BROKER)
+    (copies,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 8090]
+    assert copies["ports"] == [{"port": 8090, "protocol": "TCP"}]
+    assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in copies["from"]] == ["broker"]
+    four = one(render({"broker": {"processes": 4, "replication": {"replicas": None}}}), "NetworkPolicy", BROKER)
+    assert {"port": 8091, "endPort": 8094, "protocol": "TCP"} in [r["ports"][0] for r in four["spec"]["ingress"]]
     assert "--min-insync-replicas" not in given  # 0: every replica (the broker's default)
     namespace = {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
     assert namespace in broker["env"]

@@ -33,7 +33,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 HELLO: Final = "lmq local hop v1"  # what the hello's HMAC is over, in place of a gRPC method
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # as the gRPC channels' message limit
+HELLO_MAX_BYTES: Final = 1024  # a frame before the hello verified (nothing of an unverified peer is buffered)
 MAX_SOCKET_PATH_BYTES: Final = 107  # sun_path holds 108 bytes with its terminating NUL
 CONNECT_RETRY_S: Final = 0.05
 _FRAME: Final = struct.Struct(">II")
@@ -66,15 +67,17 @@ def frame(request_id: int, payload: bytes) -> bytes:
     return _FRAME.pack(len(payload), request_id) + payload
 
 
-class _Frames(asyncio.Protocol):
+class Frames(asyncio.Protocol):
     """Frames in and out of one connection: what arrives is split into frames, what is queued in a tick is
-    written at once."""
+    written at once. Also the framing of ``replication.sockets`` (copies to a follower over TCP)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._out: list[bytes] = []
         self.closed = False
+        self.name = "local hop"  # in its log lines
+        self.max_frame = MAX_FRAME_BYTES
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -100,8 +103,8 @@ class _Frames(asyncio.Protocol):
         end = len(buffer)
         while end - start >= _FRAME.size:
             length, request_id = _FRAME.unpack_from(buffer, start)
-            if length > MAX_FRAME_BYTES:
-                self.abort(f"a frame of {length} bytes")
+            if length > self.max_frame:
+                self.oversized(length)
                 return
             if end - start - _FRAME.size < length:
                 break
@@ -115,8 +118,11 @@ class _Frames(asyncio.Protocol):
     def received(self, request_id: int, payload: bytes) -> None:
         raise NotImplementedError
 
+    def oversized(self, length: int) -> None:
+        self.abort(f"a frame of {length} bytes")
+
     def abort(self, why: str) -> None:
-        log.warning("local hop connection closed: %s", why)
+        log.warning("%s connection closed: %s", self.name, why)
         self.closed = True
         if self.transport is not None:
             self.transport.close()
@@ -126,7 +132,9 @@ class _Frames(asyncio.Protocol):
 
 
 # --- the sending side ----------------------------------------------------------------------------------------
-class _Connection(_Frames):
+class Calls(Frames):
+    """The calling end: each payload sent under a new id, its answer the frame that comes back with that id."""
+
     def __init__(self) -> None:
         super().__init__()
         self._waiters: dict[int, asyncio.Future[bytes]] = {}
@@ -162,8 +170,8 @@ class Hop:
         self._directory = directory
         self._secret = secret
         self._epoch = epoch
-        self._connections: dict[str, _Connection] = {}
-        self._connecting: dict[str, asyncio.Task[_Connection]] = {}
+        self._connections: dict[str, Calls] = {}
+        self._connecting: dict[str, asyncio.Task[Calls]] = {}
 
     def reaches(self, target: str) -> bool:
         """Whether ``target`` is a sibling listening on the local hop (its socket file is there)."""
@@ -186,21 +194,21 @@ class Hop:
                 connection = await self._connect(target, deadline)
             return await connection.call(payload)
 
-    async def _connect(self, target: str, deadline: float) -> _Connection:
+    async def _connect(self, target: str, deadline: float) -> Calls:
         connecting = self._connecting.get(target)
         if connecting is None:
             connecting = self._connecting[target] = asyncio.ensure_future(self._open(target, deadline))
             connecting.add_done_callback(lambda _: self._connecting.pop(target, None))
         return await asyncio.shield(connecting)
 
-    async def _open(self, target: str, deadline: float) -> _Connection:
+    async def _open(self, target: str, deadline: float) -> Calls:
         path = socket_path(self._directory, target)
         if path is None:
             raise FileNotFoundError(f"no local hop socket for {target}")
         loop = asyncio.get_running_loop()
         while True:
             try:
-                _, connection = await loop.create_unix_connection(_Connection, str(path))
+                _, connection = await loop.create_unix_connection(Calls, str(path))
                 break
             except OSError as exc:  # a sibling restarting: its old socket file refuses, or is gone for a moment
                 if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT) or time.monotonic() > deadline:
@@ -223,21 +231,45 @@ class Hop:
 
 
 # --- the owning side -----------------------------------------------------------------------------------------
-class _Serving(_Frames):
-    def __init__(self, server: HopServer) -> None:
+class Served(Protocol):
+    """What a serving connection needs of its server."""
+
+    refused: Counter  # connections whose hello did not verify
+
+    def verify(self, hello: bytes) -> bool: ...
+    def serve(self, connection: Serving, request_id: int, payload: bytes) -> None: ...
+    def forget(self, connection: Serving) -> None: ...
+
+
+class Serving(Frames):
+    """The serving end: its first frame must be a hello that verifies, every later one is served."""
+
+    def __init__(self, server: Served) -> None:
         super().__init__()
         self._server = server
-        self._greeted = False
+        self.greeted = False
+        self.max_frame = HELLO_MAX_BYTES  # until the hello verified
 
     def received(self, request_id: int, payload: bytes) -> None:
-        if not self._greeted:
+        if not self.greeted:
             if request_id != 0 or not self._server.verify(payload):
-                self._server.refused.inc()
-                self.abort("its hello does not verify (another cluster secret?)")
+                self.refuse("its hello does not verify (another cluster secret?)")
                 return
-            self._greeted = True
+            self.greeted = True
+            self.max_frame = MAX_FRAME_BYTES
             return
         self._server.serve(self, request_id, payload)
+
+    def oversized(self, length: int) -> None:
+        if self.greeted:
+            super().oversized(length)
+        else:
+            self.refuse(f"a frame of {length} bytes before its hello")
+
+    def refuse(self, why: str) -> None:
+        """Closed unverified, nothing read from it served: counted."""
+        self._server.refused.inc()
+        self.abort(why)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -257,7 +289,7 @@ class HopServer:
         self._metrics = metrics
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._connections: set[_Serving] = set()
+        self._connections: set[Serving] = set()
         self._closing = False
         self.refused = Counter(
             "lmq_local_hop_refused",
@@ -274,12 +306,12 @@ class HopServer:
         self._server = await asyncio.get_running_loop().create_unix_server(self._connected, str(self.path))
         self.path.chmod(0o600)
 
-    def _connected(self) -> _Serving:
-        connection = _Serving(self)
+    def _connected(self) -> Serving:
+        connection = Serving(self)
         self._connections.add(connection)
         return connection
 
-    def forget(self, connection: _Serving) -> None:
+    def forget(self, connection: Serving) -> None:
         self._connections.discard(connection)
 
     def verify(self, hello: bytes) -> bool:
@@ -288,7 +320,7 @@ class HopServer:
         )
         return peer is not None
 
-    def serve(self, connection: _Serving, request_id: int, payload: bytes) -> None:
+    def serve(self, connection: Serving, request_id: int, payload: bytes) -> None:
         if self._closing:  # as a stopping gRPC server refuses new calls: this request only, nothing stored
             refused = errors.BrokerUnavailable("this broker is stopping; nothing was stored, try again")
             connection.send(request_id, spb.SendMessageResponse(status=status.status_of(refused)).SerializeToString())
@@ -297,7 +329,7 @@ class HopServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, connection: _Serving, request_id: int, payload: bytes) -> None:
+    async def _answer(self, connection: Serving, request_id: int, payload: bytes) -> None:
         started = time.perf_counter()
         admission = self._admission
         if not admission.enter():

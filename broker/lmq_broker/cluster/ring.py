@@ -42,7 +42,7 @@ def slot_of(name: str, slots: int) -> int:
 def process_port(pod_port: int, process: int) -> int:
     """The port of process ``process`` (0-based) of a pod whose processes share ``pod_port``
     (``serve --processes N``): each also listens on a port of its own, ``pod_port + 1 + process``. The one
-    place this rule is written; gRPC, external, admin and metrics ports all follow it."""
+    place this rule is written; gRPC, external, admin, metrics and copy socket ports all follow it."""
     return pod_port + 1 + process
 
 

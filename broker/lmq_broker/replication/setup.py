@@ -40,6 +40,7 @@ from lmq_broker.replication import (
     owning,
     reconciling,
     replicas,
+    sockets,
     sources,
     stamps,
     stating,
@@ -60,6 +61,7 @@ SERVICE: Final = "/lmq.replica.v1.Replica/"
 METHOD: Final = SERVICE + "Append"  # a copy (wire) -> b"" stored, or JSON {topic: end} where this broker is behind
 STREAM: Final = SERVICE + "AppendStream"  # copies -> their answers, as ``METHOD``'s (``streams`` frames them)
 STREAM_BINARY: Final = SERVICE + "AppendStreamBinary"  # as ``STREAM``; its follower reads the binary layout
+COPY_SOCKET: Final = SERVICE + "CopySocket"  # b"" -> the port of this broker's copy socket (``sockets``), b"": none
 BINARY_RETRY_S: Final = 60.0  # a follower without ``STREAM_BINARY`` gets JSON this long, then it is asked again
 ENDS: Final = SERVICE + "Ends"  # JSON {"slot"} -> JSON {topic: end} of the holder's lite topics of the slot
 FETCH: Final = SERVICE + "Fetch"  # JSON {"slot", "topic", "from", "layout"?} -> a copy (wire) of what follows
@@ -275,8 +277,23 @@ class Replication:
         peers.changed = self.rebuild
         self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its binary copies take
         self.json_links: dict[str, streams.Link] = {}  # follower endpoint -> its stream of JSON copies (older)
+        # The copy sockets (``sockets``): not with TLS, which they do not carry (copies stay on the TLS channels)
+        self.sockets = (
+            sockets.Sockets(
+                (config.host, config.replica_port),
+                links.secret,
+                self._accept,
+                self._counters.copies_refused.labels("not_peer"),
+                self._copy_socket_of,
+                self._hello,
+            )
+            if config.replica_port >= 0 and config.tls_cert is None
+            else None
+        )
         self._json_until: dict[str, float] = {}  # follower endpoint -> when to ask for its binary stream again
-        self.methods = frozenset((METHOD, STREAM, STREAM_BINARY, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE))
+        self.methods = frozenset(
+            (METHOD, STREAM, STREAM_BINARY, COPY_SOCKET, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE)
+        )
         self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
         self._stopping = asyncio.Event()
@@ -386,6 +403,8 @@ class Replication:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.sockets is not None:
+            self.sockets.start()
         self._task = loop.create_task(self.leadership.run(self._stopping, self._after_tick), name="lmq-leases")
         self._reconciling = loop.create_task(self.reconciler.run(self._stopping, self._own), name="lmq-reconcile")
         self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
@@ -410,6 +429,8 @@ class Replication:
         await self.handover.close()
         await self.slots.close()
         await asyncio.gather(*(link.close() for link in (*self.copy_links.values(), *self.json_links.values())))
+        if self.sockets is not None:
+            await self.sockets.close()
 
     def _own(self) -> None:
         for slot in self.leadership.held():
@@ -483,6 +504,9 @@ class Replication:
             return await self._accept(data)
         if method == STATES:
             return b"" if self.states.accept(data) else b"behind"
+        if method == COPY_SOCKET:
+            port = None if self.sockets is None else self.sockets.port
+            return b"" if port is None else str(port).encode()
         try:
             request = json.loads(data)
             slot = int(request["slot"])
@@ -506,6 +530,33 @@ class Replication:
         return await asyncio.to_thread(sources.fetch, self._store, slot, epoch, topic, start, binary=binary)
 
     async def send(self, endpoint: str, data: bytes) -> dict[str, int]:
+        """A copy to a follower, over its copy socket while one is open (``sockets``), else over gRPC
+        (``send_stream``, the plain twin)."""
+        if self.sockets is not None:
+            link = self.sockets.link(endpoint, CALL_TIMEOUT_S)
+            if link.ready():
+                try:
+                    return _behind(await link.send(data))
+                except sockets.NotSent:  # closed meanwhile: not sent, so over gRPC
+                    pass
+        return await self.send_stream(endpoint, data)
+
+    def _hello(self) -> str:
+        return self._links.peer_header(sockets.HELLO)[1]
+
+    async def _copy_socket_of(self, endpoint: str) -> int | None:
+        """The port of ``endpoint``'s copy socket; None when it has none (an older version: UNIMPLEMENTED)."""
+        call = self._links.channel(endpoint).unary_unary(COPY_SOCKET, None, None)
+        try:
+            metadata = (self._links.peer_header(COPY_SOCKET),)
+            answer = await call(b"", metadata=metadata, timeout=CALL_TIMEOUT_S, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        return int(answer) if answer else None
+
+    async def send_stream(self, endpoint: str, data: bytes) -> dict[str, int]:
         """A copy to a follower, over its binary stream; a follower of an older version (no such method: the
         copy was not read there) gets it again at once in the JSON layout, over its stream or a unary call."""
         link = self._link(self.copy_links, endpoint, STREAM_BINARY)

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import json
 import shutil
 import socket
 import time
@@ -23,6 +24,7 @@ from waiting import TIMEOUT_S, eventually_async
 
 from lmq_broker import app, errors, model
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.cluster import local_hop, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import setup as cluster_setup
 from lmq_broker.config import BrokerConfig
@@ -33,7 +35,7 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.replication import setup as replication
-from lmq_broker.replication import streams, wire
+from lmq_broker.replication import sockets, streams, wire
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
@@ -720,11 +722,20 @@ async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_p
     assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 4),))
 
 
+async def over_the_socket(repl: replication.Replication, endpoint: str, data: bytes) -> dict[str, int]:
+    """A copy over the follower's copy socket (``sockets``), once the owner's link to it is open."""
+    assert repl.sockets is not None
+    link = repl.sockets.link(endpoint, replication.CALL_TIMEOUT_S)
+    await eventually_async(link.ready, "the copy socket open")
+    answer = await link.send(data)
+    return json.loads(answer) if answer else {}
+
+
 async def both_ways(repl: replication.Replication, endpoint: str, data: bytes) -> list[object]:
-    """A copy's answer over the follower's stream, then over a unary call (the plain twin): answers, or the
-    refusal's text after the transport's name."""
+    """A copy's answer over the follower's copy socket, its stream, then a unary call (the plain twins): answers,
+    or the refusal's text after the transport's name."""
     out: list[object] = []
-    for send in (repl.send, repl.send_unary):
+    for send in (functools.partial(over_the_socket, repl), repl.send_stream, repl.send_unary):
         try:
             out.append(await send(endpoint, data))
         except errors.BrokerUnavailable as exc:
@@ -733,9 +744,11 @@ async def both_ways(repl: replication.Replication, endpoint: str, data: bytes) -
 
 
 @pytest.mark.asyncio
-async def test_a_copy_gets_the_same_answer_over_the_stream_as_over_a_unary_call(pair: Pair) -> None:
+async def test_a_copy_gets_the_same_answer_over_the_socket_the_stream_and_a_unary_call(pair: Pair) -> None:
+    """The copy socket against its plain twins: the same copies (stored, repeated, behind, of a foreign slot, of
+    another message, of an older epoch) get the same answers and store alike."""
     lite = pair.lite_of(0)
-    assert (await pair.send(0, lite, 0)).status.code == pb.OK  # the owner's copies take the stream
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
     repl, epoch = pair.brokers[0].replication, pair.leadership(0).epoch(0)
     assert repl is not None and epoch is not None
     endpoint, queue = pair.brokers[1].endpoint, model.QueueId.lmq(PARENT, lite)
@@ -744,18 +757,26 @@ async def test_a_copy_gets_the_same_answer_over_the_stream_as_over_a_unary_call(
         m = dispatch_testing.lite_message(lite, b"body", parent=PARENT, message_id=message_id)
         return wire.encode(slot, epoch, [m], [model.AppendResult(message_id, m.queues, (offset, offset), 0)])
 
-    assert await both_ways(repl, endpoint, copy(f"{lite}-0", 0)) == [{}, {}]  # stored there: passed over
-    new = copy("new", 1)
-    assert await repl.send(endpoint, new) == {} and pair.stored(1, lite) == 2
-    assert await repl.send_unary(endpoint, new) == {} and pair.stored(1, lite) == 2
-    assert await both_ways(repl, endpoint, copy("later", 5)) == [{queue.topic: 2}] * 2  # behind: its ends
-    foreign = await both_ways(repl, endpoint, copy("x", 2, slot=7))
-    assert foreign[0] == foreign[1] and "FAILED_PRECONDITION this broker is no replica of slot 7" in str(foreign[0])
+    assert await both_ways(repl, endpoint, copy(f"{lite}-0", 0)) == [{}, {}, {}]  # stored there: passed over
+    ways: list[Callable[[str, bytes], Awaitable[dict[str, int]]]] = [
+        functools.partial(over_the_socket, repl),
+        repl.send_stream,
+        repl.send_unary,
+    ]
+    for n, send in enumerate(ways):
+        assert await send(endpoint, copy(f"new-{n}", 1 + n)) == {} and pair.stored(1, lite) == 2 + n
+        assert await send(endpoint, copy(f"new-{n}", 1 + n)) == {} and pair.stored(1, lite) == 2 + n  # again
+    assert await both_ways(repl, endpoint, copy("later", 9)) == [{queue.topic: 4}] * 3  # behind: its ends
+    foreign = await both_ways(repl, endpoint, copy("x", 4, slot=7))
+    assert len(set(foreign)) == 1 and "FAILED_PRECONDITION this broker is no replica of slot 7" in str(foreign[0])
     assert (
         await both_ways(repl, endpoint, copy("other", 0))
-        == [f"FAILED_PRECONDITION slot 0: {queue.topic} holds another message at 0"] * 2
+        == [f"FAILED_PRECONDITION slot 0: {queue.topic} holds another message at 0"] * 3
     )
-    assert pair.stored(1, lite) == 2
+    pair.leadership(1).epochs[0] = epoch + 1  # the follower saw a newer holder: this owner is deposed
+    stale = await both_ways(repl, endpoint, copy("stale", 4))
+    assert stale == [f"FAILED_PRECONDITION slot 0 is at epoch {epoch + 1}: a copy of epoch {epoch} is refused"] * 3
+    assert pair.stored(1, lite) == 4
 
 
 @pytest.mark.asyncio
@@ -791,7 +812,7 @@ async def test_a_follower_of_an_older_version_gets_json_copies(pair: Pair, monke
     owner's copies reach it in JSON and sends are acknowledged, none refused on the way."""
     owner, older = pair.brokers[0].replication, pair.brokers[1].replication
     assert owner is not None and older is not None and older.follower is not None
-    older.methods -= {replication.STREAM_BINARY}
+    older.methods -= {replication.STREAM_BINARY, replication.COPY_SOCKET}
     accept, layouts = older.follower.accept, []
 
     async def json_only(data: bytes) -> dict[str, int]:
@@ -801,8 +822,11 @@ async def test_a_follower_of_an_older_version_gets_json_copies(pair: Pair, monke
         return await accept(data)
 
     monkeypatch.setattr(older.follower, "accept", json_only)
+    assert owner.sockets is not None
     for link in owner.copy_links.values():  # a binary stream a probe opened before: the next copy opens another
         await link.close()
+    for socket_link in owner.sockets.links.values():  # and its copy socket: asked again, it has none
+        await socket_link.close()
     lite, endpoint = pair.lite_of(0), pair.brokers[1].endpoint
     for n in range(3):
         reply = await pair.send(0, lite, n, retry_fenced=False)
@@ -810,6 +834,79 @@ async def test_a_follower_of_an_older_version_gets_json_copies(pair: Pair, monke
     assert pair.stored(1, lite) == 3 and set(layouts) == {"json"}
     assert owner.copy_links[endpoint].unimplemented and owner.json_links[endpoint].is_open
     assert refused(pair.brokers[0], "insync") == 0
+
+
+def copies_refused(broker: app.Broker, reason: str) -> float:
+    value = broker.metrics.registry.get_sample_value("lmq_replication_copies_refused_total", {"reason": reason})
+    return value or 0.0
+
+
+async def hello_and_copy(port: int, hello: bytes, copy: bytes) -> bytes:
+    """What a copy socket sends back first to a connection that says ``hello`` and then sends ``copy`` (b"":
+    closed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(local_hop.frame(0, hello) + local_hop.frame(1, copy))
+        await writer.drain()
+        async with asyncio.timeout(TIMEOUT_S):
+            return await reader.read(65536)
+    finally:
+        writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_copy_socket_connection_without_a_valid_hello_is_closed_unread_and_counted(pair: Pair) -> None:
+    """The copy socket admits peers only, as the copy calls do: a hello that is no peer header of the cluster's
+    secret (forged, of another method, none, too long) closes the connection before its copy is read, counted as
+    ``not_peer``; the owner's own hello is served. Nothing stored from the refused ones."""
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    owner, follower = pair.brokers[0].replication, pair.brokers[1].replication
+    epoch = pair.leadership(0).epoch(0)
+    assert owner is not None and follower is not None and follower.sockets is not None and epoch is not None
+    port = follower.sockets.port
+    assert port is not None
+    m = dispatch_testing.lite_message(lite, b"x", parent=PARENT, message_id="intruder")
+    copy = wire.encode(0, epoch, [m], [model.AppendResult("intruder", m.queues, (1, 1), 0)])
+    before = copies_refused(pair.brokers[1], "not_peer")
+    now_ms = int(time.time() * 1000)
+    for hello in (
+        b"",
+        trust.header(b"another secret", sockets.HELLO, 0, now_ms)[1].encode(),
+        trust.header(owner._secret, replication.METHOD, 0, now_ms)[1].encode(),  # a call's header, not a hello
+        b"x" * (local_hop.HELLO_MAX_BYTES + 1),  # more than a hello: not buffered
+    ):
+        assert await hello_and_copy(port, hello, copy) == b""
+    assert copies_refused(pair.brokers[1], "not_peer") == before + 4
+    assert pair.stored(1, lite) == 1
+    answer = await hello_and_copy(port, owner._hello().encode(), copy)  # the owner's hello: served
+    assert answer == local_hop.frame(1, bytes((streams.STORED,))) and pair.stored(1, lite) == 2
+
+
+@pytest.mark.asyncio
+async def test_copies_take_the_socket_and_the_stream_while_it_is_closed(pair: Pair) -> None:
+    """Sends acknowledged whichever way their copies go: over the socket once open, over the gRPC stream while it
+    is not (the follower restarting: its socket closed, opened again in the background)."""
+    owner = pair.brokers[0].replication
+    assert owner is not None and owner.sockets is not None
+    lite, endpoint = pair.lite_of(0), pair.brokers[1].endpoint
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    link = owner.sockets.link(endpoint, replication.CALL_TIMEOUT_S)
+    await eventually_async(link.ready, "the copy socket open")
+    for n in range(1, 4):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    assert pair.stored(1, lite) == 4 and link.is_open
+    config = pair.brokers[1].config
+    await pair.brokers[1].stop(grace_s=0.1)
+    await eventually_async(lambda: not link.is_open, "the owner saw its socket close")
+    pair.brokers[1] = await start_broker(config)
+    await eventually_async(lambda: pair.leadership(1).epoch(1) is not None, "broker 1 back")
+    for n in range(4, 8):
+        reply = await pair.send(0, lite, n)
+        assert reply.status.code == pb.OK, reply.status.message
+    assert pair.stored(1, lite) == 8
+    await eventually_async(link.ready, "the copy socket open again")
+    assert (await pair.send(0, lite, 8)).status.code == pb.OK and pair.stored(1, lite) == 9
 
 
 @pytest.mark.asyncio

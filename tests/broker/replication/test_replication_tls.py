@@ -83,6 +83,7 @@ async def outsiders(cert: testing.Certificate, endpoint: str) -> list[grpc.Statu
         (replication_setup.METHOD, (forged,)),
         (replication_setup.ENDS, client_headers(signed=True)),
         (replication_setup.FETCH, client_headers(signed=True)),
+        (replication_setup.COPY_SOCKET, client_headers(signed=True)),
     ]
     codes: list[grpc.StatusCode] = []
     async with channel(cert, endpoint) as ch:
@@ -102,6 +103,17 @@ async def outsiders(cert: testing.Certificate, endpoint: str) -> list[grpc.Statu
         else:
             codes.append(grpc.StatusCode.OK)
     return codes
+
+
+async def copy_socket_of(cert: testing.Certificate, endpoint: str) -> bytes:
+    """The answer of ``CopySocket`` to a peer (the cluster secret is derived from the admin secret key)."""
+    secret = trust.secret_of("", "sk")
+    header = trust.header(secret, replication_setup.COPY_SOCKET, 0, int(time.time() * 1000))
+    async with channel(cert, endpoint) as ch:
+        answer: bytes = await ch.unary_unary(replication_setup.COPY_SOCKET, None, None)(
+            b"", metadata=(header,), timeout=10
+        )
+    return answer
 
 
 def test_copies_flow_over_tls_with_client_auth_and_a_call_from_outside_is_refused_and_counted(
@@ -124,8 +136,10 @@ def test_copies_flow_over_tls_with_client_auth_and_a_call_from_outside_is_refuse
         before = metric(brokers[1], REFUSED, reason="not_peer")
         got = asyncio.run(outsiders(cert, members[1]))
         print(f"\nreplica calls from outside: {[c.name for c in got]}")
-        assert got == [grpc.StatusCode.PERMISSION_DENIED] * 6
-        assert metric(brokers[1], REFUSED, reason="not_peer") == before + 6
+        assert got == [grpc.StatusCode.PERMISSION_DENIED] * 7
+        assert metric(brokers[1], REFUSED, reason="not_peer") == before + 7
+        # With TLS no copy socket is opened (it carries no TLS): a peer asking for it is told there is none
+        assert asyncio.run(copy_socket_of(cert, members[1])) == b""
         assert before == 0  # the owner's own copies all verified
     finally:
         for b in brokers:
