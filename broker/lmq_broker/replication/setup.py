@@ -193,23 +193,7 @@ class Replication:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
             return found[0].message_id if found and found[0].offset == offset else None
 
-        self._cuts = Counter(
-            "lmq_replication_truncated",
-            "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
-            registry=registry,
-        )
-        copied = Counter(
-            "lmq_replication_copied",
-            "Messages this broker stored from its slots' owners' copies (live, catch-up and fetched)",
-            registry=registry,
-        )
-
-        stores = Counter(
-            "lmq_replication_copy_appends",
-            "Store appends of copied messages on this broker (each one write and, in sync mode, one fsync); "
-            "lmq_replication_copied_total over this is the messages per copy",
-            registry=registry,
-        )
+        self._cuts, copied, stores = _follower_counters(registry)
 
         async def append_copy(messages: Sequence[model.NewMessage]) -> list[model.AppendResult]:
             results = await dispatcher.ingest.append_copy(messages)
@@ -694,3 +678,25 @@ class _Local:
             self._dispatcher.recent.forget(queue)
             self._dispatcher.settlement.forget_topic(topic)
         return cut
+
+
+def _follower_counters(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    """A follower's counters: offsets cut at a rejoin, messages copied, store appends of copies."""
+    return (
+        Counter(
+            "lmq_replication_truncated",
+            "Offsets a rejoining replica cut from its lite topics (stored, never acknowledged)",
+            registry=registry,
+        ),
+        Counter(
+            "lmq_replication_copied",
+            "Messages this broker stored from its slots' owners' copies (live, catch-up and fetched)",
+            registry=registry,
+        ),
+        Counter(
+            "lmq_replication_copy_appends",
+            "Store appends of copied messages on this broker (each one write and, in sync mode, one fsync); "
+            "lmq_replication_copied_total over this is the messages per copy",
+            registry=registry,
+        ),
+    )
