@@ -22,7 +22,7 @@ DATA   ?= ./data
 PORT   ?= 8081
 METRICS_PORT ?= 9100
 
-.PHONY: native native-if-cargo test-pythons run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
+.PHONY: native native-if-cargo test-pythons test-grpcio-edge run test check test-fast torture lint types imports proto proto-check crds crds-check lock lock-check testenv \
 	clients mqtt-clients bench hooks clean
 
 $(PYMARK):
@@ -55,10 +55,12 @@ $(NATIVE_STAMP): $(PYMARK) requirements/dev.txt $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q --force-reinstall --no-deps $(VENV)/.native-wheels/lmq_edge-*.whl
 	touch $(NATIVE_STAMP)
 
-# `make run` serves with grpcio's edge by default, so a machine without Rust still runs the broker (said, not failed).
+# `make run` serves on the native edge, the default; a machine without Rust still runs the broker: `serve` falls
+# back to grpcio's edge and logs why (said here too, not failed).
 native-if-cargo: $(PYMARK)
 	@if command -v cargo >/dev/null; then $(MAKE) --no-print-directory native; \
-	else echo "cargo not found: the native edge (--edge native) is not built; install Rust and run make native"; fi
+	else echo "cargo not found: the native edge (the default) is not built, so serve falls back to grpcio's edge;" \
+		"install Rust and run make native"; fi
 
 run: $(BROKER_STAMP) native-if-cargo
 	$(BIN)/python -m lmq_broker serve --data-dir $(DATA) --port $(PORT) --metrics-port $(METRICS_PORT)
@@ -79,8 +81,21 @@ test: $(STAMP) lock-check native
 	@$(TIMED) "MQTT clients" $(MAKE) --no-print-directory mqtt-clients
 	@$(TIMED) "tests: all but e2e" $(BIN)/python -m pytest $(XDIST) tests --ignore=tests/e2e
 	@$(TIMED) "tests: e2e" $(BIN)/python -m pytest tests/e2e
+	@$(TIMED) "tests: clients on grpcio's edge" $(MAKE) --no-print-directory test-grpcio-edge
 	@$(TIMED) "tests: other Pythons" $(MAKE) --no-print-directory test-pythons
 	@$(TIMED) --summary
+
+# grpcio's edge (`serve --edge grpcio`: selectable, and what `serve` falls back to where lmq_edge is not built) under
+# the official clients, since every other phase runs on the native edge, the default: the Python client's and the
+# MQTT suites of tests/e2e and tests/clients (Java, Go, Node and Python drivers; not its fault loop), each broker
+# they start on grpcio's edge (LMQ_EDGE). About 5 min. The cases parametrized on both edges (TLS and renewal, the
+# caps, LitePush, the access port of --processes, compressed requests, metrics) run in the phases above.
+GRPCIO_EDGE_E2E := $(addprefix tests/e2e/,test_quickstart.py test_normal_and_a2a.py test_lite_patterns.py \
+	test_lite_ttl.py test_tag_filters.py test_wire_compat.py test_acl.py test_security.py test_mqtt.py test_mqtt_topics.py)
+GRPCIO_EDGE_CLIENTS := tests/clients --ignore=tests/clients/test_cluster_faults_java.py
+test-grpcio-edge: $(STAMP)
+	LMQ_EDGE=grpcio $(BIN)/python -m pytest $(GRPCIO_EDGE_E2E)
+	LMQ_EDGE=grpcio $(BIN)/python -m pytest $(XDIST) $(GRPCIO_EDGE_CLIENTS)
 
 # The suites but e2e on pytest-xdist workers: most tests wait on brokers, clients and JVMs, so 3 workers pay on
 # 2 cores. Each worker takes a whole module (and a slow test alone), the longest first: tests/conftest.py.
@@ -90,12 +105,12 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup -
 
 # The broker extra on every other supported Python this machine has: its own venv (.venv-3.X, pinned by
 # requirements/broker.txt and dev.txt), the storage suite and the broker suite's unit tier, and a real broker
-# process served and stopped (tests/broker/cli/test_cli.py).
+# process served and stopped (tests/broker/cli/test_cli.py), on the native edge (its abi3 wheel, `make native`).
 PY_SUITES := tests/storage tests/broker/cli/test_cli.py
 # Broker tests that need the operator's test apiserver (lmq_operator.testing, the operator extra): not importable
 # in the broker-only venvs, and kube tests, not unit ones, anyway; found by what they import, so a new one is too
 PY_NOT_BROKER_ONLY := $(patsubst %,--ignore=%,$(shell grep -l "kube_testing\|lmq_operator\|import yaml" tests/broker/*/*.py))
-test-pythons:
+test-pythons: native
 	@for v in $(OTHER_PYTHONS); do \
 	  py=; for c in $$(ls -d $$HOME/.pyenv/versions/$$v*/bin/python$$v 2>/dev/null | tail -1) $$(command -v python$$v); do \
 	    if $$c -c 'import sys' 2>/dev/null; then py=$$c; break; fi; \
@@ -110,6 +125,7 @@ test-pythons:
 	    $$venv/bin/python -m pip install -q pytest pytest-asyncio pytest-timeout pytest-xdist hypothesis psutil \
 	      -c requirements/dev.txt && touch $$venv/.lmq-installed || exit 1; \
 	  fi; \
+	  $$venv/bin/python -m pip install -q --force-reinstall --no-deps $(VENV)/.native-wheels/lmq_edge-*.whl || exit 1; \
 	  echo "test-pythons: Python $$v"; \
 	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PY_SUITES) || exit 1; \
 	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) -m "unit and not slow" tests/broker $(PY_NOT_BROKER_ONLY) || exit 1; \

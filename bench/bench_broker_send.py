@@ -3,7 +3,8 @@ server's CPU per message for sends and for receive + ack (goal: the broker's <= 
 
 Both servers run as their own processes on this machine, in the same run: the echo server answers
 QueryRoute, Telemetry and Heartbeat with the minimum the client needs and SendMessage with an immediate
-OK (no validation, no storage); the broker runs with its defaults (sync flush, group commit). The same
+OK (no validation, no storage); the broker runs with its defaults (sync flush, group commit, the native edge;
+``--edge grpcio`` for grpcio's). The same
 rocketmq-python-client 5.1.2 Producer, with the same ``--threads`` sending LITE messages of ``--body``
 bytes over ``--topics`` lite topics, is timed against each. Prints ``FIGURE`` lines, and each server's CPU
 per message: client and servers share this machine's cores, so server CPU is client throughput lost.
@@ -281,7 +282,7 @@ def main() -> None:
         "--flush-modes", default="sync,async", help="broker flush modes to measure (sync is the default config)"
     )
     parser.add_argument(
-        "--edge", default="grpcio", choices=("grpcio", "native"), help="the brokers' edge (serve --edge)"
+        "--edge", default="native", choices=("grpcio", "native"), help="the brokers' edge (serve --edge)"
     )
     args = parser.parse_args()
     if args.echo_server:

@@ -19,7 +19,7 @@ checkout, such as the code before a change. Prints ``FIGURE`` lines.
 
     python bench/bench_parked_polls.py            # ~1-2 min
     python bench/bench_parked_polls.py --quick    # smoke run (fewer polls and streams)
-    python bench/bench_parked_polls.py --edge native   # the native edge (polls still parked in Python)
+    python bench/bench_parked_polls.py --edge grpcio   # grpcio's edge (default: native; polls parked in Python)
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ async def run(broker: BrokerProcess, quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--edge", default="grpcio", help="serve --edge: grpcio or native (docs/design/native-edge.md)")
+    parser.add_argument("--edge", default="native", help="serve --edge: grpcio or native (docs/design/native-edge.md)")
     args = parser.parse_args()
     print(f"edge: {args.edge}", flush=True)
     flags = ["--heap-trim-interval-ms", "1000", "--long-polling-timeout-ms", str(POLL_S * 1000), "--edge", args.edge]

@@ -11,7 +11,7 @@ part of the price) over the timed sends, per message. The settings (``--configs`
     python bench/bench_replication.py            # 3 rounds of 3,000 sends each
     python bench/bench_replication.py --quick    # 1 round of 500
     python bench/bench_replication.py --configs 1,2,2/1   # R=1, R=2 (all in sync), R=2 asynchronous
-    python bench/bench_replication.py --configs 1,2 --edge native   # every broker on the native edge
+    python bench/bench_replication.py --configs 1,2 --edge grpcio   # every broker on grpcio's edge (default: native)
     python bench/bench_replication.py --configs 1,2,2+grpc   # R=2 with copies on the copy socket, then gRPC only
 
 ``--case catch-up``: the catch-up rate of a rejoining follower. R=2 with ``--min-insync-replicas 1`` (the owner
@@ -56,7 +56,7 @@ def cpu_s(broker: BrokerProcess) -> float:
 
 
 def start_pair(
-    workdir: Path, kube: kube_testing.KubeAPI, setting: str, tag: str, edge: str = "grpcio"
+    workdir: Path, kube: kube_testing.KubeAPI, setting: str, tag: str, edge: str = "native"
 ) -> tuple[list[BrokerProcess], list[str]]:
     setting, _, transport = setting.partition("+")
     replicas, _, min_insync = setting.partition("/")
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--configs", default="1,2,2/1,3", help="R or R/M (--min-insync-replicas), comma-separated")
     parser.add_argument("--case", choices=("price", "catch-up"), default="price")
     parser.add_argument("--messages", type=int, default=50_000)
-    parser.add_argument("--edge", choices=("grpcio", "native"), default="grpcio", help="every broker's --edge")
+    parser.add_argument("--edge", choices=("grpcio", "native"), default="native", help="every broker's --edge")
     args = parser.parse_args()
     if args.case == "catch-up":
         with tempfile.TemporaryDirectory() as tmp, kube_testing.testenv(Path(tmp) / "testenv") as kube:

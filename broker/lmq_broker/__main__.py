@@ -180,8 +180,9 @@ HELP: Final[dict[str, str]] = {
     "segment_max_bytes": "commit-log segment size, bytes (below 4 GiB); retention drops whole closed segments",
     "max_record_bytes": "largest stored record (a message with its properties), bytes",
     "index_cache_bytes": "RocksDB block cache of the index, bytes",
-    "edge": "server of the client port: grpcio (grpcio's asyncio server) or native (lmq_edge, HTTP/2 in Rust, "
-    "built by `make native`, docs/design/native-edge.md)",
+    "edge": "server of the client port: native (lmq_edge, HTTP/2 in Rust, built by `make native`, "
+    "docs/design/native-edge.md) or grpcio (grpcio's asyncio server); not given and lmq_edge not built: grpcio, "
+    "logged",
     "max_unread_requests": "native edge: a call's request messages read ahead of its handler; past it the call's "
     "stream waits (HTTP/2 flow control stops the client)",
 }
@@ -414,6 +415,19 @@ async def serve(config: BrokerConfig) -> None:
     await broker.stop()
 
 
+def edge_of(config: BrokerConfig) -> BrokerConfig:
+    """``config`` with the edge that will serve it: the native edge asked for (``--edge native``, ``LMQ_EDGE``)
+    and not servable refuses the start; left at its default, the broker falls back to grpcio's edge and logs
+    why, so that ``make run`` works on a machine without Rust (docs/design/native-edge.md)."""
+    if config.edge is not EdgeKind.NATIVE or (problem := native_edge.unavailable(config)) is None:
+        return config
+    if "edge" in config.model_fields_set:
+        raise SystemExit(problem)
+    why = native_edge.FALLBACK if problem == native_edge.MISSING else f"{problem}: served by grpcio's edge instead"
+    logging.getLogger("lmq_broker").warning(why)
+    return config.model_copy(update={"edge": EdgeKind.GRPCIO})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "repair-meta":
@@ -442,8 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--admin-port does not work with --processes yet: its processes would need one each")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
-    if config.edge is EdgeKind.NATIVE and (problem := native_edge.unavailable(config)) is not None:
-        raise SystemExit(problem)
+    config = edge_of(config)
     try:
         if config.processes == 1:  # with --processes, peers are pods but the ring history counts slots: each
             setup.membership_of(config)  # process checks the ring of slots it is given

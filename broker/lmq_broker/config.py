@@ -16,8 +16,8 @@ ENV_PREFIX: Final = "LMQ_"
 
 
 class EdgeKind(enum.StrEnum):
-    GRPCIO = "grpcio"  # grpcio's asyncio server (the default)
-    NATIVE = "native"  # the native HTTP/2 edge, lmq_edge (docs/design/native-edge.md; built by `make native`)
+    GRPCIO = "grpcio"  # grpcio's asyncio server (`serve` falls back to it when lmq_edge is not built)
+    NATIVE = "native"  # the native HTTP/2 edge, lmq_edge (the default; docs/design/native-edge.md, `make native`)
 
 
 class LocalHop(enum.StrEnum):
@@ -146,8 +146,9 @@ class BrokerConfig(BaseModel):
     auth_max_skew_ms: int = Field(default=15 * 60 * 1000, ge=0)  # signed x-mq-date-time vs UTC; 0: unchecked
     # How often freed C-heap memory is handed back to the OS (glibc malloc_trim, lmq_broker.heap); 0: never
     heap_trim_interval_ms: int = Field(default=60_000, ge=0)
-    # Which server carries the client port (--port): grpcio's, or the native edge (docs/design/native-edge.md)
-    edge: EdgeKind = EdgeKind.GRPCIO
+    # Which server carries the client port (--port): the native edge (docs/design/native-edge.md), or grpcio's.
+    # Left at its default, `serve` without the module lmq_edge falls back to grpcio's and logs why (__main__).
+    edge: EdgeKind = EdgeKind.NATIVE
     # Native edge: a call's request messages read ahead of its handler; past it the call's stream is not read
     # (HTTP/2 flow control stops the client). grpcio's edge reads one as the handler asks (its own bound).
     max_unread_requests: int = Field(default=8, ge=1)

@@ -117,7 +117,7 @@ def test_make_run_installs_the_broker_and_make_test_everything(repo_root: Path) 
         assert match, target
         return match.group(0)
 
-    # the broker's pins, and the native edge where cargo is (serve --edge native; grpcio's edge is the default)
+    # the broker's pins, and the native edge (the default) where cargo is; without it serve falls back to grpcio's
     assert rule("run").split("\n")[0].split(":", 1)[1].split() == ["$(BROKER_STAMP)", "native-if-cargo"]
     assert "-e '.[broker]' -c requirements/broker.txt" in rule("$(BROKER_STAMP)")
     assert "requirements/broker.txt" in rule("$(BROKER_STAMP)").split("\n")[0]  # a new pin reinstalls

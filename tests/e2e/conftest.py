@@ -28,8 +28,9 @@ _names = itertools.count()
 @pytest.fixture(scope="module")
 def edge() -> str:
     """The server of the broker's client port (``serve --edge``); empty: the broker's own choice (``LMQ_EDGE``
-    in the environment, else grpcio), so ``LMQ_EDGE=native pytest tests/e2e`` runs every suite on the native
-    edge. A module overrides this fixture with parameters to run its cases on each edge (test_lite_push.py)."""
+    in the environment, else the native edge), so ``LMQ_EDGE=grpcio pytest tests/e2e`` runs every suite on
+    grpcio's edge (``make test-grpcio-edge``). A module overrides this fixture with parameters to run its cases
+    on each edge (test_lite_push.py)."""
     return ""
 
 

@@ -19,6 +19,8 @@ of ``--processes`` (a second listener of the same server, SO_REUSEPORT) are serv
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import importlib
 import logging
 import time
@@ -46,6 +48,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MISSING: Final = "--edge native: the native edge (module lmq_edge) is not built in this environment: run `make native`"
+# --edge left at its default (native) without the module: `serve` goes on with grpcio's edge (__main__.edge_of)
+FALLBACK: Final = (
+    "the native edge, the default, is not built in this environment (module lmq_edge; `make native`): "
+    "the client port is served by grpcio's edge (--edge grpcio)"
+)
 THREADS: Final = 1  # tokio worker threads: the event loop has the other core of a 2-core pod
 OK: Final = 0
 CANCELLED: Final = 1
@@ -59,6 +66,7 @@ HALF_CLOSE: Final = 2
 CANCEL: Final = 3
 DRAINED: Final = 4
 LOG: Final = 5  # a line for the log from the native side (TLS certificate reloads)
+FIRST_REQUEST_WAIT_S: Final = 0.5  # a request stream refused at once: its status waits this long for a first message
 PENDING_HIGH: Final = 64 * 1024  # reply bytes not yet taken by HTTP/2 past which a writer checks must_wait (lib.rs)
 
 
@@ -86,18 +94,28 @@ class _Inbox:
     """A call's request messages (None: the client sent its last). Each one taken is told to the native side
     (``Call.took``), which reads at most ``max_unread_requests`` ahead of the handler."""
 
-    __slots__ = ("call", "items", "waiter")
+    __slots__ = ("call", "items", "seen", "waiter")
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self.items: deque[bytes | None] = deque()
+        self.seen = False  # a request message or the end of the requests has arrived
         self.waiter: asyncio.Future[None] | None = None
 
     def put(self, item: bytes | None) -> None:
         self.items.append(item)
+        self.seen = True
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    async def first(self, timeout_s: float) -> None:
+        """Waits at most ``timeout_s`` for the client's first request message (or the end of its requests)."""
+        if self.seen:
+            return
+        self.waiter = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.waiter, timeout_s)
 
     async def get(self) -> bytes | None:
         while not self.items:
@@ -112,7 +130,19 @@ class _Inbox:
 class Context:
     """The servicer context the handlers use (the subset of ``grpc.aio.ServicerContext`` lmq calls)."""
 
-    __slots__ = ("_cancelled", "_deadline", "_metadata", "_peer", "call", "code", "details", "drained", "inbox", "task")
+    __slots__ = (
+        "_cancelled",
+        "_deadline",
+        "_metadata",
+        "_peer",
+        "call",
+        "code",
+        "details",
+        "drained",
+        "inbox",
+        "task",
+        "trailing",
+    )
 
     def __init__(self, call: Any, metadata: Sequence[tuple[str, str | bytes]], peer: str, timeout: float | None):
         self.call = call
@@ -121,6 +151,7 @@ class Context:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self.code: grpc.StatusCode | None = None
         self.details = ""
+        self.trailing: list[tuple[str, str]] = []  # sent with the status (the admin service's ``lmq-error``)
         self.inbox = _Inbox(call)
         self.task: asyncio.Task[None] | None = None
         self._cancelled = False
@@ -156,8 +187,15 @@ class Context:
     def set_details(self, details: str) -> None:
         self.details = details
 
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: object = ()) -> NoReturn:
+    def set_trailing_metadata(self, trailing_metadata: Iterable[tuple[str, str | bytes]]) -> None:
+        self.trailing = _trailers(trailing_metadata)
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[tuple[str, str | bytes]] = ()
+    ) -> NoReturn:
         self.code, self.details = code, details
+        if trailing_metadata:
+            self.set_trailing_metadata(trailing_metadata)
         raise grpc.aio.AbortError(f"aborted: {code}")
 
     def cancelled(self) -> bool:
@@ -273,17 +311,24 @@ class NativeServer:
 
     async def _run(self, method: str, context: Context) -> None:
         call = context.call
+        handler = None
         try:
             handler = await self._handler(method, context)
-            if handler is None:
+            if handler is None:  # the status waits for the request, as for a refused stream (below)
+                await context.inbox.first(FIRST_REQUEST_WAIT_S)
                 call.finish(UNIMPLEMENTED, "Method not found!")
                 return
             await _serve(handler, context)
             code = context.code
-            call.finish(OK if code is None else code.value[0], context.details)
+            call.finish(OK if code is None else code.value[0], context.details, context.trailing)
         except grpc.aio.AbortError:
             code = context.code
-            call.finish(UNKNOWN if code is None else code.value[0], context.details)
+            if handler is not None and handler.request_streaming:
+                # A stream refused before its client sent anything (Telemetry past the caps, a replica stream
+                # refused, an unknown method): the status waits for its first message, since grpcio's client, when
+                # the status comes before its first write is done, reports the failed write (INTERNAL) instead.
+                await context.inbox.first(FIRST_REQUEST_WAIT_S)
+            call.finish(UNKNOWN if code is None else code.value[0], context.details, context.trailing)
         except asyncio.CancelledError:
             call.finish(CANCELLED, "Cancelled")
             if not context.cancelled():
@@ -293,6 +338,11 @@ class NativeServer:
             call.finish(UNKNOWN, f"Unexpected {type(exc).__name__}: {exc}")
         finally:
             self._calls.pop(call.id, None)
+
+
+def _trailers(metadata: Iterable[tuple[str, str | bytes]]) -> list[tuple[str, str]]:
+    """Trailing metadata as HTTP/2 trailers: a binary value (a ``-bin`` key) base64-encoded, as grpcio sends it."""
+    return [(k, base64.b64encode(v).decode() if isinstance(v, bytes) else v) for k, v in metadata]
 
 
 async def _serve(handler: Any, context: Context) -> None:

@@ -36,7 +36,7 @@ COUNTERS: Final = {
 REFUSED: Final = {"refused_too_large": "message_too_large", "refused_compressed": "compressed"}
 REFUSED_HELP: Final = (
     "Calls refused natively before the broker saw them, by reason: message_too_large (RESOURCE_EXHAUSTED, a "
-    "request message over the size limit), compressed (UNIMPLEMENTED)"
+    "request message over the size limit, inflated or not), compressed (UNIMPLEMENTED: an encoding not served)"
 )
 
 

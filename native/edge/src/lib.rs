@@ -46,12 +46,18 @@ const LOG: u8 = 5;
 // A TLS handshake not done by then is dropped (a client that opens the socket and says nothing holds nothing).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 const LISTEN_BACKLOG: u32 = 1024;
+// How long a call that has its status keeps reading what its client still sends before its stream is reset.
+const DRAIN_AFTER_STATUS: Duration = Duration::from_secs(1);
 // Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
 // past HIGH the Python writer waits (``Call.must_wait``) until they fall to LOW, so a client that does not read
 // holds a bounded amount here, and the handlers' own caps (Telemetry's reply buffers) see it as unread.
 const PENDING_HIGH: usize = 64 * 1024;
 const PENDING_LOW: usize = 16 * 1024;
 
+// The request encodings served (grpcio's server takes the same); replies are never compressed, as on grpcio's.
+const ACCEPT_ENCODING: &str = "identity,deflate,gzip";
+
+const INTERNAL: u32 = 13;
 const UNIMPLEMENTED: u32 = 12;
 const RESOURCE_EXHAUSTED: u32 = 8;
 const DEADLINE_EXCEEDED: u32 = 4;
@@ -288,8 +294,48 @@ impl Body for ReplyBody {
     }
 }
 
+/// A request's `grpc-encoding`: what its messages flagged compressed are compressed with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Identity,
+    Gzip,
+    Deflate,
+    Other,
+}
+
+fn encoding_of(headers: &HeaderMap) -> Encoding {
+    match headers.get("grpc-encoding").map(|v| v.as_bytes()) {
+        None | Some(b"identity") => Encoding::Identity,
+        Some(b"gzip") => Encoding::Gzip,
+        Some(b"deflate") => Encoding::Deflate,
+        Some(_) => Encoding::Other,
+    }
+}
+
+/// A compressed request message, inflated up to the size limit (grpcio's server applies its limit to the
+/// inflated message too): Err with the call's status when it is larger, or does not inflate.
+fn inflate(encoding: Encoding, data: &[u8], max: usize) -> Result<Bytes, (u32, String)> {
+    let mut out = Vec::new();
+    let limit = max as u64 + 1;
+    let read = match encoding {
+        Encoding::Gzip => flate2::read::GzDecoder::new(data).take(limit).read_to_end(&mut out),
+        Encoding::Deflate => flate2::read::ZlibDecoder::new(data).take(limit).read_to_end(&mut out),
+        // a message flagged compressed in a call that named no encoding
+        Encoding::Identity | Encoding::Other => {
+            return Err((INTERNAL, "compressed message without grpc-encoding".into()));
+        }
+    };
+    if let Err(e) = read {
+        return Err((INTERNAL, format!("could not decompress the request message: {e}")));
+    }
+    if out.len() > max {
+        return Err((RESOURCE_EXHAUSTED, format!("received message larger than max (over {max} inflated)")));
+    }
+    Ok(Bytes::from(out))
+}
+
 /// Reads the request's gRPC messages into events; Err when the call ended here (reset, refused message).
-async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Result<(), ()> {
+async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared, encoding: Encoding) -> Result<(), ()> {
     let mut buf = BytesMut::new();
     let stats = &shared.stats;
     while let Some(frame) = body.frame().await {
@@ -301,11 +347,12 @@ async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Re
         stats.add(&stats.bytes_in, data.len() as u64);
         buf.extend_from_slice(&data);
         while buf.len() >= 5 {
-            let compressed = buf[0];
+            let compressed = buf[0] != 0;
             let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-            if compressed != 0 {
+            if compressed && encoding == Encoding::Other {
                 stats.add(&stats.refused_compressed, 1);
-                call.finish(UNIMPLEMENTED, "compressed messages are not supported", &[]);
+                let served = vec![("grpc-accept-encoding".to_owned(), ACCEPT_ENCODING.to_owned())];
+                call.finish(UNIMPLEMENTED, "message compressed with an encoding not served", &served);
                 return Err(());
             }
             if len > shared.max_message {
@@ -319,7 +366,19 @@ async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Re
             }
             call.wait_for_room(stats).await;
             buf.advance(5);
-            let data = buf.split_to(len).freeze();
+            let mut data = buf.split_to(len).freeze();
+            if compressed {
+                data = match inflate(encoding, &data, shared.max_message) {
+                    Ok(inflated) => inflated,
+                    Err((code, why)) => {
+                        if code == RESOURCE_EXHAUSTED {
+                            stats.add(&stats.refused_too_large, 1);
+                        }
+                        call.finish(code, &why, &[]);
+                        return Err(());
+                    }
+                };
+            }
             stats.add(&stats.request_messages, 1);
             shared.queue.push(Event::Message { id: call.id, data });
         }
@@ -329,7 +388,13 @@ async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared) -> Re
 }
 
 /// One call's life on the native side: its request messages, its deadline, and the client going away.
-async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, timeout: Option<Duration>) {
+async fn supervise(
+    body: Incoming,
+    call: Arc<CallShared>,
+    shared: Arc<Shared>,
+    timeout: Option<Duration>,
+    encoding: Encoding,
+) {
     let sleep = async move {
         match timeout {
             Some(t) => tokio::time::sleep(t).await,
@@ -337,7 +402,7 @@ async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, t
         }
     };
     tokio::pin!(sleep);
-    let reading = read_body(body, &call, &shared);
+    let reading = read_body(body, &call, &shared, encoding);
     tokio::pin!(reading);
     let mut read = false;
     loop {
@@ -360,6 +425,11 @@ async fn supervise(body: Incoming, call: Arc<CallShared>, shared: Arc<Shared>, t
                 if !call.done.swap(true, Ordering::AcqRel) {
                     shared.stats.add(&shared.stats.calls_cancelled, 1); // the stream went before its status
                     shared.queue.push(Event::Cancel { id: call.id });
+                } else if !read {
+                    // The status is sent while the client still sends (a stream refused at its start): its messages
+                    // are read to its end for a moment, not reset at once, so that a client still writing gets the
+                    // status rather than a failed write (INTERNAL "Internal error from Core"), as on grpcio's edge.
+                    let _ = tokio::time::timeout(DRAIN_AFTER_STATUS, &mut reading).await;
                 }
                 return;
             }
@@ -390,9 +460,11 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
         peer,
         timeout: timeout.map(|t| t.as_secs_f64()),
     });
-    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout));
+    let encoding = encoding_of(&parts.headers);
+    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout, encoding));
     let mut response = Response::new(ReplyBody { rx, call, shared });
     response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
+    response.headers_mut().insert("grpc-accept-encoding", HeaderValue::from_static(ACCEPT_ENCODING));
     Ok(response)
 }
 

@@ -9,6 +9,7 @@ the edge cannot serve it. TLS is tested on both edges in test_security.py. ``mak
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol import native
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.testing import BrokerProcess, start_broker
 
 EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # the end of a stream (not in the stubs)
@@ -183,6 +185,32 @@ async def test_unknown_methods_and_oversized_requests_are_refused(broker: Broker
     assert metric(broker, "lmq_parked_polls") == 0
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("edge", ["grpcio", "native"])
+async def test_compressed_requests_are_inflated_on_both_edges_up_to_the_size_limit(tmp_path: Path, edge: str) -> None:
+    """A client that compresses its requests (grpc-encoding gzip or deflate) is served alike on both edges: the
+    message stored is the inflated one, and one that inflates past the size limit (64 MiB here) is refused with
+    RESOURCE_EXHAUSTED though its compressed bytes are far below it."""
+    with start_broker(tmp_path / "data", extra_args=["--edge", edge]) as started:
+        channel, stub = connection(started)
+        async with channel:
+            await subscribe(stub, "c", "zipped")
+        bodies = {grpc.Compression.Gzip: b"g" * 300_000, grpc.Compression.Deflate: b"d" * 300_000}
+        for compression, body in bodies.items():
+            async with grpc.aio.insecure_channel(started.endpoint, compression=compression) as zipped:
+                zstub: Stub = service_pb2_grpc.MessagingServiceStub(zipped)
+                request = spb.SendMessageRequest(messages=[lite_message("zipped", body, f"m-{compression.name}")])
+                assert (await zstub.SendMessage(request, metadata=headers("p"), timeout=30)).status.code == pb.OK
+                huge = spb.SendMessageRequest(messages=[lite_message("zipped", bytes(64 * 1024 * 1024 + 1), "big")])
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await zstub.SendMessage(huge, metadata=headers("p"), timeout=30)
+                assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, raised.value
+        channel, stub = connection(started)
+        async with channel:
+            frames = await poll(stub, "c", wait_s=5)
+        assert sorted(f.message.body for f in frames if f.HasField("message")) == sorted(bodies.values())
+
+
 def serve(tmp_path: Path, *flags: str, hide_module: bool = False) -> subprocess.CompletedProcess[str]:
     hide = "sys.modules['lmq_edge'] = None; " if hide_module else ""  # as if never built: ImportError
     code = f"import sys; {hide}from lmq_broker.__main__ import main; sys.exit(main(sys.argv[1:]))"
@@ -195,6 +223,24 @@ def test_without_the_module_the_broker_refuses_to_start_naming_make_native(tmp_p
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [native.MISSING]
     assert not (tmp_path / "data").exists()  # nothing created
+
+
+@pytest.mark.asyncio
+async def test_left_at_its_default_without_the_module_the_broker_serves_on_grpcio_and_says_why(tmp_path: Path) -> None:
+    """The native edge is the default; where it is not built (`make run` without Rust) ``serve`` falls back to
+    grpcio's edge and logs why, instead of refusing as with ``--edge native`` (above). A real process whose
+    ``import lmq_edge`` fails, with neither ``--edge`` nor ``LMQ_EDGE``."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "lmq_edge.py").write_text("raise ImportError('as if never built')\n")
+    path = os.pathsep.join(p for p in (str(hidden), os.environ.get("PYTHONPATH", "")) if p)
+    with start_broker(tmp_path / "data", env={"PYTHONPATH": path}, wrapper=["env", "-u", "LMQ_EDGE"]) as started:
+        channel, stub = connection(started)
+        async with channel:
+            route = await stub.QueryRoute(spb.QueryRouteRequest(topic=pb.Resource(name=PARENT)), metadata=headers("c"))
+            assert route.status.code == pb.OK and route.message_queues
+        said = [line for line in started.log().splitlines() if " WARNING " in line and native.FALLBACK in line]
+        assert len(said) == 1, started.log()[-4000:]
 
 
 def test_a_tls_pair_that_does_not_load_refuses_the_start(tmp_path: Path) -> None:
