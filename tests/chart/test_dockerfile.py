@@ -32,6 +32,9 @@ Render = Callable[..., list[Manifest]]
 
 ENTRYPOINT_MODULES = ("lmq_broker", "lmq_operator", "lmq_reclaim", "lmq_broker.roundtrip")
 TARGETS = ("broker", "operator", "reclaim")  # one image per program, each named after its Dockerfile target
+# Build-only stages: the toolchain image and the native edge's wheel (compiled there, only the wheel leaves).
+RUST_STAGE, NATIVE_STAGE = "rust", "native-edge"
+NATIVE_CRATE = "native/edge"
 # Distributions that must never reach an image that does not run them (lock file names, normalized).
 NOT_IN = {
     "broker": {"pyspark", "py4j", "pyarrow", "pandas", "numpy", "kopf", "kubernetes"},
@@ -107,6 +110,14 @@ class Dockerfile:
             pending += [stage.base] if stage.base in names else []
             pending += [i.flags["from"] for i in stage.all("COPY") if i.flags.get("from") in names]
         return seen
+
+    def lineage(self, name: str) -> list[Stage]:
+        """The stages whose layers a target's image is made of: its own and its FROM bases (not COPY --from)."""
+        names = [s.name for s in self.stages]
+        found = [self.stage(name)]
+        while found[-1].base in names:
+            found.append(self.stage(found[-1].base))
+        return found
 
     def inherited(self, name: str, keyword: str) -> Instruction:
         """The instruction a target's image ends up with: its own, else its FROM base's, and so on."""
@@ -366,18 +377,26 @@ def test_one_target_per_program_on_one_python_base(dockerfile: Dockerfile) -> No
     assert dockerfile.final.name == "broker"  # `docker build .` builds the broker
     base = dockerfile.args["PYTHON_IMAGE"]
     for index, stage in enumerate(dockerfile.stages):
+        if stage.name == RUST_STAGE:  # only its toolchain is copied out, into the native edge's build stage
+            assert stage.base == dockerfile.args["RUST_IMAGE"] and stage.instructions == ()
+            continue
         # A virtualenv built in one stage must find its interpreter at the same path in another.
         assert stage.base == base or stage.base in names[:index], (stage.name, stage.base)
     assert re.fullmatch(r"python:3\.11-slim(-bookworm)?", base), base
     # OpenJDK 17 is packaged in Debian bookworm; an unpinned slim tag may move to a release without it.
     assert base.endswith("-bookworm")
+    # A pinned toolchain on the same Debian release as the base its binaries and the wheel's builder run on.
+    assert re.fullmatch(r"rust:1\.\d+(\.\d+)?-slim-bookworm", dockerfile.args["RUST_IMAGE"])
 
 
 def test_only_the_reclaim_image_carries_a_java_runtime(dockerfile: Dockerfile) -> None:
     for target in TARGETS:
-        installs = [i.value for s in dockerfile.chain(target) for i in s.all("RUN") if "apt-get install" in i.value]
+        installs = [i.value for s in dockerfile.lineage(target) for i in s.all("RUN") if "apt-get install" in i.value]
+        built_with = " ".join(i.value for s in dockerfile.chain(target) for i in s.all("RUN"))
         if target != "reclaim":
+            # The native edge's build stage installs a C compiler, which stays there: no layer of the image.
             assert installs == [], f"{target}: {installs}"
+            assert "openjdk" not in built_with, target
             continue
         (install,) = installs
         assert "openjdk-17-jre-headless" in install.split()
@@ -387,7 +406,7 @@ def test_only_the_reclaim_image_carries_a_java_runtime(dockerfile: Dockerfile) -
 
 def test_each_image_installs_exactly_its_programs_pins(dockerfile: Dockerfile, repo_root: Path) -> None:
     for target in TARGETS:
-        chain = dockerfile.chain(target)
+        chain = [s for s in dockerfile.chain(target) if s.name != NATIVE_STAGE]  # maturin's pin: test_native_edge_*
         copied = {w for s in chain for i in s.all("COPY") for w in i.words()[:-1] if w.startswith("requirements/")}
         assert copied == {f"requirements/{target}.txt"}, (target, copied)
         pip = [i.value for s in chain for i in s.all("RUN") if "pip install" in i.value and "-r " in i.value]
@@ -437,7 +456,7 @@ def test_entrypoints_commands_and_ports(dockerfile: Dockerfile) -> None:
 
 
 def test_copy_sources_exist_and_are_in_the_build_context(
-    dockerfile: Dockerfile, repo_root: Path, dockerignore: DockerIgnore
+    dockerfile: Dockerfile, repo_root: Path, dockerignore: DockerIgnore, context_files: set[str]
 ) -> None:
     stage_names = [s.name for s in dockerfile.stages]
     copies = [(index, i) for index, stage in enumerate(dockerfile.stages) for i in stage.all("COPY")]
@@ -450,7 +469,9 @@ def test_copy_sources_exist_and_are_in_the_build_context(
             continue
         for source in sources:
             assert (repo_root / source).exists(), f"line {copy.line}: {source} is not in the repository"
-            assert not dockerignore.excluded(source), f"line {copy.line}: .dockerignore excludes {source}"
+            # A directory whose files the allow-list names one by one (native/edge) is copied with just those.
+            sent = not dockerignore.excluded(source) or any(f.startswith(f"{source}/") for f in context_files)
+            assert sent, f"line {copy.line}: .dockerignore excludes {source}"
 
 
 def test_build_context_holds_the_sources_and_nothing_else(context_files: set[str], tracked_files: list[str]) -> None:
@@ -458,18 +479,27 @@ def test_build_context_holds_the_sources_and_nothing_else(context_files: set[str
     assert {f for f in sources if f.endswith(".py")}, "no sources found"
     assert sources <= context_files, sorted(sources - context_files)
     top_level = {f.split("/")[0] for f in context_files}
-    assert top_level == {"pyproject.toml", "README.md", "broker", "operator", "reclaim", "requirements"}
+    assert top_level == {"pyproject.toml", "README.md", "broker", "operator", "reclaim", "requirements", "native"}
+    # The crate's manifest, lock, maturin's metadata and sources; never its (large) cargo target directory.
+    crate = {f for f in tracked_files if f.startswith(f"{NATIVE_CRATE}/")}
+    assert {f"{NATIVE_CRATE}/{name}" for name in ("Cargo.toml", "Cargo.lock", "pyproject.toml", "src/lib.rs")} <= crate
+    assert {f for f in context_files if f.startswith("native/")} == crate
+    assert not [f for f in context_files if "/target/" in f]
     assert not [f for f in context_files if "__pycache__" in f or f.endswith(".pyc") or ".egg-info" in f]
+
+
+def copy_context(repo_root: Path, context_files: set[str], context: Path) -> Path:
+    for name in context_files:
+        (context / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo_root / name, context / name)
+    return context
 
 
 def test_the_project_builds_from_exactly_the_build_context(
     dockerfile: Dockerfile, repo_root: Path, context_files: set[str], tmp_path: Path
 ) -> None:
     """What the wheel stage does, on a copy of the context: the wheel every image installs."""
-    context = tmp_path / "context"
-    for name in context_files:
-        (context / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repo_root / name, context / name)
+    context = copy_context(repo_root, context_files, tmp_path / "context")
     (build,) = [i.value for i in dockerfile.stage("wheel").all("RUN")]
     assert "pip wheel --no-deps" in build
     built = subprocess.run(
@@ -498,6 +528,62 @@ def test_the_project_builds_from_exactly_the_build_context(
         if line.startswith("Provides-Extra:")
     }
     assert set(TARGETS) <= extras  # pip install 'lmq[broker]' and the rest
+
+
+def test_native_edge_is_built_and_installed_in_the_broker_image_only(dockerfile: Dockerfile, repo_root: Path) -> None:
+    """The broker's default edge is the native one: without lmq_edge the image's brokers fall back to grpcio."""
+    stage = dockerfile.stage(NATIVE_STAGE)
+    assert stage.base == dockerfile.args["PYTHON_IMAGE"]  # the interpreter (and ABI) of /opt/lmq
+    copied = {(i.flags.get("from"), i.words()[0]) for i in stage.all("COPY")}
+    toolchain = {(RUST_STAGE, "/usr/local/rustup"), (RUST_STAGE, "/usr/local/cargo")}
+    assert toolchain | {(None, NATIVE_CRATE), (None, "requirements/dev.txt")} <= copied, copied
+    runs = [i.value for i in stage.all("RUN")]
+    (pin,) = [
+        line
+        for line in (repo_root / "requirements" / "dev.txt").read_text().splitlines()
+        if line.startswith("maturin==")
+    ]
+    assert [r for r in runs if "pip install" in r] == [
+        "python -m pip install \"$(grep -E '^maturin==' /tmp/dev.txt)\""
+    ], pin
+    (build,) = [r for r in runs if r.startswith("maturin build")]
+    words = build.split()
+    assert {"--release", "--locked"} <= set(words)
+    assert words[words.index("-m") + 1] == f"{NATIVE_CRATE}/Cargo.toml"
+    assert words[words.index("-i") + 1] == "python"
+    wheels = words[words.index("-o") + 1]
+    # The broker's virtualenv installs the wheel and imports the module; the other images never see it.
+    venv = dockerfile.stage("broker-venv")
+    assert any(i.flags.get("from") == NATIVE_STAGE and i.words()[0] == wheels for i in venv.all("COPY"))
+    (install,) = [i.value for i in venv.all("RUN") if "pip install --no-deps /wheels/" in i.value]
+    assert f"{wheels}/lmq_edge-*.whl" in install.split()
+    smoke = re.search(r'python -c "([^"]*)"', install)
+    assert smoke and "lmq_edge" in {m.strip() for m in smoke.group(1).removeprefix("import ").split(",")}, install
+    assert install.index("pip install") < install.index("pip check") < install.index(smoke.group(0))
+    for target in TARGETS:
+        chain = {s.name for s in dockerfile.chain(target)}
+        assert (NATIVE_STAGE in chain and RUST_STAGE in chain) == (target == "broker"), (target, chain)
+
+
+def test_native_edge_wheel_builds_from_exactly_the_build_context(
+    dockerfile: Dockerfile, repo_root: Path, context_files: set[str], tmp_path: Path
+) -> None:
+    """The native stage's maturin build on a copy of the context (cargo's cache kept between runs)."""
+    context = copy_context(repo_root, context_files, tmp_path / "context")
+    (build,) = [i.value for i in dockerfile.stage(NATIVE_STAGE).all("RUN") if i.value.startswith("maturin build")]
+    words = build.split()
+    words[words.index("-i") + 1] = sys.executable
+    words[words.index("-o") + 1] = str(tmp_path / "dist")
+    maturin = shutil.which("maturin", path=str(Path(sys.executable).parent)) or shutil.which("maturin")
+    assert maturin, "maturin is not installed (requirements/dev.txt)"
+    env = {**os.environ, "CARGO_TARGET_DIR": str(Path.home() / ".cache" / "lmq" / "cargo-docker")}
+    built = subprocess.run(
+        [maturin, *words[1:]], cwd=context, env=env, capture_output=True, text=True, check=False, timeout=1200
+    )
+    assert built.returncode == 0, built.stderr[-4000:]
+    (wheel,) = (tmp_path / "dist").glob("lmq_edge-*.whl")
+    assert "-cp311-abi3-" in wheel.name, wheel.name  # the interpreter of /opt/lmq (3.11) and newer
+    assert any(n.startswith("lmq_edge/") and n.endswith(".so") for n in zipfile.ZipFile(wheel).namelist())
 
 
 def test_entrypoint_modules_start(repo_root: Path) -> None:
