@@ -576,7 +576,9 @@ def test_native_edge_wheel_builds_from_exactly_the_build_context(
     words[words.index("-o") + 1] = str(tmp_path / "dist")
     maturin = shutil.which("maturin", path=str(Path(sys.executable).parent)) or shutil.which("maturin")
     assert maturin, "maturin is not installed (requirements/dev.txt)"
-    env = {**os.environ, "CARGO_TARGET_DIR": str(Path.home() / ".cache" / "lmq" / "cargo-docker")}
+    # the cache `make native` fills (the Makefile's CARGO_TARGET_DIR): the same crate, so a fresh machine builds it once
+    cache = os.environ.get("CARGO_TARGET_DIR") or str(Path.home() / ".cache" / "lmq" / "cargo-target")
+    env = {**os.environ, "CARGO_TARGET_DIR": cache}
     built = subprocess.run(
         [maturin, *words[1:]], cwd=context, env=env, capture_output=True, text=True, check=False, timeout=1200
     )
