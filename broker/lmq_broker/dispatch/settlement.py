@@ -284,14 +284,20 @@ class Settlement:
 
     async def _copy_current(self, key: LeaseKey) -> asyncio.Future[None] | None:
         """Copy ``key``'s commit point as the store holds it now (a commit made since the reset is not undone at
-        the followers), in turn with the key's commits; None when nothing is to be copied (no point, or not a
-        slot this broker holds now)."""
+        the followers), in turn with the key's commits; None when nothing is to be copied (no point). Called
+        only for a key copied before (its slot was this broker's then): a slot not held now fails as fenced,
+        never as nothing to copy (the reset would be answered OK while its new holder never had it)."""
         async with self._writing(key):
             point = await self._rt.run(self._stored_point, key.queue_id, key.group)
             committed = self.committed
             if point is None or committed is None:
                 return None
-            return committed(key.queue_id, key.group, *point)
+            copy = committed(key.queue_id, key.group, *point)
+            if copy is None:
+                lost = asyncio.get_running_loop().create_future()
+                lost.set_exception(errors.Fenced(f"{key.topic}: this broker no longer holds its slot's lease"))
+                return lost
+            return copy
 
     def _stored_point(self, queue: model.QueueId, group: str) -> tuple[int, Sequence[int], model.Handouts] | None:
         """Blocking: the commit point, acked and handed out above it; None without a point."""
@@ -332,15 +338,15 @@ class Settlement:
             self._recopying = False
 
     async def _again(self, keys: list[LeaseKey]) -> dict[LeaseKey, BaseException]:
-        """Copy ``keys`` again (``_copy_current``), the first alone first: while it fails the rest are not sent
-        and count as failed with it (a round costs one copy while the set is short, not one per key; callers
-        put another key first each time, so a key of another slot is not held back for good); those that
-        failed, with why."""
+        """Copy ``keys`` again (``_copy_current``), the first alone first: while it fails for too few in-sync
+        replicas the rest are not sent and count as failed with it (a round costs one copy while the set is
+        short, not one per key; callers put another key first each time, so a key of another slot is not held
+        back for good); one fenced (its slot's lease lost) fails alone. Those that failed, with why."""
         first, *rest = keys
         failed = await _failures({first: await self._copy_current(first)})
-        if failed:
+        if failed and isinstance(failed[first], errors.NotEnoughReplicas):
             return dict.fromkeys(keys, failed[first])
-        return await _failures({key: await self._copy_current(key) for key in rest})
+        return failed | await _failures({key: await self._copy_current(key) for key in rest})  # fenced: key by key
 
     @property
     def uncopied(self) -> int:

@@ -313,11 +313,13 @@ class Subscriptions:
         added = await sliced(self._registry.add_steps(client_id, lmqs, quota, now, patterns=patterns))
         if patterns:
             self._sync_patterns(client_id, group, parent)
-        if offset is not None and offset.moves:
-            await self._settlement.reset_offsets(list(lmqs), group, offset)
-        if found.model == model.SubscriptionModel.EXCLUSIVE:
-            await self._evict_others(client_id, group, lmqs)
-        await self._register_pending(client_id, group, list(lmqs) if offset is not None else added)
+        try:
+            if offset is not None and offset.moves:
+                await self._settlement.reset_offsets(list(lmqs), group, offset)  # refused: too few replicas stored it
+        finally:  # the subscription is made either way: what is pending goes to it (a refused reset is tried again)
+            if found.model == model.SubscriptionModel.EXCLUSIVE:
+                await self._evict_others(client_id, group, lmqs)
+            await self._register_pending(client_id, group, list(lmqs) if offset is not None else added)
         return added
 
     async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:

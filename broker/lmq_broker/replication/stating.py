@@ -136,16 +136,23 @@ class States:
                     if reached and not waiter.done():
                         waiter.set_result(True)
                 self._flushes[:0] = [w for w in flushes if not w.done()]  # not yet: the next look (their timeout)
-            wait_s = max(SHIP_INTERVAL_MS / 1000, PACE * (time.monotonic() - began))
-            if self._flushes:
-                wait_s = SHIP_INTERVAL_MS / 1000 / 10 if flushes else 0  # retried soon, or a new one: at once
+            # the next look no sooner than this, ``flushed`` callers waiting or not (a look reads every row):
+            # those who came meanwhile share it
+            floor_s = max(PACE * (time.monotonic() - began), SHIP_INTERVAL_MS / 1000 / 10)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_either(stopping, self._wake), wait_s)
+                await asyncio.wait_for(stopping.wait(), floor_s)
+            if not self._flushes:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_either(stopping, self._wake), SHIP_INTERVAL_MS / 1000 - floor_s)
 
     async def flushed(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Until the rows as they are now (the caller changed them before) reached the in-sync followers of
         every slot this broker holds: a look begun after this call shipped what changed and every call to an
-        in-sync follower under way then succeeded. False after ``timeout_s`` (counted in ``unflushed``)."""
+        in-sync follower under way then succeeded. False after ``timeout_s``, or at once while this broker does
+        not hold its own slot (its MQTT rows are shipped by no one then), counted in ``unflushed``."""
+        if self._leadership.me not in self._leadership.held():  # its MQTT rows go to no follower meanwhile
+            self.unflushed += 1
+            return False
         waiter = asyncio.get_running_loop().create_future()
         self._flushes.append(waiter)
         self._wake.set()

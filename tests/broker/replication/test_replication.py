@@ -637,6 +637,32 @@ async def test_an_offset_reset_too_few_in_sync_replicas_stored_is_refused_and_on
 
 
 @pytest.mark.asyncio
+async def test_an_offset_reset_whose_slot_was_lost_while_it_waited_for_the_set_is_refused(pair: Pair) -> None:
+    """The slot's lease lost while the reset waited for the in-sync set (``Slots.committed`` copies nothing for a
+    slot this broker does not hold: made so from the second copy on): refused as not in force, never answered
+    OK while the slot's new holder never had it."""
+    lite = pair.lite_of(0)
+    for n in range(2):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    dispatcher = pair.brokers[0].dispatcher
+    assert dispatcher is not None
+    committed = dispatcher.settlement.committed
+    assert committed is not None
+    copies = 0
+
+    def lost_after_the_first(*point: Any) -> Any:
+        nonlocal copies
+        copies += 1
+        return committed(*point) if copies == 1 else None
+
+    dispatcher.settlement.committed = lost_after_the_first
+    await pair.brokers[1].stop(grace_s=0.1)  # the first copy fails for too few in-sync replicas: retried
+    with pytest.raises(errors.Fenced, match="not in force"):
+        await dispatcher.reset_offsets(GROUP, PARENT, [lite], offsets.OffsetReset(offsets.OffsetPolicy.MAX))
+    assert copies >= 2
+
+
+@pytest.mark.asyncio
 async def test_an_mqtt_start_at_the_end_the_followers_missed_is_answered_and_copied_once_one_is_back(
     pair: Pair,
 ) -> None:
