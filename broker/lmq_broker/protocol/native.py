@@ -161,7 +161,8 @@ class Context:
         """One reply message; waits while the client has not taken ``PENDING_HIGH`` bytes (HTTP/2 flow
         control), as grpcio's writes wait, so a handler's own caps see unread replies as unread. False: ended."""
         pending = self.call.send(data)
-        if pending < 0:
+        if pending < 0:  # the call is over: the handler is closed by its caller, not cancelled mid-cleanup
+            self._cancelled = True
             return False
         if pending > PENDING_HIGH and self.call.must_wait():
             self.drained = asyncio.get_running_loop().create_future()
@@ -202,6 +203,10 @@ class Context:
         return self._cancelled
 
     def cancel(self) -> None:
+        """The client went (or the server stops): the handler's task is cancelled once, never again while its
+        ``finally`` runs (a second cancel would cut that cleanup short)."""
+        if self._cancelled:
+            return
         self._cancelled = True
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -353,9 +358,7 @@ async def _serve(handler: Any, context: Context) -> None:
     if handler.request_streaming:
         requests = _requests(context.inbox, decode)
         if handler.stream_stream is not None:
-            async for reply in handler.stream_stream(requests, context):
-                if not await context.write(encode(reply)):
-                    return
+            await _write_all(context, encode, handler.stream_stream(requests, context))
         elif handler.stream_unary is not None:
             _reply(context, encode, await handler.stream_unary(requests, context))
         return
@@ -366,11 +369,23 @@ async def _serve(handler: Any, context: Context) -> None:
         return
     request = decode(data)
     if handler.unary_stream is not None:
-        async for reply in handler.unary_stream(request, context):
-            if not await context.write(encode(reply)):
-                return
+        await _write_all(context, encode, handler.unary_stream(request, context))
     elif handler.unary_unary is not None:
         _reply(context, encode, await handler.unary_unary(request, context))
+
+
+async def _write_all(context: Context, encode: Callable[[Any], bytes], replies: AsyncIterator[Any]) -> None:
+    """Send each reply as it comes, until the call ended (the client went); the handler's generator is closed
+    then and now, not left suspended at its ``yield`` until collected: its ``finally`` (a Telemetry stream's
+    client removed, a long poll's lease given back) runs before the call is finished."""
+    try:
+        async for reply in replies:
+            if not await context.write(encode(reply)):
+                return
+    finally:
+        close = getattr(replies, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _reply(context: Context, encode: Callable[[Any], bytes], reply: Any) -> None:

@@ -129,13 +129,13 @@ async def _serve(
         if out.refused is not None:
             raise SettingsRefused(out.refused)
         await answering  # re-raise what ended the client's side, if anything did
-    finally:
+    finally:  # what must happen first, with no await before it: a cancel arriving meanwhile cannot skip it
         for task in (answering, relaying):
             task.cancel()
-        await asyncio.gather(answering, relaying, return_exceptions=True)
         out.release()
         edge.connections.closed(client_id, caller.peer)
         edge.dispatcher.stream_closed(client_id)
+        await asyncio.gather(answering, relaying, return_exceptions=True)
 
 
 class _Replies:
