@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +107,38 @@ def test_index_tables_have_partitioned_index_and_filter_blocks(open_lmq: OpenLmq
         idx.close()
     assert "# index partitions=" in props
     assert "filter block size=0;" not in props
+
+
+def test_sync_again_writes_the_unsynced_tail_from_the_logs_own_copy(tmp_path: Path) -> None:
+    """A failed fsync may leave the kernel without the unsynced pages (dropped, or read back as what the disk
+    holds): ``sync_again`` rewrites them from the log's own copy, so an acknowledged async write survives it.
+    The pages are lost here by overwriting the unsynced range through another descriptor; a rewrite read back
+    from the page cache would write that loss to disk. Rolls, cuts and good fsyncs keep the copy exact."""
+    log = commitlog.CommitLog(tmp_path, 1 << 20)
+    log.append(b"synced.")
+    log.sync()
+    unsynced = b"acked-but-unsynced" * 100
+    at = log.append(unsynced)
+    path = log.active.path
+
+    def drop_pages() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\0" * len(unsynced), at)
+        finally:
+            os.close(fd)
+
+    drop_pages()
+    log.sync_again()
+    assert path.read_bytes() == b"synced." + unsynced
+    cut_at = log.append(b"never acknowledged")
+    log.rollback(log.active.seq, cut_at, sync=False)  # a failed round's cut leaves the copy as it was
+    more = log.append(b"after the cut")
+    log.roll()
+    tail = log.append(b"in the next segment")
+    fd = os.open(log.active.path, os.O_WRONLY)
+    os.pwrite(fd, b"\0" * 19, tail)
+    os.close(fd)
+    log.sync_again()
+    assert log.active.path.read_bytes() == b"in the next segment"
+    assert path.read_bytes() == b"synced." + unsynced + b"after the cut" and more == cut_at

@@ -7,9 +7,11 @@ group-commit leader snapshots ``written``, fsyncs, and everything up to that sna
 fsyncs the segment it leaves, so only the active segment ever holds unsynced bytes; ``durable_at`` is the
 position below which they are known to be on disk.
 
-After a failed fsync the kernel may have marked the unwritten pages clean: a later fsync that succeeds would
-vouch for nothing. ``sync_again`` writes the bytes above ``durable_at`` once more (from the page cache) before
-it fsyncs, so its success means what it says.
+After a failed fsync the kernel may have marked the unwritten pages clean, or dropped them: a later fsync that
+succeeds would vouch for nothing, and the page cache may no longer hold them. So the log keeps its own copy of
+the bytes above ``durable_at`` (``_tail``: what one group commit or, in ``async`` mode, one flush interval
+wrote; trimmed by every fsync that succeeds), and ``sync_again`` writes them once more from that copy before it
+fsyncs, so its success means what it says: an acknowledged but unsynced record survives a failed fsync.
 
 Dropped segments (retention) are unlinked at once but their descriptors are closed one retention pass
 later, so a reader that looked up an index entry just before the drop still preads valid bytes.
@@ -48,6 +50,11 @@ class CommitLog:
         self.fsyncs = 0
         self.durable_at = (self.active.seq, self.active.size)  # (segment, position): all below is on disk
         self._sync_lock = threading.Lock()
+        # the active segment's bytes from ``_tail_at`` to its end, not yet known to be on disk (``sync_again``);
+        # its own lock, not the fsync's: an append never waits for an fsync under way
+        self._tail = bytearray()
+        self._tail_at = self.active.size
+        self._tail_lock = threading.Lock()
         self._graveyard: list[seg_mod.Segment] = []
 
     # --- layout --------------------------------------------------------------------------------------
@@ -65,9 +72,18 @@ class CommitLog:
     # --- writing -------------------------------------------------------------------------------------
 
     def append(self, data: bytes) -> int:
-        pos = self.active.append(data)
+        with self._tail_lock:
+            pos = self.active.append(data)
+            self._tail += data
         self.written += len(data)
         return pos
+
+    def _trim(self, segment: seg_mod.Segment, below: int) -> None:
+        """The bytes of ``segment`` below ``below`` are on disk: the copy keeps only those above."""
+        with self._tail_lock:
+            if segment is self.active and below > self._tail_at:
+                del self._tail[: below - self._tail_at]
+                self._tail_at = below
 
     def roll(self) -> None:
         """Start the next segment; the one left behind is fsynced first (it will never be written again)."""
@@ -75,7 +91,9 @@ class CommitLog:
         self.fsyncs += 1
         nxt = seg_mod.Segment.create(self.directory, self.active.seq + 1)
         self._segments[nxt.seq] = nxt
-        self.active = nxt
+        with self._tail_lock:
+            self.active = nxt
+            self._tail, self._tail_at = bytearray(), 0
         self.durable_at = (nxt.seq, 0)
 
     def sync(self) -> None:
@@ -90,27 +108,31 @@ class CommitLog:
             self.fsyncs += 1
             self.synced = mark
             self.durable_at = max(self.durable_at, (active.seq, below))
+            self._trim(active, below)
 
     def sync_again(self) -> None:
         """After a failed fsync (under the store's write lock, so nothing appends or cuts meanwhile): write
-        what lies above ``durable_at`` in the active segment once more, then fsync it and the directory."""
+        what lies above ``durable_at`` in the active segment once more, from the log's own copy of it (the
+        page cache may have dropped it), then fsync it and the directory."""
         with self._sync_lock:
             mark = self.written
             active = self.active
-            seq, at = self.durable_at
-            start = at if seq == active.seq else 0
             end = active.size
-            while start < end:
-                data = os.pread(active.fd, min(end - start, REWRITE_CHUNK_BYTES), start)
-                if not data:
-                    break
-                os.pwrite(active.fd, data, start)
-                start += len(data)
+            with self._tail_lock:
+                tail, start = memoryview(bytes(self._tail)), self._tail_at
+            if start + len(tail) != end:  # never: the copy always ends where the segment does
+                raise OSError(f"commit log: the copy of unsynced bytes ends at {start + len(tail)}, not {end}")
+            for at in range(0, len(tail), REWRITE_CHUNK_BYTES):
+                piece = tail[at : at + REWRITE_CHUNK_BYTES]
+                done = 0
+                while done < len(piece):
+                    done += os.pwrite(active.fd, piece[done:], start + at + done)
             active.sync()
             seg_mod.fsync_dir(self.directory)
             self.fsyncs += 1
             self.synced = max(self.synced, mark)
             self.durable_at = (active.seq, end)
+            self._trim(active, end)
 
     def rollback(self, seq: int, position: int, *, sync: bool = True) -> None:
         """Undo a failed append: cut the log back to (seq, position), removing segments created after it; with
@@ -120,7 +142,12 @@ class CommitLog:
             dead.close()
             os.unlink(dead.path)
         target = self._segments[seq]
-        self.active = target
+        with self._tail_lock:
+            if target is not self.active or position < self._tail_at:  # below the copy: nothing unsynced there
+                self._tail, self._tail_at = bytearray(), position
+            else:
+                del self._tail[position - self._tail_at :]
+            self.active = target
         self.durable_at = min(self.durable_at, (seq, position))
         target.truncate(position, sync=sync)
         if sync:
