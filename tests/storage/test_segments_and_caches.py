@@ -142,3 +142,31 @@ def test_sync_again_writes_the_unsynced_tail_from_the_logs_own_copy(tmp_path: Pa
     log.sync_again()
     assert log.active.path.read_bytes() == b"in the next segment"
     assert path.read_bytes() == b"synced." + unsynced + b"after the cut" and more == cut_at
+
+
+def test_an_fsync_under_way_while_the_writer_cuts_and_writes_again_trims_nothing_it_did_not_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``async`` mode: the flusher's fsync runs beside the writer, which may cut a failed round and write new
+    records at the same place meanwhile. That fsync vouches for neither: the copy still holds the new bytes,
+    and ``sync_again`` (which checks the copy ends where the segment does) writes them."""
+    log = commitlog.CommitLog(tmp_path, 1 << 20)
+    log.append(b"synced.")
+    log.sync()
+    cut_at = log.append(b"a round whose index write failed")
+    segment = log.active
+    fsync = segment_mod.Segment.sync
+
+    def writer_meanwhile(self: segment_mod.Segment) -> None:
+        monkeypatch.setattr(segment_mod.Segment, "sync", fsync)
+        log.rollback(segment.seq, cut_at, sync=False)
+        log.append(b"written after the cut")
+        fsync(self)
+
+    monkeypatch.setattr(segment_mod.Segment, "sync", writer_meanwhile)
+    log.sync()
+    fd = os.open(segment.path, os.O_WRONLY)
+    os.pwrite(fd, b"\0" * 21, cut_at)  # the new bytes' pages lost
+    os.close(fd)
+    log.sync_again()
+    assert segment.path.read_bytes() == b"synced.written after the cut"

@@ -55,6 +55,7 @@ class CommitLog:
         self._tail = bytearray()
         self._tail_at = self.active.size
         self._tail_lock = threading.Lock()
+        self._cuts = 0  # rollbacks so far: an fsync begun before one vouches for nothing it cut (``_trim``)
         self._graveyard: list[seg_mod.Segment] = []
 
     # --- layout --------------------------------------------------------------------------------------
@@ -78,12 +79,18 @@ class CommitLog:
         self.written += len(data)
         return pos
 
-    def _trim(self, segment: seg_mod.Segment, below: int) -> None:
-        """The bytes of ``segment`` below ``below`` are on disk: the copy keeps only those above."""
+    def _trim(self, segment: seg_mod.Segment, below: int, cuts: int) -> bool:
+        """The bytes of ``segment`` below ``below`` are on disk, as of an fsync begun after ``cuts`` rollbacks:
+        the copy keeps only those above. A rollback since (async mode: the flusher's fsync runs beside the
+        writer) may have cut below ``below`` and new bytes may sit there now: nothing is trimmed then (the
+        copy keeps more than it must). False then."""
         with self._tail_lock:
+            if cuts != self._cuts:
+                return False
             if segment is self.active and below > self._tail_at:
                 del self._tail[: below - self._tail_at]
                 self._tail_at = below
+            return True
 
     def roll(self) -> None:
         """Start the next segment; the one left behind is fsynced first (it will never be written again)."""
@@ -102,13 +109,15 @@ class CommitLog:
             mark = self.written
             if mark <= self.synced:
                 return
-            active = self.active
-            below = active.size  # written before the fsync starts: on disk once it returns
+            with self._tail_lock:
+                active = self.active
+                below = active.size  # written before the fsync starts: on disk once it returns
+                cuts = self._cuts
             active.sync()
             self.fsyncs += 1
             self.synced = mark
-            self.durable_at = max(self.durable_at, (active.seq, below))
-            self._trim(active, below)
+            if self._trim(active, below, cuts):
+                self.durable_at = max(self.durable_at, (active.seq, below))
 
     def sync_again(self) -> None:
         """After a failed fsync (under the store's write lock, so nothing appends or cuts meanwhile): write
@@ -119,7 +128,7 @@ class CommitLog:
             active = self.active
             end = active.size
             with self._tail_lock:
-                tail, start = memoryview(bytes(self._tail)), self._tail_at
+                tail, start, cuts = memoryview(bytes(self._tail)), self._tail_at, self._cuts
             if start + len(tail) != end:  # never: the copy always ends where the segment does
                 raise OSError(f"commit log: the copy of unsynced bytes ends at {start + len(tail)}, not {end}")
             for at in range(0, len(tail), REWRITE_CHUNK_BYTES):
@@ -132,7 +141,7 @@ class CommitLog:
             self.fsyncs += 1
             self.synced = max(self.synced, mark)
             self.durable_at = (active.seq, end)
-            self._trim(active, end)
+            self._trim(active, end, cuts)
 
     def rollback(self, seq: int, position: int, *, sync: bool = True) -> None:
         """Undo a failed append: cut the log back to (seq, position), removing segments created after it; with
@@ -143,6 +152,7 @@ class CommitLog:
             os.unlink(dead.path)
         target = self._segments[seq]
         with self._tail_lock:
+            self._cuts += 1
             if target is not self.active or position < self._tail_at:  # below the copy: nothing unsynced there
                 self._tail, self._tail_at = bytearray(), position
             else:
