@@ -96,7 +96,7 @@ class Reconciler:
                 waits = [due - now for slot, due in self._due.items() if slot not in self._tasks]
                 timeout = max(0.0, min([self._cap_s, *waits]))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(first_set(stopping, self._wake), timeout)
+                    await asyncio.wait_for(_first(stopping, self._wake), timeout)
         finally:
             tasks = list(self._tasks.values())
             for task in tasks:
@@ -157,7 +157,7 @@ class Reconciler:
             log.info("slot %d: reconciling to be done again, in %.2f s", slot, wait_s)
 
 
-async def first_set(*events: asyncio.Event) -> None:
+async def _first(*events: asyncio.Event) -> None:
     """Until one of ``events`` is set."""
     waits = [asyncio.ensure_future(e.wait()) for e in events]
     try:
