@@ -26,6 +26,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors
+from lmq_broker.replication import events
 from lmq_broker.replication.following import Follower
 from lmq_broker.replication.leadership import Leadership
 
@@ -96,7 +97,7 @@ class Reconciler:
                 waits = [due - now for slot, due in self._due.items() if slot not in self._tasks]
                 timeout = max(0.0, min([self._cap_s, *waits]))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(stopping, self._wake), timeout)
+                    await asyncio.wait_for(events.first_of(stopping, self._wake), timeout)
         finally:
             tasks = list(self._tasks.values())
             for task in tasks:
@@ -155,13 +156,3 @@ class Reconciler:
             log.warning("slot %d: reconciling failed (attempt %d), tried again in %.2f s: %s", slot, tries, wait_s, exc)
         elif backoff.failures == 1:  # the holder changed, or a copy found it behind, meanwhile
             log.info("slot %d: reconciling to be done again, in %.2f s", slot, wait_s)
-
-
-async def _first(*events: asyncio.Event) -> None:
-    """Until one of ``events`` is set."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()

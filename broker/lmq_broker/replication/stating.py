@@ -43,7 +43,7 @@ from prometheus_client.registry import Collector as _Collector
 from lmq_broker import errors
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.mqtt import durable
-from lmq_broker.replication import states
+from lmq_broker.replication import events, states
 from lmq_broker.replication.leadership import Leadership
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class States:
                 await asyncio.wait_for(stopping.wait(), floor_s)
             if not self._flushes:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_either(stopping, self._wake), SHIP_INTERVAL_MS / 1000 - floor_s)
+                    await asyncio.wait_for(events.first_of(stopping, self._wake), SHIP_INTERVAL_MS / 1000 - floor_s)
 
     async def flushed(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Until the rows as they are now (the caller changed them before) reached the in-sync followers of
@@ -408,16 +408,6 @@ class States:
             self.merged()
         log.warning("slot %d taken over: %d clients' subscriptions and %d MQTT rows restored", slot, len(records),
                     merged)  # fmt: skip
-
-
-async def _either(first: asyncio.Event, second: asyncio.Event) -> None:
-    """Until either event is set."""
-    waits = [asyncio.ensure_future(first.wait()), asyncio.ensure_future(second.wait())]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in waits:
-            wait.cancel()
 
 
 class Collector(_Collector):
