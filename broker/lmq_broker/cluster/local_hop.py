@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 HELLO: Final = "lmq local hop v1"  # what the hello's HMAC is over, in place of a gRPC method
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # as the gRPC channels' message limit
 HELLO_MAX_BYTES: Final = 1024  # a frame before the hello verified (nothing of an unverified peer is buffered)
+READ_AHEAD_FRAMES: Final = 1024  # frames of one connection being served at once: past it, reading pauses
+READ_AHEAD_BYTES: Final = MAX_FRAME_BYTES  # their bytes: past it, reading pauses (one frame may reach it alone)
 MAX_SOCKET_PATH_BYTES: Final = 107  # sun_path holds 108 bytes with its terminating NUL
 CONNECT_RETRY_S: Final = 0.05
 _FRAME: Final = struct.Struct(">II")
@@ -78,6 +80,7 @@ class Frames(asyncio.Protocol):
         self.closed = False
         self.name = "local hop"  # in its log lines
         self.max_frame = MAX_FRAME_BYTES
+        self.splitting = False  # within ``split`` (a frame answered at once there must not split again)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -97,11 +100,24 @@ class Frames(asyncio.Protocol):
             self.transport.write(b"".join(out))
 
     def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self.split()
+
+    def split(self) -> None:
+        """Hand on the whole frames buffered, until ``holding`` (not again from within: see ``splitting``)."""
+        if self.splitting:
+            return
+        self.splitting = True
+        try:
+            self._split()
+        finally:
+            self.splitting = False
+
+    def _split(self) -> None:
         buffer = self._buffer
-        buffer += data
         start = 0
         end = len(buffer)
-        while end - start >= _FRAME.size:
+        while end - start >= _FRAME.size and not self.holding():
             length, request_id = _FRAME.unpack_from(buffer, start)
             if length > self.max_frame:
                 self.oversized(length)
@@ -117,6 +133,10 @@ class Frames(asyncio.Protocol):
 
     def received(self, request_id: int, payload: bytes) -> None:
         raise NotImplementedError
+
+    def holding(self) -> bool:
+        """Whether to stop handing on frames (what is buffered waits for ``split``)."""
+        return False
 
     def oversized(self, length: int) -> None:
         self.abort(f"a frame of {length} bytes")
@@ -242,13 +262,19 @@ class Served(Protocol):
 
 
 class Serving(Frames):
-    """The serving end: its first frame must be a hello that verifies, every later one is served."""
+    """The serving end: its first frame must be a hello that verifies, every later one is served. Frames being
+    served are bounded (``READ_AHEAD_FRAMES``, ``READ_AHEAD_BYTES``): past either, the connection is not read
+    until answers went out (TCP's window then holds the peer's writes), so a peer sending faster than it is
+    served costs the socket's buffers, not a task and a payload per frame."""
 
     def __init__(self, server: Served) -> None:
         super().__init__()
         self._server = server
         self.greeted = False
         self.max_frame = HELLO_MAX_BYTES  # until the hello verified
+        self.serving = 0  # frames handed to the server and not yet answered
+        self._serving_bytes = 0
+        self.paused = False
 
     def received(self, request_id: int, payload: bytes) -> None:
         if not self.greeted:
@@ -258,7 +284,31 @@ class Serving(Frames):
             self.greeted = True
             self.max_frame = MAX_FRAME_BYTES
             return
+        self.serving += 1
+        self._serving_bytes += len(payload)
+        if not self.paused and (self.serving >= READ_AHEAD_FRAMES or self._serving_bytes >= READ_AHEAD_BYTES):
+            self.paused = True
+            if self.transport is not None:
+                self.transport.pause_reading()
         self._server.serve(self, request_id, payload)
+
+    def holding(self) -> bool:
+        return self.paused
+
+    def served(self, payload: bytes) -> None:
+        """A frame ``received`` handed to the server was answered (or dropped): read on once below half."""
+        self.serving -= 1
+        self._serving_bytes -= len(payload)
+        if (
+            self.paused
+            and self.serving <= READ_AHEAD_FRAMES // 2
+            and self._serving_bytes <= READ_AHEAD_BYTES // 2
+            and not self.closed
+        ):
+            self.paused = False
+            self.split()  # what was buffered first: it may pause again
+            if not self.paused and not self.closed and self.transport is not None:
+                self.transport.resume_reading()
 
     def oversized(self, length: int) -> None:
         if self.greeted:
@@ -324,10 +374,12 @@ class HopServer:
         if self._closing:  # as a stopping gRPC server refuses new calls: this request only, nothing stored
             refused = errors.BrokerUnavailable("this broker is stopping; nothing was stored, try again")
             connection.send(request_id, spb.SendMessageResponse(status=status.status_of(refused)).SerializeToString())
+            connection.served(payload)
             return
         task = asyncio.get_running_loop().create_task(self._answer(connection, request_id, payload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: connection.served(payload))
 
     async def _answer(self, connection: Serving, request_id: int, payload: bytes) -> None:
         started = time.perf_counter()

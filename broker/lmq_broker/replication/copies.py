@@ -46,7 +46,8 @@ class Counters:
         self.copies_refused = Counter(
             "lmq_replication_copies_refused",
             "Copies a follower refused (stale_epoch, owner: it holds the slot, out_of_sync, state_gap: rows missed, "
-            "not_peer: no valid peer header)",
+            "not_peer: no valid peer header; crowded: a copy socket connection closed at once, 64 others still to "
+            "say their hello)",
             ["reason"],
             registry=registry,
         )

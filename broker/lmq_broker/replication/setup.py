@@ -267,7 +267,7 @@ class Replication:
                 (config.host, config.replica_port),
                 links.secret,
                 self._accept,
-                self._counters.copies_refused.labels("not_peer"),
+                (self._counters.copies_refused.labels("not_peer"), self._counters.copies_refused.labels("crowded")),
                 self._copy_socket_of,
                 self._hello,
             )

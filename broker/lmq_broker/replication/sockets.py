@@ -33,7 +33,12 @@ order they arrived (its lock is first come, first served).
 Failure: a copy unanswered for ``timeout_s``, or a connection that breaks, fails every copy waiting on it as a
 failed call (the follower may have stored them: the shipper counts them failed, the follower leaves the in-sync
 set and is probed), and the connection is closed; a copy that finds no open connection was not sent and takes
-the gRPC stream (``NotSent``).
+the gRPC stream (``NotSent``). A copy larger than a frame may be (``local_hop.MAX_FRAME_BYTES``) fails alone, unsent.
+
+Bounds on the follower's end: at most ``MAX_UNVERIFIED`` connections still to send their hello (one more is
+closed as soon as it is made, counted in ``lmq_replication_copies_refused_total{reason="crowded"}``), and a
+connection's copies being stored are bounded (``local_hop.Serving``: past them it is not read until answers
+went out).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ RETRY_S: Final = 60.0  # a follower without a socket is asked again this much la
 FAILED_RETRY_S: Final = 5.0  # one that could not be asked or reached there (down, a network policy)
 CONNECT_TIMEOUT_S: Final = 2.0
 HELLO_TIMEOUT_S: Final = 10.0  # a connection that has not sent its hello by then is closed (and counted)
+MAX_UNVERIFIED: Final = 64  # connections still to send their hello at once: one more is closed at once (counted)
 
 Ask = Callable[[str], Awaitable[int | None]]  # a follower's copy socket port; None: it has none
 Hello = Callable[[], str]  # the peer header value of a hello made now
@@ -127,6 +133,8 @@ class Link:
         connection = self._connection
         if connection is None or connection.closed:
             raise NotSent(f"{self._endpoint}: no copy socket open")
+        if len(data) > local_hop.MAX_FRAME_BYTES:  # as the gRPC stream refuses a message past its limit: this copy
+            raise errors.BrokerUnavailable(f"{self._endpoint} copy socket: a copy of {len(data)} bytes is too large")
         waiter = connection.call(data)
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -159,13 +167,21 @@ class Link:
             self._close(self._connection)
 
 
+class _Closed(asyncio.Protocol):
+    """A connection closed as soon as it is made, nothing read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
 class Server:
     """The follower's copy socket: peers' copies, answered through ``answer`` (``following.Follower.accept``)."""
 
-    def __init__(self, secret: bytes, answer: Answer, refused: Counter) -> None:
+    def __init__(self, secret: bytes, answer: Answer, refused: Counter, crowded: Counter) -> None:
         self._secret = secret
         self._answer = answer
         self.refused = refused  # hellos that did not verify (``local_hop.Served``)
+        self.crowded = crowded  # connections closed at once: MAX_UNVERIFIED others had not said their hello
         self._socket: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[local_hop.Serving] = set()
@@ -187,9 +203,12 @@ class Server:
         assert self._socket is not None, "bind first"
         self._server = await asyncio.get_running_loop().create_server(self._connected, sock=self._socket)
 
-    def _connected(self) -> local_hop.Serving:
+    def _connected(self) -> asyncio.Protocol:
         connection = local_hop.Serving(self)
         connection.name = "copy socket"
+        if sum(not c.greeted for c in self._connections) >= MAX_UNVERIFIED:
+            self.crowded.inc()
+            return _Closed()
         self._connections.add(connection)
         asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._unheard, connection)
         return connection
@@ -211,6 +230,7 @@ class Server:
         task = asyncio.get_running_loop().create_task(self._serve(connection, request_id, payload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: connection.served(payload))
 
     async def _serve(self, connection: local_hop.Serving, request_id: int, payload: bytes) -> None:
         try:
@@ -242,10 +262,16 @@ class Sockets:
     an owner)."""
 
     def __init__(  # noqa: PLR0917 (both ends' parts)
-        self, bind: tuple[str, int], secret: bytes, answer: Answer, refused: Counter, ask: Ask, hello: Hello
+        self,
+        bind: tuple[str, int],
+        secret: bytes,
+        answer: Answer,
+        refused: tuple[Counter, Counter],
+        ask: Ask,
+        hello: Hello,
     ) -> None:
         self._bind = bind
-        self.server = Server(secret, answer, refused)
+        self.server = Server(secret, answer, *refused)
         self._ask = ask
         self._hello = hello
         self.links: dict[str, Link] = {}  # follower endpoint -> the link to its copy socket
