@@ -8,78 +8,25 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
+from raw_mqtt import Raw
 from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.mqtt import codec, exactly, stats
-from lmq_broker.mqtt.properties import NONE, Properties, Reason
+from lmq_broker.mqtt.properties import Reason
 from lmq_broker.testing import BrokerProcess, start_broker
 
 Connect = Callable[..., Peer]
 V5 = MQTTProtocolVersion.MQTTv5
 LEVELS = pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5], ids=["3.1.1", "5.0"])
 FOREVER = 0xFFFFFFFF
-
-
-class Raw:
-    """An MQTT client on a raw socket: it sends what the test says and reads the broker's packets one by one."""
-
-    def __init__(self, port: int, client_id: str, *, level: int = codec.LEVEL_3_1_1, clean: bool = True) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.decoder = codec.Decoder(level=level)
-        self.pending: list[codec.Packet] = []
-        self.v5 = level == codec.LEVEL_5
-        props = Properties(session_expiry_s=0 if clean else FOREVER) if self.v5 else None
-        self.send(codec.Connect(client_id, clean, 60, level=level, properties=props))
-        connack = self.next()
-        assert isinstance(connack, codec.ConnAck) and connack.code == 0, connack
-        self.session_present = connack.session_present
-
-    def send(self, packet: codec.Packet) -> None:
-        self.sock.sendall(codec.encode(packet))
-
-    def next(self) -> codec.Packet:
-        while not self.pending:
-            data = self.sock.recv(65536)
-            assert data, "the broker closed the connection"
-            self.pending += self.decoder.feed(data)
-        return self.pending.pop(0)
-
-    def ack(self, kind: int, packet_id: int, reason: int = 0) -> None:
-        self.send(codec.PacketId(kind, packet_id, reason, NONE if self.v5 else None))
-
-    def publish(self, topic: str, payload: bytes, packet_id: int, *, dup: bool = False) -> None:
-        props = NONE if self.v5 else None
-        self.send(codec.Publish(topic, payload, qos=2, dup=dup, packet_id=packet_id, properties=props))
-
-    def subscribe(self, topic_filter: str, qos: int) -> list[int]:
-        self.send(codec.Subscribe(1, ((topic_filter, qos),), NONE if self.v5 else None))
-        suback = self.next()
-        assert isinstance(suback, codec.SubAck), suback
-        return list(suback.codes)
-
-    def closed(self) -> bool:
-        """True once the broker has closed the connection (what it sent before is kept in ``pending``)."""
-        while data := self.sock.recv(65536):
-            self.pending += self.decoder.feed(data)
-        self.sock.close()
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def expect(raw: Raw, kind: int, packet_id: int, reason: int = 0) -> None:
-    got = raw.next()
-    assert isinstance(got, codec.PacketId) and (got.kind, got.packet_id, got.reason) == (kind, packet_id, reason), got
 
 
 def stored(broker: BrokerProcess, parent: str, lite: str) -> int:
@@ -131,15 +78,15 @@ def test_4_3_3_a_publish_resent_with_dup_before_pubrel_is_answered_pubrec_and_no
     and nothing is stored; the PUBREL is answered PUBCOMP and releases the id, which a new message may use."""
     raw = Raw(broker.mqtt_port, f"dup-{level}", level=level)
     raw.publish(f"{parent}/d{level}", b"once", 7)
-    expect(raw, codec.PUBREC, 7)
+    raw.expect(codec.PUBREC, 7)
     raw.publish(f"{parent}/d{level}", b"once", 7, dup=True)
-    expect(raw, codec.PUBREC, 7)
+    raw.expect(codec.PUBREC, 7)
     raw.ack(codec.PUBREL, 7)
-    expect(raw, codec.PUBCOMP, 7)
+    raw.expect(codec.PUBCOMP, 7)
     raw.publish(f"{parent}/d{level}", b"twice", 7)  # the id is free again: a new message
-    expect(raw, codec.PUBREC, 7)
+    raw.expect(codec.PUBREC, 7)
     raw.ack(codec.PUBREL, 7)
-    expect(raw, codec.PUBCOMP, 7)
+    raw.expect(codec.PUBCOMP, 7)
     raw.close()
     assert stored(broker, parent, f"d{level}") == 2
 
@@ -154,16 +101,16 @@ def test_4_3_3_a_publish_resent_after_a_reconnect_of_its_persistent_session_is_s
     client = f"resend-{level}"
     first = Raw(broker.mqtt_port, client, level=level, clean=False)
     first.publish(f"{parent}/r{level}", b"exactly once", 9)
-    expect(first, codec.PUBREC, 9)
+    first.expect(codec.PUBREC, 9)
     first.close()  # no DISCONNECT: the connection is lost
     again = Raw(broker.mqtt_port, client, level=level, clean=False)
     assert again.session_present
     again.publish(f"{parent}/r{level}", b"exactly once", 9, dup=True)
-    expect(again, codec.PUBREC, 9)
+    again.expect(codec.PUBREC, 9)
     again.ack(codec.PUBREL, 9)
-    expect(again, codec.PUBCOMP, 9)
+    again.expect(codec.PUBCOMP, 9)
     again.ack(codec.PUBREL, 9)
-    expect(again, codec.PUBCOMP, 9, Reason.PACKET_ID_NOT_FOUND if level == codec.LEVEL_5 else 0)
+    again.expect(codec.PUBCOMP, 9, Reason.PACKET_ID_NOT_FOUND if level == codec.LEVEL_5 else 0)
     again.close()
     assert stored(broker, parent, f"r{level}") == 1
 
@@ -182,16 +129,16 @@ def test_4_3_3_a_publish_resent_after_a_broker_kill_9_and_restart_is_stored_once
         watcher.close()
         first = Raw(port, "crash-pub", level=level, clean=False)
         first.publish(f"{parent}/k", b"survives", 3)
-        expect(first, codec.PUBREC, 3)
+        first.expect(codec.PUBREC, 3)
         broker.kill()
         first.close()
         broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
         again = Raw(port, "crash-pub", level=level, clean=False)
         assert again.session_present
         again.publish(f"{parent}/k", b"survives", 3, dup=True)
-        expect(again, codec.PUBREC, 3)
+        again.expect(codec.PUBREC, 3)
         again.ack(codec.PUBREL, 3)
-        expect(again, codec.PUBCOMP, 3)
+        again.expect(codec.PUBCOMP, 3)
         again.close()
         assert stored(broker, parent, "k") == 1
         back = Raw(port, "watcher", level=level, clean=False)
@@ -199,7 +146,7 @@ def test_4_3_3_a_publish_resent_after_a_broker_kill_9_and_restart_is_stored_once
         assert isinstance(got, codec.Publish) and (got.payload, got.qos) == (b"survives", 2), got
         assert got.packet_id is not None
         back.ack(codec.PUBREC, got.packet_id)
-        expect(back, codec.PUBREL, got.packet_id)
+        back.expect(codec.PUBREL, got.packet_id)
         back.ack(codec.PUBCOMP, got.packet_id)
         back.send(codec.Bare(codec.PINGREQ))
         assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came before: delivered once
@@ -218,9 +165,9 @@ def test_3_1_1_qos2_publishes_awaiting_pubrel_over_the_cap_close_the_connection_
         raw = Raw(broker.mqtt_port, "greedy")
         for packet_id in (1, 2):
             raw.publish(f"{parent}/c", b"x", packet_id)
-            expect(raw, codec.PUBREC, packet_id)
+            raw.expect(codec.PUBREC, packet_id)
         raw.publish(f"{parent}/c", b"x", 1, dup=True)  # a resend is not a new one
-        expect(raw, codec.PUBREC, 1)
+        raw.expect(codec.PUBREC, 1)
         raw.publish(f"{parent}/c", b"over", 3)
         assert raw.closed() and raw.pending == []
         assert refused_total(broker, stats.QOS2_INFLIGHT) == 1
@@ -243,19 +190,19 @@ def test_4_4_a_reconnect_after_pubrec_resends_pubrel_not_the_publish_and_pubcomp
     assert sub.subscribe(f"{parent}/o{level}", 2) == [2]
     pub = Raw(broker.mqtt_port, f"out-pub-{level}", level=level)
     pub.publish(f"{parent}/o{level}", b"one", 1)
-    expect(pub, codec.PUBREC, 1)
+    pub.expect(codec.PUBREC, 1)
     got = sub.next()
     assert isinstance(got, codec.Publish) and (got.payload, got.qos, got.dup) == (b"one", 2, False), got
     assert got.packet_id is not None
     sub.ack(codec.PUBREC, got.packet_id)
-    expect(sub, codec.PUBREL, got.packet_id)
+    sub.expect(codec.PUBREL, got.packet_id)
     sub.close()  # lost before its PUBCOMP
     back = Raw(broker.mqtt_port, client, level=level, clean=False)
     assert back.session_present
-    expect(back, codec.PUBREL, got.packet_id)  # the first packet after the CONNACK
+    back.expect(codec.PUBREL, got.packet_id)  # the first packet after the CONNACK
     back.ack(codec.PUBCOMP, got.packet_id)
     pub.publish(f"{parent}/o{level}", b"two", 2)
-    expect(pub, codec.PUBREC, 2)
+    pub.expect(codec.PUBREC, 2)
     nxt = back.next()
     assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"two", False), nxt
     pub.close()
@@ -287,9 +234,9 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_at_its_append_is_stored_once(
         again = Raw(port, "window-pub", level=level, clean=False)
         assert again.session_present
         again.publish(f"{parent}/w", b"once", 5, dup=True)
-        expect(again, codec.PUBREC, 5)
+        again.expect(codec.PUBREC, 5)
         again.ack(codec.PUBREL, 5)
-        expect(again, codec.PUBCOMP, 5)
+        again.expect(codec.PUBCOMP, 5)
         again.close()
         assert stored(broker, parent, "w") == 1
         back = Raw(port, "window-watcher", level=level, clean=False)
@@ -297,7 +244,7 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_at_its_append_is_stored_once(
         assert isinstance(got, codec.Publish) and (got.payload, got.qos) == (b"once", 2), got
         assert got.packet_id is not None
         back.ack(codec.PUBREC, got.packet_id)
-        expect(back, codec.PUBREL, got.packet_id)
+        back.expect(codec.PUBREL, got.packet_id)
         back.ack(codec.PUBCOMP, got.packet_id)
         back.send(codec.Bare(codec.PINGREQ))
         assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came before: delivered once
@@ -322,22 +269,22 @@ def test_4_4_after_a_broker_kill_9_between_pubrec_and_pubcomp_the_session_gets_p
         assert sub.subscribe(f"{parent}/s", 2) == [2]
         pub = Raw(port, "crash-sub-pub", level=level)
         pub.publish(f"{parent}/s", b"first", 1)
-        expect(pub, codec.PUBREC, 1)
+        pub.expect(codec.PUBREC, 1)
         pub.close()
         got = sub.next()
         assert isinstance(got, codec.Publish) and got.payload == b"first" and got.packet_id is not None
         sub.ack(codec.PUBREC, got.packet_id)
-        expect(sub, codec.PUBREL, got.packet_id)
+        sub.expect(codec.PUBREL, got.packet_id)
         broker.kill()
         sub.close()
         broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
         back = Raw(port, "crash-sub", level=level, clean=False)
         assert back.session_present
-        expect(back, codec.PUBREL, got.packet_id)
+        back.expect(codec.PUBREL, got.packet_id)
         back.ack(codec.PUBCOMP, got.packet_id)
         pub = Raw(port, "crash-sub-pub", level=level)
         pub.publish(f"{parent}/s", b"second", 1)
-        expect(pub, codec.PUBREC, 1)
+        pub.expect(codec.PUBREC, 1)
         pub.close()
         nxt = back.next()
         assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"second", False), nxt
@@ -357,7 +304,7 @@ def test_4_3_3_a_delivery_without_pubrec_comes_again_with_dup_after_a_reconnect(
     assert sub.subscribe(f"{parent}/n{level}", 2) == [2]
     pub = Raw(broker.mqtt_port, f"norec-pub-{level}", level=level)
     pub.publish(f"{parent}/n{level}", b"keep", 1)
-    expect(pub, codec.PUBREC, 1)
+    pub.expect(codec.PUBREC, 1)
     pub.close()
     got = sub.next()
     assert isinstance(got, codec.Publish) and got.payload == b"keep"
@@ -378,12 +325,12 @@ def test_mqtt5_4_3_3_pubrec_with_an_error_code_ends_the_flow_and_an_unknown_one_
     assert sub.subscribe(f"{parent}/e", 2) == [2]
     pub = Raw(broker.mqtt_port, "refuser-pub", level=codec.LEVEL_5)
     pub.publish(f"{parent}/e", b"unwanted", 1)
-    expect(pub, codec.PUBREC, 1)
+    pub.expect(codec.PUBREC, 1)
     got = sub.next()
     assert isinstance(got, codec.Publish) and got.packet_id is not None
     sub.ack(codec.PUBREC, got.packet_id, Reason.UNSPECIFIED_ERROR)
     sub.ack(codec.PUBREC, 999)
-    expect(sub, codec.PUBREL, 999, Reason.PACKET_ID_NOT_FOUND)  # and no PUBREL for the refused one before it
+    sub.expect(codec.PUBREL, 999, Reason.PACKET_ID_NOT_FOUND)  # and no PUBREL for the refused one before it
     sub.close()
     back = Raw(broker.mqtt_port, "refuser", level=codec.LEVEL_5, clean=False)
     back.send(codec.Bare(codec.PINGREQ))
@@ -411,16 +358,16 @@ def test_4_4_a_publish_without_pubrec_is_sent_again_under_its_original_packet_id
         pub = Raw(port, "owed-pub", level=level)
         for packet_id, body in ((1, b"done"), (2, b"owed")):
             pub.publish(f"{parent}/o", body, packet_id)
-            expect(pub, codec.PUBREC, packet_id)
+            pub.expect(codec.PUBREC, packet_id)
             pub.ack(codec.PUBREL, packet_id)
-            expect(pub, codec.PUBCOMP, packet_id)
+            pub.expect(codec.PUBCOMP, packet_id)
         pub.close()
         done, owed = sub.next(), sub.next()
         assert isinstance(done, codec.Publish) and done.payload == b"done" and done.packet_id is not None
         assert isinstance(owed, codec.Publish) and owed.payload == b"owed" and owed.packet_id is not None
         assert owed.packet_id != done.packet_id
         sub.ack(codec.PUBREC, done.packet_id)
-        expect(sub, codec.PUBREL, done.packet_id)
+        sub.expect(codec.PUBREL, done.packet_id)
         sub.ack(codec.PUBCOMP, done.packet_id)
         sub.send(codec.Bare(codec.PINGREQ))
         assert sub.next() == codec.Bare(codec.PINGRESP)  # the PUBCOMP was read before the connection ends
@@ -436,7 +383,7 @@ def test_4_4_a_publish_without_pubrec_is_sent_again_under_its_original_packet_id
         assert isinstance(again, codec.Publish), again
         assert (again.payload, again.qos, again.dup, again.packet_id) == (b"owed", 2, True, owed.packet_id), again
         back.ack(codec.PUBREC, owed.packet_id)
-        expect(back, codec.PUBREL, owed.packet_id)
+        back.expect(codec.PUBREL, owed.packet_id)
         back.ack(codec.PUBCOMP, owed.packet_id)
         back.send(codec.Bare(codec.PINGREQ))
         assert back.next() == codec.Bare(codec.PINGRESP)

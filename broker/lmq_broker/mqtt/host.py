@@ -51,8 +51,9 @@ class Host(Protocol):
 
     async def take_over(self, connection: Client, clean_start: bool) -> None: ...
 
-    async def session_saved(self, client_id: str) -> None:
-        """A persistent session's row just changed: returns once it is on the replicas (``--replicas``)."""
+    async def rows_saved(self, client_id: str, what: str) -> None:
+        """Rows of ``mqtt.sqlite3`` just changed (``what``: a persistent session, its QoS 2 packet ids, retained
+        messages) for ``client_id``: returns once they are on the replicas (``--replicas``), before its answer."""
 
     def authorize_publish(self, user: str, address: str, where: topics.Topic) -> None: ...  # Forbidden (--acl)
 

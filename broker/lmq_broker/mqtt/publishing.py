@@ -224,7 +224,7 @@ class Publishes:
             if self.failure is not None:
                 continue  # the connection is ending: nothing more is stored (the reader may still be putting)
             try:  # a persistent session's QoS 2 rows (and PUBRELs) first: ``exactly``
-                batch = await self._record(batch)
+                batch, recorded = await self._record(batch)
             except Exception as exc:  # nothing stored, no PUBREC: the client resends, nothing is lost
                 self._fail(exc, "")
                 continue
@@ -241,6 +241,8 @@ class Publishes:
                 exactly.crash_point(exactly.APPENDED)
                 if not await self._stored_elsewhere(batch):
                     continue
+            if recorded:  # the rows on the replicas before the PUBRECs (PUBCOMPs): a resend there is found too
+                await self.link.host.rows_saved(self.link.client_id, "its QoS 2 packet ids")
             for i in batch:
                 self._answer(i)
 
@@ -250,13 +252,13 @@ class Publishes:
         self.failure = exc
         self.link.close(Reason.UNSPECIFIED_ERROR, str(exc))  # the reader sees the end, tells ``failure``
 
-    async def _record(self, batch: list[_In | _Release]) -> list[_In | _Release]:
+    async def _record(self, batch: list[_In | _Release]) -> tuple[list[_In | _Release], bool]:
         """A persistent session's QoS 2 packet ids to be stored in ``batch`` (each with the message id it is then
         stored under, ``exactly``) and those released, in the durable store before the batch is appended (one
-        transaction); the batch with those message ids."""
+        transaction); the batch with those message ids, and whether rows were written."""
         link = self.link
         if not link.persistent:
-            return batch  # the state ends with the connection (it is in ``_awaiting_release``)
+            return batch, False  # the state ends with the connection (it is in ``_awaiting_release``)
         space = await storing.space_of(link.host)
         planned: list[tuple[int, str, str, str]] = []
         out: list[_In | _Release] = []
@@ -277,7 +279,7 @@ class Publishes:
             await link.dispatcher.run(self._write_rows, planned, ends, remove)
         if planned:
             exactly.crash_point(exactly.RECORDED)
-        return out
+        return out, bool(planned or remove)
 
     def _write_rows(self, planned: list[tuple[int, str, str, str]], ends: list[int | None], remove: list[int]) -> None:
         """Blocking: each planned publish's place read (here, or its end at its owner: ``ends``), then the rows

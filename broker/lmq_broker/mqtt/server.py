@@ -81,7 +81,7 @@ class MqttServer:
         self._recheck_again = False
         self._watcher: Callable[[], object] | None = None
         self.followers = following.Followers(dispatcher)
-        # --replicas: until the store's rows changed so far are on the in-sync followers (``stating.flushed``)
+        # --replicas: until the rows changed so far are on the in-sync followers (``stating.flushed``)
         self.replicated: Callable[[], Awaitable[bool]] | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -149,10 +149,10 @@ class MqttServer:
             host, will = pending
             await self._publish_will(connection.client_id, host, will)
 
-    async def session_saved(self, client_id: str) -> None:
+    async def rows_saved(self, client_id: str, what: str) -> None:
         if self.replicated is not None and not await self.replicated():
-            log.warning("mqtt client %s: its session's change is answered before it reached every in-sync replica "
-                        "(a failover right now may find the session as it was)", client_id)  # fmt: skip
+            log.warning("mqtt client %s: a change of %s is answered before it reached every in-sync replica "
+                        "(a failover right now may find it as it was)", client_id, what)  # fmt: skip
 
     async def _publish_will(self, client_id: str, host: str, will: codec.Will) -> bool:
         return await storing.publish_will(self, client_id, host, will)

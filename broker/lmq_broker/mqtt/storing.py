@@ -1,5 +1,6 @@
 """Storing what an MQTT client published: its messages appended (one store call, or each at its lite topic's
-owner in a cluster), then its retained messages recorded; both durable on return. Used by connections and by
+owner in a cluster), then its retained messages recorded; both durable on return, the retained ones on the
+replicas too (``--replicas``). Used by connections and by
 wills, which may be published after their connection ended, or after a restart (``wills``)."""
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ async def store(
     if retained:  # in a cluster a clear here outdates an older one kept elsewhere: kept as a tombstone
         put = functools.partial(server.durable.put_retained, retained, tombstones=clustered)
         await server.dispatcher.run(put)
+        await server.rows_saved(client_id, "retained messages")  # on the replicas before the PUBACK (PUBREC)
 
 
 async def space_of(server: Host) -> topics.Space:

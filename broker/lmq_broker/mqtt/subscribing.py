@@ -313,7 +313,7 @@ class Subscriptions:
         filters |= self.sharing.saved()
         await link.dispatcher.run(link.host.durable.save_session, link.client_id, filters, link.expiry_s)
         link.stored = True
-        await link.host.session_saved(link.client_id)  # on the replicas before the CONNACK, SUBACK or UNSUBACK
+        await link.host.rows_saved(link.client_id, "its session")  # on the replicas before the CONNACK, SUBACK...
 
     async def _start_at_end(self, parent: str, new: list[wildcards.Filter], older: list[wildcards.Filter]) -> None:
         """The group's start in each existing lite topic here that only the ``new`` filters match: its end."""

@@ -9,20 +9,20 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from raw_mqtt import Raw
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.mqtt import codec, exactly
-from lmq_broker.mqtt.properties import NONE, Properties
+from lmq_broker.mqtt.properties import NONE
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_broker.supervisor import free_ports
@@ -32,47 +32,6 @@ PARENT = "Q2"
 WAIT_S = 30.0
 LEASE_MS = 1000  # the owner's lease of a delivery: not renewed (``--lease-renew-max-ms 0``), so it runs out soon
 LEVELS = pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5], ids=["3.1.1", "5.0"])
-
-
-class Raw:
-    def __init__(self, port: int, client_id: str, level: int, *, clean: bool = False) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
-        self.decoder = codec.Decoder(level=level)
-        self.pending: list[codec.Packet] = []
-        self.v5 = level == codec.LEVEL_5
-        props = Properties(session_expiry_s=0 if clean else 0xFFFFFFFF) if self.v5 else None
-        self.send(codec.Connect(client_id, clean, 60, level=level, properties=props))
-        connack = self.next()
-        assert isinstance(connack, codec.ConnAck) and connack.code == 0, connack
-        self.session_present = connack.session_present
-
-    def send(self, packet: codec.Packet) -> None:
-        self.sock.sendall(codec.encode(packet))
-
-    def next(self) -> codec.Packet:
-        while not self.pending:
-            data = self.sock.recv(65536)
-            assert data, "the broker closed the connection"
-            self.pending += self.decoder.feed(data)
-        return self.pending.pop(0)
-
-    def ack(self, kind: int, packet_id: int) -> None:
-        self.send(codec.PacketId(kind, packet_id, 0, NONE if self.v5 else None))
-
-    def expect(self, kind: int, packet_id: int) -> None:
-        got = self.next()
-        assert isinstance(got, codec.PacketId) and (got.kind, got.packet_id) == (kind, packet_id), got
-
-    def published(self, topic: str, payload: bytes, packet_id: int) -> None:
-        """At QoS 2, its flow complete."""
-        props = NONE if self.v5 else None
-        self.send(codec.Publish(topic, payload, 2, packet_id=packet_id, properties=props))
-        self.expect(codec.PUBREC, packet_id)
-        self.ack(codec.PUBREL, packet_id)
-        self.expect(codec.PUBCOMP, packet_id)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def acks(broker: BrokerProcess) -> float:
@@ -154,7 +113,7 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_between_its_append_at_another_own
         start_cluster(tmp_path, started, {"LMQ_TEST_KILL_AT": exactly.APPENDED})
         session, owner = started
         theirs = owned_by(started, 1)
-        pub = Raw(session.mqtt_port, "q2-resend", level)
+        pub = Raw(session.mqtt_port, "q2-resend", level, clean=False)
         props = NONE if pub.v5 else None
         pub.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, packet_id=7, properties=props))
         assert session.process.wait(timeout=WAIT_S) == -signal.SIGKILL  # killed itself after the append
@@ -163,14 +122,14 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_between_its_append_at_another_own
         assert stored(owner, theirs) == 1
         session = started[0] = dataclasses.replace(session, env=SHARED_ADMIN_ENV).restart()  # no failpoint now
         owner.stop()
-        again = Raw(session.mqtt_port, "q2-resend", level)
+        again = Raw(session.mqtt_port, "q2-resend", level, clean=False)
         assert again.session_present
         again.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
         assert closed(again)  # the owner cannot be asked: not answered, not stored
         again.close()
         assert refused(session, "unspecified_error") == 1  # counted (and logged at INFO)
         owner = started[1] = owner.restart()
-        last = Raw(session.mqtt_port, "q2-resend", level)
+        last = Raw(session.mqtt_port, "q2-resend", level, clean=False)
         last.send(codec.Publish(f"{PARENT}/{theirs}", b"once", 2, dup=True, packet_id=7, properties=props))
         last.expect(codec.PUBREC, 7)
         last.ack(codec.PUBREL, 7)
@@ -189,7 +148,7 @@ def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_
     theirs = owned_by(cluster, 1)
     session, owner = cluster
     port = session.mqtt_port
-    sub = Raw(port, "q2-sub", level)
+    sub = Raw(port, "q2-sub", level, clean=False)
     sub.send(codec.Subscribe(1, ((f"{PARENT}/{theirs}", 2),), NONE if sub.v5 else None))
     suback = sub.next()
     assert isinstance(suback, codec.SubAck) and suback.codes == (2,), suback
@@ -203,7 +162,7 @@ def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_
     session.kill()
     sub.close()
     session = cluster[0] = session.restart()  # same data dir and ports
-    back = Raw(port, "q2-sub", level)
+    back = Raw(port, "q2-sub", level, clean=False)
     assert back.session_present
     back.expect(codec.PUBREL, got.packet_id)  # MQTT-4.4.0-1: the PUBREL again, not the PUBLISH
     back.ack(codec.PUBCOMP, got.packet_id)

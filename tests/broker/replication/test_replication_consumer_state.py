@@ -14,15 +14,19 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 import raw_v2
 from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from raw_mqtt import Raw
 from testing_mqtt import Peer
 from waiting import eventually
 
 from lmq_broker import model, testing
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
+from lmq_broker.mqtt import codec
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
@@ -274,6 +278,46 @@ def test_a_persistent_sessions_subscription_is_on_the_follower_once_subscribed(
         assert resumed.connack == (True, "Success")
         pair.peer(1, "publisher-1").publish(topic, b"after", 1)
         assert [m.payload for m in resumed.wait_count(1)] == [b"after"]
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("kind", ["retained", "qos2"])
+def test_a_retained_message_and_a_qos2_packet_id_are_on_the_follower_once_answered(
+    tmp_path: Path, kube: kube_testing.KubeAPI, kind: str
+) -> None:
+    """A retained publish's PUBACK, and a persistent session's QoS 2 PUBREC, come once their rows are on the
+    in-sync follower: the owner killed -9 right after (rows are shipped every 100 ms otherwise), the new owner
+    gives a new subscriber the retained message; and it answers the QoS 2 publish resent with DUP with PUBREC
+    and stores it once (without its row it would store the resend as a new message)."""
+    pair = Pair(tmp_path, kube, f"rows-{kind}", min_insync=1)
+    topic = f"{PARENT}/{pair.lites[0]}"
+    try:
+        eventually(lambda: pair.held_by(0), "the owner holds its lease")
+        eventually(pair.in_sync, "the follower in sync")
+        if kind == "retained":
+            pair.peer(0, "retainer").publish(topic, b"kept", 1, retain=True)  # its PUBACK awaited
+            pair.fail_over()
+            watcher = pair.peer(1, "watcher")
+            assert watcher.subscribe((topic, 1)) == [1]
+            (got,) = watcher.wait_count(1)
+            assert (got.payload, got.retain) == (b"kept", True)
+            return
+        first = Raw(pair.brokers[0].mqtt_port, "exactly-1", clean=False)
+        first.publish(topic, b"once", 5)
+        first.expect(codec.PUBREC, 5)
+        pair.fail_over()
+        first.close()
+        again = Raw(pair.brokers[1].mqtt_port, "exactly-1", clean=False)
+        assert again.session_present
+        again.publish(topic, b"once", 5, dup=True)
+        again.expect(codec.PUBREC, 5)
+        again.ack(codec.PUBREL, 5)
+        again.expect(codec.PUBCOMP, 5)
+        again.close()
+        broker = pair.brokers[1]
+        with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+            assert admin.describe_lite_topic(PARENT, pair.lites[0]).meta.max_offset == 1
     finally:
         pair.close()
 
