@@ -74,12 +74,13 @@ def _check(access: AccessControl, user: str, host: str, action: policy.Action, t
         raise
 
 
-async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
+async def revoke(access: AccessControl, subscriptions: Subscriptions) -> bool:
     """End the session's filters its user may no longer read (Sub on their lite text, as at SUBSCRIBE): at
-    the dispatcher, at the cluster's other brokers, and in the saved session."""
+    the dispatcher, at the cluster's other brokers, and in the saved session; whether that row was written (the
+    caller waits for the rows of every session it rechecked to reach the replicas, once)."""
     link = subscriptions.link
     if not access.enabled:
-        return
+        return False
     shared = await _revoke_shares(access, subscriptions)
     ended: dict[str, list[wildcards.Filter]] = {}
     for parent, held in list(link.subs.items()):
@@ -90,8 +91,9 @@ async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
                 ended.setdefault(parent, []).append(levels)
     if not ended:
         if shared and link.persistent and link.stored:
-            await subscriptions.save()
-        return
+            await subscriptions.save(replicated=False)
+            return True
+        return False
     texts = sorted(topics.filter_in(link.config.mqtt_default_parent, p, f) for p, fs in ended.items() for f in fs)
     log.info("mqtt client %s, user %s: filters no longer allowed ended (access control changed): %s",
              link.client_id, link.user, ", ".join(texts))  # fmt: skip
@@ -101,7 +103,9 @@ async def revoke(access: AccessControl, subscriptions: Subscriptions) -> None:
         if cluster is not None:
             await cluster.unsubscribe(link.consumer_id(parent), link.group, parent, filters)
     if link.persistent and link.stored:
-        await subscriptions.save()
+        await subscriptions.save(replicated=False)
+        return True
+    return False
 
 
 async def _revoke_shares(access: AccessControl, subscriptions: Subscriptions) -> bool:

@@ -88,12 +88,13 @@ class Connection:
         self.close(Reason.SESSION_TAKEN_OVER, "another connection took the client id")
         await self.done.wait()
 
-    async def recheck(self) -> None:
-        """Access control changed (``--acl``): the filters the user may no longer read end, between packets."""
+    async def recheck(self) -> bool:
+        """Access control changed (``--acl``): the filters the user may no longer read end, between packets;
+        whether its persistent session's row was written (not yet waited for on the replicas)."""
         if not self.link.connected.is_set() or self.link.closing:
-            return  # a handshake under way checks a resumed session's filters itself
+            return False  # a handshake under way checks a resumed session's filters itself
         async with self._handling:
-            await authorizing.revoke(self.host.access, self.subscriptions)
+            return await authorizing.revoke(self.host.access, self.subscriptions)
 
     def close(self, code: int, why: str = "") -> None:
         """Close the socket; a 5.0 client is told why first (a DISCONNECT with ``code``)."""

@@ -29,7 +29,7 @@ class Client(Protocol):
 
     async def kick(self) -> None: ...
 
-    async def recheck(self) -> None: ...  # access control changed: end the filters no longer allowed
+    async def recheck(self) -> bool: ...  # access control changed: end the filters no longer allowed (row written?)
 
     def close(self, code: int, why: str = "") -> None: ...
 

@@ -204,11 +204,14 @@ class MqttServer:
     async def _recheck_all(self) -> None:
         while True:
             self._recheck_again = False
+            saved = 0
             for connection in list(self._clients.values()):
                 try:
-                    await connection.recheck()
+                    saved += await connection.recheck()
                 except Exception:
                     log.exception("mqtt client %s: subscriptions not checked again", connection.client_id)
+            if saved:  # the rewritten sessions on the replicas, waited for once (a failover keeps no ended filter)
+                await self.rows_saved(f"{saved} sessions", "their filters after an access change")
             if not self._recheck_again:
                 return
 

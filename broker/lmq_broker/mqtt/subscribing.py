@@ -307,13 +307,16 @@ class Subscriptions:
         else:
             link.writer.write(codec.encode_packet_id(codec.UNSUBACK, packet.packet_id))
 
-    async def save(self) -> None:
+    async def save(self, *, replicated: bool = True) -> None:
+        """The session's row written; ``replicated``: and on the replicas before the CONNACK, SUBACK or UNSUBACK
+        this precedes (False: the caller waits once for many, ``Host.rows_saved``)."""
         link = self.link
         filters = held.texts(link.subs, link.config.mqtt_default_parent)
         filters |= self.sharing.saved()
         await link.dispatcher.run(link.host.durable.save_session, link.client_id, filters, link.expiry_s)
         link.stored = True
-        await link.host.rows_saved(link.client_id, "its session")  # on the replicas before the CONNACK, SUBACK...
+        if replicated:
+            await link.host.rows_saved(link.client_id, "its session")
 
     async def _start_at_end(self, parent: str, new: list[wildcards.Filter], older: list[wildcards.Filter]) -> None:
         """The group's start in each existing lite topic here that only the ``new`` filters match: its end."""

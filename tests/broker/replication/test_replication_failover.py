@@ -19,6 +19,7 @@ from raw_v2 import metric
 from waiting import eventually, eventually_async
 
 from lmq_broker import model, testing
+from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import membership as mb
 from lmq_broker.config import StoreConfig
 from lmq_broker.protocol import testing as protocol_testing
@@ -158,6 +159,9 @@ class Tally:
     sent: list[str] = field(default_factory=list)  # acknowledged sends, by message id
     sent_at: dict[str, float] = field(default_factory=dict)  # message id -> when its send was acknowledged
     killed_at: float = 0.0  # when the owner was killed
+    diagnosis: str = ""  # what the brokers said of the topics when a send was not received
+    polls: dict[str, list[int]] = field(default_factory=dict)  # endpoint -> [receives, failed, messages]
+    assigned: list[str] = field(default_factory=list)  # the consumer's last assignments
     received: list[tuple[str, float, str]] = field(default_factory=list)  # (message id, when, from which broker)
     acked: dict[str, float] = field(default_factory=dict)  # message id -> when its ack was answered OK
     stop_producing: asyncio.Event = field(default_factory=asyncio.Event)
@@ -192,8 +196,10 @@ async def consume(access: str, tally: Tally) -> None:
     try:
         while not tally.stop_consuming.is_set():
             if not assigned:
-                assigned = await assignments(channels, access)
+                assigned = tally.assigned = await assignments(channels, access)
             for endpoint in list(assigned):
+                polled = tally.polls.setdefault(endpoint, [0, 0, 0])
+                polled[0] += 1
                 stub: service_grpc.MessagingServiceAsyncStub = service_grpc.MessagingServiceStub(
                     channel_of(channels, endpoint)
                 )
@@ -205,10 +211,12 @@ async def consume(access: str, tally: Tally) -> None:
                 try:
                     frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=3)]
                 except grpc.aio.AioRpcError:
+                    polled[1] += 1
                     assigned = []  # that broker is gone: ask for the assignments again
                     break
                 for frame in frames:
                     if frame.HasField("message"):
+                        polled[2] += 1
                         await handle(stub, frame.message, endpoint, tally)
     finally:
         for channel in channels.values():
@@ -307,6 +315,12 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
             tally.stop_producing.set()
             with contextlib.suppress(AssertionError):  # the asserts below name what was not received, and when sent
                 await wait_for(lambda: set(tally.sent) <= {m for m, _, _ in tally.received}, "every send received")
+            if not set(tally.sent) <= {m for m, _, _ in tally.received}:
+                tally.diagnosis = await asyncio.to_thread(diagnose, brokers, lites)
+                asking: dict[str, grpc.aio.Channel] = {}
+                now = await assignments(asking, access)
+                await asking[access].close(None)
+                tally.diagnosis += f"\nconsumer: assigned {tally.assigned} (asked now: {now}), polls {tally.polls}"
         finally:
             tally.stop_producing.set()
             tally.stop_consuming.set()
@@ -329,8 +343,40 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
         f" {len(tally.sent)} sends acknowledged, {len(received)} deliveries ({len(received) - len(set(received))}"
         f" repeated), {len(tally.acked)} acked, {len(lost)} lost, {len(again)} acked ones delivered again"
     )
-    assert not lost, sorted((m, round(tally.sent_at[m] - tally.killed_at, 2)) for m in lost)  # sent, s after kill -9
+    assert not lost, f"{missing(tally, lost)}\n{tally.diagnosis}"
     assert not again
+
+
+def diagnose(brokers: list[testing.BrokerProcess], lites: list[str]) -> str:
+    """Each live broker's view of the topics: end, the group's commit point, subscribed clients."""
+    lines = []
+    for n, broker in enumerate(brokers):
+        if not broker.alive():
+            continue
+        with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+            for lite in lites:
+                try:
+                    got = admin.describe_lite_topic(PARENT, lite)
+                except Exception as exc:
+                    lines.append(f"broker {n} {lite}: {exc}")
+                    continue
+                lines.append(f"broker {n} {lite}: end {got.meta.max_offset} min {got.meta.min_offset} commit "
+                             f"{dict(got.group_offsets)} clients {got.subscribed_clients}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def missing(tally: Tally, lost: set[str]) -> str:
+    """Per lite topic: how many of its acknowledged sends were not received, when the first and the last of
+    them were sent (s after kill -9), and how many of its sends after the kill were received."""
+    lines = []
+    for lite in sorted({m.rsplit("-", 1)[0] for m in lost}):
+        gone = sorted(tally.sent_at[m] - tally.killed_at for m in lost if m.rsplit("-", 1)[0] == lite)
+        after = [
+            m for m, at, _ in tally.received if m.startswith(f"{lite}-") and tally.sent_at.get(m, 0) > tally.killed_at
+        ]
+        lines.append(f"{lite}: {len(gone)} not received, sent {gone[0]:.2f}..{gone[-1]:.2f} s after kill -9; "
+                     f"{len(after)} of its sends after the kill received")  # fmt: skip
+    return "; ".join(lines)
 
 
 async def receive_all(endpoint: str, lite: str, want: int) -> list[str]:
