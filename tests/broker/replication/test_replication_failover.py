@@ -5,6 +5,7 @@ follower takes the slot's lease and holds every acknowledged message. Prints the
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -162,6 +163,9 @@ class Tally:
     diagnosis: str = ""  # what the brokers said of the topics when a send was not received
     polls: dict[str, list[int]] = field(default_factory=dict)  # endpoint -> [receives, failed, messages]
     assigned: list[str] = field(default_factory=list)  # the consumer's last assignments
+    doing: tuple[str, float] = ("", 0.0)  # what the consumer does now, since when
+    slow: list[str] = field(default_factory=list)  # the consumer's receives that took over 1 s
+    steps: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=60))  # its last steps
     received: list[tuple[str, float, str]] = field(default_factory=list)  # (message id, when, from which broker)
     acked: dict[str, float] = field(default_factory=dict)  # message id -> when its ack was answered OK
     stop_producing: asyncio.Event = field(default_factory=asyncio.Event)
@@ -196,7 +200,9 @@ async def consume(access: str, tally: Tally) -> None:
     try:
         while not tally.stop_consuming.is_set():
             if not assigned:
+                tally.doing = ("assignments", time.monotonic())
                 assigned = tally.assigned = await assignments(channels, access)
+                step(tally, f"assigned {assigned}")
             for endpoint in list(assigned):
                 polled = tally.polls.setdefault(endpoint, [0, 0, 0])
                 polled[0] += 1
@@ -208,19 +214,35 @@ async def consume(access: str, tally: Tally) -> None:
                 )
                 request.invisible_duration.FromSeconds(5)
                 request.long_polling_timeout.FromMilliseconds(300)
+                tally.doing = started = (f"receive at {endpoint}", time.monotonic())
                 try:
                     frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=3)]
-                except grpc.aio.AioRpcError:
+                except grpc.aio.AioRpcError as exc:
                     polled[1] += 1
                     assigned = []  # that broker is gone: ask for the assignments again
+                    note_slow(tally, started, exc.code().name)
+                    step(tally, f"{started[0]}: {exc.code().name}")
                     break
+                note_slow(tally, started, f"{len(frames)} frames")
+                step(tally, f"{started[0]}: {[f.WhichOneof('content') for f in frames]}")
                 for frame in frames:
                     if frame.HasField("message"):
                         polled[2] += 1
+                        tally.doing = (f"handle and ack at {endpoint}", time.monotonic())
                         await handle(stub, frame.message, endpoint, tally)
     finally:
         for channel in channels.values():
             await channel.close(None)
+
+
+def step(tally: Tally, what: str) -> None:
+    tally.steps.append(f"{time.monotonic() - tally.killed_at:.2f} {what}")
+
+
+def note_slow(tally: Tally, started: tuple[str, float], outcome: str) -> None:
+    took = time.monotonic() - started[1]
+    if took > 1:
+        tally.slow.append(f"{started[0]} at {started[1] - tally.killed_at:.2f} s took {took:.2f} s: {outcome}")
 
 
 def channel_of(channels: dict[str, grpc.aio.Channel], endpoint: str) -> grpc.aio.Channel:
@@ -321,6 +343,9 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
                 now = await assignments(asking, access)
                 await asking[access].close(None)
                 tally.diagnosis += f"\nconsumer: assigned {tally.assigned} (asked now: {now}), polls {tally.polls}"
+                doing, since = tally.doing
+                tally.diagnosis += f"; doing {doing} for {time.monotonic() - since:.2f} s; slow: {tally.slow}"
+                tally.diagnosis += "\nits last steps (s after kill -9):\n" + "\n".join(tally.steps)
         finally:
             tally.stop_producing.set()
             tally.stop_consuming.set()
