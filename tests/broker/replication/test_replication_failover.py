@@ -153,6 +153,10 @@ def test_kill_9_of_the_owner_and_its_disk_loses_no_acknowledged_message_and_it_r
 GROUP = "executor-group"  # the bootstrap lite group
 CONSUMER = protocol_testing.Client.headers("c1", "PYTHON", "5.1.2")
 PROCESSING_S = 0.02  # the consumer's work per message: slower than the producer, so a backlog waits at the kill
+# The producer waits while this many sends are not received yet: the consumer (about 16 messages a second, one
+# long poll at the follower per round) drains the backlog in a few seconds after the failover. Unbounded, a
+# quiet host's producer ran 500 ahead, and draining that in order outlasted the final wait (nothing was lost).
+MAX_BACKLOG = 40
 
 
 @dataclass
@@ -161,10 +165,7 @@ class Tally:
     sent_at: dict[str, float] = field(default_factory=dict)  # message id -> when its send was acknowledged
     killed_at: float = 0.0  # when the owner was killed
     diagnosis: str = ""  # what the brokers said of the topics when a send was not received
-    polls: dict[str, list[int]] = field(default_factory=dict)  # endpoint -> [receives, failed, messages]
     assigned: list[str] = field(default_factory=list)  # the consumer's last assignments
-    doing: tuple[str, float] = ("", 0.0)  # what the consumer does now, since when
-    slow: list[str] = field(default_factory=list)  # the consumer's receives that took over 1 s
     steps: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=60))  # its last steps
     received: list[tuple[str, float, str]] = field(default_factory=list)  # (message id, when, from which broker)
     acked: dict[str, float] = field(default_factory=dict)  # message id -> when its ack was answered OK
@@ -174,9 +175,11 @@ class Tally:
 
 async def produce(access: str, lites: list[str], tally: Tally) -> None:
     """Steady sends through the access broker, a new message after each answer (a refused one is not retried:
-    only acknowledged sends must be delivered)."""
+    only acknowledged sends must be delivered), at most ``MAX_BACKLOG`` ahead of the consumer."""
     async with grpc.aio.insecure_channel(access) as channel:
         for n in itertools.count():
+            while len(tally.sent) - len(tally.received) >= MAX_BACKLOG and not tally.stop_producing.is_set():
+                await asyncio.sleep(0.01)
             if tally.stop_producing.is_set():
                 return
             lite = lites[n % len(lites)]
@@ -200,12 +203,9 @@ async def consume(access: str, tally: Tally) -> None:
     try:
         while not tally.stop_consuming.is_set():
             if not assigned:
-                tally.doing = ("assignments", time.monotonic())
                 assigned = tally.assigned = await assignments(channels, access)
                 step(tally, f"assigned {assigned}")
             for endpoint in list(assigned):
-                polled = tally.polls.setdefault(endpoint, [0, 0, 0])
-                polled[0] += 1
                 stub: service_grpc.MessagingServiceAsyncStub = service_grpc.MessagingServiceStub(
                     channel_of(channels, endpoint)
                 )
@@ -214,21 +214,15 @@ async def consume(access: str, tally: Tally) -> None:
                 )
                 request.invisible_duration.FromSeconds(5)
                 request.long_polling_timeout.FromMilliseconds(300)
-                tally.doing = started = (f"receive at {endpoint}", time.monotonic())
                 try:
                     frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=3)]
                 except grpc.aio.AioRpcError as exc:
-                    polled[1] += 1
                     assigned = []  # that broker is gone: ask for the assignments again
-                    note_slow(tally, started, exc.code().name)
-                    step(tally, f"{started[0]}: {exc.code().name}")
+                    step(tally, f"receive at {endpoint}: {exc.code().name}")
                     break
-                note_slow(tally, started, f"{len(frames)} frames")
-                step(tally, f"{started[0]}: {[f.WhichOneof('content') for f in frames]}")
+                step(tally, f"receive at {endpoint}: {sum(f.HasField('message') for f in frames)} messages")
                 for frame in frames:
                     if frame.HasField("message"):
-                        polled[2] += 1
-                        tally.doing = (f"handle and ack at {endpoint}", time.monotonic())
                         await handle(stub, frame.message, endpoint, tally)
     finally:
         for channel in channels.values():
@@ -237,12 +231,6 @@ async def consume(access: str, tally: Tally) -> None:
 
 def step(tally: Tally, what: str) -> None:
     tally.steps.append(f"{time.monotonic() - tally.killed_at:.2f} {what}")
-
-
-def note_slow(tally: Tally, started: tuple[str, float], outcome: str) -> None:
-    took = time.monotonic() - started[1]
-    if took > 1:
-        tally.slow.append(f"{started[0]} at {started[1] - tally.killed_at:.2f} s took {took:.2f} s: {outcome}")
 
 
 def channel_of(channels: dict[str, grpc.aio.Channel], endpoint: str) -> grpc.aio.Channel:
@@ -342,9 +330,7 @@ def test_a_consumer_keeps_receiving_from_the_new_holder_after_kill_9_of_the_owne
                 asking: dict[str, grpc.aio.Channel] = {}
                 now = await assignments(asking, access)
                 await asking[access].close(None)
-                tally.diagnosis += f"\nconsumer: assigned {tally.assigned} (asked now: {now}), polls {tally.polls}"
-                doing, since = tally.doing
-                tally.diagnosis += f"; doing {doing} for {time.monotonic() - since:.2f} s; slow: {tally.slow}"
+                tally.diagnosis += f"\nconsumer: assigned {tally.assigned} (asked now: {now})"
                 tally.diagnosis += "\nits last steps (s after kill -9):\n" + "\n".join(tally.steps)
         finally:
             tally.stop_producing.set()
