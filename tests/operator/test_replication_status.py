@@ -70,6 +70,8 @@ def test_a_missing_released_or_expired_lease_is_unheld() -> None:
     leases = [lease(0, ""), lease(1, "slot-1/b", renewed=stale), lease(3, "slot-3/d"), lease(2, "x", prefix="other")]
     found = replicas.report(leases, "demo", 4, 1, 2, {0, 1, 2, 3}, NOW)
     assert found.unheld == [0, 1, 2]
+    # released by its holder (a handover, docs/replication.md step 5): fenced there until a member takes it
+    assert replicas.report([lease(0, "released/slot-2/c")], "demo", 1, 1, 1, {0}, NOW).unheld == [0]
     assert found.reason is replicas.Reason.LEASE_UNHELD  # worse than under-replicated: sends of the slot fail
     body = json.loads(found.annotation())
     assert body["unheld"] == 3 and body["underReplicated"] == 0 and body["reason"] == "LeaseUnheld"
