@@ -122,6 +122,18 @@ def replicas_of(slot: int, slots: int, processes: int, replicas: int) -> list[in
     return [(slot + k * processes) % slots for k in range(replicas)]
 
 
+def holder_of(lease: Mapping[str, Any], now: datetime) -> int | None:
+    """The ring slot of the broker holding a slot Lease (its identity ``slot-<s>/…``); None when nobody holds it
+    (missing, released, expired) or another name does (a person's forced takeover)."""
+    spec = lease.get("spec") or {}
+    holder = str(spec.get("holderIdentity") or "")
+    head = holder.partition("/")[0]
+    number = head.removeprefix("slot-")
+    if not held(holder, spec, now) or not head.startswith("slot-") or not number.isdigit():
+        return None
+    return int(number)
+
+
 def held(holder: str, spec: Mapping[str, Any], now: datetime) -> bool:
     """Whether a slot Lease has a holder that takes the slot's sends: named, not released, not expired."""
     return bool(holder) and not holder.startswith(RELEASED) and not _expired(spec, now)
