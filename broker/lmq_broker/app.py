@@ -311,6 +311,7 @@ class Broker:
         )
         server.add_generic_rpc_handlers((repl.handler(),))
         cluster.ring_fixed = repl.stamps.why_fixed
+        cluster.slot_of_topic = repl.slots.slot_of_topic
         self.dispatcher.ingest.replicas = repl.slots
         self.dispatcher.settlement.committed = repl.slots.committed
         self.dispatcher.settlement.followed = repl.slots.followed

@@ -20,6 +20,9 @@ from typing import Any, Final
 
 ANNOTATION: Final = "lmq.io/replication"  # the report, on the broker StatefulSet, for `kubectl describe`
 IN_SYNC: Final = "lmq.io/in-sync"  # on a slot Lease: its in-sync replicas (ring slots, comma-separated), the holder's
+# The holder a released lease names (``lmq_broker.replication.leadership.RELEASED``): its releaser, fenced before it
+# wrote it, so nobody takes the slot's sends until a member of its set takes the lease at its next tick.
+RELEASED: Final = "released/"
 
 
 class Reason(enum.StrEnum):
@@ -31,10 +34,10 @@ class Reason(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class Slot:
     slot: int
-    holder: str  # the Lease's holderIdentity ("slot-<s>/<id>": the broker of ring slot s), "" when none
+    holder: str  # the Lease's holderIdentity ("slot-<s>/<id>": the broker of ring slot s; "released/…"), "" when none
     epoch: int  # leaseTransitions: the slot's replication epoch
     renewed: str  # the Lease's renewTime as written ("" when none)
-    held: bool  # a holder whose lease has not expired
+    held: bool  # a holder whose lease has not expired (a released lease is not held: its releaser is fenced)
     missing: tuple[int, ...]  # replicas (ring slots) of this slot that do not answer
     in_sync: tuple[int, ...] | None = None  # the in-sync set recorded in the Lease; None: none recorded
     out_of_sync: tuple[int, ...] = ()  # replicas not in that set (() when none is recorded)
@@ -119,6 +122,23 @@ def replicas_of(slot: int, slots: int, processes: int, replicas: int) -> list[in
     return [(slot + k * processes) % slots for k in range(replicas)]
 
 
+def holder_of(lease: Mapping[str, Any], now: datetime) -> int | None:
+    """The ring slot of the broker holding a slot Lease (its identity ``slot-<s>/…``); None when nobody holds it
+    (missing, released, expired) or another name does (a person's forced takeover)."""
+    spec = lease.get("spec") or {}
+    holder = str(spec.get("holderIdentity") or "")
+    head = holder.partition("/")[0]
+    number = head.removeprefix("slot-")
+    if not held(holder, spec, now) or not head.startswith("slot-") or not number.isdigit():
+        return None
+    return int(number)
+
+
+def held(holder: str, spec: Mapping[str, Any], now: datetime) -> bool:
+    """Whether a slot Lease has a holder that takes the slot's sends: named, not released, not expired."""
+    return bool(holder) and not holder.startswith(RELEASED) and not _expired(spec, now)
+
+
 def _expired(spec: Mapping[str, Any], now: datetime) -> bool:
     renewed = spec.get("renewTime") or spec.get("acquireTime")
     if not renewed:
@@ -153,7 +173,7 @@ def report(  # noqa: PLR0917 (what was observed)
                 holder=holder,
                 epoch=int(spec.get("leaseTransitions") or 0),
                 renewed=str(spec.get("renewTime") or ""),
-                held=bool(holder) and not _expired(spec, now),
+                held=held(holder, spec, now),
                 missing=missing,
                 in_sync=in_sync,
                 out_of_sync=() if in_sync is None else tuple(r for r in ring if r not in in_sync),

@@ -246,11 +246,11 @@ class Scaler:
         views = {s: a[0] for s, a in zip(asks, answers, strict=True)}
         undrained = {s: a[1] for s, a in zip(asks, answers, strict=True) if s in leaving}
         replicas = int((sts.get("spec") or {}).get("replicas", 1))
-        in_sync = None
+        in_sync = holders = None
         if self.conf.replication > 1 and target is not None:
             self._leases = await self._list_leases()
             if self._leases is not None:
-                in_sync = self._in_sync(self._leases, len(target.members))
+                in_sync, holders = self._in_sync(self._leases, len(target.members))
         observed = scaling.Observed(
             wanted,
             replicas,
@@ -262,6 +262,7 @@ class Scaler:
             epoch,
             replication=self.conf.replication,
             in_sync=in_sync,
+            holders=holders,
         )
         self._asks = asks
         return sts, cm, observed
@@ -276,10 +277,15 @@ class Scaler:
         items: list[Mapping[str, Any]] = (found or {}).get("items") or []
         return items
 
-    def _in_sync(self, leases: Sequence[Mapping[str, Any]], slots: int) -> dict[int, tuple[int, ...] | None]:
+    def _in_sync(
+        self, leases: Sequence[Mapping[str, Any]], slots: int
+    ) -> tuple[dict[int, tuple[int, ...] | None], dict[int, int | None]]:
+        """Each slot's in-sync set and the ring slot of its holder, as the slot Leases record them."""
         by_name = {str(lease["metadata"]["name"]): lease for lease in leases}
-        prefix = self.conf.slot_lease_prefix
-        return {s: replicas.in_sync_of(by_name.get(f"{prefix}-slot-{s}", {})) for s in range(slots)}
+        prefix, now = self.conf.slot_lease_prefix, datetime.now(UTC)
+        found = [by_name.get(f"{prefix}-slot-{s}", {}) for s in range(slots)]
+        in_sync = {s: replicas.in_sync_of(lease) for s, lease in enumerate(found)}
+        return in_sync, {s: replicas.holder_of(lease, now) for s, lease in enumerate(found)}
 
     async def run_once(self) -> scaling.Decision:
         sts, cm, observed = await self.observe()

@@ -93,10 +93,14 @@ class Observed:
     undrained: Mapping[int, int | None]  # leaving slot -> undrained messages (None: could not be asked)
     pod: Callable[[int], str]  # ordinal -> the pod's advertised endpoint (what ``--peers`` lists)
     epoch: int | None = None  # the epoch recorded with ``target`` (None: none recorded yet)
-    replication: int = 1  # copies of every ring slot (docs/replication.md); above 1 the ring only grows
+    replication: int = 1  # copies of every ring slot (docs/replication.md, Changing the ring with R > 1)
     # Above 1: each slot's in-sync set as its Lease records it (None for a slot: none recorded; None: the Leases
     # could not be read). A ring change is over once no set names a replica the ring no longer gives the slot.
     in_sync: Mapping[int, tuple[int, ...] | None] | None = None
+    # Above 1: the ring slot of the broker holding each slot's Lease (None for a slot: nobody, its Lease
+    # released, expired or missing), read with ``in_sync``: a scale-down removes its slots only once every
+    # slot that stays is held by a broker that stays.
+    holders: Mapping[int, int | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,11 +252,13 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
     wanted = o.wanted if o.wanted is not None else ring_pods
     if wanted < 1:
         return _with(base, Phase.STALLED, f"{ANNOTATION_REPLICAS} must be a whole number of at least 1")
-    replicated = _replicated(o, target, wanted) if o.replication > 1 and not target.leaving_slots else None
+    replicated = _replicated(o, target, wanted) if o.replication > 1 else None
     if replicated is not None:
         return _with(base, *replicated)
     if target.leaving_slots:
-        if wanted != ring_pods:  # a new wish while draining: a new epoch with that ring (all back, or fewer)
+        # a new wish while draining: a new epoch with that ring (all back, or fewer); a replicated ring first
+        # finishes the scale-down it marked (its brokers take no other ring meanwhile)
+        if wanted != ring_pods and o.replication <= 1:
             new = target.shrunk(min(wanted, pods) * o.processes)
             text = f"the wanted size changed to {wanted} pods while draining"
             return _step(base, o, target, new, phase=Phase.CONVERGING, text=text)
@@ -290,18 +296,56 @@ def decide(o: Observed) -> Decision:  # noqa: PLR0911 (a return per scaling deci
 
 
 def _replicated(o: Observed, target: mb.Membership, wanted: int) -> tuple[Phase, str] | None:
-    """At R > 1, what holds the ring where it is (None: nothing): a change still moving replicas, a scale-down
-    (not built), a scale-up while a broker cannot grow its ring."""
+    """At R > 1, what holds the ring where it is (None: nothing, the next step goes as at R = 1): a scale-down
+    whose leaving slots cannot be removed yet, a change still moving replicas, a scale-down below R pods, a
+    change while a broker cannot change its ring."""
+    if target.leaving_slots:
+        return _not_shed(o, target)
     moving = _replicas_moving(o, target)
     if moving is not None:
         return moving
     pods = target.size // o.processes
-    if wanted < pods:
-        return Phase.STALLED, _no_scale_down(o.replication, pods, wanted)
+    if wanted < pods and wanted < o.replication:
+        return Phase.STALLED, _too_few(o.replication, pods, wanted)
     fixed = [(s, v.ring_fixed) for s, v in sorted(o.views.items()) if v is not None and v.ring_fixed]
-    if wanted > pods and fixed:
-        return Phase.STALLED, _not_growable(o.replication, pods, wanted, target, fixed)
+    if wanted != pods and fixed:
+        return Phase.STALLED, _not_changeable(o.replication, pods, wanted, target, fixed)
     return None
+
+
+def _not_shed(o: Observed, target: mb.Membership) -> tuple[Phase, str] | None:
+    """At R > 1 with slots leaving (docs/replication.md, *Changing the ring with R > 1*, step 6): what the
+    removal of the leaving slots waits for; None once nothing (their drain is checked as at R = 1). Each
+    leaving slot is held by its own broker, which drains its topics to their owners in today's ring (they take
+    them over where they end); each slot that stays has its new-ring replicas in its in-sync set (probed in by
+    its holder) and is held by a broker that stays (a leaving one releases it to a member of the set). Removed
+    before, a slot that stays could lose its last in-sync copy, or keep a lease nobody renews."""
+    pods, ring_pods = len(target.members) // o.processes, target.size // o.processes
+    if o.in_sync is None or o.holders is None:
+        why = "their holders and in-sync sets decide when leaving slots may be removed"
+        return Phase.WAITING, f"the slot Leases could not be read: {why}"
+    waits: list[str] = []
+    for slot in target.leaving_slots:
+        holder = o.holders.get(slot)
+        if holder != slot:
+            held = "nobody" if holder is None else _member(target, holder)
+            waits.append(f"leaving slot {slot}'s lease is held by {held}, not {_member(target, slot)}, which drains it")
+    for slot in range(target.size):
+        ring = replicas.replicas_of(slot, target.size, o.processes, o.replication)
+        found, holder = o.in_sync.get(slot), o.holders.get(slot)
+        if holder is None or target.leaving(holder):
+            held = "nobody (released or expired)" if holder is None else f"{_member(target, holder)}, which is leaving"
+            waits.append(f"slot {slot}'s lease is held by {held}")
+        if found is None or not set(ring) <= set(found):
+            waits.append(f"slot {slot}: in sync {list(found or ())}, needs its replicas {ring}")
+    if not waits:
+        return None
+    shown = "; ".join(waits[:8]) + (f" and {len(waits) - 8} more" if len(waits) > 8 else "")
+    return Phase.DRAINING, f"scaling down {pods} → {ring_pods} pods (every slot on {o.replication}), waiting: {shown}"
+
+
+def _member(target: mb.Membership, slot: int) -> str:
+    return target.members[slot] if 0 <= slot < len(target.members) else f"slot {slot}"
 
 
 def _replicas_moving(o: Observed, target: mb.Membership) -> tuple[Phase, str] | None:
@@ -328,26 +372,23 @@ def _replicas_moving(o: Observed, target: mb.Membership) -> tuple[Phase, str] | 
     return None
 
 
-def _no_scale_down(replication: int, pods: int, wanted: int) -> str:
-    """Why the pod count stays: a leaving pod is the last in-sync copy of the slots it follows until their new
-    followers are in their sets, and the leases it holds must be handed over; the brokers do that (steps 2-5
-    of docs/replication.md, *Changing the ring with R > 1*) but the operator does not drive it yet, and the
-    brokers refuse a shrunk ring at R > 1."""
+def _too_few(replication: int, pods: int, wanted: int) -> str:
+    """Why the pod count stays: every slot is kept on ``replication`` pods, never two replicas on one pod."""
     return (
-        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but every slot is kept on {replication} pods and a "
-        f"replicated ring does not shrink yet: the ring stays at {pods} pods, no pod is drained or removed "
-        f"(docs/replication.md, Changing the ring with R > 1). Set it back to {pods} or more"
+        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but every slot is kept on {replication} pods, each on "
+        f"another pod: the ring stays at {pods} pods (docs/replication.md). Set it to {replication} or more"
     )
 
 
-def _not_growable(
+def _not_changeable(
     replication: int, pods: int, wanted: int, target: mb.Membership, fixed: Sequence[tuple[int, str]]
 ) -> str:
-    """Why a scale-up does not start at R > 1: a broker holds a lite topic whose last record names no slot, so
-    it would file it by another ring after the change. Nothing is started, recorded or told."""
+    """Why a ring change does not start at R > 1: a broker holds a lite topic whose last record names no slot,
+    so it would file it by another ring after the change. Nothing is started, recorded, told or drained."""
     shown = "; ".join(f"{target.members[s] if s < len(target.members) else s}: {why}" for s, why in fixed[:4])
+    way = "grow" if wanted > pods else "shrink"
     return (
-        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but the brokers cannot grow a ring replicated "
+        f"{ANNOTATION_REPLICAS} asks for {wanted} pods, but the brokers cannot {way} a ring replicated "
         f"{replication} times now ({shown}): the ring stays at {pods} pods (docs/replication.md, Changing the "
         "ring with R > 1)"
     )

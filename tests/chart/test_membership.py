@@ -85,13 +85,14 @@ def test_processes_per_pod(render: Render) -> None:
 
 
 def test_network_policy_opens_the_process_ports(render: Render) -> None:
-    (policy,) = find(render(), "NetworkPolicy", BROKER)
+    # R = 1: the copy socket's ports have their own test (test_replication.py)
+    (policy,) = find(render({"broker": {"replication": {"replicas": 1}}}), "NetworkPolicy", BROKER)
     assert [r["ports"] for r in policy["spec"]["ingress"]] == [
         [{"port": 8081, "protocol": "TCP"}],
         [{"port": 8082, "protocol": "TCP"}],
         [{"port": 9100, "protocol": "TCP"}],
     ]
-    (policy,) = find(render({"broker": {"processes": 4}}), "NetworkPolicy", BROKER)
+    (policy,) = find(render({"broker": {"processes": 4, "replication": {"replicas": 1}}}), "NetworkPolicy", BROKER)
     ingress = policy["spec"]["ingress"]
     assert [r["ports"] for r in ingress] == [
         [{"port": 8081, "protocol": "TCP"}],

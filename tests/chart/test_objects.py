@@ -368,7 +368,7 @@ def test_operator_deployment(render: Render, one: One) -> None:
         "LMQ_OPERATOR_BROKER_MEMBERSHIP": "demo-lmq-broker-membership",
         "LMQ_OPERATOR_BROKER_ADDRESS": "{pod}." + HEADLESS + ".mq.svc.cluster.local:8081",
         "LMQ_OPERATOR_BROKER_PROCESSES": "1",
-        "LMQ_OPERATOR_BROKER_REPLICATION": "1",
+        "LMQ_OPERATOR_BROKER_REPLICATION": "2",  # the chart's default (null: 2 with its 2 pods)
         "LMQ_OPERATOR_SLOT_LEASE_PREFIX": "demo-lmq",
         "LMQ_OPERATOR_BROKER_PORT": "8082",
         "LMQ_OPERATOR_METRICS_PORT": "9101",
@@ -434,7 +434,9 @@ def test_cluster_wide_rbac_is_least_privilege(render: Render, one: One) -> None:
     assert broker_role["metadata"]["namespace"] == "mq"
     assert rules(broker_role) == BROKER_READ
     roles = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Role")
-    assert roles == [f"{OPERATOR}-brokers", LEADER_ROLE]  # R=1 by default: no Lease Role for the brokers
+    assert roles == ["demo-lmq-broker-leases", f"{OPERATOR}-brokers", LEADER_ROLE]  # R = 2 by default: the brokers'
+    one_copy = render({"broker": {"replication": {"replicas": 1}}})
+    assert sorted(o["metadata"]["name"] for o in one_copy if o["kind"] == "Role") == [roles[1], LEADER_ROLE]
 
     binding = one(objects, "ClusterRoleBinding", OPERATOR)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR}
@@ -618,6 +620,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-admin",
         "lmq-broker",
         "lmq-broker-headless",
+        "lmq-broker-leases",
         "lmq-broker-peers",
         "lmq-operator",
         "lmq-operator-brokers",
@@ -630,6 +633,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-admin",
         "mq-broker",
         "mq-broker-headless",
+        "mq-broker-leases",
         "mq-broker-peers",
         "mq-operator",
         "mq-operator-brokers",

@@ -42,6 +42,8 @@ def operator_env(objects: list[Manifest], one: One) -> dict[str, str]:
 
 
 def test_replicas_null_replicates_two_pods_twice_with_the_release_lease(render: Render, one: One) -> None:
+    default = pod(render({}), one)["containers"][0]["args"]  # the chart's default: null (docs/replication.md)
+    assert default[default.index("--replicas") + 1] == "2"
     objects = render({"broker": {"replication": {"replicas": None}}})  # null: 2 with broker.replicas 2
     spec = pod(objects, one)
     broker = spec["containers"][0]
@@ -66,7 +68,7 @@ def test_replicas_null_replicates_two_pods_twice_with_the_release_lease(render: 
 
 def test_one_pod_or_r_1_has_no_replication_no_token_and_no_lease_role(render: Render, one: One) -> None:
     for values in (
-        {},
+        {"broker": {"replicas": 1}},
         {"broker": {"replicas": 1, "replication": {"replicas": None}}},
         {"broker": {"replication": {"replicas": 1}}},
     ):

@@ -7,17 +7,24 @@ Scale-up 2 -> 3 pods under two sending clients: one on a topic of slot 0 (its re
 a topic placed on slot 1 by the ring of 2 that the ring of 3 hashes to slot 2 (it stays on slot 1, whose
 replicas move from (1, 0) to (1, 2)). A consumer committed part of the moved topic before. The operator
 records the grown ring, raises spec.replicas, tells the brokers and reports ScalingUp until every slot's lease
-names only its new-ring replicas; then Steady. Afterwards slot 1's old holder is killed (-9): the new replica
-takes slot 1 over and holds every acknowledged message of the moved topic, once, in order, at the offsets the
-old holder gave them, and the consumer's commit point. A scale-down at R = 2 stays refused (Stalled). Run twice:
-with slot 1 held by its owner (no lease moves), and after a failover gave slot 1 to broker 0, which the ring of
-3 does not give slot 1: broker 0 releases it once both new replicas are in its set (step 5), and the sends
-refused in that handover window are counted.
+names only its new-ring replicas; then Steady.
+
+Then scale-down 3 -> 2 (step 6) under the same clients: the operator marks slot 2 leaving; three topics of slot
+2, consumed, are sent to again and taken over by their owners in the ring of 2 where they ended; slot 1's new
+replica (broker 0) is probed into its set; a slot broker 2 holds is released to a broker that stays; the
+operator removes slot 2 once drained and handed over, then lowers spec.replicas. Every acknowledged message is
+on both remaining pods (each slot's final replicas), once, in order, with the consumer's commit point; the
+sends refused meanwhile are counted per slot. Run twice: with slot 1 held by its owner (no lease moves in the
+scale-up), and after a failover gave slot 1 to broker 0, which the ring of 3 does not give slot 1: broker 0
+releases it once both new replicas are in its set (step 5), and a new replica takes it; before the scale-down
+slot 1 is then given to broker 2 (a forced takeover), which releases it to a broker that stays (step 5).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,19 +121,19 @@ class Ring:
                 broker.process.stdout.close()
 
 
-async def _subscribe(endpoint: str, lite: str) -> None:
+async def _subscribe(endpoint: str, lite: str, client: str = CONSUMER) -> None:
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = service_grpc.MessagingServiceStub(channel)
         request = spb.SyncLiteSubscriptionRequest(
             action=pb.PARTIAL_ADD, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP), lite_topic_set=[lite]
         )
-        subscribed = await stub.SyncLiteSubscription(request, metadata=raw_v2.headers(CONSUMER))
+        subscribed = await stub.SyncLiteSubscription(request, metadata=raw_v2.headers(client))
         assert subscribed.status.code == pb.OK, subscribed.status
 
 
-async def _consume(endpoint: str, lite: str, count: int) -> list[str]:
+async def _consume(endpoint: str, lite: str, count: int, client: str = CONSUMER) -> list[str]:
     """Receive and acknowledge ``count`` messages of ``lite`` for ``GROUP`` (subscribed), in order."""
-    headers = raw_v2.headers(CONSUMER)
+    headers = raw_v2.headers(client)
     got: list[str] = []
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = service_grpc.MessagingServiceStub(channel)
@@ -178,6 +185,36 @@ def _refused(attempts: list[Attempt], start: float, end: float) -> list[Attempt]
     return [a for a in attempts if not a.ok and start <= a.start <= end]
 
 
+def _forced(ring: Ring, slot: int, holder: str) -> bool:
+    """A forced takeover of ``slot``'s lease by ``holder`` (as a person makes one); False when its holder wrote it
+    meanwhile (the write is made on the version read)."""
+    lease = ring.leases.get(f"{PREFIX}-slot-{slot}")
+    assert lease is not None
+    try:
+        ring.leases.write(lease, holder, lease.transitions + 1, 60)
+    except kube_api.Conflict:
+        return False
+    return True
+
+
+def _leaves_to(before: mb.Membership, after: mb.Membership, owner: int, topic: str) -> bool:
+    """Whether ``topic`` is on slot 2 in ``before`` and on ``owner`` in ``after`` (a topic of the leaving slot)."""
+    return mb.owner(before, topic) == 2 and mb.owner(after, topic) == owner
+
+
+def _sent_until_acknowledged(endpoint: str, lite: str, stem: str) -> str:
+    """Send a message of ``lite`` until one is acknowledged, a new id each attempt (a refused one may be stored):
+    the acknowledged id, ``<stem>-<attempts refused before it>``."""
+    deadline = time.monotonic() + 60
+    for attempt in itertools.count():
+        message_id = f"{stem}-{attempt}"
+        if _send(endpoint, lite, message_id) == pb.OK:
+            return message_id
+        assert time.monotonic() < deadline, f"{lite}: no send acknowledged in 60 s"
+        time.sleep(0.05)
+    raise AssertionError("unreachable")
+
+
 def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], slot: int) -> None:
     stored = [message_id for _, message_id, _ in records]
     assert all(stored.count(i) == 1 for i in acked), "an acknowledged message stored twice or not at all"
@@ -186,7 +223,7 @@ def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], s
 
 
 @pytest.mark.parametrize("failover_first", [False, True], ids=["held-by-its-owner", "after-a-failover"])
-def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_shrink(  # noqa: PLR0915 (one scenario)
+def test_a_replicated_ring_grows_and_shrinks_through_the_operator_under_sends(  # noqa: PLR0915 (one scenario)
     *,
     failover_first: bool,
     kube: testing.KubeAPI,
@@ -249,38 +286,72 @@ def test_a_replicated_ring_grows_through_the_operator_under_sends_and_does_not_s
         eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
         eventually(lambda: _send(pods[0], fresh, "f-0") == pb.OK, "a new topic of the new slot acknowledged")
 
-        # ---- a scale-down at R = 2 is not built: refused, nothing drained
-        ring.want(2)
-        eventually(lambda: "does not shrink yet" in ring.status(), "Stalled on a scale-down")
-        assert ring.spec_replicas() == 3
-        attempts = [s.stop() for s in senders]
-        acked = [ids(a) for a in attempts]
-        refused = [len(_refused(a, began, steady)) for a in attempts]
-        reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, began, steady)})
+        scaled_up = [len(_refused(s.attempts(), began, steady)) for s in senders]
+        up_reasons = sorted({r.why[:90] for s in senders for r in _refused(s.attempts(), began, steady)})
         print(
             f"\nscale-up 2 -> 3 at R = 2 ({'after a failover' if failover_first else 'slot 1 held by broker 1'}): "
             f"slot 1's set (1, 2) {moved_s:.2f} s after the new pod started, Steady {steady - began:.2f} s; "
-            f"acknowledged {len(acked[0])} (moved topic) and {len(acked[1])} (slot 0), refused during the change "
-            f"{refused}: {reasons}"
+            f"refused during the change {scaled_up}: {up_reasons}; slot 1 held by broker {holder}"
         )
 
-        # ---- slot 1's holder killed: the other new replica takes slot 1 and holds all of it, and the commit point
-        other = 3 - holder
-        ring.brokers[holder].kill()
-        eventually(
-            lambda: ring.holder(1).startswith(f"slot-{other}/"), "the other new replica took slot 1", timeout_s=30
+        # ---- scale-down 3 -> 2 (step 6): slot 2 marked leaving, its topics drained to their owners in the ring of
+        # 2, which take them over where they end; slot 1's new replica (broker 0) probed in; a slot broker 2 holds
+        # released to a broker that stays; slot 2 removed once drained and handed over; then spec.replicas 2
+        leaving = [fresh, *(_lite(functools.partial(_leaves_to, three, two, o), "l") for o in (0, 1))]
+        before = {lite: ["f-0" if lite == fresh else f"{lite}-0", f"{lite}-1", f"{lite}-2"] for lite in leaving}
+        for lite in leaving:  # consumed at slot 2's holder: drained
+            asyncio.run(_subscribe(pods[2], lite, f"drain-{lite}"))
+            for message_id in before[lite][1 if lite == fresh else 0 :]:
+                assert _send(pods[0], lite, message_id) == pb.OK
+            assert asyncio.run(_consume(pods[2], lite, 3, f"drain-{lite}")) == before[lite]
+        if failover_first:  # slot 1 given to broker 2 (a forced takeover): the scale-down must hand it over
+            eventually(lambda: _forced(ring, 1, ring.holder(2)), "slot 1's lease written to broker 2")
+            eventually(lambda: ring.in_sync(1) == (1, 2) and ring.holder(1) == ring.holder(2), "broker 2 holds slot 1")
+        ring.want(2)
+        eventually(lambda: ring.status().startswith("Draining"), "slot 2 marked leaving")
+        marked = time.monotonic()
+        after: dict[str, list[str]] = {}
+        for lite in leaving:
+            after[lite] = []
+            for n in range(3):
+                after[lite].append(_sent_until_acknowledged(pods[n % 2], lite, f"{lite}-after-{n}"))
+        eventually(lambda: ring.spec_replicas() == 2, "slot 2 removed, then spec.replicas 2", timeout_s=120)
+        shed = time.monotonic()
+        taken = ring.holder(1)  # broker 2 released slot 1 (if it held it) to a broker that stays
+        assert ring.in_sync(0) == (0, 1) and set(ring.in_sync(1) or ()) >= {0, 1}
+        assert ring.holder(0).startswith("slot-0/") and ring.holder(1).split("/")[0] in ("slot-0", "slot-1")
+        ring.brokers[2].stop()  # the StatefulSet controller's part: the pod and its endpoint go
+        testing.set_broker_endpoint(kube, namespace, STS, 2, None)
+        eventually(lambda: ring.status().startswith("Steady"), "Steady at 2 pods", timeout_s=60)
+        assert "ring sizes [2]" in ring.status() and ring.in_sync(1) == (0, 1)
+        count = len(senders[0].acked())
+        eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
+        attempts = [s.stop() for s in senders]
+        acked = [ids(a) for a in attempts]
+        refused = {slot: len(_refused(a, marked, shed)) for slot, a in zip((1, 0), attempts, strict=True)}
+        refused[2] = sum(int(i.rsplit("-", 1)[1]) for ids_ in after.values() for i in ids_)
+        reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, marked, shed)})
+        print(
+            f"scale-down 3 -> 2 at R = 2: slot 2 removed and spec.replicas 2 {shed - marked:.2f} s after it was "
+            f"marked leaving; sends refused per slot meanwhile {refused} (slot 2: its three topics' handed-over "
+            f"sends); acknowledged {len(acked[0])} (slot 1) and {len(acked[1])} (slot 0) in all: {reasons}; "
+            f"slot 1 then held by {taken.split('/')[0]}"
         )
     finally:
         for sender in senders:
             sender.stop()
         ring.stop()
     first = [f"c-{n}" for n in range(COMMITTED + 3)]
-    records = {ordinal: ring.stored(ordinal, moved) for ordinal in (1, 2)}
-    _held_once_in_order(records[other][0], first + acked[0], 1)
-    assert records[other][1] == COMMITTED  # the consumer's commit point, on the slot's last replica
-    old = {offset: message_id for offset, message_id, _ in records[holder][0]}
-    new = {offset: message_id for offset, message_id, _ in records[other][0]}
-    assert all(new[offset] == message_id for offset, message_id in old.items() if message_id in set(acked[0]))
-    for ordinal in (0, 1):  # slot 0's replicas did not move
+    for ordinal in (0, 1):  # the final replicas of every slot: both pods
+        moved_here, committed = ring.stored(ordinal, moved)
+        _held_once_in_order(moved_here, first + acked[0], 1)
+        assert committed == COMMITTED  # the consumer's commit point, also on slot 1's new replica
         _held_once_in_order(ring.stored(ordinal, stays)[0], acked[1], 0)
-    assert [i for _, i, _ in ring.stored(0, fresh)[0]] == ["f-0"]  # the new slot's follower
+        for lite in leaving:  # taken over where it ended at slot 2, by its owner in the ring of 2
+            records, committed = ring.stored(ordinal, lite)
+            stored, want = [i for _, i, _ in records], before[lite] + after[lite]
+            assert [i for i in stored if i in set(want)] == want and all(stored.count(i) == 1 for i in want), lite
+            assert [s for _, i, s in records if i in set(before[lite])] == [2, 2, 2]
+            owner = mb.owner(two, model.QueueId.lmq(PARENT, lite).topic)
+            assert {s for _, i, s in records if i in set(after[lite])} == {owner}
+            assert committed is not None and committed >= 3, (ordinal, lite, committed, records)

@@ -70,6 +70,8 @@ def test_a_missing_released_or_expired_lease_is_unheld() -> None:
     leases = [lease(0, ""), lease(1, "slot-1/b", renewed=stale), lease(3, "slot-3/d"), lease(2, "x", prefix="other")]
     found = replicas.report(leases, "demo", 4, 1, 2, {0, 1, 2, 3}, NOW)
     assert found.unheld == [0, 1, 2]
+    # released by its holder (a handover, docs/replication.md step 5): fenced there until a member takes it
+    assert replicas.report([lease(0, "released/slot-2/c")], "demo", 1, 1, 1, {0}, NOW).unheld == [0]
     assert found.reason is replicas.Reason.LEASE_UNHELD  # worse than under-replicated: sends of the slot fail
     body = json.loads(found.annotation())
     assert body["unheld"] == 3 and body["underReplicated"] == 0 and body["reason"] == "LeaseUnheld"
@@ -128,22 +130,90 @@ def _observed(
     )
 
 
-def test_with_replication_the_ring_grows_and_does_not_shrink() -> None:
-    down = scaling.decide(_observed(3, 2, 2))  # a leaving pod may be the last in-sync copy of a slot it follows
-    assert down.phase is Phase.STALLED
-    assert down.target is None and down.tell == () and down.replicas is None
-    assert "does not shrink yet" in down.message and "Set it back to 3" in down.message
+def test_with_replication_the_ring_grows_and_shrinks_by_marking_its_last_slots_leaving() -> None:
+    down = scaling.decide(_observed(3, 2, 2))  # as at R = 1: slot 2 marked leaving on every broker
+    assert (down.phase, down.target, down.tell, down.replicas) == (
+        Phase.DRAINING,
+        mb.Membership(tuple(PODS[:3]), (3, 2)),
+        (2, 0, 1),  # the leaving broker first
+        None,
+    )
     assert scaling.decide(_observed(3, 2, 1)).phase is Phase.DRAINING  # without replication, as before
+    too_few = scaling.decide(_observed(2, 1, 2))  # every slot on 2 pods: never fewer pods than that
+    assert too_few.phase is Phase.STALLED and too_few.target is None and "Set it to 2 or more" in too_few.message
     up = scaling.decide(_observed(3, 4, 2))  # as at R = 1: recorded, the pod started, the brokers told once it runs
     assert (up.phase, up.replicas, up.target) == (Phase.SCALING_UP, 4, mb.Membership(tuple(PODS[:4]), (3, 4)))
     assert scaling.decide(_observed(3, 3, 2)).phase is Phase.STEADY
 
 
-def test_with_replication_a_ring_does_not_grow_while_a_broker_holds_topics_without_their_slot() -> None:
-    decision = scaling.decide(_observed(3, 4, 2, fixed="lite topic x was stored without its slot"))
-    assert decision.phase is Phase.STALLED
-    assert decision.target is None and decision.tell == () and decision.replicas is None
-    assert "cannot grow a ring replicated 2 times" in decision.message and "without its slot" in decision.message
+def _leaving(
+    undrained: int | None = 0,
+    in_sync: dict[int, tuple[int, ...] | None] | None = None,
+    holders: dict[int, int | None] | None = None,
+    wanted: int = 2,
+) -> scaling.Observed:
+    """3 pods at R = 2 with slot 2 marked leaving (ring of 2): by default drained, each slot that stays held by
+    its own broker with its new-ring replicas (0, 1) in its set, slot 2 held by its own broker."""
+    target = mb.Membership(tuple(PODS[:3]), (3, 2))
+    views: dict[int, scaling.View | None] = {s: scaling.View(target, s) for s in range(3)}
+    sets = {0: (0, 1), 1: (0, 1), 2: (0, 2)} if in_sync is None else in_sync
+    held = {0: 0, 1: 1, 2: 2} if holders is None else holders
+    return scaling.Observed(
+        wanted, 3, 1, target, views, {2: undrained}, lambda i: PODS[i], replication=2, in_sync=sets, holders=held
+    )
+
+
+def test_a_replicated_scale_down_removes_the_leaving_slots_only_once_drained_and_handed_over() -> None:
+    """Docs/replication.md, *Changing the ring with R > 1*, step 6: the leaving slot is removed (and only then
+    the pod count lowered) once it is drained, each slot that stays is held by a broker that stays and has its
+    new-ring replicas in its in-sync set; until then the reason names what it waits for, and nothing is told."""
+    done = scaling.decide(_leaving())
+    assert (done.phase, done.target, done.replicas) == (
+        Phase.SCALED_DOWN,
+        mb.Membership(tuple(PODS[:2]), (2,)),
+        2,
+    )
+    assert done.tell == (0, 1, 2)  # the removed broker too (it then only forwards)
+    waits = {
+        "undrained": _leaving(undrained=5),
+        "cannot be asked": _leaving(undrained=None),
+        "slot 1: in sync [1, 2], needs its replicas [1, 0]": _leaving(in_sync={0: (0, 1), 1: (1, 2), 2: (0, 2)}),
+        "slot 1: in sync [], needs": _leaving(in_sync={0: (0, 1), 1: None, 2: (0, 2)}),
+        f"slot 1's lease is held by {PODS[2]}, which is leaving": _leaving(holders={0: 0, 1: 2, 2: 2}),
+        "slot 0's lease is held by nobody (released or expired)": _leaving(holders={0: None, 1: 1, 2: 2}),
+        f"leaving slot 2's lease is held by {PODS[0]}, not {PODS[2]}": _leaving(holders={0: 0, 1: 1, 2: 0}),
+    }
+    for reason, observed in waits.items():
+        decision = scaling.decide(observed)
+        assert decision.phase is Phase.DRAINING, (reason, decision)
+        assert reason in decision.message, (reason, decision.message)
+        assert decision.tell == () and decision.replicas is None and decision.target is None
+    unread = scaling.decide(dataclasses.replace(_leaving(), holders=None))
+    assert unread.phase is Phase.WAITING and "could not be read" in unread.message
+    again = scaling.decide(_leaving(wanted=3))  # a new wish while draining: the scale-down it marked goes on
+    assert again.phase is Phase.SCALED_DOWN and again.replicas == 2
+    after = dataclasses.replace(_observed(2, 2, 2, in_sync={0: (0, 1), 1: (0, 1, 2)}), replicas=2)
+    assert scaling.decide(after).phase is Phase.SCALING_UP  # slot 1's holder narrows its set to (0, 1) next
+
+
+def test_the_holder_of_a_slot_lease_is_a_ring_slot_only_while_it_holds_it() -> None:
+    assert replicas.holder_of(lease(1, "slot-2/pod-2"), NOW) == 2
+    for gone in (
+        lease(1, "released/slot-2/pod-2"),
+        lease(1, ""),
+        lease(1, "slot-2/a", renewed=NOW - timedelta(seconds=7)),
+    ):
+        assert replicas.holder_of(gone, NOW) is None
+    assert replicas.holder_of(lease(1, "someone-else"), NOW) is None  # a person's forced takeover: no ring slot
+    assert replicas.holder_of({}, NOW) is None
+
+
+def test_with_replication_a_ring_does_not_change_while_a_broker_holds_topics_without_their_slot() -> None:
+    for wanted, way in ((4, "grow"), (2, "shrink")):
+        decision = scaling.decide(_observed(3, wanted, 2, fixed="lite topic x was stored without its slot"))
+        assert decision.phase is Phase.STALLED
+        assert decision.target is None and decision.tell == () and decision.replicas is None
+        assert f"cannot {way} a ring replicated 2 times" in decision.message and "without its slot" in decision.message
 
 
 def test_after_a_grown_ring_the_operator_waits_until_every_slot_names_only_its_new_replicas() -> None:

@@ -41,6 +41,7 @@ PAGE_DEFAULT: Final = 100
 PAGE_MAX: Final = 10_000
 TOP_K_DEFAULT: Final = 10
 TOP_K_MAX: Final = 1000
+Drains = Callable[[str], bool]  # an LMQ name stored here -> whether this broker drains it (blocking: may read)
 
 
 def scan_key(meta: model.LiteTopicMeta, parent: str) -> str:
@@ -56,13 +57,17 @@ def groups_by_parent(groups: Iterable[model.LiteGroup]) -> dict[str, list[str]]:
 
 
 # --- one lite topic, pages of lite topics ---------------------------------------------------------------
-async def describe(store: Store, live: LiveView, parent: str, lite: str) -> pb.DescribeLiteTopicResponse:
+async def describe(
+    store: Store, live: LiveView, parent: str, lite: str, held: Callable[[str], bool] | None = None
+) -> pb.DescribeLiteTopicResponse:
+    """One lite topic; NOT_FOUND when this store has none, or when ``held`` (a placement question about one slot,
+    with replication) says its records name another slot."""
     validation.name("parent", parent)
     validation.lite_topic("lite", lite)
 
     def read() -> tuple[model.LiteTopicMeta, dict[str, int]]:
         meta = store.lite_topic(parent, lite)
-        if meta is None:
+        if meta is None or (held is not None and not held(model.QueueId.lmq(parent, lite).topic)):
             raise errors.NotFound(f"lite topic {lite!r} of {parent!r} not found", parent=parent, lite=lite)
         queue = model.QueueId.lmq(parent, lite)
         offsets = {}
@@ -216,7 +221,7 @@ def _offsets_page(
 
 # --- the broker -------------------------------------------------------------------------------------------
 async def broker_info(
-    store: Store, live: LiveView, config: BrokerConfig, *, skip_undrained: bool
+    store: Store, live: LiveView, config: BrokerConfig, *, skip_undrained: bool, drains: Drains | None = None
 ) -> pb.GetBrokerInfoResponse:
     def counts() -> tuple[int, int, int, int]:
         return (
@@ -234,13 +239,20 @@ async def broker_info(
         subscription_count=live.subscription_count(),
         client_count=live.client_count(),
         stored_bytes=stored_bytes,
-        undrained_messages=-1 if skip_undrained else await undrained(store),
+        undrained_messages=-1 if skip_undrained else await undrained(store, drains),
         parent_topic_count=parents,
         group_count=groups,
     )
 
 
-async def undrained(store: Store) -> int:
+async def undrained(store: Store, drains: Drains | None = None, handed_over: Drains | None = None) -> int:
+    """Messages of this broker's lite topics that some group bound to their parent has not consumed (a topic
+    whose parent has no group: all of them). With replication, only the topics ``drains`` names (the topics of
+    this broker's own slot, by the slot their records name): its copies of the slots it follows drain at their
+    holders, and counting them would keep a leaving follower undrained for as long as those slots take sends.
+    With ``handed_over`` (a leaving broker with replication) a topic not handed over to its owner in today's
+    ring yet counts at least 1 even when consumed: its next owner takes it over where it ends (its followers
+    hold copies at those offsets), which it cannot once the leaving slot is removed."""
     bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
 
     def page(start_after: str) -> tuple[int, str | None]:
@@ -249,12 +261,15 @@ async def undrained(store: Store) -> int:
         for meta in metas:
             if meta.max_offset <= meta.min_offset:
                 continue
+            if drains is not None and not drains(model.QueueId.lmq(meta.parent, meta.lite).topic):
+                continue
             names = bound.get(meta.parent)
             if not names:
                 total += meta.max_offset - meta.min_offset
                 continue
             queue = model.QueueId.lmq(meta.parent, meta.lite)
-            total += max(backlog(meta, store.get_offset(queue, name)) for name in names)
+            left = max(backlog(meta, store.get_offset(queue, name)) for name in names)
+            total += max(left, 1) if handed_over is not None and not handed_over(queue.topic) else left
         return total, scan_key(metas[-1], "") if len(metas) == WALK_BATCH else None
 
     total = 0

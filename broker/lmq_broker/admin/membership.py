@@ -26,7 +26,7 @@ UNDRAINED_TIMEOUT_S = 60.0  # a member counting its undrained messages walks all
 async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.GetClusterResponse:
     place = cluster.place
     leaving = place.slot >= 0 and place.membership.leaving(place.slot)
-    undrained = await inspection.undrained(store) if with_undrained else -1
+    undrained = await inspection.undrained(store, drains(cluster), handed_over(cluster)) if with_undrained else -1
     return pb.GetClusterResponse(
         members=place.membership.members,
         ring_sizes=place.membership.sizes,
@@ -40,6 +40,23 @@ async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.Ge
         incarnation=cluster.incarnation,
         ring_fixed=ring_fixed(cluster),
     )
+
+
+def drains(cluster: Cluster) -> inspection.Drains | None:
+    """Which lite topics of its store a broker drains when leaving: every one at --replicas 1; with replication,
+    those of its own slot by the slot their records name (its copies of the slots it follows drain at their
+    holders)."""
+    of = cluster.slot_of_topic
+    return None if of is None else lambda topic: of(topic) == cluster.slot
+
+
+def handed_over(cluster: Cluster) -> inspection.Drains | None:
+    """At a leaving broker with replication: whether a topic of its own slot was handed over to its owner in
+    today's ring (``cluster.draining``, this process's memory); None elsewhere."""
+    peers, place = cluster.peers, cluster.place
+    if cluster.slot_of_topic is None or peers is None or place.slot < 0 or not place.membership.leaving(place.slot):
+        return None
+    return peers.handoff.moved
 
 
 def ring_fixed(cluster: Cluster) -> str:
@@ -94,7 +111,7 @@ async def _check_removable(cluster: Cluster, store: Store, old: Place, slot: int
             f"{member} is not leaving: shrink the ring first (ring size {slot} or less), let it drain, then remove it"
         )
     if slot == old.slot:
-        undrained = await inspection.undrained(store)
+        undrained = await inspection.undrained(store, drains(cluster), handed_over(cluster))
     else:
         peers = cluster.peers
         if peers is None:

@@ -248,7 +248,10 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     async def DescribeLiteTopic(
         self, request: pb.DescribeLiteTopicRequest, context: Context
     ) -> pb.DescribeLiteTopicResponse:
-        return await inspection.describe(self._store, self._live, request.parent, request.lite)
+        of = self._cluster.slot_of_topic if self._cluster is not None else None
+        slot = request.slot if request.HasField("slot") else None
+        held = None if of is None or slot is None else lambda topic: of(topic) == slot
+        return await inspection.describe(self._store, self._live, request.parent, request.lite, held)
 
     @override
     @_edge
@@ -435,8 +438,9 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @override
     @_edge
     async def GetBrokerInfo(self, request: pb.GetBrokerInfoRequest, context: Context) -> pb.GetBrokerInfoResponse:
+        drains = membership.drains(self._cluster) if self._cluster is not None else None
         return await inspection.broker_info(
-            self._store, self._live, self._config, skip_undrained=request.skip_undrained
+            self._store, self._live, self._config, skip_undrained=request.skip_undrained, drains=drains
         )
 
     # --- the cluster ------------------------------------------------------------------------------------

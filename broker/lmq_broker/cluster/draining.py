@@ -55,6 +55,13 @@ class Handoff:
         self._moved: dict[str, None] = {}  # LMQ names handed over, oldest first
         self._storing: dict[str, int] = {}  # LMQ name -> stores of it running here
         self._deciding: dict[str, asyncio.Future[None]] = {}
+        # With replication: (LMQ name, this leaving slot, today's owner) -> that owner's holder took the topic over
+        # where it ends here (``replication.setup.Replication.hand_over``), before it counts as moved
+        self.taken_over: Callable[[str, int, int], Awaitable[None]] | None = None
+        self.slots: Callable[[str], tuple[int, int]] = lambda lmq: (-1, -1)  # LMQ name -> (this slot, today's)
+        # With replication: whether a topic (LMQ name) is of this leaving slot by its records; one of a slot that
+        # stays, which this broker holds until it releases it, is stored here and never handed over
+        self.leaves: Callable[[str], bool] | None = None
 
     def moved(self, lmq: str) -> bool:
         return lmq in self._moved
@@ -76,8 +83,10 @@ class Handoff:
         decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._deciding[lmq] = decided
         try:
-            if await self._drained(parent, lite):
+            if (self.leaves is None or self.leaves(lmq)) and await self._drained(parent, lite):
                 await self._move(parent, lite)
+                if self.taken_over is not None:
+                    await self.taken_over(lmq, *self.slots(lmq))
                 if len(self._moved) >= MOVED_MEMORY:
                     del self._moved[next(iter(self._moved))]
                 self._moved[lmq] = None

@@ -29,7 +29,7 @@ from typing import Final
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from lmq_broker import errors
+from lmq_broker import errors, model
 from lmq_broker.cluster import draining, local_hop
 from lmq_broker.cluster.epochs import Epochs
 from lmq_broker.cluster.links import CALL_TIMEOUT_S, V2, Links
@@ -76,6 +76,9 @@ class Forwarder:
         self._epochs = epochs
         self.handoff = handoff
         self._store_here = store_here
+        # With replication: a lite topic (LMQ name) of a leaving slot is taken over before its first message
+        # handed over is stored here (``replication.setup.Replication.adopt``); None: stored afresh (R = 1)
+        self.adopt: Callable[[str, int, int], Awaitable[None]] | None = None
         self._batches: dict[str, _Batch] = {}
         self._in_flight: dict[str, int] = {}  # forward calls per owner endpoint not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
@@ -133,7 +136,7 @@ class Forwarder:
         me = self._links.me
         if stay:
             if owners is not None and any(slot != me for slot in owners):
-                self._check_handed_over(messages, owners)
+                await self._check_handed_over(messages, owners)
             return await self._store_here(messages)
         kept: list[tuple[str, str]] = []
         if owners is not None and me in owners and self._links.membership.leaving(me):
@@ -144,27 +147,33 @@ class Forwarder:
             for parent, lite in kept:
                 self.handoff.release(parent, lite)
 
-    def _check_handed_over(self, messages: Sequence[pb.Message], owners: list[int]) -> None:
+    async def _check_handed_over(self, messages: Sequence[pb.Message], owners: list[int]) -> None:
         """A peer's copy of topics this broker does not own by its view: refused, unless each such topic is held
         by a leaving broker and this one is its owner in today's ring. That is a hand-over (``draining``): the
         leaving holder sends a drained topic's next message here, and nobody else sends a topic there that a
-        leaving broker holds. It is remembered as placed here from then on."""
+        leaving broker holds. It is remembered as placed here from then on; with replication it is taken over
+        first (``adopt``: its log goes on here where it ends at the leaving slot; the leaving holder asked for it
+        before it sent the message, so this finds it done)."""
         me = self._links.me
         membership = self._links.membership
-        moved: list[tuple[str, str]] = []
+        moved: list[tuple[str, str, int, int]] = []
         for message, slot in zip(messages, owners, strict=True):
             if slot == me:
                 continue
             parent, lite = message.topic.name, message.system_properties.lite_topic
-            if not (membership.leaving(slot) and self._owners.owner_today(parent, lite) == me):
+            today = self._owners.owner_today(parent, lite)
+            serving = self._owners.serving
+            if not (membership.leaving(slot) and me in (today, today if serving is None else serving(today))):
                 self.refused_copies.inc()
                 raise errors.BrokerUnavailable(
                     f"{NOT_OWNER} of lite topic {lite!r} by this broker's view (membership epoch "
                     f"{membership.epoch}); nothing was stored, try again"
                 )
-            moved.append((parent, lite))
-        for parent, lite in moved:
-            self._owners.place(parent, lite, me)
+            moved.append((parent, lite, slot, today))
+        for parent, lite, slot, today in moved:
+            if self.adopt is not None:
+                await self.adopt(model.QueueId.lmq(parent, lite).topic, slot, today)
+            self._owners.place(parent, lite, today)
 
     async def _owners_of(self, messages: Sequence[pb.Message]) -> list[int] | None:
         """Each message's owner slot; None when all are this broker's (no lite message)."""
@@ -213,8 +222,9 @@ class Forwarder:
                 kept.append((parent, lite))
                 continue
             today = self._owners.owner_today(parent, lite)
+            serving = self._owners.serving  # with replication: the broker holding today's owner slot's lease
             for i in topics[parent, lite]:
-                owners[i] = today
+                owners[i] = today if serving is None else serving(today)
         return kept
 
     async def _send_to(

@@ -26,7 +26,7 @@ from lmq_broker.cluster.links import CALL_TIMEOUT_S, Links
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
 
 PLACEMENT_CACHE: Final = 262_144  # lite topic -> slot answers kept; cleared wholesale when full
-LocalHolds = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> this broker's store holds it
+LocalHolds = Callable[[int, str, str], Awaitable[bool]]  # (slot, parent, lite) -> this broker holds it as that slot
 
 
 class Owners:
@@ -120,12 +120,12 @@ class Owners:
         serving = self.serving
         asked = slot if serving is None else serving(slot)
         if asked == self._links.me:
-            return await self._holds_locally(parent, lite)
+            return await self._holds_locally(slot, parent, lite)
         member = self._links.membership.members[asked]
         stub, metadata = self._links.admin(member, "DescribeLiteTopic")
         try:
             await stub.DescribeLiteTopic(
-                admin_pb.DescribeLiteTopicRequest(parent=parent, lite=lite),
+                admin_pb.DescribeLiteTopicRequest(parent=parent, lite=lite, slot=slot),
                 metadata=metadata,
                 timeout=CALL_TIMEOUT_S,
                 wait_for_ready=True,

@@ -51,6 +51,7 @@ class Peers:
         self.changed: Callable[[mb.Membership, int], None] | None = None
         self.fanout = Fanout(self.links, self.owners, subscribers=subscribers, known=known)
         self.handoff = draining.Handoff(drained_locally, self.fanout.move_subscriptions)
+        self.handoff.slots = lambda lmq: (self.links.me, mb.owner(self.links.membership, lmq))
         self.hop: local_hop.Hop | None = None
         if config.local_hop == LocalHop.SOCKET and config.local_hop_dir is not None:
             self.hop = local_hop.Hop(config.local_hop_dir, secret, lambda: self.links.membership.epoch)

@@ -72,19 +72,44 @@ def grown(current: mb.Membership, new: mb.Membership) -> bool:
     )
 
 
+def marked_leaving(current: mb.Membership, new: mb.Membership) -> bool:
+    """Whether ``new`` is ``current`` with its last slots marked leaving (a scale-down's first step): the same
+    members, a smaller ring size added to the history, nothing leaving before."""
+    return (
+        new.members == current.members
+        and not current.leaving_slots
+        and new.sizes == (*current.sizes, new.size)
+        and 1 <= new.size < len(current.members)
+    )
+
+
+def shed(current: mb.Membership, new: mb.Membership) -> bool:
+    """Whether ``new`` is ``current`` without its leaving slots (a scale-down's last step, ``Membership.shed``)."""
+    if not current.leaving_slots:
+        return False
+    without = current.shed()
+    return (new.members, new.sizes) == (without.members, without.sizes)
+
+
 def fixed_ring(replicas: int, current: mb.Membership, new: mb.Membership, why_fixed: str | None) -> None:
-    """With replication (``--replicas`` above 1) a ring changes only by growing (docs/replication.md, *Changing
-    the ring with R > 1*): each broker rebuilds its replica sets from the grown membership (the union of the
-    ring before and after until every new replica is in its slot's in-sync set), and a topic keeps the slot its
-    records name. ``why_fixed`` is why this broker cannot take one now ("": it can; None: its replication has
-    not started): a lite topic of its store names no slot on its last record (``replication.stamps``). A ring
-    that shrinks, or slots marked leaving or removed, is refused, whatever ``force``: a leaving pod's
-    drain and lease handover are not driven by the operator yet. A new epoch of the same ring (the operator
-    numbering it) is accepted."""
+    """With replication (``--replicas`` above 1) a ring changes only in the shapes whose replicas and leases the
+    brokers move (docs/replication.md, *Changing the ring with R > 1*): grown (each broker rebuilds its replica
+    sets from the grown membership: the union of the ring before and after until every new replica is in its
+    slot's in-sync set), its last slots marked leaving (the same union towards the smaller ring; the leaving
+    brokers drain their topics to today's owners, which take them over where they end, and hand the leases of
+    the slots that stay over), and those slots removed once the operator found them drained and handed over
+    (``SetCluster``'s removal check asks each whether it is drained). Any other ring (slots leaving on top of a
+    change, a shrunk ring removed at once, other members) is refused, whatever ``force``. A topic keeps the
+    slot its records name. ``why_fixed`` is why this broker cannot take a changed ring now ("": it can; None:
+    its replication has not started): a lite topic of its store names no slot on its last record
+    (``replication.stamps``). A new epoch of the same ring (the operator numbering it) is accepted."""
     if replicas <= 1 or new == current:
         return
-    if not grown(current, new):
-        why = "a replicated ring only grows (a scale-down at --replicas above 1 is not built)"
+    if not (grown(current, new) or marked_leaving(current, new) or shed(current, new)):
+        why = (
+            "a replicated ring grows, or shrinks by marking its last slots leaving and then, once they are drained "
+            "and their slots' leases handed over, removing them"
+        )
     elif why_fixed is None:
         why = "replication is not running yet"
     elif why_fixed:
@@ -163,6 +188,10 @@ class Cluster:
         self._refused_epoch = 0  # a peer's membership refused at --replicas > 1 (logged once per epoch)
         # Why this broker's ring cannot grow now ("": it can; None: replication not started; ``fixed_ring``)
         self.ring_fixed: Callable[[], str | None] = lambda: None
+        # With replication: the slot a lite topic (its LMQ name) of this store belongs to, by its records
+        # (``replication.owning.Slots.slot_of_topic``; blocking). It decides what a leaving broker drains and
+        # whether this broker holds a topic as one slot (placement); None at --replicas 1: every topic here
+        self.slot_of_topic: Callable[[str], int] | None = None
         self._serving = False  # the watch starts once this broker answers calls (``serve``)
         self._handing: asyncio.Task[None] | None = None
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
@@ -334,8 +363,17 @@ class Cluster:
         self._calls = Calls(edge, peers, self._metrics.registry)
         return peers
 
-    async def _holds_locally(self, parent: str, lite: str) -> bool:
-        return await self._dispatcher.run(self._store.lite_topic, parent, lite) is not None
+    async def _holds_locally(self, slot: int, parent: str, lite: str) -> bool:
+        """Whether this broker holds ``lite`` as ``slot``: it has the topic, and with replication its records name
+        that slot (a copy kept as another slot's follower is not held as this one)."""
+        of = self.slot_of_topic
+
+        def held() -> bool:
+            if self._store.lite_topic(parent, lite) is None:
+                return False
+            return of is None or of(model.QueueId.lmq(parent, lite).topic) == slot
+
+        return await self._dispatcher.run(held)
 
     async def _drained_locally(self, parent: str, lite: str) -> bool:
         return await self._dispatcher.run(draining.drained, self._store, parent, lite)

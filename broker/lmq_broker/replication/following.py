@@ -126,6 +126,29 @@ class Follower:
                     self._counters.commits_stored.labels("yes" if within.handouts.mark else "no").inc()
             return clamped
 
+    async def take_over(self, data: bytes) -> int:
+        """Store a page of a lite topic this broker takes over from a leaving slot (``Replication.adopt``),
+        fetched from that slot's holder from where the topic ends here: the messages it lacks (those it has, as
+        that slot's follower, are passed over once their ids match) and the commit points within them. No
+        epoch or replica check: the topic leaves that slot for this broker's, whose lease it holds. Returns the
+        messages stored (0: it has the holder's whole topic). Conflict when the page does not start where the
+        topic ends here (the holder no longer has its first records) or holds another message at an offset
+        stored here: the topic is not taken over."""
+        copy = wire.decode(data)
+        async with self._lock:
+            for queue, first in copies.first_offsets(copy).items():
+                if (end := self._next_offset(queue)) < first:
+                    raise errors.Conflict(
+                        f"{queue.topic} cannot be taken over from slot {copy.slot}: its holder's records start at "
+                        f"{first}, this broker's end at {end}"
+                    )
+            fresh = await self._fresh(copy.slot, copy)
+            if fresh:
+                await self._append(fresh)
+            for point in copy.commits:
+                await self._commit(self._within(point))
+        return len(fresh)
+
     def _within(self, point: wire.Commit) -> wire.Commit:
         """A commit point no further than this broker's end of its queue: the owner's consumers may have taken
         records that never reached this broker (nor were acknowledged): were it to take over, its own records at

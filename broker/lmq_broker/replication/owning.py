@@ -80,6 +80,13 @@ class Slots:
                     kept.clear()
                 kept[topic] = m.slot
 
+    def adopt(self, topic: str, slot: int) -> None:
+        """``topic`` moves to ``slot`` (a leaving slot's topic handed over to this broker, which holds ``slot``):
+        its next records are stamped with it, and from then on its last record names it."""
+        if len(self._recorded) >= RECORDED_KEPT:
+            self._recorded.clear()
+        self._recorded[topic] = slot
+
     def forget(self, topic: str) -> None:
         """``topic`` was cut (truncation on rejoin) or deleted: its slot is read again from what is left of it
         (a topic deleted and created again takes the slot it is placed on then)."""

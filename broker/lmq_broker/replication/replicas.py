@@ -14,8 +14,8 @@ previous ring size of the history and the ring after every member (a scale-up). 
 (a topic placed by the ring of 2 stays there), so the union is what a change starts from, not where it ends:
 once a slot's in-sync set (its lease) holds every new-ring replica, its holder writes the set without the
 others (``narrowed``, step 4), and from then on every broker reads the slot's replicas from that set: exactly
-the new ring's. A replicated ring only grows outside tests (``cluster.setup.fixed_ring``, ``setup.one_ring``:
-a scale-down is refused), so outside tests the ring before is a smaller one, never slots leaving.
+the new ring's. A replicated ring grows, or has its last slots marked leaving and then removed
+(``cluster.setup.fixed_ring``): the ring before is a smaller one, or every member while slots are leaving.
 """
 
 from __future__ import annotations

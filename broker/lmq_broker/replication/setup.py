@@ -11,6 +11,7 @@ stream is tried again every ``BINARY_RETRY_S`` (the follower may have been upgra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -69,6 +70,9 @@ STATES: Final = SERVICE + "States"  # a batch of state rows (``states``) -> b"" 
 STATE_FETCH: Final = SERVICE + "StateFetch"  # JSON {"slot"} -> every state row of the slot (``states``, full)
 # JSON {"slot", "epoch", "topics": {topic: epoch of a replica's last record}} -> JSON {topic: [epoch|null, offset]}
 DIVERGE: Final = SERVICE + "Diverge"
+# JSON {"slot", "topic", "leaving"} -> b"": the holder of ``slot`` took the drained lite topic over from the leaving
+# slot (``Replication.adopt``), before its holder sends it the topic's next message (``cluster.draining``)
+ADOPT: Final = SERVICE + "Adopt"
 DIVERGE_TOPICS: Final = 1_000  # topics per Diverge call
 ENDS_SCAN: Final = 10_000  # lite topics of the holder's store one Ends call looks through (a page)
 CALL_TIMEOUT_S: Final = 2.0
@@ -76,6 +80,8 @@ CALL_TIMEOUT_S: Final = 2.0
 # holder that is loaded but alive answers within it; one that is down fails at once (not waited for)
 RECONCILE_TIMEOUT_S: Final = 10.0
 IDENTITY_FILE: Final = "replica-identity"
+HAND_OVER_EVERY_S: Final = 1.0  # a leaving broker looks for consumed topics of its slot not handed over yet
+HAND_OVER_BATCH: Final = 1_000  # such topics handed over per look
 FAILPOINT_ENV: Final = "LMQ_FAILPOINT_LOSE_COPIES"
 FAILPOINT_RECONCILE_ENV: Final = "LMQ_FAILPOINT_FAIL_RECONCILE"
 
@@ -94,19 +100,12 @@ def check(config: BrokerConfig) -> None:
 
 
 def one_ring(replicas: int, membership: mb.Membership, why_fixed: str = "") -> None:
-    """Refuse, at --replicas above 1, a ring whose history this broker cannot follow: slots leaving (a
-    scale-down, which replication does not drive yet), or a history (a scale-up behind it) while a lite topic of
-    its store names no slot on its last record (``why_fixed``, from ``stamps``): a topic placed by an older ring
-    stays on a slot that is not its slot in today's ring, and only its records say which (docs/replication.md,
-    *Changing the ring with R > 1*)."""
+    """Refuse, at --replicas above 1, a ring whose history this broker cannot follow: a history (a ring change
+    behind it, or slots leaving) while a lite topic of its store names no slot on its last record (``why_fixed``,
+    from ``stamps``): a topic placed by an older ring stays on a slot that is not its slot in today's ring, and
+    only its records say which (docs/replication.md, *Changing the ring with R > 1*)."""
     if replicas <= 1:
         return
-    if membership.leaving_slots:
-        raise errors.InvalidArgument(
-            f"--replicas {replicas} cannot start with slots leaving (ring sizes {list(membership.sizes)} of "
-            f"{len(membership.members)} members): a scale-down is not built for a replicated ring "
-            "(docs/replication.md, Changing the ring with R > 1); run this ring at --replicas 1"
-        )
     if len(set(membership.sizes)) > 1 and why_fixed:
         raise errors.InvalidArgument(
             f"--replicas {replicas} needs every lite topic to record its slot when the ring has a history (ring "
@@ -258,7 +257,7 @@ class Replication:
         self._replica_sets = replica_sets
         self._processes, self._replicas = processes, config.replicas
         self._min_insync = config.min_insync_replicas or config.replicas
-        peers.changed = self.rebuild
+        peers.changed, peers.forwarder.adopt, peers.handoff.taken_over = self.rebuild, self.adopt, self.hand_over
         self.copy_links: dict[str, streams.Link] = {}  # follower endpoint -> the stream its binary copies take
         self.json_links: dict[str, streams.Link] = {}  # follower endpoint -> its stream of JSON copies (older)
         # The copy sockets (``sockets``): not with TLS, which they do not carry (copies stay on the TLS channels)
@@ -274,9 +273,8 @@ class Replication:
             if config.replica_port >= 0 and config.tls_cert is None
             else None
         )
-        self._json_until: dict[str, float] = {}  # follower endpoint -> when to ask for its binary stream again
         self.methods = frozenset(
-            (METHOD, STREAM, STREAM_BINARY, COPY_SOCKET, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE)
+            (METHOD, STREAM, STREAM_BINARY, COPY_SOCKET, ENDS, FETCH, STATES, STATE_FETCH, DIVERGE, ADOPT)
         )
         self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
@@ -292,6 +290,10 @@ class Replication:
             _failpoint(FAILPOINT_RECONCILE_ENV),
         )
         self._handing: asyncio.Task[None] | None = None
+        # topics of a leaving slot taken over (``adopt``), one at a time, and how many since start; follower
+        # endpoint -> when to ask for its binary stream again; a leaving slot's hand-overs (``_hand_over_idle``)
+        self._adopting, self.adopted, self._json_until = asyncio.Lock(), 0, dict[str, float]()
+        self._handoff, self._sweeping = peers.handoff, list[asyncio.Task[None]]()
         self._interval_s = config.lease_duration_ms / 3000
         registry.register(gauges.Collector(config.replicas, self.leadership, lambda: self.follower, lambda: self.slots))
 
@@ -311,8 +313,8 @@ class Replication:
         the followers of its state rows (read from the sets each batch), each slot's serving broker checked
         for handovers, and the ring slot of topics without a recorded slot. A replica that is no longer one
         keeps its copies. Run again after each lease tick (``_after_tick``): a slot whose lease names exactly its
-        new-ring replicas has those only. A replicated ring only grows (``cluster.setup.fixed_ring``: a scale-down
-        is refused); a new epoch of the same ring changes nothing here."""
+        new-ring replicas has those only. A replicated ring grows, or has its last slots marked leaving and then
+        removed (``cluster.setup.fixed_ring``); a new epoch of the same ring changes nothing here."""
         if me != self.leadership.me:
             log.warning(
                 "replication: this broker is slot %d in the new membership, was %d: not rebuilt", me, self.leadership.me
@@ -375,6 +377,64 @@ class Replication:
         drain_s = min(copies.ACK_TIMEOUT_S, self._interval_s * 3 / 2)
         return await self.leadership.release(slot, lambda epoch, members: owner.drain(epoch, members, drain_s))
 
+    async def adopt(self, topic: str, leaving: int, slot: int) -> None:
+        """A lite topic of the leaving slot ``leaving`` handed over to this broker, the holder of ``slot``, its
+        owner in today's ring (the leaving holder found it drained: ``hand_over``; Fenced unless this broker holds
+        ``slot``). Its log goes on here where it ends there, so every replica of ``slot`` agrees on its offsets
+        and its consumers' commit points go on: what this broker lacks of it (all of it, unless it follows the
+        leaving slot) is fetched from that slot's holder with the commit points; then the topic as this broker
+        has it is copied to ``slot``'s followers (those that follow the leaving slot have it: passed over), then
+        its commit points; only then is its slot this broker's (``Slots.adopt``): its next message is stamped
+        with it. A failure on the way (a follower down at --min-insync-replicas R) leaves it as it was, to be
+        tried again. Storing the topic afresh at offset 0 instead (as at --replicas 1) would put other messages
+        at offsets where ``slot``'s followers hold the leaving slot's copies, and a broker that follows the
+        leaving slot would find the topic recorded under a slot whose lease it does not hold (docs/replication.md,
+        *Changing the ring with R > 1*)."""
+        owner = self.slots.owner(slot)
+        async with self._adopting:
+            owner.admit()
+            if await asyncio.to_thread(self.slots.recorded, topic) == slot:
+                return
+            holder, queue, store = self.leadership.serving(leaving), model.QueueId(topic, 0), self._store
+            if holder != self._links.me:
+                assert self.follower is not None
+                while True:
+                    start = (await asyncio.to_thread(store.queue_offsets, queue))[1]
+                    if not await self.follower.take_over(await self._fetch(holder, leaving, topic, start)):
+                        break
+            start = (await asyncio.to_thread(store.queue_offsets, queue))[0]
+            while True:
+                messages, results = await asyncio.to_thread(sources.page, store, topic, start)
+                if not messages:
+                    break
+                await owner.copy(messages, results)
+                start = results[-1].queue_offsets[0] + 1
+            groups = [g.name for g in await asyncio.to_thread(store.list_groups)]
+            for point in await asyncio.to_thread(sources.points_of, store, topic, groups):
+                noted = owner.note_commit(point)
+                if noted is not None:
+                    await noted
+            self.slots.adopt(topic, slot)
+            self.adopted += 1
+            log.info("lite topic %s: taken over from leaving slot %d (held by %d) as slot %d's", topic, leaving,
+                     holder, slot)  # fmt: skip
+
+    def _leaves(self, topic: str) -> bool:
+        """Whether a lite topic is of this broker's own (leaving) slot by its records: only those are handed over."""
+        return self.slots.slot_of_topic(topic) == self._links.me
+
+    async def hand_over(self, topic: str, leaving: int, slot: int) -> None:
+        """At the holder of the leaving slot ``leaving``: its drained lite topic ``topic`` taken over by the holder
+        of ``slot``, its owner in today's ring (``adopt`` there), before the topic counts as handed over and its
+        next message is sent there (``cluster.draining``). A failure (that holder down, or not holding ``slot``
+        any more) leaves the topic here: the send fails and is tried again."""
+        holder = self.leadership.serving(slot)
+        request = json.dumps({"slot": slot, "topic": topic, "leaving": leaving}).encode()
+        if holder == self._links.me:
+            await self.adopt(topic, leaving, slot)
+        else:
+            await self._call(holder, ADOPT, request, reconciling=True)
+
     def _narrowed(self, target: list[int], now: InSync) -> InSync:
         return replicas.narrowed(target, now, self._min_insync, self.leadership.me) or now
 
@@ -392,13 +452,51 @@ class Replication:
         self._task = loop.create_task(self.leadership.run(self._stopping, self._after_tick), name="lmq-leases")
         self._reconciling = loop.create_task(self.reconciler.run(self._stopping, self._own), name="lmq-reconcile")
         self._handing = loop.create_task(self.handover.run(self._stopping, self._interval_s), name="lmq-handover")
+        self._handoff.leaves = self._leaves  # a leaving slot hands over only its own topics
         me = self.leadership.me
         followers = lambda slot: [s for s in self._replica_sets[slot] if s != me]  # noqa: E731
         call = lambda slot, data: self._call(slot, STATES, data)  # noqa: E731
         self._shipping = loop.create_task(self.states.run(self._stopping, followers, call), name="lmq-states")
+        self._sweeping.append(loop.create_task(self._hand_over_idle(), name="lmq-hand-over-idle"))
+
+    async def _hand_over_idle(self) -> None:
+        """While this broker's slot is leaving: every ``HAND_OVER_EVERY_S`` its consumed lite topics not handed
+        over yet are handed over without waiting for their next message (``cluster.draining``'s decision, then
+        ``hand_over``), so a topic nobody sends to any more does not hold the scale-down up (its count in
+        ``undrained``). At most ``HAND_OVER_BATCH`` topics a pass; a failure is tried again at the next pass."""
+        handoff = self._handoff
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), HAND_OVER_EVERY_S)
+            membership, me = self._links.membership, self._links.me
+            if me < 0 or not membership.leaving(me):
+                continue
+            try:
+                for parent, lite in await asyncio.to_thread(self._not_handed_over, me):
+                    if await handoff.keep(parent, lite):  # not drained: it stays here for now
+                        handoff.release(parent, lite)
+            except errors.LmqError as exc:
+                log.info("handing consumed topics of leaving slot %d over: %s (next pass tries again)", me, exc.message)
+
+    def _not_handed_over(self, me: int) -> list[tuple[str, str]]:
+        """Blocking. (parent, lite) of up to ``HAND_OVER_BATCH`` non-empty lite topics of slot ``me`` (by their
+        records) not handed over yet."""
+        out: list[tuple[str, str]] = []
+        after: str | None = ""
+        while after is not None and len(out) < HAND_OVER_BATCH:
+            page = self._store.scan_lite_topics(None, start_after=after, limit=sources.SCAN_PAGE)
+            for meta in page:
+                topic = model.QueueId.lmq(meta.parent, meta.lite).topic
+                held = meta.max_offset > meta.min_offset and not self._handoff.moved(topic)
+                if held and self.slots.slot_of_topic(topic) == me:
+                    out.append((meta.parent, meta.lite))
+            last = f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}" if page else ""
+            after = last if len(page) == sources.SCAN_PAGE else None
+        return out[:HAND_OVER_BATCH]
 
     async def close(self) -> None:
         self._stopping.set()
+        await asyncio.gather(*self._sweeping, return_exceptions=True)
         if self._task is not None:
             await self._task
         self._api.close()  # the lease loop is done: its kept connections
@@ -499,6 +597,9 @@ class Replication:
         epoch = self.leadership.epoch(slot)
         if epoch is None:
             raise errors.Fenced(f"this broker does not hold the lease of slot {slot}")
+        if method == ADOPT:
+            await self.adopt(str(request["topic"]), int(request["leaving"]), slot)
+            return b""
         if method == DIVERGE:
             if int(request["epoch"]) != epoch:
                 raise errors.Fenced(f"slot {slot} is at epoch {epoch} here, not {request['epoch']}")

@@ -53,10 +53,10 @@ def points(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list
     """Every group's commit point (offset and acked offsets above it) in every non-empty lite topic of ``slot``
     (what a probe of a follower sends after the messages)."""
     groups = [g.name for g in store.list_groups()]
-    return [p for topic in ends(store, slot, slot_of_topic) for p in _points_of(store, topic, groups)]
+    return [p for topic in ends(store, slot, slot_of_topic) for p in points_of(store, topic, groups)]
 
 
-def _points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]:
+def points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]:
     queue = model.QueueId(topic, 0)
     out: list[wire.Commit] = []
     for group in groups:
@@ -73,13 +73,22 @@ def fetch(store: Store, slot: int, epoch: int, topic: str, start: int, *, binary
     an empty disk gets them back). In ``wire``'s JSON layout unless the follower asked for the binary one (an
     older follower does not)."""
     queue = model.QueueId(topic, 0)
-    found = _points_of(store, topic, [g.name for g in store.list_groups()])
+    found = points_of(store, topic, [g.name for g in store.list_groups()])
     stored = _within_bytes(store.read(queue, start, FETCH_MAX))
     messages = [copies.as_new(m) for m in stored]
     results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
     end = stored[-1].offset + 1 if stored else start
     encode = wire.encode if binary else wire.encode_json
     return encode(slot, epoch, messages, results, [p for p in found if p.offset <= end])
+
+
+def page(store: Store, topic: str, start: int) -> tuple[list[model.NewMessage], list[model.AppendResult]]:
+    """Up to ``FETCH_MAX`` messages of ``topic`` from ``start`` (and ``FETCH_BYTES`` of bodies) as a copy carries
+    them: what a holder copies to its followers of a topic it took over (``setup.Replication.adopt``)."""
+    queue = model.QueueId(topic, 0)
+    stored = _within_bytes(store.read(queue, start, FETCH_MAX))
+    results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
+    return [copies.as_new(m) for m in stored], results
 
 
 def _within_bytes(stored: list[model.StoredMessage]) -> list[model.StoredMessage]:

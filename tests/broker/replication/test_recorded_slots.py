@@ -233,11 +233,11 @@ async def test_a_placement_question_about_an_older_slot_goes_to_that_slots_lease
     membership = mb.Membership(("a:1", "b:1", "c:1"), (2, 3))
     name = moved_topic(membership)
     links = Asked(membership, 2, holding={"a:1"})
-    placed = owners.Owners(cast_links(links), cast_epochs(), lambda parent, lite: _never())
+    placed = owners.Owners(cast_links(links), cast_epochs(), lambda slot, parent, lite: _never())
     placed.serving = lambda slot: {1: 0}.get(slot, slot)
     assert await placed.owners(PARENT, [name]) == [0]  # slot 1, served by slot 0's broker
     assert links.asked == ["a:1"]
-    here = owners.Owners(cast_links(Asked(membership, 0, holding=set())), cast_epochs(), lambda p, lite: _held())
+    here = owners.Owners(cast_links(Asked(membership, 0, holding=set())), cast_epochs(), lambda s, p, lite: _held())
     here.serving = lambda slot: {1: 0}.get(slot, slot)
     assert await here.owners(PARENT, [name]) == [0]  # asked of its own store: it holds slot 1's lease
 

@@ -400,27 +400,35 @@ def test_a_ring_with_a_history_starts_with_replicas_only_while_every_topic_recor
     with pytest.raises(errors.InvalidArgument, match="needs every lite topic to record its slot"):
         replication.one_ring(2, grown, "lite topic x was stored without its slot")
     replication.one_ring(2, grown, "")  # every topic names its slot: the grown ring's replica sets follow it
+    replication.one_ring(2, leaving, "")  # a scale-down under way: its replica sets follow it
+    with pytest.raises(errors.InvalidArgument, match="needs every lite topic to record its slot"):
+        replication.one_ring(2, leaving, "lite topic x was stored without its slot")
     for why in ("", "lite topic x was stored without its slot"):
-        with pytest.raises(errors.InvalidArgument, match="cannot start with slots leaving"):
-            replication.one_ring(2, leaving, why)  # a scale-down is not built at R > 1
         replication.one_ring(1, leaving, why)  # at R = 1 as before
         replication.one_ring(2, mb.Membership.parse("a:1,b:2,c:3"), why)  # no history: today's ring is right
 
 
 @pytest.mark.asyncio
-async def test_a_replicated_ring_only_grows_and_only_while_every_topic_records_its_slot(pair: Pair) -> None:
-    """SetCluster with slots leaving or a shrunk ring is refused at R = 2, force or not, on every broker; a
-    grown ring is refused while a lite topic of the broker's store names no slot on its last record (a copy
-    from an owner of an older version, here), and GetCluster says why; the same ring at a new epoch (the
-    operator numbering it) is taken. The leases and sends go on."""
+async def test_a_replicated_ring_changes_only_in_its_safe_shapes_and_only_while_every_topic_records_its_slot(
+    pair: Pair,
+) -> None:
+    """SetCluster with a shrunk ring removed at once, or slots marked leaving on top of a grown ring, is refused
+    at R = 2, force or not, on every broker (a scale-down marks the last slots leaving first: tested with the
+    drain, ``test_a_drained_topic_of_a_leaving_slot_goes_on_at_its_new_owner_where_it_ended``); a grown ring is
+    refused while a lite topic of the broker's store names no slot on its last record (a copy from an owner of
+    an older version, here), and GetCluster says why; the same ring at a new epoch (the operator numbering it)
+    is taken. The leases and sends go on."""
     members = pair.membership.members
     for broker in pair.brokers:
         repl = broker.replication
         assert repl is not None
         with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
             assert (await asyncio.to_thread(admin.cluster)).ring_fixed == ""
-            for ring, sizes, force in ((members, (2, 1), False), (members, (2, 1), True), (members[:1], (1,), True)):
-                with pytest.raises(errors.Conflict, match=r"a replicated ring only grows"):
+            with pytest.raises(errors.Conflict, match=r"is not leaving: shrink the ring first"):  # as at R = 1
+                await asyncio.to_thread(admin.set_cluster, members[:1], (1,))
+            grown_leaving = ((*members, "127.0.0.1:1"), (2, 3, 2))
+            for ring, sizes, force in ((members[:1], (1,), True), (*grown_leaving, True), (*grown_leaving, False)):
+                with pytest.raises(errors.Conflict, match=r"a replicated ring grows, or shrinks by marking"):
                     await asyncio.to_thread(admin.set_cluster, ring, sizes, force=force)
             repl.stamps.note([dispatch_testing.lite_message("old", b"x", parent=PARENT, message_id="old-0")])
             info = await asyncio.to_thread(admin.cluster)
@@ -455,6 +463,28 @@ async def test_the_owner_and_its_follower_record_each_topics_slot(pair: Pair) ->
             assert (record.slot, record.message_id) == (slot, f"{lite}-0")
             assert repl.slots.slot_of_topic(topic) == slot  # on the follower too (it was its own slot's)
             assert repl.slots.followed_slot(topic) == slot
+
+
+@pytest.mark.asyncio
+async def test_a_broker_counts_undrained_only_the_topics_of_its_own_slot_not_its_copies(pair: Pair) -> None:
+    """A leaving broker waits until its undrained count is 0 (docs/scale-out.md): at R = 2 it counts the topics
+    of its own slot by the slot their records name, not its copies of the slots it follows, which drain at
+    their holders (else a leaving follower would read as undrained for as long as the slots it follows take
+    sends). Three sends of a slot-0 topic and two of a slot-1 topic, group G bound and consuming nothing:
+    GetCluster and GetBrokerInfo count 3 at broker 0 and 2 at broker 1, each holding all five."""
+    sent = {0: 3, 1: 2}
+    for slot, count in sent.items():
+        lite = pair.lite_of(slot, prefix="u")
+        for n in range(count):
+            assert (await pair.send(slot, lite, n)).status.code == pb.OK
+        for held in (0, 1):
+            stored = functools.partial(lambda h, lt, c: pair.stored(h, lt) == c, held, lite, count)
+            await eventually_async(stored, "on both replicas")
+    for slot, broker in enumerate(pair.brokers):
+        with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+            info = await asyncio.to_thread(admin.cluster, with_undrained=True)
+            assert info.undrained_messages == sent[slot], (slot, info)
+            assert (await asyncio.to_thread(admin.broker_info)).undrained_messages == sent[slot]
 
 
 def test_a_copy_reads_back_as_it_was_written() -> None:
@@ -1154,6 +1184,98 @@ async def test_a_removed_pod_hands_the_slot_it_holds_over_and_the_slot_keeps_eve
                 (n, f"{lite}-{n}") for n in range(sent)
             ]
         assert not leaving.holds(1) and leaving.holds(2)  # its own (leaving) slot stays with it
+    finally:
+        await ring.close()
+
+
+async def sent_until_acknowledged(ring: Pair, via: int, lite: str, n: int) -> int:
+    """Send ``lite``'s message ``n`` through broker ``via`` until it is acknowledged, as the clients retry a
+    send refused with "try again"; the refusals it took."""
+    refusals = 0
+    deadline = time.monotonic() + TIMEOUT_S
+    while (reply := await ring.send(via, lite, n)).status.code != pb.OK:
+        assert "try again" in reply.status.message and time.monotonic() < deadline, reply.status
+        refusals += 1
+        await asyncio.sleep(0.05)
+    return refusals
+
+
+@pytest.mark.asyncio
+async def test_a_drained_topic_of_a_leaving_slot_goes_on_at_its_new_owner_where_it_ended(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    """Scale-down at R = 2, a ring of 3 to 2 (docs/replication.md, *Changing the ring with R > 1*): SetCluster
+    marks slot 2 leaving on every broker. Two topics of slot 2 (three sends each, consumed: drained), one owned
+    in the ring of 2 by slot 0 (broker 0, slot 2's follower, holds its copies), one by slot 1 (broker 1 holds
+    nothing of it). The next send of each, through any broker, is handed over by slot 2's holder and taken
+    over by the new owner where the topic ends (offset 3), its commit point with it: each new owner's replicas
+    hold the topic's messages once, in order, at the same offsets, the later ones recording the new slot, and
+    its commit point (copied to a follower that lacked the topic once its messages are there). Before,
+    the first was fenced at broker 0 for ever (its copy named slot 2, whose lease it does not hold) and the
+    second stored afresh at offset 0 by broker 1, where broker 0 held slot 2's copies: refused until broker 1
+    had stored three more, after which the two replicas of slot 1 held different messages at offsets 0-2. Nobody
+    sends to them while slot 2 is leaving at first: the leaving broker hands both over all the same (until then
+    it counts each undrained: removed before, a topic would meet the same fate at its next send), then counts
+    nothing, and the slot is removed by SetCluster."""
+    ring = await start_ring(tmp_path, 3, lease_flags(kube, tmp_path))
+    try:
+        members = ring.membership.members
+        shrunk = ring.membership.shrunk(2)
+        lites: dict[int, str] = {}  # new owner -> a topic of slot 2
+        for i in range(10_000):
+            lite, topic = f"d-{i}", model.QueueId.lmq(PARENT, f"d-{i}").topic
+            if ring.owner(lite) == 2 and len(lites) < 2:
+                lites.setdefault(mb.owner(shrunk, topic), lite)
+        for lite in lites.values():
+            for n in range(3):
+                assert (await ring.send(2, lite, n)).status.code == pb.OK
+            await eventually_async(functools.partial(lambda lt: ring.stored(0, lt) == 3, lite), "copied to broker 0")
+            holder = ring.brokers[2].store
+            assert holder is not None
+            holder.commit_offset(model.QueueId.lmq(PARENT, lite), GROUP, 3)  # consumed: drained
+        epoch = max(b.cluster.membership.epoch for b in ring.brokers if b.cluster is not None) + 1
+        for broker in ring.brokers:
+            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+                await asyncio.to_thread(admin.set_cluster, members, shrunk.sizes, epoch=epoch)
+        marked = time.monotonic()
+        leaving = AdminClient(ring.brokers[2].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk")
+        with leaving:  # consumed, nobody sends: handed over all the same, then nothing counts as undrained
+            while (await asyncio.to_thread(leaving.cluster, with_undrained=True)).undrained_messages:
+                assert time.monotonic() < marked + TIMEOUT_S, "not handed over"
+                await asyncio.sleep(0.1)
+        print(f"both consumed topics handed over {time.monotonic() - marked:.2f} s after slot 2 was marked leaving")
+        for new, lite in lites.items():
+            assert (repl := ring.brokers[new].replication) is not None
+            assert repl.slots.slot_of_topic(model.QueueId.lmq(PARENT, lite).topic) == new
+            for replica in (0, 1):  # the new slot's replicas hold it as it was, before any new send
+                assert ring.stored(replica, lite) == 3
+        refused_sends = {}
+        for lite in lites.values():
+            refused_sends[lite] = [await sent_until_acknowledged(ring, via, lite, 3 + via) for via in (2, 0, 1)]
+        print(f"sends refused per topic, through brokers 2, 0, 1: {refused_sends}")
+        for new, lite in lites.items():
+            queue = model.QueueId.lmq(PARENT, lite)
+            want = [f"{lite}-{n}" for n in range(3)] + [f"{lite}-{3 + via}" for via in (2, 0, 1)]
+            for replica in (0, 1):
+                store = ring.brokers[replica].store
+                assert store is not None
+                ids = functools.partial(lambda s, q: [m.message_id for m in s.read(q, 0, 100)], store, queue)
+                await eventually_async(functools.partial(lambda i, w: i() == w, ids, want), f"{lite} on {replica}")
+                stored = store.read(queue, 0, 100)
+                assert [(m.offset, m.slot) for m in stored] == [(k, 2 if k < 3 else new) for k in range(6)]
+            for replica in (0, 1):  # the commit point came along, to the new slot's follower too
+                store = ring.brokers[replica].store
+                assert store is not None
+                point = functools.partial(lambda s, q: (s.get_offset(q, GROUP) or 0) >= 3, store, queue)
+                await eventually_async(point, f"{lite}'s commit point on broker {replica}")
+        with AdminClient(ring.brokers[2].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as a:
+            assert (await asyncio.to_thread(a.cluster, with_undrained=True)).undrained_messages == 0
+        epoch += 1
+        for broker in ring.brokers:
+            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+                await asyncio.to_thread(admin.set_cluster, members[:2], (2,), epoch=epoch)
+        for lite in lites.values():
+            assert await sent_until_acknowledged(ring, 0, lite, 10) >= 0
     finally:
         await ring.close()
 

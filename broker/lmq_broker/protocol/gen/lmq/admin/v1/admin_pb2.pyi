@@ -1139,19 +1139,28 @@ class DescribeLiteTopicRequest(_message.Message):
 
     PARENT_FIELD_NUMBER: _builtins.int
     LITE_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
     parent: _builtins.str
     lite: _builtins.str
+    slot: _builtins.int
+    """Set by a broker asking whether ring slot `slot` holds the topic (placement, docs/scale-out.md): with
+    replication the answer is NOT_FOUND unless the topic's records name that slot (a copy of another slot's
+    topic, kept as that slot's follower, is not held as this one; docs/replication.md). Unset: any topic here.
+    """
     def __init__(
         self,
         *,
         parent: _builtins.str = ...,
         lite: _builtins.str = ...,
+        slot: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "slot", b"slot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lite", b"lite", "parent", b"parent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slot", b"_slot", "lite", b"lite", "parent", b"parent", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__slot: _TypeAlias = _typing.Literal["slot"]  # noqa: Y015
+    _WhichOneofArgType__slot: _TypeAlias = _typing.Literal["_slot", b"_slot"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slot) -> _WhichOneofReturnType__slot | None: ...
 
 Global___DescribeLiteTopicRequest: _TypeAlias = DescribeLiteTopicRequest  # noqa: Y015
 
