@@ -129,7 +129,7 @@ class Forwarder:
 
     async def _send(self, request: spb.SendMessageRequest, stay: bool, data: bytes | None) -> spb.SendMessageResponse:
         messages = request.messages
-        owners = await self._owners_of(messages)
+        owners = await self._owners_of(messages, data)
         me = self._links.me
         if stay:
             if owners is not None and any(slot != me for slot in owners):
@@ -166,8 +166,12 @@ class Forwarder:
         for parent, lite in moved:
             self._owners.place(parent, lite, me)
 
-    async def _owners_of(self, messages: Sequence[pb.Message]) -> list[int] | None:
-        """Each message's owner slot; None when all are this broker's (no lite message)."""
+    async def _owners_of(self, messages: Sequence[pb.Message], data: bytes | None = None) -> list[int] | None:
+        """Each message's owner slot; None when all are this broker's (no lite message). ``data``: the request's
+        bytes, from which the native module reads the routing fields (``wire.routes``); without them, or where
+        it does not, they are read off the decoded messages (the plain reading)."""
+        if data is not None and (found := wire.routes(data)) is not None:
+            return await self._owners.owners(*found)
         parent = ""
         lites: list[str] = []
         for message in messages:
