@@ -35,8 +35,8 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 MESSAGES_FIELD: Final = 1  # SendMessageRequest.messages
 
 _native: Any
-try:
-    _native = importlib.import_module("lmq_edge")  # a Rust extension (``make native``): no stubs, Any
+try:  # a Rust extension (``make native``): no stubs, Any; a module built before ``send_routes`` reads nothing
+    _native = getattr(importlib.import_module("lmq_edge"), "send_routes", None)
 except ImportError:
     _native = None
 
@@ -88,5 +88,5 @@ def routes(data: bytes) -> tuple[str, list[str]] | None:
     caller then reads the decoded messages (``forwarding.Forwarder``'s plain reading)."""
     if _native is None:
         return None
-    found: tuple[str, list[str]] | None = _native.send_routes(data)
+    found: tuple[str, list[str]] | None = _native(data)
     return found
