@@ -14,7 +14,7 @@ forwarded whole is passed on as it came.
 What routing reads (each message's parent and lite topic) is read from the bytes by the native edge's module
 when it is built (``routes``, ``lmq_edge.send_routes``, Rust), where a send arrives and where its forwarded copy
 is checked: 0.05 µs per message in 500-message requests and 0.18 µs for a single message, against 0.46 and 0.86
-µs to read them off protobuf's decoded messages (one process; 4.1 % fewer instructions per message in
+µs to read them off protobuf's decoded messages (one process; 2.6 % fewer instructions per message in
 ``bench_send_path.py --mode access``, issue 28 item 1). Without the module, or on bytes the scanner does not
 follow, routing reads the decoded messages as before (the plain twin, tested against it).
 
