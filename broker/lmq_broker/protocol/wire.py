@@ -2,14 +2,13 @@
 client sent rather than encoded again (``--send-path raw``, the default; ``decoded`` is the plain twin).
 
 The request is still decoded once, whole, by protobuf's C parser: that is the validation (a request that does
-not decode is refused with the same status and text as before, nothing stored), what routing reads (each
-message's parent and lite topic) and what this broker stores of it. Measured on 500-message requests (issue 28
-item 1, bench/RESULTS.md): the C decode costs 0.22 µs per message, reading the two routing fields 1.3 µs, a
-wire scanner written in Python 6.3 µs, and a protobuf "view" declaring only the routing fields 0.25 µs plus
-the same reads (it keeps every other field as unknown bytes). So decoding is the cheapest scanner there is
-here; what the raw path saves is the encoding: a forwarded part was ``SendMessageRequest(messages=part)``
-serialized (1.7 µs per message), it is now its messages' original bytes joined (0.12 µs), and a request
-forwarded whole is passed on as it came.
+not decode is refused with the same status and text as before, nothing stored) and what this broker stores of
+it. Measured on 500-message requests (issue 28 item 1, bench/RESULTS.md): the C decode costs 0.22 µs per
+message, reading the two routing fields off it 1.3 µs, a wire scanner written in Python 6.3 µs, and a protobuf
+"view" declaring only the routing fields 0.25 µs plus the same reads (it keeps every other field as unknown
+bytes). So of what Python can do, decoding is the cheapest; what the raw path saves is the encoding: a
+forwarded part was ``SendMessageRequest(messages=part)`` serialized (1.7 µs per message), it is now its
+messages' original bytes joined (0.12 µs), and a request forwarded whole is passed on as it came.
 
 What routing reads (each message's parent and lite topic) is read from the bytes by the native edge's module
 when it is built (``routes``, ``lmq_edge.send_routes``, Rust), where a send arrives and where its forwarded copy
