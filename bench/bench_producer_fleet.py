@@ -11,9 +11,12 @@ owns takes the forward hop, as every official client's sends do, since producers
 client library's own work), each with ``--inflight`` calls in flight for ``--seconds`` after a common start.
 The figure is the brokers' CPU (user + system, every process of the pod summed) per message acknowledged,
 which more processes than cores leave meaningful (msg/s is capped by the host's cores); the load average is
-printed with every run. ``--local-hop socket,grpc`` (the default) measures every N > 1 with the pod's local hop
-(``cluster.local_hop``: a Unix socket between its processes) and with gRPC between them (the baseline, as before
-it), the pods all started at once and their runs interleaved.
+printed with every run, and so are two figures of batching: messages per group commit of the store
+(``lmq_append_commits_total`` of every process; each commit is a write and, with sync flush, an fsync) and
+context switches per message of every thread of the pod (each is a thread that went to sleep and was woken:
+the event loops, the edges' and the appenders' threads). ``--local-hop socket,grpc`` (the default) measures
+every N > 1 with the pod's local hop (``cluster.local_hop``: a Unix socket between its processes) and with gRPC
+between them (the baseline, as before it), the pods all started at once and their runs interleaved.
 
     python bench/bench_producer_fleet.py            # ~2 min
     python bench/bench_producer_fleet.py --quick    # smoke run
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,7 +52,7 @@ from lmq_broker.testing import BrokerProcess, start_broker
 METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
 PARENT = "AGENT_TASK_NS"
 GOAL_RATIO = 1.15
-PROCESS_RE = re.compile(r"lmq-broker process (\d+) grpc=(\S+) metrics=")
+PROCESS_RE = re.compile(r"lmq-broker process (\d+) grpc=(\S+) metrics=(\d+)")
 PAYLOADS_PER_PRODUCER = 2048
 
 
@@ -121,6 +125,8 @@ class Run(NamedTuple):
     rate: float  # msg/s acknowledged, all producers
     cpu_us: float  # broker CPU per message, every process of the pod
     load: float  # 1-minute load average after the run
+    per_commit: float  # messages per group commit of the store, every process
+    switches: float  # context switches per message, every thread of the pod
 
 
 def pod_cpu_s(pid: int) -> float:
@@ -132,8 +138,35 @@ def pod_cpu_s(pid: int) -> float:
     return total
 
 
-def fleet_run(endpoint: str, pid: int, args: argparse.Namespace, members: Sequence[str] = ()) -> Run:
+def pod_switches(pid: int) -> int:
+    """Context switches (voluntary and not) of every thread of every process of the pod so far."""
+    root = psutil.Process(pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        for status in Path(f"/proc/{proc.pid}/task").glob("*/status"):
+            with contextlib.suppress(OSError):
+                for line in status.read_text().splitlines():
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[-1])
+    return total
+
+
+def pod_commits(pod: BrokerProcess) -> float:
+    """Group commits of the store (``lmq_append_commits_total``) of every process of the pod so far."""
+    ports = [m[3] for m in PROCESS_RE.finditer(pod.log())] or [str(pod.metrics_port)]
+    total = 0.0
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        total += sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("lmq_append_commits_total")
+        )
+    return total
+
+
+def fleet_run(pod: BrokerProcess, args: argparse.Namespace, members: Sequence[str] = ()) -> Run:
     """``members``: each process's own endpoint; given, producer i dials process i mod N with its topics only."""
+    endpoint, pid = pod.endpoint, pod.pid
     command = [sys.executable, __file__, "--topics", str(args.topics), "--body", str(args.body),
                "--inflight", str(args.inflight), "--seconds", str(args.seconds)]  # fmt: skip
     if members:
@@ -152,7 +185,7 @@ def fleet_run(endpoint: str, pid: int, args: argparse.Namespace, members: Sequen
             assert p.stdout is not None
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError("a producer did not start")
-        before = pod_cpu_s(pid)
+        before, switches, commits = pod_cpu_s(pid), pod_switches(pid), pod_commits(pod)
         started = time.monotonic()
         for p in producers:
             assert p.stdin is not None
@@ -166,12 +199,14 @@ def fleet_run(endpoint: str, pid: int, args: argparse.Namespace, members: Sequen
             sent += int(out.split()[1])
         elapsed = time.monotonic() - started
         used = pod_cpu_s(pid) - before
+        switches, commits = pod_switches(pid) - switches, pod_commits(pod) - commits
     finally:
         for p in producers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return Run(sent / elapsed, used * 1e6 / max(1, sent), os.getloadavg()[0])
+    sent = max(1, sent)
+    return Run(sent / elapsed, used * 1e6 / sent, os.getloadavg()[0], sent / max(1.0, commits), switches / sent)
 
 
 def configs(counts: list[int], hops: list[str]) -> list[tuple[int, str]]:
@@ -198,7 +233,7 @@ def measure(tmp: Path, todo: list[tuple[int, str]], args: argparse.Namespace) ->
             members[n, hop] = process_endpoints(pod) if hop == "direct" else []
         for _ in range(args.runs):
             for config, pod in pods.items():
-                results[config].append(fleet_run(pod.endpoint, pod.pid, args, members[config]))
+                results[config].append(fleet_run(pod, args, members[config]))
     return results
 
 
@@ -238,8 +273,13 @@ def main() -> None:
     for (n, hop), runs in results.items():
         each = ", ".join(f"{r.cpu_us:,.0f} us @ {r.rate:,.0f} msg/s (load {r.load:.1f})" for r in runs)
         rate, cpu = statistics.median(r.rate for r in runs), statistics.median(r.cpu_us for r in runs)
+        per_commit, switches = (
+            statistics.median(r.per_commit for r in runs),
+            statistics.median(r.switches for r in runs),
+        )
         name = f"N={n}" + (f" local hop {hop}" if n > 1 else "")
         print(f"FIGURE producer fleet {name}: broker CPU per message: {cpu:,.0f} us, {rate:,.0f} msg/s (runs: {each})")
+        print(f"  {name}: {per_commit:,.1f} messages per group commit, {switches:,.1f} context switches per message")
     base_config = next(iter(results))
     base = statistics.median(r.cpu_us for r in results[base_config])
     for (n, hop), runs in results.items():

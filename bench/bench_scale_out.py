@@ -237,6 +237,10 @@ def main() -> None:
         "with each over the socket hop (decoded: the plain twin, grpcio decodes and forwarded parts are encoded again)",
     )  # fmt: skip
     parser.add_argument("--no-forwarding", action="store_true", help="skip the two-broker forwarding figures")
+    parser.add_argument(
+        "--forward-sends", type=int, default=3000, help="single-message sends per forwarding case (CPU is read in "
+        "10 ms ticks: more sends, less noise)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.runs = 1
@@ -287,7 +291,7 @@ def main() -> None:
                     flush=True,
                 )
         for hop in [] if args.no_forwarding else hops:
-            forwarding = measure_forwarding(tmp, 600 if args.quick else 3000, body, hop)
+            forwarding = measure_forwarding(tmp, 600 if args.quick else args.forward_sends, body, hop)
             for label, (access, both) in forwarding.items():
                 print(
                     f"FIGURE single-message sends {label}, {hop} hop: access process {access:.0f} us/msg, "

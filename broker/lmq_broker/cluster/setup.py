@@ -235,11 +235,11 @@ class Cluster:
             return
         edge = self._edge
 
-        async def send(request: spb.SendMessageRequest) -> spb.SendMessageResponse:
+        async def send(request: spb.SendMessageRequest, data: bytes) -> spb.SendMessageResponse:
             peers = self.peers
             if peers is None:
                 return await send_message.handle(edge, request)
-            return await peers.forwarder.send(request, peer_copy=True)
+            return await peers.forwarder.send(request, peer_copy=True, data=data)
 
         secret = trust.secret_of(config.cluster_secret, self._admin_keys[1] if self._admin_keys is not None else "")
         server = local_hop.HopServer(path, secret, send, admission, self._metrics, self._metrics.registry)

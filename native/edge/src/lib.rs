@@ -7,6 +7,7 @@
 
 mod stats;
 mod tls;
+mod wire;
 
 use stats::Stats;
 
@@ -713,6 +714,7 @@ impl Server {
 fn lmq_edge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Server>()?;
     m.add_class::<Call>()?;
+    m.add_function(wrap_pyfunction!(wire::send_routes, m)?)?;
     m.add("OPEN", OPEN)?;
     m.add("MESSAGE", MESSAGE)?;
     m.add("HALF_CLOSE", HALF_CLOSE)?;

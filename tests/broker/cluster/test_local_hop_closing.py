@@ -35,7 +35,8 @@ async def test_a_stopping_owner_answers_what_it_serves_and_refuses_what_comes_af
     serving, release = asyncio.Event(), asyncio.Event()
     stored: list[str] = []
 
-    async def send(req: spb.SendMessageRequest) -> spb.SendMessageResponse:
+    async def send(req: spb.SendMessageRequest, data: bytes) -> spb.SendMessageResponse:
+        assert spb.SendMessageRequest.FromString(data) == req  # the bytes it was decoded from
         serving.set()
         await release.wait()
         stored.append(req.messages[0].system_properties.lite_topic)
