@@ -14,7 +14,9 @@ was stored here meanwhile) and moves it again. Consumers of a handed-over topic 
 owner before its first message is stored there: subscriptions made while the holder is leaving go to both
 (``cluster.membership.subscribers_at``), and the ones this broker had from before are copied over as the
 topic moves (``move``); a topic whose subscriptions cannot be copied does not move, and the send fails
-(retried by the client).
+(retried by the client). With replication a topic whose take-over was asked for (``taken_over``) is never
+stored here again, even when the ask failed and the topic reads as undrained later (a new group, a reset commit
+point): the new owner may have taken it over where it ended here, its answer lost; each later send asks again.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Handoff:
         # With replication: whether a topic (LMQ name) is of this leaving slot by its records; one of a slot that
         # stays, which this broker holds until it releases it, is stored here and never handed over
         self.leaves: Callable[[str], bool] | None = None
+        # LMQ names whose take-over was asked for (``taken_over``) and not confirmed: the new owner may have taken
+        # the topic over where it ends here (its answer lost), so nothing more of it is stored here; each later
+        # send asks again (found done there) instead of deciding afresh
+        self._handing: set[str] = set()
 
     def moved(self, lmq: str) -> bool:
         return lmq in self._moved
@@ -83,10 +89,14 @@ class Handoff:
         decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._deciding[lmq] = decided
         try:
-            if (self.leaves is None or self.leaves(lmq)) and await self._drained(parent, lite):
+            if lmq in self._handing or (
+                (self.leaves is None or self.leaves(lmq)) and await self._drained(parent, lite)
+            ):
                 await self._move(parent, lite)
                 if self.taken_over is not None:
+                    self._handing.add(lmq)
                     await self.taken_over(lmq, *self.slots(lmq))
+                    self._handing.discard(lmq)
                 if len(self._moved) >= MOVED_MEMORY:
                     del self._moved[next(iter(self._moved))]
                 self._moved[lmq] = None
