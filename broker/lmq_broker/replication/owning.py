@@ -34,6 +34,7 @@ class Slots:
         ring_slot: RingSlot,
         make_owner: Callable[[int], copies.Owner],
         recorded: Recorded = lambda topic: -1,
+        slot_count: Callable[[], int] = lambda: 1 << 30,
     ) -> None:
         self._leadership = leadership
         # remembered: a send asks it two or three times per message, and ``ring_slot`` is a pure function of the
@@ -44,6 +45,7 @@ class Slots:
         self._owners: dict[int, copies.Owner] = {}
         self._read_recorded = recorded
         self._recorded: dict[str, int] = {}  # LMQ name -> its recorded slot (only topics with a recorded one)
+        self._slot_count = slot_count  # the slots of today's membership (leaving ones included)
 
     def ring_changed(self) -> None:
         """Another membership: the ring slots remembered are forgotten (recorded slots stay: they do not move)."""
@@ -94,7 +96,14 @@ class Slots:
 
     def recorded(self, topic: str) -> int:
         """The slot recorded on the last record of ``topic`` here, -1 when it has none (no records, or records
-        older than recorded slots). May read the store (blocking) the first time a topic is asked about."""
+        older than recorded slots) or when it names a slot the ring no longer has. May read the store (blocking)
+        the first time a topic is asked about.
+
+        A removed slot: a scale-down removes a leaving slot only once each of its topics was taken over by the
+        broker holding the topic's slot in the smaller ring (``adopt``, remembered here only until the topic's
+        next record names that slot). A topic taken over idle still has its last record naming the removed slot
+        after a restart, or once forgotten; filed by today's ring, as a topic without a recorded slot, it goes to
+        the slot that took it over (docs/replication.md, *Changing the ring with R > 1*)."""
         found = self._recorded.get(topic)
         if found is None:
             found = self._read_recorded(topic)
@@ -103,7 +112,7 @@ class Slots:
             if len(self._recorded) >= RECORDED_KEPT:
                 self._recorded.clear()
             self._recorded[topic] = found
-        return found
+        return found if found < self._slot_count() else -1
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
         self.note(messages)  # stored here: their topics' slots are recorded from now on

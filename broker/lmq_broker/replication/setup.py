@@ -238,6 +238,7 @@ class Replication:
             lambda topic: mb.owner(links.membership, topic),
             owner,
             lambda topic: sources.recorded_slot(store, topic),
+            lambda: len(links.membership.members),
         )
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
@@ -477,6 +478,8 @@ class Replication:
                         handoff.release(parent, lite)
             except errors.LmqError as exc:
                 log.info("handing consumed topics of leaving slot %d over: %s (next pass tries again)", me, exc.message)
+            except Exception:  # the loop must outlive any one pass: its topics would wait for a send otherwise
+                log.exception("handing consumed topics of leaving slot %d over failed (next pass tries again)", me)
 
     def _not_handed_over(self, me: int) -> list[tuple[str, str]]:
         """Blocking. (parent, lite) of up to ``HAND_OVER_BATCH`` non-empty lite topics of slot ``me`` (by their

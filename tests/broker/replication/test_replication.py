@@ -1281,6 +1281,58 @@ async def test_a_drained_topic_of_a_leaving_slot_goes_on_at_its_new_owner_where_
 
 
 @pytest.mark.asyncio
+async def test_a_topic_taken_over_idle_is_sent_to_after_its_slot_was_removed_and_forgotten(
+    kube: testing.KubeAPI, tmp_path: Path
+) -> None:
+    """Scale-down at R = 2, a ring of 3 to 2: a consumed topic of slot 2 is taken over idle by its owner in the
+    ring of 2 (no send: its last record still names slot 2), then slot 2 is removed. The take-over is
+    remembered in memory only, so the staying brokers are made to forget it (as a restart, or their full cache
+    of recorded slots, does): a record naming a slot the ring no longer has is filed by today's ring, so the
+    next send is acknowledged and stored after the topic's end on its new replicas. Before, every send failed
+    with an internal error (the removed slot had no replicas) for ever."""
+    ring = await start_ring(tmp_path, 3, lease_flags(kube, tmp_path))
+    try:
+        members = ring.membership.members
+        shrunk = ring.membership.shrunk(2)
+        lite = next(f"i-{i}" for i in range(10_000) if ring.owner(f"i-{i}") == 2)
+        queue = model.QueueId.lmq(PARENT, lite)
+        new = mb.owner(shrunk, queue.topic)
+        for n in range(3):
+            assert (await ring.send(2, lite, n)).status.code == pb.OK
+        holder = ring.brokers[2].store
+        assert holder is not None
+        holder.commit_offset(queue, GROUP, 3)  # consumed: drained
+        epoch = max(b.cluster.membership.epoch for b in ring.brokers if b.cluster is not None) + 1
+        for broker in ring.brokers:
+            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+                await asyncio.to_thread(admin.set_cluster, members, shrunk.sizes, epoch=epoch)
+        leaving = AdminClient(ring.brokers[2].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk")
+        with leaving:  # consumed, nobody sends: taken over all the same
+            deadline = time.monotonic() + TIMEOUT_S
+            while (await asyncio.to_thread(leaving.cluster, with_undrained=True)).undrained_messages:
+                assert time.monotonic() < deadline, "not handed over"
+                await asyncio.sleep(0.1)
+        for broker in ring.brokers:
+            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+                await asyncio.to_thread(admin.set_cluster, members[:2], (2,), epoch=epoch + 1)
+        for broker in ring.brokers[:2]:
+            assert broker.replication is not None
+            broker.replication.slots._recorded.clear()  # forgotten: a restart, or the cache emptied when full
+            assert broker.replication.slots.followed_slot(queue.topic) == new
+        assert (taker := ring.brokers[new].replication) is not None
+        assert taker.slots.slot_of_topic(queue.topic) == new
+        assert await sent_until_acknowledged(ring, 0, lite, 3) >= 0
+        want = [(0, 2), (1, 2), (2, 2), (3, new)]
+        for replica in (0, 1):
+            store = ring.brokers[replica].store
+            assert store is not None
+            read = functools.partial(lambda s: [(m.offset, m.slot) for m in s.read(queue, 0, 100)], store)
+            await eventually_async(functools.partial(lambda r: r() == want, read), f"{lite} on broker {replica}")
+    finally:
+        await ring.close()
+
+
+@pytest.mark.asyncio
 async def test_a_release_at_one_in_sync_replica_waits_for_the_copies_queued_to_the_taker(
     kube: testing.KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
