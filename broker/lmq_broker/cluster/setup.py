@@ -110,6 +110,8 @@ def fixed_ring(replicas: int, current: mb.Membership, new: mb.Membership, why_fi
             "a replicated ring grows, or shrinks by marking its last slots leaving and then, once they are drained "
             "and their slots' leases handed over, removing them"
         )
+    elif marked_leaving(current, new) and new.size < replicas:
+        why = f"a ring of {new.size} pods cannot hold {replicas} replicas of each slot"
     elif why_fixed is None:
         why = "replication is not running yet"
     elif why_fixed:

@@ -7,6 +7,7 @@ import pytest
 
 from lmq_broker import errors
 from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster import setup as cluster_setup
 from lmq_broker.replication import replicas
 
 THREE = ("a:1", "b:1", "c:1")
@@ -81,3 +82,12 @@ def test_a_holder_that_is_no_replica_of_the_new_ring_releases_once_every_new_one
     assert replicas.hands_over([1, 2], (0, 1, 2), 0, True)
     assert not replicas.hands_over([1, 2], (0, 1, 2), 1, True)  # a new-ring replica keeps it and narrows the set
     assert not replicas.hands_over([1, 2], (0, 1, 2), 0, False)  # M < R: a member may lack acknowledged sends
+
+
+def test_a_broker_refuses_a_marking_that_leaves_fewer_pods_than_replicas() -> None:
+    """SetCluster's check (``cluster.setup.fixed_ring``), not only the operator's: a person's ``lmq-admin cluster
+    set`` that marks slots leaving down to fewer pods than R is refused before anything changes."""
+    three = mb.Membership(THREE, (3,))
+    cluster_setup.fixed_ring(2, three, three.shrunk(2), "")  # 3 -> 2 at R = 2: taken
+    with pytest.raises(errors.Conflict, match="a ring of 2 pods cannot hold 3 replicas"):
+        cluster_setup.fixed_ring(3, three, three.shrunk(2), "")
