@@ -1,5 +1,6 @@
-"""The task-free waits of the replication loops, ``events.nap`` (the state rows' look, the reconciler): woken
-early, timed out, cancelled, with nothing left behind; and its plain twin for a plain ``asyncio.Event``."""
+"""The task-free waits of replication: ``events.nap`` (the state rows' look, the reconciler) and the in-sync
+keeper's ``wait`` (every send at M > 1): woken early, timed out, cancelled, with nothing left behind; and
+``nap``'s plain twin for a plain ``asyncio.Event``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from lmq_broker.replication import events
+from lmq_broker.replication import events, insync
 
 
 @pytest.mark.asyncio
@@ -56,3 +57,23 @@ async def test_a_cancelled_nap_leaves_no_listener() -> None:
     with pytest.raises(asyncio.CancelledError):
         await napping
     assert wake.listeners == []
+
+
+@pytest.mark.asyncio
+async def test_a_keeper_wait_returns_at_its_timeout_and_when_cancelled_leaves_no_waiter() -> None:
+    keeper = insync.Keeper(None, 0)  # type: ignore[arg-type]  # ``wait`` needs no lease
+    began = time.monotonic()
+    await asyncio.wait_for(keeper.wait(0.05, (1, 7)), 5)
+    assert time.monotonic() - began >= 0.04
+    assert keeper._on.get(1) == []  # the timed-out waiter is gone
+    waiting = asyncio.create_task(keeper.wait(30, (1, 8)))
+    await asyncio.sleep(0)
+    assert len(keeper._on[1]) == 1
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert keeper._on[1] == []
+    woken = asyncio.create_task(keeper.wait(30, (1, 9)))
+    await asyncio.sleep(0)
+    keeper._answered(1, 9)  # the member answered for its batch
+    await asyncio.wait_for(woken, 1)
