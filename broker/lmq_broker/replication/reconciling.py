@@ -16,7 +16,6 @@ attempt that brings a slot back after failures at INFO.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -77,7 +76,7 @@ class Reconciler:
         )
         for result in RESULTS:
             self._counts.labels(result)
-        self._wake = asyncio.Event()
+        self._wake = events.Signal()
         follower.on_out_of_sync = lambda slot: self._wake.set()
         self._backoff: dict[int, Backoff] = {}  # slot out of sync -> its backoff
         self._due: dict[int, float] = {}  # slot -> monotonic time of its next attempt
@@ -96,8 +95,7 @@ class Reconciler:
                     self._consider(slot, now)
                 waits = [due - now for slot, due in self._due.items() if slot not in self._tasks]
                 timeout = max(0.0, min([self._cap_s, *waits]))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(events.first_of(stopping, self._wake), timeout)
+                await events.nap(timeout, stopping, self._wake)
         finally:
             tasks = list(self._tasks.values())
             for task in tasks:

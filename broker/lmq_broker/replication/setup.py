@@ -34,6 +34,7 @@ from lmq_broker.mqtt.durable import Durable
 from lmq_broker.replication import (
     copies,
     divergence,
+    events,
     following,
     gauges,
     handover,
@@ -279,7 +280,7 @@ class Replication:
         )
         self._shipping: asyncio.Task[None] | None = None
         self._secret = links.secret
-        self._stopping = asyncio.Event()
+        self._stopping = events.Signal()  # ``events.nap`` wakes on it without a task
         self._task: asyncio.Task[None] | None = None
         self._reconciling: asyncio.Task[None] | None = None
         self.reconciler = reconciling.Reconciler(

@@ -108,7 +108,7 @@ class States:
         self._mqtt_rows: tuple[int, states.Rows] | None = None  # (the MQTT store's changes, its rows then)
         self._sending: dict[tuple[int, int], asyncio.Task[bool]] = {}  # (slot, follower) -> its last batch (sent)
         self._flushes: list[asyncio.Future[bool]] = []  # ``flushed`` callers waiting for the next look
-        self._wake = asyncio.Event()  # a ``flushed`` caller: look now
+        self._wake = events.Signal()  # a ``flushed`` caller: look now
         self.unflushed = 0  # ``flushed`` calls that timed out
         self._retry: set[int] = set()  # slots held whose last batch did not reach every follower
         self.installed: set[int] = set()  # slots taken over whose shadow went into this broker's state
@@ -139,11 +139,9 @@ class States:
             # the next look no sooner than this, ``flushed`` callers waiting or not (a look reads every row):
             # those who came meanwhile share it
             floor_s = max(PACE * (time.monotonic() - began), SHIP_INTERVAL_MS / 1000 / 10)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), floor_s)
+            await events.nap(floor_s, stopping)
             if not self._flushes:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(events.first_of(stopping, self._wake), SHIP_INTERVAL_MS / 1000 - floor_s)
+                await events.nap(SHIP_INTERVAL_MS / 1000 - floor_s, stopping, self._wake)
 
     async def flushed(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Until the rows as they are now (the caller changed them before) reached the in-sync followers of
