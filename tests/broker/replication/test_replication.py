@@ -12,7 +12,7 @@ import json
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1188,6 +1188,22 @@ async def test_a_removed_pod_hands_the_slot_it_holds_over_and_the_slot_keeps_eve
         await ring.close()
 
 
+async def set_cluster_everywhere(ring: Pair, members: Sequence[str], sizes: Sequence[int], epoch: int) -> None:
+    """SetCluster at every broker of ``ring``, as the operator tells them."""
+    for broker in ring.brokers:
+        with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
+            await asyncio.to_thread(admin.set_cluster, members, sizes, epoch=epoch)
+
+
+async def handed_over(ring: Pair, leaving: int) -> None:
+    """Until broker ``leaving`` counts nothing undrained (its consumed topics taken over)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    with AdminClient(ring.brokers[leaving].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as a:
+        while (await asyncio.to_thread(a.cluster, with_undrained=True)).undrained_messages:
+            assert time.monotonic() < deadline, "not handed over"
+            await asyncio.sleep(0.1)
+
+
 async def sent_until_acknowledged(ring: Pair, via: int, lite: str, n: int) -> int:
     """Send ``lite``'s message ``n`` through broker ``via`` until it is acknowledged, as the clients retry a
     send refused with "try again"; the refusals it took."""
@@ -1234,15 +1250,9 @@ async def test_a_drained_topic_of_a_leaving_slot_goes_on_at_its_new_owner_where_
             assert holder is not None
             holder.commit_offset(model.QueueId.lmq(PARENT, lite), GROUP, 3)  # consumed: drained
         epoch = max(b.cluster.membership.epoch for b in ring.brokers if b.cluster is not None) + 1
-        for broker in ring.brokers:
-            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
-                await asyncio.to_thread(admin.set_cluster, members, shrunk.sizes, epoch=epoch)
+        await set_cluster_everywhere(ring, members, shrunk.sizes, epoch)
         marked = time.monotonic()
-        leaving = AdminClient(ring.brokers[2].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk")
-        with leaving:  # consumed, nobody sends: handed over all the same, then nothing counts as undrained
-            while (await asyncio.to_thread(leaving.cluster, with_undrained=True)).undrained_messages:
-                assert time.monotonic() < marked + TIMEOUT_S, "not handed over"
-                await asyncio.sleep(0.1)
+        await handed_over(ring, 2)  # consumed, nobody sends: handed over all the same, then nothing undrained
         print(f"both consumed topics handed over {time.monotonic() - marked:.2f} s after slot 2 was marked leaving")
         for new, lite in lites.items():
             assert (repl := ring.brokers[new].replication) is not None
@@ -1270,10 +1280,7 @@ async def test_a_drained_topic_of_a_leaving_slot_goes_on_at_its_new_owner_where_
                 await eventually_async(point, f"{lite}'s commit point on broker {replica}")
         with AdminClient(ring.brokers[2].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as a:
             assert (await asyncio.to_thread(a.cluster, with_undrained=True)).undrained_messages == 0
-        epoch += 1
-        for broker in ring.brokers:
-            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
-                await asyncio.to_thread(admin.set_cluster, members[:2], (2,), epoch=epoch)
+        await set_cluster_everywhere(ring, members[:2], (2,), epoch + 1)
         for lite in lites.values():
             assert await sent_until_acknowledged(ring, 0, lite, 10) >= 0
     finally:
@@ -1303,18 +1310,9 @@ async def test_a_topic_taken_over_idle_is_sent_to_after_its_slot_was_removed_and
         assert holder is not None
         holder.commit_offset(queue, GROUP, 3)  # consumed: drained
         epoch = max(b.cluster.membership.epoch for b in ring.brokers if b.cluster is not None) + 1
-        for broker in ring.brokers:
-            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
-                await asyncio.to_thread(admin.set_cluster, members, shrunk.sizes, epoch=epoch)
-        leaving = AdminClient(ring.brokers[2].endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk")
-        with leaving:  # consumed, nobody sends: taken over all the same
-            deadline = time.monotonic() + TIMEOUT_S
-            while (await asyncio.to_thread(leaving.cluster, with_undrained=True)).undrained_messages:
-                assert time.monotonic() < deadline, "not handed over"
-                await asyncio.sleep(0.1)
-        for broker in ring.brokers:
-            with AdminClient(broker.endpoint, timeout_s=10, access_key="admin-ak", secret_key="admin-sk") as admin:
-                await asyncio.to_thread(admin.set_cluster, members[:2], (2,), epoch=epoch + 1)
+        await set_cluster_everywhere(ring, members, shrunk.sizes, epoch)
+        await handed_over(ring, 2)  # consumed, nobody sends: taken over all the same
+        await set_cluster_everywhere(ring, members[:2], (2,), epoch + 1)
         for broker in ring.brokers[:2]:
             assert broker.replication is not None
             broker.replication.slots._recorded.clear()  # forgotten: a restart, or the cache emptied when full
