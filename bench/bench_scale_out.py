@@ -149,7 +149,7 @@ def measure_rates(
     """mode -> every run; ``hop``: the pod's local hop (``--local-hop``), ``path`` its send path (``--send-path``),
     its access mode named after them unless they are the defaults, socket and raw (such a pod measures access
     only: direct sends take no hop)."""
-    extra = ["--processes", str(n), "--local-hop", hop, "--send-path", path] if n > 1 else []
+    extra = ["--processes", str(n), "--local-hop", hop, "--send-path", path, *native(args)] if n > 1 else []
     out: dict[str, list[Run]] = {}
     with start_broker(tmp / f"n{n}-{hop}-{path}", extra_args=extra) as pod:
         endpoints = process_endpoints(pod) if n > 1 else [pod.endpoint]
@@ -187,11 +187,18 @@ def slot_pids(pod: BrokerProcess, n: int) -> list[int]:
     return [by_slot[slot] for slot in range(n)]
 
 
-def measure_forwarding(tmp: Path, count: int, body: bytes, hop: str) -> dict[str, tuple[float, float]]:
+def native(args: argparse.Namespace) -> list[str]:
+    """The pods' ``--native-forward`` when one is asked for (none: the broker's default)."""
+    return ["--native-forward", args.native_forward] if args.native_forward else []
+
+
+def measure_forwarding(
+    tmp: Path, count: int, body: bytes, hop: str, args: argparse.Namespace
+) -> dict[str, tuple[float, float]]:
     """(process 0's, both processes') CPU per message (us) in a ``serve --processes 2`` pod whose processes
     forward over ``hop``: sent to process 0's own port, stored there vs forwarded to process 1, one
     single-message send at a time vs 64 in flight."""
-    extra = ["--processes", "2", "--local-hop", hop]
+    extra = ["--processes", "2", "--local-hop", hop, *native(args)]
     with start_broker(tmp / f"fwd-{hop}", extra_args=extra, env=SHARED_ADMIN_ENV) as pod:
         endpoints = process_endpoints(pod)
         membership = mb.Membership.parse(",".join(endpoints))
@@ -241,6 +248,10 @@ def main() -> None:
         "--forward-sends", type=int, default=3000, help="single-message sends per forwarding case (CPU is read in "
         "10 ms ticks: more sends, less noise)",
     )  # fmt: skip
+    parser.add_argument(
+        "--native-forward", choices=("on", "off"), help="the pods' --native-forward (the edge forwards a send owned "
+        "by one sibling without Python; default: the broker's)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.runs = 1
@@ -250,6 +261,7 @@ def main() -> None:
     print(
         f"scale-out: {total:,} messages/run, {args.batch}/request, {args.topics:,} lite topics, {args.body} B bodies, "
         f"{args.inflight} in flight per process, sync flush, {os.cpu_count()} cores, "
+        f"native forward {args.native_forward or 'default'}, "
         f"load average before {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -291,7 +303,7 @@ def main() -> None:
                     flush=True,
                 )
         for hop in [] if args.no_forwarding else hops:
-            forwarding = measure_forwarding(tmp, 600 if args.quick else args.forward_sends, body, hop)
+            forwarding = measure_forwarding(tmp, 600 if args.quick else args.forward_sends, body, hop, args)
             for label, (access, both) in forwarding.items():
                 print(
                     f"FIGURE single-message sends {label}, {hop} hop: access process {access:.0f} us/msg, "

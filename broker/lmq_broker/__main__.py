@@ -163,6 +163,9 @@ HELP: Final[dict[str, str]] = {
     "local_hop_dir": "the directory of this pod's local hop sockets (set by --processes)",
     "send_path": "raw (SendMessage keeps the request's bytes and forwards parts of them as they came) or decoded "
     "(forwarded parts are encoded again; the plain twin)",
+    "native_forward": "on: the native edge writes a client's send owned by a process of this pod to its local hop "
+    "socket itself, without this process's Python, while placement is plain (one ring size, no leaving slot, "
+    "--replicas 1, no client auth); off: every call reaches Python (docs/scale-out.md)",
     "max_body_bytes": "largest message body a send may carry, bytes (beyond it: MESSAGE_BODY_TOO_LARGE)",
     "long_polling_timeout_ms": "longest a receive waits for a message, ms (also the clients' long-poll setting "
     "sent over Telemetry)",
@@ -240,6 +243,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "local_hop",
         "local_hop_dir",
         "send_path",
+        "native_forward",
         "cluster_secret",
     ),
     "replication (docs/replication.md)": (

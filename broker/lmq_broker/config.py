@@ -30,6 +30,11 @@ class SendPath(enum.StrEnum):
     DECODED = "decoded"  # grpcio decodes the request, forwarded parts are encoded again (the plain twin)
 
 
+class NativeForward(enum.StrEnum):
+    ON = "on"  # the native edge forwards a client's send owned by a sibling itself (cluster.native_forward)
+    OFF = "off"  # every call reaches Python, which forwards (the plain twin)
+
+
 class FlushMode(enum.StrEnum):
     SYNC = "sync"  # an append returns only after fsync: an acknowledged message is never lost
     ASYNC = "async"  # fsync every flush_interval_ms
@@ -182,6 +187,9 @@ class BrokerConfig(BaseModel):
     # How a send's request reaches the forwarder: with its wire bytes, forwarded parts cut out of them (raw), or
     # decoded by grpcio and forwarded parts encoded again (decoded, the plain twin; protocol.wire).
     send_path: SendPath = SendPath.RAW
+    # Whether the native edge forwards a client's send owned by a sibling process itself, while placement is plain
+    # (cluster.native_forward), or hands every call to Python (off, the plain twin).
+    native_forward: NativeForward = NativeForward.OFF
     # Replication (docs/replication.md): copies per ring slot (1: none, today's broker), how many must be durable
     # before a send is acknowledged (0: all of them), and the Kubernetes Leases that say who owns each slot.
     replicas: int = Field(default=1, ge=1, le=5)

@@ -92,7 +92,8 @@ class Forwarder:
         )
         self.local_hop_calls = Counter(
             "lmq_local_hop_calls",
-            "Forward calls to a process of this pod over the local hop's Unix socket (cluster.local_hop)",
+            "Forward calls to a process of this pod over the local hop's Unix socket (cluster.local_hop; the native "
+            "edge's own, --native-forward, are lmq_edge_forwarded_calls)",
             registry=registry,
         )
         self.refused_copies = Counter(

@@ -17,6 +17,11 @@ connection without a valid hello is closed, nothing read from it is served (coun
 carrying the owner's SendMessageResponse: the owner serves it exactly as a peer's gRPC copy (admission, its own
 view of ownership with NOT_OWNER refusals, the send counted under its membership epoch, the same statuses).
 
+A connection whose hello is signed over ``HELLO_CLIENTS`` instead carries clients' sends: the native edge of a
+sibling writes a client's SendMessage there as it came (``--native-forward``, ``cluster.native_forward``), and
+each frame is served as a client's call would be here (admission, the reserved properties refused, a topic this
+broker does not own forwarded on; ``ClientSend``), never as a peer's copy.
+
 A connection that breaks fails every request waiting on it ("did not answer; nothing was stored, try again", as
 a gRPC peer that does not answer): a request the owner had stored may then be stored again by the client's
 retry, the at-least-once of any send whose answer was lost.
@@ -48,6 +53,7 @@ from lmq_broker.protocol.metrics import Metrics
 log = logging.getLogger(__name__)
 
 HELLO: Final = "lmq local hop v1"  # what the hello's HMAC is over, in place of a gRPC method
+HELLO_CLIENTS: Final = "lmq local hop v1 clients"  # the hello of a connection carrying clients' sends
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # as the gRPC channels' message limit
 HELLO_MAX_BYTES: Final = 1024  # a frame before the hello verified (nothing of an unverified peer is buffered)
 READ_AHEAD_FRAMES: Final = 1024  # frames of one connection being served at once: past it, reading pauses
@@ -58,6 +64,8 @@ _FRAME: Final = struct.Struct(">II")
 
 # a peer copy's send: the request decoded and the bytes it was decoded from (``protocol.wire``)
 Send = Callable[[spb.SendMessageRequest, bytes], Awaitable[spb.SendMessageResponse]]
+# a client's send as it came (its bytes, not yet decoded): answered as the client port would answer it
+ClientSend = Callable[[bytes], Awaitable[spb.SendMessageResponse]]
 
 
 def socket_path(directory: Path, endpoint: str) -> Path | None:
@@ -252,12 +260,24 @@ class Hop:
 
 
 # --- the owning side -----------------------------------------------------------------------------------------
+def hello_kind(secret: bytes, hello: bytes, *, clients: bool) -> str | None:
+    """What ``hello`` is signed over: ``HELLO``, or ``HELLO_CLIENTS`` where clients' sends are taken
+    (``clients``); None when it does not verify."""
+    header = ((trust.HEADER, hello.decode(errors="replace")),)
+    now_ms = time.time_ns() // 1_000_000
+    for kind in (HELLO, HELLO_CLIENTS) if clients else (HELLO,):
+        peer, _ = trust.verify(secret, kind, header, now_ms)
+        if peer is not None:
+            return kind
+    return None
+
+
 class Served(Protocol):
     """What a serving connection needs of its server."""
 
     refused: Counter  # connections whose hello did not verify
 
-    def verify(self, hello: bytes) -> bool: ...
+    def verify(self, hello: bytes) -> str | None: ...
     def serve(self, connection: Serving, request_id: int, payload: bytes) -> None: ...
     def forget(self, connection: Serving) -> None: ...
 
@@ -272,6 +292,7 @@ class Serving(Frames):
         super().__init__()
         self._server = server
         self.greeted = False
+        self.clients = False  # its hello was HELLO_CLIENTS: its frames are clients' sends
         self.max_frame = HELLO_MAX_BYTES  # until the hello verified
         self.serving = 0  # frames handed to the server and not yet answered
         self._serving_bytes = 0
@@ -279,9 +300,11 @@ class Serving(Frames):
 
     def received(self, request_id: int, payload: bytes) -> None:
         if not self.greeted:
-            if request_id != 0 or not self._server.verify(payload):
+            said = self._server.verify(payload) if request_id == 0 else None
+            if said is None:
                 self.refuse("its hello does not verify (another cluster secret?)")
                 return
+            self.clients = said == HELLO_CLIENTS
             self.greeted = True
             self.max_frame = MAX_FRAME_BYTES
             return
@@ -331,11 +354,19 @@ class HopServer:
     """The local hop socket of this process, serving its siblings' forwarded sends as peers' copies."""
 
     def __init__(  # noqa: PLR0917 (its parts, each once)
-        self, path: Path, secret: bytes, send: Send, admission: Admission, metrics: Metrics, registry: CollectorRegistry
+        self,
+        path: Path,
+        secret: bytes,
+        send: Send,
+        admission: Admission,
+        metrics: Metrics,
+        registry: CollectorRegistry,
+        client_send: ClientSend | None = None,
     ) -> None:
         self.path = path
         self._secret = secret
         self._send = send
+        self._client_send = client_send  # None: a connection of clients' sends is refused at its hello
         self._admission = admission
         self._metrics = metrics
         self._server: asyncio.AbstractServer | None = None
@@ -365,11 +396,8 @@ class HopServer:
     def forget(self, connection: Serving) -> None:
         self._connections.discard(connection)
 
-    def verify(self, hello: bytes) -> bool:
-        peer, _ = trust.verify(
-            self._secret, HELLO, ((trust.HEADER, hello.decode(errors="replace")),), time.time_ns() // 1_000_000
-        )
-        return peer is not None
+    def verify(self, hello: bytes) -> str | None:
+        return hello_kind(self._secret, hello, clients=self._client_send is not None)
 
     def serve(self, connection: Serving, request_id: int, payload: bytes) -> None:
         if self._closing:  # as a stopping gRPC server refuses new calls: this request only, nothing stored
@@ -390,7 +418,10 @@ class HopServer:
             reply = spb.SendMessageResponse(status=pb.Status(code=pb.TOO_MANY_REQUESTS, message=admission.message))
         else:
             try:
-                reply = await self._send(spb.SendMessageRequest.FromString(payload), payload)
+                if connection.clients and self._client_send is not None:
+                    reply = await self._client_send(payload)
+                else:
+                    reply = await self._send(spb.SendMessageRequest.FromString(payload), payload)
             except Exception as exc:
                 if status.code_of(exc) == pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
                     log.exception("a forwarded send over the local hop failed")

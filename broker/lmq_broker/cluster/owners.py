@@ -36,6 +36,7 @@ class Owners:
         self._holds_locally = holds_locally
         self._placement: dict[str, dict[str, int]] = {}  # parent -> lite topic -> slot
         self._placed = 0  # entries of _placement
+        self.handed_over = False  # a topic was placed by a hand-over since the last membership (``place``)
         # With replication (lmq_broker.replication): the slot whose broker holds a slot's lease, where its
         # topics' sends go after a failover. None: every slot serves itself.
         self.serving: Callable[[int], int] | None = None
@@ -45,6 +46,7 @@ class Owners:
         if not parent:
             self._placement = {}
             self._placed = 0
+            self.handed_over = False
             return
         placed = self._placement.get(parent, {})
         for lite in lites:
@@ -86,6 +88,7 @@ class Owners:
 
     def place(self, parent: str, lite: str, slot: int) -> None:
         """Remember ``lite`` as living on ``slot`` (a topic handed over to this broker)."""
+        self.handed_over = True
         self._remember(parent, lite, slot)
 
     def _remember(self, parent: str, lite: str, slot: int) -> None:

@@ -20,18 +20,21 @@ from dataclasses import dataclass
 from typing import Final
 
 from lmq_broker import errors, model
-from lmq_broker.cluster import draining, local_hop, trust
+from lmq_broker.cluster import draining, local_hop, native_forward, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.calls import Calls
 from lmq_broker.cluster.fanout import Subscription
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig, LocalHop
 from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.protocol import guard, status
 from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import send_message
 from lmq_broker.protocol.metrics import Metrics
+from lmq_broker.protocol.refusals import RefusalLog
 from lmq_broker.storage.api import Store
 
 log = logging.getLogger(__name__)
@@ -163,6 +166,10 @@ def decode(text: str, config: BrokerConfig) -> tuple[Place | None, int]:
         raise errors.InvalidArgument(f"the stored cluster membership is not readable: {exc}") from None
 
 
+def _no_headers() -> tuple[tuple[str, str | bytes], ...]:
+    return ()
+
+
 class Cluster:
     def __init__(
         self,
@@ -198,6 +205,7 @@ class Cluster:
         self._handing: asyncio.Task[None] | None = None
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
         self._hop_server: local_hop.HopServer | None = None
+        self._native: native_forward.NativeForwarding | None = None  # --native-forward: the edge's table
 
     @property
     def peers(self) -> Peers | None:
@@ -243,10 +251,49 @@ class Cluster:
                 return await send_message.handle(edge, request)
             return await peers.forwarder.send(request, peer_copy=True, data=data)
 
+        refusals = RefusalLog()
+
+        async def client_send(data: bytes) -> spb.SendMessageResponse:
+            """A client's send a sibling's native edge forwarded as it came: answered as this broker's client port
+            answers it (``native_forward``; the port's admission is the hop server's)."""
+            sent = guard.decode_send(data)
+            if isinstance(sent, str):
+                return spb.SendMessageResponse(status=pb.Status(code=pb.BAD_REQUEST, message=sent))
+            try:
+                calls = self._calls if self._edge.cluster is not None else None
+                if calls is None:
+                    return await send_message.handle(edge, sent.request)
+                return await calls.send(sent.request, _no_headers, sent.data)  # a client's: no peer header
+            except errors.LmqError as exc:
+                refused = status.status_of(exc)
+                if refused.code != pb.INTERNAL_ERROR and not isinstance(exc, errors.BrokerUnavailable):
+                    refusals.note("SendMessage", refused.code, refused.message)
+                raise
+
         secret = trust.secret_of(config.cluster_secret, self._admin_keys[1] if self._admin_keys is not None else "")
-        server = local_hop.HopServer(path, secret, send, admission, self._metrics, self._metrics.registry)
+        clients = None if config.acl or config.access_key else client_send  # a signature to check: never natively
+        server = local_hop.HopServer(path, secret, send, admission, self._metrics, self._metrics.registry, clients)
         await server.start()
         self._hop_server = server
+
+    def forward_natively(self, edge: native_forward.Edge) -> None:
+        """``--native-forward on`` with the native edge: keep ``edge``'s forwarding table (``native_forward``)."""
+        if not native_forward.wanted(self.config):
+            return
+        secret = trust.secret_of(
+            self.config.cluster_secret, self._admin_keys[1] if self._admin_keys is not None else ""
+        )
+        self._native = native_forward.NativeForwarding(edge, self.config, secret, self._plain)
+        self._native.start()
+
+    def _plain(self) -> tuple[mb.Membership, int] | None:
+        """The membership and this broker's slot while placement is plain (``native_forward.plain``), else None."""
+        peers = self._peers
+        if peers is None or self._edge.cluster is None or self.place.alone:
+            return None
+        if not native_forward.plain(self.membership, self.slot, peers.owners.handed_over):
+            return None
+        return self.membership, self.slot
 
     def serve(self) -> None:
         """This broker answers calls now: its peers are watched (and told at once that it is up)."""
@@ -332,6 +379,8 @@ class Cluster:
                 task = asyncio.get_running_loop().create_task(self._subscribe_at_owners(joined))
                 self._copying.add(task)
                 task.add_done_callback(self._copying.discard)
+        if self._native is not None:  # the native edge's table follows the membership at once
+            self._native.push()
         where = f"slot {me}" if me >= 0 else "no member"
         members = ", ".join(m for m in membership.members if m) or "this broker alone"
         log.info(
@@ -425,6 +474,9 @@ class Cluster:
         return out
 
     async def close(self) -> None:
+        if self._native is not None:
+            await self._native.close()
+            self._native = None
         if self._hop_server is not None:
             await self._hop_server.close()
             self._hop_server = None

@@ -60,6 +60,16 @@ def _tolerant(method: str, decode: Callable[[bytes], Any]) -> Callable[[bytes], 
     return tolerant
 
 
+_decode_send: Final = _tolerant("SendMessage", wire.sent)
+
+
+def decode_send(data: bytes) -> wire.Sent | str:
+    """A client's SendMessage bytes decoded as the client port decodes them, or why they do not decode (the
+    BAD_REQUEST message it answers): for a send a sibling's native edge forwarded (``cluster.native_forward``)."""
+    sent = _decode_send(data)
+    return sent.why if isinstance(sent, _Undecodable) else sent
+
+
 def generic_handler(
     servicer: object,
     admission: Admission | None = None,

@@ -231,6 +231,14 @@ class NativeServer:
         """The native edge's counters, read in one call (``native_metrics.EdgeCollector``)."""
         return list(self._core.stats())
 
+    def forward_to(self, size: int, me: int, timeout_s: float, routes: list[tuple[int, str, bytes, bytes]]) -> None:
+        """``--native-forward``: the plain-placement table (``cluster.native_forward``; ``forward.rs``)."""
+        self._core.forward_to(size, me, timeout_s, routes)
+
+    def forward_off(self) -> None:
+        """Every call to Python from now on."""
+        self._core.forward_off()
+
     def add_generic_rpc_handlers(self, handlers: Iterable[GenericHandler]) -> None:
         self._handlers.extend(handlers)
 

@@ -32,6 +32,20 @@ COUNTERS: Final = {
     ),
     "bytes_in": ("lmq_edge_received_bytes", "Request body bytes received (gRPC framing included, TLS not)"),
     "bytes_out": ("lmq_edge_sent_bytes", "Reply message bytes handed to HTTP/2 (gRPC framing included)"),
+    "forwarded_calls": (
+        "lmq_edge_forwarded_calls",
+        "SendMessage calls the edge wrote to a sibling's local hop socket itself (--native-forward), not seen by "
+        "this process's Python (each also counted in lmq_edge_calls, not in lmq_edge_request_messages)",
+    ),
+    "forwards_unanswered": (
+        "lmq_edge_forwards_unanswered",
+        "Calls forwarded natively whose sibling did not answer in time or whose connection closed (the client got "
+        "'did not answer; nothing was stored, try again')",
+    ),
+    "forward_connections": (
+        "lmq_edge_forward_connections",
+        "Connections the edge opened to siblings' local hop sockets for natively forwarded sends",
+    ),
 }
 REFUSED: Final = {"refused_too_large": "message_too_large", "refused_compressed": "compressed"}
 REFUSED_HELP: Final = (

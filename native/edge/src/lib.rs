@@ -5,6 +5,7 @@
 //! once (one byte on a socket it watches) when the queue turns non-empty; `Server.take` hands over all of them.
 //! TLS (rustls) is in `tls.rs`.
 
+mod forward;
 mod stats;
 mod tls;
 mod wire;
@@ -62,6 +63,8 @@ const INTERNAL: u32 = 13;
 const UNIMPLEMENTED: u32 = 12;
 const RESOURCE_EXHAUSTED: u32 = 8;
 const DEADLINE_EXCEEDED: u32 = 4;
+const SEND_MESSAGE: &str = "/apache.rocketmq.v2.MessagingService/SendMessage";
+const PEER_HEADER: &str = "x-lmq-peer"; // cluster.trust.HEADER: a peer's copy, which Python serves
 const UNAVAILABLE: u32 = 14;
 
 enum Meta {
@@ -105,6 +108,7 @@ struct Shared {
     max_message: usize,
     max_unread: usize, // request messages handed to Python and not yet taken by its handler (read-ahead bound)
     stats: Stats,
+    forwarding: forward::Forwarding, // --native-forward: sends forwarded to a sibling without Python (forward.rs)
 }
 
 /// One call's reply side: frames to hyper, and whether its trailers are sent.
@@ -336,8 +340,18 @@ fn inflate(encoding: Encoding, data: &[u8], max: usize) -> Result<Bytes, (u32, S
 }
 
 /// Reads the request's gRPC messages into events; Err when the call ended here (reset, refused message).
-async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared, encoding: Encoding) -> Result<(), ()> {
+/// ``open``: the call's OPEN event, not yet handed to Python (a SendMessage the native side may forward,
+/// ``forward.rs``): pushed before its first message unless that message is forwarded; a forwarded call's
+/// further messages (a unary call has one; Python would read only the first) are read and dropped.
+async fn read_body(
+    mut body: Incoming,
+    call: &Arc<CallShared>,
+    shared: &Arc<Shared>,
+    encoding: Encoding,
+    mut open: Option<Event>,
+) -> Result<(), ()> {
     let mut buf = BytesMut::new();
+    let mut forwarded = false;
     let stats = &shared.stats;
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
@@ -365,6 +379,10 @@ async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared, encod
             if buf.len() < 5 + len {
                 break;
             }
+            if forwarded {
+                buf.advance(5 + len);
+                continue;
+            }
             call.wait_for_room(stats).await;
             buf.advance(5);
             let mut data = buf.split_to(len).freeze();
@@ -380,9 +398,22 @@ async fn read_body(mut body: Incoming, call: &CallShared, shared: &Shared, encod
                     }
                 };
             }
+            if let Some(opening) = open.take() {
+                if forward::forward(shared, &data, call) {
+                    forwarded = true;
+                    continue;
+                }
+                shared.queue.push(opening);
+            }
             stats.add(&stats.request_messages, 1);
             shared.queue.push(Event::Message { id: call.id, data });
         }
+    }
+    if forwarded {
+        return Ok(());
+    }
+    if let Some(opening) = open.take() {
+        shared.queue.push(opening);
     }
     shared.queue.push(Event::HalfClose { id: call.id });
     Ok(())
@@ -395,6 +426,7 @@ async fn supervise(
     shared: Arc<Shared>,
     timeout: Option<Duration>,
     encoding: Encoding,
+    open: Option<Event>,
 ) {
     let sleep = async move {
         match timeout {
@@ -403,7 +435,7 @@ async fn supervise(
         }
     };
     tokio::pin!(sleep);
-    let reading = read_body(body, &call, &shared, encoding);
+    let reading = read_body(body, &call, &shared, encoding, open);
     tokio::pin!(reading);
     let mut read = false;
     loop {
@@ -454,15 +486,24 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
     });
     let (parts, body) = req.into_parts();
     let timeout = parts.headers.get("grpc-timeout").and_then(parse_timeout);
-    shared.queue.push(Event::Open {
+    let method = parts.uri.path();
+    // A client's SendMessage while sends may be forwarded natively: Python hears of it only if it is not.
+    let deferred = method == SEND_MESSAGE && !parts.headers.contains_key(PEER_HEADER) && shared.forwarding.on();
+    let open = Event::Open {
         call: call.clone(),
-        method: parts.uri.path().to_owned(),
+        method: method.to_owned(),
         metadata: metadata_of(&parts.headers),
         peer,
         timeout: timeout.map(|t| t.as_secs_f64()),
-    });
+    };
+    let open = if deferred {
+        Some(open)
+    } else {
+        shared.queue.push(open);
+        None
+    };
     let encoding = encoding_of(&parts.headers);
-    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout, encoding));
+    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout, encoding, open));
     let mut response = Response::new(ReplyBody { rx, call, shared });
     response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
     response.headers_mut().insert("grpc-accept-encoding", HeaderValue::from_static(ACCEPT_ENCODING));
@@ -611,6 +652,7 @@ impl Server {
             max_message: max_message_bytes,
             max_unread: max_unread_requests.max(1),
             stats: Stats::default(),
+            forwarding: forward::Forwarding::default(),
         });
         let (stopping, _) = watch::channel(false);
         Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), tls: None, stopping })
@@ -701,6 +743,19 @@ impl Server {
         self.shared.stats.snapshot()
     }
 
+    /// ``--native-forward``: the plain-placement table (``cluster.native_forward``): the ring's size, this
+    /// process's slot, how long a sibling may take to answer, and per sibling slot (slot, its local hop socket,
+    /// the hello frame's payload, the SendMessageResponse a call gets when that sibling does not answer).
+    /// Client SendMessage calls owned by one of those siblings are forwarded to it from now on.
+    fn forward_to(&self, size: i64, me: i64, timeout_s: f64, routes: Vec<(i64, PathBuf, Vec<u8>, Vec<u8>)>) {
+        self.shared.forwarding.set(size, me, timeout_s, routes);
+    }
+
+    /// Withdraws the table: every call goes to Python from now on (calls forwarded already are answered).
+    fn forward_off(&self) {
+        self.shared.forwarding.off();
+    }
+
     /// Ends the native threads (after ``stop_accepting`` and the calls' end).
     fn close(&mut self, py: Python<'_>) {
         let _ = self.stopping.send(true);
@@ -715,6 +770,7 @@ fn lmq_edge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Server>()?;
     m.add_class::<Call>()?;
     m.add_function(wrap_pyfunction!(wire::send_routes, m)?)?;
+    m.add_function(wrap_pyfunction!(forward::ring_slot, m)?)?;
     m.add("OPEN", OPEN)?;
     m.add("MESSAGE", MESSAGE)?;
     m.add("HALF_CLOSE", HALF_CLOSE)?;

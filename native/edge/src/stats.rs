@@ -21,6 +21,9 @@ pub(crate) struct Stats {
     pub refused_compressed: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    pub forwarded_calls: AtomicU64,
+    pub forwards_unanswered: AtomicU64,
+    pub forward_connections: AtomicU64,
 }
 
 impl Stats {
@@ -46,6 +49,9 @@ impl Stats {
             ("refused_compressed", read(&self.refused_compressed)),
             ("bytes_in", read(&self.bytes_in)),
             ("bytes_out", read(&self.bytes_out)),
+            ("forwarded_calls", read(&self.forwarded_calls)),
+            ("forwards_unanswered", read(&self.forwards_unanswered)),
+            ("forward_connections", read(&self.forward_connections)),
         ]
     }
 }

@@ -91,7 +91,7 @@ fn message_route(buf: &[u8]) -> Option<(&[u8], Option<&[u8]>)> {
     Some((name.unwrap_or(b""), lite))
 }
 
-fn routes_of(data: &[u8]) -> Option<(&[u8], Vec<&str>)> {
+pub(crate) fn routes_of(data: &[u8]) -> Option<(&[u8], Vec<&str>)> {
     let mut parent: Option<&[u8]> = None;
     let mut lites = Vec::new();
     let mut pos = 0;

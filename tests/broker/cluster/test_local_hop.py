@@ -58,7 +58,9 @@ class Pod:
 
 
 def start_pod(data: Path, hop: str) -> Pod:
-    args = ["--processes", "2", "--no-bootstrap", "--local-hop", hop]
+    """``hop``: socket or grpc; ``native``: the socket, with the native edge forwarding (``--native-forward on``)."""
+    native = ["--edge", "native", "--native-forward", "on"] if hop == "native" else []
+    args = ["--processes", "2", "--no-bootstrap", "--local-hop", "socket" if hop == "native" else hop, *native]
     broker = start_broker(data, extra_args=args, env=ENV)
     found = {int(m[1]): (m[2], int(m[3])) for m in PROCESS_RE.finditer(broker.log())}
     pod = Pod(broker, [found[i][0] for i in range(2)], [found[i][1] for i in range(2)])
@@ -209,11 +211,12 @@ def _send_until_stopped(endpoint: str, lites: list[str], stop: threading.Event, 
             n += 1
 
 
-@pytest.mark.parametrize("hop", HOPS)
+@pytest.mark.parametrize("hop", (*HOPS, "native"))
 def test_kill_9_of_the_owner_mid_stream_loses_nothing_acknowledged(tmp_path: Path, hop: str) -> None:
     """Sends through process 0 to topics process 1 owns while process 1 is killed -9 and started again by its
     supervisor: some sends fail meanwhile and are sent again; every acknowledged message is in the owner's store
-    afterwards (at least once: no topic holds fewer messages than were acknowledged, none more than sent)."""
+    afterwards (at least once: no topic holds fewer messages than were acknowledged, none more than sent). With
+    ``native`` the edge forwards them itself, falling back to Python while the owner's socket is gone."""
     pod = start_pod(tmp_path / "pod", hop)
     try:
         lites = pod.owned_by(1, "k", 8)
@@ -237,6 +240,8 @@ def test_kill_9_of_the_owner_mid_stream_loses_nothing_acknowledged(tmp_path: Pat
             stop.set()
             sender.join(90)
         stored = max_offsets(pod, 1, lites)
+        if hop == "native":  # before the kill and after the restart (its connection opened again)
+            assert pod.metric(0, "lmq_edge_forward_connections_total") >= 2
         for lite in lites:
             offsets = ledger.acked[lite]
             assert len(set(offsets)) == len(offsets), f"two receipts with one offset in {lite}"

@@ -1,0 +1,232 @@
+"""Sends forwarded by the native edge (``--native-forward on``, ``cluster.native_forward``) against the plain
+twin (``off``: every call reaches Python, which forwards over the local hop): real ``serve --processes 2`` pods,
+real sockets, real stores. The same requests, valid, malformed or hostile, each sent to process 0's own port,
+get the same answers (status, message, every entry's code, message id and offset) and leave the same messages
+stored; only the requests the edge can route alone are counted as forwarded natively, each once. A membership
+whose placement is not plain withdraws the edge's table at once (sends are Python's again, still stored)."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import grpc
+import pytest
+from waiting import eventually
+
+from lmq_broker import model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.cluster import local_hop, native_forward, trust
+from lmq_broker.cluster import membership as mb
+from lmq_broker.cluster.links import V2
+from lmq_broker.config import BrokerConfig, NativeForward
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
+
+PARENT: Final = "NFWD_NS"
+SECRET: Final = "native-forward-test-secret"
+ENV: Final = {**SHARED_ADMIN_ENV, "LMQ_CLUSTER_SECRET": SECRET}
+PROCESS_RE: Final = re.compile(r"lmq-broker process (\d+) grpc=(\S+) metrics=(\d+)")
+MODES: Final = ("on", "off")
+FORWARDED: Final = "lmq_edge_forwarded_calls_total"
+Answer = tuple[int, str, list[tuple[int, str, int]]]
+
+
+@dataclass
+class Pod:
+    broker: BrokerProcess
+    endpoints: list[str]
+    metrics: list[int]
+
+    def owned_by(self, slot: int, prefix: str, count: int) -> list[str]:
+        membership = mb.Membership(tuple(self.endpoints), (len(self.endpoints),))
+        names = (f"{prefix}-{i}" for i in range(100_000))
+        return [n for n in names if mb.owner(membership, model.QueueId.lmq(PARENT, n).topic) == slot][:count]
+
+    def metric(self, slot: int, name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[slot]}/metrics", timeout=5).read().decode()
+        found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        return float(found[1]) if found else 0.0
+
+
+def start_pod(data: Path, mode: str) -> Pod:
+    args = ["--processes", "2", "--no-bootstrap", "--edge", "native", "--native-forward", mode]
+    broker = start_broker(data, extra_args=args, env=ENV)
+    found = {int(m[1]): (m[2], int(m[3])) for m in PROCESS_RE.finditer(broker.log())}
+    pod = Pod(broker, [found[i][0] for i in range(2)], [found[i][1] for i in range(2)])
+    with AdminClient(broker.endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+    return pod
+
+
+@pytest.fixture
+def pods(tmp_path: Path) -> Iterator[dict[str, Pod]]:
+    started: dict[str, Pod] = {}
+    try:
+        for mode in MODES:
+            started[mode] = start_pod(tmp_path / mode, mode)
+        yield started
+    finally:
+        for pod in started.values():
+            pod.broker.stop()
+
+
+def message(lite: str, message_id: str, **user: str) -> pb.Message:
+    props = pb.SystemProperties(message_id=message_id, message_type=pb.LITE, lite_topic=lite, body_encoding=pb.IDENTITY)
+    return pb.Message(topic=pb.Resource(name=PARENT), body=b"b", system_properties=props, user_properties=user)
+
+
+def encoded(*messages: pb.Message) -> bytes:
+    return spb.SendMessageRequest(messages=messages).SerializeToString()
+
+
+def requests(here: list[str], there: list[str]) -> list[tuple[bytes, bool | None]]:
+    """Each as bytes, and whether the edge forwards it alone (None: if process 1 owns it): ``here`` topics owned
+    by process 0 (where every request is sent), ``there`` by process 1."""
+    one = encoded(message(there[0], "m-1"))
+    three = encoded(message(there[0], "m-2"), message(there[1], "m-3"), message(there[1], "m-4"))
+    return [
+        (one, True),
+        (three, True),
+        (three + bytes((2 << 3, 5)), True),  # an unknown field of the request: decodes, forwarded as it came
+        (encoded(*(message(there[2], f"many-{i}") for i in range(200))), True),
+        (encoded(message(there[3], "bad-1")).replace(b"bad-1", b"bad\xff1"), True),  # the owner: not UTF-8
+        (encoded(message(there[4], "r-1", **{model.EMPTY_BODY_PROPERTY: "1"})), True),  # reserved: refused there
+        (encoded(message(there[5], "r-2"), message(there[5], "r-3", **{model.EMPTY_BODY_PROPERTY: ""})), True),
+        (encoded(message(there[6], "m-5")).replace(PARENT.encode(), b"NFWD_N\xfe"), False),  # parent not UTF-8
+        (encoded(message(there[0], "m-6"), message(here[0], "m-7")), False),  # two owners
+        (encoded(message(here[1], "m-8")), False),  # this process's own
+        (encoded(message(there[0], "m-9"), pb.Message(topic=pb.Resource(name=PARENT), body=b"n")), False),  # not LITE
+        (one[:-1], False),  # cut short: the scanner does not follow it
+        (b"\xff\xff\xff", False),
+        (b"", False),  # no messages
+        (encoded(message("x" * 200, "m-10")), None),  # a lite topic too long: refused by whoever owns it
+    ]
+
+
+def answer(endpoint: str, payload: bytes, metadata: tuple[tuple[str, str], ...] = ()) -> Answer:
+    with grpc.insecure_channel(endpoint) as channel:
+        call = channel.unary_unary(
+            V2 + "SendMessage", request_serializer=None, response_deserializer=spb.SendMessageResponse.FromString
+        )
+        reply: spb.SendMessageResponse = call(payload, metadata=metadata, timeout=10)
+    entries = [(int(e.status.code), e.message_id, e.offset) for e in reply.entries]
+    return int(reply.status.code), reply.status.message, entries
+
+
+def stored(pod: Pod, roles: dict[str, str]) -> dict[str, int]:
+    out = {}
+    for slot, endpoint in enumerate(pod.endpoints):
+        with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            for topic in admin.list_lite_topics(PARENT, limit=1000).topics:
+                meta = topic.meta
+                out[f"{slot}:{roles.get(meta.lite, meta.lite)}"] = meta.max_offset
+    return out
+
+
+def warm_up(pod: Pod, lite: str) -> int:
+    """Sends to ``lite`` (process 1's) until one is forwarded natively: the edge opens its connection to process 1
+    at its first such call, which Python serves meanwhile. How many were sent."""
+    sent = 0
+
+    def forwarded() -> bool:
+        nonlocal sent
+        sent += 1
+        assert answer(pod.endpoints[0], encoded(message(lite, f"w-{sent}")))[0] == pb.OK
+        return pod.metric(0, FORWARDED) > 0
+
+    eventually(forwarded, "a send forwarded natively")
+    return sent
+
+
+def test_every_request_gets_the_same_answer_and_store_with_native_forwarding_on_and_off(
+    pods: dict[str, Pod],
+) -> None:
+    answers: dict[str, list[Answer]] = {}
+    topics: dict[str, dict[str, int]] = {}
+    warm = 0
+    for mode, pod in pods.items():  # "on" first: "off" gets as many warm-up sends, for the same stores
+        here, there = pod.owned_by(0, "h", 2), pod.owned_by(1, "t", 8)
+        roles = {lite: f"h{i}" for i, lite in enumerate(here)} | {lite: f"t{i}" for i, lite in enumerate(there)}
+        if mode == "on":
+            warm = warm_up(pod, there[7])
+        else:
+            for n in range(warm):
+                assert answer(pod.endpoints[0], encoded(message(there[7], f"w-{n + 1}")))[0] == pb.OK
+        before = pod.metric(0, FORWARDED)
+        cases = requests(here, there)
+        answers[mode] = [answer(pod.endpoints[0], payload) for payload, _ in cases]
+        # a client's forged peer header: no peer's copy (the edge leaves it to Python, which serves a client)
+        forged = ((trust.HEADER, f"1;{time.time_ns() // 1_000_000};{'0' * 64}"),)
+        answers[mode].append(answer(pod.endpoints[0], encoded(message(there[0], "m-11")), forged))
+        topics[mode] = stored(pod, roles)
+        natively = pod.metric(0, FORWARDED) - before
+        if mode == "on":
+            too_long = model.QueueId.lmq(PARENT, "x" * 200).topic
+            expected = sum(1 for _, alone in cases if alone is True) + (
+                mb.owner(mb.Membership(tuple(pod.endpoints), (2,)), too_long) == 1
+            )
+            assert natively == expected
+        else:
+            assert natively == 0
+        codes = [code for code, _, _ in answers[mode]]
+        assert codes[:4] == [pb.OK] * 4, answers[mode]
+        assert codes[4] == pb.BAD_REQUEST, answers[mode]  # protobuf's refusal, at the owner when forwarded natively
+        assert pb.OK not in codes[5:7], answers[mode]
+        assert codes[-1] == pb.OK, answers[mode]
+        for refused in ("1:t3", "1:t4", "1:t5"):  # of requests refused whole
+            assert refused not in topics[mode], topics[mode]
+    assert topics["on"] == topics["off"]
+    assert answers["on"] == answers["off"]
+
+
+def test_a_placement_that_is_not_plain_withdraws_the_table_at_once(tmp_path: Path) -> None:
+    """Process 0 is given an older ring (a scale-up's history): the edge forwards nothing from then on, every send
+    still stored at its owner by Python's forwarding."""
+    pod = start_pod(tmp_path / "on", "on")
+    try:
+        there = pod.owned_by(1, "t", 2)
+        warm_up(pod, there[0])
+        with AdminClient(pod.endpoints[0], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            admin.set_cluster(pod.endpoints, (1, 2), slot=0, force=True)
+        before = pod.metric(0, FORWARDED)
+        for n in range(5):
+            assert answer(pod.endpoints[0], encoded(message(there[1], f"after-{n}")))[0] == pb.OK
+        assert pod.metric(0, FORWARDED) == before
+        with AdminClient(pod.endpoints[1], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            assert admin.describe_lite_topic(PARENT, there[1]).meta.max_offset == 5
+    finally:
+        pod.broker.stop()
+
+
+def test_the_flags_and_placements_that_allow_it() -> None:
+    config = BrokerConfig(native_forward=NativeForward.ON, local_hop_dir=Path("/tmp/hop"))
+    assert native_forward.wanted(config)
+    assert not native_forward.wanted(config.model_copy(update={"native_forward": NativeForward.OFF}))
+    assert not native_forward.wanted(config.model_copy(update={"acl": True}))
+    assert not native_forward.wanted(config.model_copy(update={"access_key": "ak"}))
+    assert not native_forward.wanted(config.model_copy(update={"replicas": 2}))
+    assert not native_forward.wanted(config.model_copy(update={"local_hop_dir": None}))
+    ring = mb.Membership(("a:1", "a:2"), (2,))
+    assert native_forward.plain(ring, 0, handed_over=False)
+    assert not native_forward.plain(ring, -1, handed_over=False)
+    assert not native_forward.plain(ring, 0, handed_over=True)
+    assert not native_forward.plain(mb.Membership(("a:1", "a:2"), (1, 2)), 0, handed_over=False)
+
+
+def test_a_clients_hello_is_refused_where_clients_sends_are_not_taken() -> None:
+    """A hop server without a client send (``--acl`` or ``--access-key``) verifies only the peers' hello."""
+    secret = SECRET.encode()
+    now = time.time_ns() // 1_000_000
+    clients = trust.header(secret, local_hop.HELLO_CLIENTS, 1, now)[1].encode()
+    peers = trust.header(secret, local_hop.HELLO, 1, now)[1].encode()
+    assert local_hop.hello_kind(secret, peers, clients=False) == local_hop.HELLO
+    assert local_hop.hello_kind(secret, clients, clients=False) is None
+    assert local_hop.hello_kind(secret, clients, clients=True) == local_hop.HELLO_CLIENTS
+    assert local_hop.hello_kind(b"other", clients, clients=True) is None
