@@ -257,7 +257,7 @@ class Broker:
         if config.external_port >= 0:
             await self._start_external(edge, admission)
         await cluster.listen_locally(admission)
-        if isinstance(server, native.NativeServer):  # --native-forward: sends owned by a sibling, without Python
+        if isinstance(server, native.NativeServer) and server.forwards:  # --native-forward: without Python
             cluster.forward_natively(server)
         await server.start()
         cluster.serve()

@@ -189,7 +189,7 @@ class BrokerConfig(BaseModel):
     send_path: SendPath = SendPath.RAW
     # Whether the native edge forwards a client's send owned by a sibling process itself, while placement is plain
     # (cluster.native_forward), or hands every call to Python (off, the plain twin).
-    native_forward: NativeForward = NativeForward.OFF
+    native_forward: NativeForward = NativeForward.ON
     # Replication (docs/replication.md): copies per ring slot (1: none, today's broker), how many must be durable
     # before a send is acknowledged (0: all of them), and the Kubernetes Leases that say who owns each slot.
     replicas: int = Field(default=1, ge=1, le=5)

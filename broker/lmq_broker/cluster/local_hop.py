@@ -277,7 +277,7 @@ class Served(Protocol):
 
     refused: Counter  # connections whose hello did not verify
 
-    def verify(self, hello: bytes) -> str | None: ...
+    def verify(self, hello: bytes) -> bool: ...
     def serve(self, connection: Serving, request_id: int, payload: bytes) -> None: ...
     def forget(self, connection: Serving) -> None: ...
 
@@ -292,7 +292,6 @@ class Serving(Frames):
         super().__init__()
         self._server = server
         self.greeted = False
-        self.clients = False  # its hello was HELLO_CLIENTS: its frames are clients' sends
         self.max_frame = HELLO_MAX_BYTES  # until the hello verified
         self.serving = 0  # frames handed to the server and not yet answered
         self._serving_bytes = 0
@@ -300,11 +299,9 @@ class Serving(Frames):
 
     def received(self, request_id: int, payload: bytes) -> None:
         if not self.greeted:
-            said = self._server.verify(payload) if request_id == 0 else None
-            if said is None:
+            if request_id != 0 or not self._server.verify(payload):
                 self.refuse("its hello does not verify (another cluster secret?)")
                 return
-            self.clients = said == HELLO_CLIENTS
             self.greeted = True
             self.max_frame = MAX_FRAME_BYTES
             return
@@ -350,6 +347,20 @@ class Serving(Frames):
         self._server.forget(self)
 
 
+class _HopServing(Serving):
+    """A connection of the local hop: its hello also says whether its frames are clients' sends."""
+
+    def __init__(self, server: HopServer) -> None:
+        super().__init__(server)
+        self._hop = server
+        self.clients = False  # its hello was HELLO_CLIENTS
+
+    def received(self, request_id: int, payload: bytes) -> None:
+        if not self.greeted and request_id == 0:
+            self.clients = self._hop.kind(payload) == HELLO_CLIENTS
+        super().received(request_id, payload)
+
+
 class HopServer:
     """The local hop socket of this process, serving its siblings' forwarded sends as peers' copies."""
 
@@ -389,14 +400,17 @@ class HopServer:
         self.path.chmod(0o600)
 
     def _connected(self) -> Serving:
-        connection = Serving(self)
+        connection = _HopServing(self)
         self._connections.add(connection)
         return connection
 
     def forget(self, connection: Serving) -> None:
         self._connections.discard(connection)
 
-    def verify(self, hello: bytes) -> str | None:
+    def verify(self, hello: bytes) -> bool:
+        return self.kind(hello) is not None
+
+    def kind(self, hello: bytes) -> str | None:
         return hello_kind(self._secret, hello, clients=self._client_send is not None)
 
     def serve(self, connection: Serving, request_id: int, payload: bytes) -> None:
@@ -418,7 +432,7 @@ class HopServer:
             reply = spb.SendMessageResponse(status=pb.Status(code=pb.TOO_MANY_REQUESTS, message=admission.message))
         else:
             try:
-                if connection.clients and self._client_send is not None:
+                if isinstance(connection, _HopServing) and connection.clients and self._client_send is not None:
                     reply = await self._client_send(payload)
                 else:
                     reply = await self._send(spb.SendMessageRequest.FromString(payload), payload)

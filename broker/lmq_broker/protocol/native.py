@@ -231,6 +231,11 @@ class NativeServer:
         """The native edge's counters, read in one call (``native_metrics.EdgeCollector``)."""
         return list(self._core.stats())
 
+    @property
+    def forwards(self) -> bool:
+        """Whether this build of the module forwards sends natively (a module built before it does not)."""
+        return hasattr(self._core, "forward_to")
+
     def forward_to(self, size: int, me: int, timeout_s: float, routes: list[tuple[int, str, bytes, bytes]]) -> None:
         """``--native-forward``: the plain-placement table (``cluster.native_forward``; ``forward.rs``)."""
         self._core.forward_to(size, me, timeout_s, routes)
@@ -259,7 +264,10 @@ class NativeServer:
         self._core.start()
 
     async def stop(self, grace: float | None) -> None:
-        """Stop taking connections, let running calls end for ``grace`` seconds, then cancel the rest."""
+        """Stop taking connections, let running calls end for ``grace`` seconds, then cancel the rest (sends
+        forwarded natively and still unanswered end with the native threads; none is forwarded from now on)."""
+        if self.forwards:
+            self._core.forward_off()
         self._core.stop_accepting()
         tasks = [c.task for c in self._calls.values() if c.task is not None]
         if tasks and grace:

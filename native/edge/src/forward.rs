@@ -28,6 +28,9 @@ use crate::{CallShared, Shared};
 const RECONNECT_AFTER: Duration = Duration::from_millis(500); // a socket that refused: Python serves meanwhile
 const MAX_FRAME: usize = 64 * 1024 * 1024; // as local_hop.MAX_FRAME_BYTES
 const WRITE_CHUNK: usize = 256 * 1024; // frames gathered into one write at most
+// Requests of more messages are Python's: a call's own cost is spread over them there, and hashing every message
+// of a batch sent straight to its owner (all this process's) would only add to it.
+const MAX_MESSAGES: usize = 32;
 
 // --- the ring: BLAKE2b (RFC 7693) with an 8-byte digest, then jump consistent hashing (cluster.ring) -----------
 const IV: [u64; 8] = [
@@ -249,6 +252,9 @@ pub(crate) fn forward(shared: &Arc<Shared>, data: &[u8], call: &Arc<CallShared>)
 /// The sibling owning every message of the request, when one sibling with a route does.
 fn owner(table: &Table, data: &[u8]) -> Option<Arc<Route>> {
     let (parent, lites) = wire::routes_of(data)?;
+    if lites.len() > MAX_MESSAGES {
+        return None;
+    }
     std::str::from_utf8(parent).ok()?; // as ``send_routes``: a name protobuf would refuse is Python's to refuse
     let mut name = Vec::with_capacity(8 + parent.len() + 32);
     let mut slot = -1;

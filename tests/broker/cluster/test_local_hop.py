@@ -7,13 +7,11 @@ retry succeeds once the supervisor has started the owner again)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import struct
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,52 +19,28 @@ from typing import Final
 
 import grpc
 import pytest
-from pods import child_pid
+from pods import Pod, child_pid
+from pods import start_pod as start_any_pod
 from waiting import eventually
 
-from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import local_hop, trust
-from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.links import V2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS
 
 PARENT: Final = "HOP_NS"
 SECRET: Final = "local-hop-test-secret"
 ENV: Final = {**SHARED_ADMIN_ENV, "LMQ_CLUSTER_SECRET": SECRET}
-PROCESS_RE: Final = re.compile(r"lmq-broker process (\d+) grpc=(\S+) metrics=(\d+)")
 HOPS: Final = ("socket", "grpc")
 
 
-@dataclass
-class Pod:
-    broker: BrokerProcess
-    endpoints: list[str]  # each process's own, in slot order
-    metrics: list[int]
-
-    def owned_by(self, slot: int, prefix: str, count: int) -> list[str]:
-        membership = mb.Membership(tuple(self.endpoints), (len(self.endpoints),))
-        names = (f"{prefix}-{i}" for i in range(100_000))
-        return [n for n in names if mb.owner(membership, model.QueueId.lmq(PARENT, n).topic) == slot][:count]
-
-    def metric(self, slot: int, name: str) -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[slot]}/metrics", timeout=5).read().decode()
-        found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-        return float(found[1]) if found else 0.0
-
-
 def start_pod(data: Path, hop: str) -> Pod:
-    """``hop``: socket or grpc; ``native``: the socket, with the native edge forwarding (``--native-forward on``)."""
-    native = ["--edge", "native", "--native-forward", "on"] if hop == "native" else []
-    args = ["--processes", "2", "--no-bootstrap", "--local-hop", "socket" if hop == "native" else hop, *native]
-    broker = start_broker(data, extra_args=args, env=ENV)
-    found = {int(m[1]): (m[2], int(m[3])) for m in PROCESS_RE.finditer(broker.log())}
-    pod = Pod(broker, [found[i][0] for i in range(2)], [found[i][1] for i in range(2)])
-    with AdminClient(broker.endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
-        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-    return pod
+    """``hop``: socket or grpc, every send through Python (``--native-forward off``); ``native``: the socket,
+    with the native edge forwarding single-owner sends itself (``--native-forward on``)."""
+    native = ["--edge", "native", "--native-forward", "on"] if hop == "native" else ["--native-forward", "off"]
+    return start_any_pod(data, PARENT, ["--local-hop", "socket" if hop == "native" else hop, *native], ENV)
 
 
 @pytest.fixture

@@ -29,8 +29,8 @@ Answer = tuple[int, str, list[tuple[int, str, int]]]
 
 
 def start_pod(data: Path, path: str) -> tuple[BrokerProcess, list[str]]:
-    broker = start_broker(data, extra_args=["--processes", "2", "--no-bootstrap", "--send-path", path],
-                          env=SHARED_ADMIN_ENV)  # fmt: skip
+    args = ["--processes", "2", "--no-bootstrap", "--send-path", path, "--native-forward", "off"]  # Python's paths
+    broker = start_broker(data, extra_args=args, env=SHARED_ADMIN_ENV)
     found = {int(m[1]): m[2] for m in PROCESS_RE.finditer(broker.log())}
     with AdminClient(broker.endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
         admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
