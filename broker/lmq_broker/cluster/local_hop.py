@@ -195,10 +195,13 @@ class Calls(Frames):
 class Hop:
     """This process's connections to its siblings, one per sibling, opened on first use."""
 
-    def __init__(self, directory: Path, secret: bytes, epoch: Callable[[], int]) -> None:
+    def __init__(self, directory: Path, secret: bytes, epoch: Callable[[], int], home: str) -> None:
         self._directory = directory
         self._secret = secret
         self._epoch = epoch
+        # The host of this broker's member endpoint: a sibling is a member on it. Sockets are named by port, and
+        # every pod of a StatefulSet uses the same ports, so another pod's member must never be taken for one.
+        self._home = home.rpartition(":")[0]
         self._connections: dict[str, Calls] = {}
         self._connecting: dict[str, asyncio.Task[Calls]] = {}
 
@@ -207,8 +210,14 @@ class Hop:
         connection = self._connections.get(target)
         if connection is not None and not connection.closed:
             return True
-        path = socket_path(self._directory, target)
+        path = self._path(target)
         return path is not None and path.exists()
+
+    def _path(self, target: str) -> Path | None:
+        """The socket of sibling ``target``; None when it is no sibling (another host) or has no socket path."""
+        if target.rpartition(":")[0] != self._home:
+            return None
+        return socket_path(self._directory, target)
 
     async def call(self, target: str, payload: bytes, timeout_s: float) -> bytes:
         """The owner's answer (SendMessageResponse bytes) to ``payload``; OSError or TimeoutError when it did
@@ -231,9 +240,9 @@ class Hop:
         return await asyncio.shield(connecting)
 
     async def _open(self, target: str, deadline: float) -> Calls:
-        path = socket_path(self._directory, target)
+        path = self._path(target)
         if path is None:
-            raise FileNotFoundError(f"no local hop socket for {target}")
+            raise FileNotFoundError(f"no local hop socket for {target} (no sibling of {self._home})")
         loop = asyncio.get_running_loop()
         while True:
             try:

@@ -54,7 +54,9 @@ class Peers:
         self.handoff.slots = lambda lmq: (self.links.me, mb.owner(self.links.membership, lmq))
         self.hop: local_hop.Hop | None = None
         if config.local_hop == LocalHop.SOCKET and config.local_hop_dir is not None:
-            self.hop = local_hop.Hop(config.local_hop_dir, secret, lambda: self.links.membership.epoch)
+            self.hop = local_hop.Hop(
+                config.local_hop_dir, secret, lambda: self.links.membership.epoch, config.advertised_address
+            )
         self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry, self.hop)
         self.watch = Watch(self.links, self.epochs, self.fanout, registry, incarnation=incarnation)
 

@@ -45,7 +45,7 @@ async def test_a_stopping_owner_answers_what_it_serves_and_refuses_what_comes_af
     metrics = Metrics(CollectorRegistry())
     server = local_hop.HopServer(path, SECRET, send, Admission(0), metrics, metrics.registry)
     await server.start()
-    hop = local_hop.Hop(directory, SECRET, lambda: 1)
+    hop = local_hop.Hop(directory, SECRET, lambda: 1, "127.0.0.1:7000")
     try:
         first = asyncio.ensure_future(hop.call(TARGET, request("before"), 10))
         await asyncio.wait_for(serving.wait(), 10)
@@ -67,3 +67,21 @@ async def test_a_stopping_owner_answers_what_it_serves_and_refuses_what_comes_af
         release.set()
         await hop.close()
         await server.close()
+
+
+async def test_a_member_of_another_pod_on_a_siblings_port_is_not_reached_over_the_local_hop(tmp_path: Path) -> None:
+    """Every pod of a StatefulSet uses the same ports and sockets are named by port: pod 1's process on 7001
+    must not be taken for this pod's sibling on 7001 (its forward would reach a broker that does not own it)."""
+    directory = tmp_path / "hop"
+    directory.mkdir()
+    path = local_hop.socket_path(directory, "lmq-0.lmq:7001")
+    assert path is not None
+    path.touch()  # this pod's sibling on 7001 listens
+    hop = local_hop.Hop(directory, SECRET, lambda: 1, "lmq-0.lmq:7000")
+    try:
+        assert hop.reaches("lmq-0.lmq:7001")
+        assert not hop.reaches("lmq-1.lmq:7001")
+        with pytest.raises(FileNotFoundError, match="no sibling"):
+            await hop.call("lmq-1.lmq:7001", b"x", 1)
+    finally:
+        await hop.close()
