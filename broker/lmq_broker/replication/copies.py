@@ -31,6 +31,7 @@ Tails = shipping.Tails
 Points = shipping.Points
 ACK_TIMEOUT_S: Final = 3.0  # a send waits this long at most for its copies (then refused, retriable)
 LMQ_PREFIX: Final = model.LMQ_PREFIX
+_STORED, _PENDING, _FAILED = "stored", "pending", "failed"  # a follower's state for a send's batches (``_state``)
 as_new = shipping.as_new
 
 
@@ -186,13 +187,13 @@ class Owner:
         while True:
             awaited = keeper.awaited()
             members = [f for f in keeper.recorded() if f != me]
-            stored = 1 + sum(1 for f in members if f in seqs and keeper.shippers[f].stored(seqs[f]))
-            failed = [f for f in awaited if f not in seqs or keeper.shippers[f].lost(seqs[f])]
+            stored = 1 + sum(1 for f in members if self._state(f, seqs) is _STORED)
+            failed = [f for f in awaited if self._state(f, seqs) is _FAILED]
             if failed:
                 if not await keeper.shrink(failed):  # below M (they stay), or the lease could not be written
                     self._refuse(f"{stored} of {need} stored it (in sync: {[me, *members]}; failed: {failed})")
                 continue
-            pending = [f for f in awaited if not keeper.shippers[f].stored(seqs[f])]
+            pending = [f for f in awaited if self._state(f, seqs) is not _STORED]
             if not pending and stored >= need:
                 return
             now = time.monotonic()
@@ -208,15 +209,30 @@ class Owner:
             else:
                 await keeper.wait(min(deadline, lag_at) - now, (pending[0], seqs[pending[0]]) if pending else None)
 
+    def _state(self, f: int, seqs: dict[int, int]) -> str:
+        """Where follower ``f`` is with the batches numbered ``seqs``. A follower this slot no longer copies to
+        (``unfollow``: the set was narrowed meanwhile, or a lease write from an older set named it again) stores
+        nothing: failed. One not numbered for them was followed after they were stored (``follow``, a ring
+        change): a probe that reached it since began after they were stored, so it holds them once one did and
+        nothing failed there since (``Shipper.complete``); without one it failed (the set keeps no member that
+        cannot have them)."""
+        shipper = self.keeper.shippers.get(f)
+        if shipper is None:
+            return _FAILED
+        n = seqs.get(f)
+        if n is None:
+            return _STORED if shipper.complete() else _FAILED
+        if shipper.lost(n):
+            return _FAILED
+        return _STORED if shipper.stored(n) else _PENDING
+
     def _may_grow(self, seqs: dict[int, int]) -> bool:
         """A follower outside the set may still join in time: one is joining, or has not answered for these
         batches yet, or answered lately (a probe follows). A follower that is down is none of these: refused
         at once rather than after the timeout."""
         keeper, members = self.keeper, set(self.keeper.recorded())
         outside = [s for f, s in keeper.shippers.items() if f not in members]
-        return bool(keeper.joining) or any(
-            s.hopeful() or not (s.stored(seqs[s.follower]) or s.lost(seqs[s.follower])) for s in outside
-        )
+        return bool(keeper.joining) or any(s.hopeful() or self._state(s.follower, seqs) is _PENDING for s in outside)
 
     def _refuse(self, why: str) -> None:
         self._counters.refused.labels("insync").inc()
@@ -347,16 +363,16 @@ class Owner:
         seqs = {f: keeper.shippers[f].seq for f in named if f != me and f in keeper.shippers}
         self._releasing = (epoch, named)
         try:
-            while (behind := [(f, n) for f, n in seqs.items() if keeper.shippers[f].done < n]) and (
-                left := deadline - time.monotonic()
-            ) > 0:
+            while (
+                behind := [(f, n) for f, n in seqs.items() if f in keeper.shippers and keeper.shippers[f].done < n]
+            ) and (left := deadline - time.monotonic()) > 0:
                 await keeper.wait(left, behind[0])  # the batches first: a commit point never overtakes its messages
             while (flushing := self._flushing) is not None and (left := deadline - time.monotonic()) > 0:
                 await asyncio.wait([flushing], timeout=left)
         finally:
             self._releasing = None
         copied = self._flushing is None and not self._commits
-        return copied and all(keeper.shippers[f].holds(n) for f, n in seqs.items())
+        return copied and all(f in keeper.shippers and keeper.shippers[f].holds(n) for f, n in seqs.items())
 
     def _fenced(self) -> errors.LmqError:
         """A commit copy's refusal: counted by the ack it refuses (``Counters.ack_refused``), if one waits."""

@@ -429,3 +429,31 @@ async def test_the_lag_budget_never_takes_the_set_below_min_insync(slot0: Slot0)
     assert slot0.recorded() == (0, 1, 2)
     assert slot0.counted("lmq_replication_refused_total", {"reason": "insync"}) == 1
     slot0.followers.slow_gate.set()
+
+
+@pytest.mark.asyncio
+async def test_a_send_waiting_while_a_new_follower_is_followed_is_acknowledged_once_that_follower_joined(
+    slot0: Slot0,
+) -> None:
+    """A ring change follows a new replica while a send waits for its copies (``Owner.follow``): the new one
+    was not numbered for that send's batch (it was taken for failed, the send refused, or raised ``KeyError``);
+    once a probe took it into the set it counts as holding the batch (the probe began after it was stored)."""
+    slot0.followers.slow.add("b1")  # broker 1's copies and probes hang: it is hopeful, never answering
+    owner = copies.Owner(
+        slot0.leaders[0],
+        0,
+        {1: "b1"},
+        2,
+        (slot0.followers.send, nothing, no_tails, slot0.stored_points),
+        copies.Counters(slot0.registry),
+        queue_messages=100,
+        probe_interval_s=0.05,
+    )
+    slot0.owners.append(owner)
+    send = asyncio.ensure_future(owner.copy(*batch(0)))
+    await asyncio.sleep(0.1)
+    assert not send.done()  # waiting: only the owner holds it, broker 1 may still join
+    owner.follow({2: "b2"})
+    await asyncio.wait_for(send, copies.ACK_TIMEOUT_S + 2)  # neither KeyError nor a refusal
+    assert 2 in (slot0.recorded() or ())
+    slot0.followers.slow_gate.set()
