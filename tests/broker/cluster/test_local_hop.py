@@ -19,16 +19,18 @@ from typing import Final
 
 import grpc
 import pytest
-from pods import Pod, child_pid
+from pods import Pod, child_pid, free_block
 from pods import start_pod as start_any_pod
 from waiting import eventually
 
+from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import local_hop, trust
+from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.links import V2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
-from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS
+from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
 
 PARENT: Final = "HOP_NS"
 SECRET: Final = "local-hop-test-secret"
@@ -240,3 +242,45 @@ def test_a_socket_path_too_long_leaves_the_pod_on_grpc(tmp_path: Path) -> None:
         assert "the local hop socket path is too long" in pod.broker.log()
     finally:
         pod.broker.stop()
+
+
+@pytest.mark.parametrize("hop", ("socket", "native"))
+def test_pods_on_the_same_ports_forward_to_each_others_processes_not_to_their_own(tmp_path: Path, hop: str) -> None:
+    """Two ``--processes 2`` pods on the same ports, as a StatefulSet's pods are (here on 127.0.0.1 and 127.0.0.2):
+    a send through pod 0 to a topic of pod 1's process on port p is stored there, not offered to pod 0's own
+    process on p over the local hop (sockets are named by port)."""
+    base = free_block(3)
+    peers = f"127.0.0.1:{base},127.0.0.2:{base}"
+    native = ["--edge", "native", "--native-forward", "on"] if hop == "native" else ["--native-forward", "off"]
+    started: dict[int, BrokerProcess] = {}
+
+    def start(i: int) -> None:
+        host = f"127.0.0.{i + 1}"
+        args = ["--processes", "2", "--no-bootstrap", "--host", host, "--peers", peers, *native]
+        args += ["--advertised-address", f"{host}:{base}"]
+        started[i] = start_broker(tmp_path / f"pod{i}", port=base, extra_args=args, env=ENV)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(started) == 2, "both pods started"
+        members = [f"127.0.0.{pod + 1}:{base + 1 + process}" for pod in range(2) for process in range(2)]
+        for access in (f"127.0.0.1:{base}", f"127.0.0.2:{base}"):
+            with AdminClient(access, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+                admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+        ring = mb.Membership(tuple(members), (len(members),))
+        names = (f"far-{i}" for i in range(100_000))
+        far = [n for n in names if mb.owner(ring, model.QueueId.lmq(PARENT, n).topic) == 3][:3]
+        for n, lite in enumerate(far):  # through pod 0's process 0: its sibling listens on the owner's port
+            reply = send(members[0], [message(lite, f"{lite}-{n}")])
+            assert reply.status.code == pb.OK, reply.status
+        with AdminClient(members[3], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
+            assert {lite: admin.describe_lite_topic(PARENT, lite).meta.max_offset for lite in far} == dict.fromkeys(
+                far, 1
+            )
+    finally:
+        for broker in started.values():
+            broker.stop()
