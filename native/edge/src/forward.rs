@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use blake2::digest::{Update, VariableOutput};
+use blake2::Blake2bVar;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use pyo3::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -32,83 +34,15 @@ const WRITE_CHUNK: usize = 256 * 1024; // frames gathered into one write at most
 // of a batch sent straight to its owner (all this process's) would only add to it.
 const MAX_MESSAGES: usize = 32;
 
-// --- the ring: BLAKE2b (RFC 7693) with an 8-byte digest, then jump consistent hashing (cluster.ring) -----------
-const IV: [u64; 8] = [
-    0x6a09e667f3bcc908,
-    0xbb67ae8584caa73b,
-    0x3c6ef372fe94f82b,
-    0xa54ff53a5f1d36f1,
-    0x510e527fade682d1,
-    0x9b05688c2b3e6c1f,
-    0x1f83d9abfb41bd6b,
-    0x5be0cd19137e2179,
-];
-const SIGMA: [[usize; 16]; 10] = [
-    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
-    [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3],
-    [11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4],
-    [7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8],
-    [9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13],
-    [2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9],
-    [12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11],
-    [13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10],
-    [6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5],
-    [10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0],
-];
-
-fn mix(v: &mut [u64; 16], (a, b, c, d): (usize, usize, usize, usize), x: u64, y: u64) {
-    v[a] = v[a].wrapping_add(v[b]).wrapping_add(x);
-    v[d] = (v[d] ^ v[a]).rotate_right(32);
-    v[c] = v[c].wrapping_add(v[d]);
-    v[b] = (v[b] ^ v[c]).rotate_right(24);
-    v[a] = v[a].wrapping_add(v[b]).wrapping_add(y);
-    v[d] = (v[d] ^ v[a]).rotate_right(16);
-    v[c] = v[c].wrapping_add(v[d]);
-    v[b] = (v[b] ^ v[c]).rotate_right(63);
-}
-
-fn compress(h: &mut [u64; 8], block: &[u8; 128], counter: u128, last: bool) {
-    let mut m = [0u64; 16];
-    for (i, word) in m.iter_mut().enumerate() {
-        *word = u64::from_le_bytes(block[i * 8..i * 8 + 8].try_into().unwrap());
-    }
-    let mut v = [0u64; 16];
-    v[..8].copy_from_slice(h);
-    v[8..].copy_from_slice(&IV);
-    v[12] ^= counter as u64;
-    v[13] ^= (counter >> 64) as u64;
-    if last {
-        v[14] = !v[14];
-    }
-    for round in 0..12 {
-        let s = &SIGMA[round % 10];
-        mix(&mut v, (0, 4, 8, 12), m[s[0]], m[s[1]]);
-        mix(&mut v, (1, 5, 9, 13), m[s[2]], m[s[3]]);
-        mix(&mut v, (2, 6, 10, 14), m[s[4]], m[s[5]]);
-        mix(&mut v, (3, 7, 11, 15), m[s[6]], m[s[7]]);
-        mix(&mut v, (0, 5, 10, 15), m[s[8]], m[s[9]]);
-        mix(&mut v, (1, 6, 11, 12), m[s[10]], m[s[11]]);
-        mix(&mut v, (2, 7, 8, 13), m[s[12]], m[s[13]]);
-        mix(&mut v, (3, 4, 9, 14), m[s[14]], m[s[15]]);
-    }
-    for i in 0..8 {
-        h[i] ^= v[i] ^ v[i + 8];
-    }
-}
+// --- the ring: BLAKE2b with an 8-byte digest (RustCrypto's blake2), then jump consistent hashing (cluster.ring) ---
 
 /// ``ring.key_of``: BLAKE2b of ``data`` with an 8-byte digest (unkeyed), read little-endian.
 fn key_of(data: &[u8]) -> u64 {
-    let mut h = IV;
-    h[0] ^= 0x0101_0000 ^ 8; // parameter block: digest length 8, no key, fanout 1, depth 1
-    let mut done = 0usize;
-    while data.len() - done > 128 {
-        compress(&mut h, data[done..done + 128].try_into().unwrap(), (done + 128) as u128, false);
-        done += 128;
-    }
-    let mut block = [0u8; 128];
-    block[..data.len() - done].copy_from_slice(&data[done..]);
-    compress(&mut h, &block, data.len() as u128, true);
-    h[0]
+    let mut hasher = Blake2bVar::new(8).expect("8 bytes is a valid BLAKE2b digest length");
+    hasher.update(data);
+    let mut digest = [0u8; 8];
+    hasher.finalize_variable(&mut digest).expect("the buffer is the digest's length");
+    u64::from_le_bytes(digest)
 }
 
 /// ``ring.jump``: the slot in ``[0, slots)`` of a key (the same float arithmetic as Python's).

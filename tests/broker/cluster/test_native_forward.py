@@ -7,6 +7,7 @@ whose placement is not plain withdraws the edge's table at once (sends are Pytho
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,19 +15,23 @@ from typing import Final
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pods import Pod
 from pods import start_pod as start_any_pod
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.cluster import local_hop, native_forward, trust
+from lmq_broker.cluster import local_hop, native_forward, ring, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.links import V2
 from lmq_broker.config import BrokerConfig, NativeForward
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS
+
+EDGE = importlib.import_module("lmq_edge")  # a Rust extension (make native): no stubs, Any
 
 PARENT: Final = "NFWD_NS"
 SECRET: Final = "native-forward-test-secret"
@@ -206,3 +211,11 @@ def test_a_clients_hello_is_refused_where_clients_sends_are_not_taken() -> None:
     assert local_hop.hello_kind(secret, clients, clients=False) is None
     assert local_hop.hello_kind(secret, clients, clients=True) == local_hop.HELLO_CLIENTS
     assert local_hop.hello_kind(b"other", clients, clients=True) is None
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(name=st.text(max_size=400), slots=st.integers(min_value=1, max_value=512))
+def test_the_edges_ring_hash_is_pythons(name: str, slots: int) -> None:
+    """The slot the native edge computes for a name (BLAKE2b, 8-byte digest, then jump hashing) is
+    ``ring.slot_of``'s, for names of any length (BLAKE2b's blocks are 128 bytes) and any text."""
+    assert EDGE.ring_slot(name, slots) == ring.slot_of(name, slots)
