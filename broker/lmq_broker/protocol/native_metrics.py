@@ -42,6 +42,11 @@ COUNTERS: Final = {
         "Calls forwarded natively whose sibling did not answer in time or whose connection closed (the client got "
         "'did not answer; nothing was stored, try again')",
     ),
+    "forwards_crowded": (
+        "lmq_edge_forwards_crowded",
+        "SendMessage calls the edge left to Python because the sibling's connection already carried 1,024 forwards "
+        "or 64 MiB not yet written (Python's admission, --max-concurrent-calls, applies to them)",
+    ),
     "forward_connections": (
         "lmq_edge_forward_connections",
         "Connections the edge opened to siblings' local hop sockets for natively forwarded sends",

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,11 @@ const WRITE_CHUNK: usize = 256 * 1024; // frames gathered into one write at most
 // Requests of more messages are Python's: a call's own cost is spread over them there, and hashing every message
 // of a batch sent straight to its owner (all this process's) would only add to it.
 const MAX_MESSAGES: usize = 32;
+// Forwards one sibling connection carries at once (waiting for their answers), and the bytes of them not yet
+// written: past either, a call is Python's (its admission, --max-concurrent-calls, applies there), so a client
+// that opens calls faster than the owner answers holds a bounded amount here (as the owner's own read-ahead).
+const MAX_WAITING: usize = 1024;
+const MAX_QUEUED_BYTES: usize = 64 * 1024 * 1024;
 
 // --- the ring: BLAKE2b with an 8-byte digest (RustCrypto's blake2), then jump consistent hashing (cluster.ring) ---
 
@@ -73,6 +78,7 @@ pub fn ring_slot(name: &str, slots: i64) -> i64 {
 // --- connections to the siblings ------------------------------------------------------------------------------
 struct Connection {
     frames: mpsc::UnboundedSender<Bytes>,
+    queued: AtomicUsize, // bytes of frames sent to the writer and not yet written (MAX_QUEUED_BYTES)
     waiting: Mutex<HashMap<u32, oneshot::Sender<Bytes>>>,
     next: AtomicU32,
     dead: AtomicBool,
@@ -159,8 +165,19 @@ pub(crate) fn forward(shared: &Arc<Shared>, data: &[u8], call: &Arc<CallShared>)
             id = connection.next.fetch_add(1, Ordering::Relaxed); // 0 is the hello's
         }
         let (tx, rx) = oneshot::channel();
-        connection.waiting.lock().unwrap().insert(id, tx);
-        if connection.dead.load(Ordering::Acquire) || connection.frames.send(frame(id, data)).is_err() {
+        {
+            let mut waiting = connection.waiting.lock().unwrap();
+            if waiting.len() >= MAX_WAITING || connection.queued.load(Ordering::Acquire) > MAX_QUEUED_BYTES {
+                shared.stats.add(&shared.stats.forwards_crowded, 1);
+                return false; // the sibling is behind: Python serves it (and admits it or not)
+            }
+            waiting.insert(id, tx);
+        }
+        let framed = frame(id, data);
+        let size = framed.len();
+        connection.queued.fetch_add(size, Ordering::AcqRel);
+        if connection.dead.load(Ordering::Acquire) || connection.frames.send(framed).is_err() {
+            connection.queued.fetch_sub(size, Ordering::AcqRel);
             connection.waiting.lock().unwrap().remove(&id);
             return false; // nothing written: Python serves it
         }
@@ -245,9 +262,12 @@ async fn connect(route: Arc<Route>, shared: Arc<Shared>) {
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let hello = route.hello.lock().unwrap().clone();
-    let _ = tx.send(frame(0, &hello));
+    let hello = frame(0, &hello);
+    let queued = AtomicUsize::new(hello.len()); // counted as every frame is, so the writer's count never wraps
+    let _ = tx.send(hello);
     let connection = Arc::new(Connection {
         frames: tx,
+        queued,
         waiting: Mutex::new(HashMap::new()),
         next: AtomicU32::new(1),
         dead: AtomicBool::new(false),
@@ -276,6 +296,9 @@ async fn write(mut writer: tokio::net::unix::OwnedWriteHalf, mut rx: mpsc::Unbou
         let dead = connection.upgrade().is_none_or(|c| c.dead.load(Ordering::Acquire));
         if dead || writer.write_all(&out).await.is_err() {
             break;
+        }
+        if let Some(c) = connection.upgrade() {
+            c.queued.fetch_sub(out.len(), Ordering::AcqRel);
         }
         out.clear();
     }

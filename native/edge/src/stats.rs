@@ -23,6 +23,7 @@ pub(crate) struct Stats {
     pub bytes_out: AtomicU64,
     pub forwarded_calls: AtomicU64,
     pub forwards_unanswered: AtomicU64,
+    pub forwards_crowded: AtomicU64,
     pub forward_connections: AtomicU64,
 }
 
@@ -51,6 +52,7 @@ impl Stats {
             ("bytes_out", read(&self.bytes_out)),
             ("forwarded_calls", read(&self.forwarded_calls)),
             ("forwards_unanswered", read(&self.forwards_unanswered)),
+            ("forwards_crowded", read(&self.forwards_crowded)),
             ("forward_connections", read(&self.forward_connections)),
         ]
     }

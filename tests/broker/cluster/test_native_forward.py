@@ -7,6 +7,7 @@ whose placement is not plain withdraws the edge's table at once (sends are Pytho
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pods import Pod
 from pods import start_pod as start_any_pod
-from waiting import eventually
+from waiting import eventually, eventually_async
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
@@ -27,6 +28,7 @@ from lmq_broker.cluster import local_hop, native_forward, ring, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.links import V2
 from lmq_broker.config import BrokerConfig, NativeForward
+from lmq_broker.protocol import native
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS
@@ -219,3 +221,61 @@ def test_the_edges_ring_hash_is_pythons(name: str, slots: int) -> None:
     """The slot the native edge computes for a name (BLAKE2b, 8-byte digest, then jump hashing) is
     ``ring.slot_of``'s, for names of any length (BLAKE2b's blocks are 128 bytes) and any text."""
     assert EDGE.ring_slot(name, slots) == ring.slot_of(name, slots)
+
+
+@pytest.mark.asyncio
+async def test_forwards_past_what_one_sibling_connection_carries_are_left_to_python(tmp_path: Path) -> None:
+    """A sibling that never answers (here: a socket that reads nothing): the edge keeps at most 1,024 forwards
+    waiting on its connection; the calls past them go to Python (where admission applies), counted as crowded,
+    so a client opening calls faster than the owner answers holds a bounded amount in the edge."""
+    python_served: list[bytes] = []
+
+    async def served(request: bytes, _context: object) -> bytes:
+        python_served.append(request)
+        return spb.SendMessageResponse(status=pb.Status(code=pb.OK)).SerializeToString()
+
+    handler = grpc.unary_unary_rpc_method_handler(served)
+    server = native.NativeServer(1 << 20, 64)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("apache.rocketmq.v2.MessagingService", {"SendMessage": handler}),)
+    )
+    port = server.listen("127.0.0.1", 0)
+    await server.start()
+    silent = tmp_path / "silent.sock"
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing, answers nothing
+
+    sibling = await asyncio.start_unix_server(hold, path=str(silent))
+    server.forward_to(2, 0, 60.0, [(1, str(silent), b"hello", b"")])
+    theirs = [n for n in (f"x{i}" for i in range(10_000)) if ring.slot_of(f"%LMQ%${PARENT}${n}", 2) == 1]
+    calls: list[asyncio.Future[spb.SendMessageResponse]] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            send = channel.unary_unary(
+                V2 + "SendMessage",
+                request_serializer=spb.SendMessageRequest.SerializeToString,
+                response_deserializer=spb.SendMessageResponse.FromString,
+            )
+
+            def request(n: int) -> spb.SendMessageRequest:
+                return spb.SendMessageRequest(messages=[message(theirs[n % len(theirs)], f"m{n}")])
+
+            await send(request(0), timeout=10)  # no connection yet: Python's, and the edge connects
+            await eventually_async(lambda: dict(server.stats())["forward_connections"] == 1, "connected")
+            before = len(python_served)
+            calls = [asyncio.ensure_future(send(request(n), timeout=60)) for n in range(1, 1_101)]
+            await eventually_async(
+                lambda: len(python_served) - before == 1_100 - 1_024, "the calls past 1,024 served by Python", 30
+            )
+            stats = dict(server.stats())
+            assert (stats["forwarded_calls"], stats["forwards_crowded"]) == (1_024, 76)
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await server.stop(0)
+        sibling.close()
+        for writer in accepted:
+            writer.close()
