@@ -467,7 +467,9 @@ class Replication:
             await self.adopt(topic, leaving, slot)
         else:
             await self._call(holder, ADOPT, request, reconciling=True)
-        await self._write_down(topic, leaving, slot, wait=False)  # here too: this pod may come back as ``leaving``
+        # here too, and on this slot's followers: this pod, or a follower of its slot, may hold the slot again once
+        # a later scale-up brings it back (its copies of the topic must not be taken for that slot's then)
+        await self._write_down(topic, leaving, slot, wait=True)
 
     def _narrowed(self, target: list[int], now: InSync) -> InSync:
         return replicas.narrowed(target, now, self._min_insync, self.leadership.me) or now

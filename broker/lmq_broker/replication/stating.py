@@ -155,7 +155,7 @@ class States:
         every slot this broker holds: a look begun after this call shipped what changed and every call to an
         in-sync follower under way then succeeded. False after ``timeout_s``, or at once while this broker does
         not hold its own slot (its MQTT rows are shipped by no one then; not asked with ``own`` False: a
-        take-over's row, of the slots held), counted in ``unflushed``."""
+        take-over's row, of the slots held), counted in ``unflushed`` (with ``own``)."""
         if own and self._leadership.me not in self._leadership.held():  # its MQTT rows go to no follower meanwhile
             self.unflushed += 1
             return False
@@ -165,7 +165,7 @@ class States:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
-            self.unflushed += 1
+            self.unflushed += own  # the MQTT sessions' count (a take-over that timed out is tried again)
             return False
         finally:
             if not waiter.done():
