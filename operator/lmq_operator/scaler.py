@@ -64,6 +64,7 @@ class Scaler:
     _failed: str = ""
     replication: replicas.Report | None = None  # the last pass's report (replication above 1 only)
     _leases: list[Mapping[str, Any]] | None = None  # the slot Leases this pass observed (replication above 1)
+    _undeleted: set[str] = field(default_factory=set)  # removed slots' Leases whose deletion was refused (logged)
 
     # ---- Kubernetes reads and writes ---------------------------------------------------------------------
 
@@ -377,7 +378,8 @@ class Scaler:
             try:
                 await self._call("CoordinationV1Api", "delete_namespaced_lease", name, self._ns, body=body)
             except kubernetes.client.ApiException as exc:
-                if exc.status not in {404, 409}:  # gone already / written since: left for the next pass
+                if exc.status not in {404, 409} and name not in self._undeleted:  # gone / written since: next pass
+                    self._undeleted.add(name)  # logged once (tried again each pass)
                     log.warning("replication: the removed slot's Lease %s not deleted: %s %s", name, exc.status,
                                 exc.reason)  # fmt: skip
                 continue
