@@ -928,3 +928,36 @@ async def test_brokers_call_each_other_over_tls_with_a_ca_signed_certificate(
             assert cluster.holds(owner, lite) and not cluster.holds(1 - owner, lite)
     finally:
         await stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("code", [pb.INTERNAL_ERROR, pb.MULTIPLE_RESULTS])
+async def test_a_batch_refused_after_it_was_stored_is_not_sent_again_request_by_request(
+    cluster: Cluster, code: pb.Code.ValueType
+) -> None:
+    """Broker 1 stores a batch of sends broker 0 gathered for it, then answers a refusal (as a replicated owner
+    fenced after storing, "nothing acknowledged", or a leaving broker whose parts had different results). Sending
+    each request again on its own would store each a second time, acknowledged; each is refused instead (its
+    client retries, at least once), and stored once."""
+    theirs = cluster.lites_of(1, 4, "f")
+    peers = cluster.brokers[0].cluster.peers if cluster.brokers[0].cluster is not None else None
+    assert peers is not None
+    forwarder = peers.forwarder
+    real = forwarder._call_send  # the fault: a refusal after the owner stored the batch
+
+    async def stored_then_refused(target: str, payload: bytes, count: int) -> Any:
+        reply = await real(target, payload, count)
+        if count > 1 and not isinstance(reply, BaseException):
+            return spb.SendMessageResponse(status=pb.Status(code=code, message="refused after storing"))
+        return reply
+
+    forwarder._call_send = stored_then_refused  # type: ignore[method-assign]
+    stub = cluster.clients[0].stub
+    replies = await asyncio.gather(
+        *(
+            stub.SendMessage(spb.SendMessageRequest(messages=[message(lite)]), metadata=cluster.headers())
+            for lite in theirs
+        )
+    )
+    assert all(stored(cluster, 1, lite) == 1 for lite in theirs)  # each once
+    refused = [r.status.message for r in replies if r.status.code != pb.OK]
+    assert refused and all("refused after storing (sent with other sends" in m for m in refused), refused
