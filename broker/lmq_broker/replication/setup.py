@@ -242,6 +242,7 @@ class Replication:
             owner,
             lambda topic: taken.slot_of(topic, *sources.last_record(store, topic)),
             lambda: len(links.membership.members),
+            moved=taken.slot_of,
         )
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)

@@ -314,7 +314,8 @@ def test_a_topic_taken_over_idle_belongs_to_the_slot_that_took_it_also_once_the_
     make: Any = lambda slot: Door(held, slot)  # noqa: E731
 
     def slots_with(rows: moved.Moved) -> owning.Slots:
-        return owning.Slots(leadership, lambda t: 2, make, lambda t: rows.slot_of(t, *sources.last_record(store, t)))
+        recorded = lambda t: rows.slot_of(t, *sources.last_record(store, t))  # noqa: E731
+        return owning.Slots(leadership, lambda t: 2, make, recorded, moved=rows.slot_of)
 
     assert slots_with(taken).slot_of_topic(lmq("T")) == 0
     assert slots_with(moved.Moved(tmp_path / "taker")).slot_of_topic(lmq("T")) == 0  # read back at a restart
@@ -322,6 +323,9 @@ def test_a_topic_taken_over_idle_belongs_to_the_slot_that_took_it_also_once_the_
     follower = moved.Moved(tmp_path / "follower")
     assert follower.take(list(taken.rows_of(0).items())) == [lmq("T")] and taken.rows_of(1) == {}
     assert slots_with(follower).slot_of_topic(lmq("T")) == 0 and follower.left(lmq("T")) == 2
+    fetched = slots_with(follower)  # a new replica that fetched T's records: noted as stored, still slot 0's
+    fetched.note([dataclasses.replace(lite("T"), slot=2, epoch=3)])
+    assert fetched.slot_of_topic(lmq("T")) == 0
     append(store, [dataclasses.replace(lite("T", 1), slot=0, epoch=1)])
     assert slots_with(taken).slot_of_topic(lmq("T")) == 0
     append(store, [dataclasses.replace(lite("T", 2), slot=2, epoch=1)])  # say, deleted and placed on 2 again
