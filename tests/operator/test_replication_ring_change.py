@@ -18,6 +18,11 @@ sends refused meanwhile are counted per slot. Run twice: with slot 1 held by its
 scale-up), and after a failover gave slot 1 to broker 0, which the ring of 3 does not give slot 1: broker 0
 releases it once both new replicas are in its set (step 5), and a new replica takes it; before the scale-down
 slot 1 is then given to broker 2 (a forced takeover), which releases it to a broker that stays (step 5).
+
+Then 2 -> 3 again: the operator deletes slot 2's Lease once its pod is gone, pods 0 and 1 restart one at a time,
+and pod 2 comes back as slot 2 (its old disk, or a new one after a failover): the removed slot's topics, two of
+them taken over idle, stay where they were taken over (sent to, consumed with their commit points kept). And R = 3
+by the same code: 3 -> 4 -> 3 pods.
 """
 
 from __future__ import annotations
