@@ -134,6 +134,26 @@ def holder_of(lease: Mapping[str, Any], now: datetime) -> int | None:
     return int(number)
 
 
+def removed(
+    leases: Iterable[Mapping[str, Any]], prefix: str, slots: int, running: Collection[int], now: datetime
+) -> list[tuple[str, str]]:
+    """(name, resourceVersion) of the slot Leases a finished scale-down leaves behind: ``<prefix>-slot-<s>`` of a
+    slot ``s`` the ring of ``slots`` slots no longer has, whose broker is not ``running`` (no endpoint published:
+    its pod is gone) and which nobody holds (released, expired, or no holder). Never a live slot's: every slot
+    below ``slots`` stays, also one whose pod is away."""
+    out: list[tuple[str, str]] = []
+    for lease in leases:
+        meta = lease.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        number = name.removeprefix(f"{prefix}-slot-")
+        if not name.startswith(f"{prefix}-slot-") or not number.isdigit():
+            continue
+        slot, spec = int(number), lease.get("spec") or {}
+        if slot >= slots and slot not in running and not held(str(spec.get("holderIdentity") or ""), spec, now):
+            out.append((name, str(meta.get("resourceVersion") or "")))
+    return out
+
+
 def held(holder: str, spec: Mapping[str, Any], now: datetime) -> bool:
     """Whether a slot Lease has a holder that takes the slot's sends: named, not released, not expired."""
     return bool(holder) and not holder.startswith(RELEASED) and not _expired(spec, now)

@@ -64,6 +64,7 @@ class Scaler:
     _failed: str = ""
     replication: replicas.Report | None = None  # the last pass's report (replication above 1 only)
     _leases: list[Mapping[str, Any]] | None = None  # the slot Leases this pass observed (replication above 1)
+    _undeleted: set[str] = field(default_factory=set)  # removed slots' Leases whose deletion was refused (logged)
 
     # ---- Kubernetes reads and writes ---------------------------------------------------------------------
 
@@ -339,6 +340,8 @@ class Scaler:
         self._leases = None  # read again by the next pass
         if found is None:
             return
+        if not target.leaving_slots and o.replicas * o.processes == len(target.members):  # no change under way
+            await self._delete_removed(found, len(target.members))
         answering = {slot for slot, view in o.views.items() if view is not None}
         seen = replicas.report(
             found,
@@ -362,6 +365,25 @@ class Scaler:
         if old_reason != seen.reason.value:
             kind = "Normal" if seen.reason is replicas.Reason.REPLICATED else "Warning"
             await self._event(sts, kind, seen.reason.value, seen.message)
+
+    async def _delete_removed(self, leases: Sequence[Mapping[str, Any]], slots: int) -> None:
+        """Delete the Leases of the slots a finished scale-down removed (``replicas.removed``: beyond the ring, their
+        pod gone, held by nobody), each only as listed (a precondition on its resourceVersion: one written since,
+        by a pod that came back, stays). A later scale-up's pod of that slot creates its Lease afresh. A failure
+        is logged; the next pass tries again."""
+        gone = replicas.removed(leases, self.conf.slot_lease_prefix, slots, set(self._asks), datetime.now(UTC))
+        for name, version in gone:
+            body = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(
+                resource_version=version or None))  # fmt: skip
+            try:
+                await self._call("CoordinationV1Api", "delete_namespaced_lease", name, self._ns, body=body)
+            except kubernetes.client.ApiException as exc:
+                if exc.status not in {404, 409} and name not in self._undeleted:  # gone / written since: next pass
+                    self._undeleted.add(name)  # logged once (tried again each pass)
+                    log.warning("replication: the removed slot's Lease %s not deleted: %s %s", name, exc.status,
+                                exc.reason)  # fmt: skip
+                continue
+            log.info("replication: Lease %s of a slot the ring no longer has deleted", name)
 
     async def _prepare(self, target: mb.Membership, slots: Sequence[int]) -> scaling.Unprepared | None:
         """Every resource onto the joining slots' brokers, before anyone is told they are members."""

@@ -399,9 +399,14 @@ def test_the_operator_may_hold_its_own_lease_and_no_other(kube: testing.KubeAPI,
             assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "apps", lease), verb
         for verb in ("delete", "watch", "patch"):
             assert not can(kube, user, (verb, "leases", "coordination.k8s.io"), "mq", lease), (release, verb)
-        # replication: it lists the brokers' slot Leases for the status, in the broker namespace only
+        # replication: it lists the brokers' slot Leases for the status, in the broker namespace only, and deletes
+        # those of removed slots: slot Leases only, by name
         assert can(kube, user, ("list", "leases", "coordination.k8s.io"), "mq")
         assert not can(kube, user, ("list", "leases", "coordination.k8s.io"), "apps")
+        for slot in (0, 2, 255):
+            assert can(kube, user, ("delete", "leases", "coordination.k8s.io"), "mq", f"{release}-lmq-slot-{slot}")
+        assert not can(kube, user, ("delete", "leases", "coordination.k8s.io"), "mq", f"{release}-lmq-slot-256")
+        assert not can(kube, user, ("delete", "leases", "coordination.k8s.io"), "apps", f"{release}-lmq-slot-2")
 
 
 def test_the_brokers_may_use_leases_in_their_namespace_and_nowhere_else(

@@ -84,11 +84,12 @@ LEASE_RULES = {
 }
 LEADER_ROLE = f"{OPERATOR}-leader"
 BROKER_LEASES_ROLE = f"{BROKER}-leases"  # the brokers' own, with replication (test_replication.py)
+SLOT_LEASES_ROLE = f"{OPERATOR}-slot-leases"  # the operator deletes removed slots' Leases, by name (replication)
 
 
 def rbac_roles(objects: list[Manifest]) -> list[Manifest]:
     """The operator's Roles and ClusterRoles but its leader-election Role (checked on its own)."""
-    others = (LEADER_ROLE, BROKER_LEASES_ROLE)
+    others = (LEADER_ROLE, BROKER_LEASES_ROLE, SLOT_LEASES_ROLE)
     return [o for o in objects if o["kind"] in ("Role", "ClusterRole") and o["metadata"]["name"] not in others]
 
 
@@ -434,7 +435,8 @@ def test_cluster_wide_rbac_is_least_privilege(render: Render, one: One) -> None:
     assert broker_role["metadata"]["namespace"] == "mq"
     assert rules(broker_role) == BROKER_READ
     roles = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Role")
-    assert roles == ["demo-lmq-broker-leases", f"{OPERATOR}-brokers", LEADER_ROLE]  # R = 2 by default: the brokers'
+    # R = 2 by default: the brokers' and the operator's on slot Leases
+    assert roles == ["demo-lmq-broker-leases", f"{OPERATOR}-brokers", LEADER_ROLE, SLOT_LEASES_ROLE]
     one_copy = render({"broker": {"replication": {"replicas": 1}}})
     assert sorted(o["metadata"]["name"] for o in one_copy if o["kind"] == "Role") == [roles[1], LEADER_ROLE]
 
@@ -487,6 +489,18 @@ def test_rbac_is_the_one_docs_operator_md_documents_and_tests(render: Render, on
     lease_name = {("lmq-operator",): (OPERATOR,), (): ()}  # the document's Lease name is the release's here
     documented_leader = {(g, r, v, lease_name[n]) for g, r, v, n in named_rules(yaml.safe_load(leader.group(1)))}
     assert named_rules(one(render(), "Role", LEADER_ROLE)) == documented_leader
+
+
+def test_with_replication_the_operator_may_delete_slot_leases_by_name_only(render: Render, one: One) -> None:
+    """The Leases of slots a scale-down removed (docs/operator.md): delete, by name, slots 0-255 of this release,
+    bound to the operator's account; no such Role without replication."""
+    role = one(render({"broker": {"replication": {"replicas": 2}}}), "Role", SLOT_LEASES_ROLE)
+    names = tuple(f"demo-lmq-slot-{slot}" for slot in range(256))
+    assert named_rules(role) == {("coordination.k8s.io", "leases", "delete", names)}
+    binding = one(render({"broker": {"replication": {"replicas": 2}}}), "RoleBinding", SLOT_LEASES_ROLE)
+    assert binding["roleRef"]["name"] == SLOT_LEASES_ROLE and binding["subjects"][0]["name"] == OPERATOR
+    objects = render({"broker": {"replicas": 1}})
+    assert not [o for o in objects if o["metadata"]["name"] == SLOT_LEASES_ROLE]
 
 
 def test_rbac_and_service_accounts_can_be_brought_by_the_user(render: Render, one: One) -> None:
@@ -627,6 +641,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "lmq-test",
         "lmq-operator-leader",
         "lmq-operator-metrics",
+        "lmq-operator-slot-leases",
         "lmq-reclaim",
     }
     assert names(render({"fullnameOverride": "mq"})) == {
@@ -640,6 +655,7 @@ def test_names_follow_the_release(render: Render) -> None:
         "mq-test",
         "mq-operator-leader",
         "mq-operator-metrics",
+        "mq-operator-slot-leases",
         "mq-reclaim",
     }
 

@@ -18,6 +18,11 @@ sends refused meanwhile are counted per slot. Run twice: with slot 1 held by its
 scale-up), and after a failover gave slot 1 to broker 0, which the ring of 3 does not give slot 1: broker 0
 releases it once both new replicas are in its set (step 5), and a new replica takes it; before the scale-down
 slot 1 is then given to broker 2 (a forced takeover), which releases it to a broker that stays (step 5).
+
+Then 2 -> 3 again: the operator deletes slot 2's Lease once its pod is gone, pods 0 and 1 restart one at a time,
+and pod 2 comes back as slot 2 (its old disk, or a new one after a failover): the removed slot's topics, two of
+them taken over idle, stay where they were taken over (sent to, consumed with their commit points kept). And R = 3
+by the same code: 3 -> 4 -> 3 pods.
 """
 
 from __future__ import annotations
@@ -57,12 +62,12 @@ COMMITTED = 5  # messages of the moved topic consumed and acknowledged before th
 
 
 class Ring:
-    """The broker pods of one test: started as the StatefulSet would, with --replicas 2."""
+    """The broker pods of one test: started as the StatefulSet would, with --replicas ``replicas``."""
 
-    def __init__(self, kube: testing.KubeAPI, namespace: str, tmp_path: Path) -> None:
-        self.kube, self.namespace, self.tmp_path = kube, namespace, tmp_path
+    def __init__(self, kube: testing.KubeAPI, namespace: str, tmp_path: Path, pods: int = 3, replicas: int = 2) -> None:
+        self.kube, self.namespace, self.tmp_path, self.replicas = kube, namespace, tmp_path, replicas
         self.ip = testing.host_ip()  # EndpointSlices refuse loopback addresses
-        self.ports = free_ports("0.0.0.0", 3)
+        self.ports = free_ports("0.0.0.0", pods)
         self.pods = [f"{self.ip}:{port}" for port in self.ports]
         self.token = tmp_path / "token"
         self.token.write_text(kube.token)
@@ -73,7 +78,7 @@ class Ring:
     def start(self, ordinal: int, peers: str, history: str = "") -> broker_testing.BrokerProcess:
         flags = ["--host", "0.0.0.0", "--peers", peers, "--advertised-address", self.pods[ordinal]]
         flags += ["--ring-history", history] if history else []
-        flags += ["--flush-mode", "sync", "--replicas", "2", "--lease-namespace", self.namespace]
+        flags += ["--flush-mode", "sync", "--replicas", str(self.replicas), "--lease-namespace", self.namespace]
         flags += ["--lease-prefix", PREFIX, "--lease-duration-ms", str(LEASE_MS), "--kube-api-server", self.kube.server]
         flags += ["--kube-token-file", str(self.token), "--kube-ca-file", str(self.kube.ca_file)]
         broker = broker_testing.start_broker(
@@ -215,6 +220,39 @@ def _sent_until_acknowledged(endpoint: str, lite: str, stem: str) -> str:
     raise AssertionError("unreachable")
 
 
+def _scaled_up(ring: Ring, pods: int, history: str, *, again: bool = False) -> float:
+    """``lmq.io/replicas`` ``pods``: once the operator raised spec.replicas, the new pod started with the flags of
+    its ConfigMap and its endpoint published, as the StatefulSet would (``again``: a pod that was there before);
+    when it started."""
+    ring.want(pods)
+    eventually(lambda: ring.spec_replicas() == pods, f"spec.replicas {pods}")
+    flags = ring.kube.get(f"/api/v1/namespaces/{ring.namespace}/configmaps/{CONFIGMAP}")["data"]
+    assert flags == {"LMQ_PEERS": ",".join(ring.pods[:pods]), "LMQ_RING_HISTORY": history}
+    began, ordinal = time.monotonic(), pods - 1
+    ring.start(ordinal, flags["LMQ_PEERS"], flags["LMQ_RING_HISTORY"])
+    if again:
+        testing.set_broker_endpoint(ring.kube, ring.namespace, STS, ordinal, ring.ip)
+    else:
+        testing.add_broker_pod(ring.kube, ring.namespace, STS, ordinal, (ring.ip, ring.ports[ordinal]))
+    return began
+
+
+def _holding(ring: Ring, slot: int) -> int:
+    """The ring slot (pod) of the broker holding ``slot``'s lease."""
+    return int(eventually(lambda: ring.holder(slot), f"slot {slot} held").removeprefix("slot-").split("/")[0])
+
+
+def _in_sync_everywhere(broker: broker_testing.BrokerProcess) -> bool:
+    return all(raw_v2.metric(broker, "lmq_replication_in_sync", slot=str(s)) == 1 for s in (0, 1))
+
+
+def _steady(ring: Ring, what: str, timeout_s: float = 60) -> None:
+    try:
+        eventually(lambda: ring.status().startswith("Steady"), what, timeout_s=timeout_s)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the operator's status: {ring.status()}") from None
+
+
 def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], slot: int) -> None:
     stored = [message_id for _, message_id, _ in records]
     assert all(stored.count(i) == 1 for i in acked), "an acknowledged message stored twice or not at all"
@@ -223,7 +261,7 @@ def _held_once_in_order(records: list[tuple[int, str, int]], acked: list[str], s
 
 
 @pytest.mark.parametrize("failover_first", [False, True], ids=["held-by-its-owner", "after-a-failover"])
-def test_a_replicated_ring_grows_and_shrinks_through_the_operator_under_sends(  # noqa: PLR0915 (one scenario)
+def test_a_replicated_ring_grows_and_shrinks_through_the_operator_under_sends(  # noqa: PLR0912, PLR0915 (one scenario)
     *,
     failover_first: bool,
     kube: testing.KubeAPI,
@@ -267,13 +305,7 @@ def test_a_replicated_ring_grows_and_shrinks_through_the_operator_under_sends(  
             eventually(lambda: ring.in_sync(1) == (0, 1), "broker 1 back in slot 1's set", timeout_s=60)
 
         # ---- scale-up 2 -> 3: the operator raises spec.replicas; the test starts the pod with the ConfigMap's flags
-        ring.want(3)
-        eventually(lambda: ring.spec_replicas() == 3, "spec.replicas 3")
-        flags = kube.get(f"/api/v1/namespaces/{namespace}/configmaps/{CONFIGMAP}")["data"]
-        assert flags == {"LMQ_PEERS": ",".join(pods), "LMQ_RING_HISTORY": "2"}
-        began = time.monotonic()
-        ring.start(2, flags["LMQ_PEERS"], flags["LMQ_RING_HISTORY"])
-        testing.add_broker_pod(kube, namespace, STS, 2, (ring.ip, ring.ports[2]))
+        began = _scaled_up(ring, 3, "2")
         eventually(lambda: ring.in_sync(1) == (1, 2), "slot 1's set moved to its new replicas", timeout_s=120)
         moved_s = time.monotonic() - began
         eventually(lambda: ring.status().startswith("Steady"), "Steady at 3 pods", timeout_s=60)
@@ -298,8 +330,9 @@ def test_a_replicated_ring_grows_and_shrinks_through_the_operator_under_sends(  
         # 2, which take them over where they end; slot 1's new replica (broker 0) probed in; a slot broker 2 holds
         # released to a broker that stays; slot 2 removed once drained and handed over; then spec.replicas 2
         leaving = [fresh, *(_lite(functools.partial(_leaves_to, three, two, o), "l") for o in (0, 1))]
-        before = {lite: ["f-0" if lite == fresh else f"{lite}-0", f"{lite}-1", f"{lite}-2"] for lite in leaving}
-        for lite in leaving:  # consumed at slot 2's holder: drained
+        idle = [_lite(functools.partial(_leaves_to, three, two, o), "i") for o in (0, 1)]  # no send until regrown
+        before = {lite: ["f-0" if lite == fresh else f"{lite}-0", f"{lite}-1", f"{lite}-2"] for lite in leaving + idle}
+        for lite in leaving + idle:  # consumed at slot 2's holder: drained
             asyncio.run(_subscribe(pods[2], lite, f"drain-{lite}"))
             for message_id in before[lite][1 if lite == fresh else 0 :]:
                 assert _send(pods[0], lite, message_id) == pb.OK
@@ -326,32 +359,167 @@ def test_a_replicated_ring_grows_and_shrinks_through_the_operator_under_sends(  
         assert "ring sizes [2]" in ring.status() and ring.in_sync(1) == (0, 1)
         count = len(senders[0].acked())
         eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
-        attempts = [s.stop() for s in senders]
-        acked = [ids(a) for a in attempts]
-        refused = {slot: len(_refused(a, marked, shed)) for slot, a in zip((1, 0), attempts, strict=True)}
-        refused[2] = sum(int(i.rsplit("-", 1)[1]) for ids_ in after.values() for i in ids_)
-        reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, marked, shed)})
+        # the operator deletes the removed slot's Lease once its pod is gone (never a live slot's)
+        eventually(lambda: ring.leases.get(f"{PREFIX}-slot-2") is None, "slot 2's Lease deleted", timeout_s=30)
+        assert all(ring.leases.get(f"{PREFIX}-slot-{s}") is not None for s in (0, 1))
+        down = {slot: len(_refused(s.attempts(), marked, shed)) for slot, s in zip((1, 0), senders, strict=True)}
+        down[2] = sum(int(i.rsplit("-", 1)[1]) for ids_ in after.values() for i in ids_)
+        down_reasons = sorted({r.why[:90] for s in senders for r in _refused(s.attempts(), marked, shed)})
         print(
             f"scale-down 3 -> 2 at R = 2: slot 2 removed and spec.replicas 2 {shed - marked:.2f} s after it was "
-            f"marked leaving; sends refused per slot meanwhile {refused} (slot 2: its three topics' handed-over "
-            f"sends); acknowledged {len(acked[0])} (slot 1) and {len(acked[1])} (slot 0) in all: {reasons}; "
-            f"slot 1 then held by {taken.split('/')[0]}"
+            f"marked leaving; sends refused per slot meanwhile {down} (slot 2: its three topics' handed-over "
+            f"sends): {down_reasons}; slot 1 then held by {taken.split('/')[0]}"
+        )
+
+        # ---- a rolling restart of both pods (an upgrade, say): what a broker remembers of the take-overs goes
+        for ordinal in (0, 1):
+            ring.brokers[ordinal].stop()
+            restarted = ring.start(ordinal, ",".join(pods[:2]))
+            eventually(
+                functools.partial(_in_sync_everywhere, restarted),
+                f"pod {ordinal} in sync again after its restart",
+                timeout_s=60,
+                ignoring=(OSError, ValueError),
+            )
+        counts = [len(s.acked()) for s in senders]
+        eventually(lambda: all(len(s.acked()) >= n + 5 for s, n in zip(senders, counts, strict=True)), "sends go on")
+
+        # ---- scale-up 2 -> 3 again: pod 2 comes back as slot 2 (on its old disk, as a retained PVC gives it, or
+        # on a new one); the topics of the removed slot 2 stay where they were taken over, idle ones included
+        if failover_first:  # a new disk this time
+            (tmp_path / "pod2").rename(tmp_path / "pod2-removed")
+        regrown = _scaled_up(ring, 3, "2", again=True)
+        _steady(ring, "Steady at 3 pods again", timeout_s=120)
+        steady = time.monotonic()
+        assert "ring sizes [2, 3]" in ring.status()
+        assert (ring.in_sync(0), ring.in_sync(1)) == ((0, 1), (1, 2))
+        eventually(lambda: ring.in_sync(2) == (0, 2), "slot 2's set (2, 0)", timeout_s=60)
+        again: dict[str, list[str]] = {}
+        for lite in leaving + idle:  # sent to through pods 0, 1 and 2; the idle ones consumed where they went
+            again[lite] = [_sent_until_acknowledged(pods[n], lite, f"{lite}-again-{n}") for n in range(3)]
+        for lite in idle:
+            went = mb.owner(two, model.QueueId.lmq(PARENT, lite).topic)
+            at = pods[_holding(ring, went)]  # received where the slot it went to is held
+            asyncio.run(_subscribe(at, lite, f"drain-{lite}"))
+            assert asyncio.run(_consume(at, lite, 3, f"drain-{lite}")) == again[lite]  # its commit point kept
+        fresh2 = _lite(lambda t: mb.owner(three, t) == 2, "fresh2")
+        assert _sent_until_acknowledged(pods[1], fresh2, "g") == "g-0"
+        count = len(senders[0].acked())
+        eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
+        attempts = [s.stop() for s in senders]
+        acked = [ids(a) for a in attempts]
+        up = {slot: len(_refused(a, regrown, steady)) for slot, a in zip((1, 0), attempts, strict=True)}
+        up[2] = sum(int(i.rsplit("-", 1)[1]) for ids_ in again.values() for i in ids_)
+        up_reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, regrown, time.monotonic())})
+        print(
+            f"scale-up 2 -> 3 again ({'a new disk' if failover_first else 'its old disk'}): Steady "
+            f"{steady - regrown:.2f} s after pod 2 started; refused {up} (slot 2: the removed slot's topics' sends "
+            f"after Steady): {up_reasons}; acknowledged {len(acked[0])} (slot 1) and {len(acked[1])} (slot 0) in all"
         )
     finally:
         for sender in senders:
             sender.stop()
         ring.stop()
     first = [f"c-{n}" for n in range(COMMITTED + 3)]
-    for ordinal in (0, 1):  # the final replicas of every slot: both pods
+    replicas_of = {0: (0, 1), 1: (1, 2), 2: (2, 0)}  # each slot's final replicas, in the ring of 3
+    for ordinal in replicas_of[1]:
         moved_here, committed = ring.stored(ordinal, moved)
         _held_once_in_order(moved_here, first + acked[0], 1)
-        assert committed == COMMITTED  # the consumer's commit point, also on slot 1's new replica
+        assert committed == COMMITTED  # the consumer's commit point, also on slot 1's new replicas
+    for ordinal in replicas_of[0]:
         _held_once_in_order(ring.stored(ordinal, stays)[0], acked[1], 0)
-        for lite in leaving:  # taken over where it ended at slot 2, by its owner in the ring of 2
+    for ordinal in replicas_of[2]:
+        assert [i for _, i, _ in ring.stored(ordinal, fresh2)[0]] == ["g-0"]
+    for lite in leaving + idle:  # taken over where it ended at slot 2 by its owner in the ring of 2, kept there
+        owner = mb.owner(two, model.QueueId.lmq(PARENT, lite).topic)
+        for ordinal in replicas_of[owner]:
             records, committed = ring.stored(ordinal, lite)
-            stored, want = [i for _, i, _ in records], before[lite] + after[lite]
+            stored, want = [i for _, i, _ in records], before[lite] + after.get(lite, []) + again[lite]
             assert [i for i in stored if i in set(want)] == want and all(stored.count(i) == 1 for i in want), lite
             assert [s for _, i, s in records if i in set(before[lite])] == [2, 2, 2]
-            owner = mb.owner(two, model.QueueId.lmq(PARENT, lite).topic)
-            assert {s for _, i, s in records if i in set(after[lite])} == {owner}
-            assert committed is not None and committed >= 3, (ordinal, lite, committed, records)
+            assert {s for _, i, s in records if i in set(want) - set(before[lite])} == {owner}, (ordinal, records)
+            assert committed is not None and committed >= (6 if lite in idle else 3), (ordinal, lite, committed)
+
+
+def test_a_ring_at_three_replicas_grows_and_shrinks_through_the_operator_under_sends(
+    kube: testing.KubeAPI,
+    namespace: str,
+    run_operator: Callable[..., testing.OperatorProcess],
+    tmp_path: Path,
+) -> None:
+    """R = 3, the same code as R = 2: 3 -> 4 -> 3 pods under a sending client on a topic placed on slot 0 by the
+    ring of 3 that the ring of 4 hashes to slot 3, and one on a topic of slot 1 in both. Every slot's set moves
+    to its three replicas in the ring of 4 and back; a consumed topic of slot 3 is taken over idle; slot 3's
+    Lease is deleted once its pod is gone; every acknowledged message is on all three remaining pods."""
+    ring = Ring(kube, namespace, tmp_path, pods=4, replicas=3)
+    pods = ring.pods
+    three = mb.Membership(tuple(pods[:3]), (3,))
+    four = three.grown(pods[3])
+    moved = _lite(lambda t: mb.owner(three, t) == 0 and mb.owner(four, t) == 3, "moved")
+    stays = _lite(lambda t: mb.owner(three, t) == 1 and mb.owner(four, t) == 1, "stays")
+    idle = _lite(lambda t: mb.owner(four, t) == 3 and mb.owner(three, t) == 2, "idle")
+    senders: list[Sender] = []
+    try:
+        for ordinal in (0, 1, 2):
+            ring.start(ordinal, ",".join(pods[:3]))
+        testing.publish_brokers(kube, namespace, STS, [(ring.ip, p) for p in ring.ports[:3]], replicas=3)
+        ring.want(3)
+        env = testing.scaling_env(namespace, STS, CONFIGMAP, pods)
+        run_operator(namespace, None, **env, LMQ_OPERATOR_BROKER_REPLICATION="3", LMQ_OPERATOR_SLOT_LEASE_PREFIX=PREFIX)
+        _steady(ring, "Steady at 3 pods")
+        eventually(lambda: all(ring.in_sync(s) == (0, 1, 2) for s in range(3)), "every slot on its three replicas")
+        senders = [
+            Sender(tmp_path / f"{lite}.jsonl", lite, stem, pods[:3], timeout_s=10.0)
+            for lite, stem in ((moved, "m"), (stays, "s"))
+        ]
+        eventually(lambda: all(len(s.acked()) >= 5 for s in senders), "both clients acknowledged")
+
+        began = _scaled_up(ring, 4, "3")  # ---- 3 -> 4
+        _steady(ring, "Steady at 4 pods", timeout_s=120)
+        grown = time.monotonic()
+        assert "ring sizes [3, 4]" in ring.status()
+        sets = {s: tuple(sorted((s + k) % 4 for k in range(3))) for s in range(4)}
+        eventually(
+            lambda: all(ring.in_sync(s) == sets[s] for s in range(4)), "every slot on its replicas in the ring of 4"
+        )
+        asyncio.run(_subscribe(pods[3], idle, "drain-idle"))
+        for n in range(3):
+            assert _send(pods[0], idle, f"i-{n}") == pb.OK
+        assert asyncio.run(_consume(pods[3], idle, 3, "drain-idle")) == [f"i-{n}" for n in range(3)]
+
+        ring.want(3)  # ---- 4 -> 3: slot 3 marked leaving, its topic taken over idle, then removed
+        eventually(lambda: ring.spec_replicas() == 3, "slot 3 removed, then spec.replicas 3", timeout_s=120)
+        shed = time.monotonic()
+        ring.brokers[3].stop()
+        testing.set_broker_endpoint(kube, namespace, STS, 3, None)
+        _steady(ring, "Steady at 3 pods again")
+        assert "ring sizes [3]" in ring.status()
+        eventually(
+            lambda: all(ring.in_sync(s) == (0, 1, 2) for s in range(3)), "every slot on its three replicas again"
+        )
+        eventually(lambda: ring.leases.get(f"{PREFIX}-slot-3") is None, "slot 3's Lease deleted", timeout_s=30)
+        after = [_sent_until_acknowledged(pods[n], idle, f"i-after-{n}") for n in range(3)]
+        at = pods[_holding(ring, 2)]
+        asyncio.run(_subscribe(at, idle, "drain-idle"))
+        assert asyncio.run(_consume(at, idle, 3, "drain-idle")) == after
+        count = len(senders[0].acked())
+        eventually(lambda: len(senders[0].acked()) >= count + 5, "the moved topic's sends acknowledged after it")
+        attempts = [s.stop() for s in senders]
+        acked = [ids(a) for a in attempts]
+        refused = [len(_refused(a, began, shed)) for a in attempts]
+        reasons = sorted({r.why[:90] for run in attempts for r in _refused(run, began, shed)})
+        print(
+            f"\nR = 3, 3 -> 4 -> 3 pods: Steady at 4 {grown - began:.2f} s after the new pod started, slot 3 removed "
+            f"{shed - grown:.2f} s after that; refused during the changes {refused} (slot 0, slot 1): {reasons}; "
+            f"acknowledged {len(acked[0])} and {len(acked[1])}"
+        )
+    finally:
+        for sender in senders:
+            sender.stop()
+        ring.stop()
+    for ordinal in (0, 1, 2):  # each slot's replicas in the ring of 3: every pod
+        _held_once_in_order(ring.stored(ordinal, moved)[0], acked[0], 0)
+        _held_once_in_order(ring.stored(ordinal, stays)[0], acked[1], 1)
+        records, committed = ring.stored(ordinal, idle)
+        assert [i for _, i, _ in records] == [f"i-{n}" for n in range(3)] + after
+        assert [s for _, _, s in records] == [3, 3, 3, 2, 2, 2] and committed == 6, (ordinal, records, committed)

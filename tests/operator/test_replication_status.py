@@ -316,3 +316,20 @@ def test_the_scaler_reports_the_slot_leases_on_the_statefulset(kube: testing.Kub
     _put_lease(kube, namespace, 0, "slot-0/a", now, in_sync="0,1")
     assert report({0, 1})["reason"] == "Replicated" and gauge("under_replicated") == 0
     assert sorted(_events(kube, namespace))[0] == ("Normal", "Replicated") and len(_events(kube, namespace)) == 4
+
+
+def test_only_the_leases_of_removed_slots_whose_pods_are_gone_and_that_nobody_holds_are_to_delete() -> None:
+    """After a scale-down to 2 slots: slot 2's Lease (expired, its pod gone) goes; slot 3's is still renewed (its
+    pod still stops), slot 4's pod is still published, slots 0 and 1 are of the ring (slot 1's expired all the
+    same), and a Lease of another release stays."""
+    stale = NOW - timedelta(seconds=7)  # a 6 s lease
+    leases = [
+        lease(0, "slot-0/a"),
+        lease(1, "slot-1/b", renewed=stale),
+        {**lease(2, "slot-2/c", renewed=stale), "metadata": {"name": "demo-slot-2", "resourceVersion": "17"}},
+        lease(3, "slot-3/d"),
+        lease(4, "released/slot-4/e"),
+        lease(5, "slot-5/f", renewed=stale, prefix="other"),
+        lease(6, "released/slot-6/g"),
+    ]
+    assert replicas.removed(leases, "demo", 2, {0, 1, 4}, NOW) == [("demo-slot-2", "17"), ("demo-slot-6", "")]

@@ -318,11 +318,10 @@ class Forwarder:
             return
         if reply.status.message.startswith(NOT_OWNER):
             await self._refused_by(target, batch.messages)
-        if len(batch.waiters) == 1:  # the owner refused this request: its answer is the client's
-            if not batch.waiters[0].done():
-                batch.waiters[0].set_result(_all_of(reply))
+        if len(batch.waiters) == 1 or not _stored_nothing(reply):
+            _refuse(batch, reply, target)
             return
-        # One request of the batch was refused (a send is all or nothing): find which, one call per request.
+        # One request of the batch was refused before anything was stored: find which, one call per request.
         answers = await asyncio.gather(
             *(self._call_send(target, part, count) for part, count in zip(batch.parts, batch.counts, strict=True))
         )
@@ -403,6 +402,30 @@ class _Encodings:
         if found is None:
             return spb.SendMessageRequest(messages=messages).SerializeToString()
         return wire.request_of([found[i] for i in indices])
+
+
+def _stored_nothing(reply: spb.SendMessageResponse) -> bool:
+    """Whether an owner's refusal of a batch left nothing of it stored, so each request may be sent again on its
+    own: a refusal before storing (a message it finds invalid, a topic it does not own). Not an internal error
+    (with replication: fenced, or too few in-sync replicas after the batch was stored here, "nothing
+    acknowledged"), nor different results for its parts (a leaving broker routes what it is sent: a request it
+    passed on to its topic's new owner was stored there while another was refused)."""
+    code = reply.status.code
+    return code not in {pb.INTERNAL_ERROR, pb.MULTIPLE_RESULTS} or reply.status.message.startswith(NOT_OWNER)
+
+
+def _refuse(batch: _Batch, reply: spb.SendMessageResponse, target: str) -> None:
+    """The owner's refusal as every request's answer: one request's, as it is; a batch's that may have left part
+    of it stored, as each one's refusal (sent again on its own, a request would be stored twice; a client's retry
+    is an at-least-once send's)."""
+    if len(batch.waiters) == 1:
+        if not batch.waiters[0].done():
+            batch.waiters[0].set_result(_all_of(reply))
+        return
+    refused = errors.BrokerUnavailable(f"{reply.status.message} (sent with other sends to {target})")
+    for waiter in batch.waiters:
+        if not waiter.done():
+            waiter.set_exception(refused)
 
 
 def _all_of(reply: spb.SendMessageResponse) -> _Part:

@@ -222,9 +222,16 @@ class Cluster:
 
     async def start(self) -> None:
         """The stored membership when it was set over the flags this broker has now, else the flags' (at an
-        epoch past the stored one: the epoch never goes back)."""
+        epoch past the stored one: the epoch never goes back); the flags' also when the stored one names this
+        broker no more (removed by a scale-down) and the flags do (a scale-up brought it back)."""
         text = await asyncio.to_thread(self._store.get_membership)
         stored, stored_epoch = decode(text, self.config) if text is not None else (None, 0)
+        if stored is not None and stored.slot < 0 <= self.place.slot:
+            # Removed from the ring by a scale-down (its disk kept), started again by a scale-up whose flags make
+            # it a member again (the same flags as when it first joined): it joins as a new pod does, from the
+            # flags at their epoch, until the membership source tells it the grown ring
+            log.warning("this broker was removed from the ring and its flags make it a member again: flags win")
+            stored, text = None, None
         place = stored or self.place
         if text is not None and stored is None:
             log.warning("the flags changed since the cluster membership was last set over the admin service: flags win")

@@ -108,6 +108,13 @@ class Leadership:
         leases it writes, follow them from the next tick; a new slot's lease is created by its owner then."""
         self.replica_sets = replica_sets
         self.mine = [slot for slot, replicas in enumerate(replica_sets) if self.me in replicas]
+        known = (self.epochs, self.in_sets, self.holders, self._seen)
+        for removed in {slot for seen in known for slot in seen if slot >= len(replica_sets)}:
+            # A slot the ring no longer has (a scale-down removed it; its Lease is deleted then): what was seen of
+            # it goes, so a later scale-up that brings its number back starts it afresh (its new Lease's epochs
+            # begin again, and copies of them must not be refused as older than the removed slot's)
+            for seen in known:
+                seen.pop(removed, None)
 
     def name(self, slot: int) -> str:
         return f"{self._prefix}-slot-{slot}"

@@ -35,6 +35,8 @@ class Slots:
         make_owner: Callable[[int], copies.Owner],
         recorded: Recorded = lambda topic: -1,
         slot_count: Callable[[], int] = lambda: 1 << 30,
+        *,
+        moved: Callable[[str, int, str], int] = lambda topic, slot, last: slot,
     ) -> None:
         self._leadership = leadership
         # remembered: a send asks it two or three times per message, and ``ring_slot`` is a pure function of the
@@ -46,6 +48,9 @@ class Slots:
         self._read_recorded = recorded
         self._recorded: dict[str, int] = {}  # LMQ name -> its recorded slot (only topics with a recorded one)
         self._slot_count = slot_count  # the slots of today's membership (leaving ones included)
+        # (topic, slot a record names, its message id) -> the topic's slot: another when it was taken over with
+        # that record last (``moved``; a copy of its records, fetched by a new replica, names the slot it left)
+        self._moved = moved
 
     def ring_changed(self) -> None:
         """Another membership: the ring slots remembered are forgotten (recorded slots stay: they do not move)."""
@@ -77,10 +82,12 @@ class Slots:
         kept = self._recorded
         for m in messages:
             topic = _lmq_of(m)
-            if topic is not None and m.slot >= 0 and kept.get(topic) != m.slot:
-                if len(kept) >= RECORDED_KEPT:
-                    kept.clear()
-                kept[topic] = m.slot
+            if topic is not None and m.slot >= 0:
+                slot = self._moved(topic, m.slot, m.message_id)
+                if kept.get(topic) != slot:
+                    if len(kept) >= RECORDED_KEPT:
+                        kept.clear()
+                    kept[topic] = slot
 
     def adopt(self, topic: str, slot: int) -> None:
         """``topic`` moves to ``slot`` (a leaving slot's topic handed over to this broker, which holds ``slot``):

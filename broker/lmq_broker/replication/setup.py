@@ -39,6 +39,7 @@ from lmq_broker.replication import (
     gauges,
     handover,
     kube,
+    moved,
     owning,
     reconciling,
     replicas,
@@ -234,12 +235,14 @@ class Replication:
                 probe_interval_s=config.lease_duration_ms / 3000,
             )
 
+        self.moved = taken = moved.Moved(config.store.data_dir)  # topics taken over from leaving slots
         self.slots = owning.Slots(
             self.leadership,
             lambda topic: mb.owner(links.membership, topic),
             owner,
-            lambda topic: sources.recorded_slot(store, topic),
+            lambda topic: taken.slot_of(topic, *sources.last_record(store, topic)),
             lambda: len(links.membership.members),
+            moved=taken.slot_of,
         )
         peers.owners.serving = self.leadership.serving
         self.handover = handover.Handover(self.leadership.serving, slots, peers.fanout.repush)
@@ -253,9 +256,13 @@ class Replication:
             lambda: self.mqtt(),  # noqa: PLW0108 (set by the app once MQTT runs)
             dispatcher.wall_clock,
         )
-        self.states.on_stale = self._not_in_sync
         registry.register(stating.Collector(self.states))
-        self.states.refused = lambda reason: self._counters.copies_refused.labels(reason).inc()
+        self.states.on_stale, self.states.moved, self.states.moved_in, self.states.refused = (
+            self._not_in_sync,
+            taken,
+            self._moved_in,
+            lambda reason: self._counters.copies_refused.labels(reason).inc(),
+        )
         self._replica_sets = replica_sets
         self._processes, self._replicas = processes, config.replicas
         self._min_insync = config.min_insync_replicas or config.replicas
@@ -396,6 +403,8 @@ class Replication:
         async with self._adopting:
             owner.admit()
             if await asyncio.to_thread(self.slots.recorded, topic) == slot:
+                if self.moved.left(topic) == leaving:  # taken over idle: its row on the followers too (a retry)
+                    await self._write_down(topic, leaving, slot, wait=True)
                 return
             holder, queue, store = self.leadership.serving(leaving), model.QueueId(topic, 0), self._store
             if holder != self._links.me:
@@ -416,14 +425,37 @@ class Replication:
                 noted = owner.note_commit(point)
                 if noted is not None:
                     await noted
+            await self._write_down(topic, leaving, slot, wait=True)
             self.slots.adopt(topic, slot)
             self.adopted += 1
             log.info("lite topic %s: taken over from leaving slot %d (held by %d) as slot %d's", topic, leaving,
                      holder, slot)  # fmt: skip
 
+    async def _write_down(self, topic: str, leaving: int, slot: int, *, wait: bool) -> None:
+        """A topic of ``leaving`` taken over by ``slot``: when its last record here still names ``leaving`` (taken
+        over idle), the take-over written down for good (``moved``) and shipped as a state row of the slots this
+        broker holds (at the next look); with ``wait``, until their in-sync followers hold it
+        (``errors.BrokerUnavailable`` after the flush timeout: the take-over is tried again). A later scale-up
+        that brings ``leaving`` back does not file the topic under it then."""
+        recorded, last = await asyncio.to_thread(sources.last_record, self._store, topic)
+        if recorded != leaving:
+            return  # a record stored under ``slot`` since names it
+        if await asyncio.to_thread(self.moved.put, topic, moved.Move(leaving, slot, last)):
+            self.slots.forget(topic)
+        if wait and not await self.states.flushed(own=False):
+            raise errors.BrokerUnavailable(
+                f"lite topic {topic}: its take-over from slot {leaving} is not on slot {slot}'s in-sync replicas yet"
+            )
+
+    def _moved_in(self, topics: list[str]) -> None:
+        for topic in topics:  # their slot is read again, with their take-over
+            self.slots.forget(topic)
+
     def _leaves(self, topic: str) -> bool:
-        """Whether a lite topic is of this broker's own (leaving) slot by its records: only those are handed over."""
-        return self.slots.slot_of_topic(topic) == self._links.me
+        """Whether a lite topic is of this broker's own (leaving) slot by its records, or was taken over from it:
+        only those are handed over (again: found done)."""
+        me = self._links.me
+        return self.slots.slot_of_topic(topic) == me or self.moved.left(topic) == me
 
     async def hand_over(self, topic: str, leaving: int, slot: int) -> None:
         """At the holder of the leaving slot ``leaving``: its drained lite topic ``topic`` taken over by the holder
@@ -436,6 +468,9 @@ class Replication:
             await self.adopt(topic, leaving, slot)
         else:
             await self._call(holder, ADOPT, request, reconciling=True)
+        # here too, and on this slot's followers: this pod, or a follower of its slot, may hold the slot again once
+        # a later scale-up brings it back (its copies of the topic must not be taken for that slot's then)
+        await self._write_down(topic, leaving, slot, wait=True)
 
     def _narrowed(self, target: list[int], now: InSync) -> InSync:
         return replicas.narrowed(target, now, self._min_insync, self.leadership.me) or now

@@ -127,15 +127,22 @@ class StoreLog:
 
 def recorded_slot(store: Store, topic: str) -> int:
     """The slot recorded on the last record of ``topic`` in ``store`` (-1: it has none, or one stored before
-    slots were recorded). A record past a lost range is found by reading back (``LOOK_BACK``)."""
+    slots were recorded)."""
+    return last_record(store, topic)[0]
+
+
+def last_record(store: Store, topic: str) -> tuple[int, str]:
+    """The slot recorded on the last record of ``topic`` in ``store`` (-1: it has none, or one stored before slots
+    were recorded) and its message id ("" without a record). A record past a lost range is found by reading back
+    (``LOOK_BACK``)."""
     queue = model.QueueId(topic, 0)
     low, end = store.queue_offsets(queue)
     if end <= low:
-        return -1
+        return -1, ""
     found = store.read(queue, end - 1, 1)
     if not found:
         found = [m for m in store.read(queue, max(low, end - LOOK_BACK), LOOK_BACK) if m.offset < end][-1:]
-    return found[-1].slot if found else -1
+    return (found[-1].slot, found[-1].message_id) if found else (-1, "")
 
 
 def answers(store: Store, epochs: dict[str, int]) -> dict[str, tuple[int | None, int]]:

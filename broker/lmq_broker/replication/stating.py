@@ -13,6 +13,10 @@ Kinds, and where their rows come from on the holder:
   into the new owner's MQTT store (``durable.merge``), so the client finds its session there and a will still
   waiting is published there when due. A follower of an older version keeps the kinds it does not know in its
   shadow and installs none of them; one of a newer version is sent none by an older holder.
+* ``moved``: per lite topic taken over from a leaving slot, the take-over (``moved``): rows of the slot it left
+  and of the slot it went to. Facts, never changed: a follower writes each into its own ``moved.Moved`` as soon
+  as a batch or snapshot brings it (before it takes anything over), so every replica of either slot files the
+  topic where it went, also after a later scale-up brings the slot it left back (docs/replication.md).
 
 Asynchronous and coalesced, like commit points: every ``SHIP_INTERVAL_MS`` (at least ``PACE`` times what the
 last look cost) the holder compares its rows with what it last shipped, only when the registry or the MQTT store
@@ -43,7 +47,7 @@ from prometheus_client.registry import Collector as _Collector
 from lmq_broker import errors
 from lmq_broker.dispatch import saved_subscriptions
 from lmq_broker.mqtt import durable
-from lmq_broker.replication import events, states
+from lmq_broker.replication import events, moved, states
 from lmq_broker.replication.leadership import Leadership
 
 log = logging.getLogger(__name__)
@@ -99,7 +103,7 @@ class States:
         self._mqtt = mqtt
         self._now_ms = now_ms
         self._trackers: dict[int, states.Tracker] = {}  # slot held -> what its followers were sent
-        self._seen: dict[int, tuple[int, int]] = {}  # slot held -> the versions its rows were last read at
+        self._seen: dict[int, tuple[int, int, int]] = {}  # slot held -> the versions its rows were last read at
         self._held: set[int] = set()
         self._slots: dict[str, int] = {}  # lite topic -> its slot, as ``_slot`` remembers it
         self.shadows: dict[int, states.Shadow] = {}  # slot followed -> its holder's rows
@@ -118,6 +122,9 @@ class States:
         self.on_stale: Callable[[int], None] = lambda slot: None
         self.refused: Callable[[str], None] = lambda reason: None  # counted with the copies a follower refused
         self.merged: Callable[[], None] = lambda: None  # MQTT rows merged at a takeover (its wills' timer looks)
+        # the take-overs of leaving slots' topics (``moved``): written at a follower as they come, shipped by a holder
+        self.moved: moved.Moved | None = None
+        self.moved_in: Callable[[list[str]], None] = lambda topics: None  # topics whose take-over is new here
 
     # --- the holder ----------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event, followers: Callable[[int], list[int]], call: Call) -> None:
@@ -143,12 +150,13 @@ class States:
             if not self._flushes:
                 await events.nap(SHIP_INTERVAL_MS / 1000 - floor_s, stopping, self._wake)
 
-    async def flushed(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+    async def flushed(self, timeout_s: float = FLUSH_TIMEOUT_S, *, own: bool = True) -> bool:
         """Until the rows as they are now (the caller changed them before) reached the in-sync followers of
         every slot this broker holds: a look begun after this call shipped what changed and every call to an
         in-sync follower under way then succeeded. False after ``timeout_s``, or at once while this broker does
-        not hold its own slot (its MQTT rows are shipped by no one then), counted in ``unflushed``."""
-        if self._leadership.me not in self._leadership.held():  # its MQTT rows go to no follower meanwhile
+        not hold its own slot (its MQTT rows are shipped by no one then; not asked with ``own`` False: a
+        take-over's row, of the slots held), counted in ``unflushed`` (with ``own``)."""
+        if own and self._leadership.me not in self._leadership.held():  # its MQTT rows go to no follower meanwhile
             self.unflushed += 1
             return False
         waiter = asyncio.get_running_loop().create_future()
@@ -157,7 +165,7 @@ class States:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
-            self.unflushed += 1
+            self.unflushed += own  # the MQTT sessions' count (a take-over that timed out is tried again)
             return False
         finally:
             if not waiter.done():
@@ -283,9 +291,10 @@ class States:
             found = self._trackers[slot] = states.Tracker(uuid.uuid4().hex)
         return found
 
-    def _versions(self) -> tuple[int, int]:
+    def _versions(self) -> tuple[int, int, int]:
         mqtt = self._mqtt()
-        return self._registry_version(), -1 if mqtt is None else mqtt.changes()
+        taken = -1 if self.moved is None else self.moved.version
+        return self._registry_version(), -1 if mqtt is None else mqtt.changes(), taken
 
     async def rows(self, slot: int) -> states.Rows:
         """Every row of ``slot`` now. Each kind is read again only when its source changed since; the registry is
@@ -302,6 +311,8 @@ class States:
             if self._mqtt_rows is None or self._mqtt_rows[0] != changes:
                 self._mqtt_rows = (changes, await asyncio.to_thread(_mqtt_rows, mqtt))
             rows.update(self._mqtt_rows[1])
+        if self.moved is not None:
+            rows.update({(moved.MOVED, topic): text for topic, text in self.moved.rows_of(slot).items()})
         return rows
 
     def _slot(self, topic: str) -> int:
@@ -330,6 +341,7 @@ class States:
         if batch.epoch < leadership.epochs.get(slot, 0):
             self.refused("stale_epoch")
             raise errors.Fenced(f"slot {slot} is at a newer epoch: state rows of epoch {batch.epoch} refused")
+        self._take_moved(batch.rows)
         during = self._during.get(slot)
         if during is not None:  # a snapshot is being fetched: applied over it once it is in
             if len(during) < DURING_MAX:
@@ -355,6 +367,7 @@ class States:
         during = self._during[slot] = []
         try:
             batch = await self._snapshot(slot, holder, snapshot)
+            self._take_moved(batch.rows)
             rows: states.Rows = {}
             states.put(rows, batch.rows)
             shadow = self.shadows[slot] = states.Shadow(batch.stream, batch.seq, rows)
@@ -370,6 +383,15 @@ class States:
         finally:
             del self._during[slot]
             self._overflowed.discard(slot)
+
+    def _take_moved(self, rows: list[tuple[str, str, str | None]]) -> None:
+        """Take-overs in a holder's rows, written down here at once (blocking: an fsync each, only when one is
+        new; a scale-down's topics, once each), whatever becomes of the batch: they are facts."""
+        found = [(key, value) for kind, key, value in rows if kind == moved.MOVED and value is not None]
+        if found and self.moved is not None:
+            new = self.moved.take(found)
+            if new:
+                self.moved_in(new)
 
     async def _snapshot(self, slot: int, holder: int, snapshot: Snapshot) -> states.Batch:
         """Every page of one snapshot of the holder's rows, as one batch."""
@@ -418,8 +440,8 @@ class Collector(_Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         family = GaugeMetricFamily(
             "lmq_replication_state_rows",
-            "State rows (sub, mqtt-sessions, mqtt-qos2, mqtt-wills, mqtt-retained) this broker holds of each slot it "
-            "follows",
+            "State rows (sub, mqtt-sessions, mqtt-qos2, mqtt-wills, mqtt-retained, moved) this broker holds of each "
+            "slot it follows",
             labels=["slot", "kind"],
         )
         for slot, shadow in sorted(self._of.shadows.items()):

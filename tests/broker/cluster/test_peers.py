@@ -21,6 +21,7 @@ from waiting import eventually_async
 from lmq_broker import app, errors, model
 from lmq_broker.admin import cli
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.admin.results import ClusterInfo
 from lmq_broker.cluster import forwarding, links, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.dispatch import testing as dispatch_testing
@@ -578,6 +579,16 @@ def stored(cluster: Cluster, slot: int, lite: str) -> int:
     return 0 if meta is None else meta.max_offset
 
 
+async def restarted(cluster: Cluster, slot: int) -> ClusterInfo:
+    """Broker ``slot`` stopped and started again on its disk with its flags: its membership then."""
+    config = cluster.brokers[slot].config
+    await cluster.brokers[slot].stop(grace_s=0.1)
+    cluster.brokers[slot] = broker = app.Broker(config)
+    await broker.start()
+    with admin_of(broker) as admin:
+        return await asyncio.to_thread(admin.cluster)
+
+
 async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Path) -> None:
     """3 -> 2 over the admin service: slot 2 takes no new topic, keeps an undrained one (order), hands it over
     once drained (its consumers already subscribed at the new owner), is removed only when drained, then only
@@ -632,13 +643,12 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         assert await route_of(cluster, 2) == await route_of(cluster, 0)
         await send_via(cluster, 2, held[1], 6)  # no member any more: it only forwards
         assert stored(cluster, 2, held[1]) == 1 and stored(cluster, today[held[1]], held[1]) == 2
-        config = cluster.brokers[0].config
-        await cluster.brokers[0].stop(grace_s=0.1)
-        cluster.brokers[0] = restarted = app.Broker(config)
-        await restarted.start()
-        with admin_of(restarted) as admin:
-            info = await asyncio.to_thread(admin.cluster)
+        info = await restarted(cluster, 0)
         assert (info.members, info.ring_sizes, info.slot, info.source) == (members[:2], (2,), 0, "admin")
+        # the removed broker, started again on its disk with the flags it had (a later scale-up brings its pod
+        # back): a member from its flags, as a new pod is, not the membership it was removed by
+        info = await restarted(cluster, 2)
+        assert (info.members, info.slot, info.source) == (members, 2, "flags")
     finally:
         await stop_cluster(cluster)
 
@@ -918,3 +928,36 @@ async def test_brokers_call_each_other_over_tls_with_a_ca_signed_certificate(
             assert cluster.holds(owner, lite) and not cluster.holds(1 - owner, lite)
     finally:
         await stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("code", [pb.INTERNAL_ERROR, pb.MULTIPLE_RESULTS])
+async def test_a_batch_refused_after_it_was_stored_is_not_sent_again_request_by_request(
+    cluster: Cluster, code: pb.Code.ValueType
+) -> None:
+    """Broker 1 stores a batch of sends broker 0 gathered for it, then answers a refusal (as a replicated owner
+    fenced after storing, "nothing acknowledged", or a leaving broker whose parts had different results). Sending
+    each request again on its own would store each a second time, acknowledged; each is refused instead (its
+    client retries, at least once), and stored once."""
+    theirs = cluster.lites_of(1, 4, "f")
+    peers = cluster.brokers[0].cluster.peers if cluster.brokers[0].cluster is not None else None
+    assert peers is not None
+    forwarder = peers.forwarder
+    real = forwarder._call_send  # the fault: a refusal after the owner stored the batch
+
+    async def stored_then_refused(target: str, payload: bytes, count: int) -> Any:
+        reply = await real(target, payload, count)
+        if count > 1 and not isinstance(reply, BaseException):
+            return spb.SendMessageResponse(status=pb.Status(code=code, message="refused after storing"))
+        return reply
+
+    forwarder._call_send = stored_then_refused  # type: ignore[method-assign]
+    stub = cluster.clients[0].stub
+    replies = await asyncio.gather(
+        *(
+            stub.SendMessage(spb.SendMessageRequest(messages=[message(lite)]), metadata=cluster.headers())
+            for lite in theirs
+        )
+    )
+    assert all(stored(cluster, 1, lite) == 1 for lite in theirs)  # each once
+    refused = [r.status.message for r in replies if r.status.code != pb.OK]
+    assert refused and all("refused after storing (sent with other sends" in m for m in refused), refused

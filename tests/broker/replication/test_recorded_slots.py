@@ -20,7 +20,7 @@ from lmq_broker import errors, model
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import owners
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.replication import owning, sources, stamps, wire
+from lmq_broker.replication import moved, owning, sources, stamps, wire
 from lmq_broker.storage import memory
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.storage.api import Store
@@ -297,3 +297,36 @@ def test_a_commit_point_of_a_topic_of_another_slot_is_not_copied_as_this_brokers
     door.note_commit = noted.append
     slots.committed(queue, "g", 3, ())
     assert [c.offset for c in noted] == [3]
+
+
+def test_a_topic_taken_over_idle_belongs_to_the_slot_that_took_it_also_once_the_slot_it_left_is_back(
+    store: Store, tmp_path: Path
+) -> None:
+    """T was slot 2's; slot 0 took it over idle (its last record still names 2). Written down (``moved``), T is
+    slot 0's in a ring of 3 again (slot 2 brought back), after a restart (the rows read back from the file) and
+    at a follower that got the row as a state row; a record stored since names its own slot; a topic deleted and
+    stored again under slot 2 (another last record) is slot 2's."""
+    append(store, [dataclasses.replace(lite("T"), slot=2, epoch=3)])
+    taken = moved.Moved(tmp_path / "taker")
+    assert taken.put(lmq("T"), moved.Move(2, 0, "T-0")) and not taken.put(lmq("T"), moved.Move(2, 0, "T-0"))
+    held = Held(me=0, epochs={0: 1})
+    leadership: Any = held
+    make: Any = lambda slot: Door(held, slot)  # noqa: E731
+
+    def slots_with(rows: moved.Moved) -> owning.Slots:
+        recorded = lambda t: rows.slot_of(t, *sources.last_record(store, t))  # noqa: E731
+        return owning.Slots(leadership, lambda t: 2, make, recorded, moved=rows.slot_of)
+
+    assert slots_with(taken).slot_of_topic(lmq("T")) == 0
+    assert slots_with(moved.Moved(tmp_path / "taker")).slot_of_topic(lmq("T")) == 0  # read back at a restart
+    assert slots_over(store, held, lambda t: 2).slot_of_topic(lmq("T")) == 2  # without it: the new slot 2's
+    follower = moved.Moved(tmp_path / "follower")
+    assert follower.take(list(taken.rows_of(0).items())) == [lmq("T")] and taken.rows_of(1) == {}
+    assert slots_with(follower).slot_of_topic(lmq("T")) == 0 and follower.left(lmq("T")) == 2
+    fetched = slots_with(follower)  # a new replica that fetched T's records: noted as stored, still slot 0's
+    fetched.note([dataclasses.replace(lite("T"), slot=2, epoch=3)])
+    assert fetched.slot_of_topic(lmq("T")) == 0
+    append(store, [dataclasses.replace(lite("T", 1), slot=0, epoch=1)])
+    assert slots_with(taken).slot_of_topic(lmq("T")) == 0
+    append(store, [dataclasses.replace(lite("T", 2), slot=2, epoch=1)])  # say, deleted and placed on 2 again
+    assert slots_with(taken).slot_of_topic(lmq("T")) == 2

@@ -241,3 +241,26 @@ async def test_a_released_lease_is_taken_at_once_by_a_member_of_its_set_and_neve
     clock.now += DURATION_MS / 1000
     await owner.tick()
     assert owner.holds(0)
+
+
+@pytest.mark.asyncio
+async def test_a_removed_slot_is_forgotten_so_its_lease_created_again_starts_afresh() -> None:
+    """Slot 2 of a ring of 3 reached epoch 4, then a scale-down removed it and its Lease was deleted (the
+    operator). A broker that lived through it forgets what it saw of slot 2; when a scale-up brings slot 2 back
+    its owner creates the Lease at epoch 0, and that epoch is what the follower goes by (not refused as older)."""
+    api, clock = memory.Leases(), Clock()
+    three = [[0, 1], [1, 2], [2, 0]]
+    owner, follower = broker(api, clock, 2, replica_sets=three), broker(api, clock, 0, replica_sets=three)
+    await owner.tick()
+    lease = api.items["t-slot-2"]
+    api.items["t-slot-2"] = api.write(lease, lease.holder, 4, 3, (0, 2))
+    await follower.tick()
+    assert follower.epochs[2] == 4 and follower.in_sets[2] == (0, 2) and follower.serving(2) == 2
+    follower.follow([[0, 1], [1, 0]])  # the ring of 2: slot 2 removed
+    assert 2 not in follower.epochs and 2 not in follower.in_sets and 2 not in follower.holders
+    del api.items["t-slot-2"]
+    follower.follow(three)  # the ring of 3 again: slot 2's owner creates its Lease afresh
+    fresh = broker(api, clock, 2, replica_sets=three)
+    await fresh.tick()
+    await follower.tick()
+    assert follower.epochs[2] == 0 and fresh.epoch(2) == 0
