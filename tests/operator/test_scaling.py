@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from lmq_broker.admin.results import ClusterInfo
 from lmq_broker.cluster import membership as mb
 from lmq_operator import model, scaler, scaling, settings, slices
 from lmq_operator.scaling import Phase
@@ -366,3 +367,36 @@ def test_replicas_are_lowered_only_after_every_broker_took_the_smaller_ring(refu
         assert "refused" in status[0]
     else:
         assert recorded.writes[2:4] == [lowered, "Normal ScaledDown"]
+
+
+class Counting:
+    """A leaving broker's admin as the scaler asks it: its undrained count, each real count taking ``took`` s."""
+
+    def __init__(self, clock: list[float], took: float) -> None:
+        self.clock, self.took, self.counts, self.undrained = clock, took, 0, 5
+
+    async def cluster(self, *, with_undrained: bool = False) -> ClusterInfo:
+        if with_undrained:
+            self.counts += 1
+            self.clock[0] += self.took
+        members = (pod(0), pod(1))
+        return ClusterInfo(members, (2, 1), 1, True, self.undrained if with_undrained else -1, False, "admin")
+
+
+@pytest.mark.parametrize(("took", "again"), [(0.01, 1.0), (0.5, 5.0), (3.0, 15.0)])
+def test_a_leaving_brokers_undrained_count_is_asked_again_after_ten_times_what_it_took(
+    took: float, again: float
+) -> None:
+    """A count that was cheap is asked for again within a second (a drain that ends is seen soon); a dear one
+    (a walk over millions of lite topics) no more than every 15 s, so counting costs the broker at most a tenth."""
+    clock = [100.0]
+    member = scaler.Scaler(settings.from_env({"LMQ_OPERATOR_BROKERS": pod(0)}), lambda: None, clock=lambda: clock[0])
+    admin = Counting(clock, took)
+    member._admins[pod(1)] = admin  # type: ignore[assignment]
+    view = asyncio.run(member._view(pod(1), True))
+    assert view[1] == 5 and admin.counts == 1
+    clock[0] += again - 0.001
+    admin.undrained = 0
+    assert asyncio.run(member._view(pod(1), True))[1] == 5 and admin.counts == 1  # the count kept
+    clock[0] += 0.002
+    assert asyncio.run(member._view(pod(1), True))[1] == 0 and admin.counts == 2  # asked again
