@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -49,6 +50,19 @@ def start_pod(data: Path, parent: str, args: Sequence[str], env: Mapping[str, st
     with AdminClient(broker.endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
         admin.put_parent_topic(model.ParentTopic(parent, model.MessageType.LITE))
     return pod
+
+
+@contextlib.contextmanager
+def pods_of(root: Path, kinds: Iterable[str], start: Callable[[Path, str], Pod]) -> Iterator[dict[str, Pod]]:
+    """One pod per kind (``start(root / kind, kind)``), every one stopped at the end, however it ends."""
+    started: dict[str, Pod] = {}
+    try:
+        for kind in kinds:
+            started[kind] = start(root / kind, kind)
+        yield started
+    finally:
+        for pod in started.values():
+            pod.broker.stop()
 
 
 def free_block(count: int) -> int:

@@ -19,7 +19,7 @@ from typing import Final
 
 import grpc
 import pytest
-from pods import Pod, child_pid, free_block
+from pods import Pod, child_pid, free_block, pods_of
 from pods import start_pod as start_any_pod
 from waiting import eventually
 
@@ -47,14 +47,8 @@ def start_pod(data: Path, hop: str) -> Pod:
 
 @pytest.fixture
 def pods(tmp_path: Path) -> Iterator[dict[str, Pod]]:
-    started: dict[str, Pod] = {}
-    try:
-        for hop in HOPS:
-            started[hop] = start_pod(tmp_path / hop, hop)
+    with pods_of(tmp_path, HOPS, start_pod) as started:
         yield started
-    finally:
-        for pod in started.values():
-            pod.broker.stop()
 
 
 def message(lite: str, message_id: str) -> pb.Message:

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pods import Pod
+from pods import Pod, pods_of
 from pods import start_pod as start_any_pod
 from waiting import eventually, eventually_async
 
@@ -49,14 +49,8 @@ def start_pod(data: Path, mode: str) -> Pod:
 
 @pytest.fixture
 def pods(tmp_path: Path) -> Iterator[dict[str, Pod]]:
-    started: dict[str, Pod] = {}
-    try:
-        for mode in MODES:
-            started[mode] = start_pod(tmp_path / mode, mode)
+    with pods_of(tmp_path, MODES, start_pod) as started:
         yield started
-    finally:
-        for pod in started.values():
-            pod.broker.stop()
 
 
 def message(lite: str, message_id: str, **user: str) -> pb.Message:
