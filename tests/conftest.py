@@ -18,11 +18,14 @@ so none of them is the last one left running while the other workers idle.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 from typing import Final
 
 import pytest
+
+from lmq_broker import supervisor
 
 TESTS: Final = Path(__file__).resolve().parent
 E2E_DIRS: Final = ("e2e", "clients")
@@ -97,3 +100,24 @@ def _longest_first(item: pytest.Item) -> int:
         if item.get_closest_marker(marker) is not None:
             return rank
     return 4
+
+
+def _own_ports() -> None:
+    """This worker's range of ports for ``--port 0`` and the tests' free ports (``supervisor.free_ports``):
+    below the kernel's ephemeral ports, split between the pytest-xdist workers (inherited by the brokers the
+    tests start), so that a port released for a restart is not taken meanwhile by another worker's bind(0)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    first = 10_000
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (ephemeral - first) // workers
+    if size < 1_000 or worker >= workers:
+        return  # a kernel that hands out low ports: its own choice, as without this
+    low = first + worker * size
+    os.environ.setdefault(supervisor.FREE_PORTS_ENV, f"{low}-{low + size - 1}")
+
+
+_own_ports()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import secrets
 import signal
@@ -59,13 +60,30 @@ class Plan:
     external_members: tuple[str, ...] = ()  # --external-addresses of every slot (from the pods' list)
 
 
+FREE_PORTS_ENV: Final = "LMQ_FREE_PORTS"
+
+
 def free_ports(host: str, count: int) -> list[int]:
-    """Ports the kernel calls free now (``--port 0``: tests); held together so they differ."""
-    sockets = []
+    """Ports free now (``--port 0``: tests); held together so they differ.
+
+    The kernel's choice (``bind`` to port 0) unless ``LMQ_FREE_PORTS`` names a range ``lo-hi``: then ports of that
+    range. The test suites give each pytest-xdist worker a range of its own below the kernel's ephemeral ports, so
+    that a port a test released to restart its broker on is not handed meanwhile to another worker's ``bind(0)``
+    (its broker then failed to start: port in use)."""
+    span = os.environ.get(FREE_PORTS_ENV, "")
+    low, _, high = span.partition("-")
+    candidates: list[int] = []
+    if low.isdigit() and high.isdigit() and int(high) - int(low) >= count:
+        candidates = random.sample(range(int(low), int(high) + 1), min(int(high) - int(low) + 1, 64 * count))
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        while len(sockets) < count:
             s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            s.bind((host, 0))
+            try:
+                s.bind((host, candidates.pop() if candidates else 0))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
+from lmq_broker import supervisor
+
 READY_RE: Final = re.compile(
     r"lmq-broker ready grpc=(?P<host>[^ ]+):(?P<port>\d+) metrics=(?P<metrics>-?\d+)(?: admin=(?P<admin>\d+))?"
     r"(?: mqtt=(?P<mqtt>\d+))?(?: external=(?P<external>\d+))?"
@@ -183,6 +185,14 @@ def start_broker(
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = tuple(extra_args)
+    if port == 0 and os.environ.get(supervisor.FREE_PORTS_ENV) and "--processes" not in args:
+        # one of the suite's range (``free_ports``), which a restart takes again: bind(0)'s could be handed out
+        # meanwhile (``--processes`` picks its ports itself: port + 1 + i must be free too)
+        port = supervisor.free_ports("127.0.0.1", 1)[0]
+        for flag in ("--mqtt-port", "--external-port"):
+            if _flag(args, flag) == "0" and flag in args:
+                at = args.index(flag) + 1
+                args = (*args[:at], str(supervisor.free_ports("127.0.0.1", 1)[0]), *args[at + 1 :])
     command = [*wrapper, python, "-m", "lmq_broker", "serve", "--data-dir", str(data_dir), "--port", str(port)]
     command += ["--host", "127.0.0.1"]
     if "--metrics-port" not in args:
