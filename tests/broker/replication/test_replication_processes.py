@@ -92,9 +92,10 @@ def test_a_lost_processes_2_pod_fails_over_to_the_same_processes_of_the_next_pod
         eventually(
             lambda: all((got := lease(s)) is not None and got.in_sync == want[s] for s in range(4)),
             "every slot's follower (the same process of the other pod) probed into its in-sync set",
+            timeout_s=60,  # four processes per pod starting beside the other suites' workers
             ignoring=(OSError,),
         )
-        eventually(lambda: in_sync_everywhere(pods), "every follower reconciled", ignoring=(OSError,))
+        eventually(lambda: in_sync_everywhere(pods), "every follower reconciled", timeout_s=60, ignoring=(OSError,))
         # The clients call pod 1's shared port, as a Service would route them; each send is forwarded to its owner.
         access = f"127.0.0.1:{bases[1]}"
         for lite in lites:
