@@ -166,6 +166,8 @@ class Index(rocks.Rocks):
             if len(out) >= limit:
                 break
             advance()
+        else:
+            cursor.check()  # the end of the range, or a corrupt block (then an error, not a short page)
         return out
 
     def lite_names(self, prefix: bytes, after: bytes, limit: int) -> list[str]:
@@ -183,6 +185,8 @@ class Index(rocks.Rocks):
         while valid() and len(out) < limit:
             append(key_of()[skip:].decode())
             advance()
+        if len(out) < limit:
+            cursor.check()  # the end of the range, or a corrupt block (then an error, not a short page)
         return out
 
     def runs(self, name: keys.QueueName) -> Iterator[tuple[int, int, int]]:
