@@ -403,9 +403,9 @@ def test_the_operator_may_hold_its_own_lease_and_no_other(kube: testing.KubeAPI,
         # those of removed slots: slot Leases only, by name
         assert can(kube, user, ("list", "leases", "coordination.k8s.io"), "mq")
         assert not can(kube, user, ("list", "leases", "coordination.k8s.io"), "apps")
-        for slot in (0, 2, 255):
+        for slot in (0, 2, 255, 1023):  # broker.replication.removableSlotLeases: 1024 by default
             assert can(kube, user, ("delete", "leases", "coordination.k8s.io"), "mq", f"{release}-lmq-slot-{slot}")
-        assert not can(kube, user, ("delete", "leases", "coordination.k8s.io"), "mq", f"{release}-lmq-slot-256")
+        assert not can(kube, user, ("delete", "leases", "coordination.k8s.io"), "mq", f"{release}-lmq-slot-1024")
         assert not can(kube, user, ("delete", "leases", "coordination.k8s.io"), "apps", f"{release}-lmq-slot-2")
 
 

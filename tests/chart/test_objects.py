@@ -492,11 +492,13 @@ def test_rbac_is_the_one_docs_operator_md_documents_and_tests(render: Render, on
 
 
 def test_with_replication_the_operator_may_delete_slot_leases_by_name_only(render: Render, one: One) -> None:
-    """The Leases of slots a scale-down removed (docs/operator.md): delete, by name, slots 0-255 of this release,
-    bound to the operator's account; no such Role without replication."""
-    role = one(render({"broker": {"replication": {"replicas": 2}}}), "Role", SLOT_LEASES_ROLE)
-    names = tuple(f"demo-lmq-slot-{slot}" for slot in range(256))
-    assert named_rules(role) == {("coordination.k8s.io", "leases", "delete", names)}
+    """The Leases of slots a scale-down removed (docs/operator.md): delete, by name, slots 0-1023 of this release
+    (``broker.replication.removableSlotLeases``), bound to the operator's account; no such Role without
+    replication."""
+    for more, count in (({}, 1024), ({"removableSlotLeases": 3000}, 3000)):
+        role = one(render({"broker": {"replication": {"replicas": 2, **more}}}), "Role", SLOT_LEASES_ROLE)
+        names = tuple(f"demo-lmq-slot-{slot}" for slot in range(count))
+        assert named_rules(role) == {("coordination.k8s.io", "leases", "delete", names)}
     binding = one(render({"broker": {"replication": {"replicas": 2}}}), "RoleBinding", SLOT_LEASES_ROLE)
     assert binding["roleRef"]["name"] == SLOT_LEASES_ROLE and binding["subjects"][0]["name"] == OPERATOR
     objects = render({"broker": {"replicas": 1}})

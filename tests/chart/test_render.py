@@ -116,6 +116,7 @@ FULL: dict[str, Any] = {
             "replicaLagMaxMs": 500,
             "createRole": True,
             "leaseDurationMs": 3000,
+            "removableSlotLeases": 64,
         },
         "extraArgs": ["--flush-mode", "async"],
         "liteTtl": {
