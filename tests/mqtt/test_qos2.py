@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sqlite3
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from testing_mqtt import Peer
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.mqtt import codec, exactly, stats
+from lmq_broker.mqtt import codec, durable, exactly, stats
 from lmq_broker.mqtt.properties import Reason
 from lmq_broker.testing import BrokerProcess, start_broker
 
@@ -207,6 +208,40 @@ def test_4_4_a_reconnect_after_pubrec_resends_pubrel_not_the_publish_and_pubcomp
     assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"two", False), nxt
     pub.close()
     back.close()
+
+
+def test_4_3_3_a_publish_resent_after_a_kill_9_whose_row_is_damaged_is_stored_not_dropped(tmp_path: Path) -> None:
+    """The packet id's row names the message a resend is looked for by (``exactly``). A row whose text no longer
+    reads (a damaged ``mqtt.sqlite3`` cell) was taken for a row whose message is known stored: the resend of a
+    publish killed before its append was answered PUBREC and never stored. It is stored now (at least once: the
+    broker cannot tell whether it was), and logged."""
+    broker = start_broker(
+        tmp_path / "data", extra_args=["--mqtt-port", "0"], env={"LMQ_TEST_KILL_AT": exactly.RECORDED}
+    )
+    try:
+        parent = new_parent(broker, "W")
+        port = broker.mqtt_port
+        first = Raw(port, "window-pub", level=codec.LEVEL_3_1_1, clean=False)
+        first.publish(f"{parent}/w", b"once", 5)
+        assert broker.process.wait(timeout=30) == -signal.SIGKILL  # killed itself after the row, before the append
+        assert first.closed() and first.pending == []  # no PUBREC came
+        rows = sqlite3.connect(broker.data_dir / durable.FILE_NAME)
+        try:
+            with rows:
+                assert rows.execute("UPDATE qos2 SET message = '[\"m' WHERE direction = ?", (durable.INBOUND,)).rowcount
+        finally:
+            rows.close()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        again = Raw(port, "window-pub", level=codec.LEVEL_3_1_1, clean=False)
+        assert again.session_present
+        again.publish(f"{parent}/w", b"once", 5, dup=True)
+        again.expect(codec.PUBREC, 5)
+        again.ack(codec.PUBREL, 5)
+        again.expect(codec.PUBCOMP, 5)
+        again.close()
+        assert stored(broker, parent, "w") == 1
+    finally:
+        broker.stop()
 
 
 @LEVELS

@@ -54,8 +54,12 @@ class Planned(NamedTuple):
         return json.dumps([self.message_id, self.parent, self.lite, self.end])
 
 
+UNKNOWN: Final = Planned("", "", "", 0)  # a row whose text does not read: its resend is stored again, under a new id
+
+
 def planned_of(text: str) -> Planned | None:
-    """A row's message text read back (empty: a row of an older broker, whose message was stored)."""
+    """A row's message text read back (empty: a row of an older broker, whose message was stored; None too for a
+    damaged one, which the caller tells apart by its text)."""
     if not text:
         return None
     try:

@@ -81,6 +81,13 @@ class Publishes:
         ids = await link.dispatcher.run(link.host.durable.qos2_ids, link.client_id, durable.INBOUND)
         self._awaiting_release = set(ids)
         self._unverified = {i: planned for i, text in ids.items() if (planned := exactly.planned_of(text))}
+        for i, text in ids.items():
+            if text and i not in self._unverified:  # a damaged row: whether its message was stored is unknown
+                log.error(
+                    "mqtt client %s: the row of QoS 2 packet id %d does not read (%r); its resend is stored again "
+                    "rather than lost (at least once)", link.client_id, i, text[:80],
+                )  # fmt: skip
+                self._unverified[i] = exactly.UNKNOWN
 
     async def released(self, packet_id: int) -> None:
         """PUBREL: answered with PUBCOMP (5.0: 0x92 for an id not awaiting one), in order with the publishes
@@ -129,8 +136,8 @@ class Publishes:
         In a cluster it is looked for at its lite topic's owner; an owner that cannot tell closes the connection
         (the row stays: the client's next resend is looked for again)."""
         planned = self._unverified.pop(packet_id, None) if packet_id is not None else None
-        if planned is None:
-            return None
+        if planned is None or planned is exactly.UNKNOWN:
+            return planned  # (UNKNOWN: a damaged row; stored now, under a new id)
         cluster = self.link.cluster
         if cluster is not None:
             try:

@@ -7,7 +7,8 @@ never acknowledged: a deposed owner's that did not reach enough followers), so t
 follows exactly what the holder has. A copy that starts past where a lite topic ends here is answered with
 the ends (the owner sends what is missing first); messages a copy repeats (a catch-up and a live copy
 crossing) are passed over once their ids match what is stored at their offsets; a different message there
-(which a rejoin rules out) is refused, ``out_of_sync``, and the next copy rejoins again.
+(which a rejoin rules out) is refused, ``out_of_sync``, and the next copy rejoins again; so is a copy whose next
+message of a lite topic lies past the offset it would take here (the holder lacks the records between).
 
 Reconciling: a follower may hold nothing of lite topics that got no send since it (re)started (a new disk, or
 sends it missed while down). So after a start, and whenever the slot's holder changes, it asks the holder for
@@ -161,9 +162,12 @@ class Follower:
                                                                      point.acked, handouts)  # fmt: skip
 
     async def _fresh(self, slot: int, copy: wire.Copy) -> list[model.NewMessage]:
-        """The copy's messages not stored here yet; Conflict when one at an offset here is another message."""
+        """The copy's messages not stored here yet; Conflict when one at an offset here is another message, or when
+        one comes past the offset it would take here: the holder lost the records between (a read passes over a
+        record that fails its CRC, a lost range), so appended, it and every later one would sit at another offset
+        than at the holder."""
         out: list[model.NewMessage] = []
-        ends: dict[model.QueueId, int] = {}
+        ends: dict[model.QueueId, int] = {}  # the offset the next message of each queue takes here
         for message, offsets in zip(copy.messages, copy.offsets, strict=True):
             lmq = [(q, o) for q, o in zip(message.queues, offsets, strict=True) if q.topic.startswith(model.LMQ_PREFIX)]
             if lmq:
@@ -178,6 +182,14 @@ class Follower:
                         self._counters.copies_refused.labels("out_of_sync").inc()
                         raise errors.Conflict(f"slot {slot}: {queue.topic} holds another message at {offset}")
                     continue
+                if offset > end:
+                    self.out_of_sync(slot)
+                    self._counters.copies_refused.labels("out_of_sync").inc()
+                    raise errors.Conflict(
+                        f"slot {slot}: {queue.topic} ends at {end} here, the copy's next message is at {offset} (the "
+                        "holder lacks the records between): refused, not stored at other offsets"
+                    )
+                ends[queue] = end + 1
             out.append(message)
         return out
 

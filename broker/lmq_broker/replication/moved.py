@@ -46,15 +46,32 @@ class Moved:
         self._lock = threading.Lock()  # appends come from the loop's threads (``asyncio.to_thread``)
         self.version = 0  # changes with every row added (the state rows look again)
         try:
-            lines = self._path.read_text().splitlines()
+            data = self._path.read_bytes()
         except FileNotFoundError:
-            lines = []
-        for line in lines:
+            data = b""
+        whole = data.rfind(b"\n") + 1
+        if whole < len(data):
+            # A line cut by a crash while it was appended (never counted as written down: ``put`` returns after
+            # the fsync). Cut off, or the next row would be appended onto it: one line that decodes as nothing.
+            log.warning(
+                "replication: %s ends in a line cut by a crash (%d bytes): cut off", self._path, len(data) - whole
+            )
+            with self._path.open("r+b") as out:
+                out.truncate(whole)
+                os.fsync(out.fileno())
+        damaged = 0
+        for line in data[:whole].splitlines():
             try:
-                topic, move = _decode(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a crash while it was appended
+                topic, move = _decode(line.decode())
+            except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+                damaged += 1
+                continue
             self._rows[topic] = move
+        if damaged:
+            log.error(
+                "replication: %d damaged lines of %s skipped: the take-overs they held are not known here (those "
+                "topics go by the slot their last record names)", damaged, self._path,
+            )  # fmt: skip
         if self._rows:
             log.info("replication: %d lite topics taken over from leaving slots are known here", len(self._rows))
 

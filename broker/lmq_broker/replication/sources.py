@@ -42,10 +42,11 @@ def ends_page(
 
 
 def tails(store: Store, slot: int, slot_of_topic: Callable[[str], int]) -> list[model.StoredMessage]:
-    """The last message of every non-empty lite topic of ``slot`` (what a probe of a follower sends)."""
+    """The last message of every non-empty lite topic of ``slot`` that reads (what a probe of a follower sends): a
+    topic left out for a last record lost here would not be checked at all."""
     out: list[model.StoredMessage] = []
-    for topic, end in ends(store, slot, slot_of_topic).items():
-        out.extend(store.read(model.QueueId(topic, 0), end - 1, 1))
+    for topic in ends(store, slot, slot_of_topic):
+        out.extend(_last_message(store, model.QueueId(topic, 0)))
     return out
 
 
@@ -135,14 +136,19 @@ def last_record(store: Store, topic: str) -> tuple[int, str]:
     """The slot recorded on the last record of ``topic`` in ``store`` (-1: it has none, or one stored before slots
     were recorded) and its message id ("" without a record). A record past a lost range is found by reading back
     (``LOOK_BACK``)."""
-    queue = model.QueueId(topic, 0)
+    found = _last_message(store, model.QueueId(topic, 0))
+    return (found[-1].slot, found[-1].message_id) if found else (-1, "")
+
+
+def _last_message(store: Store, queue: model.QueueId) -> list[model.StoredMessage]:
+    """The last message of ``queue`` that reads, read back through ``LOOK_BACK`` offsets past a lost last record."""
     low, end = store.queue_offsets(queue)
     if end <= low:
-        return -1, ""
+        return []
     found = store.read(queue, end - 1, 1)
     if not found:
         found = [m for m in store.read(queue, max(low, end - LOOK_BACK), LOOK_BACK) if m.offset < end][-1:]
-    return (found[-1].slot, found[-1].message_id) if found else (-1, "")
+    return found
 
 
 def answers(store: Store, epochs: dict[str, int]) -> dict[str, tuple[int | None, int]]:

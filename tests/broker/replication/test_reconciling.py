@@ -18,7 +18,7 @@ from waiting import eventually_async
 
 from lmq_broker import errors, model
 from lmq_broker.config import StoreConfig
-from lmq_broker.replication import reconciling, sources, wire
+from lmq_broker.replication import copies, following, reconciling, sources, wire
 from lmq_broker.storage import store as lmq_store
 
 
@@ -105,3 +105,114 @@ def test_a_fetch_is_a_page_of_at_most_fetch_bytes_of_bodies(tmp_path: Path, monk
     finally:
         store.close()
     assert pages == [["m0", "m1"], ["m2"], ["m3"], ["m4"]]
+
+
+class _Leader(_Leases):
+    """The lease as a follower of slot 0 sees it: slot 0's broker holds it at epoch 1."""
+
+    def serving(self, slot: int) -> int:
+        return 0
+
+
+def _follower_of(mine: lmq_store.LmqStore) -> following.Follower:
+    """A follower of slot 0 storing into ``mine`` (the lease a stand-in)."""
+
+    async def append(messages: Any) -> list[model.AppendResult]:
+        return mine.append(messages)
+
+    async def stored_id(q: model.QueueId, offset: int) -> str | None:
+        found = mine.read(q, offset, 1)
+        return found[0].message_id if found and found[0].offset == offset else None
+
+    async def commit(point: wire.Commit) -> None:
+        mine.commit_offset(point.queue, point.group, point.offset, point.acked, point.handouts)
+
+    leases: Any = _Leader()
+    counters = copies.Counters(CollectorRegistry())
+    return following.Follower(leases, append, lambda q: mine.queue_offsets(q)[1], stored_id, commit, counters)
+
+
+LITE_A = model.QueueId.lmq("P", "a")
+
+
+def _held(mine: lmq_store.LmqStore) -> dict[int, str]:
+    held = {m.offset: m.message_id for m in mine.read(LITE_A, 0, 100)}
+    assert all(message_id == f"m{offset}" for offset, message_id in held.items()), held
+    return held
+
+
+@pytest.mark.asyncio
+async def test_a_catch_up_over_a_record_the_holder_lost_never_stores_a_message_at_another_offset(
+    tmp_path: Path,
+) -> None:
+    """The holder's read skips a record that fails its CRC (reported there as damage), so a fetch answers the
+    messages after it with their own offsets: 0-3, then 5-9. Appended as they came, message 5 took offset 4 at
+    the follower, and a second fetch from 9 stored 9 again: the follower said it was in sync with other messages
+    at the holder's offsets (its copied commit points then skip or repeat messages after a take-over). Now the
+    copy is refused: the follower holds each message at the holder's offset, and is not in sync."""
+    holder = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path / "holder"))
+    holder.append([model.NewMessage(f"m{n}", "P", b"body-%03d" % n, (LITE_A,)) for n in range(10)])
+    holder.close()
+    (segment,) = (tmp_path / "holder" / "commitlog").glob("*.log")
+    data = bytearray(segment.read_bytes())
+    data[data.index(b"body-004") + 6] ^= 0x5A
+    segment.write_bytes(data)
+    holder = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path / "holder"))
+    mine = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path / "follower"))
+    try:
+        assert [m.offset for m in holder.read(LITE_A, 0, 100)] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+
+        async def ends(at: int, slot: int, cursor: str) -> tuple[dict[str, int], str | None]:
+            return sources.ends_page(holder, slot, lambda topic: 0, cursor, sources.SCAN_PAGE)
+
+        async def fetch(at: int, slot: int, topic: str, start: int) -> bytes:
+            return sources.fetch(holder, slot, 1, topic, start, binary=True)
+
+        follower = _follower_of(mine)
+        with pytest.raises(errors.Conflict, match="the holder lacks the records between"):
+            await follower.reconcile(0, ends, fetch)
+        _held(mine)
+        assert not follower.in_sync(0, 1)
+    finally:
+        holder.close()
+        mine.close()
+
+
+@pytest.mark.asyncio
+async def test_a_copy_with_a_gap_between_its_batches_is_refused_not_stored_at_other_offsets(tmp_path: Path) -> None:
+    """An owner whose queue to a follower was full dropped a batch (offsets 2-3) and ships the batches around it
+    in one copy (0-1 and 4-5): its first offset is the follower's end, so only the gap tells. Refused (the owner
+    counts the copy lost, the follower catches up), never 4-5 stored at 2-3."""
+    messages = [model.NewMessage(f"m{n}", "P", b"x", (LITE_A,), slot=0, epoch=1) for n in range(6)]
+    kept = [0, 1, 4, 5]
+    results = [model.AppendResult(f"m{n}", (LITE_A,), (n,), 1) for n in kept]
+    copy = wire.encode(0, 1, [messages[n] for n in kept], results, [])
+    mine = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path))
+    try:
+        follower = _follower_of(mine)
+        with pytest.raises(errors.Conflict, match="the holder lacks the records between"):
+            await follower.accept(copy)
+        assert _held(mine) == {}
+    finally:
+        mine.close()
+
+
+def test_a_probe_names_a_topic_whose_last_record_the_holder_lost(tmp_path: Path) -> None:
+    """A probe sends the last message of each lite topic: a follower behind there answers its end and is caught
+    up. A topic whose last record fails its CRC at the holder (its read passes over it) was left out of the probe,
+    so a follower lacking the whole topic counted as holding everything. Its last message that reads is sent."""
+    other = model.QueueId.lmq("P", "b")
+    holder = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path))
+    holder.append([model.NewMessage(f"m{n}", "P", b"body-%03d" % n, (LITE_A,)) for n in range(5)])
+    holder.append([model.NewMessage("b0", "P", b"other", (other,))])
+    holder.close()
+    (segment,) = (tmp_path / "commitlog").glob("*.log")
+    data = bytearray(segment.read_bytes())
+    data[data.index(b"body-004") + 6] ^= 0x5A
+    segment.write_bytes(data)
+    holder = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path))
+    try:
+        tails = {m.queue.topic: m.message_id for m in sources.tails(holder, 0, lambda topic: 0)}
+    finally:
+        holder.close()
+    assert tails == {LITE_A.topic: "m3", other.topic: "b0"}

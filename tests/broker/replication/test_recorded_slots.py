@@ -330,3 +330,27 @@ def test_a_topic_taken_over_idle_belongs_to_the_slot_that_took_it_also_once_the_
     assert slots_with(taken).slot_of_topic(lmq("T")) == 0
     append(store, [dataclasses.replace(lite("T", 2), slot=2, epoch=1)])  # say, deleted and placed on 2 again
     assert slots_with(taken).slot_of_topic(lmq("T")) == 2
+
+
+def test_a_take_over_written_after_a_line_torn_by_a_crash_is_read_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash in the middle of an append leaves the file ending in part of a line. The next take-over written
+    down must not be glued onto that part (one line that decodes as nothing: the row would be gone at the next
+    start, and the topic filed by today's ring); a damaged line before the last one is told, not skipped mutely."""
+    taken = moved.Moved(tmp_path)
+    assert taken.put(lmq("T"), moved.Move(2, 0, "T-0"))
+    path = tmp_path / moved.FILE
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole[: len(whole) // 2])  # a second row cut by a crash
+    again = moved.Moved(tmp_path)
+    assert again.left(lmq("T")) == 2
+    assert again.put(lmq("U"), moved.Move(3, 1, "U-0"))
+    back = moved.Moved(tmp_path)  # the next start
+    assert (back.left(lmq("T")), back.left(lmq("U"))) == (2, 3)
+    assert back.slot_of(lmq("U"), 3, "U-0") == 1
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0].replace(b"{", b"\xff", 1) + b"".join(lines[1:]))
+    with caplog.at_level("ERROR", logger=moved.__name__):
+        assert moved.Moved(tmp_path).left(lmq("U")) == 3
+    assert "1 damaged lines" in caplog.text
