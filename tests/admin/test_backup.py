@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from durability import fsyncs
 from waiting import eventually
 
 from lmq_broker import errors, model
@@ -78,6 +79,15 @@ def test_restore_brings_metadata_and_credentials_back(snapshot: Path, tmp_path: 
             assert [t.topic.name for t in admin.list_parent_topics()] == ["P", "mqtt-default"]
     finally:
         restored.stop()
+
+
+def test_a_restore_is_durable_once_it_returns(snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data directory is fsynced after the restored files were moved into it: a power cut right after the
+    restore returned leaves them there, not part of them in the staging directory."""
+    target = tmp_path / "restored"
+    with fsyncs(monkeypatch) as synced:
+        restoring.restore(snapshot, target)
+    assert synced[-1] == Path(f"{target}/")
 
 
 def test_a_backup_cut_off_midway_has_no_manifest_and_is_refused(broker: BrokerProcess, tmp_path: Path) -> None:

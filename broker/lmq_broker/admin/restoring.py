@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Final
 from lmq_broker import errors
 from lmq_broker.admin import credentials
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.storage.segment import fsync_dir
 
 FORMAT: Final = 1  # the snapshot format this code writes and reads: a newer one is refused
 CREDENTIALS: Final = credentials.FILE_NAME  # holds the admin secret: restored with mode 0600
@@ -133,11 +134,7 @@ def _write_durably(path: Path, data: bytes) -> None:
         out.flush()
         os.fsync(out.fileno())
     tmp.replace(path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _inside(root: Path, name: str) -> Path:
@@ -201,6 +198,7 @@ def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Pr
     for entry in staging.iterdir():
         entry.rename(data_dir / entry.name)
     staging.rmdir()
+    fsync_dir(data_dir)  # the renames: a power cut right after a restore must not bring back part of the staging
     files = len(manifest["files"])
     return Summary(str(data_dir), files, total, time.monotonic() - started, int(manifest["taken_ms"]))
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from lmq_broker.storage.segment import fsync_dir
+
 FILE_NAME: Final = "lite-subscriptions.jsonl"
 PACE: Final = 10  # the wait after a write is at least this many times what the write cost
 ENCODE_SLICE: Final = 2000  # names per JSON encoding call: the GIL goes back to the event loop in between
@@ -62,6 +64,7 @@ def save(records: list[ClientRecord], path: Path) -> None:
         out.flush()
         os.fsync(out.fileno())
     tmp.replace(path)
+    fsync_dir(path.parent)  # the rename itself, or a power cut could bring the older snapshot back
 
 
 def load(path: Path) -> list[ClientRecord]:

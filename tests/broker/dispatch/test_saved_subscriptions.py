@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from durability import fsyncs
 
 from lmq_broker import model
 from lmq_broker.dispatch import saved_subscriptions
@@ -23,6 +24,15 @@ async def test_save_and_take_round_trip_and_skip_damage(tmp_path: Path) -> None:
         damaged.write('{"client": "half\n')
     assert saved_subscriptions.load(path) == records
     assert saved_subscriptions.load(tmp_path / "never-written") == []
+
+
+async def test_a_save_is_durable_rename_included(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snapshot is fsynced, renamed over the old one, and the directory fsynced: after a power cut the new
+    snapshot is there, not the older one the rename replaced."""
+    path = tmp_path / saved_subscriptions.FILE_NAME
+    with fsyncs(monkeypatch) as synced:
+        saved_subscriptions.save([saved_subscriptions.ClientRecord("c1", 5, "g", "P", ("%LMQ%$P$a",))], path)
+    assert synced == [path.with_name(path.name + ".tmp"), Path(f"{tmp_path}/")]
 
 
 async def test_a_line_that_is_not_utf8_is_skipped_and_the_rest_restored(
