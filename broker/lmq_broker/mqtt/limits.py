@@ -112,6 +112,8 @@ def refusal(  # noqa: PLR0911 (a return per CONNECT refusal, in order)
         try:
             if not will.topic:
                 raise topics.TopicError("an empty will topic")
+            if "+" in will.topic or "#" in will.topic:  # a topic name, not a filter: MQTT-4.7.0-1
+                raise topics.TopicError("a will topic holds a wildcard")
             topics.default_lite(will.topic, config.max_lite_topic_size)  # every other topic has a lite topic
         except topics.TopicError:
             return (Reason.TOPIC_NAME_INVALID if v5 else codec.ConnectCode.NOT_AUTHORIZED), ""  # never publishable
