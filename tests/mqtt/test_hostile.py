@@ -4,6 +4,7 @@ the specification's code, and what they leave unread is not kept for them withou
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 
 import pytest
@@ -44,3 +45,53 @@ def test_mqtt_4_7_0_1_a_will_topic_with_a_wildcard_is_refused_and_never_publishe
     watcher.publish(f"{parent}/w/mark", b"mark", qos=1)  # after the wills would have been published
     got = watcher.wait_count(1)
     assert [(m.topic, m.payload) for m in got] == [(f"{parent}/w/mark", b"mark")]
+
+
+def _flood_unread(port: int, client_id: str, keep_alive_s: int, limit: int) -> tuple[socket.socket, int]:
+    """A client that sends PINGREQs and never reads their PINGRESPs: (its socket, bytes sent until the broker
+    stopped reading them or ended the connection, or ``limit``)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(codec.encode(codec.Connect(client_id, True, keep_alive_s)))
+    sock.settimeout(3)
+    pings, sent = bytes((codec.PINGREQ << 4, 0)) * 32768, 0
+    try:
+        while sent < limit:
+            sock.sendall(pings)
+            sent += len(pings)
+    except (TimeoutError, ConnectionError):
+        pass
+    return sock, sent
+
+
+def test_a_client_that_never_reads_its_answers_is_read_no_further_and_its_connection_ends(
+    broker: BrokerProcess, connect: Connect
+) -> None:
+    """What the broker answers (PINGRESP here; PUBACK, SUBACK...) waits in the connection's write buffer until
+    the client reads it. A client that keeps sending and never reads made that buffer grow without bound (300
+    MiB of PINGREQs: the broker's RSS +294 MiB); now the broker stops reading it once 64 KiB of answers wait (the
+    kernel's socket buffers hold the rest), its keep-alive runs meanwhile and ends it, and its client id can be
+    taken over at once."""
+    limit = 16 * 2**20
+    sock, sent = _flood_unread(broker.mqtt_port, "never-reads", 60, limit)
+    try:
+        assert sent < limit, "the broker kept reading a client that reads nothing"
+        newcomer = connect(broker.mqtt_port, "never-reads")  # MQTT-3.1.4-2: takes over the stuck connection
+        assert newcomer.accepted, newcomer.connack
+    finally:
+        sock.close()
+    sock, sent = _flood_unread(broker.mqtt_port, "never-reads-2", 2, limit)
+    with sock:
+        deadline = time.monotonic() + 20  # keep alive 2 s: ended within 3 s of the broker's last read
+        sock.settimeout(1)
+        ended = False
+        while not ended and time.monotonic() < deadline:
+            try:
+                ended = not sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                ended = True
+        assert ended, "the connection of a client that reads nothing was not ended by its keep-alive"
