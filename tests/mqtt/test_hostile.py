@@ -11,7 +11,7 @@ import pytest
 from testing_mqtt import Peer
 
 from lmq_broker.mqtt import codec
-from lmq_broker.mqtt.properties import NONE, Reason
+from lmq_broker.mqtt.properties import NONE, Properties, Reason
 from lmq_broker.testing import BrokerProcess
 
 Connect = Callable[..., Peer]
@@ -95,3 +95,29 @@ def test_a_client_that_never_reads_its_answers_is_read_no_further_and_its_connec
             except ConnectionResetError:
                 ended = True
         assert ended, "the connection of a client that reads nothing was not ended by its keep-alive"
+
+
+def test_mqtt5_3_3_2_14_a_response_topic_with_a_wildcard_is_a_protocol_error_and_nothing_is_stored(
+    broker: BrokerProcess, parent: str, connect: Connect
+) -> None:
+    """MQTT-3.3.2-14: "The Response Topic MUST NOT contain wildcard characters". A PUBLISH carrying one ends its
+    connection with DISCONNECT ``0x82`` and is not stored, and a will carrying one is refused at CONNECT
+    (``0x82``), instead of handing subscribers a response topic they cannot publish to."""
+    port = broker.mqtt_port
+    watcher = connect(port)
+    assert watcher.subscribe((f"{parent}/r/+", 1)) == [1]
+    wild = Properties(response_topic=f"{parent}/replies/#")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        decoder = codec.Decoder(level=codec.LEVEL_5)
+        sock.sendall(codec.encode(codec.Connect("reply-wild", True, 30, level=codec.LEVEL_5, properties=NONE)))
+        sock.sendall(codec.encode(codec.Publish(f"{parent}/r/a", b"ask", 1, packet_id=1, properties=wild)))
+        got: list[codec.Packet] = []
+        while data := sock.recv(65536):
+            got += decoder.feed(data)
+    assert [type(p) for p in got] == [codec.ConnAck, codec.Disconnect], got
+    assert isinstance(got[1], codec.Disconnect) and got[1].reason == Reason.PROTOCOL_ERROR, got[1]
+    will = codec.Will(f"{parent}/r/will", b"bye", 1, False, wild)
+    answer = _connack(port, codec.Connect("will-reply-wild", will=will, level=codec.LEVEL_5, properties=NONE))
+    assert isinstance(answer, codec.ConnAck) and answer.code == Reason.PROTOCOL_ERROR, answer
+    watcher.publish(f"{parent}/r/mark", b"mark", qos=1)
+    assert [(m.topic, m.payload) for m in watcher.wait_count(1)] == [(f"{parent}/r/mark", b"mark")]
