@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 
 import pytest
+from raw_mqtt import Raw
+from raw_v2 import metric
 from testing_mqtt import Peer
 
 from lmq_broker.mqtt import codec
@@ -121,3 +123,23 @@ def test_mqtt5_3_3_2_14_a_response_topic_with_a_wildcard_is_a_protocol_error_and
     assert isinstance(answer, codec.ConnAck) and answer.code == Reason.PROTOCOL_ERROR, answer
     watcher.publish(f"{parent}/r/mark", b"mark", qos=1)
     assert [(m.topic, m.payload) for m in watcher.wait_count(1)] == [(f"{parent}/r/mark", b"mark")]
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5])
+def test_a_session_holds_at_most_1000_topic_filters_and_the_refusals_are_counted(
+    broker: BrokerProcess, parent: str, level: int
+) -> None:
+    """One SUBSCRIBE of 1,001 filters: the first 1,000 are granted, the last is refused (5.0 ``0x97`` quota
+    exceeded, 3.1.1 ``0x80``) and counted; a filter already held is still granted (docs/security.md)."""
+    before = metric(broker, "lmq_mqtt_refused_total", reason="filters_per_client")
+    client = Raw(broker.mqtt_port, f"many-filters-{level}", level)
+    try:
+        wanted = tuple((f"{parent}/f{level}/{i}", 1) for i in range(1001))
+        client.send(codec.Subscribe(1, wanted, NONE if level == codec.LEVEL_5 else None))
+        suback = client.next()
+        assert isinstance(suback, codec.SubAck) and suback.codes[:1000] == (1,) * 1000, suback
+        assert suback.codes[1000] == (Reason.QUOTA_EXCEEDED if level == codec.LEVEL_5 else codec.SUBACK_FAILURE)
+        assert client.subscribe(f"{parent}/f{level}/0", 1) == [1]
+    finally:
+        client.close()
+    assert metric(broker, "lmq_mqtt_refused_total", reason="filters_per_client") == before + 1

@@ -18,7 +18,7 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
-from lmq_broker.mqtt import codec, held, identifiers, matching, shares, topics
+from lmq_broker.mqtt import codec, held, identifiers, matching, shares, stats, topics
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.link import Closed, Link, reason_of, stop
 from lmq_broker.mqtt.owners import Owners
@@ -185,6 +185,7 @@ class Subscriptions:
                 continue
             existed = held.holds(link.subs, wanted, space.default)
             if not existed and count >= MAX_FILTERS:
+                link.host.stats.refused[stats.FILTERS_PER_CLIENT] += 1
                 codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
                 continue
             count += not existed
