@@ -143,3 +143,22 @@ def test_a_session_holds_at_most_1000_topic_filters_and_the_refusals_are_counted
     finally:
         client.close()
     assert metric(broker, "lmq_mqtt_refused_total", reason="filters_per_client") == before + 1
+
+
+def test_a_subscribe_of_200000_filters_is_refused_past_what_a_session_may_hold_without_reading_them(
+    broker: BrokerProcess, parent: str
+) -> None:
+    """One 3.6 MB SUBSCRIBE repeating a filter 200,000 times held the event loop (every client of the broker)
+    for 2.2 s, granted each copy and queued a retained send for each. Filters past what a session may hold
+    (1,000 filters and ``--mqtt-max-shares-per-client`` shares) are now refused ``0x97`` unread, and counted."""
+    before = metric(broker, "lmq_mqtt_refused_total", reason="filters_per_client")
+    client = Raw(broker.mqtt_port, "subscribe-flood", codec.LEVEL_5)
+    try:
+        client.send(codec.Subscribe(1, ((f"{parent}/flood/x", 1),) * 200_000, NONE))
+        suback = client.next()
+        assert isinstance(suback, codec.SubAck), suback
+        assert suback.codes == (1,) * 1100 + (Reason.QUOTA_EXCEEDED,) * 198_900  # the broker's default caps
+        assert client.subscribe(f"{parent}/flood/y", 1) == [1]  # the session holds 1 filter: it takes more
+    finally:
+        client.close()
+    assert metric(broker, "lmq_mqtt_refused_total", reason="filters_per_client") == before + 198_900
