@@ -4,6 +4,7 @@ the specification's code, and what they leave unread is not kept for them withou
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ import pytest
 from raw_mqtt import Raw
 from raw_v2 import metric
 from testing_mqtt import Peer
+from waiting import eventually
 
 from lmq_broker.mqtt import codec
 from lmq_broker.mqtt.properties import NONE, Properties, Reason
@@ -162,3 +164,39 @@ def test_a_subscribe_of_200000_filters_is_refused_past_what_a_session_may_hold_w
     finally:
         client.close()
     assert metric(broker, "lmq_mqtt_refused_total", reason="filters_per_client") == before + 198_900
+
+
+def _pings(port: int, stop: threading.Event, gaps: list[float]) -> None:
+    """Another client's PINGREQs, one at a time until ``stop``: how long each waited for its PINGRESP."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(codec.encode(codec.Connect("pings", True, 60)))
+        sock.recv(4)  # CONNACK
+        while not stop.is_set():
+            began = time.monotonic()
+            sock.sendall(codec.encode(codec.Bare(codec.PINGREQ)))
+            assert sock.recv(2) == codec.PINGRESP_BYTES
+            gaps.append(time.monotonic() - began)
+            time.sleep(0.01)
+
+
+def test_an_unsubscribe_of_500000_filters_leaves_other_clients_served_meanwhile(
+    broker: BrokerProcess, parent: str
+) -> None:
+    """An UNSUBSCRIBE may name any number of filters (each is answered); 200,000 in one 3.4 MB packet held the
+    event loop, every other client, for 1.6 s (500,000: ~4 s). It now lets the others in every 256 filters."""
+    client = Raw(broker.mqtt_port, "unsubscribe-flood", codec.LEVEL_5)
+    stop, gaps = threading.Event(), list[float]()
+    pinging = threading.Thread(target=_pings, args=(broker.mqtt_port, stop, gaps))
+    pinging.start()
+    try:
+        eventually(lambda: len(gaps) >= 5, "the other client pinging")
+        client.send(codec.Unsubscribe(1, (f"{parent}/x",) * 500_000, NONE))
+        unsuback = client.next()
+        count = len(gaps)
+        eventually(lambda: len(gaps) >= count + 5, "pings after the UNSUBACK")
+    finally:
+        stop.set()
+        pinging.join()
+        client.close()
+    assert isinstance(unsuback, codec.UnsubAck) and unsuback.codes == (Reason.NO_SUBSCRIPTION_EXISTED,) * 500_000
+    assert max(gaps) < 1.5, f"another client waited {max(gaps):.2f} s for its PINGRESP"
