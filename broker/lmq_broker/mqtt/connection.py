@@ -17,7 +17,6 @@ reconnected session gets it again at once (with DUP set).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Final
 
@@ -36,6 +35,7 @@ __all__ = ["Closed", "Connection", "group_of"]
 log = logging.getLogger(__name__)
 
 KEEP_ALIVE_GRACE: Final = 1.5  # MQTT-3.1.2-24: one and a half keep-alive periods without a packet ends it
+UNREAD_ANSWERS_BYTES: Final = 64 * 1024  # written and not yet taken by the socket: the client's reads wait beyond
 
 
 class Connection:
@@ -86,7 +86,12 @@ class Connection:
         """Another connection took this client id (MQTT-3.1.4-2): end this one and wait until it has."""
         self.link.kicked = True
         self.close(Reason.SESSION_TAKEN_OVER, "another connection took the client id")
-        await self.done.wait()
+        try:
+            async with asyncio.timeout(framing.LINGER_S):
+                await self.done.wait()
+        except TimeoutError:  # its client reads nothing: the socket cannot flush, nor the connection end
+            self.link.writer.transport.abort()
+            await self.done.wait()
 
     async def recheck(self) -> bool:
         """Access control changed (``--acl``): the filters the user may no longer read end, between packets;
@@ -170,6 +175,12 @@ class Connection:
                 raise Closed("taken over by a newer connection" if link.kicked else "closed without DISCONNECT")
             async with self._handling:
                 await self._handle(codec.decode_packet(frame[0], frame[1], link.level))
+            if link.writer.transport.get_write_buffer_size() > UNREAD_ANSWERS_BYTES:
+                # a client that sends and never reads: what it is answered (PINGRESP, PUBACK, SUBACK...) would
+                # pile up here without bound; it is read no further until it reads, its keep-alive running
+                if keep_alive is not None:
+                    keep_alive.reading()
+                await link.writer.drain()
 
     async def _end(self, graceful: bool, reason: str, code: int | None) -> None:
         link = self.link
@@ -203,9 +214,7 @@ class Connection:
                 await self.host.wills.delay(link.client_id, link.address, self.will, delay)
             else:
                 await storing.publish_will(self.host, link.client_id, link.address, self.will)
-        link.writer.close()
-        with contextlib.suppress(Exception):
-            await link.writer.wait_closed()
+        await framing.shut(link.writer)
         self.host.forget(self)
         self.done.set()
 

@@ -118,6 +118,19 @@ async def linger(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, sec
                 pass
 
 
+async def shut(writer: asyncio.StreamWriter, seconds: float = LINGER_S) -> None:
+    """Close a connection: what is still buffered for the client is sent if it takes it within ``seconds``, else
+    dropped (a client that reads nothing would keep the socket, and whoever waits for its end, for ever)."""
+    writer.close()
+    with contextlib.suppress(Exception):
+        try:
+            async with asyncio.timeout(seconds):
+                await writer.wait_closed()
+        except TimeoutError:
+            writer.transport.abort()
+            await writer.wait_closed()
+
+
 async def _header(reader: asyncio.StreamReader, max_bytes: int) -> tuple[int, int] | None:
     """(first byte, remaining length); None at a clean end. Every packet's fixed header has 2 bytes at least."""
     try:

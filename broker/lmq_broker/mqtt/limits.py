@@ -10,13 +10,12 @@ are under way; beyond that it is closed at once, unanswered: a flood of sockets 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 from typing import Final
 
 from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
-from lmq_broker.mqtt import authorizing, codec, properties, stats, topics
+from lmq_broker.mqtt import authorizing, codec, framing, properties, stats, topics
 from lmq_broker.mqtt.properties import Properties, Reason
 
 CONNECT_FIELDS_BYTES: Final = 64 * 1024  # a CONNECT's bytes besides its will: ids, names, password, properties
@@ -74,9 +73,7 @@ async def refuse_socket(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
         pass  # gone, or too slow to be told: closed unanswered
     finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+        await framing.shut(writer)
 
 
 def connect_bytes(config: BrokerConfig) -> int:
@@ -112,6 +109,8 @@ def refusal(  # noqa: PLR0911 (a return per CONNECT refusal, in order)
         try:
             if not will.topic:
                 raise topics.TopicError("an empty will topic")
+            if "+" in will.topic or "#" in will.topic:  # a topic name, not a filter: MQTT-4.7.0-1
+                raise topics.TopicError("a will topic holds a wildcard")
             topics.default_lite(will.topic, config.max_lite_topic_size)  # every other topic has a lite topic
         except topics.TopicError:
             return (Reason.TOPIC_NAME_INVALID if v5 else codec.ConnectCode.NOT_AUTHORIZED), ""  # never publishable

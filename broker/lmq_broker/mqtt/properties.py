@@ -197,6 +197,8 @@ def decode(r: wire.Reader, context: Context) -> Properties:
             raise wire.ProtocolError(f"property {name} = {value}: 0 or 1 only")
         if name in _NOT_ZERO and value == 0:
             raise wire.ProtocolError(f"property {name} = 0")
+        if name == "response_topic" and ("+" in value or "#" in value):
+            raise wire.ProtocolError("property response_topic holds a wildcard")  # MQTT-3.3.2-14, a topic name
         if name in _REPEATABLE:
             found[name] = (*found.get(name, ()), value)
         elif name in found:

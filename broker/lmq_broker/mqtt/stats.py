@@ -28,6 +28,7 @@ READ_BYTES = "read_bytes"  # a large packet over what --mqtt-max-read-bytes had 
 QOS2_INFLIGHT = "qos2_inflight"  # 3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL
 RECEIVE_MAXIMUM = "receive_maximum"  # 5.0: a QoS 1/2 publish over our Receive Maximum unanswered
 SHARES_PER_CLIENT = "shares_per_client"  # a shared subscription over --mqtt-max-shares-per-client
+FILTERS_PER_CLIENT = "filters_per_client"  # a topic filter over the 1,000 one session may hold
 SHARE_MEMBERS = "share_members"  # a member over --mqtt-max-share-members
 # failures with no client to answer (``lmq_mqtt_errors``)
 SESSION_EXPIRY_WRITE = "session_expiry_write"  # a session's end not recorded: it may expire late or early
@@ -86,11 +87,13 @@ class Collector(_Collector):
             "read_bytes (a large packet while --mqtt-max-read-bytes were being read: DISCONNECT 0x97), "
             "qos2_inflight (3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL: closed), "
             "receive_maximum (5.0: a QoS 1/2 publish over our Receive Maximum: DISCONNECT 0x93), "
-            "shares_per_client, share_members (a shared subscription: SUBACK 0x97, 3.1.1: 0x80)",
+            "shares_per_client, share_members (a shared subscription: SUBACK 0x97, 3.1.1: 0x80), "
+            "filters_per_client (a topic filter over the 1,000 a session may hold: SUBACK 0x97, 3.1.1: 0x80)",
             labels=["reason"],
         )
         caps = (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, KEEP_ALIVE, CONNECT_TOO_LARGE)
-        for reason in (*caps, READ_BYTES, QOS2_INFLIGHT, RECEIVE_MAXIMUM, SHARES_PER_CLIENT, SHARE_MEMBERS):
+        subscribing = (SHARES_PER_CLIENT, SHARE_MEMBERS, FILTERS_PER_CLIENT)
+        for reason in (*caps, READ_BYTES, QOS2_INFLIGHT, RECEIVE_MAXIMUM, *subscribing):
             refused.add_metric([reason], self._stats.refused[reason])
         yield refused
         errors = CounterMetricFamily(

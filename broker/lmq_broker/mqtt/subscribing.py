@@ -18,7 +18,7 @@ from typing import Final
 
 from lmq_broker import errors, model
 from lmq_broker.dispatch import metadata, wildcards
-from lmq_broker.mqtt import codec, held, identifiers, matching, shares, topics
+from lmq_broker.mqtt import codec, held, identifiers, matching, shares, stats, topics
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.link import Closed, Link, reason_of, stop
 from lmq_broker.mqtt.owners import Owners
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 MAX_FILTERS: Final = 1000  # topic filters one session may hold
 _TICK_S: Final = 0.0005  # the SUBACK waits for the wall clock's next millisecond in steps of this
 _TICK_TRIES: Final = 10
+_FILTERS_PER_STEP: Final = 256  # an UNSUBSCRIBE's filters handled in one step of the event loop
 
 
 class Subscriptions:
@@ -163,7 +164,8 @@ class Subscriptions:
         if self._parents is None:
             self._parents = space.parents
         count = held.count(link.subs, space.default)  # once (it reads every filter held), then kept
-        for text, options in packet.filters:
+        limit = MAX_FILTERS + link.config.mqtt_max_shares_per_client  # all a session may hold, shares included
+        for text, options in packet.filters[:limit]:
             # granted as asked (QoS 0, 1 or 2; 3 is a malformed SUBSCRIBE), with the SUBSCRIBE's identifier
             # (``identifiers``; none: none), a shared subscription too
             stored = identifiers.with_id(options, sub_id)
@@ -185,6 +187,7 @@ class Subscriptions:
                 continue
             existed = held.holds(link.subs, wanted, space.default)
             if not existed and count >= MAX_FILTERS:
+                link.host.stats.refused[stats.FILTERS_PER_CLIENT] += 1
                 codes.append(Reason.QUOTA_EXCEEDED if link.v5 else failure)
                 continue
             count += not existed
@@ -196,6 +199,7 @@ class Subscriptions:
                 no_retained.add(len(codes))
             granted[len(codes)] = [(m.parent, m.filter) for m in made]
             codes.append(stored & codec.OPTION_QOS)
+        codes += self._past_limit(len(packet.filters) - limit)
         for parent, new in fresh.items():
             refused = await self._start(parent, new)
             if refused is not None:
@@ -216,6 +220,15 @@ class Subscriptions:
             self.retained_tasks.add(task)
             task.add_done_callback(self.retained_tasks.discard)
         return snap
+
+    def _past_limit(self, over: int) -> list[int]:
+        """The codes of a SUBSCRIBE's ``over`` filters past all a session may hold: refused unread (each would
+        cost the loop ~10 µs: 200,000 held every client for 2 s), and counted."""
+        if over <= 0:
+            return []
+        link = self.link
+        link.host.stats.refused[stats.FILTERS_PER_CLIENT] += over
+        return [Reason.QUOTA_EXCEEDED if link.v5 else codec.SUBACK_FAILURE] * over
 
     @staticmethod
     async def _tick(wall_clock: Callable[[], int]) -> int:
@@ -279,7 +292,9 @@ class Subscriptions:
         changed: dict[str, list[wildcards.Filter]] = {}  # parent -> the filters ended there
         codes, shared = [], False
         space = topics.space_of(await link.dispatcher.metadata())
-        for text in packet.filters:
+        for at, text in enumerate(packet.filters, 1):
+            if not at % _FILTERS_PER_STEP:
+                await asyncio.sleep(0)  # other clients' turn: 200,000 filters held the loop for 1.6 s
             if shares.is_shared(text):
                 codes.append(await self.sharing.unsubscribe(text))
                 shared = True
