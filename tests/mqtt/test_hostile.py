@@ -101,6 +101,47 @@ def test_a_client_that_never_reads_its_answers_is_read_no_further_and_its_connec
         assert ended, "the connection of a client that reads nothing was not ended by its keep-alive"
 
 
+def test_a_slow_reader_taking_large_deliveries_is_kept_while_it_takes_them(
+    broker: BrokerProcess, parent: str, connect: Connect
+) -> None:
+    """The other side of the rule above: a subscriber on a slow link takes a backlog of large deliveries for
+    longer than its keep-alive (1 s) while it sends PINGREQs. The broker reads it no further while more than 64
+    KiB wait for it, but each bit it takes counts as alive: it is not ended, and it gets every message."""
+    port, topic = broker.mqtt_port, f"{parent}/slow"
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(10)
+    decoder = codec.Decoder(level=codec.LEVEL_3_1_1)
+    got: list[codec.Packet] = []
+
+    def take(size: int) -> None:
+        data = sock.recv(size)
+        assert data, "the broker ended a client that was taking what it was sent"
+        got.extend(decoder.feed(data))
+
+    with sock:
+        sock.sendall(codec.encode(codec.Connect("slow-reader", True, 1)))
+        sock.sendall(codec.encode(codec.Subscribe(1, ((topic, 0),))))
+        while not any(isinstance(p, codec.SubAck) for p in got):
+            take(65536)
+        publisher = connect(port)
+        count, size = 6, 1024 * 1024
+        sending = threading.Thread(
+            target=lambda: [publisher.publish(topic, bytes([n]) * size, qos=1) for n in range(count)], daemon=True
+        )
+        sending.start()
+        began = time.monotonic()
+        while sum(isinstance(p, codec.Publish) for p in got) < count and time.monotonic() < began + 120:
+            sock.sendall(bytes((codec.PINGREQ << 4, 0)))  # alive, as a client's keep-alive would say
+            take(128 * 1024)
+            time.sleep(0.02)  # at most 16 KiB a read (its receive buffer): the backlog takes several keep-alives
+        sending.join(30)
+        published = [p for p in got if isinstance(p, codec.Publish)]
+        assert [(p.payload[:1], len(p.payload)) for p in published] == [(bytes([n]), size) for n in range(count)]
+        assert time.monotonic() - began > 3, "taken faster than the keep-alive: nothing was tested"
+
+
 def test_mqtt5_3_3_2_14_a_response_topic_with_a_wildcard_is_a_protocol_error_and_nothing_is_stored(
     broker: BrokerProcess, parent: str, connect: Connect
 ) -> None:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 KEEP_ALIVE_GRACE: Final = 1.5  # MQTT-3.1.2-24: one and a half keep-alive periods without a packet ends it
 UNREAD_ANSWERS_BYTES: Final = 64 * 1024  # written and not yet taken by the socket: the client's reads wait beyond
+TAKEN_CHECK_S: Final = 1.0  # meanwhile, whether the client took any of it (then it counts as alive) this often
 
 
 class Connection:
@@ -176,11 +177,27 @@ class Connection:
             async with self._handling:
                 await self._handle(codec.decode_packet(frame[0], frame[1], link.level))
             if link.writer.transport.get_write_buffer_size() > UNREAD_ANSWERS_BYTES:
-                # a client that sends and never reads: what it is answered (PINGRESP, PUBACK, SUBACK...) would
-                # pile up here without bound; it is read no further until it reads, its keep-alive running
-                if keep_alive is not None:
-                    keep_alive.reading()
-                await link.writer.drain()
+                await self._until_taken(keep_alive)
+
+    async def _until_taken(self, keep_alive: framing.KeepAlive | None) -> None:
+        """Read no further until the client took what waits for it: a client that sends and never reads would
+        pile its answers (PINGRESP, PUBACK, SUBACK...) up here without bound. Its keep-alive runs meanwhile and
+        ends it; a client that takes some of it within each check (a slow link taking large deliveries) counts
+        as alive, as its packets would."""
+        writer = self.link.writer
+        so_far = framing.taken(writer)
+        if keep_alive is not None:
+            keep_alive.reading()
+        while True:
+            try:
+                async with asyncio.timeout(TAKEN_CHECK_S):
+                    await writer.drain()
+                return
+            except TimeoutError:  # this check's (the keep-alive's own expiry goes on up as a cancellation)
+                now = framing.taken(writer)
+                if now > so_far and keep_alive is not None:
+                    keep_alive.reading()  # it took some: alive
+                so_far = now
 
     async def _end(self, graceful: bool, reason: str, code: int | None) -> None:
         link = self.link

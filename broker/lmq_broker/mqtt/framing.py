@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import sys
 from collections.abc import Callable
 from typing import Final
 
@@ -116,6 +118,21 @@ async def linger(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, sec
                 writer.write_eof()
             while await reader.read(CHUNK_BYTES):
                 pass
+
+
+_TCP_INFO_BYTES_ACKED: Final = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info (since 4.1)
+
+
+def taken(writer: asyncio.StreamWriter) -> int:
+    """How much of what was written the client has taken so far, for telling progress: the bytes its TCP
+    acknowledged (Linux's ``TCP_INFO``), else minus what still waits in the transport (which new writes blur)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and hasattr(socket, "TCP_INFO"):
+        with contextlib.suppress(OSError):
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES_ACKED + 8)
+            if len(info) >= _TCP_INFO_BYTES_ACKED + 8:
+                return int.from_bytes(info[_TCP_INFO_BYTES_ACKED : _TCP_INFO_BYTES_ACKED + 8], sys.byteorder)
+    return -writer.transport.get_write_buffer_size()
 
 
 async def shut(writer: asyncio.StreamWriter, seconds: float = LINGER_S) -> None:
