@@ -81,7 +81,8 @@ class Deliverer:
         self._settlement = settling
         self._client_events: dict[str, asyncio.Event] = {}
         self._topic_events: dict[str, asyncio.Event] = {}
-        self._busy: set[LeaseKey] = set()
+        # keys being leased (a read under way), each with the last client that found it so meanwhile ("": none)
+        self._busy: dict[LeaseKey, str] = {}
         self.ready_waits = ReadyWaits()
         slice_ms = rt.config.lease_renew_slice_ms
         self.renewal = leases.Renewal(slice_ms, min(RENEW_AHEAD_MS, slice_ms // 2), self.holds)
@@ -359,8 +360,11 @@ class Deliverer:
     ) -> list[Delivery]:
         """Lease up to ``limit`` messages of ``key`` to ``holder``; those past their attempts (or suspended too
         long) go to the dead letters instead, those ``tags`` does not take are settled as if consumed."""
-        if limit <= 0 or key in self._busy:
-            return []  # whoever holds it delivers; later events come from its acks and expiries
+        if limit <= 0:
+            return []
+        if key in self._busy:  # the holder delivers what its read finds; offered to this client again after it
+            self._busy[key] = holder
+            return []
         hands_out = self._settlement.hands_out
         if hands_out is not None and not hands_out(key.queue_id):
             # a deposed owner (replication): the lease holder hands it out; looked at again should this broker
@@ -368,7 +372,7 @@ class Deliverer:
             if key.topic.startswith(model.LMQ_PREFIX):
                 self.retry_catchup(holder)
             return []
-        self._busy.add(key)
+        self._busy[key] = ""
         try:
             read = await self._read(key, limit, holder, ordered)
             if read is None:
@@ -394,8 +398,10 @@ class Deliverer:
                 await self._give_up(key, state, dead, holder, delivered=bool(out))
             return out
         finally:
-            self._busy.discard(key)
+            asked = self._busy.pop(key)
             self._settlement.release(key)
+            if asked:  # what offered it to another client may have come after the read: that client looks again
+                self.ready_again(key, prefer=asked)
 
     async def _read(
         self, key: LeaseKey, limit: int, holder: str, ordered: bool

@@ -5,6 +5,7 @@ What one part owns is tested beside it: test_ingest.py, test_subscriptions.py, t
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from lmq_broker.dispatch.delivery import STORE_RETRY_MS
 from lmq_broker.dispatch.dispatcher import Delivery, Dispatcher
 from lmq_broker.dispatch.leases import LeaseKey
 from lmq_broker.dispatch.subscriptions import lmq_name
-from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message
+from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, config_for, lite_message, until
 from lmq_broker.storage import memory
 from lmq_broker.storage.api import Store
 
@@ -230,6 +231,45 @@ async def test_shared_group_offers_each_arrival_to_one_client(lite: Lite) -> Non
     await asyncio.sleep(0)  # the coalesced arrival flush runs on the next loop iteration
     sizes = sorted([lite.dispatcher.ready.size("c1"), lite.dispatcher.ready.size("c2")])
     assert sizes == [0, 1]
+
+
+async def test_a_topic_offered_while_another_client_reads_it_goes_out_when_that_read_ends(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clients of one group take t1. c1 pops t1 from an offer that outlived its message (c2 took it) and reads
+    the store; the next message is stored after that read began, and offered to c2, whose receive finds t1 being
+    read by c1 and leaves it to c1. c1's read saw nothing new and leased nothing: t1 is offered again when that
+    read ends. It was lost before: no lease, so no ack or expiry offered it again, and no client held it ready (a
+    member of an MQTT share waited for the next message of its topic)."""
+    lmq = lmq_name(PARENT, "t1")
+    await lite.send("t1", b"first")
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])  # a backlog: offered to each at once
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    (first,) = await lite.receive("c2")
+    await lite.dispatcher.ack(GROUP, first.receipt_handle)
+    assert lite.dispatcher.ready.size("c1") == 1  # its offer outlived the message
+    lite.dispatcher.recent.forget((lmq, 0))  # c1's receive reads the store
+    real, reading, go_on = lite.store.read_span, threading.Event(), threading.Event()
+
+    def read_then_wait(*args: Any) -> Any:
+        out = real(*args)  # before "second" is stored
+        reading.set()
+        go_on.wait(10)
+        return out
+
+    monkeypatch.setattr(lite.store, "read_span", read_then_wait)
+    c1 = asyncio.create_task(lite.receive("c1"))
+    try:
+        await until(reading.is_set)
+        monkeypatch.setattr(lite.store, "read_span", real)
+        order = lite.dispatcher.subscribers(model.QueueId(lmq, 0))
+        monkeypatch.setattr(lite.dispatcher.runtime.rng, "randrange", lambda _: order.index("c2"))  # to c2
+        await lite.send("t1", b"second")
+        assert await lite.receive("c2") == []  # t1 was being read by c1
+    finally:
+        go_on.set()
+    assert await c1 == []  # its read came before "second"
+    assert [d.message.body for d in await lite.receive("c2")] == [b"second"]
 
 
 class CountingStore:
