@@ -49,6 +49,23 @@ def refused_total(broker: BrokerProcess, reason: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _resent_after_restart(
+    broker: BrokerProcess, client: str, *, level: int, topic: str, payload: bytes, packet_id: int
+) -> BrokerProcess:
+    """The broker started again on its data; ``client``'s persistent session resends its QoS 2 PUBLISH (DUP) and
+    completes the flow (PUBREC, PUBREL, PUBCOMP). Returns the restarted broker."""
+    port = broker.mqtt_port
+    broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+    again = Raw(port, client, level=level, clean=False)
+    assert again.session_present
+    again.publish(topic, payload, packet_id, dup=True)
+    again.expect(codec.PUBREC, packet_id)
+    again.ack(codec.PUBREL, packet_id)
+    again.expect(codec.PUBCOMP, packet_id)
+    again.close()
+    return broker
+
+
 # --- with paho-mqtt --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("protocol", [MQTTProtocolVersion.MQTTv311, V5], ids=["3.1.1", "5.0"])
 def test_4_3_3_qos2_publish_is_stored_once_and_delivered_exactly_once_at_qos2(
@@ -133,14 +150,9 @@ def test_4_3_3_a_publish_resent_after_a_broker_kill_9_and_restart_is_stored_once
         first.expect(codec.PUBREC, 3)
         broker.kill()
         first.close()
-        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
-        again = Raw(port, "crash-pub", level=level, clean=False)
-        assert again.session_present
-        again.publish(f"{parent}/k", b"survives", 3, dup=True)
-        again.expect(codec.PUBREC, 3)
-        again.ack(codec.PUBREL, 3)
-        again.expect(codec.PUBCOMP, 3)
-        again.close()
+        broker = _resent_after_restart(
+            broker, "crash-pub", level=level, topic=f"{parent}/k", payload=b"survives", packet_id=3
+        )
         assert stored(broker, parent, "k") == 1
         back = Raw(port, "watcher", level=level, clean=False)
         got = back.next()
@@ -231,14 +243,9 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_whose_row_is_damaged_is_stored_no
                 assert rows.execute("UPDATE qos2 SET message = '[\"m' WHERE direction = ?", (durable.INBOUND,)).rowcount
         finally:
             rows.close()
-        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
-        again = Raw(port, "window-pub", level=codec.LEVEL_3_1_1, clean=False)
-        assert again.session_present
-        again.publish(f"{parent}/w", b"once", 5, dup=True)
-        again.expect(codec.PUBREC, 5)
-        again.ack(codec.PUBREL, 5)
-        again.expect(codec.PUBCOMP, 5)
-        again.close()
+        broker = _resent_after_restart(
+            broker, "window-pub", level=codec.LEVEL_3_1_1, topic=f"{parent}/w", payload=b"once", packet_id=5
+        )
         assert stored(broker, parent, "w") == 1
     finally:
         broker.stop()
@@ -265,14 +272,9 @@ def test_4_3_3_a_publish_resent_after_a_kill_9_at_its_append_is_stored_once(
         first.publish(f"{parent}/w", b"once", 5)
         assert broker.process.wait(timeout=30) == -signal.SIGKILL  # killed itself at ``point``
         assert first.closed() and first.pending == []  # no PUBREC came
-        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
-        again = Raw(port, "window-pub", level=level, clean=False)
-        assert again.session_present
-        again.publish(f"{parent}/w", b"once", 5, dup=True)
-        again.expect(codec.PUBREC, 5)
-        again.ack(codec.PUBREL, 5)
-        again.expect(codec.PUBCOMP, 5)
-        again.close()
+        broker = _resent_after_restart(
+            broker, "window-pub", level=level, topic=f"{parent}/w", payload=b"once", packet_id=5
+        )
         assert stored(broker, parent, "w") == 1
         back = Raw(port, "window-watcher", level=level, clean=False)
         got = back.next()
