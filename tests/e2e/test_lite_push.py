@@ -181,6 +181,29 @@ def test_invalid_lite_topic_names_are_rejected(
     assert refused.value.code == 40020  # ILLEGAL_LITE_TOPIC, from the broker (5.1.2 checks no charset itself)
 
 
+def test_a_tag_or_key_with_a_control_character_is_refused_by_the_broker(
+    broker: BrokerProcess, clients: list[Any], lite_group: Callable[..., tuple[str, str]]
+) -> None:
+    """The official client checks blank tags and '|' itself, not control characters: the broker refuses them as
+    RocketMQ's proxy does (ILLEGAL_MESSAGE_TAG 40004, ILLEGAL_MESSAGE_KEY 40005), stores nothing, and the
+    producer goes on sending."""
+    from rocketmq import Message  # noqa: PLC0415 - only e2e interpreters load the client
+
+    topic, _ = lite_group()
+    p = producer(broker, clients, topic)
+    for field, value, code in (("tag", "a\nb", 40004), ("keys", "k\x00", 40005)):
+        m = Message()
+        m.topic, m.lite_topic, m.body = topic, "controls", b"x"
+        if field == "tag":
+            m.tag = value
+        else:
+            m.keys = value
+        with pytest.raises(BadRequestException) as refused:
+            p.send(m)
+        assert refused.value.code == code
+    send(p, topic, "controls", b"fine")
+
+
 def test_lite_topic_quota_reaches_the_producer(
     broker: BrokerProcess, admin: AdminClient, clients: list[Any], unique: Callable[[str], str]
 ) -> None:

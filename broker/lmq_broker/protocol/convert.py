@@ -8,6 +8,7 @@ RocketMQ's where it has one (proxy ``maxUserPropertySize`` 16 KiB, 128-char mess
 from __future__ import annotations
 
 import hashlib
+import re
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
@@ -23,6 +24,7 @@ MAX_MESSAGE_ID_CHARS: Final = 128
 MAX_TAG_CHARS: Final = 256
 MAX_KEY_CHARS: Final = 256
 MAX_KEYS: Final = 64
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode's control characters (Cc), Java's isISOControl
 MAX_PROPERTIES_BYTES: Final = 16 * 1024
 MAX_BORN_HOST_CHARS: Final = 256  # longer born hosts are cut, not refused
 MAX_BORN_MS: Final = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the store keeps born times as int64 ms
@@ -360,15 +362,21 @@ class MessageReader:
 
     @staticmethod
     def _tag(tag: str) -> str:
-        if not tag.strip() or "|" in tag or len(tag) > MAX_TAG_CHARS:
-            raise errors.InvalidArgument("tag must be non-blank, without '|', at most 256 characters", kind="tag")
+        """As RocketMQ's proxy: non-blank, no '|' (it separates tags in a filter), no control character."""
+        if not tag.strip() or "|" in tag or len(tag) > MAX_TAG_CHARS or _CONTROL.search(tag):
+            raise errors.InvalidArgument(
+                "tag must be non-blank, without '|' or control characters, at most 256 characters", kind="tag"
+            )
         return tag
 
     @staticmethod
     def _keys(keys: Iterable[str]) -> tuple[str, ...]:
+        """As RocketMQ's proxy: each key non-blank and without control characters (logs and indexes show them)."""
         out = tuple(keys)
-        if len(out) > MAX_KEYS or any(not k.strip() or len(k) > MAX_KEY_CHARS for k in out):
-            raise errors.InvalidArgument("message keys must be non-blank, at most 256 characters", kind="key")
+        if len(out) > MAX_KEYS or any(not k.strip() or len(k) > MAX_KEY_CHARS or _CONTROL.search(k) for k in out):
+            raise errors.InvalidArgument(
+                "message keys must be non-blank, without control characters, at most 256 characters", kind="key"
+            )
         return out
 
     @staticmethod

@@ -36,7 +36,10 @@ def resource(name: str) -> pb.Resource:
 def lite_message(lite: str, body: bytes = b"hello", message_id: str = "0102AA", **sp: Any) -> pb.Message:
     props = pb.SystemProperties(message_id=message_id, message_type=pb.LITE, lite_topic=lite, body_encoding=pb.IDENTITY)
     for key, value in sp.items():
-        setattr(props, key, value)
+        if isinstance(value, list):
+            getattr(props, key).extend(value)
+        else:
+            setattr(props, key, value)
     return pb.Message(topic=resource(PARENT), body=body, system_properties=props)
 
 
@@ -300,6 +303,13 @@ async def test_change_invisible_duration_returns_a_new_handle(client: Client) ->
         (lite_message("t1", message_type=99), pb.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
         (lite_message("t1", message_group="g"), pb.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
         (lite_message("t1", tag="a|b"), pb.ILLEGAL_MESSAGE_TAG),
+        (lite_message("t1", tag=" \t"), pb.ILLEGAL_MESSAGE_TAG),
+        (lite_message("t1", tag="a\nb"), pb.ILLEGAL_MESSAGE_TAG),
+        (lite_message("t1", tag="a\x7f"), pb.ILLEGAL_MESSAGE_TAG),
+        (lite_message("t1", tag="a\x85"), pb.ILLEGAL_MESSAGE_TAG),
+        (lite_message("t1", keys=["ok", "a\x00b"]), pb.ILLEGAL_MESSAGE_KEY),
+        (lite_message("t1", keys=["a\rb"]), pb.ILLEGAL_MESSAGE_KEY),
+        (lite_message("t1", keys=[" "]), pb.ILLEGAL_MESSAGE_KEY),
         (lite_message("t1", body_encoding=pb.GZIP), pb.BAD_REQUEST),
         (pb.Message(topic=resource("nope"), body=b"x"), pb.TOPIC_NOT_FOUND),
         (pb.Message(topic=resource(""), body=b"x"), pb.ILLEGAL_TOPIC),
@@ -329,6 +339,20 @@ async def test_one_bad_message_rejects_the_whole_batch(client: Client) -> None:
     reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=batch), metadata=H("p"))
     assert reply.status.code == pb.MESSAGE_BODY_EMPTY
     assert client.store.lite_topic_count(PARENT) == 0
+
+
+async def test_a_control_character_in_one_messages_tag_or_key_rejects_the_batch_with_its_code(client: Client) -> None:
+    """As RocketMQ's proxy: a tag or key with a control character is ILLEGAL_MESSAGE_TAG / _KEY (a log line or an
+    index entry would carry it), named in the status; nothing of the batch is stored; printable non-ASCII is kept."""
+    fine = lite_message("t1", message_id="a", tag="étiquette", keys=["clé-1"])
+    for bad, code in ((lite_message("t2", tag="x\x1b[31m"), pb.ILLEGAL_MESSAGE_TAG),
+                      (lite_message("t2", keys=["k", "line\nbreak"]), pb.ILLEGAL_MESSAGE_KEY)):  # fmt: skip
+        reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[fine, bad]), metadata=H("p"))
+        assert reply.status.code == code, reply.status.message
+        assert "control characters" in reply.status.message
+        assert client.store.lite_topic_count(PARENT) == 0
+    reply = await client.stub.SendMessage(spb.SendMessageRequest(messages=[fine]), metadata=H("p"))
+    assert reply.status.code == pb.OK, reply.status.message
 
 
 async def test_gzip_bodies_are_stored_inflated(client: Client) -> None:
