@@ -69,6 +69,14 @@ HELP: Final[dict[str, str]] = {
     "is refused in the SUBACK (5.0: 0x97 quota exceeded, 3.1.1: 0x80)",
     "mqtt_max_share_members": "sessions one MQTT shared subscription may have as members on this broker; beyond it "
     "the filter is refused in the SUBACK (5.0: 0x97 quota exceeded, 3.1.1: 0x80)",
+    "mqtt_max_sessions": "MQTT persistent sessions this broker holds (connected or not); a CONNECT that would make "
+    "one more is refused (5.0: 0x97 quota exceeded, 3.1.1: 0x03 server unavailable); resuming one never is",
+    "mqtt_max_session_expiry_s": "longest an MQTT persistent session outlives its connection: a 5.0 client asking "
+    "more (or never) is told this in its CONNACK, a 3.1.1 persistent session expires after it (4294967295: never)",
+    "mqtt_max_read_bytes_per_address": "bytes of --mqtt-max-read-bytes the connections of one client IP address may "
+    "hold; a packet beyond it ends its connection (5.0: DISCONNECT 0x97 quota exceeded)",
+    "mqtt_min_read_rate": "bytes per second an MQTT packet over 64 KiB must arrive at, on average from its first byte "
+    "(at most 64 KiB behind); a slower one ends its connection (5.0: DISCONNECT 0x97 quota exceeded; 0: no pace)",
     "broker_name": "broker name put in routes",
     "advertised_host": "host put in routes (default: the address the client used to reach the broker)",
     "bootstrap": "on a fresh data dir, create parent topic AGENT_TASK_NS (LITE) and lite group executor-group",

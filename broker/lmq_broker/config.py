@@ -88,6 +88,16 @@ class BrokerConfig(BaseModel):
     # this broker; beyond them the filter is refused in the SUBACK (5.0: 0x97, 3.1.1: 0x80)
     mqtt_max_shares_per_client: int = Field(default=100, ge=0)
     mqtt_max_share_members: int = Field(default=1000, ge=1)
+    # Persistent sessions (session rows in mqtt.sqlite3) this broker holds: a CONNECT that would make one more is
+    # refused (5.0: 0x97, 3.1.1: 0x03); resuming or replacing one never is. And how long one outlives its
+    # connection at most: a 5.0 client asking more (or never, 0xFFFFFFFF) is told this in its CONNACK, a 3.1.1
+    # persistent session (no expiry in 3.1.1) gets it; 4294967295: never expires
+    mqtt_max_sessions: int = Field(default=100_000, ge=1)
+    mqtt_max_session_expiry_s: int = Field(default=7 * 24 * 3600, ge=1, le=0xFFFFFFFF)
+    # A begun MQTT packet over 64 KiB: what of --mqtt-max-read-bytes one client address may hold (the rest is the
+    # others'), and the rate, averaged since its first byte, it must arrive at (at most 64 KiB behind; 0: none)
+    mqtt_max_read_bytes_per_address: int = Field(default=64 * 1024 * 1024, ge=0)
+    mqtt_min_read_rate: int = Field(default=4096, ge=0)
     broker_name: str = "broker-0"
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     long_polling_timeout_ms: int = Field(default=20_000, ge=1000)

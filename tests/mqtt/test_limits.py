@@ -18,7 +18,7 @@ import pytest
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.mqtt import codec, wire
+from lmq_broker.mqtt import codec, durable, wire
 from lmq_broker.mqtt.properties import Properties, Reason
 from lmq_broker.testing import BrokerProcess, start_broker
 
@@ -288,3 +288,174 @@ def test_floods_leave_the_broker_s_memory_bounded(tmp_path: Path) -> None:
         assert broker.alive()
     growth_mib = (peak - before) / MiB
     assert growth_mib < 30, f"RSS grew {growth_mib:.0f} MiB under the floods"
+
+
+def persistent(client_id: str, level: int = codec.LEVEL_3_1_1, expiry_s: int = 3600) -> codec.Connect:
+    """A CONNECT that makes or resumes a persistent session (3.1.1: clean session 0; 5.0: an expiry above 0)."""
+    if level == codec.LEVEL_5:
+        return v5(client_id, clean_session=False, properties=Properties(session_expiry_s=expiry_s))
+    return codec.Connect(client_id, clean_session=False)
+
+
+def session(broker: BrokerProcess, connect: codec.Connect, source: str = "127.0.0.1") -> codec.ConnAck:
+    """``connect``'s CONNACK; the connection then ends with a DISCONNECT (a persistent session stays)."""
+    with dial(broker, source) as sock:
+        answer = connack(sock, connect)
+        assert answer is not None
+        if answer.code == 0:
+            sock.sendall(codec.encode_disconnect())
+        return answer
+
+
+def test_persistent_sessions_past_the_cap_are_refused_and_resuming_one_never_is(tmp_path: Path) -> None:
+    """``--mqtt-max-sessions``: a client making ever new persistent sessions (ever new client ids, each left
+    behind in mqtt.sqlite3) is refused the one past the cap (5.0: 0x97 and why; 3.1.1: 0x03) and counted; a
+    clean session, a resumed or replaced one are not; a session ended frees its place. Before the cap there was
+    none: every CONNECT below was accepted."""
+    args = ["--mqtt-port", "0", "--mqtt-max-sessions", "3"]
+    with start_broker(tmp_path / "data", extra_args=args) as broker:
+        assert session(broker, persistent("s1")).code == 0
+        assert session(broker, persistent("s2", codec.LEVEL_5)).code == 0
+        assert session(broker, persistent("s3", codec.LEVEL_5, expiry_s=0xFFFFFFFF)).code == 0
+        refused = session(broker, persistent("s4"))
+        assert refused == codec.ConnAck(False, codec.ConnectCode.SERVER_UNAVAILABLE), refused
+        refused = session(broker, persistent("s5", codec.LEVEL_5))
+        assert refused.code == Reason.QUOTA_EXCEEDED, refused
+        assert refused.properties is not None and "--mqtt-max-sessions" in (refused.properties.reason_string or "")
+        assert metric(broker, "lmq_mqtt_refused_total", "sessions") == 2
+        assert session(broker, codec.Connect("clean")).code == 0  # a clean session leaves nothing behind
+        assert session(broker, v5("clean-5")).code == 0
+        resumed = session(broker, persistent("s1"))  # resumed: never refused
+        assert resumed == codec.ConnAck(True, codec.ConnectCode.ACCEPTED), resumed
+        replaced = session(broker, v5("s2", clean_session=True, properties=Properties(session_expiry_s=60)))
+        assert replaced.code == Reason.SUCCESS and not replaced.session_present  # clean start: a new one, in its place
+        ended = session(broker, v5("s2", clean_session=False))  # resumed with expiry 0: it ends with this connection
+        assert ended.code == Reason.SUCCESS and ended.session_present, ended
+        assert session(broker, persistent("s4")).code == codec.ConnectCode.ACCEPTED  # its place
+        assert session(broker, persistent("s6", codec.LEVEL_5)).code == Reason.QUOTA_EXCEEDED
+        assert metric(broker, "lmq_mqtt_refused_total", "sessions") == 3
+
+
+def test_a_persistent_session_outlives_its_connection_at_most_the_max_session_expiry(tmp_path: Path) -> None:
+    """``--mqtt-max-session-expiry-s``: a 3.1.1 persistent session (3.1.1 has no expiry) and a 5.0 one asking
+    never (0xFFFFFFFF) or more expire after it; a 5.0 client is told so in its CONNACK (5.0 section 3.2.2.3.2),
+    one asking less is told nothing. Before, both lived for ever: a reconnect found them present."""
+    args = ["--mqtt-port", "0", "--mqtt-max-session-expiry-s", "2"]
+    with start_broker(tmp_path / "data", extra_args=args) as broker:
+        forever = session(broker, persistent("never-5", codec.LEVEL_5, expiry_s=0xFFFFFFFF))
+        assert forever.code == Reason.SUCCESS and forever.properties is not None
+        assert forever.properties.session_expiry_s == 2, forever
+        shorter = session(broker, persistent("short-5", codec.LEVEL_5, expiry_s=1))
+        assert shorter.properties is not None and shorter.properties.session_expiry_s is None, shorter
+        assert session(broker, persistent("old-3")) == codec.ConnAck(False, codec.ConnectCode.ACCEPTED)
+        assert session(broker, persistent("old-3")).session_present  # within its 2 s
+        time.sleep(2.5)  # the 2 s from the last connection's end, and a margin
+        assert session(broker, persistent("old-3")) == codec.ConnAck(False, codec.ConnectCode.ACCEPTED)
+        again = session(broker, persistent("never-5", codec.LEVEL_5, expiry_s=0xFFFFFFFF))
+        assert again.code == Reason.SUCCESS and not again.session_present, again
+
+
+READ_CAPS: Final = [
+    "--mqtt-port", "0",
+    "--mqtt-max-read-bytes", str(MiB),
+    "--mqtt-max-read-bytes-per-address", str(600 * 1024),
+    "--mqtt-min-read-rate", str(32 * 1024),
+]  # fmt: skip
+
+
+def begin_large(broker: BrokerProcess, source: str, client_id: str, topic: str, sent: int) -> socket.socket:
+    """A connection from ``source`` that began a 256 KiB publish (``sent`` bytes of it) and leaves it there."""
+    sock = dial(broker, source)
+    assert connack(sock, v5(client_id)) is not None
+    sock.sendall(codec.encode_publish(topic, bytes(256 * 1024), 1, 1, props=b"\x00")[:sent])
+    return sock
+
+
+def test_one_address_holds_at_most_its_share_of_the_large_packets_being_read(tmp_path: Path) -> None:
+    """A hostile address opening connections that each announce a large packet and send a trickle of it held
+    the whole --mqtt-max-read-bytes before (every other client's large publish refused, DISCONNECT 0x97): now it
+    holds --mqtt-max-read-bytes-per-address (600 KiB: two 256 KiB packets), its next one is refused so and
+    counted, and another address's large publish is read and stored meanwhile."""
+    with start_broker(tmp_path / "data", extra_args=READ_CAPS) as broker:
+        parent = parent_of(broker, "Pshare")
+        held = [begin_large(broker, "127.0.0.2", f"h{i}", f"{parent}/h", 1024) for i in range(2)]
+        try:
+            eventually(lambda: gauge(broker, "lmq_mqtt_read_bytes") > 500 * 1024, "two packets being read")
+            for i in range(2, 4):
+                with begin_large(broker, "127.0.0.2", f"h{i}", f"{parent}/h", 1024) as over:
+                    refusal = read_packet(over, codec.LEVEL_5)
+                    assert isinstance(refusal, codec.Disconnect) and refusal.reason == Reason.QUOTA_EXCEEDED, refusal
+            assert metric(broker, "lmq_mqtt_refused_total", "read_bytes_per_address") == 2
+            with dial(broker, "127.0.0.3") as honest:
+                assert connack(honest, v5("honest")) is not None
+                honest.sendall(codec.encode_publish(f"{parent}/o", bytes(256 * 1024), 1, 1, props=b"\x00"))
+                ack = read_packet(honest, codec.LEVEL_5)
+                assert isinstance(ack, codec.PacketId) and ack.reason == Reason.SUCCESS, ack
+            assert metric(broker, "lmq_mqtt_refused_total", "read_bytes") == 0
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_a_large_packet_trickled_below_the_min_read_rate_ends_its_connection(tmp_path: Path) -> None:
+    """A begun large packet must come at --mqtt-min-read-rate on average (32 KiB/s here; up to 64 KiB behind):
+    a client sending a byte every 0.2 s (before: alive for ever, a byte within each 60 s is enough) is ended
+    with DISCONNECT 0x97 within (1 KiB + 64 KiB) / 32 KiB/s ~ 2 s, counted, and gives its share back; an honest
+    client on a slow link (128 KiB/s, in 32 KiB pieces every 0.25 s) is stored."""
+    with start_broker(tmp_path / "data", extra_args=READ_CAPS) as broker:
+        parent = parent_of(broker, "Prate")
+        with begin_large(broker, "127.0.0.2", "trickle", f"{parent}/t", 1024) as slow:
+            slow.settimeout(0.2)
+            started, refusal = time.monotonic(), None
+            while refusal is None and time.monotonic() - started < WAIT_S:
+                with contextlib.suppress(TimeoutError):
+                    head = slow.recv(1, socket.MSG_PEEK)
+                    refusal = read_packet(slow, codec.LEVEL_5) if head else None
+                    break
+                with contextlib.suppress(OSError):
+                    slow.sendall(b"\x00")
+            assert isinstance(refusal, codec.Disconnect) and refusal.reason == Reason.QUOTA_EXCEEDED, refusal
+            assert time.monotonic() - started < 8.0
+        assert metric(broker, "lmq_mqtt_refused_total", "read_rate") == 1
+        eventually(lambda: gauge(broker, "lmq_mqtt_read_bytes") == 0, "its share given back")
+        data = codec.encode_publish(f"{parent}/s", bytes(256 * 1024), 1, 1, props=b"\x00")
+        with dial(broker, "127.0.0.3") as steady:
+            assert connack(steady, v5("steady")) is not None
+            for at in range(0, len(data), 32 * 1024):
+                steady.sendall(data[at : at + 32 * 1024])
+                time.sleep(0.25)
+            ack = read_packet(steady, codec.LEVEL_5)
+            assert isinstance(ack, codec.PacketId) and ack.reason == Reason.SUCCESS, ack
+        assert metric(broker, "lmq_mqtt_refused_total", "read_rate") == 1
+
+
+def test_the_session_count_follows_every_write_of_the_sessions_table(tmp_path: Path) -> None:
+    """``Durable.sessions`` (what --mqtt-max-sessions is checked against, no count(*) per CONNECT) is the table's
+    row count after each kind of write, a take-over's merge included; a row written as "never" (NULL, an older
+    version's 3.1.1 session) expires after the max expiry too."""
+    rows = durable.Durable(tmp_path, max_expiry_s=10)
+
+    def counted() -> int:
+        assert rows.sessions == rows.session_count()
+        return rows.sessions
+
+    rows.save_session("a", {}, None)
+    rows.save_session("a", {"x/#": 1}, None)  # rewritten: no new row
+    rows.save_session("b", {}, 5)
+    assert counted() == 2
+    rows.session_ended("a", 1_000, None)
+    rows.session_ended("b", 1_000, 5)
+    merged: list[dict[str, object]] = [
+        {"client_id": "b", "filters": "{}"},
+        {"client_id": "c", "filters": "{}", "expiry_s": 100},
+    ]
+    rows.merge("sessions", merged, 1_000)  # "b" is this broker's already: only "c" is added
+    assert counted() == 3
+    assert rows.expire_sessions(6_000) == 1  # "b" (5 s)
+    assert counted() == 2
+    assert rows.load_session("a", 11_000) is None  # NULL: at most 10 s
+    assert counted() == 1
+    assert rows.drop_session("c") and not rows.drop_session("c")
+    assert counted() == 0
+    rows.close()
+    assert durable.Durable(tmp_path).sessions == 0

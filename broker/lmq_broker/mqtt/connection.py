@@ -8,10 +8,10 @@ reach the listener only through ``host.Host``.
 
 MQTT 5 on the same path (chosen by the CONNECT's level, ``link.v5``): what 3.1.1 can only answer by closing
 gets a reason code (a negative PUBACK, a SUBACK code, a DISCONNECT before closing); the session lives as long
-as its expiry interval (3.1.1: clean = 0, persistent = never); the client's receive maximum bounds the QoS 1
-deliveries waiting for PUBACKs, ours bounds its unacknowledged publishes; properties travel as message
-properties (``mapping``). Ending the connection gives back what was handed out and not acknowledged, so a
-reconnected session gets it again at once (with DUP set).
+as its expiry interval (3.1.1: clean = 0, persistent = --mqtt-max-session-expiry-s; 5.0: at most that); the
+client's receive maximum bounds the QoS 1 deliveries waiting for PUBACKs, ours bounds its unacknowledged
+publishes; properties travel as message properties (``mapping``). Ending the connection gives back what was
+handed out and not acknowledged, so a reconnected session gets it again at once (with DUP set).
 """
 
 from __future__ import annotations
@@ -71,8 +71,13 @@ class Connection:
         except codec.MalformedPacket as exc:
             reason, code = f"malformed packet: {exc.reason}", exc.code
         except framing.OverBudget as exc:
-            self.host.stats.refused[stats.READ_BYTES] += 1
-            reason, code = f"refused: {exc} (--mqtt-max-read-bytes)", Reason.QUOTA_EXCEEDED
+            per_address = exc.flag == "--mqtt-max-read-bytes-per-address"
+            self.host.stats.refused[stats.READ_BYTES_PER_ADDRESS if per_address else stats.READ_BYTES] += 1
+            reason, code = f"refused: {exc} ({exc.flag})", Reason.QUOTA_EXCEEDED
+        except framing.TooSlow as exc:
+            self.host.stats.refused[stats.READ_RATE] += 1
+            reason = f"refused: {exc}, under --mqtt-min-read-rate ({self.host.read_budget.min_rate} bytes/s)"
+            code = Reason.QUOTA_EXCEEDED
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except asyncio.CancelledError:  # the broker, not the client, ends it: no will (docs/mqtt.md)
@@ -119,6 +124,26 @@ class Connection:
         self.will = connect.will
         self.keep_alive_s = limits.keep_alive_s(connect, link.config)  # the client's, or our cap
         clean_start, owned = await handshake.open_session(link, clean_start)  # another user's: fresh (--acl)
+        reserved = await handshake.admit_session(link)  # a new persistent session past --mqtt-max-sessions: refused
+        try:
+            session_present = await self._open(clean_start, owned)
+        finally:
+            if reserved:
+                self.host.sessions.made(link.client_id)
+        link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
+        self.releases.resend()  # MQTT-4.4.0-1: the PUBRELs of a resumed session, right after its CONNACK
+        link.connected.set()
+        await link.writer.drain()
+        log.info("mqtt client %s connected from %s (MQTT %s, clean start %s, session expiry %s, session present %s)",
+                 link.client_id, link.peer, "5.0" if link.v5 else "3.1.1", clean_start, link.expiry_s,
+                 session_present)  # fmt: skip
+        self.publishes.start()
+        return True
+
+    async def _open(self, clean_start: bool, owned: bool) -> bool:
+        """The client id taken over, its stored session resumed or dropped, a persistent one written; whether
+        one was resumed (CONNACK session present)."""
+        link = self.link
         await self.host.take_over(self, clean_start)
         session_present = False
         durable_ = self.host.durable
@@ -135,15 +160,7 @@ class Connection:
             await self.subscriptions.save()  # a persistent session exists from its CONNECT on, subscribed or not
             if owned:
                 await link.dispatcher.run(durable_.own_session, link.client_id, link.user)
-        link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
-        self.releases.resend()  # MQTT-4.4.0-1: the PUBRELs of a resumed session, right after its CONNACK
-        link.connected.set()
-        await link.writer.drain()
-        log.info("mqtt client %s connected from %s (MQTT %s, clean start %s, session expiry %s, session present %s)",
-                 link.client_id, link.peer, "5.0" if link.v5 else "3.1.1", clean_start, link.expiry_s,
-                 session_present)  # fmt: skip
-        self.publishes.start()
-        return True
+        return session_present
 
     async def _serve(self) -> None:
         idle_s = self.keep_alive_s * KEEP_ALIVE_GRACE if self.keep_alive_s else None
@@ -165,7 +182,9 @@ class Connection:
         while True:
             if keep_alive is not None:
                 keep_alive.reading()
-            frame = await framing.read_frame(link.reader, limit, self.host.read_budget, stall_s, progress)
+            frame = await framing.read_frame(
+                link.reader, limit, self.host.read_budget, stall_s, progress, address=link.address
+            )
             if keep_alive is not None:
                 keep_alive.handling()
             if self.publishes.failure is not None:
@@ -289,7 +308,9 @@ class Connection:
         if expiry is not None:
             if self.link.expiry_s == 0 and expiry != 0:
                 raise codec.ProtocolError("DISCONNECT sets a session expiry after CONNECT said 0")  # MQTT-3.14.2-2
-            self.link.expiry_s = None if expiry == handshake.NEVER else expiry
+            self.link.expiry_s = limits.session_expiry_s(
+                None if expiry == handshake.NEVER else expiry, self.link.config
+            )
         if packet.reason == Reason.SUCCESS:
             self.will = None  # MQTT-3.14.4-3
         raise Closed(f"DISCONNECT {packet.reason:#04x}", graceful=packet.reason == Reason.SUCCESS)

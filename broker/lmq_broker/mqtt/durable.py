@@ -2,11 +2,12 @@
 messages and the wills waiting for their delay, in ``<data_dir>/mqtt.sqlite3``.
 
 A session row holds its filters (filter -> subscription options, whose low bits are the granted QoS), its
-expiry interval (NULL: never, as a 3.1.1 persistent session), when its last connection ended (NULL while
-connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed, and its owner: the user name of the
-CONNECT that made it (NULL in a file older than owners; under ``--acl`` only its owner resumes it, see
-``handshake.open_session``). Columns added after the first release are added to an older file when it is
-opened.
+expiry interval (NULL: never, as a 3.1.1 persistent session under a max expiry of never), when its last
+connection ended (NULL while connected): it has expired once ``gone_ms + expiry_s * 1000`` has passed (the
+interval at most ``max_expiry_s``, ``--mqtt-max-session-expiry-s``: a row written as "never", NULL, by an older
+version or another broker, expires then too), and its owner: the user name of the CONNECT that made it (NULL
+in a file older than owners; under ``--acl`` only its owner resumes it, see ``handshake.open_session``).
+Columns added after the first release are added to an older file when it is opened.
 
 A qos2 row is a persistent session's QoS 2 packet id in flight (MQTT 3.1.1 and 5.0 section 4.3.3, 4.4):
 inbound, a publish stored and answered PUBREC whose PUBREL has not come (a resend of it is not stored
@@ -58,7 +59,15 @@ _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and me
     ("sessions", "owner", "TEXT"),
     ("retained", "properties", "TEXT NOT NULL DEFAULT '{}'"),
 )
-_EXPIRED: Final = "gone_ms IS NOT NULL AND expiry_s IS NOT NULL AND gone_ms + expiry_s * 1000 <= ?"
+NEVER: Final = 0xFFFFFFFF  # MQTT 5: a session expiry interval that never ends (a max of it caps nothing)
+
+
+def _expired(max_expiry_s: int) -> str:
+    """The SQL test of a session row past its expiry (one parameter: now, in ms)."""
+    if max_expiry_s >= NEVER:
+        return "gone_ms IS NOT NULL AND expiry_s IS NOT NULL AND gone_ms + expiry_s * 1000 <= ?"
+    cap = int(max_expiry_s)
+    return f"gone_ms IS NOT NULL AND gone_ms + min(coalesce(expiry_s, {cap}), {cap}) * 1000 <= ?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +96,9 @@ class Retained:
 
 
 class Durable:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, max_expiry_s: int = NEVER) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
+        self._expired = _expired(max_expiry_s)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(data_dir / FILE_NAME, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -99,6 +109,8 @@ class Durable:
             present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in present:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        # session rows in the file, kept as they are written (``--mqtt-max-sessions``: no count(*) per CONNECT)
+        self.sessions: int = self._db.execute("SELECT count(*) FROM sessions").fetchone()[0]
 
     def close(self) -> None:
         with self._lock:
@@ -109,10 +121,10 @@ class Durable:
         """The session's filters; None when there is none, or it expired by ``now_ms`` (then it is dropped)."""
         with self._lock:
             row = self._db.execute(
-                f"SELECT filters, {_EXPIRED} FROM sessions WHERE client_id = ?", (now_ms, client_id)
+                f"SELECT filters, {self._expired} FROM sessions WHERE client_id = ?", (now_ms, client_id)
             ).fetchone()
             if row is not None and row[1]:
-                self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
+                self.sessions -= self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,)).rowcount
                 self._db.execute("DELETE FROM qos2 WHERE client_id = ?", (client_id,))
                 return None
         if row is None:
@@ -124,12 +136,14 @@ class Durable:
         """Store the session as connected (it does not expire while it is) with its expiry interval."""
         text = json.dumps(filters, sort_keys=True)
         with self._lock:
+            known = self._db.execute("SELECT 1 FROM sessions WHERE client_id = ?", (client_id,)).fetchone()
             self._db.execute(
                 "INSERT INTO sessions (client_id, filters, expiry_s, gone_ms) VALUES (?, ?, ?, NULL) "
                 "ON CONFLICT (client_id) DO UPDATE SET filters = excluded.filters, expiry_s = excluded.expiry_s,"
                 " gone_ms = NULL",
                 (client_id, text, expiry_s),
             )
+            self.sessions += known is None
 
     def session_ended(self, client_id: str, now_ms: int, expiry_s: int | None) -> None:
         """The session's connection ended at ``now_ms``: it expires ``expiry_s`` later (None: never)."""
@@ -145,10 +159,16 @@ class Durable:
 
     def expire_sessions(self, now_ms: int) -> int:
         with self._lock:
-            dropped = self._db.execute(f"DELETE FROM sessions WHERE {_EXPIRED}", (now_ms,)).rowcount
+            dropped = self._db.execute(f"DELETE FROM sessions WHERE {self._expired}", (now_ms,)).rowcount
+            self.sessions -= dropped
             if dropped:
                 self._db.execute("DELETE FROM qos2 WHERE client_id NOT IN (SELECT client_id FROM sessions)")
             return dropped
+
+    def has_session(self, client_id: str) -> bool:
+        """Whether the client id has a session row (expired or not: resuming or replacing it adds no row)."""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM sessions WHERE client_id = ?", (client_id,)).fetchone() is not None
 
     def session_owner(self, client_id: str) -> tuple[bool, str | None]:
         """(whether the client id has a session row, the user that made it: None when unknown)."""
@@ -164,7 +184,9 @@ class Durable:
     def drop_session(self, client_id: str) -> bool:
         with self._lock:
             self._db.execute("DELETE FROM qos2 WHERE client_id = ?", (client_id,))
-            return self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,)).rowcount > 0
+            dropped: int = self._db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,)).rowcount
+            self.sessions -= dropped
+            return dropped > 0
 
     # --- QoS 2 packet ids in flight: (client id, direction) -> packet ids ------------------------------------
     def qos2_ids(self, client_id: str, direction: str) -> dict[int, str]:
@@ -358,12 +380,15 @@ class Durable:
         with self._lock:
             self._db.execute("BEGIN")
             try:
+                added = 0
                 for row in rows:
                     values = [row.get(c) for c in columns]
                     if table == "sessions" and row.get("gone_ms") is None:
                         values[columns.index("gone_ms")] = now_ms
-                    self._db.execute(f"INSERT INTO {table} ({names}) VALUES ({marks}) {rule}", values)
+                    added += self._db.execute(f"INSERT INTO {table} ({names}) VALUES ({marks}) {rule}", values).rowcount
                 self._db.execute("COMMIT")
+                if table == "sessions":  # a take-over's sessions count against the cap from now on, never refused
+                    self.sessions += added
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise

@@ -12,7 +12,12 @@ unfinished does not hold its memory for ever.
 
 A body over ``CHUNK_BYTES`` is read against the broker-wide ``Budget`` (``--mqtt-max-read-bytes``): what all
 connections hold of packets they are reading is bounded, not only each one's; a packet the budget cannot
-take is refused (``OverBudget``) before it is read.
+take is refused (``OverBudget``) before it is read. So that no one holds the budget from the others: the
+connections of one client address hold at most ``--mqtt-max-read-bytes-per-address`` of it, and a packet
+begun must arrive at ``--mqtt-min-read-rate`` bytes a second on average, falling at most ``CHUNK_BYTES``
+behind that pace (``TooSlow``; a byte every 59 s would otherwise hold its share for ever). An honest client on
+a slow link sends as fast as its link goes, well above the pace; a client that trickles gives its share
+back in (length + 64 KiB) / rate seconds at most.
 """
 
 from __future__ import annotations
@@ -33,23 +38,51 @@ LINGER_S: Final = 1.0  # a connection the broker ends: what the client still sen
 
 
 class OverBudget(Exception):
-    """The packet announced does not fit what the broker's connections may hold of packets being read."""
+    """The packet announced does not fit what the broker's connections (or its address's) may hold of packets
+    being read; ``flag`` names the cap."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+class TooSlow(Exception):
+    """A large packet begun arrives slower than ``--mqtt-min-read-rate``."""
 
 
 class Budget:
-    """Bytes of packet bodies being read, in all (over ``CHUNK_BYTES`` each: smaller ones are not counted)."""
+    """Bytes of packet bodies being read, in all and per client address (over ``CHUNK_BYTES`` each: smaller
+    ones are not counted), and the pace a begun one must keep (bytes a second; 0: none)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, per_address: int | None = None, min_rate: int = 0) -> None:
         self.max_bytes = max_bytes
+        self.per_address = max_bytes if per_address is None else per_address
+        self.min_rate = min_rate
         self.held = 0
+        self._by_address: dict[str, int] = {}
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, address: str = "") -> None:
         if self.held + n > self.max_bytes:
-            raise OverBudget(f"a packet of {n} bytes: {self.held} of {self.max_bytes} bytes are being read")
+            raise OverBudget(
+                f"a packet of {n} bytes: {self.held} of {self.max_bytes} bytes are being read", "--mqtt-max-read-bytes"
+            )
+        mine = self._by_address.get(address, 0)
+        if mine + n > self.per_address:
+            raise OverBudget(
+                f"a packet of {n} bytes: {mine} of the {self.per_address} bytes one address may hold are being read "
+                "from it",
+                "--mqtt-max-read-bytes-per-address",
+            )
         self.held += n
+        self._by_address[address] = mine + n
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, address: str = "") -> None:
         self.held -= n
+        left = self._by_address[address] - n
+        if left:
+            self._by_address[address] = left
+        else:
+            del self._by_address[address]
 
 
 async def read_frame(
@@ -58,23 +91,26 @@ async def read_frame(
     budget: Budget,
     stall_s: float = STALL_S,
     progress: Callable[[], None] | None = None,
+    *,
+    address: str = "",
 ) -> tuple[int, bytes] | None:
     """(first byte, body) of the next packet; None when the peer closed between two packets. A body over
-    ``max_bytes`` raises ``PacketTooLarge`` before it is read, one ``budget`` cannot take ``OverBudget``. A
-    large body's bytes must keep coming within ``stall_s`` (else TimeoutError); ``progress`` is told of each
-    piece (the keep-alive check counts them as activity). The wait for a packet itself has no timer here: the
-    caller's ``KeepAlive`` bounds it, one timer per keep-alive period rather than one per packet."""
+    ``max_bytes`` raises ``PacketTooLarge`` before it is read, one ``budget`` cannot take (in all, or of what
+    the client's ``address`` may hold) ``OverBudget``. A large body's bytes must keep coming within ``stall_s``
+    (else TimeoutError) and at the budget's pace (else ``TooSlow``); ``progress`` is told of each piece (the
+    keep-alive check counts them as activity). The wait for a packet itself has no timer here: the caller's
+    ``KeepAlive`` bounds it, one timer per keep-alive period rather than one per packet."""
     header = await _header(reader, max_bytes)
     if header is None:
         return None
     first, length = header
     if length <= CHUNK_BYTES:
         return first, await reader.readexactly(length) if length else b""
-    budget.take(length)
+    budget.take(length, address)
     try:
-        return first, await _body(reader, length, min(stall_s, STALL_S), progress)
+        return first, await _body(reader, length, min(stall_s, STALL_S), progress, budget.min_rate)
     finally:
-        budget.give(length)
+        budget.give(length, address)
 
 
 class KeepAlive:
@@ -174,16 +210,31 @@ async def _small(reader: asyncio.StreamReader, length: int) -> bytes:
 
 
 async def _body(
-    reader: asyncio.StreamReader, length: int, stall_s: float, progress: Callable[[], None] | None
+    reader: asyncio.StreamReader, length: int, stall_s: float, progress: Callable[[], None] | None, min_rate: int
 ) -> bytes:
     """Read into one buffer of the packet's size (one large allocation, handed back whole when freed: pieces
-    kept until the end would be many heap blocks that stay resident after the packet is gone)."""
+    kept until the end would be many heap blocks that stay resident after the packet is gone). With
+    ``min_rate``, what has come by each moment must be at least ``min_rate`` bytes a second since the start,
+    less ``CHUNK_BYTES``: each read waits at most until then."""
     body = bytearray(length)
     view = memoryview(body)
     at = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     while at < length:
-        async with asyncio.timeout(stall_s):
-            chunk = await reader.read(min(length - at, CHUNK_BYTES))
+        wait_s = stall_s
+        if min_rate:
+            behind_at = started + (at + CHUNK_BYTES) / min_rate  # when what came so far falls behind the pace
+            wait_s = min(wait_s, behind_at - loop.time())
+            if wait_s <= 0:
+                raise TooSlow(f"{at} of a packet of {length} bytes came in {loop.time() - started:.1f} s")
+        try:
+            async with asyncio.timeout(wait_s):
+                chunk = await reader.read(min(length - at, CHUNK_BYTES))
+        except TimeoutError:
+            if wait_s < stall_s:
+                raise TooSlow(f"{at} of a packet of {length} bytes came in {loop.time() - started:.1f} s") from None
+            raise
         if not chunk:
             raise asyncio.IncompleteReadError(bytes(view[:at]), length)
         view[at : at + len(chunk)] = chunk

@@ -14,14 +14,14 @@ import secrets
 from typing import Final
 
 from lmq_broker.dispatch import metadata
-from lmq_broker.mqtt import aliases, codec, framing, limits, properties, publishing, stats, topics
+from lmq_broker.mqtt import aliases, codec, durable, framing, limits, properties, publishing, stats, topics
 from lmq_broker.mqtt.link import MAX_INFLIGHT, Closed, Link
 from lmq_broker.mqtt.properties import Properties, Reason
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final = 10.0
-NEVER: Final = 0xFFFFFFFF  # 5.0: a session expiry interval that never ends
+NEVER: Final = durable.NEVER  # 5.0: a session expiry interval that never ends
 _PLAIN_ID: Final = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
@@ -37,7 +37,9 @@ async def read_connect(link: Link) -> codec.Connect | None:
     """The CONNECT (within ``CONNECT_TIMEOUT_S``, at most ``limits.connect_bytes``); None: closed first."""
     async with asyncio.timeout(CONNECT_TIMEOUT_S):
         try:
-            frame = await framing.read_frame(link.reader, limits.connect_bytes(link.config), link.host.read_budget)
+            frame = await framing.read_frame(
+                link.reader, limits.connect_bytes(link.config), link.host.read_budget, address=link.address
+            )
         except codec.PacketTooLarge:
             link.host.stats.refused[stats.CONNECT_TOO_LARGE] += 1
             with contextlib.suppress(asyncio.IncompleteReadError):  # 5.0 (read so far): answered with 0x95
@@ -81,11 +83,12 @@ def settle(link: Link, connect: codec.Connect) -> Properties:
     link.client_id = connect.client_id or "auto-" + secrets.token_hex(8)  # MQTT-3.1.3-6
     link.user = connect.username or ""
     link.group = group_of(link.client_id)
-    if connect.properties is None:
-        link.expiry_s = 0 if connect.clean_session else None
+    if connect.properties is None:  # 3.1.1: a persistent session has no expiry but ours
+        link.expiry_s = 0 if connect.clean_session else limits.session_expiry_s(None, link.config)
         return properties.NONE
     p = connect.properties
-    link.expiry_s = None if p.session_expiry_s == NEVER else p.session_expiry_s or 0
+    asked = None if p.session_expiry_s == NEVER else p.session_expiry_s or 0
+    link.expiry_s = limits.session_expiry_s(asked, link.config)
     link.max_inflight = min(MAX_INFLIGHT, p.receive_max or MAX_INFLIGHT)
     link.max_packet_out = min(codec.MAX_REMAINING_LENGTH, p.max_packet_size or codec.MAX_REMAINING_LENGTH)
     link.problem_info = p.request_problem_info != 0
@@ -97,7 +100,26 @@ def settle(link: Link, connect: codec.Connect) -> Properties:
         max_packet_size=link.max_packet_bytes() + 5,  # the fixed header's 5 bytes at most
         assigned_client_id=None if connect.client_id else link.client_id,
         server_keep_alive_s=None if kept == connect.keep_alive_s else kept,  # MQTT-3.2.2-21
+        session_expiry_s=None if link.expiry_s == asked else link.expiry_s,  # 5.0 3.2.2.3.2: ours, when lower
     )
+
+
+async def admit_session(link: Link) -> bool:
+    """Whether room was reserved for a new persistent session (the caller says ``Sessions.made`` once its row is
+    written); past ``--mqtt-max-sessions`` the CONNECT is refused (5.0: 0x97 quota exceeded, 3.1.1: 0x03 server
+    unavailable), counted, and the end. Resuming or replacing a session (its row is there, expired or not: no
+    row added) is never refused."""
+    if not link.persistent or await link.dispatcher.run(link.host.durable.has_session, link.client_id):
+        return False
+    sessions = link.host.sessions
+    if sessions.reserve(link.client_id):
+        return True
+    link.host.stats.refused[stats.SESSIONS] += 1
+    why = f"--mqtt-max-sessions ({sessions.max_sessions}) persistent sessions are held"
+    code = Reason.QUOTA_EXCEEDED if link.v5 else codec.ConnectCode.SERVER_UNAVAILABLE
+    link.writer.write(codec.encode_connack(False, code, link.level, link.why(why) if link.v5 else None))
+    await link.writer.drain()
+    raise Closed(f"CONNECT refused: {code:#04x} {why}", graceful=True)
 
 
 async def open_session(link: Link, clean_start: bool) -> tuple[bool, bool]:

@@ -65,7 +65,7 @@ class MqttServer:
         self.access = access or AccessControl(False)  # users and policies (--acl): ``mqtt.authorizing``
         self.owners = owners  # a cluster's: publishes are stored at their lite topics' owners (None: alone)
         self.config = config
-        self.durable = durable.Durable(config.store.data_dir)
+        self.durable = durable.Durable(config.store.data_dir, config.mqtt_max_session_expiry_s)
         self.port = 0
         self.stopping = False
         self._server: asyncio.Server | None = None
@@ -73,7 +73,10 @@ class MqttServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self.stats = stats.Stats()
         self.sockets = limits.Sockets(config)
-        self.read_budget = framing.Budget(config.mqtt_max_read_bytes)  # large packets being read, in all
+        self.sessions = limits.Sessions(config, self.durable)
+        self.read_budget = framing.Budget(  # large packets being read, in all and per client address
+            config.mqtt_max_read_bytes, config.mqtt_max_read_bytes_per_address, config.mqtt_min_read_rate
+        )
         self.share_members = shares.Members(config.mqtt_max_share_members)  # shared subscriptions' members here
         self.wills = wills.Wills(self.durable, dispatcher, self._publish_will, self.stats)
         self._sweeper: asyncio.Task[None] | None = None

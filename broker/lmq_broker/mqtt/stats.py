@@ -25,6 +25,9 @@ WILL_DELAY = "will_delay"  # --mqtt-max-will-delay-s
 KEEP_ALIVE = "keep_alive"  # --mqtt-max-keep-alive-s (3.1.1)
 CONNECT_TOO_LARGE = "connect_too_large"  # a CONNECT over what the will cap and its other fields allow
 READ_BYTES = "read_bytes"  # a large packet over what --mqtt-max-read-bytes had left
+READ_BYTES_PER_ADDRESS = "read_bytes_per_address"  # over what --mqtt-max-read-bytes-per-address had left
+READ_RATE = "read_rate"  # a large packet begun arriving slower than --mqtt-min-read-rate
+SESSIONS = "sessions"  # a CONNECT that would make a persistent session past --mqtt-max-sessions
 QOS2_INFLIGHT = "qos2_inflight"  # 3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL
 RECEIVE_MAXIMUM = "receive_maximum"  # 5.0: a QoS 1/2 publish over our Receive Maximum unanswered
 SHARES_PER_CLIENT = "shares_per_client"  # a shared subscription over --mqtt-max-shares-per-client
@@ -85,6 +88,9 @@ class Collector(_Collector):
             "unanswered (over a cap, closed before CONNECT), will_bytes, connect_too_large (0x95), will_delay (0x97), "
             "keep_alive (3.1.1: a keep alive over --mqtt-max-keep-alive-s: CONNACK 0x02), "
             "read_bytes (a large packet while --mqtt-max-read-bytes were being read: DISCONNECT 0x97), "
+            "read_bytes_per_address (the same, of --mqtt-max-read-bytes-per-address from its address), "
+            "read_rate (a large packet arriving slower than --mqtt-min-read-rate: DISCONNECT 0x97), "
+            "sessions (a new persistent session past --mqtt-max-sessions: CONNACK 0x97, 3.1.1: 0x03), "
             "qos2_inflight (3.1.1: a QoS 2 publish over --mqtt-max-qos2-inflight awaiting PUBREL: closed), "
             "receive_maximum (5.0: a QoS 1/2 publish over our Receive Maximum: DISCONNECT 0x93), "
             "shares_per_client, share_members (a shared subscription: SUBACK 0x97, 3.1.1: 0x80), "
@@ -93,7 +99,8 @@ class Collector(_Collector):
         )
         caps = (CONNECTIONS, PER_ADDRESS, UNANSWERED, WILL_BYTES, WILL_DELAY, KEEP_ALIVE, CONNECT_TOO_LARGE)
         subscribing = (SHARES_PER_CLIENT, SHARE_MEMBERS, FILTERS_PER_CLIENT)
-        for reason in (*caps, READ_BYTES, QOS2_INFLIGHT, RECEIVE_MAXIMUM, *subscribing):
+        reading = (READ_BYTES, READ_BYTES_PER_ADDRESS, READ_RATE)
+        for reason in (*caps, SESSIONS, *reading, QOS2_INFLIGHT, RECEIVE_MAXIMUM, *subscribing):
             refused.add_metric([reason], self._stats.refused[reason])
         yield refused
         errors = CounterMetricFamily(
