@@ -11,7 +11,7 @@ from lmq_broker.access.control import AccessControl
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch import wildcards
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.mqtt import durable, following, framing, limits, shares, stats, topics, wills
+from lmq_broker.mqtt import durable, following, framing, session_cap, shares, stats, topics, wills
 from lmq_broker.mqtt.owners import Owners
 
 
@@ -43,7 +43,7 @@ class Host(Protocol):
     durable: durable.Durable
     stats: stats.Stats
     read_budget: framing.Budget
-    sessions: limits.Sessions  # persistent sessions held, against --mqtt-max-sessions
+    sessions: session_cap.Sessions  # persistent sessions held, against --mqtt-max-sessions
     share_members: shares.Members  # the members of each shared subscription connected here
     wills: wills.Wills
     followers: following.Followers  # sessions whose filters reach into parents created later

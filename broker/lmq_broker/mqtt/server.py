@@ -37,6 +37,7 @@ from lmq_broker.mqtt import (
     host,
     limits,
     matching,
+    session_cap,
     shares,
     stats,
     storing,
@@ -73,7 +74,7 @@ class MqttServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self.stats = stats.Stats()
         self.sockets = limits.Sockets(config)
-        self.sessions = limits.Sessions(config, self.durable)
+        self.sessions = session_cap.Sessions(config, self.durable)
         self.read_budget = framing.Budget(  # large packets being read, in all and per client address
             config.mqtt_max_read_bytes, config.mqtt_max_read_bytes_per_address, config.mqtt_min_read_rate
         )
