@@ -153,6 +153,9 @@ class Outcome:
     retry: bool = False
     repaired: int = 0  # broker copies a resync re-created or overwrote
     brokers: int | None = None
+    # brokers this attempt sent a write to and heard nothing back from (timed out, connection lost): the write
+    # may have been applied there all the same
+    unanswered: frozenset[str] = frozenset()
 
 
 async def reconcile(  # noqa: PLR0913 (the inputs of one reconcile, each named at its one call)
@@ -166,10 +169,12 @@ async def reconcile(  # noqa: PLR0913 (the inputs of one reconcile, each named a
     now: datetime,
     secret: desired.Secret = None,
     placed: frozenset[str] = frozenset(),
+    unanswered: frozenset[str] = frozenset(),
 ) -> Outcome:
     """``secret``: a user's, read from its Secret by the caller (the one module here that reads Kubernetes).
     ``placed``: the brokers an earlier attempt of this same create put the object on, as the caller remembers
-    them (the status that attempt wrote may not be in ``body`` yet)."""
+    them (the status that attempt wrote may not be in ``body`` yet); ``unanswered``: those an earlier attempt
+    sent it to without an answer (``Outcome.unanswered``)."""
     meta = body["metadata"]
     previous: Mapping[str, Any] = dict(body.get("status") or {})
     generation = int(meta.get("generation") or 0)
@@ -184,7 +189,7 @@ async def reconcile(  # noqa: PLR0913 (the inputs of one reconcile, each named a
     new = status.applied(kind, wanted.key, generation=generation, syncs=syncs, previous=previous, now=now)
     if kind is model.Kind.PARENT_TOPIC:
         status.with_condition(new, status.drained(view.leaving, previous, now))
-    news = _write_events(trigger, syncs, previous, placed)
+    news = _write_events(trigger, syncs, previous, placed, unanswered)
     retry = not syncs or any(not s.synced for s in syncs)
     if isinstance(wanted, model.UserConfig):
         # Only a value every broker took is "applied": until then each attempt puts it everywhere again.
@@ -195,7 +200,10 @@ async def reconcile(  # noqa: PLR0913 (the inputs of one reconcile, each named a
     writes = tuple(
         Event("Normal", r, f"{kind.value} {wanted.key!r} {_VERB[r]} on {', '.join(n)}") for r, n in news.items()
     )
-    return Outcome(new, writes + _transition_events(previous, new), retry, repaired, len(view.targets))
+    sent = (diff.Change.MISSING.value, diff.Change.DIFFERS.value)  # a put was made (``execute``)
+    lost = frozenset(s.broker.name for s in syncs if s.failure is model.Failure.UNAVAILABLE and s.change in sent)
+    events = writes + _transition_events(previous, new)
+    return Outcome(new, events, retry, repaired, len(view.targets), unanswered=lost)
 
 
 SECRET_VERSION: Final = "secretVersion"  # status: the Secret value every broker's copy of a user holds
@@ -205,7 +213,11 @@ _CHANGE_TEXT: Final = {"missing": "was missing", "differs": "differed, overwritt
 
 
 def _write_events(
-    trigger: str, syncs: Sequence[model.BrokerSync], previous: Mapping[str, Any], placed: frozenset[str] = frozenset()
+    trigger: str,
+    syncs: Sequence[model.BrokerSync],
+    previous: Mapping[str, Any],
+    placed: frozenset[str] = frozenset(),
+    unanswered: frozenset[str] = frozenset(),
 ) -> dict[str, list[str]]:
     """Event reason -> "broker (what it held)" entries. A create that finds the object already on a broker,
     equal or not, adopts it there. A broker the previous status lists as synced got its copy from an earlier
@@ -213,13 +225,17 @@ def _write_events(
     its ParentTopic turning Ready continues a create or an update the brokers refused: a copy it writes where
     none was is created, one it overwrites updated, not a repaired drift. ``placed`` adds the brokers an earlier
     attempt put it on whose status the body does not show yet (a retry can run before that status write's
-    watch event arrives)."""
+    watch event arrives). A broker in ``unanswered`` got a write of an earlier attempt whose answer was lost (a
+    timeout on a loaded broker): found identical there, it is that write, no news; found missing, it is created
+    now; found different, adopted as on any broker."""
     ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")} | placed
     found: dict[str, list[str]] = {}
     for s in sorted(syncs, key=lambda s: s.broker):
         if not s.synced:
             continue
         if trigger == "create" and s.broker.name not in ours:
+            if s.change == diff.Change.NONE.value and s.broker.name in unanswered:
+                continue
             reason = "Created" if s.change == diff.Change.MISSING.value else "Adopted"
         elif trigger == WOKEN and s.change != diff.Change.NONE.value:
             reason = "Created" if s.change == diff.Change.MISSING.value else "Updated"

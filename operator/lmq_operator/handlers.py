@@ -102,6 +102,8 @@ class Context:
     # ``placed``): a retry may read a body without the status the last attempt wrote. Dropped when the create
     # is done or the resource deleted.
     placing: dict[str, frozenset[str]] = field(default_factory=dict)
+    # ... and the brokers its attempts sent it to without an answer (``apply.Outcome.unanswered``), likewise
+    unanswered: dict[str, frozenset[str]] = field(default_factory=dict)
     secrets: kube.SecretReader = field(default_factory=kube.SecretReader)  # LmqUsers' Secrets, one get each
 
     def lock(self, uid: str) -> asyncio.Lock:
@@ -334,6 +336,7 @@ async def _apply(
         secret = await _secret(ctx, kind, body)
         uid = body["metadata"]["uid"]
         placed = ctx.placing.get(uid, frozenset()) if trigger == "create" else frozenset()
+        unanswered = ctx.unanswered.get(uid, frozenset()) if trigger == "create" else frozenset()
         outcome = await apply.reconcile(
             ctx.pool,
             ctx.fleet,
@@ -344,13 +347,16 @@ async def _apply(
             now=_now(),
             secret=secret,
             placed=placed,
+            unanswered=unanswered,
         )
     if trigger == "create":
         if outcome.retry:
             rows = outcome.status.get("brokers") or ()
             ctx.placing[uid] = placed | {str(row.get("name")) for row in rows if row.get("synced")}
+            ctx.unanswered[uid] = unanswered | outcome.unanswered
         else:
             ctx.placing.pop(uid, None)
+            ctx.unanswered.pop(uid, None)
     if trigger in OUTSIDE_HANDLERS:  # post through the context a handler left (see Context)
         if ctx.posting is not None:
             ctx.posting.run(_post, body, outcome.events)
@@ -558,6 +564,7 @@ async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
     ctx.locks.pop(uid, None)
     ctx.refused.discard(uid)
     ctx.placing.pop(uid, None)
+    ctx.unanswered.pop(uid, None)
     ctx.deleted[uid] = None
     if len(ctx.deleted) > _DELETED_KEPT:
         ctx.deleted.popitem(last=False)

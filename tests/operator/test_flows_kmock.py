@@ -232,3 +232,36 @@ async def test_at_most_workers_resources_are_handled_at_once(
             server.objects[PT, NS, name] = _object(name, {}, f"ub{i}", "2026-01-01T00:00:00Z")
         await eventually(lambda: all(_ready(server, n)["status"] == "True" for n in names), "all Ready")
     assert (most[0] == 1) if bounded else (most[0] > 1)
+
+
+class _LostAnswer(admins.MemoryAdmin):
+    """A loaded broker: its first put is applied, but its answer never comes (the call times out)."""
+
+    lost = False
+
+    async def put(self, config: model.Config) -> bool:
+        created = await super().put(config)
+        if not self.lost:
+            self.lost = True
+            raise admins.AdminError(model.Failure.UNAVAILABLE, "DEADLINE_EXCEEDED: Deadline Exceeded")
+        return created
+
+
+@pytest.mark.asyncio
+async def test_a_create_whose_write_timed_out_but_was_applied_adopts_nothing(
+    kmock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry finds the timed-out write's copy, identical: the operator's own, so its Events say the object was
+    created on both brokers and adopted on none (under heavy load the real-apiserver test saw "Adopted")."""
+    posted: list[str] = []
+    monkeypatch.setattr(
+        handlers, "_post", lambda body, events: posted.extend(f"{e.reason}: {e.message}" for e in events)
+    )
+    slow = _LostAnswer("b0:8081")
+    loaded = {"b0:8081": slow, "b1:8081": admins.MemoryAdmin("b1:8081")}
+    async with _running(kmock, loaded, monkeypatch) as server:
+        server.objects[PT, NS, "slow"] = _object("slow", {}, "u9", "2026-01-01T00:00:00Z")
+        await eventually(lambda: _ready(server, "slow")["status"] == "True", "Ready=True after the retry")
+    assert slow.lost
+    assert not [p for p in posted if p.startswith("Adopted")], posted
+    assert [p for p in posted if p.startswith("Created")], posted

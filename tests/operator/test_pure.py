@@ -629,3 +629,18 @@ def test_a_create_retried_before_its_status_arrived_adopts_nothing_it_placed_its
     assert remembered == {"Created": ["b1 (was missing)"], "Adopted": ["b2 (already identical)"]}
     forgotten = apply._write_events("create", syncs, stale_body)
     assert forgotten["Adopted"] == ["b0 (already identical)", "b2 (already identical)"]
+
+
+def test_a_create_retried_after_a_write_whose_answer_was_lost_adopts_nothing_it_wrote_itself() -> None:
+    """Brokers an earlier attempt wrote to without an answer (``Outcome.unanswered``): found identical, that is
+    the operator's own write (no Event); found missing, created now; a broker nothing was sent to that holds it
+    already is adopted (the flow on a broker that times out: test_flows_kmock.py)."""
+    b0, b1, b2 = (model.Broker(f"b{i}", f"10.0.0.{i}:8081", i) for i in range(3))
+    retry = [
+        model.BrokerSync(b0, True, diff.Change.NONE.value),  # the timed-out put had been applied
+        model.BrokerSync(b1, True, diff.Change.MISSING.value),  # that one had not
+        model.BrokerSync(b2, True, diff.Change.NONE.value),  # held it before this create: adopted
+    ]
+    events = apply._write_events("create", retry, {}, frozenset(), frozenset({"b0", "b1"}))
+    assert events == {"Created": ["b1 (was missing)"], "Adopted": ["b2 (already identical)"]}
+    assert apply._write_events("create", retry, {})["Adopted"] == ["b0 (already identical)", "b2 (already identical)"]
