@@ -149,6 +149,25 @@ def test_retained_messages_are_delivered_on_subscribe_and_cleared_by_an_empty_on
     assert len(live.quiet()) == 3  # the empty retained message is not a message
 
 
+def test_one_subscribe_over_parents_with_and_without_retained_messages_gets_each_filters_own(
+    broker: BrokerProcess, parent: str, connect: Connect, parent_topic: Callable[[BrokerProcess], str]
+) -> None:
+    """The SUBSCRIBE looks once per parent whether it holds retained messages: filters in a parent holding none
+    send none, those in one holding some send theirs (here in one SUBSCRIBE, listed after and before)."""
+    port = broker.mqtt_port
+    empty = parent_topic(broker)
+    pub = connect(port)
+    pub.publish(f"{parent}/room/a", b"a", retain=True)
+    pub.publish(f"{empty}/room/a", b"not retained")
+    pub.publish(f"{parent}/room/b", b"b", retain=True)
+    late = connect(port)
+    wanted = [(f"{empty}/+/a", 1), (f"{parent}/+/a", 1), (f"{empty}/room/#", 1), (f"{parent}/room/b", 1)]
+    assert late.subscribe(*wanted) == [1, 1, 1, 1]
+    got = sorted((m.topic, m.payload, m.retain) for m in late.wait_count(2))
+    assert got == [(f"{parent}/room/a", b"a", True), (f"{parent}/room/b", b"b", True)]
+    assert len(late.quiet()) == 2
+
+
 def test_a_will_is_published_when_a_client_vanishes_not_when_it_disconnects(
     broker: BrokerProcess, parent: str, connect: Connect
 ) -> None:

@@ -741,6 +741,21 @@ def test_commit_offsets_is_commit_offset_of_each(store: api.Store, msg: Msg, clo
     assert store.get_offset(LMQ_A, "g") == 5  # a bad row: none written
 
 
+def test_capped_commit_offsets_keep_each_offset_at_most_its_queues_end(store: api.Store, msg: Msg) -> None:
+    """An MQTT start at the ends read earlier (``offsets.reset`` with ends): each offset capped at its queue's
+    end as the write finds it, read once there; the rows written come back (a gone lite topic: not among them)."""
+    store.append([msg() for _ in range(6)])
+    lo, hi = store.queue_offsets(LMQ_A)
+    gone = model.QueueId.lmq("P", "gone")
+    rows = [(LMQ_A, "g", hi - 2), (LMQ_A, "g2", hi + 5), (PARENT_Q, "g", 10**6), (gone, "g", 1)]
+    written = store.commit_offsets(rows, capped=True)
+    parent_end = store.queue_offsets(PARENT_Q)[1]
+    assert list(written) == [(LMQ_A, "g", hi - 2), (LMQ_A, "g2", hi), (PARENT_Q, "g", parent_end)]
+    assert [store.get_offset(LMQ_A, "g"), store.get_offset(LMQ_A, "g2")] == [hi - 2, hi]
+    assert store.get_offset(gone, "g") is None
+    assert list(store.commit_offsets([(LMQ_A, "g", lo), (gone, "g", 0)])) == [(LMQ_A, "g", lo)]
+
+
 # --- truncation (a replica's records its slot's owner never had) ----------------------------------------
 
 

@@ -40,18 +40,26 @@ class LevelIndex:
 
     def add_many(self, lites: Iterable[str]) -> None:
         """``add`` of each name; names that share their levels but the last (as consecutive names of a page
-        in key order mostly do) find their node once."""
+        in key order mostly do) find their node once. ``_add_at`` inlined: this runs once per lite topic of a
+        parent when its index is built."""
         root = self._root
-        node_for, add_at = self._node_for, self._add_at
+        node_for = self._node_for
         head_was, node = "", root
+        added, level_sep, end = 0, wildcards.LEVEL_SEPARATOR, _END
         for lite in lites:
-            head, sep, last = lite.rpartition(wildcards.LEVEL_SEPARATOR)
+            head, sep, last = lite.rpartition(level_sep)
             if not sep:
-                add_at(root, last)
-                continue
-            if head != head_was or node is root:
+                node = root
+            elif head != head_was or node is root:
                 head_was, node = head, node_for(head)
-            add_at(node, last)
+            below = node.get(last, end)  # ``end``: absent (a missing key and a None leaf differ)
+            if below is end:
+                node[last] = None
+                added += 1
+            elif isinstance(below, dict) and end not in below:
+                below[end] = None
+                added += 1
+        self.size += added
 
     def _node_for(self, head: str) -> Node:
         """The node of the levels ``head`` (a name without its last level), made where missing."""

@@ -44,12 +44,13 @@ def reset(
     (queue, group, start) committed. ``ends`` (with
     ``MAX``): each LMQ's end as read earlier, the start instead of its end now (what was stored since stays
     to be delivered: an MQTT subscription starts where its broker read the ends, not later)."""
+    if ends is not None and option.policy is OffsetPolicy.MAX:  # each end read earlier, at most the queue's now
+        rows = [(model.QueueId(lmq), group, end) for lmq, end in zip(lmqs, ends, strict=True)]
+        return store.commit_offsets(rows, capped=True)  # each queue read once, in the write
     commits: list[tuple[model.QueueId, str, int]] = []
-    for i, lmq in enumerate(lmqs):
+    for lmq in lmqs:
         queue = model.QueueId(lmq)
         lo, hi = store.queue_offsets(queue)
-        if ends is not None and option.policy is OffsetPolicy.MAX:
-            hi = min(hi, ends[i])
         if option.policy is OffsetPolicy.MIN:
             target = lo
         elif option.policy is OffsetPolicy.MAX:
@@ -61,5 +62,4 @@ def reset(
         else:
             continue
         commits.append((queue, group, min(max(target, lo), hi)))
-    store.commit_offsets(commits)  # one write for them all
-    return commits
+    return store.commit_offsets(commits)  # one write for them all

@@ -44,7 +44,7 @@ CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
 # and the event loop waits for it, so a probe of many topics goes in short calls.
 PROBE_CHUNK: Final = 128
 INDEX_SLICE: Final = 2048  # names taken from a level index per loop step
-INDEX_PAGE: Final = 1024  # lite names read into a level index being built per loop step
+INDEX_PAGE: Final = 4096  # lite names read into a level index being built per loop step (~0.7 ms on it)
 
 
 T = TypeVar("T")

@@ -294,6 +294,16 @@ class Durable:
             for lite, payload, qos, stored_ms, props in rows
         ]
 
+    def holding_retained(self, parents: Iterable[str]) -> set[str]:
+        """Which of ``parents`` hold a retained message (or a clear kept): the filters of a SUBSCRIBE in a parent
+        that holds none look for none (one lookup each, not a query per filter)."""
+        with self._lock:
+            return {
+                parent
+                for parent in parents
+                if self._db.execute("SELECT 1 FROM retained WHERE parent = ? LIMIT 1", (parent,)).fetchone()
+            }
+
     def retained_keys(self, parent: str, start_after: str, end_before: str, limit: int) -> list[Retained]:
         """Like ``retained_between``, at most ``limit``, without their payloads (``payload`` is b"" for a
         clear kept as a tombstone, else b"-"): a subscriber pages through them, reading each one's payload

@@ -275,8 +275,11 @@ class Subscriptions:
         deliveries = self.deliveries
         try:
             elsewhere = await deliveries.retained_elsewhere(wanted)
+            link = self.link
+            holding = await link.dispatcher.run(link.host.durable.holding_retained, {p for p, _, _ in wanted})
             for (parent, levels, qos), theirs in zip(wanted, elsewhere, strict=True):
-                await deliveries.send_retained(parent, levels, qos, theirs, as_of)
+                if parent in holding or theirs:  # else none here nor elsewhere: 100 filters, not 100 queries
+                    await deliveries.send_retained(parent, levels, qos, theirs, as_of)
         except (ConnectionError, errors.LmqError) as exc:
             log.info("mqtt client %s: retained messages not sent: %s", self.link.client_id, exc)
         finally:

@@ -153,9 +153,13 @@ class Store(Protocol):
         For an event loop, like ``try_begin``: a commit is two small index writes, cheaper than a thread hop."""
         ...
 
-    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+    def commit_offsets(
+        self, rows: Sequence[tuple[model.QueueId, str, int]], *, capped: bool = False
+    ) -> list[tuple[model.QueueId, str, int]]:
         """``commit_offset`` of each (queue, group, offset), with nothing acked or handed out above it, in one
-        write (a subscription's offset reset over many lite topics)."""
+        write (a subscription's offset reset over many lite topics); a lite topic gone is skipped. ``capped``:
+        each offset at most its queue's end as the write finds it (an MQTT start at the ends read earlier: one
+        read of each queue, not one before and one in the write). Returns the rows written."""
         ...
 
     def get_offset(self, queue: model.QueueId, group: str) -> int | None: ...

@@ -220,13 +220,24 @@ class MemoryStore:
     ) -> None:
         self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
-    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+    def commit_offsets(
+        self, rows: Sequence[tuple[model.QueueId, str, int]], *, capped: bool = False
+    ) -> list[tuple[model.QueueId, str, int]]:
         for _, group, offset in rows:  # a bad row: none written
             api.check_group(group)
             if offset < 0:
                 raise errors.InvalidArgument("offset must be >= 0", offset=offset)
+        written = []
         for queue, group, offset in rows:
-            self.commit_offset(queue, group, offset)
+            name = keys.parse_queue(queue.topic, queue.queue)
+            with self._lock:
+                gone = name.is_lmq and name.qkey not in self._queues
+            if gone:
+                continue  # the lite topic is gone (reclaimed): its offsets must not come back
+            at = min(offset, self.queue_offsets(queue)[1]) if capped else offset
+            self.commit_offset(queue, group, at)
+            written.append((queue, group, at))
+        return written
 
     def try_commit_offset(
         self,

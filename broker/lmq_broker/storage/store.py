@@ -165,7 +165,9 @@ class LmqStore:
     ) -> None:
         self._commit_offset(queue, group, offset, acked, handouts, wait=True)
 
-    def commit_offsets(self, rows: Sequence[tuple[model.QueueId, str, int]]) -> None:
+    def commit_offsets(
+        self, rows: Sequence[tuple[model.QueueId, str, int]], *, capped: bool = False
+    ) -> list[tuple[model.QueueId, str, int]]:
         core = self._core
         core.check_open()
         names = [core.resolve(queue.topic, queue.queue) for queue, _, _ in rows]
@@ -174,23 +176,28 @@ class LmqStore:
             if offset < 0:
                 raise errors.InvalidArgument("offset must be >= 0", offset=offset)
         if core.rebuilding is not None or core.unreadable is not None:  # meta/ only: as ``commit_offset`` does
-            for queue, group, offset in rows:
+            written = [(q, g, min(o, self.queue_offsets(q)[1]) if capped else o) for q, g, o in rows]
+            for queue, group, offset in written:
                 self.commit_offset(queue, group, offset)
-            return
+            return written
         with core.write_lock:
             core.check_open()
             now = core.clock()
             commits: list[tuple[bytes, str, int]] = []
             states: list[tuple[keys.QueueName, index_mod.QueueState]] = []
-            for name, (_, group, offset) in zip(names, rows, strict=True):
-                st = core.state(name) if name.is_lmq else None
+            written = []
+            for name, (queue, group, asked) in zip(names, rows, strict=True):
+                st = core.state(name) if name.is_lmq or capped else None
                 if name.is_lmq and st is None:
                     continue  # the lite topic is gone (reclaimed): its offsets must not come back
+                offset = (0 if st is None else min(asked, st.next)) if capped else asked
                 commits.append((name.qkey, group, offset))
-                if st is not None:
+                written.append((queue, group, offset))
+                if st is not None and name.is_lmq:
                     states.append((name, st))
             self._meta.write_offsets(commits, [keys.consumed_key(name.qkey) for name, _ in states], now)
             self._note_consumed(states, now)
+        return written
 
     def _note_consumed(self, states: Sequence[tuple[keys.QueueName, index_mod.QueueState]], now: int) -> None:
         """(Under the write lock.) The last consume time of lite topics, in the index (one write)."""
