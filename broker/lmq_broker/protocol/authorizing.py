@@ -14,15 +14,23 @@ one); SyncLiteSubscription Sub on the group and on each lite topic (a pattern is
 QueryRoute Pub or Sub on the topic or on some lite topic of it; QueryAssignment and Telemetry settings Sub on
 the group and the topics (Telemetry publishing: Pub).
 
+A client id is its user's: once a user's SyncLiteSubscription made the lite subscriptions a client id holds, another
+user's ReceiveMessage, SyncLiteSubscription or NotifyClientTermination under that id is FORBIDDEN (``owned``):
+deliveries follow the client id's subscriptions, not the caller's rights, so a user with Sub on a group it shares
+with another would otherwise receive that user's lite topics by naming its client id.
+
 A lite subscription stays checked: after a change of the rules, what each client subscribed is checked again
 and what its user may no longer read is removed (``revoking``).
 
 In a cluster the decision is made once, at the broker the client called: the calls it makes to other brokers
-for that client are signed with the admin pair, the super user (``cluster.links``), and carry the peer header.
+for that client are signed with the admin pair, the super user (``cluster.links``), and carry the peer header
+and the client's user (``context.ON_BEHALF``), which a broker reads only on a super user's call (``acting``): a
+client's own header is ignored, and the owner of a lite topic checks whose client id it is as the access broker does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -30,7 +38,7 @@ from lmq_broker import errors
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
 from lmq_broker.protocol import auth, revoking
-from lmq_broker.protocol.context import Caller
+from lmq_broker.protocol.context import ON_BEHALF, Caller, Metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import sync_lite_subscription
@@ -44,9 +52,16 @@ class Gate:
     """The v2 service's checks; ``enabled`` False (no ``--acl``): the service never calls them. ``peer`` gives the
     call's address (``context.peer()``, a string built per call): asked only when a decision is not remembered."""
 
-    def __init__(self, access: AccessControl, revoker: revoking.Revoker | None = None) -> None:
+    def __init__(
+        self,
+        access: AccessControl,
+        revoker: revoking.Revoker | None = None,
+        subscriber: Callable[[str], str] = lambda client_id: "",
+    ) -> None:
+        """``subscriber``: the user whose lite subscriptions a client id holds ("": none), ``Dispatcher.subscriber``."""
         self.access = access
         self.revoker = revoker  # lite subscriptions checked again when the rules change
+        self._subscriber = subscriber
         self.enabled = access.enabled
         # Sends and consumer calls (receive, ack, invisibility) repeat the same (user, topic, lite) and (user,
         # group, topic, lite) many times a second: their decisions in one lookup each, for the rules of
@@ -71,6 +86,33 @@ class Gate:
     def _check(self, user: str, peer: str, action: policy.Action, targets: Iterable[policy.Target]) -> None:
         for target in targets:
             self.access.check(user, action, target, peer)
+
+    def acting(self, caller: Caller, metadata: Metadata | None) -> Caller:
+        """``caller`` with the user it acts for: the signature's, or, on a call signed by a super user (the admin
+        pair a broker of the cluster signs its calls for clients with), the user it names in ``ON_BEHALF``."""
+        user = auth.USER.get()
+        if self.access.is_super(user):
+            for key, value in metadata or ():
+                if key == ON_BEHALF and isinstance(value, str) and value:
+                    user = value
+                    break
+        return dataclasses.replace(caller, user=user)
+
+    def owned(self, caller: Caller) -> None:
+        """FORBIDDEN (counted as Sub) when ``caller``'s client id holds lite subscriptions another user made;
+        super users (and brokers acting for no one) may act under any."""
+        owner = self._subscriber(caller.client_id) if caller.client_id else ""
+        user = caller.user or auth.USER.get()
+        if not owner or owner == user or self.access.is_super(user) or self.access.is_super(owner):
+            return
+        name = self.access.count_refusal(user, SUB)
+        raise errors.Forbidden(
+            f"user {name} may not use client id {caller.client_id}: its lite subscriptions are another user's "
+            "(access control; every client of a user needs a client id of its own)",
+            kind="acl",
+            user=name,
+            action=SUB.value,
+        )
 
     def send(self, peer: Peer, request: spb.SendMessageRequest) -> None:
         """Pub on each message's lite topic, or topic. A single message (what the official clients send) is
@@ -120,10 +162,11 @@ class Gate:
         self, peer: Peer, request: spb.SyncLiteSubscriptionRequest, caller: Caller, max_chars: int
     ) -> None:
         user, address = auth.USER.get(), peer()
+        self.owned(caller)  # before anything is noted: another user's client id stays theirs
         names = await sync_lite_subscription.lite_topics(request, caller, max_chars)
         revoker = self.revoker
         if revoker is not None and caller.client_id:
-            revoker.made(caller, user, address, request, names)
+            revoker.made(caller, caller.user or user, address, request, names)
         try:
             self.access.check(user, SUB, policy.group(request.group.name), address)
             parent = request.topic.name

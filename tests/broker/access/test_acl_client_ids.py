@@ -1,0 +1,184 @@
+"""Access control and client ids (``--acl``): a client id whose lite subscriptions one user made is that user's.
+
+Deliveries follow the client id's lite subscriptions, not the caller's rights: before this, a user with ``Sub`` on
+a group it shares with another user (each with a lite prefix of its own, ``Group:together`` for both) received
+the other's lite topics by naming the other's client id in ``x-mq-client-id``, and could change or end its
+subscriptions (found in the access-control audit; these tests failed with bob receiving alice's message). Now
+such calls are FORBIDDEN (40300), at the broker the client calls and at the owner of the lite topic, which a
+cluster's forwarded calls tell whose client id it is (``x-lmq-on-behalf-of``, believed only from the admin pair).
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from lmq_broker import app, model
+from lmq_broker.admin.client import AdminClient
+from lmq_broker.admin.results import AclEntry
+from lmq_broker.cluster import membership as mb
+from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.protocol import auth
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as sg
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.supervisor import free_ports
+from lmq_broker.testing import BrokerProcess, start_broker
+
+PARENT, GROUP = "shared", "together"
+ALICE, BOB = ("alice", "alice-secret-1"), ("bob", "bob-secret-1")
+ADMIN = ("admin-ak", "admin-sk")
+Headers = tuple[tuple[str, str], ...]
+
+
+def signed(keys: tuple[str, str], client_id: str, *more: tuple[str, str]) -> Headers:
+    return (("x-mq-client-id", client_id), *more, *auth.sign_metadata(*keys, datetime.now(UTC)))
+
+
+def sync(action: pb.LiteSubscriptionAction.ValueType, lites: list[str]) -> spb.SyncLiteSubscriptionRequest:
+    return spb.SyncLiteSubscriptionRequest(
+        action=action, topic=pb.Resource(name=PARENT), group=pb.Resource(name=GROUP), lite_topic_set=lites
+    )
+
+
+def sending(lite: str) -> spb.SendMessageRequest:
+    props = pb.SystemProperties(message_id=f"m-{lite}", message_type=pb.LITE, lite_topic=lite)
+    message = pb.Message(topic=pb.Resource(name=PARENT), body=f"for {lite}".encode(), system_properties=props)
+    return spb.SendMessageRequest(messages=[message])
+
+
+def receiving(wait_s: int) -> spb.ReceiveMessageRequest:
+    request = spb.ReceiveMessageRequest(
+        group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)), batch_size=32
+    )
+    request.invisible_duration.seconds = 30
+    request.long_polling_timeout.seconds = wait_s
+    return request
+
+
+def outcome(frames: list[spb.ReceiveMessageResponse]) -> tuple[int, list[str]]:
+    """The status a receive answered and the lite topics of the messages it handed out."""
+    codes = [f.status.code for f in frames if f.HasField("status")]
+    return codes[0], [f.message.system_properties.lite_topic for f in frames if f.HasField("message")]
+
+
+def policies(user: str, prefix: str) -> list[AclEntry]:
+    return [AclEntry(user, f"Lite:{PARENT}/{prefix}-*", ("Pub", "Sub")), AclEntry(user, f"Group:{GROUP}", ("Sub",))]
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path / "data", extra_args=["--acl"])
+    with AdminClient(process.admin_endpoint, timeout_s=10, **process.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+        admin.put_group(model.LiteGroup(GROUP, PARENT))
+        for (name, secret), prefix in ((ALICE, "a"), (BOB, "b")):
+            admin.put_user(name, secret)
+            admin.put_acl(policies(name, prefix))
+    yield process
+    assert process.stop() == 0, process.log()[-4000:]
+
+
+def refused(broker: BrokerProcess, user: str) -> float:
+    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^lmq_acl_refused_total\{{action="Sub",user="{user}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_another_users_client_id_is_forbidden_and_takes_nothing_of_it(broker: BrokerProcess) -> None:
+    with grpc.insecure_channel(broker.endpoint) as channel:
+        stub = sg.MessagingServiceStub(channel)
+        assert stub.SyncLiteSubscription(sync(pb.PARTIAL_ADD, ["a-secret"]), metadata=signed(ALICE, "alice-1"),
+                                         timeout=10).status.code == pb.OK  # fmt: skip
+        assert stub.SendMessage(sending("a-secret"), metadata=signed(ALICE, "alice-p"), timeout=10).status.code == pb.OK
+        before = refused(broker, "bob")
+        # bob names alice's client id (a forged on-behalf header changes nothing: he is no super user)
+        for extra in ((), (("x-lmq-on-behalf-of", "alice"),)):
+            frames = list(stub.ReceiveMessage(receiving(1), metadata=signed(BOB, "alice-1", *extra), timeout=15))
+            code, got = outcome(frames)
+            assert (code, got) == (pb.FORBIDDEN, []), frames
+            assert "user bob may not use client id alice-1" in frames[0].status.message
+        for action, lites in ((pb.PARTIAL_ADD, ["b-x"]), (pb.COMPLETE_REMOVE, [])):
+            reply = stub.SyncLiteSubscription(sync(action, lites), metadata=signed(BOB, "alice-1"), timeout=10)
+            assert reply.status.code == pb.FORBIDDEN, reply.status
+        ending = spb.NotifyClientTerminationRequest(group=pb.Resource(name=GROUP))
+        ended = stub.NotifyClientTermination(ending, metadata=signed(BOB, "alice-1"), timeout=10)
+        assert ended.status.code == pb.FORBIDDEN, ended.status
+        assert refused(broker, "bob") >= before + 5
+        # alice's subscription and message are untouched: nothing was leased to bob
+        code, got = outcome(list(stub.ReceiveMessage(receiving(5), metadata=signed(ALICE, "alice-1"), timeout=20)))
+        assert (code, got) == (pb.OK, ["a-secret"])
+        # bob's own client id is his
+        reply = stub.SyncLiteSubscription(sync(pb.PARTIAL_ADD, ["b-x"]), metadata=signed(BOB, "bob-1"), timeout=10)
+        assert reply.status.code == pb.OK
+
+
+# --- a cluster: the owner of the lite topic is told whose client id it is ------------------------------------
+
+
+@pytest_asyncio.fixture
+async def brokers(tmp_path: Path) -> AsyncIterator[list[app.Broker]]:
+    ports = free_ports("127.0.0.1", 2)
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    started = []
+    for slot, port in enumerate(ports):
+        config = dispatch_testing.config_for(
+            tmp_path / f"b{slot}", host="127.0.0.1", port=port, metrics_port=-1, peers=members, ordinal=slot,
+            admin_access_key=ADMIN[0], admin_secret_key=ADMIN[1], acl=True,
+        )  # fmt: skip
+        store = lmq_store.open_store(config.store)
+        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+        broker = app.Broker(config, store=store)
+        await broker.start()
+        started.append(broker)
+    yield started
+    for broker in started:
+        await broker.stop(grace_s=0.2)
+
+
+async def admin_call(broker: app.Broker, method: str, request: object) -> object:
+    async with grpc.aio.insecure_channel(broker.endpoint) as channel:
+        stub = admin_grpc.LmqAdminStub(channel)
+        return await getattr(stub, method)(request, metadata=auth.sign_metadata(*ADMIN, datetime.now(UTC)))
+
+
+@pytest.mark.asyncio
+async def test_the_owner_of_a_lite_topic_refuses_another_users_client_id(brokers: list[app.Broker]) -> None:
+    """alice subscribes through the first broker to a lite topic the second owns (her subscription reaches it
+    forwarded, signed by the admin pair); bob then asks the second broker itself under her client id."""
+    first, second = brokers
+    group = admin_pb.LiteGroup(name=GROUP, bind_topic=PARENT, consume_enabled=True)
+    await admin_call(first, "PutLiteGroup", admin_pb.PutLiteGroupRequest(group=group))
+    for (name, secret), prefix in ((ALICE, "a"), (BOB, "b")):
+        await admin_call(first, "PutUser", admin_pb.PutUserRequest(user=admin_pb.User(name=name, secret=secret)))
+        entries = [
+            admin_pb.AclEntry(user=e.user, resource=e.resource, actions=e.actions) for e in policies(name, prefix)
+        ]
+        await admin_call(first, "PutAcl", admin_pb.PutAclRequest(entries=entries))
+    membership = mb.Membership.parse(first.config.peers)
+    there = next(
+        x for x in (f"a-{i}" for i in range(1000)) if mb.owner(membership, model.QueueId.lmq(PARENT, x).topic) == 1
+    )
+    async with grpc.aio.insecure_channel(first.endpoint) as one, grpc.aio.insecure_channel(second.endpoint) as two:
+        via_first, at_owner = sg.MessagingServiceStub(one), sg.MessagingServiceStub(two)
+        reply = await via_first.SyncLiteSubscription(sync(pb.PARTIAL_ADD, [there]), metadata=signed(ALICE, "alice-1"))
+        assert reply.status.code == pb.OK
+        assert second.dispatcher is not None and second.dispatcher.subscriber("alice-1") == "alice"
+        assert (await via_first.SendMessage(sending(there), metadata=signed(ALICE, "alice-p"))).status.code == pb.OK
+        forged = (("x-lmq-on-behalf-of", "alice"), ("x-lmq-peer", "1;0;00"))
+        for extra in ((), forged):
+            frames = [f async for f in at_owner.ReceiveMessage(receiving(1), metadata=signed(BOB, "alice-1", *extra))]
+            assert outcome(frames) == (pb.FORBIDDEN, []), frames
+        frames = [f async for f in at_owner.ReceiveMessage(receiving(5), metadata=signed(ALICE, "alice-1"))]
+        assert outcome(frames) == (pb.OK, [there])  # hers, and nothing of it was leased to bob
