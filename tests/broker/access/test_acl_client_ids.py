@@ -1,4 +1,5 @@
-"""Access control and client ids (``--acl``): a client id whose lite subscriptions one user made is that user's.
+"""Access control and client ids (``--acl``): a client id whose lite subscriptions one user made is that user's,
+and an MQTT session's consumer is no v2 user's.
 
 Deliveries follow the client id's lite subscriptions, not the caller's rights: before this, a user with ``Sub`` on
 a group it shares with another user (each with a lite prefix of its own, ``Group:together`` for both) received
@@ -6,6 +7,9 @@ the other's lite topics by naming the other's client id in ``x-mq-client-id``, a
 subscriptions (found in the access-control audit; these tests failed with bob receiving alice's message). Now
 such calls are FORBIDDEN (40300), at the broker the client calls and at the owner of the lite topic, which a
 cluster's forwarded calls tell whose client id it is (``x-lmq-on-behalf-of``, believed only from the admin pair).
+Likewise a v2 user with ``Sub`` on ``Group:*`` received (and took away) an MQTT session's messages by naming the
+session's group (``%MQTT%<client id>``) and consumer id (``<group>@<parent>``), and could put a lite group of that
+name (rebinding or stopping the session's deliveries): MQTT groups are granted by no rule, only super users have them.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from testing_mqtt import Peer
 
-from lmq_broker import app, model
+from lmq_broker import app, errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import AclEntry
 from lmq_broker.cluster import membership as mb
@@ -39,6 +44,7 @@ PARENT, GROUP = "shared", "together"
 ALICE, BOB = ("alice", "alice-secret-1"), ("bob", "bob-secret-1")
 ADMIN = ("admin-ak", "admin-sk")
 Headers = tuple[tuple[str, str], ...]
+EVERY_GROUP = ("Sub", "Create", "Update", "Delete", "Get", "List")
 
 
 def signed(keys: tuple[str, str], client_id: str, *more: tuple[str, str]) -> Headers:
@@ -182,3 +188,55 @@ async def test_the_owner_of_a_lite_topic_refuses_another_users_client_id(brokers
             assert outcome(frames) == (pb.FORBIDDEN, []), frames
         frames = [f async for f in at_owner.ReceiveMessage(receiving(5), metadata=signed(ALICE, "alice-1"))]
         assert outcome(frames) == (pb.OK, [there])  # hers, and nothing of it was leased to bob
+
+
+# --- an MQTT session's consumer ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mqtt_broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    process = start_broker(tmp_path / "data", extra_args=["--acl", "--mqtt-port", "0"])
+    with AdminClient(process.admin_endpoint, timeout_s=10, **process.admin_keys) as admin:
+        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
+        admin.put_user(*ALICE)
+        admin.put_user(*BOB)
+        admin.put_acl([AclEntry("alice", f"Lite:{PARENT}/a-*", ("Pub", "Sub"))])
+        admin.put_acl([AclEntry("bob", f"Lite:{PARENT}/b-*", ("Pub", "Sub")), AclEntry("bob", "Group:*", EVERY_GROUP)])
+    yield process
+    assert process.stop() == 0, process.log()[-4000:]
+
+
+def test_an_mqtt_sessions_group_is_no_v2_users_even_with_every_group(mqtt_broker: BrokerProcess) -> None:
+    """bob may do anything on every group; alice's MQTT session ``am`` is group ``%MQTT%am``, consumer
+    ``%MQTT%am@shared``: bob's receives under them are FORBIDDEN, his admin put of that group (which would rebind
+    or stop her session's deliveries) PERMISSION_DENIED, and alice gets every message she subscribed to."""
+    alice = Peer(mqtt_broker.mqtt_port, "am", auth=ALICE)
+    try:
+        assert alice.accepted
+        assert alice.subscribe((f"{PARENT}/a-x", 1)) == [1]
+        group, consumer = "%MQTT%am", f"%MQTT%am@{PARENT}"
+        with grpc.insecure_channel(mqtt_broker.endpoint) as channel:
+            stub = sg.MessagingServiceStub(channel)
+            request = receiving(1)
+            request.group.name = group
+            frames = list(stub.ReceiveMessage(request, metadata=signed(BOB, consumer), timeout=15))
+            assert outcome(frames) == (pb.FORBIDDEN, []), frames
+            assert "user bob may not Sub on Group:%MQTT%am" in frames[0].status.message
+            subscribing = sync(pb.PARTIAL_ADD, ["b-x"])
+            subscribing.group.name = group
+            reply = stub.SyncLiteSubscription(subscribing, metadata=signed(BOB, consumer), timeout=10)
+            assert reply.status.code == pb.FORBIDDEN, reply.status
+        with AdminClient(mqtt_broker.admin_endpoint, timeout_s=10, access_key=BOB[0], secret_key=BOB[1]) as admin:
+            with pytest.raises(errors.Forbidden, match="may not Create on Group:%MQTT%am"):
+                admin.put_group(model.LiteGroup(group, PARENT, consume_enabled=False))
+            assert "%MQTT%am" not in {g.group.name for g in admin.list_groups()}
+            admin.put_group(model.LiteGroup("b-group", PARENT))  # his other rights on groups stand
+        with grpc.insecure_channel(mqtt_broker.endpoint) as channel:
+            stub = sg.MessagingServiceStub(channel)
+            for i in range(5):
+                assert alice.publish(f"{PARENT}/a-x", b"%d" % i) == 0
+        alice.wait_count(5)
+        assert sorted(alice.payloads()) == [b"0", b"1", b"2", b"3", b"4"]
+    finally:
+        alice.client.loop_stop()
+        alice.client.disconnect()
