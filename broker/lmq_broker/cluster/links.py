@@ -177,6 +177,8 @@ class Links:
             headers += ((context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace))
             if caller.user:  # whose client id it is: the receiver refuses it under another user's id too
                 headers += ((context.ON_BEHALF, caller.user),)
+            if caller.source:  # and where it called from, for the receiver's checks of its rules that name networks
+                headers += ((context.ON_BEHALF_FROM, caller.source),)
         if self.config.acl and self._admin_keys is not None and self._admin_keys[0]:
             headers += auth.sign_metadata(self._admin_keys[0], self._admin_keys[1], datetime.now(UTC))
         elif self.config.access_key:

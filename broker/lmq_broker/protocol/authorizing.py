@@ -38,7 +38,7 @@ from lmq_broker import errors
 from lmq_broker.access import policy
 from lmq_broker.access.control import AccessControl
 from lmq_broker.protocol import auth, revoking
-from lmq_broker.protocol.context import ON_BEHALF, Caller, Metadata
+from lmq_broker.protocol.context import ON_BEHALF, ON_BEHALF_FROM, Caller, Metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.handlers import sync_lite_subscription
@@ -87,16 +87,23 @@ class Gate:
         for target in targets:
             self.access.check(user, action, target, peer)
 
-    def acting(self, caller: Caller, metadata: Metadata | None) -> Caller:
+    def acting(self, caller: Caller, metadata: Metadata | None, peer: Peer | None = None) -> Caller:
         """``caller`` with the user it acts for: the signature's, or, on a call signed by a super user (the admin
-        pair a broker of the cluster signs its calls for clients with), the user it names in ``ON_BEHALF``."""
-        user = auth.USER.get()
+        pair a broker of the cluster signs its calls for clients with), the user it names in ``ON_BEHALF``; and,
+        when ``peer`` is given, the client's address: the call's own, or the one such a call names with that user
+        (so that a subscription forwarded to its owner is checked again there as from where its client called)."""
+        user, source = auth.USER.get(), ""
         if self.access.is_super(user):
+            named = ""
             for key, value in metadata or ():
-                if key == ON_BEHALF and isinstance(value, str) and value:
-                    user = value
-                    break
-        return dataclasses.replace(caller, user=user)
+                if key == ON_BEHALF and isinstance(value, str):
+                    named = value
+                elif key == ON_BEHALF_FROM and isinstance(value, str):
+                    source = value
+            user, source = (named, source) if named else (user, "")
+        if not source and peer is not None:
+            source = peer()
+        return dataclasses.replace(caller, user=user, source=source)
 
     def owned(self, caller: Caller) -> None:
         """FORBIDDEN (counted as Sub) when ``caller``'s client id holds lite subscriptions another user made;
@@ -166,7 +173,7 @@ class Gate:
         names = await sync_lite_subscription.lite_topics(request, caller, max_chars)
         revoker = self.revoker
         if revoker is not None and caller.client_id:
-            revoker.made(caller, caller.user or user, address, request, names)
+            revoker.made(caller, caller.user or user, caller.source or address, request, names)
         try:
             self.access.check(user, SUB, policy.group(request.group.name), address)
             parent = request.topic.name

@@ -357,7 +357,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         metadata = metadata_of(context)
         caller = Caller.of(metadata, external=self.external)
         if gate.enabled:
-            caller = gate.acting(caller, metadata)  # named to the owners the parts go to (``cluster.links``)
+            caller = gate.acting(caller, metadata, context.peer)  # named to the parts' owners (``cluster.links``)
         max_chars = self.edge.config.max_lite_topic_size
 
         def check(peer: authorizing.Peer) -> Awaitable[None]:

@@ -181,6 +181,9 @@ async def test_the_owner_of_a_lite_topic_refuses_another_users_client_id(brokers
         reply = await via_first.SyncLiteSubscription(sync(pb.PARTIAL_ADD, [there]), metadata=signed(ALICE, "alice-1"))
         assert reply.status.code == pb.OK
         assert second.dispatcher is not None and second.dispatcher.subscriber("alice-1") == "alice"
+        # saved with her address, not the first broker's: rules naming networks are checked there as hers
+        assert first.dispatcher is not None
+        assert second.dispatcher.subscription_owner("alice-1") == first.dispatcher.subscription_owner("alice-1")
         assert (await via_first.SendMessage(sending(there), metadata=signed(ALICE, "alice-p"))).status.code == pb.OK
         forged = (("x-lmq-on-behalf-of", "alice"), ("x-lmq-peer", "1;0;00"))
         for extra in ((), forged):
