@@ -10,7 +10,8 @@ INFO (``refusals``) and counts in ``lmq_acl_refused_total{user,action}``.
 What each call needs (RocketMQ ACL 2.0's table, with lite topics): SendMessage Pub on each message's lite topic
 (``Lite:<parent>/<lite>``) or topic; ReceiveMessage, AckMessage, ChangeInvisibleDuration and
 ForwardMessageToDeadLetterQueue Sub on the group and on the topic (on the lite topic when the request names
-one); SyncLiteSubscription Sub on the group and on each lite topic (a pattern is checked as its text);
+one); SyncLiteSubscription Sub on the group and on each lite topic (a pattern is checked as its text; a wildcard group's
+COMPLETE_ADD on each of the group's lite patterns, on ``*`` without any: all the group will receive);
 QueryRoute Pub or Sub on the topic or on some lite topic of it; QueryAssignment and Telemetry settings Sub on
 the group and the topics (Telemetry publishing: Pub).
 
@@ -31,7 +32,7 @@ client's own header is ignored, and the owner of a lite topic checks whose clien
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Final
 
 from lmq_broker import errors
@@ -46,6 +47,7 @@ from lmq_broker.protocol.handlers import sync_lite_subscription
 PUB, SUB = policy.Action.PUB, policy.Action.SUB
 ADMITTED_KEPT: Final = 16_384  # admissions (to send, to consume) a Gate remembers of each kind until a change
 Peer = Callable[[], str]  # the call's address, read when a decision needs it (``context.peer``)
+Reach = Callable[[str, str], Awaitable[tuple[str, ...] | None]]  # (group, parent) -> a wildcard group's patterns
 
 
 class Gate:
@@ -57,11 +59,15 @@ class Gate:
         access: AccessControl,
         revoker: revoking.Revoker | None = None,
         subscriber: Callable[[str], str] = lambda client_id: "",
+        wildcard: Reach | None = None,
     ) -> None:
-        """``subscriber``: the user whose lite subscriptions a client id holds ("": none), ``Dispatcher.subscriber``."""
+        """``subscriber``: the user whose lite subscriptions a client id holds ("": none), ``Dispatcher.subscriber``;
+        ``wildcard``: what a wildcard group of a parent receives (its lite patterns, ``*`` for all), None for
+        another group."""
         self.access = access
         self.revoker = revoker  # lite subscriptions checked again when the rules change
         self._subscriber = subscriber
+        self._wildcard = wildcard
         self.enabled = access.enabled
         # Sends and consumer calls (receive, ack, invisibility) repeat the same (user, topic, lite) and (user,
         # group, topic, lite) many times a second: their decisions in one lookup each, for the rules of
@@ -171,9 +177,15 @@ class Gate:
         user, address = auth.USER.get(), peer()
         self.owned(caller)  # before anything is noted: another user's client id stays theirs
         names = await sync_lite_subscription.lite_topics(request, caller, max_chars)
+        reach = None
+        if request.action == pb.COMPLETE_ADD and self._wildcard is not None:
+            # a wildcard group's client receives every lite topic its patterns match (all: ``*``), whatever the
+            # set it sends: that is what it must be allowed to read
+            reach = await self._wildcard(request.group.name, request.topic.name)
+            names = names if reach is None else list(reach)
         revoker = self.revoker
         if revoker is not None and caller.client_id:
-            revoker.made(caller, caller.user or user, caller.source or address, request, names)
+            revoker.made(caller, caller.user or user, caller.source or address, request, names, whole=reach is not None)
         try:
             self.access.check(user, SUB, policy.group(request.group.name), address)
             parent = request.topic.name

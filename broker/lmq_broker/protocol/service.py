@@ -83,7 +83,19 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self.edge = edge
         self.external = external
         self.refusals = RefusalLog()
-        self.gate = authorizing.Gate(edge.access, revoking.Revoker(edge, edge.access), edge.dispatcher.subscriber)
+        self.gate = authorizing.Gate(
+            edge.access, revoking.Revoker(edge, edge.access), edge.dispatcher.subscriber, self._wildcard_reach
+        )
+
+    async def _wildcard_reach(self, group: str, parent: str) -> tuple[str, ...] | None:
+        """What a client of ``group`` receives when it is a wildcard group of ``parent``: its lite patterns, or
+        ``*`` (every lite topic); None for any other group (or none: the handler answers that)."""
+        snap = await self.edge.dispatcher.metadata()
+        try:
+            found = snap.lite_group(group, parent)
+        except errors.LmqError:
+            return None
+        return (found.lite_patterns or ("*",)) if found.wildcard else None
 
     def _guard(self, context: Context, check: Check, answer: Callable[[], Awaitable[Resp]]) -> Awaitable[Resp]:
         """``answer()``, after ``check`` when access control is on (``--acl``); a refusal, as an awaitable that
