@@ -14,8 +14,6 @@ name (rebinding or stopping the session's deliveries): MQTT groups are granted b
 
 from __future__ import annotations
 
-import re
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,26 +21,23 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from acl_metrics import acl_refused
+from acl_testing import acl_cluster, admin_call, start_acl_broker
 from testing_mqtt import Peer
 
 from lmq_broker import app, errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.admin.results import AclEntry
 from lmq_broker.cluster import membership as mb
-from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as sg
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
-from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.supervisor import free_ports
-from lmq_broker.testing import BrokerProcess, start_broker
+from lmq_broker.testing import BrokerProcess
 
 PARENT, GROUP = "shared", "together"
 ALICE, BOB = ("alice", "alice-secret-1"), ("bob", "bob-secret-1")
-ADMIN = ("admin-ak", "admin-sk")
 Headers = tuple[tuple[str, str], ...]
 EVERY_GROUP = ("Sub", "Create", "Update", "Delete", "Get", "List")
 
@@ -84,9 +79,8 @@ def policies(user: str, prefix: str) -> list[AclEntry]:
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
-    process = start_broker(tmp_path / "data", extra_args=["--acl"])
+    process = start_acl_broker(tmp_path / "data", PARENT)
     with AdminClient(process.admin_endpoint, timeout_s=10, **process.admin_keys) as admin:
-        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
         admin.put_group(model.LiteGroup(GROUP, PARENT))
         for (name, secret), prefix in ((ALICE, "a"), (BOB, "b")):
             admin.put_user(name, secret)
@@ -95,20 +89,13 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     assert process.stop() == 0, process.log()[-4000:]
 
 
-def refused(broker: BrokerProcess, user: str) -> float:
-    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    found = re.search(rf'^lmq_acl_refused_total\{{action="Sub",user="{user}"\}} (\S+)$', text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
-
-
 def test_another_users_client_id_is_forbidden_and_takes_nothing_of_it(broker: BrokerProcess) -> None:
     with grpc.insecure_channel(broker.endpoint) as channel:
         stub = sg.MessagingServiceStub(channel)
         assert stub.SyncLiteSubscription(sync(pb.PARTIAL_ADD, ["a-secret"]), metadata=signed(ALICE, "alice-1"),
                                          timeout=10).status.code == pb.OK  # fmt: skip
         assert stub.SendMessage(sending("a-secret"), metadata=signed(ALICE, "alice-p"), timeout=10).status.code == pb.OK
-        before = refused(broker, "bob")
+        before = acl_refused(broker.metrics_url, "bob", "Sub")
         # bob names alice's client id (a forged on-behalf header changes nothing: he is no super user)
         for extra in ((), (("x-lmq-on-behalf-of", "alice"),)):
             frames = list(stub.ReceiveMessage(receiving(1), metadata=signed(BOB, "alice-1", *extra), timeout=15))
@@ -121,7 +108,7 @@ def test_another_users_client_id_is_forbidden_and_takes_nothing_of_it(broker: Br
         ending = spb.NotifyClientTerminationRequest(group=pb.Resource(name=GROUP))
         ended = stub.NotifyClientTermination(ending, metadata=signed(BOB, "alice-1"), timeout=10)
         assert ended.status.code == pb.FORBIDDEN, ended.status
-        assert refused(broker, "bob") >= before + 5
+        assert acl_refused(broker.metrics_url, "bob", "Sub") >= before + 5
         # alice's subscription and message are untouched: nothing was leased to bob
         code, got = outcome(list(stub.ReceiveMessage(receiving(5), metadata=signed(ALICE, "alice-1"), timeout=20)))
         assert (code, got) == (pb.OK, ["a-secret"])
@@ -135,28 +122,8 @@ def test_another_users_client_id_is_forbidden_and_takes_nothing_of_it(broker: Br
 
 @pytest_asyncio.fixture
 async def brokers(tmp_path: Path) -> AsyncIterator[list[app.Broker]]:
-    ports = free_ports("127.0.0.1", 2)
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    started = []
-    for slot, port in enumerate(ports):
-        config = dispatch_testing.config_for(
-            tmp_path / f"b{slot}", host="127.0.0.1", port=port, metrics_port=-1, peers=members, ordinal=slot,
-            admin_access_key=ADMIN[0], admin_secret_key=ADMIN[1], acl=True,
-        )  # fmt: skip
-        store = lmq_store.open_store(config.store)
-        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-        broker = app.Broker(config, store=store)
-        await broker.start()
-        started.append(broker)
-    yield started
-    for broker in started:
-        await broker.stop(grace_s=0.2)
-
-
-async def admin_call(broker: app.Broker, method: str, request: object) -> object:
-    async with grpc.aio.insecure_channel(broker.endpoint) as channel:
-        stub = admin_grpc.LmqAdminStub(channel)
-        return await getattr(stub, method)(request, metadata=auth.sign_metadata(*ADMIN, datetime.now(UTC)))
+    async with acl_cluster(tmp_path, PARENT) as started:
+        yield started
 
 
 @pytest.mark.asyncio
@@ -198,9 +165,8 @@ async def test_the_owner_of_a_lite_topic_refuses_another_users_client_id(brokers
 
 @pytest.fixture
 def mqtt_broker(tmp_path: Path) -> Iterator[BrokerProcess]:
-    process = start_broker(tmp_path / "data", extra_args=["--acl", "--mqtt-port", "0"])
+    process = start_acl_broker(tmp_path / "data", PARENT, "--mqtt-port", "0")
     with AdminClient(process.admin_endpoint, timeout_s=10, **process.admin_keys) as admin:
-        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
         admin.put_user(*ALICE)
         admin.put_user(*BOB)
         admin.put_acl([AclEntry("alice", f"Lite:{PARENT}/a-*", ("Pub", "Sub"))])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from acl_testing import start_acl_broker
 from waiting import eventually
 
 from lmq_broker import model
@@ -23,7 +24,7 @@ from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as sg
-from lmq_broker.testing import BrokerProcess, start_broker
+from lmq_broker.testing import BrokerProcess
 
 PARENT = "shared"
 ALICE, BOB, CAROL = ("alice", "alice-secret-1"), ("bob", "bob-secret-1"), ("carol", "carol-secret-1")
@@ -31,9 +32,8 @@ ALICE, BOB, CAROL = ("alice", "alice-secret-1"), ("bob", "bob-secret-1"), ("caro
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
-    process = start_broker(tmp_path / "data", extra_args=["--acl"])
+    process = start_acl_broker(tmp_path / "data", PARENT)
     with AdminClient(process.admin_endpoint, timeout_s=10, **process.admin_keys) as admin:
-        admin.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
         admin.put_group(model.LiteGroup("wild", PARENT, wildcard=True))
         admin.put_group(model.LiteGroup("wild-b", PARENT, wildcard=True, lite_patterns=("b-*",)))
         for user in (ALICE, BOB, CAROL):
