@@ -16,9 +16,9 @@ QueryRoute Pub or Sub on the topic or on some lite topic of it; QueryAssignment 
 the group and the topics (Telemetry publishing: Pub).
 
 A client id is its user's: once a user's SyncLiteSubscription made the lite subscriptions a client id holds, another
-user's ReceiveMessage, SyncLiteSubscription or NotifyClientTermination under that id is FORBIDDEN (``owned``):
-deliveries follow the client id's subscriptions, not the caller's rights, so a user with Sub on a group it shares
-with another would otherwise receive that user's lite topics by naming its client id.
+user's ReceiveMessage, SyncLiteSubscription, NotifyClientTermination, Heartbeat or Telemetry under that id is
+FORBIDDEN (``owned``): deliveries follow the client id's subscriptions, not the caller's rights, so a user with Sub
+on a group it shares with another would otherwise receive that user's lite topics by naming its client id.
 
 A lite subscription stays checked: after a change of the rules, what each client subscribed is checked again
 and what its user may no longer read is removed (``revoking``).
@@ -114,18 +114,8 @@ class Gate:
     def owned(self, caller: Caller) -> None:
         """FORBIDDEN (counted as Sub) when ``caller``'s client id holds lite subscriptions another user made;
         super users (and brokers acting for no one) may act under any."""
-        owner = self._subscriber(caller.client_id) if caller.client_id else ""
-        user = caller.user or auth.USER.get()
-        if not owner or owner == user or self.access.is_super(user) or self.access.is_super(owner):
-            return
-        name = self.access.count_refusal(user, SUB)
-        raise errors.Forbidden(
-            f"user {name} may not use client id {caller.client_id}: its lite subscriptions are another user's "
-            "(access control; every client of a user needs a client id of its own)",
-            kind="acl",
-            user=name,
-            action=SUB.value,
-        )
+        if caller.client_id:
+            owned(self.access, self._subscriber(caller.client_id), caller.client_id, caller.user or auth.USER.get())
 
     def send(self, peer: Peer, request: spb.SendMessageRequest) -> None:
         """Pub on each message's lite topic, or topic. A single message (what the official clients send) is
@@ -194,6 +184,21 @@ class Gate:
             if revoker is not None and caller.client_id:
                 revoker.refused(caller.client_id)  # what it holds from before (a restart, a change) is checked
             raise
+
+
+def owned(access: AccessControl, owner: str, client_id: str, user: str) -> None:
+    """FORBIDDEN (counted as Sub) unless ``user`` may act under ``client_id``, whose lite subscriptions ``owner``
+    made ("": none known): the same user, or either of them super."""
+    if not owner or owner == user or access.is_super(user) or access.is_super(owner):
+        return
+    name = access.count_refusal(user, SUB)
+    raise errors.Forbidden(
+        f"user {name} may not use client id {client_id}: its lite subscriptions are another user's "
+        "(access control; every client of a user needs a client id of its own)",
+        kind="acl",
+        user=name,
+        action=SUB.value,
+    )
 
 
 def route(access: AccessControl, user: str, peer: str, topic: str) -> None:

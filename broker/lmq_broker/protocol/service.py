@@ -162,7 +162,15 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def Heartbeat(self, request: spb.HeartbeatRequest, context: Context) -> spb.HeartbeatResponse:
-        return await self._unary("Heartbeat", heartbeat.handle, request, context, spb.HeartbeatResponse)
+        gate = self.gate  # another user's client id is not kept alive (nor its type or group changed) by this one
+        return await self._unary(
+            "Heartbeat",
+            heartbeat.handle,
+            request,
+            context,
+            spb.HeartbeatResponse,
+            check=lambda peer: gate.owned(Caller.of(metadata_of(context))),
+        )
 
     @override
     async def SendMessage(

@@ -108,7 +108,14 @@ def test_another_users_client_id_is_forbidden_and_takes_nothing_of_it(broker: Br
         ending = spb.NotifyClientTerminationRequest(group=pb.Resource(name=GROUP))
         ended = stub.NotifyClientTermination(ending, metadata=signed(BOB, "alice-1"), timeout=10)
         assert ended.status.code == pb.FORBIDDEN, ended.status
-        assert acl_refused(broker.metrics_url, "bob", "Sub") >= before + 5
+        beating = spb.HeartbeatRequest(group=pb.Resource(name=GROUP), client_type=pb.LITE_SIMPLE_CONSUMER)
+        beat = stub.Heartbeat(beating, metadata=signed(BOB, "alice-1"), timeout=10)  # would change her client's type
+        assert beat.status.code == pb.FORBIDDEN, beat.status
+        # nor her Telemetry stream (her notices, and what ends with her stream)
+        with pytest.raises(grpc.RpcError) as stream:
+            list(stub.Telemetry(iter(()), metadata=signed(BOB, "alice-1"), timeout=10))
+        assert stream.value.code() == grpc.StatusCode.PERMISSION_DENIED, stream.value
+        assert acl_refused(broker.metrics_url, "bob", "Sub") >= before + 7
         # alice's subscription and message are untouched: nothing was leased to bob
         code, got = outcome(list(stub.ReceiveMessage(receiving(5), metadata=signed(ALICE, "alice-1"), timeout=20)))
         assert (code, got) == (pb.OK, ["a-secret"])
