@@ -165,6 +165,21 @@ async def test_the_owner_of_a_lite_topic_refuses_another_users_client_id(brokers
             assert outcome(frames) == (pb.FORBIDDEN, []), frames
         frames = [f async for f in at_owner.ReceiveMessage(receiving(5), metadata=signed(ALICE, "alice-1"))]
         assert outcome(frames) == (pb.OK, [there])  # hers, and nothing of it was leased to bob
+        # a LiteSimpleConsumer's receives gather from every broker: alice-2 subscribes at the owner itself, which
+        # the first broker never hears of; bob makes the first gather for him under her id (his heartbeat says
+        # LiteSimpleConsumer), and the owner, told it is bob's call, refuses; hers through the first get it
+        there2 = next(
+            x for x in (f"a-g{i}" for i in range(1000)) if mb.owner(membership, model.QueueId.lmq(PARENT, x).topic) == 1
+        )
+        reply = await at_owner.SyncLiteSubscription(sync(pb.PARTIAL_ADD, [there2]), metadata=signed(ALICE, "alice-2"))
+        assert reply.status.code == pb.OK
+        assert (await via_first.SendMessage(sending(there2), metadata=signed(ALICE, "alice-p"))).status.code == pb.OK
+        beating = spb.HeartbeatRequest(group=pb.Resource(name=GROUP), client_type=pb.LITE_SIMPLE_CONSUMER)
+        for keys in (BOB, ALICE):
+            beat = await via_first.Heartbeat(beating, metadata=signed(keys, "alice-2"))
+            assert beat.status.code == pb.OK, beat.status
+            frames = [f async for f in via_first.ReceiveMessage(receiving(2), metadata=signed(keys, "alice-2"))]
+            assert outcome(frames)[1] == ([there2] if keys == ALICE else []), frames
 
 
 # --- an MQTT session's consumer ---------------------------------------------------------------------------------
