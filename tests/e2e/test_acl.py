@@ -4,15 +4,14 @@ change applies to the next call."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
 import pytest
+from acl_metrics import acl_refused
 from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, Message, Producer
 from rocketmq.grpc_protocol import definition_pb2, service_pb2, service_pb2_grpc
 from waiting import eventually
@@ -51,13 +50,6 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     assert process.stop() == 0, process.log()[-4000:]
 
 
-def refused(broker: BrokerProcess, user: str, action: str) -> float:
-    with urllib.request.urlopen(f"{broker.metrics_url}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    found = re.search(rf'^lmq_acl_refused_total\{{action="{action}",user="{user}"\}} (\S+)$', text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
-
-
 def raw_send(endpoint: str, lite_topic: str, keys: tuple[str, str]) -> Any:
     props = definition_pb2.SystemProperties(
         message_id=f"raw-{lite_topic}-{time.monotonic_ns()}", message_type=definition_pb2.LITE, lite_topic=lite_topic,
@@ -81,10 +73,10 @@ def test_tenants_use_their_own_lite_topics_and_are_forbidden_the_others(broker: 
         consumer.subscribe_lite("a-session")
         producer.send(lite("a-session", b"hers"))
         assert inbox.wait_for(lambda i: i.bodies() == [b"hers"], 15)
-        before = refused(broker, "alice", "Pub")
+        before = acl_refused(broker.metrics_url, "alice", "Pub")
         with pytest.raises(Exception, match="may not Pub on Lite:shared/b-session"):
             producer.send(lite("b-session", b"intrusion"))
-        assert refused(broker, "alice", "Pub") > before
+        assert acl_refused(broker.metrics_url, "alice", "Pub") > before
         with pytest.raises(Exception, match="may not Sub on Lite:shared/b-session"):
             consumer.subscribe_lite("b-session")
     finally:

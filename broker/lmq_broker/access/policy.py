@@ -65,6 +65,12 @@ class Kind(enum.StrEnum):
     UNDER = "Under"
 
 
+# The groups of MQTT sessions and shared subscriptions (``dispatch.metadata.MQTT_GROUP_PREFIX``): made by the broker
+# for each session, never by a rule's grant. A v2 receive naming one under the session's consumer id would take that
+# session's messages whatever their lite topics; an admin put of one would change how the session is served.
+SESSION_GROUP_PREFIX: Final = "%MQTT%"
+
+
 class Target(NamedTuple):  # a tuple: hashed in C, it is the decision cache's key
     kind: Kind
     name: str  # the topic, group or lite topic
@@ -271,6 +277,8 @@ class Subject:
             return False
         if self.user.super_user:
             return True
+        if target.kind is Kind.GROUP and target.name.startswith(SESSION_GROUP_PREFIX):
+            return False  # an MQTT session's (or share's) group is the broker's own: no rule gives it
         allowed = False
         for rule in self.rules:
             if rule.applies(action, target, source):

@@ -170,10 +170,15 @@ class Links:
     def v2_headers(self, method: str, caller: context.Caller | None = None) -> Headers:
         """Headers of a v2 call to a peer: the peer header, the client's id and namespace (``caller``), and a
         client signature when client auth is on. Under ``--acl`` the signature is the admin pair's, the super
-        user: the broker the client called has checked the client's rights (``protocol.authorizing``)."""
+        user: the broker the client called has checked the client's rights (``protocol.authorizing``); the
+        client's user (``caller.user``) goes with it, for the owner's check of whose client id it is."""
         headers: Headers = (self.peer_header(V2 + method),)
         if caller is not None:
             headers += ((context.CLIENT_ID, caller.client_id), (context.NAMESPACE, caller.namespace))
+            if caller.user:  # whose client id it is: the receiver refuses it under another user's id too
+                headers += ((context.ON_BEHALF, caller.user),)
+            if caller.source:  # and where it called from, for the receiver's checks of its rules that name networks
+                headers += ((context.ON_BEHALF_FROM, caller.source),)
         if self.config.acl and self._admin_keys is not None and self._admin_keys[0]:
             headers += auth.sign_metadata(self._admin_keys[0], self._admin_keys[1], datetime.now(UTC))
         elif self.config.access_key:

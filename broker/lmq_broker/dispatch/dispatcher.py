@@ -184,6 +184,14 @@ class Dispatcher:
         """The (user, address) saved with ``client_id``'s lite subscriptions; None: not known."""
         return self.subscriptions.owners.get(client_id)
 
+    def subscriber(self, client_id: str) -> str:
+        """The user that made the lite subscriptions ``client_id`` holds here (``--acl``); "": none known, or the
+        client is not registered (gone, expired: its id is anyone's again)."""
+        owner = self.subscriptions.owners.get(client_id)
+        if owner is None or self.registry.get(client_id) is None:
+            return ""
+        return owner[0]
+
     def restore_subscriptions(self, records: list[saved_subscriptions.ClientRecord]) -> None:
         """Re-register clients saved at the last graceful shutdown."""
         self.subscriptions.restore(records)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from lmq_broker import errors, model
+from lmq_broker.access import policy
 from lmq_broker.config import BrokerConfig
 from lmq_broker.storage.api import Store
 
@@ -22,7 +23,7 @@ NORMAL_GROUP_RETRY = model.RetryPolicy()
 # no metadata write and no snapshot reload; bound to whichever parent it is used with (its offsets are per LMQ).
 # MQTT never gives up on a QoS 1 message: a client that disconnects without PUBACK gets it again, so the
 # attempts cap (then the DLQ) is far above what a live client reaches.
-MQTT_GROUP_PREFIX: Final = "%MQTT%"
+MQTT_GROUP_PREFIX: Final = policy.SESSION_GROUP_PREFIX  # which access control's rules never grant
 MQTT_GROUP_RETRY = model.RetryPolicy(max_attempts=10_000, backoff_ms=(0,))
 
 

@@ -22,6 +22,10 @@ CLIENT_ID: Final = "x-mq-client-id"
 LANGUAGE: Final = "x-mq-language"
 CLIENT_VERSION: Final = "x-mq-client-version"
 NAMESPACE: Final = "x-mq-namespace"
+# On a call a broker of the cluster makes for a client (signed with the admin pair): the client's user, whose
+# client id it is (``authorizing.Gate.acting``); read only on calls signed by a super user.
+ON_BEHALF: Final = "x-lmq-on-behalf-of"
+ON_BEHALF_FROM: Final = "x-lmq-on-behalf-from"  # with it, the client's address (``context.peer()`` where it called)
 MAX_CLIENT_ID_CHARS: Final = 512
 _WANTED: Final = frozenset((CLIENT_ID, LANGUAGE, CLIENT_VERSION, NAMESPACE))
 # The current call's headers, as grpc read them to find its handler (each call runs in a task of its own, so it
@@ -43,6 +47,8 @@ class Caller:
     namespace: str = ""
     peer: str = ""  # the connection (context.peer()), read only where it matters: Telemetry, termination
     external: bool = False  # came in on the external listener (--external-port): routes name external addresses
+    user: str = ""  # under --acl, the user the call acts for (``authorizing.Gate.acting``), named to peers
+    source: str = ""  # with it, the client's address, for rules that name networks (a subscription's only)
 
     @staticmethod
     def of(metadata: Iterable[tuple[str, str | bytes]] | None, peer: str = "", *, external: bool = False) -> Caller:

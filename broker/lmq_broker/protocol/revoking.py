@@ -45,6 +45,7 @@ class Held:
     group: str
     parent: str
     names: set[str] = field(default_factory=set)
+    whole: bool = False  # a wildcard group's registration: its patterns stand or fall together (COMPLETE_REMOVE)
 
 
 class Revoker:
@@ -58,9 +59,17 @@ class Revoker:
         self._soon: set[str] = set()  # client ids to check at the next pass (a refused sync)
 
     def made(
-        self, caller: Caller, user: str, peer: str, request: spb.SyncLiteSubscriptionRequest, names: list[str]
+        self,
+        caller: Caller,
+        user: str,
+        peer: str,
+        request: spb.SyncLiteSubscriptionRequest,
+        names: list[str],
+        *,
+        whole: bool = False,
     ) -> None:
-        """A sync of ``caller`` by ``user`` (before its checks: a refused one may name what the client holds)."""
+        """A sync of ``caller`` by ``user`` (before its checks: a refused one may name what the client holds);
+        ``whole``: a wildcard group's COMPLETE_ADD, ``names`` its patterns, ended all at once when one is refused."""
         self._watch()
         client_id, group, parent = caller.client_id, request.group.name, request.topic.name
         self._edge.dispatcher.own_subscriptions(client_id, user, peer)
@@ -70,6 +79,7 @@ class Revoker:
                 self._forget_gone()
             held = self._held[client_id] = Held(user, peer, caller, group, parent)
         held.user, held.peer, held.caller = user, peer, caller
+        held.whole = whole or (held.whole and request.action != pb.COMPLETE_ADD)
         action = request.action
         if action == pb.PARTIAL_ADD:
             held.names.update(names)
@@ -145,14 +155,13 @@ class Revoker:
 
     async def _check(self, client_id: str, held: Held) -> None:
         access, user, peer = self._access, held.user, held.peer
-        if not access.allows(user, policy.Action.SUB, policy.group(held.group), peer):
+        sub, parent = policy.Action.SUB, held.parent
+        names = sorted(n for n in held.names if not access.allows(user, sub, policy.lite(parent, n), peer))
+        if not access.allows(user, sub, policy.group(held.group), peer) or (held.whole and names):
             ended, action = sorted(held.names) or ["(all)"], pb.COMPLETE_REMOVE
             self._held.pop(client_id, None)
-            names: list[str] = []
+            names = []
         else:
-            names = sorted(
-                n for n in held.names if not access.allows(user, policy.Action.SUB, policy.lite(held.parent, n), peer)
-            )
             if not names:
                 return
             ended, action = names, pb.PARTIAL_REMOVE

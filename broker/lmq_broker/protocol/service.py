@@ -83,7 +83,19 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self.edge = edge
         self.external = external
         self.refusals = RefusalLog()
-        self.gate = authorizing.Gate(edge.access, revoking.Revoker(edge, edge.access))
+        self.gate = authorizing.Gate(
+            edge.access, revoking.Revoker(edge, edge.access), edge.dispatcher.subscriber, self._wildcard_reach
+        )
+
+    async def _wildcard_reach(self, group: str, parent: str) -> tuple[str, ...] | None:
+        """What a client of ``group`` receives when it is a wildcard group of ``parent``: its lite patterns, or
+        ``*`` (every lite topic); None for any other group (or none: the handler answers that)."""
+        snap = await self.edge.dispatcher.metadata()
+        try:
+            found = snap.lite_group(group, parent)
+        except errors.LmqError:
+            return None
+        return (found.lite_patterns or ("*",)) if found.wildcard else None
 
     def _guard(self, context: Context, check: Check, answer: Callable[[], Awaitable[Resp]]) -> Awaitable[Resp]:
         """``answer()``, after ``check`` when access control is on (``--acl``); a refusal, as an awaitable that
@@ -150,7 +162,15 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
 
     @override
     async def Heartbeat(self, request: spb.HeartbeatRequest, context: Context) -> spb.HeartbeatResponse:
-        return await self._unary("Heartbeat", heartbeat.handle, request, context, spb.HeartbeatResponse)
+        gate = self.gate  # another user's client id is not kept alive (nor its type or group changed) by this one
+        return await self._unary(
+            "Heartbeat",
+            heartbeat.handle,
+            request,
+            context,
+            spb.HeartbeatResponse,
+            check=lambda peer: gate.owned(Caller.of(metadata_of(context))),
+        )
 
     @override
     async def SendMessage(
@@ -198,10 +218,13 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         code: int = pb.OK
         parked: tuple[str, str] | None = None
         try:
-            caller = Caller.of(metadata_of(context))
+            metadata = metadata_of(context)
+            caller = Caller.of(metadata)
             if self.gate.enabled:
                 topic = request.message_queue.topic.name
                 self.gate.consume(context.peer, request.group.name, topic)
+                caller = self.gate.acting(caller, metadata)
+                self.gate.owned(caller)  # deliveries follow the client id: another user's is not this one's
             if caller.client_id and _waits(request):
                 parked = (caller.client_id, context.peer())
                 refused = self._park_poll(*parked)
@@ -306,10 +329,18 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
     async def NotifyClientTermination(
         self, request: spb.NotifyClientTerminationRequest, context: Context
     ) -> spb.NotifyClientTerminationResponse:
-        caller = Caller.of(metadata_of(context), context.peer())  # only the client's own connection
+        metadata = metadata_of(context)
+        caller = Caller.of(metadata, context.peer())  # only the client's own connection
+        gate = self.gate
+        if gate.enabled:  # nor another user's client id (whose stream may not be open)
+            caller = gate.acting(caller, metadata)
         return await self._answer(
             "NotifyClientTermination",
-            notify_client_termination.handle(self.edge, request, caller),
+            self._guard(
+                context,
+                lambda peer: gate.owned(caller),
+                lambda: notify_client_termination.handle(self.edge, request, caller),
+            ),
             spb.NotifyClientTerminationResponse,
         )
 
@@ -343,7 +374,10 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         self, request: spb.SyncLiteSubscriptionRequest, context: Context
     ) -> spb.SyncLiteSubscriptionResponse:
         cluster, gate = self.edge.cluster, self.gate
-        caller = Caller.of(metadata_of(context), external=self.external)
+        metadata = metadata_of(context)
+        caller = Caller.of(metadata, external=self.external)
+        if gate.enabled:
+            caller = gate.acting(caller, metadata, context.peer)  # named to the parts' owners (``cluster.links``)
         max_chars = self.edge.config.max_lite_topic_size
 
         def check(peer: authorizing.Peer) -> Awaitable[None]:

@@ -314,3 +314,17 @@ def test_a_remembered_send_answers_as_the_plain_check_through_changes() -> None:
                         assert refused(gate.send, address, request) == expected, (entries, user, address, request)
                     seen.append(expected)
     assert True in seen and False in seen
+
+
+def test_no_rule_grants_an_mqtt_sessions_group_a_super_user_has_them() -> None:
+    """``%MQTT%…`` groups are the broker's own (a session's, a share's): not even ``*`` grants them."""
+    access = control.AccessControl(True, ("admin-key", "admin-secret"))
+    users = (User("bob", "bob-secret"), User("root", "root-secret", super_user=True))
+    access.load(
+        document.Document(users, (Entry("bob", "*", (SUB, Action.CREATE)), Entry("bob", "Group:%MQTT%*", (SUB,))))
+    )
+    for name in ("%MQTT%am", "%MQTT%%share%0123"):
+        assert not access.allows("bob", SUB, policy.group(name))
+        assert not access.allows("bob", Action.CREATE, policy.group(name))
+        assert access.allows("root", SUB, policy.group(name)) and access.allows("admin-key", SUB, policy.group(name))
+    assert access.allows("bob", SUB, policy.group("b-group"))

@@ -12,56 +12,32 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from acl_testing import acl_cluster, admin_call
 from waiting import eventually_async
 
 from lmq_broker import app, model
 from lmq_broker.cluster import membership as mb
-from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc as service_grpc
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
-from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2_grpc as admin_grpc
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.supervisor import free_ports
 
 PARENT = "P"
-ADMIN = ("admin-ak", "admin-sk")
 ALICE = ("alice", "alice-secret-1")
 pytestmark = pytest.mark.asyncio
 
 
 @pytest_asyncio.fixture
 async def brokers(tmp_path: Path) -> AsyncIterator[list[app.Broker]]:
-    ports = free_ports("127.0.0.1", 2)
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    started = []
-    for slot, port in enumerate(ports):
-        config = dispatch_testing.config_for(
-            tmp_path / f"b{slot}", host="127.0.0.1", port=port, metrics_port=-1, peers=members, ordinal=slot,
-            admin_access_key=ADMIN[0], admin_secret_key=ADMIN[1], acl=True,
-        )  # fmt: skip
-        store = lmq_store.open_store(config.store)
-        store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE))
-        broker = app.Broker(config, store=store)
-        await broker.start()
-        started.append(broker)
-    yield started
-    for broker in started:
-        await broker.stop(grace_s=0.2)
+    async with acl_cluster(tmp_path, PARENT) as started:
+        yield started
 
 
 def lites_of(brokers: list[app.Broker], slot: int, prefix: str) -> list[str]:
     membership = mb.Membership.parse(brokers[0].config.peers)
     owned = (f"{prefix}-{i}" for i in range(1000))
     return [x for x in owned if mb.owner(membership, model.QueueId.lmq(PARENT, x).topic) == slot][:2]
-
-
-async def admin_call(broker: app.Broker, method: str, request: object) -> object:
-    async with grpc.aio.insecure_channel(broker.endpoint) as channel:
-        stub = admin_grpc.LmqAdminStub(channel)
-        return await getattr(stub, method)(request, metadata=auth.sign_metadata(*ADMIN, datetime.now(UTC)))
 
 
 async def send(broker: app.Broker, lites: list[str]) -> pb.Status:

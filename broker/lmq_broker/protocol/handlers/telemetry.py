@@ -62,7 +62,7 @@ async def handle(
     """Two sources feed the stream: replies to the client's commands, and server notices (a lite topic an
     exclusive group gave to another client: NotifyUnsubscribeLiteCommand)."""
     client_id = caller.require_client_id()
-    refused = _admit(edge, client_id, caller.peer)
+    refused = _owned(edge, client_id) or _admit(edge, client_id, caller.peer)
     if refused is not None:
         yield spb.TelemetryCommand(status=refused)
         raise SettingsRefused(refused)
@@ -71,6 +71,19 @@ async def handle(
             yield frame
     finally:
         edge.streams.leave(client_id, caller.peer)
+
+
+def _owned(edge: Edge, client_id: str) -> pb.Status | None:
+    """Under ``--acl``, FORBIDDEN when the client id's lite subscriptions are another user's: its stream would
+    carry that client's notices, and its end would end what ends with the client's stream."""
+    if not edge.access.enabled:
+        return None
+    try:
+        authorizing.owned(edge.access, edge.dispatcher.subscriber(client_id), client_id, auth.USER.get())
+    except errors.Forbidden as exc:
+        log.info("Telemetry stream of client %s refused: %s", client_id, exc.message)
+        return status.status_of(exc)
+    return None
 
 
 def _admit(edge: Edge, client_id: str, peer: str) -> pb.Status | None:
