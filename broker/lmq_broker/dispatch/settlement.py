@@ -154,6 +154,8 @@ class Settlement:
         self.check_fence(key.queue_id)  # before the dead letter is stored: nothing of it at a deposed owner
         state = self._leases.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
+        if state is not None and state.predates(receipt):
+            return  # settled before this state was opened, or gone with its (since re-created) lite topic
         if state is None or lease is None or state.lost(receipt) or key in self._unverified:
             if state is None or receipt.offset < state.committed:
                 return  # already settled

@@ -1,0 +1,104 @@
+"""Reclaims racing with live traffic, over a real dispatcher and both stores (RocksDB + segments in tmp_path,
+and the in-memory twin) on a manual clock: a lite topic deleted by the in-broker expiry (the job's delete is the
+same code) while a client still holds a receipt handle of it, then re-created by a producer from offset 0."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from lmq_broker import errors, model
+from lmq_broker.admin import expiry
+from lmq_broker.dispatch import metadata
+from lmq_broker.dispatch import testing as dispatch_testing
+from lmq_broker.dispatch.dispatcher import Dispatcher
+from lmq_broker.dispatch.testing import GROUP, PARENT, Lite
+from lmq_broker.storage import memory
+from lmq_broker.storage import store as lmq_store
+from lmq_broker.storage.api import Store
+
+pytestmark = pytest.mark.asyncio
+
+MINUTE = 60_000
+EXPIRATION_MIN = 60
+SETTINGS = expiry.Settings(interval_ms=1000, batch=1000, step_pause_ms=0, min_age_ms=15 * MINUTE)
+HOUR_MS = 60 * MINUTE
+
+
+@pytest.fixture
+def clock() -> memory.ManualClock:
+    return memory.ManualClock()
+
+
+@pytest.fixture(params=["lmq", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, clock: memory.ManualClock) -> Iterator[Store]:
+    config = dispatch_testing.config_for(tmp_path / "data").store
+    opened: Store = (
+        lmq_store.open_store(config, clock) if request.param == "lmq" else memory.MemoryStore(config, clock=clock)
+    )
+    yield opened
+    opened.close()
+
+
+@pytest_asyncio.fixture
+async def lite(store: Store, clock: memory.ManualClock, tmp_path: Path) -> AsyncIterator[Lite]:
+    store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=EXPIRATION_MIN))
+    store.put_group(model.LiteGroup(GROUP, PARENT))
+    dispatcher = Dispatcher(store, dispatch_testing.config_for(tmp_path / "unused"), clock=clock, wall_clock=clock)
+    await dispatcher.start()
+    yield Lite(dispatcher, store, clock)
+    await dispatcher.close()
+
+
+async def reclaimed_while_out(lite: Lite) -> str:
+    """``t`` gets a message that c1 receives for two hours (a slow consumer), then expires while it is out:
+    returns the handle c1 still holds."""
+    await lite.send("t", b"old")
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
+    (old,) = await lite.receive("c1", invisible_ms=2 * HOUR_MS)
+    lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
+    report = await expiry.run_pass(lite.store, lite.dispatcher, SETTINGS, lite.clock)
+    assert report.deleted == 1 and lite.store.lite_topic(PARENT, "t") is None
+    return old.receipt_handle
+
+
+async def test_a_handle_of_a_reclaimed_topic_does_not_ack_the_recreated_topics_message(lite: Lite) -> None:
+    old_handle = await reclaimed_while_out(lite)
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t"])  # another member of the group (c1 is busy)
+    await lite.send("t", b"new")  # re-created: offset 0 again
+    (new,) = await lite.receive("c2", invisible_ms=10_000)  # c2 takes it...
+    assert (new.message.body, new.message.offset) == (b"new", 0)
+
+    await lite.dispatcher.ack(GROUP, old_handle)  # ...and c1's late ack of the deleted message comes in
+
+    assert lite.committed("t") in (None, 0)  # the new message is not settled by it
+    lite.clock.advance(10_001)  # c2 never acks (it crashed): the new message must come again
+    lite.dispatcher.tick()
+    again = await lite.receive("c2")
+    assert [(d.message.body, d.message.offset) for d in again] == [(b"new", 0)]
+
+
+async def test_a_handle_of_a_reclaimed_topic_does_not_dead_letter_the_recreated_topics_message(lite: Lite) -> None:
+    old_handle = await reclaimed_while_out(lite)
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
+    await lite.send("t", b"new")
+    (new,) = await lite.receive("c1", invisible_ms=10_000)
+    assert new.message.offset == 0
+
+    await lite.dispatcher.dead_letter(GROUP, old_handle)  # the client gives up on the deleted message, late
+
+    assert lite.committed("t") in (None, 0)  # the new message was neither settled by it...
+    assert lite.store.queue_offsets(model.QueueId(f"{metadata.DLQ_PREFIX}{GROUP}"))[1] == 0  # ...nor copied to the DLQ
+    await lite.dispatcher.ack(GROUP, new.receipt_handle)
+    assert lite.committed("t") == 1
+
+
+async def test_a_handle_of_a_reclaimed_topic_is_refused_before_the_topic_comes_back(lite: Lite) -> None:
+    old_handle = await reclaimed_while_out(lite)
+    await lite.dispatcher.ack(GROUP, old_handle)  # the message went with its topic: nothing to settle
+    assert lite.committed("t") is None and lite.store.lite_topic(PARENT, "t") is None
+    with pytest.raises(errors.InvalidReceiptHandle):
+        await lite.dispatcher.change_invisible(GROUP, old_handle, 1000)
