@@ -4,12 +4,13 @@ The store is read and written in worker threads, one batch per call, so the brok
 clients between batches; the live view (the dispatcher's, owned by the loop) is only touched on the loop.
 
 A delete is compare-and-delete: the expected (max offset, last store, last consume) come from the scan,
-so a topic that received a message or a consume since then is kept. The subscriber check is made on the
-loop in the same step that marks the batch's topics as being deleted (``LiveView.begin_reclaim``); a
-subscription to a marked topic keeps it until the delete holds the store's write lock (the store asks
-``Mark.close`` then), and waits for the delete after that. The mark is cleared and the deletions are told
-to the live view from a done-callback of the worker's future, so they are forgotten even if the RPC is
-cancelled while the worker runs.
+so a topic that received a message or a consume since then is kept; the offset writes of the batch's topics
+under way when it is marked land before it (``Mark.writes_done``), those begun later wait for it. The
+subscriber check is made on the loop in the same step that marks the batch's topics as being deleted
+(``LiveView.begin_reclaim``); a subscription to a marked topic keeps it until the delete holds the store's
+write lock (the store asks ``Mark.close`` then), and waits for the delete after that. The mark is cleared
+and the deletions are told to the live view from a done-callback of the worker's future, so they are
+forgotten even if the RPC is cancelled while the worker runs.
 """
 
 from __future__ import annotations
@@ -224,6 +225,11 @@ async def _compare_batch(
         live.end_reclaim(mark, [])
         return [Outcome.KEPT_SUBSCRIBED] * len(rows)
     part = rows if len(todo) == len(rows) else rows.pick(todo)
+    try:
+        await mark.writes_done()  # an ack's commit point under way lands first: its topic compares as changed
+    except BaseException:
+        live.end_reclaim(mark, [])
+        raise
     done = await _in_worker(
         functools.partial(_compare_rows, store, part, mark, dry_run), functools.partial(live.end_reclaim, mark)
     )

@@ -132,6 +132,7 @@ class QueueLeases:
     # The lease table's next lease id when this state was opened: a handle with a lower lease id was issued by
     # an earlier state of the key (``predates``).
     first_lease: int = 0
+    gone: bool = False  # its lite topic was deleted (``LeaseTable.drop_topic``): nothing of it is written again
 
     def __post_init__(self) -> None:
         self.handed = max(self.handed, self.committed)
@@ -469,7 +470,7 @@ class LeaseTable:
 
     def drop_topic(self, topic: str) -> None:
         for key in [k for k in self._states if k.topic == topic]:
-            del self._states[key]
+            self._states.pop(key).gone = True
 
     def in_flight(self) -> int:
         return sum(len(s.entries) for s in self._states.values())

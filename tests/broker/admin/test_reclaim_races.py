@@ -4,8 +4,11 @@ same code) while a client still holds a receipt handle of it, then re-created by
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -15,10 +18,11 @@ from lmq_broker.admin import expiry
 from lmq_broker.dispatch import metadata
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.dispatch.dispatcher import Dispatcher
-from lmq_broker.dispatch.testing import GROUP, PARENT, Lite
+from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, until
 from lmq_broker.storage import memory
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.storage.api import Store
+from lmq_broker.storage.testing import another_writer
 
 pytestmark = pytest.mark.asyncio
 
@@ -102,3 +106,69 @@ async def test_a_handle_of_a_reclaimed_topic_is_refused_before_the_topic_comes_b
     assert lite.committed("t") is None and lite.store.lite_topic(PARENT, "t") is None
     with pytest.raises(errors.InvalidReceiptHandle):
         await lite.dispatcher.change_invisible(GROUP, old_handle, 1000)
+
+
+async def test_an_ack_that_lands_between_the_delete_and_its_news_hides_nothing_of_the_recreated_topic(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store deletes ``t`` in a worker thread; a send that waited for the store's lock meanwhile re-creates
+    it at once (offset 0 again), and c1's ack of the old message comes in before the loop hears of the delete
+    (its lease state, committed 0, is still there): the ack's commit point (1) must not become the new topic's
+    (the new message would never be delivered)."""
+    await lite.send("t", b"old")
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
+    (old,) = await lite.receive("c1", invisible_ms=2 * HOUR_MS)
+    lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
+    deleted, go_on = threading.Event(), threading.Event()
+    delete = lite.store.delete_lite_topics
+
+    def delete_then_a_send_gets_the_lock(*args: Any, **kwargs: Any) -> list[bool]:  # the pass's worker thread
+        done = delete(*args, **kwargs)
+        lite.store.append([dispatch_testing.lite_message("t", b"new", message_id="new")])
+        deleted.set()
+        go_on.wait(10)
+        return done
+
+    monkeypatch.setattr(lite.store, "delete_lite_topics", delete_then_a_send_gets_the_lock)
+    passing = asyncio.create_task(expiry.run_pass(lite.store, lite.dispatcher, SETTINGS, lite.clock))
+    try:
+        await until(deleted.is_set)
+        acking = asyncio.create_task(lite.dispatcher.ack(GROUP, old.receipt_handle))
+        await asyncio.sleep(0.05)  # as far as it goes before the loop hears of the delete
+    finally:
+        go_on.set()
+    assert (await asyncio.wait_for(passing, 10)).deleted == 1
+    await asyncio.wait_for(acking, 10)  # answered OK: its message went with its topic
+
+    meta = lite.store.lite_topic(PARENT, "t")
+    assert meta is not None and meta.max_offset == 1  # the re-created topic holds the new message...
+    assert lite.committed("t") in (None, 0)  # ...which no commit point has passed
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
+    got = await lite.receive("c1")
+    assert [(d.message.body, d.message.offset) for d in got] == [(b"new", 0)]
+
+
+@pytest.mark.parametrize("store", ["lmq"], indirect=True)  # the in-memory twin's scans wait for its one lock too
+async def test_a_commit_point_under_way_when_the_delete_begins_lands_first_and_keeps_the_topic(lite: Lite) -> None:
+    """c1's ack is written on a store thread (another writer holds the store's write lock) when the pass marks
+    ``t``: the delete waits for it, and the consume it records keeps the topic (KEPT_CHANGED) with its commit
+    point. (Before, the delete and the commit raced for the lock; the delete first, a send re-creating the topic
+    next, then the commit, and the new message was hidden behind the old commit point.)"""
+    await lite.send("t", b"old")
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
+    (old,) = await lite.receive("c1", invisible_ms=2 * HOUR_MS)
+    lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
+    writer = another_writer(lite.store)
+    writer.__enter__()
+    try:
+        acking = asyncio.create_task(lite.dispatcher.ack(GROUP, old.receipt_handle))
+        await asyncio.sleep(0.05)  # its commit waits for the store in a pool thread
+        passing = asyncio.create_task(expiry.run_pass(lite.store, lite.dispatcher, SETTINGS, lite.clock))
+        await until(lambda: lite.dispatcher.reclaims_in_flight() == 1)
+    finally:
+        writer.__exit__(None, None, None)
+    report = await asyncio.wait_for(passing, 10)
+    await asyncio.wait_for(acking, 10)
+
+    assert (report.deleted, report.kept_changed) == (0, 1)
+    assert lite.store.lite_topic(PARENT, "t") is not None and lite.committed("t") == 1
