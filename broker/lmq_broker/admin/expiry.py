@@ -196,6 +196,23 @@ async def _delete(
     return await reclaiming.compare_and_delete(store, live, rows, require_no_subscribers=True, dry_run=False)
 
 
+async def expire_one(store: Store, live: LiveView, queue: model.QueueId, now_ms: int, min_age_ms: int) -> bool:
+    """Delete ``queue``'s lite topic if it is expired here by the rule (its parent's expiration, ``min_age_ms``;
+    subscribers do not keep it, as in a pass), as a pass would; True when it is gone (deleted, or absent)."""
+    parent, lite = queue.lite_parts()
+    meta = await asyncio.to_thread(store.lite_topic, parent, lite)
+    if meta is None:
+        return True
+    policy = await asyncio.to_thread(store.get_parent_topic, parent)
+    if policy is None or policy.expiration_minutes < 0:
+        return False
+    if not is_expired(meta, now_ms, policy.expiration_minutes, min_age_ms):
+        return False
+    rows = reclaiming.Rows([parent], [lite], [meta.max_offset], [meta.last_store_ms], [meta.last_consume_ms])
+    (outcome,) = await reclaiming.compare_and_delete(store, live, rows, require_no_subscribers=False, dry_run=False)
+    return outcome in {reclaiming.Outcome.DELETED, reclaiming.Outcome.NOT_FOUND}
+
+
 class Summary:
     """The passes' log line: at most one per ``every_s``, with the totals since the previous one."""
 
