@@ -128,11 +128,16 @@ class _Step:
 def _read_step(
     store: Store, parent: model.ParentTopic, cursor: str, settings: Settings, clock: Callable[[], int]
 ) -> _Step:
-    """One step, on a worker thread: ``batch`` rows of ``parent`` after ``cursor``, and which of them expired."""
+    """One step, on a worker thread: ``batch`` rows of ``parent`` after ``cursor``, and which of them expired, by
+    the parent's policy as it is now (a paced pass over a large parent lasts hours: a changed expiration counts
+    from the next step on; a parent gone or set to never expire ends its walk)."""
     started, cpu = time.perf_counter(), time.thread_time()
+    current = store.get_parent_topic(parent.name)
+    if current is None or current.expiration_minutes < 0:
+        return _Step([], None, 0, time.perf_counter() - started, time.thread_time() - cpu)
     metas = store.scan_lite_topics(parent.name, cursor, "", settings.batch)
     now = clock()
-    expiration, min_age_ms = parent.expiration_minutes, settings.min_age_ms
+    expiration, min_age_ms = current.expiration_minutes, settings.min_age_ms
     candidates = [m for m in metas if is_expired(m, now, expiration, min_age_ms)]
     following = metas[-1].lite if len(metas) == settings.batch else None
     return _Step(candidates, following, len(metas), time.perf_counter() - started, time.thread_time() - cpu)

@@ -244,12 +244,14 @@ async def _compare_batch(
 def _compare_rows(store: Store, rows: Rows, mark: reclaims.Mark, dry_run: bool) -> _Done:
     done = _Done()
     try:
+        # A parent set to never expire since the scan keeps its topics (KEPT_CHANGED below): its policy now.
+        never = _never_expiring(store, rows)
         if dry_run:
             vetoed = mark.close()
-            done.outcomes = [_dry_run_row(store, rows, i, vetoed) for i in range(len(rows))]
+            done.outcomes = [_dry_run_row(store, rows, i, vetoed, never) for i in range(len(rows))]
             return done
         # One store call for the chunk: one commit-log write, one fsync and one index batch, not one per row.
-        deleted = store.delete_lite_topics(rows.compared(), keep=mark.close)
+        deleted = store.delete_lite_topics(rows.compared(), keep=lambda: mark.close() | never)
         vetoed = mark.vetoed
         lmq = model.QueueId.lmq
         for i, ok in enumerate(deleted):
@@ -272,10 +274,21 @@ def _expected(parent: str, lite: str, max_offset: int, last_store_ms: int, last_
     return model.LiteTopicMeta(parent, lite, 0, last_store_ms, last_consume_ms, 0, max_offset)
 
 
-def _dry_run_row(store: Store, rows: Rows, i: int, vetoed: frozenset[str]) -> Outcome:
+def _never_expiring(store: Store, rows: Rows) -> frozenset[str]:
+    """The LMQ topics of ``rows`` whose parent's expiration is -1 now."""
+    never = {p for p in set(rows.parent) if (t := store.get_parent_topic(p)) is not None and t.expiration_minutes < 0}
+    if not never:
+        return frozenset()
+    lmq = model.QueueId.lmq
+    return frozenset(lmq(p, lite).topic for p, lite in zip(rows.parent, rows.lite, strict=True) if p in never)
+
+
+def _dry_run_row(store: Store, rows: Rows, i: int, vetoed: frozenset[str], never: frozenset[str]) -> Outcome:
     current = store.lite_topic(rows.parent[i], rows.lite[i])
     if current is None:
         return Outcome.NOT_FOUND
+    if never and model.QueueId.lmq(rows.parent[i], rows.lite[i]).topic in never:
+        return Outcome.KEPT_CHANGED
     if model.QueueId.lmq(rows.parent[i], rows.lite[i]).topic in vetoed:
         return Outcome.KEPT_SUBSCRIBED
     expected = dataclasses.replace(

@@ -5,56 +5,29 @@ same code) while a client still holds a receipt handle of it, then re-created by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
+from expiring import EXPIRATION_MIN, MINUTE, SETTINGS, sent_and_expired
 
 from lmq_broker import errors, model
-from lmq_broker.admin import expiry
+from lmq_broker.admin import expiry, reclaiming
 from lmq_broker.dispatch import metadata
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, until
-from lmq_broker.storage import memory
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.storage.api import Store
 from lmq_broker.storage.testing import another_writer
 
 pytestmark = pytest.mark.asyncio
 
-MINUTE = 60_000
-EXPIRATION_MIN = 60
-SETTINGS = expiry.Settings(interval_ms=1000, batch=1000, step_pause_ms=0, min_age_ms=15 * MINUTE)
 HOUR_MS = 60 * MINUTE
 
 
-@pytest.fixture
-def clock() -> memory.ManualClock:
-    return memory.ManualClock()
-
-
-@pytest.fixture(params=["lmq", "memory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, clock: memory.ManualClock) -> Iterator[Store]:
-    config = dispatch_testing.config_for(tmp_path / "data").store
-    opened: Store = (
-        lmq_store.open_store(config, clock) if request.param == "lmq" else memory.MemoryStore(config, clock=clock)
-    )
-    yield opened
-    opened.close()
-
-
-@pytest_asyncio.fixture
-async def lite(store: Store, clock: memory.ManualClock, tmp_path: Path) -> AsyncIterator[Lite]:
-    store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=EXPIRATION_MIN))
-    store.put_group(model.LiteGroup(GROUP, PARENT))
-    dispatcher = Dispatcher(store, dispatch_testing.config_for(tmp_path / "unused"), clock=clock, wall_clock=clock)
-    await dispatcher.start()
-    yield Lite(dispatcher, store, clock)
-    await dispatcher.close()
+def handed_out(lite: Lite, name: str) -> bool:
+    """The hand-out of ``name``'s message is written (a few ms after the receive, on real time: it counts as a
+    consume, so it must land before the manual clock moves on, or the topic is not idle)."""
+    return lite.store.get_handouts(model.QueueId.lmq(PARENT, name), GROUP).mark > 0
 
 
 async def reclaimed_while_out(lite: Lite) -> str:
@@ -63,6 +36,7 @@ async def reclaimed_while_out(lite: Lite) -> str:
     await lite.send("t", b"old")
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
     (old,) = await lite.receive("c1", invisible_ms=2 * HOUR_MS)
+    await until(lambda: handed_out(lite, "t"))
     lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
     report = await expiry.run_pass(lite.store, lite.dispatcher, SETTINGS, lite.clock)
     assert report.deleted == 1 and lite.store.lite_topic(PARENT, "t") is None
@@ -118,6 +92,7 @@ async def test_an_ack_that_lands_between_the_delete_and_its_news_hides_nothing_o
     await lite.send("t", b"old")
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
     (old,) = await lite.receive("c1", invisible_ms=2 * HOUR_MS)
+    await until(lambda: handed_out(lite, "t"))
     lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
     deleted, go_on = threading.Event(), threading.Event()
     delete = lite.store.delete_lite_topics
@@ -157,6 +132,7 @@ async def test_a_commit_point_under_way_when_the_delete_begins_lands_first_and_k
     await lite.send("t", b"old")
     await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t"])
     (old,) = await lite.receive("c1", invisible_ms=2 * HOUR_MS)
+    await until(lambda: handed_out(lite, "t"))
     lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
     writer = another_writer(lite.store)
     writer.__enter__()
@@ -172,3 +148,49 @@ async def test_a_commit_point_under_way_when_the_delete_begins_lands_first_and_k
 
     assert (report.deleted, report.kept_changed) == (0, 1)
     assert lite.store.lite_topic(PARENT, "t") is not None and lite.committed("t") == 1
+
+
+# --- a parent set to never expire after the topics were read ------------------------------------------------
+async def test_a_parent_set_to_never_expire_during_a_pass_keeps_the_topics_not_deleted_yet(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paced pass over a large parent lasts hours: the policy it read at its start must not outlive a change."""
+    await sent_and_expired(lite, "t1", "t2", "t3")
+    read_step = expiry._read_step
+    steps = 0
+
+    def read_then_change_the_policy(*args: Any, **kwargs: Any) -> Any:
+        nonlocal steps
+        step = read_step(*args, **kwargs)
+        steps += 1
+        if steps == 1:  # the operator: these topics never expire from now on
+            lite.store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=-1))
+        return step
+
+    monkeypatch.setattr(expiry, "_read_step", read_then_change_the_policy)
+    report = await expiry.run_pass(lite.store, lite.dispatcher, dataclasses.replace(SETTINGS, batch=1), lite.clock)
+
+    assert report.deleted == 0 and report.kept_changed == 1  # t1 was read under the old policy, kept at its delete
+    assert [m.lite for m in lite.store.scan_lite_topics(PARENT)] == ["t1", "t2", "t3"]
+
+
+async def test_a_job_row_of_a_parent_set_to_never_expire_since_the_scan_is_kept(lite: Lite) -> None:
+    await lite.send("t1")
+    await lite.send("other", parent="Q")  # a parent this broker does not hold a policy for: deleted as before
+    scanned = [m for p in (PARENT, "Q") for m in lite.store.scan_lite_topics(p)]
+    lite.store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=-1))
+    rows = reclaiming.Rows(
+        [m.parent for m in scanned],
+        [m.lite for m in scanned],
+        [m.max_offset for m in scanned],
+        [m.last_store_ms for m in scanned],
+        [m.last_consume_ms for m in scanned],
+    )
+
+    for dry_run in (True, False):
+        outcomes = await reclaiming.compare_and_delete(
+            lite.store, lite.dispatcher, rows, require_no_subscribers=False, dry_run=dry_run
+        )
+        expected = reclaiming.Outcome.WOULD_DELETE if dry_run else reclaiming.Outcome.DELETED
+        assert outcomes == [reclaiming.Outcome.KEPT_CHANGED, expected]
+    assert lite.store.lite_topic(PARENT, "t1") is not None and lite.store.lite_topic("Q", "other") is None
