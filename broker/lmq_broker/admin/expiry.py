@@ -128,11 +128,16 @@ class _Step:
 def _read_step(
     store: Store, parent: model.ParentTopic, cursor: str, settings: Settings, clock: Callable[[], int]
 ) -> _Step:
-    """One step, on a worker thread: ``batch`` rows of ``parent`` after ``cursor``, and which of them expired."""
+    """One step, on a worker thread: ``batch`` rows of ``parent`` after ``cursor``, and which of them expired, by
+    the parent's policy as it is now (a paced pass over a large parent lasts hours: a changed expiration counts
+    from the next step on; a parent gone or set to never expire ends its walk)."""
     started, cpu = time.perf_counter(), time.thread_time()
+    current = store.get_parent_topic(parent.name)
+    if current is None or current.expiration_minutes < 0:
+        return _Step([], None, 0, time.perf_counter() - started, time.thread_time() - cpu)
     metas = store.scan_lite_topics(parent.name, cursor, "", settings.batch)
     now = clock()
-    expiration, min_age_ms = parent.expiration_minutes, settings.min_age_ms
+    expiration, min_age_ms = current.expiration_minutes, settings.min_age_ms
     candidates = [m for m in metas if is_expired(m, now, expiration, min_age_ms)]
     following = metas[-1].lite if len(metas) == settings.batch else None
     return _Step(candidates, following, len(metas), time.perf_counter() - started, time.thread_time() - cpu)
@@ -194,6 +199,23 @@ async def _delete(
         [live.subscriber_count(lmq(parent, m.lite)) for m in candidates],
     )
     return await reclaiming.compare_and_delete(store, live, rows, require_no_subscribers=True, dry_run=False)
+
+
+async def expire_one(store: Store, live: LiveView, queue: model.QueueId, now_ms: int, min_age_ms: int) -> bool:
+    """Delete ``queue``'s lite topic if it is expired here by the rule (its parent's expiration, ``min_age_ms``;
+    subscribers do not keep it, as in a pass), as a pass would; True when it is gone (deleted, or absent)."""
+    parent, lite = queue.lite_parts()
+    meta = await asyncio.to_thread(store.lite_topic, parent, lite)
+    if meta is None:
+        return True
+    policy = await asyncio.to_thread(store.get_parent_topic, parent)
+    if policy is None or policy.expiration_minutes < 0:
+        return False
+    if not is_expired(meta, now_ms, policy.expiration_minutes, min_age_ms):
+        return False
+    rows = reclaiming.Rows([parent], [lite], [meta.max_offset], [meta.last_store_ms], [meta.last_consume_ms])
+    (outcome,) = await reclaiming.compare_and_delete(store, live, rows, require_no_subscribers=False, dry_run=False)
+    return outcome in {reclaiming.Outcome.DELETED, reclaiming.Outcome.NOT_FOUND}
 
 
 class Summary:

@@ -4,12 +4,13 @@ The store is read and written in worker threads, one batch per call, so the brok
 clients between batches; the live view (the dispatcher's, owned by the loop) is only touched on the loop.
 
 A delete is compare-and-delete: the expected (max offset, last store, last consume) come from the scan,
-so a topic that received a message or a consume since then is kept. The subscriber check is made on the
-loop in the same step that marks the batch's topics as being deleted (``LiveView.begin_reclaim``); a
-subscription to a marked topic keeps it until the delete holds the store's write lock (the store asks
-``Mark.close`` then), and waits for the delete after that. The mark is cleared and the deletions are told
-to the live view from a done-callback of the worker's future, so they are forgotten even if the RPC is
-cancelled while the worker runs.
+so a topic that received a message or a consume since then is kept; the offset writes of the batch's topics
+under way when it is marked land before it (``Mark.writes_done``), those begun later wait for it. The
+subscriber check is made on the loop in the same step that marks the batch's topics as being deleted
+(``LiveView.begin_reclaim``); a subscription to a marked topic keeps it until the delete holds the store's
+write lock (the store asks ``Mark.close`` then), and waits for the delete after that. The mark is cleared
+and the deletions are told to the live view from a done-callback of the worker's future, so they are
+forgotten even if the RPC is cancelled while the worker runs.
 """
 
 from __future__ import annotations
@@ -224,6 +225,11 @@ async def _compare_batch(
         live.end_reclaim(mark, [])
         return [Outcome.KEPT_SUBSCRIBED] * len(rows)
     part = rows if len(todo) == len(rows) else rows.pick(todo)
+    try:
+        await mark.writes_done()  # an ack's commit point under way lands first: its topic compares as changed
+    except BaseException:
+        live.end_reclaim(mark, [])
+        raise
     done = await _in_worker(
         functools.partial(_compare_rows, store, part, mark, dry_run), functools.partial(live.end_reclaim, mark)
     )
@@ -238,12 +244,14 @@ async def _compare_batch(
 def _compare_rows(store: Store, rows: Rows, mark: reclaims.Mark, dry_run: bool) -> _Done:
     done = _Done()
     try:
+        # A parent set to never expire since the scan keeps its topics (KEPT_CHANGED below): its policy now.
+        never = _never_expiring(store, rows)
         if dry_run:
             vetoed = mark.close()
-            done.outcomes = [_dry_run_row(store, rows, i, vetoed) for i in range(len(rows))]
+            done.outcomes = [_dry_run_row(store, rows, i, vetoed, never) for i in range(len(rows))]
             return done
         # One store call for the chunk: one commit-log write, one fsync and one index batch, not one per row.
-        deleted = store.delete_lite_topics(rows.compared(), keep=mark.close)
+        deleted = store.delete_lite_topics(rows.compared(), keep=lambda: mark.close() | never)
         vetoed = mark.vetoed
         lmq = model.QueueId.lmq
         for i, ok in enumerate(deleted):
@@ -266,10 +274,21 @@ def _expected(parent: str, lite: str, max_offset: int, last_store_ms: int, last_
     return model.LiteTopicMeta(parent, lite, 0, last_store_ms, last_consume_ms, 0, max_offset)
 
 
-def _dry_run_row(store: Store, rows: Rows, i: int, vetoed: frozenset[str]) -> Outcome:
+def _never_expiring(store: Store, rows: Rows) -> frozenset[str]:
+    """The LMQ topics of ``rows`` whose parent's expiration is -1 now."""
+    never = {p for p in set(rows.parent) if (t := store.get_parent_topic(p)) is not None and t.expiration_minutes < 0}
+    if not never:
+        return frozenset()
+    lmq = model.QueueId.lmq
+    return frozenset(lmq(p, lite).topic for p, lite in zip(rows.parent, rows.lite, strict=True) if p in never)
+
+
+def _dry_run_row(store: Store, rows: Rows, i: int, vetoed: frozenset[str], never: frozenset[str]) -> Outcome:
     current = store.lite_topic(rows.parent[i], rows.lite[i])
     if current is None:
         return Outcome.NOT_FOUND
+    if never and model.QueueId.lmq(rows.parent[i], rows.lite[i]).topic in never:
+        return Outcome.KEPT_CHANGED
     if model.QueueId.lmq(rows.parent[i], rows.lite[i]).topic in vetoed:
         return Outcome.KEPT_SUBSCRIBED
     expected = dataclasses.replace(

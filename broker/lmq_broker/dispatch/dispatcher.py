@@ -106,6 +106,7 @@ class Dispatcher:
             deliverer=self.deliverer,
             settling=self.settlement,
         )
+        self.settlement.reclaim_of = self.subscriptions.marks.of
         self._next_housekeeping = 0
 
     # --- calls served by one part: thin delegations (an async one returns the part's coroutine) --------------
@@ -230,8 +231,11 @@ class Dispatcher:
         return self.subscriptions.subscribe_filters(client_id, group, parent, filters)
 
     def begin_reclaim(self, lmqs: Sequence[model.QueueId], allowed_subscribers: Sequence[int] | None) -> reclaims.Mark:
-        """A compare-and-delete begins: mark ``lmqs`` so that no subscription slips in before the delete."""
-        return self.subscriptions.begin_reclaim(lmqs, allowed_subscribers)
+        """A compare-and-delete begins: mark ``lmqs`` so that no subscription slips in before the delete, and
+        no offset write overlaps it (``Mark.writes_done``)."""
+        mark = self.subscriptions.begin_reclaim(lmqs, allowed_subscribers)
+        mark.writes = self.settlement.writes_under_way(mark.topics)
+        return mark
 
     def receive_lite(
         self,

@@ -129,6 +129,10 @@ class QueueLeases:
     # Attempts counted so far of unsettled offsets below ``delivered`` whose count is not 1 (0: its only
     # hand-out was suspended): what ``handouts`` persists. Empty while every message goes out once.
     counts: dict[int, int] = field(default_factory=dict)
+    # The lease table's next lease id when this state was opened: a handle with a lower lease id was issued by
+    # an earlier state of the key (``predates``).
+    first_lease: int = 0
+    gone: bool = False  # its lite topic was deleted (``LeaseTable.drop_topic``): nothing of it is written again
 
     def __post_init__(self) -> None:
         self.handed = max(self.handed, self.committed)
@@ -393,6 +397,12 @@ class QueueLeases:
             return False
         return 0 <= self.lost_from <= receipt.offset or receipt.offset in self.lost_offsets
 
+    def predates(self, receipt: Receipt) -> bool:
+        """Was ``receipt`` issued before this state was opened? Then its message was settled (a state is
+        dropped once idle), its offsets were reset (OffsetOption), or its lite topic was deleted (a reclaim, an
+        expiry) and re-created since: the offset may name another message now, which the handle must not settle."""
+        return receipt.lease_id < self.first_lease
+
     @property
     def idle(self) -> bool:
         return self.committed >= self.handed
@@ -438,7 +448,9 @@ class LeaseTable:
         state = self._states.get(key)
         if state is None:
             pipelined = ordered and key.group.startswith(metadata.MQTT_GROUP_PREFIX)
-            state = self._states[key] = QueueLeases(committed, ordered, self.window, pipelined)
+            state = self._states[key] = QueueLeases(
+                committed, ordered, self.window, pipelined, first_lease=self._next_lease_id
+            )
         return state
 
     def release_if_idle(self, key: LeaseKey) -> None:
@@ -458,7 +470,7 @@ class LeaseTable:
 
     def drop_topic(self, topic: str) -> None:
         for key in [k for k in self._states if k.topic == topic]:
-            del self._states[key]
+            self._states.pop(key).gone = True
 
     def in_flight(self) -> int:
         return sum(len(s.entries) for s in self._states.values())
@@ -494,9 +506,10 @@ class LeaseTable:
     def ack(self, key: LeaseKey, receipt: Receipt) -> bool:
         """Acknowledge; True when the ack is news to persist (the commit point or the acknowledged set above it
         moved). Acking twice, or acking a message that was re-leased since (the late consumer did process
-        it), is accepted."""
+        it), is accepted; so is a handle issued before the key's state was opened, which settles nothing (its
+        lite topic may have been deleted and re-created since, its offset naming another message: ``predates``)."""
         state = self._states.get(key)
-        if state is None or receipt.offset < state.committed:
+        if state is None or receipt.offset < state.committed or state.predates(receipt):
             return False
         if receipt.offset >= state.handed:
             raise errors.InvalidReceiptHandle("receipt handle names a message that was never delivered")

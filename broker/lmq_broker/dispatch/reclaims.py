@@ -7,6 +7,11 @@ after the delete. While it is set, a new subscription to a marked topic either *
 topic is kept as KEPT_SUBSCRIBED) or, once the delete can no longer be vetoed, waits for it to finish and
 is registered after it. The veto window closes inside the store call, under the store's write lock
 (``Store.delete_lite_topics(keep=...)``), so a veto and the delete never overlap.
+
+Offset writes (commit points of acks) and the delete never overlap either: the delete waits for the writes of
+its topics under way when they were marked (``Mark.writes_done``; one that lands compares as a change: the
+topic is kept), and a write that begins while its topic is marked waits for ``done``, then writes nothing if
+the topic was deleted (its commit point must not become that of the topic a send re-creates from offset 0).
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ class Mark:
         self._lock = threading.Lock()
         self._closed = False
         self._vetoed: set[str] = set()
+        self.writes: list[asyncio.Lock] = []  # the offset writes of its topics under way when it was set
+
+    async def writes_done(self) -> None:
+        """Wait for ``writes`` (held, or queued for, when the mark was set; none queues behind them for a
+        marked topic: those wait for ``done``)."""
+        for lock in self.writes:
+            async with lock:
+                pass
 
     def veto(self, topic: str) -> bool:
         """A new subscriber of ``topic``: True when the topic will be kept; False when the caller must wait
@@ -75,6 +88,11 @@ class Marks:
         for topic in mark.topics:
             self._by_topic.setdefault(topic, []).append(mark)
         return mark
+
+    def of(self, topic: str) -> Mark | None:
+        """A mark in force on ``topic``, if any."""
+        marks = self._by_topic.get(topic)
+        return marks[0] if marks else None
 
     def end(self, mark: Mark) -> None:
         for topic in mark.topics:

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from typing import Final, Protocol
 
 from lmq_broker import caches, errors, model
-from lmq_broker.dispatch import leases, offsets, runtime
+from lmq_broker.dispatch import leases, offsets, reclaims, runtime
 from lmq_broker.dispatch.leases import LeaseKey
 from lmq_broker.storage import keys, ranges
 
@@ -108,6 +108,10 @@ class Settlement:
         self.retrying = False
         self._generation = rt.store.index_generation()
         self._unverified: set[LeaseKey] = set()  # lease state kept across an index replacement, not yet clipped
+        # The compare-and-delete mark on a lite topic, if any (wired by the dispatcher): an offset write of a
+        # marked topic waits for the delete (``commit``).
+        self.reclaim_of: Callable[[str], reclaims.Mark | None] = _no_reclaim
+        self._after_reclaim: dict[LeaseKey, int] = {}  # keys whose writes wait for a delete: their state stays
 
     # --- acks and dead letters ------------------------------------------------------------------------------
     def check_fence(self, queue: model.QueueId) -> None:
@@ -154,6 +158,8 @@ class Settlement:
         self.check_fence(key.queue_id)  # before the dead letter is stored: nothing of it at a deposed owner
         state = self._leases.get(key)
         lease = state.entries.get(receipt.offset) if state is not None else None
+        if state is not None and state.predates(receipt):
+            return  # settled before this state was opened, or gone with its (since re-created) lite topic
         if state is None or lease is None or state.lost(receipt) or key in self._unverified:
             if state is None or receipt.offset < state.committed:
                 return  # already settled
@@ -380,7 +386,12 @@ class Settlement:
         state = self._leases.get(key)
         if state is None or not state.idle:
             return
-        if key not in self._commit_locks and key not in self.dirty and not self.deliveries.delivering(key):
+        if (
+            key not in self._commit_locks
+            and key not in self.dirty
+            and key not in self._after_reclaim
+            and not self.deliveries.delivering(key)
+        ):
             self._leases.forget(key)
             self._persisted.pop(key, None)
             self._unverified.discard(key)
@@ -407,7 +418,15 @@ class Settlement:
     async def commit(self, key: LeaseKey, state: leases.QueueLeases) -> int:
         """Persist the commit point and the offsets acked above it, if memory differs from what was last
         persisted; writes for one key are serialised so offsets never go backwards. Returns the queue's max
-        offset. When the write fails the key stays dirty (see ``_persisted``) and the error propagates."""
+        offset. When the write fails the key stays dirty (see ``_persisted``) and the error propagates.
+
+        While a compare-and-delete has the key's lite topic marked, the write waits for it; if the topic was
+        deleted, nothing is written (nor copied, nor cached): the offsets of ``state`` are those of the deleted
+        topic, and a send may already have re-created it from offset 0 (see ``reclaims``)."""
+        if self.reclaim_of(key.topic) is not None:
+            await self._reclaim_over(key)
+        if state.gone:
+            return self._store.queue_offsets(key.queue_id)[1]
         async with self._writing(key):
             target = state.committed
             acked = state.acked_above()
@@ -434,6 +453,20 @@ class Settlement:
             else:
                 hi = self._store.queue_offsets(queue)[1]  # the cached queue state: no I/O once loaded
             return hi
+
+    async def _reclaim_over(self, key: LeaseKey) -> None:
+        self._after_reclaim[key] = self._after_reclaim.get(key, 0) + 1
+        try:
+            while (mark := self.reclaim_of(key.topic)) is not None:
+                await mark.done.wait()
+        finally:
+            self._after_reclaim[key] -= 1
+            if not self._after_reclaim[key]:
+                del self._after_reclaim[key]
+
+    def writes_under_way(self, topics: frozenset[str]) -> list[asyncio.Lock]:
+        """The locks of the offset writes of ``topics`` in progress or waiting (``reclaims.Mark.writes``)."""
+        return [lock for key, (lock, _) in self._commit_locks.items() if key.topic in topics]
 
     @contextlib.asynccontextmanager
     async def _writing(self, key: LeaseKey) -> AsyncIterator[None]:
@@ -630,3 +663,7 @@ async def _failures(copying: dict[LeaseKey, asyncio.Future[None] | None]) -> dic
         elif (exc := f.exception()) is not None:
             failed[key] = exc
     return failed
+
+
+def _no_reclaim(topic: str) -> reclaims.Mark | None:
+    return None

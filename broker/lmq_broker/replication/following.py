@@ -10,6 +10,13 @@ crossing) are passed over once their ids match what is stored at their offsets; 
 (which a rejoin rules out) is refused, ``out_of_sync``, and the next copy rejoins again; so is a copy whose next
 message of a lite topic lies past the offset it would take here (the holder lacks the records between).
 
+One owner's log of a topic only grows within its epoch, except where the owner deletes the topic (its expiry, the
+reclaimer: each broker deletes its own copy, when it finds it expired) and a send creates it again from offset 0:
+a copy then holds, at an offset stored here from the same epoch, another message. That topic is deleted here as
+well once it is expired here by the same rule (``expired``), and fetched again from 0; until then every copy of
+it is refused and the slot is not in sync (never a copy appended after the old records: another message at
+each of their offsets than at the owner).
+
 Reconciling: a follower may hold nothing of lite topics that got no send since it (re)started (a new disk, or
 sends it missed while down). So after a start, and whenever the slot's holder changes, it asks the holder for
 the end of every lite topic of the slot (page by page) and fetches what it lacks; only then, and until a copy
@@ -22,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import Final, NoReturn, Protocol
 
 from lmq_broker import errors, model
 from lmq_broker.replication import copies, wire
@@ -30,6 +37,11 @@ from lmq_broker.replication.leadership import Leadership
 from lmq_broker.storage import keys
 
 log = logging.getLogger(__name__)
+
+RECREATED: Final = (  # why a copy of a topic deleted and created again at its holder is refused (see above)
+    "was deleted and created again at its holder (another message at an offset of the same epoch): refused until "
+    "it expires here"
+)
 
 Append = Callable[[Sequence[model.NewMessage]], Awaitable[list[model.AppendResult]]]
 StoredId = Callable[[model.QueueId, int], Awaitable[str | None]]  # the id of the message stored at an offset
@@ -62,6 +74,7 @@ class Follower:
         local: Local | None = None,
         diverge: Diverge | None = None,
         failpoint: Callable[[], bool] | None = None,
+        expired: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._leadership = leadership
         self._append = append
@@ -72,6 +85,8 @@ class Follower:
         self._failpoint = failpoint  # tests: True while copies of messages are to be lost on the way
         self._local = local
         self._diverge = diverge
+        self._expired = expired  # deletes this broker's copy of a lite topic if it is expired here; True: it is gone
+        self._recreated: dict[str, int] = {}  # topic -> slot: created again at its owner, not yet deleted here
         self.reconciled: dict[int, int] = {}  # slot -> epoch it was reconciled in, while no copy was refused
         self.drops: dict[int, int] = {}  # slot -> times it fell out of sync (a reconcile counts only if none since)
         self.on_out_of_sync: Callable[[int], None] = lambda slot: None  # ``reconciling`` wakes up
@@ -174,14 +189,18 @@ class Follower:
                 queue, offset = lmq[0]
                 end = ends.get(queue)
                 if end is None:
+                    if queue.topic in self._recreated and not await self._deleted_here(queue):
+                        self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
                     end = ends[queue] = self._next_offset(queue)
                 if offset < end:
                     if await self._stored_id(queue, offset) != message.message_id:
-                        self.out_of_sync(slot)
-                        self.checked.pop(slot, None)
-                        self._counters.copies_refused.labels("out_of_sync").inc()
-                        raise errors.Conflict(f"slot {slot}: {queue.topic} holds another message at {offset}")
-                    continue
+                        if not await self._recreated_at_holder(slot, queue, message.epoch):
+                            self._refuse(slot, f"{queue.topic} holds another message at {offset}")
+                        if queue.topic in self._recreated:
+                            self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
+                        end = ends[queue] = self._next_offset(queue)  # deleted here too
+                    else:
+                        continue
                 if offset > end:
                     self.out_of_sync(slot)
                     self._counters.copies_refused.labels("out_of_sync").inc()
@@ -192,6 +211,33 @@ class Follower:
                 ends[queue] = end + 1
             out.append(message)
         return out
+
+    def _refuse(self, slot: int, why: str) -> NoReturn:
+        self.out_of_sync(slot)
+        self.checked.pop(slot, None)
+        self._counters.copies_refused.labels("out_of_sync").inc()
+        raise errors.Conflict(f"slot {slot}: {why}")
+
+    async def _recreated_at_holder(self, slot: int, queue: model.QueueId, epoch: int) -> bool:
+        """Another message than here at an offset of ``queue``: when this broker's last record of it is of the
+        copy's epoch too, the holder deleted the topic and created it again (see the module's docstring). True
+        when so: then the topic is deleted here as well if it is expired here, else remembered (``_recreated``)
+        and refused until it is."""
+        if self._expired is None or self._local is None or await self._local.last_epoch(queue.topic) != epoch:
+            return False
+        self._recreated[queue.topic] = slot
+        await self._deleted_here(queue)
+        return True
+
+    async def _deleted_here(self, queue: model.QueueId) -> bool:
+        """(Under the lock.) Delete this broker's copy of a topic created again at its holder, if it is expired
+        here; True once it is gone."""
+        assert self._expired is not None
+        if not await self._expired(queue.topic):
+            return False
+        slot = self._recreated.pop(queue.topic)
+        log.info("slot %d: %s was deleted and created again by its holder: deleted here too", slot, queue.topic)
+        return True
 
     def _check_epoch(self, slot: int, epoch: int) -> None:
         if self._leadership.holds(slot):
@@ -221,7 +267,16 @@ class Follower:
             theirs, cursor = await ends(holder, slot, cursor)
             topics += len(theirs)
             for topic, end in theirs.items():
+                if topic in self._recreated:
+                    async with self._lock:
+                        if not await self._deleted_here(model.QueueId(topic, 0)):
+                            continue  # the slot stays out of sync (below)
                 await self._fetch_topic(slot, holder, topic, end, fetch)
+        if waiting := [t for t, s in self._recreated.items() if s == slot]:
+            log.info(
+                "slot %d: %d lite topic(s) created again at the holder are not expired here yet", slot, len(waiting)
+            )
+            return False
         if leadership.epochs.get(slot) != epoch or leadership.serving(slot) != holder:
             return False  # the holder changed meanwhile: again, from the new one
         if self.mark(slot) != mark:

@@ -25,6 +25,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors, model
+from lmq_broker.admin import expiry
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
@@ -214,6 +215,7 @@ class Replication:
             _Local(store, dispatcher, lambda t: self.slots.followed_slot(t), self._cuts, self._forget),  # noqa: PLW0108 (slots: below)
             self._diverge,
             _failpoint(),
+            functools.partial(_expire_copy, store, dispatcher, config.lite_ttl_min_age_ms),
         )
         self._store = store
         min_insync = config.min_insync_replicas or config.replicas
@@ -780,6 +782,13 @@ class _Handler(_GenericHandler):
         if method in (STREAM, STREAM_BINARY):  # either reads both layouts (``wire.decode``)
             return grpc.stream_stream_rpc_method_handler(self._replication.streaming(method))
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
+
+
+async def _expire_copy(store: Store, dispatcher: Dispatcher, min_age_ms: int, topic: str) -> bool:
+    """``following.Follower``'s ``expired``: this broker's copy of a lite topic its holder deleted and created
+    again goes once it is expired here by the in-broker expiry's rule (``expiry.expire_one``)."""
+    queue = model.QueueId(topic, 0)
+    return await expiry.expire_one(store, dispatcher, queue, dispatcher.wall_clock(), min_age_ms)
 
 
 class _Local:

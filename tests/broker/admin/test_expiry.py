@@ -1,59 +1,22 @@
 """The in-broker expiry of idle lite topics (``admin.expiry``) over a real dispatcher and both stores (the
 RocksDB + segments store in tmp_path, and its in-memory twin), on a manual clock that is the store's clock and
-the dispatcher's wall clock: time is moved, never waited for."""
+the dispatcher's wall clock: time is moved, never waited for (fixtures: conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
-import pytest_asyncio
+from expiring import EXPIRATION_MIN, MINUTE, NEVER, SETTINGS, sent_and_expired
 
 from lmq_broker import model
 from lmq_broker.admin import expiry, reclaiming
 from lmq_broker.dispatch import testing as dispatch_testing
-from lmq_broker.dispatch.dispatcher import Dispatcher
 from lmq_broker.dispatch.testing import GROUP, PARENT, Lite, until
-from lmq_broker.storage import memory
-from lmq_broker.storage import store as lmq_store
-from lmq_broker.storage.api import Store
 from lmq_broker.storage.testing import another_writer
 
 pytestmark = pytest.mark.asyncio
-
-MINUTE = 60_000
-EXPIRATION_MIN = 60
-NEVER = "NEVER"  # a parent whose lite topics never expire
-SETTINGS = expiry.Settings(interval_ms=1000, batch=1000, step_pause_ms=0, min_age_ms=15 * MINUTE)
-
-
-@pytest.fixture
-def clock() -> memory.ManualClock:
-    return memory.ManualClock()
-
-
-@pytest.fixture(params=["lmq", "memory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, clock: memory.ManualClock) -> Iterator[Store]:
-    config = dispatch_testing.config_for(tmp_path / "data").store
-    opened: Store = (
-        lmq_store.open_store(config, clock) if request.param == "lmq" else memory.MemoryStore(config, clock=clock)
-    )
-    yield opened
-    opened.close()
-
-
-@pytest_asyncio.fixture
-async def lite(store: Store, clock: memory.ManualClock, tmp_path: Path) -> AsyncIterator[Lite]:
-    store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=EXPIRATION_MIN))
-    store.put_parent_topic(model.ParentTopic(NEVER))
-    store.put_group(model.LiteGroup(GROUP, PARENT))
-    dispatcher = Dispatcher(store, dispatch_testing.config_for(tmp_path / "unused"), clock=clock, wall_clock=clock)
-    await dispatcher.start()
-    yield Lite(dispatcher, store, clock)
-    await dispatcher.close()
 
 
 async def expire(lite: Lite, settings: expiry.Settings = SETTINGS) -> expiry.Report:
@@ -204,9 +167,7 @@ async def test_a_stopped_pass_ends_before_its_next_step(lite: Lite) -> None:
 async def test_a_topic_written_or_consumed_between_selection_and_delete_is_kept(
     lite: Lite, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("written", "consumed", "idle"):
-        await lite.send(name)
-    lite.clock.advance(EXPIRATION_MIN * MINUTE + 1)
+    await sent_and_expired(lite, "written", "consumed", "idle")
     read_step = expiry._read_step
 
     def read_then_touch(*args: object, **kwargs: object) -> object:  # the worker thread, after the step's read

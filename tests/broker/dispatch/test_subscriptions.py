@@ -250,7 +250,9 @@ async def test_a_group_with_consumption_disabled_refuses_subscribe_and_receive(l
 
 # --- a compare-and-delete against subscriptions made meanwhile ---------------------------------------------------
 def _scanned(store: Store, lites: list[str], subscribers: list[int] | None = None) -> reclaiming.Rows:
-    """The reclaimer's rows for ``lites`` as a scan sees them now."""
+    """The reclaimer's rows for ``lites`` as a scan sees them now (it scans parents whose topics expire: a parent
+    that never expires keeps them at the delete too)."""
+    store.put_parent_topic(model.ParentTopic(PARENT, expiration_minutes=0))
     metas = [store.lite_topic(PARENT, lite) for lite in lites]
     assert all(m is not None for m in metas)
     return reclaiming.Rows(

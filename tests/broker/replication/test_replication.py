@@ -23,6 +23,7 @@ from fencing import unfenced
 from waiting import TIMEOUT_S, eventually_async
 
 from lmq_broker import app, errors, model
+from lmq_broker.admin import expiry, reclaiming
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.cluster import local_hop, trust
 from lmq_broker.cluster import membership as mb
@@ -33,9 +34,9 @@ from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.protocol import testing as protocol_testing
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.replication import following, sockets, streams, wire
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.replication import setup as replication
-from lmq_broker.replication import sockets, streams, wire
 from lmq_broker.storage import store as lmq_store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
@@ -825,9 +826,9 @@ async def test_a_copy_gets_the_same_answer_over_the_socket_the_stream_and_a_unar
     assert await both_ways(repl, endpoint, copy("later", 9)) == [{queue.topic: 4}] * 3  # behind: its ends
     foreign = await both_ways(repl, endpoint, copy("x", 4, slot=7))
     assert len(set(foreign)) == 1 and "FAILED_PRECONDITION this broker is no replica of slot 7" in str(foreign[0])
-    assert (
+    assert (  # of the same epoch: the holder deleted the topic and created it again, not expired here yet
         await both_ways(repl, endpoint, copy("other", 0))
-        == [f"FAILED_PRECONDITION slot 0: {queue.topic} holds another message at 0"] * 3
+        == [f"FAILED_PRECONDITION slot 0: {queue.topic} {following.RECREATED} (offset 0)"] * 3
     )
     pair.leadership(1).epochs[0] = epoch + 1  # the follower saw a newer holder: this owner is deposed
     stale = await both_ways(repl, endpoint, copy("stale", 4))
@@ -1429,3 +1430,114 @@ def reconciled(broker: app.Broker, slot: int) -> bool:
 
 def lmq_of(lite: str) -> str:
     return model.QueueId.lmq(PARENT, lite).topic
+
+
+# --- a lite topic reclaimed while replicated ----------------------------------------------------------------
+# Each broker deletes its own expired copy (the in-broker expiry, the reclaim job's CompareAndDelete on each
+# broker), so the owner and its follower delete a topic at different moments. A send that re-creates the topic at
+# the owner (offset 0 again) while the follower still holds the old one must be stored on both, never after the
+# old records.
+MIN_AGE_MS = 300  # --lite-ttl-min-age-ms of both brokers; their own passes are off (--lite-ttl-interval-ms 0)
+
+
+@pytest_asyncio.fixture
+async def expiring_pair(kube: testing.KubeAPI, tmp_path: Path) -> AsyncIterator[Pair]:
+    started = await start_pair(
+        tmp_path, lite_ttl_interval_ms=0, lite_ttl_min_age_ms=MIN_AGE_MS, **lease_flags(kube, tmp_path)
+    )
+    for slot in (0, 1):
+        expiring(started, slot, 0)
+    yield started
+    await started.close()
+
+
+def expiring(pair: Pair, slot: int, minutes: int) -> None:
+    """The parent's expiration as broker ``slot`` holds it (0: idle past the minimum age is expired; -1: never)."""
+    broker = pair.brokers[slot]
+    assert broker.store is not None and broker.dispatcher is not None
+    broker.store.put_parent_topic(model.ParentTopic(PARENT, model.MessageType.LITE, expiration_minutes=minutes))
+    broker.dispatcher.metadata_changed()
+
+
+async def idle(pair: Pair, lite: str) -> None:
+    """Until both brokers' copies of ``lite`` are idle for the minimum age."""
+
+    def both() -> bool:
+        now = int(time.time() * 1000)
+        metas = [b.store.lite_topic(PARENT, lite) for b in pair.brokers if b.store is not None]
+        return all(m is not None and expiry.is_expired(m, now, 0, MIN_AGE_MS) for m in metas)
+
+    await eventually_async(both, f"{lite} idle at both brokers")
+
+
+async def reclaim(pair: Pair, slot: int, lite: str) -> None:
+    """What the reclaimer does at broker ``slot``: compare-and-delete with the values it read."""
+    broker = pair.brokers[slot]
+    assert broker.store is not None and broker.dispatcher is not None
+    meta = broker.store.lite_topic(PARENT, lite)
+    assert meta is not None
+    rows = reclaiming.Rows([PARENT], [lite], [meta.max_offset], [meta.last_store_ms], [meta.last_consume_ms])
+    outcomes = await reclaiming.compare_and_delete(
+        broker.store, broker.dispatcher, rows, require_no_subscribers=False, dry_run=False
+    )
+    assert outcomes == [reclaiming.Outcome.DELETED]
+
+
+def bodies(pair: Pair, slot: int, lite: str) -> list[bytes]:
+    store = pair.brokers[slot].store
+    assert store is not None
+    return [m.body for m in store.read(model.QueueId.lmq(PARENT, lite), 0, 100)]
+
+
+@pytest.mark.asyncio
+async def test_a_topic_the_owner_reclaimed_and_a_send_re_created_is_stored_on_the_follower_too(
+    expiring_pair: Pair,
+) -> None:
+    pair = expiring_pair
+    lite = pair.lite_of(0)
+    for n in range(3):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    assert pair.stored(1, lite) == 3
+    await idle(pair, lite)
+
+    await reclaim(pair, 0, lite)  # the owner's pass came first; the follower's has not run yet
+    reply = await pair.send(0, lite, 3)
+
+    assert reply.status.code == pb.OK, reply.status.message  # before: not enough in-sync replicas
+    assert reply.entries[0].offset == 0
+    assert bodies(pair, 0, lite) == [f"{lite}/3".encode()]
+    assert bodies(pair, 1, lite) == [f"{lite}/3".encode()]  # acknowledged: the follower has it, at offset 0
+    for n in range(4, 7):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    assert bodies(pair, 1, lite) == bodies(pair, 0, lite) == [f"{lite}/{n}".encode() for n in range(3, 7)]
+
+
+@pytest.mark.asyncio
+async def test_a_follower_whose_copy_of_a_re_created_topic_is_not_expired_refuses_it_and_never_mixes_the_two(
+    expiring_pair: Pair,
+) -> None:
+    """The follower's copy does not expire (its parent says never there): it refuses every copy of the topic
+    (sends are not acknowledged: too few in-sync replicas) rather than append the new records after the old ones
+    (before: from the owner's offset 3 on, the follower held the three deleted messages at 0-2 and the new ones
+    after them, and counted as in sync); once its copy expires, it is deleted and fetched again from 0."""
+    pair = expiring_pair
+    lite = pair.lite_of(0)
+    for n in range(3):
+        assert (await pair.send(0, lite, n)).status.code == pb.OK
+    await idle(pair, lite)
+    expiring(pair, 1, -1)
+    await reclaim(pair, 0, lite)
+
+    for n in range(3, 8):  # a client retrying: each send is stored at the owner, none acknowledged
+        assert (await pair.send(0, lite, n)).status.code != pb.OK
+    assert bodies(pair, 1, lite) == [f"{lite}/{n}".encode() for n in range(3)]  # the old records, nothing more
+
+    expiring(pair, 1, 0)
+
+    async def acknowledged() -> bool:
+        reply = await pair.send(0, lite, 8)
+        return bool(reply.status.code == pb.OK)
+
+    await until(acknowledged, "a send acknowledged once the follower's copy expired")
+    assert bodies(pair, 1, lite) == bodies(pair, 0, lite)
+    assert bodies(pair, 0, lite)[0] == f"{lite}/3".encode()
