@@ -135,7 +135,22 @@ class Watch:
             if not seen.up or seen.incarnation != incarnation:
                 self._fanout.behind.add(slot)
             seen.up, seen.incarnation = True, incarnation
-        if slot in self._fanout.behind and member not in self._repushing:
+        if slot in self._fanout.behind:
+            self._start_repush(slot, member)
+
+    def ring_changed(self) -> None:
+        """The ring's sizes changed (a scale-up, slots marked leaving): every member, this broker included, is
+        given every intent's part again by the new ring at once. A subscription made through this broker while
+        it still had the older ring went to the topic's owner by that ring only, and that owner, told first, had
+        already copied what it held to the topic's new owner (``setup.Cluster``): the new owner would store the
+        topic's messages with nobody subscribed there until the client's next full sync (an MQTT session's: never).
+        A member that fails is tried again at the next probe."""
+        for slot, member in enumerate(self._links.membership.members):
+            self._fanout.behind.add(slot)
+            self._start_repush(slot, member)
+
+    def _start_repush(self, slot: int, member: str) -> None:
+        if member not in self._repushing:
             task = asyncio.get_running_loop().create_task(self._repush(slot, member))
             self._repushing[member] = task
             task.add_done_callback(lambda _: self._repushing.pop(member, None))
