@@ -19,6 +19,8 @@ subscription not restored:
   which its supervisor starts again;
 * a ring change 2 -> 3 told to the brokers ``STAGGER_S`` apart while producers send to brand-new topics
   through both old brokers: no topic ever lands on two brokers;
+* a scale-down 3 -> 2 whose leaving broker drains and is removed while four threads keep sending through two
+  brokers: nothing acknowledged lost or out of order, nothing left unconsumed on the removed broker;
 * a client's full sync (``COMPLETE_ADD``) crossing its subscription made while the owner is down: the
   deterministic form of what the long runs met now and then (before the fix, restored only by the next full
   sync, ~30 s later).
@@ -630,5 +632,85 @@ def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_pa
         assert 0 <= back <= RESTORE_GOAL_S, f"both subscriptions back at the owner after {back:.2f} s (-1: never)"
         assert all(0 <= took <= DELIVERY_BOUND_S for took in got.values()), f"not delivered in time: {got}"
     finally:
+        for broker in brokers:
+            broker.stop()
+
+
+def test_a_scale_down_removes_the_leaving_broker_while_sends_keep_coming(tmp_path: Path, clients: list[Any]) -> None:  # noqa: PLR0915 (one scenario told start to end)
+    """3 -> 2 with the load never stopping, through the removal too: four threads send (two producers, through
+    brokers 0 and 1; each message until acknowledged) each to its own topics, of every broker; a push consumer
+    (through broker 0) consumes. Slot 2 is marked leaving (told first), drains, and is removed (told last)
+    while sends go on, then stopped. Every acknowledged message is delivered, in order, none whose ack was
+    committed comes again, every topic goes on at one broker that stays, and the removed broker holds nothing
+    unconsumed (nothing stranded where nobody reads)."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    endpoints = [b.endpoint for b in brokers]
+    stop = threading.Event()
+    try:
+        create_metadata(endpoints[0])
+        lites = [lite for slot in range(3) for lite in owned_by(endpoints, slot, "sd", 4)]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        producers = []
+        for endpoint in endpoints[:2]:
+            producer = Producer(config(endpoint), (TOPIC,))
+            producer.startup()
+            clients.append(producer)
+            producers.append(producer)
+        ledger, given_up = Ledger(), Counter[bool]()
+
+        def load(producer: Any, mine: list[str], mark: str) -> None:  # each message until acknowledged
+            n = 0
+            while not stop.is_set():
+                for lite in mine:
+                    body, deadline = f"{mark}{n:05d}-{lite}".encode(), time.monotonic() + 30
+                    while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    given_up[time.monotonic() >= deadline] += 1
+                n += 1
+
+        threads = [  # each topic from one thread only: its order is checked
+            threading.Thread(target=load, args=(producers[k % 2], lites[k::4], f"{k}-")) for k in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(1)
+        with AdminClient(endpoints[0], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            assert admin.cluster().epoch == 1
+        for i in (2, 0, 1):  # slot 2 leaves: the leaving broker first
+            with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+                admin.set_cluster(endpoints, (3, 2))
+        with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            deadline = time.monotonic() + 40
+            while not admin.cluster(with_undrained=True).drained:  # its topics drain as the consumer keeps up
+                assert time.monotonic() < deadline, "slot 2 never drained under the load"
+                time.sleep(0.2)
+        for i in (0, 1, 2):  # removed, the leaving broker last, the sends going on
+            with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+                admin.set_cluster(endpoints[:2], (3, 2))
+            time.sleep(0.5)
+        with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            left = admin.broker_info(with_undrained=True).undrained_messages
+        brokers[2].stop()
+        time.sleep(2)  # the load goes on with two brokers
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        assert not given_up[True], "a send was never acknowledged within 30 s"
+        counts = ledger.check(inbox)
+        assert counts["acked"] > 200
+        assert left == 0, f"the removed broker holds {left} messages nobody consumed"
+        placed = holders(endpoints[:2], TOPIC, SHARED_ADMIN_KEYS)
+        assert all(len(where) == 1 for where in placed.values()), placed
+        assert set(placed) == set(lites)  # every topic goes on at a broker that stays
+    finally:
+        stop.set()
+        while clients:  # the clients first, while the brokers answer their last acks
+            clients.pop().shutdown()
         for broker in brokers:
             broker.stop()
