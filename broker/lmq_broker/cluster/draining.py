@@ -58,21 +58,26 @@ def drained(store: Store, parent: str, lite: str) -> bool:
 
 
 def not_handed_over(
-    store: Store, moved: Callable[[str], bool], mine: Callable[[str], bool] | None = None
-) -> list[tuple[str, str]]:
-    """Blocking. (parent, lite) of up to ``HAND_OVER_BATCH`` non-empty lite topics of this store not handed over
-    yet (``moved``); with ``mine``, only the topics it accepts (LMQ name; replication: those of the leaving slot)."""
+    store: Store, moved: Callable[[str], bool], mine: Callable[[str], bool] | None = None, start_after: str = ""
+) -> tuple[list[tuple[str, str]], str]:
+    """Blocking. (parent, lite) of up to ``HAND_OVER_BATCH`` non-empty lite topics of this store after the key
+    ``start_after`` not handed over yet (``moved``); with ``mine``, only the topics it accepts (LMQ name;
+    replication: those of the leaving slot). And the key to start after next time ("": from the first again),
+    so that passes go round the store instead of walking its handed-over head every time."""
     out: list[tuple[str, str]] = []
-    after: str | None = ""
-    while after is not None and len(out) < HAND_OVER_BATCH:
+    after = start_after
+    while len(out) < HAND_OVER_BATCH:
         page = store.scan_lite_topics(None, start_after=after, limit=SCAN_PAGE)
         for meta in page:
             topic = model.QueueId.lmq(meta.parent, meta.lite).topic
+            after = f"{meta.parent}{model.LMQ_SEPARATOR}{meta.lite}"
             if meta.max_offset > meta.min_offset and not moved(topic) and (mine is None or mine(topic)):
                 out.append((meta.parent, meta.lite))
-        last = f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}" if page else ""
-        after = last if len(page) == SCAN_PAGE else None
-    return out[:HAND_OVER_BATCH]
+                if len(out) == HAND_OVER_BATCH:
+                    return out, after
+        if len(page) < SCAN_PAGE:
+            return out, ""
+    return out, after
 
 
 async def hand_over_idle(
@@ -87,6 +92,7 @@ async def hand_over_idle(
     (``Handoff.keep``'s decision: their consumers' subscriptions copied to today's owner), so a topic nobody sends
     to any more neither holds the scale-down up nor, once this broker is removed, takes its next message at
     today's owner where its consumers were never subscribed. A failure is tried again at the next pass."""
+    cursor = ""
     while not stopping.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), HAND_OVER_EVERY_S)
@@ -94,7 +100,8 @@ async def hand_over_idle(
         if me < 0 or stopping.is_set():
             continue
         try:
-            for parent, lite in await asyncio.to_thread(not_handed_over, store, handoff.moved, mine(me)):
+            found, cursor = await asyncio.to_thread(not_handed_over, store, handoff.moved, mine(me), cursor)
+            for parent, lite in found:
                 if await handoff.keep(parent, lite):  # not drained: it stays here for now
                     handoff.release(parent, lite)
         except errors.LmqError as exc:
