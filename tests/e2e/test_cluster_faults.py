@@ -21,6 +21,8 @@ subscription not restored:
   through both old brokers: no topic ever lands on two brokers;
 * a scale-down 3 -> 2 whose leaving broker drains and is removed while four threads keep sending through two
   brokers: nothing acknowledged lost or out of order, nothing left unconsumed on the removed broker;
+* kill -9 of a process of a ``serve --processes 2`` pod whose shared port every client uses (an access process,
+  the native edge's forwarder and an owner at once) under four sending threads: nothing acknowledged lost;
 * a client's full sync (``COMPLETE_ADD``) crossing its subscription made while the owner is down: the
   deterministic form of what the long runs met now and then (before the fix, restored only by the next full
   sync, ~30 s later).
@@ -714,3 +716,69 @@ def test_a_scale_down_removes_the_leaving_broker_while_sends_keep_coming(tmp_pat
             clients.pop().shutdown()
         for broker in brokers:
             broker.stop()
+
+
+def test_kill_9_of_a_process_behind_the_shared_port_under_concurrent_sends(tmp_path: Path, clients: list[Any]) -> None:
+    """One ``serve --processes 2`` pod, every client on its shared port (the kernel picks the process: each is the
+    access process of some connections, runs the native edge's forwarding, and owns half of the topics). Four
+    threads send, each to its own topics of both processes, each message until acknowledged; process 0 is killed
+    (kill -9) mid-load and its supervisor starts it again. Every acknowledged message is delivered, in order."""
+    base = free_block(3)
+    pod = start_broker(
+        tmp_path / "pod", port=base, extra_args=["--processes", "2", "--no-bootstrap"], env=SHARED_ADMIN_ENV
+    )
+    slots = [f"127.0.0.1:{base + 1 + i}" for i in range(2)]
+    stop = threading.Event()
+    try:
+        create_metadata(pod.endpoint)
+        lites = [lite for slot in (0, 1) for lite in owned_by(slots, slot, "k", 4)]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(pod.endpoint), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        producers = []
+        for _ in range(2):
+            producer = Producer(config(pod.endpoint), (TOPIC,))
+            producer.startup()
+            clients.append(producer)
+            producers.append(producer)
+        ledger, given_up = Ledger(), Counter[bool]()
+
+        def load(producer: Any, mine: list[str], mark: str) -> None:  # each message until acknowledged
+            n = 0
+            while not stop.is_set():
+                for lite in mine:
+                    body, deadline = f"{mark}{n:05d}-{lite}".encode(), time.monotonic() + 60
+                    while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    given_up[time.monotonic() >= deadline] += 1
+                n += 1
+
+        threads = [  # each topic from one thread only: its order is checked
+            threading.Thread(target=load, args=(producers[k % 2], lites[k::4], f"{k}-")) for k in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(2)
+        pid = child_pid(pod, 0)
+        assert pid is not None
+        before = sum(len(bodies) for bodies in list(ledger.acked.values()))
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while child_pid(pod, 0) in (None, pid) or not answering(slots[0]):  # its supervisor starts it again
+            assert time.monotonic() < deadline, "the killed process was not started again"
+            time.sleep(0.1)
+        time.sleep(3)  # the load goes on with the restarted process
+        stop.set()
+        for thread in threads:
+            thread.join(90)
+        assert not given_up[True], "a send was never acknowledged within 60 s"
+        counts = ledger.check(inbox, timeout=90)
+        assert before > 50 and counts["acked"] > before, (before, counts)
+    finally:
+        stop.set()
+        while clients:  # the clients first, while the brokers answer their last acks
+            clients.pop().shutdown()
+        pod.stop()
