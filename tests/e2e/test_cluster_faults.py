@@ -404,12 +404,7 @@ def test_a_ring_change_told_to_brokers_apart_never_places_a_topic_twice(tmp_path
         consumer.startup()
         clients.append(consumer)
         consumer.subscribe_lite("s-*")
-        producers = []
-        for endpoint in endpoints[:2]:
-            producer = Producer(config(endpoint), (TOPIC,))
-            producer.startup()
-            clients.append(producer)
-            producers.append(producer)
+        producers = started_producers(endpoints[:2], clients)
         ledger = Ledger()
         stop = threading.Event()
 
@@ -638,7 +633,49 @@ def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_pa
             broker.stop()
 
 
-def test_a_scale_down_removes_the_leaving_broker_while_sends_keep_coming(tmp_path: Path, clients: list[Any]) -> None:  # noqa: PLR0915 (one scenario told start to end)
+def started_producers(endpoints: list[str], clients: list[Any]) -> list[Any]:
+    """One started producer per entry of ``endpoints``, each shut down with ``clients``."""
+    producers = []
+    for endpoint in endpoints:
+        producer = Producer(config(endpoint), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        producers.append(producer)
+    return producers
+
+
+def sending(
+    producers: list[Any],
+    lites: list[str],
+    ledger: Ledger,
+    *,
+    stop: threading.Event,
+    given_up: Counter[bool],
+    retry_s: float,
+) -> list[threading.Thread]:
+    """Four threads started, sending until ``stop`` through ``producers`` in turn, each to its own topics of
+    ``lites`` (every fourth one: a topic's order is then checked), each message until acknowledged or
+    ``retry_s`` passed (counted True in ``given_up``)."""
+
+    def load(producer: Any, mine: list[str], mark: str) -> None:
+        n = 0
+        while not stop.is_set():
+            for lite in mine:
+                body, deadline = f"{mark}{n:05d}-{lite}".encode(), time.monotonic() + retry_s
+                while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                given_up[time.monotonic() >= deadline] += 1
+            n += 1
+
+    threads = [
+        threading.Thread(target=load, args=(producers[k % len(producers)], lites[k::4], f"{k}-")) for k in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_scale_down_removes_the_leaving_broker_while_sends_keep_coming(tmp_path: Path, clients: list[Any]) -> None:
     """3 -> 2 with the load never stopping, through the removal too: four threads send (two producers, through
     brokers 0 and 1; each message until acknowledged) each to its own topics, of every broker; a push consumer
     (through broker 0) consumes. Slot 2 is marked leaving (told first), drains, and is removed (told last)
@@ -658,29 +695,9 @@ def test_a_scale_down_removes_the_leaving_broker_while_sends_keep_coming(tmp_pat
         clients.append(consumer)
         for lite in lites:
             consumer.subscribe_lite(lite)
-        producers = []
-        for endpoint in endpoints[:2]:
-            producer = Producer(config(endpoint), (TOPIC,))
-            producer.startup()
-            clients.append(producer)
-            producers.append(producer)
+        producers = started_producers(endpoints[:2], clients)
         ledger, given_up = Ledger(), Counter[bool]()
-
-        def load(producer: Any, mine: list[str], mark: str) -> None:  # each message until acknowledged
-            n = 0
-            while not stop.is_set():
-                for lite in mine:
-                    body, deadline = f"{mark}{n:05d}-{lite}".encode(), time.monotonic() + 30
-                    while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    given_up[time.monotonic() >= deadline] += 1
-                n += 1
-
-        threads = [  # each topic from one thread only: its order is checked
-            threading.Thread(target=load, args=(producers[k % 2], lites[k::4], f"{k}-")) for k in range(4)
-        ]
-        for thread in threads:
-            thread.start()
+        threads = sending(producers, lites, ledger, stop=stop, given_up=given_up, retry_s=30)
         time.sleep(1)
         with AdminClient(endpoints[0], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
             assert admin.cluster().epoch == 1
@@ -738,29 +755,9 @@ def test_kill_9_of_a_process_behind_the_shared_port_under_concurrent_sends(tmp_p
         clients.append(consumer)
         for lite in lites:
             consumer.subscribe_lite(lite)
-        producers = []
-        for _ in range(2):
-            producer = Producer(config(pod.endpoint), (TOPIC,))
-            producer.startup()
-            clients.append(producer)
-            producers.append(producer)
+        producers = started_producers([pod.endpoint] * 2, clients)
         ledger, given_up = Ledger(), Counter[bool]()
-
-        def load(producer: Any, mine: list[str], mark: str) -> None:  # each message until acknowledged
-            n = 0
-            while not stop.is_set():
-                for lite in mine:
-                    body, deadline = f"{mark}{n:05d}-{lite}".encode(), time.monotonic() + 60
-                    while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    given_up[time.monotonic() >= deadline] += 1
-                n += 1
-
-        threads = [  # each topic from one thread only: its order is checked
-            threading.Thread(target=load, args=(producers[k % 2], lites[k::4], f"{k}-")) for k in range(4)
-        ]
-        for thread in threads:
-            thread.start()
+        threads = sending(producers, lites, ledger, stop=stop, given_up=given_up, retry_s=60)
         time.sleep(2)
         pid = child_pid(pod, 0)
         assert pid is not None

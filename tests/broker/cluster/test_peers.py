@@ -655,16 +655,24 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         await stop_cluster(cluster)
 
 
+async def two_of_three(tmp_path: Path) -> Cluster:
+    """Three brokers started with the grown ring (2 -> 3), brokers 0 and 1 set to run the 2-slot ring: slot 2
+    joins once they are told the grown one."""
+    cluster = await start_cluster(tmp_path, 3, ring_history="2")
+    members = cluster.membership.members
+    for slot in (0, 1):
+        with admin_of(cluster.brokers[slot]) as admin:
+            await asyncio.to_thread(functools.partial(admin.set_cluster, members[:2], (2,), force=True))
+    return cluster
+
+
 async def test_a_broker_that_joins_gets_the_subscriptions_it_will_serve(tmp_path: Path) -> None:
     """Brokers 0 and 1 run a 2-slot ring, then learn that slot 2 joined: each copies to it every client's
     patterns and the subscriptions to not yet created topics that slot 2 now owns, without waiting for the
     clients' next full sync; a topic matching the pattern created there is delivered there."""
-    cluster = await start_cluster(tmp_path, 3, ring_history="2")
+    cluster = await two_of_three(tmp_path)
     try:
         members = cluster.membership.members
-        for slot in (0, 1):
-            with admin_of(cluster.brokers[slot]) as admin:
-                await asyncio.to_thread(functools.partial(admin.set_cluster, members[:2], (2,), force=True))
         grown = mb.Membership(members, (2, 3))
         joiner = [f"j-{i}" for i in range(5000) if mb.owner(grown, model.QueueId.lmq(PARENT, f"j-{i}").topic) == 2]
         await sync_on(cluster, 0, pb.PARTIAL_ADD, ["p-*", *joiner[:2]])
@@ -997,18 +1005,33 @@ async def test_a_consumed_topic_no_send_moved_before_its_broker_left_still_reach
         await stop_cluster(cluster)
 
 
+async def told_broker_0_last(
+    cluster: Cluster, sizes: tuple[int, ...], lite: str, *, old_owner: int | None, owner: int
+) -> None:
+    """The ring ``sizes`` told to brokers 2 and 1, a client's subscription to ``lite`` made through broker 0 (not
+    told yet: it goes to ``old_owner`` by the older ring, when given), then broker 0 told: the topic's first
+    message is stored at ``owner``, where the subscription must be, and taken there."""
+    members = cluster.membership.members
+    await set_everywhere(cluster, [2, 1], members, sizes)
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, [lite])
+    if old_owner is not None:
+        assert subscribed(cluster, old_owner, [lite]) == {lite}
+    await set_everywhere(cluster, [0], members, sizes)
+    await send_via(cluster, 1, lite, 0)
+    assert stored(cluster, owner, lite) == 1
+    await eventually_async(lambda: subscribed(cluster, owner, [lite]), "the subscription at the owner", timeout_s=3)
+    assert await taken(cluster, owner, 1) == [f"{lite}/0"]
+
+
 async def test_a_subscription_made_through_a_broker_not_told_of_a_joiner_yet_reaches_the_joiner(tmp_path: Path) -> None:
     """A ring growing 2 -> 3 is told to the brokers one by one. A client subscribes, through broker 0 that still
     has the old ring, to a topic not created yet whose owner was broker 1 (told already, its copies to the
     joiner made) and is now the joiner: broker 0 gives the subscription to broker 1 only. Once broker 0 is told,
     the topic's messages are stored at the joiner, which must have the subscription (the official clients' full
     sync comes only every 30 s; an MQTT session never sends one). Before the fix it had none."""
-    cluster = await start_cluster(tmp_path, 3, ring_history="2")
+    cluster = await two_of_three(tmp_path)
     try:
         members = cluster.membership.members
-        for slot in (0, 1):
-            with admin_of(cluster.brokers[slot]) as admin:
-                await asyncio.to_thread(functools.partial(admin.set_cluster, members[:2], (2,), force=True))
         two, grown = mb.Membership(members[:2], (2,)), mb.Membership(members, (2, 3))
         lite = next(
             name
@@ -1016,14 +1039,7 @@ async def test_a_subscription_made_through_a_broker_not_told_of_a_joiner_yet_rea
             if mb.owner(two, model.QueueId.lmq(PARENT, name).topic) == 1
             and mb.owner(grown, model.QueueId.lmq(PARENT, name).topic) == 2
         )
-        await set_everywhere(cluster, [2, 1], members, (2, 3))  # broker 0 not told yet
-        await sync_on(cluster, 0, pb.PARTIAL_ADD, [lite])
-        assert subscribed(cluster, 1, [lite]) == {lite}
-        await set_everywhere(cluster, [0], members, (2, 3))
-        await send_via(cluster, 0, lite, 0)
-        assert stored(cluster, 2, lite) == 1
-        await eventually_async(lambda: subscribed(cluster, 2, [lite]), "the subscription at the joiner", timeout_s=3)
-        assert await taken(cluster, 2, 1) == [f"{lite}/0"]
+        await told_broker_0_last(cluster, (2, 3), lite, old_owner=1, owner=2)
     finally:
         await stop_cluster(cluster)
 
@@ -1045,12 +1061,7 @@ async def test_a_subscription_made_through_a_broker_not_told_of_a_leaving_one_ye
             for name in cluster.lites_of(2, 100, prefix="gone")
             if mb.owner(two, model.QueueId.lmq(PARENT, name).topic) == 0
         )
-        await set_everywhere(cluster, [2, 1], members, (3, 2))  # broker 0 not told yet
-        await sync_on(cluster, 0, pb.PARTIAL_ADD, [lite])  # broker 0 may learn the change meanwhile, or not
-        await set_everywhere(cluster, [0], members, (3, 2))
-        await send_via(cluster, 1, lite, 0)
-        assert stored(cluster, 0, lite) == 1
-        await eventually_async(lambda: subscribed(cluster, 0, [lite]), "the subscription at today's owner", timeout_s=3)
-        assert await taken(cluster, 0, 1) == [f"{lite}/0"]
+        # broker 0 may learn the change from a peer before the subscription, or not
+        await told_broker_0_last(cluster, (3, 2), lite, old_owner=None, owner=0)
     finally:
         await stop_cluster(cluster)
