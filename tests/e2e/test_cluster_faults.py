@@ -19,6 +19,10 @@ subscription not restored:
   which its supervisor starts again;
 * a ring change 2 -> 3 told to the brokers ``STAGGER_S`` apart while producers send to brand-new topics
   through both old brokers: no topic ever lands on two brokers;
+* a scale-down 3 -> 2 whose leaving broker drains and is removed while four threads keep sending through two
+  brokers: nothing acknowledged lost or out of order, nothing left unconsumed on the removed broker;
+* kill -9 of a process of a ``serve --processes 2`` pod whose shared port every client uses (an access process,
+  the native edge's forwarder and an owner at once) under four sending threads: nothing acknowledged lost;
 * a client's full sync (``COMPLETE_ADD``) crossing its subscription made while the owner is down: the
   deterministic form of what the long runs met now and then (before the fix, restored only by the next full
   sync, ~30 s later).
@@ -400,12 +404,7 @@ def test_a_ring_change_told_to_brokers_apart_never_places_a_topic_twice(tmp_path
         consumer.startup()
         clients.append(consumer)
         consumer.subscribe_lite("s-*")
-        producers = []
-        for endpoint in endpoints[:2]:
-            producer = Producer(config(endpoint), (TOPIC,))
-            producer.startup()
-            clients.append(producer)
-            producers.append(producer)
+        producers = started_producers(endpoints[:2], clients)
         ledger = Ledger()
         stop = threading.Event()
 
@@ -632,3 +631,151 @@ def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_pa
     finally:
         for broker in brokers:
             broker.stop()
+
+
+def started_producers(endpoints: list[str], clients: list[Any]) -> list[Any]:
+    """One started producer per entry of ``endpoints``, each shut down with ``clients``."""
+    producers = []
+    for endpoint in endpoints:
+        producer = Producer(config(endpoint), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        producers.append(producer)
+    return producers
+
+
+def sending(
+    producers: list[Any],
+    lites: list[str],
+    ledger: Ledger,
+    *,
+    stop: threading.Event,
+    given_up: Counter[bool],
+    retry_s: float,
+) -> list[threading.Thread]:
+    """Four threads started, sending until ``stop`` through ``producers`` in turn, each to its own topics of
+    ``lites`` (every fourth one: a topic's order is then checked), each message until acknowledged or
+    ``retry_s`` passed (counted True in ``given_up``)."""
+
+    def load(producer: Any, mine: list[str], mark: str) -> None:
+        n = 0
+        while not stop.is_set():
+            for lite in mine:
+                body, deadline = f"{mark}{n:05d}-{lite}".encode(), time.monotonic() + retry_s
+                while not ledger.send(producer, lite, body) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                given_up[time.monotonic() >= deadline] += 1
+            n += 1
+
+    threads = [
+        threading.Thread(target=load, args=(producers[k % len(producers)], lites[k::4], f"{k}-")) for k in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_scale_down_removes_the_leaving_broker_while_sends_keep_coming(tmp_path: Path, clients: list[Any]) -> None:
+    """3 -> 2 with the load never stopping, through the removal too: four threads send (two producers, through
+    brokers 0 and 1; each message until acknowledged) each to its own topics, of every broker; a push consumer
+    (through broker 0) consumes. Slot 2 is marked leaving (told first), drains, and is removed (told last)
+    while sends go on, then stopped. Every acknowledged message is delivered, in order, none whose ack was
+    committed comes again, every topic goes on at one broker that stays, and the removed broker holds nothing
+    unconsumed (nothing stranded where nobody reads)."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    endpoints = [b.endpoint for b in brokers]
+    stop = threading.Event()
+    try:
+        create_metadata(endpoints[0])
+        lites = [lite for slot in range(3) for lite in owned_by(endpoints, slot, "sd", 4)]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        producers = started_producers(endpoints[:2], clients)
+        ledger, given_up = Ledger(), Counter[bool]()
+        threads = sending(producers, lites, ledger, stop=stop, given_up=given_up, retry_s=30)
+        time.sleep(1)
+        with AdminClient(endpoints[0], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            assert admin.cluster().epoch == 1
+        for i in (2, 0, 1):  # slot 2 leaves: the leaving broker first
+            with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+                admin.set_cluster(endpoints, (3, 2))
+        with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            deadline = time.monotonic() + 40
+            while not admin.cluster(with_undrained=True).drained:  # its topics drain as the consumer keeps up
+                assert time.monotonic() < deadline, "slot 2 never drained under the load"
+                time.sleep(0.2)
+        for i in (0, 1, 2):  # removed, the leaving broker last, the sends going on
+            with AdminClient(endpoints[i], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+                admin.set_cluster(endpoints[:2], (3, 2))
+            time.sleep(0.5)
+        with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            left = admin.broker_info(with_undrained=True).undrained_messages
+        brokers[2].stop()
+        time.sleep(2)  # the load goes on with two brokers
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        assert not given_up[True], "a send was never acknowledged within 30 s"
+        counts = ledger.check(inbox)
+        assert counts["acked"] > 200
+        assert left == 0, f"the removed broker holds {left} messages nobody consumed"
+        placed = holders(endpoints[:2], TOPIC, SHARED_ADMIN_KEYS)
+        assert all(len(where) == 1 for where in placed.values()), placed
+        assert set(placed) == set(lites)  # every topic goes on at a broker that stays
+    finally:
+        stop.set()
+        while clients:  # the clients first, while the brokers answer their last acks
+            clients.pop().shutdown()
+        for broker in brokers:
+            broker.stop()
+
+
+def test_kill_9_of_a_process_behind_the_shared_port_under_concurrent_sends(tmp_path: Path, clients: list[Any]) -> None:
+    """One ``serve --processes 2`` pod, every client on its shared port (the kernel picks the process: each is the
+    access process of some connections, runs the native edge's forwarding, and owns half of the topics). Four
+    threads send, each to its own topics of both processes, each message until acknowledged; process 0 is killed
+    (kill -9) mid-load and its supervisor starts it again. Every acknowledged message is delivered, in order."""
+    base = free_block(3)
+    pod = start_broker(
+        tmp_path / "pod", port=base, extra_args=["--processes", "2", "--no-bootstrap"], env=SHARED_ADMIN_ENV
+    )
+    slots = [f"127.0.0.1:{base + 1 + i}" for i in range(2)]
+    stop = threading.Event()
+    try:
+        create_metadata(pod.endpoint)
+        lites = [lite for slot in (0, 1) for lite in owned_by(slots, slot, "k", 4)]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(pod.endpoint), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        for lite in lites:
+            consumer.subscribe_lite(lite)
+        producers = started_producers([pod.endpoint] * 2, clients)
+        ledger, given_up = Ledger(), Counter[bool]()
+        threads = sending(producers, lites, ledger, stop=stop, given_up=given_up, retry_s=60)
+        time.sleep(2)
+        pid = child_pid(pod, 0)
+        assert pid is not None
+        before = sum(len(bodies) for bodies in list(ledger.acked.values()))
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while child_pid(pod, 0) in (None, pid) or not answering(slots[0]):  # its supervisor starts it again
+            assert time.monotonic() < deadline, "the killed process was not started again"
+            time.sleep(0.1)
+        time.sleep(3)  # the load goes on with the restarted process
+        stop.set()
+        for thread in threads:
+            thread.join(90)
+        assert not given_up[True], "a send was never acknowledged within 60 s"
+        counts = ledger.check(inbox, timeout=90)
+        assert before > 50 and counts["acked"] > before, (before, counts)
+    finally:
+        stop.set()
+        while clients:  # the clients first, while the brokers answer their last acks
+            clients.pop().shutdown()
+        pod.stop()

@@ -250,9 +250,10 @@ async def undrained(store: Store, drains: Drains | None = None, handed_over: Dra
     whose parent has no group: all of them). With replication, only the topics ``drains`` names (the topics of
     this broker's own slot, by the slot their records name): its copies of the slots it follows drain at their
     holders, and counting them would keep a leaving follower undrained for as long as those slots take sends.
-    With ``handed_over`` (a leaving broker with replication) a topic not handed over to its owner in today's
-    ring yet counts at least 1 even when consumed: its next owner takes it over where it ends (its followers
-    hold copies at those offsets), which it cannot once the leaving slot is removed."""
+    With ``handed_over`` (a leaving broker) a topic not handed over to its owner in today's ring yet counts at
+    least 1 even when consumed: only the hand-over subscribes its consumers at that owner, and with replication
+    its next owner takes it over where it ends (its followers hold copies at those offsets), neither of which
+    can happen once the leaving slot is removed."""
     bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
 
     def page(start_after: str) -> tuple[int, str | None]:

@@ -51,10 +51,13 @@ def drains(cluster: Cluster) -> inspection.Drains | None:
 
 
 def handed_over(cluster: Cluster) -> inspection.Drains | None:
-    """At a leaving broker with replication: whether a topic of its own slot was handed over to its owner in
-    today's ring (``cluster.draining``, this process's memory); None elsewhere."""
+    """At a leaving broker: whether a topic (of its own slot, with replication) was handed over to its owner in
+    today's ring (``cluster.draining``, this process's memory); None elsewhere. A consumed topic not handed over
+    yet counts as undrained: once this broker is removed, the topic's next message is stored at today's owner,
+    where only the hand-over subscribes its consumers (the leaving broker hands consumed topics over by itself,
+    ``draining.hand_over_idle``)."""
     peers, place = cluster.peers, cluster.place
-    if cluster.slot_of_topic is None or peers is None or place.slot < 0 or not place.membership.leaving(place.slot):
+    if peers is None or place.slot < 0 or not place.membership.leaving(place.slot):
         return None
     return peers.handoff.moved
 

@@ -22,15 +22,22 @@ point): the new owner may have taken it over where it ended here, its answer los
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from lmq_broker import model
+from lmq_broker import errors, model
 from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
 
 Drained = Callable[[str, str], Awaitable[bool]]  # (parent, lite) -> no unconsumed message here for any group
 Move = Callable[[str, str], Awaitable[None]]  # (parent, lite): copy its subscriptions to today's owner
 MOVED_MEMORY: Final = 1_000_000  # handed-over topics remembered; past it, the oldest are checked again
+HAND_OVER_EVERY_S: Final = 1.0  # a leaving broker looks for consumed topics not handed over yet
+HAND_OVER_BATCH: Final = 1_000  # such topics handed over per look
+SCAN_PAGE: Final = 1_000
 
 
 def drained(store: Store, parent: str, lite: str) -> bool:
@@ -48,6 +55,59 @@ def drained(store: Store, parent: str, lite: str) -> bool:
         if committed is None or committed < meta.max_offset:
             return False
     return True
+
+
+def not_handed_over(
+    store: Store, moved: Callable[[str], bool], mine: Callable[[str], bool] | None = None, start_after: str = ""
+) -> tuple[list[tuple[str, str]], str]:
+    """Blocking. (parent, lite) of up to ``HAND_OVER_BATCH`` non-empty lite topics of this store after the key
+    ``start_after`` not handed over yet (``moved``); with ``mine``, only the topics it accepts (LMQ name;
+    replication: those of the leaving slot). And the key to start after next time ("": from the first again),
+    so that passes go round the store instead of walking its handed-over head every time."""
+    out: list[tuple[str, str]] = []
+    after = start_after
+    while len(out) < HAND_OVER_BATCH:
+        page = store.scan_lite_topics(None, start_after=after, limit=SCAN_PAGE)
+        for meta in page:
+            topic = model.QueueId.lmq(meta.parent, meta.lite).topic
+            after = f"{meta.parent}{model.LMQ_SEPARATOR}{meta.lite}"
+            if meta.max_offset > meta.min_offset and not moved(topic) and (mine is None or mine(topic)):
+                out.append((meta.parent, meta.lite))
+                if len(out) == HAND_OVER_BATCH:
+                    return out, after
+        if len(page) < SCAN_PAGE:
+            return out, ""
+    return out, after
+
+
+async def hand_over_idle(
+    handoff: Handoff,
+    store: Store,
+    leaving: Callable[[], int],
+    stopping: asyncio.Event,
+    mine: Callable[[int], Callable[[str], bool] | None] = lambda slot: None,
+) -> None:
+    """Until ``stopping`` is set: every ``HAND_OVER_EVERY_S`` while this broker is leaving (``leaving``: its slot,
+    else -1), its consumed lite topics not handed over yet are handed over without waiting for their next message
+    (``Handoff.keep``'s decision: their consumers' subscriptions copied to today's owner), so a topic nobody sends
+    to any more neither holds the scale-down up nor, once this broker is removed, takes its next message at
+    today's owner where its consumers were never subscribed. A failure is tried again at the next pass."""
+    cursor = ""
+    while not stopping.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), HAND_OVER_EVERY_S)
+        me = leaving()
+        if me < 0 or stopping.is_set():
+            continue
+        try:
+            found, cursor = await asyncio.to_thread(not_handed_over, store, handoff.moved, mine(me), cursor)
+            for parent, lite in found:
+                if await handoff.keep(parent, lite):  # not drained: it stays here for now
+                    handoff.release(parent, lite)
+        except errors.LmqError as exc:
+            log.info("handing consumed topics of leaving slot %d over: %s (next pass tries again)", me, exc.message)
+        except Exception:  # the loop must outlive any one pass: its topics would wait for a send otherwise
+            log.exception("handing consumed topics of leaving slot %d over failed (next pass tries again)", me)
 
 
 class Handoff:

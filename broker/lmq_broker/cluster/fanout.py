@@ -75,6 +75,9 @@ class Fanout:
         self._changes = 0  # beginnings and ends of client changes here, numbered in order
         self.unreachable: set[int] = set()  # slots found down: asked without waiting, their parts kept if silent
         self.behind: set[int] = set()  # slots that missed a part since they last answered
+        # Every member given every intent again by the current ring (``watch.Watch.ring_changed``): a change split
+        # by a ring that changed before it was remembered calls it (the change's own repush did not know it)
+        self.ring_changed: Callable[[], None] | None = None
 
     @property
     def cap(self) -> int:
@@ -95,6 +98,7 @@ class Fanout:
         if action == pb.COMPLETE_REMOVE:
             names = []
         self._check_cap(caller.client_id, group, parent, action, names)
+        split_by = self._links.membership
         patterns = [name for name in names if wildcards.is_pattern(name)]
         named = [name for name in names if not wildcards.is_pattern(name)]
         parts: dict[int, list[str]] = {}
@@ -131,6 +135,8 @@ class Fanout:
                 return reply
         self._changes += 1
         self._remember(caller.client_id, group, parent, action, names, began, self._changes)
+        if self._links.membership is not split_by and self.ring_changed is not None:
+            self.ring_changed()  # split by the older ring, and not known yet to the repush its change started
         if missed:
             self.behind.update(missed)
             self.unreachable.update(missed)  # until the watch hears from it again

@@ -59,6 +59,7 @@ class Peers:
             )
         self.forwarder = Forwarder(self.links, self.owners, self.epochs, self.handoff, store_here, registry, self.hop)
         self.watch = Watch(self.links, self.epochs, self.fanout, registry, incarnation=incarnation)
+        self.fanout.ring_changed = self.watch.ring_changed
 
     def apply(self, membership: mb.Membership, me: int, *, told: bool = False) -> None:
         """A new membership, in one step: routes, assignments and remembered placements follow it at once.

@@ -203,6 +203,10 @@ class Cluster:
         self.slot_of_topic: Callable[[str], int] | None = None
         self._serving = False  # the watch starts once this broker answers calls (``serve``)
         self._handing: asyncio.Task[None] | None = None
+        # At --replicas 1, from the first time this broker leaves: its consumed topics handed over without waiting
+        # for a send (``draining.hand_over_idle``; replication runs its own, of its slot's topics)
+        self._idle_hand_over: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
         self._hop_server: local_hop.HopServer | None = None
         self._native: native_forward.NativeForwarding | None = None  # --native-forward: the edge's table
@@ -361,6 +365,7 @@ class Cluster:
         peers = self._peers
         was_leaving = self.slot >= 0 and self.membership.leaving(self.slot) and self._edge.cluster is not None
         before = frozenset(self.membership.members) if self.slot >= 0 and self._edge.cluster is not None else None
+        sizes_before = self.membership.sizes
         self.place = place
         membership, me = place.membership, place.slot
         if me >= 0 and membership.members[me]:
@@ -381,6 +386,11 @@ class Cluster:
         if peers is not None and not place.alone:
             if me >= 0 and membership.leaving(me) and not was_leaving and self._handing is None:
                 self._handing = asyncio.get_running_loop().create_task(self._subscribe_at_owners())
+            if me >= 0 and membership.leaving(me) and self.config.replicas <= 1 and self._idle_hand_over is None:
+                idle = draining.hand_over_idle(peers.handoff, self._store, self._leaving_slot, self._closing)
+                self._idle_hand_over = asyncio.get_running_loop().create_task(idle, name="lmq-hand-over-idle")
+            if me >= 0 and before is not None and sizes_before != membership.sizes:
+                peers.watch.ring_changed()
             joined = [s for s, member in enumerate(membership.members) if before is not None and member not in before]
             if joined and me >= 0:
                 task = asyncio.get_running_loop().create_task(self._subscribe_at_owners(joined))
@@ -400,6 +410,12 @@ class Cluster:
             len(membership.leaving_slots),
             members,
         )
+
+    def _leaving_slot(self) -> int:
+        """This broker's slot while it is a leaving member of a cluster, else -1."""
+        me = self.slot
+        leaving = me >= 0 and self._edge.cluster is not None and self.membership.leaving(me)
+        return me if leaving else -1
 
     def _build(self) -> Peers:
         config = self.config
@@ -481,6 +497,10 @@ class Cluster:
         return out
 
     async def close(self) -> None:
+        self._closing.set()
+        if self._idle_hand_over is not None:
+            await asyncio.gather(self._idle_hand_over, return_exceptions=True)
+            self._idle_hand_over = None
         if self._native is not None:
             await self._native.close()
             self._native = None

@@ -59,6 +59,8 @@ class Watch:
         self._seen: dict[str, _Seen] = {}  # by member endpoint
         self._task: asyncio.Task[None] | None = None
         self._repushing: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()  # members to give every intent again once their running repush ends
+        self._closed = False
         self.up = Gauge("lmq_peer_up", "1 while the peer answers, 0 while it does not", ["peer"], registry=registry)
         self.changes = Counter(
             "lmq_peer_state_changes",
@@ -76,6 +78,7 @@ class Watch:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
+        self._closed = True
         tasks = [t for t in (self._task, *self._repushing.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -135,10 +138,40 @@ class Watch:
             if not seen.up or seen.incarnation != incarnation:
                 self._fanout.behind.add(slot)
             seen.up, seen.incarnation = True, incarnation
-        if slot in self._fanout.behind and member not in self._repushing:
-            task = asyncio.get_running_loop().create_task(self._repush(slot, member))
-            self._repushing[member] = task
-            task.add_done_callback(lambda _: self._repushing.pop(member, None))
+        if slot in self._fanout.behind:
+            self._start_repush(slot, member)
+
+    def ring_changed(self) -> None:
+        """The ring's sizes changed (a scale-up, slots marked leaving), or a subscription change was split by the
+        ring before it: every member, this broker included, is given every intent's part again by the new ring
+        at once (after the repush running there, which may not know the change: this broker is never probed).
+        A subscription made through this broker while it still had the older ring went to the topic's owner by
+        that ring only, and that owner, told first, had already copied what it held to the topic's new owner
+        (``setup.Cluster``): the new owner would store the topic's messages with nobody subscribed there until
+        the client's next full sync (an MQTT session's: never). A member that fails is tried again at the next
+        probe."""
+        for slot, member in enumerate(self._links.membership.members):
+            self._fanout.behind.add(slot)
+            self._start_repush(slot, member, again=True)
+
+    def _start_repush(self, slot: int, member: str, *, again: bool = False) -> None:
+        if self._closed:
+            return
+        if member in self._repushing:
+            if again:
+                self._again.add(member)
+            return
+        task = asyncio.get_running_loop().create_task(self._repush(slot, member))
+        self._repushing[member] = task
+        task.add_done_callback(lambda _: self._repushed(slot, member))
+
+    def _repushed(self, slot: int, member: str) -> None:
+        self._repushing.pop(member, None)
+        if member in self._again:
+            self._again.discard(member)
+            members = self._links.membership.members
+            if member in members:
+                self._start_repush(members.index(member), member)
 
     async def _repush(self, slot: int, member: str) -> None:
         pushed, failed = await self._fanout.repush(slot)

@@ -11,7 +11,6 @@ stream is tried again every ``BINARY_RETRY_S`` (the follower may have been upgra
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -26,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from lmq_broker import errors, model
 from lmq_broker.admin import expiry
+from lmq_broker.cluster import draining, trust
 from lmq_broker.cluster import membership as mb
-from lmq_broker.cluster import trust
 from lmq_broker.cluster.peers import Peers
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.dispatcher import Dispatcher
@@ -83,8 +82,6 @@ CALL_TIMEOUT_S: Final = 2.0
 # holder that is loaded but alive answers within it; one that is down fails at once (not waited for)
 RECONCILE_TIMEOUT_S: Final = 10.0
 IDENTITY_FILE: Final = "replica-identity"
-HAND_OVER_EVERY_S: Final = 1.0  # a leaving broker looks for consumed topics of its slot not handed over yet
-HAND_OVER_BATCH: Final = 1_000  # such topics handed over per look
 FAILPOINT_ENV: Final = "LMQ_FAILPOINT_LOSE_COPIES"
 FAILPOINT_RECONCILE_ENV: Final = "LMQ_FAILPOINT_FAIL_RECONCILE"
 
@@ -302,7 +299,7 @@ class Replication:
         )
         self._handing: asyncio.Task[None] | None = None
         # topics of a leaving slot taken over (``adopt``), one at a time, and how many since start; follower
-        # endpoint -> when to ask for its binary stream again; a leaving slot's hand-overs (``_hand_over_idle``)
+        # endpoint -> when to ask for its binary stream again; a leaving slot's hand-overs (``draining.hand_over_idle``)
         self._adopting, self.adopted, self._json_until = asyncio.Lock(), 0, dict[str, float]()
         self._handoff, self._sweeping = peers.handoff, list[asyncio.Task[None]]()
         self._interval_s = config.lease_duration_ms / 3000
@@ -496,44 +493,18 @@ class Replication:
         followers = lambda slot: [s for s in self._replica_sets[slot] if s != me]  # noqa: E731
         call = lambda slot, data: self._call(slot, STATES, data)  # noqa: E731
         self._shipping = loop.create_task(self.states.run(self._stopping, followers, call), name="lmq-states")
-        self._sweeping.append(loop.create_task(self._hand_over_idle(), name="lmq-hand-over-idle"))
+        # While this slot is leaving, its consumed topics are handed over without waiting for their next message
+        # (``hand_over`` above), so a topic nobody sends to any more does not hold the scale-down up (its count in
+        # ``undrained``); only this slot's own topics, by their records
+        idle = draining.hand_over_idle(self._handoff, self._store, self._leaving_slot, self._stopping, self._of_slot)
+        self._sweeping.append(loop.create_task(idle, name="lmq-hand-over-idle"))
 
-    async def _hand_over_idle(self) -> None:
-        """While this broker's slot is leaving: every ``HAND_OVER_EVERY_S`` its consumed lite topics not handed
-        over yet are handed over without waiting for their next message (``cluster.draining``'s decision, then
-        ``hand_over``), so a topic nobody sends to any more does not hold the scale-down up (its count in
-        ``undrained``). At most ``HAND_OVER_BATCH`` topics a pass; a failure is tried again at the next pass."""
-        handoff = self._handoff
-        while not self._stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), HAND_OVER_EVERY_S)
-            membership, me = self._links.membership, self._links.me
-            if me < 0 or not membership.leaving(me):
-                continue
-            try:
-                for parent, lite in await asyncio.to_thread(self._not_handed_over, me):
-                    if await handoff.keep(parent, lite):  # not drained: it stays here for now
-                        handoff.release(parent, lite)
-            except errors.LmqError as exc:
-                log.info("handing consumed topics of leaving slot %d over: %s (next pass tries again)", me, exc.message)
-            except Exception:  # the loop must outlive any one pass: its topics would wait for a send otherwise
-                log.exception("handing consumed topics of leaving slot %d over failed (next pass tries again)", me)
+    def _leaving_slot(self) -> int:
+        membership, me = self._links.membership, self._links.me
+        return me if me >= 0 and membership.leaving(me) else -1
 
-    def _not_handed_over(self, me: int) -> list[tuple[str, str]]:
-        """Blocking. (parent, lite) of up to ``HAND_OVER_BATCH`` non-empty lite topics of slot ``me`` (by their
-        records) not handed over yet."""
-        out: list[tuple[str, str]] = []
-        after: str | None = ""
-        while after is not None and len(out) < HAND_OVER_BATCH:
-            page = self._store.scan_lite_topics(None, start_after=after, limit=sources.SCAN_PAGE)
-            for meta in page:
-                topic = model.QueueId.lmq(meta.parent, meta.lite).topic
-                held = meta.max_offset > meta.min_offset and not self._handoff.moved(topic)
-                if held and self.slots.slot_of_topic(topic) == me:
-                    out.append((meta.parent, meta.lite))
-            last = f"{page[-1].parent}{model.LMQ_SEPARATOR}{page[-1].lite}" if page else ""
-            after = last if len(page) == sources.SCAN_PAGE else None
-        return out[:HAND_OVER_BATCH]
+    def _of_slot(self, me: int) -> Callable[[str], bool]:
+        return lambda topic: self.slots.slot_of_topic(topic) == me
 
     async def close(self) -> None:
         self._stopping.set()

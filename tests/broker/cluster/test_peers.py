@@ -611,7 +611,9 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         # a subscription to a topic not created yet is made where it will be created
         await eventually_async(lambda: subscribed(cluster, today[fresh[0]], fresh), "the fresh topic's subscription")
         assert subscribed(cluster, today[fresh[0]], fresh) == {fresh[0]}
-        assert not subscribed(cluster, today[held[1]], held)  # a held one moves with its topic
+        # a held one's consumers wait at today's owner too, as for a subscription made while its holder leaves:
+        # the access broker gives its clients' subscriptions again by the new ring (``Watch.ring_changed``)
+        await eventually_async(lambda: subscribed(cluster, today[held[1]], held) == {held[1]}, "the held topic's")
         ports = [b.port for b in cluster.brokers]
         assert await route_of(cluster, 1) == [(ports[1], pb.READ_WRITE), (ports[0], pb.READ_WRITE), (ports[2], pb.READ)]
         assert (await route_of(cluster, 2))[2] == (ports[2], pb.READ)  # the leaving one asked: in its place
@@ -622,7 +624,7 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         assert stored(cluster, 2, held[0]) == 2 and stored(cluster, today[held[0]], held[0]) == 0
         await sync_on(cluster, 0, pb.PARTIAL_ADD, held[:1])
         assert subscribed(cluster, 2, held) == set(held)
-        assert subscribed(cluster, today[held[0]], held) == {held[0]}  # consumers wait at the new owner too
+        assert held[0] in subscribed(cluster, today[held[0]], held)  # consumers wait at the new owner too
         with admin_of(cluster.brokers[0]) as admin, pytest.raises(errors.Conflict, match="undrained"):
             await asyncio.to_thread(admin.set_cluster, members[:2], (3, 2))
         leaving_store = cluster.brokers[2].store
@@ -653,16 +655,24 @@ async def test_scale_down_while_running_drains_hands_over_and_sheds(tmp_path: Pa
         await stop_cluster(cluster)
 
 
+async def two_of_three(tmp_path: Path) -> Cluster:
+    """Three brokers started with the grown ring (2 -> 3), brokers 0 and 1 set to run the 2-slot ring: slot 2
+    joins once they are told the grown one."""
+    cluster = await start_cluster(tmp_path, 3, ring_history="2")
+    members = cluster.membership.members
+    for slot in (0, 1):
+        with admin_of(cluster.brokers[slot]) as admin:
+            await asyncio.to_thread(functools.partial(admin.set_cluster, members[:2], (2,), force=True))
+    return cluster
+
+
 async def test_a_broker_that_joins_gets_the_subscriptions_it_will_serve(tmp_path: Path) -> None:
     """Brokers 0 and 1 run a 2-slot ring, then learn that slot 2 joined: each copies to it every client's
     patterns and the subscriptions to not yet created topics that slot 2 now owns, without waiting for the
     clients' next full sync; a topic matching the pattern created there is delivered there."""
-    cluster = await start_cluster(tmp_path, 3, ring_history="2")
+    cluster = await two_of_three(tmp_path)
     try:
         members = cluster.membership.members
-        for slot in (0, 1):
-            with admin_of(cluster.brokers[slot]) as admin:
-                await asyncio.to_thread(functools.partial(admin.set_cluster, members[:2], (2,), force=True))
         grown = mb.Membership(members, (2, 3))
         joiner = [f"j-{i}" for i in range(5000) if mb.owner(grown, model.QueueId.lmq(PARENT, f"j-{i}").topic) == 2]
         await sync_on(cluster, 0, pb.PARTIAL_ADD, ["p-*", *joiner[:2]])
@@ -961,3 +971,94 @@ async def test_a_batch_refused_after_it_was_stored_is_not_sent_again_request_by_
     assert all(stored(cluster, 1, lite) == 1 for lite in theirs)  # each once
     refused = [r.status.message for r in replies if r.status.code != pb.OK]
     assert refused and all("refused after storing (sent with other sends" in m for m in refused), refused
+
+
+async def test_a_consumed_topic_no_send_moved_before_its_broker_left_still_reaches_its_consumer(tmp_path: Path) -> None:
+    """3 -> 2 at --replicas 1 with a topic of the leaving broker fully consumed and no send to it while its broker
+    was leaving (nothing moved it): once that broker is removed, the topic's next message is stored at today's
+    owner, and its consumer must be subscribed there already (a full sync of the official clients comes only
+    every 30 s; an MQTT session never sends one). Before the fix its subscription stayed on the removed broker
+    only: the message was stored where nobody read it."""
+    cluster = await start_cluster(tmp_path, 3)
+    try:
+        members = cluster.membership.members
+        lite = cluster.lites_of(2, 1, prefix="idle")[0]
+        today = mb.owner(mb.Membership(members[:2], (2,)), model.QueueId.lmq(PARENT, lite).topic)
+        await sync_on(cluster, 0, pb.PARTIAL_ADD, [lite])
+        await send_via(cluster, 0, lite, 0)
+        assert await taken(cluster, 2, 1) == [f"{lite}/0"]  # consumed and acknowledged at slot 2
+        await set_everywhere(cluster, [2, 0, 1], members, (3, 2))  # slot 2 leaves; nobody sends to the topic
+        # consumed: handed over without a send (its consumer subscribed at today's owner), and only then drained
+        leaving = cluster.brokers[2].cluster
+        assert leaving is not None and leaving.peers is not None
+        handoff = leaving.peers.handoff
+        await eventually_async(lambda: handoff.moved(model.QueueId.lmq(PARENT, lite).topic), "handed over")
+        assert subscribed(cluster, today, [lite]) == {lite}
+        with admin_of(cluster.brokers[2]) as admin:
+            info = await asyncio.to_thread(functools.partial(admin.cluster, with_undrained=True))
+        assert (info.undrained_messages, info.drained) == (0, True)
+        await set_everywhere(cluster, [0, 1, 2], members[:2], (3, 2))  # removed: the leaving one last
+        await send_via(cluster, 0, lite, 1)
+        assert stored(cluster, today, lite) == 1
+        assert await taken(cluster, today, 1) == [f"{lite}/1"]
+    finally:
+        await stop_cluster(cluster)
+
+
+async def told_broker_0_last(cluster: Cluster, sizes: tuple[int, ...], lite: str, *, owner: int) -> None:
+    """The ring ``sizes`` told to brokers 2 and 1, a client's subscription to ``lite`` made through broker 0 (not
+    told yet, unless a peer passed the change on first: then the subscription goes by the new ring at once),
+    then broker 0 told: the topic's first message is stored at ``owner``, where the subscription must be, and
+    taken there."""
+    members = cluster.membership.members
+    await set_everywhere(cluster, [2, 1], members, sizes)
+    await sync_on(cluster, 0, pb.PARTIAL_ADD, [lite])
+    await set_everywhere(cluster, [0], members, sizes)
+    await send_via(cluster, 1, lite, 0)
+    assert stored(cluster, owner, lite) == 1
+    await eventually_async(lambda: subscribed(cluster, owner, [lite]), "the subscription at the owner")
+    assert await taken(cluster, owner, 1) == [f"{lite}/0"]
+
+
+async def test_a_subscription_made_through_a_broker_not_told_of_a_joiner_yet_reaches_the_joiner(tmp_path: Path) -> None:
+    """A ring growing 2 -> 3 is told to the brokers one by one. A client subscribes, through broker 0 that still
+    has the old ring, to a topic not created yet whose owner was broker 1 (told already, its copies to the
+    joiner made) and is now the joiner: broker 0 gives the subscription to broker 1 only. Once broker 0 is told,
+    the topic's messages are stored at the joiner, which must have the subscription (the official clients' full
+    sync comes only every 30 s; an MQTT session never sends one). Before the fix it had none."""
+    cluster = await two_of_three(tmp_path)
+    try:
+        members = cluster.membership.members
+        two, grown = mb.Membership(members[:2], (2,)), mb.Membership(members, (2, 3))
+        lite = next(
+            name
+            for name in (f"late-{i}" for i in range(10_000))
+            if mb.owner(two, model.QueueId.lmq(PARENT, name).topic) == 1
+            and mb.owner(grown, model.QueueId.lmq(PARENT, name).topic) == 2
+        )
+        await told_broker_0_last(cluster, (2, 3), lite, owner=2)
+    finally:
+        await stop_cluster(cluster)
+
+
+async def test_a_subscription_made_through_a_broker_not_told_of_a_leaving_one_yet_reaches_the_new_owner(
+    tmp_path: Path,
+) -> None:
+    """The scale-down's twin of the joiner's case: slot 2 is marked leaving on brokers 2 and 1 (slot 2, told
+    first, has copied what it held to today's owners); a subscription made through broker 0, not told yet, to a
+    topic not created yet that slot 2 owned goes to slot 2 only. Once broker 0 is told, the topic's first message
+    is stored at today's owner, broker 0 itself, which must have the subscription. Before the fix it had none
+    whenever broker 0 had not learned the change from a peer before the subscription (most runs here)."""
+    cluster = await start_cluster(tmp_path, 3)
+    try:
+        members = cluster.membership.members
+        two = mb.Membership(members[:2], (2,))
+        lite = next(
+            name
+            for name in cluster.lites_of(2, 100, prefix="gone")
+            if mb.owner(two, model.QueueId.lmq(PARENT, name).topic) == 0
+        )
+        # broker 0 may learn the change from a peer before the subscription, or not
+        await told_broker_0_last(cluster, (3, 2), lite, owner=0)
+    finally:
+        await stop_cluster(cluster)
