@@ -107,9 +107,10 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup -
 # requirements/broker.txt and dev.txt), the storage suite and the broker suite's unit tier, and a real broker
 # process served and stopped (tests/broker/cli/test_cli.py), on the native edge (its abi3 wheel, `make native`).
 PY_SUITES := tests/storage tests/broker/cli/test_cli.py
-# Broker tests that need the operator's test apiserver (lmq_operator.testing, the operator extra): not importable
-# in the broker-only venvs, and kube tests, not unit ones, anyway; found by what they import, so a new one is too
-PY_NOT_BROKER_ONLY := $(patsubst %,--ignore=%,$(shell grep -l "kube_testing\|lmq_operator\|import yaml" tests/broker/*/*.py))
+# Broker tests that need the operator's test apiserver (lmq_operator.testing, the operator extra) or the MQTT test
+# client (paho, a dev dependency): not importable in the broker-only venvs, and not unit tests anyway; found by
+# what they import, so a new one is too
+PY_NOT_BROKER_ONLY := $(patsubst %,--ignore=%,$(shell grep -l "kube_testing\|lmq_operator\|import yaml\|testing_mqtt\|import paho" tests/broker/*/*.py))
 test-pythons: native
 	@for v in $(OTHER_PYTHONS); do \
 	  py=; for c in $$(ls -d $$HOME/.pyenv/versions/$$v*/bin/python$$v 2>/dev/null | tail -1) $$(command -v python$$v); do \
