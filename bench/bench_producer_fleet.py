@@ -156,8 +156,11 @@ def pod_commits(pod: BrokerProcess) -> float:
     ports = [m[3] for m in PROCESS_RE.finditer(pod.log())] or [str(pod.metrics_port)]
     total = 0.0
     for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-            text = answer.read().decode()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError as e:  # a process of the pod restarted (a new port): say why, from the pod's own log
+            raise RuntimeError(f"metrics port {port} of the pod: {e}; the pod's log ends:\n{pod.log()[-4000:]}") from e
         total += sum(
             float(line.split()[-1]) for line in text.splitlines() if line.startswith("lmq_append_commits_total")
         )
