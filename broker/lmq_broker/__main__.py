@@ -113,6 +113,9 @@ HELP: Final[dict[str, str]] = {
     "telemetry_buffer_bytes": "Telemetry replies queued but not yet read by their clients, in bytes, over all streams; "
     "beyond it new streams are refused RESOURCE_EXHAUSTED (0: no cap)",
     "client_expiry_ms": "forget clients (and their subscriptions) silent for this long",
+    "full_sync_grace_ms": "a lite subscribe or unsubscribe answered less than this long before a client's full sync "
+    "(COMPLETE_ADD) arrived stays made: the client built that set before it heard the answer (0: the full sync "
+    "replaces the set as sent)",
     "subscriptions_save_interval_ms": "write changed lite subscriptions to the data dir at most this often, so a "
     "crashed broker restores them (0: only at shutdown)",
     "retention_max_age_ms": "drop closed log segments whose newest message is older than this (-1: keep)",
@@ -220,6 +223,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "long_polling_timeout_ms",
         "receive_batch_size",
         "client_expiry_ms",
+        "full_sync_grace_ms",
         "lease_renew_slice_ms",
         "lease_renew_max_ms",
         "max_suspend_ms",

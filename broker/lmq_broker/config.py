@@ -124,6 +124,9 @@ class BrokerConfig(BaseModel):
     telemetry_stream_buffer_bytes: int = Field(default=256 * 1024, ge=0)  # one stream's replies unread
     telemetry_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills
+    # A partial subscription change answered this long before a client's full sync arrived (or after) is newer
+    # than the set the client built (dispatch/subscriptions.py); 0: a full sync replaces the set as sent.
+    full_sync_grace_ms: int = Field(default=3_000, ge=0)
     # Lite subscriptions written to the data dir while the broker runs (dispatch/saved_subscriptions.py), so a
     # SIGKILL loses at most this long of changes; 0: only at shutdown.
     subscriptions_save_interval_ms: int = Field(default=1000, ge=0)

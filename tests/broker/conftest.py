@@ -57,8 +57,10 @@ async def lite(store: Store, clock: memory.ManualClock, tmp_path: Path) -> Async
 
 
 @pytest.fixture
-def server_config(tmp_path: Path) -> BrokerConfig:
-    return dispatch_testing.config_for(tmp_path / "data", host="127.0.0.1", port=0, metrics_port=0)
+def server_config(request: pytest.FixtureRequest, tmp_path: Path) -> BrokerConfig:
+    """A broker's settings; a test changes some by parametrizing ``server_config`` indirectly with a dict."""
+    changes: dict[str, object] = getattr(request, "param", {})
+    return dispatch_testing.config_for(tmp_path / "data", host="127.0.0.1", port=0, metrics_port=0, **changes)
 
 
 @pytest_asyncio.fixture

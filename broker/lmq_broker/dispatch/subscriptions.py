@@ -45,6 +45,13 @@ CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
 PROBE_CHUNK: Final = 128
 INDEX_SLICE: Final = 2048  # names taken from a level index per loop step
 INDEX_PAGE: Final = 4096  # lite names read into a level index being built per loop step (~0.7 ms on it)
+# A full sync (COMPLETE_ADD) carries the client's set as it stood when the client built the request, which may be
+# older than a subscribe or unsubscribe answered just before the full sync arrived: rocketmq-client-nodejs 1.0.8
+# sends its first full sync (of the empty set) at start, unawaited, and a subscribeLite made right after start
+# overtakes it. A partial change answered after the full sync arrived, or less than ``full_sync_grace_ms`` before
+# (3 s: the official clients' request timeout), is kept as the client made it; its next full sync includes it.
+RECENT_KEPT_MS: Final = 10_000  # partial changes remembered this long (and at most RECENT_PER_CLIENT a client)
+RECENT_PER_CLIENT: Final = 1_024
 
 
 T = TypeVar("T")
@@ -141,6 +148,8 @@ class Subscriptions:
         self._serials: dict[str, _Serial] = {}
         self._indexing: dict[str, asyncio.Event] = {}  # parent -> set once its level index is built
         self._big_changes: set[asyncio.Task[object]] = set()
+        # client -> LMQ or pattern -> (when its last partial change ended, added): what a full sync may not know
+        self._recent: dict[str, dict[str, tuple[int, bool]]] = {}
 
     # --- clients ------------------------------------------------------------------------------------------
     def client_seen(
@@ -186,6 +195,7 @@ class Subscriptions:
         """Termination, telemetry close or expiry: forget the client; its pending events go to its peers."""
         state = self._registry.drop(client_id)
         pending = self._ready.drop_client(client_id)
+        self._recent.pop(client_id, None)
         self._catchup_cursor.pop(client_id, None)
         self._catchup_again.discard(client_id)
         self._wildcards.remove(client_id)
@@ -320,6 +330,7 @@ class Subscriptions:
             if found.model == model.SubscriptionModel.EXCLUSIVE:
                 await self._evict_others(client_id, group, lmqs)
             await self._register_pending(client_id, group, list(lmqs) if offset is not None else added)
+        self._note_partial(client_id, [*lmqs, *patterns], added=True)
         return added
 
     async def remove_lite(self, client_id: str, group: str, parent: str, lites: Sequence[str]) -> list[str]:
@@ -333,6 +344,7 @@ class Subscriptions:
         await self._discard_queued(client_id, removed, group)
         if patterns:
             self._sync_patterns(client_id, group, parent)
+        self._note_partial(client_id, [*lmqs, *patterns], added=False)
         return removed
 
     async def replace_lite(
@@ -340,12 +352,13 @@ class Subscriptions:
     ) -> tuple[list[str], list[str]]:
         held = self._registry.get(client_id)
         size = max(len(lites), len(held.lite_topics) if held is not None else 0)
+        began = self._rt.clock()  # before any change it waits for: those may be newer than the client's set
         return await self._serially(
-            client_id, size, lambda: self._replace_lite(client_id, group, parent, lites, namespace)
+            client_id, size, lambda: self._replace_lite(client_id, group, parent, lites, namespace, began)
         )
 
-    async def _replace_lite(
-        self, client_id: str, group: str, parent: str, lites: Sequence[str], namespace: str
+    async def _replace_lite(  # noqa: PLR0917 (the call's arguments and when it arrived)
+        self, client_id: str, group: str, parent: str, lites: Sequence[str], namespace: str, began: int
     ) -> tuple[list[str], list[str]]:
         snap = await self._rt.metadata()
         found = snap.consuming_lite_group(group, parent)
@@ -355,6 +368,7 @@ class Subscriptions:
         quota = snap.client_quota(found, parent, namespace)
         lites, patterns = await _split(lites)
         lmqs = await lmq_names(parent, lites)
+        lmqs, patterns = self._with_recent(client_id, began, lmqs, patterns, quota)
         await self._reclaims_settled(client_id, lmqs)  # no await from here to the registry's first step
         now = self._rt.clock()
         self._registry.touch(client_id, now, group=group, bind_topic=parent)
@@ -373,6 +387,7 @@ class Subscriptions:
 
     async def _remove_all_lite(self, client_id: str, group: str, parent: str) -> None:
         (await self._rt.metadata()).lite_group(group, parent)
+        self._recent.pop(client_id, None)
         queued = self._ready.queued(client_id)  # its patterns' topics too, which no removal below names
         if self._wildcards.remove(client_id) is not None:
             self._wildcard_cursor.pop(client_id, None)
@@ -383,6 +398,49 @@ class Subscriptions:
             )
             await sliced(steps)
         await self._discard_queued(client_id, queued, group)
+
+    def _note_partial(self, client_id: str, names: Sequence[str], *, added: bool) -> None:
+        """A partial change of ``names`` (LMQs, patterns) ended now: a full sync built before it may not know it."""
+        if not self._rt.config.full_sync_grace_ms:
+            return
+        now = self._rt.clock()
+        names = names[-RECENT_PER_CLIENT:]
+        recent = self._recent.get(client_id)
+        if recent is None:
+            recent = self._recent[client_id] = {}
+        kept_since = now - max(RECENT_KEPT_MS, 2 * self._rt.config.full_sync_grace_ms)
+        while recent:  # oldest first: each change moves its names to the end
+            oldest = next(iter(recent))
+            if recent[oldest][0] >= kept_since and len(recent) + len(names) <= RECENT_PER_CLIENT:
+                break
+            del recent[oldest]
+        for name in names:
+            recent.pop(name, None)
+            recent[name] = (now, added)
+
+    def _with_recent(
+        self, client_id: str, began: int, lmqs: dict[str, None], patterns: list[str], quota: int
+    ) -> tuple[dict[str, None], list[str]]:
+        """A full sync's sets (``lmqs``, ``patterns``) with the client's partial changes it may not know yet
+        (``full_sync_grace_ms``) made on top; as sent if nothing changed or the result would pass ``quota``."""
+        recent = self._recent.get(client_id)
+        grace = self._rt.config.full_sync_grace_ms
+        if not recent or not grace:
+            return lmqs, patterns
+        since = began - grace
+        newer = [(name, added) for name, (ended, added) in recent.items() if ended >= since]
+        if not newer:
+            return lmqs, patterns
+        topics, wanted = dict(lmqs), dict.fromkeys(patterns)
+        for name, added in newer:
+            into = wanted if wildcards.is_pattern(name) else topics
+            if added:
+                into[name] = None
+            else:
+                into.pop(name, None)
+        if quota != model.UNLIMITED and len(topics) + len(wanted) > quota:
+            return lmqs, patterns
+        return topics, list(wanted)
 
     async def _discard_queued(self, client_id: str, lmqs: list[str], group: str = "") -> None:
         """``lmqs`` leave the client's ready queue (in slices); ``group``: those it held are offered to the

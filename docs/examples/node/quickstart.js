@@ -25,7 +25,7 @@ async function main() {
   const producer = new Producer({ ...options, topics: ['AGENT_TASK_NS'] });
   await producer.startup();
   await producer.send({ topic: 'AGENT_TASK_NS', liteTopic: 'session-1', body: Buffer.from('hello lite') });
-  const timeout = new Promise((_, reject) => setTimeout(() => reject(new Error('nothing received')), 30000));
+  const timeout = new Promise((_, reject) => setTimeout(() => reject(new Error('nothing received')), 10000));
   await Promise.race([done, timeout]);
   await producer.shutdown();
   await consumer.shutdown();

@@ -425,6 +425,12 @@ async def bodies(client: Client, client_id: str = "c1", poll_ms: int = 1000) -> 
     return sorted((f.message.system_properties.lite_topic, f.message.body) for f in frames if f.HasField("message"))
 
 
+# A full sync as sent: these clients change their sets faster than the grace given to a full sync built before a
+# subscribe's answer (``full_sync_grace_ms``, tests/broker/dispatch/test_full_sync_grace.py).
+literal_full_sync = pytest.mark.parametrize("server_config", [{"full_sync_grace_ms": 0}], indirect=True)
+
+
+@literal_full_sync
 async def test_an_empty_complete_add_is_accepted_and_leaves_no_subscription(client: Client, broker: app.Broker) -> None:
     assert broker.dispatcher is not None
     assert (await sync(client, pb.COMPLETE_ADD, client_id="fresh")).status.code == pb.OK  # a client with none yet
@@ -437,6 +443,7 @@ async def test_an_empty_complete_add_is_accepted_and_leaves_no_subscription(clie
     assert await bodies(client) == []
 
 
+@literal_full_sync
 async def test_a_complete_add_replaces_the_set(client: Client, broker: app.Broker) -> None:
     assert broker.dispatcher is not None
     assert (await subscribe(client, "a", "b")).status.code == pb.OK
