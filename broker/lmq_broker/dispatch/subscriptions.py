@@ -546,6 +546,9 @@ class Subscriptions:
                 if other != client_id and state is not None and state.group == group:
                     self._registry.remove(other, [lmq], now)
                     self._ready.discard_many(other, [lmq])
+                    recent = self._recent.get(other)
+                    if recent is not None:  # taken from it: its full sync built before does not take it back
+                        recent.pop(lmq, None)
                     notices = self._notices.get(other)
                     if notices is not None and not notices.full():  # full: the client is not reading anyway
                         notices.put_nowait(model.QueueId(lmq).lite_parts()[1])

@@ -105,3 +105,13 @@ async def test_recent_changes_are_capped_per_client(lite: Lite) -> None:
     await lite.dispatcher.replace_lite("c", GROUP, PARENT, [])  # the newest are kept; older ones go
     names = held(lite)
     assert len(names) == cap and f"t{cap + 499}" in names and "t0" not in names
+
+
+async def test_a_topic_taken_by_an_exclusive_peer_is_not_taken_back_by_a_full_sync_within_the_grace(lite: Lite) -> None:
+    lite.put_group(model.LiteGroup(GROUP, PARENT, model=model.SubscriptionModel.EXCLUSIVE))
+    await lite.dispatcher.add_lite("a", GROUP, PARENT, ["x"])
+    await lite.dispatcher.add_lite("b", GROUP, PARENT, ["x"])  # the newest subscriber takes it
+    await lite.dispatcher.replace_lite("a", GROUP, PARENT, [])  # a's, built before its own subscribe's answer
+    assert (held(lite, "a"), held(lite, "b")) == (set(), {"x"})
+    await lite.send("x")
+    assert await lite.drain("b", 1) == ["x"]
