@@ -16,14 +16,16 @@ kept as its twin (tests compare both on random names and filters).
 Memory: one dict per name that has longer names below it; a name with none ends as a ``None`` leaf.
 
 Before a parent has an index, ``matching_in_order`` tries the filters on the store's key order instead: a
-literal level costs nothing until the last (then one seek for the name), a ``+`` lists the distinct levels at
-that point by skipping each one's longer names (a seek per level that has any), so ``+/f4/r123`` over
-``b<0-9>_f<0-9>_r<0-999>`` reads ~20 names, not 100,000. It gives up past a budget of names read (filters
-that reach most names, e.g. ``+/+/+`` or ``+/temp`` over 100,000 first levels): then the index is built.
+literal level costs nothing until the last (then a key lookup for the name, a filter's all in one multi-get),
+a ``+`` lists the distinct levels at that point by skipping each one's longer names (a seek per level that has
+any), so ``+/f4/r123`` over ``b<0-9>_f<0-9>_r<0-999>`` reads ~20 names and looks 10 up, not 100,000. It gives
+up past a budget of names read (filters that reach most names, e.g. ``+/+/+`` or ``+/temp`` over 100,000
+first levels): then the index is built.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
@@ -34,6 +36,7 @@ _SEEK_COST: Final = 5  # a page read's cost in the budget of ``matching_in_order
 _FIRST_PAGE: Final = 8
 _PAGE_MAX: Final = 4096
 Page = Callable[[str, int], list[str]]  # (after, limit): a parent's names after ``after``, in key order
+Held = Callable[[list[str]], list[bool]]  # which of these are names of the parent
 _END: Final = "\x00"  # key of "a name ends here" in a node that also has children (never in a lite name)
 Node = dict[str, "Node | None"]
 
@@ -211,12 +214,14 @@ class _OverBudget(Exception):
     pass
 
 
-def matching_in_order(page: Page, filters: Iterable[wildcards.Filter], budget: int) -> tuple[set[str] | None, int]:
+def matching_in_order(
+    page: Page, held: Held, filters: Iterable[wildcards.Filter], budget: int
+) -> tuple[set[str] | None, int]:
     """``LevelIndex.matching`` without an index: the names ``filters`` match, read through ``page`` (the
-    parent's names in key order, as ``Store.lite_names``), None once the reads would exceed ``budget`` (names
-    read, ``_SEEK_COST`` more per read: ~0.7 µs each here); and what the reads cost of it. Runs off the loop
-    (store reads)."""
-    reader = _Reader(page, budget)
+    parent's names in key order, as ``Store.lite_names``) and ``held`` (``Store.lite_names_held``), None once
+    the reads would exceed ``budget`` (names read or looked up, ``_SEEK_COST`` more per read: ~0.7 µs each
+    here); and what the reads cost of it. Runs off the loop (store reads)."""
+    reader = _Reader(page, held, budget)
     out: set[str] = set()
     try:
         for f in filters:
@@ -236,20 +241,28 @@ def _at_or_after(name: str) -> str:
 class _Reader:
     """The store's key order as a trie: each read charged to the budget; the levels found below a path kept."""
 
-    __slots__ = ("_levels", "_page", "left")
+    __slots__ = ("_held", "_levels", "_page", "left")
 
-    def __init__(self, page: Page, budget: int) -> None:
-        self._page, self.left = page, budget
+    def __init__(self, page: Page, held: Held, budget: int) -> None:
+        self._page, self._held, self.left = page, held, budget
         self._levels: dict[str, dict[str, list[bool]]] = {}
 
-    def _read(self, after: str, limit: int) -> list[str]:
-        self.left -= limit + _SEEK_COST  # charged for what it may read
+    def _charge(self, cost: int) -> None:
+        self.left -= cost
         if self.left < 0:
             raise _OverBudget
+
+    def _read(self, after: str, limit: int) -> list[str]:
+        self._charge(limit + _SEEK_COST)  # charged for what it may read
         return self._page(after, limit)
 
-    def is_name(self, name: str) -> bool:
-        return bool(name) and self._read(_at_or_after(name), 1) == [name]
+    def names(self, candidates: list[str]) -> list[str]:
+        """Those of ``candidates`` that are names (one multi-get: a key each, ~1 µs)."""
+        wanted = [c for c in candidates if c]
+        if not wanted:
+            return []
+        self._charge(len(wanted) + _SEEK_COST)
+        return list(itertools.compress(wanted, self._held(wanted)))
 
     def names_from(self, path: str) -> Iterator[str]:
         """Every name starting with ``path``."""
@@ -300,17 +313,16 @@ def _walk_in_order(reader: _Reader, f: wildcards.Filter) -> Iterator[str]:
     last = len(f) - 1
     for i, level in enumerate(f):
         if level == wildcards.ANY_LEVELS:
+            if i:
+                yield from reader.names([path[:-1] for path in reached])
             for path in reached:
-                if i and reader.is_name(path[:-1]):
-                    yield path[:-1]
                 yield from reader.names_from(path)
             return
         if i == last:
+            if level != wildcards.ONE_LEVEL:
+                yield from reader.names([path + level for path in reached])
+                return
             for path in reached:
-                if level != wildcards.ONE_LEVEL:
-                    if reader.is_name(path + level):
-                        yield path + level
-                    continue
                 yield from (path + key for key, (ends, _) in reader.levels(path).items() if ends)
             return
         if level != wildcards.ONE_LEVEL:

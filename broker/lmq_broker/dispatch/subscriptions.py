@@ -45,8 +45,8 @@ CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
 # and the event loop waits for it, so a probe of many topics goes in short calls.
 PROBE_CHUNK: Final = 128
 INDEX_SLICE: Final = 2048  # names taken from a level index per loop step
-WALK_BUDGET: Final = 16_384  # names read (and 5 per read) by a match in key order before a level index is built
-WALKS_BEFORE_INDEX: Final = 131_072  # what a parent's matches in key order may cost in all (~2 builds of 100,000)
+WALK_BUDGET: Final = 8192  # names read or looked up (5 more per read) by a match in key order (~1 µs each)
+WALKS_BEFORE_INDEX: Final = 65_536  # what a parent's matches in key order may cost in all (~2 builds of 100,000)
 INDEX_PAGE: Final = 4096  # lite names read into a level index being built per loop step (~0.7 ms on it)
 # A full sync (COMPLETE_ADD) carries the client's set as it stood when the client built the request, which may be
 # older than a subscribe or unsubscribe answered just before the full sync arrived: rocketmq-client-nodejs 1.0.8
@@ -723,8 +723,9 @@ class Subscriptions:
         if not wanted or wildcards.scan_ranges(wanted) != [("", "")] or wildcards.WHOLE_PARENT in wanted:
             return None
         if parent not in self._wildcards.indexes:  # none built or being built: the store's key order first
-            page = functools.partial(self._rt.store.lite_names, parent)
-            walked, spent = await self._rt.run(level_index.matching_in_order, page, wanted, WALK_BUDGET)
+            store = self._rt.store
+            page, held = functools.partial(store.lite_names, parent), functools.partial(store.lite_names_held, parent)
+            walked, spent = await self._rt.run(level_index.matching_in_order, page, held, wanted, WALK_BUDGET)
             if walked is not None:
                 self._walks_cost(parent, spent)
                 return sorted(walked)

@@ -117,6 +117,15 @@ def test_the_store_pages_lite_names_as_it_scans_them(store: Store) -> None:
     assert store.lite_names(PARENT, "", 2) + store.lite_names(PARENT, "b", 100) == names  # paged: after "b"
     assert store.lite_names(PARENT + "2") == ["z"]
     assert store.lite_names(PARENT, "c_x_y") == []
+    assert store.lite_names_held(PARENT, ["b_1", "b_", "z", "c_x_y", "", "a"]) == [
+        True,
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]
+    assert store.lite_names_held(PARENT + "2", ["z", "a"]) == [True, False]
 
 
 @asynchronous
@@ -160,12 +169,17 @@ def pages_of(names: set[str]) -> level_index.Page:
     return page
 
 
+def held_of(names: set[str]) -> level_index.Held:
+    """``Store.lite_names_held`` over a set."""
+    return lambda candidates: [c in names for c in candidates]
+
+
 @settings(deadline=None, max_examples=400)
 @given(st.lists(NAME, max_size=60), st.lists(FILTER, min_size=1, max_size=5))
 def test_the_walk_in_key_order_finds_what_the_plain_walk_finds(
     names: list[str], filters: list[wildcards.Filter]
 ) -> None:
-    found, spent = level_index.matching_in_order(pages_of(set(names)), filters, 1_000_000)
+    found, spent = level_index.matching_in_order(pages_of(set(names)), held_of(set(names)), filters, 1_000_000)
     assert found == level_index.matching_plain(names, filters)
     assert 0 <= spent <= 1_000_000
 
@@ -182,12 +196,13 @@ def test_the_walk_in_key_order_on_a_large_parent_reads_little_and_gives_up_past_
         return got
 
     filters: list[wildcards.Filter] = [("+", f"f{j % 10}", f"r{j}") for j in range(100)] + [("+", "f1", "r1", "#")]
-    found, spent = level_index.matching_in_order(counted, filters, 20_000)
+    held = held_of(names)
+    found, spent = level_index.matching_in_order(counted, held, filters, 20_000)
     assert found == level_index.matching_plain(names, filters)
     assert sum(reads) < 2_000, sum(reads)
     assert spent < 20_000
-    assert level_index.matching_in_order(page, [("+", "+", "+")], 20_000) == (None, 20_000)  # 100,000 names
-    assert level_index.matching_in_order(page, [("#",)], 20_000) == (None, 20_000)
+    assert level_index.matching_in_order(page, held, [("+", "+", "+")], 20_000) == (None, 20_000)  # 100,000 names
+    assert level_index.matching_in_order(page, held, [("#",)], 20_000) == (None, 20_000)
 
 
 @asynchronous
@@ -223,7 +238,9 @@ async def test_matches_in_key_order_that_add_up_to_about_two_builds_build_the_in
         await lite.send(name, b"m")
     d = lite.dispatcher
     filters: list[wildcards.Filter] = [("+", "x3")]
-    _, one = level_index.matching_in_order(pages_of(set(names)), filters, subscriptions.WALK_BUDGET)
+    _, one = level_index.matching_in_order(
+        pages_of(set(names)), held_of(set(names)), filters, subscriptions.WALK_BUDGET
+    )
     monkeypatch.setattr(subscriptions, "WALKS_BEFORE_INDEX", 3 * one)
     for _ in range(2):
         found = await d.lite_topics_matching(PARENT, filters)
