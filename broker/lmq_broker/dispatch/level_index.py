@@ -219,7 +219,7 @@ def matching_in_order(
 ) -> tuple[set[str] | None, int]:
     """``LevelIndex.matching`` without an index: the names ``filters`` match, read through ``page`` (the
     parent's names in key order, as ``Store.lite_names``) and ``held`` (``Store.lite_names_held``), None once
-    the reads would exceed ``budget`` (names read or looked up, ``_SEEK_COST`` more per read: ~0.7 µs each
+    the reads would exceed ``budget`` (names read or looked up, ``_SEEK_COST`` more per read: 1 to 1.5 µs each
     here); and what the reads cost of it. Runs off the loop (store reads)."""
     reader = _Reader(page, held, budget)
     out: set[str] = set()
