@@ -49,7 +49,8 @@ HELP: Final[dict[str, str]] = {
     "mqtt_port": "MQTT 5.0/3.1.1 port: any topic, <parent>/<lite topic> or in --mqtt-default-parent, over the same "
     "store (0: any free port, -1: off)",
     "lite_level_index": "find the lite topics of filters without a literal prefix (MQTT '+/x', patterns) in a trie "
-    "of each parent's lite-name levels, built when first needed and kept (--no-lite-level-index: walk the parent)",
+    "of each parent's lite-name levels, built when a match on the store's key order would read too much or such "
+    "matches add up, then kept (--no-lite-level-index: walk the parent)",
     "mqtt_default_parent": "LITE parent topic (created at start when MQTT is on) holding every MQTT topic whose "
     'first level names no parent, escaped level by level (docs/mqtt.md "Topic mapping")',
     "mqtt_max_connections": "MQTT sockets open at once; beyond it a CONNECT is refused (5.0: 0x97 quota exceeded, "

@@ -14,15 +14,29 @@ what they find against the store, as they check what a scan finds. ``matching_pl
 kept as its twin (tests compare both on random names and filters).
 
 Memory: one dict per name that has longer names below it; a name with none ends as a ``None`` leaf.
+
+Before a parent has an index, ``matching_in_order`` tries the filters on the store's key order instead: a
+literal level costs nothing until the last (then a key lookup for the name, a filter's all in one multi-get),
+a ``+`` lists the distinct levels at that point by skipping each one's longer names (a seek per level that has
+any), so ``+/f4/r123`` over ``b<0-9>_f<0-9>_r<0-999>`` reads ~20 names and looks 10 up, not 100,000. It gives
+up past a budget of names read (filters that reach most names, e.g. ``+/+/+`` or ``+/temp`` over 100,000
+first levels): then the index is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from lmq_broker.dispatch import wildcards
 
+_TOP: Final = "\x7f"  # above every character of a lite name ([A-Za-z0-9_-])
+_SEEK_COST: Final = 5  # a page read's cost in the budget of ``matching_in_order``, besides its names (~4 µs)
+_FIRST_PAGE: Final = 8
+_PAGE_MAX: Final = 4096
+Page = Callable[[str, int], list[str]]  # (after, limit): a parent's names after ``after``, in key order
+Held = Callable[[list[str]], list[bool]]  # which of these are names of the parent
 _END: Final = "\x00"  # key of "a name ends here" in a node that also has children (never in a lite name)
 Node = dict[str, "Node | None"]
 
@@ -194,3 +208,127 @@ def matching_plain(names: Iterable[str], filters: Iterable[wildcards.Filter]) ->
     """The twin: every name tested against every filter (what a scan of the parent does)."""
     wanted = list(filters)
     return {n for n in names if any(wildcards.matches(f, n.split(wildcards.LEVEL_SEPARATOR)) for f in wanted)}
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def matching_in_order(
+    page: Page, held: Held, filters: Iterable[wildcards.Filter], budget: int
+) -> tuple[set[str] | None, int]:
+    """``LevelIndex.matching`` without an index: the names ``filters`` match, read through ``page`` (the
+    parent's names in key order, as ``Store.lite_names``) and ``held`` (``Store.lite_names_held``), None once
+    the reads would exceed ``budget`` (names read or looked up, ``_SEEK_COST`` more per read: 1 to 1.5 µs each
+    here); and what the reads cost of it. Runs off the loop (store reads)."""
+    reader = _Reader(page, held, budget)
+    out: set[str] = set()
+    try:
+        for f in filters:
+            prefix = wildcards.prefix_of(f)
+            out.update(reader.names_from(prefix) if prefix is not None else _walk_in_order(reader, f))
+    except _OverBudget:
+        return None, budget
+    return out, budget - reader.left
+
+
+def _at_or_after(name: str) -> str:
+    """The ``after`` of a page that starts at the first name ``>= name``: nothing lies between the two, since no
+    name holds ``_TOP``."""
+    return name[:-1] + chr(ord(name[-1]) - 1) + _TOP if name else ""
+
+
+class _Reader:
+    """The store's key order as a trie: each read charged to the budget; the levels found below a path kept."""
+
+    __slots__ = ("_held", "_levels", "_page", "left")
+
+    def __init__(self, page: Page, held: Held, budget: int) -> None:
+        self._page, self._held, self.left = page, held, budget
+        self._levels: dict[str, dict[str, list[bool]]] = {}
+
+    def _charge(self, cost: int) -> None:
+        self.left -= cost
+        if self.left < 0:
+            raise _OverBudget
+
+    def _read(self, after: str, limit: int) -> list[str]:
+        self._charge(limit + _SEEK_COST)  # charged for what it may read
+        return self._page(after, limit)
+
+    def names(self, candidates: list[str]) -> list[str]:
+        """Those of ``candidates`` that are names (one multi-get: a key each, ~1 µs)."""
+        wanted = [c for c in candidates if c]
+        if not wanted:
+            return []
+        self._charge(len(wanted) + _SEEK_COST)
+        return list(itertools.compress(wanted, self._held(wanted)))
+
+    def names_from(self, path: str) -> Iterator[str]:
+        """Every name starting with ``path``."""
+        after, limit = _at_or_after(path), _FIRST_PAGE
+        while True:
+            page = self._read(after, limit)
+            for name in page:
+                if not name.startswith(path):
+                    return
+                yield name
+            if len(page) < limit:
+                return
+            after, limit = page[-1], min(limit * 2, _PAGE_MAX)
+
+    def levels(self, path: str) -> dict[str, list[bool]]:
+        """The levels that follow ``path`` ("" or ending with the separator) in some name, each with [a name
+        ends there, longer names go on]: a page at a time, past the longer names of the page's last level."""
+        found = self._levels.get(path)
+        if found is not None:
+            return found
+        found = self._levels[path] = {}
+        sep, at = wildcards.LEVEL_SEPARATOR, len(path)
+        after, limit = _at_or_after(path), _FIRST_PAGE
+        while True:
+            page = self._read(after, limit)
+            new = 0
+            for name in page:
+                if not name.startswith(path):
+                    return found
+                level, below, _ = name[at:].partition(sep)
+                seen = found.get(level)
+                if seen is None:
+                    seen = found[level] = [False, False]
+                    new += 1
+                seen[bool(below)] = True
+            if len(page) < limit:
+                return found
+            level, below, _ = page[-1][at:].partition(sep)
+            after = path + level + sep + _TOP if below else page[-1]  # past the last level's longer names
+            limit = min(limit * 2, _PAGE_MAX) if 2 * new >= limit else _FIRST_PAGE
+
+
+def _walk_in_order(reader: _Reader, f: wildcards.Filter) -> Iterator[str]:
+    """``_walk`` on the store's key order: the paths the levels so far may reach (a literal level is not looked
+    up until the name's end), then the names of the last level."""
+    sep = wildcards.LEVEL_SEPARATOR
+    reached = [""]
+    last = len(f) - 1
+    for i, level in enumerate(f):
+        if level == wildcards.ANY_LEVELS:
+            if i:
+                yield from reader.names([path[:-1] for path in reached])
+            for path in reached:
+                yield from reader.names_from(path)
+            return
+        if i == last:
+            if level != wildcards.ONE_LEVEL:
+                yield from reader.names([path + level for path in reached])
+                return
+            for path in reached:
+                yield from (path + key for key, (ends, _) in reader.levels(path).items() if ends)
+            return
+        if level != wildcards.ONE_LEVEL:
+            reached = [path + level + sep for path in reached]
+            continue
+        ends = f[i + 1] == wildcards.ANY_LEVELS  # then a name that ends here matches too ("a_#" matches "a")
+        reached = [
+            path + key + sep for path in reached for key, found in reader.levels(path).items() if found[1] or ends
+        ]

@@ -17,6 +17,7 @@ call never leaves half a change), and the client's next change waits for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Final, TypeVar
@@ -44,6 +45,8 @@ CATCHUP_CHUNK: Final = 512  # lite names per page of a wildcard catch-up pass
 # and the event loop waits for it, so a probe of many topics goes in short calls.
 PROBE_CHUNK: Final = 128
 INDEX_SLICE: Final = 2048  # names taken from a level index per loop step
+WALK_BUDGET: Final = 8192  # names read or looked up (5 more per read) by a match in key order (~1 µs each)
+WALKS_BEFORE_INDEX: Final = 65_536  # what a parent's matches in key order may cost in all (~2 builds of 100,000)
 INDEX_PAGE: Final = 4096  # lite names read into a level index being built per loop step (~0.7 ms on it)
 # A full sync (COMPLETE_ADD) carries the client's set as it stood when the client built the request, which may be
 # older than a subscribe or unsubscribe answered just before the full sync arrived: rocketmq-client-nodejs 1.0.8
@@ -147,6 +150,7 @@ class Subscriptions:
         self.owners: dict[str, tuple[str, str]] = {}
         self._serials: dict[str, _Serial] = {}
         self._indexing: dict[str, asyncio.Event] = {}  # parent -> set once its level index is built
+        self._walked: dict[str, int] = {}  # parent without an index -> what its matches in key order cost so far
         self._big_changes: set[asyncio.Task[object]] = set()
         # client -> LMQ or pattern -> (when its last partial change ended, added): what a full sync may not know
         self._recent: dict[str, dict[str, tuple[int, bool]]] = {}
@@ -711,14 +715,24 @@ class Subscriptions:
         return None
 
     async def indexed_names(self, parent: str, filters: Iterable[wildcards.Filter] | None) -> list[str] | None:
-        """The names of ``parent`` that ``filters`` match, sorted, from its level index (built the first
-        time, a page per loop step; taken a slice per loop step); None when the filters have a literal
-        prefix (a range scan reads only that range), for a whole-parent client, or with the index off."""
+        """The names of ``parent`` that ``filters`` match, sorted: before ``parent`` has a level index, found
+        in the store's key order (off the loop) when that reads at most ``WALK_BUDGET`` names; else from its
+        level index (built the first time, a page per loop step; taken a slice per loop step); None when the
+        filters have a literal prefix (a range scan reads only that range), for a whole-parent client, or with
+        the index off."""
         if filters is None or not self._rt.config.lite_level_index:
             return None
         wanted = list(filters)
         if not wanted or wildcards.scan_ranges(wanted) != [("", "")] or wildcards.WHOLE_PARENT in wanted:
             return None
+        if parent not in self._wildcards.indexes:  # none built or being built: the store's key order first
+            store = self._rt.store
+            page, held = functools.partial(store.lite_names, parent), functools.partial(store.lite_names_held, parent)
+            walked, spent = await self._rt.run(level_index.matching_in_order, page, held, wanted, WALK_BUDGET)
+            if walked is not None:
+                self._walks_cost(parent, spent)
+                return sorted(walked)
+            self._walked.pop(parent, None)
         index = await self._level_index(parent)
         if index is None:
             return None
@@ -730,6 +744,23 @@ class Subscriptions:
                     await asyncio.sleep(0)
             await asyncio.sleep(0)
         return sorted(found)
+
+    def _walks_cost(self, parent: str, spent: int) -> None:
+        """A parent's matches in key order add up; once they have cost about two builds of its level index
+        (``WALKS_BEFORE_INDEX``: a client whose catch-up passes keep matching, or SUBSCRIBE after SUBSCRIBE),
+        the index is built, in the background (a page per loop step; needs meanwhile wait for it): all in all
+        at most about twice what building it at first would have cost."""
+        if parent in self._wildcards.indexes:
+            return
+        spent += self._walked.pop(parent, 0)
+        if spent < WALKS_BEFORE_INDEX:
+            self._walked[parent] = spent
+            return
+
+        async def build() -> None:
+            await self._level_index(parent)
+
+        self._rt.spawn(build())
 
     async def _level_index(self, parent: str) -> level_index.LevelIndex | None:
         building = self._indexing.get(parent)

@@ -204,6 +204,11 @@ class Store(Protocol):
         them, ``dispatch.level_index``)."""
         ...
 
+    def lite_names_held(self, parent: str, names: Sequence[str]) -> list[bool]:
+        """Which of ``names`` are lite topics of ``parent``: keys only, one multi-get (what a match in key order
+        looks a filter's last literal level up with, ``dispatch.level_index.matching_in_order``)."""
+        ...
+
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         """Delete a lite topic's index entries, offsets and metadata in one batch.
 

@@ -346,6 +346,10 @@ class MemoryStore:
     def lite_names(self, parent: str, start_after: str = "", limit: int = 1000) -> list[str]:
         return [m.lite for m in self.scan_lite_topics(parent, start_after, "", limit)]
 
+    def lite_names_held(self, parent: str, names: Sequence[str]) -> list[bool]:
+        held = set(self.lite_names(parent, "", len(self._queues) + 1))
+        return [name in held for name in names]
+
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]
 

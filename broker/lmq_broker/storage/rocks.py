@@ -163,6 +163,15 @@ class Rocks:
         except Exception as e:
             raise self.failed(e) from e
 
+    def held(self, keys_: list[bytes]) -> list[bool]:
+        """Which of ``keys_`` are present: one multi-get (~1 µs a key here, a ``get`` each ~8)."""
+        try:
+            asked: list[str | int | float | bytes | bool] = list(keys_)  # rocksdict's key union (list is invariant)
+            values = cast("list[bytes | None]", self._db.get(asked))
+        except Exception as e:
+            raise self.failed(e) from e
+        return [value is not None for value in values]
+
     def get(self, key: bytes) -> bytes | None:
         value = self._get(key)
         return None if value is None else bytes(value)

@@ -328,6 +328,11 @@ class LmqStore:
             return []
         return self._core.index.lite_names(prefix, prefix + start_after.encode(), limit)
 
+    def lite_names_held(self, parent: str, names: Sequence[str]) -> list[bool]:
+        self._core.check_open()
+        prefix = keys.lite_prefix(parent)
+        return self._core.index.held([prefix + name.encode() for name in names])
+
     def delete_lite_topic(self, parent: str, lite: str, expected: model.LiteTopicMeta | None = None) -> bool:
         return self.delete_lite_topics([(parent, lite, expected)])[0]
 
