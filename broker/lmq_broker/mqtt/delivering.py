@@ -84,6 +84,18 @@ class _Plan:
 Whose = tuple[str, str, str]  # (consumer, group, parent): where another broker's receipts are settled or given back
 
 
+@dataclass(slots=True)
+class _Taking:
+    """Deliveries leased for the session and not yet in ``Deliveries.out`` (``_deliver`` between its awaits):
+    ``back`` still to write (given back if the connection ends first), ``settle`` passed over or written at
+    QoS 0 (settled then)."""
+
+    whose: Whose
+    remote: bool
+    back: list[str]
+    settle: list[str] = field(default_factory=list)
+
+
 class Registrar(Protocol):
     """The session's subscriptions, as a delivery loop keeps them registered (``subscribing.Subscriptions``)."""
 
@@ -123,6 +135,8 @@ class Deliveries:
         self._ids = itertools.cycle(range(1, 65536))
         self.promised: dict[str, int] = {}  # QoS 2 published before, no PUBREC: message id -> its packet id
         self._reserved: set[int] = set()  # packet ids planned, not yet in ``out``
+        self._taking: dict[int, _Taking] = {}  # a ``_deliver`` under way -> what it leased and has not settled
+        self._takings = itertools.count()
 
     async def consume(self, parent: str, registrar: Registrar, share: Share | None = None) -> None:
         """Deliver the session's messages in ``parent``, or, with ``share``, that share's (``registrar`` too)."""
@@ -225,11 +239,15 @@ class Deliveries:
         """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there);
         ``share``: from a share's group, under its filter."""
         link = self.link
+        token = next(self._takings)
+        whose = (consumer, link.group if share is None else share.group, parent)
+        taking = self._taking[token] = _Taking(whose, remote, [d.receipt for d in deliveries])
         await link.retained_sent.wait()  # a new subscription's retained messages go first
         group, held = link.group, link.subs.get(parent, {})
         if share is not None:
             shared = await share.filters([d.receipt for d in deliveries])
             if shared is None:
+                del self._taking[token]  # given back to the share
                 return
             group, held = share.group, shared
         plan = self._plan(parent, deliveries, held, shared=share is not None)
@@ -248,11 +266,13 @@ class Deliveries:
                 )  # fmt: skip
             if data is not None:
                 link.writer.write(data)
+        taking.back, taking.settle = [], plan.settle  # each in ``out`` now, or to settle
         self._reserved.difference_update(one.packet_id for one in plan.sends)
         if self.busy >= link.max_inflight:
             self._room.clear()
         await link.writer.drain()
         await self._settle_unsent(parent, consumer, group, plan.settle, remote=remote)
+        del self._taking[token]
         if plan.forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
             await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], plan.forget)
 
@@ -490,6 +510,20 @@ class Deliveries:
                         await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
                     else:
                         await link.dispatcher.change_invisible(out.group or link.group, out.receipt, 0)
+        for taking in self._taking.values():  # leased by a delivery loop stopped before it wrote or settled them
+            consumer, group, _ = taking.whose
+            if taking.remote:
+                for receipts, into in ((taking.back, remote), (taking.settle, settled)):
+                    if receipts:
+                        into.setdefault(taking.whose, []).extend(receipts)
+                continue
+            for receipt in taking.back:
+                with contextlib.suppress(errors.LmqError):
+                    await link.dispatcher.change_invisible(group, receipt, 0)
+            for receipt in taking.settle:
+                with contextlib.suppress(errors.LmqError):
+                    await link.dispatcher.ack(group, receipt, client_id=consumer)
+        self._taking.clear()
         self.out.clear()
         cluster = link.cluster
         if cluster is not None and settled:
