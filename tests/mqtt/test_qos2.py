@@ -431,3 +431,35 @@ def test_4_4_a_publish_without_pubrec_is_sent_again_under_its_original_packet_id
         again_back.close()
     finally:
         broker.stop()
+
+
+def test_4_4_a_flow_completed_on_a_resumed_session_is_not_released_again_on_the_next(
+    broker: BrokerProcess, parent: str
+) -> None:
+    """A QoS 2 delivery released (PUBREC came) when its connection ended is settled then; the resumed session's
+    PUBCOMP completes it: its packet id is forgotten, so the session's next reconnect gets no PUBREL for it (its
+    row used to keep the message id and wait for the message to come again, which it never does: a PUBREL on
+    every reconnect, the id never free)."""
+    sub = Raw(broker.mqtt_port, "twice-sub", clean=False)
+    assert sub.subscribe(f"{parent}/t", 2) == [2]
+    pub = Raw(broker.mqtt_port, "twice-pub")
+    pub.published(f"{parent}/t", b"one", 1)
+    got = sub.next()
+    assert isinstance(got, codec.Publish) and got.payload == b"one" and got.packet_id is not None, got
+    sub.ack(codec.PUBREC, got.packet_id)
+    sub.expect(codec.PUBREL, got.packet_id)
+    sub.close()  # lost before its PUBCOMP
+    back = Raw(broker.mqtt_port, "twice-sub", clean=False)
+    back.expect(codec.PUBREL, got.packet_id)
+    back.ack(codec.PUBCOMP, got.packet_id)
+    back.send(codec.Bare(codec.PINGREQ))
+    assert back.next() == codec.Bare(codec.PINGRESP)  # the PUBCOMP handled
+    back.close()
+    again = Raw(broker.mqtt_port, "twice-sub", clean=False)
+    assert again.session_present
+    pub.published(f"{parent}/t", b"two", 2)
+    nxt = again.next()  # no PUBREL before it
+    assert isinstance(nxt, codec.Publish) and nxt.payload == b"two", nxt
+    again.close()
+    pub.close()
+

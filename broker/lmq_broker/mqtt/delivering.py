@@ -77,6 +77,7 @@ class _Plan:
     sends: list[_Send] = field(default_factory=list)
     settle: list[str] = field(default_factory=list)  # receipts passed over (or sent at QoS 0)
     forget: list[int] = field(default_factory=list)  # packet ids of completed restored deliveries
+    cleared: list[int] = field(default_factory=list)  # packet ids of restored deliveries settled, PUBCOMP to come
     promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 2 (packet id, message id) to record
     unpromised: list[int] = field(default_factory=list)  # recorded packet ids no longer owed
 
@@ -275,6 +276,19 @@ class Deliveries:
         del self._taking[token]
         if plan.forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
             await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], plan.forget)
+        await self._cleared(plan.cleared)
+
+    async def _cleared(self, packet_ids: list[int]) -> None:
+        """Released deliveries whose message is settled (after the acks): their rows keep the packet id only,
+        so the PUBCOMP of a later connection forgets it (with the message id it would wait for the message to
+        come again, which it never does: a PUBREL on every reconnect, the id never free)."""
+        link = self.link
+        if not packet_ids or not link.persistent:
+            return
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_stored, link.client_id, packet_ids, durable.OUTBOUND)
+        except Exception as exc:  # the rows stay as they were: their ids stay taken
+            log.warning("mqtt client %s: settled QoS 2 deliveries not recorded: %s", link.client_id, exc)
 
     def _plan(
         self, parent: str, deliveries: Sequence[Pulled], held: dict[wildcards.Filter, int], *, shared: bool
@@ -292,6 +306,7 @@ class Deliveries:
             if taken is not None:  # the client has it (PUBREC before a restart): settled, not sent again
                 plan.settle.append(d.receipt)
                 self.out[taken] = replace(self.out[taken], message_id="")  # its PUBCOMP only forgets the id
+                plan.cleared.append(taken)
                 continue
             if d.message_id and d.message_id in self.completed:  # ... and completed it since: the same
                 plan.settle.append(d.receipt)
@@ -500,14 +515,19 @@ class Deliveries:
         link = self.link
         remote: dict[Whose, list[str]] = {}
         settled: dict[Whose, list[str]] = {}  # released, from the other brokers: settled there
-        for out in self.out.values():
+        cleared: list[int] = []  # released, settled here: their rows cleared
+        settled_ids: dict[Whose, list[int]] = {}
+        for packet_id, out in self.out.items():
             if out.remote:
                 whose = (out.consumer, out.group or link.group, out.parent)
                 (settled if out.released else remote).setdefault(whose, []).append(out.receipt)
+                if out.released:
+                    settled_ids.setdefault(whose, []).append(packet_id)
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
                     if out.released:
                         await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
+                        cleared.append(packet_id)
                     else:
                         await link.dispatcher.change_invisible(out.group or link.group, out.receipt, 0)
         for taking in self._taking.values():  # leased by a delivery loop stopped before it wrote or settled them
@@ -528,5 +548,9 @@ class Deliveries:
         cluster = link.cluster
         if cluster is not None and settled:
             calls = (cluster.settle(c, g, p, receipts) for (c, g, p), receipts in settled.items())
-            await asyncio.gather(*calls, return_exceptions=True)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for whose, result in zip(settled, results, strict=True):
+                if not isinstance(result, BaseException):
+                    cleared += settled_ids.get(whose, [])
+        await self._cleared(cleared)
         return remote
