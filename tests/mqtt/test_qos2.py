@@ -463,3 +463,39 @@ def test_4_4_a_flow_completed_on_a_resumed_session_is_not_released_again_on_the_
     again.close()
     pub.close()
 
+
+def test_4_3_3_a_broker_kill_9_at_a_deliverys_pubcomp_does_not_hand_its_message_out_again(tmp_path: Path) -> None:
+    """The PUBCOMP of a QoS 2 delivery settles its message before its packet id's row is forgotten: the broker
+    killed between the two (``COMPLETED``) resends a PUBREL after the restart, never the message as a new
+    PUBLISH (the row used to go first: the message, unsettled, came again, delivered twice)."""
+    broker = start_broker(
+        tmp_path / "data", extra_args=["--mqtt-port", "0"], env={"LMQ_TEST_KILL_AT": exactly.COMPLETED}
+    )
+    try:
+        parent = new_parent(broker, "C")
+        port = broker.mqtt_port
+        sub = Raw(port, "comp-sub", clean=False)
+        assert sub.subscribe(f"{parent}/c", 2) == [2]
+        pub = Raw(port, "comp-pub")
+        pub.published(f"{parent}/c", b"first", 1)
+        pub.close()
+        got = sub.next()
+        assert isinstance(got, codec.Publish) and got.payload == b"first" and got.packet_id is not None, got
+        sub.ack(codec.PUBREC, got.packet_id)
+        sub.expect(codec.PUBREL, got.packet_id)
+        sub.ack(codec.PUBCOMP, got.packet_id)
+        assert broker.process.wait(timeout=30) == -signal.SIGKILL  # killed itself at ``COMPLETED``
+        sub.close()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        back = Raw(port, "comp-sub", clean=False)
+        assert back.session_present
+        back.expect(codec.PUBREL, got.packet_id)  # the row kept: released again, answered
+        back.ack(codec.PUBCOMP, got.packet_id)
+        pub = Raw(port, "comp-pub")
+        pub.published(f"{parent}/c", b"second", 2)
+        pub.close()
+        nxt = back.next()
+        assert isinstance(nxt, codec.Publish) and nxt.payload == b"second", nxt
+        back.close()
+    finally:
+        broker.stop()
