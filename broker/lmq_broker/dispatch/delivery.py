@@ -392,6 +392,10 @@ class Deliverer:
                 auto_renew=auto_renew,
                 retry=group.retry,
             )
+            if len(out) >= limit and not state.blocked(self._rt.clock()):
+                # the receive took all it asked: what follows (an MQTT session's pipelined topic has more
+                # while these are out) is offered again, or it would wait for an ack or the next arrival
+                self._busy[key] = self._busy[key] or holder
             if passed:
                 await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
             if dead:
