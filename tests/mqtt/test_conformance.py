@@ -16,6 +16,7 @@ import pytest
 from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from raw_mqtt import Raw
 from testing_mqtt import Peer
 
 from lmq_broker.mqtt import codec, stats
@@ -183,3 +184,23 @@ def test_mqtt5_3_3_4_one_topic_flows_up_to_the_receive_maximum_not_batch_by_batc
         sub.client.ack(got[acked].mid, 1)
         acked += 1
     assert sub.payloads() == [f"m{i}".encode() for i in range(30)]
+
+
+def test_4_9_one_topic_flows_up_to_the_in_flight_window_past_one_receive_batch(
+    broker: BrokerProcess, parent: str, connect: Connect
+) -> None:
+    """The in-flight window (64 for 3.1.1) is wider than one receive batch (``--receive-batch-size``, 32): a
+    topic's messages published at once all go out before any PUBACK. (A batch that took all it asked left the
+    rest of the topic waiting for a PUBACK or the next publish: a client acknowledging after 40 messages never
+    got them.)"""
+    port = broker.mqtt_port
+    sub = connect(port, manual_ack=True)
+    topic = f"{parent}/window"
+    assert sub.subscribe((topic, 1)) == [1]
+    pub = Raw(port, "window-pub")
+    for i in range(40):  # in one go: stored in one append
+        pub.send(codec.Publish(topic, f"m{i}".encode(), qos=1, packet_id=i + 1))
+    for i in range(40):
+        pub.expect(codec.PUBACK, i + 1)
+    pub.close()
+    assert [m.payload for m in sub.wait_count(40)] == [f"m{i}".encode() for i in range(40)]

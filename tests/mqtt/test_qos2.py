@@ -431,3 +431,71 @@ def test_4_4_a_publish_without_pubrec_is_sent_again_under_its_original_packet_id
         again_back.close()
     finally:
         broker.stop()
+
+
+def test_4_4_a_flow_completed_on_a_resumed_session_is_not_released_again_on_the_next(
+    broker: BrokerProcess, parent: str
+) -> None:
+    """A QoS 2 delivery released (PUBREC came) when its connection ended is settled then; the resumed session's
+    PUBCOMP completes it: its packet id is forgotten, so the session's next reconnect gets no PUBREL for it (its
+    row used to keep the message id and wait for the message to come again, which it never does: a PUBREL on
+    every reconnect, the id never free)."""
+    sub = Raw(broker.mqtt_port, "twice-sub", clean=False)
+    assert sub.subscribe(f"{parent}/t", 2) == [2]
+    pub = Raw(broker.mqtt_port, "twice-pub")
+    pub.published(f"{parent}/t", b"one", 1)
+    got = sub.next()
+    assert isinstance(got, codec.Publish) and got.payload == b"one" and got.packet_id is not None, got
+    sub.ack(codec.PUBREC, got.packet_id)
+    sub.expect(codec.PUBREL, got.packet_id)
+    sub.close()  # lost before its PUBCOMP
+    back = Raw(broker.mqtt_port, "twice-sub", clean=False)
+    back.expect(codec.PUBREL, got.packet_id)
+    back.ack(codec.PUBCOMP, got.packet_id)
+    back.send(codec.Bare(codec.PINGREQ))
+    assert back.next() == codec.Bare(codec.PINGRESP)  # the PUBCOMP handled
+    back.close()
+    again = Raw(broker.mqtt_port, "twice-sub", clean=False)
+    assert again.session_present
+    pub.published(f"{parent}/t", b"two", 2)
+    nxt = again.next()  # no PUBREL before it
+    assert isinstance(nxt, codec.Publish) and nxt.payload == b"two", nxt
+    again.close()
+    pub.close()
+
+
+def test_4_3_3_a_broker_kill_9_at_a_deliverys_pubcomp_does_not_hand_its_message_out_again(tmp_path: Path) -> None:
+    """The PUBCOMP of a QoS 2 delivery settles its message before its packet id's row is forgotten: the broker
+    killed between the two (``COMPLETED``) resends a PUBREL after the restart, never the message as a new
+    PUBLISH (the row used to go first: the message, unsettled, came again, delivered twice)."""
+    broker = start_broker(
+        tmp_path / "data", extra_args=["--mqtt-port", "0"], env={"LMQ_TEST_KILL_AT": exactly.COMPLETED}
+    )
+    try:
+        parent = new_parent(broker, "C")
+        port = broker.mqtt_port
+        sub = Raw(port, "comp-sub", clean=False)
+        assert sub.subscribe(f"{parent}/c", 2) == [2]
+        pub = Raw(port, "comp-pub")
+        pub.published(f"{parent}/c", b"first", 1)
+        pub.close()
+        got = sub.next()
+        assert isinstance(got, codec.Publish) and got.payload == b"first" and got.packet_id is not None, got
+        sub.ack(codec.PUBREC, got.packet_id)
+        sub.expect(codec.PUBREL, got.packet_id)
+        sub.ack(codec.PUBCOMP, got.packet_id)
+        assert broker.process.wait(timeout=30) == -signal.SIGKILL  # killed itself at ``COMPLETED``
+        sub.close()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        back = Raw(port, "comp-sub", clean=False)
+        assert back.session_present
+        back.expect(codec.PUBREL, got.packet_id)  # the row kept: released again, answered
+        back.ack(codec.PUBCOMP, got.packet_id)
+        pub = Raw(port, "comp-pub")
+        pub.published(f"{parent}/c", b"second", 2)
+        pub.close()
+        nxt = back.next()
+        assert isinstance(nxt, codec.Publish) and nxt.payload == b"second", nxt
+        back.close()
+    finally:
+        broker.stop()

@@ -15,13 +15,20 @@ class Raw:
     """Connected (CONNACK 0 asserted) on creation; ``session_present`` is the CONNACK's."""
 
     def __init__(
-        self, port: int, client_id: str, level: int = codec.LEVEL_3_1_1, *, clean: bool = True, timeout_s: float = 15
+        self,
+        port: int,
+        client_id: str,
+        level: int = codec.LEVEL_3_1_1,
+        *,
+        clean: bool = True,
+        timeout_s: float = 15,
+        receive_max: int | None = None,
     ) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
         self.decoder = codec.Decoder(level=level)
         self.pending: list[codec.Packet] = []
         self.v5 = level == codec.LEVEL_5
-        props = Properties(session_expiry_s=0 if clean else FOREVER) if self.v5 else None
+        props = Properties(session_expiry_s=0 if clean else FOREVER, receive_max=receive_max) if self.v5 else None
         self.send(codec.Connect(client_id, clean, 60, level=level, properties=props))
         connack = self.next()
         assert isinstance(connack, codec.ConnAck) and connack.code == 0, connack

@@ -229,14 +229,18 @@ class Deliverer:
             self._settlement.check_generation()
             self._ingest.flush()  # do not let the per-pass coalescing hide an arrival from this poll
             out: list[Delivery] = []
-            while len(out) < batch:
-                popped = self._ready.pop(client_id, 1)
-                if not popped:
-                    break
-                key = LeaseKey(popped[0], 0, group)
-                out += await self._deliver(
-                    key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew, tags=tags
-                )
+            try:
+                while len(out) < batch:
+                    popped = self._ready.pop(client_id, 1)
+                    if not popped:
+                        break
+                    key = LeaseKey(popped[0], 0, group)
+                    out += await self._deliver(
+                        key, batch - len(out), invisible_ms, client_id, found, auto_renew=auto_renew, tags=tags
+                    )
+            except BaseException:  # cancelled (the receiver is gone) with leases it will never see
+                self._give_back(group, out)
+                raise
             if out:
                 return out
             if not await self._wait(event, deadline):
@@ -392,10 +396,18 @@ class Deliverer:
                 auto_renew=auto_renew,
                 retry=group.retry,
             )
-            if passed:
-                await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
-            if dead:
-                await self._give_up(key, state, dead, holder, delivered=bool(out))
+            if len(out) >= limit and not state.blocked(self._rt.clock()):
+                # the receive took all it asked: what follows (an MQTT session's pipelined topic has more
+                # while these are out) is offered again, or it would wait for an ack or the next arrival
+                self._busy[key] = self._busy[key] or holder
+            try:
+                if passed:
+                    await self._passed_filtered(key, state, holder, wanted=len(out) < limit)
+                if dead:
+                    await self._give_up(key, state, dead, holder, delivered=bool(out))
+            except BaseException:
+                self._give_back(key.group, out)
+                raise
             return out
         finally:
             asked = self._busy.pop(key)
@@ -514,6 +526,14 @@ class Deliverer:
         if wanted:
             self.ready_again(key, prefer=holder)
 
+    def _give_back(self, group: str, leased: list[Delivery]) -> None:
+        """Leases of a receive that does not return them (cancelled, failed): visible again at once (no await:
+        the cancellation may come again), or they would wait their invisible time, an auto-renewed one renewed
+        for as long as its holder (an MQTT session that reconnects) is registered."""
+        for delivery in leased:
+            with contextlib.suppress(errors.LmqError):
+                self._change_invisible(group, delivery.receipt_handle, 0)
+
     def _store_refused(self, key: LeaseKey, holder: str, exc: errors.StorageError) -> None:
         """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite
         topic is looked at again in ``STORE_RETRY_MS`` (a catch-up pass of ``holder``); normal-topic receivers
@@ -525,6 +545,9 @@ class Deliverer:
     async def change_invisible(
         self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False
     ) -> str:
+        return self._change_invisible(group, receipt_handle, invisible_ms, suspend=suspend)
+
+    def _change_invisible(self, group: str, receipt_handle: str, invisible_ms: int, *, suspend: bool = False) -> str:
         receipt, key = self._leases.resolve(receipt_handle, group)
         self._settlement.check_fence(key.queue_id)
         new_receipt, lease = self._leases.change(

@@ -77,11 +77,24 @@ class _Plan:
     sends: list[_Send] = field(default_factory=list)
     settle: list[str] = field(default_factory=list)  # receipts passed over (or sent at QoS 0)
     forget: list[int] = field(default_factory=list)  # packet ids of completed restored deliveries
+    cleared: list[int] = field(default_factory=list)  # packet ids of restored deliveries settled, PUBCOMP to come
     promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 2 (packet id, message id) to record
     unpromised: list[int] = field(default_factory=list)  # recorded packet ids no longer owed
 
 
 Whose = tuple[str, str, str]  # (consumer, group, parent): where another broker's receipts are settled or given back
+
+
+@dataclass(slots=True)
+class _Taking:
+    """Deliveries leased for the session and not yet in ``Deliveries.out`` (``_deliver`` between its awaits):
+    ``back`` still to write (given back if the connection ends first), ``settle`` passed over or written at
+    QoS 0 (settled then)."""
+
+    whose: Whose
+    remote: bool
+    back: list[str]
+    settle: list[str] = field(default_factory=list)
 
 
 class Registrar(Protocol):
@@ -123,6 +136,8 @@ class Deliveries:
         self._ids = itertools.cycle(range(1, 65536))
         self.promised: dict[str, int] = {}  # QoS 2 published before, no PUBREC: message id -> its packet id
         self._reserved: set[int] = set()  # packet ids planned, not yet in ``out``
+        self._taking: dict[int, _Taking] = {}  # a ``_deliver`` under way -> what it leased and has not settled
+        self._takings = itertools.count()
 
     async def consume(self, parent: str, registrar: Registrar, share: Share | None = None) -> None:
         """Deliver the session's messages in ``parent``, or, with ``share``, that share's (``registrar`` too)."""
@@ -225,11 +240,15 @@ class Deliveries:
         """Write ``deliveries`` as PUBLISH packets; ``remote``: they came from the other brokers (settled there);
         ``share``: from a share's group, under its filter."""
         link = self.link
+        token = next(self._takings)
+        whose = (consumer, link.group if share is None else share.group, parent)
+        taking = self._taking[token] = _Taking(whose, remote, [d.receipt for d in deliveries])
         await link.retained_sent.wait()  # a new subscription's retained messages go first
         group, held = link.group, link.subs.get(parent, {})
         if share is not None:
             shared = await share.filters([d.receipt for d in deliveries])
             if shared is None:
+                del self._taking[token]  # given back to the share
                 return
             group, held = share.group, shared
         plan = self._plan(parent, deliveries, held, shared=share is not None)
@@ -248,13 +267,28 @@ class Deliveries:
                 )  # fmt: skip
             if data is not None:
                 link.writer.write(data)
+        taking.back, taking.settle = [], plan.settle  # each in ``out`` now, or to settle
         self._reserved.difference_update(one.packet_id for one in plan.sends)
         if self.busy >= link.max_inflight:
             self._room.clear()
         await link.writer.drain()
         await self._settle_unsent(parent, consumer, group, plan.settle, remote=remote)
+        del self._taking[token]
         if plan.forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
             await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], plan.forget)
+        await self._cleared(plan.cleared)
+
+    async def _cleared(self, packet_ids: list[int]) -> None:
+        """Released deliveries whose message is settled (after the acks): their rows keep the packet id only,
+        so the PUBCOMP of a later connection forgets it (with the message id it would wait for the message to
+        come again, which it never does: a PUBREL on every reconnect, the id never free)."""
+        link = self.link
+        if not packet_ids or not link.persistent:
+            return
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_stored, link.client_id, packet_ids, durable.OUTBOUND)
+        except Exception as exc:  # the rows stay as they were: their ids stay taken
+            log.warning("mqtt client %s: settled QoS 2 deliveries not recorded: %s", link.client_id, exc)
 
     def _plan(
         self, parent: str, deliveries: Sequence[Pulled], held: dict[wildcards.Filter, int], *, shared: bool
@@ -272,6 +306,7 @@ class Deliveries:
             if taken is not None:  # the client has it (PUBREC before a restart): settled, not sent again
                 plan.settle.append(d.receipt)
                 self.out[taken] = replace(self.out[taken], message_id="")  # its PUBCOMP only forgets the id
+                plan.cleared.append(taken)
                 continue
             if d.message_id and d.message_id in self.completed:  # ... and completed it since: the same
                 plan.settle.append(d.receipt)
@@ -480,19 +515,42 @@ class Deliveries:
         link = self.link
         remote: dict[Whose, list[str]] = {}
         settled: dict[Whose, list[str]] = {}  # released, from the other brokers: settled there
-        for out in self.out.values():
+        cleared: list[int] = []  # released, settled here: their rows cleared
+        settled_ids: dict[Whose, list[int]] = {}
+        for packet_id, out in self.out.items():
             if out.remote:
                 whose = (out.consumer, out.group or link.group, out.parent)
                 (settled if out.released else remote).setdefault(whose, []).append(out.receipt)
+                if out.released:
+                    settled_ids.setdefault(whose, []).append(packet_id)
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
                     if out.released:
                         await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
+                        cleared.append(packet_id)
                     else:
                         await link.dispatcher.change_invisible(out.group or link.group, out.receipt, 0)
+        for taking in self._taking.values():  # leased by a delivery loop stopped before it wrote or settled them
+            consumer, group, _ = taking.whose
+            if taking.remote:
+                for receipts, into in ((taking.back, remote), (taking.settle, settled)):
+                    if receipts:
+                        into.setdefault(taking.whose, []).extend(receipts)
+                continue
+            for receipt in taking.back:
+                with contextlib.suppress(errors.LmqError):
+                    await link.dispatcher.change_invisible(group, receipt, 0)
+            for receipt in taking.settle:
+                with contextlib.suppress(errors.LmqError):
+                    await link.dispatcher.ack(group, receipt, client_id=consumer)
+        self._taking.clear()
         self.out.clear()
         cluster = link.cluster
         if cluster is not None and settled:
             calls = (cluster.settle(c, g, p, receipts) for (c, g, p), receipts in settled.items())
-            await asyncio.gather(*calls, return_exceptions=True)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for whose, result in zip(settled, results, strict=True):
+                if not isinstance(result, BaseException):
+                    cleared += settled_ids.get(whose, [])
+        await self._cleared(cleared)
         return remote

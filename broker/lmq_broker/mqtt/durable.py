@@ -236,14 +236,15 @@ class Durable:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def qos2_stored(self, client_id: str, packet_ids: Iterable[int]) -> None:
-        """Inbound rows whose message is known stored: their message text cleared (``exactly``: not looked for)."""
+    def qos2_stored(self, client_id: str, packet_ids: Iterable[int], direction: str = INBOUND) -> None:
+        """Rows whose message text no longer matters, cleared: inbound, the message is known stored (``exactly``:
+        not looked for); outbound, the delivery is settled (its PUBCOMP only forgets the id)."""
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.executemany(
                     "UPDATE qos2 SET message = '' WHERE client_id = ? AND direction = ? AND packet_id = ?",
-                    [(client_id, INBOUND, i) for i in packet_ids],
+                    [(client_id, direction, i) for i in packet_ids],
                 )
                 self._db.execute("COMMIT")
             except BaseException:

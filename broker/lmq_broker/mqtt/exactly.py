@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _KILL_AT: Final = os.environ.get("LMQ_TEST_KILL_AT", "")
 RECORDED: Final = "mqtt-qos2-recorded"  # a batch's QoS 2 rows written, its append not begun
 APPENDED: Final = "mqtt-qos2-appended"  # the append done, no PUBREC written yet
+COMPLETED: Final = "mqtt-qos2-completed"  # a delivery's PUBCOMP: its message settled, its row not yet forgotten
 SCAN_PAGE: Final = 256  # messages read per step while looking for a resent publish's message
 FIND_LIMIT: Final = 100_000  # messages an owner reads at most for another broker's look-up (``MqttFindMessage``)
 

@@ -17,7 +17,7 @@ import logging
 from dataclasses import replace
 from typing import Final
 
-from lmq_broker.mqtt import codec, durable
+from lmq_broker.mqtt import codec, durable, exactly
 from lmq_broker.mqtt.delivering import Deliveries, Out
 from lmq_broker.mqtt.link import Link
 from lmq_broker.mqtt.properties import Reason
@@ -92,9 +92,14 @@ class Releases:
             del self.deliveries.out[packet_id]
             await self.deliveries.settle(packet_id, out)
             return
-        await self._record([], [packet_id])
         del self.deliveries.out[packet_id]
-        await self.deliveries.settle(packet_id, out)
+        if out.remote:  # settled there by the settler, off the reader
+            await self._record([], [packet_id])
+            await self.deliveries.settle(packet_id, out)
+            return
+        await self.deliveries.settle(packet_id, out)  # first: a crash before the row goes leaves a PUBREL, not the
+        exactly.crash_point(exactly.COMPLETED)  # message handed out again as a new one
+        await self._record([], [packet_id])
 
     async def _record(self, add: list[tuple[int, str]], remove: list[int]) -> None:
         link = self.link
