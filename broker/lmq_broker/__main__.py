@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import faulthandler
 import logging
 import os
 import signal
@@ -488,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.processes > 1:
         return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)
     heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts
+    # a native crash (a fatal signal: SIGSEGV, SIGABRT from a failed check in grpc's core...) dumps every thread's
+    # Python stack to stderr first, so the log says where it happened (the supervisor quotes its end)
+    faulthandler.enable()
     asyncio.run(serve(config))
     return 0
 
