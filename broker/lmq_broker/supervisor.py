@@ -183,16 +183,14 @@ class Child:
                     print(self.line, flush=True)
                 self.ready.set()
             else:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                _copy(line, sys.stdout)
 
     def _pump_stderr(self, process: subprocess.Popen[str]) -> None:
         assert process.stderr is not None
         with process.stderr:
             for line in process.stderr:
                 self.stderr_tail.append(line.rstrip("\n"))
-                sys.stderr.write(line)
-                sys.stderr.flush()
+                _copy(line, sys.stderr)
 
     def ended(self, code: int) -> str:
         """Why the process ended, for the log: its exit code or the signal that ended it, and its last lines
@@ -204,6 +202,14 @@ class Child:
             cause = f"signal {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
         tail = "\n".join(f"  | {line}" for line in self.stderr_tail)
         return f"{cause}; its last lines on stderr:\n{tail}" if tail else f"{cause}; it wrote nothing on stderr"
+
+
+def _copy(line: str, out: IO[str]) -> None:
+    """A child's line onto the pod's own output; a write that fails drops it, so that the pipe is still read (a
+    child blocked on a full pipe would stop serving)."""
+    with contextlib.suppress(OSError, ValueError):
+        out.write(line)
+        out.flush()
 
 
 def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int) -> list[str]:

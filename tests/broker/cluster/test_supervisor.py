@@ -4,6 +4,7 @@ metrics port it had (real processes)."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 from pods import PROCESS_RE, child_pid, start_pod
 from waiting import eventually
 
@@ -61,3 +63,17 @@ def test_a_crashed_process_is_logged_and_started_again_on_its_ports(tmp_path: Pa
             assert answer.status == 200
     finally:
         pod.broker.stop()
+
+
+def test_a_child_is_not_stalled_when_the_pod_output_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's stderr closed (its reader gone): the child's lines are still read and dropped, so the child
+    goes on past a full pipe (64 KiB) instead of blocking on its next log line."""
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    code = "import sys\nfor i in range(20_000): print('x' * 100, file=sys.stderr)"
+    child = Child(0, [sys.executable, "-c", code], dict(os.environ))
+    child.start()
+    assert child.process is not None
+    assert child.process.wait(60) == 0
+    assert child.ended(0).startswith("exit code 0; its last lines on stderr:\n  | xxx")
