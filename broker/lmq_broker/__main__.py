@@ -422,10 +422,9 @@ async def serve(config: BrokerConfig) -> None:
     external = f" external={broker.external_port}" if config.external_port >= 0 else ""
     # grpc= is where a client on this host connects; listen= says where the broker listens when that differs
     listen = f" listen={config.host}" if config.host in ("0.0.0.0", "::", "") else ""
-    print(
+    supervisor.say(  # in one write: a log line written meanwhile does not run on from its last port
         f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}{external}"
-        f"{listen}",
-        flush=True,
+        f"{listen}"
     )
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")

@@ -180,7 +180,7 @@ class Child:
                 if match["external"]:
                     self.line += f" external={match['external']}"
                 if self.starts > 1:  # started again: its ports said again (the pod's ready line is printed once)
-                    print(self.line, flush=True)
+                    say(self.line)
                 self.ready.set()
             else:
                 _copy(line, sys.stdout)
@@ -202,6 +202,14 @@ class Child:
             cause = f"signal {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
         tail = "\n".join(f"  | {line}" for line in self.stderr_tail)
         return f"{cause}; its last lines on stderr:\n{tail}" if tail else f"{cause}; it wrote nothing on stderr"
+
+
+def say(line: str) -> None:
+    """A line of ports on stdout (the ready lines) in one write: ``print`` writes the text and its newline apart,
+    and a log line written between them onto the same pipe (``2>&1``; a child's stderr) ran on from the port's
+    digits (``metrics=40103`` + ``2026-11-30 ...`` read as port 401032026)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _copy(line: str, out: IO[str]) -> None:
@@ -270,10 +278,10 @@ def run(argv: Sequence[str], config: BrokerConfig) -> int:
                 why = "" if code is None else f": {child.ended(code)}"
                 print(f"broker process {child.index} did not start{why}", file=sys.stderr)
                 return 1
-        print(child.line, flush=True)
+        say(child.line)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     external = f" external={p.external_access_port}" if p.external_ports else ""
-    print(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{external}", flush=True)
+    say(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{external}")
     while not stopping.wait(0.2):
         for child in children:
             assert child.process is not None

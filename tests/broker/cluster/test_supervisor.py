@@ -16,6 +16,7 @@ import pytest
 from pods import PROCESS_RE, child_pid, start_pod
 from waiting import eventually
 
+from lmq_broker import supervisor
 from lmq_broker.supervisor import Child
 from lmq_broker.testing import SHARED_ADMIN_ENV
 
@@ -77,3 +78,33 @@ def test_a_child_is_not_stalled_when_the_pod_output_fails(monkeypatch: pytest.Mo
     assert child.process is not None
     assert child.process.wait(60) == 0
     assert child.ended(0).startswith("exit code 0; its last lines on stderr:\n  | xxx")
+
+
+class Writes(io.StringIO):
+    """stdout whose every write is kept apart: a line written in two writes can have another writer's line
+    between them on a shared pipe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.calls.append(s)
+        return super().write(s)
+
+
+def test_the_ready_lines_are_written_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted process's line and the pod's own lines go out in one write each, newline included: the bench
+    read ``metrics=40103`` followed by a child's log line (``2026-11-30 ...``) as port 401032026."""
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    child = Child(1, [], {})
+    child.starts = 2  # started again: its line is printed at once
+    ready = "lmq-broker ready grpc=127.0.0.1:5 metrics=40103 admin=0\nother output\n"
+    child._read_stdout(io.StringIO(ready))
+    supervisor.say("lmq-broker ready grpc=127.0.0.1:4 metrics=40103")
+    assert out.calls == [
+        "lmq-broker process 1 grpc=127.0.0.1:5 metrics=40103\n",
+        "other output\n",
+        "lmq-broker ready grpc=127.0.0.1:4 metrics=40103\n",
+    ]
