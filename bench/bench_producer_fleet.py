@@ -153,18 +153,34 @@ def pod_switches(pid: int) -> int:
 
 def pod_commits(pod: BrokerProcess) -> float:
     """Group commits of the store (``lmq_append_commits_total``) of every process of the pod so far."""
-    ports = [m[3] for m in PROCESS_RE.finditer(pod.log())] or [str(pod.metrics_port)]
+    # each process's latest line: the supervisor prints it again when it starts a process again (its death and
+    # cause are in the log: ``broker process <i> ended: ...``)
+    ports = list({m[1]: m[3] for m in PROCESS_RE.finditer(pod.log())}.values()) or [str(pod.metrics_port)]
     total = 0.0
     for port in ports:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
                 text = answer.read().decode()
-        except OSError as e:  # a process of the pod restarted (a new port): say why, from the pod's own log
-            raise RuntimeError(f"metrics port {port} of the pod: {e}; the pod's log ends:\n{pod.log()[-4000:]}") from e
+        except OSError as e:  # a process of the pod is down: say why, from the pod's own log
+            raise RuntimeError(f"metrics port {port} of the pod: {e}; {ended(pod)}") from e
         total += sum(
             float(line.split()[-1]) for line in text.splitlines() if line.startswith("lmq_append_commits_total")
         )
     return total
+
+
+def deaths(pod: BrokerProcess) -> list[str]:
+    """What the pod logged around each death of one of its processes: the log before it (a native crash's
+    message precedes the stacks its fault handler dumps) and the supervisor's line (the cause, its last lines)."""
+    log = pod.log()
+    found = re.finditer(r"^.*broker process \d+ ended: ", log, re.M)
+    return [log[max(0, m.start() - 3000) : m.start() + 2000] for m in found]
+
+
+def ended(pod: BrokerProcess) -> str:
+    """The pod's processes that died, or the end of its log."""
+    died = deaths(pod)
+    return "processes ended:\n" + "\n".join(died) if died else f"the pod's log ends:\n{pod.log()[-4000:]}"
 
 
 def fleet_run(pod: BrokerProcess, args: argparse.Namespace, members: Sequence[str] = ()) -> Run:
@@ -198,11 +214,13 @@ def fleet_run(pod: BrokerProcess, args: argparse.Namespace, members: Sequence[st
         for p in producers:
             out, _ = p.communicate(timeout=args.seconds + 120)
             if p.returncode != 0 or not out.strip().startswith("sent "):
-                raise RuntimeError(f"a producer failed ({p.returncode}): {out!r}")
+                raise RuntimeError(f"a producer failed ({p.returncode}): {out!r}; {ended(pod)}")
             sent += int(out.split()[1])
         elapsed = time.monotonic() - started
         used = pod_cpu_s(pid) - before
         switches, commits = pod_switches(pid) - switches, pod_commits(pod) - commits
+        if deaths(pod):  # a broker process that dies under load is a bug, not a figure
+            raise RuntimeError(f"a process of the pod died; {ended(pod)}")
     finally:
         for p in producers:
             if p.poll() is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import faulthandler
 import logging
 import os
 import signal
@@ -422,10 +423,9 @@ async def serve(config: BrokerConfig) -> None:
     external = f" external={broker.external_port}" if config.external_port >= 0 else ""
     # grpc= is where a client on this host connects; listen= says where the broker listens when that differs
     listen = f" listen={config.host}" if config.host in ("0.0.0.0", "::", "") else ""
-    print(
+    supervisor.say(  # in one write: a log line written meanwhile does not run on from its last port
         f"{READY_LINE} grpc={broker.endpoint} metrics={broker.metrics_port} admin={broker.admin_port}{mqtt}{external}"
-        f"{listen}",
-        flush=True,
+        f"{listen}"
     )
     await stop.wait()
     logging.getLogger("lmq_broker").info("shutting down")
@@ -489,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.processes > 1:
         return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)
     heap.limit_arenas(MALLOC_ARENAS)  # before any thread starts
+    # a native crash (a fatal signal: SIGSEGV, SIGABRT from a failed check in grpc's core...) dumps every thread's
+    # Python stack to stderr first, so the log says where it happened (the supervisor quotes its end)
+    faulthandler.enable()
     asyncio.run(serve(config))
     return 0
 

@@ -26,9 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import IO, Any, Final
 
 from lmq_broker.admin import credentials
 from lmq_broker.cluster import ring
@@ -44,6 +45,8 @@ READY_RE: Final = re.compile(
 START_TIMEOUT_S: Final = 120.0
 STOP_TIMEOUT_S: Final = 30.0
 RESTART_DELAY_S: Final = 1.0
+STDERR_TAIL_LINES: Final = 20  # a child's last stderr lines quoted when it ends
+STDERR_DRAIN_S: Final = 2.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ def plan(config: BrokerConfig) -> Plan:
 
 
 class Child:
+    """One process of the pod: its output read here (the ready line taken, the rest passed on), the last lines
+    it wrote to stderr kept to say why it ended, and each start after the first announced with its ready line."""
+
     def __init__(self, index: int, command: list[str], env: dict[str, str]) -> None:
         self.index = index
         self.command = command
@@ -138,25 +144,80 @@ class Child:
         self.ready = threading.Event()
         self.line = ""
         self.metrics = ""
+        self.starts = 0
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._stderr_pump: threading.Thread | None = None
 
     def start(self) -> None:
+        command = self.command
+        if self.ready.is_set() and self.metrics not in ("", "0", "-1"):
+            # started again after it was ready: on the metrics port the system gave it (``--metrics-port 0``), so
+            # the port the pod's ready line published still answers; after a start that ended before its ready
+            # line, a free one again (that port may have been taken meanwhile)
+            command = [f"--metrics-port={self.metrics}" if arg == "--metrics-port=0" else arg for arg in command]
         self.ready.clear()
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=self.env, bufsize=1)
+        self.stderr_tail.clear()
+        self.starts += 1
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+            env=self.env, bufsize=1,
+        )  # fmt: skip
         threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
+        self._stderr_pump = threading.Thread(target=self._pump_stderr, args=(self.process,), daemon=True)
+        self._stderr_pump.start()
 
     def _pump(self, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
-        for line in process.stdout:
+        with process.stdout:
+            self._read_stdout(process.stdout)
+
+    def _read_stdout(self, stdout: IO[str]) -> None:
+        for line in stdout:
             match = READY_RE.search(line)
             if match:  # the pod prints one ready line of its own; this one is renamed
                 self.metrics = match["metrics"]
                 self.line = f"lmq-broker process {self.index} grpc={match['grpc']} metrics={self.metrics}"
                 if match["external"]:
                     self.line += f" external={match['external']}"
+                if self.starts > 1:  # started again: its ports said again (the pod's ready line is printed once)
+                    say(self.line)
                 self.ready.set()
             else:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                _copy(line, sys.stdout)
+
+    def _pump_stderr(self, process: subprocess.Popen[str]) -> None:
+        assert process.stderr is not None
+        with process.stderr:
+            for line in process.stderr:
+                self.stderr_tail.append(line.rstrip("\n"))
+                _copy(line, sys.stderr)
+
+    def ended(self, code: int) -> str:
+        """Why the process ended, for the log: its exit code or the signal that ended it, and its last lines
+        on stderr (a traceback, a native abort's message)."""
+        if self._stderr_pump is not None:
+            self._stderr_pump.join(STDERR_DRAIN_S)  # the last lines it wrote, before they are quoted
+        cause = f"exit code {code}"
+        if code < 0:
+            cause = f"signal {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
+        tail = "\n".join(f"  | {line}" for line in self.stderr_tail)
+        return f"{cause}; its last lines on stderr:\n{tail}" if tail else f"{cause}; it wrote nothing on stderr"
+
+
+def say(line: str) -> None:
+    """A line of ports on stdout (the ready lines) in one write: ``print`` writes the text and its newline apart,
+    and a log line written between them onto the same pipe (``2>&1``; a child's stderr) ran on from the port's
+    digits (``metrics=40103`` + ``2026-11-30 ...`` read as port 401032026)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _copy(line: str, out: IO[str]) -> None:
+    """A child's line onto the pod's own output; a write that fails drops it, so that the pipe is still read (a
+    child blocked on a full pipe would stop serving)."""
+    with contextlib.suppress(OSError, ValueError):
+        out.write(line)
+        out.flush()
 
 
 def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int) -> list[str]:
@@ -212,19 +273,21 @@ def run(argv: Sequence[str], config: BrokerConfig) -> int:
         while not child.ready.wait(0.1):
             assert child.process is not None
             if stopping.is_set() or child.process.poll() is not None or time.monotonic() > deadline:
+                code = child.process.poll()
                 _stop(children)
-                print(f"broker process {child.index} did not start", file=sys.stderr)
+                why = "" if code is None else f": {child.ended(code)}"
+                print(f"broker process {child.index} did not start{why}", file=sys.stderr)
                 return 1
-        print(child.line, flush=True)
+        say(child.line)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     external = f" external={p.external_access_port}" if p.external_ports else ""
-    print(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{external}", flush=True)
+    say(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{external}")
     while not stopping.wait(0.2):
         for child in children:
             assert child.process is not None
             code = child.process.poll()
             if code is not None:
-                log.error("broker process %d exited with %s; starting it again", child.index, code)
+                log.error("broker process %d ended: %s\nstarting it again", child.index, child.ended(code))
                 time.sleep(RESTART_DELAY_S)
                 child.start()
     _stop(children)

@@ -109,6 +109,6 @@ def test_bench_runs_quick_and_prints_its_figures(script: str) -> None:
     result = run_bench(
         [sys.executable, str(BENCH / script), *ARGS.get(script, ["--quick"])], TIMEOUT_S.get(script, 240)
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-8000:]
     for prefix in EXPECTED[script]:
         assert any(line.startswith(prefix) for line in result.stdout.splitlines()), result.stdout
