@@ -169,6 +169,8 @@ HELP: Final[dict[str, str]] = {
     "--external-addresses, e.g. lmq-{ordinal}.example.com:9094",
     "external_access_port": "also serve the external listener on this port, shared with other processes (set by "
     "--processes)",
+    "pod_mqtt": "another process of this pod serves MQTT (set by --processes with --mqtt-port): this one creates the "
+    "MQTT default parent topic as well",
     "pod_processes": "broker processes per pod, for --external-address-template and replicas' pods (set by "
     "--processes)",
     "local_hop": "how a send reaches the process of this pod that owns its lite topic: socket (a Unix socket in "
@@ -254,6 +256,7 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "external_address_template",
         "external_access_port",
         "pod_processes",
+        "pod_mqtt",
         "local_hop",
         "local_hop_dir",
         "send_path",

@@ -170,7 +170,7 @@ class Broker:
             self.store = await asyncio.to_thread(lmq_store.open_store, config.store)
         if config.bootstrap and await asyncio.to_thread(bootstrap, self.store):
             log.info("bootstrap: created parent topic %s and lite group %s", BOOTSTRAP_TOPIC, BOOTSTRAP_GROUP)
-        if config.mqtt_port >= 0 and await asyncio.to_thread(
+        if (config.mqtt_port >= 0 or config.pod_mqtt) and await asyncio.to_thread(
             mqtt_default_parent, self.store, config.mqtt_default_parent
         ):
             log.info("mqtt: created the default parent topic %s", config.mqtt_default_parent)

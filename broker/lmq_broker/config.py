@@ -193,6 +193,7 @@ class BrokerConfig(BaseModel):
     external_address_template: str = ""  # one pod's address, "{ordinal}" replaced: for slots past the list
     external_access_port: int = Field(default=-1, ge=-1, le=65535)  # set by --processes: the pod's shared one
     pod_processes: int = Field(default=1, ge=1, le=256)  # set by --processes: slots per pod, for the template
+    pod_mqtt: bool = False  # set by --processes: the pod's first process serves MQTT, this one its parents too
     # How a send reaches a sibling process of this pod (cluster.local_hop): a Unix socket in local_hop_dir (set by
     # --processes), or gRPC as between pods.
     local_hop: LocalHop = LocalHop.SOCKET

@@ -40,7 +40,8 @@ from lmq_broker.config import BrokerConfig
 log = logging.getLogger(__name__)
 
 READY_RE: Final = re.compile(
-    r"lmq-broker ready grpc=(?P<grpc>[^ ]+) metrics=(?P<metrics>-?\d+)(?:.* external=(?P<external>\d+))?"
+    r"lmq-broker ready grpc=(?P<grpc>[^ ]+) metrics=(?P<metrics>-?\d+)(?:.* mqtt=(?P<mqtt>\d+))?"
+    r"(?:.* external=(?P<external>\d+))?"
 )
 START_TIMEOUT_S: Final = 120.0
 STOP_TIMEOUT_S: Final = 30.0
@@ -144,6 +145,7 @@ class Child:
         self.ready = threading.Event()
         self.line = ""
         self.metrics = ""
+        self.mqtt = ""  # the MQTT port it listens on (process 0 of a pod, with --mqtt-port)
         self.starts = 0
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._stderr_pump: threading.Thread | None = None
@@ -155,6 +157,8 @@ class Child:
             # the port the pod's ready line published still answers; after a start that ended before its ready
             # line, a free one again (that port may have been taken meanwhile)
             command = [f"--metrics-port={self.metrics}" if arg == "--metrics-port=0" else arg for arg in command]
+            if self.mqtt:  # and its MQTT clients reconnect where the pod's ready line said
+                command = [f"--mqtt-port={self.mqtt}" if arg == "--mqtt-port=0" else arg for arg in command]
         self.ready.clear()
         self.stderr_tail.clear()
         self.starts += 1
@@ -176,7 +180,10 @@ class Child:
             match = READY_RE.search(line)
             if match:  # the pod prints one ready line of its own; this one is renamed
                 self.metrics = match["metrics"]
+                self.mqtt = match["mqtt"] or ""
                 self.line = f"lmq-broker process {self.index} grpc={match['grpc']} metrics={self.metrics}"
+                if self.mqtt:
+                    self.line += f" mqtt={self.mqtt}"
                 if match["external"]:
                     self.line += f" external={match['external']}"
                 if self.starts > 1:  # started again: its ports said again (the pod's ready line is printed once)
@@ -240,6 +247,11 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
         # the next pods (``replication.setup.followers_of``), and without it the next slot (this pod's) was taken.
         "--pod-processes": str(config.processes),
     }
+    if config.mqtt_port >= 0:
+        # MQTT on the pod's first process only: a session's state lives in the data dir of the process that
+        # serves it, so a client that reconnected to a sibling (a shared port) would lose its session; its lite
+        # topics are anywhere in the ring, as they are for a client of another pod
+        overrides["--mqtt-port"] = str(config.mqtt_port) if index == 0 else "-1"
     if p.external_ports:
         overrides |= {
             "--external-port": str(p.external_ports[index]),
@@ -249,6 +261,8 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
     command = [sys.executable, "-m", "lmq_broker", *argv]
     for flag, value in overrides.items():
         command += [f"{flag}={value}"]
+    if config.mqtt_port >= 0 and index:
+        command.append("--pod-mqtt")  # its parents are made here too
     return command
 
 
@@ -281,7 +295,8 @@ def run(argv: Sequence[str], config: BrokerConfig) -> int:
         say(child.line)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     external = f" external={p.external_access_port}" if p.external_ports else ""
-    say(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{external}")
+    mqtt = f" mqtt={children[0].mqtt}" if children[0].mqtt else ""
+    say(f"lmq-broker ready grpc={host}:{p.access_port} metrics={children[0].metrics}{mqtt}{external}")
     while not stopping.wait(0.2):
         for child in children:
             assert child.process is not None
