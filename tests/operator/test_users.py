@@ -122,8 +122,13 @@ def test_user_reaches_every_broker_with_its_secret_and_policies_and_drift_is_rep
     # A user deleted on a broker by hand is back after a resync (1.5 s here), with its secret and policies.
     first = acl_brokers[0]
     assert admin_of(first.admin_endpoint).delete_user(user).deleted
-    testing.wait_for(lambda: user_on(admin_of(first.admin_endpoint), user), TIMEOUT_S, "user re-created")
-    assert admin_of(first.admin_endpoint).get_user(user).acl_entries == 1
+
+    # (the user is put, then its entries: a look between the two finds it without them, never with more)
+    def restored() -> bool:
+        found = user_on(admin_of(first.admin_endpoint), user)
+        return found is not None and found.acl_entries == 1
+
+    testing.wait_for(restored, TIMEOUT_S, "user re-created with its policy")
     testing.wait_for(lambda: send(first, (user, secret), parent, "tenant-a-2") == v2.OK, TIMEOUT_S, "works again")
 
     # A new value in the Secret reaches every broker: the old secret no longer signs, the new one does.
