@@ -156,9 +156,10 @@ class Child:
             # started again after it was ready: on the metrics port the system gave it (``--metrics-port 0``), so
             # the port the pod's ready line published still answers; after a start that ended before its ready
             # line, a free one again (that port may have been taken meanwhile)
-            command = [f"--metrics-port={self.metrics}" if arg == "--metrics-port=0" else arg for arg in command]
+            again = {"--metrics-port=0": f"--metrics-port={self.metrics}"}
             if self.mqtt:  # and its MQTT clients reconnect where the pod's ready line said
-                command = [f"--mqtt-port={self.mqtt}" if arg == "--mqtt-port=0" else arg for arg in command]
+                again["--mqtt-port=0"] = f"--mqtt-port={self.mqtt}"
+            command = [again.get(arg, arg) for arg in command]
         self.ready.clear()
         self.stderr_tail.clear()
         self.starts += 1
@@ -247,11 +248,12 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
         # the next pods (``replication.setup.followers_of``), and without it the next slot (this pod's) was taken.
         "--pod-processes": str(config.processes),
     }
+    pod_mqtt = config.mqtt_port >= 0 and index > 0
     if config.mqtt_port >= 0:
         # MQTT on the pod's first process only: a session's state lives in the data dir of the process that
         # serves it, so a client that reconnected to a sibling (a shared port) would lose its session; its lite
         # topics are anywhere in the ring, as they are for a client of another pod
-        overrides["--mqtt-port"] = str(config.mqtt_port) if index == 0 else "-1"
+        overrides["--mqtt-port"] = "-1" if pod_mqtt else str(config.mqtt_port)
     if p.external_ports:
         overrides |= {
             "--external-port": str(p.external_ports[index]),
@@ -261,7 +263,7 @@ def child_command(argv: Sequence[str], config: BrokerConfig, p: Plan, index: int
     command = [sys.executable, "-m", "lmq_broker", *argv]
     for flag, value in overrides.items():
         command += [f"{flag}={value}"]
-    if config.mqtt_port >= 0 and index:
+    if pod_mqtt:
         command.append("--pod-mqtt")  # its parents are made here too
     return command
 
