@@ -633,6 +633,64 @@ def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_pa
             broker.stop()
 
 
+def full_sync(endpoint: str, client_id: str, lites: list[str]) -> int:
+    """A COMPLETE_ADD of ``lites`` for ``client_id``, as its client sends one (the Node client's at start)."""
+    with grpc.insecure_channel(endpoint) as channel:
+        reply = rgrpc.MessagingServiceStub(channel).SyncLiteSubscription(
+            rspb.SyncLiteSubscriptionRequest(
+                action=rpb.COMPLETE_ADD,
+                topic=rpb.Resource(name=TOPIC),
+                group=rpb.Resource(name=GROUP),
+                lite_topic_set=lites,
+            ),
+            metadata=(("x-mq-client-id", client_id), ("x-mq-language", "PYTHON")),
+            timeout=10,
+        )
+    return int(reply.status.code)
+
+
+def test_a_full_sync_built_before_a_subscribe_was_answered_does_not_undo_it_at_a_restarted_owner(
+    tmp_path: Path, clients: list[Any]
+) -> None:
+    """Node 1.0.8 sends its first full sync unawaited at start, so it can reach the access broker just after a
+    ``subscribeLite`` sent after it was answered (a set built without the topic). Within --full-sync-grace-ms
+    the owner keeps the subscription, and so does the access broker's intent: when the owner is then killed -9
+    and restarted, the access broker makes it there again, not the client's next full sync 30 s later."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    endpoints = [b.endpoint for b in brokers]
+    try:
+        create_metadata(endpoints[0])
+        known, late = owned_by(endpoints, 2, "known", 1)[0], owned_by(endpoints, 2, "late", 1)[0]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite(known)
+        consumer.subscribe_lite(late)  # answered: the owner and the access broker's intent hold it
+        assert full_sync(endpoints[0], consumer.client_id, [known]) == rpb.OK  # built before that answer
+        producer = Producer(config(endpoints[1]), (TOPIC,))
+        producer.startup()
+        clients.append(producer)
+        brokers[2].kill()
+        brokers[2] = brokers[2].restart()
+        ready = time.monotonic()
+        back = subscriptions_back(endpoints[2], 2, ready)
+        ledger = Ledger()
+        for lite in (known, late):
+            deadline = time.monotonic() + 10
+            while not ledger.send(producer, lite, f"after-{lite}".encode()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        came = inbox.wait_for(lambda i: any(m.lite_topic == late for m in i.accepted), DELIVERY_BOUND_S)
+        print(f"both subscriptions back at the restarted owner after {back:.2f} s; delivered: {came}")
+        assert 0 <= back <= RESTORE_GOAL_S, f"both subscriptions back at the owner after {back:.2f} s (-1: never)"
+        assert came, f"nothing of {late} delivered within {DELIVERY_BOUND_S} s of the owner's readiness"
+        ledger.check(inbox)
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
 def started_producers(endpoints: list[str], clients: list[Any]) -> list[Any]:
     """One started producer per entry of ``endpoints``, each shut down with ``clients``."""
     producers = []

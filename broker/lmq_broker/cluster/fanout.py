@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -52,12 +53,19 @@ Known = Callable[[str], bool]  # a client id this broker still knows (its regist
 ApplyHere = Callable[[spb.SyncLiteSubscriptionRequest], Awaitable[spb.SyncLiteSubscriptionResponse]]
 
 
+Mark = tuple[int, int]  # when a change ended: its number (``Fanout._changes``) and its clock (monotonic ms)
+RECENT_REMOVALS: Final = 1_024  # removals remembered per intent against a full sync built before them
+RECENT_KEPT_MS: Final = 10_000  # ... for this long (or twice ``--full-sync-grace-ms``)
+
+
 @dataclass
 class _Intent:
-    # name -> when the change that added it ended (``Fanout._changes``): a complete set that began before then
-    # was built by a client that did not have the name yet, and does not take it away
-    lites: dict[str, int] = field(default_factory=dict)
-    patterns: dict[str, int] = field(default_factory=dict)
+    # name -> when the change that added it ended: a complete set that began before then, or less than
+    # ``--full-sync-grace-ms`` after, was built by a client that did not have the name yet, and does not take it away
+    lites: dict[str, Mark] = field(default_factory=dict)
+    patterns: dict[str, Mark] = field(default_factory=dict)
+    # names a removal took away lately -> when it ended: such a complete set does not bring them back
+    removed: dict[str, Mark] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -94,7 +102,7 @@ class Fanout:
         group = convert.group_name(request.group)
         action = request.action
         self._changes += 1
-        began = self._changes
+        began = (self._changes, _now_ms())
         if action == pb.COMPLETE_REMOVE:
             names = []
         self._check_cap(caller.client_id, group, parent, action, names)
@@ -134,7 +142,7 @@ class Fanout:
             elif reply.status.code != pb.OK:
                 return reply
         self._changes += 1
-        self._remember(caller.client_id, group, parent, action, names, began, self._changes)
+        self._remember(caller.client_id, group, parent, action, names, began, (self._changes, _now_ms()))
         if self._links.membership is not split_by and self.ring_changed is not None:
             self.ring_changed()  # split by the older ring, and not known yet to the repush its change started
         if missed:
@@ -174,29 +182,44 @@ class Fanout:
             )
 
     def _remember(  # noqa: PLR0917 (the change, as the client sent it, and when)
-        self, client_id: str, group: str, parent: str, action: int, names: list[str], began: int, ended: int
+        self, client_id: str, group: str, parent: str, action: int, names: list[str], began: Mark, ended: Mark
     ) -> None:
-        """The client's change, which ``began`` and ``ended`` at those numbers (changes run concurrently: a
-        subscribe waiting for a broker that does not answer can end after the client's next full sync began).
-        The client adds a name to its own set only once its subscribe is answered, so a complete set replaces
-        the intent but keeps the names whose subscribe ended after the complete set began; a removal takes away
-        only what was added before it began."""
+        """The client's change, which ``began`` and ``ended`` then (changes run concurrently: a subscribe waiting
+        for a broker that does not answer can end after the client's next full sync began). The client adds a
+        name to its own set only once its subscribe is answered (and drops one once its unsubscribe is), so a
+        complete set replaces the intent but keeps the names whose subscribe ended after the complete set began,
+        or less than ``--full-sync-grace-ms`` before (a full sync sent at once, unawaited, can arrive after a
+        subscribe sent after it: as ``dispatch.subscriptions``), and does not bring back what an unsubscribe
+        that ended then took away; a removal takes away only what was added before it began."""
         key = (client_id, group, parent)
         intent = self._intents.pop(key, None) or _Intent()
         self._names -= intent.size
+        grace = self._links.config.full_sync_grace_ms
+
+        def newer(mark: Mark) -> bool:
+            return mark[0] > began[0] or (grace > 0 and mark[1] >= began[1] - grace)
+
         if action in (pb.COMPLETE_ADD, pb.COMPLETE_REMOVE):
+            removed = {n: at for n, at in intent.removed.items() if newer(at)}
             intent = _Intent(
-                {n: at for n, at in intent.lites.items() if at > began},
-                {n: at for n, at in intent.patterns.items() if at > began},
+                {n: at for n, at in intent.lites.items() if newer(at)},
+                {n: at for n, at in intent.patterns.items() if newer(at)},
+                removed,
             )
+            names = [name for name in names if name not in removed]
         for name in names:
             into = intent.patterns if wildcards.is_pattern(name) else intent.lites
             if action == pb.PARTIAL_REMOVE:
-                if into.get(name, began) < began:
+                if into.get(name, began)[0] < began[0]:
                     del into[name]
+                if grace:
+                    intent.removed.pop(name, None)
+                    intent.removed[name] = ended
             else:
-                into[name] = max(into.get(name, 0), ended)
-        if intent.size:
+                into[name] = max(into.get(name, (0, 0)), ended)
+                intent.removed.pop(name, None)
+        _forget_old(intent.removed, ended[1] - max(RECENT_KEPT_MS, 2 * grace))
+        if intent.size or intent.removed:
             self._intents[key] = intent
             self._names += intent.size
 
@@ -333,3 +356,17 @@ class Fanout:
                 f"broker {target} owning some of these lite topics did not answer: {exc.code().name}"
             ) from None
         return reply
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def _forget_old(removed: dict[str, Mark], since_ms: int) -> None:
+    """Removals older than ``since_ms`` and past the last ``RECENT_REMOVALS`` (oldest first: each moves its name
+    to the end)."""
+    while removed:
+        oldest = next(iter(removed))
+        if removed[oldest][1] >= since_ms and len(removed) <= RECENT_REMOVALS:
+            return
+        del removed[oldest]
