@@ -187,6 +187,7 @@ class Core:
         """Close the index and open it again (under the write lock): RocksDB clears a write error (a full
         disk) only so. If it cannot be opened for writing, it is opened read-only, so reads go on, and the
         error is raised. The caller then replays the log beyond the checkpoint (``recovery.recover``)."""
+        self.index.on_corruption = None  # a reader still on this instance: no rebuild of the one after it
         with contextlib.suppress(Exception):
             self.index.close(flush=False)  # a flush would fail as its writes did; the WAL holds what they wrote
         try:
@@ -217,7 +218,10 @@ class Core:
                 time.sleep(0.05)
 
     def replace_index(self) -> None:
-        """Set the damaged index aside and start an empty one (the caller then replays the log into it)."""
+        """Set the damaged index aside and start an empty one (the caller then replays the log into it). A reader
+        still on the damaged instance that meets its damage later fails as before, but starts no rebuild: the
+        instance it read is no longer the index (it rebuilt the new one a second time)."""
+        self.index.on_corruption = None
         with contextlib.suppress(Exception):  # a damaged index may fail its final flush
             self.index.close()
         _set_aside(self.index.path)
