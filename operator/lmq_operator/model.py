@@ -22,6 +22,7 @@ from pydantic.alias_generators import to_camel
 
 from lmq_broker import errors as broker_errors
 from lmq_broker.access import policy as broker_policy
+from lmq_broker.dispatch import wildcards
 from lmq_broker.model import MAX_LITE_TOPIC_BYTES, MAX_RESOURCE_NAME_BYTES
 from lmq_operator.schema import Bits, Immutable, Matches, NotZero
 
@@ -151,6 +152,7 @@ class RetryPolicySpec(CamelModel):
     )
     backoff: tuple[Duration, ...] = Field(
         DEFAULT_BACKOFF + DEFAULT_BACKOFF_TAIL,
+        min_length=1,  # the brokers store an empty backoff as their default one: it would differ at every resync
         max_length=64,
         description="Delay before each redelivery, as durations (ms, s, m, h); the last one repeats.",
     )
@@ -210,6 +212,11 @@ class LiteGroupSpec(CamelModel):
     def _patterns_need_wildcard(self) -> LiteGroupSpec:
         if self.lite_patterns and not self.wildcard:
             raise ValueError(_PATTERNS_NEED_WILDCARD)
+        for index, pattern in enumerate(self.lite_patterns):  # the brokers' own grammar: what it refuses is Invalid
+            try:
+                wildcards.parse_pattern(pattern)
+            except ValueError as exc:
+                raise ValueError(f"spec.litePatterns[{index}] {pattern!r}: {exc}") from None
         return self
 
     def config(self, name: str) -> GroupConfig:
