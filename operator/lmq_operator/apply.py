@@ -268,8 +268,11 @@ async def remove(
     kind: model.Kind,
     body: Mapping[str, Any],
     claims: Mapping[str, Iterable[model.Claimant]],
+    *,
+    now: datetime,
 ) -> Outcome:
-    """Delete the broker copies unless the resource says to keep them; ``retry`` keeps the finalizer."""
+    """Delete the broker copies unless the resource says to keep them; ``retry`` keeps the finalizer, and then
+    the status says why (``Ready=False, DeleteFailed``: a Terminating resource must not go on showing Ready)."""
     meta, spec = body["metadata"], body.get("spec") or {}
     wanted = desired.gate(kind, meta, spec, claims)
     if isinstance(wanted, desired.Blocked):
@@ -284,16 +287,25 @@ async def remove(
     # (discovery failed, or found none, e.g. all pods restarting) the copies would be orphaned for good.
     view = await fleet.view()
     what = f"{kind.value} {wanted.key!r}"
+
+    def kept(text: str) -> Outcome:
+        new = status.blocked(
+            status.Reason.DELETE_FAILED,
+            text + _KEEP,
+            generation=int(meta.get("generation") or 0),
+            previous=dict(body.get("status") or {}),
+            now=now,
+            key=(kind, wanted.key),
+        )
+        events = (Event("Warning", "DeleteFailed", text + _KEEP),)
+        return Outcome(new, events, retry=True, brokers=len(view.targets))
+
     if view.error is not None:
-        text = f"{what} not deleted: broker discovery failed: {view.error}"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+        return kept(f"{what} not deleted: broker discovery failed: {view.error}")
     if not view.targets:
-        text = f"{what} not deleted: no broker pod is discovered"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=0)
+        return kept(f"{what} not deleted: no broker pod is discovered")
     failed = [(b, e) for b, e in await delete(pool, kind, wanted.key, view.targets, True) if e]
     if failed:
-        detail = "; ".join(f"{b.name}: {e}" for b, e in failed)
-        text = f"{what} not deleted on {detail}"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+        return kept(f"{what} not deleted on " + "; ".join(f"{b.name}: {e}" for b, e in failed))
     text = f"{what} deleted on {len(view.targets)} brokers"
     return Outcome({}, (Event("Normal", "Deleted", text),), brokers=len(view.targets))

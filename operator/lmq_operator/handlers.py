@@ -546,19 +546,22 @@ def _register(kind: model.Kind) -> None:
         await _reconcile(kind, "resume", body=body, patch=patch, memo=memo)
 
     @kopf.on.delete(model.GROUP, model.VERSION, plural, id=f"{plural}-delete")
-    async def on_delete(body: Any, memo: Any, **_: Any) -> None:
-        await _delete(kind, body, memo)
+    async def on_delete(body: Any, patch: Any, memo: Any, **_: Any) -> None:
+        await _delete(kind, body, memo, patch)
 
 
-async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
+async def _delete(kind: model.Kind, body: Any, memo: Any, patch: Any = None) -> None:
     ctx = _ctx(memo)
     uid = body["metadata"]["uid"]
     if uid in ctx.deleted:
         return  # done already: a uid names one object, never a recreated one
     async with ctx.lock(uid), _measured(kind, "delete") as run:
-        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, ctx.claims(kind))
+        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, ctx.claims(kind), now=_now())
         _post(body, outcome.events)
         run.failed = outcome.retry
+    if outcome.retry and outcome.status and patch is not None:  # why it stays Terminating (kopf writes it)
+        for key, value in status.changes(dict(body.get("status") or {}), outcome.status).items():
+            patch.status[key] = value
     if outcome.retry:
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)

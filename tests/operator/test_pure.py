@@ -596,7 +596,7 @@ def test_a_delete_handler_run_again_for_the_same_object_calls_no_broker_and_post
     removals: list[str] = []
     posted: list[str] = []
 
-    async def remove(pool: Any, fleet: Any, kind: Any, body: Any, claims: Any) -> apply.Outcome:
+    async def remove(pool: Any, fleet: Any, kind: Any, body: Any, claims: Any, *, now: Any) -> apply.Outcome:
         removals.append(body["metadata"]["uid"])
         return apply.Outcome({}, (apply.Event("Normal", "Deleted", "deleted on 2 brokers"),))
 

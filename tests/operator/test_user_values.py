@@ -144,10 +144,14 @@ def test_reconcile_repairs_users_applies_rotations_and_deletes_by_policy() -> No
     done = reconcile(rotated)
     assert done.status["secretVersion"] == rotated.version and held(twins["b1"]).secret == "rotated-secret"
 
-    kept = asyncio.run(
-        apply.remove(pool, fleet, model.Kind.LMQ_USER, {**body, "spec": spec(deletionPolicy="retain")}, {})
-    )
+    retained = {**body, "spec": spec(deletionPolicy="retain")}
+    kept = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, retained, {}, now=NOW))
     assert [e.reason for e in kept.events] == ["Retained"] and all(held(t) for t in twins.values())
-    gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, body, {}))
+    twins["b1"].down = True  # the delete cannot finish: the status says so while the resource is Terminating
+    stuck = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, {**body, "status": done.status}, {}, now=NOW))
+    assert stuck.retry and status.ready_of(stuck.status) == ("False", "DeleteFailed")
+    assert stuck.status["userName"] == "tenant-a" and "brokers" not in stuck.status
+    twins["b1"].down = False
+    gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, body, {}, now=NOW))
     assert [e.reason for e in gone.events] == ["Deleted"]
     assert all("tenant-a" not in t.objects[model.Kind.LMQ_USER] for t in twins.values())
