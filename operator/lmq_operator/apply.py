@@ -227,7 +227,9 @@ def _write_events(
     attempt put it on whose status the body does not show yet (a retry can run before that status write's
     watch event arrives). A broker in ``unanswered`` got a write of an earlier attempt whose answer was lost (a
     timeout on a loaded broker): found identical there, it is that write, no news; found missing, it is created
-    now; found different, adopted as on any broker."""
+    now; found different, adopted as on any broker. A resync that writes a copy where none was, for a resource
+    whose status lists no broker in sync (it lost a conflict until now, waited for its Secret, no broker ever
+    answered), creates it: there was no copy of its own to repair."""
     ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")} | placed
     found: dict[str, list[str]] = {}
     for s in sorted(syncs, key=lambda s: s.broker):
@@ -241,6 +243,8 @@ def _write_events(
             reason = "Created" if s.change == diff.Change.MISSING.value else "Updated"
         elif s.change == diff.Change.NONE.value:
             continue
+        elif trigger != "update" and not ours and s.change == diff.Change.MISSING.value:
+            reason = "Created"  # nothing to repair: no status showed a copy (it lost a conflict, lacked its Secret)
         else:
             reason = "Updated" if trigger == "update" else "DriftRepaired"
         found.setdefault(reason, []).append(f"{s.broker.name} ({_CHANGE_TEXT[s.change]})")

@@ -644,3 +644,16 @@ def test_a_create_retried_after_a_write_whose_answer_was_lost_adopts_nothing_it_
     events = apply._write_events("create", retry, {}, frozenset(), frozenset({"b0", "b1"}))
     assert events == {"Created": ["b1 (was missing)"], "Adopted": ["b2 (already identical)"]}
     assert apply._write_events("create", retry, {})["Adopted"] == ["b0 (already identical)", "b2 (already identical)"]
+
+
+def test_a_resync_that_writes_the_first_copies_creates_them() -> None:
+    """A resource that never had a copy of its own (it lost a conflict until the owner went, its Secret came
+    late): the resync that writes one creates it, it repairs no drift (nor counts one); a copy missing from a
+    broker where the status showed one is a repaired drift, as is a broker the status does not list yet."""
+    b0, b1 = (model.Broker(f"b{i}", f"10.0.0.{i}:8081", i) for i in range(2))
+    missing = [model.BrokerSync(b, True, diff.Change.MISSING.value) for b in (b0, b1)]
+    conflict = status.blocked(status.Reason.RESOURCE_CONFLICT, "t/a owns it", generation=1, previous={}, now=NOW)
+    assert apply._write_events("timer", missing, conflict) == {"Created": ["b0 (was missing)", "b1 (was missing)"]}
+    held = {"brokers": [{"name": "b0", "synced": True}]}
+    assert apply._write_events("timer", missing, held) == {"DriftRepaired": ["b0 (was missing)", "b1 (was missing)"]}
+    assert apply._write_events("update", missing, conflict) == {"Updated": ["b0 (was missing)", "b1 (was missing)"]}
