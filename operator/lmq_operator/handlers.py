@@ -269,13 +269,15 @@ def lmqusers_claims(name: str, namespace: str | None, spec: Any, meta: Any, uid:
 
 
 async def _secret(ctx: Context, kind: model.Kind, body: Any) -> desired.Secret:
-    """A user's secret from the Secret its spec names, read at every reconcile (None: not a user, or a spec
-    naming no Secret, which the reconcile reports Invalid)."""
-    ref = (body.get("spec") or {}).get("secretRef")
-    if kind is not model.Kind.LMQ_USER or not isinstance(ref, dict) or not ref.get("name"):
+    """A user's secret from the Secret its spec names, read at every reconcile (None: not a user, or an invalid
+    spec, which the reconcile reports: a name that is no Secret's is never sent to the apiserver)."""
+    if kind is not model.Kind.LMQ_USER:
+        return None
+    spec = desired.parse(kind, body.get("spec") or {})
+    if not isinstance(spec, model.LmqUserSpec):
         return None
     namespace = body["metadata"].get("namespace") or ctx.conf.namespace or "default"
-    return await ctx.secrets.read(namespace, str(ref["name"]), str(ref.get("key") or "secretKey"))
+    return await ctx.secrets.read(namespace, spec.secret_ref.name, spec.secret_ref.key)
 
 
 WOKEN: Final = apply.WOKEN  # the trigger of a LiteGroup reconciled because its ParentTopic turned Ready

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import types
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from lmq_operator import admins, apply, desired, diff, discovery, kube, model, status
+from lmq_operator import admins, apply, desired, diff, discovery, handlers, kube, model, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 META = {"name": "tenant-a", "uid": "u-1", "generation": 1}
@@ -155,3 +156,25 @@ def test_reconcile_repairs_users_applies_rotations_and_deletes_by_policy() -> No
     gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, body, {}, now=NOW))
     assert [e.reason for e in gone.events] == ["Deleted"]
     assert all("tenant-a" not in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+
+
+def test_no_secret_is_read_for_an_invalid_spec() -> None:
+    """A stored LmqUser the CRD of today would refuse (a secretRef that names no Secret, admitted by an older
+    CRD) is Invalid, and the name is never sent to the apiserver (which refused it with 400, every reconcile an
+    exception); a valid one is read with its defaulted key."""
+    asked: list[tuple[str, str, str]] = []
+
+    class Reader:
+        async def read(self, namespace: str, name: str, key: str) -> model.Credential:
+            asked.append((namespace, name, key))
+            return model.Credential("secret-of-8", f"{name}/{key}@1")
+
+    ctx = types.SimpleNamespace(secrets=Reader(), conf=types.SimpleNamespace(namespace=None))
+    meta = {"name": "u", "namespace": "apps", "uid": "u-1"}
+    bad_spec: dict[str, Any] = {"secretRef": {"name": "%2e%2e"}}
+    bad = {"metadata": meta, "spec": bad_spec}
+    assert asyncio.run(handlers._secret(ctx, model.Kind.LMQ_USER, bad)) is None  # type: ignore[arg-type]
+    good = {"metadata": meta, "spec": {"secretRef": {"name": "creds"}}}
+    assert asyncio.run(handlers._secret(ctx, model.Kind.LMQ_USER, good)) is not None  # type: ignore[arg-type]
+    assert asked == [("apps", "creds", "secretKey")]
+    assert isinstance(desired.gate(model.Kind.LMQ_USER, meta, bad_spec, {}), desired.Blocked)
