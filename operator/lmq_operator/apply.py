@@ -279,18 +279,24 @@ async def remove(
     the status says why (``Ready=False, DeleteFailed``: a Terminating resource must not go on showing Ready)."""
     meta, spec = body["metadata"], body.get("spec") or {}
     wanted = desired.gate(kind, meta, spec, claims)
-    if isinstance(wanted, desired.Blocked):
-        if wanted.reason is status.Reason.INVALID:
-            return Outcome({})  # it never reached a broker
+    if isinstance(wanted, desired.Blocked) and wanted.reason is not status.Reason.INVALID:
         what = wanted.key or desired.broker_key(kind, str(meta["name"]), spec)
         return Outcome({}, (Event("Normal", "Retained", f"{kind.value} {what!r} left on brokers: {wanted.message}"),))
-    if isinstance(wanted, model.TopicConfig | model.UserConfig) and spec.get("deletionPolicy") == "retain":
-        text = f"{kind.value} {wanted.key!r} left on brokers (deletionPolicy: retain)"
+    if isinstance(wanted, desired.Blocked):
+        # Invalid now, but it may have been applied while it was valid: its copies go, unless the name is another
+        # resource's (an invalid spec claims nothing, so the owner may be another resource).
+        key = desired.named_key(kind, str(meta["name"]), spec)
+        if key is None or desired.conflicting_owner(str(meta["uid"]), claims.get(key, ())) is not None:
+            return Outcome({})  # it names nothing of its own on the brokers
+    else:
+        key = wanted.key
+    if kind in (model.Kind.PARENT_TOPIC, model.Kind.LMQ_USER) and spec.get("deletionPolicy") == "retain":
+        text = f"{kind.value} {key!r} left on brokers (deletionPolicy: retain)"
         return Outcome({}, (Event("Normal", "Retained", text),))
     # Releasing the finalizer is only safe once every broker said the copy is gone: with no broker to ask
     # (discovery failed, or found none, e.g. all pods restarting) the copies would be orphaned for good.
     view = await fleet.view()
-    what = f"{kind.value} {wanted.key!r}"
+    what = f"{kind.value} {key!r}"
 
     def kept(text: str) -> Outcome:
         new = status.blocked(
@@ -299,7 +305,7 @@ async def remove(
             generation=int(meta.get("generation") or 0),
             previous=dict(body.get("status") or {}),
             now=now,
-            key=(kind, wanted.key),
+            key=(kind, key),
         )
         events = (Event("Warning", "DeleteFailed", text + _KEEP),)
         return Outcome(new, events, retry=True, brokers=len(view.targets))
@@ -308,7 +314,7 @@ async def remove(
         return kept(f"{what} not deleted: broker discovery failed: {view.error}")
     if not view.targets:
         return kept(f"{what} not deleted: no broker pod is discovered")
-    failed = [(b, e) for b, e in await delete(pool, kind, wanted.key, view.targets, True) if e]
+    failed = [(b, e) for b, e in await delete(pool, kind, key, view.targets, True) if e]
     if failed:
         return kept(f"{what} not deleted on " + "; ".join(f"{b.name}: {e}" for b, e in failed))
     text = f"{what} deleted on {len(view.targets)} brokers"

@@ -178,3 +178,44 @@ def test_no_secret_is_read_for_an_invalid_spec() -> None:
     assert asyncio.run(handlers._secret(ctx, model.Kind.LMQ_USER, good)) is not None  # type: ignore[arg-type]
     assert asked == [("apps", "creds", "secretKey")]
     assert isinstance(desired.gate(model.Kind.LMQ_USER, meta, bad_spec, {}), desired.Blocked)
+
+
+def test_a_user_invalid_since_it_was_applied_is_still_deleted_from_the_brokers() -> None:
+    """Applied, then edited into a spec only the operator refuses (a resource in two Allow policies): Invalid,
+    and its deletion used to release the finalizer without a broker call ("it never reached a broker"), leaving
+    the deleted tenant's user, secret and rights on every broker. Its name still says which user to delete,
+    unless another resource owns that name."""
+    twins = {f"b{i}": admins.MemoryAdmin(f"b{i}") for i in range(2)}
+    pool = admins.AdminPool(lambda endpoint: twins[endpoint])
+    fleet = _Static([model.Broker(name, name, i) for i, name in enumerate(twins)])
+    body: dict[str, Any] = {"metadata": META, "spec": spec()}
+    kind = model.Kind.LMQ_USER
+    asyncio.run(apply.reconcile(pool, fleet, kind, trigger="create", body=body, claims={}, now=NOW, secret=SECRET))
+    assert all("tenant-a" in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+    twice = [{"resources": ["Topic:a"], "actions": ["Pub"]}, {"resources": ["Topic:a"], "actions": ["Sub"]}]
+    invalid = {**body, "spec": spec(policies=twice)}
+    assert isinstance(desired.gate(model.Kind.LMQ_USER, META, invalid["spec"], {}), desired.Blocked)
+
+    older = model.Claimant("other", "tenant-a", "u-0", "2020-01-01T00:00:00Z")  # owns the name: left alone
+    owned = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, invalid, {"tenant-a": [older]}, now=NOW))
+    assert owned.events == () and all("tenant-a" in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+    gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, invalid, {}, now=NOW))
+    assert [e.reason for e in gone.events] == ["Deleted"]
+    assert all("tenant-a" not in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "spec_", "key"),
+    [
+        (model.Kind.LMQ_USER, "u.1", {"userName": "tenant@a", "policies": "not a list"}, "tenant@a"),
+        (model.Kind.LITE_GROUP, "g", {"parentTopic": "t", "litePatterns": ["a/#/c"]}, "g"),
+        (model.Kind.PARENT_TOPIC, "orders.eu", {"topicName": "orders-eu", "maxLiteTopics": 0}, "orders-eu"),
+        (model.Kind.PARENT_TOPIC, "orders.eu", {}, None),  # the name is no topic's, and no topicName says one
+        (model.Kind.LITE_QUOTA, "q", {"parentTopic": "t", "maxSendRate": -7}, "parent:t"),
+        (model.Kind.LITE_QUOTA, "q", {"parentTopic": "t", "rocketmqNamespace": "n"}, None),
+    ],
+)
+def test_an_invalid_spec_still_names_its_broker_object(
+    kind: model.Kind, name: str, spec_: dict[str, Any], key: str | None
+) -> None:
+    assert desired.named_key(kind, name, spec_) == key
