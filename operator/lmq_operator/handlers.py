@@ -242,7 +242,9 @@ async def brokers_probe(memo: Any, **_: Any) -> int:
 
 
 def _claim(kind: model.Kind, *, name: str, namespace: str | None, spec: Any, meta: Any, uid: str) -> Any:
-    key = desired.broker_key(kind, name, spec)
+    """An invalid spec keeps its claim (its naming fields say which name): its copies may be on the brokers from
+    when it was valid, and a younger claimant must not take them over in the meantime."""
+    key = desired.broker_key(kind, name, spec) or desired.named_key(kind, name, spec)
     if key is None:
         return None
     return {key: model.Claimant(namespace or "", name, uid, str(meta.get("creationTimestamp", "")))}

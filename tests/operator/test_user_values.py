@@ -219,3 +219,22 @@ def test_an_invalid_spec_still_names_its_broker_object(
     kind: model.Kind, name: str, spec_: dict[str, Any], key: str | None
 ) -> None:
     assert desired.named_key(kind, name, spec_) == key
+
+
+def test_an_invalid_user_keeps_its_claim_on_its_name() -> None:
+    """The older of two LmqUsers naming one user turns Invalid (edited into what only the operator refuses): it
+    still owns the name, so the younger one stays ResourceConflict instead of taking over the user, its secret
+    and its rights (and handing them back once the older is fixed)."""
+    twice = [{"resources": ["Topic:a"], "actions": ["Pub"]}, {"resources": ["Topic:a"], "actions": ["Sub"]}]
+    older = handlers._claim(
+        model.Kind.LMQ_USER,
+        name="tenant-a",
+        namespace="apps",
+        spec=spec(policies=twice),
+        meta={"creationTimestamp": "2026-01-01T00:00:00Z"},
+        uid="u-old",
+    )
+    assert set(older) == {"tenant-a"}
+    younger = {"name": "tenant-a-again", "uid": "u-young", "generation": 1}
+    blocked = desired.gate(model.Kind.LMQ_USER, younger, spec(userName="tenant-a"), {"tenant-a": older.values()})
+    assert isinstance(blocked, desired.Blocked) and blocked.reason is status.Reason.RESOURCE_CONFLICT
