@@ -354,7 +354,7 @@ async def _apply(
             unanswered=unanswered,
         )
     if trigger == "create":
-        if outcome.retry:
+        if _retried(outcome):
             rows = outcome.status.get("brokers") or ()
             ctx.placing[uid] = placed | {str(row.get("name")) for row in rows if row.get("synced")}
             ctx.unanswered[uid] = unanswered | outcome.unanswered
@@ -392,8 +392,20 @@ async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, m
         else:
             for key, value in changes.items():
                 patch.status[key] = value
-    if outcome.retry:  # the resync retries too, but a change handler retries sooner
+    if _retried(outcome):  # the resync retries too, but a change handler retries sooner
         raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
+
+
+_STALLED: Final = frozenset(reason.value for reason in status.TERMINAL)
+
+
+def _retried(outcome: apply.Outcome) -> bool:
+    """Whether a change handler tries again soon: not when the resource is Stalled (a broker refused it: the same
+    spec is refused again), which only a change of the resource or of a broker can fix; the resync still looks.
+    Retrying it every LMQ_OPERATOR_RETRY_SECONDS called every broker and logged an error each time, forever (for
+    every resource at once when the brokers refuse the operator's admin keys)."""
+    ready = status.ready_of(outcome.status)
+    return outcome.retry and not (ready is not None and ready[0] == "False" and ready[1] in _STALLED)
 
 
 async def _resync(ctx: Context, kind: model.Kind, uid: str, trigger: str = "timer") -> None:
