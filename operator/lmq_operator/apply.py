@@ -227,7 +227,9 @@ def _write_events(
     attempt put it on whose status the body does not show yet (a retry can run before that status write's
     watch event arrives). A broker in ``unanswered`` got a write of an earlier attempt whose answer was lost (a
     timeout on a loaded broker): found identical there, it is that write, no news; found missing, it is created
-    now; found different, adopted as on any broker."""
+    now; found different, adopted as on any broker. A resync that writes a copy where none was, for a resource
+    whose status lists no broker in sync (it lost a conflict until now, waited for its Secret, no broker ever
+    answered), creates it: there was no copy of its own to repair."""
     ours = {row.get("name") for row in previous.get("brokers") or () if row.get("synced")} | placed
     found: dict[str, list[str]] = {}
     for s in sorted(syncs, key=lambda s: s.broker):
@@ -241,6 +243,8 @@ def _write_events(
             reason = "Created" if s.change == diff.Change.MISSING.value else "Updated"
         elif s.change == diff.Change.NONE.value:
             continue
+        elif trigger != "update" and not ours and s.change == diff.Change.MISSING.value:
+            reason = "Created"  # nothing to repair: no status showed a copy (it lost a conflict, lacked its Secret)
         else:
             reason = "Updated" if trigger == "update" else "DriftRepaired"
         found.setdefault(reason, []).append(f"{s.broker.name} ({_CHANGE_TEXT[s.change]})")
@@ -268,32 +272,50 @@ async def remove(
     kind: model.Kind,
     body: Mapping[str, Any],
     claims: Mapping[str, Iterable[model.Claimant]],
+    *,
+    now: datetime,
 ) -> Outcome:
-    """Delete the broker copies unless the resource says to keep them; ``retry`` keeps the finalizer."""
+    """Delete the broker copies unless the resource says to keep them; ``retry`` keeps the finalizer, and then
+    the status says why (``Ready=False, DeleteFailed``: a Terminating resource must not go on showing Ready)."""
     meta, spec = body["metadata"], body.get("spec") or {}
     wanted = desired.gate(kind, meta, spec, claims)
-    if isinstance(wanted, desired.Blocked):
-        if wanted.reason is status.Reason.INVALID:
-            return Outcome({})  # it never reached a broker
+    if isinstance(wanted, desired.Blocked) and wanted.reason is not status.Reason.INVALID:
         what = wanted.key or desired.broker_key(kind, str(meta["name"]), spec)
         return Outcome({}, (Event("Normal", "Retained", f"{kind.value} {what!r} left on brokers: {wanted.message}"),))
-    if isinstance(wanted, model.TopicConfig | model.UserConfig) and spec.get("deletionPolicy") == "retain":
-        text = f"{kind.value} {wanted.key!r} left on brokers (deletionPolicy: retain)"
+    if isinstance(wanted, desired.Blocked):
+        # Invalid now, but it may have been applied while it was valid: its copies go, unless the name is another
+        # resource's (an invalid spec claims nothing, so the owner may be another resource).
+        key = desired.named_key(kind, str(meta["name"]), spec)
+        if key is None or desired.conflicting_owner(str(meta["uid"]), claims.get(key, ())) is not None:
+            return Outcome({})  # it names nothing of its own on the brokers
+    else:
+        key = wanted.key
+    if kind in (model.Kind.PARENT_TOPIC, model.Kind.LMQ_USER) and spec.get("deletionPolicy") == "retain":
+        text = f"{kind.value} {key!r} left on brokers (deletionPolicy: retain)"
         return Outcome({}, (Event("Normal", "Retained", text),))
     # Releasing the finalizer is only safe once every broker said the copy is gone: with no broker to ask
     # (discovery failed, or found none, e.g. all pods restarting) the copies would be orphaned for good.
     view = await fleet.view()
-    what = f"{kind.value} {wanted.key!r}"
+    what = f"{kind.value} {key!r}"
+
+    def kept(text: str) -> Outcome:
+        new = status.blocked(
+            status.Reason.DELETE_FAILED,
+            text + _KEEP,
+            generation=int(meta.get("generation") or 0),
+            previous=dict(body.get("status") or {}),
+            now=now,
+            key=(kind, key),
+        )
+        events = (Event("Warning", "DeleteFailed", text + _KEEP),)
+        return Outcome(new, events, retry=True, brokers=len(view.targets))
+
     if view.error is not None:
-        text = f"{what} not deleted: broker discovery failed: {view.error}"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+        return kept(f"{what} not deleted: broker discovery failed: {view.error}")
     if not view.targets:
-        text = f"{what} not deleted: no broker pod is discovered"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=0)
-    failed = [(b, e) for b, e in await delete(pool, kind, wanted.key, view.targets, True) if e]
+        return kept(f"{what} not deleted: no broker pod is discovered")
+    failed = [(b, e) for b, e in await delete(pool, kind, key, view.targets, True) if e]
     if failed:
-        detail = "; ".join(f"{b.name}: {e}" for b, e in failed)
-        text = f"{what} not deleted on {detail}"
-        return Outcome({}, (Event("Warning", "DeleteFailed", text + _KEEP),), retry=True, brokers=len(view.targets))
+        return kept(f"{what} not deleted on " + "; ".join(f"{b.name}: {e}" for b, e in failed))
     text = f"{what} deleted on {len(view.targets)} brokers"
     return Outcome({}, (Event("Normal", "Deleted", text),), brokers=len(view.targets))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import pydantic
 
@@ -62,6 +62,40 @@ def broker_key(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> str | No
     """The broker-side name a resource claims, or None when its spec is invalid (it claims nothing)."""
     wanted = config(kind, name, spec)
     return None if isinstance(wanted, InvalidSpec) else wanted.key
+
+
+# The spec fields that name the broker-side object, by kind (immutable, each checked at admission on its own),
+# and what a name must be.
+_NAMING: Final = {
+    model.Kind.PARENT_TOPIC: "topicName",
+    model.Kind.LITE_GROUP: "groupName",
+    model.Kind.LMQ_USER: "userName",
+}
+_SCOPES: Final = (("rocketmqNamespace", "namespace"), ("parentTopic", "parent"))
+_RESOURCE_NAME: Final = pydantic.TypeAdapter(model.ResourceName)
+_USER_NAME: Final = pydantic.TypeAdapter(model.UserName)
+
+
+def _valid(names: pydantic.TypeAdapter[str], value: Any) -> bool:
+    try:
+        names.validate_python(value)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+def named_key(kind: model.Kind, name: str, spec: Mapping[str, Any]) -> str | None:
+    """The broker-side name of a resource from its naming fields alone, also when the rest of its spec does not
+    parse (None: they name none either). A spec that was valid when it was applied may not be now (edited into
+    what only the operator refuses, or read by a newer operator): its broker copies must still go with it."""
+    if kind is model.Kind.LITE_QUOTA:
+        scopes = [(prefix, spec[field]) for field, prefix in _SCOPES if spec.get(field) is not None]
+        if len(scopes) != 1 or not _valid(_RESOURCE_NAME, scopes[0][1]):
+            return None
+        return f"{scopes[0][0]}:{scopes[0][1]}"
+    own = spec.get(_NAMING[kind])
+    value = name if own is None else own
+    return str(value) if _valid(_USER_NAME if kind is model.Kind.LMQ_USER else _RESOURCE_NAME, value) else None
 
 
 def owner(claimants: Iterable[model.Claimant]) -> model.Claimant | None:

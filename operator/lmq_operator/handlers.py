@@ -242,7 +242,9 @@ async def brokers_probe(memo: Any, **_: Any) -> int:
 
 
 def _claim(kind: model.Kind, *, name: str, namespace: str | None, spec: Any, meta: Any, uid: str) -> Any:
-    key = desired.broker_key(kind, name, spec)
+    """An invalid spec keeps its claim (its naming fields say which name): its copies may be on the brokers from
+    when it was valid, and a younger claimant must not take them over in the meantime."""
+    key = desired.broker_key(kind, name, spec) or desired.named_key(kind, name, spec)
     if key is None:
         return None
     return {key: model.Claimant(namespace or "", name, uid, str(meta.get("creationTimestamp", "")))}
@@ -269,13 +271,15 @@ def lmqusers_claims(name: str, namespace: str | None, spec: Any, meta: Any, uid:
 
 
 async def _secret(ctx: Context, kind: model.Kind, body: Any) -> desired.Secret:
-    """A user's secret from the Secret its spec names, read at every reconcile (None: not a user, or a spec
-    naming no Secret, which the reconcile reports Invalid)."""
-    ref = (body.get("spec") or {}).get("secretRef")
-    if kind is not model.Kind.LMQ_USER or not isinstance(ref, dict) or not ref.get("name"):
+    """A user's secret from the Secret its spec names, read at every reconcile (None: not a user, or an invalid
+    spec, which the reconcile reports: a name that is no Secret's is never sent to the apiserver)."""
+    if kind is not model.Kind.LMQ_USER:
+        return None
+    spec = desired.parse(kind, body.get("spec") or {})
+    if not isinstance(spec, model.LmqUserSpec):
         return None
     namespace = body["metadata"].get("namespace") or ctx.conf.namespace or "default"
-    return await ctx.secrets.read(namespace, str(ref["name"]), str(ref.get("key") or "secretKey"))
+    return await ctx.secrets.read(namespace, spec.secret_ref.name, spec.secret_ref.key)
 
 
 WOKEN: Final = apply.WOKEN  # the trigger of a LiteGroup reconciled because its ParentTopic turned Ready
@@ -350,7 +354,7 @@ async def _apply(
             unanswered=unanswered,
         )
     if trigger == "create":
-        if outcome.retry:
+        if _retried(outcome):
             rows = outcome.status.get("brokers") or ()
             ctx.placing[uid] = placed | {str(row.get("name")) for row in rows if row.get("synced")}
             ctx.unanswered[uid] = unanswered | outcome.unanswered
@@ -388,8 +392,20 @@ async def _reconcile(kind: model.Kind, trigger: str, *, body: Any, patch: Any, m
         else:
             for key, value in changes.items():
                 patch.status[key] = value
-    if outcome.retry:  # the resync retries too, but a change handler retries sooner
+    if _retried(outcome):  # the resync retries too, but a change handler retries sooner
         raise kopf.TemporaryError("not every broker is in sync yet", delay=ctx.conf.retry_delay_s)
+
+
+_STALLED: Final = frozenset(reason.value for reason in status.TERMINAL)
+
+
+def _retried(outcome: apply.Outcome) -> bool:
+    """Whether a change handler tries again soon: not when the resource is Stalled (a broker refused it: the same
+    spec is refused again), which only a change of the resource or of a broker can fix; the resync still looks.
+    Retrying it every LMQ_OPERATOR_RETRY_SECONDS called every broker and logged an error each time, forever (for
+    every resource at once when the brokers refuse the operator's admin keys)."""
+    ready = status.ready_of(outcome.status)
+    return outcome.retry and not (ready is not None and ready[0] == "False" and ready[1] in _STALLED)
 
 
 async def _resync(ctx: Context, kind: model.Kind, uid: str, trigger: str = "timer") -> None:
@@ -546,19 +562,22 @@ def _register(kind: model.Kind) -> None:
         await _reconcile(kind, "resume", body=body, patch=patch, memo=memo)
 
     @kopf.on.delete(model.GROUP, model.VERSION, plural, id=f"{plural}-delete")
-    async def on_delete(body: Any, memo: Any, **_: Any) -> None:
-        await _delete(kind, body, memo)
+    async def on_delete(body: Any, patch: Any, memo: Any, **_: Any) -> None:
+        await _delete(kind, body, memo, patch)
 
 
-async def _delete(kind: model.Kind, body: Any, memo: Any) -> None:
+async def _delete(kind: model.Kind, body: Any, memo: Any, patch: Any = None) -> None:
     ctx = _ctx(memo)
     uid = body["metadata"]["uid"]
     if uid in ctx.deleted:
         return  # done already: a uid names one object, never a recreated one
     async with ctx.lock(uid), _measured(kind, "delete") as run:
-        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, ctx.claims(kind))
+        outcome = await apply.remove(ctx.pool, ctx.fleet, kind, body, ctx.claims(kind), now=_now())
         _post(body, outcome.events)
         run.failed = outcome.retry
+    if outcome.retry and outcome.status and patch is not None:  # why it stays Terminating (kopf writes it)
+        for key, value in status.changes(dict(body.get("status") or {}), outcome.status).items():
+            patch.status[key] = value
     if outcome.retry:
         raise kopf.TemporaryError("broker copies are not deleted yet", delay=ctx.conf.retry_delay_s)
     ctx.locks.pop(uid, None)

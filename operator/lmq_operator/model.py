@@ -22,6 +22,7 @@ from pydantic.alias_generators import to_camel
 
 from lmq_broker import errors as broker_errors
 from lmq_broker.access import policy as broker_policy
+from lmq_broker.dispatch import wildcards
 from lmq_broker.model import MAX_LITE_TOPIC_BYTES, MAX_RESOURCE_NAME_BYTES
 from lmq_operator.schema import Bits, Immutable, Matches, NotZero
 
@@ -151,6 +152,7 @@ class RetryPolicySpec(CamelModel):
     )
     backoff: tuple[Duration, ...] = Field(
         DEFAULT_BACKOFF + DEFAULT_BACKOFF_TAIL,
+        min_length=1,  # the brokers store an empty backoff as their default one: it would differ at every resync
         max_length=64,
         description="Delay before each redelivery, as durations (ms, s, m, h); the last one repeats.",
     )
@@ -210,6 +212,11 @@ class LiteGroupSpec(CamelModel):
     def _patterns_need_wildcard(self) -> LiteGroupSpec:
         if self.lite_patterns and not self.wildcard:
             raise ValueError(_PATTERNS_NEED_WILDCARD)
+        for index, pattern in enumerate(self.lite_patterns):  # the brokers' own grammar: what it refuses is Invalid
+            try:
+                wildcards.parse_pattern(pattern)
+            except ValueError as exc:
+                raise ValueError(f"spec.litePatterns[{index}] {pattern!r}: {exc}") from None
         return self
 
     def config(self, name: str) -> GroupConfig:
@@ -335,16 +342,39 @@ SourceCidr = Annotated[
 Action = Literal["Pub", "Sub", "Create", "Update", "Delete", "Get", "List"]
 MAX_POLICIES: Final = 32
 MAX_POLICY_ITEMS: Final = 32  # resources or sources in one policy
+# Characters of every policy's resources and sourceCidrs together. kopf keeps the spec it last handled in an
+# annotation, and all of an object's annotations (with kubectl's last-applied copy) must fit in 256 KiB: a spec
+# beyond it was Applied, then every patch of kopf's was refused, its deletion included (Terminating for good).
+MAX_POLICY_CHARS: Final = 65_536
+_POLICY_CHARS_CEL: Final = (
+    "(has(self.policies) ? self.policies.map(p, p.resources.map(r, size(r)).sum()"
+    " + (has(p.sourceCidrs) ? p.sourceCidrs.map(c, size(c)).sum() : 0)).sum() : 0)"
+)
+_POLICY_CHARS: Final = (
+    f"spec.policies hold more than {MAX_POLICY_CHARS} characters of resources and sourceCidrs (the spec must fit"
+    " in an annotation)"
+)
 
 
 class SecretRefSpec(CamelModel):
     """The Kubernetes Secret (in this resource's namespace) holding the user's secret key, which is also its MQTT
     password; the operator reads it on every reconcile, so a changed value reaches the brokers within a resync."""
 
-    name: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Name of the Secret.")
-    key: Annotated[str, Field(min_length=1, max_length=253)] = Field(
-        "secretKey", description="Key in the Secret's data whose value is the secret (8-256 characters)."
-    )
+    # What Kubernetes accepts as a Secret's name and as a key of its data: anything else names no Secret, and
+    # would be read as another path (a name of "..") or refused by the apiserver (a handler failing forever).
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=253),
+        Matches(
+            "[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*",
+            "is not a Secret's name (a DNS subdomain: lower-case letters, digits, '-' and '.')",
+        ),
+    ] = Field(description="Name of the Secret.")
+    key: Annotated[
+        str,
+        Field(min_length=1, max_length=253),
+        Matches("[-._a-zA-Z0-9]*[-_a-zA-Z0-9][-._a-zA-Z0-9]*", "is not a key of a Secret's data"),
+    ] = Field("secretKey", description="Key in the Secret's data whose value is the secret (8-256 characters).")
 
 
 class PolicySpec(CamelModel):
@@ -383,6 +413,15 @@ class LmqUserSpec(CamelModel):
     """A user of the brokers (an access/secret key pair for gRPC, a username/password for MQTT) and its policies,
     on every broker pod; the secret comes from a Secret, never from the spec."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                # no messageExpression: computing the sum twice exceeds the CRD's CEL cost budget
+                {"rule": f"{_POLICY_CHARS_CEL} <= {MAX_POLICY_CHARS}", "message": _POLICY_CHARS}
+            ]
+        }
+    )
+
     user_name: Annotated[UserName | None, Immutable("it cannot be added, changed or removed after creation")] = Field(
         None, description="Broker-side user name (the access key and MQTT username); defaults to metadata.name."
     )
@@ -400,6 +439,9 @@ class LmqUserSpec(CamelModel):
 
     @model_validator(mode="after")
     def _one_entry_per_resource(self) -> LmqUserSpec:
+        chars = sum(len(x) for p in self.policies for x in (*p.resources, *p.source_cidrs))
+        if chars > MAX_POLICY_CHARS:
+            raise ValueError(f"{_POLICY_CHARS}: {chars}")
         seen: set[tuple[str, str]] = set()
         for policy in self.policies:
             for resource in policy.resources:

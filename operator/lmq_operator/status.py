@@ -44,11 +44,18 @@ class Reason(enum.StrEnum):
     PARENT_TOPIC_NOT_FOUND = "ParentTopicNotFound"
     SECRET_NOT_FOUND = "SecretNotFound"  # a user's Secret, or its key, is not there (yet)
     SECRET_INVALID = "SecretInvalid"  # a user's Secret holds no usable secret (8-256 characters of UTF-8)
+    DELETE_FAILED = "DeleteFailed"  # Terminating: a broker copy is not known to be deleted yet (retried)
 
 
 # Not Ready, and why it may still change without anyone touching the resource (Reconciling) or not (Stalled).
 RETRYING: Final = frozenset(
-    {Reason.BROKER_UNAVAILABLE, Reason.NO_BROKERS, Reason.PARENT_TOPIC_NOT_FOUND, Reason.SECRET_NOT_FOUND}
+    {
+        Reason.BROKER_UNAVAILABLE,
+        Reason.NO_BROKERS,
+        Reason.PARENT_TOPIC_NOT_FOUND,
+        Reason.SECRET_NOT_FOUND,
+        Reason.DELETE_FAILED,
+    }
 )
 TERMINAL: Final = frozenset({Reason.INVALID, Reason.RESOURCE_CONFLICT, Reason.BROKER_REJECTED, Reason.SECRET_INVALID})
 
@@ -245,8 +252,8 @@ def blocked(
     now: datetime,
     key: tuple[model.Kind, str] | None = None,
 ) -> dict[str, Any]:
-    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged):
-    no per-broker fields, since none were asked; ``lastReclaim`` is kept.
+    """Status when the operator deliberately does not touch brokers (invalid, conflict, paused, unmanaged), or
+    when a deletion could not finish (``DeleteFailed``): no per-broker fields; ``lastReclaim`` is kept.
 
     A paused resource keeps its old ``observedGeneration``: its current generation is not applied, and a
     GitOps tool must not believe otherwise.

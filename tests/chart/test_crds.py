@@ -11,6 +11,7 @@ evaluated here.
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,36 @@ def test_crds_are_valid_and_name_the_agreed_resources(crds: dict[str, Manifest],
         (version,) = spec["versions"]
         assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
         assert version["subresources"] == {"status": {}}  # status writes never bump generation
+
+
+# CEL functions of the Kubernetes libraries that a CRD may use only from some Kubernetes version on (a library
+# is offered to new expressions one minor after the one that introduced it); the rest are older than 1.29.
+CEL_FROM: dict[str, tuple[int, int]] = {"isIP": (1, 31), "isCIDR": (1, 31), "ip": (1, 31), "cidr": (1, 31)}
+
+
+def _rules(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        rules = node.get("x-kubernetes-validations", ())
+        own = [str(r.get(k, "")) for r in rules for k in ("rule", "messageExpression")]
+        return own + [x for value in node.values() for x in _rules(value)]
+    if isinstance(node, list):
+        return [x for value in node for x in _rules(value)]
+    return []
+
+
+def test_the_chart_asks_for_a_kubernetes_whose_cel_has_every_function_the_crds_call(
+    crds: dict[str, Manifest], chart_dir: Path
+) -> None:
+    """An apiserver older than a CEL function the CRD calls refuses the whole CRD (LmqUser's isCIDR/isIP:
+    1.31), so `helm install` on the Kubernetes the chart claimed (1.29) failed at its CRDs."""
+    text = "\n".join(rule for crd in crds.values() for rule in _rules(crd))
+    needed = max([v for name, v in CEL_FROM.items() if re.search(rf"\b{name}\(", text)], default=(1, 29))
+    chart = yaml.safe_load((chart_dir / "Chart.yaml").read_text())
+    claimed = re.fullmatch(r">=(\d+)\.(\d+)\.0-0", chart["kubeVersion"])
+    assert claimed is not None
+    assert (int(claimed.group(1)), int(claimed.group(2))) >= needed
+    readme = (chart_dir / "README.md").read_text()
+    assert f"on Kubernetes ≥ {claimed.group(1)}.{claimed.group(2)}:" in readme
 
 
 def test_every_kind_has_an_example(crds: dict[str, Manifest], examples: list[tuple[str, Manifest]]) -> None:

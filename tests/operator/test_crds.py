@@ -100,6 +100,9 @@ def test_lite_group_rejections(kube: testing.KubeAPI, namespace: str, create: Ca
         lambda: create("LiteGroup", namespace, "g2", {"parentTopic": "t", "retryPolicy": {"backoff": ["5 sec"]}})
     )
     assert "spec.parentTopic: Required value" in _rejected(lambda: create("LiteGroup", namespace, "g3", {}))
+    assert "spec.retryPolicy.backoff: Invalid value: 0: spec.retryPolicy.backoff in body should have at least 1" in (
+        _rejected(lambda: create("LiteGroup", namespace, "g7", {"parentTopic": "t", "retryPolicy": {"backoff": []}}))
+    )
     assert "spec.litePatterns needs spec.wildcard: true" in _rejected(
         lambda: create("LiteGroup", namespace, "g5", {"parentTopic": "t", "litePatterns": ["s-*"]})
     )

@@ -189,6 +189,7 @@ def test_the_docs_table_says_what_flux_and_argocd_compute() -> None:
         "SecretInvalid": [_blocked(status.Reason.SECRET_INVALID, "the secret in a/secretKey must be 8-256 characters")],
         "ResourceConflict": [_blocked(status.Reason.RESOURCE_CONFLICT, "LiteGroup team/w already manages it")],
         "ReconciliationPaused": [_paused({}), _paused(_applied(IN_SYNC))],
+        "DeleteFailed": [_blocked(status.Reason.DELETE_FAILED, "ParentTopic 't' not deleted on lmq-broker-0")],
     }
     assert "observedGeneration" not in written["ReconciliationPaused"][0]
     changed = _resource(3, written["ReconciliationPaused"][1])  # paused, then the spec changed: generation 3
@@ -200,7 +201,10 @@ def test_the_docs_table_says_what_flux_and_argocd_compute() -> None:
         for st in written[reason]:
             want = {"Ready": (ready, reason)} | {k: ("True", reason) for k, v in extra.items() if v == "True"}
             assert _types(st) == want, reason
-            assert (kstatus(_resource(2, st)), argocd_health(_resource(2, st))[0]) == (flux, argocd), reason
+            obj = _resource(2, st)
+            if reason == "DeleteFailed":  # written on a resource being deleted only
+                obj["metadata"]["deletionTimestamp"] = "2026-05-06T07:08:09Z"
+            assert (kstatus(obj), argocd_health(obj)[0]) == (flux, argocd), reason
     assert (kstatus(changed), argocd_health(changed)[0]) == ("InProgress", "Suspended")
 
 

@@ -557,7 +557,9 @@ def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
     assert "lmq.io/finalizer stays" in text
     sample = 'lmq_operator_reconciliations_failed_total{kind="ParentTopic",trigger="delete"}'
     testing.wait_for(lambda: _counter(op.metrics(), sample) >= 2, TIMEOUT_S, "failed deletes counted")
-    obj = kube.get(path)
+    # the status says why it stays Terminating, not the NoBrokers (or Ready=True) of before the delete
+    obj = wait_condition(kube, path, "False", "DeleteFailed")
+    assert "no broker pod is discovered; lmq.io/finalizer stays" in ready(obj)["message"]  # type: ignore[index]
     assert obj["metadata"]["deletionTimestamp"] and obj["metadata"]["finalizers"] == ["lmq.io/finalizer"]
     assert has_topic(admin_of(pod.admin_endpoint), topic)
 
@@ -565,7 +567,11 @@ def test_delete_keeps_the_finalizer_while_brokers_are_absent_or_down(
     pod.stop()
     testing.set_broker_endpoint(kube, namespace, "lmq-broker", 0, ip)
     testing.wait_for(lambda: delete_failed("not deleted on lmq-broker-0"), TIMEOUT_S, "DeleteFailed (down)")
-    assert kube.exists(path)
+    testing.wait_for(
+        lambda: "not deleted on lmq-broker-0" in (ready(kube.get(path)) or {}).get("message", ""),
+        TIMEOUT_S,
+        "the status names the broker that does not answer",
+    )
 
     back = start_broker("pod0", port=pod.port, extra=["--host", "0.0.0.0"])  # same disk: it still holds the topic
     testing.wait_for(lambda: not kube.exists(path), TIMEOUT_S, f"{path} deleted once the broker answers")

@@ -7,6 +7,7 @@ import types
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import kopf
 import pytest
 
 from lmq_operator import admins, apply, desired, diff, discovery, handlers, model, settings, slices, status
@@ -596,7 +597,7 @@ def test_a_delete_handler_run_again_for_the_same_object_calls_no_broker_and_post
     removals: list[str] = []
     posted: list[str] = []
 
-    async def remove(pool: Any, fleet: Any, kind: Any, body: Any, claims: Any) -> apply.Outcome:
+    async def remove(pool: Any, fleet: Any, kind: Any, body: Any, claims: Any, *, now: Any) -> apply.Outcome:
         removals.append(body["metadata"]["uid"])
         return apply.Outcome({}, (apply.Event("Normal", "Deleted", "deleted on 2 brokers"),))
 
@@ -644,3 +645,56 @@ def test_a_create_retried_after_a_write_whose_answer_was_lost_adopts_nothing_it_
     events = apply._write_events("create", retry, {}, frozenset(), frozenset({"b0", "b1"}))
     assert events == {"Created": ["b1 (was missing)"], "Adopted": ["b2 (already identical)"]}
     assert apply._write_events("create", retry, {})["Adopted"] == ["b0 (already identical)", "b2 (already identical)"]
+
+
+def test_a_resync_that_writes_the_first_copies_creates_them() -> None:
+    """A resource that never had a copy of its own (it lost a conflict until the owner went, its Secret came
+    late): the resync that writes one creates it, it repairs no drift (nor counts one); a copy missing from a
+    broker where the status showed one is a repaired drift, as is a broker the status does not list yet."""
+    b0, b1 = (model.Broker(f"b{i}", f"10.0.0.{i}:8081", i) for i in range(2))
+    missing = [model.BrokerSync(b, True, diff.Change.MISSING.value) for b in (b0, b1)]
+    conflict = status.blocked(status.Reason.RESOURCE_CONFLICT, "t/a owns it", generation=1, previous={}, now=NOW)
+    assert apply._write_events("timer", missing, conflict) == {"Created": ["b0 (was missing)", "b1 (was missing)"]}
+    held = {"brokers": [{"name": "b0", "synced": True}]}
+    assert apply._write_events("timer", missing, held) == {"DriftRepaired": ["b0 (was missing)", "b1 (was missing)"]}
+    assert apply._write_events("update", missing, conflict) == {"Updated": ["b0 (was missing)", "b1 (was missing)"]}
+
+
+@pytest.mark.parametrize(
+    ("failure", "retried"),
+    [(model.Failure.REJECTED, False), (model.Failure.UNAVAILABLE, True), (model.Failure.MISSING_PARENT, True)],
+)
+def test_a_change_handler_retries_soon_unless_a_broker_refused(
+    monkeypatch: pytest.MonkeyPatch, failure: model.Failure, retried: bool
+) -> None:
+    """A broker's refusal (Stalled: BrokerRejected, e.g. every broker refusing the operator's admin keys) is not
+    retried every retry delay, which called every broker and logged an error each time, forever; the resync
+    still looks. A broker down or a parent topic not there yet is retried soon."""
+    b0 = model.Broker("b0", "b0:8081", 0)
+    st = status.applied(
+        model.Kind.PARENT_TOPIC,
+        "t",
+        generation=1,
+        syncs=[model.BrokerSync(b0, False, "missing", failure, f"{failure.value}")],
+        previous={},
+        now=NOW,
+    )
+
+    async def reconcile(*_: Any, **__: Any) -> apply.Outcome:
+        return apply.Outcome(st, retry=True)
+
+    monkeypatch.setattr(apply, "reconcile", reconcile)
+    monkeypatch.setattr(handlers, "_post", lambda body, events: None)
+    conf = settings.from_env({"LMQ_OPERATOR_BROKERS": "b0:8081"})
+    ctx = handlers.Context(conf=conf, pool=Any, fleet=Any, statuses=Any)  # type: ignore[arg-type]
+    ctx.indices = {f"{kind.plural}_claims": {} for kind in model.Kind} | {handlers.WAITING: {}}
+    body = {"metadata": {"uid": "u-1", "name": "t", "namespace": "n", "generation": 1}, "spec": {}}
+    patch = types.SimpleNamespace(status={})
+    memo = types.SimpleNamespace(lmq=ctx)
+    run = handlers._reconcile(model.Kind.PARENT_TOPIC, "update", body=body, patch=patch, memo=memo)
+    if retried:
+        with pytest.raises(kopf.TemporaryError):
+            asyncio.run(run)
+    else:
+        asyncio.run(run)
+    assert status.ready_of(patch.status) == status.ready_of(st)  # the status is written either way

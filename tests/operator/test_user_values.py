@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import types
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from lmq_operator import admins, apply, desired, diff, discovery, kube, model, status
+from lmq_operator import admins, apply, desired, diff, discovery, handlers, kube, model, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 META = {"name": "tenant-a", "uid": "u-1", "generation": 1}
@@ -144,10 +145,96 @@ def test_reconcile_repairs_users_applies_rotations_and_deletes_by_policy() -> No
     done = reconcile(rotated)
     assert done.status["secretVersion"] == rotated.version and held(twins["b1"]).secret == "rotated-secret"
 
-    kept = asyncio.run(
-        apply.remove(pool, fleet, model.Kind.LMQ_USER, {**body, "spec": spec(deletionPolicy="retain")}, {})
-    )
+    retained = {**body, "spec": spec(deletionPolicy="retain")}
+    kept = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, retained, {}, now=NOW))
     assert [e.reason for e in kept.events] == ["Retained"] and all(held(t) for t in twins.values())
-    gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, body, {}))
+    twins["b1"].down = True  # the delete cannot finish: the status says so while the resource is Terminating
+    stuck = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, {**body, "status": done.status}, {}, now=NOW))
+    assert stuck.retry and status.ready_of(stuck.status) == ("False", "DeleteFailed")
+    assert stuck.status["userName"] == "tenant-a" and "brokers" not in stuck.status
+    twins["b1"].down = False
+    gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, body, {}, now=NOW))
     assert [e.reason for e in gone.events] == ["Deleted"]
     assert all("tenant-a" not in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+
+
+def test_no_secret_is_read_for_an_invalid_spec() -> None:
+    """A stored LmqUser the CRD of today would refuse (a secretRef that names no Secret, admitted by an older
+    CRD) is Invalid, and the name is never sent to the apiserver (which refused it with 400, every reconcile an
+    exception); a valid one is read with its defaulted key."""
+    asked: list[tuple[str, str, str]] = []
+
+    class Reader:
+        async def read(self, namespace: str, name: str, key: str) -> model.Credential:
+            asked.append((namespace, name, key))
+            return model.Credential("secret-of-8", f"{name}/{key}@1")
+
+    ctx = types.SimpleNamespace(secrets=Reader(), conf=types.SimpleNamespace(namespace=None))
+    meta = {"name": "u", "namespace": "apps", "uid": "u-1"}
+    bad_spec: dict[str, Any] = {"secretRef": {"name": "%2e%2e"}}
+    bad = {"metadata": meta, "spec": bad_spec}
+    assert asyncio.run(handlers._secret(ctx, model.Kind.LMQ_USER, bad)) is None  # type: ignore[arg-type]
+    good = {"metadata": meta, "spec": {"secretRef": {"name": "creds"}}}
+    assert asyncio.run(handlers._secret(ctx, model.Kind.LMQ_USER, good)) is not None  # type: ignore[arg-type]
+    assert asked == [("apps", "creds", "secretKey")]
+    assert isinstance(desired.gate(model.Kind.LMQ_USER, meta, bad_spec, {}), desired.Blocked)
+
+
+def test_a_user_invalid_since_it_was_applied_is_still_deleted_from_the_brokers() -> None:
+    """Applied, then edited into a spec only the operator refuses (a resource in two Allow policies): Invalid,
+    and its deletion used to release the finalizer without a broker call ("it never reached a broker"), leaving
+    the deleted tenant's user, secret and rights on every broker. Its name still says which user to delete,
+    unless another resource owns that name."""
+    twins = {f"b{i}": admins.MemoryAdmin(f"b{i}") for i in range(2)}
+    pool = admins.AdminPool(lambda endpoint: twins[endpoint])
+    fleet = _Static([model.Broker(name, name, i) for i, name in enumerate(twins)])
+    body: dict[str, Any] = {"metadata": META, "spec": spec()}
+    kind = model.Kind.LMQ_USER
+    asyncio.run(apply.reconcile(pool, fleet, kind, trigger="create", body=body, claims={}, now=NOW, secret=SECRET))
+    assert all("tenant-a" in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+    twice = [{"resources": ["Topic:a"], "actions": ["Pub"]}, {"resources": ["Topic:a"], "actions": ["Sub"]}]
+    invalid = {**body, "spec": spec(policies=twice)}
+    assert isinstance(desired.gate(model.Kind.LMQ_USER, META, invalid["spec"], {}), desired.Blocked)
+
+    older = model.Claimant("other", "tenant-a", "u-0", "2020-01-01T00:00:00Z")  # owns the name: left alone
+    owned = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, invalid, {"tenant-a": [older]}, now=NOW))
+    assert owned.events == () and all("tenant-a" in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+    gone = asyncio.run(apply.remove(pool, fleet, model.Kind.LMQ_USER, invalid, {}, now=NOW))
+    assert [e.reason for e in gone.events] == ["Deleted"]
+    assert all("tenant-a" not in t.objects[model.Kind.LMQ_USER] for t in twins.values())
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "spec_", "key"),
+    [
+        (model.Kind.LMQ_USER, "u.1", {"userName": "tenant@a", "policies": "not a list"}, "tenant@a"),
+        (model.Kind.LITE_GROUP, "g", {"parentTopic": "t", "litePatterns": ["a/#/c"]}, "g"),
+        (model.Kind.PARENT_TOPIC, "orders.eu", {"topicName": "orders-eu", "maxLiteTopics": 0}, "orders-eu"),
+        (model.Kind.PARENT_TOPIC, "orders.eu", {}, None),  # the name is no topic's, and no topicName says one
+        (model.Kind.LITE_QUOTA, "q", {"parentTopic": "t", "maxSendRate": -7}, "parent:t"),
+        (model.Kind.LITE_QUOTA, "q", {"parentTopic": "t", "rocketmqNamespace": "n"}, None),
+    ],
+)
+def test_an_invalid_spec_still_names_its_broker_object(
+    kind: model.Kind, name: str, spec_: dict[str, Any], key: str | None
+) -> None:
+    assert desired.named_key(kind, name, spec_) == key
+
+
+def test_an_invalid_user_keeps_its_claim_on_its_name() -> None:
+    """The older of two LmqUsers naming one user turns Invalid (edited into what only the operator refuses): it
+    still owns the name, so the younger one stays ResourceConflict instead of taking over the user, its secret
+    and its rights (and handing them back once the older is fixed)."""
+    twice = [{"resources": ["Topic:a"], "actions": ["Pub"]}, {"resources": ["Topic:a"], "actions": ["Sub"]}]
+    older = handlers._claim(
+        model.Kind.LMQ_USER,
+        name="tenant-a",
+        namespace="apps",
+        spec=spec(policies=twice),
+        meta={"creationTimestamp": "2026-01-01T00:00:00Z"},
+        uid="u-old",
+    )
+    assert set(older) == {"tenant-a"}
+    younger = {"name": "tenant-a-again", "uid": "u-young", "generation": 1}
+    blocked = desired.gate(model.Kind.LMQ_USER, younger, spec(userName="tenant-a"), {"tenant-a": older.values()})
+    assert isinstance(blocked, desired.Blocked) and blocked.reason is status.Reason.RESOURCE_CONFLICT

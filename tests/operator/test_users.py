@@ -7,6 +7,7 @@ deleting the resource deletes the user. Admission refuses malformed resources an
 from __future__ import annotations
 
 import base64
+import json
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as v2
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2, service_pb2_grpc
-from lmq_operator import testing
+from lmq_operator import model, testing
 
 AdminOf = Callable[[str], AdminClient]
 TIMEOUT_S = 30.0
@@ -211,3 +212,77 @@ def test_admission_refuses_bad_resources_actions_and_cidrs(
     assert refused.value.status == 422 and complaint in str(refused.value.body)
     good = {"resources": ["Lite:chat/a-*", "Group:g?", "*"], "actions": ["Pub"], "sourceCidrs": ["10.0.0.0/8", "::1"]}
     create_user(kube, namespace, "good", {"secretRef": {"name": "s"}, "policies": [good]})
+
+
+@pytest.mark.parametrize(
+    ("ref", "complaint"),
+    [
+        ({"name": ".."}, "spec.secretRef.name .. is not a Secret's name"),  # read as the namespace's Secret list
+        ({"name": "%2e%2e"}, "is not a Secret's name"),  # the apiserver answered 400: the handler failed forever
+        ({"name": "a/b"}, "is not a Secret's name"),
+        ({"name": "Creds"}, "is not a Secret's name"),
+        ({"name": "creds", "key": "a key"}, "spec.secretRef.key a key is not a key of a Secret's data"),
+        ({"name": "creds", "key": ".."}, "is not a key of a Secret's data"),
+    ],
+)
+def test_admission_refuses_what_names_no_secret(
+    *, kube: testing.KubeAPI, namespace: str, ref: dict[str, str], complaint: str
+) -> None:
+    with pytest.raises(testing.ApiError) as refused:
+        create_user(kube, namespace, "bad", {"secretRef": ref})
+    assert refused.value.status == 422 and complaint in str(refused.value)
+    create_user(kube, namespace, "good", {"secretRef": {"name": "tenant-a.creds", "key": "secret_key.txt"}})
+
+
+def largest_policies(chars: int) -> list[dict[str, Any]]:
+    """As many policies, entries and actions as admission allows, their resources and sources ``chars`` long in
+    all: the longest spec (JSON) for that many characters."""
+    policies = [
+        {
+            "resources": [f"Topic:p{p:02d}r{r:02d}" for r in range(model.MAX_POLICY_ITEMS)],
+            "actions": ["Pub", "Sub", "Create", "Update", "Delete", "Get", "List"],
+            "sourceCidrs": [f"10.{p}.{r}.0/24" for r in range(model.MAX_POLICY_ITEMS)],
+        }
+        for p in range(model.MAX_POLICIES)
+    ]
+    short = chars - sum(len(x) for p in policies for x in (*p["resources"], *p["sourceCidrs"]))
+    each, rest = divmod(short, model.MAX_POLICIES * model.MAX_POLICY_ITEMS)
+    for i, p in enumerate(policies):
+        n = model.MAX_POLICY_ITEMS
+        p["resources"] = [r + "x" * (each + (i * n + j < rest)) for j, r in enumerate(p["resources"])]
+    assert sum(len(x) for p in policies for x in (*p["resources"], *p["sourceCidrs"])) == chars
+    return policies
+
+
+def test_the_largest_user_admitted_is_applied_and_deleted(
+    *,
+    kube: testing.KubeAPI,
+    namespace: str,
+    unique: Callable[[str], str],
+    brokers: list[Any],
+    run_operator: Callable[..., testing.OperatorProcess],
+    admin_of: AdminOf,
+) -> None:
+    """kopf keeps the spec it handled in an annotation, and an object's annotations (kubectl apply's copy of it
+    too) must fit in 256 KiB: a larger LmqUser was Applied, then every patch kopf made was refused, the one
+    removing its finalizer included, and it stayed Terminating for good. Admission refuses it now; the largest
+    it admits goes through create and delete, also beside kubectl's last-applied copy."""
+    too_big = {"secretRef": {"name": "creds"}, "policies": largest_policies(model.MAX_POLICY_CHARS + 1)}
+    with pytest.raises(testing.ApiError) as refused:
+        create_user(kube, namespace, "too-big", too_big)
+    assert refused.value.status == 422 and "spec.policies hold more than 65536 characters" in str(refused.value.body)
+
+    user = unique("tenant-large")
+    put_secret(kube, namespace, "creds", "long-enough-" + uuid.uuid4().hex)
+    spec = {"userName": user, "secretRef": {"name": "creds"}, "policies": largest_policies(model.MAX_POLICY_CHARS)}
+    body = {"apiVersion": "lmq.io/v1alpha1", "kind": "LmqUser", "metadata": {"name": "large"}, "spec": spec}
+    last_applied = {"kubectl.kubernetes.io/last-applied-configuration": json.dumps(body)}
+    annotated = {**body, "metadata": {"name": "large", "annotations": last_applied}}
+    kube.post(testing.cr_path("lmqusers", namespace), annotated)
+    run_operator(namespace, [b.admin_endpoint for b in brokers])
+    path = testing.cr_path("lmqusers", namespace, "large")
+    wait_condition(kube, path, "True", "Applied")
+    assert admin_of(brokers[0].admin_endpoint).get_user(user).acl_entries == model.MAX_POLICIES * model.MAX_POLICY_ITEMS
+    kube.delete(path)
+    testing.wait_for(lambda: not kube.exists(path), TIMEOUT_S, "the largest LmqUser deleted")
+    assert all(user_on(admin_of(b.admin_endpoint), user) is None for b in brokers)
