@@ -6,7 +6,10 @@ For a persistent session the packet id is written to the durable store (``durabl
 message id, before the PUBREL goes out and forgotten at the PUBCOMP; a resumed session resends a PUBREL for
 each, not the PUBLISH (section 4.4), and after a restart (the message's lease died with the process) the
 message handed out again (in a cluster also by the broker that owns it, once its lease there ran out) is
-settled without being sent (``Deliveries._deliver``), recognised by its message id. A 5.0 PUBREC with a
+settled without being sent (``Deliveries._deliver``), recognised by its message id; so is one whose PUBCOMP
+came but whose settling failed (its owner down, its lease given back): its row is forgotten only once the
+message is known settled. A retained message sent at QoS 1 or 2 and not acknowledged when the connection
+ended (``durable.RESEND``) is sent again after the CONNACK, as the PUBRELs are. A 5.0 PUBREC with a
 reason code of 0x80 or more ends the flow (the message is settled: the client refused it); a PUBREC for a
 packet id not in flight is answered PUBREL 0x92 (5.0).
 """
@@ -44,7 +47,7 @@ class Releases:
         unreadable = []
         for packet_id, text in sorted((await run(kept.qos2_ids, link.client_id, durable.RESEND)).items()):
             unacked = durable.unacked_of(text)
-            if unacked is None or packet_id in self.deliveries.out:  # damaged: lost, as before it was kept
+            if unacked is None or packet_id in self.deliveries.out:  # damaged (or its id a PUBREL's): dropped
                 unreadable.append(packet_id)
                 continue
             self.deliveries.out[packet_id] = Out("", "", qos=unacked.qos, row=durable.RESEND, unacked=unacked)

@@ -234,6 +234,44 @@ def test_4_4_a_pubcomp_whose_settling_at_the_owner_fails_keeps_the_row_and_the_m
             broker.stop()
 
 
+def test_4_4_another_brokers_qos1_delivery_without_puback_comes_again_under_its_packet_id(tmp_path: Path) -> None:
+    """MQTT-4.4.0-1 in a cluster: a QoS 1 delivery of a message another broker owns, not acknowledged when the
+    connection ends, is given back there and, handed out again to the resumed session, goes under the packet id
+    it had, DUP set; its PUBACK settles it there."""
+    cluster: list[BrokerProcess] = []
+    try:
+        start_cluster(tmp_path, cluster, lease_ms=10_000)  # not handed out again while the first connection lives
+        _resent_there(cluster)
+    finally:
+        for broker in cluster:
+            broker.stop()
+
+
+def _resent_there(cluster: list[BrokerProcess]) -> None:
+    theirs = owned_by(cluster, 1)
+    session, owner = cluster
+    sub = Raw(session.mqtt_port, "q1-sub", clean=False)
+    assert sub.subscribe(f"{PARENT}/{theirs}", 1) == [1]
+    pub = Raw(owner.mqtt_port, "q1-pub")
+    for packet_id, body in ((1, b"done"), (2, b"owed")):
+        pub.send(codec.Publish(f"{PARENT}/{theirs}", body, qos=1, packet_id=packet_id))
+        pub.expect(codec.PUBACK, packet_id)
+    pub.close()
+    got = {p.payload: p for p in (sub.next(), sub.next()) if isinstance(p, codec.Publish)}
+    done, owed = got[b"done"], got[b"owed"]
+    assert done.packet_id is not None and owed.packet_id not in (None, done.packet_id), got
+    sub.ack(codec.PUBACK, done.packet_id)
+    eventually(lambda: acks(owner) == 1, "the first settled at the owner", WAIT_S)
+    sub.close()
+    back = Raw(session.mqtt_port, "q1-sub", clean=False)
+    again = back.next()
+    assert isinstance(again, codec.Publish), again
+    assert (again.payload, again.dup, again.packet_id) == (b"owed", True, owed.packet_id), again
+    back.ack(codec.PUBACK, owed.packet_id)
+    eventually(lambda: acks(owner) == 2, "the second settled at the owner", WAIT_S)
+    back.close()
+
+
 def test_looking_for_a_resent_publish_is_a_peers_call_only(cluster: list[BrokerProcess]) -> None:
     """``MqttFindMessage`` reads a lite topic for another broker: the admin pair alone (no peer header) is refused."""
     broker = cluster[1]
