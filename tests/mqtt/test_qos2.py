@@ -376,63 +376,6 @@ def test_mqtt5_4_3_3_pubrec_with_an_error_code_ends_the_flow_and_an_unknown_one_
     back.close()
 
 
-@LEVELS
-@pytest.mark.parametrize("end", ["reconnect", "kill -9"])
-def test_4_4_a_publish_without_pubrec_is_sent_again_under_its_original_packet_id(
-    tmp_path: Path, level: int, end: str
-) -> None:
-    """MQTT-4.4.0-1 (3.1.1 and 5.0 section 4.4): a persistent session's unacknowledged QoS 2 PUBLISH is sent
-    again after a reconnect "using [its] original Packet Identifier", DUP set: a client that took it and
-    answered PUBREC (the PUBREC lost with the connection) knows it by that id and does not pass it on twice.
-    Also after a broker kill -9 and restart. The first message is completed so the one left owed is not the
-    first packet id a new connection would give."""
-    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
-    try:
-        parent = new_parent(broker, "O")
-        port = broker.mqtt_port
-        sub = Raw(port, "owed", level=level, clean=False)
-        assert sub.subscribe(f"{parent}/o", 2) == [2]
-        pub = Raw(port, "owed-pub", level=level)
-        for packet_id, body in ((1, b"done"), (2, b"owed")):
-            pub.publish(f"{parent}/o", body, packet_id)
-            pub.expect(codec.PUBREC, packet_id)
-            pub.ack(codec.PUBREL, packet_id)
-            pub.expect(codec.PUBCOMP, packet_id)
-        pub.close()
-        done, owed = sub.next(), sub.next()
-        assert isinstance(done, codec.Publish) and done.payload == b"done" and done.packet_id is not None
-        assert isinstance(owed, codec.Publish) and owed.payload == b"owed" and owed.packet_id is not None
-        assert owed.packet_id != done.packet_id
-        sub.ack(codec.PUBREC, done.packet_id)
-        sub.expect(codec.PUBREL, done.packet_id)
-        sub.ack(codec.PUBCOMP, done.packet_id)
-        sub.send(codec.Bare(codec.PINGREQ))
-        assert sub.next() == codec.Bare(codec.PINGRESP)  # the PUBCOMP was read before the connection ends
-        if end == "kill -9":
-            broker.kill()
-            sub.close()
-            broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
-        else:
-            sub.close()
-        back = Raw(port, "owed", level=level, clean=False)
-        assert back.session_present
-        again = back.next()
-        assert isinstance(again, codec.Publish), again
-        assert (again.payload, again.qos, again.dup, again.packet_id) == (b"owed", 2, True, owed.packet_id), again
-        back.ack(codec.PUBREC, owed.packet_id)
-        back.expect(codec.PUBREL, owed.packet_id)
-        back.ack(codec.PUBCOMP, owed.packet_id)
-        back.send(codec.Bare(codec.PINGREQ))
-        assert back.next() == codec.Bare(codec.PINGRESP)
-        back.close()
-        again_back = Raw(port, "owed", level=level, clean=False)
-        again_back.send(codec.Bare(codec.PINGREQ))
-        assert again_back.next() == codec.Bare(codec.PINGRESP)  # completed: not sent a third time
-        again_back.close()
-    finally:
-        broker.stop()
-
-
 def test_4_4_a_flow_completed_on_a_resumed_session_is_not_released_again_on_the_next(
     broker: BrokerProcess, parent: str
 ) -> None:

@@ -288,21 +288,27 @@ class MqttLink:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def settle(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:
+    async def settle(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> list[str]:
         peers = self._peers()
         if peers is None or not receipts:
-            return
+            return list(receipts)
         caller = context.Caller(client_id=consumer)
 
-        async def one(member: str, entries: list[tuple[str, str]]) -> None:
+        async def one(member: str, entries: list[tuple[str, str]]) -> list[str]:
             request = spb.AckMessageRequest(group=pb.Resource(name=group), topic=pb.Resource(name=parent))
             for message_id, handle in entries:
                 request.entries.add(message_id=message_id, receipt_handle=handle)
             reply = await self._v2(peers, member, "AckMessage", request, spb.AckMessageResponse, caller)
-            if reply is not None and reply.status.code != pb.OK:  # e.g. a lease that expired: delivered again
-                log.info("mqtt %s: acks at %s not all taken: %s", consumer, member, reply.status.message)
+            if reply is None:  # not answered (down, too slow): whether it took them is unknown
+                return [f"{member} {m} {h}" for m, h in entries]
+            if reply.status.code == pb.OK:
+                return []
+            log.info("mqtt %s: acks at %s not all taken: %s", consumer, member, reply.status.message)
+            taken = {(e.message_id, e.receipt_handle) for e in reply.entries if e.status.code == pb.OK}
+            return [f"{member} {m} {h}" for m, h in entries if (m, h) not in taken]  # e.g. a lease that expired
 
-        await asyncio.gather(*(one(member, entries) for member, entries in _by_member(receipts).items()))
+        left = await asyncio.gather(*(one(member, entries) for member, entries in _by_member(receipts).items()))
+        return [receipt for part in left for receipt in part]
 
     async def release(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:
         peers = self._peers()

@@ -131,7 +131,7 @@ class Connection:
             if reserved:
                 self.host.sessions.made(link.client_id)
         link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
-        self.releases.resend()  # MQTT-4.4.0-1: the PUBRELs of a resumed session, right after its CONNACK
+        await self.releases.resend()  # MQTT-4.4.0-1: a resumed session's PUBRELs (and retained), after its CONNACK
         link.connected.set()
         await link.writer.drain()
         log.info("mqtt client %s connected from %s (MQTT %s, clean start %s, session expiry %s, session present %s)",

@@ -1,7 +1,10 @@
 """The messages out: per parent topic a loop long-polls ``receive_lite`` like a push consumer (auto-renewed
 leases), writes each message as a PUBLISH, and acknowledges it to the dispatcher once the client's PUBACK
 arrives (QoS 1) or once written (QoS 0), which commits the group's offset. A QoS 1 message the client never
-acknowledged is handed out again (its lease given back when the connection ends), with DUP set.
+acknowledged is handed out again (its lease given back when the connection ends), with DUP set, under the
+packet id it had (a persistent session records it as the connection ends, ``_keep_unacked``: MQTT-4.4.0-1); a
+retained message sent at QoS 1 or 2 and not acknowledged then is recorded whole and sent again on resume
+(``releasing.Releases.resend``).
 
 A shared subscription's membership (``sharing``) runs the same loop for its share's group, with the
 member's own dispatcher client (``Share``), in a cluster too; its deliveries share the connection's window and
@@ -13,9 +16,10 @@ another broker is settled there (``Owners.settle``, batched off the reader by ``
 place in the window until then) and given back there when the connection ends.
 
 A message goes out at the lower of its publish QoS (``mapping.QOS``: "0", "2"; else 1) and the subscription's.
-A QoS 2 delivery (``releasing``) is settled when its PUBCOMP arrives; one whose PUBREC came (PUBREL sent) is
-not given back when the connection ends but settled then: the client has it, and its packet id (persisted)
-is released on reconnect by a PUBREL, not a second PUBLISH.
+A QoS 2 delivery (``releasing``) is settled when its PUBCOMP arrives (its packet id's row forgotten only once
+it is known settled: else its message, coming again, is settled unsent, ``completed``); one whose PUBREC came
+(PUBREL sent) is not given back when the connection ends but settled then: the client has it, and its packet
+id (persisted) is released on reconnect by a PUBREL, not a second PUBLISH.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Final, Protocol
 
 from lmq_broker import errors
 from lmq_broker.dispatch import wildcards
-from lmq_broker.mqtt import codec, durable, identifiers, mapping, matching, topics
+from lmq_broker.mqtt import codec, durable, exactly, identifiers, mapping, matching, topics
 from lmq_broker.mqtt.link import Link
 from lmq_broker.mqtt.owners import Owners, Pulled, Remote
 
@@ -46,8 +50,8 @@ _QOS: Final = {"0": 0, "2": 2}  # a message's ``mapping.QOS``; without it (QoS 1
 
 @dataclass(frozen=True, slots=True)
 class Out:
-    """A QoS 1 delivery waiting for its PUBACK; ``receipt`` is empty for a retained message; ``remote``: it
-    came from another broker of the cluster (settled there, ``Owners.settle``)."""
+    """A QoS 1 or 2 delivery waiting for its PUBACK (PUBREC, PUBCOMP); ``receipt`` is empty for a retained
+    message; ``remote``: it came from another broker of the cluster (settled there, ``Owners.settle``)."""
 
     consumer: str
     receipt: str
@@ -55,8 +59,10 @@ class Out:
     remote: bool = False
     qos: int = 1
     released: bool = False  # QoS 2: PUBREC came, PUBREL sent: its PUBCOMP settles it
-    message_id: str = ""  # QoS 2: recorded with a released packet id (also of another broker's message)
+    message_id: str = ""  # the message's id (QoS 2: recorded with a released packet id, also another broker's)
     group: str = ""  # a shared subscription's (``shares``); empty: the session's
+    row: str = ""  # the durable row holding its packet id until acknowledged (``PUBLISHED``, ``RESEND``); "": none
+    unacked: durable.Unacked | None = None  # a retained message: what a resumed session is sent again
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +76,15 @@ class _Send:
     retain: bool
     dup: bool
     ids: Sequence[int]
+    kept: bool  # its packet id has a ``durable.PUBLISHED`` row (promised before, or now)
 
 
 @dataclass(slots=True)
 class _Plan:
     sends: list[_Send] = field(default_factory=list)
     settle: list[str] = field(default_factory=list)  # receipts passed over (or sent at QoS 0)
-    forget: list[int] = field(default_factory=list)  # packet ids of completed restored deliveries
+    forget: list[tuple[int, str, str]] = field(default_factory=list)  # completed restored deliveries: (packet id,
+    # receipt, message id)
     cleared: list[int] = field(default_factory=list)  # packet ids of restored deliveries settled, PUBCOMP to come
     promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 2 (packet id, message id) to record
     unpromised: list[int] = field(default_factory=list)  # recorded packet ids no longer owed
@@ -137,6 +145,8 @@ class Deliveries:
         self.promised: dict[str, int] = {}  # QoS 2 published before, no PUBREC: message id -> its packet id
         self._reserved: set[int] = set()  # packet ids planned, not yet in ``out``
         self._taking: dict[int, _Taking] = {}  # a ``_deliver`` under way -> what it leased and has not settled
+        self._completing: dict[int, tuple[str, str]] = {}  # another broker's QoS 2 delivery completed, being settled
+        # there: packet id -> (receipt, message id)
         self._takings = itertools.count()
 
     async def consume(self, parent: str, registrar: Registrar, share: Share | None = None) -> None:
@@ -263,7 +273,7 @@ class Deliveries:
             else:
                 self.out[packet_id] = Out(
                     consumer, d.receipt, parent, remote, qos, message_id=d.message_id,
-                    group="" if share is None else group,
+                    group="" if share is None else group, row=durable.PUBLISHED if one.kept else "",
                 )  # fmt: skip
             if data is not None:
                 link.writer.write(data)
@@ -272,10 +282,16 @@ class Deliveries:
         if self.busy >= link.max_inflight:
             self._room.clear()
         await link.writer.drain()
-        await self._settle_unsent(parent, consumer, group, plan.settle, remote=remote)
+        left = await self._settle_unsent(parent, consumer, group, plan.settle, remote=remote)
         del self._taking[token]
-        if plan.forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
-            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], plan.forget)
+        forget = []
+        for packet_id, receipt, message_id in plan.forget:
+            if receipt in left:  # not known settled: it may come again, settled then (its row kept meanwhile)
+                self.completed[message_id] = packet_id
+            else:
+                forget.append(packet_id)
+        if forget and link.persistent:  # after the acks: a crash before this only leaves a PUBREL to resend
+            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.OUTBOUND, [], forget)
         await self._cleared(plan.cleared)
 
     async def _cleared(self, packet_ids: list[int]) -> None:
@@ -310,7 +326,7 @@ class Deliveries:
                 continue
             if d.message_id and d.message_id in self.completed:  # ... and completed it since: the same
                 plan.settle.append(d.receipt)
-                plan.forget.append(self.completed.pop(d.message_id))
+                plan.forget.append((self.completed.pop(d.message_id), d.receipt, d.message_id))
                 continue
             props = d.properties
             mine = props.get(mapping.CLIENT) == link.client_id
@@ -323,18 +339,20 @@ class Deliveries:
                     plan.unpromised.append(promised)
                 continue
             qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
-            if promised is not None and qos < 2:  # downgraded since: its id is no longer owed
+            if promised is not None and qos == 0:  # downgraded since, sent without a packet id: it is no longer owed
                 plan.unpromised.append(promised)
                 promised = None
             packet_id = promised or (self._packet_id() if qos else None)
             if packet_id is not None:
                 self._reserved.add(packet_id)
-            if qos == 2 and promised is None and d.message_id and not shared:
+            promise = qos == 2 and promised is None and bool(d.message_id) and not shared
+            if promise:
                 plan.promise.append((packet_id or 0, d.message_id))
+            kept = promised is not None or (promise and link.persistent)
             retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             topic = topics.topic_in(default, parent, d.lite, props)
             dup = d.attempt > 1 or promised is not None
-            plan.sends.append(_Send(d, topic, qos, packet_id, retain, dup, identifiers.ids_of(matched)))
+            plan.sends.append(_Send(d, topic, qos, packet_id, retain, dup, identifiers.ids_of(matched), kept))
         return plan
 
     async def _promise(self, plan: _Plan) -> None:
@@ -347,19 +365,25 @@ class Deliveries:
 
     async def _settle_unsent(
         self, parent: str, consumer: str, group: str, receipts: list[str], *, remote: bool
-    ) -> None:
-        """Deliveries passed over (or sent at QoS 0) settled: at the broker that handed them out."""
+    ) -> set[str]:
+        """Deliveries passed over (or sent at QoS 0) settled: at the broker that handed them out; returned, the
+        receipts not known settled (they may come again)."""
         link = self.link
         if remote:
             cluster = link.cluster
-            if cluster is not None and receipts:
-                await cluster.settle(consumer, group, parent, receipts)
-            return
+            if not receipts:
+                return set()
+            if cluster is None:  # alone again: their leases there expire, they come again
+                return set(receipts)
+            return set(await cluster.settle(consumer, group, parent, receipts))
+        left = set()
         for receipt in receipts:
             try:
                 await link.dispatcher.ack(group, receipt, client_id=consumer)
             except errors.LmqError as exc:
                 log.info("mqtt client %s: delivery not settled: %s", link.client_id, exc.message)
+                left.add(receipt)
+        return left
 
     def publish_bytes(  # noqa: PLR0913 (a PUBLISH's fields, each a keyword)
         self,
@@ -432,14 +456,15 @@ class Deliveries:
                                       ids=ids)  # fmt: skip
             if data is None:
                 continue
-            if packet_id is not None:
-                self.out[packet_id] = Out("", "", qos=qos)
+            if packet_id is not None:  # kept until acknowledged: a resumed session gets it again (``give_back``)
+                self.out[packet_id] = Out("", "", qos=qos, unacked=durable.Unacked(topic, r.payload, qos, r.properties,
+                                                                                   tuple(ids)))  # fmt: skip
             link.writer.write(data)
             await link.writer.drain()
 
     def _packet_id(self) -> int:
         for packet_id in self._ids:
-            if packet_id in self.out or packet_id in self._reserved:
+            if packet_id in self.out or packet_id in self._reserved or packet_id in self._completing:
                 continue
             if self.completed and packet_id in self.completed.values():
                 continue
@@ -454,17 +479,34 @@ class Deliveries:
             return  # not ours (or acknowledged twice, or a QoS 2 one's): nothing to settle
         del self.out[packet_id]
         await self.settle(packet_id, out)
+        if out.row:
+            await self.unkeep(out.row, [packet_id])
 
-    async def settle(self, packet_id: int, out: Out) -> None:
-        """``out``, no longer in ``self.out``, acknowledged where it came from; its room in the window freed."""
+    async def unkeep(self, direction: str, packet_ids: list[int]) -> None:
+        """Rows of acknowledged deliveries (``Out.row``) forgotten; one left behind (a failed write) only holds its
+        packet id until its message comes again or the session ends."""
         link = self.link
-        if out.remote:  # settled there by the settler, off the reader; it holds its room until then
+        if not link.persistent:  # else the rows go with the session
+            return
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, direction, [], packet_ids)
+        except Exception as exc:
+            log.warning("mqtt client %s: acknowledged deliveries not recorded: %s", link.client_id, exc)
+
+    async def settle(self, packet_id: int, out: Out) -> bool:
+        """``out``, no longer in ``self.out``, acknowledged where it came from; its room in the window freed.
+        False when it is known not settled (its lease was given back meanwhile: its message comes again). Another
+        broker's is settled by the settler, off the reader (a QoS 2 one's row forgotten then, ``_completed_there``)."""
+        link = self.link
+        if out.remote:  # it holds its room until then
             self._acks.setdefault((out.consumer, out.group or link.group, out.parent), []).append(out.receipt)
+            if out.qos == 2 and out.released:  # its packet id stays taken until then
+                self._completing[packet_id] = (out.receipt, out.message_id)
             self._unsettled += 1
             if self._settler is None:
                 self._settler = asyncio.get_running_loop().create_task(self._settle_loop())
             self._acks_ready.set()
-            return
+            return True
         if self.busy < link.max_inflight:
             self._room.set()
         if out.receipt:
@@ -472,6 +514,8 @@ class Deliveries:
                 await link.dispatcher.ack(out.group or link.group, out.receipt, client_id=out.consumer)
             except errors.LmqError as exc:  # e.g. the lease was given back meanwhile: it comes again
                 log.info("mqtt client %s: PUBACK %d not settled: %s", link.client_id, packet_id, exc.message)
+                return False
+        return True
 
     @property
     def busy(self) -> int:
@@ -492,14 +536,35 @@ class Deliveries:
         while self._acks:
             acks, self._acks = self._acks, {}
             cluster = link.cluster
+            batch = {receipt for receipts in acks.values() for receipt in receipts}
+            left = batch  # not known settled
             try:
                 if cluster is not None:  # else alone again: their leases there expire, they come again
                     settling = (cluster.settle(c, g, p, receipts) for (c, g, p), receipts in acks.items())
-                    await asyncio.gather(*settling)
+                    left = {receipt for part in await asyncio.gather(*settling) for receipt in part}
             finally:
                 self._unsettled -= sum(map(len, acks.values()))
                 if self.busy < link.max_inflight:
                     self._room.set()
+                await self._completed_there(batch, left)
+
+    async def _completed_there(self, batch: set[str], left: set[str]) -> None:
+        """Other brokers' QoS 2 deliveries whose PUBCOMP came, settling there over (``batch``): a settled one's row
+        forgotten (after: a crash before this only leaves a PUBREL to resend); one not known settled (``left``:
+        its broker down, or too slow) keeps its row, so a reconnect releases it again, and waits for its message
+        to come again (its lease there runs out), settled then without being sent (``completed``)."""
+        forget = []
+        for packet_id, (receipt, message_id) in list(self._completing.items()):
+            if receipt not in batch:
+                continue
+            del self._completing[packet_id]
+            if receipt in left and message_id:
+                self.completed[message_id] = packet_id
+            else:
+                forget.append(packet_id)
+        if forget:
+            exactly.crash_point(exactly.COMPLETED)
+            await self.unkeep(durable.OUTBOUND, forget)
 
     async def settle_acknowledged(self) -> None:
         """At the end: what the client acknowledged, settled where it came from; then the settler ends."""
@@ -516,13 +581,14 @@ class Deliveries:
         remote: dict[Whose, list[str]] = {}
         settled: dict[Whose, list[str]] = {}  # released, from the other brokers: settled there
         cleared: list[int] = []  # released, settled here: their rows cleared
-        settled_ids: dict[Whose, list[int]] = {}
+        settled_ids: dict[str, int] = {}  # receipt -> packet id
+        await self._keep_unacked()
         for packet_id, out in self.out.items():
             if out.remote:
                 whose = (out.consumer, out.group or link.group, out.parent)
                 (settled if out.released else remote).setdefault(whose, []).append(out.receipt)
                 if out.released:
-                    settled_ids.setdefault(whose, []).append(packet_id)
+                    settled_ids[out.receipt] = packet_id
             elif out.receipt:
                 with contextlib.suppress(errors.LmqError):
                     if out.released:
@@ -549,8 +615,27 @@ class Deliveries:
         if cluster is not None and settled:
             calls = (cluster.settle(c, g, p, receipts) for (c, g, p), receipts in settled.items())
             results = await asyncio.gather(*calls, return_exceptions=True)
-            for whose, result in zip(settled, results, strict=True):
-                if not isinstance(result, BaseException):
-                    cleared += settled_ids.get(whose, [])
+            for receipts, result in zip(settled.values(), results, strict=True):
+                if not isinstance(result, BaseException):  # the rows of those not known settled stay as they are
+                    cleared += [settled_ids[r] for r in receipts if r in settled_ids and r not in result]
         await self._cleared(cleared)
         return remote
+
+    async def _keep_unacked(self) -> None:
+        """At the end of a persistent session's connection (MQTT-4.4.0-1): the packet ids of its QoS 1 deliveries
+        not acknowledged recorded (``durable.PUBLISHED``: their messages, handed out again, go under them, DUP
+        set; not a share's, which may go to another member), and its retained messages sent at QoS 1 or 2 and
+        not acknowledged with all it takes to send them again (``durable.RESEND``: nothing else holds them)."""
+        link = self.link
+        if not link.persistent:
+            return
+        out = self.out.items()
+        published = [(i, o.message_id) for i, o in out if o.qos == 1 and o.message_id and not o.row and not o.group]
+        resend = [(i, o.unacked.text()) for i, o in out if o.unacked is not None and not o.released and not o.row]
+        update = link.host.durable.qos2_update
+        try:
+            for direction, rows in ((durable.PUBLISHED, published), (durable.RESEND, resend)):
+                if rows:
+                    await link.dispatcher.run(update, link.client_id, direction, rows, [])
+        except Exception as exc:  # their messages come again under new packet ids (the retained ones: not)
+            log.warning("mqtt client %s: unacknowledged deliveries not recorded: %s", link.client_id, exc)

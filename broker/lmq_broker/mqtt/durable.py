@@ -16,7 +16,11 @@ not come (a reconnect resends the PUBREL, not the PUBLISH), with its message id 
 the message handed out again after a restart is settled, not sent twice; published, a delivery written to
 the client whose PUBREC has not come, with its message id: handed out again after a reconnect or a restart, it
 is sent under the same packet id with DUP (MQTT-4.4.0-1), so a client that had it does not take it as a new
-message. Dropped with the session.
+message. A QoS 1 delivery not acknowledged when its connection ended gets a published row then too (written at
+the end, not per delivery: a broker killed mid-connection forgets those ids, its messages come again under new
+ones, DUP set). resend, a retained message sent at QoS 1 or 2 and not acknowledged (no PUBACK, no PUBREC) when
+its connection ended, with all it takes to send it again (``Unacked``): a resumed session gets it again, right
+after the CONNACK, under its packet id with DUP. Dropped with the session.
 
 A will row is written when its connection ends and deleted once published or cancelled (its client id came
 back): a delayed will survives a restart and costs no memory while it waits (``wills``).
@@ -31,6 +35,7 @@ worker thread, serialised by one lock (SQLite connections are not shared across 
 
 from __future__ import annotations
 
+import base64
 import json
 import sqlite3
 import threading
@@ -53,6 +58,7 @@ _SCHEMA: Final = (
 INBOUND: Final = "in"  # a QoS 2 publish stored and answered PUBREC, its PUBREL not yet seen
 OUTBOUND: Final = "out"  # a QoS 2 delivery answered PUBREC by the client, PUBREL sent, its PUBCOMP not yet seen
 PUBLISHED: Final = "sent"  # a QoS 2 delivery written to the client, its PUBREC not yet seen (its packet id kept)
+RESEND: Final = "resend"  # a retained message sent at QoS 1/2, unacknowledged when its connection ended
 _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and message properties
     ("sessions", "expiry_s", "INTEGER"),
     ("sessions", "gone_ms", "INTEGER"),
@@ -93,6 +99,32 @@ class Retained:
     qos: int
     stored_ms: int
     properties: dict[str, str] = field(default_factory=dict)  # the message's (``mapping.incoming``)
+
+
+@dataclass(frozen=True, slots=True)
+class Unacked:
+    """A retained message as it was sent at QoS 1 or 2 (its topic there, the subscription identifiers it
+    carried), kept until the client acknowledges it: a resumed session gets it again (``RESEND`` rows)."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    properties: dict[str, str]
+    ids: tuple[int, ...] = ()
+
+    def text(self) -> str:
+        payload = base64.b64encode(self.payload).decode()
+        return json.dumps([self.topic, payload, self.qos, self.properties, list(self.ids)])
+
+
+def unacked_of(text: str) -> Unacked | None:
+    """A ``RESEND`` row's text read back; None for one that does not read (dropped by the caller)."""
+    try:
+        topic, payload, qos, props, ids = json.loads(text)
+        return Unacked(str(topic), base64.b64decode(payload), int(qos), {str(k): str(v) for k, v in props.items()},
+                       tuple(int(i) for i in ids))  # fmt: skip
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 class Durable:
@@ -217,15 +249,16 @@ class Durable:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def qos2_released(self, client_id: str, released: Iterable[tuple[int, str]]) -> None:
-        """In one transaction: deliveries the client answered PUBREC move from ``PUBLISHED`` to ``OUTBOUND``."""
+    def qos2_released(self, client_id: str, released: Iterable[tuple[int, str]], source: str = PUBLISHED) -> None:
+        """In one transaction: deliveries the client answered PUBREC move from ``source`` (``PUBLISHED``, or
+        ``RESEND`` for a retained one) to ``OUTBOUND``."""
         pairs = list(released)
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 self._db.executemany(
                     "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ?",
-                    [(client_id, PUBLISHED, i) for i, _ in pairs],
+                    [(client_id, source, i) for i, _ in pairs],
                 )
                 self._db.executemany(
                     "INSERT OR IGNORE INTO qos2 (client_id, direction, packet_id, message) VALUES (?, ?, ?, ?)",

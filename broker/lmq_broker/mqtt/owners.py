@@ -95,8 +95,11 @@ class Owners(Protocol):
         """The other brokers of ``consumer`` as one session loop sees them (``close`` it when the loop ends)."""
         ...
 
-    async def settle(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:
-        """Acknowledge pulled messages at the brokers that delivered them (their group's offsets move there)."""
+    async def settle(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> list[str]:
+        """Acknowledge pulled messages at the brokers that delivered them (their group's offsets move there);
+        returned, those of ``receipts`` not known settled: refused there (a lease that expired: the message comes
+        again) or not answered (the broker down or too slow: it may come again). Never raises; all of them when
+        this broker is alone now."""
         ...
 
     async def release(self, consumer: str, group: str, parent: str, receipts: Sequence[str]) -> None:

@@ -6,7 +6,10 @@ For a persistent session the packet id is written to the durable store (``durabl
 message id, before the PUBREL goes out and forgotten at the PUBCOMP; a resumed session resends a PUBREL for
 each, not the PUBLISH (section 4.4), and after a restart (the message's lease died with the process) the
 message handed out again (in a cluster also by the broker that owns it, once its lease there ran out) is
-settled without being sent (``Deliveries._deliver``), recognised by its message id. A 5.0 PUBREC with a
+settled without being sent (``Deliveries._deliver``), recognised by its message id; so is one whose PUBCOMP
+came but whose settling failed (its owner down, its lease given back): its row is forgotten only once the
+message is known settled. A retained message sent at QoS 1 or 2 and not acknowledged when the connection
+ended (``durable.RESEND``) is sent again after the CONNACK, as the PUBRELs are. A 5.0 PUBREC with a
 reason code of 0x80 or more ends the flow (the message is settled: the client refused it); a PUBREC for a
 packet id not in flight is answered PUBREL 0x92 (5.0).
 """
@@ -33,27 +36,53 @@ class Releases:
         self.deliveries = deliveries
 
     async def resume(self) -> None:
-        """A resumed persistent session: its QoS 2 deliveries awaiting PUBCOMP hold their packet ids again, and
-        those published without a PUBREC keep theirs for when their message comes again (MQTT-4.4.0-1)."""
+        """A resumed persistent session: its QoS 2 deliveries awaiting PUBCOMP hold their packet ids again, its
+        retained messages not acknowledged too (sent again by ``resend``), and the deliveries published without a
+        PUBACK or PUBREC keep theirs for when their message comes again (MQTT-4.4.0-1)."""
         link = self.link
         run, kept = link.dispatcher.run, link.host.durable
         ids = await run(kept.qos2_ids, link.client_id, durable.OUTBOUND)
         for packet_id, message_id in sorted(ids.items()):
             self.deliveries.out[packet_id] = Out("", "", qos=2, released=True, message_id=message_id)
+        unreadable = []
+        for packet_id, text in sorted((await run(kept.qos2_ids, link.client_id, durable.RESEND)).items()):
+            unacked = durable.unacked_of(text)
+            if unacked is None or packet_id in self.deliveries.out:  # damaged (or its id a PUBREL's): dropped
+                unreadable.append(packet_id)
+                continue
+            self.deliveries.out[packet_id] = Out("", "", qos=unacked.qos, row=durable.RESEND, unacked=unacked)
+        if unreadable:
+            await run(kept.qos2_update, link.client_id, durable.RESEND, [], unreadable)
         published = await run(kept.qos2_ids, link.client_id, durable.PUBLISHED)
         owed = sorted(published.items())
         if len(owed) > MAX_PROMISED:  # messages that never came back (expired, reclaimed): not kept for ever
             dropped = [packet_id for packet_id, _ in owed[:-MAX_PROMISED]]
             await run(kept.qos2_update, link.client_id, durable.PUBLISHED, [], dropped)
             owed = owed[-MAX_PROMISED:]
-        self.deliveries.promised = {message_id: packet_id for packet_id, message_id in owed if packet_id not in ids}
+        self.deliveries.promised = {message_id: packet_id for packet_id, message_id in owed
+                                     if packet_id not in self.deliveries.out}  # fmt: skip
 
-    def resend(self) -> None:
-        """After the CONNACK: a PUBREL for each QoS 2 delivery awaiting its PUBCOMP (MQTT-4.4.0-1)."""
+    async def resend(self) -> None:
+        """After the CONNACK (MQTT-4.4.0-1): a PUBREL for each QoS 2 delivery awaiting its PUBCOMP, and each
+        retained message not acknowledged again, under its packet id with DUP (dropped, as if sent, when it is
+        over a 5.0 client's maximum packet size now)."""
         link = self.link
-        for packet_id, out in self.deliveries.out.items():
+        deliveries = self.deliveries
+        now = link.dispatcher.wall_clock()
+        dropped = []
+        for packet_id, out in list(deliveries.out.items()):
             if out.released:
                 link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
+            elif (sent := out.unacked) is not None:
+                data = deliveries.publish_bytes(sent.topic, sent.payload, sent.properties, now, qos=sent.qos,
+                                                packet_id=packet_id, retain=True, dup=True, ids=sent.ids)  # fmt: skip
+                if data is None:
+                    del deliveries.out[packet_id]
+                    dropped.append(packet_id)
+                else:
+                    link.writer.write(data)
+        if dropped:
+            await deliveries.unkeep(durable.RESEND, dropped)
 
     async def received(self, packet: codec.PacketId) -> None:
         """PUBREC: the client has the message; PUBREL (its packet id recorded first for a persistent session)."""
@@ -67,17 +96,18 @@ class Releases:
         if packet.reason >= Reason.UNSPECIFIED_ERROR and not out.released:  # 5.0: the client refused it
             log.info("mqtt client %s: QoS 2 delivery %d refused with PUBREC %#04x", link.client_id, packet_id,
                      packet.reason)  # fmt: skip
-            if link.persistent and out.message_id:
-                await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, durable.PUBLISHED, [],
-                                          [packet_id])  # fmt: skip
+            if link.persistent and (out.message_id or out.row):
+                await link.dispatcher.run(link.host.durable.qos2_update, link.client_id, out.row or durable.PUBLISHED,
+                                          [], [packet_id])  # fmt: skip
             del self.deliveries.out[packet_id]
             await self.deliveries.settle(packet_id, out)
             return
         if not out.released:
-            if link.persistent:  # its PUBLISHED row (if any) becomes the OUTBOUND one, in one transaction
+            if link.persistent:  # its PUBLISHED (RESEND) row, if any, becomes the OUTBOUND one, in one transaction
                 released = [(packet_id, out.message_id)]
-                await link.dispatcher.run(link.host.durable.qos2_released, link.client_id, released)
-            self.deliveries.out[packet_id] = replace(out, released=True)
+                source = out.row or durable.PUBLISHED
+                await link.dispatcher.run(link.host.durable.qos2_released, link.client_id, released, source)
+            self.deliveries.out[packet_id] = replace(out, released=True, row="", unacked=None)
         link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
 
     async def completed(self, packet_id: int) -> None:
@@ -93,12 +123,14 @@ class Releases:
             await self.deliveries.settle(packet_id, out)
             return
         del self.deliveries.out[packet_id]
-        if out.remote:  # settled there by the settler, off the reader
-            await self._record([], [packet_id])
+        if out.remote:  # settled there by the settler, off the reader; its row forgotten once it is settled there
             await self.deliveries.settle(packet_id, out)
             return
-        await self.deliveries.settle(packet_id, out)  # first: a crash before the row goes leaves a PUBREL, not the
-        exactly.crash_point(exactly.COMPLETED)  # message handed out again as a new one
+        # first: a crash before the row goes leaves a PUBREL, not the message handed out again as a new one
+        if not await self.deliveries.settle(packet_id, out) and out.message_id:
+            self.deliveries.completed[out.message_id] = packet_id  # its lease was given back: it comes again,
+            return  # settled then, unsent; its row kept until then
+        exactly.crash_point(exactly.COMPLETED)
         await self._record([], [packet_id])
 
     async def _record(self, add: list[tuple[int, str]], remove: list[int]) -> None:

@@ -42,13 +42,15 @@ def acks(broker: BrokerProcess) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def start_cluster(tmp_path: Path, started: list[BrokerProcess], first_env: dict[str, str] | None = None) -> None:
+def start_cluster(
+    tmp_path: Path, started: list[BrokerProcess], first_env: dict[str, str] | None = None, lease_ms: int = LEASE_MS
+) -> None:
     """Two brokers into ``started`` (broker 0 with ``first_env`` added), and the parent ``PARENT``."""
     ports = free_ports("127.0.0.1", 2)
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     for i, port in enumerate(ports):
         args = ["--peers", peers, "--ordinal", str(i), "--mqtt-port", "0"]
-        args += ["--lease-renew-slice-ms", str(LEASE_MS), "--lease-renew-max-ms", "0"]
+        args += ["--lease-renew-slice-ms", str(lease_ms), "--lease-renew-max-ms", "0"]
         env = {**SHARED_ADMIN_ENV, **(first_env if i == 0 and first_env else {})}
         started.append(start_broker(tmp_path / f"b{i}", port=port, extra_args=args, env=env))
     with AdminClient(started[0].endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as admin:
@@ -180,6 +182,94 @@ def test_4_4_a_kill_9_of_the_sessions_broker_after_pubrec_does_not_send_another_
     assert back.next() == codec.Bare(codec.PINGRESP)  # nothing else came: "first" exactly once
     back.close()
     pub.close()
+
+
+@LEVELS
+def test_4_4_a_pubcomp_whose_settling_at_the_owner_fails_keeps_the_row_and_the_message_is_not_sent_again(
+    tmp_path: Path, level: int
+) -> None:
+    """A QoS 2 delivery of another broker's message: its PUBCOMP comes while that owner is down, so it cannot be
+    settled there. Its packet id's row stays (it went before the settling, which failed silently), and the
+    message, handed out again once the owner is back, is recognised by its message id and settled there unsent:
+    exactly once (it came again as a new PUBLISH). Once settled the row goes: a reconnect gets no PUBREL."""
+    started: list[BrokerProcess] = []
+    try:
+        start_cluster(tmp_path, started, lease_ms=10_000)  # not handed out again while the owner is up
+        theirs = owned_by(started, 1)
+        session, owner = started
+        sub = Raw(session.mqtt_port, "down-sub", level, clean=False)
+        assert sub.subscribe(f"{PARENT}/{theirs}", 2) == [2]
+        pub = Raw(owner.mqtt_port, "down-pub", level)
+        pub.published(f"{PARENT}/{theirs}", b"first", 1)  # stored at the owner, broker 1
+        pub.close()
+        got = sub.next()
+        assert isinstance(got, codec.Publish) and (got.payload, got.qos) == (b"first", 2), got
+        assert got.packet_id is not None
+        sub.ack(codec.PUBREC, got.packet_id)
+        sub.expect(codec.PUBREL, got.packet_id)
+        owner.kill()
+        sub.ack(codec.PUBCOMP, got.packet_id)  # settled at the owner, which does not answer
+        sub.send(codec.Bare(codec.PINGREQ))
+        assert sub.next() == codec.Bare(codec.PINGRESP)
+        owner = started[1] = owner.restart()  # same data dir and ports: "first" not settled there
+        eventually(lambda: acks(owner) == 1, "the message handed out again is settled at the owner", WAIT_S)
+        pub = Raw(owner.mqtt_port, "down-pub", level)
+        pub.published(f"{PARENT}/{theirs}", b"second", 2)
+        nxt = sub.next()
+        assert isinstance(nxt, codec.Publish) and (nxt.payload, nxt.dup) == (b"second", False), nxt  # not "first"
+        assert nxt.packet_id is not None
+        sub.ack(codec.PUBREC, nxt.packet_id)
+        sub.expect(codec.PUBREL, nxt.packet_id)
+        sub.ack(codec.PUBCOMP, nxt.packet_id)
+        eventually(lambda: acks(owner) == 2, "the second settled at the owner", WAIT_S)
+        sub.close()
+        back = Raw(session.mqtt_port, "down-sub", level, clean=False)
+        assert back.session_present
+        back.send(codec.Bare(codec.PINGREQ))
+        assert back.next() == codec.Bare(codec.PINGRESP)  # no PUBREL: both rows forgotten once settled
+        back.close()
+        pub.close()
+    finally:
+        for broker in started:
+            broker.stop()
+
+
+def test_4_4_another_brokers_qos1_delivery_without_puback_comes_again_under_its_packet_id(tmp_path: Path) -> None:
+    """MQTT-4.4.0-1 in a cluster: a QoS 1 delivery of a message another broker owns, not acknowledged when the
+    connection ends, is given back there and, handed out again to the resumed session, goes under the packet id
+    it had, DUP set; its PUBACK settles it there."""
+    cluster: list[BrokerProcess] = []
+    try:
+        start_cluster(tmp_path, cluster, lease_ms=10_000)  # not handed out again while the first connection lives
+        _resent_there(cluster)
+    finally:
+        for broker in cluster:
+            broker.stop()
+
+
+def _resent_there(cluster: list[BrokerProcess]) -> None:
+    theirs = owned_by(cluster, 1)
+    session, owner = cluster
+    sub = Raw(session.mqtt_port, "q1-sub", clean=False)
+    assert sub.subscribe(f"{PARENT}/{theirs}", 1) == [1]
+    pub = Raw(owner.mqtt_port, "q1-pub")
+    for packet_id, body in ((1, b"done"), (2, b"owed")):
+        pub.send(codec.Publish(f"{PARENT}/{theirs}", body, qos=1, packet_id=packet_id))
+        pub.expect(codec.PUBACK, packet_id)
+    pub.close()
+    got = {p.payload: p for p in (sub.next(), sub.next()) if isinstance(p, codec.Publish)}
+    done, owed = got[b"done"], got[b"owed"]
+    assert done.packet_id is not None and owed.packet_id not in (None, done.packet_id), got
+    sub.ack(codec.PUBACK, done.packet_id)
+    eventually(lambda: acks(owner) == 1, "the first settled at the owner", WAIT_S)
+    sub.close()
+    back = Raw(session.mqtt_port, "q1-sub", clean=False)
+    again = back.next()
+    assert isinstance(again, codec.Publish), again
+    assert (again.payload, again.dup, again.packet_id) == (b"owed", True, owed.packet_id), again
+    back.ack(codec.PUBACK, owed.packet_id)
+    eventually(lambda: acks(owner) == 2, "the second settled at the owner", WAIT_S)
+    back.close()
 
 
 def test_looking_for_a_resent_publish_is_a_peers_call_only(cluster: list[BrokerProcess]) -> None:
