@@ -70,6 +70,7 @@ def test_module_entry_point_reclaims_a_live_broker_and_reports_a_dead_one(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # four Spark jobs, each a JVM start: ~30 s apiece quiet, but past 300 s in all at load 13
 def test_class_archive_from_the_warmup_or_a_run_is_mapped_by_the_next_run(
     tmp_path: Path,
     seeder: Callable[..., None],
