@@ -779,6 +779,27 @@ async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_p
     assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 4),))
 
 
+@pytest.mark.asyncio
+async def test_a_follower_stores_only_the_acked_offsets_below_its_end_and_answers_with_its_ends(pair: Pair) -> None:
+    """Offsets acked above a commit point that lie at or past the follower's end name records it never got (a
+    send refused, its copy lost): they are not stored (the new owner would pass over what it stores there next),
+    and the copy is answered with the end, as a clamped point is: the owner does not count it as stored."""
+    lite = pair.lite_of(0)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    assert (await pair.send(0, lite, 1)).status.code == pb.OK
+    replication_1 = pair.brokers[1].replication
+    epoch = pair.leadership(0).epoch(0)
+    assert replication_1 is not None and replication_1.follower is not None and epoch is not None
+    queue, store = model.QueueId.lmq(PARENT, lite), pair.brokers[1].store
+    assert store is not None
+    past = wire.Commit(queue, GROUP, 0, (1, 2, 3))
+    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [past])) == {queue.topic: 2}
+    assert store.get_offset(queue, GROUP) == 0
+    assert list(store.get_acked(queue, GROUP)) == [1]
+    within = wire.Commit(queue, GROUP, 0, (1,))
+    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [within])) == {}
+
+
 async def over_the_socket(repl: replication.Replication, endpoint: str, data: bytes) -> dict[str, int]:
     """A copy over the follower's copy socket (``sockets``), once the owner's link to it is open."""
     assert repl.sockets is not None

@@ -536,3 +536,85 @@ def test_a_follower_whose_reconcile_failed_is_in_sync_again_on_its_own_and_takes
             if b.alive():
                 b.stop()
     assert held(tmp_path / "b1", lite) == acked  # every acknowledged message, once and in order
+
+
+async def receive_some(endpoint: str, lite: str, want: int, *, ack_from: int = 0) -> list[str]:
+    """Subscribe ``lite`` at ``endpoint`` (no offset option: the group's commit point as stored there) and
+    receive until ``want`` messages came (or 10 s), invisible for 60 s; ack only those whose body (the send's
+    number) is ``ack_from`` or more. The ids received, in order."""
+    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    got: list[str] = []
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_grpc.MessagingServiceStub(channel)
+        sync = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite])
+        assert (await stub.SyncLiteSubscription(sync, metadata=CONSUMER)).status.code == pb.OK
+        request = spb.ReceiveMessageRequest(group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=8)
+        request.invisible_duration.FromSeconds(60)
+        request.long_polling_timeout.FromSeconds(1)
+        deadline = time.monotonic() + 10
+        while len(got) < want and time.monotonic() < deadline:
+            frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=5)]
+            messages = [f.message for f in frames if f.HasField("message")]
+            got += [m.system_properties.message_id for m in messages]
+            props = [m.system_properties for m in messages if int(m.body) >= ack_from]
+            entries = [
+                spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle, lite_topic=lite)
+                for p in props
+            ]
+            if entries:  # answered or refused alike: what counts is what the follower stored
+                ack = spb.AckMessageRequest(group=group, topic=parent, entries=entries)
+                await stub.AckMessage(ack, metadata=CONSUMER)
+    return got
+
+
+def test_an_ack_of_a_record_the_follower_lacks_never_skips_what_the_new_owner_stores_there(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """A consumer at the owner acks, above a message it holds unacked, a message whose send was refused (stored
+    at the owner only: its copy lost on the way). The commit copy reaches the follower, which lacks that offset.
+    After kill -9 of the owner the follower takes over and stores a new send at that offset, acknowledged once
+    the old owner rejoined (its record cut): the consumer must receive it. Before the fix the follower stored the
+    acked offset past its end as it came, and the new owner passed the acknowledged send over as acked."""
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    lose = tmp_path / "lose-copies"  # while it exists, the follower loses every copy of messages sent to it
+    failpoint = {replication_setup.FAILPOINT_ENV: str(lose)}
+    brokers = [start(tmp_path, kube, members, s, prefix="ackgap", env=failpoint if s else None) for s in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lite = next(f"g{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"g{i}").topic) == 0)
+
+    def held_by(slot: int) -> kube_api.Lease | None:
+        got = api.get("ackgap-slot-0")
+        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
+
+    try:
+        eventually(lambda: held_by(0), "the owner holds its lease")
+        eventually(lambda: metric(brokers[1], "lmq_replication_in_sync", slot="0") == 1, "the follower in sync")
+        assert asyncio.run(send_all(members[0], lite, 0, 2)) == [f"{lite}-0", f"{lite}-1"]  # offsets 0 and 1
+        lose.touch()
+        assert send_once(members[0], lite, 2).status.code == pb.INTERNAL_ERROR  # offset 2: at the owner only
+        # offset 0 received and held unacked; 1 and 2 acked above it: the commit point 0, acked {1, 2}
+        assert asyncio.run(receive_some(members[0], lite, 3, ack_from=1)) == [f"{lite}-{n}" for n in range(3)]
+        eventually(
+            lambda: (
+                metric(brokers[1], "lmq_replication_commits_stored_total", handouts="yes")
+                + metric(brokers[1], "lmq_replication_commits_stored_total", handouts="no")
+                + metric(brokers[1], "lmq_replication_copies_refused_total", reason="out_of_sync")
+                >= 1
+            ),
+            "the acks' commit copy reached the follower",
+        )
+        brokers[0].kill()
+        lose.unlink()
+        eventually(lambda: held_by(1), "the follower took the lease", timeout_s=30)
+        brokers[0] = start(tmp_path, kube, members, 0, prefix="ackgap")  # back on its disk: its offset 2 is cut
+        eventually(lambda: metric(brokers[0], "lmq_replication_in_sync", slot="0") == 1, "the old owner in sync")
+        reply = send_once(members[1], lite, 3)
+        assert reply.status.code == pb.OK, reply.status.message  # stored at offset 2 at the new owner
+        received = asyncio.run(receive_some(members[1], lite, 2))
+    finally:
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    assert held(tmp_path / "b1", lite) == [f"{lite}-{n}" for n in (0, 1, 3)]
+    assert f"{lite}-3" in received, received  # the acknowledged send at the offset the old owner's ack named
