@@ -130,7 +130,12 @@ class Settlement:
         changed = self._leases.ack(key, receipt)
         state = self._leases.get(key)
         if state is None or not (changed or key in self.dirty):
-            return  # nothing new, and what memory holds is persisted
+            # Nothing new, and what memory holds is persisted; its copy may still be under way (this ack sent
+            # again while the first waits for it): answered only once the followers hold it, as the first is
+            copying = self._copying.get(key)
+            if copying is not None:
+                await self._copied(copying)
+            return
         hi = await self.commit(key, state)  # raises when the write failed: the client learns the ack is not in
         copying = self._copying.get(key)
         if copying is not None:  # the followers' copy of this commit point (or of a newer one) is in too

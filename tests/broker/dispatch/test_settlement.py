@@ -140,6 +140,38 @@ async def test_a_refused_commit_copy_is_counted_once_per_ack_it_refused_and_neve
     assert len(told) == 1
 
 
+async def test_an_ack_sent_again_while_its_commit_copy_is_under_way_waits_for_that_copy(alone: Alone) -> None:
+    """A client that sends an ack again (its first call timed out while the commit copy waited for a slow
+    follower) is answered as the first one is: once the copy is stored, refused when it is. Answered OK at once
+    (nothing new to write), a kill -9 of the owner before the copy landed let the follower that took over
+    deliver the message again although an AckMessage had been answered OK."""
+    _, (handle,) = await alone.leased(messages=2, out=1)
+    copies: list[asyncio.Future[None]] = []
+
+    def committed(
+        _queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int], _handouts: model.Handouts
+    ) -> asyncio.Future[None]:
+        copies.append(asyncio.get_running_loop().create_future())
+        return copies[-1]
+
+    alone.settling.committed = committed
+    first = asyncio.create_task(alone.settling.ack(GROUP, handle))
+    await eventually_async(lambda: len(copies) == 1, "the ack's commit copy under way")
+    again = asyncio.create_task(alone.settling.ack(GROUP, handle))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not again.done(), "the ack sent again was answered before its commit point's copy was stored"
+    copies[0].set_exception(errors.NotEnoughReplicas("not enough in-sync replicas of slot 0 stored the ack"))
+    for acking in (first, again):
+        with pytest.raises(errors.NotEnoughReplicas):
+            await acking
+    third = asyncio.create_task(alone.settling.ack(GROUP, handle))  # the client's next retry writes it again
+    await eventually_async(lambda: len(copies) == 2, "the retry's commit copy under way")
+    copies[1].set_result(None)
+    await third
+    assert alone.store.get_offset(alone.key.queue_id, GROUP) == 1
+
+
 # --- where offset writes run -----------------------------------------------------------------------------------
 
 
