@@ -140,6 +140,8 @@ class Settlement:
         copying = self._copying.get(key)
         if copying is not None:  # the followers' copy of this commit point (or of a newer one) is in too
             await self._copied(copying)
+        else:  # no copy made: none needed, or the slot's lease was lost while the write waited (then none is made)
+            self.check_fence(key.queue_id)
         if key in self.dirty and not self._is_persisted(key, receipt.offset):
             raise errors.TooManyRequests(
                 f"too many acknowledged ranges above the commit point of {key.topic} to persist "

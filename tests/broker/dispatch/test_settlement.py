@@ -172,6 +172,36 @@ async def test_an_ack_sent_again_while_its_commit_copy_is_under_way_waits_for_th
     assert alone.store.get_offset(alone.key.queue_id, GROUP) == 1
 
 
+async def test_an_ack_whose_slot_was_lost_while_its_write_waited_is_refused_not_answered_uncopied(
+    alone: Alone,
+) -> None:
+    """The fence let the ack in, then its offset write waited (another writer held the store) while the slot's
+    lease was lost: replication makes no commit copy for a slot it no longer holds (``owning.Slots.committed``
+    answers None). Answered OK, the ack was on no follower: the new holder delivered the message again."""
+    _, (handle,) = await alone.leased(messages=2, out=1)
+    held = [True]
+
+    def fence(_queue: model.QueueId) -> None:
+        if not held[0]:
+            raise errors.Fenced("this broker does not hold the lease of slot 0 now")
+
+    def committed(
+        _queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int], _handouts: model.Handouts
+    ) -> asyncio.Future[None] | None:
+        assert not held[0]
+        return None  # as ``owning.Slots.committed`` for a slot this broker does not hold
+
+    alone.settling.fence, alone.settling.committed = fence, committed
+    with another_writer(alone.store):
+        acking = asyncio.create_task(alone.settling.ack(GROUP, handle))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not acking.done()  # past the fence, its write waiting for the store
+        held[0] = False  # the lease lost meanwhile
+    with pytest.raises(errors.Fenced):
+        await asyncio.wait_for(acking, 10)
+
+
 # --- where offset writes run -----------------------------------------------------------------------------------
 
 
