@@ -27,7 +27,6 @@ refused does not count (``out_of_sync``): it is tried again (``reconciling`` ret
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, NoReturn, Protocol
@@ -170,12 +169,12 @@ class Follower:
         """A commit point no further than this broker's end of its queue: the owner's consumers may have taken
         records that never reached this broker (nor were acknowledged): were it to take over, its own records at
         those offsets would be skipped. Clamped, they may be delivered again (at-least-once), never skipped. The
-        same for the offsets acked above the point: only those below the end (``_acked_within``); and hand-outs."""
+        same for the offsets acked above the point: only those below the end (``wire.acked_below``); and hand-outs."""
         end = self._next_offset(point.queue)
         if point.offset > end:
             return wire.Commit(point.queue, point.group, end, ())
         handouts = _handouts_within(point.offset, end, point.handouts)
-        acked = _acked_within(end, point.acked)
+        acked = wire.acked_below(point.acked, end)
         if handouts is point.handouts and acked is point.acked:
             return point
         return wire.Commit(point.queue, point.group, point.offset, acked, handouts)
@@ -325,16 +324,6 @@ class Follower:
         self.cut += cut
         if cut:
             log.warning("slot %d: rejoined the holder of epoch %d, %d offsets never acknowledged cut", slot, epoch, cut)
-
-
-def _acked_within(end: int, acked: tuple[int, ...]) -> tuple[int, ...]:
-    """The owner's acked offsets above a commit point as this broker's store may take them: below its end. One at
-    or past it names a record that never reached this broker (nor was acknowledged: its send was refused, or is
-    still being copied); stored, it would settle whatever this broker stores at that offset later (as the slot's
-    new holder: an acknowledged send, never delivered). Ascending, as a store keeps them."""
-    if not acked or acked[-1] < end:
-        return acked
-    return acked[: bisect.bisect_left(acked, end)]
 
 
 def _handouts_within(committed: int, end: int, handouts: model.Handouts) -> model.Handouts:
