@@ -472,6 +472,12 @@ class LeaseTable:
         for key in [k for k in self._states if k.topic == topic]:
             self._states.pop(key).gone = True
 
+    def drop(self, key: LeaseKey) -> None:
+        """Forget ``key``'s state for good, as ``drop_topic`` does (whoever still holds it writes nothing of it)."""
+        state = self._states.pop(key, None)
+        if state is not None:
+            state.gone = True
+
     def in_flight(self) -> int:
         return sum(len(s.entries) for s in self._states.values())
 

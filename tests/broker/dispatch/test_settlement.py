@@ -202,6 +202,20 @@ async def test_an_ack_whose_slot_was_lost_while_its_write_waited_is_refused_not_
         await asyncio.wait_for(acking, 10)
 
 
+async def test_a_commit_point_copied_in_from_the_slots_holder_is_what_the_key_is_served_from_next(
+    alone: Alone,
+) -> None:
+    """This broker held the slot (its commit point 1 remembered, a message out), lost it, and the holder's point
+    3 was copied into its store: should it hold the slot again, the key is served from 3, not from memory."""
+    state, (first, _) = await alone.leased(messages=4, out=2)
+    await alone.settling.ack(GROUP, first)  # the point 1 remembered; offset 1 still out: the state is kept
+    assert alone.table.get(alone.key) is state
+    alone.store.commit_offset(alone.key.queue_id, GROUP, 3)  # as replication stores the holder's copy
+    alone.settling.copied_in(alone.key.queue_id, GROUP)
+    assert alone.table.get(alone.key) is None and state.gone  # whoever still holds it writes nothing of it
+    assert (await alone.settling.state_of(alone.key, ordered=True)).committed == 3
+
+
 # --- where offset writes run -----------------------------------------------------------------------------------
 
 

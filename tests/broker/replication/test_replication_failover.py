@@ -9,7 +9,9 @@ import collections
 import contextlib
 import functools
 import itertools
+import os
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -538,21 +540,34 @@ def test_a_follower_whose_reconcile_failed_is_in_sync_again_on_its_own_and_takes
     assert held(tmp_path / "b1", lite) == acked  # every acknowledged message, once and in order
 
 
-async def receive_some(endpoint: str, lite: str, want: int, *, ack_from: int = 0) -> list[str]:
+async def receive_some(
+    endpoint: str,
+    lite: str,
+    want: int,
+    *,
+    ack_from: int = 0,
+    batch: int = 8,
+    wait_s: float = 10,
+    acked: list[str] | None = None,
+) -> list[str]:
     """Subscribe ``lite`` at ``endpoint`` (no offset option: the group's commit point as stored there) and
-    receive until ``want`` messages came (or 10 s), invisible for 60 s; ack only those whose body (the send's
-    number) is ``ack_from`` or more. The ids received, in order."""
+    receive until ``want`` messages came (or ``wait_s``), ``batch`` at most a call, invisible for 60 s; ack only
+    those whose body (the send's number) is ``ack_from`` or more (their ids to ``acked`` when answered OK). The
+    ids received, in order."""
     group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
     got: list[str] = []
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = service_grpc.MessagingServiceStub(channel)
         sync = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite])
         assert (await stub.SyncLiteSubscription(sync, metadata=CONSUMER)).status.code == pb.OK
-        request = spb.ReceiveMessageRequest(group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=8)
+        request = spb.ReceiveMessageRequest(
+            group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=min(batch, want - len(got))
+        )
         request.invisible_duration.FromSeconds(60)
         request.long_polling_timeout.FromSeconds(1)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait_s
         while len(got) < want and time.monotonic() < deadline:
+            request.batch_size = min(batch, want - len(got))
             frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=5)]
             messages = [f.message for f in frames if f.HasField("message")]
             got += [m.system_properties.message_id for m in messages]
@@ -563,7 +578,9 @@ async def receive_some(endpoint: str, lite: str, want: int, *, ack_from: int = 0
             ]
             if entries:  # answered or refused alike: what counts is what the follower stored
                 ack = spb.AckMessageRequest(group=group, topic=parent, entries=entries)
-                await stub.AckMessage(ack, metadata=CONSUMER)
+                reply = await stub.AckMessage(ack, metadata=CONSUMER)
+                if acked is not None and reply.status.code == pb.OK:
+                    acked += [e.message_id for e in entries]
     return got
 
 
@@ -618,3 +635,54 @@ def test_an_ack_of_a_record_the_follower_lacks_never_skips_what_the_new_owner_st
                 b.stop()
     assert held(tmp_path / "b1", lite) == [f"{lite}-{n}" for n in (0, 1, 3)]
     assert f"{lite}-3" in received, received  # the acknowledged send at the offset the old owner's ack named
+
+
+def test_a_broker_that_holds_a_slot_again_serves_its_consumers_from_the_commit_points_copied_meanwhile(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """Broker 1 holds slot 0 (a failover) and a consumer acks 5 messages there; broker 1 is paused (SIGSTOP)
+    past its lease, broker 0 takes the slot back and the consumer acks the other 5 there (their commit copies
+    stored at broker 1); kill -9 of broker 0: broker 1 holds the slot again. Nothing acked may be delivered
+    again. Before the fix broker 1 served the group from the commit point it remembered from its own holding
+    (its cache: "this broker is the only writer of offsets"), not from its store: the 5 acked at broker 0 came
+    again."""
+    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+    brokers = [start(tmp_path, kube, members, s, prefix="pingpong") for s in (0, 1)]
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    membership = mb.Membership.parse(",".join(members))
+    lite = next(f"p{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"p{i}").topic) == 0)
+
+    def held_by(slot: int) -> kube_api.Lease | None:
+        got = api.get("pingpong-slot-0")
+        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
+
+    def in_sync(slot: int) -> bool:
+        return metric(brokers[slot], "lmq_replication_in_sync", slot="0") == 1
+
+    try:
+        eventually(lambda: held_by(0), "broker 0 holds its lease")
+        eventually(lambda: in_sync(1), "broker 1 in sync")
+        assert len(asyncio.run(send_all(members[0], lite, 0, 10))) == 10
+        brokers[0].kill()  # its disk kept
+        eventually(lambda: held_by(1), "broker 1 took the lease", timeout_s=30)
+        brokers[0] = start(tmp_path, kube, members, 0, prefix="pingpong")
+        eventually(lambda: in_sync(0), "broker 0 back in sync")
+        acked: list[str] = []
+        first = asyncio.run(receive_some(members[1], lite, 5, batch=5, acked=acked))
+        assert first == acked == [f"{lite}-{n}" for n in range(5)]  # acked at broker 1: its commit point 5
+        os.kill(brokers[1].process.pid, signal.SIGSTOP)  # a pause longer than its lease
+        try:
+            eventually(lambda: held_by(0), "broker 0 took the lease back", timeout_s=30)
+        finally:
+            os.kill(brokers[1].process.pid, signal.SIGCONT)
+        eventually(lambda: in_sync(1), "broker 1 in sync with broker 0's epoch")
+        second = asyncio.run(receive_some(members[0], lite, 5, acked=acked))
+        assert second == acked[5:] == [f"{lite}-{n}" for n in range(5, 10)]  # acked at broker 0: on broker 1 too
+        brokers[0].kill()
+        eventually(lambda: held_by(1), "broker 1 holds the slot again", timeout_s=30)
+        again = asyncio.run(receive_some(members[1], lite, 10, wait_s=4))
+    finally:
+        for b in brokers:
+            if b.alive():
+                b.stop()
+    assert again == [], f"acked messages delivered again: {again}"
