@@ -188,30 +188,31 @@ class Follower:
         ends: dict[model.QueueId, int] = {}  # the offset the next message of each queue takes here
         for message, offsets in zip(copy.messages, copy.offsets, strict=True):
             lmq = [(q, o) for q, o in zip(message.queues, offsets, strict=True) if q.topic.startswith(model.LMQ_PREFIX)]
-            if lmq:
-                queue, offset = lmq[0]
-                end = ends.get(queue)
-                if end is None:
-                    if queue.topic in self._recreated and not await self._deleted_here(queue):
+            if not lmq:  # a NORMAL topic's message, a dead letter: its broker's alone, served there (an older
+                continue  # owner's copy; stored here it was served twice: ``owning.Slots.copy``)
+            queue, offset = lmq[0]
+            end = ends.get(queue)
+            if end is None:
+                if queue.topic in self._recreated and not await self._deleted_here(queue):
+                    self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
+                end = ends[queue] = self._next_offset(queue)
+            if offset < end:
+                if await self._stored_id(queue, offset) != message.message_id:
+                    if not await self._recreated_at_holder(slot, queue, message.epoch):
+                        self._refuse(slot, f"{queue.topic} holds another message at {offset}")
+                    if queue.topic in self._recreated:
                         self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
-                    end = ends[queue] = self._next_offset(queue)
-                if offset < end:
-                    if await self._stored_id(queue, offset) != message.message_id:
-                        if not await self._recreated_at_holder(slot, queue, message.epoch):
-                            self._refuse(slot, f"{queue.topic} holds another message at {offset}")
-                        if queue.topic in self._recreated:
-                            self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
-                        end = ends[queue] = self._next_offset(queue)  # deleted here too
-                    else:
-                        continue
-                if offset > end:
-                    self.out_of_sync(slot)
-                    self._counters.copies_refused.labels("out_of_sync").inc()
-                    raise errors.Conflict(
-                        f"slot {slot}: {queue.topic} ends at {end} here, the copy's next message is at {offset} (the "
-                        "holder lacks the records between): refused, not stored at other offsets"
-                    )
-                ends[queue] = end + 1
+                    end = ends[queue] = self._next_offset(queue)  # deleted here too
+                else:
+                    continue
+            if offset > end:
+                self.out_of_sync(slot)
+                self._counters.copies_refused.labels("out_of_sync").inc()
+                raise errors.Conflict(
+                    f"slot {slot}: {queue.topic} ends at {end} here, the copy's next message is at {offset} (the "
+                    "holder lacks the records between): refused, not stored at other offsets"
+                )
+            ends[queue] = end + 1
             out.append(message)
         return out
 

@@ -237,6 +237,48 @@ async def test_a_deposed_owner_changes_no_consumer_state(pair: Pair, kube: testi
 
 
 @pytest.mark.asyncio
+async def test_a_normal_topics_message_is_served_once_by_the_broker_it_was_sent_to_whoever_holds_its_slot(
+    pair: Pair, kube: testing.KubeAPI
+) -> None:
+    """A NORMAL topic is stored where it arrives, each broker its own queues (docs/scale-out.md), at R > 1 too:
+    its messages are not copied. They were, into the follower's own queue of the same name, which it served as
+    well: a consumer group got each message from both brokers (acked at one, delivered again by the other).
+    And a broker whose slot another holds (a failover) still takes and serves its own NORMAL queues."""
+    queue = model.QueueId("N", 0)
+    for broker in pair.brokers:
+        assert broker.store is not None
+        broker.store.put_parent_topic(model.ParentTopic("N", model.MessageType.NORMAL, queue_count=1))
+        broker.dispatcher.metadata_changed()
+
+    async def received(slot: int) -> list[tuple[str, str]]:
+        got = await pair.brokers[slot].dispatcher.receive_normal(
+            "c", "ng", "N", batch=8, invisible_ms=60_000, poll_ms=0
+        )
+        return [(d.message.message_id, d.receipt_handle) for d in got]
+
+    await pair.brokers[0].dispatcher.send([model.NewMessage("n-1", "N", b"x", (queue,))])
+    assert await received(1) == []
+    assert [m for m, _ in await received(0)] == ["n-1"]
+    follower, replication_1 = pair.brokers[1].store, pair.brokers[1].replication
+    assert follower is not None and follower.queue_offsets(queue)[1] == 0
+    assert replication_1 is not None and replication_1.follower is not None
+    older = model.NewMessage("n-0", "N", b"z", (queue,), epoch=1)  # an older owner's copy of one: passed over
+    copy = wire.encode(0, pair.leadership(0).epoch(0) or 0, [older], [model.AppendResult("n-0", (queue,), (0,), 1)])
+    assert await replication_1.follower.accept(copy) == {}
+    assert follower.queue_offsets(queue)[1] == 0
+    leadership = pair.leadership(0)
+    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+    lease = api.get(leadership.name(0))
+    assert lease is not None
+    api.write(lease, "someone-else", lease.transitions + 1, 60)  # an operator's forced failover
+    await eventually_async(lambda: leadership.epoch(0) is None, "broker 0 fenced")
+    await pair.brokers[0].dispatcher.send([model.NewMessage("n-2", "N", b"y", (queue,))])
+    ((message_id, handle),) = await received(0)
+    assert message_id == "n-2"
+    await pair.brokers[0].dispatcher.ack("ng", handle)
+
+
+@pytest.mark.asyncio
 async def test_one_list_reads_the_leases_of_this_release_only(pair: Pair, kube: testing.KubeAPI) -> None:
     leadership = pair.leadership(0)
     api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
