@@ -245,18 +245,21 @@ async def test_a_normal_topics_message_is_served_once_by_the_broker_it_was_sent_
     well: a consumer group got each message from both brokers (acked at one, delivered again by the other).
     And a broker whose slot another holds (a failover) still takes and serves its own NORMAL queues."""
     queue = model.QueueId("N", 0)
-    for broker in pair.brokers:
-        assert broker.store is not None
+    dispatchers = [b.dispatcher for b in pair.brokers]
+    for broker, dispatcher in zip(pair.brokers, dispatchers, strict=True):
+        assert broker.store is not None and dispatcher is not None
         broker.store.put_parent_topic(model.ParentTopic("N", model.MessageType.NORMAL, queue_count=1))
-        broker.dispatcher.metadata_changed()
+        dispatcher.metadata_changed()
+    owner = dispatchers[0]
+    assert owner is not None
 
     async def received(slot: int) -> list[tuple[str, str]]:
-        got = await pair.brokers[slot].dispatcher.receive_normal(
-            "c", "ng", "N", batch=8, invisible_ms=60_000, poll_ms=0
-        )
+        dispatcher = dispatchers[slot]
+        assert dispatcher is not None
+        got = await dispatcher.receive_normal("c", "ng", "N", batch=8, invisible_ms=60_000, poll_ms=0)
         return [(d.message.message_id, d.receipt_handle) for d in got]
 
-    await pair.brokers[0].dispatcher.send([model.NewMessage("n-1", "N", b"x", (queue,))])
+    await owner.send([model.NewMessage("n-1", "N", b"x", (queue,))])
     assert await received(1) == []
     assert [m for m, _ in await received(0)] == ["n-1"]
     follower, replication_1 = pair.brokers[1].store, pair.brokers[1].replication
@@ -272,10 +275,10 @@ async def test_a_normal_topics_message_is_served_once_by_the_broker_it_was_sent_
     assert lease is not None
     api.write(lease, "someone-else", lease.transitions + 1, 60)  # an operator's forced failover
     await eventually_async(lambda: leadership.epoch(0) is None, "broker 0 fenced")
-    await pair.brokers[0].dispatcher.send([model.NewMessage("n-2", "N", b"y", (queue,))])
+    await owner.send([model.NewMessage("n-2", "N", b"y", (queue,))])
     ((message_id, handle),) = await received(0)
     assert message_id == "n-2"
-    await pair.brokers[0].dispatcher.ack("ng", handle)
+    await owner.ack("ng", handle)
 
 
 @pytest.mark.asyncio
