@@ -38,6 +38,7 @@ from lmq_broker.replication import following, sockets, streams, wire
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.replication import setup as replication
 from lmq_broker.storage import store as lmq_store
+from lmq_broker.storage.api import Store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
 
@@ -270,10 +271,7 @@ async def test_a_normal_topics_message_is_served_once_by_the_broker_it_was_sent_
     assert await replication_1.follower.accept(copy) == {}
     assert follower.queue_offsets(queue)[1] == 0
     leadership = pair.leadership(0)
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    lease = api.get(leadership.name(0))
-    assert lease is not None
-    api.write(lease, "someone-else", lease.transitions + 1, 60)  # an operator's forced failover
+    take_lease(kube, leadership.name(0), "someone-else")
     await eventually_async(lambda: leadership.epoch(0) is None, "broker 0 fenced")
     await owner.send([model.NewMessage("n-2", "N", b"y", (queue,))])
     ((message_id, handle),) = await received(0)
@@ -803,23 +801,29 @@ async def test_a_follower_answers_a_commit_point_past_its_end_with_its_ends(pair
     assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 1, ())])) == {}
 
 
-@pytest.mark.asyncio
-async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_past_its_end(pair: Pair) -> None:
-    """A commit copy's hand-outs (delivery attempts) are stored with its point; hand-outs of records the
-    follower has not stored yet are trimmed to its end, the point itself is stored (answered {}, not clamped)."""
+async def two_sent(pair: Pair) -> tuple[following.Follower, int, model.QueueId, Store]:
+    """Two sends to a lite topic of slot 0 acknowledged: broker 1's follower, the epoch, the queue, its store."""
     lite = pair.lite_of(0)
     assert (await pair.send(0, lite, 0)).status.code == pb.OK
     assert (await pair.send(0, lite, 1)).status.code == pb.OK
     replication_1 = pair.brokers[1].replication
     epoch = pair.leadership(0).epoch(0)
     assert replication_1 is not None and replication_1.follower is not None and epoch is not None
-    queue, store = model.QueueId.lmq(PARENT, lite), pair.brokers[1].store
+    store = pair.brokers[1].store
     assert store is not None
+    return replication_1.follower, epoch, model.QueueId.lmq(PARENT, lite), store
+
+
+@pytest.mark.asyncio
+async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_past_its_end(pair: Pair) -> None:
+    """A commit copy's hand-outs (delivery attempts) are stored with its point; hand-outs of records the
+    follower has not stored yet are trimmed to its end, the point itself is stored (answered {}, not clamped)."""
+    follower, epoch, queue, store = await two_sent(pair)
     counted = wire.Commit(queue, GROUP, 0, (), model.Handouts(2, ((1, 3),)))
-    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [counted])) == {}
+    assert await follower.accept(wire.encode(0, epoch, [], [], [counted])) == {}
     assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 3),))
     ahead = wire.Commit(queue, GROUP, 1, (), model.Handouts(9, ((1, 4), (7, 2))))
-    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [ahead])) == {}
+    assert await follower.accept(wire.encode(0, epoch, [], [], [ahead])) == {}
     assert store.get_offset(queue, GROUP) == 1
     assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 4),))
 
@@ -829,20 +833,13 @@ async def test_a_follower_stores_only_the_acked_offsets_below_its_end_and_answer
     """Offsets acked above a commit point that lie at or past the follower's end name records it never got (a
     send refused, its copy lost): they are not stored (the new owner would pass over what it stores there next),
     and the copy is answered with the end, as a clamped point is: the owner does not count it as stored."""
-    lite = pair.lite_of(0)
-    assert (await pair.send(0, lite, 0)).status.code == pb.OK
-    assert (await pair.send(0, lite, 1)).status.code == pb.OK
-    replication_1 = pair.brokers[1].replication
-    epoch = pair.leadership(0).epoch(0)
-    assert replication_1 is not None and replication_1.follower is not None and epoch is not None
-    queue, store = model.QueueId.lmq(PARENT, lite), pair.brokers[1].store
-    assert store is not None
+    follower, epoch, queue, store = await two_sent(pair)
     past = wire.Commit(queue, GROUP, 0, (1, 2, 3))
-    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [past])) == {queue.topic: 2}
+    assert await follower.accept(wire.encode(0, epoch, [], [], [past])) == {queue.topic: 2}
     assert store.get_offset(queue, GROUP) == 0
     assert list(store.get_acked(queue, GROUP)) == [1]
     within = wire.Commit(queue, GROUP, 0, (1,))
-    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [within])) == {}
+    assert await follower.accept(wire.encode(0, epoch, [], [], [within])) == {}
 
 
 async def over_the_socket(repl: replication.Replication, endpoint: str, data: bytes) -> dict[str, int]:

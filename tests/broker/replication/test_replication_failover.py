@@ -585,6 +585,57 @@ async def receive_some(
     return got
 
 
+@dataclass
+class Two:
+    """Two broker processes with --replicas 2, leases of their own (``prefix``), and a lite topic of slot 0."""
+
+    tmp_path: Path
+    kube: kube_testing.KubeAPI
+    prefix: str
+    members: list[str]
+    brokers: list[testing.BrokerProcess]
+    lite: str
+    api: kube_api.ApiServer
+
+    @classmethod
+    def start(
+        cls, tmp_path: Path, kube: kube_testing.KubeAPI, prefix: str, follower_env: dict[str, str] | None = None
+    ) -> Two:
+        """Started; returns once broker 0 holds slot 0's lease and broker 1 is in sync with it."""
+        members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+        brokers = [start(tmp_path, kube, members, s, prefix=prefix, env=follower_env if s else None) for s in (0, 1)]
+        membership = mb.Membership.parse(",".join(members))
+        lite = next(
+            f"{prefix}{i}"
+            for i in range(1000)
+            if mb.owner(membership, model.QueueId.lmq(PARENT, f"{prefix}{i}").topic) == 0
+        )
+        api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+        two = cls(tmp_path, kube, prefix, members, brokers, lite, api)
+        try:
+            eventually(lambda: two.held_by(0), "broker 0 holds its lease")
+            eventually(lambda: two.in_sync(1), "broker 1 in sync")
+        except BaseException:
+            two.stop()
+            raise
+        return two
+
+    def held_by(self, slot: int) -> kube_api.Lease | None:
+        got = self.api.get(f"{self.prefix}-slot-0")
+        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
+
+    def in_sync(self, slot: int) -> bool:
+        return metric(self.brokers[slot], "lmq_replication_in_sync", slot="0") == 1
+
+    def restart(self, slot: int) -> None:
+        self.brokers[slot] = start(self.tmp_path, self.kube, self.members, slot, prefix=self.prefix)
+
+    def stop(self) -> None:
+        for b in self.brokers:
+            if b.alive():
+                b.stop()
+
+
 def test_an_ack_of_a_record_the_follower_lacks_never_skips_what_the_new_owner_stores_there(
     tmp_path: Path, kube: kube_testing.KubeAPI
 ) -> None:
@@ -593,21 +644,10 @@ def test_an_ack_of_a_record_the_follower_lacks_never_skips_what_the_new_owner_st
     After kill -9 of the owner the follower takes over and stores a new send at that offset, acknowledged once
     the old owner rejoined (its record cut): the consumer must receive it. Before the fix the follower stored the
     acked offset past its end as it came, and the new owner passed the acknowledged send over as acked."""
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
     lose = tmp_path / "lose-copies"  # while it exists, the follower loses every copy of messages sent to it
-    failpoint = {replication_setup.FAILPOINT_ENV: str(lose)}
-    brokers = [start(tmp_path, kube, members, s, prefix="ackgap", env=failpoint if s else None) for s in (0, 1)]
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    membership = mb.Membership.parse(",".join(members))
-    lite = next(f"g{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"g{i}").topic) == 0)
-
-    def held_by(slot: int) -> kube_api.Lease | None:
-        got = api.get("ackgap-slot-0")
-        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
-
+    two = Two.start(tmp_path, kube, "ackgap", {replication_setup.FAILPOINT_ENV: str(lose)})
+    members, brokers, lite = two.members, two.brokers, two.lite
     try:
-        eventually(lambda: held_by(0), "the owner holds its lease")
-        eventually(lambda: metric(brokers[1], "lmq_replication_in_sync", slot="0") == 1, "the follower in sync")
         assert asyncio.run(send_all(members[0], lite, 0, 2)) == [f"{lite}-0", f"{lite}-1"]  # offsets 0 and 1
         lose.touch()
         assert send_once(members[0], lite, 2).status.code == pb.INTERNAL_ERROR  # offset 2: at the owner only
@@ -624,16 +664,14 @@ def test_an_ack_of_a_record_the_follower_lacks_never_skips_what_the_new_owner_st
         )
         brokers[0].kill()
         lose.unlink()
-        eventually(lambda: held_by(1), "the follower took the lease", timeout_s=30)
-        brokers[0] = start(tmp_path, kube, members, 0, prefix="ackgap")  # back on its disk: its offset 2 is cut
-        eventually(lambda: metric(brokers[0], "lmq_replication_in_sync", slot="0") == 1, "the old owner in sync")
+        eventually(lambda: two.held_by(1), "the follower took the lease", timeout_s=30)
+        two.restart(0)  # back on its disk: its offset 2 is cut
+        eventually(lambda: two.in_sync(0), "the old owner in sync")
         reply = send_once(members[1], lite, 3)
         assert reply.status.code == pb.OK, reply.status.message  # stored at offset 2 at the new owner
         received = asyncio.run(receive_some(members[1], lite, 2))
     finally:
-        for b in brokers:
-            if b.alive():
-                b.stop()
+        two.stop()
     assert held(tmp_path / "b1", lite) == [f"{lite}-{n}" for n in (0, 1, 3)]
     assert f"{lite}-3" in received, received  # the acknowledged send at the offset the old owner's ack named
 
@@ -647,45 +685,30 @@ def test_a_broker_that_holds_a_slot_again_serves_its_consumers_from_the_commit_p
     again. Before the fix broker 1 served the group from the commit point it remembered from its own holding
     (its cache: "this broker is the only writer of offsets"), not from its store: the 5 acked at broker 0 came
     again."""
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, s, prefix="pingpong") for s in (0, 1)]
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    membership = mb.Membership.parse(",".join(members))
-    lite = next(f"p{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"p{i}").topic) == 0)
-
-    def held_by(slot: int) -> kube_api.Lease | None:
-        got = api.get("pingpong-slot-0")
-        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
-
-    def in_sync(slot: int) -> bool:
-        return metric(brokers[slot], "lmq_replication_in_sync", slot="0") == 1
-
+    two = Two.start(tmp_path, kube, "pingpong")
+    members, brokers, lite = two.members, two.brokers, two.lite
     try:
-        eventually(lambda: held_by(0), "broker 0 holds its lease")
-        eventually(lambda: in_sync(1), "broker 1 in sync")
         assert len(asyncio.run(send_all(members[0], lite, 0, 10))) == 10
         brokers[0].kill()  # its disk kept
-        eventually(lambda: held_by(1), "broker 1 took the lease", timeout_s=30)
-        brokers[0] = start(tmp_path, kube, members, 0, prefix="pingpong")
-        eventually(lambda: in_sync(0), "broker 0 back in sync")
+        eventually(lambda: two.held_by(1), "broker 1 took the lease", timeout_s=30)
+        two.restart(0)
+        eventually(lambda: two.in_sync(0), "broker 0 back in sync")
         acked: list[str] = []
         first = asyncio.run(receive_some(members[1], lite, 5, batch=5, acked=acked))
         assert first == acked == [f"{lite}-{n}" for n in range(5)]  # acked at broker 1: its commit point 5
         os.kill(brokers[1].process.pid, signal.SIGSTOP)  # a pause longer than its lease
         try:
-            eventually(lambda: held_by(0), "broker 0 took the lease back", timeout_s=30)
+            eventually(lambda: two.held_by(0), "broker 0 took the lease back", timeout_s=30)
         finally:
             os.kill(brokers[1].process.pid, signal.SIGCONT)
-        eventually(lambda: in_sync(1), "broker 1 in sync with broker 0's epoch")
+        eventually(lambda: two.in_sync(1), "broker 1 in sync with broker 0's epoch")
         second = asyncio.run(receive_some(members[0], lite, 5, acked=acked))
         assert second == acked[5:] == [f"{lite}-{n}" for n in range(5, 10)]  # acked at broker 0: on broker 1 too
         brokers[0].kill()
-        eventually(lambda: held_by(1), "broker 1 holds the slot again", timeout_s=30)
+        eventually(lambda: two.held_by(1), "broker 1 holds the slot again", timeout_s=30)
         again = asyncio.run(receive_some(members[1], lite, 10, wait_s=4))
     finally:
-        for b in brokers:
-            if b.alive():
-                b.stop()
+        two.stop()
     assert again == [], f"acked messages delivered again: {again}"
 
 
@@ -719,6 +742,14 @@ class Steady:
                     self.acked.append(f"{self._lite}-{n}")
 
 
+def acknowledged(endpoint: str, lite: str, n: int) -> bool:
+    """One send answered OK (False when refused, or when the broker cannot be reached: just restarted)."""
+    try:
+        return send_once(endpoint, lite, n).status.code == pb.OK
+    except grpc.aio.AioRpcError:
+        return False
+
+
 def test_kill_9_of_the_follower_then_of_the_owner_under_sends_loses_no_acknowledged_message(
     tmp_path: Path, kube: kube_testing.KubeAPI
 ) -> None:
@@ -726,19 +757,9 @@ def test_kill_9_of_the_follower_then_of_the_owner_under_sends_loses_no_acknowled
     after. The follower back first must not take the slot over (it is not reconciled with a live holder: the
     copies it missed are on the owner only), so the slot refuses sends; the owner back on its disk holds its
     lease again, the follower catches up, and both hold every acknowledged message once, in order."""
-    members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
-    brokers = [start(tmp_path, kube, members, s, prefix="double") for s in (0, 1)]
-    api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
-    membership = mb.Membership.parse(",".join(members))
-    lite = next(f"d{i}" for i in range(1000) if mb.owner(membership, model.QueueId.lmq(PARENT, f"d{i}").topic) == 0)
-
-    def held_by(slot: int) -> kube_api.Lease | None:
-        got = api.get("double-slot-0")
-        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
-
+    two = Two.start(tmp_path, kube, "double")
+    members, brokers, lite = two.members, two.brokers, two.lite
     try:
-        eventually(lambda: held_by(0), "the owner holds its lease")
-        eventually(lambda: metric(brokers[1], "lmq_replication_in_sync", slot="0") == 1, "the follower in sync")
         sender = Steady(members[0], lite)
         try:
             eventually(lambda: len(sender.acked) >= 30, "30 sends acknowledged")
@@ -747,22 +768,20 @@ def test_kill_9_of_the_follower_then_of_the_owner_under_sends_loses_no_acknowled
         finally:
             sender.stop()
         acked = list(sender.acked)
-        brokers[1] = start(tmp_path, kube, members, 1, prefix="double")
+        two.restart(1)
         until = time.monotonic() + 2 * LEASE_MS / 1000 + 1  # the owner's lease expired meanwhile
         while time.monotonic() < until:
-            assert held_by(1) is None, "the follower took the slot over without the copies it missed"
-            assert send_once(members[1], lite, 10_000).status.code != pb.OK
+            assert two.held_by(1) is None, "the follower took the slot over without the copies it missed"
+            assert not acknowledged(members[1], lite, 10_000)
             time.sleep(0.2)
-        brokers[0] = start(tmp_path, kube, members, 0, prefix="double")
-        eventually(lambda: send_once(members[0], lite, 10_001).status.code == pb.OK, "sends acknowledged again")
+        two.restart(0)
+        eventually(lambda: acknowledged(members[0], lite, 10_001), "sends acknowledged again")
         acked.append(f"{lite}-10001")
-        eventually(lambda: metric(brokers[1], "lmq_replication_in_sync", slot="0") == 1, "the follower in sync")
-        lease = held_by(0)
+        eventually(lambda: two.in_sync(1), "the follower in sync")
+        lease = two.held_by(0)
         assert lease is not None and lease.transitions == 0  # the owner kept its slot, in its epoch
     finally:
-        for b in brokers:
-            if b.alive():
-                b.stop()
+        two.stop()
     for slot in (0, 1):
         found = held(tmp_path / f"b{slot}", lite)
         # every acknowledged message once, in order; besides them only sends that were refused (or unanswered)
