@@ -74,11 +74,10 @@ class Slots:
         slot's epoch when held."""
         epochs: dict[int, int] = {}
         slots = [self._slot_of(m) for m in messages]
-        for slot, m in zip(slots, messages, strict=True):
-            if slot not in epochs:
-                if _lmq_of(m) is not None:
-                    self.owner(slot).admit()
-                epochs[slot] = self._leadership.epoch(slot) or 0
+        for slot in {s for s, m in zip(slots, messages, strict=True) if _lmq_of(m) is not None}:
+            self.owner(slot).admit()
+        for slot in set(slots):
+            epochs[slot] = self._leadership.epoch(slot) or 0
         return [_stamped(m, epochs[slot], slot) for m, slot in zip(messages, slots, strict=True)]
 
     def note(self, messages: Sequence[model.NewMessage]) -> None:
