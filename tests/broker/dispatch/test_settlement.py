@@ -206,14 +206,24 @@ async def test_a_commit_point_copied_in_from_the_slots_holder_is_what_the_key_is
     alone: Alone,
 ) -> None:
     """This broker held the slot (its commit point 1 remembered, a message out), lost it, and the holder's point
-    3 was copied into its store: should it hold the slot again, the key is served from 3, not from memory."""
-    state, (first, _) = await alone.leased(messages=4, out=2)
+    3 was copied into its store: should it hold the slot again, the key is served from 3, not from memory. The
+    handle of the message that was out is refused while nothing here says it was settled (an OK that settled
+    nothing delivered it again), answered OK once it is."""
+    state, (first, second) = await alone.leased(messages=4, out=2)
     await alone.settling.ack(GROUP, first)  # the point 1 remembered; offset 1 still out: the state is kept
     assert alone.table.get(alone.key) is state
     alone.store.commit_offset(alone.key.queue_id, GROUP, 3)  # as replication stores the holder's copy
     alone.settling.copied_in(alone.key.queue_id, GROUP)
     assert alone.table.get(alone.key) is None and state.gone  # whoever still holds it writes nothing of it
+    with pytest.raises(errors.InvalidReceiptHandle, match="moved to another broker"):
+        await alone.settling.ack(GROUP, second)  # no state says whether it was acked: refused, not an empty OK
     assert (await alone.settling.state_of(alone.key, ordered=True)).committed == 3
+    await alone.settling.ack(GROUP, second)  # its message settled by the copied point: answered OK
+    alone.store.commit_offset(alone.key.queue_id, GROUP, 1)  # a point below it (another state, the same rule)
+    alone.settling.copied_in(alone.key.queue_id, GROUP)
+    await alone.settling.state_of(alone.key, ordered=True)
+    with pytest.raises(errors.InvalidReceiptHandle, match="moved to another broker"):
+        await alone.settling.ack(GROUP, second)
 
 
 # --- where offset writes run -----------------------------------------------------------------------------------
