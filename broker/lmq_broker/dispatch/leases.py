@@ -57,6 +57,9 @@ RECEIPT_VERSION: Final = "r2"
 RECEIPT_SECRET_BYTES: Final = 32
 RECEIPT_TAG_BYTES: Final = 16
 NORMAL_WINDOW: Final = 1024  # in-flight messages per (normal queue, group)
+# Keys whose state ``drop`` forgot because replication stored another broker's commit point: remembered (with the
+# lease id their handles came before) so that such a handle is refused rather than settle nothing (``ack``)
+DROPPED_KEPT: Final = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +443,7 @@ class LeaseTable:
         self._expiries: list[tuple[int, int, LeaseKey]] = []
         self._seq = 0
         self._next_lease_id = 1
+        self._dropped: dict[LeaseKey, int] = {}  # key -> the lease id its dropped state's handles came before
 
     def get(self, key: LeaseKey) -> QueueLeases | None:
         return self._states.get(key)
@@ -471,6 +475,17 @@ class LeaseTable:
     def drop_topic(self, topic: str) -> None:
         for key in [k for k in self._states if k.topic == topic]:
             self._states.pop(key).gone = True
+
+    def drop(self, key: LeaseKey) -> None:
+        """Forget ``key``'s state for good, as ``drop_topic`` does (whoever still holds it writes nothing of it):
+        another broker's commit point of the key replaced it. A handle it issued is refused from then on (``ack``),
+        unless its message is settled by then."""
+        state = self._states.pop(key, None)
+        if state is not None:
+            state.gone = True
+            if len(self._dropped) >= DROPPED_KEPT:
+                self._dropped.clear()
+            self._dropped[key] = self._next_lease_id
 
     def in_flight(self) -> int:
         return sum(len(s.entries) for s in self._states.values())
@@ -509,6 +524,15 @@ class LeaseTable:
         it), is accepted; so is a handle issued before the key's state was opened, which settles nothing (its
         lite topic may have been deleted and re-created since, its offset naming another message: ``predates``)."""
         state = self._states.get(key)
+        if receipt.lease_id < self._dropped.get(key, 0) and (
+            state is None or not (receipt.offset < state.committed or state.settled(receipt.offset))
+        ):
+            # Issued by a state ``drop`` forgot (this broker held the queue's slot, lost it, and the holder's commit
+            # point came since): nothing here says whether its message was acked there. Settling nothing and
+            # answering OK would deliver it again after an OK; refused, it may come again (at-least-once).
+            raise errors.InvalidReceiptHandle(
+                "receipt handle from before this queue's slot moved to another broker: not settled here"
+            )
         if state is None or receipt.offset < state.committed or state.predates(receipt):
             return False
         if receipt.offset >= state.handed:

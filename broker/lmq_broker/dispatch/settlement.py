@@ -12,7 +12,8 @@ ack, by housekeeping and by ``resync``. A hand-out is never written on the reply
 memory still differs from the store (an ack meanwhile wrote it already, in its own commit: then nothing). A
 crash within that delay forgets those hand-outs, so their next attempt is understated by one. Idle keys drop
 their lease state; their commit point stays cached
-(``_committed``), since this broker is the only writer of offsets.
+(``_committed``), since this broker is the only writer of offsets while it serves the key (with replication, a
+follower's store takes the holder's commit points: ``copied_in`` drops what memory keeps of such a key).
 
 The store's index may be replaced while serving (a rebuild from the log): cached commit points are dropped,
 and lease state with leases out or unpersisted acks is *unverified* until it was checked against the rebuilt
@@ -130,11 +131,18 @@ class Settlement:
         changed = self._leases.ack(key, receipt)
         state = self._leases.get(key)
         if state is None or not (changed or key in self.dirty):
-            return  # nothing new, and what memory holds is persisted
+            # Nothing new, and what memory holds is persisted; its copy may still be under way (this ack sent
+            # again while the first waits for it): answered only once the followers hold it, as the first is
+            copying = self._copying.get(key)
+            if copying is not None:
+                await self._copied(copying)
+            return
         hi = await self.commit(key, state)  # raises when the write failed: the client learns the ack is not in
         copying = self._copying.get(key)
         if copying is not None:  # the followers' copy of this commit point (or of a newer one) is in too
             await self._copied(copying)
+        else:  # no copy made: none needed, or the slot's lease was lost while the write waited (then none is made)
+            self.check_fence(key.queue_id)
         if key in self.dirty and not self._is_persisted(key, receipt.offset):
             raise errors.TooManyRequests(
                 f"too many acknowledged ranges above the commit point of {key.topic} to persist "
@@ -395,6 +403,21 @@ class Settlement:
             self._leases.forget(key)
             self._persisted.pop(key, None)
             self._unverified.discard(key)
+
+    def copied_in(self, queue: model.QueueId, group: str) -> None:
+        """Replication stored the commit point of ``queue`` and ``group`` of the holder of the queue's slot here
+        (this broker follows that slot): what memory keeps of the key, from an earlier holding of the slot by
+        this broker, is no longer the store's. Dropped, so that once this broker holds the slot again the key is
+        read from the store (a commit point remembered from before served it from there: what was acked at the
+        other holder meanwhile was handed out again), and no write retried from memory goes over the copy."""
+        key = LeaseKey(queue.topic, queue.queue, group)
+        cached = self._committed.get(queue.topic)
+        if cached is not None:
+            cached.pop((queue.queue, group), None)
+        self._leases.drop(key)
+        self._persisted.pop(key, None)
+        self.dirty.discard(key)
+        self._unverified.discard(key)
 
     def forget_topic(self, topic: str) -> None:
         """A deleted lite topic: its lease state and offsets are gone (the store drops its offsets)."""

@@ -136,8 +136,8 @@ class Follower:
             for point in copy.commits:  # after the messages a fetch carries with them
                 within = self._within(point)
                 await self._commit(within)
-                if within.offset != point.offset:
-                    clamped[point.queue.topic] = within.offset
+                if within.offset != point.offset or len(within.acked) != len(point.acked):
+                    clamped[point.queue.topic] = self._next_offset(point.queue)  # it lacks what the point counts
                 else:  # hand-outs past this broker's end are trimmed, not refused: the point itself is stored
                     self._counters.commits_stored.labels("yes" if within.handouts.mark else "no").inc()
             return clamped
@@ -168,13 +168,16 @@ class Follower:
     def _within(self, point: wire.Commit) -> wire.Commit:
         """A commit point no further than this broker's end of its queue: the owner's consumers may have taken
         records that never reached this broker (nor were acknowledged): were it to take over, its own records at
-        those offsets would be skipped. Clamped, they may be delivered again (at-least-once), never skipped."""
+        those offsets would be skipped. Clamped, they may be delivered again (at-least-once), never skipped. The
+        same for the offsets acked above the point: only those below the end (``wire.acked_below``); and hand-outs."""
         end = self._next_offset(point.queue)
         if point.offset > end:
             return wire.Commit(point.queue, point.group, end, ())
         handouts = _handouts_within(point.offset, end, point.handouts)
-        return point if handouts is point.handouts else wire.Commit(point.queue, point.group, point.offset,
-                                                                     point.acked, handouts)  # fmt: skip
+        acked = wire.acked_below(point.acked, end)
+        if handouts is point.handouts and acked is point.acked:
+            return point
+        return wire.Commit(point.queue, point.group, point.offset, acked, handouts)
 
     async def _fresh(self, slot: int, copy: wire.Copy) -> list[model.NewMessage]:
         """The copy's messages not stored here yet; Conflict when one at an offset here is another message, or when
@@ -185,30 +188,31 @@ class Follower:
         ends: dict[model.QueueId, int] = {}  # the offset the next message of each queue takes here
         for message, offsets in zip(copy.messages, copy.offsets, strict=True):
             lmq = [(q, o) for q, o in zip(message.queues, offsets, strict=True) if q.topic.startswith(model.LMQ_PREFIX)]
-            if lmq:
-                queue, offset = lmq[0]
-                end = ends.get(queue)
-                if end is None:
-                    if queue.topic in self._recreated and not await self._deleted_here(queue):
+            if not lmq:  # a NORMAL topic's message, a dead letter: its broker's alone, served there (an older
+                continue  # owner's copy; stored here it was served twice: ``owning.Slots.copy``)
+            queue, offset = lmq[0]
+            end = ends.get(queue)
+            if end is None:
+                if queue.topic in self._recreated and not await self._deleted_here(queue):
+                    self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
+                end = ends[queue] = self._next_offset(queue)
+            if offset < end:
+                if await self._stored_id(queue, offset) != message.message_id:
+                    if not await self._recreated_at_holder(slot, queue, message.epoch):
+                        self._refuse(slot, f"{queue.topic} holds another message at {offset}")
+                    if queue.topic in self._recreated:
                         self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
-                    end = ends[queue] = self._next_offset(queue)
-                if offset < end:
-                    if await self._stored_id(queue, offset) != message.message_id:
-                        if not await self._recreated_at_holder(slot, queue, message.epoch):
-                            self._refuse(slot, f"{queue.topic} holds another message at {offset}")
-                        if queue.topic in self._recreated:
-                            self._refuse(slot, f"{queue.topic} {RECREATED} (offset {offset})")
-                        end = ends[queue] = self._next_offset(queue)  # deleted here too
-                    else:
-                        continue
-                if offset > end:
-                    self.out_of_sync(slot)
-                    self._counters.copies_refused.labels("out_of_sync").inc()
-                    raise errors.Conflict(
-                        f"slot {slot}: {queue.topic} ends at {end} here, the copy's next message is at {offset} (the "
-                        "holder lacks the records between): refused, not stored at other offsets"
-                    )
-                ends[queue] = end + 1
+                    end = ends[queue] = self._next_offset(queue)  # deleted here too
+                else:
+                    continue
+            if offset > end:
+                self.out_of_sync(slot)
+                self._counters.copies_refused.labels("out_of_sync").inc()
+                raise errors.Conflict(
+                    f"slot {slot}: {queue.topic} ends at {end} here, the copy's next message is at {offset} (the "
+                    "holder lacks the records between): refused, not stored at other offsets"
+                )
+            ends[queue] = end + 1
             out.append(message)
         return out
 

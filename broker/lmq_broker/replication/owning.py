@@ -67,13 +67,16 @@ class Slots:
         return found
 
     def admit(self, messages: Sequence[model.NewMessage]) -> Sequence[model.NewMessage]:
-        """Fenced unless this broker holds every slot of ``messages``; else them stamped with their slot's epoch
-        (the record keeps it: ``following`` finds where a rejoining replica's log diverged by it) and, those of
-        a lite topic, with their slot (the topic's slot from then on: ``recorded``)."""
+        """Fenced unless this broker holds every slot of the lite topics' ``messages``; else them stamped with
+        their slot's epoch (the record keeps it: ``following`` finds where a rejoining replica's log diverged by
+        it) and with their slot (the topic's slot from then on: ``recorded``). A message of no lite topic (a
+        NORMAL topic's, a dead letter) is this broker's alone (``copy``): never fenced, stamped with its own
+        slot's epoch when held."""
         epochs: dict[int, int] = {}
         slots = [self._slot_of(m) for m in messages]
-        for slot in set(slots):
+        for slot in {s for s, m in zip(slots, messages, strict=True) if _lmq_of(m) is not None}:
             self.owner(slot).admit()
+        for slot in set(slots):
             epochs[slot] = self._leadership.epoch(slot) or 0
         return [_stamped(m, epochs[slot], slot) for m, slot in zip(messages, slots, strict=True)]
 
@@ -122,12 +125,20 @@ class Slots:
         return found if found < self._slot_count() else -1
 
     async def copy(self, messages: Sequence[model.NewMessage], results: list[model.AppendResult]) -> None:
+        """Return once enough replicas of their slot stored the lite topics' ``messages``. Not the others (a
+        NORMAL topic's, a dead letter): those are stored where they arrive and served there, each broker its
+        own queues, as at --replicas 1 (docs/replication.md). A follower stored such copies in its own queue of
+        the same name, which it serves too: every such message was delivered twice, once by each broker."""
         self.note(messages)  # stored here: their topics' slots are recorded from now on
         parts: dict[int, tuple[list[model.NewMessage], list[model.AppendResult]]] = {}
         for m, r in zip(messages, results, strict=True):
+            if _lmq_of(m) is None:
+                continue
             part = parts.setdefault(self._slot_of(m), ([], []))
             part[0].append(m)
             part[1].append(r)
+        if not parts:
+            return
         if len(parts) == 1:
             ((slot, (ms, rs)),) = parts.items()
             await self.owner(slot).copy(ms, rs)
@@ -136,17 +147,17 @@ class Slots:
 
     def fence(self, queue: model.QueueId) -> None:
         """``dispatch.settlement``'s check before an ack: ``errors.Fenced`` unless this broker holds the lease of
-        the queue's slot now."""
+        the lite topic's slot now (another queue is this broker's alone: ``copy``)."""
         if queue.topic.startswith(model.LMQ_PREFIX):
             self.owner(self._acting_slot(queue.topic)).admit()
-        else:
-            self.owner(self._leadership.me).admit()
 
     def hands_out(self, queue: model.QueueId) -> bool:
         """``dispatch.delivery``'s check before a hand-out: False (counted) unless this broker holds the lease of
-        the queue's slot now, so a deposed owner leases nothing and counts no attempt; the holder delivers."""
-        slot = self._acting_slot(queue.topic) if queue.topic.startswith(model.LMQ_PREFIX) else self._leadership.me
-        return self.owner(slot).hands_out()
+        the lite topic's slot now, so a deposed owner leases nothing and counts no attempt; the holder delivers.
+        Another queue (a NORMAL topic's, a dead letter queue) is this broker's alone (``copy``): served here."""
+        if not queue.topic.startswith(model.LMQ_PREFIX):
+            return True
+        return self.owner(self._acting_slot(queue.topic)).hands_out()
 
     def followed(self, topic: str) -> bool:
         """``dispatch.settlement``'s question before an offset reset: is ``topic`` a lite topic of a slot this broker

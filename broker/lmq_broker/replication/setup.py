@@ -182,12 +182,6 @@ class Replication:
             min_insync=config.min_insync_replicas or config.replicas,
         )
 
-        async def commit(point: wire.Commit) -> None:
-            # on the loop when no writer holds the store (as the owner's settlement does): an ack waits for it
-            at = (point.queue, point.group, point.offset, point.acked, point.handouts)
-            if not store.try_commit_offset(*at):
-                await asyncio.to_thread(store.commit_offset, *at)
-
         async def stored_id(queue: model.QueueId, offset: int) -> str | None:
             found = await asyncio.to_thread(store.read, queue, offset, 1)
             return found[0].message_id if found and found[0].offset == offset else None
@@ -207,7 +201,7 @@ class Replication:
             append_copy,
             lambda q: store.queue_offsets(q)[1],
             stored_id,
-            commit,
+            functools.partial(_store_commit, store, dispatcher),
             self._counters,
             _Local(store, dispatcher, lambda t: self.slots.followed_slot(t), self._cuts, self._forget),  # noqa: PLW0108 (slots: below)
             self._diverge,
@@ -753,6 +747,16 @@ class _Handler(_GenericHandler):
         if method in (STREAM, STREAM_BINARY):  # either reads both layouts (``wire.decode``)
             return grpc.stream_stream_rpc_method_handler(self._replication.streaming(method))
         return grpc.unary_unary_rpc_method_handler(self._replication.serving(method))
+
+
+async def _store_commit(store: Store, dispatcher: Dispatcher, point: wire.Commit) -> None:
+    """A follower's store takes its holder's commit point: on the loop when no writer holds the store (as the
+    owner's settlement does: an ack waits for it); then what the dispatcher keeps of the key in memory goes, so
+    that should this broker hold the slot again it serves the key from its store."""
+    at = (point.queue, point.group, point.offset, point.acked, point.handouts)
+    if not store.try_commit_offset(*at):
+        await asyncio.to_thread(store.commit_offset, *at)
+    dispatcher.settlement.copied_in(point.queue, point.group)
 
 
 async def _expire_copy(store: Store, dispatcher: Dispatcher, min_age_ms: int, topic: str) -> bool:

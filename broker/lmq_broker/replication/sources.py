@@ -71,8 +71,8 @@ def points_of(store: Store, topic: str, groups: list[str]) -> list[wire.Commit]:
 def fetch(store: Store, slot: int, epoch: int, topic: str, start: int, *, binary: bool = False) -> bytes:
     """A copy of up to ``FETCH_MAX`` messages of ``topic`` from ``start`` (and ``FETCH_BYTES`` of bodies), with
     the topic's commit points that fall within them (read first: none points past the messages; a follower on
-    an empty disk gets them back). In ``wire``'s JSON layout unless the follower asked for the binary one (an
-    older follower does not)."""
+    an empty disk gets them back), without the offsets they ack past them. In ``wire``'s JSON layout unless the
+    follower asked for the binary one (an older follower does not)."""
     queue = model.QueueId(topic, 0)
     found = points_of(store, topic, [g.name for g in store.list_groups()])
     stored = _within_bytes(store.read(queue, start, FETCH_MAX))
@@ -80,7 +80,10 @@ def fetch(store: Store, slot: int, epoch: int, topic: str, start: int, *, binary
     results = [model.AppendResult(m.message_id, (queue,), (m.offset,), m.store_timestamp_ms) for m in stored]
     end = stored[-1].offset + 1 if stored else start
     encode = wire.encode if binary else wire.encode_json
-    return encode(slot, epoch, messages, results, [p for p in found if p.offset <= end])
+    # acked offsets past the page's end are left for the page that carries their messages (a follower answers a
+    # point that acks records it lacks as not stored: its reconcile would fail at every page but the last)
+    within = [wire.Commit(p.queue, p.group, p.offset, wire.acked_below(p.acked, end), p.handouts) for p in found]
+    return encode(slot, epoch, messages, results, [p for p in within if p.offset <= end])
 
 
 def page(store: Store, topic: str, start: int) -> tuple[list[model.NewMessage], list[model.AppendResult]]:

@@ -31,6 +31,7 @@ quiet micro-benchmark and ~10 % of a follower's samples under load; binary is th
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import struct
@@ -68,6 +69,16 @@ class Commit:
     offset: int
     acked: tuple[int, ...]
     handouts: model.Handouts = model.NO_HANDOUTS  # delivery attempts above the point (``dispatch.leases``)
+
+
+def acked_below(acked: tuple[int, ...], end: int) -> tuple[int, ...]:
+    """The offsets acked above a commit point that lie below ``end``, a queue's end at a replica (ascending, as a
+    store keeps them). One at or past it names a record that replica does not hold: stored there, it would settle
+    whatever the replica stores at that offset later (as the slot's next holder: an acknowledged send, never
+    delivered)."""
+    if not acked or acked[-1] < end:
+        return acked
+    return acked[: bisect.bisect_left(acked, end)]
 
 
 def is_binary(data: bytes) -> bool:

@@ -140,6 +140,92 @@ async def test_a_refused_commit_copy_is_counted_once_per_ack_it_refused_and_neve
     assert len(told) == 1
 
 
+async def test_an_ack_sent_again_while_its_commit_copy_is_under_way_waits_for_that_copy(alone: Alone) -> None:
+    """A client that sends an ack again (its first call timed out while the commit copy waited for a slow
+    follower) is answered as the first one is: once the copy is stored, refused when it is. Answered OK at once
+    (nothing new to write), a kill -9 of the owner before the copy landed let the follower that took over
+    deliver the message again although an AckMessage had been answered OK."""
+    _, (handle,) = await alone.leased(messages=2, out=1)
+    copies: list[asyncio.Future[None]] = []
+
+    def committed(
+        _queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int], _handouts: model.Handouts
+    ) -> asyncio.Future[None]:
+        copies.append(asyncio.get_running_loop().create_future())
+        return copies[-1]
+
+    alone.settling.committed = committed
+    first = asyncio.create_task(alone.settling.ack(GROUP, handle))
+    await eventually_async(lambda: len(copies) == 1, "the ack's commit copy under way")
+    again = asyncio.create_task(alone.settling.ack(GROUP, handle))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not again.done(), "the ack sent again was answered before its commit point's copy was stored"
+    copies[0].set_exception(errors.NotEnoughReplicas("not enough in-sync replicas of slot 0 stored the ack"))
+    for acking in (first, again):
+        with pytest.raises(errors.NotEnoughReplicas):
+            await acking
+    third = asyncio.create_task(alone.settling.ack(GROUP, handle))  # the client's next retry writes it again
+    await eventually_async(lambda: len(copies) == 2, "the retry's commit copy under way")
+    copies[1].set_result(None)
+    await third
+    assert alone.store.get_offset(alone.key.queue_id, GROUP) == 1
+
+
+async def test_an_ack_whose_slot_was_lost_while_its_write_waited_is_refused_not_answered_uncopied(
+    alone: Alone,
+) -> None:
+    """The fence let the ack in, then its offset write waited (another writer held the store) while the slot's
+    lease was lost: replication makes no commit copy for a slot it no longer holds (``owning.Slots.committed``
+    answers None). Answered OK, the ack was on no follower: the new holder delivered the message again."""
+    _, (handle,) = await alone.leased(messages=2, out=1)
+    held = [True]
+
+    def fence(_queue: model.QueueId) -> None:
+        if not held[0]:
+            raise errors.Fenced("this broker does not hold the lease of slot 0 now")
+
+    def committed(
+        _queue: model.QueueId, _group: str, _offset: int, _acked: Sequence[int], _handouts: model.Handouts
+    ) -> asyncio.Future[None] | None:
+        assert not held[0]
+        return None  # as ``owning.Slots.committed`` for a slot this broker does not hold
+
+    alone.settling.fence, alone.settling.committed = fence, committed
+    with another_writer(alone.store):
+        acking = asyncio.create_task(alone.settling.ack(GROUP, handle))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not acking.done()  # past the fence, its write waiting for the store
+        held[0] = False  # the lease lost meanwhile
+    with pytest.raises(errors.Fenced):
+        await asyncio.wait_for(acking, 10)
+
+
+async def test_a_commit_point_copied_in_from_the_slots_holder_is_what_the_key_is_served_from_next(
+    alone: Alone,
+) -> None:
+    """This broker held the slot (its commit point 1 remembered, a message out), lost it, and the holder's point
+    3 was copied into its store: should it hold the slot again, the key is served from 3, not from memory. The
+    handle of the message that was out is refused while nothing here says it was settled (an OK that settled
+    nothing delivered it again), answered OK once it is."""
+    state, (first, second) = await alone.leased(messages=4, out=2)
+    await alone.settling.ack(GROUP, first)  # the point 1 remembered; offset 1 still out: the state is kept
+    assert alone.table.get(alone.key) is state
+    alone.store.commit_offset(alone.key.queue_id, GROUP, 3)  # as replication stores the holder's copy
+    alone.settling.copied_in(alone.key.queue_id, GROUP)
+    assert alone.table.get(alone.key) is None and state.gone  # whoever still holds it writes nothing of it
+    with pytest.raises(errors.InvalidReceiptHandle, match="moved to another broker"):
+        await alone.settling.ack(GROUP, second)  # no state says whether it was acked: refused, not an empty OK
+    assert (await alone.settling.state_of(alone.key, ordered=True)).committed == 3
+    await alone.settling.ack(GROUP, second)  # its message settled by the copied point: answered OK
+    alone.store.commit_offset(alone.key.queue_id, GROUP, 1)  # a point below it (another state, the same rule)
+    alone.settling.copied_in(alone.key.queue_id, GROUP)
+    await alone.settling.state_of(alone.key, ordered=True)
+    with pytest.raises(errors.InvalidReceiptHandle, match="moved to another broker"):
+        await alone.settling.ack(GROUP, second)
+
+
 # --- where offset writes run -----------------------------------------------------------------------------------
 
 

@@ -107,6 +107,37 @@ def test_a_fetch_is_a_page_of_at_most_fetch_bytes_of_bodies(tmp_path: Path, monk
     assert pages == [["m0", "m1"], ["m2"], ["m3"], ["m4"]]
 
 
+@pytest.mark.asyncio
+async def test_a_reconcile_over_pages_brings_the_commit_points_whose_acks_lie_past_the_first_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's point with offsets acked above it that lie past the first Fetch page: each page carries the
+    point with only the acks within it (the follower answers a point acking records it lacks as not stored,
+    which failed the reconcile at every page but the last), and the last page the whole of it."""
+    monkeypatch.setattr(sources, "FETCH_MAX", 2)
+    holder = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path / "holder"))
+    mine = lmq_store.LmqStore(StoreConfig(data_dir=tmp_path / "follower"))
+    try:
+        holder.put_parent_topic(model.ParentTopic("P", model.MessageType.LITE))
+        holder.put_group(model.LiteGroup("G", "P"))
+        holder.append([model.NewMessage(f"m{n}", "P", b"x", (LITE_A,)) for n in range(5)])
+        holder.commit_offset(LITE_A, "G", 0, (1, 2, 3, 4))
+
+        async def ends(at: int, slot: int, cursor: str) -> tuple[dict[str, int], str | None]:
+            return sources.ends_page(holder, slot, lambda topic: 0, cursor, sources.SCAN_PAGE)
+
+        async def fetch(at: int, slot: int, topic: str, start: int) -> bytes:
+            return sources.fetch(holder, slot, 1, topic, start, binary=True)
+
+        follower = _follower_of(mine)
+        assert await follower.reconcile(0, ends, fetch)
+        assert len(_held(mine)) == 5
+        assert (mine.get_offset(LITE_A, "G"), list(mine.get_acked(LITE_A, "G"))) == (0, [1, 2, 3, 4])
+    finally:
+        holder.close()
+        mine.close()
+
+
 class _Leader(_Leases):
     """The lease as a follower of slot 0 sees it: slot 0's broker holds it at epoch 1."""
 

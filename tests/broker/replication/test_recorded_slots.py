@@ -168,6 +168,18 @@ def test_a_normal_topics_message_is_not_stamped_with_a_slot(store: Store) -> Non
     assert (stamped.slot, stamped.epoch) == (-1, 2)
 
 
+def test_a_normal_topics_message_is_admitted_without_the_lease_but_not_a_lite_one_beside_it(store: Store) -> None:
+    """A NORMAL topic's message is its broker's alone (not replicated): admitted whoever holds the broker's slot
+    (epoch 0 then). A lite topic's message of that slot in the same batch is still fenced."""
+    held = Held(me=1)  # another broker holds slot 1 (a failover)
+    normal = model.NewMessage("n-1", "N", b"x", (model.QueueId("N", 0),))
+    slots = slots_over(store, held, lambda topic: 1)
+    (stamped,) = slots.admit([normal])
+    assert (stamped.slot, stamped.epoch) == (-1, 0)
+    with pytest.raises(errors.Fenced):
+        slots.admit([normal, lite("x")])
+
+
 def test_a_copy_carries_the_recorded_slot_and_an_older_copy_reads_as_not_recorded() -> None:
     m = dataclasses.replace(lite("x"), slot=3, epoch=9)
     result = model.AppendResult(m.message_id, m.queues, (0, 7), 0)

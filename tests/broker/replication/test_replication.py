@@ -38,6 +38,7 @@ from lmq_broker.replication import following, sockets, streams, wire
 from lmq_broker.replication import kube as kube_api
 from lmq_broker.replication import setup as replication
 from lmq_broker.storage import store as lmq_store
+from lmq_broker.storage.api import Store
 from lmq_broker.supervisor import free_ports
 from lmq_operator import testing
 
@@ -234,6 +235,48 @@ async def test_a_deposed_owner_changes_no_consumer_state(pair: Pair, kube: testi
     store = pair.brokers[0].store
     assert store is not None
     assert store.queue_offsets(model.QueueId(f"%DLQ%{GROUP}", 0))[1] == 0  # no dead letter stored either
+
+
+@pytest.mark.asyncio
+async def test_a_normal_topics_message_is_served_once_by_the_broker_it_was_sent_to_whoever_holds_its_slot(
+    pair: Pair, kube: testing.KubeAPI
+) -> None:
+    """A NORMAL topic is stored where it arrives, each broker its own queues (docs/scale-out.md), at R > 1 too:
+    its messages are not copied. They were, into the follower's own queue of the same name, which it served as
+    well: a consumer group got each message from both brokers (acked at one, delivered again by the other).
+    And a broker whose slot another holds (a failover) still takes and serves its own NORMAL queues."""
+    queue = model.QueueId("N", 0)
+    dispatchers = [b.dispatcher for b in pair.brokers]
+    for broker, dispatcher in zip(pair.brokers, dispatchers, strict=True):
+        assert broker.store is not None and dispatcher is not None
+        broker.store.put_parent_topic(model.ParentTopic("N", model.MessageType.NORMAL, queue_count=1))
+        dispatcher.metadata_changed()
+    owner = dispatchers[0]
+    assert owner is not None
+
+    async def received(slot: int) -> list[tuple[str, str]]:
+        dispatcher = dispatchers[slot]
+        assert dispatcher is not None
+        got = await dispatcher.receive_normal("c", "ng", "N", batch=8, invisible_ms=60_000, poll_ms=0)
+        return [(d.message.message_id, d.receipt_handle) for d in got]
+
+    await owner.send([model.NewMessage("n-1", "N", b"x", (queue,))])
+    assert await received(1) == []
+    assert [m for m, _ in await received(0)] == ["n-1"]
+    follower, replication_1 = pair.brokers[1].store, pair.brokers[1].replication
+    assert follower is not None and follower.queue_offsets(queue)[1] == 0
+    assert replication_1 is not None and replication_1.follower is not None
+    older = model.NewMessage("n-0", "N", b"z", (queue,), epoch=1)  # an older owner's copy of one: passed over
+    copy = wire.encode(0, pair.leadership(0).epoch(0) or 0, [older], [model.AppendResult("n-0", (queue,), (0,), 1)])
+    assert await replication_1.follower.accept(copy) == {}
+    assert follower.queue_offsets(queue)[1] == 0
+    leadership = pair.leadership(0)
+    take_lease(kube, leadership.name(0), "someone-else")
+    await eventually_async(lambda: leadership.epoch(0) is None, "broker 0 fenced")
+    await owner.send([model.NewMessage("n-2", "N", b"y", (queue,))])
+    ((message_id, handle),) = await received(0)
+    assert message_id == "n-2"
+    await owner.ack("ng", handle)
 
 
 @pytest.mark.asyncio
@@ -758,25 +801,45 @@ async def test_a_follower_answers_a_commit_point_past_its_end_with_its_ends(pair
     assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [wire.Commit(queue, GROUP, 1, ())])) == {}
 
 
-@pytest.mark.asyncio
-async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_past_its_end(pair: Pair) -> None:
-    """A commit copy's hand-outs (delivery attempts) are stored with its point; hand-outs of records the
-    follower has not stored yet are trimmed to its end, the point itself is stored (answered {}, not clamped)."""
+async def two_sent(pair: Pair) -> tuple[following.Follower, int, model.QueueId, Store]:
+    """Two sends to a lite topic of slot 0 acknowledged: broker 1's follower, the epoch, the queue, its store."""
     lite = pair.lite_of(0)
     assert (await pair.send(0, lite, 0)).status.code == pb.OK
     assert (await pair.send(0, lite, 1)).status.code == pb.OK
     replication_1 = pair.brokers[1].replication
     epoch = pair.leadership(0).epoch(0)
     assert replication_1 is not None and replication_1.follower is not None and epoch is not None
-    queue, store = model.QueueId.lmq(PARENT, lite), pair.brokers[1].store
+    store = pair.brokers[1].store
     assert store is not None
+    return replication_1.follower, epoch, model.QueueId.lmq(PARENT, lite), store
+
+
+@pytest.mark.asyncio
+async def test_a_follower_stores_hand_outs_with_a_commit_point_and_trims_those_past_its_end(pair: Pair) -> None:
+    """A commit copy's hand-outs (delivery attempts) are stored with its point; hand-outs of records the
+    follower has not stored yet are trimmed to its end, the point itself is stored (answered {}, not clamped)."""
+    follower, epoch, queue, store = await two_sent(pair)
     counted = wire.Commit(queue, GROUP, 0, (), model.Handouts(2, ((1, 3),)))
-    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [counted])) == {}
+    assert await follower.accept(wire.encode(0, epoch, [], [], [counted])) == {}
     assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 3),))
     ahead = wire.Commit(queue, GROUP, 1, (), model.Handouts(9, ((1, 4), (7, 2))))
-    assert await replication_1.follower.accept(wire.encode(0, epoch, [], [], [ahead])) == {}
+    assert await follower.accept(wire.encode(0, epoch, [], [], [ahead])) == {}
     assert store.get_offset(queue, GROUP) == 1
     assert store.get_handouts(queue, GROUP) == model.Handouts(2, ((1, 4),))
+
+
+@pytest.mark.asyncio
+async def test_a_follower_stores_only_the_acked_offsets_below_its_end_and_answers_with_its_ends(pair: Pair) -> None:
+    """Offsets acked above a commit point that lie at or past the follower's end name records it never got (a
+    send refused, its copy lost): they are not stored (the new owner would pass over what it stores there next),
+    and the copy is answered with the end, as a clamped point is: the owner does not count it as stored."""
+    follower, epoch, queue, store = await two_sent(pair)
+    past = wire.Commit(queue, GROUP, 0, (1, 2, 3))
+    assert await follower.accept(wire.encode(0, epoch, [], [], [past])) == {queue.topic: 2}
+    assert store.get_offset(queue, GROUP) == 0
+    assert list(store.get_acked(queue, GROUP)) == [1]
+    within = wire.Commit(queue, GROUP, 0, (1,))
+    assert await follower.accept(wire.encode(0, epoch, [], [], [within])) == {}
 
 
 async def over_the_socket(repl: replication.Replication, endpoint: str, data: bytes) -> dict[str, int]:

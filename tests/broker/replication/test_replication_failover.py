@@ -9,7 +9,10 @@ import collections
 import contextlib
 import functools
 import itertools
+import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -536,3 +539,251 @@ def test_a_follower_whose_reconcile_failed_is_in_sync_again_on_its_own_and_takes
             if b.alive():
                 b.stop()
     assert held(tmp_path / "b1", lite) == acked  # every acknowledged message, once and in order
+
+
+async def receive_some(
+    endpoint: str,
+    lite: str,
+    want: int,
+    *,
+    ack_from: int = 0,
+    batch: int = 8,
+    wait_s: float = 10,
+    acked: list[str] | None = None,
+) -> list[str]:
+    """Subscribe ``lite`` at ``endpoint`` (no offset option: the group's commit point as stored there) and
+    receive until ``want`` messages came (or ``wait_s``), ``batch`` at most a call, invisible for 60 s; ack only
+    those whose body (the send's number) is ``ack_from`` or more (their ids to ``acked`` when answered OK). The
+    ids received, in order."""
+    group, parent = pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+    got: list[str] = []
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_grpc.MessagingServiceStub(channel)
+        sync = spb.SyncLiteSubscriptionRequest(action=pb.PARTIAL_ADD, topic=parent, group=group, lite_topic_set=[lite])
+        assert (await stub.SyncLiteSubscription(sync, metadata=CONSUMER)).status.code == pb.OK
+        request = spb.ReceiveMessageRequest(
+            group=group, message_queue=pb.MessageQueue(topic=parent), batch_size=min(batch, want - len(got))
+        )
+        request.invisible_duration.FromSeconds(60)
+        request.long_polling_timeout.FromSeconds(1)
+        deadline = time.monotonic() + wait_s
+        while len(got) < want and time.monotonic() < deadline:
+            request.batch_size = min(batch, want - len(got))
+            frames = [f async for f in stub.ReceiveMessage(request, metadata=CONSUMER, timeout=5)]
+            messages = [f.message for f in frames if f.HasField("message")]
+            got += [m.system_properties.message_id for m in messages]
+            props = [m.system_properties for m in messages if int(m.body) >= ack_from]
+            entries = [
+                spb.AckMessageEntry(message_id=p.message_id, receipt_handle=p.receipt_handle, lite_topic=lite)
+                for p in props
+            ]
+            if entries:  # answered or refused alike: what counts is what the follower stored
+                ack = spb.AckMessageRequest(group=group, topic=parent, entries=entries)
+                reply = await stub.AckMessage(ack, metadata=CONSUMER)
+                if acked is not None and reply.status.code == pb.OK:
+                    acked += [e.message_id for e in entries]
+    return got
+
+
+@dataclass
+class Two:
+    """Two broker processes with --replicas 2, leases of their own (``prefix``), and a lite topic of slot 0."""
+
+    tmp_path: Path
+    kube: kube_testing.KubeAPI
+    prefix: str
+    members: list[str]
+    brokers: list[testing.BrokerProcess]
+    lite: str
+    api: kube_api.ApiServer
+
+    @classmethod
+    def start(
+        cls, tmp_path: Path, kube: kube_testing.KubeAPI, prefix: str, follower_env: dict[str, str] | None = None
+    ) -> Two:
+        """Started; returns once broker 0 holds slot 0's lease and broker 1 is in sync with it."""
+        members = [f"127.0.0.1:{p}" for p in free_ports("127.0.0.1", 2)]
+        brokers = [start(tmp_path, kube, members, s, prefix=prefix, env=follower_env if s else None) for s in (0, 1)]
+        membership = mb.Membership.parse(",".join(members))
+        lite = next(
+            f"{prefix}{i}"
+            for i in range(1000)
+            if mb.owner(membership, model.QueueId.lmq(PARENT, f"{prefix}{i}").topic) == 0
+        )
+        api = kube_api.ApiServer(kube.server, kube.token, kube.ca_file, "default")
+        two = cls(tmp_path, kube, prefix, members, brokers, lite, api)
+        try:
+            eventually(lambda: two.held_by(0), "broker 0 holds its lease")
+            eventually(lambda: two.in_sync(1), "broker 1 in sync")
+        except BaseException:
+            two.stop()
+            raise
+        return two
+
+    def held_by(self, slot: int) -> kube_api.Lease | None:
+        got = self.api.get(f"{self.prefix}-slot-0")
+        return got if got is not None and got.holder.startswith(f"slot-{slot}/") else None
+
+    def in_sync(self, slot: int) -> bool:
+        return metric(self.brokers[slot], "lmq_replication_in_sync", slot="0") == 1
+
+    def restart(self, slot: int) -> None:
+        self.brokers[slot] = start(self.tmp_path, self.kube, self.members, slot, prefix=self.prefix)
+
+    def stop(self) -> None:
+        for b in self.brokers:
+            if b.alive():
+                b.stop()
+
+
+def test_an_ack_of_a_record_the_follower_lacks_never_skips_what_the_new_owner_stores_there(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """A consumer at the owner acks, above a message it holds unacked, a message whose send was refused (stored
+    at the owner only: its copy lost on the way). The commit copy reaches the follower, which lacks that offset.
+    After kill -9 of the owner the follower takes over and stores a new send at that offset, acknowledged once
+    the old owner rejoined (its record cut): the consumer must receive it. Before the fix the follower stored the
+    acked offset past its end as it came, and the new owner passed the acknowledged send over as acked."""
+    lose = tmp_path / "lose-copies"  # while it exists, the follower loses every copy of messages sent to it
+    two = Two.start(tmp_path, kube, "ackgap", {replication_setup.FAILPOINT_ENV: str(lose)})
+    members, brokers, lite = two.members, two.brokers, two.lite
+    try:
+        assert asyncio.run(send_all(members[0], lite, 0, 2)) == [f"{lite}-0", f"{lite}-1"]  # offsets 0 and 1
+        lose.touch()
+        assert send_once(members[0], lite, 2).status.code == pb.INTERNAL_ERROR  # offset 2: at the owner only
+        # offset 0 received and held unacked; 1 and 2 acked above it: the commit point 0, acked {1, 2}
+        assert asyncio.run(receive_some(members[0], lite, 3, ack_from=1)) == [f"{lite}-{n}" for n in range(3)]
+        eventually(
+            lambda: (
+                metric(brokers[1], "lmq_replication_commits_stored_total", handouts="yes")
+                + metric(brokers[1], "lmq_replication_commits_stored_total", handouts="no")
+                + metric(brokers[1], "lmq_replication_copies_refused_total", reason="out_of_sync")
+                >= 1
+            ),
+            "the acks' commit copy reached the follower",
+        )
+        brokers[0].kill()
+        lose.unlink()
+        eventually(lambda: two.held_by(1), "the follower took the lease", timeout_s=30)
+        two.restart(0)  # back on its disk: its offset 2 is cut
+        eventually(lambda: two.in_sync(0), "the old owner in sync")
+        reply = send_once(members[1], lite, 3)
+        assert reply.status.code == pb.OK, reply.status.message  # stored at offset 2 at the new owner
+        received = asyncio.run(receive_some(members[1], lite, 2))
+    finally:
+        two.stop()
+    assert held(tmp_path / "b1", lite) == [f"{lite}-{n}" for n in (0, 1, 3)]
+    assert f"{lite}-3" in received, received  # the acknowledged send at the offset the old owner's ack named
+
+
+def test_a_broker_that_holds_a_slot_again_serves_its_consumers_from_the_commit_points_copied_meanwhile(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """Broker 1 holds slot 0 (a failover) and a consumer acks 5 messages there; broker 1 is paused (SIGSTOP)
+    past its lease, broker 0 takes the slot back and the consumer acks the other 5 there (their commit copies
+    stored at broker 1); kill -9 of broker 0: broker 1 holds the slot again. Nothing acked may be delivered
+    again. Before the fix broker 1 served the group from the commit point it remembered from its own holding
+    (its cache: "this broker is the only writer of offsets"), not from its store: the 5 acked at broker 0 came
+    again."""
+    two = Two.start(tmp_path, kube, "pingpong")
+    members, brokers, lite = two.members, two.brokers, two.lite
+    try:
+        assert len(asyncio.run(send_all(members[0], lite, 0, 10))) == 10
+        brokers[0].kill()  # its disk kept
+        eventually(lambda: two.held_by(1), "broker 1 took the lease", timeout_s=30)
+        two.restart(0)
+        eventually(lambda: two.in_sync(0), "broker 0 back in sync")
+        acked: list[str] = []
+        first = asyncio.run(receive_some(members[1], lite, 5, batch=5, acked=acked))
+        assert first == acked == [f"{lite}-{n}" for n in range(5)]  # acked at broker 1: its commit point 5
+        os.kill(brokers[1].process.pid, signal.SIGSTOP)  # a pause longer than its lease
+        try:
+            eventually(lambda: two.held_by(0), "broker 0 took the lease back", timeout_s=30)
+        finally:
+            os.kill(brokers[1].process.pid, signal.SIGCONT)
+        eventually(lambda: two.in_sync(1), "broker 1 in sync with broker 0's epoch")
+        second = asyncio.run(receive_some(members[0], lite, 5, acked=acked))
+        assert second == acked[5:] == [f"{lite}-{n}" for n in range(5, 10)]  # acked at broker 0: on broker 1 too
+        brokers[0].kill()
+        eventually(lambda: two.held_by(1), "broker 1 holds the slot again", timeout_s=30)
+        again = asyncio.run(receive_some(members[1], lite, 10, wait_s=4))
+    finally:
+        two.stop()
+    assert again == [], f"acked messages delivered again: {again}"
+
+
+class Steady:
+    """Sends to one lite topic through one broker, one after another (3 s each at most), in a thread of its
+    own; the ids acknowledged, in order."""
+
+    def __init__(self, endpoint: str, lite: str) -> None:
+        self.acked: list[str] = []
+        self._endpoint, self._lite = endpoint, lite
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="steady-sender")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the sender did not stop"
+
+    async def _run(self) -> None:
+        async with grpc.aio.insecure_channel(self._endpoint) as channel:
+            for n in itertools.count():
+                if self._stop.is_set():
+                    return
+                try:
+                    reply = await asyncio.wait_for(send_one(channel, self._lite, n), 3)
+                except (grpc.aio.AioRpcError, TimeoutError):
+                    await asyncio.sleep(0.05)
+                    continue
+                if reply.status.code == pb.OK:
+                    self.acked.append(f"{self._lite}-{n}")
+
+
+def acknowledged(endpoint: str, lite: str, n: int) -> bool:
+    """One send answered OK (False when refused, or when the broker cannot be reached: just restarted)."""
+    try:
+        return send_once(endpoint, lite, n).status.code == pb.OK
+    except grpc.aio.AioRpcError:
+        return False
+
+
+def test_kill_9_of_the_follower_then_of_the_owner_under_sends_loses_no_acknowledged_message(
+    tmp_path: Path, kube: kube_testing.KubeAPI
+) -> None:
+    """A double fault with both disks kept: the follower killed -9 while copies are under way, the owner right
+    after. The follower back first must not take the slot over (it is not reconciled with a live holder: the
+    copies it missed are on the owner only), so the slot refuses sends; the owner back on its disk holds its
+    lease again, the follower catches up, and both hold every acknowledged message once, in order."""
+    two = Two.start(tmp_path, kube, "double")
+    members, brokers, lite = two.members, two.brokers, two.lite
+    try:
+        sender = Steady(members[0], lite)
+        try:
+            eventually(lambda: len(sender.acked) >= 30, "30 sends acknowledged")
+            brokers[1].kill()  # copies under way
+            brokers[0].kill()
+        finally:
+            sender.stop()
+        acked = list(sender.acked)
+        two.restart(1)
+        until = time.monotonic() + 2 * LEASE_MS / 1000 + 1  # the owner's lease expired meanwhile
+        while time.monotonic() < until:
+            assert two.held_by(1) is None, "the follower took the slot over without the copies it missed"
+            assert not acknowledged(members[1], lite, 10_000)
+            time.sleep(0.2)
+        two.restart(0)
+        eventually(lambda: acknowledged(members[0], lite, 10_001), "sends acknowledged again")
+        acked.append(f"{lite}-10001")
+        eventually(lambda: two.in_sync(1), "the follower in sync")
+        lease = two.held_by(0)
+        assert lease is not None and lease.transitions == 0  # the owner kept its slot, in its epoch
+    finally:
+        two.stop()
+    for slot in (0, 1):
+        found = held(tmp_path / f"b{slot}", lite)
+        # every acknowledged message once, in order; besides them only sends that were refused (or unanswered)
+        assert [m for m in found if m in acked] == acked, slot
+    assert held(tmp_path / "b0", lite) == held(tmp_path / "b1", lite)
