@@ -19,7 +19,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -109,6 +109,10 @@ struct Shared {
     max_unread: usize, // request messages handed to Python and not yet taken by its handler (read-ahead bound)
     stats: Stats,
     forwarding: forward::Forwarding, // --native-forward: sends forwarded to a sibling without Python (forward.rs)
+    // Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS; `Server.limit_streams`,
+    // --max-streams-per-connection): a client past it has its new streams refused (REFUSED_STREAM, which gRPC
+    // clients retry), so a connection that opens streams and sends nothing on them holds a bounded amount here.
+    max_streams: AtomicU32,
 }
 
 /// One call's reply side: frames to hyper, and whether its trailers are sent.
@@ -524,13 +528,14 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     mut stopping: watch::Receiver<bool>,
 ) {
     let peer: Arc<str> = Arc::from(peer_name(&addr));
+    let max_streams = shared.max_streams.load(Ordering::Relaxed);
     let service = service_fn(move |req| handle(req, shared.clone(), peer.clone()));
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(60))
         .keep_alive_timeout(Duration::from_secs(20))
-        .max_concurrent_streams(u32::MAX)
+        .max_concurrent_streams(max_streams)
         .initial_stream_window_size(1 << 20)
         .initial_connection_window_size(16 << 20);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
@@ -653,9 +658,15 @@ impl Server {
             max_unread: max_unread_requests.max(1),
             stats: Stats::default(),
             forwarding: forward::Forwarding::default(),
+            max_streams: AtomicU32::new(u32::MAX),
         });
         let (stopping, _) = watch::channel(false);
         Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), tls: None, stopping })
+    }
+
+    /// Streams one connection may have open at once, for connections accepted from now on (0: no cap).
+    fn limit_streams(&self, streams: u32) {
+        self.shared.max_streams.store(if streams == 0 { u32::MAX } else { streams }, Ordering::Relaxed);
     }
 
     /// The socket that turns readable when calls wait to be taken (for ``loop.add_reader``).

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import raw_h2
 from raw_v2 import PARENT, connection, headers, metric, parked, poll
 from waiting import eventually, eventually_async
 
@@ -24,9 +24,6 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.testing import BrokerProcess, issue_certificate, start_broker
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-TELEMETRY = "/apache.rocketmq.v2.MessagingService/Telemetry"
 
 
 @pytest.fixture
@@ -90,32 +87,10 @@ async def test_a_request_over_the_size_limit_is_refused_natively_and_counted(bro
     assert edge(broker, "request_messages_total") == 0  # never handed to the broker
 
 
-def literal(name: str, value: str) -> bytes:
-    """One HPACK header field, literal without indexing, no Huffman (every length here is under 127)."""
-    assert len(name) < 127 and len(value) < 127
-    return bytes([0, len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
-
-
-def open_without_deadline_of_its_own(port: int, timeout: str) -> socket.socket:
-    """An HTTP/2 connection with one Telemetry call that carries ``grpc-timeout`` and sends nothing more."""
-    fields = (
-        (":method", "POST"), (":scheme", "http"), (":path", TELEMETRY), (":authority", f"127.0.0.1:{port}"),
-        ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", timeout),
-        ("x-mq-client-id", "raw"),
-    )  # fmt: skip
-    block = b"".join(literal(n, v) for n, v in fields)
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(PREFACE + frame(4, 0, 0, b"") + frame(1, 0x4, 1, block))  # SETTINGS; HEADERS, END_HEADERS
-    return sock
-
-
 def test_a_deadline_ended_natively_is_counted(broker: BrokerProcess) -> None:
-    sock = open_without_deadline_of_its_own(broker.port, "300m")
-    with sock:
+    # a Telemetry call that carries ``grpc-timeout`` and sends nothing more
+    with raw_h2.Connection(broker.port) as raw:
+        raw.open(1, "Telemetry", (("grpc-timeout", "300m"), ("x-mq-client-id", "raw")))
         eventually(lambda: edge(broker, "calls_total") == 1, "the call opened")
         eventually(lambda: edge(broker, "deadlines_exceeded_total") == 1, "the edge ended it at its deadline")
     assert edge(broker, "calls_cancelled_total") == 0  # ended by the deadline, not by the client
@@ -127,7 +102,7 @@ def test_tls_handshakes_that_fail_are_counted_and_good_ones_are_not(tmp_path: Pa
     flags = ["--edge", "native", "--tls-cert", str(pair.cert), "--tls-key", str(pair.key)]
     with start_broker(tmp_path / "data", extra_args=flags) as broker:
         with socket.create_connection(("127.0.0.1", broker.port), timeout=10) as plain:
-            plain.sendall(PREFACE)  # plaintext HTTP/2 on a TLS port: the handshake fails, the socket closes
+            plain.sendall(raw_h2.PREFACE)  # plaintext HTTP/2 on a TLS port: the handshake fails, the socket closes
             plain.recv(4096)  # the alert, or the close
             eventually(lambda: edge(broker, "tls_handshakes_failed_total") == 1, "the failed handshake counted")
         context = ssl.create_default_context(cafile=str(pair.ca))
