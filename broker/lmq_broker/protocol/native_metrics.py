@@ -15,6 +15,11 @@ from prometheus_client.registry import Collector
 # Native counter name -> (metric name, help). Counters; ``connections_open`` is the one gauge.
 COUNTERS: Final = {
     "connections_accepted": ("lmq_edge_connections_accepted", "TCP connections accepted on the client port(s)"),
+    "accept_errors": (
+        "lmq_edge_accept_errors",
+        "Accepts that failed (out of file descriptors or memory: the edge pauses 100 ms after each; a client that "
+        "reset its connection in the backlog)",
+    ),
     "tls_handshakes_failed": (
         "lmq_edge_tls_handshakes_failed",
         "TLS handshakes that failed or timed out (plaintext client, client that refused the certificate)",

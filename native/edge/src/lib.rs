@@ -13,7 +13,7 @@ mod wire;
 use stats::Stats;
 
 use std::convert::Infallible;
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -48,6 +48,8 @@ const LOG: u8 = 5;
 // A TLS handshake not done by then is dropped (a client that opens the socket and says nothing holds nothing).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 const LISTEN_BACKLOG: u32 = 1024;
+// How long the accept loop pauses after an accept that failed for want of file descriptors or memory.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 // How long a call that has its status keeps reading what its client still sends before its stream is reset.
 const DRAIN_AFTER_STATUS: Duration = Duration::from_secs(1);
 // Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
@@ -577,12 +579,22 @@ async fn accept_loop(
 ) {
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                if let Ok((stream, addr)) = accepted {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, addr)) => {
                     shared.stats.add(&shared.stats.connections_accepted, 1);
                     tokio::spawn(open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone()));
                 }
-            }
+                Err(e) => {
+                    shared.stats.add(&shared.stats.accept_errors, 1);
+                    let client = [ErrorKind::ConnectionAborted, ErrorKind::ConnectionReset, ErrorKind::ConnectionRefused];
+                    if !client.contains(&e.kind()) {
+                        // Out of file descriptors (EMFILE, ENFILE) or memory: the listener stays readable, so the
+                        // next accept would fail at once, a loop that held the edge's thread (connections wait in
+                        // the backlog meanwhile).
+                        tokio::time::sleep(ACCEPT_PAUSE).await;
+                    }
+                }
+            },
             _ = stopping.changed() => return,
         }
     }

@@ -10,6 +10,7 @@ use crate::Shared;
 #[derive(Default)]
 pub(crate) struct Stats {
     pub connections_accepted: AtomicU64,
+    pub accept_errors: AtomicU64,
     pub connections_open: AtomicU64,
     pub tls_handshakes_failed: AtomicU64,
     pub calls: AtomicU64,
@@ -39,6 +40,7 @@ impl Stats {
         let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
         vec![
             ("connections_accepted", read(&self.connections_accepted)),
+            ("accept_errors", read(&self.accept_errors)),
             ("connections_open", read(&self.connections_open)),
             ("tls_handshakes_failed", read(&self.tls_handshakes_failed)),
             ("calls", read(&self.calls)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,30 @@ def test_a_deadline_ended_natively_is_counted(broker: BrokerProcess) -> None:
         eventually(lambda: edge(broker, "deadlines_exceeded_total") == 1, "the edge ended it at its deadline")
     assert edge(broker, "calls_cancelled_total") == 0  # ended by the deadline, not by the client
     eventually(lambda: metric(broker, "lmq_telemetry_streams") == 0, "its handler cancelled")
+
+
+def test_accepts_that_fail_for_want_of_file_descriptors_pause_and_the_edge_serves_once_they_are_free(
+    tmp_path: Path,
+) -> None:
+    """Past the process's file descriptor limit the listener stays readable and each accept fails (EMFILE): the
+    edge pauses 100 ms after each, rather than trying again at once (before 2026-11-30: a loop holding the edge's
+    thread, ~30 % of a core here, thousands of failed accepts a second)."""
+    flags, limit = ["--edge", "native"], 400
+    with start_broker(tmp_path / "data", extra_args=flags, wrapper=["prlimit", f"--nofile={limit}"]) as broker:
+        free = limit - len(list(Path(f"/proc/{broker.pid}/fd").iterdir()))
+        started = time.monotonic()
+        held = [raw_h2.Connection(broker.port) for _ in range(free + 20)]  # the last ones wait in the backlog
+        time.sleep(2.0)  # nothing is scraped meanwhile: the metrics listener has no descriptor left either
+        for connection in held:
+            connection.sock.close()
+        exhausted_s = time.monotonic() - started
+        eventually(lambda: edge(broker, "connections_open") == 0, "the connections closed")
+        failed = edge(broker, "accept_errors_total")
+        assert 0 < failed <= 2 * exhausted_s / 0.1  # one per pause, with margin
+        with grpc.insecure_channel(broker.endpoint) as channel:
+            query = spb.QueryRouteRequest(topic=pb.Resource(name=PARENT))
+            route = service_pb2_grpc.MessagingServiceStub(channel).QueryRoute(query, metadata=headers("c"), timeout=10)
+        assert route.status.code == pb.OK
 
 
 def test_tls_handshakes_that_fail_are_counted_and_good_ones_are_not(tmp_path: Path) -> None:
