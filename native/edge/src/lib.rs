@@ -247,6 +247,9 @@ fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
         return None;
     }
     let (digits, unit) = text.split_at(text.len() - 1);
+    if digits.len() > 8 {
+        return None; // not a timeout (served without one, as grpcio's server does): n * 3600 could wrap below
+    }
     let n: u64 = digits.parse().ok()?;
     Some(match unit {
         "H" => Duration::from_secs(n * 3600),

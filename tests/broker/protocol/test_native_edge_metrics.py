@@ -1,6 +1,7 @@
 """The native edge's own counters (``lmq_edge_*``, protocol/native_metrics.py, native/edge/src/stats.rs) on a
 real broker process, scraped from its /metrics: connections accepted and open, a failed TLS handshake, a call
-the client cancelled, a deadline ended natively, a request refused natively, request messages and bytes. A
+the client cancelled, a deadline ended natively (and a grpc-timeout too long to be one), a request refused natively,
+request messages and bytes, accepts failing past the file descriptor limit. A
 grpcio client enforces its own deadline and resets the stream at it (before the server's timer, which starts
 later), so the native deadline is driven by a bare HTTP/2 client that sends ``grpc-timeout`` and just waits."""
 
@@ -96,6 +97,17 @@ def test_a_deadline_ended_natively_is_counted(broker: BrokerProcess) -> None:
         eventually(lambda: edge(broker, "deadlines_exceeded_total") == 1, "the edge ended it at its deadline")
     assert edge(broker, "calls_cancelled_total") == 0  # ended by the deadline, not by the client
     eventually(lambda: metric(broker, "lmq_telemetry_streams") == 0, "its handler cancelled")
+
+
+def test_a_timeout_of_more_than_eight_digits_is_no_deadline(broker: BrokerProcess) -> None:
+    """grpc-timeout is at most 8 digits; a longer one is not a deadline (grpcio's edge serves it without one). Before
+    2026-11-30 the native edge multiplied it out in 64 bits: 3381903080180084463 minutes wrapped to 4 seconds."""
+    with raw_h2.Connection(broker.port) as raw:
+        raw.open(1, "Telemetry", (("grpc-timeout", "3381903080180084463M"), ("x-mq-client-id", "raw")))
+        eventually(lambda: metric(broker, "lmq_telemetry_streams") == 1, "the stream open")
+        time.sleep(5.0)
+        assert edge(broker, "deadlines_exceeded_total") == 0
+        assert metric(broker, "lmq_telemetry_streams") == 1
 
 
 def test_accepts_that_fail_for_want_of_file_descriptors_pause_and_the_edge_serves_once_they_are_free(
