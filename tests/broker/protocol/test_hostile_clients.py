@@ -10,6 +10,8 @@ status, the broker must stay up and serve others, and what one connection holds 
   as the client lived, up to ``--lease-renew-max-ms``, 3 h, from a client that never saw them);
 - a Telemetry frame that is not a TelemetryCommand: INVALID_ARGUMENT and nothing else (before it, an INTERNAL_ERROR
   frame came first and the broker logged an ERROR with a stack trace per such stream).
+- a stream refused for its signature (client auth): UNAUTHENTICATED on both edges (before it, the native edge
+  answered UNKNOWN and logged a stack trace per call).
 
 The broker's log must hold no stack trace at the end (the module's broker): before 2026-11-30 grpcio's edge logged an
 ERROR with one (``ExecuteBatchError``) for each reply written to a call its client had reset, as the cut receive does.
@@ -27,9 +29,11 @@ import pytest
 import raw_h2
 from raw_v2 import GROUP, PARENT, headers, poll_request
 
+from lmq_broker.protocol import auth
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_broker.testing import BrokerProcess, start_broker
 
 MAX_STREAMS = 64
@@ -119,3 +123,25 @@ def test_a_telemetry_frame_that_is_not_a_command_is_invalid_argument_and_nothing
     assert "not a valid Telemetry message" in (ended.value.details() or "")
     assert replies == []  # no INTERNAL_ERROR frame first
     assert "Telemetry failed" not in broker.log()  # a client's garbage is not the broker's failure
+
+
+@pytest.mark.parametrize("edge", ["grpcio", "native"])
+def test_streams_refused_for_their_signature_end_unauthenticated_on_both_edges(tmp_path: Path, edge: str) -> None:
+    """An unsigned Telemetry stream (client auth on) and an admin scan signed with the client pair: gRPC
+    UNAUTHENTICATED naming why. Before 2026-11-30 the native edge ended both UNKNOWN ("Unexpected TypeError") and
+    logged a stack trace for each: the refusing handler was a coroutine where the edge iterates a generator."""
+    flags = ["--edge", edge, "--access-key", "ak", "--secret-key", "sk-12345678", "--flush-mode", "async"]
+    with start_broker(tmp_path / "data", extra_args=flags) as broker, grpc.insecure_channel(broker.endpoint) as channel:
+        telemetry = service_pb2_grpc.MessagingServiceStub(channel).Telemetry
+        settings = spb.TelemetryCommand(settings=pb.Settings(client_type=pb.PRODUCER))
+        with pytest.raises(grpc.RpcError) as unsigned:
+            list(telemetry(iter([settings]), metadata=headers("nobody"), timeout=10))
+        assert unsigned.value.code() == grpc.StatusCode.UNAUTHENTICATED, unsigned.value
+        assert "missing authorization header" in (unsigned.value.details() or "")
+        scan = admin_pb2_grpc.LmqAdminStub(channel).ScanLiteTopics
+        client_pair = auth.sign_metadata("ak", "sk-12345678", auth.utc_now())
+        with pytest.raises(grpc.RpcError) as refused:
+            list(scan(admin_pb2.ScanLiteTopicsRequest(parent=PARENT), metadata=client_pair, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        assert "admin key pair" in (refused.value.details() or "")
+        assert "Traceback" not in broker.log()
