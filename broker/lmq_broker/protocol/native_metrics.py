@@ -57,10 +57,15 @@ COUNTERS: Final = {
         "Connections the edge opened to siblings' local hop sockets for natively forwarded sends",
     ),
 }
-REFUSED: Final = {"refused_too_large": "message_too_large", "refused_compressed": "compressed"}
+REFUSED: Final = {
+    "refused_too_large": "message_too_large",
+    "refused_compressed": "compressed",
+    "refused_metadata": "metadata_too_large",
+}
 REFUSED_HELP: Final = (
     "Calls refused natively before the broker saw them, by reason: message_too_large (RESOURCE_EXHAUSTED, a "
-    "request message over the size limit, inflated or not), compressed (UNIMPLEMENTED: an encoding not served)"
+    "request message over the size limit, inflated or not), compressed (UNIMPLEMENTED: an encoding not served), "
+    "metadata_too_large (RESOURCE_EXHAUSTED: headers over 16 KiB)"
 )
 
 

@@ -50,6 +50,11 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 const LISTEN_BACKLOG: u32 = 1024;
 // How long the accept loop pauses after an accept that failed for want of file descriptors or memory.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+// A call's headers (metadata), counted as HPACK counts them (name + value + 32 each), past which it is refused
+// RESOURCE_EXHAUSTED: grpcio's hard limit (grpc.absolute_max_metadata_size). hyper decodes header blocks up to
+// MAX_HEADER_BLOCK, so that one over the limit gets a gRPC status rather than HTTP 431 or a GOAWAY.
+const MAX_METADATA: usize = 16 * 1024;
+const MAX_HEADER_BLOCK: u32 = 1024 * 1024;
 // How long a call that has its status keeps reading what its client still sends before its stream is reset.
 const DRAIN_AFTER_STATUS: Duration = Duration::from_secs(1);
 // Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
@@ -494,6 +499,20 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
         max_unread: shared.max_unread,
     });
     let (parts, body) = req.into_parts();
+    let size: usize = parts.headers.iter().map(|(name, value)| name.as_str().len() + value.len() + 32).sum();
+    if size > MAX_METADATA {
+        // Refused with a gRPC status, as grpcio's edge does past its hard limit (hyper's own would be HTTP 431, which
+        // clients report as UNKNOWN, or past it a GOAWAY that ends every call of the connection).
+        shared.stats.add(&shared.stats.refused_metadata, 1);
+        call.finish(RESOURCE_EXHAUSTED, &format!("received metadata size exceeds hard limit ({size} vs. {MAX_METADATA})"), &[]);
+        tokio::spawn(async move {
+            let mut body = body; // what the client still sends is read and dropped for a moment, as after a status
+            let _ = tokio::time::timeout(DRAIN_AFTER_STATUS, async { while let Some(Ok(_)) = body.frame().await {} }).await;
+        });
+        let mut response = Response::new(ReplyBody { rx, call, shared });
+        response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
+        return Ok(response);
+    }
     let timeout = parts.headers.get("grpc-timeout").and_then(parse_timeout);
     let method = parts.uri.path();
     // A client's SendMessage while sends may be forwarded natively: Python hears of it only if it is not.
@@ -542,7 +561,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         .keep_alive_timeout(Duration::from_secs(20))
         .max_concurrent_streams(max_streams)
         .initial_stream_window_size(1 << 20)
-        .initial_connection_window_size(16 << 20);
+        .initial_connection_window_size(16 << 20)
+        .max_header_list_size(MAX_HEADER_BLOCK);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     tokio::select! {

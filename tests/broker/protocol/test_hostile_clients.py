@@ -12,6 +12,7 @@ status, the broker must stay up and serve others, and what one connection holds 
   frame came first and the broker logged an ERROR with a stack trace per such stream).
 - a stream refused for its signature (client auth): UNAUTHENTICATED on both edges (before it, the native edge
   answered UNKNOWN and logged a stack trace per call).
+- headers over 16 KiB: RESOURCE_EXHAUSTED on both edges, the connection serving on.
 
 The broker's log must hold no stack trace at the end (the module's broker): before 2026-11-30 grpcio's edge logged an
 ERROR with one (``ExecuteBatchError``) for each reply written to a call its client had reset, as the cut receive does.
@@ -123,6 +124,20 @@ def test_a_telemetry_frame_that_is_not_a_command_is_invalid_argument_and_nothing
     assert "not a valid Telemetry message" in (ended.value.details() or "")
     assert replies == []  # no INTERNAL_ERROR frame first
     assert "Telemetry failed" not in broker.log()  # a client's garbage is not the broker's failure
+
+
+@pytest.mark.parametrize("size", [20_000, 100_000])
+def test_headers_over_16_kib_are_resource_exhausted_and_the_connection_serves_on(
+    stub: service_pb2_grpc.MessagingServiceStub, size: int
+) -> None:
+    """grpcio's hard limit, on both edges (before 2026-11-30 the native edge answered HTTP 431, which clients report
+    as UNKNOWN, and a larger block a GOAWAY that ended every call on the connection)."""
+    query = spb.QueryRouteRequest(topic=pb.Resource(name=PARENT))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.QueryRoute(query, metadata=(*headers("big"), ("x-pad", "p" * size)), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert "metadata size exceeds hard limit" in (refused.value.details() or "")
+    still_serves(stub)
 
 
 @pytest.mark.parametrize("edge", ["grpcio", "native"])
