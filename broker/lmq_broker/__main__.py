@@ -110,6 +110,8 @@ HELP: Final[dict[str, str]] = {
     "RESOURCE_EXHAUSTED (0: no cap)",
     "max_telemetry_streams_per_connection": "Telemetry streams open on one connection, whatever the client ids (0: no "
     "cap)",
+    "max_streams_per_connection": "HTTP/2 streams (calls) open at once on one client connection, any method; a "
+    "client's streams beyond it wait (refused REFUSED_STREAM, which gRPC clients retry) (0: no cap)",
     "telemetry_stream_buffer_bytes": "Telemetry replies one stream's client has not read yet, in bytes (each counted "
     "as at least 256); beyond it the stream is ended (0: no cap)",
     "telemetry_buffer_bytes": "Telemetry replies queued but not yet read by their clients, in bytes, over all streams; "

@@ -121,6 +121,12 @@ class BrokerConfig(BaseModel):
     max_polls_per_connection: int = Field(default=1024, ge=0)
     max_telemetry_streams_per_client: int = Field(default=8, ge=0)
     max_telemetry_streams_per_connection: int = Field(default=1024, ge=0)
+    # HTTP/2 streams one connection may have open at once, whatever they are (SETTINGS_MAX_CONCURRENT_STREAMS on
+    # both edges): a stream opened and never sent on holds ~10-20 KiB until its client goes, so without it one
+    # connection could hold any amount. Far above the polls' and Telemetry streams' caps together: a broker's
+    # connection to a peer carries its AwaitLiteReady waits, one per waiting LiteSimpleConsumer poll, and its
+    # other calls queue behind them at the cap. 0: no cap.
+    max_streams_per_connection: int = Field(default=16_384, ge=0)
     telemetry_stream_buffer_bytes: int = Field(default=256 * 1024, ge=0)  # one stream's replies unread
     telemetry_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills

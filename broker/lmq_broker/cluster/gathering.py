@@ -21,6 +21,7 @@ one broker, so its order is its broker's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -92,39 +93,78 @@ async def receive(
     lite = (await edge.dispatcher.metadata()).topic(parent).message_type == model.MessageType.LITE
     waits = readiness.Readiness(lambda: peers, caller.client_id, group, parent)
     found: list[pb.Message] = []
+    written = 0
     try:
-        while True:
-            for source in sources:
-                if len(found) >= batch:
+        try:
+            while True:
+                for source in sources:
+                    if len(found) >= batch:
+                        break
+                    wanted = batch - len(found)
+                    if source is None:
+                        found += await gather.here(wanted, 0)
+                        continue
+                    got = await gather.there(source, wanted)
+                    if got is None:
+                        waits.failed(source)
+                    else:
+                        waits.received(source, len(got))
+                        found += got
+                left_s = deadline - time.monotonic()
+                if found or left_s <= 0:
                     break
-                wanted = batch - len(found)
-                if source is None:
-                    found += await gather.here(wanted, 0)
+                if not lite:  # a normal topic has no ready sets to wait on: this broker's, and the others again
+                    found += await gather.here(batch, min(GATHER_POLL_MS, int(left_s * 1000)))
+                    if found:
+                        break
                     continue
-                got = await gather.there(source, wanted)
-                if got is None:
-                    waits.failed(source)
-                else:
-                    waits.received(source, len(got))
-                    found += got
-            left_s = deadline - time.monotonic()
-            if found or left_s <= 0:
-                break
-            if not lite:  # a normal topic has no ready sets to wait on: this broker's, and the others again
-                found += await gather.here(batch, min(GATHER_POLL_MS, int(left_s * 1000)))
-                if found:
-                    break
-                continue
-            sources = await _ready(edge, waits, others, caller.client_id, group, parent, left_s)
-    finally:
-        waits.close()  # the waits parked elsewhere lease nothing: ending them loses nothing
-    if not found:
-        yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
-        return
-    yield spb.ReceiveMessageResponse(status=status.ok())
-    for message in found:
-        yield spb.ReceiveMessageResponse(message=message)
+                sources = await _ready(edge, waits, others, caller.client_id, group, parent, left_s)
+        finally:
+            waits.close()  # the waits parked elsewhere lease nothing: ending them loses nothing
+        if not found:
+            yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
+            return
+        yield spb.ReceiveMessageResponse(status=status.ok())
+        for message in found:
+            yield spb.ReceiveMessageResponse(message=message)
+            written += 1
+    finally:  # cut before they were written (the client went mid-gathering or mid-reply): visible again now
+        _give_back(edge, peers, request, caller, found[written:])
     yield spb.ReceiveMessageResponse(delivery_timestamp=convert.timestamp_of(edge.dispatcher.wall_clock()))
+
+
+def _give_back(
+    edge: Edge, peers: Peers, request: spb.ReceiveMessageRequest, caller: Caller, messages: list[pb.Message]
+) -> None:
+    """Messages gathered for a call that ended before they were written: this broker's visible again at once
+    (``Dispatcher.give_back``), another broker's by a ChangeInvisibleDuration of 0 sent to it in the background
+    (not awaited: the call is being cancelled); one that does not answer lets the lease expire."""
+    here: list[str] = []
+    for message in messages:
+        handle = message.system_properties.receipt_handle
+        try:
+            where = unwrap(peers, handle)
+        except errors.LmqError:  # a broker that left the cluster meanwhile: its lease expires there
+            continue
+        if where is None:
+            here.append(handle)
+            continue
+        change = spb.ChangeInvisibleDurationRequest(
+            group=request.group, topic=request.message_queue.topic, receipt_handle=where[1],
+            invisible_duration=duration_pb2.Duration(), lite_topic=message.system_properties.lite_topic,
+        )  # fmt: skip
+        edge.dispatcher.runtime.spawn(_change_there(peers, where[0], change, caller))
+    if here:
+        edge.dispatcher.give_back(request.group.name, here)
+
+
+async def _change_there(
+    peers: Peers, endpoint: str, change: spb.ChangeInvisibleDurationRequest, caller: Caller
+) -> None:
+    with contextlib.suppress(errors.LmqError):
+        await _call(
+            peers, endpoint, "ChangeInvisibleDuration", change, spb.ChangeInvisibleDurationResponse, caller=caller
+        )
 
 
 async def _ready(  # noqa: PLR0917 (where, whom, how long)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import KeysView
+from collections.abc import Iterable, KeysView
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import methodcaller
@@ -530,9 +530,14 @@ class Deliverer:
         """Leases of a receive that does not return them (cancelled, failed): visible again at once (no await:
         the cancellation may come again), or they would wait their invisible time, an auto-renewed one renewed
         for as long as its holder (an MQTT session that reconnects) is registered."""
-        for delivery in leased:
+        self.give_back(group, [delivery.receipt_handle for delivery in leased])
+
+    def give_back(self, group: str, receipt_handles: Iterable[str]) -> None:
+        """Leases returned but never handed to their client (its call ended before they were written): visible
+        again at once, as ``_give_back``; a handle acked or changed meanwhile is passed over."""
+        for handle in receipt_handles:
             with contextlib.suppress(errors.LmqError):
-                self._change_invisible(group, delivery.receipt_handle, 0)
+                self._change_invisible(group, handle, 0)
 
     def _store_refused(self, key: LeaseKey, holder: str, exc: errors.StorageError) -> None:
         """A read for ``key`` failed (the store rebuilds its index): the receive answers empty, and the lite

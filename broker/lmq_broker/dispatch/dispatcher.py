@@ -295,6 +295,10 @@ class Dispatcher:
         """Move a leased message's redelivery time; returns the new receipt handle."""
         return self.deliverer.change_invisible(group, receipt_handle, invisible_ms, suspend=suspend)
 
+    def give_back(self, group: str, receipt_handles: Iterable[str]) -> None:
+        """Leases a receive returned that never reached their client (its call ended first): visible again now."""
+        self.deliverer.give_back(group, receipt_handles)
+
     def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> Call[None]:
         """A message was consumed: settle its lease and, in time, the group's offset."""
         return self.settlement.ack(group, receipt_handle, client_id=client_id)

@@ -45,7 +45,7 @@ import contextvars
 import hashlib
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
@@ -54,6 +54,7 @@ import grpc
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
+_NO_FRAMES: Final[tuple[Any, ...]] = ()  # a streaming handler's frames when it only aborts
 ALGORITHM: Final = "MQv2-HMAC-SHA1"
 AUTHORIZATION: Final = "authorization"
 DATE_TIME: Final = "x-mq-date-time"
@@ -327,18 +328,25 @@ class AuthInterceptor(_Interceptor):
 
 
 def _aborting(handler: Handler, message: str) -> Handler:
-    """A handler of the same shape that ends the call with gRPC UNAUTHENTICATED and ``message``."""
+    """A handler of the same shape that ends the call with gRPC UNAUTHENTICATED and ``message``. A streaming reply's
+    is a generator, as the method's own: the native edge iterates it (a coroutine there was a TypeError, the call
+    UNKNOWN and a stack trace logged for each unsigned Telemetry stream or admin scan; grpcio takes either)."""
     serializer = handler.response_serializer
 
     async def abort(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    async def abort_streaming(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        for frame in _NO_FRAMES:
+            yield frame
+        await abort(request, context)
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, response_serializer=serializer)
+        return grpc.stream_stream_rpc_method_handler(abort_streaming, response_serializer=serializer)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(abort, response_serializer=serializer)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, response_serializer=serializer)
+        return grpc.unary_stream_rpc_method_handler(abort_streaming, response_serializer=serializer)
     return grpc.unary_unary_rpc_method_handler(abort, response_serializer=serializer)
 
 

@@ -231,6 +231,12 @@ class NativeServer:
         """The native edge's counters, read in one call (``native_metrics.EdgeCollector``)."""
         return list(self._core.stats())
 
+    def limit_streams(self, streams: int) -> None:
+        """HTTP/2 streams one connection may have open at once (0: no cap; ``--max-streams-per-connection``); a
+        module built before the cap existed serves every stream (``make native`` builds the current one)."""
+        if hasattr(self._core, "limit_streams"):
+            self._core.limit_streams(streams)
+
     @property
     def forwards(self) -> bool:
         """Whether this build of the module forwards sends natively (a module built before it does not)."""

@@ -15,6 +15,11 @@ from prometheus_client.registry import Collector
 # Native counter name -> (metric name, help). Counters; ``connections_open`` is the one gauge.
 COUNTERS: Final = {
     "connections_accepted": ("lmq_edge_connections_accepted", "TCP connections accepted on the client port(s)"),
+    "accept_errors": (
+        "lmq_edge_accept_errors",
+        "Accepts that failed (out of file descriptors or memory: the edge pauses 100 ms after each; a client that "
+        "reset its connection in the backlog)",
+    ),
     "tls_handshakes_failed": (
         "lmq_edge_tls_handshakes_failed",
         "TLS handshakes that failed or timed out (plaintext client, client that refused the certificate)",
@@ -52,10 +57,15 @@ COUNTERS: Final = {
         "Connections the edge opened to siblings' local hop sockets for natively forwarded sends",
     ),
 }
-REFUSED: Final = {"refused_too_large": "message_too_large", "refused_compressed": "compressed"}
+REFUSED: Final = {
+    "refused_too_large": "message_too_large",
+    "refused_compressed": "compressed",
+    "refused_metadata": "metadata_too_large",
+}
 REFUSED_HELP: Final = (
     "Calls refused natively before the broker saw them, by reason: message_too_large (RESOURCE_EXHAUSTED, a "
-    "request message over the size limit, inflated or not), compressed (UNIMPLEMENTED: an encoding not served)"
+    "request message over the size limit, inflated or not), compressed (UNIMPLEMENTED: an encoding not served), "
+    "metadata_too_large (RESOURCE_EXHAUSTED: headers over 16 KiB)"
 )
 
 

@@ -68,7 +68,9 @@ PENDING_CALLS_MAX: Final = 20_000
 def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[str, Any]]:
     """``shared_port``: the access port of ``--processes``, where every broker process of a pod listens at once."""
     limit = max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes)
+    streams = config.max_streams_per_connection  # none: grpc core's default, no cap
     return [
+        *([("grpc.max_concurrent_streams", streams)] if streams else []),
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", int(shared_port)),  # else a second broker on the same port must fail, not share it
@@ -84,9 +86,24 @@ def _interceptors(config: BrokerConfig) -> Sequence[Interceptor]:
     return ()
 
 
+class _WriteToAGoneClient(logging.Filter):
+    """grpcio's server logs an ERROR with a stack trace (``ExecuteBatchError raised in core by servicer method``)
+    when a handler writes a reply to a call its client has reset or left: the client's doing, not a failure, and a
+    client resetting its streams mid-reply would fill the log. Such records are dropped; the call ends as
+    cancelled, as on the native edge (which logs nothing either)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and type(record.exc_info[1]).__name__ == "ExecuteBatchError")
+
+
+_GRPC_SERVER_LOG: Final = logging.getLogger("grpc._cython.cygrpc")
+_WRITES_TO_GONE_CLIENTS: Final = _WriteToAGoneClient()
+
+
 def create(config: BrokerConfig, *, shared_port: bool = False) -> grpc.aio.Server:
     """Under ``--acl`` the v2 calls' signatures are checked by the service's handlers (``add_messaging_service``),
     by the users' key pairs; else by ``auth.AuthInterceptor`` with the client pair, when one is configured."""
+    _GRPC_SERVER_LOG.addFilter(_WRITES_TO_GONE_CLIENTS)  # once: a filter already added is not added again
     return grpc.aio.server(interceptors=_interceptors(config), options=options(config, shared_port=shared_port))
 
 
@@ -95,6 +112,7 @@ def create_client_port(config: BrokerConfig) -> Server:
     if config.edge is EdgeKind.NATIVE:
         limit = max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes)
         server = native.NativeServer(limit, config.max_unread_requests, _interceptors(config))
+        server.limit_streams(config.max_streams_per_connection)
         if config.tls_cert is not None and config.tls_key is not None:
             server.serve_tls(config.tls_cert, config.tls_key)  # every listener; reloaded as grpcio's (tls.rs)
         return server

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 import grpc
@@ -217,6 +217,7 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
         started: float | None = time.perf_counter()
         code: int = pb.OK
         parked: tuple[str, str] | None = None
+        frames: AsyncIterator[spb.ReceiveMessageResponse] | None = None
         try:
             metadata = metadata_of(context)
             caller = Caller.of(metadata)
@@ -250,6 +251,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
                 self.refusals.note("ReceiveMessage", refused.code, refused.message)
             yield spb.ReceiveMessageResponse(status=refused)
         finally:
+            if frames is not None:  # ended at a frame (the call went): the receive gives back what it did not write
+                await cast("AsyncGenerator[spb.ReceiveMessageResponse, None]", frames).aclose()
             if parked is not None:
                 self.edge.polls.leave(*parked)
             if started is not None:
@@ -320,6 +323,8 @@ class MessagingService(service_pb2_grpc.MessagingServiceServicer):
             # hold, until a full garbage collection.
             context.set_code(status.grpc_status_of(refused.status.code))
             context.set_details(status.describe(refused.status))
+        except grpc.aio.AbortError:
+            raise  # the call's status is set (a frame that is not a TelemetryCommand: INVALID_ARGUMENT), not a failure
         except Exception as exc:
             if status.code_of(exc) == pb.INTERNAL_ERROR:
                 log.exception("Telemetry failed")

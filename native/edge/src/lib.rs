@@ -13,13 +13,13 @@ mod wire;
 use stats::Stats;
 
 use std::convert::Infallible;
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -48,6 +48,13 @@ const LOG: u8 = 5;
 // A TLS handshake not done by then is dropped (a client that opens the socket and says nothing holds nothing).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 const LISTEN_BACKLOG: u32 = 1024;
+// How long the accept loop pauses after an accept that failed for want of file descriptors or memory.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+// A call's headers (metadata), counted as HPACK counts them (name + value + 32 each), past which it is refused
+// RESOURCE_EXHAUSTED: grpcio's hard limit (grpc.absolute_max_metadata_size). hyper decodes header blocks up to
+// MAX_HEADER_BLOCK, so that one over the limit gets a gRPC status rather than HTTP 431 or a GOAWAY.
+const MAX_METADATA: usize = 16 * 1024;
+const MAX_HEADER_BLOCK: u32 = 1024 * 1024;
 // How long a call that has its status keeps reading what its client still sends before its stream is reset.
 const DRAIN_AFTER_STATUS: Duration = Duration::from_secs(1);
 // Reply bytes a call may hand over that hyper has not taken yet (it takes them as HTTP/2 flow control lets it):
@@ -109,6 +116,10 @@ struct Shared {
     max_unread: usize, // request messages handed to Python and not yet taken by its handler (read-ahead bound)
     stats: Stats,
     forwarding: forward::Forwarding, // --native-forward: sends forwarded to a sibling without Python (forward.rs)
+    // Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS; `Server.limit_streams`,
+    // --max-streams-per-connection): a client past it has its new streams refused (REFUSED_STREAM, which gRPC
+    // clients retry), so a connection that opens streams and sends nothing on them holds a bounded amount here.
+    max_streams: AtomicU32,
 }
 
 /// One call's reply side: frames to hyper, and whether its trailers are sent.
@@ -241,6 +252,9 @@ fn parse_timeout(value: &HeaderValue) -> Option<Duration> {
         return None;
     }
     let (digits, unit) = text.split_at(text.len() - 1);
+    if digits.len() > 8 {
+        return None; // not a timeout (served without one, as grpcio's server does): n * 3600 could wrap below
+    }
     let n: u64 = digits.parse().ok()?;
     Some(match unit {
         "H" => Duration::from_secs(n * 3600),
@@ -485,6 +499,20 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
         max_unread: shared.max_unread,
     });
     let (parts, body) = req.into_parts();
+    let size: usize = parts.headers.iter().map(|(name, value)| name.as_str().len() + value.len() + 32).sum();
+    if size > MAX_METADATA {
+        // Refused with a gRPC status, as grpcio's edge does past its hard limit (hyper's own would be HTTP 431, which
+        // clients report as UNKNOWN, or past it a GOAWAY that ends every call of the connection).
+        shared.stats.add(&shared.stats.refused_metadata, 1);
+        call.finish(RESOURCE_EXHAUSTED, &format!("received metadata size exceeds hard limit ({size} vs. {MAX_METADATA})"), &[]);
+        tokio::spawn(async move {
+            let mut body = body; // what the client still sends is read and dropped for a moment, as after a status
+            let _ = tokio::time::timeout(DRAIN_AFTER_STATUS, async { while let Some(Ok(_)) = body.frame().await {} }).await;
+        });
+        let mut response = Response::new(ReplyBody { rx, call, shared });
+        response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
+        return Ok(response);
+    }
     let timeout = parts.headers.get("grpc-timeout").and_then(parse_timeout);
     let method = parts.uri.path();
     // A client's SendMessage while sends may be forwarded natively: Python hears of it only if it is not.
@@ -524,15 +552,17 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     mut stopping: watch::Receiver<bool>,
 ) {
     let peer: Arc<str> = Arc::from(peer_name(&addr));
+    let max_streams = shared.max_streams.load(Ordering::Relaxed);
     let service = service_fn(move |req| handle(req, shared.clone(), peer.clone()));
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(60))
         .keep_alive_timeout(Duration::from_secs(20))
-        .max_concurrent_streams(u32::MAX)
+        .max_concurrent_streams(max_streams)
         .initial_stream_window_size(1 << 20)
-        .initial_connection_window_size(16 << 20);
+        .initial_connection_window_size(16 << 20)
+        .max_header_list_size(MAX_HEADER_BLOCK);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     tokio::select! {
@@ -572,12 +602,22 @@ async fn accept_loop(
 ) {
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                if let Ok((stream, addr)) = accepted {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, addr)) => {
                     shared.stats.add(&shared.stats.connections_accepted, 1);
                     tokio::spawn(open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone()));
                 }
-            }
+                Err(e) => {
+                    shared.stats.add(&shared.stats.accept_errors, 1);
+                    let client = [ErrorKind::ConnectionAborted, ErrorKind::ConnectionReset, ErrorKind::ConnectionRefused];
+                    if !client.contains(&e.kind()) {
+                        // Out of file descriptors (EMFILE, ENFILE) or memory: the listener stays readable, so the
+                        // next accept would fail at once, a loop that held the edge's thread (connections wait in
+                        // the backlog meanwhile).
+                        tokio::time::sleep(ACCEPT_PAUSE).await;
+                    }
+                }
+            },
             _ = stopping.changed() => return,
         }
     }
@@ -653,9 +693,15 @@ impl Server {
             max_unread: max_unread_requests.max(1),
             stats: Stats::default(),
             forwarding: forward::Forwarding::default(),
+            max_streams: AtomicU32::new(u32::MAX),
         });
         let (stopping, _) = watch::channel(false);
         Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), tls: None, stopping })
+    }
+
+    /// Streams one connection may have open at once, for connections accepted from now on (0: no cap).
+    fn limit_streams(&self, streams: u32) {
+        self.shared.max_streams.store(if streams == 0 { u32::MAX } else { streams }, Ordering::Relaxed);
     }
 
     /// The socket that turns readable when calls wait to be taken (for ``loop.add_reader``).

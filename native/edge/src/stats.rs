@@ -10,6 +10,7 @@ use crate::Shared;
 #[derive(Default)]
 pub(crate) struct Stats {
     pub connections_accepted: AtomicU64,
+    pub accept_errors: AtomicU64,
     pub connections_open: AtomicU64,
     pub tls_handshakes_failed: AtomicU64,
     pub calls: AtomicU64,
@@ -19,6 +20,7 @@ pub(crate) struct Stats {
     pub read_pauses: AtomicU64,
     pub refused_too_large: AtomicU64,
     pub refused_compressed: AtomicU64,
+    pub refused_metadata: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub forwarded_calls: AtomicU64,
@@ -39,6 +41,7 @@ impl Stats {
         let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
         vec![
             ("connections_accepted", read(&self.connections_accepted)),
+            ("accept_errors", read(&self.accept_errors)),
             ("connections_open", read(&self.connections_open)),
             ("tls_handshakes_failed", read(&self.tls_handshakes_failed)),
             ("calls", read(&self.calls)),
@@ -48,6 +51,7 @@ impl Stats {
             ("read_pauses", read(&self.read_pauses)),
             ("refused_too_large", read(&self.refused_too_large)),
             ("refused_compressed", read(&self.refused_compressed)),
+            ("refused_metadata", read(&self.refused_metadata)),
             ("bytes_in", read(&self.bytes_in)),
             ("bytes_out", read(&self.bytes_out)),
             ("forwarded_calls", read(&self.forwarded_calls)),

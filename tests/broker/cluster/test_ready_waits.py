@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+import raw_h2
 from google.protobuf.duration_pb2 import Duration
 from waiting import eventually_async
 
@@ -300,6 +301,37 @@ async def test_a_consumer_whose_receive_is_cut_off_leaves_nothing_hidden(three: 
     await send(three, theirs, b"m-1")
     assert three.in_flight(1) == 0
     assert [m.body for m in await receive(three, 1)] == [b"m-1"]
+
+
+async def test_a_consumer_whose_call_is_cut_mid_reply_gets_what_was_gathered_again_at_once(three: Cluster) -> None:
+    """Gathered here and at broker 1, then the client resets its call before the reply is written (it reads
+    nothing, window 0): what broker 0 had not written is visible again at once, at both brokers, not after its
+    30 s invisible time (before 2026-11-30 every one of them stayed leased)."""
+    lites = [three.lite_of(0), three.lite_of(1)]
+    await lite_simple_consumer(three, lites)
+    big = [
+        pb.Message(
+            topic=pb.Resource(name=PARENT), body=b"x" * 300_000,
+            system_properties=pb.SystemProperties(message_id=f"cut-{i}", message_type=pb.LITE, lite_topic=lites[i % 2]),
+        )
+        for i in range(8)
+    ]  # fmt: skip
+    sent = await three.clients[0].stub.SendMessage(spb.SendMessageRequest(messages=big), metadata=headers())
+    assert sent.status.code == pb.OK, sent.status
+    request = spb.ReceiveMessageRequest(
+        group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)), batch_size=16,
+        invisible_duration=Duration(seconds=30), long_polling_timeout=Duration(seconds=5),
+    )  # fmt: skip
+    with raw_h2.Connection(three.brokers[0].port, window=0) as raw:  # never read: this test's loop runs the brokers
+        raw.open(1, "ReceiveMessage", headers())
+        raw.send(1, request.SerializeToString())
+        await eventually_async(lambda: three.in_flight(0) == 4 and three.in_flight(1) == 4, "all 8 gathered")
+        await asyncio.sleep(0.5)  # being written, as far as the window lets
+        raw.reset(1)
+    started, again = time.monotonic(), list[pb.Message]()
+    while len(again) < 8 and time.monotonic() - started < 5:  # not after their 30 s
+        again += await receive(three, 1)
+    assert sorted(m.system_properties.message_id for m in again) == [f"cut-{i}" for i in range(8)]
 
 
 async def test_a_broker_that_is_down_is_asked_again_after_a_pause_and_the_others_still_serve(three: Cluster) -> None:

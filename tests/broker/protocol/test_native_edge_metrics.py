@@ -1,6 +1,7 @@
 """The native edge's own counters (``lmq_edge_*``, protocol/native_metrics.py, native/edge/src/stats.rs) on a
 real broker process, scraped from its /metrics: connections accepted and open, a failed TLS handshake, a call
-the client cancelled, a deadline ended natively, a request refused natively, request messages and bytes. A
+the client cancelled, a deadline ended natively (and a grpc-timeout too long to be one), a request refused natively,
+request messages and bytes, accepts failing past the file descriptor limit. A
 grpcio client enforces its own deadline and resets the stream at it (before the server's timer, which starts
 later), so the native deadline is driven by a bare HTTP/2 client that sends ``grpc-timeout`` and just waits."""
 
@@ -9,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import raw_h2
 from raw_v2 import PARENT, connection, headers, metric, parked, poll
 from waiting import eventually, eventually_async
 
@@ -24,9 +26,6 @@ from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
 from lmq_broker.testing import BrokerProcess, issue_certificate, start_broker
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-TELEMETRY = "/apache.rocketmq.v2.MessagingService/Telemetry"
 
 
 @pytest.fixture
@@ -90,36 +89,49 @@ async def test_a_request_over_the_size_limit_is_refused_natively_and_counted(bro
     assert edge(broker, "request_messages_total") == 0  # never handed to the broker
 
 
-def literal(name: str, value: str) -> bytes:
-    """One HPACK header field, literal without indexing, no Huffman (every length here is under 127)."""
-    assert len(name) < 127 and len(value) < 127
-    return bytes([0, len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
-
-
-def open_without_deadline_of_its_own(port: int, timeout: str) -> socket.socket:
-    """An HTTP/2 connection with one Telemetry call that carries ``grpc-timeout`` and sends nothing more."""
-    fields = (
-        (":method", "POST"), (":scheme", "http"), (":path", TELEMETRY), (":authority", f"127.0.0.1:{port}"),
-        ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", timeout),
-        ("x-mq-client-id", "raw"),
-    )  # fmt: skip
-    block = b"".join(literal(n, v) for n, v in fields)
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(PREFACE + frame(4, 0, 0, b"") + frame(1, 0x4, 1, block))  # SETTINGS; HEADERS, END_HEADERS
-    return sock
-
-
 def test_a_deadline_ended_natively_is_counted(broker: BrokerProcess) -> None:
-    sock = open_without_deadline_of_its_own(broker.port, "300m")
-    with sock:
+    # a Telemetry call that carries ``grpc-timeout`` and sends nothing more
+    with raw_h2.Connection(broker.port) as raw:
+        raw.open(1, "Telemetry", (("grpc-timeout", "300m"), ("x-mq-client-id", "raw")))
         eventually(lambda: edge(broker, "calls_total") == 1, "the call opened")
         eventually(lambda: edge(broker, "deadlines_exceeded_total") == 1, "the edge ended it at its deadline")
     assert edge(broker, "calls_cancelled_total") == 0  # ended by the deadline, not by the client
     eventually(lambda: metric(broker, "lmq_telemetry_streams") == 0, "its handler cancelled")
+
+
+def test_a_timeout_of_more_than_eight_digits_is_no_deadline(broker: BrokerProcess) -> None:
+    """grpc-timeout is at most 8 digits; a longer one is not a deadline (grpcio's edge serves it without one). Before
+    2026-11-30 the native edge multiplied it out in 64 bits: 3381903080180084463 minutes wrapped to 4 seconds."""
+    with raw_h2.Connection(broker.port) as raw:
+        raw.open(1, "Telemetry", (("grpc-timeout", "3381903080180084463M"), ("x-mq-client-id", "raw")))
+        eventually(lambda: metric(broker, "lmq_telemetry_streams") == 1, "the stream open")
+        time.sleep(5.0)
+        assert edge(broker, "deadlines_exceeded_total") == 0
+        assert metric(broker, "lmq_telemetry_streams") == 1
+
+
+def test_accepts_that_fail_for_want_of_file_descriptors_pause_and_the_edge_serves_once_they_are_free(
+    tmp_path: Path,
+) -> None:
+    """Past the process's file descriptor limit the listener stays readable and each accept fails (EMFILE): the
+    edge pauses 100 ms after each, rather than trying again at once (before 2026-11-30: a loop holding the edge's
+    thread, ~30 % of a core here, thousands of failed accepts a second)."""
+    flags, limit = ["--edge", "native"], 400
+    with start_broker(tmp_path / "data", extra_args=flags, wrapper=["prlimit", f"--nofile={limit}"]) as broker:
+        free = limit - len(list(Path(f"/proc/{broker.pid}/fd").iterdir()))
+        started = time.monotonic()
+        held = [raw_h2.Connection(broker.port) for _ in range(free + 20)]  # the last ones wait in the backlog
+        time.sleep(2.0)  # nothing is scraped meanwhile: the metrics listener has no descriptor left either
+        for connection in held:
+            connection.sock.close()
+        exhausted_s = time.monotonic() - started
+        eventually(lambda: edge(broker, "connections_open") == 0, "the connections closed")
+        failed = edge(broker, "accept_errors_total")
+        assert 0 < failed <= 2 * exhausted_s / 0.1  # one per pause, with margin
+        with grpc.insecure_channel(broker.endpoint) as channel:
+            query = spb.QueryRouteRequest(topic=pb.Resource(name=PARENT))
+            route = service_pb2_grpc.MessagingServiceStub(channel).QueryRoute(query, metadata=headers("c"), timeout=10)
+        assert route.status.code == pb.OK
 
 
 def test_tls_handshakes_that_fail_are_counted_and_good_ones_are_not(tmp_path: Path) -> None:
@@ -127,7 +139,7 @@ def test_tls_handshakes_that_fail_are_counted_and_good_ones_are_not(tmp_path: Pa
     flags = ["--edge", "native", "--tls-cert", str(pair.cert), "--tls-key", str(pair.key)]
     with start_broker(tmp_path / "data", extra_args=flags) as broker:
         with socket.create_connection(("127.0.0.1", broker.port), timeout=10) as plain:
-            plain.sendall(PREFACE)  # plaintext HTTP/2 on a TLS port: the handshake fails, the socket closes
+            plain.sendall(raw_h2.PREFACE)  # plaintext HTTP/2 on a TLS port: the handshake fails, the socket closes
             plain.recv(4096)  # the alert, or the close
             eventually(lambda: edge(broker, "tls_handshakes_failed_total") == 1, "the failed handshake counted")
         context = ssl.create_default_context(cafile=str(pair.ca))

@@ -60,13 +60,20 @@ async def handle(
     if not deliveries:
         yield spb.ReceiveMessageResponse(status=pb.Status(code=pb.MESSAGE_NOT_FOUND, message="no new message"))
         return
-    yield spb.ReceiveMessageResponse(status=status.ok())
     namespace = request.message_queue.topic.resource_namespace
     host = edge.store_host
-    redelivered = 0
-    for delivery in deliveries:
-        redelivered += delivery.attempt > 1
-        yield spb.ReceiveMessageResponse(message=convert.message_to_pb(delivery, host, namespace))
-    edge.metrics.messages_out.inc(len(deliveries))
-    edge.metrics.redeliveries.inc(redelivered)
+    redelivered = written = 0
+    try:
+        yield spb.ReceiveMessageResponse(status=status.ok())
+        for delivery in deliveries:
+            yield spb.ReceiveMessageResponse(message=convert.message_to_pb(delivery, host, namespace))
+            written += 1
+            redelivered += delivery.attempt > 1
+    finally:
+        # The call ended before these were written (the client reset its stream or went, a reader too slow for
+        # its deadline): they are visible again now, not hidden for their invisible time (renewed, when
+        # auto_renew, for as long as the client lives) from a client that never saw them.
+        edge.dispatcher.give_back(group, [d.receipt_handle for d in deliveries[written:]])
+        edge.metrics.messages_out.inc(written)
+        edge.metrics.redeliveries.inc(redelivered)
     yield spb.ReceiveMessageResponse(delivery_timestamp=convert.timestamp_of(edge.dispatcher.wall_clock()))
