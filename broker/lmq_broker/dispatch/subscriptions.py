@@ -566,7 +566,7 @@ class Subscriptions:
                 self._deliverer.retry_catchup(client_id)
                 return
             for lmq in found:
-                if not self._deliverer.offer(client_id, lmq, group):
+                if not self._offer_taken(client_id, lmq, group):
                     return  # full: the catch-up pass it scheduled walks the rest
 
     async def trigger(self, group: str, lmqs: Sequence[str]) -> list[str]:
@@ -629,7 +629,7 @@ class Subscriptions:
         for start in range(0, len(todo), PROBE_CHUNK):
             current = [lmq for lmq in todo[start : start + PROBE_CHUNK] if lmq in state.lite_topics]
             for lmq in await self._deliverer.pending_among(current, state.group):
-                if not self._deliverer.offer(client_id, lmq, state.group):
+                if not self._offer_taken(client_id, lmq, state.group):
                     self._catchup_cursor[client_id] = todo[todo.index(lmq, start) :]
                     return
             if self._registry.get(client_id) is not state:
@@ -691,7 +691,7 @@ class Subscriptions:
                 taken = [meta.lite for meta in page if takes(meta.lite)]
                 lmqs = [lmq_name(parent, lite) for lite in taken]
                 for lmq in await self._deliverer.pending_among(lmqs, group):
-                    if not self._deliverer.offer(client_id, lmq, group):
+                    if not self._offer_taken(client_id, lmq, group):
                         index = lmqs.index(lmq)
                         return taken[index - 1] if index else after
                 if len(page) < CATCHUP_CHUNK:
@@ -709,10 +709,21 @@ class Subscriptions:
             if self._wildcards.registration(client_id) != where:
                 return None
             for lmq in pending:
-                if not self._deliverer.offer(client_id, lmq, group):
+                if not self._offer_taken(client_id, lmq, group):
                     index = i + lmqs.index(lmq)
                     return names[index - 1] if index else before
         return None
+
+    def _offer_taken(self, client_id: str, lmq: str, group: str) -> bool:
+        """Offer ``lmq`` to the client if it still takes it for ``group`` (names it, or a filter it holds now
+        matches it); False only when its ready queue is full. A walk chose ``lmq`` from what it read before an
+        await, and an unsubscribe answered meanwhile has dropped the topic from the ready queue for good."""
+        state = self._registry.get(client_id)
+        named = state is not None and state.group == group and lmq in state.lite_topics
+        where = self._wildcards.registration(client_id)
+        if named or (where is not None and where[1] == group and self._wildcards.holds(client_id, lmq)):
+            return self._deliverer.offer(client_id, lmq, group)
+        return True  # no longer its topic: nothing to queue, the walk goes on
 
     async def indexed_names(self, parent: str, filters: Iterable[wildcards.Filter] | None) -> list[str] | None:
         """The names of ``parent`` that ``filters`` match, sorted: before ``parent`` has a level index, found

@@ -4,6 +4,7 @@ dispatcher over both stores: matching arrivals and backlog only, unsubscribe, fu
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 from pathlib import Path
@@ -225,6 +226,47 @@ async def test_unsubscribing_a_pattern_stops_deliveries_even_of_queued_topics(li
     await lite.dispatcher.remove_lite("c", GROUP, PARENT, ["barrier"])
     await lite.dispatcher.add_lite("c", GROUP, PARENT, ["s-*"])  # back: from the group's offsets
     assert sorted(await lite.drain("c", 2)) == ["s-1", "s-2"]
+
+
+@asynchronous
+@pytest.mark.parametrize(
+    ("names", "gone", "walk"),
+    [
+        (["s-*", "t/#"], "s-*", "backlog"),  # a new pattern's walk of its key range
+        (["+/x", "t/#"], "+/x", "backlog"),  # no literal prefix: its names looked up by level
+        (["s-1_x", "t/#"], "s-1_x", "catchup"),  # a catch-up pass over the client's named topics
+    ],
+)
+async def test_a_walk_under_way_offers_nothing_unsubscribed_before_its_offer(
+    lite: Lite, monkeypatch: pytest.MonkeyPatch, names: list[str], gone: str, walk: str
+) -> None:
+    await lite.send("s-1_x")  # backlog of the name or pattern the client drops while a walk finds it
+    probe = lite.dispatcher.deliverer.pending_among
+    found_it, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held(lmqs: list[str], group: str) -> list[str]:
+        pending = await probe(lmqs, group)
+        if lmq("s-1_x") in pending and not found_it.is_set():
+            found_it.set()
+            await go_on.wait()  # the walk has read and probed its page: its offers come next
+        return pending
+
+    if walk == "catchup":
+        await lite.dispatcher.add_lite("c", GROUP, PARENT, names)  # queues s-1_x at once
+        await background_done(lite.dispatcher)
+    monkeypatch.setattr(lite.dispatcher.deliverer, "pending_among", held)
+    if walk == "catchup":
+        lite.dispatcher.subscriptions.start_catchup("c")
+    else:
+        await lite.dispatcher.add_lite("c", GROUP, PARENT, names)
+    await asyncio.wait_for(found_it.wait(), 5)
+    await lite.dispatcher.remove_lite("c", GROUP, PARENT, [gone])  # answered: nothing of it is queued from now
+    go_on.set()
+    await background_done(lite.dispatcher)
+    assert lmq("s-1_x") not in lite.dispatcher.ready.queued("c")
+    await nothing_but(lite, "c", "t_barrier")
+    await lite.dispatcher.add_lite("c", GROUP, PARENT, [gone])  # back: the message waited at the group's offset
+    assert await lite.drain("c", 1) == ["s-1_x"]
 
 
 @asynchronous
