@@ -41,6 +41,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -575,6 +576,30 @@ def test_kill_9_of_one_process_of_a_processes_2_pod(tmp_path: Path, clients: lis
             pod.stop()
 
 
+@contextlib.contextmanager
+def consumer_of_three(
+    tmp_path: Path, clients: list[Any], other: str
+) -> Iterator[tuple[list[BrokerProcess], list[str], str, str, Inbox, Any]]:
+    """Three brokers; a push consumer through broker 0 subscribed to ``known`` (a topic broker 2 owns); and the
+    name of another topic broker 2 owns (prefix ``other``). The brokers (replaced in the list by a restart) are
+    stopped at the end."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = [start(tmp_path, ports, i) for i in range(3)]
+    endpoints = [b.endpoint for b in brokers]
+    try:
+        create_metadata(endpoints[0])
+        known, second = owned_by(endpoints, 2, "known", 1)[0], owned_by(endpoints, 2, other, 1)[0]
+        inbox = Inbox()
+        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
+        consumer.startup()
+        clients.append(consumer)
+        consumer.subscribe_lite(known)
+        yield brokers, endpoints, known, second, inbox, consumer
+    finally:
+        for broker in brokers:
+            broker.stop()
+
+
 def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_path: Path, clients: list[Any]) -> None:
     """The official clients send their whole set (``COMPLETE_ADD``, ``subscribe_lite_all``: the Python client's
     scheduler calls it every 30 s) built from the subscriptions answered so far. While an owner is down the
@@ -582,17 +607,7 @@ def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_pa
     a ``PARTIAL_ADD`` was answered may reach the access broker after it: its intents then lack the topic, and the
     restarted owner gets it only with the client's next full sync, ~30 s later, not within ``RESTORE_GOAL_S``.
     (The long runs of the scenarios above meet this when the client's timer falls into the 2 s window.)"""
-    ports = free_ports("127.0.0.1", 3)
-    brokers = [start(tmp_path, ports, i) for i in range(3)]
-    endpoints = [b.endpoint for b in brokers]
-    try:
-        create_metadata(endpoints[0])
-        known, crossing = owned_by(endpoints, 2, "known", 1)[0], owned_by(endpoints, 2, "crossing", 1)[0]
-        inbox = Inbox()
-        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
-        consumer.startup()
-        clients.append(consumer)
-        consumer.subscribe_lite(known)
+    with consumer_of_three(tmp_path, clients, "crossing") as (brokers, endpoints, known, crossing, inbox, consumer):
         producer = Producer(config(endpoints[1]), (TOPIC,))
         producer.startup()
         clients.append(producer)
@@ -628,9 +643,6 @@ def test_a_full_sync_crossing_a_subscription_made_while_its_owner_is_down(tmp_pa
         # failure under test is the next full sync, ~30 s: DELIVERY_BOUND_S (15 s) tells them apart
         assert 0 <= back <= RESTORE_GOAL_S, f"both subscriptions back at the owner after {back:.2f} s (-1: never)"
         assert all(0 <= took <= DELIVERY_BOUND_S for took in got.values()), f"not delivered in time: {got}"
-    finally:
-        for broker in brokers:
-            broker.stop()
 
 
 def full_sync(endpoint: str, client_id: str, lites: list[str]) -> int:
@@ -656,17 +668,7 @@ def test_a_full_sync_built_before_a_subscribe_was_answered_does_not_undo_it_at_a
     ``subscribeLite`` sent after it was answered (a set built without the topic). Within --full-sync-grace-ms
     the owner keeps the subscription, and so does the access broker's intent: when the owner is then killed -9
     and restarted, the access broker makes it there again, not the client's next full sync 30 s later."""
-    ports = free_ports("127.0.0.1", 3)
-    brokers = [start(tmp_path, ports, i) for i in range(3)]
-    endpoints = [b.endpoint for b in brokers]
-    try:
-        create_metadata(endpoints[0])
-        known, late = owned_by(endpoints, 2, "known", 1)[0], owned_by(endpoints, 2, "late", 1)[0]
-        inbox = Inbox()
-        consumer = LitePushConsumer(config(endpoints[0]), GROUP, TOPIC, inbox)
-        consumer.startup()
-        clients.append(consumer)
-        consumer.subscribe_lite(known)
+    with consumer_of_three(tmp_path, clients, "late") as (brokers, endpoints, known, late, inbox, consumer):
         consumer.subscribe_lite(late)  # answered: the owner and the access broker's intent hold it
         assert full_sync(endpoints[0], consumer.client_id, [known]) == rpb.OK  # built before that answer
         producer = Producer(config(endpoints[1]), (TOPIC,))
@@ -686,9 +688,6 @@ def test_a_full_sync_built_before_a_subscribe_was_answered_does_not_undo_it_at_a
         assert 0 <= back <= RESTORE_GOAL_S, f"both subscriptions back at the owner after {back:.2f} s (-1: never)"
         assert came, f"nothing of {late} delivered within {DELIVERY_BOUND_S} s of the owner's readiness"
         ledger.check(inbox)
-    finally:
-        for broker in brokers:
-            broker.stop()
 
 
 def started_producers(endpoints: list[str], clients: list[Any]) -> list[Any]:
