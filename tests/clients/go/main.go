@@ -172,9 +172,11 @@ func (d *driver) run(op string, a map[string]any) (map[string]any, error) {
 			m.SetTag(v)
 		}
 		if keys, ok := a["keys"].([]any); ok {
+			all := make([]string, 0, len(keys)) // SetKeys replaces the message's keys: one call with all of them
 			for _, k := range keys {
-				m.SetKeys(k.(string))
+				all = append(all, k.(string))
 			}
+			m.SetKeys(all...)
 		}
 		if v, ok := a["message_group"].(string); ok {
 			m.SetMessageGroup(v)
