@@ -40,7 +40,7 @@ from lmq_broker.cluster.peers import Peers
 from lmq_broker.dispatch import wildcards
 from lmq_broker.mqtt import durable, exactly
 from lmq_broker.mqtt.owners import Pulled
-from lmq_broker.protocol import context, status
+from lmq_broker.protocol import context, convert, status
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
@@ -259,7 +259,7 @@ class MqttLink:
                     out.append(
                         Pulled(
                             lite=sp.lite_topic,
-                            body=m.body,
+                            body=convert.body_of(m),
                             attempt=max(1, sp.delivery_attempt),
                             receipt=f"{member} {sp.message_id} {sp.receipt_handle}",
                             properties=dict(m.user_properties),

@@ -7,6 +7,7 @@ RocketMQ's where it has one (proxy ``maxUserPropertySize`` 16 KiB, 128-char mess
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import re
 import zlib
@@ -402,13 +403,37 @@ def body_digest(body: bytes) -> str:
     return hashlib.md5(body, usedforsecurity=False).hexdigest().upper()
 
 
+# Node's client (rocketmq-client-nodejs 1.0.8) keeps grpc-js's default receive limit, 4 MiB per response frame,
+# and one frame carries one message: a message whose body nears --max-body-bytes (4 MiB too) fails its receive with
+# RESOURCE_EXHAUSTED every time. Bodies above this size go out gzipped (body_encoding GZIP; every official client
+# checks the digest over the bytes sent, then inflates them) when that makes them smaller. What a frame holds
+# besides the body stays under 128 KiB: 16 KiB of user properties, 64 keys and a tag of 256 characters, ids.
+WIRE_GZIP_ABOVE_BYTES: Final = 4 * 1024 * 1024 - 128 * 1024
+_GZIP_SAMPLE_BYTES: Final = 64 * 1024
+
+
+def wire_body(body: bytes) -> tuple[bytes, int]:
+    """The body as a message frame carries it, and its encoding: as stored, or gzipped when it is too large for a
+    4 MiB frame and gzip makes it smaller. Measured (load 4.4): level 1 takes 4 ms for 4 MiB of text, 17 ms of
+    JSON, 65 ms of random bytes, once per delivery of such a body; its first 64 KiB decide whether to try (under
+    1 ms), so a body that does not compress costs no more than that."""
+    if len(body) > WIRE_GZIP_ABOVE_BYTES:
+        sample = body[:_GZIP_SAMPLE_BYTES]
+        if len(zlib.compress(sample, 1)) < len(sample) * 0.9:
+            packed = gzip.compress(body, compresslevel=1, mtime=0)
+            if len(packed) < len(body):
+                return packed, pb.GZIP
+    return body, pb.IDENTITY
+
+
 def message_to_pb(delivery: dispatcher.Delivery, store_host: str, namespace: str = "", queue_id: int = 0) -> pb.Message:
     m = delivery.message
+    body, encoding = wire_body(m.body) if len(m.body) > WIRE_GZIP_ABOVE_BYTES else (m.body, pb.IDENTITY)
     sp = pb.SystemProperties(
         keys=m.keys,
         message_id=m.message_id,
-        body_digest=pb.Digest(type=pb.MD5, checksum=body_digest(m.body)),
-        body_encoding=pb.IDENTITY,
+        body_digest=pb.Digest(type=pb.MD5, checksum=body_digest(body)),
+        body_encoding=encoding,  # type: ignore[arg-type]
         message_type=int(m.message_type),  # type: ignore[arg-type]
         born_timestamp=timestamp_of(m.born_timestamp_ms),
         born_host=m.born_host,
@@ -430,8 +455,15 @@ def message_to_pb(delivery: dispatcher.Delivery, store_host: str, namespace: str
         topic=pb.Resource(resource_namespace=namespace, name=m.topic),
         user_properties=m.user_properties,
         system_properties=sp,
-        body=m.body,
+        body=body,
     )
+
+
+def body_of(message: pb.Message) -> bytes:
+    """A delivered message's body as stored (a broker's ReceiveMessage gzips the largest ones: ``wire_body``)."""
+    if message.system_properties.body_encoding == pb.GZIP:
+        return gzip.decompress(message.body)
+    return message.body
 
 
 # --- routes ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ loop, values built positionally): it must equal ``read`` (the plain one) message
 from __future__ import annotations
 
 import gzip
+import hashlib
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmq_broker import errors, model
-from lmq_broker.dispatch import metadata
+from lmq_broker.dispatch import dispatcher, metadata
 from lmq_broker.dispatch.testing import config_for
 from lmq_broker.protocol import convert
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
@@ -291,3 +293,30 @@ def test_a_truncated_gzip_body_is_refused(tmp_path: Path) -> None:
     for cut in (len(packed) - 1, len(packed) // 2, 12):
         with pytest.raises(errors.InvalidArgument, match="gzip"):
             r.read(lite(packed[:cut], body_encoding=pb.GZIP))
+
+
+def delivery_of(body: bytes) -> dispatcher.Delivery:
+    stored = model.StoredMessage(model.QueueId("NORMAL_P", 0), 7, "id-1", "NORMAL_P", body, NOW_MS, NOW_MS)
+    return dispatcher.Delivery(stored, attempt=1, receipt_handle="r2 x NORMAL_P 0 7 1 tag", invisible_ms=30_000)
+
+
+@pytest.mark.parametrize(
+    ("size", "compressible", "encoding"),
+    [
+        (convert.WIRE_GZIP_ABOVE_BYTES, True, pb.IDENTITY),  # fits a 4 MiB frame as it is
+        (convert.WIRE_GZIP_ABOVE_BYTES + 1, True, pb.GZIP),
+        (4 * 1024 * 1024, True, pb.GZIP),  # --max-body-bytes' default: the largest body a client may send
+        (4 * 1024 * 1024, False, pb.IDENTITY),  # gzip would not make it smaller: sent as it is
+    ],
+)
+def test_a_body_too_large_for_a_4_mib_frame_goes_out_gzipped(size: int, compressible: bool, encoding: int) -> None:
+    """Node's client receives frames of at most 4 MiB (grpc-js's default); every client inflates a GZIP body
+    after checking the digest over the bytes sent."""
+    body = (b"0123456789abcdef" * (size // 16 + 1))[:size] if compressible else random.Random(size).randbytes(size)
+    message = convert.message_to_pb(delivery_of(body), "127.0.0.1:1")
+    sp = message.system_properties
+    assert sp.body_encoding == encoding
+    assert sp.body_digest.checksum == hashlib.md5(message.body).hexdigest().upper()
+    assert convert.body_of(message) == body
+    if compressible:
+        assert message.ByteSize() < 4 * 1024 * 1024
