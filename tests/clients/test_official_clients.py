@@ -8,6 +8,7 @@ received; "dead-lettered" means a copy in ``%DLQ%<group>``, read back with the P
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 import zlib
 from collections import Counter
@@ -15,11 +16,12 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import pytest
-from testing_clients import Driver, DriverError, b64, unb64
+from testing_clients import LANGS, Driver, DriverError, b64, unb64
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.protocol import convert
 
 LITE_MESSAGES: Final = 240
 WAIT_S: Final = 90.0
@@ -410,3 +412,138 @@ def test_subscribe_lite_all_receives_every_lite_topic_of_a_wildcard_group(
     with pytest.raises(DriverError) as refused:
         client.call("subscribe_lite", consumer="c", lite_topic="one")
     assert "40003" in str(refused.value) or "ILLEGAL_CONSUMER_GROUP" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("fifo", [True, False], ids=["fifo", "concurrent"])
+def test_a_message_that_always_fails_is_dead_lettered_after_max_attempts(
+    lang: str,
+    fifo: bool,
+    drivers: Callable[[str], Driver],
+    admin: AdminClient,
+    lite_group: Callable[..., tuple[str, str]],
+) -> None:
+    """A listener that always returns FAILURE: the message is consumed ``max_attempts`` times, then its copy is
+    in ``%DLQ%<group>`` (same id and body, its origin in properties) and the lite topic's offset moves past it.
+    A fifo group's client retries locally, then calls ForwardMessageToDeadLetterQueue; a concurrent group's
+    client nacks (ChangeInvisibleDuration by its backoff) and the broker counts the attempts and dead-letters it.
+    """
+    attempts = 3
+    topic, group = lite_group(fifo=fifo, retry=model.RetryPolicy(max_attempts=attempts, backoff_ms=(200, 200)))
+    client = drivers(lang)
+    start_lite_consumer(client, admin, "c", topic, group, lites=["poison"], fail_times=1000)
+    client.call("producer", name="p", topics=[topic])
+    body = "poison-ü-🚀".encode() * 3
+    sent = send_lite(client, "p", topic, "poison", body)
+    eventually(lambda: committed(admin, topic, "poison", group) == 1, "the dead letter settled", timeout_s=WAIT_S)
+    got = delivered(client, "c")
+    assert [m["message_id"] for m in got] == [sent] * attempts
+    if not fifo:  # the broker's own count, one per hand-out (a fifo client counts its local retries itself)
+        assert [m["attempt"] for m in got] == list(range(1, attempts + 1))
+    (dead,) = dead_letters(drivers("python") if lang != "python" else client, group)
+    assert (dead["topic"], dead["message_id"], unb64(dead["body"])) == (f"%DLQ%{group}", sent, body)
+    assert (dead["properties"]["__ORIGIN_TOPIC"], dead["properties"]["__ORIGIN_LITE_TOPIC"]) == (topic, "poison")
+
+
+def test_every_client_reads_what_every_client_sent(
+    drivers: Callable[[str], Driver], normal_topic: Callable[[], str], unique: Callable[[str], str]
+) -> None:
+    """Each client sends to one NORMAL topic and each reads it all (a SimpleConsumer per client, own group):
+    tag, several keys (Go's driver used to send only the last: ``SetKeys`` replaces), unicode property values
+    (the clients refuse blank ones) and bodies the Java client gzips (above 4 KiB) arrive as sent, whichever
+    client sent them."""
+    topic = normal_topic()
+    clients = {lang: drivers(lang) for lang in LANGS}
+    sent: dict[str, tuple[str, bytes, list[str], dict[str, str]]] = {}
+    for lang, client in clients.items():
+        client.call("producer", name="p", topics=[topic])
+        client.call("simple", name="s", group=unique(f"all-{lang}"), topic=topic, await_s=1)
+        bodies = [
+            f"small from {lang} ü".encode(),
+            b"compressible " * 5000,  # 65 KB: gzipped by the Java client
+            hashlib.sha512(lang.encode()).digest() * 80,  # 5 KiB, above Java's 4 KiB threshold, hardly compressible
+        ]
+        for i, body in enumerate(bodies):
+            keys = [f"{lang}-k{i}", "shared key", "ключ"]
+            properties = {"sender": lang, "unicode": "übung-量子-🚀", "spaced": " a b ", "n": str(i)}
+            reply = client.call(
+                "send", producer="p", topic=topic, body=b64(body), tag=f"t-{lang}", keys=keys, properties=properties
+            )
+            sent[reply["message_id"]] = (f"t-{lang}", body, sorted(keys), properties)
+    assert len(sent) == 3 * len(LANGS), "message ids not unique"
+
+    for lang, client in clients.items():
+        received: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + WAIT_S
+        while set(received) < set(sent) and time.monotonic() < deadline:
+            for m in client.call("receive", consumer="s", max=16, invisible_s=30)["messages"]:
+                assert m["message_id"] not in received, f"{lang} got {m['message_id']} twice"
+                received[m["message_id"]] = m
+                client.call("ack", consumer="s", handle=m["handle"])
+        assert set(received) == set(sent), f"{lang} missed {set(sent) - set(received)}"
+        for message_id, m in received.items():
+            tag, body, keys, properties = sent[message_id]
+            assert (m["topic"], m["tag"], sorted(m["keys"]), unb64(m["body"])) == (topic, tag, keys, body), lang
+            assert {k: m["properties"].get(k) for k in properties} == properties, (lang, m["properties"])
+            assert m["attempt"] == 1
+
+
+def test_simple_consumer_gets_an_unacknowledged_message_again_with_the_next_attempt(
+    lang: str, drivers: Callable[[str], Driver], normal_topic: Callable[[], str], unique: Callable[[str], str]
+) -> None:
+    """A SimpleConsumer lets the invisible time of two of three messages pass: those two come again, same id
+    and body, ``delivery_attempt`` 2; the acknowledged one does not. An ack with the superseded receipt handle
+    of the first delivery is accepted and settles the message (docs/protocol.md), as the new handle's does."""
+    topic = normal_topic()
+    client = drivers(lang)
+    client.call("producer", name="p", topics=[topic])
+    client.call("simple", name="s", group=unique("redeliver"), topic=topic, await_s=1)
+    bodies = {
+        client.call("send", producer="p", topic=topic, body=b64(b"m%d" % i))["message_id"]: b"m%d" % i for i in range(3)
+    }
+
+    def receive_all(ids: set[str], invisible_s: int) -> dict[str, dict[str, Any]]:
+        got: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + WAIT_S
+        while set(got) < ids and time.monotonic() < deadline:
+            for m in client.call("receive", consumer="s", max=16, invisible_s=invisible_s)["messages"]:
+                assert m["message_id"] not in got, f"{m['message_id']} twice in one visibility window"
+                got[m["message_id"]] = m
+        assert set(got) == ids
+        return got
+
+    first = receive_all(set(bodies), invisible_s=2)
+    assert {i: m["attempt"] for i, m in first.items()} == dict.fromkeys(bodies, 1)
+    acked, *pending = sorted(bodies)
+    client.call("ack", consumer="s", handle=first[acked]["handle"])
+    again = receive_all(set(pending), invisible_s=2)
+    assert {i: (m["attempt"], unb64(m["body"])) for i, m in again.items()} == {i: (2, bodies[i]) for i in pending}
+    client.call("ack", consumer="s", handle=again[pending[0]]["handle"])
+    client.call("ack", consumer="s", handle=first[pending[1]]["handle"])  # the superseded handle
+    time.sleep(2.5)  # past the second invisible time: anything not settled is visible again by now
+    assert client.call("receive", consumer="s", max=16, invisible_s=30)["messages"] == []
+
+
+def test_bodies_up_to_the_size_limit_reach_every_client(
+    lang: str, drivers: Callable[[str], Driver], normal_topic: Callable[[], str], unique: Callable[[str], str]
+) -> None:
+    """A body of ``--max-body-bytes`` (4 MiB, what every client lets a producer send) and one that does not
+    compress, just under the size the broker gzips above: each arrives byte for byte. Node's client takes frames
+    of at most 4 MiB (grpc-js's default); the broker sends the first gzipped, where it used to fail every
+    receive of the queue's consumer with RESOURCE_EXHAUSTED."""
+    topic = normal_topic()
+    client = sender = drivers(lang)
+    sender.call("producer", name="big", topics=[topic])
+    limit = 4 * 1024 * 1024
+    bodies = [
+        (b"0123456789abcdef" * (limit // 16))[:limit],
+        random.Random(7).randbytes(convert.WIRE_GZIP_ABOVE_BYTES),
+    ]
+    sent = {sender.call("send", producer="big", topic=topic, body=b64(body))["message_id"]: body for body in bodies}
+    client.call("simple", name="s", group=unique("big"), topic=topic, await_s=1)
+    received: dict[str, bytes] = {}
+    deadline = time.monotonic() + WAIT_S
+    while set(received) < set(sent) and time.monotonic() < deadline:
+        for m in client.call("receive", consumer="s", max=2, invisible_s=30)["messages"]:
+            received[m["message_id"]] = unb64(m["body"])
+            client.call("ack", consumer="s", handle=m["handle"])
+    assert received == sent
