@@ -16,12 +16,14 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import pytest
+from raw_v2 import metric
 from testing_clients import LANGS, Driver, DriverError, b64, unb64
 from waiting import eventually
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.protocol import convert
+from lmq_broker.testing import BrokerProcess
 
 LITE_MESSAGES: Final = 240
 WAIT_S: Final = 90.0
@@ -547,3 +549,33 @@ def test_bodies_up_to_the_size_limit_reach_every_client(
             received[m["message_id"]] = unb64(m["body"])
             client.call("ack", consumer="s", handle=m["handle"])
     assert received == sent
+
+
+def test_normal_push_consumer_restart_resumes_where_its_group_stopped(
+    lang: str,
+    broker: BrokerProcess,
+    drivers: Callable[[str], Driver],
+    normal_topic: Callable[[], str],
+    unique: Callable[[str], str],
+) -> None:
+    """A PushConsumer of a 4-queue NORMAL topic consumes, its process stops once its acks are in; a new process
+    of the same group gets what was sent meanwhile and nothing acknowledged before."""
+    topic, group = normal_topic(), unique("resume")
+    first_process = drivers(lang)
+    acks = metric(broker, "lmq_acks_total")  # the module's tests run one at a time: these are this test's
+    first_process.call("push", name="c", group=group, topic=topic)
+    first_process.call("producer", name="p", topics=[topic])
+    before = {
+        first_process.call("send", producer="p", topic=topic, body=b64(b"b%d" % i))["message_id"] for i in range(20)
+    }
+    first_process.wait_events(lambda _: before <= ids_received(first_process, "c"), WAIT_S, "20 messages")
+    eventually(lambda: metric(broker, "lmq_acks_total") >= acks + 20, "20 acks", timeout_s=30, interval_s=0.1)
+    assert first_process.close() == 0
+    sender = drivers("python")
+    sender.call("producer", name="p", topics=[topic])
+    after = {sender.call("send", producer="p", topic=topic, body=b64(b"a%d" % i))["message_id"] for i in range(20)}
+    second_process = drivers(lang)
+    second_process.call("push", name="c", group=group, topic=topic)
+    second_process.wait_events(lambda _: after <= ids_received(second_process, "c"), WAIT_S, "the 20 later ones")
+    assert not before & ids_received(second_process, "c"), "acknowledged messages delivered again"
+    assert Counter(m["message_id"] for m in delivered(second_process, "c")) == Counter(after)
