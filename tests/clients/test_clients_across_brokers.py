@@ -1,7 +1,7 @@
-"""Official Java and Go clients against two brokers with ``--peers`` (docs/scale-out.md), both dialling the
+"""Official Java, Go and Node clients against two brokers with ``--peers`` (docs/scale-out.md), all dialling the
 second: Go sends SyncLiteSubscription to every route endpoint itself (each copy is applied where it lands),
-Java 5.2.0 to its configured endpoint only (split there by owner, patterns to every broker). Either way every
-broker takes its own matching lite topics once. The Python client: tests/e2e/test_scale_out.py.
+Java 5.2.0 and Node 1.0.8 to their configured endpoint only (split there by owner, patterns to every broker).
+Either way every broker takes its own matching lite topics once. The Python client: tests/e2e/test_scale_out.py.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def held(broker: BrokerProcess) -> set[str]:
         return {info.meta.lite for info in admin.list_lite_topics(TOPIC, limit=1000).topics}
 
 
-@pytest.mark.parametrize("lang", ["java", "go"])
+@pytest.mark.parametrize("lang", ["java", "go", "node"])
 def test_patterns_take_each_brokers_topics_once(lang: str, brokers: list[BrokerProcess], tmp_path: Path) -> None:
     group = f"{GROUP}-{lang}"
     for broker in brokers:
