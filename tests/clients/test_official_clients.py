@@ -579,3 +579,32 @@ def test_normal_push_consumer_restart_resumes_where_its_group_stopped(
     second_process.wait_events(lambda _: after <= ids_received(second_process, "c"), WAIT_S, "the 20 later ones")
     assert not before & ids_received(second_process, "c"), "acknowledged messages delivered again"
     assert Counter(m["message_id"] for m in delivered(second_process, "c")) == Counter(after)
+
+
+def test_tag_expressions_select_what_push_and_simple_consumers_get(
+    lang: str, drivers: Callable[[str], Driver], normal_topic: Callable[[], str], unique: Callable[[str], str]
+) -> None:
+    """A PushConsumer subscribed with ``a || c`` and a SimpleConsumer with ``b`` (own groups) on one NORMAL topic:
+    each gets the messages of its tags and none of the others (untagged ones included)."""
+    topic = normal_topic()
+    client = drivers(lang)
+    client.call("push", name="push", group=unique("tags-push"), topic=topic, expression="a || c")
+    client.call("simple", name="simple", group=unique("tags-simple"), topic=topic, expression="b", await_s=1)
+    client.call("producer", name="p", topics=[topic])
+    by_tag: dict[str | None, set[str]] = {}
+    for i in range(24):
+        tag = ("a", "b", "c", None)[i % 4]
+        args = {"tag": tag} if tag else {}
+        message_id = client.call("send", producer="p", topic=topic, body=b64(b"t%d" % i), **args)["message_id"]
+        by_tag.setdefault(tag, set()).add(message_id)
+    client.wait_events(lambda _: by_tag["a"] | by_tag["c"] <= ids_received(client, "push"), WAIT_S, "a and c")
+    simple: Counter[str] = Counter()
+    deadline = time.monotonic() + WAIT_S
+    while set(simple) < by_tag["b"] and time.monotonic() < deadline:
+        for m in client.call("receive", consumer="simple", max=16, invisible_s=30)["messages"]:
+            assert m["tag"] == "b", m
+            simple[m["message_id"]] += 1
+            client.call("ack", consumer="simple", handle=m["handle"])
+    assert simple == Counter(by_tag["b"])
+    # The barrier: b and untagged messages were sent between the a and c ones, which all came: a stray would too.
+    assert Counter(m["message_id"] for m in delivered(client, "push")) == Counter(by_tag["a"] | by_tag["c"])
