@@ -594,7 +594,7 @@ def test_tag_expressions_select_what_push_and_simple_consumers_get(
     by_tag: dict[str | None, set[str]] = {}
     for i in range(24):
         tag = ("a", "b", "c", None)[i % 4]
-        args = {"tag": tag} if tag else {}
+        args: dict[str, Any] = {"tag": tag} if tag else {}
         message_id = client.call("send", producer="p", topic=topic, body=b64(b"t%d" % i), **args)["message_id"]
         by_tag.setdefault(tag, set()).add(message_id)
     client.wait_events(lambda _: by_tag["a"] | by_tag["c"] <= ids_received(client, "push"), WAIT_S, "a and c")
