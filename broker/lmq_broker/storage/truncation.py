@@ -33,12 +33,8 @@ def truncate(core: core_mod.Core, meta: meta_mod.Meta, name: keys.QueueName, end
         if st is None or st.next <= end:
             return 0
         cut = st.next - max(end, st.min)
+        # fsynced in either mode (``write_records``); a failed fsync cuts the record off again
         core.write_records([codec.encode_tombstone(name, end, core.clock(), codec.KIND_TRUNCATION)])
-        if not core.sync:  # async mode too: a cut the log could lose would come back with a rebuild
-            try:
-                core.log.sync()
-            except OSError as e:
-                raise core.fsync_failed(e) from e
         meta.clamp_consumer_state(name, end)
         apply(core, name, end, core.log_end())
     log.warning("%s queue %d cut back to offset %d (%d offsets dropped)", name.topic, name.queue, end, cut)
