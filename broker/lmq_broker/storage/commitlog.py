@@ -45,6 +45,12 @@ class CommitLog:
         if not self._segments:
             self._segments[0] = seg_mod.Segment.create(directory, 0)
         self.active = self._segments[max(self._segments)]
+        # What the last session wrote and did not fsync (a kill -9 before its fsync, or async mode) is still in
+        # the page cache, where recovery reads and indexes it: fsync it before anything builds on it, or a
+        # power cut after the open could take back records a group has consumed meanwhile. Only the active
+        # segment can hold such bytes (a roll fsyncs the segment it leaves).
+        self.active.sync()
+        seg_mod.fsync_dir(directory)
         self.written = 0
         self.synced = 0
         self.fsyncs = 0
@@ -210,6 +216,27 @@ class CommitLog:
                 continue
             start = position if s == seq else 0
             yield from ((s, f) for f in self._scan_segment(s, start))
+
+    def first_bad(self, seq: int, start: int, end: int) -> int | None:
+        """Where the first record of [start, end) of a segment that does not check starts (one that runs past
+        ``end`` included), or None when they all do and the last ends at ``end``."""
+        s = self._segments[seq]
+        if end > s.size:
+            return min(start, s.size)
+        if start >= end:
+            return None
+        mm = mmap.mmap(s.fd, end, access=mmap.ACCESS_READ)
+        view = memoryview(mm)
+        try:
+            for _ in codec.scan(view, start, end):
+                pass
+        except errors.CorruptRecord as e:
+            position = e.fields.get("position")
+            return position if isinstance(position, int) else start
+        finally:
+            view.release()
+            mm.close()
+        return None
 
     def scan_segment(self, seq: int) -> Iterator[codec.Frame]:
         """Every record of one segment (retention reads which queues a segment holds)."""

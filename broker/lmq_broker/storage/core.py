@@ -149,7 +149,7 @@ class Core:
         return index_mod.Batch(self.index, self.states, self.segments)
 
     def write_batch(self, batch: index_mod.Batch, checkpoint: tuple[int, int]) -> None:
-        self.write_index(lambda: batch.write(checkpoint))
+        self.write_index(lambda: batch.write(checkpoint, self.log.durable_at))
         batch.publish()
 
     def write_index(self, write: Callable[[], None]) -> None:

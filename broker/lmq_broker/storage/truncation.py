@@ -18,6 +18,7 @@ import logging
 from lmq_broker import errors
 from lmq_broker.storage import codec, keys
 from lmq_broker.storage import core as core_mod
+from lmq_broker.storage import index as index_mod
 from lmq_broker.storage import meta as meta_mod
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,6 @@ def apply(core: core_mod.Core, name: keys.QueueName, end: int, checkpoint: tuple
             wb.put(name.state_key, keys.LITE_VALUE.pack(st.created, st.last_store, st.last_consume, low, end))
         else:
             wb.put(name.state_key, keys.STATE_VALUE.pack(low, end))
-    wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(*checkpoint))
+    index_mod.put_checkpoint(wb, checkpoint, core.log.durable_at)
     core.write_index(lambda: index.write(wb))
     core.states.drop(name)  # read again from the index
