@@ -94,6 +94,34 @@ def test_dropped_segment_descriptors_close_one_retention_pass_later(
     assert not log._graveyard
 
 
+def test_retention_passes_over_a_bad_record_and_retires_the_queues_named_after_it(
+    open_lmq: OpenLmq, msg: Msg, clock: ManualClock
+) -> None:
+    """A retired segment whose first record went bad: the queues of the records after it lose their entries
+    in it and their min moves too, as for any retired segment (they used to keep entries into a deleted
+    file, and a min below them, for good)."""
+    s = open_lmq(segment_max_bytes=4096, retention_max_age_ms=10)
+    s.append([msg(lite="a", body=b"a" * 500, parent_queue=False)])
+    for _ in range(10):
+        s.append([msg(lite="b", body=b"b" * 500, parent_queue=False)])
+    clock.advance(100)
+    s.append([msg(lite="b", body=b"fresh", parent_queue=False)])
+    [first] = s._core.log.seqs()[:1]
+    with open(s._core.log._segments[first].path, "r+b") as f:  # a flipped byte in the first record's body
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    assert s.apply_retention().segments_deleted > 0
+    lmq_b = model.QueueId.lmq("P", "b")
+    lo, hi = s.queue_offsets(lmq_b)
+    assert 0 < lo < hi == 11
+    gone = set(range(first, s._core.log.seqs()[0]))
+    name = s._core.resolve(lmq_b.topic, 0)
+    assert [seg for _, seg, _ in s._core.index.runs(name) if seg in gone] == []
+    assert [m.body for m in s.read(lmq_b, 0, 100)][-1] == b"fresh"
+
+
 def test_index_tables_have_partitioned_index_and_filter_blocks(open_lmq: OpenLmq, msg: Msg) -> None:
     """A million topics make multi-megabyte index/filter blocks; whole, they would not fit a block-cache shard
     and every lookup would re-read them. The tables must be written partitioned (small, cacheable blocks)."""

@@ -238,9 +238,9 @@ class CommitLog:
             mm.close()
         return None
 
-    def scan_segment(self, seq: int) -> Iterator[codec.Frame]:
-        """Every record of one segment (retention reads which queues a segment holds)."""
-        return self._scan_segment(seq, 0)
+    def scan_segment(self, seq: int, start: int = 0) -> Iterator[codec.Frame]:
+        """Every record of one segment from ``start`` (retention reads which queues a segment holds)."""
+        return self._scan_segment(seq, start)
 
     def _scan_segment(self, seq: int, start: int) -> Iterator[codec.Frame]:
         s = self._segments[seq]
