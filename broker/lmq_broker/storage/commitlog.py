@@ -11,7 +11,11 @@ After a failed fsync the kernel may have marked the unwritten pages clean, or dr
 succeeds would vouch for nothing, and the page cache may no longer hold them. So the log keeps its own copy of
 the bytes above ``durable_at`` (``_tail``: what one group commit or, in ``async`` mode, one flush interval
 wrote; trimmed by every fsync that succeeds), and ``sync_again`` writes them once more from that copy before it
-fsyncs, so its success means what it says: an acknowledged but unsynced record survives a failed fsync.
+fsyncs, so its success means what it says: an acknowledged but unsynced record survives a failed fsync. Until it
+has succeeded, every other fsync of the log (``sync``, ``roll``) fails at once (``fsync_error``): the kernel
+reports a writeback error once, so a plain fsync after a failed one, on another thread (the ``async`` flusher
+beside the writer's roll) or later, could succeed without the lost pages and trim the copy that must rewrite
+them.
 
 Dropped segments (retention) are unlinked at once but their descriptors are closed one retention pass
 later, so a reader that looked up an index entry just before the drop still preads valid bytes.
@@ -19,6 +23,7 @@ later, so a reader that looked up an index entry just before the drop still prea
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -63,6 +68,7 @@ class CommitLog:
         self._tail_lock = threading.Lock()
         self._cuts = 0  # rollbacks so far: an fsync begun before one vouches for nothing it cut (``_trim``)
         self._graveyard: list[seg_mod.Segment] = []
+        self.fsync_error: str | None = None  # an fsync failed: only ``sync_again`` can vouch for the log now
 
     # --- layout --------------------------------------------------------------------------------------
 
@@ -98,9 +104,19 @@ class CommitLog:
                 self._tail_at = below
             return True
 
+    def _fsync(self, segment: seg_mod.Segment) -> None:
+        """fsync ``segment``, unless an fsync failed since the last good ``sync_again`` (see the module docstring)."""
+        if self.fsync_error is not None:
+            raise OSError(errno.EIO, f"an earlier fsync of the commit log failed ({self.fsync_error})")
+        try:
+            segment.sync()
+        except OSError as e:
+            self.fsync_error = str(e)
+            raise
+
     def roll(self) -> None:
         """Start the next segment; the one left behind is fsynced first (it will never be written again)."""
-        self.active.sync()
+        self._fsync(self.active)
         self.fsyncs += 1
         nxt = seg_mod.Segment.create(self.directory, self.active.seq + 1)
         self._segments[nxt.seq] = nxt
@@ -119,7 +135,7 @@ class CommitLog:
                 active = self.active
                 below = active.size  # written before the fsync starts: on disk once it returns
                 cuts = self._cuts
-            active.sync()
+            self._fsync(active)
             self.fsyncs += 1
             self.synced = mark
             if self._trim(active, below, cuts):
@@ -144,6 +160,7 @@ class CommitLog:
                     done += os.pwrite(active.fd, piece[done:], start + at + done)
             active.sync()
             seg_mod.fsync_dir(self.directory)
+            self.fsync_error = None
             self.fsyncs += 1
             self.synced = max(self.synced, mark)
             self.durable_at = (active.seq, end)
