@@ -5,12 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from waiting import eventually
 
 from lmq_broker import errors, model
 from lmq_broker.storage import appends, commitlog
+from lmq_broker.storage import segment as segment_mod
 from lmq_broker.storage import store as store_mod
 from lmq_broker.storage.testing import append_if_free
 
@@ -255,11 +257,16 @@ def test_try_begin_of_empty_requests_writes_nothing(open_lmq: OpenLmq) -> None:
     assert s._core.log.written == written
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("record", ["tombstone", "truncation"])
 def test_a_failed_fsync_of_tombstones_pauses_writes_too(
-    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch, mode: str, record: str
 ) -> None:
-    s = open_lmq(flush_mode="sync")
+    """In either flush mode: a control record is followed by meta/ writes only it can redo at the next open,
+    so it is fsynced before them, and a failed fsync cuts it off the log again ("not done" is true)."""
+    s = open_lmq(flush_mode=mode, flush_interval_ms=600_000)  # no background fsync meanwhile
     s.append([msg(message_id="1")])
+    s.flush()
     size = s._core.log.active.size
 
     def failing_sync(self: commitlog.CommitLog) -> None:
@@ -267,11 +274,42 @@ def test_a_failed_fsync_of_tombstones_pauses_writes_too(
 
     monkeypatch.setattr(commitlog.CommitLog, "sync", failing_sync)
     with pytest.raises(errors.StorageError, match="fsync failed"):
-        s.delete_lite_topics([("P", "a", None)])
+        if record == "tombstone":
+            s.delete_lite_topics([("P", "a", None)])
+        else:
+            s.truncate_queue(model.QueueId.lmq("P", "a"), 0)
     monkeypatch.undo()
+    assert s.queue_offsets(model.QueueId.lmq("P", "a")) == (0, 1)  # not cut either
     assert s._core.log.active.size == size  # the tombstone is cut off: no later replay deletes the topic
     assert s.lite_topic("P", "a") is not None  # not deleted: the index was never told
     with pytest.raises(errors.StorageError, match="cannot be made durable"):
         s.append([msg(message_id="2")])
     eventually(lambda: s.health() is None, "s.health() is None", interval_s=0.001)
     assert s.delete_lite_topics([("P", "a", None)]) == [True]
+
+
+def test_a_roll_whose_new_segment_cannot_be_made_durable_fails_alone_and_later_rolls_work(
+    open_lmq: OpenLmq, msg: Msg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory fsync after creating the next segment fails (EIO): that append is refused and cut off,
+    and the half-made file must not stay behind, or every later roll would fail on it (O_EXCL) for good."""
+    s = open_lmq(flush_mode="sync", segment_max_bytes=4096)
+    s.append([msg(message_id="0", body=b"x" * 3000)])
+    real = segment_mod.fsync_dir
+    calls: list[int] = []
+
+    def failing_once(path: Path) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(segment_mod, "fsync_dir", failing_once)
+    with pytest.raises(errors.StorageError, match="write failed"):
+        s.append([msg(message_id="1", body=b"x" * 3000)])  # does not fit: rolls
+    monkeypatch.undo()
+    eventually(lambda: s.health() is None, "s.health() is None", interval_s=0.001)
+    [res] = s.append([msg(message_id="2", body=b"x" * 3000)])
+    assert res.offsets[model.QueueId.lmq("P", "a")] == 1
+    assert [m.message_id for m in s.read(model.QueueId.lmq("P", "a"), 0, 10)] == ["0", "2"]
+    assert s._core.log.seqs() == [0, 1]

@@ -31,6 +31,7 @@ LMQ = keys.parse_queue("%LMQ%$P$a", 0)
         (keys.name_key(keys.RECLAIM, "P"), b"RP"),
         (keys.segment_key(3), b"B\x00\x00\x00\x03"),
         (keys.CHECKPOINT_KEY, b"Xcheckpoint"),
+        (keys.DURABLE_KEY, b"Xdurable"),
         (keys.LAYOUT_KEY, b"Xlayout"),
         (LMQ.record, b"\x09%LMQ%$P$a\x00\x00"),
         (P7.record, b"\x01P\x07\x00"),

@@ -15,7 +15,7 @@ import pytest
 
 from lmq_broker import config, model
 from lmq_broker.storage import core as core_mod
-from lmq_broker.storage import keys, recovery
+from lmq_broker.storage import keys, recovery, segment
 from lmq_broker.storage import store as store_mod
 
 Q = model.QueueId("T", 0)
@@ -128,5 +128,87 @@ def test_after_a_crash_of_a_sync_session_offsets_are_not_reconciled(
     s = store_mod.open_store(cfg)
     try:
         assert walks == [1]
+    finally:
+        s.close()
+
+
+# An async session that flushed m0-m4, then appended m5-m9 and committed past them, and died before the next
+# background fsync: the index (its WAL was written) and meta kept everything, the log's last batch sits in the
+# page cache only.
+UNFLUSHED_SESSION = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from lmq_broker import config, model
+    from lmq_broker.storage import store
+    cfg = config.StoreConfig(data_dir=Path(sys.argv[1]), flush_mode=config.FlushMode.ASYNC, flush_interval_ms=600_000)
+    q = model.QueueId("T", 0)
+    s = store.open_store(cfg)
+    s.append([model.NewMessage(message_id=f"m{i}", topic="T", body=b"b" * 100, queues=(q,)) for i in range(5)])
+    s.flush()
+    print(s._core.log.active.size)
+    s.append([model.NewMessage(message_id=f"m{i}", topic="T", body=b"b" * 100, queues=(q,)) for i in range(5, 10)])
+    s.commit_offset(q, "G", 7)
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("tail", ["zeros", "stale"])
+def test_a_power_cut_that_zeroes_indexed_records_rebuilds_rather_than_serving_them_as_damage(
+    store_config: Callable[..., config.StoreConfig], tail: str
+) -> None:
+    """The file kept its length but its unsynced end reads back as zeros (or as stale blocks) while the index
+    points into it: the open must notice (its checkpoint lies above bytes that do not check), cut the log and
+    record the loss, not keep index entries that fail at every read and count as fresh damage each time."""
+    cfg = store_config(flush_mode="async")
+    argv = [sys.executable, "-c", UNFLUSHED_SESSION, str(cfg.data_dir)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    durable = int(proc.stdout)
+    [seg] = (cfg.data_dir / "commitlog").glob("*.log")
+    size = seg.stat().st_size
+    with seg.open("r+b") as f:  # the power cut
+        f.seek(durable)
+        f.write(bytes(size - durable) if tail == "zeros" else os.urandom(size - durable))
+    s = store_mod.open_store(cfg)
+    try:
+        assert s.recovery.rebuilt and s.recovery.truncated_bytes == size - durable
+        assert s.queue_offsets(Q) == (0, 7)  # raised to the commit point: 5 and 6 a recorded loss
+        got, end = s.read_span(Q, 0, 32)
+        assert [m.message_id for m in got] == [f"m{i}" for i in range(5)] and end == 7
+        [res] = s.append(messages(100, 101))
+        assert res.offsets[Q] == 7
+        assert [m.offset for m in s.read_span(Q, 0, 32)[0]] == [0, 1, 2, 3, 4, 7]
+        assert s.damage.total("corrupt_read") == 0
+    finally:
+        s.close()
+
+
+def test_an_open_fsyncs_what_the_crashed_session_left_unsynced_before_indexing_it(
+    store_config: Callable[..., config.StoreConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a kill -9 the unsynced end of the log is still in the page cache, and the open indexes it (so
+    serves it): fsynced first, or a power cut soon after could take back records groups have consumed, and
+    a sync session's crash is not reconciled."""
+    cfg = store_config(flush_mode="sync")
+    crash(CRASHING_SESSION, cfg)  # async: its batch was never fsynced
+    events: list[str] = []
+    real_sync, real_replay = segment.Segment.sync, recovery.replay
+
+    def sync(self: segment.Segment) -> None:
+        events.append(f"fsync {self.seq}")
+        real_sync(self)
+
+    def replay(core: core_mod.Core, start: tuple[int, int], last_seq: int, rebuilding: bool) -> tuple[int, int]:
+        events.append("index")
+        return real_replay(core, start, last_seq, rebuilding)
+
+    monkeypatch.setattr(segment.Segment, "sync", sync)
+    monkeypatch.setattr(recovery, "replay", replay)
+    s = store_mod.open_store(cfg)
+    try:
+        assert events[:2] == ["fsync 0", "index"]
+        assert s.queue_offsets(Q) == (0, 10)
     finally:
         s.close()

@@ -170,6 +170,34 @@ def test_a_torn_tail_is_truncated_at_recovery(
     assert [m.body for m in s.read(LMQ_A, 0, 10)][-1] == b"after"
 
 
+@pytest.mark.parametrize("unindexed_record", [False, True])
+def test_a_zeroed_tail_is_cut_and_a_whole_record_before_it_kept(
+    open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock,
+    unindexed_record: bool,
+) -> None:  # fmt: skip
+    """A power cut after the file grew but before its blocks were written (or a preallocated file): the end
+    reads back as zeros, which are no record; a whole record before them (written after the checkpoint) is
+    re-indexed."""
+    s = open_lmq()
+    s.append([msg(), msg()])
+    s.close()
+    (seg,) = segment_files(store_config())
+    good_size = seg.stat().st_size
+    whole = raw_record([(PARENT_Q, 2), (LMQ_A, 2)], b"whole", clock()) if unindexed_record else b""
+    with seg.open("ab") as f:
+        f.write(whole + bytes(8192))
+    s = open_lmq()
+    assert s.recovery.truncated_bytes == 8192 and s.recovery.records_reindexed == int(unindexed_record)
+    assert seg.stat().st_size == good_size + len(whole)
+    assert s.queue_offsets(LMQ_A) == (0, 2 + unindexed_record)
+    (res,) = s.append([msg(body=b"after")])
+    assert res.offsets[LMQ_A] == 2 + unindexed_record
+    s.close()
+    s = open_lmq()
+    assert s.recovery.truncated_bytes == 0
+    assert [m.body for m in s.read(LMQ_A, 0, 10)][-1] == b"after"
+
+
 def test_a_flipped_byte_in_the_unindexed_tail_truncates_from_that_record(
     open_lmq: OpenLmq, store_config: Callable[..., config.StoreConfig], msg: Msg, clock: ManualClock
 ) -> None:

@@ -94,6 +94,34 @@ def test_dropped_segment_descriptors_close_one_retention_pass_later(
     assert not log._graveyard
 
 
+def test_retention_passes_over_a_bad_record_and_retires_the_queues_named_after_it(
+    open_lmq: OpenLmq, msg: Msg, clock: ManualClock
+) -> None:
+    """A retired segment whose first record went bad: the queues of the records after it lose their entries
+    in it and their min moves too, as for any retired segment (they used to keep entries into a deleted
+    file, and a min below them, for good)."""
+    s = open_lmq(segment_max_bytes=4096, retention_max_age_ms=10)
+    s.append([msg(lite="a", body=b"a" * 500, parent_queue=False)])
+    for _ in range(10):
+        s.append([msg(lite="b", body=b"b" * 500, parent_queue=False)])
+    clock.advance(100)
+    s.append([msg(lite="b", body=b"fresh", parent_queue=False)])
+    [first] = s._core.log.seqs()[:1]
+    with open(s._core.log._segments[first].path, "r+b") as f:  # a flipped byte in the first record's body
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    assert s.apply_retention().segments_deleted > 0
+    lmq_b = model.QueueId.lmq("P", "b")
+    lo, hi = s.queue_offsets(lmq_b)
+    assert 0 < lo < hi == 11
+    gone = set(range(first, s._core.log.seqs()[0]))
+    name = s._core.resolve(lmq_b.topic, 0)
+    assert [seg for _, seg, _ in s._core.index.runs(name) if seg in gone] == []
+    assert [m.body for m in s.read(lmq_b, 0, 100)][-1] == b"fresh"
+
+
 def test_index_tables_have_partitioned_index_and_filter_blocks(open_lmq: OpenLmq, msg: Msg) -> None:
     """A million topics make multi-megabyte index/filter blocks; whole, they would not fit a block-cache shard
     and every lookup would re-read them. The tables must be written partitioned (small, cacheable blocks)."""
@@ -109,16 +137,21 @@ def test_index_tables_have_partitioned_index_and_filter_blocks(open_lmq: OpenLmq
     assert "filter block size=0;" not in props
 
 
+def log_with_unsynced_tail(directory: Path) -> tuple[commitlog.CommitLog, bytes, int]:
+    """A log holding b"synced." (fsynced) and then unsynced bytes: (log, those bytes, where they start)."""
+    log = commitlog.CommitLog(directory, 1 << 20)
+    log.append(b"synced.")
+    log.sync()
+    unsynced = b"acked-but-unsynced" * 100
+    return log, unsynced, log.append(unsynced)
+
+
 def test_sync_again_writes_the_unsynced_tail_from_the_logs_own_copy(tmp_path: Path) -> None:
     """A failed fsync may leave the kernel without the unsynced pages (dropped, or read back as what the disk
     holds): ``sync_again`` rewrites them from the log's own copy, so an acknowledged async write survives it.
     The pages are lost here by overwriting the unsynced range through another descriptor; a rewrite read back
     from the page cache would write that loss to disk. Rolls, cuts and good fsyncs keep the copy exact."""
-    log = commitlog.CommitLog(tmp_path, 1 << 20)
-    log.append(b"synced.")
-    log.sync()
-    unsynced = b"acked-but-unsynced" * 100
-    at = log.append(unsynced)
+    log, unsynced, at = log_with_unsynced_tail(tmp_path)
     path = log.active.path
 
     def drop_pages() -> None:
@@ -142,6 +175,38 @@ def test_sync_again_writes_the_unsynced_tail_from_the_logs_own_copy(tmp_path: Pa
     log.sync_again()
     assert log.active.path.read_bytes() == b"in the next segment"
     assert path.read_bytes() == b"synced." + unsynced + b"after the cut" and more == cut_at
+
+
+@pytest.mark.parametrize("next_fsync", ["sync", "roll"])
+def test_after_a_failed_fsync_no_plain_fsync_vouches_for_the_log_until_sync_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, next_fsync: str
+) -> None:
+    """The kernel reports a writeback error once: after the async flusher's fsync failed, a later plain fsync
+    (the writer's roll beside it, a control record's fsync) could succeed without the lost pages. It used to
+    trim the log's copy of them (a roll dropped it), so ``sync_again`` had nothing left to rewrite and the
+    acknowledged records stayed lost. Every fsync but ``sync_again``'s now fails until that has succeeded."""
+    log, unsynced, at = log_with_unsynced_tail(tmp_path)
+    path = log.active.path
+    real = segment_mod.Segment.sync
+
+    def eio(self: segment_mod.Segment) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(segment_mod.Segment, "sync", eio)
+    with pytest.raises(OSError):
+        log.sync()  # the flusher's fsync: the pages' writeback failed, the kernel may have dropped them
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, b"\0" * len(unsynced), at)  # dropped: the disk holds something else
+    os.close(fd)
+    monkeypatch.setattr(segment_mod.Segment, "sync", real)  # the error was reported: fsyncs succeed again
+    with pytest.raises(OSError, match="earlier fsync"):
+        log.sync() if next_fsync == "sync" else log.roll()
+    assert log.seqs() == [0] and log.durable_at == (0, at)
+    log.sync_again()
+    assert path.read_bytes() == b"synced." + unsynced
+    log.sync()
+    log.roll()
+    assert log.seqs() == [0, 1]
 
 
 def test_an_fsync_under_way_while_the_writer_cuts_and_writes_again_trims_nothing_it_did_not_sync(

@@ -188,7 +188,7 @@ class Appender:
                 if written:
                     batch.touch_segment(s, staged.store_ms)
             checkpoint = core.log_end()
-            core.write_index(lambda: batch.write(checkpoint))
+            core.write_index(lambda: batch.write(checkpoint, core.log.durable_at))
         except Exception as e:
             core.undo_round(staged.start)
             error = errors.StorageError(f"not stored: {e.message if isinstance(e, errors.LmqError) else e}")

@@ -11,7 +11,11 @@ After a failed fsync the kernel may have marked the unwritten pages clean, or dr
 succeeds would vouch for nothing, and the page cache may no longer hold them. So the log keeps its own copy of
 the bytes above ``durable_at`` (``_tail``: what one group commit or, in ``async`` mode, one flush interval
 wrote; trimmed by every fsync that succeeds), and ``sync_again`` writes them once more from that copy before it
-fsyncs, so its success means what it says: an acknowledged but unsynced record survives a failed fsync.
+fsyncs, so its success means what it says: an acknowledged but unsynced record survives a failed fsync. Until it
+has succeeded, every other fsync of the log (``sync``, ``roll``) fails at once (``fsync_error``): the kernel
+reports a writeback error once, so a plain fsync after a failed one, on another thread (the ``async`` flusher
+beside the writer's roll) or later, could succeed without the lost pages and trim the copy that must rewrite
+them.
 
 Dropped segments (retention) are unlinked at once but their descriptors are closed one retention pass
 later, so a reader that looked up an index entry just before the drop still preads valid bytes.
@@ -19,6 +23,7 @@ later, so a reader that looked up an index entry just before the drop still prea
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -45,6 +50,12 @@ class CommitLog:
         if not self._segments:
             self._segments[0] = seg_mod.Segment.create(directory, 0)
         self.active = self._segments[max(self._segments)]
+        # What the last session wrote and did not fsync (a kill -9 before its fsync, or async mode) is still in
+        # the page cache, where recovery reads and indexes it: fsync it before anything builds on it, or a
+        # power cut after the open could take back records a group has consumed meanwhile. Only the active
+        # segment can hold such bytes (a roll fsyncs the segment it leaves).
+        self.active.sync()
+        seg_mod.fsync_dir(directory)
         self.written = 0
         self.synced = 0
         self.fsyncs = 0
@@ -57,6 +68,7 @@ class CommitLog:
         self._tail_lock = threading.Lock()
         self._cuts = 0  # rollbacks so far: an fsync begun before one vouches for nothing it cut (``_trim``)
         self._graveyard: list[seg_mod.Segment] = []
+        self.fsync_error: str | None = None  # an fsync failed: only ``sync_again`` can vouch for the log now
 
     # --- layout --------------------------------------------------------------------------------------
 
@@ -92,9 +104,19 @@ class CommitLog:
                 self._tail_at = below
             return True
 
+    def _fsync(self, segment: seg_mod.Segment) -> None:
+        """fsync ``segment``, unless an fsync failed since the last good ``sync_again`` (see the module docstring)."""
+        if self.fsync_error is not None:
+            raise OSError(errno.EIO, f"an earlier fsync of the commit log failed ({self.fsync_error})")
+        try:
+            segment.sync()
+        except OSError as e:
+            self.fsync_error = str(e)
+            raise
+
     def roll(self) -> None:
         """Start the next segment; the one left behind is fsynced first (it will never be written again)."""
-        self.active.sync()
+        self._fsync(self.active)
         self.fsyncs += 1
         nxt = seg_mod.Segment.create(self.directory, self.active.seq + 1)
         self._segments[nxt.seq] = nxt
@@ -113,7 +135,7 @@ class CommitLog:
                 active = self.active
                 below = active.size  # written before the fsync starts: on disk once it returns
                 cuts = self._cuts
-            active.sync()
+            self._fsync(active)
             self.fsyncs += 1
             self.synced = mark
             if self._trim(active, below, cuts):
@@ -138,6 +160,7 @@ class CommitLog:
                     done += os.pwrite(active.fd, piece[done:], start + at + done)
             active.sync()
             seg_mod.fsync_dir(self.directory)
+            self.fsync_error = None
             self.fsyncs += 1
             self.synced = max(self.synced, mark)
             self.durable_at = (active.seq, end)
@@ -211,9 +234,30 @@ class CommitLog:
             start = position if s == seq else 0
             yield from ((s, f) for f in self._scan_segment(s, start))
 
-    def scan_segment(self, seq: int) -> Iterator[codec.Frame]:
-        """Every record of one segment (retention reads which queues a segment holds)."""
-        return self._scan_segment(seq, 0)
+    def first_bad(self, seq: int, start: int, end: int) -> int | None:
+        """Where the first record of [start, end) of a segment that does not check starts (one that runs past
+        ``end`` included), or None when they all do and the last ends at ``end``."""
+        s = self._segments[seq]
+        if end > s.size:
+            return min(start, s.size)
+        if start >= end:
+            return None
+        mm = mmap.mmap(s.fd, end, access=mmap.ACCESS_READ)
+        view = memoryview(mm)
+        try:
+            for _ in codec.scan(view, start, end):
+                pass
+        except errors.CorruptRecord as e:
+            position = e.fields.get("position")
+            return position if isinstance(position, int) else start
+        finally:
+            view.release()
+            mm.close()
+        return None
+
+    def scan_segment(self, seq: int, start: int = 0) -> Iterator[codec.Frame]:
+        """Every record of one segment from ``start`` (retention reads which queues a segment holds)."""
+        return self._scan_segment(seq, start)
 
     def _scan_segment(self, seq: int, start: int) -> Iterator[codec.Frame]:
         s = self._segments[seq]

@@ -149,7 +149,7 @@ class Core:
         return index_mod.Batch(self.index, self.states, self.segments)
 
     def write_batch(self, batch: index_mod.Batch, checkpoint: tuple[int, int]) -> None:
-        self.write_index(lambda: batch.write(checkpoint))
+        self.write_index(lambda: batch.write(checkpoint, self.log.durable_at))
         batch.publish()
 
     def write_index(self, write: Callable[[], None]) -> None:
@@ -279,18 +279,20 @@ class Core:
                 self.fsync_failed(e)
 
     def sync_log(self, start: tuple[int, int]) -> None:
-        """fsync the log (``sync`` mode), under the write lock; after a failure, what was written since
-        ``start`` is cut off again and writes pause until an fsync succeeds."""
-        if self.sync:
-            try:
-                self.log.sync()
-            except OSError as e:
-                error = self.fsync_failed(e)
-                self.undo_round(start)
-                raise error from e
+        """fsync the log, in either flush mode, under the write lock; after a failure, what was written since
+        ``start`` is cut off again and writes pause until an fsync succeeds. Control records (tombstones,
+        truncations) are followed by writes to ``meta/`` that only they can undo or redo at the next open: in
+        ``async`` mode too they must be on disk first (a power cut could otherwise keep the meta write, a
+        group's offsets dropped, and lose the record, its lite topic coming back with its messages)."""
+        try:
+            self.log.sync()
+        except OSError as e:
+            error = self.fsync_failed(e)
+            self.undo_round(start)
+            raise error from e
 
     def write_records(self, records: Sequence[bytes]) -> list[int]:
-        """Append control records in one log write per touched segment and one fsync (``sync`` mode), under
+        """Append control records in one log write per touched segment and one fsync (either mode), under
         the write lock; returns the segments written to."""
         lg = self.log
         start = (lg.active.seq, lg.active.size)

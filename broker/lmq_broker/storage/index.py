@@ -202,7 +202,14 @@ class Index(rocks.Rocks):
     # --- recovery ------------------------------------------------------------------------------------
 
     def checkpoint(self) -> tuple[int, int] | None:
-        value = self._get(keys.CHECKPOINT_KEY)
+        return self._log_position(keys.CHECKPOINT_KEY)
+
+    def durable(self) -> tuple[int, int] | None:
+        """Where the log was fsynced when the checkpoint was written (None: not recorded)."""
+        return self._log_position(keys.DURABLE_KEY)
+
+    def _log_position(self, key: bytes) -> tuple[int, int] | None:
+        value = self._get(key)
         if value is None:
             return None
         seg, pos = keys.CHECKPOINT_VALUE.unpack(value)
@@ -214,6 +221,7 @@ class Index(rocks.Rocks):
         for prefix in keys.DERIVED_PREFIXES:
             wb.delete_range(prefix, keys.successor(prefix))
         wb.delete(keys.CHECKPOINT_KEY)
+        wb.delete(keys.DURABLE_KEY)
         self.write(wb)
 
     def segment_table(self) -> dict[int, list[int]]:
@@ -376,8 +384,9 @@ class Batch:
         wb.delete(name.state_key)
         self._cache.drop(name)
 
-    def write(self, checkpoint: tuple[int, int]) -> None:
-        """Put everything into the WriteBatch, the checkpoint last, and write it (one atomic RocksDB write)."""
+    def write(self, checkpoint: tuple[int, int], durable: tuple[int, int]) -> None:
+        """Put everything into the WriteBatch, the checkpoint last, and write it (one atomic RocksDB write).
+        ``durable``: where the log is fsynced up to now (``put_checkpoint``)."""
         wb = self.wb
         put = wb.put
         entry_key, encode_run = keys.entry_key, keys.encode_run
@@ -411,7 +420,7 @@ class Batch:
         for seg in self._touched:
             first, last = self._segments[seg]
             wb.put(keys.segment_key(seg), keys.SEGMENT_VALUE.pack(first, last))
-        wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(*checkpoint))
+        put_checkpoint(wb, checkpoint, durable)
         self._index.write(wb)
 
     def publish(self) -> None:
@@ -423,3 +432,11 @@ class Batch:
             st.last_store = pd.last_store
             states.append(st)
         self._cache.publish(states)
+
+
+def put_checkpoint(wb: rocksdict.WriteBatch, checkpoint: tuple[int, int], durable: tuple[int, int]) -> None:
+    """The checkpoint (the log is indexed up to there) and how much of the log below it is known to be on disk:
+    an open after a power cut in ``async`` mode checks the records in between (``recovery``)."""
+    pack = keys.CHECKPOINT_VALUE.pack
+    wb.put(keys.CHECKPOINT_KEY, pack(*checkpoint))
+    wb.put(keys.DURABLE_KEY, pack(*min(durable, checkpoint)))

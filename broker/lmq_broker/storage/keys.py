@@ -25,6 +25,8 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     R      R parent                         JSON ReclaimRun: the newest reclaim run's summary (meta)
     B      B u32be segment                  u64 first_store_ms | u64 last_store_ms   (segment table)
     X      X "checkpoint"                   u32 segment | u64 position: the log is indexed up to here
+    X      X "durable"                      u32 segment | u64 position: the log was fsynced up to here (<= the
+                                            checkpoint) when the batch with the checkpoint was written
     X      X "layout"                       u32 layout version (LAYOUT_VERSION)
     X      X "clean"                        u64 close time: written (synced) by a clean close, removed at open (meta)
     X      X "membership"                   JSON cluster membership set over the admin service (synced; meta)
@@ -72,6 +74,7 @@ RECLAIM: Final = b"R"
 SEGMENT: Final = b"B"
 SYSTEM: Final = b"X"
 CHECKPOINT_KEY: Final = b"Xcheckpoint"
+DURABLE_KEY: Final = b"Xdurable"  # in async mode the log bytes between it and the checkpoint may be lost
 LAYOUT_KEY: Final = b"Xlayout"
 CLEAN_KEY: Final = b"Xclean"  # meta: present only between a clean close and the next open
 SYNC_SESSION_KEY: Final = b"Xsync"  # meta: the session that wrote last ran with sync flush throughout

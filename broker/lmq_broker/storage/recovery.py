@@ -136,10 +136,11 @@ def recover(core: core_mod.Core) -> Pass:
     seqs = core.log.seqs()
     lost = _check_continuity(core, seqs)
     cp = core.index.checkpoint()
-    rebuild = cp is None or cp[0] not in seqs or cp[1] > core.log.size_of(cp[0])
+    past = cp is None or cp[0] not in seqs or cp[1] > core.log.size_of(cp[0])
+    if past and cp is not None:
+        log.warning("index checkpoint %s is past the commit log; rebuilding the index", cp)
+    rebuild = past or (not (core.meta.closed_cleanly or core.meta.synced_before) and _lost_below(core, cp))
     if rebuild:
-        if cp is not None:
-            log.warning("index checkpoint %s is past the commit log; rebuilding the index", cp)
         core.index.clear_derived()
         core.segments = {}
         start = (seqs[0], 0)
@@ -159,6 +160,29 @@ def recover(core: core_mod.Core) -> Pass:
     if rebuild or damaged or not (core.meta.closed_cleanly or core.meta.synced_before):
         reconciled = reconcile_offsets(core)
     return Pass(rebuild, count, truncated, reconciled)
+
+
+def _lost_below(core: core_mod.Core, cp: tuple[int, int] | None) -> bool:
+    """After a crash of an ``async`` session: whether the log lost records the index holds. A power cut keeps
+    the index (its WAL) and may lose log bytes above the last fsync; the file may keep its length, its end
+    read back as zeros (or stale blocks). The bytes between the durable point the index recorded with its
+    checkpoint and the checkpoint are checked record by record (the whole segment, when no point was
+    recorded); when one does not check, every derived key is rebuilt from the log."""
+    if cp is None:
+        return True
+    seq, end = cp
+    durable = core.index.durable()
+    start = durable[1] if durable is not None and durable[0] == seq else 0
+    bad = core.log.first_bad(seq, start, end)
+    if bad is None:
+        return False
+    log.error(
+        "commit log segment %d lost records below the index checkpoint (from position %d; a power cut in async "
+        "mode): rebuilding the index from the log",
+        seq,
+        bad,
+    )
+    return True
 
 
 def _check_continuity(core: core_mod.Core, seqs: list[int]) -> int:

@@ -79,16 +79,29 @@ class Retention:
             total -= core.log.size_of(seq)
         return victims
 
+    def _queues_of(self, seq: int) -> set[tuple[str, int]]:
+        """The queues with messages in segment ``seq``. A bad record is passed over as recovery does (from its
+        own frame, or the next position where records check): the queues named after it must have their
+        runs in the segment deleted and their min advanced too, or their entries would outlive the file."""
+        log_ = self._core.log
+        queues: set[tuple[str, int]] = set()
+        at: int | None = 0
+        while at is not None:
+            try:
+                for frame in log_.scan_segment(seq, at):
+                    if frame.kind == codec.KIND_MESSAGE:
+                        queues.update(frame.queues)
+                at = None
+            except errors.CorruptRecord as e:
+                bad = e.fields.get("position")
+                at = log_.resync(seq, bad) if isinstance(bad, int) else None
+                log.warning("retention: bad record in segment %d at %s; resuming at %s", seq, bad, at)
+        return queues
+
     def _drop_segment(self, seq: int) -> set[bytes]:
         """Advance the min offset of every queue with entries in ``seq``; returns those that advanced."""
         core = self._core
-        queues: set[tuple[str, int]] = set()
-        try:
-            for frame in core.log.scan_segment(seq):
-                if frame.kind == codec.KIND_MESSAGE:
-                    queues.update(frame.queues)
-        except errors.CorruptRecord:
-            log.exception("retention: corrupt record in segment %d; queues after it keep stale entries", seq)
+        queues = self._queues_of(seq)
         advanced: set[bytes] = set()
         todo = sorted(queues)
         for i in range(0, len(todo), RETENTION_BATCH_QUEUES):

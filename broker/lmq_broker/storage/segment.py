@@ -7,6 +7,7 @@ records should not grow its resident set with file pages, and pread of a few KiB
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Final
@@ -49,7 +50,14 @@ class Segment:
     def create(cls, directory: Path, seq: int) -> Segment:
         path = directory / file_name(seq)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        fsync_dir(directory)  # the new name must survive a crash as well as its bytes
+        try:
+            fsync_dir(directory)  # the new name must survive a crash as well as its bytes
+        except OSError:
+            # Not created after all: a file left behind would make every later roll fail (O_EXCL)
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         return cls(seq, path, fd, 0)
 
     @classmethod

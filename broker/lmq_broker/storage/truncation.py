@@ -18,6 +18,7 @@ import logging
 from lmq_broker import errors
 from lmq_broker.storage import codec, keys
 from lmq_broker.storage import core as core_mod
+from lmq_broker.storage import index as index_mod
 from lmq_broker.storage import meta as meta_mod
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,8 @@ def truncate(core: core_mod.Core, meta: meta_mod.Meta, name: keys.QueueName, end
         if st is None or st.next <= end:
             return 0
         cut = st.next - max(end, st.min)
+        # fsynced in either mode (``write_records``); a failed fsync cuts the record off again
         core.write_records([codec.encode_tombstone(name, end, core.clock(), codec.KIND_TRUNCATION)])
-        if not core.sync:  # async mode too: a cut the log could lose would come back with a rebuild
-            try:
-                core.log.sync()
-            except OSError as e:
-                raise core.fsync_failed(e) from e
         meta.clamp_consumer_state(name, end)
         apply(core, name, end, core.log_end())
     log.warning("%s queue %d cut back to offset %d (%d offsets dropped)", name.topic, name.queue, end, cut)
@@ -68,6 +65,6 @@ def apply(core: core_mod.Core, name: keys.QueueName, end: int, checkpoint: tuple
             wb.put(name.state_key, keys.LITE_VALUE.pack(st.created, st.last_store, st.last_consume, low, end))
         else:
             wb.put(name.state_key, keys.STATE_VALUE.pack(low, end))
-    wb.put(keys.CHECKPOINT_KEY, keys.CHECKPOINT_VALUE.pack(*checkpoint))
+    index_mod.put_checkpoint(wb, checkpoint, core.log.durable_at)
     core.write_index(lambda: index.write(wb))
     core.states.drop(name)  # read again from the index
