@@ -104,7 +104,7 @@ async def receive(
                     if source is None:
                         found += await gather.here(wanted, 0)
                         continue
-                    got = await gather.there(source, wanted)
+                    got = await gather.there_kept(source, wanted)
                     if got is None:
                         waits.failed(source)
                     else:
@@ -210,6 +210,21 @@ class _Gather:
         frames = receive_message.handle(self.edge, _part(self.request, batch, poll_ms), self.caller, None)
         return [frame.message async for frame in frames if frame.HasField("message")]
 
+    async def there_kept(self, endpoint: str, batch: int) -> list[pb.Message] | None:
+        """``there``, read to its end even when the receive is cut meanwhile: what that broker leased for it, its
+        reply on the way, is then given back there (``_give_back``), not left leased for its invisible time."""
+        task = asyncio.ensure_future(self.there(endpoint, batch))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.edge.dispatcher.runtime.spawn(self._give_back_after(task))
+            raise
+
+    async def _give_back_after(self, task: asyncio.Future[list[pb.Message] | None]) -> None:
+        got = await task
+        if got:
+            _give_back(self.edge, self.peers, self.request, self.caller, got)
+
     async def there(self, endpoint: str, batch: int) -> list[pb.Message] | None:
         """Without waiting: a call cut off after that broker leased messages would hide them. None: that broker
         did not answer, or refused (overloaded)."""
@@ -236,6 +251,7 @@ class _Gather:
                     return None
         except grpc.aio.AioRpcError as exc:  # that broker's topics wait; the others are served meanwhile
             log.debug("gathering for %s from %s failed: %s", self.caller.client_id, endpoint, exc.code().name)
+            _give_back(self.edge, self.peers, self.request, self.caller, out)  # what came before it failed
             return None
         return out
 

@@ -20,8 +20,8 @@ from google.protobuf.duration_pb2 import Duration
 from waiting import eventually_async
 
 from lmq_broker import app, model
+from lmq_broker.cluster import gathering, readiness
 from lmq_broker.cluster import membership as mb
-from lmq_broker.cluster import readiness
 from lmq_broker.dispatch import delivery
 from lmq_broker.dispatch import testing as dispatch_testing
 from lmq_broker.mqtt import codec
@@ -303,10 +303,27 @@ async def test_a_consumer_whose_receive_is_cut_off_leaves_nothing_hidden(three: 
     assert [m.body for m in await receive(three, 1)] == [b"m-1"]
 
 
-async def test_a_consumer_whose_call_is_cut_mid_reply_gets_what_was_gathered_again_at_once(three: Cluster) -> None:
+@pytest.mark.parametrize("in_transit", [False, True])
+async def test_a_consumer_whose_call_is_cut_mid_reply_gets_what_was_gathered_again_at_once(
+    three: Cluster, in_transit: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Gathered here and at broker 1, then the client resets its call before the reply is written (it reads
     nothing, window 0): what broker 0 had not written is visible again at once, at both brokers, not after its
-    30 s invisible time (before 2026-11-30 every one of them stayed leased)."""
+    30 s invisible time (before 2026-11-30 every one of them stayed leased). ``in_transit``: the call is cut
+    while broker 1's reply is still on its way to broker 0 (after broker 1 leased the messages): that reply is
+    read to its end and given back too (a fresh clone's run at load 6 cut it there; those stayed leased)."""
+    arrived = asyncio.Event()
+    if in_transit:
+        there = gathering._Gather.there
+
+        async def slow_there(self: gathering._Gather, endpoint: str, batch: int) -> list[pb.Message] | None:
+            got = await there(self, endpoint, batch)
+            if got:
+                arrived.set()
+                await asyncio.sleep(1.0)  # still on its way when the client resets
+            return got
+
+        monkeypatch.setattr(gathering._Gather, "there", slow_there)
     lites = [three.lite_of(0), three.lite_of(1)]
     await lite_simple_consumer(three, lites)
     big = [
@@ -326,7 +343,10 @@ async def test_a_consumer_whose_call_is_cut_mid_reply_gets_what_was_gathered_aga
         raw.open(1, "ReceiveMessage", headers())
         raw.send(1, request.SerializeToString())
         await eventually_async(lambda: three.in_flight(0) == 4 and three.in_flight(1) == 4, "all 8 gathered")
-        await asyncio.sleep(0.5)  # being written, as far as the window lets
+        if in_transit:
+            await asyncio.wait_for(arrived.wait(), 10)
+        else:
+            await asyncio.sleep(0.5)  # being written, as far as the window lets
         raw.reset(1)
     started, again = time.monotonic(), list[pb.Message]()
     while len(again) < 8 and time.monotonic() - started < 5:  # not after their 30 s
