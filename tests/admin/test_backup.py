@@ -128,6 +128,33 @@ def test_an_altered_snapshot_is_refused_and_the_target_left_alone(snapshot: Path
     assert not (tmp_path / "target").exists()
 
 
+def test_a_damaged_manifest_is_refused_with_a_line_and_the_target_left_alone(snapshot: Path, tmp_path: Path) -> None:
+    """A manifest that parses but is not one (a list, no files, a file entry without its size, a duplicate path,
+    a taken_ms that is no number) is refused before any file is copied: before 2026-11-30 these ended in a Python
+    traceback, and the last one after the data directory had been replaced."""
+    good = json.loads((snapshot / restoring.MANIFEST).read_text())
+    first = good["files"][0]
+    damaged: list[object] = [
+        good["files"],
+        {**good, "files": None},
+        {k: v for k, v in good.items() if k != "files"},
+        {**good, "files": [1]},
+        {**good, "files": [{"path": first["path"], "sha256": first["sha256"]}]},
+        {**good, "files": [first, first]},
+        {**good, "files": [{**first, "size": -1}]},
+        {**good, "taken_ms": "yesterday"},
+    ]
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    for manifest in damaged:
+        (snapshot / restoring.MANIFEST).write_text(json.dumps(manifest))
+        code, _, err = _restore(str(snapshot), "--data-dir", str(target), "--force", "--quiet")
+        assert code == cli.EXIT_FAILED, manifest
+        assert "manifest.json is" in err and "Traceback" not in err, err
+        assert [p.name for p in target.iterdir()] == ["keep.txt"], manifest
+
+
 def test_non_empty_target_newer_format_and_a_live_broker_are_refused(snapshot: Path, tmp_path: Path) -> None:
     target = tmp_path / "target"
     target.mkdir()

@@ -30,6 +30,7 @@ CREDENTIALS: Final = credentials.FILE_NAME  # holds the admin secret: restored w
 MANIFEST: Final = "manifest.json"
 RESTORING: Final = ".restoring"  # inside the target while files are copied and checked
 COPY_BYTES: Final = 1024 * 1024
+_SHA256_HEX: Final = 64
 Progress = Callable[[str, int, int], None]  # (file done, files so far, bytes so far)
 
 
@@ -159,13 +160,46 @@ def read_manifest(snapshot: Path) -> dict[str, Any]:
         ) from None
     except (OSError, ValueError) as exc:
         raise errors.InvalidArgument(f"{snapshot / MANIFEST} is unreadable: {exc}", path=str(snapshot)) from None
+    if not isinstance(manifest, dict):
+        raise errors.InvalidArgument(f"{snapshot / MANIFEST} is not a snapshot's manifest", path=str(snapshot))
     fmt = manifest.get("format")
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise errors.UnsupportedVersion(
             f"snapshot format {fmt!r} is newer than this lmq-admin reads ({FORMAT}): restore with a newer one",
             version=fmt,
         )
+    _check_shape(snapshot, manifest)
     return dict(manifest)
+
+
+def _check_shape(snapshot: Path, manifest: dict[str, Any]) -> None:
+    """A manifest of the format read: ``taken_ms`` a number, ``files`` a list of distinct paths, each with a
+    size and a SHA-256; anything else (a damaged or hand-edited manifest) is refused before a file is copied."""
+
+    def bad(problem: str) -> errors.InvalidArgument:
+        return errors.InvalidArgument(
+            f"{snapshot / MANIFEST} is damaged or altered: {problem}", path=str(snapshot / MANIFEST)
+        )
+
+    if type(manifest.get("taken_ms")) is not int:
+        raise bad("taken_ms is not a number")
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        raise bad("files is not a list")
+    seen: set[str] = set()
+    for n, f in enumerate(files):
+        if not (
+            isinstance(f, dict)
+            and isinstance(f.get("path"), str)
+            and type(f.get("size")) is int
+            and f["size"] >= 0
+            and isinstance(f.get("sha256"), str)
+            and len(f["sha256"]) == _SHA256_HEX
+        ):
+            raise bad(f"files[{n}] is not a path, a size and a SHA-256")
+        if f["path"] in seen:
+            raise bad(f"{f['path']!r} is listed twice")
+        seen.add(f["path"])
 
 
 def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Progress | None = None) -> Summary:
