@@ -10,6 +10,7 @@ import json
 import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,3 +110,18 @@ def test_user_and_cluster_wide_calls_stay_with_the_admin_pair(broker: BrokerProc
         pytest.raises(errors.Unauthorized),
     ):
         wrong.list_parent_topics()
+
+
+def test_a_users_scan_and_backup_are_refused_permission_denied(broker: BrokerProcess, tmp_path: Path) -> None:
+    """The streaming admin calls (a reclaim scan, a backup) stay with the admin pair too, and a user's is refused
+    PERMISSION_DENIED with its reason: before 2026-11-30 the refusal's handler was a coroutine where a stream's
+    must be a generator, and the native edge (the broker's default) ended such a call UNKNOWN, logging a stack
+    trace."""
+    with AdminClient(broker.admin_endpoint, timeout_s=10, access_key=ALICE[0], secret_key=ALICE[1]) as alice:
+        with pytest.raises(errors.Forbidden, match="user alice may not call ScanLiteTopics"):
+            list(alice.scan_lite_topics_columns("chat"))
+        with pytest.raises(errors.Forbidden, match="user alice may not call Backup"):
+            alice.backup(tmp_path / "snap")
+    code, _, err = as_alice(broker, "backup", str(tmp_path / "cli-snap"))
+    assert code == 1 and "may not call Backup" in err and "Traceback" not in err
+    assert "Traceback" not in broker.log()

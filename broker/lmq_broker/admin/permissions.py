@@ -16,7 +16,7 @@ A refusal is gRPC PERMISSION_DENIED naming the user, action and resource, counte
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import grpc
@@ -142,7 +142,13 @@ class UserCalls:
         async def deny(request: Any, context: Context) -> Any:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message, trailing_metadata=trailers)
 
+        async def deny_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            # A generator, as a stream's handler must be: the native edge iterates it (a coroutine there ended
+            # the call UNKNOWN, with a stack trace, instead of PERMISSION_DENIED).
+            await deny(request, context)
+            yield  # pragma: no cover (abort raises)
+
         serializer = handler.response_serializer
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(deny, response_serializer=serializer)
+            return grpc.unary_stream_rpc_method_handler(deny_stream, response_serializer=serializer)
         return grpc.unary_unary_rpc_method_handler(deny, response_serializer=serializer)
