@@ -177,3 +177,19 @@ def test_lite_lag_of_a_group_that_never_subscribed_shows_what_waits(broker: Brok
         broker.send("orders", lite, count=count)
     lag = run_json(broker, "lite", "lag", "g")
     assert (lag["lag"], lag["unclaimed_messages"], lag["unclaimed_topics"]) == (0, 18, 2)
+
+
+def test_a_reset_or_dispatch_naming_too_many_lite_topics_is_refused(broker: Broker) -> None:
+    """At most 10,000 lite topics per ResetLiteOffsets or TriggerLiteDispatch: a request may be 64 MiB, some
+    millions of names, each reset on the broker's event loop and answered in one reply. Refused before anything
+    is reset."""
+    _setup(broker)
+    broker.send("orders", "l0", count=3)
+    too_many = [f"l{i}" for i in range(10_001)]
+    for args in (["lite", "reset-offset", "g", *too_many, "--to", "max"], ["lite", "dispatch", "g", *too_many]):
+        code, _, err = run(broker, *args)
+        assert code == cli.EXIT_FAILED
+        assert "error: InvalidArgument: lites: at most 10000 lite topics per call, got 10001" in err
+    assert broker.store.get_offset(model.QueueId.lmq("orders", "l0"), "g") is None  # nothing was reset
+    reset = run_json(broker, "lite", "reset-offset", "g", *too_many[:10_000], "--to", "max")
+    assert len(reset) == 10_000 and reset[0] == {"lite": "l0", "offset": 3}

@@ -335,7 +335,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     ) -> pb.ResetLiteOffsetsResponse:
         option = convert.offset_reset_from_pb(request)
         group = await asyncio.to_thread(self._catalog.get_group, request.group)
-        lites = [validation.lite_topic("lites", lite) for lite in request.lites]
+        lites = validation.lite_topics("lites", request.lites)
         await self._live.reset_offsets(group.name, group.bind_topic, lites, option)
 
         def read() -> dict[str, int]:
@@ -351,7 +351,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         self, request: pb.TriggerLiteDispatchRequest, context: Context
     ) -> pb.TriggerLiteDispatchResponse:
         group = await asyncio.to_thread(self._catalog.get_group, request.group)
-        lites = [validation.lite_topic("lites", lite) for lite in request.lites]
+        lites = validation.lite_topics("lites", request.lites)
         offered = await self._live.trigger_dispatch(group.name, group.bind_topic, lites)
         return pb.TriggerLiteDispatchResponse(offered=offered)
 

@@ -7,6 +7,7 @@ defaults here (client quota, ready-set capacity, retry policy), so a Put always 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Final
 
 from lmq_broker import errors, model
@@ -19,6 +20,7 @@ READY_CAPACITY_MIN: Final = 10
 QUEUE_COUNT_MIN: Final = 1
 QUEUE_COUNT_MAX: Final = 64
 MAX_GROUP_PATTERNS: Final = 1000
+MAX_LITES_PER_CALL: Final = 10_000  # lite topics one ResetLiteOffsets or TriggerLiteDispatch names
 # Parent topics of lite topics, and plain topics for PushConsumer/SimpleConsumer (and rocketmq-a2a requests).
 PARENT_MESSAGE_TYPES: Final = (model.MessageType.LITE, model.MessageType.NORMAL)
 SCOPE_BROKER: Final = "broker"
@@ -41,6 +43,13 @@ def lite_topic(field: str, value: str) -> str:
     if not model.is_valid_lite_topic(value):
         raise errors.InvalidLiteTopic(f"{field}: {value!r} is not a valid lite topic ({_LITE_RULE})", field=field)
     return value
+
+
+def lite_topics(field: str, values: Sequence[str]) -> list[str]:
+    """The lite topics one call names: at most ``MAX_LITES_PER_CALL``, each valid."""
+    if len(values) > MAX_LITES_PER_CALL:
+        raise _invalid(field, f"at most {MAX_LITES_PER_CALL} lite topics per call, got {len(values)}")
+    return [lite_topic(field, value) for value in values]
 
 
 def _at_least(field: str, value: int, minimum: int) -> int:
