@@ -155,6 +155,22 @@ def test_a_damaged_manifest_is_refused_with_a_line_and_the_target_left_alone(sna
         assert [p.name for p in target.iterdir()] == ["keep.txt"], manifest
 
 
+def test_a_snapshot_inside_the_data_directory_is_not_restored_over_itself(snapshot: Path, tmp_path: Path) -> None:
+    """``lmq-admin backup data/snap`` on the broker's host, then ``restore data/snap --data-dir data --force``:
+    before 2026-11-30 the restore emptied the data directory, the snapshot with it, after copying it. Refused,
+    the snapshot and the directory left as they were (and a data directory inside the snapshot too)."""
+    data = tmp_path / "data"
+    inside = data / "snap"
+    snapshot.rename(inside)
+    files = sorted(p.name for p in data.iterdir())
+    for args in ([str(inside), "--data-dir", str(data)], [str(inside), "--data-dir", str(inside / "sub")]):
+        code, _, err = _restore(*args, "--force", "--quiet")
+        assert code == cli.EXIT_FAILED and "overlap" in err, err
+        assert sorted(p.name for p in data.iterdir()) == files
+        restoring.read_manifest(inside)  # still whole
+    assert not (inside / "sub").exists()
+
+
 def test_non_empty_target_newer_format_and_a_live_broker_are_refused(snapshot: Path, tmp_path: Path) -> None:
     target = tmp_path / "target"
     target.mkdir()

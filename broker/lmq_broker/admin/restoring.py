@@ -207,6 +207,13 @@ def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Pr
     refused unless ``force`` (its contents are then replaced, never while a broker holds it)."""
     started = time.monotonic()
     manifest = read_manifest(snapshot)
+    inner, outer = snapshot.resolve(), data_dir.resolve()
+    if inner == outer or outer in inner.parents or inner in outer.parents:
+        raise errors.InvalidArgument(
+            f"the snapshot {snapshot} and the data directory {data_dir} overlap: restoring would delete the snapshot "
+            "or write into it; move the snapshot out of the data directory first",
+            path=str(snapshot),
+        )
     existed = data_dir.exists()
     if existed and any(data_dir.iterdir()):
         if not force:
