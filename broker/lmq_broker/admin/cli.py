@@ -447,7 +447,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (the argument parser:
         lites,
         "list",
         lambda c, a: c.list_lite_topics(a.parent, start_after=a.start_after, limit=a.limit),
-        "one page (NEXT_START_AFTER continues)",
+        "one page; the next: --start-after the key it prints below (-o json: next_start_after)",
     )
     page.add_argument("parent", nargs="?", default="")
     page.add_argument("--start-after", default="")
