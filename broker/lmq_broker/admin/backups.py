@@ -12,13 +12,17 @@ left by a crash is removed by the next backup.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import shutil
 import sqlite3
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, NoReturn, Protocol, runtime_checkable
+
+import grpc
 
 import lmq_broker
 from lmq_broker import errors
@@ -29,10 +33,16 @@ from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
 from lmq_broker.storage import snapshots
 from lmq_broker.storage.api import Store
 
+log = logging.getLogger(__name__)
+
 STAGING: Final = "backup-staging"  # below the data directory
 CHUNK_BYTES: Final = 1024 * 1024
 MAX_CHUNK_BYTES: Final = 3 * 1024 * 1024  # under gRPC's 4 MiB message cap with room for the framing
 COPIED_FILES: Final = (saved_subscriptions.FILE_NAME, restoring.CREDENTIALS)
+# A caller that takes no message of the stream for this long is cut off (CANCELLED): a suspended or wedged
+# ``lmq-admin backup`` held the broker's one backup and the staging links (segments retention cannot free).
+STALL_S: Final = 300.0
+ABORT_WAIT_S: Final = 1.0
 
 
 @dataclass
@@ -65,7 +75,10 @@ class Backups:
         self._store = store
         self._data_dir = data_dir.resolve()
 
-    async def stream(self, request: pb.BackupRequest) -> AsyncGenerator[pb.BackupResponse, None]:
+    async def stream(
+        self, request: pb.BackupRequest, context: Aborting | None = None
+    ) -> AsyncGenerator[pb.BackupResponse, None]:
+        """The snapshot's parts, the manifest last; ``context``, the call's, ends a stalled caller's call."""
         chunk = request.chunk_bytes or CHUNK_BYTES
         if not 0 < chunk <= MAX_CHUNK_BYTES:
             raise errors.InvalidArgument(f"chunk_bytes must be 1..{MAX_CHUNK_BYTES}", chunk_bytes=chunk)
@@ -77,6 +90,7 @@ class Backups:
         _running.add(self._data_dir)
         staging = self._data_dir / STAGING
         done = False
+        watch = _Watchdog(STALL_S, context)
         try:
             await asyncio.to_thread(snapshots.discard, staging)  # a crashed backup's leftovers
             snap = await asyncio.to_thread(self._prepare, staging)
@@ -84,11 +98,15 @@ class Backups:
             for item in snap.files:
                 digest = hashlib.sha256()
                 async for part in _chunks(item, chunk, digest):
+                    watch.arm()
                     yield pb.BackupResponse(chunk=part)
+                    watch.disarm()
                 listed.append(pb.BackupFile(path=item.name, size=item.size, sha256=digest.hexdigest()))
+            watch.arm()
             yield pb.BackupResponse(manifest=_manifest(snap, listed))
             done = True
         finally:
+            watch.disarm()
             snapshots.discard(staging)  # (synchronous: an async generator may be closed outside a loop turn)
             _running.discard(self._data_dir)
             if done:
@@ -113,6 +131,49 @@ class Backups:
                 continue
             files.append(snapshots.SnapshotFile(name, staging / name, (staging / name).stat().st_size))
         return snapshots.Snapshot(tuple(files), snap.log_end, snap.taken_ms)
+
+
+class Aborting(Protocol):
+    """What the watchdog needs of a call's context (grpcio's or the native edge's)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
+
+
+class _Watchdog:
+    """Ends the call when the caller has not taken the last message within ``seconds``: its write waits on
+    HTTP/2 flow control for as long as the caller reads nothing, and the stream's ``finally`` would never run.
+    The call is aborted CANCELLED (grpcio sends that status; the native edge sends it once its task ends), then
+    the task that drives the stream is cancelled, which closes the stream."""
+
+    def __init__(self, seconds: float, context: Aborting | None) -> None:
+        self._seconds = seconds
+        self._context = context
+        self._task = asyncio.current_task()
+        self._timer: asyncio.TimerHandle | None = None
+        self._cutting: asyncio.Task[None] | None = None
+
+    def arm(self) -> None:
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(self._seconds, self._stalled)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _stalled(self) -> None:
+        log.warning("a backup's caller took nothing for %.0f s: the backup is cut off", self._seconds)
+        self._cutting = asyncio.get_running_loop().create_task(self._cut())
+
+    async def _cut(self) -> None:
+        if self._context is not None:
+            message = f"the caller took no part of the backup for {self._seconds:.0f} s: cut off"
+            abort = self._context.abort(grpc.StatusCode.CANCELLED, message)
+            # AbortError: the status is on its way; a timeout: it waits behind the stalled write (grpcio)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(abort, ABORT_WAIT_S)
+        if self._task is not None:
+            self._task.cancel()
 
 
 def _backup_sqlite(source: Path, target: Path) -> None:

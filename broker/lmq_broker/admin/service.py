@@ -279,7 +279,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         self, request: pb.BackupRequest, context: Context
     ) -> AsyncIterator[pb.BackupResponse]:
         try:
-            async for part in self._backups.stream(request):
+            async for part in self._backups.stream(request, context):
                 yield part
         except Exception as exc:  # the edge
             await _abort(context, exc)
