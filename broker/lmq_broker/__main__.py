@@ -33,6 +33,7 @@ from lmq_broker.config import ENV_PREFIX, BrokerConfig, EdgeKind, StoreConfig
 from lmq_broker.protocol import native as native_edge
 from lmq_broker.replication import setup as replication_setup
 from lmq_broker.storage import meta as storage_meta
+from lmq_broker.storage import store as storage_store
 
 READY_LINE: Final = "lmq-broker ready"
 SWITCH_INTERVAL_S: Final = 0.0005
@@ -490,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"invalid cluster configuration: {exc.message}") from None
     if config.external_port >= 0 and config.external_port in (config.port, config.admin_port):
         raise SystemExit("--external-port must differ from --port and --admin-port")
+    try:
+        storage_store.check_restored(config.store.data_dir)
+    except errors.StorageError as exc:
+        raise SystemExit(exc.message) from None
     preflight.check_ports(config)
     if config.processes > 1:
         return supervisor.run(list(sys.argv[1:] if argv is None else argv), config)

@@ -18,6 +18,8 @@ from waiting import eventually
 from lmq_broker import errors, model
 from lmq_broker.admin import cli, restoring
 from lmq_broker.admin.client import AdminClient
+from lmq_broker.config import StoreConfig
+from lmq_broker.storage import store as storage_store
 from lmq_broker.testing import BrokerProcess, start_broker
 
 
@@ -169,6 +171,41 @@ def test_a_snapshot_inside_the_data_directory_is_not_restored_over_itself(snapsh
         assert sorted(p.name for p in data.iterdir()) == files
         restoring.read_manifest(inside)  # still whole
     assert not (inside / "sub").exists()
+
+
+def test_a_restore_cut_off_while_moving_files_in_is_not_opened_half_done(
+    snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore cut off (a crash, a power cut) after it removed the old contents and moved some of the restored
+    files in leaves a marker the store refuses to open (before 2026-11-30 a broker started on such a directory
+    with, say, its commit log and no meta); the same restore run again completes it."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    moved: list[Path] = []
+    rename = Path.rename
+
+    def cut_after_one(self: Path, to: Path) -> Path:
+        if moved:
+            raise OSError("the host lost power")
+        moved.append(to)
+        return rename(self, to)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "rename", cut_after_one)
+        code, _, err = _restore(str(snapshot), "--data-dir", str(target), "--force", "--quiet")
+    assert code == cli.EXIT_FAILED and "the host lost power" in err
+    assert len(moved) == 1 and not (target / "old.txt").exists()
+    with pytest.raises(errors.StorageError, match="restore that did not finish"):
+        storage_store.open_store(StoreConfig(data_dir=target))
+    code, _, err = _restore(str(snapshot), "--data-dir", str(target), "--force", "--quiet")
+    assert code == 0, err
+    assert not (target / storage_store.RESTORE_MARKER).exists()
+    store = storage_store.open_store(StoreConfig(data_dir=target))
+    try:
+        assert store.get_group("G") is not None
+    finally:
+        store.close()
 
 
 def test_non_empty_target_newer_format_and_a_live_broker_are_refused(snapshot: Path, tmp_path: Path) -> None:

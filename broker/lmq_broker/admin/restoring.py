@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Final
 from lmq_broker import errors
 from lmq_broker.admin import credentials
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
+from lmq_broker.storage import store
 from lmq_broker.storage.segment import fsync_dir
 
 FORMAT: Final = 1  # the snapshot format this code writes and reads: a newer one is refused
@@ -229,8 +230,10 @@ def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Pr
         if not existed:
             shutil.rmtree(data_dir, ignore_errors=True)
         raise
+    marker = data_dir / store.RESTORE_MARKER
+    _write_durably(marker, b"a restore is moving files into this directory\n")  # the broker will not open it
     for entry in data_dir.iterdir():
-        if entry.name == RESTORING:
+        if entry.name in (RESTORING, store.RESTORE_MARKER):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
@@ -240,6 +243,8 @@ def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Pr
         entry.rename(data_dir / entry.name)
     staging.rmdir()
     fsync_dir(data_dir)  # the renames: a power cut right after a restore must not bring back part of the staging
+    marker.unlink()
+    fsync_dir(data_dir)
     files = len(manifest["files"])
     return Summary(str(data_dir), files, total, time.monotonic() - started, int(manifest["taken_ms"]))
 

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 STATE_CACHE_ENTRIES: Final = 16_384  # ~250 B each: hot queues only, a miss is one RocksDB get
 SCAN_LIMIT_MAX: Final = 100_000
+# Written by ``lmq-admin restore`` before it removes a data directory's old contents, removed once the restored
+# files are all in place: a store that finds it was cut off midway (old and restored files mixed, or missing).
+RESTORE_MARKER: Final = "restore-incomplete"
 
 
 class LmqStore:
@@ -51,6 +54,7 @@ class LmqStore:
         state_cache_entries: int = STATE_CACHE_ENTRIES,
     ) -> None:
         started = time.perf_counter()
+        check_restored(cfg.data_dir)
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         log_ = commitlog.CommitLog(cfg.data_dir / "commitlog", cfg.segment_max_bytes)
         try:
@@ -501,6 +505,15 @@ class LmqStore:
             self._meta.close(clean=clean)  # the log and the index are on disk: nothing to reconcile next time
             core.log.close()
             core.states.clear()
+
+
+def check_restored(data_dir: Path) -> None:
+    """StorageError when ``data_dir`` holds a restore cut off midway (``RESTORE_MARKER``)."""
+    if (data_dir / RESTORE_MARKER).exists():
+        raise errors.StorageError(
+            f"{data_dir} holds part of a restore that did not finish ({RESTORE_MARKER}): run the same "
+            "`lmq-admin restore ... --force` again before starting the broker on it"
+        )
 
 
 def open_store(cfg: config.StoreConfig, clock: api.Clock = api.wall_clock_ms) -> LmqStore:
