@@ -116,6 +116,14 @@ def test_parent_topic_put_refuses_other_message_types_as_usage(
     assert broker.client().list_parent_topics() == []
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(
+    broker: Broker, capsys: pytest.CaptureFixture[str], timeout: str
+) -> None:
+    assert cli.main(["--endpoint", broker.endpoint, "--timeout", timeout, "parent-topic", "list"]) == 2
+    assert "--timeout" in capsys.readouterr().err
+
+
 def test_group_commands(broker: Broker) -> None:
     broker.client().put_parent_topic(model.ParentTopic("orders"))
 

@@ -230,6 +230,17 @@ def _patterns(text: str) -> tuple[str, ...]:
     return tuple(p for p in text.split(",") if p)
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``: a positive number of seconds (0 or less would fail every call as timed out)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _milliseconds(text: str) -> tuple[int, ...]:
     """``--backoff-ms 1000,5000,60000``: the delay before each redelivery, in ms; an empty value asks the
     broker for its default backoff."""
@@ -328,7 +339,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (the argument parser:
         default=os.environ.get(ENDPOINT_ENV, DEFAULT_ENDPOINT),
         help=f"broker admin address host:port (env {ENDPOINT_ENV}, default {DEFAULT_ENDPOINT})",
     )
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per call (default 10)")
     parser.add_argument("--output", "-o", choices=("table", "json"), default="table")
     parser.add_argument(
         "--access-key", default="", help=f"the broker's admin access key (else env {ACCESS_KEY_ENV}, else --data-dir)"
