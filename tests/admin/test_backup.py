@@ -19,6 +19,7 @@ from lmq_broker import errors, model
 from lmq_broker.admin import cli, restoring
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.config import StoreConfig
+from lmq_broker.storage import markers
 from lmq_broker.storage import store as storage_store
 from lmq_broker.testing import BrokerProcess, start_broker
 
@@ -200,7 +201,7 @@ def test_a_restore_cut_off_while_moving_files_in_is_not_opened_half_done(
         storage_store.open_store(StoreConfig(data_dir=target))
     code, _, err = _restore(str(snapshot), "--data-dir", str(target), "--force", "--quiet")
     assert code == 0, err
-    assert not (target / storage_store.RESTORE_MARKER).exists()
+    assert not (target / markers.RESTORE_MARKER).exists()
     store = storage_store.open_store(StoreConfig(data_dir=target))
     try:
         assert store.get_group("G") is not None

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Final
 from lmq_broker import errors
 from lmq_broker.admin import credentials
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
-from lmq_broker.storage import store
+from lmq_broker.storage.markers import RESTORE_MARKER
 from lmq_broker.storage.segment import fsync_dir
 
 FORMAT: Final = 1  # the snapshot format this code writes and reads: a newer one is refused
@@ -230,10 +230,10 @@ def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Pr
         if not existed:
             shutil.rmtree(data_dir, ignore_errors=True)
         raise
-    marker = data_dir / store.RESTORE_MARKER
+    marker = data_dir / RESTORE_MARKER
     _write_durably(marker, b"a restore is moving files into this directory\n")  # the broker will not open it
     for entry in data_dir.iterdir():
-        if entry.name in (RESTORING, store.RESTORE_MARKER):
+        if entry.name in (RESTORING, RESTORE_MARKER):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

@@ -34,14 +34,12 @@ from lmq_broker.storage import (
 )
 from lmq_broker.storage import core as core_mod
 from lmq_broker.storage import index as index_mod
+from lmq_broker.storage.markers import RESTORE_MARKER
 
 log = logging.getLogger(__name__)
 
 STATE_CACHE_ENTRIES: Final = 16_384  # ~250 B each: hot queues only, a miss is one RocksDB get
 SCAN_LIMIT_MAX: Final = 100_000
-# Written by ``lmq-admin restore`` before it removes a data directory's old contents, removed once the restored
-# files are all in place: a store that finds it was cut off midway (old and restored files mixed, or missing).
-RESTORE_MARKER: Final = "restore-incomplete"
 
 
 class LmqStore:
