@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -235,3 +236,53 @@ def test_an_fsync_under_way_while_the_writer_cuts_and_writes_again_trims_nothing
     os.close(fd)
     log.sync_again()
     assert segment.path.read_bytes() == b"synced.written after the cut"
+
+
+@pytest.mark.parametrize("across_a_roll", [False, True])
+def test_a_flusher_fsync_beside_a_cut_sees_the_segment_before_or_after_it_never_half_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, across_a_roll: bool
+) -> None:
+    """``async`` mode: the flusher's fsync reads the active segment's size while the writer cuts a failed
+    round. The cut used to count itself and trim the copy before truncating the file: a flusher reading in
+    between took the size before the cut for synced, with the new count, then trimmed the bytes written at the
+    cut's place from the copy. ``sync_again`` then found the copy ending past the segment and failed, and the
+    store stayed paused (a fresh clone's full-disk test). Across a roll, it fsynced a descriptor the cut had
+    closed. The flusher here runs on its own thread exactly in that window; it now waits for the whole cut."""
+    log = commitlog.CommitLog(tmp_path, 64 if across_a_roll else 1 << 20)
+    log.append(b"synced.")
+    log.sync()
+    cut_at = log.append(b"a round whose index write failed")
+    if across_a_roll:
+        log.roll()
+        log.append(b"its part in the next segment")
+    segment = log._segments[0]
+    real_truncate = segment_mod.Segment.truncate
+    flushed: list[BaseException | None] = []
+
+    def flush() -> None:
+        try:
+            log.sync()
+            flushed.append(None)
+        except BaseException as e:  # reported below
+            flushed.append(e)
+
+    flusher = threading.Thread(target=flush)
+
+    def truncate_while_the_flusher_runs(self: segment_mod.Segment, size: int, *, sync: bool = True) -> None:
+        flusher.start()
+        flusher.join(0.5)  # finishes inside the window unless the cut holds the copy's lock throughout
+        real_truncate(self, size, sync=sync)
+
+    monkeypatch.setattr(segment_mod.Segment, "truncate", truncate_while_the_flusher_runs)
+    log.rollback(0, cut_at, sync=False)
+    monkeypatch.setattr(segment_mod.Segment, "truncate", real_truncate)
+    flusher.join(10)
+    assert flushed == [None]
+    written = log.append(b"written after the cut")
+    assert written == cut_at and log.seqs() == [0]
+    fd = os.open(segment.path, os.O_WRONLY)
+    os.pwrite(fd, b"\0" * 21, cut_at)  # the new bytes' pages lost
+    os.close(fd)
+    log.sync_again()
+    assert segment.path.read_bytes() == b"synced.written after the cut"
+    log.reap()

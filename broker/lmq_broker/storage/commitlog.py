@@ -147,9 +147,9 @@ class CommitLog:
         page cache may have dropped it), then fsync it and the directory."""
         with self._sync_lock:
             mark = self.written
-            active = self.active
-            end = active.size
             with self._tail_lock:
+                active = self.active
+                end = active.size
                 tail, start, cuts = memoryview(bytes(self._tail)), self._tail_at, self._cuts
             if start + len(tail) != end:  # never: the copy always ends where the segment does
                 raise OSError(f"commit log: the copy of unsynced bytes ends at {start + len(tail)}, not {end}")
@@ -171,19 +171,24 @@ class CommitLog:
         ``sync`` False the cut is not fsynced (``sync_again`` does it: the disk may be failing its fsyncs)."""
         for s in [s for s in self._segments if s > seq]:
             dead = self._segments.pop(s)
-            dead.close()
             os.unlink(dead.path)
+            self._graveyard.append(dead)  # an ``async`` flusher's fsync may hold it: closed at the next ``reap``
         target = self._segments[seq]
         with self._tail_lock:
+            # the cut, the copy and the segment's size change together: an ``async`` flusher's fsync that reads
+            # the size between them would take the bytes cut off for synced, with the count of cuts already
+            # raised, and trim new bytes written there from the copy (``sync_again`` then found the copy
+            # ending past the segment, and the store stayed paused)
             self._cuts += 1
             if target is not self.active or position < self._tail_at:  # below the copy: nothing unsynced there
                 self._tail, self._tail_at = bytearray(), position
             else:
                 del self._tail[position - self._tail_at :]
             self.active = target
-        self.durable_at = min(self.durable_at, (seq, position))
-        target.truncate(position, sync=sync)
+            target.truncate(position, sync=False)
+            self.durable_at = min(self.durable_at, (seq, position))
         if sync:
+            target.sync()
             seg_mod.fsync_dir(self.directory)
 
     # --- reading -------------------------------------------------------------------------------------
