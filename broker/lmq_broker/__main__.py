@@ -107,6 +107,18 @@ HELP: Final[dict[str, str]] = {
     "answered TOO_MANY_REQUESTS (0: no cap)",
     "max_polls_per_connection": "ReceiveMessage long polls parked at once on one connection, whatever the client ids "
     "(0: no cap)",
+    "max_polls": "ReceiveMessage long polls parked at once in all, whatever the client ids and connections; beyond it "
+    "a poll is answered TOO_MANY_REQUESTS (0: no cap)",
+    "max_connections": "client connections open at once on the client port; beyond it a new one is closed at its "
+    "accept (grpcio's edge: refused by grpc core's connection quota) (0: no cap)",
+    "max_connections_per_address": "native edge: client connections open at once from one client IP address; beyond "
+    "it a new one is closed at its accept (0: no cap)",
+    "max_request_buffer_bytes": "native edge: request bytes held at once in messages not yet whole, over every "
+    "connection; a call whose next bytes would pass it ends RESOURCE_EXHAUSTED (0: no cap; at least one message of "
+    "the largest size)",
+    "max_request_buffer_bytes_per_connection": "native edge: request bytes one connection's calls hold at once in "
+    "messages not yet whole; a call whose next bytes would pass it ends RESOURCE_EXHAUSTED (0: no cap; at least one "
+    "message of the largest size)",
     "max_telemetry_streams_per_client": "Telemetry streams one client id may have open; beyond it a stream is ended "
     "RESOURCE_EXHAUSTED (0: no cap)",
     "max_telemetry_streams_per_connection": "Telemetry streams open on one connection, whatever the client ids (0: no "
@@ -243,6 +255,11 @@ SECTIONS: Final[dict[str, tuple[str, ...]]] = {
         "default_client_quota",
         "max_concurrent_calls",
         "max_unread_requests",
+        "max_polls",
+        "max_connections",
+        "max_connections_per_address",
+        "max_request_buffer_bytes",
+        "max_request_buffer_bytes_per_connection",
         "telemetry_stream_buffer_bytes",
         "telemetry_buffer_bytes",
     ),

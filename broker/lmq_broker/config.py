@@ -119,6 +119,7 @@ class BrokerConfig(BaseModel):
     # stream is ended) and in all streams (beyond it new streams are refused). 0: no cap.
     max_polls_per_client: int = Field(default=64, ge=0)
     max_polls_per_connection: int = Field(default=1024, ge=0)
+    max_polls: int = Field(default=16_384, ge=0)  # parked at once in all, every client id and connection
     max_telemetry_streams_per_client: int = Field(default=8, ge=0)
     max_telemetry_streams_per_connection: int = Field(default=1024, ge=0)
     # HTTP/2 streams one connection may have open at once, whatever they are (SETTINGS_MAX_CONCURRENT_STREAMS on
@@ -127,6 +128,17 @@ class BrokerConfig(BaseModel):
     # connection to a peer carries its AwaitLiteReady waits, one per waiting LiteSimpleConsumer poll, and its
     # other calls queue behind them at the cap. 0: no cap.
     max_streams_per_connection: int = Field(default=16_384, ge=0)
+    # Client connections open at once on the client port, in all and from one peer IP address (the native edge
+    # closes one past either at its accept; grpcio's edge caps the total alone, grpc core's connection quota). An
+    # official client process keeps one connection per broker (Python: every client of the process; Java: one
+    # per client), so a fleet of thousands fits; a NAT or proxy in front of many clients may need more per address.
+    max_connections: int = Field(default=10_000, ge=0)
+    max_connections_per_address: int = Field(default=1_000, ge=0)
+    # Request bytes held in messages not yet whole (a stream's message as its client sends it), in all and per
+    # connection (the native edge; each at least one message of the largest size): a call whose next bytes would
+    # pass either ends RESOURCE_EXHAUSTED. 0: no cap.
+    max_request_buffer_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    max_request_buffer_bytes_per_connection: int = Field(default=64 * 1024 * 1024, ge=0)
     telemetry_stream_buffer_bytes: int = Field(default=256 * 1024, ge=0)  # one stream's replies unread
     telemetry_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     client_expiry_ms: int = Field(default=180_000, ge=1000)  # liteSubscriptionCheckTimeoutMills

@@ -1,7 +1,7 @@
 """A bare HTTP/2 client over a plain socket, for what a gRPC client library never does: streams opened and never
-sent on, a receive window of 0, a reset in the middle of a reply, frames read one by one (test_hostile_clients.py,
-test_native_edge_metrics.py). Header blocks are HPACK literals without indexing or Huffman; replies' header blocks
-are not decoded."""
+sent on, a receive window of 0, a reset in the middle of a reply, frames read one by one, a request message sent in
+part and never finished (test_hostile_clients.py, test_native_edge_metrics.py, test_edge_caps.py). Header blocks
+are HPACK literals without indexing or Huffman; replies' header blocks are not decoded."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from collections.abc import Iterable
 from typing import Final, NamedTuple
 
 PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0, 1, 3, 4, 6, 7
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE = 3, 4  # SETTINGS parameters
 REFUSED_STREAM, CANCEL = 7, 8  # RST_STREAM error codes
 V2: Final = "/apache.rocketmq.v2.MessagingService/"
+MAX_FRAME: Final = 16_384  # the protocol's default SETTINGS_MAX_FRAME_SIZE, which both edges keep
+DEFAULT_WINDOW: Final = 65_535
 
 
 class Frame(NamedTuple):
@@ -59,14 +61,24 @@ def settings_of(payload: bytes) -> dict[int, int]:
 
 class Connection:
     """One HTTP/2 connection to ``127.0.0.1:port``; ``window``: the receive window the server may fill per
-    stream (SETTINGS_INITIAL_WINDOW_SIZE; None: the protocol's 65,535)."""
+    stream (SETTINGS_INITIAL_WINDOW_SIZE; None: the protocol's 65,535); ``source``: the local address to connect
+    from (another of 127.0.0.0/8 is another client address). ``write`` keeps to the server's flow-control windows;
+    ``ended`` holds the streams the server ended (their trailers or a reset) as ``read`` saw them."""
 
-    def __init__(self, port: int, *, window: int | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, port: int, *, window: int | None = None, timeout_s: float = 10.0, source: str | None = None
+    ) -> None:
         self.port = port
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=timeout_s, source_address=None if source is None else (source, 0)
+        )
         ours = struct.pack(">HI", INITIAL_WINDOW_SIZE, window) if window is not None else b""
         self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0, ours))
         self._buffer = b""
+        self.ended: dict[int, Frame] = {}
+        self._initial = DEFAULT_WINDOW  # the server's SETTINGS_INITIAL_WINDOW_SIZE
+        self._connection_window = DEFAULT_WINDOW
+        self._stream_windows: dict[int, int] = {}  # per stream: WINDOW_UPDATEs less bytes sent, over the initial
 
     def __enter__(self) -> Connection:
         return self
@@ -105,4 +117,33 @@ class Connection:
         self._buffer = self._buffer[9 + size :]
         if got.kind in (SETTINGS, PING) and not got.flags & ACK:
             self.sock.sendall(frame(got.kind, ACK, 0, got.payload if got.kind == PING else b""))
+        if got.kind == SETTINGS and not got.flags & ACK:
+            self._initial = settings_of(got.payload).get(INITIAL_WINDOW_SIZE, self._initial)
+        elif got.kind == WINDOW_UPDATE:
+            increment = int.from_bytes(got.payload, "big") & 0x7FFFFFFF
+            if got.stream == 0:
+                self._connection_window += increment
+            else:
+                self._stream_windows[got.stream] = self._stream_windows.get(got.stream, 0) + increment
+        elif got.kind == RST_STREAM or (got.kind == HEADERS and got.flags & END_STREAM):
+            self.ended.setdefault(got.stream, got)
         return got
+
+    def write(self, stream: int, data: bytes, *, end: bool = False) -> bool:
+        """``data`` on ``stream`` in DATA frames as the server's windows let them go (reading its frames while they
+        are shut); False, the rest not sent, once the server ended the stream (or closed the connection)."""
+        sent = 0
+        while sent < len(data):
+            if stream in self.ended:
+                return False
+            room = min(self._connection_window, self._initial + self._stream_windows.get(stream, 0), MAX_FRAME)
+            if room <= 0:
+                if self.read() is None:
+                    return False
+                continue
+            chunk = data[sent : sent + room]
+            sent += len(chunk)
+            self.sock.sendall(frame(DATA, END_STREAM if end and sent == len(data) else 0, stream, chunk))
+            self._connection_window -= len(chunk)
+            self._stream_windows[stream] = self._stream_windows.get(stream, 0) - len(chunk)
+        return stream not in self.ended

@@ -33,7 +33,9 @@ class Edge:
 
     def __post_init__(self) -> None:
         config = self.config
-        self.polls = parking.Parking("long polls", config.max_polls_per_client, config.max_polls_per_connection)
+        self.polls = parking.Parking(
+            "long polls", config.max_polls_per_client, config.max_polls_per_connection, config.max_polls
+        )
         self.streams = parking.Parking(
             "Telemetry streams", config.max_telemetry_streams_per_client, config.max_telemetry_streams_per_connection
         )

@@ -237,6 +237,23 @@ class NativeServer:
         if hasattr(self._core, "limit_streams"):
             self._core.limit_streams(streams)
 
+    def limit_connections(self, total: int, per_address: int) -> None:
+        """Connections open at once, in all and from one IP address (0: no cap; ``--max-connections``,
+        ``--max-connections-per-address``): one past either is closed at its accept (``limits.rs``)."""
+        self._limit("limit_connections", total, per_address)
+
+    def limit_request_buffers(self, total: int, per_connection: int) -> None:
+        """Request bytes of messages not yet whole, in all and per connection (0: no cap;
+        ``--max-request-buffer-bytes``, ``--max-request-buffer-bytes-per-connection``)."""
+        self._limit("limit_request_buffers", total, per_connection)
+
+    def _limit(self, name: str, *values: int) -> None:
+        """A module built before the cap existed serves without it, said in the log (``make native``)."""
+        if hasattr(self._core, name):
+            getattr(self._core, name)(*values)
+        else:
+            log.warning("the native edge module lacks %s (built before it): its cap is off; run `make native`", name)
+
     @property
     def forwards(self) -> bool:
         """Whether this build of the module forwards sends natively (a module built before it does not)."""

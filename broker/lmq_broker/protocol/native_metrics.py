@@ -61,12 +61,19 @@ REFUSED: Final = {
     "refused_too_large": "message_too_large",
     "refused_compressed": "compressed",
     "refused_metadata": "metadata_too_large",
+    "refused_buffer": "request_buffer",
 }
 REFUSED_HELP: Final = (
     "Calls refused natively before the broker saw them, by reason: message_too_large (RESOURCE_EXHAUSTED, a "
     "request message over the size limit, inflated or not), compressed (UNIMPLEMENTED: an encoding not served), "
-    "metadata_too_large (RESOURCE_EXHAUSTED: headers over 16 KiB)"
+    "metadata_too_large (RESOURCE_EXHAUSTED: headers over 16 KiB), request_buffer (RESOURCE_EXHAUSTED: the bytes of "
+    "unfinished request messages past --max-request-buffer-bytes or its per-connection cap)"
 )
+# Connections closed at their accept, by the cap they would have passed.
+CONNECTIONS_REFUSED: Final = {
+    "connections_refused": "connections",
+    "connections_refused_per_address": "connections_per_address",
+}
 
 
 class EdgeCollector(Collector):
@@ -81,9 +88,23 @@ class EdgeCollector(Collector):
             "lmq_edge_connections_open", "Client connections open now (TLS handshakes in progress included)",
             value=values.get("connections_open", 0),
         )  # fmt: skip
+        yield GaugeMetricFamily(
+            "lmq_edge_request_buffer_bytes",
+            "Request bytes held now in messages not yet whole, every connection (--max-request-buffer-bytes)",
+            value=values.get("request_buffer_bytes", 0),
+        )
         for key, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=values.get(key, 0))
         refused = CounterMetricFamily("lmq_edge_calls_refused", REFUSED_HELP, labels=["reason"])
         for key, reason in REFUSED.items():
             refused.add_metric([reason], values.get(key, 0))
         yield refused
+        closed = CounterMetricFamily(
+            "lmq_edge_connections_refused",
+            "Connections closed at their accept: past --max-connections (connections) or "
+            "--max-connections-per-address (connections_per_address)",
+            labels=["reason"],
+        )
+        for key, reason in CONNECTIONS_REFUSED.items():
+            closed.add_metric([reason], values.get(key, 0))
+        yield closed

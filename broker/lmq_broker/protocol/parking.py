@@ -6,8 +6,9 @@ caps one client could park any number of them: 10,000 long polls on one connecti
 26; each held ~24 KiB) and 300 Telemetry streams that never read held 893 MiB at peak. The client id is a
 header anyone may write, so a connection (``context.peer()``, one TCP connection) has its own cap: a client
 cannot escape the first cap by inventing ids, nor another caller's id fill the cap of a client on another
-connection. A call beyond either cap is refused at once (``Parking.admit`` names the reason), counted by the
-caller in ``lmq_calls_refused_total``, and never parks.
+connection. Long polls are also capped in all (``--max-polls``): many connections, each under its own cap, parked
+without bound before (1,024 polls on each of 20 connections were all parked). A call beyond any cap is refused at
+once (``Parking.admit`` names the reason), counted by the caller in ``lmq_calls_refused_total``, and never parks.
 
 One event loop runs every call, so the counts are plain dicts of ints: no lock.
 """
@@ -19,6 +20,7 @@ from typing import Final
 
 REASON_PER_CLIENT: Final = "per_client"
 REASON_PER_CONNECTION: Final = "per_connection"
+REASON_TOTAL: Final = "total"
 
 
 def _cap(limit: int) -> int:
@@ -27,21 +29,25 @@ def _cap(limit: int) -> int:
 
 class Parking:
     """How many calls of one kind (``what``: "long polls", "Telemetry streams") each client id and each
-    connection has parked now, and the caps on both."""
+    connection has parked now, and the caps on both and on their sum (``limit``; 0: none)."""
 
-    __slots__ = ("by_client", "by_connection", "per_client", "per_connection", "total", "what")
+    __slots__ = ("by_client", "by_connection", "limit", "per_client", "per_connection", "total", "what")
 
-    def __init__(self, what: str, per_client: int, per_connection: int) -> None:
+    def __init__(self, what: str, per_client: int, per_connection: int, limit: int = 0) -> None:
         self.what = what
         self.per_client = _cap(per_client)
         self.per_connection = _cap(per_connection)
+        self.limit = _cap(limit)
         self.by_client: dict[str, int] = {}
         self.by_connection: dict[str, int] = {}
         self.total = 0
 
     def admit(self, client_id: str, peer: str) -> str | None:
         """Park one call of ``client_id`` on ``peer`` (then ``leave`` with the same pair when it ends); or,
-        beyond a cap, park nothing and return the reason (``REASON_PER_CLIENT``, ``REASON_PER_CONNECTION``)."""
+        beyond a cap, park nothing and return the reason (``REASON_PER_CLIENT``, ``REASON_PER_CONNECTION``,
+        ``REASON_TOTAL``)."""
+        if self.total >= self.limit:
+            return REASON_TOTAL
         mine = self.by_client.get(client_id, 0)
         if mine >= self.per_client:
             return REASON_PER_CLIENT
@@ -65,6 +71,8 @@ class Parking:
                 f"too many {self.what} parked for client {client_id} (at most {self.per_client}); "
                 "retry once one has ended"
             )
+        if reason == REASON_TOTAL:
+            return f"too many {self.what} parked on this broker (at most {self.limit}); retry later"
         return f"too many {self.what} parked on this connection (at most {self.per_connection}); retry later"
 
 

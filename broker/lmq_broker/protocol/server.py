@@ -69,8 +69,10 @@ def options(config: BrokerConfig, *, shared_port: bool = False) -> list[tuple[st
     """``shared_port``: the access port of ``--processes``, where every broker process of a pod listens at once."""
     limit = max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes)
     streams = config.max_streams_per_connection  # none: grpc core's default, no cap
+    connections = config.max_connections  # grpc core's connection quota: no cap per address (no accept hook)
     return [
         *([("grpc.max_concurrent_streams", streams)] if streams else []),
+        *([("grpc.max_allowed_incoming_connections", connections)] if connections else []),
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", int(shared_port)),  # else a second broker on the same port must fail, not share it
@@ -113,6 +115,8 @@ def create_client_port(config: BrokerConfig) -> Server:
         limit = max(MIN_MESSAGE_BYTES, 4 * config.max_body_bytes)
         server = native.NativeServer(limit, config.max_unread_requests, _interceptors(config))
         server.limit_streams(config.max_streams_per_connection)
+        server.limit_connections(config.max_connections, config.max_connections_per_address)
+        server.limit_request_buffers(config.max_request_buffer_bytes, config.max_request_buffer_bytes_per_connection)
         if config.tls_cert is not None and config.tls_key is not None:
             server.serve_tls(config.tls_cert, config.tls_key)  # every listener; reloaded as grpcio's (tls.rs)
         return server

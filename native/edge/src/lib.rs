@@ -6,10 +6,12 @@
 //! TLS (rustls) is in `tls.rs`.
 
 mod forward;
+mod limits;
 mod stats;
 mod tls;
 mod wire;
 
+use limits::{Held, Limits, Over, Refusal};
 use stats::Stats;
 
 use std::convert::Infallible;
@@ -62,6 +64,9 @@ const DRAIN_AFTER_STATUS: Duration = Duration::from_secs(1);
 // holds a bounded amount here, and the handlers' own caps (Telemetry's reply buffers) see it as unread.
 const PENDING_HIGH: usize = 64 * 1024;
 const PENDING_LOW: usize = 16 * 1024;
+// A frame's worth more than one message of the largest size: what the caps on partial request bytes are at least,
+// so that such a message can always arrive alone (it may share its last frame with the next one's start).
+const FRAME_SLACK: usize = 64 * 1024;
 
 // The request encodings served (grpcio's server takes the same); replies are never compressed, as on grpcio's.
 const ACCEPT_ENCODING: &str = "identity,deflate,gzip";
@@ -120,6 +125,9 @@ struct Shared {
     // --max-streams-per-connection): a client past it has its new streams refused (REFUSED_STREAM, which gRPC
     // clients retry), so a connection that opens streams and sends nothing on them holds a bounded amount here.
     max_streams: AtomicU32,
+    // Connections open at once, and request bytes of partial messages held (limits.rs; `Server.limit_connections`,
+    // `Server.limit_request_buffers`).
+    limits: Limits,
 }
 
 /// One call's reply side: frames to hyper, and whether its trailers are sent.
@@ -361,12 +369,15 @@ async fn read_body(
     mut body: Incoming,
     call: &Arc<CallShared>,
     shared: &Arc<Shared>,
+    connection: &AtomicUsize,
     encoding: Encoding,
     mut open: Option<Event>,
 ) -> Result<(), ()> {
     let mut buf = BytesMut::new();
     let mut forwarded = false;
     let stats = &shared.stats;
+    // What `buf` holds, counted against the connection's and the edge's caps on partial request bytes.
+    let mut held = Held::new(&shared.limits, connection);
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
             stats.add(&stats.calls_cancelled, 1); // reset by the client, or its connection closed
@@ -374,6 +385,15 @@ async fn read_body(
         };
         let Ok(data) = frame.into_data() else { continue };
         stats.add(&stats.bytes_in, data.len() as u64);
+        if let Err(over) = held.hold(buf.len() + data.len()) {
+            let why = match over {
+                Over::Connection(cap) => format!("unfinished request messages held past this connection's cap ({cap} bytes)"),
+                Over::Edge(cap) => format!("unfinished request messages held past the broker's cap ({cap} bytes)"),
+            };
+            stats.add(&stats.refused_buffer, 1);
+            call.finish(RESOURCE_EXHAUSTED, &format!("{why}: send it again later"), &[]);
+            return Err(());
+        }
         buf.extend_from_slice(&data);
         while buf.len() >= 5 {
             let compressed = buf[0] != 0;
@@ -422,6 +442,7 @@ async fn read_body(
             stats.add(&stats.request_messages, 1);
             shared.queue.push(Event::Message { id: call.id, data });
         }
+        let _ = held.hold(buf.len()); // the messages made whole left it: fewer bytes, never refused
     }
     if forwarded {
         return Ok(());
@@ -438,6 +459,7 @@ async fn supervise(
     body: Incoming,
     call: Arc<CallShared>,
     shared: Arc<Shared>,
+    connection: Arc<AtomicUsize>,
     timeout: Option<Duration>,
     encoding: Encoding,
     open: Option<Event>,
@@ -449,7 +471,7 @@ async fn supervise(
         }
     };
     tokio::pin!(sleep);
-    let reading = read_body(body, &call, &shared, encoding, open);
+    let reading = read_body(body, &call, &shared, &connection, encoding, open);
     tokio::pin!(reading);
     let mut read = false;
     loop {
@@ -484,7 +506,12 @@ async fn supervise(
     }
 }
 
-async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> Result<Response<ReplyBody>, Infallible> {
+async fn handle(
+    req: Request<Incoming>,
+    shared: Arc<Shared>,
+    peer: Arc<str>,
+    connection: Arc<AtomicUsize>,
+) -> Result<Response<ReplyBody>, Infallible> {
     let (tx, rx) = mpsc::unbounded_channel();
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     shared.stats.add(&shared.stats.calls, 1);
@@ -531,7 +558,7 @@ async fn handle(req: Request<Incoming>, shared: Arc<Shared>, peer: Arc<str>) -> 
         None
     };
     let encoding = encoding_of(&parts.headers);
-    tokio::spawn(supervise(body, call.clone(), shared.clone(), timeout, encoding, open));
+    tokio::spawn(supervise(body, call.clone(), shared.clone(), connection, timeout, encoding, open));
     let mut response = Response::new(ReplyBody { rx, call, shared });
     response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
     response.headers_mut().insert("grpc-accept-encoding", HeaderValue::from_static(ACCEPT_ENCODING));
@@ -553,7 +580,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
 ) {
     let peer: Arc<str> = Arc::from(peer_name(&addr));
     let max_streams = shared.max_streams.load(Ordering::Relaxed);
-    let service = service_fn(move |req| handle(req, shared.clone(), peer.clone()));
+    let connection = Arc::new(AtomicUsize::new(0)); // partial request bytes its calls hold (limits.rs)
+    let service = service_fn(move |req| handle(req, shared.clone(), peer.clone(), connection.clone()));
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
@@ -605,7 +633,25 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
                     shared.stats.add(&shared.stats.connections_accepted, 1);
-                    tokio::spawn(open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone()));
+                    match Limits::admit(&shared, addr.ip()) {
+                        Ok(admitted) => {
+                            let opening = open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone());
+                            tokio::spawn(async move {
+                                opening.await;
+                                drop(admitted);
+                            });
+                        }
+                        Err(refusal) => {
+                            // Closed at once, nothing read: the client sees its connection closed, and retries.
+                            let stats = &shared.stats;
+                            let counter = match refusal {
+                                Refusal::Connections => &stats.connections_refused,
+                                Refusal::PerAddress => &stats.connections_refused_per_address,
+                            };
+                            stats.add(counter, 1);
+                            drop(stream);
+                        }
+                    }
                 }
                 Err(e) => {
                     shared.stats.add(&shared.stats.accept_errors, 1);
@@ -694,6 +740,7 @@ impl Server {
             stats: Stats::default(),
             forwarding: forward::Forwarding::default(),
             max_streams: AtomicU32::new(u32::MAX),
+            limits: Limits::default(),
         });
         let (stopping, _) = watch::channel(false);
         Ok(Server { shared, python_end, runtime: Some(runtime), listeners: Vec::new(), tls: None, stopping })
@@ -702,6 +749,20 @@ impl Server {
     /// Streams one connection may have open at once, for connections accepted from now on (0: no cap).
     fn limit_streams(&self, streams: u32) {
         self.shared.max_streams.store(if streams == 0 { u32::MAX } else { streams }, Ordering::Relaxed);
+    }
+
+    /// Connections the listeners keep open at once, in all and from one peer IP address (0: no cap); a connection
+    /// past either is closed at its accept.
+    fn limit_connections(&self, total: usize, per_address: usize) {
+        self.shared.limits.set_connections(total, per_address);
+    }
+
+    /// Request bytes of messages not yet whole held at once, in all and per connection (0: no cap; each at least
+    /// one request message of the largest size and a frame); a call whose bytes would pass either ends
+    /// RESOURCE_EXHAUSTED.
+    fn limit_request_buffers(&self, total: usize, per_connection: usize) {
+        let floor = self.shared.max_message + 5 + FRAME_SLACK;
+        self.shared.limits.set_buffers(total, per_connection, floor);
     }
 
     /// The socket that turns readable when calls wait to be taken (for ``loop.add_reader``).
@@ -786,7 +847,9 @@ impl Server {
     /// The edge's counters now, read in one call (``protocol.native.EdgeCollector`` at scrape time): a list of
     /// (name, value), names as in ``stats.rs``; readable after ``close``.
     fn stats(&self) -> Vec<(&'static str, u64)> {
-        self.shared.stats.snapshot()
+        let mut values = self.shared.stats.snapshot();
+        values.push(("request_buffer_bytes", self.shared.limits.buffered.load(Ordering::Relaxed) as u64));
+        values
     }
 
     /// ``--native-forward``: the plain-placement table (``cluster.native_forward``): the ring's size, this

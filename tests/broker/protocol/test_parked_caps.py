@@ -1,7 +1,7 @@
-"""Calls that wait are capped per client id and per connection (issue 26, items 3 and 4), on a real broker
-process with raw grpc.aio stubs: long polls beyond a cap are answered TOO_MANY_REQUESTS, Telemetry streams
-beyond one are ended RESOURCE_EXHAUSTED naming TOO_MANY_REQUESTS, each refusal counted; polls under the cap
-still deliver; RSS stays bounded under floods. Before the caps, 10,000 polls from one client on one
+"""Calls that wait are capped per client id and per connection (issue 26, items 3 and 4), and long polls in all,
+on a real broker process with raw grpc.aio stubs: long polls beyond a cap are answered TOO_MANY_REQUESTS,
+Telemetry streams beyond one are ended RESOURCE_EXHAUSTED naming TOO_MANY_REQUESTS, each refusal counted; polls
+under the cap still deliver; RSS stays bounded under floods. Before the caps, 10,000 polls from one client on one
 connection were all parked (+242 MiB) and 300 Telemetry streams that never read held 893 MiB."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[BrokerPro
     """On both edges (docs/design/native-edge.md): the caps are the handlers', whichever server carries them."""
     flags = [
         "--edge", str(request.param),
-        "--max-polls-per-client", "4", "--max-polls-per-connection", "6",
+        "--max-polls-per-client", "4", "--max-polls-per-connection", "6", "--max-polls", "8",
         "--max-telemetry-streams-per-client", "2", "--max-telemetry-streams-per-connection", "3",
     ]  # fmt: skip
     with start_broker(tmp_path / "data", extra_args=flags) as started:
@@ -59,6 +59,28 @@ async def test_long_polls_beyond_a_cap_are_refused_too_many_requests_and_counted
         await asyncio.gather(*held, return_exceptions=True)
         await parked(broker, 0)  # a cancelled poll gives its place back
         assert code_of(await poll(stub, "a", wait_s=1)) == "MESSAGE_NOT_FOUND"
+
+
+@pytest.mark.asyncio
+async def test_long_polls_past_the_broker_s_cap_are_refused_whatever_their_connection(broker: BrokerProcess) -> None:
+    """Each connection under its own cap (6), each client id under its own (4): before 2026-11-30 nothing capped
+    their sum, so many connections parked without bound (1,024 polls on each)."""
+    opened = [connection(broker) for _ in range(3)]
+    stubs = [stub for _, stub in opened]
+    held = [asyncio.create_task(poll(stubs[i], f"c{i}-{j % 2}")) for i in range(2) for j in range(4)]
+    await parked(broker, 8)
+    assert code_of(await poll(stubs[2], "fresh")) == "TOO_MANY_REQUESTS"  # a fresh id on a fresh connection
+    assert metric(broker, "lmq_calls_refused_total", reason="total", rpc="ReceiveMessage") == 1
+    for task in held[:1]:
+        task.cancel()
+    await asyncio.gather(*held[:1], return_exceptions=True)
+    await parked(broker, 7)
+    assert code_of(await poll(stubs[2], "fresh", wait_s=1)) == "MESSAGE_NOT_FOUND"  # the place given back
+    for task in held:
+        task.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    for channel, _ in opened:
+        await channel.close(None)
 
 
 @pytest.mark.asyncio
