@@ -58,12 +58,18 @@ def start_of(store: Store, queue: model.QueueId) -> Pending:
 
 
 def pending(store: Store) -> list[Pending]:
-    """Blocking. Every queue of this store that is not a lite topic and has something to copy."""
+    """Blocking. Every queue of this store's NORMAL topics and dead letters that has something to copy. Other
+    queues that are not lite topics are passed over: a LITE parent's own queue (``--index-parent-queue``: its
+    messages are its lite topics', which drain as those), and the queues of a topic deleted since (nobody can
+    receive them any more, and the remaining brokers refuse them)."""
+    normal = {t.name for t in store.list_parent_topics() if t.message_type != model.MessageType.LITE}
     out: list[Pending] = []
     after: model.QueueId | None = None
     while True:
         page = store.normal_queues(after, QUEUES_PAGE)
         for queue in page:
+            if queue.topic not in normal and not queue.topic.startswith(metadata.DLQ_PREFIX):
+                continue
             found = start_of(store, queue)
             if found.start < found.end:
                 out.append(found)
