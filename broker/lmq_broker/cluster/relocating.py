@@ -26,6 +26,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, NamedTuple
 
+from prometheus_client import CollectorRegistry, Counter
+
 from lmq_broker import errors, model
 from lmq_broker.cluster import ring
 from lmq_broker.dispatch import metadata
@@ -104,11 +106,15 @@ def destination(queue: model.QueueId, size: int, attempt: int) -> int:
 class Relocator:
     """One leaving broker's copies of its queues that are not lite topics (see the module docstring)."""
 
-    def __init__(self, store: Store, send: Send, max_bytes: int) -> None:
+    def __init__(self, store: Store, send: Send, max_bytes: int, registry: CollectorRegistry) -> None:
         self._store = store
         self._send = send
         self._max_bytes = max_bytes
-        self.copied = 0  # messages stored at remaining brokers by this process
+        self.copied = Counter(
+            "lmq_relocated_messages",
+            "Messages of NORMAL topics and dead letters a leaving broker stored at a remaining one (scale-down)",
+            registry=registry,
+        )
 
     async def run(self, size: Callable[[], int], stopping: asyncio.Event) -> None:
         """Until ``stopping`` is set: a pass every ``RELOCATE_EVERY_S`` while ``size`` (today's ring, 0: this
@@ -139,7 +145,7 @@ class Relocator:
                     await self._store_at_remaining(job.queue, messages, slots)
                 await asyncio.to_thread(self._store.put_relocated, job.queue, after)
                 copied += len(messages)
-                self.copied += len(messages)
+                self.copied.inc(len(messages))
                 job = job._replace(start=after)
         if copied:
             log.info("%d NORMAL messages and dead letters copied to remaining brokers", copied)

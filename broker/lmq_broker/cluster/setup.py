@@ -212,7 +212,7 @@ class Cluster:
         self._idle_hand_over: asyncio.Task[None] | None = None
         # From the first time this broker leaves: its NORMAL topics' messages and dead letters copied to remaining
         # brokers (``relocating``)
-        self.relocator = relocating.Relocator(store, self._store_relocated, config.max_body_bytes)
+        self.relocator = relocating.Relocator(store, self._store_relocated, config.max_body_bytes, metrics.registry)
         self._relocating: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from raw_v2 import metric
 from waiting import eventually
 
 from lmq_broker import errors, model
@@ -149,6 +150,7 @@ def test_a_leaving_broker_copies_what_groups_have_not_consumed_and_its_dead_lett
     assert late.status.code == pb.INTERNAL_ERROR and "leaving" in late.status.message  # READ: retried elsewhere
     eventually(lambda: undrained(brokers[2]) == (0, True), "slot 2 drained", WAIT_S)
     set_everywhere(brokers, [0, 1, 2], members[:2], (3, 2))  # removed: only once drained
+    assert metric(brokers[2], "lmq_relocated_messages_total") == 8
     for broker in brokers:
         broker.stop()
     normal = [m for b in brokers[:2] for m in stored(b, TOPIC)]
