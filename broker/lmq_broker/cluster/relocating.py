@@ -135,20 +135,30 @@ class Relocator:
     async def relocate(self, slots: int) -> int:
         """One pass: every queue's messages to copy, stored at a remaining broker; returns how many."""
         copied = 0
+        failed: list[str] = []
         for found in await asyncio.to_thread(pending, self._store):
-            job = found
-            while job.start < job.end:
-                messages, after = await asyncio.to_thread(batch, self._store, job, self._max_bytes)
-                if after <= job.start:  # nothing readable there now: the next pass tries again
-                    break
-                if messages:
-                    await self._store_at_remaining(job.queue, messages, slots)
-                await asyncio.to_thread(self._store.put_relocated, job.queue, after)
-                copied += len(messages)
-                self.copied.inc(len(messages))
-                job = job._replace(start=after)
+            try:
+                copied += await self._copy(found, slots)
+            except errors.LmqError as exc:  # this queue waits for the next pass; the others go on
+                failed.append(exc.message)
         if copied:
             log.info("%d NORMAL messages and dead letters copied to remaining brokers", copied)
+        if failed:
+            raise errors.BrokerUnavailable(f"{len(failed)} queues not copied, first: {failed[0]}")
+        return copied
+
+    async def _copy(self, job: Pending, slots: int) -> int:
+        copied = 0
+        while job.start < job.end:
+            messages, after = await asyncio.to_thread(batch, self._store, job, self._max_bytes)
+            if after <= job.start:  # nothing readable there now: the next pass tries again
+                break
+            if messages:
+                await self._store_at_remaining(job.queue, messages, slots)
+            await asyncio.to_thread(self._store.put_relocated, job.queue, after)
+            copied += len(messages)
+            self.copied.inc(len(messages))
+            job = job._replace(start=after)
         return copied
 
     async def _store_at_remaining(
