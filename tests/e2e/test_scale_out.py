@@ -12,13 +12,23 @@ import itertools
 import re
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from rocketmq import ClientConfiguration, Credentials, LitePushConsumer, LiteSimpleConsumer, Message, Producer
+from rocketmq import (
+    ClientConfiguration,
+    Credentials,
+    FilterExpression,
+    LitePushConsumer,
+    LiteSimpleConsumer,
+    Message,
+    Producer,
+    SimpleConsumer,
+)
 from rocketmq.grpc_protocol import definition_pb2 as rpb
 from rocketmq.grpc_protocol import service_pb2 as rspb
 from rocketmq.grpc_protocol import service_pb2_grpc as rgrpc
@@ -575,3 +585,56 @@ def test_a_topic_created_through_one_endpoint_takes_sends_through_every_broker(
         for endpoint in endpoints:
             with AdminClient(endpoint, timeout_s=10, **SHARED_ADMIN_KEYS) as each:
                 assert each.get_parent_topic(TOPIC).topic.message_type is model.MessageType.LITE
+
+
+def test_scale_down_3_to_2_moves_normal_messages_nobody_consumed_yet(tmp_path: Path, clients: list[Any]) -> None:
+    """A NORMAL topic with the official Producer and SimpleConsumer: messages sent before slot 2 leaves land on
+    all three brokers; sends go on while it leaves (it refuses them, the producer sends them elsewhere), then it
+    drains (its messages are copied to the remaining brokers) and is removed and stopped. A consumer that
+    starts only then receives every message sent, from the two brokers left."""
+    ports = free_ports("127.0.0.1", 3)
+    brokers = start_cluster(tmp_path, ports)
+    try:
+        endpoints = [b.endpoint for b in brokers]
+        with AdminClient(endpoints[0], timeout_s=10, **SHARED_ADMIN_KEYS) as admin:  # sent on to every member
+            admin.put_parent_topic(model.ParentTopic("orders", model.MessageType.NORMAL))
+        producer = Producer(config(endpoints[0]), ("orders",))
+        producer.startup()
+        clients.append(producer)
+        sent: set[str] = set()
+
+        def send_normal(n: int) -> None:
+            message = Message()
+            message.topic, message.body = "orders", f"order-{n}".encode()
+            producer.send(message)
+            sent.add(f"order-{n}")
+
+        for n in range(60):
+            send_normal(n)
+        set_cluster(endpoints, [2, 0, 1], endpoints, (3, 2))
+        for n in range(60, 90):  # slot 2 refuses them now: the producer's retry sends them to another broker
+            send_normal(n)
+        with AdminClient(endpoints[2], timeout_s=30, **SHARED_ADMIN_KEYS) as admin:
+            eventually(
+                lambda: admin.cluster(with_undrained=True).drained, "slot 2 drained", timeout_s=60, interval_s=0.5
+            )
+        set_cluster(endpoints, [0, 1, 2], endpoints[:2], (3, 2))
+        with urllib.request.urlopen(f"{brokers[2].metrics_url}/metrics", timeout=10) as answer:
+            copied = re.search(r"^lmq_relocated_messages_total (\S+)$", answer.read().decode(), re.MULTILINE)
+        assert copied is not None and float(copied.group(1)) >= 10  # about a third of the first 60 were there
+        brokers[2].stop()
+        consumer = SimpleConsumer(config(endpoints[0]), "order-readers", {"orders": FilterExpression()}, 5)
+        consumer.startup()
+        clients.append(consumer)
+        got: list[str] = []
+
+        def received_all() -> bool:
+            for message in consumer.receive(32, 15):
+                got.append(message.body.decode())
+                consumer.ack(message)
+            return set(got) >= sent
+
+        eventually(received_all, "every order received from the brokers left", timeout_s=120, interval_s=0)
+        assert len(got) == len(sent)  # nobody consumed before: none copied twice
+    finally:
+        stop_all(clients, brokers)

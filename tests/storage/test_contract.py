@@ -247,6 +247,26 @@ def test_consumer_offsets_per_queue_and_group(store: api.Store, msg: Msg, clock:
     assert store.get_offset(model.QueueId.lmq("P", "b"), "g1") is None
 
 
+def test_queues_that_are_not_lite_topics_their_commit_points_and_how_far_they_were_relocated(
+    store: api.Store, msg: Msg
+) -> None:
+    """What a leaving broker walks to copy its NORMAL queues and dead letters (``cluster.relocating``)."""
+    assert store.normal_queues() == []
+    store.append([msg(), msg(lite="b", parent="Q"), msg(lite="c", parent="Q", parent_queue=False)])
+    store.append([msg(lite=None, parent="Q", parent_queue=False, queues=(model.QueueId("Q", 3),))])
+    assert store.normal_queues() == [PARENT_Q, model.QueueId("Q", 0), model.QueueId("Q", 3)]  # no lite topic
+    assert store.normal_queues(PARENT_Q, 1) == [model.QueueId("Q", 0)]
+    assert store.normal_queues(model.QueueId("Q", 3)) == []
+    assert store.commit_points(PARENT_Q) == {}
+    store.commit_offset(PARENT_Q, "g1", 1)
+    store.commit_offset(PARENT_Q, "g2", 0)
+    store.commit_offset(model.QueueId("P", 1), "g3", 0)
+    assert store.commit_points(PARENT_Q) == {"g1": 1, "g2": 0}
+    assert store.relocated(PARENT_Q) == 0
+    store.put_relocated(PARENT_Q, 1)
+    assert (store.relocated(PARENT_Q), store.relocated(model.QueueId("Q", 0))) == (1, 0)
+
+
 def test_commit_on_an_lmq_records_last_consume_time(store: api.Store, msg: Msg, clock: ManualClock) -> None:
     store.append([msg()])
     clock.advance(5000)

@@ -30,6 +30,7 @@ import lmq_broker
 from lmq_broker import errors, model
 from lmq_broker.admin import convert, validation
 from lmq_broker.admin.results import GroupLag, LiteTopicLag
+from lmq_broker.cluster import relocating
 from lmq_broker.config import BrokerConfig
 from lmq_broker.dispatch.api import LiveView
 from lmq_broker.dispatch.lag import backlog
@@ -221,8 +222,17 @@ def _offsets_page(
 
 # --- the broker -------------------------------------------------------------------------------------------
 async def broker_info(
-    store: Store, live: LiveView, config: BrokerConfig, *, skip_undrained: bool, drains: Drains | None = None
+    store: Store,
+    live: LiveView,
+    config: BrokerConfig,
+    *,
+    skip_undrained: bool,
+    drains: Drains | None = None,
+    relocated: bool = False,
 ) -> pb.GetBrokerInfoResponse:
+    """``relocated``: a leaving broker, whose undrained messages include those of its queues that are not lite
+    topics not yet copied to a remaining broker (``cluster.relocating``)."""
+
     def counts() -> tuple[int, int, int, int]:
         return (
             store.lite_topic_count(None),
@@ -239,13 +249,15 @@ async def broker_info(
         subscription_count=live.subscription_count(),
         client_count=live.client_count(),
         stored_bytes=stored_bytes,
-        undrained_messages=-1 if skip_undrained else await undrained(store, drains),
+        undrained_messages=-1 if skip_undrained else await undrained(store, drains, relocated=relocated),
         parent_topic_count=parents,
         group_count=groups,
     )
 
 
-async def undrained(store: Store, drains: Drains | None = None, handed_over: Drains | None = None) -> int:
+async def undrained(
+    store: Store, drains: Drains | None = None, handed_over: Drains | None = None, *, relocated: bool = False
+) -> int:
     """Messages of this broker's lite topics that some group bound to their parent has not consumed (a topic
     whose parent has no group: all of them). With replication, only the topics ``drains`` names (the topics of
     this broker's own slot, by the slot their records name): its copies of the slots it follows drain at their
@@ -253,7 +265,9 @@ async def undrained(store: Store, drains: Drains | None = None, handed_over: Dra
     With ``handed_over`` (a leaving broker) a topic not handed over to its owner in today's ring yet counts at
     least 1 even when consumed: only the hand-over subscribes its consumers at that owner, and with replication
     its next owner takes it over where it ends (its followers hold copies at those offsets), neither of which
-    can happen once the leaving slot is removed."""
+    can happen once the leaving slot is removed. With ``relocated`` (a leaving broker) or ``handed_over``, the
+    messages of its NORMAL topics and dead letters that some group has not consumed and that are not copied to
+    a remaining broker yet count too (``cluster.relocating``): removed, the broker would strand them."""
     bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
 
     def page(start_after: str) -> tuple[int, str | None]:
@@ -273,7 +287,7 @@ async def undrained(store: Store, drains: Drains | None = None, handed_over: Dra
             total += max(left, 1) if handed_over is not None and not handed_over(queue.topic) else left
         return total, scan_key(metas[-1], "") if len(metas) == WALK_BATCH else None
 
-    total = 0
+    total = await asyncio.to_thread(relocating.undrained, store) if relocated or handed_over is not None else 0
     cursor: str | None = ""
     while cursor is not None:
         count, cursor = await asyncio.to_thread(page, cursor)

@@ -426,6 +426,15 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         ready = await self._live.await_ready(request.client_id, group, parent, timeout_ms)
         return pb.AwaitLiteReadyResponse(ready=ready)
 
+    @override
+    @_edge
+    async def StoreRelocated(self, request: pb.StoreRelocatedRequest, context: Context) -> pb.StoreRelocatedResponse:
+        """A leaving broker's messages of NORMAL topics and dead letters (``cluster.relocating``), appended here
+        and answered once stored. A peer's call only (its header, besides the admin pair)."""
+        self._from_peer(context, "StoreRelocated")
+        cluster = self._cluster_or_refuse()
+        return pb.StoreRelocatedResponse(stored=await cluster.store_relocated(request.messages))
+
     def _from_peer(self, context: Context, method: str) -> None:
         peers = self._cluster.peers if self._cluster is not None else None
         if peers is None:
@@ -438,9 +447,16 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
     @override
     @_edge
     async def GetBrokerInfo(self, request: pb.GetBrokerInfoRequest, context: Context) -> pb.GetBrokerInfoResponse:
-        drains = membership.drains(self._cluster) if self._cluster is not None else None
+        cluster = self._cluster
+        drains = membership.drains(cluster) if cluster is not None else None
+        leaving = cluster is not None and membership.handed_over(cluster) is not None
         return await inspection.broker_info(
-            self._store, self._live, self._config, skip_undrained=request.skip_undrained, drains=drains
+            self._store,
+            self._live,
+            self._config,
+            skip_undrained=request.skip_undrained,
+            drains=drains,
+            relocated=leaving,
         )
 
     # --- the cluster ------------------------------------------------------------------------------------

@@ -43,6 +43,19 @@ log = logging.getLogger(__name__)
 REFUSED_LOG_INTERVAL_S: Final = 60.0
 
 
+def refuse_normal_sends(messages: Sequence[pb.Message]) -> None:
+    """A leaving broker (or one removed, still running) takes no message of a NORMAL topic: its route lists it
+    READ (RocketMQ's write permission taken away), and what it holds of them is being copied to the remaining
+    brokers (``relocating``). A client on an older route gets a retriable refusal, nothing stored; the
+    official producers then send to another queue of their route."""
+    for message in messages:
+        if not message.system_properties.lite_topic:
+            raise errors.BrokerUnavailable(
+                f"this broker is leaving the cluster and takes no message of {message.topic.name}: send it to "
+                "another broker of the route; nothing was stored, try again"
+            )
+
+
 class Calls:
     def __init__(self, edge: Edge, peers: Peers, registry: CollectorRegistry) -> None:
         self._edge = edge
@@ -100,6 +113,8 @@ class Calls:
         peer = self._peer("SendMessage", headers)
         if peer is None:
             send_message.refuse_internal_properties(request.messages)
+            if self._peers.links.routes_forwarded:
+                refuse_normal_sends(request.messages)
         return await self._peers.forwarder.send(request, peer_copy=peer is not None, data=data)
 
     def receive(

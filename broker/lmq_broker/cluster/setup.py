@@ -15,12 +15,14 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import grpc
+
 from lmq_broker import errors, model
-from lmq_broker.cluster import draining, local_hop, native_forward, trust
+from lmq_broker.cluster import draining, local_hop, native_forward, relocating, trust
 from lmq_broker.cluster import membership as mb
 from lmq_broker.cluster.calls import Calls
 from lmq_broker.cluster.fanout import Subscription
@@ -32,6 +34,7 @@ from lmq_broker.protocol.admission import Admission
 from lmq_broker.protocol.edge import Edge
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
 from lmq_broker.protocol.handlers import send_message
 from lmq_broker.protocol.metrics import Metrics
 from lmq_broker.protocol.refusals import RefusalLog
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 
 FLAGS: Final = "flags"
 ADMIN: Final = "admin"
+RELOCATE_TIMEOUT_S: Final = 30.0  # a StoreRelocated call: up to 500 messages appended and made durable there
 
 
 def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
@@ -206,6 +210,10 @@ class Cluster:
         # At --replicas 1, from the first time this broker leaves: its consumed topics handed over without waiting
         # for a send (``draining.hand_over_idle``; replication runs its own, of its slot's topics)
         self._idle_hand_over: asyncio.Task[None] | None = None
+        # From the first time this broker leaves: its NORMAL topics' messages and dead letters copied to remaining
+        # brokers (``relocating``)
+        self.relocator = relocating.Relocator(store, self._store_relocated, config.max_body_bytes, metrics.registry)
+        self._relocating: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
         self._hop_server: local_hop.HopServer | None = None
@@ -389,6 +397,9 @@ class Cluster:
             if me >= 0 and membership.leaving(me) and self.config.replicas <= 1 and self._idle_hand_over is None:
                 idle = draining.hand_over_idle(peers.handoff, self._store, self._leaving_slot, self._closing)
                 self._idle_hand_over = asyncio.get_running_loop().create_task(idle, name="lmq-hand-over-idle")
+            if (me < 0 or membership.leaving(me)) and self._relocating is None:
+                moving = self.relocator.run(self._leaving_ring, self._closing)
+                self._relocating = asyncio.get_running_loop().create_task(moving, name="lmq-relocate")
             if me >= 0 and before is not None and sizes_before != membership.sizes:
                 peers.watch.ring_changed()
             joined = [s for s, member in enumerate(membership.members) if before is not None and member not in before]
@@ -416,6 +427,34 @@ class Cluster:
         me = self.slot
         leaving = me >= 0 and self._edge.cluster is not None and self.membership.leaving(me)
         return me if leaving else -1
+
+    def _leaving_ring(self) -> int:
+        """Today's ring size while this broker is a leaving member of a cluster, or no member (removed, still
+        running: a dead letter stored after its last drained check is copied too), else 0."""
+        leaving = self._leaving_slot() >= 0 or (self.slot < 0 and self._edge.cluster is not None)
+        return self.membership.size if leaving else 0
+
+    async def _store_relocated(self, slot: int, messages: Sequence[model.StoredMessage]) -> None:
+        """``messages`` stored at slot ``slot`` of today's ring (``relocating``), durably once this returns."""
+        peers = self.peers
+        if peers is None or slot == peers.me:
+            raise errors.BrokerUnavailable(f"slot {slot} is no remaining broker of this one's cluster")
+        member = peers.membership.members[slot]
+        stub, metadata = peers.admin(member, "StoreRelocated")
+        request = admin_pb.StoreRelocatedRequest(messages=[relocating.to_wire(m) for m in messages])
+        try:
+            await stub.StoreRelocated(request, metadata=metadata, timeout=RELOCATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise errors.BrokerUnavailable(f"{member}: {exc.code().name} {exc.details()}") from None
+
+    async def store_relocated(self, messages: Sequence[admin_pb.RelocatedMessage]) -> int:
+        """A leaving broker's messages of NORMAL topics and dead letters (``relocating``): appended here, all or
+        nothing, no quota applied (they were accepted once already); returns how many."""
+        if not messages:
+            return 0
+        snap = await self._dispatcher.metadata()
+        stored = await self._dispatcher.ingest.append([relocating.from_wire(snap, m) for m in messages])
+        return len(stored)
 
     def _build(self) -> Peers:
         config = self.config
@@ -498,9 +537,10 @@ class Cluster:
 
     async def close(self) -> None:
         self._closing.set()
-        if self._idle_hand_over is not None:
-            await asyncio.gather(self._idle_hand_over, return_exceptions=True)
-            self._idle_hand_over = None
+        for task in (self._idle_hand_over, self._relocating):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+        self._idle_hand_over = self._relocating = None
         if self._native is not None:
             await self._native.close()
             self._native = None

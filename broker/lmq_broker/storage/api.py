@@ -174,6 +174,24 @@ class Store(Protocol):
         nothing, or when the offsets were committed before hand-outs were kept)."""
         ...
 
+    def commit_points(self, queue: model.QueueId) -> dict[str, int]:
+        """Every group's committed offset in ``queue`` (the groups that consumed it here)."""
+        ...
+
+    # --- queues that are not lite topics (NORMAL topics, dead letters) -----------------------------------
+    def normal_queues(self, start_after: model.QueueId | None = None, limit: int = 1000) -> list[model.QueueId]:
+        """Up to ``limit`` queues of this store that are not lite topics, in key order after ``start_after``."""
+        ...
+
+    def relocated(self, queue: model.QueueId) -> int:
+        """Where a leaving broker's copy of ``queue`` to a remaining broker got to (``cluster.relocating``): every
+        message below it was stored there. 0 when none was."""
+        ...
+
+    def put_relocated(self, queue: model.QueueId, end: int) -> None:
+        """Record ``relocated`` (synced)."""
+        ...
+
     # --- lite topics ----------------------------------------------------------------------------------
     def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None: ...
 

@@ -31,6 +31,8 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     X      X "clean"                        u64 close time: written (synced) by a clean close, removed at open (meta)
     X      X "membership"                   JSON cluster membership set over the admin service (synced; meta)
     X      X "access"                       JSON users and access policies (``access.document``; synced; meta)
+    X      X "relocated" qkey               u64: a leaving broker stored every message of this queue below it
+                                            at a remaining broker (``cluster.relocating``; synced; meta)
     H      H qkey u64be(first_offset)       u64 end: offsets [first, end) of the queue the log lost (a
                                             quarantined record, a missing segment, a reconciled next):
                                             the only offsets between min and next a reader may skip
@@ -80,6 +82,7 @@ CLEAN_KEY: Final = b"Xclean"  # meta: present only between a clean close and the
 SYNC_SESSION_KEY: Final = b"Xsync"  # meta: the session that wrote last ran with sync flush throughout
 MEMBERSHIP_KEY: Final = b"Xmembership"  # meta: the cluster membership the admin service last set
 ACCESS_KEY: Final = b"Xaccess"  # meta: users and access policies (``access.document``)
+RELOCATED: Final = b"Xrelocated"  # meta: + qkey -> u64 end of what a leaving broker copied to a remaining one
 META_PROBE_KEY: Final = b"Xprobe"  # written by a readiness probe to learn whether the meta store can write
 TOTAL_COUNT_KEY: Final = COUNT
 
@@ -471,6 +474,11 @@ def segment_key(segment: int) -> bytes:
 
 def name_key(prefix: bytes, name: str) -> bytes:
     return prefix + name.encode()
+
+
+def queue_of_qkey(qkey: bytes) -> model.QueueId:
+    """The queue a ``qkey`` names (topic | 0x00 | u16be queue id)."""
+    return model.QueueId(qkey[:-3].decode(), U16BE.unpack(qkey[-2:])[0])
 
 
 def successor(prefix: bytes) -> bytes:

@@ -88,6 +88,7 @@ class MemoryStore:
         self._reclaims: dict[str, model.ReclaimRun] = {}
         self._membership: str | None = None
         self._access: str | None = None
+        self._relocated: dict[bytes, int] = {}
         self._records: deque[_Record] = deque()
         self._bytes = 0
         self._names = keys.NameCache()
@@ -455,6 +456,29 @@ class MemoryStore:
         self._check_open()
         with self._lock:
             return [self._quotas[k] for k in sorted(self._quotas)]
+
+    def commit_points(self, queue: model.QueueId) -> dict[str, int]:
+        self._check_open()
+        name = keys.parse_queue(queue.topic, queue.queue)
+        with self._lock:
+            return dict(self._offsets.get(name.qkey, {}))
+
+    def normal_queues(self, start_after: model.QueueId | None = None, limit: int = 1000) -> list[model.QueueId]:
+        self._check_open()
+        after = b"" if start_after is None else keys.parse_queue(*start_after).qkey
+        with self._lock:
+            found = sorted(k for k, q in self._queues.items() if not q.name.is_lmq and k > after)
+        return [keys.queue_of_qkey(k) for k in found[: max(0, limit)]]
+
+    def relocated(self, queue: model.QueueId) -> int:
+        self._check_open()
+        with self._lock:
+            return self._relocated.get(keys.parse_queue(queue.topic, queue.queue).qkey, 0)
+
+    def put_relocated(self, queue: model.QueueId, end: int) -> None:
+        self._check_open()
+        with self._lock:
+            self._relocated[keys.parse_queue(queue.topic, queue.queue).qkey] = end
 
     def put_membership(self, text: str) -> None:
         self._check_open()

@@ -235,6 +235,13 @@ class Meta:
             self._check_open()
             return self._db.get_u64(keys.offset_key(qkey, group))
 
+    def commit_points(self, qkey: bytes) -> dict[str, int]:
+        """Every group's committed offset in the queue ``qkey``."""
+        prefix = keys.offset_key(qkey, "")
+        with self._lock:
+            self._check_open()
+            return {k[len(prefix) :].decode(): int(keys.U64.unpack(v)[0]) for k, v in self._db.prefix_items(prefix)}
+
     def acked(self, qkey: bytes, group: str) -> Sequence[int]:
         key = keys.acked_key(qkey, group)
         if key not in self._acked_keys:  # the usual answer, without a RocksDB read
@@ -389,6 +396,10 @@ class Meta:
         """Synced: a membership change (``MEMBERSHIP_KEY``) must survive a power cut like the data placed by it,
         a revoked right (``ACCESS_KEY``) must stay revoked."""
         self._put(key, text.encode(), synced=True)
+
+    def put_u64(self, key: bytes, value: int) -> None:
+        """Synced, as ``put_text``."""
+        self._put(key, keys.U64.pack(value), synced=True)
 
     def text(self, key: bytes) -> str | None:
         value = self.get(key)

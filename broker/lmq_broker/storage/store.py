@@ -293,6 +293,31 @@ class LmqStore:
         self._core.check_open()
         return self._meta.handouts(self._core.resolve(queue.topic, queue.queue).qkey, group)
 
+    def commit_points(self, queue: model.QueueId) -> dict[str, int]:
+        core = self._core
+        core.check_open()
+        return self._meta.commit_points(core.resolve(queue.topic, queue.queue).qkey)
+
+    # --- queues that are not lite topics ---------------------------------------------------------------
+
+    def normal_queues(self, start_after: model.QueueId | None = None, limit: int = 1000) -> list[model.QueueId]:
+        core = self._core
+        core.check_open()
+        lo = keys.STATE if start_after is None else keys.successor(core.resolve(*start_after).state_key)
+        found = core.index.items(lo, keys.successor(keys.STATE), max(0, limit))
+        return [keys.queue_of_qkey(key[1:]) for key, _ in found]
+
+    def relocated(self, queue: model.QueueId) -> int:
+        core = self._core
+        core.check_open()
+        value = self._meta.get(keys.RELOCATED + core.resolve(queue.topic, queue.queue).qkey)
+        return 0 if value is None else int(keys.U64.unpack(value)[0])
+
+    def put_relocated(self, queue: model.QueueId, end: int) -> None:
+        core = self._core
+        core.check_open()
+        self._meta.put_u64(keys.RELOCATED + core.resolve(queue.topic, queue.queue).qkey, end)
+
     # --- lite topics ---------------------------------------------------------------------------------
 
     def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None:

@@ -2444,6 +2444,126 @@ class AwaitLiteReadyResponse(_message.Message):
 Global___AwaitLiteReadyResponse: _TypeAlias = AwaitLiteReadyResponse  # noqa: Y015
 
 @_typing.final
+class RelocatedMessage(_message.Message):
+    """A leaving broker (scale-down) stores the messages of its queues that are not lite topics (NORMAL topics and
+    dead letters, %DLQ%<group>) at a remaining broker before it is removed (docs/scale-out.md, Scale-down): the
+    receiver appends them to its own queue of the same topic (queue id modulo its queue count), keeping each
+    message's id, properties, tag, keys, group and born time, all or nothing, and answers once they are durable.
+    Calls between brokers only (the peer header is required).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class UserPropertiesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    BODY_FIELD_NUMBER: _builtins.int
+    BORN_TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    BORN_HOST_FIELD_NUMBER: _builtins.int
+    TAG_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    MESSAGE_GROUP_FIELD_NUMBER: _builtins.int
+    USER_PROPERTIES_FIELD_NUMBER: _builtins.int
+    MESSAGE_TYPE_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    queue: _builtins.int
+    message_id: _builtins.str
+    body: _builtins.bytes
+    born_timestamp_ms: _builtins.int
+    born_host: _builtins.str
+    tag: _builtins.str
+    """"": none"""
+    message_group: _builtins.str
+    """"": none"""
+    message_type: _builtins.int
+    """apache.rocketmq.v2.MessageType number"""
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def user_properties(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        queue: _builtins.int = ...,
+        message_id: _builtins.str = ...,
+        body: _builtins.bytes = ...,
+        born_timestamp_ms: _builtins.int = ...,
+        born_host: _builtins.str = ...,
+        tag: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.str] | None = ...,
+        message_group: _builtins.str = ...,
+        user_properties: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        message_type: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "born_host", b"born_host", "born_timestamp_ms", b"born_timestamp_ms", "keys", b"keys", "message_group", b"message_group", "message_id", b"message_id", "message_type", b"message_type", "queue", b"queue", "tag", b"tag", "topic", b"topic", "user_properties", b"user_properties"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelocatedMessage: _TypeAlias = RelocatedMessage  # noqa: Y015
+
+@_typing.final
+class StoreRelocatedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelocatedMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___RelocatedMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreRelocatedRequest: _TypeAlias = StoreRelocatedRequest  # noqa: Y015
+
+@_typing.final
+class StoreRelocatedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    stored: _builtins.int
+    def __init__(
+        self,
+        *,
+        stored: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreRelocatedResponse: _TypeAlias = StoreRelocatedResponse  # noqa: Y015
+
+@_typing.final
 class BackupRequest(_message.Message):
     """A consistent online snapshot of this broker's store (docs/backup.md): the files of its data directory that
     a restore needs (commit-log segments up to one end, RocksDB checkpoints of index/ and meta/, the saved lite

@@ -1,0 +1,223 @@
+"""A leaving broker (scale-down) stores what its groups have not consumed of its other queues at a remaining one.
+
+Lite topics drain where they are and move whole (``draining``). The queues that are not lite topics (NORMAL
+topics and dead letters, ``%DLQ%<group>``) belong to no owner: each broker keeps what was sent to it, and a
+consumer group receives from every broker. So once a broker is leaving (routes list it READ: producers send it
+nothing more), every ``RELOCATE_EVERY_S`` it copies each such queue's messages from the lowest commit point of
+the groups that consumed it here (all of it when none did) to one remaining broker, which appends them to its
+own queue of that topic with the same ids and properties (``StoreRelocated``, a peer's call). It records how
+far each queue got (``Store.put_relocated``, synced) only after the remaining broker answered that the batch is
+stored: a crash (kill -9) between the two sends the batch again, so a message may be stored twice there,
+never lost (at least once). A message that arrives here later (a producer on an old route) is copied at the
+next pass. The leaving broker keeps serving its copies until it is removed: a consumer may get a message from
+both (at least once again). What is left to copy counts as undrained (``undrained``), so the broker is removed
+only once every such message is at a remaining broker.
+
+Each queue goes to one remaining broker (its name and queue id hashed over today's ring), so a FIFO queue's
+messages keep their order there; a broker that does not answer is passed over for the next slot of today's
+ring, and a pass that fails is tried again at the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter
+
+from lmq_broker import errors, model
+from lmq_broker.cluster import ring
+from lmq_broker.dispatch import metadata
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
+from lmq_broker.storage.api import Store
+
+log = logging.getLogger(__name__)
+
+RELOCATE_EVERY_S: Final = 1.0
+BATCH_MESSAGES: Final = 500  # messages per StoreRelocated call at most
+QUEUES_PAGE: Final = 1_000
+
+# (slot of today's ring, messages) -> once that broker stored them durably; raises otherwise
+Send = Callable[[int, Sequence[model.StoredMessage]], Awaitable[None]]
+
+
+class Pending(NamedTuple):
+    queue: model.QueueId
+    start: int  # the first offset still to be copied
+    end: int  # the queue's end when looked at
+
+
+def start_of(store: Store, queue: model.QueueId) -> Pending:
+    """Blocking. What of ``queue`` is to be copied: from the lowest commit point of the groups that consumed it
+    here (the queue's first offset when none did), or from where earlier copies got to, to its end."""
+    lo, hi = store.queue_offsets(queue)
+    points = store.commit_points(queue)
+    consumed = min(points.values()) if points else lo
+    return Pending(queue, max(lo, consumed, store.relocated(queue)), hi)
+
+
+def pending(store: Store) -> list[Pending]:
+    """Blocking. Every queue of this store's NORMAL topics and dead letters that has something to copy. Other
+    queues that are not lite topics are passed over: a LITE parent's own queue (``--index-parent-queue``: its
+    messages are its lite topics', which drain as those), and the queues of a topic deleted since (nobody can
+    receive them any more, and the remaining brokers refuse them)."""
+    normal = {t.name for t in store.list_parent_topics() if t.message_type != model.MessageType.LITE}
+    out: list[Pending] = []
+    after: model.QueueId | None = None
+    while True:
+        page = store.normal_queues(after, QUEUES_PAGE)
+        for queue in page:
+            if queue.topic not in normal and not queue.topic.startswith(metadata.DLQ_PREFIX):
+                continue
+            found = start_of(store, queue)
+            if found.start < found.end:
+                out.append(found)
+        if len(page) < QUEUES_PAGE:
+            return out
+        after = page[-1]
+
+
+def undrained(store: Store) -> int:
+    """Blocking. Messages of this store's queues that are not lite topics still to be copied by a leaving broker."""
+    return sum(p.end - p.start for p in pending(store))
+
+
+def batch(store: Store, job: Pending, max_bytes: int) -> tuple[list[model.StoredMessage], int]:
+    """Blocking. The next messages of ``job`` from its start (at most ``BATCH_MESSAGES``, and ``max_bytes`` of
+    bodies unless a single message is bigger), and the offset after them (offsets the store knows are gone are
+    passed over)."""
+    messages, after = store.read_span(job.queue, job.start, min(BATCH_MESSAGES, job.end - job.start))
+    size = 0
+    for i, message in enumerate(messages):
+        size += len(message.body)
+        if size > max_bytes and i > 0:
+            return messages[:i], message.offset
+    return messages, after
+
+
+def destination(queue: model.QueueId, size: int, attempt: int) -> int:
+    """The slot of today's ring (``size`` slots) a queue's messages go to; ``attempt`` > 0: the next ones."""
+    return (ring.slot_of(f"{queue.topic}\x00{queue.queue}", size) + attempt) % size
+
+
+class Relocator:
+    """One leaving broker's copies of its queues that are not lite topics (see the module docstring)."""
+
+    def __init__(self, store: Store, send: Send, max_bytes: int, registry: CollectorRegistry) -> None:
+        self._store = store
+        self._send = send
+        self._max_bytes = max_bytes
+        self.copied = Counter(
+            "lmq_relocated_messages",
+            "Messages of NORMAL topics and dead letters a leaving broker stored at a remaining one (scale-down)",
+            registry=registry,
+        )
+
+    async def run(self, size: Callable[[], int], stopping: asyncio.Event) -> None:
+        """Until ``stopping`` is set: a pass every ``RELOCATE_EVERY_S`` while ``size`` (today's ring, 0: this
+        broker is not leaving) is positive. A failed pass is logged and tried again at the next."""
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), RELOCATE_EVERY_S)
+            slots = size()
+            if slots <= 0 or stopping.is_set():
+                continue
+            try:
+                await self.relocate(slots)
+            except errors.LmqError as exc:
+                log.info("copying NORMAL messages and dead letters to remaining brokers: %s (next pass)", exc.message)
+            except Exception:  # the loop must outlive any one pass
+                log.exception("copying NORMAL messages and dead letters to remaining brokers failed (next pass)")
+
+    async def relocate(self, slots: int) -> int:
+        """One pass: every queue's messages to copy, stored at a remaining broker; returns how many."""
+        copied = 0
+        failed: list[str] = []
+        for found in await asyncio.to_thread(pending, self._store):
+            try:
+                copied += await self._copy(found, slots)
+            except errors.LmqError as exc:  # this queue waits for the next pass; the others go on
+                failed.append(exc.message)
+        if copied:
+            log.info("%d NORMAL messages and dead letters copied to remaining brokers", copied)
+        if failed:
+            raise errors.BrokerUnavailable(f"{len(failed)} queues not copied, first: {failed[0]}")
+        return copied
+
+    async def _copy(self, job: Pending, slots: int) -> int:
+        copied = 0
+        while job.start < job.end:
+            messages, after = await asyncio.to_thread(batch, self._store, job, self._max_bytes)
+            if after <= job.start:  # nothing readable there now: the next pass tries again
+                break
+            if messages:
+                await self._store_at_remaining(job.queue, messages, slots)
+            await asyncio.to_thread(self._store.put_relocated, job.queue, after)
+            copied += len(messages)
+            self.copied.inc(len(messages))
+            job = job._replace(start=after)
+        return copied
+
+    async def _store_at_remaining(
+        self, queue: model.QueueId, messages: Sequence[model.StoredMessage], slots: int
+    ) -> None:
+        failures = []
+        for attempt in range(slots):
+            slot = destination(queue, slots, attempt)
+            try:
+                await self._send(slot, messages)
+                return
+            except errors.LmqError as exc:
+                failures.append(f"slot {slot}: {exc.message}")
+        raise errors.BrokerUnavailable(
+            f"{queue.topic} queue {queue.queue}: no remaining broker stored it ({'; '.join(failures)})"
+        )
+
+
+def to_wire(message: model.StoredMessage) -> admin_pb.RelocatedMessage:
+    return admin_pb.RelocatedMessage(
+        topic=message.topic,
+        queue=message.queue.queue,
+        message_id=message.message_id,
+        body=message.body,
+        born_timestamp_ms=message.born_timestamp_ms,
+        born_host=message.born_host,
+        tag=message.tag or "",
+        keys=message.keys,
+        message_group=message.message_group or "",
+        user_properties=message.user_properties,
+        message_type=int(message.message_type),
+    )
+
+
+def from_wire(snap: metadata.Metadata, sent: admin_pb.RelocatedMessage) -> model.NewMessage:
+    """A relocated message as this broker stores it: in its own queue of the topic (the queue id modulo its
+    queue count). A lite topic, a LITE parent or a topic this broker does not have is refused."""
+    if not model.is_valid_resource_name(sent.topic):
+        raise errors.InvalidName(f"illegal topic name {sent.topic[:160]!r}", kind="topic")
+    topic = snap.topic(sent.topic)
+    if topic.message_type == model.MessageType.LITE:
+        raise errors.InvalidArgument(f"{sent.topic} is a LITE parent topic: its messages are not relocated")
+    try:
+        kind = model.MessageType(sent.message_type)
+    except ValueError:
+        raise errors.InvalidArgument(f"unknown message type {sent.message_type}", kind="message_type") from None
+    if not sent.message_id:
+        raise errors.InvalidArgument("a relocated message needs its message id", kind="message_id")
+    return model.NewMessage(
+        sent.message_id,
+        sent.topic,
+        sent.body,
+        (model.QueueId(sent.topic, max(sent.queue, 0) % max(1, topic.queue_count)),),
+        None,
+        kind,
+        sent.born_timestamp_ms,
+        sent.born_host,
+        sent.tag or None,
+        tuple(sent.keys),
+        sent.message_group or None,
+        dict(sent.user_properties),
+    )
