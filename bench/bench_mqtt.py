@@ -12,7 +12,8 @@ processes read CLOCK_MONOTONIC.
   delays the next sends instead of piling them up; ``--open-loop`` publishes on the schedule regardless,
   where one 100 ms fsync stall shows in every message published during it, which gRPC's round cannot show).
 - rate: ``--burst`` messages as fast as paho sends them (up to 100 QoS 1/2 in flight), at QoS 1, QoS 0 and
-  QoS 2 (PUBLISH/PUBREC/PUBREL/PUBCOMP both ways; a persistent-session-free client, so no packet-id writes);
+  QoS 2 (PUBLISH/PUBREC/PUBREL/PUBCOMP both ways; a persistent-session-free client, so no packet-id writes;
+  ``--persistent``: the subscriber's session is persistent, so each delivery batch records its packet ids);
   rate = messages / (last arrival - first publish); then QoS 2's rate divided by QoS 1's of the same run.
 
 Each protocol runs the four rounds in turn with its own subscriber process and parent topic; ``--repeat``
@@ -61,15 +62,30 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-def _client(client_id: str, protocol: str) -> Any:
+def _client(client_id: str, protocol: str, *, persistent: bool = False) -> Any:
     import paho.mqtt.client as mqtt  # noqa: PLC0415 - imported where used (the child too)
     from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion  # noqa: PLC0415
 
-    version = MQTTProtocolVersion.MQTTv5 if protocol == "5.0" else MQTTProtocolVersion.MQTTv311
-    return mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=version)
+    if protocol == "5.0":
+        return mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=MQTTProtocolVersion.MQTTv5)
+    return mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=MQTTProtocolVersion.MQTTv311,
+                       clean_session=not persistent)  # fmt: skip
 
 
-def _subscribe(port: int, protocol: str, expected: list[int], ready: Any, out: Connection) -> None:
+def _connect(client: Any, port: int, protocol: str, *, persistent: bool) -> None:
+    """Connected; ``persistent``: a persistent session (3.1.1 clean session 0, 5.0 an hour's expiry)."""
+    if protocol != "5.0" or not persistent:
+        client.connect("127.0.0.1", port)
+        return
+    from paho.mqtt.packettypes import PacketTypes  # noqa: PLC0415
+    from paho.mqtt.properties import Properties  # noqa: PLC0415
+
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    props.SessionExpiryInterval = 3600
+    client.connect("127.0.0.1", port, clean_start=True, properties=props)
+
+
+def _subscribe(port: int, protocol: str, expected: list[int], ready: Any, out: Connection, *, persistent: bool) -> None:
     """The subscriber process: for each round (a count in ``expected``), send back the arrival times (ns)."""
 
     arrivals: dict[str, int] = {}
@@ -81,9 +97,9 @@ def _subscribe(port: int, protocol: str, expected: list[int], ready: Any, out: C
             arrivals.setdefault(message.payload.decode().split(":", 1)[0], now)
             changed.notify_all()
 
-    client = _client(f"bench-sub-{protocol}", protocol)
+    client = _client(f"bench-sub-{protocol}", protocol, persistent=persistent)
     client.on_message = on_message
-    client.connect("127.0.0.1", port)
+    _connect(client, port, protocol, persistent=persistent)
     client.loop_start()
     client.subscribe(f"{PROTOCOLS[protocol][0]}/#", qos=2)
     time.sleep(1.0)
@@ -156,6 +172,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few hundred messages: a smoke run")
     parser.add_argument("--repeat", type=int, default=1, help="alternate 3.1.1 and 5.0 this many times")
     parser.add_argument("--open-loop", action="store_true", help="latency round: publish without awaiting PUBACKs")
+    parser.add_argument("--persistent", action="store_true", help="the subscriber's session is persistent")
     args = parser.parse_args()
     if args.quick:
         args.count, args.burst = 200, 500
@@ -208,7 +225,12 @@ def run_protocol(port: int, protocol: str, args: argparse.Namespace) -> tuple[fl
     ready = ctx.Event()
     theirs, ours = ctx.Pipe(duplex=False)
     rounds = [args.count, args.burst, args.burst, args.burst]
-    sub = ctx.Process(target=_subscribe, args=(port, protocol, rounds, ready, ours), daemon=True)
+    sub = ctx.Process(
+        target=_subscribe,
+        args=(port, protocol, rounds, ready, ours),
+        kwargs={"persistent": args.persistent},
+        daemon=True,
+    )
     sub.start()
     try:
         if not ready.wait(60):

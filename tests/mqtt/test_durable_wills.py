@@ -10,6 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+import pytest
+from raw_mqtt import Raw
+
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.mqtt import codec, durable
@@ -95,3 +98,77 @@ def test_delayed_wills_survive_a_restart_and_fire_unless_their_client_comes_back
         assert retained_topics(broker.data_dir) == {"gone"}, "the will of the client that came back was published"
     finally:
         assert broker.stop() == 0, broker.log()[-4000:]
+
+
+@pytest.mark.parametrize("level", [codec.LEVEL_3_1_1, codec.LEVEL_5], ids=["3.1.1", "5.0"])
+def test_3_1_2_8_the_will_of_a_connection_that_died_with_a_killed_broker_is_published_after_its_restart(
+    tmp_path: Path, level: int
+) -> None:
+    """MQTT-3.1.2-8: a will is published once its connection closes without DISCONNECT; a broker killed (SIGKILL)
+    with the connection open defers it to its restart (5.0 section 3.1.2.5 allows that). The will is kept from
+    the CONNECT on (``armed``): published after the restart; one dropped by a DISCONNECT is not; 5.0: one with a
+    will delay waits it from the restart and is dropped when its client id connects within it. (Before, the will
+    lived in the killed process only: never published.)"""
+    v5 = level == codec.LEVEL_5
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
+    try:
+        with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+            admin.put_parent_topic(model.ParentTopic("K", model.MessageType.LITE))
+        port = broker.mqtt_port
+        watcher = Raw(port, "k-watcher", level=level, clean=False)
+        assert watcher.subscribe("K/#", 1) == [1]
+        watcher.close()
+        delayed = Properties(will_delay_s=10 * DELAY_S) if v5 else None
+        kept = {name: will_connection(port, name, level, will_delay=delayed if name == "back" else None)
+                for name in ("dies", "left", "back")}  # fmt: skip
+        kept["left"].sendall(codec.encode(codec.Disconnect(0, Properties()) if v5 else codec.Bare(codec.DISCONNECT)))
+        eventually(lambda: armed(broker.data_dir) == {"dies", "back"}, "the wills kept while connected")
+        broker.kill()
+        for sock in kept.values():
+            sock.close()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        if v5:  # back within its delay, resuming its session: its will is dropped (a clean start publishes it)
+            with will_connection(port, "back", level, clean=False) as back:  # (then leaves: DISCONNECT)
+                back.sendall(codec.encode(codec.Disconnect(0, Properties())))
+        again = Raw(port, "k-watcher", level=level, clean=False)
+        assert again.session_present
+        expected = {b"dies gone"} if v5 else {b"dies gone", b"back gone"}  # 3.1.1: no delay, "back" died too
+        seen = set()
+        for _ in expected:
+            got = again.next()
+            assert isinstance(got, codec.Publish) and got.packet_id is not None, got
+            seen.add(got.payload)
+            again.ack(codec.PUBACK, got.packet_id)
+        assert seen == expected
+        eventually(lambda: not wills_waiting(broker.data_dir) and not armed(broker.data_dir), "no will left")
+        again.send(codec.Bare(codec.PINGREQ))
+        assert again.next() == codec.Bare(codec.PINGRESP)  # "left"'s (DISCONNECT) never came
+        again.close()
+    finally:
+        assert broker.stop() == 0, broker.log()[-4000:]
+
+
+def will_connection(
+    port: int, client_id: str, level: int, *, will_delay: Properties | None = None, clean: bool = True
+) -> socket.socket:
+    """Connected with a will to ``K/<client id>`` (QoS 1; 5.0: ``will_delay`` its will properties and the
+    session's), the CONNACK read."""
+    v5 = level == codec.LEVEL_5
+    will = codec.Will(f"K/{client_id}", f"{client_id} gone".encode(), 1, False, (will_delay or Properties()) if v5
+                      else None)  # fmt: skip
+    props = Properties(session_expiry_s=3600) if v5 else None
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    sock.sendall(codec.encode(codec.Connect(client_id, clean, 0, will, level=level, properties=props)))
+    decoder = codec.Decoder(level=level)
+    got: list[codec.Packet] = []
+    while not got:
+        data = sock.recv(65536)
+        assert data, "the broker closed the connection"
+        got += decoder.feed(data)
+    assert isinstance(got[0], codec.ConnAck) and got[0].code == 0, got
+    return sock
+
+
+def armed(data_dir: Path) -> set[str]:
+    with sqlite3.connect(data_dir / durable.FILE_NAME) as db:
+        return {row[0] for row in db.execute("SELECT client_id FROM armed")}

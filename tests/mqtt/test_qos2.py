@@ -168,6 +168,36 @@ def test_4_3_3_a_publish_resent_after_a_broker_kill_9_and_restart_is_stored_once
         broker.stop()
 
 
+@LEVELS
+def test_4_3_3_a_pubrel_sent_after_a_broker_kill_9_and_restart_completes_the_flow_stored_once(
+    tmp_path: Path, level: int
+) -> None:
+    """Section 4.3.3 across a crash, the client's other move: it had the PUBREC, so after the restart it sends
+    only the PUBREL on its persistent session. The packet id is still awaiting it (the ``in`` row): PUBCOMP, 5.0
+    with reason 0 (not 0x92 Packet Identifier not found); the message is stored once, and the id is free after
+    (a PUBLISH under it then is a new message)."""
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
+    try:
+        parent = new_parent(broker, "P")
+        port = broker.mqtt_port
+        first = Raw(port, "crash-rel", level=level, clean=False)
+        first.publish(f"{parent}/p", b"once", 5)
+        first.expect(codec.PUBREC, 5)
+        broker.kill()
+        first.close()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        again = Raw(port, "crash-rel", level=level, clean=False)
+        assert again.session_present
+        again.ack(codec.PUBREL, 5)
+        again.expect(codec.PUBCOMP, 5)
+        assert stored(broker, parent, "p") == 1
+        again.published(f"{parent}/p", b"new", 5)
+        again.close()
+        assert stored(broker, parent, "p") == 2
+    finally:
+        broker.stop()
+
+
 def test_3_1_1_qos2_publishes_awaiting_pubrel_over_the_cap_close_the_connection_and_are_counted(tmp_path: Path) -> None:
     """3.1.1 has no refusal for a PUBLISH but closing (MQTT-3.3.5-2): a client leaving more than
     ``--mqtt-max-qos2-inflight`` QoS 2 publishes awaiting PUBREL is closed, and the refusal counted in

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Final
 
-from lmq_broker.mqtt import authorizing, codec, framing, handshake, limits, properties, stats, storing
+from lmq_broker.mqtt import authorizing, codec, durable, framing, handshake, limits, properties, stats, storing
 from lmq_broker.mqtt.delivering import Deliveries
 from lmq_broker.mqtt.handshake import group_of
 from lmq_broker.mqtt.host import Host
@@ -50,6 +51,7 @@ class Connection:
         self.will: codec.Will | None = None
         self.keep_alive_s = 0
         self.done = asyncio.Event()
+        self._armed = ""  # the key of its will's ``durable`` row while the connection lives ("": none)
         self._handling = asyncio.Lock()  # a packet being handled, or a recheck of the subscriptions
 
     @property
@@ -130,6 +132,7 @@ class Connection:
         finally:
             if reserved:
                 self.host.sessions.made(link.client_id)
+        await self._arm()
         link.writer.write(codec.encode_connack(session_present, codec.ConnectCode.ACCEPTED, connect.level, acked))
         await self.releases.resend()  # MQTT-4.4.0-1: a resumed session's PUBRELs (and retained), after its CONNACK
         link.connected.set()
@@ -243,16 +246,45 @@ class Connection:
         if link.connected.is_set() and not self.host.stopping:
             await self._session_ended()
         if not graceful and self.will is not None and not self.host.stopping:
-            delay = (self.will.properties or properties.NONE).will_delay_s or 0
-            if link.expiry_s is not None:
-                delay = min(delay, link.expiry_s)  # 5.0 section 3.1.3.2.2: at the latest when the session ends
+            delay = self._will_delay(self.will)
             if delay:
                 await self.host.wills.delay(link.client_id, link.address, self.will, delay)
             else:
                 await storing.publish_will(self.host, link.client_id, link.address, self.will)
+        await self._disarm()
         await framing.shut(link.writer)
         self.host.forget(self)
         self.done.set()
+
+    def _will_delay(self, will: codec.Will) -> int:
+        """Seconds from the connection's end to its will: 5.0 its will delay, at the latest when the session ends
+        (section 3.1.3.2.2); 3.1.1 none."""
+        delay = (will.properties or properties.NONE).will_delay_s or 0
+        expiry = self.link.expiry_s
+        return delay if expiry is None else min(delay, expiry)
+
+    async def _arm(self) -> None:
+        """The will recorded while the connection lives (MQTT-3.1.2-8): a broker killed before the connection's end
+        publishes it after its restart, after its delay from then (``durable.Durable.fire_armed``)."""
+        link, will = self.link, self.will
+        if will is None:
+            return
+        props = None if will.properties is None else properties.encode(will.properties)
+        row = durable.Will(link.client_id, 0, will.topic, will.payload, will.qos, will.retain, props, link.address)
+        armed = secrets.token_hex(8)
+        await link.dispatcher.run(self.host.durable.arm_will, armed, self._will_delay(will), row)
+        self._armed = armed
+
+    async def _disarm(self) -> None:
+        """At the end: the will was published, is waiting for its delay, or is dropped (a DISCONNECT, a stop)."""
+        if not self._armed:
+            return
+        try:
+            await self.link.dispatcher.run(self.host.durable.disarm_will, self._armed)
+        except Exception:  # published again after the next restart (at least once)
+            self.host.stats.errors[stats.WILL_WRITE] += 1
+            log.exception("mqtt client %s: the end of its will not recorded", self.link.client_id)
+        self._armed = ""
 
     async def _session_ended(self) -> None:
         """A persistent session starts its expiry interval; any other is gone (also a resumed one: 5.0 allows

@@ -2,9 +2,9 @@
 leases), writes each message as a PUBLISH, and acknowledges it to the dispatcher once the client's PUBACK
 arrives (QoS 1) or once written (QoS 0), which commits the group's offset. A QoS 1 message the client never
 acknowledged is handed out again (its lease given back when the connection ends), with DUP set, under the
-packet id it had (a persistent session records it as the connection ends, ``_keep_unacked``: MQTT-4.4.0-1); a
-retained message sent at QoS 1 or 2 and not acknowledged then is recorded whole and sent again on resume
-(``releasing.Releases.resend``).
+packet id it had (a persistent session records it before the PUBLISH is written, ``_promise``: MQTT-4.4.0-1,
+across a kill -9 too); a retained message sent at QoS 1 or 2 is recorded whole before it is written and, not
+acknowledged, sent again on resume (``releasing.Releases.resend``) as the in-flight window allows.
 
 A shared subscription's membership (``sharing``) runs the same loop for its share's group, with the
 member's own dispatcher client (``Share``), in a cluster too; its deliveries share the connection's window and
@@ -63,6 +63,7 @@ class Out:
     group: str = ""  # a shared subscription's (``shares``); empty: the session's
     row: str = ""  # the durable row holding its packet id until acknowledged (``PUBLISHED``, ``RESEND``); "": none
     unacked: durable.Unacked | None = None  # a retained message: what a resumed session is sent again
+    text: str = ""  # its ``RESEND`` row's message (``unacked`` as recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +87,9 @@ class _Plan:
     forget: list[tuple[int, str, str]] = field(default_factory=list)  # completed restored deliveries: (packet id,
     # receipt, message id)
     cleared: list[int] = field(default_factory=list)  # packet ids of restored deliveries settled, PUBCOMP to come
-    promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 2 (packet id, message id) to record
-    unpromised: list[int] = field(default_factory=list)  # recorded packet ids no longer owed
+    promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 1/2 (packet id, message id) to record
+    lasting: bool = False  # a QoS 2 one among them: recorded with an fsync (a QoS 1 one's survives a kill -9 only)
+    unpromised: list[tuple[str, int, str]] = field(default_factory=list)  # recorded rows no longer owed
 
 
 Whose = tuple[str, str, str]  # (consumer, group, parent): where another broker's receipts are settled or given back
@@ -142,7 +144,11 @@ class Deliveries:
         self._room = asyncio.Event()
         self._room.set()
         self._ids = itertools.cycle(range(1, 65536))
-        self.promised: dict[str, int] = {}  # QoS 2 published before, no PUBREC: message id -> its packet id
+        self.promised: dict[str, int] = {}  # published before, no PUBACK/PUBREC: message id -> its packet id
+        # rows of deliveries acknowledged since (direction, packet id, message): forgotten with the next rows
+        # recorded, or at the end (not one durable write per PUBACK)
+        self.unkept: list[tuple[str, int, str]] = []
+        self.unsent: list[int] = []  # retained deliveries of a resumed session in ``out``, not written yet: no room
         self._reserved: set[int] = set()  # packet ids planned, not yet in ``out``
         self._taking: dict[int, _Taking] = {}  # a ``_deliver`` under way -> what it leased and has not settled
         self._completing: dict[int, tuple[str, str]] = {}  # another broker's QoS 2 delivery completed, being settled
@@ -336,18 +342,19 @@ class Deliveries:
             if not matched or mapping.expired(props, now):  # unsubscribed since it was leased, no-local, expired
                 plan.settle.append(d.receipt)
                 if promised is not None:
-                    plan.unpromised.append(promised)
+                    plan.unpromised.append((durable.PUBLISHED, promised, d.message_id))
                 continue
             qos = min(_QOS.get(props.get(MQTT_QOS_PROPERTY, ""), 1), max(o & codec.OPTION_QOS for o in matched))
             if promised is not None and qos == 0:  # downgraded since, sent without a packet id: it is no longer owed
-                plan.unpromised.append(promised)
+                plan.unpromised.append((durable.PUBLISHED, promised, d.message_id))
                 promised = None
             packet_id = promised or (self._packet_id() if qos else None)
             if packet_id is not None:
                 self._reserved.add(packet_id)
-            promise = qos == 2 and promised is None and bool(d.message_id) and not shared
+            promise = qos > 0 and promised is None and bool(d.message_id) and not shared
             if promise:
                 plan.promise.append((packet_id or 0, d.message_id))
+                plan.lasting = plan.lasting or qos == 2
             kept = promised is not None or (promise and link.persistent)
             retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             topic = topics.topic_in(default, parent, d.lite, props)
@@ -356,12 +363,33 @@ class Deliveries:
         return plan
 
     async def _promise(self, plan: _Plan) -> None:
-        """A persistent session's QoS 2 PUBLISHes: their packet ids recorded before they are written, so the
-        message handed out again after a reconnect or a restart goes under the same id (MQTT-4.4.0-1)."""
+        """A persistent session's QoS 1 and 2 PUBLISHes: their packet ids recorded before they are written, so
+        the message handed out again after a reconnect or a restart (a kill -9 too) goes under the same id
+        (MQTT-4.4.0-1); with them the rows of deliveries acknowledged since are forgotten. One write per
+        delivery batch, fsynced only when it holds a QoS 2 one (a QoS 1 one lost to a power cut comes again
+        under a new id, DUP set, which QoS 1 allows; a QoS 2 one would be taken as a new message)."""
         link = self.link
         if link.persistent and (plan.promise or plan.unpromised):
-            update = link.host.durable.qos2_update
-            await link.dispatcher.run(update, link.client_id, durable.PUBLISHED, plan.promise, plan.unpromised)
+            await self.record(durable.PUBLISHED, plan.promise, plan.unpromised, lasting=plan.lasting)
+
+    async def record(
+        self,
+        direction: str,
+        add: list[tuple[int, str]],
+        remove: Sequence[tuple[str, int, str]] = (),
+        *,
+        lasting: bool = False,
+    ) -> None:
+        """``add`` recorded (``durable.Durable.qos2_promise``), with ``remove`` and the rows of deliveries
+        acknowledged since (``unkept``) forgotten; those go back to ``unkept`` if the write fails."""
+        link = self.link
+        unkept, self.unkept = self.unkept, []
+        try:
+            await link.dispatcher.run(link.host.durable.qos2_promise, link.client_id, direction, add,
+                                      [*remove, *unkept], lasting=lasting)  # fmt: skip
+        except BaseException:
+            self.unkept[:0] = unkept
+            raise
 
     async def _settle_unsent(
         self, parent: str, consumer: str, group: str, receipts: list[str], *, remote: bool
@@ -452,13 +480,19 @@ class Deliveries:
             packet_id = self._packet_id() if qos else None
             topic = topics.topic_in(default, parent, r.lite, r.properties)
             ids = identifiers.ids_of([link.subs.get(parent, {}).get(levels, 0)])
+            if packet_id is not None:  # kept until acknowledged: a resumed session gets it again
+                unacked = durable.Unacked(topic, r.payload, qos, r.properties, tuple(ids))
+                persistent = link.persistent
+                out = self.out[packet_id] = Out("", "", qos=qos, row=durable.RESEND if persistent else "",
+                                                unacked=unacked, text=unacked.text() if persistent else "")  # fmt: skip
+                if persistent:  # recorded before it is written: a kill -9 forgets nothing the client may have
+                    await self.record(durable.RESEND, [(packet_id, out.text)])
             data = self.publish_bytes(topic, r.payload, r.properties, now, qos=qos, packet_id=packet_id, retain=True,
                                       ids=ids)  # fmt: skip
             if data is None:
+                if packet_id is not None and self.out.pop(packet_id, None) is not None and out.row:
+                    self.unkept.append((out.row, packet_id, out.text))
                 continue
-            if packet_id is not None:  # kept until acknowledged: a resumed session gets it again (``give_back``)
-                self.out[packet_id] = Out("", "", qos=qos, unacked=durable.Unacked(topic, r.payload, qos, r.properties,
-                                                                                   tuple(ids)))  # fmt: skip
             link.writer.write(data)
             await link.writer.drain()
 
@@ -479,8 +513,8 @@ class Deliveries:
             return  # not ours (or acknowledged twice, or a QoS 2 one's): nothing to settle
         del self.out[packet_id]
         await self.settle(packet_id, out)
-        if out.row:
-            await self.unkeep(out.row, [packet_id])
+        if out.row and self.link.persistent:  # forgotten with the next rows written (or at the end)
+            self.unkept.append((out.row, packet_id, out.text if out.unacked else out.message_id))
 
     async def unkeep(self, direction: str, packet_ids: list[int]) -> None:
         """Rows of acknowledged deliveries (``Out.row``) forgotten; one left behind (a failed write) only holds its
@@ -503,10 +537,12 @@ class Deliveries:
             if out.qos == 2 and out.released:  # its packet id stays taken until then
                 self._completing[packet_id] = (out.receipt, out.message_id)
             self._unsettled += 1
+            await self.send_unsent()
             if self._settler is None:
                 self._settler = asyncio.get_running_loop().create_task(self._settle_loop())
             self._acks_ready.set()
             return True
+        await self.send_unsent()
         if self.busy < link.max_inflight:
             self._room.set()
         if out.receipt:
@@ -516,6 +552,28 @@ class Deliveries:
                 log.info("mqtt client %s: PUBACK %d not settled: %s", link.client_id, packet_id, exc.message)
                 return False
         return True
+
+    async def send_unsent(self) -> None:
+        """A resumed session's retained deliveries (``releasing.Releases.resend``) written, under their packet ids
+        with DUP, while the in-flight window has room for them (each written one holds its room until
+        acknowledged); one now over a 5.0 client's maximum packet size is dropped, as if sent."""
+        link = self.link
+        dropped = []
+        while self.unsent and self.busy - len(self.unsent) < link.max_inflight:
+            packet_id = self.unsent.pop(0)
+            out = self.out.get(packet_id)
+            if out is None or (sent := out.unacked) is None:
+                continue
+            now = link.dispatcher.wall_clock()
+            data = self.publish_bytes(sent.topic, sent.payload, sent.properties, now, qos=sent.qos,
+                                      packet_id=packet_id, retain=True, dup=True, ids=sent.ids)  # fmt: skip
+            if data is None:
+                del self.out[packet_id]
+                dropped.append(packet_id)
+            else:
+                link.writer.write(data)
+        if dropped:
+            await self.unkeep(durable.RESEND, dropped)
 
     @property
     def busy(self) -> int:
@@ -622,20 +680,14 @@ class Deliveries:
         return remote
 
     async def _keep_unacked(self) -> None:
-        """At the end of a persistent session's connection (MQTT-4.4.0-1): the packet ids of its QoS 1 deliveries
-        not acknowledged recorded (``durable.PUBLISHED``: their messages, handed out again, go under them, DUP
-        set; not a share's, which may go to another member), and its retained messages sent at QoS 1 or 2 and
-        not acknowledged with all it takes to send them again (``durable.RESEND``: nothing else holds them)."""
+        """At the end of a persistent session's connection: the rows of deliveries acknowledged since the last
+        write forgotten (``unkept``). Each QoS 1 and 2 delivery not acknowledged has its row already (written before
+        it was, ``_promise``, ``send_retained``: MQTT-4.4.0-1 across a kill -9 too); not a share's, which may go
+        to another member."""
         link = self.link
-        if not link.persistent:
+        if not link.persistent or not self.unkept:
             return
-        out = self.out.items()
-        published = [(i, o.message_id) for i, o in out if o.qos == 1 and o.message_id and not o.row and not o.group]
-        resend = [(i, o.unacked.text()) for i, o in out if o.unacked is not None and not o.released and not o.row]
-        update = link.host.durable.qos2_update
         try:
-            for direction, rows in ((durable.PUBLISHED, published), (durable.RESEND, resend)):
-                if rows:
-                    await link.dispatcher.run(update, link.client_id, direction, rows, [])
-        except Exception as exc:  # their messages come again under new packet ids (the retained ones: not)
-            log.warning("mqtt client %s: unacknowledged deliveries not recorded: %s", link.client_id, exc)
+            await self.record(durable.PUBLISHED, [])
+        except Exception as exc:  # they only hold their packet ids until their messages come again or the end
+            log.warning("mqtt client %s: acknowledged deliveries not recorded: %s", link.client_id, exc)

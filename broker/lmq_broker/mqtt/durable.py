@@ -16,11 +16,13 @@ not come (a reconnect resends the PUBREL, not the PUBLISH), with its message id 
 the message handed out again after a restart is settled, not sent twice; published, a delivery written to
 the client whose PUBREC has not come, with its message id: handed out again after a reconnect or a restart, it
 is sent under the same packet id with DUP (MQTT-4.4.0-1), so a client that had it does not take it as a new
-message. A QoS 1 delivery not acknowledged when its connection ended gets a published row then too (written at
-the end, not per delivery: a broker killed mid-connection forgets those ids, its messages come again under new
-ones, DUP set). resend, a retained message sent at QoS 1 or 2 and not acknowledged (no PUBACK, no PUBREC) when
-its connection ended, with all it takes to send it again (``Unacked``): a resumed session gets it again, right
-after the CONNACK, under its packet id with DUP. Dropped with the session.
+message; a QoS 1 delivery has one too (written before it, with its batch's, not fsynced: ``qos2_promise``).
+resend, a retained message sent at QoS 1 or 2 and not yet acknowledged (no PUBACK, no PUBREC), written before
+it is, with all it takes to send it again (``Unacked``): a resumed session gets it again after the CONNACK,
+under its packet id with DUP. Dropped with the session.
+
+An armed row is the will of a live connection, written at its CONNECT and deleted at its end: a broker killed
+meanwhile finds it at its restart and makes it a waiting will (``fire_armed``): MQTT-3.1.2-8.
 
 A will row is written when its connection ends and deleted once published or cancelled (its client id came
 back): a delayed will survives a restart and costs no memory while it waits (``wills``).
@@ -29,17 +31,21 @@ All three are small, keyed, overwritten in place and read by key or key range (a
 retained messages a page of keys at a time and each payload alone, ``retained_keys``), which is not what an
 append-only commit log is for (a retained message must outlive the log's retention; a session's filter set is replaced
 whole). SQLite in WAL mode with ``synchronous=FULL`` makes each write durable before it returns, so a PUBACK
-or SUBACK sent after it never promises more than the disk holds. Calls block: the broker runs them on a
-worker thread, serialised by one lock (SQLite connections are not shared across threads otherwise).
+or SUBACK sent after it never promises more than the disk holds; the rows that need only outlive a killed
+process (a QoS 1 or retained delivery's packet id, a live connection's will) are written with
+``synchronous=NORMAL``: in the WAL once the call returns, not fsynced (a power cut may lose the last ones).
+Calls block: the broker runs them on a worker thread, serialised by one lock (SQLite connections are not
+shared across threads otherwise).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -52,6 +58,9 @@ _SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS wills (client_id TEXT PRIMARY KEY, due_ms INTEGER NOT NULL, topic TEXT NOT NULL,"
     " payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, properties BLOB, host TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS wills_due ON wills (due_ms)",
+    "CREATE TABLE IF NOT EXISTS armed (connection TEXT PRIMARY KEY, client_id TEXT NOT NULL, delay_s INTEGER NOT NULL,"
+    " topic TEXT NOT NULL, payload BLOB NOT NULL, qos INTEGER NOT NULL, retain INTEGER NOT NULL, properties BLOB,"
+    " host TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS qos2 (client_id TEXT NOT NULL, direction TEXT NOT NULL, packet_id INTEGER NOT NULL,"
     " message TEXT NOT NULL DEFAULT '', PRIMARY KEY (client_id, direction, packet_id)) WITHOUT ROWID",
 )
@@ -141,6 +150,7 @@ class Durable:
             present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in present:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        self._quiet = 0  # rows changed by the writes ``changes`` does not count (``_unsynced``)
         # session rows in the file, kept as they are written (``--mqtt-max-sessions``: no count(*) per CONNECT)
         self.sessions: int = self._db.execute("SELECT count(*) FROM sessions").fetchone()[0]
 
@@ -248,6 +258,56 @@ class Durable:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def qos2_promise(
+        self,
+        client_id: str,
+        direction: str,
+        add: Iterable[tuple[int, str]],
+        remove: Iterable[tuple[str, int, str]],
+        *,
+        lasting: bool = True,
+    ) -> None:
+        """In one transaction: ``remove`` (direction, packet id, message) forgotten, each only while its row still
+        names that message (a row of the id given to another delivery since stays), then ``add`` recorded over
+        any row of its id. ``lasting=False``: the commit is not fsynced (``synchronous=NORMAL``: on disk once the
+        OS writes it back; a kill -9 of the broker loses nothing, a power cut may lose it)."""
+        with self._lock, self._unsynced(not lasting), self._transaction():
+            self._db.executemany(
+                "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ? AND message = ?",
+                [(client_id, d, i, message) for d, i, message in remove],
+            )
+            self._db.executemany(
+                "INSERT OR REPLACE INTO qos2 (client_id, direction, packet_id, message) VALUES (?, ?, ?, ?)",
+                [(client_id, direction, i, message) for i, message in add],
+            )
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """The writes within in one transaction (the lock held): committed, or rolled back on any exception."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _unsynced(self, unsynced: bool = True) -> Iterator[None]:
+        """With ``unsynced`` (the lock held): the writes within are not fsynced (``synchronous=NORMAL``) and not
+        counted by ``changes`` (replication copies them with the next other change: they are kept for a kill -9
+        of this process, not for the loss of its disk)."""
+        if not unsynced:
+            yield
+            return
+        before = self._db.total_changes
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            yield
+        finally:
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._quiet += self._db.total_changes - before
 
     def qos2_released(self, client_id: str, released: Iterable[tuple[int, str]], source: str = PUBLISHED) -> None:
         """In one transaction: deliveries the client answered PUBREC move from ``source`` (``PUBLISHED``, or
@@ -376,6 +436,37 @@ class Durable:
                  will.host),
             )  # fmt: skip
 
+    def arm_will(self, connection: str, delay_s: int, will: Will) -> None:
+        """The will of a live connection (``will.due_ms`` unused), kept until the connection ends (``disarm_will``):
+        a broker killed meanwhile publishes it after its restart (``fire_armed``). Not fsynced (a kill -9 loses
+        nothing; a power cut may lose it, as it cuts the connection)."""
+        with self._lock, self._unsynced():
+            self._db.execute(
+                "INSERT OR REPLACE INTO armed (connection, client_id, delay_s, topic, payload, qos, retain,"
+                " properties, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (connection, will.client_id, delay_s, will.topic, will.payload, will.qos, int(will.retain),
+                 will.properties, will.host),
+            )  # fmt: skip
+
+    def disarm_will(self, connection: str) -> None:
+        """The connection ended: its will was published, delayed (a ``wills`` row) or dropped."""
+        with self._lock, self._unsynced():
+            self._db.execute("DELETE FROM armed WHERE connection = ?", (connection,))
+
+    def fire_armed(self, now_ms: int) -> int:
+        """At start: the wills of connections that ended with the broker's last run (killed, no end recorded)
+        become wills waiting for their delay from ``now_ms`` (one client id's newest over an older one);
+        how many."""
+        with self._lock, self._transaction():
+            moved: int = self._db.execute(
+                "INSERT OR REPLACE INTO wills (client_id, due_ms, topic, payload, qos, retain, properties, host)"
+                " SELECT client_id, ? + delay_s * 1000, topic, payload, qos, retain, properties, host FROM armed"
+                " ORDER BY rowid",
+                (now_ms,),
+            ).rowcount
+            self._db.execute("DELETE FROM armed")
+        return moved
+
     def next_will(self) -> tuple[str, int] | None:
         """(client id, due ms) of the will due first (the timer waits for it; nothing of the others is read)."""
         with self._lock:
@@ -404,9 +495,10 @@ class Durable:
 
     # --- replication (``lmq_broker.replication.stating``): whole rows out, and in at a takeover ----------------
     def changes(self) -> int:
-        """Grows with every row written or deleted since the file was opened (nothing new to copy: unchanged)."""
+        """Grows with every row written or deleted since the file was opened (nothing new to copy: unchanged), but
+        those of the unsynced writes (``_unsynced``: a QoS 1 delivery's packet id, a live connection's will)."""
         with self._lock:
-            return self._db.total_changes
+            return self._db.total_changes - self._quiet
 
     def rows(self, table: str) -> list[dict[str, object]]:
         """Every row of a ``REPLICATED`` table, as column -> value."""

@@ -50,7 +50,8 @@ class Releases:
             if unacked is None or packet_id in self.deliveries.out:  # damaged (or its id a PUBREL's): dropped
                 unreadable.append(packet_id)
                 continue
-            self.deliveries.out[packet_id] = Out("", "", qos=unacked.qos, row=durable.RESEND, unacked=unacked)
+            self.deliveries.out[packet_id] = Out("", "", qos=unacked.qos, row=durable.RESEND, unacked=unacked,
+                                                 text=text)  # fmt: skip
         if unreadable:
             await run(kept.qos2_update, link.client_id, durable.RESEND, [], unreadable)
         published = await run(kept.qos2_ids, link.client_id, durable.PUBLISHED)
@@ -64,25 +65,16 @@ class Releases:
 
     async def resend(self) -> None:
         """After the CONNACK (MQTT-4.4.0-1): a PUBREL for each QoS 2 delivery awaiting its PUBCOMP, and each
-        retained message not acknowledged again, under its packet id with DUP (dropped, as if sent, when it is
-        over a 5.0 client's maximum packet size now)."""
-        link = self.link
+        retained message not acknowledged again, under its packet id with DUP, as many as the in-flight window
+        (5.0: the client's Receive Maximum now, MQTT-3.3.4-9) holds besides the PUBRELs' flows; the others as
+        acknowledgements make room (``Deliveries.unsent``)."""
         deliveries = self.deliveries
-        now = link.dispatcher.wall_clock()
-        dropped = []
         for packet_id, out in list(deliveries.out.items()):
             if out.released:
-                link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, link.ack_props()))
-            elif (sent := out.unacked) is not None:
-                data = deliveries.publish_bytes(sent.topic, sent.payload, sent.properties, now, qos=sent.qos,
-                                                packet_id=packet_id, retain=True, dup=True, ids=sent.ids)  # fmt: skip
-                if data is None:
-                    del deliveries.out[packet_id]
-                    dropped.append(packet_id)
-                else:
-                    link.writer.write(data)
-        if dropped:
-            await deliveries.unkeep(durable.RESEND, dropped)
+                self.link.writer.write(codec.encode_packet_id(codec.PUBREL, packet_id, 0, self.link.ack_props()))
+            elif out.unacked is not None:
+                deliveries.unsent.append(packet_id)
+        await deliveries.send_unsent()
 
     async def received(self, packet: codec.PacketId) -> None:
         """PUBREC: the client has the message; PUBREL (its packet id recorded first for a persistent session)."""

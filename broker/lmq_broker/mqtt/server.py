@@ -4,7 +4,8 @@ It shares the broker's dispatcher, so MQTT and the RocketMQ clients meet in the 
 offsets (docs/mqtt.md). In a cluster it is given ``owners`` (``mqtt.owners``): publishes are stored at their
 lite topics' owners, as gRPC sends are. With ``--tls-cert`` the listener speaks TLS like the gRPC port.
 Stopping the broker ends every connection without publishing wills: the broker going away is not the client
-failing.
+failing. A broker killed with connections open publishes their wills after its restart (``durable`` armed
+rows, MQTT-3.1.2-8), after their delay from then.
 
 Connections see it through ``host.Host`` (this module imports theirs, never the reverse).
 
@@ -94,6 +95,10 @@ class MqttServer:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
         await self.dispatcher.run(self.durable.all_gone, self.dispatcher.wall_clock())
+        # the wills of the connections the last run ended without an end of theirs (killed): due after their delay
+        fired = await self.dispatcher.run(self.durable.fire_armed, self.dispatcher.wall_clock())
+        if fired:
+            log.info("mqtt: %d wills of connections that ended with the broker's last run to be published", fired)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self.wills.start()
         if self.access.enabled:
