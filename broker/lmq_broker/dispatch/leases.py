@@ -35,7 +35,10 @@ name). The tag is an HMAC-SHA256 (128 bits, hex) of the rest and of the consumer
 drawn per broker process: a handle cannot be forged from the sequential offsets and lease ids, nor used
 with another group than the one it was handed to (either is INVALID_RECEIPT_HANDLE). The incarnation is
 random per broker process too, so handles from before a restart are recognisably stale (leases do not
-survive a restart; the message is delivered again from the committed offset).
+survive a restart; the message is delivered again from the committed offset). A genuine handle is good for
+as long as its lease is the message's current one and has not expired (``current``): a consumer whose
+invisible time ran out cannot settle, nack or dead-letter the message, and so never the delivery that came
+after its own (INVALID_RECEIPT_HANDLE; docs/protocol.md, *Receipt handles*).
 """
 
 from __future__ import annotations
@@ -518,11 +521,15 @@ class LeaseTable:
             raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
         return receipt, LeaseKey(receipt.topic, receipt.queue, group)
 
-    def ack(self, key: LeaseKey, receipt: Receipt) -> bool:
+    def ack(self, key: LeaseKey, receipt: Receipt, now_ms: int) -> bool:
         """Acknowledge; True when the ack is news to persist (the commit point or the acknowledged set above it
-        moved). Acking twice, or acking a message that was re-leased since (the late consumer did process
-        it), is accepted; so is a handle issued before the key's state was opened, which settles nothing (its
-        lite topic may have been deleted and re-created since, its offset naming another message: ``predates``)."""
+        moved). Only the current lease of a message out settles it, and only before it expires (``current``):
+        the handle of an earlier delivery (the message was delivered again, or its invisible time changed, since)
+        or of a lease whose invisible time ran out is INVALID_RECEIPT_HANDLE, as RocketMQ's proxy answers an
+        expired handle, and the message stays out to its current holder, or is delivered again. Acking a message
+        settled already is accepted (nothing to do, whichever of its handles), and so is a handle issued before
+        the key's state was opened, which settles nothing (its lite topic may have been deleted and re-created
+        since, its offset naming another message: ``predates``)."""
         state = self._states.get(key)
         if receipt.lease_id < self._dropped.get(key, 0) and (
             state is None or not (receipt.offset < state.committed or state.settled(receipt.offset))
@@ -544,6 +551,7 @@ class LeaseTable:
                 return False  # settled already (acked, or gone)
             # pending again: its ack was refused by the store and forgotten after an index rebuild
             raise errors.InvalidReceiptHandle("receipt handle names a message that is no longer leased")
+        current(state, receipt, now_ms)
         state.ack(receipt.offset)
         return True
 
@@ -563,9 +571,9 @@ class LeaseTable:
         suspended time adds up, and once the total passes ``max_suspend_ms`` (-1: no cap) the lease ends at
         once and ``over_suspend_cap`` marks its next hand-out as a dead letter."""
         state = self._states.get(key)
-        lease = state.entries.get(receipt.offset) if state is not None else None
-        if state is None or lease is None or lease.lease_id != receipt.lease_id:
+        if state is None:
             raise errors.InvalidReceiptHandle("receipt handle is no longer the current lease of the message")
+        lease = current(state, receipt, now_ms)
         lease.lease_id = self.new_lease_id()
         lease.visible_at_ms = now_ms + invisible_ms
         if suspend:
@@ -625,6 +633,26 @@ class LeaseTable:
 
     def next_expiry_ms(self) -> int | None:
         return self._expiries[0][0] if self._expiries else None
+
+
+def current(state: QueueLeases, receipt: Receipt, now_ms: int) -> Lease:
+    """The lease ``receipt`` names, if it is the message's current lease and has not expired: only such a handle
+    acknowledges, changes the invisible time of, or dead-letters a message (``errors.InvalidReceiptHandle``
+    otherwise). A handle is superseded when the message was handed out again (to any consumer of the group) or its
+    invisible time was changed: settling it would settle the newer delivery, which its holder still works on. An
+    expired lease's message is due to be delivered again (RocketMQ's proxy refuses a handle past its invisible
+    time likewise, redelivered or not); an auto-renew lease does not expire while it is renewed."""
+    lease = state.entries.get(receipt.offset)
+    if lease is None or lease.lease_id != receipt.lease_id:
+        raise errors.InvalidReceiptHandle(
+            "receipt handle is no longer the current lease of the message: it was delivered again, or its "
+            "invisible time changed, since this handle was issued"
+        )
+    if lease.visible_at_ms <= now_ms:
+        raise errors.InvalidReceiptHandle(
+            "receipt handle is expired: the message's invisible time ran out, and it is delivered again"
+        )
+    return lease
 
 
 def watch_time(visible_at_ms: int, renew_until_ms: int, ahead_ms: int) -> int:

@@ -128,7 +128,7 @@ class Settlement:
         state = self._leases.get(key)
         if state is not None and key in self._unverified:
             await self._verify(key, state)  # raises while the store cannot say: the client retries the ack
-        changed = self._leases.ack(key, receipt)
+        changed = self._leases.ack(key, receipt, self._rt.clock())
         state = self._leases.get(key)
         if state is None or not (changed or key in self.dirty):
             # Nothing new, and what memory holds is persisted; its copy may still be under way (this ack sent
@@ -172,6 +172,7 @@ class Settlement:
             if state is None or receipt.offset < state.committed:
                 return  # already settled
             raise errors.InvalidReceiptHandle("receipt handle names a message that is not out")
+        leases.current(state, receipt, self._rt.clock())  # not another delivery's message, nor one due again
         messages = await self._rt.run(self._store.read, key.queue_id, receipt.offset, 1)
         if messages and messages[0].offset == receipt.offset:
             await self._append_dead(group, messages[:1])

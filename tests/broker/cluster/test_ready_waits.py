@@ -145,13 +145,13 @@ async def lite_simple_consumer(cluster: Cluster, lites: list[str], client_id: st
     assert reply.status.code == pb.OK, reply.status
 
 
-async def receive(cluster: Cluster, poll_s: int, client_id: str = CLIENT) -> list[pb.Message]:
+async def receive(cluster: Cluster, poll_s: int, client_id: str = CLIENT, invisible_s: int = 30) -> list[pb.Message]:
     """One long-polled ReceiveMessage at broker 0."""
     request = spb.ReceiveMessageRequest(
         group=pb.Resource(name=GROUP),
         message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
         batch_size=16,
-        invisible_duration=Duration(seconds=30),
+        invisible_duration=Duration(seconds=invisible_s),
         long_polling_timeout=Duration(seconds=poll_s),
     )
     call = cluster.clients[0].stub.ReceiveMessage(request, metadata=headers(client_id), timeout=poll_s + 5)
@@ -352,6 +352,44 @@ async def test_a_consumer_whose_call_is_cut_mid_reply_gets_what_was_gathered_aga
     while len(again) < 8 and time.monotonic() - started < 5:  # not after their 30 s
         again += await receive(three, 1)
     assert sorted(m.system_properties.message_id for m in again) == [f"cut-{i}" for i in range(8)]
+
+
+async def test_a_stale_handle_gathered_from_another_broker_settles_nothing_there(two: Cluster) -> None:
+    """The message of broker 1 came through broker 0 (a "via" handle), its invisible time ran out and it came
+    again: the first handle's ack and invisibility change, which broker 0 forwards to broker 1, are refused
+    there (INVALID_RECEIPT_HANDLE, per entry) and the second delivery stays out; its own handle settles it.
+    Before 2026-11-30 broker 1 answered the stale ack OK and settled the second delivery with it."""
+    theirs = two.lite_of(1)
+    await lite_simple_consumer(two, [theirs])
+    await send(two, theirs, b"m-1")
+    (first,) = await receive(two, 5, invisible_s=1)
+    assert first.system_properties.receipt_handle.startswith(gathering.VIA)
+    again: list[pb.Message] = []
+    while not again:  # once its invisible time ran out, at broker 1
+        again = await receive(two, 5)
+    assert again[0].system_properties.message_id == "m-1" and again[0].system_properties.delivery_attempt == 2
+    stub, group, topic = two.clients[0].stub, pb.Resource(name=GROUP), pb.Resource(name=PARENT)
+
+    async def ack(handle: str) -> spb.AckMessageResponse:
+        entry = spb.AckMessageEntry(message_id="m-1", receipt_handle=handle, lite_topic=theirs)
+        return await stub.AckMessage(spb.AckMessageRequest(group=group, topic=topic, entries=[entry]),
+                                     metadata=headers())  # fmt: skip
+
+    stale = await ack(first.system_properties.receipt_handle)
+    assert [e.status.code for e in stale.entries] == [pb.INVALID_RECEIPT_HANDLE], stale
+    assert "no longer the current lease" in stale.entries[0].status.message
+    change = await stub.ChangeInvisibleDuration(
+        spb.ChangeInvisibleDurationRequest(
+            group=group, topic=topic, receipt_handle=first.system_properties.receipt_handle,
+            invisible_duration=Duration(seconds=1), message_id="m-1", lite_topic=theirs,
+        ),
+        metadata=headers(),
+    )  # fmt: skip
+    assert change.status.code == pb.INVALID_RECEIPT_HANDLE, change.status
+    assert two.in_flight(1) == 1  # the second delivery is still out
+    current = await ack(again[0].system_properties.receipt_handle)
+    assert current.status.code == pb.OK, current.status
+    assert two.in_flight(1) == 0
 
 
 async def test_a_broker_that_is_down_is_asked_again_after_a_pause_and_the_others_still_serve(three: Cluster) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,48 @@ async def test_expired_lease_is_redelivered_with_the_next_attempt(lite: Lite) ->
     lite.dispatcher.tick()
     (again,) = await lite.receive("c1")
     assert again.message.message_id == first.message.message_id and again.attempt == 2
-    await lite.dispatcher.ack(GROUP, first.receipt_handle)  # late ack of the first lease still settles it
+
+
+async def test_a_late_consumer_settles_nothing_of_the_delivery_after_its_own(lite: Lite) -> None:
+    """c1's invisible time runs out and c2 receives the message again: c1's ack, nack and dead letter with its
+    handle are refused (INVALID_RECEIPT_HANDLE) and leave c2's delivery out; c2's ack settles it, once. Before
+    2026-11-30 c1's late ack settled c2's delivery."""
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=5_000)
+    await lite.dispatcher.remove_lite("c1", GROUP, PARENT, ["t1"])  # so the redelivery is c2's
+    await lite.dispatcher.add_lite("c2", GROUP, PARENT, ["t1"])
+    lite.clock.advance(5_000)
+    lite.dispatcher.tick()
+    (again,) = await lite.receive("c2", invisible_ms=5_000)
+    assert again.message.message_id == first.message.message_id
+    late: list[Callable[[], Awaitable[object]]] = [
+        lambda: lite.dispatcher.ack(GROUP, first.receipt_handle),
+        lambda: lite.dispatcher.change_invisible(GROUP, first.receipt_handle, 0),
+        lambda: lite.dispatcher.dead_letter(GROUP, first.receipt_handle),
+    ]
+    for settle in late:
+        with pytest.raises(errors.InvalidReceiptHandle, match="no longer the current lease"):
+            await settle()
+    assert not lite.committed("t1") and await lite.receive("c1") == [] and await lite.receive("c2") == []
+    assert lite.store.read(model.QueueId(f"%DLQ%{GROUP}", 0), 0, 10) == []
+    await lite.dispatcher.ack(GROUP, again.receipt_handle)
+    assert lite.committed("t1") == 1
+
+
+async def test_an_expired_handle_is_refused_and_its_message_comes_again(lite: Lite) -> None:
+    """Its invisible time ran out, the message not received again yet: the ack is refused all the same (as
+    RocketMQ's proxy refuses an expired handle) and the message is delivered again, not lost."""
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1")
+    (first,) = await lite.receive("c1", invisible_ms=5_000)
+    lite.clock.advance(5_000)
+    with pytest.raises(errors.InvalidReceiptHandle, match="expired"):
+        await lite.dispatcher.ack(GROUP, first.receipt_handle)
+    lite.dispatcher.tick()
+    (again,) = await lite.receive("c1")
+    assert again.message.message_id == first.message.message_id and again.attempt == 2
+    await lite.dispatcher.ack(GROUP, again.receipt_handle)
     assert lite.committed("t1") == 1
 
 

@@ -43,15 +43,15 @@ def test_acks_move_the_commit_point_over_the_acknowledged_prefix() -> None:
     table = LeaseTable("inc")
     state = table.open(KEY, committed=0, ordered=True)
     r0, r1, r2 = lease_all(table, state, state.picks(0, 3), 0, 1000)
-    assert table.ack(KEY, r1)  # out of order: 0 still out, 1 is acked above the commit point
+    assert table.ack(KEY, r1, 0)  # out of order: 0 still out, 1 is acked above the commit point
     assert (state.committed, tuple(state.acked_above())) == (0, (1,))
-    assert table.ack(KEY, r0)
+    assert table.ack(KEY, r0, 0)
     assert (state.committed, tuple(state.acked_above())) == (2, ())
-    assert table.ack(KEY, r2)
+    assert table.ack(KEY, r2, 0)
     assert state.committed == 3
     assert state.idle
     assert state.picks(5, 1) == [Pick(3, 1, False)]
-    assert not table.ack(KEY, r2)  # twice: accepted, nothing to persist
+    assert not table.ack(KEY, r2, 0)  # twice: accepted, nothing to persist
 
 
 def test_expired_lease_is_redelivered_first_with_the_next_attempt() -> None:
@@ -75,6 +75,38 @@ def test_change_invisible_counts_an_attempt_unless_suspended() -> None:
         table.change(KEY, r0, 100, 500, suspend=True)  # superseded handle
     _, lease = table.change(KEY, nacked, now_ms=200, invisible_ms=300, suspend=True)
     assert state.picks(500, 1) == [Pick(0, 1, True, 300)]  # suspended: same attempt again, 300 ms suspended
+
+
+def test_the_handle_of_an_earlier_delivery_settles_nothing_once_the_message_went_out_again() -> None:
+    """A slow consumer's lease runs out and the message goes out again (to it or to another consumer): the first
+    handle neither acks nor changes it, the second delivery stays out, and its own handle settles it."""
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    (first,) = lease_all(table, state, state.picks(0, 1), 0, 1000)
+    (second,) = lease_all(table, state, state.picks(1000, 1), 1000, 1000)
+    for late in (lambda: table.ack(KEY, first, 1500), lambda: table.change(KEY, first, 1500, 5000, suspend=False)):
+        with pytest.raises(errors.InvalidReceiptHandle, match="no longer the current lease"):
+            late()
+    assert state.entries[0].visible_at_ms == 2000 and state.committed == 0 and state.picks(1500, 1) == []
+    assert table.ack(KEY, second, 1500) and state.committed == 1
+
+
+def test_a_handle_whose_invisible_time_ran_out_is_expired_and_its_message_stays_due() -> None:
+    """Expired, not delivered again yet: refused all the same (as RocketMQ's proxy refuses an expired handle);
+    the message is handed out again, and a handle changed in time (a nack) supersedes the one before it."""
+    table = LeaseTable("inc")
+    state = table.open(KEY, committed=0, ordered=True)
+    (r0,) = lease_all(table, state, state.picks(0, 1), 0, 1000)
+    for late in (lambda: table.ack(KEY, r0, 1000), lambda: table.change(KEY, r0, 1000, 5000, suspend=False)):
+        with pytest.raises(errors.InvalidReceiptHandle, match="expired"):
+            late()
+    assert state.committed == 0 and state.picks(1000, 1) == [Pick(0, 2, True)]
+    (r1,) = lease_all(table, state, state.picks(1000, 1), 1000, 1000)
+    r2, _ = table.change(KEY, r1, 1500, 3000, suspend=False)
+    with pytest.raises(errors.InvalidReceiptHandle, match="no longer the current lease"):
+        table.ack(KEY, r1, 1600)
+    assert table.ack(KEY, r2, 4499) and state.committed == 1
+    assert not table.ack(KEY, r1, 9000)  # settled: an ack of it is answered OK, whichever handle
 
 
 def test_suspended_time_adds_up_over_hand_outs_and_past_the_cap_the_lease_ends_at_once() -> None:
@@ -101,7 +133,7 @@ def test_unordered_queue_skips_leased_messages_within_a_window() -> None:
     lease_all(table, state, picks, 10, 1000)
     assert state.picks(20, 10) == []
     assert not state.blocked(20)
-    table.ack(KEY, r0)
+    table.ack(KEY, r0, 0)
     assert [p.offset for p in state.picks(30, 10)] == [3]
 
 
@@ -155,7 +187,7 @@ def test_ack_of_a_never_delivered_offset_is_invalid() -> None:
     state = table.open(KEY, committed=0, ordered=True)
     lease_all(table, state, state.picks(0, 1), 0, 1000)
     with pytest.raises(errors.InvalidReceiptHandle):
-        table.ack(KEY, Receipt("inc", KEY.topic, 0, 9, 1))
+        table.ack(KEY, Receipt("inc", KEY.topic, 0, 9, 1), 0)
 
 
 def test_renewal_extends_each_auto_renew_lease_ahead_of_its_own_expiry() -> None:
@@ -253,7 +285,7 @@ def test_a_two_million_offset_hole_settles_commits_and_seeds_as_one_run() -> Non
     assert fresh.picks(0, 3) == [Pick(0, 1, False), Pick(HOLE + 1, 1, False), Pick(HOLE + 2, 1, False)]
     # the window counts leases out, not the span: one lease out leaves room for 1023 more
     assert len(state.picks(0, 2000)) == 1023 and state.picks(0, 1)[0].offset == HOLE + 1
-    assert table.ack(KEY, r0) and state.committed == HOLE + 1 and state.idle  # one jump over the hole
+    assert table.ack(KEY, r0, 0) and state.committed == HOLE + 1 and state.idle  # one jump over the hole
     assert state.acked_above() == ()
 
 
@@ -263,8 +295,8 @@ def test_the_commit_point_jumps_a_gone_range_once_the_leases_before_it_are_settl
     r0, r1 = lease_all(table, state, state.picks(0, 2), 0, 1000)
     assert not state.settle_gone(5, 1_000_005)  # a hole ahead, 2..4 not handed out yet: pending
     assert state.picks(0, 10) == []  # ordered: the head is out
-    assert table.ack(KEY, r1) and state.committed == 0
-    assert table.ack(KEY, r0) and state.committed == 2
+    assert table.ack(KEY, r1, 0) and state.committed == 0
+    assert table.ack(KEY, r0, 0) and state.committed == 2
     assert state.picks(0, 4) == [Pick(2, 1, False), Pick(3, 1, False), Pick(4, 1, False), Pick(1_000_005, 1, False)]
     assert state.acked_above().runs == ((5, 1_000_005),)
 
@@ -274,10 +306,10 @@ def test_acks_above_a_stuck_head_merge_into_runs() -> None:
     state = table.open(KEY, committed=0, ordered=False)
     receipts = lease_all(table, state, state.picks(0, 1000), 0, 1000)
     for r in receipts[1:]:
-        table.ack(KEY, r)
+        table.ack(KEY, r, 0)
     assert state.acked_above().runs == ((1, 1000),) and len(state.entries) == 1
     assert state.has_ready(0, max_offset=2000)  # 999 settled: room for more
-    table.ack(KEY, receipts[0])
+    table.ack(KEY, receipts[0], 0)
     assert state.committed == 1000 and state.idle
 
 
@@ -321,10 +353,10 @@ def test_handouts_cost_nothing_while_every_message_goes_out_once() -> None:
     assert state.handouts() == model.NO_HANDOUTS
     receipts = lease_all(table, state, state.picks(0, 3), 0, 1000)
     assert state.handouts() == model.Handouts(8) and state.counts == {}
-    table.ack(KEY, receipts[0])
+    table.ack(KEY, receipts[0], 0)
     assert state.handouts() == model.Handouts(8)  # 6 and 7 are out: delivered once
-    table.ack(KEY, receipts[1])
-    table.ack(KEY, receipts[2])
+    table.ack(KEY, receipts[1], 0)
+    table.ack(KEY, receipts[2], 0)
     assert state.committed == 8 and state.handouts() == model.NO_HANDOUTS
 
 
@@ -335,7 +367,7 @@ def test_redeliveries_and_suspends_are_counted_and_seeded_back_after_a_restart()
     table.change(KEY, r0, 0, 0, suspend=False)  # a nack: counted
     lease_all(table, state, [p for p in state.picks(0, 4) if p.offset == 0], 0, 1000)  # attempt 2
     table.change(KEY, r1, 0, 5000, suspend=True)  # suspended: its next hand-out repeats attempt 1
-    table.ack(KEY, r2)
+    table.ack(KEY, r2, 0)
     saved = state.handouts()
     assert saved == model.Handouts(4, ((0, 2), (1, 0)))
     assert keys.decode_progress(keys.encode_acked(state.committed, state.acked_above(), saved))[2] == saved

@@ -50,6 +50,7 @@ class Alone:
     table: leases.LeaseTable
     store: Store
     dead: list[tuple[str, list[model.StoredMessage]]]
+    clock: memory.ManualClock
     key: ClassVar[LeaseKey] = LeaseKey(lmq_name(PARENT, "t1"), 0, GROUP)
 
     async def leased(self, messages: int, out: int) -> tuple[leases.QueueLeases, list[str]]:
@@ -59,7 +60,7 @@ class Alone:
         handles = []
         for pick in state.picks(0, out):
             lease_id = self.table.new_lease_id()
-            state.lease(pick, 0, 1_000, lease_id, "c1")
+            state.lease(pick, self.clock(), 1_000, lease_id, "c1")
             handles.append(self.table.receipt(self.key, pick.offset, lease_id))
         return state, handles
 
@@ -76,7 +77,7 @@ async def alone(store: Store, clock: memory.ManualClock, tmp_path: Path) -> Asyn
     table = leases.LeaseTable("inc")
     settling, told = settlement.Settlement(rt, table, dead_letter, lambda: None), Told()
     settling.deliveries = told
-    yield Alone(settling, told, table, store, dead)
+    yield Alone(settling, told, table, store, dead, clock)
     await rt.close_executor()
 
 

@@ -20,6 +20,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from fencing import unfenced
+from google.protobuf.duration_pb2 import Duration
 from waiting import TIMEOUT_S, eventually_async
 
 from lmq_broker import app, errors, model
@@ -782,6 +783,37 @@ async def test_an_ack_is_answered_once_the_follower_has_its_commit_point(pair: P
     store = pair.brokers[1].store
     assert store is not None
     assert store.get_offset(queue, GROUP) == 2
+
+
+@pytest.mark.asyncio
+async def test_an_ack_with_a_stale_handle_moves_the_commit_point_neither_at_the_owner_nor_at_the_follower(
+    pair: Pair,
+) -> None:
+    """The message's invisible time ran out and it was delivered again: the owner refuses the first delivery's
+    handle (INVALID_RECEIPT_HANDLE), so no commit point is made of it, here or at the follower; the second
+    delivery's ack is copied as any other. Before 2026-11-30 the stale ack settled the second delivery."""
+    lite = pair.lite_of(0)
+    queue = model.QueueId.lmq(PARENT, lite)
+    await subscribe(pair.clients[0], lite)
+    assert (await pair.send(0, lite, 0)).status.code == pb.OK
+    deliveries: list[Any] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(deliveries) < 2 and time.monotonic() < deadline:  # the second once the first one's second ran out
+        request = spb.ReceiveMessageRequest(
+            group=pb.Resource(name=GROUP), message_queue=pb.MessageQueue(topic=pb.Resource(name=PARENT)),
+            batch_size=1, invisible_duration=Duration(seconds=30 if deliveries else 1),
+        )  # fmt: skip
+        frames = [f async for f in pair.clients[0].stub.ReceiveMessage(request, metadata=CONSUMER, timeout=10)]
+        deliveries += [f.message.system_properties for f in frames if f.HasField("message")]
+    first, second = deliveries
+    assert first.message_id == second.message_id and second.delivery_attempt == 2
+    stale = await ack(pair, lite, [first])
+    assert [e.status.code for e in stale.entries] == [pb.INVALID_RECEIPT_HANDLE], stale
+    owner, follower = pair.brokers[0].store, pair.brokers[1].store
+    assert owner is not None and follower is not None
+    assert not owner.get_offset(queue, GROUP) and not follower.get_offset(queue, GROUP)
+    assert (await ack(pair, lite, [second])).status.code == pb.OK
+    assert owner.get_offset(queue, GROUP) == follower.get_offset(queue, GROUP) == 1
 
 
 @pytest.mark.asyncio
