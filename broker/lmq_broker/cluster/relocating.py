@@ -4,14 +4,16 @@ Lite topics drain where they are and move whole (``draining``). The queues that 
 topics and dead letters, ``%DLQ%<group>``) belong to no owner: each broker keeps what was sent to it, and a
 consumer group receives from every broker. So once a broker is leaving (routes list it READ: producers send it
 nothing more), every ``RELOCATE_EVERY_S`` it copies each such queue's messages from the lowest commit point of
-the groups that consumed it here (all of it when none did) to one remaining broker, which appends them to its
-own queue of that topic with the same ids and properties (``StoreRelocated``, a peer's call). It records how
-far each queue got (``Store.put_relocated``, synced) only after the remaining broker answered that the batch is
-stored: a crash (kill -9) between the two sends the batch again, so a message may be stored twice there,
-never lost (at least once). A message that arrives here later (a producer on an old route) is copied at the
-next pass. The leaving broker keeps serving its copies until it is removed: a consumer may get a message from
-both (at least once again). What is left to copy counts as undrained (``undrained``), so the broker is removed
-only once every such message is at a remaining broker.
+the groups that consumed its topic here (a group with no point in this queue starts there at its first
+message, so it counts as the queue's first offset; all of it when no group did) to one remaining broker, which
+appends them to its own queue of that topic with the same ids and properties (``StoreRelocated``, a peer's call).
+A group that never consumed the topic at this broker is not known here: when another group did, what that one
+consumed is not copied for it. It records how far each queue got (``Store.put_relocated``, synced) only after
+the remaining broker answered that the batch is stored: a crash (kill -9) between the two sends the batch
+again, so a message may be stored twice there, never lost (at least once). A message that arrives here later
+(a producer on an old route) is copied at the next pass. The leaving broker keeps serving its copies until it
+is removed: a consumer may get a message from both (at least once again). What is left to copy counts as
+undrained (``undrained``), so the broker is removed only once every such message is at a remaining broker.
 
 Each queue goes to one remaining broker (its name and queue id hashed over today's ring), so a FIFO queue's
 messages keep their order there; a broker that does not answer is passed over for the next slot of today's
@@ -23,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Final, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter
@@ -50,12 +53,15 @@ class Pending(NamedTuple):
     end: int  # the queue's end when looked at
 
 
-def start_of(store: Store, queue: model.QueueId) -> Pending:
-    """Blocking. What of ``queue`` is to be copied: from the lowest commit point of the groups that consumed it
-    here (the queue's first offset when none did), or from where earlier copies got to, to its end."""
+def start_of(store: Store, queue: model.QueueId, groups: Collection[str] = ()) -> Pending:
+    """Blocking. What of ``queue`` is to be copied: from the lowest commit point of ``groups`` (the groups that
+    consumed some queue of its topic here; a group without a point in this queue starts at its first message, so
+    it counts as the queue's first offset) and of any other group with a point in it (all of it when no group
+    did), or from where earlier copies got to, to its end."""
     lo, hi = store.queue_offsets(queue)
     points = store.commit_points(queue)
-    consumed = min(points.values()) if points else lo
+    starts = [points.get(group, lo) for group in {*groups, *points}]
+    consumed = min(starts) if starts else lo
     return Pending(queue, max(lo, consumed, store.relocated(queue)), hi)
 
 
@@ -65,19 +71,19 @@ def pending(store: Store) -> list[Pending]:
     messages are its lite topics', which drain as those), and the queues of a topic deleted since (nobody can
     receive them any more, and the remaining brokers refuse them)."""
     normal = {t.name for t in store.list_parent_topics() if t.message_type != model.MessageType.LITE}
-    out: list[Pending] = []
+    queues: list[model.QueueId] = []
     after: model.QueueId | None = None
     while True:
         page = store.normal_queues(after, QUEUES_PAGE)
-        for queue in page:
-            if queue.topic not in normal and not queue.topic.startswith(metadata.DLQ_PREFIX):
-                continue
-            found = start_of(store, queue)
-            if found.start < found.end:
-                out.append(found)
+        queues += (q for q in page if q.topic in normal or q.topic.startswith(metadata.DLQ_PREFIX))
         if len(page) < QUEUES_PAGE:
-            return out
+            break
         after = page[-1]
+    consumers: defaultdict[str, set[str]] = defaultdict(set)  # topic -> the groups with a point in one of its queues
+    for queue in queues:
+        consumers[queue.topic].update(store.commit_points(queue))
+    found = (start_of(store, queue, consumers[queue.topic]) for queue in queues)
+    return [p for p in found if p.start < p.end]
 
 
 def undrained(store: Store) -> int:
