@@ -376,12 +376,14 @@ class Settlement:
             if key in self._unverified:
                 await self._verify(key, state)
             return state
-        committed = self._committed.get(key.topic, {}).get((key.queue, key.group))
+        cached = self._committed.get(key.topic, {}).get((key.queue, key.group))
         acked: Sequence[int] = ()
         handouts, end = model.NO_HANDOUTS, -1
-        stored: int | None = committed
-        if committed is None:  # first use since start: what was committed, and acked and handed out above it
+        stored: int | None = cached
+        if cached is None:  # first use since start: what was committed, and acked and handed out above it
             committed, end, stored, acked, handouts = await self._rt.run(self._progress, key.queue_id, key.group)
+        else:
+            committed = cached
         state = self._leases.open(key, committed, ordered)
         state.seed(acked, handouts, end)
         self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked), handouts)
