@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -19,9 +20,11 @@ from waiting import eventually
 from lmq_broker import errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.config import StoreConfig
+from lmq_broker.protocol.auth import sign_metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_broker.storage.store import open_store
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
@@ -238,3 +241,26 @@ def test_a_broker_kept_after_a_cancelled_scale_down_does_not_deliver_what_it_cop
         broker.stop()
     copied = sorted(m.message_id for b in brokers[:2] for m in stored(b, TOPIC))
     assert copied == [f"m{i}" for i in range(2, 10)]
+
+
+def test_store_relocated_is_refused_to_any_caller_without_a_valid_peer_header(
+    cluster: tuple[list[BrokerProcess], list[str]],
+) -> None:
+    """A remaining broker stores what StoreRelocated brings with no quota nor access check, so only a peer may call
+    it: signed with the admin pair (every operator tool holds it) but without the peer header, or with a forged
+    one, the call is refused PERMISSION_DENIED on the client port (where these brokers serve admin, the native
+    edge) and nothing is stored."""
+    brokers, _ = cluster
+    forged = ("x-lmq-peer", f"1;{int(datetime.now(UTC).timestamp() * 1000)};{'0' * 64}")
+    request = admin_pb2.StoreRelocatedRequest(
+        messages=[admin_pb2.RelocatedMessage(topic=TOPIC, message_id="injected", body=b"x", message_type=pb.NORMAL)]
+    )
+    with grpc.insecure_channel(brokers[0].endpoint) as channel:
+        admin = admin_pb2_grpc.LmqAdminStub(channel)
+        for extra in ((), (forged,)):
+            signed = (*sign_metadata(*SHARED_ADMIN_KEYS.values(), datetime.now(UTC)), *extra)
+            with pytest.raises(grpc.RpcError) as refused:
+                admin.StoreRelocated(request, metadata=signed, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    brokers[0].stop()
+    assert stored(brokers[0], TOPIC) == []
