@@ -258,7 +258,8 @@ def test_store_relocated_is_refused_to_any_caller_without_a_valid_peer_header(
     with grpc.insecure_channel(brokers[0].endpoint) as channel:
         admin = admin_pb2_grpc.LmqAdminStub(channel)
         for extra in ((), (forged,)):
-            signed = (*sign_metadata(*SHARED_ADMIN_KEYS.values(), datetime.now(UTC)), *extra)
+            keys = SHARED_ADMIN_KEYS["access_key"], SHARED_ADMIN_KEYS["secret_key"]
+            signed = (*sign_metadata(*keys, datetime.now(UTC)), *extra)
             with pytest.raises(grpc.RpcError) as refused:
                 admin.StoreRelocated(request, metadata=signed, timeout=10)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
