@@ -58,6 +58,11 @@ def test_a_group_that_consumed_another_queue_of_the_topic_here_keeps_what_it_has
         assert relocating.pending(store) == [relocating.Pending(N1, 0, 3)]
         store.commit_offset(N1, "g2", 1)
         assert relocating.pending(store) == [relocating.Pending(N1, 1, 3)]
+        # a group whose consumers said they consume the topic (Telemetry) but that has no point here at all
+        assert relocating.pending(store, {"orders": {"g3"}}) == [
+            relocating.Pending(N0, 0, 5), relocating.Pending(N1, 0, 3)
+        ]  # fmt: skip
+        assert relocating.undrained(store, {"orders": {"g3"}, "other": {"g4"}}) == 8
     finally:
         store.close()
 

@@ -7,6 +7,7 @@ the broker's own RocksDB and commit log, opened once its process has stopped."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -265,3 +266,35 @@ def test_store_relocated_is_refused_to_any_caller_without_a_valid_peer_header(
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
     brokers[0].stop()
     assert stored(brokers[0], TOPIC) == []
+
+
+def test_a_group_whose_consumer_is_connected_but_consumed_nothing_there_gets_the_copy(
+    cluster: tuple[list[BrokerProcess], list[str]],
+) -> None:
+    """Slot 2's group consumes all four of its messages; a second group's consumer is connected to slot 2 (its
+    Telemetry settings name the topic) but has consumed nothing there yet, so it has no commit point there. Slot 2
+    copies all four for it before it counts as drained. Before, the copy went from the first group's end: nothing
+    was copied, and the second group lost the four with the removed broker (found in a red-team review)."""
+    brokers, members = cluster
+    send(brokers[2], 0, 4)
+    got = receive(brokers[2], 4)
+    assert len(got) == 4
+    for received in got:
+        settle(brokers[2], received, dead=False)
+    stop = threading.Event()
+
+    def commands() -> Iterator[spb.TelemetryCommand]:
+        entry = pb.SubscriptionEntry(topic=pb.Resource(name=TOPIC), expression=pb.FilterExpression(expression="*"))
+        subscription = pb.Subscription(group=pb.Resource(name="audit"), subscriptions=[entry])
+        yield spb.TelemetryCommand(settings=pb.Settings(client_type=pb.SIMPLE_CONSUMER, subscription=subscription))
+        stop.wait(WAIT_S)
+
+    with grpc.insecure_channel(brokers[2].endpoint) as channel:
+        telemetry = service_pb2_grpc.MessagingServiceStub(channel).Telemetry(commands(), metadata=headers("audit-1"))
+        try:
+            assert next(iter(telemetry)).HasField("settings")
+            set_everywhere(brokers, [2, 0, 1], members, (3, 2))
+            eventually(lambda: undrained(brokers[2]) == (0, True), "slot 2 copied for the second group", WAIT_S)
+            assert metric(brokers[2], "lmq_relocated_messages_total") == 4
+        finally:
+            stop.set()
