@@ -114,8 +114,8 @@ HELP: Final[dict[str, str]] = {
     "max_connections_per_address": "native edge: client connections open at once from one client IP address; beyond "
     "it a new one is closed at its accept (0: no cap)",
     "max_request_buffer_bytes": "native edge: request bytes held at once in messages not yet whole, over every "
-    "connection; a call whose next bytes would pass it ends RESOURCE_EXHAUSTED (0: no cap; at least one message of "
-    "the largest size)",
+    "connection (one client IP address's connections: a quarter of it); a call whose next bytes would pass it ends "
+    "RESOURCE_EXHAUSTED (0: no cap; each at least one message of the largest size)",
     "max_request_buffer_bytes_per_connection": "native edge: request bytes one connection's calls hold at once in "
     "messages not yet whole; a call whose next bytes would pass it ends RESOURCE_EXHAUSTED (0: no cap; at least one "
     "message of the largest size)",

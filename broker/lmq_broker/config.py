@@ -135,8 +135,9 @@ class BrokerConfig(BaseModel):
     max_connections: int = Field(default=10_000, ge=0)
     max_connections_per_address: int = Field(default=1_000, ge=0)
     # Request bytes held in messages not yet whole (a stream's message as its client sends it), in all and per
-    # connection (the native edge; each at least one message of the largest size): a call whose next bytes would
-    # pass either ends RESOURCE_EXHAUSTED. 0: no cap.
+    # connection (the native edge; each at least one message of the largest size; one client IP address's
+    # connections a quarter of the total, at least as much): a call whose next bytes would pass any ends
+    # RESOURCE_EXHAUSTED. 0: no cap.
     max_request_buffer_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     max_request_buffer_bytes_per_connection: int = Field(default=64 * 1024 * 1024, ge=0)
     telemetry_stream_buffer_bytes: int = Field(default=256 * 1024, ge=0)  # one stream's replies unread

@@ -228,10 +228,11 @@ async def broker_info(
     *,
     skip_undrained: bool,
     drains: Drains | None = None,
-    relocated: bool = False,
+    relocated: relocating.Consumers | None = None,
 ) -> pb.GetBrokerInfoResponse:
-    """``relocated``: a leaving broker, whose undrained messages include those of its queues that are not lite
-    topics not yet copied to a remaining broker (``cluster.relocating``)."""
+    """``relocated``: at a leaving broker, the groups its consumers said they consume (``Cluster.normal_consumers``):
+    its undrained messages include those of its queues that are not lite topics not yet copied to a remaining
+    broker (``cluster.relocating``)."""
 
     def counts() -> tuple[int, int, int, int]:
         return (
@@ -256,7 +257,11 @@ async def broker_info(
 
 
 async def undrained(
-    store: Store, drains: Drains | None = None, handed_over: Drains | None = None, *, relocated: bool = False
+    store: Store,
+    drains: Drains | None = None,
+    handed_over: Drains | None = None,
+    *,
+    relocated: relocating.Consumers | None = None,
 ) -> int:
     """Messages of this broker's lite topics that some group bound to their parent has not consumed (a topic
     whose parent has no group: all of them). With replication, only the topics ``drains`` names (the topics of
@@ -265,9 +270,10 @@ async def undrained(
     With ``handed_over`` (a leaving broker) a topic not handed over to its owner in today's ring yet counts at
     least 1 even when consumed: only the hand-over subscribes its consumers at that owner, and with replication
     its next owner takes it over where it ends (its followers hold copies at those offsets), neither of which
-    can happen once the leaving slot is removed. With ``relocated`` (a leaving broker) or ``handed_over``, the
-    messages of its NORMAL topics and dead letters that some group has not consumed and that are not copied to
-    a remaining broker yet count too (``cluster.relocating``): removed, the broker would strand them."""
+    can happen once the leaving slot is removed. With ``relocated`` (a leaving broker: the groups its consumers
+    said they consume) or ``handed_over``, the messages of its NORMAL topics and dead letters that some group has
+    not consumed and that are not copied to a remaining broker yet count too (``cluster.relocating``): removed,
+    the broker would strand them."""
     bound = groups_by_parent(await asyncio.to_thread(store.list_groups))
 
     def page(start_after: str) -> tuple[int, str | None]:
@@ -287,7 +293,8 @@ async def undrained(
             total += max(left, 1) if handed_over is not None and not handed_over(queue.topic) else left
         return total, scan_key(metas[-1], "") if len(metas) == WALK_BATCH else None
 
-    total = await asyncio.to_thread(relocating.undrained, store) if relocated or handed_over is not None else 0
+    leaving = relocated is not None or handed_over is not None
+    total = await asyncio.to_thread(relocating.undrained, store, relocated) if leaving else 0
     cursor: str | None = ""
     while cursor is not None:
         count, cursor = await asyncio.to_thread(page, cursor)

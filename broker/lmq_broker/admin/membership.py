@@ -26,7 +26,7 @@ UNDRAINED_TIMEOUT_S = 60.0  # a member counting its undrained messages walks all
 async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.GetClusterResponse:
     place = cluster.place
     leaving = place.slot >= 0 and place.membership.leaving(place.slot)
-    undrained = await inspection.undrained(store, drains(cluster), handed_over(cluster)) if with_undrained else -1
+    undrained = await _undrained(cluster, store) if with_undrained else -1
     return pb.GetClusterResponse(
         members=place.membership.members,
         ring_sizes=place.membership.sizes,
@@ -40,6 +40,14 @@ async def view(cluster: Cluster, store: Store, *, with_undrained: bool) -> pb.Ge
         incarnation=cluster.incarnation,
         ring_fixed=ring_fixed(cluster),
     )
+
+
+async def _undrained(cluster: Cluster, store: Store) -> int:
+    """This broker's undrained messages (``inspection.undrained``); leaving, with those of its NORMAL topics and
+    dead letters not copied yet for the groups its consumers said they consume (``cluster.relocating``)."""
+    moved = handed_over(cluster)
+    consumers = cluster.normal_consumers() if moved is not None else None
+    return await inspection.undrained(store, drains(cluster), moved, relocated=consumers)
 
 
 def drains(cluster: Cluster) -> inspection.Drains | None:
@@ -114,7 +122,7 @@ async def _check_removable(cluster: Cluster, store: Store, old: Place, slot: int
             f"{member} is not leaving: shrink the ring first (ring size {slot} or less), let it drain, then remove it"
         )
     if slot == old.slot:
-        undrained = await inspection.undrained(store, drains(cluster), handed_over(cluster))
+        undrained = await _undrained(cluster, store)
     else:
         peers = cluster.peers
         if peers is None:

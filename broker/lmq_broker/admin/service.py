@@ -450,13 +450,14 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         cluster = self._cluster
         drains = membership.drains(cluster) if cluster is not None else None
         leaving = cluster is not None and membership.handed_over(cluster) is not None
+        consumers = cluster.normal_consumers() if cluster is not None and leaving else None
         return await inspection.broker_info(
             self._store,
             self._live,
             self._config,
             skip_undrained=request.skip_undrained,
             drains=drains,
-            relocated=leaving,
+            relocated=consumers,
         )
 
     # --- the cluster ------------------------------------------------------------------------------------

@@ -3,15 +3,20 @@
 Lite topics drain where they are and move whole (``draining``). The queues that are not lite topics (NORMAL
 topics and dead letters, ``%DLQ%<group>``) belong to no owner: each broker keeps what was sent to it, and a
 consumer group receives from every broker. So once a broker is leaving (routes list it READ: producers send it
-nothing more), every ``RELOCATE_EVERY_S`` it copies each such queue's messages from the lowest commit point of
-the groups that consumed it here (all of it when none did) to one remaining broker, which appends them to its
-own queue of that topic with the same ids and properties (``StoreRelocated``, a peer's call). It records how
-far each queue got (``Store.put_relocated``, synced) only after the remaining broker answered that the batch is
-stored: a crash (kill -9) between the two sends the batch again, so a message may be stored twice there,
-never lost (at least once). A message that arrives here later (a producer on an old route) is copied at the
-next pass. The leaving broker keeps serving its copies until it is removed: a consumer may get a message from
-both (at least once again). What is left to copy counts as undrained (``undrained``), so the broker is removed
-only once every such message is at a remaining broker.
+nothing more), every ``RELOCATE_EVERY_S`` it copies each such queue's messages to one remaining broker, which
+appends them to its own queue of that topic with the same ids and properties (``StoreRelocated``, a peer's
+call). It copies from the lowest start of the groups that consume the topic here: those with a commit point in
+some queue of the topic, and those of the consumers that told this broker they consume it (their Telemetry
+settings; the clients it remembers, ``client_expiry_ms``); a group with no point in the queue starts at its
+first message, and the whole queue is copied when no group is known. A group that is neither is not known
+here: when another group consumed the queue, what that one consumed is not copied for it.
+
+It records how far each queue got (``Store.put_relocated``, synced) only after the remaining broker answered
+that the batch is stored: a crash (kill -9) between the two sends the batch again, so a message may be stored
+twice there, never lost (at least once). A message that arrives here later (a producer on an old route) is
+copied at the next pass. The leaving broker keeps serving its copies until it is removed: a consumer may get a
+message from both (at least once again). What is left to copy counts as undrained (``undrained``), so the
+broker is removed only once every such message is at a remaining broker.
 
 Each queue goes to one remaining broker (its name and queue id hashed over today's ring), so a FIFO queue's
 messages keep their order there; a broker that does not answer is passed over for the next slot of today's
@@ -23,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter
@@ -42,6 +48,8 @@ QUEUES_PAGE: Final = 1_000
 
 # (slot of today's ring, messages) -> once that broker stored them durably; raises otherwise
 Send = Callable[[int, Sequence[model.StoredMessage]], Awaitable[None]]
+# topic -> the groups of the consumers that told this broker they consume it (their Telemetry settings)
+Consumers = Mapping[str, Collection[str]]
 
 
 class Pending(NamedTuple):
@@ -50,39 +58,45 @@ class Pending(NamedTuple):
     end: int  # the queue's end when looked at
 
 
-def start_of(store: Store, queue: model.QueueId) -> Pending:
-    """Blocking. What of ``queue`` is to be copied: from the lowest commit point of the groups that consumed it
-    here (the queue's first offset when none did), or from where earlier copies got to, to its end."""
+def start_of(store: Store, queue: model.QueueId, groups: Collection[str] = ()) -> Pending:
+    """Blocking. What of ``queue`` is to be copied: from the lowest commit point of ``groups`` (the groups that
+    consumed some queue of its topic here; a group without a point in this queue starts at its first message, so
+    it counts as the queue's first offset) and of any other group with a point in it (all of it when no group
+    did), or from where earlier copies got to, to its end."""
     lo, hi = store.queue_offsets(queue)
     points = store.commit_points(queue)
-    consumed = min(points.values()) if points else lo
+    starts = [points.get(group, lo) for group in {*groups, *points}]
+    consumed = min(starts) if starts else lo
     return Pending(queue, max(lo, consumed, store.relocated(queue)), hi)
 
 
-def pending(store: Store) -> list[Pending]:
-    """Blocking. Every queue of this store's NORMAL topics and dead letters that has something to copy. Other
+def pending(store: Store, consumers: Consumers | None = None) -> list[Pending]:
+    """Blocking. Every queue of this store's NORMAL topics and dead letters that has something to copy, for the
+    groups with a commit point in some queue of its topic here and those of ``consumers``. Other
     queues that are not lite topics are passed over: a LITE parent's own queue (``--index-parent-queue``: its
     messages are its lite topics', which drain as those), and the queues of a topic deleted since (nobody can
     receive them any more, and the remaining brokers refuse them)."""
     normal = {t.name for t in store.list_parent_topics() if t.message_type != model.MessageType.LITE}
-    out: list[Pending] = []
+    queues: list[model.QueueId] = []
     after: model.QueueId | None = None
     while True:
         page = store.normal_queues(after, QUEUES_PAGE)
-        for queue in page:
-            if queue.topic not in normal and not queue.topic.startswith(metadata.DLQ_PREFIX):
-                continue
-            found = start_of(store, queue)
-            if found.start < found.end:
-                out.append(found)
+        queues += (q for q in page if q.topic in normal or q.topic.startswith(metadata.DLQ_PREFIX))
         if len(page) < QUEUES_PAGE:
-            return out
+            break
         after = page[-1]
+    groups: defaultdict[str, set[str]] = defaultdict(set)  # topic -> the groups that consume it here
+    for topic, names in (consumers or {}).items():
+        groups[topic].update(names)
+    for queue in queues:
+        groups[queue.topic].update(store.commit_points(queue))
+    found = (start_of(store, queue, groups[queue.topic]) for queue in queues)
+    return [p for p in found if p.start < p.end]
 
 
-def undrained(store: Store) -> int:
+def undrained(store: Store, consumers: Consumers | None = None) -> int:
     """Blocking. Messages of this store's queues that are not lite topics still to be copied by a leaving broker."""
-    return sum(p.end - p.start for p in pending(store))
+    return sum(p.end - p.start for p in pending(store, consumers))
 
 
 def batch(store: Store, job: Pending, max_bytes: int) -> tuple[list[model.StoredMessage], int]:
@@ -106,9 +120,17 @@ def destination(queue: model.QueueId, size: int, attempt: int) -> int:
 class Relocator:
     """One leaving broker's copies of its queues that are not lite topics (see the module docstring)."""
 
-    def __init__(self, store: Store, send: Send, max_bytes: int, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        store: Store,
+        send: Send,
+        max_bytes: int,
+        registry: CollectorRegistry,
+        consumers: Callable[[], Consumers] = dict,
+    ) -> None:
         self._store = store
         self._send = send
+        self._consumers = consumers  # on the loop
         self._max_bytes = max_bytes
         self.copied = Counter(
             "lmq_relocated_messages",
@@ -136,7 +158,7 @@ class Relocator:
         """One pass: every queue's messages to copy, stored at a remaining broker; returns how many."""
         copied = 0
         failed: list[str] = []
-        for found in await asyncio.to_thread(pending, self._store):
+        for found in await asyncio.to_thread(pending, self._store, self._consumers()):
             try:
                 copied += await self._copy(found, slots)
             except errors.LmqError as exc:  # this queue waits for the next pass; the others go on

@@ -212,7 +212,9 @@ class Cluster:
         self._idle_hand_over: asyncio.Task[None] | None = None
         # From the first time this broker leaves: its NORMAL topics' messages and dead letters copied to remaining
         # brokers (``relocating``)
-        self.relocator = relocating.Relocator(store, self._store_relocated, config.max_body_bytes, metrics.registry)
+        self.relocator = relocating.Relocator(
+            store, self._store_relocated, config.max_body_bytes, metrics.registry, self.normal_consumers
+        )
         self._relocating: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
@@ -433,6 +435,16 @@ class Cluster:
         running: a dead letter stored after its last drained check is copied too), else 0."""
         leaving = self._leaving_slot() >= 0 or (self.slot < 0 and self._edge.cluster is not None)
         return self.membership.size if leaving else 0
+
+    def normal_consumers(self) -> dict[str, set[str]]:
+        """On the loop. NORMAL topic -> the groups of the consumers that told this broker they consume it (their
+        Telemetry settings; the clients it remembers), for what a leaving broker copies (``relocating``)."""
+        out: dict[str, set[str]] = {}
+        for client in self._dispatcher.registry.clients():
+            if client.group:
+                for topic in client.topics:
+                    out.setdefault(topic, set()).add(client.group)
+        return out
 
     async def _store_relocated(self, slot: int, messages: Sequence[model.StoredMessage]) -> None:
         """``messages`` stored at slot ``slot`` of today's ring (``relocating``), durably once this returns."""

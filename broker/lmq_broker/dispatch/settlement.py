@@ -377,13 +377,14 @@ class Settlement:
             if key in self._unverified:
                 await self._verify(key, state)
             return state
-        committed = self._committed.get(key.topic, {}).get((key.queue, key.group))
+        cached = self._committed.get(key.topic, {}).get((key.queue, key.group))
         acked: Sequence[int] = ()
         handouts, end = model.NO_HANDOUTS, -1
-        stored: int | None = committed
-        if committed is None:  # first use since start: what was committed, and acked and handed out above it
-            lo, end, stored, acked, handouts = await self._rt.run(self._progress, key.queue_id, key.group)
-            committed = max(lo, stored if stored is not None else lo)
+        stored: int | None = cached
+        if cached is None:  # first use since start: what was committed, and acked and handed out above it
+            committed, end, stored, acked, handouts = await self._rt.run(self._progress, key.queue_id, key.group)
+        else:
+            committed = cached
         state = self._leases.open(key, committed, ordered)
         state.seed(acked, handouts, end)
         self._persisted[key] = (-1 if stored is None else stored, ranges.OffsetRanges.of(acked), handouts)
@@ -434,9 +435,17 @@ class Settlement:
         return lo, hi, self._store.get_offset(queue, group), self._store.get_acked(queue, group)
 
     def _progress(self, queue: model.QueueId, group: str) -> tuple[int, int, int | None, Sequence[int], model.Handouts]:
-        """Blocking: ``offsets`` and the hand-outs above the commit point."""
+        """Blocking: where the group starts (its commit point, at least the queue's first offset), then as
+        ``offsets`` and the hand-outs above the commit point. In a queue that is not a lite topic, a group that
+        has a commit point starts at least where a leaving broker's copy of it got to (``cluster.relocating``):
+        every message below is at a remaining broker, or was consumed by every group with a point here when it
+        was copied, so a broker kept after a cancelled scale-down (or back on its volume) does not deliver the
+        copies' originals again. A group without a point starts at the first offset, as before."""
         lo, hi, stored, acked = self.offsets(queue, group)
-        return lo, hi, stored, acked, self._store.get_handouts(queue, group)
+        start = lo if stored is None else max(lo, stored)
+        if stored is not None and not queue.is_lmq:
+            start = max(start, self._store.relocated(queue))
+        return start, hi, stored, acked, self._store.get_handouts(queue, group)
 
     # --- offset writes --------------------------------------------------------------------------------------
     async def commit(self, key: LeaseKey, state: leases.QueueLeases) -> int:

@@ -11,7 +11,7 @@ mod stats;
 mod tls;
 mod wire;
 
-use limits::{Held, Limits, Over, Refusal};
+use limits::{Buffers, Held, Limits, Over, Refusal};
 use stats::Stats;
 
 use std::convert::Infallible;
@@ -369,7 +369,7 @@ async fn read_body(
     mut body: Incoming,
     call: &Arc<CallShared>,
     shared: &Arc<Shared>,
-    connection: &AtomicUsize,
+    buffers: &Buffers,
     encoding: Encoding,
     mut open: Option<Event>,
 ) -> Result<(), ()> {
@@ -377,7 +377,7 @@ async fn read_body(
     let mut forwarded = false;
     let stats = &shared.stats;
     // What `buf` holds, counted against the connection's and the edge's caps on partial request bytes.
-    let mut held = Held::new(&shared.limits, connection);
+    let mut held = Held::new(&shared.limits, buffers);
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
             stats.add(&stats.calls_cancelled, 1); // reset by the client, or its connection closed
@@ -388,6 +388,7 @@ async fn read_body(
         if let Err(over) = held.hold(buf.len() + data.len()) {
             let why = match over {
                 Over::Connection(cap) => format!("unfinished request messages held past this connection's cap ({cap} bytes)"),
+                Over::Address(cap) => format!("unfinished request messages held past the cap of one client address ({cap} bytes)"),
                 Over::Edge(cap) => format!("unfinished request messages held past the broker's cap ({cap} bytes)"),
             };
             stats.add(&stats.refused_buffer, 1);
@@ -459,7 +460,7 @@ async fn supervise(
     body: Incoming,
     call: Arc<CallShared>,
     shared: Arc<Shared>,
-    connection: Arc<AtomicUsize>,
+    buffers: Arc<Buffers>,
     timeout: Option<Duration>,
     encoding: Encoding,
     open: Option<Event>,
@@ -471,7 +472,7 @@ async fn supervise(
         }
     };
     tokio::pin!(sleep);
-    let reading = read_body(body, &call, &shared, &connection, encoding, open);
+    let reading = read_body(body, &call, &shared, &buffers, encoding, open);
     tokio::pin!(reading);
     let mut read = false;
     loop {
@@ -510,7 +511,7 @@ async fn handle(
     req: Request<Incoming>,
     shared: Arc<Shared>,
     peer: Arc<str>,
-    connection: Arc<AtomicUsize>,
+    buffers: Arc<Buffers>,
 ) -> Result<Response<ReplyBody>, Infallible> {
     let (tx, rx) = mpsc::unbounded_channel();
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
@@ -558,7 +559,7 @@ async fn handle(
         None
     };
     let encoding = encoding_of(&parts.headers);
-    tokio::spawn(supervise(body, call.clone(), shared.clone(), connection, timeout, encoding, open));
+    tokio::spawn(supervise(body, call.clone(), shared.clone(), buffers, timeout, encoding, open));
     let mut response = Response::new(ReplyBody { rx, call, shared });
     response.headers_mut().insert("content-type", HeaderValue::from_static("application/grpc"));
     response.headers_mut().insert("grpc-accept-encoding", HeaderValue::from_static(ACCEPT_ENCODING));
@@ -577,11 +578,11 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     addr: SocketAddr,
     shared: Arc<Shared>,
     mut stopping: watch::Receiver<bool>,
+    buffers: Arc<Buffers>, // partial request bytes its calls hold, and its address's (limits.rs)
 ) {
     let peer: Arc<str> = Arc::from(peer_name(&addr));
     let max_streams = shared.max_streams.load(Ordering::Relaxed);
-    let connection = Arc::new(AtomicUsize::new(0)); // partial request bytes its calls hold (limits.rs)
-    let service = service_fn(move |req| handle(req, shared.clone(), peer.clone(), connection.clone()));
+    let service = service_fn(move |req| handle(req, shared.clone(), peer.clone(), buffers.clone()));
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
@@ -609,15 +610,16 @@ async fn open_connection(
     tls: Option<TlsAcceptor>,
     shared: Arc<Shared>,
     stopping: watch::Receiver<bool>,
+    buffers: Arc<Buffers>,
 ) {
     let _ = stream.set_nodelay(true);
     let _open = stats::Open::new(shared.clone()); // counted open until this returns
     let Some(acceptor) = tls else {
-        return serve_connection(stream, addr, shared, stopping).await;
+        return serve_connection(stream, addr, shared, stopping, buffers).await;
     };
     // A refused handshake (plaintext, unknown CA at the client) just closes the socket, as grpcio's does.
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-        Ok(Ok(stream)) => serve_connection(stream, addr, shared, stopping).await,
+        Ok(Ok(stream)) => serve_connection(stream, addr, shared, stopping, buffers).await,
         _ => shared.stats.add(&shared.stats.tls_handshakes_failed, 1),
     }
 }
@@ -635,7 +637,9 @@ async fn accept_loop(
                     shared.stats.add(&shared.stats.connections_accepted, 1);
                     match Limits::admit(&shared, addr.ip()) {
                         Ok(admitted) => {
-                            let opening = open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone());
+                            let buffers = admitted.buffers();
+                            let opening =
+                                open_connection(stream, addr, tls.clone(), shared.clone(), stopping.clone(), buffers);
                             tokio::spawn(async move {
                                 opening.await;
                                 drop(admitted);
@@ -758,8 +762,8 @@ impl Server {
     }
 
     /// Request bytes of messages not yet whole held at once, in all and per connection (0: no cap; each at least
-    /// one request message of the largest size and a frame); a call whose bytes would pass either ends
-    /// RESOURCE_EXHAUSTED.
+    /// one request message of the largest size and a frame), and per client address a quarter of the total (at
+    /// least the same); a call whose bytes would pass any ends RESOURCE_EXHAUSTED.
     fn limit_request_buffers(&self, total: usize, per_connection: usize) {
         let floor = self.shared.max_message + 5 + FRAME_SLACK;
         self.shared.limits.set_buffers(total, per_connection, floor);

@@ -32,10 +32,37 @@ def test_only_normal_topics_and_dead_letters_are_copied_from_the_lowest_commit_p
         store.commit_offset(N0, "g1", 3)
         store.commit_offset(N0, "g2", 2)
         store.commit_offset(N1, "g1", 3)  # consumed to its end
+        store.commit_offset(N1, "g2", 3)
         assert relocating.pending(store) == [relocating.Pending(DLQ, 0, 2), relocating.Pending(N0, 2, 5)]
         assert relocating.undrained(store) == 5
         store.put_relocated(N0, 4)
         assert relocating.pending(store) == [relocating.Pending(DLQ, 0, 2), relocating.Pending(N0, 4, 5)]
+    finally:
+        store.close()
+
+
+def test_a_group_that_consumed_another_queue_of_the_topic_here_keeps_what_it_has_not_consumed_of_this_one(
+    tmp_path: Path,
+) -> None:
+    """A group with no commit point in a queue starts at its first message (``settlement``): g2 consumed queue 0
+    here but never queue 1 (its consumers were down while queue 1 filled), so queue 1 is all to copy, even though
+    g1 consumed it to its end. Before, only the groups with a point in that very queue counted: g1's end, and g2's
+    three messages were left on the removed broker (found in a red-team review of the scale-down copy)."""
+    store = open_store(StoreConfig(data_dir=tmp_path))
+    try:
+        store.put_parent_topic(model.ParentTopic("orders", model.MessageType.NORMAL, queue_count=2))
+        store.append([*normal("orders", 0, 5), *normal("orders", 1, 3)])
+        store.commit_offset(N0, "g1", 5)
+        store.commit_offset(N0, "g2", 5)
+        store.commit_offset(N1, "g1", 3)
+        assert relocating.pending(store) == [relocating.Pending(N1, 0, 3)]
+        store.commit_offset(N1, "g2", 1)
+        assert relocating.pending(store) == [relocating.Pending(N1, 1, 3)]
+        # a group whose consumers said they consume the topic (Telemetry) but that has no point here at all
+        assert relocating.pending(store, {"orders": {"g3"}}) == [
+            relocating.Pending(N0, 0, 5), relocating.Pending(N1, 0, 3)
+        ]  # fmt: skip
+        assert relocating.undrained(store, {"orders": {"g3"}, "other": {"g4"}}) == 8
     finally:
         store.close()
 

@@ -7,8 +7,10 @@ the broker's own RocksDB and commit log, opened once its process has stopped."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -19,9 +21,11 @@ from waiting import eventually
 from lmq_broker import errors, model
 from lmq_broker.admin.client import AdminClient
 from lmq_broker.config import StoreConfig
+from lmq_broker.protocol.auth import sign_metadata
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import definition_pb2 as pb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2 as spb
 from lmq_broker.protocol.gen.apache.rocketmq.v2 import service_pb2_grpc
+from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2, admin_pb2_grpc
 from lmq_broker.storage.store import open_store
 from lmq_broker.supervisor import free_ports
 from lmq_broker.testing import SHARED_ADMIN_ENV, SHARED_ADMIN_KEYS, BrokerProcess, start_broker
@@ -213,3 +217,84 @@ def test_a_kill_9_of_the_leaving_broker_while_it_copies_loses_no_message(
     twice = sum(n - 1 for n in ids.values())
     print(f"{twice} stored twice")
     assert twice <= 500  # at most the batch the kill cut off (``relocating.BATCH_MESSAGES``)
+
+
+def test_a_broker_kept_after_a_cancelled_scale_down_does_not_deliver_what_it_copied_again(
+    cluster: tuple[list[BrokerProcess], list[str]],
+) -> None:
+    """Slot 2 leaves, its group having consumed the first two of its ten messages; the eight others are copied to
+    the remaining brokers, and then the scale-down is cancelled (its ring grows back: the operator's new annotation
+    while draining) and slot 2 restarts on its volume (as a pod that comes back on its retained claim). Its group
+    goes on at slot 2 after what was copied, not from its commit point: the copies are at slots 0 and 1, where it
+    gets them. Before, slot 2 delivered the eight again: every message copied came twice, long after the first was
+    acknowledged (found in a red-team review). A message sent to it after the cancel is delivered as usual."""
+    brokers, members = cluster
+    send(brokers[2], 0, 10)
+    for got in receive(brokers[2], 2):
+        settle(brokers[2], got, dead=False)
+    set_everywhere(brokers, [2, 0, 1], members, (3, 2))
+    eventually(lambda: undrained(brokers[2]) == (0, True), "slot 2 copied", WAIT_S)
+    set_everywhere(brokers, [0, 1, 2], members, (3, 2, 3))  # cancelled: slot 2 stays
+    brokers[2] = brokers[2].restart()
+    send(brokers[2], 10, 1)
+    assert [g.system_properties.message_id for g in receive(brokers[2], 20)] == ["m10"]
+    for broker in brokers:
+        broker.stop()
+    copied = sorted(m.message_id for b in brokers[:2] for m in stored(b, TOPIC))
+    assert copied == [f"m{i}" for i in range(2, 10)]
+
+
+def test_store_relocated_is_refused_to_any_caller_without_a_valid_peer_header(
+    cluster: tuple[list[BrokerProcess], list[str]],
+) -> None:
+    """A remaining broker stores what StoreRelocated brings with no quota nor access check, so only a peer may call
+    it: signed with the admin pair (every operator tool holds it) but without the peer header, or with a forged
+    one, the call is refused PERMISSION_DENIED on the client port (where these brokers serve admin, the native
+    edge) and nothing is stored."""
+    brokers, _ = cluster
+    forged = ("x-lmq-peer", f"1;{int(datetime.now(UTC).timestamp() * 1000)};{'0' * 64}")
+    request = admin_pb2.StoreRelocatedRequest(
+        messages=[admin_pb2.RelocatedMessage(topic=TOPIC, message_id="injected", body=b"x", message_type=pb.NORMAL)]
+    )
+    with grpc.insecure_channel(brokers[0].endpoint) as channel:
+        admin = admin_pb2_grpc.LmqAdminStub(channel)
+        for extra in ((), (forged,)):
+            keys = SHARED_ADMIN_KEYS["access_key"], SHARED_ADMIN_KEYS["secret_key"]
+            signed = (*sign_metadata(*keys, datetime.now(UTC)), *extra)
+            with pytest.raises(grpc.RpcError) as refused:
+                admin.StoreRelocated(request, metadata=signed, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    brokers[0].stop()
+    assert stored(brokers[0], TOPIC) == []
+
+
+def test_a_group_whose_consumer_is_connected_but_consumed_nothing_there_gets_the_copy(
+    cluster: tuple[list[BrokerProcess], list[str]],
+) -> None:
+    """Slot 2's group consumes all four of its messages; a second group's consumer is connected to slot 2 (its
+    Telemetry settings name the topic) but has consumed nothing there yet, so it has no commit point there. Slot 2
+    copies all four for it before it counts as drained. Before, the copy went from the first group's end: nothing
+    was copied, and the second group lost the four with the removed broker (found in a red-team review)."""
+    brokers, members = cluster
+    send(brokers[2], 0, 4)
+    got = receive(brokers[2], 4)
+    assert len(got) == 4
+    for received in got:
+        settle(brokers[2], received, dead=False)
+    stop = threading.Event()
+
+    def commands() -> Iterator[spb.TelemetryCommand]:
+        entry = pb.SubscriptionEntry(topic=pb.Resource(name=TOPIC), expression=pb.FilterExpression(expression="*"))
+        subscription = pb.Subscription(group=pb.Resource(name="audit"), subscriptions=[entry])
+        yield spb.TelemetryCommand(settings=pb.Settings(client_type=pb.SIMPLE_CONSUMER, subscription=subscription))
+        stop.wait(WAIT_S)
+
+    with grpc.insecure_channel(brokers[2].endpoint) as channel:
+        telemetry = service_pb2_grpc.MessagingServiceStub(channel).Telemetry(commands(), metadata=headers("audit-1"))
+        try:
+            assert next(iter(telemetry)).HasField("settings")
+            set_everywhere(brokers, [2, 0, 1], members, (3, 2))
+            eventually(lambda: undrained(brokers[2]) == (0, True), "slot 2 copied for the second group", WAIT_S)
+            assert metric(brokers[2], "lmq_relocated_messages_total") == 4
+        finally:
+            stop.set()

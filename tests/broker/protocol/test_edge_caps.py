@@ -157,3 +157,37 @@ def test_partial_request_bytes_past_the_broker_s_cap_end_their_call(native: Brok
         assert metric(native, "lmq_edge_calls_refused_total", reason="request_buffer") == before + len(refused) + 1
     eventually(lambda: buffered(native) == 0, "the connections' partial bytes given back")
     still_serves(native)
+
+
+def settled(broker: BrokerProcess) -> float:
+    """``buffered`` once two readings a moment apart agree (the bytes sent are all read)."""
+    readings = [buffered(broker)]
+
+    def still() -> bool:
+        readings.append(buffered(broker))
+        return readings[-1] == readings[-2]
+
+    eventually(still, "the partial request bytes held settled", interval_s=0.3)
+    return readings[-1]
+
+
+def test_one_address_holds_at_most_its_share_of_the_broker_s_partial_request_bytes(tmp_path: Path) -> None:
+    """The broker's cap (160 MiB here) with each connection's at its floor (64 MiB and a frame): four connections
+    from one address, each under its own cap, hold at most a quarter of the broker's cap together (never below the
+    floor), so another address still has room. Before, they held all 160 MiB and every call of every other client
+    was refused RESOURCE_EXHAUSTED for as long as they trickled (found in a red-team review of the caps)."""
+    flags = [
+        "--edge", "native", "--max-body-bytes", "65536", "--flush-mode", "async",
+        "--max-request-buffer-bytes", str(160 * MiB), "--max-request-buffer-bytes-per-connection", "1",
+    ]  # fmt: skip
+    with start_broker(tmp_path / "data", extra_args=flags) as broker, ExitStack() as held:
+        hostile = [held.enter_context(raw_h2.Connection(broker.port, source="127.0.0.1")) for _ in range(4)]
+        refused = [partial(raw, range(1, 2 * 14, 2)) for raw in hostile]  # 56 MiB on each
+        assert settled(broker) <= CAP
+        assert refused[0] == [] and refused[1] and refused[3] == list(range(1, 2 * 14, 2))
+        with raw_h2.Connection(broker.port, source="127.0.0.2") as other:
+            assert partial(other, range(1, 2 * 8, 2)) == []  # 32 MiB from another address
+        still_serves(broker)
+        held.close()
+        eventually(lambda: buffered(broker) == 0, "the connections' partial bytes given back")
+        assert broker.alive()
