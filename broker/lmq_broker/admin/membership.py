@@ -46,7 +46,7 @@ async def _undrained(cluster: Cluster, store: Store) -> int:
     """This broker's undrained messages (``inspection.undrained``); leaving, with those of its NORMAL topics and
     dead letters not copied yet for the groups its consumers said they consume (``cluster.relocating``)."""
     moved = handed_over(cluster)
-    consumers = cluster.normal_consumers() if moved is not None else None
+    consumers = cluster.relocator.groups() if moved is not None else None
     return await inspection.undrained(store, drains(cluster), moved, relocated=consumers)
 
 

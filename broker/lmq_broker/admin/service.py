@@ -36,7 +36,7 @@ from lmq_broker.admin import (
     users,
     validation,
 )
-from lmq_broker.cluster import trust
+from lmq_broker.cluster import relocating, trust
 from lmq_broker.cluster.links import ADMIN, now_ms
 from lmq_broker.cluster.setup import Cluster
 from lmq_broker.config import BrokerConfig
@@ -433,7 +433,18 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         and answered once stored. A peer's call only (its header, besides the admin pair)."""
         self._from_peer(context, "StoreRelocated")
         cluster = self._cluster_or_refuse()
-        return pb.StoreRelocatedResponse(stored=await cluster.store_relocated(request.messages))
+        return pb.StoreRelocatedResponse(stored=await cluster.store_relocated(request.messages, request.source))
+
+    @override
+    @_edge
+    async def CommittedGroups(self, request: pb.CommittedGroupsRequest, context: Context) -> pb.CommittedGroupsResponse:
+        """The groups with a commit point in each of the topics asked (``cluster.relocating``): a leaving broker
+        copies what they have not consumed too. A peer's call only."""
+        self._from_peer(context, "CommittedGroups")
+        found = await asyncio.to_thread(relocating.committed_groups, self._store, request.topics)
+        return pb.CommittedGroupsResponse(
+            topics=[pb.TopicGroups(topic=topic, groups=sorted(groups)) for topic, groups in sorted(found.items())]
+        )
 
     def _from_peer(self, context: Context, method: str) -> None:
         peers = self._cluster.peers if self._cluster is not None else None
@@ -450,7 +461,7 @@ class AdminServicer(admin_pb2_grpc.LmqAdminServicer):
         cluster = self._cluster
         drains = membership.drains(cluster) if cluster is not None else None
         leaving = cluster is not None and membership.handed_over(cluster) is not None
-        consumers = cluster.normal_consumers() if cluster is not None and leaving else None
+        consumers = cluster.relocator.groups() if cluster is not None and leaving else None
         return await inspection.broker_info(
             self._store,
             self._live,

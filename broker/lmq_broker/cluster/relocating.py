@@ -8,8 +8,10 @@ appends them to its own queue of that topic with the same ids and properties (``
 call). It copies from the lowest start of the groups that consume the topic here: those with a commit point in
 some queue of the topic, and those of the consumers that told this broker they consume it (their Telemetry
 settings; the clients it remembers, ``client_expiry_ms``); a group with no point in the queue starts at its
-first message, and the whole queue is copied when no group is known. A group that is neither is not known
-here: when another group consumed the queue, what that one consumed is not copied for it.
+first message, and the whole queue is copied when no group is known. The groups with a commit point for the
+topic at a remaining broker count too (asked once a pass, ``CommittedGroups``): one that never consumed here
+and whose consumers were down meanwhile starts here at each queue's first offset when it comes back. While a
+remaining broker does not answer, any group may: every queue is copied (and counted) from its first offset.
 
 It records how far each queue got (``Store.put_relocated``, synced) only after the remaining broker answered
 that the batch is stored: a crash (kill -9) between the two sends the batch again, so a message may be stored
@@ -20,7 +22,9 @@ broker is removed only once every such message is at a remaining broker.
 
 Each queue goes to one remaining broker (its name and queue id hashed over today's ring), so a FIFO queue's
 messages keep their order there; a broker that does not answer is passed over for the next slot of today's
-ring, and a pass that fails is tried again at the next one.
+ring, and a pass that fails is tried again at the next one. A broker that did not answer in time may have
+stored the batch: it is asked again (never the next one), and it stores only what it does not hold yet from
+this broker's queue (``relocated_from``), so a retried batch is not stored twice.
 """
 
 from __future__ import annotations
@@ -46,10 +50,22 @@ RELOCATE_EVERY_S: Final = 1.0
 BATCH_MESSAGES: Final = 500  # messages per StoreRelocated call at most
 QUEUES_PAGE: Final = 1_000
 
-# (slot of today's ring, messages) -> once that broker stored them durably; raises otherwise
+SAME_SLOT_TRIES: Final = 3  # a broker that did not answer in time is asked again before the pass gives up
+# (slot of today's ring, messages) -> once that broker stored them durably; raises ``Unanswered`` when it may
+# have (a timeout), another LmqError when it did not
 Send = Callable[[int, Sequence[model.StoredMessage]], Awaitable[None]]
-# topic -> the groups of the consumers that told this broker they consume it (their Telemetry settings)
+# topic -> groups known to consume it (their consumers' Telemetry settings here; commit points elsewhere)
 Consumers = Mapping[str, Collection[str]]
+# topics -> the groups with a commit point in them at the remaining brokers; None when one did not answer
+Committed = Callable[[Collection[str]], Awaitable[Consumers | None]]
+ANY_TOPIC: Final = ""  # a key of Consumers: groups of every topic
+# no broker could rule out a group (one did not answer): a group that has no point anywhere here (no name
+# has), so every queue counts from its first offset
+UNKNOWN: Final[Consumers] = {ANY_TOPIC: ("",)}
+
+
+class Unanswered(errors.BrokerUnavailable):
+    """A remaining broker did not answer in time: it may have stored the batch (ask it again, not the next)."""
 
 
 class Pending(NamedTuple):
@@ -90,7 +106,8 @@ def pending(store: Store, consumers: Consumers | None = None) -> list[Pending]:
         groups[topic].update(names)
     for queue in queues:
         groups[queue.topic].update(store.commit_points(queue))
-    found = (start_of(store, queue, groups[queue.topic]) for queue in queues)
+    every = groups[ANY_TOPIC]
+    found = (start_of(store, queue, {*groups[queue.topic], *every}) for queue in queues)
     return [p for p in found if p.start < p.end]
 
 
@@ -126,11 +143,16 @@ class Relocator:
         send: Send,
         max_bytes: int,
         registry: CollectorRegistry,
+        *,
         consumers: Callable[[], Consumers] = dict,
+        committed: Committed | None = None,
     ) -> None:
         self._store = store
         self._send = send
         self._consumers = consumers  # on the loop
+        self._committed = committed
+        # the remaining brokers' groups by topic at the last pass (UNKNOWN until all of them answered one)
+        self.remote: Consumers = UNKNOWN if committed is not None else {}
         self._max_bytes = max_bytes
         self.copied = Counter(
             "lmq_relocated_messages",
@@ -158,7 +180,7 @@ class Relocator:
         """One pass: every queue's messages to copy, stored at a remaining broker; returns how many."""
         copied = 0
         failed: list[str] = []
-        for found in await asyncio.to_thread(pending, self._store, self._consumers()):
+        for found in await self._pending():
             try:
                 copied += await self._copy(found, slots)
             except errors.LmqError as exc:  # this queue waits for the next pass; the others go on
@@ -168,6 +190,26 @@ class Relocator:
         if failed:
             raise errors.BrokerUnavailable(f"{len(failed)} queues not copied, first: {failed[0]}")
         return copied
+
+    def groups(self) -> Consumers:
+        """On the loop. The groups a copy (and the undrained count) is for: those of the consumers that told this
+        broker, and those with a commit point at the remaining brokers at the last pass (``UNKNOWN`` while one
+        did not answer)."""
+        merged: defaultdict[str, set[str]] = defaultdict(set)
+        for part in (self._consumers(), self.remote):
+            for topic, names in part.items():
+                merged[topic].update(names)
+        return merged
+
+    async def _pending(self) -> list[Pending]:
+        """What this pass copies. The remaining brokers are asked once for the groups of every topic with
+        something not copied yet from its first offset (none: no need to ask)."""
+        if self._committed is not None:
+            anything = await asyncio.to_thread(pending, self._store, UNKNOWN)
+            topics = sorted({job.queue.topic for job in anything})
+            answer = await self._committed(topics) if topics else {}
+            self.remote = UNKNOWN if answer is None else answer
+        return await asyncio.to_thread(pending, self._store, self.groups())
 
     async def _copy(self, job: Pending, slots: int) -> int:
         copied = 0
@@ -189,11 +231,17 @@ class Relocator:
         failures = []
         for attempt in range(slots):
             slot = destination(queue, slots, attempt)
-            try:
-                await self._send(slot, messages)
-                return
-            except errors.LmqError as exc:
-                failures.append(f"slot {slot}: {exc.message}")
+            for _ in range(SAME_SLOT_TRIES):
+                try:
+                    await self._send(slot, messages)
+                    return
+                except Unanswered as exc:  # it may hold the batch: ask it again, it stores only what it lacks
+                    failures.append(f"slot {slot}: {exc.message}")
+                except errors.LmqError as exc:
+                    failures.append(f"slot {slot}: {exc.message}")
+                    break
+            else:  # never the next slot after a timeout (the batch may be stored twice): the next pass
+                break
         raise errors.BrokerUnavailable(
             f"{queue.topic} queue {queue.queue}: no remaining broker stored it ({'; '.join(failures)})"
         )
@@ -212,7 +260,39 @@ def to_wire(message: model.StoredMessage) -> admin_pb.RelocatedMessage:
         message_group=message.message_group or "",
         user_properties=message.user_properties,
         message_type=int(message.message_type),
+        source_offset=message.offset,
     )
+
+
+def committed_groups(store: Store, topics: Collection[str]) -> dict[str, set[str]]:
+    """Blocking. The groups with a commit point in some queue of each of ``topics`` at this store (the
+    remaining broker's side of ``CommittedGroups``)."""
+    wanted = set(topics)
+    out: dict[str, set[str]] = {}
+    after: model.QueueId | None = None
+    while wanted:
+        page = store.normal_queues(after, QUEUES_PAGE)
+        for queue in page:
+            if queue.topic in wanted:
+                out.setdefault(queue.topic, set()).update(store.commit_points(queue))
+        if len(page) < QUEUES_PAGE:
+            break
+        after = page[-1]
+    return out
+
+
+def new_tail(
+    store: Store, source: str, sent: Sequence[admin_pb.RelocatedMessage]
+) -> tuple[list[admin_pb.RelocatedMessage], int]:
+    """Blocking. Of one queue's batch from leaving broker ``source``, what this store does not hold yet (a retry
+    of a batch it stored), and the end (source offsets) it holds once that is stored."""
+    if not source or not sent:
+        return list(sent), 0
+    queue = model.QueueId(sent[0].topic, sent[0].queue)
+    if queue.queue < 0 or any(m.topic != queue.topic or m.queue != queue.queue for m in sent):
+        raise errors.InvalidArgument("a relocated batch is of one queue, its id not negative", kind="messages")
+    held = store.relocated_from(source, queue)
+    return [m for m in sent if m.source_offset >= held], max(held, max(m.source_offset for m in sent) + 1)
 
 
 def from_wire(snap: metadata.Metadata, sent: admin_pb.RelocatedMessage) -> model.NewMessage:

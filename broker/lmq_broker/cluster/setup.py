@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 FLAGS: Final = "flags"
 ADMIN: Final = "admin"
 RELOCATE_TIMEOUT_S: Final = 30.0  # a StoreRelocated call: up to 500 messages appended and made durable there
+COMMITTED_TIMEOUT_S: Final = 10.0  # a CommittedGroups call
 
 
 def membership_of(config: BrokerConfig) -> tuple[mb.Membership, int] | None:
@@ -213,9 +214,17 @@ class Cluster:
         # From the first time this broker leaves: its NORMAL topics' messages and dead letters copied to remaining
         # brokers (``relocating``)
         self.relocator = relocating.Relocator(
-            store, self._store_relocated, config.max_body_bytes, metrics.registry, self.normal_consumers
+            store,
+            self._store_relocated,
+            config.max_body_bytes,
+            metrics.registry,
+            consumers=self.normal_consumers,
+            committed=self._committed_groups,
         )
         self._relocating: asyncio.Task[None] | None = None
+        # (source, topic, queue) -> held while one batch a leaving broker relocates here is stored
+        self._relocating_into: dict[tuple[str, str, int], asyncio.Lock] = {}
+        self._relocation_source: str | None = None  # this broker as a leaving one, to a StoreRelocated receiver
         self._closing = asyncio.Event()
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
         self._hop_server: local_hop.HopServer | None = None
@@ -453,20 +462,57 @@ class Cluster:
             raise errors.BrokerUnavailable(f"slot {slot} is no remaining broker of this one's cluster")
         member = peers.membership.members[slot]
         stub, metadata = peers.admin(member, "StoreRelocated")
-        request = admin_pb.StoreRelocatedRequest(messages=[relocating.to_wire(m) for m in messages])
+        wire = [relocating.to_wire(m) for m in messages]
+        if self._relocation_source is None:  # its offsets are of this data directory: a new one starts at 0 again
+            store_id = await self._dispatcher.run(self._store.store_id)
+            self._relocation_source = f"{self.endpoint}/{store_id}"
+        request = admin_pb.StoreRelocatedRequest(messages=wire, source=self._relocation_source)
         try:
             await stub.StoreRelocated(request, metadata=metadata, timeout=RELOCATE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise errors.BrokerUnavailable(f"{member}: {exc.code().name} {exc.details()}") from None
+            failed = errors.BrokerUnavailable
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                failed = relocating.Unanswered  # it may have stored them
+            raise failed(f"{member}: {exc.code().name} {exc.details()}") from None
 
-    async def store_relocated(self, messages: Sequence[admin_pb.RelocatedMessage]) -> int:
+    async def _committed_groups(self, topics: Collection[str]) -> relocating.Consumers | None:
+        """The groups with a commit point in ``topics`` at every other member (``relocating``); None when one
+        did not answer."""
+        peers = self.peers
+        if peers is None:
+            return None
+        others = [m for slot, m in enumerate(peers.membership.members) if m and slot != peers.me]
+        out: dict[str, set[str]] = {}
+        for member in others:
+            stub, metadata = peers.admin(member, "CommittedGroups")
+            request = admin_pb.CommittedGroupsRequest(topics=topics)
+            try:
+                answer = await stub.CommittedGroups(request, metadata=metadata, timeout=COMMITTED_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.info("%s did not say which groups consume NORMAL topics there: %s", member, exc.code().name)
+                return None
+            for item in answer.topics:
+                out.setdefault(item.topic, set()).update(item.groups)
+        return out
+
+    async def store_relocated(self, messages: Sequence[admin_pb.RelocatedMessage], source: str = "") -> int:
         """A leaving broker's messages of NORMAL topics and dead letters (``relocating``): appended here, all or
-        nothing, no quota applied (they were accepted once already); returns how many."""
+        nothing, no quota applied (they were accepted once already); returns how many. With ``source`` (one
+        queue's batch from that broker), what this broker stored of that queue before (a retried batch) is not
+        stored again: how far it got is recorded (synced) after the append, before the answer, and one batch
+        per queue and source is stored at a time."""
         if not messages:
             return 0
-        snap = await self._dispatcher.metadata()
-        stored = await self._dispatcher.ingest.append([relocating.from_wire(snap, m) for m in messages])
-        return len(stored)
+        key = (source, messages[0].topic, messages[0].queue)
+        async with self._relocating_into.setdefault(key, asyncio.Lock()):  # one per queue a leaving broker had
+            fresh, end = await self._dispatcher.run(relocating.new_tail, self._store, source, messages)
+            if fresh:
+                snap = await self._dispatcher.metadata()
+                await self._dispatcher.ingest.append([relocating.from_wire(snap, m) for m in fresh])
+            if source:
+                queue = model.QueueId(messages[0].topic, messages[0].queue)
+                await self._dispatcher.run(self._store.put_relocated_from, source, queue, end)
+        return len(fresh)
 
     def _build(self) -> Peers:
         config = self.config

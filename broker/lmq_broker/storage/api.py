@@ -192,6 +192,20 @@ class Store(Protocol):
         """Record ``relocated`` (synced)."""
         ...
 
+    def store_id(self) -> str:
+        """A random id this store got when first asked (synced; kept across restarts, new with a new data
+        directory): what a leaving broker's offsets are of, for ``relocated_from``."""
+        ...
+
+    def relocated_from(self, source: str, queue: model.QueueId) -> int:
+        """At a remaining broker: the end (source offsets) of what leaving broker ``source`` stored here of its
+        ``queue`` (``cluster.relocating``), so a retried batch is not stored twice. 0 when none was."""
+        ...
+
+    def put_relocated_from(self, source: str, queue: model.QueueId, end: int) -> None:
+        """Record ``relocated_from`` (synced)."""
+        ...
+
     # --- lite topics ----------------------------------------------------------------------------------
     def lite_topic(self, parent: str, lite: str) -> model.LiteTopicMeta | None: ...
 

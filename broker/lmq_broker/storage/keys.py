@@ -33,6 +33,9 @@ are big-endian so byte order is numeric order; values are little-endian. Names a
     X      X "access"                       JSON users and access policies (``access.document``; synced; meta)
     X      X "relocated" qkey               u64: a leaving broker stored every message of this queue below it
                                             at a remaining broker (``cluster.relocating``; synced; meta)
+    X      X "storeid"                      a random hex id of this store, made when first asked (synced; meta)
+    X      X "relocfrom" source 0 topic 0   u64: at a remaining broker, the end (source offsets) of what leaving
+             u32be queue                    broker ``source`` stored here of that queue (synced; meta)
     H      H qkey u64be(first_offset)       u64 end: offsets [first, end) of the queue the log lost (a
                                             quarantined record, a missing segment, a reconciled next):
                                             the only offsets between min and next a reader may skip
@@ -83,6 +86,8 @@ SYNC_SESSION_KEY: Final = b"Xsync"  # meta: the session that wrote last ran with
 MEMBERSHIP_KEY: Final = b"Xmembership"  # meta: the cluster membership the admin service last set
 ACCESS_KEY: Final = b"Xaccess"  # meta: users and access policies (``access.document``)
 RELOCATED: Final = b"Xrelocated"  # meta: + qkey -> u64 end of what a leaving broker copied to a remaining one
+STORE_ID_KEY: Final = b"Xstoreid"  # meta: a random id of this store (``Store.store_id``)
+RELOCATED_FROM: Final = b"Xrelocfrom"  # meta: + source, topic, queue -> u64 end of what a leaving one stored here
 META_PROBE_KEY: Final = b"Xprobe"  # written by a readiness probe to learn whether the meta store can write
 TOTAL_COUNT_KEY: Final = COUNT
 
@@ -243,6 +248,11 @@ def lmq_topic(parent: str, lite: str) -> str:
 
 
 # --- keys --------------------------------------------------------------------------------------------
+
+
+def relocated_from(source: str, queue: model.QueueId) -> bytes:
+    """The meta key of what leaving broker ``source`` stored here of its ``queue`` (``RELOCATED_FROM``)."""
+    return RELOCATED_FROM + source.encode() + b"\0" + queue.topic.encode() + b"\0" + U32BE.pack(queue.queue)
 
 
 def entry_key(qkey: bytes, first_offset: int) -> bytes:

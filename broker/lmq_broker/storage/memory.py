@@ -9,6 +9,7 @@ the contract only promises that min offsets advance past expired messages and ne
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ class MemoryStore:
         self._membership: str | None = None
         self._access: str | None = None
         self._relocated: dict[bytes, int] = {}
+        self._relocated_from: dict[bytes, int] = {}
+        self._store_id = uuid.uuid4().hex
         self._records: deque[_Record] = deque()
         self._bytes = 0
         self._names = keys.NameCache()
@@ -479,6 +482,20 @@ class MemoryStore:
         self._check_open()
         with self._lock:
             self._relocated[keys.parse_queue(queue.topic, queue.queue).qkey] = end
+
+    def store_id(self) -> str:
+        self._check_open()
+        return self._store_id
+
+    def relocated_from(self, source: str, queue: model.QueueId) -> int:
+        self._check_open()
+        with self._lock:
+            return self._relocated_from.get(keys.relocated_from(source, queue), 0)
+
+    def put_relocated_from(self, source: str, queue: model.QueueId, end: int) -> None:
+        self._check_open()
+        with self._lock:
+            self._relocated_from[keys.relocated_from(source, queue)] = end
 
     def put_membership(self, text: str) -> None:
         self._check_open()

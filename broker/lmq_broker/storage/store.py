@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Final
@@ -317,6 +318,23 @@ class LmqStore:
         core = self._core
         core.check_open()
         self._meta.put_u64(keys.RELOCATED + core.resolve(queue.topic, queue.queue).qkey, end)
+
+    def store_id(self) -> str:
+        self._core.check_open()
+        known = self._meta.text(keys.STORE_ID_KEY)
+        if known is None:
+            known = uuid.uuid4().hex
+            self._meta.put_text(keys.STORE_ID_KEY, known)
+        return known
+
+    def relocated_from(self, source: str, queue: model.QueueId) -> int:
+        self._core.check_open()
+        value = self._meta.get(keys.relocated_from(source, queue))
+        return 0 if value is None else int(keys.U64.unpack(value)[0])
+
+    def put_relocated_from(self, source: str, queue: model.QueueId, end: int) -> None:
+        self._core.check_open()
+        self._meta.put_u64(keys.relocated_from(source, queue), end)
 
     # --- lite topics ---------------------------------------------------------------------------------
 

@@ -2485,6 +2485,7 @@ class RelocatedMessage(_message.Message):
     MESSAGE_GROUP_FIELD_NUMBER: _builtins.int
     USER_PROPERTIES_FIELD_NUMBER: _builtins.int
     MESSAGE_TYPE_FIELD_NUMBER: _builtins.int
+    SOURCE_OFFSET_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     queue: _builtins.int
     message_id: _builtins.str
@@ -2497,6 +2498,8 @@ class RelocatedMessage(_message.Message):
     """"": none"""
     message_type: _builtins.int
     """apache.rocketmq.v2.MessageType number"""
+    source_offset: _builtins.int
+    """its offset in the leaving broker's queue"""
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -2515,10 +2518,11 @@ class RelocatedMessage(_message.Message):
         message_group: _builtins.str = ...,
         user_properties: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         message_type: _builtins.int = ...,
+        source_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "born_host", b"born_host", "born_timestamp_ms", b"born_timestamp_ms", "keys", b"keys", "message_group", b"message_group", "message_id", b"message_id", "message_type", b"message_type", "queue", b"queue", "tag", b"tag", "topic", b"topic", "user_properties", b"user_properties"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "born_host", b"born_host", "born_timestamp_ms", b"born_timestamp_ms", "keys", b"keys", "message_group", b"message_group", "message_id", b"message_id", "message_type", b"message_type", "queue", b"queue", "source_offset", b"source_offset", "tag", b"tag", "topic", b"topic", "user_properties", b"user_properties"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2526,19 +2530,26 @@ Global___RelocatedMessage: _TypeAlias = RelocatedMessage  # noqa: Y015
 
 @_typing.final
 class StoreRelocatedRequest(_message.Message):
+    """One queue's batch. source: the leaving broker (its member endpoint and store id); the receiver records how
+    far it stored each (source, topic, queue), so a retried batch is not stored twice ("": no such record).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelocatedMessage]: ...
     def __init__(
         self,
         *,
         messages: _abc.Iterable[Global___RelocatedMessage] | None = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2562,6 +2573,73 @@ class StoreRelocatedResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StoreRelocatedResponse: _TypeAlias = StoreRelocatedResponse  # noqa: Y015
+
+@_typing.final
+class CommittedGroupsRequest(_message.Message):
+    """The groups with a commit point in some queue of each of these topics (NORMAL topics, dead letters) at this
+    broker: a leaving broker copies what they have not consumed too (docs/scale-out.md). A peer's call only.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPICS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        topics: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["topics", b"topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommittedGroupsRequest: _TypeAlias = CommittedGroupsRequest  # noqa: Y015
+
+@_typing.final
+class TopicGroups(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        groups: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopicGroups: _TypeAlias = TopicGroups  # noqa: Y015
+
+@_typing.final
+class CommittedGroupsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPICS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicGroups]: ...
+    def __init__(
+        self,
+        *,
+        topics: _abc.Iterable[Global___TopicGroups] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["topics", b"topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommittedGroupsResponse: _TypeAlias = CommittedGroupsResponse  # noqa: Y015
 
 @_typing.final
 class BackupRequest(_message.Message):

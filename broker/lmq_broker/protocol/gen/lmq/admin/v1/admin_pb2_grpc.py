@@ -179,6 +179,11 @@ class LmqAdminStub:
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.StoreRelocatedRequest.SerializeToString,
                 response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.StoreRelocatedResponse.FromString,
                 _registered_method=True)
+        self.CommittedGroups = channel.unary_unary(
+                '/lmq.admin.v1.LmqAdmin/CommittedGroups',
+                request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.CommittedGroupsRequest.SerializeToString,
+                response_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.CommittedGroupsResponse.FromString,
+                _registered_method=True)
         self.Backup = channel.unary_stream(
                 '/lmq.admin.v1.LmqAdmin/Backup',
                 request_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.BackupRequest.SerializeToString,
@@ -403,6 +408,12 @@ class LmqAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommittedGroups(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Backup(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -604,6 +615,11 @@ def add_LmqAdminServicer_to_server(servicer, server):
                     servicer.StoreRelocated,
                     request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.StoreRelocatedRequest.FromString,
                     response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.StoreRelocatedResponse.SerializeToString,
+            ),
+            'CommittedGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommittedGroups,
+                    request_deserializer=lmq_dot_admin_dot_v1_dot_admin__pb2.CommittedGroupsRequest.FromString,
+                    response_serializer=lmq_dot_admin_dot_v1_dot_admin__pb2.CommittedGroupsResponse.SerializeToString,
             ),
             'Backup': grpc.unary_stream_rpc_method_handler(
                     servicer.Backup,
@@ -1434,6 +1450,33 @@ class LmqAdmin:
             '/lmq.admin.v1.LmqAdmin/StoreRelocated',
             lmq_dot_admin_dot_v1_dot_admin__pb2.StoreRelocatedRequest.SerializeToString,
             lmq_dot_admin_dot_v1_dot_admin__pb2.StoreRelocatedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommittedGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmq.admin.v1.LmqAdmin/CommittedGroups',
+            lmq_dot_admin_dot_v1_dot_admin__pb2.CommittedGroupsRequest.SerializeToString,
+            lmq_dot_admin_dot_v1_dot_admin__pb2.CommittedGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

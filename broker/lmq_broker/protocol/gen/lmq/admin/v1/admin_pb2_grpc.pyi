@@ -62,6 +62,7 @@ class LmqAdminStub:
     MqttFindMessage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.MqttFindMessageRequest, _admin_pb2.MqttFindMessageResponse]
     AwaitLiteReady: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]
     StoreRelocated: _grpc.UnaryUnaryMultiCallable[_admin_pb2.StoreRelocatedRequest, _admin_pb2.StoreRelocatedResponse]
+    CommittedGroups: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CommittedGroupsRequest, _admin_pb2.CommittedGroupsResponse]
     Backup: _grpc.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]
     PutUser: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PutUserRequest, _admin_pb2.PutUserResponse]
     GetUser: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetUserRequest, _admin_pb2.GetUserResponse]
@@ -104,6 +105,7 @@ class LmqAdminAsyncStub(LmqAdminStub):
     MqttFindMessage: _aio.UnaryUnaryMultiCallable[_admin_pb2.MqttFindMessageRequest, _admin_pb2.MqttFindMessageResponse]  # type: ignore[assignment]
     AwaitLiteReady: _aio.UnaryUnaryMultiCallable[_admin_pb2.AwaitLiteReadyRequest, _admin_pb2.AwaitLiteReadyResponse]  # type: ignore[assignment]
     StoreRelocated: _aio.UnaryUnaryMultiCallable[_admin_pb2.StoreRelocatedRequest, _admin_pb2.StoreRelocatedResponse]  # type: ignore[assignment]
+    CommittedGroups: _aio.UnaryUnaryMultiCallable[_admin_pb2.CommittedGroupsRequest, _admin_pb2.CommittedGroupsResponse]  # type: ignore[assignment]
     Backup: _aio.UnaryStreamMultiCallable[_admin_pb2.BackupRequest, _admin_pb2.BackupResponse]  # type: ignore[assignment]
     PutUser: _aio.UnaryUnaryMultiCallable[_admin_pb2.PutUserRequest, _admin_pb2.PutUserResponse]  # type: ignore[assignment]
     GetUser: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetUserRequest, _admin_pb2.GetUserResponse]  # type: ignore[assignment]
@@ -317,6 +319,13 @@ class LmqAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.StoreRelocatedRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.StoreRelocatedResponse, _abc.Awaitable[_admin_pb2.StoreRelocatedResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CommittedGroups(
+        self,
+        request: _admin_pb2.CommittedGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.CommittedGroupsResponse, _abc.Awaitable[_admin_pb2.CommittedGroupsResponse]]: ...
 
     @_abc_1.abstractmethod
     def Backup(
