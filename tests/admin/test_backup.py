@@ -238,3 +238,32 @@ def test_a_backup_into_a_non_empty_directory_is_refused(broker: BrokerProcess, t
     (tmp_path / "full" / "x").write_text("x")
     code, _, err = _admin(broker, "backup", str(tmp_path / "full"))
     assert code == cli.EXIT_FAILED and "is not empty" in err
+
+
+def test_a_restored_store_is_a_new_source_of_relocated_offsets(broker: BrokerProcess, tmp_path: Path) -> None:
+    """A store restored from a backup may number new messages with offsets its first life used after the
+    backup was taken; a remaining broker that took a scale-down's copy of those (``StoreRelocated``, kept per
+    source store) would pass the new messages over as already held. So each restore gets an id of its own, and
+    the store's id includes it: the original and every restore of one snapshot are different sources."""
+    broker.stop()
+    store = storage_store.open_store(StoreConfig(data_dir=broker.data_dir))
+    try:
+        original = store.store_id()  # what a cluster member asks for at its start
+    finally:
+        store.close()
+    again = start_broker(broker.data_dir, extra_args=["--no-bootstrap", "--mqtt-port", "0"])
+    try:
+        code, _out, err = _admin(again, "backup", str(tmp_path / "snap"))
+        assert code == 0, err
+    finally:
+        again.stop()
+    ids = []
+    for name in ("first", "second"):
+        restoring.restore(tmp_path / "snap", tmp_path / name)
+        store = storage_store.open_store(StoreConfig(data_dir=tmp_path / name))
+        try:
+            ids.append(store.store_id())
+            assert store.store_id() == ids[-1]  # kept while it lives
+        finally:
+            store.close()
+    assert all(i.startswith(original + ".") for i in ids) and len(set(ids)) == 2, (original, ids)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -23,7 +24,7 @@ from typing import Any, BinaryIO, Final
 from lmq_broker import errors
 from lmq_broker.admin import credentials
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as pb
-from lmq_broker.storage.markers import RESTORE_MARKER
+from lmq_broker.storage.markers import RESTORE_MARKER, RESTORED_ID
 from lmq_broker.storage.segment import fsync_dir
 
 FORMAT: Final = 1  # the snapshot format this code writes and reads: a newer one is refused
@@ -230,6 +231,7 @@ def restore(snapshot: Path, data_dir: Path, *, force: bool = False, progress: Pr
         if not existed:
             shutil.rmtree(data_dir, ignore_errors=True)
         raise
+    _write_durably(staging / RESTORED_ID, uuid.uuid4().hex.encode() + b"\n")  # a new source of relocated offsets
     marker = data_dir / RESTORE_MARKER
     _write_durably(marker, b"a restore is moving files into this directory\n")  # the broker will not open it
     for entry in data_dir.iterdir():

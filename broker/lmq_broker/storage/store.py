@@ -35,7 +35,7 @@ from lmq_broker.storage import (
 )
 from lmq_broker.storage import core as core_mod
 from lmq_broker.storage import index as index_mod
-from lmq_broker.storage.markers import RESTORE_MARKER
+from lmq_broker.storage.markers import RESTORE_MARKER, RESTORED_ID
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class LmqStore:
     ) -> None:
         started = time.perf_counter()
         check_restored(cfg.data_dir)
+        self._data_dir = cfg.data_dir
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         log_ = commitlog.CommitLog(cfg.data_dir / "commitlog", cfg.segment_max_bytes)
         try:
@@ -325,6 +326,9 @@ class LmqStore:
         if known is None:
             known = uuid.uuid4().hex
             self._meta.put_text(keys.STORE_ID_KEY, known)
+        restored = self._data_dir / RESTORED_ID
+        if restored.exists():  # restored from a backup: its offsets may be numbered again (``markers``)
+            known += "." + restored.read_text().strip()
         return known
 
     def relocated_from(self, source: str, queue: model.QueueId) -> int:
