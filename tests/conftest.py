@@ -23,6 +23,12 @@ from functools import cache
 from pathlib import Path
 from typing import Final
 
+# hypothesis's pytest plugin imports this at the run's terminal summary, and pytest compiles it then. Python
+# 3.11 keeps the compiler's AST recursion count per interpreter, not per thread: an official client's thread
+# still running at that moment (tests/e2e ends such runs only afterwards, in ``pytest_unconfigure``) that
+# compiles too (a dataclass, a lazy import) made it raise "SystemError: AST constructor recursion depth
+# mismatch", failing a run whose 94 e2e tests had all passed (a fresh clone). Imported here, before any thread.
+import hypothesis.internal.observability  # noqa: F401
 import pytest
 
 from lmq_broker import supervisor
