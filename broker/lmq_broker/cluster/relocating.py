@@ -34,7 +34,7 @@ import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, cast
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -293,6 +293,69 @@ def new_tail(
         raise errors.InvalidArgument("a relocated batch is of one queue, its id not negative", kind="messages")
     held = store.relocated_from(source, queue)
     return [m for m in sent if m.source_offset >= held], max(held, max(m.source_offset for m in sent) + 1)
+
+
+class Receiver:
+    """A remaining broker's side of ``StoreRelocated``: one queue's batch from a leaving broker appended here
+    (``append``, as ``from_wire`` makes them of the current metadata), but for what this broker holds of that
+    queue already (``new_tail``), and how far it got recorded. One batch per (source, topic, queue) at a time.
+    The append and the record run in a task of their own that the caller's cancellation does not stop (a call
+    whose deadline passed is cancelled; the append it queued is made all the same): before, a cancelled call
+    left the appended batch unrecorded and let the retry in at once, which stored it again."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: Callable[..., Awaitable[object]],
+        append: Callable[[list[model.NewMessage]], Awaitable[object]],
+        snapshot: Callable[[], Awaitable[metadata.Metadata]],
+    ) -> None:
+        self._store = store
+        self._run = run
+        self._append = append
+        self._snapshot = snapshot
+        # (source, topic, queue) -> its lock and how many calls use it (dropped when none does)
+        self._locks: dict[tuple[str, str, int], tuple[asyncio.Lock, list[int]]] = {}
+        self._storing: set[asyncio.Task[int]] = set()
+
+    @property
+    def busy(self) -> int:
+        """Keys with a batch being stored or waiting (their locks; none is kept once idle)."""
+        return len(self._locks)
+
+    async def receive(self, messages: Sequence[admin_pb.RelocatedMessage], source: str) -> int:
+        """Stores what is new of ``messages``; how many. Finishes even when the caller is cancelled."""
+        if not messages:
+            return 0
+        task = asyncio.get_running_loop().create_task(self._receive(messages, source))
+        self._storing.add(task)
+        task.add_done_callback(self._stored)
+        return await asyncio.shield(task)
+
+    def _stored(self, task: asyncio.Task[int]) -> None:
+        self._storing.discard(task)
+        if not task.cancelled() and (failed := task.exception()) is not None:  # retrieved: its caller may be gone
+            log.info("a relocated batch was not stored: %s", failed)
+
+    async def _receive(self, messages: Sequence[admin_pb.RelocatedMessage], source: str) -> int:
+        key = (source, messages[0].topic, messages[0].queue)
+        lock, users = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                found = await self._run(new_tail, self._store, source, messages)
+                fresh, end = cast("tuple[list[admin_pb.RelocatedMessage], int]", found)
+                if fresh:
+                    snap = await self._snapshot()
+                    await self._append([from_wire(snap, m) for m in fresh])
+                if source:
+                    queue = model.QueueId(messages[0].topic, messages[0].queue)
+                    await self._run(self._store.put_relocated_from, source, queue, end)
+                return len(fresh)
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[key]
 
 
 def from_wire(snap: metadata.Metadata, sent: admin_pb.RelocatedMessage) -> model.NewMessage:

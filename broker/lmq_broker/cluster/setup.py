@@ -222,8 +222,8 @@ class Cluster:
             committed=self._committed_groups,
         )
         self._relocating: asyncio.Task[None] | None = None
-        # (source, topic, queue) -> held while one batch a leaving broker relocates here is stored
-        self._relocating_into: dict[tuple[str, str, int], asyncio.Lock] = {}
+        # what leaving brokers relocate here (``StoreRelocated``)
+        self.receiver = relocating.Receiver(store, dispatcher.run, dispatcher.ingest.append, dispatcher.metadata)
         self._relocation_source: str | None = None  # this broker as a leaving one, to a StoreRelocated receiver
         self._closing = asyncio.Event()
         self._copying: set[asyncio.Task[None]] = set()  # subscriptions copied to brokers that joined
@@ -500,19 +500,8 @@ class Cluster:
         nothing, no quota applied (they were accepted once already); returns how many. With ``source`` (one
         queue's batch from that broker), what this broker stored of that queue before (a retried batch) is not
         stored again: how far it got is recorded (synced) after the append, before the answer, and one batch
-        per queue and source is stored at a time."""
-        if not messages:
-            return 0
-        key = (source, messages[0].topic, messages[0].queue)
-        async with self._relocating_into.setdefault(key, asyncio.Lock()):  # one per queue a leaving broker had
-            fresh, end = await self._dispatcher.run(relocating.new_tail, self._store, source, messages)
-            if fresh:
-                snap = await self._dispatcher.metadata()
-                await self._dispatcher.ingest.append([relocating.from_wire(snap, m) for m in fresh])
-            if source:
-                queue = model.QueueId(messages[0].topic, messages[0].queue)
-                await self._dispatcher.run(self._store.put_relocated_from, source, queue, end)
-        return len(fresh)
+        per queue and source is stored at a time (``relocating.Receiver``, which finishes a cancelled call's)."""
+        return await self.receiver.receive(messages, source)
 
     def _build(self) -> Peers:
         config = self.config

@@ -5,7 +5,8 @@ a deleted topic's, in batches bounded by messages and bytes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from prometheus_client import CollectorRegistry
 from lmq_broker import errors, model
 from lmq_broker.cluster import relocating
 from lmq_broker.config import StoreConfig
+from lmq_broker.dispatch import metadata
+from lmq_broker.dispatch.testing import config_for
 from lmq_broker.protocol.gen.lmq.admin.v1 import admin_pb2 as admin_pb
 from lmq_broker.storage.api import Store
 from lmq_broker.storage.store import open_store
@@ -219,3 +222,71 @@ def test_a_store_keeps_its_id_and_a_new_one_gets_another(tmp_path: Path) -> None
         finally:
             store.close()
     assert ids[0] == ids[1] != ids[2]
+
+
+def test_a_store_relocated_call_cancelled_at_its_deadline_still_records_what_its_append_stored(
+    tmp_path: Path,
+) -> None:
+    """gRPC cancels a StoreRelocated handler whose deadline passed (the leaving broker's 30 s), but the append it
+    queued is made all the same (the appender's thread, a replica's copy). The record of how far that source's
+    queue got must follow it, and the leaving broker's retry must wait for both: it then stores nothing again.
+    Before, the cancelled call left the batch unrecorded and released the queue's lock at once, so the retry
+    (the very case the record is for) stored the batch a second time (red-team review)."""
+    store = open_store(StoreConfig(data_dir=tmp_path))
+    try:
+        orders = model.ParentTopic("orders", model.MessageType.NORMAL, queue_count=2)
+        store.put_parent_topic(orders)
+        snap = metadata.Metadata(config_for(tmp_path), {"orders": orders})
+        queued: list[tuple[list[model.NewMessage], asyncio.Future[None]]] = []
+
+        async def append(messages: list[model.NewMessage]) -> None:  # as the appender: the write is its thread's
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            queued.append((messages, done))
+            await done
+
+        async def run(fn: Callable[..., object], *args: object) -> object:
+            return fn(*args)
+
+        async def snapshot() -> metadata.Metadata:
+            return snap
+
+        wire = [
+            admin_pb.RelocatedMessage(
+                topic="orders", queue=0, message_id=f"m{i}", body=b"x", message_type=1, source_offset=i
+            )
+            for i in range(3)
+        ]
+
+        async def scenario() -> list[int]:
+            receiver = relocating.Receiver(store, run, append, snapshot)
+            first = asyncio.ensure_future(receiver.receive(wire, "a:1/s"))
+            await eventually_async(lambda: len(queued) == 1)
+            first.cancel()  # the deadline: the handler is cancelled, its append stays queued
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            retry = asyncio.ensure_future(receiver.receive(wire, "a:1/s"))
+            for _ in range(20):  # the retry may queue its own append meanwhile (it must not)
+                await asyncio.sleep(0)
+            while queued:  # the appender thread writes what was queued
+                messages, done = queued.pop(0)
+                store.append(messages)
+                if not done.done():  # its caller may have been cancelled: the write is made all the same
+                    done.set_result(None)
+                for _ in range(20):
+                    await asyncio.sleep(0)
+            stored_again = await retry
+            assert receiver.busy == 0  # no lock is kept per (source, topic, queue) once idle
+            return [stored_again, store.relocated_from("a:1/s", N0)]
+
+        assert asyncio.run(scenario()) == [0, 3]
+        assert [m.message_id for m in store.read(N0, 0, 10)] == ["m0", "m1", "m2"]
+    finally:
+        store.close()
+
+
+async def eventually_async(condition: Callable[[], bool], tries: int = 1000) -> None:
+    for _ in range(tries):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not met")
