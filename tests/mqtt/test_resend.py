@@ -7,14 +7,17 @@ MQTT through our codec (a client library hides packet ids)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from raw_mqtt import Raw
 
 from lmq_broker import model
 from lmq_broker.admin.client import AdminClient
-from lmq_broker.mqtt import codec, durable
+from lmq_broker.mqtt import codec, durable, releasing
 from lmq_broker.mqtt.properties import NONE
 from lmq_broker.testing import BrokerProcess, start_broker
 
@@ -247,4 +250,29 @@ def test_a_late_forget_of_a_packet_ids_old_row_keeps_the_row_of_the_delivery_tha
     rows.qos2_promise("c", durable.PUBLISHED, [(6, "two")], [(durable.PUBLISHED, 5, "new")], lasting=True)
     assert rows.qos2_ids("c", durable.PUBLISHED) == {6: "two"}
     assert rows.changes() > before
+    rows.close()
+
+
+def test_a_resumed_session_over_its_1024_owed_ids_drops_qos1_rows_before_a_qos2_delivery_still_owed(
+    tmp_path: Path,
+) -> None:
+    """Rows of acknowledged QoS 1 deliveries are deleted with the next write, so each kill -9 can leave a window of
+    them behind, never removed but by the 1,024 cap of a resumed session. That cap used to drop the lowest packet
+    ids, whatever their QoS: a QoS 2 delivery still owed (no PUBREC), under a low id after the ids wrapped, lost
+    its row, and its message came again under a new id, which the client takes as a new message (exactly once
+    broken). QoS 1 rows go first now (red-team review)."""
+    rows = durable.Durable(tmp_path)
+    stale = [(packet_id, f"acked-{packet_id}") for packet_id in range(100, 100 + releasing.MAX_PROMISED)]
+    rows.qos2_promise("c", durable.PUBLISHED, stale, [], lasting=False, qos1={i for i, _ in stale})
+    rows.qos2_promise("c", durable.PUBLISHED, [(3, "owed-qos2")], [], lasting=True)
+    deliveries = SimpleNamespace(out={}, promised={})
+
+    async def run(fn: Callable[..., object], *args: object, **kwargs: object) -> object:
+        return fn(*args, **kwargs)
+
+    link = SimpleNamespace(client_id="c", dispatcher=SimpleNamespace(run=run), host=SimpleNamespace(durable=rows))
+    asyncio.run(releasing.Releases(link, deliveries).resume())  # type: ignore[arg-type]
+    assert deliveries.promised.get("owed-qos2") == 3
+    assert len(deliveries.promised) == releasing.MAX_PROMISED
+    assert len(rows.qos2_ids("c", durable.PUBLISHED)) == releasing.MAX_PROMISED
     rows.close()

@@ -89,6 +89,7 @@ class _Plan:
     cleared: list[int] = field(default_factory=list)  # packet ids of restored deliveries settled, PUBCOMP to come
     promise: list[tuple[int, str]] = field(default_factory=list)  # QoS 1/2 (packet id, message id) to record
     lasting: bool = False  # a QoS 2 one among them: recorded with an fsync (a QoS 1 one's survives a kill -9 only)
+    qos1: list[int] = field(default_factory=list)  # the packet ids of ``promise`` at QoS 1
     unpromised: list[tuple[str, int, str]] = field(default_factory=list)  # recorded rows no longer owed
 
 
@@ -355,6 +356,8 @@ class Deliveries:
             if promise:
                 plan.promise.append((packet_id or 0, d.message_id))
                 plan.lasting = plan.lasting or qos == 2
+                if qos == 1:
+                    plan.qos1.append(packet_id or 0)
             kept = promised is not None or (promise and link.persistent)
             retain = props.get(mapping.RETAIN) == "1" and any(o & codec.OPTION_RETAIN_AS_PUBLISHED for o in matched)
             topic = topics.topic_in(default, parent, d.lite, props)
@@ -370,7 +373,7 @@ class Deliveries:
         under a new id, DUP set, which QoS 1 allows; a QoS 2 one would be taken as a new message)."""
         link = self.link
         if link.persistent and (plan.promise or plan.unpromised):
-            await self.record(durable.PUBLISHED, plan.promise, plan.unpromised, lasting=plan.lasting)
+            await self.record(durable.PUBLISHED, plan.promise, plan.unpromised, lasting=plan.lasting, qos1=plan.qos1)
 
     async def record(
         self,
@@ -379,14 +382,16 @@ class Deliveries:
         remove: Sequence[tuple[str, int, str]] = (),
         *,
         lasting: bool = False,
+        qos1: Sequence[int] = (),
     ) -> None:
-        """``add`` recorded (``durable.Durable.qos2_promise``), with ``remove`` and the rows of deliveries
-        acknowledged since (``unkept``) forgotten; those go back to ``unkept`` if the write fails."""
+        """``add`` recorded (``durable.Durable.qos2_promise``; those of ``qos1`` as QoS 1's), with ``remove`` and
+        the rows of deliveries acknowledged since (``unkept``) forgotten; those go back to ``unkept`` if the write
+        fails."""
         link = self.link
         unkept, self.unkept = self.unkept, []
         try:
             await link.dispatcher.run(link.host.durable.qos2_promise, link.client_id, direction, add,
-                                      [*remove, *unkept], lasting=lasting)  # fmt: skip
+                                      [*remove, *unkept], lasting=lasting, qos1=frozenset(qos1))  # fmt: skip
         except BaseException:
             self.unkept[:0] = unkept
             raise

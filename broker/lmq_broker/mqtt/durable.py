@@ -45,7 +45,7 @@ import contextlib
 import json
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -73,6 +73,7 @@ _ADDED_COLUMNS: Final = (  # (table, column, definition): MQTT 5 sessions and me
     ("sessions", "gone_ms", "INTEGER"),
     ("sessions", "owner", "TEXT"),
     ("retained", "properties", "TEXT NOT NULL DEFAULT '{}'"),
+    ("qos2", "qos", "INTEGER"),  # 1: a QoS 1 delivery's ``PUBLISHED`` row; NULL: QoS 2 (or not known)
 )
 NEVER: Final = 0xFFFFFFFF  # MQTT 5: a session expiry interval that never ends (a max of it caps nothing)
 
@@ -267,20 +268,30 @@ class Durable:
         remove: Iterable[tuple[str, int, str]],
         *,
         lasting: bool = True,
+        qos1: Collection[int] = (),
     ) -> None:
         """In one transaction: ``remove`` (direction, packet id, message) forgotten, each only while its row still
         names that message (a row of the id given to another delivery since stays), then ``add`` recorded over
-        any row of its id. ``lasting=False``: the commit is not fsynced (``synchronous=NORMAL``: on disk once the
-        OS writes it back; a kill -9 of the broker loses nothing, a power cut may lose it)."""
+        any row of its id, those of ``qos1`` marked QoS 1 (``qos1_ids``). ``lasting=False``: the commit is not
+        fsynced (``synchronous=NORMAL``: on disk once the OS writes it back; a kill -9 of the broker loses
+        nothing, a power cut may lose it)."""
         with self._lock, self._unsynced(not lasting), self._transaction():
             self._db.executemany(
                 "DELETE FROM qos2 WHERE client_id = ? AND direction = ? AND packet_id = ? AND message = ?",
                 [(client_id, d, i, message) for d, i, message in remove],
             )
             self._db.executemany(
-                "INSERT OR REPLACE INTO qos2 (client_id, direction, packet_id, message) VALUES (?, ?, ?, ?)",
-                [(client_id, direction, i, message) for i, message in add],
+                "INSERT OR REPLACE INTO qos2 (client_id, direction, packet_id, message, qos) VALUES (?, ?, ?, ?, ?)",
+                [(client_id, direction, i, message, 1 if i in qos1 else None) for i, message in add],
             )
+
+    def qos1_ids(self, client_id: str, direction: str) -> set[int]:
+        """The packet ids of ``direction``'s rows recorded for QoS 1 deliveries (``qos2_promise``)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT packet_id FROM qos2 WHERE client_id = ? AND direction = ? AND qos = 1", (client_id, direction)
+            ).fetchall()
+        return {packet_id for (packet_id,) in rows}
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -540,7 +551,7 @@ REPLICATED: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], str]]] = {
     ),
     "qos2": (
         ("client_id", "direction", "packet_id"),
-        ("client_id", "direction", "packet_id", "message"),
+        ("client_id", "direction", "packet_id", "message", "qos"),
         "ON CONFLICT (client_id, direction, packet_id) DO NOTHING",
     ),
     "wills": (

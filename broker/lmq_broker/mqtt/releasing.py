@@ -57,6 +57,11 @@ class Releases:
         published = await run(kept.qos2_ids, link.client_id, durable.PUBLISHED)
         owed = sorted(published.items())
         if len(owed) > MAX_PROMISED:  # messages that never came back (expired, reclaimed): not kept for ever
+            qos1 = await run(kept.qos1_ids, link.client_id, durable.PUBLISHED)
+            # QoS 1 rows first (rows of acknowledged deliveries a kill -9 left behind are: lost, a message comes
+            # again under a new id with DUP, which QoS 1 allows), then the lowest ids; a QoS 2 one lost comes
+            # again under a new id, a new message to the client
+            owed.sort(key=lambda row: (row[0] not in qos1, row[0]))
             dropped = [packet_id for packet_id, _ in owed[:-MAX_PROMISED]]
             await run(kept.qos2_update, link.client_id, durable.PUBLISHED, [], dropped)
             owed = owed[-MAX_PROMISED:]
