@@ -521,7 +521,7 @@ class LeaseTable:
             raise errors.InvalidReceiptHandle("receipt handle from an earlier broker incarnation")
         return receipt, LeaseKey(receipt.topic, receipt.queue, group)
 
-    def ack(self, key: LeaseKey, receipt: Receipt, now_ms: int) -> bool:
+    def ack(self, key: LeaseKey, receipt: Receipt, now_ms: int, *, checked: bool = False) -> bool:
         """Acknowledge; True when the ack is news to persist (the commit point or the acknowledged set above it
         moved). Only the current lease of a message out settles it, and only before it expires (``current``):
         the handle of an earlier delivery (the message was delivered again, or its invisible time changed, since)
@@ -529,7 +529,8 @@ class LeaseTable:
         expired handle, and the message stays out to its current holder, or is delivered again. Acking a message
         settled already is accepted (nothing to do, whichever of its handles), and so is a handle issued before
         the key's state was opened, which settles nothing (its lite topic may have been deleted and re-created
-        since, its offset naming another message: ``predates``)."""
+        since, its offset naming another message: ``predates``). ``checked``: the caller found the handle current
+        before it stored the message's dead letter, which settles it whatever happened to the lease meanwhile."""
         state = self._states.get(key)
         if receipt.lease_id < self._dropped.get(key, 0) and (
             state is None or not (receipt.offset < state.committed or state.settled(receipt.offset))
@@ -551,7 +552,8 @@ class LeaseTable:
                 return False  # settled already (acked, or gone)
             # pending again: its ack was refused by the store and forgotten after an index rebuild
             raise errors.InvalidReceiptHandle("receipt handle names a message that is no longer leased")
-        current(state, receipt, now_ms)
+        if not checked:
+            current(state, receipt, now_ms)
         state.ack(receipt.offset)
         return True
 

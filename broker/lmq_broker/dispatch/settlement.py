@@ -121,14 +121,17 @@ class Settlement:
         if self.fence is not None:
             self.fence(queue)
 
-    async def ack(self, group: str, receipt_handle: str, *, client_id: str = "") -> None:
+    async def ack(self, group: str, receipt_handle: str, *, client_id: str = "", dead_lettered: bool = False) -> None:
+        """``dead_lettered``: the message's copy is in its DLQ (``dead_letter``, which checked the handle before
+        storing it): settled even if its lease ran out or went to another consumer while the copy was stored
+        (not delivered again beside its dead letter)."""
         receipt, key = self._leases.resolve(receipt_handle, group)
         self.check_fence(key.queue_id)
         self.check_generation()
         state = self._leases.get(key)
         if state is not None and key in self._unverified:
             await self._verify(key, state)  # raises while the store cannot say: the client retries the ack
-        changed = self._leases.ack(key, receipt, self._rt.clock())
+        changed = self._leases.ack(key, receipt, self._rt.clock(), checked=dead_lettered)
         state = self._leases.get(key)
         if state is None or not (changed or key in self.dirty):
             # Nothing new, and what memory holds is persisted; its copy may still be under way (this ack sent
@@ -176,7 +179,7 @@ class Settlement:
         messages = await self._rt.run(self._store.read, key.queue_id, receipt.offset, 1)
         if messages and messages[0].offset == receipt.offset:
             await self._append_dead(group, messages[:1])
-        await self.ack(group, receipt_handle)
+        await self.ack(group, receipt_handle, dead_lettered=True)
 
     async def settle_dead(
         self, key: LeaseKey, state: leases.QueueLeases, dead: list[tuple[leases.Pick, model.StoredMessage]]

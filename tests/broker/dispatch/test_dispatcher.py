@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +249,32 @@ async def test_forward_to_dead_letter_queue_on_request(lite: Lite) -> None:
     assert [m.body for m in lite.store.read(model.QueueId(f"%DLQ%{GROUP}", 0), 0, 10)] == [b"give-up"]
     (n,) = await lite.receive("c1")
     assert n.message.body == b"next"
+
+
+async def test_a_dead_letter_forward_whose_invisible_time_runs_out_while_its_copy_is_stored_settles_it(
+    lite: Lite,
+) -> None:
+    """The handle is current when the forward starts; the message's invisible time runs out while its copy is
+    appended to the DLQ (a slow store, followers' copies). The message, in the DLQ now, is settled all the same:
+    not delivered again beside its dead letter, and the forward answered OK. Before, the ack after the append
+    checked the handle again and refused it as expired: the copy was stored, the message came again, and the
+    client was told INVALID_RECEIPT_HANDLE, against docs/protocol.md (red-team review)."""
+    await lite.dispatcher.add_lite("c1", GROUP, PARENT, ["t1"])
+    await lite.send("t1", b"give-up")
+    (d,) = await lite.receive("c1", invisible_ms=5_000)
+    settlement = lite.dispatcher.settlement
+    store_dead = settlement._append_dead
+
+    async def slow(group: str, messages: Sequence[model.StoredMessage]) -> None:
+        lite.clock.advance(5_000)  # the append took what was left of the invisible time
+        await store_dead(group, messages)
+
+    settlement._append_dead = slow
+    await lite.dispatcher.dead_letter(GROUP, d.receipt_handle)
+    lite.dispatcher.tick()
+    assert await lite.receive("c1") == []
+    assert lite.committed("t1") == 1
+    assert [m.body for m in lite.store.read(model.QueueId(f"%DLQ%{GROUP}", 0), 0, 10)] == [b"give-up"]
 
 
 async def test_subscribing_to_a_topic_with_backlog_offers_it_at_once(lite: Lite) -> None:
