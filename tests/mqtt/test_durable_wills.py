@@ -172,3 +172,43 @@ def will_connection(
 def armed(data_dir: Path) -> set[str]:
     with sqlite3.connect(data_dir / durable.FILE_NAME) as db:
         return {row[0] for row in db.execute("SELECT client_id FROM armed")}
+
+
+def test_a_will_left_armed_by_a_connection_end_a_broker_stop_cut_short_is_not_published_after_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A broker stop publishes no will (docs/mqtt.md); a connection's ``armed`` row is deleted at its end. An end
+    that a stop cancels past its grace (releasing leases at a peer that does not answer), or whose delete failed,
+    left the row, and the next start published that will as a killed broker's. The stop now drops every row left
+    once its connections have ended. The cut-short end is stood in for by a row written beside the broker's."""
+    broker = start_broker(tmp_path / "data", extra_args=["--mqtt-port", "0"])
+    try:
+        with AdminClient(broker.admin_endpoint, timeout_s=10, **broker.admin_keys) as admin:
+            admin.put_parent_topic(model.ParentTopic("K", model.MessageType.LITE))
+        port = broker.mqtt_port
+        watcher = Raw(port, "k-watcher", level=codec.LEVEL_3_1_1, clean=False)
+        assert watcher.subscribe("K/#", 1) == [1]
+        watcher.close()
+        live = will_connection(port, "live", codec.LEVEL_3_1_1)
+        eventually(lambda: armed(broker.data_dir) == {"live"}, "the live connection's will kept")
+        with sqlite3.connect(broker.data_dir / durable.FILE_NAME) as db:
+            db.execute(
+                "INSERT INTO armed (connection, client_id, delay_s, topic, payload, qos, retain, properties, host)"
+                " VALUES ('cut-short', 'cut', 0, 'K/cut', CAST('cut gone' AS BLOB), 1, 0, NULL, '127.0.0.1')"
+            )
+        assert broker.stop() == 0, broker.log()[-4000:]
+        live.close()
+        assert armed(broker.data_dir) == set()
+        broker = start_broker(broker.data_dir, port=broker.port, extra_args=["--mqtt-port", str(port)])
+        again = Raw(port, "k-watcher", level=codec.LEVEL_3_1_1, clean=False)
+        assert again.session_present
+        again.send(codec.Bare(codec.PINGREQ))
+        assert again.next() == codec.Bare(codec.PINGRESP)  # no will came before it
+        time.sleep(1.0)
+        again.send(codec.Bare(codec.PINGREQ))
+        assert again.next() == codec.Bare(codec.PINGRESP)  # nor since
+        assert not wills_waiting(broker.data_dir)
+        again.close()
+    finally:
+        if broker.alive():
+            assert broker.stop() == 0, broker.log()[-4000:]

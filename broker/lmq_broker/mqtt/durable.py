@@ -464,6 +464,14 @@ class Durable:
         with self._lock, self._unsynced():
             self._db.execute("DELETE FROM armed WHERE connection = ?", (connection,))
 
+    def disarm_all(self) -> int:
+        """A broker stop, once every connection has ended: it publishes no will (docs/mqtt.md), so no ``armed``
+        row may outlive it, not even one whose connection's end was cancelled or failed to delete it (the next
+        start would publish it as a killed broker's); how many were left."""
+        with self._lock, self._transaction():
+            left: int = self._db.execute("DELETE FROM armed").rowcount
+        return left
+
     def fire_armed(self, now_ms: int) -> int:
         """At start: the wills of connections that ended with the broker's last run (killed, no end recorded)
         become wills waiting for their delay from ``now_ms`` (one client id's newest over an older one);

@@ -258,4 +258,12 @@ class MqttServer:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
+        try:
+            left = await asyncio.to_thread(self.durable.disarm_all)
+        except Exception:  # then published after the next start (at least once)
+            self.stats.errors[stats.WILL_WRITE] += 1
+            log.exception("mqtt: the wills of the connections ended by the stop not dropped")
+        else:
+            if left:
+                log.warning("mqtt: %d will(s) left armed by connection ends the stop cut short, dropped", left)
         await asyncio.to_thread(self.durable.close)
